@@ -1,0 +1,73 @@
+"""Zoo: efficient reference implementations of LLMs, ConvNets and latent diffusion models.
+
+    model = zoo.build("configs/llm/tiny.yaml", n_layers=2)
+    model = zoo.from_pretrained("path/to/hf_checkpoint")
+    zoo.save_pretrained(model, "out/")
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from .config import MODEL_CONFIGS, ConfigError, from_dict, load_yaml, model_config_from
+
+__all__ = ["build", "from_pretrained", "save_pretrained", "ConfigError", "FAMILIES"]
+
+# family -> "module:Class" of its model; the class takes the family's config dataclass.
+FAMILIES: dict[str, str] = {"llm": "zoo.llm:LLM"}
+
+
+def model_class(family: str):
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown family '{family}' (known: {', '.join(FAMILIES)})")
+    mod, _, name = FAMILIES[family].partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _family_of(cfg) -> str:
+    for fam, cls in MODEL_CONFIGS.items():
+        if type(cfg) is cls:
+            return fam
+    raise ConfigError(f"not a model config: {type(cfg).__name__}")
+
+
+def build(config, **overrides):
+    """Build a model from a YAML path, a dict, or a model config dataclass.
+
+    A YAML file may be a full run config (with `family:` and a `model:` section) or just the
+    model keys. Keyword overrides replace model keys: build("tiny.yaml", n_layers=2)."""
+    if isinstance(config, (str, Path)):
+        source = str(config)
+        data = load_yaml(config)
+        family = data.get("family", "llm")
+        if "model" in data:
+            data = data["model"]
+        elif any(k in data for k in ("train", "data", "optim")):
+            data = {}
+        model_data = dict(data or {})
+    elif isinstance(config, dict):
+        source = "<dict>"
+        family = config.get("family", "llm")
+        model_data = dict(config.get("model", {k: v for k, v in config.items() if k != "family"}))
+    else:
+        family = _family_of(config)
+        cls = model_class(family)
+        if overrides:
+            from .config import to_dict
+            config = model_config_from({**to_dict(config), **overrides}, family, "<overrides>", "")
+        return cls(config)
+    model_data.update(overrides)
+    cfg = model_config_from(model_data, family, source)
+    return model_class(family)(cfg)
+
+
+def from_pretrained(path, **kwargs):
+    """Load pretrained weights from a Hugging Face folder or another supported file."""
+    from .weights import load_pretrained
+    return load_pretrained(path, **kwargs)
+
+
+def save_pretrained(model, path, **kwargs):
+    """Write a model back in the format its family's pretrained weights come in."""
+    from .weights import save_pretrained as _save
+    return _save(model, path, **kwargs)

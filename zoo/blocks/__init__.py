@@ -1,0 +1,1 @@
+"""Copyable building blocks: each file depends on torch (and einops) only."""

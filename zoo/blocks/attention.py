@@ -1,0 +1,132 @@
+"""Causal self-attention with grouped-query heads (GQA/MQA), RoPE and a KV cache.
+
+Papers: Vaswani et al., "Attention Is All You Need" (2017); Ainslie et al., "GQA: Training
+Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); Shazeer,
+"Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
+"FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
+
+Backends: 'flash' (flash-attn, used when installed, on CUDA, in fp16/bf16; otherwise it falls
+back to 'sdpa' and says so once), 'sdpa' (torch.nn.functional.scaled_dot_product_attention,
+the default) and 'math' (a plain softmax(QK^T/sqrt(D))V reference in fp32, for tests).
+
+q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
+[0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
+
+Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
+cos, sin (T, D) from zoo/blocks/rope.py (the one zoo module this block imports).
+Depends on torch; on flash-attn only when that backend is asked for and available.
+"""
+import math
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import apply_rope
+
+_warned: set = set()
+
+
+def _warn_once(msg: str):
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one layer: (B, KV, max_len, D)."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T."""
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
+    """Boolean (q_len, k_len) mask, True = attend. Query i sits at position k_len - q_len + i;
+    it sees keys at positions <= its own and, with a window, fewer than `window` back."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    return mask
+
+
+def attend(q, k, v, backend: str = "sdpa", window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D), Tk >= Tq, the queries being
+    the last Tq positions. Returns (B, H, Tq, D)."""
+    B, H, Tq, D = q.shape
+    KV, Tk = k.shape[1], k.shape[2]
+    windowed = window is not None and Tk > window
+    if backend == "flash":
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+            from flash_attn import flash_attn_func
+            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                  window_size=(window - 1, 0) if windowed else (-1, -1))
+            return out.transpose(1, 2)
+        _warn_once("attention backend 'flash' needs flash-attn, CUDA and fp16/bf16; using 'sdpa'")
+        backend = "sdpa"
+    if backend == "sdpa":
+        gqa = {"enable_gqa": True} if KV != H else {}
+        if not windowed and Tq == Tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        if not windowed and Tq == 1:
+            return F.scaled_dot_product_attention(q, k, v, **gqa)
+        mask = attention_mask(Tq, Tk, window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    if backend == "math":
+        if KV != H:
+            k = k.repeat_interleave(H // KV, dim=1)
+            v = v.repeat_interleave(H // KV, dim=1)
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(D)
+        scores = scores.masked_fill(~attention_mask(Tq, Tk, window, q.device), float("-inf"))
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    raise ValueError(f"unknown attention backend {backend!r} (supported: 'flash', 'sdpa', 'math')")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
+                 qkv_bias: bool = False, backend: str = "sdpa", sliding_window: Optional[int] = None):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = head_dim or dim // n_heads
+        if n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={n_heads}")
+        self.backend, self.sliding_window = backend, sliding_window
+        self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
+        self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q = apply_rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
+        v = v.view(B, T, KV, D).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, start_pos)
+        y = attend(q, k, v, self.backend, self.sliding_window)
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))

@@ -1,0 +1,28 @@
+"""RMSNorm: root-mean-square layer normalisation.
+
+Paper: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
+    y = x / sqrt(mean(x^2, dim=-1) + eps) * weight
+The statistics are computed in fp32 and the result is cast back to the input dtype before
+the (learned) weight is applied, as Llama does, so bf16/fp16 inputs stay stable.
+
+Shapes: x (..., D) -> (..., D); weight (D,).
+Depends on torch only.
+"""
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,293 @@
+"""Typed configs: one dataclass per model family, YAML files, `key=value` overrides, validation.
+
+Every config error is a `ConfigError` whose message is one line naming the file and the key,
+e.g. ``configs/llm/tiny.yaml: model.n_heads=5 must divide model.d_model=256``.
+The dataclasses here are the single source of defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the source and the key."""
+
+
+def fail(source: str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {key} {msg}")
+
+
+# ----------------------------------------------------------------------------------------
+# generic machinery: dict -> dataclass with type checks, YAML loading, overrides
+# ----------------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str, source: str):
+    """Check `value` against the annotation `tp`; return it (ints widened to float)."""
+    origin = typing.get_origin(tp)
+    bad = fail(source, key, f"must be {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+        raise bad
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key, source)
+            except ConfigError as e:
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise bad
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise bad
+        return from_dict(tp, value, source, prefix=key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise fail(source, key, f"must be a finite number, got {value!r}")
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        out = [_coerce(v, inner, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(out) if (origin is tuple or tp is tuple) else out
+    if origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return value
+        raise bad
+    raise bad
+
+
+def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
+    """Build dataclass `cls` from a mapping: unknown keys and wrong types are one-line errors."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise ConfigError(f"{source}: unknown key '{prefix}{k}' (known: {', '.join(names)})")
+        kwargs[k] = _coerce(v, hints[k], prefix + k, source)
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        check(source, prefix)
+    return obj
+
+
+def to_dict(obj) -> dict:
+    """Dataclass -> plain nested dict (tuples become lists, so it round-trips through YAML/JSON)."""
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+    return conv(obj)
+
+
+def load_yaml(path) -> dict:
+    """Read a YAML mapping; a missing file, bad YAML or a non-mapping is a one-line error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(items, source: str = "command line") -> dict:
+    """['train.lr=3e-4', 'model.n_layers=2'] -> nested dict. Values are parsed as YAML scalars."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{source}: override '{item}' must look like key=value (e.g. train.max_steps=100)")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"{source}: override '{item}' has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{source}: override '{item}' conflicts with '{part}={nxt!r}'")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# LLM family
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class RopeScaling:
+    """RoPE frequency scaling: 'linear' (position interpolation) or 'llama3' (Llama 3.1)."""
+    type: Literal["linear", "llama3"] = "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0            # llama3 only
+    high_freq_factor: float = 4.0           # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def validate(self, source, prefix=""):
+        if self.factor <= 0:
+            raise fail(source, prefix + "factor", f"must be > 0, got {self.factor}")
+        if self.type == "llama3":
+            if self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
+                raise fail(source, prefix + "high_freq_factor",
+                           f"must be > low_freq_factor > 0, got {self.high_freq_factor} and {self.low_freq_factor}")
+            if self.original_max_position_embeddings <= 0:
+                raise fail(source, prefix + "original_max_position_embeddings", "must be > 0")
+
+
+@dataclass
+class LLMConfig:
+    """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU)."""
+    vocab_size: int = 32000
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None        # None: = n_heads (MHA); 1: MQA; else GQA
+    head_dim: Optional[int] = None          # None: d_model // n_heads
+    ffn_hidden: Optional[int] = None        # None: 8/3 * d_model rounded up to ffn_multiple_of
+    ffn_multiple_of: int = 64
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    attn_backend: Literal["sdpa", "flash", "math"] = "sdpa"
+    sliding_window: Optional[int] = None    # Mistral-style local attention window
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+    chunked_loss: bool = True               # never materialise the full B*T*V fp32 logits
+    loss_chunk_size: int = 2048             # tokens per chunk of the chunked loss
+
+    def validate(self, source="<config>", prefix=""):
+        p = prefix
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of",
+                  "loss_chunk_size"):
+            if getattr(self, k) <= 0:
+                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+        for k in ("n_kv_heads", "head_dim", "ffn_hidden", "sliding_window"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise fail(source, p + k, f"must be > 0 or null, got {v}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise fail(source, p + "n_heads", f"={self.n_heads} must divide {p}d_model={self.d_model} "
+                                              f"(or set {p}head_dim)")
+        if self.n_heads % self.kv_heads:
+            raise fail(source, p + "n_kv_heads", f"={self.kv_heads} must divide {p}n_heads={self.n_heads}")
+        if self.dim_head % 2:
+            raise fail(source, p + "head_dim", f"={self.dim_head} must be even for RoPE")
+        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
+            k = "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std"
+            raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        h = int(8 * self.d_model / 3)
+        m = self.ffn_multiple_of
+        return m * ((h + m - 1) // m)
+
+
+# Model config class per family. Other families register theirs here.
+MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig}
+
+
+def model_config_from(data: dict, family: str, source: str, prefix: str = "model."):
+    if family not in MODEL_CONFIGS:
+        raise ConfigError(f"{source}: unknown family '{family}' (known: {', '.join(MODEL_CONFIGS)})")
+    return from_dict(MODEL_CONFIGS[family], data, source, prefix)

@@ -1,0 +1,162 @@
+"""Decoder-only transformer (Llama-style) built from zoo/blocks, with generate() on a KV cache.
+
+    tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
+
+Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
+projections initialised with std / sqrt(2 * n_layers) (GPT-2); optional activation
+checkpointing per block; a chunked loss that never materialises the full fp32 logits.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .blocks.attention import CausalSelfAttention, KVCache
+from .blocks.chunked_ce import chunked_cross_entropy
+from .blocks.mlp import SwiGLU
+from .blocks.norm import RMSNorm
+from .blocks.rope import RotaryEmbedding
+from .config import LLMConfig, to_dict
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.qkv_bias,
+                                        cfg.attn_backend, cfg.sliding_window)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LLM(nn.Module):
+    family = "llm"
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        self.rope = RotaryEmbedding(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta, scaling)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    # ------------------------------------------------------------------ forward / loss
+    def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                caches: Optional[list] = None, start_pos: int = 0):
+        """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), where logits
+        is None when the chunked loss is on (the full logits are never made)."""
+        B, T = input_ids.shape
+        x = self.embed(input_ids)
+        dev = x.device.type
+        rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        cos, sin = self.rope(start_pos, T, rope_dtype)
+        ckpt = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            cache = caches[i] if caches is not None else None
+            if ckpt:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cache, start_pos)
+        h = self.norm(x)
+        if targets is None:
+            return self.lm_head(h)
+        if self.config.chunked_loss:
+            loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                         self.config.loss_chunk_size)
+            return None, loss
+        logits = self.lm_head(h)
+        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+        return logits, loss
+
+    # ------------------------------------------------------------------ generation
+    def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
+        p = self.embed.weight
+        cfg = self.config
+        return [KVCache(batch, cfg.kv_heads, max_len, cfg.dim_head, device or p.device, dtype or p.dtype)
+                for _ in range(cfg.n_layers)]
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens), using the KV cache.
+        temperature 0 is greedy; otherwise sample from softmax(logits / temperature), restricted
+        to the top_k tokens and/or the smallest set whose probability reaches top_p. Rows that
+        produced eos_token_id keep emitting it."""
+        was_training = self.training
+        self.eval()
+        B, T = input_ids.shape
+        dtype = torch.get_autocast_dtype(input_ids.device.type) \
+            if torch.is_autocast_enabled(input_ids.device.type) else None
+        caches = self.new_caches(B, T + max_new_tokens, input_ids.device, dtype)
+        out = input_ids
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        logits = self(input_ids, caches=caches, start_pos=0)[:, -1]
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            if i + 1 < max_new_tokens:
+                logits = self(nxt[:, None], caches=caches, start_pos=T + i)[:, -1]
+        self.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ accounting
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022)."""
+        cfg = self.config
+        n_matmul = self.num_params(non_embedding=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
+        attn = 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+        return 6 * n_matmul + attn
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -1,0 +1,34 @@
+"""Pretrained weights in and out: one module per external format.
+
+`load_pretrained(path, **kw)` looks at what `path` is and hands it to the format that
+claims it. Each format module provides `detect(path) -> bool`, `load(path, **kw)` and, for
+export, `save(model, path, **kw)` plus `exports(model) -> bool`.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+# Tried in order; the first whose detect() is true loads the path.
+FORMATS: list[str] = ["zoo.weights.hf_llm"]
+
+
+def _modules():
+    return [importlib.import_module(name) for name in FORMATS]
+
+
+def load_pretrained(path, **kwargs):
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    for mod in _modules():
+        if mod.detect(p):
+            return mod.load(p, **kwargs)
+    raise ValueError(f"{path}: not a recognised pretrained format (known: {', '.join(FORMATS)})")
+
+
+def save_pretrained(model, path, **kwargs):
+    for mod in _modules():
+        if mod.exports(model):
+            return mod.save(model, path, **kwargs)
+    raise ValueError(f"no exporter for a {type(model).__name__}")
