@@ -1,0 +1,1 @@
+"""The one training loop: config -> model, data and task -> loop."""

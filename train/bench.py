@@ -1,0 +1,34 @@
+"""Benchmarks that print tables (never timed tests).
+
+    python train/bench.py                # list the benchmarks
+    python train/bench.py NAME [args]    # run one; `NAME --help` for its options
+
+Each benchmark runs Zoo and the reference implementation side by side in one process and
+reports their ratio, so the numbers compare like with like on the machine at hand.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# name -> module (with a main(argv) function) under train/benches/
+BENCHES: dict[str, str] = {}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"unknown benchmark '{argv[0]}'")
+        print("benchmarks: " + (", ".join(sorted(BENCHES)) or "(none)"))
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    mod = importlib.import_module(BENCHES[argv[0]])
+    return mod.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Tasks: how a model family plugs into the one loop.
+
+A task turns a run config into a model and batches, a batch into a loss, and a model into
+eval metrics and samples. The loop knows nothing else about the family.
+Register a family by adding it to TASKS ("family" -> "module:Class").
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+TASKS: dict[str, str] = {"llm": "train.tasks.lm:LMTask"}
+
+
+def task_class(family: str):
+    from zoo.config import ConfigError
+    if family not in TASKS:
+        raise ConfigError(f"unknown family '{family}' (known: {', '.join(TASKS)})")
+    mod, _, name = TASKS[family].partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+class Task:
+    """Base class of a family's task. Subclasses set DataConfig (the dataclass of the `data:`
+    section) and `unit` (what throughput counts: 'tokens', 'images', ...)."""
+
+    DataConfig: type = None
+    unit: str = "items"
+
+    def __init__(self, cfg, device: torch.device, log: Callable[[str], None] = print):
+        self.cfg, self.device, self.log = cfg, device, log
+
+    def setup(self) -> None:
+        """Read and prepare the data (called once, before build_model)."""
+
+    def build_model(self) -> nn.Module:
+        """A fresh (or pretrained, if cfg.train.init_from is set) model on the CPU, fp32."""
+        raise NotImplementedError
+
+    def train_batch(self, step: int, micro: int) -> Any:
+        """Micro-batch `micro` of optimizer step `step`, on self.device. Must depend only on
+        (seed, step, micro) so that a resumed run sees exactly the same data."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
+        """(mean loss over the batch, number of items it covers)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Validation metrics, e.g. {'val_loss': ...}."""
+        return {}
+
+    def flops_per_item(self, model: nn.Module) -> Optional[float]:
+        """Training FLOPs per item, for MFU; None if unknown."""
+        return None
+
+    def samples(self, model: nn.Module, out_dir) -> Optional[str]:
+        """Produce samples at the end of a run (text to print, files in out_dir)."""
+        return None
+
+    def export(self, model: nn.Module, out_dir) -> Optional[str]:
+        """Write the final model in an external format if the run asks for it; returns a path."""
+        return None
