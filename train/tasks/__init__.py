@@ -6,6 +6,7 @@ Register a family by adding it to TASKS ("family" -> "module:Class").
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any, Callable, Optional
 
@@ -32,6 +33,13 @@ class Task:
 
     def __init__(self, cfg, device: torch.device, log: Callable[[str], None] = print):
         self.cfg, self.device, self.log = cfg, device, log
+        self.autocast_dtype: Optional[torch.dtype] = None  # set by the loop from train.precision
+
+    def autocast(self):
+        """The run's mixed-precision context (for evaluation and sampling inside a task)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def setup(self) -> None:
         """Read and prepare the data (called once, before build_model)."""

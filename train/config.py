@@ -1,0 +1,153 @@
+"""The run config: one YAML file fully describes a run.
+
+    family: llm            # which model family / task
+    model:  {...}          # the family's model config (zoo/config.py)
+    data:   {...}          # the task's data config (train/tasks/<family>.py)
+    train:  {...}          # TrainConfig below: the loop
+    optim:  {...}          # OptimConfig below: optimizer and LR schedule
+
+`load_run_config(path, overrides)` reads the YAML, applies `key=value` overrides
+(e.g. `train.max_steps=100 model.n_layers=2`) and validates every key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, model_config_from,
+                        parse_overrides, to_dict)
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/default"
+    max_steps: int = 1000
+    batch_size: int = 16                    # per micro-batch
+    grad_accum: int = 1                     # micro-batches per optimizer step
+    device: str = "auto"                    # auto | cpu | cuda | cuda:N | mps
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    tf32: bool = True                       # CUDA only
+    cudnn_benchmark: bool = True            # CUDA only
+    compile: bool = False                   # torch.compile the model
+    clip_grad: Optional[float] = 1.0        # max global grad norm; null = off
+    seed: int = 0
+    deterministic: bool = False             # torch.use_deterministic_algorithms
+    log_every: int = 10
+    eval_every: int = 200                   # 0 = only at the end
+    eval_batches: int = 20
+    checkpoint_every: int = 500             # 0 = only at the end
+    keep_checkpoints: int = 2               # how many recent checkpoints to keep
+    resume: bool = True                     # resume from out_dir when it holds a checkpoint
+    channels_last: bool = False             # memory format for 4-D models and batches
+    ema_decay: Optional[float] = None       # keep an EMA of the weights (evaluated beside them)
+    max_nonfinite: int = 5                  # non-finite losses in a row before the run stops
+    peak_flops: Optional[float] = None      # for MFU; null = measured at start on this device
+    init_from: Optional[str] = None         # pretrained weights to start (fine-tune) from
+    export: bool = True                     # at the end, export in the pretrained format (if any)
+    progress: bool = True                   # live progress bar
+    samples: bool = True                    # print / write samples at the end
+    plot: bool = True                       # loss-curve PNG at the end
+
+    def validate(self, source, prefix="train."):
+        for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
+                  "max_nonfinite"):
+            if getattr(self, k) <= 0:
+                raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
+        for k in ("eval_every", "checkpoint_every"):
+            if getattr(self, k) < 0:
+                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
+        if self.clip_grad is not None and self.clip_grad <= 0:
+            raise fail(source, prefix + "clip_grad", f"must be > 0 or null, got {self.clip_grad}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise fail(source, prefix + "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise fail(source, prefix + "peak_flops", f"must be > 0 or null, got {self.peak_flops}")
+        dev = self.device.split(":")[0]
+        if dev not in ("auto", "cpu", "cuda", "mps", "xpu"):
+            raise fail(source, prefix + "device", f"must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
+        if not self.out_dir:
+            raise fail(source, prefix + "out_dir", "must not be empty")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1               # not applied to norms, biases and embeddings
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.9                   # sgd
+    nesterov: bool = True                   # sgd
+    fused: Optional[bool] = None            # null = fused where the device supports it
+    schedule: Literal["cosine", "constant", "linear", "wsd"] = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1               # final LR / peak LR (cosine, linear, wsd)
+    decay_fraction: float = 0.2             # wsd: the last fraction of steps that decays
+
+    def validate(self, source, prefix="optim."):
+        if self.lr <= 0:
+            raise fail(source, prefix + "lr", f"must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise fail(source, prefix + "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise fail(source, prefix + "eps", f"must be > 0, got {self.eps}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise fail(source, prefix + "momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.warmup_steps < 0:
+            raise fail(source, prefix + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise fail(source, prefix + "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+
+
+@dataclass
+class RunConfig:
+    family: str
+    model: Any
+    data: Any
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    source: str = "<config>"
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
+                "train": to_dict(self.train), "optim": to_dict(self.optim)}
+
+
+SECTIONS = ("family", "model", "data", "train", "optim")
+
+
+def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
+    from .tasks import task_class
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a mapping")
+    for k in data:
+        if k not in SECTIONS:
+            raise ConfigError(f"{source}: unknown key '{k}' (known: {', '.join(SECTIONS)})")
+    family = data.get("family", "llm")
+    if not isinstance(family, str):
+        raise ConfigError(f"{source}: family must be a string, got {family!r}")
+    task = task_class(family) if family else None
+    model = model_config_from(data.get("model") or {}, family, source)
+    dcfg = from_dict(task.DataConfig, data.get("data") or {}, source, "data.")
+    train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
+    optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
+    cfg = RunConfig(family, model, dcfg, train, optim, source)
+    check = getattr(task, "validate_config", None)
+    if check is not None:
+        check(cfg)
+    return cfg
+
+
+def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:
+    """Read a YAML run config (or start from `base`), apply key=value overrides, validate."""
+    data = load_yaml(path) if path else dict(base or {})
+    source = str(path) if path else "<config>"
+    if overrides:
+        data = deep_merge(data, parse_overrides(list(overrides)))
+        source = f"{source} (with overrides)" if path else "command line"
+    return run_config_from_dict(data, source)

@@ -1,0 +1,296 @@
+"""Text data for language models: corpus reading, tokenizers, token memmaps, random windows.
+
+Sources (`data.path`): a text file, a folder of .txt files, a .jsonl file with a "text"
+field per line, or `stdlib`: the Python standard library's own .py files, a corpus every
+machine with Python has (the embedded default; no download).
+
+Tokenizers (`data.tokenizer`): `bytes` (vocab 256, no setup), `sentencepiece` (trained on
+the corpus with `data.vocab_size` and cached), or a path to a sentencepiece tokenizer.model.
+
+The corpus is tokenised once into a uint16/uint32 memmap cached beside the source (or in
+`data.cache_dir`); the last `data.val_fraction` of the tokens is held out for validation.
+Training batches are random windows drawn from a generator seeded by (seed, step, micro),
+so any step's batch can be rebuilt exactly on resume.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from zoo.config import fail
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
+
+
+@dataclass
+class TextDataConfig:
+    path: str = "stdlib"                    # file, folder of .txt, .jsonl with "text", or "stdlib"
+    tokenizer: str = "sentencepiece"        # bytes | sentencepiece | path/to/tokenizer.model
+    vocab_size: int = 2048                  # sentencepiece vocabulary trained on the corpus
+    seq_len: int = 256                      # tokens per training window
+    val_fraction: float = 0.05              # held-out tail of the token stream
+    cache_dir: Optional[str] = None         # null: beside the source if writable, else ~/.cache/zoo
+    max_chars: Optional[int] = None         # read at most this many characters of the corpus
+    sp_train_chars: int = 4_000_000         # characters fed to sentencepiece training
+
+    def validate(self, source, prefix="data."):
+        if not self.path:
+            raise fail(source, prefix + "path", "must not be empty")
+        if self.vocab_size < 16 or self.vocab_size > 2**31:
+            raise fail(source, prefix + "vocab_size", f"must be in [16, 2^31], got {self.vocab_size}")
+        if self.seq_len < 2:
+            raise fail(source, prefix + "seq_len", f"must be >= 2, got {self.seq_len}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise fail(source, prefix + "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if self.max_chars is not None and self.max_chars <= 0:
+            raise fail(source, prefix + "max_chars", f"must be > 0 or null, got {self.max_chars}")
+        if self.sp_train_chars <= 0:
+            raise fail(source, prefix + "sp_train_chars", f"must be > 0, got {self.sp_train_chars}")
+
+
+class DataError(ValueError):
+    """Bad data: one line naming the file."""
+
+
+# ----------------------------------------------------------------------------- corpus
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.is_file())
+
+
+def corpus_files(path: str) -> list[Path]:
+    if path == "stdlib":
+        return stdlib_files()
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + (".jsonl",))
+        if not files:
+            raise DataError(f"{path}: folder holds no .txt/.jsonl files")
+        return files
+    raise DataError(f"{path}: no such file or folder")
+
+
+def _read_text(f: Path, counts: dict) -> str:
+    raw = f.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        counts["undecodable_files"] = counts.get("undecodable_files", 0) + 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def read_corpus(path: str, max_chars: Optional[int] = None, log=print) -> str:
+    """All documents of the source joined by blank lines. Undecodable bytes are replaced
+    (and counted); bad .jsonl lines are skipped (and counted); an empty corpus is an error."""
+    parts, counts, total = [], {}, 0
+    for f in corpus_files(path):
+        if f.suffix == ".jsonl":
+            for i, line in enumerate(_read_text(f, counts).splitlines()):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                    if not isinstance(text, str):
+                        raise TypeError
+                except (ValueError, KeyError, TypeError):
+                    counts["bad_jsonl_lines"] = counts.get("bad_jsonl_lines", 0) + 1
+                    continue
+                parts.append(text)
+                total += len(text)
+        else:
+            text = _read_text(f, counts)
+            parts.append(text)
+            total += len(text)
+        if max_chars is not None and total >= max_chars:
+            break
+    for k, v in counts.items():
+        log(f"data: {path}: {v} {k.replace('_', ' ')} (replaced or skipped)")
+    text = "\n\n".join(parts)
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise DataError(f"{path}: the corpus is empty")
+    return text
+
+
+# ----------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    vocab_size = 256
+    bos_id = eos_id = None
+    model_path = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+    def __init__(self, model_path):
+        import sentencepiece as spm
+        self.model_path = str(model_path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        except Exception as e:
+            raise DataError(f"{model_path}: not a readable sentencepiece model ({str(e).splitlines()[0] if str(e) else e})") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars: int, log=print) -> Path:
+    """Train a BPE sentencepiece model on (a sample of) the corpus, with byte fallback so any
+    text round-trips. Written atomically to out_path."""
+    import sentencepiece as spm
+    lines = [ln for ln in text[:train_chars].splitlines() if ln.strip()]
+    if not lines:
+        raise DataError("cannot train a tokenizer: the corpus has no non-empty lines")
+    log(f"data: training a sentencepiece tokenizer (vocab {vocab_size}) on {min(len(text), train_chars):,} chars")
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, character_coverage=0.9995, split_digits=True, allow_whitespace_only_pieces=True,
+            remove_extra_whitespaces=False, normalization_rule_name="identity", max_sentence_length=1 << 16,
+            num_threads=os.cpu_count() or 1, minloglevel=2, bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0)
+    except RuntimeError as e:
+        raise DataError(f"cannot train a sentencepiece tokenizer with vocab_size={vocab_size}: "
+                        f"{str(e).splitlines()[0]}") from None
+    tmp = out_path.with_name(out_path.name + f".tmp-{os.getpid()}")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, out_path)
+    return out_path
+
+
+# ----------------------------------------------------------------------------- token streams
+def _cache_dir(cfg: TextDataConfig) -> Path:
+    if cfg.cache_dir:
+        d = Path(cfg.cache_dir).expanduser()
+    else:
+        d = None
+        if cfg.path != "stdlib":
+            p = Path(cfg.path).expanduser().resolve()
+            beside = p.parent if p.is_file() else p
+            if os.access(beside, os.W_OK):
+                d = beside / ".zoo_cache"
+        if d is None:
+            d = Path(os.environ.get("ZOO_CACHE", "~/.cache/zoo")).expanduser()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _fingerprint(path: str) -> str:
+    h = hashlib.sha256()
+    for f in corpus_files(path):
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+class TokenData:
+    """Train/val token memmaps plus the tokenizer."""
+
+    def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print):
+        self.cfg = cfg
+        cache = _cache_dir(cfg)
+        fp = _fingerprint(cfg.path)
+        tok_spec = tokenizer_path or cfg.tokenizer
+        if tok_spec == "bytes":
+            self.tokenizer, tok_key = ByteTokenizer(), "bytes"
+        elif tok_spec == "sentencepiece":
+            sp_path = cache / f"sp-{fp}-{cfg.max_chars}-{cfg.vocab_size}.model"
+            if not sp_path.is_file():
+                train_sentencepiece(read_corpus(cfg.path, cfg.max_chars, log), cfg.vocab_size, sp_path,
+                                    cfg.sp_train_chars, log)
+            self.tokenizer, tok_key = SentencePieceTokenizer(sp_path), sp_path.name
+        else:
+            p = Path(tok_spec).expanduser()
+            if not p.is_file():
+                raise DataError(f"{tok_spec}: tokenizer file not found (data.tokenizer must be bytes, "
+                                f"sentencepiece or a path to a tokenizer.model)")
+            self.tokenizer = SentencePieceTokenizer(p)
+            tok_key = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        key = hashlib.sha256(f"{fp}:{cfg.max_chars}:{tok_key}".encode()).hexdigest()[:16]
+        bin_path = cache / f"tokens-{key}.bin"
+        if not bin_path.is_file():
+            self._tokenize(bin_path, log)
+        dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+        n_val = max(int(len(tokens) * cfg.val_fraction), cfg.seq_len + 1)
+        if len(tokens) - n_val < cfg.seq_len + 1:
+            raise DataError(f"{cfg.path}: {len(tokens)} tokens is too short for data.seq_len={cfg.seq_len} "
+                            f"(need more than {2 * (cfg.seq_len + 1)} for a training and a validation window)")
+        self.train, self.val = tokens[:-n_val], tokens[-n_val:]
+        self.bin_path = bin_path
+        log(f"data: {cfg.path}: {len(self.train):,} train + {len(self.val):,} val tokens "
+            f"(vocab {self.tokenizer.vocab_size}, cache {bin_path})")
+
+    def _tokenize(self, bin_path: Path, log):
+        text = read_corpus(self.cfg.path, self.cfg.max_chars, log)
+        log(f"data: tokenising {len(text):,} chars")
+        docs = text.split("\n\n")
+        if hasattr(self.tokenizer, "encode_many"):
+            ids = [i for d in self.tokenizer.encode_many([d + "\n\n" for d in docs]) for i in d]
+        else:
+            ids = self.tokenizer.encode(text)
+        dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
+        arr = np.asarray(ids, dtype=dtype)
+        tmp = bin_path.with_name(bin_path.name + f".tmp-{os.getpid()}")
+        arr.tofile(tmp)
+        os.replace(tmp, bin_path)
+
+    def unigram_entropy(self) -> float:
+        """Entropy (nats/token) of the training tokens' unigram distribution: the loss of the
+        best model that ignores context."""
+        counts = np.bincount(np.asarray(self.train), minlength=self.tokenizer.vocab_size).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    def batch(self, split: str, batch_size: int, generator: torch.Generator, device) -> tuple:
+        """Random windows (B, T) of inputs and next-token targets."""
+        data = self.train if split == "train" else self.val
+        T = self.cfg.seq_len
+        starts = torch.randint(0, len(data) - T, (batch_size,), generator=generator).tolist()
+        rows = np.stack([np.asarray(data[s:s + T + 1], dtype=np.int64) for s in starts])
+        xy = torch.from_numpy(rows)
+        if device.type == "cuda":
+            xy = xy.pin_memory().to(device, non_blocking=True)
+        else:
+            xy = xy.to(device)
+        return xy[:, :-1], xy[:, 1:]
+
+    def val_batches(self, batch_size: int, n_batches: int):
+        """Fixed, non-overlapping validation windows (the same every evaluation)."""
+        T = self.cfg.seq_len
+        n_windows = (len(self.val) - 1) // T
+        idx = 0
+        for _ in range(n_batches):
+            if idx >= n_windows:
+                return
+            rows = []
+            while len(rows) < batch_size and idx < n_windows:
+                rows.append(np.asarray(self.val[idx * T: idx * T + T + 1], dtype=np.int64))
+                idx += 1
+            xy = torch.from_numpy(np.stack(rows))
+            yield xy[:, :-1], xy[:, 1:]

@@ -1,0 +1,409 @@
+"""The one training loop. It knows nothing family-specific: a family plugs in through its task.
+
+Per optimizer step: LR from the schedule -> `grad_accum` micro-batches under autocast
+(bf16, or fp16 with a GradScaler) -> unscale, clip the global grad norm -> optimizer step
+(skipped, counted and logged when the loss or grad norm is not finite) -> zero_grad(set_to_none)
+-> EMA update. Every `log_every` steps a JSON line goes to <out_dir>/metrics.jsonl (loss, lr,
+grad norm, items/s, MFU, peak memory) and to the progress bar; every `eval_every` steps the
+task evaluates; every `checkpoint_every` steps and at the end an atomic checkpoint is written.
+A run whose out_dir holds a checkpoint resumes from it exactly. SIGTERM/SIGINT finish the
+current step, write a checkpoint and exit with code EXIT_PREEMPTED.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from . import checkpoint as ckpt
+from .config import RunConfig
+from .optim import build_optimizer, lr_multiplier, set_lr
+from .tasks import task_class
+
+EXIT_OK = 0
+EXIT_CONFIG = 2            # bad config or data: a one-line error
+EXIT_NONFINITE = 3         # too many non-finite losses in a row; the last good checkpoint is kept
+EXIT_PREEMPTED = 75        # SIGTERM/SIGINT: checkpoint written, run again to resume
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RunStopped(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------------------ helpers
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RunStopped(f"train.device={name}: CUDA is not available on this machine", EXIT_CONFIG)
+    return dev
+
+
+def setup_backends(cfg: RunConfig, device: torch.device, log):
+    t = cfg.train
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = t.tf32
+        torch.backends.cudnn.allow_tf32 = t.tf32
+        torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
+        log(f"backends: cuda, tf32={t.tf32}, cudnn.benchmark={torch.backends.cudnn.benchmark}")
+    else:
+        skipped = [k for k in ("tf32", "cudnn_benchmark") if getattr(t, k)]
+        if skipped:
+            log(f"backends: {device.type}: {', '.join(skipped)} skipped (CUDA only)")
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def precision_dtype(cfg: RunConfig, device: torch.device, log) -> Optional[torch.dtype]:
+    p = cfg.train.precision
+    if p == "fp32":
+        return None
+    if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16", EXIT_CONFIG)
+    return DTYPES[p]
+
+
+def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> float:
+    """Achieved FLOP/s of a large matmul in the run's compute dtype: the MFU denominator."""
+    dt = dtype or torch.float32
+    n = 2048
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < 0.3:
+        a @ b
+        reps += 1
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # process peak resident set size (Linux reports KiB, macOS bytes)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def to_device(batch, device, channels_last: bool):
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(device, non_blocking=True)
+        if channels_last and batch.dim() == 4:
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        return batch
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device, channels_last) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, channels_last) for k, v in batch.items()}
+    return batch
+
+
+class EMA:
+    """Exponential moving average of a model's weights (floating-point params and buffers;
+    integer buffers are copied)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module):
+        src = dict(model.state_dict(keep_vars=True))
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            s = src[k].detach()
+            if v.is_floating_point():
+                v.lerp_(s, 1.0 - self.decay)
+            else:
+                v.copy_(s)
+
+
+class _Preemption:
+    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits."""
+
+    def __init__(self):
+        self.signal: Optional[int] = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading_main():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def threading_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def plot_losses(metrics_path: Path, out_png: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
+    tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if tr:
+        ax.plot(*zip(*tr), label="train loss")
+    if va:
+        ax.plot(*zip(*va), "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ the loop
+def train(cfg: RunConfig, log=None) -> dict:
+    """Run (or resume) the training described by cfg. Returns the final metrics."""
+    t = cfg.train
+    out = Path(t.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "log.txt", "a")
+
+    def say(msg: str):
+        (log or _print)(msg)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    try:
+        return _train(cfg, out, say)
+    finally:
+        log_file.close()
+
+
+def _print(msg):
+    from tqdm import tqdm
+    tqdm.write(msg)
+
+
+def _train(cfg: RunConfig, out: Path, say) -> dict:
+    t = cfg.train
+    device = resolve_device(t.device)
+    setup_backends(cfg, device, say)
+    torch.manual_seed(t.seed)
+    amp_dtype = precision_dtype(cfg, device, say)
+    say(f"run: family={cfg.family} device={device} precision={t.precision} compile={t.compile} out_dir={out}")
+
+    task = task_class(cfg.family)(cfg, device, say)
+    task.autocast_dtype = amp_dtype
+    task.setup()
+    torch.manual_seed(t.seed)
+    model = task.build_model().to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters")
+    ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    optimizer = build_optimizer(model, cfg.optim, device, say)
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    with open(out / "config.yaml", "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+    start = 0
+    state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say) if t.resume else None
+    if state is not None:
+        start = state["step"]
+    metrics_path = out / "metrics.jsonl"
+    _truncate_metrics(metrics_path, start)
+
+    fwd = model
+    if t.compile:
+        say("compile: torch.compile(model); the first steps include compilation")
+        fwd = torch.compile(model)
+    peak = t.peak_flops or measure_peak_flops(device, amp_dtype)
+    say(f"mfu: peak {peak / 1e12:.2f} TFLOP/s ({'configured' if t.peak_flops else 'measured matmul'})")
+    fpi = task.flops_per_item(model)
+    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    from tqdm import tqdm
+    bar = tqdm(total=t.max_steps, initial=start, disable=not t.progress, dynamic_ncols=True, unit="step",
+               file=sys.stderr)
+    last = {}
+    nonfinite_streak, nonfinite_total = 0, 0
+    win_loss, win_n, win_items, win_time = 0.0, 0, 0, 0.0
+    step = start
+    with _Preemption() as pre, open(metrics_path, "a") as mf:
+        def record(row: dict):
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+
+        for step in range(start, t.max_steps):
+            t0 = time.perf_counter()
+            lr = cfg.optim.lr * lr_multiplier(step, t.max_steps, cfg.optim)
+            set_lr(optimizer, lr)
+            loss_sum, items = torch.zeros((), device=device), 0
+            for micro in range(t.grad_accum):
+                batch = to_device(task.train_batch(step, micro), device, t.channels_last)
+                with autocast():
+                    loss, n = task.loss(fwd, batch)
+                scaler.scale(loss / t.grad_accum).backward()
+                loss_sum += loss.detach().float()
+                items += n
+            scaler.unscale_(optimizer)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, t.clip_grad if t.clip_grad else float("inf"))
+            loss_val = loss_sum.item() / t.grad_accum
+            finite = math.isfinite(loss_val) and math.isfinite(gnorm.item())
+            if scaler.is_enabled():
+                scaler.step(optimizer)  # skips the step itself on inf/nan gradients
+                scaler.update()
+            elif finite:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if finite:
+                nonfinite_streak = 0
+                if ema is not None:
+                    ema.update(model)
+            else:
+                nonfinite_streak += 1
+                nonfinite_total += 1
+                say(f"step {step + 1}: non-finite loss/grad norm ({loss_val}, {gnorm.item()}); step skipped "
+                    f"({nonfinite_streak} in a row, {nonfinite_total} in all)")
+                record({"step": step + 1, "nonfinite": True, "skipped_steps": nonfinite_total})
+            sync(device)
+            dt = time.perf_counter() - t0
+            if finite:
+                win_loss += loss_val
+                win_n += 1
+            win_items += items
+            win_time += dt
+            done = step + 1
+            bar.update(1)
+
+            if nonfinite_streak >= t.max_nonfinite:
+                bar.close()
+                raise RunStopped(f"stopped at step {done}: {nonfinite_streak} non-finite losses in a row "
+                                 f"(train.max_nonfinite={t.max_nonfinite}); the last good checkpoint is kept "
+                                 f"in {out / ckpt.CKPT_DIR}", EXIT_NONFINITE)
+
+            if done % t.log_every == 0 or done == t.max_steps:
+                rate = win_items / max(win_time, 1e-9)
+                row = {"step": done, "loss": win_loss / win_n if win_n else float("nan"), "lr": lr,
+                       "grad_norm": gnorm.item(), f"{task.unit}_per_s": rate,
+                       "step_time_s": win_time / max(1, win_n + (0 if finite else 1)),
+                       "peak_mem_gb": peak_memory_gb(device)}
+                if fpi:
+                    row["mfu"] = fpi * rate / peak
+                if nonfinite_total:
+                    row["skipped_steps"] = nonfinite_total
+                record(row)
+                last.update(row)
+                bar.set_postfix({"loss": f"{row['loss']:.3f}", "lr": f"{lr:.1e}",
+                                 f"{task.unit[:3]}/s": f"{rate:,.0f}",
+                                 **({"mfu": f"{row['mfu']:.1%}"} if fpi else {})}, refresh=False)
+                win_loss, win_n, win_items, win_time = 0.0, 0, 0, 0.0
+
+            if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+                ev = _evaluate(task, model, ema, autocast)
+                record({"step": done, **ev})
+                last.update(ev)
+                say(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+
+            if pre.signal is not None:
+                _save(out, done, model, optimizer, scaler, ema, t, say)
+                bar.close()
+                raise RunStopped(f"received {signal.Signals(pre.signal).name} at step {done}: checkpoint written "
+                                 f"to {out / ckpt.CKPT_DIR}; run the same command again to resume", EXIT_PREEMPTED)
+            if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
+                _save(out, done, model, optimizer, scaler, ema, t, say)
+        bar.close()
+
+        done = max(step + 1, start) if t.max_steps > start else start
+        if state is None or done > start:
+            _save(out, done, model, optimizer, scaler, ema, t, say)
+        ev = _evaluate(task, model, ema, autocast)
+        record({"step": done, **ev})
+        last.update(ev)
+    say(f"final (step {done}): " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+    ckpt.atomic_save_model(model, out / "model.safetensors")
+    if ema is not None:
+        ckpt.atomic_save_model(ema.model, out / "model_ema.safetensors")
+    say(f"weights: {out / 'model.safetensors'}")
+    if t.plot and metrics_path.stat().st_size:
+        plot_losses(metrics_path, out / "loss.png")
+        say(f"loss curve: {out / 'loss.png'}")
+    if t.samples:
+        text = task.samples(ema.model if ema is not None else model, out)
+        if text:
+            say("samples:\n" + text)
+    if t.export:
+        path = task.export(model, out)
+        if path:
+            say(f"exported: {path}")
+    return last
+
+
+def _evaluate(task, model, ema, autocast) -> dict:
+    with autocast():
+        ev = task.evaluate(model)
+        if ema is not None:
+            ev.update({f"ema_{k}": v for k, v in task.evaluate(ema.model).items()})
+    return ev
+
+
+def _save(out, step, model, optimizer, scaler, ema, t, say):
+    path = ckpt.save_checkpoint(out, step, model, optimizer, scaler if scaler.is_enabled() else None,
+                                ema.model if ema is not None else None, keep=t.keep_checkpoints)
+    say(f"checkpoint: {path}")
+
+
+def _truncate_metrics(path: Path, step: int):
+    """On resume, drop metric lines logged after the checkpoint (they will be logged again)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except ValueError:
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(l + "\n" for l in keep))
+    os.replace(tmp, path)

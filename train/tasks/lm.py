@@ -1,0 +1,106 @@
+"""Language modelling: next-token cross-entropy on windows of a token stream."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import zoo
+from zoo.config import ConfigError
+
+from ..data import TextDataConfig, TokenData
+from . import Task
+
+
+class LMTask(Task):
+    DataConfig = TextDataConfig
+    unit = "tokens"
+
+    @staticmethod
+    def validate_config(cfg):
+        m, d = cfg.model, cfg.data
+        if cfg.train.init_from is None and d.seq_len > m.max_seq_len:
+            raise ConfigError(f"{cfg.source}: data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if cfg.train.init_from is None and d.tokenizer == "bytes" and m.vocab_size < 256:
+            raise ConfigError(f"{cfg.source}: model.vocab_size={m.vocab_size} is smaller than the bytes "
+                              f"tokenizer's 256")
+
+    def _pretrained_tokenizer(self) -> Optional[str]:
+        init = self.cfg.train.init_from
+        if init is None or self.cfg.data.tokenizer != "sentencepiece":
+            return None
+        tok = Path(init) / "tokenizer.model"
+        if not tok.is_file():
+            raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no tokenizer.model; set data.tokenizer "
+                              f"to a tokenizer file or 'bytes'")
+        return str(tok)
+
+    def setup(self):
+        self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
+        self.entropy = self.data.unigram_entropy()
+        self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
+
+    def build_model(self):
+        if self.cfg.train.init_from:
+            model = zoo.from_pretrained(self.cfg.train.init_from)
+            self.log(f"model: loaded {self.cfg.train.init_from}")
+        else:
+            model = zoo.build(self.cfg.model)
+        vocab = self.data.tokenizer.vocab_size
+        if model.config.vocab_size < vocab:
+            src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
+            raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
+                              f"tokenizer's {vocab}")
+        return model
+
+    def train_batch(self, step, micro):
+        g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
+        return self.data.batch("train", self.cfg.train.batch_size, g, self.device)
+
+    def loss(self, model, batch):
+        x, y = batch
+        _, loss = model(x, y)
+        return loss, y.numel()
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        was = model.training
+        model.eval()
+        total, n = 0.0, 0
+        for x, y in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast():
+                _, loss = model(x, y)
+            total += loss.item() * y.numel()
+            n += y.numel()
+        model.train(was)
+        return {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
+                "unigram_entropy": self.entropy}
+
+    def flops_per_item(self, model):
+        return model.flops_per_token(self.cfg.data.seq_len)
+
+    def samples(self, model, out_dir):
+        tok = self.data.tokenizer
+        prompts = ["def ", "import ", "class "] if self.cfg.data.path == "stdlib" else ["\n", "The ", "A"]
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
+        texts = []
+        for p in prompts:
+            ids = torch.tensor([tok.encode(p)], dtype=torch.long, device=self.device)
+            with self.autocast():
+                out = model.generate(ids, max_new_tokens=80, temperature=0.8, top_k=50, generator=g)
+            texts.append(tok.decode(out[0].tolist()))
+        sep = "\n" + "-" * 60 + "\n"
+        text = sep.join(texts)
+        (Path(out_dir) / "samples.txt").write_text(text)
+        return text
+
+    def export(self, model, out_dir):
+        if not self.cfg.train.init_from:
+            return None
+        path = Path(out_dir) / "hf"
+        tok = getattr(self.data.tokenizer, "model_path", None)
+        zoo.save_pretrained(model, path, tokenizer=tok)
+        return str(path)
