@@ -26,7 +26,8 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _chunk(h, w, t, ignore_index, want_grad):
-    logits = (h @ w.t()).float()  # (n, V)
+    logits = h @ w.t()  # (n, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(logits, dim=-1)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
@@ -47,8 +48,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         n_valid = (targets != ignore_index).sum().clamp(min=1).float()
         w = weight.to(dtype)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        total = torch.zeros((), dtype=acc, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk_size):
                 hc = h[s:s + chunk_size].to(dtype)
@@ -56,7 +58,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 total += loss
                 g = g.to(dtype)
                 grad_h[s:s + chunk_size] = g @ w
-                grad_w += (g.t() @ hc).float()
+                grad_w += (g.t() @ hc).to(acc)
         ctx.save_for_backward(grad_h, grad_w, n_valid)
         return total / n_valid
 
@@ -77,7 +79,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _ChunkedLinearCE.apply(h, weight, targets, chunk_size, ignore_index, dtype)
     n_valid = (targets != ignore_index).sum().clamp(min=1).float()
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    total = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=h.device)
     w = weight.to(dtype)
     with torch.autocast(h.device.type, enabled=False):
         for s in range(0, h.shape[0], chunk_size):

@@ -3,7 +3,8 @@
 Paper: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
     y = x / sqrt(mean(x^2, dim=-1) + eps) * weight
 The statistics are computed in fp32 and the result is cast back to the input dtype before
-the (learned) weight is applied, as Llama does, so bf16/fp16 inputs stay stable.
+the (learned) weight is applied, as Llama does, so bf16/fp16 inputs stay stable; the output
+has the input's dtype.
 
 Shapes: x (..., D) -> (..., D); weight (D,).
 Depends on torch only.
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return h.to(dtype) * self.weight.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,295 @@
+"""The LLM: causality, KV-cache generation, sampling, tying, the chunked loss, activation
+checkpointing, autocast and compile paths, config validation (fp32 tolerance 1e-4)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zoo
+from zoo.config import ConfigError, LLMConfig, from_dict
+from zoo.llm import LLM, sample_next
+
+TOL = 1e-4
+
+
+def tiny(**kw) -> LLM:
+    base = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+    base.update(kw)
+    torch.manual_seed(0)
+    return LLM(LLMConfig(**base))
+
+
+def full_forward_greedy(model, ids, n):
+    """Greedy decoding by re-running the whole sequence each step (no cache)."""
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(ids)[:, -1].argmax(-1)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+    return ids
+
+
+# ---------------------------------------------------------------------------- forward
+
+def test_forward_shapes_and_api():
+    model = tiny()
+    ids = torch.randint(0, 97, (3, 10))
+    logits = model(ids)
+    assert logits.shape == (3, 10, 97)
+    tgt = torch.randint(0, 97, (3, 10))
+    none, loss = model(ids, targets=tgt)
+    assert none is None and loss.shape == () and torch.isfinite(loss)
+    model.config.chunked_loss = False
+    logits2, loss2 = model(ids, targets=tgt)
+    assert (logits2 - logits).abs().max() <= TOL and abs(loss2.item() - loss.item()) <= TOL
+    # a fresh model predicts nearly uniformly: loss ~ log V
+    assert abs(loss.item() - torch.log(torch.tensor(97.0)).item()) < 0.1
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 2, "sliding_window": 4}])
+def test_causality(kw):
+    model = tiny(**kw).eval()
+    ids = torch.randint(0, 97, (2, 12))
+    ref = model(ids)
+    for t in (0, 5, 10):
+        changed = ids.clone()
+        changed[:, t + 1] = (changed[:, t + 1] + 1) % 97
+        out = model(changed)
+        assert (out[:, :t + 1] - ref[:, :t + 1]).abs().max() <= TOL, t
+        assert (out[:, t + 1] - ref[:, t + 1]).abs().max() > 1e-4  # the change is seen from t+1 on
+
+
+# ---------------------------------------------------------------------------- generation
+
+@pytest.mark.parametrize("kw,batch", [
+    ({}, 1),
+    ({"n_kv_heads": 2}, 3),                          # GQA, batch > 1
+    ({"n_kv_heads": 1, "sliding_window": 5}, 2),     # MQA with a window shorter than the text
+    ({"tie_embeddings": False, "qkv_bias": True}, 2),
+])
+def test_generate_with_cache_equals_full_forward_greedy(kw, batch):
+    model = tiny(**kw).eval()
+    with torch.no_grad():  # sharpen the random model so that argmax ties are impossible in practice
+        model.lm_head.weight.mul_(30)
+    ids = torch.randint(0, 97, (batch, 6), generator=torch.Generator().manual_seed(1))
+    out = model.generate(ids, max_new_tokens=12)
+    assert out.shape == (batch, 18) and torch.equal(out[:, :6], ids)
+    assert torch.equal(out, full_forward_greedy(model, ids, 12))
+
+
+def test_generate_keeps_training_mode_and_eos():
+    model = tiny().train()
+    ids = torch.randint(0, 97, (2, 4))
+    greedy = model.generate(ids, 6)
+    assert model.training
+    eos = int(greedy[0, 5])  # the token row 0 emits second: after it, row 0 must repeat it
+    out = model.generate(ids, 6, eos_token_id=eos)
+    first = (out[0, 4:] == eos).nonzero()[0, 0].item()
+    assert (out[0, 4 + first:] == eos).all()
+
+
+def test_sampling_picks_only_allowed_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    g = torch.Generator().manual_seed(0)
+    top5 = logits.topk(5, dim=-1).indices
+    probs = logits.softmax(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    # the nucleus for top_p=0.6: the smallest prefix whose mass reaches 0.6
+    n_keep = (sorted_p.cumsum(-1) < 0.6).sum(-1) + 1
+    for _ in range(200):
+        tok = sample_next(logits, temperature=1.5, top_k=5, generator=g)
+        assert (top5 == tok[:, None]).any(-1).all()
+        tok = sample_next(logits, temperature=1.0, top_p=0.6, generator=g)
+        for b in range(4):
+            assert tok[b] in order[b, :n_keep[b]]
+        tok = sample_next(logits, temperature=1.0, top_k=1, top_p=0.9, generator=g)
+        assert torch.equal(tok, logits.argmax(-1))
+    # temperature 0 is greedy
+    assert torch.equal(sample_next(logits), logits.argmax(-1))
+    # sampling without restrictions does reach beyond the top-5
+    seen = torch.stack([sample_next(logits, 1.0, generator=g) for _ in range(200)])
+    assert not (top5[None] == seen[..., None]).any(-1).all()
+
+
+def test_generate_with_sampling_reproducible():
+    model = tiny()
+    ids = torch.randint(0, 97, (2, 4))
+    a = model.generate(ids, 8, temperature=0.8, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    b = model.generate(ids, 8, temperature=0.8, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.shape == (2, 12)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+def test_tied_and_untied_embeddings():
+    tied = tiny(tie_embeddings=True)
+    assert tied.lm_head.weight is tied.embed.weight
+    assert tied.lm_head.weight.data_ptr() == tied.embed.weight.data_ptr()
+    names = [n for n, _ in tied.named_parameters()]
+    assert "lm_head.weight" not in names and "embed.weight" in names  # one tensor, counted once
+    untied = tiny(tie_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.embed.weight.data_ptr()
+    assert untied.num_params() == tied.num_params() + 97 * 32
+    # a tied model keeps sharing after a deep copy and a state-dict round trip
+    clone = copy.deepcopy(tied)
+    assert clone.lm_head.weight is clone.embed.weight
+    sd = tied.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["embed.weight"].data_ptr()
+
+
+def test_parameter_names():
+    model = tiny(n_kv_heads=2, qkv_bias=True, tie_embeddings=False)
+    names = set(model.state_dict())
+    for n in ("embed.weight", "layers.0.attn_norm.weight", "layers.0.attn.qkv.weight", "layers.0.attn.qkv.bias",
+              "layers.0.attn.proj.weight", "layers.0.mlp_norm.weight", "layers.0.mlp.gate_up.weight",
+              "layers.0.mlp.down.weight", "layers.1.attn.qkv.weight", "norm.weight", "lm_head.weight"):
+        assert n in names, n
+    assert model.layers[0].attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 32)
+    assert not any("rope" in n for n in names)  # rope tables are not weights
+
+
+def test_init_scales_residual_projections():
+    model = tiny(d_model=256, n_layers=8, n_heads=4)
+    std = model.config.init_std
+    assert abs(model.layers[0].attn.qkv.weight.std().item() - std) < 0.1 * std
+    assert abs(model.layers[0].mlp.down.weight.std().item() - std / 4) < 0.1 * std / 4  # sqrt(2 * 8) = 4
+    assert (model.norm.weight == 1).all()
+
+
+# ---------------------------------------------------------------------------- loss
+
+@pytest.mark.parametrize("chunk", [7, 64, 4096])
+def test_chunked_loss_equals_cross_entropy_in_model(chunk):
+    """Loss and every parameter's gradient equal those of F.cross_entropy over full logits,
+    with ignored targets and a chunk size that does not divide B*T (2*15 = 30 tokens)."""
+    a = tiny(loss_chunk_size=chunk, tie_embeddings=False)
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 15))
+    tgt = torch.randint(0, 97, (2, 15))
+    tgt[:, :3] = -100
+    _, la = a(ids, targets=tgt)
+    logits = b(ids)
+    lb = F.cross_entropy(logits.view(-1, 97), tgt.view(-1), ignore_index=-100)
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) <= TOL
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad - pb.grad).abs().max() <= TOL, n
+
+
+def test_chunked_loss_tied_gradient():
+    """With tied embeddings the shared tensor gets both the embedding's and the head's gradient."""
+    a = tiny(loss_chunk_size=9)
+    b = copy.deepcopy(a)
+    b.config.chunked_loss = False
+    ids = torch.randint(0, 97, (2, 10))
+    a(ids, targets=ids.roll(-1, 1))[1].backward()
+    b(ids, targets=ids.roll(-1, 1))[1].backward()
+    assert (a.embed.weight.grad - b.embed.weight.grad).abs().max() <= TOL
+
+
+def test_activation_checkpointing_same_gradients():
+    a = tiny(n_kv_heads=2)
+    b = copy.deepcopy(a)
+    b.config.activation_checkpointing = True
+    ids = torch.randint(0, 97, (2, 12))
+    la = a(ids, targets=ids)[1]
+    lb = b(ids, targets=ids)[1]
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) <= TOL
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad - pb.grad).abs().max() <= TOL, n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_paths_train(dtype):
+    model = tiny(n_kv_heads=2)
+    ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        ref = model(ids, targets=ids)[1].item()
+    with torch.autocast("cpu", dtype=dtype):
+        _, loss = model(ids, targets=ids)
+        logits = model(ids)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert abs(loss.item() - ref) < 0.05  # low-precision matmuls, fp32 loss
+    assert logits.dtype == dtype
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
+    with torch.autocast("cpu", dtype=dtype):
+        out = model.generate(ids[:, :4], 3)
+    assert out.shape == (2, 7)
+
+
+def test_bf16_model_weights_train():
+    """A model cast to bf16 (no autocast) runs forward and backward."""
+    model = tiny().to(torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 8))
+    _, loss = model(ids, targets=ids)
+    loss.backward()
+    assert torch.isfinite(loss) and model.embed.weight.grad.dtype == torch.bfloat16
+
+
+def test_compile_path_runs():
+    model = tiny(n_layers=1, d_model=16, n_heads=2)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model)
+    ids = torch.randint(0, 97, (2, 8))
+    _, loss = compiled(ids, targets=ids)
+    loss.backward()
+    _, ref_loss = ref(ids, targets=ids)
+    ref_loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= TOL
+    assert (model.embed.weight.grad - ref.embed.weight.grad).abs().max() <= TOL
+
+
+def test_loss_goes_down():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(30):
+        _, loss = model(ids[:, :-1], targets=ids[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_flops_per_token():
+    model = tiny(tie_embeddings=False)
+    cfg = model.config
+    n = model.num_params() - 97 * 32  # the embedding lookup is not a matmul; the head is
+    assert model.flops_per_token(16) == 6 * n + 12 * cfg.n_layers * cfg.d_model * 16
+
+
+# ---------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("data,key", [
+    ({"d_model": 64, "n_heads": 5}, "n_heads"),
+    ({"d_model": 64, "n_heads": 8, "n_kv_heads": 3}, "n_kv_heads"),
+    ({"d_model": 64, "n_heads": 4, "head_dim": 15}, "head_dim"),
+    ({"d_model": 60, "n_heads": 4}, "head_dim"),  # 60 / 4 = 15: odd
+    ({"n_layers": 0}, "n_layers"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"n_heads": "8"}, "n_heads"),
+    ({"colour": 1}, "colour"),
+    ({"attn_backend": "xformers"}, "attn_backend"),
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+     "rope_scaling.high_freq_factor"),
+])
+def test_config_errors_are_one_line_and_name_the_key(data, key):
+    with pytest.raises(ConfigError) as e:
+        from_dict(LLMConfig, data, "configs/llm/x.yaml", "model.")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("configs/llm/x.yaml: ") and f"model.{key}" in msg, msg
+
+
+def test_build_error_names_the_key():
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        zoo.build({"family": "llm", "model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 3}})
+    model = zoo.build({"family": "llm", "model": {"vocab_size": 50, "d_model": 32, "n_layers": 1, "n_heads": 2}})
+    assert isinstance(model, LLM) and model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 50)
