@@ -44,7 +44,10 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            model = zoo.from_pretrained(self.cfg.train.init_from)
+            try:  # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
+                model = zoo.from_pretrained(self.cfg.train.init_from, dtype=torch.float32)
+            except ValueError as e:  # a bad checkpoint is a bad train.init_from: one line, exit 2
+                raise ConfigError(f"{self.cfg.source}: train.init_from: {e}") from None
             self.log(f"model: loaded {self.cfg.train.init_from}")
         else:
             model = zoo.build(self.cfg.model)

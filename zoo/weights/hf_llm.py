@@ -1,0 +1,519 @@
+"""Hugging Face Llama-family checkpoints in and out: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+
+    model = zoo.from_pretrained("path/to/folder", dtype=torch.bfloat16)    # config.json + *.safetensors
+    zoo.save_pretrained(model, "out/", tokenizer="path/to/tokenizer.model")
+
+A folder holds config.json and either model.safetensors or shards listed in
+model.safetensors.index.json. config.json is read in both dialects: transformers 4.x (top-level
+`rope_theta`, `rope_scaling` with "type" or "rope_type") and 5.x (`rope_parameters`).
+
+Weight layout. Hugging Face stores q/k/v and gate/up as separate matrices; Zoo fuses them
+(rows of `attn.qkv`: q, k, v; rows of `mlp.gate_up`: gate, up), so loading is a concatenation
+along the output dimension and saving a split. Both use the rotate-half RoPE layout (channel i
+paired with channel i + D/2), so the q/k rows need no permutation; the parity tests in
+tests/test_hf_llm.py hold the logits to 1e-4 against transformers, which would fail otherwise.
+
+Loading never holds two copies of the weights: the model is built on the meta device, each
+safetensors file is read tensor by tensor (q/k/v and gate/up are fused as soon as all their parts
+are in) and the result is assigned in place; the RoPE tables are then rebuilt on the real device.
+Every file header is checked (length, offsets inside the file, byte sizes) and every tensor name
+and shape against config.json before any data is read: a mismatch is one error listing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# transformers' defaults for keys a config.json may leave out (they differ per architecture)
+_DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
+                         "max_window_layers": 28},
+}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# safetensors dtype tag -> bytes per element
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit
+
+
+# ----------------------------------------------------------------------------------------
+# config.json <-> LLMConfig
+# ----------------------------------------------------------------------------------------
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def architecture_of(hf: dict, source: str) -> str:
+    archs = hf.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"), hf.get("model_type"))
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{source}: unsupported architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def _rope(hf: dict, source: str) -> tuple[float, Optional[RopeScaling]]:
+    """(rope_theta, scaling) from a 5.x `rope_parameters` or a 4.x `rope_theta` + `rope_scaling`."""
+    params = hf.get("rope_parameters")
+    key = "rope_parameters"
+    if hf.get("rope_scaling"):  # 4.x (transformers 5 also lets it override rope_parameters)
+        params, key = hf["rope_scaling"], "rope_scaling"
+    params = dict(params or {})
+    if not all(isinstance(v, (int, float, str, type(None))) for v in params.values()):
+        raise ConfigError(f"{source}: {key} per layer type is not supported (one RoPE for all layers)")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} is not supported (RoPE on the full head)")
+    if kind == "default":
+        return float(theta), None
+    if kind == "linear":
+        return float(theta), RopeScaling(type="linear", factor=float(params.get("factor", 1.0)))
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+        if missing:
+            raise ConfigError(f"{source}: {key} of type 'llama3' lacks {', '.join(missing)}")
+        old = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        return float(theta), RopeScaling(type="llama3", factor=float(params["factor"]),
+                                         low_freq_factor=float(params["low_freq_factor"]),
+                                         high_freq_factor=float(params["high_freq_factor"]),
+                                         original_max_position_embeddings=int(old))
+    raise ConfigError(f"{source}: unsupported rope type '{kind}' in {key} (supported: default, linear, llama3)")
+
+
+def _sliding_window(hf: dict, arch: str, n_layers: int, source: str) -> Optional[int]:
+    """Mistral: `sliding_window` on every layer (null = none). Qwen2: only with use_sliding_window,
+    and then only on the layers `layer_types` marks (by default those >= max_window_layers)."""
+    defaults = _DEFAULTS[arch]
+    if arch == "MistralForCausalLM":
+        return hf.get("sliding_window", defaults["sliding_window"])
+    if arch != "Qwen2ForCausalLM" or not hf.get("use_sliding_window", False):
+        return None
+    window = hf.get("sliding_window", defaults["sliding_window"])
+    if window is None:
+        return None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", defaults["max_window_layers"]) else "full_attention"
+        for i in range(n_layers)]
+    if all(t == "full_attention" for t in types):
+        return None
+    if all(t == "sliding_attention" for t in types):
+        return window
+    raise ConfigError(f"{source}: sliding window on some layers only (layer_types / max_window_layers) is not "
+                      f"supported; Zoo applies one window to all layers")
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, str]:
+    """A Hugging Face config.json (as a dict) -> (LLMConfig, architecture)."""
+    arch = architecture_of(hf, source)
+    missing = [k for k in _REQUIRED if k not in hf]
+    if missing:
+        raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{source}: hidden_act '{act}' is not supported (SwiGLU needs 'silu')")
+    for k in ("attention_bias", "mlp_bias"):  # Llama's attention_bias also puts a bias on o_proj
+        if hf.get(k):
+            raise ConfigError(f"{source}: {k}=true is not supported")
+    d, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // n_heads
+    theta, scaling = _rope(hf, source)
+    kv = hf.get("num_key_value_heads", _DEFAULTS[arch]["num_key_value_heads"]) or n_heads
+    data = dict(
+        vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=kv, head_dim=head_dim if head_dim * n_heads != d else None,
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", _DEFAULTS[arch]["max_position_embeddings"]),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        sliding_window=_sliding_window(hf, arch, hf["num_hidden_layers"], source),
+        init_std=hf.get("initializer_range", 0.02),
+        rope_scaling=to_dict(scaling) if scaling else None,
+    )
+    return from_dict(LLMConfig, data, source), arch
+
+
+def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
+    """The Hugging Face class that can hold `cfg`: the one it was loaded from when that still fits,
+    else Qwen2 for a qkv bias, Mistral for a sliding window, Llama otherwise."""
+    fits = {"LlamaForCausalLM": not cfg.qkv_bias and cfg.sliding_window is None,
+            "MistralForCausalLM": not cfg.qkv_bias,
+            "Qwen2ForCausalLM": True}
+    if remembered in fits and fits[remembered]:
+        return remembered
+    if cfg.qkv_bias:
+        return "Qwen2ForCausalLM"
+    return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
+
+
+def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[dict] = None) -> dict:
+    """LLMConfig -> config.json dict. RoPE is written in both dialects (5.x `rope_parameters`,
+    4.x `rope_theta` + `rope_scaling`), so either transformers version reads it. Token ids
+    (bos/eos/pad) are kept from `base`, the config.json the model was loaded from."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope.update(rope_type=s.type, factor=s.factor)
+        if s.type == "llama3":
+            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position_embeddings)
+    model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
+    hf = {
+        "architectures": [arch], "model_type": model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling else None,
+        "dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+    }
+    if arch == "LlamaForCausalLM":
+        hf.update(attention_bias=False, mlp_bias=False)
+    elif arch == "MistralForCausalLM":
+        hf["sliding_window"] = cfg.sliding_window
+    else:
+        window = cfg.sliding_window is not None
+        hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, max_window_layers=0,
+                  layer_types=["sliding_attention" if window else "full_attention"] * cfg.n_layers)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if base is not None and k in base:
+            hf[k] = base[k]
+    return hf
+
+
+# ----------------------------------------------------------------------------------------
+# weight names
+# ----------------------------------------------------------------------------------------
+
+def key_map(cfg: LLMConfig) -> dict[str, list[tuple[str, tuple]]]:
+    """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by
+    concatenating along dim 0 in that order. lm_head is absent when the embeddings are tied."""
+    d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
+    q, kv = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    m = {"embed.weight": [("model.embed_tokens.weight", (V, d))]}
+    for i in range(cfg.n_layers):
+        z, h = f"layers.{i}.", f"model.layers.{i}."
+        m[z + "attn_norm.weight"] = [(h + "input_layernorm.weight", (d,))]
+        m[z + "attn.qkv.weight"] = [(h + f"self_attn.{n}_proj.weight", (r, d)) for n, r in zip("qkv", (q, kv, kv))]
+        if cfg.qkv_bias:
+            m[z + "attn.qkv.bias"] = [(h + f"self_attn.{n}_proj.bias", (r,)) for n, r in zip("qkv", (q, kv, kv))]
+        m[z + "attn.proj.weight"] = [(h + "self_attn.o_proj.weight", (d, q))]
+        m[z + "mlp_norm.weight"] = [(h + "post_attention_layernorm.weight", (d,))]
+        m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_proj.weight", (F, d)), (h + "mlp.up_proj.weight", (F, d))]
+        m[z + "mlp.down.weight"] = [(h + "mlp.down_proj.weight", (d, F))]
+    m["norm.weight"] = [("model.norm.weight", (d,))]
+    if not cfg.tie_embeddings:
+        m["lm_head.weight"] = [("lm_head.weight", (V, d))]
+    return m
+
+
+def _ignorable(name: str, cfg: LLMConfig) -> bool:
+    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+def _listing(names, limit: int = 8) -> str:
+    names = list(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# ----------------------------------------------------------------------------------------
+# safetensors files
+# ----------------------------------------------------------------------------------------
+
+def read_header(path: Path) -> dict:
+    """The tensor table of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}, after
+    checking that the header and every tensor's bytes lie inside the file."""
+    size = path.stat().st_size
+
+    def corrupt(why):
+        return ValueError(f"{path}: corrupt or truncated safetensors file ({why})")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, _MAX_HEADER):
+            raise corrupt(f"header of {n} bytes does not fit in a {size}-byte file")
+        raw = f.read(n)
+    try:
+        table = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise corrupt("header is not valid JSON") from None
+    if not isinstance(table, dict):
+        raise corrupt("header is not a JSON object")
+    table.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, t in table.items():
+        try:
+            begin, end = (int(x) for x in t["data_offsets"])
+            numel = 1
+            for s in t["shape"]:
+                numel *= int(s)
+            nbytes = numel * _ITEMSIZE[t["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise corrupt(f"bad entry for tensor '{name}'") from None
+        if not 0 <= begin <= end <= data_size:
+            raise corrupt(f"tensor '{name}' ends at byte {end} of a {data_size}-byte data section")
+        if end - begin != nbytes:
+            raise corrupt(f"tensor '{name}' has {end - begin} bytes, its shape and dtype need {nbytes}")
+    return table
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no 'weight_map' listing the shards")
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(folder.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"{folder}: only pytorch_model*.bin weights; Zoo reads safetensors only "
+                                f"(unpickling is unsafe): convert them to model.safetensors")
+    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _tensors(path: Path, names):
+    """Yield (name, tensor) from a safetensors file, one tensor at a time."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as st:
+            for name in names:
+                yield name, st.get_tensor(name)
+    except Exception as e:  # safetensors' own read errors (the header was checked already)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: cannot read safetensors file ({msg})") from None
+
+
+def _resolve_dtype(dtype, hf: dict, source: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype if dtype not in (None, "auto") else hf.get("dtype", hf.get("torch_dtype")) or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"{source}: unsupported dtype '{name}' (supported: {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------------
+# the format interface: detect / load / exports / save
+# ----------------------------------------------------------------------------------------
+
+def _folder(path) -> Path:
+    p = Path(path)
+    return p.parent if p.is_file() and p.name == "config.json" else p
+
+
+def detect(path) -> bool:
+    """A folder (or its config.json) whose config.json describes a Hugging Face causal LM."""
+    cfg_file = _folder(path) / "config.json"
+    if not cfg_file.is_file():
+        return False
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError, OSError):
+        return False
+    if not isinstance(hf, dict):
+        return False
+    archs = hf.get("architectures") or []
+    return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in MODEL_TYPES
+
+
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
+    """Load a Hugging Face folder into a Zoo LLM. dtype None (or "auto") keeps the checkpoint's
+    dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU."""
+    from ..blocks.rope import RotaryEmbedding
+    from ..llm import LLM
+
+    folder = _folder(path)
+    cfg_file = folder / "config.json"
+    hf = read_json(cfg_file)
+    cfg, arch = config_from_hf(hf, str(cfg_file))
+    dtype = _resolve_dtype(dtype, hf, str(cfg_file))
+    device = torch.device(device or "cpu")
+
+    # 1. check every file header and every name/shape before reading any data
+    files = weight_files(folder)
+    where: dict[str, Path] = {}
+    found: dict[str, tuple] = {}
+    for f in files:
+        for name, t in read_header(f).items():
+            where[name], found[name] = f, tuple(t["shape"])
+    kmap = key_map(cfg)
+    expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected and not _ignorable(n, cfg)]
+    wrong = [f"{n} {list(found[n])} (expected {list(s)})" for n, s in expected.items()
+             if n in found and found[n] != s]
+    if missing or unexpected or wrong:
+        problems = [f"{label}: {_listing(names)}" for label, names in
+                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
+        raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): "
+                         + "; ".join(problems))
+
+    # 2. build without memory, then read file by file, fusing as soon as all parts are in
+    with torch.device("meta"):
+        model = LLM(cfg)
+    part_of = {hf_name: (zoo_name, j) for zoo_name, parts in kmap.items()
+               for j, (hf_name, _) in enumerate(parts)}
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in _tensors(f, [n for n in where if where[n] == f and n in part_of]):
+            zoo_name, j = part_of[name]
+            parts = pending.setdefault(zoo_name, {})
+            parts[j] = tensor.to(device=device, dtype=dtype)
+            if len(parts) == len(kmap[zoo_name]):  # all parts in: fuse them (rows in key_map order)
+                del pending[zoo_name]
+                state[zoo_name] = torch.cat([parts[i] for i in range(len(parts))]) if len(parts) > 1 else parts[0]
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    # the RoPE tables are non-persistent buffers: rebuild them (fp32) on the real device. They grow
+    # on demand, so start at most 8192 positions long rather than max_position_embeddings (128k+).
+    with torch.device(device):
+        model.rope = RotaryEmbedding(cfg.dim_head, min(cfg.max_seq_len, 8192), cfg.rope_theta,
+                                     to_dict(cfg.rope_scaling) if cfg.rope_scaling else None)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"tensors left on the meta device after loading: {left}"
+    model.hf_architecture = arch
+    model.hf_config = hf
+    return model.eval()
+
+
+def exports(model) -> bool:
+    return getattr(getattr(model, "_orig_mod", model), "family", None) == "llm"
+
+
+def _shard_limit(max_shard_size) -> int:
+    if isinstance(max_shard_size, int):
+        return max_shard_size
+    s = str(max_shard_size).strip().upper()
+    for unit, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
+                       ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            try:
+                return int(float(s[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    raise ValueError(f"max_shard_size {max_shard_size!r} must be bytes (int) or like '5GB', '500MB'")
+
+
+def _atomic(path: Path, write):
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
+         dtype: Optional[torch.dtype] = None) -> Path:
+    """Write `model` as a Hugging Face folder: config.json and model.safetensors, or shards of at
+    most max_shard_size bytes plus model.safetensors.index.json; copy tokenizer.model (a file, or
+    a folder holding one) if given. Returns the folder."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile'd
+    cfg: LLMConfig = model.config
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    dtype = dtype or state["embed.weight"].dtype
+    arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
+    limit = _shard_limit(max_shard_size)
+
+    # split fused tensors back into Hugging Face names, grouped into shards in order
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for zoo_name, parts in key_map(cfg).items():
+        pieces = state[zoo_name].split([shape[0] for _, shape in parts], dim=0)
+        for (hf_name, _), t in zip(parts, pieces):
+            nbytes = t.numel() * dtype.itemsize
+            if shards[-1] and size + nbytes > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append((hf_name, t))
+            size += nbytes
+
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        tensors = {k: t.detach().to("cpu", dtype).contiguous().clone() for k, t in shard}
+        _atomic(out / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+        for k, t in tensors.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+        del tensors
+    index = out / "model.safetensors.index.json"
+    if n > 1:
+        body = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        _atomic(index, lambda tmp: tmp.write_text(body))
+    # remove weights of an earlier save into the same folder, which loaders would otherwise pick up
+    keep = set(names) | ({index.name} if n > 1 else set())
+    for old in [index, *out.glob("model*.safetensors")]:
+        if old.name not in keep and old.is_file():
+            old.unlink()
+
+    hf = config_to_hf(cfg, arch, dtype, getattr(model, "hf_config", None))
+    _atomic(out / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n"))
+    if tokenizer is not None:
+        _copy_tokenizer(Path(tokenizer), out)
+    return out
+
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_tokenizer(src: Path, out: Path):
+    """Copy a tokenizer.model file, or the tokenizer files of a Hugging Face folder, into `out`."""
+    if src.is_dir():
+        files = [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
+        if not files:
+            raise FileNotFoundError(f"{src}: no tokenizer file ({', '.join(TOKENIZER_FILES)})")
+    elif src.is_file():
+        files = [src]
+    else:
+        raise FileNotFoundError(f"{src}: tokenizer file not found")
+    for f in files:
+        dst = out / ("tokenizer.model" if f.suffix == ".model" else f.name)
+        if f.resolve() != dst.resolve():
+            _atomic(dst, lambda tmp: shutil.copyfile(f, tmp))
