@@ -86,20 +86,31 @@ def precision_dtype(cfg: RunConfig, device: torch.device, log) -> Optional[torch
 
 
 def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> float:
-    """Achieved FLOP/s of a large matmul in the run's compute dtype: the MFU denominator."""
+    """Achieved FLOP/s of a large square matmul in the run's compute dtype (the MFU
+    denominator). The size grows until one matmul takes ~20 ms, so slow dtypes stay cheap."""
     dt = dtype or torch.float32
-    n = 2048
-    a = torch.randn(n, n, device=device, dtype=dt)
-    b = torch.randn(n, n, device=device, dtype=dt)
-    for _ in range(2):
+    n = 1024
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dt)
+        b = torch.randn(n, n, device=device, dtype=dt)
         a @ b
-    sync(device)
-    reps, t0 = 0, time.perf_counter()
-    while reps < 3 or time.perf_counter() - t0 < 0.3:
+        once = float("inf")
+        for _ in range(3):  # the fastest of three: robust to a busy machine
+            sync(device)
+            t0 = time.perf_counter()
+            a @ b
+            sync(device)
+            once = min(once, time.perf_counter() - t0)
+        if once > 0.02 or n >= 4096:
+            break
+        n *= 2
+    best = once
+    for _ in range(5):
+        t0 = time.perf_counter()
         a @ b
-        reps += 1
-    sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
 
 
 def sync(device: torch.device):

@@ -13,13 +13,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-TASKS: dict[str, str] = {"llm": "train.tasks.lm:LMTask"}
+TASKS: dict[str, str] = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
+                         "diffusion": "train.tasks.diffusion:DiffusionTask"}
 
 
-def task_class(family: str):
+def task_class(family: str, source: str = "<config>"):
     from zoo.config import ConfigError
     if family not in TASKS:
-        raise ConfigError(f"unknown family '{family}' (known: {', '.join(TASKS)})")
+        raise ConfigError(f"{source}: unknown family '{family}' (known: {', '.join(TASKS)})")
     mod, _, name = TASKS[family].partition(":")
     return getattr(importlib.import_module(mod), name)
 

@@ -1,0 +1,28 @@
+"""Shared test helpers."""
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def shared_file(rel: str) -> Path:
+    """A file from ../shared, or skip the test (with the reason) when it is absent."""
+    p = SHARED / rel
+    if not p.exists():
+        pytest.skip(f"{p} is absent (../shared is not beside this checkout)")
+    return p
+
+
+@pytest.fixture
+def text_corpus(tmp_path) -> Path:
+    """A small, always-available text corpus: a slice of the standard library's source."""
+    from train.data import stdlib_files
+    text = "".join(f.read_text(errors="replace") for f in stdlib_files()[:40])[:300_000]
+    p = tmp_path / "corpus.txt"
+    p.write_text(text)
+    return p
