@@ -16,7 +16,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # name -> module (with a main(argv) function) under train/benches/
-BENCHES: dict[str, str] = {}
+BENCHES: dict[str, str] = {
+    "llm-train": "train.benches.llm_train",
+    "llm-generate": "train.benches.llm_generate",
+}
 
 
 def main(argv=None):

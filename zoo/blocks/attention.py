@@ -122,10 +122,10 @@ class CausalSelfAttention(nn.Module):
                 cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        q = apply_rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, KV, D).transpose(1, 2), cos, sin)
-        v = v.view(B, T, KV, D).transpose(1, 2)
+        qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
+        qk = apply_rope(qk, cos[:, None], sin[:, None])  # q and k heads rotated in one go
+        q, k = qk.transpose(1, 2).split([H, KV], dim=1)  # (B, H, T, D), (B, KV, T, D)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
         y = attend(q, k, v, self.backend, self.sliding_window)

@@ -9,7 +9,8 @@ Convention: the "rotate-half" layout (channel i is paired with channel i + D/2),
 as Hugging Face transformers, so Hugging Face q/k projection weights need no permutation.
 The property that makes it a position encoding: <rope(q, m), rope(k, n)> depends on m - n only.
 
-Shapes: inv_freq (D/2,); cos, sin (T, D); x (B, H, T, D) -> (B, H, T, D).
+Shapes: inv_freq (D/2,); cos, sin (T, D); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with
+cos, sin (T, 1, D)).
 Depends on torch only.
 """
 import math
@@ -54,13 +55,20 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dim (the reference form of RoPE)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by the angles in cos/sin (T, D); returns x's dtype."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    """Rotate x (..., T, D) by the angles in cos/sin (T, D) (or any shape broadcasting against
+    x, e.g. (T, 1, D) for x laid out (B, T, H, D)); returns x's dtype.
+
+    Computes x * cos + rotate_half(x) * sin as x * cos + roll(x, D/2) * [-sin, sin]: three
+    kernels (mul, roll, addcmul) instead of six, forward and backward alike."""
+    half = x.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # tiny: (T, D)
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
