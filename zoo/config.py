@@ -282,9 +282,83 @@ class LLMConfig:
         m = self.ffn_multiple_of
         return m * ((h + m - 1) // m)
 
+# ----------------------------------------------------------------------------------------
+# Latent diffusion family
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class AutoencoderConfig:
+    """The frozen TAESD autoencoder between images and latents (zoo/diffusion/taesd.py)."""
+    weights: Optional[str] = None           # TAESD weights (x_encoder.pth or a diffusers folder); null: trained on the data
+    latent_channels: Optional[int] = None   # 4 (SD), 16 (SD3/FLUX.1), 32 (FLUX.2); null: the weights' (4 if none)
+    midblock_gn: Optional[bool] = None      # FLUX.2 mid-block GroupNorm branch; null: the weights' (false if none)
+    channels: Optional[int] = None          # width; null: the weights' (64 if none)
+
+    def validate(self, source="<config>", prefix=""):
+        for k in ("latent_channels", "channels"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise fail(source, prefix + k, f"must be > 0 or null, got {v}")
+
+
+@dataclass
+class DiffusionConfig:
+    """Latent diffusion: TAESD autoencoder + class-conditional U-Net denoiser + noise schedule."""
+    image_size: int = 32                    # generated (and training) images are image_size^2; divisible by 8
+    num_classes: int = 10
+    autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
+    latent_channels: Optional[int] = None   # the denoiser's; null: the autoencoder's (must match it)
+    channels: list[int] = field(default_factory=lambda: [64, 128])   # U-Net width per level
+    blocks_per_level: int = 2
+    attention: bool = True                  # self-attention at the lowest resolution
+    heads: int = 4
+    class_dropout: float = 0.1              # label dropout for classifier-free guidance
+    prediction: Literal["eps", "v", "x0"] = "eps"
+    schedule: Literal["linear", "scaled_linear", "cosine"] = "linear"
+    num_timesteps: int = 1000
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    min_snr_gamma: Optional[float] = 5.0    # Min-SNR-gamma loss weighting; null: uniform
+    sampler: Literal["ddim", "ddpm"] = "ddim"
+    sample_steps: int = 50
+    guidance: float = 3.0                   # classifier-free guidance scale (1 = off)
+    eta: float = 0.0                        # DDIM noise (0 = deterministic)
+
+    def validate(self, source="<config>", prefix=""):
+        p = prefix
+        for k in ("image_size", "num_classes", "blocks_per_level", "heads", "num_timesteps", "sample_steps"):
+            if getattr(self, k) <= 0:
+                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+        if self.image_size % 8:
+            raise fail(source, p + "image_size", f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}")
+        if not self.channels or any(c <= 0 or c % self.heads for c in self.channels):
+            raise fail(source, p + "channels", f"must be positive widths divisible by heads={self.heads}, got {self.channels}")
+        factor = 2 ** (len(self.channels) - 1)
+        if (self.image_size // 8) % factor:
+            raise fail(source, p + "channels", f"has {len(self.channels)} levels: the latent size "
+                                               f"{self.image_size // 8} must be divisible by {factor}")
+        ae = self.autoencoder.latent_channels
+        if self.latent_channels is not None and ae is not None and self.latent_channels != ae:
+            raise fail(source, p + "latent_channels", f"does not match {p}autoencoder.latent_channels: "
+                                                      f"{self.latent_channels} != {ae}")
+        if self.latent_channels is not None and self.latent_channels <= 0:
+            raise fail(source, p + "latent_channels", f"must be > 0 or null, got {self.latent_channels}")
+        if not 0.0 <= self.class_dropout < 1.0:
+            raise fail(source, p + "class_dropout", f"must be in [0, 1), got {self.class_dropout}")
+        if not 0.0 < self.beta_start < self.beta_end < 1.0:
+            raise fail(source, p + "beta_end", f"must satisfy 0 < beta_start < beta_end < 1, got "
+                                               f"{self.beta_start} and {self.beta_end}")
+        if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
+            raise fail(source, p + "min_snr_gamma", f"must be > 0 or null, got {self.min_snr_gamma}")
+        if self.sample_steps > self.num_timesteps:
+            raise fail(source, p + "sample_steps", f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}")
+        if self.eta < 0 or self.guidance < 0:
+            k = "eta" if self.eta < 0 else "guidance"
+            raise fail(source, p + k, f"must be >= 0, got {getattr(self, k)}")
+
 
 # Model config class per family. Other families register theirs here.
-MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig}
+MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig, "diffusion": DiffusionConfig}
 
 
 def model_config_from(data: dict, family: str, source: str, prefix: str = "model."):

@@ -1,0 +1,253 @@
+"""Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser -> Min-SNR loss.
+
+setup(): the autoencoder is either pretrained (model.autoencoder.weights, e.g. taef2_encoder.pth or a
+diffusers AutoencoderTiny folder) or trained here on the training images and cached in
+data.cache_dir (keyed by everything that determines it, so a second run reuses it). The dataset is
+fixed (no augmentation), so every image is encoded once; the per-channel latent mean and std become
+the model's normalisation buffers. The loop then trains only the denoiser (and keeps its EMA).
+At the end, samples() writes a guided sample grid (a row per class) to out_dir/samples.png.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import zoo
+from zoo.config import ConfigError, fail, to_dict
+from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
+from zoo.diffusion.taesd import TAESD
+
+from . import Task
+
+
+@dataclass
+class DiffusionDataConfig:
+    dataset: str = "digits"                 # "digits" (embedded, no download) or an image folder root/<class>/*
+    val_fraction: float = 0.1               # held-out images for val_loss
+    cache_dir: str = "runs/cache"           # trained autoencoders and encoded latents
+    encode_batch_size: int = 64
+    # the autoencoder trained here when model.autoencoder.weights is null
+    ae_steps: int = 400
+    ae_batch_size: int = 32
+    ae_lr: float = 2e-3
+    ae_latent_noise: float = 0.1            # noise added to latents in training: a decoder robust to sampling error
+    # samples.png
+    samples_per_class: int = 8
+
+    def validate(self, source, prefix="data."):
+        for k in ("encode_batch_size", "ae_steps", "ae_batch_size", "samples_per_class"):
+            if getattr(self, k) <= 0:
+                raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise fail(source, prefix + "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if self.ae_lr <= 0 or self.ae_latent_noise < 0:
+            k = "ae_lr" if self.ae_lr <= 0 else "ae_latent_noise"
+            raise fail(source, prefix + k, f"must be {'> 0' if k == 'ae_lr' else '>= 0'}, got {getattr(self, k)}")
+
+
+def load_images(d: DiffusionDataConfig, size: int, source: str):
+    """(train images, train labels, val images, val labels, number of classes); images (N, 3, size, size)
+    float32 in [0, 1]."""
+    if d.dataset == "digits":
+        from ..images import digits_dataset
+        tr = digits_dataset("train", size, 3, d.val_fraction)
+        va = digits_dataset("val", size, 3, d.val_fraction)
+        return (*tr, *va, 10)
+    from ..images import FolderImages, collate_images, scan_image_folder
+    try:
+        classes, samples = scan_image_folder(d.dataset)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{source}: data.dataset: {e}") from None
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(samples), generator=g).tolist()
+    n_val = max(1, round(len(samples) * d.val_fraction))
+    out = []
+    for part in (perm[n_val:], perm[:n_val]):
+        ds = FolderImages([samples[i] for i in part], size, train=False)
+        x, y, bad = collate_images([ds[i] for i in range(len(ds))])
+        if bad:
+            raise ValueError(f"{bad[0]}: unreadable image")
+        out += [x.float() / 255, y]
+    return (*out, len(classes))
+
+
+def _digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: int, lr: float, noise: float,
+                      device, seed: int = 0, log=print) -> TAESD:
+    """Fit `ae` to reconstruct `images` (N, 3, H, W): MSE of decode(encode(x) + noise * randn), AdamW
+    with a cosine learning rate. Returns it in eval mode, on the CPU."""
+    ae = ae.to(device).train()
+    opt = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x = images[torch.randint(len(images), (batch_size,), generator=g)].to(device)
+        z = ae.encode(x)
+        z = z + noise * torch.randn(z.shape, generator=g).to(device)
+        loss = F.mse_loss(ae.decode(z), x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"autoencoder: step {step + 1}/{steps} reconstruction mse {loss.item():.5f}")
+    return ae.eval().cpu()
+
+
+@torch.no_grad()
+def encode_all(ae: TAESD, images: torch.Tensor, batch_size: int, device) -> torch.Tensor:
+    ae = ae.to(device).eval()
+    return torch.cat([ae.encode(images[i:i + batch_size].to(device)).float().cpu()
+                      for i in range(0, len(images), batch_size)])
+
+
+class DiffusionTask(Task):
+    DataConfig = DiffusionDataConfig
+    unit = "images"
+
+    @staticmethod
+    def validate_config(cfg):
+        m = cfg.model
+        if m.autoencoder.weights and not Path(m.autoencoder.weights).exists():
+            raise ConfigError(f"{cfg.source}: model.autoencoder.weights={m.autoencoder.weights}: no such file or "
+                              f"directory")
+
+    # -- data and the frozen autoencoder --------------------------------------------------------
+
+    def setup(self):
+        cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
+        x_tr, self.y_tr, x_va, self.y_va, n_classes = load_images(d, m.image_size, cfg.source)
+        if n_classes > m.num_classes:
+            raise ConfigError(f"{cfg.source}: model.num_classes={m.num_classes} but data.dataset has "
+                              f"{n_classes} classes")
+        self.log(f"data: {d.dataset}, {len(x_tr)} train / {len(x_va)} val images of {m.image_size}x{m.image_size}")
+        self.autoencoder = self._autoencoder(x_tr)
+        C = self.autoencoder.latent_channels
+        if m.latent_channels is not None and m.latent_channels != C:
+            raise ConfigError(f"{cfg.source}: model.latent_channels={m.latent_channels} does not match the "
+                              f"autoencoder's {C} latent channels")
+        raw_tr = encode_all(self.autoencoder, x_tr, d.encode_batch_size, self.device)
+        raw_va = encode_all(self.autoencoder, x_va, d.encode_batch_size, self.device)
+        x = raw_tr.transpose(0, 1).flatten(1)
+        self.latent_mean, self.latent_std = x.mean(1), x.std(1).clamp(min=1e-6)
+        norm = lambda r: ((r - self.latent_mean.view(1, -1, 1, 1)) / self.latent_std.view(1, -1, 1, 1))  # noqa: E731
+        self.z_tr, self.z_va = norm(raw_tr).to(self.device), norm(raw_va).to(self.device)
+        self.y_tr, self.y_va = self.y_tr.to(self.device), self.y_va.to(self.device)
+        self.log(f"latents: {tuple(self.z_tr.shape[1:])} per image, encoded once "
+                 f"(mean {[round(v, 3) for v in self.latent_mean.tolist()][:4]}..., "
+                 f"std {[round(v, 3) for v in self.latent_std.tolist()][:4]}...)")
+
+    def _autoencoder(self, x_tr) -> TAESD:
+        cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
+        if m.autoencoder.weights:
+            ae = build_autoencoder(m, cfg.source)
+            self.log(f"autoencoder: {m.autoencoder.weights} (frozen) {ae.variant}")
+            return ae
+        ae = build_autoencoder(m, cfg.source)
+        key = _digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
+                       "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
+                       "seed": cfg.train.seed})
+        path = Path(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.pth"
+        if path.is_file():
+            self.log(f"autoencoder: reusing {path}")
+            return zoo.from_pretrained(path, **ae.variant)
+        self.log(f"autoencoder: training a TAESD {ae.variant} on the training images ({d.ae_steps} steps)")
+        torch.manual_seed(cfg.train.seed)
+        ae = train_autoencoder(ae, x_tr, d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise, self.device,
+                               cfg.train.seed, self.log)
+        zoo.save_pretrained(ae, path)
+        self.log(f"autoencoder: cached in {path}")
+        return ae
+
+    def build_model(self):
+        model = LatentDiffusion(self.cfg.model, autoencoder=self.autoencoder)
+        model.latent_mean.copy_(self.latent_mean)
+        model.latent_std.copy_(self.latent_std)
+        init = self.cfg.train.init_from
+        if init:
+            from safetensors.torch import load_model
+            p = Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init)
+            if not p.is_file():
+                raise ConfigError(f"{self.cfg.source}: train.init_from={init}: no model.safetensors there")
+            load_model(model, str(p))
+            self.log(f"model: loaded {p}")
+        self.log(f"denoiser: {model.num_params() / 1e6:.2f}M trainable parameters")
+        return model
+
+    # -- batches and loss ---------------------------------------------------------------------
+
+    def _noised(self, z, y, g, drop: float):
+        B = len(z)
+        T = self.cfg.model.num_timesteps
+        t = torch.randint(T, (B,), generator=g)
+        noise = torch.randn(z.shape, generator=g)
+        if drop > 0:
+            keep = torch.rand(B, generator=g) >= drop
+            y = torch.where(keep.to(y.device), y, torch.full_like(y, self.cfg.model.num_classes))
+        return {"z": z, "labels": y, "t": t.to(self.device), "noise": noise.to(self.device)}
+
+    def train_batch(self, step, micro):
+        g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
+        idx = torch.randint(len(self.z_tr), (self.cfg.train.batch_size,), generator=g).to(self.device)
+        return self._noised(self.z_tr[idx], self.y_tr[idx], g, self.cfg.model.class_dropout)
+
+    def loss(self, model, batch):
+        per_item = model(batch["z"], batch["labels"], batch["t"], batch["noise"])
+        return per_item.mean(), len(per_item)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        """val_loss: the training loss (same weighting) on the held-out latents, fixed t and noise."""
+        was = model.training
+        model.eval()
+        g = torch.Generator().manual_seed(1234)
+        bs = self.cfg.train.batch_size
+        n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
+        total = 0.0
+        for i in range(0, n, bs):
+            b = self._noised(self.z_va[i:i + bs][: n - i], self.y_va[i:i + bs][: n - i], g, 0.0)
+            with self.autocast():
+                total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
+        model.train(was)
+        return {"val_loss": total / max(n, 1)}
+
+    # -- samples ------------------------------------------------------------------------------
+
+    def samples(self, model, out_dir):
+        path = Path(out_dir) / "samples.png"
+        images = sample_grid(model, self.cfg.data.samples_per_class, self.device, self.cfg.train.seed,
+                             self.autocast)
+        save_grid(images, path, nrow=self.cfg.data.samples_per_class)
+        m = self.cfg.model
+        return (f"{path}: {len(images)} samples, a row per class ({m.sampler}, {m.sample_steps} steps, "
+                f"guidance {m.guidance})")
+
+
+@torch.no_grad()
+def sample_grid(model: LatentDiffusion, per_class: int, device, seed: int = 0, autocast=None, **kw):
+    """per_class samples of every class, class-major -> images (num_classes * per_class, 3, H, W)."""
+    was = model.training
+    model.eval()
+    labels = torch.arange(model.config.num_classes, device=device).repeat_interleave(per_class)
+    g = torch.Generator(device=device).manual_seed(seed)
+    ctx = autocast() if autocast is not None else torch.autocast(device.type, enabled=False)
+    with ctx:
+        images = model.sample(labels, generator=g, **kw).float()
+    model.train(was)
+    return images
+
+
+def save_grid(images: torch.Tensor, path, nrow: int):
+    from torchvision.utils import save_image
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_image(images.clamp(0, 1).cpu(), str(path), nrow=nrow, padding=2, pad_value=0.5)

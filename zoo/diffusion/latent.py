@@ -1,0 +1,120 @@
+"""Latent diffusion: a frozen TAESD autoencoder, a class-conditional U-Net denoiser, a noise schedule.
+
+    images [0,1] --encode--> z = (taesd.encode(images) - latent_mean) / latent_std
+    training:  loss = w(t) * |denoiser(sqrt(abar) z + sqrt(1-abar) eps, t, label) - target|^2
+               (w: Min-SNR-gamma weights, target: eps, v or x0; see schedule.py)
+    sampling:  x_T ~ N(0, I) -> DDIM / DDPM with classifier-free guidance -> z -> decode -> images
+
+latent_mean / latent_std are per-channel buffers (set from the training latents by the task, and
+saved with the model) so that the denoiser sees unit-variance latents whatever the autoencoder.
+Only the denoiser is trained: the autoencoder's parameters have requires_grad=False.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, DiffusionConfig
+from .denoiser import UNet
+from .schedule import NoiseSchedule, guided
+from .taesd import TAESD
+
+
+def build_autoencoder(cfg: DiffusionConfig, source: str = "model") -> TAESD:
+    """The config's TAESD: loaded from autoencoder.weights (checked against the variant keys that
+    are set), or a fresh one of the configured variant."""
+    a = cfg.autoencoder
+    if a.weights:
+        from ..weights import taesd as taesd_weights
+        try:
+            return taesd_weights.load(a.weights, latent_channels=a.latent_channels, midblock_gn=a.midblock_gn,
+                                      channels=a.channels)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"{source}: autoencoder.weights: {e}") from None
+    return TAESD(a.latent_channels or cfg.latent_channels or 4, bool(a.midblock_gn), a.channels or 64)
+
+
+class LatentDiffusion(nn.Module):
+    family = "diffusion"
+
+    def __init__(self, cfg: DiffusionConfig, autoencoder: Optional[TAESD] = None):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.autoencoder = autoencoder if autoencoder is not None else build_autoencoder(cfg)
+        self.autoencoder.requires_grad_(False)
+        C = self.autoencoder.latent_channels
+        if cfg.latent_channels is not None and cfg.latent_channels != C:
+            raise ConfigError(f"model.latent_channels={cfg.latent_channels} does not match the autoencoder's "
+                              f"{C} latent channels")
+        self.latent_channels = C
+        self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
+        self.schedule = NoiseSchedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
+        self.register_buffer("latent_mean", torch.zeros(C))
+        self.register_buffer("latent_std", torch.ones(C))
+
+    @property
+    def latent_size(self) -> int:
+        return self.config.image_size // TAESD.downscale
+
+    # -- images <-> normalised latents --------------------------------------------------------
+
+    def _stats(self, z):
+        return self.latent_mean.view(1, -1, 1, 1).to(z.dtype), self.latent_std.view(1, -1, 1, 1).to(z.dtype)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        z = self.autoencoder.encode(images)
+        mean, std = self._stats(z)
+        return (z - mean) / std
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(z)
+        return self.autoencoder.decode(z * std + mean).clamp(0, 1)
+
+    @torch.no_grad()
+    def set_latent_stats(self, raw_latents: torch.Tensor):
+        """Per-channel mean and std of raw autoencoder latents (N, C, h, w)."""
+        x = raw_latents.float().transpose(0, 1).flatten(1)
+        self.latent_mean.copy_(x.mean(1))
+        self.latent_std.copy_(x.std(1).clamp(min=1e-6))
+
+    # -- training -----------------------------------------------------------------------------
+
+    def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Per-item Min-SNR-weighted loss (B,) of denoising normalised latents z at timesteps t.
+        Labels already hold the "no label" class where they were dropped for guidance."""
+        cfg = self.config
+        x_t = self.schedule.add_noise(z, noise, t)
+        target = self.schedule.target(z, noise, t, cfg.prediction)
+        out = self.denoiser(x_t, t, labels)
+        mse = (out.float() - target.float()).pow(2).flatten(1).mean(1)
+        return self.schedule.min_snr_weight(t, cfg.min_snr_gamma, cfg.prediction) * mse
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample_latents(self, labels: torch.Tensor, steps: Optional[int] = None, guidance: Optional[float] = None,
+                       sampler: Optional[str] = None, eta: Optional[float] = None,
+                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        cfg = self.config
+        scale = cfg.guidance if guidance is None else guidance
+        null = self.denoiser.null_label
+        s = self.latent_size
+        fn = lambda x, t: guided(self.denoiser, x, t, labels, null, scale)  # noqa: E731
+        dtype = self.latent_mean.dtype
+        return self.schedule.sample(fn, (len(labels), self.latent_channels, s, s), steps or cfg.sample_steps,
+                                    sampler or cfg.sampler, cfg.eta if eta is None else eta, cfg.prediction,
+                                    generator, labels.device, dtype)
+
+    @torch.no_grad()
+    def sample(self, labels: torch.Tensor, **kw) -> torch.Tensor:
+        """Images (B, 3, image_size, image_size) in [0, 1] of the classes `labels` (B,).
+        Keywords: steps, guidance, sampler, eta, generator (default: the config's)."""
+        return self.decode(self.sample_latents(labels, **kw))
+
+    def num_params(self, trainable: bool = True) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable)

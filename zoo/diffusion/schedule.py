@@ -1,0 +1,188 @@
+"""Noise schedules, SNR, Min-SNR-gamma loss weights, DDIM / DDPM samplers, classifier-free guidance.
+
+Forward process (Ho et al., "Denoising Diffusion Probabilistic Models", 2020):
+    x_t = sqrt(abar_t) * x_0 + sqrt(1 - abar_t) * eps,    abar_t = prod_{s<=t} (1 - beta_s)
+    SNR(t) = abar_t / (1 - abar_t)
+Betas: "linear" (Ho et al. 2020), "scaled_linear" (linear in sqrt(beta), Stable Diffusion) and
+"cosine" (Nichol & Dhariwal, "Improved Denoising Diffusion Probabilistic Models", 2021).
+
+The network predicts one of (with v from Salimans & Ho, "Progressive Distillation", 2022):
+    "eps": eps      "v": sqrt(abar) * eps - sqrt(1 - abar) * x_0      "x0": x_0
+Min-SNR-gamma (Hang et al., "Efficient Diffusion Training via Min-SNR Weighting Strategy", 2023)
+weights each timestep's MSE so that every prediction type amounts to an x_0-loss weighted by
+min(SNR, gamma):  eps: min(SNR, g) / SNR,  v: min(SNR, g) / (SNR + 1),  x0: min(SNR, g).
+They are written in terms of abar so that they stay finite at SNR = 0 and SNR = inf.
+
+Samplers: DDIM (Song et al., "Denoising Diffusion Implicit Models", 2021; eta = 0 deterministic,
+eta = 1 ancestral-like) and DDPM ancestral sampling with the posterior variance beta~_t, both on
+any subsequence of the training timesteps. Classifier-free guidance (Ho & Salimans, 2022):
+    out = out_uncond + scale * (out_cond - out_uncond).
+
+Shapes: x (B, C, H, W); t (B,) int64 timesteps in [0, num_timesteps); per-item weights (B,).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+PREDICTIONS = ("eps", "v", "x0")
+
+
+def betas_for(kind: str, num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
+    """(num_timesteps,) float64 betas."""
+    T = num_timesteps
+    if kind == "linear":
+        return torch.linspace(beta_start, beta_end, T, dtype=torch.float64)
+    if kind == "scaled_linear":
+        return torch.linspace(beta_start ** 0.5, beta_end ** 0.5, T, dtype=torch.float64) ** 2
+    if kind == "cosine":
+        s = 0.008
+        f = lambda t: math.cos((t / T + s) / (1 + s) * math.pi / 2) ** 2  # noqa: E731
+        return torch.tensor([min(1 - f(i + 1) / f(i), 0.999) for i in range(T)], dtype=torch.float64)
+    raise ValueError(f"unknown beta schedule '{kind}' (known: linear, scaled_linear, cosine)")
+
+
+def _bcast(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, 1, 1, ...) in x's dtype, to broadcast against x."""
+    return v.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+
+
+def guided(model_fn: Callable, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, null_label: int,
+           scale: float) -> torch.Tensor:
+    """Classifier-free guidance: one batched call on [cond; uncond], combined with `scale`
+    (1 = conditional only, 0 = unconditional only)."""
+    if scale == 1.0:
+        return model_fn(x, t, labels)
+    out = model_fn(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, torch.full_like(labels, null_label)]))
+    cond, uncond = out.chunk(2)
+    return uncond + scale * (cond - uncond)
+
+
+def min_snr_weight(snr: torch.Tensor, gamma: Optional[float], prediction: str = "eps") -> torch.Tensor:
+    """Min-SNR-gamma weights from SNR (any shape); finite at SNR = 0 and SNR = inf."""
+    if prediction not in PREDICTIONS:
+        raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
+    if gamma is None:
+        return torch.ones_like(snr)
+    clipped = torch.clamp(snr, max=gamma)                   # min(SNR, g): g at SNR = inf
+    if prediction == "eps":
+        return torch.clamp(gamma / snr, max=1.0)           # min(SNR, g) / SNR: 1 at SNR = 0
+    if prediction == "v":
+        return clipped / (snr + 1)                          # 0 at SNR = 0 and at SNR = inf
+    return clipped
+
+
+class NoiseSchedule:
+    """The discrete forward process and what the loss and the samplers need from it."""
+
+    def __init__(self, kind: str = "linear", num_timesteps: int = 1000, beta_start: float = 1e-4,
+                 beta_end: float = 0.02):
+        self.kind, self.num_timesteps = kind, num_timesteps
+        self.betas = betas_for(kind, num_timesteps, beta_start, beta_end)
+        self.alphas_cumprod = torch.cumprod(1.0 - self.betas, 0)      # float64, CPU
+        self._cache: dict = {}
+
+    def _table(self, name: str, device) -> torch.Tensor:
+        """float32 tables on `device`, computed in float64; index 0 is t = -1 (no noise)."""
+        tables = self._cache.get(device)
+        if tables is None:
+            a = torch.cat([self.alphas_cumprod.new_ones(1), self.alphas_cumprod])
+            tables = {"abar": a, "1-abar": 1 - a, "snr": a / (1 - a)}
+            tables = self._cache[device] = {k: v.float().to(device) for k, v in tables.items()}
+        return tables[name]
+
+    def abar(self, t: torch.Tensor) -> torch.Tensor:
+        """abar_t (float32, on t's device); t < 0 means no noise (abar = 1)."""
+        return self._table("abar", t.device)[(t.long() + 1).clamp(min=0)]
+
+    def snr(self, t: torch.Tensor) -> torch.Tensor:
+        """SNR(t) = abar / (1 - abar) (computed in float64; inf for t < 0)."""
+        return self._table("snr", t.device)[(t.long() + 1).clamp(min=0)]
+
+    def min_snr_weight(self, t: torch.Tensor, gamma: Optional[float], prediction: str = "eps") -> torch.Tensor:
+        """(B,) loss weights at timesteps t; gamma None = uniform (all ones)."""
+        return min_snr_weight(self.snr(t), gamma, prediction)
+
+    # -- training -----------------------------------------------------------------------------
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a = _bcast(self.abar(t), x0)
+        return a.sqrt() * x0 + (1 - a).sqrt() * noise
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, prediction: str) -> torch.Tensor:
+        if prediction == "eps":
+            return noise
+        if prediction == "x0":
+            return x0
+        a = _bcast(self.abar(t), x0)
+        return a.sqrt() * noise - (1 - a).sqrt() * x0
+
+    def split(self, out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction: str):
+        """(x0, eps) implied by the network output `out` at x_t."""
+        a = _bcast(self.abar(t), x_t)
+        if prediction == "eps":
+            return (x_t - (1 - a).sqrt() * out) / a.sqrt(), out
+        if prediction == "x0":
+            return out, (x_t - a.sqrt() * out) / (1 - a).sqrt()
+        return a.sqrt() * x_t - (1 - a).sqrt() * out, a.sqrt() * out + (1 - a).sqrt() * x_t
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def timesteps(self, steps: int) -> list[int]:
+        """`steps` timesteps from T-1 down, evenly spaced ('trailing' spacing: the first is T-1)."""
+        T = self.num_timesteps
+        if not 0 < steps <= T:
+            raise ValueError(f"sampling steps must be in [1, {T}], got {steps}")
+        return sorted({round(T - i * T / steps) - 1 for i in range(steps)}, reverse=True)
+
+    def ddim_step(self, out, x_t, t, t_prev, prediction="eps", eta=0.0, noise=None, clip: Optional[float] = None):
+        """x_{t_prev} from x_t (t_prev = -1: the final, noise-free step)."""
+        x0, eps = self.split(out, x_t, t, prediction)
+        if clip is not None:
+            x0 = x0.clamp(-clip, clip)
+        a, a_prev = _bcast(self.abar(t), x_t), _bcast(self.abar(t_prev), x_t)
+        std = eta * ((1 - a_prev) / (1 - a) * (1 - a / a_prev)).sqrt()
+        x = a_prev.sqrt() * x0 + (1 - a_prev - std ** 2).clamp(min=0).sqrt() * eps
+        if eta > 0:
+            if noise is None:
+                raise ValueError("ddim_step with eta > 0 needs noise")
+            x = x + std * noise
+        return x
+
+    def ddpm_step(self, out, x_t, t, t_prev, prediction="eps", noise=None, clip: Optional[float] = None):
+        """Ancestral step from the posterior q(x_{t_prev} | x_t, x_0) with variance beta~."""
+        x0, _ = self.split(out, x_t, t, prediction)
+        if clip is not None:
+            x0 = x0.clamp(-clip, clip)
+        a, a_prev = _bcast(self.abar(t), x_t), _bcast(self.abar(t_prev), x_t)
+        beta = 1 - a / a_prev                        # the step's beta (strided steps included)
+        mean = (a_prev.sqrt() * beta * x0 + (1 - beta).sqrt() * (1 - a_prev) * x_t) / (1 - a)
+        var = ((1 - a_prev) / (1 - a) * beta).clamp(min=1e-20)
+        if noise is None:
+            raise ValueError("ddpm_step needs noise")
+        return mean + _bcast((t_prev >= 0).float(), x_t) * var.sqrt() * noise
+
+    @torch.no_grad()
+    def sample(self, model_fn: Callable, shape, steps: int = 50, sampler: str = "ddim", eta: float = 0.0,
+               prediction: str = "eps", generator: Optional[torch.Generator] = None, device=None,
+               dtype=torch.float32, clip: Optional[float] = None, x_T: Optional[torch.Tensor] = None):
+        """Run the reverse process from x_T ~ N(0, I) (or the given x_T); model_fn(x, t) -> output."""
+        if sampler not in ("ddim", "ddpm"):
+            raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
+        x = torch.randn(shape, generator=generator, device=device, dtype=dtype) if x_T is None else x_T
+        ts = self.timesteps(steps)
+        B = x.shape[0]
+        for i, t in enumerate(ts):
+            t_prev = ts[i + 1] if i + 1 < len(ts) else -1
+            tb = torch.full((B,), t, device=x.device, dtype=torch.long)
+            pb = torch.full((B,), t_prev, device=x.device, dtype=torch.long)
+            out = model_fn(x, tb).to(x.dtype)
+            stochastic = sampler == "ddpm" or eta > 0
+            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype) if stochastic else None
+            if sampler == "ddim":
+                x = self.ddim_step(out, x, tb, pb, prediction, eta, noise, clip)
+            else:
+                x = self.ddpm_step(out, x, tb, pb, prediction, noise, clip)
+        return x

@@ -1,0 +1,119 @@
+"""TAESD: the tiny autoencoder for latent diffusion (images <-> latents, 8x spatial downscale).
+
+Model: Ollin Boer Bohan's "Tiny AutoEncoder for Stable Diffusion" (TAESD, 2023), distilled from
+the Stable Diffusion / SDXL / SD3 / FLUX VAEs. Plain convs and ReLU residual blocks, no norms,
+no attention, so it is fast enough to decode every sampling step.
+
+    encoder: conv -> Block -> 3 x [stride-2 conv -> 3 x Block] -> conv to latent_channels
+    decoder: tanh(z/3)*3 -> conv -> ReLU -> 3 x [3 x Block -> 2x nearest upsample -> conv]
+             -> Block -> conv to RGB
+
+Variants by latent channels: 4 (SD 1.x / SDXL), 16 (SD3 / FLUX.1) and 32 (FLUX.2). The FLUX.2
+variant adds a branch to the blocks at the lowest resolution (the encoder's last stage and the
+decoder's first): x + conv1x1(ReLU(GroupNorm(conv1x1(x)))) with 4x wider hidden channels,
+before the block's convs.
+
+Images are in [0, 1] in and out (decode() does not clamp: call .clamp(0, 1) to display).
+Latents are raw (unscaled), as the original encoder produces them.
+Shapes: encode (B, 3, H, W) -> (B, C, H/8, W/8); decode (B, C, h, w) -> (B, 3, 8h, 8w).
+
+The module indices inside `encoder` and `decoder` are the original nn.Sequential ones, so the
+original .pth files load with load_state_dict as they are (see zoo/weights/taesd.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def conv3x3(c_in: int, c_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=bias)
+
+
+class Clamp(nn.Module):
+    """Soft clamp of latents to (-3, 3): tanh(x / 3) * 3."""
+
+    def forward(self, x):
+        return torch.tanh(x / 3) * 3
+
+
+class MidBranch(nn.Sequential):
+    """The FLUX.2 variant's extra branch: 1x1 conv to 4C, GroupNorm(4), ReLU, 1x1 conv back to C."""
+
+    def __init__(self, c: int, groups: int = 4):
+        super().__init__(nn.Conv2d(c, 4 * c, 1, bias=False), nn.GroupNorm(groups, 4 * c), nn.ReLU(inplace=True),
+                         nn.Conv2d(4 * c, c, 1, bias=False))
+
+
+class Block(nn.Module):
+    """relu(conv(relu(conv(relu(conv(x))))) + x), optionally after x = x + mid_branch(x)."""
+
+    def __init__(self, c: int, mid_branch: bool = False):
+        super().__init__()
+        self.conv = nn.Sequential(conv3x3(c, c), nn.ReLU(inplace=True), conv3x3(c, c), nn.ReLU(inplace=True),
+                                  conv3x3(c, c))
+        if mid_branch:
+            self.pool = MidBranch(c)  # the original name of this branch in the weight files
+
+    def forward(self, x):
+        if hasattr(self, "pool"):
+            x = x + self.pool(x)
+        return F.relu_(self.conv(x).add_(x))
+
+
+def encoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = False) -> nn.Sequential:
+    c = channels
+    layers = [conv3x3(3, c), Block(c)]
+    for stage in range(3):
+        last = stage == 2
+        layers += [conv3x3(c, c, stride=2, bias=False)] + [Block(c, mid_branch and last) for _ in range(3)]
+    return nn.Sequential(*layers, conv3x3(c, latent_channels))
+
+
+def decoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = False) -> nn.Sequential:
+    c = channels
+    layers = [Clamp(), conv3x3(latent_channels, c), nn.ReLU(inplace=True)]
+    for stage in range(3):
+        first = stage == 0
+        layers += [Block(c, mid_branch and first) for _ in range(3)]
+        layers += [nn.Upsample(scale_factor=2, mode="nearest"), conv3x3(c, c, bias=False)]
+    return nn.Sequential(*layers, Block(c), conv3x3(c, 3))
+
+
+class TAESD(nn.Module):
+    """Tiny autoencoder: encode() [0,1] images to latents, decode() latents to [0,1] images.
+
+    latent_channels: 4 (SD/SDXL), 16 (SD3/FLUX.1), 32 (FLUX.2); midblock_gn: the FLUX.2 branch.
+    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them:
+    encode()/decode() work on raw latents, like the original."""
+
+    downscale = 8
+
+    def __init__(self, latent_channels: int = 4, midblock_gn: bool = False, channels: int = 64):
+        super().__init__()
+        self.latent_channels, self.midblock_gn, self.channels = latent_channels, midblock_gn, channels
+        self.encoder = encoder(latent_channels, channels, midblock_gn)
+        self.decoder = decoder(latent_channels, channels, midblock_gn)
+        self.scaling_factor, self.shift_factor = 1.0, 0.0
+
+    @property
+    def variant(self) -> dict:
+        return {"latent_channels": self.latent_channels, "midblock_gn": self.midblock_gn, "channels": self.channels}
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        h, w = images.shape[-2:]
+        if images.dim() != 4 or images.shape[1] != 3 or h % 8 or w % 8:
+            raise ValueError(f"TAESD.encode expects (B, 3, H, W) images with H and W divisible by 8, "
+                             f"got {tuple(images.shape)}")
+        return self.encoder(images)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        if latents.dim() != 4 or latents.shape[1] != self.latent_channels:
+            raise ValueError(f"TAESD.decode expects (B, {self.latent_channels}, h, w) latents, "
+                             f"got {tuple(latents.shape)}")
+        return self.decoder(latents)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Reconstruction: decode(encode(images))."""
+        return self.decode(self.encode(images))

@@ -1,0 +1,220 @@
+"""TAESD weights in and out: original .pth / .safetensors pairs and diffusers AutoencoderTiny folders.
+
+Original format (madebyollin/taesd): two flat nn.Sequential state dicts, `<name>_encoder.pth` and
+`<name>_decoder.pth` (fp16, torch.save; read with weights_only=True), or the same keys in
+`<name>_encoder.safetensors` / `<name>_decoder.safetensors`. Keys are zoo's own minus the
+`encoder.` / `decoder.` prefix. Point at either file of the pair (or at a folder holding one pair).
+
+diffusers format: a folder with config.json (`_class_name: AutoencoderTiny`) and
+diffusion_pytorch_model.safetensors. Keys `encoder.layers.{i}` are zoo's `encoder.{i}`;
+`decoder.layers.{i}` are zoo's `decoder.{i+1}` (diffusers has no module for the input clamp).
+diffusers' encode takes images in [-1, 1] and its decode returns [-1, 1]; zoo's TAESD works in
+[0, 1], and the weights are the same, so only the keys differ.
+
+The variant (latent channels, FLUX.2 mid-block branch, width) is read from the tensors.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from zoo.diffusion.taesd import TAESD
+
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+_PAIR = re.compile(r"^(?P<stem>.*)_(?P<part>encoder|decoder)\.(?P<ext>pth|pt|safetensors)$")
+_MAX_PTH_BYTES = 256 << 20   # TAESD files are a few MB; never unpickle big unrelated files to look
+
+
+def _pair_paths(p: Path):
+    """(encoder path, decoder path) of the original-format pair that `p` belongs to, or None."""
+    if p.is_dir():
+        encs = sorted(q for q in p.iterdir() if (m := _PAIR.match(q.name)) and m["part"] == "encoder")
+        return _pair_paths(encs[0]) if len(encs) == 1 else None
+    m = _PAIR.match(p.name)
+    if not m:
+        return None
+    enc = p.with_name(f"{m['stem']}_encoder.{m['ext']}")
+    dec = p.with_name(f"{m['stem']}_decoder.{m['ext']}")
+    return enc, dec
+
+
+def _read(path: Path) -> dict:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(path))
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line error
+        raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path}: not a flat state dict of tensors")
+    return sd
+
+
+def _keys(path: Path) -> list[str]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    if path.stat().st_size > _MAX_PTH_BYTES:
+        return []
+    return list(_read(path))
+
+
+def _is_diffusers(p: Path) -> bool:
+    cfg = p / "config.json"
+    if not (p.is_dir() and cfg.is_file() and (p / DIFFUSERS_WEIGHTS).is_file()):
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("_class_name") == "AutoencoderTiny"
+    except (ValueError, OSError):
+        return False
+
+
+def detect(path) -> bool:
+    p = Path(path)
+    if _is_diffusers(p):
+        return True
+    pair = _pair_paths(p)
+    if pair is None or not pair[0].is_file():
+        return False
+    try:
+        keys = _keys(pair[0])
+    except (ValueError, OSError):
+        return False
+    # the encoder's first layer is a plain conv "0.weight"; its blocks are "<i>.conv.<j>.weight"
+    return "0.weight" in keys and any(re.fullmatch(r"\d+\.conv\.0\.weight", k) for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+def variant_of(sd: dict, source) -> dict:
+    """Read the TAESD variant from a zoo-keyed state dict."""
+    try:
+        channels, latent = sd["encoder.0.weight"].shape[0], sd["encoder.14.weight"].shape[0]
+    except KeyError as e:
+        raise ValueError(f"{source}: not TAESD weights (missing {e.args[0]})") from None
+    return {"latent_channels": latent, "midblock_gn": any(".pool." in k for k in sd), "channels": channels}
+
+
+def _check_variant(found: dict, expected: dict, source):
+    for k, v in expected.items():
+        if v is not None and found[k] != v:
+            raise ValueError(f"{source}: these weights are the TAESD variant {k}={found[k]}, but {k}={v} "
+                             f"was asked for")
+
+
+def from_state_dict(sd: dict, source, dtype=torch.float32, **expected) -> TAESD:
+    """A TAESD with the zoo-keyed weights `sd`; `expected` (latent_channels=..., midblock_gn=...,
+    channels=...) is checked against the variant the tensors say."""
+    found = variant_of(sd, source)
+    _check_variant(found, {k: v for k, v in expected.items() if k in found}, source)
+    model = TAESD(**found)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise ValueError(f"{source}: weights do not fit the TAESD architecture ({what})")
+    return model.to(dtype)
+
+
+def _load_diffusers(p: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+    cfg = json.loads((p / "config.json").read_text())
+    want = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
+            "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1]}
+    for k, v in want.items():
+        if k in cfg and cfg[k] != v:
+            raise ValueError(f"{p / 'config.json'}: {k}={cfg[k]!r} is not supported (TAESD has {v!r})")
+    for k in ("encoder_block_out_channels", "decoder_block_out_channels"):
+        if k in cfg and len(set(cfg[k])) != 1:
+            raise ValueError(f"{p / 'config.json'}: {k}={cfg[k]} is not supported (TAESD has one width)")
+    sd = {}
+    for k, v in load_file(str(p / DIFFUSERS_WEIGHTS)).items():
+        m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)", k)
+        if not m:
+            raise ValueError(f"{p / DIFFUSERS_WEIGHTS}: unexpected key '{k}' for an AutoencoderTiny")
+        i = int(m[2]) + (1 if m[1] == "decoder" else 0)
+        sd[f"{m[1]}.{i}.{m[3]}"] = v
+    return sd, cfg
+
+
+def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, channels=None, **_) -> TAESD:
+    """TAESD from an original pair (either file, or a folder holding one pair) or a diffusers folder.
+    latent_channels / midblock_gn / channels, when given, must match the weights' variant."""
+    p = Path(path)
+    expected = {"latent_channels": latent_channels, "midblock_gn": midblock_gn, "channels": channels}
+    if _is_diffusers(p):
+        sd, cfg = _load_diffusers(p)
+        model = from_state_dict(sd, p, dtype, **expected)
+        model.scaling_factor = float(cfg.get("scaling_factor", 1.0))
+        model.shift_factor = float(cfg.get("shift_factor", 0.0) or 0.0)
+        return model
+    pair = _pair_paths(p)
+    if pair is None:
+        raise ValueError(f"{path}: not TAESD weights (expected <name>_encoder.pth and <name>_decoder.pth, "
+                         f"or a diffusers AutoencoderTiny folder)")
+    for q in pair:
+        if not q.is_file():
+            raise FileNotFoundError(f"{q}: missing (TAESD weights come as an encoder and decoder pair)")
+    sd = {f"encoder.{k}": v for k, v in _read(pair[0]).items()}
+    sd.update({f"decoder.{k}": v for k, v in _read(pair[1]).items()})
+    return from_state_dict(sd, pair[0], dtype, **expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+def exports(model) -> bool:
+    return isinstance(model, TAESD)
+
+
+def save(model: TAESD, path, format: str | None = None, dtype=None, name: str = "taesd", **_) -> Path:
+    """Write `model` as a diffusers AutoencoderTiny folder (format="diffusers", the default for a
+    folder) or as an original pair (format="taesd", the default when `path` ends in
+    _encoder.pth / _decoder.pth; for a folder, files `<name>_encoder.pth` and `<name>_decoder.pth`).
+    dtype: e.g. torch.float16 as the original files; default keeps the model's dtype."""
+    p = Path(path)
+    if format is None:
+        format = "taesd" if _PAIR.match(p.name) else "diffusers"
+    if format not in ("taesd", "diffusers"):
+        raise ValueError(f"format must be 'taesd' or 'diffusers', got {format!r}")
+    sd = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    if format == "taesd":
+        enc, dec = _pair_paths(p) if _PAIR.match(p.name) else (p / f"{name}_encoder.pth", p / f"{name}_decoder.pth")
+        enc.parent.mkdir(parents=True, exist_ok=True)
+        for part, out in (("encoder", enc), ("decoder", dec)):
+            tensors = {k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(part + ".")}
+            if out.suffix == ".safetensors":
+                from safetensors.torch import save_file
+                save_file(tensors, str(out))
+            else:
+                tmp = out.with_name(out.name + ".tmp")
+                torch.save(tensors, tmp)
+                tmp.replace(out)
+        return enc
+    if model.midblock_gn:
+        raise ValueError(f"{path}: diffusers' AutoencoderTiny has no FLUX.2 mid-block branch; "
+                         f"export this variant with format='taesd'")
+    from safetensors.torch import save_file
+    p.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for k, v in sd.items():
+        part, i, rest = k.split(".", 2)
+        out[f"{part}.layers.{int(i) - (part == 'decoder')}.{rest}"] = v
+    c = model.channels
+    config = {"_class_name": "AutoencoderTiny", "in_channels": 3, "out_channels": 3,
+              "encoder_block_out_channels": [c] * 4, "decoder_block_out_channels": [c] * 4,
+              "act_fn": "relu", "upsample_fn": "nearest",
+              "latent_channels": model.latent_channels, "upsampling_scaling_factor": 2,
+              "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1],
+              "latent_magnitude": 3, "latent_shift": 0.5, "force_upcast": False,
+              "scaling_factor": model.scaling_factor, "shift_factor": model.shift_factor}
+    save_file(out, str(p / DIFFUSERS_WEIGHTS))
+    (p / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return p
