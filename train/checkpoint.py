@@ -23,10 +23,11 @@ from typing import Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_model
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+REQUIRED = ("model.safetensors", "state.pt")
 
 
 def _sha256(path: Path) -> str:
@@ -150,26 +151,75 @@ def verify_checkpoint(path: Path) -> dict:
     try:
         manifest = json.loads(man.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError, TypeError):
+        sizes = {name: int(meta["size"]) for name, meta in files.items()}
+        sums = {name: str(meta["sha256"]) for name, meta in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ValueError(f"{man}: unreadable manifest") from None
-    for name, meta in files.items():
+    for name in REQUIRED:
+        if name not in files:
+            raise ValueError(f"{man}: does not list {name}")
+    for name in files:
         f = path / name
-        if not f.is_file():
+        if not f.is_file() or f.parent != path:
             raise ValueError(f"{f}: missing")
-        if f.stat().st_size != meta["size"]:
-            raise ValueError(f"{f}: size {f.stat().st_size} != {meta['size']} recorded (truncated?)")
-        if _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != sizes[name]:
+            raise ValueError(f"{f}: size {f.stat().st_size} != {sizes[name]} recorded (truncated?)")
+        if _sha256(f) != sums[name]:
             raise ValueError(f"{f}: checksum mismatch (corrupt)")
     return manifest
 
 
+class CheckpointError(ValueError):
+    """No usable checkpoint: one line naming the directory and the reason."""
+
+
+def read_state(path: Path) -> dict:
+    """state.pt through torch.load(weights_only=True): tensors and plain containers only, so a
+    file carrying a pickled object (code run on load) is refused without running it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling refused, truncated zip, ...: one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path}: refused or unreadable ({type(e).__name__}: {first[:200]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
+        raise ValueError(f"{path}: not a Zoo loop state (no step / rng)")
+    return state
+
+
+def read_weights(path: Path, model: torch.nn.Module) -> dict:
+    """The tensors of a safetensors file, checked name by name and shape by shape against `model`."""
+    try:
+        sd = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - bad header, truncated data
+        raise ValueError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    want = model.state_dict()
+    # tied tensors (one storage, several names) are stored once by save_model: any one name will do
+    names_of = {}
+    for k, v in want.items():
+        names_of.setdefault(v.data_ptr(), []).append(k)
+    missing = [k for k, v in want.items() if not any(n in sd for n in names_of[v.data_ptr()])]
+    unexpected = [k for k in sd if k not in want]
+    if missing or unexpected:
+        raise ValueError(f"{path}: does not match the model ({len(missing)} missing e.g. {missing[:2]}, "
+                         f"{len(unexpected)} unexpected e.g. {unexpected[:2]}); did the model config change?")
+    for k, v in sd.items():
+        if v.shape != want[k].shape:
+            raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the model has {tuple(want[k].shape)}")
+    return sd
+
+
 def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None) -> dict:
-    """Load a verified checkpoint into the given objects; returns the state dict (step, extra)."""
-    verify_checkpoint(path)
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
-    if ema is not None and (path / "ema.safetensors").is_file():
-        load_model(ema, str(path / "ema.safetensors"), strict=True)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    """Load a verified checkpoint into the given objects; returns the state dict (step, extra).
+    Every file is read and checked before anything is loaded, so a bad checkpoint changes nothing."""
+    manifest = verify_checkpoint(path)
+    weights = read_weights(path / "model.safetensors", model)
+    ema_weights = read_weights(path / "ema.safetensors", ema) if ema is not None and (path / "ema.safetensors").is_file() else None
+    state = read_state(path / "state.pt")
+    if state["step"] != manifest.get("step"):
+        raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
+    model.load_state_dict(weights, strict=False)
+    if ema_weights is not None:
+        ema.load_state_dict(ema_weights, strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and "scaler" in state:
@@ -179,15 +229,21 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None) ->
 
 
 def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=print) -> Optional[dict]:
-    """Resume from the newest complete, uncorrupted checkpoint; None if there is none."""
-    for path in list_checkpoints(out_dir):
+    """Resume from the newest complete, uncorrupted checkpoint; None if there is none.
+    When checkpoints exist but none is usable, raise CheckpointError rather than start over
+    (starting over would rotate them away: nothing is deleted without the user saying so)."""
+    paths = list_checkpoints(out_dir)
+    for path in paths:
         try:
             state = load_checkpoint(path, model, optimizer, scaler, ema)
-        except Exception as e:  # corrupt or truncated: say which, try the previous one
+        except Exception as e:  # noqa: BLE001 - corrupt or truncated: say which, try the previous one
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
         log(f"resumed from {path} (step {state['step']})")
         state["path"] = str(path)
         return state
+    if paths:
+        raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {len(paths)} checkpoints is usable (see "
+                              f"log.txt); move them away or set train.resume=false to start over")
     return None

@@ -253,15 +253,17 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, say)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    with open(out / "config.yaml", "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    _atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     start = 0
-    state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say) if t.resume else None
+    try:
+        state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say) if t.resume else None
+    except ckpt.CheckpointError as e:
+        raise RunStopped(str(e), EXIT_CONFIG) from None
     if state is not None:
         start = state["step"]
     metrics_path = out / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start)
+    _truncate_metrics(metrics_path, start, finished=start >= t.max_steps)
 
     fwd = model
     if t.compile:
@@ -300,7 +302,10 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
             scaler.unscale_(optimizer)
             gnorm = torch.nn.utils.clip_grad_norm_(params, t.clip_grad if t.clip_grad else float("inf"))
             loss_val = loss_sum.item() / t.grad_accum
-            finite = math.isfinite(loss_val) and math.isfinite(gnorm.item())
+            grads_ok = math.isfinite(gnorm.item())
+            # a non-finite loss always counts; with fp16 an overflowing gradient is the GradScaler's
+            # business (it skips the step and lowers the scale), so it does not count as a failure
+            finite = math.isfinite(loss_val) and (grads_ok or scaler.is_enabled())
             if scaler.is_enabled():
                 scaler.step(optimizer)  # skips the step itself on inf/nan gradients
                 scaler.update()
@@ -309,7 +314,7 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if finite:
                 nonfinite_streak = 0
-                if ema is not None:
+                if ema is not None and grads_ok:
                     ema.update(model)
             else:
                 nonfinite_streak += 1
@@ -357,17 +362,20 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
                 say(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
             if pre.signal is not None:
-                _save(out, done, model, optimizer, scaler, ema, t, say)
+                _save(out, done, model, optimizer, scaler, ema, t, say, mf)
                 bar.close()
                 raise RunStopped(f"received {signal.Signals(pre.signal).name} at step {done}: checkpoint written "
                                  f"to {out / ckpt.CKPT_DIR}; run the same command again to resume", EXIT_PREEMPTED)
             if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
-                _save(out, done, model, optimizer, scaler, ema, t, say)
+                if nonfinite_streak:  # keep the older, good checkpoints from being rotated away
+                    say(f"step {done}: checkpoint postponed ({nonfinite_streak} non-finite steps in a row)")
+                else:
+                    _save(out, done, model, optimizer, scaler, ema, t, say, mf)
         bar.close()
 
         done = max(step + 1, start) if t.max_steps > start else start
         if state is None or done > start:
-            _save(out, done, model, optimizer, scaler, ema, t, say)
+            _save(out, done, model, optimizer, scaler, ema, t, say, mf)
         ev = _evaluate(task, model, ema, autocast)
         record({"step": done, **ev})
         last.update(ev)
@@ -398,23 +406,37 @@ def _evaluate(task, model, ema, autocast) -> dict:
     return ev
 
 
-def _save(out, step, model, optimizer, scaler, ema, t, say):
+def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None):
+    if metrics_file is not None:  # the metrics up to this step are durable before the checkpoint is
+        metrics_file.flush()
+        os.fsync(metrics_file.fileno())
     path = ckpt.save_checkpoint(out, step, model, optimizer, scaler if scaler.is_enabled() else None,
                                 ema.model if ema is not None else None, keep=t.keep_checkpoints)
     say(f"checkpoint: {path}")
 
 
-def _truncate_metrics(path: Path, step: int):
-    """On resume, drop metric lines logged after the checkpoint (they will be logged again)."""
+def _truncate_metrics(path: Path, step: int, finished: bool = False):
+    """On resume, drop metric lines logged after the checkpoint (they will be logged again), and
+    any torn last line of a killed writer. When resuming a finished run (the checkpoint is the
+    last step), its final evaluation rows are logged again too, so drop them."""
     if not path.exists():
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except ValueError:
+            row = json.loads(line)
+            s = row.get("step", 0)
+        except (ValueError, AttributeError):
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep))
+        if s < step or (s == step and not (finished and "loss" not in row and "nonfinite" not in row)):
+            keep.append(line)
+    _atomic_write_text(path, "".join(l + "\n" for l in keep))
+
+
+def _atomic_write_text(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -1,0 +1,431 @@
+"""Reliability: runs survive SIGKILL, preemption, corrupt checkpoints, non-finite losses and
+malicious pickles, and lose nothing.
+
+The kill and signal tests run `python train/run.py` as subprocesses on a tiny LLM (bytes
+tokenizer, CPU, one thread: deterministic without train.deterministic, whose first call costs
+seconds of start-up) and compare the final weights bitwise with an uninterrupted run of the
+same length.
+"""
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import train.loop as loop
+from train.checkpoint import list_checkpoints
+from train.config import load_run_config
+from train.run import main as run_main
+from train.tasks.lm import LMTask
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_PY = ROOT / "train" / "run.py"
+
+CFG = {
+    "family": "llm",
+    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+    "data": {"tokenizer": "bytes", "seq_len": 64},
+    "train": {"max_steps": 150, "batch_size": 8, "log_every": 1, "eval_every": 0, "eval_batches": 2,
+              "checkpoint_every": 5, "keep_checkpoints": 2, "device": "cpu", "deterministic": False,
+              "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False},
+    "optim": {"lr": 3e-3, "warmup_steps": 5},
+}
+MAX_STEPS = CFG["train"]["max_steps"]
+
+
+# ------------------------------------------------------------------------------ helpers
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as the subprocesses use: fast on a busy machine, identical every run."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def weights(path) -> dict:
+    return load_file(str(path))
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def curve(out: Path) -> list:
+    """(step, loss, lr, grad_norm) of every logged training step: what a resumed run must reproduce."""
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def run_cfg(tmp_path_factory):
+    """A YAML run config on a small corpus (a slice of the standard library)."""
+    from train.data import stdlib_files
+    d = tmp_path_factory.mktemp("rel")
+    corpus = d / "corpus.txt"
+    corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:20])[:150_000])
+    cfg = {**CFG, "data": {**CFG["data"], "path": str(corpus)}}
+    path = d / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(cfg: Path, out: Path, *overrides) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob("stderr-*.txt")))
+    return subprocess.Popen([sys.executable, str(RUN_PY), str(cfg), f"train.out_dir={out}", *overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(out / f"stderr-{n}.txt", "w"))
+
+
+def finish(p: subprocess.Popen, timeout=300) -> int:
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+
+
+def wait_for_training(p: subprocess.Popen, out: Path, starts_before: int, timeout=120) -> bool:
+    """Wait until this process has entered the training loop (its 'mfu:' log line); False if it exited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if p.poll() is not None:
+            return False
+        if starts(out) > starts_before:
+            return True
+        time.sleep(0.01)
+    raise TimeoutError("the run did not start training")
+
+
+def starts(out: Path) -> int:
+    log = out / "log.txt"
+    return log.read_text().count("mfu: ") if log.exists() else 0
+
+
+def tmp_dirs_of(out: Path, pid: int) -> list:
+    root = out / "checkpoints"
+    try:
+        return [e.name for e in os.scandir(root) if e.name.startswith(".tmp-") and e.name.endswith(f"-{pid}")]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def reference(run_cfg, tmp_path_factory):
+    """An uninterrupted run: its final weights and loss curve."""
+    out = tmp_path_factory.mktemp("reference")
+    assert finish(launch(run_cfg, out)) == 0, (out / "stderr-0.txt").read_text()
+    return weights(out / "model.safetensors"), curve(out)
+
+
+# ------------------------------------------------------------------------------ SIGKILL
+def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, reference, tmp_path):
+    """At least 5 SIGKILLs (one or more inside a checkpoint write), each followed by a resume:
+    the final weights and the whole loss curve equal the uninterrupted run's, bit for bit."""
+    rng = random.Random(0)
+    out = tmp_path / "killed"
+    kills, in_write = 0, 0
+    for attempt in range(14):
+        if kills >= 5 and in_write >= 1:
+            break
+        n_starts = starts(out)
+        p = launch(run_cfg, out)
+        if not wait_for_training(p, out, n_starts):
+            break  # it finished before we could kill it
+        if attempt % 2 == 1:
+            # kill while this process writes a checkpoint: its temporary directory is on disk
+            deadline = time.monotonic() + 30
+            while not tmp_dirs_of(out, p.pid) and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        else:
+            time.sleep(rng.uniform(0.0, 0.8))
+        if p.poll() is not None:
+            break
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        kills += 1
+        in_write += bool(tmp_dirs_of(out, p.pid))  # left behind: the kill landed before the rename
+    print(f"SIGKILLs: {kills}, {in_write} of them inside a checkpoint write")
+    assert kills >= 5 and in_write >= 1, (kills, in_write)
+    p = launch(run_cfg, out)
+    assert finish(p) == 0, sorted(out.glob("stderr-*"))[-1].read_text()
+    log = (out / "log.txt").read_text()
+    assert log.count("resumed from") >= 4, log
+    ref_weights, ref_curve = reference
+    assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
+    assert curve(out) == ref_curve  # every step logged once, with the uninterrupted run's numbers
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # killed writers' leftovers are cleaned up
+    assert len(list_checkpoints(out)) == CFG["train"]["keep_checkpoints"]
+
+
+# ------------------------------------------------------------------------------ SIGTERM / SIGINT
+def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, reference, tmp_path):
+    out = tmp_path / "preempted"
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        n_starts = starts(out)
+        p = launch(run_cfg, out)
+        assert wait_for_training(p, out, n_starts)
+        time.sleep(0.3)
+        p.send_signal(sig)
+        assert finish(p) == 75
+        err = sorted(out.glob("stderr-*"), key=lambda f: f.stat().st_mtime)[-1].read_text().strip()
+        assert len(err.splitlines()) == 1, err
+        m = re.search(rf"received {sig.name} at step (\d+): checkpoint written", err)
+        assert m and "resume" in err, err
+        step = int(m.group(1))
+        assert 0 < step < MAX_STEPS
+        assert list_checkpoints(out)[0].name == f"step_{step:08d}"  # the step it stopped at, nothing lost
+    assert finish(launch(run_cfg, out)) == 0
+    ref_weights, ref_curve = reference
+    assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
+    assert curve(out) == ref_curve
+
+
+# ------------------------------------------------------------------------------ in-process runs
+SMALL = {**CFG, "train": {**CFG["train"], "max_steps": 20, "deterministic": True}}
+
+
+def run(tmp_path, corpus, name, base=SMALL, **over):
+    overrides = [f"train.out_dir={tmp_path / name}", f"data.path={corpus}"] + [f"{k}={v}" for k, v in over.items()]
+    logs = []
+    loop.train(load_run_config(None, overrides, base=base), log=logs.append)
+    return tmp_path / name, logs
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def corrupt(ckpt: Path, how: str):
+    if how == "truncate_weights":
+        f = ckpt / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "flip_weights":
+        f = ckpt / "model.safetensors"
+        b = bytearray(f.read_bytes())
+        b[len(b) - 100] ^= 0xFF
+        f.write_bytes(bytes(b))
+    elif how == "flip_state":
+        f = ckpt / "state.pt"
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0x01
+        f.write_bytes(bytes(b))
+    elif how == "truncate_manifest":
+        f = ckpt / "manifest.json"
+        f.write_text(f.read_text()[:40])
+    elif how == "missing_state":
+        (ckpt / "state.pt").unlink()
+    else:
+        raise ValueError(how)
+
+
+@pytest.fixture(scope="module")
+def small_full(tmp_path_factory):
+    """A 20-step in-process run with checkpoints every 5 steps (all kept)."""
+    from train.data import stdlib_files
+    d = tmp_path_factory.mktemp("small")
+    corpus = d / "corpus.txt"
+    corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:10])[:80_000])
+    out, _ = run(d, corpus, "full", **{"train.keep_checkpoints": 10})
+    return corpus, out
+
+
+def killed_copy(full: Path, dst: Path, after_step: int) -> Path:
+    """The run directory as a run killed right after the checkpoint of `after_step` left it."""
+    shutil.copytree(full, dst)
+    for c in list_checkpoints(dst):
+        if int(c.name.split("_")[1]) > after_step:
+            shutil.rmtree(c)
+    (dst / "model.safetensors").unlink()
+    return dst
+
+
+@pytest.mark.parametrize("how", ["truncate_weights", "flip_weights", "flip_state", "truncate_manifest",
+                                 "missing_state"])
+def test_corrupt_newest_checkpoint_falls_back_to_previous(small_full, tmp_path, how):
+    corpus, full = small_full
+    part = killed_copy(full, tmp_path / "part", after_step=15)
+    corrupt(part / "checkpoints" / "step_00000015", how)
+    _, logs = run(tmp_path, corpus, "part", **{"train.keep_checkpoints": 10})
+    bad = [m for m in logs if "step_00000015 is unusable" in m]
+    assert len(bad) == 1 and "falling back" in bad[0], logs
+    assert any(m.startswith("resumed from") and m.rstrip().endswith("step_00000010 (step 10)") for m in logs), logs
+    # from step 10 the run is redone exactly: same weights as the run that was never interrupted
+    assert_bitwise_equal(weights(part / "model.safetensors"), weights(full / "model.safetensors"))
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(small_full, tmp_path, capsys):
+    corpus, full = small_full
+    part = killed_copy(full, tmp_path / "part", after_step=10)
+    for c in list_checkpoints(part):
+        corrupt(c, "flip_weights")
+    before = {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({**SMALL, "data": {**SMALL["data"], "path": str(corpus)}}))
+    assert run_main([str(cfg), f"train.out_dir={part}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoints" in err and "train.resume=false" in err, err
+    assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == before  # nothing lost
+
+
+# ------------------------------------------------------------------------------ non-finite losses
+def nan_task(nan_steps):
+    """The LM task with a NaN loss injected at the given (0-based) optimizer steps; it snapshots
+    the weights at the start of every step."""
+    class NaNTask(LMTask):
+        snapshots = {}
+
+        def build_model(self):
+            self.model = super().build_model()
+            return self.model
+
+        def train_batch(self, step, micro):
+            self.step = step
+            if micro == 0:
+                NaNTask.snapshots[step] = {k: v.clone() for k, v in self.model.state_dict().items()}
+            return super().train_batch(step, micro)
+
+        def loss(self, model, batch):
+            loss, n = super().loss(model, batch)
+            return (loss * float("nan") if nan_steps(self.step) else loss), n
+    return NaNTask
+
+
+def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monkeypatch):
+    corpus, _ = small_full
+    k = 7
+    task = nan_task(lambda s: s == k)
+    monkeypatch.setattr(loop, "task_class", lambda family: task)
+    out, logs = run(tmp_path, corpus, "nan")
+    snaps = task.snapshots
+    assert_bitwise_equal(snaps[k + 1], snaps[k])  # the NaN step left the weights untouched
+    for s in (k - 1, k + 1):  # the steps around it did train
+        assert any(not torch.equal(snaps[s][n], snaps[s + 1][n]) for n in snaps[s])
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": k + 1, "nonfinite": True, "skipped_steps": 1} in rows
+    assert all(r.get("skipped_steps") == 1 for r in rows if "loss" in r and r["step"] > k)
+    assert any("non-finite" in m and "skipped" in m for m in logs)
+    state = torch.load(list_checkpoints(out)[0] / "state.pt", weights_only=True)
+    assert all(int(s["step"]) == SMALL["train"]["max_steps"] - 1 for s in state["optimizer"]["state"].values())
+    first_loss = next(r["loss"] for r in rows if "loss" in r)
+    final = [r for r in rows if "val_loss" in r][-1]
+    assert final["val_loss"] < first_loss - 1.0  # it went on learning
+
+
+def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_full, tmp_path, monkeypatch,
+                                                                          capsys):
+    corpus, full = small_full
+    part = killed_copy(full, tmp_path / "part", after_step=10)
+    kept = {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)}
+    monkeypatch.setattr(loop, "task_class", lambda family: nan_task(lambda s: True))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({**SMALL, "data": {**SMALL["data"], "path": str(corpus)}}))
+    code = run_main([str(cfg), f"train.out_dir={part}", "train.checkpoint_every=2", "train.max_nonfinite=4",
+                     "train.keep_checkpoints=2"])
+    assert code == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "non-finite" in err and "step 14" in err, err
+    # no checkpoint of the NaN streak rotated the good ones away; they are intact
+    assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == kept
+    assert not (part / "model.safetensors").exists()
+    rows = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("nonfinite")] == [11, 12, 13, 14]
+
+
+# ------------------------------------------------------------------------------ malicious pickles
+class Payload:
+    """Unpickling this calls open(marker, 'w'): code run by merely loading the file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def malicious(path: Path, tensors: dict, marker: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({**tensors, "payload": Payload(marker)}, path)
+    return path
+
+
+def test_the_payload_is_live(tmp_path):
+    """The test payload really runs code when unpickled without weights_only (so the tests below can fail)."""
+    marker = tmp_path / "pwned"
+    f = malicious(tmp_path / "x.pth", {"w": torch.zeros(1)}, marker)
+    torch.load(f, weights_only=False)
+    assert marker.exists()
+
+
+def test_resume_refuses_a_malicious_state_pt(small_full, tmp_path):
+    corpus, full = small_full
+    part = killed_copy(full, tmp_path / "part", after_step=15)
+    ck = part / "checkpoints" / "step_00000015"
+    marker = tmp_path / "pwned"
+    state = torch.load(ck / "state.pt", weights_only=True)
+    malicious(ck / "state.pt", state, marker)
+    # an attacker who can write the file can also fix up the manifest: only weights_only stands in the way
+    man = json.loads((ck / "manifest.json").read_text())
+    man["files"]["state.pt"] = {"size": (ck / "state.pt").stat().st_size, "sha256": sha(ck / "state.pt")}
+    (ck / "manifest.json").write_text(json.dumps(man))
+    _, logs = run(tmp_path, corpus, "part", **{"train.keep_checkpoints": 10})
+    assert not marker.exists()
+    bad = [m for m in logs if "step_00000015 is unusable" in m]
+    assert len(bad) == 1 and "state.pt" in bad[0], logs
+    assert_bitwise_equal(weights(part / "model.safetensors"), weights(full / "model.safetensors"))
+
+
+RESNET_KEYS = ["conv1.weight", "bn1.weight", "layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.conv2.weight",
+               "layer1.0.bn2.weight", "fc.weight", "fc.bias"]
+
+
+@pytest.mark.parametrize("layout", ["resnet18.pth", "model.pt", "folder/pytorch_model.bin", "taesd_encoder.pth",
+                                    "taesd_decoder.pth"])
+def test_from_pretrained_refuses_malicious_pth(tmp_path, layout):
+    import zoo
+    marker = tmp_path / "pwned"
+    tensors = {k: torch.zeros(4, 4) for k in RESNET_KEYS} if "taesd" not in layout else \
+        {f"{i}.weight": torch.zeros(4, 4) for i in range(3)}
+    f = malicious(tmp_path / layout, tensors, marker)
+    if "taesd" in layout:  # the other file of the pair, also poisoned
+        other = {"taesd_encoder.pth": "taesd_decoder.pth", "taesd_decoder.pth": "taesd_encoder.pth"}[layout]
+        malicious(tmp_path / other, tensors, marker)
+    target = f.parent if layout.startswith("folder/") else f
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        zoo.from_pretrained(target)
+    assert not marker.exists()
+    assert len(str(e.value).splitlines()) == 1 and str(tmp_path) in str(e.value)
+
+
+UNSAFE = [re.compile(r"\bpickle\.loads?\("), re.compile(r"\bdill\."), re.compile(r"allow_pickle\s*=\s*True"),
+          re.compile(r"weights_only\s*=\s*False")]
+
+
+def test_nothing_in_the_project_unpickles_arbitrary_objects():
+    """Every torch.load in zoo/ and train/ passes weights_only=True; no pickle.load, np.load(allow_pickle=True)."""
+    offenders = []
+    for f in sorted((ROOT / "zoo").rglob("*.py")) + sorted((ROOT / "train").rglob("*.py")):
+        src = f.read_text()
+        for m in re.finditer(r"torch\.load\(", src):
+            depth, i = 1, m.end()
+            while depth and i < len(src):
+                depth += {"(": 1, ")": -1}.get(src[i], 0)
+                i += 1
+            if not re.search(r"weights_only\s*=\s*True", src[m.end():i]):
+                offenders.append(f"{f.relative_to(ROOT)}: {src[m.start():i]}")
+        offenders += [f"{f.relative_to(ROOT)}: {p.pattern}" for p in UNSAFE if p.search(src)]
+    assert not offenders, offenders
