@@ -14,7 +14,8 @@ from .config import MODEL_CONFIGS, ConfigError, from_dict, load_yaml, model_conf
 __all__ = ["build", "from_pretrained", "save_pretrained", "ConfigError", "FAMILIES"]
 
 # family -> "module:Class" of its model; the class takes the family's config dataclass.
-FAMILIES: dict[str, str] = {"llm": "zoo.llm:LLM", "diffusion": "zoo.diffusion.latent:LatentDiffusion"}
+FAMILIES: dict[str, str] = {"llm": "zoo.llm:LLM", "convnet": "zoo.convnet:ResNet",
+                             "diffusion": "zoo.diffusion.latent:LatentDiffusion"}
 
 
 def model_class(family: str):

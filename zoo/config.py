@@ -282,6 +282,80 @@ class LLMConfig:
         m = self.ffn_multiple_of
         return m * ((h + m - 1) // m)
 
+
+# ----------------------------------------------------------------------------------------
+# ConvNet family (zoo/convnet.py)
+# ----------------------------------------------------------------------------------------
+
+# ResNet presets: name -> (block, blocks per stage, groups, width_per_group), as timm/torchvision.
+RESNET_ARCHS: dict[str, tuple] = {
+    "resnet18": ("basic", [2, 2, 2, 2], 1, 64),
+    "resnet34": ("basic", [3, 4, 6, 3], 1, 64),
+    "resnet50": ("bottleneck", [3, 4, 6, 3], 1, 64),
+    "resnet101": ("bottleneck", [3, 4, 23, 3], 1, 64),
+    "resnet152": ("bottleneck", [3, 8, 36, 3], 1, 64),
+    "resnext50_32x4d": ("bottleneck", [3, 4, 6, 3], 32, 4),
+    "resnext101_32x8d": ("bottleneck", [3, 4, 23, 3], 32, 8),
+    "wide_resnet50_2": ("bottleneck", [3, 4, 6, 3], 1, 128),
+    "wide_resnet101_2": ("bottleneck", [3, 4, 23, 3], 1, 128),
+}
+
+
+@dataclass
+class ConvNetConfig:
+    """ResNet: a preset `arch`, optionally overridden by block / layers / groups / width_per_group."""
+    arch: str = "resnet50"
+    block: Optional[Literal["basic", "bottleneck"]] = None  # null: from arch
+    layers: Optional[list[int]] = None      # blocks per stage; null: from arch
+    groups: Optional[int] = None            # ResNeXt cardinality; null: from arch
+    width_per_group: Optional[int] = None   # bottleneck width per group; null: from arch
+    width: int = 64                         # stem channels; stage i has width * 2**i planes
+    stem: Literal["imagenet", "small"] = "imagenet"  # 7x7/2 conv + max-pool, or 3x3/1 conv for 32x32
+    in_chans: int = 3
+    num_classes: int = 1000
+    drop_rate: float = 0.0                  # dropout before the classifier
+    drop_path_rate: float = 0.0             # stochastic depth at the last block (linear from 0)
+    zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
+    bn_eps: float = 1e-5
+
+    def validate(self, source="<config>", prefix=""):
+        p = prefix
+        if self.arch not in RESNET_ARCHS:
+            raise fail(source, p + "arch", f"must be one of {', '.join(RESNET_ARCHS)}, got {self.arch!r}")
+        if self.layers is not None and (not self.layers or any(n <= 0 for n in self.layers)):
+            raise fail(source, p + "layers", f"must be a non-empty list of positive block counts, got {self.layers}")
+        for k in ("groups", "width_per_group"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise fail(source, p + k, f"must be > 0 or null, got {v}")
+        for k in ("width", "in_chans", "num_classes"):
+            if getattr(self, k) <= 0:
+                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+        if self.block_type == "basic" and (self.cardinality, self.base_width) != (1, 64):
+            raise fail(source, p + "block", "='basic' needs groups=1 and width_per_group=64")
+        for k in ("drop_rate", "drop_path_rate"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                raise fail(source, p + k, f"must be in [0, 1), got {getattr(self, k)}")
+        if self.bn_eps <= 0:
+            raise fail(source, p + "bn_eps", f"must be > 0, got {self.bn_eps}")
+
+    @property
+    def block_type(self) -> str:
+        return self.block or RESNET_ARCHS[self.arch][0]
+
+    @property
+    def stage_depths(self) -> list:
+        return list(self.layers or RESNET_ARCHS[self.arch][1])
+
+    @property
+    def cardinality(self) -> int:
+        return self.groups or RESNET_ARCHS[self.arch][2]
+
+    @property
+    def base_width(self) -> int:
+        return self.width_per_group or RESNET_ARCHS[self.arch][3]
+
+
 # ----------------------------------------------------------------------------------------
 # Latent diffusion family
 # ----------------------------------------------------------------------------------------
@@ -358,7 +432,8 @@ class DiffusionConfig:
 
 
 # Model config class per family. Other families register theirs here.
-MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig, "diffusion": DiffusionConfig}
+MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig, "convnet": ConvNetConfig,
+                                   "diffusion": DiffusionConfig}
 
 
 def model_config_from(data: dict, family: str, source: str, prefix: str = "model."):

@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 
 # Tried in order; the first whose detect() is true loads the path.
-FORMATS: list[str] = ["zoo.weights.taesd", "zoo.weights.hf_llm"]
+FORMATS: list[str] = ["zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
 
 
 def _modules():

@@ -1,0 +1,344 @@
+"""Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5.
+
+Data (`data.path`): `digits` (the embedded default: scikit-learn's bundled 8x8 digits,
+upsampled; no download) or an ImageFolder-style directory, root/<class>/<images>. A root with
+train/ and val/ folders uses them; otherwise `data.val_fraction` of each class is held out.
+Training crops are random-resized with a horizontal flip, eval crops resized and centred;
+PIL decodes in DataLoader workers, uint8 crops travel to the device (pinned on CUDA) and are
+normalised there. Every batch is a function of (seed, step, micro) only: exact resume.
+Unreadable images are reported by path, counted and skipped.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import zoo
+from zoo.config import ConfigError, fail
+from zoo.weights import resnet as resnet_weights
+
+from ..data import DataError
+from ..images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, collate_images, digits_dataset, epoch_positions,
+                      random_shift, scan_image_folder)
+from . import Task
+
+
+@dataclass
+class ImageDataConfig:
+    path: str = "digits"                    # "digits" (embedded) or an image folder root/<class>/<image>
+    val_path: Optional[str] = None          # null: root/val if root/train exists, else a split of root
+    val_fraction: float = 0.1               # held out per class when there is no val folder
+    image_size: Optional[int] = None        # null: 32 for digits, 224 for folders
+    crop_pct: float = 0.875                 # eval: resize to image_size / crop_pct, centre-crop image_size
+    scale: tuple[float, float] = (0.08, 1.0)   # train: random-resized-crop area range
+    ratio: tuple[float, float] = (0.75, 1.3333333)  # train: aspect-ratio range
+    hflip: float = 0.5                      # train: flip probability (folders)
+    shift: int = 2                          # train: random translation in pixels (digits)
+    mean: Optional[list[float]] = None      # null: ImageNet's (RGB) / 0.5 (digits, grey)
+    std: Optional[list[float]] = None
+    label_smoothing: float = 0.1
+    num_workers: int = 2                    # DataLoader worker processes (folders)
+    pin_memory: Optional[bool] = None       # null: when the device is CUDA
+    eval_images: Optional[int] = None       # null: the whole validation set
+    ema_bn_batches: int = 8                 # EMA model: recompute BatchNorm statistics on this many
+                                            # (centre-cropped) training batches before evaluating; 0 = off
+
+    def validate(self, source, prefix="data."):
+        if not self.path:
+            raise fail(source, prefix + "path", "must not be empty")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise fail(source, prefix + "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if self.image_size is not None and self.image_size < 8:
+            raise fail(source, prefix + "image_size", f"must be >= 8 or null, got {self.image_size}")
+        if not 0.0 < self.crop_pct <= 1.0:
+            raise fail(source, prefix + "crop_pct", f"must be in (0, 1], got {self.crop_pct}")
+        if not 0.0 < self.scale[0] <= self.scale[1] <= 1.0:
+            raise fail(source, prefix + "scale", f"must be 0 < min <= max <= 1, got {list(self.scale)}")
+        if not 0.0 < self.ratio[0] <= self.ratio[1]:
+            raise fail(source, prefix + "ratio", f"must be 0 < min <= max, got {list(self.ratio)}")
+        if not 0.0 <= self.hflip <= 1.0:
+            raise fail(source, prefix + "hflip", f"must be in [0, 1], got {self.hflip}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise fail(source, prefix + "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        for k in ("shift", "num_workers", "ema_bn_batches"):
+            if getattr(self, k) < 0:
+                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
+        if self.eval_images is not None and self.eval_images <= 0:
+            raise fail(source, prefix + "eval_images", f"must be > 0 or null, got {self.eval_images}")
+        if (self.mean is None) != (self.std is None) or (self.mean and len(self.mean) != len(self.std)):
+            raise fail(source, prefix + "std", "and data.mean must both be set, with one value per channel")
+        if self.std and any(s <= 0 for s in self.std):
+            raise fail(source, prefix + "std", f"must be > 0, got {self.std}")
+
+
+class ClassifyTask(Task):
+    DataConfig = ImageDataConfig
+    unit = "images"
+
+    @staticmethod
+    def validate_config(cfg):
+        d, m = cfg.data, cfg.model
+        if d.mean is not None and len(d.mean) not in (1, m.in_chans):
+            raise ConfigError(f"{cfg.source}: data.mean has {len(d.mean)} values for model.in_chans={m.in_chans}")
+        if d.path != "digits" and m.in_chans not in (1, 3) and cfg.train.init_from is None:
+            raise ConfigError(f"{cfg.source}: model.in_chans={m.in_chans}: image folders give 1 (grey) or 3 (RGB) "
+                              f"channels")
+
+    # ------------------------------------------------------------------ data
+    def setup(self):
+        cfg, d = self.cfg, self.cfg.data
+        self.pretrained = None
+        self.model_cfg = cfg.model
+        if cfg.train.init_from:  # the architecture (and input channels) come from the weights
+            self.pretrained = resnet_weights.read_state_dict(cfg.train.init_from)
+            self.model_cfg = resnet_weights.config_from_state_dict(
+                self.pretrained, None, cfg.train.init_from, num_classes=cfg.model.num_classes,
+                drop_rate=cfg.model.drop_rate, drop_path_rate=cfg.model.drop_path_rate)
+        channels = self.model_cfg.in_chans
+        self.digits = d.path == "digits"
+        self.size = d.image_size or (32 if self.digits else 224)
+        self.bad: set = set()
+        if self.digits:
+            try:
+                x, y = digits_dataset("train", self.size, channels, d.val_fraction, cfg.train.seed)
+                xv, yv = digits_dataset("val", self.size, channels, d.val_fraction, cfg.train.seed)
+            except ImportError as e:
+                raise DataError(f"data.path=digits: {e}") from None
+            self.train_x, self.train_y = x.to(self.device), y.to(self.device)
+            self.val_x, self.val_y = xv.to(self.device), yv.to(self.device)
+            self.classes = [str(i) for i in range(10)]
+            self.n_train = len(y)
+            mean, std = (0.5,), (0.5,)
+        else:
+            train_s, val_s = self._scan(Path(d.path), d.val_path)
+            kw = dict(size=self.size, channels=channels, scale=d.scale, ratio=d.ratio, hflip=d.hflip, crop_pct=d.crop_pct)
+            self.train_set = FolderImages(train_s, train=True, **kw)
+            self.train_eval_set = FolderImages(train_s, train=False, **kw)  # for BatchNorm recalibration
+            self.val_set = FolderImages(val_s, train=False, **kw)
+            self.n_train = len(train_s)
+            mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.449,), (0.226,))
+        if d.mean is not None:
+            mean, std = d.mean, d.std
+        if self.model_cfg.num_classes != len(self.classes):
+            raise ConfigError(f"{cfg.source}: model.num_classes={self.model_cfg.num_classes} but {d.path} has "
+                              f"{len(self.classes)} classes (set model.num_classes={len(self.classes)})")
+        # x * scale + shift == (x / 255 - mean) / std for uint8, (x - mean) / std for [0, 1] floats
+        std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        self.norm_mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        self.norm_inv_std = 1.0 / std_t
+        self.pin = d.pin_memory if d.pin_memory is not None else self.device.type == "cuda"
+        self._iter, self._next = None, None
+        self.log(f"data: {d.path}: {self.n_train} train / {self.n_val} val images, {len(self.classes)} classes, "
+                 f"{self.size}x{self.size}, {channels} channel(s)")
+
+    @property
+    def n_val(self) -> int:
+        return len(self.val_y) if self.digits else len(self.val_set)
+
+    def _scan(self, root: Path, val_path: Optional[str]):
+        d = self.cfg.data
+        try:
+            if val_path is None and (root / "train").is_dir() and (root / "val").is_dir():
+                root, val_path = root / "train", str(root / "val")
+            self.classes, samples = scan_image_folder(root)
+            if val_path is not None:
+                _, val = scan_image_folder(val_path, self.classes)
+                return samples, val
+        except (ValueError, FileNotFoundError) as e:
+            raise DataError(str(e)) from None
+        g = torch.Generator().manual_seed(self.cfg.train.seed)
+        train, val = [], []
+        for label in range(len(self.classes)):
+            items = [s for s in samples if s[1] == label]
+            order = torch.randperm(len(items), generator=g).tolist()
+            k = max(1, round(len(items) * d.val_fraction)) if len(items) > 1 else 0
+            val += [items[i] for i in order[:k]]
+            train += [items[i] for i in order[k:]]
+        if not val:
+            raise DataError(f"{root}: too few images to hold out a validation set (set data.val_path)")
+        return train, val
+
+    def _report(self, bad: list):
+        for b in bad:
+            if b not in self.bad:
+                self.bad.add(b)
+                self.log(f"data: unreadable image skipped: {b} ({len(self.bad)} so far)")
+
+    def _loader(self, dataset, batch_sampler):
+        d = self.cfg.data
+        return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, num_workers=d.num_workers,
+                                           collate_fn=collate_images, pin_memory=self.pin,
+                                           prefetch_factor=4 if d.num_workers else None)
+
+    def _train_stream(self, start: int):
+        """Batches of (index, augmentation seed) from sample position `start` on, forever."""
+        B, n, seed = self.cfg.train.batch_size, self.n_train, self.cfg.train.seed
+        for p in itertools.count(start, B):
+            yield epoch_positions(n, seed, p, B)
+
+    def train_batch(self, step, micro):
+        t = self.cfg.train
+        pos = (step * t.grad_accum + micro) * t.batch_size
+        if self.digits:
+            idx = torch.tensor([i for i, _ in epoch_positions(self.n_train, t.seed, pos, t.batch_size)],
+                               device=self.device)
+            g = torch.Generator().manual_seed(hash((t.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
+            return random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
+        if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
+            self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
+        self._next = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
+        x, y, bad = next(self._iter)
+        self._report(bad)
+        if x is None:
+            raise DataError(f"{self.cfg.data.path}: no readable image in the batch of step {step + 1} "
+                            f"({len(self.bad)} unreadable so far)")
+        return x, y
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, C, H, W) in 0..255, or floats in [0, 1] -> float32 (x - mean) / std (same memory format)."""
+        if x.dtype == torch.uint8:
+            return (x.float() - self.norm_mean * 255.0) * (self.norm_inv_std / 255.0)
+        return (x.float() - self.norm_mean) * self.norm_inv_std
+
+    # ------------------------------------------------------------------ model, loss, eval
+    def build_model(self):
+        from zoo.convnet import ResNet
+        if self.pretrained is None:
+            self.model = zoo.build(self.cfg.model)
+            return self.model
+        model = self.model = ResNet(self.model_cfg)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resnet_weights.load_into(model, self.pretrained, self.cfg.train.init_from)
+        for w in caught:
+            self.log(f"model: {w.message}")
+        self.log(f"model: loaded {self.cfg.train.init_from} ({self.model_cfg.arch}-style, "
+                 f"layers={self.model_cfg.stage_depths})")
+        self.pretrained = None
+        return model
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(self.normalize(x))
+        return F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.data.label_smoothing), y.numel()
+
+    def _val_batches(self):
+        """(images, labels) over the validation set (or its first data.eval_images), on the device."""
+        B, limit = self.cfg.train.batch_size, self.cfg.data.eval_images or self.n_val
+        n = min(limit, self.n_val)
+        fmt = torch.channels_last if self.cfg.train.channels_last else torch.contiguous_format
+        if self.digits:
+            for i in range(0, n, B):
+                yield self.val_x[i:min(i + B, n)].contiguous(memory_format=fmt), self.val_y[i:min(i + B, n)]
+            return
+        # a fixed, seeded subset when eval_images < the val set: every class is represented
+        order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
+        keys = [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))]
+        batches = [keys[i:i + B] for i in range(0, n, B)]
+        for x, y, bad in self._loader(self.val_set, batches):
+            self._report(bad)
+            if x is not None:
+                yield (x.to(self.device, non_blocking=True).contiguous(memory_format=fmt),
+                       y.to(self.device, non_blocking=True))
+
+    @torch.no_grad()
+    def predict(self, model):
+        """(logits (N, num_classes) float32, labels (N,)) over the validation set, in eval mode."""
+        was = model.training
+        model.eval()
+        logits, labels = [], []
+        try:
+            for x, y in self._val_batches():
+                with self.autocast():
+                    logits.append(model(self.normalize(x)).float())
+                labels.append(y)
+        finally:
+            model.train(was)
+        if not logits:
+            raise DataError(f"{self.cfg.data.path}: no readable validation image")
+        return torch.cat(logits), torch.cat(labels)
+
+    @torch.no_grad()
+    def recalibrate_bn(self, model, n_batches: int):
+        """Recompute every BatchNorm's running statistics as the plain average over n_batches of
+        un-augmented training images (Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021).
+        An EMA of the weights needs this: the EMA of the running statistics does not match the
+        statistics of the averaged weights. Only the BN layers run in training mode (no DropPath)."""
+        bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if not bns or n_batches <= 0:
+            return
+        was = model.training
+        model.eval()
+        saved = [bn.momentum for bn in bns]
+        for bn in bns:
+            bn.reset_running_stats()
+            bn.momentum = None  # cumulative average
+            bn.train()
+        B, t = self.cfg.train.batch_size, self.cfg.train
+        fmt = torch.channels_last if t.channels_last else torch.contiguous_format
+        keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * B, self.n_train))
+        try:
+            if self.digits:
+                idx = torch.tensor([i for i, _ in keys], device=self.device)
+                batches = ((self.train_x[idx[i:i + B]], None) for i in range(0, len(idx), B))
+            else:
+                batches = ((x, bad) for x, _, bad in self._loader(self.train_eval_set, [keys[i:i + B] for i in
+                                                                                         range(0, len(keys), B)]))
+            for x, bad in batches:
+                if bad:
+                    self._report(bad)
+                if x is not None:
+                    with self.autocast():
+                        model(self.normalize(x.to(self.device).contiguous(memory_format=fmt)))
+        finally:
+            for bn, m in zip(bns, saved):
+                bn.momentum = m
+            model.train(was)
+
+    def evaluate(self, model):
+        own = getattr(self, "model", None)
+        if own is not None and model is not own and self.cfg.data.ema_bn_batches:  # the loop's EMA copy
+            self.recalibrate_bn(model, self.cfg.data.ema_bn_batches)
+        logits, y = self.predict(model)
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hit = top == y[:, None]
+        out = {"val_loss": F.cross_entropy(logits, y).item(), "val_acc1": hit[:, 0].float().mean().item()}
+        if k == 5:
+            out["val_acc5"] = hit.any(1).float().mean().item()
+        if self.bad:
+            out["unreadable_images"] = float(len(self.bad))
+        return out
+
+    def flops_per_item(self, model):
+        return model.flops_per_image(self.size)
+
+    def samples(self, model, out_dir):
+        """Per-class validation accuracy (also written to out_dir/per_class.txt)."""
+        logits, y = self.predict(model)
+        pred = logits.argmax(1)
+        lines = [f"{'class':>16}  {'n':>5}  acc"]
+        for c, name in enumerate(self.classes):
+            m = y == c
+            if m.any():
+                lines.append(f"{name[:16]:>16}  {int(m.sum()):>5}  {(pred[m] == c).float().mean().item():.3f}")
+        lines.append(f"{'all':>16}  {len(y):>5}  {(pred == y).float().mean().item():.3f}")
+        text = "\n".join(lines)
+        (Path(out_dir) / "per_class.txt").write_text(text + "\n")
+        return text
+
+    def export(self, model, out_dir):
+        """Fine-tuned from pretrained weights: write them back in the layout (and file type) they came in."""
+        src = self.cfg.train.init_from
+        if not src:
+            return None  # model.safetensors, written by the loop, already has the timm/torchvision keys
+        name = Path(src).name if Path(src).is_file() else "resnet"
+        path = Path(out_dir) / "export" / name
+        zoo.save_pretrained(model, path)
+        return str(path)

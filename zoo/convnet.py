@@ -1,0 +1,201 @@
+"""ResNet family (ResNet-18/34/50/101/152, ResNeXt and wide variants) built from zoo/blocks.
+
+    image (B, C, H, W) -> stem -> layer1..layer4 -> global average pool -> fc -> logits (B, num_classes)
+
+Paper: He, Zhang, Ren & Sun, "Deep Residual Learning for Image Recognition" (2015), with the
+stride on the 3x3 conv of the bottleneck ("ResNet v1.5", as timm and torchvision).
+Two stems: "imagenet" (7x7/2 conv + 3x3/2 max-pool, for 224x224 images) and "small"
+(one 3x3/1 conv and no pooling, for 32x32 images such as CIFAR or the digits default).
+
+Efficiency choices: no conv that feeds a BatchNorm has a bias (the BN shift makes it
+redundant); the last BN of each residual branch can start at gamma = 0 so that every block
+starts as the identity (Goyal et al., "Accurate, Large Minibatch SGD", 2017); stochastic
+depth with the linear rule; every op works in the channels-last memory format, which the
+loop applies to the model and the batches (train.channels_last).
+
+Parameter names are those of timm and torchvision (conv1, bn1, layer1.0.conv1, ...,
+layer1.0.downsample.0/1, fc), so their state dicts load without any key mapping.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .blocks.drop_path import DropPath, linear_drop_rates
+from .config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
+
+def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
+    """A conv that feeds a BatchNorm: no bias, 'same' padding for odd k."""
+    return nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, groups=groups, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs: (B, c_in, H, W) -> (B, planes, H/stride, W/stride)."""
+    expansion = 1
+
+    def __init__(self, c_in: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+                 groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5):
+        super().__init__()
+        if groups != 1 or width_per_group != 64:
+            raise ValueError("BasicBlock supports only groups=1 and width_per_group=64")
+        self.conv1 = conv_bn(c_in, planes, 3, stride)
+        self.bn1 = nn.BatchNorm2d(planes, eps=bn_eps)
+        self.act1 = nn.ReLU(inplace=True)
+        self.conv2 = conv_bn(planes, planes, 3)
+        self.bn2 = nn.BatchNorm2d(planes, eps=bn_eps)
+        self.act2 = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.drop_path = DropPath(drop_path)
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn2
+
+    def forward(self, x):
+        shortcut = x if self.downsample is None else self.downsample(x)
+        x = self.act1(self.bn1(self.conv1(x)))
+        x = self.bn2(self.conv2(x))
+        x = self.drop_path(x) + shortcut
+        return self.act2(x)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (grouped, strided), 1x1 expand: (B, c_in, H, W) -> (B, 4 * planes, H/s, W/s)."""
+    expansion = 4
+
+    def __init__(self, c_in: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+                 groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5):
+        super().__init__()
+        width = int(planes * width_per_group / 64) * groups
+        self.conv1 = conv_bn(c_in, width, 1)
+        self.bn1 = nn.BatchNorm2d(width, eps=bn_eps)
+        self.act1 = nn.ReLU(inplace=True)
+        self.conv2 = conv_bn(width, width, 3, stride, groups)
+        self.bn2 = nn.BatchNorm2d(width, eps=bn_eps)
+        self.act2 = nn.ReLU(inplace=True)
+        self.conv3 = conv_bn(width, planes * 4, 1)
+        self.bn3 = nn.BatchNorm2d(planes * 4, eps=bn_eps)
+        self.act3 = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.drop_path = DropPath(drop_path)
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn3
+
+    def forward(self, x):
+        shortcut = x if self.downsample is None else self.downsample(x)
+        x = self.act1(self.bn1(self.conv1(x)))
+        x = self.act2(self.bn2(self.conv2(x)))
+        x = self.bn3(self.conv3(x))
+        x = self.drop_path(x) + shortcut
+        return self.act3(x)
+
+
+BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
+
+
+class ResNet(nn.Module):
+    family = "convnet"
+
+    def __init__(self, cfg: ConvNetConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        block = BLOCKS[cfg.block_type]
+        layers = cfg.stage_depths
+        w = cfg.width
+        if cfg.stem == "imagenet":
+            self.conv1 = conv_bn(cfg.in_chans, w, 7, stride=2)
+        else:
+            self.conv1 = conv_bn(cfg.in_chans, w, 3)
+        self.bn1 = nn.BatchNorm2d(w, eps=cfg.bn_eps)
+        self.act1 = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1) if cfg.stem == "imagenet" else nn.Identity()
+
+        rates = iter(linear_drop_rates(sum(layers), cfg.drop_path_rate))
+        c_in = w
+        for i, n in enumerate(layers):
+            planes, stride = w * 2 ** i, 1 if i == 0 else 2
+            c_out = planes * block.expansion
+            blocks = []
+            for j in range(n):
+                s = stride if j == 0 else 1
+                down = None
+                if j == 0 and (s != 1 or c_in != c_out):
+                    down = nn.Sequential(conv_bn(c_in, c_out, 1, s), nn.BatchNorm2d(c_out, eps=cfg.bn_eps))
+                blocks.append(block(c_in, planes, s, down, cfg.cardinality, cfg.base_width, next(rates), cfg.bn_eps))
+                c_in = c_out
+            self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
+        self.num_features = c_in
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.fc = nn.Linear(c_in, cfg.num_classes)
+        self.reset_parameters()
+
+    def stages(self):
+        return [getattr(self, f"layer{i + 1}") for i in range(len(self.config.stage_depths))]
+
+    def reset_parameters(self):
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if self.config.zero_init_last:
+            for stage in self.stages():
+                for blk in stage:
+                    nn.init.zeros_(blk.last_bn().weight)
+        self.reset_classifier(self.config.num_classes)
+
+    def reset_classifier(self, num_classes: int):
+        """A fresh head with num_classes outputs (fine-tuning on another label set)."""
+        old = self.fc
+        self.fc = nn.Linear(self.num_features, num_classes, device=old.weight.device, dtype=old.weight.dtype)
+        bound = 1.0 / math.sqrt(self.num_features)
+        nn.init.uniform_(self.fc.weight, -bound, bound)
+        nn.init.zeros_(self.fc.bias)
+        self.config.num_classes = num_classes
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 8 (small)."""
+        x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
+        for stage in self.stages():
+            x = stage(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> logits (B, num_classes)."""
+        x = self.forward_features(x).mean((2, 3))
+        return self.fc(self.head_drop(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_image(self, image_size: int) -> float:
+        """Training FLOPs per image (forward + backward = 3 x the forward multiply-adds x 2)."""
+        macs = 0
+        hooks = []
+
+        def count(m, inp, out):
+            nonlocal macs
+            if isinstance(m, nn.Conv2d):
+                macs += out.numel() // out.shape[0] * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+            else:
+                macs += m.in_features * m.out_features
+
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                hooks.append(m.register_forward_hook(count))
+        p = next(self.parameters())
+        was_training = self.training
+        try:
+            self.eval()
+            with torch.no_grad():
+                self(torch.zeros(1, self.config.in_chans, image_size, image_size, device=p.device, dtype=p.dtype))
+        finally:
+            self.train(was_training)
+            for h in hooks:
+                h.remove()
+        return 6.0 * macs
