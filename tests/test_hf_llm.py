@@ -146,6 +146,13 @@ def test_dtype_and_device_arguments(tmp_path):
     with torch.no_grad():
         ref, out = hf(tokens()).logits, z(tokens()).float()
     assert (ref - out).abs().max() < 0.25 * ref.abs().max()  # bf16 weights: close, not exact
+    # a bfloat16 checkpoint loads in its own dtype by default ("dtype" in config.json) and, asked
+    # for float32, holds exactly the bf16 values
+    hf16 = hf_save(hf.to(torch.bfloat16), tmp_path / "bf16")
+    assert json.loads((hf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert zoo.from_pretrained(hf16).embed.weight.dtype == torch.bfloat16
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf16, dtype=torch.float32).eval()
+    assert_same_logits(ref, zoo.from_pretrained(hf16, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ along the output dimension and saving a split. Both use the rotate-half RoPE lay
 paired with channel i + D/2), so the q/k rows need no permutation; the parity tests in
 tests/test_hf_llm.py hold the logits to 1e-4 against transformers, which would fail otherwise.
 
-Loading never holds two copies of the weights: the model is built on the meta device, each
-safetensors file is read tensor by tensor (q/k/v and gate/up are fused as soon as all their parts
-are in) and the result is assigned in place; the RoPE tables are then rebuilt on the real device.
+Loading never holds two copies of the weights: the model is built on the meta device, each Zoo
+tensor is allocated once in the dtype and on the device asked, and every file tensor is read
+straight into its rows (q/k/v and gate/up into their fused matrix) with plain file reads; the
+tensors are then assigned to the model and the RoPE tables rebuilt on the real device.
 Every file header is checked (length, offsets inside the file, byte sizes) and every tensor name
 and shape against config.json before any data is read: a mismatch is one error listing it.
 """
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
@@ -48,8 +48,9 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # safetensors dtype tag -> bytes per element
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+_FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit
 
 
@@ -253,9 +254,9 @@ def _listing(names, limit: int = 8) -> str:
 # safetensors files
 # ----------------------------------------------------------------------------------------
 
-def read_header(path: Path) -> dict:
-    """The tensor table of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}, after
-    checking that the header and every tensor's bytes lie inside the file."""
+def read_header(path: Path) -> tuple[dict, int]:
+    """The tensor table of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}, and the
+    byte where the data starts, after checking that every tensor's bytes lie inside the file."""
     size = path.stat().st_size
 
     def corrupt(why):
@@ -278,19 +279,22 @@ def read_header(path: Path) -> dict:
     table.pop("__metadata__", None)
     data_size = size - 8 - n
     for name, t in table.items():
+        if isinstance(t, dict) and t.get("dtype") not in _FILE_DTYPES:
+            raise ValueError(f"{path}: tensor '{name}' has dtype {t.get('dtype')!r}, which Zoo does not read "
+                             f"(supported: {', '.join(_FILE_DTYPES)})")
         try:
             begin, end = (int(x) for x in t["data_offsets"])
             numel = 1
             for s in t["shape"]:
                 numel *= int(s)
-            nbytes = numel * _ITEMSIZE[t["dtype"]]
+            nbytes = numel * _FILE_DTYPES[t["dtype"]].itemsize
         except (KeyError, TypeError, ValueError):
             raise corrupt(f"bad entry for tensor '{name}'") from None
         if not 0 <= begin <= end <= data_size:
             raise corrupt(f"tensor '{name}' ends at byte {end} of a {data_size}-byte data section")
         if end - begin != nbytes:
             raise corrupt(f"tensor '{name}' has {end - begin} bytes, its shape and dtype need {nbytes}")
-    return table
+    return table, 8 + n
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -314,15 +318,25 @@ def weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _tensors(path: Path, names):
-    """Yield (name, tensor) from a safetensors file, one tensor at a time."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as st:
-            for name in names:
-                yield name, st.get_tensor(name)
-    except Exception as e:  # safetensors' own read errors (the header was checked already)
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path}: cannot read safetensors file ({msg})") from None
+def read_tensor(f, path: Path, offset: int, entry: dict, dest: torch.Tensor):
+    """Read one tensor of an open safetensors file into `dest` (same shape). When dest is a
+    contiguous CPU tensor of the file's dtype the bytes go straight into it; otherwise through one
+    temporary of this tensor's size. Plain reads, not a memory map: the file's pages stay in the
+    OS cache instead of being counted in (and doubling) the process's resident memory."""
+    file_dtype = _FILE_DTYPES[entry["dtype"]]
+    direct = dest.device.type == "cpu" and dest.dtype == file_dtype and dest.is_contiguous()
+    buf = dest if direct else torch.empty(dest.shape, dtype=file_dtype)
+    view = memoryview(buf.view(-1).view(torch.uint8).numpy())  # safetensors data is little-endian
+    begin, end = entry["data_offsets"]
+    f.seek(offset + begin)
+    done = 0
+    while done < end - begin:
+        n = f.readinto(view[done:])
+        if not n:
+            raise ValueError(f"{path}: corrupt or truncated safetensors file (it ends inside a tensor)")
+        done += n
+    if not direct:
+        dest.copy_(buf)
 
 
 def _resolve_dtype(dtype, hf: dict, source: str) -> torch.dtype:
@@ -373,11 +387,8 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
 
     # 1. check every file header and every name/shape before reading any data
     files = weight_files(folder)
-    where: dict[str, Path] = {}
-    found: dict[str, tuple] = {}
-    for f in files:
-        for name, t in read_header(f).items():
-            where[name], found[name] = f, tuple(t["shape"])
+    headers = {f: read_header(f) for f in files}
+    found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
     missing = [n for n in expected if n not in found]
@@ -390,21 +401,26 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): "
                          + "; ".join(problems))
 
-    # 2. build without memory, then read file by file, fusing as soon as all parts are in
+    # 2. build without memory; allocate each Zoo tensor once and copy every file tensor into its
+    # rows as it is read (q/k/v and gate/up land in their fused matrix: no concatenation copies)
     with torch.device("meta"):
         model = LLM(cfg)
-    part_of = {hf_name: (zoo_name, j) for zoo_name, parts in kmap.items()
-               for j, (hf_name, _) in enumerate(parts)}
-    pending: dict[str, dict[int, torch.Tensor]] = {}
+    rows_of: dict[str, tuple[str, int, int]] = {}  # HF name -> (Zoo name, first row, rows)
+    for zoo_name, parts in kmap.items():
+        start = 0
+        for hf_name, shape in parts:
+            rows_of[hf_name] = (zoo_name, start, shape[0])
+            start += shape[0]
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, tensor in _tensors(f, [n for n in where if where[n] == f and n in part_of]):
-            zoo_name, j = part_of[name]
-            parts = pending.setdefault(zoo_name, {})
-            parts[j] = tensor.to(device=device, dtype=dtype)
-            if len(parts) == len(kmap[zoo_name]):  # all parts in: fuse them (rows in key_map order)
-                del pending[zoo_name]
-                state[zoo_name] = torch.cat([parts[i] for i in range(len(parts))]) if len(parts) > 1 else parts[0]
+    for path, (table, offset) in headers.items():
+        with open(path, "rb", buffering=0) as f:
+            for name in sorted((n for n in table if n in rows_of), key=lambda n: table[n]["data_offsets"][0]):
+                zoo_name, start, rows = rows_of[name]
+                if zoo_name not in state:
+                    parts = kmap[zoo_name]
+                    shape = (sum(s[0] for _, s in parts),) + parts[0][1][1:]
+                    state[zoo_name] = torch.empty(shape, dtype=dtype, device=device)
+                read_tensor(f, path, offset, table[name], state[zoo_name][start:start + rows])
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -1,0 +1,208 @@
+"""Generation speed, load time and load memory: Zoo against transformers on the same checkpoint.
+
+    python train/bench.py llm-generate                       # d_model 512, 8 layers, vocab 32000 (40M)
+    python train/bench.py llm-generate --dtypes float32 --rounds 5 --threads 1
+
+The checkpoint: a transformers LlamaForCausalLM with random weights (tied embeddings, GQA),
+saved once as model.safetensors in a temporary folder. Both sides load that folder.
+
+Generation: batch 1, a random prompt, greedy, `--new-tokens` new tokens; Zoo's
+`LLM.generate(ids, n)` against transformers' `generate(ids, max_new_tokens=n, do_sample=False)`
+(no end-of-sequence token, so both always produce n tokens). After a warm-up the two sides run
+in alternating order `--rounds` times and each side's best round counts (the machine may be
+shared: the best round is the least disturbed). The table also says whether both produced the
+same tokens (expected in float32; in bfloat16 rounding differences may flip a near tie).
+
+Load: each side's from_pretrained runs in a fresh subprocess, so that its memory is its own: a
+first load (which pays the library's one-time lazy imports, e.g. torch's meta-device kernels pull
+in torch._dynamo), then a second one in the same process. Memory: the peak resident set size
+during the load (Linux VmHWM, reset through /proc/self/clear_refs) and the RSS after one forward
+pass (memory-mapped weights count once their pages are used), both above the RSS before the load.
+Library imports are excluded from times and memory. Best of `--load-rounds` processes.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+
+def _status(key: str) -> int:
+    """A size from /proc/self/status in bytes (VmRSS: now, VmHWM: peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def load_child(side: str, folder: str, dtype: str) -> dict:
+    """Runs in a fresh process: import, then time one from_pretrained and report memory."""
+    import importlib
+    dt = getattr(torch, dtype)
+    if side == "zoo":
+        import zoo
+        import zoo.weights
+        for name in zoo.weights.FORMATS + ["zoo.llm"]:  # imports are not part of the load
+            importlib.import_module(name)
+        load = lambda: zoo.from_pretrained(folder, dtype=dt)  # noqa: E731
+    else:
+        import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # resolve the lazy imports
+        load = lambda: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dt)  # noqa: E731
+    def one_load() -> tuple:
+        gc.collect()
+        base = _status("VmRSS")
+        try:  # reset the peak (VmHWM) to the current RSS, so that the peak is this load's own
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:  # then the first peak may be an import-time one (a lower bound)
+            pass
+        t0 = time.perf_counter()
+        model = load()
+        seconds = time.perf_counter() - t0
+        peak = max(_status("VmHWM"), _status("VmRSS")) - base
+        with torch.inference_mode():  # pages of memory-mapped weights become resident when used
+            model(torch.zeros(1, 1, dtype=torch.long))
+        return model, seconds, peak, _status("VmRSS") - base
+
+    model, cold, cold_peak, resident = one_load()
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    _, warm, warm_peak, _ = one_load()
+    return {"cold": cold, "warm": warm, "cold_peak": cold_peak, "warm_peak": warm_peak, "resident": resident,
+            "weights": n_bytes}
+
+
+def measure_load(side, folder, dtype, threads) -> dict:
+    cmd = [sys.executable, "-m", "train.benches.llm_generate", "--load-child", side, folder, dtype,
+           "--threads", str(threads)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"load subprocess ({side}, {dtype}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def make_checkpoint(args, folder: Path):
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def bench_generate(args, folder: str, dtype: str) -> dict:
+    import transformers
+
+    import zoo
+    dt = getattr(torch, dtype)
+    z = zoo.from_pretrained(folder, dtype=dt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dt).eval()
+    hf.generation_config.eos_token_id = None
+    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    n = args.new_tokens
+    sides = {
+        "zoo": lambda k: z.generate(prompt, k),
+        "transformers": lambda k: hf.generate(prompt, max_new_tokens=k, do_sample=False, pad_token_id=0),
+    }
+    for run in sides.values():  # warm-up
+        run(8)
+    best = {s: float("inf") for s in sides}
+    outs = {}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for s in order:
+                t0 = time.perf_counter()
+                outs[s] = sides[s](n)
+                best[s] = min(best[s], time.perf_counter() - t0)
+    same = torch.equal(outs["zoo"], outs["transformers"])
+    assert outs["zoo"].shape[1] == outs["transformers"].shape[1] == args.prompt + n
+    return {s: n / best[s] for s in sides} | {"same": same}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="bench.py llm-generate", description=__doc__.split("\n")[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=1408)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="timed generations per side and dtype")
+    p.add_argument("--load-rounds", type=int, default=2, help="load subprocesses per side and dtype")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument("--load-child", nargs=3, metavar=("SIDE", "FOLDER", "DTYPE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.load_child:
+        print(json.dumps(load_child(*args.load_child)))
+        return 0
+
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = make_checkpoint(args, Path(tmp))
+        print(f"checkpoint: LlamaForCausalLM d_model={args.d_model} layers={args.layers} heads={args.heads} "
+              f"kv_heads={args.kv_heads} ffn={args.ffn} vocab={args.vocab} (tied), {n_params / 1e6:.1f}M params, "
+              f"float32 safetensors; torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{args.threads} thread(s)")
+        print(f"\ngeneration: batch 1, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "
+              f"best of {args.rounds} alternating rounds")
+        print(f"| dtype | Zoo tok/s | transformers tok/s | Zoo / transformers | same tokens |")
+        print(f"|---|---|---|---|---|")
+        for dtype in dtypes:
+            r = bench_generate(args, tmp, dtype)
+            print(f"| {dtype} | {r['zoo']:.1f} | {r['transformers']:.1f} | {r['zoo'] / r['transformers']:.2f}x "
+                  f"| {'yes' if r['same'] else 'no'} |", flush=True)
+
+        print(f"\nload: from_pretrained in a fresh process (first), then again in the same process "
+              f"(second); best of {args.load_rounds} processes; memory in MiB above the RSS before the load")
+        print("| dtype | side | first load s | second load s | first peak | second peak "
+              "| resident after a forward | weights |")
+        print("|---|---|---|---|---|---|---|---|")
+        keys = ("cold", "warm", "cold_peak", "warm_peak", "resident")
+        for dtype in dtypes:
+            best: dict = {}
+            for r in range(args.load_rounds):
+                for side in (("zoo", "hf") if r % 2 == 0 else ("hf", "zoo")):
+                    m = measure_load(side, tmp, dtype, args.threads)
+                    old = best.get(side)
+                    best[side] = m if old is None else {k: min(old[k], m[k]) for k in m}
+            for side, name in (("zoo", "Zoo"), ("hf", "transformers")):
+                m = best[side]
+                print(f"| {dtype} | {name} | {m['cold']:.2f} | {m['warm']:.2f} | {m['cold_peak'] / 2**20:.0f} | "
+                      f"{m['warm_peak'] / 2**20:.0f} | {m['resident'] / 2**20:.0f} | {m['weights'] / 2**20:.0f} |")
+            z, h = best["zoo"], best["hf"]
+            print(f"| {dtype} | Zoo / transformers | " + " | ".join(
+                f"{z[k] / max(h[k], 1e-9 if k in ('cold', 'warm') else 2**20):.2f}x" for k in keys) + " | |",
+                flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
