@@ -19,6 +19,7 @@ if __package__ in (None, ""):
 BENCHES: dict[str, str] = {
     "llm-train": "train.benches.llm_train",
     "llm-generate": "train.benches.llm_generate",
+    "resnet": "train.benches.resnet",
 }
 
 

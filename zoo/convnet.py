@@ -18,6 +18,7 @@ layer1.0.downsample.0/1, fc), so their state dicts load without any key mapping.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -56,8 +57,8 @@ class BasicBlock(nn.Module):
     def forward(self, x):
         shortcut = x if self.downsample is None else self.downsample(x)
         x = self.act1(self.bn1(self.conv1(x)))
-        x = self.bn2(self.conv2(x))
-        x = self.drop_path(x) + shortcut
+        x = self.drop_path(self.bn2(self.conv2(x)))
+        x += shortcut  # in place: BN's backward does not need its output
         return self.act2(x)
 
 
@@ -88,8 +89,8 @@ class Bottleneck(nn.Module):
         shortcut = x if self.downsample is None else self.downsample(x)
         x = self.act1(self.bn1(self.conv1(x)))
         x = self.act2(self.bn2(self.conv2(x)))
-        x = self.bn3(self.conv3(x))
-        x = self.drop_path(x) + shortcut
+        x = self.drop_path(self.bn3(self.conv3(x)))
+        x += shortcut
         return self.act3(x)
 
 
@@ -174,28 +175,21 @@ class ResNet(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_image(self, image_size: int) -> float:
-        """Training FLOPs per image (forward + backward = 3 x the forward multiply-adds x 2)."""
+        """Training FLOPs per image: 3 x (forward multiply-adds of every conv and fc) x 2. Counted on a
+        meta-device twin of the model, so nothing is computed and the model is untouched."""
         macs = 0
-        hooks = []
 
         def count(m, inp, out):
             nonlocal macs
             if isinstance(m, nn.Conv2d):
-                macs += out.numel() // out.shape[0] * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
+                macs += out[0].numel() * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
             else:
                 macs += m.in_features * m.out_features
 
-        for m in self.modules():
-            if isinstance(m, (nn.Conv2d, nn.Linear)):
-                hooks.append(m.register_forward_hook(count))
-        p = next(self.parameters())
-        was_training = self.training
-        try:
-            self.eval()
-            with torch.no_grad():
-                self(torch.zeros(1, self.config.in_chans, image_size, image_size, device=p.device, dtype=p.dtype))
-        finally:
-            self.train(was_training)
-            for h in hooks:
-                h.remove()
+        with torch.device("meta"):
+            twin = ResNet(copy.deepcopy(self.config)).eval()
+            for m in twin.modules():
+                if isinstance(m, (nn.Conv2d, nn.Linear)):
+                    m.register_forward_hook(count)
+            twin(torch.empty(1, self.config.in_chans, image_size, image_size))
         return 6.0 * macs
