@@ -32,6 +32,9 @@ CASES = [
     (BASE, ["data.seq_len=128"], ["data.seq_len", "model.max_seq_len"]),
     (BASE, ["model.rope_scaling.type=yarn"], ["model.rope_scaling.type"]),
     (BASE, ["train.device=tpu"], ["train.device"]),
+    (BASE, ["train.device=cuda:x"], ["train.device"]),
+    (BASE, ["train.seed=99999999999999999999999"], ["train.seed", "64 bits"]),
+    (BASE, ["optim.betas=[0.9, 0.95, 0.99]"], ["optim.betas"]),
     (BASE, ["colour=red"], ["colour"]),
     (BASE.replace("family: llm", "family: gan"), [], ["family", "gan"]),
     ("model: [1, 2\n", [], ["invalid YAML"]),
@@ -100,3 +103,95 @@ def test_config_parsing_property(data):
         return
     cfg.validate()
     assert cfg.d_model % cfg.n_heads == 0 or cfg.head_dim
+
+
+# property: the whole run config (every section of every family) gives a valid config or a one-line ConfigError
+def _families():
+    from train.tasks import TASKS, task_class
+    out = []
+    for fam in TASKS:
+        try:
+            task_class(fam)
+        except ImportError:  # a family whose task module is not in this checkout
+            continue
+        out.append(fam)
+    return out
+
+
+def _section_fields(family):
+    """section -> {key: default} of the run config's four dataclasses, plus an unknown key."""
+    import dataclasses
+    from train.config import OptimConfig, TrainConfig
+    from train.tasks import task_class
+    from zoo.config import MODEL_CONFIGS
+    classes = {"model": MODEL_CONFIGS[family], "data": task_class(family).DataConfig, "train": TrainConfig,
+               "optim": OptimConfig}
+    out = {}
+    for sec, cls in classes.items():
+        out[sec] = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(cls)}
+        out[sec]["bogus"] = None
+    return out
+
+
+def _near(default):
+    """Values of the default's type, around it and at the edges (0, negative, huge, tiny)."""
+    if isinstance(default, bool):
+        return st.booleans()
+    if isinstance(default, int):
+        return st.one_of(st.integers(-2, 70), st.sampled_from([default, 4096, -2**70, 2**70]))
+    if isinstance(default, float):
+        return st.one_of(st.floats(-1.0, 2.0), st.sampled_from([default, 0.0, 1e-12, 1e12, 1e308]))
+    if isinstance(default, str):
+        return st.sampled_from([default, "", "x", "cpu", "cuda:x", "fp8"])
+    if isinstance(default, (list, tuple)):
+        return st.lists(st.one_of(st.integers(-1, 70), st.floats(-1, 2)), max_size=4)
+    return st.one_of(st.none(), st.integers(-2, 70), st.floats(-1.0, 2.0), st.text(max_size=6),
+                     st.dictionaries(st.sampled_from(["type", "factor", "weights", "latent_channels", "x"]),
+                                     _scalars, max_size=2))
+
+
+@st.composite
+def _run_configs(draw):
+    """Mostly plausible configs (a few keys of each section set near their defaults or to odd values),
+    now and then a wrong family, a section that is not a mapping or an unknown top-level key."""
+    fams = _families()
+    family = draw(st.sampled_from(fams)) if draw(st.integers(0, 9)) != 7 else draw(st.sampled_from(["nope", 3, None]))
+    data = {"family": family}
+    for sec, fields in _section_fields(family if family in fams else "llm").items():
+        roll = draw(st.integers(0, 19))
+        if roll == 7:
+            data[sec] = draw(_scalars)
+        elif roll < 16:
+            keys = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
+            data[sec] = {k: draw(_near(fields[k]) if draw(st.integers(0, 5)) != 3 else _scalars) for k in keys}
+    if draw(st.integers(0, 19)) == 7:
+        data[draw(st.text(max_size=5))] = draw(_scalars)
+    return data
+
+
+@settings(max_examples=300, deadline=None)
+@given(_run_configs())
+def test_run_config_parsing_property(data):
+    """Any run config: a valid RunConfig whose model builds (on the meta device, no memory) and whose
+    schedule gives finite LRs, or a one-line ConfigError naming the source."""
+    import math
+    import torch
+    from train.config import run_config_from_dict
+    from train.optim import lr_multiplier
+    try:
+        cfg = run_config_from_dict(data, "prop.yaml")
+    except ConfigError as e:
+        msg = str(e)
+        assert "\n" not in msg and msg.startswith("prop.yaml: "), msg
+        return
+    again = run_config_from_dict(cfg.to_dict(), "again.yaml")  # a valid config round-trips
+    assert again.to_dict() == cfg.to_dict()
+    with torch.device("meta"):
+        zoo.build(cfg.model)
+    t = cfg.train
+    if t.device != "auto":
+        torch.device(t.device)
+    torch.Generator().manual_seed(t.seed)
+    for step in {0, t.max_steps // 2, t.max_steps - 1}:
+        assert math.isfinite(lr_multiplier(step, t.max_steps, cfg.optim))

@@ -63,11 +63,13 @@ class TrainConfig:
             raise fail(source, prefix + "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise fail(source, prefix + "peak_flops", f"must be > 0 or null, got {self.peak_flops}")
-        dev = self.device.split(":")[0]
-        if dev not in ("auto", "cpu", "cuda", "mps", "xpu"):
+        dev, colon, index = self.device.partition(":")
+        if dev not in ("auto", "cpu", "cuda", "mps", "xpu") or (colon and (dev == "auto" or not index.isdigit())):
             raise fail(source, prefix + "device", f"must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
         if not self.out_dir:
             raise fail(source, prefix + "out_dir", "must not be empty")
+        if self.init_from is not None and not self.init_from:
+            raise fail(source, prefix + "init_from", "must be a path or null, got ''")
 
 
 @dataclass
@@ -127,7 +129,7 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(f"{source}: the config must be a mapping")
     for k in data:
         if k not in SECTIONS:
-            raise ConfigError(f"{source}: unknown key '{k}' (known: {', '.join(SECTIONS)})")
+            raise ConfigError(f"{source}: unknown key {str(k)!r} (known: {', '.join(SECTIONS)})")
     family = data.get("family", "llm")
     if not isinstance(family, str):
         raise ConfigError(f"{source}: family must be a string, got {family!r}")

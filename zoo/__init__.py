@@ -20,7 +20,7 @@ FAMILIES: dict[str, str] = {"llm": "zoo.llm:LLM", "convnet": "zoo.convnet:ResNet
 
 def model_class(family: str):
     if family not in FAMILIES:
-        raise ConfigError(f"unknown family '{family}' (known: {', '.join(FAMILIES)})")
+        raise ConfigError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
     mod, _, name = FAMILIES[family].partition(":")
     return getattr(importlib.import_module(mod), name)
 

@@ -81,6 +81,8 @@ def _coerce(value: Any, tp, key: str, source: str):
         raise bad
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -2**63 <= value < 2**63:
+                raise fail(source, key, f"must fit in 64 bits, got {value}")
             return value
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             return int(value)
@@ -99,6 +101,10 @@ def _coerce(value: Any, tp, key: str, source: str):
         if not isinstance(value, (list, tuple)):
             raise bad
         args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:  # tuple[float, float]: a fixed length
+            if len(value) != len(args):
+                raise fail(source, key, f"must be a list of {len(args)} values, got {value!r}")
+            return tuple(_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args)))
         inner = args[0] if args else Any
         out = [_coerce(v, inner, f"{key}[{i}]", source) for i, v in enumerate(value)]
         return tuple(out) if (origin is tuple or tp is tuple) else out
@@ -120,7 +126,7 @@ def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
     kwargs = {}
     for k, v in data.items():
         if k not in names:
-            raise ConfigError(f"{source}: unknown key '{prefix}{k}' (known: {', '.join(names)})")
+            raise ConfigError(f"{source}: unknown key {prefix + str(k)!r} (known: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], prefix + k, source)
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
@@ -438,5 +444,5 @@ MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig, "convnet": ConvNetConfig,
 
 def model_config_from(data: dict, family: str, source: str, prefix: str = "model."):
     if family not in MODEL_CONFIGS:
-        raise ConfigError(f"{source}: unknown family '{family}' (known: {', '.join(MODEL_CONFIGS)})")
+        raise ConfigError(f"{source}: unknown family {family!r} (known: {', '.join(MODEL_CONFIGS)})")
     return from_dict(MODEL_CONFIGS[family], data, source, prefix)

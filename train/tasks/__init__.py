@@ -20,7 +20,7 @@ TASKS: dict[str, str] = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks
 def task_class(family: str, source: str = "<config>"):
     from zoo.config import ConfigError
     if family not in TASKS:
-        raise ConfigError(f"{source}: unknown family '{family}' (known: {', '.join(TASKS)})")
+        raise ConfigError(f"{source}: unknown family {family!r} (known: {', '.join(TASKS)})")
     mod, _, name = TASKS[family].partition(":")
     return getattr(importlib.import_module(mod), name)
 
