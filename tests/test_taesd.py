@@ -23,7 +23,8 @@ def _reference(latent_channels, seed=0):
     ref = diffusers.AutoencoderTiny(latent_channels=latent_channels).eval()
     with torch.no_grad():  # perturb every tensor so that a mis-mapped one changes the outputs
         for p in ref.parameters():
-            p.mul_(1.5).add_(0.05 * torch.randn_like(p))
+            p.mul_(1 + 0.1 * torch.randn_like(p)).add_(0.01 * torch.randn_like(p))
+        ref.encoder.layers[-1].weight.mul_(30)   # latents of O(1), so that the decoder's clamp is exercised
     return ref
 
 

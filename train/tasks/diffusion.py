@@ -14,13 +14,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo.config import ConfigError, fail, to_dict
+from zoo.config import ConfigError, fail
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
 from zoo.diffusion.taesd import TAESD
 
@@ -207,19 +205,21 @@ class DiffusionTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model):
-        """val_loss: the training loss (same weighting) on the held-out latents, fixed t and noise."""
+        """On the held-out latents with fixed t and noise: val_loss, the training loss (same weighting),
+        and val_mse, the unweighted MSE of the prediction (comparable across loss weightings)."""
         was = model.training
         model.eval()
         g = torch.Generator().manual_seed(1234)
         bs = self.cfg.train.batch_size
         n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
-        total = 0.0
+        total, mse = 0.0, 0.0
         for i in range(0, n, bs):
             b = self._noised(self.z_va[i:i + bs][: n - i], self.y_va[i:i + bs][: n - i], g, 0.0)
             with self.autocast():
                 total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
+                mse += model(b["z"], b["labels"], b["t"], b["noise"], weighted=False).float().sum().item()
         model.train(was)
-        return {"val_loss": total / max(n, 1)}
+        return {"val_loss": total / max(n, 1), "val_mse": mse / max(n, 1)}
 
     # -- samples ------------------------------------------------------------------------------
 

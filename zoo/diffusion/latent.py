@@ -84,14 +84,18 @@ class LatentDiffusion(nn.Module):
 
     # -- training -----------------------------------------------------------------------------
 
-    def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """Per-item Min-SNR-weighted loss (B,) of denoising normalised latents z at timesteps t.
-        Labels already hold the "no label" class where they were dropped for guidance."""
+    def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+                weighted: bool = True) -> torch.Tensor:
+        """Per-item loss (B,) of denoising normalised latents z at timesteps t: Min-SNR-weighted (as
+        configured) or, with weighted=False, the plain MSE of the prediction. Labels already hold the
+        "no label" class where they were dropped for guidance."""
         cfg = self.config
         x_t = self.schedule.add_noise(z, noise, t)
         target = self.schedule.target(z, noise, t, cfg.prediction)
         out = self.denoiser(x_t, t, labels)
         mse = (out.float() - target.float()).pow(2).flatten(1).mean(1)
+        if not weighted:
+            return mse
         return self.schedule.min_snr_weight(t, cfg.min_snr_gamma, cfg.prediction) * mse
 
     # -- sampling -----------------------------------------------------------------------------

@@ -46,6 +46,38 @@ class MidBranch(nn.Sequential):
                          nn.Conv2d(4 * c, c, 1, bias=False))
 
 
+# Nearest 2x upsampling then a 3x3 conv: output row 2i+a only sees input rows {i-1, i} (a = 0) or
+# {i, i+1} (a = 1), so each of the four output phases (a, b) is a 2x2 conv of the small input whose
+# taps are sums of the 3x3 taps: PHASE_TAPS[a] (2 x 3) maps kernel rows (and columns) to phase taps.
+PHASE_TAPS = ((1, 0, 0), (0, 1, 1)), ((1, 1, 0), (0, 0, 1))
+
+
+class UpsampleConv(nn.Conv2d):
+    """conv3x3(upsample_nearest_2x(x)), computed at the input resolution: one 2x2 conv with 4x the
+    output channels (the four phases) on the 1-padded input, then the phases are interleaved.
+    16 instead of 36 multiply-adds per input pixel and channel pair; the same weights and keys as
+    the plain conv it replaces. (B, C, H, W) -> (B, C_out, 2H, 2W)."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__(c_in, c_out, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        w = self.weight
+        taps = torch.tensor(PHASE_TAPS, dtype=w.dtype, device=w.device)            # (2, 2, 3)
+        k = torch.einsum("aru,oiuv,bsv->aboirs", taps, w, taps).reshape(-1, w.shape[1], 2, 2)
+        y = F.conv2d(F.pad(x, (1, 1, 1, 1)), k)                                    # (B, 4 C_out, H+1, W+1)
+        B, O, H, W = x.shape[0], w.shape[0], x.shape[2], x.shape[3]
+        y = y.unflatten(1, (2, 2, O))                                              # (B, a, b, C_out, H+1, W+1)
+        if x.is_contiguous(memory_format=torch.channels_last):
+            out = y.new_empty(B, H, 2, W, 2, O).permute(0, 5, 1, 2, 3, 4)
+        else:
+            out = y.new_empty(B, O, H, 2, W, 2)
+        for a in (0, 1):
+            for b in (0, 1):
+                out[:, :, :, a, :, b] = y[:, a, b, :, a:a + H, b:b + W]            # row 2i+a, column 2j+b
+        return out.flatten(4, 5).flatten(2, 3)
+
+
 class Block(nn.Module):
     """relu(conv(relu(conv(relu(conv(x))))) + x), optionally after x = x + mid_branch(x)."""
 
@@ -77,7 +109,7 @@ def decoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = Fal
     for stage in range(3):
         first = stage == 0
         layers += [Block(c, mid_branch and first) for _ in range(3)]
-        layers += [nn.Upsample(scale_factor=2, mode="nearest"), conv3x3(c, c, bias=False)]
+        layers += [nn.Identity(), UpsampleConv(c, c)]  # Identity keeps the original indices (was nn.Upsample)
     return nn.Sequential(*layers, Block(c), conv3x3(c, 3))
 
 
