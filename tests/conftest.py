@@ -26,3 +26,13 @@ def text_corpus(tmp_path) -> Path:
     p = tmp_path / "corpus.txt"
     p.write_text(text)
     return p
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): what the subprocess runs use, and much
+    faster for tiny models on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -45,13 +45,7 @@ MAX_STEPS = CFG["train"]["max_steps"]
 
 
 # ------------------------------------------------------------------------------ helpers
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as the subprocesses use: fast on a busy machine, identical every run."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def weights(path) -> dict:
@@ -240,7 +234,12 @@ def small_full(tmp_path_factory):
     d = tmp_path_factory.mktemp("small")
     corpus = d / "corpus.txt"
     corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:10])[:80_000])
-    out, _ = run(d, corpus, "full", **{"train.keep_checkpoints": 10})
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped: set up before the per-test one_thread fixture
+    try:
+        out, _ = run(d, corpus, "full", **{"train.keep_checkpoints": 10})
+    finally:
+        torch.set_num_threads(n)
     return corpus, out
 
 

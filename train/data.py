@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,22 +82,31 @@ def corpus_files(path: str) -> list[Path]:
     raise DataError(f"{path}: no such file or folder")
 
 
-def _read_text(f: Path, counts: dict) -> str:
-    raw = f.read_bytes()
+_UNDECODED = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for undecodable bytes
+
+
+def _read_text(f: Path, problems: list) -> str:
+    """UTF-8 text of `f`; every undecodable byte becomes U+FFFD and is counted."""
+    try:
+        raw = f.read_bytes()
+    except OSError as e:
+        raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        counts["undecodable_files"] = counts.get("undecodable_files", 0) + 1
-        return raw.decode("utf-8", errors="replace")
+        text, n = _UNDECODED.subn("\ufffd", raw.decode("utf-8", errors="surrogateescape"))
+        problems.append(f"{f}: {n} undecodable bytes replaced with U+FFFD")
+        return text
 
 
 def read_corpus(path: str, max_chars: Optional[int] = None, log=print) -> str:
     """All documents of the source joined by blank lines. Undecodable bytes are replaced
     (and counted); bad .jsonl lines are skipped (and counted); an empty corpus is an error."""
-    parts, counts, total = [], {}, 0
+    parts, problems, total = [], [], 0
     for f in corpus_files(path):
         if f.suffix == ".jsonl":
-            for i, line in enumerate(_read_text(f, counts).splitlines()):
+            bad = 0
+            for i, line in enumerate(_read_text(f, problems).splitlines()):
                 if not line.strip():
                     continue
                 try:
@@ -104,23 +114,28 @@ def read_corpus(path: str, max_chars: Optional[int] = None, log=print) -> str:
                     if not isinstance(text, str):
                         raise TypeError
                 except (ValueError, KeyError, TypeError):
-                    counts["bad_jsonl_lines"] = counts.get("bad_jsonl_lines", 0) + 1
+                    bad += 1
                     continue
                 parts.append(text)
                 total += len(text)
+            if bad:
+                problems.append(f"{f}: {bad} bad jsonl lines (skipped)")
         else:
-            text = _read_text(f, counts)
+            text = _read_text(f, problems)
             parts.append(text)
             total += len(text)
         if max_chars is not None and total >= max_chars:
             break
-    for k, v in counts.items():
-        log(f"data: {path}: {v} {k.replace('_', ' ')} (replaced or skipped)")
+    for msg in problems[:20]:
+        log(f"data: {msg}")
+    if len(problems) > 20:
+        log(f"data: {path}: {len(problems) - 20} more files with undecodable bytes or bad lines")
     text = "\n\n".join(parts)
     if max_chars is not None:
         text = text[:max_chars]
     if not text.strip():
-        raise DataError(f"{path}: the corpus is empty")
+        why = f" ({problems[0]})" if problems else ""
+        raise DataError(f"{path}: the corpus is empty{why}")
     return text
 
 
@@ -233,9 +248,12 @@ class TokenData:
             tok_key = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
         key = hashlib.sha256(f"{fp}:{cfg.max_chars}:{tok_key}".encode()).hexdigest()[:16]
         bin_path = cache / f"tokens-{key}.bin"
+        dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
+        if bin_path.is_file() and bin_path.stat().st_size % np.dtype(dtype).itemsize:
+            log(f"data: {bin_path}: truncated token cache ({bin_path.stat().st_size} bytes); rebuilding it")
+            bin_path.unlink()
         if not bin_path.is_file():
             self._tokenize(bin_path, log)
-        dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
         tokens = np.memmap(bin_path, dtype=dtype, mode="r")
         n_val = max(int(len(tokens) * cfg.val_fraction), cfg.seq_len + 1)
         if len(tokens) - n_val < cfg.seq_len + 1:

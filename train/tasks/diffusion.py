@@ -22,6 +22,8 @@ from zoo.config import ConfigError, fail
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
 from zoo.diffusion.taesd import TAESD
 
+from ..checkpoint import read_weights
+from ..data import DataError
 from . import Task
 
 
@@ -71,7 +73,7 @@ def load_images(d: DiffusionDataConfig, size: int, source: str):
         ds = FolderImages([samples[i] for i in part], size, train=False)
         x, y, bad = collate_images([ds[i] for i in range(len(ds))])
         if bad:
-            raise ValueError(f"{bad[0]}: unreadable image")
+            raise DataError(f"{bad[0]}: unreadable image ({len(bad)} unreadable in data.dataset={d.dataset})")
         out += [x.float() / 255, y]
     return (*out, len(classes))
 
@@ -157,8 +159,12 @@ class DiffusionTask(Task):
                        "seed": cfg.train.seed})
         path = Path(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.pth"
         if path.is_file():
-            self.log(f"autoencoder: reusing {path}")
-            return zoo.from_pretrained(path, **ae.variant)
+            try:
+                cached = zoo.from_pretrained(path, **ae.variant)
+                self.log(f"autoencoder: reusing {path}")
+                return cached
+            except (ValueError, OSError) as e:  # a truncated, corrupt or half-written cache: train it again
+                self.log(f"autoencoder: cached file unusable ({e}); training it again")
         self.log(f"autoencoder: training a TAESD {ae.variant} on the training images ({d.ae_steps} steps)")
         torch.manual_seed(cfg.train.seed)
         ae = train_autoencoder(ae, x_tr, d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise, self.device,
@@ -173,11 +179,13 @@ class DiffusionTask(Task):
         model.latent_std.copy_(self.latent_std)
         init = self.cfg.train.init_from
         if init:
-            from safetensors.torch import load_model
             p = Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init)
             if not p.is_file():
                 raise ConfigError(f"{self.cfg.source}: train.init_from={init}: no model.safetensors there")
-            load_model(model, str(p))
+            try:
+                model.load_state_dict(read_weights(p, model), strict=False)
+            except ValueError as e:
+                raise ConfigError(f"{self.cfg.source}: train.init_from: {e}") from None
             self.log(f"model: loaded {p}")
         self.log(f"denoiser: {model.num_params() / 1e6:.2f}M trainable parameters")
         return model
