@@ -3,6 +3,7 @@
 The sample-quality check of the embedded default (a digits classifier on generated samples) is the
 slow benchmark `python train/bench.py min-snr`; here a tiny run checks the plumbing end to end.
 """
+import math
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,9 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     logs.clear()
     train(tiny_run(tmp_path, f"train.out_dir={tmp_path / 'run2'}"), log=logs.append)
     assert any("autoencoder: reusing" in m for m in logs)
+
+
+def test_bf16_channels_last_run(tmp_path):
+    final = train(tiny_run(tmp_path, "train.precision=bf16", "train.channels_last=true", "train.ema_decay=null"),
+                  log=lambda m: None)
+    assert math.isfinite(final["val_loss"]) and (tmp_path / "run" / "samples.png").is_file()
