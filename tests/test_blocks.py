@@ -345,3 +345,11 @@ def test_chunked_ce_fp32_and_bf16_autocast():
 def test_chunked_ce_bad_shapes():
     with pytest.raises(ValueError, match=r"expected h \(N, D\)"):
         chunked_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(6, dtype=torch.long))
+
+
+def test_chunked_ce_all_targets_ignored():
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(9, 4, requires_grad=True)
+    loss = chunked_cross_entropy(h, w, torch.full((6,), -100), chunk_size=4)
+    loss.backward()
+    assert loss.item() == 0.0 and (h.grad == 0).all() and (w.grad == 0).all()

@@ -12,7 +12,8 @@ precision (fp32, or bf16 autocast with fp32 master weights, as the loop runs it)
 
 Timing: after warm-up steps (which include compilation in 'compile' mode) the two sides are
 timed in alternating order, `rounds` times `steps` steps each, and each side's best round is
-reported (the machine may be shared: the best round is the least disturbed one).
+reported (the machine may be shared: the best round is the least disturbed one); the progress
+lines also give the ratio of the median rounds.
 MFU = achieved model FLOP/s / the FLOP/s of a big matmul in the same dtype measured in this
 run (the best of several measurements). Model FLOPs per token: 6 * matmul parameters +
 12 * layers * d_model * seq (PaLM's formula; the same count for both sides).
@@ -173,8 +174,8 @@ def main(argv=None):
     ap.add_argument("--precision", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
     ap.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side and setting (+2 when compiled)")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating zoo / transformers rounds")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating zoo / transformers rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = ap.parse_args(argv)
     if args.threads:
@@ -228,10 +229,11 @@ def main(argv=None):
             for s in sides:
                 best = min(res[s.name]["times"])
                 rows.append(dict(prec=prec, mode=mode, side=s.name, step_s=best, tok_s=tokens / best,
+                                 median_s=sorted(res[s.name]["times"])[len(res[s.name]["times"]) // 2],
                                  mem=res[s.name]["mem"], warmup=res[s.name]["warmup_s"], loss=res[s.name]["loss"]))
             z, h = rows[-2], rows[-1]
             print(f"  {prec} {mode}: zoo {z['tok_s']:.0f} tok/s, transformers {h['tok_s']:.0f} tok/s, "
-                  f"ratio {z['tok_s'] / h['tok_s']:.2f}", flush=True)
+                  f"ratio {z['tok_s'] / h['tok_s']:.2f} (of medians {h['median_s'] / z['median_s']:.2f})", flush=True)
         for r in rows:
             if r["prec"] == prec:
                 r["mfu"] = r["tok_s"] * flops_tok / peak
