@@ -111,7 +111,7 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     final = train(tiny_run(tmp_path), log=logs.append)
     assert "val_loss" in final and "ema_val_loss" in final
     assert (tmp_path / "run" / "samples.png").is_file()
-    cached = list((tmp_path / "cache").glob("*_encoder.pth"))
+    cached = list((tmp_path / "cache").glob("*_encoder.safetensors"))
     assert len(cached) == 1 and any("autoencoder: training" in m for m in logs)
     # the model's normalisation buffers hold the latent statistics
     from safetensors.torch import load_file

@@ -157,7 +157,7 @@ class DiffusionTask(Task):
         key = _digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
                        "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
                        "seed": cfg.train.seed})
-        path = Path(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.pth"
+        path = Path(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.safetensors"
         if path.is_file():
             try:
                 cached = zoo.from_pretrained(path, **ae.variant)
