@@ -128,7 +128,6 @@ class ClassifyTask(Task):
         if self.model_cfg.num_classes != len(self.classes):
             raise ConfigError(f"{cfg.source}: model.num_classes={self.model_cfg.num_classes} but {d.path} has "
                               f"{len(self.classes)} classes (set model.num_classes={len(self.classes)})")
-        # x * scale + shift == (x / 255 - mean) / std for uint8, (x - mean) / std for [0, 1] floats
         std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_inv_std = 1.0 / std_t
@@ -153,9 +152,11 @@ class ClassifyTask(Task):
         except (ValueError, FileNotFoundError) as e:
             raise DataError(str(e)) from None
         g = torch.Generator().manual_seed(self.cfg.train.seed)
+        by_class = [[] for _ in self.classes]
+        for s in samples:
+            by_class[s[1]].append(s)
         train, val = [], []
-        for label in range(len(self.classes)):
-            items = [s for s in samples if s[1] == label]
+        for items in by_class:
             order = torch.randperm(len(items), generator=g).tolist()
             k = max(1, round(len(items) * d.val_fraction)) if len(items) > 1 else 0
             val += [items[i] for i in order[:k]]
@@ -320,18 +321,22 @@ class ClassifyTask(Task):
         return model.flops_per_image(self.size)
 
     def samples(self, model, out_dir):
-        """Per-class validation accuracy (also written to out_dir/per_class.txt)."""
+        """Per-class validation accuracy: all classes in out_dir/per_class.txt; the returned text (the log)
+        lists the five worst and five best when there are more than 20."""
         logits, y = self.predict(model)
         pred = logits.argmax(1)
-        lines = [f"{'class':>16}  {'n':>5}  acc"]
+        rows = []
         for c, name in enumerate(self.classes):
             m = y == c
             if m.any():
-                lines.append(f"{name[:16]:>16}  {int(m.sum()):>5}  {(pred[m] == c).float().mean().item():.3f}")
-        lines.append(f"{'all':>16}  {len(y):>5}  {(pred == y).float().mean().item():.3f}")
-        text = "\n".join(lines)
-        (Path(out_dir) / "per_class.txt").write_text(text + "\n")
-        return text
+                rows.append((name[:24], int(m.sum()), (pred[m] == c).float().mean().item()))
+        fmt = lambda r: f"{r[0]:>24}  {r[1]:>5}  {r[2]:.3f}"  # noqa: E731
+        head, total = f"{'class':>24}  {'n':>5}  acc", f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
+        (Path(out_dir) / "per_class.txt").write_text("\n".join([head] + [fmt(r) for r in rows] + [total]) + "\n")
+        if len(rows) > 20:  # the log shows the five worst and five best classes
+            rows = sorted(rows, key=lambda r: r[2])
+            rows = rows[:5] + [("...", 0, float("nan"))] + rows[-5:]
+        return "\n".join([head] + [fmt(r) if r[0] != "..." else f"{'...':>24}" for r in rows] + [total])
 
     def export(self, model, out_dir):
         """Fine-tuned from pretrained weights: write them back in the layout (and file type) they came in."""
