@@ -12,13 +12,17 @@ Generation: batch 1, a random prompt, greedy, `--new-tokens` new tokens; Zoo's
 in alternating order `--rounds` times and each side's best round counts (the machine may be
 shared: the best round is the least disturbed). The table also says whether both produced the
 same tokens (expected in float32; in bfloat16 rounding differences may flip a near tie).
+Two clocks: wall time, and the process's CPU time (tokens per CPU-second), which on a shared
+machine with `--threads 1` leaves out the time the process waited for a core.
 
 Load: each side's from_pretrained runs in a fresh subprocess, so that its memory is its own: a
-first load (which pays the library's one-time lazy imports, e.g. torch's meta-device kernels pull
-in torch._dynamo), then a second one in the same process. Memory: the peak resident set size
-during the load (Linux VmHWM, reset through /proc/self/clear_refs) and the RSS after one forward
-pass (memory-mapped weights count once their pages are used), both above the RSS before the load.
-Library imports are excluded from times and memory. Best of `--load-rounds` processes.
+first load, then a second one in the same process. Library imports are excluded from times and
+memory on both sides, torch._dynamo included: transformers imports it with its model classes,
+and torch imports it (2-4 s, ~150 MiB) at the first meta-device kernel written in Python, which
+Zoo's meta-device build runs; a process that has trained or compiled anything has it already.
+Memory: the peak resident set size during the load (Linux VmHWM, reset through
+/proc/self/clear_refs) and the RSS after one forward pass (memory-mapped weights count once
+their pages are used), both above the RSS before the load. Best of `--load-rounds` processes.
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ def _status(key: str) -> int:
 def load_child(side: str, folder: str, dtype: str) -> dict:
     """Runs in a fresh process: import, then time one from_pretrained and report memory."""
     import importlib
+
+    import torch._dynamo  # noqa: F401  (see the module docstring)
     dt = getattr(torch, dtype)
     if side == "zoo":
         import zoo
@@ -126,18 +132,20 @@ def bench_generate(args, folder: str, dtype: str) -> dict:
     }
     for run in sides.values():  # warm-up
         run(8)
-    best = {s: float("inf") for s in sides}
+    wall = {s: float("inf") for s in sides}
+    cpu = dict(wall)
     outs = {}
     with torch.inference_mode():
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for s in order:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 outs[s] = sides[s](n)
-                best[s] = min(best[s], time.perf_counter() - t0)
-    same = torch.equal(outs["zoo"], outs["transformers"])
+                wall[s] = min(wall[s], time.perf_counter() - t0)
+                cpu[s] = min(cpu[s], time.process_time() - c0)
     assert outs["zoo"].shape[1] == outs["transformers"].shape[1] == args.prompt + n
-    return {s: n / best[s] for s in sides} | {"same": same}
+    return {"wall": {s: n / wall[s] for s in sides}, "cpu": {s: n / cpu[s] for s in sides},
+            "same": torch.equal(outs["zoo"], outs["transformers"])}
 
 
 def main(argv=None):
@@ -173,12 +181,14 @@ def main(argv=None):
               f"{args.threads} thread(s)")
         print(f"\ngeneration: batch 1, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "
               f"best of {args.rounds} alternating rounds")
-        print(f"| dtype | Zoo tok/s | transformers tok/s | Zoo / transformers | same tokens |")
-        print(f"|---|---|---|---|---|")
+        print("| dtype | clock | Zoo tok/s | transformers tok/s | Zoo / transformers | same tokens |")
+        print("|---|---|---|---|---|---|")
         for dtype in dtypes:
             r = bench_generate(args, tmp, dtype)
-            print(f"| {dtype} | {r['zoo']:.1f} | {r['transformers']:.1f} | {r['zoo'] / r['transformers']:.2f}x "
-                  f"| {'yes' if r['same'] else 'no'} |", flush=True)
+            for clock in ("wall", "cpu"):
+                z, h = r[clock]["zoo"], r[clock]["transformers"]
+                print(f"| {dtype} | {clock} | {z:.1f} | {h:.1f} | {z / h:.2f}x | {'yes' if r['same'] else 'no'} |",
+                      flush=True)
 
         print(f"\nload: from_pretrained in a fresh process (first), then again in the same process "
               f"(second); best of {args.load_rounds} processes; memory in MiB above the RSS before the load")

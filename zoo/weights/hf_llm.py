@@ -94,20 +94,26 @@ def _rope(hf: dict, source: str) -> tuple[float, Optional[RopeScaling]]:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ConfigError(f"{source}: partial_rotary_factor={partial} is not supported (RoPE on the full head)")
-    if kind == "default":
-        return float(theta), None
-    if kind == "linear":
-        return float(theta), RopeScaling(type="linear", factor=float(params.get("factor", 1.0)))
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"{source}: unsupported rope type '{kind}' in {key} (supported: default, linear, llama3)")
     if kind == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
         if missing:
             raise ConfigError(f"{source}: {key} of type 'llama3' lacks {', '.join(missing)}")
+    try:
+        theta = float(theta)
+        if kind == "default":
+            return theta, None
+        if kind == "linear":
+            return theta, RopeScaling(type="linear", factor=float(params.get("factor", 1.0)))
         old = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        return float(theta), RopeScaling(type="llama3", factor=float(params["factor"]),
-                                         low_freq_factor=float(params["low_freq_factor"]),
-                                         high_freq_factor=float(params["high_freq_factor"]),
-                                         original_max_position_embeddings=int(old))
-    raise ConfigError(f"{source}: unsupported rope type '{kind}' in {key} (supported: default, linear, llama3)")
+        return theta, RopeScaling(type="llama3", factor=float(params["factor"]),
+                                  low_freq_factor=float(params["low_freq_factor"]),
+                                  high_freq_factor=float(params["high_freq_factor"]),
+                                  original_max_position_embeddings=int(old))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} and rope_theta must be numbers, got {params} "
+                          f"and {hf.get('rope_theta')!r}") from None
 
 
 def _sliding_window(hf: dict, arch: str, n_layers: int, source: str) -> Optional[int]:
