@@ -28,6 +28,7 @@ from torch import nn
 from .blocks.drop_path import DropPath, linear_drop_rates
 from .config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
 
+
 def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
     """A conv that feeds a BatchNorm: no bias, 'same' padding for odd k."""
     return nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, groups=groups, bias=False)
@@ -103,7 +104,7 @@ class ResNet(nn.Module):
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
         cfg.validate()
-        self.config = cfg
+        self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
         block = BLOCKS[cfg.block_type]
         layers = cfg.stage_depths
         w = cfg.width
@@ -130,7 +131,7 @@ class ResNet(nn.Module):
                 c_in = c_out
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
         self.num_features = c_in
-        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head_drop = nn.Dropout(cfg.drop_rate) if cfg.drop_rate > 0 else nn.Identity()
         self.fc = nn.Linear(c_in, cfg.num_classes)
         self.reset_parameters()
 
