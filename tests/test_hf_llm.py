@@ -81,6 +81,8 @@ CASES = {
     "llama-llama3-rope-head-dim": ("llama", dict(num_key_value_heads=2, head_dim=24, rope_parameters=LLAMA3)),
     "qwen2-qkv-bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-sliding-window": ("mistral", dict(num_key_value_heads=1, sliding_window=8)),
+    "qwen2-sliding-window-all-layers": ("qwen2", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                      sliding_window=8, max_window_layers=0)),
 }
 
 
@@ -92,6 +94,7 @@ def test_parity_with_transformers(tmp_path, case):
     assert z.hf_architecture == CLASSES[kind][1]
     assert z.config.tie_embeddings == bool(kw.get("tie_word_embeddings", False))
     assert (z.lm_head.weight is z.embed.weight) == z.config.tie_embeddings
+    assert z.config.sliding_window == (8 if "sliding" in case else None)
     assert_same_logits(hf, z)
     assert_same_generation(hf, z)
 
@@ -260,6 +263,14 @@ def test_unsupported_architecture(saved):
 def test_unsupported_rope_type(saved, where):
     edit_config(saved, **{where: {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
     raises_one_line(ConfigError, "'yarn'", "config.json", path=saved)
+
+
+def test_qwen2_sliding_window_on_some_layers_only(tmp_path):
+    hf = hf_model("qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    raises_one_line(ConfigError, "some layers only", "config.json", path=hf_save(hf, tmp_path))
+    edit_config(tmp_path, use_sliding_window=False)  # the usual Qwen2 config: no window at all
+    z = zoo.from_pretrained(tmp_path)
+    assert z.config.sliding_window is None
 
 
 def test_missing_tensor(saved):
