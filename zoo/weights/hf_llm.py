@@ -331,7 +331,7 @@ def read_tensor(f, path: Path, offset: int, entry: dict, dest: torch.Tensor):
     OS cache instead of being counted in (and doubling) the process's resident memory."""
     file_dtype = _FILE_DTYPES[entry["dtype"]]
     direct = dest.device.type == "cpu" and dest.dtype == file_dtype and dest.is_contiguous()
-    buf = dest if direct else torch.empty(dest.shape, dtype=file_dtype)
+    buf = dest if direct else torch.empty(dest.shape, dtype=file_dtype, device="cpu")
     view = memoryview(buf.view(-1).view(torch.uint8).numpy())  # safetensors data is little-endian
     begin, end = entry["data_offsets"]
     f.seek(offset + begin)
