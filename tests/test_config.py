@@ -81,7 +81,8 @@ def test_build_from_yaml_with_overrides():
 def test_nested_overrides_and_types(tmp_path):
     p = write(tmp_path, BASE)
     cfg = load_run_config(str(p), ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8",
-                                   "optim.betas=[0.9, 0.99]", "train.clip_grad=null"])
+                                   "optim.betas=[0.9, 0.99]", "train.clip_grad=null", "optim.lr=3e-3"])
+    assert cfg.optim.lr == 0.003  # YAML 1.1 reads 3e-3 as a string; float keys accept it
     assert cfg.model.rope_scaling.type == "llama3" and cfg.model.rope_scaling.factor == 8.0
     assert cfg.optim.betas == (0.9, 0.99) and cfg.train.clip_grad is None
 

@@ -114,6 +114,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     source: str = "<config>"
+    explicit: dict = field(default_factory=dict)  # the keys as written (file + overrides), before defaults
 
     def to_dict(self) -> dict:
         return {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
@@ -138,7 +139,7 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     dcfg = from_dict(task.DataConfig, data.get("data") or {}, source, "data.")
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
-    cfg = RunConfig(family, model, dcfg, train, optim, source)
+    cfg = RunConfig(family, model, dcfg, train, optim, source, data)
     check = getattr(task, "validate_config", None)
     if check is not None:
         check(cfg)

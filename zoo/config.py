@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ def fail(source: str, key: str, msg: str) -> ConfigError:
 # ----------------------------------------------------------------------------------------
 # generic machinery: dict -> dataclass with type checks, YAML loading, overrides
 # ----------------------------------------------------------------------------------------
+
+_SCI_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
 
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
@@ -88,6 +92,8 @@ def _coerce(value: Any, tp, key: str, source: str):
             return int(value)
         raise bad
     if tp is float:
+        if isinstance(value, str) and _SCI_NUMBER.match(value.strip()):
+            value = float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(float(value)):
                 raise fail(source, key, f"must be a finite number, got {value!r}")

@@ -53,7 +53,8 @@ class LLM(nn.Module):
             self.lm_head.weight = self.embed.weight
         scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta, scaling)
-        self.reset_parameters()
+        if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
+            self.reset_parameters()
 
     def reset_parameters(self):
         std = self.config.init_std

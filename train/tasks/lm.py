@@ -49,6 +49,7 @@ class LMTask(Task):
             except ValueError as e:  # a bad checkpoint is a bad train.init_from: one line, exit 2
                 raise ConfigError(f"{self.cfg.source}: train.init_from: {e}") from None
             self.log(f"model: loaded {self.cfg.train.init_from}")
+            self._apply_runtime_options(model)
         else:
             model = zoo.build(self.cfg.model)
         vocab = self.data.tokenizer.vocab_size
@@ -57,6 +58,19 @@ class LMTask(Task):
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"tokenizer's {vocab}")
         return model
+
+    # model keys that change how a loaded model runs, not what it computes
+    RUNTIME_KEYS = ("activation_checkpointing", "chunked_loss", "loss_chunk_size", "attn_backend")
+
+    def _apply_runtime_options(self, model):
+        """With train.init_from the architecture comes from the checkpoint; the model: section
+        still sets how it runs (checkpointing, chunked loss, attention backend) when given."""
+        given = self.cfg.explicit.get("model") or {}
+        for key in self.RUNTIME_KEYS:
+            if key in given:
+                setattr(model.config, key, getattr(self.cfg.model, key))
+        for layer in model.layers:
+            layer.attn.backend = model.config.attn_backend
 
     def train_batch(self, step, micro):
         g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
