@@ -183,6 +183,22 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
         step = int(m.group(1))
         assert 0 < step < MAX_STEPS
         assert list_checkpoints(out)[0].name == f"step_{step:08d}"  # the step it stopped at, nothing lost
+    # a second Ctrl-C, while the first one's checkpoint is being written, stops at once (exit 130,
+    # one line); the previous complete checkpoint is used and the run still resumes exactly
+    n_starts = starts(out)
+    p = launch(run_cfg, out)
+    assert wait_for_training(p, out, n_starts)
+    time.sleep(0.2)
+    before = {c.name for c in list_checkpoints(out)}
+    p.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    while not tmp_dirs_of(out, p.pid) and p.poll() is None and time.monotonic() - t0 < 60:
+        time.sleep(0.0005)
+    p.send_signal(signal.SIGINT)
+    assert finish(p) == 130
+    err = sorted(out.glob("stderr-*"), key=lambda f: f.stat().st_mtime)[-1].read_text().strip()
+    assert len(err.splitlines()) == 1 and "interrupted" in err, err
+    assert tmp_dirs_of(out, p.pid) and {c.name for c in list_checkpoints(out)} == before  # the write was cut short
     assert finish(launch(run_cfg, out)) == 0
     ref_weights, ref_curve = reference
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
@@ -279,6 +295,18 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(small_full, tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "checkpoints" in err and "train.resume=false" in err, err
     assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == before  # nothing lost
+
+
+def test_resume_false_sets_the_old_checkpoints_aside(small_full, tmp_path):
+    corpus, full = small_full
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    old = {c.name for c in list_checkpoints(part)}
+    _, logs = run(tmp_path, corpus, "part", **{"train.resume": False, "train.max_steps": 10})
+    assert not any(m.startswith("resumed from") for m in logs)
+    (aside,) = part.glob("checkpoints.old-*")
+    assert {c.name for c in aside.iterdir()} == old  # the previous run's checkpoints, all kept
+    assert [c.name for c in list_checkpoints(part)] == ["step_00000010", "step_00000005"]
 
 
 # ------------------------------------------------------------------------------ non-finite losses
@@ -428,3 +456,51 @@ def test_nothing_in_the_project_unpickles_arbitrary_objects():
                 offenders.append(f"{f.relative_to(ROOT)}: {src[m.start():i]}")
         offenders += [f"{f.relative_to(ROOT)}: {p.pattern}" for p in UNSAFE if p.search(src)]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------------------ corrupt weight files
+def saved_weights(tmp_path, kind) -> tuple:
+    """(path to load, file to damage) of a tiny model saved by zoo.save_pretrained."""
+    import zoo
+    from zoo.config import LLMConfig
+    if kind == "hf_llm":
+        zoo.save_pretrained(zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)),
+                            tmp_path / "hf")
+        return tmp_path / "hf", tmp_path / "hf" / "model.safetensors"
+    if kind.startswith("resnet"):
+        model = zoo.build({"family": "convnet", "model": {"arch": "resnet18", "layers": [1, 1], "width": 8,
+                                                          "num_classes": 2}})
+        f = tmp_path / f"resnet18.{kind.split('.')[1]}"
+        zoo.save_pretrained(model, f)
+        return f, f
+    from zoo.diffusion.taesd import TAESD
+    zoo.save_pretrained(TAESD(latent_channels=4, channels=8), tmp_path / "taesd_encoder.pth")
+    return tmp_path / "taesd_encoder.pth", tmp_path / "taesd_decoder.pth"  # the partner file is damaged
+
+
+@pytest.mark.parametrize("kind,how", [("hf_llm", "truncate"), ("hf_llm", "header"), ("resnet.safetensors", "truncate"),
+                                      ("resnet.pth", "truncate"), ("resnet.pth", "flip"), ("taesd.pth", "truncate"),
+                                      ("taesd.pth", "flip")])
+def test_from_pretrained_names_a_truncated_or_corrupt_file(tmp_path, kind, how):
+    """safetensors: header and byte ranges are checked; torch zip files: every record's CRC-32
+    (torch.load alone would load a flipped byte as a wrong weight)."""
+    import zoo
+    target, f = saved_weights(tmp_path, kind)
+    zoo.from_pretrained(target)  # intact: loads
+    b = bytearray(f.read_bytes())
+    if how == "truncate":
+        b = b[: len(b) * 2 // 3]
+    elif how == "header":
+        b[8:20] = b"\xff" * 12
+    else:  # a flipped byte inside the last tensor's data, whose file offset the zip directory gives
+        import zipfile
+        with zipfile.ZipFile(f) as z:
+            info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.header_offset)
+        off = info.header_offset  # local header: 30 bytes, then the name and extra field lengths it records
+        start = off + 30 + int.from_bytes(b[off + 26:off + 28], "little") + int.from_bytes(b[off + 28:off + 30], "little")
+        b[start + 2] ^= 0x01
+    f.write_bytes(bytes(b))
+    with pytest.raises(ValueError) as e:
+        zoo.from_pretrained(target)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and str(f) in msg, msg

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -100,6 +101,21 @@ def list_checkpoints(out_dir) -> list[Path]:
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
     return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def set_aside(out_dir) -> Path:
+    """Move the checkpoints of a previous run out of the way (train.resume=false): a fresh run
+    must neither resume from them nor have its own checkpoints rotated away by their higher steps."""
+    root = Path(out_dir) / CKPT_DIR
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = root.with_name(f"{CKPT_DIR}.old-{stamp}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = root.with_name(f"{CKPT_DIR}.old-{stamp}-{n}")
+    os.replace(root, dest)
+    _fsync_dir(root.parent)
+    return dest
 
 
 def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None, extra: Optional[dict] = None,

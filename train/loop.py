@@ -256,6 +256,8 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
     _atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     start = 0
+    if not t.resume and ckpt.list_checkpoints(out):
+        say(f"train.resume=false: the previous checkpoints were moved to {ckpt.set_aside(out)}")
     try:
         state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say) if t.resume else None
     except ckpt.CheckpointError as e:

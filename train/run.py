@@ -5,7 +5,7 @@
 
 Exit codes: 0 done; 2 bad config or data (one-line error); 3 stopped after too many
 non-finite losses in a row; 75 stopped by SIGTERM/SIGINT after writing a checkpoint
-(run the same command again to resume).
+(run the same command again to resume); 130 a second Ctrl-C (stopped at once).
 """
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ def main(argv=None) -> int:
     except RunStopped as e:
         print(f"{'error: ' if e.code != 75 else ''}{e}", file=sys.stderr)
         return e.code
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop started
+        print("interrupted: stopped at once, no checkpoint written (the last complete one is kept)",
+              file=sys.stderr)
+        return 130
     return 0
 
 

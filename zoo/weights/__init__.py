@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from .files import check_weights
+
 # Tried in order; the first whose detect() is true loads the path.
 FORMATS: list[str] = ["zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
 
@@ -21,6 +23,7 @@ def load_pretrained(path, **kwargs):
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
+    check_weights(p)  # truncated / corrupt files: a one-line error before any loader reads them
     for mod in _modules():
         if mod.detect(p):
             return mod.load(p, **kwargs)

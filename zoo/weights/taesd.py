@@ -23,6 +23,8 @@ import torch
 
 from zoo.diffusion.taesd import TAESD
 
+from .files import check_weight_file
+
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 _PAIR = re.compile(r"^(?P<stem>.*)_(?P<part>encoder|decoder)\.(?P<ext>pth|pt|safetensors)$")
 _MAX_PTH_BYTES = 256 << 20   # TAESD files are a few MB; never unpickle big unrelated files to look
@@ -42,6 +44,7 @@ def _pair_paths(p: Path):
 
 
 def _read(path: Path) -> dict:
+    check_weight_file(path)  # the other file of a pair is not checked by load_pretrained
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         return load_file(str(path))
