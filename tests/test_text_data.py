@@ -48,3 +48,20 @@ def test_sentencepiece_trained_cached_and_loaded_from_path(tmp_path, text_corpus
                                   cache_dir=str(tmp_path / "cache2")), log=lambda m: None)
     assert np.array_equal(np.asarray(d3.train), np.asarray(d.train))
     assert d.unigram_entropy() > 0
+
+
+def test_hf_tokenizer_json(tmp_path, text_corpus):
+    """A Hugging Face tokenizer.json (what Llama 3 and Qwen2 ship) tokenises the corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(text_corpus)], trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    d = TokenData(TextDataConfig(path=str(text_corpus), tokenizer=str(tmp_path / "tokenizer.json"), seq_len=32,
+                                 cache_dir=str(tmp_path / "cache")), log=lambda m: None)
+    assert d.tokenizer.vocab_size == tok.get_vocab_size()
+    ids = np.concatenate([np.asarray(d.train), np.asarray(d.val)])
+    assert np.array_equal(ids[:50], tok.encode(text_corpus.read_text()[:2000]).ids[:50])
+    sample = "def f(x):\n    return x + 1\n"
+    assert d.tokenizer.decode(d.tokenizer.encode(sample)) == sample

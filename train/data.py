@@ -5,7 +5,8 @@ field per line, or `stdlib`: the Python standard library's own .py files, a corp
 machine with Python has (the embedded default; no download).
 
 Tokenizers (`data.tokenizer`): `bytes` (vocab 256, no setup), `sentencepiece` (trained on
-the corpus with `data.vocab_size` and cached), or a path to a sentencepiece tokenizer.model.
+the corpus with `data.vocab_size` and cached), or a path to a sentencepiece tokenizer.model
+or a Hugging Face tokenizer.json.
 
 The corpus is tokenised once into a uint16/uint32 memmap cached beside the source (or in
 `data.cache_dir`); the last `data.val_fraction` of the tokens is held out for validation.
@@ -174,6 +175,37 @@ class SentencePieceTokenizer:
         return self.sp.decode([int(i) for i in ids])
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (Llama 3, Qwen2, ... ship only this), via `tokenizers`."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path}: reading tokenizer.json needs the 'tokenizers' package") from None
+        self.model_path = str(path)
+        try:
+            self.tok = Tokenizer.from_file(self.model_path)
+        except Exception as e:
+            raise DataError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self.eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer_file(path):
+    """tokenizer.json -> HFTokenizer; anything else is read as a sentencepiece model."""
+    return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
+
+
 def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars: int, log=print) -> Path:
     """Train a BPE sentencepiece model on (a sample of) the corpus, with byte fallback so any
     text round-trips. Written atomically to out_path."""
@@ -243,8 +275,8 @@ class TokenData:
             p = Path(tok_spec).expanduser()
             if not p.is_file():
                 raise DataError(f"{tok_spec}: tokenizer file not found (data.tokenizer must be bytes, "
-                                f"sentencepiece or a path to a tokenizer.model)")
-            self.tokenizer = SentencePieceTokenizer(p)
+                                f"sentencepiece or a path to a tokenizer.model / tokenizer.json)")
+            self.tokenizer = load_tokenizer_file(p)
             tok_key = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
         key = hashlib.sha256(f"{fp}:{cfg.max_chars}:{tok_key}".encode()).hexdigest()[:16]
         bin_path = cache / f"tokens-{key}.bin"

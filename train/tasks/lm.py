@@ -28,14 +28,16 @@ class LMTask(Task):
                               f"tokenizer's 256")
 
     def _pretrained_tokenizer(self) -> Optional[str]:
+        """With train.init_from and data.tokenizer 'sentencepiece' (the default), the data is
+        tokenised with the checkpoint's own tokenizer.model, or its tokenizer.json."""
         init = self.cfg.train.init_from
         if init is None or self.cfg.data.tokenizer != "sentencepiece":
             return None
-        tok = Path(init) / "tokenizer.model"
-        if not tok.is_file():
-            raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no tokenizer.model; set data.tokenizer "
-                              f"to a tokenizer file or 'bytes'")
-        return str(tok)
+        for name in ("tokenizer.model", "tokenizer.json"):
+            if (Path(init) / name).is_file():
+                return str(Path(init) / name)
+        raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no tokenizer.model or tokenizer.json; "
+                          f"set data.tokenizer to a tokenizer file or 'bytes'")
 
     def setup(self):
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
@@ -119,5 +121,7 @@ class LMTask(Task):
             return None
         path = Path(out_dir) / "hf"
         tok = getattr(self.data.tokenizer, "model_path", None)
+        if tok is not None and Path(tok).parent == Path(self.cfg.train.init_from):
+            tok = self.cfg.train.init_from  # the checkpoint's tokenizer files, config included
         zoo.save_pretrained(model, path, tokenizer=tok)
         return str(path)
