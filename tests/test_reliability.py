@@ -310,9 +310,9 @@ def test_resume_false_sets_the_old_checkpoints_aside(small_full, tmp_path):
 
 
 # ------------------------------------------------------------------------------ non-finite losses
-def nan_task(nan_steps):
-    """The LM task with a NaN loss injected at the given (0-based) optimizer steps; it snapshots
-    the weights at the start of every step."""
+def nan_task(nan_steps, what="loss"):
+    """The LM task with a NaN loss (or, with what="grad", a finite loss whose gradient is NaN)
+    injected at the given (0-based) optimizer steps; it snapshots the weights at every step's start."""
     class NaNTask(LMTask):
         snapshots = {}
 
@@ -328,14 +328,19 @@ def nan_task(nan_steps):
 
         def loss(self, model, batch):
             loss, n = super().loss(model, batch)
-            return (loss * float("nan") if nan_steps(self.step) else loss), n
+            if nan_steps(self.step) and what == "loss":
+                loss = loss * float("nan")
+            elif nan_steps(self.step):  # sqrt'(0) = inf, times d(0 * w)/dw = 0: NaN gradients, loss + 0
+                loss = loss + (0 * sum(p.sum() for p in model.parameters())).sqrt()
+            return loss, n
     return NaNTask
 
 
-def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monkeypatch):
+@pytest.mark.parametrize("what", ["loss", "grad"])
+def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monkeypatch, what):
     corpus, _ = small_full
     k = 7
-    task = nan_task(lambda s: s == k)
+    task = nan_task(lambda s: s == k, what)
     monkeypatch.setattr(loop, "task_class", lambda family: task)
     out, logs = run(tmp_path, corpus, "nan")
     snaps = task.snapshots
@@ -345,7 +350,8 @@ def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monk
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"step": k + 1, "nonfinite": True, "skipped_steps": 1} in rows
     assert all(r.get("skipped_steps") == 1 for r in rows if "loss" in r and r["step"] > k)
-    assert any("non-finite" in m and "skipped" in m for m in logs)
+    (msg,) = [m for m in logs if "non-finite" in m and "skipped" in m]
+    assert msg.startswith(f"step {k + 1}:") and ("(nan, nan)" in msg) == (what == "loss"), msg
     state = torch.load(list_checkpoints(out)[0] / "state.pt", weights_only=True)
     assert all(int(s["step"]) == SMALL["train"]["max_steps"] - 1 for s in state["optimizer"]["state"].values())
     first_loss = next(r["loss"] for r in rows if "loss" in r)
