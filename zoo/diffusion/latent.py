@@ -22,7 +22,7 @@ from .schedule import NoiseSchedule, guided
 from .taesd import TAESD
 
 
-def build_autoencoder(cfg: DiffusionConfig, source: str = "model") -> TAESD:
+def build_autoencoder(cfg: DiffusionConfig, source: str = "<config>", prefix: str = "model.") -> TAESD:
     """The config's TAESD: loaded from autoencoder.weights (checked against the variant keys that
     are set), or a fresh one of the configured variant."""
     a = cfg.autoencoder
@@ -32,7 +32,7 @@ def build_autoencoder(cfg: DiffusionConfig, source: str = "model") -> TAESD:
             return taesd_weights.load(a.weights, latent_channels=a.latent_channels, midblock_gn=a.midblock_gn,
                                       channels=a.channels)
         except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"{source}: autoencoder.weights: {e}") from None
+            raise ConfigError(f"{source}: {prefix}autoencoder.weights: {e}") from None
     return TAESD(a.latent_channels or cfg.latent_channels or 4, bool(a.midblock_gn), a.channels or 64)
 
 
