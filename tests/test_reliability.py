@@ -512,3 +512,29 @@ def test_from_pretrained_names_a_truncated_or_corrupt_file(tmp_path, kind, how):
         zoo.from_pretrained(target)
     msg = str(e.value)
     assert len(msg.splitlines()) == 1 and str(f) in msg, msg
+
+
+# ------------------------------------------------------------------------------ other families
+DIFFUSION = {
+    "family": "diffusion",
+    "model": {"image_size": 16, "num_classes": 10, "channels": [16], "blocks_per_level": 1, "heads": 2,
+              "autoencoder": {"latent_channels": 4, "channels": 8}, "sample_steps": 2},
+    "data": {"ae_steps": 2, "ae_batch_size": 8, "encode_batch_size": 64},
+    "train": {**SMALL["train"], "max_steps": 6, "checkpoint_every": 3, "keep_checkpoints": 5, "batch_size": 8,
+              "ema_decay": 0.9},
+}
+
+
+def test_diffusion_resume_is_exact_with_ema(tmp_path):
+    """The latent diffusion task (noise, timesteps and label dropout drawn per step) resumes exactly,
+    EMA included."""
+    over = [f"data.cache_dir={tmp_path / 'cache'}"]
+    loop.train(load_run_config(None, [f"train.out_dir={tmp_path / 'full'}", *over], base=DIFFUSION), log=lambda m: None)
+    part = killed_copy(tmp_path / "full", tmp_path / "part", after_step=3)
+    (part / "model_ema.safetensors").unlink()
+    logs = []
+    loop.train(load_run_config(None, [f"train.out_dir={part}", *over], base=DIFFUSION), log=logs.append)
+    assert any(m.startswith("resumed from") and "(step 3)" in m for m in logs), logs
+    for f in ("model.safetensors", "model_ema.safetensors"):
+        assert_bitwise_equal(weights(part / f), weights(tmp_path / "full" / f))
+    assert curve(part) == curve(tmp_path / "full")

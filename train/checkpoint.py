@@ -210,10 +210,11 @@ def read_weights(path: Path, model: torch.nn.Module) -> dict:
         raise ValueError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0][:200]})") from None
     want = model.state_dict()
     # tied tensors (one storage, several names) are stored once by save_model: any one name will do
+    storage = {k: v.data_ptr() if v.numel() else k for k, v in want.items()}
     names_of = {}
-    for k, v in want.items():
-        names_of.setdefault(v.data_ptr(), []).append(k)
-    missing = [k for k, v in want.items() if not any(n in sd for n in names_of[v.data_ptr()])]
+    for k, ptr in storage.items():
+        names_of.setdefault(ptr, []).append(k)
+    missing = [k for k in want if not any(n in sd for n in names_of[storage[k]])]
     unexpected = [k for k in sd if k not in want]
     if missing or unexpected:
         raise ValueError(f"{path}: does not match the model ({len(missing)} missing e.g. {missing[:2]}, "

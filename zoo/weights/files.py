@@ -75,8 +75,13 @@ def check_weight_file(path):
 
 
 def check_weights(path):
-    """Check a weight file, or every weight file directly inside a folder."""
+    """Check a weight file, or the weight files directly inside a folder: its .safetensors files
+    (headers only), or its torch files when it has no .safetensors (the loaders prefer those; a
+    Hub folder often holds both, and checking a multi-GB .bin nobody reads would be wasted time)."""
     p = Path(path)
-    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
-    for f in files:
+    if not p.is_dir():
+        return check_weight_file(p)
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in WEIGHT_SUFFIXES)
+    safe = [f for f in files if f.suffix.lower() == ".safetensors"]
+    for f in safe or files:
         check_weight_file(f)
