@@ -14,8 +14,9 @@ Timing: after warm-up steps (which include compilation in 'compile' mode) the tw
 timed in alternating order, `rounds` times `steps` steps each, and each side's best round is
 reported (the machine may be shared: the best round is the least disturbed one); the progress
 lines also give the ratio of the median rounds.
-MFU = achieved model FLOP/s / the FLOP/s of a big matmul in the same dtype measured in this
-run (the best of several measurements). Model FLOPs per token: 6 * matmul parameters +
+MFU = achieved model FLOP/s / the FLOP/s of a 2048^3 matmul in the same dtype measured in this
+run (the best of measurements taken between the rounds; on a busy machine that peak can still
+be underestimated, which shows as an MFU that is too high). Model FLOPs per token: 6 * matmul parameters +
 12 * layers * d_model * seq (PaLM's formula; the same count for both sides).
 Peak memory: the process's resident set size is sampled every 2 ms by a thread while a side
 runs its timed steps; the table shows the peak minus the RSS just before (memory returned to
@@ -225,7 +226,7 @@ def main(argv=None):
                     res[s.name]["times"].append(dt)
                     res[s.name]["mem"] = max(res[s.name]["mem"], mem.peak)
                     res[s.name]["loss"] = float(loss)
-            peak = max(peak, matmul_peak(dtype or torch.float32))
+                peak = max(peak, matmul_peak(dtype or torch.float32))  # best of many: the least disturbed
             for s in sides:
                 best = min(res[s.name]["times"])
                 rows.append(dict(prec=prec, mode=mode, side=s.name, step_s=best, tok_s=tokens / best,
