@@ -169,7 +169,7 @@ def test_diffusion_corrupt_cached_autoencoder_is_retrained(tmp_path, capsys):
     root = image_folder(tmp_path / "imgs")
     code, err, _ = diffusion_run(tmp_path, capsys, root)
     assert code == 0, err
-    (enc,) = (tmp_path / "cache").glob("taesd-*_encoder.pth")
+    (enc,) = (tmp_path / "cache").glob("taesd-*_encoder.*")
     enc.write_bytes(enc.read_bytes()[:100])  # a half-written cache file
     code, err, log = diffusion_run(tmp_path, capsys, root, "train.resume=false")
     assert code == 0, err
