@@ -81,8 +81,9 @@ def launch(cfg: Path, out: Path, *overrides) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob("stderr-*.txt")))
-    return subprocess.Popen([sys.executable, str(RUN_PY), str(cfg), f"train.out_dir={out}", *overrides],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(out / f"stderr-{n}.txt", "w"))
+    with open(out / f"stderr-{n}.txt", "w") as err:  # the child keeps its own copy of the handle
+        return subprocess.Popen([sys.executable, str(RUN_PY), str(cfg), f"train.out_dir={out}", *overrides],
+                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def finish(p: subprocess.Popen, timeout=300) -> int:
