@@ -174,3 +174,16 @@ def test_diffusion_corrupt_cached_autoencoder_is_retrained(tmp_path, capsys):
     code, err, log = diffusion_run(tmp_path, capsys, root, "train.resume=false")
     assert code == 0, err
     assert f"cached file unusable ({enc}" in log and "training it again" in log, log
+
+
+def test_corrupt_cached_tokenizer_is_retrained(tmp_path, capsys):
+    f = tmp_path / "c.txt"
+    f.write_text(TEXT * 3)
+    sp = ["data.tokenizer=sentencepiece", "data.vocab_size=300", "data.seq_len=32", "model.vocab_size=300"]
+    code, err, _ = run(tmp_path, capsys, f, TINY, *sp)
+    assert code == 0, err
+    (model,) = (tmp_path / ".zoo_cache").glob("sp-*.model")
+    model.write_bytes(model.read_bytes()[:50])
+    code, err, log = run(tmp_path, capsys, f, TINY, *sp, "train.resume=false")
+    assert code == 0, err
+    assert f"{model}: not a readable sentencepiece model" in log and "training it again" in log, log

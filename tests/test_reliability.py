@@ -286,6 +286,19 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(small_full, tmp_path, 
     assert_bitwise_equal(weights(part / "model.safetensors"), weights(full / "model.safetensors"))
 
 
+def test_killed_after_the_last_checkpoint_only_finishes(small_full, tmp_path):
+    """Killed after the final checkpoint but before the final weights: the rerun writes them, with
+    no training step and no duplicated final evaluation in the metrics."""
+    corpus, full = small_full
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    (part / "model.safetensors").unlink()
+    _, logs = run(tmp_path, corpus, "part", **{"train.keep_checkpoints": 10})
+    assert any(m.rstrip().endswith("(step 20)") and m.startswith("resumed from") for m in logs), logs
+    assert_bitwise_equal(weights(part / "model.safetensors"), weights(full / "model.safetensors"))
+    assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+
+
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(small_full, tmp_path, capsys):
     corpus, full = small_full
     part = killed_copy(full, tmp_path / "part", after_step=10)

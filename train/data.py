@@ -267,10 +267,18 @@ class TokenData:
             self.tokenizer, tok_key = ByteTokenizer(), "bytes"
         elif tok_spec == "sentencepiece":
             sp_path = cache / f"sp-{fp}-{cfg.max_chars}-{cfg.vocab_size}.model"
+            if sp_path.is_file():
+                try:
+                    SentencePieceTokenizer(sp_path)
+                except DataError as e:  # a damaged cache: train it again
+                    log(f"data: {e}; training it again")
+                    sp_path.unlink()
             if not sp_path.is_file():
                 train_sentencepiece(read_corpus(cfg.path, cfg.max_chars, log), cfg.vocab_size, sp_path,
                                     cfg.sp_train_chars, log)
-            self.tokenizer, tok_key = SentencePieceTokenizer(sp_path), sp_path.name
+            # tokens are cached under the model's content, so a retrained tokenizer never meets stale tokens
+            self.tokenizer = SentencePieceTokenizer(sp_path)
+            tok_key = hashlib.sha256(sp_path.read_bytes()).hexdigest()[:16]
         else:
             p = Path(tok_spec).expanduser()
             if not p.is_file():
