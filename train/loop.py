@@ -271,9 +271,11 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
     if t.compile:
         say("compile: torch.compile(model); the first steps include compilation")
         fwd = torch.compile(model)
-    peak = t.peak_flops or measure_peak_flops(device, amp_dtype)
+    # measurements draw from a forked generator: the (resumed) RNG stream of the run stays untouched
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        peak = t.peak_flops or measure_peak_flops(device, amp_dtype)
+        fpi = task.flops_per_item(model)
     say(f"mfu: peak {peak / 1e12:.2f} TFLOP/s ({'configured' if t.peak_flops else 'measured matmul'})")
-    fpi = task.flops_per_item(model)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     params = [p for p in model.parameters() if p.requires_grad]
 
