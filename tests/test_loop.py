@@ -31,7 +31,7 @@ def losses(rows):
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def test_short_run_lowers_loss_and_writes_outputs(tmp_path, text_corpus):
+def test_short_run_lowers_loss_and_writes_outputs(tmp_path, text_corpus, one_thread):
     final, rows = run(tmp_path, text_corpus, **{"train.plot": True, "train.samples": True, "train.max_steps": 150})
     ls = [l for _, l in losses(rows)]
     assert sum(ls[-5:]) / 5 < sum(ls[:5]) / 5 - 1.0, ls
@@ -44,7 +44,7 @@ def test_short_run_lowers_loss_and_writes_outputs(tmp_path, text_corpus):
     assert final["val_loss"] < final["unigram_entropy"]
 
 
-def test_resume_continues_exactly(tmp_path, text_corpus):
+def test_resume_continues_exactly(tmp_path, text_corpus, one_thread):
     over = {"train.checkpoint_every": 10, "train.keep_checkpoints": 5, "train.max_steps": 20}
     _, full = run(tmp_path, text_corpus, "full", **over)
     # pretend the run was killed after step 10: drop the later checkpoint, weights and metrics
@@ -59,14 +59,13 @@ def test_resume_continues_exactly(tmp_path, text_corpus):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_runs(tmp_path, text_corpus, precision):
+def test_mixed_precision_runs(tmp_path, text_corpus, precision, one_thread):
     _, rows = run(tmp_path, text_corpus, **{"train.precision": precision, "train.max_steps": 3})
     assert all(torch.isfinite(torch.tensor(l)) for _, l in losses(rows))
 
 
-def test_compile_and_accumulation_run(tmp_path, text_corpus):
-    _, rows = run(tmp_path, text_corpus, **{"train.compile": True, "train.max_steps": 3, "train.grad_accum": 2,
-                                             "model.activation_checkpointing": True})
+def test_compile_and_accumulation_run(tmp_path, text_corpus, one_thread):
+    _, rows = run(tmp_path, text_corpus, **{"train.compile": True, "train.max_steps": 3, "train.grad_accum": 2})
     assert len(losses(rows)) == 3 and all(torch.isfinite(torch.tensor(l)) for _, l in losses(rows))
 
 

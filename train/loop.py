@@ -89,7 +89,7 @@ def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> fl
     """Achieved FLOP/s of a large square matmul in the run's compute dtype (the MFU
     denominator). The size grows until one matmul takes ~20 ms, so slow dtypes stay cheap."""
     dt = dtype or torch.float32
-    n = 1024
+    n = 256
     while True:
         a = torch.randn(n, n, device=device, dtype=dt)
         b = torch.randn(n, n, device=device, dtype=dt)
