@@ -305,8 +305,9 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
                 items += n
             scaler.unscale_(optimizer)
             gnorm = torch.nn.utils.clip_grad_norm_(params, t.clip_grad if t.clip_grad else float("inf"))
-            loss_val = loss_sum.item() / t.grad_accum
-            grads_ok = math.isfinite(gnorm.item())
+            loss_val, gnorm_val = torch.stack([loss_sum, gnorm.float()]).tolist()  # one device sync
+            loss_val /= t.grad_accum
+            grads_ok = math.isfinite(gnorm_val)
             # a non-finite loss always counts; with fp16 an overflowing gradient is the GradScaler's
             # business (it skips the step and lowers the scale), so it does not count as a failure
             finite = math.isfinite(loss_val) and (grads_ok or scaler.is_enabled())
@@ -323,7 +324,7 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
             else:
                 nonfinite_streak += 1
                 nonfinite_total += 1
-                say(f"step {step + 1}: non-finite loss/grad norm ({loss_val}, {gnorm.item()}); step skipped "
+                say(f"step {step + 1}: non-finite loss/grad norm ({loss_val}, {gnorm_val}); step skipped "
                     f"({nonfinite_streak} in a row, {nonfinite_total} in all)")
                 record({"step": step + 1, "nonfinite": True, "skipped_steps": nonfinite_total})
             sync(device)
@@ -345,7 +346,7 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
             if done % t.log_every == 0 or done == t.max_steps:
                 rate = win_items / max(win_time, 1e-9)
                 row = {"step": done, "loss": win_loss / win_n if win_n else float("nan"), "lr": lr,
-                       "grad_norm": gnorm.item(), f"{task.unit}_per_s": rate,
+                       "grad_norm": gnorm_val, f"{task.unit}_per_s": rate,
                        "step_time_s": win_time / max(1, win_n + (0 if finite else 1)),
                        "peak_mem_gb": peak_memory_gb(device)}
                 if fpi:
