@@ -201,7 +201,11 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
     assert finish(p) == 130
     err = sorted(out.glob("stderr-*"), key=lambda f: f.stat().st_mtime)[-1].read_text().strip()
     assert len(err.splitlines()) == 1 and "interrupted" in err, err
-    assert tmp_dirs_of(out, p.pid) and {c.name for c in list_checkpoints(out)} == before  # the write was cut short
+    cut = {name.split("-")[1] for name in tmp_dirs_of(out, p.pid)}  # e.g. step_00000061: the write cut short
+    after = {c.name for c in list_checkpoints(out)}
+    # the cut-short write left no checkpoint and removed none (a periodic one may have completed
+    # between the snapshot and the first signal)
+    assert cut and not cut & after and before <= after
     assert finish(launch(run_cfg, out)) == 0
     ref_weights, ref_curve, _ = reference
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
