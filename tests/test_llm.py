@@ -77,6 +77,63 @@ def test_generate_with_cache_equals_full_forward_greedy(kw, batch):
     assert torch.equal(out, full_forward_greedy(model, ids, 12))
 
 
+def test_matvec_as_reduction_equals_linear():
+    """The decoding-step rewrite of F.linear (zoo.llm.MatvecAsReduction), checked in eager mode:
+    on 1 and 2 rows it equals F.linear (fp32, <= 1e-5: another summation order); on 3 rows and
+    on 2-D weights given as other ops it leaves the call alone (bit-identical)."""
+    from zoo.llm import MatvecAsReduction
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
+    for shape in ((1, 64), (1, 1, 64), (2, 1, 64)):
+        x = torch.randn(*shape, generator=g)
+        with MatvecAsReduction():
+            y, yb = F.linear(x, w), F.linear(x, w, b)
+        assert y.shape == shape[:-1] + (300,)
+        assert (y - F.linear(x, w)).abs().max() <= 1e-5 and (yb - F.linear(x, w, b)).abs().max() <= 1e-5
+    x = torch.randn(3, 1, 64, generator=g)
+    with MatvecAsReduction():
+        assert torch.equal(F.linear(x, w, b), F.linear(x, w, b))
+    x = torch.randn(1, 64, generator=g)
+    with torch.autocast("cpu", torch.bfloat16):  # follows autocast: bf16 operands, bf16 result
+        ref = F.linear(x, w)
+        with MatvecAsReduction():
+            y = F.linear(x, w)
+    assert y.dtype == ref.dtype == torch.bfloat16 and (y.float() - ref.float()).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_generate_compiled_equals_eager():
+    """generate(compile=True) decodes through torch.compile: the same greedy tokens as eager in
+    fp32, at batch 1 and 2 (matvec reductions) and 3 (GEMM), across prompt lengths (recompiles
+    once with dynamic sizes) and with a window shorter than the text."""
+    for kw, batch, prompts in (({"n_kv_heads": 2}, 1, (6, 3, 9)), ({"n_kv_heads": 1, "sliding_window": 5}, 2, (6,)),
+                               ({"qkv_bias": True}, 3, (6,))):
+        model = tiny(**kw).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30)
+        for t in prompts:
+            ids = torch.randint(0, 97, (batch, t), generator=torch.Generator().manual_seed(t))
+            assert torch.equal(model.generate(ids, 12, compile=True), model.generate(ids, 12)), (kw, batch, t)
+
+
+def test_compiled_decode_step_has_no_linear_at_batch_1():
+    """torch.compile traces through the mode: the compiled decoding step at batch 1 holds no
+    F.linear (all of them became reductions); without the mode it holds them."""
+    import zoo.llm
+    model = tiny().eval()
+    for fn, want_linear in ((zoo.llm._decode_step_matvec, False), (zoo.llm.decode_step, True)):
+        graphs = []
+
+        def record(gm, inputs):
+            graphs.append(gm)
+            return gm.forward
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(fn, backend=record)(model, torch.tensor([[1]]), model.new_caches(1, 8), 0)
+        targets = {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+        assert graphs and (F.linear in targets) == want_linear
+    torch._dynamo.reset()
+
+
 def test_generate_keeps_training_mode_and_eos():
     model = tiny().train()
     ids = torch.randint(0, 97, (2, 4))

@@ -6,12 +6,19 @@
 The checkpoint: a transformers LlamaForCausalLM with random weights (tied embeddings, GQA),
 saved once as model.safetensors in a temporary folder. Both sides load that folder.
 
-Generation: batch 1, a random prompt, greedy, `--new-tokens` new tokens; Zoo's
-`LLM.generate(ids, n)` against transformers' `generate(ids, max_new_tokens=n, do_sample=False)`
-(no end-of-sequence token, so both always produce n tokens). After a warm-up the two sides run
+Generation: batch 1, a random prompt, greedy, `--new-tokens` new tokens (no end-of-sequence
+token, so every side always produces n tokens). Four sides:
+  zoo eager              LLM.generate(ids, n)
+  zoo compiled           LLM.generate(ids, n, compile=True): the decoding step under torch.compile,
+                         its matrix-vector products fused reductions (zoo.llm.MatvecAsReduction)
+  transformers eager     generate(ids, max_new_tokens=n, do_sample=False)
+  transformers compiled  transformers' own recipe: forward = torch.compile(forward) and
+                         generate(..., cache_implementation="static")
+One warm-up call each (timed: for the compiled sides it includes compilation), then the sides run
 in alternating order `--rounds` times and each side's best round counts (the machine may be
-shared: the best round is the least disturbed). The table also says whether both produced the
-same tokens (expected in float32; in bfloat16 rounding differences may flip a near tie).
+shared: the best round is the least disturbed). Ratios: eager/eager, compiled/compiled and best/best.
+The table also says whether each side produced the same tokens as transformers eager (expected in
+float32; in bfloat16 rounding differences may flip a near tie).
 Two clocks: wall time, and the process's CPU time (tokens per CPU-second), which on a shared
 machine with `--threads 1` leaves out the time the process waited for a core.
 
@@ -117,6 +124,7 @@ def make_checkpoint(args, folder: Path):
 
 
 def bench_generate(args, folder: str, dtype: str) -> dict:
+    """Tokens/s (wall and CPU clocks) of each side, the first call's seconds, and each side's tokens."""
     import transformers
 
     import zoo
@@ -124,14 +132,24 @@ def bench_generate(args, folder: str, dtype: str) -> dict:
     z = zoo.from_pretrained(folder, dtype=dt)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dt).eval()
     hf.generation_config.eos_token_id = None
+    hf_compiled = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dt).eval()
+    hf_compiled.generation_config.eos_token_id = None
+    hf_compiled.forward = torch.compile(hf_compiled.forward)  # transformers' recipe: static cache + compile
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     n = args.new_tokens
+    hf_kw = dict(do_sample=False, pad_token_id=0)
     sides = {
-        "zoo": lambda k: z.generate(prompt, k),
-        "transformers": lambda k: hf.generate(prompt, max_new_tokens=k, do_sample=False, pad_token_id=0),
+        "zoo eager": lambda k: z.generate(prompt, k),
+        "zoo compiled": lambda k: z.generate(prompt, k, compile=True),
+        "transformers eager": lambda k: hf.generate(prompt, max_new_tokens=k, **hf_kw),
+        "transformers compiled": lambda k: hf_compiled.generate(prompt, max_new_tokens=k,
+                                                                cache_implementation="static", **hf_kw),
     }
-    for run in sides.values():  # warm-up
-        run(8)
+    first = {}
+    for s, run in sides.items():  # warm-up; for the compiled sides this is where compilation happens
+        t0 = time.perf_counter()
+        run(n)
+        first[s] = time.perf_counter() - t0
     wall = {s: float("inf") for s in sides}
     cpu = dict(wall)
     outs = {}
@@ -143,9 +161,9 @@ def bench_generate(args, folder: str, dtype: str) -> dict:
                 outs[s] = sides[s](n)
                 wall[s] = min(wall[s], time.perf_counter() - t0)
                 cpu[s] = min(cpu[s], time.process_time() - c0)
-    assert outs["zoo"].shape[1] == outs["transformers"].shape[1] == args.prompt + n
-    return {"wall": {s: n / wall[s] for s in sides}, "cpu": {s: n / cpu[s] for s in sides},
-            "same": torch.equal(outs["zoo"], outs["transformers"])}
+    assert all(o.shape[1] == args.prompt + n for o in outs.values())
+    return {"wall": {s: n / wall[s] for s in sides}, "cpu": {s: n / cpu[s] for s in sides}, "first": first,
+            "same": {s: torch.equal(outs[s], outs["transformers eager"]) for s in sides}}
 
 
 def main(argv=None):
@@ -159,7 +177,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="timed generations per side and dtype")
-    p.add_argument("--load-rounds", type=int, default=2, help="load subprocesses per side and dtype")
+    p.add_argument("--load-rounds", type=int, default=2, help="load subprocesses per side and dtype (0: skip)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--load-child", nargs=3, metavar=("SIDE", "FOLDER", "DTYPE"), help=argparse.SUPPRESS)
@@ -180,15 +198,25 @@ def main(argv=None):
               f"float32 safetensors; torch {torch.__version__}, transformers {transformers.__version__}, "
               f"{args.threads} thread(s)")
         print(f"\ngeneration: batch 1, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "
-              f"best of {args.rounds} alternating rounds")
-        print("| dtype | clock | Zoo tok/s | transformers tok/s | Zoo / transformers | same tokens |")
+              f"best of {args.rounds} alternating rounds after one warm-up call (first call: compile included)")
+        print("| dtype | side | tok/s (wall) | tok/s (CPU) | first call s | same tokens as transformers eager |")
         print("|---|---|---|---|---|---|")
         for dtype in dtypes:
             r = bench_generate(args, tmp, dtype)
-            for clock in ("wall", "cpu"):
-                z, h = r[clock]["zoo"], r[clock]["transformers"]
-                print(f"| {dtype} | {clock} | {z:.1f} | {h:.1f} | {z / h:.2f}x | {'yes' if r['same'] else 'no'} |",
-                      flush=True)
+            for side in r["wall"]:
+                print(f"| {dtype} | {side} | {r['wall'][side]:.1f} | {r['cpu'][side]:.1f} | {r['first'][side]:.1f} | "
+                      f"{'yes' if r['same'][side] else 'no'} |")
+            w = r["wall"]
+            best_z, best_h = max(("zoo eager", "zoo compiled"), key=w.get), \
+                max(("transformers eager", "transformers compiled"), key=w.get)
+            print(f"| {dtype} | Zoo / transformers, eager | {w['zoo eager'] / w['transformers eager']:.2f}x | "
+                  f"{r['cpu']['zoo eager'] / r['cpu']['transformers eager']:.2f}x | | |")
+            print(f"| {dtype} | Zoo / transformers, compiled | {w['zoo compiled'] / w['transformers compiled']:.2f}x | "
+                  f"{r['cpu']['zoo compiled'] / r['cpu']['transformers compiled']:.2f}x | | |")
+            print(f"| {dtype} | best / best ({best_z} / {best_h}) | {w[best_z] / w[best_h]:.2f}x | "
+                  f"{r['cpu'][best_z] / r['cpu'][best_h]:.2f}x | | |", flush=True)
+        if args.load_rounds < 1:
+            return 0
 
         print(f"\nload: from_pretrained in a fresh process (first), then again in the same process "
               f"(second); best of {args.load_rounds} processes; memory in MiB above the RSS before the load")
