@@ -227,11 +227,36 @@ def _naive_attention(q, k, v, window=None):
     (4, 2, 3, 12, 5),      # sliding window with a cache offset
     (4, 2, 1, 12, 5),      # sliding window, one decoding step
 ])
-def test_sdpa_and_math_equal_reference(H, KV, Tq, Tk, window):
+def test_sdpa_and_math_equal_reference(H, KV, Tq, Tk, window, monkeypatch):
+    """Every backend path: 'math', 'sdpa' on short sequences (the CPU batched-matmul path) and
+    'sdpa' through torch's kernel (the short-sequence limit set to 0)."""
+    import zoo.blocks.attention as A
     q, k, v = _qkv(H=H, KV=KV, Tq=Tq, Tk=Tk)
     ref = _naive_attention(q, k, v, window)
+    assert (A.attend_bmm(q, k, v, window) - ref).abs().max() <= TOL
     for backend in ("math", "sdpa"):
         assert (attend(q, k, v, backend, window) - ref).abs().max() <= TOL, backend
+    monkeypatch.setattr(A, "CPU_BMM_MAX_LEN", 0)
+    assert (attend(q, k, v, "sdpa", window) - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_short_sequence_path_gradients_match_torch_sdpa(dtype, monkeypatch):
+    """The batched-matmul path and torch's SDPA kernel: same outputs and input gradients
+    (fp32: <= 1e-5; bf16 autocast-style inputs: within bf16 rounding of the scores)."""
+    import zoo.blocks.attention as A
+    q, k, v = (t.to(dtype) for t in _qkv(H=4, KV=2, Tq=16, Tk=16))
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    outs = []
+    for limit in (A.CPU_BMM_MAX_LEN, 0):
+        monkeypatch.setattr(A, "CPU_BMM_MAX_LEN", limit)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, "sdpa")
+        out.backward(go)
+        outs.append([out.float()] + [t.grad.float() for t in leaves])
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() <= tol
 
 
 def test_flash_backend_falls_back_on_cpu():
@@ -304,18 +329,20 @@ def test_attention_rejects_bad_heads():
 
 # ---------------------------------------------------------------------------- chunked loss
 
-@pytest.mark.parametrize("chunk", [5, 16, 1000])
-def test_chunked_ce_equals_cross_entropy(chunk):
+@pytest.mark.parametrize("chunk,compiled", [(5, False), (16, False), (1000, False), (16, True)])
+def test_chunked_ce_equals_cross_entropy(chunk, compiled):
     """Value and gradients (h and W) equal F.cross_entropy on the full logits, with ignored
-    targets, and a chunk size that does not divide N."""
+    targets, and a chunk size that does not divide N; eagerly and under torch.compile (which
+    takes the fusion-friendly formulation)."""
     torch.manual_seed(0)
+    ce = torch.compile(chunked_cross_entropy) if compiled else chunked_cross_entropy
     N, D, V = 37, 16, 50
     h = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
     w = torch.randn(V, D, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, V, (N,))
     t[::4] = -100
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    loss = chunked_cross_entropy(h, w, t, chunk_size=chunk)
+    loss = ce(h, w, t, chunk_size=chunk)
     ref = F.cross_entropy(h2 @ w2.t(), t, ignore_index=-100)
     (loss * 3).backward()
     (ref * 3).backward()
@@ -323,7 +350,7 @@ def test_chunked_ce_equals_cross_entropy(chunk):
     assert (h.grad - h2.grad).abs().max() <= 1e-10
     assert (w.grad - w2.grad).abs().max() <= 1e-10
     with torch.no_grad():  # the no-grad path (evaluation) gives the same value
-        assert abs(chunked_cross_entropy(h, w, t, chunk_size=chunk).item() - ref.item()) <= 1e-10
+        assert abs(ce(h, w, t, chunk_size=chunk).item() - ref.item()) <= 1e-10
 
 
 def test_chunked_ce_fp32_and_bf16_autocast():

@@ -8,6 +8,11 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 Backends: 'flash' (flash-attn, used when installed, on CUDA, in fp16/bf16; otherwise it falls
 back to 'sdpa' and says so once), 'sdpa' (torch.nn.functional.scaled_dot_product_attention,
 the default) and 'math' (a plain softmax(QK^T/sqrt(D))V reference in fp32, for tests).
+On a CPU, 'sdpa' with at most CPU_BMM_MAX_LEN keys runs as two batched matmuls around an fp32
+softmax instead (`attend_bmm`): for short sequences that is about twice as fast as torch's CPU
+flash kernel forward + backward (measured at 8 x 8 heads x 256 x 64 in bf16: 19 vs 38 ms; at
+512 keys the flash kernel wins). As in transformers' eager attention, the scores leave the
+matmul in the compute dtype before the fp32 softmax.
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
 [0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
@@ -73,6 +78,21 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> tor
     return mask
 
 
+CPU_BMM_MAX_LEN = 256
+
+
+def attend_bmm(q, k, v, window: Optional[int] = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), causal and windowed) v as two batched matmuls, softmax in fp32.
+    Grouped heads are stacked along the rows of their kv head, so k and v are never copied."""
+    B, H, Tq, D = q.shape
+    KV, Tk = k.shape[1], k.shape[2]
+    G = H // KV
+    scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * D ** -0.5  # (B, KV, G*Tq, Tk)
+    mask = attention_mask(Tq, Tk, window, q.device).repeat(G, 1)  # row g*Tq + i is query i of head g
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return (probs @ v).view(B, H, Tq, D)
+
+
 def attend(q, k, v, backend: str = "sdpa", window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D), Tk >= Tq, the queries being
     the last Tq positions. Returns (B, H, Tq, D)."""
@@ -88,6 +108,8 @@ def attend(q, k, v, backend: str = "sdpa", window: Optional[int] = None) -> torc
         _warn_once("attention backend 'flash' needs flash-attn, CUDA and fp16/bf16; using 'sdpa'")
         backend = "sdpa"
     if backend == "sdpa":
+        if q.device.type == "cpu" and Tk <= CPU_BMM_MAX_LEN:
+            return attend_bmm(q, k, v, window if windowed else None)
         gqa = {"enable_gqa": True} if KV != H else {}
         if not windowed and Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)

@@ -36,6 +36,31 @@ def _log_probs(h, w, t, ignore_index):
     return loss, logp, valid, safe_t
 
 
+def _loss_and_dlogits(h, w, t, ignore_index, dtype):
+    """One chunk: the summed loss of its valid rows, d(loss)/d(logits) = softmax - onehot on
+    valid rows (n, V) in `dtype` (rows of ignored targets: softmax, masked by the caller), and
+    the validity mask (n,).
+
+    Two formulations of the same math. Eagerly, log_softmax and an in-place exp are the fewest
+    full passes over the (n, V) block. Under torch.compile, logsumexp plus one pointwise
+    expression (exp(logits - lse) - onehot, the one-hot as a comparison against column
+    indices) lets inductor make two fused kernels that never write an fp32 (n, V) block; a
+    scatter into the block would instead break the fusion."""
+    valid = t != ignore_index
+    safe_t = t.masked_fill(~valid, 0)
+    if torch.compiler.is_compiling():
+        logits = h @ w.t()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        loss = ((lse.squeeze(1) - logits.gather(1, safe_t[:, None]).squeeze(1)) * valid).sum()
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        onehot = (cols == safe_t[:, None]) & valid[:, None]
+        return loss, (torch.exp(logits - lse) - onehot.to(logits.dtype)).to(dtype), valid
+    loss, g, valid, safe_t = _log_probs(h, w, t, ignore_index)
+    g = g.exp_().scatter_add_(1, safe_t[:, None], -valid[:, None].to(g.dtype)).to(dtype)
+    return loss, g, valid
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """The gradients are made in the forward pass, chunk by chunk, and only scaled in backward."""
 
@@ -50,12 +75,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk_size):
                 hc = h[s:s + chunk_size].to(dtype)
-                loss, g, valid, safe_t = _log_probs(hc, w, targets[s:s + chunk_size], ignore_index)
+                loss, g, valid = _loss_and_dlogits(hc, w, targets[s:s + chunk_size], ignore_index, dtype)
                 total = total + loss
-                # d(sum of losses)/d(logits) = (softmax - onehot) on valid rows. The big (n, V) block only
-                # gets exp and the one-hot; ignored rows are zeroed on the small (n, D) operands, and
-                # the 1/n_valid of the mean is applied in backward (in fp32, with grad_out).
-                g = g.exp_().scatter_add_(1, safe_t[:, None], -valid[:, None].to(g.dtype)).to(dtype)
+                # Ignored rows are zeroed on the small (n, D) operands, and the 1/n_valid of the
+                # mean is applied in backward (in fp32, with grad_out).
                 mask = valid[:, None].to(dtype)  # (n, 1)
                 grad_h[s:s + chunk_size] = (g @ w) * mask
                 gw = g.t() @ (hc * mask)  # (V, D)
