@@ -9,12 +9,15 @@ same batch, in four settings: fp32 and bf16 autocast (fp32 master weights, as th
 it), each with contiguous (NCHW) and channels-last (NHWC) model and batch.
 Timing: after warm-up steps, the two sides are timed in alternating order, `rounds` times
 `steps` steps each, and each side's best round is reported (the machine may be shared: the
-best round is the least disturbed one). The table gives images/s, Zoo / timm, and what
-channels-last gives each side against its own contiguous run.
+best round is the least disturbed one). The table gives images/s, Zoo / timm of the best
+rounds, the median over rounds of the ratio of the two back-to-back timings (less sensitive
+to a disturbance that hits one side's best round), and what channels-last gives each side
+against its own contiguous run.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -103,24 +106,30 @@ def main(argv=None):
                 for _ in range(args.warmup):
                     s.step(x, y, dtypes[p])
             best = {s.name: float("inf") for s in sides}
+            paired = []  # per round: timm's time / zoo's time, measured back to back
             for r in range(args.rounds):
+                took = {}
                 for s in (sides if r % 2 == 0 else sides[::-1]):
                     t0 = time.perf_counter()
                     for _ in range(args.steps):
                         s.step(x, y, dtypes[p])
-                    best[s.name] = min(best[s.name], (time.perf_counter() - t0) / args.steps)
+                    took[s.name] = (time.perf_counter() - t0) / args.steps
+                    best[s.name] = min(best[s.name], took[s.name])
+                paired.append(took["timm"] / took["zoo"])
             results[p, fmt] = {k: args.batch / v for k, v in best.items()}
+            results[p, fmt]["paired"] = statistics.median(paired)
             print(f"  {p:>4} {fmt:<13} zoo {results[p, fmt]['zoo']:7.2f} img/s   timm {results[p, fmt]['timm']:7.2f} img/s"
-                  f"   zoo/timm {results[p, fmt]['zoo'] / results[p, fmt]['timm']:.2f}x", flush=True)
+                  f"   zoo/timm {results[p, fmt]['zoo'] / results[p, fmt]['timm']:.3f}x (median of paired rounds "
+                  f"{results[p, fmt]['paired']:.3f}x, rounds {min(paired):.3f}-{max(paired):.3f}x)", flush=True)
         for s in sides:
             s.model.to(memory_format=torch.contiguous_format)
 
     print()
-    head = f"| precision | memory format | zoo img/s | timm img/s | zoo / timm | zoo GFLOP/s |"
+    head = "| precision | memory format | zoo img/s | timm img/s | zoo / timm (best rounds) | median of paired rounds | zoo GFLOP/s |"
     print(head)
-    print("|" + "|".join("---" for _ in range(6)) + "|")
+    print("|" + "|".join("---" for _ in range(7)) + "|")
     for (p, fmt), r in results.items():
-        print(f"| {p} | {fmt} | {r['zoo']:.2f} | {r['timm']:.2f} | {r['zoo'] / r['timm']:.2f}x | "
+        print(f"| {p} | {fmt} | {r['zoo']:.2f} | {r['timm']:.2f} | {r['zoo'] / r['timm']:.3f}x | {r['paired']:.3f}x | "
               f"{r['zoo'] * flops / 1e9:.1f} |")
     if "contiguous" in formats and "channels_last" in formats:
         print()
