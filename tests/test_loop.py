@@ -82,3 +82,31 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path, text_corpus):
     expected = sum(task.loss(model, task.train_batch(0, m))[0].item() for m in range(2)) / 2
     _, rows = run(tmp_path, text_corpus, "acc", **{"train.grad_accum": 2, "train.batch_size": 4, "train.max_steps": 1})
     assert losses(rows)[0][1] == pytest.approx(expected, abs=1e-5)
+
+
+def test_cpu_keep_memory_reuses_freed_blocks():
+    """train.cpu_keep_memory (Linux glibc): after keep_freed_memory(), a large tensor freed and
+    made again comes back without page faults; before it, glibc unmaps it and every page of
+    the new one faults in again. Run in a fresh process: the setting is process-wide."""
+    import platform
+    import subprocess
+    import sys
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("needs Linux with glibc")
+    code = """
+import resource, torch
+from train.loop import keep_freed_memory
+def faults_of_a_fresh_block():
+    torch.ones(64 * 2**20 // 4)  # 64 MiB, made (touched) and freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(64 * 2**20 // 4)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+plain = faults_of_a_fresh_block()
+assert keep_freed_memory()
+faults_of_a_fresh_block()  # the first block from the heap grows it once
+kept = faults_of_a_fresh_block()
+print(plain, kept)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    plain, kept = map(int, out.stdout.split())
+    assert plain > 10_000 and kept < plain // 20, (plain, kept)  # 64 MiB = 16384 pages of 4 KiB

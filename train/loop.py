@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import json
 import math
 import os
+import platform
 import resource
 import signal
 import sys
@@ -59,8 +61,29 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def keep_freed_memory() -> bool:
+    """Linux glibc: serve every allocation from the heap and never trim it (mallopt
+    M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB). glibc otherwise maps each block over 32 MiB afresh
+    and unmaps it when freed, so a step's large tensors (logits, activations, gradients) are
+    page-faulted in again every step. Process-wide; memory freed stays with the process (its
+    RSS stays at its peak, as with CUDA's caching allocator). Returns whether it applied."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
+
+
 def setup_backends(cfg: RunConfig, device: torch.device, log):
     t = cfg.train
+    if device.type == "cpu" and t.cpu_keep_memory:
+        if keep_freed_memory():
+            log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)")
+        else:
+            log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = t.tf32
         torch.backends.cudnn.allow_tf32 = t.tf32
