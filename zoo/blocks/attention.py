@@ -12,7 +12,9 @@ On a CPU, 'sdpa' with at most CPU_BMM_MAX_LEN keys runs as two batched matmuls a
 softmax instead (`attend_bmm`): for short sequences that is about twice as fast as torch's CPU
 flash kernel forward + backward (measured at 8 x 8 heads x 256 x 64 in bf16: 19 vs 38 ms; at
 512 keys the flash kernel wins). As in transformers' eager attention, the scores leave the
-matmul in the compute dtype before the fp32 softmax.
+matmul in the compute dtype before the fp32 softmax. Training keeps the (T, T) probabilities
+of each head for backward (the flash kernel keeps one number per query): at most 256 keys
+bound that to 1.5 KiB per query and head.
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
 [0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
