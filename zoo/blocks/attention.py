@@ -90,8 +90,10 @@ def attend_bmm(q, k, v, window: Optional[int] = None) -> torch.Tensor:
     KV, Tk = k.shape[1], k.shape[2]
     G = H // KV
     scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * D ** -0.5  # (B, KV, G*Tq, Tk)
-    mask = attention_mask(Tq, Tk, window, q.device).repeat(G, 1)  # row g*Tq + i is query i of head g
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
+        mask = attention_mask(Tq, Tk, window, q.device).repeat(G, 1)  # row g*Tq + i is query i of head g
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
     return (probs @ v).view(B, H, Tq, D)
 
 
