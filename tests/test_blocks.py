@@ -111,18 +111,28 @@ def test_rope_relative_position():
     assert torch.allclose(rq.norm(dim=-1), q.norm().expand(64), atol=1e-5)
 
 
-def test_rope_matches_complex_rotation():
-    """Rotate-half layout: channel pair (i, i + D/2) is rotated by angle pos * inv_freq[i]."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rope_matches_complex_rotation(compiled):
+    """Rotate-half layout: channel pair (i, i + D/2) is rotated by angle pos * inv_freq[i].
+    Eagerly and under torch.compile (a different formulation), in the (B, H, T, D) layout and
+    the (B, T, H, D) one with cos/sin (T, 1, D); the gradient is the inverse rotation."""
     torch.manual_seed(0)
     B, H, T, D = 2, 3, 9, 16
-    x = torch.randn(B, H, T, D)
+    x = torch.randn(B, H, T, D, requires_grad=True)
     inv = rope_inv_freq(D, 500.0)
     cos, sin = rope_cos_sin(inv, torch.arange(T))
-    z = torch.complex(x[..., : D // 2], x[..., D // 2:])
+    z = torch.complex(x[..., : D // 2], x[..., D // 2:]).detach()
     angle = torch.arange(T).float()[:, None] * inv[None, :]
     rz = z * torch.polar(torch.ones_like(angle), angle)
     ref = torch.cat([rz.real, rz.imag], dim=-1)
-    assert (apply_rope(x, cos, sin) - ref).abs().max() <= TOL
+    rope = torch.compile(apply_rope, fullgraph=True) if compiled else apply_rope
+    out = rope(x, cos, sin)
+    assert (out - ref).abs().max() <= TOL
+    assert (rope(x.detach().transpose(1, 2), cos[:, None], sin[:, None]).transpose(1, 2) - ref).abs().max() <= TOL
+    g = torch.randn_like(out)
+    out.backward(g)
+    gz = torch.complex(g[..., : D // 2], g[..., D // 2:]) * torch.polar(torch.ones_like(angle), -angle)
+    assert (x.grad - torch.cat([gz.real, gz.imag], dim=-1)).abs().max() <= TOL
 
 
 def _llama3_reference(inv_freq, factor, low, high, old_len):

@@ -12,22 +12,29 @@ precision (fp32, or bf16 autocast with fp32 master weights, as the loop runs it)
 
 Timing: after warm-up steps (which include compilation in 'compile' mode) the two sides are
 timed in alternating order, `rounds` times `steps` steps each, and each side's best round is
-reported (the machine may be shared: the best round is the least disturbed one); the progress
-lines also give the ratio of the median rounds.
+reported (the machine may be shared: the best round is the least disturbed one). The progress
+lines and the summary also give the median over rounds of the paired ratio (the two sides'
+back-to-back times in the same round) with its range: the figure least moved by a slow spell.
 MFU = achieved model FLOP/s / the FLOP/s of a 2048^3 matmul in the same dtype measured in this
 run (the best of measurements taken between the rounds; on a busy machine that peak can still
 be underestimated, which shows as an MFU that is too high). Model FLOPs per token: 6 * matmul parameters +
 12 * layers * d_model * seq (PaLM's formula; the same count for both sides).
 Peak memory: the process's resident set size is sampled every 2 ms by a thread while a side
-runs its timed steps; the table shows the peak minus the RSS just before (memory returned to
-the OS first with malloc_trim), i.e. what the step adds on top of weights and optimizer state
-that are already resident: activations, gradients, logits, temporaries.
+runs one untimed step after its warm-up; the table shows the peak minus the RSS just before
+(memory returned to the OS first with malloc_trim), i.e. what the step adds on top of weights
+and optimizer state that are already resident: activations, gradients, logits, temporaries.
+
+Allocator: like train/loop.py (`train.cpu_keep_memory`, on by default) the benchmark first keeps
+freed memory in the process (glibc: no mmap, no trim), for both sides alike: otherwise every
+step page-faults its large tensors in afresh (~150-220k faults a step at the default shape),
+which costs both sides 15-40% and most of the run-to-run noise. `--no-keep-memory` turns it off.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import gc
+import statistics
 import sys
 import threading
 import time
@@ -178,9 +185,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating zoo / transformers rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--no-keep-memory", action="store_true",
+                    help="leave glibc's default (mmap and unmap large blocks) instead of the loop's cpu_keep_memory")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from train.loop import keep_freed_memory
+    kept = False if args.no_keep_memory else keep_freed_memory()
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -201,7 +212,8 @@ def main(argv=None):
     print(f"llm-train: {n_params / 1e6:.1f}M params (d_model {args.d_model}, {args.n_layers} layers, "
           f"{args.n_heads} heads, kv {zoo_model.config.kv_heads}, ffn {zoo_model.config.ffn_dim}, vocab {args.vocab}, "
           f"{'untied' if args.untied else 'tied'}), batch {args.batch} x seq {args.seq}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"freed memory {'kept (cpu_keep_memory)' if kept else 'returned to the OS'}")
 
     rows = []
     for prec in precisions:
@@ -214,17 +226,17 @@ def main(argv=None):
                 for _ in range(args.warmup + (2 if mode == "compile" else 0)):
                     s.step(mode, dtype, ids)
                 res[s.name]["warmup_s"] = time.perf_counter() - t0
+                with PeakRSS() as mem:  # an untimed step: the trim before it would page-fault a timed one
+                    s.step(mode, dtype, ids)
+                res[s.name]["mem"] = mem.peak
             for r in range(args.rounds):
                 order = sides if r % 2 == 0 else sides[::-1]
                 for s in order:
-                    with PeakRSS() as mem:
-                        t0 = time.perf_counter()
-                        for _ in range(args.steps):
-                            loss = s.step(mode, dtype, ids)
-                        float(loss)
-                        dt = (time.perf_counter() - t0) / args.steps
-                    res[s.name]["times"].append(dt)
-                    res[s.name]["mem"] = max(res[s.name]["mem"], mem.peak)
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        loss = s.step(mode, dtype, ids)
+                    float(loss)
+                    res[s.name]["times"].append((time.perf_counter() - t0) / args.steps)
                     res[s.name]["loss"] = float(loss)
                 peak = max(peak, matmul_peak(dtype or torch.float32))  # best of many: the least disturbed
             for s in sides:
@@ -233,8 +245,11 @@ def main(argv=None):
                                  median_s=sorted(res[s.name]["times"])[len(res[s.name]["times"]) // 2],
                                  mem=res[s.name]["mem"], warmup=res[s.name]["warmup_s"], loss=res[s.name]["loss"]))
             z, h = rows[-2], rows[-1]
+            paired = sorted(b / a for a, b in zip(res["zoo"]["times"], res["transformers"]["times"]))
+            z["paired"] = (statistics.median(paired), paired[0], paired[-1])
             print(f"  {prec} {mode}: zoo {z['tok_s']:.0f} tok/s, transformers {h['tok_s']:.0f} tok/s, "
-                  f"ratio {z['tok_s'] / h['tok_s']:.2f} (of medians {h['median_s'] / z['median_s']:.2f})", flush=True)
+                  f"ratio {z['tok_s'] / h['tok_s']:.2f} (paired rounds: median {z['paired'][0]:.2f}, "
+                  f"range {paired[0]:.2f}-{paired[-1]:.2f})", flush=True)
         for r in rows:
             if r["prec"] == prec:
                 r["mfu"] = r["tok_s"] * flops_tok / peak
@@ -255,7 +270,9 @@ def main(argv=None):
     for prec in precisions:
         z = max((r for r in rows if r["prec"] == prec and r["side"] == "zoo"), key=lambda r: r["tok_s"])
         h = max((r for r in rows if r["prec"] == prec and r["side"] == "transformers"), key=lambda r: r["tok_s"])
-        print(f"{prec}: best zoo ({z['mode']}) / best transformers ({h['mode']}) = {z['tok_s'] / h['tok_s']:.2f}x")
+        same = [r for r in rows if r["prec"] == prec and r["side"] == "zoo" and r["mode"] == h["mode"]]
+        paired = f"; paired rounds in {h['mode']} mode: median {same[0]['paired'][0]:.2f}x" if same else ""
+        print(f"{prec}: best zoo ({z['mode']}) / best transformers ({h['mode']}) = {z['tok_s'] / h['tok_s']:.2f}x{paired}")
     return 0
 
 

@@ -91,8 +91,10 @@ def attend_bmm(q, k, v, window: Optional[int] = None) -> torch.Tensor:
     G = H // KV
     scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * D ** -0.5  # (B, KV, G*Tq, Tk)
     if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
-        mask = attention_mask(Tq, Tk, window, q.device).repeat(G, 1)  # row g*Tq + i is query i of head g
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
+        # broadcasts, with no per-row index arithmetic in a compiled kernel
+        mask = attention_mask(Tq, Tk, window, q.device)
+        scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~mask, float("-inf")).view(B, KV, G * Tq, Tk)
     probs = scores.softmax(-1).to(v.dtype)
     return (probs @ v).view(B, H, Tq, D)
 

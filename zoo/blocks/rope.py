@@ -64,9 +64,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x (..., T, D) by the angles in cos/sin (T, D) (or any shape broadcasting against
     x, e.g. (T, 1, D) for x laid out (B, T, H, D)); returns x's dtype.
 
-    Computes x * cos + rotate_half(x) * sin as x * cos + roll(x, D/2) * [-sin, sin]: three
-    kernels (mul, roll, addcmul) instead of six, forward and backward alike."""
+    Eagerly it computes x * cos + rotate_half(x) * sin as x * cos + roll(x, D/2) * [-sin, sin]:
+    three kernels (mul, roll, addcmul) instead of six, forward and backward alike. Under
+    torch.compile it rotates the two halves seen as one (..., 2, D/2) view instead: inductor
+    vectorises that fully, while the roll becomes an element-by-element gather (measured in a
+    bf16 attention layer, forward + backward: 7.7 instead of 10.3 ms in fused kernels)."""
     half = x.shape[-1] // 2
+    if torch.compiler.is_compiling():
+        x1, x2 = x.unflatten(-1, (2, half)).unbind(-2)
+        c, s = cos[..., :half], sin[..., :half]  # both halves use the same angles
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-2).flatten(-2).to(x.dtype)
     signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # tiny: (T, D)
     return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype)
 
