@@ -13,6 +13,9 @@ best round is the least disturbed one). The table gives images/s, Zoo / timm of 
 rounds, the median over rounds of the ratio of the two back-to-back timings (less sensitive
 to a disturbance that hits one side's best round), and what channels-last gives each side
 against its own contiguous run.
+Allocator: like train/loop.py (`train.cpu_keep_memory`, on by default) the process keeps freed
+memory (glibc: no mmap, no trim), for both sides alike, so that a step's activations are not
+page-faulted in afresh every step; `--no-keep-memory` leaves glibc's default.
 """
 from __future__ import annotations
 
@@ -73,9 +76,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating zoo / timm rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--no-keep-memory", action="store_true",
+                    help="leave glibc's default (mmap and unmap large blocks) instead of the loop's cpu_keep_memory")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from train.loop import keep_freed_memory
+    kept = False if args.no_keep_memory else keep_freed_memory()
     dtypes = {"fp32": None, "bf16": torch.bfloat16}
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -94,7 +101,8 @@ def main(argv=None):
     y = torch.randint(0, args.classes, (args.batch,), generator=g)
     print(f"resnet: {args.arch}, {zoo_model.num_params() / 1e6:.1f}M params, batch {args.batch} x 3 x {args.size} x "
           f"{args.size}, {flops / 1e9:.1f} GFLOP per training image, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; best of {args.rounds} alternating rounds of {args.steps} steps")
+          f"{torch.get_num_threads()} threads, freed memory {'kept' if kept else 'returned to the OS'}; "
+          f"best of {args.rounds} alternating rounds of {args.steps} steps")
 
     results = {}
     for p in precisions:
