@@ -42,8 +42,7 @@ def test_block_file_is_copyable(path):
         else:
             continue
         for r in roots:
-            # flash-attn is imported lazily, only for the optional 'flash' backend
-            assert r in allowed or r == "flash_attn", f"{path.name} imports {r}"
+            assert r in allowed, f"{path.name} imports {r}"
 
 
 # ---------------------------------------------------------------------------- RMSNorm / SwiGLU
@@ -276,6 +275,29 @@ def test_flash_backend_falls_back_on_cpu():
         A._warned.clear()
         out = attend(q, k, v, "flash")
     assert (out - attend(q, k, v, "math")).abs().max() <= TOL
+
+
+def test_zoo_provides_flash_attn_to_the_block_when_installed(tmp_path):
+    """The block imports torch only; importing zoo.llm hands an installed flash-attn's
+    flash_attn_func to it (a stand-in package here, in a fresh process), and leaves it None
+    when flash-attn is absent or fails to import."""
+    import os
+    import subprocess
+    import sys
+    code = ("import zoo.llm, zoo.blocks.attention as A; "
+            "print(None if A.flash_attn_func is None else A.flash_attn_func.__module__)")
+    repo = str(Path(__file__).resolve().parents[1])
+    for i, (body, want) in enumerate((("def flash_attn_func(*a, **k):\n    pass\n", "flash_attn"),
+                                      ("raise ImportError('built for another CUDA')\n", "None"),
+                                      (None, "None"))):
+        path = [repo]
+        if body is not None:
+            (tmp_path / str(i) / "flash_attn").mkdir(parents=True)
+            (tmp_path / str(i) / "flash_attn" / "__init__.py").write_text(body)
+            path.insert(0, str(tmp_path / str(i)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        assert out.stdout.strip() == want, (body, out.stdout, out.stderr[-500:])
 
 
 def test_unknown_backend_is_an_error():

@@ -8,6 +8,7 @@ checkpointing per block; a chunked loss that never materialises the full fp32 lo
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Optional
 
@@ -17,12 +18,23 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from .blocks import attention
 from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.chunked_ce import chunked_cross_entropy
 from .blocks.mlp import SwiGLU
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
 from .config import LLMConfig, to_dict
+
+
+# The attention block imports torch only; its 'flash' backend uses flash-attn when installed
+# (the optional `flash` extra, CUDA only). A broken install leaves 'flash' falling back to sdpa.
+if importlib.util.find_spec("flash_attn") is not None:
+    try:
+        from flash_attn import flash_attn_func as _flash_attn_func
+        attention.flash_attn_func = _flash_attn_func
+    except Exception:  # noqa: BLE001  (e.g. built for another CUDA or torch version)
+        pass
 
 
 class Block(nn.Module):

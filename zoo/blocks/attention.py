@@ -21,7 +21,9 @@ q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_mode
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
 cos, sin (T, D) from zoo/blocks/rope.py (the one zoo module this block imports).
-Depends on torch; on flash-attn only when that backend is asked for and available.
+Depends on torch only. The 'flash' backend calls `flash_attn_func` of this module, which is
+None until set to flash-attn's function of that name (zoo.llm does so when flash-attn is
+installed; a copied block: `attention.flash_attn_func = flash_attn.flash_attn_func`).
 """
 import math
 import warnings
@@ -42,12 +44,8 @@ def _warn_once(msg: str):
         warnings.warn(msg, stacklevel=3)
 
 
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-        return True
-    except Exception:
-        return False
+# flash_attn.flash_attn_func(q, k, v, causal, window_size) on (B, T, H, D) tensors, when provided
+flash_attn_func = None
 
 
 class KVCache(nn.Module):
@@ -106,8 +104,7 @@ def attend(q, k, v, backend: str = "sdpa", window: Optional[int] = None) -> torc
     KV, Tk = k.shape[1], k.shape[2]
     windowed = window is not None and Tk > window
     if backend == "flash":
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
-            from flash_attn import flash_attn_func
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_func is not None:
             out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                                   window_size=(window - 1, 0) if windowed else (-1, -1))
             return out.transpose(1, 2)
