@@ -235,6 +235,9 @@ def _naive_attention(q, k, v, window=None):
     (4, 2, 9, 9, 4),       # sliding window
     (4, 2, 3, 12, 5),      # sliding window with a cache offset
     (4, 2, 1, 12, 5),      # sliding window, one decoding step
+    (4, 2, 11, 30, 6),     # sliding window shorter than the cache offset
+    (6, 3, 300, 300, None),  # more queries than one block of the default size
+    (6, 3, 300, 300, 100),   # the same with a window spanning blocks
 ])
 def test_sdpa_and_math_equal_reference(H, KV, Tq, Tk, window, monkeypatch):
     """Every backend path: 'math', 'sdpa' on short sequences (the CPU batched-matmul path) and
@@ -243,6 +246,8 @@ def test_sdpa_and_math_equal_reference(H, KV, Tq, Tk, window, monkeypatch):
     q, k, v = _qkv(H=H, KV=KV, Tq=Tq, Tk=Tk)
     ref = _naive_attention(q, k, v, window)
     assert (A.attend_bmm(q, k, v, window) - ref).abs().max() <= TOL
+    for block in (1, 2, 4):  # queries in blocks that each see only the keys up to their last query
+        assert (A.attend_bmm(q, k, v, window, block=block) - ref).abs().max() <= TOL, block
     for backend in ("math", "sdpa"):
         assert (attend(q, k, v, backend, window) - ref).abs().max() <= TOL, backend
     monkeypatch.setattr(A, "CPU_BMM_MAX_LEN", 0)
@@ -250,11 +255,12 @@ def test_sdpa_and_math_equal_reference(H, KV, Tq, Tk, window, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_short_sequence_path_gradients_match_torch_sdpa(dtype, monkeypatch):
+@pytest.mark.parametrize("T", [16, 200])  # one block; blocks of 64, 64, 64 and 8 queries
+def test_cpu_short_sequence_path_gradients_match_torch_sdpa(dtype, T, monkeypatch):
     """The batched-matmul path and torch's SDPA kernel: same outputs and input gradients
     (fp32: <= 1e-5; bf16 autocast-style inputs: within bf16 rounding of the scores)."""
     import zoo.blocks.attention as A
-    q, k, v = (t.to(dtype) for t in _qkv(H=4, KV=2, Tq=16, Tk=16))
+    q, k, v = (t.to(dtype) for t in _qkv(H=4, KV=2, Tq=T, Tk=T))
     go = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     outs = []
     for limit in (A.CPU_BMM_MAX_LEN, 0):
