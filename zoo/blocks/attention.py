@@ -92,19 +92,51 @@ def bmm_block_size(tq: int) -> int:
     return min(256, max(64, tq // 4))
 
 
+class _AttendBlock(torch.autograd.Function):
+    """One block of `attend_bmm` with a hand-written backward. It keeps the probabilities
+    once, in the compute dtype, and takes the softmax gradient from them as
+    dS = P * (dP - rowsum(dO * O)) (FlashAttention's identity), in fp32. Autograd through
+    the plain expression would keep an fp32 copy of P as well and reduce over the key axis;
+    measured on 2 CPU cores, compiled, bf16, 4 x 6 heads (2 kv) x 512 x 64: 14.4 instead of
+    16.3 ms forward + backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window: Optional[int]):
+        B, H, Tq, D = q.shape
+        KV, Tk = k.shape[1], k.shape[2]
+        G = H // KV
+        scale = D ** -0.5
+        scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * scale  # (B, KV, G*Tq, Tk)
+        if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
+            # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
+            # broadcasts, with no per-row index arithmetic in a compiled kernel
+            mask = attention_mask(Tq, Tk, window, q.device)
+            scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~mask, float("-inf")).view(B, KV, G * Tq, Tk)
+        probs = scores.softmax(-1).to(v.dtype)
+        out = probs @ v  # (B, KV, G*Tq, D)
+        ctx.save_for_backward(q, k, v, probs, out)
+        ctx.scale = scale
+        return out.view(B, H, Tq, D)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, probs, out = ctx.saved_tensors
+        B, H, Tq, D = q.shape
+        KV = k.shape[1]
+        grad_out = grad_out.reshape(B, KV, (H // KV) * Tq, D).to(v.dtype)
+        grad_v = probs.transpose(-2, -1) @ grad_out
+        grad_p = (grad_out @ v.transpose(-2, -1)).float()
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # = rowsum(dP * P)
+        grad_s = (probs.float() * (grad_p - delta) * ctx.scale).to(q.dtype)  # masked keys: P = 0
+        grad_q = (grad_s @ k).view(B, H, Tq, D)
+        grad_k = grad_s.transpose(-2, -1) @ q.reshape(B, KV, (H // KV) * Tq, D)
+        return grad_q, grad_k, grad_v, None
+
+
 def _attend_bmm_block(q, k, v, window: Optional[int]) -> torch.Tensor:
     """One block: all Tq queries against all Tk keys, the queries being the last Tq positions."""
-    B, H, Tq, D = q.shape
-    KV, Tk = k.shape[1], k.shape[2]
-    G = H // KV
-    scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * D ** -0.5  # (B, KV, G*Tq, Tk)
-    if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
-        # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
-        # broadcasts, with no per-row index arithmetic in a compiled kernel
-        mask = attention_mask(Tq, Tk, window, q.device)
-        scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~mask, float("-inf")).view(B, KV, G * Tq, Tk)
-    probs = scores.softmax(-1).to(v.dtype)
-    return (probs @ v).view(B, H, Tq, D)
+    return _AttendBlock.apply(q, k, v, window)
 
 
 def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None) -> torch.Tensor:
