@@ -11,14 +11,15 @@ the default) and 'math' (a plain softmax(QK^T/sqrt(D))V reference in fp32, for t
 On a CPU, 'sdpa' with at most CPU_BMM_MAX_LEN keys (CPU_BMM_MAX_LEN_COMPILED under
 torch.compile) runs as batched matmuls around an fp32 softmax instead (`attend_bmm`), the
 queries taken in blocks that each multiply only the keys up to their own position, so the
-masked half of the causal score matrix is mostly never computed. Measured on 2 CPU cores in
-bf16, forward + backward of one layer, against torch's CPU flash kernel (is_causal=True):
-8 x 8 heads x 256 keys x 64: 21 vs 44 ms compiled; 4 x 8 x 512: 34 vs 64 ms; 2 x 8 x 1024:
-42 vs 67 ms. Eagerly the blocks win up to 512 keys. As in transformers' eager attention, the
-scores leave the matmul in the compute dtype before the fp32 softmax. Training keeps the
-probabilities of the causal half of each head's (T, T) scores for backward (the flash kernel
-keeps one number per query): at most 1024 keys bound that to 6 KiB per query and head
-(fp32 and bf16 copies), about half of it on average over the queries.
+masked half of the causal score matrix is mostly never computed. Its backward is written
+by hand (`_AttendBlock`). Measured on 2 CPU cores in bf16, compiled, forward + backward of
+the attention alone (B x heads x keys x 64), against torch's CPU flash kernel (is_causal=True):
+8 x 8 x 256: 12 vs 31 ms; 8 x 6 (2 kv) x 256: 11 vs 29 ms; 4 x 8 x 512: 21 vs 51 ms;
+2 x 8 x 1024: 38 vs 63 ms. Eagerly the blocks win up to 512 keys. As in transformers' eager
+attention, the scores leave the matmul in the compute dtype before the fp32 softmax.
+Training keeps the probabilities of the causal half of each head's (T, T) scores for
+backward, in the compute dtype (the flash kernel keeps one number per query): at most 1024
+keys bound that to 2 KiB per query and head in bf16, about half of it on average.
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
 [0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
