@@ -1,7 +1,13 @@
 """LLM training step: Zoo's LLM against transformers' LlamaForCausalLM of the same shape.
 
-    python train/bench.py llm-train                       # d_model 512, 8 layers, vocab 32000, 8 x 256 tokens
-    python train/bench.py llm-train --precision bf16 --modes eager,compile --rounds 3
+    python train/bench.py llm-train            # 37.5M deep-thin: d_model 384, 16 layers, 6 heads on 2 kv heads,
+                                               # vocab 32000, batch 4 x 512 tokens
+    python train/bench.py llm-train --d-model 512 --n-layers 8 --n-heads 8 --n-kv-heads 0 --seq 256 --batch 8
+                                               # 42.1M, 8 layers, MHA (0: as many kv heads as heads), 8 x 256
+    python train/bench.py llm-train --precision bf16 --modes compile --rounds 6
+
+The default shape is a deep-thin one (MobileLLM, Liu et al. 2024; SmolLM-135M's proportions)
+at 37.5M parameters with a 512-token context: the kind of small model this CPU trains.
 
 One training step = forward + loss + backward + AdamW step (fused where the device supports
 it, for both sides) + zero_grad(set_to_none). Zoo is used the way train/loop.py uses it
@@ -97,7 +103,7 @@ def build_pair(args):
 
     torch.manual_seed(0)
     zcfg = LLMConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                     n_kv_heads=args.n_kv_heads, max_seq_len=args.seq, tie_embeddings=not args.untied,
+                     n_kv_heads=args.n_kv_heads or None, max_seq_len=args.seq, tie_embeddings=not args.untied,
                      chunked_loss=not args.no_chunked_loss, loss_chunk_size=args.loss_chunk)
     zoo_model = LLM(zcfg)
     hcfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=zcfg.ffn_dim,
@@ -169,13 +175,13 @@ def matmul_peak(dtype, n=2048, seconds=0.5) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench.py llm-train", description=__doc__.split("\n")[0])
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--n-layers", type=int, default=8)
-    ap.add_argument("--n-heads", type=int, default=8)
-    ap.add_argument("--n-kv-heads", type=int, default=None, help="default: n_heads (MHA)")
+    ap.add_argument("--d-model", type=int, default=384)
+    ap.add_argument("--n-layers", type=int, default=16)
+    ap.add_argument("--n-heads", type=int, default=6)
+    ap.add_argument("--n-kv-heads", type=int, default=2, help="0: n_heads (MHA)")
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
     ap.add_argument("--no-chunked-loss", action="store_true", help="Zoo: plain cross-entropy on full logits")
     ap.add_argument("--loss-chunk", type=int, default=2048, help="Zoo: tokens per loss chunk")
@@ -183,7 +189,7 @@ def main(argv=None):
     ap.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side and setting (+2 when compiled)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating zoo / transformers rounds")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating zoo / transformers rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--no-keep-memory", action="store_true",
                     help="leave glibc's default (mmap and unmap large blocks) instead of the loop's cpu_keep_memory")
