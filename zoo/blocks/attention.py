@@ -94,8 +94,9 @@ def bmm_block_size(tq: int) -> int:
 
 
 class _AttendBlock(torch.autograd.Function):
-    """One block of `attend_bmm` with a hand-written backward. It keeps the probabilities
-    once, in the compute dtype, and takes the softmax gradient from them as
+    """One block of `attend_bmm`: all Tq queries against all Tk keys, the queries being the
+    last Tq positions, with a hand-written backward. It keeps the probabilities once, in the
+    compute dtype, and takes the softmax gradient from them as
     dS = P * (dP - rowsum(dO * O)) (FlashAttention's identity), in fp32. Autograd through
     the plain expression would keep an fp32 copy of P as well and reduce over the key axis;
     measured on 2 CPU cores, compiled, bf16, 4 x 6 heads (2 kv) x 512 x 64: 14.4 instead of
@@ -135,11 +136,6 @@ class _AttendBlock(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None
 
 
-def _attend_bmm_block(q, k, v, window: Optional[int]) -> torch.Tensor:
-    """One block: all Tq queries against all Tk keys, the queries being the last Tq positions."""
-    return _AttendBlock.apply(q, k, v, window)
-
-
 def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D), causal and windowed) v as batched matmuls, softmax in fp32.
     Grouped heads are stacked along the rows of their kv head, so k and v are never copied.
@@ -149,13 +145,13 @@ def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = Non
     Tq, Tk = q.shape[2], k.shape[2]
     block = block or bmm_block_size(Tq)
     if Tq <= block:
-        return _attend_bmm_block(q, k, v, window)
+        return _AttendBlock.apply(q, k, v, window)
     off = Tk - Tq  # query i sits at position off + i
     outs = []
     for s in range(0, Tq, block):
         e = min(s + block, Tq)
         lo = 0 if window is None else max(0, off + s - window + 1)
-        outs.append(_attend_bmm_block(q[:, :, s:e], k[:, :, lo:off + e], v[:, :, lo:off + e], window))
+        outs.append(_AttendBlock.apply(q[:, :, s:e], k[:, :, lo:off + e], v[:, :, lo:off + e], window))
     return torch.cat(outs, dim=2)
 
 
