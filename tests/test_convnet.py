@@ -154,7 +154,7 @@ def test_drop_path_rates_follow_the_linear_rule():
     with torch.device("meta"):
         model = ResNet(cfg)
     rates = [blk.drop_path.drop_prob for stage in model.stages() for blk in stage]
-    n = sum(cfg.stage_depths)
+    n = sum(cfg.resolved_layers)
     assert len(rates) == n == 16
     assert rates == pytest.approx([0.2 * i / (n - 1) for i in range(n)])
     assert rates[0] == 0.0 and rates[-1] == pytest.approx(0.2)

@@ -77,8 +77,8 @@ def run_cfg(tmp_path_factory):
     return path
 
 
-def launch(cfg: Path, out: Path, *overrides) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def launch(cfg: Path, out: Path, *overrides, env=None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob("stderr-*.txt")))
     with open(out / f"stderr-{n}.txt", "w") as err:  # the child keeps its own copy of the handle
@@ -187,15 +187,26 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
         assert 0 < step < MAX_STEPS
         assert list_checkpoints(out)[0].name == f"step_{step:08d}"  # the step it stopped at, nothing lost
     # a second Ctrl-C, while the first one's checkpoint is being written, stops at once (exit 130,
-    # one line); the previous complete checkpoint is used and the run still resumes exactly
+    # one line); the previous complete checkpoint is used and the run still resumes exactly.
+    # Every fsync of that process is slowed down (a sitecustomize in its path), so that the write
+    # lasts long enough for the test to see it begin: a tiny model's checkpoint takes a few ms.
+    slow = tmp_path / "slow_fsync"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import os, time\n_fsync = os.fsync\n"
+                                           "def _slow(fd):\n    time.sleep(0.05)\n    return _fsync(fd)\n"
+                                           "os.fsync = _slow\n")
     n_starts = starts(out)
-    p = launch(run_cfg, out)
+    p = launch(run_cfg, out, env={"PYTHONPATH": str(slow)})
     assert wait_for_training(p, out, n_starts)
     time.sleep(0.2)
     before = {c.name for c in list_checkpoints(out)}
+    # the second signal must come after the first one was handled (two SIGINTs that arrive before
+    # Python runs its handler count as one): wait for the write the first one starts, which is a
+    # temporary directory that was not there when it was sent (a periodic write may be under way)
+    writing = set(tmp_dirs_of(out, p.pid))
     p.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    while not tmp_dirs_of(out, p.pid) and p.poll() is None and time.monotonic() - t0 < 60:
+    while not set(tmp_dirs_of(out, p.pid)) - writing and p.poll() is None and time.monotonic() - t0 < 60:
         time.sleep(0.0005)
     p.send_signal(signal.SIGINT)
     assert finish(p) == 130

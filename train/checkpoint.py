@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_model
+from zoo.weights.files import fsync_dir, fsync_file, load_tensors, save_safetensors
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -37,34 +37,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_file(path: Path):
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_save_model(model: torch.nn.Module, path: Path):
-    """model -> safetensors at `path`, through a temporary file and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_model(model, str(tmp))
-    _fsync_file(tmp)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def rng_state() -> dict:
@@ -114,7 +86,7 @@ def set_aside(out_dir) -> Path:
         n += 1
         dest = root.with_name(f"{CKPT_DIR}.old-{stamp}-{n}")
     os.replace(root, dest)
-    _fsync_dir(root.parent)
+    fsync_dir(root.parent)
     return dest
 
 
@@ -127,21 +99,21 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
+    save_safetensors(model, tmp / "model.safetensors")
     if ema is not None:
-        save_model(ema, str(tmp / "ema.safetensors"))
+        save_safetensors(ema, tmp / "ema.safetensors")
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     torch.save(state, tmp / "state.pt")
     files = {}
     for f in sorted(tmp.iterdir()):
-        _fsync_file(f)
+        fsync_file(f)
         files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
     manifest = tmp / "manifest.json"
     manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    _fsync_file(manifest)
-    _fsync_dir(tmp)
+    fsync_file(manifest)
+    fsync_dir(tmp)
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
         old = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -149,7 +121,7 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for stale in list_checkpoints(out_dir)[keep:]:
         shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):  # temporary directories of killed writers
@@ -203,11 +175,8 @@ def read_state(path: Path) -> dict:
 
 
 def read_weights(path: Path, model: torch.nn.Module) -> dict:
-    """The tensors of a safetensors file, checked name by name and shape by shape against `model`."""
-    try:
-        sd = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - bad header, truncated data
-        raise ValueError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    """The tensors of a checked weight file, matched name by name and shape by shape against `model`."""
+    sd = load_tensors(path)
     want = model.state_dict()
     # tied tensors (one storage, several names) are stored once by save_model: any one name will do
     storage = {k: v.data_ptr() if v.numel() else k for k, v in want.items()}

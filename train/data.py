@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from zoo.config import fail
+from zoo.weights.files import atomic_write
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 
@@ -224,9 +225,7 @@ def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars:
     except RuntimeError as e:
         raise DataError(f"cannot train a sentencepiece tokenizer with vocab_size={vocab_size}: "
                         f"{str(e).splitlines()[0]}") from None
-    tmp = out_path.with_name(out_path.name + f".tmp-{os.getpid()}")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, out_path)
+    atomic_write(out_path, buf.getvalue())
     return out_path
 
 
@@ -314,9 +313,7 @@ class TokenData:
             ids = self.tokenizer.encode(text)
         dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
         arr = np.asarray(ids, dtype=dtype)
-        tmp = bin_path.with_name(bin_path.name + f".tmp-{os.getpid()}")
-        arr.tofile(tmp)
-        os.replace(tmp, bin_path)
+        atomic_write(bin_path, arr.tofile)
 
     def unigram_entropy(self) -> float:
         """Entropy (nats/token) of the training tokens' unigram distribution: the loss of the

@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import yaml
 
+from zoo.weights.files import atomic_write, save_safetensors
+
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .optim import build_optimizer, lr_multiplier, set_lr
@@ -276,7 +278,7 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, say)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    _atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     start = 0
     if not t.resume and ckpt.list_checkpoints(out):
@@ -408,9 +410,9 @@ def _train(cfg: RunConfig, out: Path, say) -> dict:
         record({"step": done, **ev})
         last.update(ev)
     say(f"final (step {done}): " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-    ckpt.atomic_save_model(model, out / "model.safetensors")
+    save_safetensors(model, out / "model.safetensors")
     if ema is not None:
-        ckpt.atomic_save_model(ema.model, out / "model_ema.safetensors")
+        save_safetensors(ema.model, out / "model_ema.safetensors")
     say(f"weights: {out / 'model.safetensors'}")
     if t.plot and metrics_path.stat().st_size:
         plot_losses(metrics_path, out / "loss.png")
@@ -458,13 +460,4 @@ def _truncate_metrics(path: Path, step: int, finished: bool = False):
             continue
         if s < step or (s == step and not (finished and "loss" not in row and "nonfinite" not in row)):
             keep.append(line)
-    _atomic_write_text(path, "".join(l + "\n" for l in keep))
-
-
-def _atomic_write_text(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, "".join(l + "\n" for l in keep))

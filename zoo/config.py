@@ -235,7 +235,10 @@ class RopeScaling:
 
 @dataclass
 class LLMConfig:
-    """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU)."""
+    """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU).
+
+    Fields that may be null are derived from others; the `resolved_*` properties give the
+    values in use (resolved_n_kv_heads, resolved_head_dim, resolved_ffn_hidden)."""
     vocab_size: int = 32000
     d_model: int = 512
     n_layers: int = 8
@@ -250,7 +253,7 @@ class LLMConfig:
     rope_scaling: Optional[RopeScaling] = None
     tie_embeddings: bool = True
     qkv_bias: bool = False
-    attn_backend: Literal["sdpa", "flash", "math"] = "sdpa"
+    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # zoo/blocks/attention.py
     sliding_window: Optional[int] = None    # Mistral-style local attention window
     init_std: float = 0.02
     activation_checkpointing: bool = False
@@ -270,24 +273,24 @@ class LLMConfig:
         if self.head_dim is None and self.d_model % self.n_heads:
             raise fail(source, p + "n_heads", f"={self.n_heads} must divide {p}d_model={self.d_model} "
                                               f"(or set {p}head_dim)")
-        if self.n_heads % self.kv_heads:
-            raise fail(source, p + "n_kv_heads", f"={self.kv_heads} must divide {p}n_heads={self.n_heads}")
-        if self.dim_head % 2:
-            raise fail(source, p + "head_dim", f"={self.dim_head} must be even for RoPE")
+        if self.n_heads % self.resolved_n_kv_heads:
+            raise fail(source, p + "n_kv_heads", f"={self.resolved_n_kv_heads} must divide {p}n_heads={self.n_heads}")
+        if self.resolved_head_dim % 2:
+            raise fail(source, p + "head_dim", f"={self.resolved_head_dim} must be even for RoPE")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             k = "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std"
             raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
 
     @property
-    def kv_heads(self) -> int:
+    def resolved_n_kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def dim_head(self) -> int:
+    def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
     @property
-    def ffn_dim(self) -> int:
+    def resolved_ffn_hidden(self) -> int:
         if self.ffn_hidden:
             return self.ffn_hidden
         h = int(8 * self.d_model / 3)
@@ -315,7 +318,8 @@ RESNET_ARCHS: dict[str, tuple] = {
 
 @dataclass
 class ConvNetConfig:
-    """ResNet: a preset `arch`, optionally overridden by block / layers / groups / width_per_group."""
+    """ResNet: a preset `arch`, optionally overridden by block / layers / groups / width_per_group.
+    The `resolved_*` properties give the values in use (the override, else the preset's)."""
     arch: str = "resnet50"
     block: Optional[Literal["basic", "bottleneck"]] = None  # null: from arch
     layers: Optional[list[int]] = None      # blocks per stage; null: from arch
@@ -343,7 +347,7 @@ class ConvNetConfig:
         for k in ("width", "in_chans", "num_classes"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
-        if self.block_type == "basic" and (self.cardinality, self.base_width) != (1, 64):
+        if self.resolved_block == "basic" and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
             raise fail(source, p + "block", "='basic' needs groups=1 and width_per_group=64")
         for k in ("drop_rate", "drop_path_rate"):
             if not 0.0 <= getattr(self, k) < 1.0:
@@ -352,19 +356,19 @@ class ConvNetConfig:
             raise fail(source, p + "bn_eps", f"must be > 0, got {self.bn_eps}")
 
     @property
-    def block_type(self) -> str:
+    def resolved_block(self) -> str:
         return self.block or RESNET_ARCHS[self.arch][0]
 
     @property
-    def stage_depths(self) -> list:
+    def resolved_layers(self) -> list:
         return list(self.layers or RESNET_ARCHS[self.arch][1])
 
     @property
-    def cardinality(self) -> int:
+    def resolved_groups(self) -> int:
         return self.groups or RESNET_ARCHS[self.arch][2]
 
     @property
-    def base_width(self) -> int:
+    def resolved_width_per_group(self) -> int:
         return self.width_per_group or RESNET_ARCHS[self.arch][3]
 
 

@@ -105,8 +105,8 @@ class ResNet(nn.Module):
         super().__init__()
         cfg.validate()
         self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
-        block = BLOCKS[cfg.block_type]
-        layers = cfg.stage_depths
+        block = BLOCKS[cfg.resolved_block]
+        layers = cfg.resolved_layers
         w = cfg.width
         if cfg.stem == "imagenet":
             self.conv1 = conv_bn(cfg.in_chans, w, 7, stride=2)
@@ -127,7 +127,7 @@ class ResNet(nn.Module):
                 down = None
                 if j == 0 and (s != 1 or c_in != c_out):
                     down = nn.Sequential(conv_bn(c_in, c_out, 1, s), nn.BatchNorm2d(c_out, eps=cfg.bn_eps))
-                blocks.append(block(c_in, planes, s, down, cfg.cardinality, cfg.base_width, next(rates), cfg.bn_eps))
+                blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group, next(rates), cfg.bn_eps))
                 c_in = c_out
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
         self.num_features = c_in
@@ -136,7 +136,7 @@ class ResNet(nn.Module):
         self.reset_parameters()
 
     def stages(self):
-        return [getattr(self, f"layer{i + 1}") for i in range(len(self.config.stage_depths))]
+        return [getattr(self, f"layer{i + 1}") for i in range(len(self.config.resolved_layers))]
 
     def reset_parameters(self):
         for m in self.modules():

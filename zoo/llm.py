@@ -8,7 +8,6 @@ checkpointing per block; a chunked loss that never materialises the full fp32 lo
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Optional
 
@@ -18,33 +17,22 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import attention
-from .blocks.attention import CausalSelfAttention, KVCache
+from .blocks.attention import CausalSelfAttention, KVCache, flash_available
 from .blocks.chunked_ce import chunked_cross_entropy
 from .blocks.mlp import SwiGLU
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
-from .config import LLMConfig, to_dict
-
-
-# The attention block imports torch only; its 'flash' backend uses flash-attn when installed
-# (the optional `flash` extra, CUDA only). A broken install leaves 'flash' falling back to sdpa.
-if importlib.util.find_spec("flash_attn") is not None:
-    try:
-        from flash_attn import flash_attn_func as _flash_attn_func
-        attention.flash_attn_func = _flash_attn_func
-    except Exception:  # noqa: BLE001  (e.g. built for another CUDA or torch version)
-        pass
+from .config import ConfigError, LLMConfig, to_dict
 
 
 class Block(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.qkv_bias,
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
                                         cfg.attn_backend, cfg.sliding_window)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+        self.mlp = SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
@@ -57,6 +45,9 @@ class LLM(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
         cfg.validate()
+        if cfg.attn_backend == "flash" and flash_available() is None:
+            raise ConfigError("model.attn_backend=flash needs flash-attn, which is not installed or does not "
+                              "import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -65,7 +56,7 @@ class LLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rope = RotaryEmbedding(cfg.dim_head, cfg.max_seq_len, cfg.rope_theta, scaling)
+        self.rope = RotaryEmbedding(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, scaling)
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
 
@@ -113,7 +104,7 @@ class LLM(nn.Module):
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
         p = self.embed.weight
         cfg = self.config
-        return [KVCache(batch, cfg.kv_heads, max_len, cfg.dim_head, device or p.device, dtype or p.dtype)
+        return [KVCache(batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
                 for _ in range(cfg.n_layers)]
 
     @torch.inference_mode()
@@ -159,7 +150,7 @@ class LLM(nn.Module):
         """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022)."""
         cfg = self.config
         n_matmul = self.num_params(non_embedding=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
-        attn = 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+        attn = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
         return 6 * n_matmul + attn
 
 

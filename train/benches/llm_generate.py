@@ -115,7 +115,7 @@ def make_checkpoint(args, folder: Path):
     import transformers
     cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.resolved_n_kv_heads,
         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -194,7 +194,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         n_params = make_checkpoint(args, Path(tmp))
         print(f"checkpoint: LlamaForCausalLM d_model={args.d_model} layers={args.layers} heads={args.heads} "
-              f"kv_heads={args.kv_heads} ffn={args.ffn} vocab={args.vocab} (tied), {n_params / 1e6:.1f}M params, "
+              f"kv_heads={args.resolved_n_kv_heads} ffn={args.ffn} vocab={args.vocab} (tied), {n_params / 1e6:.1f}M params, "
               f"float32 safetensors; torch {torch.__version__}, transformers {transformers.__version__}, "
               f"{args.threads} thread(s)")
         print(f"\ngeneration: batch 1, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "

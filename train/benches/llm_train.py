@@ -106,9 +106,9 @@ def build_pair(args):
                      n_kv_heads=args.n_kv_heads or None, max_seq_len=args.seq, tie_embeddings=not args.untied,
                      chunked_loss=not args.no_chunked_loss, loss_chunk_size=args.loss_chunk)
     zoo_model = LLM(zcfg)
-    hcfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=zcfg.ffn_dim,
+    hcfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=zcfg.resolved_ffn_hidden,
                        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-                       num_key_value_heads=zcfg.kv_heads, max_position_embeddings=args.seq,
+                       num_key_value_heads=zcfg.resolved_n_kv_heads, max_position_embeddings=args.seq,
                        rms_norm_eps=zcfg.norm_eps, tie_word_embeddings=not args.untied,
                        attn_implementation="sdpa")
     hf_model = LlamaForCausalLM(hcfg)
@@ -216,7 +216,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     print(f"llm-train: {n_params / 1e6:.1f}M params (d_model {args.d_model}, {args.n_layers} layers, "
-          f"{args.n_heads} heads, kv {zoo_model.config.kv_heads}, ffn {zoo_model.config.ffn_dim}, vocab {args.vocab}, "
+          f"{args.n_heads} heads, kv {zoo_model.config.resolved_n_kv_heads}, ffn {zoo_model.config.resolved_ffn_hidden}, vocab {args.vocab}, "
           f"{'untied' if args.untied else 'tied'}), batch {args.batch} x seq {args.seq}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"freed memory {'kept (cpu_keep_memory)' if kept else 'returned to the OS'}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +42,30 @@ class Task:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def batch_generator(self, step: int, micro: int) -> torch.Generator:
+        """A CPU generator seeded by (train.seed, step, micro) only: whatever a batch draws from it
+        is the same every time that step is run, so a resumed run sees exactly the same data."""
+        seed = hash((self.cfg.train.seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF  # ints hash the same in every process
+        return torch.Generator().manual_seed(seed)
+
+    def load_pretrained(self, load: Callable[[str], Any], say: bool = True):
+        """`load(train.init_from)` through one checked path: whatever goes wrong reading it (missing,
+        truncated, a flipped byte, a refused pickle, another architecture) is a one-line
+        ConfigError naming the file (exit 2), never a traceback."""
+        from zoo.config import ConfigError
+        path = self.cfg.train.init_from
+        try:
+            out = load(path)
+        except ConfigError:
+            raise
+        except (ValueError, FileNotFoundError, OSError, TypeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            where = "" if str(Path(path)) in first or str(path) in first else f"{path}: "
+            raise ConfigError(f"{self.cfg.source}: train.init_from: {where}{first}") from None
+        if say:
+            self.log(f"model: loaded {path}")
+        return out
 
     def setup(self) -> None:
         """Read and prepare the data (called once, before build_model)."""

@@ -96,10 +96,12 @@ class ClassifyTask(Task):
         self.pretrained = None
         self.model_cfg = cfg.model
         if cfg.train.init_from:  # the architecture (and input channels) come from the weights
-            self.pretrained = resnet_weights.read_state_dict(cfg.train.init_from)
-            self.model_cfg = resnet_weights.config_from_state_dict(
-                self.pretrained, None, cfg.train.init_from, num_classes=cfg.model.num_classes,
-                drop_rate=cfg.model.drop_rate, drop_path_rate=cfg.model.drop_path_rate)
+            def read(path):
+                sd = resnet_weights.read_state_dict(path)
+                return sd, resnet_weights.config_from_state_dict(
+                    sd, None, str(path), num_classes=cfg.model.num_classes, drop_rate=cfg.model.drop_rate,
+                    drop_path_rate=cfg.model.drop_path_rate)
+            self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
         channels = self.model_cfg.in_chans
         self.digits = d.path == "digits"
         self.size = d.image_size or (32 if self.digits else 224)
@@ -189,7 +191,7 @@ class ClassifyTask(Task):
         if self.digits:
             idx = torch.tensor([i for i, _ in epoch_positions(self.n_train, t.seed, pos, t.batch_size)],
                                device=self.device)
-            g = torch.Generator().manual_seed(hash((t.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
+            g = self.batch_generator(step, micro)
             return random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
             self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
@@ -216,11 +218,10 @@ class ClassifyTask(Task):
         model = self.model = ResNet(self.model_cfg)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            resnet_weights.load_into(model, self.pretrained, self.cfg.train.init_from)
+            self.load_pretrained(lambda path: resnet_weights.load_into(model, self.pretrained, str(path)))
         for w in caught:
             self.log(f"model: {w.message}")
-        self.log(f"model: loaded {self.cfg.train.init_from} ({self.model_cfg.arch}-style, "
-                 f"layers={self.model_cfg.stage_depths})")
+        self.log(f"model: {self.model_cfg.arch}-style, layers={self.model_cfg.resolved_layers}")
         self.pretrained = None
         return model
 

@@ -177,16 +177,11 @@ class DiffusionTask(Task):
         model = LatentDiffusion(self.cfg.model, autoencoder=self.autoencoder)
         model.latent_mean.copy_(self.latent_mean)
         model.latent_std.copy_(self.latent_std)
-        init = self.cfg.train.init_from
-        if init:
-            p = Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init)
-            if not p.is_file():
-                raise ConfigError(f"{self.cfg.source}: train.init_from={init}: no model.safetensors there")
-            try:
+        if self.cfg.train.init_from:  # a model.safetensors of an earlier run (or the folder holding it)
+            def read(path):
+                p = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
                 model.load_state_dict(read_weights(p, model), strict=False)
-            except ValueError as e:
-                raise ConfigError(f"{self.cfg.source}: train.init_from: {e}") from None
-            self.log(f"model: loaded {p}")
+            self.load_pretrained(read)
         self.log(f"denoiser: {model.num_params() / 1e6:.2f}M trainable parameters")
         return model
 
@@ -203,7 +198,7 @@ class DiffusionTask(Task):
         return {"z": z, "labels": y, "t": t.to(self.device), "noise": noise.to(self.device)}
 
     def train_batch(self, step, micro):
-        g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
+        g = self.batch_generator(step, micro)
         idx = torch.randint(len(self.z_tr), (self.cfg.train.batch_size,), generator=g).to(self.device)
         return self._noised(self.z_tr[idx], self.y_tr[idx], g, self.cfg.model.class_dropout)
 

@@ -9,6 +9,7 @@ import torch
 
 import zoo
 from zoo.config import ConfigError
+from zoo.weights import hf_llm
 
 from ..data import TextDataConfig, TokenData
 from . import Task
@@ -46,12 +47,12 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            try:  # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
-                model = zoo.from_pretrained(self.cfg.train.init_from, dtype=torch.float32)
-            except ValueError as e:  # a bad checkpoint is a bad train.init_from: one line, exit 2
-                raise ConfigError(f"{self.cfg.source}: train.init_from: {e}") from None
-            self.log(f"model: loaded {self.cfg.train.init_from}")
-            self._apply_runtime_options(model)
+            # the architecture comes from the checkpoint; the model: section still sets how it runs
+            # (attention backend, checkpointing, chunked loss) when those keys are given
+            given = self.cfg.explicit.get("model") or {}
+            runtime = {k: getattr(self.cfg.model, k) for k in hf_llm.RUNTIME_KEYS if k in given}
+            # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
+            model = self.load_pretrained(lambda p: zoo.from_pretrained(p, dtype=torch.float32, **runtime))
         else:
             model = zoo.build(self.cfg.model)
         vocab = self.data.tokenizer.vocab_size
@@ -61,21 +62,8 @@ class LMTask(Task):
                               f"tokenizer's {vocab}")
         return model
 
-    # model keys that change how a loaded model runs, not what it computes
-    RUNTIME_KEYS = ("activation_checkpointing", "chunked_loss", "loss_chunk_size", "attn_backend")
-
-    def _apply_runtime_options(self, model):
-        """With train.init_from the architecture comes from the checkpoint; the model: section
-        still sets how it runs (checkpointing, chunked loss, attention backend) when given."""
-        given = self.cfg.explicit.get("model") or {}
-        for key in self.RUNTIME_KEYS:
-            if key in given:
-                setattr(model.config, key, getattr(self.cfg.model, key))
-        for layer in model.layers:
-            layer.attn.backend = model.config.attn_backend
-
     def train_batch(self, step, micro):
-        g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, micro)) & 0x7FFFFFFF_FFFFFFFF)
+        g = self.batch_generator(step, micro)
         return self.data.batch("train", self.cfg.train.batch_size, g, self.device)
 
     def loss(self, model, batch):

@@ -5,52 +5,60 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 "Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
 "FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
 
-Backends: 'flash' (flash-attn, used when installed, on CUDA, in fp16/bf16; otherwise it falls
-back to 'sdpa' and says so once), 'sdpa' (torch.nn.functional.scaled_dot_product_attention,
-the default) and 'math' (a plain softmax(QK^T/sqrt(D))V reference in fp32, for tests).
-On a CPU, 'sdpa' with at most CPU_BMM_MAX_LEN keys (CPU_BMM_MAX_LEN_COMPILED under
-torch.compile) runs as batched matmuls around an fp32 softmax instead (`attend_bmm`), the
-queries taken in blocks that each multiply only the keys up to their own position, so the
-masked half of the causal score matrix is mostly never computed. Its backward is written
-by hand (`_AttendBlock`). Measured on 2 CPU cores in bf16, compiled, forward + backward of
-the attention alone (B x heads x keys x 64), against torch's CPU flash kernel (is_causal=True):
-8 x 8 x 256: 12 vs 31 ms; 8 x 6 (2 kv) x 256: 11 vs 29 ms; 4 x 8 x 512: 21 vs 51 ms;
-2 x 8 x 1024: 38 vs 63 ms. Eagerly the blocks win up to 512 keys. As in transformers' eager
-attention, the scores leave the matmul in the compute dtype before the fp32 softmax.
-Training keeps the probabilities of the causal half of each head's (T, T) scores for
-backward, in the compute dtype (the flash kernel keeps one number per query): at most 1024
-keys bound that to 2 KiB per query and head in bf16, about half of it on average.
+Backends (`backend`; each name is exactly one implementation):
+- 'auto' (the default) picks per call: 'flash' on CUDA in fp16/bf16 when flash-attn is
+  installed; 'bmm' on a CPU with at most CPU_BMM_MAX_LEN keys (CPU_BMM_MAX_LEN_COMPILED under
+  torch.compile); 'sdpa' otherwise. `resolve_backend` says what it picks for a given shape.
+- 'sdpa': torch.nn.functional.scaled_dot_product_attention (torch chooses its kernel).
+- 'flash': flash-attn's flash_attn_func (CUDA, fp16/bf16); anything else is an error.
+- 'bmm': `attend_bmm`, batched matmuls around an fp32 softmax, the queries in blocks that each
+  multiply only the keys up to their own position (the masked half of the causal score matrix
+  is mostly never computed), with a hand-written backward (`_AttendBlock`). On a CPU it beats
+  torch's flash kernel up to ~1024 keys (numbers in docs/llm.md); it keeps the probabilities
+  of the causal half of each head's (T, T) scores for backward, in the compute dtype.
+- 'math': a plain softmax(QK^T/sqrt(D))V in fp32, the reference for tests.
+As in transformers' eager attention, 'bmm' takes the scores out of the matmul in the compute
+dtype before the fp32 softmax.
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
 [0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
-cos, sin (T, D) from zoo/blocks/rope.py (the one zoo module this block imports).
-Depends on torch only. The 'flash' backend calls `flash_attn_func` of this module, which is
-None until set to flash-attn's function of that name (zoo.llm does so when flash-attn is
-installed; a copied block: `attention.flash_attn_func = flash_attn.flash_attn_func`).
+cos, sin (T, D) from rope.py.
+Needs: rope.py (copy it beside this file). Depends on torch only; flash-attn is imported on
+first use of the 'flash' backend, when installed.
 """
 import math
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rope import apply_rope
+try:
+    from .rope import apply_rope
+except ImportError:  # copied next to rope.py, outside the zoo package
+    from rope import apply_rope
 
-_warned: set = set()
+BACKENDS = ("auto", "sdpa", "flash", "bmm", "math")
 
-
-def _warn_once(msg: str):
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
-# flash_attn.flash_attn_func(q, k, v, causal, window_size) on (B, T, H, D) tensors, when provided
+# flash_attn.flash_attn_func(q, k, v, causal, window_size) on (B, T, H, D) tensors: imported on
+# first use (None when flash-attn is absent or fails to import, e.g. built for another CUDA)
 flash_attn_func = None
+_flash_imported = False
+
+
+def flash_available():
+    """flash-attn's flash_attn_func when it is installed and imports, else None (looked up once)."""
+    global flash_attn_func, _flash_imported
+    if flash_attn_func is None and not _flash_imported:
+        _flash_imported = True
+        try:
+            from flash_attn import flash_attn_func as fn
+            flash_attn_func = fn
+        except Exception:  # noqa: BLE001  (absent, or built for another CUDA / torch)
+            pass
+    return flash_attn_func
 
 
 class KVCache(nn.Module):
@@ -88,8 +96,8 @@ CPU_BMM_MAX_LEN_COMPILED = 1024   # the same under torch.compile, which fuses th
 
 
 def bmm_block_size(tq: int) -> int:
-    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256]
-    (measured best on 2 CPU cores: 64 at 256 queries, 128 at 512, 256 at 1024 and more)."""
+    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256] (the best
+    measured on a CPU; see docs/llm.md, "Training speed")."""
     return min(256, max(64, tq // 4))
 
 
@@ -98,9 +106,7 @@ class _AttendBlock(torch.autograd.Function):
     last Tq positions, with a hand-written backward. It keeps the probabilities once, in the
     compute dtype, and takes the softmax gradient from them as
     dS = P * (dP - rowsum(dO * O)) (FlashAttention's identity), in fp32. Autograd through
-    the plain expression would keep an fp32 copy of P as well and reduce over the key axis;
-    measured on 2 CPU cores, compiled, bf16, 4 x 6 heads (2 kv) x 512 x 64: 14.4 instead of
-    16.3 ms forward + backward."""
+    the plain expression would keep an fp32 copy of P as well and reduce over the key axis."""
 
     @staticmethod
     def forward(ctx, q, k, v, window: Optional[int]):
@@ -155,23 +161,39 @@ def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = Non
     return torch.cat(outs, dim=2)
 
 
-def attend(q, k, v, backend: str = "sdpa", window: Optional[int] = None) -> torch.Tensor:
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_len: int,
+                    compiling: bool = False) -> str:
+    """The implementation that `backend` runs for keys of length k_len on `device` in `dtype`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None:
+        return "flash"
+    if device.type == "cpu" and k_len <= (CPU_BMM_MAX_LEN_COMPILED if compiling else CPU_BMM_MAX_LEN):
+        return "bmm"
+    return "sdpa"
+
+
+def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D), Tk >= Tq, the queries being
     the last Tq positions. Returns (B, H, Tq, D)."""
     B, H, Tq, D = q.shape
     KV, Tk = k.shape[1], k.shape[2]
     windowed = window is not None and Tk > window
+    backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling())
     if backend == "flash":
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_func is not None:
-            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                                  window_size=(window - 1, 0) if windowed else (-1, -1))
-            return out.transpose(1, 2)
-        _warn_once("attention backend 'flash' needs flash-attn, CUDA and fp16/bf16; using 'sdpa'")
-        backend = "sdpa"
+        fn = flash_available()
+        if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(f"attention backend 'flash' needs flash-attn installed, CUDA and fp16/bf16 "
+                               f"(got {q.device.type}, {q.dtype}, flash-attn "
+                               f"{'installed' if fn is not None else 'not installed'}); use 'auto' or 'sdpa'")
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                 window_size=(window - 1, 0) if windowed else (-1, -1))
+        return out.transpose(1, 2)
+    if backend == "bmm":
+        return attend_bmm(q, k, v, window if windowed else None)
     if backend == "sdpa":
-        limit = CPU_BMM_MAX_LEN_COMPILED if torch.compiler.is_compiling() else CPU_BMM_MAX_LEN
-        if q.device.type == "cpu" and Tk <= limit:
-            return attend_bmm(q, k, v, window if windowed else None)
         gqa = {"enable_gqa": True} if KV != H else {}
         if not windowed and Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
@@ -179,25 +201,28 @@ def attend(q, k, v, backend: str = "sdpa", window: Optional[int] = None) -> torc
             return F.scaled_dot_product_attention(q, k, v, **gqa)
         mask = attention_mask(Tq, Tk, window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-    if backend == "math":
-        if KV != H:
-            k = k.repeat_interleave(H // KV, dim=1)
-            v = v.repeat_interleave(H // KV, dim=1)
-        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(D)
-        scores = scores.masked_fill(~attention_mask(Tq, Tk, window, q.device), float("-inf"))
-        return (scores.softmax(-1) @ v.float()).to(q.dtype)
-    raise ValueError(f"unknown attention backend {backend!r} (supported: 'flash', 'sdpa', 'math')")
+    # math
+    if KV != H:
+        k = k.repeat_interleave(H // KV, dim=1)
+        v = v.repeat_interleave(H // KV, dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(D)
+    scores = scores.masked_fill(~attention_mask(Tq, Tk, window, q.device), float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
-                 qkv_bias: bool = False, backend: str = "sdpa", sliding_window: Optional[int] = None):
+                 qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None):
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
         self.head_dim = head_dim or dim // n_heads
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={n_heads}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
+        if backend in ("auto", "flash"):
+            flash_available()  # import it now, not inside a compiled forward
         self.backend, self.sliding_window = backend, sliding_window
         self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)

@@ -1,55 +1,202 @@
-"""Integrity checks of weight files, run before any loader reads them.
+"""Weight files: the one atomic writer, the one safetensors header reader, integrity checks and
+the one checked reader that every loader goes through.
 
-A truncated or corrupt file is a one-line ValueError naming it, instead of a deep traceback or,
-worse, silently wrong weights:
-- .safetensors: the 8-byte header length, the JSON header, and every tensor's byte range
-  within the file (reads the header only).
-- .pth/.pt/.bin/.ckpt written by torch.save (a zip archive): the archive directory and the
-  CRC-32 of every record (reads the file once). torch.load itself does not check the CRCs, so
-  a flipped byte in a tensor would otherwise load as a wrong weight.
-Legacy (pre-zip) torch files carry no checksums; torch.load(weights_only=True) judges them.
+- `atomic_write(path, content)`: a uniquely named temporary file beside `path`, fsynced, renamed
+  over it, the folder fsynced: a crash leaves the old file or the new one, never a mix.
+- `save_safetensors(tensors or module, path)`: safetensors through `atomic_write`, with the CRC-32
+  of the data section in the header's metadata (`zoo.crc32`), so that a flipped byte in a file
+  Zoo wrote is caught on load.
+- `read_safetensors_header(path)`: the tensor table, metadata and data offset of a safetensors
+  file, after checking the header length, the JSON, every dtype and every tensor's byte range.
+- `check_weights(path)`: a file, or the weight files of a folder, checked before any loader reads
+  them: safetensors headers (and the CRC-32 when the file carries one); torch.save zip archives'
+  directory and the CRC-32 of every record (torch.load itself does not check them). Legacy
+  (pre-zip) torch files carry no checksums; torch.load(weights_only=True) judges them.
+- `load_tensors(path)`: the checked tensors of one file (safetensors, or a torch file read with
+  weights_only=True: tensors and plain containers only, never code).
+Every problem is a ValueError whose message is one line naming the file.
 """
 from __future__ import annotations
 
 import json
+import os
 import struct
+import tempfile
 import zipfile
+import zlib
 from pathlib import Path
+from typing import Callable, Union
+
+import torch
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+CHECKSUM_KEY = "zoo.crc32"
+_PLACEHOLDER = "0" * 8
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit
+# safetensors dtype tag -> torch dtype
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
-def check_safetensors(path: Path):
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+def fsync_file(path):
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, content: Union[bytes, str, Callable[[Path], object]]) -> Path:
+    """Write `content` to `path` atomically. content: bytes, text (UTF-8), or a function that writes
+    the temporary path it is given. The file gets the usual permissions (0666 less the umask)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        if callable(content):
+            os.close(fd)
+            content(tmp)
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def _data_crc32(f, start: int, end: int) -> int:
+    f.seek(start)
+    crc, left = 0, end - start
+    while left > 0:
+        chunk = f.read(min(left, 16 << 20))
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
+
+
+def _seal(path: Path):
+    """Write the CRC-32 of the data section over the placeholder in the header's metadata
+    (the same number of bytes, so nothing moves)."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = f.read(n)
+        mark = f'"{CHECKSUM_KEY}":"{_PLACEHOLDER}"'.encode()
+        at = header.find(mark)
+        if at < 0 or header.find(mark, at + 1) >= 0:
+            raise RuntimeError(f"{path}: cannot place the checksum in the safetensors header")
+        crc = _data_crc32(f, 8 + n, os.fstat(f.fileno()).st_size)
+        f.seek(8 + at + len(mark) - len(_PLACEHOLDER) - 1)
+        f.write(f"{crc:08x}".encode())
+
+
+def save_safetensors(tensors: Union[dict, torch.nn.Module], path, metadata: dict | None = None) -> Path:
+    """A dict of tensors, or a module's state dict (tied tensors stored once, as safetensors'
+    save_model does), written atomically to `path` with a CRC-32 of the data in the metadata."""
+    from safetensors.torch import save_file, save_model
+    meta = {"format": "pt", **(metadata or {}), CHECKSUM_KEY: _PLACEHOLDER}
+
+    def write(tmp: Path):
+        if isinstance(tensors, torch.nn.Module):
+            save_model(tensors, str(tmp), metadata=meta)
+        else:
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        _seal(tmp)
+
+    return atomic_write(path, write)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and checking
+# ---------------------------------------------------------------------------------------------
+
+def read_safetensors_header(path) -> tuple[dict, dict, int]:
+    """(tensor table {name: {"dtype", "shape", "data_offsets"}}, metadata, byte where the data
+    starts) of a safetensors file, after checking that every tensor's bytes lie inside the file
+    and match its shape and dtype. Reads the header only."""
+    path = Path(path)
     size = path.stat().st_size
+
+    def corrupt(why):
+        return ValueError(f"{path}: corrupt or truncated safetensors file ({why})")
+
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: corrupt or truncated safetensors file ({size} bytes)")
+            raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
         n = struct.unpack("<Q", head)[0]
-        if n > size - 8:
-            raise ValueError(f"{path}: corrupt or truncated safetensors file (a {n}-byte header in {size} bytes)")
+        if n > min(size - 8, _MAX_HEADER):
+            raise corrupt(f"a header of {n} bytes does not fit in a {size}-byte file")
+        raw = f.read(n)
+    try:
+        table = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise corrupt("the header is not valid JSON") from None
+    if not isinstance(table, dict):
+        raise corrupt("the header is not a JSON object")
+    metadata = table.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise corrupt("__metadata__ is not a JSON object")
+    data_size = size - 8 - n
+    for name, t in table.items():
+        if isinstance(t, dict) and t.get("dtype") not in FILE_DTYPES:
+            raise ValueError(f"{path}: tensor '{name}' has dtype {t.get('dtype')!r}, which Zoo does not read "
+                             f"(supported: {', '.join(FILE_DTYPES)})")
         try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError(f"{path}: corrupt or truncated safetensors file (the header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt or truncated safetensors file (the header is not a mapping)")
-    end = 0
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, stop = (int(x) for x in meta["data_offsets"])
-        except (TypeError, KeyError, ValueError):
-            raise ValueError(f"{path}: corrupt or truncated safetensors file (bad entry for {name!r})") from None
-        if not 0 <= begin <= stop:
-            raise ValueError(f"{path}: corrupt or truncated safetensors file (bad byte range for {name!r})")
-        end = max(end, stop)
-    if 8 + n + end > size:
-        raise ValueError(f"{path}: corrupt or truncated safetensors file ({size} bytes, its tensors need {8 + n + end})")
+            begin, end = (int(x) for x in t["data_offsets"])
+            numel = 1
+            for s in t["shape"]:
+                numel *= int(s)
+            nbytes = numel * FILE_DTYPES[t["dtype"]].itemsize
+        except (KeyError, TypeError, ValueError):
+            raise corrupt(f"bad entry for tensor '{name}'") from None
+        if not 0 <= begin <= end <= data_size:
+            raise corrupt(f"tensor '{name}' ends at byte {end} of a {data_size}-byte data section")
+        if end - begin != nbytes:
+            raise corrupt(f"tensor '{name}' has {end - begin} bytes, its shape and dtype need {nbytes}")
+    return table, metadata, 8 + n
 
 
-def check_torch_file(path: Path):
+def check_safetensors(path):
+    path = Path(path)
+    _, metadata, start = read_safetensors_header(path)
+    want = metadata.get(CHECKSUM_KEY)
+    if want is None:
+        return
+    with open(path, "rb") as f:
+        got = _data_crc32(f, start, path.stat().st_size)
+    if f"{got:08x}" != want:
+        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got:08x}, the file says {want}): "
+                         f"the file is corrupt")
+
+
+def check_torch_file(path):
+    path = Path(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"PK\x03\x04":
@@ -57,7 +204,7 @@ def check_torch_file(path: Path):
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, zlib.error) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(f"{path}: corrupt or truncated torch file ({first})") from None
     if bad is not None:
@@ -75,9 +222,9 @@ def check_weight_file(path):
 
 
 def check_weights(path):
-    """Check a weight file, or the weight files directly inside a folder: its .safetensors files
-    (headers only), or its torch files when it has no .safetensors (the loaders prefer those; a
-    Hub folder often holds both, and checking a multi-GB .bin nobody reads would be wasted time)."""
+    """Check a weight file, or the weight files directly inside a folder: its .safetensors files,
+    or its torch files when it has no .safetensors (the loaders prefer those; a Hub folder often
+    holds both, and checking a multi-GB .bin nobody reads would be wasted time)."""
     p = Path(path)
     if not p.is_dir():
         return check_weight_file(p)
@@ -85,3 +232,41 @@ def check_weights(path):
     safe = [f for f in files if f.suffix.lower() == ".safetensors"]
     for f in safe or files:
         check_weight_file(f)
+
+
+def _first_line(e: BaseException) -> str:
+    return ((str(e).strip().splitlines() or [""])[0] or type(e).__name__)[:200]
+
+
+def load_tensors(path) -> dict:
+    """{name: tensor} of one checked weight file, on the CPU. A torch file is read with
+    weights_only=True (memory-mapped when it is a zip archive); a state dict wrapped as
+    {"state_dict": ...} or {"model": ...} is unwrapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    check_weight_file(path)
+    if path.suffix.lower() == ".safetensors":
+        from safetensors.torch import load_file
+        try:
+            return load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - whatever the reader says: one line naming the file
+            raise ValueError(f"{path}: unreadable safetensors file ({_first_line(e)})") from None
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy files cannot be mapped
+    except Exception as e:  # noqa: BLE001 - a refused pickle, a truncated or foreign file
+        raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {_first_line(e)})") from None
+    if isinstance(obj, dict):
+        for k in ("state_dict", "model"):
+            if isinstance(obj.get(k), dict):
+                obj = obj[k]
+                break
+    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} if isinstance(obj, dict) else {}
+    if not tensors:
+        raise ValueError(f"{path}: does not hold a state dict of tensors")
+    return tensors

@@ -23,16 +23,14 @@ and shape against config.json before any data is read: a mismatch is one error l
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import struct
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors.torch import save_file
 
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
+from .files import FILE_DTYPES, atomic_write, read_safetensors_header, save_safetensors
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -47,11 +45,6 @@ _DEFAULTS = {
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-# safetensors dtype tag -> bytes per element
-_FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_MAX_HEADER = 100_000_000  # the safetensors format's own limit
 
 
 # ----------------------------------------------------------------------------------------
@@ -196,9 +189,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
     hf = {
         "architectures": [arch], "model_type": model_type,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.resolved_ffn_hidden,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
+        "num_key_value_heads": cfg.resolved_n_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": rope, "rope_theta": cfg.rope_theta,
@@ -226,8 +219,8 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
 def key_map(cfg: LLMConfig) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by
     concatenating along dim 0 in that order. lm_head is absent when the embeddings are tied."""
-    d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.dim_head, cfg.kv_heads * cfg.dim_head
+    d, V, F = cfg.d_model, cfg.vocab_size, cfg.resolved_ffn_hidden
+    q, kv = cfg.n_heads * cfg.resolved_head_dim, cfg.resolved_n_kv_heads * cfg.resolved_head_dim
     m = {"embed.weight": [("model.embed_tokens.weight", (V, d))]}
     for i in range(cfg.n_layers):
         z, h = f"layers.{i}.", f"model.layers.{i}."
@@ -260,49 +253,6 @@ def _listing(names, limit: int = 8) -> str:
 # safetensors files
 # ----------------------------------------------------------------------------------------
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """The tensor table of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}, and the
-    byte where the data starts, after checking that every tensor's bytes lie inside the file."""
-    size = path.stat().st_size
-
-    def corrupt(why):
-        return ValueError(f"{path}: corrupt or truncated safetensors file ({why})")
-
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
-        n = struct.unpack("<Q", head)[0]
-        if n > min(size - 8, _MAX_HEADER):
-            raise corrupt(f"header of {n} bytes does not fit in a {size}-byte file")
-        raw = f.read(n)
-    try:
-        table = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise corrupt("header is not valid JSON") from None
-    if not isinstance(table, dict):
-        raise corrupt("header is not a JSON object")
-    table.pop("__metadata__", None)
-    data_size = size - 8 - n
-    for name, t in table.items():
-        if isinstance(t, dict) and t.get("dtype") not in _FILE_DTYPES:
-            raise ValueError(f"{path}: tensor '{name}' has dtype {t.get('dtype')!r}, which Zoo does not read "
-                             f"(supported: {', '.join(_FILE_DTYPES)})")
-        try:
-            begin, end = (int(x) for x in t["data_offsets"])
-            numel = 1
-            for s in t["shape"]:
-                numel *= int(s)
-            nbytes = numel * _FILE_DTYPES[t["dtype"]].itemsize
-        except (KeyError, TypeError, ValueError):
-            raise corrupt(f"bad entry for tensor '{name}'") from None
-        if not 0 <= begin <= end <= data_size:
-            raise corrupt(f"tensor '{name}' ends at byte {end} of a {data_size}-byte data section")
-        if end - begin != nbytes:
-            raise corrupt(f"tensor '{name}' has {end - begin} bytes, its shape and dtype need {nbytes}")
-    return table, 8 + n
-
-
 def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or the shards listed in model.safetensors.index.json."""
     index = folder / "model.safetensors.index.json"
@@ -329,7 +279,7 @@ def read_tensor(f, path: Path, offset: int, entry: dict, dest: torch.Tensor):
     contiguous CPU tensor of the file's dtype the bytes go straight into it; otherwise through one
     temporary of this tensor's size. Plain reads, not a memory map: the file's pages stay in the
     OS cache instead of being counted in (and doubling) the process's resident memory."""
-    file_dtype = _FILE_DTYPES[entry["dtype"]]
+    file_dtype = FILE_DTYPES[entry["dtype"]]
     direct = dest.device.type == "cpu" and dest.dtype == file_dtype and dest.is_contiguous()
     buf = dest if direct else torch.empty(dest.shape, dtype=file_dtype, device="cpu")
     view = memoryview(buf.view(-1).view(torch.uint8).numpy())  # safetensors data is little-endian
@@ -378,9 +328,16 @@ def detect(path) -> bool:
     return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in MODEL_TYPES
 
 
-def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
+# LLMConfig keys that change how a loaded model runs, not what it computes: from_pretrained takes them
+RUNTIME_KEYS = ("attn_backend", "activation_checkpointing", "chunked_loss", "loss_chunk_size")
+
+
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None,
+         **runtime):
     """Load a Hugging Face folder into a Zoo LLM. dtype None (or "auto") keeps the checkpoint's
-    dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU."""
+    dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU.
+    runtime: any of RUNTIME_KEYS (e.g. attn_backend="sdpa", activation_checkpointing=True), set
+    on the config before the model is built."""
     from ..blocks.rope import RotaryEmbedding
     from ..llm import LLM
 
@@ -388,12 +345,18 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     cfg_file = folder / "config.json"
     hf = read_json(cfg_file)
     cfg, arch = config_from_hf(hf, str(cfg_file))
+    unknown = [k for k in runtime if k not in RUNTIME_KEYS]
+    if unknown:
+        raise TypeError(f"from_pretrained({folder}): unknown option(s) {', '.join(unknown)} for a Hugging Face "
+                        f"LLM (known: dtype, device, {', '.join(RUNTIME_KEYS)})")
+    if runtime:
+        cfg = from_dict(LLMConfig, {**to_dict(cfg), **runtime}, f"from_pretrained({folder})", "")
     dtype = _resolve_dtype(dtype, hf, str(cfg_file))
     device = torch.device(device or "cpu")
 
     # 1. check every file header and every name/shape before reading any data
     files = weight_files(folder)
-    headers = {f: read_header(f) for f in files}
+    headers = {f: read_safetensors_header(f)[::2] for f in files}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
@@ -435,7 +398,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     # the RoPE tables are non-persistent buffers: rebuild them (fp32) on the real device. They grow
     # on demand, so start at most 8192 positions long rather than max_position_embeddings (128k+).
     with torch.device(device):
-        model.rope = RotaryEmbedding(cfg.dim_head, min(cfg.max_seq_len, 8192), cfg.rope_theta,
+        model.rope = RotaryEmbedding(cfg.resolved_head_dim, min(cfg.max_seq_len, 8192), cfg.rope_theta,
                                      to_dict(cfg.rope_scaling) if cfg.rope_scaling else None)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left on the meta device after loading: {left}"
@@ -460,12 +423,6 @@ def _shard_limit(max_shard_size) -> int:
             except ValueError:
                 break
     raise ValueError(f"max_shard_size {max_shard_size!r} must be bytes (int) or like '5GB', '500MB'")
-
-
-def _atomic(path: Path, write):
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
@@ -500,7 +457,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):
         tensors = {k: t.detach().to("cpu", dtype).contiguous().clone() for k, t in shard}
-        _atomic(out / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+        save_safetensors(tensors, out / name)
         for k, t in tensors.items():
             weight_map[k] = name
             total += t.numel() * t.element_size()
@@ -508,7 +465,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     index = out / "model.safetensors.index.json"
     if n > 1:
         body = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        _atomic(index, lambda tmp: tmp.write_text(body))
+        atomic_write(index, body)
     # remove weights of an earlier save into the same folder, which loaders would otherwise pick up
     keep = set(names) | ({index.name} if n > 1 else set())
     for old in [index, *out.glob("model*.safetensors")]:
@@ -516,7 +473,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
             old.unlink()
 
     hf = config_to_hf(cfg, arch, dtype, getattr(model, "hf_config", None))
-    _atomic(out / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n"))
+    atomic_write(out / "config.json", json.dumps(hf, indent=2) + "\n")
     if tokenizer is not None:
         _copy_tokenizer(Path(tokenizer), out)
     return out
@@ -538,4 +495,4 @@ def _copy_tokenizer(src: Path, out: Path):
     for f in files:
         dst = out / ("tokenizer.model" if f.suffix == ".model" else f.name)
         if f.resolve() != dst.resolve():
-            _atomic(dst, lambda tmp: shutil.copyfile(f, tmp))
+            atomic_write(dst, lambda tmp: shutil.copyfile(f, tmp))

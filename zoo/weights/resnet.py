@@ -15,14 +15,13 @@ stripped), or a folder holding model.safetensors or pytorch_model.bin (timm's hu
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..config import RESNET_ARCHS, ConvNetConfig, from_dict, to_dict
+from .files import atomic_write, load_tensors, read_safetensors_header, save_safetensors
 
 SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 FOLDER_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -35,41 +34,19 @@ def weight_file(path) -> Path | None:
     return p if p.is_file() and p.suffix.lower() in SUFFIXES else None
 
 
-def _unwrap(obj):
-    if isinstance(obj, dict):
-        for k in ("state_dict", "model"):
-            if isinstance(obj.get(k), dict):
-                obj = obj[k]
-                break
-    if not isinstance(obj, dict):
-        return None
-    return {(k[7:] if k.startswith("module.") else k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
-
-
 def read_state_dict(path) -> dict:
-    """The tensors of a ResNet weight file or folder (CPU, lazily mapped where possible)."""
+    """The tensors of a ResNet weight file or folder (CPU, memory-mapped where possible), checked
+    (zoo.weights.files.load_tensors), with DataParallel's "module." prefixes stripped."""
     f = weight_file(path)
     if f is None:
         raise FileNotFoundError(f"{path}: no ResNet weight file ({', '.join(SUFFIXES)} or a folder with "
                                 f"{' / '.join(FOLDER_FILES)})")
-    if f.suffix.lower() == ".safetensors":
-        from safetensors.torch import load_file
-        return load_file(str(f))
-    try:
-        obj = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-        obj = torch.load(f, map_location="cpu", weights_only=True)
-    sd = _unwrap(obj)
-    if sd is None:
-        raise ValueError(f"{f}: does not hold a state dict of tensors")
-    return sd
+    return {(k[7:] if k.startswith("module.") else k): v for k, v in load_tensors(f).items()}
 
 
 def _keys(f: Path) -> set:
     if f.suffix.lower() == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(str(f), "pt") as h:  # reads the JSON header only
-            return set(h.keys())
+        return set(read_safetensors_header(f)[0])  # the header only
     return set(read_state_dict(f))
 
 
@@ -153,12 +130,14 @@ def load_into(model, sd: dict, source: str = "<state dict>") -> None:
             if items:
                 parts.append(f"{len(items)} {name}: {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}")
         raise ValueError(f"{source}: weights do not fit {model.config.arch}-style ResNet "
-                         f"(layers={model.config.stage_depths}, block={model.config.block_type}): {'; '.join(parts)}")
+                         f"(layers={model.config.resolved_layers}, block={model.config.resolved_block}): {'; '.join(parts)}")
     model.load_state_dict(sd, strict=False)
 
 
 def load(path, arch: str | None = None, num_classes: int | None = None, **overrides):
-    """A zoo ResNet (eval mode) with the weights of `path`; see the module docstring."""
+    """A zoo ResNet (eval mode) with the weights of `path`; see the module docstring. The model
+    remembers the file name it came from (`pretrained_format`), so that save() to a folder writes
+    it back in the same file type."""
     from ..convnet import ResNet
     sd = read_state_dict(path)
     if num_classes is not None:
@@ -166,6 +145,9 @@ def load(path, arch: str | None = None, num_classes: int | None = None, **overri
     cfg = config_from_state_dict(sd, arch, str(path), **overrides)
     model = ResNet(cfg)
     load_into(model, sd, str(path))
+    f = weight_file(path)
+    model.pretrained_format = {"format": "resnet", "layout": "folder" if Path(path).is_dir() else "file",
+                               "file": f.name}
     return model.eval()
 
 
@@ -174,35 +156,27 @@ def exports(model) -> bool:
     return isinstance(model, ResNet)
 
 
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(model, path, **kwargs) -> Path:
-    """Write the timm/torchvision key layout: path ending .safetensors, or .pth/.pt/.bin
-    (torch.save), or a folder (model.safetensors + config.json with the zoo config)."""
+    """Write the timm/torchvision key layout: a path ending .safetensors, or .pth/.pt/.bin
+    (torch.save), is that file. Any other path is a folder: a model loaded from a single file
+    goes back as that file's name inside it (resnet50.pth -> folder/resnet50.pth); otherwise the
+    folder gets model.safetensors (or the weight file it was loaded with) and a config.json with
+    the zoo config. Returns the weight file written."""
     if kwargs:
         raise TypeError(f"save_pretrained for a ResNet takes no options, got {', '.join(kwargs)}")
     p = Path(path)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    suffix = p.suffix.lower()
-    if suffix not in SUFFIXES:  # a folder
-        cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
-               "zoo": to_dict(model.config)}
-        _atomic(p / "config.json", lambda t: Path(t).write_text(json.dumps(cfg, indent=2)))
-        p = p / "model.safetensors"
-        suffix = ".safetensors"
-    if suffix == ".safetensors":
-        from safetensors.torch import save_file
-        _atomic(p, lambda t: save_file(sd, t, metadata={"format": "pt", "arch": model.config.arch}))
+    if p.suffix.lower() not in SUFFIXES:  # a folder
+        source = getattr(model, "pretrained_format", None) or {}
+        if source.get("layout") == "file":
+            p = p / source["file"]
+        else:
+            cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
+                   "zoo": to_dict(model.config)}
+            atomic_write(p / "config.json", json.dumps(cfg, indent=2))
+            p = p / source.get("file", "model.safetensors")
+    if p.suffix.lower() == ".safetensors":
+        save_safetensors(sd, p, {"arch": model.config.arch})
     else:
-        _atomic(p, lambda t: torch.save(sd, t))
-    return Path(path)
+        atomic_write(p, lambda t: torch.save(sd, t))
+    return p

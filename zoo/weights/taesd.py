@@ -23,7 +23,7 @@ import torch
 
 from zoo.diffusion.taesd import TAESD
 
-from .files import check_weight_file
+from .files import atomic_write, check_weight_file, load_tensors, read_safetensors_header, save_safetensors
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 _PAIR = re.compile(r"^(?P<stem>.*)_(?P<part>encoder|decoder)\.(?P<ext>pth|pt|safetensors)$")
@@ -43,28 +43,12 @@ def _pair_paths(p: Path):
     return enc, dec
 
 
-def _read(path: Path) -> dict:
-    check_weight_file(path)  # the other file of a pair is not checked by load_pretrained
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        return load_file(str(path))
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line error
-        raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{path}: not a flat state dict of tensors")
-    return sd
-
-
 def _keys(path: Path) -> list[str]:
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
+        return list(read_safetensors_header(path)[0])  # the header only
     if path.stat().st_size > _MAX_PTH_BYTES:
         return []
-    return list(_read(path))
+    return list(load_tensors(path))
 
 
 def _is_diffusers(p: Path) -> bool:
@@ -126,7 +110,6 @@ def from_state_dict(sd: dict, source, dtype=torch.float32, **expected) -> TAESD:
 
 
 def _load_diffusers(p: Path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
     cfg = json.loads((p / "config.json").read_text())
     want = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
             "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1]}
@@ -137,7 +120,7 @@ def _load_diffusers(p: Path) -> tuple[dict, dict]:
         if k in cfg and len(set(cfg[k])) != 1:
             raise ValueError(f"{p / 'config.json'}: {k}={cfg[k]} is not supported (TAESD has one width)")
     sd = {}
-    for k, v in load_file(str(p / DIFFUSERS_WEIGHTS)).items():
+    for k, v in load_tensors(p / DIFFUSERS_WEIGHTS).items():
         m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)", k)
         if not m:
             raise ValueError(f"{p / DIFFUSERS_WEIGHTS}: unexpected key '{k}' for an AutoencoderTiny")
@@ -148,7 +131,9 @@ def _load_diffusers(p: Path) -> tuple[dict, dict]:
 
 def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, channels=None, **_) -> TAESD:
     """TAESD from an original pair (either file, or a folder holding one pair) or a diffusers folder.
-    latent_channels / midblock_gn / channels, when given, must match the weights' variant."""
+    latent_channels / midblock_gn / channels, when given, must match the weights' variant.
+    The model remembers its source format (`pretrained_format`: the pair's name, file type and
+    dtype, or diffusers), which save() writes by default."""
     p = Path(path)
     expected = {"latent_channels": latent_channels, "midblock_gn": midblock_gn, "channels": channels}
     if _is_diffusers(p):
@@ -156,6 +141,7 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
         model = from_state_dict(sd, p, dtype, **expected)
         model.scaling_factor = float(cfg.get("scaling_factor", 1.0))
         model.shift_factor = float(cfg.get("shift_factor", 0.0) or 0.0)
+        model.pretrained_format = {"format": "diffusers", "dtype": next(iter(sd.values())).dtype}
         return model
     pair = _pair_paths(p)
     if pair is None:
@@ -164,9 +150,14 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
     for q in pair:
         if not q.is_file():
             raise FileNotFoundError(f"{q}: missing (TAESD weights come as an encoder and decoder pair)")
-    sd = {f"encoder.{k}": v for k, v in _read(pair[0]).items()}
-    sd.update({f"decoder.{k}": v for k, v in _read(pair[1]).items()})
-    return from_state_dict(sd, pair[0], dtype, **expected)
+    check_weight_file(pair[1])  # load_pretrained checked the file it was given, not its partner
+    sd = {f"encoder.{k}": v for k, v in load_tensors(pair[0]).items()}
+    sd.update({f"decoder.{k}": v for k, v in load_tensors(pair[1]).items()})
+    model = from_state_dict(sd, pair[0], dtype, **expected)
+    m = _PAIR.match(pair[0].name)
+    model.pretrained_format = {"format": "taesd", "name": m["stem"], "ext": m["ext"],
+                               "dtype": next(iter(sd.values())).dtype}
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,35 +168,38 @@ def exports(model) -> bool:
     return isinstance(model, TAESD)
 
 
-def save(model: TAESD, path, format: str | None = None, dtype=None, name: str = "taesd", **_) -> Path:
-    """Write `model` as a diffusers AutoencoderTiny folder (format="diffusers", the default for a
-    folder) or as an original pair (format="taesd", the default when `path` ends in
-    _encoder.pth / _decoder.pth; for a folder, files `<name>_encoder.pth` and `<name>_decoder.pth`).
-    dtype: e.g. torch.float16 as the original files; default keeps the model's dtype."""
+def save(model: TAESD, path, format: str | None = None, dtype=None, name: str | None = None, **_) -> Path:
+    """Write `model` as an original pair (format="taesd": `<name>_encoder.pth` and
+    `<name>_decoder.pth`, or .safetensors) or as a diffusers AutoencoderTiny folder
+    (format="diffusers"). A path ending in _encoder.pth / _decoder.pth (or .safetensors) is a
+    pair; any other path is a folder. By default a model goes back in the format, file type,
+    name and dtype it was loaded from (`pretrained_format`; TAESD's own files are fp16); a model
+    built here goes to a folder as diffusers, in its own dtype. Returns the encoder file or the
+    folder."""
     p = Path(path)
+    source = getattr(model, "pretrained_format", None) or {}
     if format is None:
-        format = "taesd" if _PAIR.match(p.name) else "diffusers"
+        format = "taesd" if _PAIR.match(p.name) else source.get("format", "diffusers")
     if format not in ("taesd", "diffusers"):
         raise ValueError(f"format must be 'taesd' or 'diffusers', got {format!r}")
+    dtype = dtype or source.get("dtype")
     sd = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
     if format == "taesd":
-        enc, dec = _pair_paths(p) if _PAIR.match(p.name) else (p / f"{name}_encoder.pth", p / f"{name}_decoder.pth")
-        enc.parent.mkdir(parents=True, exist_ok=True)
+        if _PAIR.match(p.name):
+            enc, dec = _pair_paths(p)
+        else:
+            stem, ext = name or source.get("name", "taesd"), source.get("ext", "pth")
+            enc, dec = p / f"{stem}_encoder.{ext}", p / f"{stem}_decoder.{ext}"
         for part, out in (("encoder", enc), ("decoder", dec)):
             tensors = {k.split(".", 1)[1]: v for k, v in sd.items() if k.startswith(part + ".")}
             if out.suffix == ".safetensors":
-                from safetensors.torch import save_file
-                save_file(tensors, str(out))
+                save_safetensors(tensors, out)
             else:
-                tmp = out.with_name(out.name + ".tmp")
-                torch.save(tensors, tmp)
-                tmp.replace(out)
+                atomic_write(out, lambda tmp: torch.save(tensors, tmp))
         return enc
     if model.midblock_gn:
         raise ValueError(f"{path}: diffusers' AutoencoderTiny has no FLUX.2 mid-block branch; "
                          f"export this variant with format='taesd'")
-    from safetensors.torch import save_file
-    p.mkdir(parents=True, exist_ok=True)
     out = {}
     for k, v in sd.items():
         part, i, rest = k.split(".", 2)
@@ -218,6 +212,6 @@ def save(model: TAESD, path, format: str | None = None, dtype=None, name: str = 
               "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1],
               "latent_magnitude": 3, "latent_shift": 0.5, "force_upcast": False,
               "scaling_factor": model.scaling_factor, "shift_factor": model.shift_factor}
-    save_file(out, str(p / DIFFUSERS_WEIGHTS))
-    (p / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_safetensors(out, p / DIFFUSERS_WEIGHTS)
+    atomic_write(p / "config.json", json.dumps(config, indent=2) + "\n")
     return p

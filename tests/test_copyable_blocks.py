@@ -1,0 +1,152 @@
+"""Every file in zoo/blocks can be copied into another codebase as it is: it opens with a
+docstring, imports torch and the standard library only (plus the sibling blocks its docstring
+names on a `Needs:` line), and a bare copy of it, with exactly those siblings, imports and runs
+in a fresh interpreter that has torch and nothing of zoo."""
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BLOCKS = Path(__file__).resolve().parents[1] / "zoo" / "blocks"
+FILES = sorted(p for p in BLOCKS.glob("*.py") if p.name != "__init__.py")
+
+# What each copied block runs (in the fresh interpreter, next to its needed siblings). A block
+# without an entry here fails test_every_block_has_a_smoke_run: add one with the block.
+SMOKE = {
+    "norm.py": """
+        from norm import RMSNorm
+        x = torch.randn(2, 3, 8)
+        y = RMSNorm(8, eps=1e-6)(x)
+        ref = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+        assert (y - ref).abs().max() < 1e-5
+    """,
+    "rope.py": """
+        from rope import RotaryEmbedding, apply_rope
+        cos, sin = RotaryEmbedding(8, 16)(0, 5, torch.float32)
+        q = torch.randn(1, 2, 5, 8)
+        r = apply_rope(q, cos, sin)
+        assert r.shape == q.shape and torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+    """,
+    "attention.py": """
+        from attention import CausalSelfAttention, KVCache
+        from rope import RotaryEmbedding
+        attn = CausalSelfAttention(16, n_heads=4, n_kv_heads=2)
+        cos, sin = RotaryEmbedding(4, 16)(0, 6, torch.float32)
+        x = torch.randn(2, 6, 16)
+        y = attn(x, cos, sin)
+        y.sum().backward()
+        assert y.shape == x.shape and attn.qkv.weight.grad is not None
+        cache = KVCache(2, 2, 6, 4)
+        with torch.no_grad():
+            steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
+        assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
+    """,
+    "mlp.py": """
+        from mlp import SwiGLU
+        m = SwiGLU(8, 16)
+        x = torch.randn(3, 8)
+        g, u = (x @ m.gate_up.weight.t()).chunk(2, -1)
+        assert (m(x) - (torch.nn.functional.silu(g) * u) @ m.down.weight.t()).abs().max() < 1e-5
+    """,
+    "drop_path.py": """
+        from drop_path import DropPath, drop_path
+        x = torch.ones(1000, 4)
+        y = DropPath(0.5).train()(x)
+        assert set(y.unique().tolist()) <= {0.0, 2.0} and 300 < int((y[:, 0] > 0).sum()) < 700
+        assert torch.equal(DropPath(0.5).eval()(x), x)
+    """,
+    "chunked_ce.py": """
+        from chunked_ce import chunked_cross_entropy
+        h = torch.randn(10, 8, requires_grad=True)
+        w = torch.randn(32, 8, requires_grad=True)
+        t = torch.randint(0, 32, (10,))
+        loss = chunked_cross_entropy(h, w, t, 3)
+        ref = torch.nn.functional.cross_entropy(h @ w.t(), t)
+        assert (loss - ref).abs() < 1e-5
+        loss.backward()
+        assert h.grad is not None and w.grad is not None
+    """,
+}
+
+
+def needs(path: Path) -> list[str]:
+    """The sibling block files a block's docstring names on its `Needs:` line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    m = re.search(r"^Needs:\s*(.+)$", doc, re.M)
+    return re.findall(r"\b(\w+\.py)\b", m.group(1)) if m else []
+
+
+def test_every_block_has_a_smoke_run():
+    assert FILES
+    missing = [p.name for p in FILES if p.name not in SMOKE]
+    assert not missing, f"add a SMOKE entry for {missing}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_block_imports_only_torch_stdlib_and_named_siblings(path):
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and len(doc.split()) >= 3, f"{path.name} must open with a docstring"
+    assert isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)
+    siblings = {n.removesuffix(".py") for n in needs(path)}
+    for s in siblings:
+        assert (BLOCKS / f"{s}.py").is_file(), f"{path.name} names {s}.py, which is not a block"
+    allowed = {"torch"} | set(sys.stdlib_module_names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            roots = [(node.module or "").split(".")[0]]
+            if node.level or roots[0] in siblings:  # a sibling block, inside the package or beside the copy
+                assert roots[0] in siblings, f"{path.name} imports blocks/{roots[0]}.py without naming it on " \
+                                             f"its Needs: line"
+                continue
+        else:
+            continue
+        for r in roots:
+            # an optional import inside a function (flash-attn) is looked up on first use, not at import
+            assert r in allowed or _inside_function(tree, node), f"{path.name} imports {r}"
+
+
+def _inside_function(tree, target) -> bool:
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(n is target for n in ast.walk(fn)):
+            return True
+    return False
+
+
+BLOCKER = """
+import importlib.abc, sys
+class _NoZoo(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("zoo", "train"):
+            raise ImportError(f"{name}: not available to a copied block")
+sys.meta_path.insert(0, _NoZoo())
+try:
+    import zoo  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("zoo is importable: the test would prove nothing")
+sys.path.insert(0, sys.argv[1])
+import torch
+torch.manual_seed(0)
+"""
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_bare_copy_imports_and_runs(path, tmp_path):
+    """Copy the block and exactly the siblings it names into an empty folder; run it there in a fresh,
+    isolated interpreter (no PYTHONPATH, no user site, zoo blocked from import)."""
+    for name in [path.name] + needs(path):
+        shutil.copy(BLOCKS / name, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({path.name, *needs(path)})
+    code = BLOCKER + textwrap.dedent(SMOKE[path.name]) + "\nprint('ok')\n"
+    out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
