@@ -95,7 +95,7 @@ def test_cpu_keep_memory_reuses_freed_blocks():
         pytest.skip("needs Linux with glibc")
     code = """
 import resource, torch
-from train.loop import keep_freed_memory
+from train.hardware import keep_freed_memory
 def faults_of_a_fresh_block():
     torch.ones(64 * 2**20 // 4)  # 64 MiB, made (touched) and freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

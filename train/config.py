@@ -29,7 +29,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     tf32: bool = True                       # CUDA only
     cudnn_benchmark: bool = True            # CUDA only
-    cpu_keep_memory: bool = True            # CPU, Linux glibc: reuse freed memory instead of unmapping it
+    cpu_keep_memory: Optional[bool] = None  # CPU, Linux glibc: reuse freed memory instead of unmapping it
+                                            # (process-wide); null: when run by train/run.py
     compile: bool = False                   # torch.compile the model
     clip_grad: Optional[float] = 1.0        # max global grad norm; null = off
     seed: int = 0

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import json
 import math
 import os
-import platform
-import resource
 import signal
 import sys
 import time
@@ -31,6 +28,7 @@ import yaml
 from zoo.weights.files import atomic_write, save_safetensors
 
 from . import checkpoint as ckpt
+from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, release_freed_memory, sync
 from .config import RunConfig
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .tasks import task_class
@@ -63,27 +61,17 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def keep_freed_memory() -> bool:
-    """Linux glibc: serve every allocation from the heap and never trim it (mallopt
-    M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB). glibc otherwise maps each block over 32 MiB afresh
-    and unmaps it when freed, so a step's large tensors (logits, activations, gradients) are
-    page-faulted in again every step. Process-wide; memory freed stays with the process (its
-    RSS stays at its peak, as with CUDA's caching allocator). Returns whether it applied."""
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    return libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
-
-
-def setup_backends(cfg: RunConfig, device: torch.device, log):
+def setup_backends(cfg: RunConfig, device: torch.device, log, owns_process: bool = False) -> bool:
+    """Device settings for the run. Returns whether glibc was told to keep freed memory (which
+    the caller undoes at the end unless the run owns the process)."""
     t = cfg.train
-    if device.type == "cpu" and t.cpu_keep_memory:
-        if keep_freed_memory():
-            log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)")
+    kept = False
+    keep = t.cpu_keep_memory if t.cpu_keep_memory is not None else owns_process
+    if device.type == "cpu" and keep:
+        kept = keep_freed_memory()
+        if kept:
+            log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)"
+                + ("" if owns_process else "; glibc's defaults are restored when train() returns"))
         else:
             log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
     if device.type == "cuda":
@@ -99,6 +87,7 @@ def setup_backends(cfg: RunConfig, device: torch.device, log):
         torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return kept
 
 
 def precision_dtype(cfg: RunConfig, device: torch.device, log) -> Optional[torch.dtype]:
@@ -108,49 +97,6 @@ def precision_dtype(cfg: RunConfig, device: torch.device, log) -> Optional[torch
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16", EXIT_CONFIG)
     return DTYPES[p]
-
-
-def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> float:
-    """Achieved FLOP/s of a large square matmul in the run's compute dtype (the MFU
-    denominator). The size grows until one matmul takes ~20 ms, so slow dtypes stay cheap."""
-    dt = dtype or torch.float32
-    n = 256
-    while True:
-        a = torch.randn(n, n, device=device, dtype=dt)
-        b = torch.randn(n, n, device=device, dtype=dt)
-        a @ b
-        once = float("inf")
-        for _ in range(3):  # the fastest of three: robust to a busy machine
-            sync(device)
-            t0 = time.perf_counter()
-            a @ b
-            sync(device)
-            once = min(once, time.perf_counter() - t0)
-        if once > 0.02 or n >= 4096:
-            break
-        n *= 2
-    best = once
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    # process peak resident set size (Linux reports KiB, macOS bytes)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def to_device(batch, device, channels_last: bool):
@@ -235,8 +181,10 @@ def plot_losses(metrics_path: Path, out_png: Path):
 
 
 # ------------------------------------------------------------------------------ the loop
-def train(cfg: RunConfig, log=None) -> dict:
-    """Run (or resume) the training described by cfg. Returns the final metrics."""
+def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
+    """Run (or resume) the training described by cfg. Returns the final metrics.
+    owns_process: the caller is a program that does nothing but this run (train/run.py); then
+    process-wide settings (train.cpu_keep_memory) apply by default and are not undone."""
     t = cfg.train
     out = Path(t.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,9 +195,17 @@ def train(cfg: RunConfig, log=None) -> dict:
         log_file.write(msg + "\n")
         log_file.flush()
 
+    kept = False
+
+    def backends(device):
+        nonlocal kept
+        kept = setup_backends(cfg, device, say, owns_process)
+
     try:
-        return _train(cfg, out, say)
+        return _train(cfg, out, say, backends)
     finally:
+        if kept and not owns_process:
+            release_freed_memory()
         log_file.close()
 
 
@@ -258,10 +214,10 @@ def _print(msg):
     tqdm.write(msg)
 
 
-def _train(cfg: RunConfig, out: Path, say) -> dict:
+def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     t = cfg.train
     device = resolve_device(t.device)
-    setup_backends(cfg, device, say)
+    backends(device)
     torch.manual_seed(t.seed)
     amp_dtype = precision_dtype(cfg, device, say)
     say(f"run: family={cfg.family} device={device} precision={t.precision} compile={t.compile} out_dir={out}")

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         path = str(DEFAULT_CONFIG)
     try:
         cfg = load_run_config(path, argv)
-        train(cfg)
+        train(cfg, owns_process=True)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG

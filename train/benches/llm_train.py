@@ -196,7 +196,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from train.loop import keep_freed_memory
+    from train.hardware import keep_freed_memory
     kept = False if args.no_keep_memory else keep_freed_memory()
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
