@@ -332,6 +332,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                        "peak_mem_gb": peak_memory_gb(device)}
                 if fpi:
                     row["mfu"] = fpi * rate / peak
+                row.update(task.train_metrics())
                 if nonfinite_total:
                     row["skipped_steps"] = nonfinite_total
                 record(row)

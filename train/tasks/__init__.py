@@ -83,6 +83,11 @@ class Task:
         """(mean loss over the batch, number of items it covers)."""
         raise NotImplementedError
 
+    def train_metrics(self) -> dict[str, float]:
+        """Numbers the task gathered from its training losses since the last call (e.g. auxiliary
+        losses, router load), averaged as it sees fit; the loop adds them to every logged row."""
+        return {}
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Validation metrics, e.g. {'val_loss': ...}."""
