@@ -18,6 +18,21 @@ def shared_file(rel: str) -> Path:
     return p
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zoo_cache(tmp_path_factory):
+    """Caches (tokenizers, token streams, autoencoders) of the whole test session go to one
+    temporary folder, never to the user's ~/.cache/zoo; subprocesses inherit it."""
+    import os
+    path = tmp_path_factory.mktemp("zoo_cache")
+    old = os.environ.get("ZOO_CACHE")
+    os.environ["ZOO_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("ZOO_CACHE", None)
+    else:
+        os.environ["ZOO_CACHE"] = old
+
+
 @pytest.fixture
 def text_corpus(tmp_path) -> Path:
     """A small, always-available text corpus: a slice of the standard library's source."""
