@@ -5,7 +5,7 @@
 numbers at the same steps; the resolved run config is logged as the hyperparameters.
 
 - tensorboard: `torch.utils.tensorboard.SummaryWriter`, event files in <out_dir>/tensorboard/,
-  one scalar per metrics.jsonl key (the key is the tag), stored in double precision. A resumed
+  one scalar per metrics.jsonl key (the key is the tag), stored as float32. A resumed
   run drops the events from the checkpoint's step on (purge_step) and writes again the rows
   metrics.jsonl keeps at that step, the way metrics.jsonl drops the rows logged after the
   checkpoint: a curve is never doubled.
@@ -82,7 +82,7 @@ class TensorBoardTracker(Tracker):
     def log(self, row: dict):
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)):
-                self.writer.add_scalar(k, float(v), row["step"], new_style=True, double_precision=True)
+                self.writer.add_scalar(k, float(v), row["step"])  # float32: TensorBoard's data server reads no float64
         self.writer.flush()  # a killed run loses no row that metrics.jsonl has
 
     def close(self, exit_code: int = 0):
@@ -101,8 +101,11 @@ class WandbTracker(Tracker):
         run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # fresh start: a new run
         # the process-wide settings too: wandb's own telemetry follows them, not the run's
         wandb.setup(wandb.Settings(mode=mode))
-        self.run = wandb.init(project=t.tracker_project or "zoo", name=out.resolve().name, id=run_id,
-                              resume="allow", dir=str(out), mode=mode, config=cfg.to_dict())
+        try:
+            self.run = wandb.init(project=t.tracker_project or "zoo", name=out.resolve().name, id=run_id,
+                                  resume="allow", dir=str(out), mode=mode, config=cfg.to_dict())
+        except wandb.errors.Error as e:  # e.g. online without an API key
+            raise ConfigError(f"train.tracker=wandb ({mode}): {str(e).strip().splitlines()[0]}") from None
         if self.run.id != run_id:
             atomic_write(id_file, self.run.id + "\n")
 
