@@ -126,9 +126,10 @@ def strace_prefix(trace: Path) -> list:
     """strace on every process of the run (wandb's service is a Go program, out of the Python
     guard's reach), where strace is installed and allowed; else nothing."""
     exe = shutil.which("strace")
-    if exe is None or subprocess.run([exe, "-f", "-o", os.devnull, "true"], capture_output=True).returncode:
+    cmd = [exe, "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect", "-o"]
+    if exe is None or subprocess.run(cmd + [os.devnull, "true"], capture_output=True).returncode:
         return []
-    return [exe, "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect", "-o", str(trace)]
+    return cmd + [str(trace)]
 
 
 def run_offline(cfg: Path, out: Path, *overrides) -> None:
