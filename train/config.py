@@ -50,6 +50,9 @@ class TrainConfig:
     progress: bool = True                   # live progress bar
     samples: bool = True                    # print / write samples at the end
     plot: bool = True                       # loss-curve PNG at the end
+    tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send the metrics rows there
+    tracker_project: Optional[str] = None   # wandb: the project; null = "zoo"
+    tracker_mode: Optional[Literal["offline", "online"]] = None  # wandb; null = $WANDB_MODE, else offline
 
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
@@ -72,6 +75,12 @@ class TrainConfig:
             raise fail(source, prefix + "out_dir", "must not be empty")
         if self.init_from is not None and not self.init_from:
             raise fail(source, prefix + "init_from", "must be a path or null, got ''")
+        if self.tracker_project is not None and not self.tracker_project.strip():
+            raise fail(source, prefix + "tracker_project", "must be a name or null, got ''")
+        from .tracking import missing_package
+        missing = missing_package(self.tracker, prefix + "tracker")
+        if missing:
+            raise ConfigError(f"{source}: {missing}")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, rel
 from .config import RunConfig
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .tasks import task_class
+from .tracking import open_tracker
 
 EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
@@ -267,10 +268,11 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     nonfinite_streak, nonfinite_total = 0, 0
     win_loss, win_n, win_items, win_time = 0.0, 0, 0, 0.0
     step = start
-    with _Preemption() as pre, open(metrics_path, "a") as mf:
-        def record(row: dict):
+    with _Preemption() as pre, open(metrics_path, "a") as mf, open_tracker(cfg, out, start) as tracker:
+        def record(row: dict):  # metrics.jsonl and the tracker (train.tracker) get the same rows
             mf.write(json.dumps(row) + "\n")
             mf.flush()
+            tracker.log(row)
 
         for step in range(start, t.max_steps):
             t0 = time.perf_counter()
