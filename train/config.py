@@ -26,7 +26,7 @@ class TrainConfig:
     batch_size: int = 16                    # per micro-batch
     grad_accum: int = 1                     # micro-batches per optimizer step
     device: str = "auto"                    # auto | cpu | cuda | cuda:N | mps
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # auto: bf16 where the device runs it fast
     tf32: bool = True                       # CUDA only
     cudnn_benchmark: bool = True            # CUDA only
     cpu_keep_memory: Optional[bool] = None  # CPU, Linux glibc: reuse freed memory instead of unmapping it
