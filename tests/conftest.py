@@ -51,3 +51,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class optional_module:
+    """A module-level stand-in for an optional library: the test that first touches it imports
+    it, or is skipped (with pytest.importorskip's reason) when it is absent; the other tests of
+    the file run. E.g. `timm = optional_module("timm")` at the top of a test file."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__") or attr.startswith("pytest"):  # pytest's collection looks at module globals
+            raise AttributeError(attr)
+        return getattr(pytest.importorskip(self._name), attr)
