@@ -141,7 +141,11 @@ class EMA:
     @torch.no_grad()
     def update(self, model: torch.nn.Module):
         src = dict(model.state_dict(keep_vars=True))
+        done = set()
         for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in done:  # a tied tensor (embedding = LM head) is updated once
+                continue
+            done.add(id(v))
             s = src[k].detach()
             if v.is_floating_point():
                 v.lerp_(s, 1.0 - self.decay)
