@@ -242,7 +242,7 @@ def test_finetune_from_timm_weights_and_export(tmp_path):
     ref = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=1000)  # timm's class and key layout, ResNet-10 depth
     torch.save(ref.state_dict(), tmp_path / "r18.pth")
     logs = []
-    cfg = folder_cfg(tmp_path, root, **{"train.init_from": str(tmp_path / "r18.pth"), "train.max_steps": 2,
+    cfg = folder_cfg(tmp_path, root, **{"train.init_from": str(tmp_path / "r18.pth"), "train.max_steps": 2, "optim.warmup_steps": 1,
                                         "model.in_chans": 3})
     train(cfg, log=logs.append)
     assert any("replaced by a new 3-class head" in m for m in logs)

@@ -60,12 +60,12 @@ def test_resume_continues_exactly(tmp_path, text_corpus, one_thread):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs(tmp_path, text_corpus, precision, one_thread):
-    _, rows = run(tmp_path, text_corpus, **{"train.precision": precision, "train.max_steps": 3})
+    _, rows = run(tmp_path, text_corpus, **{"train.precision": precision, "train.max_steps": 3, "optim.warmup_steps": 1})
     assert all(torch.isfinite(torch.tensor(l)) for _, l in losses(rows))
 
 
 def test_compile_and_accumulation_run(tmp_path, text_corpus, one_thread):
-    _, rows = run(tmp_path, text_corpus, **{"train.compile": True, "train.max_steps": 3, "train.grad_accum": 2})
+    _, rows = run(tmp_path, text_corpus, **{"train.compile": True, "train.max_steps": 3, "train.grad_accum": 2, "optim.warmup_steps": 1})
     assert len(losses(rows)) == 3 and all(torch.isfinite(torch.tensor(l)) for _, l in losses(rows))
 
 
@@ -74,13 +74,13 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path, text_corpus):
     logged loss equals the mean of the two micro-batch losses computed independently."""
     from train.tasks.lm import LMTask
     cfg = load_run_config(None, [f"data.path={text_corpus}", "train.grad_accum=2", "train.batch_size=4",
-                                 f"train.out_dir={tmp_path / 'acc'}", "train.max_steps=1"], base=TINY)
+                                 f"train.out_dir={tmp_path / 'acc'}", "train.max_steps=1", "optim.warmup_steps=0"], base=TINY)
     task = LMTask(cfg, torch.device("cpu"), lambda m: None)
     task.setup()
     torch.manual_seed(cfg.train.seed)
     model = task.build_model()
     expected = sum(task.loss(model, task.train_batch(0, m))[0].item() for m in range(2)) / 2
-    _, rows = run(tmp_path, text_corpus, "acc", **{"train.grad_accum": 2, "train.batch_size": 4, "train.max_steps": 1})
+    _, rows = run(tmp_path, text_corpus, "acc", **{"train.grad_accum": 2, "train.batch_size": 4, "train.max_steps": 1, "optim.warmup_steps": 0})
     assert losses(rows)[0][1] == pytest.approx(expected, abs=1e-5)
 
 

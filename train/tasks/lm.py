@@ -52,7 +52,12 @@ class LMTask(Task):
             given = self.cfg.explicit.get("model") or {}
             runtime = {k: getattr(self.cfg.model, k) for k in hf_llm.RUNTIME_KEYS if k in given}
             # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
-            model = self.load_pretrained(lambda p: zoo.from_pretrained(p, dtype=torch.float32, **runtime))
+            def load(path):
+                if not hf_llm.detect(path):
+                    raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "
+                                     f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)})")
+                return zoo.from_pretrained(path, dtype=torch.float32, **runtime)
+            model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
         vocab = self.data.tokenizer.vocab_size

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
 import tempfile
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -66,24 +68,24 @@ def fsync_dir(path):
 
 def atomic_write(path, content: Union[bytes, str, Callable[[Path], object]]) -> Path:
     """Write `content` to `path` atomically. content: bytes, text (UTF-8), or a function that writes
-    the temporary path it is given. The file gets the usual permissions (0666 less the umask)."""
+    the temporary path it is given. The temporary file has the final file's name, inside a
+    uniquely named temporary folder beside it (torch.save records the name in its archive). The
+    file gets the usual permissions (0666 less the umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
+    folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = folder / path.name
     try:
         if callable(content):
-            os.close(fd)
             content(tmp)
         else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(content.encode() if isinstance(content, str) else content)
+            tmp.write_bytes(content.encode() if isinstance(content, str) else content)
         os.chmod(tmp, 0o666 & ~_UMASK)
         fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
+        folder.rmdir()
     fsync_dir(path.parent)
     return path
 
@@ -238,6 +240,15 @@ def _first_line(e: BaseException) -> str:
     return ((str(e).strip().splitlines() or [""])[0] or type(e).__name__)[:200]
 
 
+def _torch_load(path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # legacy files cannot be mapped
+
+
 def load_tensors(path) -> dict:
     """{name: tensor} of one checked weight file, on the CPU. A torch file is read with
     weights_only=True (memory-mapped when it is a zip archive); a state dict wrapped as
@@ -253,13 +264,13 @@ def load_tensors(path) -> dict:
         except Exception as e:  # noqa: BLE001 - whatever the reader says: one line naming the file
             raise ValueError(f"{path}: unreadable safetensors file ({_first_line(e)})") from None
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # legacy files cannot be mapped
-    except Exception as e:  # noqa: BLE001 - a refused pickle, a truncated or foreign file
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
+            warnings.simplefilter("ignore")
+            obj = _torch_load(path)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: refused: it holds pickled objects other than tensors and plain containers "
+                         f"(loading them could run code)") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
         raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {_first_line(e)})") from None
     if isinstance(obj, dict):
         for k in ("state_dict", "model"):
