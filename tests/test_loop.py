@@ -115,3 +115,15 @@ print(plain, kept, released)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     plain, kept, released = (int(v) / 2**20 for v in out.stdout.split())
     assert plain >= 60 and kept < 4 and released >= 60, (plain, kept, released)  # MiB
+
+
+def test_lm_task_names_the_attention_it_runs(tmp_path, text_corpus):
+    from train.tasks.lm import LMTask
+    logs = []
+    for backend, expected in (("auto", "attention: bmm (auto, for 64 keys)"), ("sdpa", "attention: sdpa")):
+        cfg = load_run_config(None, [f"data.path={text_corpus}", f"model.attn_backend={backend}",
+                                     f"train.out_dir={tmp_path}"], base=TINY)
+        task = LMTask(cfg, torch.device("cpu"), logs.append)
+        task.setup()
+        task.build_model()
+        assert expected in logs, logs

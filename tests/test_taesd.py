@@ -147,3 +147,20 @@ def test_real_taef2_weights_reconstruct_photographs():
         assert psnr >= 29.0, f"{name}: {psnr:.2f} dB"
     with pytest.raises(ValueError, match="latent_channels=32"):
         zoo.from_pretrained(TAEF2, latent_channels=16)
+
+
+@pytest.mark.skipif(not TAEF2.is_file(), reason=f"{TAEF2} absent (the shared weights folder is not beside the checkout)")
+def test_save_pretrained_to_a_folder_writes_the_pair_it_came_from(tmp_path):
+    """The README's round trip: from_pretrained(taef2_encoder.pth), then save_pretrained(model,
+    "out/") writes the same pair (names, file type, fp16 dtype) into the folder, loadable again."""
+    model = zoo.from_pretrained(TAEF2)
+    out = zoo.save_pretrained(model, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["taef2_decoder.pth", "taef2_encoder.pth"]
+    assert out == tmp_path / "out" / "taef2_encoder.pth"
+    for part in ("encoder", "decoder"):
+        src = torch.load(TAEF2.with_name(f"taef2_{part}.pth"), weights_only=True)
+        mine = torch.load(tmp_path / "out" / f"taef2_{part}.pth", weights_only=True)
+        assert src.keys() == mine.keys()
+        assert all(mine[k].dtype == src[k].dtype and torch.equal(mine[k], src[k]) for k in src)
+    again = zoo.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 import zoo
+from zoo.blocks.attention import resolve_backend
 from zoo.config import ConfigError
 from zoo.weights import hf_llm
 
@@ -65,7 +66,15 @@ class LMTask(Task):
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"tokenizer's {vocab}")
+        self._say_attention(model.config)
         return model
+
+    def _say_attention(self, m):
+        backend = m.attn_backend
+        picked = resolve_backend(backend, self.device, self.autocast_dtype or torch.float32, self.cfg.data.seq_len,
+                                 compiling=self.cfg.train.compile)
+        why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
+        self.log(f"attention: {picked}{why}")
 
     def train_batch(self, step, micro):
         g = self.batch_generator(step, micro)
