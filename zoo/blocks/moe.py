@@ -184,7 +184,7 @@ class MoE(nn.Module):
             y = torch.where(keep[:, None], y, 0.0)
         y = y * w_flat[order, None]
         # back to choice-major order, then each token's top_k contributions summed in fp32
-        y = torch.zeros_like(y).index_copy_(0, order, y).view(k, N, -1).sum(0)
+        y = torch.empty_like(y).index_copy_(0, order, y).view(k, N, -1).sum(0)  # order is a permutation
         dt = self._dtype(x)
         y = y.to(dt)
         if self.shared is not None:
