@@ -399,3 +399,34 @@ def test_bias_balancing_through_the_loop_resumes_exactly(tmp_path, text_corpus, 
     assert loss(resumed) == loss(full)
     again = load_file(part / "model.safetensors")
     assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+
+def test_generate_compiled_equals_eager():
+    """Compiled decoding at batch 1 (the experts as fused reductions) gives the eager greedy
+    tokens in fp32; the compiled step holds no grouped_mm. (Larger batches compile the grouped
+    matmuls, as in training: test_compiled_training_step_equals_eager.)"""
+    import zoo.llm
+    m = moe_llm(n_layers=1, moe=dict(n_shared=1, shared_gate=True)).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(30)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(m.generate(ids, 10, compile=True), m.generate(ids, 10))
+    with torch.no_grad():  # the step's logits, not only the argmax
+        caches = [m.new_caches(1, 8) for _ in range(2)]
+        for c in caches:
+            m(ids, caches=c, start_pos=0)
+        nxt = torch.tensor([[5]])
+        out = zoo.llm.compiled_decode_step()(m, nxt, caches[0], 6)
+        ref = zoo.llm.decode_step(m, nxt, caches[1], 6)
+    assert (out - ref).abs().max() <= MODEL_TOL
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(zoo.llm._decode_step_matvec, backend=record)(m, torch.tensor([[1]]), m.new_caches(1, 8), 0)
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert graphs and not any("grouped_mm" in t for t in targets), targets
+    torch._dynamo.reset()

@@ -23,6 +23,11 @@ gathers the tokens in that order and runs one grouped matmul per projection
 (`dispatch='loop'`, which reads the group sizes on the host); 'auto' takes grouped_mm where the
 device and dtype support it (see `grouped_mm_supported`). Under torch.compile on a CPU in fp32,
 which inductor's grouped_mm does not take, the grouped matmuls run eagerly (a graph break).
+Decoding (at most DECODE_ROWS tokens) under torch.compile on a CPU: each chosen expert's
+matrix-vector products are written as a gather of its rows times the token, summed over D in
+fp32, which inductor fuses into one reduction reading only the chosen experts' weights (a
+matrix-vector product is bound by reading the weights; the fused reduction streams them faster
+than the GEMV kernel behind a matmul, as zoo/llm.py's MatvecAsReduction does for F.linear).
 
 Capacity. `capacity_factor` None is dropless. Otherwise, in training, each expert takes at most
 ceil(capacity_factor * N * top_k / E) of the N tokens' choices, first choices before second
@@ -54,6 +59,7 @@ except ImportError:  # copied next to mlp.py, outside the zoo package
     from mlp import SwiGLU
 
 DISPATCH = ("auto", "grouped", "loop")
+DECODE_ROWS = 2  # tokens up to which a compiled CPU forward uses the fused-reduction experts
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, compiling: bool = False) -> bool:
@@ -179,7 +185,7 @@ class MoE(nn.Module):
             order, keep = order[again], keep[again]
             kept = counts.clamp(max=cap)
         token = order % N
-        y = self._experts(x, token, kept, keep).float()
+        y = self._experts(x, token, sorted_e, kept, keep).float()
         if keep is not None:  # before the weights: the dropped rows hold undefined values
             y = torch.where(keep[:, None], y, 0.0)
         y = y * w_flat[order, None]
@@ -205,11 +211,18 @@ class MoE(nn.Module):
         dev = x.device.type
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
-    def _experts(self, x, token, kept, keep):
-        """The SwiGLU experts on the gathered tokens x[token] (S, D), grouped by expert: kept[e]
-        rows for expert e, then the dropped rows (if any). Returns (S, D) in the compute dtype."""
+    def _experts(self, x, token, sorted_e, kept, keep):
+        """The SwiGLU experts on the gathered tokens x[token] (S, D), grouped by expert (row i
+        for expert sorted_e[i]): kept[e] rows for expert e, then the dropped rows (if any).
+        Returns (S, D) in the compute dtype."""
         dt = self._dtype(x)
         xs = x[token].to(dt)
+        if keep is None and x.shape[0] <= DECODE_ROWS and x.device.type == "cpu" and torch.compiler.is_compiling():
+            gate_up = self.gate_up[sorted_e].to(dt)  # (S, 2F, D): fused into the reduction, never made
+            h = (xs[:, None, :] * gate_up).sum(-1, dtype=torch.float32).to(dt)
+            g, u = h.chunk(2, dim=-1)
+            a = F.silu(g) * u
+            return (a[:, None, :] * self.down[sorted_e].to(dt)).sum(-1, dtype=torch.float32).to(dt)
         gate_up, down = self.gate_up.to(dt), self.down.to(dt)
         mode = self.dispatch
         if mode == "auto":
