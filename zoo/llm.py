@@ -154,9 +154,7 @@ class LLM(nn.Module):
         """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load by
         moe.bias_update_rate, from the choices recorded since the last update; then reset them.
         Called once per optimizer step, before its first forward (the load lives in the
-        `router_load` buffer, so a checkpoint resumes exactly)."""
-        if not bool(self.router_load.any()):
-            return
+        `router_load` buffer, so a checkpoint resumes exactly). Without recorded load nothing moves."""
         for block, load in zip(self.moe_blocks(), self.router_load):
             block.update_bias(load, self.config.moe.bias_update_rate)
         self.router_load.zero_()
