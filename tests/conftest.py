@@ -18,6 +18,21 @@ def shared_file(rel: str) -> Path:
     return p
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zoo_cache(tmp_path_factory):
+    """Caches (tokenizers, token streams, autoencoders) of the whole test session go to one
+    temporary folder, never to the user's ~/.cache/zoo; subprocesses inherit it."""
+    import os
+    path = tmp_path_factory.mktemp("zoo_cache")
+    old = os.environ.get("ZOO_CACHE")
+    os.environ["ZOO_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("ZOO_CACHE", None)
+    else:
+        os.environ["ZOO_CACHE"] = old
+
+
 @pytest.fixture
 def text_corpus(tmp_path) -> Path:
     """A small, always-available text corpus: a slice of the standard library's source."""
@@ -54,3 +69,17 @@ def traced_calls(fn, *args) -> set:
         torch._dynamo.reset()
     assert graphs, "nothing was traced"
     return {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+class optional_module:
+    """A module-level stand-in for an optional library: the test that first touches it imports
+    it, or is skipped (with pytest.importorskip's reason) when it is absent; the other tests of
+    the file run. E.g. `timm = optional_module("timm")` at the top of a test file."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__") or attr.startswith("pytest"):  # pytest's collection looks at module globals
+            raise AttributeError(attr)
+        return getattr(pytest.importorskip(self._name), attr)

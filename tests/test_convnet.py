@@ -1,6 +1,7 @@
 """ResNet family: timm/torchvision parity and weight round trips, stochastic depth, no bias
 before BatchNorm, channels-last, config errors."""
 import pytest
+from conftest import optional_module
 import torch
 from torch import nn
 
@@ -10,7 +11,7 @@ from zoo.config import RESNET_ARCHS, ConfigError, ConvNetConfig
 from zoo.convnet import Bottleneck, ResNet
 from zoo.weights import resnet as rw
 
-timm = pytest.importorskip("timm")
+timm = optional_module("timm")
 
 
 def randomize_bn(model, seed=0):

@@ -93,7 +93,29 @@ def test_bad_jsonl_lines_are_skipped_and_counted(tmp_path, capsys):
     assert f"{f}: 3 bad jsonl lines (skipped)" in log, log
 
 
-def test_truncated_token_cache_is_rebuilt(tmp_path, capsys):
+def test_caches_go_to_the_cache_dir_never_beside_the_data(tmp_path, capsys, monkeypatch):
+    """A corpus in a writable folder: the folder gets nothing; the tokens go to $ZOO_CACHE (the
+    user cache directory's stand-in), or to data.cache_dir when it is set."""
+    data = tmp_path / "data"
+    data.mkdir()
+    f = data / "c.txt"
+    f.write_text(TEXT)
+    monkeypatch.setenv("ZOO_CACHE", str(tmp_path / "user_cache"))
+    sp = ["data.tokenizer=sentencepiece", "data.vocab_size=300", "data.seq_len=32", "model.vocab_size=300"]
+    assert run(tmp_path, capsys, f, TINY, *sp)[0] == 0
+    assert sorted(p.name for p in data.iterdir()) == ["c.txt"]
+    assert list((tmp_path / "user_cache").glob("tokens-*.bin")) and list((tmp_path / "user_cache").glob("sp-*.model"))
+    assert run(tmp_path, capsys, f, TINY, *sp, "train.resume=false", f"data.cache_dir={tmp_path / 'mine'}")[0] == 0
+    assert list((tmp_path / "mine").glob("tokens-*.bin")) and list((tmp_path / "mine").glob("sp-*.model"))
+    assert sorted(p.name for p in data.iterdir()) == ["c.txt"]
+    monkeypatch.delenv("ZOO_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    from train.data import cache_dir
+    assert cache_dir(None) == tmp_path / "xdg" / "zoo"
+
+
+def test_truncated_token_cache_is_rebuilt(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ZOO_CACHE", str(tmp_path / ".zoo_cache"))
     f = tmp_path / "c.txt"
     f.write_text(TEXT)
     assert run(tmp_path, capsys, f)[0] == 0
@@ -176,7 +198,8 @@ def test_diffusion_corrupt_cached_autoencoder_is_retrained(tmp_path, capsys):
     assert f"cached file unusable ({enc}" in log and "training it again" in log, log
 
 
-def test_corrupt_cached_tokenizer_is_retrained(tmp_path, capsys):
+def test_corrupt_cached_tokenizer_is_retrained(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ZOO_CACHE", str(tmp_path / ".zoo_cache"))
     f = tmp_path / "c.txt"
     f.write_text(TEXT * 3)
     sp = ["data.tokenizer=sentencepiece", "data.vocab_size=300", "data.seq_len=32", "model.vocab_size=300"]

@@ -9,6 +9,7 @@ import json
 import struct
 
 import pytest
+from conftest import optional_module
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -16,7 +17,7 @@ import zoo
 from zoo.config import ConfigError
 from zoo.weights import hf_llm
 
-transformers = pytest.importorskip("transformers")
+transformers = optional_module("transformers")
 
 TOL = 1e-4  # fp32 logits
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

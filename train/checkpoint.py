@@ -206,6 +206,9 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None) ->
     model.load_state_dict(weights, strict=False)
     if ema_weights is not None:
         ema.load_state_dict(ema_weights, strict=False)
+    elif ema is not None:  # an EMA switched on for a run that had none: it starts from the resumed weights
+        ema.load_state_dict(weights, strict=False)
+        state["ema_started"] = True
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and "scaler" in state:

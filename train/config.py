@@ -26,7 +26,7 @@ class TrainConfig:
     batch_size: int = 16                    # per micro-batch
     grad_accum: int = 1                     # micro-batches per optimizer step
     device: str = "auto"                    # auto | cpu | cuda | cuda:N | mps
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # auto: bf16 where the device runs it fast
     tf32: bool = True                       # CUDA only
     cudnn_benchmark: bool = True            # CUDA only
     cpu_keep_memory: Optional[bool] = None  # CPU, Linux glibc: reuse freed memory instead of unmapping it
@@ -50,6 +50,9 @@ class TrainConfig:
     progress: bool = True                   # live progress bar
     samples: bool = True                    # print / write samples at the end
     plot: bool = True                       # loss-curve PNG at the end
+    tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send the metrics rows there
+    tracker_project: Optional[str] = None   # wandb: the project; null = "zoo"
+    tracker_mode: Optional[Literal["offline", "online"]] = None  # wandb; null = $WANDB_MODE, else offline
 
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
@@ -72,6 +75,12 @@ class TrainConfig:
             raise fail(source, prefix + "out_dir", "must not be empty")
         if self.init_from is not None and not self.init_from:
             raise fail(source, prefix + "init_from", "must be a path or null, got ''")
+        if self.tracker_project is not None and not self.tracker_project.strip():
+            raise fail(source, prefix + "tracker_project", "must be a name or null, got ''")
+        from .tracking import missing_package
+        missing = missing_package(self.tracker, prefix + "tracker")
+        if missing:
+            raise ConfigError(f"{source}: {missing}")
 
 
 @dataclass
@@ -85,9 +94,13 @@ class OptimConfig:
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # null = fused where the device supports it
     schedule: Literal["cosine", "constant", "linear", "wsd"] = "cosine"
-    warmup_steps: int = 100
+    warmup_steps: Optional[int] = None      # null: 10% of train.max_steps, at most 100
     min_lr_ratio: float = 0.1               # final LR / peak LR (cosine, linear, wsd)
     decay_fraction: float = 0.2             # wsd: the last fraction of steps that decays
+
+    def resolved_warmup_steps(self, max_steps: int) -> int:
+        """warmup_steps, or when it is null 10% of the run, at most 100 steps."""
+        return self.warmup_steps if self.warmup_steps is not None else min(100, max_steps // 10)
 
     def validate(self, source, prefix="optim."):
         if self.lr <= 0:
@@ -100,7 +113,7 @@ class OptimConfig:
             raise fail(source, prefix + "eps", f"must be > 0, got {self.eps}")
         if not 0.0 <= self.momentum < 1.0:
             raise fail(source, prefix + "momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise fail(source, prefix + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
@@ -142,10 +155,28 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
     cfg = RunConfig(family, model, dcfg, train, optim, source, data)
+    check_across_sections(cfg)
     check = getattr(task, "validate_config", None)
     if check is not None:
         check(cfg)
     return cfg
+
+
+def check_across_sections(cfg: RunConfig):
+    """Keys that are each valid but make no sense together: one-line errors naming both."""
+    t, o, src = cfg.train, cfg.optim, cfg.source
+    warmup = o.resolved_warmup_steps(t.max_steps)
+    if warmup >= t.max_steps:
+        raise fail(src, "optim.warmup_steps", f"={warmup} must be < train.max_steps={t.max_steps} "
+                                              f"(the whole run would be warmup)")
+    if o.schedule == "wsd":
+        decay = max(1, round(o.decay_fraction * t.max_steps))
+        if warmup > t.max_steps - decay:
+            raise fail(src, "optim.warmup_steps", f"={warmup} runs into the decay of optim.schedule=wsd, "
+                                                  f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
+                                                  f"{o.decay_fraction} of train.max_steps={t.max_steps})")
+    if t.init_from is not None and not Path(t.init_from).expanduser().exists():
+        raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
 
 
 def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:

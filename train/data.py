@@ -8,8 +8,8 @@ Tokenizers (`data.tokenizer`): `bytes` (vocab 256, no setup), `sentencepiece` (t
 the corpus with `data.vocab_size` and cached), or a path to a sentencepiece tokenizer.model
 or a Hugging Face tokenizer.json.
 
-The corpus is tokenised once into a uint16/uint32 memmap cached beside the source (or in
-`data.cache_dir`); the last `data.val_fraction` of the tokens is held out for validation.
+The corpus is tokenised once into a uint16/uint32 memmap cached in `data.cache_dir` (default:
+the user cache directory, never beside the corpus); the last `data.val_fraction` of the tokens is held out for validation.
 Training batches are random windows drawn from a generator seeded by (seed, step, micro),
 so any step's batch can be rebuilt exactly on resume.
 """
@@ -41,7 +41,7 @@ class TextDataConfig:
     vocab_size: int = 2048                  # sentencepiece vocabulary trained on the corpus
     seq_len: int = 256                      # tokens per training window
     val_fraction: float = 0.05              # held-out tail of the token stream
-    cache_dir: Optional[str] = None         # null: beside the source if writable, else ~/.cache/zoo
+    cache_dir: Optional[str] = None         # null: $ZOO_CACHE, else the user cache directory (~/.cache/zoo)
     max_chars: Optional[int] = None         # read at most this many characters of the corpus
     sp_train_chars: int = 4_000_000         # characters fed to sentencepiece training
 
@@ -230,18 +230,16 @@ def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars:
 
 
 # ----------------------------------------------------------------------------- token streams
-def _cache_dir(cfg: TextDataConfig) -> Path:
-    if cfg.cache_dir:
-        d = Path(cfg.cache_dir).expanduser()
+def cache_dir(configured: Optional[str] = None) -> Path:
+    """Where derived data (tokenizers, token streams, trained autoencoders, latents) is cached: the
+    configured folder (`data.cache_dir`), else $ZOO_CACHE, else the user cache directory
+    ($XDG_CACHE_HOME/zoo or ~/.cache/zoo). Never beside the user's own data."""
+    if configured:
+        d = Path(configured).expanduser()
+    elif os.environ.get("ZOO_CACHE"):
+        d = Path(os.environ["ZOO_CACHE"]).expanduser()
     else:
-        d = None
-        if cfg.path != "stdlib":
-            p = Path(cfg.path).expanduser().resolve()
-            beside = p.parent if p.is_file() else p
-            if os.access(beside, os.W_OK):
-                d = beside / ".zoo_cache"
-        if d is None:
-            d = Path(os.environ.get("ZOO_CACHE", "~/.cache/zoo")).expanduser()
+        d = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zoo"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -259,7 +257,7 @@ class TokenData:
 
     def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print):
         self.cfg = cfg
-        cache = _cache_dir(cfg)
+        cache = cache_dir(cfg.cache_dir)
         fp = _fingerprint(cfg.path)
         tok_spec = tokenizer_path or cfg.tokenizer
         if tok_spec == "bytes":

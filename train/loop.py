@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +33,7 @@ from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, rel
 from .config import RunConfig
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .tasks import task_class
+from .tracking import open_tracker
 
 EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
@@ -90,13 +92,29 @@ def setup_backends(cfg: RunConfig, device: torch.device, log, owns_process: bool
     return kept
 
 
-def precision_dtype(cfg: RunConfig, device: torch.device, log) -> Optional[torch.dtype]:
+def resolve_precision(cfg: RunConfig, device: torch.device, log) -> str:
+    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 only
+    when its matmul is clearly faster than fp32's there (measured: many CPUs without native bf16
+    instructions emulate it 10-1000x slower); fp32 otherwise. An explicit bf16 on a CPU that
+    emulates it is kept, with a warning in the log."""
     p = cfg.train.precision
-    if p == "fp32":
-        return None
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16", EXIT_CONFIG)
-    return DTYPES[p]
+        raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
+    if p not in ("auto", "bf16") or device.type not in ("cpu", "cuda"):
+        return "fp32" if p == "auto" else p
+    if device.type == "cuda":
+        return "bf16" if p == "bf16" or torch.cuda.is_bf16_supported() else "fp32"
+    with torch.random.fork_rng(devices=[]):
+        bf16, fp32 = measure_peak_flops(device, torch.bfloat16), measure_peak_flops(device, None)
+    speeds = f"matmul on this CPU: bf16 {bf16 / 1e9:.1f}, fp32 {fp32 / 1e9:.1f} GFLOP/s"
+    if p == "auto":
+        choice = "bf16" if bf16 >= 1.5 * fp32 else "fp32"
+        log(f"precision: auto -> {choice} ({speeds})")
+        return choice
+    if bf16 < 0.5 * fp32:
+        log(f"precision: warning: train.precision=bf16 on a CPU that emulates bf16 ({speeds}); "
+            f"fp32 or auto would be faster")
+    return p
 
 
 def to_device(batch, device, channels_last: bool):
@@ -123,7 +141,11 @@ class EMA:
     @torch.no_grad()
     def update(self, model: torch.nn.Module):
         src = dict(model.state_dict(keep_vars=True))
+        done = set()
         for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in done:  # a tied tensor (embedding = LM head) is updated once
+                continue
+            done.add(id(v))
             s = src[k].detach()
             if v.is_floating_point():
                 v.lerp_(s, 1.0 - self.decay)
@@ -219,8 +241,9 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     device = resolve_device(t.device)
     backends(device)
     torch.manual_seed(t.seed)
-    amp_dtype = precision_dtype(cfg, device, say)
-    say(f"run: family={cfg.family} device={device} precision={t.precision} compile={t.compile} out_dir={out}")
+    precision = resolve_precision(cfg, device, say)
+    amp_dtype = None if precision == "fp32" else DTYPES[precision]
+    say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={out}")
 
     task = task_class(cfg.family)(cfg, device, say)
     task.autocast_dtype = amp_dtype
@@ -233,7 +256,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters")
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, say)
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     atomic_write(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     start = 0
@@ -245,6 +268,14 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         raise RunStopped(str(e), EXIT_CONFIG) from None
     if state is not None:
         start = state["step"]
+        if state.get("ema_started"):
+            say(f"ema: the checkpoint has none; train.ema_decay={t.ema_decay} starts it from the resumed weights "
+                f"(step {start})")
+        was = state["extra"].get("precision")
+        if t.precision == "auto" and was in ("fp32", "bf16") and was != precision:
+            say(f"precision: auto -> {was}, as in the run being resumed (measured now: {precision})")
+            precision = was
+            amp_dtype = task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]
     metrics_path = out / "metrics.jsonl"
     _truncate_metrics(metrics_path, start, finished=start >= t.max_steps)
 
@@ -264,43 +295,28 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     bar = tqdm(total=t.max_steps, initial=start, disable=not t.progress, dynamic_ncols=True, unit="step",
                file=sys.stderr)
     last = {}
-    nonfinite_streak, nonfinite_total = 0, 0
+    nonfinite_streak, nonfinite_total, overflow_total = 0, 0, 0
     win_loss, win_n, win_items, win_time = 0.0, 0, 0, 0.0
     step = start
-    with _Preemption() as pre, open(metrics_path, "a") as mf:
-        def record(row: dict):
+    with _Preemption() as pre, open(metrics_path, "a") as mf, open_tracker(cfg, out, start) as tracker:
+        def record(row: dict):  # metrics.jsonl and the tracker (train.tracker) get the same rows
             mf.write(json.dumps(row) + "\n")
             mf.flush()
+            tracker.log(row)
 
         for step in range(start, t.max_steps):
             t0 = time.perf_counter()
             lr = cfg.optim.lr * lr_multiplier(step, t.max_steps, cfg.optim)
             set_lr(optimizer, lr)
-            loss_sum, items = torch.zeros((), device=device), 0
-            for micro in range(t.grad_accum):
-                batch = to_device(task.train_batch(step, micro), device, t.channels_last)
-                with autocast():
-                    loss, n = task.loss(fwd, batch)
-                scaler.scale(loss / t.grad_accum).backward()
-                loss_sum += loss.detach().float()
-                items += n
-            scaler.unscale_(optimizer)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, t.clip_grad if t.clip_grad else float("inf"))
-            loss_val, gnorm_val = torch.stack([loss_sum, gnorm.float()]).tolist()  # one device sync
-            loss_val /= t.grad_accum
-            grads_ok = math.isfinite(gnorm_val)
-            # a non-finite loss always counts; with fp16 an overflowing gradient is the GradScaler's
-            # business (it skips the step and lowers the scale), so it does not count as a failure
-            finite = math.isfinite(loss_val) and (grads_ok or scaler.is_enabled())
-            if scaler.is_enabled():
-                scaler.step(optimizer)  # skips the step itself on inf/nan gradients
-                scaler.update()
-            elif finite:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(t.grad_accum))
+            r = optimizer_step(lambda b: task.loss(fwd, b), batches, t.grad_accum, optimizer, scaler, params,
+                               t.clip_grad, autocast)
+            loss_val, gnorm_val, items, finite = r.loss, r.grad_norm, r.items, r.finite
+            if r.overflow:  # fp16: the GradScaler skipped the step and lowered its scale; not a failure
+                overflow_total += 1
             if finite:
                 nonfinite_streak = 0
-                if ema is not None and grads_ok:
+                if ema is not None and r.applied:
                     ema.update(model)
             else:
                 nonfinite_streak += 1
@@ -335,6 +351,9 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                 row.update(task.train_metrics())
                 if nonfinite_total:
                     row["skipped_steps"] = nonfinite_total
+                if scaler.is_enabled():
+                    row["loss_scale"] = scaler.get_scale()
+                    row["overflow_steps"] = overflow_total
                 record(row)
                 last.update(row)
                 bar.set_postfix({"loss": f"{row['loss']:.3f}", "lr": f"{lr:.1e}",
@@ -349,7 +368,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                 say(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
             if pre.signal is not None:
-                _save(out, done, model, optimizer, scaler, ema, t, say, mf)
+                _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision)
                 bar.close()
                 raise RunStopped(f"received {signal.Signals(pre.signal).name} at step {done}: checkpoint written "
                                  f"to {out / ckpt.CKPT_DIR}; run the same command again to resume", EXIT_PREEMPTED)
@@ -357,12 +376,12 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                 if nonfinite_streak:  # keep the older, good checkpoints from being rotated away
                     say(f"step {done}: checkpoint postponed ({nonfinite_streak} non-finite steps in a row)")
                 else:
-                    _save(out, done, model, optimizer, scaler, ema, t, say, mf)
+                    _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision)
         bar.close()
 
         done = max(step + 1, start) if t.max_steps > start else start
         if state is None or done > start:
-            _save(out, done, model, optimizer, scaler, ema, t, say, mf)
+            _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision)
         ev = _evaluate(task, model, ema, autocast)
         record({"step": done, **ev})
         last.update(ev)
@@ -385,6 +404,49 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     return last
 
 
+@dataclass
+class StepResult:
+    loss: float         # mean of the micro-batches' losses
+    grad_norm: float    # global norm of the accumulated (unscaled) gradients, before clipping
+    items: int          # tokens / images the step covered
+    finite: bool        # False: a non-finite loss (or gradient, without a GradScaler): step skipped
+    applied: bool       # the optimizer changed the weights
+    overflow: bool      # fp16: the GradScaler found inf/nan gradients, skipped the step, lowered its scale
+
+
+def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
+                   autocast=contextlib.nullcontext) -> StepResult:
+    """One optimizer step over `n_micro` micro-batches. loss_fn(batch) -> (mean loss, items).
+
+    Each micro-batch's mean loss is divided by n_micro before backward, so the accumulated
+    gradients of k equal micro-batches are those of one k-times larger batch. Then the GradScaler
+    (fp16) unscales them, the global norm is clipped to `clip` (None: measured, not clipped), and
+    the optimizer steps, unless the loss or the norm is not finite: without a scaler the step is
+    skipped and reported; with one, an overflowing gradient is the scaler's business (it skips
+    the step and lowers its scale). Gradients are then freed (zero_grad(set_to_none=True))."""
+    loss_sum, items = None, 0
+    for batch in batches:
+        with autocast():
+            loss, n = loss_fn(batch)
+        scaler.scale(loss / n_micro).backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+        items += n
+    scaler.unscale_(optimizer)
+    gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+    loss_val, gnorm_val = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)]).tolist()  # one sync
+    loss_val /= n_micro
+    grads_ok = math.isfinite(gnorm_val)
+    finite = math.isfinite(loss_val) and (grads_ok or scaler.is_enabled())
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # skips the step itself on inf/nan gradients
+        scaler.update()
+    elif finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    overflow = scaler.is_enabled() and not grads_ok
+    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+
+
 def _evaluate(task, model, ema, autocast) -> dict:
     with autocast():
         ev = task.evaluate(model)
@@ -393,12 +455,13 @@ def _evaluate(task, model, ema, autocast) -> dict:
     return ev
 
 
-def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None):
+def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, precision=None):
     if metrics_file is not None:  # the metrics up to this step are durable before the checkpoint is
         metrics_file.flush()
         os.fsync(metrics_file.fileno())
     path = ckpt.save_checkpoint(out, step, model, optimizer, scaler if scaler.is_enabled() else None,
-                                ema.model if ema is not None else None, keep=t.keep_checkpoints)
+                                ema.model if ema is not None else None, extra={"precision": precision},
+                                keep=t.keep_checkpoints)
     say(f"checkpoint: {path}")
 
 

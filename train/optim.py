@@ -53,7 +53,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, lo
 
 def lr_multiplier(step: int, max_steps: int, cfg: OptimConfig) -> float:
     """LR / peak LR at optimizer step `step` (0-based)."""
-    warm = min(cfg.warmup_steps, max(max_steps - 1, 0))
+    warm = min(cfg.resolved_warmup_steps(max_steps), max(max_steps - 1, 0))
     if step < warm:
         return (step + 1) / (warm + 1)
     lo = cfg.min_lr_ratio

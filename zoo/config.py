@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 
 def fail(source: str, key: str, msg: str) -> ConfigError:
-    return ConfigError(f"{source}: {key} {msg}")
+    """ConfigError "<source>: <key> <msg>" (no space before a msg that starts with '=')."""
+    return ConfigError(f"{source}: {key}{'' if msg.startswith('=') else ' '}{msg}")
 
 
 # ----------------------------------------------------------------------------------------

@@ -177,8 +177,9 @@ class LLM(nn.Module):
         produced eos_token_id keep emitting it.
 
         compile=True runs each one-token decoding step through torch.compile (see `decode_step`):
-        the first call compiles (~15-30 s on a CPU), later calls with any prompt length, cache
-        length or position reuse the compiled step. The prompt itself is always run eagerly."""
+        the first call compiles (docs/pretrained.md, "Benchmark", has how long it takes), later
+        calls with any prompt length, cache length or position reuse the compiled step. The prompt
+        itself is always run eagerly."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
@@ -226,13 +227,15 @@ class MatvecAsReduction(TorchFunctionMode):
     """Inside torch.compile on a CPU, turns F.linear on at most two rows (a decoding step at
     batch 1 or 2) into a multiply and a sum over the input dim, accumulated in fp32.
 
-    Decoding is a chain of matrix-vector products that read every weight once per token. The
-    CPU GEMV behind F.linear reaches 10-20 GB/s on the 2-core machine this was measured on;
-    inductor fuses the multiply-and-sum into one vectorised reduction that streams the weight
-    at 30-45 GB/s. In eager mode the product would be materialised, so this is only for
-    compiled code; on other devices F.linear is left alone (cuBLAS GEMV is bandwidth-bound)."""
+    Decoding is a chain of matrix-vector products that read every weight once per token, so
+    its speed is the rate at which the weights are read. On a CPU the GEMV behind F.linear
+    reads them well below the memory bandwidth, while inductor fuses the multiply-and-sum into
+    one vectorised reduction that streams the weight at close to it (docs/pretrained.md,
+    "Benchmark", has the measurements). In eager mode the product would be materialised, so
+    this is only for compiled code; on other devices F.linear is left alone (cuBLAS GEMV is
+    bandwidth-bound)."""
 
-    MAX_ROWS = 2  # measured: at 4 rows the GEMM is as fast or faster
+    MAX_ROWS = 2  # from 4 rows on, the GEMM is as fast (docs/pretrained.md, "Benchmark")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

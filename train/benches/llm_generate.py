@@ -1,7 +1,7 @@
 """Generation speed, load time and load memory: Zoo against transformers on the same checkpoint.
 
-    python train/bench.py llm-generate                       # d_model 512, 8 layers, vocab 32000 (40M)
-    python train/bench.py llm-generate --dtypes float32 --rounds 5 --threads 1
+    python train/bench.py llm-generate                       # d_model 512, 8 layers, vocab 32000
+    python train/bench.py llm-generate --precision fp32 --rounds 8 --threads 1
 
 The checkpoint: a transformers LlamaForCausalLM with random weights (tied embeddings, GQA),
 saved once as model.safetensors in a temporary folder. Both sides load that folder.
@@ -14,19 +14,20 @@ token, so every side always produces n tokens). Four sides:
   transformers eager     generate(ids, max_new_tokens=n, do_sample=False)
   transformers compiled  transformers' own recipe: forward = torch.compile(forward) and
                          generate(..., cache_implementation="static")
-One warm-up call each (timed: for the compiled sides it includes compilation), then the sides run
-in alternating order `--rounds` times and each side's best round counts (the machine may be
-shared: the best round is the least disturbed). Ratios: eager/eager, compiled/compiled and best/best.
-The table also says whether each side produced the same tokens as transformers eager (expected in
-float32; in bfloat16 rounding differences may flip a near tie).
+One warm-up call each (timed: for the compiled sides it includes compilation), then the sides
+alternate for `--rounds` rounds (train/benches/harness.py): each side's best round, and for
+eager/eager, compiled/compiled and best/best the ratio of the best rounds and the median of the
+paired ratios with its range. The table also says whether each side produced the same tokens as
+transformers eager (expected in fp32; in bf16 rounding differences may flip a near tie).
 Two clocks: wall time, and the process's CPU time (tokens per CPU-second), which on a shared
 machine with `--threads 1` leaves out the time the process waited for a core.
 
 Load: each side's from_pretrained runs in a fresh subprocess, so that its memory is its own: a
 first load, then a second one in the same process. Library imports are excluded from times and
 memory on both sides, torch._dynamo included: transformers imports it with its model classes,
-and torch imports it (2-4 s, ~150 MiB) at the first meta-device kernel written in Python, which
-Zoo's meta-device build runs; a process that has trained or compiled anything has it already.
+and torch imports it (seconds and memory: docs/pretrained.md, "Benchmark") at the first
+meta-device kernel written in Python, which Zoo's meta-device build runs; a process that has
+trained or compiled anything has it already.
 Memory: the peak resident set size during the load (Linux VmHWM, reset through
 /proc/self/clear_refs) and the RSS after one forward pass (memory-mapped weights count once
 their pages are used), both above the RSS before the load. Best of `--load-rounds` processes.
@@ -49,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
+from train.benches import harness  # noqa: E402
+
 
 def _status(key: str) -> int:
     """A size from /proc/self/status in bytes (VmRSS: now, VmHWM: peak)."""
@@ -59,12 +62,12 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def load_child(side: str, folder: str, dtype: str) -> dict:
+def load_child(side: str, folder: str, precision: str) -> dict:
     """Runs in a fresh process: import, then time one from_pretrained and report memory."""
     import importlib
 
     import torch._dynamo  # noqa: F401  (see the module docstring)
-    dt = getattr(torch, dtype)
+    dt = harness.PRECISIONS[precision]
     if side == "zoo":
         import zoo
         import zoo.weights
@@ -101,13 +104,13 @@ def load_child(side: str, folder: str, dtype: str) -> dict:
             "weights": n_bytes}
 
 
-def measure_load(side, folder, dtype, threads) -> dict:
-    cmd = [sys.executable, "-m", "train.benches.llm_generate", "--load-child", side, folder, dtype,
+def measure_load(side, folder, precision, threads) -> dict:
+    cmd = [sys.executable, "-m", "train.benches.llm_generate", "--load-child", side, folder, precision,
            "--threads", str(threads)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"load subprocess ({side}, {dtype}) failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"load subprocess ({side}, {precision}) failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -115,7 +118,7 @@ def make_checkpoint(args, folder: Path):
     import transformers
     cfg = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.resolved_n_kv_heads,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or args.heads,
         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -123,12 +126,13 @@ def make_checkpoint(args, folder: Path):
     return sum(p.numel() for p in model.parameters())
 
 
-def bench_generate(args, folder: str, dtype: str) -> dict:
-    """Tokens/s (wall and CPU clocks) of each side, the first call's seconds, and each side's tokens."""
+def bench_generate(args, folder: str, precision: str) -> dict:
+    """Each side's rounds (harness.Rounds, seconds per generation), first call's seconds, and
+    whether its tokens are transformers eager's."""
     import transformers
 
     import zoo
-    dt = getattr(torch, dtype)
+    dt = harness.PRECISIONS[precision]
     z = zoo.from_pretrained(folder, dtype=dt)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dt).eval()
     hf.generation_config.eos_token_id = None
@@ -138,51 +142,50 @@ def bench_generate(args, folder: str, dtype: str) -> dict:
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     n = args.new_tokens
     hf_kw = dict(do_sample=False, pad_token_id=0)
-    sides = {
-        "zoo eager": lambda k: z.generate(prompt, k),
-        "zoo compiled": lambda k: z.generate(prompt, k, compile=True),
-        "transformers eager": lambda k: hf.generate(prompt, max_new_tokens=k, **hf_kw),
-        "transformers compiled": lambda k: hf_compiled.generate(prompt, max_new_tokens=k,
-                                                                cache_implementation="static", **hf_kw),
+    run = {
+        "zoo eager": lambda: z.generate(prompt, n),
+        "zoo compiled": lambda: z.generate(prompt, n, compile=True),
+        "transformers eager": lambda: hf.generate(prompt, max_new_tokens=n, **hf_kw),
+        "transformers compiled": lambda: hf_compiled.generate(prompt, max_new_tokens=n,
+                                                              cache_implementation="static", **hf_kw),
     }
-    first = {}
-    for s, run in sides.items():  # warm-up; for the compiled sides this is where compilation happens
-        t0 = time.perf_counter()
-        run(n)
-        first[s] = time.perf_counter() - t0
-    wall = {s: float("inf") for s in sides}
-    cpu = dict(wall)
-    outs = {}
-    with torch.inference_mode():
-        for r in range(args.rounds):
-            order = list(sides) if r % 2 == 0 else list(reversed(sides))
-            for s in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                outs[s] = sides[s](n)
-                wall[s] = min(wall[s], time.perf_counter() - t0)
-                cpu[s] = min(cpu[s], time.process_time() - c0)
+    first, outs = {}, {}
+
+    def keeping_output(name):
+        def call():
+            outs[name] = run[name]()
+        return call
+
+    with torch.inference_mode():  # for the warm-up too: a change of grad mode would recompile
+        for s, fn in run.items():  # warm-up; for the compiled sides this is where compilation happens
+            t0 = time.perf_counter()
+            fn()
+            first[s] = time.perf_counter() - t0
+        rounds = harness.run_rounds({s: keeping_output(s) for s in run}, args.rounds)
     assert all(o.shape[1] == args.prompt + n for o in outs.values())
-    return {"wall": {s: n / wall[s] for s in sides}, "cpu": {s: n / cpu[s] for s in sides}, "first": first,
-            "same": {s: torch.equal(outs[s], outs["transformers eager"]) for s in sides}}
+    print(f"  {precision}: {rounds.summary('zoo eager', 'transformers eager')}; "
+          f"{rounds.summary('zoo compiled', 'transformers compiled')}", flush=True)
+    return {"rounds": rounds, "first": first,
+            "same": {s: torch.equal(outs[s], outs["transformers eager"]) for s in run}}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="bench.py llm-generate", description=__doc__.split("\n")[0])
+    p = harness.parser("llm-generate", __doc__, precision="fp32,bf16")
+    p.add_argument("--dtypes", dest="precision", type=harness.name_list(harness.PRECISIONS, "precision"),
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the earlier name of --precision
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=4, help="0: as many as heads")
     p.add_argument("--ffn", type=int, default=1408)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3, help="timed generations per side and dtype")
-    p.add_argument("--load-rounds", type=int, default=2, help="load subprocesses per side and dtype (0: skip)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
-    p.add_argument("--load-child", nargs=3, metavar=("SIDE", "FOLDER", "DTYPE"), help=argparse.SUPPRESS)
+    p.add_argument("--load-rounds", type=int, default=2, help="load subprocesses per side and precision (0: skip)")
+    p.add_argument("--load-child", nargs=3, metavar=("SIDE", "FOLDER", "PRECISION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    harness.setup(args)
+    threads = torch.get_num_threads()
     if args.load_child:
         print(json.dumps(load_child(*args.load_child)))
         return 0
@@ -190,55 +193,56 @@ def main(argv=None):
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         n_params = make_checkpoint(args, Path(tmp))
         print(f"checkpoint: LlamaForCausalLM d_model={args.d_model} layers={args.layers} heads={args.heads} "
-              f"kv_heads={args.resolved_n_kv_heads} ffn={args.ffn} vocab={args.vocab} (tied), {n_params / 1e6:.1f}M params, "
-              f"float32 safetensors; torch {torch.__version__}, transformers {transformers.__version__}, "
-              f"{args.threads} thread(s)")
+              f"kv_heads={args.kv_heads or args.heads} ffn={args.ffn} vocab={args.vocab} (tied), "
+              f"{n_params / 1e6:.1f}M params, fp32 safetensors; torch {torch.__version__}, "
+              f"transformers {transformers.__version__}, {threads} thread(s)")
         print(f"\ngeneration: batch 1, prompt {args.prompt}, {args.new_tokens} new tokens, greedy, "
               f"best of {args.rounds} alternating rounds after one warm-up call (first call: compile included)")
-        print("| dtype | side | tok/s (wall) | tok/s (CPU) | first call s | same tokens as transformers eager |")
-        print("|---|---|---|---|---|---|")
-        for dtype in dtypes:
-            r = bench_generate(args, tmp, dtype)
-            for side in r["wall"]:
-                print(f"| {dtype} | {side} | {r['wall'][side]:.1f} | {r['cpu'][side]:.1f} | {r['first'][side]:.1f} | "
-                      f"{'yes' if r['same'][side] else 'no'} |")
-            w = r["wall"]
-            best_z, best_h = max(("zoo eager", "zoo compiled"), key=w.get), \
-                max(("transformers eager", "transformers compiled"), key=w.get)
-            print(f"| {dtype} | Zoo / transformers, eager | {w['zoo eager'] / w['transformers eager']:.2f}x | "
-                  f"{r['cpu']['zoo eager'] / r['cpu']['transformers eager']:.2f}x | | |")
-            print(f"| {dtype} | Zoo / transformers, compiled | {w['zoo compiled'] / w['transformers compiled']:.2f}x | "
-                  f"{r['cpu']['zoo compiled'] / r['cpu']['transformers compiled']:.2f}x | | |")
-            print(f"| {dtype} | best / best ({best_z} / {best_h}) | {w[best_z] / w[best_h]:.2f}x | "
-                  f"{r['cpu'][best_z] / r['cpu'][best_h]:.2f}x | | |", flush=True)
+        results = {prec: bench_generate(args, tmp, prec) for prec in args.precision}
+        n = args.new_tokens
+        harness.print_table(
+            ["precision", "side", "tok/s (wall)", "tok/s (CPU)", "first call s", "same tokens as transformers eager"],
+            [[prec, s, f"{n / r['rounds'].best(s):.1f}", f"{n / r['rounds'].best(s, 'cpu'):.1f}",
+              f"{r['first'][s]:.1f}", "yes" if r["same"][s] else "no"]
+             for prec, r in results.items() for s in r["first"]])
+        print()
+        rows = []
+        for prec, r in results.items():
+            rounds = r["rounds"]
+            best_z = min(("zoo eager", "zoo compiled"), key=rounds.best)
+            best_h = min(("transformers eager", "transformers compiled"), key=rounds.best)
+            for what, a, b in (("eager", "zoo eager", "transformers eager"),
+                               ("compiled", "zoo compiled", "transformers compiled"),
+                               (f"best / best ({best_z} / {best_h})", best_z, best_h)):
+                rows.append([prec, what] + [x for clock in ("wall", "cpu") for x in
+                                            (f"{rounds.ratio(a, b, clock):.2f}x", str(rounds.paired(a, b, clock)))])
+        harness.print_table(["precision", "Zoo / transformers", "wall: best rounds", "wall: paired median (range)",
+                             "CPU: best rounds", "CPU: paired median (range)"], rows)
         if args.load_rounds < 1:
             return 0
 
         print(f"\nload: from_pretrained in a fresh process (first), then again in the same process "
               f"(second); best of {args.load_rounds} processes; memory in MiB above the RSS before the load")
-        print("| dtype | side | first load s | second load s | first peak | second peak "
-              "| resident after a forward | weights |")
-        print("|---|---|---|---|---|---|---|---|")
         keys = ("cold", "warm", "cold_peak", "warm_peak", "resident")
-        for dtype in dtypes:
+        rows = []
+        for prec in args.precision:
             best: dict = {}
-            for r in range(args.load_rounds):
-                for side in (("zoo", "hf") if r % 2 == 0 else ("hf", "zoo")):
-                    m = measure_load(side, tmp, dtype, args.threads)
-                    old = best.get(side)
-                    best[side] = m if old is None else {k: min(old[k], m[k]) for k in m}
+            for _, side in harness.schedule(("zoo", "hf"), args.load_rounds):
+                m = measure_load(side, tmp, prec, threads)
+                old = best.get(side)
+                best[side] = m if old is None else {k: min(old[k], m[k]) for k in m}
             for side, name in (("zoo", "Zoo"), ("hf", "transformers")):
                 m = best[side]
-                print(f"| {dtype} | {name} | {m['cold']:.2f} | {m['warm']:.2f} | {m['cold_peak'] / 2**20:.0f} | "
-                      f"{m['warm_peak'] / 2**20:.0f} | {m['resident'] / 2**20:.0f} | {m['weights'] / 2**20:.0f} |")
+                rows.append([prec, name, f"{m['cold']:.2f}", f"{m['warm']:.2f}"]
+                            + [f"{m[k] / 2**20:.0f}" for k in ("cold_peak", "warm_peak", "resident", "weights")])
             z, h = best["zoo"], best["hf"]
-            print(f"| {dtype} | Zoo / transformers | " + " | ".join(
-                f"{z[k] / max(h[k], 1e-9 if k in ('cold', 'warm') else 2**20):.2f}x" for k in keys) + " | |",
-                flush=True)
+            rows.append([prec, "Zoo / transformers"]
+                        + [f"{z[k] / max(h[k], 1e-9 if k in ('cold', 'warm') else 2**20):.2f}x" for k in keys] + [""])
+        harness.print_table(["precision", "side", "first load s", "second load s", "first peak", "second peak",
+                             "resident after a forward", "weights"], rows)
     return 0
 
 

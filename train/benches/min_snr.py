@@ -1,6 +1,6 @@
 """Min-SNR-gamma against uniform loss weighting at an equal budget, on the embedded digits default.
 
-    python train/bench.py min-snr [--steps 800] [--gammas 5,none] [--config configs/diffusion/digits.yaml]
+    python train/bench.py min-snr [--steps 800] [--gammas 5,none] [--precision bf16] [--config configs/diffusion/digits.yaml]
 
 Each setting trains the same config through the loop (same seed, data, autoencoder and number of
 steps; only model.min_snr_gamma differs), then:
@@ -14,12 +14,13 @@ Writes loss_curves.png and a samples PNG per setting into --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from . import harness
 
 
 def digits_classifier(size: int):
@@ -47,7 +48,9 @@ def score(proba, labels) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="bench.py min-snr", description=__doc__.split("\n")[0])
+    ap = harness.parser("min-snr", __doc__, precision=None, rounds=False)
+    ap.add_argument("--precision", type=harness.precision_name, default=None,
+                    help=f"one of {', '.join(harness.PRECISIONS)} for every run (default: the config's train.precision)")
     ap.add_argument("--config", default="configs/diffusion/digits.yaml")
     ap.add_argument("--steps", type=int, default=None, help="training steps per setting (default: the config's)")
     ap.add_argument("--gammas", default="5,none", help="comma-separated; 'none' = uniform weighting")
@@ -55,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/bench-min-snr")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
     args = ap.parse_args(argv)
+    harness.setup(args)
     from safetensors.torch import load_model
 
     import zoo
@@ -72,6 +76,8 @@ def main(argv=None):
                 f"train.out_dir={out / name.replace('=', '')}", "train.progress=false", "train.resume=false"]
         if args.steps:
             over.append(f"train.max_steps={args.steps}")
+        if args.precision:
+            over.append(f"train.precision={args.precision}")
         cfg = load_run_config(args.config, over + list(args.overrides))
         print(f"== {name}: {cfg.train.max_steps} steps", flush=True)
         train(cfg, log=lambda m: None)
@@ -99,17 +105,18 @@ def main(argv=None):
     print("\nvalidation MSE of the prediction (unweighted; EMA in brackets)")
     names = list(results)
     steps = [s for s, *_ in results[names[0]]["curve"]]
-    print(f"{'step':>6} " + " ".join(f"{n:>20}" for n in names))
+    rows = []
     for i, s in enumerate(steps):
         cells = []
         for n in names:
             _, v, e = results[n]["curve"][i]
             cells.append(f"{v:.4f} ({e:.4f})" if e is not None else f"{v:.4f}")
-        print(f"{s:>6} " + " ".join(f"{c:>20}" for c in cells))
+        rows.append([s] + cells)
+    harness.print_table(["step"] + names, rows)
     print(f"\nsample quality ({args.per_class} per class, EMA model, digits classifier)")
-    print(f"{'setting':>12} {'accuracy':>9} {'mean conf':>10} {'correct & conf>0.5':>19}")
-    for n, r in results.items():
-        print(f"{n:>12} {r['accuracy']:9.3f} {r['confidence']:10.3f} {r['confident']:19.3f}")
+    harness.print_table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"],
+                        [[n, f"{r['accuracy']:.3f}", f"{r['confidence']:.3f}", f"{r['confident']:.3f}"]
+                         for n, r in results.items()])
     _plot(results, out / "loss_curves.png")
     print(f"\n{out / 'loss_curves.png'}, {out}/samples_*.png")
     return 0

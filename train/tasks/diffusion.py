@@ -14,6 +14,8 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +23,10 @@ import zoo
 from zoo.config import ConfigError, fail
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
 from zoo.diffusion.taesd import TAESD
+from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
-from ..data import DataError
+from ..data import DataError, cache_dir
 from . import Task
 
 
@@ -31,7 +34,7 @@ from . import Task
 class DiffusionDataConfig:
     dataset: str = "digits"                 # "digits" (embedded, no download) or an image folder root/<class>/*
     val_fraction: float = 0.1               # held-out images for val_loss
-    cache_dir: str = "runs/cache"           # trained autoencoders and encoded latents
+    cache_dir: Optional[str] = None         # trained autoencoders; null: $ZOO_CACHE, else ~/.cache/zoo
     encode_batch_size: int = 64
     # the autoencoder trained here when model.autoencoder.weights is null
     ae_steps: int = 400
@@ -157,7 +160,7 @@ class DiffusionTask(Task):
         key = _digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
                        "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
                        "seed": cfg.train.seed})
-        path = Path(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.safetensors"
+        path = cache_dir(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.safetensors"
         if path.is_file():
             try:
                 cached = zoo.from_pretrained(path, **ae.variant)
@@ -250,7 +253,24 @@ def sample_grid(model: LatentDiffusion, per_class: int, device, seed: int = 0, a
     return images
 
 
+def image_grid(images: torch.Tensor, nrow: int, padding: int = 2, pad_value: float = 0.5) -> torch.Tensor:
+    """images (N, C, H, W) -> one (C, rows * (H + padding) + padding, nrow * (W + padding) + padding)
+    image: `nrow` images per row, `padding` pixels of `pad_value` around and between them."""
+    N, C, H, W = images.shape
+    cols = min(nrow, N)
+    rows = -(-N // cols)
+    grid = images.new_full((C, rows * (H + padding) + padding, cols * (W + padding) + padding), pad_value)
+    for k in range(N):
+        y, x = divmod(k, cols)
+        top, left = y * (H + padding) + padding, x * (W + padding) + padding
+        grid[:, top:top + H, left:left + W] = images[k]
+    return grid
+
+
 def save_grid(images: torch.Tensor, path, nrow: int):
-    from torchvision.utils import save_image
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_image(images.clamp(0, 1).cpu(), str(path), nrow=nrow, padding=2, pad_value=0.5)
+    """Write images (N, C, H, W) in [0, 1] as one PNG grid (Pillow; atomically)."""
+    from PIL import Image
+    grid = image_grid(images.detach().float().clamp(0, 1).cpu(), nrow)
+    pixels = grid.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+    image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))

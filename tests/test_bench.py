@@ -1,0 +1,137 @@
+"""The benchmark harness (train/benches/harness.py) and the benchmarks' command lines.
+
+No benchmark is run here: the harness is checked on a scripted clock, the command lines by
+argument parsing only.
+"""
+import statistics
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from train import bench, hardware, loop
+from train.benches import harness
+from train.config import TrainConfig
+
+
+class ScriptedSides:
+    """Sides whose calls take scripted seconds on a fake clock (wall and CPU time apart)."""
+
+    def __init__(self, wall: dict, cpu: dict):
+        self.wall, self.cpu = {k: list(v) for k, v in wall.items()}, {k: list(v) for k, v in cpu.items()}
+        self.t_wall = self.t_cpu = 0.0
+        self.log = []
+
+    def clock(self):
+        return self.t_wall, self.t_cpu
+
+    def side(self, name):
+        def call():
+            self.log.append(name)
+            self.t_wall += self.wall[name].pop(0)
+            self.t_cpu += self.cpu[name].pop(0)
+        return call
+
+
+def test_rounds_alternate_and_give_best_and_paired_median():
+    wall = {"zoo": [1.0, 2.0, 1.5, 3.0], "ref": [2.0, 2.0, 3.0, 3.3]}
+    cpu = {"zoo": [0.5, 0.5, 0.9, 0.6], "ref": [0.4, 1.0, 0.8, 0.7]}
+    s = ScriptedSides(wall, cpu)
+    between = []
+    r = harness.run_rounds({"zoo": s.side("zoo"), "ref": s.side("ref")}, rounds=4, clock=s.clock,
+                           between=lambda i: between.append((i, len(s.log))))
+    # the order reverses every other round; `between` runs after both sides of each round
+    assert s.log == ["zoo", "ref", "ref", "zoo", "zoo", "ref", "ref", "zoo"]
+    assert between == [(0, 2), (1, 4), (2, 6), (3, 8)]
+    for clock, script in (("wall", wall), ("cpu", cpu)):
+        for side in script:
+            assert r.times(side, clock) == pytest.approx(script[side])
+    assert r.best("zoo") == 1.0 and r.best("ref") == 2.0 and r.best("ref", "cpu") == 0.4
+    assert r.ratio("zoo", "ref") == pytest.approx(2.0)
+    # paired: ref's time over zoo's in each round = 2, 1, 2, 1.1 -> median 1.55, range 1-2
+    ratios = [b / a for a, b in zip(wall["zoo"], wall["ref"])]
+    assert r.paired("zoo", "ref") == pytest.approx((statistics.median(ratios), 1.0, 2.0))
+    assert r.paired("zoo", "ref").median == pytest.approx(1.55)
+    assert r.paired("ref", "zoo").median == pytest.approx(statistics.median([1 / x for x in ratios]))
+    cpu_ratios = [b / a for a, b in zip(cpu["zoo"], cpu["ref"])]
+    assert r.paired("zoo", "ref", "cpu") == pytest.approx(
+        (statistics.median(cpu_ratios), min(cpu_ratios), max(cpu_ratios)))
+    assert str(r.paired("zoo", "ref")) == "1.55x (1.00-2.00x)"
+
+
+def test_rounds_divide_by_calls_and_order_more_sides():
+    s = ScriptedSides({"a": [1.0] * 6, "b": [3.0] * 6, "c": [2.0] * 6}, {"a": [0] * 6, "b": [0] * 6, "c": [0] * 6})
+    r = harness.run_rounds({n: s.side(n) for n in "abc"}, rounds=3, calls=2, clock=s.clock)
+    assert s.log == list("aabbcc" "ccbbaa" "aabbcc")
+    assert r.wall == {"a": [1.0] * 3, "b": [3.0] * 3, "c": [2.0] * 3}
+    assert list(harness.schedule("ab", 3)) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    with pytest.raises(ValueError):
+        harness.run_rounds({"a": s.side("a")}, rounds=0)
+
+
+def test_precision_names_are_the_configs():
+    # every explicit train.precision name ('auto' chooses one per machine: a benchmark names its own)
+    names = typing.get_args(typing.get_type_hints(TrainConfig)["precision"])
+    assert tuple(harness.PRECISIONS) == tuple(n for n in names if n != "auto")
+    p = harness.parser("x", "doc", precision="bf16,fp32")
+    assert p.parse_args([]).precision == ["bf16", "fp32"]
+    assert p.parse_args(["--precision", "fp16"]).precision == ["fp16"]
+    assert p.parse_args([]).rounds == harness.MIN_ROUNDS >= 8
+
+
+@pytest.mark.parametrize("name", sorted(bench.BENCHES))
+@pytest.mark.parametrize("value", ["bfloat16", "fp32,float16", ","])
+def test_every_bench_rejects_a_bad_precision_in_one_line(name, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main([name, "--precision", value])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"bench.py {name}: error: argument --precision") and "fp32, bf16, fp16" in err
+
+
+def test_bad_precision_from_the_command_line():
+    """The whole command, in a fresh interpreter: exit 2 and one line, no traceback."""
+    out = subprocess.run([sys.executable, "train/bench.py", "llm-generate", "--precision", "bfloat16"],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "bench.py llm-generate: error: argument --precision: unknown precision 'bfloat16' (choose from fp32, bf16, fp16)"]
+
+
+def test_loop_and_benches_share_one_peak_flops(monkeypatch):
+    assert harness.measure_peak_flops is hardware.measure_peak_flops
+    assert loop.measure_peak_flops is hardware.measure_peak_flops
+    # a bench keeps the best of its calls, each made in the precision's dtype
+    calls = []
+    measured = iter([3.0, 5.0, 4.0])
+    monkeypatch.setattr(harness, "measure_peak_flops", lambda device, dtype: calls.append(dtype) or next(measured))
+    peak = 0.0
+    for _ in range(3):
+        peak = harness.best_peak_flops(torch.device("cpu"), "bf16", peak)
+    assert peak == 5.0 and calls == [torch.bfloat16] * 3
+
+
+def test_measure_peak_flops_keeps_its_size(monkeypatch):
+    monkeypatch.setattr(hardware, "_PEAK_SIZES", {})
+    cpu = torch.device("cpu")
+    first = hardware.measure_peak_flops(cpu, None)
+    sizes = dict(hardware._PEAK_SIZES)
+    second = hardware.measure_peak_flops(cpu, torch.float32)  # None is float32: the same matmul
+    assert hardware._PEAK_SIZES == sizes and len(sizes) == 1
+    (n,) = sizes.values()
+    assert n in (256, 512, 1024, 2048, 4096, 8192)
+    assert 0 < first < float("inf") and 0 < second < float("inf")
+
+
+def test_peak_rss_sees_an_allocation():
+    if harness.rss() is None:
+        pytest.skip("no /proc/self/statm: the resident set size is unavailable here")
+    with harness.PeakRSS() as m:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, written
+        del x
+    assert 48 * 2**20 < m.peak < 1 * 2**30
