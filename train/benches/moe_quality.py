@@ -18,13 +18,15 @@ Runs that already finished in --out are read, not run again (delete the folder t
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
 
 RUNS = {
     "dense": ("tiny.yaml", []),
@@ -50,7 +52,8 @@ def run(name: str, args) -> list:
            f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", "train.samples=false",
            "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, args.steps // 12)}", *extra]
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return rows_of(out)
 
 
@@ -115,21 +118,21 @@ def plot(results: dict, png: Path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="bench.py llm-moe-quality", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16 (the runs' train.precision)")
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-batches", type=int, default=20)
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
+    from train.benches import harness
+    ap = harness.parser("llm-moe-quality", __doc__, precision=None, rounds=False)
+    ap.add_argument("--precision", type=harness.precision_name, default="bf16",
+                    help="the runs' train.precision: fp32, bf16 or fp16 (default bf16)")
+    ap.add_argument("--steps", type=harness.positive_int, default=600)
+    ap.add_argument("--batch", type=harness.positive_int, default=16)
+    ap.add_argument("--seq", type=harness.positive_int, default=256)
+    ap.add_argument("--eval-every", type=harness.positive_int, default=100)
+    ap.add_argument("--eval-batches", type=harness.positive_int, default=20)
+    ap.add_argument("--runs", type=harness.name_list(RUNS, "run"), default=",".join(RUNS),
+                    help=f"comma list of {', '.join(RUNS)}")
     ap.add_argument("--out", default="runs/moe-quality")
     ap.add_argument("--png", default=str(ROOT / "docs" / "moe_quality.png"))
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    for n in names:
-        if n not in RUNS:
-            ap.error(f"--runs: unknown {n!r} (choose from {', '.join(RUNS)})")
+    names = args.runs
     results = {n: run(n, args) for n in names}
     print(f"\n{args.steps} steps x {args.batch} x {args.seq} tokens, {args.precision}")
     print(f"{'run':<10} {'val loss':>8} {'tokens/s':>8} {'load max':>8} {'load min':>8} {'lb loss':>7} {'starved':>7}")
