@@ -9,12 +9,13 @@ import json
 
 import pytest
 import torch
+from conftest import optional_module
+from test_hf_llm import assert_same_generation, assert_same_logits, randomize, tokens
 
 import zoo
 from zoo.config import ConfigError
 
-transformers = pytest.importorskip("transformers")
-from test_hf_llm import assert_same_generation, assert_same_logits, randomize, tokens  # noqa: E402
+transformers = optional_module("transformers")
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -48,9 +48,11 @@ def run(name: str, args) -> list:
         return rows_of(out)
     cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / cfg),
            f"train.out_dir={out}", f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
-           f"data.seq_len={args.seq}", f"train.precision={args.precision}", f"train.eval_every={args.eval_every}",
+           f"data.seq_len={args.seq}", f"train.eval_every={args.eval_every}",
            f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", "train.samples=false",
            "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, args.steps // 12)}", *extra]
+    if args.precision:
+        cmd.append(f"train.precision={args.precision}")
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
@@ -120,8 +122,8 @@ def plot(results: dict, png: Path):
 def main(argv=None):
     from train.benches import harness
     ap = harness.parser("llm-moe-quality", __doc__, precision=None, rounds=False)
-    ap.add_argument("--precision", type=harness.precision_name, default="bf16",
-                    help="the runs' train.precision: fp32, bf16 or fp16 (default bf16)")
+    ap.add_argument("--precision", type=harness.precision_name, default=None,
+                    help="the runs' train.precision: fp32, bf16 or fp16 (default: the configs' auto)")
     ap.add_argument("--steps", type=harness.positive_int, default=600)
     ap.add_argument("--batch", type=harness.positive_int, default=16)
     ap.add_argument("--seq", type=harness.positive_int, default=256)
@@ -134,7 +136,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     names = args.runs
     results = {n: run(n, args) for n in names}
-    print(f"\n{args.steps} steps x {args.batch} x {args.seq} tokens, {args.precision}")
+    print(f"\n{args.steps} steps x {args.batch} x {args.seq} tokens, precision {args.precision or 'auto'}")
     print(f"{'run':<10} {'val loss':>8} {'tokens/s':>8} {'load max':>8} {'load min':>8} {'lb loss':>7} {'starved':>7}")
     for n, rows in results.items():
         s = summary(n, rows)
