@@ -53,6 +53,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def traced_calls(fn, *args) -> set:
+    """The functions called in the graphs torch.compile traces from fn(*args) (no inductor: the
+    graphs are only recorded), e.g. to check what a compiled decoding step holds."""
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(fn, backend=record)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert graphs, "nothing was traced"
+    return {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
 class optional_module:
     """A module-level stand-in for an optional library: the test that first touches it imports
     it, or is skipped (with pytest.importorskip's reason) when it is absent; the other tests of

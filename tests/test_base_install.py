@@ -66,7 +66,7 @@ def test_readme_defaults_run_on_the_base_install(name, blocked_env, tmp_path):
 
 
 # files whose tests partly need timm, diffusers or transformers -> how many need none of them
-PARTLY_OPTIONAL = {"test_convnet.py": 15, "test_schedule.py": 3, "test_hf_llm.py": 0}
+PARTLY_OPTIONAL = {"test_convnet.py": 15, "test_schedule.py": 3, "test_hf_llm.py": 0, "test_hf_moe.py": 3}
 
 
 @pytest.mark.parametrize("name", PARTLY_OPTIONAL)

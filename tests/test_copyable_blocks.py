@@ -41,6 +41,9 @@ SMOKE = {
         y = attn(x, cos, sin)
         y.sum().backward()
         assert y.shape == x.shape and attn.qkv.weight.grad is not None
+        qk = CausalSelfAttention(16, n_heads=4, n_kv_heads=2, qk_norm=True)
+        qk(x, cos, sin).sum().backward()
+        assert qk.q_norm.weight.grad is not None and qk.k_norm.weight.grad is not None
         cache = KVCache(2, 2, 6, 4)
         with torch.no_grad():
             steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
@@ -52,6 +55,17 @@ SMOKE = {
         x = torch.randn(3, 8)
         g, u = (x @ m.gate_up.weight.t()).chunk(2, -1)
         assert (m(x) - (torch.nn.functional.silu(g) * u) @ m.down.weight.t()).abs().max() < 1e-5
+    """,
+    "moe.py": """
+        from moe import MoE
+        m = MoE(8, 12, n_experts=4, top_k=2, n_shared=1, shared_gate=True)
+        x = torch.randn(2, 5, 8, requires_grad=True)
+        y, stats = m(x)
+        (y.square().mean() + 0.01 * stats["lb_loss"]).backward()
+        assert y.shape == x.shape and stats["load"].sum() == 20 and m.router.weight.grad is not None
+        loop = MoE(8, 12, n_experts=4, top_k=2, n_shared=1, shared_gate=True, dispatch="loop")
+        loop.load_state_dict(m.state_dict())
+        assert (loop(x)[0] - y).abs().max() < 1e-5
     """,
     "drop_path.py": """
         from drop_path import DropPath, drop_path

@@ -119,19 +119,11 @@ def test_compiled_decode_step_has_no_linear_at_batch_1():
     """torch.compile traces through the mode: the compiled decoding step at batch 1 holds no
     F.linear (all of them became reductions); without the mode it holds them."""
     import zoo.llm
+    from conftest import traced_calls
     model = tiny().eval()
     for fn, want_linear in ((zoo.llm._decode_step_matvec, False), (zoo.llm.decode_step, True)):
-        graphs = []
-
-        def record(gm, inputs):
-            graphs.append(gm)
-            return gm.forward
-        torch._dynamo.reset()
-        with torch.no_grad():
-            torch.compile(fn, backend=record)(model, torch.tensor([[1]]), model.new_caches(1, 8), 0)
-        targets = {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
-        assert graphs and (F.linear in targets) == want_linear
-    torch._dynamo.reset()
+        targets = traced_calls(fn, model, torch.tensor([[1]]), model.new_caches(1, 8), 0)
+        assert (F.linear in targets) == want_linear
 
 
 def test_generate_keeps_training_mode_and_eos():

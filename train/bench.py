@@ -19,6 +19,8 @@ if __package__ in (None, ""):
 BENCHES: dict[str, str] = {
     "llm-train": "train.benches.llm_train",
     "llm-generate": "train.benches.llm_generate",
+    "llm-moe": "train.benches.llm_moe",
+    "llm-moe-quality": "train.benches.moe_quality",
     "taesd": "train.benches.taesd",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",

@@ -83,6 +83,10 @@ class TensorBoardTracker(Tracker):
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)):
                 self.writer.add_scalar(k, float(v), row["step"])  # float32: TensorBoard's data server reads no float64
+            elif isinstance(v, list):  # one number per layer (e.g. moe_load_max): a scalar each, k/0, k/1, ...
+                for i, x in enumerate(v):
+                    if isinstance(x, (int, float)):
+                        self.writer.add_scalar(f"{k}/{i}", float(x), row["step"])
         self.writer.flush()  # a killed run loses no row that metrics.jsonl has
 
     def close(self, exit_code: int = 0):

@@ -235,6 +235,50 @@ class RopeScaling:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (zoo/blocks/moe.py). Sparse layers replace the
+    SwiGLU of a block by `n_experts` SwiGLU experts of width `expert_hidden`, `top_k` per token."""
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden: Optional[int] = None     # each expert's SwiGLU width; null: the model's ffn_hidden
+    n_shared: int = 0                       # always-on shared experts (run as one SwiGLU of n_shared * shared_hidden)
+    shared_hidden: Optional[int] = None     # width of each shared expert; null: expert_hidden
+    shared_gate: bool = False               # a sigmoid gate on the shared experts' output (Qwen2-MoE)
+    sparse_every: int = 1                   # layer i (from 0) is sparse when (i + 1) % sparse_every == 0
+    dense_layers: list[int] = field(default_factory=list)  # layers kept dense (a SwiGLU of ffn_hidden)
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True             # renormalise the top-k weights to sum to 1
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # Switch loss, DeepSeek-V3 bias, or nothing
+    aux_loss_coef: float = 0.01             # weight of the load-balancing loss (balance: aux_loss)
+    z_loss_coef: float = 0.001              # weight of the router z-loss (any balance; 0: off)
+    bias_update_rate: float = 0.001         # bias step per optimizer step (balance: bias)
+    capacity_factor: Optional[float] = None  # null: dropless; else tokens per expert = factor * N * top_k / E (training)
+    router_jitter: float = 0.0              # training: multiply the layer input by U(1 - j, 1 + j) (Mixtral)
+    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # grouped_mm, a matmul per expert, or auto
+
+    def validate(self, source="<config>", prefix=""):
+        p = prefix
+        for k in ("n_experts", "top_k", "sparse_every"):
+            if getattr(self, k) <= 0:
+                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+        if self.top_k > self.n_experts:
+            raise fail(source, p + "top_k", f"={self.top_k} must be <= {p}n_experts={self.n_experts}")
+        if self.n_shared < 0:
+            raise fail(source, p + "n_shared", f"must be >= 0, got {self.n_shared}")
+        for k in ("expert_hidden", "shared_hidden", "capacity_factor"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise fail(source, p + k, f"must be > 0 or null, got {v}")
+        for k in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, k) < 0:
+                raise fail(source, p + k, f"must be >= 0, got {getattr(self, k)}")
+        if not 0.0 <= self.router_jitter < 1.0:
+            raise fail(source, p + "router_jitter", f"must be in [0, 1), got {self.router_jitter}")
+        if self.shared_gate and not self.n_shared:
+            raise fail(source, p + "shared_gate", f"needs {p}n_shared > 0")
+
+
+@dataclass
 class LLMConfig:
     """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU).
 
@@ -256,6 +300,8 @@ class LLMConfig:
     qkv_bias: bool = False
     attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # zoo/blocks/attention.py
     sliding_window: Optional[int] = None    # Mistral-style local attention window
+    qk_norm: bool = False                   # RMSNorm over each q and k head before RoPE (Qwen3)
+    moe: Optional[MoEConfig] = None         # Mixture-of-Experts feed-forward layers; null: dense
     init_std: float = 0.02
     activation_checkpointing: bool = False
     chunked_loss: bool = True               # never materialise the full B*T*V fp32 logits
@@ -281,6 +327,10 @@ class LLMConfig:
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             k = "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std"
             raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+        if self.moe is not None:
+            bad = [i for i in self.moe.dense_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise fail(source, p + "moe.dense_layers", f"has {bad}, not layers of {p}n_layers={self.n_layers}")
 
     @property
     def resolved_n_kv_heads(self) -> int:
@@ -297,6 +347,18 @@ class LLMConfig:
         h = int(8 * self.d_model / 3)
         m = self.ffn_multiple_of
         return m * ((h + m - 1) // m)
+
+    @property
+    def resolved_expert_hidden(self) -> Optional[int]:
+        """The width of each MoE expert (None for a dense model)."""
+        if self.moe is None:
+            return None
+        return self.moe.expert_hidden or self.resolved_ffn_hidden
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) has a Mixture-of-Experts feed-forward."""
+        m = self.moe
+        return m is not None and layer not in m.dense_layers and (layer + 1) % m.sparse_every == 0
 
 
 # ----------------------------------------------------------------------------------------

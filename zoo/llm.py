@@ -5,6 +5,8 @@
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
 projections initialised with std / sqrt(2 * n_layers) (GPT-2); optional activation
 checkpointing per block; a chunked loss that never materialises the full fp32 logits.
+With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
+routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
 """
 from __future__ import annotations
 
@@ -20,23 +22,35 @@ from torch.utils.checkpoint import checkpoint
 from .blocks.attention import CausalSelfAttention, KVCache, flash_available
 from .blocks.chunked_ce import chunked_cross_entropy
 from .blocks.mlp import SwiGLU
+from .blocks.moe import MoE
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
 from .config import ConfigError, LLMConfig, to_dict
 
 
+def moe_block(cfg: LLMConfig) -> MoE:
+    m = cfg.moe
+    return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
+               m.n_shared, m.shared_hidden, m.shared_gate, m.capacity_factor, m.balance == "bias",
+               m.router_jitter, m.dispatch)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: LLMConfig):
+    def __init__(self, cfg: LLMConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
-                                        cfg.attn_backend, cfg.sliding_window)
+                                        cfg.attn_backend, cfg.sliding_window, cfg.qk_norm, cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
+        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0):
+        """-> (x, routing stats of a MoE block, or None)"""
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(self.mlp_norm(x))
+            return x + y, stats
+        return x + self.mlp(self.mlp_norm(x)), None
 
 
 class LLM(nn.Module):
@@ -50,13 +64,16 @@ class LLM(nn.Module):
                               "import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, scaling)
+        n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
+        if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
+            self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
 
@@ -67,38 +84,80 @@ class LLM(nn.Module):
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
-            elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
+            elif name.endswith(("attn.proj.weight", "mlp.down.weight", "mlp.down", "mlp.shared.down.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
             else:
                 nn.init.normal_(p, 0.0, std)
 
     # ------------------------------------------------------------------ forward / loss
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                caches: Optional[list] = None, start_pos: int = 0):
+                caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False):
         """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), where logits
-        is None when the chunked loss is on (the full logits are never made)."""
+        is None when the chunked loss is on (the full logits are never made). The loss is the
+        cross-entropy alone. return_aux=True appends a dict (`moe_aux`) to the result."""
         B, T = input_ids.shape
         x = self.embed(input_ids)
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = self.rope(start_pos, T, rope_dtype)
         ckpt = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        stats = []
         for i, layer in enumerate(self.layers):
             cache = caches[i] if caches is not None else None
             if ckpt:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x, s = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cache, start_pos)
+                x, s = layer(x, cos, sin, cache, start_pos)
+            if s is not None:
+                stats.append(s)
         h = self.norm(x)
         if targets is None:
-            return self.lm_head(h)
-        if self.config.chunked_loss:
+            out = (self.lm_head(h),)
+        elif self.config.chunked_loss:
             loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
                                          self.config.loss_chunk_size)
-            return None, loss
-        logits = self.lm_head(h)
-        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
-        return logits, loss
+            out = (None, loss)
+        else:
+            logits = self.lm_head(h)
+            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+            out = (logits, loss)
+        if return_aux:
+            out = out + (self.moe_aux(stats),)
+        return out[0] if len(out) == 1 else out
+
+    def moe_aux(self, stats: list) -> dict:
+        """The sparse layers' routing statistics -> {'aux_loss': the weighted sum to add to the
+        training loss, 'lb_loss' (L,), 'z_loss' (L,), 'load' (L, E) choices per expert,
+        'dropped' (L,) choices dropped by the capacity}, L the sparse layers; {} when dense.
+        The coefficients apply to the means over the layers."""
+        if not stats:
+            return {}
+        m = self.config.moe
+        aux = {k: torch.stack([s[k] for s in stats]) for k in ("lb_loss", "z_loss", "load", "dropped")}
+        total = m.z_loss_coef * aux["z_loss"].mean()
+        if m.balance == "aux_loss":
+            total = total + m.aux_loss_coef * aux["lb_loss"].mean()
+        aux["aux_loss"] = total
+        return aux
+
+    # ------------------------------------------------------------------ MoE balancing by bias
+    def moe_blocks(self) -> list:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    @torch.no_grad()
+    def record_router_load(self, load: torch.Tensor):
+        """Add a training forward's load (L, E) to the choices counted since the last bias update."""
+        self.router_load += load
+
+    @torch.no_grad()
+    def update_router_biases(self):
+        """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load by
+        moe.bias_update_rate, from the choices recorded since the last update; then reset them.
+        Called once per optimizer step, before its first forward (the load lives in the
+        `router_load` buffer, so a checkpoint resumes exactly). Without recorded load nothing moves."""
+        for block, load in zip(self.moe_blocks(), self.router_load):
+            block.update_bias(load, self.config.moe.bias_update_rate)
+        self.router_load.zero_()
 
     # ------------------------------------------------------------------ generation
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
@@ -143,14 +202,18 @@ class LLM(nn.Module):
         return out
 
     # ------------------------------------------------------------------ accounting
-    def num_params(self, non_embedding: bool = False) -> int:
+    def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
+        """Parameters; active=True counts those one token uses (top_k of each MoE layer's experts)."""
         n = sum(p.numel() for p in self.parameters())
+        if active:
+            n -= sum((b.n_experts - b.top_k) * (b.gate_up[0].numel() + b.down[0].numel()) for b in self.moe_blocks())
         return n - self.embed.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022)."""
+        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022).
+        A MoE layer counts the experts a token is routed to, not the others."""
         cfg = self.config
-        n_matmul = self.num_params(non_embedding=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
+        n_matmul = self.num_params(non_embedding=True, active=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
         attn = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
         return 6 * n_matmul + attn
 

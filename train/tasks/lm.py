@@ -1,4 +1,9 @@
-"""Language modelling: next-token cross-entropy on windows of a token stream."""
+"""Language modelling: next-token cross-entropy on windows of a token stream.
+
+For a Mixture-of-Experts model (model.moe) the task adds the router's auxiliary losses to the
+cross-entropy, steps the routing biases once per optimizer step (moe.balance: bias), and reports
+in every logged row (and a log line) the auxiliary losses, each sparse layer's max and min expert
+load relative to uniform, and the fraction of choices dropped by a capacity limit."""
 from __future__ import annotations
 
 import math
@@ -19,6 +24,9 @@ from . import Task
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
+    moe = None           # the model's MoEConfig, when it has one
+    _micro = _step = 0   # the micro-batch and step train_batch was last asked for
+    _sums: Optional[dict] = None
 
     @staticmethod
     def validate_config(cfg):
@@ -61,6 +69,7 @@ class LMTask(Task):
             model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
+        self.moe = model.config.moe
         vocab = self.data.tokenizer.vocab_size
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
@@ -77,13 +86,50 @@ class LMTask(Task):
         self.log(f"attention: {picked}{why}")
 
     def train_batch(self, step, micro):
+        self._step, self._micro = step, micro
         g = self.batch_generator(step, micro)
         return self.data.batch("train", self.cfg.train.batch_size, g, self.device)
 
     def loss(self, model, batch):
         x, y = batch
-        _, loss = model(x, y)
-        return loss, y.numel()
+        if self.moe is None:
+            _, loss = model(x, y)
+            return loss, y.numel()
+        raw = getattr(model, "_orig_mod", model)  # torch.compile'd
+        bias = self.moe.balance == "bias"
+        if bias and self._micro == 0:  # the load of the previous optimizer step
+            raw.update_router_biases()
+        _, loss, aux = model(x, y, return_aux=True)
+        if bias:
+            raw.record_router_load(aux["load"].detach())
+        self._accumulate(loss, aux, y.numel())
+        return loss + aux["aux_loss"], y.numel()
+
+    @torch.no_grad()
+    def _accumulate(self, loss, aux, tokens):
+        """Sums on the device (no host sync per step); train_metrics reads them once per log."""
+        now = {"lm_loss": loss.detach().float(), "aux_loss": aux["aux_loss"].detach().float(),
+               "lb_loss": aux["lb_loss"].mean(), "z_loss": aux["z_loss"].mean(),
+               "load": aux["load"], "dropped": aux["dropped"].sum(), "n": torch.ones((), device=loss.device),
+               "choices": torch.full((), float(tokens * self.moe.top_k * aux["load"].shape[0]), device=loss.device)}
+        self._sums = now if self._sums is None else {k: v + now[k] for k, v in self._sums.items()}
+
+    def train_metrics(self):
+        if self._sums is None:
+            return {}
+        s, self._sums = self._sums, None
+        load = s["load"]  # (sparse layers, experts): the choices each expert received
+        rel = load / load.mean(-1, keepdim=True).clamp(min=1e-9)
+        flat = torch.cat([torch.stack([s[k] / s["n"] for k in ("lm_loss", "aux_loss", "lb_loss", "z_loss")]),
+                          (s["dropped"] / s["choices"])[None], rel.max(-1).values, rel.min(-1).values]).tolist()
+        L = load.shape[0]
+        out = {"lm_loss": flat[0], "moe_aux_loss": flat[1], "moe_lb_loss": flat[2], "moe_z_loss": flat[3],
+               "moe_dropped": flat[4], "moe_load_max": flat[5:5 + L], "moe_load_min": flat[5 + L:]}
+        per_layer = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(out["moe_load_max"], out["moe_load_min"]))
+        self.log(f"step {self._step + 1}: moe lb_loss {out['moe_lb_loss']:.4f} z_loss {out['moe_z_loss']:.4f} "
+                 f"aux_loss {out['moe_aux_loss']:.5f} dropped {100 * out['moe_dropped']:.2f}% "
+                 f"load max/min per layer {per_layer}")
+        return out
 
     @torch.no_grad()
     def evaluate(self, model):

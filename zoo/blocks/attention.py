@@ -22,11 +22,14 @@ dtype before the fp32 softmax.
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
 [0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
+With `qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billion
+Parameters", 2023) each q and k head is RMS-normalised over D, with gains `q_norm` and `k_norm`
+of shape (D,), before RoPE.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
 cos, sin (T, D) from rope.py.
-Needs: rope.py (copy it beside this file). Depends on torch only; flash-attn is imported on
-first use of the 'flash' backend, when installed.
+Needs: rope.py, norm.py (copy them beside this file). Depends on torch only; flash-attn is
+imported on first use of the 'flash' backend, when installed.
 """
 import math
 from typing import Optional
@@ -36,8 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
+    from .norm import RMSNorm
     from .rope import apply_rope
-except ImportError:  # copied next to rope.py, outside the zoo package
+except ImportError:  # copied next to rope.py and norm.py, outside the zoo package
+    from norm import RMSNorm
     from rope import apply_rope
 
 BACKENDS = ("auto", "sdpa", "flash", "bmm", "math")
@@ -212,7 +217,8 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torc
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
-                 qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None):
+                 qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None,
+                 qk_norm: bool = False, norm_eps: float = 1e-6):
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
@@ -226,12 +232,17 @@ class CausalSelfAttention(nn.Module):
         self.backend, self.sliding_window = backend, sliding_window
         self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
+        if self.q_norm is not None:
+            q, k = qk.split([H, KV], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         qk = apply_rope(qk, cos[:, None], sin[:, None])  # q and k heads rotated in one go
         q, k = qk.transpose(1, 2).split([H, KV], dim=1)  # (B, H, T, D), (B, KV, T, D)
         v = v.transpose(1, 2)

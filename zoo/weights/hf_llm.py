@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family checkpoints in and out: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+"""Hugging Face Llama-family checkpoints in and out: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+and the Mixture-of-Experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
 
     model = zoo.from_pretrained("path/to/folder", dtype=torch.bfloat16)    # config.json + *.safetensors
     zoo.save_pretrained(model, "out/", tokenizer="path/to/tokenizer.model")
@@ -12,6 +13,11 @@ Weight layout. Hugging Face stores q/k/v and gate/up as separate matrices; Zoo f
 along the output dimension and saving a split. Both use the rotate-half RoPE layout (channel i
 paired with channel i + D/2), so the q/k rows need no permutation; the parity tests in
 tests/test_hf_llm.py hold the logits to 1e-4 against transformers, which would fail otherwise.
+MoE checkpoints store every expert's gate/up/down matrices separately (`experts.{e}.w1/w3/w2`
+for Mixtral, `experts.{e}.gate_proj/up_proj/down_proj` for Qwen); Zoo stacks them: the rows
+of expert e's gate and up are rows [2eF, 2(e+1)F) of `mlp.gate_up` seen as (E * 2F, D), its
+down matrix rows [eD, (e+1)D) of `mlp.down` seen as (E * D, F). Every config.json key of these
+architectures that changes what the model computes is read, or refused with an error naming it.
 
 Loading never holds two copies of the weights: the model is built on the meta device, each Zoo
 tensor is allocated once in the dtype and on the device asked, and every file tensor is read
@@ -32,8 +38,10 @@ import torch
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import FILE_DTYPES, atomic_write, read_safetensors_header, save_safetensors
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") + MOE_ARCHITECTURES
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # transformers' defaults for keys a config.json may leave out (they differ per architecture)
 _DEFAULTS = {
@@ -41,6 +49,16 @@ _DEFAULTS = {
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                          "max_window_layers": 28},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": None,
+                           "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2,
+                           "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16, "sliding_window": 4096,
+                            "max_window_layers": 28, "num_experts": 60, "num_experts_per_tok": 4,
+                            "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                            "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
+                            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                            "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -73,7 +91,7 @@ def architecture_of(hf: dict, source: str) -> str:
     return arch
 
 
-def _rope(hf: dict, source: str) -> tuple[float, Optional[RopeScaling]]:
+def _rope(hf: dict, source: str, default_theta: float = 10000.0) -> tuple[float, Optional[RopeScaling]]:
     """(rope_theta, scaling) from a 5.x `rope_parameters` or a 4.x `rope_theta` + `rope_scaling`."""
     params = hf.get("rope_parameters")
     key = "rope_parameters"
@@ -82,7 +100,7 @@ def _rope(hf: dict, source: str) -> tuple[float, Optional[RopeScaling]]:
     params = dict(params or {})
     if not all(isinstance(v, (int, float, str, type(None))) for v in params.values()):
         raise ConfigError(f"{source}: {key} per layer type is not supported (one RoPE for all layers)")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -110,25 +128,69 @@ def _rope(hf: dict, source: str) -> tuple[float, Optional[RopeScaling]]:
 
 
 def _sliding_window(hf: dict, arch: str, n_layers: int, source: str) -> Optional[int]:
-    """Mistral: `sliding_window` on every layer (null = none). Qwen2: only with use_sliding_window,
-    and then only on the layers `layer_types` marks (by default those >= max_window_layers)."""
+    """Mistral, Mixtral: `sliding_window` on every layer (null = none). Qwen3-MoE: on every layer
+    with use_sliding_window. Qwen2, Qwen2-MoE: only with use_sliding_window, and then only on
+    the layers `layer_types` marks (by default, Qwen2: those >= max_window_layers; Qwen2-MoE:
+    the even ones below max_window_layers)."""
     defaults = _DEFAULTS[arch]
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return hf.get("sliding_window", defaults["sliding_window"])
-    if arch != "Qwen2ForCausalLM" or not hf.get("use_sliding_window", False):
+    if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") \
+            or not hf.get("use_sliding_window", False):
         return None
     window = hf.get("sliding_window", defaults["sliding_window"])
     if window is None:
         return None
-    types = hf.get("layer_types") or [
-        "sliding_attention" if i >= hf.get("max_window_layers", defaults["max_window_layers"]) else "full_attention"
-        for i in range(n_layers)]
+    if arch == "Qwen3MoeForCausalLM":
+        return window
+    max_window = hf.get("max_window_layers", defaults["max_window_layers"])
+    if arch == "Qwen2ForCausalLM":
+        default_types = ["sliding_attention" if i >= max_window else "full_attention" for i in range(n_layers)]
+    else:
+        default_types = ["sliding_attention" if (i + 1) % 2 and i < max_window else "full_attention"
+                         for i in range(n_layers)]
+    types = hf.get("layer_types") or default_types
     if all(t == "full_attention" for t in types):
         return None
     if all(t == "sliding_attention" for t in types):
         return window
     raise ConfigError(f"{source}: sliding window on some layers only (layer_types / max_window_layers) is not "
                       f"supported; Zoo applies one window to all layers")
+
+
+def _moe_from_hf(hf: dict, arch: str, n_layers: int, source: str) -> dict:
+    """The `moe:` section of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    defaults = _DEFAULTS[arch]
+
+    def get(key, *aliases):
+        for k in (key, *aliases):
+            if k in hf:
+                return hf[k]
+        return defaults[key]
+
+    n_experts = get("num_local_experts", "num_experts") if arch == "MixtralForCausalLM" \
+        else get("num_experts", "num_local_experts")
+    if not isinstance(n_experts, int) or n_experts <= 0:
+        raise ConfigError(f"{source}: num_experts={n_experts!r} is not supported (a MoE model needs experts)")
+    # transformers adds the load-balancing loss in training only with output_router_logits
+    moe = dict(n_experts=n_experts, top_k=get("num_experts_per_tok"),
+               balance="aux_loss" if hf.get("output_router_logits") else "none",
+               aux_loss_coef=float(get("router_aux_loss_coef")), z_loss_coef=0.0)
+    if arch == "MixtralForCausalLM":
+        moe.update(norm_topk_prob=True, expert_hidden=hf["intermediate_size"],
+                   router_jitter=float(get("router_jitter_noise") or 0.0))
+        return moe
+    step = get("decoder_sparse_step")
+    if not isinstance(step, int) or step <= 0:
+        raise ConfigError(f"{source}: decoder_sparse_step={step!r} must be a positive integer")
+    only = hf.get("mlp_only_layers") or []
+    moe.update(norm_topk_prob=bool(get("norm_topk_prob")), expert_hidden=get("moe_intermediate_size"),
+               sparse_every=step, dense_layers=sorted({i for i in only if isinstance(i, int) and 0 <= i < n_layers}))
+    if arch == "Qwen2MoeForCausalLM":
+        shared = get("shared_expert_intermediate_size")
+        if shared:
+            moe.update(n_shared=1, shared_hidden=shared, shared_gate=True)
+    return moe
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, str]:
@@ -143,9 +205,11 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     for k in ("attention_bias", "mlp_bias"):  # Llama's attention_bias also puts a bias on o_proj
         if hf.get(k):
             raise ConfigError(f"{source}: {k}=true is not supported")
+    if arch in MOE_ARCHITECTURES and hf.get("attention_dropout"):
+        raise ConfigError(f"{source}: attention_dropout={hf['attention_dropout']} is not supported (Zoo's attention has no dropout)")
     d, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n_heads
-    theta, scaling = _rope(hf, source)
+    theta, scaling = _rope(hf, source, _DEFAULTS[arch].get("rope_theta", 10000.0))
     kv = hf.get("num_key_value_heads", _DEFAULTS[arch]["num_key_value_heads"]) or n_heads
     data = dict(
         vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
@@ -154,17 +218,49 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         max_seq_len=hf.get("max_position_embeddings", _DEFAULTS[arch]["max_position_embeddings"]),
         norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
+        qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))),
         sliding_window=_sliding_window(hf, arch, hf["num_hidden_layers"], source),
         init_std=hf.get("initializer_range", 0.02),
         rope_scaling=to_dict(scaling) if scaling else None,
+        qk_norm=arch == "Qwen3MoeForCausalLM",
     )
+    if arch in MOE_ARCHITECTURES:
+        data["moe"] = _moe_from_hf(hf, arch, hf["num_hidden_layers"], source)
     return from_dict(LLMConfig, data, source), arch
+
+
+def _moe_architecture_for(cfg: LLMConfig, remembered: Optional[str]) -> str:
+    """Mixtral: every layer sparse, renormalised top-k, no shared experts, no qkv bias or q/k norm.
+    Qwen2-MoE: shared experts behind a sigmoid gate, an optional qkv bias. Qwen3-MoE: q/k norm, no
+    shared experts. All: softmax scores."""
+    m = cfg.moe
+    if m.scoring != "softmax":
+        raise ValueError(f"model.moe.scoring={m.scoring!r} has no Hugging Face MoE architecture (softmax only)")
+    all_sparse = all(cfg.is_sparse(i) for i in range(cfg.n_layers))
+    why = {"MixtralForCausalLM": [why for bad, why in (
+               (not all_sparse, "dense layers"), (not m.norm_topk_prob, "norm_topk_prob=false"),
+               (m.n_shared, "shared experts"), (cfg.qkv_bias, "qkv_bias"), (cfg.qk_norm, "qk_norm")) if bad],
+           "Qwen2MoeForCausalLM": [why for bad, why in (
+               (not m.n_shared or not m.shared_gate, "no gated shared experts"), (cfg.qk_norm, "qk_norm")) if bad],
+           "Qwen3MoeForCausalLM": [why for bad, why in (
+               (not cfg.qk_norm, "no qk_norm"), (m.n_shared, "shared experts"), (cfg.qkv_bias, "qkv_bias")) if bad]}
+    if remembered in why and not why[remembered]:
+        return remembered
+    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"):
+        if not why[arch]:
+            return arch
+    raise ValueError("this MoE config fits no Hugging Face architecture: "
+                     + "; ".join(f"{a}: {', '.join(w)}" for a, w in why.items()))
 
 
 def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
     """The Hugging Face class that can hold `cfg`: the one it was loaded from when that still fits,
-    else Qwen2 for a qkv bias, Mistral for a sliding window, Llama otherwise."""
+    else Qwen2 for a qkv bias, Mistral for a sliding window, Llama otherwise (for MoE configs,
+    see `_moe_architecture_for`)."""
+    if cfg.moe is not None:
+        return _moe_architecture_for(cfg, remembered)
+    if cfg.qk_norm:
+        raise ValueError("model.qk_norm=true has no dense Hugging Face architecture here (Llama, Mistral, Qwen2)")
     fits = {"LlamaForCausalLM": not cfg.qkv_bias and cfg.sliding_window is None,
             "MistralForCausalLM": not cfg.qkv_bias,
             "Qwen2ForCausalLM": True}
@@ -198,14 +294,30 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling else None,
         "dtype": str(dtype).removeprefix("torch."), "use_cache": True,
     }
+    window = cfg.sliding_window is not None
     if arch == "LlamaForCausalLM":
         hf.update(attention_bias=False, mlp_bias=False)
-    elif arch == "MistralForCausalLM":
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         hf["sliding_window"] = cfg.sliding_window
-    else:
-        window = cfg.sliding_window is not None
-        hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, max_window_layers=0,
+    elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, max_window_layers=cfg.n_layers,
                   layer_types=["sliding_attention" if window else "full_attention"] * cfg.n_layers)
+    else:  # Qwen3MoeForCausalLM: one window on every layer
+        hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, attention_bias=False)
+    if cfg.moe is not None:
+        m = cfg.moe
+        hf.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
+                  output_router_logits=m.balance == "aux_loss", attention_dropout=0.0)
+        if arch == "MixtralForCausalLM":
+            hf.update(num_local_experts=m.n_experts, intermediate_size=cfg.resolved_expert_hidden,
+                      router_jitter_noise=m.router_jitter)
+        else:
+            hf.update(num_experts=m.n_experts, moe_intermediate_size=cfg.resolved_expert_hidden,
+                      norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.sparse_every,
+                      mlp_only_layers=list(m.dense_layers))
+        if arch == "Qwen2MoeForCausalLM":
+            hf.update(shared_expert_intermediate_size=m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden),
+                      qkv_bias=cfg.qkv_bias)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if base is not None and k in base:
             hf[k] = base[k]
@@ -216,25 +328,55 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
 # weight names
 # ----------------------------------------------------------------------------------------
 
-def key_map(cfg: LLMConfig) -> dict[str, list[tuple[str, tuple]]]:
+def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by
-    concatenating along dim 0 in that order. lm_head is absent when the embeddings are tied."""
+    concatenating along dim 0 in that order (the stacked experts: seen as 2-D, (E * rows, cols)).
+    lm_head is absent when the embeddings are tied. `arch` names the MoE weights (Mixtral's or Qwen's)."""
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.resolved_ffn_hidden
     q, kv = cfg.n_heads * cfg.resolved_head_dim, cfg.resolved_n_kv_heads * cfg.resolved_head_dim
     m = {"embed.weight": [("model.embed_tokens.weight", (V, d))]}
+    D = cfg.resolved_head_dim
     for i in range(cfg.n_layers):
         z, h = f"layers.{i}.", f"model.layers.{i}."
         m[z + "attn_norm.weight"] = [(h + "input_layernorm.weight", (d,))]
         m[z + "attn.qkv.weight"] = [(h + f"self_attn.{n}_proj.weight", (r, d)) for n, r in zip("qkv", (q, kv, kv))]
         if cfg.qkv_bias:
             m[z + "attn.qkv.bias"] = [(h + f"self_attn.{n}_proj.bias", (r,)) for n, r in zip("qkv", (q, kv, kv))]
+        if cfg.qk_norm:
+            m[z + "attn.q_norm.weight"] = [(h + "self_attn.q_norm.weight", (D,))]
+            m[z + "attn.k_norm.weight"] = [(h + "self_attn.k_norm.weight", (D,))]
         m[z + "attn.proj.weight"] = [(h + "self_attn.o_proj.weight", (d, q))]
         m[z + "mlp_norm.weight"] = [(h + "post_attention_layernorm.weight", (d,))]
+        if cfg.is_sparse(i):
+            m.update(_moe_keys(cfg, z, h, arch))
+            continue
         m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_proj.weight", (F, d)), (h + "mlp.up_proj.weight", (F, d))]
         m[z + "mlp.down.weight"] = [(h + "mlp.down_proj.weight", (d, F))]
     m["norm.weight"] = [("model.norm.weight", (d,))]
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", (V, d))]
+    return m
+
+
+def _moe_keys(cfg: LLMConfig, z: str, h: str, arch: Optional[str]) -> dict:
+    """Zoo -> Hugging Face names of one sparse layer (z, h: the layer's prefixes): router, experts
+    (stacked in Zoo; the shapes here are each expert's, concatenated along dim 0) and shared experts."""
+    d, E, F = cfg.d_model, cfg.moe.n_experts, cfg.resolved_expert_hidden
+    if arch == "MixtralForCausalLM":
+        h, gate, up, down = h + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        h, gate, up, down = h + "mlp.", "gate_proj", "up_proj", "down_proj"
+    m = {z + "mlp.router.weight": [(h + "gate.weight", (E, d))],
+         z + "mlp.gate_up": [p for e in range(E) for p in ((h + f"experts.{e}.{gate}.weight", (F, d)),
+                                                            (h + f"experts.{e}.{up}.weight", (F, d)))],
+         z + "mlp.down": [(h + f"experts.{e}.{down}.weight", (d, F)) for e in range(E)]}
+    if cfg.moe.n_shared:
+        Fs = cfg.moe.n_shared * (cfg.moe.shared_hidden or F)
+        m[z + "mlp.shared.gate_up.weight"] = [(h + "shared_expert.gate_proj.weight", (Fs, d)),
+                                              (h + "shared_expert.up_proj.weight", (Fs, d))]
+        m[z + "mlp.shared.down.weight"] = [(h + "shared_expert.down_proj.weight", (d, Fs))]
+        if cfg.moe.shared_gate:
+            m[z + "mlp.shared_gate.weight"] = [(h + "shared_expert_gate.weight", (1, d))]
     return m
 
 
@@ -358,7 +500,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     files = weight_files(folder)
     headers = {f: read_safetensors_header(f)[::2] for f in files}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
-    kmap = key_map(cfg)
+    kmap = key_map(cfg, arch)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected and not _ignorable(n, cfg)]
@@ -392,6 +534,8 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
                 read_tensor(f, path, offset, table[name], state[zoo_name][start:start + rows])
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    state = {k: t.view(shapes[k]) for k, t in state.items()}  # stacked experts: (E * rows, cols) -> (E, rows, cols)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -437,13 +581,16 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     state = model.state_dict()
     dtype = dtype or state["embed.weight"].dtype
     arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
+    if any(b.score_bias is not None and bool(b.score_bias.any()) for b in model.moe_blocks()):
+        raise ValueError(f"model.moe.balance=bias: the trained routing bias has no place in a {arch} checkpoint")
     limit = _shard_limit(max_shard_size)
 
     # split fused tensors back into Hugging Face names, grouped into shards in order
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for zoo_name, parts in key_map(cfg).items():
-        pieces = state[zoo_name].split([shape[0] for _, shape in parts], dim=0)
+    for zoo_name, parts in key_map(cfg, arch).items():
+        flat = state[zoo_name].reshape(-1, *parts[0][1][1:])  # stacked experts: (E * rows, cols)
+        pieces = flat.split([shape[0] for _, shape in parts], dim=0)
         for (hf_name, _), t in zip(parts, pieces):
             nbytes = t.numel() * dtype.itemsize
             if shards[-1] and size + nbytes > limit:

@@ -1,0 +1,242 @@
+"""Mixture-of-Experts feed-forward: a token-choice top-k router over a bank of SwiGLU experts,
+dropless by default, with optional always-on shared experts.
+
+Papers: Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated
+Mixture-of-Experts Layer" (2017); Fedus et al., "Switch Transformers" (2021: the load-balancing
+loss, the capacity factor); Zoph et al., "ST-MoE: Designing Stable and Transferable Sparse
+Expert Models" (2022: the router z-loss); Gale et al., "MegaBlocks: Efficient Sparse Training
+with Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral of
+Experts" (2024); Qwen Team, "Qwen2 Technical Report" (2024: a shared expert behind a sigmoid
+gate); DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024: sigmoid scores and the
+auxiliary-loss-free balancing bias).
+
+Routing. logits = x W_r^T (E experts); scores = softmax(logits) ('softmax', Mixtral, Qwen) or
+sigmoid(logits) ('sigmoid', DeepSeek-V3); each token picks the top_k experts by score (plus the
+balancing bias `score_bias` when `bias_balancing`: the bias moves the choice, never the
+weights); the weights are the chosen scores, renormalised to sum to 1 when `norm_topk_prob`.
+    y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
+
+Experts are stacked tensors: `gate_up` (E, 2F, D) (rows [0, F) gate, [F, 2F) up, as mlp.py's
+fused SwiGLU) and `down` (E, D, F). Dispatch sorts the (token, choice) pairs by expert once,
+gathers the tokens in that order and runs one grouped matmul per projection
+(torch.nn.functional.grouped_mm, `dispatch='grouped'`) or one matmul per expert
+(`dispatch='loop'`, which reads the group sizes on the host); 'auto' takes grouped_mm where the
+device and dtype support it (see `grouped_mm_supported`). Under torch.compile on a CPU in fp32,
+which inductor's grouped_mm does not take, the grouped matmuls run eagerly (a graph break).
+Decoding (at most DECODE_ROWS tokens) under torch.compile on a CPU: each chosen expert's
+matrix-vector products are written as a gather of its rows times the token, summed over D in
+fp32, which inductor fuses into one reduction reading only the chosen experts' weights (a
+matrix-vector product is bound by reading the weights; the fused reduction streams them faster
+than the GEMV kernel behind a matmul, as zoo/llm.py's MatvecAsReduction does for F.linear).
+
+Capacity. `capacity_factor` None is dropless. Otherwise, in training, each expert takes at most
+ceil(capacity_factor * N * top_k / E) of the N tokens' choices, first choices before second
+ones and earlier tokens first; the overflow is dropped (it adds nothing; the residual carries
+the token) and counted in `stats['dropped']`.
+
+Balancing, returned for the caller to use (a training loss, a bias update):
+- `stats['lb_loss']`: Switch Transformer's E * sum_e f_e * P_e, f_e the fraction of tokens
+  sent to expert e (summing to top_k over the experts, as in transformers'
+  load_balancing_loss_func), P_e the mean router probability (for 'sigmoid', the scores
+  normalised per token);
+- `stats['z_loss']`: ST-MoE's mean over tokens of logsumexp(logits)^2;
+- `stats['load']`: (E,) the choices each expert received (before capacity drops);
+- `update_bias(load, rate)`: DeepSeek-V3's bias step, b_e += rate * sign(mean(load) - load_e).
+
+Shapes: x (B, T, D) or (N, D) -> y of the same shape, and `stats`, a dict of tensors.
+Needs: mlp.py (the shared experts are one SwiGLU; copy it beside this file).
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .mlp import SwiGLU
+except ImportError:  # copied next to mlp.py, outside the zoo package
+    from mlp import SwiGLU
+
+DISPATCH = ("auto", "grouped", "loop")
+DECODE_ROWS = 2  # tokens up to which a compiled CPU forward uses the fused-reduction experts
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, compiling: bool = False) -> bool:
+    """Whether torch.nn.functional.grouped_mm runs for (device, dtype): CPU in fp32, bf16 and fp16
+    (inside torch.compile bf16 and fp16 only), CUDA in bf16 from compute capability 8.0."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and not compiling)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return False
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(a, b, offs):
+    return F.grouped_mm(a, b, offs=offs)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (S, K) sorted by group, w (G, N, K) in nn.Linear layout, offs (G,) int32 group ends ->
+    (S, N), row i multiplied by w[g]^T for the group g it lies in. Rows at or past offs[-1] are
+    left undefined (the caller masks them)."""
+    if torch.compiler.is_compiling() and not grouped_mm_supported(x.device, x.dtype, compiling=True):
+        return _grouped_mm_eager(x, w.transpose(-2, -1), offs)
+    return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+def loop_linear(x: torch.Tensor, w: torch.Tensor, counts: list) -> torch.Tensor:
+    """The per-expert fallback of `grouped_linear`: counts[g] rows for group g, in order; rows
+    past sum(counts) come out as zeros."""
+    outs, start = [], 0
+    for g, n in enumerate(counts):
+        if n:
+            outs.append(x[start:start + n] @ w[g].t())
+        start += n
+    rest = x.shape[0] - start
+    if rest or not outs:
+        outs.append(x.new_zeros(rest, w.shape[1]))
+    return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, scoring: str = "softmax",
+                 norm_topk_prob: bool = True, n_shared: int = 0, shared_hidden: Optional[int] = None,
+                 shared_gate: bool = False, capacity_factor: Optional[float] = None,
+                 bias_balancing: bool = False, jitter: float = 0.0, dispatch: str = "auto"):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}, got {dispatch!r}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
+        self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
+        self.scoring, self.norm_topk_prob = scoring, norm_topk_prob
+        self.capacity_factor, self.jitter, self.dispatch = capacity_factor, jitter, dispatch
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.down = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.shared = SwiGLU(dim, n_shared * (shared_hidden or hidden)) if n_shared else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if n_shared and shared_gate else None
+        if bias_balancing:  # persistent: a checkpoint resumes with the same routing
+            self.register_buffer("score_bias", torch.zeros(n_experts))
+        else:
+            self.score_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """nn.Linear's default init, expert by expert."""
+        for w in (self.gate_up, self.down):
+            bound = 1 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+
+    # ------------------------------------------------------------------ routing
+    def route(self, x: torch.Tensor):
+        """x (N, D) -> logits (N, E) fp32, weights (N, k) fp32, experts (N, k) int64, probs (N, E)
+        fp32 (the per-token distribution the load-balancing loss uses)."""
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return logits, weights, experts, probs
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float):
+        """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of under-loaded experts and
+        lower it for over-loaded ones by `rate`, from the observed load (E,)."""
+        if self.score_bias is None:
+            raise RuntimeError("update_bias needs MoE(..., bias_balancing=True)")
+        load = load.float()
+        self.score_bias += rate * torch.sign(load.mean() - load)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        if self.training and self.jitter > 0:  # Mixtral's router_jitter_noise: on the experts' input too
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        x = x.reshape(-1, shape[-1])
+        N, E, k = x.shape[0], self.n_experts, self.top_k
+        logits, weights, experts, probs = self.route(x)
+
+        # (token, choice) pairs in choice-major order (all first choices, then all second ones),
+        # so that under a capacity the first choices and the earlier tokens are served first
+        flat = experts.t().reshape(-1)
+        w_flat = weights.t().reshape(-1)
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        sorted_e, order = torch.sort(flat, stable=True)
+        kept = counts
+        keep = None
+        if self.capacity_factor is not None and self.training:
+            cap = math.ceil(self.capacity_factor * N * k / E)
+            starts = counts.cumsum(0) - counts
+            keep = torch.arange(N * k, device=x.device) - starts[sorted_e] < cap
+            # the dropped pairs move behind all the kept ones (which stay sorted by expert)
+            _, again = torch.sort(sorted_e + E * (~keep).long(), stable=True)
+            order, keep = order[again], keep[again]
+            kept = counts.clamp(max=cap)
+        token = order % N
+        y = self._experts(x, token, sorted_e, kept, keep).float()
+        if keep is not None:  # before the weights: the dropped rows hold undefined values
+            y = torch.where(keep[:, None], y, 0.0)
+        y = y * w_flat[order, None]
+        # back to choice-major order, then each token's top_k contributions summed in fp32
+        y = torch.empty_like(y).index_copy_(0, order, y).view(k, N, -1).sum(0)  # order is a permutation
+        dt = self._dtype(x)
+        y = y.to(dt)
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(x)) * s
+            y = y + s.to(dt)
+
+        f = counts.float() / N
+        stats = {"load": counts.float(),
+                 "lb_loss": E * (f * probs.mean(0)).sum(),
+                 "z_loss": torch.logsumexp(logits, -1).pow(2).mean(),
+                 "dropped": (counts - kept).sum().float()}
+        return y.view(*shape[:-1], -1), stats
+
+    @staticmethod
+    def _dtype(x):
+        dev = x.device.type
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+    def _experts(self, x, token, sorted_e, kept, keep):
+        """The SwiGLU experts on the gathered tokens x[token] (S, D), grouped by expert (row i
+        for expert sorted_e[i]): kept[e] rows for expert e, then the dropped rows (if any).
+        Returns (S, D) in the compute dtype."""
+        dt = self._dtype(x)
+        xs = x[token].to(dt)
+        if keep is None and x.shape[0] <= DECODE_ROWS and x.device.type == "cpu" and torch.compiler.is_compiling():
+            gate_up = self.gate_up[sorted_e].to(dt)  # (S, 2F, D): fused into the reduction, never made
+            h = (xs[:, None, :] * gate_up).sum(-1, dtype=torch.float32).to(dt)
+            g, u = h.chunk(2, dim=-1)
+            a = F.silu(g) * u
+            return (a[:, None, :] * self.down[sorted_e].to(dt)).sum(-1, dtype=torch.float32).to(dt)
+        gate_up, down = self.gate_up.to(dt), self.down.to(dt)
+        mode = self.dispatch
+        if mode == "auto":
+            mode = "grouped" if grouped_mm_supported(x.device, dt) else "loop"
+        if mode == "grouped":
+            if keep is not None:  # rows past the kept ones are left undefined: zero their gradient
+                xs = xs.masked_fill(~keep[:, None], 0.0)
+            offs = kept.cumsum(0).to(torch.int32)
+            g, u = grouped_linear(xs, gate_up, offs).chunk(2, dim=-1)
+            return grouped_linear(F.silu(g) * u, down, offs)
+        counts = kept.tolist()  # the loop needs the group sizes on the host
+        g, u = loop_linear(xs, gate_up, counts).chunk(2, dim=-1)
+        return loop_linear(F.silu(g) * u, down, counts)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, hidden={self.hidden}, n_experts={self.n_experts}, top_k={self.top_k}, "
+                f"scoring={self.scoring}, capacity_factor={self.capacity_factor}")
