@@ -287,7 +287,8 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         peak = t.peak_flops or measure_peak_flops(device, amp_dtype)
         fpi = task.flops_per_item(model)
-    say(f"mfu: peak {peak / 1e12:.2f} TFLOP/s ({'configured' if t.peak_flops else 'measured matmul'})")
+    rate = f"{peak / 1e12:.2f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
+    say(f"mfu: peak {rate} ({'configured' if t.peak_flops else 'measured matmul'})")
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     params = [p for p in model.parameters() if p.requires_grad]
 
