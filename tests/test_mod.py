@@ -212,14 +212,14 @@ def test_cached_decoding_with_moe_layers():
 
 
 def test_generate_compiled_equals_eager():
-    m = mod_llm().eval()
+    m = mod_llm(n_layers=2).eval()
     for batch in (1, 2):
         ids = torch.randint(0, 97, (batch, 6), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(m.generate(ids, 10, compile=True), m.generate(ids, 10))
 
 
 def test_compiled_training_step_equals_eager():
-    model = mod_llm(attn_backend="auto")
+    model = mod_llm(attn_backend="auto", n_layers=2)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
     _, loss, aux = torch.compile(model)(ids, targets=ids, return_aux=True)
