@@ -39,7 +39,7 @@ def reference(m: MixtureOfDepths, x: torch.Tensor, rope: RotaryEmbedding, chosen
     k = max(1, int(m.capacity * T))
     rows = []
     for b in range(B):
-        score = x[b] @ m.router.weight[0]
+        score = x[b] @ m.router.weight[0] + m.router.bias
         pos = torch.sort(torch.topk(score, k).indices).values if chosen is None else chosen[b].nonzero()[:, 0]
         cos, sin = rope.cos[pos], rope.sin[pos]
         xs = x[b, pos][None]
@@ -78,7 +78,7 @@ def test_causal_routing_equals_reference_on_the_decided_tokens():
     running the plain block on each row's routed tokens alone, at their positions."""
     m, rope = mod_block()
     x = torch.randn(3, 12, 32, generator=torch.Generator().manual_seed(1))
-    route = (x @ m.router.weight[0]) > 0
+    route = (x @ m.router.weight[0] + m.router.bias) > 0
     assert not torch.equal(route[0], route[1]) and 0 < route.float().mean() < 1
     out, _, stats = m(x, *rope(0, 12, torch.float32), causal=True)
     assert (out - reference(m, x, rope, chosen=route)).abs().max() <= TOL
@@ -91,7 +91,7 @@ def test_capacity_one_processes_every_token():
     cos, sin = rope(0, 10, torch.float32)
     out, _, stats = m(x, cos, sin)
     y, _ = m.block(x, cos, sin)
-    w = torch.sigmoid(x @ m.router.weight[0])[..., None]
+    w = torch.sigmoid(x @ m.router.weight[0] + m.router.bias)[..., None]
     assert (out - (x + w * (y - x))).abs().max() <= TOL and stats["routed"].item() == 1.0
 
 
@@ -133,7 +133,7 @@ def test_decision_accuracy_counts_agreement():
     m, rope = mod_block()
     x = torch.randn(2, 16, 32)
     _, _, stats = m(x, *rope(0, 16, torch.float32))
-    logits = x @ m.router.weight[0]
+    logits = x @ m.router.weight[0] + m.router.bias
     topk = torch.zeros_like(logits).scatter_(1, logits.topk(4, -1).indices, 1.0)
     assert stats["accuracy"].item() == pytest.approx(((logits > 0).float() == topk).float().mean().item())
     assert stats["decided"].item() == pytest.approx((logits > 0).float().mean().item())
@@ -271,7 +271,7 @@ def test_activation_checkpointing_same_gradients():
 def test_flops_per_token_counts_the_capacity():
     dense = mod_llm(mod_capacity=0.0)
     full = mod_llm(mod_capacity=1.0)
-    assert full.flops_per_token(32) == dense.flops_per_token(32) + 6 * 2 * 32  # only the two routers
+    assert full.flops_per_token(32) == dense.flops_per_token(32) + 6 * 2 * 33  # only the two routers
     half = mod_llm(mod_capacity=0.5)
     blk = sum(p.numel() for p in half.layers[1].block.parameters() if p.dim() > 1)
     attn = 12 * 4 * 8 * 32

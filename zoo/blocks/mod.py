@@ -4,7 +4,8 @@ Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in tran
 language models" (2024).
 
 `MixtureOfDepths(block, d_model, capacity)` wraps any residual block `block(x, *per_token) -> x + f(x)`
-(or a tuple whose first item is that). A router (linear d_model -> 1, no bias) scores every token;
+(or a tuple whose first item is that). A router (linear d_model -> 1, with a bias: the causal
+decision's base rate, which does not move the top-k) scores every token;
 per sequence, the k = max(1, int(capacity * T)) best-scoring tokens go through the block, gathered in
 their original order, with the `per_token` tensors (RoPE's cos and sin tables (T, D), indexed by
 position) gathered at their original positions, so the block's causal attention and RoPE see the
@@ -62,7 +63,7 @@ class MixtureOfDepths(nn.Module):
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r} (supported: {', '.join(ROUTERS)})")
         self.block, self.capacity, self.router_kind = block, capacity, router
-        self.router = nn.Linear(d_model, 1, bias=False)
+        self.router = nn.Linear(d_model, 1)
         self.predictor = None
         if router == "predictor":
             h = predictor_hidden or max(8, d_model // 8)
