@@ -96,7 +96,8 @@ def starved(out: Path, seq: int, batch: int) -> int:
     return int((load < 0.1 * load.mean(-1, keepdim=True)).sum())
 
 
-def plot(results: dict, png: Path):
+def plot(results: dict, png: Path, title: str = "dense vs MoE (same active parameters, same tokens), embedded corpus",
+         xlabel: str = "step"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -109,12 +110,12 @@ def plot(results: dict, png: Path):
         line, = ax.plot(steps, smooth, label=f"{name} train", color=f"C{i}")
         va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         ax.plot(*zip(*va), "o--", color=line.get_color(), label=f"{name} val")
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_ylim(top=min(6.5, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, fontsize=8)
-    ax.set_title("dense vs MoE (same active parameters, same tokens), embedded corpus")
+    ax.set_title(title)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
