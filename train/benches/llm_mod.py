@@ -9,7 +9,7 @@ The models: Zoo's LLM with random weights, once dense and once with Mixture-of-D
 (`model.mod_capacity` = `--capacity`, `model.mod_every` = `--every`; the paper's best is 12.5% on
 every other layer), the same shape, batch and precision. Training step = forward + loss (+ the
 MoD decision loss, as the LM task adds it) + backward + AdamW + zero_grad(set_to_none), eager and
-under torch.compile (`--modes`). MFU uses each model's own flops_per_token (the MoD count
+under torch.compile (`--modes`), as train/benches/llm_moe.py runs it. MFU uses each model's own flops_per_token (the MoD count
 reflects the capacity).
 
 Decoding: batch 1, a random 16-token prompt, greedy, `--new-tokens` new tokens, generate() eager
@@ -37,6 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 from train.benches import harness  # noqa: E402
+from train.benches.llm_moe import TrainSide, time_training, zoo_step  # noqa: E402
 
 MODES = ("eager", "compile")
 
@@ -77,26 +78,8 @@ def calibrate(model, args):
     return fracs
 
 
-class TrainSide:
-    def __init__(self, model, compile_: bool):
-        from train.config import OptimConfig
-        from train.optim import build_optimizer
-        self.model = model.train()
-        self.fwd = torch.compile(model) if compile_ else model
-        self.opt = build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
-        self.mod = model.config.mod_capacity > 0
-
-    def step(self, precision, ids):
-        with harness.autocast(precision):
-            if self.mod:
-                _, loss, aux = self.fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=True)
-                loss = loss + aux["aux_loss"]
-            else:
-                _, loss = self.fwd(ids[:, :-1], targets=ids[:, 1:])
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+def dense_step(fwd, ids):
+    return fwd(ids[:, :-1], targets=ids[:, 1:])[1]
 
 
 def table(title, rounds: harness.Rounds, per_call: int, unit: str, extra=None):
@@ -125,6 +108,7 @@ def main(argv=None):
     ap.add_argument("--router", choices=("aux_loss", "predictor"), default="aux_loss")
     ap.add_argument("--modes", type=harness.name_list(MODES, "mode"), default=",".join(MODES),
                     help="comma list of " + ", ".join(MODES))
+    ap.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
     ap.add_argument("--steps", type=harness.positive_int, default=1, help="timed training steps per side and round")
     ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per decoding call (0: no decoding table)")
     args = ap.parse_args(argv)
@@ -143,20 +127,9 @@ def main(argv=None):
     tokens = args.batch * args.seq
     for prec in args.precision:
         import copy
-        sides = {f"{kind}-{mode}": TrainSide(copy.deepcopy(m), mode == "compile")
-                 for mode in args.modes for kind, m in (("dense", dense), ("mod", mod))}
-        peak = harness.best_peak_flops(cpu, prec)
-        for n, s in sides.items():
-            t0 = time.perf_counter()
-            for _ in range(1 + (2 if n.endswith("compile") else 0)):
-                loss = float(s.step(prec, ids))
-            print(f"  {prec} warm-up {n}: {time.perf_counter() - t0:.1f} s, loss {loss:.3f}", flush=True)
-
-        def between(r):
-            nonlocal peak
-            peak = harness.best_peak_flops(cpu, prec, peak)
-        rounds = harness.run_rounds({n: (lambda s=s: float(s.step(prec, ids))) for n, s in sides.items()},
-                                    args.rounds, calls=args.steps, between=between)
+        sides = {f"{kind}-{mode}": TrainSide(copy.deepcopy(m), step, mode == "compile")
+                 for mode in args.modes for kind, m, step in (("dense", dense, dense_step), ("mod", mod, zoo_step))}
+        rounds, peak = time_training(sides, prec, ids, args, cpu)
         table(f"Training step ({args.batch} x {args.seq} tokens; forward, loss, backward, AdamW), {prec}",
               rounds, tokens, "tokens/s",
               extra=lambda n: [f"{100 * flops[n.split('-')[0]] * tokens / rounds.best(n) / peak:.1f}%"])

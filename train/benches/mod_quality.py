@@ -18,8 +18,6 @@ Runs that already finished in --out are read, not run again (delete the folder t
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from train.benches.moe_quality import plot, rows_of  # noqa: E402
+from train.benches.moe_quality import plot, run  # noqa: E402
 
 RUNS = {
     "dense": ("tiny.yaml", []),
@@ -41,25 +39,6 @@ def flops_per_token(cfg_name: str, extra: list, seq: int) -> float:
     from train.config import load_run_config
     cfg = load_run_config(str(ROOT / "configs" / "llm" / cfg_name), list(extra) + [f"data.seq_len={seq}"])
     return zoo.build(cfg.model).flops_per_token(seq)
-
-
-def run(name: str, steps: int, args) -> list:
-    cfg, extra = RUNS[name]
-    out = Path(args.out) / name
-    if (out / "model.safetensors").is_file():
-        print(f"{name}: finished earlier in {out}, read from there", flush=True)
-        return rows_of(out)
-    cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / cfg),
-           f"train.out_dir={out}", f"train.max_steps={steps}", f"train.batch_size={args.batch}",
-           f"data.seq_len={args.seq}", f"train.eval_every={max(1, steps // args.evals)}",
-           f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", "train.samples=false",
-           "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, steps // 12)}", *extra]
-    if args.precision:
-        cmd.append(f"train.precision={args.precision}")
-    print(f"{name}: {' '.join(cmd[1:])}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
-    return rows_of(out)
 
 
 def main(argv=None):
@@ -80,7 +59,7 @@ def main(argv=None):
     fpt = {n: flops_per_token(*RUNS[n], args.seq) for n in args.runs}
     budget = flops_per_token(*RUNS["dense"], args.seq) * args.steps * args.batch * args.seq
     steps = {n: max(1, round(budget / (fpt[n] * args.batch * args.seq))) for n in args.runs}
-    results = {n: run(n, steps[n], args) for n in args.runs}
+    results = {n: run(n, args, RUNS, steps[n]) for n in args.runs}
     print(f"\nequal training FLOPs ({budget:.3g}): batch {args.batch} x {args.seq} tokens, "
           f"precision {args.precision or 'auto'}")
     header = ["run", "steps", "FLOPs/token", "val loss (top-k)", "val loss (causal)", "decision accuracy (mean / worst layer)",

@@ -42,17 +42,20 @@ def rows_of(out: Path) -> list:
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
-def run(name: str, args) -> list:
-    cfg, extra = RUNS[name]
+def run(name: str, args, runs: dict = RUNS, steps: int = 0) -> list:
+    """Run `name` of `runs` (config file, overrides) for `steps` (default args.steps) steps, or read
+    its metrics from args.out when it finished there before."""
+    cfg, extra = runs[name]
+    steps = steps or args.steps
     out = Path(args.out) / name
     if (out / "model.safetensors").is_file():
         print(f"{name}: finished earlier in {out}, read from there", flush=True)
         return rows_of(out)
     cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / cfg),
-           f"train.out_dir={out}", f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
-           f"data.seq_len={args.seq}", f"train.eval_every={args.eval_every}",
+           f"train.out_dir={out}", f"train.max_steps={steps}", f"train.batch_size={args.batch}",
+           f"data.seq_len={args.seq}", f"train.eval_every={getattr(args, 'eval_every', 0) or max(1, steps // args.evals)}",
            f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", "train.samples=false",
-           "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, args.steps // 12)}", *extra]
+           "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, steps // 12)}", *extra]
     if args.precision:
         cmd.append(f"train.precision={args.precision}")
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
