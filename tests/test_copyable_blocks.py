@@ -67,6 +67,22 @@ SMOKE = {
         loop.load_state_dict(m.state_dict())
         assert (loop(x)[0] - y).abs().max() < 1e-5
     """,
+    "mod.py": """
+        from mod import MixtureOfDepths
+        class Residual(torch.nn.Module):  # a residual block that uses a per-position table
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+            def forward(self, x, pos_emb, key_mask=None):
+                return x + self.lin(x + pos_emb)
+        m = MixtureOfDepths(Residual(), 8, capacity=0.25)
+        x, pos = torch.randn(2, 12, 8), torch.randn(12, 8)
+        y, stats = m(x, pos)
+        (y.square().mean() + stats["aux_loss"]).backward()
+        assert ((y != x).any(-1).sum(-1) == 3).all() and m.router.weight.grad.abs().sum() > 0
+        y, stats = m(x, pos, causal=True)
+        assert y.shape == x.shape and 0.0 <= stats["routed"] <= 1.0
+    """,
     "drop_path.py": """
         from drop_path import DropPath, drop_path
         x = torch.ones(1000, 4)

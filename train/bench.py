@@ -21,6 +21,8 @@ BENCHES: dict[str, str] = {
     "llm-generate": "train.benches.llm_generate",
     "llm-moe": "train.benches.llm_moe",
     "llm-moe-quality": "train.benches.moe_quality",
+    "llm-mod": "train.benches.llm_mod",
+    "llm-mod-quality": "train.benches.mod_quality",
     "taesd": "train.benches.taesd",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",

@@ -302,6 +302,12 @@ class LLMConfig:
     sliding_window: Optional[int] = None    # Mistral-style local attention window
     qk_norm: bool = False                   # RMSNorm over each q and k head before RoPE (Qwen3)
     moe: Optional[MoEConfig] = None         # Mixture-of-Experts feed-forward layers; null: dense
+    # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
+    # every mod_every-th block and the rest around it
+    mod_capacity: float = 0.0               # fraction of tokens a MoD block processes; 0: off
+    mod_every: int = 2                      # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0
+    mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision used for decoding
+    mod_aux_loss_coef: float = 0.01         # weight of the decision's binary cross-entropy
     init_std: float = 0.02
     activation_checkpointing: bool = False
     chunked_loss: bool = True               # never materialise the full B*T*V fp32 logits
@@ -327,6 +333,18 @@ class LLMConfig:
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             k = "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std"
             raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
+        if not 0.0 <= self.mod_capacity <= 1.0:
+            raise fail(source, p + "mod_capacity", f"must be in [0, 1] (0: off), got {self.mod_capacity}")
+        if self.mod_every <= 0:
+            raise fail(source, p + "mod_every", f"must be > 0, got {self.mod_every}")
+        if self.mod_aux_loss_coef < 0:
+            raise fail(source, p + "mod_aux_loss_coef", f"must be >= 0, got {self.mod_aux_loss_coef}")
+        if self.mod_capacity > 0 and self.sliding_window is not None:
+            raise fail(source, p + "mod_capacity", f"does not combine with {p}sliding_window (a MoD block's "
+                                                   f"tokens are not contiguous)")
+        if self.mod_capacity > 0 and self.mod_every > self.n_layers:
+            raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
+                                                f"no layer would be a MoD block")
         if self.moe is not None:
             bad = [i for i in self.moe.dense_layers if not 0 <= i < self.n_layers]
             if bad:
@@ -354,6 +372,10 @@ class LLMConfig:
         if self.moe is None:
             return None
         return self.moe.expert_hidden or self.resolved_ffn_hidden
+
+    def is_mod(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) is wrapped in Mixture-of-Depths routing."""
+        return self.mod_capacity > 0 and (layer + 1) % self.mod_every == 0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether block `layer` (from 0) has a Mixture-of-Experts feed-forward."""

@@ -7,6 +7,9 @@ projections initialised with std / sqrt(2 * n_layers) (GPT-2); optional activati
 checkpointing per block; a chunked loss that never materialises the full fp32 logits.
 With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
 routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
+With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
+(blocks/mod.py): top-k tokens per sequence in training and evaluation, each token's causal
+decision when decoding with the KV cache; their statistics come out of return_aux too.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from .blocks.attention import CausalSelfAttention, KVCache, flash_available
 from .blocks.chunked_ce import chunked_cross_entropy
 from .blocks.mlp import SwiGLU
+from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
@@ -36,6 +40,8 @@ def moe_block(cfg: LLMConfig) -> MoE:
 
 
 class Block(nn.Module):
+    n_extra = 1  # forward returns (x, one more item): what a skipping MixtureOfDepths returns in its place
+
     def __init__(self, cfg: LLMConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -44,9 +50,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0):
-        """-> (x, routing stats of a MoE block, or None)"""
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None):
+        """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
+        may use as keys (a Mixture-of-Depths block in causal mode; see blocks/attention.py)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, key_mask)
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(self.mlp_norm(x))
             return x + y, stats
@@ -64,7 +71,9 @@ class LLM(nn.Module):
                               "import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            MixtureOfDepths(Block(cfg, i), cfg.d_model, cfg.mod_capacity, cfg.mod_router) if cfg.is_mod(i)
+            else Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -91,25 +100,36 @@ class LLM(nn.Module):
 
     # ------------------------------------------------------------------ forward / loss
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False):
+                caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
+                mod_causal: Optional[bool] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), where logits
         is None when the chunked loss is on (the full logits are never made). The loss is the
-        cross-entropy alone. return_aux=True appends a dict (`moe_aux`) to the result."""
+        cross-entropy alone. return_aux=True appends a dict (`moe_aux`, `mod_aux`) to the result.
+        mod_causal: Mixture-of-Depths blocks route by each token's causal decision instead of the
+        top-k of the sequence; by default, exactly when decoding with caches."""
         B, T = input_ids.shape
         x = self.embed(input_ids)
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = self.rope(start_pos, T, rope_dtype)
         ckpt = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
-        stats = []
+        stats, mod_stats = [], []
+        causal = caches is not None if mod_causal is None else mod_causal
+        if caches is not None and not causal and self.config.mod_capacity > 0:
+            raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
         for i, layer in enumerate(self.layers):
-            cache = caches[i] if caches is not None else None
+            kw = {"cache": caches[i]} if caches is not None else {}
+            if start_pos:
+                kw["start_pos"] = start_pos
+            if isinstance(layer, MixtureOfDepths):
+                kw["causal"] = causal
             if ckpt:
-                x, s = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x, s, *m = checkpoint(layer, x, cos, sin, use_reentrant=False, **kw)
             else:
-                x, s = layer(x, cos, sin, cache, start_pos)
+                x, s, *m = layer(x, cos, sin, **kw)
             if s is not None:
                 stats.append(s)
+            mod_stats += m
         h = self.norm(x)
         if targets is None:
             out = (self.lm_head(h),)
@@ -122,7 +142,11 @@ class LLM(nn.Module):
             loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
             out = (logits, loss)
         if return_aux:
-            out = out + (self.moe_aux(stats),)
+            aux = self.moe_aux(stats)
+            if mod_stats:
+                aux.update(self.mod_aux(mod_stats))
+                aux["aux_loss"] = aux.get("aux_loss", 0.0) + aux["mod_aux_loss"]
+            out = out + (aux,)
         return out[0] if len(out) == 1 else out
 
     def moe_aux(self, stats: list) -> dict:
@@ -140,9 +164,23 @@ class LLM(nn.Module):
         aux["aux_loss"] = total
         return aux
 
+    # ------------------------------------------------------------------ Mixture-of-Depths
+    def mod_aux(self, mod_stats: list) -> dict:
+        """The MoD blocks' statistics -> {'mod_aux_loss': mod_aux_loss_coef * the mean over the MoD
+        blocks of their decision's cross-entropy, 'mod_routed' (L,) the fraction of tokens each
+        processed, 'mod_decided' (L,) the fraction its causal decision routes, 'mod_accuracy' (L,)
+        the fraction where that decision agrees with the top-k (NaN in causal mode)}."""
+        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
+        aux["mod_aux_loss"] = self.config.mod_aux_loss_coef * torch.stack([s["aux_loss"] for s in mod_stats]).mean()
+        return aux
+
+    def blocks(self) -> list:
+        """The transformer blocks, unwrapped from their Mixture-of-Depths routing."""
+        return [layer.block if isinstance(layer, MixtureOfDepths) else layer for layer in self.layers]
+
     # ------------------------------------------------------------------ MoE balancing by bias
     def moe_blocks(self) -> list:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        return [b.mlp for b in self.blocks() if isinstance(b.mlp, MoE)]
 
     @torch.no_grad()
     def record_router_load(self, load: torch.Tensor):
@@ -163,8 +201,9 @@ class LLM(nn.Module):
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
         p = self.embed.weight
         cfg = self.config
-        return [KVCache(batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
-                for _ in range(cfg.n_layers)]
+        return [KVCache(batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype,
+                        masked=cfg.is_mod(i))
+                for i in range(cfg.n_layers)]
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
@@ -211,10 +250,24 @@ class LLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022).
-        A MoE layer counts the experts a token is routed to, not the others."""
+        A MoE layer counts the experts a token is routed to, not the others. A Mixture-of-Depths
+        block counts its k of seq_len tokens: its matmuls at the fraction c = k / seq_len of the
+        tokens, its attention at c of the queries over c of the keys (c^2), its router on every token."""
         cfg = self.config
         n_matmul = self.num_params(non_embedding=True, active=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
-        attn = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+        per_layer_attn = 12 * cfg.n_heads * cfg.resolved_head_dim * seq_len
+        attn = 0.0
+        for layer in self.layers:
+            if isinstance(layer, MixtureOfDepths):
+                c = layer.tokens_routed(seq_len) / seq_len
+                inner = sum(p.numel() for p in layer.block.parameters() if p.dim() > 1)
+                if isinstance(layer.block.mlp, MoE):  # the experts a token is not routed to
+                    b = layer.block.mlp
+                    inner -= (b.n_experts - b.top_k) * (b.gate_up[0].numel() + b.down[0].numel())
+                n_matmul -= (1 - c) * inner
+                attn += per_layer_attn * c * c
+            else:
+                attn += per_layer_attn
         return 6 * n_matmul + attn
 
 

@@ -117,6 +117,25 @@ def train_sides(args, folder, names) -> dict:
     return sides
 
 
+def time_training(sides: dict, prec: str, ids, args, device) -> tuple:
+    """Warm up each TrainSide (args.warmup steps, 2 more when compiled), then time them in
+    alternating rounds (args.rounds of args.steps steps). -> (Rounds, the best peak FLOP/s
+    measured between rounds)."""
+    peak = harness.best_peak_flops(device, prec)
+    for n, s in sides.items():
+        t0 = time.perf_counter()
+        for _ in range(args.warmup + (2 if n.endswith("compile") else 0)):
+            loss = float(s.step(prec, ids))
+        print(f"  {prec} warm-up {n}: {time.perf_counter() - t0:.1f} s, loss {loss:.3f}", flush=True)
+
+    def between(r):
+        nonlocal peak
+        peak = harness.best_peak_flops(device, prec, peak)
+    rounds = harness.run_rounds({n: (lambda s=s: float(s.step(prec, ids))) for n, s in sides.items()},
+                                args.rounds, calls=args.steps, between=between)
+    return rounds, peak
+
+
 def report(title, rounds: harness.Rounds, per_call: int, unit: str, extra=None):
     """The table of one comparison, and the paired median of the best Zoo and transformers sides."""
     names = list(rounds.wall)
@@ -172,18 +191,7 @@ def main(argv=None):
         tokens = args.batch * args.seq
         for prec in args.precision:
             sides = train_sides(args, folder, args.sides)
-            peak = harness.best_peak_flops(cpu, prec)
-            for n, s in sides.items():
-                t0 = time.perf_counter()
-                for _ in range(args.warmup + (2 if n.endswith("compile") else 0)):
-                    loss = float(s.step(prec, ids))
-                print(f"  {prec} warm-up {n}: {time.perf_counter() - t0:.1f} s, loss {loss:.3f}", flush=True)
-
-            def between(r):
-                nonlocal peak
-                peak = harness.best_peak_flops(cpu, prec, peak)
-            rounds = harness.run_rounds({n: (lambda s=s: float(s.step(prec, ids))) for n, s in sides.items()},
-                                        args.rounds, calls=args.steps, between=between)
+            rounds, peak = time_training(sides, prec, ids, args, cpu)
             report(f"Training step ({args.batch} x {args.seq} tokens; forward, loss, backward, AdamW), {prec}",
                    rounds, tokens, "tokens/s",
                    extra=lambda n: [f"{100 * flops_tok * tokens / rounds.best(n) / peak:.1f}%"])

@@ -42,17 +42,20 @@ def rows_of(out: Path) -> list:
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
-def run(name: str, args) -> list:
-    cfg, extra = RUNS[name]
+def run(name: str, args, runs: dict = RUNS, steps: int = 0) -> list:
+    """Run `name` of `runs` (config file, overrides) for `steps` (default args.steps) steps, or read
+    its metrics from args.out when it finished there before."""
+    cfg, extra = runs[name]
+    steps = steps or args.steps
     out = Path(args.out) / name
     if (out / "model.safetensors").is_file():
         print(f"{name}: finished earlier in {out}, read from there", flush=True)
         return rows_of(out)
     cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / cfg),
-           f"train.out_dir={out}", f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
-           f"data.seq_len={args.seq}", f"train.eval_every={args.eval_every}",
+           f"train.out_dir={out}", f"train.max_steps={steps}", f"train.batch_size={args.batch}",
+           f"data.seq_len={args.seq}", f"train.eval_every={getattr(args, 'eval_every', 0) or max(1, steps // args.evals)}",
            f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", "train.samples=false",
-           "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, args.steps // 12)}", *extra]
+           "train.progress=false", "train.log_every=10", f"optim.warmup_steps={max(1, steps // 12)}", *extra]
     if args.precision:
         cmd.append(f"train.precision={args.precision}")
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
@@ -96,7 +99,8 @@ def starved(out: Path, seq: int, batch: int) -> int:
     return int((load < 0.1 * load.mean(-1, keepdim=True)).sum())
 
 
-def plot(results: dict, png: Path):
+def plot(results: dict, png: Path, title: str = "dense vs MoE (same active parameters, same tokens), embedded corpus",
+         xlabel: str = "step"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -109,12 +113,12 @@ def plot(results: dict, png: Path):
         line, = ax.plot(steps, smooth, label=f"{name} train", color=f"C{i}")
         va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         ax.plot(*zip(*va), "o--", color=line.get_color(), label=f"{name} val")
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_ylim(top=min(6.5, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, fontsize=8)
-    ax.set_title("dense vs MoE (same active parameters, same tokens), embedded corpus")
+    ax.set_title(title)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)

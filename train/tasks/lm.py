@@ -3,7 +3,16 @@
 For a Mixture-of-Experts model (model.moe) the task adds the router's auxiliary losses to the
 cross-entropy, steps the routing biases once per optimizer step (moe.balance: bias), and reports
 in every logged row (and a log line) the auxiliary losses, each sparse layer's max and min expert
-load relative to uniform, and the fraction of choices dropped by a capacity limit."""
+load relative to uniform, and the fraction of choices dropped by a capacity limit.
+
+For a Mixture-of-Depths model (model.mod_capacity > 0) the task adds the causal decisions'
+cross-entropy to the loss and reports, per MoD layer, the fraction of tokens routed through it,
+the fraction its causal decision would route, and how often that decision agrees with the
+top-k (`mod_routed`, `mod_decided`, `mod_accuracy`); evaluation adds the decision accuracy on the
+validation tokens (`val_mod_accuracy`, the mean over the MoD layers; `val_mod_accuracy_layer<i>`
+for layer i) and the
+validation loss when every MoD layer routes by the causal decision, as decoding does
+(`val_loss_causal`)."""
 from __future__ import annotations
 
 import math
@@ -25,6 +34,7 @@ class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
     moe = None           # the model's MoEConfig, when it has one
+    mod = False          # whether the model has Mixture-of-Depths layers
     _micro = _step = 0   # the micro-batch and step train_batch was last asked for
     _sums: Optional[dict] = None
 
@@ -70,6 +80,7 @@ class LMTask(Task):
         else:
             model = zoo.build(self.cfg.model)
         self.moe = model.config.moe
+        self.mod = model.config.mod_capacity > 0
         vocab = self.data.tokenizer.vocab_size
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
@@ -92,11 +103,11 @@ class LMTask(Task):
 
     def loss(self, model, batch):
         x, y = batch
-        if self.moe is None:
+        if self.moe is None and not self.mod:
             _, loss = model(x, y)
             return loss, y.numel()
         raw = getattr(model, "_orig_mod", model)  # torch.compile'd
-        bias = self.moe.balance == "bias"
+        bias = self.moe is not None and self.moe.balance == "bias"
         if bias and self._micro == 0:  # the load of the previous optimizer step
             raw.update_router_biases()
         _, loss, aux = model(x, y, return_aux=True)
@@ -109,21 +120,48 @@ class LMTask(Task):
     def _accumulate(self, loss, aux, tokens):
         """Sums on the device (no host sync per step); train_metrics reads them once per log."""
         now = {"lm_loss": loss.detach().float(), "aux_loss": aux["aux_loss"].detach().float(),
-               "lb_loss": aux["lb_loss"].mean(), "z_loss": aux["z_loss"].mean(),
-               "load": aux["load"], "dropped": aux["dropped"].sum(), "n": torch.ones((), device=loss.device),
-               "choices": torch.full((), float(tokens * self.moe.top_k * aux["load"].shape[0]), device=loss.device)}
+               "n": torch.ones((), device=loss.device)}
+        if self.moe is not None:
+            now.update({"lb_loss": aux["lb_loss"].mean(), "z_loss": aux["z_loss"].mean(), "load": aux["load"],
+                        "dropped": aux["dropped"].sum(), "choices": torch.full(
+                            (), float(tokens * self.moe.top_k * aux["load"].shape[0]), device=loss.device)})
+        if self.mod:
+            now.update({k: aux[k].detach().float() for k in ("mod_aux_loss", "mod_routed", "mod_decided",
+                                                              "mod_accuracy")})
         self._sums = now if self._sums is None else {k: v + now[k] for k, v in self._sums.items()}
 
     def train_metrics(self):
         if self._sums is None:
             return {}
         s, self._sums = self._sums, None
+        out = {"lm_loss": (s["lm_loss"] / s["n"]).item()}
+        if self.moe is not None:
+            out.update(self._moe_metrics(s))
+        if self.mod:
+            out.update(self._mod_metrics(s))
+        return out
+
+    def _mod_metrics(self, s):
+        flat = torch.cat([(s["mod_aux_loss"] / s["n"])[None]] +
+                         [s[k] / s["n"] for k in ("mod_routed", "mod_decided", "mod_accuracy")]).tolist()
+        L = (len(flat) - 1) // 3
+        out = {"mod_aux_loss": flat[0], "mod_routed": flat[1:1 + L], "mod_decided": flat[1 + L:1 + 2 * L],
+               "mod_accuracy": flat[1 + 2 * L:]}
+        per_layer = " ".join(f"{a:.3f}/{b:.3f}/{c:.3f}" for a, b, c in
+                             zip(out["mod_routed"], out["mod_decided"], out["mod_accuracy"]))
+        self.log(f"step {self._step + 1}: mod aux_loss {out['mod_aux_loss']:.5f} "
+                 f"routed/decided/decision accuracy per MoD layer {per_layer}")
+        return out
+
+    def _moe_metrics(self, s):
+        if self.mod:  # the MoD part of the auxiliary loss is reported on its own
+            s = dict(s, aux_loss=s["aux_loss"] - s["mod_aux_loss"])
         load = s["load"]  # (sparse layers, experts): the choices each expert received
         rel = load / load.mean(-1, keepdim=True).clamp(min=1e-9)
         flat = torch.cat([torch.stack([s[k] / s["n"] for k in ("lm_loss", "aux_loss", "lb_loss", "z_loss")]),
                           (s["dropped"] / s["choices"])[None], rel.max(-1).values, rel.min(-1).values]).tolist()
         L = load.shape[0]
-        out = {"lm_loss": flat[0], "moe_aux_loss": flat[1], "moe_lb_loss": flat[2], "moe_z_loss": flat[3],
+        out = {"moe_aux_loss": flat[1], "moe_lb_loss": flat[2], "moe_z_loss": flat[3],
                "moe_dropped": flat[4], "moe_load_max": flat[5:5 + L], "moe_load_min": flat[5 + L:]}
         per_layer = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(out["moe_load_max"], out["moe_load_min"]))
         self.log(f"step {self._step + 1}: moe lb_loss {out['moe_lb_loss']:.4f} z_loss {out['moe_z_loss']:.4f} "
@@ -136,15 +174,27 @@ class LMTask(Task):
         was = model.training
         model.eval()
         total, n = 0.0, 0
+        causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
         for x, y in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
             x, y = x.to(self.device), y.to(self.device)
             with self.autocast():
-                _, loss = model(x, y)
+                if self.mod:
+                    _, loss, aux = model(x, y, return_aux=True)
+                    acc = acc + aux["mod_accuracy"].float() * y.numel()
+                    causal += model(x, y, mod_causal=True)[1].item() * y.numel()
+                else:
+                    _, loss = model(x, y)
             total += loss.item() * y.numel()
             n += y.numel()
         model.train(was)
-        return {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
-                "unigram_entropy": self.entropy}
+        out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
+               "unigram_entropy": self.entropy}
+        if self.mod:
+            per_layer = (acc / max(n, 1)).tolist()
+            layers = [i for i in range(model.config.n_layers) if model.config.is_mod(i)]
+            out.update({"val_loss_causal": causal / max(n, 1), "val_mod_accuracy": sum(per_layer) / len(per_layer),
+                        **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
+        return out
 
     def flops_per_item(self, model):
         return model.flops_per_token(self.cfg.data.seq_len)

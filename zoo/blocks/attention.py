@@ -27,7 +27,8 @@ Parameters", 2023) each q and k head is RMS-normalised over D, with gains `q_nor
 of shape (D,), before RoPE.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
-cos, sin (T, D) from rope.py.
+cos, sin (T, D) from rope.py, or (B, T, D) when each row has positions of its own; key_mask
+(B, T) bool for layers that skip tokens (`attend_masked`, `KVCache(masked=True)`).
 Needs: rope.py, norm.py (copy them beside this file). Depends on torch only; flash-attn is
 imported on first use of the 'flash' backend, when installed.
 """
@@ -67,13 +68,27 @@ def flash_available():
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values of one layer: (B, KV, max_len, D)."""
+    """Preallocated keys and values of one layer: (B, KV, max_len, D). With `masked`, also which
+    positions of each row hold a key the layer processed, `valid` (B, max_len) bool (a layer that
+    skips tokens, as Mixture-of-Depths does: see `update_mask`)."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None,
+                 masked: bool = False):
         super().__init__()
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device) if masked else None
+        self.register_buffer("valid", valid, persistent=False)
+
+    def update_mask(self, key_mask: torch.Tensor, start: int) -> torch.Tensor:
+        """Record key_mask (B, T) bool (True: a key later queries may see) at [start, start+T);
+        return the mask of all positions up to start+T, (B, start+T)."""
+        if self.valid is None:
+            raise ValueError("this KV cache was made without masked=True, so it cannot keep a key mask")
+        end = start + key_mask.shape[1]
+        self.valid[:, start:end] = key_mask
+        return self.valid[:, :end]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int):
         """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T."""
@@ -83,6 +98,27 @@ class KVCache(nn.Module):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window: Optional[int] = None):
+    """`attend` where, besides the causal (and window) rule, query i sees key j only when
+    key_mask[b, j] is True or j is query i's own position; key_mask (B, Tk) bool. A query always
+    sees itself, so no row of the softmax is empty. Runs as SDPA with a (B, 1, Tq, Tk) boolean
+    mask ('math': the fp32 reference with the same mask)."""
+    B, H, Tq, D = q.shape
+    KV, Tk = k.shape[1], k.shape[2]
+    q_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+    own = torch.arange(Tk, device=q.device)[None, :] == q_pos  # (Tq, Tk)
+    mask = attention_mask(Tq, Tk, window, q.device) & (key_mask[:, None, :] | own)  # (B, Tq, Tk)
+    mask = mask[:, None]
+    if backend == "math":
+        if KV != H:
+            k = k.repeat_interleave(H // KV, dim=1)
+            v = v.repeat_interleave(H // KV, dim=1)
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(D)
+        return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
+    gqa = {"enable_gqa": True} if KV != H else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
@@ -236,17 +272,26 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
+                cache: Optional[KVCache] = None, start_pos: int = 0,
+                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, dim) at positions [start_pos, start_pos + T); cos, sin (T, D), or (B, T, D) for
+        rows at positions of their own (Mixture-of-Depths' routed tokens, in order). key_mask
+        (B, T) bool: the keys later queries may see (`attend_masked`; kept in a masked cache)."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
         if self.q_norm is not None:
             q, k = qk.split([H, KV], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = apply_rope(qk, cos[:, None], sin[:, None])  # q and k heads rotated in one go
+        qk = apply_rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))  # q and k heads rotated in one go
         q, k = qk.transpose(1, 2).split([H, KV], dim=1)  # (B, H, T, D), (B, KV, T, D)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
-        y = attend(q, k, v, self.backend, self.sliding_window)
+            if key_mask is not None:
+                key_mask = cache.update_mask(key_mask, start_pos)
+        if key_mask is not None:
+            y = attend_masked(q, k, v, key_mask, self.backend, self.sliding_window)
+        else:
+            y = attend(q, k, v, self.backend, self.sliding_window)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))

@@ -257,6 +257,9 @@ def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
     """The Hugging Face class that can hold `cfg`: the one it was loaded from when that still fits,
     else Qwen2 for a qkv bias, Mistral for a sliding window, Llama otherwise (for MoE configs,
     see `_moe_architecture_for`)."""
+    if cfg.mod_capacity > 0:
+        raise ValueError(f"model.mod_capacity={cfg.mod_capacity}: Mixture-of-Depths routers have no place in a "
+                         f"Hugging Face checkpoint")
     if cfg.moe is not None:
         return _moe_architecture_for(cfg, remembered)
     if cfg.qk_norm:

@@ -1,0 +1,121 @@
+"""Mixture-of-Depths: a capacity-limited router in front of a pre-norm residual block.
+
+Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
+language models" (2024).
+
+`MixtureOfDepths(block, d_model, capacity)` wraps any residual block `block(x, *per_token) -> x + f(x)`
+(or a tuple whose first item is that). A router (linear d_model -> 1, with a bias: the causal
+decision's base rate, which does not move the top-k) scores every token;
+per sequence, the k = max(1, int(capacity * T)) best-scoring tokens go through the block, gathered in
+their original order, with the `per_token` tensors (RoPE's cos and sin tables (T, D), indexed by
+position) gathered at their original positions, so the block's causal attention and RoPE see the
+tokens where they are. The block's update of a routed token is scaled by its router weight
+sigmoid(r) and added back to the residual stream; every other token passes through unchanged:
+
+    x_i <- x_i + sigmoid(r_i) * (block(X_routed)_i - x_i)   if token i is in the top-k of its sequence
+    x_i <- x_i                                               otherwise
+
+The scaling puts the router on the language-model loss's gradient path. The paper multiplies by
+the raw router output; the sigmoid keeps the scale in (0, 1), which lets the threshold below sit
+at a fixed logit of 0. k is fixed by T, so every shape is static (it compiles).
+
+Causal decisions. The top-k over a sequence looks at later tokens, which decoding cannot do. The
+block keeps one of the paper's two causal decisions, trained beside the top-k (`router`):
+- 'aux_loss': a binary cross-entropy on the router logit, target "is this token in the top-k";
+  decide "route" when the logit is > 0.
+- 'predictor': a small MLP (d_model -> predictor_hidden -> 1, SiLU) on the stop-gradient block
+  input, trained with the same cross-entropy; decide "route" when its logit is > 0. The router
+  itself learns only through the language-model loss.
+The threshold (logit 0, probability 1/2) is fixed at training time.
+
+`forward(x, *per_token, causal=False)` routes by the top-k (training, evaluation);
+`causal=True` routes each token by its own decision (decoding): the block runs on every token with
+`key_mask=route` (B, T) bool, and must let no query attend to a key outside the mask (other than
+itself) and keep the mask in its KV cache, so a skipped token adds nothing the layer's later tokens
+can see (zoo/blocks/attention.py does both). When no token of the call is routed (a decoding step
+that skips the layer) the block does not run at all; a block returning a tuple says how many items
+follow x in its attribute `n_extra`, and a skipped call returns as many Nones in their place.
+
+Returns (x, *rest, stats): `rest` is what the block returned after x (e.g. a MoE block's routing
+statistics); `stats` is a dict of 0-dim tensors: 'aux_loss' (the decision's binary cross-entropy
+against the top-k; 0 in causal mode), 'routed' (the fraction of tokens the block processed),
+'decided' (the fraction the causal decision routes), 'accuracy' (the fraction of tokens whose
+causal decision agrees with the top-k; NaN in causal mode).
+
+Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) -> gathered (B, k, ...).
+Depends on torch only.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTERS = ("aux_loss", "predictor")
+
+
+class MixtureOfDepths(nn.Module):
+    def __init__(self, block: nn.Module, d_model: int, capacity: float, router: str = "aux_loss",
+                 predictor_hidden: Optional[int] = None):
+        super().__init__()
+        if not 0.0 < capacity <= 1.0:
+            raise ValueError(f"capacity must be in (0, 1], got {capacity}")
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r} (supported: {', '.join(ROUTERS)})")
+        self.block, self.capacity, self.router_kind = block, capacity, router
+        self.router = nn.Linear(d_model, 1)
+        self.predictor = None
+        if router == "predictor":
+            h = predictor_hidden or max(8, d_model // 8)
+            self.predictor = nn.Sequential(nn.Linear(d_model, h), nn.SiLU(), nn.Linear(h, 1))
+
+    def tokens_routed(self, T: int) -> int:
+        """k: the tokens per sequence of length T that the block processes (top-k routing)."""
+        return max(1, min(T, int(self.capacity * T)))
+
+    def decision_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The causal decision's logits (B, T): route where > 0."""
+        if self.predictor is None:
+            return router_logits
+        return self.predictor(x.detach()).squeeze(-1).float()
+
+    @staticmethod
+    def _split(out):
+        return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
+
+    def forward(self, x: torch.Tensor, *per_token: torch.Tensor, causal: bool = False, **block_kwargs):
+        B, T, D = x.shape
+        logits = self.router(x).squeeze(-1).float()  # (B, T)
+        decide = self.decision_logits(x, logits)
+        if causal:
+            return self._forward_causal(x, per_token, logits, decide, block_kwargs)
+        k = self.tokens_routed(T)
+        idx = logits.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (B, k), original order
+        idx_d = idx[..., None].expand(B, k, D)
+        xs = x.gather(1, idx_d)
+        y, rest = self._split(self.block(xs, *(t[idx] for t in per_token), **block_kwargs))
+        w = torch.sigmoid(logits.gather(1, idx))[..., None]
+        out = x.scatter_add(1, idx_d, (w * (y - xs)).to(x.dtype))
+        topk = torch.zeros_like(logits).scatter_(1, idx, 1.0)
+        with torch.no_grad():
+            decided = (decide > 0).float()
+            stats = {"routed": torch.tensor(k / T, device=x.device), "decided": decided.mean(),
+                     "accuracy": (decided == topk).float().mean()}
+        stats["aux_loss"] = F.binary_cross_entropy_with_logits(decide, topk)
+        return (out, *rest, stats)
+
+    def _forward_causal(self, x, per_token, logits, decide, block_kwargs):
+        route = decide > 0  # (B, T)
+        with torch.no_grad():
+            stats = {"aux_loss": torch.zeros((), device=x.device), "routed": route.float().mean(),
+                     "decided": route.float().mean(), "accuracy": torch.full((), float("nan"), device=x.device)}
+        if not bool(route.any()):  # nothing routed: the block (and its cache) is left alone
+            return (x, *self._empty_rest(), stats)
+        y, rest = self._split(self.block(x, *per_token, key_mask=route, **block_kwargs))
+        w = torch.sigmoid(logits)[..., None]
+        out = torch.where(route[..., None], x + (w * (y - x)).to(x.dtype), x)
+        return (out, *rest, stats)
+
+    def _empty_rest(self) -> tuple:
+        """What the wrapped block returns after x when it does not run: its `n_extra` Nones."""
+        return (None,) * getattr(self.block, "n_extra", 0)
