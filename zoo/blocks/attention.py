@@ -234,6 +234,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
@@ -248,5 +249,7 @@ class CausalSelfAttention(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
+        if self.prefix is not None:
+            k, v = self.prefix(k, v)
         y = attend(q, k, v, self.backend, self.sliding_window)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
