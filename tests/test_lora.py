@@ -16,7 +16,7 @@ from conftest import optional_module
 import zoo
 from zoo.adapters import AdapterConfig, apply_adapters, merge_adapters, merged_model, unmerge_adapters
 from zoo.blocks.lora import LoRALinear
-from zoo.weights.peft import save_adapter
+from zoo.weights.peft_lora import save_adapter
 
 from test_hf_llm import hf_model, randomize, tokens
 

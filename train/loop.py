@@ -495,7 +495,7 @@ def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, p
 def export_adapter(model, out: Path, base: Optional[str]) -> Path:
     """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format; prefixes (which PEFT
     lays out per model class) as Zoo's tensors in adapter/prefix.safetensors."""
-    from zoo.weights.peft import save_adapter
+    from zoo.weights.peft_lora import save_adapter
     if model.adapter_config.method in ("lora", "dora"):
         return save_adapter(model, out / "adapter", base=base)
     (out / "adapter").mkdir(exist_ok=True)

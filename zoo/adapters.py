@@ -152,7 +152,7 @@ def quantize_nf4(model: nn.Module, log=None) -> int:
     try:
         from torchao.quantization import to_nf4
     except ImportError:
-        raise ConfigError("adapter.quantize_base=nf4 needs torchao (pip install -e '.[peft]')") from None
+        raise ConfigError("adapter.quantize_base=nf4 needs torchao (pip install -e '.[qlora]')") from None
     shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     n, kept = 0, []
     for name, m in model.named_modules():

@@ -12,7 +12,7 @@ from pathlib import Path
 from .files import check_weights
 
 # Tried in order; the first whose detect() is true loads the path.
-FORMATS: list[str] = ["zoo.weights.peft", "zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
+FORMATS: list[str] = ["zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
 
 
 def _modules():
