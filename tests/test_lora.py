@@ -145,3 +145,25 @@ def test_lora_block_merge_and_grads():
     m.weight.requires_grad_(False)
     m(x).sum().backward()
     assert m.weight.grad is None and all(p.grad is not None for p in m.lora_A.values())
+
+
+def test_prefix_tuning_with_kv_cache_matches_full_forward():
+    """Prefixes are seen by every query, in one forward and step by step on the KV cache alike,
+    and only they train."""
+    torch.manual_seed(0)
+    model = zoo.build("configs/llm/tiny.yaml", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=256)
+    x = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        plain = model(x)
+    apply_adapters(model, AdapterConfig(method="prefix", prefix_len=3))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "prefix" in name:
+                p.normal_(0, 1.0)
+        full = model(x)
+        caches = model.new_caches(2, 10)
+        steps = [model(x[:, i:i + 1], caches=caches, start_pos=i) for i in range(10)]
+    assert max_diff(full, plain) > 1e-2
+    assert max_diff(torch.cat(steps, 1), full) <= TOL
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".prefix." in n for n in trainable)

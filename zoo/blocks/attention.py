@@ -26,6 +26,9 @@ With `qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billi
 Parameters", 2023) each q and k head is RMS-normalised over D, with gains `q_norm` and `k_norm`
 of shape (D,), before RoPE.
 
+Prefix tuning: `prefix`, None by default, may be set to a module taking the keys and values
+(B, KV, Tk, D) after RoPE and the cache and returning them with learned ones in front (prefix.py).
+
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
 cos, sin (T, D) from rope.py.
 Needs: rope.py, norm.py (copy them beside this file). Depends on torch only; flash-attn is
