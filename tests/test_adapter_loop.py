@@ -185,3 +185,20 @@ def test_unfreeze_run_resumes_bitwise(tmp_path, text_corpus, one_thread):
     assert losses(resumed) == losses(full)
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(part / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unfreeze_resnet_trains_top_down(tmp_path, one_thread):
+    """A ResNet: fc first, then the blocks from the top; the stem and lower stages, never unfrozen in
+    this run, end with their initial weights, the unfrozen parts with changed ones."""
+    cfg = load_run_config(str(ROOT / "configs/convnet/resnet-digits.yaml"),
+                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=6", "train.unfreeze=[2,4]",
+                           "train.eval_every=0", "train.progress=false", "train.samples=false", "train.plot=false",
+                           "train.ema_decay=null", "optim.warmup_steps=1"])
+    torch.manual_seed(cfg.train.seed)
+    init = zoo.build(cfg.model).state_dict()
+    train(cfg, log=lambda m: None)
+    final = load_file(tmp_path / "r" / "model.safetensors")
+    params = {n for n, _ in zoo.build(cfg.model).named_parameters()}
+    changed = {n for n in params if not torch.equal(init[n], final[n])}
+    unfrozen = {n for n in params if n.startswith(("fc.", "layer4.0.", "layer3.0."))}
+    assert changed == unfrozen, sorted(changed ^ unfrozen)
