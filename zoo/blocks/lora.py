@@ -136,6 +136,24 @@ class LoRALinear(nn.Module):
                 extra.append(lora.to(y.dtype))
         return y + (torch.cat(extra, dim=-1) if len(extra) > 1 else extra[0])
 
+    def _adapted_rows(self, w: torch.Tensor):
+        """(name, the part's rows of w (a view), s B_p A_p) of every adapted part."""
+        for n, (start, rows) in self.slices().items():
+            if n in self.adapted:
+                wp = w[start:start + rows]
+                yield n, wp, self.delta_weight(n).to(wp.dtype)
+
+    def _merge_into(self, w: torch.Tensor) -> dict:
+        """Merge the adapters into the dense weight w in place; returns DoRA's g_p per part."""
+        scales = {}
+        for n, wp, delta in self._adapted_rows(w):
+            if self.dora:
+                scales[n] = self.dora_scale(n, wp)
+                wp.copy_(scales[n][:, None] * (wp + delta))
+            else:
+                wp.add_(delta)
+        return scales
+
     @torch.no_grad()
     def merge(self):
         """Write the adapters into the weight (inference without the extra matmuls)."""
@@ -143,17 +161,7 @@ class LoRALinear(nn.Module):
             return
         if dense_weight(self.weight) is not self.weight:
             raise ValueError("a quantised weight cannot be merged in place; merge into a dense copy instead")
-        for n, (start, rows) in self.slices().items():
-            if n not in self.adapted:
-                continue
-            wp = self.weight[start:start + rows]
-            delta = self.delta_weight(n).to(wp.dtype)
-            if self.dora:
-                g = self.dora_scale(n, wp)
-                self._dora_scale[n] = g.clone()
-                wp.copy_(g[:, None] * (wp + delta))
-            else:
-                wp.add_(delta)
+        self._dora_scale = self._merge_into(self.weight)
         self.merged = True
 
     @torch.no_grad()
@@ -161,11 +169,7 @@ class LoRALinear(nn.Module):
         """Take the adapters out of the weight again."""
         if not self.merged:
             return
-        for n, (start, rows) in self.slices().items():
-            if n not in self.adapted:
-                continue
-            wp = self.weight[start:start + rows]
-            delta = self.delta_weight(n).to(wp.dtype)
+        for n, wp, delta in self._adapted_rows(self.weight):
             if self.dora:
                 wp.copy_(wp / self._dora_scale.pop(n)[:, None] - delta)
             else:
@@ -176,16 +180,8 @@ class LoRALinear(nn.Module):
     def merged_weight(self) -> torch.Tensor:
         """The dense (out, in) weight with the adapters merged, without changing this module."""
         w = dense_weight(self.weight).clone()
-        if self.merged:
-            return w
-        for n, (start, rows) in self.slices().items():
-            if n in self.adapted:
-                wp = w[start:start + rows]
-                delta = self.delta_weight(n).to(wp.dtype)
-                if self.dora:
-                    wp.copy_(self.dora_scale(n, wp)[:, None] * (wp + delta))
-                else:
-                    wp.add_(delta)
+        if not self.merged:
+            self._merge_into(w)
         return w
 
     def extra_repr(self) -> str:
