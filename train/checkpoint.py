@@ -1,7 +1,7 @@
 """Atomic checkpoints and exact resume.
 
 A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding
-    model.safetensors   the weights (safetensors: no pickle)
+    model.safetensors   the weights (safetensors: no pickle); an adapter run's: only what trains
     ema.safetensors     the EMA weights, when the run keeps an EMA
     state.pt            optimizer, GradScaler, RNG states, step, task state (read back
                         with torch.load(weights_only=True): tensors and plain containers only)

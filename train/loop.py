@@ -6,7 +6,10 @@ Per optimizer step: LR from the schedule -> `grad_accum` micro-batches under aut
 -> EMA update. Every `log_every` steps a JSON line goes to <out_dir>/metrics.jsonl (loss, lr,
 grad norm, items/s, MFU, peak memory) and to the progress bar; every `eval_every` steps the
 task evaluates; every `checkpoint_every` steps and at the end an atomic checkpoint is written.
-A run whose out_dir holds a checkpoint resumes from it exactly. SIGTERM/SIGINT finish the
+A run whose out_dir holds a checkpoint resumes from it exactly.
+Between building the model and the optimizer, the `adapter:` section freezes the model and adds
+adapters (zoo/adapters.py; checkpoints then hold only what trains, and the adapter is exported
+to <out_dir>/adapter/), and `train.unfreeze` sets up gradual unfreezing (train/unfreeze.py). SIGTERM/SIGINT finish the
 current step, write a checkpoint and exit with code EXIT_PREEMPTED.
 """
 from __future__ import annotations
