@@ -203,3 +203,18 @@ def test_unfreeze_resnet_trains_top_down(tmp_path, one_thread):
     changed = {n for n in params if not torch.equal(init[n], final[n])}
     unfrozen = {n for n in params if n.startswith(("fc.", "layer4.0.", "layer3.0."))}
     assert changed == unfrozen, sorted(changed ^ unfrozen)
+
+
+@pytest.mark.parametrize("over,msg", [
+    (["adapter.method=lora", "adapter.targets=[q_proj,qq_proj]"], "adapter.targets: qq_proj not in this model"),
+    (["adapter.quantize_base=nf4"], "adapter.quantize_base"),
+    (["adapter.method=lora", "adapter.r=0"], "adapter.r"),
+    (["train.unfreeze=[5,3]"], "train.unfreeze"),
+    (["adapter.method=lora", "train.unfreeze=[3]"], "train.unfreeze"),
+    (["adapter.method=prefix", "adapter.export_merged=true"], "adapter.export_merged"),
+])
+def test_adapter_config_errors_are_one_line(tmp_path, text_corpus, over, msg):
+    from zoo.config import ConfigError
+    with pytest.raises(ConfigError, match=msg) as e:
+        run(tmp_path, text_corpus, "bad", *over)
+    assert "\n" not in str(e.value)
