@@ -6,7 +6,7 @@
 A base model of the shape of --config (random init, seed 0; --layers overrides the depth) is
 saved as a Hugging Face folder, then fine-tuned four times by train/run.py (one process each, so
 that each peak resident memory is its own) with the same data (tinyshakespeare, bytes
-tokenizer), seed, batch, steps and LR schedule:
+tokenizer), seed, batch, steps, LR schedule and precision (--precision, default fp32):
 - full:   every weight trains (AdamW);
 - lora:   adapter.method=lora, r=8 on all seven projections (q, k, v, o, gate, up, down);
 - dora:   the same with DoRA;
@@ -87,7 +87,7 @@ def run(name: str, base: Path, args) -> list:
            f"data.seq_len={args.seq}", f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
            "train.grad_accum=1", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
            "train.checkpoint_every=0", "train.samples=false", "train.plot=false", "train.export=false",
-           "train.progress=false", "train.log_every=1", "train.compile=false", "train.precision=fp32",
+           "train.progress=false", "train.log_every=1", "train.compile=false", f"train.precision={args.precision[0]}",
            "train.resume=false", f"optim.lr={lr}", f"optim.warmup_steps={max(1, args.steps // 10)}", *RUNS[name]]
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
@@ -97,7 +97,7 @@ def run(name: str, base: Path, args) -> list:
 
 def main(argv=None):
     from train.benches.harness import parser, print_table
-    p = parser("peft", __doc__, precision=None, rounds=False)
+    p = parser("peft", __doc__, precision="fp32", rounds=False)
     p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--steps", type=int, default=20)
@@ -110,6 +110,8 @@ def main(argv=None):
     p.add_argument("--out", default="runs/bench-peft")
     p.add_argument("--only", nargs="*", default=list(RUNS), choices=list(RUNS))
     args = p.parse_args(argv)
+    if len(args.precision) != 1:
+        p.error("--precision: one precision per run of this benchmark")
     if not Path(args.data).is_file():
         p.error(f"--data {args.data}: no such file (tinyshakespeare.txt)")
     base = make_base(args)
