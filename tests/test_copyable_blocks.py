@@ -32,6 +32,26 @@ SMOKE = {
         r = apply_rope(q, cos, sin)
         assert r.shape == q.shape and torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
     """,
+    "lora.py": """
+        from lora import LoRALinear
+        base = torch.nn.Linear(8, 12)
+        x = torch.randn(3, 8)
+        ref = base(x).detach()
+        m = LoRALinear(base, [("q", 4), ("k", 4), ("v", 4)], ["q", "v"], r=2, alpha=4, dora=True)
+        torch.nn.init.normal_(m.lora_B["q"])
+        y = m(x)
+        assert (y[:, 4:8] - ref[:, 4:8]).abs().max() == 0 and (y[:, :4] - ref[:, :4]).abs().max() > 1e-3
+        m.merge()
+        assert (m(x) - y).abs().max() < 1e-5
+        m.unmerge()
+        assert (m(x) - y).abs().max() < 1e-5
+    """,
+    "prefix.py": """
+        from prefix import KVPrefix
+        p = KVPrefix(2, 3, 4)
+        k, v = p(torch.zeros(5, 2, 6, 4), torch.zeros(5, 2, 6, 4))
+        assert k.shape == v.shape == (5, 2, 9, 4) and torch.equal(k[1, :, :3], p.k.detach())
+    """,
     "attention.py": """
         from attention import CausalSelfAttention, KVCache
         from rope import RotaryEmbedding

@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "taesd": "train.benches.taesd",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
+    "peft": "train.benches.finetune",
 }
 
 

@@ -1,7 +1,7 @@
 """Atomic checkpoints and exact resume.
 
 A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding
-    model.safetensors   the weights (safetensors: no pickle)
+    model.safetensors   the weights (safetensors: no pickle); an adapter run's: only what trains
     ema.safetensors     the EMA weights, when the run keeps an EMA
     state.pt            optimizer, GradScaler, RNG states, step, task state (read back
                         with torch.load(weights_only=True): tensors and plain containers only)
@@ -91,7 +91,8 @@ def set_aside(out_dir) -> Path:
 
 
 def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None, extra: Optional[dict] = None,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, keys: Optional[set] = None) -> Path:
+    """keys: the state-dict names to write (an adapter run: what trains); None = the whole model."""
     root = Path(out_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -99,9 +100,9 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_safetensors(model, tmp / "model.safetensors")
+    save_safetensors(model if keys is None else _subset(model, keys), tmp / "model.safetensors")
     if ema is not None:
-        save_safetensors(ema, tmp / "ema.safetensors")
+        save_safetensors(ema if keys is None else _subset(ema, keys), tmp / "ema.safetensors")
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
@@ -174,10 +175,15 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def read_weights(path: Path, model: torch.nn.Module) -> dict:
-    """The tensors of a checked weight file, matched name by name and shape by shape against `model`."""
+def _subset(model: torch.nn.Module, keys: set) -> dict:
+    return {k: v for k, v in model.state_dict().items() if k in keys}
+
+
+def read_weights(path: Path, model: torch.nn.Module, keys: Optional[set] = None) -> dict:
+    """The tensors of a checked weight file, matched name by name and shape by shape against `model`
+    (against its `keys` only, when given)."""
     sd = load_tensors(path)
-    want = model.state_dict()
+    want = model.state_dict() if keys is None else _subset(model, keys)
     # tied tensors (one storage, several names) are stored once by save_model: any one name will do
     storage = {k: v.data_ptr() if v.numel() else k for k, v in want.items()}
     names_of = {}
@@ -194,12 +200,16 @@ def read_weights(path: Path, model: torch.nn.Module) -> dict:
     return sd
 
 
-def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None) -> dict:
+def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, keys: Optional[set] = None,
+                    before_optimizer=None) -> dict:
     """Load a verified checkpoint into the given objects; returns the state dict (step, extra).
-    Every file is read and checked before anything is loaded, so a bad checkpoint changes nothing."""
+    Every file is read and checked before anything is loaded, so a bad checkpoint changes nothing.
+    keys: as for save_checkpoint. before_optimizer(state): called before the optimizer state is
+    loaded (e.g. to give the optimizer the parameter groups it had at that step)."""
     manifest = verify_checkpoint(path)
-    weights = read_weights(path / "model.safetensors", model)
-    ema_weights = read_weights(path / "ema.safetensors", ema) if ema is not None and (path / "ema.safetensors").is_file() else None
+    weights = read_weights(path / "model.safetensors", model, keys)
+    ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
+        if ema is not None and (path / "ema.safetensors").is_file() else None
     state = read_state(path / "state.pt")
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
@@ -209,6 +219,8 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None) ->
     elif ema is not None:  # an EMA switched on for a run that had none: it starts from the resumed weights
         ema.load_state_dict(weights, strict=False)
         state["ema_started"] = True
+    if before_optimizer is not None:
+        before_optimizer(state)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and "scaler" in state:
@@ -217,14 +229,15 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None) ->
     return state
 
 
-def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=print) -> Optional[dict]:
+def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=print, keys: Optional[set] = None,
+                  before_optimizer=None) -> Optional[dict]:
     """Resume from the newest complete, uncorrupted checkpoint; None if there is none.
     When checkpoints exist but none is usable, raise CheckpointError rather than start over
     (starting over would rotate them away: nothing is deleted without the user saying so)."""
     paths = list_checkpoints(out_dir)
     for path in paths:
         try:
-            state = load_checkpoint(path, model, optimizer, scaler, ema)
+            state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer)
         except Exception as e:  # noqa: BLE001 - corrupt or truncated: say which, try the previous one
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")

@@ -5,6 +5,7 @@
     data:   {...}          # the task's data config (train/tasks/<family>.py)
     train:  {...}          # TrainConfig below: the loop
     optim:  {...}          # OptimConfig below: optimizer and LR schedule
+    adapter: {...}         # zoo.adapters.AdapterConfig: LoRA / DoRA / QLoRA / prefix tuning
 
 `load_run_config(path, overrides)` reads the YAML, applies `key=value` overrides
 (e.g. `train.max_steps=100 model.n_layers=2`) and validates every key.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from zoo.adapters import AdapterConfig
 from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
 
@@ -53,6 +55,7 @@ class TrainConfig:
     tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send the metrics rows there
     tracker_project: Optional[str] = None   # wandb: the project; null = "zoo"
     tracker_mode: Optional[Literal["offline", "online"]] = None  # wandb; null = $WANDB_MODE, else offline
+    unfreeze: Optional[list[int]] = None    # gradual unfreezing: steps at which the next group (top down) trains
 
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
@@ -77,6 +80,9 @@ class TrainConfig:
             raise fail(source, prefix + "init_from", "must be a path or null, got ''")
         if self.tracker_project is not None and not self.tracker_project.strip():
             raise fail(source, prefix + "tracker_project", "must be a name or null, got ''")
+        if self.unfreeze is not None and (not self.unfreeze or any(s <= 0 for s in self.unfreeze)
+                                          or sorted(set(self.unfreeze)) != list(self.unfreeze)):
+            raise fail(source, prefix + "unfreeze", f"must be increasing steps > 0 or null, got {self.unfreeze}")
         from .tracking import missing_package
         missing = missing_package(self.tracker, prefix + "tracker")
         if missing:
@@ -128,15 +134,16 @@ class RunConfig:
     data: Any
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     source: str = "<config>"
     explicit: dict = field(default_factory=dict)  # the keys as written (file + overrides), before defaults
 
     def to_dict(self) -> dict:
         return {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
-                "train": to_dict(self.train), "optim": to_dict(self.optim)}
+                "train": to_dict(self.train), "optim": to_dict(self.optim), "adapter": to_dict(self.adapter)}
 
 
-SECTIONS = ("family", "model", "data", "train", "optim")
+SECTIONS = ("family", "model", "data", "train", "optim", "adapter")
 
 
 def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
@@ -154,7 +161,8 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     dcfg = from_dict(task.DataConfig, data.get("data") or {}, source, "data.")
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
-    cfg = RunConfig(family, model, dcfg, train, optim, source, data)
+    adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
+    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source, data)
     check_across_sections(cfg)
     check = getattr(task, "validate_config", None)
     if check is not None:
@@ -175,6 +183,15 @@ def check_across_sections(cfg: RunConfig):
             raise fail(src, "optim.warmup_steps", f"={warmup} runs into the decay of optim.schedule=wsd, "
                                                   f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
                                                   f"{o.decay_fraction} of train.max_steps={t.max_steps})")
+    a = cfg.adapter
+    if a.enabled and t.unfreeze is not None:
+        raise fail(src, "train.unfreeze", f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze")
+    if a.quantize_base != "none" and t.ema_decay is not None:
+        raise fail(src, "train.ema_decay", f"with adapter.quantize_base={a.quantize_base}: an EMA of a quantised "
+                                           f"model is not supported")
+    if a.export_merged and a.method == "prefix":
+        raise fail(src, "adapter.export_merged", "prefix tuning has no merged form (its keys and values are not "
+                                                 "weights of the base)")
     if t.init_from is not None and not Path(t.init_from).expanduser().exists():
         raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
 

@@ -6,7 +6,10 @@ Per optimizer step: LR from the schedule -> `grad_accum` micro-batches under aut
 -> EMA update. Every `log_every` steps a JSON line goes to <out_dir>/metrics.jsonl (loss, lr,
 grad norm, items/s, MFU, peak memory) and to the progress bar; every `eval_every` steps the
 task evaluates; every `checkpoint_every` steps and at the end an atomic checkpoint is written.
-A run whose out_dir holds a checkpoint resumes from it exactly. SIGTERM/SIGINT finish the
+A run whose out_dir holds a checkpoint resumes from it exactly.
+Between building the model and the optimizer, the `adapter:` section freezes the model and adds
+adapters (zoo/adapters.py; checkpoints then hold only what trains, and the adapter is exported
+to <out_dir>/adapter/), and `train.unfreeze` sets up gradual unfreezing (train/unfreeze.py). SIGTERM/SIGINT finish the
 current step, write a checkpoint and exit with code EXIT_PREEMPTED.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Optional
 import torch
 import yaml
 
+from zoo.adapters import apply_adapters, count_params, merged_model, trainable_keys
 from zoo.weights.files import atomic_write, save_safetensors
 
 from . import checkpoint as ckpt
@@ -33,6 +37,7 @@ from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, rel
 from .config import RunConfig
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .tasks import task_class
+from .unfreeze import GradualUnfreezing
 from .tracking import open_tracker
 
 EXIT_OK = 0
@@ -252,8 +257,19 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     model = task.build_model().to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    n_params = sum(p.numel() for p in model.parameters())
-    say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters")
+    # ---- parameter-efficient fine-tuning (adapter:) and gradual unfreezing (train.unfreeze): what trains
+    keys = unfreezer = None  # keys: the state-dict names an adapter run checkpoints (what it changes)
+    if cfg.adapter.enabled:
+        apply_adapters(model, cfg.adapter, cfg.source, say)
+        keys = trainable_keys(model)
+    if t.unfreeze:
+        unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say)
+    n_train, n_params = count_params(model)
+    say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
+        + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
+    adapter_id = {"adapter": {k: v for k, v in cfg.to_dict()["adapter"].items() if k != "export_merged"},
+                  "base": t.init_from} if keys is not None else {}
+    # ----
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, say)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -263,11 +279,17 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     if not t.resume and ckpt.list_checkpoints(out):
         say(f"train.resume=false: the previous checkpoints were moved to {ckpt.set_aside(out)}")
     try:
-        state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say) if t.resume else None
+        state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say, keys,
+                                   (lambda st: unfreezer.restore(optimizer, st["step"])) if unfreezer else None) \
+            if t.resume else None
     except ckpt.CheckpointError as e:
         raise RunStopped(str(e), EXIT_CONFIG) from None
     if state is not None:
         start = state["step"]
+        was_id = {k: state["extra"].get(k) for k in adapter_id}
+        if was_id != adapter_id:  # an adapter checkpoint only makes sense on the base it was trained on
+            raise RunStopped(f"{state['path']}: trained with adapter/base {was_id}, this run has {adapter_id}; "
+                             f"use another train.out_dir or train.resume=false", EXIT_CONFIG)
         if state.get("ema_started"):
             say(f"ema: the checkpoint has none; train.ema_decay={t.ema_decay} starts it from the resumed weights "
                 f"(step {start})")
@@ -309,6 +331,8 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
             t0 = time.perf_counter()
             lr = cfg.optim.lr * lr_multiplier(step, t.max_steps, cfg.optim)
             set_lr(optimizer, lr)
+            if unfreezer is not None and unfreezer.advance(step, optimizer):
+                params = [p for p in model.parameters() if p.requires_grad]
             batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(t.grad_accum))
             r = optimizer_step(lambda b: task.loss(fwd, b), batches, t.grad_accum, optimizer, scaler, params,
                                t.clip_grad, autocast)
@@ -369,7 +393,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                 say(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
             if pre.signal is not None:
-                _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision)
+                _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id)
                 bar.close()
                 raise RunStopped(f"received {signal.Signals(pre.signal).name} at step {done}: checkpoint written "
                                  f"to {out / ckpt.CKPT_DIR}; run the same command again to resume", EXIT_PREEMPTED)
@@ -377,20 +401,23 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                 if nonfinite_streak:  # keep the older, good checkpoints from being rotated away
                     say(f"step {done}: checkpoint postponed ({nonfinite_streak} non-finite steps in a row)")
                 else:
-                    _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision)
+                    _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id)
         bar.close()
 
         done = max(step + 1, start) if t.max_steps > start else start
         if state is None or done > start:
-            _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision)
+            _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id)
         ev = _evaluate(task, model, ema, autocast)
         record({"step": done, **ev})
         last.update(ev)
     say(f"final (step {done}): " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-    save_safetensors(model, out / "model.safetensors")
-    if ema is not None:
-        save_safetensors(ema.model, out / "model_ema.safetensors")
-    say(f"weights: {out / 'model.safetensors'}")
+    if keys is None:
+        save_safetensors(model, out / "model.safetensors")
+        if ema is not None:
+            save_safetensors(ema.model, out / "model_ema.safetensors")
+        say(f"weights: {out / 'model.safetensors'}")
+    else:
+        say(f"adapter: {export_adapter(model, out, t.init_from)}")
     if t.plot and metrics_path.stat().st_size:
         plot_losses(metrics_path, out / "loss.png")
         say(f"loss curve: {out / 'loss.png'}")
@@ -398,8 +425,10 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         text = task.samples(ema.model if ema is not None else model, out)
         if text:
             say("samples:\n" + text)
-    if t.export:
-        path = task.export(model, out)
+    if t.export and keys is not None and not cfg.adapter.export_merged:
+        say("export: adapter run; set adapter.export_merged=true for the merged weights in the base's format")
+    elif t.export:
+        path = task.export(merged_model(model) if keys is not None else model, out)
         if path:
             say(f"exported: {path}")
     return last
@@ -456,14 +485,26 @@ def _evaluate(task, model, ema, autocast) -> dict:
     return ev
 
 
-def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, precision=None):
+def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, precision=None, keys=None,
+          extra=None):
     if metrics_file is not None:  # the metrics up to this step are durable before the checkpoint is
         metrics_file.flush()
         os.fsync(metrics_file.fileno())
     path = ckpt.save_checkpoint(out, step, model, optimizer, scaler if scaler.is_enabled() else None,
-                                ema.model if ema is not None else None, extra={"precision": precision},
-                                keep=t.keep_checkpoints)
+                                ema.model if ema is not None else None, extra={"precision": precision, **(extra or {})},
+                                keep=t.keep_checkpoints, keys=keys)
     say(f"checkpoint: {path}")
+
+
+def export_adapter(model, out: Path, base: Optional[str]) -> Path:
+    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format; prefixes (which PEFT
+    lays out per model class) as Zoo's tensors in adapter/prefix.safetensors."""
+    from zoo.weights.peft_lora import save_adapter
+    if model.adapter_config.method in ("lora", "dora"):
+        return save_adapter(model, out / "adapter", base=base)
+    (out / "adapter").mkdir(exist_ok=True)
+    return save_safetensors({k: v for k, v in model.state_dict().items() if k in trainable_keys(model)},
+                            out / "adapter" / "prefix.safetensors")
 
 
 def _truncate_metrics(path: Path, step: int, finished: bool = False):

@@ -63,7 +63,8 @@ def build(config, **overrides):
 
 
 def from_pretrained(path, **kwargs):
-    """Load pretrained weights from a Hugging Face folder or another supported file."""
+    """Load pretrained weights from a Hugging Face folder or another supported file; a PEFT LoRA /
+    DoRA adapter folder loads onto its base (`base=` or its base_model_name_or_path)."""
     from .weights import load_pretrained
     return load_pretrained(path, **kwargs)
 

@@ -74,6 +74,16 @@ class Task:
         """A fresh (or pretrained, if cfg.train.init_from is set) model on the CPU, fp32."""
         raise NotImplementedError
 
+    def unfreeze_groups(self, model: nn.Module) -> list[list[nn.Parameter]]:
+        """Parameter groups for gradual unfreezing (train.unfreeze), the head first, then the blocks
+        from the top down. Default: the model's top-level modules in reverse order, a ModuleList or
+        Sequential of blocks split into its blocks."""
+        groups = []
+        for child in reversed(list(model.children())):
+            parts = reversed(list(child)) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
+            groups += [list(m.parameters()) for m in parts]
+        return [g for g in groups if g]
+
     def train_batch(self, step: int, micro: int) -> Any:
         """Micro-batch `micro` of optimizer step `step`, on self.device. Must depend only on
         (seed, step, micro) so that a resumed run sees exactly the same data."""

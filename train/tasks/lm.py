@@ -96,6 +96,11 @@ class LMTask(Task):
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
         self.log(f"attention: {picked}{why}")
 
+    def unfreeze_groups(self, model):
+        """The LM head with the final norm, then the blocks from the last, then the embedding."""
+        return ([list(model.lm_head.parameters()) + list(model.norm.parameters())]
+                + [list(layer.parameters()) for layer in reversed(model.layers)] + [list(model.embed.parameters())])
+
     def train_batch(self, step, micro):
         self._step, self._micro = step, micro
         g = self.batch_generator(step, micro)

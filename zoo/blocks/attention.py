@@ -26,6 +26,9 @@ With `qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billi
 Parameters", 2023) each q and k head is RMS-normalised over D, with gains `q_norm` and `k_norm`
 of shape (D,), before RoPE.
 
+Prefix tuning: `prefix`, None by default, may be set to a module taking the keys and values
+(B, KV, Tk, D) after RoPE and the cache and returning them with learned ones in front (prefix.py).
+
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
 cos, sin (T, D) from rope.py, or (B, T, D) when each row has positions of its own; key_mask
 (B, T) bool for layers that skip tokens (`attend_masked`, `KVCache(masked=True)`).
@@ -270,6 +273,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[KVCache] = None, start_pos: int = 0,
@@ -290,6 +294,11 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(k, v, start_pos)
             if key_mask is not None:
                 key_mask = cache.update_mask(key_mask, start_pos)
+        if self.prefix is not None:
+            n = k.shape[2]
+            k, v = self.prefix(k, v)
+            if key_mask is not None:  # the learned prefix is visible to every query
+                key_mask = torch.cat([key_mask.new_ones(B, k.shape[2] - n), key_mask], dim=1)
         if key_mask is not None:
             y = attend_masked(q, k, v, key_mask, self.backend, self.sliding_window)
         else:

@@ -12,7 +12,7 @@ from pathlib import Path
 from .files import check_weights
 
 # Tried in order; the first whose detect() is true loads the path.
-FORMATS: list[str] = ["zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
+FORMATS: list[str] = ["zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
 
 
 def _modules():
@@ -31,6 +31,11 @@ def load_pretrained(path, **kwargs):
 
 
 def save_pretrained(model, path, **kwargs):
+    from ..blocks.lora import LoRALinear
+    if any(isinstance(m, LoRALinear) and not m.merged for m in model.modules()) \
+            or any(getattr(m, "prefix", None) is not None for m in model.modules()):
+        raise ValueError("the model has adapters: save them with zoo.weights.peft_lora.save_adapter, or the "
+                         "merged model with save_pretrained(zoo.adapters.merged_model(model), ...)")
     for mod in _modules():
         if mod.exports(model):
             return mod.save(model, path, **kwargs)

@@ -1,0 +1,220 @@
+"""Adapters and gradual unfreezing in the loop: the `adapter:` section, adapter-only checkpoints
+that resume bitwise, PEFT export, QLoRA through train/run.py, `train.unfreeze`."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, shared_file
+from safetensors.torch import load_file
+
+import zoo
+from train.config import load_run_config
+from train.loop import train
+from train.optim import build_optimizer
+from train.unfreeze import GradualUnfreezing
+from zoo.adapters import AdapterConfig, apply_adapters, count_params, param_bytes, trainable_keys
+
+from test_loop import TINY, losses
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A tiny random LLM saved as a Hugging Face folder (the base to fine-tune)."""
+    torch.manual_seed(0)
+    model = zoo.build(TINY["model"])
+    return zoo.save_pretrained(model, tmp_path / "base")
+
+
+def run(tmp_path, corpus, name, *over):
+    overrides = [f"train.out_dir={tmp_path / name}", f"data.path={corpus}", *over]
+    cfg = load_run_config(None, overrides, base=TINY)
+    final = train(cfg, log=lambda m: None)
+    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return final, rows
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "prefix"])
+def test_adapter_run_resumes_bitwise_with_adapter_only_checkpoints(tmp_path, text_corpus, base, method, one_thread):
+    over = [f"train.init_from={base}", f"adapter.method={method}", "adapter.r=4", "adapter.dropout=0.1",
+            "adapter.prefix_len=4", "train.checkpoint_every=4", "train.keep_checkpoints=5", "train.max_steps=8",
+            "optim.warmup_steps=1"]
+    _, full = run(tmp_path, text_corpus, "full", *over)
+    ck = load_file(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.safetensors")
+    expect = {"lora": ("lora_A", "lora_B"), "dora": ("lora_A", "lora_B", "magnitude"), "prefix": ("prefix",)}[method]
+    assert ck and all(any(e in k for e in expect) for k in ck), sorted(ck)[:5]  # only what trains
+    part = tmp_path / "part"  # killed after the step-4 checkpoint
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / "step_00000008")
+    shutil.rmtree(part / "adapter")
+    _, resumed = run(tmp_path, text_corpus, "part", *over)
+    assert losses(resumed) == losses(full)  # bitwise, step for step
+    name = "prefix.safetensors" if method == "prefix" else "adapter_model.safetensors"
+    a, b = load_file(tmp_path / "full" / "adapter" / name), load_file(part / "adapter" / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if method != "prefix":  # the PEFT export, loaded onto its base, holds the final checkpoint's adapters
+        model = zoo.from_pretrained(tmp_path / "full" / "adapter")
+        last = load_file(tmp_path / "full" / "checkpoints" / "step_00000008" / "model.safetensors")
+        sd = model.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in last.items())
+
+
+def test_adapter_resume_refuses_another_adapter(tmp_path, text_corpus, base, one_thread):
+    over = [f"train.init_from={base}", "adapter.method=lora", "train.max_steps=2", "optim.warmup_steps=0"]
+    run(tmp_path, text_corpus, "a", *over)
+    with pytest.raises(Exception, match="trained with adapter"):
+        run(tmp_path, text_corpus, "a", *over[:-2], "adapter.alpha=32", "train.max_steps=3", "optim.warmup_steps=0")
+
+
+def test_merged_export_matches_the_adapter(tmp_path, text_corpus, base, one_thread):
+    over = [f"train.init_from={base}", "adapter.method=dora", "adapter.export_merged=true", "train.max_steps=3",
+            "optim.warmup_steps=0", "optim.lr=0.01"]
+    run(tmp_path, text_corpus, "m", *over)
+    x = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        ad = zoo.from_pretrained(tmp_path / "m" / "adapter")(x)
+        merged = zoo.from_pretrained(tmp_path / "m" / "hf")(x)
+        plain = zoo.from_pretrained(base)(x)
+    assert (ad - plain).abs().max() > 1e-3
+    assert (ad - merged).abs().max() <= 1e-4
+
+
+def test_checkpoint_is_small_at_smollm_shape():
+    """LoRA r=8 on all seven projections of the SmolLM-135M shape: what an adapter checkpoint
+    holds (trainable tensors + AdamW's two moments) is < 5% of a full one (all weights + moments)."""
+    with torch.device("meta"):
+        model = zoo.build(ROOT / "configs/llm/smollm-135m.yaml")
+    full = 3 * param_bytes(model)
+    apply_adapters(model, AdapterConfig(method="lora", r=8))
+    sd = model.state_dict()
+    held = sum(3 * sd[k].numel() * sd[k].element_size() for k in trainable_keys(model))
+    assert held < 0.05 * full, held / full
+
+
+def test_nf4_base_weights_bound_and_bits(one_thread):
+    """NF4 dequantises within half the widest gap between NF4 levels times each block's absmax
+    (plus the double-quantised scale's error); the base weights take <= 4.5 bits per parameter."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import to_nf4
+    torch.manual_seed(0)
+    model = zoo.build(TINY["model"], d_model=128, n_heads=4)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and not n.endswith("lm_head")}
+    apply_adapters(model, AdapterConfig(method="lora", quantize_base="nf4"))
+    levels = to_nf4(torch.randn(64 * 256)).nf4.sort().values
+    half_gap = (levels[1:] - levels[:-1]).max() / 2
+    n_params, n_bytes = 0, 0
+    for name, w in dense.items():
+        q = model.get_submodule(name).weight
+        assert type(q).__name__ == "NF4Tensor"
+        err = (q.get_original_weight() - w).abs().view(-1, 64)
+        absmax = w.abs().view(-1, 64).amax(1, keepdim=True)
+        assert (err <= absmax * (half_gap + 0.01)).all(), (err / absmax).max()
+        n_params += w.numel()
+        n_bytes += sum(getattr(q, k).numel() * getattr(q, k).element_size() for k in q.__tensor_flatten__()[0])
+    bits = 8 * n_bytes / n_params
+    assert bits <= 4.5, bits
+
+
+def test_qlora_run_on_tinyshakespeare_lowers_val_loss(tmp_path, base):
+    pytest.importorskip("torchao")
+    text = shared_file("data/tinyshakespeare.txt")
+    cfg = tmp_path / "run.yaml"
+    import yaml
+    cfg.write_text(yaml.safe_dump({**TINY, "data": {"tokenizer": "bytes", "seq_len": 64, "path": str(text)}}))
+    out = tmp_path / "q"
+    r = subprocess.run([sys.executable, "train/run.py", str(cfg), f"train.out_dir={out}", f"train.init_from={base}",
+                        "adapter.method=lora", "adapter.quantize_base=nf4", "train.max_steps=30", "train.eval_every=1",
+                        "optim.lr=0.01", "optim.warmup_steps=2", "train.checkpoint_every=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert val[-1] < val[0] - 0.1, val
+    assert "linear weights in NF4" in (out / "log.txt").read_text()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_gradual_unfreezing_stages_and_frozen_weights_never_change(text_corpus, one_thread):
+    torch.manual_seed(0)
+    model = zoo.build(TINY["model"])
+    cfg = load_run_config(None, [f"data.path={text_corpus}"], base=TINY)
+    from train.tasks.lm import LMTask
+    task = LMTask(cfg, torch.device("cpu"), lambda m: None)
+    groups = task.unfreeze_groups(model)
+    assert len(groups) == 2 + 2  # head (+ norm), 2 blocks, embedding
+    steps = [2, 4, 6]
+    unf = GradualUnfreezing(model, groups, steps, 0.1, log=lambda m: None)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), lambda m: None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    for step in range(8):
+        unf.advance(step, opt)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        expect = {names[id(p)] for grp in unf.groups[:unf.stage(step)] for p in grp}
+        assert trainable == expect
+        in_opt = {names[id(p)] for grp in opt.param_groups for p in grp["params"]}
+        assert in_opt == expect
+        x = torch.randint(0, 256, (4, 32), generator=g)
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for n, p in model.named_parameters():
+            if n not in trainable:
+                assert torch.equal(p, start[n]), f"frozen {n} changed at step {step}"
+            else:
+                assert not torch.equal(p, start[n]), f"trainable {n} did not change at step {step}"
+    # stage by stage: the head alone, then the top block, ...
+    assert [unf.stage(s) for s in range(8)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert "lm_head.weight" in {names[id(p)] for p in unf.groups[0]} or model.config.tie_embeddings
+
+
+def test_unfreeze_run_resumes_bitwise(tmp_path, text_corpus, one_thread):
+    over = ["train.unfreeze=[2,4]", "train.checkpoint_every=3", "train.keep_checkpoints=5", "train.max_steps=6",
+            "optim.warmup_steps=1"]
+    _, full = run(tmp_path, text_corpus, "full", *over)
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / "step_00000006")
+    (part / "model.safetensors").unlink()
+    _, resumed = run(tmp_path, text_corpus, "part", *over)
+    assert losses(resumed) == losses(full)
+    a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(part / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unfreeze_resnet_trains_top_down(tmp_path, one_thread):
+    """A ResNet: fc first, then the blocks from the top; the stem and lower stages, never unfrozen in
+    this run, end with their initial weights, the unfrozen parts with changed ones."""
+    cfg = load_run_config(str(ROOT / "configs/convnet/resnet-digits.yaml"),
+                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=6", "train.unfreeze=[2,4]",
+                           "train.eval_every=0", "train.progress=false", "train.samples=false", "train.plot=false",
+                           "train.ema_decay=null", "optim.warmup_steps=1"])
+    torch.manual_seed(cfg.train.seed)
+    init = zoo.build(cfg.model).state_dict()
+    train(cfg, log=lambda m: None)
+    final = load_file(tmp_path / "r" / "model.safetensors")
+    params = {n for n, _ in zoo.build(cfg.model).named_parameters()}
+    changed = {n for n in params if not torch.equal(init[n], final[n])}
+    unfrozen = {n for n in params if n.startswith(("fc.", "layer4.0.", "layer3.0."))}
+    assert changed == unfrozen, sorted(changed ^ unfrozen)
+
+
+@pytest.mark.parametrize("over,msg", [
+    (["adapter.method=lora", "adapter.targets=[q_proj,qq_proj]"], "adapter.targets: qq_proj not in this model"),
+    (["adapter.quantize_base=nf4"], "adapter.quantize_base"),
+    (["adapter.method=lora", "adapter.r=0"], "adapter.r"),
+    (["train.unfreeze=[5,3]"], "train.unfreeze"),
+    (["adapter.method=lora", "train.unfreeze=[3]"], "train.unfreeze"),
+    (["adapter.method=prefix", "adapter.export_merged=true"], "adapter.export_merged"),
+])
+def test_adapter_config_errors_are_one_line(tmp_path, text_corpus, over, msg):
+    from zoo.config import ConfigError
+    with pytest.raises(ConfigError, match=msg) as e:
+        run(tmp_path, text_corpus, "bad", *over)
+    assert "\n" not in str(e.value)

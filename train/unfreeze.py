@@ -1,0 +1,72 @@
+"""Gradual unfreezing (Howard & Ruder, "Universal Language Model Fine-tuning for Text
+Classification", 2018): train the head first, then unfreeze the blocks from the top down.
+
+`train.unfreeze: [s1, s2, ...]` lists the steps at which the next group (the task's
+`unfreeze_groups`, top first) becomes trainable; before s1 only the first group (the head)
+trains, from the last listed step on the first len(list) + 1 groups. Groups past the list stay
+frozen for the whole run. A frozen parameter has no gradient, so no optimizer touches it.
+
+The optimizer starts with the first group's parameters; each unfrozen group is added to it with
+`add_param_groups` (decayed and undecayed parts as `train.optim.param_groups` splits them), so its
+state (AdamW moments, step counts) exists only for what has trained. A resumed run replays the
+additions up to the checkpoint's step before loading the optimizer state (`restore`).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def add_param_groups(optimizer, model: nn.Module, params: list, weight_decay: float):
+    """Add the newly trainable `params` of `model` to `optimizer`, split as the optimizer was built
+    (`train.optim.param_groups`: weight decay on matrices, not on vectors and embeddings). Each
+    new group takes the optimizer's defaults for the other hyperparameters."""
+    from .optim import param_groups
+    new = {id(p) for p in params}
+    for g in param_groups(model, weight_decay):
+        ps = [p for p in g["params"] if id(p) in new]
+        if ps:
+            optimizer.add_param_group({**g, "params": ps, "lr": optimizer.param_groups[0]["lr"]})
+
+
+class GradualUnfreezing:
+    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], steps: list[int], weight_decay: float,
+                 log=print):
+        if len(groups) < 2:
+            raise ValueError("gradual unfreezing needs at least two parameter groups")
+        seen, self.groups = set(), []
+        for g in groups:  # a tied tensor belongs to the first (topmost) group that names it
+            g = [p for p in g if id(p) not in seen]
+            seen.update(id(p) for p in g)
+            self.groups.append(g)
+        self.model, self.steps, self.weight_decay, self.log = model, list(steps), weight_decay, log
+        model.requires_grad_(False)
+        for p in self.groups[0]:
+            p.requires_grad_(True)
+        self.n = 1  # groups trainable now
+        log(f"unfreeze: {len(self.groups)} groups, the first (head) trains from step 0; the next at steps "
+            f"{', '.join(map(str, self.steps[:len(self.groups) - 1]))}")
+
+    def stage(self, step: int) -> int:
+        """How many groups train at (0-based) step `step`."""
+        return min(len(self.groups), 1 + sum(s <= step for s in self.steps))
+
+    def advance(self, step: int, optimizer) -> bool:
+        """Unfreeze the groups due by `step` and add them to the optimizer; True if any was."""
+        changed = False
+        while self.n < self.stage(step):
+            g = self.groups[self.n]
+            for p in g:
+                p.requires_grad_(True)
+            add_param_groups(optimizer, self.model, g, self.weight_decay)
+            self.n += 1
+            changed = True
+            self.log(f"unfreeze: step {step}: group {self.n} of {len(self.groups)} trainable "
+                     f"({sum(p.numel() for p in g) / 1e6:.3f}M parameters)")
+        return changed
+
+    def restore(self, optimizer, step: int):
+        """On resume: the groups (and optimizer groups) as they were when step `step` was saved."""
+        self.advance(max(step - 1, 0), optimizer)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for g in self.groups[:self.n] for p in g]

@@ -1,0 +1,239 @@
+"""Parameter-efficient fine-tuning on any Zoo model: apply, quantise, merge and list adapters.
+
+    cfg = AdapterConfig(method="lora", r=8, alpha=16, targets=["q_proj", "v_proj"])
+    apply_adapters(model, cfg)          # freezes the model, wraps the targets (blocks/lora.py)
+    merge_adapters(model); unmerge_adapters(model)
+    dense = merged_model(model)         # a plain model with the adapters merged (and NF4 dequantised)
+
+Targets are named as in the Hugging Face / PEFT checkpoints: for an LLM the logical projections
+q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Zoo's fused `attn.qkv` and
+`mlp.gate_up` take one adapter per logical part, `lora_sites` has the map; a MoE layer's shared
+expert takes gate/up/down adapters, its routed experts none). For another family a target is
+the last component of a linear layer's name (e.g. `fc` of a ResNet).
+
+method 'prefix' adds learned keys/values to every attention layer (blocks/prefix.py) instead.
+quantize_base 'nf4' stores every frozen linear weight (not the embeddings or the LM head) as a
+torchao NF4Tensor: 4-bit NormalFloat in blocks of 64 with double-quantised scales (QLoRA).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from .blocks.lora import LoRALinear, dense_weight
+from .blocks.prefix import KVPrefix
+from .config import ConfigError, fail
+
+LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BLOCK = 64
+
+
+@dataclass
+class AdapterConfig:
+    method: Literal["none", "lora", "dora", "prefix"] = "none"
+    r: int = 8                              # LoRA / DoRA rank
+    alpha: float = 16.0                     # scaling alpha / r (rslora: alpha / sqrt(r))
+    dropout: float = 0.0                    # on the adapters' input
+    targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # module names (LLM: PEFT's)
+    rslora: bool = False                    # rank-stabilised scaling alpha / sqrt(r)
+    quantize_base: Literal["none", "nf4"] = "none"  # QLoRA: frozen linear weights in NF4 (torchao)
+    prefix_len: int = 16                    # prefix: learned key/value vectors per layer
+    export_merged: bool = False             # at the end, also the merged weights in the base's format
+
+    def validate(self, source, prefix="adapter."):
+        if self.r <= 0:
+            raise fail(source, prefix + "r", f"must be > 0, got {self.r}")
+        if self.alpha <= 0:
+            raise fail(source, prefix + "alpha", f"must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise fail(source, prefix + "dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.prefix_len <= 0:
+            raise fail(source, prefix + "prefix_len", f"must be > 0, got {self.prefix_len}")
+        if self.method in ("lora", "dora") and not self.targets:
+            raise fail(source, prefix + "targets", "must name at least one module")
+        if self.quantize_base != "none" and self.method == "none":
+            raise fail(source, prefix + "quantize_base", f"={self.quantize_base} needs adapter.method "
+                                                         f"lora, dora or prefix (the base must be frozen)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int, str]]]:
+    """Zoo module name -> [(target name, rows, PEFT module name), ...] of the linear layers adapters
+    may wrap, parts in row order. For an LLM the PEFT names are the Hugging Face module names."""
+    if getattr(model, "family", None) == "llm":
+        cfg = model.config
+        d, D = cfg.d_model, cfg.resolved_head_dim
+        q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
+        sites = {}
+        for i, layer in enumerate(model.layers):
+            z, h = f"layers.{i}.", f"model.layers.{i}."
+            sites[z + "attn.qkv"] = [(n, rows, h + f"self_attn.{n}") for n, rows in
+                                     (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
+            sites[z + "attn.proj"] = [("o_proj", d, h + "self_attn.o_proj")]
+            mlp = layer.mlp
+            if hasattr(mlp, "router"):  # MoE: the shared expert only
+                if getattr(mlp, "shared", None) is not None:
+                    F = mlp.shared.hidden
+                    sites[z + "mlp.shared.gate_up"] = [(n, F, h + f"mlp.shared_expert.{n}") for n in ("gate_proj", "up_proj")]
+                    sites[z + "mlp.shared.down"] = [("down_proj", d, h + "mlp.shared_expert.down_proj")]
+                continue
+            F = mlp.hidden
+            sites[z + "mlp.gate_up"] = [(n, F, h + f"mlp.{n}") for n in ("gate_proj", "up_proj")]
+            sites[z + "mlp.down"] = [("down_proj", d, h + "mlp.down_proj")]
+        return sites
+    return {name: [(name.rsplit(".", 1)[-1], m.out_features, name)] for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, LoRALinear)) and (targets is None or name.rsplit(".", 1)[-1] in targets)}
+
+
+def known_targets(model: nn.Module) -> list[str]:
+    return sorted({n for parts in lora_sites(model).values() for n, _, _ in parts})
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module):
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter", log=None) -> nn.Module:
+    """Freeze `model` and add the adapters `cfg` describes (in place; returns the model). Only the
+    adapters' parameters train afterwards. With quantize_base 'nf4' the frozen linear weights
+    are stored in NF4 (torchao)."""
+    if not cfg.enabled:
+        return model
+    model.requires_grad_(False)
+    if cfg.method in ("lora", "dora"):
+        known = known_targets(model)
+        unknown = [t for t in cfg.targets if t not in known]
+        if unknown:
+            raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
+                              f"(known: {', '.join(known) or 'none'})")
+        for name, parts in lora_sites(model).items():
+            adapted = [n for n, _, _ in parts if n in cfg.targets]
+            if not adapted:
+                continue
+            base = model.get_submodule(name)
+            _set_module(model, name, LoRALinear(base, [(n, rows) for n, rows, _ in parts], adapted, cfg.r, cfg.alpha,
+                                                cfg.dropout, dora=cfg.method == "dora", rslora=cfg.rslora))
+    elif cfg.method == "prefix":
+        attns = [m for m in model.modules() if hasattr(m, "prefix") and hasattr(m, "n_kv_heads")]
+        if not attns:
+            raise ConfigError(f"{source}: adapter.method=prefix needs attention layers (an LLM)")
+        if getattr(getattr(model, "config", None), "sliding_window", None) is not None:
+            raise ConfigError(f"{source}: adapter.method=prefix with model.sliding_window is not supported "
+                              f"(the window would count the prefix)")
+        p = next(model.parameters())
+        for a in attns:
+            a.prefix = KVPrefix(a.n_kv_heads, cfg.prefix_len, a.head_dim, device=p.device, dtype=p.dtype)
+    if cfg.quantize_base == "nf4":
+        quantize_nf4(model, log)
+    model.adapter_config = cfg
+    return model
+
+
+def nf4_scaler_block(numel: int) -> Optional[int]:
+    """torchao's second-level block (scales per 8-bit scale) for a weight of numel elements: the
+    largest power of two up to 256 dividing its number of 64-element blocks; None if numel is
+    not a multiple of 64 (such a weight stays dense)."""
+    if numel % NF4_BLOCK:
+        return None
+    return math.gcd(numel // NF4_BLOCK, 256)
+
+
+def quantize_nf4(model: nn.Module, log=None) -> int:
+    """Replace the weight of every linear layer (plain or LoRA-wrapped; not the LM head, not a
+    weight shared with an embedding) by a frozen torchao NF4Tensor. Returns how many were."""
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:
+        raise ConfigError("adapter.quantize_base=nf4 needs torchao (pip install -e '.[qlora]')") from None
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    n, kept = 0, []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Linear, LoRALinear)) or name.endswith("lm_head") or id(m.weight) in shared:
+            continue
+        w = m.weight
+        block = nf4_scaler_block(w.numel())
+        if block is None or not w.is_floating_point() or w.dim() != 2:
+            kept.append(name)
+            continue
+        m.weight = nn.Parameter(to_nf4(w.detach(), NF4_BLOCK, block), requires_grad=False)
+        n += 1
+    if log is not None:
+        log(f"adapter: {n} linear weights in NF4" + (f"; kept dense (size not a multiple of {NF4_BLOCK}): "
+                                                     f"{', '.join(kept)}" if kept else ""))
+    return n
+
+
+def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_adapters(model: nn.Module):
+    for m in adapter_modules(model).values():
+        m.merge()
+
+
+def unmerge_adapters(model: nn.Module):
+    for m in adapter_modules(model).values():
+        m.unmerge()
+
+
+@torch.no_grad()
+def merged_model(model: nn.Module) -> nn.Module:
+    """The model with every LoRA/DoRA layer replaced by a plain nn.Linear holding the merged dense
+    weight, every NF4 weight dequantised and prefixes removed (in place; returns the model)."""
+    for name, m in adapter_modules(model).items():
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        w = m.merged_weight()
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        if m.bias is not None:
+            lin.bias = m.bias
+        _set_module(model, name, lin)
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and dense_weight(m.weight) is not m.weight:
+            m.weight = nn.Parameter(dense_weight(m.weight).clone(), requires_grad=False)
+        if getattr(m, "prefix", None) is not None:
+            raise ValueError("prefix tuning has no merged form: its keys and values are not weights of the base")
+    return model
+
+
+def trainable_keys(model: nn.Module) -> set[str]:
+    """State-dict names of what an adapter run changes: the trainable parameters and the
+    persistent buffers (e.g. BatchNorm statistics, MoE routing load)."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    buffers = {id(b) for b in model.buffers()}
+    return {k for k, v in model.state_dict(keep_vars=True).items() if id(v) in params or id(v) in buffers}
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; NF4 weights count their logical elements."""
+    seen, trainable, total = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable, total
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes the parameters occupy (an NF4 weight: its codes, scales and their scales)."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        inner = getattr(p, "__tensor_flatten__", None)
+        if inner is not None and hasattr(p, "get_original_weight"):
+            n += sum(getattr(p, k).numel() * getattr(p, k).element_size() for k in inner()[0])
+        else:
+            n += p.numel() * p.element_size()
+    return n

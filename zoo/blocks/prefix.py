@@ -1,0 +1,33 @@
+"""Prefix tuning: learned keys and values prepended to one attention layer's own.
+
+Paper: Li & Liang, "Prefix-Tuning: Optimizing Continuous Prompts for Generation" (2021).
+Every layer gets P learned key and value vectors per kv head; every query attends to them
+before the causal keys, and they are never rotated (they sit at no position). The base model
+stays frozen; only the prefixes train. Attention's keys (B, KV, Tk, D) become
+(B, KV, P + Tk, D), so a causal mask on "queries are the last Tq positions" lets every query see
+all of the prefix. Initialised N(0, std^2): small keys give the prefix a near-uniform share of
+attention at first, small values keep its contribution small.
+
+Use: set `attn.prefix = KVPrefix(...)` on attention.py's CausalSelfAttention, which calls it
+on its keys and values (after RoPE and the KV cache).
+
+Shapes: k, v (B, KV, T, D) -> (B, KV, P + T, D).
+Depends on torch only.
+"""
+import torch
+from torch import nn
+
+
+class KVPrefix(nn.Module):
+    def __init__(self, n_kv_heads: int, length: int, head_dim: int, std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        if length <= 0:
+            raise ValueError(f"prefix length must be > 0, got {length}")
+        self.k = nn.Parameter(torch.randn(n_kv_heads, length, head_dim, device=device, dtype=dtype) * std)
+        self.v = nn.Parameter(torch.randn(n_kv_heads, length, head_dim, device=device, dtype=dtype) * std)
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor):
+        B = k.shape[0]
+        pk = self.k.to(k.dtype).unsqueeze(0).expand(B, -1, -1, -1)
+        pv = self.v.to(v.dtype).unsqueeze(0).expand(B, -1, -1, -1)
+        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)

@@ -1,0 +1,151 @@
+"""PEFT LoRA / DoRA adapter folders in and out (adapter_config.json + adapter_model.safetensors).
+
+    model = zoo.from_pretrained("runs/x/adapter")                  # base from base_model_name_or_path
+    model = zoo.from_pretrained("adapter/", base="path/to/hf_llm")  # or named here
+    save_adapter(model, "out/adapter", base="path/to/hf_llm")
+
+Key names are PEFT's: `base_model.model.<module>.lora_A.weight` (r, in), `.lora_B.weight`
+(out, r) and, for DoRA, `.lora_magnitude_vector` (out,), where <module> is the Hugging Face
+module (model.layers.0.self_attn.q_proj, ...; `zoo.adapters.lora_sites` has the map onto Zoo's
+fused projections). Only what PEFT's LoRA does and Zoo's LoRALinear computes the same way is
+read: an adapter_config.json asking for anything else (rank or alpha patterns, bias training,
+modules_to_save, regex targets, another PEFT method) is refused with an error naming the key.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..adapters import AdapterConfig, adapter_modules, apply_adapters, lora_sites
+from ..blocks.lora import LoRALinear
+from .files import atomic_write, load_tensors, save_safetensors
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+# adapter_config.json keys whose value must be the default for Zoo to compute what PEFT does
+_MUST_BE = {"bias": ("none",), "fan_in_fan_out": (False, None), "modules_to_save": (None, []),
+            "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "layers_to_transform": (None,),
+            "layer_replication": (None,), "use_qalora": (False, None), "lora_bias": (False, None),
+            "target_parameters": (None, []), "trainable_token_indices": (None,), "use_bdlora": (None, False),
+            "alora_invocation_tokens": (None,), "exclude_modules": (None, [])}
+
+
+def detect(path) -> bool:
+    p = Path(path)
+    return (p / CONFIG).is_file() if p.is_dir() else p.name == CONFIG
+
+
+def exports(model) -> bool:
+    return False  # an adapter is written by save_adapter, never by save_pretrained
+
+
+def read_config(folder: Path) -> AdapterConfig:
+    """adapter_config.json -> AdapterConfig; anything Zoo would compute differently is an error."""
+    from .hf_llm import read_json
+    src = folder / CONFIG
+    hf = read_json(src)
+    if hf.get("peft_type") != "LORA":
+        raise ValueError(f"{src}: peft_type={hf.get('peft_type')!r} is not supported (LORA, with use_dora for DoRA)")
+    for k, ok in _MUST_BE.items():
+        if k in hf and hf[k] not in ok:
+            raise ValueError(f"{src}: {k}={hf[k]!r} is not supported (supported: {ok[0]!r})")
+    targets = hf.get("target_modules")
+    if isinstance(targets, str) or not targets:
+        raise ValueError(f"{src}: target_modules={targets!r} must be a list of module names")
+    try:
+        return AdapterConfig(method="dora" if hf.get("use_dora") else "lora", r=int(hf["r"]),
+                             alpha=float(hf.get("lora_alpha", 8)), dropout=float(hf.get("lora_dropout", 0.0)),
+                             targets=sorted(targets), rslora=bool(hf.get("use_rslora", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{src}: r / lora_alpha / lora_dropout unreadable ({e})") from None
+
+
+def load(path, base=None, dtype=None, device=None, **kw):
+    """Load the adapter folder `path` onto its base model (`base`: a folder or a loaded Zoo model;
+    default: base_model_name_or_path of adapter_config.json). Returns the model in eval mode with
+    the adapters unmerged (merge with zoo.adapters.merge_adapters)."""
+    import zoo
+    from .hf_llm import read_json
+    folder = Path(path)
+    folder = folder.parent if folder.is_file() else folder
+    cfg = read_config(folder)
+    if base is None:
+        base = read_json(folder / CONFIG).get("base_model_name_or_path")
+        if not base or not Path(base).exists():
+            raise ValueError(f"{folder / CONFIG}: base_model_name_or_path={base!r} is not a local folder; "
+                             f"pass base=<folder of the base model>")
+    model = base if isinstance(base, torch.nn.Module) else zoo.from_pretrained(base, dtype=dtype, device=device, **kw)
+    apply_adapters(model, cfg, str(folder / CONFIG))
+    load_adapter_weights(model, folder / WEIGHTS)
+    return model.eval()
+
+
+def peft_names(model) -> dict[tuple[str, str], str]:
+    """(Zoo LoRALinear name, part) -> PEFT module name, for the adapted parts."""
+    out = {}
+    mods = adapter_modules(model)
+    for name, parts in lora_sites(model).items():
+        if name in mods:
+            for part, _, hf in parts:
+                if part in mods[name].adapted:
+                    out[(name, part)] = hf
+    return out
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapters of `model` under PEFT's key names."""
+    mods = adapter_modules(model)
+    state = {}
+    for (name, part), hf in peft_names(model).items():
+        m: LoRALinear = mods[name]
+        state[f"{PREFIX}{hf}.lora_A.weight"] = m.lora_A[part]
+        state[f"{PREFIX}{hf}.lora_B.weight"] = m.lora_B[part]
+        if m.dora:
+            state[f"{PREFIX}{hf}.lora_magnitude_vector"] = m.magnitude[part]
+    return state
+
+
+@torch.no_grad()
+def load_adapter_weights(model, path: Path):
+    """Read PEFT-named adapter tensors into `model`'s adapters; every missing, unexpected or
+    wrongly shaped tensor is one error naming the file."""
+    found = load_tensors(path)
+    want = adapter_state(model)
+    missing = [k for k in want if k not in found]
+    unexpected = [k for k in found if k not in want]
+    wrong = [f"{k} {list(found[k].shape)} (expected {list(want[k].shape)})" for k in want
+             if k in found and found[k].shape != want[k].shape]
+    if missing or unexpected or wrong:
+        parts = [f"{what}: {', '.join(names[:4])}" + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+                 for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
+        raise ValueError(f"{path}: does not match adapter_config.json and the base model: " + "; ".join(parts))
+    for k, t in want.items():
+        t.copy_(found[k])
+
+
+def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
+    """Write the adapters of `model` as a PEFT folder (adapter_config.json, adapter_model.safetensors)."""
+    model = getattr(model, "_orig_mod", model)
+    cfg: AdapterConfig = getattr(model, "adapter_config", None)
+    if cfg is None or cfg.method not in ("lora", "dora"):
+        raise ValueError("save_adapter: the model has no LoRA/DoRA adapters (PEFT's format holds those)")
+    if any(m.merged for m in adapter_modules(model).values()):
+        raise ValueError("save_adapter: unmerge the adapters first")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous().clone() for k, v in adapter_state(model).items()}
+    save_safetensors(state, out / WEIGHTS)
+    targets = sorted({part for _, part in peft_names(model)})
+    hf = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if getattr(model, "family", None) == "llm" else None,
+          "base_model_name_or_path": str(Path(base).resolve()) if base else None,
+          "r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets,
+          "use_dora": cfg.method == "dora", "use_rslora": cfg.rslora, "bias": "none", "fan_in_fan_out": False,
+          "init_lora_weights": True, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+          "inference_mode": True}
+    atomic_write(out / CONFIG, json.dumps(hf, indent=2) + "\n")
+    return out
