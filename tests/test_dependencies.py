@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the project's own packages, and its files imported by bare name (a copied block's sibling, a test helper)
 LOCAL = {"zoo", "train", "tests", "sitecustomize"} | {p.stem for d in ("zoo", "train", "tests") for p in (ROOT / d).rglob("*.py")}
 # modules of distributions that are not installed here (packages_distributions() cannot see them)
-NOT_INSTALLED = {"flash_attn": "flash-attn"}
+NOT_INSTALLED = {"flash_attn": "flash-attn", "bitsandbytes": "bitsandbytes"}
 # calls whose first string argument is a module imported by name
 BY_NAME = {"import_module", "importorskip", "optional_module", "find_spec"}
 

@@ -44,18 +44,24 @@ def test_short_run_lowers_loss_and_writes_outputs(tmp_path, text_corpus, one_thr
     assert final["val_loss"] < final["unigram_entropy"]
 
 
-def test_resume_continues_exactly(tmp_path, text_corpus, one_thread):
-    over = {"train.checkpoint_every": 10, "train.keep_checkpoints": 5, "train.max_steps": 20}
-    _, full = run(tmp_path, text_corpus, "full", **over)
-    # pretend the run was killed after step 10: drop the later checkpoint, weights and metrics
+def check_resume_is_exact(tmp_path, corpus, last: int, **over):
+    """A run of `last` steps, and a copy of it killed after its previous checkpoint (the last
+    checkpoint, weights and metrics dropped) and resumed: the same losses and weights, bitwise."""
+    _, full = run(tmp_path, corpus, "full", **over)
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "full", part)
-    shutil.rmtree(part / "checkpoints" / "step_00000020")
+    shutil.rmtree(part / "checkpoints" / f"step_{last:08d}")
     (part / "model.safetensors").unlink()
-    _, resumed = run(tmp_path, text_corpus, "part", **over)
+    _, resumed = run(tmp_path, corpus, "part", **over)
     assert losses(resumed) == losses(full)  # bitwise-equal floats, step for step
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(part / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return part, a
+
+
+def test_resume_continues_exactly(tmp_path, text_corpus, one_thread):
+    check_resume_is_exact(tmp_path, text_corpus, 20, **{"train.checkpoint_every": 10, "train.keep_checkpoints": 5,
+                                                        "train.max_steps": 20})
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

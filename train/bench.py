@@ -27,6 +27,8 @@ BENCHES: dict[str, str] = {
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
     "peft": "train.benches.finetune",
+    "optimizers": "train.benches.optimizers",
+    "lr-find": "train.benches.lr_find",
 }
 
 

@@ -56,6 +56,14 @@ class TrainConfig:
     tracker_project: Optional[str] = None   # wandb: the project; null = "zoo"
     tracker_mode: Optional[Literal["offline", "online"]] = None  # wandb; null = $WANDB_MODE, else offline
     unfreeze: Optional[list[int]] = None    # gradual unfreezing: steps at which the next group (top down) trains
+    batch_warmup_steps: int = 0             # ramp the micro-batches per step from 1 to grad_accum over these steps
+    clip_weights: Optional[float] = None    # after each step clamp every weight to [-c, c]; null = off
+    average_last: int = 0                   # average the weights of the last K checkpoints (0 = off)
+    average_weighting: Literal["uniform", "linear"] = "uniform"  # linear: weights 1..K, the newest heaviest
+    lr_find: bool = False                   # run the LR range test instead of training
+    lr_find_min: float = 1e-6               # the range test's LRs, exponentially spaced
+    lr_find_max: float = 1.0
+    lr_find_steps: int = 100
 
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
@@ -69,6 +77,16 @@ class TrainConfig:
             raise fail(source, prefix + "clip_grad", f"must be > 0 or null, got {self.clip_grad}")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise fail(source, prefix + "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
+        for k in ("batch_warmup_steps", "average_last"):
+            if getattr(self, k) < 0:
+                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
+        if self.clip_weights is not None and self.clip_weights <= 0:
+            raise fail(source, prefix + "clip_weights", f"must be > 0 or null, got {self.clip_weights}")
+        if self.lr_find_steps < 2:
+            raise fail(source, prefix + "lr_find_steps", f"must be >= 2, got {self.lr_find_steps}")
+        if not 0 < self.lr_find_min < self.lr_find_max:
+            raise fail(source, prefix + "lr_find_min", f"must be > 0 and < train.lr_find_max={self.lr_find_max}, "
+                                                       f"got {self.lr_find_min}")
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise fail(source, prefix + "peak_flops", f"must be > 0 or null, got {self.peak_flops}")
         dev, colon, index = self.device.partition(":")
@@ -89,9 +107,17 @@ class TrainConfig:
             raise ConfigError(f"{source}: {missing}")
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: Literal["adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore"] = "adamw"
     lr: float = 3e-4
     weight_decay: float = 0.1               # not applied to norms, biases and embeddings
     betas: tuple[float, float] = (0.9, 0.95)
@@ -99,10 +125,17 @@ class OptimConfig:
     momentum: float = 0.9                   # sgd
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # null = fused where the device supports it
-    schedule: Literal["cosine", "constant", "linear", "wsd"] = "cosine"
+    schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt"] = "cosine"
     warmup_steps: Optional[int] = None      # null: 10% of train.max_steps, at most 100
     min_lr_ratio: float = 0.1               # final LR / peak LR (cosine, linear, wsd)
     decay_fraction: float = 0.2             # wsd: the last fraction of steps that decays
+    onecycle_div: float = 25.0              # onecycle: the LR starts at peak / onecycle_div
+    muon_lr: float = 0.02                   # muon: Muon's peak LR on the hidden matrices (optim.lr: AdamW's)
+    muon_momentum: float = 0.95             # muon
+    adafactor_beta2_decay: float = -0.8     # adafactor: beta2 at step t is 1 - t^beta2_decay
+    galore_rank: int = 128                  # galore: rank of the projected gradient states
+    galore_update_every: int = 200          # galore: steps between projections (an SVD of the gradient)
+    galore_scale: float = 0.25              # galore: the projected-back update is multiplied by this
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
         """warmup_steps, or when it is null 10% of the run, at most 100 steps."""
@@ -125,6 +158,21 @@ class OptimConfig:
             raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise fail(source, prefix + "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+        if self.name == "adamw8bit" and not _installed("torchao"):
+            raise fail(source, prefix + "name", "=adamw8bit needs the torchao package: pip install -e '.[optim]'")
+        if self.onecycle_div < 1.0:
+            raise fail(source, prefix + "onecycle_div", f"must be >= 1, got {self.onecycle_div}")
+        if self.muon_lr <= 0:
+            raise fail(source, prefix + "muon_lr", f"must be > 0, got {self.muon_lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise fail(source, prefix + "muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
+        if self.adafactor_beta2_decay >= 0:
+            raise fail(source, prefix + "adafactor_beta2_decay", f"must be < 0, got {self.adafactor_beta2_decay}")
+        for k in ("galore_rank", "galore_update_every"):
+            if getattr(self, k) < 1:
+                raise fail(source, prefix + k, f"must be >= 1, got {getattr(self, k)}")
+        if self.galore_scale <= 0:
+            raise fail(source, prefix + "galore_scale", f"must be > 0, got {self.galore_scale}")
 
 
 @dataclass
@@ -192,6 +240,13 @@ def check_across_sections(cfg: RunConfig):
     if a.export_merged and a.method == "prefix":
         raise fail(src, "adapter.export_merged", "prefix tuning has no merged form (its keys and values are not "
                                                  "weights of the base)")
+    if t.average_last > t.keep_checkpoints:
+        raise fail(src, "train.average_last", f"={t.average_last} needs as many checkpoints kept "
+                                              f"(train.keep_checkpoints={t.keep_checkpoints})")
+    if t.batch_warmup_steps and t.batch_warmup_steps >= t.max_steps:
+        raise fail(src, "train.batch_warmup_steps", f"={t.batch_warmup_steps} must be < train.max_steps={t.max_steps}")
+    if t.batch_warmup_steps and t.grad_accum == 1:
+        raise fail(src, "train.batch_warmup_steps", "ramps the micro-batches up to train.grad_accum, which is 1")
     if t.init_from is not None and not Path(t.init_from).expanduser().exists():
         raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
 

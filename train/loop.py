@@ -1,11 +1,13 @@
 """The one training loop. It knows nothing family-specific: a family plugs in through its task.
 
-Per optimizer step: LR from the schedule -> `grad_accum` micro-batches under autocast
-(bf16, or fp16 with a GradScaler) -> unscale, clip the global grad norm -> optimizer step
-(skipped, counted and logged when the loss or grad norm is not finite) -> zero_grad(set_to_none)
--> EMA update. Every `log_every` steps a JSON line goes to <out_dir>/metrics.jsonl (loss, lr,
+Per optimizer step: LR from the schedule -> `grad_accum` micro-batches (ramped up from 1 over
+`batch_warmup_steps`) under autocast (bf16, or fp16 with a GradScaler) -> unscale, clip the global
+grad norm -> optimizer step (skipped, counted and logged when the loss or grad norm is not finite)
+-> zero_grad(set_to_none) -> weight clipping (`clip_weights`) -> EMA update. Every `log_every` steps a JSON line goes to <out_dir>/metrics.jsonl (loss, lr,
 grad norm, items/s, MFU, peak memory) and to the progress bar; every `eval_every` steps the
 task evaluates; every `checkpoint_every` steps and at the end an atomic checkpoint is written.
+At the end `average_last` averages the last checkpoints' weights and evaluates them
+too (train/averaging.py). `lr_find` runs the LR range test instead (train/lr_find.py).
 A run whose out_dir holds a checkpoint resumes from it exactly.
 Between building the model and the optimizer, the `adapter:` section freezes the model and adds
 adapters (zoo/adapters.py; checkpoints then hold only what trains, and the adapter is exported
@@ -35,7 +37,7 @@ from zoo.weights.files import atomic_write, save_safetensors
 from . import checkpoint as ckpt
 from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, release_freed_memory, sync
 from .config import RunConfig
-from .optim import build_optimizer, lr_multiplier, set_lr
+from .optim import build_optimizer, lr_multiplier, micro_batches, set_lr
 from .tasks import task_class
 from .unfreeze import GradualUnfreezing
 from .tracking import open_tracker
@@ -229,6 +231,12 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
         kept = setup_backends(cfg, device, say, owns_process)
 
     try:
+        if t.lr_find:
+            from .lr_find import lr_find
+            try:
+                return lr_find(cfg, say)
+            except ValueError as e:
+                raise RunStopped(str(e), EXIT_CONFIG) from None
         return _train(cfg, out, say, backends)
     finally:
         if kept and not owns_process:
@@ -271,7 +279,10 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                   "base": t.init_from} if keys is not None else {}
     # ----
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
-    optimizer = build_optimizer(model, cfg.optim, device, say)
+    try:
+        optimizer = build_optimizer(model, cfg.optim, device, say)
+    except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
+        raise RunStopped(str(e), EXIT_CONFIG) from None
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     atomic_write(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
@@ -333,9 +344,12 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
             set_lr(optimizer, lr)
             if unfreezer is not None and unfreezer.advance(step, optimizer):
                 params = [p for p in model.parameters() if p.requires_grad]
-            batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(t.grad_accum))
-            r = optimizer_step(lambda b: task.loss(fwd, b), batches, t.grad_accum, optimizer, scaler, params,
+            n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
+            batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(n_micro))
+            r = optimizer_step(lambda b: task.loss(fwd, b), batches, n_micro, optimizer, scaler, params,
                                t.clip_grad, autocast)
+            if t.clip_weights is not None and r.applied:
+                clip_weights_(params, t.clip_weights)
             loss_val, gnorm_val, items, finite = r.loss, r.grad_norm, r.items, r.finite
             if r.overflow:  # fp16: the GradScaler skipped the step and lowered its scale; not a failure
                 overflow_total += 1
@@ -410,6 +424,11 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         ev = _evaluate(task, model, ema, autocast)
         record({"step": done, **ev})
         last.update(ev)
+        if t.average_last:
+            ev_avg = _evaluate_average(task, model, out, t, autocast, say)
+            record({"step": done, **ev_avg})
+            last.update(ev_avg)
+            ev.update(ev_avg)
     say(f"final (step {done}): " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
     if keys is None:
         save_safetensors(model, out / "model.safetensors")
@@ -483,6 +502,27 @@ def _evaluate(task, model, ema, autocast) -> dict:
         if ema is not None:
             ev.update({f"ema_{k}": v for k, v in task.evaluate(ema.model).items()})
     return ev
+
+
+@torch.no_grad()
+def clip_weights_(params, c: float):
+    """train.clip_weights: every weight clamped to [-c, c] after the step."""
+    for p in params:
+        p.clamp_(-c, c)
+
+
+def _evaluate_average(task, model, out, t, autocast, say) -> dict:
+    """train.average_last: the last checkpoints' weights averaged, saved and evaluated (avg_*)."""
+    from .averaging import average_last
+    path, used = average_last(out, t.average_last, t.average_weighting)
+    avg = copy.deepcopy(model)
+    avg.load_state_dict(ckpt.read_weights(path, avg), strict=False)
+    say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
+        f"({', '.join(p.name for p in used)}) -> {path}"
+        + (f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last else ""))
+    with autocast():
+        ev = task.evaluate(avg)
+    return {f"avg_{k}": v for k, v in ev.items()}
 
 
 def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, precision=None, keys=None,

@@ -1,0 +1,289 @@
+"""The optimizer registry, schedules, batch-size warmup, the LR range test, checkpoint averaging and
+weight clipping: each optimizer against an independent reference (torch's own class where Zoo wraps
+one, the update written out here where Zoo has its own), killed-and-resumed runs against
+uninterrupted ones, schedules against values computed here or by torch."""
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_loop import TINY, check_resume_is_exact, run
+from test_numerics import tiny_llm
+from train.config import OptimConfig, load_run_config
+from train.optim import (OPTIMIZERS, build_optimizer, hidden_matrices, lr_multiplier, micro_batches, param_groups,
+                         set_lr, state_bytes)
+from zoo.config import ConfigError
+
+CPU = torch.device("cpu")
+QUIET = dict(log=lambda m: None)
+HIDDEN = r"layers\.\d+\.(attn\.qkv|attn\.proj|mlp\.gate_up|mlp\.down)\.weight"
+
+
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    """torchao's 8-bit AdamW compiles its update once per tensor shape (minutes of C++ compilation on
+    a CPU): the tests run the same update eagerly."""
+    pytest.importorskip("torchao")
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: fn)
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (4, 17), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def steps(model, opt, n=4):
+    for i in range(n):
+        x, y = batch(i)
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        opt.step()
+
+
+def same(a, b, atol=0.0):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, rtol=0, atol=atol), (n, (p - q).abs().max().item())
+
+
+# ------------------------------------------------------------------------------ against references
+def test_hidden_matrices_are_the_layers_2d_weights_not_embedding_or_head():
+    for tied in (True, False):
+        model = tiny_llm(tied=tied, bias=True)
+        names = {n for n, p in model.named_parameters() if id(p) in hidden_matrices(model)}
+        assert names == {n for n, _ in model.named_parameters() if re.fullmatch(HIDDEN, n)} and names
+
+
+def test_adafactor_equals_torch_adafactor():
+    a, b = tiny_llm(), tiny_llm()
+    cfg = OptimConfig(name="adafactor", lr=0.01, weight_decay=0.1, adafactor_beta2_decay=-0.7)
+    steps(a, build_optimizer(a, cfg, CPU, **QUIET))
+    steps(b, torch.optim.Adafactor(param_groups(b, 0.1), lr=0.01, beta2_decay=-0.7))
+    same(a, b)
+
+
+def test_lion_equals_the_papers_update():
+    a, b = tiny_llm(bias=True), tiny_llm(bias=True)
+    lr, (b1, b2), wd = 1e-3, (0.9, 0.99), 0.1
+    steps(a, build_optimizer(a, OptimConfig(name="lion", lr=lr, betas=(b1, b2), weight_decay=wd), CPU, **QUIET))
+    decayed = {id(p) for g in param_groups(b, wd) if g["weight_decay"] for p in g["params"]}
+    mom = {}
+    for i in range(4):
+        x, y = batch(i)
+        b.zero_grad(set_to_none=True)
+        b(x, y)[1].backward()
+        with torch.no_grad():
+            for p in {id(p): p for p in b.parameters()}.values():
+                m = mom.get(id(p), torch.zeros_like(p))
+                c = b1 * m + (1 - b1) * p.grad
+                p.copy_(p * (1 - lr * (wd if id(p) in decayed else 0.0)) - lr * torch.sign(c))
+                mom[id(p)] = b2 * m + (1 - b2) * p.grad
+    same(a, b, atol=1e-6)
+
+
+def test_muon_equals_torch_muon_on_the_hidden_matrices_and_adamw_on_the_rest():
+    a, b = tiny_llm(tied=False, bias=True), tiny_llm(tied=False, bias=True)
+    cfg = OptimConfig(name="muon", lr=3e-3, muon_lr=0.02, muon_momentum=0.9, weight_decay=0.1, fused=False)
+    opt = build_optimizer(a, cfg, CPU, **QUIET)
+    steps(a, opt)
+    hidden = [p for n, p in b.named_parameters() if re.fullmatch(HIDDEN, n)]
+    rest = [g for g in param_groups(b, 0.1) for g in [dict(g, params=[p for p in g["params"]
+                                                                        if not any(p is h for h in hidden)])]]
+    ref = [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, momentum=0.9),
+           torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)]
+    for i in range(4):
+        x, y = batch(i)
+        b.zero_grad(set_to_none=True)
+        b(x, y)[1].backward()
+        for o in ref:
+            o.step()
+    same(a, b)
+    set_lr(opt, 1.5e-3)  # the schedule scales Muon's LR and AdamW's alike
+    assert sorted({g["lr"] for g in opt.param_groups}) == [1.5e-3, pytest.approx(0.01)]
+
+
+def test_galore_equals_the_papers_update():
+    a, b = tiny_llm(tied=False), tiny_llm(tied=False)
+    lr, (b1, b2), eps, wd, rank, every, scale = 2e-3, (0.9, 0.95), 1e-8, 0.1, 3, 2, 0.5
+    cfg = OptimConfig(name="galore", lr=lr, weight_decay=wd, galore_rank=rank, galore_update_every=every,
+                      galore_scale=scale)
+    steps(a, build_optimizer(a, cfg, CPU, **QUIET), n=5)
+    decayed = {id(p) for g in param_groups(b, wd) if g["weight_decay"] for p in g["params"]}
+    st = {}
+    for t in range(1, 6):
+        x, y = batch(t - 1)
+        b.zero_grad(set_to_none=True)
+        b(x, y)[1].backward()
+        with torch.no_grad():
+            for n, p in b.named_parameters():
+                G = p.grad
+                low = re.fullmatch(HIDDEN, n) is not None
+                s = st.setdefault(n, {})
+                if low:  # project on the smaller side: P^T G with P = U[:, :r], or G Q^T with Q = V^T[:r]
+                    if (t - 1) % every == 0:
+                        U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+                        s["P"] = U[:, :rank] if G.shape[0] < G.shape[1] else Vh[:rank]
+                    R = s["P"].T @ G if G.shape[0] < G.shape[1] else G @ s["P"].T
+                else:
+                    R = G
+                s["m"] = b1 * s.get("m", 0) + (1 - b1) * R
+                s["v"] = b2 * s.get("v", 0) + (1 - b2) * R * R
+                N = (s["m"] / (1 - b1 ** t)) / ((s["v"] / (1 - b2 ** t)).sqrt() + eps)
+                if low:
+                    N = scale * (s["P"] @ N if G.shape[0] < G.shape[1] else N @ s["P"])
+                p.mul_(1 - lr * (wd if id(p) in decayed else 0.0)).sub_(lr * N)
+    same(a, b, atol=1e-6)
+    # the states of the projected weights are low-rank: r x max(m, n) instead of m x n
+    opt = build_optimizer(a, cfg, CPU, **QUIET)
+    steps(a, opt, n=1)
+    for n, p in a.named_parameters():
+        if re.fullmatch(HIDDEN, n):
+            assert opt.state[p]["exp_avg"].numel() == rank * max(p.shape), n
+
+
+def test_adamw8bit_within_its_quantisation_of_fp32_adamw(eager_torchao):
+    """100 AdamW steps on a least-squares problem: 8-bit states (torchao) against fp32 states."""
+    g = torch.Generator().manual_seed(0)
+    X, Wt = torch.randn(256, 64, generator=g), 0.1 * torch.randn(64, 64, generator=g)  # 4096 entries: quantised
+    Y = X @ Wt.T + 0.01 * torch.randn(256, 64, generator=g)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.0, fused=False)
+    out = {}
+    for name in ("adamw", "adamw8bit"):
+        torch.manual_seed(1)
+        lin = torch.nn.Linear(64, 64, bias=False)
+        w0 = lin.weight.detach().clone()
+        opt = build_optimizer(lin, OptimConfig(**{**cfg.__dict__, "name": name}), CPU, **QUIET)
+        for _ in range(100):
+            loss = ((lin(X) - Y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        out[name] = (lin.weight.detach().clone(), loss.item(), state_bytes(opt))
+    (w32, l32, s32), (w8, l8, s8) = out["adamw"], out["adamw8bit"]
+    l0 = ((X @ w0.T - Y) ** 2).mean().item()
+    # the weights' paths differ by <2% of their length, the final losses by <1% of the loss drop
+    assert (w8 - w32).norm() / (w32 - w0).norm() < 0.02
+    assert abs(l8 - l32) / (l0 - l32) < 0.01
+    assert s8 < 0.35 * s32  # 8-bit moments (+ a scale per 256 entries, the code books) against two fp32 ones
+
+
+# ------------------------------------------------------------------------------ resume
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, text_corpus, name, one_thread, request):
+    if name == "adamw8bit":
+        request.getfixturevalue("eager_torchao")
+    over = {"train.checkpoint_every": 5, "train.keep_checkpoints": 3, "train.max_steps": 10, "optim.name": name,
+            "optim.warmup_steps": 2, "optim.lr": {"sgd": 0.05, "lion": 3e-4, "adafactor": 1e-2}.get(name, 3e-3)}
+    if name == "galore":
+        over.update({"optim.galore_rank": 8, "optim.galore_update_every": 3})
+    part, a = check_resume_is_exact(tmp_path, text_corpus, 10, **over)
+    state = torch.load(part / "checkpoints" / "step_00000010" / "state.pt", weights_only=True)
+    assert state["optimizer"]  # every state loads with weights_only=True
+    # the run did move away from the resumed checkpoint's weights (a no-op optimizer would pass the above)
+    c = load_file(part / "checkpoints" / "step_00000005" / "model.safetensors")
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("n,warm,lo,div", [(100, 10, 0.1, 25.0), (57, 6, 0.04, 10.0), (30, 1, 0.2, 5.0)])
+def test_onecycle_equals_torch_onecycle(n, warm, lo, div):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    ref = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=n, pct_start=(warm + 1) / n,
+                                              anneal_strategy="cos", cycle_momentum=False, div_factor=div,
+                                              final_div_factor=1 / (lo * div), three_phase=False)
+    cfg = OptimConfig(schedule="onecycle", warmup_steps=warm, min_lr_ratio=lo, onecycle_div=div)
+    for s in range(n):
+        assert lr_multiplier(s, n, cfg) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-12), s
+        opt.step()
+        ref.step()
+
+
+@pytest.mark.parametrize("n,warm", [(100, 10), (50, 0), (20, 3)])
+def test_inverse_sqrt_is_warmup_then_one_over_sqrt_step(n, warm):
+    cfg = OptimConfig(schedule="inverse_sqrt", warmup_steps=warm)
+    for s in range(n):  # 1-based t = s + 1: t / (warm + 1) in the warmup, then sqrt(warm + 1) / sqrt(t)
+        t = s + 1
+        want = t / (warm + 1) if t <= warm else (warm + 1) ** 0.5 / t ** 0.5
+        assert lr_multiplier(s, n, cfg) == pytest.approx(want, rel=1e-12), s
+
+
+def test_batch_size_warmup_ramps_the_micro_batches(tmp_path, text_corpus, monkeypatch, one_thread):
+    assert [micro_batches(s, 4, 6) for s in range(9)] == [1, 1, 2, 2, 3, 3, 4, 4, 4]
+    assert [micro_batches(s, 3, 0) for s in range(3)] == [3, 3, 3]
+    import train.loop as loop
+    seen, real = [], loop.optimizer_step
+
+    def spy(loss_fn, batches, n_micro, *a, **kw):
+        batches = list(batches)
+        seen.append((n_micro, len(batches)))
+        return real(loss_fn, iter(batches), n_micro, *a, **kw)
+
+    monkeypatch.setattr(loop, "optimizer_step", spy)
+    run(tmp_path, text_corpus, **{"train.max_steps": 8, "train.grad_accum": 4, "train.batch_warmup_steps": 6,
+                                  "train.batch_size": 2})
+    assert seen == [(m, m) for m in (1, 1, 2, 2, 3, 3, 4, 4)]
+
+
+# ------------------------------------------------------------------------------ averaging, clipping, LR finder
+@pytest.mark.parametrize("weighting", ["uniform", "linear"])
+def test_average_last_equals_an_average_of_the_saved_checkpoints(tmp_path, text_corpus, weighting, one_thread):
+    final, rows = run(tmp_path, text_corpus, **{"train.max_steps": 12, "train.checkpoint_every": 3,
+                                                "train.keep_checkpoints": 4, "train.average_last": 3,
+                                                "train.average_weighting": weighting})
+    out = tmp_path / "run"
+    sds = [load_file(out / "checkpoints" / f"step_{s:08d}" / "model.safetensors") for s in (6, 9, 12)]
+    w = [1, 1, 1] if weighting == "uniform" else [1, 2, 3]
+    avg = load_file(out / "model_avg.safetensors")
+    assert avg.keys() == sds[0].keys()
+    for k in avg:
+        want = sum(wi * sd[k].double() for wi, sd in zip(w, sds)) / sum(w)
+        assert torch.allclose(avg[k].double(), want, rtol=0, atol=1e-6), k
+    assert not torch.equal(avg["embed.weight"], sds[-1]["embed.weight"])
+    assert "avg_val_loss" in final and "val_loss" in final and final["avg_val_loss"] != final["val_loss"]
+    assert any("avg_val_loss" in r for r in rows)
+
+
+def test_clip_weights_bounds_every_weight(tmp_path, text_corpus, one_thread):
+    run(tmp_path, text_corpus, "free", **{"train.max_steps": 6})
+    run(tmp_path, text_corpus, "clipped", **{"train.max_steps": 6, "train.clip_weights": 0.05})
+    free, clipped = (load_file(tmp_path / n / "model.safetensors") for n in ("free", "clipped"))
+    assert max(v.abs().max().item() for v in free.values()) > 0.05  # the bound does something here
+    assert max(v.abs().max().item() for v in clipped.values()) == pytest.approx(0.05)
+
+
+def test_lr_find_writes_its_plot_and_suggests_a_tenth_of_the_best_lr(tmp_path, text_corpus, one_thread):
+    overrides = [f"train.out_dir={tmp_path / 'run'}", f"data.path={text_corpus}", "train.lr_find=true",
+                 "train.lr_find_steps=40", "train.lr_find_min=1e-5", "train.lr_find_max=10", "train.plot=true"]
+    from train.loop import train
+    res = train(load_run_config(None, overrides, base=TINY), log=lambda m: None)
+    out = tmp_path / "run"
+    assert (out / "lr_find.png").is_file() and not (out / "checkpoints").exists()
+    assert not (out / "model.safetensors").exists()
+    saved = json.loads((out / "lr_find.json").read_text())
+    lrs, ls = saved["lr"], saved["loss"]
+    assert lrs[0] == pytest.approx(1e-5) and all(b > a for a, b in zip(lrs, lrs[1:]))
+    assert lrs[1] / lrs[0] == pytest.approx(10 ** (6 / 39))
+    sm, avg = [], 0.0
+    for i, l in enumerate(ls):
+        avg = 0.9 * avg + 0.1 * l
+        sm.append(avg / (1 - 0.9 ** (i + 1)))
+    assert res["suggested_lr"] == pytest.approx(lrs[sm.index(min(sm))] / 10)
+    assert len(lrs) < 40  # the loss blew up at the top of the range and the test stopped
+
+
+def test_optimizer_and_schedule_keys_are_checked():
+    base = {**TINY, "data": {"tokenizer": "bytes", "seq_len": 64, "path": "x"}}
+    for over, match in [(["optim.name=adam"], "optim.name"), (["optim.galore_rank=0"], "optim.galore_rank"),
+                        (["optim.muon_lr=0"], "optim.muon_lr"), (["optim.schedule=noam"], "optim.schedule"),
+                        (["optim.adafactor_beta2_decay=0.5"], "optim.adafactor_beta2_decay"),
+                        (["optim.onecycle_div=0.5"], "optim.onecycle_div"),
+                        (["train.average_last=3", "train.keep_checkpoints=2"], "train.average_last=3 needs"),
+                        (["train.batch_warmup_steps=5"], "train.batch_warmup_steps"),
+                        (["train.grad_accum=2", "train.batch_warmup_steps=40"], "must be < train.max_steps"),
+                        (["train.clip_weights=0"], "train.clip_weights"),
+                        (["train.lr_find_min=2", "train.lr_find_max=1"], "train.lr_find_min")]:
+        with pytest.raises(ConfigError, match=re.escape(match)):
+            load_run_config(None, over, base=base)

@@ -1,0 +1,178 @@
+"""Optimizers and learning-rate schedules.
+
+`build_optimizer(model, cfg, device)` builds `optim.name` from the registry below:
+
+    adamw          torch.optim.AdamW, fused (one kernel for the whole update) where the device supports it
+    sgd            torch.optim.SGD with momentum (Nesterov by default)
+    adafactor      torch.optim.Adafactor (factored second moments, no first moment)
+    lion           Zoo's own (lion.py): sign of an interpolated momentum, one state tensor per weight
+    muon           torch.optim.Muon on the hidden 2-D weights, AdamW on the rest (muon.py)
+    adamw8bit      torchao's AdamW8bit (CPU and CUDA); bitsandbytes' on CUDA when it is installed
+    adamw_offload  torchao's CPUOffloadOptimizer around fused AdamW (CUDA: states and update on the CPU);
+                   elsewhere the states are in host memory already: plain AdamW, said in the log
+    galore         Zoo's own (galore.py): AdamW with low-rank projected states for the hidden 2-D weights
+
+Parameter groups, for every optimizer: weight decay goes to matrices only; norms, biases and
+embeddings are not decayed. "Hidden" matrices (Muon's and GaLore's) are the 2-D weights that
+are neither an embedding nor the output head (the last Linear of the model, or one tied to
+an embedding). A group's `lr_scale` (1 unless said) turns the run's LR into the group's.
+
+Schedules are multipliers of the peak LR (schedules.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import OptimConfig
+from .schedules import SCHEDULES, lr_multiplier, micro_batches
+
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore")
+
+
+def _embedding_ids(model: nn.Module) -> set:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay, seen = [], [], set()
+    emb_params = _embedding_ids(model)
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.dim() < 2 or id(p) in emb_params:  # biases, norm/BN scales, embeddings
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def hidden_matrices(model: nn.Module) -> set:
+    """ids of the 2-D weights of hidden layers: not embeddings, not the output head (the last
+    nn.Linear registered in the model, or a Linear whose weight is an embedding's)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    excluded = _embedding_ids(model) | ({id(linears[-1].weight)} if linears else set())
+    return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in excluded}
+
+
+def split_hidden(groups: list[dict], hidden: set) -> tuple[list[dict], list[dict]]:
+    """Each group split into its hidden matrices and the rest (same keys, empty groups dropped)."""
+    inside, outside = [], []
+    for g in groups:
+        a = [p for p in g["params"] if id(p) in hidden]
+        b = [p for p in g["params"] if id(p) not in hidden]
+        if a:
+            inside.append(dict(g, params=a))
+        if b:
+            outside.append(dict(g, params=b))
+    return inside, outside
+
+
+def fused_supported(device: torch.device) -> bool:
+    """torch's fused AdamW runs on CUDA, CPU (torch >= 2.4) and MPS."""
+    return device.type in ("cuda", "cpu", "mps", "xpu")
+
+
+def _adamw(groups, cfg: OptimConfig, device: torch.device, log):
+    fused = fused_supported(device) if cfg.fused is None else cfg.fused
+    try:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    except (RuntimeError, TypeError) as e:
+        log(f"fused AdamW unavailable on {device.type} ({e}); using the foreach implementation")
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, log=print):
+    groups = param_groups(model, cfg.weight_decay)
+    name = cfg.name
+    if name == "adamw":
+        return _adamw(groups, cfg, device, log)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+    if name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay)
+    if name == "lion":
+        from .lion import Lion
+        return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    if name == "muon":
+        from .muon import muon_with_adamw
+        hidden, other = split_hidden(groups, hidden_matrices(model))
+        if not hidden:
+            raise ValueError("optim.name=muon: the model has no hidden 2-D weights for Muon")
+        fused = fused_supported(device) if cfg.fused is None else cfg.fused
+        return muon_with_adamw(hidden, other, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.betas, cfg.eps, fused)
+    if name == "galore":
+        from .galore import GaLoreAdamW
+        hidden, other = split_hidden(groups, hidden_matrices(model))
+        return GaLoreAdamW([dict(g, galore=True) for g in hidden] + other, lr=cfg.lr, betas=tuple(cfg.betas),
+                           eps=cfg.eps, rank=cfg.galore_rank, update_every=cfg.galore_update_every,
+                           scale=cfg.galore_scale)
+    if name == "adamw8bit":
+        if device.type == "cuda":
+            try:
+                import bitsandbytes as bnb
+            except ImportError:
+                bnb = None
+            if bnb is not None:
+                log("optimizer: adamw8bit from bitsandbytes")
+                return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        from torchao.optim import AdamW8bit
+        log(f"optimizer: adamw8bit from torchao (block-wise quantised states; tensors under 4096 entries in fp32)")
+        return AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if name == "adamw_offload":
+        if device.type != "cuda":
+            log(f"optimizer: adamw_offload skipped on {device.type} (CPU offload needs CUDA); fused AdamW instead")
+            return _adamw(groups, cfg, device, log)
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError:
+            raise ValueError("optim.name=adamw_offload needs the torchao package: pip install -e '.[optim]'") from None
+        return CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, lr=cfg.lr, betas=tuple(cfg.betas),
+                                   eps=cfg.eps)
+    raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
+
+
+def set_lr(optimizer, lr: float):
+    """Every group's LR: the run's LR times the group's lr_scale (1 unless the optimizer set one)."""
+    for g in optimizer.param_groups:
+        value = lr * g.get("lr_scale", 1.0)
+        if isinstance(g["lr"], torch.Tensor):  # torchao keeps the LR as a tensor (its step is compiled)
+            g["lr"].fill_(value)
+        else:
+            g["lr"] = value
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes the optimizer's state holds (its tensors, counted once; quantised tensors by their storage)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            inner = getattr(t, "__tensor_flatten__", None)
+            if inner is not None and type(t) is not torch.Tensor:  # tensor subclass: count its parts
+                for name in t.__tensor_flatten__()[0]:
+                    add(getattr(t, name))
+                return
+            key = (t.untyped_storage().data_ptr(), t.dtype, t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        elif isinstance(t, dict):
+            for v in t.values():
+                add(v)
+        elif isinstance(t, (list, tuple)):
+            for v in t:
+                add(v)
+
+    for s in optimizer.state.values():
+        add(s)
+    return total
+
+
+__all__ = ["OPTIMIZERS", "build_optimizer", "fused_supported", "hidden_matrices", "lr_multiplier", "micro_batches", "param_groups", "SCHEDULES",
+           "set_lr", "split_hidden", "state_bytes"]

@@ -1,0 +1,79 @@
+"""GaLore: AdamW with low-rank gradient states (Zhao et al., "GaLore: Memory-Efficient LLM Training
+by Gradient Low-Rank Projection", 2024).
+
+For a weight W (m x n) in a group with `galore=True`, every `update_every` steps the gradient's
+top-`rank` singular vectors become the projection P (the side with the fewer entries: the left
+U[:, :r] (m x r) when m < n, else the right V[:r] (r x n)). Between updates the gradient is
+projected (R = P^T G, r x n; or G P^T, m x r), Adam's moments are kept for R only, and the
+normalised update is projected back and scaled:
+
+    M = b1 M + (1 - b1) R;  V = b2 V + (1 - b2) R^2
+    N = (M / (1 - b1^t)) / (sqrt(V / (1 - b2^t)) + eps)
+    W = W (1 - lr wd) - lr * scale * (P N  or  N P)
+
+So the moments of an m x n matrix take 2 r max(m, n) entries instead of 2 m n, plus P.
+Other groups (and non-2-D tensors) get plain AdamW with the same hyperparameters. All the state
+is plain tensors (P included), so a resumed run continues exactly and the state loads with
+torch.load(weights_only=True).
+
+Zoo's own rather than the `galore-torch` package: that package requires bitsandbytes and
+transformers for an optimizer of a few dozen lines, and keeps its projector (an object) in the
+optimizer state, which `weights_only=True` refuses.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class GaLoreAdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 rank: int = 128, update_every: int = 200, scale: float = 0.25):
+        if rank < 1 or update_every < 1:
+            raise ValueError(f"GaLore: rank and update_every must be >= 1, got {rank}, {update_every}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, galore=False, rank=rank,
+                        update_every=update_every, scale=scale)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _projection(grad: torch.Tensor, rank: int) -> torch.Tensor:
+        U, _, Vh = torch.linalg.svd(grad.float(), full_matrices=False)
+        if grad.shape[0] < grad.shape[1]:
+            return U[:, :rank].contiguous()      # m x r: R = P^T G
+        return Vh[:rank].contiguous()             # r x n: R = G P^T
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                st = self.state[p]
+                low_rank = group["galore"] and p.dim() == 2
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                if low_rank:
+                    left = p.shape[0] < p.shape[1]
+                    if int(st["step"]) % group["update_every"] == 0:
+                        st["proj"] = self._projection(g, group["rank"])
+                    P = st["proj"]
+                    g = P.T @ g if left else g @ P.T
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(g)
+                    st["exp_avg_sq"] = torch.zeros_like(g)
+                st["step"] += 1
+                t = float(st["step"])
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                n = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(eps))
+                if low_rank:
+                    n = (P @ n if left else n @ P) * group["scale"]
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.add_(n.to(p.dtype), alpha=-lr)
+        return loss

@@ -1,0 +1,58 @@
+"""LR schedules: multipliers of the peak LR at each optimizer step (0-based).
+
+    cosine        linear warmup, then cosine down to min_lr_ratio
+    constant      linear warmup, then 1
+    linear        linear warmup, then linear down to min_lr_ratio
+    wsd           warmup-stable-decay (Hu et al., "MiniCPM", 2024): 1 until the last decay_fraction, then linear
+    onecycle      (Smith & Topin, "Super-Convergence", 2017; torch's OneCycleLR, two phases, cosine) from
+                  1/onecycle_div up to 1 over the warmup (cosine), then cosine down to min_lr_ratio
+    inverse_sqrt  (Vaswani et al., "Attention Is All You Need", 2017) linear warmup, then
+                  sqrt((warmup + 1) / (step + 1)): 1 where the warmup ends, no floor
+"""
+from __future__ import annotations
+
+import math
+
+SCHEDULES = ("cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt")
+
+
+def _cos(a: float, b: float, frac: float) -> float:
+    """From a (frac 0) to b (frac 1) along half a cosine."""
+    return b + (a - b) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def lr_multiplier(step: int, max_steps: int, cfg) -> float:
+    """LR / peak LR at optimizer step `step` (0-based)."""
+    warm = min(cfg.resolved_warmup_steps(max_steps), max(max_steps - 1, 0))
+    lo = cfg.min_lr_ratio
+    if cfg.schedule == "onecycle":
+        if step <= warm:
+            return _cos(1.0 / cfg.onecycle_div, 1.0, step / warm if warm else 1.0)
+        return _cos(1.0, lo, min(1.0, (step - warm) / max(1, max_steps - 1 - warm)))
+    if step < warm:
+        return (step + 1) / (warm + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "inverse_sqrt":
+        return math.sqrt((warm + 1) / (step + 1))
+    progress = (step - warm) / max(1, max_steps - 1 - warm)
+    progress = min(max(progress, 0.0), 1.0)
+    if cfg.schedule == "cosine":
+        return _cos(1.0, lo, progress)
+    if cfg.schedule == "linear":
+        return 1.0 - (1 - lo) * progress
+    if cfg.schedule == "wsd":
+        decay_start = max_steps - max(1, int(round(cfg.decay_fraction * max_steps)))
+        if step < max(decay_start, warm):
+            return 1.0
+        frac = (step - max(decay_start, warm)) / max(1, max_steps - 1 - max(decay_start, warm))
+        return 1.0 - (1 - lo) * min(frac, 1.0)
+    raise ValueError(f"unknown schedule {cfg.schedule!r}")
+
+
+def micro_batches(step: int, grad_accum: int, warmup_steps: int) -> int:
+    """Batch-size warmup (`train.batch_warmup_steps`): the micro-batches accumulated at `step`
+    grow linearly from 1 at step 0 to `grad_accum` at step `warmup_steps` (then stay there)."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return grad_accum
+    return 1 + (grad_accum - 1) * step // warmup_steps
