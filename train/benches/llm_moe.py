@@ -26,8 +26,9 @@ peak-FLOPs measurement, the best of several taken between rounds). The target fi
 round, the paired ratio of the best transformers side's time to the best Zoo side's time (each
 library's best side chosen by its median round), and its median over the rounds with the range.
 
-Decoding (`--decode-tokens`, 0 to skip): batch 1, a random prompt of 16 tokens, greedy, the
-same four-plus-two kinds of sides: Zoo's generate(ids, n) and generate(ids, n, compile=True);
+Decoding (`--decode-tokens`, 0 to skip; `--decode-only` skips training): batch 1, a random prompt
+of 16 tokens, greedy, the weights held in the precision (bf16 weights for bf16, as llm-generate
+decodes), the same four-plus-two kinds of sides: Zoo's generate(ids, n) and generate(ids, n, compile=True);
 transformers' generate(do_sample=False) per experts implementation, eager and with its own
 compiled recipe (forward = torch.compile(forward), cache_implementation="static").
 """
@@ -66,9 +67,9 @@ def build(args, folder: Path):
     return model
 
 
-def hf_model(folder: Path, experts: str, aux: bool):
+def hf_model(folder: Path, experts: str, aux: bool, dtype=torch.float32):
     import transformers
-    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
                                                           experts_implementation=experts)
     m.config.output_router_logits = aux
     m.generation_config.eos_token_id = None
@@ -172,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side (+2 when compiled)")
     ap.add_argument("--steps", type=harness.positive_int, default=1, help="timed steps per side and round")
     ap.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decoding call (0: no decoding table)")
+    ap.add_argument("--decode-only", action="store_true", help="the decoding table only")
     args = ap.parse_args(argv)
     kept = harness.setup(args)
     cpu = torch.device("cpu")
@@ -190,6 +192,9 @@ def main(argv=None):
         ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
         tokens = args.batch * args.seq
         for prec in args.precision:
+            if args.decode_only:
+                decode(args, folder, prec)
+                continue
             sides = train_sides(args, folder, args.sides)
             rounds, peak = time_training(sides, prec, ids, args, cpu)
             report(f"Training step ({args.batch} x {args.seq} tokens; forward, loss, backward, AdamW), {prec}",
@@ -205,14 +210,15 @@ def decode(args, folder, prec):
     import zoo
     n = args.decode_tokens
     prompt = torch.randint(0, args.vocab, (1, 16), generator=torch.Generator().manual_seed(1))
-    z = zoo.from_pretrained(folder, dtype=torch.float32).eval()
+    dt = harness.PRECISIONS[prec]  # decoding holds the weights in the precision (no autocast), as llm-generate
+    z = zoo.from_pretrained(folder, dtype=dt).eval()
     calls = {}
     if any(s.startswith("zoo") for s in args.sides):
         calls["zoo-eager"] = lambda: z.generate(prompt, n)
         calls["zoo-compile"] = lambda: z.generate(prompt, n, compile=True)
     for e in sorted({s.split("-")[1] for s in args.sides if s.startswith("tf")}):
-        hf = hf_model(folder, e, aux=False).eval()
-        hfc = hf_model(folder, e, aux=False).eval()
+        hf = hf_model(folder, e, aux=False, dtype=dt).eval()
+        hfc = hf_model(folder, e, aux=False, dtype=dt).eval()
         hfc.forward = torch.compile(hfc.forward)  # transformers' recipe: static cache + compile
         calls[f"tf-{e}-eager"] = lambda hf=hf: hf.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
         calls[f"tf-{e}-compile"] = lambda hf=hfc: hf.generate(prompt, max_new_tokens=n, do_sample=False,
@@ -221,7 +227,7 @@ def decode(args, folder, prec):
 
     def timed(call):
         def run():
-            with torch.inference_mode(), harness.autocast(prec):
+            with torch.inference_mode():
                 return call()
         return run
     for name, call in calls.items():
