@@ -218,3 +218,18 @@ def test_adapter_config_errors_are_one_line(tmp_path, text_corpus, over, msg):
     with pytest.raises(ConfigError, match=msg) as e:
         run(tmp_path, text_corpus, "bad", *over)
     assert "\n" not in str(e.value)
+
+
+def test_checkpoint_averaging_of_an_adapter_run(tmp_path, text_corpus, base, one_thread):
+    """`train.average_last` on adapter-only checkpoints: the adapters are averaged, the frozen base
+    comes from the model, and the average is evaluated."""
+    over = [f"train.init_from={base}", "adapter.method=lora", "adapter.r=4", "train.max_steps=6",
+            "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.average_last=2", "optim.warmup_steps=1",
+            "optim.lr=0.01"]
+    final, _ = run(tmp_path, text_corpus, "avg", *over)
+    out = tmp_path / "avg"
+    a, b = (load_file(out / "checkpoints" / f"step_{s:08d}" / "model.safetensors") for s in (4, 6))
+    avg = load_file(out / "model_avg.safetensors")
+    assert avg.keys() == a.keys() and all("lora_" in k for k in avg)
+    assert all(torch.allclose(avg[k], (a[k] + b[k]) / 2, rtol=0, atol=1e-7) for k in avg)
+    assert final["avg_val_loss"] != final["val_loss"]

@@ -425,7 +425,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         record({"step": done, **ev})
         last.update(ev)
         if t.average_last:
-            ev_avg = _evaluate_average(task, model, out, t, autocast, say)
+            ev_avg = _evaluate_average(task, model, out, t, autocast, say, keys)
             record({"step": done, **ev_avg})
             last.update(ev_avg)
             ev.update(ev_avg)
@@ -511,12 +511,13 @@ def clip_weights_(params, c: float):
         p.clamp_(-c, c)
 
 
-def _evaluate_average(task, model, out, t, autocast, say) -> dict:
-    """train.average_last: the last checkpoints' weights averaged, saved and evaluated (avg_*)."""
+def _evaluate_average(task, model, out, t, autocast, say, keys=None) -> dict:
+    """train.average_last: the last checkpoints' weights averaged, saved and evaluated (avg_*).
+    An adapter run's checkpoints hold only what trains (`keys`): those are averaged, the rest is the model's."""
     from .averaging import average_last
     path, used = average_last(out, t.average_last, t.average_weighting)
     avg = copy.deepcopy(model)
-    avg.load_state_dict(ckpt.read_weights(path, avg), strict=False)
+    avg.load_state_dict(ckpt.read_weights(path, avg, keys), strict=False)
     say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
         f"({', '.join(p.name for p in used)}) -> {path}"
         + (f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last else ""))

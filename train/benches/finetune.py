@@ -86,7 +86,7 @@ def run(name: str, base: Path, args) -> list:
            f"train.init_from={base}", f"train.out_dir={out}", f"data.path={args.data}", "data.tokenizer=bytes",
            f"data.seq_len={args.seq}", f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
            "train.grad_accum=1", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
-           "train.checkpoint_every=0", "train.samples=false", "train.plot=false", "train.export=false",
+           "train.checkpoint_every=0", "train.average_last=0", "train.samples=false", "train.plot=false", "train.export=false",
            "train.progress=false", "train.log_every=1", "train.compile=false", f"train.precision={args.precision[0]}",
            "train.resume=false", f"optim.lr={lr}", f"optim.warmup_steps={max(1, args.steps // 10)}", *RUNS[name]]
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)

@@ -44,7 +44,7 @@ def main(argv=None):
     for lr in args.lrs:
         with tempfile.TemporaryDirectory() as tmp:
             over = [f"train.out_dir={tmp}", f"train.max_steps={args.train_steps}", "train.eval_every=0",
-                    "train.plot=false", "train.checkpoint_every=0", f"optim.warmup_steps={max(1, args.train_steps // 10)}",
+                    "train.plot=false", "train.checkpoint_every=0", "train.average_last=0", f"optim.warmup_steps={max(1, args.train_steps // 10)}",
                     f"optim.lr={lr}", *common]
             final = train(load_run_config(str(DEFAULT_CONFIG), over), log=lambda m: None)
         results[lr] = final["val_loss"]

@@ -99,7 +99,7 @@ def quality(args, names):
             with tempfile.TemporaryDirectory() as tmp:
                 over = [f"train.out_dir={tmp}", f"train.max_steps={args.train_steps}", f"train.eval_every={args.eval_every}",
                         f"train.precision={args.precision[0]}", "train.progress=false", "train.samples=false",
-                        "train.plot=false", "train.export=false", f"train.checkpoint_every=0",
+                        "train.plot=false", "train.export=false", f"train.checkpoint_every=0", "train.average_last=0",
                         f"optim.warmup_steps={max(1, args.train_steps // 10)}", f"optim.name={name}", f"optim.lr={lr}",
                         *([f"optim.muon_lr={MUON_LR * lr / LR_START[name]}"] if name == "muon" else []), *args.set]
                 cfg = load_run_config(str(DEFAULT_CONFIG), over)
