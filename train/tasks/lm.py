@@ -79,8 +79,7 @@ class LMTask(Task):
             model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
-        self.moe = model.config.moe
-        self.mod = model.config.mod_capacity > 0
+        self._use(model)
         vocab = self.data.tokenizer.vocab_size
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
@@ -88,6 +87,15 @@ class LMTask(Task):
                               f"tokenizer's {vocab}")
         self._say_attention(model.config)
         return model
+
+    def _use(self, model):
+        self.moe = model.config.moe
+        self.mod = model.config.mod_capacity > 0
+
+    def example_batch(self, model, batch_size, seq_len=None):
+        self._use(model)
+        x = torch.zeros(batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
+        return x, torch.zeros_like(x)
 
     def _say_attention(self, m):
         backend = m.attn_backend
