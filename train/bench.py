@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "peft": "train.benches.finetune",
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",
+    "memory": "train.benches.memory",
 }
 
 

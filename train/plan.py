@@ -37,7 +37,6 @@ estimated slowdown); `--json` prints one JSON object (peak_bytes, breakdown, ...
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import math
@@ -119,6 +118,42 @@ def adamw8bit_state_bytes(params) -> int:
     return total
 
 
+def planned_optimizer(model, params, cfg, device):
+    """(the optimizer to step on fake tensors, None) or (None, its state bytes from its layout) for
+    those whose step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and
+    optimizers with a `planned_state_bytes()` (GaLore)."""
+    from train.optim import build_optimizer
+    if cfg.optim.name == "adamw8bit":
+        return None, adamw8bit_state_bytes(params)
+    opt = build_optimizer(model, cfg.optim, device, lambda m: None)
+    if hasattr(opt, "planned_state_bytes"):
+        return None, opt.planned_state_bytes()
+    return opt, 0
+
+
+def fake_step(optimizer):
+    """optimizer.step() on fake tensors. An optimizer that reads a value back to Python (Adafactor's
+    step count, GaLore's) stops there, after making the state of the tensor it was on: then each
+    tensor is stepped on its own, so that every one gets its state (what the plan needs)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    try:
+        optimizer.step()
+        return
+    except DataDependentOutputException:
+        pass
+    groups = optimizer.param_groups
+    try:
+        for g in groups:
+            for p in g["params"]:
+                optimizer.param_groups = [dict(g, params=[p])]
+                try:
+                    optimizer.step()
+                except DataDependentOutputException:
+                    pass
+    finally:
+        optimizer.param_groups = groups
+
+
 def _tensors_of(obj) -> list:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -196,7 +231,6 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
     (nothing allocated) unless fake=False. n_layers: build the LLM at that depth instead."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     import contextlib
-    from train.optim import build_optimizer
     from train.tasks import task_class
 
     if n_layers is not None:
@@ -217,11 +251,8 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         task.autocast_dtype = amp
         batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
-        eightbit = cfg.optim.name == "adamw8bit"
-        if eightbit:  # torchao's step is compiled: no fake run; its state from its layout
-            optimizer, states = None, adamw8bit_state_bytes(params)
-        else:
-            optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
+        optimizer, states = planned_optimizer(model, params, cfg, device)
+        eightbit = optimizer is None
         autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp else contextlib.nullcontext
         units = repeated_units(model)
         counter = LiveBytes()
@@ -262,7 +293,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
                 counter.reset_peak()
             torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad or float("inf"))
             if optimizer is not None:
-                optimizer.step()
+                fake_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
             else:
                 for p in params:
@@ -384,18 +415,15 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
 def _static(cfg, device, B) -> Simulated:
     """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from train.optim import build_optimizer
     with FakeTensorMode(), torch.random.fork_rng(devices=[]):
         with torch.device(device):
             model = build_model(cfg)
         params = [p for p in model.parameters() if p.requires_grad]
-        if cfg.optim.name == "adamw8bit":
-            states = adamw8bit_state_bytes(params)
-        else:
-            opt = build_optimizer(model, cfg.optim, device, lambda m: None)
+        opt, states = planned_optimizer(model, params, cfg, device)
+        if opt is not None:
             for p in params:
                 p.grad = torch.zeros_like(p)
-            opt.step()
+            fake_step(opt)
             states = _bytes(_tensors_of(opt.state))
         grads = sum(p.numel() * p.element_size() for p in params)
         pb, bb = _bytes(model.parameters()), _bytes(model.buffers())
