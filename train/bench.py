@@ -30,6 +30,7 @@ BENCHES: dict[str, str] = {
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",
     "memory": "train.benches.memory",
+    "checkpointing": "train.benches.checkpointing",
 }
 
 

@@ -97,9 +97,31 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32:
+            out = _grouped_mm_like(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         self.add(out)
         return out
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+
+
+def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
+    """An empty result of aten._grouped_mm's shape: its shape function refuses fp32, which the CPU
+    kernel runs (MoE layers planned in fp32)."""
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    else:
+        shape = (a.shape[1], b.shape[-1])
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
 
 # ------------------------------------------------------------------------------ optimizer states

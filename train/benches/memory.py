@@ -42,8 +42,12 @@ CONFIGS = {
     "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
     "diffusion fp32 adamw8bit": ("diffusion/digits.yaml", ["train.batch_size=256", "optim.name=adamw8bit"]),
+    "diffusion fp32 adamw selective-ckpt": ("diffusion/digits.yaml", ["train.batch_size=256",
+                                                                      "model.activation_checkpointing=selective"]),
     "convnet fp32 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64"]),
     "convnet bf16 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64", "train.precision=bf16"]),
+    "convnet fp32 adamw ckpt (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64",
+                                                                          "model.activation_checkpointing=true"]),
     "convnet fp32 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", []),
 }
 LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
