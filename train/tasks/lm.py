@@ -26,7 +26,8 @@ from zoo.blocks.attention import resolve_backend
 from zoo.config import ConfigError
 from zoo.weights import hf_llm
 
-from ..data import TextDataConfig, TokenData
+from ..data import SeqLenSchedule, TextDataConfig, TokenData
+from ..optim import micro_batches
 from . import Task
 
 
@@ -60,6 +61,11 @@ class LMTask(Task):
                           f"set data.tokenizer to a tokenizer file or 'bytes'")
 
     def setup(self):
+        t, d = self.cfg.train, self.cfg.data
+        self.seq_len_at = SeqLenSchedule(d, t.batch_size, lambda s: micro_batches(s, t.grad_accum, t.batch_warmup_steps))
+        if d.seq_len_schedule:
+            stages = ", ".join(f"{n} until step {u}" for u, n in self.seq_len_at.stages)
+            self.log(f"data: seq_len curriculum: {stages}, then {d.seq_len}")
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
@@ -112,7 +118,11 @@ class LMTask(Task):
     def train_batch(self, step, micro):
         self._step, self._micro = step, micro
         g = self.batch_generator(step, micro)
-        return self.data.batch("train", self.cfg.train.batch_size, g, self.device)
+        window = self.seq_len_at(step)
+        if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
+            self.log(f"step {step + 1}: training windows of {window} tokens (data.seq_len_schedule)")
+        self._window = window
+        return self.data.batch("train", self.cfg.train.batch_size, g, self.device, window)
 
     def loss(self, model, batch):
         x, y = batch
