@@ -272,6 +272,8 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         keys = trainable_keys(model)
     if t.unfreeze:
         unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say)
+    if t.batch_size == "auto":
+        t.batch_size, t.grad_accum = _auto_batch_size(cfg, model, task, device, out, say)
     n_train, n_params = count_params(model)
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
@@ -494,6 +496,22 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     optimizer.zero_grad(set_to_none=True)
     overflow = scaler.is_enabled() and not grads_ok
     return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+
+
+def _auto_batch_size(cfg, model, task, device, out: Path, say) -> tuple[int, int]:
+    """train.batch_size=auto: the micro-batch of the run being resumed (its config.yaml), else the
+    largest that fits (train/plan.py, find_batch_size); train.global_batch kept by accumulation."""
+    t = cfg.train
+    if t.resume and ckpt.list_checkpoints(out) and (out / "config.yaml").is_file():
+        was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch:
+            say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
+            return was["batch_size"], was["grad_accum"]
+    from .plan import find_batch_size
+    try:
+        return find_batch_size(cfg, device, say, model, task)
+    except ValueError as e:
+        raise RunStopped(str(e), EXIT_CONFIG) from None
 
 
 def _evaluate(task, model, ema, autocast) -> dict:

@@ -10,6 +10,7 @@ storage dies. The peak of that count, one steady-state step after a first one ha
 optimizer's state, is the predicted peak. The parts:
 
     params, buffers       the model's tensors (a frozen base counts here too)
+    ema                   train.ema_decay: the averaged copy of the model
     grads                 one per trainable parameter, in its dtype
     optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout:
                           int8 codes + an fp32 scale per 256 values, small tensors in fp32)
@@ -40,7 +41,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -191,7 +191,15 @@ def build_model(cfg) -> nn.Module:
     """The run's model as the loop builds it (fresh weights; `adapter:` applied). Under a
     FakeTensorMode nothing is allocated."""
     import zoo
-    model = zoo.build(cfg.model)
+    model_cfg = cfg.model
+    ae = getattr(model_cfg, "autoencoder", None)
+    if ae is not None and ae.weights:  # a fresh autoencoder of the weights' variant (frozen; same shapes)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from zoo.diffusion.latent import build_autoencoder
+        with unset_fake_temporarily(), torch.device("cpu"):
+            variant = build_autoencoder(model_cfg, cfg.source).variant
+        model_cfg = dataclasses.replace(model_cfg, autoencoder=dataclasses.replace(ae, weights=None, **variant))
+    model = zoo.build(model_cfg)
     if cfg.adapter.enabled:
         from zoo.adapters import apply_adapters
         apply_adapters(model, cfg.adapter, cfg.source, lambda m: None)
@@ -427,8 +435,9 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         activations += sim.grads  # DDP's gradient buckets: one more copy of the gradients
         notes.append(f"ddp over {devices} devices: everything replicated, plus DDP's gradient buckets "
                      f"(one more copy of the gradients)")
+    ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
-                 "inputs": sim.inputs, "activations": activations}
+                 "ema": ema, "inputs": sim.inputs, "activations": activations}
     kv = _kv_cache_bytes(cfg, B, device)
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
                 sharding if devices > 1 else "none", extrapolated, notes)
@@ -499,7 +508,7 @@ def options(cfg, device) -> list[list[Option]]:
                        Option("activation_checkpointing=true", 1.3, {"model.activation_checkpointing": True})])
     splits = []
     b, k = t.batch_size, 2
-    while k <= b:
+    while b != "auto" and k <= b:
         if b % k == 0:
             splits.append(Option(f"train.batch_size={b // k}, train.grad_accum={t.grad_accum * k}",
                                  1.0 + 0.05 * math.log2(k), {"train.batch_size": b // k,
@@ -542,6 +551,90 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
             if len(found) >= top or not picked:
                 break
     return found
+
+
+# ------------------------------------------------------------------------------ train.batch_size: auto
+def device_memory(device: torch.device) -> int:
+    """What a step may use when train.memory_budget is null: free memory on a GPU, the kernel's
+    MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+
+
+def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None) -> tuple[int, int]:
+    """train.batch_size=auto: (micro-batch, grad_accum) with micro-batch x grad_accum = train.global_batch,
+    the micro-batch the largest divisor of it whose planned peak fits train.memory_budget (null:
+    `device_memory`). `model` (built): plan its own architecture (a pretrained one). On CUDA the
+    choice is then tried, a forward and backward with the optimizer's planned state held, backing
+    off to the next smaller size on out-of-memory."""
+    from train.config import parse_memory_size
+    t = cfg.train
+    G = t.global_batch
+    if model is not None and getattr(model, "config", None) is not None:
+        cfg = dataclasses.replace(cfg, model=model.config)
+    budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
+    sizes = [d for d in range(1, G + 1) if G % d == 0]
+    peaks: dict[int, int] = {}
+
+    def peak(b):
+        if b not in peaks:
+            peaks[b] = plan(cfg, batch_size=b, device=device).peak_bytes
+        return peaks[b]
+
+    lo, hi, best = 0, len(sizes) - 1, None  # the planned peak grows with the micro-batch: bisect
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if peak(sizes[mid]) <= budget:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise ValueError(f"train.batch_size=auto: a micro-batch of 1 is planned at {_fmt(peak(1))}, over "
+                         f"train.memory_budget={_fmt(budget)} (docs/memory.md: what else makes it fit)")
+    if device.type == "cuda" and model is not None and task is not None:
+        best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
+    b = sizes[best]
+    nxt = f"; {sizes[best + 1]} would need {_fmt(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
+    log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated = train.global_batch {G} (planned peak "
+        f"{_fmt(peak(b))} of {_fmt(budget)}{nxt})")
+    return b, G // b
+
+
+def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
+    """The largest size from sizes[best] down whose forward and backward run (with the optimizer's
+    planned state held on the device); the model's weights, buffers and RNG are left as they were."""
+    import contextlib
+    amp = _precision(cfg, device)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    states = _static(cfg, device, 1).states
+    autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp else contextlib.nullcontext
+    while best >= 0:
+        b, hold = sizes[best], None
+        try:
+            with torch.random.fork_rng(devices=[device]):
+                hold = torch.empty(states, dtype=torch.uint8, device=device)
+                with autocast():
+                    loss, _ = task.loss(model, task.example_batch(model, b))
+                loss.backward()
+            return best
+        except torch.cuda.OutOfMemoryError:
+            log(f"batch size: auto: micro-batch {b} ran out of memory on {device}; trying a smaller one")
+            best -= 1
+        finally:
+            del hold
+            for p in params:
+                p.grad = None
+            with torch.no_grad():
+                for k, v in model.named_buffers():
+                    v.copy_(buffers[k])
+            torch.cuda.empty_cache()
+    raise ValueError(f"train.batch_size=auto: even a micro-batch of {sizes[0]} runs out of memory on {device}")
 
 
 # ------------------------------------------------------------------------------ measured, to check the plan
@@ -627,14 +720,6 @@ def _measure_main(arg: str) -> int:
 
 
 # ------------------------------------------------------------------------------ command line
-def parse_size(text: str) -> int:
-    """'24GB', '24GiB', '512MB', '1.5T', '2e9' -> bytes (GB and GiB both mean 2^30: what people mean)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
-    if not m:
-        raise ValueError(f"not a memory size: {text!r} (e.g. 24GB, 512MB)")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
-
-
 def _fmt(n: Optional[int]) -> str:
     if n is None:
         return "-"
@@ -666,7 +751,7 @@ def report(cfg, p: Plan) -> str:
 
 
 def main(argv=None) -> int:
-    from train.config import load_run_config
+    from train.config import load_run_config, parse_memory_size
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--measure"]:
         return _measure_main(argv[1])
@@ -679,7 +764,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object")
     args = ap.parse_args(argv)
     try:
-        budget = parse_size(args.memory) if args.memory else None
+        try:
+            budget = parse_memory_size(args.memory) if args.memory else None
+        except ValueError as e:
+            raise ValueError(f"--memory {e}") from None
         if args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         cfg = load_run_config(args.config, args.overrides)

@@ -61,11 +61,7 @@ class LMTask(Task):
                           f"set data.tokenizer to a tokenizer file or 'bytes'")
 
     def setup(self):
-        t, d = self.cfg.train, self.cfg.data
-        self.seq_len_at = SeqLenSchedule(d, t.batch_size, lambda s: micro_batches(s, t.grad_accum, t.batch_warmup_steps))
-        if d.seq_len_schedule:
-            stages = ", ".join(f"{n} until step {u}" for u, n in self.seq_len_at.stages)
-            self.log(f"data: seq_len curriculum: {stages}, then {d.seq_len}")
+        self._schedule = None
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
@@ -114,6 +110,18 @@ class LMTask(Task):
         """The LM head with the final norm, then the blocks from the last, then the embedding."""
         return ([list(model.lm_head.parameters()) + list(model.norm.parameters())]
                 + [list(layer.parameters()) for layer in reversed(model.layers)] + [list(model.embed.parameters())])
+
+    def seq_len_at(self, step: int) -> int:
+        """The training window of `step` (data.seq_len_schedule; made at the first call, when the
+        batch size is known, train.batch_size=auto included)."""
+        if self._schedule is None:
+            t, d = self.cfg.train, self.cfg.data
+            self._schedule = SeqLenSchedule(d, t.batch_size, lambda s: micro_batches(s, t.grad_accum,
+                                                                                     t.batch_warmup_steps))
+            if d.seq_len_schedule:
+                stages = ", ".join(f"{n} until step {u}" for u, n in self._schedule.stages)
+                self.log(f"data: seq_len curriculum: {stages}, then {d.seq_len}")
+        return self._schedule(step)
 
     def train_batch(self, step, micro):
         self._step, self._micro = step, micro
