@@ -145,3 +145,20 @@ def test_prediction_within_15_percent_of_the_measured_peak():
     predicted = planner.plan(cfg_of(*over, base=base)).peak_bytes
     measured = planner.measure_in_subprocess(base, over, threads=1)["peak"]
     assert 0.85 <= predicted / measured <= 1.15, (predicted, measured)
+
+
+def test_live_bytes_counts_one_device_only():
+    counter = planner.LiveBytes("cuda")
+    counter.add(torch.empty(100))  # a host tensor: where offloaded activations live
+    assert counter.live == 0
+
+
+def test_activation_offload_is_skipped_off_cuda_in_one_line(tmp_path, text_corpus):
+    from tests.test_loop import TINY
+    from train.loop import train
+    logs = []
+    cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}", "train.max_steps=1",
+                                 "train.activation_offload=true"], base=TINY)
+    train(cfg, log=logs.append)
+    assert [m for m in logs if m.startswith("activation offload:")] == [
+        "activation offload: skipped on cpu (CUDA only: activations already live in host memory)"]

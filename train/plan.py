@@ -17,7 +17,9 @@ optimizer's state, is the predicted peak. The parts:
     inputs                the batch
     activations           the rest of the peak: saved activations, the loss's logits, autocast's
                           weight copies, the gradients of the backward in flight, the optimizer's
-                          temporaries (whichever phase of the step is higher)
+                          temporaries (whichever phase of the step is higher); with
+                          train.activation_offload on CUDA the saved activations are simulated in
+                          host memory (save_on_cpu) and only the device's tensors are counted
 
 Also reported: activations per repeated block (what one block keeps for the backward), the
 logits of the loss, the KV cache of generation at the run's batch and model.max_seq_len, and
@@ -64,16 +66,20 @@ MiB, GiB = 2 ** 20, 2 ** 30
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the tensor storages alive: a storage is added when an op first returns
     it (or when `add` is called on a tensor made before), and subtracted when it dies. `peak` is
-    the highest count since the last `reset_peak()`. Works on real and fake tensors alike."""
+    the highest count since the last `reset_peak()`. Works on real and fake tensors alike.
+    device: count only the tensors on a device of this type (activations offloaded to the host
+    are not on the GPU)."""
 
-    def __init__(self):
+    def __init__(self, device: Optional[str] = None):
         super().__init__()
+        self.device = device
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
 
     def add(self, *tensors):
         for t in tree_flatten(tensors)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or \
+                    (self.device is not None and t.device.type != self.device):
                 continue
             inner = getattr(t, "__tensor_flatten__", None)
             if inner is not None and type(t) not in (torch.Tensor, nn.Parameter) \
@@ -285,7 +291,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         eightbit = optimizer is None
         autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp else contextlib.nullcontext
         units = repeated_units(model)
-        counter = LiveBytes()
+        counter = LiveBytes(device.type)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
         def pre(i):
@@ -310,8 +316,10 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
                     counter.reset_peak()
             handles.append(units[-1].register_forward_hook(after_last))
 
+        offload = cfg.train.activation_offload and device.type == "cuda"
+
         def step(track: bool):
-            with autocast():
+            with autocast(), (torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()):
                 loss, _ = task.loss(model, batch)
             if track and logits["start"] is not None:
                 logits["peak"] = counter.peak - logits["start"]
@@ -338,7 +346,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             probe = LiveBytes()
             probe.add(state_tensors)
             states = probe.live
-        counter = LiveBytes()
+        counter = LiveBytes(device.type)
         counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
         persistent = counter.live + (states if eightbit else 0)
         counter.live = counter.peak = persistent
@@ -499,6 +507,8 @@ def options(cfg, device) -> list[list[Option]]:
         if device.type == "cuda":
             opts.append(Option("optim.name=adamw_offload", 1.3, {"optim.name": "adamw_offload"}))
         groups.append(opts)
+    if device.type == "cuda" and not t.activation_offload:
+        groups.append([Option("train.activation_offload=true", 1.2, {"train.activation_offload": True})])
     policy = getattr(m, "activation_checkpointing", None)
     if policy is not None and policy in (False, "none"):
         groups.append([Option("activation_checkpointing=selective", 1.1,
@@ -653,13 +663,13 @@ def measure(cfg, batch_size: Optional[int] = None) -> dict:
     (glibc's defaults, malloc_trim), the kernel's high-water mark is reset (/proc/self/clear_refs)
     and one more step runs. Returns rest_rss (the process at rest before that step), hwm (the
     high-water mark across it), live (the bytes of the tensors alive at rest: parameters,
-    buffers, optimizer state, batch) and peak = hwm - rest_rss + live: the step's peak over the
+    buffers, optimizer state, batch, the EMA's copy) and peak = hwm - rest_rss + live: the step's peak over the
     process at rest plus what the tensors at rest hold, leaving out what the process holds for
     torch itself (libraries, kernels it compiled, thread pools), which no config changes."""
     import contextlib
     import gc
     from train.hardware import release_freed_memory
-    from train.loop import optimizer_step
+    from train.loop import EMA, optimizer_step
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
@@ -678,16 +688,23 @@ def measure(cfg, batch_size: Optional[int] = None) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = (lambda: torch.autocast("cpu", dtype=amp)) if amp else contextlib.nullcontext
 
+    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+
     def step():
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
                        cfg.train.clip_grad, autocast)
+        if ema is not None:
+            ema.update(model)
 
     step()
     step()
     gc.collect()
     release_freed_memory()
     rest = _proc_status("VmRSS")
-    live = _bytes([*model.parameters(), *model.buffers(), *_tensors_of(optimizer.state), *tree_flatten(batch)[0]])
+    kept = [*model.parameters(), *model.buffers(), *_tensors_of(optimizer.state), *tree_flatten(batch)[0]]
+    if ema is not None:
+        kept += [*ema.model.parameters(), *ema.model.buffers()]
+    live = _bytes(kept)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     step()
