@@ -157,8 +157,8 @@ def test_activation_offload_is_skipped_off_cuda_in_one_line(tmp_path, text_corpu
     from tests.test_loop import TINY
     from train.loop import train
     logs = []
-    cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}", "train.max_steps=1",
-                                 "train.activation_offload=true"], base=TINY)
+    cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}", "train.max_steps=2",
+                                 "optim.warmup_steps=1", "train.activation_offload=true"], base=TINY)
     train(cfg, log=logs.append)
     assert [m for m in logs if m.startswith("activation offload:")] == [
         "activation offload: skipped on cpu (CUDA only: activations already live in host memory)"]
