@@ -103,6 +103,19 @@ SMOKE = {
         y, stats = m(x, pos, causal=True)
         assert y.shape == x.shape and 0.0 <= stats["routed"] <= 1.0
     """,
+    "checkpoint.py": """
+        from checkpoint import run_block
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        x = torch.randn(6, 8)
+        grads = []
+        for policy in ("none", "full", "selective"):
+            torch.manual_seed(0)
+            block[1].reset_running_stats()
+            block.zero_grad()
+            run_block(block, 0, policy, 1, x).square().sum().backward()
+            grads.append((block[0].weight.grad.clone(), block[1].running_mean.clone()))
+        assert all((g - grads[0][0]).abs().max() < 1e-6 and torch.equal(m, grads[0][1]) for g, m in grads)
+    """,
     "drop_path.py": """
         from drop_path import DropPath, drop_path
         x = torch.ones(1000, 4)

@@ -29,6 +29,8 @@ BENCHES: dict[str, str] = {
     "peft": "train.benches.finetune",
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",
+    "memory": "train.benches.memory",
+    "checkpointing": "train.benches.checkpointing",
 }
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+import re
+from typing import Any, Literal, Optional, Union
 
 from zoo.adapters import AdapterConfig
 from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, model_config_from,
@@ -25,7 +26,11 @@ from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, mod
 class TrainConfig:
     out_dir: str = "runs/default"
     max_steps: int = 1000
-    batch_size: int = 16                    # per micro-batch
+    batch_size: Union[int, Literal["auto"]] = 16  # per micro-batch; auto: the largest that fits (docs/memory.md)
+    global_batch: Optional[int] = None      # with batch_size auto: items per optimizer step (grad_accum follows)
+    memory_budget: Optional[Union[int, str]] = None  # batch_size auto: memory for the step, e.g. 8GB (or bytes); null: the
+                                            # device's (CPU: available RAM; CUDA: free memory)
+    activation_offload: bool = False        # CUDA: saved activations in pinned host memory (save_on_cpu)
     grad_accum: int = 1                     # micro-batches per optimizer step
     device: str = "auto"                    # auto | cpu | cuda | cuda:N | mps
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # auto: bf16 where the device runs it fast
@@ -68,8 +73,18 @@ class TrainConfig:
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
                   "max_nonfinite"):
-            if getattr(self, k) <= 0:
+            if getattr(self, k) != "auto" and getattr(self, k) <= 0:
                 raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
+        if self.global_batch is not None and self.global_batch <= 0:
+            raise fail(source, prefix + "global_batch", f"must be > 0 or null, got {self.global_batch}")
+        if self.batch_size == "auto" and self.global_batch is None:
+            raise fail(source, prefix + "batch_size", "=auto needs train.global_batch (the items per optimizer step "
+                                                      "it keeps through gradient accumulation)")
+        if self.memory_budget is not None:
+            try:
+                parse_memory_size(self.memory_budget)
+            except ValueError as e:
+                raise fail(source, prefix + "memory_budget", str(e)) from None
         for k in ("eval_every", "checkpoint_every"):
             if getattr(self, k) < 0:
                 raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
@@ -105,6 +120,14 @@ class TrainConfig:
         missing = missing_package(self.tracker, prefix + "tracker")
         if missing:
             raise ConfigError(f"{source}: {missing}")
+
+
+def parse_memory_size(text) -> int:
+    """'24GB', '24GiB', '512MB', '1.5T', 2e9 -> bytes (GB and GiB both mean 2^30: what people mean)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"must be a memory size such as 24GB or 512MB, got {text!r}")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
 def _installed(module: str) -> bool:
@@ -247,6 +270,10 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_warmup_steps", f"={t.batch_warmup_steps} must be < train.max_steps={t.max_steps}")
     if t.batch_warmup_steps and t.grad_accum == 1:
         raise fail(src, "train.batch_warmup_steps", "ramps the micro-batches up to train.grad_accum, which is 1")
+    if t.batch_size == "auto" and t.lr_find:
+        raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
+    if t.batch_size == "auto" and t.batch_warmup_steps:
+        raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
     if t.init_from is not None and not Path(t.init_from).expanduser().exists():
         raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
 

@@ -23,7 +23,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class TextDataConfig:
     tokenizer: str = "sentencepiece"        # bytes | sentencepiece | path/to/tokenizer.model
     vocab_size: int = 2048                  # sentencepiece vocabulary trained on the corpus
     seq_len: int = 256                      # tokens per training window
+    seq_len_schedule: Optional[list[list[int]]] = None  # curriculum: [[until, seq_len], ...] shorter windows first
+    seq_len_schedule_unit: Literal["steps", "tokens"] = "steps"  # what `until` counts (tokens: trained so far)
     val_fraction: float = 0.05              # held-out tail of the token stream
     cache_dir: Optional[str] = None         # null: $ZOO_CACHE, else the user cache directory (~/.cache/zoo)
     max_chars: Optional[int] = None         # read at most this many characters of the corpus
@@ -58,6 +60,16 @@ class TextDataConfig:
             raise fail(source, prefix + "max_chars", f"must be > 0 or null, got {self.max_chars}")
         if self.sp_train_chars <= 0:
             raise fail(source, prefix + "sp_train_chars", f"must be > 0, got {self.sp_train_chars}")
+        if self.seq_len_schedule is not None:
+            k, sched = prefix + "seq_len_schedule", self.seq_len_schedule
+            if not sched or any(len(stage) != 2 for stage in sched):
+                raise fail(source, k, f"must be a non-empty list of [until, seq_len] pairs, got {sched}")
+            untils, lens = [u for u, _ in sched], [n for _, n in sched]
+            if untils[0] <= 0 or any(b <= a for a, b in zip(untils, untils[1:])):
+                raise fail(source, k, f"must have increasing `until` values > 0, got {untils}")
+            if lens[0] < 2 or any(b <= a for a, b in zip(lens, lens[1:])) or lens[-1] >= self.seq_len:
+                raise fail(source, k, f"must have increasing window lengths >= 2 and < {prefix}seq_len={self.seq_len}, "
+                                      f"got {lens}")
 
 
 class DataError(ValueError):
@@ -229,6 +241,33 @@ def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars:
     return out_path
 
 
+# ----------------------------------------------------------------------------- curriculum
+class SeqLenSchedule:
+    """Sequence-length curriculum (`data.seq_len_schedule`): windows of each stage's length until its
+    `until` (a step, or a number of tokens trained), then data.seq_len. With tokens, the stage of a
+    step follows from the tokens of the steps before it (batch_size x micro-batches x window), so
+    the window of any step is a function of the config alone and a resumed run gets the same ones."""
+
+    def __init__(self, cfg: TextDataConfig, batch_size: int, micro_batches):
+        self.final = cfg.seq_len
+        stages = [tuple(s) for s in cfg.seq_len_schedule or []]
+        if cfg.seq_len_schedule_unit == "tokens":  # turn token counts into the first step past each
+            steps, step, tokens = [], 0, 0
+            for until, length in stages:
+                while tokens < until:
+                    tokens += batch_size * micro_batches(step) * length
+                    step += 1
+                steps.append((step, length))
+            stages = steps
+        self.stages = stages  # [(first step of the next stage, window length)]
+
+    def __call__(self, step: int) -> int:
+        for until, length in self.stages:
+            if step < until:
+                return length
+        return self.final
+
+
 # ----------------------------------------------------------------------------- token streams
 def cache_dir(configured: Optional[str] = None) -> Path:
     """Where derived data (tokenizers, token streams, trained autoencoders, latents) is cached: the
@@ -320,10 +359,11 @@ class TokenData:
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
-    def batch(self, split: str, batch_size: int, generator: torch.Generator, device) -> tuple:
-        """Random windows (B, T) of inputs and next-token targets."""
+    def batch(self, split: str, batch_size: int, generator: torch.Generator, device,
+              seq_len: Optional[int] = None) -> tuple:
+        """Random windows (B, T) of inputs and next-token targets; T = seq_len or data.seq_len."""
         data = self.train if split == "train" else self.val
-        T = self.cfg.seq_len
+        T = seq_len or self.cfg.seq_len
         starts = torch.randint(0, len(data) - T, (batch_size,), generator=generator).tolist()
         rows = np.stack([np.asarray(data[s:s + T + 1], dtype=np.int64) for s in starts])
         xy = torch.from_numpy(rows)

@@ -272,6 +272,8 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         keys = trainable_keys(model)
     if t.unfreeze:
         unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say)
+    if t.batch_size == "auto":
+        t.batch_size, t.grad_accum = _auto_batch_size(cfg, model, task, device, out, say)
     n_train, n_params = count_params(model)
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
@@ -323,6 +325,12 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     rate = f"{peak / 1e12:.2f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
     say(f"mfu: peak {rate} ({'configured' if t.peak_flops else 'measured matmul'})")
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    train_context = autocast
+    if t.activation_offload and device.type == "cuda":
+        say("activation offload: saved activations go to pinned host memory (torch.autograd.graph.save_on_cpu)")
+        train_context = lambda: _both(autocast(), torch.autograd.graph.save_on_cpu(pin_memory=True))  # noqa: E731
+    elif t.activation_offload:
+        say(f"activation offload: skipped on {device.type} (CUDA only: activations already live in host memory)")
     params = [p for p in model.parameters() if p.requires_grad]
 
     from tqdm import tqdm
@@ -347,7 +355,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
             n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
             batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(n_micro))
             r = optimizer_step(lambda b: task.loss(fwd, b), batches, n_micro, optimizer, scaler, params,
-                               t.clip_grad, autocast)
+                               t.clip_grad, train_context)
             if t.clip_weights is not None and r.applied:
                 clip_weights_(params, t.clip_weights)
             loss_val, gnorm_val, items, finite = r.loss, r.grad_norm, r.items, r.finite
@@ -494,6 +502,28 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     optimizer.zero_grad(set_to_none=True)
     overflow = scaler.is_enabled() and not grads_ok
     return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def _auto_batch_size(cfg, model, task, device, out: Path, say) -> tuple[int, int]:
+    """train.batch_size=auto: the micro-batch of the run being resumed (its config.yaml), else the
+    largest that fits (train/plan.py, find_batch_size); train.global_batch kept by accumulation."""
+    t = cfg.train
+    if t.resume and ckpt.list_checkpoints(out) and (out / "config.yaml").is_file():
+        was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch:
+            say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
+            return was["batch_size"], was["grad_accum"]
+    from .plan import find_batch_size
+    try:
+        return find_batch_size(cfg, device, say, model, task)
+    except ValueError as e:
+        raise RunStopped(str(e), EXIT_CONFIG) from None
 
 
 def _evaluate(task, model, ema, autocast) -> dict:

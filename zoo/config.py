@@ -309,14 +309,15 @@ class LLMConfig:
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision used for decoding
     mod_aux_loss_coef: float = 0.01         # weight of the decision's binary cross-entropy
     init_std: float = 0.02
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # blocks/checkpoint.py
+    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
     chunked_loss: bool = True               # never materialise the full B*T*V fp32 logits
     loss_chunk_size: int = 2048             # tokens per chunk of the chunked loss
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
         for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of",
-                  "loss_chunk_size"):
+                  "loss_chunk_size", "checkpoint_every"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         for k in ("n_kv_heads", "head_dim", "ffn_hidden", "sliding_window"):
@@ -418,6 +419,8 @@ class ConvNetConfig:
     drop_path_rate: float = 0.0             # stochastic depth at the last block (linear from 0)
     zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
     bn_eps: float = 1e-5
+    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # per residual block
+    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -429,7 +432,7 @@ class ConvNetConfig:
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise fail(source, p + k, f"must be > 0 or null, got {v}")
-        for k in ("width", "in_chans", "num_classes"):
+        for k in ("width", "in_chans", "num_classes", "checkpoint_every"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.resolved_block == "basic" and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
@@ -498,10 +501,13 @@ class DiffusionConfig:
     sample_steps: int = 50
     guidance: float = 3.0                   # classifier-free guidance scale (1 = off)
     eta: float = 0.0                        # DDIM noise (0 = deterministic)
+    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # per U-Net block
+    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        for k in ("image_size", "num_classes", "blocks_per_level", "heads", "num_timesteps", "sample_steps"):
+        for k in ("image_size", "num_classes", "blocks_per_level", "heads", "num_timesteps", "sample_steps",
+                  "checkpoint_every"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.image_size % 8:

@@ -3,8 +3,8 @@
     tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
-projections initialised with std / sqrt(2 * n_layers) (GPT-2); optional activation
-checkpointing per block; a chunked loss that never materialises the full fp32 logits.
+projections initialised with std / sqrt(2 * n_layers) (GPT-2); activation checkpointing of
+every (n-th) block, full or selective (blocks/checkpoint.py); a chunked loss that never materialises the full fp32 logits.
 With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
 routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
 With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
-
 from .blocks.attention import CausalSelfAttention, KVCache, flash_available
+from .blocks.checkpoint import run_block
 from .blocks.chunked_ce import chunked_cross_entropy
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
@@ -112,7 +111,7 @@ class LLM(nn.Module):
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = self.rope(start_pos, T, rope_dtype)
-        ckpt = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        policy, every = self.config.activation_checkpointing, self.config.checkpoint_every
         stats, mod_stats = [], []
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
@@ -123,10 +122,7 @@ class LLM(nn.Module):
                 kw["start_pos"] = start_pos
             if isinstance(layer, MixtureOfDepths):
                 kw["causal"] = causal
-            if ckpt:
-                x, s, *m = checkpoint(layer, x, cos, sin, use_reentrant=False, **kw)
-            else:
-                x, s, *m = layer(x, cos, sin, **kw)
+            x, s, *m = run_block(layer, i, policy, every, x, cos, sin, **kw)
             if s is not None:
                 stats.append(s)
             mod_stats += m
@@ -173,6 +169,10 @@ class LLM(nn.Module):
         aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
         aux["mod_aux_loss"] = self.config.mod_aux_loss_coef * torch.stack([s["aux_loss"] for s in mod_stats]).mean()
         return aux
+
+    def checkpoint_units(self) -> list:
+        """The blocks activation checkpointing applies to (model.activation_checkpointing)."""
+        return list(self.layers)
 
     def blocks(self) -> list:
         """The transformer blocks, unwrapped from their Mixture-of-Depths routing."""

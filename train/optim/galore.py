@@ -41,6 +41,22 @@ class GaLoreAdamW(torch.optim.Optimizer):
             return U[:, :rank].contiguous()      # m x r: R = P^T G
         return Vh[:rank].contiguous()             # r x n: R = G P^T
 
+    def planned_state_bytes(self) -> int:
+        """The bytes of the state after a step, from the shapes alone (for the memory planner, which
+        cannot run the step on fake tensors: it reads the step count back): per low-rank matrix the
+        projection (r x the smaller side) and two r x the-larger-side moments, else two moments like
+        the weight; all fp32, plus a step counter per tensor."""
+        total = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["galore"] and p.dim() == 2:
+                    r = min(group["rank"], *p.shape)
+                    total += 4 * r * (min(p.shape) + 2 * max(p.shape))
+                else:
+                    total += 8 * p.numel()
+                total += 4
+        return total
+
     @torch.no_grad()
     def step(self, closure=None):
         with torch.enable_grad():

@@ -93,6 +93,13 @@ class Task:
         """(mean loss over the batch, number of items it covers)."""
         raise NotImplementedError
 
+    def example_batch(self, model: nn.Module, batch_size: int) -> Any:
+        """A training batch of `batch_size` items with the shapes and dtypes train_batch gives, made
+        without the data (zeros, on self.device; under a FakeTensorMode, fake). After it, `loss` works
+        on that model without setup(): the memory planner (train/plan.py) and the batch-size finder
+        run the training step on it."""
+        raise NotImplementedError
+
     def train_metrics(self) -> dict[str, float]:
         """Numbers the task gathered from its training losses since the last call (e.g. auxiliary
         losses, router load), averaged as it sees fit; the loop adds them to every logged row."""

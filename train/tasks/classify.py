@@ -230,6 +230,16 @@ class ClassifyTask(Task):
         logits = model(self.normalize(x))
         return F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.data.label_smoothing), y.numel()
 
+    def example_batch(self, model, batch_size):
+        d, c = self.cfg.data, model.config.in_chans
+        size = d.image_size or (32 if d.path == "digits" else 224)
+        if getattr(self, "norm_mean", None) is None:
+            self.norm_mean = torch.full((1, c, 1, 1), 0.5, device=self.device)
+            self.norm_inv_std = torch.full((1, c, 1, 1), 2.0, device=self.device)
+        x = torch.zeros(batch_size, c, size, size, device=self.device,  # digits: floats; folders: uint8 crops
+                        dtype=torch.float32 if d.path == "digits" else torch.uint8)
+        return x, torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
     def _val_batches(self):
         """(images, labels) over the validation set (or its first data.eval_images), on the device."""
         B, limit = self.cfg.train.batch_size, self.cfg.data.eval_images or self.n_val

@@ -209,6 +209,12 @@ class DiffusionTask(Task):
         per_item = model(batch["z"], batch["labels"], batch["t"], batch["noise"])
         return per_item.mean(), len(per_item)
 
+    def example_batch(self, model, batch_size):
+        s = self.cfg.model.image_size // 8
+        z = torch.zeros(batch_size, model.latent_channels, s, s, device=self.device)
+        labels = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        return {"z": z, "labels": labels, "t": labels.clone(), "noise": torch.zeros_like(z)}
+
     @torch.no_grad()
     def evaluate(self, model):
         """On the held-out latents with fixed t and noise: val_loss, the training loss (same weighting),

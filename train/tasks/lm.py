@@ -26,7 +26,8 @@ from zoo.blocks.attention import resolve_backend
 from zoo.config import ConfigError
 from zoo.weights import hf_llm
 
-from ..data import TextDataConfig, TokenData
+from ..data import SeqLenSchedule, TextDataConfig, TokenData
+from ..optim import micro_batches
 from . import Task
 
 
@@ -60,6 +61,7 @@ class LMTask(Task):
                           f"set data.tokenizer to a tokenizer file or 'bytes'")
 
     def setup(self):
+        self._schedule = None
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
@@ -79,8 +81,7 @@ class LMTask(Task):
             model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
-        self.moe = model.config.moe
-        self.mod = model.config.mod_capacity > 0
+        self._use(model)
         vocab = self.data.tokenizer.vocab_size
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
@@ -88,6 +89,15 @@ class LMTask(Task):
                               f"tokenizer's {vocab}")
         self._say_attention(model.config)
         return model
+
+    def _use(self, model):
+        self.moe = model.config.moe
+        self.mod = model.config.mod_capacity > 0
+
+    def example_batch(self, model, batch_size, seq_len=None):
+        self._use(model)
+        x = torch.zeros(batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
+        return x, torch.zeros_like(x)
 
     def _say_attention(self, m):
         backend = m.attn_backend
@@ -101,10 +111,26 @@ class LMTask(Task):
         return ([list(model.lm_head.parameters()) + list(model.norm.parameters())]
                 + [list(layer.parameters()) for layer in reversed(model.layers)] + [list(model.embed.parameters())])
 
+    def seq_len_at(self, step: int) -> int:
+        """The training window of `step` (data.seq_len_schedule; made at the first call, when the
+        batch size is known, train.batch_size=auto included)."""
+        if self._schedule is None:
+            t, d = self.cfg.train, self.cfg.data
+            self._schedule = SeqLenSchedule(d, t.batch_size, lambda s: micro_batches(s, t.grad_accum,
+                                                                                     t.batch_warmup_steps))
+            if d.seq_len_schedule:
+                stages = ", ".join(f"{n} until step {u}" for u, n in self._schedule.stages)
+                self.log(f"data: seq_len curriculum: {stages}, then {d.seq_len}")
+        return self._schedule(step)
+
     def train_batch(self, step, micro):
         self._step, self._micro = step, micro
         g = self.batch_generator(step, micro)
-        return self.data.batch("train", self.cfg.train.batch_size, g, self.device)
+        window = self.seq_len_at(step)
+        if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
+            self.log(f"step {step + 1}: training windows of {window} tokens (data.seq_len_schedule)")
+        self._window = window
+        return self.data.batch("train", self.cfg.train.batch_size, g, self.device, window)
 
     def loss(self, model, batch):
         x, y = batch

@@ -474,7 +474,7 @@ def detect(path) -> bool:
 
 
 # LLMConfig keys that change how a loaded model runs, not what it computes: from_pretrained takes them
-RUNTIME_KEYS = ("attn_backend", "activation_checkpointing", "chunked_loss", "loss_chunk_size")
+RUNTIME_KEYS = ("attn_backend", "activation_checkpointing", "checkpoint_every", "chunked_loss", "loss_chunk_size")
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None,

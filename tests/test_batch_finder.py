@@ -1,0 +1,62 @@
+"""train.batch_size: auto on a CPU with train.memory_budget: the largest micro-batch whose planned
+peak fits, the global batch kept by accumulation; its measured peak is under the budget."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from train import plan as planner
+from train.config import load_run_config
+from train.loop import RunStopped, train
+from zoo.config import ConfigError
+
+BASE = {"family": "llm",
+        "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128,
+                  "chunked_loss": False},
+        "data": {"tokenizer": "bytes", "seq_len": 128},
+        "train": {"max_steps": 2, "log_every": 1, "eval_every": 0, "eval_batches": 1, "checkpoint_every": 0,
+                  "progress": False, "samples": False, "plot": False, "precision": "fp32"},
+        "optim": {"warmup_steps": 0}}
+GLOBAL = 32
+
+
+def run_auto(tmp_path, corpus, budget, name="run"):
+    over = [f"train.out_dir={tmp_path / name}", f"data.path={corpus}", "train.batch_size=auto",
+            f"train.global_batch={GLOBAL}", f"train.memory_budget={budget}"]
+    logs = []
+    train(load_run_config(None, over, base=BASE), log=logs.append)
+    return logs, yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_the_chosen_batch_fits_and_the_next_does_not(tmp_path, text_corpus, one_thread):
+    cfg = load_run_config(None, [], base={**BASE, "train": {**BASE["train"], "batch_size": 1}})
+    p8, p16 = (planner.plan(cfg, batch_size=b).peak_bytes for b in (8, 16))
+    budget = (p8 + p16) // 2
+    logs, chosen = run_auto(tmp_path, text_corpus, budget)
+    b, accum = chosen["batch_size"], chosen["grad_accum"]
+    assert (b, accum) == (8, 4) and b * accum == GLOBAL
+    assert any(m.startswith("batch size: auto -> micro-batch 8 x 4") for m in logs), logs
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2 and all(r["tokens_per_s"] > 0 for r in steps)
+    measured = planner.measure_in_subprocess(BASE, [f"train.batch_size={b}"], threads=1)["peak"]
+    assert measured <= budget < planner.plan(cfg, batch_size=16).peak_bytes, (measured, budget)
+
+
+def test_a_budget_too_small_is_a_one_line_error(tmp_path, text_corpus):
+    with pytest.raises(RunStopped, match="micro-batch of 1 is planned at") as e:
+        run_auto(tmp_path, text_corpus, "1MB")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("over, key", [(["train.batch_size=auto"], "train.global_batch"),
+                                       (["train.batch_size=auto", "train.global_batch=8", "train.memory_budget=lots"],
+                                        "train.memory_budget"),
+                                       (["train.batch_size=0"], "train.batch_size")])
+def test_config_errors(over, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+        load_run_config(None, over, base=BASE)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,164 @@
+"""The memory planner (train/plan.py): live-byte counting, optimizer states against the real
+optimizers, depth extrapolation, the large presets without allocating them, the command line,
+and one prediction against a measured peak."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.benches.harness import rss
+from train.config import load_run_config
+from train.optim import build_optimizer, state_bytes
+from train import plan as planner
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"family": "llm",
+         "model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+         "data": {"tokenizer": "bytes", "seq_len": 64}, "train": {"batch_size": 4, "precision": "fp32"}}
+
+
+def cfg_of(*over, base=SMALL):
+    return load_run_config(None, list(over), base=base)
+
+
+def test_live_bytes_counts_storages_once_and_forgets_the_dead():
+    counter = planner.LiveBytes()
+    with counter:
+        a = torch.empty(1000)
+        b = a.view(10, 100)[2:]             # a view: the same storage, not counted again
+        c = torch.empty(300, dtype=torch.float64)
+        both = a.numel() * a.element_size() + c.numel() * c.element_size()
+        assert counter.live == both and counter.peak == both
+        del a, b
+        assert counter.live == c.numel() * c.element_size()
+        assert counter.peak == both
+        counter.reset_peak()
+        assert counter.peak == counter.live
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "lion", "muon", "galore"])
+def test_planned_optimizer_states_are_those_of_the_real_optimizer(name):
+    """The plan's states come from the optimizer run on fake tensors; the reference is the same
+    optimizer stepped for real (train.optim.state_bytes)."""
+    cfg = cfg_of(f"optim.name={name}", "optim.galore_rank=8")
+    torch.manual_seed(0)
+    model = planner.build_model(cfg)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), lambda m: None)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    static = planner._static(cfg, torch.device("cpu"), 1)
+    assert static.states == state_bytes(opt) > 0
+    assert static.params == sum(p.numel() * 4 for p in set(model.parameters()))
+
+
+def test_adamw8bit_state_layout_matches_torchao():
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(64, 128), (100,), (4096,), (33, 128), (3, 1000)]]
+    opt = AdamW8bit(params)
+    real = 0
+    for p in params:  # the two moments as torchao makes them, plus the step counter
+        for t in (opt._new_buffer(p, True), opt._new_buffer(p, False), torch.tensor(0.0)):
+            real += planner._bytes([t])
+    assert planner.adamw8bit_state_bytes(params) == real
+
+
+def test_deep_stacks_extrapolate_to_the_full_simulation(monkeypatch):
+    cfg = cfg_of("model.n_layers=12")
+    extrapolated = planner.plan(cfg)
+    assert extrapolated.extrapolated_from == [2, 4]
+    monkeypatch.setattr(planner, "SIMULATE_FULL_DEPTH", 100)
+    full = planner.plan(cfg)
+    assert full.extrapolated_from is None
+    assert extrapolated.breakdown["params"] == full.breakdown["params"]
+    assert abs(extrapolated.peak_bytes - full.peak_bytes) <= 0.01 * full.peak_bytes
+
+
+def test_llama2_7b_is_planned_without_allocating_it():
+    cfg = load_run_config(str(ROOT / "configs/llm/llama2-7b.yaml"))
+    m = cfg.model
+    d, f, V, L = m.d_model, m.resolved_ffn_hidden, m.vocab_size, m.n_layers
+    n_params = 2 * V * d + L * (4 * d * d + 3 * d * f + 2 * d) + d  # untied embeddings, MHA, SwiGLU, 2 norms
+    before = rss()
+    p = planner.plan(cfg)
+    grown = rss() - before
+    assert p.breakdown["params"] == 4 * n_params  # fp32 master weights
+    assert p.breakdown["grads"] == 4 * n_params and p.breakdown["optimizer_states"] >= 8 * n_params
+    assert grown < 1 * 2 ** 30, grown  # the weights alone would be 25 GiB
+    assert p.extrapolated_from is not None and len(p.per_layer_activations) == L
+
+
+def test_fsdp2_shards_and_ddp_replicates():
+    cfg = cfg_of()
+    one, ddp, fsdp = planner.plan(cfg), planner.plan(cfg, 4, "ddp"), planner.plan(cfg, 4, "fsdp2")
+    for k in ("params", "grads", "optimizer_states"):
+        assert ddp.breakdown[k] == one.breakdown[k]
+        assert fsdp.breakdown[k] == one.breakdown[k] // 4
+    assert ddp.peak_bytes == one.peak_bytes + one.breakdown["grads"]  # DDP's gradient buckets
+    assert fsdp.breakdown["activations"] > one.breakdown["activations"]  # gathered blocks
+
+
+def test_the_settings_that_fit_are_under_the_budget_and_cheapest_first():
+    cfg = cfg_of("model.chunked_loss=false", "train.batch_size=8", "model.vocab_size=4096")
+    full = planner.plan(cfg).peak_bytes
+    budget = int(0.6 * full)
+    found = planner.fits(cfg, budget, top=3)
+    assert found, "no setting fits"
+    assert all(q.peak_bytes <= budget for _, _, q in found)
+    assert [s for s, _, _ in found] == sorted(s for s, _, _ in found)
+    assert planner.fits(cfg, full + 1, top=3)[0][1] == ["as configured"]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "train/plan.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_json():
+    out = run_cli("configs/llm/tiny.yaml", "train.batch_size=2", "--json", "--memory", "1GB")
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["peak_bytes"] == sum(obj["breakdown"].values())
+    assert obj["fits"][0]["settings"] == ["as configured"]
+
+
+@pytest.mark.parametrize("args, word", [(["configs/llm/tiny.yaml", "--memory", "24XB"], "24XB"),
+                                        (["configs/llm/tiny.yaml", "train.batchsize=2"], "train.batchsize"),
+                                        (["configs/llm/missing.yaml"], "missing.yaml"),
+                                        (["configs/llm/tiny.yaml", "--devices", "0"], "--devices")])
+def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert planner.main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and word in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_prediction_within_15_percent_of_the_measured_peak():
+    base = {**SMALL, "model": {**SMALL["model"], "vocab_size": 4096, "d_model": 128, "max_seq_len": 256},
+            "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 16, "precision": "fp32"}}
+    over = ["model.chunked_loss=false"]
+    predicted = planner.plan(cfg_of(*over, base=base)).peak_bytes
+    measured = planner.measure_in_subprocess(base, over, threads=1)["peak"]
+    assert 0.85 <= predicted / measured <= 1.15, (predicted, measured)
+
+
+def test_live_bytes_counts_one_device_only():
+    counter = planner.LiveBytes("cuda")
+    counter.add(torch.empty(100))  # a host tensor: where offloaded activations live
+    assert counter.live == 0
+
+
+def test_activation_offload_is_skipped_off_cuda_in_one_line(tmp_path, text_corpus):
+    from tests.test_loop import TINY
+    from train.loop import train
+    logs = []
+    cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}", "train.max_steps=2",
+                                 "optim.warmup_steps=1", "train.activation_offload=true"], base=TINY)
+    train(cfg, log=logs.append)
+    assert [m for m in logs if m.startswith("activation offload:")] == [
+        "activation offload: skipped on cpu (CUDA only: activations already live in host memory)"]

@@ -1,0 +1,90 @@
+"""Activation checkpointing policies: step time and memory of each, per family.
+
+    python train/bench.py checkpointing                       # the three families, fp32
+    python train/bench.py checkpointing --families llm --rounds 8 --no-measure
+
+Per family, one model per policy (none, selective, full on every 2nd block, full on every block),
+the same weights, the same batch (`Task.example_batch`); each side is one training step of the
+loop's own step function (`train.loop.optimizer_step`: forward, backward, clipping, AdamW),
+the sides alternating round by round (harness.run_rounds). Printed: each policy's best step time,
+the paired median of its time over no checkpointing's (how many times slower), the planner's
+predicted peak and activations, and the peak measured in a fresh process (`train.plan.measure`;
+leave it out with --no-measure).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from train.benches import harness  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = {
+    "llm": ({"family": "llm", "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4,
+                                        "n_kv_heads": 2, "max_seq_len": 256},
+             "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 8}}, []),
+    "convnet": ("convnet/resnet-digits.yaml", ["model.width=32", "train.batch_size=64"]),
+    "diffusion": ("diffusion/digits.yaml", ["train.batch_size=128"]),
+}
+POLICIES = {"none": [], "selective": ["model.activation_checkpointing=selective"],
+            "full, every 2nd": ["model.activation_checkpointing=full", "model.checkpoint_every=2"],
+            "full": ["model.activation_checkpointing=full"]}
+
+
+def step_fn(cfg, precision: str):
+    from train.loop import optimizer_step
+    from train.optim import build_optimizer
+    from train.plan import build_model
+    from train.tasks import task_class
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    task = task_class(cfg.family)(cfg, cpu, lambda m: None)
+    batch = task.example_batch(model, cfg.train.batch_size)
+    opt = build_optimizer(model, cfg.optim, cpu, lambda m: None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    autocast = (lambda: harness.autocast(precision)) if precision != "fp32" else contextlib.nullcontext
+    return lambda: optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, opt, scaler, params, 1.0, autocast)
+
+
+def main(argv=None):
+    p = harness.parser("checkpointing", __doc__, precision="fp32")
+    p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
+    p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
+    args = p.parse_args(argv)
+    harness.setup(args)
+    from train.config import load_run_config
+    from train.plan import MiB, measure_in_subprocess, plan
+    from train.benches.memory import base_of
+    for precision in args.precision:
+        for family in args.families:
+            spec, over = FAMILIES[family]
+            base = base_of(spec)
+            cfgs = {name: load_run_config(None, over + extra + [f"train.precision={precision}"], base=base)
+                    for name, extra in POLICIES.items()}
+            sides = {name: step_fn(c, precision) for name, c in cfgs.items()}
+            for fn in sides.values():
+                fn()  # warm-up
+            r = harness.run_rounds(sides, args.rounds)
+            rows = []
+            for name, c in cfgs.items():
+                q = plan(c)
+                measured = "-" if args.no_measure else f"{measure_in_subprocess(base, over + POLICIES[name] + [f'train.precision={precision}'], threads=args.threads or 0)['peak'] / MiB:.1f}"
+                slower = r.paired("none", name) if name != "none" else None
+                rows.append([name, f"{r.best(name) * 1e3:.1f}", "1.00x" if slower is None else str(slower),
+                             f"{q.peak_bytes / MiB:.1f}", f"{q.breakdown['activations'] / MiB:.1f}", measured])
+            print(f"\n{family}, {precision}, {args.rounds} rounds")
+            harness.print_table(["policy", "best step ms", "step time / none (paired median)",
+                                 "predicted peak MiB", "predicted activations MiB", "measured peak MiB"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,814 @@
+"""The memory planner: what a training step needs, from the config alone, before the run starts.
+
+    python train/plan.py CONFIG [key=value ...] [--memory 24GB] [--devices N] [--sharding fsdp2] [--json]
+
+How: the model is built under torch's FakeTensorMode (tensors with shapes and dtypes but no
+memory: a 7B model costs nothing) and the loop's training step (autocast forward, backward,
+gradient clipping, optimizer step, zero_grad) runs on it under `LiveBytes`, a dispatch mode
+that adds a tensor storage's bytes when an op first returns it and subtracts them when the
+storage dies. The peak of that count, one steady-state step after a first one has made the
+optimizer's state, is the predicted peak. The parts:
+
+    params, buffers       the model's tensors (a frozen base counts here too)
+    ema                   train.ema_decay: the averaged copy of the model
+    grads                 one per trainable parameter, in its dtype
+    optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout:
+                          int8 codes + an fp32 scale per 256 values, small tensors in fp32)
+    inputs                the batch
+    activations           the rest of the peak: saved activations, the loss's logits, autocast's
+                          weight copies, the gradients of the backward in flight, the optimizer's
+                          temporaries (whichever phase of the step is higher); with
+                          train.activation_offload on CUDA the saved activations are simulated in
+                          host memory (save_on_cpu) and only the device's tensors are counted
+
+Also reported: activations per repeated block (what one block keeps for the backward), the
+logits of the loss, the KV cache of generation at the run's batch and model.max_seq_len, and
+per device under DDP (everything replicated, plus DDP's gradient buckets, one more copy of the
+gradients) and FSDP2 (parameters, gradients and states sharded by N, plus the all-gathered
+parameters of two blocks: the one running and the one prefetched; activations per device as on
+one device, for the per-device micro-batch).
+
+Deep models are simulated at two reduced depths and extrapolated (every quantity of a stack of
+equal blocks is linear in its depth); the parameters and optimizer states are those of the full
+model. What dispatch cannot see is not in the prediction: library workspaces (oneDNN, MKL,
+cuDNN), the allocator's fragmentation and caching, the CUDA context; docs/memory.md has the
+prediction against measured peaks.
+
+`--memory` lists settings that make the step fit, cheapest in speed first (each with its
+estimated slowdown); `--json` prints one JSON object (peak_bytes, breakdown, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from zoo.config import ConfigError
+
+MiB, GiB = 2 ** 20, 2 ** 30
+
+
+# ------------------------------------------------------------------------------ counting live bytes
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensor storages alive: a storage is added when an op first returns
+    it (or when `add` is called on a tensor made before), and subtracted when it dies. `peak` is
+    the highest count since the last `reset_peak()`. Works on real and fake tensors alike.
+    device: count only the tensors on a device of this type (activations offloaded to the host
+    are not on the GPU)."""
+
+    def __init__(self, device: Optional[str] = None):
+        super().__init__()
+        self.device = device
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, *tensors):
+        for t in tree_flatten(tensors)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or \
+                    (self.device is not None and t.device.type != self.device):
+                continue
+            inner = getattr(t, "__tensor_flatten__", None)
+            if inner is not None and type(t) not in (torch.Tensor, nn.Parameter) \
+                    and not type(t).__name__ == "FakeTensor":  # a tensor subclass: count its parts
+                self.add(*[getattr(t, n) for n in inner()[0]])
+                continue
+            s = t.untyped_storage()
+            key = id(s)
+            if key in self._refs:
+                continue
+            n = s.nbytes()
+            self._refs[key] = weakref.ref(s, lambda _, key=key, n=n: self._drop(key, n))
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+    def _drop(self, key, n):
+        if self._refs.pop(key, None) is not None:
+            self.live -= n
+
+    def reset_peak(self):
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32:
+            out = _grouped_mm_like(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.add(out)
+        return out
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+
+
+def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
+    """An empty result of aten._grouped_mm's shape: its shape function refuses fp32, which the CPU
+    kernel runs (MoE layers planned in fp32)."""
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    else:
+        shape = (a.shape[1], b.shape[-1])
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+# ------------------------------------------------------------------------------ optimizer states
+def adamw8bit_state_bytes(params) -> int:
+    """torchao's AdamW8bit: for a tensor of >= 4096 values (a multiple of the 256-value block) each of
+    the two moments is int8 codes, an fp32 scale per block and a 256-entry fp32 code map; smaller
+    tensors keep fp32 moments; plus a step counter per tensor."""
+    total = 0
+    for p in params:
+        n = p.numel()
+        if n >= 4096 and n % 256 == 0:
+            total += 2 * (n + 4 * (n // 256) + 4 * 256)
+        else:
+            total += 2 * n * p.element_size()
+        total += 4  # step
+    return total
+
+
+def planned_optimizer(model, params, cfg, device):
+    """(the optimizer to step on fake tensors, None) or (None, its state bytes from its layout) for
+    those whose step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and
+    optimizers with a `planned_state_bytes()` (GaLore)."""
+    from train.optim import build_optimizer
+    if cfg.optim.name == "adamw8bit":
+        return None, adamw8bit_state_bytes(params)
+    opt = build_optimizer(model, cfg.optim, device, lambda m: None)
+    if hasattr(opt, "planned_state_bytes"):
+        return None, opt.planned_state_bytes()
+    return opt, 0
+
+
+def fake_step(optimizer):
+    """optimizer.step() on fake tensors. An optimizer that reads a value back to Python (Adafactor's
+    step count, GaLore's) stops there, after making the state of the tensor it was on: then each
+    tensor is stepped on its own, so that every one gets its state (what the plan needs)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    try:
+        optimizer.step()
+        return
+    except DataDependentOutputException:
+        pass
+    groups = optimizer.param_groups
+    try:
+        for g in groups:
+            for p in g["params"]:
+                optimizer.param_groups = [dict(g, params=[p])]
+                try:
+                    optimizer.step()
+                except DataDependentOutputException:
+                    pass
+    finally:
+        optimizer.param_groups = groups
+
+
+def _tensors_of(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_of(v)]
+    return []
+
+
+# ------------------------------------------------------------------------------ the model and its units
+def build_model(cfg) -> nn.Module:
+    """The run's model as the loop builds it (fresh weights; `adapter:` applied). Under a
+    FakeTensorMode nothing is allocated."""
+    import zoo
+    model_cfg = cfg.model
+    ae = getattr(model_cfg, "autoencoder", None)
+    if ae is not None and ae.weights:  # a fresh autoencoder of the weights' variant (frozen; same shapes)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from zoo.diffusion.latent import build_autoencoder
+        with unset_fake_temporarily(), torch.device("cpu"):
+            variant = build_autoencoder(model_cfg, cfg.source).variant
+        model_cfg = dataclasses.replace(model_cfg, autoencoder=dataclasses.replace(ae, weights=None, **variant))
+    model = zoo.build(model_cfg)
+    if cfg.adapter.enabled:
+        from zoo.adapters import apply_adapters
+        apply_adapters(model, cfg.adapter, cfg.source, lambda m: None)
+    return model
+
+
+def repeated_units(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformer blocks, residual blocks)."""
+    units = getattr(model, "checkpoint_units", None)
+    if units is not None:
+        return list(units())
+    if hasattr(model, "layers"):
+        return list(model.layers)
+    return []
+
+
+def _depth_keys(cfg):
+    """(depth, period) of an LLM stack: its n_layers and the period of its block pattern (MoD,
+    sparse MoE layers, checkpointing every n-th block), or None for other families."""
+    if cfg.family != "llm":
+        return None
+    m = cfg.model
+    period = 1
+    if m.mod_capacity > 0:
+        period = math.lcm(period, m.mod_every)
+    if m.moe is not None:
+        period = math.lcm(period, m.moe.sparse_every)
+    every = getattr(m, "checkpoint_every", 1) or 1
+    period = math.lcm(period, every)
+    return m.n_layers, period
+
+
+# ------------------------------------------------------------------------------ the simulated step
+@dataclass
+class Simulated:
+    persistent: int          # params + buffers + optimizer states + batch at rest
+    params: int
+    buffers: int
+    grads: int
+    states: int
+    inputs: int
+    forward_backward: int    # peak above `persistent` during forward and backward
+    optimizer_step: int      # peak above `persistent` during clipping and the optimizer step
+    per_unit: list           # bytes each repeated block keeps from its forward to the backward
+    logits: int              # the peak the loss adds over the last block's output (forward)
+
+
+def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
+    from train.loop import DTYPES
+    p = cfg.train.precision
+    if p == "auto":  # the loop measures; the plan assumes bf16 where the device has it natively
+        p = "bf16" if device.type == "cuda" else "fp32"
+    return None if p == "fp32" else DTYPES[p]
+
+
+def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_layers: Optional[int] = None,
+             fake: bool = True) -> Simulated:
+    """One steady-state training step of `cfg` (a RunConfig) counted by LiveBytes: fake tensors
+    (nothing allocated) unless fake=False. n_layers: build the LLM at that depth instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import contextlib
+    from train.tasks import task_class
+
+    if n_layers is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+        if cfg.model.moe is not None:
+            dense = [i for i in cfg.model.moe.dense_layers if i < n_layers]
+            cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)
+    amp = _precision(cfg, device)
+    B = batch_size or cfg.train.batch_size
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode, torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = build_model(cfg)
+        if cfg.train.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        model.train()
+        task = task_class(cfg.family)(cfg, device, lambda m: None)
+        task.autocast_dtype = amp
+        batch = task.example_batch(model, B)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer, states = planned_optimizer(model, params, cfg, device)
+        eightbit = optimizer is None
+        autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp else contextlib.nullcontext
+        units = repeated_units(model)
+        counter = LiveBytes(device.type)
+        per_unit, phase, before = {}, {"name": "warm-up"}, {}
+
+        def pre(i):
+            def hook(mod, args):
+                if phase["name"] == "forward" and i not in per_unit:
+                    before[i] = counter.live
+            return hook
+
+        def post(i):
+            def hook(mod, args, out):
+                if phase["name"] == "forward" and i not in per_unit and i in before:
+                    per_unit[i] = counter.live - before[i]
+            return hook
+
+        handles = [u.register_forward_pre_hook(pre(i)) for i, u in enumerate(units)]
+        handles += [u.register_forward_hook(post(i)) for i, u in enumerate(units)]
+        logits = {"start": None, "peak": 0}
+        if units:
+            def after_last(mod, args, out):
+                if phase["name"] == "forward":
+                    logits["start"] = counter.live
+                    counter.reset_peak()
+            handles.append(units[-1].register_forward_hook(after_last))
+
+        offload = cfg.train.activation_offload and device.type == "cuda"
+
+        def step(track: bool):
+            with autocast(), (torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()):
+                loss, _ = task.loss(model, batch)
+            if track and logits["start"] is not None:
+                logits["peak"] = counter.peak - logits["start"]
+            phase["name"] = "backward"
+            loss.backward()
+            if track:
+                fb = counter.peak
+                phase["name"] = "optimizer"
+                counter.reset_peak()
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad or float("inf"))
+            if optimizer is not None:
+                fake_step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                for p in params:
+                    p.grad = None
+            return (fb, counter.peak) if track else None
+
+        with counter:
+            step(track=False)  # the optimizer makes its state
+        state_tensors = _tensors_of(optimizer.state) if optimizer is not None else []
+        if optimizer is not None:
+            states = 0
+            probe = LiveBytes()
+            probe.add(state_tensors)
+            states = probe.live
+        counter = LiveBytes(device.type)
+        counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
+        persistent = counter.live + (states if eightbit else 0)
+        counter.live = counter.peak = persistent
+        counter.reset_peak()
+        with counter:
+            phase["name"] = "forward"
+            fb, opt = step(track=True)
+        for h in handles:
+            h.remove()
+        p_bytes = _bytes(model.parameters())
+        b_bytes = _bytes(model.buffers())
+        g_bytes = sum(p.numel() * p.element_size() for p in params)
+        inputs = _bytes(tree_flatten(batch)[0])
+    return Simulated(persistent, p_bytes, b_bytes, g_bytes, states, inputs, fb - persistent, opt - persistent,
+                     [per_unit.get(i, 0) for i in range(len(units))], logits["peak"])
+
+
+def _bytes(tensors) -> int:
+    probe = LiveBytes()
+    probe.add(list(tensors))
+    return probe.live
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    peak_bytes: int
+    breakdown: dict                      # params, buffers, grads, optimizer_states, inputs, activations
+    per_layer_activations: list          # bytes per repeated block
+    logits_bytes: int
+    kv_cache_bytes: Optional[int]        # LLM: generation at the run's batch and model.max_seq_len
+    host_bytes: int = 0                  # offloaded to host memory (CUDA: optimizer states, activations)
+    devices: int = 1
+    sharding: str = "none"
+    extrapolated_from: Optional[list] = None  # the depths simulated when the stack was extrapolated
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths and extrapolated
+
+
+def _run_device(cfg) -> torch.device:
+    name = cfg.train.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int] = None,
+         device: Optional[torch.device] = None) -> Plan:
+    """The predicted peak memory (per device) of one training step of `cfg` (a RunConfig)."""
+    device = device or _run_device(cfg)
+    B = batch_size or cfg.train.batch_size
+    depth = _depth_keys(cfg)
+    notes = []
+    if depth is not None and depth[0] > max(SIMULATE_FULL_DEPTH, 4 * depth[1]):
+        L, p = depth
+        l1, l2 = 2 * p, 4 * p
+        s1, s2 = simulate(cfg, device, B, l1), simulate(cfg, device, B, l2)
+        full = _static(cfg, device, B)
+        k = (L - l1) / (l2 - l1)
+        lin = lambda a, b: round(a + k * (b - a))  # noqa: E731
+        # activations above the persistent part extrapolate in depth; the full model's own grads
+        fb = lin(s1.forward_backward - s1.grads, s2.forward_backward - s2.grads) + full.grads
+        opt = lin(s1.optimizer_step - s1.grads, s2.optimizer_step - s2.grads) + full.grads
+        per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
+        sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
+                                  logits=s2.logits)
+        extrapolated = [l1, l2]
+    else:
+        sim, extrapolated = simulate(cfg, device, B), None
+    transient = max(sim.forward_backward, sim.optimizer_step)
+    activations = transient - sim.grads
+    host = 0
+    params, grads, states = sim.params, sim.grads, sim.states
+    if cfg.optim.name == "adamw_offload" and device.type == "cuda":
+        host += states + params + grads  # torchao keeps fp32 params, grads and states on the host
+        states = 0
+        notes.append("optim.name=adamw_offload: optimizer states, a copy of the parameters and the gradients "
+                     "are in host memory")
+    elif cfg.optim.name == "adamw_offload":
+        notes.append("optim.name=adamw_offload runs as AdamW on a CPU (its states are in host memory already)")
+    if sharding == "fsdp2" and devices > 1:
+        units = repeated_units_sizes(cfg, device)
+        gathered = 2 * max(units, default=0)  # the block running and the one prefetched, unsharded
+        params, grads, states = params // devices, grads // devices, states // devices
+        activations += gathered
+        notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
+                     f"{_fmt(gathered)} for the all-gathered parameters of two blocks")
+    elif sharding == "ddp" and devices > 1:
+        activations += sim.grads  # DDP's gradient buckets: one more copy of the gradients
+        notes.append(f"ddp over {devices} devices: everything replicated, plus DDP's gradient buckets "
+                     f"(one more copy of the gradients)")
+    ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
+    breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
+                 "ema": ema, "inputs": sim.inputs, "activations": activations}
+    kv = _kv_cache_bytes(cfg, B, device)
+    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
+                sharding if devices > 1 else "none", extrapolated, notes)
+
+
+def _static(cfg, device, B) -> Simulated:
+    """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = build_model(cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt, states = planned_optimizer(model, params, cfg, device)
+        if opt is not None:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            fake_step(opt)
+            states = _bytes(_tensors_of(opt.state))
+        grads = sum(p.numel() * p.element_size() for p in params)
+        pb, bb = _bytes(model.parameters()), _bytes(model.buffers())
+    return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
+
+
+def repeated_units_sizes(cfg, device) -> list[int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = build_model(cfg)
+        return [_bytes(u.parameters()) for u in repeated_units(model)]
+
+
+def _kv_cache_bytes(cfg, B, device) -> Optional[int]:
+    if cfg.family != "llm":
+        return None
+    m = cfg.model
+    dt = _precision(cfg, device) or torch.float32
+    return 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * dt.itemsize
+
+
+# ------------------------------------------------------------------------------ what makes it fit
+@dataclass
+class Option:
+    name: str              # what to set
+    slowdown: float        # estimated step-time factor (docs/memory.md)
+    overrides: dict        # config keys it sets
+    batch_split: int = 1   # micro-batch divided by this, grad_accum multiplied
+
+
+def options(cfg, device) -> list[list[Option]]:
+    """Groups of mutually exclusive options (one of each group may be chosen)."""
+    t, m, o = cfg.train, cfg.model, cfg.optim
+    groups = []
+    if cfg.family == "llm" and not m.chunked_loss:
+        groups.append([Option("model.chunked_loss=true", 1.0, {"model.chunked_loss": True})])
+    if t.precision == "fp32" and device.type == "cuda":
+        groups.append([Option("train.precision=bf16", 0.6, {"train.precision": "bf16"})])
+    if o.name in ("adamw", "galore", "muon"):
+        opts = [Option("optim.name=adamw8bit", 1.05, {"optim.name": "adamw8bit"})]
+        if device.type == "cuda":
+            opts.append(Option("optim.name=adamw_offload", 1.3, {"optim.name": "adamw_offload"}))
+        groups.append(opts)
+    if device.type == "cuda" and not t.activation_offload:
+        groups.append([Option("train.activation_offload=true", 1.2, {"train.activation_offload": True})])
+    policy = getattr(m, "activation_checkpointing", None)
+    if policy is not None and policy in (False, "none"):
+        groups.append([Option("activation_checkpointing=selective", 1.1,
+                              {"model.activation_checkpointing": "selective"}),
+                       Option("activation_checkpointing=true, checkpoint_every=2", 1.15,
+                              {"model.activation_checkpointing": True, "model.checkpoint_every": 2}),
+                       Option("activation_checkpointing=true", 1.3, {"model.activation_checkpointing": True})])
+    splits = []
+    b, k = t.batch_size, 2
+    while b != "auto" and k <= b:
+        if b % k == 0:
+            splits.append(Option(f"train.batch_size={b // k}, train.grad_accum={t.grad_accum * k}",
+                                 1.0 + 0.05 * math.log2(k), {"train.batch_size": b // k,
+                                                             "train.grad_accum": t.grad_accum * k}, k))
+        k *= 2
+    if splits:
+        groups.append(splits)
+    return groups
+
+
+def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
+         device: Optional[torch.device] = None, log=lambda m: None) -> list[tuple[float, list[str], Plan]]:
+    """Up to `top` combinations of options whose planned peak is under `budget` bytes, the
+    cheapest (lowest estimated slowdown) first: [(slowdown, settings, plan)]."""
+    import itertools
+    from train.config import load_run_config
+    device = device or _run_device(cfg)
+    base = cfg.to_dict()
+    groups = options(cfg, device)
+    combos = []
+    for choice in itertools.product(*[[None] + g for g in groups]):
+        picked = [c for c in choice if c is not None]
+        combos.append((math.prod(c.slowdown for c in picked), picked))
+    combos.sort(key=lambda c: (c[0], len(c[1])))
+    found, cache = [], {}
+    for slowdown, picked in combos:
+        if any(set(p) <= set(f) for _, f, _ in found for p in [[c.name for c in picked]]):
+            continue  # a superset of a combination that already fits is never cheaper
+        over = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for c in picked for k, v in c.overrides.items()]
+        key = tuple(sorted(over))
+        if key not in cache:
+            try:
+                c = load_run_config(None, over, base=base)
+            except ConfigError:
+                continue
+            cache[key] = plan(c, devices, sharding, device=device)
+        p = cache[key]
+        if p.peak_bytes <= budget:
+            found.append((slowdown, [c.name for c in picked] or ["as configured"], p))
+            if len(found) >= top or not picked:
+                break
+    return found
+
+
+# ------------------------------------------------------------------------------ train.batch_size: auto
+def device_memory(device: torch.device) -> int:
+    """What a step may use when train.memory_budget is null: free memory on a GPU, the kernel's
+    MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+
+
+def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None) -> tuple[int, int]:
+    """train.batch_size=auto: (micro-batch, grad_accum) with micro-batch x grad_accum = train.global_batch,
+    the micro-batch the largest divisor of it whose planned peak fits train.memory_budget (null:
+    `device_memory`). `model` (built): plan its own architecture (a pretrained one). On CUDA the
+    choice is then tried, a forward and backward with the optimizer's planned state held, backing
+    off to the next smaller size on out-of-memory."""
+    from train.config import parse_memory_size
+    t = cfg.train
+    G = t.global_batch
+    if model is not None and getattr(model, "config", None) is not None:
+        cfg = dataclasses.replace(cfg, model=model.config)
+    budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
+    sizes = [d for d in range(1, G + 1) if G % d == 0]
+    peaks: dict[int, int] = {}
+
+    def peak(b):
+        if b not in peaks:
+            peaks[b] = plan(cfg, batch_size=b, device=device).peak_bytes
+        return peaks[b]
+
+    lo, hi, best = 0, len(sizes) - 1, None  # the planned peak grows with the micro-batch: bisect
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if peak(sizes[mid]) <= budget:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise ValueError(f"train.batch_size=auto: a micro-batch of 1 is planned at {_fmt(peak(1))}, over "
+                         f"train.memory_budget={_fmt(budget)} (docs/memory.md: what else makes it fit)")
+    if device.type == "cuda" and model is not None and task is not None:
+        best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
+    b = sizes[best]
+    nxt = f"; {sizes[best + 1]} would need {_fmt(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
+    log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated = train.global_batch {G} (planned peak "
+        f"{_fmt(peak(b))} of {_fmt(budget)}{nxt})")
+    return b, G // b
+
+
+def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
+    """The largest size from sizes[best] down whose forward and backward run (with the optimizer's
+    planned state held on the device); the model's weights, buffers and RNG are left as they were."""
+    import contextlib
+    amp = _precision(cfg, device)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    states = _static(cfg, device, 1).states
+    autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp else contextlib.nullcontext
+    while best >= 0:
+        b, hold = sizes[best], None
+        try:
+            with torch.random.fork_rng(devices=[device]):
+                hold = torch.empty(states, dtype=torch.uint8, device=device)
+                with autocast():
+                    loss, _ = task.loss(model, task.example_batch(model, b))
+                loss.backward()
+            return best
+        except torch.cuda.OutOfMemoryError:
+            log(f"batch size: auto: micro-batch {b} ran out of memory on {device}; trying a smaller one")
+            best -= 1
+        finally:
+            del hold
+            for p in params:
+                p.grad = None
+            with torch.no_grad():
+                for k, v in model.named_buffers():
+                    v.copy_(buffers[k])
+            torch.cuda.empty_cache()
+    raise ValueError(f"train.batch_size=auto: even a micro-batch of {sizes[0]} runs out of memory on {device}")
+
+
+# ------------------------------------------------------------------------------ measured, to check the plan
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def measure(cfg, batch_size: Optional[int] = None) -> dict:
+    """The measured peak of one steady-state training step of `cfg` on the CPU, in this process
+    (run it in a fresh one: python -m train.plan --measure ...). The loop's own step function runs
+    twice (the optimizer makes its state, torchao compiles), freed memory goes back to the OS
+    (glibc's defaults, malloc_trim), the kernel's high-water mark is reset (/proc/self/clear_refs)
+    and one more step runs. Returns rest_rss (the process at rest before that step), hwm (the
+    high-water mark across it), live (the bytes of the tensors alive at rest: parameters,
+    buffers, optimizer state, batch, the EMA's copy) and peak = hwm - rest_rss + live: the step's peak over the
+    process at rest plus what the tensors at rest hold, leaving out what the process holds for
+    torch itself (libraries, kernels it compiled, thread pools), which no config changes."""
+    import contextlib
+    import gc
+    from train.hardware import release_freed_memory
+    from train.loop import EMA, optimizer_step
+    from train.optim import build_optimizer
+    from train.tasks import task_class
+    device = torch.device("cpu")
+    release_freed_memory()
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg)
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model.train()
+    amp = _precision(cfg, device)
+    task = task_class(cfg.family)(cfg, device, lambda m: None)
+    task.autocast_dtype = amp
+    batch = task.example_batch(model, batch_size or cfg.train.batch_size)
+    optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = (lambda: torch.autocast("cpu", dtype=amp)) if amp else contextlib.nullcontext
+
+    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+
+    def step():
+        optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
+                       cfg.train.clip_grad, autocast)
+        if ema is not None:
+            ema.update(model)
+
+    step()
+    step()
+    gc.collect()
+    release_freed_memory()
+    rest = _proc_status("VmRSS")
+    kept = [*model.parameters(), *model.buffers(), *_tensors_of(optimizer.state), *tree_flatten(batch)[0]]
+    if ema is not None:
+        kept += [*ema.model.parameters(), *ema.model.buffers()]
+    live = _bytes(kept)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    step()
+    hwm = _proc_status("VmHWM")
+    return {"rest_rss": rest, "hwm": hwm, "live": live, "peak": hwm - rest + live}
+
+
+def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
+                          timeout: float = 1800) -> dict:
+    """`measure` in a fresh Python process (nice'd like the caller): the run config `base` with
+    `overrides`. Returns its dict."""
+    import subprocess
+    arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads})
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--measure", arg], cwd=root, capture_output=True,
+                         text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_main(arg: str) -> int:
+    from train.config import load_run_config
+    a = json.loads(arg)
+    if a.get("threads"):
+        torch.set_num_threads(a["threads"])
+    cfg = load_run_config(None, a["overrides"], base=a["base"])
+    print(json.dumps(measure(cfg, a.get("batch_size"))))
+    return 0
+
+
+# ------------------------------------------------------------------------------ command line
+def _fmt(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def report(cfg, p: Plan) -> str:
+    lines = [f"plan: {cfg.source}: family={cfg.family} batch={cfg.train.batch_size} x {cfg.train.grad_accum} "
+             f"precision={cfg.train.precision} optimizer={cfg.optim.name}"
+             + (f", per device of {p.devices} ({p.sharding})" if p.devices > 1 else "")]
+    for k, v in p.breakdown.items():
+        lines.append(f"  {k:<18}{_fmt(v):>14}")
+    lines.append(f"  {'peak':<18}{_fmt(p.peak_bytes):>14}")
+    if p.per_layer_activations:
+        acts = p.per_layer_activations
+        lines.append(f"  activations per block: {_fmt(acts[0])} (block 0), {_fmt(sum(acts))} for all {len(acts)}")
+    if p.logits_bytes:
+        lines.append(f"  loss (logits) peak over the last block's output: {_fmt(p.logits_bytes)}")
+    if p.kv_cache_bytes is not None:
+        lines.append(f"  KV cache for generation (batch {cfg.train.batch_size}, {cfg.model.max_seq_len} tokens): "
+                     f"{_fmt(p.kv_cache_bytes)}")
+    if p.host_bytes:
+        lines.append(f"  host memory (offloaded): {_fmt(p.host_bytes)}")
+    if p.extrapolated_from:
+        lines.append(f"  (the stack simulated at {p.extrapolated_from[0]} and {p.extrapolated_from[1]} blocks, "
+                     f"extrapolated)")
+    lines += [f"  note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from train.config import load_run_config, parse_memory_size
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--measure"]:
+        return _measure_main(argv[1])
+    ap = argparse.ArgumentParser(prog="train/plan.py", description=__doc__.split("\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="key=value")
+    ap.add_argument("--memory", help="the memory a device has, e.g. 24GB: print the settings that make it fit")
+    ap.add_argument("--devices", type=int, default=1, help="data-parallel devices (default 1)")
+    ap.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp", help="with --devices > 1")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        try:
+            budget = parse_memory_size(args.memory) if args.memory else None
+        except ValueError as e:
+            raise ValueError(f"--memory {e}") from None
+        if args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}")
+        cfg = load_run_config(args.config, args.overrides)
+        p = plan(cfg, args.devices, args.sharding)
+        found = fits(cfg, budget, args.devices, args.sharding) if budget is not None else None
+    except (ConfigError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = p.to_dict()
+        if found is not None:
+            out["budget_bytes"] = budget
+            out["fits"] = [{"slowdown": s, "settings": names, "peak_bytes": q.peak_bytes} for s, names, q in found]
+        print(json.dumps(out))
+        return 0
+    print(report(cfg, p))
+    if found is not None:
+        print(f"settings that fit in {_fmt(budget)}, cheapest in speed first (estimated step time):")
+        if not found:
+            print("  none of the options is enough; more devices (--devices N --sharding fsdp2) or a smaller model")
+        for s, names, q in found:
+            print(f"  {s:.2f}x  peak {_fmt(q.peak_bytes):>11}  {'; '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
