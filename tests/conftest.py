@@ -83,3 +83,18 @@ class optional_module:
         if attr.startswith("__") or attr.startswith("pytest"):  # pytest's collection looks at module globals
             raise AttributeError(attr)
         return getattr(pytest.importorskip(self._name), attr)
+
+
+def assert_compiled_step_equals_eager(model, ids, tol: float):
+    """A torch.compile'd forward + backward of an LLM (LM loss + its auxiliary loss) equals eager:
+    the loss within `tol`, the auxiliary loss within 1e-6, every parameter's gradient within `tol`."""
+    import copy
+    ref = copy.deepcopy(model)
+    _, loss, aux = torch.compile(model)(ids, targets=ids, return_aux=True)
+    (loss + aux["aux_loss"]).backward()
+    _, ref_loss, ref_aux = ref(ids, targets=ids, return_aux=True)
+    (ref_loss + ref_aux["aux_loss"]).backward()
+    assert abs(loss.item() - ref_loss.item()) <= tol
+    assert abs(aux["aux_loss"].item() - ref_aux["aux_loss"].item()) <= 1e-6
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() <= tol, name

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zoo
+from conftest import assert_compiled_step_equals_eager
 from zoo.blocks.mod import MixtureOfDepths
 from zoo.blocks.rope import RotaryEmbedding
 from zoo.config import ConfigError, LLMConfig, MoEConfig, from_dict
@@ -244,16 +245,8 @@ def test_generate_compiled_equals_eager():
 
 def test_compiled_training_step_equals_eager():
     model = mod_llm(attn_backend="auto", n_layers=2)
-    ref = copy.deepcopy(model)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
-    _, loss, aux = torch.compile(model)(ids, targets=ids, return_aux=True)
-    (loss + aux["aux_loss"]).backward()
-    _, ref_loss, ref_aux = ref(ids, targets=ids, return_aux=True)
-    (ref_loss + ref_aux["aux_loss"]).backward()
-    assert abs(loss.item() - ref_loss.item()) <= MODEL_TOL
-    assert abs(aux["aux_loss"].item() - ref_aux["aux_loss"].item()) <= 1e-6
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() <= MODEL_TOL, name
+    assert_compiled_step_equals_eager(model, ids, MODEL_TOL)
 
 
 def test_activation_checkpointing_same_gradients():

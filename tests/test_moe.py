@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_compiled_step_equals_eager
 from safetensors.torch import load_file
 
 import zoo
@@ -306,16 +307,8 @@ def test_generate_with_cache_equals_full_forward(moe):
 def test_compiled_training_step_equals_eager():
     """torch.compile'd forward + backward (loss, aux losses) equals eager, every gradient."""
     model = moe_llm(moe=dict(n_shared=1, shared_gate=True), n_layers=1)
-    ref = copy.deepcopy(model)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
-    _, loss, aux = torch.compile(model)(ids, targets=ids, return_aux=True)
-    (loss + aux["aux_loss"]).backward()
-    _, ref_loss, ref_aux = ref(ids, targets=ids, return_aux=True)
-    (ref_loss + ref_aux["aux_loss"]).backward()
-    assert abs(loss.item() - ref_loss.item()) <= MODEL_TOL
-    assert abs(aux["aux_loss"].item() - ref_aux["aux_loss"].item()) <= 1e-6
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() <= MODEL_TOL, name
+    assert_compiled_step_equals_eager(model, ids, MODEL_TOL)
 
 
 def test_activation_checkpointing_same_gradients():
