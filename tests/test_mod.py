@@ -240,7 +240,25 @@ def test_generate_compiled_equals_eager():
     m = mod_llm(n_layers=2).eval()
     for batch in (1, 2):
         ids = torch.randint(0, 97, (batch, 6), generator=torch.Generator().manual_seed(batch))
-        assert torch.equal(m.generate(ids, 10, compile=True), m.generate(ids, 10))
+        out = m.generate(ids, 10, compile=True)
+        assert torch.equal(out, m.generate(ids, 10))
+        if batch == 1:  # the decoded steps both ran and skipped the MoD layer: both sides of its branch
+            with torch.no_grad():
+                routed = (m.layers[1].router(m.layers[0](m.embed(out), *m.rope(0, out.shape[1], torch.float32))[0])
+                          .squeeze(-1) > 0)[0, 6:-1]
+            assert 0 < int(routed.sum()) < routed.numel()
+
+
+def test_compiled_decoding_is_one_graph():
+    """The "did any token route" branch of a MoD layer is a torch.cond inside the graph, not a break."""
+    from zoo.llm import _decode_step_matvec
+    m = mod_llm(mod_every=1).eval()
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    caches = m.new_caches(1, 8)
+    with torch.inference_mode():
+        m(ids, caches=caches)
+        explained = torch._dynamo.explain(_decode_step_matvec)(m, ids[:, -1:], caches, 6)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
 
 
 def test_compiled_training_step_equals_eager():

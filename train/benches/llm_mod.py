@@ -2,6 +2,7 @@
 
     python train/bench.py llm-mod                    # d_model 384, 8 layers, vocab 8192, batch 4 x 512, fp32
     python train/bench.py llm-mod --capacity 0.125 --every 2 --modes eager,compile
+    python train/bench.py llm-mod --decode-only --precision bf16   # the decoding table only
     python train/bench.py llm-mod --d-model 64 --n-layers 2 --vocab 512 --seq 64 --batch 2 --rounds 2 \\
         --new-tokens 16  # a smoke run
 
@@ -111,6 +112,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
     ap.add_argument("--steps", type=harness.positive_int, default=1, help="timed training steps per side and round")
     ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per decoding call (0: no decoding table)")
+    ap.add_argument("--decode-only", action="store_true", help="the decoding table only")
     args = ap.parse_args(argv)
     if not 0 < args.capacity <= 1:
         ap.error(f"--capacity must be in (0, 1], got {args.capacity}")
@@ -126,6 +128,9 @@ def main(argv=None):
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     tokens = args.batch * args.seq
     for prec in args.precision:
+        if args.decode_only:
+            decode(args, dense, mod, prec)
+            continue
         import copy
         sides = {f"{kind}-{mode}": TrainSide(copy.deepcopy(m), step, mode == "compile")
                  for mode in args.modes for kind, m, step in (("dense", dense, dense_step), ("mod", mod, zoo_step))}

@@ -34,7 +34,9 @@ The threshold (logit 0, probability 1/2) is fixed at training time.
 itself) and keep the mask in its KV cache, so a skipped token adds nothing the layer's later tokens
 can see (zoo/blocks/attention.py does both). When no token of the call is routed (a decoding step
 that skips the layer) the block does not run at all; a block returning a tuple says how many items
-follow x in its attribute `n_extra`, and a skipped call returns as many Nones in their place.
+follow x in its attribute `n_extra`, and a skipped call returns as many Nones in their place. Under
+torch.compile that test is a `torch.cond` inside the graph (no graph break), and a causal call
+returns the Nones in place of the block's extras whether or not it ran.
 
 Returns (x, *rest, stats): `rest` is what the block returned after x (e.g. a MoE block's routing
 statistics); `stats` is a dict of 0-dim tensors: 'aux_loss' (the decision's binary cross-entropy
@@ -109,11 +111,17 @@ class MixtureOfDepths(nn.Module):
         with torch.no_grad():
             stats = {"aux_loss": torch.zeros((), device=x.device), "routed": route.float().mean(),
                      "decided": route.float().mean(), "accuracy": torch.full((), float("nan"), device=x.device)}
+        def run(x):
+            y, rest = self._split(self.block(x, *per_token, key_mask=route, **block_kwargs))
+            w = torch.sigmoid(logits)[..., None]
+            return torch.where(route[..., None], x + (w * (y - x)).to(x.dtype), x), rest
+
+        if torch.compiler.is_compiling():  # one graph: a branch in it, not a graph break per layer
+            out = torch.cond(route.any(), lambda x: run(x)[0], torch.clone, (x,))
+            return (out, *self._empty_rest(), stats)
         if not bool(route.any()):  # nothing routed: the block (and its cache) is left alone
             return (x, *self._empty_rest(), stats)
-        y, rest = self._split(self.block(x, *per_token, key_mask=route, **block_kwargs))
-        w = torch.sigmoid(logits)[..., None]
-        out = torch.where(route[..., None], x + (w * (y - x)).to(x.dtype), x)
+        out, rest = run(x)
         return (out, *rest, stats)
 
     def _empty_rest(self) -> tuple:
