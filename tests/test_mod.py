@@ -331,3 +331,16 @@ def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_threa
     assert 0.0 <= final["val_mod_accuracy"] == final["val_mod_accuracy_layer1"] <= 1.0
     assert math.isfinite(final["val_loss_causal"])
     assert sum("routed/decided/decision accuracy per MoD layer" in l for l in lines) == 2
+
+
+def test_best_threshold_accuracy_against_every_threshold():
+    """The MoD quality bench's bound on a causal decision (train/benches/mod_quality.py) against a
+    brute-force sweep of the thresholds."""
+    from train.benches.mod_quality import best_threshold_accuracy
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 50):
+        score = torch.randn(n, generator=g)
+        target = torch.rand(n, generator=g) < 0.3
+        ts = torch.cat([score, torch.tensor([float("inf")])])
+        brute = max(((score > t) == target).float().mean().item() for t in ts.tolist() + [float("-inf")])
+        assert abs(best_threshold_accuracy(score, target) - brute) < 1e-6

@@ -13,7 +13,8 @@ Each run's schedule (warmup, cosine) spans its own steps. The table: steps, trai
 final validation loss with top-k routing (the loop's evaluation), with causal routing (as decoding
 routes: `val_loss_causal`), the causal decision's agreement with the top-k on the validation
 tokens (`val_mod_accuracy`, the mean over the MoD layers, and its worst layer), and the median
-training tokens/s. The PNG: training cross-entropy (smoothed) and validation loss against FLOPs.
+training tokens/s. A second table bounds the decision per MoD layer (`decisions`): the same logit
+with the best fixed threshold, and the router logit itself with the best fixed threshold. The PNG: training cross-entropy (smoothed) and validation loss against FLOPs.
 Runs that already finished in --out are read, not run again (delete the folder to redo them).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from train.benches.moe_quality import plot, run  # noqa: E402
+from train.benches.moe_quality import plot, run, trained  # noqa: E402
 
 RUNS = {
     "dense": ("tiny.yaml", []),
@@ -39,6 +40,52 @@ def flops_per_token(cfg_name: str, extra: list, seq: int) -> float:
     from train.config import load_run_config
     cfg = load_run_config(str(ROOT / "configs" / "llm" / cfg_name), list(extra) + [f"data.seq_len={seq}"])
     return zoo.build(cfg.model).flops_per_token(seq)
+
+
+def best_threshold_accuracy(score, target) -> float:
+    """The best accuracy of the decision "score > t" against the bool `target` over every threshold t
+    (both 1-D): sort by score, and route the first j tokens for every j."""
+    import torch
+    hits = target[score.argsort(descending=True)].float()
+    cum = torch.cat([torch.zeros(1), hits.cumsum(0)])  # the positives among the first j, j = 0..N
+    n, pos = len(hits), hits.sum()
+    right = cum + (n - torch.arange(n + 1) - (pos - cum))  # routed positives + the negatives not routed
+    return float(right.max() / n)
+
+
+def decisions(out: Path, batch: int, n_batches: int) -> dict:
+    """How well a causal decision can agree with the top-k, on the validation tokens of the run in
+    `out`, per MoD layer (the layers fed by the top-k forward, as in training):
+    'decision': the agreement of the trained decision (logit > 0), as the loop measures it;
+    'best_threshold': of the same decision logit with the best fixed threshold, chosen on these tokens;
+    'router_ceiling': of the router logit itself with the best fixed threshold. The top-k ranks
+    router logits within each sequence, so the one thing a fixed threshold on them cannot follow
+    is how the k-th largest logit moves from sequence to sequence: this is the agreement a decision
+    reaches by learning the router's score exactly."""
+    import torch
+
+    from zoo.blocks.mod import MixtureOfDepths
+    model, data = trained(out)
+    logs = {}  # layer -> lists of (router logit, decision logit, top-k) over the tokens
+    with torch.no_grad():
+        for x_ids, _ in data.val_batches(batch, n_batches):
+            x = model.embed(x_ids)
+            cos, sin = model.rope(0, x_ids.shape[1], x.dtype)
+            for i, layer in enumerate(model.layers):
+                if isinstance(layer, MixtureOfDepths):
+                    r = layer.router(x).squeeze(-1).float()
+                    k = layer.tokens_routed(r.shape[1])
+                    top = torch.zeros_like(r, dtype=torch.bool).scatter_(1, r.topk(k, dim=-1).indices, True)
+                    for name, v in (("router", r), ("decide", layer.decision_logits(x, r)), ("top", top)):
+                        logs.setdefault(i, {}).setdefault(name, []).append(v.flatten())
+                x = layer(x, cos, sin)[0]
+
+    res = {}
+    for i, v in logs.items():
+        r, d, top = (torch.cat(v[n]) for n in ("router", "decide", "top"))
+        res[i] = {"decision": float(((d > 0) == top).float().mean()), "best_threshold": best_threshold_accuracy(d, top),
+                  "router_ceiling": best_threshold_accuracy(r, top)}
+    return res
 
 
 def main(argv=None):
@@ -74,6 +121,15 @@ def main(argv=None):
                      f"{ev['val_loss_causal']:.4f}" if "val_loss_causal" in ev else "-",
                      f"{100 * ev['val_mod_accuracy']:.1f}% / {100 * min(acc):.1f}%" if acc else "-", f"{tok_s:.0f}"])
     harness.print_table(header, rows)
+    mods = [n for n in results if n != "dense"]
+    if mods:
+        print(f"\nHow far a causal decision can agree with the top-k ({args.eval_batches} validation batches, "
+              f"per MoD layer): the trained decision (logit > 0); the same logit with the best fixed threshold; "
+              f"the router logit itself with the best fixed threshold (the ceiling of a decision that learns "
+              f"the router's score exactly)")
+        rows = [[n, f"layer {i}", *(f"{100 * a[k]:.1f}%" for k in ("decision", "best_threshold", "router_ceiling"))]
+                for n in mods for i, a in decisions(Path(args.out) / n, args.batch, args.eval_batches).items()]
+        harness.print_table(["run", "layer", "decision", "best threshold", "router ceiling"], rows)
     scaled = {n: [dict(r, step=r["step"] * fpt[n] * args.batch * args.seq / 1e12) for r in rs]
               for n, rs in results.items()}
     plot(scaled, Path(args.png), "dense vs Mixture-of-Depths at equal training FLOPs, embedded corpus",

@@ -77,9 +77,8 @@ def summary(name: str, rows: list) -> dict:
     return s
 
 
-def starved(out: Path, seq: int, batch: int) -> int:
-    """Experts (over all layers) that receive under a tenth of a uniform share of a validation batch."""
-    import torch
+def trained(out: Path):
+    """The final model of the run in `out` (eval mode) and its data -> (model, TokenData)."""
     import yaml
 
     import zoo
@@ -91,8 +90,14 @@ def starved(out: Path, seq: int, batch: int) -> int:
     model = zoo.build(from_dict(LLMConfig, cfg["model"]))
     missing, unexpected = model.load_state_dict(load_tensors(out / "model.safetensors"), strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)  # tied: saved once
-    model.eval()
-    data = TokenData(from_dict(TextDataConfig, cfg["data"]), None, lambda *a: None)
+    return model.eval(), TokenData(from_dict(TextDataConfig, cfg["data"]), None, lambda *a: None)
+
+
+def starved(out: Path, seq: int, batch: int) -> int:
+    """Experts (over all layers) that receive under a tenth of a uniform share of a validation batch."""
+    import torch
+
+    model, data = trained(out)
     x, y = next(iter(data.val_batches(batch, 1)))
     with torch.no_grad():
         load = model(x, y, return_aux=True)[2]["load"]
