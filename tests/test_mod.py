@@ -247,6 +247,9 @@ def test_generate_compiled_equals_eager():
                 routed = (m.layers[1].router(m.layers[0](m.embed(out), *m.rope(0, out.shape[1], torch.float32))[0])
                           .squeeze(-1) > 0)[0, 6:-1]
             assert 0 < int(routed.sum()) < routed.numel()
+    m = mod_llm(moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32), mod_every=2).eval()  # MoE inside the branch
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(m.generate(ids, 8, compile=True), m.generate(ids, 8))
 
 
 def test_compiled_decoding_is_one_graph():
