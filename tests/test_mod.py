@@ -140,6 +140,28 @@ def test_decision_accuracy_counts_agreement():
     assert stats["decided"].item() == pytest.approx((logits > 0).float().mean().item())
 
 
+@pytest.mark.parametrize("router", ["aux_loss", "predictor"])
+def test_threshold_at_the_boundary_decides_the_top_k(router):
+    """One update at rate 1 puts the threshold at the row's top-k boundary: on that row the decision
+    then routes exactly k tokens, and for 'aux_loss' (whose decision logit is the router's) exactly the top-k."""
+    m, rope = mod_block(router=router)
+    x = torch.randn(1, 16, 32)
+    cs = rope(0, 16, torch.float32)
+    _, _, stats = m(x, *cs)
+    d = m.decision_logits(x, m.router(x).squeeze(-1).float())
+    s = d[0].sort(descending=True).values
+    assert stats["boundary"].item() == pytest.approx(((s[3] + s[4]) / 2).item())
+    assert m.threshold.item() == 0.0
+    m.update_threshold(stats["boundary"], 1.0)
+    _, _, stats = m(x, *cs)
+    assert stats["decided"].item() == pytest.approx(4 / 16)
+    if router == "aux_loss":
+        assert stats["accuracy"].item() == 1.0
+    m.update_threshold(torch.tensor(10.0), 0.25)  # a moving average: a quarter of the way
+    assert m.threshold.item() == pytest.approx(0.75 * stats["boundary"].item() + 2.5, rel=1e-6)
+    assert "threshold" in m.state_dict()  # saved with the weights: decoding uses it
+
+
 # ----------------------------------------------------------------------------------------
 # MoD LLMs
 # ----------------------------------------------------------------------------------------
@@ -300,6 +322,7 @@ def test_flops_per_token_counts_the_capacity():
     ({"mod_capacity": 0.5, "mod_router": "threshold"}, "model.mod_router"),
     ({"mod_capacity": 0.5, "sliding_window": 8}, "model.mod_capacity"),
     ({"mod_aux_loss_coef": -1}, "model.mod_aux_loss_coef"),
+    ({"mod_threshold_rate": 1.5}, "model.mod_threshold_rate"),
 ])
 def test_config_errors_name_the_key(data, key):
     with pytest.raises(ConfigError) as e:
@@ -334,6 +357,12 @@ def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_threa
     assert 0.0 <= final["val_mod_accuracy"] == final["val_mod_accuracy_layer1"] <= 1.0
     assert math.isfinite(final["val_loss_causal"])
     assert sum("routed/decided/decision accuracy per MoD layer" in l for l in lines) == 2
+    from zoo.weights.files import load_tensors
+    assert load_tensors(tmp_path / "run" / "model.safetensors")["layers.1.threshold"].item() != 0.0  # the task moved it
+    base["model"]["mod_threshold_rate"] = 0.0
+    base["train"]["out_dir"] = str(tmp_path / "fixed")
+    train(load_run_config(None, [], base=base), log=lines.append)
+    assert load_tensors(tmp_path / "fixed" / "model.safetensors")["layers.1.threshold"].item() == 0.0
 
 
 def test_best_threshold_accuracy_against_every_threshold():

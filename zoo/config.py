@@ -308,6 +308,7 @@ class LLMConfig:
     mod_every: int = 2                      # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision used for decoding
     mod_aux_loss_coef: float = 0.01         # weight of the decision's binary cross-entropy
+    mod_threshold_rate: float = 0.02        # how fast the decision threshold follows the top-k boundary (0: stays 0)
     init_std: float = 0.02
     activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # blocks/checkpoint.py
     checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
@@ -338,6 +339,8 @@ class LLMConfig:
             raise fail(source, p + "mod_capacity", f"must be in [0, 1] (0: off), got {self.mod_capacity}")
         if self.mod_every <= 0:
             raise fail(source, p + "mod_every", f"must be > 0, got {self.mod_every}")
+        if not 0.0 <= self.mod_threshold_rate <= 1.0:
+            raise fail(source, p + "mod_threshold_rate", f"must be in [0, 1], got {self.mod_threshold_rate}")
         if self.mod_aux_loss_coef < 0:
             raise fail(source, p + "mod_aux_loss_coef", f"must be >= 0, got {self.mod_aux_loss_coef}")
         if self.mod_capacity > 0 and self.sliding_window is not None:

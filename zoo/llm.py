@@ -165,10 +165,19 @@ class LLM(nn.Module):
         """The MoD blocks' statistics -> {'mod_aux_loss': mod_aux_loss_coef * the mean over the MoD
         blocks of their decision's cross-entropy, 'mod_routed' (L,) the fraction of tokens each
         processed, 'mod_decided' (L,) the fraction its causal decision routes, 'mod_accuracy' (L,)
-        the fraction where that decision agrees with the top-k (NaN in causal mode)}."""
-        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
+        the fraction where that decision agrees with the top-k (NaN in causal mode), 'mod_boundary' (L,)
+        the top-k's boundary in each one's decision logits (for `update_mod_thresholds`)}."""
+        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy", "boundary")}
         aux["mod_aux_loss"] = self.config.mod_aux_loss_coef * torch.stack([s["aux_loss"] for s in mod_stats]).mean()
         return aux
+
+    @torch.no_grad()
+    def update_mod_thresholds(self, boundary: torch.Tensor):
+        """Move each MoD block's decision threshold toward a training forward's `mod_boundary` (L,)
+        by mod_threshold_rate (blocks/mod.py); the LM task calls it after every training forward."""
+        layers = [layer for layer in self.layers if isinstance(layer, MixtureOfDepths)]
+        for layer, b in zip(layers, boundary):
+            layer.update_threshold(b, self.config.mod_threshold_rate)
 
     def checkpoint_units(self) -> list:
         """The blocks activation checkpointing applies to (model.activation_checkpointing)."""

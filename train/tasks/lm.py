@@ -8,7 +8,8 @@ load relative to uniform, and the fraction of choices dropped by a capacity limi
 For a Mixture-of-Depths model (model.mod_capacity > 0) the task adds the causal decisions'
 cross-entropy to the loss and reports, per MoD layer, the fraction of tokens routed through it,
 the fraction its causal decision would route, and how often that decision agrees with the
-top-k (`mod_routed`, `mod_decided`, `mod_accuracy`); evaluation adds the decision accuracy on the
+top-k (`mod_routed`, `mod_decided`, `mod_accuracy`); after every training forward it moves each
+decision's threshold toward the top-k's boundary (model.mod_threshold_rate); evaluation adds the decision accuracy on the
 validation tokens (`val_mod_accuracy`, the mean over the MoD layers; `val_mod_accuracy_layer<i>`
 for layer i) and the
 validation loss when every MoD layer routes by the causal decision, as decoding does
@@ -144,6 +145,8 @@ class LMTask(Task):
         _, loss, aux = model(x, y, return_aux=True)
         if bias:
             raw.record_router_load(aux["load"].detach())
+        if self.mod and raw.training:
+            raw.update_mod_thresholds(aux["mod_boundary"])
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 

@@ -22,11 +22,17 @@ at a fixed logit of 0. k is fixed by T, so every shape is static (it compiles).
 Causal decisions. The top-k over a sequence looks at later tokens, which decoding cannot do. The
 block keeps one of the paper's two causal decisions, trained beside the top-k (`router`):
 - 'aux_loss': a binary cross-entropy on the router logit, target "is this token in the top-k";
-  decide "route" when the logit is > 0.
+  decide "route" when the logit is > `threshold`.
 - 'predictor': a small MLP (d_model -> predictor_hidden -> 1, SiLU) on the stop-gradient block
-  input, trained with the same cross-entropy; decide "route" when its logit is > 0. The router
-  itself learns only through the language-model loss.
-The threshold (logit 0, probability 1/2) is fixed at training time.
+  input, trained with the same cross-entropy; decide "route" when its logit is > `threshold`. The
+  router itself learns only through the language-model loss.
+The threshold (a buffer, 0 at the start) is set in training and fixed after it: each training
+forward reports in its stats the 'boundary', the mean over the rows of the midpoint between the
+k-th and (k+1)-th largest decision logits, and `update_threshold(boundary, rate)` moves the
+threshold toward it (an exponential moving average). The cross-entropy alone, at its small
+weight, leaves the decision logits' top-k boundary well below 0 for hundreds of steps (with one
+token in eight routed, "route nothing" is right 87.5% of the time); a threshold at the boundary
+makes the decision route about the top-k's share (docs/llm.md, "Mixture of Depths", measures both).
 
 `forward(x, *per_token, causal=False)` routes by the top-k (training, evaluation);
 `causal=True` routes each token by its own decision (decoding): the block runs on every token with
@@ -42,7 +48,7 @@ Returns (x, *rest, stats): `rest` is what the block returned after x (e.g. a MoE
 statistics); `stats` is a dict of 0-dim tensors: 'aux_loss' (the decision's binary cross-entropy
 against the top-k; 0 in causal mode), 'routed' (the fraction of tokens the block processed),
 'decided' (the fraction the causal decision routes), 'accuracy' (the fraction of tokens whose
-causal decision agrees with the top-k; NaN in causal mode).
+causal decision agrees with the top-k; NaN in causal mode), 'boundary' (see above; NaN in causal mode).
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) -> gathered (B, k, ...).
 Depends on torch only.
@@ -66,6 +72,9 @@ class MixtureOfDepths(nn.Module):
             raise ValueError(f"unknown router {router!r} (supported: {', '.join(ROUTERS)})")
         self.block, self.capacity, self.router_kind = block, capacity, router
         self.router = nn.Linear(d_model, 1)
+        # the decision threshold: a fixed logit at inference; in training it follows the top-k's
+        # boundary in the decision logits (`update_threshold`), so the decision routes the top-k's share
+        self.register_buffer("threshold", torch.zeros(()))
         self.predictor = None
         if router == "predictor":
             h = predictor_hidden or max(8, d_model // 8)
@@ -76,7 +85,7 @@ class MixtureOfDepths(nn.Module):
         return max(1, min(T, int(self.capacity * T)))
 
     def decision_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The causal decision's logits (B, T): route where > 0."""
+        """The causal decision's logits (B, T): route where > `threshold`."""
         if self.predictor is None:
             return router_logits
         return self.predictor(x.detach()).squeeze(-1).float()
@@ -100,16 +109,19 @@ class MixtureOfDepths(nn.Module):
         out = x.scatter_add(1, idx_d, (w * (y - xs)).to(x.dtype))
         topk = torch.zeros_like(logits).scatter_(1, idx, 1.0)
         with torch.no_grad():
-            decided = (decide > 0).float()
+            decided = (decide > self.threshold).float()
+            s = decide.topk(min(k + 1, T), dim=-1).values  # the boundary between routed and not, per row
+            boundary = (s[:, k - 1] + s[:, k]) / 2 if k < T else s[:, -1] - 1.0
             stats = {"routed": torch.tensor(k / T, device=x.device), "decided": decided.mean(),
-                     "accuracy": (decided == topk).float().mean()}
+                     "accuracy": (decided == topk).float().mean(), "boundary": boundary.mean()}
         stats["aux_loss"] = F.binary_cross_entropy_with_logits(decide, topk)
         return (out, *rest, stats)
 
     def _forward_causal(self, x, per_token, logits, decide, block_kwargs):
-        route = decide > 0  # (B, T)
+        route = decide > self.threshold  # (B, T)
         with torch.no_grad():
             stats = {"aux_loss": torch.zeros((), device=x.device), "routed": route.float().mean(),
+                     "boundary": torch.full((), float("nan"), device=x.device),
                      "decided": route.float().mean(), "accuracy": torch.full((), float("nan"), device=x.device)}
         def run(x):
             y, rest = self._split(self.block(x, *per_token, key_mask=route, **block_kwargs))
@@ -123,6 +135,13 @@ class MixtureOfDepths(nn.Module):
             return (x, *self._empty_rest(), stats)
         out, rest = run(x)
         return (out, *rest, stats)
+
+    @torch.no_grad()
+    def update_threshold(self, boundary: torch.Tensor, rate: float):
+        """Move the decision threshold toward `boundary` (the 'boundary' of a training forward's
+        stats) by the fraction `rate`; called outside forward, so activation checkpointing's
+        recomputation does not count a batch twice."""
+        self.threshold.lerp_(boundary.to(self.threshold), rate)
 
     def _empty_rest(self) -> tuple:
         """What the wrapped block returns after x when it does not run: its `n_extra` Nones."""
