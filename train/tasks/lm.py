@@ -130,7 +130,9 @@ class LMTask(Task):
         if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
             self.log(f"step {step + 1}: training windows of {window} tokens (data.seq_len_schedule)")
         self._window = window
-        return self.data.batch("train", self.cfg.train.batch_size, g, self.device, window)
+        B = self.cfg.train.batch_size
+        return self.data.batch("train", self.global_rows(), g, self.device, window,
+                               slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
 
     def loss(self, model, batch):
         x, y = batch
@@ -139,7 +141,8 @@ class LMTask(Task):
             return loss, y.numel()
         raw = getattr(model, "_orig_mod", model)  # torch.compile'd
         bias = self.moe is not None and self.moe.balance == "bias"
-        if bias and self._micro == 0:  # the load of the previous optimizer step
+        if bias and self._micro == 0:  # the load of the previous optimizer step (of all ranks)
+            self.sum_across_ranks(raw.router_load)
             raw.update_router_biases()
         _, loss, aux = model(x, y, return_aux=True)
         if bias:
