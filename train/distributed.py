@@ -15,7 +15,8 @@ device: NCCL on CUDA (one GPU per process, cuda:LOCAL_RANK), gloo on CPU.
   as torchtitan orders it: activation checkpointing is inside the model, train.compile compiles
   each unit before it is sharded, and the MixedPrecisionPolicy follows train.precision (bf16:
   bf16 parameters for compute, fp32 gradient reduction; fp32: none). Parameters, gradients and
-  optimizer state are sharded: each rank keeps 1/N of them.
+  optimizer state are sharded: each rank keeps 1/N of them. Parameters that do not train (a
+  frozen autoencoder) stay whole on every rank.
 
 Data: the loop hands the task its rank and the world size; micro-batch `m` of step `s` is one
 global batch of batch_size x N items drawn from the generator of (seed, s, m), of which rank r
@@ -135,22 +136,26 @@ class Parallel:
         units = model.repeated_units()
         if compile_:
             say(f"compile: each of the {len(units)} repeated units compiled, then sharded")
+        # parameters that do not train (a frozen autoencoder) stay whole
+        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = {p for p in model.parameters() if not p.requires_grad}
         for unit in units:
             if compile_:
                 unit.compile()
-            fully_shard(unit, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(unit, mp_policy=mp, ignored_params=frozen or None)
+        fully_shard(model, mp_policy=mp, ignored_params=frozen or None)
         say(f"fsdp: {len(units)} units and the root sharded over {self.world} ranks"
             + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else ""))
         return model, model
 
     def shard_like(self, model: nn.Module):
-        """Shard a copy of the trained model (the EMA) as wrap() shards the model."""
+        """Shard a copy of the trained model (the EMA, whose parameters train none) as wrap() sharded it."""
         if self.active and self.strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
+            frozen = {p for n, p in model.named_parameters() if n in self._frozen} or None
             for unit in model.repeated_units():
-                fully_shard(unit)
-            fully_shard(model)
+                fully_shard(unit, ignored_params=frozen)
+            fully_shard(model, ignored_params=frozen)
         return model
 
     def no_sync(self, fwd, last: bool):

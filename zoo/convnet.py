@@ -172,8 +172,9 @@ class ResNet(nn.Module):
         return x
 
     def repeated_units(self) -> list:
-        """The model's repeated units, the stages: what a data-parallel wrapper shards one by one."""
-        return self.stages()
+        """The model's repeated units, the residual blocks (the forward calls them one by one, not
+        the stages): what a data-parallel wrapper shards one by one."""
+        return self.checkpoint_units()
 
     def checkpoint_units(self) -> list:
         """The residual blocks, in order: what activation checkpointing applies to."""

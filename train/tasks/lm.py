@@ -141,12 +141,11 @@ class LMTask(Task):
             return loss, y.numel()
         raw = getattr(model, "_orig_mod", model)  # torch.compile'd
         bias = self.moe is not None and self.moe.balance == "bias"
-        if bias and self._micro == 0:  # the load of the previous optimizer step (of all ranks)
-            self.sum_across_ranks(raw.router_load)
+        if bias and self._micro == 0:  # the load of the previous optimizer step
             raw.update_router_biases()
         _, loss, aux = model(x, y, return_aux=True)
         if bias:
-            raw.record_router_load(aux["load"].detach())
+            raw.record_router_load(self.sum_across_ranks(aux["load"].detach().clone()))  # every rank's load
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 
