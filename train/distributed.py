@@ -125,7 +125,9 @@ class Parallel:
                 if n else "sync_bn: skipped (the model has no BatchNorm layer)")
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            # the gradients are views into the all-reduce buckets: no second copy of them
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
             if compile_:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")
                 return model, torch.compile(ddp)
