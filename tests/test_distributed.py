@@ -29,6 +29,8 @@ from train.checkpoint import list_checkpoints, read_weights
 from train.loop import optimizer_step
 from train.run import main as run_main
 
+from conftest import starts, wait_for_training
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
 RTOL, ATOL = 1e-5, 1e-5
@@ -41,7 +43,8 @@ LLM = {"family": "llm",
        "train": {**QUIET, "max_steps": 6, "batch_size": 4, "grad_accum": 2, "checkpoint_every": 3},
        "optim": {"lr": 3e-3, "warmup_steps": 2}}
 RESNET = {"family": "convnet",
-          "model": {"arch": "resnet18", "layers": [1, 1], "width": 8, "stem": "small", "in_chans": 1, "num_classes": 10},
+          "model": {"arch": "resnet18", "layers": [1, 1], "width": 8, "stem": "small", "in_chans": 1,
+                    "num_classes": 10},
           "data": {"path": "digits", "image_size": 16, "shift": 2},
           "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0, "clip_grad": None},
           "optim": {"lr": 3e-3, "warmup_steps": 1}}
@@ -213,22 +216,6 @@ def uninterrupted(configs, tmp_path_factory):
     return out, sum(r.get("step_time_s", 0) for r in rows)
 
 
-def started(out: Path) -> int:
-    log = out / "log.txt"
-    return log.read_text().count("mfu: ") if log.exists() else 0
-
-
-def wait_started(p, out: Path, before: int, timeout=120) -> bool:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if p.poll() is not None:
-            return False
-        if started(out) > before:
-            return True
-        time.sleep(0.005)
-    raise TimeoutError("the run did not start training")
-
-
 def tmp_dirs(out: Path) -> set:
     """The temporary directories of checkpoint writes (a killed writer's stay until the next write)."""
     try:
@@ -258,9 +245,9 @@ def test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identi
     uninterrupted, train_time = uninterrupted
     out = tmp_path / "stopped"
     for target in ("job", "ranks"):
-        before = started(out)
+        before = starts(out)
         p = launch(configs["llm"], out, *KILL)
-        assert wait_started(p, out, before)
+        assert wait_for_training(p, out, before)
         time.sleep(0.3)
         if target == "job":
             os.killpg(p.pid, signal.SIGTERM)
@@ -282,9 +269,9 @@ def test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identi
     for attempt in range(10):
         if kills >= 3 and in_write >= 1:
             break
-        before, old_tmp = started(out), tmp_dirs(out)
+        before, old_tmp = starts(out), tmp_dirs(out)
         p = launch(configs["llm"], out, *KILL)
-        if not wait_started(p, out, before):
+        if not wait_for_training(p, out, before):
             break
         if attempt % 2 == 1:  # inside a checkpoint write: a new temporary directory is on disk
             deadline = time.monotonic() + 30

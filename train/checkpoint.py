@@ -10,6 +10,9 @@ It is written into a temporary directory, every file fsynced, then renamed into 
 a run killed at any moment leaves either a complete checkpoint or none. Resume takes the
 newest checkpoint whose manifest, sizes and checksums all hold, and falls back to older
 ones (naming the bad one) otherwise. The last `keep` checkpoints are kept.
+A run of several processes (train/distributed.py) writes a sharded checkpoint instead: DCP's
+files (.metadata, one __<rank>_0.distcp per rank) beside state.pt, with "format": "dcp" in the
+manifest, sealed and renamed by `publish` as here; `load_checkpoint` reads either kind.
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ Between building the model and the optimizer, the `adapter:` section freezes the
 adapters (zoo/adapters.py; checkpoints then hold only what trains, and the adapter is exported
 to <out_dir>/adapter/), and `train.unfreeze` sets up gradual unfreezing (train/unfreeze.py). SIGTERM/SIGINT finish the
 current step, write a checkpoint and exit with code EXIT_PREEMPTED.
+Under torchrun, `train.parallel` (ddp | fsdp) wraps the model after it is built, each rank trains
+on its part of every global batch, one all-reduce per step makes the ranks agree on the loss, on
+skipping a non-finite step and on stopping, checkpoints are sharded (DCP) and only rank 0 logs
+and writes: train/distributed.py, docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -396,8 +400,8 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
             n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
             batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(n_micro))
             r = optimizer_step(lambda b: task.loss(fwd, b), batches, n_micro, optimizer, scaler, params,
-                               t.clip_grad, train_context, (lambda last: par.no_sync(fwd, last)) if par.active else None,
-                               agree if par.active else None)
+                               t.clip_grad, train_context, no_sync=(lambda last: par.no_sync(fwd, last))
+                               if par.active else None, agree=agree if par.active else None)
             if t.clip_weights is not None and r.applied:
                 clip_weights_(params, t.clip_weights)
             loss_val, gnorm_val, items, finite = r.loss, r.grad_norm, r.items, r.finite
