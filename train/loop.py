@@ -166,10 +166,14 @@ class EMA:
 
 
 class _Preemption:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits."""
+    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits.
+    hold: once a signal has been received, further SIGTERMs stay ignored after the loop (the
+    process is on its way out with EXIT_PREEMPTED; under torchrun, the launcher sends one more
+    to the ranks still running when the first exits). For a program that owns its process."""
 
-    def __init__(self):
+    def __init__(self, hold: bool = False):
         self.signal: Optional[int] = None
+        self.hold = hold
         self._old = {}
 
     def __enter__(self):
@@ -185,7 +189,7 @@ class _Preemption:
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.hold and self.signal is not None and s == signal.SIGTERM else h)
 
 
 def threading_main() -> bool:
@@ -252,7 +256,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
                 return lr_find(cfg, say)
             except ValueError as e:
                 raise RunStopped(str(e), EXIT_CONFIG) from None
-        return _train(cfg, out, say, backends, par)
+        return _train(cfg, out, say, backends, par, owns_process)
     finally:
         par.close()
         if kept and not owns_process:
@@ -266,7 +270,7 @@ def _print(msg):
     tqdm.write(msg)
 
 
-def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = None) -> dict:
+def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = None, owns_process=False) -> dict:
     t = cfg.train
     par = par or Parallel("none", Launch())
     device = par.device(resolve_device(t.device))
@@ -377,7 +381,7 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
     win_loss, win_n, win_items, win_time = 0.0, 0, 0, 0.0
     step = start
     stop = False  # every rank agrees on it (train/distributed.py): a preemption signal seen by any rank
-    with _Preemption() as pre, (open(metrics_path, "a") if par.main else contextlib.nullcontext()) as mf, \
+    with _Preemption(hold=owns_process) as pre, (open(metrics_path, "a") if par.main else contextlib.nullcontext()) as mf, \
             (open_tracker(cfg, out, start) if par.main else contextlib.nullcontext()) as tracker:
         def record(row: dict):  # metrics.jsonl and the tracker (train.tracker) get the same rows (rank 0)
             if mf is None:
