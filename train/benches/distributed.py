@@ -4,7 +4,7 @@
     python train/bench.py distributed --steps 3 --rounds 2 --nproc 2
 
 A ~100M-parameter LLM (d_model 768, 12 layers, vocab 32000, tied embeddings) trains with AdamW
-in fp32 on one global batch per step (`--batch` sequences of `--seq-len` tokens: one process
+(fp32 weights; `--precision bf16`: autocast, and FSDP2 gathers bf16 parameters) on one global batch per step (`--batch` sequences of `--seq-len` tokens: one process
 takes all of it, each of the N processes 1/N, drawn as the loop draws them). Each side is one
 launch: `python -m torch.distributed.run --standalone --nproc-per-node N` for DDP and FSDP2
 (train/distributed.py's wrapping, gloo on the CPU, the loop's optimizer_step with its no_sync
@@ -44,7 +44,7 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def worker(strategy: str, steps: int, warmup: int, batch: int, seq_len: int) -> dict:
+def worker(strategy: str, steps: int, warmup: int, batch: int, seq_len: int, precision: str) -> dict:
     """One side's run in this process (a rank under torchrun): its memory and seconds per step."""
     import resource
 
@@ -63,7 +63,7 @@ def worker(strategy: str, steps: int, warmup: int, batch: int, seq_len: int) -> 
     try:
         torch.manual_seed(0)
         model = zoo.build(model_config_from(dict(MODEL, max_seq_len=seq_len), "llm", "bench"))
-        model, fwd = par.wrap(model, "fp32", False, False, device, lambda m: None)
+        model, fwd = par.wrap(model, precision, False, False, device, lambda m: None)
         fwd = fwd or model
         optimizer = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None)
         grads = []
@@ -77,7 +77,7 @@ def worker(strategy: str, steps: int, warmup: int, batch: int, seq_len: int) -> 
             g = torch.Generator().manual_seed(s)
             x = torch.randint(MODEL["vocab_size"], (batch, seq_len + 1), generator=g)[par.rank * B:(par.rank + 1) * B]
             return optimizer_step(lambda b: (fwd(b[:, :-1], b[:, 1:])[1], B * seq_len), iter([x]), 1, optimizer,
-                                  scaler, params, 1.0, no_sync=(lambda last: par.no_sync(fwd, last)) if par.active
+                                  scaler, params, 1.0, lambda: harness.autocast(precision), no_sync=(lambda last: par.no_sync(fwd, last)) if par.active
                                   else None, agree=(lambda st: par.agree(st, False)[0]) if par.active else None)
 
         for s in range(warmup):
@@ -99,11 +99,11 @@ def worker(strategy: str, steps: int, warmup: int, batch: int, seq_len: int) -> 
         par.close()
 
 
-def launch(side: str, nproc: int, args) -> dict:
+def launch(side: str, nproc: int, args, precision: str) -> dict:
     """Run one side in fresh processes; the JSON rank 0 prints."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flags = ["--worker", "none" if side == "1 process" else side, "--steps", str(args.steps), "--warmup",
-             str(args.warmup), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
+             str(args.warmup), "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--precision", precision]
     if side == "1 process":
         env["OMP_NUM_THREADS"] = str(nproc)
         cmd = [sys.executable, __file__, *flags]
@@ -119,7 +119,7 @@ def launch(side: str, nproc: int, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = harness.parser("distributed", __doc__, precision=None)
+    p = harness.parser("distributed", __doc__, precision="fp32")
     p.set_defaults(rounds=3)
     p.add_argument("--nproc", type=harness.positive_int, default=2, help="processes of the DDP and FSDP2 sides")
     p.add_argument("--steps", type=harness.positive_int, default=2, help="timed optimizer steps per launch")
@@ -129,23 +129,32 @@ def main(argv=None) -> int:
     p.add_argument("--worker", default=None, help=argparse_hidden())
     args = p.parse_args(argv)
     if args.worker is not None:
-        out = worker(args.worker, args.steps, args.warmup, args.batch, args.seq_len)
+        out = worker(args.worker, args.steps, args.warmup, args.batch, args.seq_len, args.precision[0])
         if int(os.environ.get("RANK", 0)) == 0:
             print(json.dumps(out), flush=True)
         return 0
     if args.batch % args.nproc:
         p.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
+    if "fp16" in args.precision:
+        p.error("--precision fp16: FSDP2 does not run with fp16's GradScaler here (train.parallel); use fp32 or bf16")
+    for precision in args.precision:
+        table(args, precision)
+    return 0
+
+
+def table(args, precision: str):
+    """Every side, round by round, then the table for one precision."""
     rounds = harness.Rounds({s: [] for s in SIDES}, {s: [] for s in SIDES})
     results = {}
     for r in range(args.rounds):
         for side in harness.round_order(SIDES, r):
-            res = launch(side, args.nproc, args)
+            res = launch(side, args.nproc, args, precision)
             results[side] = res
             rounds.wall[side].append(max(rk["step_s"] for rk in res["ranks"]))
             rounds.cpu[side].append(rounds.wall[side][-1])
             print(f"round {r + 1}/{args.rounds} {side}: {rounds.wall[side][-1]:.2f} s/step", file=sys.stderr)
     n = results["1 process"]["ranks"][0]["n_params"]
-    print(f"\n{n / 1e6:.1f}M-parameter LLM, AdamW, fp32, global batch {args.batch} x {args.seq_len} tokens, "
+    print(f"\n{n / 1e6:.1f}M-parameter LLM, AdamW, {precision}, global batch {args.batch} x {args.seq_len} tokens, "
           f"{args.nproc} processes (gloo, CPU), {args.rounds} rounds of {args.steps} steps after {args.warmup}\n")
     rows = []
     for side in SIDES:
@@ -161,7 +170,6 @@ def main(argv=None) -> int:
     harness.print_table(["side", "processes", "params MiB/rank", "grads MiB/rank", "optimizer MiB/rank",
                          "P+G+O MiB/rank", "bytes/param/rank", "peak RSS GiB per rank", "s/step (median)",
                          "speed vs 1 process (paired median, range)"], rows)
-    return 0
 
 
 def argparse_hidden():
