@@ -372,3 +372,5 @@ def test_config_errors_under_torchrun(monkeypatch, capsys, tmp_path):
     assert run_main(["train.parallel=fsdp", "train.precision=fp16", *base]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.precision=fp16 does not combine with train.parallel=fsdp" in err
+    assert run_main(["train.parallel=ddp", "optim.name=muon", *base]) == 2
+    assert "optim.name=muon does not combine with train.parallel=ddp" in capsys.readouterr().err

@@ -67,7 +67,10 @@ def launch_env() -> Launch:
 def unsupported(cfg) -> Optional[str]:
     """A one-line reason why this config cannot run with train.parallel (the key named), or None."""
     t, a = cfg.train, cfg.adapter
-    checks = [(a.enabled, f"adapter.method={a.method}", "adapters train a few parameters: one process is the way"),
+    optimizers = ("adamw", "sgd", "lion") + (("adafactor",) if t.parallel == "ddp" else ())  # the ones run here
+    checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
+               f"with it, use one of {', '.join(optimizers)}"),
+              (a.enabled, f"adapter.method={a.method}", "adapters train a few parameters: one process is the way"),
               (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
