@@ -1,4 +1,5 @@
 """Shared test helpers."""
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,22 @@ def assert_compiled_step_equals_eager(model, ids, tol: float):
     assert abs(aux["aux_loss"].item() - ref_aux["aux_loss"].item()) <= 1e-6
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max() <= tol, name
+
+
+def wait_for_training(p, out: Path, starts_before: int, timeout=120) -> bool:
+    """Wait until the run of subprocess p has entered the training loop (a new 'mfu:' line in
+    out/log.txt); False if p exited first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if p.poll() is not None:
+            return False
+        if starts(out) > starts_before:
+            return True
+        time.sleep(0.01)
+    raise TimeoutError("the run did not start training")
+
+
+def starts(out: Path) -> int:
+    """How many times the run in `out` has entered the training loop (its log's 'mfu:' lines)."""
+    log = out / "log.txt"
+    return log.read_text().count("mfu: ") if log.exists() else 0

@@ -29,6 +29,8 @@ from train.config import load_run_config
 from train.run import main as run_main
 from train.tasks.lm import LMTask
 
+from conftest import starts, wait_for_training
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
 
@@ -92,23 +94,6 @@ def finish(p: subprocess.Popen, timeout=300) -> int:
     except subprocess.TimeoutExpired:
         p.kill()
         raise
-
-
-def wait_for_training(p: subprocess.Popen, out: Path, starts_before: int, timeout=120) -> bool:
-    """Wait until this process has entered the training loop (its 'mfu:' log line); False if it exited."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if p.poll() is not None:
-            return False
-        if starts(out) > starts_before:
-            return True
-        time.sleep(0.01)
-    raise TimeoutError("the run did not start training")
-
-
-def starts(out: Path) -> int:
-    log = out / "log.txt"
-    return log.read_text().count("mfu: ") if log.exists() else 0
 
 
 def tmp_dirs_of(out: Path, pid: int) -> list:

@@ -10,6 +10,9 @@ It is written into a temporary directory, every file fsynced, then renamed into 
 a run killed at any moment leaves either a complete checkpoint or none. Resume takes the
 newest checkpoint whose manifest, sizes and checksums all hold, and falls back to older
 ones (naming the bad one) otherwise. The last `keep` checkpoints are kept.
+A run of several processes (train/distributed.py) writes a sharded checkpoint instead: DCP's
+files (.metadata, one __<rank>_0.distcp per rank) beside state.pt, with "format": "dcp" in the
+manifest, sealed and renamed by `publish` as here; `load_checkpoint` reads either kind.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from zoo.weights.files import fsync_dir, fsync_file, load_tensors, save_safetens
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 REQUIRED = ("model.safetensors", "state.pt")
+REQUIRED_DCP = (".metadata", "state.pt")  # a sharded checkpoint (train/distributed.py)
 
 
 def _sha256(path: Path) -> str:
@@ -107,16 +111,26 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     torch.save(state, tmp / "state.pt")
+    publish(out_dir, tmp, final, step, keep, os.getpid())
+    return final
+
+
+def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None):
+    """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest
+    (size and sha256 of each) last, rename it to `final`, drop the checkpoints beyond the newest
+    `keep` and the temporary directories of killed writers (those not ending in -`tag`).
+    fmt: "dcp" for a sharded checkpoint (train/distributed.py); None: the one-process layout."""
+    root = final.parent
     files = {}
     for f in sorted(tmp.iterdir()):
         fsync_file(f)
         files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
     manifest = tmp / "manifest.json"
-    manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    manifest.write_text(json.dumps({"step": step, **({"format": fmt} if fmt else {}), "files": files}, indent=1))
     fsync_file(manifest)
     fsync_dir(tmp)
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-        old = root / f".old-{final.name}-{os.getpid()}"
+        old = root / f".old-{final.name}-{tag}"
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -126,9 +140,8 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     for stale in list_checkpoints(out_dir)[keep:]:
         shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):  # temporary directories of killed writers
-        if not leftover.name.endswith(f"-{os.getpid()}"):
+        if not leftover.name.endswith(f"-{tag}"):
             shutil.rmtree(leftover, ignore_errors=True)
-    return final
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -144,7 +157,7 @@ def verify_checkpoint(path: Path) -> dict:
         sums = {name: str(meta["sha256"]) for name, meta in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ValueError(f"{man}: unreadable manifest") from None
-    for name in REQUIRED:
+    for name in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED):
         if name not in files:
             raise ValueError(f"{man}: does not list {name}")
     for name in files:
@@ -201,12 +214,17 @@ def read_weights(path: Path, model: torch.nn.Module, keys: Optional[set] = None)
 
 
 def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, keys: Optional[set] = None,
-                    before_optimizer=None) -> dict:
+                    before_optimizer=None, par=None, seed: int = 0) -> dict:
     """Load a verified checkpoint into the given objects; returns the state dict (step, extra).
     Every file is read and checked before anything is loaded, so a bad checkpoint changes nothing.
     keys: as for save_checkpoint. before_optimizer(state): called before the optimizer state is
     loaded (e.g. to give the optimizer the parameter groups it had at that step)."""
     manifest = verify_checkpoint(path)
+    if manifest.get("format") == "dcp":
+        return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed)
+    if par is not None and par.active:
+        raise ValueError(f"{path}: written by one process; a run under torchrun resumes from sharded "
+                         f"checkpoints only (resume it in one process, or start in another train.out_dir)")
     weights = read_weights(path / "model.safetensors", model, keys)
     ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
         if ema is not None and (path / "ema.safetensors").is_file() else None
@@ -229,23 +247,62 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     return state
 
 
+def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed) -> dict:
+    """A DCP checkpoint of any number of ranks, into this run (one process or many)."""
+    from .distributed import Launch, Parallel, load_dcp
+    if before_optimizer is not None:
+        before_optimizer(read_state(path / "state.pt"))
+    state = load_dcp(par if par is not None else Parallel("none", Launch()), path, model, optimizer, scaler, ema,
+                     seed)
+    if state["step"] != manifest.get("step"):
+        raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
+    return state
+
+
 def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=print, keys: Optional[set] = None,
-                  before_optimizer=None) -> Optional[dict]:
+                  before_optimizer=None, par=None, seed: int = 0) -> Optional[dict]:
     """Resume from the newest complete, uncorrupted checkpoint; None if there is none.
     When checkpoints exist but none is usable, raise CheckpointError rather than start over
     (starting over would rotate them away: nothing is deleted without the user saying so)."""
     paths = list_checkpoints(out_dir)
+    if par is not None and par.active:  # rank 0 picks the checkpoint, every rank loads it (collectively)
+        found, paths = par.broadcast((len(paths), _first_verified(paths, log)) if par.main else None)
+        if found and not paths:
+            raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {found} checkpoints is usable (see "
+                                  f"log.txt); move them away or set train.resume=false to start over")
+        for path in paths:
+            try:
+                state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
+            except ValueError as e:
+                raise CheckpointError(str(e).splitlines()[0]) from None
+            log(f"resumed from {path} (step {state['step']})"
+                + (" written by {} processes, resharded to {}".format(*state["resharded"])
+                   if "resharded" in state else ""))
+            return dict(state, path=str(path))
+        return None
     for path in paths:
         try:
-            state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer)
+            state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
         except Exception as e:  # noqa: BLE001 - corrupt or truncated: say which, try the previous one
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
-        log(f"resumed from {path} (step {state['step']})")
+        log(f"resumed from {path} (step {state['step']})"
+            + (" written by {} processes, resharded to {}".format(*state["resharded"]) if "resharded" in state else ""))
         state["path"] = str(path)
         return state
     if paths:
         raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {len(paths)} checkpoints is usable (see "
                               f"log.txt); move them away or set train.resume=false to start over")
     return None
+
+
+def _first_verified(paths: list, log) -> list:
+    """[the newest checkpoint that verifies] (the others named in the log), or [] when none does."""
+    for path in paths:
+        try:
+            verify_checkpoint(path)
+            return [path]
+        except ValueError as e:
+            log(f"checkpoint {path} is unusable ({e}); falling back to the previous one")
+    return []

@@ -69,6 +69,8 @@ class TrainConfig:
     lr_find_min: float = 1e-6               # the range test's LRs, exponentially spaced
     lr_find_max: float = 1.0
     lr_find_steps: int = 100
+    parallel: Literal["none", "ddp", "fsdp"] = "none"  # under torchrun: DDP or FSDP2 (docs/distributed.md)
+    sync_bn: bool = False                   # parallel runs: BatchNorm statistics over the global batch
 
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",

@@ -360,11 +360,14 @@ class TokenData:
         return float(-(p * np.log(p)).sum())
 
     def batch(self, split: str, batch_size: int, generator: torch.Generator, device,
-              seq_len: Optional[int] = None) -> tuple:
-        """Random windows (B, T) of inputs and next-token targets; T = seq_len or data.seq_len."""
+              seq_len: Optional[int] = None, rows: Optional[slice] = None) -> tuple:
+        """Random windows (B, T) of inputs and next-token targets; T = seq_len or data.seq_len.
+        rows: only those of the batch_size windows drawn (a rank's part of a global batch)."""
         data = self.train if split == "train" else self.val
         T = seq_len or self.cfg.seq_len
         starts = torch.randint(0, len(data) - T, (batch_size,), generator=generator).tolist()
+        if rows is not None:
+            starts = starts[rows]
         rows = np.stack([np.asarray(data[s:s + T + 1], dtype=np.int64) for s in starts])
         xy = torch.from_numpy(rows)
         if device.type == "cuda":

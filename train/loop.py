@@ -13,6 +13,10 @@ Between building the model and the optimizer, the `adapter:` section freezes the
 adapters (zoo/adapters.py; checkpoints then hold only what trains, and the adapter is exported
 to <out_dir>/adapter/), and `train.unfreeze` sets up gradual unfreezing (train/unfreeze.py). SIGTERM/SIGINT finish the
 current step, write a checkpoint and exit with code EXIT_PREEMPTED.
+Under torchrun, `train.parallel` (ddp | fsdp) wraps the model after it is built, each rank trains
+on its part of every global batch, one all-reduce per step makes the ranks agree on the loss, on
+skipping a non-finite step and on stopping, checkpoints are sharded (DCP) and only rank 0 logs
+and writes: train/distributed.py, docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from zoo.weights.files import atomic_write, save_safetensors
 from . import checkpoint as ckpt
 from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, release_freed_memory, sync
 from .config import RunConfig
+from .distributed import Launch, Parallel, launch_env, save_dcp, unsupported
 from .optim import build_optimizer, lr_multiplier, micro_batches, set_lr
 from .tasks import task_class
 from .unfreeze import GradualUnfreezing
@@ -161,10 +166,14 @@ class EMA:
 
 
 class _Preemption:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits."""
+    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits.
+    hold: once a signal has been received, further SIGTERMs stay ignored after the loop (the
+    process is on its way out with EXIT_PREEMPTED; under torchrun, the launcher sends one more
+    to the ranks still running when the first exits). For a program that owns its process."""
 
-    def __init__(self):
+    def __init__(self, hold: bool = False):
         self.signal: Optional[int] = None
+        self.hold = hold
         self._old = {}
 
     def __enter__(self):
@@ -180,7 +189,7 @@ class _Preemption:
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.hold and self.signal is not None and s == signal.SIGTERM else h)
 
 
 def threading_main() -> bool:
@@ -216,10 +225,20 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
     process-wide settings (train.cpu_keep_memory) apply by default and are not undone."""
     t = cfg.train
     out = Path(t.out_dir)
+    launch = launch_env()
+    if launch.world > 1 and t.parallel == "none":
+        raise RunStopped(f"{cfg.source}: launched by torchrun with {launch.world} processes but train.parallel=none; "
+                         f"set train.parallel=ddp or fsdp", EXIT_CONFIG)
+    par = Parallel(t.parallel, launch)
+    why = unsupported(cfg) if par.active else None
+    if why:
+        raise RunStopped(f"{cfg.source}: {why}", EXIT_CONFIG)
     out.mkdir(parents=True, exist_ok=True)
-    log_file = open(out / "log.txt", "a")
+    log_file = open(out / "log.txt", "a") if par.main else None  # only rank 0 logs
 
     def say(msg: str):
+        if log_file is None:
+            return
         (log or _print)(msg)
         log_file.write(msg + "\n")
         log_file.flush()
@@ -237,11 +256,13 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
                 return lr_find(cfg, say)
             except ValueError as e:
                 raise RunStopped(str(e), EXIT_CONFIG) from None
-        return _train(cfg, out, say, backends)
+        return _train(cfg, out, say, backends, par, owns_process)
     finally:
+        par.close()
         if kept and not owns_process:
             release_freed_memory()
-        log_file.close()
+        if log_file is not None:
+            log_file.close()
 
 
 def _print(msg):
@@ -249,9 +270,15 @@ def _print(msg):
     tqdm.write(msg)
 
 
-def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
+def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = None, owns_process=False) -> dict:
     t = cfg.train
-    device = resolve_device(t.device)
+    par = par or Parallel("none", Launch())
+    device = par.device(resolve_device(t.device))
+    par.init(device)
+    if par.active:
+        say(par.describe())
+    elif t.parallel != "none":
+        say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)")
     backends(device)
     torch.manual_seed(t.seed)
     precision = resolve_precision(cfg, device, say)
@@ -260,6 +287,8 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
 
     task = task_class(cfg.family)(cfg, device, say)
     task.autocast_dtype = amp_dtype
+    if par.active:  # this rank's part of every global batch; sums across ranks
+        task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_
     task.setup()
     torch.manual_seed(t.seed)
     model = task.build_model().to(device)
@@ -279,21 +308,29 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
     adapter_id = {"adapter": {k: v for k, v in cfg.to_dict()["adapter"].items() if k != "export_merged"},
                   "base": t.init_from} if keys is not None else {}
-    # ----
+    # ---- data parallelism (train.parallel under torchrun): the EMA is sharded as the model is
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    model, fwd_par = par.wrap(model, precision, t.compile, t.sync_bn, device, say)
+    if ema is not None:
+        par.shard_like(ema.model)
+    par.seed_rank(t.seed)
     try:
         optimizer = build_optimizer(model, cfg.optim, device, say)
     except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
         raise RunStopped(str(e), EXIT_CONFIG) from None
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    atomic_write(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if par.main:
+        atomic_write(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     start = 0
-    if not t.resume and ckpt.list_checkpoints(out):
-        say(f"train.resume=false: the previous checkpoints were moved to {ckpt.set_aside(out)}")
+    if not t.resume and par.broadcast(bool(ckpt.list_checkpoints(out)) if par.main else None):
+        if par.main:
+            say(f"train.resume=false: the previous checkpoints were moved to {ckpt.set_aside(out)}")
+        par.barrier()
     try:
         state = ckpt.resume_latest(out, model, optimizer, scaler, ema.model if ema else None, say, keys,
-                                   (lambda st: unfreezer.restore(optimizer, st["step"])) if unfreezer else None) \
+                                   (lambda st: unfreezer.restore(optimizer, st["step"])) if unfreezer else None,
+                                   par, t.seed) \
             if t.resume else None
     except ckpt.CheckpointError as e:
         raise RunStopped(str(e), EXIT_CONFIG) from None
@@ -312,10 +349,13 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
             precision = was
             amp_dtype = task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]
     metrics_path = out / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start, finished=start >= t.max_steps)
+    if par.main:
+        _truncate_metrics(metrics_path, start, finished=start >= t.max_steps)
 
     fwd = model
-    if t.compile:
+    if fwd_par is not None:
+        fwd = fwd_par
+    elif t.compile:
         say("compile: torch.compile(model); the first steps include compilation")
         fwd = torch.compile(model)
     # measurements draw from a forked generator: the (resumed) RNG stream of the run stays untouched
@@ -334,17 +374,26 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
 
     from tqdm import tqdm
-    bar = tqdm(total=t.max_steps, initial=start, disable=not t.progress, dynamic_ncols=True, unit="step",
-               file=sys.stderr)
+    bar = tqdm(total=t.max_steps, initial=start, disable=not (t.progress and par.main), dynamic_ncols=True,
+               unit="step", file=sys.stderr)
     last = {}
     nonfinite_streak, nonfinite_total, overflow_total = 0, 0, 0
     win_loss, win_n, win_items, win_time = 0.0, 0, 0, 0.0
     step = start
-    with _Preemption() as pre, open(metrics_path, "a") as mf, open_tracker(cfg, out, start) as tracker:
-        def record(row: dict):  # metrics.jsonl and the tracker (train.tracker) get the same rows
+    stop = False  # every rank agrees on it (train/distributed.py): a preemption signal seen by any rank
+    with _Preemption(hold=owns_process) as pre, (open(metrics_path, "a") if par.main else contextlib.nullcontext()) as mf, \
+            (open_tracker(cfg, out, start) if par.main else contextlib.nullcontext()) as tracker:
+        def record(row: dict):  # metrics.jsonl and the tracker (train.tracker) get the same rows (rank 0)
+            if mf is None:
+                return
             mf.write(json.dumps(row) + "\n")
             mf.flush()
             tracker.log(row)
+
+        def agree(stats):
+            nonlocal stop
+            stats, stop = par.agree(stats, pre.signal is not None)
+            return stats
 
         for step in range(start, t.max_steps):
             t0 = time.perf_counter()
@@ -355,7 +404,8 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
             n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
             batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(n_micro))
             r = optimizer_step(lambda b: task.loss(fwd, b), batches, n_micro, optimizer, scaler, params,
-                               t.clip_grad, train_context)
+                               t.clip_grad, train_context, no_sync=(lambda last: par.no_sync(fwd, last))
+                               if par.active else None, agree=agree if par.active else None)
             if t.clip_weights is not None and r.applied:
                 clip_weights_(params, t.clip_weights)
             loss_val, gnorm_val, items, finite = r.loss, r.grad_norm, r.items, r.finite
@@ -388,13 +438,15 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                                  f"in {out / ckpt.CKPT_DIR}", EXIT_NONFINITE)
 
             if done % t.log_every == 0 or done == t.max_steps:
-                rate = win_items / max(win_time, 1e-9)
+                rate = win_items * par.world / max(win_time, 1e-9)  # global: every rank covers as many items
                 row = {"step": done, "loss": win_loss / win_n if win_n else float("nan"), "lr": lr,
                        "grad_norm": gnorm_val, f"{task.unit}_per_s": rate,
                        "step_time_s": win_time / max(1, win_n + (0 if finite else 1)),
                        "peak_mem_gb": peak_memory_gb(device)}
+                if par.active:
+                    row["peak_mem_gb_ranks"] = par.gather(row["peak_mem_gb"])
                 if fpi:
-                    row["mfu"] = fpi * rate / peak
+                    row["mfu"] = fpi * rate / (peak * par.world)
                 row.update(task.train_metrics())
                 if nonfinite_total:
                     row["skipped_steps"] = nonfinite_total
@@ -414,21 +466,22 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
                 last.update(ev)
                 say(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
-            if pre.signal is not None:
-                _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id)
+            if stop or (not par.active and pre.signal is not None):
+                _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id, par)
                 bar.close()
-                raise RunStopped(f"received {signal.Signals(pre.signal).name} at step {done}: checkpoint written "
+                name = signal.Signals(pre.signal).name if pre.signal is not None else "SIGTERM (on another rank)"
+                raise RunStopped(f"received {name} at step {done}: checkpoint written "
                                  f"to {out / ckpt.CKPT_DIR}; run the same command again to resume", EXIT_PREEMPTED)
             if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
                 if nonfinite_streak:  # keep the older, good checkpoints from being rotated away
                     say(f"step {done}: checkpoint postponed ({nonfinite_streak} non-finite steps in a row)")
                 else:
-                    _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id)
+                    _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id, par)
         bar.close()
 
         done = max(step + 1, start) if t.max_steps > start else start
         if state is None or done > start:
-            _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id)
+            _save(out, done, model, optimizer, scaler, ema, t, say, mf, precision, keys, adapter_id, par)
         ev = _evaluate(task, model, ema, autocast)
         record({"step": done, **ev})
         last.update(ev)
@@ -438,10 +491,15 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
             last.update(ev_avg)
             ev.update(ev_avg)
     say(f"final (step {done}): " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+    ema_model = ema.model if ema is not None else None
+    if par.active:  # the whole model on rank 0, as one process would have it; the other ranks are done
+        model, ema_model = _consolidated(par, task, model, ema, device, t.channels_last)
+        if not par.main:
+            return last
     if keys is None:
         save_safetensors(model, out / "model.safetensors")
-        if ema is not None:
-            save_safetensors(ema.model, out / "model_ema.safetensors")
+        if ema_model is not None:
+            save_safetensors(ema_model, out / "model_ema.safetensors")
         say(f"weights: {out / 'model.safetensors'}")
     else:
         say(f"adapter: {export_adapter(model, out, t.init_from)}")
@@ -449,7 +507,7 @@ def _train(cfg: RunConfig, out: Path, say, backends) -> dict:
         plot_losses(metrics_path, out / "loss.png")
         say(f"loss curve: {out / 'loss.png'}")
     if t.samples:
-        text = task.samples(ema.model if ema is not None else model, out)
+        text = task.samples(ema_model if ema_model is not None else model, out)
         if text:
             say("samples:\n" + text)
     if t.export and keys is not None and not cfg.adapter.export_merged:
@@ -472,7 +530,7 @@ class StepResult:
 
 
 def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
-                   autocast=contextlib.nullcontext) -> StepResult:
+                   autocast=contextlib.nullcontext, no_sync=None, agree=None) -> StepResult:
     """One optimizer step over `n_micro` micro-batches. loss_fn(batch) -> (mean loss, items).
 
     Each micro-batch's mean loss is divided by n_micro before backward, so the accumulated
@@ -480,17 +538,26 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     (fp16) unscales them, the global norm is clipped to `clip` (None: measured, not clipped), and
     the optimizer steps, unless the loss or the norm is not finite: without a scaler the step is
     skipped and reported; with one, an overflowing gradient is the scaler's business (it skips
-    the step and lowers its scale). Gradients are then freed (zero_grad(set_to_none=True))."""
+    the step and lowers its scale). Gradients are then freed (zero_grad(set_to_none=True)).
+    Data-parallel runs (train/distributed.py) pass no_sync(last) -> the context of a micro-batch's
+    backward (DDP: no all-reduce but on the last), and agree([loss sum, grad norm]) -> the same on
+    every rank, so that all ranks take or skip the step together."""
     loss_sum, items = None, 0
-    for batch in batches:
-        with autocast():
-            loss, n = loss_fn(batch)
-        scaler.scale(loss / n_micro).backward()
+    for i, batch in enumerate(batches):
+        with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():
+            with autocast():
+                loss, n = loss_fn(batch)
+            scaler.scale(loss / n_micro).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
         items += n
     scaler.unscale_(optimizer)
     gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-    loss_val, gnorm_val = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)]).tolist()  # one sync
+    if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor; its value is already the global norm
+        gnorm = gnorm.full_tensor()
+    stats = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)])
+    if agree is not None:
+        stats = agree(stats)
+    loss_val, gnorm_val = stats.tolist()  # one sync
     loss_val /= n_micro
     grads_ok = math.isfinite(gnorm_val)
     finite = math.isfinite(loss_val) and (grads_ok or scaler.is_enabled())
@@ -556,11 +623,36 @@ def _evaluate_average(task, model, out, t, autocast, say, keys=None) -> dict:
     return {f"avg_{k}": v for k, v in ev.items()}
 
 
+def _consolidated(par: Parallel, task, model, ema, device, channels_last: bool):
+    """(model, EMA model) as one process would hold them, on rank 0 (None, None on the others).
+    DDP: the module itself (replicated); FSDP: a model built anew and given the gathered weights."""
+    if par.strategy == "ddp":
+        return model, ema.model if ema is not None else None
+    full = par.full_state(model)
+    full_ema = par.full_state(ema.model) if ema is not None else None
+    if not par.main:
+        return None, None
+
+    def plain(sd):
+        m = task.build_model()
+        m.load_state_dict(sd)
+        m = m.to(device)
+        return m.to(memory_format=torch.channels_last) if channels_last else m
+
+    return plain(full), plain(full_ema).eval().requires_grad_(False) if full_ema is not None else None
+
+
 def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, precision=None, keys=None,
-          extra=None):
+          extra=None, par: Optional[Parallel] = None):
     if metrics_file is not None:  # the metrics up to this step are durable before the checkpoint is
         metrics_file.flush()
         os.fsync(metrics_file.fileno())
+    if par is not None and par.active:
+        path = save_dcp(par, out, step, model, optimizer, scaler if scaler.is_enabled() else None,
+                        ema.model if ema is not None else None, extra={"precision": precision, **(extra or {})},
+                        keep=t.keep_checkpoints)
+        say(f"checkpoint: {path}")
+        return
     path = ckpt.save_checkpoint(out, step, model, optimizer, scaler if scaler.is_enabled() else None,
                                 ema.model if ema is not None else None, extra={"precision": precision, **(extra or {})},
                                 keep=t.keep_checkpoints, keys=keys)

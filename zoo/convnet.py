@@ -171,6 +171,11 @@ class ResNet(nn.Module):
             x = run_block(block, i, policy, every, x)
         return x
 
+    def repeated_units(self) -> list:
+        """The model's repeated units, the residual blocks (the forward calls them one by one, not
+        the stages): what a data-parallel wrapper shards one by one."""
+        return self.checkpoint_units()
+
     def checkpoint_units(self) -> list:
         """The residual blocks, in order: what activation checkpointing applies to."""
         return [block for stage in self.stages() for block in stage]

@@ -183,6 +183,10 @@ class LLM(nn.Module):
         """The blocks activation checkpointing applies to (model.activation_checkpointing)."""
         return list(self.layers)
 
+    def repeated_units(self) -> list:
+        """The model's repeated units, the layers: what a data-parallel wrapper shards one by one."""
+        return list(self.layers)
+
     def blocks(self) -> list:
         """The transformer blocks, unwrapped from their Mixture-of-Depths routing."""
         return [layer.block if isinstance(layer, MixtureOfDepths) else layer for layer in self.layers]

@@ -32,6 +32,12 @@ class Task:
 
     DataConfig: type = None
     unit: str = "items"
+    # data parallelism (train/distributed.py): this process's rank among `world`; micro-batch m of
+    # step s is one global batch of batch_size x world items drawn from batch_generator(s, m),
+    # of which this rank trains on own_rows(); sum_across_ranks(x) sums a tensor in place
+    rank: int = 0
+    world: int = 1
+    sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda x: x)
 
     def __init__(self, cfg, device: torch.device, log: Callable[[str], None] = print):
         self.cfg, self.device, self.log = cfg, device, log
@@ -48,6 +54,15 @@ class Task:
         is the same every time that step is run, so a resumed run sees exactly the same data."""
         seed = hash((self.cfg.train.seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF  # ints hash the same in every process
         return torch.Generator().manual_seed(seed)
+
+    def global_rows(self) -> int:
+        """Items in one global micro-batch: train.batch_size on each of the `world` ranks."""
+        return self.cfg.train.batch_size * self.world
+
+    def own_rows(self, rows):
+        """This rank's part of a global micro-batch's rows (a tensor or a list)."""
+        B = self.cfg.train.batch_size
+        return rows[self.rank * B:(self.rank + 1) * B]
 
     def load_pretrained(self, load: Callable[[str], Any], say: bool = True):
         """`load(train.init_from)` through one checked path: whatever goes wrong reading it (missing,

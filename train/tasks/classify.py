@@ -181,18 +181,19 @@ class ClassifyTask(Task):
 
     def _train_stream(self, start: int):
         """Batches of (index, augmentation seed) from sample position `start` on, forever."""
-        B, n, seed = self.cfg.train.batch_size, self.n_train, self.cfg.train.seed
+        B, n, seed = self.global_rows(), self.n_train, self.cfg.train.seed
         for p in itertools.count(start, B):
-            yield epoch_positions(n, seed, p, B)
+            yield self.own_rows(epoch_positions(n, seed, p, B))
 
     def train_batch(self, step, micro):
         t = self.cfg.train
-        pos = (step * t.grad_accum + micro) * t.batch_size
+        B = self.global_rows()  # one global micro-batch; this rank trains on its own rows of it
+        pos = (step * t.grad_accum + micro) * B
         if self.digits:
-            idx = torch.tensor([i for i, _ in epoch_positions(self.n_train, t.seed, pos, t.batch_size)],
-                               device=self.device)
+            idx = torch.tensor([i for i, _ in epoch_positions(self.n_train, t.seed, pos, B)], device=self.device)
             g = self.batch_generator(step, micro)
-            return random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
+            x, y = random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
+            return (self.own_rows(x), self.own_rows(y)) if self.world > 1 else (x, y)
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
             self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
         self._next = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)

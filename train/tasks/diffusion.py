@@ -202,8 +202,9 @@ class DiffusionTask(Task):
 
     def train_batch(self, step, micro):
         g = self.batch_generator(step, micro)
-        idx = torch.randint(len(self.z_tr), (self.cfg.train.batch_size,), generator=g).to(self.device)
-        return self._noised(self.z_tr[idx], self.y_tr[idx], g, self.cfg.model.class_dropout)
+        idx = torch.randint(len(self.z_tr), (self.global_rows(),), generator=g).to(self.device)
+        batch = self._noised(self.z_tr[idx], self.y_tr[idx], g, self.cfg.model.class_dropout)
+        return {k: self.own_rows(v) for k, v in batch.items()} if self.world > 1 else batch
 
     def loss(self, model, batch):
         per_item = model(batch["z"], batch["labels"], batch["t"], batch["noise"])

@@ -131,7 +131,9 @@ class LMTask(Task):
         if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
             self.log(f"step {step + 1}: training windows of {window} tokens (data.seq_len_schedule)")
         self._window = window
-        return self.data.batch("train", self.cfg.train.batch_size, g, self.device, window)
+        B = self.cfg.train.batch_size
+        return self.data.batch("train", self.global_rows(), g, self.device, window,
+                               slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
 
     def loss(self, model, batch):
         x, y = batch
@@ -144,9 +146,9 @@ class LMTask(Task):
             raw.update_router_biases()
         _, loss, aux = model(x, y, return_aux=True)
         if bias:
-            raw.record_router_load(aux["load"].detach())
-        if self.mod and raw.training:
-            raw.update_mod_thresholds(aux["mod_boundary"])
+            raw.record_router_load(self.sum_across_ranks(aux["load"].detach().clone()))  # every rank's load
+        if self.mod and raw.training:  # the mean over the ranks: every rank keeps the same thresholds
+            raw.update_mod_thresholds(self.sum_across_ranks(aux["mod_boundary"].detach().clone()) / self.world)
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 

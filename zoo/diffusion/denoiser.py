@@ -154,6 +154,10 @@ class UNet(nn.Module):
                 h = self.upsample[i](F.interpolate(h, scale_factor=2.0, mode="nearest"))
         return self.conv_out(F.silu(self.norm_out(h)))
 
+    def repeated_units(self) -> list:
+        """The residual and attention blocks: what a data-parallel wrapper shards one by one."""
+        return self.checkpoint_units()
+
     def checkpoint_units(self) -> list:
         """The residual and attention blocks in the order they run: what activation checkpointing
         (every checkpoint_every-th of them, from the first) applies to."""

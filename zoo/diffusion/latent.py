@@ -56,6 +56,10 @@ class LatentDiffusion(nn.Module):
         self.register_buffer("latent_mean", torch.zeros(C))
         self.register_buffer("latent_std", torch.ones(C))
 
+    def repeated_units(self) -> list:
+        """The denoiser's blocks (the autoencoder is frozen): what a data-parallel wrapper shards."""
+        return self.denoiser.repeated_units()
+
     def checkpoint_units(self) -> list:
         return self.denoiser.checkpoint_units()
 

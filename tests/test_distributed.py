@@ -1,0 +1,376 @@
+"""Data-parallel training under torchrun (gloo, CPU, 2 processes): DDP and FSDP2 match one
+process with the same global batch (the LLM under both, the ResNet with SyncBatchNorm under DDP,
+the diffusion denoiser and an MoE LLM under FSDP2), and sharded (DCP) checkpoints that survive
+SIGKILL and SIGTERM of the torchrun job and resume on another world size.
+
+Every multi-process run is `python -m torch.distributed.run --standalone --nproc-per-node 2
+train/run.py ...` as a subprocess on tiny models in fp32, one thread per process. Parity is
+checked against `python train/run.py` with batch_size doubled: the same global micro-batches
+(train/distributed.py), summed in another order, so the tolerance is 1e-5 relative for losses
+and 1e-5 absolute for weights (fp32 round-off of a reduction over 2 ranks instead of 1).
+"""
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import zoo
+import zoo.config
+from train.checkpoint import list_checkpoints, read_weights
+from train.loop import optimizer_step
+from train.run import main as run_main
+
+from conftest import starts, wait_for_training
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_PY = ROOT / "train" / "run.py"
+RTOL, ATOL = 1e-5, 1e-5
+
+QUIET = {"device": "cpu", "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False,
+         "log_every": 1, "eval_every": 0, "eval_batches": 1}
+LLM = {"family": "llm",
+       "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+       "data": {"tokenizer": "bytes", "seq_len": 32},
+       "train": {**QUIET, "max_steps": 6, "batch_size": 4, "grad_accum": 2, "checkpoint_every": 3},
+       "optim": {"lr": 3e-3, "warmup_steps": 2}}
+RESNET = {"family": "convnet",
+          "model": {"arch": "resnet18", "layers": [1, 1], "width": 8, "stem": "small", "in_chans": 1,
+                    "num_classes": 10},
+          "data": {"path": "digits", "image_size": 16, "shift": 2},
+          "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0, "clip_grad": None},
+          "optim": {"lr": 3e-3, "warmup_steps": 1}}
+DIFFUSION = {"family": "diffusion",
+             "model": {"image_size": 16, "autoencoder": {"latent_channels": 4, "channels": 8}, "channels": [16, 32],
+                       "blocks_per_level": 1, "sample_steps": 2},
+             "data": {"dataset": "digits", "ae_steps": 3, "ae_batch_size": 8, "samples_per_class": 1},
+             "train": {**QUIET, "max_steps": 3, "batch_size": 4, "checkpoint_every": 0, "ema_decay": 0.9,
+                       "samples": True},
+             "optim": {"lr": 1e-3, "warmup_steps": 1}}
+MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.balance=bias"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------------ helpers
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    from train.data import stdlib_files
+    d = tmp_path_factory.mktemp("dist")
+    corpus = d / "corpus.txt"
+    corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:10])[:100_000])
+    out = {}
+    for name, cfg in {"llm": LLM, "resnet": RESNET, "diffusion": DIFFUSION}.items():
+        if name == "llm":
+            cfg = {**cfg, "data": {**cfg["data"], "path": str(corpus)}}
+        out[name] = d / f"{name}.yaml"
+        out[name].write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def launch(cfg: Path, out: Path, *overrides, nproc: int = 2) -> subprocess.Popen:
+    """torchrun with nproc processes (nproc=0: plain `python train/run.py`); its stderr in
+    out/stderr-N.txt."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob("stderr-*.txt")))
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc else [sys.executable]
+    with open(out / f"stderr-{n}.txt", "w") as err:
+        return subprocess.Popen([*head, str(RUN_PY), str(cfg), f"train.out_dir={out}", *overrides], cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def ranks_of(p: subprocess.Popen) -> list:
+    """The pids of torchrun's workers (it starts each in a session of its own)."""
+    try:
+        return [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def kill_job(p: subprocess.Popen, sig=signal.SIGKILL):
+    """Signal torchrun and its workers at once, as a cluster kills a job, and wait until all are gone."""
+    pids = [p.pid] + ranks_of(p)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    p.wait()
+    deadline = time.monotonic() + 60
+    for pid in pids[1:]:  # reparented when torchrun died: gone once they are not running any more
+        while time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] in "ZX":
+                    break
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            time.sleep(0.005)
+
+
+def last_stderr(out: Path) -> str:
+    return max(out.glob("stderr-*.txt"), key=lambda f: int(f.stem.split("-")[1])).read_text()
+
+
+def run(cfg: Path, out: Path, *overrides, nproc: int = 2) -> Path:
+    p = launch(cfg, out, *overrides, nproc=nproc)
+    try:
+        code = p.wait(300)
+    except subprocess.TimeoutExpired:
+        kill_job(p)
+        raise
+    assert code == 0, last_stderr(out)[-3000:]
+    return out
+
+
+def curve(out: Path) -> list:
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def assert_same_losses(a: Path, b: Path, steps=None):
+    ca, cb = dict(curve(a)), dict(curve(b))
+    steps = steps or sorted(ca)
+    assert steps and all(s in cb for s in steps), (ca, cb)
+    for s in steps:
+        assert cb[s] == pytest.approx(ca[s], rel=RTOL), (s, ca[s], cb[s])
+
+
+def assert_close_weights(a: Path, b: Path, name="model.safetensors", atol=ATOL):
+    wa, wb = load_file(str(a / name)), load_file(str(b / name))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def llm_runs(configs, tmp_path_factory):
+    """One process with batch_size 8, and 2-process DDP and FSDP2 runs with batch_size 4 (the
+    same global batch of 2 x 8 per step, 2 micro-batches each)."""
+    d = tmp_path_factory.mktemp("llm_runs")
+    procs = {"one": launch(configs["llm"], d / "one", "train.batch_size=8", nproc=0),
+             "ddp": launch(configs["llm"], d / "ddp", "train.parallel=ddp")}
+    for name, p in procs.items():
+        assert p.wait(300) == 0, last_stderr(d / name)[-3000:]
+    run(configs["llm"], d / "fsdp", "train.parallel=fsdp")
+    return d
+
+
+# ------------------------------------------------------------------------------ parity
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_match_one_with_the_same_global_batch(llm_runs, strategy):
+    one, par = llm_runs / "one", llm_runs / strategy
+    assert len(curve(one)) == 6
+    assert_same_losses(one, par)
+    assert_close_weights(one, par)
+    log = (par / "log.txt").read_text()
+    assert f"parallel: {strategy} over 2 processes (gloo)" in log
+    assert (par / "metrics.jsonl").read_text().count('"step": 1,') == 1  # only rank 0 writes metrics
+    row = [json.loads(l) for l in (par / "metrics.jsonl").read_text().splitlines()][0]
+    assert len(row["peak_mem_gb_ranks"]) == 2
+    # the consolidated weights load into a model built from the run's config
+    cfg = yaml.safe_load((par / "config.yaml").read_text())
+    model = zoo.build(zoo.config.model_config_from(cfg["model"], "llm", str(par / "config.yaml")))
+    model.load_state_dict(read_weights(par / "model.safetensors", model), strict=False)
+
+
+def test_fsdp_checkpoint_of_two_processes_resumes_in_one(configs, llm_runs, tmp_path):
+    """Resharding: the 2-process FSDP2 checkpoint of step 3 resumes in one process (batch_size 8:
+    the same global batch) and continues with the losses and weights of the 2-process run."""
+    import shutil
+    src = llm_runs / "fsdp" / "checkpoints" / "step_00000003"
+    assert json.loads((src / "manifest.json").read_text())["format"] == "dcp"
+    out = tmp_path / "resharded"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src, out / "checkpoints" / src.name)
+    run(configs["llm"], out, "train.batch_size=8", nproc=0)
+    assert "written by 2 processes, resharded to 1" in (out / "log.txt").read_text()
+    assert [s for s, _ in curve(out)] == [4, 5, 6]
+    assert_same_losses(llm_runs / "fsdp", out, steps=[4, 5, 6])
+    assert_close_weights(llm_runs / "fsdp", out)
+
+
+def test_resnet_sync_bn_matches_one_process(configs, tmp_path):
+    """A ResNet with train.sync_bn under DDP normalises with the statistics of the global batch:
+    the losses and weights (BatchNorm running statistics included) of one process with the
+    same global batch. (Without sync_bn each rank normalises its own half: on this config the
+    loss of step 4 is then 3e-3 away, relative, so parity fails.)"""
+    one = launch(configs["resnet"], tmp_path / "one", "train.batch_size=8", nproc=0)
+    sync = run(configs["resnet"], tmp_path / "sync", "train.parallel=ddp", "train.sync_bn=true")
+    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
+    assert re.search(r"sync_bn: \d+ BatchNorm layers normalise", (sync / "log.txt").read_text())
+    assert_same_losses(tmp_path / "one", sync)
+    assert_close_weights(tmp_path / "one", sync)
+
+
+@pytest.mark.parametrize("family", ["diffusion", "moe"])
+def test_diffusion_and_moe_under_fsdp_match_one_process(configs, tmp_path, family):
+    """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
+    and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
+    over the ranks for the bias balancing): the losses, the weights and the EMA of one process
+    with the same global batch. (The LLM and the ResNet: the tests above.)"""
+    cfg = configs["llm" if family == "moe" else family]
+    extra = MOE + ["train.grad_accum=1"] if family == "moe" else []
+    one = launch(cfg, tmp_path / "one", "train.batch_size=8", *extra, nproc=0)
+    par = run(cfg, tmp_path / "fsdp", "train.parallel=fsdp", *extra)
+    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
+    assert "fsdp: " in (par / "log.txt").read_text()
+    assert_same_losses(tmp_path / "one", par)
+    assert_close_weights(tmp_path / "one", par)
+    if family == "diffusion":
+        assert_close_weights(tmp_path / "one", par, "model_ema.safetensors")
+        assert (par / "samples.png").is_file()
+
+
+# ------------------------------------------------------------------------------ SIGKILL, SIGTERM
+KILL = ["train.parallel=fsdp", "train.max_steps=200", "train.checkpoint_every=5", "train.keep_checkpoints=2",
+        "train.grad_accum=1", "train.ema_decay=0.9"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(configs, tmp_path_factory):
+    """The run the stopped ones must reproduce, and the sum of its step times in seconds."""
+    out = run(configs["llm"], tmp_path_factory.mktemp("uninterrupted"), *KILL)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, sum(r.get("step_time_s", 0) for r in rows)
+
+
+def tmp_dirs(out: Path) -> set:
+    """The temporary directories of checkpoint writes (a killed writer's stay until the next write)."""
+    try:
+        return {e.name for e in os.scandir(out / "checkpoints") if e.name.startswith(".tmp-")}
+    except FileNotFoundError:
+        return set()
+
+
+def assert_bitwise(a: Path, b: Path, name="model.safetensors"):
+    wa, wb = load_file(str(a / name)), load_file(str(b / name))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identical(configs, uninterrupted,
+                                                                                      tmp_path):
+    """An FSDP2 run (with an EMA) stopped again and again and relaunched each time:
+    - SIGTERM to torchrun (which forwards it to its workers): both ranks stop at the same step
+      after one checkpoint of that step;
+    - SIGTERM to the ranks alone: torchrun reports each rank's exit code, 75;
+    - SIGKILL to the whole torchrun job (torchrun and both ranks at once) at random moments, at
+      least 3 times and at least once while a sharded checkpoint is being written.
+    The final weights, EMA and losses equal the uninterrupted 2-process run's bit for bit (same
+    world size, same reduction order: nothing rounds differently)."""
+    rng = random.Random(0)
+    uninterrupted, train_time = uninterrupted
+    out = tmp_path / "stopped"
+    for target in ("job", "ranks"):
+        before = starts(out)
+        p = launch(configs["llm"], out, *KILL)
+        assert wait_for_training(p, out, before)
+        time.sleep(0.3)
+        if target == "job":
+            p.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
+        else:
+            kids = ranks_of(p)
+            assert len(kids) == 2, kids
+            for pid in kids:
+                os.kill(pid, signal.SIGTERM)
+        code = p.wait(120)
+        err = last_stderr(out)
+        steps = re.findall(r"received SIGTERM(?: \(on another rank\))? at step (\d+): checkpoint written", err)
+        assert len(steps) == 2 and steps[0] == steps[1], err[-3000:]  # both ranks, the same step
+        assert list_checkpoints(out)[0].name == f"step_{int(steps[0]):08d}"
+        assert code != 0
+        if target == "ranks":  # torchrun's report of its workers' exit codes
+            codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s*exitcode\s*: (-?\d+)", err))
+            assert codes == {"0": "75", "1": "75"}, err[-3000:]
+    kills = in_write = 0
+    for attempt in range(12):
+        if kills >= 3 and in_write >= 1:
+            break
+        before, old_tmp = starts(out), tmp_dirs(out)
+        p = launch(configs["llm"], out, *KILL)
+        if not wait_for_training(p, out, before):
+            break
+        if attempt % 2 == 1:  # inside a checkpoint write: a new temporary directory is on disk
+            deadline = time.monotonic() + 30
+            while not tmp_dirs(out) - old_tmp and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(rng.uniform(0.0, 0.001))  # a tiny model's sharded checkpoint takes a few ms
+        else:  # a random moment, scaled to this machine's speed so that the kills fit in the run
+            time.sleep(rng.uniform(0.0, 0.3 * train_time))
+        if p.poll() is not None:
+            break
+        kill_job(p)
+        kills += 1
+        in_write += bool(tmp_dirs(out) - old_tmp)  # left behind: the kill landed before the rename
+    print(f"SIGKILLs: {kills}, {in_write} inside a checkpoint write")
+    assert kills >= 3 and in_write >= 1, (kills, in_write)
+    run(configs["llm"], out, *KILL)
+    assert (out / "log.txt").read_text().count("resumed from") >= 4
+    assert_bitwise(uninterrupted, out)
+    assert_bitwise(uninterrupted, out, "model_ema.safetensors")
+    assert curve(out) == curve(uninterrupted)
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+# ------------------------------------------------------------------------------ in one process
+def test_ddp_all_reduces_gradients_on_the_last_micro_batch_only(monkeypatch, tmp_path):
+    """optimizer_step with Parallel.no_sync: one gradient all-reduce per optimizer step of 3
+    micro-batches (a one-process gloo group; DDP's communication hook counts the calls)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from train.distributed import Launch, Parallel
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        ddp = DDP(model)
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(1)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        par = Parallel("ddp", Launch(0, 1, 0, True))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        batches = [torch.randn(3, 4) for _ in range(3)]
+        loss = lambda b: (ddp(b).square().mean(), len(b))  # noqa: E731
+        for no_sync, expected in ((lambda last: par.no_sync(ddp, last), 1), (None, 3)):
+            calls.clear()
+            optimizer_step(loss, iter(batches), 3, opt, scaler, list(model.parameters()), None, no_sync=no_sync)
+            assert len(calls) == expected
+    finally:
+        dist.destroy_process_group()
+
+
+def test_config_errors_under_torchrun(monkeypatch, capsys, tmp_path):
+    """Under torchrun (its environment variables), parallel=none with 2 processes and a feature
+    that does not combine with data parallelism are one-line errors (exit 2), before any
+    process group is made."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = [f"train.out_dir={tmp_path}", "model.n_layers=1", "data.tokenizer=bytes", "data.path=stdlib",
+            "train.average_last=0"]
+    assert run_main(["train.parallel=none", *base]) == 2
+    assert "train.parallel=none" in capsys.readouterr().err
+    assert run_main(["train.parallel=fsdp", "train.precision=fp16", *base]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train.precision=fp16 does not combine with train.parallel=fsdp" in err
+    assert run_main(["train.parallel=ddp", "optim.name=muon", *base]) == 2
+    assert "optim.name=muon does not combine with train.parallel=ddp" in capsys.readouterr().err

@@ -1,0 +1,342 @@
+"""Past one process: torchrun's environment, DDP / FSDP2 wrapping, cross-rank agreement and
+sharded checkpoints (torch.distributed.checkpoint).
+
+    torchrun --nproc-per-node N train/run.py CONFIG train.parallel=ddp|fsdp
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python train/run.py` has none of them
+and runs as one process, unwrapped, whatever train.parallel says. The backend follows the
+device: NCCL on CUDA (one GPU per process, cuda:LOCAL_RANK), gloo on CPU.
+
+- ddp: torch's DistributedDataParallel; gradients are all-reduced on the last micro-batch of an
+  optimizer step only (no_sync() on the others). Parameters, gradients and optimizer state are
+  replicated on every rank.
+- fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each of the model's repeated units
+  (`model.repeated_units()`: LLM blocks, ResNet stages, denoiser blocks) and then on the root,
+  as torchtitan orders it: activation checkpointing is inside the model, train.compile compiles
+  each unit before it is sharded, and the MixedPrecisionPolicy follows train.precision (bf16:
+  bf16 parameters for compute, fp32 gradient reduction; fp32: none). Parameters, gradients and
+  optimizer state are sharded: each rank keeps 1/N of them. Parameters that do not train (a
+  frozen autoencoder) stay whole on every rank.
+
+Data: the loop hands the task its rank and the world size; micro-batch `m` of step `s` is one
+global batch of batch_size x N items drawn from the generator of (seed, s, m), of which rank r
+takes rows [r * batch_size, (r + 1) * batch_size). The data therefore depends only on the
+global micro-batch (batch_size x N): N processes with batch_size B see what one process with
+batch_size N x B sees.
+
+Agreement: one all-reduce per step carries the loss, a non-finite-gradient flag and the
+preemption flag, so every rank skips a non-finite step, checkpoints and stops together.
+
+Checkpoints of a multi-process run are DCP directories (`get_state_dict` / `set_state_dict` of
+torch.distributed.checkpoint.state_dict for model, optimizer and EMA), beside rank 0's
+state.pt (step, every rank's RNG state, GradScaler, extra) and the manifest, written into a
+temporary directory and renamed by rank 0 as train/checkpoint.py does for one process. DCP
+reshards on load, so a checkpoint of N ranks resumes on M ranks, one process included (without
+a process group). The out_dir must be on a filesystem every rank sees.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Launch:
+    """Where this process stands in a torchrun job (rank 0 of 1 when not launched by torchrun)."""
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    torchrun: bool = False
+
+
+def launch_env() -> Launch:
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Launch()
+    return Launch(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), True)
+
+
+def unsupported(cfg) -> Optional[str]:
+    """A one-line reason why this config cannot run with train.parallel (the key named), or None."""
+    t, a = cfg.train, cfg.adapter
+    optimizers = ("adamw", "sgd", "lion") + (("adafactor",) if t.parallel == "ddp" else ())  # the ones run here
+    checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
+               f"with it, use one of {', '.join(optimizers)}"),
+              (a.enabled, f"adapter.method={a.method}", "adapters train a few parameters: one process is the way"),
+              (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
+              (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
+              (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
+              (t.average_last > 0, "train.average_last", "averages one-process checkpoints only"),
+              (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
+               "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32")]
+    for bad, key, why in checks:
+        if bad:
+            return f"{key} does not combine with train.parallel={t.parallel} ({why})"
+    return None
+
+
+class Parallel:
+    """The data-parallel side of a run: rank, world size, the wrapped model, agreement, DCP."""
+
+    def __init__(self, strategy: str, launch: Launch):
+        self.strategy, self.rank, self.world, self.local_rank = strategy, launch.rank, launch.world, launch.local_rank
+        self.main = self.rank == 0
+        self.active = launch.torchrun and strategy != "none"
+
+    # ------------------------------------------------------------------ process group
+    def device(self, device: torch.device) -> torch.device:
+        """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
+        if self.active and device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        return device
+
+    def init(self, device: torch.device):
+        if not self.active or dist.is_initialized():
+            return
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+
+    def close(self):
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def describe(self) -> str:
+        if not self.active:
+            return ""
+        backend = dist.get_backend() if dist.is_initialized() else "?"
+        return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say):
+        """-> (model, fwd): the module whose state is checkpointed and the callable the loss runs.
+        ddp: model stays the plain module, fwd is DDP(model) (compiled when asked); fsdp: both are
+        the model sharded in place (each unit compiled before it is sharded when asked)."""
+        if not self.active:
+            return model, None
+        if sync_bn:
+            n = convert_sync_batchnorm(model, device)
+            say(f"sync_bn: {n} BatchNorm layers normalise with the statistics of all {self.world} ranks"
+                if n else "sync_bn: skipped (the model has no BatchNorm layer)")
+        if self.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            # the gradients are views into the all-reduce buckets: no second copy of them
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
+            if compile_:
+                say("compile: torch.compile(DDP(model)); the first steps include compilation")
+                return model, torch.compile(ddp)
+            return model, ddp
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if precision == "bf16" else MixedPrecisionPolicy()
+        units = model.repeated_units()
+        if compile_:
+            say(f"compile: each of the {len(units)} repeated units compiled, then sharded")
+        # parameters that do not train (a frozen autoencoder) stay whole
+        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        for unit in units:
+            if compile_:
+                unit.compile()
+            fully_shard(unit, mp_policy=mp, ignored_params=frozen or None)
+        fully_shard(model, mp_policy=mp, ignored_params=frozen or None)
+        say(f"fsdp: {len(units)} units and the root sharded over {self.world} ranks"
+            + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else ""))
+        return model, model
+
+    def shard_like(self, model: nn.Module):
+        """Shard a copy of the trained model (the EMA, whose parameters train none) as wrap() sharded it."""
+        if self.active and self.strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+            frozen = {p for n, p in model.named_parameters() if n in self._frozen} or None
+            for unit in model.repeated_units():
+                fully_shard(unit, ignored_params=frozen)
+            fully_shard(model, ignored_params=frozen)
+        return model
+
+    def no_sync(self, fwd, last: bool):
+        """DDP: no gradient all-reduce on the micro-batches before the last of an optimizer step."""
+        if last or not self.active or self.strategy != "ddp":
+            return contextlib.nullcontext()
+        return getattr(fwd, "_orig_mod", fwd).no_sync()
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, stats: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        """stats = [loss sum, grad norm] of this rank -> the same on every rank: the loss averaged
+        over the ranks, the grad norm NaN when any rank's is not finite; and whether any rank
+        was asked to stop. One all-reduce."""
+        if not self.active:
+            return stats, stop
+        t = torch.stack([stats[0], (~torch.isfinite(stats[1])).to(stats.dtype),
+                         torch.tensor(float(stop), device=stats.device)])
+        dist.all_reduce(t)
+        gnorm = torch.where(t[1] > 0, torch.full_like(stats[1], float("nan")), stats[1])
+        return torch.stack([t[0] / self.world, gnorm]), bool(t[2] > 0)
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (e.g. MoE router load before a bias update)."""
+        if self.active:
+            dist.all_reduce(x)
+        return x
+
+    def gather(self, value: float) -> list:
+        """One number from every rank, in rank order (on every rank)."""
+        if not self.active:
+            return [value]
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's object on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def seed_rank(self, seed: int):
+        """Ranks > 0 draw from their own RNG streams (dropout, ...); rank 0 keeps the run's."""
+        if self.active and self.rank:
+            torch.manual_seed(seed + 1_000_003 * self.rank)
+
+    def barrier(self):
+        if self.active:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ full weights
+    def full_state(self, model: nn.Module) -> dict:
+        """The whole model's state dict on the CPU of rank 0 (empty on the others); collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        if not self.active or self.strategy == "ddp":
+            return {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.main else {}
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ------------------------------------------------------------------------------ SyncBatchNorm
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d whose training statistics are those of the whole global batch, on any device.
+    torch.nn.SyncBatchNorm (used on GPUs) accepts only GPU inputs, so CPU (gloo) runs use this:
+    two differentiable all-reduces per layer (the mean, then the centred sum of squares: the
+    same two-pass variance one process computes), running statistics updated as BatchNorm2d
+    updates them (unbiased variance)."""
+
+    def forward(self, x):
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+        C = x.shape[1]
+        xf = x.float()
+        local = torch.cat([xf.sum((0, 2, 3)), xf.new_tensor([x.numel() / C])])
+        total = all_reduce(local)
+        n = total[-1]
+        mean = total[:C] / n
+        centred = xf - mean.view(1, C, 1, 1)
+        var = all_reduce(centred.square().sum((0, 2, 3))) / n
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
+                self.running_var.lerp_((var.detach() * n / (n - 1)).to(self.running_var.dtype), m)
+        y = centred * torch.rsqrt(var + self.eps).view(1, C, 1, 1)
+        if self.affine:
+            y = y * self.weight.view(1, C, 1, 1) + self.bias.view(1, C, 1, 1)
+        return y.to(x.dtype)
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> int:
+    """Replace every BatchNorm2d in place by a synchronised one (torch.nn.SyncBatchNorm on GPUs,
+    CPUSyncBatchNorm elsewhere), keeping its parameters and statistics; returns how many."""
+    count = 0
+    for parent in model.modules():
+        for name, bn in list(parent.named_children()):
+            if not isinstance(bn, nn.BatchNorm2d) or isinstance(bn, CPUSyncBatchNorm):
+                continue
+            cls = nn.SyncBatchNorm if device.type == "cuda" else CPUSyncBatchNorm
+            new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
+                      device=bn.weight.device if bn.affine else None)
+            new.load_state_dict(bn.state_dict())
+            new.train(bn.training)
+            if bn.affine:
+                new.weight.requires_grad_(bn.weight.requires_grad)
+                new.bias.requires_grad_(bn.bias.requires_grad)
+            setattr(parent, name, new)
+            count += 1
+    return count
+
+
+# ------------------------------------------------------------------------------ DCP checkpoints
+def _dcp_state(model, optimizer, ema) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optimizer": osd}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    return state
+
+
+def save_dcp(par: Parallel, out_dir, step: int, model, optimizer, scaler=None, ema=None,
+             extra: Optional[dict] = None, keep: int = 2) -> Path:
+    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
+    manifest and renames it into place (train/checkpoint.py's publish). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import checkpoint as ckpt
+    root = Path(out_dir) / ckpt.CKPT_DIR
+    tag = par.broadcast(os.getpid())  # one temporary name for all ranks: rank 0's pid
+    tmp = root / f".tmp-{ckpt.PREFIX}{step:08d}-{tag}"
+    if par.main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    par.barrier()
+    dcp.save(_dcp_state(model, optimizer, ema), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    rngs = par.gather(ckpt.rng_state())
+    final = root / f"{ckpt.PREFIX}{step:08d}"
+    if par.main:
+        state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
+                 "has_ema": ema is not None, "extra": extra or {}}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        torch.save(state, tmp / "state.pt")
+        ckpt.publish(out_dir, tmp, final, step, keep, tag, fmt="dcp")
+    par.barrier()  # nobody goes on (or is killed as done) before the checkpoint is in place
+    return final
+
+
+def load_dcp(par: Parallel, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0) -> dict:
+    """Load a verified DCP checkpoint written by any number of ranks into this run (collective
+    when distributed; works in one process without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from . import checkpoint as ckpt
+    state = ckpt.read_state(path / "state.pt")
+    with_ema = ema is not None and state.get("has_ema", False)
+    sd = _dcp_state(model, optimizer, ema if with_ema else None)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"])
+        state["ema_started"] = not with_ema
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    rngs = state.get("rng_ranks") or [state["rng"]]
+    if len(rngs) == par.world:
+        ckpt.set_rng_state(rngs[par.rank])
+    else:  # resharded: rank 0 continues rank 0's stream, the others start fresh ones
+        ckpt.set_rng_state(rngs[0])
+        par.seed_rank(seed)
+        state["resharded"] = (len(rngs), par.world)
+    return state
