@@ -141,6 +141,7 @@ class LMTask(Task):
             _, loss = model(x, y)
             return loss, y.numel()
         raw = getattr(model, "_orig_mod", model)  # torch.compile'd
+        raw = getattr(raw, "module", raw)  # DistributedDataParallel's
         bias = self.moe is not None and self.moe.balance == "bias"
         if bias and self._micro == 0:  # the load of the previous optimizer step
             raw.update_router_biases()
