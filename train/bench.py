@@ -31,6 +31,7 @@ BENCHES: dict[str, str] = {
     "lr-find": "train.benches.lr_find",
     "memory": "train.benches.memory",
     "checkpointing": "train.benches.checkpointing",
+    "report": "train.benches.report",
 }
 
 
