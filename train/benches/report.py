@@ -3,6 +3,7 @@
     python train/bench.py report                  # the full run (under an hour on 2 CPU cores)
     python train/bench.py report --quick          # small shapes, few rounds and steps (under 15 minutes)
     python train/bench.py report --quick --out docs/report --only precision,compile
+    python train/bench.py report --precision bf16 --rounds 12   # comparisons not about precision in bf16
 
 Writes DIR/report.md (the hardware, library versions and date; the verdict rule; one row per
 claim: the claim, the baseline, what was measured on speed, memory and quality, the measured
@@ -157,8 +158,10 @@ SCALES = {
 class Ctx:
     """What every measurement gets: the scale, the device, the output folder, a log, and the plots made."""
 
-    def __init__(self, scale: Scale, out: Path, device: torch.device, say: Callable[[str], None]):
+    def __init__(self, scale: Scale, out: Path, device: torch.device, say: Callable[[str], None],
+                 precision: str = "fp32", rounds: Optional[int] = None):
         self.s, self.out, self.device, self.say = scale, out, device, say
+        self.precision, self.n_rounds = precision, rounds or scale.rounds  # of every comparison not about precision
         self.work = Path(tempfile.mkdtemp(prefix="zoo-report-"))
         self.plots: list[tuple[str, str]] = []       # (title, file name)
         self.speed: dict[str, float] = {}            # row label -> paired-median speed-up, for the bar chart
@@ -171,23 +174,23 @@ class Ctx:
 
     def cfg(self, base: dict, over: list):
         from train.config import load_run_config
-        return load_run_config(None, list(over), base=base)
+        return load_run_config(None, [f"train.precision={self.precision}", *over], base=base)
 
     def rounds(self, sides: dict, calls: int = 1, warmup: int = 1) -> harness.Rounds:
         for fn in sides.values():
             for _ in range(warmup):
                 fn()
-        return harness.run_rounds(sides, self.s.rounds, calls=calls, sync=self.sync)
+        return harness.run_rounds(sides, self.n_rounds, calls=calls, sync=self.sync)
 
     def peak(self, base: dict, over: list) -> int:
         """The peak bytes of one steady-state training step of the config: the memory planner's
         measurement (a fresh process, CPU) or, on CUDA, max_memory_allocated across a step."""
         if self.device.type != "cuda":
             from train.plan import measure_in_subprocess
-            return measure_in_subprocess(base, over)["peak"]
+            return measure_in_subprocess(base, [f"train.precision={self.precision}", *over])["peak"]
         from train.benches.checkpointing import step_fn
         cfg = self.cfg(base, over)
-        fn = step_fn(cfg, cfg.train.precision, self.device)
+        fn = step_fn(cfg, cfg.train.precision, self.device)  # noqa: the config's, as the planner measures it
         fn(), fn()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -273,7 +276,7 @@ def m_compile(ctx: Ctx) -> list[Row]:
     base = ctx.s.llm
     fns, first = {}, {}
     for mode in ("eager", "compile"):
-        fns[mode] = step_fn(ctx.cfg(base, [f"train.compile={mode == 'compile'}"]), "fp32", ctx.device)
+        fns[mode] = step_fn(ctx.cfg(base, [f"train.compile={mode == 'compile'}"]), ctx.precision, ctx.device)
         t0 = time.perf_counter()
         fns[mode]()
         ctx.sync()
@@ -301,7 +304,7 @@ def m_fused(ctx: Ctx) -> list[Row]:
     model = _opt_model(ctx)
     r, nbytes, _ = time_optimizers(model, {"foreach": OptimConfig(name="adamw", lr=1e-5, fused=False),
                                            "fused": OptimConfig(name="adamw", lr=1e-5, fused=True)},
-                                   ctx.s.rounds, steps=2, say=lambda m: None)
+                                   ctx.n_rounds, steps=2, say=lambda m: None)
     pm = r.paired("fused", "foreach")
     n = sum(p.numel() for p in model.parameters())
     ctx.add_speed("fused AdamW (optimizer step)", pm.median)
@@ -326,7 +329,7 @@ def m_optimizer_state(ctx: Ctx) -> list[Row]:
     from train.config import OptimConfig
     model = _opt_model(ctx)
     names = ["adamw", *OPT_CLAIMS]
-    r, nbytes, notes = time_optimizers(model, {n: OptimConfig(name=n, lr=1e-5) for n in names}, ctx.s.rounds,
+    r, nbytes, notes = time_optimizers(model, {n: OptimConfig(name=n, lr=1e-5) for n in names}, ctx.n_rounds,
                                        say=lambda m: None)
     n = sum(p.numel() for p in model.parameters())
     ctx.memory["optimizer state"] = {k: v / MiB for k, v in nbytes.items()}
@@ -352,7 +355,7 @@ def m_checkpointing(ctx: Ctx) -> list[Row]:
                                                                  f"train.batch_size={s['train']['batch_size']}"]
     if ctx.device.type == "cuda":
         extra.append(f"train.device={ctx.device}")
-    m = measure_policies("llm", "fp32", ctx.s.rounds, measure=ctx.device.type != "cuda",
+    m = measure_policies("llm", ctx.precision, ctx.n_rounds, measure=ctx.device.type != "cuda",
                          policies={k: POLICIES[k] for k in ("none", "full")}, extra=extra)
     r = m["rounds"]
     base, tech = m["none"]["measured"], m["full"]["measured"]
@@ -423,7 +426,8 @@ def m_grad_accum(ctx: Ctx) -> list[Row]:
     optimizer_step(lambda bb: task.loss(model, bb), iter(micro), k, rec, scaler, params, None)
     diff = max(float((a - w).abs().max()) for a, w in zip(rec.grads, whole)) / max(float(w.abs().max()) for w in whole)
     small = [f"train.batch_size={b // k}", f"train.grad_accum={k}"]
-    fns = {"one batch": step_fn(big, "fp32", ctx.device), "accumulated": step_fn(ctx.cfg(base, small), "fp32", ctx.device)}
+    fns = {"one batch": step_fn(big, ctx.precision, ctx.device),
+           "accumulated": step_fn(ctx.cfg(base, small), ctx.precision, ctx.device)}
     r = ctx.rounds(fns)
     pm = r.paired("accumulated", "one batch")
     peak_big, peak_acc = ctx.peak(base, []), ctx.peak(base, small)
@@ -454,7 +458,7 @@ def m_channels_last(ctx: Ctx) -> list[Row]:
     x0 = torch.randn(batch, 3, size, size, generator=g).to(ctx.device)
     y = torch.randint(0, 1000, (batch,), generator=g).to(ctx.device)
     rows = []
-    precisions = ["fp32"] + (["bf16"] if ctx.s.name != "test" else [])
+    precisions = [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else [])
     for prec in precisions:
         for fmt in ("contiguous", "channels_last"):
             mf = harness.FORMATS[fmt]
@@ -476,7 +480,7 @@ def m_lora(ctx: Ctx) -> list[Row]:
     from train.benches import finetune
     shared = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
     args = Namespace(config="configs/llm/tiny.yaml", layers=ctx.s.lora_layers, steps=ctx.s.lora_steps, batch=4,
-                     seq=64, eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=["fp32"], threads=0,
+                     seq=64, eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=[ctx.precision], threads=0,
                      data=str(shared) if shared.is_file() else None, out=str(ctx.work / "peft"))
     base = finetune.make_base(args)
     res = {}
@@ -519,7 +523,7 @@ def m_averaging(ctx: Ctx) -> list[Row]:
                     [f"train.max_steps={steps}", f"train.batch_size={ctx.s.loop_batch}", f"data.seq_len={ctx.s.loop_seq}",
                      "data.tokenizer=bytes", f"data.max_chars={ctx.s.max_chars}", f"train.ema_decay={decay}", f"train.eval_every={max(1, steps // 4)}",
                      f"train.checkpoint_every={max(1, steps // 4)}", "train.average_last=2", "train.keep_checkpoints=2",
-                     "train.eval_batches=4", f"optim.warmup_steps={max(1, steps // 10)}", "train.precision=fp32",
+                     "train.eval_batches=4", f"optim.warmup_steps={max(1, steps // 10)}", f"train.precision={ctx.precision}",
                      f"train.log_every={max(1, steps // 20)}"])
     base, ema, avg = last(rows, "val_loss"), last(rows, "ema_val_loss"), last(rows, "avg_val_loss")
     ctx.plot_curves("averaging_loss", f"final weights vs EMA (decay {decay}) during training",
@@ -537,7 +541,7 @@ def m_averaging(ctx: Ctx) -> list[Row]:
 
 def _llm_runs_args(ctx: Ctx, name: str, steps: int):
     return Namespace(steps=steps, batch=ctx.s.loop_batch, seq=ctx.s.loop_seq, evals=4, eval_every=0,
-                     eval_batches=4 if ctx.s.name != "full" else 20, precision="fp32", threads=0,
+                     eval_batches=4 if ctx.s.name != "full" else 20, precision=ctx.precision, threads=0,
                      out=str(ctx.work / name), runs=["dense", "moe" if name == "moe" else "mod"])
 
 
@@ -610,7 +614,7 @@ def m_min_snr(ctx: Ctx) -> list[Row]:
     from train.benches import min_snr
     steps = ctx.s.snr_steps
     res = min_snr.train_settings(str(ROOT / "configs" / "diffusion" / "digits.yaml"), "5,none", ctx.work / "min_snr",
-                                 steps, "fp32", [f"train.eval_every={max(1, steps // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
+                                 steps, ctx.precision, [f"train.eval_every={max(1, steps // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
                                                  f"train.log_every={max(1, steps // 20)}", "train.checkpoint_every=0",
                                                  f"optim.warmup_steps={max(1, steps // 16)}", f"train.device={ctx.device}"],
                                  per_class=2 if ctx.s.name == "test" else 5, say=lambda m: None)
@@ -631,7 +635,7 @@ def m_stochastic_depth(ctx: Ctx) -> list[Row]:
     """The digits ResNet with and without stochastic depth (drop_path_rate 0.1 at the last block): loop runs."""
     steps = ctx.s.sd_steps
     common = [f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}", f"train.log_every={max(1, steps // 20)}",
-              f"optim.warmup_steps={max(1, steps // 10)}", "train.precision=fp32", "train.ema_decay=null"]
+              f"optim.warmup_steps={max(1, steps // 10)}", f"train.precision={ctx.precision}", "train.ema_decay=null"]
     res = {name: loop_run(ctx, f"sd_{rate}", ROOT / "configs" / "convnet" / "resnet-digits.yaml",
                           common + [f"model.drop_path_rate={rate}"]) for name, rate in (("none", 0.0), ("0.1", 0.1))}
     ctx.plot_curves("stochastic_depth_val", "ResNet on digits: stochastic depth 0.1 vs none", res, "val_loss",
@@ -663,7 +667,7 @@ def m_cuda_flags(ctx: Ctx) -> list[Row]:
         return [tf32, bench]
     from train.benches.checkpointing import step_fn
     from train.benches.resnet import Side, build_pair
-    fn = step_fn(ctx.cfg(ctx.s.llm, []), "fp32", ctx.device)
+    fn = step_fn(ctx.cfg(ctx.s.llm, []), ctx.precision, ctx.device)
 
     def with_tf32(on):
         def call():
@@ -690,7 +694,7 @@ def m_cuda_flags(ctx: Ctx) -> list[Row]:
             old = torch.backends.cudnn.benchmark
             torch.backends.cudnn.benchmark = on
             try:
-                side.step(x, y, "fp32")
+                side.step(x, y, ctx.precision)
                 ctx.sync()
             finally:
                 torch.backends.cudnn.benchmark = old
@@ -788,10 +792,10 @@ def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, l
             doc = " ".join((fn.__doc__ or "").split())
             lines.append(f"- **{key}** ({timing['parts'][key]:.0f} s): {doc}")
     s = ctx.s
-    lines += ["", f"Scale `{s.name}`: LLM step d_model {s.llm['model']['d_model']}, {s.llm['model']['n_layers']} layers, "
+    lines += ["", f"Scale `{s.name}`, comparisons not about precision in {ctx.precision}: LLM step d_model {s.llm['model']['d_model']}, {s.llm['model']['n_layers']} layers, "
               f"vocab {s.llm['model']['vocab_size']}, batch {s.llm['train']['batch_size']} x {s.llm['data']['seq_len']}; "
               f"optimizer model d_model {s.opt_model['d_model']}, {s.opt_model['n_layers']} layers, vocab "
-              f"{s.opt_model['vocab']}; {s.rounds} alternating rounds per timing; ResNet {s.resnet[0]} batch {s.resnet[1]} "
+              f"{s.opt_model['vocab']}; {ctx.n_rounds} alternating rounds per timing; ResNet {s.resnet[0]} batch {s.resnet[1]} "
               f"at {s.resnet[2]}px; loop runs: LLM {s.loop_steps} steps of {s.loop_batch} x {s.loop_seq}, diffusion "
               f"{s.snr_steps} steps, ResNet {s.sd_steps} steps, fine-tuning {s.lora_steps} steps. Memory: "
               + ("the planner's measured step peak in a fresh process (train.plan.measure: high-water mark over the "
@@ -802,16 +806,18 @@ def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, l
     return path
 
 
-def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=print) -> tuple[list[Row], Path]:
+def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=print, precision: str = "fp32",
+               rounds: Optional[int] = None) -> tuple[list[Row], Path]:
     """Runs the measurements (all, or `only`), writes out/report.md, report.json and the plots.
-    Returns the rows and the page's path."""
+    `precision`: of every comparison not about precision; `rounds`: alternating rounds per timing
+    (default: the scale's). Returns the rows and the page's path."""
     from train.hardware import keep_freed_memory, release_freed_memory
     from train.loop import resolve_device
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):
         old.unlink()
     device = resolve_device("auto")
-    ctx = Ctx(scale, out, device, say)
+    ctx = Ctx(scale, out, device, say, precision, rounds)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     info, loads = hardware(), [load()]
     kept = device.type == "cpu" and keep_freed_memory()  # as the loop and the step benchmarks run (cpu_keep_memory)
@@ -854,19 +860,23 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
 
 
 def main(argv=None):
-    ap = harness.ArgumentParser(prog="bench.py report", description=__doc__.split("\n")[0])
+    ap = harness.parser("report", __doc__, precision="fp32", rounds=False)
     ap.add_argument("--quick", action="store_true", help="small shapes, few rounds and steps (under 15 minutes)")
     ap.add_argument("--scale", choices=list(SCALES), default=None, help=argparse.SUPPRESS)  # test: the test suite's tiny size
     ap.add_argument("--out", default="runs/report", help="folder for report.md, report.json and the PNGs")
     ap.add_argument("--only", type=harness.name_list(MEASUREMENTS, "measurement"), default=None,
                     help=f"comma list of {', '.join(MEASUREMENTS)} (default: all)")
-    ap.add_argument("--threads", type=harness.positive_int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--rounds", type=harness.positive_int, default=None,
+                    help="alternating rounds per timing (default: 5 with --quick, 8 without)")
     args = ap.parse_args(argv)
+    if len(args.precision) != 1:
+        ap.error("--precision: one precision, for every comparison not about precision")
     if args.threads:
         torch.set_num_threads(args.threads)
     scale = SCALES[args.scale or ("quick" if args.quick else "full")]
     t0 = time.perf_counter()
-    rows, page = run_report(Path(args.out), scale, args.only, say=lambda m: print(m, flush=True))
+    rows, page = run_report(Path(args.out), scale, args.only, say=lambda m: print(m, flush=True),
+                            precision=args.precision[0], rounds=args.rounds)
     print(f"\n{page} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
     return 0
 
