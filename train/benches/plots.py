@@ -8,6 +8,7 @@ step_time_s x steps over the rows so far (evaluations, checkpoints and start-up 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 
 def _plt():
@@ -60,52 +61,47 @@ def loss_curves(series: dict[str, list[tuple[int, float, float]]], png: Path, ti
     return png
 
 
-def memory_bars(groups: dict[str, dict[str, float]], png: Path, title: str, unit: str = "MiB") -> Path:
-    """Grouped horizontal bars: per comparison (the keys of `groups`), each side's memory."""
+def _hbars(labels: list[str], values: list[float], colors: list, png: Path, title: str, xlabel: str,
+           fmt: str = "{:.1f}", marks: Optional[dict[int, float]] = None, line: Optional[float] = None) -> Path:
+    """Horizontal bars, one per label (top to bottom), each with its value written beside it;
+    `marks`: bar index -> a value marked with a tick (labelled 'claimed'); `line`: a vertical line there."""
     plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 0.34 * len(labels) + 1.2))
+    ax.barh(range(len(values)), values, color=colors)
+    for y, v in enumerate(values):
+        ax.text(v, y, " " + fmt.format(v), va="center", fontsize=7)
+    for i, (y, v) in enumerate((marks or {}).items()):
+        ax.plot([v], [y], "k|", markersize=14, mew=2, label="claimed" if i == 0 else None)
+    if marks:
+        ax.legend(fontsize=8, loc="lower right")
+    if line is not None:
+        ax.axvline(line, color="k", lw=0.8)
+    ax.set_yticks(range(len(values)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel=xlabel, title=title)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
+
+
+def memory_bars(groups: dict[str, dict[str, float]], png: Path, title: str, unit: str = "MiB") -> Path:
+    """Grouped horizontal bars: per comparison (the keys of `groups`), each side's memory (the first side grey)."""
     labels, values, colors = [], [], []
     for gi, (group, sides) in enumerate(groups.items()):
         for si, (side, v) in enumerate(sides.items()):
             labels.append(f"{group}: {side}")
             values.append(v)
             colors.append("0.6" if si == 0 else f"C{gi % 10}")
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(labels) + 1.2))
-    ax.barh(range(len(values)), values, color=colors)
-    ax.set_yticks(range(len(values)), labels, fontsize=8)
-    ax.invert_yaxis()
-    for y, v in enumerate(values):
-        ax.text(v, y, f" {v:.1f}", va="center", fontsize=7)
-    ax.set(xlabel=unit, title=title)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-    return png
+    return _hbars(labels, values, colors, png, title, unit)
 
 
 def speed_bars(speedups: dict[str, float], claimed: dict[str, float], png: Path, title: str) -> Path:
     """Horizontal bars of measured speed-ups (x, 1 = the baseline's speed), the claimed one marked."""
-    plt = _plt()
     names = list(speedups)
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.2))
     vals = [speedups[n] for n in names]
-    ax.barh(range(len(names)), vals, color=["C2" if v >= 1 else "C3" for v in vals])
-    marked = False
-    for y, n in enumerate(names):
-        ax.text(vals[y], y, f" {vals[y]:.2f}x", va="center", fontsize=7)
-        if n in claimed:
-            ax.plot([claimed[n]], [y], "k|", markersize=14, mew=2, label=None if marked else "claimed")
-            marked = True
-    if marked:
-        ax.legend(fontsize=8, loc="lower right")
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set(xlabel="speed-up over the baseline (paired median, x)", title=title)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-    return png
+    return _hbars(names, vals, ["C2" if v >= 1 else "C3" for v in vals], png, title,
+                  "speed-up over the baseline (paired median, x)", "{:.2f}x",
+                  {i: claimed[n] for i, n in enumerate(names) if n in claimed}, line=1.0)

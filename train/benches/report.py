@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -148,7 +149,7 @@ SCALES = {
     "test": Scale("test", 2, _llm(512, 64, 2, 2, 1, 32, 4), dict(d_model=64, n_layers=2, n_heads=2, vocab=512),
                   ("resnet18", 2, 32), 2, 6, 2, 32, 4, 10, 6, 2, 1, 64, max_chars=200_000),
     "quick": Scale("quick", 5, _llm(8192, 128, 4, 4, 2, 128, 8), dict(d_model=256, n_layers=4, n_heads=4, vocab=8192),
-                   ("resnet18", 8, 64), 4, 150, 8, 128, 150, 150, 120, 8, 2, 256),
+                   ("resnet18", 8, 64), 4, 100, 8, 128, 100, 100, 80, 8, 2, 256, max_chars=2_000_000),
     "full": Scale("full", 8, _llm(16384, 256, 4, 4, 2, 256, 8), dict(d_model=512, n_layers=8, n_heads=8, vocab=32000),
                   ("resnet50", 8, 128), 4, 400, 16, 256, 600, 300, 300, 20, 4, 512),
 }
@@ -288,7 +289,7 @@ def m_compile(ctx: Ctx) -> list[Row]:
                  + f"; first step {first['eager']:.2f} s eager, {first['compile']:.1f} s compiled (compilation)")
     row.numbers = {"speedup": pm.median, "first_step_eager_s": first["eager"], "first_step_compile_s": first["compile"],
                    "base_s": r.best("eager"), "tech_s": r.best("compile")}
-    ctx.add_speed("torch.compile", pm.median)
+    ctx.add_speed("torch.compile", pm.median, 1 + NOMINAL_SPEED_MEMORY)
     return [row]
 
 
@@ -307,7 +308,7 @@ def m_fused(ctx: Ctx) -> list[Row]:
                                    ctx.n_rounds, steps=2, say=lambda m: None)
     pm = r.paired("fused", "foreach")
     n = sum(p.numel() for p in model.parameters())
-    ctx.add_speed("fused AdamW (optimizer step)", pm.median)
+    ctx.add_speed("fused AdamW (optimizer step)", pm.median, 1 + NOMINAL_SPEED_MEMORY)
     return [Row("fused AdamW", "a fused AdamW update is faster than the unfused one", "004", "AdamW for-each",
                 "speed-up - 1", NOMINAL_SPEED_MEMORY, effect=pm.median - 1,
                 speed=speed_text(pm, r.best("foreach"), r.best("fused"), f"optimizer step ({n / 1e6:.1f}M params)"),
@@ -467,7 +468,7 @@ def m_channels_last(ctx: Ctx) -> list[Row]:
             sides[fmt] = (lambda side=side, x=x, prec=prec: side.step(x, y, prec))
         r = ctx.rounds(sides)
         pm = r.paired("channels_last", "contiguous")
-        ctx.add_speed(f"channels-last {arch} {prec}", pm.median)
+        ctx.add_speed(f"channels-last {arch} {prec}", pm.median, 1 + NOMINAL_SPEED_MEMORY)
         rows.append(Row(f"channels-last ({arch}, {prec})", "NHWC memory format is sometimes faster for ConvNets",
                         "000", "contiguous NCHW", "speed-up - 1", NOMINAL_SPEED_MEMORY, effect=pm.median - 1,
                         speed=speed_text(pm, r.best("contiguous"), r.best("channels_last"), f"step ({batch}x3x{size}x{size})"),
@@ -539,10 +540,12 @@ def m_averaging(ctx: Ctx) -> list[Row]:
                 effect=(base - ema) / base, quality=q, numbers=nums)]
 
 
-def _llm_runs_args(ctx: Ctx, name: str, steps: int):
-    return Namespace(steps=steps, batch=ctx.s.loop_batch, seq=ctx.s.loop_seq, evals=4, eval_every=0,
+def _llm_runs_args(ctx: Ctx, other: str):
+    """The moe-quality / mod-quality benches' arguments: one out folder, so that the dense run is
+    made once and read by the second comparison (the benches reuse a finished run)."""
+    return Namespace(steps=ctx.s.loop_steps, batch=ctx.s.loop_batch, seq=ctx.s.loop_seq, evals=4, eval_every=0,
                      eval_batches=4 if ctx.s.name != "full" else 20, precision=ctx.precision, threads=0,
-                     out=str(ctx.work / name), runs=["dense", "moe" if name == "moe" else "mod"])
+                     out=str(ctx.work / "llm"), runs=["dense", other])
 
 
 def _wall(rows):
@@ -553,7 +556,7 @@ def _wall(rows):
 def m_moe(ctx: Ctx) -> list[Row]:
     """Dense against MoE (the same active parameters per token, the same tokens): the moe-quality bench's runs."""
     from train.benches import moe_quality
-    args = _llm_runs_args(ctx, "moe", ctx.s.loop_steps)
+    args = _llm_runs_args(ctx, "moe")
     res = {n: moe_quality.run(n, args) for n in ("dense", "moe")}
     ctx.plot_curves("moe_loss", "dense vs MoE (same active parameters and tokens)", res, "loss", "training loss")
     ctx.plot_curves("moe_val", "dense vs MoE: validation loss", res, "val_loss", "validation loss")
@@ -573,7 +576,7 @@ def m_moe(ctx: Ctx) -> list[Row]:
 def m_mod(ctx: Ctx) -> list[Row]:
     """Dense against Mixture-of-Depths at equal training FLOPs: the mod-quality bench's runs."""
     from train.benches import mod_quality
-    args = _llm_runs_args(ctx, "mod", ctx.s.loop_steps)
+    args = _llm_runs_args(ctx, "mod")
     budget, fpt, steps, res = mod_quality.equal_flops_runs(args)
     ctx.plot_curves("mod_loss", f"dense vs Mixture-of-Depths at equal training FLOPs ({budget:.2g})", res, "loss",
                     "training loss")
@@ -642,7 +645,7 @@ def m_stochastic_depth(ctx: Ctx) -> list[Row]:
                     "validation loss")
     b, t = res["none"], res["0.1"]
     sb, st = median_of(b, "images_per_s"), median_of(t, "images_per_s")
-    ctx.add_speed("stochastic depth (images/s)", st / sb)
+    ctx.add_speed("stochastic depth (images/s)", st / sb, 1 + NOMINAL_SPEED_MEMORY)
     speed = f"images/s {sb:.0f} -> {st:.0f} ({st / sb:.2f}x, median of logged windows)"
     q = (f"val loss {last(b, 'val_loss'):.4f} -> {last(t, 'val_loss'):.4f}, top-1 {last(b, 'val_acc1'):.3f} -> "
          f"{last(t, 'val_acc1'):.3f} after {steps} steps")
@@ -683,7 +686,7 @@ def m_cuda_flags(ctx: Ctx) -> list[Row]:
     pm = r.paired("on", "off")
     tf32.effect, tf32.speed = pm.median - 1, speed_text(pm, r.best("off"), r.best("on"))
     tf32.numbers = {"speedup": pm.median}
-    ctx.add_speed("TF32", pm.median)
+    ctx.add_speed("TF32", pm.median, 1 + NOMINAL_SPEED_MEMORY)
     arch, batch, size = ctx.s.resnet
     side = Side("resnet", build_pair(arch, 1000)[0].to(ctx.device))
     x = torch.randn(batch, 3, size, size, device=ctx.device)
@@ -703,7 +706,7 @@ def m_cuda_flags(ctx: Ctx) -> list[Row]:
     pm = r.paired("on", "off")
     bench.effect, bench.speed = pm.median - 1, speed_text(pm, r.best("off"), r.best("on"))
     bench.numbers = {"speedup": pm.median}
-    ctx.add_speed("cudnn.benchmark", pm.median)
+    ctx.add_speed("cudnn.benchmark", pm.median, 1 + NOMINAL_SPEED_MEMORY)
     return [tf32, bench]
 
 
@@ -842,6 +845,7 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
     finally:
         if kept:
             release_freed_memory()
+        shutil.rmtree(ctx.work, ignore_errors=True)  # the runs' folders (their numbers are in the rows)
     loads.append(load())
     if ctx.speed:
         plots.speed_bars(ctx.speed, ctx.speed_claimed, out / "speed.png", "speed-up of each technique over its baseline")
