@@ -553,12 +553,18 @@ def _wall(rows):
                zip([r for r in rows if "step_time_s" in r], [0] + [r["step"] for r in rows if "step_time_s" in r]))
 
 
+def lm_rows(runs: dict[str, list]) -> dict[str, list]:
+    """The runs' metrics rows with `loss` the cross-entropy alone (`lm_loss`, where a run adds auxiliary losses)."""
+    return {n: [dict(r, loss=r["lm_loss"]) if "lm_loss" in r else r for r in rows] for n, rows in runs.items()}
+
+
 def m_moe(ctx: Ctx) -> list[Row]:
     """Dense against MoE (the same active parameters per token, the same tokens): the moe-quality bench's runs."""
     from train.benches import moe_quality
     args = _llm_runs_args(ctx, "moe")
     res = {n: moe_quality.run(n, args) for n in ("dense", "moe")}
-    ctx.plot_curves("moe_loss", "dense vs MoE (same active parameters and tokens)", res, "loss", "training loss")
+    ctx.plot_curves("moe_loss", "dense vs MoE (same active parameters and tokens): training cross-entropy",
+                    lm_rows(res), "loss", "training loss (cross-entropy)")
     ctx.plot_curves("moe_val", "dense vs MoE: validation loss", res, "val_loss", "validation loss")
     d, m = (moe_quality.summary(n, res[n]) for n in ("dense", "moe"))
     sp = m["tok_s"] / d["tok_s"]
@@ -578,8 +584,10 @@ def m_mod(ctx: Ctx) -> list[Row]:
     from train.benches import mod_quality
     args = _llm_runs_args(ctx, "mod")
     budget, fpt, steps, res = mod_quality.equal_flops_runs(args)
-    ctx.plot_curves("mod_loss", f"dense vs Mixture-of-Depths at equal training FLOPs ({budget:.2g})", res, "loss",
-                    "training loss")
+    ctx.plot_curves("mod_loss", f"dense vs Mixture-of-Depths at equal training FLOPs ({budget:.2g}): training "
+                    f"cross-entropy", lm_rows(res), "loss", "training loss (cross-entropy)")
+    ctx.plot_curves("mod_val", "dense vs Mixture-of-Depths at equal training FLOPs: validation loss", res, "val_loss",
+                    "validation loss")
     d, m = last(res["dense"], "val_loss"), last(res["mod"], "val_loss")
     td, tm = median_of(res["dense"], "tokens_per_s"), median_of(res["mod"], "tokens_per_s")
     ctx.add_speed("MoD tokens/s (median)", tm / td)
