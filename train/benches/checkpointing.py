@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from train.benches import harness  # noqa: E402
+from train.hardware import sync  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {
@@ -60,7 +61,7 @@ def step_fn(cfg, precision: str, device: torch.device = torch.device("cpu"), mod
 
 
 def measure_policies(family: str, precision: str, rounds: int, measure: bool = True, threads: int = 0,
-                     policies=POLICIES, extra: tuple = ()) -> dict:
+                     policies=POLICIES, extra: tuple = (), device: torch.device = torch.device("cpu")) -> dict:
     """Each policy's step time (harness.Rounds over the policies), planned peak and activations,
     and measured peak (None without `measure`): {"rounds": Rounds, name: {"plan": Plan, "measured": bytes}}.
     `extra`: overrides of the family's config (e.g. a smaller shape)."""
@@ -70,10 +71,10 @@ def measure_policies(family: str, precision: str, rounds: int, measure: bool = T
     spec, over = FAMILIES[family]
     base, over = base_of(spec), over + list(extra) + [f"train.precision={precision}"]
     cfgs = {name: load_run_config(None, over + policies[name], base=base) for name in policies}
-    sides = {name: step_fn(c, precision) for name, c in cfgs.items()}
+    sides = {name: step_fn(c, precision, device) for name, c in cfgs.items()}
     for fn in sides.values():
         fn()  # warm-up
-    out = {"rounds": harness.run_rounds(sides, rounds)}
+    out = {"rounds": harness.run_rounds(sides, rounds, sync=lambda: sync(device))}
     for name, c in cfgs.items():
         out[name] = {"plan": plan(c), "measured": measure_in_subprocess(
             base, over + policies[name], threads=threads)["peak"] if measure else None}

@@ -354,10 +354,8 @@ def m_checkpointing(ctx: Ctx) -> list[Row]:
     s = ctx.s.llm
     extra = [f"model.{k}={v}" for k, v in s["model"].items()] + [f"data.seq_len={s['data']['seq_len']}",
                                                                  f"train.batch_size={s['train']['batch_size']}"]
-    if ctx.device.type == "cuda":
-        extra.append(f"train.device={ctx.device}")
     m = measure_policies("llm", ctx.precision, ctx.n_rounds, measure=ctx.device.type != "cuda",
-                         policies={k: POLICIES[k] for k in ("none", "full")}, extra=extra)
+                         policies={k: POLICIES[k] for k in ("none", "full")}, extra=extra, device=ctx.device)
     r = m["rounds"]
     base, tech = m["none"]["measured"], m["full"]["measured"]
     if base is None:  # CUDA: the peak of the step on the device
