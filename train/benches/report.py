@@ -149,7 +149,7 @@ SCALES = {
     "test": Scale("test", 2, _llm(512, 64, 2, 2, 1, 32, 4), dict(d_model=64, n_layers=2, n_heads=2, vocab=512),
                   ("resnet18", 2, 32), 2, 6, 2, 32, 4, 10, 6, 2, 1, 64, max_chars=200_000),
     "quick": Scale("quick", 5, _llm(8192, 128, 4, 4, 2, 128, 8), dict(d_model=256, n_layers=4, n_heads=4, vocab=8192),
-                   ("resnet18", 8, 64), 4, 100, 8, 128, 100, 100, 80, 8, 2, 256, max_chars=2_000_000),
+                   ("resnet18", 8, 64), 4, 80, 8, 128, 100, 100, 80, 8, 2, 256, max_chars=2_000_000),
     "full": Scale("full", 8, _llm(16384, 256, 4, 4, 2, 256, 8), dict(d_model=512, n_layers=8, n_heads=8, vocab=32000),
                   ("resnet50", 8, 128), 4, 400, 16, 256, 600, 300, 300, 20, 4, 512),
 }
@@ -440,7 +440,7 @@ def m_grad_accum(ctx: Ctx) -> list[Row]:
     return [Row("gradient accumulation (gradients)", f"k micro-batches accumulated give the gradient of one k-times "
                 f"larger batch (tolerance {tol:g}, fp32 summation order)", "000/001",
                 f"one batch of {b}", "max relative gradient difference", tol, kind="equal", effect=diff,
-                quality=f"max |g_accum - g_batch| / max |g_batch| = {diff:.2e} ({k} x {b // k} vs 1 x {b})",
+                quality=f"max abs(g_accum - g_batch) / max abs(g_batch) = {diff:.2e} ({k} x {b // k} vs 1 x {b})",
                 speed=speed, memory=mem, numbers=nums),
             Row("gradient accumulation (memory)", "accumulation trains a large batch in the memory of a micro-batch",
                 "000/001", f"one batch of {b}", "memory saved", NOMINAL_SPEED_MEMORY, effect=1 - peak_acc / peak_big,
@@ -503,7 +503,7 @@ def m_lora(ctx: Ctx) -> list[Row]:
             for n, v in res.items()}
     return [Row("LoRA (training state)", "training a low-rank update instead of the weights gives huge memory savings",
                 "000/002", "full fine-tuning (AdamW)", "memory saved", NOMINAL_SPEED_MEMORY,
-                effect=1 - lo["state"] / f["state"], memory=f"full: {desc(f)} | LoRA: {desc(lo)}",
+                effect=1 - lo["state"] / f["state"], memory=f"full: {desc(f)}; LoRA: {desc(lo)}",
                 speed=f"step {f['step_s']:.3f} -> {lo['step_s']:.3f} s (median)",
                 quality=f"val loss {f['val']:.3f} -> {lo['val']:.3f} after {ctx.s.lora_steps} steps", numbers=nums),
             Row("QLoRA (base weights)", "QLoRA keeps the frozen base in 4 bits (vs 16): ~75% less for the base weights",
@@ -571,8 +571,8 @@ def m_moe(ctx: Ctx) -> list[Row]:
                 "same compute", "000", "dense (same active parameters)", "relative val-loss reduction", NOMINAL_QUALITY,
                 effect=(d["val_loss"] - m["val_loss"]) / d["val_loss"],
                 quality=f"val loss {d['val_loss']:.4f} -> {m['val_loss']:.4f} after {args.steps} steps",
-                speed=f"tokens/s {d['tok_s']:.0f} -> {m['tok_s']:.0f} ({sp:.2f}x); training time "
-                      f"{_wall(res['dense']):.0f} -> {_wall(res['moe']):.0f} s",
+                speed=f"tokens/s {d['tok_s']:.0f} -> {m['tok_s']:.0f} ({sp:.2f}x; medians of two separate runs, "
+                      f"not paired); training time {_wall(res['dense']):.0f} -> {_wall(res['moe']):.0f} s",
                 numbers={"dense_val": d["val_loss"], "moe_val": m["val_loss"], "dense_tok_s": d["tok_s"],
                          "moe_tok_s": m["tok_s"]})]
 
@@ -593,7 +593,7 @@ def m_mod(ctx: Ctx) -> list[Row]:
                 "a better model for the same compute", "000", "dense, same training FLOPs", "relative val-loss reduction",
                 NOMINAL_QUALITY, effect=(d - m) / d,
                 quality=f"val loss {d:.4f} ({steps['dense']} steps) -> {m:.4f} ({steps['mod']} steps)",
-                speed=f"tokens/s {td:.0f} -> {tm:.0f} ({tm / td:.2f}x); FLOPs/token {fpt['dense'] / 1e6:.1f}M -> "
+                speed=f"tokens/s {td:.0f} -> {tm:.0f} ({tm / td:.2f}x; medians of two separate runs, not paired); FLOPs/token {fpt['dense'] / 1e6:.1f}M -> "
                       f"{fpt['mod'] / 1e6:.1f}M",
                 numbers={"dense_val": d, "mod_val": m, "dense_tok_s": td, "mod_tok_s": tm, "steps": steps})]
 
@@ -652,7 +652,7 @@ def m_stochastic_depth(ctx: Ctx) -> list[Row]:
     b, t = res["none"], res["0.1"]
     sb, st = median_of(b, "images_per_s"), median_of(t, "images_per_s")
     ctx.add_speed("stochastic depth (images/s)", st / sb, 1 + NOMINAL_SPEED_MEMORY)
-    speed = f"images/s {sb:.0f} -> {st:.0f} ({st / sb:.2f}x, median of logged windows)"
+    speed = f"images/s {sb:.0f} -> {st:.0f} ({st / sb:.2f}x; medians of two separate runs, not paired)"
     q = (f"val loss {last(b, 'val_loss'):.4f} -> {last(t, 'val_loss'):.4f}, top-1 {last(b, 'val_acc1'):.3f} -> "
          f"{last(t, 'val_acc1'):.3f} after {steps} steps")
     nums = {"base_img_s": sb, "tech_img_s": st, "base_val": last(b, "val_loss"), "tech_val": last(t, "val_loss"),
@@ -789,8 +789,9 @@ def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, l
     for r in rows:
         ratio_s = "-" if r.ratio is None else f"{r.ratio:.2f}"
         v = r.verdict if r.verdict != "skipped" else f"skipped: {r.reason}"
-        lines.append(f"| {r.technique} | {r.claim} ({r.source}) | {r.baseline} | {r.speed} | {r.memory} | {r.quality} "
-                     f"| {fmt_effect(r)} | {ratio_s} | **{v}** |")
+        cells = [r.technique, f"{r.claim} ({r.source})", r.baseline, r.speed, r.memory, r.quality, fmt_effect(r), ratio_s,
+                 f"**{v}**"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     counts = {k: sum(r.verdict == k for r in rows) for k in ("holds", "partly", "does not hold here", "skipped")}
     lines += ["", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()), "", "## Plots", ""]
     for title, png in ctx.plots:
