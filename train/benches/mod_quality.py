@@ -34,13 +34,6 @@ RUNS = {
 }
 
 
-def flops_per_token(cfg_name: str, extra: list, seq: int) -> float:
-    import zoo
-    from train.config import load_run_config
-    cfg = load_run_config(str(ROOT / "configs" / "llm" / cfg_name), list(extra) + [f"data.seq_len={seq}"])
-    return zoo.build(cfg.model).flops_per_token(seq)
-
-
 def equal_flops_runs(args, runs: dict = RUNS) -> tuple:
     """The runs of `args.runs` (dense first) at the dense run's training FLOPs (args.steps of it):
     (budget FLOPs, {run: FLOPs per token}, {run: steps}, {run: metrics rows})."""
@@ -48,6 +41,13 @@ def equal_flops_runs(args, runs: dict = RUNS) -> tuple:
     budget = flops_per_token(*runs["dense"], args.seq) * args.steps * args.batch * args.seq
     steps = {n: max(1, round(budget / (fpt[n] * args.batch * args.seq))) for n in args.runs}
     return budget, fpt, steps, {n: run(n, args, runs, steps[n]) for n in args.runs}
+
+
+def flops_per_token(cfg_name: str, extra: list, seq: int) -> float:
+    import zoo
+    from train.config import load_run_config
+    cfg = load_run_config(str(ROOT / "configs" / "llm" / cfg_name), list(extra) + [f"data.seq_len={seq}"])
+    return zoo.build(cfg.model).flops_per_token(seq)
 
 
 def main(argv=None):
