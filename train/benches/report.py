@@ -151,7 +151,7 @@ SCALES = {
     "quick": Scale("quick", 5, _llm(8192, 128, 4, 4, 2, 128, 8), dict(d_model=256, n_layers=4, n_heads=4, vocab=8192),
                    ("resnet18", 8, 64), 4, 80, 8, 128, 100, 100, 80, 8, 2, 256, max_chars=2_000_000),
     "full": Scale("full", 8, _llm(16384, 256, 4, 4, 2, 256, 8), dict(d_model=512, n_layers=8, n_heads=8, vocab=32000),
-                  ("resnet50", 8, 128), 4, 400, 16, 256, 600, 300, 300, 20, 4, 512),
+                  ("resnet50", 8, 128), 4, 200, 8, 256, 300, 300, 200, 20, 4, 512),
 }
 
 
