@@ -32,6 +32,7 @@ BENCHES: dict[str, str] = {
     "memory": "train.benches.memory",
     "checkpointing": "train.benches.checkpointing",
     "distributed": "train.benches.distributed",
+    "report": "train.benches.report",
 }
 
 

@@ -83,7 +83,8 @@ def run(name: str, base: Path, args) -> list:
         return rows_of(out)
     lr = args.lr_full if name == "full" else args.lr_adapter
     cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / "tiny.yaml"),
-           f"train.init_from={base}", f"train.out_dir={out}", f"data.path={args.data}", "data.tokenizer=bytes",
+           f"train.init_from={base}", f"train.out_dir={out}", *([f"data.path={args.data}"] if args.data else []),
+           "data.tokenizer=bytes",
            f"data.seq_len={args.seq}", f"train.max_steps={args.steps}", f"train.batch_size={args.batch}",
            "train.grad_accum=1", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
            "train.checkpoint_every=0", "train.average_last=0", "train.samples=false", "train.plot=false", "train.export=false",

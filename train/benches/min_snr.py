@@ -47,18 +47,12 @@ def score(proba, labels) -> dict:
             "confident": float(((pred == labels) & (conf > 0.5)).mean())}
 
 
-def main(argv=None):
-    ap = harness.parser("min-snr", __doc__, precision=None, rounds=False)
-    ap.add_argument("--precision", type=harness.precision_name, default=None,
-                    help=f"one of {', '.join(harness.PRECISIONS)} for every run (default: the config's train.precision)")
-    ap.add_argument("--config", default="configs/diffusion/digits.yaml")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per setting (default: the config's)")
-    ap.add_argument("--gammas", default="5,none", help="comma-separated; 'none' = uniform weighting")
-    ap.add_argument("--per-class", type=int, default=20, help="samples per class for the quality metric")
-    ap.add_argument("--out", default="runs/bench-min-snr")
-    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
-    args = ap.parse_args(argv)
-    harness.setup(args)
+def train_settings(config: str, gammas: str, out: Path, steps=None, precision=None, overrides=(),
+                   per_class: int = 20, say=print) -> dict:
+    """Trains `config` once per gamma of `gammas` ('5,none': none = uniform weighting) through the
+    loop, everything else equal. Returns {setting: {"curve": [(step, val_mse, ema_val_mse)],
+    "train": [(step, loss)], "rows": the metrics rows, accuracy, confidence, confident}} and writes
+    a samples PNG per setting into `out`."""
     from safetensors.torch import load_model
 
     import zoo
@@ -67,19 +61,19 @@ def main(argv=None):
     from ..loop import train
     from ..tasks.diffusion import sample_grid, save_grid
 
-    out = Path(args.out)
+    out = Path(out)
     results = {}
     classify = None
-    for gamma in args.gammas.split(","):
+    for gamma in gammas.split(","):
         name = "uniform" if gamma.strip().lower() == "none" else f"gamma={float(gamma):g}"
         over = [f"model.min_snr_gamma={'null' if name == 'uniform' else float(gamma)}",
                 f"train.out_dir={out / name.replace('=', '')}", "train.progress=false", "train.resume=false"]
-        if args.steps:
-            over.append(f"train.max_steps={args.steps}")
-        if args.precision:
-            over.append(f"train.precision={args.precision}")
-        cfg = load_run_config(args.config, over + list(args.overrides))
-        print(f"== {name}: {cfg.train.max_steps} steps", flush=True)
+        if steps:
+            over.append(f"train.max_steps={steps}")
+        if precision:
+            over.append(f"train.precision={precision}")
+        cfg = load_run_config(config, over + list(overrides))
+        say(f"== {name}: {cfg.train.max_steps} steps")
         train(cfg, log=lambda m: None)
         run = Path(cfg.train.out_dir)
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -95,12 +89,30 @@ def main(argv=None):
             xv, yv = digits_dataset("val", cfg.model.image_size, 3)
             with torch.no_grad():
                 recon = model.autoencoder(xv).clamp(0, 1)
-            print(f"classifier ceiling: real val digits {score(classify(xv), yv)['accuracy']:.3f}, "
-                  f"their autoencoder reconstructions {score(classify(recon), yv)['accuracy']:.3f}")
-        images = sample_grid(model, args.per_class, torch.device("cpu"), seed=0)
-        labels = torch.arange(cfg.model.num_classes).repeat_interleave(args.per_class)
-        save_grid(images, out / f"samples_{name.replace('=', '')}.png", nrow=args.per_class)
-        results[name] = {"curve": curve, "train": train_curve, **score(classify(images), labels)}
+            say(f"classifier ceiling: real val digits {score(classify(xv), yv)['accuracy']:.3f}, "
+                f"their autoencoder reconstructions {score(classify(recon), yv)['accuracy']:.3f}")
+        images = sample_grid(model, per_class, torch.device("cpu"), seed=0)
+        labels = torch.arange(cfg.model.num_classes).repeat_interleave(per_class)
+        save_grid(images, out / f"samples_{name.replace('=', '')}.png", nrow=per_class)
+        results[name] = {"curve": curve, "train": train_curve, "rows": rows, **score(classify(images), labels)}
+    return results
+
+
+def main(argv=None):
+    ap = harness.parser("min-snr", __doc__, precision=None, rounds=False)
+    ap.add_argument("--precision", type=harness.precision_name, default=None,
+                    help=f"one of {', '.join(harness.PRECISIONS)} for every run (default: the config's train.precision)")
+    ap.add_argument("--config", default="configs/diffusion/digits.yaml")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per setting (default: the config's)")
+    ap.add_argument("--gammas", default="5,none", help="comma-separated; 'none' = uniform weighting")
+    ap.add_argument("--per-class", type=int, default=20, help="samples per class for the quality metric")
+    ap.add_argument("--out", default="runs/bench-min-snr")
+    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
+    args = ap.parse_args(argv)
+    harness.setup(args)
+    out = Path(args.out)
+    results = train_settings(args.config, args.gammas, out, args.steps, args.precision, args.overrides,
+                             args.per_class, say=lambda m: print(m, flush=True))
 
     print("\nvalidation MSE of the prediction (unweighted; EMA in brackets)")
     names = list(results)

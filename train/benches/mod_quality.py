@@ -35,6 +35,15 @@ RUNS = {
 }
 
 
+def equal_flops_runs(args, runs: dict = RUNS) -> tuple:
+    """The runs of `args.runs` (dense first) at the dense run's training FLOPs (args.steps of it):
+    (budget FLOPs, {run: FLOPs per token}, {run: steps}, {run: metrics rows})."""
+    fpt = {n: flops_per_token(*runs[n], args.seq) for n in args.runs}
+    budget = flops_per_token(*runs["dense"], args.seq) * args.steps * args.batch * args.seq
+    steps = {n: max(1, round(budget / (fpt[n] * args.batch * args.seq))) for n in args.runs}
+    return budget, fpt, steps, {n: run(n, args, runs, steps[n]) for n in args.runs}
+
+
 def flops_per_token(cfg_name: str, extra: list, seq: int) -> float:
     import zoo
     from train.config import load_run_config
@@ -103,10 +112,7 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/mod-quality")
     ap.add_argument("--png", default=str(ROOT / "docs" / "mod_quality.png"))
     args = ap.parse_args(argv)
-    fpt = {n: flops_per_token(*RUNS[n], args.seq) for n in args.runs}
-    budget = flops_per_token(*RUNS["dense"], args.seq) * args.steps * args.batch * args.seq
-    steps = {n: max(1, round(budget / (fpt[n] * args.batch * args.seq))) for n in args.runs}
-    results = {n: run(n, args, RUNS, steps[n]) for n in args.runs}
+    budget, fpt, steps, results = equal_flops_runs(args)
     print(f"\nequal training FLOPs ({budget:.3g}): batch {args.batch} x {args.seq} tokens, "
           f"precision {args.precision or 'auto'}")
     header = ["run", "steps", "FLOPs/token", "val loss (top-k)", "val loss (causal)", "decision accuracy (mean / worst layer)",

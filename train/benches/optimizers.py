@@ -47,26 +47,20 @@ def build_model(args):
                          n_kv_heads=args.n_heads, max_seq_len=256, tie_embeddings=True))
 
 
-def memory_and_time(args, names):
-    from train.config import OptimConfig
+def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print) -> tuple:
+    """Every optimizer of `configs` (name -> OptimConfig) built on `model` (whose parameters hold
+    fixed gradients) and stepped in alternating rounds, the weights put back between rounds.
+    Returns (harness.Rounds, {name: state bytes after a step (`train.optim.state_bytes`)}, {name: build notes})."""
     from train.optim import build_optimizer, state_bytes
-    cpu = torch.device("cpu")
-    model = build_model(args)
-    n = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(0)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    device = next(model.parameters()).device
     opts, notes = {}, {}
-    for name in names:
+    for name, cfg in configs.items():
         msgs = []
-        opts[name] = build_optimizer(model, OptimConfig(name=name, lr=1e-5, muon_lr=1e-5), cpu, log=msgs.append)
+        opts[name] = build_optimizer(model, cfg, device, log=msgs.append)
         notes[name] = "; ".join(msgs)
-    print(f"optimizers: LLM {n / 1e6:.1f}M params (d_model {args.d_model}, {args.n_layers} layers, vocab "
-          f"{args.vocab}), torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} alternating "
-          f"rounds of {args.steps} optimizer step(s)", flush=True)
     for name, o in opts.items():  # warm-up: states allocated (and torchao's update compiled)
         o.step()
-        print(f"  {name}: warmed up" + (f" ({notes[name]})" if notes[name] else ""), flush=True)
+        say(f"  {name}: warmed up" + (f" ({notes[name]})" if notes[name] else ""))
     with torch.no_grad():
         weights = [p.detach().clone() for p in model.parameters()]
 
@@ -75,12 +69,31 @@ def memory_and_time(args, names):
             for p, w in zip(model.parameters(), weights):
                 p.copy_(w)
 
-    rounds = harness.run_rounds({k: o.step for k, o in opts.items()}, args.rounds, calls=args.steps,
-                                between=restore)
-    ref_bytes = state_bytes(opts[REFERENCE])
+    rounds = harness.run_rounds({k: o.step for k, o in opts.items()}, rounds, calls=steps, between=restore)
+    return rounds, {name: state_bytes(o) for name, o in opts.items()}, notes
+
+
+def with_gradients(model, seed: int = 0):
+    """`model` with fixed random gradients (1e-3 scale) on every parameter."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.device)
+    return model
+
+
+def memory_and_time(args, names):
+    from train.config import OptimConfig
+    model = with_gradients(build_model(args))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"optimizers: LLM {n / 1e6:.1f}M params (d_model {args.d_model}, {args.n_layers} layers, vocab "
+          f"{args.vocab}), torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} alternating "
+          f"rounds of {args.steps} optimizer step(s)", flush=True)
+    rounds, nbytes, _ = time_optimizers(model, {name: OptimConfig(name=name, lr=1e-5, muon_lr=1e-5) for name in names},
+                                        args.rounds, args.steps, say=lambda m: print(m, flush=True))
+    ref_bytes = nbytes[REFERENCE]
     rows = []
-    for name, o in opts.items():
-        b = state_bytes(o)
+    for name in names:
+        b = nbytes[name]
         rows.append([name, f"{rounds.best(name) * 1e3:.1f}", str(rounds.paired(REFERENCE, name)) if name != REFERENCE
                      else "", f"{b / 2**20:.1f}", f"{b / n:.2f}", f"{100 * (1 - b / ref_bytes):.0f}%"])
     print()
