@@ -1,7 +1,7 @@
 """The techniques report: every claim of the source notes measured on this machine, beside its baseline.
 
-    python train/bench.py report                  # the full run (under an hour on 2 CPU cores)
-    python train/bench.py report --quick          # small shapes, few rounds and steps (under 15 minutes)
+    python train/bench.py report                  # the full run (larger shapes, more rounds and steps)
+    python train/bench.py report --quick          # small shapes, few rounds and steps (11.5 min on 2 shared CPU cores)
     python train/bench.py report --quick --out docs/report --only precision,compile
     python train/bench.py report --precision bf16 --rounds 12   # comparisons not about precision in bf16
 
