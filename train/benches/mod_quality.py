@@ -65,7 +65,7 @@ def best_threshold_accuracy(score, target) -> float:
 def decisions(out: Path, batch: int, n_batches: int) -> dict:
     """How well a causal decision can agree with the top-k, on the validation tokens of the run in
     `out`, per MoD layer (the layers fed by the top-k forward, as in training):
-    'decision': the agreement of the trained decision (logit > 0), as the loop measures it;
+    'decision': the agreement of the trained decision (logit > the layer's threshold), as the loop measures it;
     'best_threshold': of the same decision logit with the best fixed threshold, chosen on these tokens;
     'router_ceiling': of the router logit itself with the best fixed threshold. The top-k ranks
     router logits within each sequence, so the one thing a fixed threshold on them cannot follow
@@ -85,7 +85,8 @@ def decisions(out: Path, batch: int, n_batches: int) -> dict:
                     r = layer.router(x).squeeze(-1).float()
                     k = layer.tokens_routed(r.shape[1])
                     top = torch.zeros_like(r, dtype=torch.bool).scatter_(1, r.topk(k, dim=-1).indices, True)
-                    for name, v in (("router", r), ("decide", layer.decision_logits(x, r)), ("top", top)):
+                    d = layer.decision_logits(x, r) - layer.threshold  # route where > 0
+                    for name, v in (("router", r), ("decide", d), ("top", top)):
                         logs.setdefault(i, {}).setdefault(name, []).append(v.flatten())
                 x = layer(x, cos, sin)[0]
 
@@ -130,7 +131,7 @@ def main(argv=None):
     mods = [n for n in results if n != "dense"]
     if mods:
         print(f"\nHow far a causal decision can agree with the top-k ({args.eval_batches} validation batches, "
-              f"per MoD layer): the trained decision (logit > 0); the same logit with the best fixed threshold; "
+              f"per MoD layer): the trained decision (logit > its threshold); the same logit with the best fixed threshold; "
               f"the router logit itself with the best fixed threshold (the ceiling of a decision that learns "
               f"the router's score exactly)")
         rows = [[n, f"layer {i}", *(f"{100 * a[k]:.1f}%" for k in ("decision", "best_threshold", "router_ceiling"))]
