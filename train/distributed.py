@@ -11,7 +11,7 @@ device: NCCL on CUDA (one GPU per process, cuda:LOCAL_RANK), gloo on CPU.
   optimizer step only (no_sync() on the others). Parameters, gradients and optimizer state are
   replicated on every rank.
 - fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each of the model's repeated units
-  (`model.repeated_units()`: LLM blocks, ResNet stages, denoiser blocks) and then on the root,
+  (`model.repeated_units()`: LLM blocks, ResNet residual blocks, denoiser blocks) and then on the root,
   as torchtitan orders it: activation checkpointing is inside the model, train.compile compiles
   each unit before it is sharded, and the MixedPrecisionPolicy follows train.precision (bf16:
   bf16 parameters for compute, fp32 gradient reduction; fp32: none). Parameters, gradients and

@@ -123,6 +123,7 @@ class MixtureOfDepths(nn.Module):
             stats = {"aux_loss": torch.zeros((), device=x.device), "routed": route.float().mean(),
                      "boundary": torch.full((), float("nan"), device=x.device),
                      "decided": route.float().mean(), "accuracy": torch.full((), float("nan"), device=x.device)}
+
         def run(x):
             y, rest = self._split(self.block(x, *per_token, key_mask=route, **block_kwargs))
             w = torch.sigmoid(logits)[..., None]
