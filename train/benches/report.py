@@ -850,6 +850,7 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
                 say(f"  {r.technique}: {fmt_effect(r)} -> {r.verdict}" + (f" ({r.reason})" if r.reason else ""))
             rows += got
             timing["parts"][key] = time.perf_counter() - t0
+            say(f"report: {key} took {timing['parts'][key]:.0f} s ({time.perf_counter() - t_all:.0f} s so far)")
     finally:
         if kept:
             release_freed_memory()
