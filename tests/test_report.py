@@ -45,6 +45,22 @@ def test_verdict_rule_rejects_meaningless_claims():
             report.verdict(*bad)
 
 
+def test_others_share_counts_other_processes_not_the_report():
+    """The 'shared' line: CPU time of the whole machine minus the report's own, over wall x cores."""
+    assert report.others_share((0.0, 100.0, 10.0), (10.0, 130.0, 20.0), 2) == pytest.approx(1.0)
+    assert report.others_share((0.0, 100.0, 10.0), (10.0, 110.0, 20.0), 2) == 0.0  # only the report ran
+    assert report.others_share((0.0, None, 0.0), (1.0, 5.0, 1.0), 2) is None
+    if report.busy_cpu_s() is None:
+        pytest.skip("no /proc/stat here")
+    import subprocess, sys
+    busy0, own0 = report.busy_cpu_s(), report.own_cpu_s()
+    burn = "import time\nt=time.process_time()\nwhile time.process_time()-t<1.0: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)   # a child: counted in the report's own CPU time
+    d_busy, d_own = report.busy_cpu_s() - busy0, report.own_cpu_s() - own0
+    assert d_own >= 1.0
+    assert d_busy >= 0.9 * d_own   # the machine's busy time (parsed from /proc/stat) holds the child's second
+
+
 def check_rows(rows: list[dict], measurements: list[str], cuda: bool):
     """Every measurement gave rows; every row not skipped for a named hardware reason holds finite
     measured numbers and the verdict and ratio the rule gives them."""

@@ -51,6 +51,7 @@ from train.benches import harness, plots  # noqa: E402
 MiB = 2**20
 NOMINAL_SPEED_MEMORY = 0.10   # a claim of "faster" / "less memory" without a number: 10%
 NOMINAL_QUALITY = 0.01        # a claim of "better" / "lower loss" without a number: 1% lower
+SHARED = 0.25                 # the page says "shared" when other processes used more of the CPU time than this
 
 
 # ---------------------------------------------------------------- the verdict rule
@@ -151,7 +152,7 @@ SCALES = {
     "quick": Scale("quick", 5, _llm(8192, 128, 4, 4, 2, 128, 8), dict(d_model=256, n_layers=4, n_heads=4, vocab=8192),
                    ("resnet18", 8, 64), 4, 80, 8, 128, 100, 100, 80, 8, 2, 256, max_chars=2_000_000),
     "full": Scale("full", 8, _llm(16384, 256, 4, 4, 2, 256, 8), dict(d_model=512, n_layers=8, n_heads=8, vocab=32000),
-                  ("resnet50", 8, 128), 4, 200, 8, 256, 300, 300, 200, 20, 4, 512),
+                  ("resnet50", 8, 128), 4, 600, 8, 256, 300, 300, 200, 20, 4, 512),
 }
 
 
@@ -753,6 +754,31 @@ def load() -> Optional[tuple]:
     return None
 
 
+def busy_cpu_s() -> Optional[float]:
+    """CPU seconds every process of the machine has used since boot (Linux /proc/stat: all but
+    idle and iowait), or None elsewhere."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        ticks = [int(v) for v in fields[1:9]]   # user nice system idle iowait irq softirq steal
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the measurements' subprocesses)."""
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+def others_share(start: tuple, end: tuple, cores: int) -> Optional[float]:
+    """The fraction of the machine's CPU time (wall x cores) that processes other than the report
+    used between two (wall, machine busy CPU s, own CPU s) samples; None without /proc/stat."""
+    if start[1] is None or end[1] is None or end[0] <= start[0]:
+        return None
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return max(0.0, others / ((end[0] - start[0]) * max(1, cores)))
+
+
 def fmt_effect(row: Row) -> str:
     if row.effect is None:
         return "-"
@@ -764,9 +790,9 @@ def fmt_effect(row: Row) -> str:
 
 
 def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, loads: tuple, started: str) -> Path:
-    cores = info["cores"] or 1
     busy = [l for l in loads if l is not None]
-    shared = any(l[0] > 0.5 * cores for l in busy)
+    others = timing.get("others_share")
+    shared = others is not None and others > SHARED
     lines = ["# Techniques report", "",
              f"Measured by `python train/bench.py report{' --quick' if ctx.s.name == 'quick' else ''}` "
              f"(scale: {ctx.s.name}) on {started}; every number below comes from that run.", "",
@@ -774,12 +800,15 @@ def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, l
              f"- GPU: {info['gpu'] or 'none'}; device used: {ctx.device}",
              f"- Python {info['python']}, {info['platform']}",
              "- " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
-             f"- load average (1 min) at start {busy[0][0]:.2f}, at end {busy[-1][0]:.2f}" if busy else "- load average: unavailable",
-             f"- total wall time {timing['total']:.0f} s; CPU time of the report's processes {timing['cpu']:.0f} s"]
+             f"- load average (1 min) at start {busy[0][0]:.2f}, at end {busy[-1][0]:.2f} (the report's own threads "
+             f"included)" if busy else "- load average: unavailable",
+             f"- total wall time {timing['total']:.0f} s; CPU time of the report's processes {timing['cpu']:.0f} s"
+             + ("" if others is None else f"; other processes used {100 * others:.0f}% of the machine's CPU time "
+                                          f"meanwhile (/proc/stat)")]
     if shared:
-        lines.append(f"- **the machine was shared**: the load average exceeded half the cores while the report ran, "
-                     f"so speed figures are noisy; they are paired medians of alternating rounds (harness.py), "
-                     f"which a slow spell moves least")
+        lines.append(f"- **the machine was shared**: other processes used more than {100 * SHARED:.0f}% of its CPU "
+                     f"time while the report ran, so speed figures are noisy; they are paired medians of alternating "
+                     f"rounds (harness.py), which a slow spell moves least")
     lines += ["", "## The verdict rule", "", RULE, "",
               "Claims paraphrase the source notes (000: tips and tricks list, 001: long optimizer/memory discussion, "
               "002: LLM speed-ups, 003: cookbook, 004: trainer techniques); notes are not papers, and a claim made for "
@@ -831,6 +860,7 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
     ctx = Ctx(scale, out, device, say, precision, rounds)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     info, loads = hardware(), [load()]
+    cpu_start = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
     kept = device.type == "cpu" and keep_freed_memory()  # as the loop and the step benchmarks run (cpu_keep_memory)
     rows, timing, t_all = [], {"parts": {}}, time.perf_counter()
     try:
@@ -863,8 +893,9 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
         plots.memory_bars(ctx.memory, out / "memory.png", "memory: baseline (grey) and technique")
         ctx.plots.insert(1 if ctx.speed else 0, ("memory", "memory.png"))
     timing["total"] = time.perf_counter() - t_all
-    timing["cpu"] = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-                        for f in ("ru_utime", "ru_stime"))
+    timing["cpu"] = own_cpu_s()
+    timing["others_share"] = others_share(cpu_start, (time.perf_counter(), busy_cpu_s(), timing["cpu"]),
+                                          info["cores"] or 1)
     page = write_page(out, rows, ctx, info, timing, tuple(loads), started)
     (out / "report.json").write_text(json.dumps({"scale": scale.name, "hardware": info, "loads": loads,
                                                  "timing": timing, "rows": [dataclasses.asdict(r) for r in rows]},
