@@ -14,6 +14,7 @@ from test_hf_llm import assert_same_generation, assert_same_logits, randomize, t
 
 import zoo
 from zoo.config import ConfigError
+from zoo.weights import hf_llm
 
 transformers = optional_module("transformers")
 
@@ -180,8 +181,11 @@ def test_export_refuses_what_no_architecture_holds(tmp_path, moe, needle):
     if moe.get("balance") == "bias":
         z.moe_blocks()[0].update_bias(torch.tensor([9.0, 1.0, 1.0, 1.0]), 0.01)
     with pytest.raises(ValueError) as e:
-        zoo.save_pretrained(z, tmp_path)
+        hf_llm.save(z, tmp_path / "hf")
     assert "\n" not in str(e.value) and needle in str(e.value)
+    out = zoo.save_pretrained(z, tmp_path / "zoo")  # what holds it: a Zoo folder, loaded back unchanged
+    back = zoo.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), z.state_dict().values()))
 
 
 # ----------------------------------------------------------------------------------------

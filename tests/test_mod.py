@@ -330,9 +330,12 @@ def test_config_errors_name_the_key(data, key):
     assert "\n" not in str(e.value) and key in str(e.value) and "run.yaml" in str(e.value)
 
 
-def test_hf_export_refuses_mod(tmp_path):
+def test_hf_export_refuses_mod_and_save_pretrained_writes_a_zoo_folder(tmp_path):
+    from zoo.weights import hf_llm
     with pytest.raises(ValueError, match="mod_capacity"):
-        zoo.save_pretrained(mod_llm(), tmp_path / "hf")
+        hf_llm.save(mod_llm(), tmp_path / "hf")
+    out = zoo.save_pretrained(mod_llm(), tmp_path / "zoo")  # the format that holds routers and thresholds
+    assert (out / "config.yaml").is_file() and not (out / "config.json").exists()
 
 
 def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_thread):

@@ -291,7 +291,7 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
         task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_
     task.setup()
     torch.manual_seed(t.seed)
-    model = task.build_model().to(device)
+    model = task.build_model().to(device).train()  # from_pretrained returns eval mode
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     # ---- parameter-efficient fine-tuning (adapter:) and gradual unfreezing (train.unfreeze): what trains
@@ -498,6 +498,7 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
             return last
     if keys is None:
         save_safetensors(model, out / "model.safetensors")
+        task.save_files(out)
         if ema_model is not None:
             save_safetensors(ema_model, out / "model_ema.safetensors")
         say(f"weights: {out / 'model.safetensors'}")

@@ -48,7 +48,7 @@ def lr_find(cfg, say) -> dict:
     task.autocast_dtype = amp_dtype
     task.setup()
     torch.manual_seed(t.seed)
-    model = task.build_model().to(device)
+    model = task.build_model().to(device).train()  # from_pretrained returns eval mode
     optimizer = build_optimizer(model, cfg.optim, device, say)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext

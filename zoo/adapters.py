@@ -74,6 +74,8 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
         sites = {}
         for i, layer in enumerate(model.layers):
             z, h = f"layers.{i}.", f"model.layers.{i}."
+            if hasattr(layer, "router") and hasattr(layer, "block"):  # Mixture-of-Depths: the block it routes to
+                layer, z = layer.block, z + "block."
             sites[z + "attn.qkv"] = [(n, rows, h + f"self_attn.{n}") for n, rows in
                                      (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
             sites[z + "attn.proj"] = [("o_proj", d, h + "self_attn.o_proj")]

@@ -85,6 +85,10 @@ class Task:
     def setup(self) -> None:
         """Read and prepare the data (called once, before build_model)."""
 
+    def save_files(self, out_dir) -> None:
+        """Files the run folder needs beside model.safetensors to be used on its own (e.g. the
+        LLM's tokenizer); called once at the end, where model.safetensors is written."""
+
     def build_model(self) -> nn.Module:
         """A fresh (or pretrained, if cfg.train.init_from is set) model on the CPU, fp32."""
         raise NotImplementedError

@@ -25,7 +25,8 @@ import torch
 import zoo
 from zoo.blocks.attention import resolve_backend
 from zoo.config import ConfigError
-from zoo.weights import hf_llm
+from zoo.weights import hf_llm, zoo_folder
+from zoo.weights.files import atomic_write
 
 from ..data import SeqLenSchedule, TextDataConfig, TokenData
 from ..optim import micro_batches
@@ -58,6 +59,8 @@ class LMTask(Task):
         for name in ("tokenizer.model", "tokenizer.json"):
             if (Path(init) / name).is_file():
                 return str(Path(init) / name)
+        if zoo_folder.detect(init) and zoo_folder.tokenizer_of(init) == "bytes":  # a Zoo run on bytes
+            return "bytes"
         raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no tokenizer.model or tokenizer.json; "
                           f"set data.tokenizer to a tokenizer file or 'bytes'")
 
@@ -75,9 +78,10 @@ class LMTask(Task):
             runtime = {k: getattr(self.cfg.model, k) for k in hf_llm.RUNTIME_KEYS if k in given}
             # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
             def load(path):
-                if not hf_llm.detect(path):
+                if not (hf_llm.detect(path) or zoo_folder.detect(path)):
                     raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "
-                                     f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)})")
+                                     f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)}) nor a Zoo LLM "
+                                     f"folder (config.yaml and model.safetensors, as train/run.py writes)")
                 return zoo.from_pretrained(path, dtype=torch.float32, **runtime)
             model = self.load_pretrained(load)
         else:
@@ -254,9 +258,18 @@ class LMTask(Task):
     def export(self, model, out_dir):
         if not self.cfg.train.init_from:
             return None
-        path = Path(out_dir) / "hf"
+        zoo_only = zoo_folder.exports(model)  # MoD / MoE routing bias: a Zoo folder, else Hugging Face's
+        path = Path(out_dir) / ("zoo" if zoo_only else "hf")
         tok = getattr(self.data.tokenizer, "model_path", None)
-        if tok is not None and Path(tok).parent == Path(self.cfg.train.init_from):
+        if tok is not None and Path(tok).parent == Path(self.cfg.train.init_from) and not zoo_only:
             tok = self.cfg.train.init_from  # the checkpoint's tokenizer files, config included
-        zoo.save_pretrained(model, path, tokenizer=tok)
+        zoo.save_pretrained(model, path, tokenizer=tok if tok is not None or not zoo_only else "bytes")
         return str(path)
+
+    def save_files(self, out_dir):
+        """The tokenizer file beside the run's model.safetensors and config.yaml, so that the run
+        folder is a Zoo LLM folder that loads (zoo.from_pretrained) and fine-tunes on its own."""
+        tok = getattr(self.data.tokenizer, "model_path", None)
+        if tok is not None:
+            name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"
+            atomic_write(Path(out_dir) / name, Path(tok).read_bytes())

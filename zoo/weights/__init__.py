@@ -12,7 +12,9 @@ from pathlib import Path
 from .files import check_weights
 
 # Tried in order; the first whose detect() is true loads the path.
-FORMATS: list[str] = ["zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.hf_llm", "zoo.weights.resnet"]
+# Saving: the first whose exports(model) is true writes it (a Zoo folder for LLMs no external format holds).
+FORMATS: list[str] = ["zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.zoo_folder", "zoo.weights.hf_llm",
+                      "zoo.weights.resnet"]
 
 
 def _modules():

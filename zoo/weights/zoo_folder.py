@@ -1,0 +1,164 @@
+"""Zoo's own LLM format: a folder holding `config.yaml` (`family: llm` and a `model:` section) and
+`model.safetensors` (Zoo's state-dict names), plus the tokenizer file when there is one.
+
+Every train/run.py output folder of an LLM is one (the loop writes config.yaml, model.safetensors
+and the tokenizer it trained on), and `zoo.save_pretrained` writes one for an LLM that no Hugging
+Face architecture holds (Mixture-of-Depths routers and thresholds, qk-norm on a dense model, MoE
+options such as sigmoid scoring) or that has a trained MoE routing bias. So such
+a model loads back with `zoo.from_pretrained(folder)` and fine-tunes with
+`train.init_from=folder`. A Hugging Face folder (with config.json) is left to that format.
+
+Loading builds the model from config.yaml and reads model.safetensors, every name and shape
+checked against the model before anything is copied: a missing, unexpected or misshapen tensor
+is a one-line error naming the file.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import yaml
+
+from ..config import ConfigError, load_yaml, model_config_from, to_dict
+from .files import atomic_write, load_tensors, save_safetensors
+
+CONFIG, WEIGHTS = "config.yaml", "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+
+
+def _folder(path) -> Path:
+    p = Path(path)
+    return p.parent if p.is_file() and p.name in (CONFIG, WEIGHTS) else p
+
+
+def detect(path) -> bool:
+    """A folder with config.yaml (family llm) and model.safetensors, and no Hugging Face config.json."""
+    f = _folder(path)
+    if not (f.is_dir() and (f / CONFIG).is_file() and (f / WEIGHTS).is_file()) or (f / "config.json").is_file():
+        return False
+    try:
+        data = yaml.safe_load((f / CONFIG).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return False
+    return isinstance(data, dict) and data.get("family", "llm") == "llm" and isinstance(data.get("model"), dict)
+
+
+def tokenizer_of(path) -> Optional[str]:
+    """The tokenizer the folder's model was trained with: its tokenizer file, 'bytes' when its
+    config.yaml says so, else None."""
+    f = _folder(path)
+    for name in TOKENIZER_FILES:
+        if (f / name).is_file():
+            return str(f / name)
+    data = load_yaml(f / CONFIG)
+    tok = (data.get("data") or {}).get("tokenizer")
+    return "bytes" if tok == "bytes" else None
+
+
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None,
+         **runtime):
+    """Build the LLM of config.yaml and load model.safetensors into it. dtype None keeps the file's
+    floating dtype; device defaults to the CPU. runtime: keys that change how the model runs, not
+    what it computes (hf_llm.RUNTIME_KEYS, e.g. attn_backend="sdpa")."""
+    from ..llm import LLM
+    from .hf_llm import RUNTIME_KEYS
+    f = _folder(path)
+    unknown = [k for k in runtime if k not in RUNTIME_KEYS]
+    if unknown:
+        raise TypeError(f"from_pretrained({f}): unknown option(s) {', '.join(unknown)} for a Zoo LLM folder "
+                        f"(known: dtype, device, {', '.join(RUNTIME_KEYS)})")
+    data = load_yaml(f / CONFIG)
+    cfg = model_config_from({**data["model"], **runtime}, "llm", str(f / CONFIG))
+    state = load_tensors(f / WEIGHTS)
+    with torch.device("meta"):
+        model = LLM(cfg)
+    want = model.state_dict()
+    tied = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"} if cfg.tie_embeddings else {}
+    missing = [k for k in want if k not in state and tied.get(k) not in state]
+    unexpected = [k for k in state if k not in want]
+    wrong = [f"{k} {list(state[k].shape)} (expected {list(want[k].shape)})" for k in state
+             if k in want and state[k].shape != want[k].shape]
+    if missing or unexpected or wrong:
+        problems = [f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
+                    for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                    if names]
+        raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): "
+                         + "; ".join(problems))
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    dtype = _dtype(dtype, floats[0] if floats else torch.float32)
+    device = torch.device(device or "cpu")
+    with torch.device(device):
+        model = LLM(cfg)  # real tensors (RoPE tables, buffers) on the device; the weights come next
+    for k, other in tied.items():  # tied tensors are stored once
+        if k not in state:
+            state[k] = state[other]
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype=dtype).eval() if dtype != torch.float32 else model.eval()
+
+
+def _dtype(dtype, default: torch.dtype) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, str):
+        try:
+            dtype = getattr(torch, dtype)
+        except AttributeError:
+            raise ValueError(f"dtype {dtype!r}: not a torch dtype (e.g. 'float32', 'bfloat16')") from None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype!r}: a floating torch dtype is needed")
+    return dtype
+
+
+def zoo_only(model) -> bool:
+    """An LLM no Hugging Face architecture holds (Mixture-of-Depths, qk-norm on a dense model, MoE
+    options none of them has) or with a trained MoE routing bias."""
+    from .hf_llm import architecture_for
+    model = getattr(model, "_orig_mod", model)
+    if getattr(model, "family", None) != "llm":
+        return False
+    if any(b.score_bias is not None and bool(b.score_bias.any()) for b in model.moe_blocks()):
+        return True
+    try:
+        architecture_for(model.config, getattr(model, "hf_architecture", None))
+    except ValueError:
+        return True
+    return False
+
+
+def exports(model) -> bool:
+    return zoo_only(model)
+
+
+def save(model, path, tokenizer=None, **_) -> Path:
+    """Write `model` (an LLM) as a Zoo folder: config.yaml, model.safetensors and, if given, the
+    tokenizer file (tokenizer.model / tokenizer.json, or a folder holding one). Returns the folder."""
+    model = getattr(model, "_orig_mod", model)
+    if getattr(model, "family", None) != "llm":
+        raise ValueError(f"a Zoo LLM folder holds LLMs, not a {type(model).__name__}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(model, out / WEIGHTS)
+    data = {"family": "llm", "model": to_dict(model.config)}
+    src = _tokenizer_file(tokenizer)
+    if src is not None:
+        shutil.copyfile(src, out / ("tokenizer.json" if src.suffix == ".json" else "tokenizer.model"))
+    elif tokenizer == "bytes":
+        data["data"] = {"tokenizer": "bytes"}
+    atomic_write(out / CONFIG, yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def _tokenizer_file(tokenizer) -> Optional[Path]:
+    if tokenizer is None or tokenizer == "bytes":
+        return None
+    p = Path(tokenizer)
+    if p.is_dir():
+        for name in TOKENIZER_FILES:
+            if (p / name).is_file():
+                return p / name
+        raise ConfigError(f"{p}: no {' or '.join(TOKENIZER_FILES)} in this folder")
+    if not p.is_file():
+        raise ConfigError(f"{p}: tokenizer file not found")
+    return p
