@@ -1,7 +1,7 @@
 """The techniques report: every claim of the source notes measured on this machine, beside its baseline.
 
     python train/bench.py report --out docs/report   # the full run: larger shapes, more rounds and steps (27 min on 2 idle CPU cores)
-    python train/bench.py report --quick          # small shapes, few rounds and steps (11.5 min on 2 shared CPU cores)
+    python train/bench.py report --quick          # small shapes, few rounds and steps (4 min on 2 idle CPU cores, 11.5 min shared)
     python train/bench.py report --quick --only precision,compile
     python train/bench.py report --precision bf16 --rounds 12   # comparisons not about precision in bf16
 
