@@ -219,7 +219,8 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
     and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
     over the ranks for the bias balancing): the losses, the weights and the EMA of one process with
     the same global batch; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the
-    decision thresholds (moved by the mean of the ranks' top-k boundaries). (The LLM and the
+    decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
+    logits). (The LLM and the
     ResNet: the tests above.)"""
     cfg = configs["diffusion" if family == "diffusion" else "llm"]
     extra = {"diffusion": [], "moe": MOE + ["train.grad_accum=1"],
@@ -231,9 +232,10 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
     assert_same_losses(tmp_path / "one", par)
     if family == "mod":  # a top-k choice flips on a round-off difference between near-tied router
         # scores, which moves the routed block's weights by far more than round-off: losses only,
-        # and the thresholds, which every rank moves by the mean of the ranks' boundaries
+        # and the thresholds, which every rank moves by the boundary of the whole global batch
         one_w, par_w = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(par / "model.safetensors"))
-        torch.testing.assert_close(par_w["layers.1.threshold"], one_w["layers.1.threshold"], rtol=1e-3, atol=1e-4)
+        # (measured 4e-5 apart, relative: the logits' round-off; the mean of the ranks' own boundaries was 6e-3 apart)
+        torch.testing.assert_close(par_w["layers.1.threshold"], one_w["layers.1.threshold"], rtol=1e-3, atol=1e-9)
         assert one_w["layers.1.threshold"].item() != 0.0
         return
     assert_close_weights(tmp_path / "one", par)

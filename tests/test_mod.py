@@ -162,6 +162,20 @@ def test_threshold_at_the_boundary_decides_the_top_k(router):
     assert "threshold" in m.state_dict()  # saved with the weights: decoding uses it
 
 
+def test_threshold_boundary_of_a_batch_decides_its_top_k_share():
+    """With several rows the boundary is the batch's: at it the decision routes exactly B x k
+    tokens of the batch (the rows' k-th largest logits differ, so a per-row boundary would not)."""
+    m, rope = mod_block(router="aux_loss")
+    x = torch.randn(3, 16, 32)
+    cs = rope(0, 16, torch.float32)
+    _, _, stats = m(x, *cs)
+    s = m.router(x).squeeze(-1).float().flatten().sort(descending=True).values
+    assert stats["boundary"].item() == pytest.approx(((s[11] + s[12]) / 2).item())
+    m.update_threshold(stats["boundary"], 1.0)
+    _, _, stats = m(x, *cs)
+    assert stats["decided"].item() == pytest.approx(12 / 48)
+
+
 # ----------------------------------------------------------------------------------------
 # MoD LLMs
 # ----------------------------------------------------------------------------------------

@@ -166,10 +166,22 @@ class LLM(nn.Module):
         blocks of their decision's cross-entropy, 'mod_routed' (L,) the fraction of tokens each
         processed, 'mod_decided' (L,) the fraction its causal decision routes, 'mod_accuracy' (L,)
         the fraction where that decision agrees with the top-k (NaN in causal mode), 'mod_boundary' (L,)
-        the top-k's boundary in each one's decision logits (for `update_mod_thresholds`)}."""
+        the top-k's boundary in each one's decision logits (for `update_mod_thresholds`), and with
+        top-k routing 'mod_decide' (L, B, T) the decision logits (for `mod_boundaries`)}."""
         aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy", "boundary")}
+        if all("decide" in s for s in mod_stats):  # top-k routing: the decision logits, (L, B, T)
+            aux["mod_decide"] = torch.stack([s["decide"] for s in mod_stats])
         aux["mod_aux_loss"] = self.config.mod_aux_loss_coef * torch.stack([s["aux_loss"] for s in mod_stats]).mean()
         return aux
+
+    @torch.no_grad()
+    def mod_boundaries(self, decide: torch.Tensor) -> torch.Tensor:
+        """The top-k boundary (L,) of each MoD block from its decision logits (L, N, T) of a whole
+        batch, e.g. gathered from every process of a data-parallel run: the 'mod_boundary' one
+        process would have reported for that batch."""
+        layers = [layer for layer in self.layers if isinstance(layer, MixtureOfDepths)]
+        T = decide.shape[-1]
+        return torch.stack([layer.boundary(d, layer.tokens_routed(T)) for layer, d in zip(layers, decide)])
 
     @torch.no_grad()
     def update_mod_thresholds(self, boundary: torch.Tensor):

@@ -27,9 +27,11 @@ block keeps one of the paper's two causal decisions, trained beside the top-k (`
   input, trained with the same cross-entropy; decide "route" when its logit is > `threshold`. The
   router itself learns only through the language-model loss.
 The threshold (a buffer, 0 at the start) is set in training and fixed after it: each training
-forward reports in its stats the 'boundary', the mean over the rows of the midpoint between the
-k-th and (k+1)-th largest decision logits, and `update_threshold(boundary, rate)` moves the
-threshold toward it (an exponential moving average). The cross-entropy alone, at its small
+forward reports in its stats the 'boundary', the midpoint between the n-th and (n+1)-th largest
+decision logits of the batch (n = B x k: the threshold that decides exactly as many tokens as the
+top-k routes; `boundary(decide, k)`, also for logits gathered from several processes) and the
+decision logits themselves ('decide', (B, T), detached), and `update_threshold(boundary, rate)`
+moves the threshold toward it (an exponential moving average). The cross-entropy alone, at its small
 weight, leaves the decision logits' top-k boundary well below 0 for hundreds of steps (with one
 token in eight routed, "route nothing" is right 87.5% of the time); a threshold at the boundary
 makes the decision route about the top-k's share (docs/llm.md, "Mixture of Depths", measures both).
@@ -110,10 +112,9 @@ class MixtureOfDepths(nn.Module):
         topk = torch.zeros_like(logits).scatter_(1, idx, 1.0)
         with torch.no_grad():
             decided = (decide > self.threshold).float()
-            s = decide.topk(min(k + 1, T), dim=-1).values  # the boundary between routed and not, per row
-            boundary = (s[:, k - 1] + s[:, k]) / 2 if k < T else s[:, -1] - 1.0
             stats = {"routed": torch.tensor(k / T, device=x.device), "decided": decided.mean(),
-                     "accuracy": (decided == topk).float().mean(), "boundary": boundary.mean()}
+                     "accuracy": (decided == topk).float().mean(), "boundary": self.boundary(decide, k),
+                     "decide": decide.detach()}
         stats["aux_loss"] = F.binary_cross_entropy_with_logits(decide, topk)
         return (out, *rest, stats)
 
@@ -136,6 +137,15 @@ class MixtureOfDepths(nn.Module):
             return (x, *self._empty_rest(), stats)
         out, rest = run(x)
         return (out, *rest, stats)
+
+    @staticmethod
+    @torch.no_grad()
+    def boundary(decide: torch.Tensor, k: int) -> torch.Tensor:
+        """The threshold that decides exactly as many tokens of a batch as the top-k routes: the
+        midpoint between the n-th and (n+1)-th largest of its decision logits (N, T), n = N x k."""
+        n, total = decide.shape[0] * k, decide.numel()
+        s = decide.flatten().topk(min(n + 1, total)).values
+        return (s[n - 1] + s[n]) / 2 if n < total else s[-1] - 1.0
 
     @torch.no_grad()
     def update_threshold(self, boundary: torch.Tensor, rate: float):
