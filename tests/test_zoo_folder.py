@@ -53,7 +53,10 @@ def test_run_folder_loads_with_everything_it_trained(pretrained):
         got, want = model(x), ref.eval()(x)
     assert (got - want).abs().max().item() <= 1e-6  # fp32, the same weights: equal up to round-off
     # bf16 on request; a Zoo-only model saves back as a Zoo folder, not a Hugging Face one
-    assert zoo.from_pretrained(pretrained, dtype="bfloat16").embed.weight.dtype == torch.bfloat16
+    half = zoo.from_pretrained(pretrained, dtype="bfloat16")
+    assert half.embed.weight.dtype == torch.bfloat16 and half.lm_head.weight is half.embed.weight
+    assert half.rope.cos.dtype == half.layers[1].threshold.dtype == torch.float32  # buffers stay fp32
+    assert half.layers[1].threshold.item() == model.layers[1].threshold.item()
     out = zoo.save_pretrained(model, pretrained.parent / "again")
     assert (out / "config.yaml").is_file() and not (out / "config.json").exists()
     again = zoo.from_pretrained(out)

@@ -95,7 +95,12 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         if k not in state:
             state[k] = state[other]
     model.load_state_dict(state, strict=True)
-    return model.to(dtype=dtype).eval() if dtype != torch.float32 else model.eval()
+    if dtype != torch.float32:  # the weights; buffers (RoPE tables, MoD thresholds, MoE biases) stay float32
+        kept = {(m, n): b for m in model.modules() for n, b in m._buffers.items() if b is not None}
+        model.to(dtype=dtype)
+        for (m, n), b in kept.items():
+            m._buffers[n] = b
+    return model.eval()
 
 
 def _dtype(dtype, default: torch.dtype) -> torch.dtype:
