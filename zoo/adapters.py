@@ -72,10 +72,8 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
         d, D = cfg.d_model, cfg.resolved_head_dim
         q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
         sites = {}
-        for i, layer in enumerate(model.layers):
-            z, h = f"layers.{i}.", f"model.layers.{i}."
-            if hasattr(layer, "router") and hasattr(layer, "block"):  # Mixture-of-Depths: the block it routes to
-                layer, z = layer.block, z + "block."
+        for i, (wrapper, layer) in enumerate(zip(model.layers, model.blocks())):
+            z, h = f"layers.{i}." + ("block." if layer is not wrapper else ""), f"model.layers.{i}."  # MoD: its block
             sites[z + "attn.qkv"] = [(n, rows, h + f"self_attn.{n}") for n, rows in
                                      (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
             sites[z + "attn.proj"] = [("o_proj", d, h + "self_attn.o_proj")]

@@ -165,10 +165,9 @@ class LLM(nn.Module):
         """The MoD blocks' statistics -> {'mod_aux_loss': mod_aux_loss_coef * the mean over the MoD
         blocks of their decision's cross-entropy, 'mod_routed' (L,) the fraction of tokens each
         processed, 'mod_decided' (L,) the fraction its causal decision routes, 'mod_accuracy' (L,)
-        the fraction where that decision agrees with the top-k (NaN in causal mode), 'mod_boundary' (L,)
-        the top-k's boundary in each one's decision logits (for `update_mod_thresholds`), and with
-        top-k routing 'mod_decide' (L, B, T) the decision logits (for `mod_boundaries`)}."""
-        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy", "boundary")}
+        the fraction where that decision agrees with the top-k (NaN in causal mode), and with top-k
+        routing 'mod_decide' (L, B, T) the decision logits (for `mod_boundaries`)}."""
+        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
         if all("decide" in s for s in mod_stats):  # top-k routing: the decision logits, (L, B, T)
             aux["mod_decide"] = torch.stack([s["decide"] for s in mod_stats])
         aux["mod_aux_loss"] = self.config.mod_aux_loss_coef * torch.stack([s["aux_loss"] for s in mod_stats]).mean()
@@ -176,19 +175,17 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def mod_boundaries(self, decide: torch.Tensor) -> torch.Tensor:
-        """The top-k boundary (L,) of each MoD block from its decision logits (L, N, T) of a whole
-        batch, e.g. gathered from every process of a data-parallel run: the 'mod_boundary' one
-        process would have reported for that batch."""
-        layers = [layer for layer in self.layers if isinstance(layer, MixtureOfDepths)]
+        """The top-k boundary (L,) of each MoD block in its decision logits (L, N, T) of a whole
+        batch ('mod_decide', or those of every process of a data-parallel run, gathered)."""
         T = decide.shape[-1]
-        return torch.stack([layer.boundary(d, layer.tokens_routed(T)) for layer, d in zip(layers, decide)])
+        return torch.stack([layer.boundary(d, layer.tokens_routed(T)) for layer, d in zip(self.mod_layers(), decide)])
 
     @torch.no_grad()
     def update_mod_thresholds(self, boundary: torch.Tensor):
-        """Move each MoD block's decision threshold toward a training forward's `mod_boundary` (L,)
-        by mod_threshold_rate (blocks/mod.py); the LM task calls it after every training forward."""
-        layers = [layer for layer in self.layers if isinstance(layer, MixtureOfDepths)]
-        for layer, b in zip(layers, boundary):
+        """Move each MoD block's decision threshold toward `boundary` (L,) (`mod_boundaries` of a
+        training forward) by mod_threshold_rate (blocks/mod.py); the LM task calls it after every
+        training forward."""
+        for layer, b in zip(self.mod_layers(), boundary):
             layer.update_threshold(b, self.config.mod_threshold_rate)
 
     def checkpoint_units(self) -> list:
@@ -198,6 +195,10 @@ class LLM(nn.Module):
     def repeated_units(self) -> list:
         """The model's repeated units, the layers: what a data-parallel wrapper shards one by one."""
         return list(self.layers)
+
+    def mod_layers(self) -> list:
+        """The Mixture-of-Depths layers, in order."""
+        return [layer for layer in self.layers if isinstance(layer, MixtureOfDepths)]
 
     def blocks(self) -> list:
         """The transformer blocks, unwrapped from their Mixture-of-Depths routing."""

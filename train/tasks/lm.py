@@ -152,15 +152,13 @@ class LMTask(Task):
         _, loss, aux = model(x, y, return_aux=True)
         if bias:
             raw.record_router_load(self.sum_across_ranks(aux["load"].detach().clone()))  # every rank's load
-        if self.mod and raw.training:
-            boundary = aux["mod_boundary"]
-            if self.world > 1:  # the boundary of the global batch from every rank's decision logits: the same
-                d = aux["mod_decide"]  # thresholds on every rank, and the ones one process would reach
+        if self.mod and raw.training:  # the boundary of the global batch: every rank's decision logits, so
+            d = aux["mod_decide"]      # every rank keeps the thresholds one process would reach
+            if self.world > 1:
                 every = torch.zeros((self.world, *d.shape), device=d.device, dtype=d.dtype)
                 every[self.rank] = d
-                every = self.sum_across_ranks(every)  # an all-gather (the other ranks' slots are zeros)
-                boundary = raw.mod_boundaries(every.transpose(0, 1).flatten(1, 2))
-            raw.update_mod_thresholds(boundary)
+                d = self.sum_across_ranks(every).transpose(0, 1).flatten(1, 2)  # an all-gather (zeros elsewhere)
+            raw.update_mod_thresholds(raw.mod_boundaries(d))
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 

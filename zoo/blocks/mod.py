@@ -26,12 +26,12 @@ block keeps one of the paper's two causal decisions, trained beside the top-k (`
 - 'predictor': a small MLP (d_model -> predictor_hidden -> 1, SiLU) on the stop-gradient block
   input, trained with the same cross-entropy; decide "route" when its logit is > `threshold`. The
   router itself learns only through the language-model loss.
-The threshold (a buffer, 0 at the start) is set in training and fixed after it: each training
-forward reports in its stats the 'boundary', the midpoint between the n-th and (n+1)-th largest
-decision logits of the batch (n = B x k: the threshold that decides exactly as many tokens as the
-top-k routes; `boundary(decide, k)`, also for logits gathered from several processes) and the
-decision logits themselves ('decide', (B, T), detached), and `update_threshold(boundary, rate)`
-moves the threshold toward it (an exponential moving average). The cross-entropy alone, at its small
+The threshold (a buffer, 0 at the start) is set in training and fixed after it: each top-k
+forward reports its decision logits in its stats ('decide'); `boundary(decide, k)` is the
+midpoint between the n-th and (n+1)-th largest of a batch's decision logits (n = B x k: the
+threshold that decides exactly as many tokens as the top-k routes; the logits may be gathered
+from several processes), and `update_threshold(boundary, rate)` moves the threshold toward it
+(an exponential moving average). The cross-entropy alone, at its small
 weight, leaves the decision logits' top-k boundary well below 0 for hundreds of steps (with one
 token in eight routed, "route nothing" is right 87.5% of the time); a threshold at the boundary
 makes the decision route about the top-k's share (docs/llm.md, "Mixture of Depths", measures both).
@@ -47,10 +47,11 @@ torch.compile that test is a `torch.cond` inside the graph (no graph break), and
 returns the Nones in place of the block's extras whether or not it ran.
 
 Returns (x, *rest, stats): `rest` is what the block returned after x (e.g. a MoE block's routing
-statistics); `stats` is a dict of 0-dim tensors: 'aux_loss' (the decision's binary cross-entropy
+statistics); `stats` is a dict of 0-dim tensors, 'aux_loss' (the decision's binary cross-entropy
 against the top-k; 0 in causal mode), 'routed' (the fraction of tokens the block processed),
 'decided' (the fraction the causal decision routes), 'accuracy' (the fraction of tokens whose
-causal decision agrees with the top-k; NaN in causal mode), 'boundary' (see above; NaN in causal mode).
+causal decision agrees with the top-k; NaN in causal mode); and with top-k routing 'decide', the
+decision logits (B, T), detached.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) -> gathered (B, k, ...).
 Depends on torch only.
@@ -113,8 +114,7 @@ class MixtureOfDepths(nn.Module):
         with torch.no_grad():
             decided = (decide > self.threshold).float()
             stats = {"routed": torch.tensor(k / T, device=x.device), "decided": decided.mean(),
-                     "accuracy": (decided == topk).float().mean(), "boundary": self.boundary(decide, k),
-                     "decide": decide.detach()}
+                     "accuracy": (decided == topk).float().mean(), "decide": decide.detach()}
         stats["aux_loss"] = F.binary_cross_entropy_with_logits(decide, topk)
         return (out, *rest, stats)
 
@@ -122,7 +122,6 @@ class MixtureOfDepths(nn.Module):
         route = decide > self.threshold  # (B, T)
         with torch.no_grad():
             stats = {"aux_loss": torch.zeros((), device=x.device), "routed": route.float().mean(),
-                     "boundary": torch.full((), float("nan"), device=x.device),
                      "decided": route.float().mean(), "accuracy": torch.full((), float("nan"), device=x.device)}
 
         def run(x):
@@ -149,8 +148,8 @@ class MixtureOfDepths(nn.Module):
 
     @torch.no_grad()
     def update_threshold(self, boundary: torch.Tensor, rate: float):
-        """Move the decision threshold toward `boundary` (the 'boundary' of a training forward's
-        stats) by the fraction `rate`; called outside forward, so activation checkpointing's
+        """Move the decision threshold toward `boundary` (`boundary` of a training forward's
+        decision logits) by the fraction `rate`; called outside forward, so activation checkpointing's
         recomputation does not count a batch twice."""
         self.threshold.lerp_(boundary.to(self.threshold), rate)
 

@@ -63,7 +63,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     floating dtype; device defaults to the CPU. runtime: keys that change how the model runs, not
     what it computes (hf_llm.RUNTIME_KEYS, e.g. attn_backend="sdpa")."""
     from ..llm import LLM
-    from .hf_llm import RUNTIME_KEYS
+    from .hf_llm import RUNTIME_KEYS, _listing, _resolve_dtype
     f = _folder(path)
     unknown = [k for k in runtime if k not in RUNTIME_KEYS]
     if unknown:
@@ -72,7 +72,9 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     data = load_yaml(f / CONFIG)
     cfg = model_config_from({**data["model"], **runtime}, "llm", str(f / CONFIG))
     state = load_tensors(f / WEIGHTS)
-    with torch.device("meta"):
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    dtype = floats[0] if dtype in (None, "auto") and floats else _resolve_dtype(dtype, {}, str(f / CONFIG))
+    with torch.device(device or "cpu"):
         model = LLM(cfg)
     want = model.state_dict()
     tied = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"} if cfg.tie_embeddings else {}
@@ -81,16 +83,10 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     wrong = [f"{k} {list(state[k].shape)} (expected {list(want[k].shape)})" for k in state
              if k in want and state[k].shape != want[k].shape]
     if missing or unexpected or wrong:
-        problems = [f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
-                    for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-                    if names]
+        problems = [f"{label}: {_listing(names, 3)}" for label, names in
+                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
         raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): "
                          + "; ".join(problems))
-    floats = [t.dtype for t in state.values() if t.is_floating_point()]
-    dtype = _dtype(dtype, floats[0] if floats else torch.float32)
-    device = torch.device(device or "cpu")
-    with torch.device(device):
-        model = LLM(cfg)  # real tensors (RoPE tables, buffers) on the device; the weights come next
     for k, other in tied.items():  # tied tensors are stored once
         if k not in state:
             state[k] = state[other]
@@ -101,19 +97,6 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         for (m, n), b in kept.items():
             m._buffers[n] = b
     return model.eval()
-
-
-def _dtype(dtype, default: torch.dtype) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return default
-    if isinstance(dtype, str):
-        try:
-            dtype = getattr(torch, dtype)
-        except AttributeError:
-            raise ValueError(f"dtype {dtype!r}: not a torch dtype (e.g. 'float32', 'bfloat16')") from None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype!r}: a floating torch dtype is needed")
-    return dtype
 
 
 def zoo_only(model) -> bool:
