@@ -9,8 +9,10 @@ import yaml
 
 from train import plan as planner
 from train.config import load_run_config
-from train.loop import RunStopped, train
+from train.loop import train
+from train.step import RunStopped
 from zoo.config import ConfigError
+from train.metrics import read_rows
 
 BASE = {"family": "llm",
         "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128,
@@ -39,7 +41,7 @@ def test_the_chosen_batch_fits_and_the_next_does_not(tmp_path, text_corpus, one_
     b, accum = chosen["batch_size"], chosen["grad_accum"]
     assert (b, accum) == (8, 4) and b * accum == GLOBAL
     assert any(m.startswith("batch size: auto -> micro-batch 8 x 4") for m in logs), logs
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 and all(r["tokens_per_s"] > 0 for r in steps)
     measured = planner.measure_in_subprocess(BASE, [f"train.batch_size={b}"], threads=1)["peak"]

@@ -27,10 +27,11 @@ from safetensors.torch import load_file
 import zoo
 import zoo.config
 from train.checkpoint import list_checkpoints, read_weights
-from train.loop import optimizer_step
+from train.step import optimizer_step
 from train.run import main as run_main
 
 from conftest import starts, wait_for_training
+from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
@@ -134,7 +135,7 @@ def run(cfg: Path, out: Path, *overrides, nproc: int = 2) -> Path:
 
 
 def curve(out: Path) -> list:
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
@@ -176,7 +177,7 @@ def test_two_processes_match_one_with_the_same_global_batch(llm_runs, strategy):
     log = (par / "log.txt").read_text()
     assert f"parallel: {strategy} over 2 processes (gloo)" in log
     assert (par / "metrics.jsonl").read_text().count('"step": 1,') == 1  # only rank 0 writes metrics
-    row = [json.loads(l) for l in (par / "metrics.jsonl").read_text().splitlines()][0]
+    row = read_rows(par)[0]
     assert len(row["peak_mem_gb_ranks"]) == 2
     # the consolidated weights load into a model built from the run's config
     cfg = yaml.safe_load((par / "config.yaml").read_text())
@@ -253,7 +254,7 @@ KILL = ["train.parallel=fsdp", "train.max_steps=200", "train.checkpoint_every=5"
 def uninterrupted(configs, tmp_path_factory):
     """The run the stopped ones must reproduce, and the sum of its step times in seconds."""
     out = run(configs["llm"], tmp_path_factory.mktemp("uninterrupted"), *KILL)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return out, sum(r.get("step_time_s", 0) for r in rows)
 
 

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from train.config import load_run_config
 from train.loop import train
+from train.metrics import read_rows
 
 TINY = {
     "family": "llm",
@@ -23,7 +24,7 @@ def run(tmp_path, corpus, name="run", **over):
     overrides = [f"train.out_dir={tmp_path / name}", f"data.path={corpus}"] + [f"{k}={v}" for k, v in over.items()]
     cfg = load_run_config(None, overrides, base=TINY)
     final = train(cfg, log=lambda m: None)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return final, rows
 
 

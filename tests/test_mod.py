@@ -15,6 +15,7 @@ from zoo.blocks.mod import MixtureOfDepths
 from zoo.blocks.rope import RotaryEmbedding
 from zoo.config import ConfigError, LLMConfig, MoEConfig, from_dict
 from zoo.llm import Block
+from train.metrics import read_rows
 
 TOL = 1e-5
 MODEL_TOL = 1e-4
@@ -367,7 +368,7 @@ def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_threa
             "optim": {"lr": 3e-3, "warmup_steps": 2}}
     lines = []
     train(load_run_config(None, [], base=base), log=lines.append)
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     row = [r for r in rows if "loss" in r][-1]
     assert row["mod_routed"] == [0.25] and len(row["mod_decided"]) == len(row["mod_accuracy"]) == 1
     assert 0.0 <= row["mod_accuracy"][0] <= 1.0 and math.isfinite(row["mfu"])

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import zoo
 from zoo.blocks.moe import MoE, grouped_mm_supported
 from zoo.config import ConfigError, LLMConfig, from_dict
+from train.metrics import read_rows
 
 TOL = 1e-5
 MODEL_TOL = 1e-4
@@ -357,7 +358,7 @@ def run(tmp_path, corpus, name, moe, **over):
     lines = []
     cfg = load_run_config(None, [f"{k}={v}" for k, v in over.items()], base=base)
     train(cfg, log=lines.append)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return rows, lines
 
 

@@ -23,6 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import train.builder as builder
 import train.loop as loop
 from train.checkpoint import list_checkpoints
 from train.config import load_run_config
@@ -30,6 +31,7 @@ from train.run import main as run_main
 from train.tasks.lm import LMTask
 
 from conftest import starts, wait_for_training
+from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
@@ -62,7 +64,7 @@ def assert_bitwise_equal(a: dict, b: dict):
 
 def curve(out: Path) -> list:
     """(step, loss, lr, grad_norm) of every logged training step: what a resumed run must reproduce."""
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
@@ -109,7 +111,7 @@ def reference(run_cfg, tmp_path_factory):
     """An uninterrupted run: its final weights, loss curve and the sum of its step times in seconds."""
     out = tmp_path_factory.mktemp("reference")
     assert finish(launch(run_cfg, out)) == 0, (out / "stderr-0.txt").read_text()
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return weights(out / "model.safetensors"), curve(out), sum(r.get("step_time_s", 0) for r in rows)
 
 
@@ -359,13 +361,13 @@ def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monk
     corpus, _ = small_full
     k = 7
     task = nan_task(lambda s: s == k, what)
-    monkeypatch.setattr(loop, "task_class", lambda family: task)
+    monkeypatch.setattr(builder, "task_class", lambda family: task)
     out, logs = run(tmp_path, corpus, "nan")
     snaps = task.snapshots
     assert_bitwise_equal(snaps[k + 1], snaps[k])  # the NaN step left the weights untouched
     for s in (k - 1, k + 1):  # the steps around it did train
         assert any(not torch.equal(snaps[s][n], snaps[s + 1][n]) for n in snaps[s])
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert {"step": k + 1, "nonfinite": True, "skipped_steps": 1} in rows
     assert all(r.get("skipped_steps") == 1 for r in rows if "loss" in r and r["step"] > k)
     (msg,) = [m for m in logs if "non-finite" in m and "skipped" in m]
@@ -382,7 +384,7 @@ def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_
     corpus, full = small_full
     part = killed_copy(full, tmp_path / "part", after_step=10)
     kept = {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)}
-    monkeypatch.setattr(loop, "task_class", lambda family: nan_task(lambda s: True))
+    monkeypatch.setattr(builder, "task_class", lambda family: nan_task(lambda s: True))
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({**SMALL, "data": {**SMALL["data"], "path": str(corpus)}}))
     code = run_main([str(cfg), f"train.out_dir={part}", "train.checkpoint_every=2", "train.max_nonfinite=4",
@@ -393,7 +395,7 @@ def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_
     # no checkpoint of the NaN streak rotated the good ones away; they are intact
     assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == kept
     assert not (part / "model.safetensors").exists()
-    rows = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(part)
     assert [r["step"] for r in rows if r.get("nonfinite")] == [11, 12, 13, 14]
 
 

@@ -17,6 +17,7 @@ from zoo.config import ConfigError
 from zoo.weights import zoo_folder
 
 from test_loop import TINY, losses
+from train.metrics import read_rows
 
 # MoD on every other layer and MoE layers with bias balancing: both only Zoo's format can hold
 MOD_MOE = copy.deepcopy(TINY)
@@ -27,7 +28,7 @@ MOD_MOE["model"].update(n_layers=2, mod_capacity=0.5, mod_every=2, mod_threshold
 def run(tmp_path, corpus, name, *over, base=MOD_MOE):
     cfg = load_run_config(None, [f"train.out_dir={tmp_path / name}", f"data.path={corpus}", *over], base=base)
     last = train(cfg, log=lambda m: None)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return last, rows
 
 

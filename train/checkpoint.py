@@ -10,9 +10,12 @@ It is written into a temporary directory, every file fsynced, then renamed into 
 a run killed at any moment leaves either a complete checkpoint or none. Resume takes the
 newest checkpoint whose manifest, sizes and checksums all hold, and falls back to older
 ones (naming the bad one) otherwise. The last `keep` checkpoints are kept.
-A run of several processes (train/distributed.py) writes a sharded checkpoint instead: DCP's
-files (.metadata, one __<rank>_0.distcp per rank) beside state.pt, with "format": "dcp" in the
-manifest, sealed and renamed by `publish` as here; `load_checkpoint` reads either kind.
+A run of several processes (train/distributed.py) writes a sharded checkpoint instead (`save_dcp`):
+DCP's files (.metadata, one __<rank>_0.distcp per rank) beside rank 0's state.pt (step, every
+rank's RNG state, GradScaler, extra), with "format": "dcp" in the manifest, sealed and renamed by
+`publish` as here; `load_checkpoint` reads either kind. DCP reshards on load, so a checkpoint of
+N ranks resumes on M ranks, one process included (without a process group). `par` below is the
+run's train.distributed.Parallel (rank, world, broadcast, gather, barrier), or None in one process.
 """
 from __future__ import annotations
 
@@ -249,11 +252,9 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
 
 def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed) -> dict:
     """A DCP checkpoint of any number of ranks, into this run (one process or many)."""
-    from .distributed import Launch, Parallel, load_dcp
     if before_optimizer is not None:
         before_optimizer(read_state(path / "state.pt"))
-    state = load_dcp(par if par is not None else Parallel("none", Launch()), path, model, optimizer, scaler, ema,
-                     seed)
+    state = load_dcp(par, path, model, optimizer, scaler, ema, seed)
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
     return state
@@ -306,3 +307,70 @@ def _first_verified(paths: list, log) -> list:
         except ValueError as e:
             log(f"checkpoint {path} is unusable ({e}); falling back to the previous one")
     return []
+
+
+# ------------------------------------------------------------------------------ DCP checkpoints
+def _dcp_state(model, optimizer, ema) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optimizer": osd}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    return state
+
+
+def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
+             extra: Optional[dict] = None, keep: int = 2) -> Path:
+    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
+    manifest and renames it into place (publish). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(out_dir) / CKPT_DIR
+    tag = par.broadcast(os.getpid())  # one temporary name for all ranks: rank 0's pid
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{tag}"
+    if par.main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    par.barrier()
+    dcp.save(_dcp_state(model, optimizer, ema), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    rngs = par.gather(rng_state())
+    final = root / f"{PREFIX}{step:08d}"
+    if par.main:
+        state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
+                 "has_ema": ema is not None, "extra": extra or {}}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        torch.save(state, tmp / "state.pt")
+        publish(out_dir, tmp, final, step, keep, tag, fmt="dcp")
+    par.barrier()  # nobody goes on (or is killed as done) before the checkpoint is in place
+    return final
+
+
+def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0) -> dict:
+    """Load a verified DCP checkpoint written by any number of ranks into this run (collective
+    when distributed; works in one process without a process group: par None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = read_state(path / "state.pt")
+    with_ema = ema is not None and state.get("has_ema", False)
+    sd = _dcp_state(model, optimizer, ema if with_ema else None)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"])
+        state["ema_started"] = not with_ema
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    rngs = state.get("rng_ranks") or [state["rng"]]
+    rank, world = (par.rank, par.world) if par is not None and par.active else (0, 1)
+    if len(rngs) == world:
+        set_rng_state(rngs[rank])
+    else:  # resharded: rank 0 continues rank 0's stream, the others start fresh ones
+        set_rng_state(rngs[0])
+        if par is not None:
+            par.seed_rank(seed)
+        state["resharded"] = (len(rngs), world)
+    return state

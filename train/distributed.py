@@ -1,5 +1,5 @@
-"""Past one process: torchrun's environment, DDP / FSDP2 wrapping, cross-rank agreement and
-sharded checkpoints (torch.distributed.checkpoint).
+"""Past one process: torchrun's environment, the process group, DDP / FSDP2 wrapping and
+cross-rank agreement. (Sharded checkpoints are train/checkpoint.py's.)
 
     torchrun --nproc-per-node N train/run.py CONFIG train.parallel=ddp|fsdp
 
@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -273,70 +271,3 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> int:
             setattr(parent, name, new)
             count += 1
     return count
-
-
-# ------------------------------------------------------------------------------ DCP checkpoints
-def _dcp_state(model, optimizer, ema) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optimizer": osd}
-    if ema is not None:
-        state["ema"] = get_model_state_dict(ema)
-    return state
-
-
-def save_dcp(par: Parallel, out_dir, step: int, model, optimizer, scaler=None, ema=None,
-             extra: Optional[dict] = None, keep: int = 2) -> Path:
-    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
-    manifest and renames it into place (train/checkpoint.py's publish). Collective."""
-    import torch.distributed.checkpoint as dcp
-
-    from . import checkpoint as ckpt
-    root = Path(out_dir) / ckpt.CKPT_DIR
-    tag = par.broadcast(os.getpid())  # one temporary name for all ranks: rank 0's pid
-    tmp = root / f".tmp-{ckpt.PREFIX}{step:08d}-{tag}"
-    if par.main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    par.barrier()
-    dcp.save(_dcp_state(model, optimizer, ema), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-    rngs = par.gather(ckpt.rng_state())
-    final = root / f"{ckpt.PREFIX}{step:08d}"
-    if par.main:
-        state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
-                 "has_ema": ema is not None, "extra": extra or {}}
-        if scaler is not None:
-            state["scaler"] = scaler.state_dict()
-        torch.save(state, tmp / "state.pt")
-        ckpt.publish(out_dir, tmp, final, step, keep, tag, fmt="dcp")
-    par.barrier()  # nobody goes on (or is killed as done) before the checkpoint is in place
-    return final
-
-
-def load_dcp(par: Parallel, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0) -> dict:
-    """Load a verified DCP checkpoint written by any number of ranks into this run (collective
-    when distributed; works in one process without a process group)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    from . import checkpoint as ckpt
-    state = ckpt.read_state(path / "state.pt")
-    with_ema = ema is not None and state.get("has_ema", False)
-    sd = _dcp_state(model, optimizer, ema if with_ema else None)
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
-    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
-        set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"])
-        state["ema_started"] = not with_ema
-    if scaler is not None and "scaler" in state:
-        scaler.load_state_dict(state["scaler"])
-    rngs = state.get("rng_ranks") or [state["rng"]]
-    if len(rngs) == par.world:
-        ckpt.set_rng_state(rngs[par.rank])
-    else:  # resharded: rank 0 continues rank 0's stream, the others start fresh ones
-        ckpt.set_rng_state(rngs[0])
-        par.seed_rank(seed)
-        state["resharded"] = (len(rngs), par.world)
-    return state

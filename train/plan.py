@@ -254,11 +254,19 @@ class Simulated:
 
 
 def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
-    from train.loop import DTYPES
+    """The compute dtype the loop runs cfg in (train/step.py's resolve_precision: `auto` measured
+    once per process and device, as the loop measures it)."""
+    from train.step import DTYPES, resolve_precision
     p = cfg.train.precision
-    if p == "auto":  # the loop measures; the plan assumes bf16 where the device has it natively
-        p = "bf16" if device.type == "cuda" else "fp32"
+    if p == "auto":
+        key = (str(device), torch.get_num_threads())
+        if key not in _AUTO:
+            _AUTO[key] = resolve_precision(p, device)
+        p = _AUTO[key]
     return None if p == "fp32" else DTYPES[p]
+
+
+_AUTO: dict = {}  # (device, threads) -> what train.precision: auto resolved to
 
 
 def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_layers: Optional[int] = None,
@@ -576,6 +584,24 @@ def device_memory(device: torch.device) -> int:
     raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
 
 
+def auto_batch_size(cfg, model, task, device, out: Path, say) -> tuple[int, int]:
+    """train.batch_size=auto in the loop: the micro-batch of the run being resumed (its config.yaml),
+    else the largest that fits (find_batch_size); train.global_batch kept by accumulation."""
+    import yaml
+    from train.checkpoint import list_checkpoints
+    from train.step import EXIT_CONFIG, RunStopped
+    t = cfg.train
+    if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
+        was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch:
+            say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
+            return was["batch_size"], was["grad_accum"]
+    try:
+        return find_batch_size(cfg, device, say, model, task)
+    except ValueError as e:
+        raise RunStopped(str(e), EXIT_CONFIG) from None
+
+
 def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None) -> tuple[int, int]:
     """train.batch_size=auto: (micro-batch, grad_accum) with micro-batch x grad_accum = train.global_batch,
     the micro-batch the largest divisor of it whose planned peak fits train.memory_budget (null:
@@ -587,6 +613,9 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
     G = t.global_batch
     if model is not None and getattr(model, "config", None) is not None:
         cfg = dataclasses.replace(cfg, model=model.config)
+    if task is not None:  # plan the precision the run resolved (train.precision: auto), not a new measurement
+        from train.step import precision_of
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
     budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     sizes = [d for d in range(1, G + 1) if G % d == 0]
     peaks: dict[int, int] = {}
@@ -669,7 +698,7 @@ def measure(cfg, batch_size: Optional[int] = None) -> dict:
     import contextlib
     import gc
     from train.hardware import release_freed_memory
-    from train.loop import EMA, optimizer_step
+    from train.step import EMA, optimizer_step
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
