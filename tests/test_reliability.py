@@ -112,7 +112,7 @@ def reference(run_cfg, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     assert finish(launch(run_cfg, out)) == 0, (out / "stderr-0.txt").read_text()
     rows = read_rows(out)
-    return weights(out / "model.safetensors"), curve(out), sum(r.get("step_time_s", 0) for r in rows)
+    return weights(out / "model.safetensors"), curve(out), sum(r.get("step_time_s", 0) for r in rows), out
 
 
 # ------------------------------------------------------------------------------ SIGKILL
@@ -120,7 +120,7 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, ref
     """At least 5 SIGKILLs (one or more inside a checkpoint write), each followed by a resume:
     the final weights and the whole loss curve equal the uninterrupted run's, bit for bit."""
     rng = random.Random(0)
-    ref_weights, ref_curve, train_time = reference
+    ref_weights, ref_curve, train_time, _ = reference
     out = tmp_path / "killed"
     kills, in_write = 0, 0
     for attempt in range(14):
@@ -152,6 +152,9 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, ref
     assert log.count("resumed from") >= 4, log
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
     assert curve(out) == ref_curve  # every step logged once, with the uninterrupted run's numbers
+    ref_out = reference[3]  # and the files themselves, byte for byte
+    assert (out / "model.safetensors").read_bytes() == (ref_out / "model.safetensors").read_bytes()
+    assert (out / "metrics.jsonl").read_bytes() == (ref_out / "metrics.jsonl").read_bytes()
     assert not list((out / "checkpoints").glob(".tmp-*"))  # killed writers' leftovers are cleaned up
     assert len(list_checkpoints(out)) == CFG["train"]["keep_checkpoints"]
 
@@ -207,7 +210,7 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
     assert cut and not cut & after and max(before) in after, (cut, before, after)
     assert all(name > max(before) for name in after - before), (before, after)
     assert finish(launch(run_cfg, out)) == 0
-    ref_weights, ref_curve, _ = reference
+    ref_weights, ref_curve, _, _ = reference
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
     assert curve(out) == ref_curve
 
@@ -301,6 +304,23 @@ def test_killed_after_the_last_checkpoint_only_finishes(small_full, tmp_path):
     assert any(m.rstrip().endswith("(step 20)") and m.startswith("resumed from") for m in logs), logs
     assert_bitwise_equal(weights(part / "model.safetensors"), weights(full / "model.safetensors"))
     assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+
+
+def test_resume_inside_a_logging_window_logs_the_same_bytes(small_full, tmp_path):
+    """log_every=3 with checkpoints every 5 steps: the windows of steps 10-12 and 13-15 span a resume.
+    The window is checkpointed, so metrics.jsonl and model.safetensors equal the uninterrupted run's
+    byte for byte (speed.jsonl holds the wall-clock numbers, which no two runs share)."""
+    corpus, _ = small_full
+    over = {"train.keep_checkpoints": 10, "train.log_every": 3}
+    full, _ = run(tmp_path, corpus, "full3", **over)
+    part = killed_copy(full, tmp_path / "part3", after_step=10)
+    _, logs = run(tmp_path, corpus, "part3", **over)
+    assert any(m.rstrip().endswith("(step 10)") and m.startswith("resumed from") for m in logs), logs
+    assert (part / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    rows = read_rows(part)
+    assert [r["step"] for r in rows if "loss" in r] == [3, 6, 9, 12, 15, 18, 20]
+    assert all("tokens_per_s" in r for r in rows if "loss" in r)
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(small_full, tmp_path, capsys):

@@ -103,11 +103,18 @@ def _data_crc32(f, start: int, end: int) -> int:
 
 
 def _seal(path: Path):
-    """Write the CRC-32 of the data section over the placeholder in the header's metadata
-    (the same number of bytes, so nothing moves)."""
+    """Put the header's metadata in sorted key order (safetensors writes it in a hash map's order,
+    which changes from process to process: the same tensors must give the same bytes) and write
+    the CRC-32 of the data section over the placeholder (the same number of bytes, so nothing moves)."""
     with open(path, "r+b") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = f.read(n)
+        meta = json.loads(header).get("__metadata__") or {}
+        dump = lambda d: json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode()  # noqa: E731 - serde's form
+        if dump(meta) in header:
+            header = header.replace(dump(meta), dump(dict(sorted(meta.items()))), 1)
+            f.seek(8)
+            f.write(header)
         mark = f'"{CHECKSUM_KEY}":"{_PLACEHOLDER}"'.encode()
         at = header.find(mark)
         if at < 0 or header.find(mark, at + 1) >= 0:
