@@ -21,6 +21,8 @@ from zoo.adapters import AdapterConfig
 from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
 
+from .optim import OPTIMIZERS
+
 
 @dataclass
 class TrainConfig:
@@ -142,7 +144,7 @@ def _installed(module: str) -> bool:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore"] = "adamw"
+    name: str = "adamw"                     # a name of the registry in train/optim/__init__.py (OPTIMIZERS)
     lr: float = 3e-4
     weight_decay: float = 0.1               # not applied to norms, biases and embeddings
     betas: tuple[float, float] = (0.9, 0.95)
@@ -183,8 +185,11 @@ class OptimConfig:
             raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise fail(source, prefix + "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
-        if self.name == "adamw8bit" and not _installed("torchao"):
-            raise fail(source, prefix + "name", "=adamw8bit needs the torchao package: pip install -e '.[optim]'")
+        if self.name not in OPTIMIZERS:
+            raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        package = OPTIMIZERS[self.name].package
+        if package and not _installed(package):
+            raise fail(source, prefix + "name", f"={self.name} needs the {package} package: pip install -e '.[optim]'")
         if self.onecycle_div < 1.0:
             raise fail(source, prefix + "onecycle_div", f"must be >= 1, got {self.onecycle_div}")
         if self.muon_lr <= 0:

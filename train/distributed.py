@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .optim import OPTIMIZERS
+
 
 @dataclass
 class Launch:
@@ -65,7 +67,7 @@ def launch_env() -> Launch:
 def unsupported(cfg) -> Optional[str]:
     """A one-line reason why this config cannot run with train.parallel (the key named), or None."""
     t, a = cfg.train, cfg.adapter
-    optimizers = ("adamw", "sgd", "lion") + (("adafactor",) if t.parallel == "ddp" else ())  # the ones run here
+    optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
                f"with it, use one of {', '.join(optimizers)}"),
               (a.enabled, f"adapter.method={a.method}", "adapters train a few parameters: one process is the way"),
