@@ -160,4 +160,21 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
         except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
             raise RunStopped(str(e), EXIT_CONFIG) from None
         run.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        hook = task.step_hook(model)
+        if hook is not None:
+            after_step(run.optimizer, hook)
     return run
+
+
+def after_step(optimizer, fn):
+    """Call fn() after every step the optimizer takes (a skipped step takes none)."""
+    if hasattr(optimizer, "register_step_post_hook"):
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
+        return
+    step = optimizer.step  # an optimizer wrapper that is no torch.optim.Optimizer (torchao's CPU offload)
+
+    def stepped(*args, **kwargs):
+        out = step(*args, **kwargs)
+        fn()
+        return out
+    optimizer.step = stepped

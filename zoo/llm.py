@@ -82,6 +82,7 @@ class LLM(nn.Module):
         n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
+        self.mod_decisions: list = []  # training forwards' MoD decision logits since the last threshold update
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
 
@@ -126,6 +127,8 @@ class LLM(nn.Module):
             if s is not None:
                 stats.append(s)
             mod_stats += m
+        if self.training:
+            self._record_routing(stats, mod_stats)
         h = self.norm(x)
         if targets is None:
             out = (self.lm_head(h),)
@@ -174,6 +177,22 @@ class LLM(nn.Module):
         return aux
 
     @torch.no_grad()
+    def _record_routing(self, stats: list, mod_stats: list):
+        """A training forward keeps what the routing-state updates need, as BatchNorm keeps its
+        statistics: the experts' load (balance 'bias', in `router_load`) and the MoD blocks' decision
+        logits of top-k routing (in `mod_decisions`). Whoever trains the model applies them once
+        per optimizer step (update_router_biases, update_mod_thresholds)."""
+        if stats and hasattr(self, "router_load"):
+            self.router_load += torch.stack([s["load"] for s in stats])
+        if mod_stats and all("decide" in s for s in mod_stats):
+            self.mod_decisions.append(torch.stack([s["decide"] for s in mod_stats]).detach())
+
+    def take_mod_decisions(self) -> Optional[torch.Tensor]:
+        """The decision logits (L, N, T) recorded since the last call (None: none), then forgotten."""
+        d, self.mod_decisions = self.mod_decisions, []
+        return torch.cat(d, dim=1) if d else None
+
+    @torch.no_grad()
     def mod_boundaries(self, decide: torch.Tensor) -> torch.Tensor:
         """The top-k boundary (L,) of each MoD block in its decision logits (L, N, T) of a whole
         batch ('mod_decide', or those of every process of a data-parallel run, gathered)."""
@@ -182,9 +201,9 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def update_mod_thresholds(self, boundary: torch.Tensor):
-        """Move each MoD block's decision threshold toward `boundary` (L,) (`mod_boundaries` of a
-        training forward) by mod_threshold_rate (blocks/mod.py); the LM task calls it after every
-        training forward."""
+        """Move each MoD block's decision threshold toward `boundary` (L,) (`mod_boundaries` of the
+        training forwards of an optimizer step) by mod_threshold_rate (blocks/mod.py); the trainer
+        calls it after every optimizer step."""
         for layer, b in zip(self.mod_layers(), boundary):
             layer.update_threshold(b, self.config.mod_threshold_rate)
 
@@ -209,16 +228,11 @@ class LLM(nn.Module):
         return [b.mlp for b in self.blocks() if isinstance(b.mlp, MoE)]
 
     @torch.no_grad()
-    def record_router_load(self, load: torch.Tensor):
-        """Add a training forward's load (L, E) to the choices counted since the last bias update."""
-        self.router_load += load
-
-    @torch.no_grad()
     def update_router_biases(self):
         """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load by
         moe.bias_update_rate, from the choices recorded since the last update; then reset them.
-        Called once per optimizer step, before its first forward (the load lives in the
-        `router_load` buffer, so a checkpoint resumes exactly). Without recorded load nothing moves."""
+        Called once per optimizer step, after it (the load lives in the `router_load` buffer, so a
+        checkpoint resumes exactly). Without recorded load nothing moves."""
         for block, load in zip(self.moe_blocks(), self.router_load):
             block.update_bias(load, self.config.moe.bias_update_rate)
         self.router_load.zero_()

@@ -112,6 +112,12 @@ class Task:
         """(mean loss over the batch, number of items it covers)."""
         raise NotImplementedError
 
+    def step_hook(self, model: nn.Module) -> Optional[Callable[[], None]]:
+        """What must run after every optimizer step on the (unwrapped) model: routing-state updates
+        such as MoE bias balancing, with any cross-rank reduction inside. None: nothing. The run
+        builder registers it once, as an optimizer step hook."""
+        return None
+
     def example_batch(self, model: nn.Module, batch_size: int) -> Any:
         """A training batch of `batch_size` items with the shapes and dtypes train_batch gives, made
         without the data (zeros, on self.device; under a FakeTensorMode, fake). After it, `loss` works
