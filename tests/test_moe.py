@@ -381,9 +381,9 @@ def test_bias_balancing_through_the_loop_resumes_exactly(tmp_path, text_corpus, 
     weights = load_file(tmp_path / "full" / "model.safetensors")
     biases = [v for k, v in weights.items() if k.endswith("score_bias")]
     assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # the bias moved
-    for b in biases:  # whole steps of bias_update_rate, at most one per optimizer step after the first
+    for b in biases:  # whole steps of bias_update_rate, at most one per optimizer step (after each of the 6)
         n = b / 0.01
-        assert torch.allclose(n, n.round(), atol=1e-3) and n.abs().max() <= 5
+        assert torch.allclose(n, n.round(), atol=1e-3) and n.abs().max() <= 6
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "checkpoints" / "step_00000006")

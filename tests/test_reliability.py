@@ -453,7 +453,7 @@ def test_resume_refuses_a_malicious_state_pt(small_full, tmp_path):
     malicious(ck / "state.pt", state, marker)
     # an attacker who can write the file can also fix up the manifest: only weights_only stands in the way
     man = json.loads((ck / "manifest.json").read_text())
-    man["files"]["state.pt"] = {"size": (ck / "state.pt").stat().st_size, "sha256": sha(ck / "state.pt")}
+    man["files"]["state.pt"] = {"size": (ck / "state.pt").stat().st_size}  # state.pt's checksum is its own (zip CRCs)
     (ck / "manifest.json").write_text(json.dumps(man))
     _, logs = run(tmp_path, corpus, "part", **{"train.keep_checkpoints": 10})
     assert not marker.exists()

@@ -5,7 +5,9 @@ A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding
     ema.safetensors     the EMA weights, when the run keeps an EMA
     state.pt            optimizer, GradScaler, RNG states, step, task state (read back
                         with torch.load(weights_only=True): tensors and plain containers only)
-    manifest.json       written last: step, and the size and sha256 of every file
+    manifest.json       written last: step, and the size of every file, with the CRC-32 of those
+                        that carry no checksum of their own (safetensors files carry theirs in
+                        the header, state.pt in its zip records: zoo/weights/files.py checks both)
 It is written into a temporary directory, every file fsynced, then renamed into place, so
 a run killed at any moment leaves either a complete checkpoint or none. Resume takes the
 newest checkpoint whose manifest, sizes and checksums all hold, and falls back to older
@@ -19,7 +21,6 @@ run's train.distributed.Parallel (rank, world, broadcast, gather, barrier), or N
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -30,20 +31,13 @@ from typing import Optional
 
 import numpy as np
 import torch
-from zoo.weights.files import fsync_dir, fsync_file, load_tensors, save_safetensors
+from zoo.weights.files import (check_weight_file, file_crc32, fsync_dir, fsync_file, load_tensors,
+                               save_safetensors, self_checked)
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 REQUIRED = ("model.safetensors", "state.pt")
 REQUIRED_DCP = (".metadata", "state.pt")  # a sharded checkpoint (train/distributed.py)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict:
@@ -120,14 +114,14 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
 
 def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None):
     """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest
-    (size and sha256 of each) last, rename it to `final`, drop the checkpoints beyond the newest
+    (the size of each, the CRC-32 of those without a checksum of their own) last, rename it to `final`, drop the checkpoints beyond the newest
     `keep` and the temporary directories of killed writers (those not ending in -`tag`).
     fmt: "dcp" for a sharded checkpoint (train/distributed.py); None: the one-process layout."""
     root = final.parent
     files = {}
     for f in sorted(tmp.iterdir()):
         fsync_file(f)
-        files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+        files[f.name] = {"size": f.stat().st_size, **({} if self_checked(f) else {"crc32": file_crc32(f)})}
     manifest = tmp / "manifest.json"
     manifest.write_text(json.dumps({"step": step, **({"format": fmt} if fmt else {}), "files": files}, indent=1))
     fsync_file(manifest)
@@ -157,7 +151,7 @@ def verify_checkpoint(path: Path) -> dict:
         manifest = json.loads(man.read_text())
         files = manifest["files"]
         sizes = {name: int(meta["size"]) for name, meta in files.items()}
-        sums = {name: str(meta["sha256"]) for name, meta in files.items()}
+        sums = {name: str(meta["crc32"]) for name, meta in files.items() if "crc32" in meta}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ValueError(f"{man}: unreadable manifest") from None
     for name in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED):
@@ -169,8 +163,10 @@ def verify_checkpoint(path: Path) -> dict:
             raise ValueError(f"{f}: missing")
         if f.stat().st_size != sizes[name]:
             raise ValueError(f"{f}: size {f.stat().st_size} != {sizes[name]} recorded (truncated?)")
-        if _sha256(f) != sums[name]:
+        if name in sums and file_crc32(f) != sums[name]:
             raise ValueError(f"{f}: checksum mismatch (corrupt)")
+        if self_checked(f):
+            check_weight_file(f)  # its own checksum
     return manifest
 
 

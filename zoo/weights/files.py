@@ -90,6 +90,19 @@ def atomic_write(path, content: Union[bytes, str, Callable[[Path], object]]) -> 
     return path
 
 
+def file_crc32(path, start: int = 0) -> str:
+    """The CRC-32 of a file's bytes from `start` (hex): the one checksum Zoo writes and checks."""
+    with open(path, "rb") as f:
+        return f"{_data_crc32(f, start, os.fstat(f.fileno()).st_size):08x}"
+
+
+def self_checked(path) -> bool:
+    """Whether the file carries its own checksum, which check_weight_file verifies (safetensors
+    files Zoo wrote, torch zip archives)."""
+    suffix = Path(path).suffix.lower()
+    return suffix == ".safetensors" or suffix in WEIGHT_SUFFIXES
+
+
 def _data_crc32(f, start: int, end: int) -> int:
     f.seek(start)
     crc, left = 0, end - start
@@ -197,10 +210,9 @@ def check_safetensors(path):
     want = metadata.get(CHECKSUM_KEY)
     if want is None:
         return
-    with open(path, "rb") as f:
-        got = _data_crc32(f, start, path.stat().st_size)
-    if f"{got:08x}" != want:
-        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got:08x}, the file says {want}): "
+    got = file_crc32(path, start)
+    if got != want:
+        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got}, the file says {want}): "
                          f"the file is corrupt")
 
 
