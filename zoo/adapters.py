@@ -27,6 +27,7 @@ from torch import nn
 from .blocks.lora import LoRALinear, dense_weight
 from .blocks.prefix import KVPrefix
 from .config import ConfigError, fail
+from .tensors import tensor_bytes
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64
@@ -226,14 +227,4 @@ def count_params(model: nn.Module) -> tuple[int, int]:
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes the parameters occupy (an NF4 weight: its codes, scales and their scales)."""
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        inner = getattr(p, "__tensor_flatten__", None)
-        if inner is not None and hasattr(p, "get_original_weight"):
-            n += sum(getattr(p, k).numel() * getattr(p, k).element_size() for k in inner()[0])
-        else:
-            n += p.numel() * p.element_size()
-    return n
+    return tensor_bytes(list(model.parameters()))

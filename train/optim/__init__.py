@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from zoo.tensors import tensor_bytes
+
 from .schedules import SCHEDULES, lr_multiplier, micro_batches
 
 def _embedding_ids(model: nn.Module) -> set:
@@ -182,30 +184,7 @@ def set_lr(optimizer, lr: float):
 
 def state_bytes(optimizer) -> int:
     """Bytes the optimizer's state holds (its tensors, counted once; quantised tensors by their storage)."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            inner = getattr(t, "__tensor_flatten__", None)
-            if inner is not None and type(t) is not torch.Tensor:  # tensor subclass: count its parts
-                for name in t.__tensor_flatten__()[0]:
-                    add(getattr(t, name))
-                return
-            key = (t.untyped_storage().data_ptr(), t.dtype, t.numel())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        elif isinstance(t, dict):
-            for v in t.values():
-                add(v)
-        elif isinstance(t, (list, tuple)):
-            for v in t:
-                add(v)
-
-    for s in optimizer.state.values():
-        add(s)
-    return total
+    return tensor_bytes(list(optimizer.state.values()))
 
 
 __all__ = ["OPTIMIZERS", "build_optimizer", "fused_supported", "hidden_matrices", "lr_multiplier", "micro_batches", "param_groups", "SCHEDULES",
