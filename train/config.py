@@ -39,6 +39,11 @@ class TrainConfig:
     cpu_keep_memory: Optional[bool] = None  # CPU, Linux glibc: reuse freed memory instead of unmapping it
                                             # (process-wide); null: when run by train/run.py
     compile: bool = False                   # torch.compile the model
+    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # LLM attention (zoo/blocks/attention.py)
+    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # zoo/blocks/checkpoint.py
+    activation_checkpointing_every: int = 1  # checkpointing applies to the model's units 0, n, 2n, ...
+    chunked_loss: bool = True               # LLM: never materialise the full B*T*V fp32 logits
+    loss_chunk_size: int = 2048             # LLM: tokens per chunk of the chunked loss
     clip_grad: Optional[float] = 1.0        # max global grad norm; null = off
     seed: int = 0
     deterministic: bool = False             # torch.use_deterministic_algorithms
@@ -74,7 +79,7 @@ class TrainConfig:
 
     def validate(self, source, prefix="train."):
         for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
-                  "max_nonfinite"):
+                  "max_nonfinite", "activation_checkpointing_every", "loss_chunk_size"):
             if getattr(self, k) != "auto" and getattr(self, k) <= 0:
                 raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
         if self.global_batch is not None and self.global_batch <= 0:
@@ -209,7 +214,6 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     source: str = "<config>"
-    explicit: dict = field(default_factory=dict)  # the keys as written (file + overrides), before defaults
 
     def to_dict(self) -> dict:
         return {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
@@ -235,7 +239,7 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
     adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
-    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source, data)
+    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source)
     check_across_sections(cfg)
     check = getattr(task, "validate_config", None)
     if check is not None:

@@ -43,6 +43,7 @@ from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, rel
 from .config import RunConfig
 from .distributed import Launch, Parallel, launch_env, save_dcp, unsupported
 from .optim import build_optimizer, lr_multiplier, micro_batches, set_lr
+from .runtime import apply_runtime
 from .tasks import task_class
 from .unfreeze import GradualUnfreezing
 from .tracking import open_tracker
@@ -291,7 +292,7 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
         task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_
     task.setup()
     torch.manual_seed(t.seed)
-    model = task.build_model().to(device).train()  # from_pretrained returns eval mode
+    model = apply_runtime(task.build_model(), t, say, cfg.source).to(device).train()  # from_pretrained: eval mode
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     # ---- parameter-efficient fine-tuning (adapter:) and gradual unfreezing (train.unfreeze): what trains

@@ -37,6 +37,7 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
 def lr_find(cfg, say) -> dict:
     from .loop import DTYPES, optimizer_step, resolve_device, resolve_precision, to_device
     from .optim import build_optimizer, set_lr
+    from .runtime import apply_runtime
     from .tasks import task_class
     t = cfg.train
     out = Path(t.out_dir)
@@ -48,7 +49,7 @@ def lr_find(cfg, say) -> dict:
     task.autocast_dtype = amp_dtype
     task.setup()
     torch.manual_seed(t.seed)
-    model = task.build_model().to(device).train()  # from_pretrained returns eval mode
+    model = apply_runtime(task.build_model(), t, say, cfg.source).to(device).train()  # from_pretrained: eval mode
     optimizer = build_optimizer(model, cfg.optim, device, say)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext

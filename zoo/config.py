@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 
@@ -131,7 +131,10 @@ def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
+    moved = getattr(cls, "moved", {})
     for k, v in data.items():
+        if k in moved:
+            raise ConfigError(f"{source}: {prefix + str(k)} moved to {moved[k]}")
         if k not in names:
             raise ConfigError(f"{source}: unknown key {prefix + str(k)!r} (known: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], prefix + k, source)
@@ -298,7 +301,6 @@ class LLMConfig:
     rope_scaling: Optional[RopeScaling] = None
     tie_embeddings: bool = True
     qkv_bias: bool = False
-    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # zoo/blocks/attention.py
     sliding_window: Optional[int] = None    # Mistral-style local attention window
     qk_norm: bool = False                   # RMSNorm over each q and k head before RoPE (Qwen3)
     moe: Optional[MoEConfig] = None         # Mixture-of-Experts feed-forward layers; null: dense
@@ -310,15 +312,15 @@ class LLMConfig:
     mod_aux_loss_coef: float = 0.01         # weight of the decision's binary cross-entropy
     mod_threshold_rate: float = 0.02        # how fast the decision threshold follows the top-k boundary (0: stays 0)
     init_std: float = 0.02
-    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # blocks/checkpoint.py
-    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
-    chunked_loss: bool = True               # never materialise the full B*T*V fp32 logits
-    loss_chunk_size: int = 2048             # tokens per chunk of the chunked loss
+    # how a model runs is not part of its architecture: these keys live in the run config's train:
+    moved: ClassVar[dict] = {"attn_backend": "train.attn_backend",
+                             "activation_checkpointing": "train.activation_checkpointing",
+                             "checkpoint_every": "train.activation_checkpointing_every",
+                             "chunked_loss": "train.chunked_loss", "loss_chunk_size": "train.loss_chunk_size"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of",
-                  "loss_chunk_size", "checkpoint_every"):
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         for k in ("n_kv_heads", "head_dim", "ffn_hidden", "sliding_window"):
@@ -422,8 +424,8 @@ class ConvNetConfig:
     drop_path_rate: float = 0.0             # stochastic depth at the last block (linear from 0)
     zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
     bn_eps: float = 1e-5
-    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # per residual block
-    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
+    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
+                             "checkpoint_every": "train.activation_checkpointing_every"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -435,7 +437,7 @@ class ConvNetConfig:
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise fail(source, p + k, f"must be > 0 or null, got {v}")
-        for k in ("width", "in_chans", "num_classes", "checkpoint_every"):
+        for k in ("width", "in_chans", "num_classes"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.resolved_block == "basic" and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
@@ -504,13 +506,12 @@ class DiffusionConfig:
     sample_steps: int = 50
     guidance: float = 3.0                   # classifier-free guidance scale (1 = off)
     eta: float = 0.0                        # DDIM noise (0 = deterministic)
-    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # per U-Net block
-    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
+    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
+                             "checkpoint_every": "train.activation_checkpointing_every"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        for k in ("image_size", "num_classes", "blocks_per_level", "heads", "num_timesteps", "sample_steps",
-                  "checkpoint_every"):
+        for k in ("image_size", "num_classes", "blocks_per_level", "heads", "num_timesteps", "sample_steps"):
             if getattr(self, k) <= 0:
                 raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.image_size % 8:
