@@ -18,20 +18,20 @@ import re
 from typing import Any, Literal, Optional, Union
 
 from zoo.adapters import AdapterConfig
-from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, model_config_from,
+from zoo.config import (ConfigError, bounded, deep_merge, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
 
 
 @dataclass
 class TrainConfig:
     out_dir: str = "runs/default"
-    max_steps: int = 1000
-    batch_size: Union[int, Literal["auto"]] = 16  # per micro-batch; auto: the largest that fits (docs/memory.md)
-    global_batch: Optional[int] = None      # with batch_size auto: items per optimizer step (grad_accum follows)
+    max_steps: int = bounded(1000, gt=0)
+    batch_size: Union[int, Literal["auto"]] = bounded(16, gt=0)  # per micro-batch; auto: the largest that fits (docs/memory.md)
+    global_batch: Optional[int] = bounded(None, gt=0)  # with batch_size auto: items per optimizer step (grad_accum follows)
     memory_budget: Optional[Union[int, str]] = None  # batch_size auto: memory for the step, e.g. 8GB (or bytes); null: the
                                             # device's (CPU: available RAM; CUDA: free memory)
     activation_offload: bool = False        # CUDA: saved activations in pinned host memory (save_on_cpu)
-    grad_accum: int = 1                     # micro-batches per optimizer step
+    grad_accum: int = bounded(1, gt=0)      # micro-batches per optimizer step
     device: str = "auto"                    # auto | cpu | cuda | cuda:N | mps
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # auto: bf16 where the device runs it fast
     tf32: bool = True                       # CUDA only
@@ -41,22 +41,22 @@ class TrainConfig:
     compile: bool = False                   # torch.compile the model
     attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # LLM attention (zoo/blocks/attention.py)
     activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # zoo/blocks/checkpoint.py
-    activation_checkpointing_every: int = 1  # checkpointing applies to the model's units 0, n, 2n, ...
+    activation_checkpointing_every: int = bounded(1, ge=1)  # checkpointing applies to the model's units 0, n, 2n, ...
     chunked_loss: bool = True               # LLM: never materialise the full B*T*V fp32 logits
-    loss_chunk_size: int = 2048             # LLM: tokens per chunk of the chunked loss
-    clip_grad: Optional[float] = 1.0        # max global grad norm; null = off
+    loss_chunk_size: int = bounded(2048, gt=0)  # LLM: tokens per chunk of the chunked loss
+    clip_grad: Optional[float] = bounded(1.0, gt=0)  # max global grad norm; null = off
     seed: int = 0
     deterministic: bool = False             # torch.use_deterministic_algorithms
-    log_every: int = 10
-    eval_every: int = 200                   # 0 = only at the end
-    eval_batches: int = 20
-    checkpoint_every: int = 500             # 0 = only at the end
-    keep_checkpoints: int = 2               # how many recent checkpoints to keep
+    log_every: int = bounded(10, gt=0)
+    eval_every: int = bounded(200, ge=0)    # 0 = only at the end
+    eval_batches: int = bounded(20, gt=0)
+    checkpoint_every: int = bounded(500, ge=0)  # 0 = only at the end
+    keep_checkpoints: int = bounded(2, gt=0)  # how many recent checkpoints to keep
     resume: bool = True                     # resume from out_dir when it holds a checkpoint
     channels_last: bool = False             # memory format for 4-D models and batches
-    ema_decay: Optional[float] = None       # keep an EMA of the weights (evaluated beside them)
-    max_nonfinite: int = 5                  # non-finite losses in a row before the run stops
-    peak_flops: Optional[float] = None      # for MFU; null = measured at start on this device
+    ema_decay: Optional[float] = bounded(None, gt=0, lt=1)  # keep an EMA of the weights (evaluated beside them)
+    max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops
+    peak_flops: Optional[float] = bounded(None, gt=0)  # for MFU; null = measured at start on this device
     init_from: Optional[str] = None         # pretrained weights to start (fine-tune) from
     export: bool = True                     # at the end, export in the pretrained format (if any)
     progress: bool = True                   # live progress bar
@@ -66,24 +66,18 @@ class TrainConfig:
     tracker_project: Optional[str] = None   # wandb: the project; null = "zoo"
     tracker_mode: Optional[Literal["offline", "online"]] = None  # wandb; null = $WANDB_MODE, else offline
     unfreeze: Optional[list[int]] = None    # gradual unfreezing: steps at which the next group (top down) trains
-    batch_warmup_steps: int = 0             # ramp the micro-batches per step from 1 to grad_accum over these steps
-    clip_weights: Optional[float] = None    # after each step clamp every weight to [-c, c]; null = off
-    average_last: int = 0                   # average the weights of the last K checkpoints (0 = off)
+    batch_warmup_steps: int = bounded(0, ge=0)  # ramp the micro-batches per step from 1 to grad_accum over these steps
+    clip_weights: Optional[float] = bounded(None, gt=0)  # after each step clamp every weight to [-c, c]; null = off
+    average_last: int = bounded(0, ge=0)    # average the weights of the last K checkpoints (0 = off)
     average_weighting: Literal["uniform", "linear"] = "uniform"  # linear: weights 1..K, the newest heaviest
     lr_find: bool = False                   # run the LR range test instead of training
-    lr_find_min: float = 1e-6               # the range test's LRs, exponentially spaced
-    lr_find_max: float = 1.0
-    lr_find_steps: int = 100
+    lr_find_min: float = bounded(1e-6, gt=0)  # the range test's LRs, exponentially spaced
+    lr_find_max: float = bounded(1.0, gt=0)
+    lr_find_steps: int = bounded(100, ge=2)
     parallel: Literal["none", "ddp", "fsdp"] = "none"  # under torchrun: DDP or FSDP2 (docs/distributed.md)
     sync_bn: bool = False                   # parallel runs: BatchNorm statistics over the global batch
 
     def validate(self, source, prefix="train."):
-        for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
-                  "max_nonfinite", "activation_checkpointing_every", "loss_chunk_size"):
-            if getattr(self, k) != "auto" and getattr(self, k) <= 0:
-                raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
-        if self.global_batch is not None and self.global_batch <= 0:
-            raise fail(source, prefix + "global_batch", f"must be > 0 or null, got {self.global_batch}")
         if self.batch_size == "auto" and self.global_batch is None:
             raise fail(source, prefix + "batch_size", "=auto needs train.global_batch (the items per optimizer step "
                                                       "it keeps through gradient accumulation)")
@@ -92,25 +86,9 @@ class TrainConfig:
                 parse_memory_size(self.memory_budget)
             except ValueError as e:
                 raise fail(source, prefix + "memory_budget", str(e)) from None
-        for k in ("eval_every", "checkpoint_every"):
-            if getattr(self, k) < 0:
-                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
-        if self.clip_grad is not None and self.clip_grad <= 0:
-            raise fail(source, prefix + "clip_grad", f"must be > 0 or null, got {self.clip_grad}")
-        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
-            raise fail(source, prefix + "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
-        for k in ("batch_warmup_steps", "average_last"):
-            if getattr(self, k) < 0:
-                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
-        if self.clip_weights is not None and self.clip_weights <= 0:
-            raise fail(source, prefix + "clip_weights", f"must be > 0 or null, got {self.clip_weights}")
-        if self.lr_find_steps < 2:
-            raise fail(source, prefix + "lr_find_steps", f"must be >= 2, got {self.lr_find_steps}")
-        if not 0 < self.lr_find_min < self.lr_find_max:
+        if not self.lr_find_min < self.lr_find_max:
             raise fail(source, prefix + "lr_find_min", f"must be > 0 and < train.lr_find_max={self.lr_find_max}, "
                                                        f"got {self.lr_find_min}")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            raise fail(source, prefix + "peak_flops", f"must be > 0 or null, got {self.peak_flops}")
         dev, colon, index = self.device.partition(":")
         if dev not in ("auto", "cpu", "cuda", "mps", "xpu") or (colon and (dev == "auto" or not index.isdigit())):
             raise fail(source, prefix + "device", f"must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
@@ -148,61 +126,34 @@ def _installed(module: str) -> bool:
 @dataclass
 class OptimConfig:
     name: Literal["adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore"] = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.1               # not applied to norms, biases and embeddings
+    lr: float = bounded(3e-4, gt=0)
+    weight_decay: float = bounded(0.1, ge=0)  # not applied to norms, biases and embeddings
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    momentum: float = 0.9                   # sgd
+    eps: float = bounded(1e-8, gt=0)
+    momentum: float = bounded(0.9, ge=0, lt=1)  # sgd
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # null = fused where the device supports it
     schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt"] = "cosine"
-    warmup_steps: Optional[int] = None      # null: 10% of train.max_steps, at most 100
-    min_lr_ratio: float = 0.1               # final LR / peak LR (cosine, linear, wsd)
-    decay_fraction: float = 0.2             # wsd: the last fraction of steps that decays
-    onecycle_div: float = 25.0              # onecycle: the LR starts at peak / onecycle_div
-    muon_lr: float = 0.02                   # muon: Muon's peak LR on the hidden matrices (optim.lr: AdamW's)
-    muon_momentum: float = 0.95             # muon
-    adafactor_beta2_decay: float = -0.8     # adafactor: beta2 at step t is 1 - t^beta2_decay
-    galore_rank: int = 128                  # galore: rank of the projected gradient states
-    galore_update_every: int = 200          # galore: steps between projections (an SVD of the gradient)
-    galore_scale: float = 0.25              # galore: the projected-back update is multiplied by this
+    warmup_steps: Optional[int] = bounded(None, ge=0)  # null: 10% of train.max_steps, at most 100
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR / peak LR (cosine, linear, wsd)
+    decay_fraction: float = bounded(0.2, gt=0, le=1)  # wsd: the last fraction of steps that decays
+    onecycle_div: float = bounded(25.0, ge=1)  # onecycle: the LR starts at peak / onecycle_div
+    muon_lr: float = bounded(0.02, gt=0)    # muon: Muon's peak LR on the hidden matrices (optim.lr: AdamW's)
+    muon_momentum: float = bounded(0.95, ge=0, lt=1)  # muon
+    adafactor_beta2_decay: float = bounded(-0.8, lt=0)  # adafactor: beta2 at step t is 1 - t^beta2_decay
+    galore_rank: int = bounded(128, ge=1)   # galore: rank of the projected gradient states
+    galore_update_every: int = bounded(200, ge=1)  # galore: steps between projections (an SVD of the gradient)
+    galore_scale: float = bounded(0.25, gt=0)  # galore: the projected-back update is multiplied by this
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
         """warmup_steps, or when it is null 10% of the run, at most 100 steps."""
         return self.warmup_steps if self.warmup_steps is not None else min(100, max_steps // 10)
 
     def validate(self, source, prefix="optim."):
-        if self.lr <= 0:
-            raise fail(source, prefix + "lr", f"must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise fail(source, prefix + "weight_decay", f"must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
-        if self.eps <= 0:
-            raise fail(source, prefix + "eps", f"must be > 0, got {self.eps}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise fail(source, prefix + "momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise fail(source, prefix + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise fail(source, prefix + "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
         if self.name == "adamw8bit" and not _installed("torchao"):
             raise fail(source, prefix + "name", "=adamw8bit needs the torchao package: pip install -e '.[optim]'")
-        if self.onecycle_div < 1.0:
-            raise fail(source, prefix + "onecycle_div", f"must be >= 1, got {self.onecycle_div}")
-        if self.muon_lr <= 0:
-            raise fail(source, prefix + "muon_lr", f"must be > 0, got {self.muon_lr}")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise fail(source, prefix + "muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
-        if self.adafactor_beta2_decay >= 0:
-            raise fail(source, prefix + "adafactor_beta2_decay", f"must be < 0, got {self.adafactor_beta2_decay}")
-        for k in ("galore_rank", "galore_update_every"):
-            if getattr(self, k) < 1:
-                raise fail(source, prefix + k, f"must be >= 1, got {getattr(self, k)}")
-        if self.galore_scale <= 0:
-            raise fail(source, prefix + "galore_scale", f"must be > 0, got {self.galore_scale}")
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .blocks.drop_path import DropPath, linear_drop_rates
-from .config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
+from .config import RESNET_ARCHS, ConvNetConfig, check  # noqa: F401 (RESNET_ARCHS: the presets)
 
 
 def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
@@ -105,7 +105,7 @@ class ResNet(nn.Module):
 
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
-        cfg.validate()
+        check(cfg)
         self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
         block = BLOCKS[cfg.resolved_block]
         layers = cfg.resolved_layers

@@ -31,7 +31,7 @@ from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
-from .config import LLMConfig, to_dict
+from .config import LLMConfig, check, to_dict
 
 
 def moe_block(cfg: LLMConfig) -> MoE:
@@ -67,7 +67,7 @@ class LLM(nn.Module):
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        cfg.validate()
+        check(cfg)
         self.config = cfg
         # how the loss runs, not what it computes (train.chunked_loss, train.loss_chunk_size)
         self.chunked_loss = True            # never materialise the full B*T*V fp32 logits

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..config import ConfigError, DiffusionConfig
+from ..config import ConfigError, DiffusionConfig, check
 from .denoiser import UNet
 from .schedule import NoiseSchedule, guided
 from .taesd import TAESD
@@ -41,7 +41,7 @@ class LatentDiffusion(nn.Module):
 
     def __init__(self, cfg: DiffusionConfig, autoencoder: Optional[TAESD] = None):
         super().__init__()
-        cfg.validate()
+        check(cfg)
         self.config = cfg
         self.autoencoder = autoencoder if autoencoder is not None else build_autoencoder(cfg)
         self.autoencoder.requires_grad_(False)
