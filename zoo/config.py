@@ -296,23 +296,37 @@ class RopeScaling:
 class MoEConfig:
     """Mixture-of-Experts feed-forward layers (zoo/blocks/moe.py). Sparse layers replace the
     SwiGLU of a block by `n_experts` SwiGLU experts of width `expert_hidden`, `top_k` per token."""
-    n_experts: int = bounded(8, gt=0)
-    top_k: int = bounded(2, gt=0)
-    expert_hidden: Optional[int] = bounded(None, gt=0)  # each expert's SwiGLU width; null: the model's ffn_hidden
-    n_shared: int = bounded(0, ge=0)        # always-on shared experts (run as one SwiGLU of n_shared * shared_hidden)
-    shared_hidden: Optional[int] = bounded(None, gt=0)  # width of each shared expert; null: expert_hidden
-    shared_gate: bool = False               # a sigmoid gate on the shared experts' output (Qwen2-MoE)
-    sparse_every: int = bounded(1, gt=0)    # layer i (from 0) is sparse when (i + 1) % sparse_every == 0
-    dense_layers: list[int] = field(default_factory=list)  # layers kept dense (a SwiGLU of ffn_hidden)
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk_prob: bool = True             # renormalise the top-k weights to sum to 1
-    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # Switch loss, DeepSeek-V3 bias, or nothing
-    aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the load-balancing loss (balance: aux_loss)
-    z_loss_coef: float = bounded(0.001, ge=0)  # weight of the router z-loss (any balance; 0: off)
-    bias_update_rate: float = bounded(0.001, ge=0)  # bias step per optimizer step (balance: bias)
-    capacity_factor: Optional[float] = bounded(None, gt=0)  # null: dropless; else tokens per expert = factor * N * top_k / E (training)
-    router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer input by U(1 - j, 1 + j) (Mixtral)
-    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # grouped_mm, a matmul per expert, or auto
+    n_experts: int = bounded(8, gt=0)       # experts per sparse layer
+    top_k: int = bounded(2, gt=0)           # experts per token (<= `n_experts`)
+    expert_hidden: Optional[int] = bounded(None, gt=0)  # each expert's SwiGLU width; null = `ffn_hidden`
+    n_shared: int = bounded(0, ge=0)        # always-on shared experts, run as one SwiGLU of `n_shared *
+                                            # shared_hidden`
+    shared_hidden: Optional[int] = bounded(None, gt=0)  # width of each shared expert; null = `expert_hidden`
+    shared_gate: bool = False               # multiply the shared experts' output by sigmoid(x W), W of shape (1,
+                                            # d_model) (Qwen2-MoE); needs `n_shared` > 0
+    sparse_every: int = bounded(1, gt=0)    # layer i (from 0) is sparse when (i + 1) % sparse_every == 0 (Qwen's
+                                            # `decoder_sparse_step`)
+    dense_layers: list[int] = field(default_factory=list)  # layers kept dense, a SwiGLU of `ffn_hidden` (Qwen's
+                                            # `mlp_only_layers`)
+    scoring: Literal["softmax", "sigmoid"] = "softmax"  # router scores: `softmax` (Mixtral, Qwen) or `sigmoid`
+                                            # (DeepSeek-V3)
+    norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
+                                            # `aux_loss_coef`), `bias` (DeepSeek-V3's auxiliary-loss-free routing
+                                            # bias), `none`
+    aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the mean over layers of the load-balancing loss (`balance:
+                                            # aux_loss`)
+    z_loss_coef: float = bounded(0.001, ge=0)  # weight of the mean over layers of the ST-MoE router z-loss, whatever
+                                            # `balance`; 0 = off
+    bias_update_rate: float = bounded(0.001, ge=0)  # `balance: bias`: the bias step per optimizer step
+    capacity_factor: Optional[float] = bounded(None, gt=0)  # null = dropless; else each expert takes at most
+                                            # ceil(factor * tokens * top_k / n_experts) choices per forward in
+                                            # training, the overflow dropped and counted
+    router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer's input by U(1 - j, 1 + j) noise
+                                            # (Mixtral's `router_jitter_noise`)
+    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
+                                            # matmul per expert), `auto` (grouped where the device and dtype support
+                                            # it)
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -328,31 +342,47 @@ class LLMConfig:
 
     Fields that may be null are derived from others; the `resolved_*` properties give the
     values in use (resolved_n_kv_heads, resolved_head_dim, resolved_ffn_hidden)."""
-    vocab_size: int = bounded(32000, gt=0)
-    d_model: int = bounded(512, gt=0)
-    n_layers: int = bounded(8, gt=0)
-    n_heads: int = bounded(8, gt=0)
-    n_kv_heads: Optional[int] = bounded(None, gt=0)  # None: = n_heads (MHA); 1: MQA; else GQA
-    head_dim: Optional[int] = bounded(None, gt=0)  # None: d_model // n_heads
-    ffn_hidden: Optional[int] = bounded(None, gt=0)  # None: 8/3 * d_model rounded up to ffn_multiple_of
-    ffn_multiple_of: int = bounded(64, gt=0)
-    max_seq_len: int = bounded(2048, gt=0)
-    norm_eps: float = bounded(1e-5, gt=0)
-    rope_theta: float = bounded(10000.0, gt=0)
-    rope_scaling: Optional[RopeScaling] = None
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    sliding_window: Optional[int] = bounded(None, gt=0)  # Mistral-style local attention window
-    qk_norm: bool = False                   # RMSNorm over each q and k head before RoPE (Qwen3)
-    moe: Optional[MoEConfig] = None         # Mixture-of-Experts feed-forward layers; null: dense
+    vocab_size: int = bounded(32000, gt=0)  # embedding rows / output classes; must be >= the tokenizer's vocabulary
+    d_model: int = bounded(512, gt=0)       # width of the residual stream
+    n_layers: int = bounded(8, gt=0)        # transformer blocks
+    n_heads: int = bounded(8, gt=0)         # query heads; must divide `d_model` unless `head_dim` is set
+    n_kv_heads: Optional[int] = bounded(None, gt=0)  # key/value heads: null = `n_heads` (MHA), 1 = MQA, else GQA;
+                                            # must divide `n_heads`
+    head_dim: Optional[int] = bounded(None, gt=0)  # per-head width; null = `d_model / n_heads`; must be even (RoPE)
+    ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU hidden width; null = 8/3 `d_model` rounded up to
+                                            # `ffn_multiple_of`
+    ffn_multiple_of: int = bounded(64, gt=0)  # rounding of the default `ffn_hidden`
+    max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for (they grow if a longer sequence
+                                            # comes)
+    norm_eps: float = bounded(1e-5, gt=0)   # RMSNorm epsilon
+    rope_theta: float = bounded(10000.0, gt=0)  # RoPE base
+    rope_scaling: Optional[RopeScaling] = None  # `{type: linear, factor}` or `{type: llama3, factor, low_freq_factor,
+                                            # high_freq_factor, original_max_position_embeddings}`
+    tie_embeddings: bool = True             # the LM head shares the embedding matrix (one tensor)
+    qkv_bias: bool = False                  # bias on the q/k/v projection (Qwen2)
+    sliding_window: Optional[int] = bounded(None, gt=0)  # attend only to the last N positions (Mistral)
+    qk_norm: bool = False                   # RMSNorm (eps `norm_eps`) over each query and key head before RoPE
+                                            # (Qwen3)
+    moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: a mapping of the keys below; null = a dense
+                                            # model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
     # every mod_every-th block and the rest around it
-    mod_capacity: float = bounded(0.0, ge=0, le=1)  # fraction of tokens a MoD block processes; 0: off
-    mod_every: int = bounded(2, gt=0)       # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0
-    mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision used for decoding
-    mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the decision's binary cross-entropy
-    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast the decision threshold follows the top-k boundary (0: stays 0)
-    init_std: float = bounded(0.02, gt=0)
+    mod_capacity: float = bounded(0.0, ge=0, le=1)  # Mixture-of-Depths: the share of each sequence's tokens a MoD
+                                            # block processes (k = int(capacity · T), at least 1), in [0, 1]; 0 = off.
+                                            # Not with `sliding_window`
+    mod_every: int = bounded(2, gt=0)       # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0 (2: layers
+                                            # 1, 3, 5, ...); at most `n_layers`
+    mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
+                                            # binary cross-entropy on the router logit, target "in the top-k") or
+                                            # `predictor` (a small MLP on the stop-gradient block input, trained with
+                                            # the same cross-entropy)
+    mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of that cross-entropy (the mean over the MoD blocks) in
+                                            # the training loss
+    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast each decision's threshold follows the top-k's
+                                            # boundary in its logits during training (an exponential moving average
+                                            # per training forward; 0 keeps it at logit 0); fixed after training
+    init_std: float = bounded(0.02, gt=0)   # std of the normal init; residual projections get `init_std / sqrt(2
+                                            # n_layers)`
     # how a model runs is not part of its architecture: these keys live in the run config's train:
     moved: ClassVar[dict] = {"attn_backend": "train.attn_backend",
                              "activation_checkpointing": "train.activation_checkpointing",
@@ -434,19 +464,22 @@ RESNET_ARCHS: dict[str, tuple] = {
 class ConvNetConfig:
     """ResNet: a preset `arch`, optionally overridden by block / layers / groups / width_per_group.
     The `resolved_*` properties give the values in use (the override, else the preset's)."""
-    arch: str = "resnet50"
-    block: Optional[Literal["basic", "bottleneck"]] = None  # null: from arch
-    layers: Optional[list[int]] = None      # blocks per stage; null: from arch
+    arch: str = "resnet50"                  # preset: resnet18/34/50/101/152, resnext50_32x4d, resnext101_32x8d,
+                                            # wide_resnet50_2, wide_resnet101_2
+    block: Optional[Literal["basic", "bottleneck"]] = None  # `basic` or `bottleneck`; null: the preset's
+    layers: Optional[list[int]] = None      # blocks per stage, e.g. `[1, 1, 1, 1]` (a ResNet-10); any number of
+                                            # stages; null: the preset's
     groups: Optional[int] = bounded(None, gt=0)  # ResNeXt cardinality; null: from arch
     width_per_group: Optional[int] = bounded(None, gt=0)  # bottleneck width per group; null: from arch
-    width: int = bounded(64, gt=0)          # stem channels; stage i has width * 2**i planes
-    stem: Literal["imagenet", "small"] = "imagenet"  # 7x7/2 conv + max-pool, or 3x3/1 conv for 32x32
-    in_chans: int = bounded(3, gt=0)
-    num_classes: int = bounded(1000, gt=0)
+    width: int = bounded(64, gt=0)          # stem channels; stage i has `width * 2**i` planes (x4 out for
+                                            # bottlenecks)
+    stem: Literal["imagenet", "small"] = "imagenet"  # `imagenet` or `small` (32x32 inputs)
+    in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
+    num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
     zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
-    bn_eps: float = bounded(1e-5, gt=0)
+    bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
                              "checkpoint_every": "train.activation_checkpointing_every"}
 
@@ -483,33 +516,35 @@ class ConvNetConfig:
 @dataclass
 class AutoencoderConfig:
     """The frozen TAESD autoencoder between images and latents (zoo/diffusion/taesd.py)."""
-    weights: Optional[str] = None           # TAESD weights (x_encoder.pth or a diffusers folder); null: trained on the data
-    latent_channels: Optional[int] = bounded(None, gt=0)  # 4 (SD), 16 (SD3/FLUX.1), 32 (FLUX.2); null: the weights' (4 if none)
-    midblock_gn: Optional[bool] = None      # FLUX.2 mid-block GroupNorm branch; null: the weights' (false if none)
-    channels: Optional[int] = bounded(None, gt=0)  # width; null: the weights' (64 if none)
+    weights: Optional[str] = None           # TAESD weights (`*_encoder.pth` or a diffusers folder); null: trained by
+                                            # the task
+    latent_channels: Optional[int] = bounded(None, gt=0)  # 4 / 16 / 32; null: the weights' (4 when trained)
+    midblock_gn: Optional[bool] = None      # FLUX.2 branch; null: the weights' (false when trained)
+    channels: Optional[int] = bounded(None, gt=0)  # width; null: the weights' (64 when trained)
 
 
 
 @dataclass
 class DiffusionConfig:
     """Latent diffusion: TAESD autoencoder + class-conditional U-Net denoiser + noise schedule."""
-    image_size: int = bounded(32, gt=0)     # generated (and training) images are image_size^2; divisible by 8
-    num_classes: int = bounded(10, gt=0)
+    image_size: int = bounded(32, gt=0)     # training and sampled image size, divisible by 8
+    num_classes: int = bounded(10, gt=0)    # classes (+1 "no label" for guidance)
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
-    latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; null: the autoencoder's (must match it)
-    channels: list[int] = field(default_factory=lambda: [64, 128])   # U-Net width per level
-    blocks_per_level: int = bounded(2, gt=0)
+    latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; must match the autoencoder's
+    channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each level halves the
+                                            # latent size)
+    blocks_per_level: int = bounded(2, gt=0)  # U-Net depth, self-attention at the lowest level
     attention: bool = True                  # self-attention at the lowest resolution
-    heads: int = bounded(4, gt=0)
+    heads: int = bounded(4, gt=0)           # U-Net depth, self-attention at the lowest level
     class_dropout: float = bounded(0.1, ge=0, lt=1)  # label dropout for classifier-free guidance
-    prediction: Literal["eps", "v", "x0"] = "eps"
-    schedule: Literal["linear", "scaled_linear", "cosine"] = "linear"
-    num_timesteps: int = bounded(1000, gt=0)
-    beta_start: float = bounded(1e-4, gt=0, lt=1)
-    beta_end: float = bounded(0.02, gt=0, lt=1)
-    min_snr_gamma: Optional[float] = bounded(5.0, gt=0)  # Min-SNR-gamma loss weighting; null: uniform
-    sampler: Literal["ddim", "ddpm"] = "ddim"
-    sample_steps: int = bounded(50, gt=0)
+    prediction: Literal["eps", "v", "x0"] = "eps"  # eps, v or x0
+    schedule: Literal["linear", "scaled_linear", "cosine"] = "linear"  # noise schedule
+    num_timesteps: int = bounded(1000, gt=0)  # noise schedule
+    beta_start: float = bounded(1e-4, gt=0, lt=1)  # noise schedule
+    beta_end: float = bounded(0.02, gt=0, lt=1)  # noise schedule
+    min_snr_gamma: Optional[float] = bounded(5.0, gt=0)  # Min-SNR-gamma; null = uniform
+    sampler: Literal["ddim", "ddpm"] = "ddim"  # sampling defaults
+    sample_steps: int = bounded(50, gt=0)   # sampling defaults
     guidance: float = bounded(3.0, ge=0)    # classifier-free guidance scale (1 = off)
     eta: float = bounded(0.0, ge=0)         # DDIM noise (0 = deterministic)
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",

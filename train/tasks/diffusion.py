@@ -32,17 +32,18 @@ from . import Task
 
 @dataclass
 class DiffusionDataConfig:
-    dataset: str = "digits"                 # "digits" (embedded, no download) or an image folder root/<class>/*
-    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held-out images for val_loss
-    cache_dir: Optional[str] = None         # trained autoencoders; null: $ZOO_CACHE, else ~/.cache/zoo
-    encode_batch_size: int = bounded(64, gt=0)
+    dataset: str = "digits"                 # `digits` or an image folder `root/<class>/*` (centre crops)
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held-out images
+    cache_dir: Optional[str] = None         # trained autoencoders; null = `$ZOO_CACHE`, else the user cache directory
+                                            # (`$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`)
+    encode_batch_size: int = bounded(64, gt=0)  # batch for the one-off encoding
     # the autoencoder trained here when model.autoencoder.weights is null
-    ae_steps: int = bounded(400, gt=0)
-    ae_batch_size: int = bounded(32, gt=0)
-    ae_lr: float = bounded(2e-3, gt=0)
+    ae_steps: int = bounded(400, gt=0)      # autoencoder training (when no weights)
+    ae_batch_size: int = bounded(32, gt=0)  # autoencoder training (when no weights)
+    ae_lr: float = bounded(2e-3, gt=0)      # autoencoder training (when no weights)
     ae_latent_noise: float = bounded(0.1, ge=0)  # noise added to latents in training: a decoder robust to sampling error
     # samples.png
-    samples_per_class: int = bounded(8, gt=0)
+    samples_per_class: int = bounded(8, gt=0)  # columns of samples.png
 
 
 def load_images(d: DiffusionDataConfig, size: int, source: str):
