@@ -57,9 +57,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from train.runtime import apply_runtime
 from zoo.config import ConfigError
-
-from .runtime import apply_runtime
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
