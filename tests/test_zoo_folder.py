@@ -146,7 +146,7 @@ def test_a_folder_written_before_the_runtime_keys_moved_still_loads(tmp_path):
     import yaml
     from zoo.config import LLMConfig
     model = zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
-    out = zoo.save_pretrained(model, tmp_path / "old")
+    out = zoo_folder.save(model, tmp_path / "old")
     data = yaml.safe_load((out / "config.yaml").read_text())
     data["model"].update(attn_backend="sdpa", activation_checkpointing=True, checkpoint_every=2, chunked_loss=False,
                          loss_chunk_size=512)
