@@ -15,11 +15,10 @@ from zoo.config import ConfigError
 from train.metrics import read_rows
 
 BASE = {"family": "llm",
-        "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128,
-                  "chunked_loss": False},
+        "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
         "data": {"tokenizer": "bytes", "seq_len": 128},
         "train": {"max_steps": 2, "log_every": 1, "eval_every": 0, "eval_batches": 1, "checkpoint_every": 0,
-                  "progress": False, "samples": False, "plot": False, "precision": "fp32"},
+                  "chunked_loss": False, "progress": False, "samples": False, "plot": False, "precision": "fp32"},
         "optim": {"warmup_steps": 0}}
 GLOBAL = 32
 

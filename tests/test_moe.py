@@ -14,6 +14,7 @@ from conftest import assert_compiled_step_equals_eager
 from safetensors.torch import load_file
 
 import zoo
+from zoo.blocks.checkpoint import checkpoint_units
 from zoo.blocks.moe import MoE, grouped_mm_supported
 from zoo.config import ConfigError, LLMConfig, from_dict
 from train.metrics import read_rows
@@ -315,7 +316,7 @@ def test_compiled_training_step_equals_eager():
 def test_activation_checkpointing_same_gradients():
     model = moe_llm(moe=dict(router_jitter=0.1))
     ckpt = copy.deepcopy(model)
-    ckpt.config.activation_checkpointing = True
+    checkpoint_units(ckpt.checkpoint_units(), True)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     for m in (model, ckpt):
         torch.manual_seed(5)

@@ -27,6 +27,7 @@ from zoo.weights.files import atomic_write
 
 from .distributed import Launch, Parallel, unsupported
 from .optim import build_optimizer
+from .runtime import apply_runtime
 from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
 from .tasks import task_class
 from .unfreeze import GradualUnfreezing
@@ -98,7 +99,8 @@ def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Modul
     """The task's model on `device` in training mode, with the run's runtime choices (attention
     backend, activation checkpointing, chunked loss) and adapters applied."""
     torch.manual_seed(cfg.train.seed)
-    model = task.build_model().to(device).train()  # from_pretrained returns eval mode
+    model = apply_runtime(task.build_model(), cfg.train, say, cfg.source)
+    model = model.to(device).train()  # from_pretrained returns eval mode
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:

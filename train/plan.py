@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from train.runtime import apply_runtime
 from zoo.config import ConfigError
 
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -205,7 +206,7 @@ def build_model(cfg) -> nn.Module:
         with unset_fake_temporarily(), torch.device("cpu"):
             variant = build_autoencoder(model_cfg, cfg.source).variant
         model_cfg = dataclasses.replace(model_cfg, autoencoder=dataclasses.replace(ae, weights=None, **variant))
-    model = zoo.build(model_cfg)
+    model = apply_runtime(zoo.build(model_cfg), cfg.train, source=cfg.source)
     if cfg.adapter.enabled:
         from zoo.adapters import apply_adapters
         apply_adapters(model, cfg.adapter, cfg.source, lambda m: None)
@@ -233,7 +234,7 @@ def _depth_keys(cfg):
         period = math.lcm(period, m.mod_every)
     if m.moe is not None:
         period = math.lcm(period, m.moe.sparse_every)
-    every = getattr(m, "checkpoint_every", 1) or 1
+    every = cfg.train.activation_checkpointing_every
     period = math.lcm(period, every)
     return m.n_layers, period
 
@@ -506,8 +507,8 @@ def options(cfg, device) -> list[list[Option]]:
     """Groups of mutually exclusive options (one of each group may be chosen)."""
     t, m, o = cfg.train, cfg.model, cfg.optim
     groups = []
-    if cfg.family == "llm" and not m.chunked_loss:
-        groups.append([Option("model.chunked_loss=true", 1.0, {"model.chunked_loss": True})])
+    if cfg.family == "llm" and not t.chunked_loss:
+        groups.append([Option("train.chunked_loss=true", 1.0, {"train.chunked_loss": True})])
     if t.precision == "fp32" and device.type == "cuda":
         groups.append([Option("train.precision=bf16", 0.6, {"train.precision": "bf16"})])
     if o.name in ("adamw", "galore", "muon"):
@@ -517,13 +518,12 @@ def options(cfg, device) -> list[list[Option]]:
         groups.append(opts)
     if device.type == "cuda" and not t.activation_offload:
         groups.append([Option("train.activation_offload=true", 1.2, {"train.activation_offload": True})])
-    policy = getattr(m, "activation_checkpointing", None)
-    if policy is not None and policy in (False, "none"):
+    if t.activation_checkpointing in (False, "none"):
         groups.append([Option("activation_checkpointing=selective", 1.1,
-                              {"model.activation_checkpointing": "selective"}),
-                       Option("activation_checkpointing=true, checkpoint_every=2", 1.15,
-                              {"model.activation_checkpointing": True, "model.checkpoint_every": 2}),
-                       Option("activation_checkpointing=true", 1.3, {"model.activation_checkpointing": True})])
+                              {"train.activation_checkpointing": "selective"}),
+                       Option("activation_checkpointing=true, activation_checkpointing_every=2", 1.15,
+                              {"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}),
+                       Option("activation_checkpointing=true", 1.3, {"train.activation_checkpointing": True})])
     splits = []
     b, k = t.batch_size, 2
     while b != "auto" and k <= b:

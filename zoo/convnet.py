@@ -12,8 +12,8 @@ redundant); the last BN of each residual branch can start at gamma = 0 so that e
 starts as the identity (Goyal et al., "Accurate, Large Minibatch SGD", 2017); stochastic
 depth with the linear rule; every op works in the channels-last memory format, which the
 loop applies to the model and the batches (train.channels_last); activation checkpointing of
-every (n-th) residual block, full or selective (blocks/checkpoint.py; BatchNorm's running
-statistics are updated once).
+every (n-th) residual block, full or selective, applied from outside to `checkpoint_units()`
+(blocks/checkpoint.py; BatchNorm's running statistics are updated once).
 
 Parameter names are those of timm and torchvision (conv1, bn1, layer1.0.conv1, ...,
 layer1.0.downsample.0/1, fc), so their state dicts load without any key mapping.
@@ -27,9 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .blocks.checkpoint import run_block
 from .blocks.drop_path import DropPath, linear_drop_rates
-from .config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
+from .config import RESNET_ARCHS, ConvNetConfig, check  # noqa: F401 (RESNET_ARCHS: the presets)
 
 
 def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
@@ -106,7 +105,7 @@ class ResNet(nn.Module):
 
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
-        cfg.validate()
+        check(cfg)
         self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
         block = BLOCKS[cfg.resolved_block]
         layers = cfg.resolved_layers
@@ -166,9 +165,8 @@ class ResNet(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 8 (small)."""
         x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
-        policy, every = self.config.activation_checkpointing, self.config.checkpoint_every
-        for i, block in enumerate(self.checkpoint_units()):
-            x = run_block(block, i, policy, every, x)
+        for block in self.checkpoint_units():
+            x = block(x)
         return x
 
     def repeated_units(self) -> list:
@@ -177,7 +175,8 @@ class ResNet(nn.Module):
         return self.checkpoint_units()
 
     def checkpoint_units(self) -> list:
-        """The residual blocks, in order: what activation checkpointing applies to."""
+        """The residual blocks, in order: what activation checkpointing applies to (blocks/checkpoint.py's
+        checkpoint_units)."""
         return [block for stage in self.stages() for block in stage]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,12 @@
     tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
-projections initialised with std / sqrt(2 * n_layers) (GPT-2); activation checkpointing of
-every (n-th) block, full or selective (blocks/checkpoint.py); a chunked loss that never materialises the full fp32 logits.
+projections initialised with std / sqrt(2 * n_layers) (GPT-2); a chunked loss that never
+materialises the full fp32 logits (the attributes `chunked_loss`, `loss_chunk_size`).
+How the model runs is set on the built model, not in its config: the attention backend with
+blocks/attention.py's `set_backend(model, name)`, activation checkpointing of every (n-th) block
+with blocks/checkpoint.py's `checkpoint_units(model.checkpoint_units(), policy, every)` (the
+training loop applies both from the run config's train: section, train/runtime.py).
 With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
 routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
 With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
@@ -19,16 +23,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from .blocks.attention import CausalSelfAttention, KVCache, flash_available
-from .blocks.checkpoint import run_block
+from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.chunked_ce import chunked_cross_entropy
+from .blocks.matvec_cpu import MatvecAsReduction
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
-from .config import ConfigError, LLMConfig, to_dict
+from .config import LLMConfig, check, to_dict
 
 
 def moe_block(cfg: LLMConfig) -> MoE:
@@ -45,7 +48,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
-                                        cfg.attn_backend, cfg.sliding_window, cfg.qk_norm, cfg.norm_eps)
+                                        sliding_window=cfg.sliding_window, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
 
@@ -64,11 +67,11 @@ class LLM(nn.Module):
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        cfg.validate()
-        if cfg.attn_backend == "flash" and flash_available() is None:
-            raise ConfigError("model.attn_backend=flash needs flash-attn, which is not installed or does not "
-                              "import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
+        check(cfg)
         self.config = cfg
+        # how the loss runs, not what it computes (train.chunked_loss, train.loss_chunk_size)
+        self.chunked_loss = True            # never materialise the full B*T*V fp32 logits
+        self.loss_chunk_size = 2048         # tokens per chunk of the chunked loss
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(
             MixtureOfDepths(Block(cfg, i), cfg.d_model, cfg.mod_capacity, cfg.mod_router) if cfg.is_mod(i)
@@ -112,7 +115,6 @@ class LLM(nn.Module):
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = self.rope(start_pos, T, rope_dtype)
-        policy, every = self.config.activation_checkpointing, self.config.checkpoint_every
         stats, mod_stats = [], []
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
@@ -123,7 +125,7 @@ class LLM(nn.Module):
                 kw["start_pos"] = start_pos
             if isinstance(layer, MixtureOfDepths):
                 kw["causal"] = causal
-            x, s, *m = run_block(layer, i, policy, every, x, cos, sin, **kw)
+            x, s, *m = layer(x, cos, sin, **kw)
             if s is not None:
                 stats.append(s)
             mod_stats += m
@@ -132,9 +134,9 @@ class LLM(nn.Module):
         h = self.norm(x)
         if targets is None:
             out = (self.lm_head(h),)
-        elif self.config.chunked_loss:
+        elif self.chunked_loss:
             loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self.config.loss_chunk_size)
+                                         self.loss_chunk_size)
             out = (None, loss)
         else:
             logits = self.lm_head(h)
@@ -208,7 +210,7 @@ class LLM(nn.Module):
             layer.update_threshold(b, self.config.mod_threshold_rate)
 
     def checkpoint_units(self) -> list:
-        """The blocks activation checkpointing applies to (model.activation_checkpointing)."""
+        """The blocks activation checkpointing applies to (blocks/checkpoint.py's checkpoint_units)."""
         return list(self.layers)
 
     def repeated_units(self) -> list:
@@ -314,34 +316,6 @@ class LLM(nn.Module):
 def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
     """One decoding step: ids (B, 1) at position pos -> next-token logits (B, V); fills the caches."""
     return model(ids, caches=caches, start_pos=pos)[:, -1]
-
-
-class MatvecAsReduction(TorchFunctionMode):
-    """Inside torch.compile on a CPU, turns F.linear on at most two rows (a decoding step at
-    batch 1 or 2) into a multiply and a sum over the input dim, accumulated in fp32.
-
-    Decoding is a chain of matrix-vector products that read every weight once per token, so
-    its speed is the rate at which the weights are read. On a CPU the GEMV behind F.linear
-    reads them well below the memory bandwidth, while inductor fuses the multiply-and-sum into
-    one vectorised reduction that streams the weight at close to it (docs/pretrained.md,
-    "Benchmark", has the measurements). In eager mode the product would be materialised, so
-    this is only for compiled code; on other devices F.linear is left alone (cuBLAS GEMV is
-    bandwidth-bound)."""
-
-    MAX_ROWS = 2  # from 4 rows on, the GEMM is as fast (docs/pretrained.md, "Benchmark")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if w.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() <= self.MAX_ROWS:
-                if torch.is_autocast_enabled("cpu"):
-                    dt = torch.get_autocast_dtype("cpu")
-                    x, w, bias = x.to(dt), w.to(dt), None if bias is None else bias.to(dt)
-                y = (x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32).to(x.dtype)
-                return y if bias is None else y + bias
-        return func(*args, **kwargs)
 
 
 def _decode_step_matvec(model: LLM, ids: torch.Tensor, caches: list, pos: int) -> torch.Tensor:

@@ -33,9 +33,9 @@ FAMILIES = {
     "convnet": ("convnet/resnet-digits.yaml", ["model.width=32", "train.batch_size=64"]),
     "diffusion": ("diffusion/digits.yaml", ["train.batch_size=128"]),
 }
-POLICIES = {"none": [], "selective": ["model.activation_checkpointing=selective"],
-            "full, every 2nd": ["model.activation_checkpointing=full", "model.checkpoint_every=2"],
-            "full": ["model.activation_checkpointing=full"]}
+POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"],
+            "full, every 2nd": ["train.activation_checkpointing=full", "train.activation_checkpointing_every=2"],
+            "full": ["train.activation_checkpointing=full"]}
 
 
 def step_fn(cfg, precision: str, device: torch.device = torch.device("cpu"), model=None):

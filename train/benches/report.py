@@ -379,7 +379,7 @@ def m_checkpointing(ctx: Ctx) -> list[Row]:
 def m_chunked_ce(ctx: Ctx) -> list[Row]:
     """Chunked cross-entropy (the default) against the loss on the full logits: the step's peak."""
     base = ctx.s.llm
-    full, chunked = ctx.peak(base, ["model.chunked_loss=false"]), ctx.peak(base, ["model.chunked_loss=true"])
+    full, chunked = ctx.peak(base, ["train.chunked_loss=false"]), ctx.peak(base, ["train.chunked_loss=true"])
     ctx.memory["chunked cross-entropy (step peak)"] = {"full logits": full / MiB, "chunked": chunked / MiB}
     v = base["model"]["vocab_size"]
     logits = base["train"]["batch_size"] * base["data"]["seq_len"] * v * 4

@@ -72,17 +72,14 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            # the architecture comes from the checkpoint; the model: section still sets how it runs
-            # (attention backend, checkpointing, chunked loss) when those keys are given
-            given = self.cfg.explicit.get("model") or {}
-            runtime = {k: getattr(self.cfg.model, k) for k in hf_llm.RUNTIME_KEYS if k in given}
+            # the architecture comes from the checkpoint (how it runs comes from train:, train/runtime.py)
             # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
             def load(path):
                 if not (hf_llm.detect(path) or zoo_folder.detect(path)):
                     raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "
                                      f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)}) nor a Zoo LLM "
                                      f"folder (config.yaml and model.safetensors, as train/run.py writes)")
-                return zoo.from_pretrained(path, dtype=torch.float32, **runtime)
+                return zoo.from_pretrained(path, dtype=torch.float32)
             model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
@@ -92,7 +89,7 @@ class LMTask(Task):
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"tokenizer's {vocab}")
-        self._say_attention(model.config)
+        self._say_attention()
         return model
 
     def _use(self, model):
@@ -104,8 +101,8 @@ class LMTask(Task):
         x = torch.zeros(batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
         return x, torch.zeros_like(x)
 
-    def _say_attention(self, m):
-        backend = m.attn_backend
+    def _say_attention(self):
+        backend = self.cfg.train.attn_backend
         picked = resolve_backend(backend, self.device, self.autocast_dtype or torch.float32, self.cfg.data.seq_len,
                                  compiling=self.cfg.train.compile)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
