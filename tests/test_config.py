@@ -122,8 +122,8 @@ def test_config_parsing_property(data):
 
 # property: the whole run config (every section of every family) gives a valid config or a one-line ConfigError
 def _families():
-    from train.tasks import TASKS
-    return list(TASKS)
+    from zoo.config import FAMILIES
+    return list(FAMILIES)
 
 
 def _section_fields(family):
@@ -131,8 +131,8 @@ def _section_fields(family):
     import dataclasses
     from train.config import OptimConfig, TrainConfig
     from train.tasks import task_class
-    from zoo.config import MODEL_CONFIGS
-    classes = {"model": MODEL_CONFIGS[family], "data": task_class(family).DataConfig, "train": TrainConfig,
+    from zoo.config import FAMILIES
+    classes = {"model": FAMILIES[family].config, "data": task_class(family).DataConfig, "train": TrainConfig,
                "optim": OptimConfig}
     out = {}
     for sec, cls in classes.items():

@@ -44,10 +44,10 @@ def config_classes() -> dict[str, type]:
     from zoo import config as zc
     from zoo.adapters import AdapterConfig
     from .config import OptimConfig, TrainConfig
-    from .tasks import TASKS, task_class
-    classes = [zc.RopeScaling, zc.MoEConfig, *zc.MODEL_CONFIGS.values(), zc.AutoencoderConfig,
+    from .tasks import task_class
+    classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                TrainConfig, OptimConfig, AdapterConfig]
-    classes += [task_class(f).DataConfig for f in TASKS]
+    classes += [task_class(f).DataConfig for f in zc.FAMILIES]
     return {c.__name__: c for c in classes}
 
 

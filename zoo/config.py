@@ -571,12 +571,36 @@ class DiffusionConfig:
             raise fail(source, p + "sample_steps", f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}")
 
 
-# Model config class per family. Other families register theirs here.
-MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig, "convnet": ConvNetConfig,
-                                   "diffusion": DiffusionConfig}
+@dataclass(frozen=True)
+class Family:
+    """A model family: its config dataclass, its model class and the task that trains it (both as
+    "module:Class", imported when used; zoo itself never imports the trainer's task)."""
+    config: type
+    model: str
+    task: str
 
 
-def model_config_from(data: dict, family: str, source: str, prefix: str = "model."):
-    if family not in MODEL_CONFIGS:
-        raise ConfigError(f"{source}: unknown family {family!r} (known: {', '.join(MODEL_CONFIGS)})")
-    return from_dict(MODEL_CONFIGS[family], data, source, prefix)
+# the one registry of families: a new family registers its config, model and task here
+FAMILIES: dict[str, Family] = {
+    "llm": Family(LLMConfig, "zoo.llm:LLM", "train.tasks.lm:LMTask"),
+    "convnet": Family(ConvNetConfig, "zoo.convnet:ResNet", "train.tasks.classify:ClassifyTask"),
+    "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion", "train.tasks.diffusion:DiffusionTask"),
+}
+
+
+def family(name: str, source: str = "<config>") -> Family:
+    """The registry's entry, or a one-line ConfigError naming the known families."""
+    if name not in FAMILIES:
+        raise ConfigError(f"{source}: unknown family {name!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def load_class(spec: str):
+    """"module:Class" -> the class."""
+    import importlib
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def model_config_from(data: dict, family_name: str, source: str, prefix: str = "model."):
+    return from_dict(family(family_name, source).config, data, source, prefix)
