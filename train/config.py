@@ -151,7 +151,8 @@ class OptimConfig:
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # null = fused where the device supports it
     schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt"] = "cosine"
-    warmup_steps: Optional[int] = None      # null: 10% of train.max_steps, at most 100
+    warmup_steps: Optional[int] = None      # absolute warmup; null: warmup_fraction, else 10% of the run, at most 100
+    warmup_fraction: Optional[float] = None  # warmup as a fraction of train.max_steps (floor), used when warmup_steps is null
     min_lr_ratio: float = 0.1               # final LR / peak LR (cosine, linear, wsd)
     decay_fraction: float = 0.2             # wsd: the last fraction of steps that decays
     onecycle_div: float = 25.0              # onecycle: the LR starts at peak / onecycle_div
@@ -163,8 +164,14 @@ class OptimConfig:
     galore_scale: float = 0.25              # galore: the projected-back update is multiplied by this
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
-        """warmup_steps, or when it is null 10% of the run, at most 100 steps."""
-        return self.warmup_steps if self.warmup_steps is not None else min(100, max_steps // 10)
+        """warmup_steps when given (an absolute count wins, so that `optim.warmup_steps=N` on the
+        command line overrides a config's fraction); else floor(warmup_fraction x max_steps), which
+        stays below max_steps for any run length; else 10% of the run, at most 100 steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_fraction is not None:
+            return int(self.warmup_fraction * max_steps + 1e-9)  # 0.29 x 100 is 28.999...: 29
+        return min(100, max_steps // 10)
 
     def validate(self, source, prefix="optim."):
         if self.lr <= 0:
@@ -179,6 +186,8 @@ class OptimConfig:
             raise fail(source, prefix + "momentum", f"must be in [0, 1), got {self.momentum}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise fail(source, prefix + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.warmup_fraction is not None and not 0.0 <= self.warmup_fraction < 1.0:
+            raise fail(source, prefix + "warmup_fraction", f"must be in [0, 1), got {self.warmup_fraction}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -247,13 +256,15 @@ def check_across_sections(cfg: RunConfig):
     """Keys that are each valid but make no sense together: one-line errors naming both."""
     t, o, src = cfg.train, cfg.optim, cfg.source
     warmup = o.resolved_warmup_steps(t.max_steps)
+    wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
     if warmup >= t.max_steps:
         raise fail(src, "optim.warmup_steps", f"={warmup} must be < train.max_steps={t.max_steps} "
-                                              f"(the whole run would be warmup)")
+                                              f"(the whole run would be warmup; optim.warmup_fraction scales with the run)")
     if o.schedule == "wsd":
         decay = max(1, round(o.decay_fraction * t.max_steps))
         if warmup > t.max_steps - decay:
-            raise fail(src, "optim.warmup_steps", f"={warmup} runs into the decay of optim.schedule=wsd, "
+            what = f"={warmup}" if wkey == "optim.warmup_steps" else f"={o.warmup_fraction} ({warmup} steps)"
+            raise fail(src, wkey, f"{what} runs into the decay of optim.schedule=wsd, "
                                                   f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
                                                   f"{o.decay_fraction} of train.max_steps={t.max_steps})")
     a = cfg.adapter

@@ -74,7 +74,6 @@ def unsupported(cfg) -> Optional[str]:
               (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
-              (t.average_last > 0, "train.average_last", "averages one-process checkpoints only"),
               (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
                "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32")]
     for bad, key, why in checks:

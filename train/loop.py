@@ -42,7 +42,7 @@ from . import checkpoint as ckpt
 from .hardware import keep_freed_memory, measure_peak_flops, peak_memory_gb, release_freed_memory, sync
 from .config import RunConfig
 from .distributed import Launch, Parallel, launch_env, save_dcp, unsupported
-from .optim import build_optimizer, lr_multiplier, micro_batches, set_lr
+from .optim import build_optimizer, lr_multiplier, micro_batches, resume_note, set_lr
 from .tasks import task_class
 from .unfreeze import GradualUnfreezing
 from .tracking import open_tracker
@@ -336,6 +336,8 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
         raise RunStopped(str(e), EXIT_CONFIG) from None
     if state is not None:
         start = state["step"]
+        if note := resume_note(start, state["extra"].get("max_steps"), t.max_steps, cfg.optim):
+            say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed
         was_id = {k: state["extra"].get(k) for k in adapter_id}
         if was_id != adapter_id:  # an adapter checkpoint only makes sense on the base it was trained on
             raise RunStopped(f"{state['path']}: trained with adapter/base {was_id}, this run has {adapter_id}; "
@@ -486,7 +488,7 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
         record({"step": done, **ev})
         last.update(ev)
         if t.average_last:
-            ev_avg = _evaluate_average(task, model, out, t, autocast, say, keys)
+            ev_avg = _evaluate_average(task, model, out, t, autocast, say, keys, par)
             record({"step": done, **ev_avg})
             last.update(ev_avg)
             ev.update(ev_avg)
@@ -609,12 +611,19 @@ def clip_weights_(params, c: float):
         p.clamp_(-c, c)
 
 
-def _evaluate_average(task, model, out, t, autocast, say, keys=None) -> dict:
+def _evaluate_average(task, model, out, t, autocast, say, keys=None, par: Optional[Parallel] = None) -> dict:
     """train.average_last: the last checkpoints' weights averaged, saved and evaluated (avg_*).
-    An adapter run's checkpoints hold only what trains (`keys`): those are averaged, the rest is the model's."""
+    An adapter run's checkpoints hold only what trains (`keys`): those are averaged, the rest is the model's.
+    Under torchrun rank 0 alone reads the (DCP) checkpoints back whole and evaluates the average in a
+    plain model, as one process would; the other ranks return {} (no collective)."""
     from .averaging import average_last
+    if par is not None and par.active and not par.main:
+        return {}
     path, used = average_last(out, t.average_last, t.average_weighting)
-    avg = copy.deepcopy(model)
+    if par is not None and par.active:  # the trained model is wrapped or sharded: a plain one on its device
+        avg = task.build_model().to(next(model.parameters()).device)
+    else:
+        avg = copy.deepcopy(model)
     avg.load_state_dict(ckpt.read_weights(path, avg, keys), strict=False)
     say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
         f"({', '.join(p.name for p in used)}) -> {path}"
@@ -648,14 +657,15 @@ def _save(out, step, model, optimizer, scaler, ema, t, say, metrics_file=None, p
     if metrics_file is not None:  # the metrics up to this step are durable before the checkpoint is
         metrics_file.flush()
         os.fsync(metrics_file.fileno())
+    extra = {"precision": precision, "max_steps": t.max_steps, **(extra or {})}  # max_steps: see resume_note
     if par is not None and par.active:
         path = save_dcp(par, out, step, model, optimizer, scaler if scaler.is_enabled() else None,
-                        ema.model if ema is not None else None, extra={"precision": precision, **(extra or {})},
+                        ema.model if ema is not None else None, extra=extra,
                         keep=t.keep_checkpoints)
         say(f"checkpoint: {path}")
         return
     path = ckpt.save_checkpoint(out, step, model, optimizer, scaler if scaler.is_enabled() else None,
-                                ema.model if ema is not None else None, extra={"precision": precision, **(extra or {})},
+                                ema.model if ema is not None else None, extra=extra,
                                 keep=t.keep_checkpoints, keys=keys)
     say(f"checkpoint: {path}")
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
-from .schedules import SCHEDULES, lr_multiplier, micro_batches
+from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore")
 
