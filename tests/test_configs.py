@@ -29,10 +29,15 @@ STEPS = "train.max_steps=20"
 # (data.vocab_size / model.vocab_size) trained on the first 6M characters of the corpus
 # (data.max_chars), as configs/llm/tiny.yaml does, so that every LLM config shares one tokenizer
 # (trained once, cached for the session) instead of training one of 32000-152000 pieces on the
-# whole corpus. The batch (batch_size x grad_accum) is kept.
+# whole corpus. The presets' accumulation over 16-64 micro-batches (a global batch for many GPUs)
+# shrinks to 2 micro-batches (still accumulating): at 64 it is 1280 forward/backward passes in 20
+# steps. train.compile stays as shipped in smollm-135m (the dense preset: one compilation); in the
+# others it is off, since each compilation (recompiled per MoE routing shape) takes minutes on a
+# CPU and says nothing more about the config.
 LLM_SHAPES = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_hidden=128",
               "model.max_seq_len=64", "model.vocab_size=2048", "data.vocab_size=2048", "data.seq_len=64",
-              "data.max_chars=6000000"]
+              "data.max_chars=6000000", "train.grad_accum=2"]
+NO_COMPILE = ["train.compile=false"]
 # An ImageNet ResNet preset on data that is here: /data/imagenet is absent, so the embedded digits
 # (1 grey channel, 10 classes) at 32x32; the depth (a ResNet-10 of the same block
 # type), width and stem shrink so that a batch of 256 trains on a CPU in a test.
@@ -44,11 +49,11 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "llm/tiny-moe.yaml": [],
     "llm/tiny-mod.yaml": [],
     "llm/smollm-135m.yaml": LLM_SHAPES + ["model.n_kv_heads=2"],  # 9 query heads over 3 kv heads -> 4 over 2
-    "llm/llama-1b.yaml": LLM_SHAPES + ["model.n_kv_heads=2"],
-    "llm/llama2-7b.yaml": LLM_SHAPES,
-    "llm/mixtral-8x7b.yaml": LLM_SHAPES + ["model.n_kv_heads=2"],  # its 8 experts, top-2, kept
+    "llm/llama-1b.yaml": LLM_SHAPES + NO_COMPILE + ["model.n_kv_heads=2"],
+    "llm/llama2-7b.yaml": LLM_SHAPES + NO_COMPILE,
+    "llm/mixtral-8x7b.yaml": LLM_SHAPES + NO_COMPILE + ["model.n_kv_heads=2"],  # its 8 experts, top-2, kept
     # 128 experts of 768 -> 8 of 32 (top-8 of 8 would route to all: top-2), head_dim 128 -> 16
-    "llm/qwen3-30b-a3b.yaml": LLM_SHAPES + ["model.n_kv_heads=2", "model.head_dim=16", "model.moe.n_experts=8",
+    "llm/qwen3-30b-a3b.yaml": LLM_SHAPES + NO_COMPILE + ["model.n_kv_heads=2", "model.head_dim=16", "model.moe.n_experts=8",
                                             "model.moe.top_k=2", "model.moe.expert_hidden=32"],
     "convnet/resnet-digits.yaml": [],
     "convnet/resnet18.yaml": IMAGENET,

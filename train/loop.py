@@ -281,7 +281,7 @@ def _train(cfg: RunConfig, out: Path, say, backends, par: Optional[Parallel] = N
         say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)")
     backends(device)
     torch.manual_seed(t.seed)
-    precision = resolve_precision(cfg, device, say)
+    precision = par.broadcast(resolve_precision(cfg, device, say))  # auto: rank 0's measurement decides for all
     amp_dtype = None if precision == "fp32" else DTYPES[precision]
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={out}")
 
