@@ -7,8 +7,9 @@ out_dir. Overrides beyond train.max_steps and train.out_dir are listed per confi
 reason it is there: only shapes of the large presets (so that 20 steps of a 7B preset fit in a
 test on a CPU), data that is not on this machine (ImageNet and flower folders: the embedded digits
 instead), and downloads (pretrained weights: a small file of the same format written here). The
-small configs run exactly as shipped. Configs that need ../shared (TAESD weights) skip, with the
-reason, when it is absent.
+small configs run exactly as shipped (but for the TAEF2 digits preset's denoiser width). Configs
+that need ../shared (TAESD weights) skip, with the reason, when it is absent. The diffusion configs
+are marked slow: they run by default; `pytest -m "not slow"` is the quick pass.
 """
 import os
 import subprocess
@@ -68,6 +69,13 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "diffusion/digits-taef2.yaml": ["model.channels=[32,64]"],
 }
 SMALL = ["llm/tiny.yaml", "convnet/resnet-digits.yaml", "diffusion/digits.yaml"]
+# the slowest (the digits autoencoder's 300 pretraining steps, 80 guided samples of 50 steps):
+# in the default run like every other; `-m "not slow"` leaves them out for a quick pass
+SLOW = {"diffusion/digits.yaml", "diffusion/digits-taef2.yaml"}
+
+
+def cases(configs):
+    return [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in configs]
 
 
 def test_every_config_is_covered():
@@ -96,7 +104,7 @@ def timm_resnet(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("config", sorted(CASES))
+@pytest.mark.parametrize("config", cases(sorted(CASES)))
 def test_config_runs_20_steps(config, tmp_path):
     if config == "diffusion/digits-taef2.yaml" and not (SHARED / "weights" / "taef2_encoder.pth").exists():
         pytest.skip(f"{SHARED / 'weights' / 'taef2_encoder.pth'} is absent (../shared is not beside this checkout)")
@@ -106,7 +114,7 @@ def test_config_runs_20_steps(config, tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("config", SMALL)
+@pytest.mark.parametrize("config", cases(SMALL))
 def test_small_config_runs_under_torchrun(config, strategy, tmp_path):
     run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUN_PY),
