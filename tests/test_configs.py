@@ -29,7 +29,7 @@ STEPS = "train.max_steps=20"
 # model's max_seq_len and the windows trained on (data.seq_len), and the sentencepiece vocabulary
 # (data.vocab_size / model.vocab_size) trained on the first 6M characters of the corpus
 # (data.max_chars), as configs/llm/tiny.yaml does, so that every LLM config shares one tokenizer
-# (trained once, cached for the session) instead of training one of 32000-152000 pieces on the
+# (trained once, cached for the whole test run) instead of training one of 32000-152000 pieces on the
 # whole corpus. The presets' accumulation over 16-64 micro-batches (a global batch for many GPUs)
 # shrinks to 2 micro-batches (still accumulating): at 64 it is 1280 forward/backward passes in 20
 # steps. train.compile stays as shipped in smollm-135m (the dense preset: one compilation); in the
