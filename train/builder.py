@@ -130,7 +130,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     elif t.parallel != "none":
         say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)")
     torch.manual_seed(t.seed)
-    precision = resolve_precision(t.precision, device, say)
+    precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
     model = build_model(cfg, task, device, say)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from . import checkpoint as ckpt
 from .averaging import average_last
+from .optim import resume_note
 from .step import EXIT_CONFIG, RunStopped
 
 
@@ -44,6 +45,8 @@ class Checkpointer:
             return 0
         self.resumed, self.start = state, state["step"]
         extra = state["extra"]
+        if note := resume_note(self.start, extra.get("max_steps"), t.max_steps, run.cfg.optim):
+            self.say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed
         was_id = {k: extra.get(k) for k in run.adapter_id()}
         if was_id != run.adapter_id():  # an adapter checkpoint only makes sense on the base it was trained on
             raise RunStopped(f"{state['path']}: trained with adapter/base {was_id}, this run has {run.adapter_id()}; "
@@ -68,7 +71,7 @@ class Checkpointer:
 
     def save(self, step: int):
         run = self.run
-        extra = {"precision": run.precision, **run.adapter_id()}
+        extra = {"precision": run.precision, "max_steps": self.t.max_steps, **run.adapter_id()}  # see resume_note
         if self.metrics is not None:  # the rows up to this step are durable before the checkpoint is
             self.metrics.sync()
             extra["metrics"] = self.metrics.state_dict()
@@ -86,10 +89,16 @@ class Checkpointer:
     def evaluate_average(self) -> dict:
         """train.average_last: the last checkpoints' weights averaged, saved and evaluated (avg_*).
         An adapter run's checkpoints hold only what trains (`keys`): those are averaged, the rest is
-        the model's."""
+        the model's. Under torchrun rank 0 alone reads the (DCP) checkpoints back whole and evaluates
+        the average in a plain model, as one process would; the other ranks return {} (no collective)."""
         run, t = self.run, self.t
+        if run.par.active and not run.par.main:
+            return {}
         path, used = average_last(self.out, t.average_last, t.average_weighting)
-        avg = copy.deepcopy(run.model)
+        if run.par.active:  # the trained model is wrapped or sharded: a plain one on its device
+            avg = run.task.build_model().to(run.device)
+        else:
+            avg = copy.deepcopy(run.model)
         avg.load_state_dict(ckpt.read_weights(path, avg, run.keys), strict=False)
         self.say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
                  f"({', '.join(p.name for p in used)}) -> {path}"

@@ -239,9 +239,14 @@ class OptimConfig:
                                             # along a cosine, then a cosine down to `min_lr_ratio`; torch's
                                             # `OneCycleLR` with two phases), `inverse_sqrt` (linear warmup, then
                                             # `sqrt((warmup + 1) / (step + 1))` of the peak, no floor)
-    warmup_steps: Optional[int] = bounded(None, ge=0)  # linear warmup steps; null = 10% of `train.max_steps`, at most
-                                            # 100. Must be < `train.max_steps` (and end before a WSD decay starts):
-                                            # otherwise a one-line config error
+    warmup_steps: Optional[int] = bounded(None, ge=0)  # linear warmup steps, absolute; when given it wins over
+                                            # `warmup_fraction` (so `optim.warmup_steps=N` on the command line overrides a
+                                            # config's fraction). Must be < `train.max_steps` (and end before a WSD decay
+                                            # starts): otherwise a one-line config error
+    warmup_fraction: Optional[float] = bounded(None, ge=0, lt=1)  # warmup as a fraction of the run:
+                                            # `floor(warmup_fraction x train.max_steps)` steps, used when `warmup_steps` is
+                                            # null. The shipped configs use it, so `train.max_steps=N` composes with them
+                                            # for any N. Both null: 10% of `train.max_steps`, at most 100
     min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd,
                                             # onecycle)
     decay_fraction: float = bounded(0.2, gt=0, le=1)  # wsd: the final fraction of steps that decays
@@ -255,8 +260,14 @@ class OptimConfig:
     galore_scale: float = bounded(0.25, gt=0)  # galore: factor on the projected-back update
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
-        """warmup_steps, or when it is null 10% of the run, at most 100 steps."""
-        return self.warmup_steps if self.warmup_steps is not None else min(100, max_steps // 10)
+        """warmup_steps when given (an absolute count wins, so that `optim.warmup_steps=N` on the
+        command line overrides a config's fraction); else floor(warmup_fraction x max_steps), which
+        stays below max_steps for any run length; else 10% of the run, at most 100 steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_fraction is not None:
+            return int(self.warmup_fraction * max_steps + 1e-9)  # 0.29 x 100 is 28.999...: 29
+        return min(100, max_steps // 10)
 
     def validate(self, source, prefix="optim."):
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -314,13 +325,15 @@ def check_across_sections(cfg: RunConfig):
     """Keys that are each valid but make no sense together: one-line errors naming both."""
     t, o, src = cfg.train, cfg.optim, cfg.source
     warmup = o.resolved_warmup_steps(t.max_steps)
+    wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
     if warmup >= t.max_steps:
         raise fail(src, "optim.warmup_steps", f"={warmup} must be < train.max_steps={t.max_steps} "
-                                              f"(the whole run would be warmup)")
+                                              f"(the whole run would be warmup; optim.warmup_fraction scales with the run)")
     if o.schedule == "wsd":
         decay = max(1, round(o.decay_fraction * t.max_steps))
         if warmup > t.max_steps - decay:
-            raise fail(src, "optim.warmup_steps", f"={warmup} runs into the decay of optim.schedule=wsd, "
+            what = f"={warmup}" if wkey == "optim.warmup_steps" else f"={o.warmup_fraction} ({warmup} steps)"
+            raise fail(src, wkey, f"{what} runs into the decay of optim.schedule=wsd, "
                                                   f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
                                                   f"{o.decay_fraction} of train.max_steps={t.max_steps})")
     a = cfg.adapter

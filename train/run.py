@@ -54,4 +54,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from train.distributed import exit_process
+    exit_process(code)  # under torchrun: without the interpreter's teardown (see its docstring)

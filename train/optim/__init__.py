@@ -29,7 +29,7 @@ from torch import nn
 
 from zoo.tensors import tensor_bytes
 
-from .schedules import SCHEDULES, lr_multiplier, micro_batches
+from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note
 
 def _embedding_ids(model: nn.Module) -> set:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
