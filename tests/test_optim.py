@@ -303,7 +303,7 @@ def test_warmup_fraction_scales_with_the_run_and_absolute_steps_win():
     assert load_run_config(tiny, ["train.max_steps=40", "optim.warmup_steps=3"]).optim.resolved_warmup_steps(40) == 3
     with pytest.raises(ConfigError, match=re.escape("optim.warmup_steps=40 must be < train.max_steps=40")):
         load_run_config(tiny, ["train.max_steps=40", "optim.warmup_steps=40"])
-    with pytest.raises(ConfigError, match=re.escape("optim.warmup_fraction must be in [0, 1), got 1.0")):
+    with pytest.raises(ConfigError, match=re.escape("optim.warmup_fraction must be in [0, 1) or null, got 1.0")):
         load_run_config(tiny, ["optim.warmup_fraction=1.0"])
     with pytest.raises(ConfigError, match=re.escape("optim.warmup_fraction=0.9 (90 steps) runs into the decay")):
         load_run_config(tiny, ["train.max_steps=100", "optim.schedule=wsd", "optim.warmup_fraction=0.9"])
