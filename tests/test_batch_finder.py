@@ -61,3 +61,26 @@ def test_config_errors(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         load_run_config(None, over, base=BASE)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fast", ["bf16", "fp32"])
+def test_precision_auto_plans_the_dtype_the_loop_runs(tmp_path, text_corpus, monkeypatch, fast):
+    """train.precision: auto resolves from measured matmul speeds. The batch finder plans the dtype
+    the loop resolved (not a measurement of its own), and the planner on its own resolves it as the
+    loop does: here the CPU is made to look bf16-fast, then fp32-fast."""
+    import train.step as step
+    speed = {torch.bfloat16: 3.0, None: 1.0} if fast == "bf16" else {torch.bfloat16: 1.0, None: 3.0}
+    monkeypatch.setattr(step, "measure_peak_flops", lambda device, dtype, **kw: speed[dtype] * 1e11)
+    planned = []
+    real_plan = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda cfg, **kw: planned.append(cfg.train.precision) or real_plan(cfg, **kw))
+    monkeypatch.setattr(planner, "_AUTO", {})
+    base = {**BASE, "train": {**BASE["train"], "precision": "auto"}}
+    over = [f"train.out_dir={tmp_path / 'run'}", f"data.path={text_corpus}", "train.batch_size=auto",
+            f"train.global_batch={GLOBAL}", "train.memory_budget=64GB"]
+    logs = []
+    train(load_run_config(None, over, base=base), log=logs.append)
+    assert any(m.startswith(f"precision: auto -> {fast}") for m in logs), logs
+    assert planned and set(planned) == {fast}  # every plan the finder made, in the loop's dtype
+    cfg = load_run_config(None, [], base={**base, "train": {**base["train"], "batch_size": 1}})
+    assert planner._precision(cfg, torch.device("cpu")) == (torch.bfloat16 if fast == "bf16" else None)
