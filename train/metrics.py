@@ -83,7 +83,8 @@ class Metrics:
         self.tracker = None
         if self.main:
             self.files = {n: self._stack.enter_context(open(out / n, "a")) for n in (METRICS, SPEED)}
-            self.tracker = self._stack.enter_context(open_tracker(run.cfg, out, start))
+            kept = [r for r in read_rows(out) if r["step"] == start] if start and (out / METRICS).exists() else []
+            self.tracker = self._stack.enter_context(open_tracker(run.cfg, out, start, kept))
         from tqdm import tqdm
         self.bar = tqdm(total=t.max_steps, initial=start, disable=not (t.progress and self.main),
                         dynamic_ncols=True, unit="step", file=sys.stderr)
