@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from train.runtime import apply_runtime
 from zoo.config import ConfigError
+from zoo.tensors import tensors_of
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
@@ -181,16 +182,6 @@ def fake_step(optimizer):
                     pass
     finally:
         optimizer.param_groups = groups
-
-
-def _tensors_of(obj) -> list:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_of(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_of(v)]
-    return []
 
 
 # ------------------------------------------------------------------------------ the model and its units
@@ -349,7 +340,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
 
         with counter:
             step(track=False)  # the optimizer makes its state
-        state_tensors = _tensors_of(optimizer.state) if optimizer is not None else []
+        state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
         if optimizer is not None:
             states = 0
             probe = LiveBytes()
@@ -472,7 +463,7 @@ def _static(cfg, device, B) -> Simulated:
             for p in params:
                 p.grad = torch.zeros_like(p)
             fake_step(opt)
-            states = _bytes(_tensors_of(opt.state))
+            states = _bytes(tensors_of(opt.state))
         grads = sum(p.numel() * p.element_size() for p in params)
         pb, bb = _bytes(model.parameters()), _bytes(model.buffers())
     return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
@@ -730,7 +721,7 @@ def measure(cfg, batch_size: Optional[int] = None) -> dict:
     gc.collect()
     release_freed_memory()
     rest = _proc_status("VmRSS")
-    kept = [*model.parameters(), *model.buffers(), *_tensors_of(optimizer.state), *tree_flatten(batch)[0]]
+    kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
     live = _bytes(kept)
