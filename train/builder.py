@@ -88,7 +88,7 @@ class Run:
 def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Parallel] = None):
     """The family's task with its data read (task.setup())."""
     task = task_class(cfg.family)(cfg, device, say)
-    task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]
+    task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]  # the run's autocast, for evaluation
     if par is not None and par.active:  # this rank's part of every global batch; sums across ranks
         task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_
     task.setup()
@@ -114,11 +114,10 @@ def with_batch(cfg, batch_size: int, grad_accum: int):
                                                               grad_accum=grad_accum))
 
 
-def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batch=None,
-              optimizer: bool = True) -> Run:
+def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batch=None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
     when None). size_batch(cfg, model, task, device) -> (batch_size, grad_accum) resolves
-    train.batch_size: auto (train/plan.py's find_batch_size). optimizer=False: no optimizer or scaler."""
+    train.batch_size: auto (train/plan.py's find_batch_size)."""
     t = cfg.train
     par = par or Parallel("none", Launch())
     if par.active and unsupported(cfg):
@@ -156,15 +155,14 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
             if device.type == "cuda" else
             f"activation offload: skipped on {device.type} (CUDA only: activations already live in host memory)")
     run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys, unfreezer=unfreezer, par=par)
-    if optimizer:
-        try:
-            run.optimizer = build_optimizer(model, cfg.optim, device, say)
-        except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
-            raise RunStopped(str(e), EXIT_CONFIG) from None
-        run.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        hook = task.step_hook(model)
-        if hook is not None:
-            after_step(run.optimizer, hook)
+    try:
+        run.optimizer = build_optimizer(model, cfg.optim, device, say)
+    except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
+        raise RunStopped(str(e), EXIT_CONFIG) from None
+    run.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    hook = task.step_hook(model)
+    if hook is not None:
+        after_step(run.optimizer, hook)
     return run
 
 
