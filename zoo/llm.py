@@ -85,7 +85,10 @@ class LLM(nn.Module):
         n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
-        self.mod_decisions: list = []  # training forwards' MoD decision logits since the last threshold update
+        # training forwards' MoD decision logits since the last threshold update, kept only when whoever
+        # trains the model takes them (keep_mod_decisions; train/ sets it): otherwise they would pile up
+        self.mod_decisions: list = []
+        self.keep_mod_decisions = False
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
 
@@ -182,11 +185,11 @@ class LLM(nn.Module):
     def _record_routing(self, stats: list, mod_stats: list):
         """A training forward keeps what the routing-state updates need, as BatchNorm keeps its
         statistics: the experts' load (balance 'bias', in `router_load`) and the MoD blocks' decision
-        logits of top-k routing (in `mod_decisions`). Whoever trains the model applies them once
-        per optimizer step (update_router_biases, update_mod_thresholds)."""
+        logits of top-k routing (in `mod_decisions`, when keep_mod_decisions). Whoever trains the
+        model applies them once per optimizer step (update_router_biases, update_mod_thresholds)."""
         if stats and hasattr(self, "router_load"):
             self.router_load += torch.stack([s["load"] for s in stats])
-        if mod_stats and all("decide" in s for s in mod_stats):
+        if self.keep_mod_decisions and mod_stats and all("decide" in s for s in mod_stats):
             self.mod_decisions.append(torch.stack([s["decide"] for s in mod_stats]).detach())
 
     def take_mod_decisions(self) -> Optional[torch.Tensor]:

@@ -152,6 +152,7 @@ class LMTask(Task):
         bias = self.moe is not None and self.moe.balance == "bias"
         if not (bias or self.mod):
             return None
+        model.keep_mod_decisions = self.mod
 
         def update():
             if bias:
