@@ -65,11 +65,26 @@ def test_each_policy_gives_the_gradients_of_no_checkpointing(family, policy, eve
     assert all(torch.equal(stats[k], ref_stats[k]) for k in ref_stats)  # BatchNorm updated once
 
 
-def test_checkpointing_is_off_in_eval_and_without_grad():
-    model = llm(activation_checkpointing="selective").eval()
+def test_checkpointing_is_off_in_eval_and_without_grad(monkeypatch):
+    """torch.utils.checkpoint is entered only by a training block that records gradients: counted
+    through the module's own reference to it, and the outputs equal the plain model's."""
+    import zoo.blocks.checkpoint as ckpt
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    plain = llm()
+    model = llm(activation_checkpointing="selective")
+    model.load_state_dict(plain.state_dict())
     x = torch.randint(0, 64, (1, 8))
-    with torch.no_grad():
-        assert model(x).shape == (1, 8, 64)
+    for train, grad in ((False, True), (False, False), (True, False)):
+        model.train(train), plain.train(train)
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(model(x), plain(x))
+        assert not calls, (train, grad)
+    model.train()
+    model(x).sum().backward()
+    assert len(calls) == 3  # every block of the 3, in training with gradients
 
 
 @pytest.mark.parametrize("value, ok", [(True, True), (False, True), ("full", True), ("selective", True),
