@@ -478,6 +478,11 @@ class ConvNetConfig:
     num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
+    drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # `mask`: dropped samples' branches computed
+                                            # and zeroed; `skip`: only the kept samples' rows computed (BatchNorm
+                                            # in the branch then normalises over those); `batch`: a block dropped
+                                            # for the whole batch (Huang et al. 2016; not under DDP). See
+                                            # docs/convnet.md for when skipping pays
     zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
     bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
