@@ -106,3 +106,12 @@ def test_resnet_modes_train_and_match_mask_in_eval(mode):
         assert (a - b).abs().max() <= 1e-5
     model.train()(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad) or mode == "batch"
+
+
+def test_whole_batch_skipping_is_refused_under_data_parallelism():
+    from train.config import load_run_config
+    from train.distributed import unsupported
+    base = {"family": "convnet", "model": {"arch": "resnet18", "drop_path_rate": 0.1}, "train": {"parallel": "ddp"}}
+    assert unsupported(load_run_config(None, [], base=base)) is None
+    cfg = load_run_config(None, ["model.drop_path_mode=batch"], base=base)
+    assert unsupported(cfg).startswith("model.drop_path_mode=batch does not combine with train.parallel=ddp")

@@ -102,7 +102,9 @@ def unsupported(cfg) -> Optional[str]:
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
               (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
-               "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32")]
+               "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32"),
+              (getattr(cfg.model, "drop_path_mode", None) == "batch", "model.drop_path_mode=batch",
+               "a block dropped for the whole batch leaves its parameters without gradients that step; use skip")]
     for bad, key, why in checks:
         if bad:
             return f"{key} does not combine with train.parallel={t.parallel} ({why})"
