@@ -188,3 +188,96 @@ def test_cuda_flex_document_masking_gradients():
     attend_math(*ref_leaves, document_mask(doc)[:, None]).backward(go)
     for a, b in zip(leaves, ref_leaves):
         assert (a.grad - b.grad).abs().max() <= 1e-4
+
+
+# ----------------------------------------------------------------------------- document ids, the LM task
+def test_document_ids_from_boundary_tokens():
+    from train.data.doc_masks import document_ids, tokenizer_boundary
+    t = torch.tensor([[9, 1, 2, 9, 3, 9], [4, 5, 9, 9, 6, 7]])
+    assert document_ids(t, 9, "bos").tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 2, 2, 2]]
+    assert document_ids(t, 9, "eos").tolist() == [[0, 1, 1, 1, 2, 2], [0, 0, 0, 1, 2, 2]]
+    with pytest.raises(ValueError, match="boundary mode"):
+        document_ids(t, 9, "sep")
+
+    class Tok:
+        bos_id, eos_id = None, 3
+    assert tokenizer_boundary(Tok()) == (3, "eos")
+    Tok.bos_id = 1
+    assert tokenizer_boundary(Tok()) == (1, "bos")
+
+
+def test_lm_task_trains_within_documents(tmp_path, text_corpus, monkeypatch):
+    """data.attention: document: the task's loss on a batch equals the documents' losses run one by
+    one (a line of the byte stream as the document, its newline as BOS); without a boundary token
+    it is a one-line error; positions: document alone is one too."""
+    from train.config import load_run_config
+    from train.data import ByteTokenizer
+    from train.tasks.lm import LMTask
+    from zoo.config import ConfigError
+    base = {"family": "llm", "model": {**SMALL, "vocab_size": 256},
+            "data": {"tokenizer": "bytes", "seq_len": 24, "attention": "document", "positions": "document"},
+            "train": {"batch_size": 2, "out_dir": str(tmp_path)}}
+    cfg = load_run_config(None, [f"data.path={text_corpus}"], base=base)
+    with pytest.raises(ConfigError, match="has neither"):
+        LMTask(cfg, torch.device("cpu"), lambda s: None).setup()
+    with pytest.raises(ConfigError, match="data.positions"):
+        load_run_config(None, [f"data.path={text_corpus}", "data.attention=causal"], base=base)
+    monkeypatch.setattr(ByteTokenizer, "bos_id", 10)
+    task = LMTask(cfg, torch.device("cpu"), lambda s: None)
+    task.setup()
+    model = task.build_model()
+    x, y = task.train_batch(0, 0)
+    loss, n = task.loss(model, (x, y))
+    total, count, docs = 0.0, 0, 0
+    for r in range(x.shape[0]):
+        starts = [0] + [i for i in range(1, x.shape[1]) if x[r, i] == 10] + [x.shape[1]]
+        for a, b in zip(starts, starts[1:]):
+            logits = model(x[r:r + 1, a:b])
+            total = total + torch.nn.functional.cross_entropy(logits[0], y[r, a:b], reduction="sum")
+            count += b - a
+            docs += 1
+    assert docs > x.shape[0]  # the batch holds several documents
+    assert abs(loss.item() - total.item() / count) <= TOL
+
+
+# ----------------------------------------------------------------------------- packing
+def test_pack_rows_best_fit_decreasing():
+    from train.data.packing import pack_rows
+    assert pack_rows([5, 3, 8, 2, 7, 1, 4], 10) == [[2, 3], [1, 4], [0, 5, 6]]
+    lengths = torch.randint(1, 33, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = pack_rows(lengths, 32)
+    assert sorted(i for r in rows for i in r) == list(range(200))
+    assert all(sum(lengths[i] for i in r) <= 32 for r in rows)
+    assert len(rows) <= 1.1 * sum(lengths) / 32 + 1  # near the lower bound
+    assert rows == pack_rows(lengths, 32)  # deterministic
+    with pytest.raises(ValueError, match="sequence 1 has 40 tokens"):
+        pack_rows([3, 40], 32)
+
+
+def test_packed_batch_loss_and_gradients_equal_per_sequence_forwards():
+    """Issue 28's acceptance: conversations packed into rows (attention within each, positions
+    restarting, padding) give the loss and gradients of one forward per conversation (fp32, <= 1e-5):
+    the mean over all trained tokens."""
+    from train.data.packing import pack
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (9, 4, 7, 3, 12, 5):
+        ids = torch.randint(0, SMALL["vocab_size"], (n,), generator=g)
+        labels = torch.randint(0, SMALL["vocab_size"], (n,), generator=g)
+        labels[: n // 3] = -100  # the prompt: not trained
+        seqs.append((ids, labels))
+    packed = pack(seqs, 16, pad_id=0)
+    assert packed.input_ids.shape == (3, 16) and (packed.labels != -100).sum() == sum((l != -100).sum() for _, l in seqs)
+    model = _model()
+    model.chunked_loss = False  # the plain cross-entropy path; the chunked one below
+    _, loss = model(packed.input_ids, packed.labels, doc_ids=packed.doc_ids, position_ids=packed.position_ids)
+    grads = _grads(model, loss)
+    total = sum(torch.nn.functional.cross_entropy(model(ids[None])[0], labels, reduction="sum") for ids, labels in seqs)
+    ref = total / sum((l != -100).sum() for _, l in seqs)
+    ref_grads = _grads(model, ref)
+    _assert_close(loss, ref, "loss")
+    for n in grads:
+        _assert_close(grads[n], ref_grads[n], n)
+    model.chunked_loss = True
+    _, chunked = model(packed.input_ids, packed.labels, doc_ids=packed.doc_ids, position_ids=packed.position_ids)
+    _assert_close(chunked, ref, "chunked loss")
