@@ -1,7 +1,7 @@
 """GGUF files in and out: the single-file format of llama.cpp, Ollama and LM Studio.
 
     model = zoo.from_pretrained("model.gguf")                  # float32 on the CPU; dtype=, device= as for HF
-    tok = zoo.weights.gguf.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
+    tok = zoo.weights.gguf_llm.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
 Needs the `gguf` package (`pip install -e ".[gguf]"`), which reads, dequantizes and writes the
@@ -288,9 +288,11 @@ def _build_backend(meta: dict, source: str):
         tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, types),
                                    unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
                                    byte_fallback=True))
+        # sentencepiece (and llama.cpp) put a space before the text, and after each special token,
+        # even when the text starts with one: a normalizer per segment, not Metaspace's prepend
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+        spaces = [normalizers.Replace(" ", "\u2581")]
+        tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + spaces)
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     else:
