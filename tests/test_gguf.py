@@ -24,6 +24,7 @@ from zoo.weights import gguf_llm
 
 gguf = optional_module("gguf")
 transformers = optional_module("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on a busy machine
 
 TOL = 1e-4  # fp32 logits
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -151,10 +152,14 @@ def ids(vocab=330, seed=1, shape=(2, 24)):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def max_diff(a, b, x):
+def logits(model, x):
     with torch.no_grad():
-        la = a(x).logits if hasattr(a(x), "logits") else a(x)
-        lb = b(x).logits if hasattr(b(x), "logits") else b(x)
+        out = model(x)
+    return getattr(out, "logits", out)  # transformers' output or Zoo's tensor
+
+
+def max_diff(a, b, x):
+    la, lb = logits(a, x), logits(b, x)
     assert la.abs().max() > 0.5  # large enough for a wrong mapping to show
     return (la - lb).abs().max().item()
 
@@ -328,13 +333,14 @@ def test_export_reads_back_in_transformers(tmp_path, f32_file, dtype):
         assert torch.equal(w2.reshape(-1, 32), d.half().float() * q)
 
 
-def test_zoo_model_exports_with_head_dim_and_linear_rope(tmp_path):
-    z = zoo.build("configs/llm/tiny.yaml", vocab_size=96, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
+def test_zoo_model_exports_with_head_dim_and_linear_rope(tmp_path, f32_file):
+    z = zoo.build("configs/llm/tiny.yaml", vocab_size=330, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
                   head_dim=48, ffn_hidden=96, max_seq_len=64, rope_scaling={"type": "linear", "factor": 2.0})
     randomize(z, 3).eval()
-    out = zoo.save_pretrained(z, tmp_path / "z.gguf", dtype="f32")
+    out = zoo.save_pretrained(z, tmp_path / "z.gguf", dtype="f32", tokenizer=gguf_llm.load_tokenizer(f32_file[1]))
     back = zoo.from_pretrained(out)
-    x = ids(96)
+    assert gguf_llm.load_tokenizer(back).chat_template == CHATML
+    x = ids()
     assert back.config.head_dim == 48 and back.config.rope_scaling.factor == 2.0
     assert max_diff(z, back, x) <= TOL
     assert max_diff(transformers_gguf(out), back, x) > TOL  # transformers' GGUF loader ignores linear scaling
@@ -392,11 +398,13 @@ def test_truncated_and_foreign_files(tmp_path, f32_file):
     one_line(ValueError, lambda: gguf_llm.load_tokenizer(junk), "junk.gguf", "not a GGUF file")
 
 
-def test_models_gguf_cannot_hold_are_refused(tmp_path):
+def test_models_gguf_cannot_hold_are_refused(tmp_path, f32_file):
     mistral = zoo.build("configs/llm/tiny.yaml", n_layers=1, sliding_window=16)
     one_line(ValueError, lambda: zoo.save_pretrained(mistral, tmp_path / "m.gguf"), "m.gguf", "MistralForCausalLM")
     llama = zoo.build("configs/llm/tiny.yaml", n_layers=1)
     one_line(ValueError, lambda: zoo.save_pretrained(llama, tmp_path / "m.gguf", dtype="q4_0"), "q4_0")
+    one_line(ValueError, lambda: zoo.save_pretrained(llama, tmp_path / "m.gguf", tokenizer=f32_file[1]),
+             "m.gguf", "330 tokens", f"vocabulary of {llama.config.vocab_size}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -414,12 +422,15 @@ def smollm2_file():
 def test_smollm2_answers_a_chat_prompt():
     path = smollm2_file()
     model = zoo.from_pretrained(path)
-    tok = gguf_llm.load_tokenizer(path)
-    from jinja2 import Template
-    prompt = Template(tok.chat_template).render(
-        messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    tok = gguf_llm.load_tokenizer(model)  # the metadata kept on the model: the file is not parsed again
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert "<|im_start|>" in tok.chat_template and system in tok.chat_template  # ChatML with this default system turn
+    assert tok.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+                                  "pad_token": "<|im_end|>"}
+    prompt = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+              f"<|im_start|>assistant\n")  # what the template renders for this question
     x = tok.encode(prompt)
-    assert x[:3] == [1, 9690, 198]  # <|im_start|>system\n
+    assert x[:3] == [1, 9690, 198]  # <|im_start|> whole, then "system", "\n"
     out = model.generate(torch.tensor([x]), max_new_tokens=12)[0, len(x):].tolist()
     answer = tok.decode(out[:out.index(tok.eos_id)] if tok.eos_id in out else out)
     assert "Paris" in answer, answer

@@ -83,6 +83,12 @@ def read(path):
     return reader, meta
 
 
+def tokenizer_fields(reader, meta: dict) -> dict:
+    """{key: (value, GGUF value types)} of a file's tokenizer.* metadata: what a GGUFTokenizer is
+    built from and what an export writes back."""
+    return {k: (v, reader.fields[k].types) for k, v in meta.items() if k.startswith("tokenizer.")}
+
+
 def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, str]:
     """(LLMConfig, Hugging Face architecture) from a GGUF file's metadata, through the config.json
     dict Hugging Face would have (hf_llm.config_from_hf does the rest and its checks)."""
@@ -199,7 +205,8 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     model = assemble(cfg, kmap, dtype, device,
                      ((n, lambda dest, t=tensors[n]: fill(t, dest)) for n in expected))
     model.hf_architecture = arch
-    model.gguf_tokenizer = {k: (v, reader.fields[k].types) for k, v in meta.items() if k.startswith("tokenizer.")}
+    model.gguf_path = str(path)
+    model.gguf_tokenizer = tokenizer_fields(reader, meta)
     return model.eval()
 
 
@@ -226,8 +233,10 @@ class GGUFTokenizer:
     encode() adds no special tokens. `backend` is the `tokenizers.Tokenizer`; `backend.save(
     "tokenizer.json")` writes it in the format train/ reads."""
 
-    def __init__(self, meta: dict, source: str):
+    def __init__(self, fields: dict, source: str):
         self.model_path = source
+        self.fields = fields  # {key: (value, GGUF types)}: written again by save(..., tokenizer=this)
+        meta = {k: v for k, (v, _) in fields.items()}
         self.backend = _build_backend(meta, source)
         tokens = meta["tokenizer.ggml.tokens"]
         ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in _SPECIAL_IDS.items()}
@@ -250,15 +259,19 @@ class GGUFTokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
-def load_tokenizer(path) -> GGUFTokenizer:
-    """The tokenizer, chat template and special tokens of a GGUF file (see GGUFTokenizer)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    _, meta = read(path)
-    if "tokenizer.ggml.tokens" not in meta:
-        raise ValueError(f"{path}: the GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
-    return GGUFTokenizer(meta, str(path))
+def load_tokenizer(source) -> GGUFTokenizer:
+    """The tokenizer, chat template and special tokens of a GGUF file (see GGUFTokenizer). `source`:
+    the file, or a model loaded from one (its metadata is kept on it: the file is not read again)."""
+    if isinstance(getattr(source, "gguf_tokenizer", None), dict):
+        fields, where = source.gguf_tokenizer, source.gguf_path
+    else:
+        where = Path(source)
+        if not where.is_file():
+            raise FileNotFoundError(f"{where}: no such file")
+        fields = tokenizer_fields(*read(where))
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"{where}: the GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
+    return GGUFTokenizer(fields, str(where))
 
 
 def _build_backend(meta: dict, source: str):
@@ -355,7 +368,11 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     if cfg.rope_scaling is not None and cfg.rope_scaling.type != "linear":
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear only)")
     name = {v: k for k, v in ARCHITECTURES.items()}[arch]
-    meta = _tokenizer_fields(tokenizer, getattr(model, "gguf_tokenizer", None))
+    meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
+    n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
+    if n_tokens != cfg.vocab_size:
+        raise ValueError(f"{out}: the tokenizer has {n_tokens} tokens and the model a vocabulary of {cfg.vocab_size} "
+                         f"(llama.cpp needs them equal)")
     Q = gguf.GGMLQuantizationType
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
@@ -406,15 +423,13 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     return atomic_write(out, write)
 
 
-def _tokenizer_fields(tokenizer, remembered: Optional[dict]) -> dict:
+def _fields_to_write(tokenizer, remembered: Optional[dict]) -> dict:
     """{key: (value, GGUF value types)} of the tokenizer.* metadata to write."""
     if tokenizer is None:
         return remembered or {}
     if isinstance(tokenizer, GGUFTokenizer):
-        tokenizer = tokenizer.model_path
-    path = Path(tokenizer)
-    reader, meta = read(path)
-    fields = {k: (v, reader.fields[k].types) for k, v in meta.items() if k.startswith("tokenizer.")}
+        return tokenizer.fields
+    fields = tokenizer_fields(*read(tokenizer))
     if not fields:
-        raise ValueError(f"{path}: the GGUF file holds no tokenizer metadata")
+        raise ValueError(f"{tokenizer}: the GGUF file holds no tokenizer metadata")
     return fields
