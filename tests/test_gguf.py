@@ -11,6 +11,7 @@ compared with what transformers builds from the same file, and a sentencepiece v
 sentencepiece itself.
 """
 import importlib.metadata as md
+import json
 
 import numpy as np
 import pytest
@@ -55,14 +56,13 @@ def byte_level_vocab():
                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
-    import json
     merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(tok.to_str())["model"]["merges"]]
     return tokens, merges, [3 if t in specials else 1 for t in tokens]
 
 
-def add_byte_level_vocab(w, tokens, merges, types):
+def add_byte_level_vocab(w, tokens, merges, types, pre="default"):
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -265,6 +265,24 @@ def test_byte_level_tokenizer_and_chat_template_match_transformers(f32_file):
     text = ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert tok.encode(text) == ref.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
     assert tok.encode("<|im_end|>") == [2]  # a control token stays whole
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm"])
+def test_byte_level_pre_tokenizers(tmp_path, vocab, pre):
+    """`tokenizer.ggml.pre` picks the split before byte-level BPE. smollm: every digit alone (as
+    SmolLM's own tokenizer and llama.cpp split), which transformers' GGUF tokenizer does not know."""
+    path = tmp_path / f"{pre}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_byte_level_vocab(w, *vocab, pre=pre)
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    if pre != "smollm":
+        assert_same_tokenizer(path)
+        return
+    tok = gguf_llm.load_tokenizer(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert len(ref.encode("1234", add_special_tokens=False)) < 4  # the vocabulary has multi-digit tokens
+    assert tok.backend.encode("x 1234", add_special_tokens=False).tokens == ["x", "Ġ", "1", "2", "3", "4"]
 
 
 def test_sentencepiece_tokenizer_matches_sentencepiece_and_transformers(tmp_path):

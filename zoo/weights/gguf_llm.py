@@ -41,7 +41,7 @@ import torch
 
 from ..config import ConfigError, LLMConfig
 from .files import atomic_write
-from .hf_llm import _DTYPES, architecture_for, assemble, config_from_hf, key_map, mismatches
+from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, key_map, mismatches
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF name -> Hugging Face class
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -177,11 +177,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     reader, meta = read(path)
     tensors = {t.name: t for t in reader.tensors}
     cfg, arch = config_from_gguf(meta, tensors, str(path))
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"{path}: unsupported dtype '{dtype}' (supported: {', '.join(_DTYPES)})")
-        dtype = _DTYPES[dtype]
-    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    dtype = _resolve_dtype(dtype, {}, str(path))  # None: float32
     device = torch.device(device or "cpu")
 
     kmap = gguf_names(cfg, arch)
@@ -275,7 +271,7 @@ def load_tokenizer(source) -> GGUFTokenizer:
 
 
 def _build_backend(meta: dict, source: str):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers  # noqa: F401
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     kind = meta.get("tokenizer.ggml.model")
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -288,7 +284,6 @@ def _build_backend(meta: dict, source: str):
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                          pre_tokenizers.ByteLevel(add_prefix_space=False)])
         elif pre in PRE_SPLITS:
-            from tokenizers import Regex
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
