@@ -2,7 +2,8 @@
 
 `load_pretrained(path, **kw)` looks at what `path` is and hands it to the format that
 claims it. Each format module provides `detect(path) -> bool`, `load(path, **kw)` and, for
-export, `save(model, path, **kw)` plus `exports(model) -> bool`.
+export, `save(model, path, **kw)` plus `exports(model) -> bool`. A single-file format that any
+model of a family can be written to is chosen by the file name's suffix (`SUFFIXES`) instead.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from .files import check_weights
 # Tried in order; the first whose detect() is true loads the path.
 # Saving: the first whose exports(model) is true writes it (a Zoo folder for LLMs no external format holds).
 FORMATS: list[str] = ["zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.zoo_folder", "zoo.weights.hf_llm",
-                      "zoo.weights.resnet"]
+                      "zoo.weights.resnet", "zoo.weights.gguf_llm"]
+# Saving to a path with one of these suffixes: that format, whatever the model family's default.
+SUFFIXES: dict[str, str] = {".gguf": "zoo.weights.gguf_llm"}
 
 
 def _modules():
@@ -38,6 +41,9 @@ def save_pretrained(model, path, **kwargs):
             or any(getattr(m, "prefix", None) is not None for m in model.modules()):
         raise ValueError("the model has adapters: save them with zoo.weights.peft_lora.save_adapter, or the "
                          "merged model with save_pretrained(zoo.adapters.merged_model(model), ...)")
+    by_suffix = SUFFIXES.get(Path(path).suffix.lower())
+    if by_suffix:
+        return importlib.import_module(by_suffix).save(model, path, **kwargs)
     for mod in _modules():
         if mod.exports(model):
             return mod.save(model, path, **kwargs)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Optional, Union
 
@@ -388,6 +389,17 @@ def _ignorable(name: str, cfg: LLMConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
+def mismatches(found: dict, expected: dict, ignorable=lambda name: False) -> str:
+    """What differs between the tensors a file holds and those expected ({name: shape} both):
+    "missing: ...; unexpected: ...; wrong shape: ..." (each list cut short), or "" when they match."""
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected and not ignorable(n)]
+    wrong = [f"{n} {list(found[n])} (expected {list(s)})" for n, s in expected.items()
+             if n in found and tuple(found[n]) != tuple(s)]
+    return "; ".join(f"{label}: {_listing(names)}" for label, names in
+                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
+
+
 def _listing(names, limit: int = 8) -> str:
     names = list(names)
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
@@ -449,6 +461,49 @@ def _resolve_dtype(dtype, hf: dict, source: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.device, fills) -> "LLM":
+    """An LLM whose weights come from `fills`: (external name, fill(dest)) pairs, external names as
+    in `kmap` (key_map's form), each fill writing its tensor into `dest`, the rows it holds in the
+    Zoo tensor. The model is built on the meta device and each Zoo tensor allocated once, in `dtype`
+    on `device`, so q/k/v and gate/up land in their fused matrix without concatenation copies;
+    then the tensors are assigned, the LM head tied and the RoPE tables rebuilt on `device`.
+    Every name of `kmap` must be filled (the callers check names and shapes first)."""
+    from ..blocks.rope import RotaryEmbedding
+    from ..llm import LLM
+
+    with torch.device("meta"):
+        model = LLM(cfg)
+    rows_of: dict[str, tuple[str, int, int]] = {}  # external name -> (Zoo name, first row, rows)
+    for zoo_name, parts in kmap.items():
+        start = 0
+        for name, shape in parts:
+            rows_of[name] = (zoo_name, start, shape[0])
+            start += shape[0]
+    state: dict[str, torch.Tensor] = {}
+    for name, fill in fills:
+        zoo_name, start, rows = rows_of[name]
+        if zoo_name not in state:
+            parts = kmap[zoo_name]
+            shape = (sum(s[0] for _, s in parts),) + parts[0][1][1:]
+            state[zoo_name] = torch.empty(shape, dtype=dtype, device=device)
+        fill(state[zoo_name][start:start + rows])
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    state = {k: t.view(shapes[k]) for k, t in state.items()}  # stacked experts: (E * rows, cols) -> (E, rows, cols)
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    # the RoPE tables are non-persistent buffers: rebuild them (fp32) on the real device. They grow
+    # on demand, so start at most 8192 positions long rather than max_position_embeddings (128k+).
+    with torch.device(device):
+        model.rope = RotaryEmbedding(cfg.resolved_head_dim, min(cfg.max_seq_len, 8192), cfg.rope_theta,
+                                     to_dict(cfg.rope_scaling) if cfg.rope_scaling else None)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"tensors left on the meta device after loading: {left}"
+    return model
+
+
 # ----------------------------------------------------------------------------------------
 # the format interface: detect / load / exports / save
 # ----------------------------------------------------------------------------------------
@@ -478,9 +533,6 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU. How the
     model runs is set on it afterwards (blocks/attention.py's set_backend, blocks/checkpoint.py's
     checkpoint_units)."""
-    from ..blocks.rope import RotaryEmbedding
-    from ..llm import LLM
-
     folder = _folder(path)
     cfg_file = folder / "config.json"
     hf = read_json(cfg_file)
@@ -494,50 +546,18 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
-    missing = [n for n in expected if n not in found]
-    unexpected = [n for n in found if n not in expected and not _ignorable(n, cfg)]
-    wrong = [f"{n} {list(found[n])} (expected {list(s)})" for n, s in expected.items()
-             if n in found and found[n] != s]
-    if missing or unexpected or wrong:
-        problems = [f"{label}: {_listing(names)}" for label, names in
-                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
-        raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): "
-                         + "; ".join(problems))
+    problems = mismatches(found, expected, lambda n: _ignorable(n, cfg))
+    if problems:
+        raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 
-    # 2. build without memory; allocate each Zoo tensor once and copy every file tensor into its
-    # rows as it is read (q/k/v and gate/up land in their fused matrix: no concatenation copies)
-    with torch.device("meta"):
-        model = LLM(cfg)
-    rows_of: dict[str, tuple[str, int, int]] = {}  # HF name -> (Zoo name, first row, rows)
-    for zoo_name, parts in kmap.items():
-        start = 0
-        for hf_name, shape in parts:
-            rows_of[hf_name] = (zoo_name, start, shape[0])
-            start += shape[0]
-    state: dict[str, torch.Tensor] = {}
-    for path, (table, offset) in headers.items():
-        with open(path, "rb", buffering=0) as f:
-            for name in sorted((n for n in table if n in rows_of), key=lambda n: table[n]["data_offsets"][0]):
-                zoo_name, start, rows = rows_of[name]
-                if zoo_name not in state:
-                    parts = kmap[zoo_name]
-                    shape = (sum(s[0] for _, s in parts),) + parts[0][1][1:]
-                    state[zoo_name] = torch.empty(shape, dtype=dtype, device=device)
-                read_tensor(f, path, offset, table[name], state[zoo_name][start:start + rows])
-    if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    state = {k: t.view(shapes[k]) for k, t in state.items()}  # stacked experts: (E * rows, cols) -> (E, rows, cols)
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    # the RoPE tables are non-persistent buffers: rebuild them (fp32) on the real device. They grow
-    # on demand, so start at most 8192 positions long rather than max_position_embeddings (128k+).
-    with torch.device(device):
-        model.rope = RotaryEmbedding(cfg.resolved_head_dim, min(cfg.max_seq_len, 8192), cfg.rope_theta,
-                                     to_dict(cfg.rope_scaling) if cfg.rope_scaling else None)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    assert not left, f"tensors left on the meta device after loading: {left}"
+    # 2. read every file tensor straight into the rows of its Zoo tensor
+    def fills():
+        for path, (table, offset) in headers.items():
+            with open(path, "rb", buffering=0) as f:
+                for name in sorted((n for n in table if n in expected), key=lambda n: table[n]["data_offsets"][0]):
+                    yield name, partial(read_tensor, f, path, offset, table[name])
+
+    model = assemble(cfg, kmap, dtype, device, fills())
     model.hf_architecture = arch
     model.hf_config = hf
     return model.eval()

@@ -1,0 +1,430 @@
+"""GGUF files in and out: the single-file format of llama.cpp, Ollama and LM Studio.
+
+    model = zoo.from_pretrained("model.gguf")                  # float32 on the CPU; dtype=, device= as for HF
+    tok = zoo.weights.gguf_llm.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
+    zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
+
+Needs the `gguf` package (`pip install -e ".[gguf]"`), which reads, dequantizes and writes the
+files; this module maps them to Zoo. Architectures: `llama` (Llama 1-3 shapes, SmolLM, Mistral
+without a sliding window) and `qwen2` (a bias on q/k/v). Tensor types read: F32, F16, BF16, Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, each dequantized by `gguf.quants.dequantize`
+into the dtype asked (weights are full-precision afterwards: the file's quantization is not kept).
+
+Names and config reuse the Hugging Face mapping (hf_llm.py): the file's metadata becomes a
+config.json dict for `hf_llm.config_from_hf`, and each Zoo tensor's Hugging Face names become
+GGUF names through the `gguf` package's own table (`gguf.get_tensor_name_map`), so
+`model.layers.3.self_attn.q_proj.weight` is `blk.3.attn_q.weight`. GGUF writes shapes
+innermost-first (ne0 = columns); the tensors read here are (rows, columns) as in PyTorch.
+
+RoPE layout. llama.cpp's converter permutes the q and k rows of `llama` files so that each
+head's pairs are interleaved (channels 2i, 2i+1: GGML's "normal" RoPE), where Hugging Face and
+Zoo pair channel i with i + D/2 (rotate-half). Loading undoes it per head (rows seen as
+(heads, D/2, 2) -> (heads, 2, D/2)); saving applies it. `qwen2` files use the rotate-half
+("NeoX") layout and are not permuted.
+
+The tokenizer is rebuilt from the metadata as a `tokenizers.Tokenizer`: `gpt2` vocabularies as
+byte-level BPE with the file's merges and the pre-tokenizer `tokenizer.ggml.pre` names,
+`llama` (sentencepiece) ones as BPE with byte fallback and merges recovered from the scores.
+Control tokens are special tokens, user-defined ones added tokens, as llama.cpp matches both
+whole. `tokenizer.chat_template` is kept as the string (render it with a chat template class).
+
+Refused with one line naming the file: another architecture, an unsupported tensor type, RoPE
+scaling other than linear (Llama 3.1's `rope_freqs.weight` factors, YaRN), mixture-of-experts
+files, tensors that do not match the metadata, a file that is not GGUF or is truncated.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ..config import ConfigError, LLMConfig
+from .files import atomic_write
+from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, key_map, mismatches
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF name -> Hugging Face class
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
+MAGIC = b"GGUF"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading or writing GGUF files needs the 'gguf' package: pip install -e \".[gguf]\"") from None
+    return gguf
+
+
+# ----------------------------------------------------------------------------------------
+# reading
+# ----------------------------------------------------------------------------------------
+
+def read(path):
+    """(reader, metadata {key: value}) of a GGUF file, after checking that it is one and that every
+    tensor's bytes lie inside it."""
+    gguf = _gguf()
+    path = Path(path)
+    with open(path, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise ValueError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the reader's errors (numpy reshape, struct): one line naming the file
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"{path}: corrupt or truncated GGUF file ({why})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"{path}: corrupt or truncated GGUF file (tensor '{t.name}' ends at byte "
+                             f"{t.data_offset + t.n_bytes} of {size})")
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return reader, meta
+
+
+def tokenizer_fields(reader, meta: dict) -> dict:
+    """{key: (value, GGUF value types)} of a file's tokenizer.* metadata: what a GGUFTokenizer is
+    built from and what an export writes back."""
+    return {k: (v, reader.fields[k].types) for k, v in meta.items() if k.startswith("tokenizer.")}
+
+
+def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, str]:
+    """(LLMConfig, Hugging Face architecture) from a GGUF file's metadata, through the config.json
+    dict Hugging Face would have (hf_llm.config_from_hf does the rest and its checks)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{source}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    if get("expert_count"):
+        raise ConfigError(f"{source}: {arch}.expert_count={get('expert_count')}: mixture-of-experts GGUF files "
+                          f"are not supported")
+    if "rope_freqs.weight" in tensor_names:
+        raise ConfigError(f"{source}: RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are "
+                          f"not supported")
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ConfigError(f"{source}: {arch}.rope.scaling.type='{scaling}' is not supported (none, linear)")
+    n_heads, d = get("attention.head_count"), get("embedding_length")
+    head_dim = get("attention.key_length") or (get("rope.dimension_count") if arch == "llama" else None)
+    rot = get("rope.dimension_count")
+    if head_dim is not None and rot is not None and rot != head_dim:
+        raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
+                          f"RoPE is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    hf = {"architectures": [ARCHITECTURES[arch]], "hidden_size": d, "num_attention_heads": n_heads,
+          "num_hidden_layers": get("block_count"), "intermediate_size": get("feed_forward_length"),
+          "num_key_value_heads": get("attention.head_count_kv", n_heads),
+          "vocab_size": get("vocab_size", len(tokens) if tokens else None),
+          "max_position_embeddings": get("context_length", 2048),
+          "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+          "rope_theta": get("rope.freq_base", 10000.0), "tie_word_embeddings": "output.weight" not in tensor_names}
+    if head_dim is not None:
+        hf["head_dim"] = head_dim
+    if scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
+    missing = [k for k, v in hf.items() if v is None]
+    if missing:
+        raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
+    return config_from_hf(hf, source)
+
+
+def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple[str, tuple]]]:
+    """key_map with GGUF tensor names: Zoo name -> [(GGUF name, (rows, cols)), ...]."""
+    gguf = _gguf()
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "LlamaForCausalLM" else gguf.MODEL_ARCH.QWEN2,
+                                     cfg.n_layers)
+    return {zoo: [(table.get_name(hf, try_suffixes=(".weight", ".bias")), shape) for hf, shape in parts]
+            for zoo, parts in key_map(cfg, arch).items()}
+
+
+def _rope_rows(w: torch.Tensor, heads: int, to_file: bool) -> torch.Tensor:
+    """llama.cpp's q/k row order (pairs interleaved per head) from rotate-half order, or back."""
+    D = w.shape[0] // heads
+    a, b = (2, D // 2) if to_file else (D // 2, 2)
+    return w.reshape(heads, a, b, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _permuted_heads(name: str, cfg: LLMConfig, arch: str) -> Optional[int]:
+    """The number of heads whose rows llama.cpp permuted in tensor `name`, or None."""
+    if arch != "LlamaForCausalLM":
+        return None
+    if ".attn_q." in name:
+        return cfg.n_heads
+    if ".attn_k." in name:
+        return cfg.resolved_n_kv_heads
+    return None
+
+
+def detect(path) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
+    """Load a GGUF file into a Zoo LLM (eval mode). dtype: a torch dtype or its name, default float32
+    (whatever the file's tensor types: quantized tensors are dequantized); device: default CPU.
+    The file's tokenizer metadata is kept on the model (`model.gguf_tokenizer`), so saving it as
+    GGUF again writes the same vocabulary and chat template."""
+    gguf = _gguf()
+    path = Path(path)
+    reader, meta = read(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg, arch = config_from_gguf(meta, tensors, str(path))
+    dtype = _resolve_dtype(dtype, {}, str(path))  # None: float32
+    device = torch.device(device or "cpu")
+
+    kmap = gguf_names(cfg, arch)
+    expected = {name: shape for parts in kmap.values() for name, shape in parts}
+    found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
+    problems = mismatches(found, expected)
+    if problems:
+        raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
+                         f"{cfg.n_layers} layers): {problems}")
+    bad = [f"{n} ({t.tensor_type.name})" for n, t in tensors.items() if t.tensor_type.name not in READ_TYPES]
+    if bad:
+        raise ValueError(f"{path}: unsupported tensor type: {', '.join(bad[:4])}"
+                         f"{f' (+{len(bad) - 4} more)' if len(bad) > 4 else ''} (supported: {', '.join(READ_TYPES)})")
+
+    def fill(t, dest):
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=True))
+        w = w.reshape(dest.shape)
+        heads = _permuted_heads(t.name, cfg, arch)
+        dest.copy_(w if heads is None else _rope_rows(w, heads, to_file=False))
+
+    model = assemble(cfg, kmap, dtype, device,
+                     ((n, lambda dest, t=tensors[n]: fill(t, dest)) for n in expected))
+    model.hf_architecture = arch
+    model.gguf_path = str(path)
+    model.gguf_tokenizer = tokenizer_fields(reader, meta)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------
+# the tokenizer
+# ----------------------------------------------------------------------------------------
+
+# How text is split before byte-level BPE, by `tokenizer.ggml.pre` (the model's own tokenizer.json
+# has the same split); anything else gets GPT-2's.
+_LETTERS_DIGITS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" \
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_SPLITS = {"llama-bpe": _LETTERS_DIGITS, "llama3": _LETTERS_DIGITS,
+              "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+"}
+_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                "pad_token": "padding_token_id"}
+
+
+class GGUFTokenizer:
+    """The tokenizer a GGUF file describes, with the interface Zoo's generation and data code use
+    (encode, encode_many, decode, vocab_size, bos_id, eos_id) and what a chat needs:
+    `chat_template` (the Jinja string, or None), `special_tokens` ({"bos_token": "<s>", ...}, None
+    where the file names none), `add_bos` / `add_eos` (whether llama.cpp adds them to a prompt).
+    encode() adds no special tokens. `backend` is the `tokenizers.Tokenizer`; `backend.save(
+    "tokenizer.json")` writes it in the format train/ reads."""
+
+    def __init__(self, fields: dict, source: str):
+        self.model_path = source
+        self.fields = fields  # {key: (value, GGUF types)}: written again by save(..., tokenizer=this)
+        meta = {k: v for k, (v, _) in fields.items()}
+        self.backend = _build_backend(meta, source)
+        tokens = meta["tokenizer.ggml.tokens"]
+        ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in _SPECIAL_IDS.items()}
+        self.special_tokens = {name: tokens[i] if i is not None and 0 <= i < len(tokens) else None
+                               for name, i in ids.items()}
+        self.bos_id, self.eos_id = ids["bos_token"], ids["eos_token"]
+        self.pad_id, self.unk_id = ids["pad_token"], ids["unk_token"]
+        self.chat_template = meta.get("tokenizer.chat_template")
+        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta["tokenizer.ggml.model"] == "llama"))
+        self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(source) -> GGUFTokenizer:
+    """The tokenizer, chat template and special tokens of a GGUF file (see GGUFTokenizer). `source`:
+    the file, or a model loaded from one (its metadata is kept on it: the file is not read again)."""
+    if isinstance(getattr(source, "gguf_tokenizer", None), dict):
+        fields, where = source.gguf_tokenizer, source.gguf_path
+    else:
+        where = Path(source)
+        if not where.is_file():
+            raise FileNotFoundError(f"{where}: no such file")
+        fields = tokenizer_fields(*read(where))
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"{where}: the GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
+    return GGUFTokenizer(fields, str(where))
+
+
+def _build_backend(meta: dict, source: str):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre == "smollm":  # SmolLM's own tokenizer.json: every digit alone, then GPT-2's split
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        elif pre in PRE_SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        unk = meta.get("tokenizer.ggml.unknown_token_id")
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, types),
+                                   unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
+                                   byte_fallback=True))
+        # sentencepiece (and llama.cpp) put a space before the text, and after each special token,
+        # even when the text starts with one: a normalizer per segment, not Metaspace's prepend
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        spaces = [normalizers.Replace(" ", "\u2581")]
+        tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + spaces)
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    else:
+        raise ValueError(f"{source}: unsupported GGUF tokenizer model '{kind}' (supported: gpt2, llama)")
+    # control (3) and unknown (2) tokens are special; user-defined ones (4) are matched whole too
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (2, 3)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
+    return tok
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """A sentencepiece BPE vocabulary's merges: every split of a normal piece into two normal pieces,
+    best first. Sentencepiece merges the pair whose joined piece scores highest, so a merge ranks by
+    the score of the piece it makes (ties by the ids of its parts)."""
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == 1}
+    found = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                found.append((-scores[i], normal[left], normal[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+# ----------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------
+
+def exports(model) -> bool:
+    return False  # chosen by the file name (".gguf"), never as a family's default format
+
+
+def _write_type(dtype) -> str:
+    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    name = names.get(dtype, dtype)
+    if name not in WRITE_TYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not supported (supported: {', '.join(WRITE_TYPES)})")
+    return name
+
+
+def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
+    """Write `model` as one GGUF file (`llama`, or `qwen2` for a model with a q/k/v bias). dtype:
+    the type of the 2-D weights ("f32", "f16", "bf16" or "q8_0"; a matrix whose rows are not a
+    multiple of 32 long is written F16 under "q8_0", as llama.cpp's converter does); norms and biases
+    are always F32. tokenizer: a GGUF file or a GGUFTokenizer whose vocabulary and chat template
+    are written too; by default those of the GGUF file the model was loaded from, if any (without
+    a vocabulary, transformers reads the file but llama.cpp cannot run it)."""
+    gguf = _gguf()
+    model = getattr(model, "_orig_mod", model)
+    out = Path(path)
+    if getattr(model, "family", None) != "llm":
+        raise ValueError(f"{out}: GGUF holds LLMs; a {type(model).__name__} cannot be written to it")
+    cfg: LLMConfig = model.config
+    kind = _write_type(dtype)
+    arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
+    if arch not in ARCHITECTURES.values():
+        raise ValueError(f"{out}: no GGUF architecture here holds this model ({arch}; supported: "
+                         f"{', '.join(ARCHITECTURES.values())})")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type != "linear":
+        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear only)")
+    name = {v: k for k, v in ARCHITECTURES.items()}[arch]
+    meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
+    n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
+    if n_tokens != cfg.vocab_size:
+        raise ValueError(f"{out}: the tokenizer has {n_tokens} tokens and the model a vocabulary of {cfg.vocab_size} "
+                         f"(llama.cpp needs them equal)")
+    Q = gguf.GGMLQuantizationType
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+
+    def write(tmp: Path):
+        w = gguf.GGUFWriter(str(tmp), name)
+        w.add_name(getattr(model, "gguf_name", "zoo"))
+        D = cfg.resolved_head_dim
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.d_model)
+        w.add_block_count(cfg.n_layers)
+        w.add_feed_forward_length(cfg.resolved_ffn_hidden)
+        w.add_head_count(cfg.n_heads)
+        w.add_head_count_kv(cfg.resolved_n_kv_heads)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_rope_dimension_count(D)
+        if D * cfg.n_heads != cfg.d_model:
+            w.add_key_length(D)
+            w.add_value_length(D)
+        if cfg.rope_scaling is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_file_type(file_type)
+        if kind == "q8_0":
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, (value, types) in meta.items():
+            w.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
+        state = model.state_dict()
+        for zoo_name, parts in gguf_names(cfg, arch).items():
+            pieces = state[zoo_name].detach().to("cpu", torch.float32).split([s[0] for _, s in parts], dim=0)
+            for (tensor_name, _), t in zip(parts, pieces):
+                heads = _permuted_heads(tensor_name, cfg, arch)
+                x = (t if heads is None else _rope_rows(t, heads, to_file=True)).contiguous().numpy()
+                if x.ndim == 1 or kind == "f32":
+                    w.add_tensor(tensor_name, x)
+                elif kind == "f16" or (kind == "q8_0" and x.shape[-1] % 32):
+                    w.add_tensor(tensor_name, x.astype("float16"))
+                else:
+                    q = Q.BF16 if kind == "bf16" else Q.Q8_0
+                    w.add_tensor(tensor_name, gguf.quants.quantize(x, q), raw_dtype=q)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return atomic_write(out, write)
+
+
+def _fields_to_write(tokenizer, remembered: Optional[dict]) -> dict:
+    """{key: (value, GGUF value types)} of the tokenizer.* metadata to write."""
+    if tokenizer is None:
+        return remembered or {}
+    if isinstance(tokenizer, GGUFTokenizer):
+        return tokenizer.fields
+    fields = tokenizer_fields(*read(tokenizer))
+    if not fields:
+        raise ValueError(f"{tokenizer}: the GGUF file holds no tokenizer metadata")
+    return fields
