@@ -58,6 +58,8 @@ class TextDataConfig:
                                             # `~/.cache/zoo`); never beside your data
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of the corpus used to train sentencepiece
+    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
+                                            # scored at every evaluation, logged as `eval_<file stem>_<metric>`
 
     def validate(self, source, prefix="data."):
         if not self.path:

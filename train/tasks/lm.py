@@ -29,6 +29,7 @@ from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
 from ..data import SeqLenSchedule, TextDataConfig, TokenData
+from ..evaluation import evaluate_files, metric_row
 from ..optim import micro_batches
 from . import Task
 
@@ -36,6 +37,7 @@ from . import Task
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
+    formats = {"preference": "train.tasks.dpo:DPOTask"}  # data.format: preference -> DPO / SimPO
     moe = None           # the model's MoEConfig, when it has one
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
@@ -239,13 +241,27 @@ class LMTask(Task):
             n += y.numel()
         model.train(was)
         out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
-               "unigram_entropy": self.entropy}
+               "unigram_entropy": self.entropy, **self.eval_tasks(model)}
         if self.mod:
             per_layer = (acc / max(n, 1)).tolist()
             layers = [i for i in range(model.config.n_layers) if model.config.is_mod(i)]
             out.update({"val_loss_causal": causal / max(n, 1), "val_mod_accuracy": sum(per_layer) / len(per_layer),
                         **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
         return out
+
+    def template(self):
+        """The chat template the data is rendered with (None: plain text)."""
+        return None
+
+    def eval_tasks(self, model) -> dict[str, float]:
+        """The task files of data.eval_tasks (train/evaluation.py) scored on `model`, as
+        `eval_<file stem>_<metric>` numbers."""
+        files = getattr(self.cfg.data, "eval_tasks", None)
+        if not files:
+            return {}
+        results = evaluate_files(model, self.data.tokenizer, files, self.device, self.template(),
+                                 self.cfg.train.batch_size, autocast=self.autocast, log=self.log)
+        return metric_row(results)
 
     def flops_per_item(self, model):
         return model.flops_per_token(self.cfg.data.seq_len)

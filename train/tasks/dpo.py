@@ -1,0 +1,206 @@
+"""Preference tuning of an LLM: DPO, and SimPO without a reference (`data.format: preference`).
+
+Rows are (prompt, chosen, rejected) (train/data/preference.py). A batch holds B pairs as 2B rows,
+the chosen responses first, each row's loss mask on its response only. With pi(y|x) the policy's
+summed log-probability of a response's tokens and ref(y|x) the frozen reference's:
+
+    DPO (Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a
+    Reward Model", 2023), with label smoothing eps (the conservative DPO of Mitchell, 2023):
+        r = beta * (log pi(y|x) - log ref(y|x))                    a response's implicit reward
+        loss = -(1 - eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)
+    SimPO (Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward", 2024):
+        r = beta * log pi(y|x) / |y|                               the mean log-probability
+        loss = -(1 - eps) log sigmoid(r_c - r_r - gamma) - eps log sigmoid(gamma - r_c + r_r)
+
+The reference: for an adapter run (adapter: LoRA, DoRA, QLoRA, prefix) the model itself with its
+adapters switched off (zoo.adapters.adapters_disabled: the base, no second copy); otherwise a
+frozen copy of the model as built (train.init_from's weights, or the seeded initialisation),
+taken before any training or resume, in fp32 on the run's device. Its log-probabilities are made
+under no_grad in the same batch.
+
+Logged in every training row (means over the step's pairs): `rewards_chosen`, `rewards_rejected`,
+`reward_margin` (chosen - rejected) and `reward_accuracy` (the fraction of pairs whose chosen
+reward is the higher); evaluation gives the same on the held-out pairs (`val_loss`,
+`val_reward_margin`, `val_reward_accuracy`, ...), and the files of `data.eval_tasks` as the LM task.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from zoo.adapters import adapters_disabled
+from zoo.config import ConfigError, bounded, fail
+
+from ..data import ByteTokenizer, DataError, load_tokenizer_file
+from ..data.preference import PreferenceData
+from ..evaluation import collate, sequence_logps
+from ..runtime import apply_runtime
+from .lm import LMTask
+
+
+@dataclass
+class PreferenceDataConfig:
+    format: Literal["preference"] = "preference"  # selects preference tuning (this task) for `family: llm`
+    path: str = ""                          # a jsonl file of `{"prompt", "chosen", "rejected"}` rows; the prompt a
+                                            # string or a list of chat messages, the responses strings
+    val_path: Optional[str] = None          # held-out pairs (same format); null = the last `val_fraction` of `path`
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
+    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer;
+                                            # `bytes`; or a path to a `tokenizer.model` / `tokenizer.json`
+    seq_len: int = bounded(256, ge=2)       # tokens per prompt + response (longer: the prompt loses its start, then
+                                            # the response its end; counted in the log); <= `model.max_seq_len`
+    loss: Literal["dpo", "simpo"] = "dpo"   # `dpo` (against the frozen reference) or `simpo` (reference-free, length
+                                            # normalised, with the margin `simpo_gamma`)
+    beta: float = bounded(0.1, gt=0)        # the reward scale: DPO's beta (0.1 is common); SimPO's (about 2)
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # the assumed fraction of flipped preferences (conservative
+                                            # DPO): the loss also pushes the other way with this weight
+    simpo_gamma: float = bounded(0.5, ge=0)  # `simpo`: the target margin between the rewards
+    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py) evaluated at every evaluation, their
+                                            # metrics logged as `eval_<file stem>_<metric>`
+
+    def validate(self, source, prefix="data."):
+        if not self.path:
+            raise fail(source, prefix + "path", "must name a jsonl file of prompt/chosen/rejected rows")
+
+
+class DPOTask(LMTask):
+    DataConfig = PreferenceDataConfig
+    reference = None            # the frozen copy (full fine-tuning)
+    _placed = False             # the copy is on the device with the run's runtime choices
+    _pair_sums = None
+
+    def setup(self):
+        d = self.cfg.data
+        spec = self._pretrained_tokenizer() or d.tokenizer
+        if spec == "sentencepiece":
+            raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
+                              f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
+        try:
+            tok = ByteTokenizer() if spec == "bytes" else load_tokenizer_file(spec)
+        except FileNotFoundError:
+            raise DataError(f"{spec}: tokenizer file not found") from None
+        self.data = PreferenceData(d, tok, self.template(), self.log)
+        self.log(f"preference: loss={d.loss} beta={d.beta} label_smoothing={d.label_smoothing}"
+                 + (f" gamma={d.simpo_gamma}" if d.loss == "simpo" else "")
+                 + (", reference: the base with its adapters off" if d.loss == "dpo" and self.cfg.adapter.enabled
+                    else ", reference: a frozen copy of the initial model" if d.loss == "dpo" else ""))
+
+    def build_model(self):
+        model = super().build_model()
+        if self.cfg.data.loss == "dpo" and not self.cfg.adapter.enabled:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        return model
+
+    def _reference_model(self, model):
+        if self.cfg.adapter.enabled or self.reference is None:  # the planner's example runs have no copy
+            return model
+        if not self._placed:
+            apply_runtime(self.reference, self.cfg.train)
+            self.reference.to(self.device)
+            self._placed = True
+        return self.reference
+
+    @torch.no_grad()
+    def reference_logps(self, model, x, y):
+        ref = self._reference_model(model)
+        base = getattr(getattr(ref, "_orig_mod", ref), "module", getattr(ref, "_orig_mod", ref))  # unwrap DDP/compile
+        with adapters_disabled(base):
+            return sequence_logps(base, x, y)[0]
+
+    def example_batch(self, model, batch_size, seq_len=None):
+        self._use(model)
+        x = torch.zeros(2 * batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
+        return x, torch.zeros_like(x)
+
+    def _batch(self, pairs):
+        rows = [(c, cl) for c, cl, _, _ in pairs] + [(r, rl) for _, _, r, rl in pairs]
+        return collate(rows, self.device)
+
+    def train_batch(self, step, micro):
+        """The pairs of one global micro-batch, in an order reshuffled every epoch (seeded by train.seed
+        and the epoch), at the position (step, micro) gives; this rank's part of them."""
+        n, G = len(self.data.train), self.global_rows()
+        pos = (step * self.cfg.train.grad_accum + micro) * G
+        idx = []
+        for p in range(pos, pos + G):
+            epoch, i = divmod(p, n)
+            if epoch != getattr(self, "_epoch", None):
+                g = torch.Generator().manual_seed(hash((self.cfg.train.seed, epoch, -1)) & 0x7FFF_FFFF_FFFF_FFFF)
+                self._epoch, self._order = epoch, torch.randperm(n, generator=g).tolist()
+            idx.append(self._order[i])
+        return self._batch([self.data.train[i] for i in self.own_rows(idx)])
+
+    def pair_loss(self, model, batch):
+        """(per-pair losses (B,), chosen rewards (B,), rejected rewards (B,), scored tokens)."""
+        x, y = batch
+        logps, n = sequence_logps(model, x, y)
+        d = self.cfg.data
+        if d.loss == "dpo":
+            ref = self.reference_logps(model, x, y)
+            return (*preference_loss(logps, ref, n, "dpo", d.beta, d.label_smoothing), n.sum())
+        return (*preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma), n.sum())
+
+    def loss(self, model, batch):
+        losses, rc, rr, n = self.pair_loss(model, batch)
+        now = torch.stack([losses.sum().detach(), rc.sum(), rr.sum(), (rc > rr).sum().float(),
+                           torch.tensor(float(len(rc)), device=rc.device)])
+        self._pair_sums = now if self._pair_sums is None else self._pair_sums + now
+        return losses.mean(), int(n)
+
+    def train_metrics(self):
+        if self._pair_sums is None:
+            return {}
+        s, self._pair_sums = self._pair_sums, None
+        out = pair_metrics(s)
+        del out["loss"]  # the row's own `loss`
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        was = model.training
+        model.eval()
+        sums, B = None, self.cfg.train.batch_size
+        for i in range(0, len(self.data.val), B):
+            with self.autocast():
+                losses, rc, rr, _ = self.pair_loss(model, self._batch(self.data.val[i:i + B]))
+            now = torch.stack([losses.sum(), rc.sum(), rr.sum(), (rc > rr).sum().float(),
+                               torch.tensor(float(len(rc)), device=rc.device)])
+            sums = now if sums is None else sums + now
+        model.train(was)
+        out = {f"val_{k}": v for k, v in pair_metrics(sums).items()}
+        return {**out, **self.eval_tasks(model)}
+
+    def flops_per_item(self, model):
+        """Per scored token: the policy's forward and backward, plus the reference's forward (DPO)."""
+        f = model.flops_per_token(self.cfg.data.seq_len)
+        return f * 4 / 3 if self.cfg.data.loss == "dpo" else f
+
+    def samples(self, model, out_dir):
+        return None
+
+
+def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,
+                    beta: float, label_smoothing: float = 0.0, gamma: float = 0.0):
+    """Per-pair losses and rewards of 2B rows (B chosen, then B rejected): policy and reference (B*2,)
+    summed log-probabilities, tokens (B*2,) their scored tokens. kind 'dpo' or 'simpo' (reference
+    unused). Returns (losses (B,), chosen rewards (B,), rejected rewards (B,)), the rewards detached."""
+    if kind == "dpo":
+        reward = beta * (policy - reference)
+    else:
+        reward = beta * policy / tokens.clamp(min=1)
+    B = policy.shape[0] // 2
+    logits = reward[:B] - reward[B:] - (gamma if kind == "simpo" else 0.0)
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    r = reward.detach()
+    return losses, r[:B], r[B:]
+
+
+def pair_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """[loss sum, chosen reward sum, rejected reward sum, pairs ranked right, pairs] -> their means."""
+    loss, rc, rr, right = (sums[:4] / sums[4].clamp(min=1)).tolist()
+    return {"loss": loss, "rewards_chosen": rc, "rewards_rejected": rr, "reward_margin": rc - rr,
+            "reward_accuracy": right}
