@@ -1,0 +1,139 @@
+"""Preference tuning (train/tasks/dpo.py): the DPO and SimPO losses against their formulas, a short
+DPO run on a toy preference set, LoRA + DPO with the base (adapters off) as the reference."""
+import json
+import math
+import random
+
+import pytest
+import torch
+
+import zoo
+from train.builder import build_run
+from train.config import load_run_config
+from train.evaluation import sequence_logps
+from train.loop import train, train_step
+from train.metrics import read_rows
+from train.tasks.dpo import DPOTask, preference_loss
+from zoo.config import ConfigError
+
+MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
+
+
+def toy_pairs(path, n, seed):
+    """Prompt `word=`; chosen: the word in capitals, rejected: the word as it is (a preference a
+    model must learn from the pairs: both responses copy the prompt)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            w = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6)))
+            f.write(json.dumps({"prompt": w + "=", "chosen": w.upper(), "rejected": w}) + "\n")
+    return path
+
+
+def config(tmp_path, pairs, *over):
+    base = {"family": "llm", "model": MODEL,
+            "data": {"format": "preference", "path": str(pairs), "tokenizer": "bytes", "seq_len": 24,
+                     "val_fraction": 0.2},
+            "train": {"max_steps": 20, "batch_size": 8, "log_every": 1, "eval_every": 0, "checkpoint_every": 0,
+                      "progress": False, "samples": False, "plot": False, "out_dir": str(tmp_path / "run")},
+            "optim": {"lr": 3e-3, "warmup_steps": 2}}
+    return load_run_config(None, list(over), base=base)
+
+
+def _logsigmoid(x):
+    return -math.log1p(math.exp(-x))
+
+
+@pytest.mark.parametrize("ls", [0.0, 0.2])
+def test_dpo_loss_is_the_formula(ls):
+    g = torch.Generator().manual_seed(0)
+    pol, ref = -10 * torch.rand(8, generator=g, dtype=torch.float64), -10 * torch.rand(8, generator=g, dtype=torch.float64)
+    n = torch.randint(1, 9, (8,), generator=g)
+    beta = 0.3
+    losses, rc, rr = preference_loss(pol, ref, n, "dpo", beta, ls)
+    for i in range(4):
+        z = beta * ((pol[i] - ref[i]) - (pol[4 + i] - ref[4 + i])).item()
+        want = -(1 - ls) * _logsigmoid(z) - ls * _logsigmoid(-z)
+        assert losses[i].item() == pytest.approx(want, abs=1e-12)
+        assert rc[i].item() == pytest.approx(beta * (pol[i] - ref[i]).item(), abs=1e-12)
+        assert rr[i].item() == pytest.approx(beta * (pol[4 + i] - ref[4 + i]).item(), abs=1e-12)
+
+
+def test_simpo_loss_is_the_formula():
+    g = torch.Generator().manual_seed(1)
+    pol = -10 * torch.rand(6, generator=g, dtype=torch.float64)
+    n = torch.randint(1, 9, (6,), generator=g)
+    beta, gamma, ls = 2.0, 0.5, 0.1
+    losses, rc, rr = preference_loss(pol, None, n, "simpo", beta, ls, gamma)
+    for i in range(3):
+        c, r = beta * pol[i].item() / n[i].item(), beta * pol[3 + i].item() / n[3 + i].item()
+        want = -(1 - ls) * _logsigmoid(c - r - gamma) - ls * _logsigmoid(gamma - c + r)
+        assert losses[i].item() == pytest.approx(want, abs=1e-12)
+        assert (rc[i].item(), rr[i].item()) == pytest.approx((c, r), abs=1e-12)
+
+
+def test_dpo_run_raises_the_held_out_margin_and_accuracy(tmp_path, one_thread):
+    cfg = config(tmp_path, toy_pairs(tmp_path / "pairs.jsonl", 200, 0))
+    run = build_run(cfg)
+    assert isinstance(run.task, DPOTask) and run.task.reference is not None
+    before = run.task.evaluate(run.model)  # policy = reference: every reward 0, no pair ranked right
+    assert before["val_reward_margin"] == 0 and before["val_reward_accuracy"] == 0
+    assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    final = train(cfg, log=lambda m: None)
+    assert final["val_reward_margin"] > 1.0 and final["val_reward_accuracy"] >= 0.9, final
+    assert final["val_loss"] < 0.5 * math.log(2)
+    rows = [r for r in read_rows(tmp_path / "run") if "reward_margin" in r]
+    assert len(rows) == 20 and all(k in rows[0] for k in ("rewards_chosen", "rewards_rejected", "reward_accuracy"))
+    assert rows[-1]["reward_margin"] > rows[0]["reward_margin"]
+
+
+def test_simpo_run_raises_the_held_out_margin(tmp_path, one_thread):
+    cfg = config(tmp_path, toy_pairs(tmp_path / "pairs.jsonl", 200, 0), "data.loss=simpo", "data.beta=2.0",
+                 "train.max_steps=15")
+    final = train(cfg, log=lambda m: None)
+    assert final["val_reward_accuracy"] >= 0.9 and final["val_reward_margin"] > 0.5, final
+
+
+@pytest.mark.parametrize("method", ["lora", "prefix"])
+def test_adapter_dpo_uses_the_base_as_reference(tmp_path, method, one_thread):
+    torch.manual_seed(0)
+    base = zoo.save_pretrained(zoo.build(MODEL), tmp_path / "base")
+    cfg = config(tmp_path, toy_pairs(tmp_path / "pairs.jsonl", 60, 1), f"train.init_from={base}",
+                 f"adapter.method={method}", "adapter.r=4", "adapter.prefix_len=4", "optim.lr=0.02")
+    run = build_run(cfg)
+    assert run.task.reference is None  # no second copy of the model
+    for step in range(3):
+        train_step(run, step)
+    x, y = run.task.train_batch(0, 0)
+    plain = zoo.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = sequence_logps(plain, x, y)[0]
+        policy = sequence_logps(run.model, x, y)[0]
+    ref = run.task.reference_logps(run.model, x, y)
+    torch.testing.assert_close(ref, want, atol=1e-4, rtol=0)  # the base, whatever the adapters learned
+    assert (policy - want).abs().max() > 1e-2  # the adapters did change the policy
+    with torch.no_grad():
+        again = sequence_logps(run.model, x, y)[0]
+    torch.testing.assert_close(again, policy)  # and they are back on after the reference
+
+
+def test_full_dpo_reference_is_the_frozen_initial_model(tmp_path, one_thread):
+    cfg = config(tmp_path, toy_pairs(tmp_path / "pairs.jsonl", 60, 2))
+    run = build_run(cfg)
+    init = {k: v.clone() for k, v in run.model.state_dict().items()}
+    for step in range(2):
+        train_step(run, step)
+    ref = run.task.reference
+    assert not any(p.requires_grad for p in ref.parameters())
+    assert all(torch.equal(v, init[k]) for k, v in ref.state_dict().items())
+    assert any(not torch.equal(v, init[k]) for k, v in run.model.state_dict().items())
+
+
+def test_preference_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="data.path"):
+        config(tmp_path, "")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": "b"}\nnot json\n')
+    from train.data import DataError
+    with pytest.raises(DataError, match="bad.jsonl: no usable preference rows .2 malformed"):
+        build_run(config(tmp_path, bad))
