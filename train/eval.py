@@ -63,12 +63,9 @@ def main(argv=None) -> int:
         results = evaluate_files(model, tokenizer, args.task, device, template=None, batch_size=args.batch_size,
                                  max_new_tokens=args.max_new_tokens, delimiter=args.delimiter,
                                  autocast=autocast_for(device, args.precision), log=print)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, RunStopped) as e:  # RunStopped: e.g. no CUDA
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except RunStopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.code
+        return getattr(e, "code", EXIT_CONFIG)
     print(table(results))
     out = Path(args.json) if args.json else (Path(args.model) / "eval.json" if Path(args.model).is_dir()
                                                  else Path("eval.json"))
