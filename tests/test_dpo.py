@@ -14,6 +14,7 @@ from train.evaluation import sequence_logps
 from train.loop import train, train_step
 from train.metrics import read_rows
 from train.tasks.dpo import DPOTask, preference_loss
+from zoo.adapters import quantize_nf4
 from zoo.config import ConfigError
 
 MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
@@ -94,18 +95,24 @@ def test_simpo_run_raises_the_held_out_margin(tmp_path, one_thread):
     assert final["val_reward_accuracy"] >= 0.9 and final["val_reward_margin"] > 0.5, final
 
 
-@pytest.mark.parametrize("method", ["lora", "prefix"])
+@pytest.mark.parametrize("method", ["lora", "prefix", "qlora"])
 def test_adapter_dpo_uses_the_base_as_reference(tmp_path, method, one_thread):
+    if method == "qlora":
+        pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install -e '.[qlora]')")
     torch.manual_seed(0)
     base = zoo.save_pretrained(zoo.build(MODEL), tmp_path / "base")
+    nf4 = ["adapter.quantize_base=nf4"] if method == "qlora" else []
     cfg = config(tmp_path, toy_pairs(tmp_path / "pairs.jsonl", 60, 1), f"train.init_from={base}",
-                 f"adapter.method={method}", "adapter.r=4", "adapter.prefix_len=4", "optim.lr=0.02")
+                 f"adapter.method={method.replace('qlora', 'lora')}", "adapter.r=4", "adapter.prefix_len=4",
+                 "optim.lr=0.02", *nf4)
     run = build_run(cfg)
     assert run.task.reference is None  # no second copy of the model
     for step in range(3):
         train_step(run, step)
     x, y = run.task.train_batch(0, 0)
     plain = zoo.from_pretrained(base, dtype=torch.float32).eval()
+    if method == "qlora":  # the reference is the base as the run holds it: in NF4
+        quantize_nf4(plain)
     with torch.no_grad():
         want = sequence_logps(plain, x, y)[0]
         policy = sequence_logps(run.model, x, y)[0]

@@ -155,7 +155,7 @@ class DPOTask(LMTask):
         if self._pair_sums is None:
             return {}
         s, self._pair_sums = self._pair_sums, None
-        out = pair_metrics(s)
+        out = pair_metrics(self.sum_across_ranks(s))  # every rank logs at the same steps: all pairs counted
         del out["loss"]  # the row's own `loss`
         return out
 
