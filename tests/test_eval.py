@@ -12,6 +12,7 @@ import torch
 import zoo
 from conftest import ROOT
 from train.data import ByteTokenizer, DataError
+from zoo.config import ConfigError
 from train.evaluation import choice_pair, cut_at, evaluate_files, read_task
 
 MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
@@ -170,3 +171,5 @@ def test_eval_tasks_run_at_every_evaluation_of_a_run(tmp_path, text_corpus, one_
     evals = [r for r in read_rows(tmp_path / "run") if "val_loss" in r]
     assert len(evals) == 2 and all("eval_mc_acc" in r and "eval_mc_acc_norm" in r for r in evals)
     assert final["eval_mc_acc"] in (0.0, 1.0)
+    with pytest.raises(ConfigError, match="data.eval_tasks .*nope.jsonl: no such file"):
+        load_run_config(None, [f"data.eval_tasks=[{tmp_path / 'nope.jsonl'}]"], base=TINY)

@@ -64,6 +64,7 @@ class TextDataConfig:
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
+        check_files(self.eval_tasks, source, prefix + "eval_tasks")
         if self.seq_len_schedule is not None:
             k, sched = prefix + "seq_len_schedule", self.seq_len_schedule
             if not sched or any(len(stage) != 2 for stage in sched):
@@ -74,6 +75,13 @@ class TextDataConfig:
             if lens[0] < 2 or any(b <= a for a, b in zip(lens, lens[1:])) or lens[-1] >= self.seq_len:
                 raise fail(source, k, f"must have increasing window lengths >= 2 and < {prefix}seq_len={self.seq_len}, "
                                       f"got {lens}")
+
+
+def check_files(paths, source, key):
+    """A list of files that must exist (checked with the config, not when first read)."""
+    for f in paths or ():
+        if not Path(f).expanduser().is_file():
+            raise fail(source, key, f"{f}: no such file")
 
 
 class DataError(ValueError):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from zoo.adapters import adapters_disabled
 from zoo.config import ConfigError, bounded, fail
 
-from ..data import ByteTokenizer, DataError, load_tokenizer_file
+from ..data import ByteTokenizer, DataError, check_files, load_tokenizer_file
 from ..data.preference import PreferenceData
 from ..evaluation import collate, sequence_logps
 from ..runtime import apply_runtime
@@ -65,6 +65,7 @@ class PreferenceDataConfig:
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must name a jsonl file of prompt/chosen/rejected rows")
+        check_files(self.eval_tasks, source, prefix + "eval_tasks")
 
 
 class DPOTask(LMTask):
@@ -135,21 +136,21 @@ class DPOTask(LMTask):
         return self._batch([self.data.train[i] for i in self.own_rows(idx)])
 
     def pair_loss(self, model, batch):
-        """(per-pair losses (B,), chosen rewards (B,), rejected rewards (B,), scored tokens)."""
+        """(per-pair losses (B,), chosen rewards (B,), rejected rewards (B,))."""
         x, y = batch
         logps, n = sequence_logps(model, x, y)
         d = self.cfg.data
         if d.loss == "dpo":
             ref = self.reference_logps(model, x, y)
-            return (*preference_loss(logps, ref, n, "dpo", d.beta, d.label_smoothing), n.sum())
-        return (*preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma), n.sum())
+            return preference_loss(logps, ref, n, "dpo", d.beta, d.label_smoothing)
+        return preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma)
 
     def loss(self, model, batch):
-        losses, rc, rr, n = self.pair_loss(model, batch)
+        losses, rc, rr = self.pair_loss(model, batch)
         now = torch.stack([losses.sum().detach(), rc.sum(), rr.sum(), (rc > rr).sum().float(),
                            torch.tensor(float(len(rc)), device=rc.device)])
         self._pair_sums = now if self._pair_sums is None else self._pair_sums + now
-        return losses.mean(), int(n)
+        return losses.mean(), batch[1].numel()  # the positions computed (padding included), as the LM task
 
     def train_metrics(self):
         if self._pair_sums is None:
@@ -166,7 +167,7 @@ class DPOTask(LMTask):
         sums, B = None, self.cfg.train.batch_size
         for i in range(0, len(self.data.val), B):
             with self.autocast():
-                losses, rc, rr, _ = self.pair_loss(model, self._batch(self.data.val[i:i + B]))
+                losses, rc, rr = self.pair_loss(model, self._batch(self.data.val[i:i + B]))
             now = torch.stack([losses.sum(), rc.sum(), rr.sum(), (rc > rr).sum().float(),
                                torch.tensor(float(len(rc)), device=rc.device)])
             sums = now if sums is None else sums + now
@@ -175,7 +176,7 @@ class DPOTask(LMTask):
         return {**out, **self.eval_tasks(model)}
 
     def flops_per_item(self, model):
-        """Per scored token: the policy's forward and backward, plus the reference's forward (DPO)."""
+        """Per position: the policy's forward and backward, plus the reference's forward (DPO)."""
         f = model.flops_per_token(self.cfg.data.seq_len)
         return f * 4 / 3 if self.cfg.data.loss == "dpo" else f
 
