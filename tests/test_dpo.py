@@ -144,3 +144,30 @@ def test_preference_config_errors(tmp_path):
     from train.data import DataError
     with pytest.raises(DataError, match="bad.jsonl: no usable preference rows .2 malformed"):
         build_run(config(tmp_path, bad))
+
+
+def test_chat_prompts_are_rendered_with_the_template_and_only_the_last_answer_scored(tmp_path, one_thread):
+    from train.data import ByteTokenizer
+    from train.data.conversations import ChatTemplate
+    from train.data.preference import encode_response
+    chatml, tok = ChatTemplate.builtin("chatml"), ByteTokenizer()
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"}]
+    ids, labels = encode_response(tok, prompt, "4", chatml)
+    assert tok.decode(ids) == chatml.render(prompt + [{"role": "assistant", "content": "4"}])
+    assert tok.decode([t for t in labels if t != -100]) == "4" + chatml.end_of_turn  # not the earlier "hello"
+    rows = [{"prompt": [{"role": "user", "content": w + "="}], "chosen": [{"role": "assistant", "content": w.upper()}],
+             "rejected": w} for w in ("abc", "defg", "hij", "klmn", "opq")]
+    pairs = tmp_path / "chat.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(tmp_path, pairs, "data.template=chatml", "data.seq_len=96", "model.max_seq_len=128",
+                 "train.batch_size=2")
+    run = build_run(cfg)
+    c_ids, c_labels, r_ids, r_labels = run.task.data.train[0]
+    assert tok.decode(c_ids).startswith("<|im_start|>user\nabc=<|im_end|>")
+    assert tok.decode([t for t in c_labels if t != -100]) == "ABC<|im_end|>"
+    assert tok.decode([t for t in r_labels if t != -100]) == "abc<|im_end|>"
+    r, _ = train_step(run, 0)
+    assert math.isfinite(r.loss) and r.loss == pytest.approx(math.log(2), abs=1e-5)  # the policy starts as the reference
+    run.task.save_files(tmp_path)
+    assert ChatTemplate.from_pretrained(tmp_path).source == chatml.source  # the run folder keeps its template

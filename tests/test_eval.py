@@ -173,3 +173,18 @@ def test_eval_tasks_run_at_every_evaluation_of_a_run(tmp_path, text_corpus, one_
     assert final["eval_mc_acc"] in (0.0, 1.0)
     with pytest.raises(ConfigError, match="data.eval_tasks .*nope.jsonl: no such file"):
         load_run_config(None, [f"data.eval_tasks=[{tmp_path / 'nope.jsonl'}]"], base=TINY)
+
+
+def test_chat_prompts_are_answered_through_the_template(tmp_path, one_thread):
+    from train.chat import ChatSession
+    torch.manual_seed(0)
+    model = zoo.build({**MODEL, "max_seq_len": 160}).eval()
+    from train.data.conversations import ChatTemplate
+    chatml, tok = ChatTemplate.builtin("chatml"), ByteTokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    reply = ChatSession(model, tok, chatml, max_new_tokens=5).respond(msgs)
+    plain = ChatSession(model, tok, chatml, max_new_tokens=5).respond([{"role": "user", "content": "yo"}])
+    f = write(tmp_path / "chat.jsonl", [{"prompt": msgs, "expected": reply}, {"prompt": "yo", "expected": plain}])
+    res = evaluate_files(model, tok, [f], torch.device("cpu"), template=chatml, max_new_tokens=5,
+                         log=lambda m: None)["chat"]
+    assert [d["output"] for d in res["details"]] == [reply, plain] and res["exact_match"] == 1.0

@@ -177,24 +177,32 @@ def cut_at(text: str, until) -> str:
     return text[:end]
 
 
+def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tokens=64, max_len=None) -> str:
+    """The greedy continuation of a prompt: with a chat template the assistant's reply (train/chat.py's
+    ChatSession: up to the end of turn or EOS); else the text after the plain prompt, up to EOS."""
+    if template is not None:
+        from .chat import ChatSession
+        return ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens).respond(prompt_messages(prompt))
+    ids = encode_prompt(tokenizer, prompt)
+    if max_len is not None:
+        ids = ids[-max(1, max_len - max_new_tokens):]
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    out = model.generate(x, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    if tokenizer.eos_id is not None and tokenizer.eos_id in out:
+        out = out[:out.index(tokenizer.eos_id)]
+    return tokenizer.decode(out)
+
+
 def score_generation(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, max_len=None,
                      **_):
     """exact_match and contains of generation rows (and each row's output)."""
-    eos = getattr(template, "eos_id", None) if template is not None else None
-    eos = eos if eos is not None else tokenizer.eos_id
     exact = contains = 0
     details = []
     for r in rows:
-        ids = encode_prompt(tokenizer, r["prompt"], template)
-        if max_len is not None:
-            ids = ids[-max(1, max_len - max_new_tokens):]
-        x = torch.tensor([ids], dtype=torch.long, device=device)
         with (autocast or contextlib.nullcontext)():
-            out = model.generate(x, max_new_tokens=max_new_tokens, eos_token_id=eos)[0, len(ids):].tolist()
-        if eos is not None and eos in out:
-            out = out[:out.index(eos)]
+            out = generate_answer(model, tokenizer, r["prompt"], device, template, max_new_tokens, max_len)
         until = r["until"] if r["until"] is not None else ([] if template is not None else ["\n"])
-        text = cut_at(tokenizer.decode(out), until)
+        text = cut_at(out, until)
         want = r["expected"].strip()
         exact += text.strip() == want
         contains += want in text
@@ -270,21 +278,14 @@ def table(results: dict) -> str:
 
 
 def tokenizer_of(path) -> object:
-    """The tokenizer of a model folder (a Zoo run folder or a Hugging Face folder), or of a
-    tokenizer file or 'bytes'."""
-    from zoo.weights import zoo_folder
-
-    from .data import ByteTokenizer, load_tokenizer_file
-    spec: Optional[str] = str(path)
-    p = Path(path).expanduser()
-    if p.is_dir():
-        spec = zoo_folder.tokenizer_of(p) if zoo_folder.detect(p) else next(
-            (str(p / n) for n in ("tokenizer.json", "tokenizer.model") if (p / n).is_file()), None)
+    """The tokenizer of a model folder (a Zoo run folder or a Hugging Face folder; tokenizer.json
+    first, as the chat templates want), or of a tokenizer file, or 'bytes'."""
+    from .data import load_tokenizer_file, model_tokenizer
+    spec = str(path)
+    if Path(path).expanduser().is_dir():
+        spec = model_tokenizer(Path(path).expanduser(), ("tokenizer.json", "tokenizer.model"))
         if spec is None:
             raise DataError(f"{path}: no tokenizer.json or tokenizer.model (pass --tokenizer)")
-    if spec == "bytes":
-        return ByteTokenizer()
-    if not Path(spec).expanduser().is_file():
+    if spec != "bytes" and not Path(spec).expanduser().is_file():
         raise DataError(f"{spec}: tokenizer file not found")
-    return load_tokenizer_file(Path(spec).expanduser())
-
+    return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())

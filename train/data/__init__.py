@@ -36,6 +36,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 
 @dataclass
 class TextDataConfig:
+    format: str = "text"                    # `text`: language modelling on plain text (this section's keys); the
+                                            # chat formats `messages`, `prompt_completion` and `alpaca` train on
+                                            # conversations with the keys of "Chat data" below, `preference` is DPO /
+                                            # SimPO with the keys of "Preference tuning" (docs/post-training.md)
     path: str = "stdlib"                    # a text file, a folder of .txt files, a .jsonl file with a `"text"` field
                                             # per line, or `stdlib` (the Python standard library's .py files: the
                                             # embedded default)
@@ -227,8 +231,22 @@ class HFTokenizer:
 
 
 def load_tokenizer_file(path):
-    """tokenizer.json -> HFTokenizer; anything else is read as a sentencepiece model."""
+    """tokenizer.json -> HFTokenizer; 'bytes' -> ByteTokenizer; anything else is read as a sentencepiece model."""
+    if str(path) == "bytes":
+        return ByteTokenizer()
     return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
+
+
+def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
+    """The tokenizer of a model folder: the first of `names` it holds, 'bytes' for a Zoo folder
+    trained on bytes, else None."""
+    from zoo.weights import zoo_folder
+    for name in names:
+        if (Path(folder) / name).is_file():
+            return str(Path(folder) / name)
+    if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes":
+        return "bytes"
+    return None
 
 
 def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars: int, log=print) -> Path:

@@ -78,11 +78,8 @@ def _plain_prompt(prompt) -> str:
     return prompt
 
 
-def encode_prompt(tokenizer, prompt, template=None) -> list[int]:
-    """The tokens a model continues to answer `prompt` (with a template: the conversation so far
-    and the assistant's opening)."""
-    if template is not None:
-        return tokenizer.encode(template.render(prompt_messages(prompt), add_generation_prompt=True))
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """The tokens of a plain prompt (a chat prompt is rendered by its template: train/chat.py)."""
     return tokenizer.encode(_plain_prompt(prompt))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -35,11 +36,13 @@ import torch.nn.functional as F
 from zoo.adapters import adapters_disabled
 from zoo.config import ConfigError, bounded, fail
 
-from ..data import ByteTokenizer, DataError, check_files, load_tokenizer_file
+from ..data import DataError, check_files, load_tokenizer_file
+from ..data.conversations import BUILTIN, ChatTemplate, find_template
 from ..data.preference import PreferenceData
 from ..evaluation import collate, sequence_logps
 from ..runtime import apply_runtime
 from .lm import LMTask
+from .sft import SFTTask, write_template
 
 
 @dataclass
@@ -49,8 +52,14 @@ class PreferenceDataConfig:
                                             # string or a list of chat messages, the responses strings
     val_path: Optional[str] = None          # held-out pairs (same format); null = the last `val_fraction` of `path`
     val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
-    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer;
-                                            # `bytes`; or a path to a `tokenizer.model` / `tokenizer.json`
+    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer
+                                            # (`tokenizer.json`, else `tokenizer.model`); `bytes`; or a path to a
+                                            # `tokenizer.model` / `tokenizer.json`
+    template: Optional[str] = None          # the chat template the pairs are rendered with: null = the
+                                            # `train.init_from` model's own when it has one (an SFT run's folder
+                                            # does), else none (prompt and response concatenated); or a built-in
+                                            # name (`chatml`), or a path as `template` of the chat data; `none`: no
+                                            # template even when the model has one
     seq_len: int = bounded(256, ge=2)       # tokens per prompt + response (longer: the prompt loses its start, then
                                             # the response its end; counted in the log); <= `model.max_seq_len`
     loss: Literal["dpo", "simpo"] = "dpo"   # `dpo` (against the frozen reference) or `simpo` (reference-free, length
@@ -66,10 +75,15 @@ class PreferenceDataConfig:
         if not self.path:
             raise fail(source, prefix + "path", "must name a jsonl file of prompt/chosen/rejected rows")
         check_files(self.eval_tasks, source, prefix + "eval_tasks")
+        if self.template not in (None, "none", *BUILTIN) and not Path(self.template).expanduser().exists():
+            raise fail(source, prefix + "template", f"={self.template}: neither none, a built-in template "
+                                                    f"({', '.join(BUILTIN)}) nor an existing file or folder")
 
 
 class DPOTask(LMTask):
     DataConfig = PreferenceDataConfig
+    tokenizer_files = SFTTask.tokenizer_files  # tokenizer.json first: it reads a template's special tokens
+    chat_template = None
     reference = None            # the frozen copy (full fine-tuning)
     _placed = False             # the copy is on the device with the run's runtime choices
     _pair_sums = None
@@ -80,15 +94,41 @@ class DPOTask(LMTask):
         if spec == "sentencepiece":
             raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
                               f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
-        try:
-            tok = ByteTokenizer() if spec == "bytes" else load_tokenizer_file(spec)
-        except FileNotFoundError:
-            raise DataError(f"{spec}: tokenizer file not found") from None
-        self.data = PreferenceData(d, tok, self.template(), self.log)
+        if spec != "bytes" and not Path(spec).expanduser().is_file():
+            raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a "
+                            f"path to a tokenizer.model / tokenizer.json)")
+        self.chat_template = self._template()
+        self.data = PreferenceData(d, load_tokenizer_file(spec), self.chat_template, self.log)
         self.log(f"preference: loss={d.loss} beta={d.beta} label_smoothing={d.label_smoothing}"
                  + (f" gamma={d.simpo_gamma}" if d.loss == "simpo" else "")
                  + (", reference: the base with its adapters off" if d.loss == "dpo" and self.cfg.adapter.enabled
                     else ", reference: a frozen copy of the initial model" if d.loss == "dpo" else ""))
+
+    def template(self):
+        return self.chat_template
+
+    def _template(self):
+        t, init = self.cfg.data.template, self.cfg.train.init_from
+        if t == "none" or (t is None and init is None):
+            template = None
+        elif t in BUILTIN:
+            template = ChatTemplate.builtin(t)
+        else:
+            template = ChatTemplate.from_pretrained(t) if t is not None else find_template(init)
+        self.log(f"data: chat template: {template.name} (end of turn {template.end_of_turn!r})" if template else
+                 "data: no chat template: prompt and response tokens concatenated")
+        return template
+
+    def save_files(self, out_dir):
+        super().save_files(out_dir)
+        if self.chat_template is not None:
+            write_template(self.chat_template, out_dir)
+
+    def export(self, model, out_dir):
+        path = super().export(model, out_dir)
+        if path is not None and self.chat_template is not None:
+            write_template(self.chat_template, path)
+        return path
 
     def build_model(self):
         model = super().build_model()

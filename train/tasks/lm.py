@@ -28,7 +28,7 @@ from zoo.config import ConfigError
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
-from ..data import SeqLenSchedule, TextDataConfig, TokenData
+from ..data import SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
 from ..evaluation import evaluate_files, metric_row
 from ..optim import micro_batches
 from . import Task
@@ -37,7 +37,9 @@ from . import Task
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
-    formats = {"preference": "train.tasks.dpo:DPOTask"}  # data.format: preference -> DPO / SimPO
+    formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
+               "preference": "train.tasks.dpo:DPOTask"}  # data.format -> chat SFT, or DPO / SimPO
+    tokenizer_files = ("tokenizer.model", "tokenizer.json")  # a checkpoint's tokenizer, in order of preference
     moe = None           # the model's MoEConfig, when it has one
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
@@ -51,20 +53,21 @@ class LMTask(Task):
         if cfg.train.init_from is None and d.tokenizer == "bytes" and m.vocab_size < 256:
             raise ConfigError(f"{cfg.source}: model.vocab_size={m.vocab_size} is smaller than the bytes "
                               f"tokenizer's 256")
+        if d.format not in ("text", *LMTask.formats):
+            raise ConfigError(f"{cfg.source}: data.format must be one of text, {', '.join(LMTask.formats)}, "
+                              f"got {d.format!r}")
 
     def _pretrained_tokenizer(self) -> Optional[str]:
         """With train.init_from and data.tokenizer 'sentencepiece' (the default), the data is
-        tokenised with the checkpoint's own tokenizer.model, or its tokenizer.json."""
+        tokenised with the checkpoint's own tokenizer (`tokenizer_files`, in that order)."""
         init = self.cfg.train.init_from
         if init is None or self.cfg.data.tokenizer != "sentencepiece":
             return None
-        for name in ("tokenizer.model", "tokenizer.json"):
-            if (Path(init) / name).is_file():
-                return str(Path(init) / name)
-        if zoo_folder.detect(init) and zoo_folder.tokenizer_of(init) == "bytes":  # a Zoo run on bytes
-            return "bytes"
-        raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no tokenizer.model or tokenizer.json; "
-                          f"set data.tokenizer to a tokenizer file or 'bytes'")
+        found = model_tokenizer(init, self.tokenizer_files)
+        if found is None:
+            raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no {' or '.join(self.tokenizer_files)}; "
+                              f"set data.tokenizer to a tokenizer file or 'bytes'")
+        return found
 
     def setup(self):
         self._schedule = None
@@ -228,17 +231,18 @@ class LMTask(Task):
         model.eval()
         total, n = 0.0, 0
         causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
-        for x, y in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
+        for x, y, *_ in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
             x, y = x.to(self.device), y.to(self.device)
+            k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
             with self.autocast():
                 if self.mod:
                     _, loss, aux = model(x, y, return_aux=True)
-                    acc = acc + aux["mod_accuracy"].float() * y.numel()
-                    causal += model(x, y, mod_causal=True)[1].item() * y.numel()
+                    acc = acc + aux["mod_accuracy"].float() * k
+                    causal += model(x, y, mod_causal=True)[1].item() * k
                 else:
                     _, loss = model(x, y)
-            total += loss.item() * y.numel()
-            n += y.numel()
+            total += loss.item() * k
+            n += k
         model.train(was)
         out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
                "unigram_entropy": self.entropy, **self.eval_tasks(model)}
