@@ -36,7 +36,8 @@ def config(tmp_path, pairs, *over):
             "data": {"format": "preference", "path": str(pairs), "tokenizer": "bytes", "seq_len": 24,
                      "val_fraction": 0.2},
             "train": {"max_steps": 20, "batch_size": 8, "log_every": 1, "eval_every": 0, "checkpoint_every": 0,
-                      "progress": False, "samples": False, "plot": False, "out_dir": str(tmp_path / "run")},
+                      "progress": False, "samples": False, "plot": False, "out_dir": str(tmp_path / "run"),
+                      "peak_flops": 1e12},  # no matmul measured for MFU
             "optim": {"lr": 3e-3, "warmup_steps": 2}}
     return load_run_config(None, list(over), base=base)
 
@@ -95,7 +96,7 @@ def test_simpo_run_raises_the_held_out_margin(tmp_path, one_thread):
     assert final["val_reward_accuracy"] >= 0.9 and final["val_reward_margin"] > 0.5, final
 
 
-@pytest.mark.parametrize("method", ["lora", "prefix", "qlora"])
+@pytest.mark.parametrize("method", ["lora", "dora", "prefix", "qlora"])
 def test_adapter_dpo_uses_the_base_as_reference(tmp_path, method, one_thread):
     if method == "qlora":
         pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install -e '.[qlora]')")

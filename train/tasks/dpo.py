@@ -86,7 +86,8 @@ class DPOTask(LMTask):
     chat_template = None
     reference = None            # the frozen copy (full fine-tuning)
     _placed = False             # the copy is on the device with the run's runtime choices
-    _pair_sums = None
+    _pair_sums = None           # pair_sums of the training batches since the last logged row
+    _epoch, _order = None, None  # the epoch whose shuffled order of the training pairs is at hand
 
     def setup(self):
         d = self.cfg.data
@@ -147,8 +148,7 @@ class DPOTask(LMTask):
 
     @torch.no_grad()
     def reference_logps(self, model, x, y):
-        ref = self._reference_model(model)
-        base = getattr(getattr(ref, "_orig_mod", ref), "module", getattr(ref, "_orig_mod", ref))  # unwrap DDP/compile
+        base = unwrapped(self._reference_model(model))
         with adapters_disabled(base):
             return sequence_logps(base, x, y)[0]
 
@@ -169,7 +169,7 @@ class DPOTask(LMTask):
         idx = []
         for p in range(pos, pos + G):
             epoch, i = divmod(p, n)
-            if epoch != getattr(self, "_epoch", None):
+            if epoch != self._epoch:
                 g = torch.Generator().manual_seed(hash((self.cfg.train.seed, epoch, -1)) & 0x7FFF_FFFF_FFFF_FFFF)
                 self._epoch, self._order = epoch, torch.randperm(n, generator=g).tolist()
             idx.append(self._order[i])
@@ -187,8 +187,7 @@ class DPOTask(LMTask):
 
     def loss(self, model, batch):
         losses, rc, rr = self.pair_loss(model, batch)
-        now = torch.stack([losses.sum().detach(), rc.sum(), rr.sum(), (rc > rr).sum().float(),
-                           torch.tensor(float(len(rc)), device=rc.device)])
+        now = pair_sums(losses.detach(), rc, rr)
         self._pair_sums = now if self._pair_sums is None else self._pair_sums + now
         return losses.mean(), batch[1].numel()  # the positions computed (padding included), as the LM task
 
@@ -207,9 +206,7 @@ class DPOTask(LMTask):
         sums, B = None, self.cfg.train.batch_size
         for i in range(0, len(self.data.val), B):
             with self.autocast():
-                losses, rc, rr = self.pair_loss(model, self._batch(self.data.val[i:i + B]))
-            now = torch.stack([losses.sum(), rc.sum(), rr.sum(), (rc > rr).sum().float(),
-                               torch.tensor(float(len(rc)), device=rc.device)])
+                now = pair_sums(*self.pair_loss(model, self._batch(self.data.val[i:i + B])))
             sums = now if sums is None else sums + now
         model.train(was)
         out = {f"val_{k}": v for k, v in pair_metrics(sums).items()}
@@ -238,6 +235,18 @@ def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tok
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
     r = reward.detach()
     return losses, r[:B], r[B:]
+
+
+def unwrapped(model):
+    """The module under a torch.compile and a DDP wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+def pair_sums(losses, chosen, rejected) -> torch.Tensor:
+    """[loss sum, chosen reward sum, rejected reward sum, pairs ranked right, pairs] of a batch."""
+    return torch.stack([losses.sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum().float(),
+                        torch.tensor(float(len(chosen)), device=chosen.device)])
 
 
 def pair_metrics(sums: torch.Tensor) -> dict[str, float]:
