@@ -110,14 +110,15 @@ def test_adapter_dpo_uses_the_base_as_reference(tmp_path, method, one_thread):
     assert run.task.reference is None  # no second copy of the model
     for step in range(3):
         train_step(run, step)
-    x, y = run.task.train_batch(0, 0)
+    batch = run.task.train_batch(0, 0)
+    x, y, _ = batch
     plain = zoo.from_pretrained(base, dtype=torch.float32).eval()
     if method == "qlora":  # the reference is the base as the run holds it: in NF4
         quantize_nf4(plain)
     with torch.no_grad():
         want = sequence_logps(plain, x, y)[0]
         policy = sequence_logps(run.model, x, y)[0]
-    ref = run.task.reference_logps(run.model, x, y)
+    ref = run.task.reference_logps(run.model, batch)
     torch.testing.assert_close(ref, want, atol=1e-4, rtol=0)  # the base, whatever the adapters learned
     assert (policy - want).abs().max() > 1e-2  # the adapters did change the policy
     with torch.no_grad():
@@ -128,9 +129,14 @@ def test_adapter_dpo_uses_the_base_as_reference(tmp_path, method, one_thread):
 def test_full_dpo_reference_is_the_frozen_initial_model(tmp_path, one_thread):
     cfg = config(tmp_path, toy_pairs(tmp_path / "pairs.jsonl", 60, 2))
     run = build_run(cfg)
+    pre = build_run(config(tmp_path, cfg.data.path, "data.reference=precomputed"))
+    assert pre.task.reference is None and pre.task.reference_table.shape == (60, 2)
     init = {k: v.clone() for k, v in run.model.state_dict().items()}
-    for step in range(2):
-        train_step(run, step)
+    losses = [(train_step(run, step)[0].loss, train_step(pre, step)[0].loss) for step in range(3)]
+    assert losses[0][0] == pytest.approx(math.log(2), abs=1e-6)  # the policy starts as the reference
+    assert losses[-1][0] < losses[0][0] - 0.01  # and moves away from it
+    for a, b in losses:  # the precomputed table is the frozen copy's log-probabilities
+        assert a == pytest.approx(b, abs=1e-5)
     ref = run.task.reference
     assert not any(p.requires_grad for p in ref.parameters())
     assert all(torch.equal(v, init[k]) for k, v in ref.state_dict().items())
@@ -172,3 +178,18 @@ def test_chat_prompts_are_rendered_with_the_template_and_only_the_last_answer_sc
     assert math.isfinite(r.loss) and r.loss == pytest.approx(math.log(2), abs=1e-5)  # the policy starts as the reference
     run.task.save_files(tmp_path)
     assert ChatTemplate.from_pretrained(tmp_path).source == chatml.source  # the run folder keeps its template
+
+
+def test_dpo_run_resumes_exactly(tmp_path, one_thread):
+    """Killed after a checkpoint, the run resumes with the same pairs and the same reference (the
+    precomputed one is made again from the initial weights, not from the checkpoint's)."""
+    import shutil
+    pairs = toy_pairs(tmp_path / "pairs.jsonl", 40, 3)
+    over = ["data.reference=precomputed", "train.max_steps=6", "train.checkpoint_every=3", "train.batch_size=4"]
+    train(config(tmp_path, pairs, *over), log=lambda m: None)
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "run", part)
+    shutil.rmtree(part / "checkpoints" / "step_00000006")
+    train(config(tmp_path, pairs, *over, f"train.out_dir={part}"), log=lambda m: None)
+    full, resumed = read_rows(tmp_path / "run"), read_rows(part)
+    assert [r["loss"] for r in full if "loss" in r] == [r["loss"] for r in resumed if "loss" in r]

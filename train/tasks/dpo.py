@@ -68,6 +68,11 @@ class PreferenceDataConfig:
     label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # the assumed fraction of flipped preferences (conservative
                                             # DPO): the loss also pushes the other way with this weight
     simpo_gamma: float = bounded(0.5, ge=0)  # `simpo`: the target margin between the rewards
+    reference: Literal["copy", "precomputed"] = "copy"  # `dpo` without an adapter: `copy` keeps a frozen copy of the
+                                            # initial model on the device (the weights twice); `precomputed` runs
+                                            # the initial model once over every pair at the start (and at every
+                                            # resume) and keeps only its log-probabilities. With an adapter the
+                                            # reference is always the base with the adapters off
     eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py) evaluated at every evaluation, their
                                             # metrics logged as `eval_<file stem>_<metric>`
 
@@ -84,7 +89,9 @@ class DPOTask(LMTask):
     DataConfig = PreferenceDataConfig
     tokenizer_files = SFTTask.tokenizer_files  # tokenizer.json first: it reads a template's special tokens
     chat_template = None
-    reference = None            # the frozen copy (full fine-tuning)
+    reference = None            # the frozen copy (full fine-tuning, data.reference: copy)
+    reference_table = None      # (pairs, 2) the initial model's log-probabilities of every pair's chosen and
+                                # rejected response (data.reference: precomputed); train pairs, then val pairs
     _placed = False             # the copy is on the device with the run's runtime choices
     _pair_sums = None           # pair_sums of the training batches since the last logged row
     _epoch, _order = None, None  # the epoch whose shuffled order of the training pairs is at hand
@@ -103,7 +110,7 @@ class DPOTask(LMTask):
         self.log(f"preference: loss={d.loss} beta={d.beta} label_smoothing={d.label_smoothing}"
                  + (f" gamma={d.simpo_gamma}" if d.loss == "simpo" else "")
                  + (", reference: the base with its adapters off" if d.loss == "dpo" and self.cfg.adapter.enabled
-                    else ", reference: a frozen copy of the initial model" if d.loss == "dpo" else ""))
+                    else f", reference: the initial model ({d.reference})" if d.loss == "dpo" else ""))
 
     def template(self):
         return self.chat_template
@@ -134,8 +141,28 @@ class DPOTask(LMTask):
     def build_model(self):
         model = super().build_model()
         if self.cfg.data.loss == "dpo" and not self.cfg.adapter.enabled:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if self.cfg.data.reference == "copy":
+                self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            else:
+                self.reference_table = self.precompute(model)
         return model
+
+    @torch.no_grad()
+    def precompute(self, model) -> torch.Tensor:
+        """The reference log-probabilities of every pair (train, then val) by `model`, on the device,
+        in the run's precision, in batches of train.batch_size pairs."""
+        model = apply_runtime(model, self.cfg.train).to(self.device)
+        was = model.training
+        model.eval()
+        pairs, B, out = self.data.train + self.data.val, self.cfg.train.batch_size, []
+        for i in range(0, len(pairs), B):
+            x, y, _ = self._batch(pairs[i:i + B], range(i, i + len(pairs[i:i + B])))
+            with self.autocast():
+                lp = sequence_logps(model, x, y)[0]
+            out.append(torch.stack(lp.chunk(2), dim=1))
+        model.train(was)
+        self.log(f"reference: log-probabilities of {len(pairs)} pairs precomputed (data.reference=precomputed)")
+        return torch.cat(out)
 
     def _reference_model(self, model):
         if self.cfg.adapter.enabled or self.reference is None:  # the planner's example runs have no copy
@@ -147,7 +174,11 @@ class DPOTask(LMTask):
         return self.reference
 
     @torch.no_grad()
-    def reference_logps(self, model, x, y):
+    def reference_logps(self, model, batch):
+        """The reference's summed log-probabilities of a batch's rows (2B,)."""
+        x, y, ids = batch
+        if self.reference_table is not None:
+            return self.reference_table[ids].t().reshape(-1)  # the chosen rows, then the rejected
         base = unwrapped(self._reference_model(model))
         with adapters_disabled(base):
             return sequence_logps(base, x, y)[0]
@@ -155,11 +186,13 @@ class DPOTask(LMTask):
     def example_batch(self, model, batch_size, seq_len=None):
         self._use(model)
         x = torch.zeros(2 * batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
-        return x, torch.zeros_like(x)
+        return x, torch.zeros_like(x), torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
-    def _batch(self, pairs):
+    def _batch(self, pairs, ids):
+        """(inputs (2B, T), labels (2B, T), the pairs' ids (B,)): the chosen rows, then the rejected.
+        A pair's id is its index among the training pairs, or len(train) + its index among the val pairs."""
         rows = [(c, cl) for c, cl, _, _ in pairs] + [(r, rl) for _, _, r, rl in pairs]
-        return collate(rows, self.device)
+        return (*collate(rows, self.device), torch.tensor(list(ids), dtype=torch.long, device=self.device))
 
     def train_batch(self, step, micro):
         """The pairs of one global micro-batch, in an order reshuffled every epoch (seeded by train.seed
@@ -173,15 +206,16 @@ class DPOTask(LMTask):
                 g = torch.Generator().manual_seed(hash((self.cfg.train.seed, epoch, -1)) & 0x7FFF_FFFF_FFFF_FFFF)
                 self._epoch, self._order = epoch, torch.randperm(n, generator=g).tolist()
             idx.append(self._order[i])
-        return self._batch([self.data.train[i] for i in self.own_rows(idx)])
+        idx = self.own_rows(idx)
+        return self._batch([self.data.train[i] for i in idx], idx)
 
     def pair_loss(self, model, batch):
         """(per-pair losses (B,), chosen rewards (B,), rejected rewards (B,))."""
-        x, y = batch
+        x, y, _ = batch
         logps, n = sequence_logps(model, x, y)
         d = self.cfg.data
         if d.loss == "dpo":
-            ref = self.reference_logps(model, x, y)
+            ref = self.reference_logps(model, batch)
             return preference_loss(logps, ref, n, "dpo", d.beta, d.label_smoothing)
         return preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma)
 
@@ -203,10 +237,11 @@ class DPOTask(LMTask):
     def evaluate(self, model):
         was = model.training
         model.eval()
-        sums, B = None, self.cfg.train.batch_size
+        sums, B, n = None, self.cfg.train.batch_size, len(self.data.train)
         for i in range(0, len(self.data.val), B):
+            pairs = self.data.val[i:i + B]
             with self.autocast():
-                now = pair_sums(*self.pair_loss(model, self._batch(self.data.val[i:i + B])))
+                now = pair_sums(*self.pair_loss(model, self._batch(pairs, range(n + i, n + i + len(pairs)))))
             sums = now if sums is None else sums + now
         model.train(was)
         out = {f"val_{k}": v for k, v in pair_metrics(sums).items()}
