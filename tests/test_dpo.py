@@ -193,3 +193,21 @@ def test_dpo_run_resumes_exactly(tmp_path, one_thread):
     train(config(tmp_path, pairs, *over, f"train.out_dir={part}"), log=lambda m: None)
     full, resumed = read_rows(tmp_path / "run"), read_rows(part)
     assert [r["loss"] for r in full if "loss" in r] == [r["loss"] for r in resumed if "loss" in r]
+
+
+def test_synthetic_pairs_come_from_the_embedded_conversations(tmp_path):
+    from train.data import DataError
+    from train.data import chat_example
+    from train.data.preference import synthetic_pairs
+    rows = synthetic_pairs("train", 40)
+    assert len(rows) >= 36 and all(r["chosen"] != r["rejected"] for r in rows)
+    convs = chat_example.conversations("train", 44)
+    assert rows[0]["prompt"] == convs[0][:-1] and rows[0]["chosen"] == convs[0][-1]["content"]
+    held = {r["chosen"] for r in synthetic_pairs("val", 40)}
+    assert held and not held & {r["chosen"] for r in rows if "name" not in r["chosen"]}  # other numbers and words
+    cfg = config(tmp_path, "synthetic", "data.synthetic_rows=20", "data.template=chatml", "data.seq_len=160",
+                 "model.max_seq_len=160")
+    run = build_run(cfg)
+    assert len(run.task.data.train) + len(run.task.data.val) <= 20 and len(run.task.data.val) >= 1
+    with pytest.raises(DataError, match="needs a chat template.*set data.template"):
+        build_run(config(tmp_path, "synthetic", "data.synthetic_rows=20"))

@@ -13,7 +13,10 @@ response's tokens are concatenated (each tokenised on its own, so every response
 shares the prompt's tokens), then the tokenizer's EOS when it has one.
 
 Preference rows (`data.format: preference`, train/tasks/dpo.py) are jsonl lines
-`{"prompt": ..., "chosen": ..., "rejected": ...}`.
+`{"prompt": ..., "chosen": ..., "rejected": ...}`, or `synthetic`: pairs made from the embedded
+conversation set (train/data/chat_example.py), the chosen response the conversation's own last
+answer, the rejected one the last answer of another conversation of the same kind (a wrong name,
+number or words in the right shape); the held-out pairs come from its validation split.
 """
 from __future__ import annotations
 
@@ -115,27 +118,50 @@ def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], lis
     return ids, labels, True
 
 
+def synthetic_pairs(split: str, n: int) -> list[dict]:
+    """n preference rows from the embedded conversations of `split` ('train' or 'val')."""
+    from . import chat_example
+    convs = chat_example.conversations(split, n + len(chat_example.KINDS))
+    k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
+    rows = []
+    for i, c in enumerate(convs[:n]):
+        other = convs[i + k][-1]["content"]
+        if other != c[-1]["content"]:
+            rows.append({"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other})
+    return rows
+
+
 class PreferenceData:
     """Preference pairs, tokenised: each pair is (chosen ids, chosen labels, rejected ids, rejected
     labels), at most `seq_len` tokens each. Held out: the rows of `val_path`, else the last
-    `val_fraction` of the rows (at least one)."""
+    `val_fraction` of the rows (at least one); `synthetic`: the validation split's pairs."""
 
     def __init__(self, cfg, tokenizer, template=None, log=print):
         self.tokenizer, self.template = tokenizer, template
-        rows = read_jsonl(cfg.path, _preference_row, log, "preference rows")
-        if cfg.val_path:
-            val = read_jsonl(cfg.val_path, _preference_row, log, "preference rows")
-        else:
-            n_val = max(1, int(len(rows) * cfg.val_fraction))
-            if len(rows) - n_val < 1:
-                raise DataError(f"{cfg.path}: {len(rows)} preference rows leave none for training after "
-                                f"data.val_fraction={cfg.val_fraction}")
-            rows, val = rows[:-n_val], rows[-n_val:]
+        rows, val = self.rows(cfg, log)
         self.truncated = 0
-        self.train = [self.encode(r, cfg.seq_len) for r in rows]
-        self.val = [self.encode(r, cfg.seq_len) for r in val]
+        try:
+            self.train = [self.encode(r, cfg.seq_len) for r in rows]
+            self.val = [self.encode(r, cfg.seq_len) for r in val]
+        except TypeError as e:  # a prompt of messages without a template
+            raise DataError(f"{cfg.path}: {e}: set data.template (e.g. chatml)") from None
         log(f"data: {cfg.path}: {len(self.train)} train + {len(self.val)} held-out preference pairs"
             + (f"; {self.truncated} responses truncated to data.seq_len={cfg.seq_len}" if self.truncated else ""))
+
+    @staticmethod
+    def rows(cfg, log) -> tuple[list[dict], list[dict]]:
+        """(training rows, held-out rows) of data.path (and data.val_path)."""
+        if cfg.path == "synthetic":
+            n_val = max(1, round(cfg.synthetic_rows * cfg.val_fraction))
+            return synthetic_pairs("train", cfg.synthetic_rows - n_val), synthetic_pairs("val", n_val)
+        rows = read_jsonl(cfg.path, _preference_row, log, "preference rows")
+        if cfg.val_path:
+            return rows, read_jsonl(cfg.val_path, _preference_row, log, "preference rows")
+        n_val = max(1, int(len(rows) * cfg.val_fraction))
+        if len(rows) - n_val < 1:
+            raise DataError(f"{cfg.path}: {len(rows)} preference rows leave none for training after "
+                            f"data.val_fraction={cfg.val_fraction}")
+        return rows[:-n_val], rows[-n_val:]
 
     def encode(self, row: dict, seq_len: int) -> tuple:
         out = []

@@ -48,8 +48,12 @@ from .sft import SFTTask, write_template
 @dataclass
 class PreferenceDataConfig:
     format: Literal["preference"] = "preference"  # selects preference tuning (this task) for `family: llm`
-    path: str = ""                          # a jsonl file of `{"prompt", "chosen", "rejected"}` rows; the prompt a
-                                            # string or a list of chat messages, the responses strings
+    path: str = ""                          # a jsonl file of `{"prompt", "chosen", "rejected"}` rows (the prompt a
+                                            # string or a list of chat messages, the responses strings), or
+                                            # `synthetic`: pairs made from the embedded conversation set (the chat
+                                            # example's), the rejected answer another conversation's
+    synthetic_rows: int = bounded(2000, ge=10)  # `path: synthetic`: how many pairs are made (`val_fraction` of them
+                                            # from the held-out conversations)
     val_path: Optional[str] = None          # held-out pairs (same format); null = the last `val_fraction` of `path`
     val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
     tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer
@@ -80,6 +84,8 @@ class PreferenceDataConfig:
         if not self.path:
             raise fail(source, prefix + "path", "must name a jsonl file of prompt/chosen/rejected rows")
         check_files(self.eval_tasks, source, prefix + "eval_tasks")
+        if self.path == "synthetic" and self.val_path is not None:
+            raise fail(source, prefix + "val_path", "must be null with path: synthetic (it has its own held-out pairs)")
         if self.template not in (None, "none", *BUILTIN) and not Path(self.template).expanduser().exists():
             raise fail(source, prefix + "template", f"={self.template}: neither none, a built-in template "
                                                     f"({', '.join(BUILTIN)}) nor an existing file or folder")
