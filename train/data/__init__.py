@@ -36,9 +36,9 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 
 @dataclass
 class TextDataConfig:
-    format: str = "text"                    # `text`: language modelling on plain text (this section's keys); the
-                                            # chat formats `messages`, `prompt_completion` and `alpaca` train on
-                                            # conversations with the keys of "Chat data" below (docs/post-training.md)
+    format: str = "text"                    # `text`: language modelling on plain text (this table's keys); the
+                                            # chat formats `messages`, `prompt_completion` and `alpaca` fine-tune on
+                                            # conversations, with the keys of docs/post-training.md
     path: str = "stdlib"                    # a text file, a folder of .txt files, a .jsonl file with a `"text"` field
                                             # per line, or `stdlib` (the Python standard library's .py files: the
                                             # embedded default)
