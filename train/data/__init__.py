@@ -61,10 +61,21 @@ class TextDataConfig:
                                             # `~/.cache/zoo`); never beside your data
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of the corpus used to train sentencepiece
+    # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
+    attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of
+                                            # its window; `document`: only to those of its own document
+                                            # (block-diagonal causal, documents split at the tokenizer's BOS, else
+                                            # EOS, token), as if each document ran alone
+    positions: Literal["global", "document"] = "global"  # RoPE positions: `global` (0..T-1 along the window) or
+                                            # `document` (restarting at 0 in each document; needs
+                                            # `attention: document`)
 
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
+        if self.positions == "document" and self.attention != "document":
+            raise fail(source, prefix + "positions", "`document` needs data.attention: document (positions that "
+                                                     "restart while attention crosses documents mislead the model)")
         if self.seq_len_schedule is not None:
             k, sched = prefix + "seq_len_schedule", self.seq_len_schedule
             if not sched or any(len(stage) != 2 for stage in sched):
