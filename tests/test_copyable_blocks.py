@@ -68,6 +68,13 @@ SMOKE = {
         with torch.no_grad():
             steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
         assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
+        from attention import document_positions
+        doc = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+        pos = document_positions(doc)
+        rope = RotaryEmbedding(4, 16)
+        yd = attn(x, *rope.at(pos, torch.float32), doc_ids=doc)
+        assert (yd[:, :3] - y[:, :3]).abs().max() < 1e-5 and (yd[1] - y[1]).abs().max() < 1e-5
+        assert (yd[:1, 3:] - attn(x[:1, 3:], cos[:3], sin[:3])).abs().max() < 1e-5
     """,
     "mlp.py": """
         from mlp import SwiGLU
@@ -128,6 +135,10 @@ SMOKE = {
         kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         ref = ((q @ kk.transpose(-2, -1)) / 8 ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ vv
         assert (attend_bmm(q, k, v, block=2) - ref).abs().max() < 1e-5
+        own = torch.tensor([0, 0, 0, 1, 1, 1])
+        docs = (own[:, None] == own[None, :]).expand(2, 6, 6)
+        ref = ((q @ kk.transpose(-2, -1)) / 8 ** 0.5).masked_fill(~(mask & docs[:, None]), float("-inf")).softmax(-1) @ vv
+        assert (attend_bmm(q, k, v, block=2, mask=docs) - ref).abs().max() < 1e-5
     """,
     "matvec_cpu.py": """
         from matvec_cpu import MatvecAsReduction

@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "llm-moe-quality": "train.benches.moe_quality",
     "llm-mod": "train.benches.llm_mod",
     "llm-mod-quality": "train.benches.mod_quality",
+    "doc-mask": "train.benches.doc_mask",
     "taesd": "train.benches.taesd",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",

@@ -66,7 +66,7 @@ class TrainConfig:
                                             # it on there too, and glibc's defaults are restored (the kept memory
                                             # released) when `train()` returns. Logged as skipped elsewhere
     compile: bool = False                   # `torch.compile` the model (the first steps include compilation)
-    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # LLM attention, set on the built
+    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math", "flex"] = "auto"  # LLM attention, set on the built
                                             # model (zoo/blocks/attention.py): `auto`, `sdpa`, `flash`, `bmm` or
                                             # `math`, each name one implementation: `sdpa` is torch's
                                             # `scaled_dot_product_attention`; `flash` is flash-attn (CUDA, fp16/bf16;
@@ -77,7 +77,11 @@ class TrainConfig:
                                             # fp32 reference. `auto` picks `flash` on CUDA in fp16/bf16 when
                                             # flash-attn is installed, `bmm` on a CPU with at most 512 keys (1024
                                             # under `train.compile`), `sdpa` otherwise; the run's log names what it
-                                            # picked
+                                            # picked. `flex` is torch's FlexAttention with a block mask (fused under
+                                            # `train.compile`; no backward on a CPU). With `data.attention: document`
+                                            # `auto` picks flash-attn's varlen kernel where `flash` runs, `flex` on
+                                            # CUDA under `train.compile`, else the document mask through `sdpa`
+                                            # (docs/llm.md, Document masking)
     activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # recompute the model's
                                             # repeated units (LLM blocks, ResNet residual blocks, U-Net residual and
                                             # attention blocks) in the backward pass instead of storing their

@@ -14,6 +14,15 @@ routing statistics and auxiliary losses come out of `forward(..., return_aux=Tru
 With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
 (blocks/mod.py): top-k tokens per sequence in training and evaluation, each token's causal
 decision when decoding with the KV cache; their statistics come out of return_aux too.
+
+Documents: `forward(..., doc_ids=)` (B, T) confines attention to each document (block-diagonal
+causal, blocks/attention.py) and `position_ids=` (B, T) sets each token's RoPE position
+(`document_positions(doc_ids)`: restarting per document), so that documents packed in one row
+train as if each ran alone. A dropless MoE routes token by token, so it keeps that equality (with
+a capacity_factor, which tokens overflow depends on the whole batch, documents or not). A
+Mixture-of-Depths block gathers the doc ids and positions of the tokens it routes with them, so its
+attention stays within documents; its top-k, though, is taken over the row, so the documents of a
+row share its capacity (routing by the causal decision, mod_causal=True, keeps the equality).
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .blocks.attention import CausalSelfAttention, KVCache
+from .blocks.attention import CausalSelfAttention, KVCache, document_positions  # noqa: F401  (part of the API)
 from .blocks.chunked_ce import chunked_cross_entropy
 from .blocks.matvec_cpu import MatvecAsReduction
 from .blocks.mlp import SwiGLU
@@ -52,10 +61,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None):
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
-        may use as keys (a Mixture-of-Depths block in causal mode; see blocks/attention.py)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, key_mask)
+        may use as keys (a Mixture-of-Depths block in causal mode); doc_ids (B, T): attention within
+        each document (see blocks/attention.py)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, key_mask, doc_ids)
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(self.mlp_norm(x))
             return x + y, stats
@@ -107,17 +117,26 @@ class LLM(nn.Module):
     # ------------------------------------------------------------------ forward / loss
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
-                mod_causal: Optional[bool] = None):
+                mod_causal: Optional[bool] = None, doc_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), where logits
         is None when the chunked loss is on (the full logits are never made). The loss is the
         cross-entropy alone. return_aux=True appends a dict (`moe_aux`, `mod_aux`) to the result.
         mod_causal: Mixture-of-Depths blocks route by each token's causal decision instead of the
-        top-k of the sequence; by default, exactly when decoding with caches."""
+        top-k of the sequence; by default, exactly when decoding with caches.
+        doc_ids (B, T) ints: attention within each document (a run of equal ids; not with caches).
+        position_ids (B, T): each token's position for RoPE (default start_pos + 0, 1, ...;
+        `document_positions(doc_ids)` restarts them per document)."""
         B, T = input_ids.shape
+        if doc_ids is not None and caches is not None:
+            raise ValueError("doc_ids (document masking) is for forwards without caches; decoding runs one sequence")
         x = self.embed(input_ids)
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        cos, sin = self.rope(start_pos, T, rope_dtype)
+        if position_ids is not None:
+            cos, sin = self.rope.at(position_ids, rope_dtype)  # (B, T, D)
+        else:
+            cos, sin = self.rope(start_pos, T, rope_dtype)
         stats, mod_stats = [], []
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
@@ -128,6 +147,8 @@ class LLM(nn.Module):
                 kw["start_pos"] = start_pos
             if isinstance(layer, MixtureOfDepths):
                 kw["causal"] = causal
+            if doc_ids is not None:
+                kw["doc_ids"] = doc_ids
             x, s, *m = layer(x, cos, sin, **kw)
             if s is not None:
                 stats.append(s)

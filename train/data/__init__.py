@@ -36,10 +36,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 
 @dataclass
 class TextDataConfig:
-    format: str = "text"                    # `text`: language modelling on plain text (this section's keys); the
-                                            # chat formats `messages`, `prompt_completion` and `alpaca` train on
-                                            # conversations with the keys of "Chat data" below, `preference` is DPO /
-                                            # SimPO with the keys of "Preference tuning" (docs/post-training.md)
+    format: str = "text"                    # `text`: language modelling on plain text (this table's keys); the
+                                            # chat formats `messages`, `prompt_completion` and `alpaca` fine-tune on
+                                            # conversations, `preference` is DPO / SimPO, each with the keys of
+                                            # docs/post-training.md
     path: str = "stdlib"                    # a text file, a folder of .txt files, a .jsonl file with a `"text"` field
                                             # per line, or `stdlib` (the Python standard library's .py files: the
                                             # embedded default)
@@ -64,11 +64,22 @@ class TextDataConfig:
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of the corpus used to train sentencepiece
     eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
                                             # scored at every evaluation, logged as `eval_<file stem>_<metric>`
+    # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
+    attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of
+                                            # its window; `document`: only to those of its own document
+                                            # (block-diagonal causal, documents split at the tokenizer's BOS, else
+                                            # EOS, token), as if each document ran alone
+    positions: Literal["global", "document"] = "global"  # RoPE positions: `global` (0..T-1 along the window) or
+                                            # `document` (restarting at 0 in each document; needs
+                                            # `attention: document`)
 
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
         check_files(self.eval_tasks, source, prefix + "eval_tasks")
+        if self.positions == "document" and self.attention != "document":
+            raise fail(source, prefix + "positions", "`document` needs data.attention: document (positions that "
+                                                     "restart while attention crosses documents mislead the model)")
         if self.seq_len_schedule is not None:
             k, sched = prefix + "seq_len_schedule", self.seq_len_schedule
             if not sched or any(len(stage) != 2 for stage in sched):

@@ -64,10 +64,10 @@ BUILTIN = {"chatml": CHATML}
 
 @dataclass
 class ChatDataConfig:
-    format: Literal["messages", "prompt_completion", "alpaca"] = "messages"  # the rows' shape (docs/post-
-                                            # training.md): `messages` (OpenAI / ShareGPT conversations),
-                                            # `prompt_completion` or `alpaca`; `text` (the default) is plain
-                                            # language-model training, with the keys of the section above
+    format: Literal["messages", "prompt_completion", "alpaca"] = "messages"  # the rows' shape: `messages`
+                                            # (OpenAI / ShareGPT conversations), `prompt_completion` or `alpaca`
+                                            # (docs/post-training.md); `text`, the default, is plain language
+                                            # modelling with the keys of docs/llm.md
     path: str = "synthetic"                 # a .jsonl file, a folder of .jsonl files, or `synthetic`: the embedded
                                             # conversation set (train/data/chat_example.py, made by code, no download)
     tokenizer: str = "sentencepiece"        # with `train.init_from`: `sentencepiece` means the checkpoint's own

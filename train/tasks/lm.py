@@ -13,7 +13,11 @@ decision's threshold toward the top-k's boundary (model.mod_threshold_rate); eva
 validation tokens (`val_mod_accuracy`, the mean over the MoD layers; `val_mod_accuracy_layer<i>`
 for layer i) and the
 validation loss when every MoD layer routes by the causal decision, as decoding does
-(`val_loss_causal`)."""
+(`val_loss_causal`).
+
+With `data.attention: document` every forward (training and evaluation) passes the model the
+batch's document ids (train/data/doc_masks.py, from the tokenizer's boundary token), and with
+`data.positions: document` positions restarting per document."""
 from __future__ import annotations
 
 import math
@@ -23,13 +27,14 @@ from typing import Optional
 import torch
 
 import zoo
-from zoo.blocks.attention import resolve_backend
+from zoo.blocks.attention import document_positions, resolve_backend
 from zoo.config import ConfigError
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
 from ..data import SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
 from ..evaluation import evaluate_files, metric_row
+from ..data.doc_masks import document_ids, tokenizer_boundary
 from ..optim import micro_batches
 from . import Task
 
@@ -44,6 +49,7 @@ class LMTask(Task):
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
     _sums: Optional[dict] = None
+    boundary: Optional[tuple] = None  # (token id, 'bos' | 'eos') of the documents, with data.attention: document
 
     @staticmethod
     def validate_config(cfg):
@@ -74,6 +80,24 @@ class LMTask(Task):
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
+        d = self.cfg.data
+        if d.attention == "document":
+            self.boundary = tokenizer_boundary(self.data.tokenizer)
+            if self.boundary is None:
+                raise ConfigError(f"{self.cfg.source}: data.attention=document needs documents separated by a BOS "
+                                  f"or EOS token, and the tokenizer ({d.tokenizer}) has neither")
+            self.log(f"data: attention within documents (split at token {self.boundary[0]}, {self.boundary[1]}), "
+                     f"{d.positions} positions")
+
+    def doc_inputs(self, x: torch.Tensor) -> dict:
+        """The model's document keywords for inputs x (B, T): doc_ids (and position_ids) with
+        data.attention: document (and data.positions: document); {} otherwise."""
+        if self.boundary is None:
+            return {}
+        doc = document_ids(x, *self.boundary)
+        if self.cfg.data.positions == "document":
+            return {"doc_ids": doc, "position_ids": document_positions(doc)}
+        return {"doc_ids": doc}
 
     def build_model(self):
         if self.cfg.train.init_from:
@@ -109,9 +133,9 @@ class LMTask(Task):
     def _say_attention(self):
         backend = self.cfg.train.attn_backend
         picked = resolve_backend(backend, self.device, self.autocast_dtype or torch.float32, self.cfg.data.seq_len,
-                                 compiling=self.cfg.train.compile)
+                                 compiling=self.cfg.train.compile, documents=self.boundary is not None)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
-        self.log(f"attention: {picked}{why}")
+        self.log(f"attention: {picked}{why}{', within documents' if self.boundary else ''}")
 
     def unfreeze_groups(self, model):
         """The LM head with the final norm, then the blocks from the last, then the embedding."""
@@ -143,10 +167,15 @@ class LMTask(Task):
 
     def loss(self, model, batch):
         x, y = batch
+        return self.forward_loss(model, x, y, self.doc_inputs(x))
+
+    def forward_loss(self, model, x, y, docs: dict):
+        """(the training loss of inputs x and targets y, with the model's document keywords `docs`
+        (doc_inputs), and the MoE / MoD terms; the tokens it covers)."""
         if self.moe is None and not self.mod:
-            _, loss = model(x, y)
+            _, loss = model(x, y, **docs)
             return loss, y.numel()
-        _, loss, aux = model(x, y, return_aux=True)
+        _, loss, aux = model(x, y, return_aux=True, **docs)
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 
@@ -234,13 +263,14 @@ class LMTask(Task):
         for x, y, *_ in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
             x, y = x.to(self.device), y.to(self.device)
             k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
+            docs = self.doc_inputs(x)
             with self.autocast():
                 if self.mod:
-                    _, loss, aux = model(x, y, return_aux=True)
+                    _, loss, aux = model(x, y, return_aux=True, **docs)
                     acc = acc + aux["mod_accuracy"].float() * k
-                    causal += model(x, y, mod_causal=True)[1].item() * k
+                    causal += model(x, y, mod_causal=True, **docs)[1].item() * k
                 else:
-                    _, loss = model(x, y)
+                    _, loss = model(x, y, **docs)
             total += loss.item() * k
             n += k
         model.train(was)

@@ -11,7 +11,9 @@ of each head's (T, T) scores for backward, in the compute dtype; as in transform
 attention, the scores come out of the matmul in the compute dtype before the fp32 softmax.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
-positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D). Depends on torch only.
+positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk)
+bool (True = attend), e.g. attention.py's `document_mask`, narrows what the causal rule allows.
+Depends on torch only.
 """
 from typing import Optional
 
@@ -46,17 +48,19 @@ class _AttendBlock(torch.autograd.Function):
     the plain expression would keep an fp32 copy of P as well and reduce over the key axis."""
 
     @staticmethod
-    def forward(ctx, q, k, v, window: Optional[int]):
+    def forward(ctx, q, k, v, window: Optional[int], mask: Optional[torch.Tensor] = None):
         B, H, Tq, D = q.shape
         KV, Tk = k.shape[1], k.shape[2]
         G = H // KV
         scale = D ** -0.5
         scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * scale  # (B, KV, G*Tq, Tk)
-        if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
+        if Tq > 1 or window is not None or mask is not None:  # one query, no window: it sees every key
             # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
             # broadcasts, with no per-row index arithmetic in a compiled kernel
-            mask = _causal_mask(Tq, Tk, window, q.device)
-            scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~mask, float("-inf")).view(B, KV, G * Tq, Tk)
+            allowed = _causal_mask(Tq, Tk, window, q.device)
+            if mask is not None:  # (B, Tq, Tk) -> (B, 1, 1, Tq, Tk)
+                allowed = (allowed & mask)[:, None, None]
+            scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~allowed, float("-inf")).view(B, KV, G * Tq, Tk)
         probs = scores.softmax(-1).to(v.dtype)
         out = probs @ v  # (B, KV, G*Tq, D)
         ctx.save_for_backward(q, k, v, probs, out)
@@ -76,11 +80,13 @@ class _AttendBlock(torch.autograd.Function):
         grad_s = (probs.float() * (grad_p - delta) * ctx.scale).to(q.dtype)  # masked keys: P = 0
         grad_q = (grad_s @ k).view(B, H, Tq, D)
         grad_k = grad_s.transpose(-2, -1) @ q.reshape(B, KV, (H // KV) * Tq, D)
-        return grad_q, grad_k, grad_v, None
+        return grad_q, grad_k, grad_v, None, None
 
 
-def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D), causal and windowed) v as batched matmuls, softmax in fp32.
+def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), causal and windowed, and within `mask` (B, Tq, Tk) when given) v as
+    batched matmuls, softmax in fp32. Every query must see at least one key (itself, say).
     Grouped heads are stacked along the rows of their kv head, so k and v are never copied.
     The queries go in blocks of `block` (default `bmm_block_size`); a block multiplies only the
     keys its queries can see (up to its last query; with a window, from its first query's
@@ -88,11 +94,12 @@ def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = Non
     Tq, Tk = q.shape[2], k.shape[2]
     block = block or bmm_block_size(Tq)
     if Tq <= block:
-        return _AttendBlock.apply(q, k, v, window)
+        return _AttendBlock.apply(q, k, v, window, mask)
     off = Tk - Tq  # query i sits at position off + i
     outs = []
     for s in range(0, Tq, block):
         e = min(s + block, Tq)
         lo = 0 if window is None else max(0, off + s - window + 1)
-        outs.append(_AttendBlock.apply(q[:, :, s:e], k[:, :, lo:off + e], v[:, :, lo:off + e], window))
+        m = None if mask is None else mask[:, s:e, lo:off + e]
+        outs.append(_AttendBlock.apply(q[:, :, s:e], k[:, :, lo:off + e], v[:, :, lo:off + e], window, m))
     return torch.cat(outs, dim=2)

@@ -8,8 +8,10 @@ language models" (2024).
 decision's base rate, which does not move the top-k) scores every token;
 per sequence, the k = max(1, int(capacity * T)) best-scoring tokens go through the block, gathered in
 their original order, with the `per_token` tensors (RoPE's cos and sin tables (T, D), indexed by
-position) gathered at their original positions, so the block's causal attention and RoPE see the
-tokens where they are. The block's update of a routed token is scaled by its router weight
+position, or (B, T, D) with a row per sequence) gathered at their original positions, and with
+`doc_ids` (B, T) when given (the block's document masking), so the block's causal attention and
+RoPE see the tokens where they are and in their documents. The top-k is over the whole row, so
+the documents of a row share its capacity. The block's update of a routed token is scaled by its router weight
 sigmoid(r) and added back to the residual stream; every other token passes through unchanged:
 
     x_i <- x_i + sigmoid(r_i) * (block(X_routed)_i - x_i)   if token i is in the top-k of its sequence
@@ -53,7 +55,9 @@ against the top-k; 0 in causal mode), 'routed' (the fraction of tokens the block
 causal decision agrees with the top-k; NaN in causal mode); and with top-k routing 'decide', the
 decision logits (B, T), detached.
 
-Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) -> gathered (B, k, ...).
+Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared by every row, or
+(B, T, ...) with as many dims as x, one row per sequence -> gathered (B, k, ...); doc_ids (B, T) ->
+(B, k).
 Depends on torch only.
 """
 from typing import Optional
@@ -97,17 +101,24 @@ class MixtureOfDepths(nn.Module):
     def _split(out):
         return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
 
-    def forward(self, x: torch.Tensor, *per_token: torch.Tensor, causal: bool = False, **block_kwargs):
+    def forward(self, x: torch.Tensor, *per_token: torch.Tensor, causal: bool = False,
+                doc_ids: Optional[torch.Tensor] = None, **block_kwargs):
         B, T, D = x.shape
         logits = self.router(x).squeeze(-1).float()  # (B, T)
         decide = self.decision_logits(x, logits)
+        if doc_ids is not None:  # the block's document masking: its doc ids are those of the tokens it sees
+            block_kwargs["doc_ids"] = doc_ids
         if causal:
             return self._forward_causal(x, per_token, logits, decide, block_kwargs)
         k = self.tokens_routed(T)
         idx = logits.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (B, k), original order
         idx_d = idx[..., None].expand(B, k, D)
         xs = x.gather(1, idx_d)
-        y, rest = self._split(self.block(xs, *(t[idx] for t in per_token), **block_kwargs))
+        if doc_ids is not None:
+            block_kwargs["doc_ids"] = doc_ids.gather(1, idx)
+        rows = torch.arange(B, device=x.device)[:, None]
+        gathered = (t[rows, idx] if t.dim() == x.dim() else t[idx] for t in per_token)  # per row, or shared
+        y, rest = self._split(self.block(xs, *gathered, **block_kwargs))
         w = torch.sigmoid(logits.gather(1, idx))[..., None]
         out = x.scatter_add(1, idx_d, (w * (y - xs)).to(x.dtype))
         topk = torch.zeros_like(logits).scatter_(1, idx, 1.0)

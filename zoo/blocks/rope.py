@@ -9,8 +9,8 @@ Convention: the "rotate-half" layout (channel i is paired with channel i + D/2),
 as Hugging Face transformers, so Hugging Face q/k projection weights need no permutation.
 The property that makes it a position encoding: <rope(q, m), rope(k, n)> depends on m - n only.
 
-Shapes: inv_freq (D/2,); cos, sin (T, D); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with
-cos, sin (T, 1, D)).
+Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
+(`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
 Depends on torch only.
 """
 import math
@@ -98,3 +98,13 @@ class RotaryEmbedding(nn.Module):
         if end > self.cos.shape[0]:
             self._build(max(end, 2 * self.cos.shape[0]), self.inv_freq.device)
         return self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin of shape (*positions.shape, D) for integer positions of any shape (e.g. (B, T):
+        a row of positions per sequence, restarting per document), in `dtype`. Positions must be
+        below the cache's length or the rows' length T, whichever is larger (the cache grows to
+        T; reading the largest position would cost a host sync)."""
+        n = positions.shape[-1] if positions.dim() else 1
+        if n > self.cos.shape[0]:
+            self._build(max(n, 2 * self.cos.shape[0]), self.inv_freq.device)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)

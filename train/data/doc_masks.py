@@ -1,0 +1,39 @@
+"""Document boundaries in a token stream -> the document ids of document masking.
+
+A stream separates its documents by a boundary token: BOS in front of each document (`bos`) or
+EOS after each (`eos`). `document_ids(tokens, boundary_id, mode)` numbers each row's documents
+0, 1, 2, ... along the row (the boundary token belongs to the document it opens or closes); the
+model (zoo/llm.py, `forward(..., doc_ids=)`) then confines attention to each document, and
+`zoo.llm.document_positions` gives positions restarting per document. `tokenizer_boundary`
+reads the boundary from a tokenizer (its BOS, else its EOS).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+BOUNDARY_MODES = ("bos", "eos")
+
+
+def document_ids(tokens: torch.Tensor, boundary_id: int, mode: Literal["bos", "eos"] = "bos") -> torch.Tensor:
+    """tokens (B, T) ints -> doc_ids (B, T) int64, non-decreasing along each row from 0. mode 'bos':
+    a document starts at every boundary token; 'eos': a document ends at every boundary token (the
+    next token starts the next one). A row that starts inside a document starts with id 0."""
+    if mode not in BOUNDARY_MODES:
+        raise ValueError(f"unknown document boundary mode {mode!r} (supported: {', '.join(BOUNDARY_MODES)})")
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    at = (tokens == boundary_id).long()
+    ids = at.cumsum(1)
+    return ids - at[:, :1] if mode == "bos" else ids - at  # bos: the first token's own BOS opens document 0
+
+
+def tokenizer_boundary(tokenizer) -> Optional[tuple[int, str]]:
+    """(token id, mode) of a tokenizer's document boundary: its BOS ('bos'), else its EOS ('eos');
+    None when it has neither (ByteTokenizer, a sentencepiece model trained without them)."""
+    if getattr(tokenizer, "bos_id", None) is not None:
+        return tokenizer.bos_id, "bos"
+    if getattr(tokenizer, "eos_id", None) is not None:
+        return tokenizer.eos_id, "eos"
+    return None

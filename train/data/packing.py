@@ -1,0 +1,81 @@
+"""Packing variable-length sequences (conversations, instructions) into rows of a fixed length.
+
+Each sequence is a pair (input_ids, labels) of equal length, labels aligned with the model's
+targets (labels[i] is what position i predicts, -100 where nothing is trained: from a
+conversation's tokens t and trained mask m, input_ids = t[:-1], labels = t[1:] where m[1:] else
+-100). `pack_rows` assigns the sequences to rows by best-fit decreasing (longest first, each into
+the fullest row that still has room; ties by index, so it is deterministic), and `pack` lays them
+out as (R, seq_len) tensors with the document ids and the positions that make the model treat
+each sequence as if it ran alone (zoo/llm.py, `forward(..., doc_ids=, position_ids=)`: attention
+within each sequence, positions restarting at 0). The rest of a row is padding (pad_id, labels
+-100) in a document of its own.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor     # (R, seq_len) int64
+    labels: torch.Tensor        # (R, seq_len) int64, -100 where not trained (and in the padding)
+    doc_ids: torch.Tensor       # (R, seq_len) int64: 0, 1, ... per sequence of the row; the padding one more
+    position_ids: torch.Tensor  # (R, seq_len) int64: 0, 1, ... within each sequence (and the padding)
+    rows: list                  # rows[r]: the indices of the sequences in row r, in the order laid out
+
+
+def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Sequence indices per row, each row's lengths summing to at most seq_len: best-fit
+    decreasing (O(n log n) searches), each row's indices in increasing order."""
+    for i, n in enumerate(lengths):
+        if not 0 < n <= seq_len:
+            raise ValueError(f"sequence {i} has {n} tokens; packing needs 1 to seq_len={seq_len}")
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens left, row) of the rows with room, sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        j = bisect.bisect_left(room, (n, -1))  # the row with the least room that still fits
+        if j == len(room):
+            rows.append([i])
+            left, r = seq_len - n, len(rows) - 1
+        else:
+            left, r = room.pop(j)
+            rows[r].append(i)
+            left -= n
+        if left:
+            bisect.insort(room, (left, r))
+    return [sorted(r) for r in rows]
+
+
+def pack(sequences: Sequence[tuple], seq_len: int, pad_id: int = 0) -> Packed:
+    """sequences: (input_ids, labels) pairs (lists or 1-D tensors of ints, equal lengths, 1 to
+    seq_len tokens) -> a Packed batch of R rows (`pack_rows`)."""
+    seqs = []
+    for i, (ids, labels) in enumerate(sequences):
+        ids, labels = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(labels, dtype=torch.long)
+        if ids.dim() != 1 or ids.shape != labels.shape:
+            raise ValueError(f"sequence {i}: input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} must be "
+                             f"1-D and of one length")
+        seqs.append((ids, labels))
+    rows = pack_rows([len(ids) for ids, _ in seqs], seq_len)
+    R = len(rows)
+    input_ids = torch.full((R, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((R, seq_len), -100, dtype=torch.long)
+    doc_ids = torch.empty((R, seq_len), dtype=torch.long)
+    position_ids = torch.empty((R, seq_len), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for d, i in enumerate(members):
+            ids, lab = seqs[i]
+            n = len(ids)
+            input_ids[r, at:at + n], labels[r, at:at + n] = ids, lab
+            doc_ids[r, at:at + n] = d
+            position_ids[r, at:at + n] = torch.arange(n)
+            at += n
+        doc_ids[r, at:] = len(members)  # the padding: a document of its own
+        position_ids[r, at:] = torch.arange(seq_len - at)
+    return Packed(input_ids, labels, doc_ids, position_ids, rows)
