@@ -63,6 +63,10 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     # (absent): a ResNet of timm's layout written here stands in for the download, digits for the folder
     "convnet/resnet50-finetune.yaml": ["data.path=digits", "data.image_size=32", "model.num_classes=10",
                                        "train.init_from={weights}"],
+    # SFT of the embedded default's run folder (runs/tiny, trained by the user first): a small LLM folder
+    # on bytes written here stands in for it; a tenth of the conversations (encoding 4000 takes seconds)
+    # and 4 generated answers per evaluation instead of 64
+    "llm/tiny-sft.yaml": ["train.init_from={llm}", "data.synthetic_rows=400", "data.eval_generate=4"],
     "diffusion/digits.yaml": [],
     # needs ../shared/weights/taef2_encoder.pth (skipped without it); its denoiser of [128, 256] channels
     # (3.5 min for 20 steps and the 80 guided samples on 2 busy cores) shrinks to [32, 64]
@@ -104,12 +108,24 @@ def timm_resnet(path: Path) -> Path:
     return path
 
 
+def zoo_llm(path: Path) -> Path:
+    """A small LLM run folder on bytes (config.yaml, model.safetensors), as train/run.py writes one."""
+    import torch
+
+    import zoo
+    from zoo.weights import zoo_folder
+    torch.manual_seed(0)
+    model = zoo.build(ROOT / "configs" / "llm" / "tiny.yaml", vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                      n_kv_heads=2)
+    return zoo_folder.save(model, path, tokenizer="bytes")
+
+
 @pytest.mark.parametrize("config", cases(sorted(CASES)))
 def test_config_runs_20_steps(config, tmp_path):
     if config == "diffusion/digits-taef2.yaml" and not (SHARED / "weights" / "taef2_encoder.pth").exists():
         pytest.skip(f"{SHARED / 'weights' / 'taef2_encoder.pth'} is absent (../shared is not beside this checkout)")
-    over = [o.format(weights=timm_resnet(tmp_path / "resnet50.pth")) if "{weights}" in o else o
-            for o in CASES[config]]
+    made = {"weights": lambda: timm_resnet(tmp_path / "resnet50.pth"), "llm": lambda: zoo_llm(tmp_path / "llm")}
+    over = [o.format(**{k: f() for k, f in made.items() if "{" + k + "}" in o}) for o in CASES[config]]
     run([sys.executable, str(RUN_PY), str(ROOT / "configs" / config), STEPS, *over], tmp_path / "out")
 
 

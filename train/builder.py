@@ -87,7 +87,7 @@ class Run:
 
 def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Parallel] = None):
     """The family's task with its data read (task.setup())."""
-    task = task_class(cfg.family)(cfg, device, say)
+    task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, say)
     task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]  # the run's autocast, for evaluation
     if par is not None and par.active:  # this rank's part of every global batch; sums across ranks
         task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_

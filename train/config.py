@@ -311,7 +311,7 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     family = data.get("family", "llm")
     if not isinstance(family, str):
         raise ConfigError(f"{source}: family must be a string, got {family!r}")
-    task = task_class(family, source)
+    task = task_class(family, source, data.get("data"))
     model = model_config_from(data.get("model") or {}, family, source)
     dcfg = from_dict(task.DataConfig, data.get("data") or {}, source, "data.")
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")

@@ -45,9 +45,11 @@ def config_classes() -> dict[str, type]:
     from zoo.adapters import AdapterConfig
     from .config import OptimConfig, TrainConfig
     from .tasks import task_class
+    from zoo.config import load_class
     classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                TrainConfig, OptimConfig, AdapterConfig]
-    classes += [task_class(f).DataConfig for f in zc.FAMILIES]
+    tasks = [task_class(f) for f in zc.FAMILIES]
+    classes += [t.DataConfig for t in tasks] + [load_class(s).DataConfig for t in tasks for s in t.formats.values()]
     return {c.__name__: c for c in classes}
 
 

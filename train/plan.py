@@ -283,7 +283,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model.train()
-        task = task_class(cfg.family)(cfg, device, lambda m: None)
+        task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
         task.autocast_dtype = amp
         batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -700,7 +700,7 @@ def measure(cfg, batch_size: Optional[int] = None) -> dict:
         model = model.to(memory_format=torch.channels_last)
     model.train()
     amp = _precision(cfg, device)
-    task = task_class(cfg.family)(cfg, device, lambda m: None)
+    task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
     task.autocast_dtype = amp
     batch = task.example_batch(model, batch_size or cfg.train.batch_size)
     optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)

@@ -3,6 +3,7 @@
     cfg = AdapterConfig(method="lora", r=8, alpha=16, targets=["q_proj", "v_proj"])
     apply_adapters(model, cfg)          # freezes the model, wraps the targets (blocks/lora.py)
     merge_adapters(model); unmerge_adapters(model)
+    with adapters_disabled(model): ...  # the base model alone (e.g. DPO's reference), no copy
     dense = merged_model(model)         # a plain model with the adapters merged (and NF4 dequantised)
 
 Targets are named as in the Hugging Face / PEFT checkpoints: for an LLM the logical projections
@@ -17,6 +18,7 @@ torchao NF4Tensor: 4-bit NormalFloat in blocks of 64 with double-quantised scale
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -187,6 +189,28 @@ def merge_adapters(model: nn.Module):
 def unmerge_adapters(model: nn.Module):
     for m in adapter_modules(model).values():
         m.unmerge()
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Inside the block `model` computes as its base: every LoRA/DoRA layer without its adapter,
+    every attention without its prefix. Nothing is copied; the adapters come back on exit. A merged
+    adapter cannot be taken out this way (a one-line error)."""
+    lora = list(adapter_modules(model).values())
+    if any(m.merged for m in lora):
+        raise ValueError("adapters_disabled: the adapters are merged into the weights; unmerge_adapters first")
+    prefixed = [(m, m.prefix) for m in model.modules() if getattr(m, "prefix", None) is not None]
+    for m in lora:
+        m.enabled = False
+    for m, _ in prefixed:
+        m.prefix = None
+    try:
+        yield model
+    finally:
+        for m in lora:
+            m.enabled = True
+        for m, p in prefixed:
+            m.prefix = p
 
 
 @torch.no_grad()

@@ -36,6 +36,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 
 @dataclass
 class TextDataConfig:
+    format: str = "text"                    # `text`: language modelling on plain text (this table's keys); the
+                                            # chat formats `messages`, `prompt_completion` and `alpaca` fine-tune on
+                                            # conversations, `preference` is DPO / SimPO, each with the keys of
+                                            # docs/post-training.md
     path: str = "stdlib"                    # a text file, a folder of .txt files, a .jsonl file with a `"text"` field
                                             # per line, or `stdlib` (the Python standard library's .py files: the
                                             # embedded default)
@@ -58,6 +62,8 @@ class TextDataConfig:
                                             # `~/.cache/zoo`); never beside your data
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of the corpus used to train sentencepiece
+    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
+                                            # scored at every evaluation, logged as `eval_<file stem>_<metric>`
     # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
     attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of
                                             # its window; `document`: only to those of its own document
@@ -70,6 +76,7 @@ class TextDataConfig:
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
+        check_files(self.eval_tasks, source, prefix + "eval_tasks")
         if self.positions == "document" and self.attention != "document":
             raise fail(source, prefix + "positions", "`document` needs data.attention: document (positions that "
                                                      "restart while attention crosses documents mislead the model)")
@@ -83,6 +90,13 @@ class TextDataConfig:
             if lens[0] < 2 or any(b <= a for a, b in zip(lens, lens[1:])) or lens[-1] >= self.seq_len:
                 raise fail(source, k, f"must have increasing window lengths >= 2 and < {prefix}seq_len={self.seq_len}, "
                                       f"got {lens}")
+
+
+def check_files(paths, source, key):
+    """A list of files that must exist (checked with the config, not when first read)."""
+    for f in paths or ():
+        if not Path(f).expanduser().is_file():
+            raise fail(source, key, f"{f}: no such file")
 
 
 class DataError(ValueError):
@@ -228,8 +242,22 @@ class HFTokenizer:
 
 
 def load_tokenizer_file(path):
-    """tokenizer.json -> HFTokenizer; anything else is read as a sentencepiece model."""
+    """tokenizer.json -> HFTokenizer; 'bytes' -> ByteTokenizer; anything else is read as a sentencepiece model."""
+    if str(path) == "bytes":
+        return ByteTokenizer()
     return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
+
+
+def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
+    """The tokenizer of a model folder: the first of `names` it holds, 'bytes' for a Zoo folder
+    trained on bytes, else None."""
+    from zoo.weights import zoo_folder
+    for name in names:
+        if (Path(folder) / name).is_file():
+            return str(Path(folder) / name)
+    if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes":
+        return "bytes"
+    return None
 
 
 def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars: int, log=print) -> Path:

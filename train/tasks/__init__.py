@@ -2,7 +2,9 @@
 
 A task turns a run config into a model and batches, a batch into a loss, and a model into
 eval metrics and samples. The loop knows nothing else about the family.
-A family registers its task in zoo/config.py's FAMILIES (with its config and model).
+A family registers its task in zoo/config.py's FAMILIES (with its config and model). A task may
+name other tasks of the same family by the `data.format` that selects them (`Task.formats`: the
+LLM's `preference` is DPO, train/tasks/dpo.py).
 """
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-def task_class(family: str, source: str = "<config>"):
+def task_class(family: str, source: str = "<config>", data=None):
+    """The task that trains `family` on `data` (the `data:` section, a mapping or its dataclass):
+    the family's own, or the one its `formats` names for `data.format`."""
     from zoo.config import family as family_entry, load_class
-    return load_class(family_entry(family, source).task)
+    cls = load_class(family_entry(family, source).task)
+    fmt = data.get("format") if isinstance(data, dict) else getattr(data, "format", None)
+    return load_class(cls.formats[fmt]) if isinstance(fmt, str) and fmt in cls.formats else cls
 
 
 class Task:
@@ -24,6 +30,7 @@ class Task:
 
     DataConfig: type = None
     unit: str = "items"
+    formats: dict[str, str] = {}  # data.format -> "module:Class" of the task that trains that format instead
     # data parallelism (train/distributed.py): this process's rank among `world`; micro-batch m of
     # step s is one global batch of batch_size x world items drawn from batch_generator(s, m),
     # of which this rank trains on own_rows(); sum_across_ranks(x) sums a tensor in place

@@ -32,7 +32,8 @@ from zoo.config import ConfigError
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
-from ..data import SeqLenSchedule, TextDataConfig, TokenData
+from ..data import SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
+from ..evaluation import evaluate_files, metric_row
 from ..data.doc_masks import document_ids, tokenizer_boundary
 from ..optim import micro_batches
 from . import Task
@@ -41,6 +42,9 @@ from . import Task
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
+    formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
+               "preference": "train.tasks.dpo:DPOTask"}  # data.format -> chat SFT, or DPO / SimPO
+    tokenizer_files = ("tokenizer.model", "tokenizer.json")  # a checkpoint's tokenizer, in order of preference
     moe = None           # the model's MoEConfig, when it has one
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
@@ -55,20 +59,21 @@ class LMTask(Task):
         if cfg.train.init_from is None and d.tokenizer == "bytes" and m.vocab_size < 256:
             raise ConfigError(f"{cfg.source}: model.vocab_size={m.vocab_size} is smaller than the bytes "
                               f"tokenizer's 256")
+        if d.format not in ("text", *LMTask.formats):
+            raise ConfigError(f"{cfg.source}: data.format must be one of text, {', '.join(LMTask.formats)}, "
+                              f"got {d.format!r}")
 
     def _pretrained_tokenizer(self) -> Optional[str]:
         """With train.init_from and data.tokenizer 'sentencepiece' (the default), the data is
-        tokenised with the checkpoint's own tokenizer.model, or its tokenizer.json."""
+        tokenised with the checkpoint's own tokenizer (`tokenizer_files`, in that order)."""
         init = self.cfg.train.init_from
         if init is None or self.cfg.data.tokenizer != "sentencepiece":
             return None
-        for name in ("tokenizer.model", "tokenizer.json"):
-            if (Path(init) / name).is_file():
-                return str(Path(init) / name)
-        if zoo_folder.detect(init) and zoo_folder.tokenizer_of(init) == "bytes":  # a Zoo run on bytes
-            return "bytes"
-        raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no tokenizer.model or tokenizer.json; "
-                          f"set data.tokenizer to a tokenizer file or 'bytes'")
+        found = model_tokenizer(init, self.tokenizer_files)
+        if found is None:
+            raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no {' or '.join(self.tokenizer_files)}; "
+                              f"set data.tokenizer to a tokenizer file or 'bytes'")
+        return found
 
     def setup(self):
         self._schedule = None
@@ -162,7 +167,11 @@ class LMTask(Task):
 
     def loss(self, model, batch):
         x, y = batch
-        docs = self.doc_inputs(x)
+        return self.forward_loss(model, x, y, self.doc_inputs(x))
+
+    def forward_loss(self, model, x, y, docs: dict):
+        """(the training loss of inputs x and targets y, with the model's document keywords `docs`
+        (doc_inputs), and the MoE / MoD terms; the tokens it covers)."""
         if self.moe is None and not self.mod:
             _, loss = model(x, y, **docs)
             return loss, y.numel()
@@ -251,27 +260,42 @@ class LMTask(Task):
         model.eval()
         total, n = 0.0, 0
         causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
-        for x, y in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
+        for x, y, *_ in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
             x, y = x.to(self.device), y.to(self.device)
+            k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
             docs = self.doc_inputs(x)
             with self.autocast():
                 if self.mod:
                     _, loss, aux = model(x, y, return_aux=True, **docs)
-                    acc = acc + aux["mod_accuracy"].float() * y.numel()
-                    causal += model(x, y, mod_causal=True, **docs)[1].item() * y.numel()
+                    acc = acc + aux["mod_accuracy"].float() * k
+                    causal += model(x, y, mod_causal=True, **docs)[1].item() * k
                 else:
                     _, loss = model(x, y, **docs)
-            total += loss.item() * y.numel()
-            n += y.numel()
+            total += loss.item() * k
+            n += k
         model.train(was)
         out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
-               "unigram_entropy": self.entropy}
+               "unigram_entropy": self.entropy, **self.eval_tasks(model)}
         if self.mod:
             per_layer = (acc / max(n, 1)).tolist()
             layers = [i for i in range(model.config.n_layers) if model.config.is_mod(i)]
             out.update({"val_loss_causal": causal / max(n, 1), "val_mod_accuracy": sum(per_layer) / len(per_layer),
                         **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
         return out
+
+    def template(self):
+        """The chat template the data is rendered with (None: plain text)."""
+        return None
+
+    def eval_tasks(self, model) -> dict[str, float]:
+        """The task files of data.eval_tasks (train/evaluation.py) scored on `model`, as
+        `eval_<file stem>_<metric>` numbers."""
+        files = getattr(self.cfg.data, "eval_tasks", None)
+        if not files:
+            return {}
+        results = evaluate_files(model, self.data.tokenizer, files, self.device, self.template(),
+                                 self.cfg.train.batch_size, autocast=self.autocast, log=self.log)
+        return metric_row(results)
 
     def flops_per_item(self, model):
         return model.flops_per_token(self.cfg.data.seq_len)

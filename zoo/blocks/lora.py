@@ -20,6 +20,8 @@ m_p (rows_p,) is DoRA's magnitude, initialised to the row norms of W_p. Without 
 y_p = g_p (W_p + s B_p A_p) x + b_p, which is what `merge` writes into the weight (and `unmerge`
 takes out again). Initialisation: A kaiming-uniform(a=sqrt(5)) as nn.Linear's weight, B = 0,
 so a fresh adapter leaves the model unchanged. Parts not adapted pass through unchanged.
+`enabled = False` switches the adapters off (the layer computes W x + b, the base alone), e.g. for
+DPO's reference model; a merged layer cannot be switched off (unmerge it first).
 
 The weight may be any tensor that F.linear accepts, for example a torchao NF4Tensor (QLoRA);
 DoRA and merge read it densely through `dense_weight` (a tensor subclass exposing
@@ -68,6 +70,7 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if rslora else alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+        self.enabled = True  # False: the base alone (the adapters stay, unused)
         dev = self.weight.device
         dt = self.weight.dtype if self.weight.is_floating_point() else torch.float32
         self.lora_A = nn.ParameterDict({n: nn.Parameter(torch.empty(r, self.in_features, device=dev, dtype=dt))
@@ -111,7 +114,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        if self.merged or not self.adapted:
+        if not self.enabled and self.merged:
+            raise RuntimeError("a merged LoRA layer cannot be switched off; unmerge it first")
+        if self.merged or not self.adapted or not self.enabled:
             return y
         h = self.dropout(x)
         A = torch.cat([self.lora_A[n] for n in self.adapted]) if len(self.adapted) > 1 else self.lora_A[self.adapted[0]]

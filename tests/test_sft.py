@@ -1,0 +1,142 @@
+"""Chat fine-tuning (train/tasks/sft.py, train/data/chat_data.py) and the chat command (train/chat.py).
+
+The end-to-end run is small on purpose: a 2-layer model from scratch learns which sound each of
+six animals makes from conversations (one and two turns, the second asking "And again?"), and is
+asked about greeting + animal combinations it never saw. Guessing among the six sounds is right
+1/6 of the time; the test asks for at least 1/2. The embedded example at its real size (the
+tiny pretrained model, four kinds of conversation) is `python train/bench.py sft`.
+"""
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zoo
+from conftest import ROOT
+from zoo.config import ConfigError
+from train.chat import ChatSession, load, main as chat_main
+from train.config import load_run_config
+from train.data import ByteTokenizer
+from train.data.chat_data import ChatData
+from train.data.conversations import ChatDataConfig, ChatTemplate
+from train.loop import train
+
+SOUNDS = {"cow": "moo", "dog": "woof", "cat": "meow", "duck": "quack", "sheep": "baa", "owl": "hoot"}
+GREETINGS = ["Hi.", "Hello!", "Hey there.", "Good morning.", "Quick question:", "Tell me,", "Please answer:",
+             "I wonder:", "Kids ask:", "Say,"]
+COMBOS = random.Random(0).sample([(g, a) for g in GREETINGS for a in SOUNDS], len(GREETINGS) * len(SOUNDS))
+TRAIN, HELD_OUT = COMBOS[:42], COMBOS[42:]
+
+
+def question(greeting, animal):
+    return f"{greeting} What does a {animal} say?"
+
+
+def conversation(greeting, animal, two_turns):
+    m = [{"role": "user", "content": question(greeting, animal)}, {"role": "assistant", "content": SOUNDS[animal]}]
+    return m + ([{"role": "user", "content": "And again?"}, {"role": "assistant", "content": SOUNDS[animal]}]
+                if two_turns else [])
+
+
+@pytest.fixture(scope="module")
+def sounds_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft")
+    rows = tmp / "sounds.jsonl"
+    rows.write_text("".join(json.dumps({"messages": conversation(g, a, i % 2)}) + "\n"
+                            for i, (g, a) in enumerate(TRAIN * 3)))
+    cfg = load_run_config(None, base={
+        "family": "llm", "model": {"vocab_size": 320, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128},
+        "data": {"format": "messages", "path": str(rows), "vocab_size": 320, "seq_len": 128, "eval_generate": 8,
+                 "val_fraction": 0.1},
+        "train": {"out_dir": str(tmp / "run"), "max_steps": 150, "batch_size": 8, "eval_every": 50, "eval_batches": 2,
+                  "log_every": 50, "checkpoint_every": 0, "progress": False, "plot": False, "samples": False},
+        "optim": {"lr": 1e-2}})
+    train(cfg, log=lambda m: None)
+    return tmp / "run"
+
+
+def test_sft_lowers_the_assistant_loss_and_answers_held_out_prompts(sounds_run):
+    rows = [json.loads(line) for line in (sounds_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r]
+    assert evals[-1]["val_loss"] < 0.25 * evals[0]["val_loss"] and evals[-1]["val_loss"] < evals[-1]["unigram_entropy"]
+    assert "val_exact_match" in evals[-1]
+    model, tok, template = load(str(sounds_run))
+    chat = ChatSession(model, tok, template, max_new_tokens=16)
+    answers = [chat.respond([{"role": "user", "content": question(g, a)}]) for g, a in HELD_OUT]
+    accuracy = sum(ans == SOUNDS[a] for ans, (_, a) in zip(answers, HELD_OUT)) / len(HELD_OUT)
+    assert accuracy >= 0.5, (accuracy, answers)  # chance: 1/6
+
+
+def test_chat_command_two_turns_through_stdin(sounds_run, capsys):
+    """The second answer of each conversation follows from the first turn: the two conversations
+    differ only there, and each answer equals greedy decoding of the whole conversation without
+    any cache reuse (LLM.generate on the re-rendered text)."""
+    turns = [question("Hi.", "sheep"), "And again?", "/reset", question("Hi.", "duck"), "And again?"]
+    r = subprocess.run([sys.executable, "train/chat.py", str(sounds_run), "--max-new-tokens", "16"], cwd=ROOT,
+                       input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert len(out) == 4 and out[1] != out[3], out
+    model, tok, template = load(str(sounds_run))
+    eot = template.end_of_turn
+    for first, replies in ((turns[0], out[:2]), (turns[3], out[2:])):
+        messages = []
+        for user, reply in zip((first, "And again?"), replies):
+            messages.append({"role": "user", "content": user})
+            ids = tok.encode(template.render(messages, add_generation_prompt=True))
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=16)[0, len(ids):].tolist()
+            assert reply == tok.decode(gen).split(eot)[0]
+            messages.append({"role": "assistant", "content": reply})
+    assert chat_main([str(sounds_run), "--prompt", turns[0], "--max-new-tokens", "16"]) == 0  # one answer, then exit
+    assert capsys.readouterr().out == out[0] + "\n"
+
+
+def test_a_padded_batch_gives_the_loss_and_gradients_of_one_conversation_per_forward():
+    tok, template = ByteTokenizer(), ChatTemplate.builtin("chatml")
+    convs = [conversation("Hi.", "cow", True), conversation("Say,", "sheep", False),
+             [{"role": "system", "content": "Be brief."}] + conversation("Hello!", "owl", True)]
+    data = ChatData([(c, ("t", i)) for i, c in enumerate(convs)], [(convs[0], ("v", 1))], tok, template,
+                    ChatDataConfig(seq_len=512), log=lambda m: None)
+    model = zoo.build("configs/llm/tiny.yaml", vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1)
+    model.chunked_loss = False
+    x, y, n = ChatData.collate(data.train)
+    assert n == sum(len(c[0]) for c in data.train) < x.numel()  # padding is there, and not counted
+    loss = model(x, y)[1]
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    each = [(model(xi[None], yi[None])[1], int((yi != -100).sum())) for xi, yi in
+            ((torch.from_numpy(a), torch.from_numpy(b)) for a, b in data.train)]
+    ref = sum(l * k for l, k in each) / sum(k for _, k in each)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_length_bucketing_batches_every_conversation_and_cuts_padding():
+    tok, template = ByteTokenizer(), ChatTemplate.builtin("chatml")
+    rng = random.Random(0)
+    convs = [[{"role": "user", "content": "x" * rng.randint(1, 200)}, {"role": "assistant", "content": "ok"}]
+             for _ in range(64)]
+    data = ChatData([(c, ("t", i)) for i, c in enumerate(convs)], [(convs[0], ("v", 1))], tok, template,
+                    ChatDataConfig(seq_len=512, bucket_batches=8), seed=3, log=lambda m: None)
+    assert data.padding_waste(8) < 0.5 * data.padding_waste(8, bucket_batches=1)
+    firsts = [tuple(data.batch(i, 8)[0][:, 0].tolist()) for i in range(8)]
+    assert sum(data.batch(i, 8)[2] for i in range(8)) == sum(len(x) for x, _ in data.train)  # an epoch: each once
+    again = ChatData([(c, ("t", i)) for i, c in enumerate(convs)], [(convs[0], ("v", 1))], tok, template,
+                     ChatDataConfig(seq_len=512, bucket_batches=8), seed=3, log=lambda m: None)
+    assert [tuple(again.batch(i, 8)[0][:, 0].tolist()) for i in range(8)] == firsts  # the same for the same seed
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["data.format=chat"], "data.format must be one of text, messages, prompt_completion, alpaca"),
+    (["data.format=alpaca"], "data.path=synthetic is a set of conversations: it needs data.format=messages"),
+    (["data.format=messages", "data.pack=true"], "data.pack=true is not available yet"),
+    (["data.format=messages", "data.template=nowhere.jinja"], "data.template=nowhere.jinja: neither a built-in"),
+])
+def test_chat_config_errors_are_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_run_config(None, overrides, base={"family": "llm"})
+    assert "\n" not in str(e.value)

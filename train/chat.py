@@ -1,0 +1,188 @@
+"""Talk to a trained LLM in its chat format.
+
+    python train/chat.py DIR                         # interactive: one message per line, answers streamed
+    python train/chat.py DIR --prompt "Hi there"     # one answer, then exit
+    python train/chat.py DIR --temperature 0.8 --top-k 50 --system "Answer briefly."
+
+DIR is a run folder (train/run.py's out_dir), a Hugging Face folder, or anything
+`zoo.from_pretrained` loads that has a tokenizer beside it. The template is the folder's own
+(tokenizer_config.json or chat_template.jinja; an SFT run writes it there), else the built-in
+ChatML. A reply stops at the template's end-of-turn text or the EOS token. The conversation stays
+in the KV cache between turns: a new turn runs only the tokens the cache does not hold yet.
+Interactive commands: `/reset` starts a new conversation, `/exit` (or end of input) quits.
+Sampling as in `LLM.generate`: temperature 0 (the default) is greedy.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from zoo.llm import decode_step, sample_next
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    """A conversation with an LLM that keeps its keys and values between turns.
+
+        chat = ChatSession(model, tokenizer, template, system="Answer briefly.")
+        chat.reply("Hi, my name is Ada.", on_text=print)    # streams, returns the answer
+        chat.reply("What is my name?")                     # the cache holds the first turn already
+    """
+
+    def __init__(self, model, tokenizer, template, system: Optional[str] = None, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None):
+        from train.data.conversations import token_offsets
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.system, self.max_new_tokens = system, max_new_tokens
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        self.end_of_turn = template.end_of_turn
+        self._encode = lambda text: token_offsets(tokenizer, text)[0]
+        eos = template.special_tokens.get("eos_token")
+        eos_ids = self._encode(eos) if eos else []
+        self.eos_id = eos_ids[0] if len(eos_ids) == 1 else getattr(tokenizer, "eos_id", None)
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.caches, self.cached = None, []  # the KV caches and the token ids whose keys and values they hold
+
+    def reply(self, text: str, on_text: Optional[Callable[[str], None]] = None) -> str:
+        """Add the user's message, generate the answer (streamed to on_text piece by piece), keep both."""
+        answer = self.respond(self.messages + [{"role": "user", "content": text}], on_text)
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        return answer
+
+    @torch.inference_mode()
+    def respond(self, messages: list[dict], on_text: Optional[Callable[[str], None]] = None) -> str:
+        """The assistant's answer to `messages`, reusing the cached tokens they start with."""
+        model, cap = self.model, self.model.config.max_seq_len
+        ids = self._encode(self.template.render(messages, add_generation_prompt=True))
+        if len(ids) >= cap:
+            raise ValueError(f"the conversation is {len(ids)} tokens, the model's context {cap}: /reset to start over")
+        was = model.training
+        model.eval()
+        if self.caches is None:
+            dev = self.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+            self.caches = model.new_caches(1, cap, self.device, dtype)
+        keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
+        logits = model(torch.tensor([ids[keep:]], device=self.device), caches=self.caches, start_pos=keep)[:, -1]
+        self.cached = list(ids)
+        out, shown, text = [], 0, ""
+        for _ in range(min(self.max_new_tokens, cap - len(ids))):
+            nxt = int(sample_next(logits.float(), generator=self.generator, **self.sampling))
+            if nxt == self.eos_id:
+                break
+            out.append(nxt)
+            text = self.tokenizer.decode(out)
+            if self.end_of_turn and self.end_of_turn in text:
+                text = text[:text.index(self.end_of_turn)]
+                break
+            safe = len(text) - _held_back(text, self.end_of_turn)
+            if on_text is not None and safe > shown:
+                on_text(text[shown:safe])
+                shown = safe
+            if len(self.cached) >= cap:
+                break
+            logits = decode_step(model, torch.tensor([[nxt]], device=self.device), self.caches, len(self.cached))
+            self.cached.append(nxt)
+        if on_text is not None and len(text) > shown:
+            on_text(text[shown:])
+        model.train(was)
+        return text
+
+
+def _held_back(text: str, stop: str) -> int:
+    """How many characters at the end of text must wait: a possible start of the stop text, or a
+    character still being decoded (U+FFFD)."""
+    n = len(text) - len(text.rstrip("\ufffd"))
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if stop.startswith(text[-k:]):
+            return max(n, k)
+    return n
+
+
+def load(path: str, device: str = "auto", dtype: str = "float32"):
+    """(model, tokenizer, template) of a model folder."""
+    import zoo
+    from train.data import DataError, load_tokenizer_file, model_tokenizer
+    from train.data.conversations import ChatTemplate, find_template
+    from train.step import resolve_device
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    tok = model_tokenizer(folder, ("tokenizer.json", "tokenizer.model"))
+    if tok is None:
+        raise DataError(f"{path}: no tokenizer.json or tokenizer.model beside the model")
+    model = zoo.from_pretrained(path, dtype=getattr(torch, dtype), device=resolve_device(device))
+    if getattr(model, "family", None) != "llm":
+        raise DataError(f"{path}: not an LLM")
+    template = find_template(folder) or ChatTemplate.builtin("chatml")
+    return model.eval(), load_tokenizer_file(tok), template
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python train/chat.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", help="a run folder, a Hugging Face folder, or anything zoo.from_pretrained loads")
+    p.add_argument("--prompt", help="answer this one message and exit")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the longest answer, in tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the smallest set reaching probability p")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the weights' dtype")
+    args = p.parse_args(argv)
+    from zoo.config import ConfigError
+    from train.data import DataError
+    try:
+        model, tokenizer, template = load(args.dir, args.device, args.dtype)
+    except (ConfigError, DataError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    chat = ChatSession(model, tokenizer, template, args.system, args.max_new_tokens, args.temperature, args.top_k,
+                       args.top_p, args.seed)
+    show = lambda piece: print(piece, end="", flush=True)
+    if args.prompt is not None:
+        chat.reply(args.prompt, show)
+        print()
+        return 0
+    tty = sys.stdin.isatty()
+    print(f"chat with {args.dir} (template: {template.name}); /reset starts over, /exit quits", file=sys.stderr)
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            chat.reset()
+            continue
+        if not line.strip():
+            continue
+        try:
+            chat.reply(line.rstrip("\n"), show)
+        except ValueError as e:
+            print(f"\n{e}", file=sys.stderr)
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Tokenised conversations for chat fine-tuning, and their batches: one conversation per row,
+padded to the longest row of its batch, rows of similar length batched together.
+
+    data = ChatData(train_rows, val_rows, tokenizer, template, cfg, seed, log)
+    x, y, n = data.batch(index, rows)     # micro-batch `index` of the run: (B, T) inputs and targets
+    for x, y, n in data.val_batches(B): ...
+
+Each conversation is encoded once (conversations.py: ids, and labels that are -100 off the
+assistant's tokens), cut to `data.seq_len + 1` tokens, and shifted: inputs ids[:-1], targets
+labels[1:]. Padding goes on the right (inputs 0, targets -100), so under causal attention it
+changes nothing of the real tokens' outputs. `n` is the number of real (unpadded) tokens.
+
+Length bucketing: each epoch is a permutation of the training conversations (seeded by the run's
+seed and the epoch); every window of `bucket_batches` batches is sorted by length and cut into
+batches, and the batches of the epoch are shuffled. A micro-batch's conversations follow from
+(seed, index) alone, so a resumed run sees the same ones.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from . import DataError
+from .conversations import ChatDataConfig, ChatTemplate, _line_list
+
+
+class ChatData:
+    def __init__(self, train_rows: list, val_rows: list, tokenizer, template: ChatTemplate, cfg: ChatDataConfig,
+                 seed: int = 0, log=print):
+        self.cfg, self.tokenizer, self.template, self.seed = cfg, tokenizer, template, seed
+        self.train, _ = self._encode(train_rows, "training", log)
+        self.val, self.val_rows = self._encode(val_rows, "validation", log)  # val_rows: those not cut
+        self._epoch, self._batches = None, None
+        n_tok = sum(len(x) for x, _ in self.train)
+        n_lab = sum(int((y != -100).sum()) for _, y in self.train)
+        log(f"data: {len(self.train):,} training + {len(self.val):,} validation conversations, {n_tok:,} training "
+            f"tokens ({100 * n_lab / max(n_tok, 1):.1f}% trained: "
+            f"{'every token, data.train_on_prompt' if cfg.train_on_prompt else 'the assistant turns'}; template "
+            f"{template.name}, vocab {tokenizer.vocab_size})")
+
+    def _encode(self, rows: list, split: str, log) -> tuple[list, list]:
+        """[(messages, (file, line))] -> ([(inputs, targets)], [the messages of the conversations kept
+        whole]); conversations the template refuses are skipped and summed up per file; those longer
+        than seq_len + 1 tokens are cut."""
+        out, whole, refused, cut, dropped = [], [], defaultdict(list), 0, 0
+        first = None
+        limit = self.cfg.seq_len + 1
+        for messages, where in rows:
+            try:
+                ids, labels = self.template.encode(self.tokenizer, messages, self.cfg.train_on_prompt)
+            except DataError as e:
+                refused[where[0]].append(where[1])
+                first = first or f"{where[0]}: line {where[1]}: {e}"
+                continue
+            if len(ids) > limit:
+                cut += 1
+                ids, labels = ids[:limit], labels[:limit]
+            else:
+                whole.append(messages)
+            y = np.asarray(labels[1:], dtype=np.int64)
+            if len(ids) < 2 or not (y != -100).any():
+                dropped += 1
+                continue
+            out.append((np.asarray(ids[:-1], dtype=np.int64), y))
+        for f, lines in refused.items():
+            log(f"data: {f}: {len(lines)} conversations the chat template refuses, skipped (lines {_line_list(lines)})")
+        if cut:
+            log(f"data: {cut} {split} conversations longer than data.seq_len={self.cfg.seq_len} tokens were cut there"
+                + (f"; {dropped} kept no assistant token and were dropped" if dropped else ""))
+        if not out:
+            why = first or (f"every conversation lost its assistant tokens to data.seq_len={self.cfg.seq_len}"
+                            if dropped else "no conversations")
+            raise DataError(f"{self.cfg.path}: no {split} conversation left ({why})")
+        return out, whole
+
+    # ------------------------------------------------------------------ batches
+    def _epoch_batches(self, epoch: int, rows: int) -> np.ndarray:
+        if self._epoch != (epoch, rows):
+            lengths = np.array([len(x) for x, _ in self.train])
+            self._epoch, self._batches = (epoch, rows), epoch_batches(lengths, rows, self.cfg.bucket_batches,
+                                                                      self.seed, epoch)
+        return self._batches
+
+    def batches_per_epoch(self, rows: int) -> int:
+        return -(-len(self.train) // rows)
+
+    def batch(self, index: int, rows: int, part: slice = None):
+        """Micro-batch `index` (counted over the run) of `rows` conversations, or its `part` (a
+        rank's rows): (inputs (B, T), targets (B, T), real tokens)."""
+        per_epoch = self.batches_per_epoch(rows)
+        idx = self._epoch_batches(index // per_epoch, rows)[index % per_epoch]
+        if part is not None:
+            idx = idx[part]
+        return self.collate([self.train[i] for i in idx])
+
+    @staticmethod
+    def collate(items: list) -> tuple:
+        T = max(len(x) for x, _ in items)
+        x = torch.zeros(len(items), T, dtype=torch.long)
+        y = torch.full((len(items), T), -100, dtype=torch.long)
+        for r, (xi, yi) in enumerate(items):
+            x[r, :len(xi)] = torch.from_numpy(xi)
+            y[r, :len(yi)] = torch.from_numpy(yi)
+        return x, y, sum(len(xi) for xi, _ in items)
+
+    def val_batches(self, batch_size: int, n_batches: int = None):
+        """The validation conversations in order of length, batch_size at a time (the same every time)."""
+        order = sorted(range(len(self.val)), key=lambda i: len(self.val[i][0]))
+        for b, s in enumerate(range(0, len(order), batch_size)):
+            if n_batches is not None and b >= n_batches:
+                return
+            yield self.collate([self.val[i] for i in order[s:s + batch_size]])
+
+    def padding_waste(self, rows: int, bucket_batches: int = None) -> float:
+        """The fraction of padding among the tokens of the first epoch's training batches (with
+        `bucket_batches`, default data.bucket_batches; 1: batches of random conversations)."""
+        lengths = np.array([len(x) for x, _ in self.train])
+        batches = lengths[epoch_batches(lengths, rows, bucket_batches or self.cfg.bucket_batches, self.seed, 0)]
+        return float(1 - batches.sum() / (batches.max(1) * rows).sum())
+
+
+def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int, epoch: int) -> np.ndarray:
+    """The batches of one epoch in training order, (batches, rows) indices into `lengths`: a
+    permutation seeded by (seed, epoch), the last batch filled from its start, each window of
+    `bucket_batches` batches sorted by length and cut, the batches shuffled."""
+    rng = np.random.default_rng((seed, epoch))
+    n = len(lengths)
+    n_batches = -(-n // rows)
+    perm = np.resize(rng.permutation(n), n_batches * rows)  # np.resize repeats from the start
+    window = rows * bucket_batches
+    for s in range(0, len(perm), window):
+        perm[s:s + window] = perm[s:s + window][np.argsort(lengths[perm[s:s + window]], kind="stable")]
+    return perm.reshape(n_batches, rows)[rng.permutation(n_batches)]

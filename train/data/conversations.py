@@ -1,0 +1,510 @@
+"""Conversations for chat fine-tuning: jsonl rows -> messages -> chat template -> token ids and
+labels that train only the assistant's tokens.
+
+Row formats (`data.format`), one JSON object per line of a .jsonl file:
+- `messages`: `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`
+  (OpenAI's shape), or ShareGPT's `{"conversations": [{"from": "system" | "human" | "gpt",
+  "value": "..."}, ...]}`; at least one assistant message.
+- `prompt_completion`: `{"prompt": "...", "completion": "..."}`, each a string or a list of
+  messages; an optional `"system"` string.
+- `alpaca`: `{"instruction": "...", "input": "...", "output": "..."}` (`input` optional: the user
+  message is the instruction, then a blank line and the input when there is one); an optional
+  `"system"` string.
+A malformed row is counted and skipped (`read_conversations` logs one line per file naming the
+line numbers); a file without a usable row is a one-line DataError.
+
+Chat templates (`ChatTemplate`): a model's own Jinja `chat_template` (a Hugging Face
+tokenizer_config.json or chat_template.jinja, or a GGUF file's `tokenizer.chat_template`),
+rendered as transformers' `apply_chat_template` renders it: a sandboxed Jinja environment with
+trim_blocks and lstrip_blocks, the loop-controls extension, `raise_exception`, `strftime_now`, a
+`tojson` that does not escape HTML, and the tokenizer's special tokens (`bos_token`,
+`eos_token`, ...) as variables. A named built-in (`chatml`) serves a model that has none.
+
+Assistant-only labels (`ChatTemplate.encode`): the characters the assistant's turns occupy in
+the rendered conversation are found with the template's `{% generation %}` markers when it has
+them (as transformers' `return_assistant_tokens_mask` does), else by rendering the conversation
+prefix by prefix: assistant message i spans from the end of `render(messages[:i],
+add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, less the whitespace after
+its end-of-turn token (and before its content). Tokens overlapping those characters keep their
+ids as labels; every other label is -100. A template that renders an earlier turn differently
+once later turns follow (so no prefix marks the assistant's part) is a one-line error.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from zoo.config import bounded, fail
+
+from . import ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files
+
+FORMATS = ("messages", "prompt_completion", "alpaca")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# {% generation %} ... {% endgeneration %} renders its body between these two characters (from Unicode's
+# private-use plane 16), which `_strip_marks` turns into spans; a message holding one is refused
+_OPEN, _CLOSE = "\U0010fffa", "\U0010fffb"
+
+CHATML = ("{%- for message in messages -%}"
+          "{%- if message['role'] == 'assistant' -%}"
+          "{{- '<|im_start|>assistant\\n' -}}{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}"
+          "{{- '\\n' -}}"
+          "{%- else -%}"
+          "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+          "{%- endif -%}"
+          "{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+BUILTIN = {"chatml": CHATML}
+
+
+@dataclass
+class ChatDataConfig:
+    format: Literal["messages", "prompt_completion", "alpaca"] = "messages"  # the rows' shape: `messages`
+                                            # (OpenAI / ShareGPT conversations), `prompt_completion` or `alpaca`
+                                            # (docs/post-training.md); `text`, the default, is plain language
+                                            # modelling with the keys of docs/llm.md
+    path: str = "synthetic"                 # a .jsonl file, a folder of .jsonl files, or `synthetic`: the embedded
+                                            # conversation set (train/data/chat_example.py, made by code, no download)
+    tokenizer: str = "sentencepiece"        # with `train.init_from`: `sentencepiece` means the checkpoint's own
+                                            # (`tokenizer.json`, else `tokenizer.model`); without: `bytes`,
+                                            # `sentencepiece` (BPE trained on the rendered conversations, cached) or
+                                            # a path to a `tokenizer.model` / `tokenizer.json`
+    vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of a sentencepiece tokenizer trained here
+    template: Optional[str] = None          # the chat template: null = the model's own (`train.init_from`'s
+                                            # tokenizer_config.json or chat_template.jinja), else the built-in
+                                            # `chatml`; or a built-in name, or a path to a tokenizer_config.json, a
+                                            # .jinja file, a folder holding one, or a .gguf file
+    seq_len: int = bounded(512, ge=2)       # tokens per conversation (<= `model.max_seq_len`); a longer one is cut
+                                            # there (counted in the log), dropped when no assistant token is left
+    train_on_prompt: bool = False           # train on every token (system, user, template markup), not only the
+                                            # assistant's turns and their end-of-turn tokens
+    pack: bool = False                      # several conversations per row; false: one conversation per row, padded
+                                            # to the longest in its batch, rows of similar length batched together
+    bucket_batches: int = bounded(64, ge=1)  # length bucketing: the conversations of this many batches are sorted by
+                                            # length and cut into batches (then shuffled); 1 = no bucketing
+    val_fraction: float = bounded(0.05, gt=0, lt=1)  # conversations held out for validation (assistant-token loss)
+    eval_generate: int = bounded(32, ge=0)  # at every evaluation, the last answer of this many validation
+                                            # conversations is generated (greedy) and compared with the reference:
+                                            # `val_exact_match`; 0 = off
+    synthetic_rows: int = bounded(4000, ge=10)  # `path: synthetic`: how many conversations are made
+    cache_dir: Optional[str] = None         # where a trained tokenizer is cached; null = `$ZOO_CACHE`, else the user
+                                            # cache directory
+    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
+                                            # scored at every evaluation with the template, logged as
+                                            # `eval_<file stem>_<metric>`
+
+    def validate(self, source, prefix="data."):
+        if not self.path:
+            raise fail(source, prefix + "path", "must not be empty")
+        check_files(self.eval_tasks, source, prefix + "eval_tasks")
+        if self.template is not None and self.template not in BUILTIN and not Path(self.template).expanduser().exists():
+            raise fail(source, prefix + "template", f"={self.template}: neither a built-in template "
+                                                    f"({', '.join(BUILTIN)}) nor an existing file or folder")
+
+
+# ----------------------------------------------------------------------------- rows -> messages
+class BadRow(ValueError):
+    """Why one row is unusable (collected by read_conversations, never raised to the user)."""
+
+
+def _text(row: dict, key: str, optional: bool = False) -> Optional[str]:
+    value = row.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise BadRow(f"'{key}' is not a string")
+    return value
+
+
+def _message_list(items, key: str) -> list[dict]:
+    """OpenAI-shaped ({role, content}) or ShareGPT-shaped ({from, value}) messages -> [{role, content}]."""
+    if not isinstance(items, list) or not items:
+        raise BadRow(f"'{key}' is not a non-empty list")
+    out = []
+    for m in items:
+        if not isinstance(m, dict):
+            raise BadRow(f"a message of '{key}' is not an object")
+        role, content = (m.get("role"), m.get("content")) if "role" in m else (SHAREGPT_ROLES.get(m.get("from")), m.get("value"))
+        if role not in ROLES:
+            raise BadRow(f"a message of '{key}' has role {m.get('role', m.get('from'))!r} (known: system, user, "
+                         f"assistant; ShareGPT: human, gpt)")
+        if not isinstance(content, str):
+            raise BadRow(f"a {role} message of '{key}' has no string content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _with_system(row: dict, messages: list[dict]) -> list[dict]:
+    system = _text(row, "system", optional=True)
+    return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+def row_messages(row, fmt: str) -> list[dict]:
+    """One parsed jsonl row of format `fmt` -> its conversation [{role, content}, ...]; BadRow if unusable."""
+    if not isinstance(row, dict):
+        raise BadRow("not a JSON object")
+    if fmt == "messages":
+        key = "messages" if "messages" in row else "conversations"
+        messages = _message_list(row.get(key), key)
+    elif fmt == "prompt_completion":
+        parts = []
+        for key, role in (("prompt", "user"), ("completion", "assistant")):
+            v = row.get(key)
+            parts += _message_list(v, key) if isinstance(v, list) else [{"role": role, "content": _text(row, key)}]
+        messages = _with_system(row, parts)
+    elif fmt == "alpaca":
+        instruction, extra = _text(row, "instruction"), _text(row, "input", optional=True)
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        messages = _with_system(row, [{"role": "user", "content": user}, {"role": "assistant", "content": _text(row, "output")}])
+    else:
+        raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no assistant message")
+    if any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages):
+        raise BadRow("a message holds U+10FFFA or U+10FFFB (reserved for marking the assistant's part)")
+    return messages
+
+
+def _line_list(lines: list[int], shown: int = 10) -> str:
+    more = f" and {len(lines) - shown} more" if len(lines) > shown else ""
+    return ", ".join(map(str, lines[:shown])) + more
+
+
+def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:
+    """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line).
+    Malformed rows are skipped: one log line per file with their count, line numbers and the
+    first reason."""
+    p = Path(path).expanduser()
+    files = sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+    if not files or not files[0].is_file():
+        raise DataError(f"{path}: no such .jsonl file" + (" (or folder of .jsonl files)" if not files else ""))
+    out, first_problem = [], None
+    for f in files:
+        bad, reason = [], None
+        try:
+            lines = f.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{f}: cannot be read as UTF-8 text ({e})") from None
+        for i, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append((row_messages(json.loads(line), fmt), (str(f), i)))
+            except (ValueError, BadRow) as e:  # json.JSONDecodeError is a ValueError
+                bad.append(i)
+                reason = reason or (str(e) if isinstance(e, BadRow) else "not JSON")
+        if bad:
+            first_problem = first_problem or f"{f}: line {bad[0]}: {reason}"
+            log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {_line_list(bad)}; "
+                f"line {bad[0]}: {reason})")
+    if not out:
+        why = f"; {first_problem}" if first_problem else ""
+        raise DataError(f"{path}: no usable conversation for data.format={fmt}{why}")
+    return out
+
+
+# ----------------------------------------------------------------------------- Jinja, as transformers renders it
+def _environment():
+    """The sandboxed Jinja environment chat templates are written for (module docstring)."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationMarks(Extension):
+        """`{% generation %}...{% endgeneration %}`: the body, between the private marks."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _OPEN + caller() + _CLOSE
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        """`namespace(...)` without underscore-named attributes (no way to reach Python internals)."""
+
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+    class Dict:
+        """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt),
+                       dict=Dict(), namespace=Namespace)
+    return env
+
+
+def _strip_marks(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text with generation marks -> (the text without them, the marked character spans)."""
+    parts, spans, pos, start = [], [], 0, None
+    for piece in re.split(f"([{_OPEN}{_CLOSE}])", text):
+        if piece == _OPEN:
+            start = pos
+        elif piece == _CLOSE:
+            if start is not None and pos > start:
+                spans.append((start, pos))
+            start = None
+        else:
+            parts.append(piece)
+            pos += len(piece)
+    return "".join(parts), spans
+
+
+def _token_text(value) -> Optional[str]:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+# ----------------------------------------------------------------------------- the template
+class ChatTemplate:
+    """A Jinja chat template with the special tokens it may use.
+
+        t = ChatTemplate.from_pretrained("path/to/hf_folder")      # or a tokenizer_config.json, .jinja, .gguf
+        t = ChatTemplate.builtin("chatml")
+        text = t.render(messages, add_generation_prompt=True)
+        ids, labels = t.encode(tokenizer, messages)                  # labels: -100 but on the assistant's tokens
+    """
+
+    def __init__(self, source: str, special_tokens: Optional[dict] = None, name: str = "<chat template>"):
+        import jinja2
+        self.source, self.name = source, name
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if k in SPECIAL_TOKENS and v is not None}
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise DataError(f"{name}: not a valid Jinja chat template (line {e.lineno}: {e.message})") from None
+        self.has_generation_marks = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+
+    # -------------------------------------------------------------- sources
+    @classmethod
+    def builtin(cls, name: str = "chatml") -> "ChatTemplate":
+        if name not in BUILTIN:
+            raise DataError(f"unknown built-in chat template {name!r} (known: {', '.join(BUILTIN)})")
+        return cls(BUILTIN[name], name=f"built-in {name}")
+
+    @classmethod
+    def from_pretrained(cls, path) -> "ChatTemplate":
+        """The template of a Hugging Face folder (tokenizer_config.json's `chat_template`, else
+        chat_template.jinja), of one of those files, of a .jinja file, or of a GGUF file."""
+        p = Path(path).expanduser()
+        if p.is_dir():
+            for name in ("tokenizer_config.json", "chat_template.jinja"):
+                if (p / name).is_file() and (name != "tokenizer_config.json" or _config_template(p / name)):
+                    return cls.from_pretrained(p / name)
+            raise DataError(f"{path}: no chat template (tokenizer_config.json with a chat_template, or chat_template.jinja)")
+        if not p.is_file():
+            raise DataError(f"{path}: no such file or folder")
+        if p.suffix == ".gguf":
+            return _from_gguf(p)
+        if p.suffix == ".json":
+            config = _read_json(p)
+            template = _config_template(p)
+            if template is None:
+                raise DataError(f"{p}: no chat_template")
+            special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
+            return cls(template, special, str(p))
+        special = {}
+        config = p.parent / "tokenizer_config.json"  # a chat_template.jinja beside its tokenizer's special tokens
+        if config.is_file():
+            special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS}
+        return cls(p.read_text(encoding="utf-8"), special, str(p))
+
+    # -------------------------------------------------------------- rendering
+    def _render_marked(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        import jinja2
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise DataError(f"{self.name}: {type(e).__name__}: {e}") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, exactly as transformers' apply_chat_template(tokenize=False)."""
+        return _strip_marks(self._render_marked(messages, add_generation_prompt))[0]
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(rendered text, the character span of each assistant turn: its content and end-of-turn
+        token), from the template's generation marks or else prefix by prefix (module docstring)."""
+        text, marked = _strip_marks(self._render_marked(messages))
+        if self.has_generation_marks:
+            return text, marked
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[:i + 1])
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise DataError(f"{self.name}: cannot mark the assistant's part: the rendering of the conversation up "
+                                f"to assistant message {i} is not a prefix of the whole (the template renders earlier "
+                                f"turns differently once later ones follow); use a template with "
+                                f"{{% generation %}} markers")
+            start, end = len(before), len(upto.rstrip())
+            content = m["content"]
+            lead = len(upto[start:]) - len(upto[start:].lstrip())  # whitespace after the header, not the content's
+            start += max(0, lead - (len(content) - len(content.lstrip())))
+            if content.strip() and content.strip() not in text[start:end]:
+                raise DataError(f"{self.name}: cannot mark the assistant's part: assistant message {i}'s content "
+                                f"does not appear where the template renders it")
+            spans.append((start, end))
+        return text, spans
+
+    @property
+    def end_of_turn(self) -> str:
+        """The text the template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...):
+        what follows the content of a rendered assistant message, less whitespace."""
+        probe = "Zoo probe 7"
+        text, spans = self.assistant_spans([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
+        turn = text[spans[-1][0]:spans[-1][1]] if spans else ""
+        if probe not in turn:
+            raise DataError(f"{self.name}: cannot find the assistant's end-of-turn text")
+        return turn[turn.index(probe) + len(probe):].strip()
+
+    def encode(self, tokenizer, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """(token ids of the rendered conversation, labels): labels are the ids on the tokens of the
+        assistant's turns (with their end-of-turn tokens) and -100 elsewhere; every id with
+        train_on_prompt. Ids are those of tokenizing the whole rendered text with no special tokens
+        added, as apply_chat_template(tokenize=True) gives."""
+        text, spans = self.assistant_spans(messages)
+        ids, offsets = token_offsets(tokenizer, text)
+        if train_on_prompt:
+            return ids, list(ids)
+        return ids, [t if any(_overlaps(o, s) for s in spans) else -100 for t, o in zip(ids, offsets)]
+
+    def to_config(self) -> dict:
+        """The template and its special tokens as a tokenizer_config.json holds them."""
+        return {"chat_template": self.source, **self.special_tokens}
+
+
+def find_template(folder) -> Optional[ChatTemplate]:
+    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja), or
+    None when it has none."""
+    p = Path(folder)
+    if not p.is_dir():
+        return None
+    has = (p / "chat_template.jinja").is_file() or (
+        (p / "tokenizer_config.json").is_file() and _config_template(p / "tokenizer_config.json") is not None)
+    return ChatTemplate.from_pretrained(p) if has else None
+
+
+def _overlaps(token: tuple[int, int], span: tuple[int, int]) -> bool:
+    (a, b), (s, e) = token, span
+    return a < e and b > s if b > a else s <= a < e
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{p}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{p}: not a JSON object")
+    return data
+
+
+def _config_template(p: Path) -> Optional[str]:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates (the `default` one)."""
+    t = _read_json(p).get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+def _from_gguf(p: Path) -> ChatTemplate:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise DataError(f"{p}: reading a GGUF file's chat template needs the gguf package "
+                        f"(pip install -e '.[gguf]')") from None
+    try:
+        reader = GGUFReader(str(p))
+    except Exception as e:  # noqa: BLE001 (any failure to parse is a bad file)
+        raise DataError(f"{p}: not a readable GGUF file ({e})") from None
+    field = reader.get_field("tokenizer.chat_template")
+    if field is None:
+        raise DataError(f"{p}: no tokenizer.chat_template")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        f = reader.get_field(f"tokenizer.ggml.{key[:-6]}_token_id")
+        if f is not None and tokens is not None:
+            special[key] = tokens.contents(int(f.contents()))
+    return ChatTemplate(field.contents(), special, str(p))
+
+
+# ----------------------------------------------------------------------------- tokens with their characters
+def _byte_to_char(text: str) -> list[int]:
+    """For each UTF-8 byte of text (and one past the end), the index of the character it belongs to."""
+    out = []
+    for i, ch in enumerate(text):
+        out += [i] * len(ch.encode("utf-8"))
+    return out + [len(text)]
+
+
+def token_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of `text` (no special tokens added) and each token's character span [start, end)."""
+    if isinstance(tokenizer, HFTokenizer):
+        enc = tokenizer.tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
+    if isinstance(tokenizer, ByteTokenizer):
+        b2c = _byte_to_char(text)
+        return tokenizer.encode(text), [(b2c[i], b2c[i + 1] if b2c[i + 1] > b2c[i] else b2c[i] + 1)
+                                        for i in range(len(b2c) - 1)]
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return _sentencepiece_offsets(tokenizer.sp, text)
+    raise TypeError(f"no token offsets for a {type(tokenizer).__name__}")
+
+
+def _sentencepiece_offsets(sp, text: str):
+    """sentencepiece with its control pieces (<s>, </s>) written in the text read as those tokens,
+    as transformers' sentencepiece tokenizers read them."""
+    controls = {sp.id_to_piece(i): i for i in (sp.bos_id(), sp.eos_id()) if i >= 0}
+    pieces = re.split("(" + "|".join(map(re.escape, controls)) + ")", text) if controls else [text]
+    ids, offsets, pos = [], [], 0
+    for piece in pieces:
+        if piece in controls:
+            ids.append(controls[piece])
+            offsets.append((pos, pos + len(piece)))
+        elif piece:
+            b2c = _byte_to_char(piece)
+            for p in sp.encode(piece, out_type="proto").pieces:
+                ids.append(p.id)
+                offsets.append((pos + b2c[p.begin], pos + b2c[p.end]))
+        pos += len(piece)
+    return ids, offsets

@@ -1,0 +1,178 @@
+"""Prompt/response rows: reading jsonl, tokenising a prompt and its response, preference pairs.
+
+A prompt is a string or a list of chat messages (`{"role": ..., "content": ...}`, the
+OpenAI/ShareGPT shape); a response is a string (or a one-message list holding the assistant's
+message). `encode_response` is the one place a prompt and a response become tokens:
+
+    ids, labels = encode_response(tokenizer, prompt, response, template)
+
+labels[i] is ids[i] on the response's tokens and -100 elsewhere (the caller shifts them for
+next-token prediction). With a chat template (train/data/conversations.py) the conversation is
+rendered by it and only the assistant's tokens are kept; without one the prompt's and the
+response's tokens are concatenated (each tokenised on its own, so every response to a prompt
+shares the prompt's tokens), then the tokenizer's EOS when it has one.
+
+Preference rows (`data.format: preference`, train/tasks/dpo.py) are jsonl lines
+`{"prompt": ..., "chosen": ..., "rejected": ...}`, or `synthetic`: pairs made from the embedded
+conversation set (train/data/chat_example.py), the chosen response the conversation's own last
+answer, the rejected one the last answer of another conversation of the same kind (a wrong name,
+number or words in the right shape); the held-out pairs come from its validation split.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import DataError
+
+IGNORE = -100
+
+
+def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "rows") -> list:
+    """parse(row) of every line of the jsonl file `path`. A line that is not a JSON object or that
+    parse refuses (ValueError, KeyError, TypeError) is skipped and counted, with one summary line
+    naming the file and the line numbers; no usable line at all is a DataError."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{path}: no such file")
+    out, bad, why = [], [], ""
+    for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise TypeError("not a JSON object")
+            out.append(parse(row))
+        except (ValueError, KeyError, TypeError) as e:
+            bad.append(i)
+            why = why or (f"missing key {e}" if isinstance(e, KeyError) else str(e))
+    if bad:
+        lines = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        log(f"data: {path}: {len(bad)} malformed lines skipped (line {lines}; first: {why})")
+    if not out:
+        raise DataError(f"{path}: no usable {what}" + (f" ({len(bad)} malformed lines; first: {why})" if bad else ""))
+    return out
+
+
+def prompt_messages(prompt) -> list[dict]:
+    """A prompt as chat messages: a string is one user message; a list must hold role/content dicts."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                   and isinstance(m.get("content"), str) for m in prompt):
+        return prompt
+    raise TypeError("prompt must be a string or a list of {role, content} messages")
+
+
+def response_text(response) -> str:
+    """A response: a string, or a list of one assistant message (the conversational preference shape)."""
+    if isinstance(response, list) and len(response) == 1 and isinstance(response[0], dict):
+        response = response[0].get("content")
+    if not isinstance(response, str):
+        raise TypeError("a response must be a string or one {role: assistant, content} message")
+    return response
+
+
+def _plain_prompt(prompt) -> str:
+    if not isinstance(prompt, str):
+        raise TypeError("a prompt of chat messages needs a chat template (the model has none)")
+    return prompt
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """The tokens of a plain prompt (a chat prompt is rendered by its template: train/chat.py)."""
+    return tokenizer.encode(_plain_prompt(prompt))
+
+
+def encode_response(tokenizer, prompt, response: str, template=None) -> tuple[list[int], list[int]]:
+    """(ids, labels) of `prompt` answered by `response`: labels are the ids on the response's tokens
+    (with a template: the final assistant message's tokens, its end of turn included), -100 elsewhere."""
+    if template is not None:
+        messages = prompt_messages(prompt) + [{"role": "assistant", "content": response}]
+        ids, labels = template.encode(tokenizer, messages)
+        return list(ids), last_span(list(labels))
+    p = tokenizer.encode(_plain_prompt(prompt))
+    r = tokenizer.encode(response) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    return p + r, [IGNORE] * len(p) + r
+
+
+def last_span(labels: list[int]) -> list[int]:
+    """Only the last run of trained labels kept (the final answer, not earlier assistant turns)."""
+    end = max((i for i, t in enumerate(labels) if t != IGNORE), default=-1) + 1
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE:
+        start -= 1
+    return [IGNORE] * start + labels[start:end] + [IGNORE] * (len(labels) - end)
+
+
+def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], list[int], bool]:
+    """At most max_len tokens, at least one trained one kept: the prompt loses its start when it
+    alone fills the window, then the response loses its end. Returns (ids, labels, truncated)."""
+    if len(ids) <= max_len:
+        return ids, labels, False
+    first = next((i for i, t in enumerate(labels) if t != IGNORE), len(labels))
+    cut = max(0, min(first - max_len // 2, len(ids) - max_len))  # keep at least half the window for the response
+    ids, labels = ids[cut:cut + max_len], labels[cut:cut + max_len]
+    return ids, labels, True
+
+
+def synthetic_pairs(split: str, n: int) -> list[dict]:
+    """n preference rows from the embedded conversations of `split` ('train' or 'val')."""
+    from . import chat_example
+    convs = chat_example.conversations(split, n + len(chat_example.KINDS))
+    k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
+    rows = []
+    for i, c in enumerate(convs[:n]):
+        other = convs[i + k][-1]["content"]
+        if other != c[-1]["content"]:
+            rows.append({"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other})
+    return rows
+
+
+class PreferenceData:
+    """Preference pairs, tokenised: each pair is (chosen ids, chosen labels, rejected ids, rejected
+    labels), at most `seq_len` tokens each. Held out: the rows of `val_path`, else the last
+    `val_fraction` of the rows (at least one); `synthetic`: the validation split's pairs."""
+
+    def __init__(self, cfg, tokenizer, template=None, log=print):
+        self.tokenizer, self.template = tokenizer, template
+        rows, val = self.rows(cfg, log)
+        self.truncated = 0
+        try:
+            self.train = [self.encode(r, cfg.seq_len) for r in rows]
+            self.val = [self.encode(r, cfg.seq_len) for r in val]
+        except TypeError as e:  # a prompt of messages without a template
+            raise DataError(f"{cfg.path}: {e}: set data.template (e.g. chatml)") from None
+        log(f"data: {cfg.path}: {len(self.train)} train + {len(self.val)} held-out preference pairs"
+            + (f"; {self.truncated} responses truncated to data.seq_len={cfg.seq_len}" if self.truncated else ""))
+
+    @staticmethod
+    def rows(cfg, log) -> tuple[list[dict], list[dict]]:
+        """(training rows, held-out rows) of data.path (and data.val_path)."""
+        if cfg.path == "synthetic":
+            n_val = max(1, round(cfg.synthetic_rows * cfg.val_fraction))
+            return synthetic_pairs("train", cfg.synthetic_rows - n_val), synthetic_pairs("val", n_val)
+        rows = read_jsonl(cfg.path, _preference_row, log, "preference rows")
+        if cfg.val_path:
+            return rows, read_jsonl(cfg.val_path, _preference_row, log, "preference rows")
+        n_val = max(1, int(len(rows) * cfg.val_fraction))
+        if len(rows) - n_val < 1:
+            raise DataError(f"{cfg.path}: {len(rows)} preference rows leave none for training after "
+                            f"data.val_fraction={cfg.val_fraction}")
+        return rows[:-n_val], rows[-n_val:]
+
+    def encode(self, row: dict, seq_len: int) -> tuple:
+        out = []
+        for key in ("chosen", "rejected"):
+            ids, labels, cut = fit(*encode_response(self.tokenizer, row["prompt"], row[key], self.template), seq_len + 1)
+            self.truncated += cut
+            out += [ids, labels]
+        return tuple(out)
+
+
+def _preference_row(row: dict) -> dict:
+    prompt_messages(row["prompt"])
+    return {"prompt": row["prompt"], "chosen": response_text(row["chosen"]),
+            "rejected": response_text(row["rejected"])}
