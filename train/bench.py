@@ -34,6 +34,7 @@ BENCHES: dict[str, str] = {
     "checkpointing": "train.benches.checkpointing",
     "distributed": "train.benches.distributed",
     "report": "train.benches.report",
+    "sft-packing": "train.benches.sft_packing",
 }
 
 
