@@ -1,8 +1,8 @@
 """Chat fine-tuning (train/tasks/sft.py, train/data/chat_data.py) and the chat command (train/chat.py).
 
 The end-to-end run is small on purpose: a 2-layer model from scratch learns which sound each of
-six animals makes from conversations (one and two turns, the second asking "And again?"), and is
-asked about greeting + animal combinations it never saw. Guessing among the six sounds is right
+six animals makes from conversations (one and two turns, the second asking "And again?"; packed
+into rows, data.pack), and is asked about greeting + animal combinations it never saw. Guessing among the six sounds is right
 1/6 of the time; the test asks for at least 1/2. The embedded example at its real size (the
 tiny pretrained model, four kinds of conversation) is `python train/bench.py sft`.
 """
@@ -50,7 +50,7 @@ def sounds_run(tmp_path_factory):
     cfg = load_run_config(None, base={
         "family": "llm", "model": {"vocab_size": 320, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128},
         "data": {"format": "messages", "path": str(rows), "vocab_size": 320, "seq_len": 128, "eval_generate": 8,
-                 "val_fraction": 0.1},
+                 "val_fraction": 0.1, "pack": True},
         "train": {"out_dir": str(tmp / "run"), "max_steps": 150, "batch_size": 8, "eval_every": 50, "eval_batches": 2,
                   "log_every": 50, "checkpoint_every": 0, "progress": False, "plot": False, "samples": False},
         "optim": {"lr": 1e-2}})
