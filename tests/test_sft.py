@@ -1,8 +1,8 @@
 """Chat fine-tuning (train/tasks/sft.py, train/data/chat_data.py) and the chat command (train/chat.py).
 
 The end-to-end run is small on purpose: a 2-layer model from scratch learns which sound each of
-six animals makes from conversations (one and two turns, the second asking "And again?"), and is
-asked about greeting + animal combinations it never saw. Guessing among the six sounds is right
+six animals makes from conversations (one and two turns, the second asking "And again?"; packed
+into rows, data.pack), and is asked about greeting + animal combinations it never saw. Guessing among the six sounds is right
 1/6 of the time; the test asks for at least 1/2. The embedded example at its real size (the
 tiny pretrained model, four kinds of conversation) is `python train/bench.py sft`.
 """
@@ -50,7 +50,7 @@ def sounds_run(tmp_path_factory):
     cfg = load_run_config(None, base={
         "family": "llm", "model": {"vocab_size": 320, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 128},
         "data": {"format": "messages", "path": str(rows), "vocab_size": 320, "seq_len": 128, "eval_generate": 8,
-                 "val_fraction": 0.1},
+                 "val_fraction": 0.1, "pack": True},
         "train": {"out_dir": str(tmp / "run"), "max_steps": 150, "batch_size": 8, "eval_every": 50, "eval_batches": 2,
                   "log_every": 50, "checkpoint_every": 0, "progress": False, "plot": False, "samples": False},
         "optim": {"lr": 1e-2}})
@@ -94,20 +94,28 @@ def test_chat_command_two_turns_through_stdin(sounds_run, capsys):
     assert capsys.readouterr().out == out[0] + "\n"
 
 
-def test_a_padded_batch_gives_the_loss_and_gradients_of_one_conversation_per_forward():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_batch_gives_the_loss_and_gradients_of_one_conversation_per_forward(packed):
+    """Padded rows, or conversations packed into rows (document masking, positions restarting per
+    conversation): the batch's loss and gradients equal the token-weighted mean over one forward per
+    conversation (fp32, 1e-5)."""
     tok, template = ByteTokenizer(), ChatTemplate.builtin("chatml")
     convs = [conversation("Hi.", "cow", True), conversation("Say,", "sheep", False),
-             [{"role": "system", "content": "Be brief."}] + conversation("Hello!", "owl", True)]
+             [{"role": "system", "content": "Be brief."}] + conversation("Hello!", "owl", True),
+             conversation("Hey there.", "dog", False)]
     data = ChatData([(c, ("t", i)) for i, c in enumerate(convs)], [(convs[0], ("v", 1))], tok, template,
-                    ChatDataConfig(seq_len=512), log=lambda m: None)
-    model = zoo.build("configs/llm/tiny.yaml", vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1)
+                    ChatDataConfig(seq_len=400, pack=packed), log=lambda m: None)
+    model = zoo.build("configs/llm/tiny.yaml", vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                      max_seq_len=512)
     model.chunked_loss = False
-    x, y, n = ChatData.collate(data.train)
-    assert n == sum(len(c[0]) for c in data.train) < x.numel()  # padding is there, and not counted
-    loss = model(x, y)[1]
+    rows = 2 if packed else 4
+    x, y, n, docs = data.batch(0, rows)
+    assert x.shape[0] == rows and n == sum(len(c[0]) for c in data.train) < x.numel()  # padding, not counted
+    assert set(docs) == ({"doc_ids", "position_ids"} if packed else set())
+    loss = model(x, y, **docs)[1]
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    each = [(model(xi[None], yi[None])[1], int((yi != -100).sum())) for xi, yi in
-            ((torch.from_numpy(a), torch.from_numpy(b)) for a, b in data.train)]
+    each = [(model(torch.from_numpy(a)[None], torch.from_numpy(b)[None])[1], int((b != -100).sum()))
+            for a, b in data.train]
     ref = sum(l * k for l, k in each) / sum(k for _, k in each)
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=0)
@@ -133,7 +141,6 @@ def test_length_bucketing_batches_every_conversation_and_cuts_padding():
 @pytest.mark.parametrize("overrides,match", [
     (["data.format=chat"], "data.format must be one of text, messages, prompt_completion, alpaca"),
     (["data.format=alpaca"], "data.path=synthetic is a set of conversations: it needs data.format=messages"),
-    (["data.format=messages", "data.pack=true"], "data.pack=true is not available yet"),
     (["data.format=messages", "data.template=nowhere.jinja"], "data.template=nowhere.jinja: neither a built-in"),
 ])
 def test_chat_config_errors_are_one_line(overrides, match):

@@ -36,6 +36,7 @@ BENCHES: dict[str, str] = {
     "distributed": "train.benches.distributed",
     "report": "train.benches.report",
     "gguf": "train.benches.llm_gguf",
+    "sft-packing": "train.benches.sft_packing",
 }
 
 

@@ -1,9 +1,11 @@
 """Tokenised conversations for chat fine-tuning, and their batches: one conversation per row,
-padded to the longest row of its batch, rows of similar length batched together.
+padded to the longest row of its batch, rows of similar length batched together; or with
+`data.pack`, several conversations per row of `data.seq_len` tokens, each in a document of its own.
 
     data = ChatData(train_rows, val_rows, tokenizer, template, cfg, seed, log)
-    x, y, n = data.batch(index, rows)     # micro-batch `index` of the run: (B, T) inputs and targets
-    for x, y, n in data.val_batches(B): ...
+    x, y, n, docs = data.batch(index, rows)   # micro-batch `index` of the run: (B, T) inputs and targets,
+                                              # the real tokens, the model's document keywords ({}: padded)
+    for x, y, n, docs in data.val_batches(B): ...
 
 Each conversation is encoded once (conversations.py: ids, and labels that are -100 off the
 assistant's tokens), cut to `data.seq_len + 1` tokens, and shifted: inputs ids[:-1], targets
@@ -14,6 +16,11 @@ Length bucketing: each epoch is a permutation of the training conversations (see
 seed and the epoch); every window of `bucket_batches` batches is sorted by length and cut into
 batches, and the batches of the epoch are shuffled. A micro-batch's conversations follow from
 (seed, index) alone, so a resumed run sees the same ones.
+
+Packing (train/data/packing.py): each epoch's permutation is packed into rows by best-fit
+decreasing, the rows shuffled; the model gets the rows' document ids and positions restarting per
+conversation (`doc_ids`, `position_ids`), so that each conversation is computed as if alone.
+Validation batches are always padded (their loss is the same either way).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import torch
 
 from . import DataError
 from .conversations import ChatDataConfig, ChatTemplate, _line_list
+from .packing import pack, pack_rows
 
 
 class ChatData:
@@ -76,24 +84,32 @@ class ChatData:
         return out, whole
 
     # ------------------------------------------------------------------ batches
-    def _epoch_batches(self, epoch: int, rows: int) -> np.ndarray:
+    def _epoch_batches(self, epoch: int, rows: int) -> list:
+        """The epoch's batches in training order: each a list of `rows` rows, a row a list of
+        conversation indices (one when padded)."""
         if self._epoch != (epoch, rows):
             lengths = np.array([len(x) for x, _ in self.train])
-            self._epoch, self._batches = (epoch, rows), epoch_batches(lengths, rows, self.cfg.bucket_batches,
-                                                                      self.seed, epoch)
+            if self.cfg.pack:
+                self._batches = packed_batches(lengths, rows, self.cfg.seq_len, self.seed, epoch)
+            else:
+                self._batches = [[[i] for i in b] for b in epoch_batches(lengths, rows, self.cfg.bucket_batches,
+                                                                        self.seed, epoch)]
+            self._epoch = (epoch, rows)
         return self._batches
 
-    def batches_per_epoch(self, rows: int) -> int:
-        return -(-len(self.train) // rows)
-
     def batch(self, index: int, rows: int, part: slice = None):
-        """Micro-batch `index` (counted over the run) of `rows` conversations, or its `part` (a
-        rank's rows): (inputs (B, T), targets (B, T), real tokens)."""
-        per_epoch = self.batches_per_epoch(rows)
-        idx = self._epoch_batches(index // per_epoch, rows)[index % per_epoch]
+        """Micro-batch `index` (counted over the run) of `rows` rows, or its `part` (a rank's rows):
+        (inputs (B, T), targets (B, T), real tokens, the model's document keywords)."""
+        per_epoch = len(self._epoch_batches(0, rows))
+        batch = self._epoch_batches(index // per_epoch, rows)[index % per_epoch]
         if part is not None:
-            idx = idx[part]
-        return self.collate([self.train[i] for i in idx])
+            batch = batch[part]
+        if not self.cfg.pack:
+            return self.collate([self.train[r[0]] for r in batch])
+        packed = [pack([self.train[i] for i in r], self.cfg.seq_len) for r in batch]  # one row each
+        x, y, doc, pos = (torch.cat([getattr(p, k) for p in packed]) for k in
+                          ("input_ids", "labels", "doc_ids", "position_ids"))
+        return x, y, sum(len(self.train[i][0]) for r in batch for i in r), {"doc_ids": doc, "position_ids": pos}
 
     @staticmethod
     def collate(items: list) -> tuple:
@@ -103,7 +119,7 @@ class ChatData:
         for r, (xi, yi) in enumerate(items):
             x[r, :len(xi)] = torch.from_numpy(xi)
             y[r, :len(yi)] = torch.from_numpy(yi)
-        return x, y, sum(len(xi) for xi, _ in items)
+        return x, y, sum(len(xi) for xi, _ in items), {}
 
     def val_batches(self, batch_size: int, n_batches: int = None):
         """The validation conversations in order of length, batch_size at a time (the same every time)."""
@@ -113,10 +129,15 @@ class ChatData:
                 return
             yield self.collate([self.val[i] for i in order[s:s + batch_size]])
 
-    def padding_waste(self, rows: int, bucket_batches: int = None) -> float:
-        """The fraction of padding among the tokens of the first epoch's training batches (with
-        `bucket_batches`, default data.bucket_batches; 1: batches of random conversations)."""
+    def padding_waste(self, rows: int, bucket_batches: int = None, packed: bool = False) -> float:
+        """The fraction of padding among the tokens of the first epoch's training batches: padded
+        with `bucket_batches` (default data.bucket_batches; 1: batches of random conversations), or
+        packed into rows of data.seq_len."""
         lengths = np.array([len(x) for x, _ in self.train])
+        if packed:
+            batches = packed_batches(lengths, rows, self.cfg.seq_len, self.seed, 0)
+            return float(1 - sum(lengths[i] for b in batches for r in b for i in r)
+                         / (len(batches) * rows * self.cfg.seq_len))
         batches = lengths[epoch_batches(lengths, rows, bucket_batches or self.cfg.bucket_batches, self.seed, 0)]
         return float(1 - batches.sum() / (batches.max(1) * rows).sum())
 
@@ -133,3 +154,14 @@ def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int
     for s in range(0, len(perm), window):
         perm[s:s + window] = perm[s:s + window][np.argsort(lengths[perm[s:s + window]], kind="stable")]
     return perm.reshape(n_batches, rows)[rng.permutation(n_batches)]
+
+
+def packed_batches(lengths: np.ndarray, rows: int, seq_len: int, seed: int, epoch: int) -> list:
+    """The packed batches of one epoch in training order: a seeded permutation packed into rows of
+    seq_len tokens (pack_rows), the rows shuffled, `rows` at a time (the last batch filled from the
+    start)."""
+    rng = np.random.default_rng((seed, epoch))
+    perm = rng.permutation(len(lengths))
+    packed = [[int(perm[i]) for i in r] for r in pack_rows(lengths[perm].tolist(), seq_len)]
+    order = np.resize(rng.permutation(len(packed)), -(-len(packed) // rows) * rows)
+    return [[packed[i] for i in order[s:s + rows]] for s in range(0, len(order), rows)]

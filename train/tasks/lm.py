@@ -89,6 +89,11 @@ class LMTask(Task):
             self.log(f"data: attention within documents (split at token {self.boundary[0]}, {self.boundary[1]}), "
                      f"{d.positions} positions")
 
+    @property
+    def documents(self) -> bool:
+        """Whether the training forwards confine attention to documents."""
+        return self.boundary is not None
+
     def doc_inputs(self, x: torch.Tensor) -> dict:
         """The model's document keywords for inputs x (B, T): doc_ids (and position_ids) with
         data.attention: document (and data.positions: document); {} otherwise."""
@@ -133,9 +138,9 @@ class LMTask(Task):
     def _say_attention(self):
         backend = self.cfg.train.attn_backend
         picked = resolve_backend(backend, self.device, self.autocast_dtype or torch.float32, self.cfg.data.seq_len,
-                                 compiling=self.cfg.train.compile, documents=self.boundary is not None)
+                                 compiling=self.cfg.train.compile, documents=self.documents)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
-        self.log(f"attention: {picked}{why}{', within documents' if self.boundary else ''}")
+        self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
 
     def unfreeze_groups(self, model):
         """The LM head with the final norm, then the blocks from the last, then the embedding."""

@@ -48,9 +48,6 @@ class SFTTask(LMTask):
         if d.path == "synthetic" and d.format != "messages":
             raise ConfigError(f"{cfg.source}: data.path=synthetic is a set of conversations: it needs "
                               f"data.format=messages, got {d.format}")
-        if d.pack:
-            raise ConfigError(f"{cfg.source}: data.pack=true is not available yet: conversations are padded "
-                              f"(data.pack=false)")
 
     # ------------------------------------------------------------------ data
     def setup(self):
@@ -64,9 +61,12 @@ class SFTTask(LMTask):
         p = p[p > 0] / p.sum()
         self.entropy = float(-(p * np.log(p)).sum())
         rows = self.global_rows() if isinstance(self.cfg.train.batch_size, int) else 16
-        self.log(f"data: padding is {100 * self.data.padding_waste(rows):.1f}% of the batch tokens with "
-                 f"data.bucket_batches={d.bucket_batches} ({100 * self.data.padding_waste(rows, 1):.1f}% without "
-                 f"bucketing); unigram entropy of the trained tokens {self.entropy:.3f} nats")
+        waste = {"packed": self.data.padding_waste(rows, packed=True), "bucketed": self.data.padding_waste(rows),
+                 "random": self.data.padding_waste(rows, 1)}
+        self.log(f"data: {'packed' if d.pack else 'padded'} rows; padding would be {100 * waste['packed']:.1f}% of the "
+                 f"batch tokens packed into rows of {d.seq_len}, {100 * waste['bucketed']:.1f}% padded with length "
+                 f"bucketing (data.bucket_batches={d.bucket_batches}), {100 * waste['random']:.1f}% without; "
+                 f"unigram entropy of the trained tokens {self.entropy:.3f} nats")
 
     def template(self) -> ChatTemplate:
         """The chat template the conversations are rendered with."""
@@ -114,16 +114,27 @@ class SFTTask(LMTask):
         return load_tokenizer_file(path)
 
     # ------------------------------------------------------------------ training
+    @property
+    def documents(self) -> bool:
+        return self.cfg.data.pack
+
     def train_batch(self, step, micro):
+        """(inputs, targets, real tokens, document keywords: doc_ids and position_ids when packed)."""
         self._step = step
         B = self.cfg.train.batch_size
-        x, y, n = self.data.batch(step * self.cfg.train.grad_accum + micro, self.global_rows(),
-                                  slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
-        return x.to(self.device), y.to(self.device), n
+        x, y, n, docs = self.data.batch(step * self.cfg.train.grad_accum + micro, self.global_rows(),
+                                        slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
+        return x.to(self.device), y.to(self.device), n, {k: v.to(self.device) for k, v in docs.items()}
+
+    def example_batch(self, model, batch_size, seq_len=None):
+        x, y = super().example_batch(model, batch_size, seq_len)
+        docs = {"doc_ids": torch.zeros_like(x), "position_ids": torch.zeros_like(x)} if self.cfg.data.pack else {}
+        return x, y, x.numel(), docs
 
     def loss(self, model, batch):
         """The mean loss over the batch's trained (assistant) tokens; it counts its real tokens."""
-        return super().loss(model, batch[:2])[0], batch[2]
+        x, y, n, docs = batch
+        return self.forward_loss(model, x, y, docs)[0], n
 
     # ------------------------------------------------------------------ evaluation, samples
     @torch.no_grad()
