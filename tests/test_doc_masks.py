@@ -78,15 +78,29 @@ def test_document_masking_equals_separate_documents(backend, positions, over):
 
 
 def test_document_masking_compiled_equals_separate_documents():
-    """torch.compile of the model with doc_ids and restarting positions (fwd + bwd; the CPU's
-    'auto' backend under compile)."""
-    model = _model(n_layers=1)
-    x, doc, w = _rows()
-    ref_logits, ref_grads = _separate(model, x, w)
-    compiled = torch.compile(model)
-    logits = compiled(x, doc_ids=doc, position_ids=document_positions(doc))
-    _assert_close(logits, ref_logits, "logits")
-    grads = _grads(model, (logits * w).sum())
+    """torch.compile (inductor, the CPU's 'auto' backend under compile) of an attention block with
+    doc_ids and restarting positions, forward and backward, against each document run alone
+    eagerly (kept to one block: compiling a whole model takes most of a minute on 2 cores)."""
+    from zoo.blocks.attention import CausalSelfAttention
+    from zoo.blocks.rope import RotaryEmbedding
+    torch.manual_seed(0)
+    attn, rope = CausalSelfAttention(32, n_heads=4, n_kv_heads=2), RotaryEmbedding(8, 32)
+    x = torch.randn(2, 13, 32)
+    doc = torch.tensor(ROW_IDS)
+    w = torch.randn(2, 13, 32)
+    refs = []
+    for r, lens in enumerate(LAYOUT):
+        at = 0
+        for n in lens:
+            refs.append((r, at, attn(x[r:r + 1, at:at + n], *rope(0, n, torch.float32))))
+            at += n
+    ref = torch.zeros(2, 13, 32)
+    for r, at, out in refs:
+        ref[r, at:at + out.shape[1]] = out[0]
+    ref_grads = _grads(attn, sum((out[0] * w[r, at:at + out.shape[1]]).sum() for r, at, out in refs))
+    out = torch.compile(attn)(x, *rope.at(document_positions(doc), torch.float32), doc_ids=doc)
+    _assert_close(out, ref.detach(), "output")
+    grads = _grads(attn, (out * w).sum())
     for n in grads:
         _assert_close(grads[n], ref_grads[n], n)
 
@@ -121,6 +135,17 @@ def test_every_document_backend_equals_the_reference_mask():
     assert (plain - ref).abs().max() > 1e-2  # the mask changes the result
     with pytest.raises(ValueError, match="without keys in front"):
         attend(q, k, v, "flex", doc_ids=doc)
+
+
+def test_auto_picks_the_document_backend_measured_fastest():
+    """'auto' with documents: SDPA's boolean mask on a CPU (bench doc-mask: faster than 'bmm' with the
+    mask, eager and compiled), FlexAttention on CUDA under torch.compile."""
+    import zoo.blocks.attention as A
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert A.resolve_backend("auto", cpu, torch.float32, 128, documents=True) == "sdpa"
+    assert A.resolve_backend("auto", cpu, torch.float32, 128, compiling=True, documents=True) == "sdpa"
+    assert A.resolve_backend("auto", cuda, torch.float32, 128, compiling=True, documents=True) == "flex"
+    assert A.resolve_backend("auto", cpu, torch.float32, 128) == "bmm"  # plain causal: unchanged
 
 
 def test_kv_cache_decoding_refuses_doc_ids():

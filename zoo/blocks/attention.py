@@ -24,9 +24,9 @@ along a row): a query sees only the earlier keys of its own document (block-diag
 each document ran alone; several documents packed in one row train as separate sequences
 (`document_positions` gives the positions that restart per document, for RoPE). 'auto' then
 picks 'flash' as flash-attn's varlen kernel (flash_attn_varlen_func over the documents,
-cu_seqlens from doc_ids) where 'flash' runs, 'flex' on CUDA under torch.compile, and otherwise the
-boolean mask `document_mask` through 'bmm' on a CPU (up to the same key lengths) or 'sdpa'
-(`resolve_backend(..., documents=True)`; the choice is measured in docs/llm.md, "Document masking").
+cu_seqlens from doc_ids) where 'flash' runs, 'flex' on CUDA under torch.compile, and otherwise
+'sdpa' with the boolean mask `document_mask` (on a CPU faster than 'bmm' with the same mask,
+eager and compiled: docs/llm.md, "Document masking"); `resolve_backend(..., documents=True)`.
 Not with a KV cache (decoding runs one sequence).
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
@@ -210,8 +210,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_le
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None \
             and (flash_attn_varlen_func is not None or not documents):
         return "flash"
-    if documents and device.type == "cuda" and compiling:
-        return "flex"
+    if documents:  # measured on a CPU: the boolean mask runs faster through SDPA than through 'bmm'
+        return "flex" if device.type == "cuda" and compiling else "sdpa"
     if device.type == "cpu" and k_len <= (CPU_BMM_MAX_LEN_COMPILED if compiling else CPU_BMM_MAX_LEN):
         return "bmm"
     return "sdpa"
