@@ -1,4 +1,4 @@
-"""Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser -> Min-SNR loss.
+"""Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
 setup(): the autoencoder is either pretrained (model.autoencoder.weights, e.g. taef2_encoder.pth or a
 diffusers AutoencoderTiny folder) or trained here on the training images and cached in
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import zoo
 from zoo.config import ConfigError, bounded
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
+from zoo.diffusion.schedule import flow_timesteps
 from zoo.diffusion.taesd import TAESD
 from zoo.weights.files import atomic_write
 
@@ -182,9 +183,11 @@ class DiffusionTask(Task):
     # -- batches and loss ---------------------------------------------------------------------
 
     def _noised(self, z, y, g, drop: float):
-        B = len(z)
-        T = self.cfg.model.num_timesteps
-        t = torch.randint(T, (B,), generator=g)
+        B, m = len(z), self.cfg.model
+        if m.prediction == "flow":
+            t = flow_timesteps(B, m.flow_timesteps, m.flow_logit_mean, m.flow_logit_std, g)
+        else:
+            t = torch.randint(m.num_timesteps, (B,), generator=g)
         noise = torch.randn(z.shape, generator=g)
         if drop > 0:
             keep = torch.rand(B, generator=g) >= drop
@@ -205,7 +208,8 @@ class DiffusionTask(Task):
         s = self.cfg.model.image_size // 8
         z = torch.zeros(batch_size, model.latent_channels, s, s, device=self.device)
         labels = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        return {"z": z, "labels": labels, "t": labels.clone(), "noise": torch.zeros_like(z)}
+        t = torch.zeros(batch_size, device=self.device) if self.cfg.model.prediction == "flow" else labels.clone()
+        return {"z": z, "labels": labels, "t": t, "noise": torch.zeros_like(z)}
 
     @torch.no_grad()
     def evaluate(self, model):
