@@ -5,6 +5,7 @@ diffusers init zeroes the adaLN and output layers), saved by diffusers, loaded b
 max |diff| <= 1e-4 (what remains is summation order: SDPA against SDPA, fused against separate q/k/v).
 """
 import json
+import math
 
 import pytest
 import torch
@@ -153,3 +154,18 @@ def test_dit_in_latent_diffusion_learned_sigma_loss_and_checkpoint_units():
     assert var_w[:, 4:].abs().sum() > 0
     images = model.sample(y, generator=torch.Generator().manual_seed(0))
     assert images.shape == (4, 3, 16, 16)
+
+
+def test_vlb_term_by_hand():
+    """KL(q || p) with p's mean exact: 0 when p's variance is the posterior's (v = -1); with v = +1
+    (variance beta_t) the closed form 0.5 (-1 + log(beta / beta~) + beta~ / beta), in bits."""
+    from zoo.diffusion.schedule import NoiseSchedule, vlb_term
+    sched = NoiseSchedule("linear", 1000)
+    x0, x_t = torch.randn(2, 4, 2, 2), torch.randn(2, 4, 2, 2)
+    t = torch.tensor([10, 700])
+    assert vlb_term(sched, -torch.ones_like(x0), x0, x0, x_t, t).abs().max() < 1e-5
+    a, a_prev = sched.alphas_cumprod[t], sched.alphas_cumprod[t - 1]
+    beta = 1 - a / a_prev
+    post = beta * (1 - a_prev) / (1 - a)
+    want = 0.5 * (-1 + torch.log(beta / post) + post / beta) / math.log(2)
+    assert torch.allclose(vlb_term(sched, torch.ones_like(x0), x0, x0, x_t, t).double(), want, rtol=1e-3)

@@ -19,6 +19,7 @@ x = step(out, t, x, generator).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -69,11 +70,12 @@ def sample_with_scheduler(model_fn: Callable, scheduler, x: torch.Tensor, steps:
                           generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """diffusers' sampling loop from noise x ~ N(0, I) (scaled by init_noise_sigma here); model_fn(x, t) -> output."""
     scheduler.set_timesteps(steps, device=x.device)
-    x = x * scheduler.init_noise_sigma
+    x = x * getattr(scheduler, "init_noise_sigma", 1.0)
+    draws = "generator" in inspect.signature(scheduler.step).parameters     # the stochastic ones
     for t in scheduler.timesteps:
         inp = scheduler.scale_model_input(x, t)
         out = model_fn(inp, t.expand(x.shape[0]))
-        x = scheduler.step(out, t, x, generator=generator).prev_sample
+        x = scheduler.step(out, t, x, **({"generator": generator} if draws else {})).prev_sample
     return x
 
 
