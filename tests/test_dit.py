@@ -169,3 +169,21 @@ def test_vlb_term_by_hand():
     post = beta * (1 - a_prev) / (1 - a)
     want = 0.5 * (-1 + torch.log(beta / post) + post / beta) / math.log(2)
     assert torch.allclose(vlb_term(sched, torch.ones_like(x0), x0, x0, x_t, t).double(), want, rtol=1e-3)
+
+
+def test_init_from_a_diffusers_dit_folder_loads_the_denoiser_or_names_the_key(tmp_path):
+    """train.init_from=<diffusers DiT folder> (train/tasks/diffusion.py's load_dit_into)."""
+    from train.tasks.diffusion import load_dit_into
+    src = DiT(DiTConfig(depth=2, width=32, heads=2, patch_size=1), 4, 10, 2)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(0, 0.05)
+    zoo.save_pretrained(src, tmp_path)
+    data = {"image_size": 16, "autoencoder": {"latent_channels": 4, "channels": 8}, "denoiser": "dit",
+            "dit": {"depth": 2, "width": 32, "heads": 2, "patch_size": 1}}
+    model = LatentDiffusion(from_dict(DiffusionConfig, data))
+    load_dit_into(model, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.denoiser.state_dict().values(), src.state_dict().values()))
+    other = LatentDiffusion(from_dict(DiffusionConfig, {**data, "dit": {**data["dit"], "norm_eps": 1e-5}}))
+    with pytest.raises(ValueError, match=r"norm_eps=1e-06; set model.dit.norm_eps=1e-06"):
+        load_dit_into(other, tmp_path)

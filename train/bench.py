@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "llm-mod": "train.benches.llm_mod",
     "llm-mod-quality": "train.benches.mod_quality",
     "taesd": "train.benches.taesd",
+    "dit": "train.benches.dit",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
     "peft": "train.benches.finetune",
