@@ -45,7 +45,7 @@ def config_classes() -> dict[str, type]:
     from zoo.adapters import AdapterConfig
     from .config import OptimConfig, TrainConfig
     from .tasks import task_class
-    classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
+    classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig, zc.DiTConfig,
                TrainConfig, OptimConfig, AdapterConfig]
     classes += [task_class(f).DataConfig for f in zc.FAMILIES]
     return {c.__name__: c for c in classes}
