@@ -128,6 +128,53 @@ SMOKE = {
         stack(x).square().sum().backward()
         assert checkpoint_units(stack, "none") == 0 and not any("forward" in u.__dict__ for u in stack)
     """,
+    "timestep.py": """
+        import math
+        from timestep import LabelEmbedder, TimestepEmbedder, timestep_embedding
+        t = torch.tensor([0, 10, 999])
+        e = timestep_embedding(t, 8, freq_shift=1)
+        f = torch.tensor([10000 ** (-i / 3) for i in range(4)])                 # / (half - shift)
+        assert (e - torch.cat([torch.cos(t[:, None] * f), torch.sin(t[:, None] * f)], 1)).abs().max() < 1e-4
+        assert TimestepEmbedder(16, 8)(t.float() / 3).shape == (3, 16)
+        y = LabelEmbedder(5, 16)
+        dropped = y.drop(torch.zeros(1000, dtype=torch.long), 0.3)
+        assert set(dropped.unique().tolist()) == {0, 5} and 200 < int((dropped == 5).sum()) < 400
+        assert y(dropped).shape == (1000, 16)
+    """,
+    "patch.py": """
+        from patch import PatchEmbed, sincos_pos_embed_2d, unpatchify
+        pe = PatchEmbed(3, 12, 2)
+        x = torch.randn(2, 3, 4, 6)
+        tokens = pe(x)
+        assert tokens.shape == (2, 6, 12)
+        # token (row 1, column 2) is the linear map of the patch x[:, :, 2:4, 4:6]
+        ref = (pe.proj.weight.flatten(1) @ x[:, :, 2:4, 4:6].flatten(1).t()).t() + pe.proj.bias
+        assert (tokens[:, 1 * 3 + 2] - ref).abs().max() < 1e-5
+        patches = x.unfold(2, 2, 2).unfold(3, 2, 2).permute(0, 2, 3, 4, 5, 1).reshape(2, 6, 12)  # (p, p, C) per token
+        assert torch.equal(unpatchify(patches, 2, 2, 3), x)
+        pos = sincos_pos_embed_2d(8, 3, 3)
+        def sc(q):  # [sin, sin, cos, cos] of q * (1, 1/100)
+            a = torch.tensor([q, q / 100])
+            return torch.cat([a.sin(), a.cos()])
+        assert pos.shape == (9, 8) and torch.allclose(pos[5], torch.cat([sc(2.0), sc(1.0)]))   # row 1, column 2
+        assert torch.allclose(sincos_pos_embed_2d(8, 6, 6, base_size=3)[2], torch.cat([sc(1.0), sc(0.0)]))  # column 2 * 3/6
+    """,
+    "adaln.py": """
+        from adaln import DiTBlock, FinalLayer, axial_rope
+        block = DiTBlock(16, 4, qk_norm=True)
+        x, c = torch.randn(2, 6, 16), torch.randn(2, 16)
+        assert torch.equal(block(x, c), x)                               # adaLN-Zero: the identity at init
+        torch.nn.init.normal_(block.ada.weight, std=0.1)
+        rope = axial_rope(4, 2, 3)
+        y = block(x, c, rope)
+        y.square().sum().backward()
+        assert y.shape == x.shape and block.attn.qkv.weight.grad.abs().sum() > 0
+        # attention is bidirectional: the first token's output depends on the last token (one channel: LayerNorm
+        # removes a shift of all of them)
+        x2 = x.clone(); x2[:, -1, 0] += 1
+        assert (block(x2, c, rope)[:, 0] - y[:, 0]).abs().max() > 1e-4
+        assert FinalLayer(16, 8)(x, c).abs().max() == 0
+    """,
     "attention_cpu.py": """
         from attention_cpu import attend_bmm
         q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)

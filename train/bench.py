@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "llm-mod-quality": "train.benches.mod_quality",
     "doc-mask": "train.benches.doc_mask",
     "taesd": "train.benches.taesd",
+    "dit": "train.benches.dit",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
     "drop-path": "train.benches.drop_path",

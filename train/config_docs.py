@@ -47,6 +47,7 @@ def config_classes() -> dict[str, type]:
     from .tasks import task_class
     from zoo.config import load_class
     classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
+               zc.DiTConfig,
                TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
     classes += [t.DataConfig for t in tasks] + [load_class(s).DataConfig for t in tasks for s in t.formats.values()]

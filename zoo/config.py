@@ -529,26 +529,81 @@ class AutoencoderConfig:
 
 
 
+# DiT presets (Peebles & Xie 2023, Table 1): name -> (depth, width, heads); the patch size is its own key
+DIT_PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (4, 128, 4), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16),
+}
+
+
+@dataclass
+class DiTConfig:
+    """The DiT denoiser (zoo/diffusion/dit.py), used when `model.denoiser: dit`: a preset shape,
+    optionally overridden by depth / width / heads. The `resolved_*` properties give the values in use."""
+    preset: str = "tiny"                    # `tiny` (4 x 128, 4 heads), `S`, `B`, `L`, `XL` (DiT-S/B/L/XL)
+    depth: Optional[int] = bounded(None, gt=0)  # blocks; null: the preset's
+    width: Optional[int] = bounded(None, gt=0)  # hidden size; null: the preset's
+    heads: Optional[int] = bounded(None, gt=0)  # attention heads; null: the preset's
+    patch_size: int = bounded(2, gt=0)      # latent patch size (DiT-XL/2: 2); must divide the latent size
+    mlp_ratio: float = bounded(4.0, gt=0)   # MLP hidden = mlp_ratio * width
+    learn_sigma: bool = False               # also predict the variance (2x output channels, trained with the VLB term)
+    qk_norm: bool = False                   # RMS-normalise query and key heads
+    rope: bool = False                      # 2D axial RoPE in attention instead of the sin-cos position embedding
+    qkv_bias: bool = True                   # biases on the query, key and value projections
+    norm_eps: float = bounded(1e-6, gt=0)   # eps of the LayerNorm before each MLP (diffusers' `norm_eps`; 1e-6 elsewhere)
+    freq_shift: float = bounded(1.0, ge=0, lt=2)  # timestep sinusoids f_i = 10000^(-i/(128 - shift)): 1 = diffusers, 0 = original DiT
+    block_conditioning: bool = False        # a timestep + class embedder per block (diffusers' layout), else one shared
+
+    def validate(self, source="<config>", prefix=""):
+        if self.preset not in DIT_PRESETS:
+            raise fail(source, prefix + "preset", f"must be one of {', '.join(DIT_PRESETS)}, got {self.preset!r}")
+        if self.resolved_width % self.resolved_heads:
+            raise fail(source, prefix + "heads", f"={self.resolved_heads} must divide width={self.resolved_width}")
+        head = self.resolved_width // self.resolved_heads
+        if self.rope and head % 4:
+            raise fail(source, prefix + "rope", f"needs a head size divisible by 4, got {head}")
+        if not self.rope and self.resolved_width % 4:
+            raise fail(source, prefix + "width", f"must be divisible by 4 (2D sin-cos embedding), got {self.resolved_width}")
+
+    @property
+    def resolved_depth(self) -> int:
+        return self.depth or DIT_PRESETS[self.preset][0]
+
+    @property
+    def resolved_width(self) -> int:
+        return self.width or DIT_PRESETS[self.preset][1]
+
+    @property
+    def resolved_heads(self) -> int:
+        return self.heads or DIT_PRESETS[self.preset][2]
+
+
 @dataclass
 class DiffusionConfig:
-    """Latent diffusion: TAESD autoencoder + class-conditional U-Net denoiser + noise schedule."""
+    """Latent diffusion: TAESD autoencoder + class-conditional denoiser (U-Net or DiT) + noise schedule."""
     image_size: int = bounded(32, gt=0)     # training and sampled image size, divisible by 8
     num_classes: int = bounded(10, gt=0)    # classes (+1 "no label" for guidance)
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; must match the autoencoder's
+    denoiser: Literal["unet", "dit"] = "unet"  # `unet` (the keys below) or `dit` (the `dit:` section)
+    dit: DiTConfig = field(default_factory=DiTConfig)
     channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each level halves the
                                             # latent size)
     blocks_per_level: int = bounded(2, gt=0)  # U-Net depth, self-attention at the lowest level
     attention: bool = True                  # self-attention at the lowest resolution
     heads: int = bounded(4, gt=0)           # U-Net depth, self-attention at the lowest level
     class_dropout: float = bounded(0.1, ge=0, lt=1)  # label dropout for classifier-free guidance
-    prediction: Literal["eps", "v", "x0"] = "eps"  # eps, v or x0
+    prediction: Literal["eps", "v", "x0", "flow"] = "eps"  # eps, v or x0 (on the noise schedule), or flow (rectified
+                                            # flow: velocity eps - x0 on x_s = (1 - s) x0 + s eps)
+    flow_timesteps: Literal["logit_normal", "uniform"] = "logit_normal"  # flow: how s is drawn in training
+    flow_logit_mean: float = 0.0            # flow: s = sigmoid(N(mean, std)) (SD3: 0 and 1)
+    flow_logit_std: float = bounded(1.0, gt=0)  # flow: s = sigmoid(N(mean, std))
     schedule: Literal["linear", "scaled_linear", "cosine"] = "linear"  # noise schedule
     num_timesteps: int = bounded(1000, gt=0)  # noise schedule
     beta_start: float = bounded(1e-4, gt=0, lt=1)  # noise schedule
     beta_end: float = bounded(0.02, gt=0, lt=1)  # noise schedule
     min_snr_gamma: Optional[float] = bounded(5.0, gt=0)  # Min-SNR-gamma; null = uniform
-    sampler: Literal["ddim", "ddpm"] = "ddim"  # sampling defaults
+    sampler: Literal["ddim", "ddpm", "flow_euler", "dpmpp_2m", "euler", "euler_a", "unipc"] = "ddim"  # Zoo's own
+                                            # (ddim, ddpm, flow_euler) or diffusers' scheduler (the others)
     sample_steps: int = bounded(50, gt=0)   # sampling defaults
     guidance: float = bounded(3.0, ge=0)    # classifier-free guidance scale (1 = off)
     eta: float = bounded(0.0, ge=0)         # DDIM noise (0 = deterministic)
@@ -561,7 +616,9 @@ class DiffusionConfig:
             raise fail(source, p + "image_size", f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}")
         if not self.channels or any(c <= 0 or c % self.heads for c in self.channels):
             raise fail(source, p + "channels", f"must be positive widths divisible by heads={self.heads}, got {self.channels}")
-        factor = 2 ** (len(self.channels) - 1)
+        factor = 2 ** (len(self.channels) - 1) if self.denoiser == "unet" else self.dit.patch_size
+        if (self.image_size // 8) % factor and self.denoiser == "dit":
+            raise fail(source, p + "dit.patch_size", f"={factor} must divide the latent size {self.image_size // 8}")
         if (self.image_size // 8) % factor:
             raise fail(source, p + "channels", f"has {len(self.channels)} levels: the latent size "
                                                f"{self.image_size // 8} must be divisible by {factor}")
@@ -572,6 +629,13 @@ class DiffusionConfig:
         if not 0.0 < self.beta_start < self.beta_end < 1.0:
             raise fail(source, p + "beta_end", f"must satisfy 0 < beta_start < beta_end < 1, got "
                                                f"{self.beta_start} and {self.beta_end}")
+        from .diffusion.samplers import check_sampler
+        why = check_sampler(self.sampler, self.prediction)
+        if why:
+            raise fail(source, p + "sampler", f"={self.sampler}: {why}")
+        if self.denoiser == "dit" and self.dit.learn_sigma and self.prediction == "flow":
+            raise fail(source, p + "dit.learn_sigma", "needs a noise-schedule prediction (eps, v, x0): the "
+                                                      "variance is trained with DDPM's bound, which flow has not")
         if self.sample_steps > self.num_timesteps:
             raise fail(source, p + "sample_steps", f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}")
 

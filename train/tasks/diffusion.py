@@ -1,4 +1,4 @@
-"""Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser -> Min-SNR loss.
+"""Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
 setup(): the autoencoder is either pretrained (model.autoencoder.weights, e.g. taef2_encoder.pth or a
 diffusers AutoencoderTiny folder) or trained here on the training images and cached in
@@ -22,7 +22,9 @@ import torch.nn.functional as F
 import zoo
 from zoo.config import ConfigError, bounded
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
+from zoo.diffusion.schedule import flow_timesteps
 from zoo.diffusion.taesd import TAESD
+from zoo.weights import diffusers_dit
 from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
@@ -105,6 +107,29 @@ def encode_all(ae: TAESD, images: torch.Tensor, batch_size: int, device) -> torc
                       for i in range(0, len(images), batch_size)])
 
 
+def load_dit_into(model: LatentDiffusion, path):
+    """The denoiser's weights from a diffusers DiTTransformer2DModel folder: the run's `model.dit` keys
+    and classes must describe that DiT (each difference a one-line error naming the key to set)."""
+    dit = diffusers_dit.load(path)
+    if model.config.denoiser != "dit":
+        raise ValueError(f"{path}: a DiT; set model.denoiser=dit")
+    ours, theirs = model.denoiser, dit
+    keys = ["resolved_depth", "resolved_width", "resolved_heads", "patch_size", "learn_sigma", "qkv_bias", "norm_eps",
+            "freq_shift", "block_conditioning", "mlp_ratio", "qk_norm", "rope"]
+    for k in keys:
+        if getattr(ours.config, k) != getattr(theirs.config, k):
+            name = k.removeprefix("resolved_")
+            raise ValueError(f"{path}: the DiT there has {name}={getattr(theirs.config, k)}; set model.dit.{name}="
+                             f"{getattr(theirs.config, k)}")
+    if (ours.num_classes, ours.in_channels) != (theirs.num_classes, theirs.in_channels):
+        raise ValueError(f"{path}: the DiT there has {theirs.num_classes} classes and {theirs.in_channels} latent "
+                         f"channels, this run {ours.num_classes} and {ours.in_channels}")
+    if theirs.sample_size != ours.sample_size:
+        raise ValueError(f"{path}: the DiT there was trained on {theirs.sample_size}x{theirs.sample_size} latents; "
+                         f"set model.image_size={theirs.sample_size * 8}")
+    ours.load_state_dict(theirs.state_dict())
+
+
 class DiffusionTask(Task):
     DataConfig = DiffusionDataConfig
     unit = "images"
@@ -171,8 +196,10 @@ class DiffusionTask(Task):
         model = LatentDiffusion(self.cfg.model, autoencoder=self.autoencoder)
         model.latent_mean.copy_(self.latent_mean)
         model.latent_std.copy_(self.latent_std)
-        if self.cfg.train.init_from:  # a model.safetensors of an earlier run (or the folder holding it)
-            def read(path):
+        if self.cfg.train.init_from:  # a model.safetensors of an earlier run (or the folder holding it),
+            def read(path):              # or a diffusers DiTTransformer2DModel folder (the denoiser only)
+                if diffusers_dit.detect(path):
+                    return load_dit_into(model, path)
                 p = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
                 model.load_state_dict(read_weights(p, model), strict=False)
             self.load_pretrained(read)
@@ -182,9 +209,11 @@ class DiffusionTask(Task):
     # -- batches and loss ---------------------------------------------------------------------
 
     def _noised(self, z, y, g, drop: float):
-        B = len(z)
-        T = self.cfg.model.num_timesteps
-        t = torch.randint(T, (B,), generator=g)
+        B, m = len(z), self.cfg.model
+        if m.prediction == "flow":
+            t = flow_timesteps(B, m.flow_timesteps, m.flow_logit_mean, m.flow_logit_std, g)
+        else:
+            t = torch.randint(m.num_timesteps, (B,), generator=g)
         noise = torch.randn(z.shape, generator=g)
         if drop > 0:
             keep = torch.rand(B, generator=g) >= drop
@@ -205,7 +234,8 @@ class DiffusionTask(Task):
         s = self.cfg.model.image_size // 8
         z = torch.zeros(batch_size, model.latent_channels, s, s, device=self.device)
         labels = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        return {"z": z, "labels": labels, "t": labels.clone(), "noise": torch.zeros_like(z)}
+        t = torch.zeros(batch_size, device=self.device) if self.cfg.model.prediction == "flow" else labels.clone()
+        return {"z": z, "labels": labels, "t": t, "noise": torch.zeros_like(z)}
 
     @torch.no_grad()
     def evaluate(self, model):

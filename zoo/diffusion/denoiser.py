@@ -17,21 +17,14 @@ residual and attention blocks in the order they run (`checkpoint_units()`).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..blocks.timestep import timestep_embedding
 
-
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal embedding (Vaswani et al. 2017) of (B,) timesteps -> (B, dim) float32."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-    args = t.float()[:, None] * freqs[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
 def norm(c: int) -> nn.GroupNorm:

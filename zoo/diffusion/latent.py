@@ -1,9 +1,11 @@
-"""Latent diffusion: a frozen TAESD autoencoder, a class-conditional U-Net denoiser, a noise schedule.
+"""Latent diffusion: a frozen TAESD autoencoder, a class-conditional denoiser (U-Net or DiT), a noise schedule.
 
     images [0,1] --encode--> z = (taesd.encode(images) - latent_mean) / latent_std
     training:  loss = w(t) * |denoiser(sqrt(abar) z + sqrt(1-abar) eps, t, label) - target|^2
                (w: Min-SNR-gamma weights, target: eps, v or x0; see schedule.py)
-    sampling:  x_T ~ N(0, I) -> DDIM / DDPM with classifier-free guidance -> z -> decode -> images
+               flow: loss = w(s) * |denoiser((1-s) z + s eps, 1000 s, label) - (eps - z)|^2
+               a DiT with learned sigma adds the VLB term of its variance output (schedule.vlb_term)
+    sampling:  x_T ~ N(0, I) -> a sampler (samplers.py) with classifier-free guidance -> z -> decode -> images
 
 latent_mean / latent_std are per-channel buffers (set from the training latents by the task, and
 saved with the model) so that the denoiser sees unit-variance latents whatever the autoencoder.
@@ -17,8 +19,11 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, DiffusionConfig, check
+from . import samplers
 from .denoiser import UNet
-from .schedule import NoiseSchedule, guided
+from .dit import DiT
+from .schedule import (NoiseSchedule, flow_interpolate, flow_min_snr_weight, flow_target, guided,
+                       vlb_term)
 from .taesd import TAESD
 
 
@@ -50,7 +55,10 @@ class LatentDiffusion(nn.Module):
             raise ConfigError(f"model.latent_channels={cfg.latent_channels} does not match the autoencoder's "
                               f"{C} latent channels")
         self.latent_channels = C
-        self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
+        if cfg.denoiser == "dit":
+            self.denoiser = DiT(cfg.dit, C, cfg.num_classes, self.latent_size)
+        else:
+            self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
         self.schedule = NoiseSchedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
         self.register_buffer("latent_mean", torch.zeros(C))
         self.register_buffer("latent_std", torch.ones(C))
@@ -93,17 +101,27 @@ class LatentDiffusion(nn.Module):
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
                 weighted: bool = True) -> torch.Tensor:
-        """Per-item loss (B,) of denoising normalised latents z at timesteps t: Min-SNR-weighted (as
-        configured) or, with weighted=False, the plain MSE of the prediction. Labels already hold the
-        "no label" class where they were dropped for guidance."""
+        """Per-item loss (B,) of denoising normalised latents z at timesteps t (ints; for flow, s in
+        (0, 1)): Min-SNR-weighted (as configured) or, with weighted=False, the plain MSE of the
+        prediction. Labels already hold the "no label" class where they were dropped for guidance."""
         cfg = self.config
+        if cfg.prediction == "flow":
+            out = self.denoiser(flow_interpolate(z, noise, t), t * 1000, labels)
+            mse = (out.float() - flow_target(z, noise).float()).pow(2).flatten(1).mean(1)
+            return flow_min_snr_weight(t, cfg.min_snr_gamma) * mse if weighted else mse
         x_t = self.schedule.add_noise(z, noise, t)
-        target = self.schedule.target(z, noise, t, cfg.prediction)
         out = self.denoiser(x_t, t, labels)
-        mse = (out.float() - target.float()).pow(2).flatten(1).mean(1)
+        C = z.shape[1]
+        var_out = out[:, C:] if out.shape[1] == 2 * C else None        # DiT with learned sigma
+        out = out[:, :C]
+        mse = (out.float() - self.schedule.target(z, noise, t, cfg.prediction).float()).pow(2).flatten(1).mean(1)
         if not weighted:
             return mse
-        return self.schedule.min_snr_weight(t, cfg.min_snr_gamma, cfg.prediction) * mse
+        loss = self.schedule.min_snr_weight(t, cfg.min_snr_gamma, cfg.prediction) * mse
+        if var_out is not None:
+            x0_pred = self.schedule.split(out.detach().float(), x_t.float(), t, cfg.prediction)[0]
+            loss = loss + vlb_term(self.schedule, var_out, x0_pred, z.float(), x_t.float(), t)
+        return loss
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -113,13 +131,12 @@ class LatentDiffusion(nn.Module):
                        generator: Optional[torch.Generator] = None) -> torch.Tensor:
         cfg = self.config
         scale = cfg.guidance if guidance is None else guidance
-        null = self.denoiser.null_label
-        s = self.latent_size
-        fn = lambda x, t: guided(self.denoiser, x, t, labels, null, scale)  # noqa: E731
-        dtype = self.latent_mean.dtype
-        return self.schedule.sample(fn, (len(labels), self.latent_channels, s, s), steps or cfg.sample_steps,
-                                    sampler or cfg.sampler, cfg.eta if eta is None else eta, cfg.prediction,
-                                    generator, labels.device, dtype)
+        C, s = self.latent_channels, self.latent_size
+        # the noise prediction only: a learned-sigma DiT's variance channels are not used by these samplers
+        fn = lambda x, t: guided(self.denoiser, x, t, labels, self.denoiser.null_label, scale)[:, :C]  # noqa: E731
+        return samplers.sample(fn, (len(labels), C, s, s), sampler or cfg.sampler, steps or cfg.sample_steps,
+                               self.schedule, cfg.prediction, cfg.beta_start, cfg.beta_end,
+                               cfg.eta if eta is None else eta, generator, labels.device, self.latent_mean.dtype)
 
     @torch.no_grad()
     def sample(self, labels: torch.Tensor, **kw) -> torch.Tensor:

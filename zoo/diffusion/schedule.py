@@ -18,6 +18,21 @@ eta = 1 ancestral-like) and DDPM ancestral sampling with the posterior variance 
 any subsequence of the training timesteps. Classifier-free guidance (Ho & Salimans, 2022):
     out = out_uncond + scale * (out_cond - out_uncond).
 
+Learned sigma (Nichol & Dhariwal 2021): the network also outputs v in [-1, 1] per element, the
+log-variance of p(x_{t-1} | x_t) being the interpolation (v + 1)/2 log beta_t + (1 - v)/2 log beta~_t;
+`vlb_term` is the KL (in bits per element) between the posterior q(x_{t-1} | x_t, x_0) and that
+p with the mean from the stopped-gradient prediction, as DiT trains it (L_simple + L_vlb).
+
+Flow matching (rectified flow: Liu et al., "Flow Straight and Fast", 2023; Lipman et al., "Flow
+Matching for Generative Modeling", 2023; Esser et al., "Scaling Rectified Flow Transformers" (SD3),
+2024), prediction "flow", with continuous s in (0, 1) (the denoiser sees s * 1000):
+    x_s = (1 - s) x_0 + s eps,    target u = eps - x_0,    sampling x_{s'} = x_s + (s' - s) u
+s is drawn logit-normal (s = sigmoid(n), n ~ N(mean, std), SD3's default) or uniform. Min-SNR's
+equivalent: SNR(s) = (1 - s)^2 / s^2 and x_0 = x_s - s u, so an x_0-loss weighted by
+min(SNR, g) is the velocity loss weighted by min(SNR, g) s^2 = min((1 - s)^2, g s^2).
+`flow_sigmas` is diffusers' FlowMatchEulerDiscreteScheduler grid (shift 1), so `flow_sample`
+equals that scheduler's loop.
+
 Shapes: x (B, C, H, W); t (B,) int64 timesteps in [0, num_timesteps); per-item weights (B,).
 """
 from __future__ import annotations
@@ -27,7 +42,7 @@ from typing import Callable, Optional
 
 import torch
 
-PREDICTIONS = ("eps", "v", "x0")
+PREDICTIONS = ("eps", "v", "x0")  # and "flow": its own functions below (flow_*)
 
 
 def betas_for(kind: str, num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
@@ -186,3 +201,77 @@ class NoiseSchedule:
             else:
                 x = self.ddpm_step(out, x, tb, pb, prediction, noise, clip)
         return x
+
+
+# -- learned sigma ------------------------------------------------------------------------------
+
+def _normal_kl(mean1, logvar1, mean2, logvar2):
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def vlb_term(schedule: "NoiseSchedule", var_out: torch.Tensor, x0_pred: torch.Tensor, x0: torch.Tensor,
+             x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """(B,) KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) in bits per element; p's mean from x0_pred (pass it
+    detached: the VLB trains only the variance), its log-variance from var_out in [-1, 1]. At t = 0 the
+    Gaussian negative log-likelihood of x_0 under p (latents are continuous, no discretisation)."""
+    a, a_prev = _bcast(schedule.abar(t), x_t), _bcast(schedule.abar(t - 1), x_t)
+    beta = 1 - a / a_prev
+    post_var = beta * (1 - a_prev) / (1 - a)
+    t1 = torch.ones_like(t)                        # beta~ at t = 0 is 0: its log is clipped to beta~_1
+    a1, a0 = _bcast(schedule.abar(t1), x_t), _bcast(schedule.abar(t1 - 1), x_t)
+    post_var_1 = (1 - a1 / a0) * (1 - a0) / (1 - a1)
+    log_post = torch.where(_bcast(t, x_t) > 0, post_var.clamp(min=1e-20).log(), post_var_1.log())
+    frac = (var_out.float() + 1) / 2
+    logvar_p = frac * beta.log() + (1 - frac) * log_post
+    coef_x0, coef_xt = a_prev.sqrt() * beta / (1 - a), (1 - beta).sqrt() * (1 - a_prev) / (1 - a)
+    mean_q = coef_x0 * x0 + coef_xt * x_t
+    mean_p = coef_x0 * x0_pred.float() + coef_xt * x_t
+    kl = _normal_kl(mean_q, log_post, mean_p, logvar_p).flatten(1).mean(1)
+    nll = (0.5 * (math.log(2 * math.pi) + logvar_p + (x0 - mean_p) ** 2 * torch.exp(-logvar_p))).flatten(1).mean(1)
+    return torch.where(t > 0, kl, nll) / math.log(2.0)
+
+
+# -- flow matching ------------------------------------------------------------------------------
+
+def flow_interpolate(x0: torch.Tensor, noise: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x_s = (1 - s) x_0 + s eps, s (B,) in [0, 1]."""
+    s = _bcast(s, x0)
+    return (1 - s) * x0 + s * noise
+
+
+def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The velocity d x_s / d s = eps - x_0."""
+    return noise - x0
+
+
+def flow_min_snr_weight(s: torch.Tensor, gamma: Optional[float]) -> torch.Tensor:
+    """(B,) weights min((1 - s)^2, gamma s^2) of the velocity MSE (gamma None: ones)."""
+    if gamma is None:
+        return torch.ones_like(s)
+    return torch.minimum((1 - s) ** 2, gamma * s ** 2)
+
+
+def flow_timesteps(n: int, kind: str = "logit_normal", mean: float = 0.0, std: float = 1.0,
+                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """(n,) float32 s in (0, 1): sigmoid(N(mean, std)) ("logit_normal") or U(0, 1) ("uniform")."""
+    if kind == "logit_normal":
+        return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+    if kind == "uniform":
+        return torch.rand(n, generator=generator)
+    raise ValueError(f"flow timestep sampling must be 'logit_normal' or 'uniform', got {kind!r}")
+
+
+def flow_sigmas(steps: int, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """(steps + 1,) float32 noise levels from 1 down to 1/T, then 0 (diffusers' FlowMatchEuler grid, shift 1)."""
+    T = num_train_timesteps
+    return torch.cat([torch.linspace(1.0, 1.0 / T, steps, dtype=torch.float64).float(), torch.zeros(1)])
+
+
+@torch.no_grad()
+def flow_sample(model_fn: Callable, x: torch.Tensor, steps: int, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """Euler integration of dx/ds = u from s = 1 (x: the noise) to s = 0; model_fn(x, s * T) -> u."""
+    sig = flow_sigmas(steps, num_train_timesteps).tolist()
+    for s, s_next in zip(sig[:-1], sig[1:]):
+        t = torch.full((x.shape[0],), s * num_train_timesteps, device=x.device, dtype=torch.float32)
+        x = (x.float() + (s_next - s) * model_fn(x, t).float()).to(x.dtype)
+    return x

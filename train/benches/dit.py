@@ -1,0 +1,154 @@
+"""DiT training step: Zoo's DiT against diffusers' DiTTransformer2DModel with the same weights.
+
+    python train/bench.py dit                                   # DiT-S/2 on 16 x 16 x 4 latents, batch 8
+    python train/bench.py dit --preset B --size 32 --batch 16 --modes eager,compiled --precision fp32,bf16
+
+One training step = forward + MSE against a fixed target + backward + AdamW step (torch's, foreach) +
+zero_grad(set_to_none), on the same batch of latents, timesteps and labels, in each precision (fp32,
+or bf16 / fp16 autocast with fp32 master weights, as the loop runs it), each side eager and compiled
+(torch.compile of the whole model, default mode), each at its best: the table compares eager with
+eager, compiled with compiled, and Zoo's best mode with diffusers' best. The weights are diffusers'
+random init (every tensor then drawn N(0, 0.02) so no branch is zero) with one timestep + class
+embedder copied into every block, as every published DiT is stored (`--untied`: a different one per
+block, which Zoo then keeps per block too); Zoo's model is loaded from that diffusers folder
+(zoo.from_pretrained). diffusers' model is in training mode, where its label embedder drops labels
+at random (p = 0.1, its classifier-free-guidance training); Zoo's DiT leaves that to the task.
+Timing (train/benches/harness.py): after warm-up steps, the sides alternate, `--rounds` rounds of
+`--steps` steps; images/s of each side's best round and the median of the paired ratios.
+The numbers are written as JSON to `--json` beside the printed table.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from train.benches import harness  # noqa: E402
+
+MODES = ("eager", "compiled")
+
+
+def build_pair(preset: str, patch: int, size: int, classes: int, tied: bool, seed: int = 0):
+    """(Zoo's DiT, diffusers' DiTTransformer2DModel) with the same weights, fp32, training mode."""
+    import diffusers
+
+    import zoo
+    from zoo.config import DIT_PRESETS
+    depth, width, heads = DIT_PRESETS[preset]
+    torch.manual_seed(seed)
+    ref = diffusers.DiTTransformer2DModel(num_attention_heads=heads, attention_head_dim=width // heads, in_channels=4,
+                                          out_channels=8, num_layers=depth, sample_size=size, patch_size=patch,
+                                          num_embeds_ada_norm=classes)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.02)
+        if tied:
+            first = ref.transformer_blocks[0].norm1.emb.state_dict()
+            for b in ref.transformer_blocks[1:]:
+                b.norm1.emb.load_state_dict(first)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        model = zoo.from_pretrained(tmp)
+    return model.train(), ref.train()
+
+
+class Side:
+    def __init__(self, name, model, call):
+        self.name, self.model, self.call = name, model, call
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        self.fn = model
+
+    def compile(self, on: bool):
+        self.fn = torch.compile(self.model) if on else self.model
+
+    def step(self, batch, precision):
+        x, t, y, target = batch
+        with harness.autocast(precision):
+            out = self.call(self.fn, x, t, y)
+        loss = torch.nn.functional.mse_loss(out.float(), target)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def main(argv=None):
+    ap = harness.parser("dit", __doc__, precision="fp32,bf16", keep_memory=True)
+    ap.add_argument("--preset", default="S", choices=["tiny", "S", "B", "L", "XL"], help="DiT shape (default S)")
+    ap.add_argument("--patch", type=harness.positive_int, default=2, help="patch size (default 2)")
+    ap.add_argument("--size", type=harness.positive_int, default=16, help="latent height and width (default 16)")
+    ap.add_argument("--batch", type=harness.positive_int, default=8)
+    ap.add_argument("--classes", type=harness.positive_int, default=1000)
+    ap.add_argument("--untied", action="store_true", help="a different timestep + class embedder in every block")
+    ap.add_argument("--modes", type=harness.name_list(MODES, "mode"), default="eager,compiled",
+                    help="comma list of eager, compiled")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting (compilation included)")
+    ap.add_argument("--steps", type=harness.positive_int, default=2, help="timed steps per round")
+    ap.add_argument("--json", default="runs/bench/dit.json", help="where the numbers are written")
+    args = ap.parse_args(argv)
+    kept = harness.setup(args)
+
+    zoo_model, ref_model = build_pair(args.preset, args.patch, args.size, args.classes, not args.untied)
+    sides = [Side("zoo", zoo_model, lambda f, x, t, y: f(x, t, y)),
+             Side("diffusers", ref_model, lambda f, x, t, y: f(x, t, y).sample)]
+    g = torch.Generator().manual_seed(0)
+    B, S = args.batch, args.size
+    batch = (torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g),
+             torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g))
+    tokens = (S // args.patch) ** 2
+    print(f"dit: DiT-{args.preset}/{args.patch}, {zoo_model.num_params() / 1e6:.1f}M params (Zoo; "
+          f"{sum(p.numel() for p in ref_model.parameters()) / 1e6:.1f}M diffusers), batch {B} x 4 x {S} x {S} "
+          f"({tokens} tokens), embedders {'per block' if args.untied else 'shared (tied)'}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, freed memory {'kept' if kept else 'returned to the OS'}; "
+          f"{args.rounds} alternating rounds of {args.steps} steps", flush=True)
+
+    results = {}  # (precision, mode) -> harness.Rounds
+    for p in args.precision:
+        for mode in args.modes:
+            for s in sides:
+                s.compile(mode == "compiled")
+                for _ in range(args.warmup):
+                    s.step(batch, p)
+            r = results[p, mode] = harness.run_rounds({s.name: (lambda s=s: s.step(batch, p)) for s in sides},
+                                                      args.rounds, calls=args.steps)
+            print(f"  {p:>4} {mode:<8} zoo {B / r.best('zoo'):7.2f} img/s   diffusers "
+                  f"{B / r.best('diffusers'):7.2f} img/s   {r.summary('zoo', 'diffusers')}", flush=True)
+
+    print()
+    rows = []
+    for (p, mode), r in results.items():
+        rows.append({"precision": p, "mode": mode, "zoo_images_per_s": B / r.best("zoo"),
+                     "diffusers_images_per_s": B / r.best("diffusers"), "best_rounds_ratio": r.ratio("zoo", "diffusers"),
+                     "paired_median": r.paired("zoo", "diffusers").median, "paired_low": r.paired("zoo", "diffusers").low,
+                     "paired_high": r.paired("zoo", "diffusers").high, "zoo_s": r.wall["zoo"],
+                     "diffusers_s": r.wall["diffusers"]})
+    harness.print_table(["precision", "mode", "zoo img/s", "diffusers img/s", "zoo / diffusers (best rounds)",
+                         "median of paired rounds (range)"],
+                        [[w["precision"], w["mode"], f"{w['zoo_images_per_s']:.2f}", f"{w['diffusers_images_per_s']:.2f}",
+                          f"{w['best_rounds_ratio']:.3f}x", str(results[w["precision"], w["mode"]].paired("zoo", "diffusers"))]
+                         for w in rows])
+    best = {}
+    if len(args.modes) > 1:  # each side at its best mode, per precision: best round against best round
+        print()
+        for p in args.precision:
+            z = min((results[p, m].best("zoo"), m) for m in args.modes)
+            d = min((results[p, m].best("diffusers"), m) for m in args.modes)
+            best[p] = {"zoo_mode": z[1], "diffusers_mode": d[1], "ratio": d[0] / z[0]}
+            print(f"each at its best, {p}: zoo {z[1]} {B / z[0]:.2f} img/s, diffusers {d[1]} {B / d[0]:.2f} img/s "
+                  f"-> {d[0] / z[0]:.2f}x")
+    out = Path(args.json)
+    from zoo.weights.files import atomic_write
+    atomic_write(out, json.dumps({"bench": "dit", "args": vars(args), "torch": torch.__version__,
+                                  "threads": torch.get_num_threads(), "rows": rows, "best": best}, indent=1, default=str))
+    print(f"\nwritten: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Samplers by name: Zoo's own DDIM, DDPM and flow Euler, and diffusers' schedulers driving any Zoo denoiser.
+
+    name        implementation                                       predictions
+    ddim        Zoo (schedule.py), no dependency                     eps, v, x0
+    ddpm        Zoo (schedule.py), no dependency                     eps, v, x0
+    flow_euler  Zoo (schedule.py's flow_sample), no dependency       flow
+    dpmpp_2m    diffusers DPMSolverMultistepScheduler (dpmsolver++, order 2)   eps, v, x0
+    euler       diffusers EulerDiscreteScheduler                     eps, v
+    euler_a     diffusers EulerAncestralDiscreteScheduler            eps, v
+    unipc       diffusers UniPCMultistepScheduler (order 2)          eps, v, x0
+
+Zoo's own three stay because the embedded defaults must sample with nothing but torch installed,
+and they are the short, copyable reference of what a step does (each equals diffusers' loop with
+the matching scheduler: tests/test_samplers.py). The others need `pip install -e ".[diffusers]"`.
+diffusers' schedulers are configured from the model's noise schedule (betas, T, prediction) with
+"trailing" timestep spacing (the first step at t = T - 1, as Zoo's own samplers), and run the loop
+diffusers' pipelines run: x = randn * init_noise_sigma; for t: out = model(scale_model_input(x, t), t);
+x = step(out, t, x, generator).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional
+
+import torch
+
+from .schedule import NoiseSchedule, flow_sample
+
+OWN = ("ddim", "ddpm", "flow_euler")
+DIFFUSERS = {  # name -> (scheduler class, extra kwargs, predictions it takes)
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2},
+                 ("eps", "v", "x0")),
+    "euler": ("EulerDiscreteScheduler", {}, ("eps", "v")),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}, ("eps", "v")),
+    "unipc": ("UniPCMultistepScheduler", {"solver_order": 2}, ("eps", "v", "x0")),
+}
+SAMPLERS = OWN + tuple(DIFFUSERS)
+_BETAS = {"linear": "linear", "scaled_linear": "scaled_linear", "cosine": "squaredcos_cap_v2"}
+_PREDICTION = {"eps": "epsilon", "v": "v_prediction", "x0": "sample"}
+
+
+def check_sampler(sampler: str, prediction: str) -> Optional[str]:
+    """Why `sampler` cannot sample a model trained with `prediction`, or None if it can."""
+    if sampler not in SAMPLERS:
+        return f"unknown sampler {sampler!r} (known: {', '.join(SAMPLERS)})"
+    if (prediction == "flow") != (sampler == "flow_euler"):
+        return "flow matching samples with flow_euler only" if prediction == "flow" else \
+            f"flow_euler samples flow-matching models only, not prediction={prediction}"
+    if sampler in DIFFUSERS and prediction not in DIFFUSERS[sampler][2]:
+        return f"{sampler} takes prediction {' or '.join(DIFFUSERS[sampler][2])}, not {prediction}"
+    return None
+
+
+def diffusers_scheduler(sampler: str, schedule: NoiseSchedule, prediction: str, beta_start: float,
+                        beta_end: float):
+    """The diffusers scheduler `sampler` names, configured from Zoo's noise schedule."""
+    try:
+        import diffusers
+    except ImportError:
+        raise ImportError(f"sampler {sampler} runs diffusers' scheduler: pip install -e '.[diffusers]' "
+                          f"(ddim, ddpm and flow_euler need nothing)") from None
+    name, extra, _ = DIFFUSERS[sampler]
+    return getattr(diffusers, name)(num_train_timesteps=schedule.num_timesteps, beta_schedule=_BETAS[schedule.kind],
+                                    beta_start=beta_start, beta_end=beta_end, prediction_type=_PREDICTION[prediction],
+                                    timestep_spacing="trailing", **extra)
+
+
+@torch.no_grad()
+def sample_with_scheduler(model_fn: Callable, scheduler, x: torch.Tensor, steps: int,
+                          generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """diffusers' sampling loop from noise x ~ N(0, I) (scaled by init_noise_sigma here); model_fn(x, t) -> output."""
+    scheduler.set_timesteps(steps, device=x.device)
+    x = x * getattr(scheduler, "init_noise_sigma", 1.0)
+    draws = "generator" in inspect.signature(scheduler.step).parameters     # the stochastic ones
+    for t in scheduler.timesteps:
+        inp = scheduler.scale_model_input(x, t)
+        out = model_fn(inp, t.expand(x.shape[0]))
+        x = scheduler.step(out, t, x, **({"generator": generator} if draws else {})).prev_sample
+    return x
+
+
+@torch.no_grad()
+def sample(model_fn: Callable, shape, sampler: str, steps: int, schedule: NoiseSchedule, prediction: str,
+           beta_start: float, beta_end: float, eta: float = 0.0, generator: Optional[torch.Generator] = None,
+           device=None, dtype=torch.float32) -> torch.Tensor:
+    """Latents (shape) sampled from noise drawn with `generator` by the named sampler."""
+    why = check_sampler(sampler, prediction)
+    if why:
+        raise ValueError(why)
+    x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    if sampler in ("ddim", "ddpm"):
+        return schedule.sample(model_fn, shape, steps, sampler, eta, prediction, generator, x_T=x)
+    if sampler == "flow_euler":
+        return flow_sample(model_fn, x, steps, schedule.num_timesteps)
+    sched = diffusers_scheduler(sampler, schedule, prediction, beta_start, beta_end)
+    return sample_with_scheduler(model_fn, sched, x, steps, generator)
