@@ -33,7 +33,7 @@ def build_pair(arch: str, num_classes: int):
     import timm
 
     from zoo.convnet import ResNet
-    from zoo.weights.resnet import config_from_state_dict, load_into
+    from zoo.weights.timm_convnet import config_from_state_dict, load_into
 
     torch.manual_seed(0)
     ref = timm.create_model(arch, pretrained=False, num_classes=num_classes)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import zoo
 from zoo.config import ConfigError, bounded, fail
-from zoo.weights import resnet as resnet_weights
+from zoo.weights import timm_convnet
 
 from ..data import DataError
 from ..images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, collate_images, digits_dataset, epoch_positions,
@@ -87,9 +87,10 @@ class ClassifyTask(Task):
         self.model_cfg = cfg.model
         if cfg.train.init_from:  # the architecture (and input channels) come from the weights
             def read(path):
-                sd = resnet_weights.read_state_dict(path)
-                return sd, resnet_weights.config_from_state_dict(
-                    sd, None, str(path), num_classes=cfg.model.num_classes, drop_rate=cfg.model.drop_rate,
+                sd = timm_convnet.read_state_dict(path)
+                named, base = timm_convnet.saved_config(path)  # a timm folder's arch, a Zoo export's config
+                return sd, timm_convnet.config_from_state_dict(
+                    sd, named, str(path), base, num_classes=cfg.model.num_classes, drop_rate=cfg.model.drop_rate,
                     drop_path_rate=cfg.model.drop_path_rate)
             self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
         channels = self.model_cfg.in_chans
@@ -202,17 +203,17 @@ class ClassifyTask(Task):
 
     # ------------------------------------------------------------------ model, loss, eval
     def build_model(self):
-        from zoo.convnet import ResNet
+        from zoo.convnet import build
         if self.pretrained is None:
             self.model = zoo.build(self.cfg.model)
             return self.model
-        model = self.model = ResNet(self.model_cfg)
+        model = self.model = build(self.model_cfg)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self.load_pretrained(lambda path: resnet_weights.load_into(model, self.pretrained, str(path)))
+            self.load_pretrained(lambda path: timm_convnet.load_into(model, self.pretrained, str(path)))
         for w in caught:
             self.log(f"model: {w.message}")
-        self.log(f"model: {self.model_cfg.arch}-style, layers={self.model_cfg.resolved_layers}")
+        self.log(f"model: {timm_convnet.describe(self.model_cfg)}")
         self.pretrained = None
         return model
 
