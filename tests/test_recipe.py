@@ -71,31 +71,32 @@ def test_soft_target_loss_of_smoothed_labels_is_label_smoothed_cross_entropy(tmp
 
 
 RECIPE = {"data.auto_augment": "randaugment", "data.random_erasing": 0.5, "data.mixup_alpha": 0.8,
-          "data.cutmix_alpha": 1.0}
+          "data.cutmix_alpha": 1.0, "train.batch_size": 8}
 
 
 def test_augmentation_draws_are_a_function_of_seed_step_and_micro(tmp_path):
-    """What a resumed run needs: step 7's batch (RandAugment'd images, then erased and mixed in the loss)
+    """What a resumed run needs: step 3's batch (RandAugment'd images, then erased and mixed in the loss)
     is the same whether it comes after steps 0..6 or first in a fresh process-like task, and whatever
     torch's global generator holds; and the recipe does change the images."""
     optional_module("torchvision")
     cfg = config(tmp_path, **RECIPE)
     first, second = make_task(cfg), make_task(cfg)
-    for step in range(7):
+    for step in range(3):
         first.train_batch(step, 0)
     torch.manual_seed(1234)
-    a = first.train_batch(7, 0)
+    a = first.train_batch(3, 0)
     torch.manual_seed(99)
     random.seed(99)
-    b = second.train_batch(7, 0)
+    b = second.train_batch(3, 0)
     assert all(torch.equal(u, v) for u, v in zip(a[:2], b[:2])) and a[2] == b[2]
     ra, rb = first.recipe(first.normalize(a[0]), a[1], a[2]), second.recipe(second.normalize(b[0]), b[1], b[2])
-    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1]) and ra[1].shape == (32, 10)
-    plain = make_task(config(tmp_path)).train_batch(7, 0)
+    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1]) and ra[1].shape == (8, 10)
+    plain = make_task(config(tmp_path, **{"train.batch_size": 8})).train_batch(3, 0)
     assert torch.equal(plain[1], a[1]) and not torch.equal(plain[0], a[0])  # same images, augmented
-    assert not torch.equal(first.train_batch(8, 0)[0], a[0])
+    assert not torch.equal(first.train_batch(4, 0)[0], a[0])
     # TrivialAugment draws the same way
-    t1, t2 = (make_task(config(tmp_path, **{"data.auto_augment": "trivialaugment"})) for _ in range(2))
+    t1, t2 = (make_task(config(tmp_path, **{"data.auto_augment": "trivialaugment", "train.batch_size": 8}))
+              for _ in range(2))
     t1.train_batch(3, 0)
     assert torch.equal(t1.train_batch(4, 1)[0], t2.train_batch(4, 1)[0])
 
