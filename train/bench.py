@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "taesd": "train.benches.taesd",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
+    "convnets": "train.benches.convnets",
     "peft": "train.benches.finetune",
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",
