@@ -20,7 +20,7 @@ class SqueezeExcite(nn.Module):
     def __init__(self, channels: int, rd_channels: int, act=nn.ReLU, gate=nn.Sigmoid):
         super().__init__()
         self.conv_reduce = nn.Conv2d(channels, rd_channels, 1, bias=True)
-        self.act1 = act(inplace=True)
+        self.act1 = act()  # not in place: selective checkpointing keeps conv_reduce's output
         self.conv_expand = nn.Conv2d(rd_channels, channels, 1, bias=True)
         self.gate = gate()
 

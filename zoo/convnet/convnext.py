@@ -106,10 +106,11 @@ class ConvNeXt(ConvNetBase):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Truncated normal (std 0.02) weights and zero biases for convs and linears, as the paper."""
+        """Normal (std 0.02) weights and zero biases for convs and linears, as the paper (its truncation at
+        +-2 is 100 standard deviations out: a plain normal)."""
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
-                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
         self.reset_classifier(self.config.num_classes)
 
