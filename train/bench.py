@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
     "convnets": "train.benches.convnets",
+    "convnet-recipe": "train.benches.convnet_recipe",
     "peft": "train.benches.finetune",
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",
