@@ -30,6 +30,14 @@ def resnet(**k):
                                                 in_chans=1, num_classes=10, drop_path_rate=0.1)), **k)
 
 
+def convnet(arch, **shape):
+    """A tiny ConvNet of another kind (ConvNeXt, EfficientNet, MobileNetV3), stochastic depth on."""
+    def make(**k):
+        return with_runtime(zoo.build(ConvNetConfig(arch=arch, in_chans=1, num_classes=10, drop_path_rate=0.1,
+                                                    **shape)), **k)
+    return make
+
+
 def unet(**k):
     return with_runtime(zoo.build(DiffusionConfig(image_size=32, channels=[16, 32], heads=4)), **k)
 
@@ -37,6 +45,12 @@ def unet(**k):
 FAMILIES = {
     "llm": (llm, lambda m, g: m(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))[1]),
     "convnet": (resnet, lambda m, g: m(torch.randn(4, 1, 16, 16, generator=g)).square().mean()),
+    "convnextv2": (convnet("convnextv2_tiny", layers=[2, 1], width=8, stem="small"),
+                   lambda m, g: m(torch.randn(4, 1, 16, 16, generator=g)).square().mean()),
+    "efficientnet": (convnet("efficientnet_b0", width_mult=0.25, depth_mult=0.3),
+                     lambda m, g: m(torch.randn(4, 1, 32, 32, generator=g)).square().mean()),
+    "mobilenetv3": (convnet("mobilenetv3_small_100", width_mult=0.25),
+                    lambda m, g: m(torch.randn(4, 1, 32, 32, generator=g)).square().mean()),
     "diffusion": (unet, lambda m, g: m(torch.randn(3, 4, 4, 4, generator=g), torch.tensor([0, 1, 10]),
                                        torch.tensor([5, 500, 999]), torch.randn(3, 4, 4, 4, generator=g)).mean()),
 }
@@ -49,8 +63,13 @@ def gradients_and_stats(model, loss_fn):
     return grads, {n: b.clone() for n, b in model.named_buffers()}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy, every", POLICIES)
+# the ConvNet kinds beyond ResNet: the selective policy (which keeps conv outputs: an in-place op on one
+# is an error) and every other block
+CASES = [(f, p, e) for f in ("llm", "convnet", "diffusion") for p, e in POLICIES] + \
+        [(f, p, e) for f in ("convnextv2", "efficientnet", "mobilenetv3") for p, e in [("selective", 1), ("full", 2)]]
+
+
+@pytest.mark.parametrize("family, policy, every", CASES)
 def test_each_policy_gives_the_gradients_of_no_checkpointing(family, policy, every):
     build, loss_fn = FAMILIES[family]
     torch.manual_seed(0)
@@ -129,6 +148,20 @@ def test_runtime_choices_apply_to_a_built_model_and_can_be_undone():
     assert not any("forward" in u.__dict__ for u in model.checkpoint_units())
     with pytest.raises(ConfigError, match="train.attn_backend"):
         load_run_config(None, ["train.attn_backend=xformers"], base={"family": "llm"})
+
+
+@pytest.mark.parametrize("config", ["convnext-digits", "efficientnet-digits", "mobilenetv3-digits"])
+def test_planner_plans_the_new_convnets_through_their_units(config):
+    """The planner builds each new ConvNet from its config on fake tensors, finds its repeated units
+    (the blocks) and counts less activation memory with every block checkpointed."""
+    from pathlib import Path
+    path = str(Path(__file__).resolve().parents[1] / "configs" / "convnet" / f"{config}.yaml")
+    none = planner.plan(load_run_config(path, ["train.batch_size=8"]))
+    full = planner.plan(load_run_config(path, ["train.batch_size=8", "train.activation_checkpointing=full"]))
+    with torch.device("meta"):
+        units = zoo.build(path).checkpoint_units()
+    assert len(none.per_layer_activations) == len(units) > 2
+    assert sum(full.per_layer_activations) < sum(none.per_layer_activations)
 
 
 def test_planner_sees_what_each_policy_saves():

@@ -123,10 +123,10 @@ def test_bn_recalibration_computes_exact_statistics(tmp_path):
 def test_digits_batches_are_a_function_of_seed_step_micro(tmp_path):
     cfg = config(tmp_path, **{"train.grad_accum": 2})
     a, b = make_task(cfg), make_task(cfg)
-    xa, ya = a.train_batch(5, 1)
+    xa, ya, sa = a.train_batch(5, 1)
     b.train_batch(0, 0)
-    xb, yb = b.train_batch(5, 1)
-    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    xb, yb, sb = b.train_batch(5, 1)
+    assert torch.equal(xa, xb) and torch.equal(ya, yb) and sa == sb  # sa: the erasing / mixing seed
     assert not torch.equal(a.train_batch(5, 0)[1], ya)
 
 
@@ -198,7 +198,7 @@ def test_unreadable_images_are_reported_and_skipped(tmp_path):
     assert task.n_train == 16
     seen = 0
     for step in range(6):  # 24 positions: one epoch of 16 images and 8 more
-        x, y = task.train_batch(step, 0)
+        x, y, _ = task.train_batch(step, 0)
         assert x.dtype == torch.uint8 and x.shape[1:] == (3, 16, 16) and len(x) == len(y)
         seen += len(y)
     paths = [p for p, _ in task.train_set.samples]
@@ -216,10 +216,10 @@ def test_folder_batches_do_not_depend_on_workers_or_resume(tmp_path):
     t2 = make_task(folder_cfg(tmp_path, root, **{"data.num_workers": 2, "train.grad_accum": 2}))
     seq0 = [t0.train_batch(s, m) for s in range(3) for m in range(2)]
     seq2 = [t2.train_batch(s, m) for s in range(3) for m in range(2)]
-    for (a, ya), (b, yb) in zip(seq0, seq2):
-        assert torch.equal(a, b) and torch.equal(ya, yb)
+    for (a, ya, sa), (b, yb, sb) in zip(seq0, seq2):
+        assert torch.equal(a, b) and torch.equal(ya, yb) and sa == sb
     resumed = make_task(folder_cfg(tmp_path, root, **{"data.num_workers": 2, "train.grad_accum": 2}))
-    x, y = resumed.train_batch(2, 1)  # a resume starts mid-stream
+    x, y, _ = resumed.train_batch(2, 1)  # a resume starts mid-stream
     assert torch.equal(x, seq0[5][0]) and torch.equal(y, seq0[5][1])
     assert not torch.equal(seq0[0][0], seq0[1][0])  # different crops / images per micro-batch
 

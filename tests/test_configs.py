@@ -57,6 +57,9 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "llm/qwen3-30b-a3b.yaml": LLM_SHAPES + NO_COMPILE + ["model.n_kv_heads=2", "model.head_dim=16", "model.moe.n_experts=8",
                                             "model.moe.top_k=2", "model.moe.expert_hidden=32"],
     "convnet/resnet-digits.yaml": [],
+    "convnet/convnext-digits.yaml": [],
+    "convnet/efficientnet-digits.yaml": [],
+    "convnet/mobilenetv3-digits.yaml": [],
     "convnet/resnet18.yaml": IMAGENET,
     "convnet/resnet50.yaml": IMAGENET,
     # fine-tunes pretrained timm weights (train.init_from, downloaded by the user) on a flower folder

@@ -201,6 +201,54 @@ SMOKE = {
         assert set(y.unique().tolist()) <= {0.0, 2.0} and 300 < int((y[:, 0] > 0).sum()) < 700
         assert torch.equal(DropPath(0.5).eval()(x), x)
     """,
+    "se.py": """
+        from se import SqueezeExcite
+        m = SqueezeExcite(8, 2)
+        x = torch.randn(3, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+        s = torch.sigmoid(m.conv_expand(torch.relu(m.conv_reduce(x.mean((2, 3), keepdim=True)))))
+        y = m(x)
+        assert (y - x * s).abs().max() < 1e-6 and y.is_contiguous(memory_format=torch.channels_last)
+    """,
+    "hard_swish.py": """
+        from hard_swish import HardSigmoid, HardSwish
+        x = torch.linspace(-5, 5, 101)
+        ref = x * torch.clamp(x + 3, 0, 6) / 6
+        assert (HardSwish(inplace=True)(x) - ref).abs().max() < 1e-6
+        assert (HardSigmoid()(x) - torch.clamp(x + 3, 0, 6) / 6).abs().max() < 1e-6
+    """,
+    "layernorm2d.py": """
+        from layernorm2d import LayerNorm2d
+        m = LayerNorm2d(6)
+        torch.nn.init.normal_(m.weight)
+        x = torch.randn(2, 6, 4, 5)
+        mu, var = x.mean(1, keepdim=True), x.var(1, unbiased=False, keepdim=True)
+        ref = (x - mu) / (var + 1e-6).sqrt() * m.weight.view(1, -1, 1, 1) + m.bias.view(1, -1, 1, 1)
+        assert (m(x) - ref).abs().max() < 1e-5
+    """,
+    "grn.py": """
+        from grn import GRN
+        m = GRN(6)
+        x = torch.randn(2, 4, 5, 6)
+        assert torch.equal(m(x), x)  # starts as the identity
+        torch.nn.init.normal_(m.weight)
+        torch.nn.init.normal_(m.bias)
+        g = x.pow(2).sum((1, 2), keepdim=True).sqrt()
+        ref = x + m.bias + m.weight * x * (g / (g.mean(-1, keepdim=True) + 1e-6))
+        assert (m(x) - ref).abs().max() < 1e-5
+    """,
+    "mbconv.py": """
+        from mbconv import DepthwiseSeparable, MBConv
+        m = MBConv(8, 8, 32, kernel=5, se_channels=2, drop_path=0.2).eval()
+        x = torch.randn(2, 8, 9, 9)
+        torch.nn.init.zeros_(m.bn3.weight)
+        assert torch.equal(m(x), x)  # a residual block whose last BN is zero is the identity
+        m = MBConv(8, 16, 32, stride=2).train()
+        y = m(x)
+        y.sum().backward()
+        assert y.shape == (2, 16, 5, 5) and m.conv_pw.weight.grad is not None and m.conv_pw.bias is None
+        d = DepthwiseSeparable(8, 4, se_channels=2)
+        assert d(x).shape == (2, 4, 9, 9) and not d.has_skip
+    """,
     "chunked_ce.py": """
         from chunked_ce import chunked_cross_entropy
         h = torch.randn(10, 8, requires_grad=True)

@@ -29,6 +29,8 @@ BENCHES: dict[str, str] = {
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
     "drop-path": "train.benches.drop_path",
+    "convnets": "train.benches.convnets",
+    "convnet-recipe": "train.benches.convnet_recipe",
     "peft": "train.benches.finetune",
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",

@@ -171,17 +171,19 @@ class FolderImages(torch.utils.data.Dataset):
     """samples [(path, label)] -> item (uint8 image (C, size, size) or None, label, bad path or None).
 
     Indexed by (index, seed): training items draw their random-resized crop and flip from a
-    random.Random(seed), so the item does not depend on which worker made it. Eval items
+    random.Random(seed), and their `augment` (RandAugment / TrivialAugment) from torch seeded by it
+    (augment_seeded), so the item does not depend on which worker made it. Eval items
     (train=False) are resized and centre-cropped. An unreadable file gives image None and its
     path (with the reason); the collate function drops it and the task reports it."""
 
     def __init__(self, samples, size: int, train: bool, channels: int = 3, scale=(0.08, 1.0),
-                 ratio=(3 / 4, 4 / 3), hflip: float = 0.5, crop_pct: float = 0.875):
+                 ratio=(3 / 4, 4 / 3), hflip: float = 0.5, crop_pct: float = 0.875, augment=None):
         if channels not in (1, 3):
             raise ValueError(f"image folders give 1 (grey) or 3 (RGB) channels, not {channels}")
         self.samples, self.size, self.train = samples, size, train
         self.mode = "L" if channels == 1 else "RGB"
         self.scale, self.ratio, self.hflip, self.crop_pct = tuple(scale), tuple(ratio), hflip, crop_pct
+        self.augment = augment  # training: RandAugment / TrivialAugment after the crop (auto_augment_op)
 
     def __len__(self):
         return len(self.samples)
@@ -198,7 +200,10 @@ class FolderImages(torch.utils.data.Dataset):
                 arr = load_crop(path, self.size, lambda w, h: center_crop_box(w, h, self.crop_pct), self.mode)
         except Exception as e:  # any decoding failure: report the file, never crash the worker
             return None, label, f"{path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1), label, None
+        img = torch.from_numpy(arr.copy()).permute(2, 0, 1)
+        if self.train and self.augment is not None:
+            img = augment_seeded(self.augment, img, seed)
+        return img, label, None
 
 
 def collate_images(items):
@@ -220,3 +225,94 @@ def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
     permutation of range(n) drawn from (seed, epoch) -> [(index, per-sample seed)]."""
     return [(int(_epoch_perm(n, seed, p // n)[p % n]), (seed * 2_654_435_761 + p) % 2**63)
             for p in range(start, start + count)]
+
+
+# ----------------------------------------------------------------------------------------
+# the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
+# ----------------------------------------------------------------------------------------
+
+AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
+
+
+def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
+    """torchvision transforms v2's RandAugment (Cubuk et al., "RandAugment", 2020) or TrivialAugmentWide
+    (Müller & Hutter, "TrivialAugment", 2021) for uint8 (C, H, W) images; None for "none"."""
+    if kind == "none":
+        return None
+    try:
+        from torchvision.transforms import v2
+    except ImportError:
+        raise ImportError(f"data.auto_augment={kind} needs torchvision: pip install -e '.[convnet]'") from None
+    return v2.RandAugment(num_ops=num_ops, magnitude=magnitude) if kind == "randaugment" else v2.TrivialAugmentWide()
+
+
+def augment_seeded(op, images: torch.Tensor, seeds) -> torch.Tensor:
+    """op applied to each uint8 image of (B, C, H, W) (or to one (C, H, W) image with one seed), its random
+    draws made from torch's global generator seeded by that image's seed, inside a fork: the global
+    state outside is left as it was, and an image's augmentation is a function of its seed alone."""
+    one = images.dim() == 3
+    with torch.random.fork_rng(devices=[]):
+        out = []
+        for img, seed in zip(images[None] if one else images, [seeds] if one else seeds):
+            torch.manual_seed(int(seed))
+            out.append(op(img))
+    return out[0] if one else torch.stack(out)
+
+
+def random_erase(x: torch.Tensor, prob: float, rng: random.Random, scale=(0.02, 1 / 3), ratio=(0.3, 3.3)) -> torch.Tensor:
+    """Zhong et al., "Random Erasing Data Augmentation" (2017), timm's 'pixel' mode: each image of the
+    normalised batch x (B, C, H, W) gets, with probability prob, one box covering a fraction `scale` of
+    its area (aspect ratio log-uniform in `ratio`; up to 10 draws to fit) filled with N(0, 1) noise.
+    All draws from rng. Returns a new tensor."""
+    B, C, H, W = x.shape
+    x = x.clone()
+    for i in range(B):
+        if rng.random() >= prob:
+            continue
+        for _ in range(10):
+            area = H * W * rng.uniform(*scale)
+            r = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+            h, w = int(round(math.sqrt(area * r))), int(round(math.sqrt(area / r)))
+            if 0 < h < H and 0 < w < W:
+                top, left = rng.randint(0, H - h), rng.randint(0, W - w)
+                noise = torch.randn(C, h, w, generator=torch.Generator().manual_seed(rng.getrandbits(62)))
+                x[i, :, top:top + h, left:left + w] = noise.to(x.device, x.dtype)
+                break
+    return x
+
+
+def smooth_one_hot(y: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    """(B,) labels -> (B, num_classes) targets: 1 - smoothing + smoothing / K on the label, smoothing / K elsewhere."""
+    off = smoothing / num_classes
+    t = torch.full((len(y), num_classes), off, device=y.device)
+    return t.scatter_(1, y[:, None], 1.0 - smoothing + off)
+
+
+def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Random, mixup_alpha: float = 0.0,
+              cutmix_alpha: float = 0.0, prob: float = 1.0, switch_prob: float = 0.5, smoothing: float = 0.0):
+    """Mixup (Zhang et al., 2018) or CutMix (Yun et al., 2019) of a batch with itself reversed, as timm's
+    batch mode: x (B, C, H, W), labels y (B,) -> (mixed x, soft targets (B, num_classes), lam).
+    With probability `prob` the batch is mixed; with both alphas > 0, CutMix with probability
+    `switch_prob`, else Mixup. lam ~ Beta(alpha, alpha); Mixup: lam x + (1 - lam) x[::-1]; CutMix: a box
+    of area (1 - lam) H W centred uniformly (clipped at the border) taken from x[::-1], lam then the
+    share of pixels kept. Targets: lam t + (1 - lam) t[::-1], t the label-smoothed one-hot."""
+    t = smooth_one_hot(y, num_classes, smoothing)
+    if rng.random() >= prob or (mixup_alpha <= 0 and cutmix_alpha <= 0):
+        return x, t, 1.0
+    cutmix = cutmix_alpha > 0 and (mixup_alpha <= 0 or rng.random() < switch_prob)
+    alpha = cutmix_alpha if cutmix else mixup_alpha
+    lam = rng.betavariate(alpha, alpha)
+    partner = x.flip(0)
+    if cutmix:
+        H, W = x.shape[-2:]
+        cut = math.sqrt(1.0 - lam)
+        h, w = int(H * cut), int(W * cut)
+        cy, cx = rng.randrange(H), rng.randrange(W)
+        y0, y1 = max(cy - h // 2, 0), min(cy + h // 2, H)
+        x0, x1 = max(cx - w // 2, 0), min(cx + w // 2, W)
+        x = x.clone()
+        x[:, :, y0:y1, x0:x1] = partner[:, :, y0:y1, x0:x1]
+        lam = 1.0 - (y1 - y0) * (x1 - x0) / (H * W)
+    else:
+        x = x * lam + partner * (1.0 - lam)
+    return x, t * lam + t.flip(0) * (1.0 - lam), lam

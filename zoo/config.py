@@ -443,7 +443,7 @@ class LLMConfig:
 
 
 # ----------------------------------------------------------------------------------------
-# ConvNet family (zoo/convnet.py)
+# ConvNet family (zoo/convnet/: resnet, convnext, efficientnet, mobilenetv3)
 # ----------------------------------------------------------------------------------------
 
 # ResNet presets: name -> (block, blocks per stage, groups, width_per_group), as timm/torchvision.
@@ -458,22 +458,64 @@ RESNET_ARCHS: dict[str, tuple] = {
     "wide_resnet50_2": ("bottleneck", [3, 4, 6, 3], 1, 128),
     "wide_resnet101_2": ("bottleneck", [3, 4, 23, 3], 1, 128),
 }
+# ConvNeXt presets: name -> (version 1 or 2 (GRN, no layer scale), blocks per stage, stage-1 channels), as timm.
+CONVNEXT_ARCHS: dict[str, tuple] = {
+    "convnext_tiny": (1, [3, 3, 9, 3], 96),
+    "convnext_small": (1, [3, 3, 27, 3], 96),
+    "convnext_base": (1, [3, 3, 27, 3], 128),
+    "convnextv2_tiny": (2, [3, 3, 9, 3], 96),
+    "convnextv2_small": (2, [3, 3, 27, 3], 96),
+    "convnextv2_base": (2, [3, 3, 27, 3], 128),
+}
+# EfficientNet compound scaling: name -> (width multiplier, depth multiplier, the paper's image size).
+EFFICIENTNET_ARCHS: dict[str, tuple] = {
+    "efficientnet_b0": (1.0, 1.0, 224),
+    "efficientnet_b1": (1.0, 1.1, 240),
+    "efficientnet_b2": (1.1, 1.2, 260),
+    "efficientnet_b3": (1.2, 1.4, 300),
+}
+# MobileNetV3 presets: name -> (size "large" or "small", width multiplier), as timm.
+MOBILENETV3_ARCHS: dict[str, tuple] = {
+    "mobilenetv3_large_100": ("large", 1.0),
+    "mobilenetv3_large_075": ("large", 0.75),
+    "mobilenetv3_small_100": ("small", 1.0),
+    "mobilenetv3_small_075": ("small", 0.75),
+    "mobilenetv3_small_050": ("small", 0.5),
+}
+CONVNET_KINDS: dict[str, dict] = {"resnet": RESNET_ARCHS, "convnext": CONVNEXT_ARCHS,
+                                  "efficientnet": EFFICIENTNET_ARCHS, "mobilenetv3": MOBILENETV3_ARCHS}
+# the keys that shape only some kinds (the rest apply to all): key -> kinds
+_CONVNET_KEY_KINDS = {"block": ("resnet",), "groups": ("resnet",), "width_per_group": ("resnet",),
+                      "layers": ("resnet", "convnext"), "width": ("resnet", "convnext"),
+                      "width_mult": ("efficientnet", "mobilenetv3"), "depth_mult": ("efficientnet", "mobilenetv3")}
 
 
 @dataclass
 class ConvNetConfig:
-    """ResNet: a preset `arch`, optionally overridden by block / layers / groups / width_per_group.
-    The `resolved_*` properties give the values in use (the override, else the preset's)."""
-    arch: str = "resnet50"                  # preset: resnet18/34/50/101/152, resnext50_32x4d, resnext101_32x8d,
-                                            # wide_resnet50_2, wide_resnet101_2
-    block: Optional[Literal["basic", "bottleneck"]] = None  # `basic` or `bottleneck`; null: the preset's
-    layers: Optional[list[int]] = None      # blocks per stage, e.g. `[1, 1, 1, 1]` (a ResNet-10); any number of
-                                            # stages; null: the preset's
+    """A ConvNet: a preset `arch` (ResNet, ConvNeXt, EfficientNet or MobileNetV3, timm's names),
+    optionally reshaped by the keys of its kind. The `resolved_*` properties give the values in use
+    (the override, else the preset's)."""
+    arch: str = "resnet50"                  # preset, timm's name: resnet18/34/50/101/152, resnext50_32x4d,
+                                            # resnext101_32x8d, wide_resnet50_2, wide_resnet101_2;
+                                            # convnext_tiny/small/base, convnextv2_tiny/small/base;
+                                            # efficientnet_b0..b3; mobilenetv3_large_100/075,
+                                            # mobilenetv3_small_100/075/050
+    block: Optional[Literal["basic", "bottleneck"]] = None  # ResNet: `basic` or `bottleneck`; null: the preset's
+    layers: Optional[list[int]] = None      # ResNet, ConvNeXt: blocks per stage, e.g. `[1, 1, 1, 1]` (a ResNet-10);
+                                            # any number of stages; null: the preset's
     groups: Optional[int] = bounded(None, gt=0)  # ResNeXt cardinality; null: from arch
-    width_per_group: Optional[int] = bounded(None, gt=0)  # bottleneck width per group; null: from arch
-    width: int = bounded(64, gt=0)          # stem channels; stage i has `width * 2**i` planes (x4 out for
-                                            # bottlenecks)
-    stem: Literal["imagenet", "small"] = "imagenet"  # `imagenet` or `small` (32x32 inputs)
+    width_per_group: Optional[int] = bounded(None, gt=0)  # ResNet bottleneck width per group; null: from arch
+    width: Optional[int] = bounded(None, gt=0)  # ResNet: stem channels (null: 64), stage i has `width * 2**i`
+                                            # planes (x4 out for bottlenecks); ConvNeXt: stage-1 channels, doubled
+                                            # per stage (null: the preset's, 96 or 128)
+    width_mult: Optional[float] = bounded(None, gt=0)  # EfficientNet, MobileNetV3: channel multiplier (rounded to
+                                            # multiples of 8); null: the preset's
+    depth_mult: Optional[float] = bounded(None, gt=0)  # EfficientNet, MobileNetV3: blocks-per-stage multiplier
+                                            # (rounded up); null: the preset's (1.0 for MobileNetV3)
+    stem: Literal["imagenet", "small"] = "imagenet"  # `imagenet` (the architecture's own downsampling stem) or
+                                            # `small` (for 32x32 inputs: the stem keeps the resolution; ResNet: a
+                                            # 3x3/1 conv without max-pool, ConvNeXt: a 1x1 patchify, EfficientNet /
+                                            # MobileNetV3: the 3x3 stem conv at stride 1)
     in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
     num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
@@ -481,21 +523,39 @@ class ConvNetConfig:
     drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # `mask`: dropped samples' branches computed
                                             # and zeroed; `skip`: only the kept samples' rows computed (BatchNorm
                                             # in the branch then normalises over those); `batch`: a block dropped
-                                            # for the whole batch (Huang et al. 2016; not under DDP). See
-                                            # docs/convnet.md for when skipping pays
-    zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
-    bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon
+                                            # for the whole batch (Huang et al. 2016; not under DDP). ResNet
+                                            # only; see docs/convnet.md for when skipping pays
+    zero_init_last: bool = True             # the last BN gamma of each residual branch starts at 0 (ResNet,
+                                            # EfficientNet, MobileNetV3; ConvNeXt's layer scale starts at 1e-6
+                                            # instead)
+    bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon (ConvNeXt's LayerNorms use 1e-6)
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
                              "checkpoint_every": "train.activation_checkpointing_every"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        if self.arch not in RESNET_ARCHS:
-            raise fail(source, p + "arch", f"must be one of {', '.join(RESNET_ARCHS)}, got {self.arch!r}")
+        if self.arch not in self.all_archs():
+            raise fail(source, p + "arch", f"must be one of {', '.join(self.all_archs())}, got {self.arch!r}")
+        kind = self.kind
+        for key, kinds in _CONVNET_KEY_KINDS.items():
+            if getattr(self, key) is not None and kind not in kinds:
+                raise fail(source, p + key, f"applies to {' and '.join(kinds)} archs, not {self.arch} (set it to null)")
         if self.layers is not None and (not self.layers or any(n <= 0 for n in self.layers)):
             raise fail(source, p + "layers", f"must be a non-empty list of positive block counts, got {self.layers}")
-        if self.resolved_block == "basic" and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
+        if kind != "resnet" and self.drop_path_mode != "mask":
+            raise fail(source, p + "drop_path_mode", f"applies to resnet archs, not {self.arch} (they use mask)")
+        if kind == "resnet" and self.resolved_block == "basic" \
+                and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
             raise fail(source, p + "block", "='basic' needs groups=1 and width_per_group=64")
+
+    @staticmethod
+    def all_archs() -> list:
+        return [a for archs in CONVNET_KINDS.values() for a in archs]
+
+    @property
+    def kind(self) -> str:
+        """resnet, convnext, efficientnet or mobilenetv3: which model class `arch` builds."""
+        return next(k for k, archs in CONVNET_KINDS.items() if self.arch in archs)
 
     @property
     def resolved_block(self) -> str:
@@ -503,7 +563,27 @@ class ConvNetConfig:
 
     @property
     def resolved_layers(self) -> list:
-        return list(self.layers or RESNET_ARCHS[self.arch][1])
+        if self.layers:
+            return list(self.layers)
+        return list(RESNET_ARCHS[self.arch][1] if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][1])
+
+    @property
+    def resolved_width(self) -> int:
+        if self.width:
+            return self.width
+        return 64 if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][2]
+
+    @property
+    def resolved_width_mult(self) -> float:
+        if self.width_mult:
+            return self.width_mult
+        return EFFICIENTNET_ARCHS[self.arch][0] if self.kind == "efficientnet" else MOBILENETV3_ARCHS[self.arch][1]
+
+    @property
+    def resolved_depth_mult(self) -> float:
+        if self.depth_mult:
+            return self.depth_mult
+        return EFFICIENTNET_ARCHS[self.arch][1] if self.kind == "efficientnet" else 1.0
 
     @property
     def resolved_groups(self) -> int:
@@ -652,7 +732,7 @@ class Family:
 # the one registry of families: a new family registers its config, model and task here
 FAMILIES: dict[str, Family] = {
     "llm": Family(LLMConfig, "zoo.llm:LLM", "train.tasks.lm:LMTask"),
-    "convnet": Family(ConvNetConfig, "zoo.convnet:ResNet", "train.tasks.classify:ClassifyTask"),
+    "convnet": Family(ConvNetConfig, "zoo.convnet:build", "train.tasks.classify:ClassifyTask"),
     "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion", "train.tasks.diffusion:DiffusionTask"),
 }
 

@@ -29,30 +29,31 @@ from train.benches import harness  # noqa: E402
 
 
 def build_pair(arch: str, num_classes: int):
-    """timm's model (random init) and Zoo's with the same weights, both fp32, training mode."""
+    """timm's model (random init) and Zoo's with the same weights, both fp32, training mode: any timm
+    name Zoo's ConvNet family has (resnet*, convnext*, efficientnet_b*, mobilenetv3_*)."""
     import timm
 
-    from zoo.convnet import ResNet
-    from zoo.weights.resnet import config_from_state_dict, load_into
+    from zoo.convnet import build
+    from zoo.weights.timm_convnet import config_from_state_dict, load_into
 
     torch.manual_seed(0)
     ref = timm.create_model(arch, pretrained=False, num_classes=num_classes)
     sd = ref.state_dict()
-    model = ResNet(config_from_state_dict(sd, arch))
+    model = build(config_from_state_dict(sd, arch))
     load_into(model, sd)
     return model.train(), ref.train()
 
 
 class Side:
-    def __init__(self, name, model):
+    def __init__(self, name, model, device=torch.device("cpu")):
         from train.config import OptimConfig
         from train.optim import build_optimizer
-        self.name, self.model = name, model
-        self.opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), torch.device("cpu"),
+        self.name, self.model, self.device = name, model, device
+        self.opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), device,
                                    log=lambda *a: None)
 
     def step(self, x, y, precision):
-        with harness.autocast(precision):
+        with harness.autocast(precision, self.device.type):
             loss = torch.nn.functional.cross_entropy(self.model(x).float(), y)
         loss.backward()
         self.opt.step()

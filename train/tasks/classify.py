@@ -1,11 +1,14 @@
-"""Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5.
+"""Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5, and
+timm's training recipe as data keys: RandAugment or TrivialAugment after the crop, random erasing
+after normalisation, Mixup / CutMix with soft-target cross-entropy (train/images.py).
 
 Data (`data.path`): `digits` (the embedded default: scikit-learn's bundled 8x8 digits,
 upsampled; no download) or an ImageFolder-style directory, root/<class>/<images>. A root with
 train/ and val/ folders uses them; otherwise `data.val_fraction` of each class is held out.
 Training crops are random-resized with a horizontal flip, eval crops resized and centred;
 PIL decodes in DataLoader workers, uint8 crops travel to the device (pinned on CUDA) and are
-normalised there. Every batch is a function of (seed, step, micro) only: exact resume.
+normalised there. Every batch, its augmentations, erasing and mixing included, is a function of
+(seed, step, micro) only: exact resume.
 Unreadable images are reported by path, counted and skipped.
 """
 from __future__ import annotations
@@ -14,18 +17,20 @@ import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
+import importlib.util
+import random
 
 import torch
 import torch.nn.functional as F
 
 import zoo
 from zoo.config import ConfigError, bounded, fail
-from zoo.weights import resnet as resnet_weights
+from zoo.weights import timm_convnet
 
 from ..data import DataError
-from ..images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, collate_images, digits_dataset, epoch_positions,
-                      random_shift, scan_image_folder)
+from ..images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, augment_seeded, auto_augment_op, collate_images,
+                      digits_dataset, epoch_positions, mix_batch, random_erase, random_shift, scan_image_folder)
 from . import Task
 
 
@@ -47,7 +52,20 @@ class ImageDataConfig:
     mean: Optional[list[float]] = None      # null: ImageNet's (RGB) / 0.5 (digits, grey)
     std: Optional[list[float]] = None       # normalisation; null: ImageNet's for RGB folders, 0.449/0.226 grey,
                                             # 0.5/0.5 digits
-    label_smoothing: float = bounded(0.1, ge=0, lt=1)  # cross-entropy label smoothing
+    label_smoothing: float = bounded(0.1, ge=0, lt=1)  # cross-entropy label smoothing (of the mixed targets too)
+    auto_augment: Literal["none", "randaugment", "trivialaugment"] = "none"  # train: torchvision's RandAugment or
+                                            # TrivialAugmentWide on each image after the crop (needs the `convnet`
+                                            # extra: torchvision)
+    randaugment_ops: int = bounded(2, gt=0)  # RandAugment: operations per image
+    randaugment_magnitude: int = bounded(9, ge=0, le=30)  # RandAugment: magnitude, of 31 bins
+    random_erasing: float = bounded(0.0, ge=0, le=1)  # train: probability that an image gets a box (2-33% of its
+                                            # area) of N(0, 1) noise, after normalisation (timm's `reprob`)
+    mixup_alpha: float = bounded(0.0, ge=0)  # Mixup: lam ~ Beta(alpha, alpha) per batch, images and targets mixed
+                                            # with the batch reversed; 0 = off (timm's recipe: 0.8)
+    cutmix_alpha: float = bounded(0.0, ge=0)  # CutMix: a box of area (1 - lam) from the batch reversed; 0 = off
+                                            # (timm's recipe: 1.0)
+    mix_prob: float = bounded(1.0, ge=0, le=1)  # probability that a batch is mixed when Mixup or CutMix is on
+    mix_switch_prob: float = bounded(0.5, ge=0, le=1)  # with both on: probability of CutMix rather than Mixup
     num_workers: int = bounded(2, ge=0)     # DataLoader worker processes decoding images (folders)
     pin_memory: Optional[bool] = None       # null: on when the device is CUDA
     eval_images: Optional[int] = bounded(None, gt=0)  # evaluate on a fixed seeded subset of this many validation
@@ -76,6 +94,9 @@ class ClassifyTask(Task):
         d, m = cfg.data, cfg.model
         if d.mean is not None and len(d.mean) not in (1, m.in_chans):
             raise ConfigError(f"{cfg.source}: data.mean has {len(d.mean)} values for model.in_chans={m.in_chans}")
+        if d.auto_augment != "none" and importlib.util.find_spec("torchvision") is None:
+            raise ConfigError(f"{cfg.source}: data.auto_augment={d.auto_augment} needs torchvision: "
+                              f"pip install -e '.[convnet]'")
         if d.path != "digits" and m.in_chans not in (1, 3) and cfg.train.init_from is None:
             raise ConfigError(f"{cfg.source}: model.in_chans={m.in_chans}: image folders give 1 (grey) or 3 (RGB) "
                               f"channels")
@@ -87,12 +108,14 @@ class ClassifyTask(Task):
         self.model_cfg = cfg.model
         if cfg.train.init_from:  # the architecture (and input channels) come from the weights
             def read(path):
-                sd = resnet_weights.read_state_dict(path)
-                return sd, resnet_weights.config_from_state_dict(
-                    sd, None, str(path), num_classes=cfg.model.num_classes, drop_rate=cfg.model.drop_rate,
+                sd = timm_convnet.read_state_dict(path)
+                named, base = timm_convnet.saved_config(path)  # a timm folder's arch, a Zoo export's config
+                return sd, timm_convnet.config_from_state_dict(
+                    sd, named, str(path), base, num_classes=cfg.model.num_classes, drop_rate=cfg.model.drop_rate,
                     drop_path_rate=cfg.model.drop_path_rate)
             self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
         channels = self.model_cfg.in_chans
+        self.augment = auto_augment_op(d.auto_augment, d.randaugment_ops, d.randaugment_magnitude)
         self.digits = d.path == "digits"
         self.size = d.image_size or (32 if self.digits else 224)
         self.bad: set = set()
@@ -110,7 +133,7 @@ class ClassifyTask(Task):
         else:
             train_s, val_s = self._scan(Path(d.path), d.val_path)
             kw = dict(size=self.size, channels=channels, scale=d.scale, ratio=d.ratio, hflip=d.hflip, crop_pct=d.crop_pct)
-            self.train_set = FolderImages(train_s, train=True, **kw)
+            self.train_set = FolderImages(train_s, train=True, augment=self.augment, **kw)
             self.train_eval_set = FolderImages(train_s, train=False, **kw)  # for BatchNorm recalibration
             self.val_set = FolderImages(val_s, train=False, **kw)
             self.n_train = len(train_s)
@@ -179,11 +202,18 @@ class ClassifyTask(Task):
         t = self.cfg.train
         B = self.global_rows()  # one global micro-batch; this rank trains on its own rows of it
         pos = (step * t.grad_accum + micro) * B
+        g = self.batch_generator(step, micro)
         if self.digits:
-            idx = torch.tensor([i for i, _ in epoch_positions(self.n_train, t.seed, pos, B)], device=self.device)
-            g = self.batch_generator(step, micro)
+            keys = epoch_positions(self.n_train, t.seed, pos, B)
+            idx = torch.tensor([i for i, _ in keys], device=self.device)
             x, y = random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
-            return (self.own_rows(x), self.own_rows(y)) if self.world > 1 else (x, y)
+            recipe_seed = self._recipe_seed(g)
+            if self.augment is not None:  # on uint8, each image seeded by its sample seed
+                u8 = (x * 255).round_().to(torch.uint8)
+                x = augment_seeded(self.augment, u8, [s for _, s in keys]).float() / 255
+            x, y = (self.own_rows(x), self.own_rows(y)) if self.world > 1 else (x, y)
+            return x, y, recipe_seed
+        recipe_seed = self._recipe_seed(g)
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
             self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
         self._next = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
@@ -192,7 +222,12 @@ class ClassifyTask(Task):
         if x is None:
             raise DataError(f"{self.cfg.data.path}: no readable image in the batch of step {step + 1} "
                             f"({len(self.bad)} unreadable so far)")
-        return x, y
+        return x, y, recipe_seed
+
+    def _recipe_seed(self, g: torch.Generator) -> int:
+        """The seed of a micro-batch's erasing and mixing (applied in loss), drawn from its (seed, step,
+        micro) generator; each rank's own."""
+        return int(torch.randint(2 ** 62, (1,), generator=g)) + self.rank
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 (B, C, H, W) in 0..255, or floats in [0, 1] -> float32 (x - mean) / std (same memory format)."""
@@ -202,24 +237,43 @@ class ClassifyTask(Task):
 
     # ------------------------------------------------------------------ model, loss, eval
     def build_model(self):
-        from zoo.convnet import ResNet
+        from zoo.convnet import build
         if self.pretrained is None:
             self.model = zoo.build(self.cfg.model)
             return self.model
-        model = self.model = ResNet(self.model_cfg)
+        model = self.model = build(self.model_cfg)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self.load_pretrained(lambda path: resnet_weights.load_into(model, self.pretrained, str(path)))
+            self.load_pretrained(lambda path: timm_convnet.load_into(model, self.pretrained, str(path)))
         for w in caught:
             self.log(f"model: {w.message}")
-        self.log(f"model: {self.model_cfg.arch}-style, layers={self.model_cfg.resolved_layers}")
+        self.log(f"model: {timm_convnet.describe(self.model_cfg)}")
         self.pretrained = None
         return model
 
+    def recipe(self, x: torch.Tensor, y: torch.Tensor, seed: int):
+        """Random erasing, then Mixup / CutMix, of a normalised training batch, all drawn from `seed`:
+        -> (images, targets: labels (B,), or soft targets (B, num_classes) when mixing is on)."""
+        d = self.cfg.data
+        rng = random.Random(seed)
+        if d.random_erasing > 0:
+            x = random_erase(x, d.random_erasing, rng)
+        if d.mixup_alpha > 0 or d.cutmix_alpha > 0:
+            x, y, _ = mix_batch(x, y, self.model_cfg.num_classes, rng, d.mixup_alpha, d.cutmix_alpha, d.mix_prob,
+                                d.mix_switch_prob, d.label_smoothing)
+        return x, y
+
     def loss(self, model, batch):
-        x, y = batch
-        logits = model(self.normalize(x))
-        return F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.data.label_smoothing), y.numel()
+        """Cross-entropy with label smoothing; against Mixup / CutMix's soft targets when they are on. A
+        training batch carries its recipe seed (train_batch); example batches (planner, tests) do not."""
+        x, y = self.normalize(batch[0]), batch[1]
+        n = y.numel()
+        if len(batch) > 2:
+            x, y = self.recipe(x, y, batch[2])
+        logits = model(x).float()
+        if y.dim() == 2:  # soft targets
+            return -(y * logits.log_softmax(-1)).sum(-1).mean(), n
+        return F.cross_entropy(logits, y, label_smoothing=self.cfg.data.label_smoothing), n
 
     def example_batch(self, model, batch_size):
         d, c = self.cfg.data, model.config.in_chans

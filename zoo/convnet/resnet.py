@@ -21,14 +21,14 @@ layer1.0.downsample.0/1, fc), so their state dicts load without any key mapping.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .blocks.drop_path import DropPath, linear_drop_rates
-from .config import RESNET_ARCHS, ConvNetConfig, check  # noqa: F401 (RESNET_ARCHS: the presets)
+from ..blocks.drop_path import DropPath, linear_drop_rates
+from ..config import RESNET_ARCHS, ConvNetConfig, check  # noqa: F401 (RESNET_ARCHS: the presets)
+from .base import ConvNetBase
 
 
 def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
@@ -114,8 +114,7 @@ class Bottleneck(nn.Module):
 BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
-class ResNet(nn.Module):
-    family = "convnet"
+class ResNet(ConvNetBase):
 
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
@@ -123,7 +122,7 @@ class ResNet(nn.Module):
         self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
         block = BLOCKS[cfg.resolved_block]
         layers = cfg.resolved_layers
-        w = cfg.width
+        w = cfg.resolved_width
         if cfg.stem == "imagenet":
             self.conv1 = conv_bn(cfg.in_chans, w, 7, stride=2)
         else:
@@ -163,61 +162,20 @@ class ResNet(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
         if self.config.zero_init_last:
-            for stage in self.stages():
-                for blk in stage:
-                    nn.init.zeros_(blk.last_bn().weight)
+            self.zero_init_last_bn()
         self.reset_classifier(self.config.num_classes)
-
-    def reset_classifier(self, num_classes: int):
-        """A fresh head with num_classes outputs (fine-tuning on another label set)."""
-        old = self.fc
-        self.fc = nn.Linear(self.num_features, num_classes, device=old.weight.device, dtype=old.weight.dtype)
-        bound = 1.0 / math.sqrt(self.num_features)
-        nn.init.uniform_(self.fc.weight, -bound, bound)
-        nn.init.zeros_(self.fc.bias)
-        self.config.num_classes = num_classes
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 8 (small)."""
         x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
-        for block in self.checkpoint_units():
+        for block in self.units():
             x = block(x)
         return x
 
-    def repeated_units(self) -> list:
-        """The model's repeated units, the residual blocks (the forward calls them one by one, not
-        the stages): what a data-parallel wrapper shards one by one."""
-        return self.checkpoint_units()
-
-    def checkpoint_units(self) -> list:
-        """The residual blocks, in order: what activation checkpointing applies to (blocks/checkpoint.py's
-        checkpoint_units)."""
+    def units(self) -> list:
         return [block for stage in self.stages() for block in stage]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""
         x = self.forward_features(x).mean((2, 3))
         return self.fc(self.head_drop(x))
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def flops_per_image(self, image_size: int) -> float:
-        """Training FLOPs per image: 3 x (forward multiply-adds of every conv and fc) x 2. Counted on a
-        meta-device twin of the model, so nothing is computed and the model is untouched."""
-        macs = 0
-
-        def count(m, inp, out):
-            nonlocal macs
-            if isinstance(m, nn.Conv2d):
-                macs += out[0].numel() * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
-            else:
-                macs += m.in_features * m.out_features
-
-        with torch.device("meta"):
-            twin = ResNet(copy.deepcopy(self.config)).eval()
-            for m in twin.modules():
-                if isinstance(m, (nn.Conv2d, nn.Linear)):
-                    m.register_forward_hook(count)
-            twin(torch.empty(1, self.config.in_chans, image_size, image_size))
-        return 6.0 * macs

@@ -1,0 +1,184 @@
+"""ConvNeXt (V1, V2), EfficientNet and MobileNetV3: timm weights in and out (random-init timm models
+saved by timm, loaded into Zoo, logits compared; Zoo's export loaded back into timm), the presets'
+key layouts, stochastic depth, no bias before BatchNorm, channels-last, repeated units."""
+import pytest
+import torch
+from torch import nn
+
+from conftest import optional_module
+import zoo
+from zoo.config import CONVNEXT_ARCHS, EFFICIENTNET_ARCHS, MOBILENETV3_ARCHS, ConfigError, ConvNetConfig
+from zoo.convnet import ConvNeXt, EfficientNet, MobileNetV3, build
+from zoo.weights import timm_convnet as tw
+
+timm = optional_module("timm")
+
+PARITY = [("convnext_tiny", ConvNeXt), ("convnextv2_tiny", ConvNeXt), ("efficientnet_b0", EfficientNet),
+          ("mobilenetv3_large_100", MobileNetV3)]
+
+
+def random_timm(arch, seed=0, **kw):
+    """timm's model with every tensor drawn at random: conv / linear weights ~ N(0, 1 / fan_in), norms'
+    affine params, running statistics, ConvNeXt's layer scale and GRN too (timm starts those at 1 / 0 /
+    1e-6 / 0, where a wrong mapping would not show). Built on the meta device: timm's own init is skipped."""
+    model = timm.create_model(arch, pretrained=False, device="meta", **kw).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            last = name.rsplit(".", 1)[-1]
+            if not t.is_floating_point():
+                t.zero_()
+            elif t.ndim > 1:
+                t.copy_(torch.randn(t.shape, generator=g) / (t[0].numel() ** 0.5))
+            elif last == "running_var":
+                t.copy_(0.5 + torch.rand(t.shape, generator=g))
+            else:
+                base = 1.0 if last == "weight" and ".grn." not in name else 0.0
+                t.copy_(base + 0.2 * torch.randn(t.shape, generator=g))
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch,cls", PARITY, ids=[a for a, _ in PARITY])
+def test_timm_weights_in_and_out(tmp_path, arch, cls):
+    """timm's file -> Zoo: max |logits diff| <= 1e-5 (fp32, eval, contiguous and channels-last);
+    Zoo's export -> timm (strict): the same logits."""
+    torch.manual_seed(0)
+    ref = random_timm(arch, num_classes=7)
+    path = tmp_path / f"{arch}.pth"
+    torch.save(ref.state_dict(), path)
+    model = zoo.from_pretrained(path)  # arch inferred from the keys and shapes
+    assert type(model) is cls and model.config.arch == arch and model.config.num_classes == 7
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x)
+        assert want.abs().max() > 0.1  # not near-zero logits
+        assert (model(x) - want).abs().max().item() <= 1e-5
+        # channels-last runs other conv kernels (another summation order): 1e-6 of the logits' scale
+        cl = model.to(memory_format=torch.channels_last)
+        got = cl(x.contiguous(memory_format=torch.channels_last))
+        assert (got - want).abs().max().item() <= 1e-6 * max(10.0, want.abs().max().item())
+    out = zoo.save_pretrained(model, tmp_path / "export.safetensors")
+    back = timm.create_model(arch, pretrained=False, num_classes=7, device="meta").eval()
+    back.load_state_dict(tw.read_state_dict(out), strict=True, assign=True)
+    with torch.no_grad():
+        assert (back(x) - want).abs().max().item() <= 1e-5
+
+
+def test_timm_folder_names_the_arch_and_safetensors_load(tmp_path):
+    from safetensors.torch import save_file
+    import json
+    ref = random_timm("mobilenetv3_small_075")
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "mobilenetv3_small_075", "num_classes": 1000}))
+    model = zoo.from_pretrained(folder)
+    assert model.config.arch == "mobilenetv3_small_075"
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max().item() <= 1e-5
+    with pytest.warns(UserWarning, match="replaced by a new 4-class head"):
+        assert zoo.from_pretrained(folder, num_classes=4).classifier.out_features == 4
+
+
+def test_another_architectures_file_is_one_line_error(tmp_path):
+    with torch.device("meta"):
+        sd = {k: torch.zeros(v.shape, dtype=v.dtype, device="cpu") for k, v in
+              build(ConvNetConfig(arch="efficientnet_b0")).state_dict().items()}
+    torch.save(sd, tmp_path / "b0.pth")
+    for arch, match in [("convnext_tiny", "holds efficientnet weights, which do not load as arch=convnext_tiny"),
+                        ("efficientnet_b1", r"do not fit efficientnet_b1 .* missing: blocks\.0\.1\.conv_dw\.weight"), ("resnet9", "unknown arch")]:
+        with pytest.raises(ValueError, match=match) as e:
+            zoo.from_pretrained(tmp_path / "b0.pth", arch=arch)
+        assert "\n" not in str(e.value) and "b0.pth" in str(e.value)
+
+
+def test_reshaped_export_loads_back_as_it_is(tmp_path):
+    """A digits-sized model (stride-1 stem, width multiplier no preset has) saved by Zoo comes back the same."""
+    for cfg in [ConvNetConfig(arch="efficientnet_b0", width_mult=0.25, depth_mult=0.3, stem="small", in_chans=1,
+                              num_classes=10),
+                ConvNetConfig(arch="convnextv2_tiny", layers=[1, 1], width=8, stem="small", num_classes=3)]:
+        model = build(cfg).eval()
+        zoo.save_pretrained(model, tmp_path / "m.safetensors")
+        back = zoo.from_pretrained(tmp_path / "m.safetensors")
+        assert back.config == model.config
+        x = torch.randn(2, cfg.in_chans, 16, 16)
+        with torch.no_grad():
+            assert torch.equal(back(x), model(x))
+
+
+@pytest.mark.parametrize("arch", sorted(CONVNEXT_ARCHS) + sorted(EFFICIENTNET_ARCHS) + sorted(MOBILENETV3_ARCHS))
+def test_every_preset_has_timms_key_layout(arch):
+    with torch.device("meta"):
+        ref = timm.create_model(arch, pretrained=False).state_dict()
+        ours = build(ConvNetConfig(arch=arch)).state_dict()
+        sd = {k: torch.empty(v.shape, device="meta") for k, v in ref.items()}
+        assert tw.config_from_state_dict(sd).arch == arch  # inferred from the keys and shapes
+    assert list(ours) == list(ref)
+    assert all(ours[k].shape == ref[k].shape for k in ref)
+
+
+# ----------------------------------------------------------------------------- structure
+SMALL = {"convnext": ConvNetConfig(arch="convnext_tiny", layers=[2, 2], width=8, stem="small", num_classes=3),
+         "convnextv2": ConvNetConfig(arch="convnextv2_tiny", layers=[2, 2], width=8, stem="small", num_classes=3),
+         "efficientnet": ConvNetConfig(arch="efficientnet_b0", width_mult=0.25, depth_mult=0.5, num_classes=3),
+         "mobilenetv3": ConvNetConfig(arch="mobilenetv3_small_100", width_mult=0.25, num_classes=3)}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_drop_path_rises_linearly_and_units_are_the_blocks(name):
+    model = build(ConvNetConfig(**{**SMALL[name].__dict__, "drop_path_rate": 0.3}))
+    units = model.checkpoint_units()
+    rates = [u.drop_path.drop_prob for u in units if hasattr(u, "drop_path") and getattr(u, "has_skip", True)]
+    assert rates and max(rates) <= 0.3 and rates == sorted(rates) and len(set(rates)) > 1
+    assert model.repeated_units() == units
+    blocks = [m for m in model.modules() if type(m).__name__ in ("ConvNeXtBlock", "MBConv", "DepthwiseSeparable",
+                                                                  "ConvBnAct")]
+    assert units == blocks  # every block, in the order the forward runs them
+
+
+@pytest.mark.parametrize("name", ["efficientnet", "mobilenetv3"])
+def test_no_conv_feeding_batchnorm_has_a_bias(name):
+    from test_convnet import conv_bn_pairs
+    model = build(SMALL[name])
+    pairs = conv_bn_pairs(model)
+    assert len(pairs) > 5 and all(conv.bias is None for conv, _ in pairs)
+    assert len(pairs) == sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_channels_last_training_step_matches_contiguous(name):
+    torch.manual_seed(0)
+    cfg = ConvNetConfig(**{**SMALL[name].__dict__, "zero_init_last": False})
+    a, b = build(cfg), build(cfg)
+    b.load_state_dict(a.state_dict())
+    b = b.to(memory_format=torch.channels_last)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    la = nn.functional.cross_entropy(a(x), y)
+    lb = nn.functional.cross_entropy(b(x.contiguous(memory_format=torch.channels_last)), y)
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) < 1e-5
+    # the last stages batch-normalise 4 values (batch 4 at 1x1): summation-order differences of the two
+    # layouts' kernels grow there to ~5e-4 of a gradient's scale; a layout bug moves them by O(1)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad - pb.grad).abs().max().item() <= 2e-3 * max(1.0, pa.grad.abs().max().item()), n
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"model.width_mult applies to efficientnet and mobilenetv3 archs, not resnet18"):
+        zoo.build({"family": "convnet", "model": {"arch": "resnet18", "width_mult": 0.5}})
+    with pytest.raises(ConfigError, match=r"model.groups applies to resnet archs, not convnext_tiny"):
+        zoo.build({"family": "convnet", "model": {"arch": "convnext_tiny", "groups": 2}})
+    with pytest.raises(ConfigError, match="arch must be one of"):
+        zoo.build({"family": "convnet", "model": {"arch": "efficientnet_b9"}})
+
+
+def test_flops_match_the_papers_figures():
+    """Forward multiply-adds at the papers' resolutions: ConvNeXt-T 4.5 G (224), EfficientNet-B0 0.39 G
+    (224), MobileNetV3-Large 0.22 G (224), as published."""
+    for arch, gmacs, tol in [("convnext_tiny", 4.5, 0.1), ("efficientnet_b0", 0.39, 0.02),
+                             ("mobilenetv3_large_100", 0.22, 0.015)]:
+        with torch.device("meta"):
+            model = build(ConvNetConfig(arch=arch))
+        assert abs(model.flops_per_image(224) / 6 / 1e9 - gmacs) < tol, arch

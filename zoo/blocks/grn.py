@@ -1,0 +1,29 @@
+"""Global Response Normalization (GRN): scale each channel by its share of the feature map's
+energy, which keeps channels from collapsing to copies of each other.
+
+Paper: Woo et al., "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked Autoencoders"
+(2023), inside the MLP of every ConvNeXt V2 block.
+
+    g[c] = ||x[:, :, c]||_2 over H, W        n[c] = g[c] / (mean over c of g + eps)
+    y = x + bias + weight * (x * n)           (weight, bias start at 0: the block starts as identity)
+
+Shapes: x (B, H, W, C) channels-last, as inside a ConvNeXt block -> (B, H, W, C). Parameter
+names (weight, bias of shape (C,)) are timm's. Depends on torch only.
+"""
+import torch
+from torch import nn
+
+
+class GRN(nn.Module):
+    """Global Response Normalization over (B, H, W, C)."""
+
+    def __init__(self, channels: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.norm(p=2, dim=(1, 2), keepdim=True)             # (B, 1, 1, C)
+        n = g / (g.mean(dim=-1, keepdim=True) + self.eps)
+        return x + torch.addcmul(self.bias, self.weight, x * n)

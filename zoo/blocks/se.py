@@ -1,0 +1,29 @@
+"""Squeeze-and-Excitation: reweight the channels of a feature map by a gate computed from their
+global averages.
+
+Paper: Hu, Shen & Sun, "Squeeze-and-Excitation Networks" (2018); inside the MBConv blocks of
+EfficientNet (Tan & Le, 2019; sigmoid gate) and MobileNetV3 (Howard et al., 2019; ReLU and
+hard-sigmoid gate).
+
+    s = gate(conv_expand(act(conv_reduce(mean over H, W of x))))      out = x * s
+
+Shapes: x (B, C, H, W) -> (B, C, H, W); the gate s is (B, C, 1, 1), so any memory format of x
+(channels-last included) is kept. Parameter names (conv_reduce, conv_expand: 1x1 convs with a
+bias) are timm's, so its weights load as they are. Depends on torch only.
+"""
+from torch import nn
+
+
+class SqueezeExcite(nn.Module):
+    """x * gate(expand(act(reduce(mean_hw(x))))) with `rd_channels` in the bottleneck."""
+
+    def __init__(self, channels: int, rd_channels: int, act=nn.ReLU, gate=nn.Sigmoid):
+        super().__init__()
+        self.conv_reduce = nn.Conv2d(channels, rd_channels, 1, bias=True)
+        self.act1 = act()  # not in place: selective checkpointing keeps conv_reduce's output
+        self.conv_expand = nn.Conv2d(rd_channels, channels, 1, bias=True)
+        self.gate = gate()
+
+    def forward(self, x):
+        s = x.mean((2, 3), keepdim=True)
+        return x * self.gate(self.conv_expand(self.act1(self.conv_reduce(s))))

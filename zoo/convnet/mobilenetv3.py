@@ -1,0 +1,93 @@
+"""MobileNetV3 small and large built from zoo/blocks.
+
+    image (B, C, H, W) -> conv_stem 3x3/2, BN, hard-swish -> stages of MBConv blocks (ReLU in the
+    early ones, hard-swish later; squeeze-excitation with a hard-sigmoid gate where the paper puts
+    it) -> 1x1 conv, BN, hard-swish -> global average pool -> conv_head 1x1 (with bias), hard-swish
+    -> dropout -> classifier -> logits (B, num_classes)
+
+Paper: Howard et al., "Searching for MobileNetV3" (2019), tables 1 and 2. A width multiplier
+(`model.width_mult`, the preset's: 1.0, 0.75, 0.5) scales every stage (rounded to multiples of 8;
+the 16-channel stem stays fixed below 0.75), as timm's mobilenetv3_*_100/075/050.
+Efficiency choices: no conv that feeds a BatchNorm has a bias; stochastic depth with the linear
+rule on the residual blocks; channels-last throughout (applied by the loop).
+Parameter names are timm's (conv_stem, bn1, blocks.i.j..., conv_head, classifier), so its state
+dicts load without mapping.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..blocks.hard_swish import HardSigmoid, HardSwish
+from ..config import MOBILENETV3_ARCHS, ConvNetConfig, check
+from .base import ConvNetBase
+from .efficientnet import Blocks, build_stages, init_mobile, make_divisible
+
+R = "relu"
+STAGES = {
+    "large": [
+        [Blocks("ds", 1, 3, 1, 1, 16, act=R)],
+        [Blocks("ir", 1, 3, 2, 4, 24, act=R), Blocks("ir", 1, 3, 1, 3, 24, act=R)],
+        [Blocks("ir", 3, 5, 2, 3, 40, 0.25, act=R)],
+        [Blocks("ir", 1, 3, 2, 6, 80), Blocks("ir", 1, 3, 1, 2.5, 80), Blocks("ir", 2, 3, 1, 2.3, 80)],
+        [Blocks("ir", 2, 3, 1, 6, 112, 0.25)],
+        [Blocks("ir", 3, 5, 2, 6, 160, 0.25)],
+        [Blocks("cn", 1, 1, 1, 1, 960)],
+    ],
+    "small": [
+        [Blocks("ds", 1, 3, 2, 1, 16, 0.25, act=R)],
+        [Blocks("ir", 1, 3, 2, 4.5, 24, act=R), Blocks("ir", 1, 3, 1, 3.67, 24, act=R)],
+        [Blocks("ir", 1, 5, 2, 4, 40, 0.25), Blocks("ir", 2, 5, 1, 6, 40, 0.25)],
+        [Blocks("ir", 2, 5, 1, 3, 48, 0.25)],
+        [Blocks("ir", 3, 5, 2, 6, 96, 0.25)],
+        [Blocks("cn", 1, 1, 1, 1, 576)],
+    ],
+}
+HEAD_FEATURES = {"large": 1280, "small": 1024}
+
+
+class MobileNetV3(ConvNetBase):
+    classifier_name = "classifier"
+
+    def __init__(self, cfg: ConvNetConfig):
+        super().__init__()
+        check(cfg)
+        self.config = cfg = copy.deepcopy(cfg)
+        size = MOBILENETV3_ARCHS[cfg.arch][0]
+        wm, dm = cfg.resolved_width_mult, cfg.resolved_depth_mult
+        stem = 16 if wm < 0.75 else make_divisible(16 * wm)
+        self.conv_stem = nn.Conv2d(cfg.in_chans, stem, 3, 2 if cfg.stem == "imagenet" else 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(stem, eps=cfg.bn_eps)
+        self.act1 = HardSwish()
+        self.blocks, c = build_stages(STAGES[size], stem, wm, dm, HardSwish,
+                                      lambda c_in, mid, r: make_divisible(mid * r), nn.ReLU, HardSigmoid,
+                                      cfg.drop_path_rate, cfg.bn_eps)
+        self.num_features = HEAD_FEATURES[size]
+        self.conv_head = nn.Conv2d(c, self.num_features, 1, bias=True)  # no BatchNorm follows
+        self.act2 = HardSwish()
+        self.head_drop = nn.Dropout(cfg.drop_rate) if cfg.drop_rate > 0 else nn.Identity()
+        self.classifier = nn.Linear(self.num_features, cfg.num_classes)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        init_mobile(self)
+        if self.config.zero_init_last:
+            self.zero_init_last_bn()
+        self.reset_classifier(self.config.num_classes)
+
+    def units(self) -> list:
+        return [block for stage in self.blocks for block in stage]
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> (B, C, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
+        x = self.act1(self.bn1(self.conv_stem(x)))
+        for block in self.units():
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, in_chans, H, W) -> logits (B, num_classes)."""
+        x = self.act2(self.conv_head(self.forward_features(x).mean((2, 3), keepdim=True))).flatten(1)
+        return self.classifier(self.head_drop(x))

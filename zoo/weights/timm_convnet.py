@@ -1,0 +1,310 @@
+"""timm weights in and out for the ConvNet family: ResNet (and torchvision's ResNets), ConvNeXt V1 / V2,
+EfficientNet and MobileNetV3.
+
+Zoo's ConvNets use timm's parameter names (ResNet: conv1, layer1.0.conv1, ..., fc, which are
+torchvision's too; ConvNeXt: stem.0, stages.i.blocks.j..., head.fc; EfficientNet and MobileNetV3:
+conv_stem, blocks.i.j..., conv_head, classifier), so the name map is the identity; this module
+reads the file, tells the kind from the keys, infers the architecture (or checks the one given,
+a timm name), checks every name and shape, and writes the same layout back.
+
+    model = zoo.from_pretrained("resnet50.pth")                     # arch inferred from the keys
+    model = zoo.from_pretrained("convnext_tiny.safetensors", arch="convnext_tiny", num_classes=10)
+    model = zoo.from_pretrained("timm_folder/")                     # its config.json names the arch
+    zoo.save_pretrained(model, "out/model.safetensors")             # or .pth, or a folder
+
+Accepted files: .safetensors, or .pth/.pt/.bin/.ckpt read with torch.load(weights_only=True)
+(a bare state dict, or one wrapped as {"state_dict": ...} / {"model": ...}, "module." prefixes
+stripped), or a folder holding model.safetensors or pytorch_model.bin (timm's hub layout).
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..config import CONVNET_KINDS, CONVNEXT_ARCHS, RESNET_ARCHS, ConfigError, ConvNetConfig, from_dict, to_dict
+from .files import atomic_write, load_tensors, read_safetensors_header, save_safetensors
+
+SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+FOLDER_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_file(path) -> Path | None:
+    p = Path(path)
+    if p.is_dir():
+        return next((p / n for n in FOLDER_FILES if (p / n).is_file()), None)
+    return p if p.is_file() and p.suffix.lower() in SUFFIXES else None
+
+
+def read_state_dict(path) -> dict:
+    """The tensors of a ConvNet weight file or folder (CPU, memory-mapped where possible), checked
+    (zoo.weights.files.load_tensors), with DataParallel's "module." prefixes stripped."""
+    f = weight_file(path)
+    if f is None:
+        raise FileNotFoundError(f"{path}: no ConvNet weight file ({', '.join(SUFFIXES)} or a folder with "
+                                f"{' / '.join(FOLDER_FILES)})")
+    return {(k[7:] if k.startswith("module.") else k): v for k, v in load_tensors(f).items()}
+
+
+def _keys(f: Path) -> set:
+    if f.suffix.lower() == ".safetensors":
+        return set(read_safetensors_header(f)[0])  # the header only
+    return set(read_state_dict(f))
+
+
+# what tells each kind's keys apart (all of them present)
+SIGNATURES = {
+    "resnet": ("conv1.weight", "layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.conv2.weight"),
+    "convnext": ("stem.0.weight", "stages.0.blocks.0.conv_dw.weight", "stages.0.blocks.0.mlp.fc1.weight"),
+    "efficientnet": ("conv_stem.weight", "blocks.0.0.conv_dw.weight", "conv_head.weight", "bn2.weight"),
+    "mobilenetv3": ("conv_stem.weight", "blocks.0.0.conv_dw.weight", "conv_head.weight", "conv_head.bias"),
+}
+
+
+def kind_of(keys) -> str | None:
+    """resnet, convnext, efficientnet or mobilenetv3: which layout a set of state-dict names has (None: none)."""
+    keys = set(keys)
+    return next((k for k, sig in SIGNATURES.items() if set(sig) <= keys), None)
+
+
+def detect(path) -> bool:
+    """A ConvNet state dict in timm's layout (not TAESD, not an HF LLM)."""
+    f = weight_file(path)
+    if f is None:
+        return False
+    try:
+        keys = _keys(f)
+    except Exception:
+        return False
+    return kind_of(keys) is not None
+
+
+def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<state dict>", base: dict | None = None,
+                           **overrides) -> ConvNetConfig:
+    """Infer a ConvNetConfig from timm-layout keys and shapes (in_chans and num_classes always from the
+    shapes). Without `arch`, the architecture is inferred: ResNet and ConvNeXt from their blocks per stage,
+    widths and stem; EfficientNet and MobileNetV3 as the preset whose every tensor shape matches. With
+    `arch` (a timm name), the preset; a file of another kind is a one-line error, a preset that does not
+    fit shows as one when loading. `base`: a saved Zoo config the file carries (Zoo's own exports)."""
+    if "conv1.0.weight" in sd:
+        raise ValueError(f"{source}: deep stem (conv1.0/conv1.3/conv1.6, timm's resnet*c/d/t variants) "
+                         "is not supported; only the plain conv1 stem is")
+    kind = kind_of(sd)
+    if kind is None:
+        raise ValueError(f"{source}: not a ConvNet state dict in timm's layout (none of {', '.join(SIGNATURES)}: "
+                         f"e.g. no {SIGNATURES['resnet'][1]} or {SIGNATURES['convnext'][1]})")
+    if arch is not None:
+        if arch not in ConvNetConfig.all_archs():
+            raise ValueError(f"{source}: unknown arch {arch!r} (known: {', '.join(ConvNetConfig.all_archs())})")
+        want = next(k for k, archs in CONVNET_KINDS.items() if arch in archs)
+        if want != kind:
+            raise ValueError(f"{source}: holds {kind} weights, which do not load as arch={arch} (a {want}); "
+                             f"pass one of {', '.join(CONVNET_KINDS[kind])}, or no arch")
+    if base is not None and (arch is None or base.get("arch") == arch):
+        cfg = dict(base)
+    else:
+        cfg = INFER[kind](sd, arch, source)
+    cfg.update(in_chans=_in_chans(sd, kind))
+    head = HEADS[kind] + ".weight"
+    if head in sd:
+        cfg["num_classes"] = sd[head].shape[0]
+    if kind in ("efficientnet", "mobilenetv3") and "arch" not in cfg:
+        cfg["arch"] = _matching_preset(sd, kind, {**cfg, **overrides}, source)
+    cfg.update(overrides)
+    return from_dict(ConvNetConfig, cfg, source, "")
+
+
+HEADS = {"resnet": "fc", "convnext": "head.fc", "efficientnet": "classifier", "mobilenetv3": "classifier"}
+STEMS = {"resnet": "conv1.weight", "convnext": "stem.0.weight", "efficientnet": "conv_stem.weight",
+         "mobilenetv3": "conv_stem.weight"}
+
+
+def _in_chans(sd, kind) -> int:
+    return sd[STEMS[kind]].shape[1]
+
+
+def _resnet(sd, arch, source) -> dict:
+    """Depth from the blocks per stage, bottleneck from conv3, groups / width from conv2, stem from conv1."""
+    stem_w = sd["conv1.weight"]
+    if stem_w.ndim != 4 or stem_w.shape[-1] not in (3, 7):
+        raise ValueError(f"{source}: conv1.weight has shape {tuple(stem_w.shape)}; expected a 7x7 (imagenet) "
+                         "or 3x3 (small) stem conv")
+    width = stem_w.shape[0]
+    cfg = dict(width=width, stem="imagenet" if stem_w.shape[-1] == 7 else "small")
+    if arch is not None:
+        return {**cfg, "arch": arch}
+    depths = _depths(sd, "layer{}.", ".conv1.weight", start=1)
+    block = "bottleneck" if "layer1.0.conv3.weight" in sd else "basic"
+    groups, wpg = 1, 64
+    if block == "bottleneck":
+        c2 = sd["layer1.0.conv2.weight"]  # (group width, group width / groups, 3, 3)
+        groups = c2.shape[0] // c2.shape[1]
+        wpg = c2.shape[0] // groups * 64 // width
+    match = [n for n, a in RESNET_ARCHS.items() if a == (block, depths, groups, wpg)]
+    if match:
+        return {**cfg, "arch": match[0]}
+    return {**cfg, "arch": "resnet50" if block == "bottleneck" else "resnet18", "block": block, "layers": depths,
+            "groups": groups, "width_per_group": wpg}
+
+
+def _convnext(sd, arch, source) -> dict:
+    """Version 2 where the MLPs have a GRN; depths from the blocks per stage, width and stem from stem.0."""
+    stem_w = sd["stem.0.weight"]  # (width, in_chans, patch, patch)
+    cfg = dict(stem="imagenet" if stem_w.shape[-1] == 4 else "small")
+    if arch is not None:
+        return {**cfg, "arch": arch}
+    version = 2 if any(k.endswith(".mlp.grn.weight") for k in sd) else 1
+    depths, width = _depths(sd, "stages.{}.blocks.", ".conv_dw.weight", start=0), stem_w.shape[0]
+    match = [n for n, a in CONVNEXT_ARCHS.items() if a == (version, depths, width)]
+    if match:
+        return {**cfg, "arch": match[0]}
+    return {**cfg, "arch": "convnext_tiny" if version == 1 else "convnextv2_tiny", "layers": depths, "width": width}
+
+
+def _mobile(sd, arch, source) -> dict:
+    return {} if arch is None else {"arch": arch}
+
+
+INFER = {"resnet": _resnet, "convnext": _convnext, "efficientnet": _mobile, "mobilenetv3": _mobile}
+
+
+def _depths(sd, stage: str, block_key: str, start: int) -> list:
+    """Blocks per stage: the distinct block indices under stage.format(i) with a `block_key` tensor."""
+    depths = []
+    while any(k.startswith(stage.format(len(depths) + start)) for k in sd):
+        prefix = stage.format(len(depths) + start)
+        depths.append(len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix) and k.endswith(block_key)}))
+    return depths
+
+
+def _matching_preset(sd, kind: str, cfg: dict, source: str) -> str:
+    """The first preset of `kind` whose model (built on the meta device, with cfg's keys) has every tensor
+    of sd with the same shape."""
+    from ..convnet import build
+    head = HEADS[kind] + "."
+    shapes = {k: tuple(v.shape) for k, v in sd.items() if not k.startswith(head)}
+    for name in CONVNET_KINDS[kind]:
+        try:
+            with torch.device("meta"):
+                own = build(from_dict(ConvNetConfig, {**cfg, "arch": name}, source, "")).state_dict()
+        except ConfigError:
+            continue
+        if {k: tuple(v.shape) for k, v in own.items() if not k.startswith(head)} == shapes:
+            return name
+    raise ValueError(f"{source}: {kind} weights that match no preset ({', '.join(CONVNET_KINDS[kind])}): pass "
+                     f"arch= and the model keys that reshape it (width_mult, depth_mult, stem)")
+
+
+def load_into(model, sd: dict, source: str = "<state dict>") -> None:
+    """Copy a timm-layout state dict into a Zoo ConvNet. Missing, unexpected and mis-shaped keys are one
+    error listing them; a classifier of another size (or none) leaves the model's own freshly
+    initialised head, with a warning."""
+    own = model.state_dict()
+    sd = dict(sd)
+    name = model.classifier_name
+    head = [k for k in (f"{name}.weight", f"{name}.bias") if k in own]
+    if any(k not in sd or sd[k].shape != own[k].shape for k in head):
+        got = f"classifier {tuple(sd[head[0]].shape)}" if head[0] in sd else "no classifier in the file;"
+        warnings.warn(f"{source}: {got} replaced by a new {model.config.num_classes}-class head "
+                      f"({name} is freshly initialised; train it)", stacklevel=3)
+        model.reset_classifier(model.config.num_classes)
+        own = model.state_dict()
+        for k in head:
+            sd.pop(k, None)
+            sd[k] = own[k]
+    tracked = ".num_batches_tracked"
+    missing = [k for k in own if k not in sd and not k.endswith(tracked)]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in own
+              if k in sd and sd[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped (file vs model)", shapes)):
+            if items:
+                parts.append(f"{len(items)} {what}: {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}")
+        raise ValueError(f"{source}: weights do not fit {describe(model.config)}: {'; '.join(parts)}")
+    for k in own:  # BatchNorm batch counts a file may lack (torchvision's): 0
+        if k.endswith(tracked) and k not in sd:
+            sd[k] = torch.zeros_like(own[k])
+    model.load_state_dict(sd, strict=True)
+
+
+def describe(cfg: ConvNetConfig) -> str:
+    """'resnet18-style ResNet (layers=[1, 1], block=basic)', 'convnext_tiny', ...: what a model was built as."""
+    if cfg.kind == "resnet":
+        return f"{cfg.arch}-style ResNet (layers={cfg.resolved_layers}, block={cfg.resolved_block})"
+    if cfg.kind == "convnext":
+        return f"{cfg.arch}-style ConvNeXt (layers={cfg.resolved_layers}, width={cfg.resolved_width})"
+    return f"{cfg.arch} (width_mult={cfg.resolved_width_mult}, depth_mult={cfg.resolved_depth_mult})"
+
+
+def saved_config(path) -> tuple[str | None, dict | None]:
+    """(the architecture a timm folder's config.json names, the Zoo config a Zoo export carries): the
+    "zoo" entry of the safetensors metadata or of the folder's config.json."""
+    p, f = Path(path), weight_file(path)
+    meta = {}
+    if p.is_dir() and (p / "config.json").is_file():
+        try:
+            meta = json.loads((p / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{p / 'config.json'}: not valid JSON") from None
+    if "zoo" not in meta and f is not None and f.suffix.lower() == ".safetensors":
+        extra = read_safetensors_header(f)[1] or {}
+        if "zoo" in extra:
+            meta["zoo"] = json.loads(extra["zoo"])
+    arch = meta.get("architecture")
+    return (arch if arch in ConvNetConfig.all_archs() else None), meta.get("zoo")
+
+
+def load(path, arch: str | None = None, num_classes: int | None = None, **overrides):
+    """A Zoo ConvNet (eval mode) with the weights of `path`; see the module docstring. The model
+    remembers the file name it came from (`pretrained_format`), so that save() to a folder writes
+    it back in the same file type."""
+    from ..convnet import build
+    sd = read_state_dict(path)
+    if num_classes is not None:
+        overrides["num_classes"] = num_classes
+    named, base = saved_config(path)
+    cfg = config_from_state_dict(sd, arch or named, str(path), base, **overrides)
+    with torch.device("meta"):  # every tensor comes from the file (or a fresh head): no initialisation to pay for
+        model = build(cfg)
+    model.to_empty(device="cpu")
+    load_into(model, sd, str(path))
+    f = weight_file(path)
+    model.pretrained_format = {"format": "timm", "layout": "folder" if Path(path).is_dir() else "file",
+                               "file": f.name}
+    return model.eval()
+
+
+def exports(model) -> bool:
+    from ..convnet import ConvNetBase
+    return isinstance(model, ConvNetBase)
+
+
+def save(model, path, **kwargs) -> Path:
+    """Write timm's key layout: a path ending .safetensors, or .pth/.pt/.bin
+    (torch.save), is that file. Any other path is a folder: a model loaded from a single file
+    goes back as that file's name inside it (resnet50.pth -> folder/resnet50.pth); otherwise the
+    folder gets model.safetensors (or the weight file it was loaded with) and a config.json with
+    the zoo config (a .safetensors file carries the zoo config in its metadata too, so that a reshaped
+model loads back as it is). Returns the weight file written."""
+    if kwargs:
+        raise TypeError(f"save_pretrained for a ConvNet takes no options, got {', '.join(kwargs)}")
+    p = Path(path)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if p.suffix.lower() not in SUFFIXES:  # a folder
+        source = getattr(model, "pretrained_format", None) or {}
+        if source.get("layout") == "file":
+            p = p / source["file"]
+        else:
+            cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
+                   "zoo": to_dict(model.config)}
+            atomic_write(p / "config.json", json.dumps(cfg, indent=2))
+            p = p / source.get("file", "model.safetensors")
+    if p.suffix.lower() == ".safetensors":
+        save_safetensors(sd, p, {"arch": model.config.arch, "zoo": json.dumps(to_dict(model.config))})
+    else:
+        atomic_write(p, lambda t: torch.save(sd, t))
+    return p
