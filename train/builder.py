@@ -27,6 +27,7 @@ from zoo.weights.files import atomic_write
 
 from .distributed import Launch, Parallel, unsupported
 from .optim import build_optimizer
+from .quantized import prepare as prepare_qat
 from .runtime import apply_runtime
 from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
 from .tasks import task_class
@@ -47,6 +48,7 @@ class Run:
     keys: Optional[set] = None         # an adapter run: the state-dict names it checkpoints (what trains)
     unfreezer: Optional[GradualUnfreezing] = None
     par: Parallel = field(default_factory=lambda: Parallel("none", Launch()))
+    quantized: Optional[nn.Module] = None  # train.qat / train.quantize: the deployed model, made at the end
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -105,7 +107,7 @@ def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Modul
         model = model.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
-    return model
+    return prepare_qat(model, cfg.train, say)
 
 
 def with_batch(cfg, batch_size: int, grad_accum: int):

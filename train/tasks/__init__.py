@@ -24,6 +24,7 @@ class Task:
 
     DataConfig: type = None
     unit: str = "items"
+    quantizable: bool = False  # train.qat / train.quantize apply (the quantized model has a format to be written in)
     # data parallelism (train/distributed.py): this process's rank among `world`; micro-batch m of
     # step s is one global batch of batch_size x world items drawn from batch_generator(s, m),
     # of which this rank trains on own_rows(); sum_across_ranks(x) sums a tensor in place

@@ -36,6 +36,7 @@ from . import Task
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
+    quantizable = True
     moe = None           # the model's MoEConfig, when it has one
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)

@@ -13,7 +13,7 @@ from .files import check_weights
 
 # Tried in order; the first whose detect() is true loads the path.
 # Saving: the first whose exports(model) is true writes it (a Zoo folder for LLMs no external format holds).
-FORMATS: list[str] = ["zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.zoo_folder", "zoo.weights.hf_llm",
+FORMATS: list[str] = ["zoo.weights.quantized", "zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.zoo_folder", "zoo.weights.hf_llm",
                       "zoo.weights.resnet"]
 
 
