@@ -33,6 +33,8 @@ BENCHES: dict[str, str] = {
     "checkpointing": "train.benches.checkpointing",
     "distributed": "train.benches.distributed",
     "report": "train.benches.report",
+    "quantized": "train.benches.quantized",
+    "qat": "train.benches.qat",
 }
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from zoo.adapters import apply_adapters, count_params, trainable_keys
 from zoo.weights.files import atomic_write
 
+from .distill import load_teacher
 from .distributed import Launch, Parallel, unsupported
 from .optim import build_optimizer
 from .quantized import prepare as prepare_qat
@@ -135,6 +136,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
     model = build_model(cfg, task, device, say)
+    task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None
     unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
         if t.unfreeze else None

@@ -171,6 +171,17 @@ class TrainConfig:
                                             # (FSDP2, parameters, gradients and optimizer state sharded); `batch_size`
                                             # is per process, the global batch `batch_size x grad_accum x` processes.
                                             # Ignored by a plain `python train/run.py`. See docs/distributed.md
+    teacher: Optional[str] = None           # knowledge distillation: a model `zoo.from_pretrained` loads (a Hugging
+                                            # Face folder, a Zoo run folder, ResNet weights) with the student's
+                                            # vocabulary (LLM) or classes (ConvNet). It runs in eval mode without
+                                            # gradients under the run's precision, beside the model and never
+                                            # wrapped (DDP / FSDP), and the training loss becomes `kd_alpha` *
+                                            # KL(teacher || student at `kd_temperature`) * T^2 + (1 - `kd_alpha`) *
+                                            # cross-entropy; for LLMs chunk by chunk with `chunked_loss`, so neither
+                                            # model's full logits exist. Evaluation stays the student's
+                                            # cross-entropy. See docs/deploy.md
+    kd_alpha: float = bounded(0.5, ge=0, le=1)  # with `teacher`: the weight of the distillation term
+    kd_temperature: float = bounded(2.0, gt=0)  # with `teacher`: the softmax temperature T of both models
     qat: Optional[Literal["int8", "int4", "8da4w"]] = None  # quantization-aware training (LLM): the linears
                                             # `quantize` would quantize are fake-quantized in every forward
                                             # (torchao's QAT: `int8` per-row int8 weights, `int4` int4 weights in
@@ -389,6 +400,8 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
     if t.init_from is not None and not Path(t.init_from).expanduser().exists():
         raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
+    if t.teacher is not None and not Path(t.teacher).expanduser().exists():
+        raise fail(src, "train.teacher", f"={t.teacher}: no such file or folder")
 
 
 def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
+from zoo.blocks.chunked_ce import distillation_loss
 from zoo.config import ConfigError, bounded, fail
 from zoo.weights import resnet as resnet_weights
 
@@ -216,9 +217,23 @@ class ClassifyTask(Task):
         self.pretrained = None
         return model
 
+    def check_teacher(self, teacher, model):
+        classes = getattr(getattr(teacher, "config", None), "num_classes", None)
+        if classes is None:
+            return f"a {type(teacher).__name__} is not a classifier"
+        if classes != model.config.num_classes:
+            return f"its num_classes={classes} is not the student's {model.config.num_classes}"
+        return None
+
     def loss(self, model, batch):
         x, y = batch
-        logits = model(self.normalize(x))
+        x = self.normalize(x)
+        logits = model(x)
+        if self.teacher is not None:  # distillation replaces label smoothing: the teacher's soft targets
+            with torch.no_grad():
+                teacher_logits = self.teacher(x)
+            t = self.cfg.train
+            return distillation_loss(logits, teacher_logits, y, t.kd_alpha, t.kd_temperature), y.numel()
         return F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.data.label_smoothing), y.numel()
 
     def example_batch(self, model, batch_size):

@@ -25,6 +25,7 @@ import torch
 import zoo
 from zoo.blocks.attention import resolve_backend
 from zoo.config import ConfigError
+from zoo.llm import Distill
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
@@ -137,12 +138,25 @@ class LMTask(Task):
         return self.data.batch("train", self.global_rows(), g, self.device, window,
                                slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
 
+    def check_teacher(self, teacher, model):
+        if getattr(teacher, "family", None) != "llm":
+            return f"a {type(teacher).__name__} cannot teach an LLM"
+        if teacher.config.vocab_size != model.config.vocab_size:
+            return f"its vocab_size={teacher.config.vocab_size} is not the student's {model.config.vocab_size}"
+        return None
+
     def loss(self, model, batch):
         x, y = batch
+        kw = {}
+        if self.teacher is not None:  # its final hidden states only: the logits are made chunk by chunk
+            with torch.no_grad():
+                hidden = self.teacher.features(x)
+            t = self.cfg.train
+            kw["distill"] = Distill(hidden, self.teacher.lm_head.weight, t.kd_alpha, t.kd_temperature)
         if self.moe is None and not self.mod:
-            _, loss = model(x, y)
+            _, loss = model(x, y, **kw)
             return loss, y.numel()
-        _, loss, aux = model(x, y, return_aux=True)
+        _, loss, aux = model(x, y, return_aux=True, **kw)
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 
