@@ -5,7 +5,7 @@
     python train/bench.py qat --scheme int4 --seeds 0,1,2 --steps 100
 
 The base: the trained embedded default (train/benches/quantized.py's: configs/llm/tiny.yaml's
-400 steps, trained once into runs/bench-quantized/tiny; or --trained). Per seed, two fine-tunes
+400 steps, trained once into runs/bench-quantized/tiny, changed by --train-overrides; or --trained). Per seed, two fine-tunes
 of it by train/run.py with the same data, steps, schedule and seed (train.init_from):
   ptq:  a plain fine-tune with train.quantize=<the scheme's> : the loop evaluates the float model
         (val_loss) and its post-training quantized copy (quant_val_loss) on the same windows;
@@ -45,8 +45,9 @@ def fine_tune(args, base: Path, seed: int, qat: bool) -> dict:
                f"train.seed={seed}", f"train.eval_batches={args.eval_batches}", "train.eval_every=0",
                "train.checkpoint_every=0", "train.average_last=0", "train.samples=false", "train.plot=false",
                "train.progress=false", "train.export=false", f"optim.lr={args.lr}", "optim.warmup_fraction=0.1",
-               f"train.quant_group_size={args.group_size}",
-               f"train.qat={args.scheme}" if qat else f"train.quantize={QAT_SCHEMES[args.scheme]}"]
+               f"train.quant_group_size={args.group_size}", f"train.precision={args.precision}",
+               f"train.qat={args.scheme}" if qat else f"train.quantize={QAT_SCHEMES[args.scheme]}",
+               *args.fine_tune_overrides.split()]
         print(" ".join(cmd[1:]), flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
@@ -69,6 +70,7 @@ def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
 
 def main(argv=None):
     p = harness.parser("qat", __doc__, precision=None, rounds=False)
+    p.add_argument("--precision", type=harness.precision_name, default="fp32", help="the fine-tunes' train.precision")
     p.add_argument("--scheme", choices=sorted(QAT_SCHEMES), default="int4")
     p.add_argument("--seeds", default="0,1,2", help="comma list of train.seed values")
     p.add_argument("--steps", type=harness.positive_int, default=100)
@@ -76,6 +78,8 @@ def main(argv=None):
     p.add_argument("--group-size", type=harness.positive_int, default=32)
     p.add_argument("--eval-batches", type=harness.positive_int, default=20)
     p.add_argument("--trained", default=None, help="the LLM run folder to fine-tune (default: the embedded default's)")
+    p.add_argument("--train-overrides", default="", help="as `quantized --train-overrides`: the base run changed")
+    p.add_argument("--fine-tune-overrides", default="", help="key=value overrides of the fine-tunes")
     p.add_argument("--out", default="runs/bench-qat")
     p.add_argument("--docs", action="store_true")
     p.add_argument("--render", action="store_true", help="only re-render the docs table from the JSON")
@@ -83,7 +87,7 @@ def main(argv=None):
     if args.render:
         print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
         return 0
-    base = trained_folder(args.trained)
+    base = trained_folder(args.trained, overrides=args.train_overrides.split())
     seeds = []
     for seed in (int(s) for s in args.seeds.split(",")):
         ptq, qat = fine_tune(args, base, seed, False), fine_tune(args, base, seed, True)

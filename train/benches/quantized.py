@@ -8,7 +8,7 @@ weight-only and 8da4w (zoo.quantize, torchao) against the bf16 model.
 
 Speed: the SmolLM-135M shape (configs/llm/smollm-135m.yaml: 30 layers, d_model 576, GQA 9/3 heads,
 vocab 49152, tied embeddings) with random weights (speed does not depend on the values), cast to
-bf16, and one quantized copy per scheme (group size --group-size; the embedding and the LM head
+--precision (bf16 by default: "bf16" below), and one quantized copy per scheme (group size --group-size; the embedding and the LM head
 stay bf16). Batch 1, a random prompt of --prompt tokens, --new-tokens greedy tokens with
 LLM.generate (eager; --compile adds each side's compiled decoding step, generate(compile=True)).
 One warm-up call per side, then the sides alternate for --rounds rounds (train/benches/harness.py):
@@ -17,8 +17,8 @@ with their range, on the wall clock. Also each model's weight bytes (torchao's
 get_model_size_in_bytes) and whether its tokens equal bf16's.
 
 Quality: a trained model, by default the embedded default (configs/llm/tiny.yaml, its 400 steps
-on the Python standard library, trained once into --out/tiny by train/run.py and reused), or any
-LLM run folder given with --trained. Its validation windows (--eval-batches batches of the run's
+on the Python standard library, trained once into --out/tiny by train/run.py and reused; with
+--train-overrides that run changed, e.g. shorter), or any LLM run folder given with --trained. Its validation windows (--eval-batches batches of the run's
 batch size, the loop's own val_batches) are scored by the fp32 model, the bf16 model and each
 quantized copy; the change against bf16 is the mean over the batches of the per-batch
 difference with its 95% Student-t interval (the same windows on both sides, so the batches
@@ -48,17 +48,17 @@ DOCS_JSON = ROOT / "docs" / "deploy" / "quantized.json"
 QUALITY_OUT = "runs/bench-quantized"
 
 
-def bf16_model(config, seed: int = 0):
+def built_model(config, dtype: torch.dtype, seed: int = 0):
     import zoo
     from zoo.weights.zoo_folder import cast_weights
     torch.manual_seed(seed)
-    return cast_weights(zoo.build(config), torch.bfloat16).eval()
+    return cast_weights(zoo.build(config), dtype).eval()
 
 
-def quantized_sides(model, schemes, group_size: int) -> dict:
-    """{'bf16': model, scheme: a quantized copy, ...}."""
+def quantized_sides(model, schemes, group_size: int, name: str) -> dict:
+    """{name: model, scheme: a quantized copy, ...}."""
     import zoo
-    return {"bf16": model, **{s: zoo.quantize(copy.deepcopy(model), s, group_size) for s in schemes}}
+    return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, group_size) for s in schemes}}
 
 
 def weight_bytes(model) -> int:
@@ -67,8 +67,10 @@ def weight_bytes(model) -> int:
 
 
 def bench_speed(args) -> dict:
-    models = quantized_sides(bf16_model(ROOT / "configs" / "llm" / "smollm-135m.yaml"), args.schemes, args.group_size)
-    vocab = models["bf16"].config.vocab_size
+    base = args.precision
+    models = quantized_sides(built_model(ROOT / "configs" / "llm" / "smollm-135m.yaml", harness.PRECISIONS[base]),
+                             args.schemes, args.group_size, base)
+    vocab = models[base].config.vocab_size
     prompt = torch.randint(0, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     n = args.new_tokens
     calls = {s: (lambda m=m: m.generate(prompt, n)) for s, m in models.items()}
@@ -90,27 +92,32 @@ def bench_speed(args) -> dict:
         rounds = harness.run_rounds({s: keeping(s) for s in calls}, args.rounds)
     rows = []
     for s in calls:
-        base = "bf16 compiled" if s.endswith("compiled") else "bf16"
-        p = rounds.paired(s, base)
+        ref = f"{base} compiled" if s.endswith("compiled") else base
+        p = rounds.paired(s, ref)
         rows.append({"side": s, "tok_s": n / rounds.best(s), "tok_s_cpu": n / rounds.best(s, "cpu"),
                      "paired": [p.median, p.low, p.high], "first_s": first[s],
                      "weights_mib": weight_bytes(models[s.removesuffix(" compiled")]) / 2**20,
-                     "same_tokens": bool(torch.equal(outs[s], outs[base]))})
-    return {"shape": "configs/llm/smollm-135m.yaml", "params": sum(p.numel() for p in models["bf16"].parameters()),
+                     "same_tokens": bool(torch.equal(outs[s], outs[ref]))})
+    return {"shape": "configs/llm/smollm-135m.yaml", "params": sum(p.numel() for p in models[base].parameters()),
+            "precision": base,
             "batch": 1, "prompt": args.prompt, "new_tokens": n, "rounds": args.rounds, "group_size": args.group_size,
             "threads": torch.get_num_threads(), "rows": rows}
 
 
-def trained_folder(trained=None, out=QUALITY_OUT) -> Path:
-    """`trained` (--trained), or the embedded default trained once into out/tiny."""
+def trained_folder(trained=None, out=QUALITY_OUT, overrides=()) -> Path:
+    """`trained` (--trained), or the embedded default (with `overrides`, key=value strings for
+    train/run.py) trained once into out/tiny[-<hash of the overrides>]."""
     if trained:
         return Path(trained)
-    out = Path(out) / "tiny"
+    import hashlib
+    tag = "-" + hashlib.sha1(" ".join(overrides).encode()).hexdigest()[:8] if overrides else ""
+    out = Path(out) / f"tiny{tag}"
     if (out / "model.safetensors").is_file():
         print(f"trained model: {out} (from an earlier run; delete it to train again)", flush=True)
         return out
     cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / "tiny.yaml"),
-           f"train.out_dir={out}", "train.samples=false", "train.plot=false", "train.progress=false", "train.export=false"]
+           f"train.out_dir={out}", "train.samples=false", "train.plot=false", "train.progress=false",
+           "train.export=false", *overrides]
     print("trained model: " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return out
@@ -125,40 +132,44 @@ def bench_quality(args) -> dict:
     import zoo
     from train.config import load_run_config
     from train.tasks.lm import LMTask
-    folder = trained_folder(args.trained, args.out)
+    folder = trained_folder(args.trained, args.out, args.train_overrides.split())
     cfg = load_run_config(str(folder / "config.yaml"))
     task = LMTask(cfg, torch.device("cpu"), lambda m: None)
     task.setup()
     batches = list(task.data.val_batches(cfg.train.batch_size, args.eval_batches))
     fp32 = zoo.from_pretrained(folder, dtype=torch.float32)
-    models = {"fp32": fp32, **quantized_sides(zoo.from_pretrained(folder, dtype=torch.bfloat16), args.schemes,
-                                              args.group_size)}
+    base = args.precision
+    models = {"fp32": fp32, **quantized_sides(zoo.from_pretrained(folder, dtype=harness.PRECISIONS[base]),
+                                              args.schemes, args.group_size, base)}
     losses = {s: batch_losses(m, batches) for s, m in models.items()}
     rows = []
     for s, v in losses.items():
-        d = [a - b for a, b in zip(v, losses["bf16"])]
+        d = [a - b for a, b in zip(v, losses[base])]
         mean, half = harness.mean_interval(d)
         rows.append({"side": s, "val_loss": sum(v) / len(v), "delta": mean, "delta_half": half,
-                     "verdict": "" if s == "bf16" else harness.verdict(mean, half)})
+                     "verdict": "" if s == base else harness.verdict(mean, half)})
     tokens = sum(y.numel() for _, y in batches)
-    return {"trained": str(folder), "config": cfg.source, "eval_batches": len(batches), "tokens": tokens,
+    return {"trained": str(folder), "config": cfg.source, "precision": base, "eval_batches": len(batches), "tokens": tokens,
             "group_size": args.group_size, "rows": rows}
 
 
 # ---------------------------------------------------------------- tables
 def speed_table(s: dict) -> str:
+    base = s.get("precision", "bf16")
     return harness.table_text(
-        ["model", "weights MiB", "tokens/s (best round)", "against bf16: paired median (range)", "same tokens as bf16"],
+        ["model", "weights MiB", "tokens/s (best round)", f"against {base}: paired median (range)",
+         f"same tokens as {base}"],
         [[r["side"], f"{r['weights_mib']:.0f}", f"{r['tok_s']:.1f}",
           f"{r['paired'][0]:.2f}x ({r['paired'][1]:.2f}-{r['paired'][2]:.2f}x)", "yes" if r["same_tokens"] else "no"]
          for r in s["rows"]])
 
 
 def quality_table(q: dict) -> str:
+    base = q.get("precision", "bf16")
     return harness.table_text(
-        ["model", "val loss", "change against bf16 (95% interval)", "verdict"],
+        ["model", "val loss", f"change against {base} (95% interval)", "verdict"],
         [[r["side"], f"{r['val_loss']:.4f}",
-          "" if r["side"] == "bf16" else f"{r['delta']:+.4f} (±{r['delta_half']:.4f})", r["verdict"]]
+          "" if r["side"] == base else f"{r['delta']:+.4f} (±{r['delta_half']:.4f})", r["verdict"]]
          for r in q["rows"]])
 
 
@@ -171,6 +182,8 @@ def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
 
 def main(argv=None):
     p = harness.parser("quantized", __doc__, precision=None)
+    p.add_argument("--precision", type=harness.precision_name, default="bf16",
+                   help="the dtype of the unquantized model and of each copy's unquantized parts (default bf16)")
     p.add_argument("--parts", type=harness.name_list(("speed", "quality"), "part"), default="speed,quality")
     p.add_argument("--schemes", type=harness.name_list(SCHEMES, "scheme"), default=",".join(SCHEMES))
     p.add_argument("--group-size", type=harness.positive_int, default=32)
@@ -178,6 +191,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=harness.positive_int, default=128)
     p.add_argument("--compile", action="store_true", help="also each side's compiled decoding step")
     p.add_argument("--trained", default=None, help="an LLM run folder (default: the embedded default, trained once)")
+    p.add_argument("--train-overrides", default="", help="key=value overrides (space-separated) of the embedded "
+                                                          "default's training run, e.g. 'train.max_steps=100'")
     p.add_argument("--eval-batches", type=harness.positive_int, default=40)
     p.add_argument("--out", default=QUALITY_OUT)
     p.add_argument("--docs", action="store_true", help=f"write {DOCS_JSON.relative_to(ROOT)} and the tables of "
@@ -200,6 +215,9 @@ def main(argv=None):
         q = data["quality"]
         print(f"quality: {q['trained']}, {q['eval_batches']} validation batches ({q['tokens']} tokens)")
         print(quality_table(q))
+    if args.docs and DOCS_JSON.is_file():  # a part not run now keeps its earlier numbers in the docs
+        old = json.loads(DOCS_JSON.read_text())
+        data.update({k: old[k] for k in ("speed", "quality") if k in old and k not in data})
     harness.write_results(data, Path(args.out) / "quantized.json", DOCS_JSON if args.docs else None, render)
     return 0
 
