@@ -183,3 +183,20 @@ def test_run_keys_are_checked_in_one_line(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="quantizes LLMs"):
         load_run_config(None, ["train.quantize=int8wo"], base={"family": "convnet"})
+
+
+def test_docs_tables_are_rendered_from_the_benchmarks_json(tmp_path):
+    """docs/deploy.md's tables equal what the benchmarks render from their committed JSON, and the
+    renderer rewrites a table that disagrees (tables in docs/ are never typed in)."""
+    import json
+
+    from train.benches import distill, harness, qat, quantized
+    for mod in (quantized, qat, distill):
+        if mod.DOCS_JSON.is_file():
+            assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__
+    page = tmp_path / "page.md"
+    page.write_text("# x\n<!-- bench:t -->\n| stale |\n<!-- /bench -->\nafter\n")
+    assert harness.update_docs_table(page, "t", "| new |\n") and page.read_text().endswith("| new |\n<!-- /bench -->\nafter\n")
+    assert not harness.update_docs_table(page, "t", "| new |\n")
+    with pytest.raises(ValueError, match="no <!-- bench:other -->"):
+        harness.update_docs_table(page, "other", "")

@@ -35,6 +35,7 @@ BENCHES: dict[str, str] = {
     "report": "train.benches.report",
     "quantized": "train.benches.quantized",
     "qat": "train.benches.qat",
+    "distill": "train.benches.distill",
 }
 
 
