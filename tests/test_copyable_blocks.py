@@ -259,6 +259,10 @@ SMOKE = {
         assert (loss - ref).abs() < 1e-5
         loss.backward()
         assert h.grad is not None and w.grad is not None
+        from chunked_ce import chunked_distillation_loss, distillation_loss
+        th, tw = torch.randn(10, 6), torch.randn(32, 6)
+        kd = chunked_distillation_loss(h, w, t, th, tw, 0.5, 2.0, 3)
+        assert (kd - distillation_loss(h @ w.t(), th @ tw.t(), t, 0.5, 2.0)).abs() < 1e-5
     """,
 }
 

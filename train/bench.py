@@ -40,6 +40,9 @@ BENCHES: dict[str, str] = {
     "report": "train.benches.report",
     "gguf": "train.benches.llm_gguf",
     "sft-packing": "train.benches.sft_packing",
+    "quantized": "train.benches.quantized",
+    "qat": "train.benches.qat",
+    "distill": "train.benches.distill",
 }
 
 

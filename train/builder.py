@@ -25,8 +25,10 @@ from torch import nn
 from zoo.adapters import apply_adapters, count_params, trainable_keys
 from zoo.weights.files import atomic_write
 
+from .distill import load_teacher
 from .distributed import Launch, Parallel, unsupported
 from .optim import build_optimizer
+from .quantized import prepare as prepare_qat
 from .runtime import apply_runtime
 from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
 from .tasks import task_class
@@ -47,6 +49,7 @@ class Run:
     keys: Optional[set] = None         # an adapter run: the state-dict names it checkpoints (what trains)
     unfreezer: Optional[GradualUnfreezing] = None
     par: Parallel = field(default_factory=lambda: Parallel("none", Launch()))
+    quantized: Optional[nn.Module] = None  # train.qat / train.quantize: the deployed model, made at the end
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -105,7 +108,7 @@ def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Modul
         model = model.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
-    return model
+    return prepare_qat(model, cfg.train, say)
 
 
 def with_batch(cfg, batch_size: int, grad_accum: int):
@@ -133,6 +136,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
     model = build_model(cfg, task, device, say)
+    task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None
     unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
         if t.unfreeze else None

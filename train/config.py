@@ -24,6 +24,9 @@ from zoo.config import (ConfigError, bounded, deep_merge, fail, from_dict, load_
 from .optim import OPTIMIZERS
 
 
+QAT_SCHEMES = {"int8": "int8wo", "int4": "int4wo", "8da4w": "8da4w"}  # train.qat -> the scheme it converts to
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = "runs/default"           # where metrics, checkpoints and the final `model.safetensors` go
@@ -172,6 +175,36 @@ class TrainConfig:
                                             # (FSDP2, parameters, gradients and optimizer state sharded); `batch_size`
                                             # is per process, the global batch `batch_size x grad_accum x` processes.
                                             # Ignored by a plain `python train/run.py`. See docs/distributed.md
+    teacher: Optional[str] = None           # knowledge distillation: a model `zoo.from_pretrained` loads (a Hugging
+                                            # Face folder, a Zoo run folder, ResNet weights) with the student's
+                                            # vocabulary (LLM) or classes (ConvNet). It runs in eval mode without
+                                            # gradients under the run's precision, beside the model and never
+                                            # wrapped (DDP / FSDP), and the training loss becomes `kd_alpha` *
+                                            # KL(teacher || student at `kd_temperature`) * T^2 + (1 - `kd_alpha`) *
+                                            # cross-entropy; for LLMs chunk by chunk with `chunked_loss`, so neither
+                                            # model's full logits exist. Evaluation stays the student's
+                                            # cross-entropy. See docs/deploy.md
+    kd_alpha: float = bounded(0.5, ge=0, le=1)  # with `teacher`: the weight of the distillation term
+    kd_temperature: float = bounded(2.0, gt=0)  # with `teacher`: the softmax temperature T of both models
+    qat: Optional[Literal["int8", "int4", "8da4w"]] = None  # quantization-aware training (LLM): the linears
+                                            # `quantize` would quantize are fake-quantized in every forward
+                                            # (torchao's QAT: `int8` per-row int8 weights, `int4` int4 weights in
+                                            # groups of `quant_group_size`, `8da4w` int8 per-token activations and
+                                            # int4 weights); at the end they are converted to the matching `quantize`
+                                            # scheme (int8wo, int4wo, 8da4w), evaluated (`quant_val_loss`, ...) and
+                                            # written to `out_dir/quantized/`. model.safetensors keeps the trained
+                                            # float weights. See docs/deploy.md
+    quantize: Optional[Literal["int8wo", "int4wo", "8da4w"]] = None  # post-training quantization (LLM): at the
+                                            # end a bf16 copy of the final model is quantized through torchao
+                                            # (zoo.quantize), evaluated beside the float model (`quant_val_loss`,
+                                            # ... in the final row) and written to `out_dir/quantized/` (a quantized
+                                            # Zoo folder, zoo.from_pretrained loads it). With `qat` it must be
+                                            # that scheme's (null: it is)
+    quant_group_size: int = bounded(32, gt=0)  # with `qat` / `quantize`: weights per int4 group (int4 schemes;
+                                            # on a CPU int4wo packs 32, 64 or 128)
+    quant_keep: list[str] = field(default_factory=lambda: ["embed", "lm_head"])  # with `qat` / `quantize`: the
+                                            # modules that stay in 16-bit (a qualified name, or a name's last
+                                            # part); the embedding and the LM head by default
     sync_bn: bool = False                   # with `parallel`: BatchNorm layers normalise with the statistics of the
                                             # global batch (ResNets; torch's SyncBatchNorm on GPUs, its CPU
                                             # counterpart in train/distributed.py on CPUs)
@@ -200,6 +233,9 @@ class TrainConfig:
         if self.unfreeze is not None and (not self.unfreeze or any(s <= 0 for s in self.unfreeze)
                                           or sorted(set(self.unfreeze)) != list(self.unfreeze)):
             raise fail(source, prefix + "unfreeze", f"must be increasing steps > 0 or null, got {self.unfreeze}")
+        if self.qat and self.quantize and QAT_SCHEMES[self.qat] != self.quantize:
+            raise fail(source, prefix + "quantize", f"={self.quantize} is not what train.qat={self.qat} trains for "
+                                                    f"({QAT_SCHEMES[self.qat]}; or null)")
         from .tracking import missing_package
         missing = missing_package(self.tracker, prefix + "tracker")
         if missing:
@@ -318,6 +354,9 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
     adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
     cfg = RunConfig(family, model, dcfg, train, optim, adapter, source)
+    if (train.qat or train.quantize) and not task.quantizable:
+        key = "train.qat" if train.qat else "train.quantize"
+        raise fail(source, key, f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")
     check_across_sections(cfg)
     check = getattr(task, "validate_config", None)
     if check is not None:
@@ -328,6 +367,9 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
 def check_across_sections(cfg: RunConfig):
     """Keys that are each valid but make no sense together: one-line errors naming both."""
     t, o, src = cfg.train, cfg.optim, cfg.source
+    if (t.qat or t.quantize) and cfg.adapter.enabled:
+        raise fail(src, "train.qat" if t.qat else "train.quantize",
+                   f"does not combine with adapter.method={cfg.adapter.method} (quantize the merged model afterwards)")
     warmup = o.resolved_warmup_steps(t.max_steps)
     wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
     if warmup >= t.max_steps:
@@ -362,6 +404,8 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
     if t.init_from is not None and not Path(t.init_from).expanduser().exists():
         raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
+    if t.teacher is not None and not Path(t.teacher).expanduser().exists():
+        raise fail(src, "train.teacher", f"={t.teacher}: no such file or folder")
 
 
 def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:

@@ -101,6 +101,8 @@ def unsupported(cfg) -> Optional[str]:
               (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
+              (t.parallel == "fsdp" and (t.qat or t.quantize), "train.qat / train.quantize",
+               "the quantized copy is made from the whole model in one process; use ddp"),
               (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
                "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32"),
               (getattr(cfg.model, "drop_path_mode", None) == "batch", "model.drop_path_mode=batch",

@@ -3,6 +3,7 @@ export in the pretrained format, the loss plot and the samples.
 
     <out_dir>/model.safetensors (+ model_ema.safetensors, the task's files such as tokenizer.model)
     <out_dir>/adapter/          an adapter run: LoRA / DoRA in PEFT's format, prefixes as Zoo tensors
+    <out_dir>/quantized/        train.qat / train.quantize: the quantized model (zoo/weights/quantized.py)
     <out_dir>/loss.png          train.plot
     the task's export           train.export (e.g. a Hugging Face folder; adapter.export_merged for adapters)
 """
@@ -37,6 +38,11 @@ def finish(run, out: Path, metrics, say):
         text = task.samples(ema_model if ema_model is not None else model, out)
         if text:
             say("samples:\n" + text)
+    if run.quantized is not None:
+        import zoo
+        path = zoo.save_pretrained(run.quantized, out / "quantized")
+        task.save_files(path)
+        say(f"quantized: {path} ({run.quantized.quantization['scheme']})")
     if t.export and run.keys is not None and not run.cfg.adapter.export_merged:
         say("export: adapter run; set adapter.export_merged=true for the merged weights in the base's format")
     elif t.export:

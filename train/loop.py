@@ -35,6 +35,7 @@ from .finish import finish
 from .hardware import release_freed_memory, sync
 from .metrics import Metrics
 from .optim import lr_multiplier, micro_batches, set_lr
+from .quantized import quantized_evaluation
 from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, RunStopped, clip_weights_, optimizer_step,
                    resolve_device, setup_backends, to_device)
 
@@ -120,6 +121,10 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
                 avg = ckpt.evaluate_average()
                 metrics.evaluation(step, avg, say=False)
                 ev.update(avg)
+            q = quantized_evaluation(run)  # train.qat / train.quantize (rank 0)
+            if q:
+                metrics.evaluation(step, q, say=False)
+                ev.update(q)
             return step, ev
         t0 = time.perf_counter()
         r, lr = train_step(run, step, pre)

@@ -3,6 +3,7 @@
     model = zoo.build("configs/llm/tiny.yaml", n_layers=2)
     model = zoo.from_pretrained("path/to/hf_checkpoint")
     zoo.save_pretrained(model, "out/")
+    model = zoo.quantize(model, "int4wo")     # int8wo, int4wo, 8da4w (torchao; zoo/quantization.py)
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from .config import FAMILIES, ConfigError, family, from_dict, load_class, load_yaml, model_config_from
 
-__all__ = ["build", "from_pretrained", "save_pretrained", "ConfigError", "FAMILIES"]
+__all__ = ["build", "from_pretrained", "save_pretrained", "quantize", "ConfigError", "FAMILIES"]
 
 def model_class(name: str):
     return load_class(family(name, "zoo").model)
@@ -64,3 +65,11 @@ def save_pretrained(model, path, **kwargs):
     """Write a model back in the format its family's pretrained weights come in."""
     from .weights import save_pretrained as _save
     return _save(model, path, **kwargs)
+
+
+def quantize(model, scheme: str, group_size: int = 32, keep=("embed", "lm_head")):
+    """Quantize the model's linears in place for inference through torchao and return it: `int8wo`
+    (int8 weights), `int4wo` (int4 weights in groups of group_size), `8da4w` (int8 dynamic
+    activations, int4 weights); the modules named in `keep` stay in 16-bit (zoo/quantization.py)."""
+    from .quantization import quantize as _quantize
+    return _quantize(model, scheme, group_size, keep)

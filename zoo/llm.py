@@ -27,13 +27,13 @@ row share its capacity (routing by the causal decision, mod_causal=True, keeps t
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from .blocks.attention import CausalSelfAttention, KVCache, document_positions  # noqa: F401  (part of the API)
-from .blocks.chunked_ce import chunked_cross_entropy
+from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
 from .blocks.matvec_cpu import MatvecAsReduction
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
@@ -41,6 +41,15 @@ from .blocks.moe import MoE
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
 from .config import LLMConfig, check, to_dict
+
+
+class Distill(NamedTuple):
+    """A teacher's side of knowledge distillation for LLM.forward: its final hidden states (B, T, Dt)
+    and LM head weight (V, Dt), the weight alpha of the KL term and the temperature."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    alpha: float
+    temperature: float
 
 
 def moe_block(cfg: LLMConfig) -> MoE:
@@ -117,16 +126,53 @@ class LLM(nn.Module):
     # ------------------------------------------------------------------ forward / loss
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
-                mod_causal: Optional[bool] = None, doc_ids: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None):
+                mod_causal: Optional[bool] = None, distill: Optional[Distill] = None,
+                doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), where logits
         is None when the chunked loss is on (the full logits are never made). The loss is the
-        cross-entropy alone. return_aux=True appends a dict (`moe_aux`, `mod_aux`) to the result.
-        mod_causal: Mixture-of-Depths blocks route by each token's causal decision instead of the
-        top-k of the sequence; by default, exactly when decoding with caches.
-        doc_ids (B, T) ints: attention within each document (a run of equal ids; not with caches).
-        position_ids (B, T): each token's position for RoPE (default start_pos + 0, 1, ...;
-        `document_positions(doc_ids)` restarts them per document)."""
+        cross-entropy alone, or with `distill` (a teacher's final hidden states and LM head) the
+        distillation loss (blocks/chunked_ce.py). return_aux=True appends a dict (`moe_aux`,
+        `mod_aux`) to the result. mod_causal: Mixture-of-Depths blocks route by each token's
+        causal decision instead of the top-k of the sequence; by default, exactly when decoding
+        with caches. doc_ids (B, T) ints: attention within each document (a run of equal ids;
+        not with caches). position_ids (B, T): each token's position for RoPE (default
+        start_pos + 0, 1, ...; `document_positions(doc_ids)` restarts them per document)."""
+        B, T = input_ids.shape
+        h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids)
+        if targets is None:
+            out = (self.lm_head(h),)
+        elif self.chunked_loss and distill is not None:
+            loss = chunked_distillation_loss(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                             distill.hidden.reshape(B * T, -1), distill.weight, distill.alpha,
+                                             distill.temperature, self.loss_chunk_size)
+            out = (None, loss)
+        elif self.chunked_loss:
+            loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                         self.loss_chunk_size)
+            out = (None, loss)
+        else:
+            logits = self.lm_head(h)
+            if distill is not None:
+                loss = distillation_loss(logits.view(B * T, -1), distill.hidden.reshape(B * T, -1) @ distill.weight.t(),
+                                         targets.reshape(B * T), distill.alpha, distill.temperature)
+            else:
+                loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+            out = (logits, loss)
+        if return_aux:
+            aux = self.moe_aux(stats)
+            if mod_stats:
+                aux.update(self.mod_aux(mod_stats))
+                aux["aux_loss"] = aux.get("aux_loss", 0.0) + aux["mod_aux_loss"]
+            out = out + (aux,)
+        return out[0] if len(out) == 1 else out
+
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (a teacher's
+        side of distillation)."""
+        return self._trunk(input_ids, None, 0, None)[0]
+
+    def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None):
+        """embed -> the layers -> the final norm: (h (B, T, D), MoE stats, MoD stats)."""
         B, T = input_ids.shape
         if doc_ids is not None and caches is not None:
             raise ValueError("doc_ids (document masking) is for forwards without caches; decoding runs one sequence")
@@ -155,24 +201,7 @@ class LLM(nn.Module):
             mod_stats += m
         if self.training:
             self._record_routing(stats, mod_stats)
-        h = self.norm(x)
-        if targets is None:
-            out = (self.lm_head(h),)
-        elif self.chunked_loss:
-            loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self.loss_chunk_size)
-            out = (None, loss)
-        else:
-            logits = self.lm_head(h)
-            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
-            out = (logits, loss)
-        if return_aux:
-            aux = self.moe_aux(stats)
-            if mod_stats:
-                aux.update(self.mod_aux(mod_stats))
-                aux["aux_loss"] = aux.get("aux_loss", 0.0) + aux["mod_aux_loss"]
-            out = out + (aux,)
-        return out[0] if len(out) == 1 else out
+        return self.norm(x), stats, mod_stats
 
     def moe_aux(self, stats: list) -> dict:
         """The sparse layers' routing statistics -> {'aux_loss': the weighted sum to add to the

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -262,10 +264,61 @@ def gib(n: Optional[int]) -> str:
     return "unavailable" if n is None else f"{n / 2**30:.2f}"
 
 
+# ---------------------------------------------------------------- quality
+def mean_interval(values: Iterable[float], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of its `level` Student-t interval) of independent measurements (seeds,
+    batches); the half-width is inf for fewer than two."""
+    from scipy.stats import t  # scipy comes with scikit-learn, a dependency of zoo
+    v = list(values)
+    m = statistics.fmean(v)
+    if len(v) < 2:
+        return m, float("inf")
+    return m, float(t.ppf(0.5 + level / 2, len(v) - 1)) * statistics.stdev(v) / len(v) ** 0.5
+
+
+def verdict(mean: float, half: float, lower_is: str = "lower") -> str:
+    """A difference with its interval in words: `inconclusive` when the interval holds zero."""
+    if abs(mean) <= half:
+        return "inconclusive"
+    return lower_is if mean < 0 else ("higher" if lower_is == "lower" else "lower")
+
+
 # ---------------------------------------------------------------- output
+def table_text(header: list[str], rows: Iterable[Iterable[object]]) -> str:
+    """A Markdown table, one line per row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
+
+
 def print_table(header: list[str], rows: Iterable[Iterable[object]]):
     """A Markdown table (docs/ quotes them as printed)."""
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
-    for row in rows:
-        print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+    print(table_text(header, rows), end="", flush=True)
+
+
+DOCS_TABLE = re.compile(r"(<!-- bench:([\w-]+) -->\n)(.*?)(<!-- /bench -->)", re.S)
+
+
+def update_docs_table(page: Path, name: str, table: str, write: bool = True) -> bool:
+    """The table between `<!-- bench:NAME -->` and `<!-- /bench -->` in `page` made `table` (tables
+    in docs/ are rendered from a benchmark's JSON, never typed in). Returns whether it differed;
+    write=False only checks. A page without the markers is a one-line error."""
+    text = page.read_text()
+    found = [m for m in DOCS_TABLE.finditer(text) if m.group(2) == name]
+    if not found:
+        raise ValueError(f"{page}: no <!-- bench:{name} --> ... <!-- /bench --> markers")
+    new = DOCS_TABLE.sub(lambda m: m.group(1) + table + m.group(4) if m.group(2) == name else m.group(0), text)
+    if new != text and write:
+        page.write_text(new)
+    return new != text
+
+
+def write_results(data: dict, out: Path, docs_json: Optional[Path] = None,
+                  render: Optional[Callable[[dict], list[str]]] = None):
+    """A benchmark's JSON at `out`; with docs_json also there, and `render(data)` rewrites the docs
+    tables made from it (the names it rewrote are printed)."""
+    for path in [out] + ([docs_json] if docs_json is not None else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+        print(f"json: {path}")
+    if docs_json is not None and render is not None:
+        print(f"docs tables rewritten: {', '.join(render(data)) or 'none (up to date)'}")

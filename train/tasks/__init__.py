@@ -31,6 +31,8 @@ class Task:
     DataConfig: type = None
     unit: str = "items"
     formats: dict[str, str] = {}  # data.format -> "module:Class" of the task that trains that format instead
+    quantizable: bool = False  # train.qat / train.quantize apply (the quantized model has a format to be written in)
+    teacher: Optional[nn.Module] = None  # train.teacher, loaded by the run builder (train/distill.py)
     # data parallelism (train/distributed.py): this process's rank among `world`; micro-batch m of
     # step s is one global batch of batch_size x world items drawn from batch_generator(s, m),
     # of which this rank trains on own_rows(); sum_across_ranks(x) sums a tensor in place
@@ -101,6 +103,10 @@ class Task:
             parts = reversed(list(child)) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
             groups += [list(m.parameters()) for m in parts]
         return [g for g in groups if g]
+
+    def check_teacher(self, teacher: nn.Module, model: nn.Module) -> Optional[str]:
+        """Why `teacher` cannot teach `model` (train.teacher), or None when it can."""
+        return f"the {self.cfg.family} task has no distillation loss"
 
     def train_batch(self, step: int, micro: int) -> Any:
         """Micro-batch `micro` of optimizer step `step`, on self.device. Must depend only on

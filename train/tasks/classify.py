@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
+from zoo.blocks.chunked_ce import distillation_loss
 from zoo.config import ConfigError, bounded, fail
 from zoo.weights import timm_convnet
 
@@ -263,14 +264,28 @@ class ClassifyTask(Task):
                                 d.mix_switch_prob, d.label_smoothing)
         return x, y
 
+    def check_teacher(self, teacher, model):
+        classes = getattr(getattr(teacher, "config", None), "num_classes", None)
+        if classes is None:
+            return f"a {type(teacher).__name__} is not a classifier"
+        if classes != model.config.num_classes:
+            return f"its num_classes={classes} is not the student's {model.config.num_classes}"
+        return None
+
     def loss(self, model, batch):
-        """Cross-entropy with label smoothing; against Mixup / CutMix's soft targets when they are on. A
-        training batch carries its recipe seed (train_batch); example batches (planner, tests) do not."""
+        """Cross-entropy with label smoothing; against Mixup / CutMix's soft targets when they are on;
+        with train.teacher, the distillation loss (the teacher's soft targets replace label smoothing).
+        A training batch carries its recipe seed (train_batch); example batches (planner, tests) do not."""
         x, y = self.normalize(batch[0]), batch[1]
         n = y.numel()
         if len(batch) > 2:
             x, y = self.recipe(x, y, batch[2])
         logits = model(x).float()
+        if self.teacher is not None:
+            with torch.no_grad():
+                teacher_logits = self.teacher(x)
+            t = self.cfg.train
+            return distillation_loss(logits, teacher_logits, y, t.kd_alpha, t.kd_temperature), n
         if y.dim() == 2:  # soft targets
             return -(y * logits.log_softmax(-1)).sum(-1).mean(), n
         return F.cross_entropy(logits, y, label_smoothing=self.cfg.data.label_smoothing), n

@@ -29,6 +29,7 @@ import torch
 import zoo
 from zoo.blocks.attention import document_positions, resolve_backend
 from zoo.config import ConfigError
+from zoo.llm import Distill
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
@@ -45,6 +46,7 @@ class LMTask(Task):
     formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
                "preference": "train.tasks.dpo:DPOTask"}  # data.format -> chat SFT, or DPO / SimPO
     tokenizer_files = ("tokenizer.model", "tokenizer.json")  # a checkpoint's tokenizer, in order of preference
+    quantizable = True
     moe = None           # the model's MoEConfig, when it has one
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
@@ -170,17 +172,31 @@ class LMTask(Task):
         return self.data.batch("train", self.global_rows(), g, self.device, window,
                                slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
 
+    def check_teacher(self, teacher, model):
+        if getattr(teacher, "family", None) != "llm":
+            return f"a {type(teacher).__name__} cannot teach an LLM"
+        if teacher.config.vocab_size != model.config.vocab_size:
+            return f"its vocab_size={teacher.config.vocab_size} is not the student's {model.config.vocab_size}"
+        return None
+
     def loss(self, model, batch):
         x, y = batch
         return self.forward_loss(model, x, y, self.doc_inputs(x))
 
     def forward_loss(self, model, x, y, docs: dict):
         """(the training loss of inputs x and targets y, with the model's document keywords `docs`
-        (doc_inputs), and the MoE / MoD terms; the tokens it covers)."""
+        (doc_inputs), the distillation loss with train.teacher, and the MoE / MoD terms; the tokens
+        it covers)."""
+        kw = dict(docs)
+        if self.teacher is not None:  # its final hidden states only: the logits are made chunk by chunk
+            with torch.no_grad():
+                hidden = self.teacher.features(x)
+            t = self.cfg.train
+            kw["distill"] = Distill(hidden, self.teacher.lm_head.weight, t.kd_alpha, t.kd_temperature)
         if self.moe is None and not self.mod:
-            _, loss = model(x, y, **docs)
+            _, loss = model(x, y, **kw)
             return loss, y.numel()
-        _, loss, aux = model(x, y, return_aux=True, **docs)
+        _, loss, aux = model(x, y, return_aux=True, **kw)
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
 

@@ -13,6 +13,9 @@ Mean over targets != ignore_index, like torch.nn.functional.cross_entropy.
 Under autocast the matmuls run in the autocast dtype; the log-softmax and sums in fp32.
 
 Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss.
+Knowledge distillation the same way (`chunked_distillation_loss`; `distillation_loss` on full
+logits): a teacher's final hidden states (N, Dt) and LM head (V, Dt) give its logits chunk by
+chunk beside the student's.
 Depends on torch only.
 """
 import torch
@@ -61,6 +64,26 @@ def _loss_and_dlogits(h, w, t, ignore_index, dtype):
     return loss, g, valid
 
 
+def _chunk_grads(h, w, chunk_size: int, dtype, chunk):
+    """Over the rows of h, `chunk_size` at a time: chunk(start, h_chunk) -> (summed loss, d(loss)/d(logits)
+    (n, V), validity mask (n,)) turned into the gradients of h and w. Returns (total loss, grad_h,
+    grad_w), not yet divided by the number of valid rows."""
+    grad_h = torch.empty_like(h)
+    grad_w, total = None, 0.0
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, h.shape[0], chunk_size):
+            hc = h[s:s + chunk_size].to(dtype)
+            loss, g, valid = chunk(s, hc)
+            total = total + loss
+            # Ignored rows are zeroed on the small (n, D) operands, and the 1/n_valid of the
+            # mean is applied in backward (in fp32, with grad_out).
+            mask = valid[:, None].to(dtype)  # (n, 1)
+            grad_h[s:s + chunk_size] = (g @ w) * mask
+            gw = g.t() @ (hc * mask)  # (V, D)
+            grad_w = gw.to(torch.promote_types(gw.dtype, torch.float32)) if grad_w is None else grad_w.add_(gw)
+    return total, grad_h, grad_w
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """The gradients are made in the forward pass, chunk by chunk, and only scaled in backward."""
 
@@ -69,29 +92,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         n_valid = (targets != ignore_index).sum().clamp(min=1)
         w = weight.to(dtype)
-        grad_h = torch.empty_like(h)
-        grad_w = None
-        total = 0.0
-        with torch.autocast(h.device.type, enabled=False):
-            for s in range(0, h.shape[0], chunk_size):
-                hc = h[s:s + chunk_size].to(dtype)
-                loss, g, valid = _loss_and_dlogits(hc, w, targets[s:s + chunk_size], ignore_index, dtype)
-                total = total + loss
-                # Ignored rows are zeroed on the small (n, D) operands, and the 1/n_valid of the
-                # mean is applied in backward (in fp32, with grad_out).
-                mask = valid[:, None].to(dtype)  # (n, 1)
-                grad_h[s:s + chunk_size] = (g @ w) * mask
-                gw = g.t() @ (hc * mask)  # (V, D)
-                grad_w = gw.to(torch.promote_types(gw.dtype, torch.float32)) if grad_w is None else grad_w.add_(gw)
+        total, grad_h, grad_w = _chunk_grads(h, w, chunk_size, dtype, lambda s, hc: _loss_and_dlogits(
+            hc, w, targets[s:s + chunk_size], ignore_index, dtype))
         ctx.save_for_backward(grad_h, grad_w, n_valid)
+        ctx.n_other = 4  # the inputs after h and weight: no gradients
         return total / n_valid.to(total.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w, n_valid = ctx.saved_tensors
         scale = grad_out / n_valid.to(grad_out.dtype)
-        return ((grad_h * scale).to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype),
-                None, None, None, None)
+        return ((grad_h * scale).to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype)) + (None,) * ctx.n_other
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -112,4 +123,77 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     with torch.autocast(h.device.type, enabled=False):
         for s in range(0, h.shape[0], chunk_size):
             total = total + _log_probs(h[s:s + chunk_size].to(dtype), w, targets[s:s + chunk_size], ignore_index)[0]
+    return total / n_valid.to(total.dtype)
+
+
+# ---------------------------------------------------------------- knowledge distillation
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, alpha: float,
+                      temperature: float, ignore_index: int = -100) -> torch.Tensor:
+    """Knowledge distillation (Hinton et al., "Distilling the Knowledge in a Neural Network", 2015) on
+    full logits: alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) *
+    cross-entropy(student, targets), the mean over the rows whose target is not ignore_index.
+    Shapes: logits, teacher_logits (N, V); targets (N,) -> scalar. The teacher gets no gradient."""
+    s, t = logits.float(), teacher_logits.detach().float()
+    valid = targets != ignore_index
+    n = valid.sum().clamp(min=1)
+    ce = torch.nn.functional.cross_entropy(s, targets, ignore_index=ignore_index, reduction="sum")
+    log_t = torch.log_softmax(t / temperature, dim=-1)
+    kl = (log_t.exp() * (log_t - torch.log_softmax(s / temperature, dim=-1))).sum(-1)
+    return ((1 - alpha) * ce + alpha * temperature ** 2 * (kl * valid).sum()) / n
+
+
+def _kd_chunk(h, w, t, th, tw, alpha, T, ignore_index, dtype):
+    """One chunk: its summed loss, d(loss)/d(student logits) (n, V) in `dtype`, and the validity mask."""
+    valid = t != ignore_index
+    safe_t = t.masked_fill(~valid, 0)
+    f32 = torch.promote_types(dtype, torch.float32)
+    s = (h @ w.t()).to(f32)
+    z = (th @ tw.t()).to(f32)
+    logp = torch.log_softmax(s, dim=-1)
+    log_sT, log_tT = torch.log_softmax(s / T, dim=-1), torch.log_softmax(z / T, dim=-1)
+    p_tT = log_tT.exp()
+    ce = -(logp.gather(1, safe_t[:, None]).squeeze(1) * valid).sum()
+    kl = ((p_tT * (log_tT - log_sT)).sum(-1) * valid).sum()
+    g = (1 - alpha) * logp.exp_().scatter_add_(1, safe_t[:, None], -valid[:, None].to(f32))
+    g += (alpha * T) * (log_sT.exp_() - p_tT)
+    return (1 - alpha) * ce + alpha * T * T * kl, g.to(dtype), valid
+
+
+class _ChunkedLinearKD(_ChunkedLinearCE):
+    """As _ChunkedLinearCE (its backward): each chunk's gradients are made in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, teacher_h, teacher_weight, alpha, T, chunk_size, ignore_index, dtype):
+        ctx.weight_dtype = weight.dtype
+        n_valid = (targets != ignore_index).sum().clamp(min=1)
+        w, tw = weight.to(dtype), teacher_weight.to(dtype)
+        total, grad_h, grad_w = _chunk_grads(h, w, chunk_size, dtype, lambda s, hc: _kd_chunk(
+            hc, w, targets[s:s + chunk_size], teacher_h[s:s + chunk_size].to(dtype), tw, alpha, T, ignore_index, dtype))
+        ctx.save_for_backward(grad_h, grad_w, n_valid)
+        ctx.n_other = 8
+        return total / n_valid.to(total.dtype)
+
+
+def chunked_distillation_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                              teacher_h: torch.Tensor, teacher_weight: torch.Tensor, alpha: float,
+                              temperature: float, chunk_size: int = 2048, ignore_index: int = -100) -> torch.Tensor:
+    """`distillation_loss` of the student logits h @ weight^T against the teacher's teacher_h @
+    teacher_weight^T, chunk by chunk: neither model's (N, V) logits exist beyond one chunk.
+    Shapes: h (N, D), weight (V, D), targets (N,), teacher_h (N, Dt), teacher_weight (V, Dt) -> scalar.
+    The teacher's tensors get no gradient."""
+    if teacher_h.shape[0] != h.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher shapes {tuple(teacher_h.shape)}, {tuple(teacher_weight.shape)} do not match the "
+                         f"student's {tuple(h.shape)}, {tuple(weight.shape)} (same tokens, same vocabulary)")
+    dtype = _compute_dtype(h)
+    teacher_h, teacher_weight = teacher_h.detach(), teacher_weight.detach()
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _ChunkedLinearKD.apply(h, weight, targets, teacher_h, teacher_weight, alpha, temperature,
+                                      chunk_size, ignore_index, dtype)
+    n_valid = (targets != ignore_index).sum().clamp(min=1)
+    total, w, tw = 0.0, weight.to(dtype), teacher_weight.to(dtype)
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, h.shape[0], chunk_size):
+            total = total + _kd_chunk(h[s:s + chunk_size].to(dtype), w, targets[s:s + chunk_size],
+                                      teacher_h[s:s + chunk_size].to(dtype), tw, alpha, temperature, ignore_index,
+                                      dtype)[0]
     return total / n_valid.to(total.dtype)

@@ -20,7 +20,8 @@ class MatvecAsReduction(TorchFunctionMode):
     one vectorised reduction that streams the weight at close to it (Zoo's docs/pretrained.md,
     "Benchmark", has the measurements). In eager mode the product would be materialised, so
     this is only for compiled code; on other devices F.linear is left alone (cuBLAS GEMV is
-    bandwidth-bound)."""
+    bandwidth-bound), and so is a weight that is a tensor subclass (a quantized weight: its
+    own kernel reads its packed form)."""
 
     MAX_ROWS = 2  # from 4 rows on, the GEMM is as fast (docs/pretrained.md, "Benchmark")
 
@@ -29,7 +30,7 @@ class MatvecAsReduction(TorchFunctionMode):
         if func is F.linear:
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if w.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() <= self.MAX_ROWS:
+            if type(w) in (torch.Tensor, torch.nn.Parameter) and w.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() <= self.MAX_ROWS:
                 if torch.is_autocast_enabled("cpu"):
                     dt = torch.get_autocast_dtype("cpu")
                     x, w, bias = x.to(dt), w.to(dt), None if bias is None else bias.to(dt)

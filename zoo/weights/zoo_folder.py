@@ -89,12 +89,17 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         if k not in state:
             state[k] = state[other]
     model.load_state_dict(state, strict=True)
-    if dtype != torch.float32:  # the weights; buffers (RoPE tables, MoD thresholds, MoE biases) stay float32
-        kept = {(m, n): b for m in model.modules() for n, b in m._buffers.items() if b is not None}
-        model.to(dtype=dtype)
-        for (m, n), b in kept.items():
-            m._buffers[n] = b
-    return model.eval()
+    return cast_weights(model, dtype).eval()
+
+
+def cast_weights(model, dtype: torch.dtype):
+    """Cast the model's parameters to `dtype` in place; its buffers (RoPE tables, MoD thresholds,
+    MoE biases) stay float32. Returns the model."""
+    kept = {(m, n): b for m in model.modules() for n, b in m._buffers.items() if b is not None}
+    model.to(dtype=dtype)
+    for (m, n), b in kept.items():
+        m._buffers[n] = b
+    return model
 
 
 def zoo_only(model) -> bool:
@@ -126,12 +131,17 @@ def save(model, path, tokenizer=None, **_) -> Path:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(model, out / WEIGHTS)
-    data = {"family": "llm", "model": to_dict(model.config)}
+    return write_config(out, {"family": "llm", "model": to_dict(model.config)}, tokenizer)
+
+
+def write_config(out: Path, data: dict, tokenizer=None) -> Path:
+    """The folder's config.yaml (`data`, plus `data: {tokenizer: bytes}` for the bytes tokenizer) and
+    its tokenizer file (copied from a file or a folder holding one). Returns the folder."""
     src = _tokenizer_file(tokenizer)
     if src is not None:
         shutil.copyfile(src, out / ("tokenizer.json" if src.suffix == ".json" else "tokenizer.model"))
     elif tokenizer == "bytes":
-        data["data"] = {"tokenizer": "bytes"}
+        data = {**data, "data": {"tokenizer": "bytes"}}
     atomic_write(out / CONFIG, yaml.safe_dump(data, sort_keys=False))
     return out
 

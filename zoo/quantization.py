@@ -1,0 +1,165 @@
+"""Quantized inference and quantization-aware training of a model's linear layers, through torchao.
+
+    model = zoo.quantize(model, "int4wo", group_size=32)    # in place; returns the model
+    zoo.save_pretrained(model, "out/")                      # a quantized Zoo folder (zoo/weights/quantized.py)
+
+Schemes (`SCHEMES`), each torchao's own tensor subclass swapped in for the weight of every
+nn.Linear that is not kept:
+- `int8wo`: int8 weights, one scale per output row (symmetric); activations stay 16-bit.
+- `int4wo`: int4 weights in groups of `group_size` along the input dim, a scale and a zero point
+  per group (asymmetric, tinygemm's numerics); activations stay 16-bit. The packed layout is the
+  device's: on a CPU torch's `_weight_int4pack_mm_for_cpu` kernel (torchao's Int4OpaqueTensor,
+  group size 32, 64 or 128), on CUDA the tinygemm kernel (Int4TilePackedTo4dTensor, bf16).
+- `8da4w`: int8 activations quantized per token at run time (asymmetric), int4 weights in groups
+  (symmetric): torchao's IntxUnpackedToInt8Tensor, the scheme of ExecuTorch's XNNPACK kernels.
+`keep` names the modules that stay in 16-bit (by default the embedding and the LM head, the
+layers most sensitive to quantization; a name matches the module of that qualified name, its
+children, or any module whose last name component it is). The model's floating dtype is the
+compute dtype; the embedding, norms and kept layers keep it.
+
+Quantization-aware training (`prepare_qat`, `convert_qat`): torchao's QAT swaps the same linears
+for FakeQuantizedLinear, whose forward rounds the weights (and for 8da4w the activations) to the
+scheme's grid and back with a straight-through gradient; `convert_qat` swaps them back and
+quantizes with the scheme above. The fake quantizer of each scheme uses that scheme's numerics
+(`fake_quant_configs`).
+
+What runs where and how fast is measured by `python train/bench.py quantized` (docs/deploy.md).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+SCHEMES = ("int8wo", "int4wo", "8da4w")
+KEEP = ("embed", "lm_head")          # stay in 16-bit unless `keep` says otherwise
+INT4_CPU_GROUPS = (32, 64, 128)     # the group sizes the CPU int4 kernel packs
+
+
+def _check_scheme(scheme: str):
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+
+
+def kept(name: str, keep: Iterable[str]) -> bool:
+    """Whether the module of qualified name `name` stays in 16-bit under `keep`."""
+    last = name.rsplit(".", 1)[-1]
+    return any(name == k or name.startswith(k + ".") or last == k for k in keep)
+
+
+def targets(model: nn.Module, keep: Iterable[str] = KEEP) -> list[str]:
+    """The qualified names of the nn.Linear modules a scheme quantizes (in module order)."""
+    keep = tuple(keep)
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not kept(n, keep)]
+
+
+def _check_groups(model: nn.Module, names: list[str], scheme: str, group_size: int, device: str):
+    if scheme == "int8wo":
+        return
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if scheme == "int4wo" and device == "cpu" and group_size not in INT4_CPU_GROUPS:
+        raise ValueError(f"int4wo on a CPU packs groups of {', '.join(map(str, INT4_CPU_GROUPS))}, "
+                         f"not group_size={group_size}")
+    mods = dict(model.named_modules())
+    bad = [f"{n} ({mods[n].in_features} inputs)" for n in names if mods[n].in_features % group_size]
+    if bad:
+        raise ValueError(f"group_size={group_size} does not divide the input size of {bad[0]}"
+                         + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
+
+
+def ptq_config(scheme: str, group_size: int, device: str):
+    """The torchao config that quantizes a linear for `scheme` on a device of type `device`."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, Int8WeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup
+    _check_scheme(scheme)
+    if scheme == "int8wo":
+        return Int8WeightOnlyConfig()
+    if scheme == "8da4w":
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
+    if device == "cpu":
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
+    if device == "cuda":
+        from torchao.quantization import Int4WeightOnlyConfig
+        return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d",
+                                    set_inductor_config=False)
+    raise ValueError(f"int4wo has no kernel on device type {device!r} (cpu and cuda have one)")
+
+
+def _device_of(model: nn.Module, names: list[str]) -> str:
+    mods = dict(model.named_modules())
+    return mods[names[0]].weight.device.type if names else "cpu"
+
+
+def quantize(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable[str] = KEEP) -> nn.Module:
+    """Quantize the model's linears (all but `keep`) in place for `scheme` (int8wo, int4wo, 8da4w)
+    and return it. The weights become torchao tensor subclasses and stop requiring gradients; the
+    model records what was done in `model.quantization` (what zoo.save_pretrained writes)."""
+    from torchao.quantization import quantize_
+    _check_scheme(scheme)
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantized ({model.quantization['scheme']})")
+    keep = tuple(keep)
+    names = targets(model, keep)
+    if not names:
+        raise ValueError(f"no nn.Linear to quantize in the {type(model).__name__} outside keep={list(keep)}")
+    device = _device_of(model, names)
+    _check_groups(model, names, scheme, group_size, device)
+    wanted = set(names)
+    quantize_(model, ptq_config(scheme, group_size, device), filter_fn=lambda m, fqn: fqn in wanted)
+    mods = dict(model.named_modules())
+    model.quantization = {"scheme": scheme, "group_size": group_size, "keep": list(keep),
+                          "layout": sorted({type(mods[n].weight).__name__ for n in names}), "device": device}
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "_orig_mod", model), "quantization", None))
+
+
+# ------------------------------------------------------------------ quantization-aware training
+def fake_quant_configs(scheme: str, group_size: int):
+    """(activation, weight) torchao fake-quantize configs with the numerics of `scheme`'s kernels."""
+    from torchao.quantization.qat import IntxFakeQuantizeConfig
+    from torchao.quantization.quant_primitives import ZeroPointDomain
+    _check_scheme(scheme)
+    if scheme == "int8wo":
+        return None, IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
+    if scheme == "int4wo":  # tinygemm: asymmetric, the zero point in the float domain
+        return None, IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=False,
+                                            zero_point_domain=ZeroPointDomain.FLOAT)
+    return (IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
+            IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=True))
+
+
+def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable[str] = KEEP) -> nn.Module:
+    """Swap the linears `quantize` would quantize for torchao's FakeQuantizedLinear (same weight
+    parameter, same state-dict names), in place; returns the model."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+    keep = tuple(keep)
+    names = targets(model, keep)
+    if not names:
+        raise ValueError(f"no nn.Linear to train quantization-aware in the {type(model).__name__} outside keep={list(keep)}")
+    _check_groups(model, names, scheme, group_size, _device_of(model, names))
+    act, weight = fake_quant_configs(scheme, group_size)
+    wanted = set(names)
+    quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),
+              filter_fn=lambda m, fqn: fqn in wanted)
+    model.qat = {"scheme": scheme, "group_size": group_size, "keep": list(keep)}
+    return model
+
+
+def convert_qat(model: nn.Module) -> nn.Module:
+    """Swap prepare_qat's fake-quantized linears back to nn.Linear and quantize the model with the
+    same scheme, in place (in the model's dtype: cast it first to deploy in another); returns it."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
+    qat = getattr(model, "qat", None)
+    if not qat:
+        raise ValueError("the model was not prepared for quantization-aware training (zoo.quantization.prepare_qat)")
+    quantize_(model, QATConfig(step="convert"), filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear))
+    del model.qat
+    return quantize(model, qat["scheme"], qat["group_size"], qat["keep"])

@@ -1,0 +1,112 @@
+"""Quantized LLMs (zoo/quantization.py) on disk: a Zoo folder whose weights are torchao's.
+
+    out/config.yaml        family: llm, the model: section, and quantization: {scheme, group_size,
+                           keep, layout, device, dtype}
+    out/model.pt           the quantized state dict, torch.save of torchao's tensor subclasses
+    out/tokenizer.*        the tokenizer file, when given
+
+torchao's serialization: its tensor subclasses are registered as safe to load, so model.pt is
+read with torch.load(weights_only=True) like every torch file Zoo reads (no code runs), and
+loaded into a model built from config.yaml with load_state_dict(assign=True). The packed layout
+of a scheme is the device's (int4wo packs differently on a CPU and on CUDA), so a file made on one
+device may not run on another: loading it there is a one-line error naming the file, the scheme
+and the device, instead of a failure inside the first forward.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import yaml
+
+from ..config import load_yaml, model_config_from, to_dict
+from .files import atomic_write, load_tensors
+
+CONFIG, WEIGHTS = "config.yaml", "model.pt"
+# tensor subclass -> the device types its kernels run on (others run wherever torch runs)
+LAYOUT_DEVICES = {"Int4OpaqueTensor": ("cpu",), "Int4TilePackedTo4dTensor": ("cuda",)}
+
+
+def _folder(path) -> Path:
+    p = Path(path)
+    return p.parent if p.is_file() and p.name in (CONFIG, WEIGHTS) else p
+
+
+def detect(path) -> bool:
+    """A folder with config.yaml holding a `quantization:` section, and model.pt."""
+    f = _folder(path)
+    if not (f.is_dir() and (f / CONFIG).is_file() and (f / WEIGHTS).is_file()):
+        return False
+    try:
+        data = yaml.safe_load((f / CONFIG).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("quantization"), dict)
+
+
+def exports(model) -> bool:
+    from ..quantization import is_quantized
+    return is_quantized(model)
+
+
+def save(model, path, tokenizer=None, **_) -> Path:
+    """Write a quantized LLM as a folder (config.yaml, model.pt, the tokenizer if given); returns it."""
+    from .zoo_folder import write_config
+    model = getattr(model, "_orig_mod", model)
+    if getattr(model, "family", None) != "llm":
+        raise ValueError(f"a quantized Zoo folder holds LLMs, not a {type(model).__name__}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    atomic_write(out / WEIGHTS, lambda tmp: torch.save(state, tmp))
+    q = dict(model.quantization, dtype=str(model.embed.weight.dtype).removeprefix("torch."))
+    return write_config(out, {"family": "llm", "model": to_dict(model.config), "quantization": q}, tokenizer)
+
+
+def check_device(q: dict, device: str, source: str):
+    """A one-line error when the file's packed layout has no kernel on `device` (a device type)."""
+    for layout in q.get("layout", []):
+        where = LAYOUT_DEVICES.get(layout)
+        if where is not None and device not in where:
+            raise ValueError(f"{source}: {q['scheme']} weights packed for {q.get('device', where[0])} ({layout}) do not "
+                             f"run on {device}; quantize the 16-bit model on this device instead "
+                             f"(zoo.quantize(model, '{q['scheme']}'))")
+
+
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
+    """Build the LLM of config.yaml and load the quantized model.pt into it (eval mode). The 16-bit
+    dtype is the file's (a `dtype` that differs is an error: quantized weights are not recast);
+    device defaults to the CPU."""
+    from ..config import LLMConfig
+    from ..llm import LLM
+    from .zoo_folder import cast_weights
+    f = _folder(path)
+    data = load_yaml(f / CONFIG)
+    q = data["quantization"]
+    device = torch.device(device or "cpu")
+    try:
+        import torchao.prototype.quantization.int4  # noqa: F401  (registers the CPU int4 layout for loading)
+        import torchao.quantization  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{f / CONFIG}: a {q.get('scheme')} model needs torchao (pip install 'torchao>=0.18')") from None
+    check_device(q, device.type, str(f / WEIGHTS))
+    saved = getattr(torch, str(q.get("dtype", "bfloat16")))
+    if dtype not in (None, "auto") and (getattr(torch, dtype) if isinstance(dtype, str) else dtype) != saved:
+        raise ValueError(f"{f / CONFIG}: the quantized model runs in {saved} (its 16-bit parts); dtype={dtype} "
+                         f"would need the unquantized weights")
+    cfg = model_config_from({k: v for k, v in data["model"].items() if k not in LLMConfig.moved}, "llm", str(f / CONFIG))
+    with torch.device(device):
+        model = cast_weights(LLM(cfg), saved)
+    model.requires_grad_(False)
+    state = {k: v.to(device) for k, v in load_tensors(f / WEIGHTS).items()}
+    want = set(model.state_dict())
+    if set(state) != want:
+        extra, missing = sorted(set(state) - want), sorted(want - set(state))
+        raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} "
+                         f"(missing: {missing[:3]}; unexpected: {extra[:3]})")
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.quantization = {k: v for k, v in q.items() if k != "dtype"}
+    return model.eval()
