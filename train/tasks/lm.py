@@ -28,7 +28,7 @@ from zoo.config import ConfigError
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
-from ..data import SeqLenSchedule, TextDataConfig, TokenData
+from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData
 from ..optim import micro_batches
 from . import Task
 
@@ -66,7 +66,8 @@ class LMTask(Task):
 
     def setup(self):
         self._schedule = None
-        self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
+        self._prefetcher = None
+        self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log, progress=self.cfg.train.progress)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
 
@@ -84,11 +85,12 @@ class LMTask(Task):
         else:
             model = zoo.build(self.cfg.model)
         self._use(model)
-        vocab = self.data.tokenizer.vocab_size
+        vocab = self.data.vocab_size  # the tokenizer's, or one past the largest id of pre-tokenized data
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
+            whose = "tokenizer's" if vocab == self.data.tokenizer.vocab_size else f"data's (largest id {vocab - 1})"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
-                              f"tokenizer's {vocab}")
+                              f"{whose} {vocab}")
         self._say_attention()
         return model
 
@@ -127,14 +129,30 @@ class LMTask(Task):
 
     def train_batch(self, step, micro):
         self._step = step
-        g = self.batch_generator(step, micro)
         window = self.seq_len_at(step)
         if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
             self.log(f"step {step + 1}: training windows of {window} tokens (data.seq_len_schedule)")
         self._window = window
+        depth = self.cfg.data.prefetch
+        if depth and self._prefetcher is None:
+            self._prefetcher = Prefetcher(self._windows, self._after, depth)
+        xy = self._prefetcher.get((step, micro)) if depth else self._windows((step, micro))
+        xy = xy.to(self.device, non_blocking=True)
+        return xy[:, :-1], xy[:, 1:]
+
+    def _windows(self, key):
+        """The (B, T + 1) ids of micro-batch `key` = (step, micro), on the CPU (pinned on CUDA):
+        a function of the key alone, made ahead by the prefetcher's thread (data.prefetch)."""
+        step, micro = key
         B = self.cfg.train.batch_size
-        return self.data.batch("train", self.global_rows(), g, self.device, window,
-                               slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
+        return self.data.windows("train", self.global_rows(), self.batch_generator(step, micro), self.seq_len_at(step),
+                                 slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None,
+                                 pin=self.device.type == "cuda")
+
+    def _after(self, key):
+        step, micro = key
+        t = self.cfg.train
+        return (step, micro + 1) if micro + 1 < micro_batches(step, t.grad_accum, t.batch_warmup_steps) else (step + 1, 0)
 
     def loss(self, model, batch):
         x, y = batch
