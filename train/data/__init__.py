@@ -47,7 +47,7 @@ import torch
 from zoo.config import bounded, fail
 
 from .loader import Prefetcher
-from .prepare import Shards, prepare, read_manifest, token_dtype
+from .prepare import Shards, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, fingerprint, read_corpus,  # noqa: F401
                       stdlib_files)
 from .tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
@@ -203,7 +203,7 @@ class TokenData:
     def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print, progress: bool = False):
         self.cfg, self.log, self.progress = cfg, log, progress
         self.cache = cache_dir(cfg.cache_dir)
-        specs = list(cfg.sources) if cfg.sources else [SourceConfig(cfg.path)]
+        specs = [SourceConfig(**s) if isinstance(s, dict) else s for s in cfg.sources or [SourceConfig(cfg.path)]]
         pre = [is_pretokenized(s.path) for s in specs]
         tok_spec = tokenizer_path or cfg.tokenizer
         texts = [s.path for s, p in zip(specs, pre) if not p]
@@ -229,6 +229,7 @@ class TokenData:
         elif max_id >= self.tokenizer.vocab_size:
             raise DataError(f"{cfg.sources and 'data.sources' or cfg.path}: token id {max_id} is outside the "
                             f"tokenizer's vocabulary of {self.tokenizer.vocab_size}")
+        self.max_id = max_id  # the largest id of pre-tokenized inputs (-1 without them)
         self.vocab_size = max(self.tokenizer.vocab_size, max_id + 1)  # what the model's vocabulary must cover
         self._split(specs, parts)
         self.weights = torch.tensor([s.weight for s in specs], dtype=torch.float64)
@@ -287,7 +288,7 @@ class TokenData:
                     self.log(f"data: {f}: truncated token cache ({have} bytes, {want} expected); rebuilding it")
                     shutil.rmtree(out)
                     break
-        return prepare(path, tok, out, column=cfg.column, max_chars=cfg.max_chars, boundary=(self.bos_id, self.eos_id),
+        return prepare_shards(path, tok, out, column=cfg.column, max_chars=cfg.max_chars, boundary=(self.bos_id, self.eos_id),
                        workers=cfg.workers, shard_tokens=cfg.shard_tokens, progress=self.progress, log=self.log)
 
     def _split(self, specs, parts):

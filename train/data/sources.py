@@ -135,7 +135,8 @@ def _open_binary(f: Path):
                 import zstandard
             except ImportError:
                 raise DataError(f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)") from None
-            return zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), read_across_frames=True)
+            import io
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), read_across_frames=True))
         return open(f, "rb")
     except OSError as e:
         raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None

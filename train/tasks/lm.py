@@ -88,7 +88,7 @@ class LMTask(Task):
         vocab = self.data.vocab_size  # the tokenizer's, or one past the largest id of pre-tokenized data
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
-            whose = "tokenizer's" if vocab == self.data.tokenizer.vocab_size else f"data's (largest id {vocab - 1})"
+            whose = f"data's (largest id {vocab - 1})" if self.data.max_id + 1 == vocab else "tokenizer's"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"{whose} {vocab}")
         self._say_attention()
