@@ -33,6 +33,7 @@ BENCHES: dict[str, str] = {
     "checkpointing": "train.benches.checkpointing",
     "distributed": "train.benches.distributed",
     "report": "train.benches.report",
+    "data": "train.benches.data",
 }
 
 

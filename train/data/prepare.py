@@ -170,7 +170,7 @@ class _Writer:
 
 
 def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_chars: Optional[int] = None,
-            boundary: tuple = (None, None), workers: int = 0, chunk_chars: int = 1 << 22,
+            boundary: tuple = (None, None), workers: int = 0, chunk_chars: int = 1 << 20,
             shard_tokens: int = 1 << 28, progress: bool = False, log=print) -> Shards:
     """Prepare `source` into the folder `out` (created; resumed when a previous run was killed),
     unless it is complete already. boundary: the (BOS, EOS) ids put around each document (None:
@@ -180,6 +180,22 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
     if done and done.get("complete"):
         return Shards(out)
     out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:  # one preparer at a time (torchrun's ranks)
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: no lock
+            pass
+        return _prepare(source, tokenizer, out, column=column, max_chars=max_chars, boundary=boundary,
+                        workers=workers, chunk_chars=chunk_chars, shard_tokens=shard_tokens, progress=progress,
+                        log=log)
+
+
+def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, workers, chunk_chars, shard_tokens,
+             progress, log) -> Shards:
+    done = read_manifest(out)
+    if done and done.get("complete"):  # another process prepared it while this one waited
+        return Shards(out)
     bos, eos = boundary
     dtype = token_dtype(tokenizer.vocab_size)
     meta = {"version": VERSION, "source": source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
