@@ -321,3 +321,20 @@ def test_prefetcher_gives_the_batches_asked_for_in_any_order():
     assert bad.get(0) == 0 and bad.get(1) == 1
     with pytest.raises(ZeroDivisionError):
         bad.get(2)
+
+
+def test_prepare_cli_prepares_what_the_run_reads(tmp_path, capsys):
+    from train.prepare import main
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(100))
+    over = [f"data.path={src}", "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32"]
+    assert main([str(ROOT / "configs" / "llm" / "tiny.yaml"), *over]) == 0
+    (manifest,) = (tmp_path / "cache").glob("tokens-*/manifest.json")
+    assert json.loads(manifest.read_text())["complete"]
+    logs = []
+    from train.config import load_run_config
+    TokenData(load_run_config(str(ROOT / "configs" / "llm" / "tiny.yaml"), over).data, log=logs.append)
+    assert not any("prepared" in m for m in logs), logs  # the run finds the cache complete
+    capsys.readouterr()
+    assert main([str(ROOT / "configs" / "llm" / "tiny.yaml"), f"data.path={tmp_path / 'nope.jsonl'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nope.jsonl" in err

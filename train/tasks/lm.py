@@ -270,6 +270,9 @@ class LMTask(Task):
 
     def samples(self, model, out_dir):
         tok = self.data.tokenizer
+        if tok.spec[0] == "ids":
+            self.log("samples: skipped (pre-tokenized data without a tokenizer file cannot encode a prompt)")
+            return None
         prompts = ["def ", "import ", "class "] if self.cfg.data.path == "stdlib" else ["\n", "The ", "A"]
         g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         texts = []
