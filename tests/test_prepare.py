@@ -234,17 +234,18 @@ def test_nanogpt_bin_and_llmc_shards_read_the_ids_written(tmp_path):
         TokenData(TextDataConfig(path=str(tmp_path / "fw"), seq_len=16), log=QUIET)
 
 
-def test_model_vocab_must_cover_the_largest_id(tmp_path, capsys):
-    import yaml
-    from train.run import main as run_main
+def test_model_vocab_must_cover_the_largest_id(tmp_path):
+    from zoo.config import ConfigError
+    from train.config import load_run_config
+    from train.tasks.lm import LMTask
     np.r_[np.zeros(2000), 300].astype(np.uint16).tofile(tmp_path / "train.bin")
-    cfg = {"family": "llm", "model": {"vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
-           "data": {"path": str(tmp_path / "train.bin"), "seq_len": 16},
-           "train": {"max_steps": 1, "device": "cpu", "progress": False, "out_dir": str(tmp_path / "out")}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    assert run_main([str(tmp_path / "c.yaml")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "vocab_size=256 is smaller than the data's (largest id 300) 301" in err
+    cfg = load_run_config(None, [], base={
+        "family": "llm", "model": {"vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
+        "data": {"path": str(tmp_path / "train.bin"), "seq_len": 16}})
+    task = LMTask(cfg, torch.device("cpu"), QUIET)
+    task.setup()
+    with pytest.raises(ConfigError, match=r"vocab_size=256 is smaller than the data's \(largest id 300\) 301"):
+        task.build_model()
 
 
 # ------------------------------------------------------------------------------ mixtures

@@ -47,7 +47,7 @@ import torch
 from zoo.config import bounded, fail
 
 from .loader import Prefetcher
-from .prepare import Shards, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
+from .prepare import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, fingerprint, read_corpus,  # noqa: F401
                       stdlib_files)
 from .tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
@@ -234,7 +234,7 @@ class TokenData:
         self._split(specs, parts)
         self.weights = torch.tensor([s.weight for s in specs], dtype=torch.float64)
         kinds = f", {len(specs)} sources" if len(specs) > 1 else ""
-        log(f"data: {cfg.path if len(specs) == 1 else 'data.sources'}: {len(self.train):,} train + {len(self.val):,} "
+        log(f"data: {specs[0].path if len(specs) == 1 else 'data.sources'}: {len(self.train):,} train + {len(self.val):,} "
             f"val tokens (vocab {self.tokenizer.vocab_size}, documents separated by {self.boundary}{kinds})")
 
     # ------------------------------------------------------------------ building
@@ -257,7 +257,6 @@ class TokenData:
                 log(f"data: {e}; training it again")
                 sp_path.unlink()
         if not sp_path.is_file():
-            from .prepare import chunks
             docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars)
                     for d in c)
             train_sentencepiece(sample_documents(docs, cfg.sp_train_chars), cfg.vocab_size, sp_path, log)
