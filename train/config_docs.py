@@ -48,6 +48,8 @@ def config_classes() -> dict[str, type]:
     classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                TrainConfig, OptimConfig, AdapterConfig]
     classes += [task_class(f).DataConfig for f in zc.FAMILIES]
+    from .data import SourceConfig  # an entry of data.sources
+    classes.append(SourceConfig)
     return {c.__name__: c for c in classes}
 
 

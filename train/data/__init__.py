@@ -57,7 +57,7 @@ from .tokens import TokenStream, is_pretokenized, pretokenized_splits
 
 @dataclass
 class SourceConfig:
-    path: str                               # a source as `data.path` takes it (text, jsonl, Parquet, saved dataset,
+    path: str = ""                          # (required) a source as `data.path` takes it (text, jsonl, Parquet, saved dataset,
                                             # pre-tokenized .bin files)
     weight: float = bounded(1.0, gt=0)      # its share of the training windows (weights are normalised)
 
@@ -112,6 +112,9 @@ class TextDataConfig:
             raise fail(source, prefix + "path", "must not be empty")
         if self.sources is not None and not self.sources:
             raise fail(source, prefix + "sources", "must list at least one {path, weight} (or be null)")
+        for i, s in enumerate(self.sources or []):
+            if not (s.get("path") if isinstance(s, dict) else s.path):
+                raise fail(source, f"{prefix}sources[{i}].path", "must be given")
         if self.seq_len_schedule is not None:
             k, sched = prefix + "seq_len_schedule", self.seq_len_schedule
             if not sched or any(len(stage) != 2 for stage in sched):
