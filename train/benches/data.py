@@ -17,8 +17,9 @@ Python standard library's sources, so every machine has it.
    best round, and the paired median of zoo's speed over the tokenizer's (target >= 0.8x).
 2. rss: the peak memory of preparing a corpus of each `--rss-mb` size in a fresh process
    (sentencepiece, `--workers` processes): the sum of the proportional set sizes (PSS: shared
-   pages divided among the processes that share them) of the process and its workers, sampled
-   every 50 ms (target: < 1 GB and within 20% across sizes).
+   pages divided among the processes that share them) of the process and its workers, and of
+   its anonymous part (the heap; the rest is file-backed), sampled every 50 ms (target: < 1 GB
+   and within 20% across sizes).
 3. batches: the rate at which TokenData assembles training batches of the SmolLM-135M preset's
    shape (8 x 2048 tokens, random windows of the prepared corpus) against the rate at which that
    preset trains on this machine (one micro-batch of 1 x 2048 tokens, forward and backward,
@@ -132,21 +133,24 @@ def speed(args, folder: Path, out: dict):
     harness.print_table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows)
 
 
-def tree_pss(pid: int) -> int:
-    """PSS in bytes of a process and all its descendants (Linux /proc)."""
-    total, todo = 0, [pid]
+def tree_pss(pid: int) -> tuple[int, int]:
+    """(PSS, anonymous PSS) in bytes of a process and all its descendants (Linux /proc). The
+    difference is file-backed: pages of files mapped (memmaps of the token shards) or loaded
+    (libraries), which the kernel can drop and read again."""
+    total, anon, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         try:
             for line in open(f"/proc/{p}/smaps_rollup"):
                 if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
-                    break
+                elif line.startswith("Pss_Anon:"):
+                    anon += int(line.split()[1]) * 1024
             for t in os.listdir(f"/proc/{p}/task"):
                 todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
         except (OSError, ValueError):
             continue
-    return total
+    return total, anon
 
 
 CHILD = """
@@ -173,19 +177,21 @@ def rss(args, folder: Path, out: dict):
         script = CHILD.format(root=str(ROOT), model=str(model), corpus=str(corpus), out=str(folder / "rss-shards"),
                               workers=args.workers)
         p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        peak = 0
+        peak = peak_anon = 0
         while p.poll() is None:
-            peak = max(peak, tree_pss(p.pid))
+            pss, anon = tree_pss(p.pid)
+            peak, peak_anon = max(peak, pss), max(peak_anon, anon)
             time.sleep(0.05)
         tokens, secs = p.stdout.read().split()
         size = corpus.stat().st_size / 1e6
-        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak, "seconds": float(secs),
+        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak, "peak_anon_pss_bytes": peak_anon,
+                                             "seconds": float(secs),
                                              "tokens": int(tokens)}
-        rows.append([f"{size:,.0f}", harness.gib(peak), f"{float(secs):.0f}", f"{size / float(secs):.2f}",
+        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}", f"{size / float(secs):.2f}",
                      f"{int(tokens):,}"])
         corpus.unlink()
     print(f"\nPeak memory of preparation (sentencepiece, {args.workers} workers; PSS of the process and its workers)")
-    harness.print_table(["corpus MB", "peak GiB", "seconds", "MB/s", "tokens"], rows)
+    harness.print_table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows)
 
 
 def batches(args, folder: Path, out: dict):

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from zoo.config import bounded, fail
+from zoo.weights.files import atomic_write
 
 from .loader import Prefetcher
 from .prepare import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
@@ -226,7 +227,7 @@ class TokenData:
             raise DataError(f"data.boundary={self.boundary}: pre-tokenized data without a tokenizer file has no "
                             f"BOS/EOS ids (set data.tokenizer)")
         parts = [self._source(s.path, p) for s, p in zip(specs, pre)]
-        max_id = max([-1] + [s.max_id() for (a, b), p in zip(parts, pre) if p for s in (a, b) if s is not None])
+        max_id = max([-1] + [self._max_id(s.path) for s, p in zip(specs, pre) if p])
         if self.tokenizer is None:
             self.tokenizer = IdsTokenizer(max_id + 1)
         elif max_id >= self.tokenizer.vocab_size:
@@ -274,6 +275,19 @@ class TokenData:
         starts = np.concatenate([s + off for s, off in zip(shards.doc_starts, np.cumsum(
             [0] + [len(t) for t in shards.tokens])[:-1])]) if shards.doc_starts else np.zeros(0, np.int64)
         return TokenStream(shards.tokens), starts
+
+    def _max_id(self, path: str) -> int:
+        """The largest id of pre-tokenized files (a pass over them, cached under their fingerprint)."""
+        from .tokens import token_files
+        key = _key(*(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in token_files(path)),
+                   self.cfg.token_dtype)
+        cached = self.cache / f"max-id-{key}.txt"
+        if cached.is_file():
+            return int(cached.read_text())
+        train, val = pretokenized_splits(path, self.cfg.token_dtype)
+        m = max(train.max_id(), val.max_id() if val is not None else -1)
+        atomic_write(cached, str(m))
+        return m
 
     def _prepared(self, path: str) -> Shards:
         cfg, tok = self.cfg, self.tokenizer
@@ -336,11 +350,16 @@ class TokenData:
         """The document of each token of windows (..., T) (the contract in the module docstring)."""
         return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)
 
-    def unigram_entropy(self) -> float:
+    def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
         """Entropy (nats/token) of the training tokens' unigram distribution: the loss of the
-        best model that ignores context (one pass in blocks)."""
+        best model that ignores context. Counted on all the tokens up to `sample_tokens`, else on
+        64 evenly spaced blocks of sample_tokens / 64 (a corpus of any size starts at once)."""
         counts = np.zeros(self.vocab_size, dtype=np.float64)
-        for b in self.train.blocks():
+        n = len(self.train)
+        size = sample_tokens // 64
+        blocks = self.train.blocks() if n <= sample_tokens else (
+            self.train[i:i + size] for i in np.linspace(0, n - size, 64).astype(np.int64).tolist())
+        for b in blocks:
             counts += np.bincount(b, minlength=self.vocab_size)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
