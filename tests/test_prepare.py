@@ -339,3 +339,16 @@ def test_prepare_cli_prepares_what_the_run_reads(tmp_path, capsys):
     assert main([str(ROOT / "configs" / "llm" / "tiny.yaml"), f"data.path={tmp_path / 'nope.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope.jsonl" in err
+
+
+def test_unigram_entropy_of_a_large_corpus_is_counted_on_spread_blocks(tmp_path):
+    (tmp_path / "t.txt").write_text("abcdefghijklmnopqrstuvwxyz" * 2000)
+    d = TokenData(TextDataConfig(path=str(tmp_path / "t.txt"), tokenizer="bytes", seq_len=16,
+                                 cache_dir=str(tmp_path / "cache")), log=QUIET)
+    assert abs(d.unigram_entropy() - np.log(26)) < 1e-9
+    assert abs(d.unigram_entropy(sample_tokens=64 * 26) - np.log(26)) < 1e-9  # each block: every letter once
+    (tmp_path / "ab.txt").write_text("a" * 30000 + "b" * 30000)  # a sample of the head alone would see only "a"
+    d = TokenData(TextDataConfig(path=str(tmp_path / "ab.txt"), tokenizer="bytes", seq_len=16,
+                                 cache_dir=str(tmp_path / "cache")), log=QUIET)
+    exact = d.unigram_entropy()
+    assert exact > 0.6 and abs(d.unigram_entropy(sample_tokens=64 * 100) - exact) < 0.01
