@@ -104,9 +104,9 @@ def test_caches_go_to_the_cache_dir_never_beside_the_data(tmp_path, capsys, monk
     sp = ["data.tokenizer=sentencepiece", "data.vocab_size=300", "data.seq_len=32", "model.vocab_size=300"]
     assert run(tmp_path, capsys, f, TINY, *sp)[0] == 0
     assert sorted(p.name for p in data.iterdir()) == ["c.txt"]
-    assert list((tmp_path / "user_cache").glob("tokens-*.bin")) and list((tmp_path / "user_cache").glob("sp-*.model"))
+    assert list((tmp_path / "user_cache").glob("tokens-*/shard-*.bin")) and list((tmp_path / "user_cache").glob("sp-*.model"))
     assert run(tmp_path, capsys, f, TINY, *sp, "train.resume=false", f"data.cache_dir={tmp_path / 'mine'}")[0] == 0
-    assert list((tmp_path / "mine").glob("tokens-*.bin")) and list((tmp_path / "mine").glob("sp-*.model"))
+    assert list((tmp_path / "mine").glob("tokens-*/shard-*.bin")) and list((tmp_path / "mine").glob("sp-*.model"))
     assert sorted(p.name for p in data.iterdir()) == ["c.txt"]
     monkeypatch.delenv("ZOO_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -119,7 +119,7 @@ def test_truncated_token_cache_is_rebuilt(tmp_path, capsys, monkeypatch):
     f = tmp_path / "c.txt"
     f.write_text(TEXT)
     assert run(tmp_path, capsys, f)[0] == 0
-    (cache,) = (tmp_path / ".zoo_cache").glob("tokens-*.bin")
+    (cache,) = (tmp_path / ".zoo_cache").glob("tokens-*/shard-*.bin")
     good = cache.read_bytes()
     cache.write_bytes(good[:-1])  # an odd number of bytes: not a whole number of uint16 tokens
     code, err, log = run(tmp_path, capsys, f, TINY, "train.resume=false")

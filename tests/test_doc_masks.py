@@ -217,18 +217,12 @@ def test_cuda_flex_document_masking_gradients():
 
 # ----------------------------------------------------------------------------- document ids, the LM task
 def test_document_ids_from_boundary_tokens():
-    from train.data.doc_masks import document_ids, tokenizer_boundary
+    from train.data.doc_masks import document_ids
     t = torch.tensor([[9, 1, 2, 9, 3, 9], [4, 5, 9, 9, 6, 7]])
     assert document_ids(t, 9, "bos").tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 2, 2, 2]]
     assert document_ids(t, 9, "eos").tolist() == [[0, 1, 1, 1, 2, 2], [0, 0, 0, 1, 2, 2]]
     with pytest.raises(ValueError, match="boundary mode"):
         document_ids(t, 9, "sep")
-
-    class Tok:
-        bos_id, eos_id = None, 3
-    assert tokenizer_boundary(Tok()) == (3, "eos")
-    Tok.bos_id = 1
-    assert tokenizer_boundary(Tok()) == (1, "bos")
 
 
 def test_lm_task_trains_within_documents(tmp_path, text_corpus, monkeypatch):

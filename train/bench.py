@@ -43,6 +43,7 @@ BENCHES: dict[str, str] = {
     "quantized": "train.benches.quantized",
     "qat": "train.benches.qat",
     "distill": "train.benches.distill",
+    "data": "train.benches.data",
 }
 
 

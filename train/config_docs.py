@@ -51,6 +51,8 @@ def config_classes() -> dict[str, type]:
                TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
     classes += [t.DataConfig for t in tasks] + [load_class(s).DataConfig for t in tasks for s in t.formats.values()]
+    from .data import SourceConfig  # an entry of data.sources
+    classes.append(SourceConfig)
     return {c.__name__: c for c in classes}
 
 

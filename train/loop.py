@@ -127,10 +127,10 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
                 ev.update(q)
             return step, ev
         t0 = time.perf_counter()
-        r, lr = train_step(run, step, pre)
+        r, lr, waited = train_step(run, step, pre)
         sync(run.device)
         step += 1
-        metrics.step(step, lr, r, time.perf_counter() - t0)
+        metrics.step(step, lr, r, time.perf_counter() - t0, waited)
         if metrics.nonfinite_streak >= t.max_nonfinite:
             raise RunStopped(f"stopped at step {step}: {metrics.nonfinite_streak} non-finite losses in a row "
                              f"(train.max_nonfinite={t.max_nonfinite}); the last good checkpoint is kept "
@@ -139,7 +139,7 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
 
 def train_step(run, step: int, pre: Optional["Preemption"] = None):
     """Optimizer step `step` (from 0) of the run: its LR, its micro-batches, the update, weight
-    clipping and the EMA. Returns (StepResult, LR)."""
+    clipping and the EMA. Returns (StepResult, LR, the seconds the step waited for its batches)."""
     t, task, par = run.cfg.train, run.task, run.par
     lr = run.cfg.optim.lr * lr_multiplier(step, t.max_steps, run.cfg.optim)
     set_lr(run.optimizer, lr)
@@ -147,7 +147,15 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
         run.unfreezer.advance(step, run.optimizer)
     params = run.params()
     n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
-    batches = (to_device(task.train_batch(step, m), run.device, t.channels_last) for m in range(n_micro))
+    waited = 0.0
+
+    def batch(m):
+        nonlocal waited
+        t0 = time.perf_counter()
+        b = to_device(task.train_batch(step, m), run.device, t.channels_last)
+        waited += time.perf_counter() - t0
+        return b
+    batches = (batch(m) for m in range(n_micro))
     agree = (lambda stats: pre.agree(par, stats)) if par.active and pre is not None else None
     r = optimizer_step(lambda b: task.loss(run.fwd, b), batches, n_micro, run.optimizer, run.scaler, params,
                        t.clip_grad, run.train_context, no_sync=(lambda last: par.no_sync(run.fwd, last))
@@ -156,7 +164,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
         clip_weights_(params, t.clip_weights)
     if run.ema is not None and r.finite and r.applied:
         run.ema.update(run.model)
-    return r, lr
+    return r, lr, waited
 
 
 def evaluate(run) -> dict:

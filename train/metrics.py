@@ -5,7 +5,8 @@
                               evaluation. Deterministic: a resumed run writes the same bytes as an
                               uninterrupted one (the window is checkpointed and restored on resume).
     <out_dir>/speed.jsonl     what the machine measured, per logged step: items/s, the step time,
-                              MFU, peak memory (per rank under torchrun).
+                              the time a step waited for its batches (`data_wait_s`, the window's
+                              mean), MFU, peak memory (per rank under torchrun).
 
 `read_rows(out_dir)` gives both merged by step (the rows a reader wants); the tracker
 (`train.tracker`) and the progress bar get the merged rows live. Only rank 0 writes.
@@ -67,7 +68,7 @@ class Metrics:
         self.main = run.par.main
         self.unit = run.task.unit
         self.last: dict = {}
-        self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0}
+        self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0, "wait": 0.0}
         self.nonfinite_streak, self.nonfinite_total, self.overflow_total = 0, 0, 0
         if self.main:
             for name in (METRICS, SPEED):
@@ -109,8 +110,9 @@ class Metrics:
         if say:
             self.say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
-    def step(self, done: int, lr: float, r, seconds: float):
-        """Account one optimizer step (a StepResult) and log the window every train.log_every steps."""
+    def step(self, done: int, lr: float, r, seconds: float, data_wait: float = 0.0):
+        """Account one optimizer step (a StepResult; its seconds, of which data_wait waiting for
+        batches) and log the window every train.log_every steps."""
         t, w = self.t, self.window
         if r.overflow:  # fp16: the GradScaler skipped the step and lowered its scale; not a failure
             self.overflow_total += 1
@@ -126,6 +128,7 @@ class Metrics:
             self.record({"step": done, "nonfinite": True, "skipped_steps": self.nonfinite_total})
         w["items"] += r.items
         w["time"] += seconds
+        w["wait"] += data_wait
         self.bar.update(1)
         if done % t.log_every == 0 or done == t.max_steps:
             self._log(done, lr, r)
@@ -141,7 +144,8 @@ class Metrics:
         if scaler is not None and scaler.is_enabled():
             row["loss_scale"] = scaler.get_scale()
             row["overflow_steps"] = self.overflow_total
-        speed = {f"{self.unit}_per_s": rate, "step_time_s": w["time"] / max(1, w["n"] + (0 if r.finite else 1)),
+        steps = max(1, w["n"] + (0 if r.finite else 1))
+        speed = {f"{self.unit}_per_s": rate, "step_time_s": w["time"] / steps, "data_wait_s": w["wait"] / steps,
                  "peak_mem_gb": peak_memory_gb(self.run.device)}
         if par.active:
             speed["peak_mem_gb_ranks"] = par.gather(speed["peak_mem_gb"])
@@ -151,7 +155,7 @@ class Metrics:
         self.bar.set_postfix({"loss": f"{row['loss']:.3f}", "lr": f"{lr:.1e}",
                               f"{self.unit[:3]}/s": f"{rate:,.0f}",
                               **({"mfu": f"{speed['mfu']:.1%}"} if self.fpi else {})}, refresh=False)
-        self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0}
+        self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0, "wait": 0.0}
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:

@@ -1,26 +1,42 @@
-"""Text data for language models: corpus reading, tokenizers, token memmaps, random windows.
+"""Text data for language models: sources, preparation into token shards, mixtures, random windows.
 
-Sources (`data.path`): a text file, a folder of .txt files, a .jsonl file with a "text"
-field per line, or `stdlib`: the Python standard library's own .py files, a corpus every
-machine with Python has (the embedded default; no download).
+The package:
+    sources.py     documents read lazily: text files and folders, jsonl (.gz, .zst), Parquet, saved
+                   Hugging Face datasets, `stdlib` (the embedded default); bad documents counted
+    tokenizers.py  bytes, sentencepiece (trained on a reservoir sample of the corpus), tokenizer.json
+    prepare.py     streaming, parallel, kill-safe preparation into token shards + a document index
+    tokens.py      token streams over memmaps; pre-tokenized inputs (nanoGPT .bin, llm.c shards) in place
+    loader.py      batches made ahead on a background thread
+    __init__.py    the config (`data.*`), TokenData (the LM task's data), the document-boundary contract
 
-Tokenizers (`data.tokenizer`): `bytes` (vocab 256, no setup), `sentencepiece` (trained on
-the corpus with `data.vocab_size` and cached), or a path to a sentencepiece tokenizer.model
-or a Hugging Face tokenizer.json.
+A source (`data.path`, or each `path` of `data.sources`, a mixture sampled by weight) is prepared
+once into `data.cache_dir` (train/data/prepare.py; `python train/prepare.py CONFIG` does it ahead
+of training) and read as memmaps; pre-tokenized files are read where they are. Validation is
+`data.val_path` when set, else the `val` files of pre-tokenized inputs, else the last
+`data.val_fraction` of each source, cut at a document start. Training batches are random
+windows drawn from a generator seeded by (seed, step, micro), so any step's batch can be rebuilt
+exactly on resume.
 
-The corpus is tokenised once into a uint16/uint32 memmap cached in `data.cache_dir` (default:
-the user cache directory, never beside the corpus); the last `data.val_fraction` of the tokens is held out for validation.
-Training batches are random windows drawn from a generator seeded by (seed, step, micro),
-so any step's batch can be rebuilt exactly on resume.
+Document boundaries (the contract with document-masked attention). Documents in the token stream
+are separated by the tokenizer's special tokens, as `data.boundary` says; TokenData exposes
+`boundary` (the mode in force: `bos`, `eos`, `both` or `none`), `bos_id` and `eos_id` (None when
+the mode does not use them), so that the document of every token of any window follows from the
+window alone, a cumulative count of boundary tokens (`document_ids`):
+    bos   each document starts with BOS; doc id = cumsum(x == bos_id)          (BOS opens its document)
+    eos   each document ends with EOS;   doc id = cumsum(x == eos_id) - (x == eos_id)
+                                                                               (EOS closes its document)
+    both  BOS document EOS;              doc id = cumsum(x == bos_id)          (as bos)
+    none  no separators: one document
+`auto` (the default) is `eos` when the tokenizer has an EOS token, else `bos` when it has a BOS,
+else `none` (the bytes tokenizer has neither); for pre-tokenized inputs `auto` is `none` (the ids
+are read as they are: name the mode the files were written with). A window starting inside a
+document gives its first tokens id 0: the ids are equal within a document and differ across.
 """
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import os
-import re
-import sysconfig
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -31,7 +47,21 @@ import torch
 from zoo.config import bounded, fail
 from zoo.weights.files import atomic_write
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
+from . import doc_masks
+from .loader import Prefetcher
+from .prepare import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
+from .sources import (DataError, Problems, corpus_files, documents, fingerprint, read_corpus,  # noqa: F401
+                      stdlib_files)
+from .tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
+                         load_tokenizer_file, sample_documents, train_sentencepiece)
+from .tokens import TokenStream, is_pretokenized, pretokenized_splits
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""                          # (required) a source as `data.path` takes it (text, jsonl, Parquet, saved dataset,
+                                            # pre-tokenized .bin files)
+    weight: float = bounded(1.0, gt=0)      # its share of the training windows (weights are normalised)
 
 
 @dataclass
@@ -40,9 +70,17 @@ class TextDataConfig:
                                             # chat formats `messages`, `prompt_completion` and `alpaca` fine-tune on
                                             # conversations, `preference` is DPO / SimPO, each with the keys of
                                             # docs/post-training.md
-    path: str = "stdlib"                    # a text file, a folder of .txt files, a .jsonl file with a `"text"` field
-                                            # per line, or `stdlib` (the Python standard library's .py files: the
-                                            # embedded default)
+    path: str = "stdlib"                    # a text file, a folder, a .jsonl(.gz/.zst) file, a .parquet file, a
+                                            # saved Hugging Face dataset, pre-tokenized `.bin` files (a file, folder or
+                                            # glob: nanoGPT's raw ids or llm.c shards), or `stdlib` (the Python
+                                            # standard library's .py files: the embedded default); docs/data.md
+    sources: Optional[list[SourceConfig]] = None  # a mixture instead of `path`: `[{path: ..., weight: ...}, ...]`,
+                                            # each source prepared and cached on its own, training windows drawn
+                                            # from each with probability weight / sum of weights
+    column: str = "text"                    # the field of a .jsonl line, the column of Parquet and saved datasets
+    val_path: Optional[str] = None          # a separate validation source (any `path` form); null = the `val` files
+                                            # of pre-tokenized inputs, else the last `val_fraction` of each source
+                                            # cut at a document start
     tokenizer: str = "sentencepiece"        # `bytes` (vocab 256), `sentencepiece` (BPE trained on the corpus,
                                             # cached), or a path to a sentencepiece `tokenizer.model` or a Hugging
                                             # Face `tokenizer.json`; with `train.init_from`, `sentencepiece` means the
@@ -56,19 +94,30 @@ class TextDataConfig:
                                             # a resumed run gets the same ones; the log names each change
     seq_len_schedule_unit: Literal["steps", "tokens"] = "steps"  # what `until` counts: `steps`, or `tokens` trained
                                             # before the step (batch_size x micro-batches x window, step by step)
-    val_fraction: float = bounded(0.05, gt=0, lt=1)  # the held-out tail of the token stream used for validation
+    val_fraction: float = bounded(0.05, gt=0, lt=1)  # the held-out tail of each source used for validation, from
+                                            # the first document that starts in it (the token tail when none does)
+    boundary: Literal["auto", "bos", "eos", "both", "none"] = "auto"  # what separates documents in the token
+                                            # stream: the tokenizer's BOS before each, EOS after each, both, or
+                                            # nothing; `auto`: `eos` when the tokenizer has one, else `bos`, else
+                                            # `none` (`none` for pre-tokenized inputs, read as they are)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # the ids of raw pre-tokenized `.bin` files (nanoGPT);
+                                            # llm.c shards say theirs
+    workers: int = bounded(0, ge=0)         # processes that tokenise during preparation; 0 = one per core
+    shard_tokens: int = bounded(1 << 28, gt=0)  # tokens per prepared shard file
+    prefetch: int = bounded(2, ge=0)        # training batches made ahead on a background thread (pinned memory on
+                                            # CUDA); 0 = made by the training thread when asked
     cache_dir: Optional[str] = None         # where the tokenizer and the token memmap are cached; null =
                                             # `$ZOO_CACHE`, else the user cache directory (`$XDG_CACHE_HOME/zoo` or
                                             # `~/.cache/zoo`); never beside your data
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
-    sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of the corpus used to train sentencepiece
+    sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of documents sampled across the whole corpus
+                                            # (every source) to train sentencepiece
     eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
                                             # scored at every evaluation, logged as `eval_<file stem>_<metric>`
     # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
     attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of
                                             # its window; `document`: only to those of its own document
-                                            # (block-diagonal causal, documents split at the tokenizer's BOS, else
-                                            # EOS, token), as if each document ran alone
+                                            # (block-diagonal causal, documents split as `boundary` says), as if each document ran alone
     positions: Literal["global", "document"] = "global"  # RoPE positions: `global` (0..T-1 along the window) or
                                             # `document` (restarting at 0 in each document; needs
                                             # `attention: document`)
@@ -76,6 +125,11 @@ class TextDataConfig:
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
+        if self.sources is not None and not self.sources:
+            raise fail(source, prefix + "sources", "must list at least one {path, weight} (or be null)")
+        for i, s in enumerate(self.sources or []):
+            if not (s.get("path") if isinstance(s, dict) else s.path):
+                raise fail(source, f"{prefix}sources[{i}].path", "must be given")
         check_files(self.eval_tasks, source, prefix + "eval_tasks")
         if self.positions == "document" and self.attention != "document":
             raise fail(source, prefix + "positions", "`document` needs data.attention: document (positions that "
@@ -99,155 +153,6 @@ def check_files(paths, source, key):
             raise fail(source, key, f"{f}: no such file")
 
 
-class DataError(ValueError):
-    """Bad data: one line naming the file."""
-
-
-# ----------------------------------------------------------------------------- corpus
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if p.is_file())
-
-
-def corpus_files(path: str) -> list[Path]:
-    if path == "stdlib":
-        return stdlib_files()
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + (".jsonl",))
-        if not files:
-            raise DataError(f"{path}: folder holds no .txt/.jsonl files")
-        return files
-    raise DataError(f"{path}: no such file or folder")
-
-
-_UNDECODED = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for undecodable bytes
-
-
-def _read_text(f: Path, problems: list) -> str:
-    """UTF-8 text of `f`; every undecodable byte becomes U+FFFD and is counted."""
-    try:
-        raw = f.read_bytes()
-    except OSError as e:
-        raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text, n = _UNDECODED.subn("\ufffd", raw.decode("utf-8", errors="surrogateescape"))
-        problems.append(f"{f}: {n} undecodable bytes replaced with U+FFFD")
-        return text
-
-
-def read_corpus(path: str, max_chars: Optional[int] = None, log=print) -> str:
-    """All documents of the source joined by blank lines. Undecodable bytes are replaced
-    (and counted); bad .jsonl lines are skipped (and counted); an empty corpus is an error."""
-    parts, problems, total = [], [], 0
-    for f in corpus_files(path):
-        if f.suffix == ".jsonl":
-            bad = 0
-            for i, line in enumerate(_read_text(f, problems).splitlines()):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                    if not isinstance(text, str):
-                        raise TypeError
-                except (ValueError, KeyError, TypeError):
-                    bad += 1
-                    continue
-                parts.append(text)
-                total += len(text)
-            if bad:
-                problems.append(f"{f}: {bad} bad jsonl lines (skipped)")
-        else:
-            text = _read_text(f, problems)
-            parts.append(text)
-            total += len(text)
-        if max_chars is not None and total >= max_chars:
-            break
-    for msg in problems[:20]:
-        log(f"data: {msg}")
-    if len(problems) > 20:
-        log(f"data: {path}: {len(problems) - 20} more files with undecodable bytes or bad lines")
-    text = "\n\n".join(parts)
-    if max_chars is not None:
-        text = text[:max_chars]
-    if not text.strip():
-        why = f" ({problems[0]})" if problems else ""
-        raise DataError(f"{path}: the corpus is empty{why}")
-    return text
-
-
-# ----------------------------------------------------------------------------- tokenizers
-class ByteTokenizer:
-    vocab_size = 256
-    bos_id = eos_id = None
-    model_path = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-
-class SentencePieceTokenizer:
-    def __init__(self, model_path):
-        import sentencepiece as spm
-        self.model_path = str(model_path)
-        try:
-            self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
-        except Exception as e:
-            raise DataError(f"{model_path}: not a readable sentencepiece model ({str(e).splitlines()[0] if str(e) else e})") from None
-        self.vocab_size = self.sp.get_piece_size()
-        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
-        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
-
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode(texts, num_threads=os.cpu_count() or 1)
-
-    def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer.json (Llama 3, Qwen2, ... ship only this), via `tokenizers`."""
-
-    def __init__(self, path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path}: reading tokenizer.json needs the 'tokenizers' package") from None
-        self.model_path = str(path)
-        try:
-            self.tok = Tokenizer.from_file(self.model_path)
-        except Exception as e:
-            raise DataError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
-        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self.eos_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def load_tokenizer_file(path):
-    """tokenizer.json -> HFTokenizer; 'bytes' -> ByteTokenizer; anything else is read as a sentencepiece model."""
-    if str(path) == "bytes":
-        return ByteTokenizer()
-    return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
-
-
 def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
     """The tokenizer of a model folder: the first of `names` it holds, 'bytes' for a Zoo folder
     trained on bytes, else None."""
@@ -258,28 +163,6 @@ def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Opti
     if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes":
         return "bytes"
     return None
-
-
-def train_sentencepiece(text: str, vocab_size: int, out_path: Path, train_chars: int, log=print) -> Path:
-    """Train a BPE sentencepiece model on (a sample of) the corpus, with byte fallback so any
-    text round-trips. Written atomically to out_path."""
-    import sentencepiece as spm
-    lines = [ln for ln in text[:train_chars].splitlines() if ln.strip()]
-    if not lines:
-        raise DataError("cannot train a tokenizer: the corpus has no non-empty lines")
-    log(f"data: training a sentencepiece tokenizer (vocab {vocab_size}) on {min(len(text), train_chars):,} chars")
-    buf = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-            byte_fallback=True, character_coverage=0.9995, split_digits=True, allow_whitespace_only_pieces=True,
-            remove_extra_whitespaces=False, normalization_rule_name="identity", max_sentence_length=1 << 16,
-            num_threads=os.cpu_count() or 1, minloglevel=2, bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0)
-    except RuntimeError as e:
-        raise DataError(f"cannot train a sentencepiece tokenizer with vocab_size={vocab_size}: "
-                        f"{str(e).splitlines()[0]}") from None
-    atomic_write(out_path, buf.getvalue())
-    return out_path
 
 
 # ----------------------------------------------------------------------------- curriculum
@@ -309,7 +192,9 @@ class SeqLenSchedule:
         return self.final
 
 
-# ----------------------------------------------------------------------------- token streams
+
+
+# ----------------------------------------------------------------------------- token data
 def cache_dir(configured: Optional[str] = None) -> Path:
     """Where derived data (tokenizers, token streams, trained autoencoders, latents) is cached: the
     configured folder (`data.cache_dir`), else $ZOO_CACHE, else the user cache directory
@@ -324,97 +209,219 @@ def cache_dir(configured: Optional[str] = None) -> Path:
     return d
 
 
-def _fingerprint(path: str) -> str:
-    h = hashlib.sha256()
-    for f in corpus_files(path):
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
+def _key(*parts) -> str:
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def resolve_boundary(mode: str, tokenizer, pretokenized: bool = False) -> tuple[str, Optional[int], Optional[int]]:
+    """(mode in force, BOS id or None, EOS id or None) of `data.boundary` for this tokenizer."""
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    if mode == "auto":
+        mode = "none" if pretokenized else "eos" if eos is not None else "bos" if bos is not None else "none"
+    need = {"bos": ("BOS",), "eos": ("EOS",), "both": ("BOS", "EOS"), "none": ()}[mode]
+    for name, i in (("BOS", bos), ("EOS", eos)):
+        if name in need and i is None:
+            raise DataError(f"data.boundary={mode}: the tokenizer ({tokenizer.model_path or tokenizer.spec[0]}) "
+                            f"has no {name} token")
+    return mode, (bos if "BOS" in need else None), (eos if "EOS" in need else None)
+
+
+def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int], eos_id: Optional[int]) -> torch.Tensor:
+    """The document of each token of windows (B, T) of ids, from the window alone (module
+    docstring): equal within a document, different across; int64 of the same shape
+    (doc_masks.document_ids with the boundary token of `boundary`)."""
+    if boundary == "none":
+        return torch.zeros_like(tokens, dtype=torch.long)
+    return doc_masks.document_ids(tokens, eos_id if boundary == "eos" else bos_id, "eos" if boundary == "eos" else "bos")
 
 
 class TokenData:
-    """Train/val token memmaps plus the tokenizer."""
+    """The tokenizer and the train/val token streams of `data.path` or the mixture `data.sources`:
+    prepared (or read in place), split, and sampled into windows."""
 
-    def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print):
-        self.cfg = cfg
-        cache = cache_dir(cfg.cache_dir)
-        fp = _fingerprint(cfg.path)
+    def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print, progress: bool = False):
+        self.cfg, self.log, self.progress = cfg, log, progress
+        self.cache = cache_dir(cfg.cache_dir)
+        specs = [SourceConfig(**s) if isinstance(s, dict) else s for s in cfg.sources or [SourceConfig(cfg.path)]]
+        pre = [is_pretokenized(s.path) for s in specs]
         tok_spec = tokenizer_path or cfg.tokenizer
-        if tok_spec == "bytes":
-            self.tokenizer, tok_key = ByteTokenizer(), "bytes"
-        elif tok_spec == "sentencepiece":
-            sp_path = cache / f"sp-{fp}-{cfg.max_chars}-{cfg.vocab_size}.model"
-            if sp_path.is_file():
-                try:
-                    SentencePieceTokenizer(sp_path)
-                except DataError as e:  # a damaged cache: train it again
-                    log(f"data: {e}; training it again")
-                    sp_path.unlink()
-            if not sp_path.is_file():
-                train_sentencepiece(read_corpus(cfg.path, cfg.max_chars, log), cfg.vocab_size, sp_path,
-                                    cfg.sp_train_chars, log)
-            # tokens are cached under the model's content, so a retrained tokenizer never meets stale tokens
-            self.tokenizer = SentencePieceTokenizer(sp_path)
-            tok_key = hashlib.sha256(sp_path.read_bytes()).hexdigest()[:16]
+        texts = [s.path for s, p in zip(specs, pre) if not p]
+        if cfg.val_path and not is_pretokenized(cfg.val_path):
+            texts.append(cfg.val_path)
+        if tok_spec == "sentencepiece" and not texts:
+            self.tokenizer = None  # ids only: sized by the largest id below
         else:
-            p = Path(tok_spec).expanduser()
+            if any(pre) and tok_spec == "sentencepiece":
+                raise DataError(f"{specs[pre.index(True)].path}: pre-tokenized ids mixed with text need the tokenizer "
+                                f"they were made with (set data.tokenizer to its tokenizer.model or tokenizer.json)")
+            self.tokenizer = self._tokenizer(tok_spec, texts)
+        self.boundary, self.bos_id, self.eos_id = (
+            resolve_boundary(cfg.boundary, self.tokenizer, pretokenized=not texts) if self.tokenizer
+            else (cfg.boundary if cfg.boundary != "auto" else "none", None, None))
+        if self.tokenizer is None and self.boundary != "none":
+            raise DataError(f"data.boundary={self.boundary}: pre-tokenized data without a tokenizer file has no "
+                            f"BOS/EOS ids (set data.tokenizer)")
+        parts = [self._source(s.path, p) for s, p in zip(specs, pre)]
+        max_id = max([-1] + [self._max_id(s.path) for s, p in zip(specs, pre) if p])
+        if self.tokenizer is None:
+            self.tokenizer = IdsTokenizer(max_id + 1)
+        elif max_id >= self.tokenizer.vocab_size:
+            raise DataError(f"{cfg.sources and 'data.sources' or cfg.path}: token id {max_id} is outside the "
+                            f"tokenizer's vocabulary of {self.tokenizer.vocab_size}")
+        self.max_id = max_id  # the largest id of pre-tokenized inputs (-1 without them)
+        self.vocab_size = max(self.tokenizer.vocab_size, max_id + 1)  # what the model's vocabulary must cover
+        self._split(specs, parts)
+        self.weights = torch.tensor([s.weight for s in specs], dtype=torch.float64)
+        kinds = f", {len(specs)} sources" if len(specs) > 1 else ""
+        log(f"data: {specs[0].path if len(specs) == 1 else 'data.sources'}: {len(self.train):,} train + {len(self.val):,} "
+            f"val tokens (vocab {self.tokenizer.vocab_size}, documents separated by {self.boundary}{kinds})")
+
+    # ------------------------------------------------------------------ building
+    def _tokenizer(self, spec: str, texts: list[str]):
+        cfg, log = self.cfg, self.log
+        if spec == "bytes":
+            return ByteTokenizer()
+        if spec != "sentencepiece":
+            p = Path(spec).expanduser()
             if not p.is_file():
-                raise DataError(f"{tok_spec}: tokenizer file not found (data.tokenizer must be bytes, "
+                raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, "
                                 f"sentencepiece or a path to a tokenizer.model / tokenizer.json)")
-            self.tokenizer = load_tokenizer_file(p)
-            tok_key = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-        key = hashlib.sha256(f"{fp}:{cfg.max_chars}:{tok_key}".encode()).hexdigest()[:16]
-        bin_path = cache / f"tokens-{key}.bin"
-        dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
-        if bin_path.is_file() and bin_path.stat().st_size % np.dtype(dtype).itemsize:
-            log(f"data: {bin_path}: truncated token cache ({bin_path.stat().st_size} bytes); rebuilding it")
-            bin_path.unlink()
-        if not bin_path.is_file():
-            self._tokenize(bin_path, log)
-        tokens = np.memmap(bin_path, dtype=dtype, mode="r")
-        n_val = max(int(len(tokens) * cfg.val_fraction), cfg.seq_len + 1)
-        if len(tokens) - n_val < cfg.seq_len + 1:
-            raise DataError(f"{cfg.path}: {len(tokens)} tokens is too short for data.seq_len={cfg.seq_len} "
-                            f"(need more than {2 * (cfg.seq_len + 1)} for a training and a validation window)")
-        self.train, self.val = tokens[:-n_val], tokens[-n_val:]
-        self.bin_path = bin_path
-        log(f"data: {cfg.path}: {len(self.train):,} train + {len(self.val):,} val tokens "
-            f"(vocab {self.tokenizer.vocab_size}, cache {bin_path})")
+            return load_tokenizer_file(p)
+        key = _key(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars)
+        sp_path = self.cache / f"sp-{key}.model"
+        if sp_path.is_file():
+            try:
+                SentencePieceTokenizer(sp_path)
+            except DataError as e:  # a damaged cache: train it again
+                log(f"data: {e}; training it again")
+                sp_path.unlink()
+        if not sp_path.is_file():
+            docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars)
+                    for d in c)
+            train_sentencepiece(sample_documents(docs, cfg.sp_train_chars), cfg.vocab_size, sp_path, log)
+        return SentencePieceTokenizer(sp_path)
 
-    def _tokenize(self, bin_path: Path, log):
-        text = read_corpus(self.cfg.path, self.cfg.max_chars, log)
-        log(f"data: tokenising {len(text):,} chars")
-        docs = text.split("\n\n")
-        if hasattr(self.tokenizer, "encode_many"):
-            ids = [i for d in self.tokenizer.encode_many([d + "\n\n" for d in docs]) for i in d]
-        else:
-            ids = self.tokenizer.encode(text)
-        dtype = np.uint16 if self.tokenizer.vocab_size <= 65536 else np.uint32
-        arr = np.asarray(ids, dtype=dtype)
-        atomic_write(bin_path, arr.tofile)
+    def _source(self, path: str, pretokenized: bool) -> tuple[TokenStream, object]:
+        """(the source's tokens, its validation tokens or its document starts): pre-tokenized files
+        read in place ((train, val or None)), or text prepared into the cache ((tokens, starts))."""
+        if pretokenized:
+            return pretokenized_splits(path, self.cfg.token_dtype)
+        shards = self._prepared(path)
+        starts = np.concatenate([s + off for s, off in zip(shards.doc_starts, np.cumsum(
+            [0] + [len(t) for t in shards.tokens])[:-1])]) if shards.doc_starts else np.zeros(0, np.int64)
+        return TokenStream(shards.tokens), starts
 
-    def unigram_entropy(self) -> float:
+    def _max_id(self, path: str) -> int:
+        """The largest id of pre-tokenized files (a pass over them, cached under their fingerprint)."""
+        from .tokens import token_files
+        key = _key(*(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in token_files(path)),
+                   self.cfg.token_dtype)
+        cached = self.cache / f"max-id-{key}.txt"
+        if cached.is_file():
+            return int(cached.read_text())
+        train, val = pretokenized_splits(path, self.cfg.token_dtype)
+        m = max(train.max_id(), val.max_id() if val is not None else -1)
+        atomic_write(cached, str(m))
+        return m
+
+    def _prepared(self, path: str) -> Shards:
+        cfg, tok = self.cfg, self.tokenizer
+        tok_key = "bytes" if tok.spec[0] == "bytes" else hashlib.sha256(
+            Path(tok.model_path).read_bytes()).hexdigest()[:16]
+        out = self.cache / f"tokens-{_key(fingerprint(path), cfg.column, cfg.max_chars, tok_key, self.bos_id, self.eos_id, cfg.shard_tokens)}"
+        m = read_manifest(out)
+        if m and m.get("complete"):
+            for s in m["shards"]:  # a damaged cache (a truncated or missing shard) is prepared again
+                f = out / s["name"]
+                want = s["tokens"] * np.dtype(m["dtype"]).itemsize
+                have = f.stat().st_size if f.is_file() else 0
+                if have != want:
+                    self.log(f"data: {f}: truncated token cache ({have} bytes, {want} expected); rebuilding it")
+                    shutil.rmtree(out)
+                    break
+        return prepare_shards(path, tok, out, column=cfg.column, max_chars=cfg.max_chars, boundary=(self.bos_id, self.eos_id),
+                       workers=cfg.workers, shard_tokens=cfg.shard_tokens, progress=self.progress, log=self.log)
+
+    def _split(self, specs, parts):
+        """self.mixture (each source's training tokens), self.train (all of them) and self.val."""
+        cfg, T = self.cfg, self.cfg.seq_len
+        trains, vals = [], []
+        for s, (stream, extra) in zip(specs, parts):
+            if cfg.val_path or isinstance(extra, TokenStream) or (extra is None):
+                trains.append(stream)
+                vals.append(extra if isinstance(extra, TokenStream) and not cfg.val_path else None)
+                continue
+            n = len(stream)
+            n_val = max(int(n * cfg.val_fraction), T + 1)
+            cut = n - n_val
+            later = extra[extra >= cut]  # the first document that starts in the held-out tail
+            if len(later) and n - int(later[0]) >= T + 1:
+                cut = int(later[0])
+            trains.append(stream.sub(0, cut))
+            vals.append(stream.sub(cut, n))
+        if cfg.val_path:
+            pre = is_pretokenized(cfg.val_path)
+            v = self._source(cfg.val_path, pre)
+            vals = [TokenStream([*v[0].parts, *(v[1].parts if pre and v[1] is not None else [])])]
+        elif any(v is None for v in vals):  # pre-tokenized without val files: the token tail
+            for i, v in enumerate(vals):
+                if v is None:
+                    n = len(trains[i])
+                    n_val = max(int(n * cfg.val_fraction), T + 1)
+                    trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
+        for s, t in zip(specs, trains):
+            if len(t) < T + 1:
+                raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "
+                                f"(need more than {2 * (T + 1)} for a training and a validation window)")
+        self.mixture = trains
+        self.train = TokenStream([p for t in trains for p in t.parts])
+        self.val = TokenStream([p for v in vals for p in v.parts])
+        if len(self.val) < T + 1:
+            raise DataError(f"{cfg.val_path or cfg.path}: {len(self.val)} validation tokens is too short for "
+                            f"data.seq_len={T}")
+
+    # ------------------------------------------------------------------ reading
+    def document_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The document of each token of windows (..., T) (the contract in the module docstring)."""
+        return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)
+
+    def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
         """Entropy (nats/token) of the training tokens' unigram distribution: the loss of the
-        best model that ignores context."""
-        counts = np.bincount(np.asarray(self.train), minlength=self.tokenizer.vocab_size).astype(np.float64)
+        best model that ignores context. Counted on all the tokens up to `sample_tokens`, else on
+        64 evenly spaced blocks of sample_tokens / 64 (a corpus of any size starts at once)."""
+        counts = np.zeros(self.vocab_size, dtype=np.float64)
+        n = len(self.train)
+        size = sample_tokens // 64
+        blocks = self.train.blocks() if n <= sample_tokens else (
+            self.train[i:i + size] for i in np.linspace(0, n - size, 64).astype(np.int64).tolist())
+        for b in blocks:
+            counts += np.bincount(b, minlength=self.vocab_size)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
+    def windows(self, split: str, batch_size: int, generator: torch.Generator, seq_len: Optional[int] = None,
+                rows: Optional[slice] = None, pin: bool = False) -> torch.Tensor:
+        """Random windows (B, T + 1) of ids on the CPU (pinned memory when `pin`). With a mixture,
+        each training window's source is drawn by weight first. rows: only those of the batch_size
+        windows drawn (a rank's part of a global batch)."""
+        T = seq_len or self.cfg.seq_len
+        if split == "train" and len(self.mixture) > 1:
+            src = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()
+            picks = [(self.mixture[k], int(torch.randint(0, len(self.mixture[k]) - T, (1,), generator=generator)))
+                     for k in src]
+        else:
+            data = self.train if split == "train" else self.val
+            picks = [(data, s) for s in torch.randint(0, len(data) - T, (batch_size,), generator=generator).tolist()]
+        if rows is not None:
+            picks = picks[rows]
+        xy = torch.from_numpy(np.stack([np.asarray(d[s:s + T + 1], dtype=np.int64) for d, s in picks]))
+        return xy.pin_memory() if pin else xy
+
     def batch(self, split: str, batch_size: int, generator: torch.Generator, device,
               seq_len: Optional[int] = None, rows: Optional[slice] = None) -> tuple:
-        """Random windows (B, T) of inputs and next-token targets; T = seq_len or data.seq_len.
-        rows: only those of the batch_size windows drawn (a rank's part of a global batch)."""
-        data = self.train if split == "train" else self.val
-        T = seq_len or self.cfg.seq_len
-        starts = torch.randint(0, len(data) - T, (batch_size,), generator=generator).tolist()
-        if rows is not None:
-            starts = starts[rows]
-        rows = np.stack([np.asarray(data[s:s + T + 1], dtype=np.int64) for s in starts])
-        xy = torch.from_numpy(rows)
-        if device.type == "cuda":
-            xy = xy.pin_memory().to(device, non_blocking=True)
-        else:
-            xy = xy.to(device)
+        """Random windows (B, T) of inputs and next-token targets on `device`; T = seq_len or data.seq_len."""
+        xy = self.windows(split, batch_size, generator, seq_len, rows, pin=device.type == "cuda")
+        xy = xy.to(device, non_blocking=True)
         return xy[:, :-1], xy[:, 1:]
 
     def val_batches(self, batch_size: int, n_batches: int):

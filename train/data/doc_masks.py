@@ -4,12 +4,12 @@ A stream separates its documents by a boundary token: BOS in front of each docum
 EOS after each (`eos`). `document_ids(tokens, boundary_id, mode)` numbers each row's documents
 0, 1, 2, ... along the row (the boundary token belongs to the document it opens or closes); the
 model (zoo/llm.py, `forward(..., doc_ids=)`) then confines attention to each document, and
-`zoo.llm.document_positions` gives positions restarting per document. `tokenizer_boundary`
-reads the boundary from a tokenizer (its BOS, else its EOS).
+`zoo.llm.document_positions` gives positions restarting per document. Which token bounds the
+documents of a prepared stream is `data.boundary`'s business (train/data/__init__.py, TokenData).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -27,13 +27,3 @@ def document_ids(tokens: torch.Tensor, boundary_id: int, mode: Literal["bos", "e
     at = (tokens == boundary_id).long()
     ids = at.cumsum(1)
     return ids - at[:, :1] if mode == "bos" else ids - at  # bos: the first token's own BOS opens document 0
-
-
-def tokenizer_boundary(tokenizer) -> Optional[tuple[int, str]]:
-    """(token id, mode) of a tokenizer's document boundary: its BOS ('bos'), else its EOS ('eos');
-    None when it has neither (ByteTokenizer, a sentencepiece model trained without them)."""
-    if getattr(tokenizer, "bos_id", None) is not None:
-        return tokenizer.bos_id, "bos"
-    if getattr(tokenizer, "eos_id", None) is not None:
-        return tokenizer.eos_id, "eos"
-    return None

@@ -16,7 +16,7 @@ validation loss when every MoD layer routes by the causal decision, as decoding 
 (`val_loss_causal`).
 
 With `data.attention: document` every forward (training and evaluation) passes the model the
-batch's document ids (train/data/doc_masks.py, from the tokenizer's boundary token), and with
+batch's document ids (train/data/doc_masks.py, from the boundary tokens data.boundary put in the stream), and with
 `data.positions: document` positions restarting per document."""
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ from zoo.llm import Distill
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
-from ..data import SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
+from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
 from ..evaluation import evaluate_files, metric_row
-from ..data.doc_masks import document_ids, tokenizer_boundary
 from ..optim import micro_batches
 from . import Task
 
@@ -51,7 +50,7 @@ class LMTask(Task):
     mod = False          # whether the model has Mixture-of-Depths layers
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
     _sums: Optional[dict] = None
-    boundary: Optional[tuple] = None  # (token id, 'bos' | 'eos') of the documents, with data.attention: document
+    boundary: Optional[str] = None  # data.boundary in force ('bos', 'eos', 'both'), with data.attention: document
 
     @staticmethod
     def validate_config(cfg):
@@ -79,17 +78,18 @@ class LMTask(Task):
 
     def setup(self):
         self._schedule = None
-        self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log)
+        self._prefetcher = None
+        self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log, progress=self.cfg.train.progress)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
         d = self.cfg.data
         if d.attention == "document":
-            self.boundary = tokenizer_boundary(self.data.tokenizer)
-            if self.boundary is None:
+            if self.data.boundary == "none":
                 raise ConfigError(f"{self.cfg.source}: data.attention=document needs documents separated by a BOS "
-                                  f"or EOS token, and the tokenizer ({d.tokenizer}) has neither")
-            self.log(f"data: attention within documents (split at token {self.boundary[0]}, {self.boundary[1]}), "
-                     f"{d.positions} positions")
+                                  f"or EOS token (data.boundary), and this stream has none (data.boundary="
+                                  f"{d.boundary}, tokenizer {d.tokenizer})")
+            self.boundary = self.data.boundary
+            self.log(f"data: attention within documents (bounded by {self.boundary}), {d.positions} positions")
 
     @property
     def documents(self) -> bool:
@@ -101,7 +101,7 @@ class LMTask(Task):
         data.attention: document (and data.positions: document); {} otherwise."""
         if self.boundary is None:
             return {}
-        doc = document_ids(x, *self.boundary)
+        doc = self.data.document_ids(x)
         if self.cfg.data.positions == "document":
             return {"doc_ids": doc, "position_ids": document_positions(doc)}
         return {"doc_ids": doc}
@@ -120,11 +120,12 @@ class LMTask(Task):
         else:
             model = zoo.build(self.cfg.model)
         self._use(model)
-        vocab = self.data.tokenizer.vocab_size
+        vocab = self.data.vocab_size  # the tokenizer's, or one past the largest id of pre-tokenized data
         if model.config.vocab_size < vocab:
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
+            whose = f"data's (largest id {vocab - 1})" if self.data.max_id + 1 == vocab else "tokenizer's"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
-                              f"tokenizer's {vocab}")
+                              f"{whose} {vocab}")
         self._say_attention()
         return model
 
@@ -163,14 +164,30 @@ class LMTask(Task):
 
     def train_batch(self, step, micro):
         self._step = step
-        g = self.batch_generator(step, micro)
         window = self.seq_len_at(step)
         if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
             self.log(f"step {step + 1}: training windows of {window} tokens (data.seq_len_schedule)")
         self._window = window
+        depth = self.cfg.data.prefetch
+        if depth and self._prefetcher is None:
+            self._prefetcher = Prefetcher(self._windows, self._after, depth)
+        xy = self._prefetcher.get((step, micro)) if depth else self._windows((step, micro))
+        xy = xy.to(self.device, non_blocking=True)
+        return xy[:, :-1], xy[:, 1:]
+
+    def _windows(self, key):
+        """The (B, T + 1) ids of micro-batch `key` = (step, micro), on the CPU (pinned on CUDA):
+        a function of the key alone, made ahead by the prefetcher's thread (data.prefetch)."""
+        step, micro = key
         B = self.cfg.train.batch_size
-        return self.data.batch("train", self.global_rows(), g, self.device, window,
-                               slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
+        return self.data.windows("train", self.global_rows(), self.batch_generator(step, micro), self.seq_len_at(step),
+                                 slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None,
+                                 pin=self.device.type == "cuda")
+
+    def _after(self, key):
+        step, micro = key
+        t = self.cfg.train
+        return (step, micro + 1) if micro + 1 < micro_batches(step, t.grad_accum, t.batch_warmup_steps) else (step + 1, 0)
 
     def check_teacher(self, teacher, model):
         if getattr(teacher, "family", None) != "llm":
@@ -323,6 +340,9 @@ class LMTask(Task):
 
     def samples(self, model, out_dir):
         tok = self.data.tokenizer
+        if tok.spec[0] == "ids":
+            self.log("samples: skipped (pre-tokenized data without a tokenizer file cannot encode a prompt)")
+            return None
         prompts = ["def ", "import ", "class "] if self.cfg.data.path == "stdlib" else ["\n", "The ", "A"]
         g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         texts = []

@@ -1,0 +1,266 @@
+"""Data preparation and batch assembly: speed against the tokenizer alone, peak memory, batch rate.
+
+    python train/bench.py data                          # speed (16 MB corpus), RSS at 100 MB, batches
+    python train/bench.py data --rss-mb 100,1000        # + the 1 GB corpus (about 2 minutes per 100 MB)
+    python train/bench.py data --only speed --mb 32 --rounds 8
+
+A generated corpus (`generate`): a .jsonl of documents of 1-40 lines drawn at random from the
+Python standard library's sources, so every machine has it.
+
+1. speed: per tokenizer (sentencepiece BPE and a Hugging Face byte-level BPE tokenizer.json, both
+   trained on a sample of the corpus, vocab 8192), the sides alternating round by round:
+   `zoo prepare` (train/data/prepare.py with `--workers` processes: reading, tokenising, writing
+   the shards and the document index) against `tokenizer alone`: the same documents read from
+   the same file, encoded in batches of 8 MB by the tokenizer's own multi-threaded batch encode
+   with `--workers` threads (sentencepiece `encode(num_threads=)`, tokenizers `encode_batch`,
+   RAYON_NUM_THREADS), the ids counted and dropped. Printed: MB/s and tokens/s of each side's
+   best round, and the paired median of zoo's speed over the tokenizer's (target >= 0.8x).
+2. rss: the peak memory of preparing a corpus of each `--rss-mb` size in a fresh process
+   (sentencepiece, `--workers` processes): the sum of the proportional set sizes (PSS: shared
+   pages divided among the processes that share them) of the process and its workers, and of
+   its anonymous part (the heap; the rest is file-backed), sampled every 50 ms (target: < 1 GB
+   and within 20% across sizes).
+3. batches: the rate at which TokenData assembles training batches of the SmolLM-135M preset's
+   shape (8 x 2048 tokens, random windows of the prepared corpus) against the rate at which that
+   preset trains on this machine (one micro-batch of 1 x 2048 tokens, forward and backward,
+   tokens/s), both in tokens/s.
+
+The numbers go to the JSON file `--json` beside the printed tables.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from train.benches import harness  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDES = ("zoo prepare", "tokenizer alone")
+BATCH_BYTES = 8 << 20
+
+
+def generate(path: Path, n_bytes: int, seed: int = 0) -> Path:
+    """A .jsonl corpus of about n_bytes: documents of 1-40 consecutive lines of stdlib sources."""
+    from train.data import stdlib_files
+    lines = [ln for f in stdlib_files() for ln in f.read_text(errors="replace").splitlines(keepends=True)]
+    rng = random.Random(seed)
+    written = 0
+    with open(path, "w") as f:
+        while written < n_bytes:
+            i = rng.randrange(len(lines))
+            row = json.dumps({"text": "".join(lines[i:i + rng.randint(1, 40)])}) + "\n"
+            f.write(row)
+            written += len(row)
+    return path
+
+
+def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
+    """{name: tokenizer} trained on a 4 MB sample of the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from train.data import HFTokenizer, SentencePieceTokenizer, documents, sample_documents, train_sentencepiece
+    sample = sample_documents((d.text for d in documents(str(corpus))), 4_000_000)
+    sp = train_sentencepiece(sample, vocab, folder / "sp.model", log=lambda m: None)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    return {"sentencepiece": SentencePieceTokenizer(sp), "tokenizer.json": HFTokenizer(folder / "tokenizer.json")}
+
+
+def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
+    """The documents of the corpus encoded in 8 MB batches by the tokenizer's own threads; the
+    number of ids."""
+    n, batch, size = 0, [], 0
+
+    def encode(texts):
+        if hasattr(tok, "sp"):
+            return sum(map(len, tok.sp.encode(texts, num_threads=threads)))
+        return sum(len(e.ids) for e in tok.tok.encode_batch(texts, add_special_tokens=False))
+    with open(corpus) as f:
+        for line in f:
+            batch.append(json.loads(line)["text"])
+            size += len(batch[-1])
+            if size >= BATCH_BYTES:
+                n += encode(batch)
+                batch, size = [], 0
+    return n + (encode(batch) if batch else 0)
+
+
+def speed(args, folder: Path, out: dict):
+    from train.data.prepare import prepare
+    corpus = generate(folder / "speed.jsonl", args.mb << 20)
+    mb = corpus.stat().st_size / 1e6
+    toks = tokenizers(corpus, folder)
+    rows = []
+    for name, tok in toks.items():
+        counts = {}
+
+        def zoo():
+            shutil.rmtree(folder / "shards", ignore_errors=True)
+            s = prepare(str(corpus), tok, folder / "shards", boundary=(None, tok.eos_id), workers=args.workers,
+                        log=lambda m: None)
+            counts["zoo"] = s.manifest["tokens"]
+
+        def alone():
+            counts["alone"] = tokenizer_alone(corpus, tok, args.workers)
+        r = harness.run_rounds({SIDES[0]: zoo, SIDES[1]: alone}, args.rounds)
+        paired = r.paired(SIDES[0], SIDES[1])
+        res = {"corpus_mb": mb, "rounds": args.rounds, "paired_median": paired.median, "paired_low": paired.low,
+               "paired_high": paired.high}
+        for side, key in zip(SIDES, ("zoo", "alone")):
+            best = r.best(side)
+            res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best, "tokens": counts[key],
+                         "wall_s": r.wall[side]}
+            rows.append([name, side, f"{mb / best:.2f}", f"{counts[key] / best / 1e6:.2f}",
+                         str(paired) if side == SIDES[0] else ""])
+        out.setdefault("speed", {})[name] = res
+    print(f"\nPreparation speed, {mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} "
+          f"alternating rounds (zoo also writes the shards; its tokens include one EOS per document)")
+    harness.print_table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows)
+
+
+def tree_pss(pid: int) -> tuple[int, int]:
+    """(PSS, anonymous PSS) in bytes of a process and all its descendants (Linux /proc). The
+    difference is file-backed: pages of files mapped (memmaps of the token shards) or loaded
+    (libraries), which the kernel can drop and read again."""
+    total, anon, todo = 0, 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in open(f"/proc/{p}/smaps_rollup"):
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                elif line.startswith("Pss_Anon:"):
+                    anon += int(line.split()[1]) * 1024
+            for t in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except (OSError, ValueError):
+            continue
+    return total, anon
+
+
+CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from train.data import SentencePieceTokenizer
+from train.data.prepare import prepare
+tok = SentencePieceTokenizer({model!r})
+t0 = time.perf_counter()
+s = prepare({corpus!r}, tok, __import__("pathlib").Path({out!r}), boundary=(None, tok.eos_id), workers={workers},
+            log=lambda m: None)
+print(s.manifest["tokens"], time.perf_counter() - t0)
+"""
+
+
+def rss(args, folder: Path, out: dict):
+    model = folder / "sp.model"
+    if not model.is_file():
+        tokenizers(generate(folder / "speed.jsonl", args.mb << 20), folder)
+    rows = []
+    for mb in args.rss_mb:
+        corpus = generate(folder / f"rss-{mb}.jsonl", mb << 20)
+        shutil.rmtree(folder / "rss-shards", ignore_errors=True)
+        script = CHILD.format(root=str(ROOT), model=str(model), corpus=str(corpus), out=str(folder / "rss-shards"),
+                              workers=args.workers)
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        peak = peak_anon = 0
+        while p.poll() is None:
+            pss, anon = tree_pss(p.pid)
+            peak, peak_anon = max(peak, pss), max(peak_anon, anon)
+            time.sleep(0.05)
+        tokens, secs = p.stdout.read().split()
+        size = corpus.stat().st_size / 1e6
+        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak, "peak_anon_pss_bytes": peak_anon,
+                                             "seconds": float(secs),
+                                             "tokens": int(tokens)}
+        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}", f"{size / float(secs):.2f}",
+                     f"{int(tokens):,}"])
+        corpus.unlink()
+    print(f"\nPeak memory of preparation (sentencepiece, {args.workers} workers; PSS of the process and its workers)")
+    harness.print_table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows)
+
+
+def batches(args, folder: Path, out: dict):
+    import torch
+    from train.config import load_run_config
+    from train.data import TextDataConfig, TokenData
+    from train.plan import build_model
+    corpus = folder / "speed.jsonl"
+    if not corpus.is_file():
+        generate(corpus, args.mb << 20)
+    preset = load_run_config(str(ROOT / "configs" / "llm" / "smollm-135m.yaml"), ["train.compile=false"])
+    B, T = preset.train.batch_size, preset.data.seq_len
+    data = TokenData(TextDataConfig(path=str(corpus), tokenizer="bytes", seq_len=T, cache_dir=str(folder / "cache"),
+                                    workers=args.workers), log=lambda m: None)
+    g = torch.Generator().manual_seed(0)
+    data.windows("train", B, g)
+    n = 20
+    t0 = time.perf_counter()
+    for _ in range(n):
+        data.windows("train", B, g)
+    assemble = n * B * T / (time.perf_counter() - t0)
+    torch.manual_seed(0)
+    model = build_model(preset).train()
+    x = torch.randint(0, preset.model.vocab_size, (1, T))
+    times = []
+    for _ in range(args.train_reps + 1):
+        t0 = time.perf_counter()
+        with harness.autocast(args.precision[0]):
+            _, loss = model(x, x)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    trained = T / min(times[1:])
+    out["batches"] = {"batch": [B, T], "assembled_tokens_per_s": assemble, "trained_tokens_per_s": trained,
+                      "precision": args.precision[0], "threads": torch.get_num_threads()}
+    print(f"\nBatch assembly against training, SmolLM-135M preset ({B} x {T} windows; training: 1 x {T} forward + "
+          f"backward, {args.precision[0]}, {torch.get_num_threads()} threads, best of {args.train_reps})")
+    harness.print_table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
+                        [[f"{assemble:,.0f}", f"{trained:,.0f}", f"{assemble / trained:,.0f}x"]])
+
+
+def main(argv=None):
+    ap = harness.parser("data", __doc__, precision="fp32")
+    ap.add_argument("--only", type=harness.name_list(("speed", "rss", "batches"), "part"), default="speed,rss,batches")
+    ap.add_argument("--mb", type=harness.positive_int, default=16, help="size of the speed corpus in MB (default 16)")
+    ap.add_argument("--rss-mb", type=lambda s: [int(x) for x in s.split(",")], default=[100],
+                    help="comma list of corpus sizes in MB for the memory part (default 100)")
+    ap.add_argument("--workers", type=harness.positive_int, default=2, help="processes / threads (default 2)")
+    ap.add_argument("--train-reps", type=harness.positive_int, default=2)
+    ap.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
+    ap.add_argument("--json", default="runs/bench-data.json", help="where the numbers go (default %(default)s)")
+    args = ap.parse_args(argv)
+    harness.setup(args)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="zoo-bench-data-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {"workers": args.workers, "cpus": os.cpu_count()}
+    try:
+        for part, fn in (("speed", speed), ("rss", rss), ("batches", batches)):
+            if part in args.only:
+                fn(args, folder, out)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"\nnumbers: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Streaming preparation: a text source -> sharded token files and a document index, in bounded memory.
+
+    prepare(source, tokenizer, out, ...) -> Shards
+
+The main process reads documents lazily (train/data/sources.py) and groups them into chunks of
+about `chunk_chars` characters; worker processes (one per core by default) tokenise the chunks;
+the main process writes their tokens, in chunk order, to shards of about `shard_tokens` tokens.
+At most two chunks per worker are in flight, so memory is bounded by the chunk size, never by
+the corpus. Documents are separated by the tokenizer's BOS and/or EOS (`boundary`, see
+train/data/__init__.py for the contract).
+
+On disk, in the folder `out`:
+    shard-00000.bin        the tokens, raw uint16 (uint32 for vocabularies over 65,536)
+    shard-00000.docs.npy   int64: the offset in the shard of each document that starts in it
+    manifest.json          the shards written so far, the chunks they hold, and when done
+                           `complete: true` with the totals (tokens, documents, bad documents)
+
+Kill-safe: a shard is written under a temporary name and renamed when whole, then the manifest is
+rewritten atomically; a reader uses only the shards the manifest lists. A rerun after a kill (any
+signal, any moment) removes what the manifest does not list, skips the chunks the manifest says
+are written (reading, not tokenising, them) and goes on; the chunking is a function of the source
+alone, so the shards are the same bytes as an uninterrupted run's, and the same with any number of
+workers.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from zoo.weights.files import atomic_write
+
+from .sources import DataError, Doc, Problems, corpus_files, documents
+
+MANIFEST = "manifest.json"
+VERSION = 1
+
+
+def token_dtype(vocab_size: int):
+    return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
+
+
+# ----------------------------------------------------------------------------- chunks
+def chunks(docs: Iterator[Doc], chunk_chars: int, max_chars: Optional[int]) -> Iterator[list[Doc]]:
+    """Documents grouped into chunks of about chunk_chars characters (a function of the source
+    alone); at most max_chars characters in all."""
+    chunk, size, total = [], 0, 0
+    for d in docs:
+        if max_chars is not None and total + len(d.text) >= max_chars:
+            d = Doc(d.text[:max_chars - total], d.first, True)
+        chunk.append(d)
+        size += len(d.text)
+        total += len(d.text)
+        if size >= chunk_chars:
+            yield chunk
+            chunk, size = [], 0
+        if max_chars is not None and total >= max_chars:
+            break
+    if chunk:
+        yield chunk
+
+
+_worker_tok = None
+
+
+def _init_worker(spec):
+    global _worker_tok
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    from .tokenizers import from_spec
+    _worker_tok = from_spec(spec, threads=1)
+
+
+def encode_chunk(chunk: list[Doc], bos: Optional[int], eos: Optional[int], dtype, tok=None):
+    """(tokens, document starts) of a chunk: each piece's ids, BOS before a document's first
+    piece and EOS after its last when they are given."""
+    tok = tok or _worker_tok
+    ids = tok.encode_many([d.text for d in chunk])
+    sizes = np.fromiter((len(i) + (bos is not None and d.first) + (eos is not None and d.last)
+                         for i, d in zip(ids, chunk)), dtype=np.int64, count=len(chunk))
+    out = np.empty(int(sizes.sum()), dtype=dtype)
+    starts, pos = [], 0
+    for i, d, n in zip(ids, chunk, sizes.tolist()):
+        if d.first:
+            starts.append(pos)
+        p = pos
+        if bos is not None and d.first:
+            out[p] = bos
+            p += 1
+        m = len(i)
+        out[p:p + m] = np.frombuffer(i, dtype=np.uint8) if isinstance(i, bytes) else i
+        if eos is not None and d.last:
+            out[p + m] = eos
+        pos += n
+    return out, np.asarray(starts, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------- shards
+class Shards:
+    """The complete shards of a prepared folder: memmaps of tokens and their document starts."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        m = read_manifest(self.out)
+        if not m or not m.get("complete"):
+            raise DataError(f"{out}: preparation not complete")
+        self.manifest = m
+        self.dtype = np.dtype(m["dtype"])
+        self.files = [self.out / s["name"] for s in m["shards"]]
+        self.tokens = [np.memmap(f, dtype=self.dtype, mode="r") if f.stat().st_size else np.zeros(0, self.dtype)
+                       for f in self.files]
+        self.doc_starts = [np.load(f.with_suffix(".docs.npy")) for f in self.files]
+
+
+def read_manifest(out: Path) -> Optional[dict]:
+    try:
+        m = json.loads((Path(out) / MANIFEST).read_text())
+        return m if m.get("version") == VERSION else None
+    except (OSError, ValueError):
+        return None
+
+
+class _Writer:
+    """Appends chunks to the current shard (a temporary file) and commits whole shards."""
+
+    def __init__(self, out: Path, meta: dict, shard_tokens: int, resume: Optional[dict]):
+        self.out, self.meta, self.shard_tokens = out, meta, shard_tokens
+        self.shards = list(resume["shards"]) if resume else []
+        self.chunks_done = resume["chunks"] if resume else 0
+        self._open()
+
+    def _open(self):
+        self.name = f"shard-{len(self.shards):05d}.bin"
+        self.tmp = self.out / (self.name + ".tmp")
+        self.fh = open(self.tmp, "wb")
+        self.n, self.starts = 0, []
+
+    def add(self, tokens: np.ndarray, starts: np.ndarray):
+        self.fh.write(memoryview(tokens).cast("B"))
+        self.starts.append(starts + self.n)
+        self.n += len(tokens)
+        self.chunks_done += 1
+        if self.n >= self.shard_tokens:
+            self.commit()
+            self._open()
+
+    def commit(self, complete: bool = False, extra: Optional[dict] = None):
+        """The shard made whole (renamed), then the manifest rewritten to list it."""
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        if self.n or not self.shards:
+            final = self.out / self.name
+            starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
+            atomic_write(final.with_suffix(".docs.npy"), lambda f: np.save(f, starts))
+            os.replace(self.tmp, final)
+            self.shards.append({"name": self.name, "tokens": self.n, "docs": int(len(starts))})
+        else:
+            self.tmp.unlink()
+        m = {**self.meta, "shards": self.shards, "chunks": self.chunks_done, "complete": complete, **(extra or {})}
+        atomic_write(self.out / MANIFEST, json.dumps(m, indent=1))
+
+
+def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_chars: Optional[int] = None,
+            boundary: tuple = (None, None), workers: int = 0, chunk_chars: int = 1 << 20,
+            shard_tokens: int = 1 << 28, progress: bool = False, log=print) -> Shards:
+    """Prepare `source` into the folder `out` (created; resumed when a previous run was killed),
+    unless it is complete already. boundary: the (BOS, EOS) ids put around each document (None:
+    not put). workers: tokenising processes (0: one per core; 1: in this process)."""
+    out = Path(out)
+    done = read_manifest(out)
+    if done and done.get("complete"):
+        return Shards(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:  # one preparer at a time (torchrun's ranks)
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: no lock
+            pass
+        return _prepare(source, tokenizer, out, column=column, max_chars=max_chars, boundary=boundary,
+                        workers=workers, chunk_chars=chunk_chars, shard_tokens=shard_tokens, progress=progress,
+                        log=log)
+
+
+def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, workers, chunk_chars, shard_tokens,
+             progress, log) -> Shards:
+    done = read_manifest(out)
+    if done and done.get("complete"):  # another process prepared it while this one waited
+        return Shards(out)
+    bos, eos = boundary
+    dtype = token_dtype(tokenizer.vocab_size)
+    meta = {"version": VERSION, "source": source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
+            "bos_id": bos, "eos_id": eos, "chunk_chars": chunk_chars, "shard_tokens": shard_tokens}
+    resume = done if done and all(done.get(k) == v for k, v in meta.items()) else None
+    listed = {s["name"] for s in resume["shards"]} if resume else set()
+    for f in out.iterdir():  # what a killed run left and the manifest does not list
+        if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    if resume is None and (out / MANIFEST).exists():
+        (out / MANIFEST).unlink()
+    skip = resume["chunks"] if resume else 0
+    if resume:
+        log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
+    workers = workers or os.cpu_count() or 1
+    total_bytes = sum(f.stat().st_size for f in corpus_files(source))
+    problems = Problems()
+    writer = _Writer(out, meta, shard_tokens, resume)
+    bar = _Progress(total_bytes, max_chars, progress, source, workers)
+    t0 = time.perf_counter()
+    pool = None
+    try:
+        it = chunks(documents(source, column, problems), chunk_chars, max_chars)
+        deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
+        if skip:
+            bar.skip(skip)
+        if workers == 1:
+            from .tokenizers import from_spec
+            tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
+            results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
+        else:
+            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
+            results = _ordered(pool, it, bos, eos, dtype, 2 * workers)
+        for (tokens, starts), chunk in results:
+            writer.add(tokens, starts)
+            bar.update(chunk, len(tokens))
+        n_tokens = sum(s["tokens"] for s in writer.shards) + writer.n
+        n_docs = sum(s["docs"] for s in writer.shards) + sum(len(s) for s in writer.starts)
+        summary = problems.summary(source)
+        if n_tokens == 0 or n_docs == 0:
+            raise DataError(f"{source}: the corpus is empty" + (f" ({summary.split(': ', 2)[2]})" if summary else ""))
+        writer.commit(complete=True, extra={"tokens": n_tokens, "documents": n_docs,
+                                            "problems": dict(problems.counts), "summary": summary})
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        bar.close()
+        if not writer.fh.closed:
+            writer.fh.close()
+    if summary:
+        log(summary)
+    secs = time.perf_counter() - t0
+    log(f"data: prepared {source}: {n_docs:,} documents, {n_tokens:,} tokens in {len(writer.shards)} shards "
+        f"({secs:.1f} s, {n_tokens / max(secs, 1e-9):,.0f} tokens/s) -> {out}")
+    return Shards(out)
+
+
+def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int):
+    """The pool's results in chunk order, at most `in_flight` chunks submitted and not yet taken."""
+    pending: deque = deque()
+    for c in chunks_:
+        pending.append((pool.apply_async(encode_chunk, (c, bos, eos, dtype)), c))
+        if len(pending) >= in_flight:
+            r, c0 = pending.popleft()
+            yield r.get(), c0
+    while pending:
+        r, c0 = pending.popleft()
+        yield r.get(), c0
+
+
+class _Progress:
+    """A tqdm bar over the source's bytes (characters read, for compressed files an estimate), with
+    MB/s and tokens/s; ETA from tqdm."""
+
+    def __init__(self, total_bytes: int, max_chars, on: bool, source: str, workers: int):
+        from tqdm import tqdm
+        total = min(total_bytes, max_chars) if max_chars else total_bytes
+        self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True,
+                        desc=f"preparing ({workers} workers)", file=sys.stderr)
+        self.tokens, self.chars, self.t0 = 0, 0, time.perf_counter()
+
+    def skip(self, n_chunks: int):
+        self.bar.set_description(f"resumed after {n_chunks} chunks")
+
+    def update(self, chunk: list[Doc], n_tokens: int):
+        n = sum(len(d.text) for d in chunk)
+        self.tokens += n_tokens
+        self.chars += n
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(min(n, max(0, self.bar.total - self.bar.n)))
+        self.bar.set_postfix({"MB/s": f"{self.chars / dt / 1e6:.1f}", "tokens/s": f"{self.tokens / dt:,.0f}"},
+                             refresh=False)
+
+    def close(self):
+        self.bar.close()

@@ -1,0 +1,290 @@
+"""Documents read lazily from a text source, one at a time, in bounded memory.
+
+A source (`data.path`, or a `path` of `data.sources`) is one of:
+  - `stdlib`: the Python standard library's own .py files (the embedded default; no download);
+  - a text file (.txt .md .py .text, or any other name that is not one of the formats below):
+    the whole file is one document, read in pieces of at most `PIECE_BYTES` cut at a blank
+    line (else a line end) so that a file of any size streams;
+  - a JSON-lines file (.jsonl, .jsonl.gz, .jsonl.zst; .zst needs the `zstandard` package): one
+    document per line, the string in the field `data.column` (default `text`);
+  - a Parquet file (.parquet; needs `pyarrow`): one document per row of the column `data.column`;
+  - a folder saved by Hugging Face `datasets` (`Dataset.save_to_disk`; needs `datasets`): one
+    document per row of the column `data.column` (of the `train` split of a DatasetDict);
+  - a folder of any of these files (read in sorted order, recursively).
+
+Bad documents never stop the reading: undecodable bytes are replaced with U+FFFD, bad JSON
+lines (not JSON, no string in the column) are skipped, empty rows are skipped; each is counted
+in `Problems`, whose `summary()` is the one line the preparation reports.
+
+`documents(path, column, problems)` yields `Doc(text, first, last)`: a document, or a piece of
+one (`first`: it starts a document; `last`: it ends one).
+"""
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import re
+import sysconfig
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET_SUFFIX = ".parquet"
+PIECE_BYTES = 1 << 22  # a text file is read (and tokenised) in pieces of at most 4 MiB
+
+
+class DataError(ValueError):
+    """Bad data: one line naming the file."""
+
+
+class Doc(NamedTuple):
+    text: str
+    first: bool = True   # this piece starts a document
+    last: bool = True    # this piece ends a document
+
+
+class Problems:
+    """Bad documents met while reading, counted per kind (and the files they were in)."""
+
+    KINDS = {"undecodable": "undecodable bytes replaced with U+FFFD", "bad_json": "bad jsonl lines (skipped)",
+             "empty": "empty documents (skipped)"}
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.files: dict[str, list[str]] = {k: [] for k in self.KINDS}
+
+    def add(self, kind: str, file, n: int = 1):
+        if n:
+            self.counts[kind] += n
+            if str(file) not in self.files[kind][-1:]:
+                self.files[kind].append(str(file))
+
+    def summary(self, path: str) -> Optional[str]:
+        """One line: every kind with its count and the first file it was met in; None if none."""
+        if not self.counts:
+            return None
+        parts = []
+        for k, what in self.KINDS.items():
+            if self.counts[k]:
+                files = self.files[k]
+                where = files[0] + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
+                parts.append(f"{where}: {self.counts[k]} {what}")
+        return f"data: bad documents in {path}: " + "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- files
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.is_file())
+
+
+def _kind(f: Path) -> str:
+    name = f.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIX):
+        return "parquet"
+    return "text"
+
+
+def is_saved_dataset(p: Path) -> bool:
+    """A folder written by Hugging Face `datasets` save_to_disk (a Dataset or a DatasetDict)."""
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def corpus_files(path: str) -> list[Path]:
+    """The files of a source, in the order they are read."""
+    if path == "stdlib":
+        return stdlib_files()
+    p = Path(path).expanduser()
+    if is_saved_dataset(p):
+        return sorted(f for f in p.rglob("*") if f.is_file())
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and (f.name.lower().endswith(
+            TEXT_SUFFIXES + JSONL_SUFFIXES + (PARQUET_SUFFIX,))))
+        if not files:
+            raise DataError(f"{path}: folder holds no .txt/.md/.jsonl(.gz/.zst)/.parquet files")
+        return files
+    raise DataError(f"{path}: no such file or folder")
+
+
+_UNDECODED = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for undecodable bytes
+
+
+def _clean(text: str, f, problems: Problems) -> str:
+    """Text decoded with surrogateescape: each undecodable byte becomes U+FFFD and is counted."""
+    if not _UNDECODED.search(text):
+        return text
+    text, n = _UNDECODED.subn("\ufffd", text)
+    problems.add("undecodable", f, n)
+    return text
+
+
+def _open_binary(f: Path):
+    name = f.name.lower()
+    try:
+        if name.endswith(".gz"):
+            return gzip.open(f, "rb")
+        if name.endswith(".zst"):
+            try:
+                import zstandard
+            except ImportError:
+                raise DataError(f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)") from None
+            import io
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), read_across_frames=True))
+        return open(f, "rb")
+    except OSError as e:
+        raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None
+
+
+def _text_pieces(f: Path, problems: Problems) -> Iterator[Doc]:
+    """The file as one document, in pieces cut at a blank line (else a line end) every PIECE_BYTES."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    first, rest = True, ""
+    with _open_binary(f) as fh:
+        while True:
+            try:
+                block = fh.read(PIECE_BYTES)
+            except OSError as e:
+                raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None
+            text = rest + dec.decode(block, final=not block)
+            if not block:
+                break
+            if len(text) < PIECE_BYTES:
+                rest = text
+                continue
+            cut = text.rfind("\n\n", 0, len(text) - 1)
+            cut = cut + 2 if cut >= 0 else text.rfind("\n") + 1
+            if cut <= 0 and len(text) < 4 * PIECE_BYTES:
+                rest = text
+                continue
+            cut = cut if cut > 0 else len(text)  # no line end in 16 MiB: cut anywhere
+            piece, rest = text[:cut], text[cut:]
+            yield Doc(_clean(piece, f, problems), first, False)
+            first = False
+    if first and not text.strip():
+        problems.add("empty", f)
+        return
+    yield Doc(_clean(text, f, problems), first, True)
+
+
+def _jsonl_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
+    with _open_binary(f) as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            line = raw.decode("utf-8", errors="surrogateescape")
+            try:
+                text = json.loads(line)[column]
+                if not isinstance(text, str):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError, IndexError):
+                problems.add("bad_json", f)
+                continue
+            if not text.strip():
+                problems.add("empty", f)
+                continue
+            yield Doc(_clean(text, f, problems))
+
+
+def _column_docs(batches, column: str, f, problems: Problems) -> Iterator[Doc]:
+    """Rows of an Arrow column, batch by batch: empty or null rows counted and skipped."""
+    for batch in batches:
+        for text in batch:
+            if not isinstance(text, str) or not text.strip():
+                problems.add("empty", f)
+                continue
+            yield Doc(text)
+
+
+def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{f}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as e:
+        raise DataError(f"{f}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    if column not in pf.schema_arrow.names:
+        raise DataError(f"{f}: no column {column!r} (data.column; columns: {', '.join(pf.schema_arrow.names)})")
+    batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[column]))
+    yield from _column_docs(batches, column, f, problems)
+
+
+def _saved_dataset_docs(p: Path, column: str, problems: Problems) -> Iterator[Doc]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{p}: reading a saved dataset needs the 'datasets' package (pip install datasets)") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:
+        raise DataError(f"{p}: not a readable saved dataset ({str(e).splitlines()[0]})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    if column not in ds.column_names:
+        raise DataError(f"{p}: no column {column!r} (data.column; columns: {', '.join(ds.column_names)})")
+    yield from _column_docs((b[column] for b in ds.select_columns([column]).iter(batch_size=1024)), column, p,
+                            problems)
+
+
+def documents(path: str, column: str = "text", problems: Optional[Problems] = None) -> Iterator[Doc]:
+    """Every document (or piece of one) of the source, in order, read lazily."""
+    problems = Problems() if problems is None else problems
+    p = Path(path).expanduser()
+    if path != "stdlib" and is_saved_dataset(p):
+        yield from _saved_dataset_docs(p, column, problems)
+        return
+    for f in corpus_files(path):
+        kind = _kind(f)
+        if kind == "jsonl":
+            yield from _jsonl_docs(f, column, problems)
+        elif kind == "parquet":
+            yield from _parquet_docs(f, column, problems)
+        else:
+            yield from _text_pieces(f, problems)
+
+
+def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: str = "text") -> str:
+    """All documents of a (small) source joined by blank lines, at most max_chars characters; bad
+    documents reported in one line; an empty corpus is an error. For small corpora and tests:
+    preparation (train/data/prepare.py) streams instead."""
+    problems = Problems()
+    docs, parts, total = [], [], 0
+    for d in documents(path, column, problems):
+        parts.append(d.text)
+        total += len(d.text)
+        if d.last:
+            docs.append("".join(parts))
+            parts = []
+        if max_chars is not None and total >= max_chars:
+            break
+    if parts:
+        docs.append("".join(parts))
+    if problems.summary(path):
+        log(problems.summary(path))
+    text = "\n\n".join(docs)
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        why = problems.summary(path)
+        raise DataError(f"{path}: the corpus is empty" + (f" ({why.split(': ', 2)[2]})" if why else ""))
+    return text
+
+
+def fingerprint(path: str) -> str:
+    """Identifies the source's content as it is now (each file's path, size and mtime)."""
+    import hashlib
+    h = hashlib.sha256()
+    for f in corpus_files(path):
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]

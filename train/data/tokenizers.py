@@ -1,0 +1,191 @@
+"""Tokenizers of the text data: bytes, sentencepiece (trained on a sample of the corpus, or a
+tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none).
+
+`train_sentencepiece` trains on a reservoir sample of documents drawn across the whole corpus
+(`sample_documents`), never on its first characters only.
+"""
+from __future__ import annotations
+
+import heapq
+import io
+import json
+import os
+import random
+from pathlib import Path
+from typing import Iterable, Optional
+
+from zoo.weights.files import atomic_write
+
+from .sources import DataError
+
+# special tokens that end (or begin) a document in the tokenizer.json of common model families
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+
+
+class ByteTokenizer:
+    vocab_size = 256
+    bos_id = eos_id = None
+    model_path = None
+    spec = ("bytes", None)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_many(self, texts: list[str]) -> list:
+        return [t.encode("utf-8") for t in texts]  # bytes: a buffer of the ids
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+    def __init__(self, model_path, threads: Optional[int] = None):
+        import sentencepiece as spm
+        self.model_path = str(model_path)
+        self.spec = ("sentencepiece", self.model_path)
+        self.threads = threads or os.cpu_count() or 1
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        except Exception as e:
+            raise DataError(f"{model_path}: not a readable sentencepiece model ({str(e).splitlines()[0] if str(e) else e})") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, num_threads=self.threads)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (Llama 3, Qwen2, ... ship only this), via `tokenizers`. BOS/EOS:
+    those named in a tokenizer_config.json beside it, else the first of the usual names it has."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path}: reading tokenizer.json needs the 'tokenizers' package") from None
+        self.model_path = str(path)
+        self.spec = ("tokenizer.json", self.model_path)
+        try:
+            self.tok = Tokenizer.from_file(self.model_path)
+        except Exception as e:
+            raise DataError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        named = {}
+        cfg = Path(path).with_name("tokenizer_config.json")
+        if cfg.is_file():
+            try:
+                c = json.loads(cfg.read_text())
+                named = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in c.items()
+                         if k in ("bos_token", "eos_token")}
+            except (ValueError, AttributeError):
+                named = {}
+        self.bos_id = self._special(named.get("bos_token"), BOS_NAMES)
+        self.eos_id = self._special(named.get("eos_token"), EOS_NAMES)
+
+    def _special(self, name, usual) -> Optional[int]:
+        for n in ([name] if name else []) + list(usual):
+            i = self.tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class IdsTokenizer:
+    """The stand-in for pre-tokenized data read without a tokenizer file: it knows the vocabulary
+    the ids need and decodes them as numbers; it cannot encode text."""
+    bos_id = eos_id = None
+    model_path = None
+    spec = ("ids", None)
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str):
+        raise DataError("pre-tokenized data without a tokenizer cannot encode text (set data.tokenizer to a "
+                        "tokenizer.model or tokenizer.json)")
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def load_tokenizer_file(path):
+    """tokenizer.json -> HFTokenizer; 'bytes' -> ByteTokenizer; anything else is read as a sentencepiece model."""
+    if str(path) == "bytes":
+        return ByteTokenizer()
+    return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
+
+
+def from_spec(spec, threads: int = 1):
+    """The tokenizer a `.spec` names (how preparation's worker processes load it)."""
+    kind, path = spec
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(path, threads)
+    return HFTokenizer(path)
+
+
+# ----------------------------------------------------------------------------- training
+def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> list[str]:
+    """A uniform random sample of the documents whose total length is at most `budget_chars`,
+    in one pass and bounded memory: every document gets a random key; the documents with the
+    smallest keys are kept while they fit (a heap holds them). A document longer than the
+    budget is cut to it. Deterministic for a seed."""
+    rng = random.Random(seed)
+    heap: list = []  # (-key, n, text): the largest key on top, evicted first
+    total = 0
+    for n, text in enumerate(docs):
+        text = text[:budget_chars]
+        key = rng.random()
+        if total + len(text) <= budget_chars:
+            heapq.heappush(heap, (-key, n, text))
+            total += len(text)
+            continue
+        if heap and -heap[0][0] > key:  # smaller than the largest kept: make room for it
+            heapq.heappush(heap, (-key, n, text))
+            total += len(text)
+            while total > budget_chars:
+                total -= len(heapq.heappop(heap)[2])
+    return [t for _, _, t in sorted(heap, key=lambda e: e[1])]  # corpus order
+
+
+def train_sentencepiece(docs: list[str], vocab_size: int, out_path: Path, log=print) -> Path:
+    """Train a BPE sentencepiece model on the documents (a sample of the corpus), with byte
+    fallback so any text round-trips, and BOS (id 1) and EOS (id 2) for document boundaries.
+    Written atomically to out_path."""
+    import sentencepiece as spm
+    lines = [ln for d in docs for ln in d.splitlines() if ln.strip()]
+    if not lines:
+        raise DataError("cannot train a tokenizer: the corpus has no non-empty lines")
+    log(f"data: training a sentencepiece tokenizer (vocab {vocab_size}) on {sum(map(len, docs)):,} chars "
+        f"sampled from {len(docs):,} documents")
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, character_coverage=0.9995, split_digits=True, allow_whitespace_only_pieces=True,
+            remove_extra_whitespaces=False, normalization_rule_name="identity", max_sentence_length=1 << 16,
+            num_threads=os.cpu_count() or 1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    except RuntimeError as e:
+        raise DataError(f"cannot train a sentencepiece tokenizer with vocab_size={vocab_size}: "
+                        f"{str(e).splitlines()[0]}") from None
+    atomic_write(out_path, buf.getvalue())
+    return out_path

@@ -1,0 +1,131 @@
+"""Token streams: memory-mapped token files read as one sequence, and pre-tokenized inputs read in place.
+
+Pre-tokenized formats (`data.path` a file, a folder or a glob of them; never copied):
+  - nanoGPT's raw token files (`train.bin`): the ids one after another, uint16 (or uint32 with
+    `data.token_dtype: uint32`); a `val.bin` beside a `train.bin` is its validation split;
+  - the llm.c / modded-nanogpt shards: a header of 256 int32 (magic 20240520, version 1, the
+    number of tokens), then uint16 ids. In a folder or glob, the files whose name has `val` in it
+    (`val.bin`, `fineweb_val_000000.bin`) are the validation split.
+"""
+from __future__ import annotations
+
+import glob
+import re
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .sources import DataError
+
+LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_INTS = 20240520, 1, 256
+TOKEN_SUFFIX = ".bin"
+_VAL = re.compile(r"(^|[^a-z])val([^a-z]|$)")
+
+
+class TokenStream:
+    """Token arrays (memmaps) read as one sequence without copying them: len(), slices (a copy
+    only when a slice spans two arrays), `sub(a, b)` (a view), np.asarray (a copy of all)."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+        self.dtype = self.parts[0].dtype if self.parts else np.dtype(np.uint16)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _locate(self, i: int) -> int:
+        return int(np.searchsorted(self.offsets, i, side="right")) - 1
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        a, b, _ = s.indices(len(self))
+        if b <= a:
+            return np.zeros(0, self.dtype)
+        k = self._locate(a)
+        off = int(self.offsets[k])
+        if b <= self.offsets[k + 1]:
+            return self.parts[k][a - off:b - off]
+        return np.concatenate([p[:] for p in self.sub(a, b).parts])
+
+    def sub(self, a: int, b: int) -> "TokenStream":
+        """Tokens [a, b) as a stream of views."""
+        out = []
+        for k, p in enumerate(self.parts):
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            if hi > a and lo < b:
+                out.append(p[max(a, lo) - lo:min(b, hi) - lo])
+        return TokenStream(out)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = np.concatenate([np.asarray(p) for p in self.parts]) if self.parts else np.zeros(0, self.dtype)
+        return whole if dtype is None else whole.astype(dtype)
+
+    def blocks(self, size: int = 1 << 24):
+        """The tokens in consecutive arrays of at most `size` (for a pass in bounded memory)."""
+        for p in self.parts:
+            for i in range(0, len(p), size):
+                yield p[i:i + size]
+
+    def max_id(self) -> int:
+        return max((int(b.max()) for b in self.blocks()), default=-1)
+
+
+# ----------------------------------------------------------------------------- pre-tokenized files
+def is_pretokenized(path: str) -> bool:
+    """A .bin file, a glob of them, or a folder holding .bin files only."""
+    if any(c in path for c in "*?["):
+        return True
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p.suffix == TOKEN_SUFFIX
+    if p.is_dir():
+        files = [f for f in p.iterdir() if f.is_file() and not f.name.startswith(".")]
+        return bool(files) and all(f.suffix == TOKEN_SUFFIX for f in files)
+    return False
+
+
+def token_files(path: str) -> list[Path]:
+    if any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(str(Path(path).expanduser()), recursive=True))
+    else:
+        p = Path(path).expanduser()
+        files = sorted(p.glob(f"*{TOKEN_SUFFIX}")) if p.is_dir() else [p]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise DataError(f"{path}: no token files (.bin) found")
+    return files
+
+
+def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
+    """The ids of one token file as a memmap: an llm.c shard (found by its magic number) or raw ids
+    of `dtype`."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = np.frombuffer(fh.read(4 * LLMC_HEADER_INTS), dtype="<i4")
+    if len(head) == LLMC_HEADER_INTS and head[0] == LLMC_MAGIC:
+        if head[1] != LLMC_VERSION:
+            raise DataError(f"{f}: llm.c shard version {head[1]}, only {LLMC_VERSION} is read")
+        n, off = int(head[2]), 4 * LLMC_HEADER_INTS
+        if size < off + 2 * n:
+            raise DataError(f"{f}: llm.c shard truncated ({size} bytes for a header saying {n:,} tokens)")
+        return np.memmap(f, dtype="<u2", mode="r", offset=off, shape=(n,)) if n else np.zeros(0, np.uint16)
+    item = np.dtype(dtype).itemsize
+    if size % item:
+        raise DataError(f"{f}: {size} bytes is not a whole number of {dtype} tokens (data.token_dtype)")
+    return np.memmap(f, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def pretokenized_splits(path: str, dtype: str = "uint16") -> tuple[TokenStream, Optional[TokenStream]]:
+    """(train, val or None) of pre-tokenized files: files named like `val` are the validation split;
+    a train.bin given alone takes a val.bin beside it."""
+    files = token_files(path)
+    val = [f for f in files if _VAL.search(f.stem.lower())]
+    train = [f for f in files if f not in val]
+    if len(files) == 1 and not val and (files[0].parent / "val.bin").is_file():
+        val = [files[0].parent / "val.bin"]
+    if not train:
+        raise DataError(f"{path}: only validation token files (named like 'val') found")
+    t = TokenStream([read_token_file(f, dtype) for f in train])
+    v = TokenStream([read_token_file(f, dtype) for f in val]) if val else None
+    return t, v
