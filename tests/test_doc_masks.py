@@ -227,17 +227,17 @@ def test_document_ids_from_boundary_tokens():
 
 def test_lm_task_trains_within_documents(tmp_path, text_corpus, monkeypatch):
     """data.attention: document: the task's loss on a batch equals the documents' losses run one by
-    one (a line of the byte stream as the document, its newline as BOS); without a boundary token
+    one (a line of the byte stream as the document, its newline as BOS); without boundary tokens in the stream
     it is a one-line error; positions: document alone is one too."""
     from train.config import load_run_config
     from train.data import ByteTokenizer
     from train.tasks.lm import LMTask
     from zoo.config import ConfigError
-    base = {"family": "llm", "model": {**SMALL, "vocab_size": 256},
-            "data": {"tokenizer": "bytes", "seq_len": 24, "attention": "document", "positions": "document"},
+    base = {"family": "llm", "model": {**SMALL, "vocab_size": 256, "max_seq_len": 96},
+            "data": {"tokenizer": "bytes", "seq_len": 96, "attention": "document", "positions": "document"},
             "train": {"batch_size": 2, "out_dir": str(tmp_path)}}
     cfg = load_run_config(None, [f"data.path={text_corpus}"], base=base)
-    with pytest.raises(ConfigError, match="has neither"):
+    with pytest.raises(ConfigError, match="this stream has none"):
         LMTask(cfg, torch.device("cpu"), lambda s: None).setup()
     with pytest.raises(ConfigError, match="data.positions"):
         load_run_config(None, [f"data.path={text_corpus}", "data.attention=causal"], base=base)
