@@ -17,13 +17,11 @@ BOUNDARY_MODES = ("bos", "eos")
 
 
 def document_ids(tokens: torch.Tensor, boundary_id: int, mode: Literal["bos", "eos"] = "bos") -> torch.Tensor:
-    """tokens (B, T) ints -> doc_ids (B, T) int64, non-decreasing along each row from 0. mode 'bos':
+    """tokens (..., T) ints -> doc_ids of the same shape, int64, non-decreasing along each row from 0. mode 'bos':
     a document starts at every boundary token; 'eos': a document ends at every boundary token (the
     next token starts the next one). A row that starts inside a document starts with id 0."""
     if mode not in BOUNDARY_MODES:
         raise ValueError(f"unknown document boundary mode {mode!r} (supported: {', '.join(BOUNDARY_MODES)})")
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
     at = (tokens == boundary_id).long()
-    ids = at.cumsum(1)
-    return ids - at[:, :1] if mode == "bos" else ids - at  # bos: the first token's own BOS opens document 0
+    ids = at.cumsum(-1)
+    return ids - at[..., :1] if mode == "bos" else ids - at  # bos: the first token's own BOS opens document 0
