@@ -174,7 +174,7 @@ def test_chat_prompts_are_rendered_with_the_template_and_only_the_last_answer_sc
     assert tok.decode(c_ids).startswith("<|im_start|>user\nabc=<|im_end|>")
     assert tok.decode([t for t in c_labels if t != -100]) == "ABC<|im_end|>"
     assert tok.decode([t for t in r_labels if t != -100]) == "abc<|im_end|>"
-    r, _ = train_step(run, 0)
+    r, *_ = train_step(run, 0)
     assert math.isfinite(r.loss) and r.loss == pytest.approx(math.log(2), abs=1e-5)  # the policy starts as the reference
     run.task.save_files(tmp_path)
     assert ChatTemplate.from_pretrained(tmp_path).source == chatml.source  # the run folder keeps its template

@@ -35,6 +35,8 @@ from .packing import pack, pack_rows
 
 
 class ChatData:
+    max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound (TokenData's `max_id` for pre-tokenized data)
+
     def __init__(self, train_rows: list, val_rows: list, tokenizer, template: ChatTemplate, cfg: ChatDataConfig,
                  seed: int = 0, log=print):
         self.cfg, self.tokenizer, self.template, self.seed = cfg, tokenizer, template, seed
@@ -47,6 +49,10 @@ class ChatData:
             f"tokens ({100 * n_lab / max(n_tok, 1):.1f}% trained: "
             f"{'every token, data.train_on_prompt' if cfg.train_on_prompt else 'the assistant turns'}; template "
             f"{template.name}, vocab {tokenizer.vocab_size})")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
 
     def _encode(self, rows: list, split: str, log) -> tuple[list, list]:
         """[(messages, (file, line))] -> ([(inputs, targets)], [the messages of the conversations kept

@@ -136,6 +136,8 @@ class PreferenceData:
     labels), at most `seq_len` tokens each. Held out: the rows of `val_path`, else the last
     `val_fraction` of the rows (at least one); `synthetic`: the validation split's pairs."""
 
+    max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound
+
     def __init__(self, cfg, tokenizer, template=None, log=print):
         self.tokenizer, self.template = tokenizer, template
         rows, val = self.rows(cfg, log)
@@ -147,6 +149,10 @@ class PreferenceData:
             raise DataError(f"{cfg.path}: {e}: set data.template (e.g. chatml)") from None
         log(f"data: {cfg.path}: {len(self.train)} train + {len(self.val)} held-out preference pairs"
             + (f"; {self.truncated} responses truncated to data.seq_len={cfg.seq_len}" if self.truncated else ""))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
 
     @staticmethod
     def rows(cfg, log) -> tuple[list[dict], list[dict]]:

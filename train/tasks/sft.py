@@ -106,11 +106,11 @@ class SFTTask(LMTask):
                 raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or "
                                 f"a path to a tokenizer.model / tokenizer.json)")
             return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
-        text = "".join(self.chat_template.render(m) for m, _ in train_rows)  # a tokenizer for the rendered conversations
-        key = hashlib.sha256(f"{d.vocab_size}:{text}".encode()).hexdigest()[:16]
+        texts = [self.chat_template.render(m) for m, _ in train_rows]  # a tokenizer for the rendered conversations
+        key = hashlib.sha256(f"{d.vocab_size}:{''.join(texts)}".encode()).hexdigest()[:16]
         path = cache_dir(d.cache_dir) / f"sp-chat-{key}.model"
         if not path.is_file():
-            train_sentencepiece(text, d.vocab_size, path, len(text), self.log)
+            train_sentencepiece(texts, d.vocab_size, path, self.log)
         return load_tokenizer_file(path)
 
     # ------------------------------------------------------------------ training
