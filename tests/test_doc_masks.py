@@ -52,12 +52,11 @@ def _assert_close(a, b, what):
     assert (a - b).abs().max() <= TOL, (what, (a - b).abs().max().item())
 
 
-@pytest.mark.parametrize("backend,positions,over", [
-    ("math", True, {}),
+@pytest.mark.parametrize("backend,positions,over", [  # SMALL has grouped kv heads (GQA, 4 on 2)
     ("sdpa", True, {}),
     ("bmm", True, {}),
-    ("auto", False, {}),                                   # global positions: RoPE is relative, the same up to rounding
-    ("sdpa", True, {"n_kv_heads": 1}),                     # MQA
+    ("auto", False, {"n_kv_heads": 1}),                    # MQA; global positions: RoPE is relative, so the
+                                                           # same up to rounding
     ("bmm", True, {"sliding_window": 3}),                  # a window inside the documents
     ("auto", True, {"moe": MoEConfig(n_experts=4, top_k=2)}),  # dropless MoE routes token by token
 ])

@@ -98,6 +98,9 @@ def main(argv=None):
                         "speed_vs_causal_paired_median": None if not vs else rounds.paired(n, f"causal-{mode}").median}
         harness.print_table(["side", "best round s", "median s", "tokens/s (best)", "speed vs causal (paired median, range)"],
                             rows)
+        for mode in args.modes:  # the two masks head to head
+            print(f"{prec} {mode}: {rounds.summary(f'doc-sdpa-{mode}', f'doc-bmm-{mode}')}")
+            table[f"sdpa_vs_bmm_{mode}_paired_median"] = rounds.paired(f"doc-sdpa-{mode}", f"doc-bmm-{mode}").median
         results["tables"][prec] = table
         del sides
     if args.json:
