@@ -42,7 +42,7 @@ def interval(diffs: list) -> tuple[float, float, float]:
 
 
 def main(argv=None):
-    ap = harness.parser("convnet-recipe", __doc__, precision=None, rounds=False)
+    ap = harness.parser("convnet-recipe", __doc__, precision="fp32", rounds=False)
     ap.add_argument("--config", default="resnet-digits.yaml", help="a file of configs/convnet/")
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     ap.add_argument("--steps", type=harness.positive_int, default=200)
@@ -51,6 +51,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if len(args.seeds) < 2:
         ap.error("--seeds: at least two seeds for an interval")
+    if len(args.precision) != 1:
+        ap.error("--precision: one precision (train.precision of every run)")
     sides = {"baseline": [], "recipe": args.recipe.split(",")}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
     res = {name: [] for name in sides}
@@ -60,7 +62,7 @@ def main(argv=None):
             if not (out / "model.safetensors").is_file():
                 cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "convnet" / args.config),
                        f"train.out_dir={out}", f"train.max_steps={args.steps}", f"train.seed={seed}",
-                       "train.progress=false", "train.samples=false", *extra]
+                       f"train.precision={args.precision[0]}", "train.progress=false", "train.samples=false", *extra]
                 print(" ".join(cmd[1:]), flush=True)
                 subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
             r = final_eval(out)

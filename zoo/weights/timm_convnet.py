@@ -56,7 +56,7 @@ def _keys(f: Path) -> set:
 
 # what tells each kind's keys apart (all of them present)
 SIGNATURES = {
-    "resnet": ("conv1.weight", "layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.conv2.weight"),
+    "resnet": ("layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.conv2.weight"),  # + a conv1 stem
     "convnext": ("stem.0.weight", "stages.0.blocks.0.conv_dw.weight", "stages.0.blocks.0.mlp.fc1.weight"),
     "efficientnet": ("conv_stem.weight", "blocks.0.0.conv_dw.weight", "conv_head.weight", "bn2.weight"),
     "mobilenetv3": ("conv_stem.weight", "blocks.0.0.conv_dw.weight", "conv_head.weight", "conv_head.bias"),
@@ -66,7 +66,10 @@ SIGNATURES = {
 def kind_of(keys) -> str | None:
     """resnet, convnext, efficientnet or mobilenetv3: which layout a set of state-dict names has (None: none)."""
     keys = set(keys)
-    return next((k for k, sig in SIGNATURES.items() if set(sig) <= keys), None)
+    kind = next((k for k, sig in SIGNATURES.items() if set(sig) <= keys), None)
+    if kind == "resnet" and not any(k.startswith("conv1.") for k in keys):
+        return None
+    return kind
 
 
 def detect(path) -> bool:
@@ -94,7 +97,7 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     kind = kind_of(sd)
     if kind is None:
         raise ValueError(f"{source}: not a ConvNet state dict in timm's layout (none of {', '.join(SIGNATURES)}: "
-                         f"e.g. no {SIGNATURES['resnet'][1]} or {SIGNATURES['convnext'][1]})")
+                         f"e.g. no {SIGNATURES['resnet'][0]} or {SIGNATURES['convnext'][1]})")
     if arch is not None:
         if arch not in ConvNetConfig.all_archs():
             raise ValueError(f"{source}: unknown arch {arch!r} (known: {', '.join(ConvNetConfig.all_archs())})")
