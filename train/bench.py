@@ -35,6 +35,7 @@ BENCHES: dict[str, str] = {
     "distributed": "train.benches.distributed",
     "report": "train.benches.report",
     "sft-packing": "train.benches.sft_packing",
+    "sft-quality": "train.benches.sft_quality",
 }
 
 
