@@ -44,6 +44,7 @@ BENCHES: dict[str, str] = {
     "qat": "train.benches.qat",
     "distill": "train.benches.distill",
     "data": "train.benches.data",
+    "sft-quality": "train.benches.sft_quality",
 }
 
 

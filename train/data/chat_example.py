@@ -2,65 +2,51 @@
 every time, so chat fine-tuning has an example that needs no download.
 
 Four kinds of conversation, some with a system message:
-- introductions over two turns: "Hi, my name is Kalemi." -> "Nice to meet you, Kalemi!", then
-  "What is my name?" -> "Your name is Kalemi." (the second answer needs the first turn);
+- introductions over two turns: "Hi, my name is Ada." -> "Nice to meet you, Ada!", then
+  "What is my name?" -> "Your name is Ada." (the second answer needs the first turn);
 - parity: "Is 417 even or odd?" -> "417 is odd.";
-- repetition: "Repeat after me: bodi sare kite" -> "bodi sare kite";
-- the last word: "What is the last word of: bodi sare kite?" -> "kite".
+- repetition: "Repeat after me: green river stone" -> "green river stone";
+- the last word: "What is the last word of: apple moon tiger?" -> "tiger".
 
-Names and words are made of syllables (65,600 possible names, 1,600 words), split by a hash
-into two disjoint pools: `conversations("train")` draws from the first, `conversations("val")`
-from the held-out one (numbers likewise, by their tens), so the validation conversations ask about
-names, numbers and words that training never showed: answering them needs the skill (copying from
-the context, the parity of the last digit), not memory. Chance on them: 1/2 for parity (given the
-format), about zero for the others.
+The names and words come from fixed lists, the numbers from 10 to 999. `conversations("val")`
+draws its own conversations (another random stream): new combinations of names, words and
+system messages, and numbers whose tens training never showed (one ten in five is held out), so
+answering them takes the skill (finding the name or word in the context, the parity of the last
+digit), not the memory of a conversation. Chance: 1/2 for the parity word, about zero for the rest.
 """
 from __future__ import annotations
 
 import random
-import zlib
 
-SYLLABLES = ("ba be bi bo da de di do fa fe fi ka ke ki ko la le li lo ma me mi mo na ne ni no ra re ri ro sa "
-             "se si so ta te ti to va ve vi").split()
+NAMES = ("Ada Alan Alice Amir Anna Ben Bruno Carla Chen Chloe Dana David Elena Emil Eva Felix Gina Grace Hana Hugo "
+         "Ines Ivan Jack Jana Jonas Julia Kai Karl Lara Leo Lina Luca Maya Marco Mila Nadia Nico Nina Omar Oscar "
+         "Paula Pedro Rosa Ruth Sami Sara Sofia Tara Theo Tom Uma Vera Victor Wen Yara Yusuf Zoe Zara Milo Iris").split()
+WORDS = ("apple river stone green moon tiger cloud paper window garden silver orange bread candle forest music "
+         "ocean pencil rabbit summer winter yellow bridge castle dragon engine flower guitar hammer island jacket "
+         "kitten ladder marble needle pillow rocket saddle table violin wagon anchor basket copper desert feather "
+         "glacier harbor jungle lemon meadow nickel planet quartz ribbon shadow thunder velvet walnut").split()
 SYSTEMS = ("You are a helpful assistant.", "Answer briefly.", "You are a friendly chat bot.")
 KINDS = ("introduction", "parity", "repeat", "last_word")
 
 
-def _held_out(text: str) -> bool:
-    """One name, word or number in five is held out for validation (a hash: the same on every machine)."""
-    return zlib.crc32(text.encode()) % 5 == 2
-
-
-def _draw(rng: random.Random, make, split: str) -> str:
-    """make(rng) until the result belongs to the split's pool."""
+def _number(rng: random.Random, split: str) -> int:
+    """A number from 10 to 999 whose tens are held out (one in five) exactly for the validation split."""
     while True:
-        x = make(rng)
-        if _held_out(x.lower()) == (split != "train"):
-            return x
-
-
-def _name(rng: random.Random) -> str:
-    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-
-
-def _word(rng: random.Random) -> str:
-    return rng.choice(SYLLABLES) + rng.choice(SYLLABLES)
-
-
-def _number(rng: random.Random) -> str:
-    return str(rng.randint(10, 999))
+        n = rng.randint(10, 999)
+        if ((n // 10) % 5 == 2) == (split != "train"):
+            return n
 
 
 def conversation(kind: str, rng: random.Random, split: str) -> list[dict]:
     """One conversation of `kind` from the split's pools."""
     if kind == "introduction":
-        name = _draw(rng, _name, split)
+        name = rng.choice(NAMES)
         turns = [f"Hi, my name is {name}.", f"Nice to meet you, {name}!", "What is my name?", f"Your name is {name}."]
     elif kind == "parity":
-        n = int(_draw(rng, lambda r: _number(r)[:-1], split) + str(rng.randint(0, 9)))  # held out by its tens
+        n = _number(rng, split)
         turns = [f"Is {n} even or odd?", f"{n} is {'odd' if n % 2 else 'even'}."]
     else:
-        words = [_draw(rng, _word, split) for _ in range(3)]
+        words = rng.sample(WORDS, 3)
         text = " ".join(words)
         turns = ([f"Repeat after me: {text}", text] if kind == "repeat"
                  else [f"What is the last word of: {text}?", words[-1]])
