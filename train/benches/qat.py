@@ -51,8 +51,9 @@ def fine_tune(args, base: Path, seed: int, qat: bool) -> dict:
         print(" ".join(cmd[1:]), flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
-    rows = [r for r in read_rows(out) if "quant_val_loss" in r]
-    return rows[-1]
+    rows = read_rows(out)
+    last = max(r["step"] for r in rows)
+    return {k: v for r in rows if r["step"] == last for k, v in r.items()}  # its evaluation rows, merged
 
 
 def table(data: dict) -> str:
