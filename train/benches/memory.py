@@ -1,20 +1,32 @@
-"""The memory planner against measured peaks: predicted and measured memory of a training step.
+"""The memory planner against measured peaks: predicted and measured peak resident memory of training.
 
-    python train/bench.py memory                     # every configuration below
+    python train/bench.py memory                     # every configuration below: table + JSON + docs table
     python train/bench.py memory --only llm          # the configurations whose name starts with llm
-    python train/bench.py memory --precision fp32    # those in fp32 (the precision is in each name)
+    python train/bench.py memory --calibrate         # measure the calibration configurations, fit the
+                                                     # unseen-memory envelope, write memory_calibration.json
+    python train/bench.py memory --calibrate --only "llm 76M"   # re-measure those, refit with the others' points
     python train/bench.py memory --planner-time      # + how long the planner takes on the large presets
 
-For each configuration, `train.plan.plan` predicts the peak of a steady-state training step
-(fake tensors, nothing allocated) and `train.plan.measure` measures it in a fresh process on the
-CPU: two warm-up steps of the loop's own step function, freed memory returned to the OS, the
-kernel's high-water mark reset (/proc/self/clear_refs), one step; measured = high-water mark -
-RSS at rest + the bytes of the tensors alive at rest (parameters, buffers, optimizer state,
-batch), i.e. the step's memory without what the process holds for torch itself. Both raw
-figures are printed too. Linux only (/proc).
+Measured (`train.plan.measure`, each configuration in a fresh process on the CPU): the growth of
+the process's peak resident memory (VmHWM) from just before the model is built (interpreter,
+torch and Zoo imported) to the end of three steps of the loop's own `optimizer_step`, with glibc
+set as train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
+nothing allocated): the tensors' peak, the heap glibc makes of them (the traced allocations
+replayed through a model of its malloc) and the unseen memory (a + b * that heap, the family's
+envelope measured by --calibrate).
+
+--calibrate measures the CALIBRATE configurations and fits, per family, the line a + b * heap
+that lies on or above every (heap, measured - heap) point with the smallest largest
+predicted / measured; it writes train/benches/memory_calibration.json (the planner reads it).
+The other configurations are not used to fit it; a full run takes the calibration rows'
+measurements from that file and measures the rest. A full run writes train/benches/memory.json and
+the table in docs/memory.md between its markers. Linux only (/proc).
 """
 from __future__ import annotations
 
+import datetime
+import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -25,31 +37,44 @@ if __package__ in (None, ""):
 from train.benches import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-LLM = {"family": "llm",
-       "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 256},
-       "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 16, "precision": "fp32"}}
+RESULTS = Path(__file__).resolve().parent / "memory.json"
+DOC = ROOT / "docs" / "memory.md"
+BEGIN, END = "<!-- memory bench: begin -->", "<!-- memory bench: end -->"
+
+
+def llm(vocab, d, layers, heads, kv, batch, seq=256):
+    return {"family": "llm",
+            "model": {"vocab_size": vocab, "d_model": d, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv,
+                      "max_seq_len": seq},
+            "data": {"tokenizer": "bytes", "seq_len": seq}, "train": {"batch_size": batch, "precision": "fp32"}}
+
+
+LLM = llm(4096, 256, 4, 4, 2, 16)             # 4.0M parameters
+LLM30 = llm(8192, 512, 8, 8, 4, 8)            # 27.8M
+LLM80 = llm(16384, 768, 10, 12, 4, 4)         # 75.5M
+DEEP_THIN = llm(16384, 512, 24, 8, 4, 4)      # 79.2M: 24 blocks of width 512
 
 # name -> (base config: a dict or a path under configs/, overrides)
 CONFIGS = {
-    "llm fp32 adamw chunked": (LLM, []),
-    "llm fp32 adamw full-loss": (LLM, ["model.chunked_loss=false"]),
-    "llm fp32 adamw chunked ckpt": (LLM, ["model.activation_checkpointing=true"]),
-    "llm bf16 adamw chunked": (LLM, ["train.precision=bf16"]),
-    "llm bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "model.chunked_loss=false",
-                                           "model.activation_checkpointing=true"]),
-    "llm fp32 adamw8bit chunked": (LLM, ["optim.name=adamw8bit"]),
-    "llm bf16 adamw8bit full-loss": (LLM, ["optim.name=adamw8bit", "train.precision=bf16", "model.chunked_loss=false"]),
-    "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
-    "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
-    "diffusion fp32 adamw8bit": ("diffusion/digits.yaml", ["train.batch_size=256", "optim.name=adamw8bit"]),
-    "diffusion fp32 adamw selective-ckpt": ("diffusion/digits.yaml", ["train.batch_size=256",
-                                                                      "model.activation_checkpointing=selective"]),
+    "llm 4M fp32 adamw chunked": (LLM, []),
+    "llm 4M bf16 adamw chunked": (LLM, ["train.precision=bf16"]),
+    "llm 4M fp32 adamw chunked ckpt": (LLM, ["model.activation_checkpointing=true"]),
+    "llm 4M bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "model.chunked_loss=false",
+                                              "model.activation_checkpointing=true"]),
+    "llm 28M fp32 adamw": (LLM30, []),
+    "llm 76M fp32 adamw": (LLM80, []),
+    "llm 76M bf16 adamw ckpt": (LLM80, ["train.precision=bf16", "model.activation_checkpointing=true"]),
+    "llm 79M deep-thin bf16 adamw": (DEEP_THIN, ["train.precision=bf16"]),
+    "convnet fp32 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", []),
     "convnet fp32 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64"]),
     "convnet bf16 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64", "train.precision=bf16"]),
-    "convnet fp32 adamw ckpt (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64",
-                                                                          "model.activation_checkpointing=true"]),
-    "convnet fp32 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", []),
+    "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
+    "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
 }
+# the configurations the unseen-memory envelope is fitted on (--calibrate); the rest check it
+CALIBRATE = ["llm 4M fp32 adamw chunked", "llm 4M bf16 adamw full-loss ckpt", "llm 28M fp32 adamw",
+             "llm 76M bf16 adamw ckpt",
+             "convnet fp32 adamw (resnet-digits)", "convnet fp32 adamw (width 64)", "diffusion fp32 adamw"]
 LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 
 
@@ -58,27 +83,133 @@ def base_of(spec):
     return load_yaml(ROOT / "configs" / spec) if isinstance(spec, str) else spec
 
 
-def main(argv=None):
-    p = harness.parser("memory", __doc__, precision="fp32,bf16", rounds=False)
-    p.add_argument("--only", default="", help="run the configurations whose name starts with this")
-    p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
-    args = p.parse_args(argv)
+def fit_envelope(points) -> dict:
+    """The line a + b * held over [(held, measured)] with a + b * held >= measured - held at every
+    point (never under) and the smallest largest (held + a + b * held) / measured; b in steps of
+    0.005 from 0 to 1."""
+    best = None
+    for i in range(201):
+        b = i * 0.005
+        a = max(0.0, max(m - h - b * h for h, m in points))
+        worst = max((h + a + b * h) / m for h, m in points)
+        if best is None or worst < best[0] - 1e-12:
+            best = (worst, a, b)
+    return {"a": round(best[1]), "b": best[2], "worst_ratio": round(best[0], 4)}
+
+
+def measure_rows(names, threads, log=print, measured=None) -> list[dict]:
+    """Plan and measure each configuration; `measured`: {name: measured bytes} already measured (by
+    --calibrate), taken instead of measuring again."""
     from train.config import load_run_config
-    from train.plan import GiB, MiB, measure_in_subprocess, plan
-    names = [n for n in CONFIGS if n.startswith(args.only) and n.split()[1] in args.precision]
-    if not names:
-        p.error(f"no configuration starts with {args.only!r} (names: {', '.join(CONFIGS)})")
+    from train.plan import MiB, measure_in_subprocess, plan
     rows = []
     for name in names:
         spec, over = CONFIGS[name]
         base = base_of(spec)
-        predicted = plan(load_run_config(None, over, base=base)).peak_bytes
-        m = measure_in_subprocess(base, over, threads=args.threads or 0)
-        rows.append([name, f"{predicted / MiB:.1f}", f"{m['peak'] / MiB:.1f}", f"{predicted / m['peak']:.3f}",
-                     f"{m['rest_rss'] / MiB:.0f}", f"{m['hwm'] / MiB:.0f}", f"{m['live'] / MiB:.1f}"])
-        print(f"{name}: predicted {predicted / MiB:.1f} MiB, measured {m['peak'] / MiB:.1f} MiB", flush=True)
-    harness.print_table(["configuration", "predicted MiB", "measured MiB", "predicted / measured", "RSS at rest MiB",
-                         "high-water mark MiB", "tensors at rest MiB"], rows)
+        cfg = load_run_config(None, over, base=base)
+        t0 = time.perf_counter()
+        p = plan(cfg)
+        planner_s = time.perf_counter() - t0
+        if measured and name in measured:
+            m = {"peak": measured[name], "start_rss": None, "phases": None}
+        else:
+            m = measure_in_subprocess(base, over, threads=threads or 0)
+        b = p.breakdown
+        held = p.peak_bytes - b["unseen"]
+        row = {"name": name, "family": cfg.family, "params": p.breakdown["params"] // 4,
+               "predicted": p.peak_bytes, "measured": m["peak"], "ratio": p.peak_bytes / m["peak"],
+               "tensors": held - b["allocator"], "allocator": b["allocator"], "unseen": b["unseen"],
+               "held": held, "start_rss": m["start_rss"], "phases": m["phases"], "planner_s": planner_s,
+               "calibration": name in CALIBRATE}
+        rows.append(row)
+        log(f"{name}: predicted {p.peak_bytes / MiB:.1f} MiB, measured {m['peak'] / MiB:.1f} MiB "
+            f"({row['ratio']:.3f})", flush=True)
+    return rows
+
+
+def table(rows) -> tuple[list, list]:
+    from train.plan import MiB
+    header = ["configuration", "params", "tensors MiB", "+ allocator MiB", "+ unseen MiB", "predicted MiB",
+              "measured MiB", "predicted / measured"]
+    out = [[r["name"] + (" (c)" if r["calibration"] else ""), f"{r['params'] / 1e6:.1f}M",
+            f"{r['tensors'] / MiB:.1f}", f"{r['allocator'] / MiB:.1f}", f"{r['unseen'] / MiB:.1f}",
+            f"{r['predicted'] / MiB:.1f}", f"{r['measured'] / MiB:.1f}", f"{r['ratio']:.3f}"] for r in rows]
+    return header, out
+
+
+def machine() -> dict:
+    import torch
+    return {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def write_docs(result: dict):
+    """docs/memory.md's table, between its markers, from memory.json."""
+    header, rows = table(result["rows"])
+    lines = [f"`python train/bench.py memory` ({result['machine']['date']}, torch {result['machine']['torch']}, "
+             f"{result['machine']['threads']} threads; calibration of {result['calibration']['date']}; "
+             f"(c): a configuration the envelope was fitted on, measured by that calibration run):", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    ratios = [r["ratio"] for r in result["rows"]]
+    checked = [r["ratio"] for r in result["rows"] if not r["calibration"]]
+    lines += ["", f"predicted / measured: {min(ratios):.3f} to {max(ratios):.3f} over all {len(ratios)} rows; "
+              f"{min(checked):.3f} to {max(checked):.3f} over the {len(checked)} not fitted on." if checked else ""]
+    text = DOC.read_text()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + rest.split(END, 1)[1]
+        DOC.write_text(text)
+
+
+def main(argv=None):
+    p = harness.parser("memory", __doc__, precision="fp32,bf16", rounds=False)
+    p.add_argument("--only", default="", help="run the configurations whose name starts with this")
+    p.add_argument("--calibrate", action="store_true", help="measure the calibration configurations and fit "
+                                                            "the unseen-memory envelope (memory_calibration.json)")
+    p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
+    args = p.parse_args(argv)
+    from train.config import load_run_config
+    from train.plan import CALIBRATION, GiB, MiB, plan
+    if args.calibrate:
+        import train.plan as planner
+        planner._calibration.clear()
+        planner._calibration["none"] = {}  # fit on the modelled heap alone
+        names = [n for n in CALIBRATE if n.startswith(args.only)]
+        rows = measure_rows(names, args.threads)
+        points = {}  # --only: the others' points as the last calibration measured them
+        if args.only and CALIBRATION.exists():
+            points = {pt["name"]: dict(pt, family=fam) for fam, c in json.loads(CALIBRATION.read_text())[
+                "families"].items() for pt in c["points"]}
+        for r in rows:
+            points[r["name"]] = {"name": r["name"], "family": r["family"], "held": r["held"], "measured": r["measured"],
+                                 "date": machine()["date"]}
+        families = {}
+        for fam in sorted({pt["family"] for pt in points.values()}):
+            pts = [pt for n, pt in points.items() if pt["family"] == fam and n in CALIBRATE]
+            families[fam] = {**fit_envelope([(pt["held"], pt["measured"]) for pt in pts]),
+                             "points": [{k: v for k, v in pt.items() if k != "family"} for pt in pts]}
+            print(f"{fam}: unseen = {families[fam]['a'] / MiB:.1f} MiB + {families[fam]['b']:.3f} x heap "
+                  f"(largest predicted / measured on its points {families[fam]['worst_ratio']:.3f})")
+        CALIBRATION.write_text(json.dumps({"command": "python train/bench.py memory --calibrate", **machine(),
+                                           "families": families}, indent=1) + "\n")
+        print(f"wrote {CALIBRATION}")
+        return 0
+    names = [n for n in CONFIGS if n.startswith(args.only) and any(f" {pr} " in f" {n} " for pr in args.precision)]
+    if not names:
+        p.error(f"no configuration starts with {args.only!r} (names: {', '.join(CONFIGS)})")
+    cal = json.loads(CALIBRATION.read_text())
+    known = {pt["name"]: pt["measured"] for c in cal["families"].values() for pt in c["points"]}
+    rows = measure_rows(names, args.threads, measured=known)  # the calibration rows: as --calibrate measured them
+    harness.print_table(*table(rows))
+    if not args.only:
+        result = {"machine": machine(), "calibration": {k: v for k, v in cal.items() if k != "families"}
+                  | {"families": {f: {k: c[k] for k in ("a", "b")} for f, c in cal["families"].items()}},
+                  "rows": rows}
+        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+        write_docs(result)
+        print(f"wrote {RESULTS} and the table in {DOC}")
     if args.planner_time:
         rows = []
         for spec in LARGE:
