@@ -162,3 +162,20 @@ def test_activation_offload_is_skipped_off_cuda_in_one_line(tmp_path, text_corpu
     train(cfg, log=logs.append)
     assert [m for m in logs if m.startswith("activation offload:")] == [
         "activation offload: skipped on cpu (CUDA only: activations already live in host memory)"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_prediction_is_never_under_the_measured_peak():
+    """The planned peak (the tensors, the allocator's replay, the calibrated unseen memory) against
+    the measured one, the growth of a fresh process's peak resident memory over three steps of the
+    loop's own step (train.plan.measure), for the bench's 4M LLM (4096 x 256 x 4, 16 x 256 tokens,
+    fp32; a few seconds of steps). It is one of the points the unseen-memory envelope was fitted
+    on, so this checks that a new measurement, which moves a few percent from run to run, stays
+    under the plan. At most 1.3x: the envelope is the largest residual among the calibration's
+    LLMs, so an LLM whose own residual is smaller is over-predicted by the difference (this one by
+    about a fifth in train/benches/memory.json); 1.3 leaves room for the run-to-run spread above
+    that and fails if the envelope grows past it."""
+    from train.benches.memory import LLM
+    predicted = planner.plan(cfg_of(base=LLM)).peak_bytes
+    measured = planner.measure_in_subprocess(LLM, [])["peak"]
+    assert measured <= predicted <= 1.3 * measured, (predicted, measured)

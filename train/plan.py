@@ -15,11 +15,13 @@ optimizer's state, is the predicted peak. The parts:
     optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout:
                           int8 codes + an fp32 scale per 256 values, small tensors in fp32)
     inputs                the batch
-    activations           the rest of the peak: saved activations, the loss's logits, autocast's
+    activations           the rest of the tensors' peak: saved activations, the loss's logits, autocast's
                           weight copies, the gradients of the backward in flight, the optimizer's
                           temporaries (whichever phase of the step is higher); with
                           train.activation_offload on CUDA the saved activations are simulated in
                           host memory (save_on_cpu) and only the device's tensors are counted
+    allocator             what the device's allocator holds beyond the tensors at its peak (replayed)
+    unseen                CPU: what no tensor holds (measured envelope, per family)
 
 Also reported: activations per repeated block (what one block keeps for the backward), the
 logits of the loss, the KV cache of generation at the run's batch and model.max_seq_len, and
@@ -30,8 +32,17 @@ one device, for the per-device micro-batch).
 
 Deep models are simulated at two reduced depths and extrapolated (every quantity of a stack of
 equal blocks is linear in its depth); the parameters and optimizer states are those of the full
-model. What dispatch cannot see is not in the prediction: library workspaces (oneDNN, MKL,
-cuDNN), the allocator's fragmentation and caching, the CUDA context; docs/memory.md has the
+model.
+
+The peak is what the device will hold, not only the tensors: the storages the step makes and frees,
+in order (`AllocTrace`, from the model's construction to the third step), are replayed through a
+model of the device's allocator (`allocator`: glibc's heap on a CPU, `cpu_heap_peak`; the CUDA
+caching allocator's reserved segments, `cuda_reserved_peak`), and on a CPU the memory no tensor
+holds (`unseen`: BLAS and oneDNN buffers, the runtime's own allocations and the fragmentation they
+cause) is added from a per-family envelope measured on this machine (`python train/bench.py memory
+--calibrate`, train/benches/memory_calibration.json). On a CPU the prediction is the growth of the
+process's peak resident memory from the imported interpreter to the end of the third step
+(`measure`); on CUDA the peak reserved memory, without the CUDA context. docs/memory.md has the
 prediction against measured peaks.
 
 `--memory` lists settings that make the step fit, cheapest in speed first (each with its

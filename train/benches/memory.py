@@ -73,7 +73,7 @@ CONFIGS = {
 }
 # the configurations the unseen-memory envelope is fitted on (--calibrate); the rest check it
 CALIBRATE = ["llm 4M fp32 adamw chunked", "llm 4M bf16 adamw full-loss ckpt", "llm 28M fp32 adamw",
-             "llm 76M bf16 adamw ckpt",
+             "llm 76M bf16 adamw ckpt", "llm 79M deep-thin bf16 adamw",
              "convnet fp32 adamw (resnet-digits)", "convnet fp32 adamw (width 64)", "diffusion fp32 adamw"]
 LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 
