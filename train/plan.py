@@ -682,16 +682,24 @@ def unseen_bytes(cfg, device, held: int) -> int:
     """Memory the process adds that no tensor holds, on a CPU: what the BLAS and oneDNN keep
     (packing buffers, primitive caches, convolution scratch), the thread pools, the autograd
     graph's own objects and the heap fragmentation their allocations cause among the tensors'.
-    Dispatch cannot see it, so it is measured: a + b * held, held the modelled heap of the
-    tensors (`cpu_heap_peak`), a and b the upper envelope of (measured - held) over the
-    family's calibration configurations (`calibration()`). Zero on CUDA (the caching allocator's
+    Dispatch cannot see it, so it is measured: `envelope`, min(s * held, a + b * held), held the
+    modelled heap of the tensors (`cpu_heap_peak`), s, a and b the upper envelope of
+    (measured - held) over the family's calibration configurations (`calibration()`). Zero on CUDA (the caching allocator's
     replay holds everything the step allocates there; the CUDA context is apart)."""
     if device.type != "cpu":
         return 0
     c = calibration().get(cfg.family)
     if not c:
         return 0
-    return round(c["a"] + c["b"] * held)
+    return round(envelope(c, held))
+
+
+def envelope(c: dict, held: float) -> float:
+    """A family's unseen memory at a modelled heap of `held` bytes: a + b * held, or, where the
+    calibration fitted a slope s for small heaps, min(s * held, a + b * held) (the small models'
+    buffers grow with the heap, the large ones' level off)."""
+    line = c["a"] + c["b"] * held
+    return min(c["s"] * held, line) if c.get("s") is not None else line
 
 
 def allocator_overhead(events, cfg, device) -> int:
@@ -949,6 +957,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
         build_model(cfg)
     gc.collect()
     start = _proc_status("VmRSS")
+    start_file = _proc_status("RssFile") + _proc_status("RssShmem")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     torch.manual_seed(cfg.train.seed)
@@ -976,7 +985,8 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
     return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept),
-            "rest_rss": _proc_status("VmRSS"), "phases": phases}
+            "rest_rss": _proc_status("VmRSS"), "phases": phases,
+            "file_growth": _proc_status("RssFile") + _proc_status("RssShmem") - start_file}
 
 
 def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
