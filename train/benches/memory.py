@@ -12,15 +12,17 @@ the process's peak resident memory (VmHWM) from just before the model is built (
 torch and Zoo imported) to the end of three steps of the loop's own `optimizer_step`, with glibc
 set as train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
 nothing allocated): the tensors' peak, the heap glibc makes of them (the traced allocations
-replayed through a model of its malloc) and the unseen memory (a + b * that heap, the family's
-envelope measured by --calibrate).
+replayed through a model of its malloc) and the unseen memory (the family's envelope of that
+heap, measured by --calibrate: `train.plan.envelope`).
 
---calibrate measures the CALIBRATE configurations and fits, per family, the line a + b * heap
+--calibrate measures the CALIBRATE configurations (--repeat fresh processes each, the largest
+peak kept) and fits, per family, the envelope min(s * heap, a + b * heap) or the line a + b * heap
 that lies on or above every (heap, measured - heap) point with the smallest largest
-predicted / measured; it writes train/benches/memory_calibration.json (the planner reads it).
+predicted / measured (`fit_envelope`); it writes train/benches/memory_calibration.json (the planner reads it).
 The other configurations are not used to fit it; a full run takes the calibration rows'
-measurements from that file and measures the rest. A full run writes train/benches/memory.json and
-the table in docs/memory.md between its markers. Linux only (/proc).
+measurements from that file and measures the rest (OUTSIDE: configurations the envelope is known
+not to cover, reported in a table of their own). A full run writes train/benches/memory.json and
+the tables in docs/memory.md between its markers. Linux only (/proc).
 """
 from __future__ import annotations
 
@@ -54,12 +56,12 @@ LLM30 = llm(8192, 512, 8, 8, 4, 8)            # 27.8M
 LLM80 = llm(16384, 768, 10, 12, 4, 4)         # 75.5M
 DEEP_THIN = llm(16384, 512, 24, 8, 4, 4)      # 79.2M: 24 blocks of width 512
 LLM100 = llm(32000, 768, 12, 12, 4, 2)        # 100M (tied embedding): GPT-2-small-sized, above the calibrated heaps
-TINY = llm(4096, 128, 2, 4, 2, 16)            # 1.2M: tests/test_plan.py's prediction test (full loss)
-SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.6M: tests/test_plan.py's settings-that-fit test (full loss)
+TINY = llm(4096, 128, 2, 4, 2, 16)            # 0.9M: tests/test_plan.py's prediction test (full loss)
+SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.4M: tests/test_plan.py's settings-that-fit test (full loss)
 
 # name -> (base config: a dict or a path under configs/, overrides)
 CONFIGS = {
-    "llm 0.6M fp32 adamw full-loss": (SMALLEST, ["model.chunked_loss=false"]),
+    "llm 0.4M fp32 adamw full-loss": (SMALLEST, ["model.chunked_loss=false"]),
     "llm 4M fp32 adamw chunked": (LLM, []),
     "llm 28M fp32 adamw": (LLM30, []),
     "llm 28M bf16 adamw ckpt": (LLM30, ["train.precision=bf16", "model.activation_checkpointing=true"]),
@@ -73,17 +75,17 @@ CONFIGS = {
     "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
     # outside the envelope (small LLMs whose unseen memory is far above their heap's share; see docs/memory.md)
-    "llm 1M fp32 adamw full-loss": (TINY, ["model.chunked_loss=false"]),
+    "llm 0.9M fp32 adamw full-loss": (TINY, ["model.chunked_loss=false"]),
     "llm 4M fp32 adamw chunked ckpt": (LLM, ["model.activation_checkpointing=true"]),
     "llm 4M bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "model.chunked_loss=false",
                                               "model.activation_checkpointing=true"]),
 }
 # the configurations the unseen-memory envelope is fitted on (--calibrate); the rest check it
-CALIBRATE = ["llm 0.6M fp32 adamw full-loss", "llm 4M fp32 adamw chunked", "llm 28M fp32 adamw", "llm 76M fp32 adamw",
+CALIBRATE = ["llm 0.4M fp32 adamw full-loss", "llm 4M fp32 adamw chunked", "llm 28M fp32 adamw", "llm 76M fp32 adamw",
              "llm 76M bf16 adamw ckpt", "llm 79M deep-thin bf16 adamw",
              "convnet fp32 adamw (resnet-digits)", "convnet fp32 adamw (width 64)", "diffusion fp32 adamw"]
 # measured and reported apart: configurations the envelope is known not to cover
-OUTSIDE = ["llm 1M fp32 adamw full-loss", "llm 4M fp32 adamw chunked ckpt", "llm 4M bf16 adamw full-loss ckpt"]
+OUTSIDE = ["llm 0.9M fp32 adamw full-loss", "llm 4M fp32 adamw chunked ckpt", "llm 4M bf16 adamw full-loss ckpt"]
 LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 
 
