@@ -171,10 +171,10 @@ def test_prediction_is_never_under_the_measured_peak():
     loop's own step (train.plan.measure), for the bench's 4M LLM (4096 x 256 x 4, 16 x 256 tokens,
     fp32; a few seconds of steps). It is one of the points the unseen-memory envelope was fitted
     on, so this checks that a new measurement, which moves a few percent from run to run, stays
-    under the plan. At most 1.3x: the envelope is the largest residual among the calibration's
-    LLMs, so an LLM whose own residual is smaller is over-predicted by the difference (this one by
-    about a fifth in train/benches/memory.json); 1.3 leaves room for the run-to-run spread above
-    that and fails if the envelope grows past it."""
+    under the plan (the envelope is fitted on the largest of three measurements, but this one's
+    spread, 708-774 MiB over eight processes, reaches above that: see docs/memory.md). At most
+    1.3x: the envelope is a line over the calibration's LLMs, so an LLM whose own residual is
+    below it is over-predicted by the difference; 1.3 fails if the envelope grows past that."""
     from train.benches.memory import LLM
     predicted = planner.plan(cfg_of(base=LLM)).peak_bytes
     measured = planner.measure_in_subprocess(LLM, [])["peak"]
