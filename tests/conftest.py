@@ -10,6 +10,8 @@ SHARED = ROOT.parent / "shared"
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+pytest_plugins = ["skip_policy"]  # a skip for a reason not on its allow-list fails the run
+
 
 def shared_file(rel: str) -> Path:
     """A file from ../shared, or skip the test (with the reason) when it is absent."""

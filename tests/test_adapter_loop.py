@@ -18,6 +18,7 @@ from train.unfreeze import GradualUnfreezing
 from zoo.adapters import AdapterConfig, apply_adapters, count_params, param_bytes, trainable_keys
 
 from test_loop import TINY, losses
+from train.metrics import read_rows
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def run(tmp_path, corpus, name, *over):
     overrides = [f"train.out_dir={tmp_path / name}", f"data.path={corpus}", *over]
     cfg = load_run_config(None, overrides, base=TINY)
     final = train(cfg, log=lambda m: None)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return final, rows
 
 
@@ -131,7 +132,7 @@ def test_qlora_run_on_tinyshakespeare_lowers_val_loss(tmp_path, base):
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert val[-1] < val[0] - 0.1, val
     assert "linear weights in NF4" in (out / "log.txt").read_text()

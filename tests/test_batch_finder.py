@@ -9,15 +9,16 @@ import yaml
 
 from train import plan as planner
 from train.config import load_run_config
-from train.loop import RunStopped, train
+from train.loop import train
+from train.step import RunStopped
 from zoo.config import ConfigError
+from train.metrics import read_rows
 
 BASE = {"family": "llm",
-        "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128,
-                  "chunked_loss": False},
+        "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
         "data": {"tokenizer": "bytes", "seq_len": 128},
         "train": {"max_steps": 2, "log_every": 1, "eval_every": 0, "eval_batches": 1, "checkpoint_every": 0,
-                  "progress": False, "samples": False, "plot": False, "precision": "fp32"},
+                  "chunked_loss": False, "progress": False, "samples": False, "plot": False, "precision": "fp32"},
         "optim": {"warmup_steps": 0}}
 GLOBAL = 32
 
@@ -39,7 +40,7 @@ def test_the_chosen_batch_fits_and_the_next_does_not(tmp_path, text_corpus, one_
     b, accum = chosen["batch_size"], chosen["grad_accum"]
     assert (b, accum) == (8, 4) and b * accum == GLOBAL
     assert any(m.startswith("batch size: auto -> micro-batch 8 x 4") for m in logs), logs
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 and all(r["tokens_per_s"] > 0 for r in steps)
     measured = planner.measure_in_subprocess(BASE, [f"train.batch_size={b}"], threads=1)["peak"]
@@ -60,3 +61,26 @@ def test_config_errors(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         load_run_config(None, over, base=BASE)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fast", ["bf16", "fp32"])
+def test_precision_auto_plans_the_dtype_the_loop_runs(tmp_path, text_corpus, monkeypatch, fast):
+    """train.precision: auto resolves from measured matmul speeds. The batch finder plans the dtype
+    the loop resolved (not a measurement of its own), and the planner on its own resolves it as the
+    loop does: here the CPU is made to look bf16-fast, then fp32-fast."""
+    import train.step as step
+    speed = {torch.bfloat16: 3.0, None: 1.0} if fast == "bf16" else {torch.bfloat16: 1.0, None: 3.0}
+    monkeypatch.setattr(step, "measure_peak_flops", lambda device, dtype, **kw: speed[dtype] * 1e11)
+    planned = []
+    real_plan = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda cfg, **kw: planned.append(cfg.train.precision) or real_plan(cfg, **kw))
+    monkeypatch.setattr(planner, "_AUTO", {})
+    base = {**BASE, "train": {**BASE["train"], "precision": "auto"}}
+    over = [f"train.out_dir={tmp_path / 'run'}", f"data.path={text_corpus}", "train.batch_size=auto",
+            f"train.global_batch={GLOBAL}", "train.memory_budget=64GB"]
+    logs = []
+    train(load_run_config(None, over, base=base), log=logs.append)
+    assert any(m.startswith(f"precision: auto -> {fast}") for m in logs), logs
+    assert planned and set(planned) == {fast}  # every plan the finder made, in the loop's dtype
+    cfg = load_run_config(None, [], base={**base, "train": {**base["train"], "batch_size": 1}})
+    assert planner._precision(cfg, torch.device("cpu")) == (torch.bfloat16 if fast == "bf16" else None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train import bench, hardware, loop
+from train import bench, hardware, metrics
 from train.benches import harness
 from train.config import TrainConfig
 
@@ -105,7 +105,7 @@ def test_bad_precision_from_the_command_line():
 
 def test_loop_and_benches_share_one_peak_flops(monkeypatch):
     assert harness.measure_peak_flops is hardware.measure_peak_flops
-    assert loop.measure_peak_flops is hardware.measure_peak_flops
+    assert metrics.measure_peak_flops is hardware.measure_peak_flops  # the loop's MFU denominator
     # a bench keeps the best of its calls, each made in the precision's dtype
     calls = []
     measured = iter([3.0, 5.0, 4.0])

@@ -287,8 +287,10 @@ def test_batched_matmul_path_gradients_match_reference(H, KV, Tq, Tk, window):
 def test_flash_backend_is_an_error_where_it_cannot_run():
     """'flash' means flash-attn and nothing else: on a CPU (or without flash-attn) it is an error
     naming what is missing, never a silent fallback; an LLM asking for it without flash-attn
-    installed fails at build with a one-line config error."""
+    installed fails where the run applies it (train/runtime.py) with a one-line config error."""
     import zoo.blocks.attention as A
+    from train.config import TrainConfig
+    from train.runtime import apply_runtime
     from zoo.config import ConfigError, LLMConfig
     from zoo.llm import LLM
     q, k, v = _qkv()
@@ -296,7 +298,8 @@ def test_flash_backend_is_an_error_where_it_cannot_run():
         attend(q, k, v, "flash")
     if A.flash_available() is None:
         with pytest.raises(ConfigError, match="attn_backend=flash needs flash-attn"):
-            LLM(LLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, attn_backend="flash"))
+            apply_runtime(LLM(LLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2)),
+                          TrainConfig(attn_backend="flash"))
 
 
 def test_block_finds_an_installed_flash_attn_on_first_use(tmp_path):

@@ -1,6 +1,6 @@
-"""Activation checkpointing policies (zoo/blocks/checkpoint.py) in the three families: the same
-gradients (and BatchNorm statistics) as without checkpointing, the config keys, and the memory
-each policy saves as the planner counts it."""
+"""Activation checkpointing policies (zoo/blocks/checkpoint.py), applied from outside to each of the
+three families' units (train/runtime.py): the same gradients (and BatchNorm statistics) as without
+checkpointing, the config keys, and the memory each policy saves as the planner counts it."""
 import copy
 
 import pytest
@@ -8,23 +8,30 @@ import torch
 
 import zoo
 from train import plan as planner
-from train.config import load_run_config
+from train.config import TrainConfig, load_run_config
+from train.runtime import apply_runtime
 from zoo.config import ConfigError, ConvNetConfig, DiffusionConfig, LLMConfig
 
 POLICIES = [(True, 1), ("full", 2), ("selective", 1), ("selective", 3)]
 
 
+def with_runtime(model, **k):
+    """The model with train: keys (activation_checkpointing, activation_checkpointing_every) applied."""
+    return apply_runtime(model, TrainConfig(**k))
+
+
 def llm(**k):
-    return zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, **k))
+    return with_runtime(zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                                            max_seq_len=16)), **k)
 
 
 def resnet(**k):
-    return zoo.build(ConvNetConfig(arch="resnet18", layers=[1, 1, 1, 1], width=8, stem="small", in_chans=1,
-                                   num_classes=10, drop_path_rate=0.1, **k))
+    return with_runtime(zoo.build(ConvNetConfig(arch="resnet18", layers=[1, 1, 1, 1], width=8, stem="small",
+                                                in_chans=1, num_classes=10, drop_path_rate=0.1)), **k)
 
 
 def unet(**k):
-    return zoo.build(DiffusionConfig(image_size=32, channels=[16, 32], heads=4, **k))
+    return with_runtime(zoo.build(DiffusionConfig(image_size=32, channels=[16, 32], heads=4)), **k)
 
 
 FAMILIES = {
@@ -50,7 +57,7 @@ def test_each_policy_gives_the_gradients_of_no_checkpointing(family, policy, eve
     ref_model = build().train()
     state = copy.deepcopy(ref_model.state_dict())  # before the forward updates its statistics
     ref, ref_stats = gradients_and_stats(ref_model, loss_fn)
-    model = build(activation_checkpointing=policy, checkpoint_every=every).train()
+    model = build(activation_checkpointing=policy, activation_checkpointing_every=every).train()
     model.load_state_dict(state)
     got, stats = gradients_and_stats(model, loss_fn)
     assert got.keys() == ref.keys() and len(ref) > 0
@@ -58,33 +65,79 @@ def test_each_policy_gives_the_gradients_of_no_checkpointing(family, policy, eve
     assert all(torch.equal(stats[k], ref_stats[k]) for k in ref_stats)  # BatchNorm updated once
 
 
-def test_checkpointing_is_off_in_eval_and_without_grad():
-    model = llm(activation_checkpointing="selective").eval()
+def test_checkpointing_is_off_in_eval_and_without_grad(monkeypatch):
+    """torch.utils.checkpoint is entered only by a training block that records gradients: counted
+    through the module's own reference to it, and the outputs equal the plain model's."""
+    import zoo.blocks.checkpoint as ckpt
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    plain = llm()
+    model = llm(activation_checkpointing="selective")
+    model.load_state_dict(plain.state_dict())
     x = torch.randint(0, 64, (1, 8))
-    with torch.no_grad():
-        assert model(x).shape == (1, 8, 64)
+    for train, grad in ((False, True), (False, False), (True, False)):
+        model.train(train), plain.train(train)
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(model(x), plain(x))
+        assert not calls, (train, grad)
+    model.train()
+    model(x).sum().backward()
+    assert len(calls) == 3  # every block of the 3, in training with gradients
 
 
 @pytest.mark.parametrize("value, ok", [(True, True), (False, True), ("full", True), ("selective", True),
                                        ("none", True), ("every", False), (2, False)])
 def test_config_keys(value, ok):
-    base = {"family": "convnet", "model": {"arch": "resnet18", "activation_checkpointing": value}}
+    base = {"family": "convnet", "model": {"arch": "resnet18"}, "train": {"activation_checkpointing": value}}
     if ok:
-        assert load_run_config(None, [], base=base).model.activation_checkpointing == value
+        assert load_run_config(None, [], base=base).train.activation_checkpointing == value
     else:
-        with pytest.raises(ConfigError, match="model.activation_checkpointing"):
+        with pytest.raises(ConfigError, match="train.activation_checkpointing"):
             load_run_config(None, [], base=base)
-    with pytest.raises(ConfigError, match="model.checkpoint_every"):
-        load_run_config(None, ["model.checkpoint_every=0"], base={"family": "llm"})
+    with pytest.raises(ConfigError, match="train.activation_checkpointing_every"):
+        load_run_config(None, ["train.activation_checkpointing_every=0"], base={"family": "llm"})
+
+
+@pytest.mark.parametrize("family, key, new", [
+    ("llm", "attn_backend", "train.attn_backend"), ("llm", "activation_checkpointing", "train.activation_checkpointing"),
+    ("llm", "checkpoint_every", "train.activation_checkpointing_every"), ("llm", "chunked_loss", "train.chunked_loss"),
+    ("llm", "loss_chunk_size", "train.loss_chunk_size"), ("convnet", "checkpoint_every", "train.activation_checkpointing_every"),
+    ("diffusion", "activation_checkpointing", "train.activation_checkpointing")])
+def test_a_key_that_moved_to_train_is_a_one_line_error_naming_its_new_place(tmp_path, family, key, new):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"family: {family}\nmodel:\n  {key}: true\n")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(str(cfg))
+    assert str(e.value) == f"{cfg}: model.{key} moved to {new}"
+
+
+def test_runtime_choices_apply_to_a_built_model_and_can_be_undone():
+    """apply_runtime sets the attention backend, checkpointing every n-th unit and the chunked loss;
+    the state dict keeps its names; policy none gives every unit its plain forward back."""
+    from zoo.blocks.attention import CausalSelfAttention
+    model = zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=16))
+    keys = list(model.state_dict())
+    t = TrainConfig(attn_backend="math", activation_checkpointing="selective", activation_checkpointing_every=2,
+                    chunked_loss=False, loss_chunk_size=7)
+    apply_runtime(model, t)
+    assert {m.backend for m in model.modules() if isinstance(m, CausalSelfAttention)} == {"math"}
+    assert ["forward" in u.__dict__ for u in model.checkpoint_units()] == [True, False, True, False]
+    assert (model.chunked_loss, model.loss_chunk_size) == (False, 7) and list(model.state_dict()) == keys
+    apply_runtime(model, TrainConfig())
+    assert not any("forward" in u.__dict__ for u in model.checkpoint_units())
+    with pytest.raises(ConfigError, match="train.attn_backend"):
+        load_run_config(None, ["train.attn_backend=xformers"], base={"family": "llm"})
 
 
 def test_planner_sees_what_each_policy_saves():
     base = {"family": "llm", "model": {"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 128},
             "data": {"tokenizer": "bytes", "seq_len": 128}, "train": {"batch_size": 4, "precision": "fp32"}}
     acts = {}
-    for name, over in {"none": [], "selective": ["model.activation_checkpointing=selective"],
-                       "every 2": ["model.activation_checkpointing=full", "model.checkpoint_every=2"],
-                       "full": ["model.activation_checkpointing=true"]}.items():
+    for name, over in {"none": [], "selective": ["train.activation_checkpointing=selective"],
+                       "every 2": ["train.activation_checkpointing=full", "train.activation_checkpointing_every=2"],
+                       "full": ["train.activation_checkpointing=true"]}.items():
         p = planner.plan(load_run_config(None, over, base=base))
         acts[name] = sum(p.per_layer_activations)
     assert acts["full"] < acts["every 2"] < acts["none"]

@@ -16,6 +16,7 @@ from train.images import digits_dataset, epoch_positions, random_shift
 from train.loop import train
 from train.tasks.classify import ClassifyTask
 from zoo.config import ConfigError, ConvNetConfig
+from train.metrics import read_rows
 
 TINY = {
     "family": "convnet",
@@ -83,7 +84,7 @@ def test_digits_run_learns(tmp_path):
     assert final["val_acc1"] > 0.6, final  # chance is 0.1
     assert final["val_loss"] < 1.5
     assert final["val_acc5"] >= final["val_acc1"]
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     assert all("images_per_s" in r and "mfu" in r for r in rows if "loss" in r)
 
 
@@ -272,7 +273,7 @@ def test_resume_is_exact_with_stochastic_depth_channels_last_and_bf16(tmp_path, 
           log=lambda m: None)
 
     def losses(run):
-        return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"]) for r in read_rows(run)
                 if "loss" in r]
     assert losses(part) == losses(tmp_path / "run")  # bitwise-equal, step for step
     from safetensors.torch import load_file
@@ -290,6 +291,6 @@ def test_digits_preset_reaches_95_percent(tmp_path):
     proc = subprocess.run([sys.executable, str(root / "train" / "run.py"), str(root / "configs/convnet/resnet-digits.yaml"),
                            f"train.out_dir={out}", "train.progress=false"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     final = [r for r in rows if "val_acc1" in r][-1]
     assert final["step"] == 200 and final["val_acc1"] >= 0.95, final

@@ -122,8 +122,8 @@ def test_config_parsing_property(data):
 
 # property: the whole run config (every section of every family) gives a valid config or a one-line ConfigError
 def _families():
-    from train.tasks import TASKS
-    return list(TASKS)
+    from zoo.config import FAMILIES
+    return list(FAMILIES)
 
 
 def _section_fields(family):
@@ -131,8 +131,8 @@ def _section_fields(family):
     import dataclasses
     from train.config import OptimConfig, TrainConfig
     from train.tasks import task_class
-    from zoo.config import MODEL_CONFIGS
-    classes = {"model": MODEL_CONFIGS[family], "data": task_class(family).DataConfig, "train": TrainConfig,
+    from zoo.config import FAMILIES
+    classes = {"model": FAMILIES[family].config, "data": task_class(family).DataConfig, "train": TrainConfig,
                "optim": OptimConfig}
     out = {}
     for sec, cls in classes.items():
@@ -203,3 +203,41 @@ def test_run_config_parsing_property(data):
     torch.Generator().manual_seed(t.seed)
     for step in {0, t.max_steps // 2, t.max_steps - 1}:
         assert math.isfinite(lr_multiplier(step, t.max_steps, cfg.optim))
+
+
+# field bounds: declared on the dataclasses (zoo.config.bounded), checked in one place
+@pytest.mark.parametrize("over, msg", [
+    ("model.n_layers=0", "model.n_layers must be > 0, got 0"),
+    ("model.n_kv_heads=-2", "model.n_kv_heads must be > 0 or null, got -2"),
+    ("model.mod_capacity=1.5", "model.mod_capacity must be in [0, 1], got 1.5"),
+    ("model.moe.router_jitter=1", "model.moe.router_jitter must be in [0, 1), got 1.0"),
+    ("train.ema_decay=1", "train.ema_decay must be in (0, 1) or null, got 1.0"),
+    ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every must be >= 1, got 0"),
+    ("optim.adafactor_beta2_decay=0", "optim.adafactor_beta2_decay must be < 0, got 0.0"),
+    ("data.seq_len=1", "data.seq_len must be >= 2, got 1"),
+    ("adapter.dropout=-0.1", "adapter.dropout must be in [0, 1), got -0.1"),
+])
+def test_declared_bounds_are_one_line_errors_naming_file_and_key(over, msg):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, [over], base={"family": "llm", "model": {"moe": {}}})
+    assert str(e.value) == f"command line: {msg}"
+
+
+def test_bounds_hold_for_a_config_built_in_code_and_validate_keeps_only_cross_field_rules():
+    import dataclasses
+    import inspect
+    from zoo.config import bounded, check_bounds, describe_bounds
+    with pytest.raises(ConfigError, match=r"^<config>: n_layers must be > 0, got 0$"):
+        zoo.build(LLMConfig(n_layers=0))
+    assert describe_bounds({"gt": 0, "le": 1}) == "in (0, 1]" and describe_bounds({"ge": 2}) == ">= 2"
+
+    @dataclasses.dataclass
+    class C:
+        a: int = bounded(1, ge=1)
+        b: object = bounded("auto", gt=0)  # a non-number (a Union's 'auto') is not range-checked
+    check_bounds(C())
+    with pytest.raises(ConfigError, match=r"^x.yaml: s.a must be >= 1, got 0$"):
+        check_bounds(C(a=0), "x.yaml", "s.")
+    # a declared bound is not checked again by hand in validate()
+    src = inspect.getsource(LLMConfig.validate)
+    assert "self.n_layers <= 0" not in src and "self.mod_every <= 0" not in src and "must be > 0" not in src

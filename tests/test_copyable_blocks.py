@@ -115,6 +115,26 @@ SMOKE = {
             run_block(block, 0, policy, 1, x).square().sum().backward()
             grads.append((block[0].weight.grad.clone(), block[1].running_mean.clone()))
         assert all((g - grads[0][0]).abs().max() < 1e-6 and torch.equal(m, grads[0][1]) for g, m in grads)
+        from checkpoint import checkpoint_units
+        stack = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])
+        assert checkpoint_units(stack, "selective", every=2) == 2 and "forward" not in stack[1].__dict__
+        stack(x).square().sum().backward()
+        assert checkpoint_units(stack, "none") == 0 and not any("forward" in u.__dict__ for u in stack)
+    """,
+    "attention_cpu.py": """
+        from attention_cpu import attend_bmm
+        q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        ref = ((q @ kk.transpose(-2, -1)) / 8 ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ vv
+        assert (attend_bmm(q, k, v, block=2) - ref).abs().max() < 1e-5
+    """,
+    "matvec_cpu.py": """
+        from matvec_cpu import MatvecAsReduction
+        x, w, b = torch.randn(1, 16), torch.randn(8, 16), torch.randn(8)
+        with MatvecAsReduction():
+            y = torch.nn.functional.linear(x, w, b)
+        assert (y - (x @ w.t() + b)).abs().max() < 1e-5
     """,
     "drop_path.py": """
         from drop_path import DropPath, drop_path

@@ -10,6 +10,7 @@ checked against `python train/run.py` with batch_size doubled: the same global m
 and 1e-5 absolute for weights (fp32 round-off of a reduction over 2 ranks instead of 1).
 """
 import json
+import math
 import os
 import random
 import re
@@ -27,10 +28,11 @@ from safetensors.torch import load_file
 import zoo
 import zoo.config
 from train.checkpoint import list_checkpoints, read_weights
-from train.loop import optimizer_step
+from train.step import optimizer_step
 from train.run import main as run_main
 
 from conftest import starts, wait_for_training
+from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
@@ -134,7 +136,7 @@ def run(cfg: Path, out: Path, *overrides, nproc: int = 2) -> Path:
 
 
 def curve(out: Path) -> list:
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
@@ -156,13 +158,14 @@ def assert_close_weights(a: Path, b: Path, name="model.safetensors", atol=ATOL):
 @pytest.fixture(scope="module")
 def llm_runs(configs, tmp_path_factory):
     """One process with batch_size 8, and 2-process DDP and FSDP2 runs with batch_size 4 (the
-    same global batch of 2 x 8 per step, 2 micro-batches each)."""
+    same global batch of 2 x 8 per step, 2 micro-batches each). The 2-process runs also average
+    their last 2 checkpoints (steps 3 and 6) at the end."""
     d = tmp_path_factory.mktemp("llm_runs")
     procs = {"one": launch(configs["llm"], d / "one", "train.batch_size=8", nproc=0),
-             "ddp": launch(configs["llm"], d / "ddp", "train.parallel=ddp")}
+             "ddp": launch(configs["llm"], d / "ddp", "train.parallel=ddp", "train.average_last=2")}
     for name, p in procs.items():
         assert p.wait(300) == 0, last_stderr(d / name)[-3000:]
-    run(configs["llm"], d / "fsdp", "train.parallel=fsdp")
+    run(configs["llm"], d / "fsdp", "train.parallel=fsdp", "train.average_last=2")
     return d
 
 
@@ -176,12 +179,41 @@ def test_two_processes_match_one_with_the_same_global_batch(llm_runs, strategy):
     log = (par / "log.txt").read_text()
     assert f"parallel: {strategy} over 2 processes (gloo)" in log
     assert (par / "metrics.jsonl").read_text().count('"step": 1,') == 1  # only rank 0 writes metrics
-    row = [json.loads(l) for l in (par / "metrics.jsonl").read_text().splitlines()][0]
+    row = read_rows(par)[0]
     assert len(row["peak_mem_gb_ranks"]) == 2
     # the consolidated weights load into a model built from the run's config
     cfg = yaml.safe_load((par / "config.yaml").read_text())
     model = zoo.build(zoo.config.model_config_from(cfg["model"], "llm", str(par / "config.yaml")))
     model.load_state_dict(read_weights(par / "model.safetensors", model), strict=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpoint_averaging_under_torchrun(llm_runs, tmp_path, strategy):
+    """train.average_last=2 under DDP and FSDP2: rank 0 reads the sharded (DCP) checkpoints of
+    steps 3 and 6 back whole and writes model_avg.safetensors, equal (bit for bit: halving is
+    exact in fp32) to the mean of the checkpoints' weights as torch's own DCP converter reads
+    them; the average is evaluated (avg_val_loss) beside the final weights."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    par = llm_runs / strategy
+    ckpts = [par / "checkpoints" / f"step_{s:08d}" for s in (3, 6)]
+    weights = []
+    for c in ckpts:
+        assert json.loads((c / "manifest.json").read_text())["format"] == "dcp"
+        dcp_to_torch_save(c, tmp_path / f"{c.name}.pt")
+        weights.append(torch.load(tmp_path / f"{c.name}.pt", weights_only=True)["model"])
+    final, avg = load_file(str(par / "model.safetensors")), load_file(str(par / "model_avg.safetensors"))
+    assert set(final) <= set(avg) == set(weights[0])
+    for k in avg:
+        assert torch.equal(avg[k], (weights[0][k] + weights[1][k]) / 2), k
+    for k in final:  # the newest checkpoint holds the final weights
+        assert torch.equal(weights[1][k], final[k]), k
+    assert not all(torch.equal(weights[0][k], weights[1][k]) for k in final)
+    log = (par / "log.txt").read_text()
+    assert "average: uniform over the last 2 checkpoints (step_00000003, step_00000006)" in log
+    rows = [json.loads(l) for l in (par / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in rows if "avg_val_loss" in r]
+    assert len(ev) == 1 and ev[0]["step"] == 6 and math.isfinite(ev[0]["avg_val_loss"])
+    assert ev[0]["avg_val_loss"] != next(r["val_loss"] for r in rows if "val_loss" in r)
 
 
 def test_fsdp_checkpoint_of_two_processes_resumes_in_one(configs, llm_runs, tmp_path):
@@ -253,7 +285,7 @@ KILL = ["train.parallel=fsdp", "train.max_steps=200", "train.checkpoint_every=5"
 def uninterrupted(configs, tmp_path_factory):
     """The run the stopped ones must reproduce, and the sum of its step times in seconds."""
     out = run(configs["llm"], tmp_path_factory.mktemp("uninterrupted"), *KILL)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return out, sum(r.get("step_time_s", 0) for r in rows)
 
 

@@ -15,6 +15,7 @@ from test_hf_llm import assert_same_generation, assert_same_logits, randomize, t
 import zoo
 from zoo.config import ConfigError
 from zoo.weights import hf_llm
+from train.metrics import read_rows
 
 transformers = optional_module("transformers")
 
@@ -234,7 +235,7 @@ def test_finetune_moe_through_run_py(tmp_path, text_corpus, one_thread):
                  "train.progress=false", "train.samples=false", "train.plot=false", "train.log_every=10",
                  "optim.lr=0.01", "optim.warmup_steps=5"])
     assert code == 0
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     logged = [r for r in rows if "loss" in r]
     assert logged[-1]["lm_loss"] < logged[0]["lm_loss"] - 0.5  # from ln(300) = 5.7 towards the byte unigram
     assert all(r["moe_aux_loss"] > 0 and len(r["moe_load_max"]) == 2 for r in logged)  # output_router_logits

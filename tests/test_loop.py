@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from train.config import load_run_config
 from train.loop import train
+from train.metrics import read_rows
 
 TINY = {
     "family": "llm",
@@ -23,7 +24,7 @@ def run(tmp_path, corpus, name="run", **over):
     overrides = [f"train.out_dir={tmp_path / name}", f"data.path={corpus}"] + [f"{k}={v}" for k, v in over.items()]
     cfg = load_run_config(None, overrides, base=TINY)
     final = train(cfg, log=lambda m: None)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return final, rows
 
 
@@ -76,8 +77,11 @@ def test_compile_and_accumulation_run(tmp_path, text_corpus, one_thread):
 
 
 def test_grad_accumulation_matches_bigger_batch(tmp_path, text_corpus):
-    """Two micro-batches of 4 give the same update as... the mean of their losses: check the
-    logged loss equals the mean of the two micro-batch losses computed independently."""
+    """Two micro-batches of 4 rows give the update of one batch of those 8 rows (the loop's
+    optimizer_step with SGD at lr 1: the update is minus the gradient; fp32, <= 1e-6), and the
+    loop logs the mean of the two micro-batch losses."""
+    import copy
+    from train.step import optimizer_step
     from train.tasks.lm import LMTask
     cfg = load_run_config(None, [f"data.path={text_corpus}", "train.grad_accum=2", "train.batch_size=4",
                                  f"train.out_dir={tmp_path / 'acc'}", "train.max_steps=1", "optim.warmup_steps=0"], base=TINY)
@@ -85,7 +89,16 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path, text_corpus):
     task.setup()
     torch.manual_seed(cfg.train.seed)
     model = task.build_model()
-    expected = sum(task.loss(model, task.train_batch(0, m))[0].item() for m in range(2)) / 2
+    micro = [task.train_batch(0, m) for m in range(2)]
+    expected = sum(task.loss(model, b)[0].item() for b in micro) / 2
+    accumulated, whole = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.SGD(accumulated.parameters(), lr=1.0)
+    r = optimizer_step(lambda b: task.loss(accumulated, b), iter(micro), 2, opt,
+                       torch.amp.GradScaler("cpu", enabled=False), list(accumulated.parameters()), None)
+    assert r.applied and r.loss == pytest.approx(expected, abs=1e-6)
+    task.loss(whole, tuple(torch.cat(parts) for parts in zip(*micro)))[0].backward()
+    for (name, p), p0, big in zip(accumulated.named_parameters(), model.parameters(), whole.parameters()):
+        assert (p0 - p - big.grad).abs().max() <= 1e-6, name
     _, rows = run(tmp_path, text_corpus, "acc", **{"train.grad_accum": 2, "train.batch_size": 4, "train.max_steps": 1, "optim.warmup_steps": 0})
     assert losses(rows)[0][1] == pytest.approx(expected, abs=1e-5)
 
@@ -127,7 +140,7 @@ def test_lm_task_names_the_attention_it_runs(tmp_path, text_corpus):
     from train.tasks.lm import LMTask
     logs = []
     for backend, expected in (("auto", "attention: bmm (auto, for 64 keys)"), ("sdpa", "attention: sdpa")):
-        cfg = load_run_config(None, [f"data.path={text_corpus}", f"model.attn_backend={backend}",
+        cfg = load_run_config(None, [f"data.path={text_corpus}", f"train.attn_backend={backend}",
                                      f"train.out_dir={tmp_path}"], base=TINY)
         task = LMTask(cfg, torch.device("cpu"), logs.append)
         task.setup()

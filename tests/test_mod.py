@@ -11,10 +11,13 @@ import torch
 
 import zoo
 from conftest import assert_compiled_step_equals_eager
+from zoo.blocks.attention import set_backend
+from zoo.blocks.checkpoint import checkpoint_units
 from zoo.blocks.mod import MixtureOfDepths
 from zoo.blocks.rope import RotaryEmbedding
 from zoo.config import ConfigError, LLMConfig, MoEConfig, from_dict
 from zoo.llm import Block
+from train.metrics import read_rows
 
 TOL = 1e-5
 MODEL_TOL = 1e-4
@@ -22,8 +25,9 @@ MODEL_TOL = 1e-4
 
 def mod_block(capacity=0.25, router="aux_loss", seed=0, d=32):
     torch.manual_seed(seed)
-    cfg = LLMConfig(vocab_size=64, d_model=d, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, attn_backend="math")
+    cfg = LLMConfig(vocab_size=64, d_model=d, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
     m = MixtureOfDepths(Block(cfg), d, capacity, router)
+    set_backend(m, "math")
     with torch.no_grad():  # router logits of O(1): distinct selections, weights far from 1/2
         m.router.weight.normal_(0, 0.5)
         for p in m.block.parameters():
@@ -182,13 +186,15 @@ def test_threshold_boundary_of_a_batch_decides_its_top_k_share():
 # MoD LLMs
 # ----------------------------------------------------------------------------------------
 
-def mod_llm(seed=0, **kw):
+def mod_llm(seed=0, attn_backend="math", **kw):
     """Weights of std 0.2, so that every block moves the logits well beyond the tolerance."""
     torch.manual_seed(seed)
     args = dict(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64,
-                mod_capacity=0.25, attn_backend="math", init_std=0.2, tie_embeddings=False)
+                mod_capacity=0.25, init_std=0.2, tie_embeddings=False)
     args.update(kw)
-    return zoo.build(LLMConfig(**args))
+    model = zoo.build(LLMConfig(**args))
+    set_backend(model, attn_backend)
+    return model
 
 
 def cached_logits_equal_recomputed(m, ids, steps):
@@ -311,7 +317,7 @@ def test_compiled_training_step_equals_eager():
 def test_activation_checkpointing_same_gradients():
     model = mod_llm()
     ckpt = copy.deepcopy(model)
-    ckpt.config.activation_checkpointing = True
+    checkpoint_units(ckpt.checkpoint_units(), True)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     for m in (model, ckpt):
         _, loss, aux = m(ids, ids, return_aux=True)
@@ -367,7 +373,7 @@ def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_threa
             "optim": {"lr": 3e-3, "warmup_steps": 2}}
     lines = []
     train(load_run_config(None, [], base=base), log=lines.append)
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / "run")
     row = [r for r in rows if "loss" in r][-1]
     assert row["mod_routed"] == [0.25] and len(row["mod_decided"]) == len(row["mod_accuracy"]) == 1
     assert 0.0 <= row["mod_accuracy"][0] <= 1.0 and math.isfinite(row["mfu"])

@@ -14,8 +14,10 @@ from conftest import assert_compiled_step_equals_eager
 from safetensors.torch import load_file
 
 import zoo
+from zoo.blocks.checkpoint import checkpoint_units
 from zoo.blocks.moe import MoE, grouped_mm_supported
 from zoo.config import ConfigError, LLMConfig, from_dict
+from train.metrics import read_rows
 
 TOL = 1e-5
 MODEL_TOL = 1e-4
@@ -314,7 +316,7 @@ def test_compiled_training_step_equals_eager():
 def test_activation_checkpointing_same_gradients():
     model = moe_llm(moe=dict(router_jitter=0.1))
     ckpt = copy.deepcopy(model)
-    ckpt.config.activation_checkpointing = True
+    checkpoint_units(ckpt.checkpoint_units(), True)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     for m in (model, ckpt):
         torch.manual_seed(5)
@@ -357,7 +359,7 @@ def run(tmp_path, corpus, name, moe, **over):
     lines = []
     cfg = load_run_config(None, [f"{k}={v}" for k, v in over.items()], base=base)
     train(cfg, log=lines.append)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return rows, lines
 
 
@@ -380,9 +382,9 @@ def test_bias_balancing_through_the_loop_resumes_exactly(tmp_path, text_corpus, 
     weights = load_file(tmp_path / "full" / "model.safetensors")
     biases = [v for k, v in weights.items() if k.endswith("score_bias")]
     assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # the bias moved
-    for b in biases:  # whole steps of bias_update_rate, at most one per optimizer step after the first
+    for b in biases:  # whole steps of bias_update_rate, at most one per optimizer step (after each of the 6)
         n = b / 0.01
-        assert torch.allclose(n, n.round(), atol=1e-3) and n.abs().max() <= 5
+        assert torch.allclose(n, n.round(), atol=1e-3) and n.abs().max() <= 6
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "checkpoints" / "step_00000006")

@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 
 from conftest import optional_module
 from train.config import OptimConfig, load_run_config
-from train.loop import EMA, optimizer_step, train
+from train.loop import train
+from train.metrics import read_rows
+from train.step import EMA, optimizer_step
 from train.optim import build_optimizer, lr_multiplier, param_groups
 from zoo.config import ConfigError, ConvNetConfig, LLMConfig
 from zoo.convnet import ResNet
@@ -346,7 +348,7 @@ def test_fp16_run_logs_overflow_steps_and_the_loss_scale(tmp_path, text_corpus, 
     cfg = load_run_config(None, [f"train.out_dir={tmp_path}", f"data.path={text_corpus}", "train.precision=fp16"],
                           base=TINY)
     train(cfg, log=lambda m: None)
-    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path)
     steps = [r for r in rows if "loss" in r]
     assert [r["overflow_steps"] for r in steps] == [0, 0, 1, 1, 1, 1]
     assert steps[2]["loss_scale"] == steps[1]["loss_scale"] / 2

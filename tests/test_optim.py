@@ -287,3 +287,47 @@ def test_optimizer_and_schedule_keys_are_checked():
                         (["train.lr_find_min=2", "train.lr_find_max=1"], "train.lr_find_min")]:
         with pytest.raises(ConfigError, match=re.escape(match)):
             load_run_config(None, over, base=base)
+
+
+# ------------------------------------------------------------------------------ warmup as a fraction, longer runs
+def test_warmup_fraction_scales_with_the_run_and_absolute_steps_win():
+    """optim.warmup_fraction (the shipped configs' warmup) scales with train.max_steps, so the first
+    override people type composes with them; an absolute optim.warmup_steps, when given, wins (and
+    one as long as the run stays an error)."""
+    tiny = "configs/llm/tiny.yaml"
+    for steps, warm in ((400, 40), (40, 4), (20, 2), (5, 0)):
+        cfg = load_run_config(tiny, [f"train.max_steps={steps}"])
+        assert cfg.optim.resolved_warmup_steps(steps) == warm
+    assert OptimConfig(warmup_fraction=0.29).resolved_warmup_steps(100) == 29  # not 28 (0.29 x 100 = 28.999...)
+    assert OptimConfig(warmup_fraction=0.29, warmup_steps=3).resolved_warmup_steps(100) == 3
+    assert load_run_config(tiny, ["train.max_steps=40", "optim.warmup_steps=3"]).optim.resolved_warmup_steps(40) == 3
+    with pytest.raises(ConfigError, match=re.escape("optim.warmup_steps=40 must be < train.max_steps=40")):
+        load_run_config(tiny, ["train.max_steps=40", "optim.warmup_steps=40"])
+    with pytest.raises(ConfigError, match=re.escape("optim.warmup_fraction must be in [0, 1) or null, got 1.0")):
+        load_run_config(tiny, ["optim.warmup_fraction=1.0"])
+    with pytest.raises(ConfigError, match=re.escape("optim.warmup_fraction=0.9 (90 steps) runs into the decay")):
+        load_run_config(tiny, ["train.max_steps=100", "optim.schedule=wsd", "optim.warmup_fraction=0.9"])
+
+
+def test_resume_with_a_larger_max_steps_continues_on_the_recomputed_schedule(tmp_path, text_corpus, one_thread):
+    """The same out_dir run again with a larger train.max_steps resumes from the checkpoint's step on
+    the schedule recomputed over the new length (warmup and decay scale with it): steps 1-6 ran on
+    the 6-step schedule, steps 7-12 run on the 12-step one, and the log says where the LR jumps
+    (from the end of the 6-step cosine to the peak that ends the 12-step warmup)."""
+    over = {"train.eval_batches": 1, "optim.warmup_steps": "null", "optim.warmup_fraction": 0.5}
+    run(tmp_path, text_corpus, **over, **{"train.max_steps": 6})
+    ckpt_state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000006" / "state.pt", weights_only=True)
+    assert ckpt_state["extra"]["max_steps"] == 6
+    _, rows = run(tmp_path, text_corpus, **over, **{"train.max_steps": 12})
+    cfg = OptimConfig(lr=3e-3, warmup_fraction=0.5)
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert sorted(lrs) == list(range(1, 13))
+    for s in range(1, 13):
+        assert lrs[s] == pytest.approx(3e-3 * lr_multiplier(s - 1, 6 if s <= 6 else 12, cfg), rel=1e-12), s
+    old, new = 3e-3 * lr_multiplier(5, 6, cfg), 3e-3 * lr_multiplier(6, 12, cfg)
+    assert (old, new) == (pytest.approx(3e-4), pytest.approx(3e-3))
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert (f"resume: train.max_steps 6 -> 12: the LR schedule is recomputed over 12 steps and continues from "
+            f"step 6; the LR goes from {old:.4g} (step 6, the last of the checkpoint, on the schedule over 6) "
+            f"to {new:.4g} (step 7)") in log
+    assert log.count("resume: train.max_steps") == 1  # the first run (nothing to resume) says nothing

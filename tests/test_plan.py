@@ -103,7 +103,7 @@ def test_fsdp2_shards_and_ddp_replicates():
 
 
 def test_the_settings_that_fit_are_under_the_budget_and_cheapest_first():
-    cfg = cfg_of("model.chunked_loss=false", "train.batch_size=8", "model.vocab_size=4096")
+    cfg = cfg_of("train.chunked_loss=false", "train.batch_size=8", "model.vocab_size=4096")
     full = planner.plan(cfg).peak_bytes
     budget = int(0.6 * full)
     found = planner.fits(cfg, budget, top=3)
@@ -141,7 +141,7 @@ def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
 def test_prediction_within_15_percent_of_the_measured_peak():
     base = {**SMALL, "model": {**SMALL["model"], "vocab_size": 4096, "d_model": 128, "max_seq_len": 256},
             "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 16, "precision": "fp32"}}
-    over = ["model.chunked_loss=false"]
+    over = ["train.chunked_loss=false"]
     predicted = planner.plan(cfg_of(*over, base=base)).peak_bytes
     measured = planner.measure_in_subprocess(base, over, threads=1)["peak"]
     assert 0.85 <= predicted / measured <= 1.15, (predicted, measured)

@@ -23,6 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import train.builder as builder
 import train.loop as loop
 from train.checkpoint import list_checkpoints
 from train.config import load_run_config
@@ -30,6 +31,7 @@ from train.run import main as run_main
 from train.tasks.lm import LMTask
 
 from conftest import starts, wait_for_training
+from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
@@ -62,7 +64,7 @@ def assert_bitwise_equal(a: dict, b: dict):
 
 def curve(out: Path) -> list:
     """(step, loss, lr, grad_norm) of every logged training step: what a resumed run must reproduce."""
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
@@ -109,8 +111,8 @@ def reference(run_cfg, tmp_path_factory):
     """An uninterrupted run: its final weights, loss curve and the sum of its step times in seconds."""
     out = tmp_path_factory.mktemp("reference")
     assert finish(launch(run_cfg, out)) == 0, (out / "stderr-0.txt").read_text()
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    return weights(out / "model.safetensors"), curve(out), sum(r.get("step_time_s", 0) for r in rows)
+    rows = read_rows(out)
+    return weights(out / "model.safetensors"), curve(out), sum(r.get("step_time_s", 0) for r in rows), out
 
 
 # ------------------------------------------------------------------------------ SIGKILL
@@ -118,7 +120,7 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, ref
     """At least 5 SIGKILLs (one or more inside a checkpoint write), each followed by a resume:
     the final weights and the whole loss curve equal the uninterrupted run's, bit for bit."""
     rng = random.Random(0)
-    ref_weights, ref_curve, train_time = reference
+    ref_weights, ref_curve, train_time, _ = reference
     out = tmp_path / "killed"
     kills, in_write = 0, 0
     for attempt in range(14):
@@ -150,6 +152,9 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, ref
     assert log.count("resumed from") >= 4, log
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
     assert curve(out) == ref_curve  # every step logged once, with the uninterrupted run's numbers
+    ref_out = reference[3]  # and the files themselves, byte for byte
+    assert (out / "model.safetensors").read_bytes() == (ref_out / "model.safetensors").read_bytes()
+    assert (out / "metrics.jsonl").read_bytes() == (ref_out / "metrics.jsonl").read_bytes()
     assert not list((out / "checkpoints").glob(".tmp-*"))  # killed writers' leftovers are cleaned up
     assert len(list_checkpoints(out)) == CFG["train"]["keep_checkpoints"]
 
@@ -205,7 +210,7 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
     assert cut and not cut & after and max(before) in after, (cut, before, after)
     assert all(name > max(before) for name in after - before), (before, after)
     assert finish(launch(run_cfg, out)) == 0
-    ref_weights, ref_curve, _ = reference
+    ref_weights, ref_curve, _, _ = reference
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
     assert curve(out) == ref_curve
 
@@ -301,6 +306,23 @@ def test_killed_after_the_last_checkpoint_only_finishes(small_full, tmp_path):
     assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
 
 
+def test_resume_inside_a_logging_window_logs_the_same_bytes(small_full, tmp_path):
+    """log_every=3 with checkpoints every 5 steps: the windows of steps 10-12 and 13-15 span a resume.
+    The window is checkpointed, so metrics.jsonl and model.safetensors equal the uninterrupted run's
+    byte for byte (speed.jsonl holds the wall-clock numbers, which no two runs share)."""
+    corpus, _ = small_full
+    over = {"train.keep_checkpoints": 10, "train.log_every": 3}
+    full, _ = run(tmp_path, corpus, "full3", **over)
+    part = killed_copy(full, tmp_path / "part3", after_step=10)
+    _, logs = run(tmp_path, corpus, "part3", **over)
+    assert any(m.rstrip().endswith("(step 10)") and m.startswith("resumed from") for m in logs), logs
+    assert (part / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    rows = read_rows(part)
+    assert [r["step"] for r in rows if "loss" in r] == [3, 6, 9, 12, 15, 18, 20]
+    assert all("tokens_per_s" in r for r in rows if "loss" in r)
+
+
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(small_full, tmp_path, capsys):
     corpus, full = small_full
     part = killed_copy(full, tmp_path / "part", after_step=10)
@@ -359,13 +381,13 @@ def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monk
     corpus, _ = small_full
     k = 7
     task = nan_task(lambda s: s == k, what)
-    monkeypatch.setattr(loop, "task_class", lambda family: task)
+    monkeypatch.setattr(builder, "task_class", lambda family: task)
     out, logs = run(tmp_path, corpus, "nan")
     snaps = task.snapshots
     assert_bitwise_equal(snaps[k + 1], snaps[k])  # the NaN step left the weights untouched
     for s in (k - 1, k + 1):  # the steps around it did train
         assert any(not torch.equal(snaps[s][n], snaps[s + 1][n]) for n in snaps[s])
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert {"step": k + 1, "nonfinite": True, "skipped_steps": 1} in rows
     assert all(r.get("skipped_steps") == 1 for r in rows if "loss" in r and r["step"] > k)
     (msg,) = [m for m in logs if "non-finite" in m and "skipped" in m]
@@ -382,7 +404,7 @@ def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_
     corpus, full = small_full
     part = killed_copy(full, tmp_path / "part", after_step=10)
     kept = {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)}
-    monkeypatch.setattr(loop, "task_class", lambda family: nan_task(lambda s: True))
+    monkeypatch.setattr(builder, "task_class", lambda family: nan_task(lambda s: True))
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({**SMALL, "data": {**SMALL["data"], "path": str(corpus)}}))
     code = run_main([str(cfg), f"train.out_dir={part}", "train.checkpoint_every=2", "train.max_nonfinite=4",
@@ -393,7 +415,7 @@ def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_
     # no checkpoint of the NaN streak rotated the good ones away; they are intact
     assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == kept
     assert not (part / "model.safetensors").exists()
-    rows = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(part)
     assert [r["step"] for r in rows if r.get("nonfinite")] == [11, 12, 13, 14]
 
 
@@ -431,7 +453,7 @@ def test_resume_refuses_a_malicious_state_pt(small_full, tmp_path):
     malicious(ck / "state.pt", state, marker)
     # an attacker who can write the file can also fix up the manifest: only weights_only stands in the way
     man = json.loads((ck / "manifest.json").read_text())
-    man["files"]["state.pt"] = {"size": (ck / "state.pt").stat().st_size, "sha256": sha(ck / "state.pt")}
+    man["files"]["state.pt"] = {"size": (ck / "state.pt").stat().st_size}  # state.pt's checksum is its own (zip CRCs)
     (ck / "manifest.json").write_text(json.dumps(man))
     _, logs = run(tmp_path, corpus, "part", **{"train.keep_checkpoints": 10})
     assert not marker.exists()

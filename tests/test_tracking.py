@@ -18,6 +18,7 @@ import yaml
 
 from train.config import load_run_config
 from train.loop import train
+from train.metrics import read_rows
 from train.run import main as run_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ TINY = {
 
 
 def rows_of(out: Path) -> list:
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_rows(out)
 
 
 def per_key(rows: list, dtype=float) -> dict:

@@ -17,6 +17,7 @@ from zoo.config import ConfigError
 from zoo.weights import zoo_folder
 
 from test_loop import TINY, losses
+from train.metrics import read_rows
 
 # MoD on every other layer and MoE layers with bias balancing: both only Zoo's format can hold
 MOD_MOE = copy.deepcopy(TINY)
@@ -27,7 +28,7 @@ MOD_MOE["model"].update(n_layers=2, mod_capacity=0.5, mod_every=2, mod_threshold
 def run(tmp_path, corpus, name, *over, base=MOD_MOE):
     cfg = load_run_config(None, [f"train.out_dir={tmp_path / name}", f"data.path={corpus}", *over], base=base)
     last = train(cfg, log=lambda m: None)
-    rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(tmp_path / name)
     return last, rows
 
 
@@ -138,3 +139,18 @@ def test_run_folder_holds_its_sentencepiece_tokenizer(tmp_path, text_corpus, one
                           base=plain)
     train(cfg, log=lambda m: None)  # a tokenizer trained anew (data.vocab_size's default) would not fit the model
     assert (tmp_path / "ft" / "tokenizer.model").read_bytes() == tok.read_bytes()  # the one it tokenised with
+
+
+def test_a_folder_written_before_the_runtime_keys_moved_still_loads(tmp_path):
+    """config.yaml files written when model: still held attn_backend, activation_checkpointing,
+    checkpoint_every, chunked_loss and loss_chunk_size (now train: keys) load as before."""
+    import yaml
+    from zoo.config import LLMConfig
+    model = zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
+    out = zoo_folder.save(model, tmp_path / "old")
+    data = yaml.safe_load((out / "config.yaml").read_text())
+    data["model"].update(attn_backend="sdpa", activation_checkpointing=True, checkpoint_every=2, chunked_loss=False,
+                         loss_chunk_size=512)
+    (out / "config.yaml").write_text(yaml.safe_dump(data))
+    again = zoo.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))

@@ -3,7 +3,11 @@ averaged entry by entry, written to `<out_dir>/model_avg.safetensors` and evalua
 final weights (the `avg_*` metrics). `uniform`: each checkpoint 1/K; `linear`: weights 1..K over
 the checkpoints oldest to newest, normalised (the newest counts most). Floating-point tensors
 are averaged in fp32 and stored in their own dtype; other tensors (counters) come from the
-newest checkpoint. Works for every family: it only reads the checkpoints' model.safetensors.
+newest checkpoint. Works for every family: it only reads the checkpoints' weights, from a
+one-process checkpoint's model.safetensors or from the "model" entries of a sharded (DCP)
+checkpoint of a DDP / FSDP2 run, read back to full tensors in this one process (no process group,
+no collective: under torchrun rank 0 averages alone, and evaluates the average as one process
+would, while the other ranks go on).
 """
 from __future__ import annotations
 
@@ -33,17 +37,37 @@ def average_tensors(states: list[dict], weights: list[float]) -> dict:
     return out
 
 
+def checkpoint_weights(path: Path) -> dict:
+    """The model weights of one checkpoint directory as whole tensors on the CPU: a one-process
+    checkpoint's model.safetensors, or the "model" entries of a DCP checkpoint (written by any
+    number of ranks; their shapes and dtypes come from its .metadata)."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return load_tensors(path / "model.safetensors")
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path}: holds neither model.safetensors nor a DCP checkpoint (.metadata)")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sd = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+          for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    if not sd:
+        raise ValueError(f"{path / '.metadata'}: the DCP checkpoint holds no model tensors")
+    dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)  # in place
+    return sd
+
+
 def average_last(out_dir, k: int, weighting: str = "uniform") -> tuple[Path, list[Path]]:
     """Average the newest `k` checkpoints of out_dir into out_dir/model_avg.safetensors.
     Returns the file and the checkpoints averaged (fewer than k when the run wrote fewer)."""
     paths = list(reversed(ckpt.list_checkpoints(out_dir)[:k]))  # oldest first
     if not paths:
         raise ValueError(f"{Path(out_dir) / ckpt.CKPT_DIR}: no checkpoints to average")
-    states = [load_tensors(p / "model.safetensors") for p in paths]
+    states = [checkpoint_weights(p) for p in paths]
     keys = set(states[-1])
     for p, sd in zip(paths, states):
         if set(sd) != keys:
-            raise ValueError(f"{p / 'model.safetensors'}: holds other tensors than {paths[-1]} (model changed?)")
+            raise ValueError(f"{p}: holds other tensors than {paths[-1]} (model changed?)")
     weights = [1.0] * len(paths) if weighting == "uniform" else [float(i + 1) for i in range(len(paths))]
     dest = Path(out_dir) / AVG_FILE
     save_safetensors(average_tensors(states, weights), dest)

@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "taesd": "train.benches.taesd",
     "min-snr": "train.benches.min_snr",
     "resnet": "train.benches.resnet",
+    "drop-path": "train.benches.drop_path",
     "peft": "train.benches.finetune",
     "optimizers": "train.benches.optimizers",
     "lr-find": "train.benches.lr_find",

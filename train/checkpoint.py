@@ -5,18 +5,22 @@ A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding
     ema.safetensors     the EMA weights, when the run keeps an EMA
     state.pt            optimizer, GradScaler, RNG states, step, task state (read back
                         with torch.load(weights_only=True): tensors and plain containers only)
-    manifest.json       written last: step, and the size and sha256 of every file
+    manifest.json       written last: step, and the size of every file, with the CRC-32 of those
+                        that carry no checksum of their own (safetensors files carry theirs in
+                        the header, state.pt in its zip records: zoo/weights/files.py checks both)
 It is written into a temporary directory, every file fsynced, then renamed into place, so
 a run killed at any moment leaves either a complete checkpoint or none. Resume takes the
 newest checkpoint whose manifest, sizes and checksums all hold, and falls back to older
 ones (naming the bad one) otherwise. The last `keep` checkpoints are kept.
-A run of several processes (train/distributed.py) writes a sharded checkpoint instead: DCP's
-files (.metadata, one __<rank>_0.distcp per rank) beside state.pt, with "format": "dcp" in the
-manifest, sealed and renamed by `publish` as here; `load_checkpoint` reads either kind.
+A run of several processes (train/distributed.py) writes a sharded checkpoint instead (`save_dcp`):
+DCP's files (.metadata, one __<rank>_0.distcp per rank) beside rank 0's state.pt (step, every
+rank's RNG state, GradScaler, extra), with "format": "dcp" in the manifest, sealed and renamed by
+`publish` as here; `load_checkpoint` reads either kind. DCP reshards on load, so a checkpoint of
+N ranks resumes on M ranks, one process included (without a process group). `par` below is the
+run's train.distributed.Parallel (rank, world, broadcast, gather, barrier), or None in one process.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -27,20 +31,13 @@ from typing import Optional
 
 import numpy as np
 import torch
-from zoo.weights.files import fsync_dir, fsync_file, load_tensors, save_safetensors
+from zoo.weights.files import (check_weight_file, file_crc32, fsync_dir, fsync_file, load_tensors,
+                               save_safetensors, self_checked)
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 REQUIRED = ("model.safetensors", "state.pt")
 REQUIRED_DCP = (".metadata", "state.pt")  # a sharded checkpoint (train/distributed.py)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict:
@@ -117,14 +114,14 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
 
 def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None):
     """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest
-    (size and sha256 of each) last, rename it to `final`, drop the checkpoints beyond the newest
+    (the size of each, the CRC-32 of those without a checksum of their own) last, rename it to `final`, drop the checkpoints beyond the newest
     `keep` and the temporary directories of killed writers (those not ending in -`tag`).
     fmt: "dcp" for a sharded checkpoint (train/distributed.py); None: the one-process layout."""
     root = final.parent
     files = {}
     for f in sorted(tmp.iterdir()):
         fsync_file(f)
-        files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+        files[f.name] = {"size": f.stat().st_size, **({} if self_checked(f) else {"crc32": file_crc32(f)})}
     manifest = tmp / "manifest.json"
     manifest.write_text(json.dumps({"step": step, **({"format": fmt} if fmt else {}), "files": files}, indent=1))
     fsync_file(manifest)
@@ -154,7 +151,7 @@ def verify_checkpoint(path: Path) -> dict:
         manifest = json.loads(man.read_text())
         files = manifest["files"]
         sizes = {name: int(meta["size"]) for name, meta in files.items()}
-        sums = {name: str(meta["sha256"]) for name, meta in files.items()}
+        sums = {name: str(meta["crc32"]) for name, meta in files.items() if "crc32" in meta}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ValueError(f"{man}: unreadable manifest") from None
     for name in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED):
@@ -166,8 +163,10 @@ def verify_checkpoint(path: Path) -> dict:
             raise ValueError(f"{f}: missing")
         if f.stat().st_size != sizes[name]:
             raise ValueError(f"{f}: size {f.stat().st_size} != {sizes[name]} recorded (truncated?)")
-        if _sha256(f) != sums[name]:
+        if name in sums and file_crc32(f) != sums[name]:
             raise ValueError(f"{f}: checksum mismatch (corrupt)")
+        if self_checked(f):
+            check_weight_file(f)  # its own checksum
     return manifest
 
 
@@ -249,11 +248,9 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
 
 def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed) -> dict:
     """A DCP checkpoint of any number of ranks, into this run (one process or many)."""
-    from .distributed import Launch, Parallel, load_dcp
     if before_optimizer is not None:
         before_optimizer(read_state(path / "state.pt"))
-    state = load_dcp(par if par is not None else Parallel("none", Launch()), path, model, optimizer, scaler, ema,
-                     seed)
+    state = load_dcp(par, path, model, optimizer, scaler, ema, seed)
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
     return state
@@ -306,3 +303,70 @@ def _first_verified(paths: list, log) -> list:
         except ValueError as e:
             log(f"checkpoint {path} is unusable ({e}); falling back to the previous one")
     return []
+
+
+# ------------------------------------------------------------------------------ DCP checkpoints
+def _dcp_state(model, optimizer, ema) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optimizer": osd}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    return state
+
+
+def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
+             extra: Optional[dict] = None, keep: int = 2) -> Path:
+    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
+    manifest and renames it into place (publish). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(out_dir) / CKPT_DIR
+    tag = par.broadcast(os.getpid())  # one temporary name for all ranks: rank 0's pid
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{tag}"
+    if par.main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    par.barrier()
+    dcp.save(_dcp_state(model, optimizer, ema), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    rngs = par.gather(rng_state())
+    final = root / f"{PREFIX}{step:08d}"
+    if par.main:
+        state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
+                 "has_ema": ema is not None, "extra": extra or {}}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        torch.save(state, tmp / "state.pt")
+        publish(out_dir, tmp, final, step, keep, tag, fmt="dcp")
+    par.barrier()  # nobody goes on (or is killed as done) before the checkpoint is in place
+    return final
+
+
+def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0) -> dict:
+    """Load a verified DCP checkpoint written by any number of ranks into this run (collective
+    when distributed; works in one process without a process group: par None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = read_state(path / "state.pt")
+    with_ema = ema is not None and state.get("has_ema", False)
+    sd = _dcp_state(model, optimizer, ema if with_ema else None)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"])
+        state["ema_started"] = not with_ema
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    rngs = state.get("rng_ranks") or [state["rng"]]
+    rank, world = (par.rank, par.world) if par is not None and par.active else (0, 1)
+    if len(rngs) == world:
+        set_rng_state(rngs[rank])
+    else:  # resharded: rank 0 continues rank 0's stream, the others start fresh ones
+        set_rng_state(rngs[0])
+        if par is not None:
+            par.seed_rank(seed)
+        state["resharded"] = (len(rngs), world)
+    return state

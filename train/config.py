@@ -18,67 +18,161 @@ import re
 from typing import Any, Literal, Optional, Union
 
 from zoo.adapters import AdapterConfig
-from zoo.config import (ConfigError, deep_merge, fail, from_dict, load_yaml, model_config_from,
+from zoo.config import (ConfigError, bounded, deep_merge, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
+
+from .optim import OPTIMIZERS
 
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/default"
-    max_steps: int = 1000
-    batch_size: Union[int, Literal["auto"]] = 16  # per micro-batch; auto: the largest that fits (docs/memory.md)
-    global_batch: Optional[int] = None      # with batch_size auto: items per optimizer step (grad_accum follows)
-    memory_budget: Optional[Union[int, str]] = None  # batch_size auto: memory for the step, e.g. 8GB (or bytes); null: the
-                                            # device's (CPU: available RAM; CUDA: free memory)
-    activation_offload: bool = False        # CUDA: saved activations in pinned host memory (save_on_cpu)
-    grad_accum: int = 1                     # micro-batches per optimizer step
-    device: str = "auto"                    # auto | cpu | cuda | cuda:N | mps
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # auto: bf16 where the device runs it fast
-    tf32: bool = True                       # CUDA only
-    cudnn_benchmark: bool = True            # CUDA only
-    cpu_keep_memory: Optional[bool] = None  # CPU, Linux glibc: reuse freed memory instead of unmapping it
-                                            # (process-wide); null: when run by train/run.py
-    compile: bool = False                   # torch.compile the model
-    clip_grad: Optional[float] = 1.0        # max global grad norm; null = off
-    seed: int = 0
-    deterministic: bool = False             # torch.use_deterministic_algorithms
-    log_every: int = 10
-    eval_every: int = 200                   # 0 = only at the end
-    eval_batches: int = 20
-    checkpoint_every: int = 500             # 0 = only at the end
-    keep_checkpoints: int = 2               # how many recent checkpoints to keep
-    resume: bool = True                     # resume from out_dir when it holds a checkpoint
-    channels_last: bool = False             # memory format for 4-D models and batches
-    ema_decay: Optional[float] = None       # keep an EMA of the weights (evaluated beside them)
-    max_nonfinite: int = 5                  # non-finite losses in a row before the run stops
-    peak_flops: Optional[float] = None      # for MFU; null = measured at start on this device
-    init_from: Optional[str] = None         # pretrained weights to start (fine-tune) from
-    export: bool = True                     # at the end, export in the pretrained format (if any)
-    progress: bool = True                   # live progress bar
-    samples: bool = True                    # print / write samples at the end
-    plot: bool = True                       # loss-curve PNG at the end
-    tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send the metrics rows there
-    tracker_project: Optional[str] = None   # wandb: the project; null = "zoo"
-    tracker_mode: Optional[Literal["offline", "online"]] = None  # wandb; null = $WANDB_MODE, else offline
-    unfreeze: Optional[list[int]] = None    # gradual unfreezing: steps at which the next group (top down) trains
-    batch_warmup_steps: int = 0             # ramp the micro-batches per step from 1 to grad_accum over these steps
-    clip_weights: Optional[float] = None    # after each step clamp every weight to [-c, c]; null = off
-    average_last: int = 0                   # average the weights of the last K checkpoints (0 = off)
-    average_weighting: Literal["uniform", "linear"] = "uniform"  # linear: weights 1..K, the newest heaviest
-    lr_find: bool = False                   # run the LR range test instead of training
-    lr_find_min: float = 1e-6               # the range test's LRs, exponentially spaced
-    lr_find_max: float = 1.0
-    lr_find_steps: int = 100
-    parallel: Literal["none", "ddp", "fsdp"] = "none"  # under torchrun: DDP or FSDP2 (docs/distributed.md)
-    sync_bn: bool = False                   # parallel runs: BatchNorm statistics over the global batch
+    out_dir: str = "runs/default"           # where metrics, checkpoints and the final `model.safetensors` go
+    max_steps: int = bounded(1000, gt=0)    # optimizer steps
+    batch_size: Union[int, Literal["auto"]] = bounded(16, gt=0)  # sequences per micro-batch; `auto`: the largest
+                                            # divisor of `global_batch` whose planned peak fits `memory_budget`
+                                            # (docs/memory.md), `grad_accum` set to keep `global_batch`, the choice
+                                            # logged (and kept by a resumed run)
+    global_batch: Optional[int] = bounded(None, gt=0)  # with `batch_size: auto`: items per optimizer step (required
+                                            # there)
+    memory_budget: Optional[Union[int, str]] = None  # with `batch_size: auto`: the memory a training step may use
+                                            # (`8GB`, `512MB` or bytes); null = the device's (CPU: MemAvailable; CUDA:
+                                            # free memory). It covers the step (weights, gradients, optimizer states,
+                                            # activations), not the few hundred MB the Python process and torch take
+                                            # by themselves
+    activation_offload: bool = False        # CUDA: the activations saved for the backward go to pinned host memory
+                                            # (`torch.autograd.graph.save_on_cpu`); elsewhere skipped with one log
+                                            # line
+    grad_accum: int = bounded(1, gt=0)      # micro-batches per optimizer step
+    device: str = "auto"                    # `auto` (cuda, then mps, then cpu), `cpu`, `cuda`, `cuda:N`, `mps`
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # `fp32`, `bf16` (autocast), `fp16` (autocast +
+                                            # GradScaler; a step whose gradients overflow is skipped by the scaler,
+                                            # counted in `overflow_steps` and logged with `loss_scale`, not a failure)
+                                            # or `auto`: bf16 on a GPU that supports it; on a CPU bf16 only when a
+                                            # measured bf16 matmul is at least 1.5x the fp32 one (CPUs without native
+                                            # bf16 instructions emulate it 10-1000x slower), else fp32; the log names
+                                            # the choice and both speeds. A resumed `auto` run keeps the precision it
+                                            # started with. An explicit `bf16` on a CPU that emulates it runs, with a
+                                            # warning. The presets use `auto`
+    tf32: bool = True                       # TF32 matmuls on CUDA (logged as skipped elsewhere)
+    cudnn_benchmark: bool = True            # cudnn autotuning on CUDA (logged as skipped elsewhere)
+    cpu_keep_memory: Optional[bool] = None  # CPU on Linux with glibc: freed memory is kept and reused instead of
+                                            # being unmapped (glibc maps each block over 32 MiB afresh, so a step's
+                                            # large tensors page-fault in again every step). Measured on a 2-core
+                                            # AVX-512-bf16 host in bf16: `tiny.yaml` at 16 x 256 tokens 13.2k to
+                                            # 14.2-15.3k tokens/s, the 42.1M 8-layer MHA `llm-train` shape (8 x 256
+                                            # tokens) +12% (bf16, compiled). It changes malloc for the whole process,
+                                            # so null means: on when `train/run.py` runs the loop (the process is the
+                                            # run's), off when your own code calls `train.loop.train()`. `true` turns
+                                            # it on there too, and glibc's defaults are restored (the kept memory
+                                            # released) when `train()` returns. Logged as skipped elsewhere
+    compile: bool = False                   # `torch.compile` the model (the first steps include compilation)
+    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # LLM attention, set on the built
+                                            # model (zoo/blocks/attention.py): `auto`, `sdpa`, `flash`, `bmm` or
+                                            # `math`, each name one implementation: `sdpa` is torch's
+                                            # `scaled_dot_product_attention`; `flash` is flash-attn (CUDA, fp16/bf16;
+                                            # an error elsewhere or when it is not installed); `bmm` is batched
+                                            # matmuls around an fp32 softmax, the queries in blocks that skip the keys
+                                            # they cannot see, with a hand-written backward (zoo/blocks/attention_cpu.py; faster than torch's CPU
+                                            # flash kernel up to ~1024 keys, see docs/llm.md, Training speed); `math` the plain
+                                            # fp32 reference. `auto` picks `flash` on CUDA in fp16/bf16 when
+                                            # flash-attn is installed, `bmm` on a CPU with at most 512 keys (1024
+                                            # under `train.compile`), `sdpa` otherwise; the run's log names what it
+                                            # picked
+    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # recompute the model's
+                                            # repeated units (LLM blocks, ResNet residual blocks, U-Net residual and
+                                            # attention blocks) in the backward pass instead of storing their
+                                            # activations: `false`/`none`, `true`/`full` (a unit keeps only its
+                                            # input), `selective` (keeps its matmul, convolution and attention
+                                            # outputs, recomputes norms and element-wise ops); BatchNorm's running
+                                            # statistics are updated once; applied to the built model
+                                            # (train/runtime.py); see docs/memory.md
+    activation_checkpointing_every: int = bounded(1, ge=1)  # with `activation_checkpointing`: units 0, n, 2n, ...
+                                            # are checkpointed, in the order they run (2: every other unit)
+    chunked_loss: bool = True               # LLM: compute the loss chunk by chunk without the full logits (the
+                                            # model's forward returns `(None, loss)`)
+    loss_chunk_size: int = bounded(2048, gt=0)  # LLM: tokens per chunk of the chunked loss
+    clip_grad: Optional[float] = bounded(1.0, gt=0)  # max global gradient norm; null = no clipping (the norm is still
+                                            # logged)
+    seed: int = 0                           # seeds init and data order
+    deterministic: bool = False             # `torch.use_deterministic_algorithms`
+    log_every: int = bounded(10, gt=0)      # steps between metrics lines
+    eval_every: int = bounded(200, ge=0)    # steps between evaluations (0 = only at the end)
+    eval_batches: int = bounded(20, gt=0)   # validation batches per evaluation
+    checkpoint_every: int = bounded(500, ge=0)  # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = bounded(2, gt=0)  # how many recent checkpoints are kept
+    resume: bool = True                     # continue from the newest complete checkpoint in `out_dir`
+    channels_last: bool = False             # channels-last memory format for 4-D models and batches (ConvNets)
+    ema_decay: Optional[float] = bounded(None, gt=0, lt=1)  # keep an exponential moving average of the weights;
+                                            # evaluated beside them (`ema_*` metrics)
+    max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops (each one skips its
+                                            # step)
+    peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = a matmul measured at
+                                            # start in the run's dtype (`train.hardware.measure_peak_flops`, as in the
+                                            # benchmarks)
+    init_from: Optional[str] = None         # a pretrained folder to fine-tune from: a Hugging Face checkpoint, or a
+                                            # Zoo folder (the output folder of an earlier LLM run: config.yaml,
+                                            # model.safetensors, tokenizer; docs/pretrained.md); its architecture
+                                            # replaces the `model:` section (how it runs still comes from this
+                                            # section: `attn_backend`, `activation_checkpointing`, `chunked_loss`)
+    export: bool = True                     # at the end, write the model back in its pretrained format (`out_dir/hf`)
+    progress: bool = True                   # live progress bar (loss, lr, tokens/s, MFU)
+    samples: bool = True                    # generate samples at the end (printed and written to `samples.txt`)
+    plot: bool = True                       # write `loss.png` at the end
+    tracker: Literal["none", "tensorboard", "wandb"] = "none"  # `tensorboard` or `wandb`: every row written to
+                                            # `metrics.jsonl` (training, evaluation, non-finite) goes there too, the
+                                            # same keys at the same steps, with the resolved run config as the
+                                            # hyperparameters. `tensorboard`: event files in `out_dir/tensorboard/`,
+                                            # one scalar per key (float32); a resumed run drops the events logged
+                                            # after its checkpoint, as it drops those rows of `metrics.jsonl`, so no
+                                            # curve is doubled. `wandb`: files in `out_dir/wandb/`, the run named
+                                            # after `out_dir`, W&B's step = the training step; a resumed run continues
+                                            # the same W&B run (its id is kept in `out_dir/wandb/run_id`; offline,
+                                            # each start writes its own `offline-run-*` folder with that id). Needs
+                                            # the extra (`pip install -e '.[tensorboard]'` or `'.[wandb]'`); without
+                                            # it the config is refused with a one-line error
+    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (the entity: `$WANDB_ENTITY`, else your
+                                            # default)
+    tracker_mode: Optional[Literal["offline", "online"]] = None  # W&B: `offline` (files only, nothing is sent over
+                                            # the network, not even W&B's own telemetry; upload later with `wandb sync
+                                            # out_dir/wandb/offline-run-*`) or `online` (needs `wandb login`); null =
+                                            # `$WANDB_MODE` if set, else `offline`
+    unfreeze: Optional[list[int]] = None    # gradual unfreezing (any family): a list of increasing steps; before the
+                                            # first only the head trains (LLM: `lm_head` and the final norm; with tied
+                                            # embeddings the embedding matrix too), at each listed step the next group
+                                            # from the top becomes trainable (LLM: the blocks from the last, then the
+                                            # embedding; other families: the model's top-level modules from the last,
+                                            # a block list split into its blocks), and the optimizer gets its
+                                            # parameters as new groups. Not with an `adapter:` method. See
+                                            # docs/adapters.md
+    batch_warmup_steps: int = bounded(0, ge=0)  # batch-size warmup: the micro-batches accumulated per step grow
+                                            # linearly from 1 at step 0 to `grad_accum` at this step (`1 + (grad_accum
+                                            # - 1) * step // batch_warmup_steps`), then stay at `grad_accum`. Needs
+                                            # `grad_accum` > 1 and must be < `max_steps`
+    clip_weights: Optional[float] = bounded(None, gt=0)  # weight clipping: after every applied step each trainable
+                                            # weight is clamped to [-c, c] (off by default)
+    average_last: int = bounded(0, ge=0)    # checkpoint averaging: at the end, the weights of the last K checkpoints
+                                            # (the final one included) are averaged into
+                                            # `out_dir/model_avg.safetensors` and evaluated beside the final weights
+                                            # (`avg_val_loss`, ... in the final row). Must be <= `keep_checkpoints`;
+                                            # averages fewer (and says so) when the run wrote fewer. Any family
+    average_weighting: Literal["uniform", "linear"] = "uniform"  # `uniform` (1/K each) or `linear` (weights 1..K,
+                                            # oldest to newest, normalised)
+    lr_find: bool = False                   # run the LR range test instead of training (see "Optimizers" below):
+                                            # `out_dir/lr_find.png`, `out_dir/lr_find.json`, the suggested LR printed;
+                                            # the run's checkpoints are neither read nor written
+    lr_find_min: float = bounded(1e-6, gt=0)  # the range test's LRs, exponentially spaced
+    lr_find_max: float = bounded(1.0, gt=0)  # the range test's first and last LR (exponentially spaced)
+    lr_find_steps: int = bounded(100, ge=2)  # the range test's steps (it stops early once the smoothed loss passes 4x
+                                            # its best)
+    parallel: Literal["none", "ddp", "fsdp"] = "none"  # under `torchrun`: `ddp` (DistributedDataParallel) or `fsdp`
+                                            # (FSDP2, parameters, gradients and optimizer state sharded); `batch_size`
+                                            # is per process, the global batch `batch_size x grad_accum x` processes.
+                                            # Ignored by a plain `python train/run.py`. See docs/distributed.md
+    sync_bn: bool = False                   # with `parallel`: BatchNorm layers normalise with the statistics of the
+                                            # global batch (ResNets; torch's SyncBatchNorm on GPUs, its CPU
+                                            # counterpart in train/distributed.py on CPUs)
 
     def validate(self, source, prefix="train."):
-        for k in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_batches", "keep_checkpoints",
-                  "max_nonfinite"):
-            if getattr(self, k) != "auto" and getattr(self, k) <= 0:
-                raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
-        if self.global_batch is not None and self.global_batch <= 0:
-            raise fail(source, prefix + "global_batch", f"must be > 0 or null, got {self.global_batch}")
         if self.batch_size == "auto" and self.global_batch is None:
             raise fail(source, prefix + "batch_size", "=auto needs train.global_batch (the items per optimizer step "
                                                       "it keeps through gradient accumulation)")
@@ -87,25 +181,9 @@ class TrainConfig:
                 parse_memory_size(self.memory_budget)
             except ValueError as e:
                 raise fail(source, prefix + "memory_budget", str(e)) from None
-        for k in ("eval_every", "checkpoint_every"):
-            if getattr(self, k) < 0:
-                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
-        if self.clip_grad is not None and self.clip_grad <= 0:
-            raise fail(source, prefix + "clip_grad", f"must be > 0 or null, got {self.clip_grad}")
-        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
-            raise fail(source, prefix + "ema_decay", f"must be in (0, 1) or null, got {self.ema_decay}")
-        for k in ("batch_warmup_steps", "average_last"):
-            if getattr(self, k) < 0:
-                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
-        if self.clip_weights is not None and self.clip_weights <= 0:
-            raise fail(source, prefix + "clip_weights", f"must be > 0 or null, got {self.clip_weights}")
-        if self.lr_find_steps < 2:
-            raise fail(source, prefix + "lr_find_steps", f"must be >= 2, got {self.lr_find_steps}")
-        if not 0 < self.lr_find_min < self.lr_find_max:
+        if not self.lr_find_min < self.lr_find_max:
             raise fail(source, prefix + "lr_find_min", f"must be > 0 and < train.lr_find_max={self.lr_find_max}, "
                                                        f"got {self.lr_find_min}")
-        if self.peak_flops is not None and self.peak_flops <= 0:
-            raise fail(source, prefix + "peak_flops", f"must be > 0 or null, got {self.peak_flops}")
         dev, colon, index = self.device.partition(":")
         if dev not in ("auto", "cpu", "cuda", "mps", "xpu") or (colon and (dev == "auto" or not index.isdigit())):
             raise fail(source, prefix + "device", f"must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
@@ -142,62 +220,63 @@ def _installed(module: str) -> bool:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore"] = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.1               # not applied to norms, biases and embeddings
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    momentum: float = 0.9                   # sgd
+    name: str = "adamw"                     # a name of the optimizer registry (train/optim OPTIMIZERS): `adamw`
+                                            # (fused where the device supports it), `sgd`, `adafactor`, `lion`,
+                                            # `muon`, `adamw8bit`, `adamw_offload` or `galore`: see "Optimizers" below
+    lr: float = bounded(3e-4, gt=0)         # peak learning rate
+    weight_decay: float = bounded(0.1, ge=0)  # decoupled weight decay, applied to matrices only (not norms, biases,
+                                            # embeddings)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas (also adamw8bit, adamw_offload, galore, muon's AdamW
+                                            # part); Lion's beta1, beta2 (the paper uses [0.9, 0.99])
+    eps: float = bounded(1e-8, gt=0)        # Adam epsilon (adamw, adamw8bit, adamw_offload, galore, muon's AdamW
+                                            # part)
+    momentum: float = bounded(0.9, ge=0, lt=1)  # sgd
     nesterov: bool = True                   # sgd
-    fused: Optional[bool] = None            # null = fused where the device supports it
-    schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt"] = "cosine"
-    warmup_steps: Optional[int] = None      # null: 10% of train.max_steps, at most 100
-    min_lr_ratio: float = 0.1               # final LR / peak LR (cosine, linear, wsd)
-    decay_fraction: float = 0.2             # wsd: the last fraction of steps that decays
-    onecycle_div: float = 25.0              # onecycle: the LR starts at peak / onecycle_div
-    muon_lr: float = 0.02                   # muon: Muon's peak LR on the hidden matrices (optim.lr: AdamW's)
-    muon_momentum: float = 0.95             # muon
-    adafactor_beta2_decay: float = -0.8     # adafactor: beta2 at step t is 1 - t^beta2_decay
-    galore_rank: int = 128                  # galore: rank of the projected gradient states
-    galore_update_every: int = 200          # galore: steps between projections (an SVD of the gradient)
-    galore_scale: float = 0.25              # galore: the projected-back update is multiplied by this
+    fused: Optional[bool] = None            # force fused AdamW on/off; null = fused where supported
+    schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt"] = "cosine"  # `cosine` (warmup + cosine),
+                                            # `constant` (warmup + constant), `linear`, `wsd` (warmup-stable-decay),
+                                            # `onecycle` (from peak / `onecycle_div` up to the peak over the warmup
+                                            # along a cosine, then a cosine down to `min_lr_ratio`; torch's
+                                            # `OneCycleLR` with two phases), `inverse_sqrt` (linear warmup, then
+                                            # `sqrt((warmup + 1) / (step + 1))` of the peak, no floor)
+    warmup_steps: Optional[int] = bounded(None, ge=0)  # linear warmup steps, absolute; when given it wins over
+                                            # `warmup_fraction` (so `optim.warmup_steps=N` on the command line overrides a
+                                            # config's fraction). Must be < `train.max_steps` (and end before a WSD decay
+                                            # starts): otherwise a one-line config error
+    warmup_fraction: Optional[float] = bounded(None, ge=0, lt=1)  # warmup as a fraction of the run:
+                                            # `floor(warmup_fraction x train.max_steps)` steps, used when `warmup_steps` is
+                                            # null. The shipped configs use it, so `train.max_steps=N` composes with them
+                                            # for any N. Both null: 10% of `train.max_steps`, at most 100
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd,
+                                            # onecycle)
+    decay_fraction: float = bounded(0.2, gt=0, le=1)  # wsd: the final fraction of steps that decays
+    onecycle_div: float = bounded(25.0, ge=1)  # onecycle: the first LR is the peak / this (>= 1)
+    muon_lr: float = bounded(0.02, gt=0)    # muon: Muon's peak LR on the hidden matrices (the schedule scales it as
+                                            # it scales `lr`, which the AdamW part uses)
+    muon_momentum: float = bounded(0.95, ge=0, lt=1)  # muon: Muon's momentum (Nesterov)
+    adafactor_beta2_decay: float = bounded(-0.8, lt=0)  # adafactor: the second-moment decay 1 - t^beta2_decay (< 0)
+    galore_rank: int = bounded(128, ge=1)   # galore: rank of the projected gradient states
+    galore_update_every: int = bounded(200, ge=1)  # galore: steps between two projections (an SVD of the gradient)
+    galore_scale: float = bounded(0.25, gt=0)  # galore: factor on the projected-back update
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
-        """warmup_steps, or when it is null 10% of the run, at most 100 steps."""
-        return self.warmup_steps if self.warmup_steps is not None else min(100, max_steps // 10)
+        """warmup_steps when given (an absolute count wins, so that `optim.warmup_steps=N` on the
+        command line overrides a config's fraction); else floor(warmup_fraction x max_steps), which
+        stays below max_steps for any run length; else 10% of the run, at most 100 steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_fraction is not None:
+            return int(self.warmup_fraction * max_steps + 1e-9)  # 0.29 x 100 is 28.999...: 29
+        return min(100, max_steps // 10)
 
     def validate(self, source, prefix="optim."):
-        if self.lr <= 0:
-            raise fail(source, prefix + "lr", f"must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise fail(source, prefix + "weight_decay", f"must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
-        if self.eps <= 0:
-            raise fail(source, prefix + "eps", f"must be > 0, got {self.eps}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise fail(source, prefix + "momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise fail(source, prefix + "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise fail(source, prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise fail(source, prefix + "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
-        if self.name == "adamw8bit" and not _installed("torchao"):
-            raise fail(source, prefix + "name", "=adamw8bit needs the torchao package: pip install -e '.[optim]'")
-        if self.onecycle_div < 1.0:
-            raise fail(source, prefix + "onecycle_div", f"must be >= 1, got {self.onecycle_div}")
-        if self.muon_lr <= 0:
-            raise fail(source, prefix + "muon_lr", f"must be > 0, got {self.muon_lr}")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise fail(source, prefix + "muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
-        if self.adafactor_beta2_decay >= 0:
-            raise fail(source, prefix + "adafactor_beta2_decay", f"must be < 0, got {self.adafactor_beta2_decay}")
-        for k in ("galore_rank", "galore_update_every"):
-            if getattr(self, k) < 1:
-                raise fail(source, prefix + k, f"must be >= 1, got {getattr(self, k)}")
-        if self.galore_scale <= 0:
-            raise fail(source, prefix + "galore_scale", f"must be > 0, got {self.galore_scale}")
+        if self.name not in OPTIMIZERS:
+            raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        package = OPTIMIZERS[self.name].package
+        if package and not _installed(package):
+            raise fail(source, prefix + "name", f"={self.name} needs the {package} package: pip install -e '.[optim]'")
 
 
 @dataclass
@@ -209,7 +288,6 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     source: str = "<config>"
-    explicit: dict = field(default_factory=dict)  # the keys as written (file + overrides), before defaults
 
     def to_dict(self) -> dict:
         return {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
@@ -235,7 +313,7 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
     adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
-    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source, data)
+    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source)
     check_across_sections(cfg)
     check = getattr(task, "validate_config", None)
     if check is not None:
@@ -247,13 +325,15 @@ def check_across_sections(cfg: RunConfig):
     """Keys that are each valid but make no sense together: one-line errors naming both."""
     t, o, src = cfg.train, cfg.optim, cfg.source
     warmup = o.resolved_warmup_steps(t.max_steps)
+    wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
     if warmup >= t.max_steps:
         raise fail(src, "optim.warmup_steps", f"={warmup} must be < train.max_steps={t.max_steps} "
-                                              f"(the whole run would be warmup)")
+                                              f"(the whole run would be warmup; optim.warmup_fraction scales with the run)")
     if o.schedule == "wsd":
         decay = max(1, round(o.decay_fraction * t.max_steps))
         if warmup > t.max_steps - decay:
-            raise fail(src, "optim.warmup_steps", f"={warmup} runs into the decay of optim.schedule=wsd, "
+            what = f"={warmup}" if wkey == "optim.warmup_steps" else f"={o.warmup_fraction} ({warmup} steps)"
+            raise fail(src, wkey, f"{what} runs into the decay of optim.schedule=wsd, "
                                                   f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
                                                   f"{o.decay_fraction} of train.max_steps={t.max_steps})")
     a = cfg.adapter

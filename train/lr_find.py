@@ -11,7 +11,6 @@ already diverging; a tenth of it is the largest LR that still trains stably). Wr
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -19,6 +18,11 @@ from pathlib import Path
 import torch
 
 from zoo.weights.files import atomic_write
+
+from .builder import build_run
+from .optim import set_lr
+from .plots import line_plot
+from .step import optimizer_step, to_device
 
 SMOOTH = 0.9
 STOP_FACTOR = 4.0
@@ -35,24 +39,10 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
 
 
 def lr_find(cfg, say) -> dict:
-    from .loop import DTYPES, optimizer_step, resolve_device, resolve_precision, to_device
-    from .optim import build_optimizer, set_lr
-    from .tasks import task_class
     t = cfg.train
     out = Path(t.out_dir)
-    device = resolve_device(t.device)
-    torch.manual_seed(t.seed)
-    precision = resolve_precision(cfg, device, say)
-    amp_dtype = None if precision == "fp32" else DTYPES[precision]
-    task = task_class(cfg.family)(cfg, device, say)
-    task.autocast_dtype = amp_dtype
-    task.setup()
-    torch.manual_seed(t.seed)
-    model = task.build_model().to(device).train()  # from_pretrained returns eval mode
-    optimizer = build_optimizer(model, cfg.optim, device, say)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-    params = [p for p in model.parameters() if p.requires_grad]
+    run = build_run(cfg, say)
+    task, params = run.task, run.params()
     n = t.lr_find_steps
     ratio = t.lr_find_max / t.lr_find_min
     lrs, losses, best = [], [], math.inf
@@ -60,10 +50,10 @@ def lr_find(cfg, say) -> dict:
         f"{t.batch_size} x {t.grad_accum} per step)")
     for step in range(n):
         lr = t.lr_find_min * ratio ** (step / (n - 1))
-        set_lr(optimizer, lr)
-        batches = (to_device(task.train_batch(step, m), device, t.channels_last) for m in range(t.grad_accum))
-        r = optimizer_step(lambda b: task.loss(model, b), batches, t.grad_accum, optimizer, scaler, params,
-                           t.clip_grad, autocast)
+        set_lr(run.optimizer, lr)
+        batches = (to_device(task.train_batch(step, m), run.device, t.channels_last) for m in range(t.grad_accum))
+        r = optimizer_step(lambda b: task.loss(run.fwd, b), batches, t.grad_accum, run.optimizer, run.scaler, params,
+                           t.clip_grad, run.train_context)
         if not math.isfinite(r.loss):
             break
         lrs.append(lr)
@@ -86,20 +76,7 @@ def lr_find(cfg, say) -> dict:
 
 
 def _plot(lrs, losses, smooth, lr, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(lrs, losses, alpha=0.35, label="loss")
-    ax.plot(lrs, smooth, label="smoothed loss")
-    ax.axvline(lr, color="k", ls="--", label=f"suggested {lr:.2g}")
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("loss")
     lo, hi = min(smooth), smooth[0]
-    ax.set_ylim(lo - 0.1 * (hi - lo), hi + 0.5 * (hi - lo))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    line_plot({"loss": list(zip(lrs, losses)), "smoothed loss": list(zip(lrs, smooth))}, path, "learning rate", "loss",
+              logx=True, vline=(lr, f"suggested {lr:.2g}"), ylim=(lo - 0.1 * (hi - lo), hi + 0.5 * (hi - lo)),
+              styles={"loss": {"alpha": 0.35}})

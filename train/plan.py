@@ -68,7 +68,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from train.runtime import apply_runtime
+from train.step import DTYPES, EMA, autocast_for, optimizer_step, precision_of, resolve_precision
 from zoo.config import ConfigError
+from zoo.tensors import tensors_of
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
@@ -364,16 +367,6 @@ def fake_step(optimizer):
         optimizer.param_groups = groups
 
 
-def _tensors_of(obj) -> list:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_of(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_of(v)]
-    return []
-
-
 # ------------------------------------------------------------------------------ the model and its units
 def build_model(cfg) -> nn.Module:
     """The run's model as the loop builds it (fresh weights; `adapter:` applied). Under a
@@ -387,7 +380,7 @@ def build_model(cfg) -> nn.Module:
         with unset_fake_temporarily(), torch.device("cpu"):
             variant = build_autoencoder(model_cfg, cfg.source).variant
         model_cfg = dataclasses.replace(model_cfg, autoencoder=dataclasses.replace(ae, weights=None, **variant))
-    model = zoo.build(model_cfg)
+    model = apply_runtime(zoo.build(model_cfg), cfg.train, source=cfg.source)
     if cfg.adapter.enabled:
         from zoo.adapters import apply_adapters
         apply_adapters(model, cfg.adapter, cfg.source, lambda m: None)
@@ -415,7 +408,7 @@ def _depth_keys(cfg):
         period = math.lcm(period, m.mod_every)
     if m.moe is not None:
         period = math.lcm(period, m.moe.sparse_every)
-    every = getattr(m, "checkpoint_every", 1) or 1
+    every = cfg.train.activation_checkpointing_every
     period = math.lcm(period, every)
     return m.n_layers, period
 
@@ -436,22 +429,23 @@ class Simulated:
     events: list = field(default_factory=list)  # AllocTrace.events: construction and three steps
 
 
-_RESOLVED: dict = {}  # (device, train.precision) -> what the loop resolves it to, measured once a process
 
 
 def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype the loop will run (None: fp32): train.precision resolved by the loop's own
-    `resolve_precision` ('auto' on a CPU: bf16 when its bf16 matmul is clearly faster, measured)."""
-    from train.loop import DTYPES, resolve_precision
+    """The compute dtype the loop runs cfg in (train/step.py's resolve_precision: `auto` measured
+    once per process and device, as the loop measures it; outside any fake-tensor mode)."""
     p = cfg.train.precision
     if p == "auto":
-        key = (str(device), p)
-        if key not in _RESOLVED:
+        key = (str(device), torch.get_num_threads())
+        if key not in _AUTO:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
             with unset_fake_temporarily():
-                _RESOLVED[key] = resolve_precision(cfg, device, lambda m: None)
-        p = _RESOLVED[key]
+                _AUTO[key] = resolve_precision(p, device)
+        p = _AUTO[key]
     return None if p == "fp32" else DTYPES[p]
+
+
+_AUTO: dict = {}  # (device, threads) -> what train.precision: auto resolved to
 
 
 def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_layers: Optional[int] = None,
@@ -486,7 +480,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, states = planned_optimizer(model, params, cfg, device)
         eightbit = optimizer is None
-        autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp else contextlib.nullcontext
+        autocast = autocast_for(device, precision_of(amp))
         units = repeated_units(model)
         counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
@@ -541,7 +535,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         made = {"states": False}
         with counter:
             step(track=False)  # the optimizer makes its state
-        state_tensors = _tensors_of(optimizer.state) if optimizer is not None else []
+        state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
         if optimizer is not None:
             states = 0
             probe = LiveBytes()
@@ -731,7 +725,7 @@ def _static(cfg, device, B) -> Simulated:
             for p in params:
                 p.grad = torch.zeros_like(p)
             fake_step(opt)
-            states = _bytes(_tensors_of(opt.state))
+            states = _bytes(tensors_of(opt.state))
         grads = sum(p.numel() * p.element_size() for p in params)
         pb, bb = _bytes(model.parameters()), _bytes(model.buffers())
     return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
@@ -766,8 +760,8 @@ def options(cfg, device) -> list[list[Option]]:
     """Groups of mutually exclusive options (one of each group may be chosen)."""
     t, m, o = cfg.train, cfg.model, cfg.optim
     groups = []
-    if cfg.family == "llm" and not m.chunked_loss:
-        groups.append([Option("model.chunked_loss=true", 1.0, {"model.chunked_loss": True})])
+    if cfg.family == "llm" and not t.chunked_loss:
+        groups.append([Option("train.chunked_loss=true", 1.0, {"train.chunked_loss": True})])
     if t.precision == "fp32" and device.type == "cuda":
         groups.append([Option("train.precision=bf16", 0.6, {"train.precision": "bf16"})])
     if o.name in ("adamw", "galore", "muon"):
@@ -777,13 +771,12 @@ def options(cfg, device) -> list[list[Option]]:
         groups.append(opts)
     if device.type == "cuda" and not t.activation_offload:
         groups.append([Option("train.activation_offload=true", 1.2, {"train.activation_offload": True})])
-    policy = getattr(m, "activation_checkpointing", None)
-    if policy is not None and policy in (False, "none"):
+    if t.activation_checkpointing in (False, "none"):
         groups.append([Option("activation_checkpointing=selective", 1.1,
-                              {"model.activation_checkpointing": "selective"}),
-                       Option("activation_checkpointing=true, checkpoint_every=2", 1.15,
-                              {"model.activation_checkpointing": True, "model.checkpoint_every": 2}),
-                       Option("activation_checkpointing=true", 1.3, {"model.activation_checkpointing": True})])
+                              {"train.activation_checkpointing": "selective"}),
+                       Option("activation_checkpointing=true, activation_checkpointing_every=2", 1.15,
+                              {"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}),
+                       Option("activation_checkpointing=true", 1.3, {"train.activation_checkpointing": True})])
     splits = []
     b, k = t.batch_size, 2
     while b != "auto" and k <= b:
@@ -844,6 +837,24 @@ def device_memory(device: torch.device) -> int:
     raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
 
 
+def auto_batch_size(cfg, model, task, device, out: Path, say) -> tuple[int, int]:
+    """train.batch_size=auto in the loop: the micro-batch of the run being resumed (its config.yaml),
+    else the largest that fits (find_batch_size); train.global_batch kept by accumulation."""
+    import yaml
+    from train.checkpoint import list_checkpoints
+    from train.step import EXIT_CONFIG, RunStopped
+    t = cfg.train
+    if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
+        was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch:
+            say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
+            return was["batch_size"], was["grad_accum"]
+    try:
+        return find_batch_size(cfg, device, say, model, task)
+    except ValueError as e:
+        raise RunStopped(str(e), EXIT_CONFIG) from None
+
+
 def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None) -> tuple[int, int]:
     """train.batch_size=auto: (micro-batch, grad_accum) with micro-batch x grad_accum = train.global_batch,
     the micro-batch the largest divisor of it whose planned peak fits train.memory_budget (null:
@@ -855,6 +866,8 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
     G = t.global_batch
     if model is not None and getattr(model, "config", None) is not None:
         cfg = dataclasses.replace(cfg, model=model.config)
+    if task is not None:  # plan the precision the run resolved (train.precision: auto), not a new measurement
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
     budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     sizes = [d for d in range(1, G + 1) if G % d == 0]
     peaks: dict[int, int] = {}
@@ -891,7 +904,7 @@ def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     params = [p for p in model.parameters() if p.requires_grad]
     states = _static(cfg, device, 1).states
-    autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp else contextlib.nullcontext
+    autocast = autocast_for(device, precision_of(amp))
     while best >= 0:
         b, hold = sizes[best], None
         try:
@@ -943,10 +956,8 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
         live        the bytes of the tensors alive after the last step (parameters, buffers,
                     optimizer state, batch, the EMA's copy)
         rest_rss    the resident memory after the last step"""
-    import contextlib
     import gc
     from train.hardware import keep_freed_memory
-    from train.loop import EMA, optimizer_step
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
@@ -972,7 +983,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     batch = task.example_batch(model, batch_size or cfg.train.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
-    autocast = (lambda: torch.autocast("cpu", dtype=amp)) if amp else contextlib.nullcontext
+    autocast = autocast_for(device, precision_of(amp))
     phases = {"built": _proc_status("VmHWM") - start}
     for i in range(steps):
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
@@ -981,7 +992,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
             ema.update(model)
         phases[f"step {i + 1}"] = _proc_status("VmHWM") - start
     hwm = _proc_status("VmHWM")
-    kept = [*model.parameters(), *model.buffers(), *_tensors_of(optimizer.state), *tree_flatten(batch)[0]]
+    kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
     return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept),

@@ -25,7 +25,8 @@ def main(argv=None) -> int:
 
     from train.config import load_run_config
     from train.data import DataError
-    from train.loop import EXIT_CONFIG, RunStopped, train
+    from train.loop import train
+    from train.step import EXIT_CONFIG, RunStopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -53,4 +54,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from train.distributed import exit_process
+    exit_process(code)  # under torchrun: without the interpreter's teardown (see its docstring)

@@ -59,7 +59,7 @@ class Tracker:
 
 
 class TensorBoardTracker(Tracker):
-    def __init__(self, cfg, out: Path, start: int):
+    def __init__(self, cfg, out: Path, start: int, kept: list = ()):
         try:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
@@ -72,12 +72,8 @@ class TensorBoardTracker(Tracker):
                                        for k, v in flat.items()}, {})
         self.writer.file_writer.add_summary(session_start)
         self.writer.add_text("config", "\n".join(f"    {k}: {json.dumps(v)}" for k, v in flat.items()), start)
-        metrics = out / "metrics.jsonl"
-        if start and metrics.exists():  # the rows metrics.jsonl keeps at the purged step
-            for line in metrics.read_text().splitlines():
-                row = json.loads(line)
-                if row.get("step") == start:
-                    self.log(row)
+        for row in kept:  # the rows the run's files keep at the purged step
+            self.log(row)
 
     def log(self, row: dict):
         for k, v in row.items():
@@ -120,11 +116,13 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=exit_code)
 
 
-def open_tracker(cfg, out: Path, start: int) -> Tracker:
-    """The tracker of cfg.train.tracker for a run in `out` that starts (or resumes) at `start`."""
+def open_tracker(cfg, out: Path, start: int, kept: list = ()) -> Tracker:
+    """The tracker of cfg.train.tracker for a run in `out` that starts (or resumes) at `start`;
+    kept: the metrics rows of step `start` already logged (a tracker that purges that step logs
+    them again)."""
     kind = cfg.train.tracker
     if kind == "tensorboard":
-        return TensorBoardTracker(cfg, out, start)
+        return TensorBoardTracker(cfg, out, start, kept)
     if kind == "wandb":
         return WandbTracker(cfg, out, start)
     return Tracker()

@@ -6,29 +6,20 @@
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
-from .config import MODEL_CONFIGS, ConfigError, from_dict, load_yaml, model_config_from
+from .config import FAMILIES, ConfigError, family, from_dict, load_class, load_yaml, model_config_from
 
 __all__ = ["build", "from_pretrained", "save_pretrained", "ConfigError", "FAMILIES"]
 
-# family -> "module:Class" of its model; the class takes the family's config dataclass.
-FAMILIES: dict[str, str] = {"llm": "zoo.llm:LLM", "convnet": "zoo.convnet:ResNet",
-                             "diffusion": "zoo.diffusion.latent:LatentDiffusion"}
-
-
-def model_class(family: str):
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
-    mod, _, name = FAMILIES[family].partition(":")
-    return getattr(importlib.import_module(mod), name)
+def model_class(name: str):
+    return load_class(family(name, "zoo").model)
 
 
 def _family_of(cfg) -> str:
-    for fam, cls in MODEL_CONFIGS.items():
-        if type(cfg) is cls:
-            return fam
+    for name, fam in FAMILIES.items():
+        if type(cfg) is fam.config:
+            return name
     raise ConfigError(f"not a model config: {type(cfg).__name__}")
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from .blocks.lora import LoRALinear, dense_weight
 from .blocks.prefix import KVPrefix
-from .config import ConfigError, fail
+from .config import ConfigError, bounded, fail
+from .tensors import tensor_bytes
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64
@@ -34,25 +35,28 @@ NF4_BLOCK = 64
 
 @dataclass
 class AdapterConfig:
-    method: Literal["none", "lora", "dora", "prefix"] = "none"
-    r: int = 8                              # LoRA / DoRA rank
-    alpha: float = 16.0                     # scaling alpha / r (rslora: alpha / sqrt(r))
-    dropout: float = 0.0                    # on the adapters' input
-    targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # module names (LLM: PEFT's)
-    rslora: bool = False                    # rank-stabilised scaling alpha / sqrt(r)
-    quantize_base: Literal["none", "nf4"] = "none"  # QLoRA: frozen linear weights in NF4 (torchao)
-    prefix_len: int = 16                    # prefix: learned key/value vectors per layer
-    export_merged: bool = False             # at the end, also the merged weights in the base's format
+    method: Literal["none", "lora", "dora", "prefix"] = "none"  # `none`, `lora`, `dora` or `prefix`: applied after
+                                            # the model is built (or loaded by `train.init_from`) and before the
+                                            # optimizer; only the adapters train, checkpoints hold only them
+    r: int = bounded(8, gt=0)               # LoRA / DoRA rank
+    alpha: float = bounded(16.0, gt=0)      # the adapters' output is scaled by `alpha / r` (`alpha / sqrt(r)` with
+                                            # `rslora`)
+    dropout: float = bounded(0.0, ge=0, lt=1)  # dropout on the adapters' input, in [0, 1)
+    targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # the projections to adapt, by their
+                                            # Hugging Face / PEFT names: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
+                                            # `gate_proj`, `up_proj`, `down_proj` (a MoE layer: its shared expert's
+                                            # gate/up/down); an unknown name is a one-line error listing the known
+                                            # ones
+    rslora: bool = False                    # rank-stabilised scaling `alpha / sqrt(r)`
+    quantize_base: Literal["none", "nf4"] = "none"  # `nf4`: the frozen linear weights (not the embedding or LM head)
+                                            # stored in torchao's NF4 (QLoRA; `pip install -e '.[qlora]'`). Not with
+                                            # `train.ema_decay`
+    prefix_len: int = bounded(16, gt=0)     # `prefix`: learned key/value vectors per layer (not with
+                                            # `model.sliding_window`)
+    export_merged: bool = False             # at the end, also merge the adapters into the weights and export them as
+                                            # `train.export` does (`out_dir/hf/`); not for `prefix`
 
     def validate(self, source, prefix="adapter."):
-        if self.r <= 0:
-            raise fail(source, prefix + "r", f"must be > 0, got {self.r}")
-        if self.alpha <= 0:
-            raise fail(source, prefix + "alpha", f"must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise fail(source, prefix + "dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.prefix_len <= 0:
-            raise fail(source, prefix + "prefix_len", f"must be > 0, got {self.prefix_len}")
         if self.method in ("lora", "dora") and not self.targets:
             raise fail(source, prefix + "targets", "must name at least one module")
         if self.quantize_base != "none" and self.method == "none":
@@ -226,14 +230,4 @@ def count_params(model: nn.Module) -> tuple[int, int]:
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes the parameters occupy (an NF4 weight: its codes, scales and their scales)."""
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        inner = getattr(p, "__tensor_flatten__", None)
-        if inner is not None and hasattr(p, "get_original_weight"):
-            n += sum(getattr(p, k).numel() * getattr(p, k).element_size() for k in inner()[0])
-        else:
-            n += p.numel() * p.element_size()
-    return n
+    return tensor_bytes(list(model.parameters()))

@@ -2,7 +2,11 @@
 
 Every config error is a `ConfigError` whose message is one line naming the file and the key,
 e.g. ``configs/llm/tiny.yaml: model.n_heads=5 must divide model.d_model=256``.
-The dataclasses here are the single source of defaults.
+The dataclasses here are the single source of defaults. A field's numeric range is declared on
+the field (`n_layers: int = bounded(8, gt=0)`) and checked in one place (`check_bounds`, from
+`from_dict` and from the models); a config's `validate()` holds only the rules across fields.
+Each field's trailing `# comment` is its documentation: train/config_docs.py renders the key
+tables of docs/ from the dataclasses.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 
@@ -131,15 +135,73 @@ def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
+    moved = getattr(cls, "moved", {})
     for k, v in data.items():
+        if k in moved:
+            raise ConfigError(f"{source}: {prefix + str(k)} moved to {moved[k]}")
         if k not in names:
             raise ConfigError(f"{source}: unknown key {prefix + str(k)!r} (known: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], prefix + k, source)
     obj = cls(**kwargs)
-    check = getattr(obj, "validate", None)
-    if check is not None:
-        check(source, prefix)
+    check(obj, source, prefix)
     return obj
+
+
+def bounded(default=dataclasses.MISSING, *, gt=None, ge=None, lt=None, le=None,
+            default_factory=dataclasses.MISSING):
+    """A dataclass field whose numeric value must satisfy the bounds given (gt: >, ge: >=, lt: <,
+    le: <=); `check` tests them for every config, a null value passes. E.g. `n_layers: int = bounded(8, gt=0)`."""
+    bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
+    return field(default=default, default_factory=default_factory, metadata={"bounds": bounds})
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def describe_bounds(bounds: dict) -> str:
+    """{'ge': 0, 'lt': 1} -> 'in [0, 1)'; {'gt': 0} -> '> 0'; {} -> ''."""
+    lo = ("[", ">=", bounds["ge"]) if "ge" in bounds else ("(", ">", bounds["gt"]) if "gt" in bounds else None
+    hi = ("]", "<=", bounds["le"]) if "le" in bounds else (")", "<", bounds["lt"]) if "lt" in bounds else None
+    if lo and hi:
+        return f"in {lo[0]}{_num(lo[2])}, {_num(hi[2])}{hi[0]}"
+    end = lo or hi
+    return f"{end[1]} {_num(end[2])}" if end else ""
+
+
+def _within(v, bounds: dict) -> bool:
+    return (("gt" not in bounds or v > bounds["gt"]) and ("ge" not in bounds or v >= bounds["ge"])
+            and ("lt" not in bounds or v < bounds["lt"]) and ("le" not in bounds or v <= bounds["le"]))
+
+
+def _nullable(cls, name: str) -> bool:
+    tp = typing.get_type_hints(cls).get(name)
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def check_bounds(obj, source: str = "<config>", prefix: str = ""):
+    """The declared bounds (`bounded`) of every field of dataclass `obj`, nested configs included:
+    the first value outside them is a one-line ConfigError, e.g. "<source>: model.n_layers must be > 0, got 0"."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            check_bounds(v, source, f"{prefix}{f.name}.")
+            continue
+        bounds = f.metadata.get("bounds")
+        if not bounds or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue  # null, or a non-number a Union allows ('auto')
+        if not _within(v, bounds):
+            null = " or null" if _nullable(type(obj), f.name) else ""
+            raise fail(source, prefix + f.name, f"must be {describe_bounds(bounds)}{null}, got {v}")
+
+
+def check(obj, source: str = "<config>", prefix: str = ""):
+    """Check a config dataclass: its declared field bounds, then its validate() (the rules across
+    fields that bounds cannot declare). from_dict calls it; so do the models on their config."""
+    check_bounds(obj, source, prefix)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(source, prefix)
 
 
 def to_dict(obj) -> dict:
@@ -218,62 +280,58 @@ def deep_merge(base: dict, over: dict) -> dict:
 class RopeScaling:
     """RoPE frequency scaling: 'linear' (position interpolation) or 'llama3' (Llama 3.1)."""
     type: Literal["linear", "llama3"] = "linear"
-    factor: float = 1.0
+    factor: float = bounded(1.0, gt=0)
     low_freq_factor: float = 1.0            # llama3 only
     high_freq_factor: float = 4.0           # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = bounded(8192, gt=0)  # llama3 only
 
     def validate(self, source, prefix=""):
-        if self.factor <= 0:
-            raise fail(source, prefix + "factor", f"must be > 0, got {self.factor}")
         if self.type == "llama3":
             if self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
                 raise fail(source, prefix + "high_freq_factor",
                            f"must be > low_freq_factor > 0, got {self.high_freq_factor} and {self.low_freq_factor}")
-            if self.original_max_position_embeddings <= 0:
-                raise fail(source, prefix + "original_max_position_embeddings", "must be > 0")
 
 
 @dataclass
 class MoEConfig:
     """Mixture-of-Experts feed-forward layers (zoo/blocks/moe.py). Sparse layers replace the
     SwiGLU of a block by `n_experts` SwiGLU experts of width `expert_hidden`, `top_k` per token."""
-    n_experts: int = 8
-    top_k: int = 2
-    expert_hidden: Optional[int] = None     # each expert's SwiGLU width; null: the model's ffn_hidden
-    n_shared: int = 0                       # always-on shared experts (run as one SwiGLU of n_shared * shared_hidden)
-    shared_hidden: Optional[int] = None     # width of each shared expert; null: expert_hidden
-    shared_gate: bool = False               # a sigmoid gate on the shared experts' output (Qwen2-MoE)
-    sparse_every: int = 1                   # layer i (from 0) is sparse when (i + 1) % sparse_every == 0
-    dense_layers: list[int] = field(default_factory=list)  # layers kept dense (a SwiGLU of ffn_hidden)
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk_prob: bool = True             # renormalise the top-k weights to sum to 1
-    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # Switch loss, DeepSeek-V3 bias, or nothing
-    aux_loss_coef: float = 0.01             # weight of the load-balancing loss (balance: aux_loss)
-    z_loss_coef: float = 0.001              # weight of the router z-loss (any balance; 0: off)
-    bias_update_rate: float = 0.001         # bias step per optimizer step (balance: bias)
-    capacity_factor: Optional[float] = None  # null: dropless; else tokens per expert = factor * N * top_k / E (training)
-    router_jitter: float = 0.0              # training: multiply the layer input by U(1 - j, 1 + j) (Mixtral)
-    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # grouped_mm, a matmul per expert, or auto
+    n_experts: int = bounded(8, gt=0)       # experts per sparse layer
+    top_k: int = bounded(2, gt=0)           # experts per token (<= `n_experts`)
+    expert_hidden: Optional[int] = bounded(None, gt=0)  # each expert's SwiGLU width; null = `ffn_hidden`
+    n_shared: int = bounded(0, ge=0)        # always-on shared experts, run as one SwiGLU of `n_shared *
+                                            # shared_hidden`
+    shared_hidden: Optional[int] = bounded(None, gt=0)  # width of each shared expert; null = `expert_hidden`
+    shared_gate: bool = False               # multiply the shared experts' output by sigmoid(x W), W of shape (1,
+                                            # d_model) (Qwen2-MoE); needs `n_shared` > 0
+    sparse_every: int = bounded(1, gt=0)    # layer i (from 0) is sparse when (i + 1) % sparse_every == 0 (Qwen's
+                                            # `decoder_sparse_step`)
+    dense_layers: list[int] = field(default_factory=list)  # layers kept dense, a SwiGLU of `ffn_hidden` (Qwen's
+                                            # `mlp_only_layers`)
+    scoring: Literal["softmax", "sigmoid"] = "softmax"  # router scores: `softmax` (Mixtral, Qwen) or `sigmoid`
+                                            # (DeepSeek-V3)
+    norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
+                                            # `aux_loss_coef`), `bias` (DeepSeek-V3's auxiliary-loss-free routing
+                                            # bias), `none`
+    aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the mean over layers of the load-balancing loss (`balance:
+                                            # aux_loss`)
+    z_loss_coef: float = bounded(0.001, ge=0)  # weight of the mean over layers of the ST-MoE router z-loss, whatever
+                                            # `balance`; 0 = off
+    bias_update_rate: float = bounded(0.001, ge=0)  # `balance: bias`: the bias step per optimizer step
+    capacity_factor: Optional[float] = bounded(None, gt=0)  # null = dropless; else each expert takes at most
+                                            # ceil(factor * tokens * top_k / n_experts) choices per forward in
+                                            # training, the overflow dropped and counted
+    router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer's input by U(1 - j, 1 + j) noise
+                                            # (Mixtral's `router_jitter_noise`)
+    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
+                                            # matmul per expert), `auto` (grouped where the device and dtype support
+                                            # it)
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        for k in ("n_experts", "top_k", "sparse_every"):
-            if getattr(self, k) <= 0:
-                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.top_k > self.n_experts:
             raise fail(source, p + "top_k", f"={self.top_k} must be <= {p}n_experts={self.n_experts}")
-        if self.n_shared < 0:
-            raise fail(source, p + "n_shared", f"must be >= 0, got {self.n_shared}")
-        for k in ("expert_hidden", "shared_hidden", "capacity_factor"):
-            v = getattr(self, k)
-            if v is not None and v <= 0:
-                raise fail(source, p + k, f"must be > 0 or null, got {v}")
-        for k in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            if getattr(self, k) < 0:
-                raise fail(source, p + k, f"must be >= 0, got {getattr(self, k)}")
-        if not 0.0 <= self.router_jitter < 1.0:
-            raise fail(source, p + "router_jitter", f"must be in [0, 1), got {self.router_jitter}")
         if self.shared_gate and not self.n_shared:
             raise fail(source, p + "shared_gate", f"needs {p}n_shared > 0")
 
@@ -284,47 +342,55 @@ class LLMConfig:
 
     Fields that may be null are derived from others; the `resolved_*` properties give the
     values in use (resolved_n_kv_heads, resolved_head_dim, resolved_ffn_hidden)."""
-    vocab_size: int = 32000
-    d_model: int = 512
-    n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: Optional[int] = None        # None: = n_heads (MHA); 1: MQA; else GQA
-    head_dim: Optional[int] = None          # None: d_model // n_heads
-    ffn_hidden: Optional[int] = None        # None: 8/3 * d_model rounded up to ffn_multiple_of
-    ffn_multiple_of: int = 64
-    max_seq_len: int = 2048
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math"] = "auto"  # zoo/blocks/attention.py
-    sliding_window: Optional[int] = None    # Mistral-style local attention window
-    qk_norm: bool = False                   # RMSNorm over each q and k head before RoPE (Qwen3)
-    moe: Optional[MoEConfig] = None         # Mixture-of-Experts feed-forward layers; null: dense
+    vocab_size: int = bounded(32000, gt=0)  # embedding rows / output classes; must be >= the tokenizer's vocabulary
+    d_model: int = bounded(512, gt=0)       # width of the residual stream
+    n_layers: int = bounded(8, gt=0)        # transformer blocks
+    n_heads: int = bounded(8, gt=0)         # query heads; must divide `d_model` unless `head_dim` is set
+    n_kv_heads: Optional[int] = bounded(None, gt=0)  # key/value heads: null = `n_heads` (MHA), 1 = MQA, else GQA;
+                                            # must divide `n_heads`
+    head_dim: Optional[int] = bounded(None, gt=0)  # per-head width; null = `d_model / n_heads`; must be even (RoPE)
+    ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU hidden width; null = 8/3 `d_model` rounded up to
+                                            # `ffn_multiple_of`
+    ffn_multiple_of: int = bounded(64, gt=0)  # rounding of the default `ffn_hidden`
+    max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for (they grow if a longer sequence
+                                            # comes)
+    norm_eps: float = bounded(1e-5, gt=0)   # RMSNorm epsilon
+    rope_theta: float = bounded(10000.0, gt=0)  # RoPE base
+    rope_scaling: Optional[RopeScaling] = None  # `{type: linear, factor}` or `{type: llama3, factor, low_freq_factor,
+                                            # high_freq_factor, original_max_position_embeddings}`
+    tie_embeddings: bool = True             # the LM head shares the embedding matrix (one tensor)
+    qkv_bias: bool = False                  # bias on the q/k/v projection (Qwen2)
+    sliding_window: Optional[int] = bounded(None, gt=0)  # attend only to the last N positions (Mistral)
+    qk_norm: bool = False                   # RMSNorm (eps `norm_eps`) over each query and key head before RoPE
+                                            # (Qwen3)
+    moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: a mapping of the keys below; null = a dense
+                                            # model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
     # every mod_every-th block and the rest around it
-    mod_capacity: float = 0.0               # fraction of tokens a MoD block processes; 0: off
-    mod_every: int = 2                      # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0
-    mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision used for decoding
-    mod_aux_loss_coef: float = 0.01         # weight of the decision's binary cross-entropy
-    mod_threshold_rate: float = 0.02        # how fast the decision threshold follows the top-k boundary (0: stays 0)
-    init_std: float = 0.02
-    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # blocks/checkpoint.py
-    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
-    chunked_loss: bool = True               # never materialise the full B*T*V fp32 logits
-    loss_chunk_size: int = 2048             # tokens per chunk of the chunked loss
+    mod_capacity: float = bounded(0.0, ge=0, le=1)  # Mixture-of-Depths: the share of each sequence's tokens a MoD
+                                            # block processes (k = int(capacity · T), at least 1), in [0, 1]; 0 = off.
+                                            # Not with `sliding_window`
+    mod_every: int = bounded(2, gt=0)       # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0 (2: layers
+                                            # 1, 3, 5, ...); at most `n_layers`
+    mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
+                                            # binary cross-entropy on the router logit, target "in the top-k") or
+                                            # `predictor` (a small MLP on the stop-gradient block input, trained with
+                                            # the same cross-entropy)
+    mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of that cross-entropy (the mean over the MoD blocks) in
+                                            # the training loss
+    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast each decision's threshold follows the top-k's
+                                            # boundary in its logits during training (an exponential moving average
+                                            # per training forward; 0 keeps it at logit 0); fixed after training
+    init_std: float = bounded(0.02, gt=0)   # std of the normal init; residual projections get `init_std / sqrt(2
+                                            # n_layers)`
+    # how a model runs is not part of its architecture: these keys live in the run config's train:
+    moved: ClassVar[dict] = {"attn_backend": "train.attn_backend",
+                             "activation_checkpointing": "train.activation_checkpointing",
+                             "checkpoint_every": "train.activation_checkpointing_every",
+                             "chunked_loss": "train.chunked_loss", "loss_chunk_size": "train.loss_chunk_size"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of",
-                  "loss_chunk_size", "checkpoint_every"):
-            if getattr(self, k) <= 0:
-                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
-        for k in ("n_kv_heads", "head_dim", "ffn_hidden", "sliding_window"):
-            v = getattr(self, k)
-            if v is not None and v <= 0:
-                raise fail(source, p + k, f"must be > 0 or null, got {v}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise fail(source, p + "n_heads", f"={self.n_heads} must divide {p}d_model={self.d_model} "
                                               f"(or set {p}head_dim)")
@@ -332,17 +398,6 @@ class LLMConfig:
             raise fail(source, p + "n_kv_heads", f"={self.resolved_n_kv_heads} must divide {p}n_heads={self.n_heads}")
         if self.resolved_head_dim % 2:
             raise fail(source, p + "head_dim", f"={self.resolved_head_dim} must be even for RoPE")
-        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
-            k = "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std"
-            raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
-        if not 0.0 <= self.mod_capacity <= 1.0:
-            raise fail(source, p + "mod_capacity", f"must be in [0, 1] (0: off), got {self.mod_capacity}")
-        if self.mod_every <= 0:
-            raise fail(source, p + "mod_every", f"must be > 0, got {self.mod_every}")
-        if not 0.0 <= self.mod_threshold_rate <= 1.0:
-            raise fail(source, p + "mod_threshold_rate", f"must be in [0, 1], got {self.mod_threshold_rate}")
-        if self.mod_aux_loss_coef < 0:
-            raise fail(source, p + "mod_aux_loss_coef", f"must be >= 0, got {self.mod_aux_loss_coef}")
         if self.mod_capacity > 0 and self.sliding_window is not None:
             raise fail(source, p + "mod_capacity", f"does not combine with {p}sliding_window (a MoD block's "
                                                    f"tokens are not contiguous)")
@@ -409,21 +464,29 @@ RESNET_ARCHS: dict[str, tuple] = {
 class ConvNetConfig:
     """ResNet: a preset `arch`, optionally overridden by block / layers / groups / width_per_group.
     The `resolved_*` properties give the values in use (the override, else the preset's)."""
-    arch: str = "resnet50"
-    block: Optional[Literal["basic", "bottleneck"]] = None  # null: from arch
-    layers: Optional[list[int]] = None      # blocks per stage; null: from arch
-    groups: Optional[int] = None            # ResNeXt cardinality; null: from arch
-    width_per_group: Optional[int] = None   # bottleneck width per group; null: from arch
-    width: int = 64                         # stem channels; stage i has width * 2**i planes
-    stem: Literal["imagenet", "small"] = "imagenet"  # 7x7/2 conv + max-pool, or 3x3/1 conv for 32x32
-    in_chans: int = 3
-    num_classes: int = 1000
-    drop_rate: float = 0.0                  # dropout before the classifier
-    drop_path_rate: float = 0.0             # stochastic depth at the last block (linear from 0)
+    arch: str = "resnet50"                  # preset: resnet18/34/50/101/152, resnext50_32x4d, resnext101_32x8d,
+                                            # wide_resnet50_2, wide_resnet101_2
+    block: Optional[Literal["basic", "bottleneck"]] = None  # `basic` or `bottleneck`; null: the preset's
+    layers: Optional[list[int]] = None      # blocks per stage, e.g. `[1, 1, 1, 1]` (a ResNet-10); any number of
+                                            # stages; null: the preset's
+    groups: Optional[int] = bounded(None, gt=0)  # ResNeXt cardinality; null: from arch
+    width_per_group: Optional[int] = bounded(None, gt=0)  # bottleneck width per group; null: from arch
+    width: int = bounded(64, gt=0)          # stem channels; stage i has `width * 2**i` planes (x4 out for
+                                            # bottlenecks)
+    stem: Literal["imagenet", "small"] = "imagenet"  # `imagenet` or `small` (32x32 inputs)
+    in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
+    num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
+    drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
+    drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
+    drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # `mask`: dropped samples' branches computed
+                                            # and zeroed; `skip`: only the kept samples' rows computed (BatchNorm
+                                            # in the branch then normalises over those); `batch`: a block dropped
+                                            # for the whole batch (Huang et al. 2016; not under DDP). See
+                                            # docs/convnet.md for when skipping pays
     zero_init_last: bool = True             # last BN gamma of each residual branch starts at 0
-    bn_eps: float = 1e-5
-    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # per residual block
-    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
+    bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon
+    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
+                             "checkpoint_every": "train.activation_checkpointing_every"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -431,20 +494,8 @@ class ConvNetConfig:
             raise fail(source, p + "arch", f"must be one of {', '.join(RESNET_ARCHS)}, got {self.arch!r}")
         if self.layers is not None and (not self.layers or any(n <= 0 for n in self.layers)):
             raise fail(source, p + "layers", f"must be a non-empty list of positive block counts, got {self.layers}")
-        for k in ("groups", "width_per_group"):
-            v = getattr(self, k)
-            if v is not None and v <= 0:
-                raise fail(source, p + k, f"must be > 0 or null, got {v}")
-        for k in ("width", "in_chans", "num_classes", "checkpoint_every"):
-            if getattr(self, k) <= 0:
-                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.resolved_block == "basic" and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
             raise fail(source, p + "block", "='basic' needs groups=1 and width_per_group=64")
-        for k in ("drop_rate", "drop_path_rate"):
-            if not 0.0 <= getattr(self, k) < 1.0:
-                raise fail(source, p + k, f"must be in [0, 1), got {getattr(self, k)}")
-        if self.bn_eps <= 0:
-            raise fail(source, p + "bn_eps", f"must be > 0, got {self.bn_eps}")
 
     @property
     def resolved_block(self) -> str:
@@ -470,49 +521,42 @@ class ConvNetConfig:
 @dataclass
 class AutoencoderConfig:
     """The frozen TAESD autoencoder between images and latents (zoo/diffusion/taesd.py)."""
-    weights: Optional[str] = None           # TAESD weights (x_encoder.pth or a diffusers folder); null: trained on the data
-    latent_channels: Optional[int] = None   # 4 (SD), 16 (SD3/FLUX.1), 32 (FLUX.2); null: the weights' (4 if none)
-    midblock_gn: Optional[bool] = None      # FLUX.2 mid-block GroupNorm branch; null: the weights' (false if none)
-    channels: Optional[int] = None          # width; null: the weights' (64 if none)
+    weights: Optional[str] = None           # TAESD weights (`*_encoder.pth` or a diffusers folder); null: trained by
+                                            # the task
+    latent_channels: Optional[int] = bounded(None, gt=0)  # 4 / 16 / 32; null: the weights' (4 when trained)
+    midblock_gn: Optional[bool] = None      # FLUX.2 branch; null: the weights' (false when trained)
+    channels: Optional[int] = bounded(None, gt=0)  # width; null: the weights' (64 when trained)
 
-    def validate(self, source="<config>", prefix=""):
-        for k in ("latent_channels", "channels"):
-            v = getattr(self, k)
-            if v is not None and v <= 0:
-                raise fail(source, prefix + k, f"must be > 0 or null, got {v}")
 
 
 @dataclass
 class DiffusionConfig:
     """Latent diffusion: TAESD autoencoder + class-conditional U-Net denoiser + noise schedule."""
-    image_size: int = 32                    # generated (and training) images are image_size^2; divisible by 8
-    num_classes: int = 10
+    image_size: int = bounded(32, gt=0)     # training and sampled image size, divisible by 8
+    num_classes: int = bounded(10, gt=0)    # classes (+1 "no label" for guidance)
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
-    latent_channels: Optional[int] = None   # the denoiser's; null: the autoencoder's (must match it)
-    channels: list[int] = field(default_factory=lambda: [64, 128])   # U-Net width per level
-    blocks_per_level: int = 2
+    latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; must match the autoencoder's
+    channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each level halves the
+                                            # latent size)
+    blocks_per_level: int = bounded(2, gt=0)  # U-Net depth, self-attention at the lowest level
     attention: bool = True                  # self-attention at the lowest resolution
-    heads: int = 4
-    class_dropout: float = 0.1              # label dropout for classifier-free guidance
-    prediction: Literal["eps", "v", "x0"] = "eps"
-    schedule: Literal["linear", "scaled_linear", "cosine"] = "linear"
-    num_timesteps: int = 1000
-    beta_start: float = 1e-4
-    beta_end: float = 0.02
-    min_snr_gamma: Optional[float] = 5.0    # Min-SNR-gamma loss weighting; null: uniform
-    sampler: Literal["ddim", "ddpm"] = "ddim"
-    sample_steps: int = 50
-    guidance: float = 3.0                   # classifier-free guidance scale (1 = off)
-    eta: float = 0.0                        # DDIM noise (0 = deterministic)
-    activation_checkpointing: Union[bool, Literal["none", "full", "selective"]] = False  # per U-Net block
-    checkpoint_every: int = 1               # checkpointing applies to blocks 0, n, 2n, ...
+    heads: int = bounded(4, gt=0)           # U-Net depth, self-attention at the lowest level
+    class_dropout: float = bounded(0.1, ge=0, lt=1)  # label dropout for classifier-free guidance
+    prediction: Literal["eps", "v", "x0"] = "eps"  # eps, v or x0
+    schedule: Literal["linear", "scaled_linear", "cosine"] = "linear"  # noise schedule
+    num_timesteps: int = bounded(1000, gt=0)  # noise schedule
+    beta_start: float = bounded(1e-4, gt=0, lt=1)  # noise schedule
+    beta_end: float = bounded(0.02, gt=0, lt=1)  # noise schedule
+    min_snr_gamma: Optional[float] = bounded(5.0, gt=0)  # Min-SNR-gamma; null = uniform
+    sampler: Literal["ddim", "ddpm"] = "ddim"  # sampling defaults
+    sample_steps: int = bounded(50, gt=0)   # sampling defaults
+    guidance: float = bounded(3.0, ge=0)    # classifier-free guidance scale (1 = off)
+    eta: float = bounded(0.0, ge=0)         # DDIM noise (0 = deterministic)
+    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
+                             "checkpoint_every": "train.activation_checkpointing_every"}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        for k in ("image_size", "num_classes", "blocks_per_level", "heads", "num_timesteps", "sample_steps",
-                  "checkpoint_every"):
-            if getattr(self, k) <= 0:
-                raise fail(source, p + k, f"must be > 0, got {getattr(self, k)}")
         if self.image_size % 8:
             raise fail(source, p + "image_size", f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}")
         if not self.channels or any(c <= 0 or c % self.heads for c in self.channels):
@@ -525,28 +569,43 @@ class DiffusionConfig:
         if self.latent_channels is not None and ae is not None and self.latent_channels != ae:
             raise fail(source, p + "latent_channels", f"does not match {p}autoencoder.latent_channels: "
                                                       f"{self.latent_channels} != {ae}")
-        if self.latent_channels is not None and self.latent_channels <= 0:
-            raise fail(source, p + "latent_channels", f"must be > 0 or null, got {self.latent_channels}")
-        if not 0.0 <= self.class_dropout < 1.0:
-            raise fail(source, p + "class_dropout", f"must be in [0, 1), got {self.class_dropout}")
         if not 0.0 < self.beta_start < self.beta_end < 1.0:
             raise fail(source, p + "beta_end", f"must satisfy 0 < beta_start < beta_end < 1, got "
                                                f"{self.beta_start} and {self.beta_end}")
-        if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
-            raise fail(source, p + "min_snr_gamma", f"must be > 0 or null, got {self.min_snr_gamma}")
         if self.sample_steps > self.num_timesteps:
             raise fail(source, p + "sample_steps", f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}")
-        if self.eta < 0 or self.guidance < 0:
-            k = "eta" if self.eta < 0 else "guidance"
-            raise fail(source, p + k, f"must be >= 0, got {getattr(self, k)}")
 
 
-# Model config class per family. Other families register theirs here.
-MODEL_CONFIGS: dict[str, type] = {"llm": LLMConfig, "convnet": ConvNetConfig,
-                                   "diffusion": DiffusionConfig}
+@dataclass(frozen=True)
+class Family:
+    """A model family: its config dataclass, its model class and the task that trains it (both as
+    "module:Class", imported when used; zoo itself never imports the trainer's task)."""
+    config: type
+    model: str
+    task: str
 
 
-def model_config_from(data: dict, family: str, source: str, prefix: str = "model."):
-    if family not in MODEL_CONFIGS:
-        raise ConfigError(f"{source}: unknown family {family!r} (known: {', '.join(MODEL_CONFIGS)})")
-    return from_dict(MODEL_CONFIGS[family], data, source, prefix)
+# the one registry of families: a new family registers its config, model and task here
+FAMILIES: dict[str, Family] = {
+    "llm": Family(LLMConfig, "zoo.llm:LLM", "train.tasks.lm:LMTask"),
+    "convnet": Family(ConvNetConfig, "zoo.convnet:ResNet", "train.tasks.classify:ClassifyTask"),
+    "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion", "train.tasks.diffusion:DiffusionTask"),
+}
+
+
+def family(name: str, source: str = "<config>") -> Family:
+    """The registry's entry, or a one-line ConfigError naming the known families."""
+    if name not in FAMILIES:
+        raise ConfigError(f"{source}: unknown family {name!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def load_class(spec: str):
+    """"module:Class" -> the class."""
+    import importlib
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def model_config_from(data: dict, family_name: str, source: str, prefix: str = "model."):
+    return from_dict(family(family_name, source).config, data, source, prefix)

@@ -12,8 +12,8 @@ redundant); the last BN of each residual branch can start at gamma = 0 so that e
 starts as the identity (Goyal et al., "Accurate, Large Minibatch SGD", 2017); stochastic
 depth with the linear rule; every op works in the channels-last memory format, which the
 loop applies to the model and the batches (train.channels_last); activation checkpointing of
-every (n-th) residual block, full or selective (blocks/checkpoint.py; BatchNorm's running
-statistics are updated once).
+every (n-th) residual block, full or selective, applied from outside to `checkpoint_units()`
+(blocks/checkpoint.py; BatchNorm's running statistics are updated once).
 
 Parameter names are those of timm and torchvision (conv1, bn1, layer1.0.conv1, ...,
 layer1.0.downsample.0/1, fc), so their state dicts load without any key mapping.
@@ -27,9 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .blocks.checkpoint import run_block
 from .blocks.drop_path import DropPath, linear_drop_rates
-from .config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
+from .config import RESNET_ARCHS, ConvNetConfig, check  # noqa: F401 (RESNET_ARCHS: the presets)
 
 
 def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
@@ -37,12 +36,26 @@ def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
     return nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, groups=groups, bias=False)
 
 
+def residual(block, x):
+    """shortcut + the block's branch under stochastic depth: the dropped samples' rows computed
+    and zeroed (`drop_path_mode: mask`) or never computed (`skip`, `batch`), see
+    zoo/blocks/drop_path.py."""
+    shortcut = x if block.downsample is None else block.downsample(x)
+    dp = block.drop_path
+    if dp.mode != "mask":
+        return dp.residual(shortcut, block.branch, x)
+    x = dp(block.branch(x))
+    x += shortcut  # in place: BN's backward does not need its output
+    return x
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convs: (B, c_in, H, W) -> (B, planes, H/stride, W/stride)."""
     expansion = 1
 
     def __init__(self, c_in: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
-                 groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5):
+                 groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5,
+                 drop_path_mode: str = "mask"):
         super().__init__()
         if groups != 1 or width_per_group != 64:
             raise ValueError("BasicBlock supports only groups=1 and width_per_group=64")
@@ -53,17 +66,16 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes, eps=bn_eps)
         self.act2 = nn.ReLU(inplace=True)
         self.downsample = downsample
-        self.drop_path = DropPath(drop_path)
+        self.drop_path = DropPath(drop_path, drop_path_mode)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn2
 
+    def branch(self, x):
+        return self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x)))))
+
     def forward(self, x):
-        shortcut = x if self.downsample is None else self.downsample(x)
-        x = self.act1(self.bn1(self.conv1(x)))
-        x = self.drop_path(self.bn2(self.conv2(x)))
-        x += shortcut  # in place: BN's backward does not need its output
-        return self.act2(x)
+        return self.act2(residual(self, x))
 
 
 class Bottleneck(nn.Module):
@@ -71,7 +83,8 @@ class Bottleneck(nn.Module):
     expansion = 4
 
     def __init__(self, c_in: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
-                 groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5):
+                 groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5,
+                 drop_path_mode: str = "mask"):
         super().__init__()
         width = int(planes * width_per_group / 64) * groups
         self.conv1 = conv_bn(c_in, width, 1)
@@ -84,18 +97,18 @@ class Bottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(planes * 4, eps=bn_eps)
         self.act3 = nn.ReLU(inplace=True)
         self.downsample = downsample
-        self.drop_path = DropPath(drop_path)
+        self.drop_path = DropPath(drop_path, drop_path_mode)
 
     def last_bn(self) -> nn.BatchNorm2d:
         return self.bn3
 
-    def forward(self, x):
-        shortcut = x if self.downsample is None else self.downsample(x)
+    def branch(self, x):
         x = self.act1(self.bn1(self.conv1(x)))
         x = self.act2(self.bn2(self.conv2(x)))
-        x = self.drop_path(self.bn3(self.conv3(x)))
-        x += shortcut
-        return self.act3(x)
+        return self.bn3(self.conv3(x))
+
+    def forward(self, x):
+        return self.act3(residual(self, x))
 
 
 BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
@@ -106,7 +119,7 @@ class ResNet(nn.Module):
 
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
-        cfg.validate()
+        check(cfg)
         self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
         block = BLOCKS[cfg.resolved_block]
         layers = cfg.resolved_layers
@@ -130,7 +143,8 @@ class ResNet(nn.Module):
                 down = None
                 if j == 0 and (s != 1 or c_in != c_out):
                     down = nn.Sequential(conv_bn(c_in, c_out, 1, s), nn.BatchNorm2d(c_out, eps=cfg.bn_eps))
-                blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group, next(rates), cfg.bn_eps))
+                blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group, next(rates), cfg.bn_eps,
+                                    cfg.drop_path_mode))
                 c_in = c_out
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
         self.num_features = c_in
@@ -166,9 +180,8 @@ class ResNet(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 8 (small)."""
         x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
-        policy, every = self.config.activation_checkpointing, self.config.checkpoint_every
-        for i, block in enumerate(self.checkpoint_units()):
-            x = run_block(block, i, policy, every, x)
+        for block in self.checkpoint_units():
+            x = block(x)
         return x
 
     def repeated_units(self) -> list:
@@ -177,7 +190,8 @@ class ResNet(nn.Module):
         return self.checkpoint_units()
 
     def checkpoint_units(self) -> list:
-        """The residual blocks, in order: what activation checkpointing applies to."""
+        """The residual blocks, in order: what activation checkpointing applies to (blocks/checkpoint.py's
+        checkpoint_units)."""
         return [block for stage in self.stages() for block in stage]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

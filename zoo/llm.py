@@ -3,8 +3,12 @@
     tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
-projections initialised with std / sqrt(2 * n_layers) (GPT-2); activation checkpointing of
-every (n-th) block, full or selective (blocks/checkpoint.py); a chunked loss that never materialises the full fp32 logits.
+projections initialised with std / sqrt(2 * n_layers) (GPT-2); a chunked loss that never
+materialises the full fp32 logits (the attributes `chunked_loss`, `loss_chunk_size`).
+How the model runs is set on the built model, not in its config: the attention backend with
+blocks/attention.py's `set_backend(model, name)`, activation checkpointing of every (n-th) block
+with blocks/checkpoint.py's `checkpoint_units(model.checkpoint_units(), policy, every)` (the
+training loop applies both from the run config's train: section, train/runtime.py).
 With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
 routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
 With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
@@ -19,16 +23,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from .blocks.attention import CausalSelfAttention, KVCache, flash_available
-from .blocks.checkpoint import run_block
+from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.chunked_ce import chunked_cross_entropy
+from .blocks.matvec_cpu import MatvecAsReduction
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import RMSNorm
 from .blocks.rope import RotaryEmbedding
-from .config import ConfigError, LLMConfig, to_dict
+from .config import LLMConfig, check, to_dict
 
 
 def moe_block(cfg: LLMConfig) -> MoE:
@@ -45,7 +48,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
-                                        cfg.attn_backend, cfg.sliding_window, cfg.qk_norm, cfg.norm_eps)
+                                        sliding_window=cfg.sliding_window, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
 
@@ -64,11 +67,11 @@ class LLM(nn.Module):
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        cfg.validate()
-        if cfg.attn_backend == "flash" and flash_available() is None:
-            raise ConfigError("model.attn_backend=flash needs flash-attn, which is not installed or does not "
-                              "import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
+        check(cfg)
         self.config = cfg
+        # how the loss runs, not what it computes (train.chunked_loss, train.loss_chunk_size)
+        self.chunked_loss = True            # never materialise the full B*T*V fp32 logits
+        self.loss_chunk_size = 2048         # tokens per chunk of the chunked loss
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(
             MixtureOfDepths(Block(cfg, i), cfg.d_model, cfg.mod_capacity, cfg.mod_router) if cfg.is_mod(i)
@@ -82,6 +85,10 @@ class LLM(nn.Module):
         n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
+        # training forwards' MoD decision logits since the last threshold update, kept only when whoever
+        # trains the model takes them (keep_mod_decisions; train/ sets it): otherwise they would pile up
+        self.mod_decisions: list = []
+        self.keep_mod_decisions = False
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
 
@@ -111,7 +118,6 @@ class LLM(nn.Module):
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cos, sin = self.rope(start_pos, T, rope_dtype)
-        policy, every = self.config.activation_checkpointing, self.config.checkpoint_every
         stats, mod_stats = [], []
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
@@ -122,16 +128,18 @@ class LLM(nn.Module):
                 kw["start_pos"] = start_pos
             if isinstance(layer, MixtureOfDepths):
                 kw["causal"] = causal
-            x, s, *m = run_block(layer, i, policy, every, x, cos, sin, **kw)
+            x, s, *m = layer(x, cos, sin, **kw)
             if s is not None:
                 stats.append(s)
             mod_stats += m
+        if self.training:
+            self._record_routing(stats, mod_stats)
         h = self.norm(x)
         if targets is None:
             out = (self.lm_head(h),)
-        elif self.config.chunked_loss:
+        elif self.chunked_loss:
             loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self.config.loss_chunk_size)
+                                         self.loss_chunk_size)
             out = (None, loss)
         else:
             logits = self.lm_head(h)
@@ -174,6 +182,22 @@ class LLM(nn.Module):
         return aux
 
     @torch.no_grad()
+    def _record_routing(self, stats: list, mod_stats: list):
+        """A training forward keeps what the routing-state updates need, as BatchNorm keeps its
+        statistics: the experts' load (balance 'bias', in `router_load`) and the MoD blocks' decision
+        logits of top-k routing (in `mod_decisions`, when keep_mod_decisions). Whoever trains the
+        model applies them once per optimizer step (update_router_biases, update_mod_thresholds)."""
+        if stats and hasattr(self, "router_load"):
+            self.router_load += torch.stack([s["load"] for s in stats])
+        if self.keep_mod_decisions and mod_stats and all("decide" in s for s in mod_stats):
+            self.mod_decisions.append(torch.stack([s["decide"] for s in mod_stats]).detach())
+
+    def take_mod_decisions(self) -> Optional[torch.Tensor]:
+        """The decision logits (L, N, T) recorded since the last call (None: none), then forgotten."""
+        d, self.mod_decisions = self.mod_decisions, []
+        return torch.cat(d, dim=1) if d else None
+
+    @torch.no_grad()
     def mod_boundaries(self, decide: torch.Tensor) -> torch.Tensor:
         """The top-k boundary (L,) of each MoD block in its decision logits (L, N, T) of a whole
         batch ('mod_decide', or those of every process of a data-parallel run, gathered)."""
@@ -182,14 +206,14 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def update_mod_thresholds(self, boundary: torch.Tensor):
-        """Move each MoD block's decision threshold toward `boundary` (L,) (`mod_boundaries` of a
-        training forward) by mod_threshold_rate (blocks/mod.py); the LM task calls it after every
-        training forward."""
+        """Move each MoD block's decision threshold toward `boundary` (L,) (`mod_boundaries` of the
+        training forwards of an optimizer step) by mod_threshold_rate (blocks/mod.py); the trainer
+        calls it after every optimizer step."""
         for layer, b in zip(self.mod_layers(), boundary):
             layer.update_threshold(b, self.config.mod_threshold_rate)
 
     def checkpoint_units(self) -> list:
-        """The blocks activation checkpointing applies to (model.activation_checkpointing)."""
+        """The blocks activation checkpointing applies to (blocks/checkpoint.py's checkpoint_units)."""
         return list(self.layers)
 
     def repeated_units(self) -> list:
@@ -209,16 +233,11 @@ class LLM(nn.Module):
         return [b.mlp for b in self.blocks() if isinstance(b.mlp, MoE)]
 
     @torch.no_grad()
-    def record_router_load(self, load: torch.Tensor):
-        """Add a training forward's load (L, E) to the choices counted since the last bias update."""
-        self.router_load += load
-
-    @torch.no_grad()
     def update_router_biases(self):
         """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load by
         moe.bias_update_rate, from the choices recorded since the last update; then reset them.
-        Called once per optimizer step, before its first forward (the load lives in the
-        `router_load` buffer, so a checkpoint resumes exactly). Without recorded load nothing moves."""
+        Called once per optimizer step, after it (the load lives in the `router_load` buffer, so a
+        checkpoint resumes exactly). Without recorded load nothing moves."""
         for block, load in zip(self.moe_blocks(), self.router_load):
             block.update_bias(load, self.config.moe.bias_update_rate)
         self.router_load.zero_()
@@ -300,34 +319,6 @@ class LLM(nn.Module):
 def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
     """One decoding step: ids (B, 1) at position pos -> next-token logits (B, V); fills the caches."""
     return model(ids, caches=caches, start_pos=pos)[:, -1]
-
-
-class MatvecAsReduction(TorchFunctionMode):
-    """Inside torch.compile on a CPU, turns F.linear on at most two rows (a decoding step at
-    batch 1 or 2) into a multiply and a sum over the input dim, accumulated in fp32.
-
-    Decoding is a chain of matrix-vector products that read every weight once per token, so
-    its speed is the rate at which the weights are read. On a CPU the GEMV behind F.linear
-    reads them well below the memory bandwidth, while inductor fuses the multiply-and-sum into
-    one vectorised reduction that streams the weight at close to it (docs/pretrained.md,
-    "Benchmark", has the measurements). In eager mode the product would be materialised, so
-    this is only for compiled code; on other devices F.linear is left alone (cuBLAS GEMV is
-    bandwidth-bound)."""
-
-    MAX_ROWS = 2  # from 4 rows on, the GEMM is as fast (docs/pretrained.md, "Benchmark")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if w.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() <= self.MAX_ROWS:
-                if torch.is_autocast_enabled("cpu"):
-                    dt = torch.get_autocast_dtype("cpu")
-                    x, w, bias = x.to(dt), w.to(dt), None if bias is None else bias.to(dt)
-                y = (x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32).to(x.dtype)
-                return y if bias is None else y + bias
-        return func(*args, **kwargs)
 
 
 def _decode_step_matvec(model: LLM, ids: torch.Tensor, caches: list, pos: int) -> torch.Tensor:

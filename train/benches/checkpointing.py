@@ -5,7 +5,7 @@
 
 Per family, one model per policy (none, selective, full on every 2nd block, full on every block),
 the same weights, the same batch (`Task.example_batch`); each side is one training step of the
-loop's own step function (`train.loop.optimizer_step`: forward, backward, clipping, AdamW),
+loop's own step function (`train.step.optimizer_step`: forward, backward, clipping, AdamW),
 the sides alternating round by round (harness.run_rounds). Printed: each policy's best step time,
 the paired median of its time over no checkpointing's (how many times slower), the planner's
 predicted peak and activations, and the peak measured in a fresh process (`train.plan.measure`;
@@ -33,17 +33,17 @@ FAMILIES = {
     "convnet": ("convnet/resnet-digits.yaml", ["model.width=32", "train.batch_size=64"]),
     "diffusion": ("diffusion/digits.yaml", ["train.batch_size=128"]),
 }
-POLICIES = {"none": [], "selective": ["model.activation_checkpointing=selective"],
-            "full, every 2nd": ["model.activation_checkpointing=full", "model.checkpoint_every=2"],
-            "full": ["model.activation_checkpointing=full"]}
+POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"],
+            "full, every 2nd": ["train.activation_checkpointing=full", "train.activation_checkpointing_every=2"],
+            "full": ["train.activation_checkpointing=full"]}
 
 
 def step_fn(cfg, precision: str, device: torch.device = torch.device("cpu"), model=None):
-    """One training step of `cfg` as the loop runs it (`train.loop.optimizer_step`: train.grad_accum
+    """One training step of `cfg` as the loop runs it (`train.step.optimizer_step`: train.grad_accum
     micro-batches of `Task.example_batch`, autocast in `precision` with a GradScaler for fp16,
     clipping, the config's optimizer), through torch.compile when train.compile. `model`: use this
     one (already built, on `device`) instead of building the config's. Returns the step callable."""
-    from train.loop import optimizer_step
+    from train.step import optimizer_step
     from train.optim import build_optimizer
     from train.plan import build_model
     from train.tasks import task_class

@@ -53,7 +53,7 @@ def worker(strategy: str, steps: int, warmup: int, batch: int, seq_len: int, pre
     import zoo
     from train.config import OptimConfig
     from train.distributed import Parallel, launch_env
-    from train.loop import optimizer_step
+    from train.step import optimizer_step
     from train.optim import build_optimizer
     from zoo.config import model_config_from
 

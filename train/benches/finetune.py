@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
@@ -43,7 +44,7 @@ RUNS = {
 
 
 def rows_of(out: Path) -> list:
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return read_rows(out)
 
 
 def make_base(args) -> Path:

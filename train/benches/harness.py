@@ -39,7 +39,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from train.hardware import _glibc, keep_freed_memory, measure_peak_flops  # noqa: E402
-from train.loop import DTYPES as PRECISIONS  # noqa: E402  (fp32, bf16, fp16: train.precision's names)
+from train.step import DTYPES as PRECISIONS  # noqa: E402  (fp32, bf16, fp16: train.precision's names)
 
 MIN_ROUNDS = 8
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}

@@ -10,7 +10,7 @@ Generation: batch 1, a random prompt, greedy, `--new-tokens` new tokens (no end-
 token, so every side always produces n tokens). Four sides:
   zoo eager              LLM.generate(ids, n)
   zoo compiled           LLM.generate(ids, n, compile=True): the decoding step under torch.compile,
-                         its matrix-vector products fused reductions (zoo.llm.MatvecAsReduction)
+                         its matrix-vector products fused reductions (zoo.blocks.matvec_cpu.MatvecAsReduction)
   transformers eager     generate(ids, max_new_tokens=n, do_sample=False)
   transformers compiled  transformers' own recipe: forward = torch.compile(forward) and
                          generate(..., cache_implementation="static")

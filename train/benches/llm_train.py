@@ -56,9 +56,9 @@ def build_pair(args):
 
     torch.manual_seed(0)
     zcfg = LLMConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                     n_kv_heads=args.n_kv_heads or None, max_seq_len=args.seq, tie_embeddings=not args.untied,
-                     chunked_loss=not args.no_chunked_loss, loss_chunk_size=args.loss_chunk)
+                     n_kv_heads=args.n_kv_heads or None, max_seq_len=args.seq, tie_embeddings=not args.untied)
     zoo_model = LLM(zcfg)
+    zoo_model.chunked_loss, zoo_model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
     hcfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=zcfg.resolved_ffn_hidden,
                        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
                        num_key_value_heads=zcfg.resolved_n_kv_heads, max_position_embeddings=args.seq,

@@ -61,24 +61,24 @@ SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.4M: tests/test_plan.py's setti
 
 # name -> (base config: a dict or a path under configs/, overrides)
 CONFIGS = {
-    "llm 0.4M fp32 adamw full-loss": (SMALLEST, ["model.chunked_loss=false"]),
+    "llm 0.4M fp32 adamw full-loss": (SMALLEST, ["train.chunked_loss=false"]),
     "llm 4M fp32 adamw chunked": (LLM, []),
     "llm 28M fp32 adamw": (LLM30, []),
-    "llm 28M bf16 adamw ckpt": (LLM30, ["train.precision=bf16", "model.activation_checkpointing=true"]),
+    "llm 28M bf16 adamw ckpt": (LLM30, ["train.precision=bf16", "train.activation_checkpointing=true"]),
     "llm 76M fp32 adamw": (LLM80, []),
-    "llm 76M bf16 adamw ckpt": (LLM80, ["train.precision=bf16", "model.activation_checkpointing=true"]),
+    "llm 76M bf16 adamw ckpt": (LLM80, ["train.precision=bf16", "train.activation_checkpointing=true"]),
     "llm 79M deep-thin bf16 adamw": (DEEP_THIN, ["train.precision=bf16"]),
-    "llm 100M fp32 adamw ckpt": (LLM100, ["model.activation_checkpointing=true"]),
+    "llm 100M fp32 adamw ckpt": (LLM100, ["train.activation_checkpointing=true"]),
     "convnet fp32 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", []),
     "convnet fp32 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64"]),
     "convnet bf16 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64", "train.precision=bf16"]),
     "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
     # outside the envelope (small LLMs whose unseen memory is far above their heap's share; see docs/memory.md)
-    "llm 0.9M fp32 adamw full-loss": (TINY, ["model.chunked_loss=false"]),
-    "llm 4M fp32 adamw chunked ckpt": (LLM, ["model.activation_checkpointing=true"]),
-    "llm 4M bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "model.chunked_loss=false",
-                                              "model.activation_checkpointing=true"]),
+    "llm 0.9M fp32 adamw full-loss": (TINY, ["train.chunked_loss=false"]),
+    "llm 4M fp32 adamw chunked ckpt": (LLM, ["train.activation_checkpointing=true"]),
+    "llm 4M bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "train.chunked_loss=false",
+                                              "train.activation_checkpointing=true"]),
 }
 # the configurations the unseen-memory envelope is fitted on (--calibrate); the rest check it
 CALIBRATE = ["llm 0.4M fp32 adamw full-loss", "llm 4M fp32 adamw chunked", "llm 28M fp32 adamw", "llm 76M fp32 adamw",

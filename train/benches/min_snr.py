@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..plots import line_plot
 from . import harness
+from train.metrics import read_rows
 
 
 def digits_classifier(size: int):
@@ -76,7 +78,7 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
         say(f"== {name}: {cfg.train.max_steps} steps")
         train(cfg, log=lambda m: None)
         run = Path(cfg.train.out_dir)
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = read_rows(run)
         curve = [(r["step"], r["val_mse"], r.get("ema_val_mse")) for r in rows if "val_mse" in r]
         train_curve = [(r["step"], r["loss"]) for r in rows if "loss" in r]
         model = zoo.build(cfg.model)
@@ -135,19 +137,5 @@ def main(argv=None):
 
 
 def _plot(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for name, r in results.items():
-        s, loss = zip(*r["train"])
-        axes[0].plot(s, loss, label=name)
-        s, v, _ = zip(*r["curve"])
-        axes[1].plot(s, v, marker="o", label=name)
-    axes[0].set(title="training loss (each its own weighting)", xlabel="step", yscale="log")
-    axes[1].set(title="validation MSE (unweighted)", xlabel="step")
-    for ax in axes:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    line_plot({name: [(s, v) for s, v, _ in r["curve"]] for name, r in results.items()}, path, "step", "validation MSE (unweighted)",
+              title="validation MSE of each weighting", markers=set(results))

@@ -26,6 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..plots import line_plot
+from train.metrics import read_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
@@ -39,7 +42,7 @@ RUNS = {
 
 
 def rows_of(out: Path) -> list:
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return read_rows(out)
 
 
 def run(name: str, args, runs: dict = RUNS, steps: int = 0) -> list:
@@ -106,28 +109,18 @@ def starved(out: Path, seq: int, batch: int) -> int:
 
 def plot(results: dict, png: Path, title: str = "dense vs MoE (same active parameters, same tokens), embedded corpus",
          xlabel: str = "step"):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    """Each run's training loss (a moving mean over 5 logged rows) and its validation loss."""
+    series, styles = {}, {}
     for i, (name, rows) in enumerate(results.items()):
-        tr = [(r["step"], r.get("lm_loss", r["loss"])) for r in rows if "loss" in r]
-        steps, losses = zip(*tr)
+        steps, losses = zip(*[(r["step"], r.get("lm_loss", r["loss"])) for r in rows if "loss" in r])
         k = 5
-        smooth = [sum(losses[max(0, j - k + 1):j + 1]) / len(losses[max(0, j - k + 1):j + 1]) for j in range(len(losses))]
-        line, = ax.plot(steps, smooth, label=f"{name} train", color=f"C{i}")
-        va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        ax.plot(*zip(*va), "o--", color=line.get_color(), label=f"{name} val")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_ylim(top=min(6.5, ax.get_ylim()[1]))
-    ax.grid(alpha=0.3)
-    ax.legend(ncol=2, fontsize=8)
-    ax.set_title(title)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+        series[f"{name} train"] = [(s, sum(losses[max(0, j - k + 1):j + 1]) / len(losses[max(0, j - k + 1):j + 1]))
+                                   for j, s in enumerate(steps)]
+        series[f"{name} val"] = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        styles[f"{name} train"] = {"color": f"C{i}"}
+        styles[f"{name} val"] = {"color": f"C{i}", "ls": "--"}
+    return line_plot(series, png, xlabel, "cross-entropy (nats/token)", title=title,
+                     markers={f"{n} val" for n in results}, styles=styles)
 
 
 def main(argv=None):

@@ -31,6 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from train.benches import harness  # noqa: E402
+from train.metrics import read_rows
 
 REFERENCE = "adamw"
 # starting LRs on the embedded default (the grid multiplies them by 1/3, 1 and 3)
@@ -117,7 +118,7 @@ def quality(args, names):
                         *([f"optim.muon_lr={MUON_LR * lr / LR_START[name]}"] if name == "muon" else []), *args.set]
                 cfg = load_run_config(str(DEFAULT_CONFIG), over)
                 final = train(cfg, log=lambda m: None)
-                rows = [json.loads(l) for l in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+                rows = read_rows(Path(tmp))
             curve = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
             results[name, lr] = (final["val_loss"], curve)
             print(f"  {name} lr {lr:.2g}: val loss {final['val_loss']:.4f}", flush=True)

@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from train.benches import harness, plots  # noqa: E402
+from train import plots  # noqa: E402
+from train.benches import harness  # noqa: E402
+from train.metrics import read_rows  # noqa: E402
 
 MiB = 2**20
 NOMINAL_SPEED_MEMORY = 0.10   # a claim of "faster" / "less memory" without a number: 10%
@@ -232,7 +234,7 @@ def loop_run(ctx: Ctx, name: str, config, over: list) -> list[dict]:
     t0 = time.perf_counter()
     train(cfg, log=lambda m: None)
     ctx.say(f"    {name}: {cfg.train.max_steps} steps in {time.perf_counter() - t0:.0f} s")
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return read_rows(out)
 
 
 def last(rows: list[dict], key: str) -> float:
@@ -377,7 +379,7 @@ def m_checkpointing(ctx: Ctx) -> list[Row]:
 def m_chunked_ce(ctx: Ctx) -> list[Row]:
     """Chunked cross-entropy (the default) against the loss on the full logits: the step's peak."""
     base = ctx.s.llm
-    full, chunked = ctx.peak(base, ["model.chunked_loss=false"]), ctx.peak(base, ["model.chunked_loss=true"])
+    full, chunked = ctx.peak(base, ["train.chunked_loss=false"]), ctx.peak(base, ["train.chunked_loss=true"])
     ctx.memory["chunked cross-entropy (step peak)"] = {"full logits": full / MiB, "chunked": chunked / MiB}
     v = base["model"]["vocab_size"]
     logits = base["train"]["batch_size"] * base["data"]["seq_len"] * v * 4
@@ -388,7 +390,7 @@ def m_chunked_ce(ctx: Ctx) -> list[Row]:
 
 
 class _Recorder:
-    """An optimizer stand-in for train.loop.optimizer_step that keeps the gradients it is given."""
+    """An optimizer stand-in for train.step.optimizer_step that keeps the gradients it is given."""
 
     def __init__(self, params):
         self.params, self.param_groups, self.grads = params, [{"params": params}], None
@@ -405,7 +407,7 @@ def m_grad_accum(ctx: Ctx) -> list[Row]:
     """Gradient accumulation: the loop's step over k micro-batches against one batch k times larger:
     the gradients (same data), the step time and the step's peak memory."""
     from train.benches.checkpointing import step_fn
-    from train.loop import optimizer_step
+    from train.step import optimizer_step
     from train.plan import build_model
     from train.tasks import task_class
     k, base = ctx.s.accum, ctx.s.llm
@@ -852,7 +854,7 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
     `precision`: of every comparison not about precision; `rounds`: alternating rounds per timing
     (default: the scale's). Returns the rows and the page's path."""
     from train.hardware import keep_freed_memory, release_freed_memory
-    from train.loop import resolve_device
+    from train.step import resolve_device
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):
         old.unlink()

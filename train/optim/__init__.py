@@ -21,14 +21,15 @@ Schedules are multipliers of the peak LR (schedules.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 from torch import nn
 
-from ..config import OptimConfig
-from .schedules import SCHEDULES, lr_multiplier, micro_batches
+from zoo.tensors import tensor_bytes
 
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "lion", "muon", "adamw8bit", "adamw_offload", "galore")
-
+from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note
 
 def _embedding_ids(model: nn.Module) -> set:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -77,7 +78,7 @@ def fused_supported(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu", "mps", "xpu")
 
 
-def _adamw(groups, cfg: OptimConfig, device: torch.device, log):
+def _adamw(model, groups, cfg, device: torch.device, log):
     fused = fused_supported(device) if cfg.fused is None else cfg.fused
     try:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
@@ -86,54 +87,89 @@ def _adamw(groups, cfg: OptimConfig, device: torch.device, log):
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, log=print):
-    groups = param_groups(model, cfg.weight_decay)
-    name = cfg.name
-    if name == "adamw":
-        return _adamw(groups, cfg, device, log)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
-    if name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay)
-    if name == "lion":
-        from .lion import Lion
-        return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))
-    if name == "muon":
-        from .muon import muon_with_adamw
-        hidden, other = split_hidden(groups, hidden_matrices(model))
-        if not hidden:
-            raise ValueError("optim.name=muon: the model has no hidden 2-D weights for Muon")
-        fused = fused_supported(device) if cfg.fused is None else cfg.fused
-        return muon_with_adamw(hidden, other, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.betas, cfg.eps, fused)
-    if name == "galore":
-        from .galore import GaLoreAdamW
-        hidden, other = split_hidden(groups, hidden_matrices(model))
-        return GaLoreAdamW([dict(g, galore=True) for g in hidden] + other, lr=cfg.lr, betas=tuple(cfg.betas),
-                           eps=cfg.eps, rank=cfg.galore_rank, update_every=cfg.galore_update_every,
-                           scale=cfg.galore_scale)
-    if name == "adamw8bit":
-        if device.type == "cuda":
-            try:
-                import bitsandbytes as bnb
-            except ImportError:
-                bnb = None
-            if bnb is not None:
-                log("optimizer: adamw8bit from bitsandbytes")
-                return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-        from torchao.optim import AdamW8bit
-        log(f"optimizer: adamw8bit from torchao (block-wise quantised states; tensors under 4096 entries in fp32)")
-        return AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if name == "adamw_offload":
-        if device.type != "cuda":
-            log(f"optimizer: adamw_offload skipped on {device.type} (CPU offload needs CUDA); fused AdamW instead")
-            return _adamw(groups, cfg, device, log)
+def _sgd(model, groups, cfg, device, log):
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+def _adafactor(model, groups, cfg, device, log):
+    return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay)
+
+
+def _lion(model, groups, cfg, device, log):
+    from .lion import Lion
+    return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def _muon(model, groups, cfg, device, log):
+    from .muon import muon_with_adamw
+    hidden, other = split_hidden(groups, hidden_matrices(model))
+    if not hidden:
+        raise ValueError("optim.name=muon: the model has no hidden 2-D weights for Muon")
+    fused = fused_supported(device) if cfg.fused is None else cfg.fused
+    return muon_with_adamw(hidden, other, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.betas, cfg.eps, fused)
+
+
+def _galore(model, groups, cfg, device, log):
+    from .galore import GaLoreAdamW
+    hidden, other = split_hidden(groups, hidden_matrices(model))
+    return GaLoreAdamW([dict(g, galore=True) for g in hidden] + other, lr=cfg.lr, betas=tuple(cfg.betas),
+                       eps=cfg.eps, rank=cfg.galore_rank, update_every=cfg.galore_update_every,
+                       scale=cfg.galore_scale)
+
+
+def _adamw8bit(model, groups, cfg, device, log):
+    if device.type == "cuda":
         try:
-            from torchao.optim import CPUOffloadOptimizer
+            import bitsandbytes as bnb
         except ImportError:
-            raise ValueError("optim.name=adamw_offload needs the torchao package: pip install -e '.[optim]'") from None
-        return CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, lr=cfg.lr, betas=tuple(cfg.betas),
-                                   eps=cfg.eps)
-    raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
+            bnb = None
+        if bnb is not None:
+            log("optimizer: adamw8bit from bitsandbytes")
+            return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    from torchao.optim import AdamW8bit
+    log("optimizer: adamw8bit from torchao (block-wise quantised states; tensors under 4096 entries in fp32)")
+    return AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def _adamw_offload(model, groups, cfg, device, log):
+    if device.type != "cuda":
+        log(f"optimizer: adamw_offload skipped on {device.type} (CPU offload needs CUDA); fused AdamW instead")
+        return _adamw(model, groups, cfg, device, log)
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        raise ValueError("optim.name=adamw_offload needs the torchao package: pip install -e '.[optim]'") from None
+    return CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An entry of the registry: its builder (model, parameter groups, optim config, device, log)
+    -> torch optimizer, the package it needs (None: torch alone), and the train.parallel
+    strategies it has been run under (the others are refused in one line)."""
+    build: Callable
+    package: Optional[str] = None
+    parallel: tuple = ()
+
+
+# optim.name -> its entry: the one list of optimizers (the config checks names against it)
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer(_adamw, parallel=("ddp", "fsdp")),
+    "sgd": Optimizer(_sgd, parallel=("ddp", "fsdp")),
+    "adafactor": Optimizer(_adafactor, parallel=("ddp",)),
+    "lion": Optimizer(_lion, parallel=("ddp", "fsdp")),
+    "muon": Optimizer(_muon),
+    "adamw8bit": Optimizer(_adamw8bit, package="torchao"),
+    "adamw_offload": Optimizer(_adamw_offload),
+    "galore": Optimizer(_galore),
+}
+
+
+def build_optimizer(model: nn.Module, cfg, device: torch.device, log=print):
+    """The optimizer `cfg.name` of the registry over `model`'s parameter groups."""
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.name!r} (known: {', '.join(OPTIMIZERS)})")
+    return OPTIMIZERS[cfg.name].build(model, param_groups(model, cfg.weight_decay), cfg, device, log)
 
 
 def set_lr(optimizer, lr: float):
@@ -148,30 +184,7 @@ def set_lr(optimizer, lr: float):
 
 def state_bytes(optimizer) -> int:
     """Bytes the optimizer's state holds (its tensors, counted once; quantised tensors by their storage)."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            inner = getattr(t, "__tensor_flatten__", None)
-            if inner is not None and type(t) is not torch.Tensor:  # tensor subclass: count its parts
-                for name in t.__tensor_flatten__()[0]:
-                    add(getattr(t, name))
-                return
-            key = (t.untyped_storage().data_ptr(), t.dtype, t.numel())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        elif isinstance(t, dict):
-            for v in t.values():
-                add(v)
-        elif isinstance(t, (list, tuple)):
-            for v in t:
-                add(v)
-
-    for s in optimizer.state.values():
-        add(s)
-    return total
+    return tensor_bytes(list(optimizer.state.values()))
 
 
 __all__ = ["OPTIMIZERS", "build_optimizer", "fused_supported", "hidden_matrices", "lr_multiplier", "micro_batches", "param_groups", "SCHEDULES",

@@ -50,6 +50,21 @@ def lr_multiplier(step: int, max_steps: int, cfg) -> float:
     raise ValueError(f"unknown schedule {cfg.schedule!r}")
 
 
+def resume_note(start: int, was_max_steps, max_steps: int, cfg) -> str:
+    """The log line of a run resumed at optimizer step `start` whose train.max_steps changed since
+    the checkpoint was written (`was_max_steps`, recorded in it): the schedule (warmup, decay and
+    their fractions) is recomputed over the new max_steps and continues from `start` on it, so
+    the LR may jump; the line states from what to what. "" when nothing changed (or the
+    checkpoint does not say, or there is nothing left to train)."""
+    if not was_max_steps or was_max_steps == max_steps or start >= max_steps or start <= 0:
+        return ""
+    last = cfg.lr * lr_multiplier(start - 1, was_max_steps, cfg)
+    nxt = cfg.lr * lr_multiplier(start, max_steps, cfg)
+    return (f"resume: train.max_steps {was_max_steps} -> {max_steps}: the LR schedule is recomputed over "
+            f"{max_steps} steps and continues from step {start}; the LR goes from {last:.4g} (step {start}, "
+            f"the last of the checkpoint, on the schedule over {was_max_steps}) to {nxt:.4g} (step {start + 1})")
+
+
 def micro_batches(step: int, grad_accum: int, warmup_steps: int) -> int:
     """Batch-size warmup (`train.batch_warmup_steps`): the micro-batches accumulated at `step`
     grow linearly from 1 at step 0 to `grad_accum` at step `warmup_steps` (then stay there)."""

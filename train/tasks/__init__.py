@@ -2,28 +2,20 @@
 
 A task turns a run config into a model and batches, a batch into a loss, and a model into
 eval metrics and samples. The loop knows nothing else about the family.
-Register a family by adding it to TASKS ("family" -> "module:Class").
+A family registers its task in zoo/config.py's FAMILIES (with its config and model).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-TASKS: dict[str, str] = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
-                         "diffusion": "train.tasks.diffusion:DiffusionTask"}
-
-
 def task_class(family: str, source: str = "<config>"):
-    from zoo.config import ConfigError
-    if family not in TASKS:
-        raise ConfigError(f"{source}: unknown family {family!r} (known: {', '.join(TASKS)})")
-    mod, _, name = TASKS[family].partition(":")
-    return getattr(importlib.import_module(mod), name)
+    from zoo.config import family as family_entry, load_class
+    return load_class(family_entry(family, source).task)
 
 
 class Task:
@@ -111,6 +103,12 @@ class Task:
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
         """(mean loss over the batch, number of items it covers)."""
         raise NotImplementedError
+
+    def step_hook(self, model: nn.Module) -> Optional[Callable[[], None]]:
+        """What must run after every optimizer step on the (unwrapped) model: routing-state updates
+        such as MoE bias balancing, with any cross-rank reduction inside. None: nothing. The run
+        builder registers it once, as an optimizer step hook."""
+        return None
 
     def example_batch(self, model: nn.Module, batch_size: int) -> Any:
         """A training batch of `batch_size` items with the shapes and dtypes train_batch gives, made

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo.config import ConfigError, fail
+from zoo.config import ConfigError, bounded, fail
 from zoo.weights import resnet as resnet_weights
 
 from ..data import DataError
@@ -31,46 +31,36 @@ from . import Task
 
 @dataclass
 class ImageDataConfig:
-    path: str = "digits"                    # "digits" (embedded) or an image folder root/<class>/<image>
-    val_path: Optional[str] = None          # null: root/val if root/train exists, else a split of root
-    val_fraction: float = 0.1               # held out per class when there is no val folder
-    image_size: Optional[int] = None        # null: 32 for digits, 224 for folders
-    crop_pct: float = 0.875                 # eval: resize to image_size / crop_pct, centre-crop image_size
+    path: str = "digits"                    # `digits` (embedded: scikit-learn's 8x8 digits, upsampled) or an image
+                                            # folder `root/<class>/<images>`
+    val_path: Optional[str] = None          # a val folder with the same class folders; null: `root/val` when
+                                            # `root/train` and `root/val` exist, else a split
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held out per class when there is no val folder (also the digits
+                                            # split)
+    image_size: Optional[int] = bounded(None, ge=8)  # crop size; null: 32 for digits, 224 for folders
+    crop_pct: float = bounded(0.875, gt=0, le=1)  # eval: resize the short side to `image_size / crop_pct`,
+                                            # centre-crop `image_size`
     scale: tuple[float, float] = (0.08, 1.0)   # train: random-resized-crop area range
     ratio: tuple[float, float] = (0.75, 1.3333333)  # train: aspect-ratio range
-    hflip: float = 0.5                      # train: flip probability (folders)
-    shift: int = 2                          # train: random translation in pixels (digits)
+    hflip: float = bounded(0.5, ge=0, le=1)  # train: horizontal flip probability (folders)
+    shift: int = bounded(2, ge=0)           # train: random translation in pixels (digits; no flips for digits)
     mean: Optional[list[float]] = None      # null: ImageNet's (RGB) / 0.5 (digits, grey)
-    std: Optional[list[float]] = None
-    label_smoothing: float = 0.1
-    num_workers: int = 2                    # DataLoader worker processes (folders)
-    pin_memory: Optional[bool] = None       # null: when the device is CUDA
-    eval_images: Optional[int] = None       # null: the whole validation set
-    ema_bn_batches: int = 8                 # EMA model: recompute BatchNorm statistics on this many
-                                            # (centre-cropped) training batches before evaluating; 0 = off
+    std: Optional[list[float]] = None       # normalisation; null: ImageNet's for RGB folders, 0.449/0.226 grey,
+                                            # 0.5/0.5 digits
+    label_smoothing: float = bounded(0.1, ge=0, lt=1)  # cross-entropy label smoothing
+    num_workers: int = bounded(2, ge=0)     # DataLoader worker processes decoding images (folders)
+    pin_memory: Optional[bool] = None       # null: on when the device is CUDA
+    eval_images: Optional[int] = bounded(None, gt=0)  # evaluate on a fixed seeded subset of this many validation
+                                            # images
+    ema_bn_batches: int = bounded(8, ge=0)  # BN recalibration batches for the EMA model; 0 = off
 
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise fail(source, prefix + "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        if self.image_size is not None and self.image_size < 8:
-            raise fail(source, prefix + "image_size", f"must be >= 8 or null, got {self.image_size}")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise fail(source, prefix + "crop_pct", f"must be in (0, 1], got {self.crop_pct}")
         if not 0.0 < self.scale[0] <= self.scale[1] <= 1.0:
             raise fail(source, prefix + "scale", f"must be 0 < min <= max <= 1, got {list(self.scale)}")
         if not 0.0 < self.ratio[0] <= self.ratio[1]:
             raise fail(source, prefix + "ratio", f"must be 0 < min <= max, got {list(self.ratio)}")
-        if not 0.0 <= self.hflip <= 1.0:
-            raise fail(source, prefix + "hflip", f"must be in [0, 1], got {self.hflip}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise fail(source, prefix + "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
-        for k in ("shift", "num_workers", "ema_bn_batches"):
-            if getattr(self, k) < 0:
-                raise fail(source, prefix + k, f"must be >= 0, got {getattr(self, k)}")
-        if self.eval_images is not None and self.eval_images <= 0:
-            raise fail(source, prefix + "eval_images", f"must be > 0 or null, got {self.eval_images}")
         if (self.mean is None) != (self.std is None) or (self.mean and len(self.mean) != len(self.std)):
             raise fail(source, prefix + "std", "and data.mean must both be set, with one value per channel")
         if self.std and any(s <= 0 for s in self.std):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo.config import ConfigError, fail
+from zoo.config import ConfigError, bounded
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
 from zoo.diffusion.taesd import TAESD
 from zoo.weights.files import atomic_write
@@ -32,27 +32,18 @@ from . import Task
 
 @dataclass
 class DiffusionDataConfig:
-    dataset: str = "digits"                 # "digits" (embedded, no download) or an image folder root/<class>/*
-    val_fraction: float = 0.1               # held-out images for val_loss
-    cache_dir: Optional[str] = None         # trained autoencoders; null: $ZOO_CACHE, else ~/.cache/zoo
-    encode_batch_size: int = 64
+    dataset: str = "digits"                 # `digits` or an image folder `root/<class>/*` (centre crops)
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held-out images
+    cache_dir: Optional[str] = None         # trained autoencoders; null = `$ZOO_CACHE`, else the user cache directory
+                                            # (`$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`)
+    encode_batch_size: int = bounded(64, gt=0)  # batch for the one-off encoding
     # the autoencoder trained here when model.autoencoder.weights is null
-    ae_steps: int = 400
-    ae_batch_size: int = 32
-    ae_lr: float = 2e-3
-    ae_latent_noise: float = 0.1            # noise added to latents in training: a decoder robust to sampling error
+    ae_steps: int = bounded(400, gt=0)      # autoencoder training (when no weights)
+    ae_batch_size: int = bounded(32, gt=0)  # autoencoder training (when no weights)
+    ae_lr: float = bounded(2e-3, gt=0)      # autoencoder training (when no weights)
+    ae_latent_noise: float = bounded(0.1, ge=0)  # noise added to latents in training: a decoder robust to sampling error
     # samples.png
-    samples_per_class: int = 8
-
-    def validate(self, source, prefix="data."):
-        for k in ("encode_batch_size", "ae_steps", "ae_batch_size", "samples_per_class"):
-            if getattr(self, k) <= 0:
-                raise fail(source, prefix + k, f"must be > 0, got {getattr(self, k)}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise fail(source, prefix + "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        if self.ae_lr <= 0 or self.ae_latent_noise < 0:
-            k = "ae_lr" if self.ae_lr <= 0 else "ae_latent_noise"
-            raise fail(source, prefix + k, f"must be {'> 0' if k == 'ae_lr' else '>= 0'}, got {getattr(self, k)}")
+    samples_per_class: int = bounded(8, gt=0)  # columns of samples.png
 
 
 def load_images(d: DiffusionDataConfig, size: int, source: str):

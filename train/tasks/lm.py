@@ -38,7 +38,7 @@ class LMTask(Task):
     unit = "tokens"
     moe = None           # the model's MoEConfig, when it has one
     mod = False          # whether the model has Mixture-of-Depths layers
-    _micro = _step = 0   # the micro-batch and step train_batch was last asked for
+    _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
     _sums: Optional[dict] = None
 
     @staticmethod
@@ -72,17 +72,14 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            # the architecture comes from the checkpoint; the model: section still sets how it runs
-            # (attention backend, checkpointing, chunked loss) when those keys are given
-            given = self.cfg.explicit.get("model") or {}
-            runtime = {k: getattr(self.cfg.model, k) for k in hf_llm.RUNTIME_KEYS if k in given}
+            # the architecture comes from the checkpoint (how it runs comes from train:, train/runtime.py)
             # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
             def load(path):
                 if not (hf_llm.detect(path) or zoo_folder.detect(path)):
                     raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "
                                      f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)}) nor a Zoo LLM "
                                      f"folder (config.yaml and model.safetensors, as train/run.py writes)")
-                return zoo.from_pretrained(path, dtype=torch.float32, **runtime)
+                return zoo.from_pretrained(path, dtype=torch.float32)
             model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
@@ -92,7 +89,7 @@ class LMTask(Task):
             src = self.cfg.train.init_from or f"{self.cfg.source}: model.vocab_size"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"tokenizer's {vocab}")
-        self._say_attention(model.config)
+        self._say_attention()
         return model
 
     def _use(self, model):
@@ -104,8 +101,8 @@ class LMTask(Task):
         x = torch.zeros(batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
         return x, torch.zeros_like(x)
 
-    def _say_attention(self, m):
-        backend = m.attn_backend
+    def _say_attention(self):
+        backend = self.cfg.train.attn_backend
         picked = resolve_backend(backend, self.device, self.autocast_dtype or torch.float32, self.cfg.data.seq_len,
                                  compiling=self.cfg.train.compile)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
@@ -129,7 +126,7 @@ class LMTask(Task):
         return self._schedule(step)
 
     def train_batch(self, step, micro):
-        self._step, self._micro = step, micro
+        self._step = step
         g = self.batch_generator(step, micro)
         window = self.seq_len_at(step)
         if window != getattr(self, "_window", None) and self.cfg.data.seq_len_schedule:
@@ -144,23 +141,31 @@ class LMTask(Task):
         if self.moe is None and not self.mod:
             _, loss = model(x, y)
             return loss, y.numel()
-        raw = getattr(model, "_orig_mod", model)  # torch.compile'd
-        raw = getattr(raw, "module", raw)  # DistributedDataParallel's
-        bias = self.moe is not None and self.moe.balance == "bias"
-        if bias and self._micro == 0:  # the load of the previous optimizer step
-            raw.update_router_biases()
         _, loss, aux = model(x, y, return_aux=True)
-        if bias:
-            raw.record_router_load(self.sum_across_ranks(aux["load"].detach().clone()))  # every rank's load
-        if self.mod and raw.training:  # the boundary of the global batch: every rank's decision logits, so
-            d = aux["mod_decide"]      # every rank keeps the thresholds one process would reach
-            if self.world > 1:
-                every = torch.zeros((self.world, *d.shape), device=d.device, dtype=d.dtype)
-                every[self.rank] = d
-                d = self.sum_across_ranks(every).transpose(0, 1).flatten(1, 2)  # an all-gather (zeros elsewhere)
-            raw.update_mod_thresholds(raw.mod_boundaries(d))
         self._accumulate(loss, aux, y.numel())
         return loss + aux["aux_loss"], y.numel()
+
+    def step_hook(self, model):
+        """MoE bias balancing and MoD thresholds: after every optimizer step, from what the step's
+        training forwards recorded (zoo/llm.py), over every rank's batch (so every rank keeps the
+        routing state one process would reach)."""
+        bias = self.moe is not None and self.moe.balance == "bias"
+        if not (bias or self.mod):
+            return None
+        model.keep_mod_decisions = self.mod
+
+        def update():
+            if bias:
+                self.sum_across_ranks(model.router_load)
+                model.update_router_biases()
+            d = model.take_mod_decisions() if self.mod else None
+            if d is not None:
+                if self.world > 1:  # every rank's decision logits: an all-gather (zeros elsewhere, then a sum)
+                    every = torch.zeros((self.world, *d.shape), device=d.device, dtype=d.dtype)
+                    every[self.rank] = d
+                    d = self.sum_across_ranks(every).transpose(0, 1).flatten(1, 2)
+                model.update_mod_thresholds(model.mod_boundaries(d))
+        return update
 
     @torch.no_grad()
     def _accumulate(self, loss, aux, tokens):

@@ -11,14 +11,11 @@ Backends (`backend`; each name is exactly one implementation):
   torch.compile); 'sdpa' otherwise. `resolve_backend` says what it picks for a given shape.
 - 'sdpa': torch.nn.functional.scaled_dot_product_attention (torch chooses its kernel).
 - 'flash': flash-attn's flash_attn_func (CUDA, fp16/bf16); anything else is an error.
-- 'bmm': `attend_bmm`, batched matmuls around an fp32 softmax, the queries in blocks that each
-  multiply only the keys up to their own position (the masked half of the causal score matrix
-  is mostly never computed), with a hand-written backward (`_AttendBlock`). On a CPU it beats
-  torch's flash kernel up to ~1024 keys (numbers in docs/llm.md); it keeps the probabilities
-  of the causal half of each head's (T, T) scores for backward, in the compute dtype.
+- 'bmm': the CPU speed path `attend_bmm` of attention_cpu.py (batched matmuls around an fp32
+  softmax with a hand-written backward; faster than torch's CPU flash kernel up to ~1024 keys).
 - 'math': a plain softmax(QK^T/sqrt(D))V in fp32, the reference for tests.
-As in transformers' eager attention, 'bmm' takes the scores out of the matmul in the compute
-dtype before the fp32 softmax.
+The backend is how attention runs, not what it computes: `set_backend(model, name)` sets it on
+every CausalSelfAttention of a built model.
 
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
 [0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
@@ -32,7 +29,7 @@ Prefix tuning: `prefix`, None by default, may be set to a module taking the keys
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
 cos, sin (T, D) from rope.py, or (B, T, D) when each row has positions of its own; key_mask
 (B, T) bool for layers that skip tokens (`attend_masked`, `KVCache(masked=True)`).
-Needs: rope.py, norm.py (copy them beside this file). Depends on torch only; flash-attn is
+Needs: rope.py, norm.py, attention_cpu.py (copy them beside this file). Depends on torch only; flash-attn is
 imported on first use of the 'flash' backend, when installed.
 """
 import math
@@ -43,9 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
+    from .attention_cpu import CPU_BMM_MAX_LEN, CPU_BMM_MAX_LEN_COMPILED, attend_bmm
     from .norm import RMSNorm
     from .rope import apply_rope
-except ImportError:  # copied next to rope.py and norm.py, outside the zoo package
+except ImportError:  # copied next to rope.py, norm.py and attention_cpu.py, outside the zoo package
+    from attention_cpu import CPU_BMM_MAX_LEN, CPU_BMM_MAX_LEN_COMPILED, attend_bmm
     from norm import RMSNorm
     from rope import apply_rope
 
@@ -133,76 +132,6 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> tor
     if window is not None:
         mask = mask & (q_pos - k_pos < window)
     return mask
-
-
-CPU_BMM_MAX_LEN = 512             # eager: the longest key length for `attend_bmm` on a CPU
-CPU_BMM_MAX_LEN_COMPILED = 1024   # the same under torch.compile, which fuses the softmax
-
-
-def bmm_block_size(tq: int) -> int:
-    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256] (the best
-    measured on a CPU; see docs/llm.md, "Training speed")."""
-    return min(256, max(64, tq // 4))
-
-
-class _AttendBlock(torch.autograd.Function):
-    """One block of `attend_bmm`: all Tq queries against all Tk keys, the queries being the
-    last Tq positions, with a hand-written backward. It keeps the probabilities once, in the
-    compute dtype, and takes the softmax gradient from them as
-    dS = P * (dP - rowsum(dO * O)) (FlashAttention's identity), in fp32. Autograd through
-    the plain expression would keep an fp32 copy of P as well and reduce over the key axis."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, window: Optional[int]):
-        B, H, Tq, D = q.shape
-        KV, Tk = k.shape[1], k.shape[2]
-        G = H // KV
-        scale = D ** -0.5
-        scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * scale  # (B, KV, G*Tq, Tk)
-        if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
-            # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
-            # broadcasts, with no per-row index arithmetic in a compiled kernel
-            mask = attention_mask(Tq, Tk, window, q.device)
-            scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~mask, float("-inf")).view(B, KV, G * Tq, Tk)
-        probs = scores.softmax(-1).to(v.dtype)
-        out = probs @ v  # (B, KV, G*Tq, D)
-        ctx.save_for_backward(q, k, v, probs, out)
-        ctx.scale = scale
-        return out.view(B, H, Tq, D)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, probs, out = ctx.saved_tensors
-        B, H, Tq, D = q.shape
-        KV = k.shape[1]
-        grad_out = grad_out.reshape(B, KV, (H // KV) * Tq, D).to(v.dtype)
-        grad_v = probs.transpose(-2, -1) @ grad_out
-        grad_p = (grad_out @ v.transpose(-2, -1)).float()
-        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # = rowsum(dP * P)
-        grad_s = (probs.float() * (grad_p - delta) * ctx.scale).to(q.dtype)  # masked keys: P = 0
-        grad_q = (grad_s @ k).view(B, H, Tq, D)
-        grad_k = grad_s.transpose(-2, -1) @ q.reshape(B, KV, (H // KV) * Tq, D)
-        return grad_q, grad_k, grad_v, None
-
-
-def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D), causal and windowed) v as batched matmuls, softmax in fp32.
-    Grouped heads are stacked along the rows of their kv head, so k and v are never copied.
-    The queries go in blocks of `block` (default `bmm_block_size`); a block multiplies only the
-    keys its queries can see (up to its last query; with a window, from its first query's
-    window start), so about half of a causal (T, T) score matrix is never computed."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    block = block or bmm_block_size(Tq)
-    if Tq <= block:
-        return _AttendBlock.apply(q, k, v, window)
-    off = Tk - Tq  # query i sits at position off + i
-    outs = []
-    for s in range(0, Tq, block):
-        e = min(s + block, Tq)
-        lo = 0 if window is None else max(0, off + s - window + 1)
-        outs.append(_AttendBlock.apply(q[:, :, s:e], k[:, :, lo:off + e], v[:, :, lo:off + e], window))
-    return torch.cat(outs, dim=2)
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_len: int,
@@ -304,3 +233,16 @@ class CausalSelfAttention(nn.Module):
         else:
             y = attend(q, k, v, self.backend, self.sliding_window)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Set the attention backend (BACKENDS) of every CausalSelfAttention in `model`; returns how
+    many. A choice of how attention runs, made on a built model (train.attn_backend)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
+    if backend in ("auto", "flash"):
+        flash_available()  # import it now, not inside a compiled forward
+    mods = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    for m in mods:
+        m.backend = backend
+    return len(mods)

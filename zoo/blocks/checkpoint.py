@@ -12,9 +12,17 @@ policy after Korthikanti et al., "Reducing Activation Recomputation in Large Tra
                                element-wise ops): most of the memory saved for little recompute
     every = n                  only blocks 0, n, 2n, ... are checkpointed (1: every block)
 
-`run_block(block, i, policy, every, *args, **kwargs)` calls `block(*args, **kwargs)` as block i of
-its stack under the policy (through torch.utils.checkpoint, non-reentrant, RNG state preserved so
-dropout and stochastic depth draw the same masks again). Running statistics (BatchNorm) are not
+Applied from outside a model, as timm's set_grad_checkpointing and torchtitan do: a model keeps a
+plain forward and exposes its repeated units, and
+
+    checkpoint_units(model.checkpoint_units(), "selective", every=2)
+
+makes unit i (from 0) of that list run checkpointed when i % every == 0 (its `forward` replaced on
+the instance; parameter names and the state dict are unchanged; policy "none" restores the plain
+forward). `run_block(block, i, policy, every, *args, **kwargs)` is the same for one call:
+`block(*args, **kwargs)` as block i of its stack under the policy. Both go through
+torch.utils.checkpoint, non-reentrant, RNG state preserved so dropout and stochastic depth draw
+the same masks again. Running statistics (BatchNorm) are not
 updated twice: while a block is recomputed their momentum is 0 and their batch count is restored.
 Checkpointing applies only when gradients are being recorded (`torch.is_grad_enabled()`) and
 the block is training. Shapes: whatever the block takes and returns. torch only.
@@ -22,7 +30,8 @@ the block is training. Shapes: whatever the block takes and returns. torch only.
 from __future__ import annotations
 
 import functools
-from typing import Union
+import types
+from typing import Iterable, Union
 
 import torch
 from torch import nn
@@ -84,13 +93,44 @@ def _frozen_stats(block: nn.Module, fn):
     return wrapped
 
 
+def _run(block: nn.Module, fn, policy: str, *args, **kwargs):
+    """fn(*args, **kwargs), the forward of `block`, checkpointed under `policy` ('full' or 'selective')."""
+    fn = _frozen_stats(block, fn)
+    if policy == "full":
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls), **kwargs)
+
+
 def run_block(block: nn.Module, i: int, policy: Union[bool, str], every: int, *args, **kwargs):
     """block(*args, **kwargs) as block `i` (from 0) of its stack, checkpointed as the policy says."""
     policy = resolve_policy(policy)
     if policy == "none" or i % every or not (block.training and torch.is_grad_enabled()):
         return block(*args, **kwargs)
-    fn = _frozen_stats(block, block)
-    if policy == "full":
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls), **kwargs)
+    return _run(block, block, policy, *args, **kwargs)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """The forward `checkpoint_units` gives a unit: its class's forward, checkpointed while training."""
+    plain = functools.partial(type(self).forward, self)
+    if not (self.training and torch.is_grad_enabled()):
+        return plain(*args, **kwargs)
+    return _run(self, plain, self.checkpoint_policy, *args, **kwargs)
+
+
+def checkpoint_units(units: Iterable[nn.Module], policy: Union[bool, str] = "full", every: int = 1) -> int:
+    """Checkpoint unit i (from 0) of `units` under `policy` when i % every == 0; the other units,
+    and all of them with policy 'none' (or False), get their plain forward back. Returns how many
+    units are checkpointed. Call it again to change the policy."""
+    policy = resolve_policy(policy)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"checkpoint every must be an int >= 1, got {every!r}")
+    n = 0
+    for i, unit in enumerate(units):
+        unit.__dict__.pop("forward", None)
+        unit.__dict__.pop("checkpoint_policy", None)
+        if policy != "none" and i % every == 0:
+            unit.checkpoint_policy = policy
+            unit.forward = types.MethodType(_checkpointed_forward, unit)
+            n += 1
+    return n

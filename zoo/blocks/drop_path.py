@@ -3,14 +3,37 @@
 Paper: Huang, Sun, Liu, Sedra & Weinberger, "Deep Networks with Stochastic Depth" (2016).
 In training, each sample's branch output is kept with probability keep = 1 - drop_prob and
 scaled by 1 / keep, so its expectation equals the undropped output; at eval it is the identity.
-Use it on the residual branch only:  x = shortcut + drop_path(branch(x)).
+
+Two ways to apply it to a residual block  y = shortcut + branch(x):
+
+    y = shortcut + drop_path(branch(x), p, training)          # the masked form: the branch runs on
+                                                              # every sample, dropped rows are zeroed
+    y = residual_drop_path(shortcut, branch, x, p, training)  # the branch runs on the kept rows only
+                                                              # (gathered, run, scaled, added back)
+
+Both draw the same per-sample Bernoulli mask from the same generator state, so for a given
+mask they give the same output and gradients when the branch treats samples independently.
+A branch with BatchNorm in training mode normalises over the rows it sees: over the kept rows
+only in the second form (a smaller batch, as when a whole block is skipped in the paper). The
+second form saves the dropped rows' compute (the speed-up the paper reports); its row count
+changes every step, so under torch.compile the masked form is used (static shapes).
+`per="batch"` is the paper's own variant: one draw for the whole batch, the branch skipped
+entirely when dropped (scaled by 1 / keep when kept); its parameters then get no gradient that
+step, which DistributedDataParallel (without find_unused_parameters) does not allow.
 
 Shapes: x (B, ...) -> (B, ...), e.g. (B, C, H, W) or (B, T, D); one Bernoulli draw per sample.
-Works with any memory format (the mask is (B, 1, ..., 1) and broadcasts).
-Depends on torch only.
+Works with any memory format (the mask is (B, 1, ..., 1) and broadcasts; gathered rows keep
+channels-last). Depends on torch only.
 """
+from typing import Callable
+
 import torch
 from torch import nn
+
+
+def keep_mask(batch: int, keep: float, device, generator: torch.Generator = None) -> torch.Tensor:
+    """(batch,) float mask: 1 with probability keep, else 0 (the per-sample draw both forms share)."""
+    return torch.empty(batch, device=device).bernoulli_(keep, generator=generator)
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False,
@@ -19,25 +42,64 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False,
     if drop_prob == 0.0 or not training:
         return x
     keep = 1.0 - drop_prob
-    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-    mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep, generator=generator)
-    return x * mask.div_(keep)
+    mask = keep_mask(x.shape[0], keep, x.device, generator).to(x.dtype)
+    return x * mask.view((-1,) + (1,) * (x.ndim - 1)).div_(keep)
+
+
+def residual_drop_path(shortcut: torch.Tensor, branch: Callable, x: torch.Tensor, drop_prob: float = 0.0,
+                       training: bool = False, generator: torch.Generator = None, per: str = "sample"):
+    """shortcut + drop_path(branch(x)), with the branch computed only where it is kept.
+
+    per="sample": the kept rows of x are gathered, run through the branch, scaled by 1 / keep and
+    added to their rows of shortcut (out of place). per="batch": the whole branch is skipped with
+    probability drop_prob. In eval, at rate 0, or while compiling: shortcut + branch(x) as usual
+    (the masked form while compiling)."""
+    if drop_prob == 0.0 or not training:
+        return shortcut + branch(x)
+    if per not in ("sample", "batch"):
+        raise ValueError(f"per must be 'sample' or 'batch', got {per!r}")
+    keep = 1.0 - drop_prob
+    if per == "batch":
+        kept = keep_mask(1, keep, x.device, generator).item() > 0
+        return shortcut + branch(x) / keep if kept else shortcut.clone()  # a new tensor, as in every case
+    if torch.compiler.is_compiling():
+        return shortcut + drop_path(branch(x), drop_prob, training, generator)
+    mask = keep_mask(x.shape[0], keep, x.device, generator)
+    rows = mask.nonzero().squeeze(1)
+    if rows.numel() in (0, x.shape[0]):  # all rows alike: the masked form (no row kept: still a graph
+        view = mask.to(x.dtype).view((-1,) + (1,) * (x.ndim - 1)) / keep  # through the branch)
+        return shortcut + branch(x) * view
+    fmt = torch.channels_last if x.ndim == 4 and x.is_contiguous(memory_format=torch.channels_last) \
+        and not x.is_contiguous() else torch.contiguous_format
+    out = branch(x.index_select(0, rows).contiguous(memory_format=fmt))
+    return shortcut.clone().index_add_(0, rows, out, alpha=1.0 / keep)  # clone keeps the memory format
 
 
 class DropPath(nn.Module):
-    """Module form of drop_path(); identity in eval mode or when drop_prob == 0."""
+    """Module form. mode "mask": `self.drop_path(branch_out)` zeroes the dropped rows; "skip" and
+    "batch": `self.drop_path.residual(shortcut, branch, x)` is residual_drop_path with per="sample"
+    or per="batch" (residual() works in every mode). Identity in eval mode or when drop_prob == 0."""
+    MODES = ("mask", "skip", "batch")
 
-    def __init__(self, drop_prob: float = 0.0):
+    def __init__(self, drop_prob: float = 0.0, mode: str = "mask"):
         super().__init__()
         if not 0.0 <= drop_prob < 1.0:
             raise ValueError(f"drop_prob must be in [0, 1), got {drop_prob}")
-        self.drop_prob = float(drop_prob)
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {', '.join(self.MODES)}, got {mode!r}")
+        self.drop_prob, self.mode = float(drop_prob), mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drop_path(x, self.drop_prob, self.training)
 
+    def residual(self, shortcut: torch.Tensor, branch: Callable, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "mask":
+            return shortcut + self(branch(x))
+        return residual_drop_path(shortcut, branch, x, self.drop_prob, self.training,
+                                  per="batch" if self.mode == "batch" else "sample")
+
     def extra_repr(self) -> str:
-        return f"drop_prob={self.drop_prob:.3f}"
+        return f"drop_prob={self.drop_prob:.3f}, mode={self.mode}"
 
 
 def linear_drop_rates(n_blocks: int, max_rate: float) -> list:

@@ -27,7 +27,7 @@ Decoding (at most DECODE_ROWS tokens) under torch.compile on a CPU: each chosen 
 matrix-vector products are written as a gather of its rows times the token, summed over D in
 fp32, which inductor fuses into one reduction reading only the chosen experts' weights (a
 matrix-vector product is bound by reading the weights; the fused reduction streams them faster
-than the GEMV kernel behind a matmul, as zoo/llm.py's MatvecAsReduction does for F.linear).
+than the GEMV kernel behind a matmul, as matvec_cpu.py's MatvecAsReduction does for F.linear).
 
 Capacity. `capacity_factor` None is dropless. Otherwise, in training, each expert takes at most
 ceil(capacity_factor * N * top_k / E) of the N tokens' choices, first choices before second

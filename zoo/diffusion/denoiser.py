@@ -12,12 +12,11 @@ Classifier-free guidance (Ho & Salimans, "Classifier-Free Diffusion Guidance", 2
 
 Shapes: x (B, C, h, w) latents, t (B,) int timesteps, labels (B,) int -> (B, C, h, w).
 h and w must be divisible by 2 ** (len(channels) - 1).
-Activation checkpointing (`checkpointing` "none" | "full" | "selective", blocks/checkpoint.py) applies
-to every `checkpoint_every`-th residual or attention block in the order they run.
+Activation checkpointing is applied from outside (blocks/checkpoint.py's checkpoint_units) to the
+residual and attention blocks in the order they run (`checkpoint_units()`).
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Optional, Sequence
 
@@ -25,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks.checkpoint import run_block
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -78,10 +76,8 @@ class Attention(nn.Module):
 
 class UNet(nn.Module):
     def __init__(self, latent_channels: int = 4, num_classes: int = 10, channels: Sequence[int] = (64, 128),
-                 blocks_per_level: int = 2, attention: bool = True, heads: int = 4,
-                 checkpointing="none", checkpoint_every: int = 1):
+                 blocks_per_level: int = 2, attention: bool = True, heads: int = 4):
         super().__init__()
-        self.checkpointing, self.checkpoint_every = checkpointing, checkpoint_every
         for c in channels:
             if c % heads:
                 raise ValueError(f"every denoiser width must be divisible by heads={heads}, got {list(channels)}")
@@ -132,24 +128,22 @@ class UNet(nn.Module):
             raise ValueError(f"latent size {tuple(x.shape[-2:])} must be divisible by {self.factor} "
                              f"(2 ** (number of denoiser levels - 1))")
         emb = self.time_mlp(timestep_embedding(t, self.conv_in.out_channels).to(x.dtype)) + self.class_embed(labels)
-        index = itertools.count()  # the blocks' index in the order they run (checkpoint_units)
-        block_ = lambda b, *a: run_block(b, next(index), self.checkpointing, self.checkpoint_every, *a)  # noqa: E731
         h = self.conv_in(x)
         skips = [h]
         for i, level in enumerate(self.down):
             for block in level:
-                h = block_(block, h, emb)
+                h = block(h, emb)
                 skips.append(h)
             if i < len(self.downsample):
                 h = self.downsample[i](h)
                 skips.append(h)
-        h = block_(self.mid1, h, emb)
+        h = self.mid1(h, emb)
         if not isinstance(self.mid_attn, nn.Identity):
-            h = block_(self.mid_attn, h)
-        h = block_(self.mid2, h, emb)
+            h = self.mid_attn(h)
+        h = self.mid2(h, emb)
         for i, level in enumerate(self.up):
             for block in level:
-                h = block_(block, torch.cat([h, skips.pop()], dim=1), emb)
+                h = block(torch.cat([h, skips.pop()], dim=1), emb)
             if i < len(self.upsample):
                 h = self.upsample[i](F.interpolate(h, scale_factor=2.0, mode="nearest"))
         return self.conv_out(F.silu(self.norm_out(h)))
@@ -160,6 +154,6 @@ class UNet(nn.Module):
 
     def checkpoint_units(self) -> list:
         """The residual and attention blocks in the order they run: what activation checkpointing
-        (every checkpoint_every-th of them, from the first) applies to."""
+        (blocks/checkpoint.py's checkpoint_units, every n-th from the first) applies to."""
         mid = [self.mid1] + ([] if isinstance(self.mid_attn, nn.Identity) else [self.mid_attn]) + [self.mid2]
         return [b for level in self.down for b in level] + mid + [b for level in self.up for b in level]

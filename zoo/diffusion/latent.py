@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..config import ConfigError, DiffusionConfig
+from ..config import ConfigError, DiffusionConfig, check
 from .denoiser import UNet
 from .schedule import NoiseSchedule, guided
 from .taesd import TAESD
@@ -41,7 +41,7 @@ class LatentDiffusion(nn.Module):
 
     def __init__(self, cfg: DiffusionConfig, autoencoder: Optional[TAESD] = None):
         super().__init__()
-        cfg.validate()
+        check(cfg)
         self.config = cfg
         self.autoencoder = autoencoder if autoencoder is not None else build_autoencoder(cfg)
         self.autoencoder.requires_grad_(False)
@@ -50,8 +50,7 @@ class LatentDiffusion(nn.Module):
             raise ConfigError(f"model.latent_channels={cfg.latent_channels} does not match the autoencoder's "
                               f"{C} latent channels")
         self.latent_channels = C
-        self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads,
-                             cfg.activation_checkpointing, cfg.checkpoint_every)
+        self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
         self.schedule = NoiseSchedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
         self.register_buffer("latent_mean", torch.zeros(C))
         self.register_buffer("latent_std", torch.ones(C))

@@ -90,6 +90,19 @@ def atomic_write(path, content: Union[bytes, str, Callable[[Path], object]]) -> 
     return path
 
 
+def file_crc32(path, start: int = 0) -> str:
+    """The CRC-32 of a file's bytes from `start` (hex): the one checksum Zoo writes and checks."""
+    with open(path, "rb") as f:
+        return f"{_data_crc32(f, start, os.fstat(f.fileno()).st_size):08x}"
+
+
+def self_checked(path) -> bool:
+    """Whether the file carries its own checksum, which check_weight_file verifies (safetensors
+    files Zoo wrote, torch zip archives)."""
+    suffix = Path(path).suffix.lower()
+    return suffix == ".safetensors" or suffix in WEIGHT_SUFFIXES
+
+
 def _data_crc32(f, start: int, end: int) -> int:
     f.seek(start)
     crc, left = 0, end - start
@@ -103,11 +116,18 @@ def _data_crc32(f, start: int, end: int) -> int:
 
 
 def _seal(path: Path):
-    """Write the CRC-32 of the data section over the placeholder in the header's metadata
-    (the same number of bytes, so nothing moves)."""
+    """Put the header's metadata in sorted key order (safetensors writes it in a hash map's order,
+    which changes from process to process: the same tensors must give the same bytes) and write
+    the CRC-32 of the data section over the placeholder (the same number of bytes, so nothing moves)."""
     with open(path, "r+b") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = f.read(n)
+        meta = json.loads(header).get("__metadata__") or {}
+        dump = lambda d: json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode()  # noqa: E731 - serde's form
+        if dump(meta) in header:
+            header = header.replace(dump(meta), dump(dict(sorted(meta.items()))), 1)
+            f.seek(8)
+            f.write(header)
         mark = f'"{CHECKSUM_KEY}":"{_PLACEHOLDER}"'.encode()
         at = header.find(mark)
         if at < 0 or header.find(mark, at + 1) >= 0:
@@ -190,10 +210,9 @@ def check_safetensors(path):
     want = metadata.get(CHECKSUM_KEY)
     if want is None:
         return
-    with open(path, "rb") as f:
-        got = _data_crc32(f, start, path.stat().st_size)
-    if f"{got:08x}" != want:
-        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got:08x}, the file says {want}): "
+    got = file_crc32(path, start)
+    if got != want:
+        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got}, the file says {want}): "
                          f"the file is corrupt")
 
 

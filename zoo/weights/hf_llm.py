@@ -473,16 +473,11 @@ def detect(path) -> bool:
     return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in MODEL_TYPES
 
 
-# LLMConfig keys that change how a loaded model runs, not what it computes: from_pretrained takes them
-RUNTIME_KEYS = ("attn_backend", "activation_checkpointing", "checkpoint_every", "chunked_loss", "loss_chunk_size")
-
-
-def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None,
-         **runtime):
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
     """Load a Hugging Face folder into a Zoo LLM. dtype None (or "auto") keeps the checkpoint's
-    dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU.
-    runtime: any of RUNTIME_KEYS (e.g. attn_backend="sdpa", activation_checkpointing=True), set
-    on the config before the model is built."""
+    dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU. How the
+    model runs is set on it afterwards (blocks/attention.py's set_backend, blocks/checkpoint.py's
+    checkpoint_units)."""
     from ..blocks.rope import RotaryEmbedding
     from ..llm import LLM
 
@@ -490,12 +485,6 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     cfg_file = folder / "config.json"
     hf = read_json(cfg_file)
     cfg, arch = config_from_hf(hf, str(cfg_file))
-    unknown = [k for k in runtime if k not in RUNTIME_KEYS]
-    if unknown:
-        raise TypeError(f"from_pretrained({folder}): unknown option(s) {', '.join(unknown)} for a Hugging Face "
-                        f"LLM (known: dtype, device, {', '.join(RUNTIME_KEYS)})")
-    if runtime:
-        cfg = from_dict(LLMConfig, {**to_dict(cfg), **runtime}, f"from_pretrained({folder})", "")
     dtype = _resolve_dtype(dtype, hf, str(cfg_file))
     device = torch.device(device or "cpu")
 

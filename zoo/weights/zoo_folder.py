@@ -57,20 +57,18 @@ def tokenizer_of(path) -> Optional[str]:
     return "bytes" if tok == "bytes" else None
 
 
-def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None,
-         **runtime):
+def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
     """Build the LLM of config.yaml and load model.safetensors into it. dtype None keeps the file's
-    floating dtype; device defaults to the CPU. runtime: keys that change how the model runs, not
-    what it computes (hf_llm.RUNTIME_KEYS, e.g. attn_backend="sdpa")."""
+    floating dtype; device defaults to the CPU. How the model runs is set on it afterwards
+    (blocks/attention.py's set_backend, blocks/checkpoint.py's checkpoint_units)."""
+    from ..config import LLMConfig
     from ..llm import LLM
-    from .hf_llm import RUNTIME_KEYS, _listing, _resolve_dtype
+    from .hf_llm import _listing, _resolve_dtype
     f = _folder(path)
-    unknown = [k for k in runtime if k not in RUNTIME_KEYS]
-    if unknown:
-        raise TypeError(f"from_pretrained({f}): unknown option(s) {', '.join(unknown)} for a Zoo LLM folder "
-                        f"(known: dtype, device, {', '.join(RUNTIME_KEYS)})")
     data = load_yaml(f / CONFIG)
-    cfg = model_config_from({**data["model"], **runtime}, "llm", str(f / CONFIG))
+    # folders written before those keys moved to the run's train: section may still hold them
+    model = {k: v for k, v in (data.get("model") or {}).items() if k not in LLMConfig.moved}
+    cfg = model_config_from(model, "llm", str(f / CONFIG))
     state = load_tensors(f / WEIGHTS)
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
     dtype = floats[0] if dtype in (None, "auto") and floats else _resolve_dtype(dtype, {}, str(f / CONFIG))

@@ -1,9 +1,10 @@
-"""The report's plots (PNG, matplotlib's Agg backend): loss curves against step and wall time,
-grouped memory bars, a speed-up bar chart. Each takes plain numbers and a path, and returns the path.
+"""Every plot Zoo draws (PNG, matplotlib's Agg backend): lines (`line_plot`: the run's loss curve,
+the LR range test, the benchmarks' curves), loss curves against step and wall time, grouped
+memory bars, a speed-up bar chart. Each takes plain numbers and a path, and returns the path.
 
-Wall time of a loop run comes from its metrics rows (train/loop.py): each logged row holds the
-mean `step_time_s` over the steps since the previous row, so the time up to a row is the sum of
-step_time_s x steps over the rows so far (evaluations, checkpoints and start-up left out).
+Wall time of a loop run comes from its metrics rows (train/metrics.py `read_rows`): each logged
+row holds the mean `step_time_s` over the steps since the previous row, so the time up to a row is
+the sum of step_time_s x steps over the rows so far (evaluations, checkpoints and start-up left out).
 """
 from __future__ import annotations
 
@@ -35,30 +36,54 @@ def curves(rows: list[dict], key: str = "loss") -> list[tuple[int, float, float]
     return out
 
 
+def _lines(ax, series: dict, x: int = 0, markers=(), styles: Optional[dict] = None):
+    """One line per name of `series` (points as tuples; coordinate `x` against the last one);
+    names in `markers` drawn with dots; styles: name -> matplotlib keywords."""
+    for i, (name, pts) in enumerate(series.items()):
+        if not pts:
+            continue
+        cols = list(zip(*pts))
+        style = dict(label=name, color=f"C{i % 10}", marker="o" if name in markers or len(pts) < 12 else None,
+                     markersize=3, **(styles or {}).get(name, {}))
+        ax.plot(cols[x], cols[-1], **style)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig, png: Path, dpi: int = 90) -> Path:
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=dpi)
+    _plt().close(fig)
+    return png
+
+
+def line_plot(series: dict[str, list[tuple]], png: Path, xlabel: str, ylabel: str, title: str = "",
+              logx: bool = False, logy: bool = False, markers=(), vline: Optional[tuple[float, str]] = None,
+              ylim: Optional[tuple] = None, styles: Optional[dict] = None) -> Path:
+    """Lines of (x, y) points, one per name; vline: (x, label) of a dashed vertical line."""
+    fig, ax = _plt().subplots(figsize=(7, 4))
+    if vline is not None:
+        ax.axvline(vline[0], color="k", ls="--", label=vline[1])
+    _lines(ax, series, markers=markers, styles=styles)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale="log" if logx else "linear",
+           yscale="log" if logy else "linear")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    return _save(fig, png)
+
+
 def loss_curves(series: dict[str, list[tuple[int, float, float]]], png: Path, title: str,
                 ylabel: str = "loss") -> Path:
     """Two panels, value against step and against wall time, one line per name of `series`
     ((step, seconds, value) points, as `curves` gives them)."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for i, (name, pts) in enumerate(series.items()):
-        if not pts:
-            continue
-        s, w, v = zip(*pts)
-        style = dict(label=name, color=f"C{i % 10}", marker="o" if len(pts) < 12 else None, markersize=3)
-        axes[0].plot(s, v, **style)
-        axes[1].plot(w, v, **style)
+    fig, axes = _plt().subplots(1, 2, figsize=(10, 3.6))
+    _lines(axes[0], series, x=0)
+    _lines(axes[1], series, x=1)
     axes[0].set(xlabel="step", ylabel=ylabel)
     axes[1].set(xlabel="training wall time (s)", ylabel=ylabel)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-    return png
+    return _save(fig, png)
 
 
 def _hbars(labels: list[str], values: list[float], colors: list, png: Path, title: str, xlabel: str,
@@ -80,11 +105,7 @@ def _hbars(labels: list[str], values: list[float], colors: list, png: Path, titl
     ax.invert_yaxis()
     ax.set(xlabel=xlabel, title=title)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-    return png
+    return _save(fig, png)
 
 
 def memory_bars(groups: dict[str, dict[str, float]], png: Path, title: str, unit: str = "MiB") -> Path:

@@ -28,7 +28,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from zoo.config import fail
+from zoo.config import bounded, fail
 from zoo.weights.files import atomic_write
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
@@ -36,30 +36,32 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 
 @dataclass
 class TextDataConfig:
-    path: str = "stdlib"                    # file, folder of .txt, .jsonl with "text", or "stdlib"
-    tokenizer: str = "sentencepiece"        # bytes | sentencepiece | path/to/tokenizer.model
-    vocab_size: int = 2048                  # sentencepiece vocabulary trained on the corpus
-    seq_len: int = 256                      # tokens per training window
-    seq_len_schedule: Optional[list[list[int]]] = None  # curriculum: [[until, seq_len], ...] shorter windows first
-    seq_len_schedule_unit: Literal["steps", "tokens"] = "steps"  # what `until` counts (tokens: trained so far)
-    val_fraction: float = 0.05              # held-out tail of the token stream
-    cache_dir: Optional[str] = None         # null: $ZOO_CACHE, else the user cache directory (~/.cache/zoo)
-    max_chars: Optional[int] = None         # read at most this many characters of the corpus
-    sp_train_chars: int = 4_000_000         # characters fed to sentencepiece training
+    path: str = "stdlib"                    # a text file, a folder of .txt files, a .jsonl file with a `"text"` field
+                                            # per line, or `stdlib` (the Python standard library's .py files: the
+                                            # embedded default)
+    tokenizer: str = "sentencepiece"        # `bytes` (vocab 256), `sentencepiece` (BPE trained on the corpus,
+                                            # cached), or a path to a sentencepiece `tokenizer.model` or a Hugging
+                                            # Face `tokenizer.json`; with `train.init_from`, `sentencepiece` means the
+                                            # checkpoint's own tokenizer (`tokenizer.model`, else `tokenizer.json`)
+    vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of the trained sentencepiece tokenizer
+    seq_len: int = bounded(256, ge=2)       # tokens per training window; <= `model.max_seq_len`
+    seq_len_schedule: Optional[list[list[int]]] = None  # sequence-length curriculum: `[[until, seq_len], ...]`,
+                                            # shorter windows first: windows of each stage's length until its `until`,
+                                            # then `seq_len` (e.g. `[[1000, 64], [3000, 128]]`); lengths increasing
+                                            # and < `seq_len`. The window of a step follows from the config alone, so
+                                            # a resumed run gets the same ones; the log names each change
+    seq_len_schedule_unit: Literal["steps", "tokens"] = "steps"  # what `until` counts: `steps`, or `tokens` trained
+                                            # before the step (batch_size x micro-batches x window, step by step)
+    val_fraction: float = bounded(0.05, gt=0, lt=1)  # the held-out tail of the token stream used for validation
+    cache_dir: Optional[str] = None         # where the tokenizer and the token memmap are cached; null =
+                                            # `$ZOO_CACHE`, else the user cache directory (`$XDG_CACHE_HOME/zoo` or
+                                            # `~/.cache/zoo`); never beside your data
+    max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
+    sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of the corpus used to train sentencepiece
 
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
-        if self.vocab_size < 16 or self.vocab_size > 2**31:
-            raise fail(source, prefix + "vocab_size", f"must be in [16, 2^31], got {self.vocab_size}")
-        if self.seq_len < 2:
-            raise fail(source, prefix + "seq_len", f"must be >= 2, got {self.seq_len}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise fail(source, prefix + "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        if self.max_chars is not None and self.max_chars <= 0:
-            raise fail(source, prefix + "max_chars", f"must be > 0 or null, got {self.max_chars}")
-        if self.sp_train_chars <= 0:
-            raise fail(source, prefix + "sp_train_chars", f"must be > 0, got {self.sp_train_chars}")
         if self.seq_len_schedule is not None:
             k, sched = prefix + "seq_len_schedule", self.seq_len_schedule
             if not sched or any(len(stage) != 2 for stage in sched):

@@ -1,0 +1,180 @@
+"""The run builder: a run config -> everything a training step needs, built one way for all.
+
+    run = build_run(cfg, say)            # device, precision, task, model, adapters, unfreezing,
+                                         # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
+    run.autocast(), run.fwd, run.optimizer, run.params(), ...
+
+The loop (train/loop.py), the LR finder (train/lr_find.py), the memory planner's measurement
+(train/plan.py) and the benchmarks build their runs here, so they cannot disagree on precision,
+loss path, model or optimizer. The config is never changed: values resolved while building
+(`train.precision: auto`, `train.batch_size: auto`) live in the Run (`run.precision`,
+`run.cfg`, a resolved copy of the config that the task reads too).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import yaml
+from torch import nn
+
+from zoo.adapters import apply_adapters, count_params, trainable_keys
+from zoo.weights.files import atomic_write
+
+from .distributed import Launch, Parallel, unsupported
+from .optim import build_optimizer
+from .runtime import apply_runtime
+from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
+from .tasks import task_class
+from .unfreeze import GradualUnfreezing
+
+
+@dataclass
+class Run:
+    cfg: object                        # the run config with resolved values (batch size); the user's is untouched
+    device: torch.device
+    precision: str                     # as it runs: fp32 | bf16 | fp16
+    task: object
+    model: nn.Module                   # the module whose state is checkpointed (sharded in place by FSDP2)
+    fwd: Callable                      # what the loss runs: the model, DDP(model) or torch.compile(...)
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scaler: Optional[torch.amp.GradScaler] = None
+    ema: Optional[EMA] = None
+    keys: Optional[set] = None         # an adapter run: the state-dict names it checkpoints (what trains)
+    unfreezer: Optional[GradualUnfreezing] = None
+    par: Parallel = field(default_factory=lambda: Parallel("none", Launch()))
+
+    @property
+    def amp_dtype(self) -> Optional[torch.dtype]:
+        return None if self.precision == "fp32" else DTYPES[self.precision]
+
+    def autocast(self):
+        return autocast_for(self.device, self.precision)()
+
+    def set_precision(self, precision: str):
+        """A resumed run keeps the precision it was trained in (train.precision: auto)."""
+        self.precision = precision
+        self.task.autocast_dtype = self.amp_dtype
+
+    def train_context(self):
+        """The context of a training forward and backward: autocast, and on CUDA with
+        train.activation_offload the saved activations in pinned host memory."""
+        if self.cfg.train.activation_offload and self.device.type == "cuda":
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.autocast())
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
+            return stack
+        return self.autocast()
+
+    def write_config(self, out):
+        """<out>/config.yaml: the run's config with its resolved values (what a resume compares)."""
+        atomic_write(Path(out) / "config.yaml", yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+
+    def params(self) -> list:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def adapter_id(self) -> dict:
+        """What an adapter checkpoint is only valid with: the adapter settings and the base weights."""
+        if self.keys is None:
+            return {}
+        a = {k: v for k, v in self.cfg.to_dict()["adapter"].items() if k != "export_merged"}
+        return {"adapter": a, "base": self.cfg.train.init_from}
+
+
+def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Parallel] = None):
+    """The family's task with its data read (task.setup())."""
+    task = task_class(cfg.family)(cfg, device, say)
+    task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]  # the run's autocast, for evaluation
+    if par is not None and par.active:  # this rank's part of every global batch; sums across ranks
+        task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_
+    task.setup()
+    return task
+
+
+def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Module:
+    """The task's model on `device` in training mode, with the run's runtime choices (attention
+    backend, activation checkpointing, chunked loss) and adapters applied."""
+    torch.manual_seed(cfg.train.seed)
+    model = apply_runtime(task.build_model(), cfg.train, say, cfg.source)
+    model = model.to(device).train()  # from_pretrained returns eval mode
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.adapter.enabled:
+        apply_adapters(model, cfg.adapter, cfg.source, say)
+    return model
+
+
+def with_batch(cfg, batch_size: int, grad_accum: int):
+    """A copy of cfg with the micro-batch and accumulation resolved (train.batch_size: auto)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size,
+                                                              grad_accum=grad_accum))
+
+
+def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batch=None) -> Run:
+    """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
+    when None). size_batch(cfg, model, task, device) -> (batch_size, grad_accum) resolves
+    train.batch_size: auto (train/plan.py's find_batch_size)."""
+    t = cfg.train
+    par = par or Parallel("none", Launch())
+    if par.active and unsupported(cfg):
+        raise RunStopped(f"{cfg.source}: {unsupported(cfg)}", EXIT_CONFIG)
+    device = par.device(resolve_device(t.device))
+    par.init(device)
+    if par.active:
+        say(par.describe())
+    elif t.parallel != "none":
+        say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)")
+    torch.manual_seed(t.seed)
+    precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
+    say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
+    task = new_task(cfg, device, precision, say, par)
+    model = build_model(cfg, task, device, say)
+    keys = trainable_keys(model) if cfg.adapter.enabled else None
+    unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
+        if t.unfreeze else None
+    if t.batch_size == "auto" and size_batch is not None:
+        cfg = with_batch(cfg, *size_batch(cfg, model, task, device))
+        task.cfg = cfg
+    n_train, n_params = count_params(model)
+    say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
+        + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
+    ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say)
+    if ema is not None:
+        par.shard_like(ema.model)
+    par.seed_rank(t.seed)
+    if fwd is None and t.compile:
+        say("compile: torch.compile(model); the first steps include compilation")
+        fwd = torch.compile(model)
+    if t.activation_offload:
+        say("activation offload: saved activations go to pinned host memory (torch.autograd.graph.save_on_cpu)"
+            if device.type == "cuda" else
+            f"activation offload: skipped on {device.type} (CUDA only: activations already live in host memory)")
+    run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys, unfreezer=unfreezer, par=par)
+    try:
+        run.optimizer = build_optimizer(model, cfg.optim, device, say)
+    except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
+        raise RunStopped(str(e), EXIT_CONFIG) from None
+    run.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    hook = task.step_hook(model)
+    if hook is not None:
+        after_step(run.optimizer, hook)
+    return run
+
+
+def after_step(optimizer, fn):
+    """Call fn() after every step the optimizer takes (a skipped step takes none)."""
+    if hasattr(optimizer, "register_step_post_hook"):
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: fn())
+        return
+    step = optimizer.step  # an optimizer wrapper that is no torch.optim.Optimizer (torchao's CPU offload)
+
+    def stepped(*args, **kwargs):
+        out = step(*args, **kwargs)
+        fn()
+        return out
+    optimizer.step = stepped

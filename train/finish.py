@@ -1,0 +1,77 @@
+"""The end of a run: the final weights written as one process would hold them, the adapter or the
+export in the pretrained format, the loss plot and the samples.
+
+    <out_dir>/model.safetensors (+ model_ema.safetensors, the task's files such as tokenizer.model)
+    <out_dir>/adapter/          an adapter run: LoRA / DoRA in PEFT's format, prefixes as Zoo tensors
+    <out_dir>/loss.png          train.plot
+    the task's export           train.export (e.g. a Hugging Face folder; adapter.export_merged for adapters)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from zoo.adapters import merged_model, trainable_keys
+from zoo.weights.files import save_safetensors
+
+
+def finish(run, out: Path, metrics, say):
+    """Write what the run produced (rank 0; the other ranks only take part in gathering FSDP2's shards)."""
+    t, task = run.cfg.train, run.task
+    model, ema_model = consolidated(run)
+    if not run.par.main:
+        return
+    if run.keys is None:
+        save_safetensors(model, out / "model.safetensors")
+        task.save_files(out)
+        if ema_model is not None:
+            save_safetensors(ema_model, out / "model_ema.safetensors")
+        say(f"weights: {out / 'model.safetensors'}")
+    else:
+        say(f"adapter: {export_adapter(model, out, t.init_from)}")
+    if t.plot and metrics.plot():
+        say(f"loss curve: {out / 'loss.png'}")
+    if t.samples:
+        text = task.samples(ema_model if ema_model is not None else model, out)
+        if text:
+            say("samples:\n" + text)
+    if t.export and run.keys is not None and not run.cfg.adapter.export_merged:
+        say("export: adapter run; set adapter.export_merged=true for the merged weights in the base's format")
+    elif t.export:
+        path = task.export(merged_model(model) if run.keys is not None else model, out)
+        if path:
+            say(f"exported: {path}")
+
+
+def consolidated(run):
+    """(model, EMA model) as one process would hold them, on rank 0 (None, None on the others).
+    One process and DDP: the module itself (replicated); FSDP2: a model built anew and given the
+    gathered weights."""
+    par, ema = run.par, run.ema
+    if not par.active or par.strategy == "ddp":
+        return run.model, ema.model if ema is not None else None
+    full = par.full_state(run.model)
+    full_ema = par.full_state(ema.model) if ema is not None else None
+    if not par.main:
+        return None, None
+
+    def plain(sd):
+        m = run.task.build_model()
+        m.load_state_dict(sd)
+        m = m.to(run.device)
+        return m.to(memory_format=torch.channels_last) if run.cfg.train.channels_last else m
+
+    return plain(full), plain(full_ema).eval().requires_grad_(False) if full_ema is not None else None
+
+
+def export_adapter(model, out: Path, base: Optional[str]) -> Path:
+    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format; prefixes (which PEFT
+    lays out per model class) as Zoo's tensors in adapter/prefix.safetensors."""
+    from zoo.weights.peft_lora import save_adapter
+    if model.adapter_config.method in ("lora", "dora"):
+        return save_adapter(model, out / "adapter", base=base)
+    (out / "adapter").mkdir(exist_ok=True)
+    return save_safetensors({k: v for k, v in model.state_dict().items() if k in trainable_keys(model)},
+                            out / "adapter" / "prefix.safetensors")

@@ -1,0 +1,213 @@
+"""The training step and what it runs on: a leaf module (it imports no other part of the loop).
+
+- `resolve_device`, `resolve_precision`, `setup_backends`: where and in which dtype the run computes
+  (`train.device`, `train.precision`, TF32 / cudnn.benchmark / glibc settings).
+- `DTYPES`: the one table of precision names (fp32, bf16, fp16) to torch dtypes; `autocast_for`.
+- `optimizer_step`: one optimizer step over gradient-accumulated micro-batches (autocast, GradScaler,
+  clipping, skipping a non-finite step); `StepResult` is what it reports.
+- `EMA`: the exponential moving average of the weights; `to_device`; `clip_weights_`.
+- `RunStopped` and the exit codes a run ends with.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .hardware import keep_freed_memory, measure_peak_flops
+
+EXIT_OK = 0
+EXIT_CONFIG = 2            # bad config or data: a one-line error
+EXIT_NONFINITE = 3         # too many non-finite losses in a row; the last good checkpoint is kept
+EXIT_PREEMPTED = 75        # SIGTERM/SIGINT: checkpoint written, run again to resume
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RunStopped(Exception):
+    """The run ends early with `code` (one of the EXIT_* above) and a one-line message."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------------------ device and precision
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RunStopped(f"train.device={name}: CUDA is not available on this machine", EXIT_CONFIG)
+    return dev
+
+
+def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
+    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 only
+    when its matmul is clearly faster than fp32's there (measured: many CPUs without native bf16
+    instructions emulate it 10-1000x slower); fp32 otherwise. An explicit bf16 on a CPU that
+    emulates it is kept, with a warning in the log."""
+    p = precision
+    if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
+    if p not in ("auto", "bf16") or device.type not in ("cpu", "cuda"):
+        return "fp32" if p == "auto" else p
+    if device.type == "cuda":
+        return "bf16" if p == "bf16" or torch.cuda.is_bf16_supported() else "fp32"
+    with torch.random.fork_rng(devices=[]):
+        bf16, fp32 = measure_peak_flops(device, torch.bfloat16), measure_peak_flops(device, None)
+    speeds = f"matmul on this CPU: bf16 {bf16 / 1e9:.1f}, fp32 {fp32 / 1e9:.1f} GFLOP/s"
+    if p == "auto":
+        choice = "bf16" if bf16 >= 1.5 * fp32 else "fp32"
+        log(f"precision: auto -> {choice} ({speeds})")
+        return choice
+    if bf16 < 0.5 * fp32:
+        log(f"precision: warning: train.precision=bf16 on a CPU that emulates bf16 ({speeds}); "
+            f"fp32 or auto would be faster")
+    return p
+
+
+def precision_of(dtype: Optional[torch.dtype]) -> str:
+    """The precision name of a compute dtype (None: fp32)."""
+    return "fp32" if dtype is None else next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def autocast_for(device: torch.device, precision: str):
+    """A factory of the run's autocast context (a no-op context in fp32)."""
+    dtype = None if precision == "fp32" else DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> bool:
+    """Device settings of `t` (the train: section). Returns whether glibc was told to keep freed
+    memory (which the caller undoes at the end unless the run owns the process)."""
+    kept = False
+    keep = t.cpu_keep_memory if t.cpu_keep_memory is not None else owns_process
+    if device.type == "cpu" and keep:
+        kept = keep_freed_memory()
+        if kept:
+            log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)"
+                + ("" if owns_process else "; glibc's defaults are restored when train() returns"))
+        else:
+            log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = t.tf32
+        torch.backends.cudnn.allow_tf32 = t.tf32
+        torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
+        log(f"backends: cuda, tf32={t.tf32}, cudnn.benchmark={torch.backends.cudnn.benchmark}")
+    else:
+        skipped = [k for k in ("tf32", "cudnn_benchmark") if getattr(t, k)]
+        if skipped:
+            log(f"backends: {device.type}: {', '.join(skipped)} skipped (CUDA only)")
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return kept
+
+
+def to_device(batch, device, channels_last: bool):
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(device, non_blocking=True)
+        if channels_last and batch.dim() == 4:
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        return batch
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device, channels_last) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, channels_last) for k, v in batch.items()}
+    return batch
+
+
+# ------------------------------------------------------------------------------ the step
+class EMA:
+    """Exponential moving average of a model's weights (floating-point params and buffers;
+    integer buffers are copied)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module):
+        src = dict(model.state_dict(keep_vars=True))
+        done = set()
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in done:  # a tied tensor (embedding = LM head) is updated once
+                continue
+            done.add(id(v))
+            s = src[k].detach()
+            if v.is_floating_point():
+                v.lerp_(s, 1.0 - self.decay)
+            else:
+                v.copy_(s)
+
+
+@dataclass
+class StepResult:
+    loss: float         # mean of the micro-batches' losses
+    grad_norm: float    # global norm of the accumulated (unscaled) gradients, before clipping
+    items: int          # tokens / images the step covered
+    finite: bool        # False: a non-finite loss (or gradient, without a GradScaler): step skipped
+    applied: bool       # the optimizer changed the weights
+    overflow: bool      # fp16: the GradScaler found inf/nan gradients, skipped the step, lowered its scale
+
+
+def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
+                   autocast=contextlib.nullcontext, no_sync=None, agree=None) -> StepResult:
+    """One optimizer step over `n_micro` micro-batches. loss_fn(batch) -> (mean loss, items).
+
+    Each micro-batch's mean loss is divided by n_micro before backward, so the accumulated
+    gradients of k equal micro-batches are those of one k-times larger batch. Then the GradScaler
+    (fp16) unscales them, the global norm is clipped to `clip` (None: measured, not clipped), and
+    the optimizer steps, unless the loss or the norm is not finite: without a scaler the step is
+    skipped and reported; with one, an overflowing gradient is the scaler's business (it skips
+    the step and lowers its scale). Gradients are then freed (zero_grad(set_to_none=True)).
+    Data-parallel runs (train/distributed.py) pass no_sync(last) -> the context of a micro-batch's
+    backward (DDP: no all-reduce but on the last), and agree([loss sum, grad norm]) -> the same on
+    every rank, so that all ranks take or skip the step together."""
+    loss_sum, items = None, 0
+    for i, batch in enumerate(batches):
+        with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():
+            with autocast():
+                loss, n = loss_fn(batch)
+            scaler.scale(loss / n_micro).backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+        items += n
+    scaler.unscale_(optimizer)
+    gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+    if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor; its value is already the global norm
+        gnorm = gnorm.full_tensor()
+    stats = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)])
+    if agree is not None:
+        stats = agree(stats)
+    loss_val, gnorm_val = stats.tolist()  # one sync
+    loss_val /= n_micro
+    grads_ok = math.isfinite(gnorm_val)
+    finite = math.isfinite(loss_val) and (grads_ok or scaler.is_enabled())
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # skips the step itself on inf/nan gradients
+        scaler.update()
+    elif finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    overflow = scaler.is_enabled() and not grads_ok
+    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+
+
+@torch.no_grad()
+def clip_weights_(params, c: float):
+    """train.clip_weights: every weight clamped to [-c, c] after the step."""
+    for p in params:
+        p.clamp_(-c, c)

@@ -1,0 +1,98 @@
+"""CPU speed path for causal attention: batched matmuls around an fp32 softmax, the queries in
+blocks that skip the keys they cannot see, with a hand-written backward.
+
+The algebra is plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward
+takes the softmax gradient from the kept probabilities with FlashAttention's identity
+dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). On a CPU `attend_bmm` beats
+torch's flash kernel up to ~1024 keys (numbers in docs/llm.md, "Training speed"); attention.py
+runs it as the 'bmm' backend, and its 'auto' picks it on a CPU for at most CPU_BMM_MAX_LEN keys
+(CPU_BMM_MAX_LEN_COMPILED under torch.compile). It keeps the probabilities of the causal half
+of each head's (T, T) scores for backward, in the compute dtype; as in transformers' eager
+attention, the scores come out of the matmul in the compute dtype before the fp32 softmax.
+
+Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
+positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D). Depends on torch only.
+"""
+from typing import Optional
+
+import torch
+
+
+def _causal_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
+    """Boolean (q_len, k_len), True = attend (attention.py's attention_mask)."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    return mask
+
+
+CPU_BMM_MAX_LEN = 512             # eager: the longest key length for `attend_bmm` on a CPU
+CPU_BMM_MAX_LEN_COMPILED = 1024   # the same under torch.compile, which fuses the softmax
+
+
+def bmm_block_size(tq: int) -> int:
+    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256] (the best
+    measured on a CPU; see docs/llm.md, "Training speed")."""
+    return min(256, max(64, tq // 4))
+
+
+class _AttendBlock(torch.autograd.Function):
+    """One block of `attend_bmm`: all Tq queries against all Tk keys, the queries being the
+    last Tq positions, with a hand-written backward. It keeps the probabilities once, in the
+    compute dtype, and takes the softmax gradient from them as
+    dS = P * (dP - rowsum(dO * O)) (FlashAttention's identity), in fp32. Autograd through
+    the plain expression would keep an fp32 copy of P as well and reduce over the key axis."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window: Optional[int]):
+        B, H, Tq, D = q.shape
+        KV, Tk = k.shape[1], k.shape[2]
+        G = H // KV
+        scale = D ** -0.5
+        scores = (q.reshape(B, KV, G * Tq, D) @ k.transpose(-2, -1)).float() * scale  # (B, KV, G*Tq, Tk)
+        if Tq > 1 or window is not None:  # one query without a window sees every key: nothing to mask
+            # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
+            # broadcasts, with no per-row index arithmetic in a compiled kernel
+            mask = _causal_mask(Tq, Tk, window, q.device)
+            scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~mask, float("-inf")).view(B, KV, G * Tq, Tk)
+        probs = scores.softmax(-1).to(v.dtype)
+        out = probs @ v  # (B, KV, G*Tq, D)
+        ctx.save_for_backward(q, k, v, probs, out)
+        ctx.scale = scale
+        return out.view(B, H, Tq, D)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, probs, out = ctx.saved_tensors
+        B, H, Tq, D = q.shape
+        KV = k.shape[1]
+        grad_out = grad_out.reshape(B, KV, (H // KV) * Tq, D).to(v.dtype)
+        grad_v = probs.transpose(-2, -1) @ grad_out
+        grad_p = (grad_out @ v.transpose(-2, -1)).float()
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # = rowsum(dP * P)
+        grad_s = (probs.float() * (grad_p - delta) * ctx.scale).to(q.dtype)  # masked keys: P = 0
+        grad_q = (grad_s @ k).view(B, H, Tq, D)
+        grad_k = grad_s.transpose(-2, -1) @ q.reshape(B, KV, (H // KV) * Tq, D)
+        return grad_q, grad_k, grad_v, None
+
+
+def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), causal and windowed) v as batched matmuls, softmax in fp32.
+    Grouped heads are stacked along the rows of their kv head, so k and v are never copied.
+    The queries go in blocks of `block` (default `bmm_block_size`); a block multiplies only the
+    keys its queries can see (up to its last query; with a window, from its first query's
+    window start), so about half of a causal (T, T) score matrix is never computed."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    block = block or bmm_block_size(Tq)
+    if Tq <= block:
+        return _AttendBlock.apply(q, k, v, window)
+    off = Tk - Tq  # query i sits at position off + i
+    outs = []
+    for s in range(0, Tq, block):
+        e = min(s + block, Tq)
+        lo = 0 if window is None else max(0, off + s - window + 1)
+        outs.append(_AttendBlock.apply(q[:, :, s:e], k[:, :, lo:off + e], v[:, :, lo:off + e], window))
+    return torch.cat(outs, dim=2)
