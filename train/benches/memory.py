@@ -1,7 +1,9 @@
 """The memory planner against measured peaks: predicted and measured peak resident memory of training.
 
     python train/bench.py memory                     # every configuration below: table + JSON + docs table
-    python train/bench.py memory --only llm          # the configurations whose name starts with llm
+    python train/bench.py memory --only "llm 28M"    # measure the configurations whose name starts with that;
+                                                     # the others planned again, their measurements kept
+                                                     # from memory.json (each row says when it was measured)
     python train/bench.py memory --calibrate         # measure the calibration configurations, fit the
                                                      # unseen-memory envelope, write memory_calibration.json
     python train/bench.py memory --calibrate --only "llm 76M"   # re-measure those, refit with the others' points
@@ -19,9 +21,9 @@ heap, measured by --calibrate: `train.plan.envelope`).
 peak kept) and fits, per family, the envelope min(s * heap, a + b * heap) or the line a + b * heap
 that lies on or above every (heap, measured - heap) point with the smallest largest
 predicted / measured (`fit_envelope`); it writes train/benches/memory_calibration.json (the planner reads it).
-The other configurations are not used to fit it; a full run takes the calibration rows'
-measurements from that file and measures the rest (OUTSIDE: configurations the envelope is known
-not to cover, reported in a table of their own). A full run writes train/benches/memory.json and
+The other configurations are not used to fit it (role `held out` in the table); a run takes the
+calibration rows' measurements from that file (role `fit`) and measures the rest (OUTSIDE: configurations the envelope is known
+not to cover, reported in a table of their own). A run writes train/benches/memory.json and
 the tables in docs/memory.md between its markers. Linux only (/proc).
 """
 from __future__ import annotations
@@ -160,13 +162,20 @@ def measure_rows(names, threads, log=print, measured=None, repeat=1) -> list[dic
     return rows
 
 
+def role(r) -> str:
+    """A row's part in the envelope: `fit` (a calibration point: its measurement is the largest of
+    the calibration's, which the envelope is fitted to lie on or above) or `held out` (never fitted on)."""
+    return "fit" if r["calibration"] else "held out"
+
+
 def table(rows) -> tuple[list, list]:
     from train.plan import MiB
-    header = ["configuration", "params", "tensors MiB", "+ allocator MiB", "+ unseen MiB", "predicted MiB",
-              "measured MiB", "predicted / measured"]
-    out = [[r["name"] + (" (c)" if r["calibration"] else ""), f"{r['params'] / 1e6:.1f}M",
+    header = ["configuration", "role", "params", "tensors MiB", "+ allocator MiB", "+ unseen MiB", "predicted MiB",
+              "measured MiB", "predicted / measured", "measured on"]
+    out = [[r["name"], role(r), f"{r['params'] / 1e6:.1f}M",
             f"{r['tensors'] / MiB:.1f}", f"{r['allocator'] / MiB:.1f}", f"{r['unseen'] / MiB:.1f}",
-            f"{r['predicted'] / MiB:.1f}", f"{r['measured'] / MiB:.1f}", f"{r['ratio']:.3f}"] for r in rows]
+            f"{r['predicted'] / MiB:.1f}", f"{r['measured'] / MiB:.1f}", f"{r['ratio']:.3f}",
+            r.get("measured_date", "-")] for r in rows]
     return header, out
 
 
@@ -177,20 +186,26 @@ def machine() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def summary(what: str, ratios: list) -> str:
+    inside = sum(1.0 <= x <= 1.15 for x in ratios)
+    return (f"predicted / measured over the {len(ratios)} {what}: {min(ratios):.3f} to {max(ratios):.3f}, "
+            f"{inside} of {len(ratios)} in [1.0, 1.15]." if ratios else f"no {what}.")
+
+
 def write_docs(result: dict):
     """docs/memory.md's table, between its markers, from memory.json."""
     inside = [r for r in result["rows"] if not r.get("outside")]
     outside = [r for r in result["rows"] if r.get("outside")]
     header, rows = table(inside)
-    lines = [f"`python train/bench.py memory` ({result['machine']['date']}, torch {result['machine']['torch']}, "
-             f"{result['machine']['threads']} threads; calibration of {result['calibration']['date']}; "
-             f"(c): a configuration the envelope was fitted on, its largest of the calibration run's measurements):",
+    lines = [f"`python train/bench.py memory` (planned {result['machine']['date']}, torch {result['machine']['torch']}, "
+             f"{result['machine']['threads']} threads; calibration of {result['calibration']['date']}). "
+             f"role `fit`: a calibration point, its measured peak the largest of the calibration's "
+             f"measurements (the envelope lies on or above it by construction); `held out`: never fitted on, "
+             f"measured on the date shown:",
              "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    ratios = [r["ratio"] for r in inside]
-    checked = [r["ratio"] for r in inside if not r["calibration"]]
-    lines += ["", f"predicted / measured: {min(ratios):.3f} to {max(ratios):.3f} over these {len(ratios)} rows"
-              + (f"; {min(checked):.3f} to {max(checked):.3f} over the {len(checked)} not fitted on." if checked else ".")]
+    lines += [""] + [summary(f"{name} rows", [r["ratio"] for r in inside if role(r) == name])
+                     for name in ("held out", "fit")]
     if outside:
         _, rows = table(outside)
         lines += ["", "Outside the envelope (measured by the same command, not fitted on):", "",
@@ -245,15 +260,29 @@ def main(argv=None):
         p.error(f"no configuration starts with {args.only!r} (names: {', '.join(CONFIGS)})")
     cal = json.loads(CALIBRATION.read_text())
     known = {pt["name"]: pt["measured"] for c in cal["families"].values() for pt in c["points"]}
+    now = machine()["date"]
     rows = measure_rows(names, args.threads, measured=known)  # the calibration rows: as --calibrate measured them
+    for r in rows:
+        r["measured_date"] = cal["date"] if r["calibration"] else now
+    old = {r["name"]: r for r in json.loads(RESULTS.read_text())["rows"]} if RESULTS.exists() else {}
+    rest = [n for n in CONFIGS if n not in names and n in old]
+    if rest:  # --only: the other rows planned again, their measurements as memory.json recorded them
+        print(f"re-planned, measurements from {RESULTS.name}: {', '.join(rest)}")
+        for r in measure_rows(rest, args.threads, log=lambda *a, **k: None,
+                              measured={n: known.get(n, old[n]["measured"]) for n in rest}):
+            was = old[r["name"]]
+            r.update({k: was.get(k) for k in ("start_rss", "phases", "runs")},
+                     measured_date=cal["date"] if r["calibration"] else
+                     was.get("measured_date", json.loads(RESULTS.read_text())["machine"]["date"]))
+            rows.append(r)
+        rows.sort(key=lambda r: list(CONFIGS).index(r["name"]))
     harness.print_table(*table(rows))
-    if not args.only:
-        result = {"machine": machine(), "calibration": {k: v for k, v in cal.items() if k != "families"}
-                  | {"families": {f: {k: c[k] for k in ("a", "b")} for f, c in cal["families"].items()}},
-                  "rows": rows}
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-        write_docs(result)
-        print(f"wrote {RESULTS} and the table in {DOC}")
+    result = {"machine": machine(), "calibration": {k: v for k, v in cal.items() if k != "families"}
+              | {"families": {f: {k: c[k] for k in ("a", "b")} for f, c in cal["families"].items()}},
+              "rows": rows}
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    write_docs(result)
+    print(f"wrote {RESULTS} and the table in {DOC}")
     if args.planner_time:
         rows = []
         for spec in LARGE:
