@@ -58,7 +58,7 @@ LLM30 = llm(8192, 512, 8, 8, 4, 8)            # 27.8M
 LLM80 = llm(16384, 768, 10, 12, 4, 4)         # 75.5M
 DEEP_THIN = llm(16384, 512, 24, 8, 4, 4)      # 79.2M: 24 blocks of width 512
 LLM100 = llm(32000, 768, 12, 12, 4, 2)        # 100M (tied embedding): GPT-2-small-sized, above the calibrated heaps
-TINY = llm(4096, 128, 2, 4, 2, 16)            # 0.9M: tests/test_plan.py's prediction test (full loss)
+TINY = llm(4096, 128, 2, 4, 2, 16)            # 0.9M, full loss: the shape an earlier 15% test measured (421-625 MiB from process to process)
 SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.4M: tests/test_plan.py's settings-that-fit test (full loss)
 
 # name -> (base config: a dict or a path under configs/, overrides)
