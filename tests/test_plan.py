@@ -138,13 +138,23 @@ def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
-def test_prediction_within_15_percent_of_the_measured_peak():
-    base = {**SMALL, "model": {**SMALL["model"], "vocab_size": 4096, "d_model": 128, "max_seq_len": 256},
-            "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 16, "precision": "fp32"}}
-    over = ["train.chunked_loss=false"]
-    predicted = planner.plan(cfg_of(*over, base=base)).peak_bytes
-    measured = planner.measure_in_subprocess(base, over, threads=1)["peak"]
-    assert 0.85 <= predicted / measured <= 1.15, (predicted, measured)
+def test_prediction_is_not_under_a_fresh_measurement():
+    """The whole plan (tensors, the heap replay, the calibrated unseen memory) against a fresh
+    process's measured peak (train.plan.measure: three steps of the loop's own step), on a
+    configuration whose measurement is stable: the diffusion model at batch 8, one thread, measured
+    at 109.3 and 109.4 MiB in two processes (docs/memory.md), where a small LLM moves by a sixth from
+    process to process. Not under it by more than 2% (the spread of the diffusion measurements,
+    at most 1.8% over five processes at batch 256); not over by half (the diffusion envelope is a
+    constant fitted at batch 256, about 1.3x here). The measured tensors left after the steps
+    (weights, optimizer state, EMA, batch) are the planned ones, byte for byte."""
+    from train.benches.memory import CONFIGS, base_of
+    spec, over = CONFIGS["diffusion fp32 adamw"]
+    base, over = base_of(spec), [*over, "train.batch_size=8"]
+    p = planner.plan(cfg_of(*over, base=base))
+    m = planner.measure_in_subprocess(base, over, threads=1)
+    assert 0.98 * m["peak"] <= p.peak_bytes <= 1.5 * m["peak"], (p.peak_bytes, m["peak"])
+    b = p.breakdown
+    assert m["live"] == b["params"] + b["buffers"] + b["optimizer_states"] + b["ema"] + b["inputs"]
 
 
 def test_live_bytes_counts_one_device_only():
@@ -162,3 +172,20 @@ def test_activation_offload_is_skipped_off_cuda_in_one_line(tmp_path, text_corpu
     train(cfg, log=logs.append)
     assert [m for m in logs if m.startswith("activation offload:")] == [
         "activation offload: skipped on cpu (CUDA only: activations already live in host memory)"]
+
+
+def test_planned_tensors_are_those_of_the_real_step():
+    """The plan's tensor part is exact: the same step run on real tensors (simulate(fake=False),
+    every storage allocated) holds the same bytes at rest, at the forward/backward and optimizer
+    peaks, per checkpointed block and in the loss, and allocates and frees the same blocks (the
+    trace the heap is replayed from; only the order of a few frees inside the backward differs).
+    bf16 autocast with checkpointing on every block: autocast's weight copies, made again in the
+    recomputation, are counted as the real run makes them."""
+    cfg = cfg_of("train.precision=bf16", "train.activation_checkpointing=true")
+    fake = planner.simulate(cfg, torch.device("cpu"))
+    real = planner.simulate(cfg, torch.device("cpu"), fake=False)
+    for k in ("persistent", "params", "grads", "states", "inputs", "forward_backward", "optimizer_step",
+              "per_unit", "logits"):
+        assert getattr(fake, k) == getattr(real, k), k
+    assert fake.forward_backward > 0 and len(fake.per_unit) == 2
+    assert sorted(fake.events) == sorted(real.events)

@@ -15,11 +15,13 @@ optimizer's state, is the predicted peak. The parts:
     optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout:
                           int8 codes + an fp32 scale per 256 values, small tensors in fp32)
     inputs                the batch
-    activations           the rest of the peak: saved activations, the loss's logits, autocast's
+    activations           the rest of the tensors' peak: saved activations, the loss's logits, autocast's
                           weight copies, the gradients of the backward in flight, the optimizer's
                           temporaries (whichever phase of the step is higher); with
                           train.activation_offload on CUDA the saved activations are simulated in
                           host memory (save_on_cpu) and only the device's tensors are counted
+    allocator             what the device's allocator holds beyond the tensors at its peak (replayed)
+    unseen                CPU: what no tensor holds (measured envelope, per family)
 
 Also reported: activations per repeated block (what one block keeps for the backward), the
 logits of the loss, the KV cache of generation at the run's batch and model.max_seq_len, and
@@ -30,8 +32,17 @@ one device, for the per-device micro-batch).
 
 Deep models are simulated at two reduced depths and extrapolated (every quantity of a stack of
 equal blocks is linear in its depth); the parameters and optimizer states are those of the full
-model. What dispatch cannot see is not in the prediction: library workspaces (oneDNN, MKL,
-cuDNN), the allocator's fragmentation and caching, the CUDA context; docs/memory.md has the
+model.
+
+The peak is what the device will hold, not only the tensors: the storages the step makes and frees,
+in order (`AllocTrace`, from the model's construction to the third step), are replayed through a
+model of the device's allocator (`allocator`: glibc's heap on a CPU, `cpu_heap_peak`; the CUDA
+caching allocator's reserved segments, `cuda_reserved_peak`), and on a CPU the memory no tensor
+holds (`unseen`: BLAS and oneDNN buffers, the runtime's own allocations and the fragmentation they
+cause) is added from a per-family envelope measured on this machine (`python train/bench.py memory
+--calibrate`, train/benches/memory_calibration.json). On a CPU the prediction is the growth of the
+process's peak resident memory from the imported interpreter to the end of the third step
+(`measure`); on CUDA the peak reserved memory, without the CUDA context. docs/memory.md has the
 prediction against measured peaks.
 
 `--memory` lists settings that make the step fit, cheapest in speed first (each with its
@@ -58,6 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from train.runtime import apply_runtime
+from train.step import DTYPES, EMA, autocast_for, optimizer_step, precision_of, resolve_precision
 from zoo.config import ConfigError
 from zoo.tensors import tensors_of
 
@@ -72,9 +84,10 @@ class LiveBytes(TorchDispatchMode):
     device: count only the tensors on a device of this type (activations offloaded to the host
     are not on the GPU)."""
 
-    def __init__(self, device: Optional[str] = None):
+    def __init__(self, device: Optional[str] = None, trace: Optional["AllocTrace"] = None):
         super().__init__()
         self.device = device
+        self.trace = trace
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
 
@@ -93,6 +106,8 @@ class LiveBytes(TorchDispatchMode):
             if key in self._refs:
                 continue
             n = s.nbytes()
+            if self.trace is not None:
+                self.trace.add(s, n)
             self._refs[key] = weakref.ref(s, lambda _, key=key, n=n: self._drop(key, n))
             self.live += n
             self.peak = max(self.peak, self.live)
@@ -112,6 +127,174 @@ class LiveBytes(TorchDispatchMode):
             out = func(*args, **kwargs)
         self.add(out)
         return out
+
+
+class AllocTrace:
+    """The order in which tensor storages are made and freed: [(key, +bytes) or (key, -bytes)], each
+    storage once however many counters see it. Replayed through a model of the device's allocator
+    (`cpu_heap_peak`, `cuda_reserved_peak`) it gives the memory the allocator holds at its peak."""
+
+    def __init__(self):
+        self.events: list[tuple[int, int]] = []
+        self._refs: dict[int, weakref.ref] = {}
+        self._next = 0
+
+    def add(self, storage, n: int):
+        key = id(storage)
+        if key in self._refs:
+            return
+        self._next += 1
+        uid = self._next
+        self.events.append((uid, n))
+        self._refs[key] = weakref.ref(storage, lambda _, key=key, uid=uid, n=n: self._free(key, uid, n))
+
+    def add_bytes(self, n: int) -> int:
+        """A block that no dispatched op makes (torchao's 8-bit states, the EMA's copy), never freed."""
+        self._next += 1
+        self.events.append((self._next, n))
+        return self._next
+
+    def _free(self, key, uid, n):
+        if self._refs.pop(key, None) is not None:
+            self.events.append((uid, -n))
+
+
+# glibc's malloc (Linux) as it serves the CPU allocator's blocks (c10: posix_memalign, 64-byte aligned)
+GLIBC_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX = 128 * 1024, 32 * MiB
+
+
+def cpu_heap_peak(events, keep: bool) -> int:
+    """The peak resident bytes glibc's malloc holds for the blocks of `events` (an AllocTrace's),
+    modelled: a heap served best-fit (the smallest free chunk that fits, split; freed chunks merge
+    with free neighbours and with the top of the heap, which grows when nothing fits), chunks of
+    the request + 8 bytes rounded up to 64. keep (train.cpu_keep_memory, glibc told M_MMAP_MAX=0):
+    every block is on the heap; else blocks at or over the mmap threshold are mapped apart and
+    unmapped when freed, the threshold rising to the size of a freed mapped block (glibc's dynamic
+    threshold, at most 32 MiB). The resident peak is the highest (heap top + mapped bytes): freed
+    heap memory stays resident (glibc trims only the free top, which the top already accounts)."""
+    import bisect
+    top = mapped = peak = 0
+    threshold = GLIBC_MMAP_THRESHOLD
+    by_size: list[tuple[int, int]] = []          # free chunks (size, address), sorted
+    start_of: dict[int, int] = {}                 # free chunk address -> size
+    end_of: dict[int, int] = {}                   # free chunk end -> address
+    blocks: dict[int, tuple[int, int]] = {}       # live block -> (address or -1 when mapped, size)
+
+    def take(addr, size):
+        del start_of[addr], end_of[addr + size]
+        by_size.pop(bisect.bisect_left(by_size, (size, addr)))
+
+    def put(addr, size):
+        start_of[addr], end_of[addr + size] = size, addr
+        bisect.insort(by_size, (size, addr))
+
+    for uid, n in events:
+        if n > 0:
+            size = (n + 8 + 63) // 64 * 64
+            if not keep and n >= threshold:
+                blocks[uid] = (-1, size)
+                mapped += size
+            else:
+                i = bisect.bisect_left(by_size, (size, -1))
+                if i < len(by_size):
+                    fsize, addr = by_size[i]
+                    take(addr, fsize)
+                    if fsize > size:
+                        put(addr + size, fsize - size)
+                else:
+                    addr = top
+                    if end_of.get(top) is not None:  # a free chunk next to the top is the top's
+                        addr = end_of[top]
+                        take(addr, top - addr)
+                    top = addr + size
+                blocks[uid] = (addr, size)
+            peak = max(peak, top + mapped)
+        else:
+            got = blocks.pop(uid, None)
+            if got is None:
+                continue
+            addr, size = got
+            if addr < 0:
+                mapped -= size
+                if size <= GLIBC_MMAP_THRESHOLD_MAX:
+                    threshold = max(threshold, size)
+                continue
+            if addr + size in start_of:            # merge with the next free chunk
+                nsize = start_of[addr + size]
+                take(addr + size, nsize)
+                size += nsize
+            if addr in end_of:                      # and with the previous one
+                prev = end_of[addr]
+                take(prev, addr - prev)
+                size += addr - prev
+                addr = prev
+            if addr + size == top:                  # the top of the heap: it shrinks (trimmed or kept free)
+                top = addr
+            else:
+                put(addr, size)
+    return peak
+
+
+def cuda_reserved_peak(events) -> int:
+    """The peak bytes PyTorch's CUDA caching allocator reserves for the blocks of `events`, modelled
+    on its rules (c10/cuda/CUDACachingAllocator.cpp): requests rounded up to 512 bytes; blocks of
+    at most 1 MiB from a small pool of 2 MiB segments, larger ones from a large pool (20 MiB segments
+    below 10 MiB, else the request rounded up to 2 MiB); the best-fitting cached free block is used
+    and split when what remains is over 512 bytes (small) or 1 MiB (large); freed blocks merge with
+    free neighbours in their segment; segments stay reserved (cached) until the end. What it does
+    not hold (the CUDA context, 300-600 MB a process) is not in it."""
+    import bisect
+    reserved = peak = 0
+    free: dict[bool, list] = {True: [], False: []}   # small pool? -> sorted [(size, segment, offset)]
+    start_of: dict[tuple, int] = {}                   # (segment, offset) -> size of a free block
+    end_of: dict[tuple, int] = {}                     # (segment, end) -> offset of a free block
+    blocks: dict[int, tuple] = {}
+    segments = 0
+
+    def take(small, seg, off, size):
+        del start_of[(seg, off)], end_of[(seg, off + size)]
+        free[small].pop(bisect.bisect_left(free[small], (size, seg, off)))
+
+    def put(small, seg, off, size):
+        start_of[(seg, off)], end_of[(seg, off + size)] = size, off
+        bisect.insort(free[small], (size, seg, off))
+
+    for uid, n in events:
+        if n > 0:
+            size = max(512, (n + 511) // 512 * 512)
+            small = size <= MiB
+            pool = free[small]
+            i = bisect.bisect_left(pool, (size, -1, -1))
+            if i < len(pool):
+                fsize, seg, off = pool[i]
+                take(small, seg, off, fsize)
+            else:
+                fsize = 2 * MiB if small else 20 * MiB if size < 10 * MiB else (size + 2 * MiB - 1) // (2 * MiB) * 2 * MiB
+                seg, off = segments, 0
+                segments += 1
+                reserved += fsize
+                peak = max(peak, reserved)
+            if fsize - size > (512 if small else MiB):
+                put(small, seg, off + size, fsize - size)
+            else:
+                size = fsize
+            blocks[uid] = (small, seg, off, size)
+        else:
+            got = blocks.pop(uid, None)
+            if got is None:
+                continue
+            small, seg, off, size = got
+            if (seg, off + size) in start_of:
+                nsize = start_of[(seg, off + size)]
+                take(small, seg, off + size, nsize)
+                size += nsize
+            if (seg, off) in end_of:
+                prev = end_of[(seg, off)]
+                take(small, seg, prev, off - prev)
+                size += off - prev
+                off = prev
+            put(small, seg, off, size)
+    return peak
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
@@ -243,17 +426,21 @@ class Simulated:
     optimizer_step: int      # peak above `persistent` during clipping and the optimizer step
     per_unit: list           # bytes each repeated block keeps from its forward to the backward
     logits: int              # the peak the loss adds over the last block's output (forward)
+    events: list = field(default_factory=list)  # AllocTrace.events: construction and three steps
+
+
 
 
 def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
     """The compute dtype the loop runs cfg in (train/step.py's resolve_precision: `auto` measured
-    once per process and device, as the loop measures it)."""
-    from train.step import DTYPES, resolve_precision
+    once per process and device, as the loop measures it; outside any fake-tensor mode)."""
     p = cfg.train.precision
     if p == "auto":
         key = (str(device), torch.get_num_threads())
         if key not in _AUTO:
-            _AUTO[key] = resolve_precision(p, device)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            with unset_fake_temporarily():
+                _AUTO[key] = resolve_precision(p, device)
         p = _AUTO[key]
     return None if p == "fp32" else DTYPES[p]
 
@@ -277,21 +464,25 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
     amp = _precision(cfg, device)
     B = batch_size or cfg.train.batch_size
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    trace = AllocTrace()  # the run's storages in order, from the model's construction to the third step
     with mode, torch.random.fork_rng(devices=[]):
-        with torch.device(device):
+        with torch.device(device), LiveBytes(device.type, trace):
             model = build_model(cfg)
-        if cfg.train.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+            if cfg.train.channels_last:
+                model = model.to(memory_format=torch.channels_last)
         model.train()
+        if cfg.train.ema_decay:  # the loop's EMA: a copy of the model, made before the optimizer
+            trace.add_bytes(_bytes(model.parameters()) + _bytes(model.buffers()))
         task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
         task.autocast_dtype = amp
-        batch = task.example_batch(model, B)
+        with LiveBytes(device.type, trace):
+            batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, states = planned_optimizer(model, params, cfg, device)
         eightbit = optimizer is None
-        autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp else contextlib.nullcontext
+        autocast = autocast_for(device, precision_of(amp))
         units = repeated_units(model)
-        counter = LiveBytes(device.type)
+        counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
         def pre(i):
@@ -334,10 +525,14 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
                 fake_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
             else:
+                if not made["states"]:  # torchao's 8-bit states, made at its first step
+                    trace.add_bytes(states)
+                    made["states"] = True
                 for p in params:
                     p.grad = None
             return (fb, counter.peak) if track else None
 
+        made = {"states": False}
         with counter:
             step(track=False)  # the optimizer makes its state
         state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
@@ -346,7 +541,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             probe = LiveBytes()
             probe.add(state_tensors)
             states = probe.live
-        counter = LiveBytes(device.type)
+        counter = LiveBytes(device.type, trace)
         counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
         persistent = counter.live + (states if eightbit else 0)
         counter.live = counter.peak = persistent
@@ -354,6 +549,8 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         with counter:
             phase["name"] = "forward"
             fb, opt = step(track=True)
+            phase["name"] = "third"
+            step(track=False)  # the allocator's layout settles over the first steps (cpu_heap_peak)
         for h in handles:
             h.remove()
         p_bytes = _bytes(model.parameters())
@@ -361,7 +558,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         g_bytes = sum(p.numel() * p.element_size() for p in params)
         inputs = _bytes(tree_flatten(batch)[0])
     return Simulated(persistent, p_bytes, b_bytes, g_bytes, states, inputs, fb - persistent, opt - persistent,
-                     [per_unit.get(i, 0) for i in range(len(units))], logits["peak"])
+                     [per_unit.get(i, 0) for i in range(len(units))], logits["peak"], trace.events)
 
 
 def _bytes(tensors) -> int:
@@ -418,9 +615,11 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
         sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
                                   logits=s2.logits)
+        allocator = lin(allocator_overhead(s1.events, cfg, device), allocator_overhead(s2.events, cfg, device))
         extrapolated = [l1, l2]
     else:
         sim, extrapolated = simulate(cfg, device, B), None
+        allocator = allocator_overhead(sim.events, cfg, device)
     transient = max(sim.forward_backward, sim.optimizer_step)
     activations = transient - sim.grads
     host = 0
@@ -445,10 +644,73 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
                      f"(one more copy of the gradients)")
     ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
-                 "ema": ema, "inputs": sim.inputs, "activations": activations}
+                 "ema": ema, "inputs": sim.inputs, "activations": activations,
+                 "allocator": max(0, allocator)}
+    one_device = sim.params + sim.buffers + sim.states + ema + sim.inputs + transient + max(0, allocator)
+    breakdown["unseen"] = unseen_bytes(cfg, device, one_device)  # of the step on one device
     kv = _kv_cache_bytes(cfg, B, device)
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
                 sharding if devices > 1 else "none", extrapolated, notes)
+
+
+CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
+
+
+CALIBRATION = Path(__file__).resolve().parent / "benches" / "memory_calibration.json"
+_calibration: dict = {}
+
+
+def calibration() -> dict:
+    """The CPU's unseen-memory envelope per family, {family: {"a": bytes, "b": fraction, ...}}, as
+    `python train/bench.py memory --calibrate` measured and wrote it (train/benches/
+    memory_calibration.json: the machine, torch, the date and every point it was fitted on)."""
+    if not _calibration:
+        try:
+            _calibration.update(json.loads(CALIBRATION.read_text())["families"])
+        except (OSError, ValueError, KeyError):
+            _calibration["none"] = {}
+    return _calibration
+
+
+def unseen_bytes(cfg, device, held: int) -> int:
+    """Memory the process adds that no tensor holds, on a CPU: what the BLAS and oneDNN keep
+    (packing buffers, primitive caches, convolution scratch), the thread pools, the autograd
+    graph's own objects and the heap fragmentation their allocations cause among the tensors'.
+    Dispatch cannot see it, so it is measured: `envelope`, min(s * held, a + b * held), held the
+    modelled heap of the tensors (`cpu_heap_peak`), s, a and b the upper envelope of
+    (measured - held) over the family's calibration configurations (`calibration()`). Zero on CUDA (the caching allocator's
+    replay holds everything the step allocates there; the CUDA context is apart)."""
+    if device.type != "cpu":
+        return 0
+    c = calibration().get(cfg.family)
+    if not c:
+        return 0
+    return round(envelope(c, held))
+
+
+def envelope(c: dict, held: float) -> float:
+    """A family's unseen memory at a modelled heap of `held` bytes: a + b * held, or, where the
+    calibration fitted a slope s for small heaps, min(s * held, a + b * held) (the small models'
+    buffers grow with the heap, the large ones' level off)."""
+    line = c["a"] + c["b"] * held
+    return min(c["s"] * held, line) if c.get("s") is not None else line
+
+
+def allocator_overhead(events, cfg, device) -> int:
+    """What the device's allocator holds at its peak beyond the peak of the tensors alive: the trace
+    replayed through glibc's heap (CPU, `cpu_heap_peak`) or the CUDA caching allocator
+    (`cuda_reserved_peak`, plus cuBLAS's workspace)."""
+    live = peak_live = 0
+    for _, n in events:
+        live += n
+        peak_live = max(peak_live, live)
+    if device.type == "cuda":
+        held = cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES
+    elif device.type == "cpu":
+        held = cpu_heap_peak(events, cpu_keeps_freed_memory(cfg))
+    else:
+        held = peak_live
+    return held - peak_live
 
 
 def _static(cfg, device, B) -> Simulated:
@@ -605,7 +867,6 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
     if model is not None and getattr(model, "config", None) is not None:
         cfg = dataclasses.replace(cfg, model=model.config)
     if task is not None:  # plan the precision the run resolved (train.precision: auto), not a new measurement
-        from train.step import precision_of
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
     budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     sizes = [d for d in range(1, G + 1) if G % d == 0]
@@ -643,7 +904,7 @@ def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     params = [p for p in model.parameters() if p.requires_grad]
     states = _static(cfg, device, 1).states
-    autocast = (lambda: torch.autocast("cuda", dtype=amp)) if amp else contextlib.nullcontext
+    autocast = autocast_for(device, precision_of(amp))
     while best >= 0:
         b, hold = sizes[best], None
         try:
@@ -676,60 +937,67 @@ def _proc_status(key: str) -> int:
     raise OSError(f"/proc/self/status has no {key}")
 
 
-def measure(cfg, batch_size: Optional[int] = None) -> dict:
-    """The measured peak of one steady-state training step of `cfg` on the CPU, in this process
-    (run it in a fresh one: python -m train.plan --measure ...). The loop's own step function runs
-    twice (the optimizer makes its state, torchao compiles), freed memory goes back to the OS
-    (glibc's defaults, malloc_trim), the kernel's high-water mark is reset (/proc/self/clear_refs)
-    and one more step runs. Returns rest_rss (the process at rest before that step), hwm (the
-    high-water mark across it), live (the bytes of the tensors alive at rest: parameters,
-    buffers, optimizer state, batch, the EMA's copy) and peak = hwm - rest_rss + live: the step's peak over the
-    process at rest plus what the tensors at rest hold, leaving out what the process holds for
-    torch itself (libraries, kernels it compiled, thread pools), which no config changes."""
-    import contextlib
+def cpu_keeps_freed_memory(cfg) -> bool:
+    """Whether a run of `cfg` started by train/run.py keeps freed memory on a CPU (glibc told not to
+    trim or unmap, `train.cpu_keep_memory`, on by default for a process the run owns)."""
+    return cfg.train.cpu_keep_memory if cfg.train.cpu_keep_memory is not None else True
+
+
+def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
+    """The measured memory of `cfg`'s training on the CPU, in this process: run it in a fresh one
+    (measure_in_subprocess). Follows the loop's code path: glibc's allocator set as train/run.py
+    sets it (`cpu_keeps_freed_memory`), the model built and set to train, the EMA, the optimizer,
+    the batch, then `steps` steps of the loop's own `optimizer_step`. Returns
+
+        start_rss   the process's resident memory before the model is built (the interpreter,
+                    torch and Zoo imported: what every run has before it starts)
+        hwm         the process's peak resident memory (/proc/self/status VmHWM) at the end
+        peak        hwm - start_rss: the growth of the peak, what the planner predicts
+        live        the bytes of the tensors alive after the last step (parameters, buffers,
+                    optimizer state, batch, the EMA's copy)
+        rest_rss    the resident memory after the last step"""
     import gc
-    from train.hardware import release_freed_memory
-    from train.step import EMA, optimizer_step
+    from train.hardware import keep_freed_memory
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
-    release_freed_memory()
+    if cpu_keeps_freed_memory(cfg):  # else glibc's defaults, untouched, as in the loop
+        keep_freed_memory()
+    amp = _precision(cfg, device)
+    with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them: 160 MiB)
+        build_model(cfg)
+    gc.collect()
+    start = _proc_status("VmRSS")
+    start_file = _proc_status("RssFile") + _proc_status("RssShmem")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model.train()
-    amp = _precision(cfg, device)
     task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
     task.autocast_dtype = amp
-    batch = task.example_batch(model, batch_size or cfg.train.batch_size)
+    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
+    batch = task.example_batch(model, batch_size or cfg.train.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
-    autocast = (lambda: torch.autocast("cpu", dtype=amp)) if amp else contextlib.nullcontext
-
-    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-
-    def step():
+    autocast = autocast_for(device, precision_of(amp))
+    phases = {"built": _proc_status("VmHWM") - start}
+    for i in range(steps):
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
                        cfg.train.clip_grad, autocast)
         if ema is not None:
             ema.update(model)
-
-    step()
-    step()
-    gc.collect()
-    release_freed_memory()
-    rest = _proc_status("VmRSS")
+        phases[f"step {i + 1}"] = _proc_status("VmHWM") - start
+    hwm = _proc_status("VmHWM")
     kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
-    live = _bytes(kept)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    step()
-    hwm = _proc_status("VmHWM")
-    return {"rest_rss": rest, "hwm": hwm, "live": live, "peak": hwm - rest + live}
+    return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept),
+            "rest_rss": _proc_status("VmRSS"), "phases": phases,
+            "file_growth": _proc_status("RssFile") + _proc_status("RssShmem") - start_file}
 
 
 def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
