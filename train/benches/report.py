@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -57,40 +58,127 @@ SHARED = 0.25                 # the page says "shared" when other processes used
 
 
 # ---------------------------------------------------------------- the verdict rule
-RULE = (f"For a claimed gain (speed, memory, quality, compression) the measured effect is expressed in the claim's own "
-        f"units, positive in the claimed direction: speed-up - 1 (paired median of the baseline's step time over the "
-        f"technique's), memory saved as a fraction of the baseline's, relative loss reduction, compression - 1. "
-        f"**holds** when the measured effect is at least half the claimed one; **partly** when it is in the claimed "
-        f"direction (> 0) but less than half; **does not hold here** otherwise (no effect or the opposite one). "
-        f"A claim that gives no number is taken as {NOMINAL_SPEED_MEMORY:.0%} for speed and memory and "
-        f"{NOMINAL_QUALITY:.0%} lower loss for quality. For a claimed equality (e.g. equal gradients) the effect is the "
-        f"measured relative difference: **holds** within the stated tolerance, **partly** within 10x of it, **does not "
-        f"hold here** beyond. **skipped** (with the reason) when this hardware lacks the feature or the measurement "
-        f"failed. Ratio = measured effect / claimed effect (for an equality: difference / tolerance).")
+CONFIDENCE = 0.95
+MIN_SEEDS = 3                 # quality claims: at least this many seeds (and repeated measurements: this many repeats)
+APPROX = 0.9                  # a claim of "~X" is met from 90% of X on
+EVIDENCE = ("seeds", "rounds", "repeats", "exact")
+RULE = (f"Every effect is in the claim's own units, positive in the claimed direction (speed-up - 1: the baseline's "
+        f"step time over the technique's, within a round; memory saved as a fraction of the baseline's; relative loss "
+        f"reduction; compression - 1), with a {CONFIDENCE:.0%} interval: quality over at least {MIN_SEEDS} seeds (the "
+        f"mean and its t interval), speed over paired alternating rounds (the median ratio and its distribution-free "
+        f"interval from the order statistics of the per-round ratios, which needs at least 6 rounds), measured peak "
+        f"memory over at least {MIN_SEEDS} repeated measurements (t interval), counts (bytes of tensors, shapes, a "
+        f"deterministic difference) exactly. Each claim has a threshold that its own words require: a number it "
+        f"states (\"~X\" is met from {APPROX:.0%} of X; \"stateless\" only by zero state, i.e. 100% saved), or "
+        f"{NOMINAL_SPEED_MEMORY:.0%} for speed and memory and {NOMINAL_QUALITY:.0%} lower loss where it states none. "
+        f"**holds** when the interval lies on the claimed side of zero and the estimate meets the threshold (and no "
+        f"part of the claim went unmeasured); **partly** when the interval lies on the claimed side but the estimate "
+        f"falls short of the threshold (or part of the claim was not measured); **does not hold** when the interval "
+        f"lies on the other side (or is exactly zero); **inconclusive** when it straddles zero. No verdict from a "
+        f"single seed or measurement (**no verdict: one seed**), nor from numbers without an interval (the row says "
+        f"why). For a claimed equality the effect is the measured difference: **holds** when its interval is within "
+        f"the stated tolerance, **does not hold** when beyond it, **inconclusive** otherwise. **skipped** (with the "
+        f"reason) when this hardware lacks the feature or the measurement failed. Ratio = estimate / threshold.")
 
 
-def verdict(effect: Optional[float], claimed: float, kind: str = "gain") -> str:
-    """The rule above. kind 'gain': `claimed` > 0 is the claimed effect, `effect` the measured one
-    (positive in the claimed direction); kind 'equal': `claimed` is the tolerance, `effect` the
-    measured difference. None or non-finite effect: 'skipped'."""
-    if effect is None or not math.isfinite(effect):
-        return "skipped"
-    if kind == "equal":
-        if claimed <= 0:
-            raise ValueError(f"tolerance must be > 0, got {claimed}")
-        d = abs(effect)
-        return "holds" if d <= claimed else "partly" if d <= 10 * claimed else "does not hold here"
-    if kind != "gain":
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `df` degrees of freedom: bisection on the
+    CDF, integrated from the density with Simpson's rule (no scipy in the core install)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x, n=400):
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def median_rank(n: int, confidence: float = CONFIDENCE) -> Optional[int]:
+    """The largest k with P(X_(k) <= median <= X_(n+1-k)) >= confidence for n samples (a binomial
+    tail), or None when even the full range covers less (n <= 5 at 95%)."""
+    best = None
+    for k in range(1, n // 2 + 1):
+        below = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        if 1 - 2 * below >= confidence:
+            best = k
+    return best
+
+
+def estimate(samples: list, evidence: str) -> tuple[Optional[float], Optional[tuple], str]:
+    """The effect's estimate and CONFIDENCE interval from its samples (one per seed, round or
+    repeat; one value for an exact count), and, without an interval, why not."""
+    if evidence not in EVIDENCE:
+        raise ValueError(f"evidence must be one of {EVIDENCE}, got {evidence!r}")
+    xs = [float(x) for x in samples]
+    if not xs or not all(math.isfinite(x) for x in xs):
+        return None, None, "no finite measurement"
+    if evidence == "exact":
+        if len(set(xs)) != 1:
+            raise ValueError(f"an exact count has one value, got {xs}")
+        return xs[0], (xs[0], xs[0]), ""
+    n = len(xs)
+    if evidence == "rounds":
+        k = median_rank(n)
+        s = sorted(xs)
+        if k is None:
+            return statistics.median(xs), None, f"{n} rounds: too few for a {CONFIDENCE:.0%} interval"
+        return statistics.median(xs), (s[k - 1], s[n - k]), ""
+    m = statistics.fmean(xs)
+    if n < MIN_SEEDS:
+        what = "seed" if evidence == "seeds" else "measurement"
+        return m, None, f"one {what}" if n == 1 else f"{n} {what}s (at least {MIN_SEEDS} needed)"
+    half = t_quantile(1 - (1 - CONFIDENCE) / 2, n - 1) * statistics.stdev(xs) / math.sqrt(n)
+    return m, (m - half, m + half), ""
+
+
+def verdict(est: Optional[float], interval: Optional[tuple], threshold: float, kind: str = "gain",
+            missing: str = "", unmeasured: str = "") -> str:
+    """The rule above, once. `interval` the CONFIDENCE interval of the effect (None: no verdict,
+    `missing` says why); `threshold` what the claim's words require (kind 'gain', > 0) or the
+    tolerance (kind 'equal'); `unmeasured` a part of the claim not measured (caps at partly)."""
+    if kind not in ("gain", "equal"):
         raise ValueError(f"kind must be 'gain' or 'equal', got {kind!r}")
-    if claimed <= 0:
-        raise ValueError(f"a claimed gain must be > 0, got {claimed}")
-    if effect >= 0.5 * claimed:
-        return "holds"
-    return "partly" if effect > 0 else "does not hold here"
+    if threshold is None or threshold <= 0:
+        raise ValueError(f"a claim's threshold must be > 0, got {threshold}")
+    if est is None or not math.isfinite(est):
+        return "skipped"
+    if interval is None:
+        return f"no verdict: {missing or 'no interval'}"
+    lo, hi = interval
+    if kind == "equal":
+        lo, hi = (0.0, max(abs(lo), abs(hi))) if lo <= 0 <= hi else sorted((abs(lo), abs(hi)))
+        return "holds" if hi <= threshold else "does not hold" if lo > threshold else "inconclusive"
+    if lo > 0:
+        return "holds" if est >= threshold and not unmeasured else "partly"
+    if hi < 0 or lo == hi == 0:
+        return "does not hold"
+    return "inconclusive"
 
 
 def ratio(effect: Optional[float], claimed: float) -> Optional[float]:
     return None if effect is None or not math.isfinite(effect) else effect / claimed
+
+
+def approx(x: float) -> float:
+    """The threshold of a claim of "~x" (a fraction): met from APPROX of it."""
+    return APPROX * x
+
+
+def approx_speedup(x: float) -> float:
+    """The threshold, as speed-up - 1, of a claim of "~x times faster"."""
+    return APPROX * x - 1
+
+
+THRESHOLDS = {  # what a claim's words require where it is not the claimed number itself ("~X": APPROX of X)
+    "bf16 autocast (speed)": approx_speedup(2.0), "fp16 autocast + GradScaler (speed)": approx_speedup(2.0),
+    "adamw8bit (state memory)": approx(0.75), "QLoRA (base weights)": approx(0.75),
+}
 
 
 @dataclass
@@ -102,7 +190,7 @@ class Row:
     metric: str                  # what the effect measures, e.g. "speed-up - 1"
     claimed: float               # the claimed effect, in the metric's units (kind equal: the tolerance)
     kind: str = "gain"
-    effect: Optional[float] = None
+    effect: Optional[float] = None   # the estimate: mean over seeds/repeats, median over rounds, or the exact count
     speed: str = "-"
     memory: str = "-"
     quality: str = "-"
@@ -111,10 +199,24 @@ class Row:
     verdict: str = ""
     ratio: Optional[float] = None
     measurement: str = ""        # the key of MEASUREMENTS that made the row
+    threshold: Optional[float] = None  # what the claim's words require, in the metric's units (default: claimed)
+    evidence: str = "seeds"      # what the samples are: seeds, rounds, repeats or exact (see RULE)
+    samples: list = field(default_factory=list)   # the effect per seed / round / repeat (one value when exact)
+    interval: Optional[list] = None   # the CONFIDENCE interval of the effect
+    n: int = 0                   # how many samples
+    missing: str = ""            # why there is no interval
+    unmeasured: str = ""         # a part of the claim that was not measured
 
     def decide(self) -> "Row":
-        self.verdict = verdict(self.effect, self.claimed, self.kind)
-        self.ratio = ratio(self.effect, self.claimed)
+        if self.threshold is None:
+            self.threshold = THRESHOLDS.get(self.technique, self.claimed)
+        if self.samples:
+            self.effect, iv, self.missing = estimate(self.samples, self.evidence)
+            self.interval, self.n = (list(iv) if iv else None), len(self.samples)
+        elif self.effect is not None and self.interval is None and not self.missing:
+            self.missing = "no interval: a single value without seeds or rounds"
+        self.verdict = verdict(self.effect, self.interval, self.threshold, self.kind, self.missing, self.unmeasured)
+        self.ratio = ratio(self.effect, self.threshold)
         if self.verdict == "skipped" and not self.reason:
             self.reason = "no measurement"
         return self
@@ -151,7 +253,7 @@ def _llm(vocab, d, layers, heads, kv, seq, batch):
 SCALES = {
     "test": Scale("test", 2, _llm(512, 64, 2, 2, 1, 32, 4), dict(d_model=64, n_layers=2, n_heads=2, vocab=512),
                   ("resnet18", 2, 32), 2, 6, 2, 32, 4, 10, 6, 2, 1, 64, max_chars=200_000),
-    "quick": Scale("quick", 5, _llm(8192, 128, 4, 4, 2, 128, 8), dict(d_model=256, n_layers=4, n_heads=4, vocab=8192),
+    "quick": Scale("quick", 6, _llm(8192, 128, 4, 4, 2, 128, 8), dict(d_model=256, n_layers=4, n_heads=4, vocab=8192),
                    ("resnet18", 8, 64), 4, 80, 8, 128, 100, 100, 80, 8, 2, 256, max_chars=2_000_000),
     "full": Scale("full", 8, _llm(16384, 256, 4, 4, 2, 256, 8), dict(d_model=512, n_layers=8, n_heads=8, vocab=32000),
                   ("resnet50", 8, 128), 4, 600, 8, 256, 300, 300, 200, 20, 4, 512),
@@ -163,8 +265,8 @@ class Ctx:
     """What every measurement gets: the scale, the device, the output folder, a log, and the plots made."""
 
     def __init__(self, scale: Scale, out: Path, device: torch.device, say: Callable[[str], None],
-                 precision: str = "fp32", rounds: Optional[int] = None):
-        self.s, self.out, self.device, self.say = scale, out, device, say
+                 precision: str = "fp32", rounds: Optional[int] = None, seeds: int = MIN_SEEDS):
+        self.s, self.out, self.device, self.say, self.seeds = scale, out, device, say, seeds
         self.precision, self.n_rounds = precision, rounds or scale.rounds  # of every comparison not about precision
         self.work = Path(tempfile.mkdtemp(prefix="zoo-report-"))
         self.plots: list[tuple[str, str]] = []       # (title, file name)
@@ -781,32 +883,55 @@ def others_share(start: tuple, end: tuple, cores: int) -> Optional[float]:
     return max(0.0, others / ((end[0] - start[0]) * max(1, cores)))
 
 
+def fmt_value(row: Row, v: float) -> str:
+    if row.kind == "equal":
+        return f"{v:.1e}"
+    if row.metric.startswith("speed-up") or row.metric.startswith("compression"):
+        return f"{v + 1:.2f}x"
+    return f"{100 * v:+.1f}%"
+
+
 def fmt_effect(row: Row) -> str:
+    """The estimate, its interval and what it rests on, and the threshold the claim's words set."""
     if row.effect is None:
         return "-"
-    if row.kind == "equal":
-        return f"{row.effect:.1e} (tolerance {row.claimed:g})"
-    if row.metric.startswith("speed-up") or row.metric.startswith("compression"):
-        return f"{row.effect + 1:.2f}x (claimed {row.claimed + 1:.2f}x)"
-    return f"{100 * row.effect:+.1f}% (claimed {100 * row.claimed:.0f}%)"
+    need = (f"tolerance {row.threshold:g}" if row.kind == "equal" else
+            f"claim needs {fmt_value(row, row.threshold)}" if row.threshold is not None else "")
+    if row.interval:
+        lo, hi = row.interval
+        basis = ("exact" if row.evidence == "exact" else
+                 f"{CONFIDENCE:.0%} interval {fmt_value(row, lo)} to {fmt_value(row, hi)}, {row.n} {row.evidence}")
+    else:
+        basis = f"no interval: {row.missing}"
+    return f"{fmt_value(row, row.effect)} ({basis}; {need})"
 
 
-def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, loads: tuple, started: str) -> Path:
+def page_meta(ctx: Ctx, started: str) -> dict:
+    """What the page says about the run besides the rows (kept in report.json, so a re-judging can rewrite the page)."""
+    return {"scale": ctx.s.name, "precision": ctx.precision, "rounds": ctx.n_rounds, "seeds": ctx.seeds,
+            "device": str(ctx.device), "started": started, "plots": [list(p) for p in ctx.plots]}
+
+
+def write_page(out: Path, rows: list[Row], meta: dict, info: dict, timing: dict, loads: tuple) -> Path:
     busy = [l for l in loads if l is not None]
     others = timing.get("others_share")
     shared = others is not None and others > SHARED
+    s = SCALES[meta["scale"]]
     lines = ["# Techniques report", "",
-             f"Measured by `python train/bench.py report{' --quick' if ctx.s.name == 'quick' else ''}` "
-             f"(scale: {ctx.s.name}) on {started}; every number below comes from that run.", "",
-             f"- CPU: {info['cpu']}, {info['cores']} logical cores, torch threads {info['torch_threads']}",
-             f"- GPU: {info['gpu'] or 'none'}; device used: {ctx.device}",
-             f"- Python {info['python']}, {info['platform']}",
-             "- " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
-             f"- load average (1 min) at start {busy[0][0]:.2f}, at end {busy[-1][0]:.2f} (the report's own threads "
-             f"included)" if busy else "- load average: unavailable",
-             f"- total wall time {timing['total']:.0f} s; CPU time of the report's processes {timing['cpu']:.0f} s"
-             + ("" if others is None else f"; other processes used {100 * others:.0f}% of the machine's CPU time "
-                                          f"meanwhile (/proc/stat)")]
+             f"Measured by `python train/bench.py report{' --quick' if s.name == 'quick' else ''}` "
+             f"(scale: {s.name}) on {meta['started']}; every number below comes from that run.", ""]
+    if meta.get("rejudged"):
+        lines += [f"Verdicts re-judged by `python train/bench.py report --rejudge` on {meta['rejudged']} from the "
+                  f"numbers stored in report.json under the rule below (nothing re-measured); " + meta["rejudge_note"], ""]
+    lines += [f"- CPU: {info['cpu']}, {info['cores']} logical cores, torch threads {info['torch_threads']}",
+              f"- GPU: {info['gpu'] or 'none'}; device used: {meta['device']}",
+              f"- Python {info['python']}, {info['platform']}",
+              "- " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+              f"- load average (1 min) at start {busy[0][0]:.2f}, at end {busy[-1][0]:.2f} (the report's own threads "
+              f"included)" if busy else "- load average: unavailable",
+              f"- total wall time {timing['total']:.0f} s; CPU time of the report's processes {timing['cpu']:.0f} s"
+              + ("" if others is None else f"; other processes used {100 * others:.0f}% of the machine's CPU time "
+                                           f"meanwhile (/proc/stat)")]
     if shared:
         lines.append(f"- **the machine was shared**: other processes used more than {100 * SHARED:.0f}% of its CPU "
                      f"time while the report ran, so speed figures are noisy; they are paired medians of alternating "
@@ -816,50 +941,60 @@ def write_page(out: Path, rows: list[Row], ctx: Ctx, info: dict, timing: dict, l
               "002: LLM speed-ups, 003: cookbook, 004: trainer techniques); notes are not papers, and a claim made for "
               "GPUs (tensor cores) is measured here on whatever this machine is.", "",
               "## Results", "",
-              "| technique | claim (note) | baseline | speed | memory | quality | effect: measured (claimed) | ratio | verdict |",
+              "| technique | claim (note) | baseline | speed | memory | quality | effect: estimate (interval, samples; threshold) | ratio | verdict |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio_s = "-" if r.ratio is None else f"{r.ratio:.2f}"
         v = r.verdict if r.verdict != "skipped" else f"skipped: {r.reason}"
+        if r.unmeasured:
+            v += f" (not measured: {r.unmeasured})"
         cells = [r.technique, f"{r.claim} ({r.source})", r.baseline, r.speed, r.memory, r.quality, fmt_effect(r), ratio_s,
                  f"**{v}**"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    counts = {k: sum(r.verdict == k for r in rows) for k in ("holds", "partly", "does not hold here", "skipped")}
+    kinds = ("holds", "partly", "does not hold", "inconclusive", "no verdict", "skipped")
+    counts = {k: sum(r.verdict.startswith(k) for r in rows) for k in kinds}
     lines += ["", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()), "", "## Plots", ""]
-    for title, png in ctx.plots:
+    for title, png in meta["plots"]:
         lines += [f"**{title}**", "", f"![{title}]({png})", ""]
     lines += ["## How each was measured", ""]
     for key, fn in MEASUREMENTS.items():
         if key in timing["parts"]:
             doc = " ".join((fn.__doc__ or "").split())
             lines.append(f"- **{key}** ({timing['parts'][key]:.0f} s): {doc}")
-    s = ctx.s
-    lines += ["", f"Scale `{s.name}`, comparisons not about precision in {ctx.precision}: LLM step d_model {s.llm['model']['d_model']}, {s.llm['model']['n_layers']} layers, "
+    lines += ["", f"Scale `{s.name}`, comparisons not about precision in {meta['precision']}: LLM step d_model {s.llm['model']['d_model']}, {s.llm['model']['n_layers']} layers, "
               f"vocab {s.llm['model']['vocab_size']}, batch {s.llm['train']['batch_size']} x {s.llm['data']['seq_len']}; "
               f"optimizer model d_model {s.opt_model['d_model']}, {s.opt_model['n_layers']} layers, vocab "
-              f"{s.opt_model['vocab']}; {ctx.n_rounds} alternating rounds per timing; ResNet {s.resnet[0]} batch {s.resnet[1]} "
+              f"{s.opt_model['vocab']}; {meta['rounds']} alternating rounds per timing; {meta['seeds']} seed(s) per quality "
+              f"comparison and repeat(s) per measured peak; ResNet {s.resnet[0]} batch {s.resnet[1]} "
               f"at {s.resnet[2]}px; loop runs: LLM {s.loop_steps} steps of {s.loop_batch} x {s.loop_seq}, diffusion "
               f"{s.snr_steps} steps, ResNet {s.sd_steps} steps, fine-tuning {s.lora_steps} steps. Memory: "
               + ("the planner's measured step peak in a fresh process (train.plan.measure: high-water mark over the "
-                 "process at rest, plus the tensors at rest)." if ctx.device.type != "cuda" else
+                 "process at rest, plus the tensors at rest)." if not meta["device"].startswith("cuda") else
                  "torch.cuda.max_memory_allocated across a steady-state step.")]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+def write_json(out: Path, rows: list[Row], meta: dict, info: dict, timing: dict, loads) -> None:
+    (out / "report.json").write_text(json.dumps({"scale": meta["scale"], "page": meta, "hardware": info, "loads": loads,
+                                                 "timing": timing, "rows": [dataclasses.asdict(r) for r in rows]},
+                                                indent=1, default=str) + "\n")
+
+
 def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=print, precision: str = "fp32",
-               rounds: Optional[int] = None) -> tuple[list[Row], Path]:
+               rounds: Optional[int] = None, seeds: int = MIN_SEEDS) -> tuple[list[Row], Path]:
     """Runs the measurements (all, or `only`), writes out/report.md, report.json and the plots.
     `precision`: of every comparison not about precision; `rounds`: alternating rounds per timing
-    (default: the scale's). Returns the rows and the page's path."""
+    (default: the scale's); `seeds`: of every quality comparison, and repeats of every measured
+    peak. Returns the rows and the page's path."""
     from train.hardware import keep_freed_memory, release_freed_memory
     from train.step import resolve_device
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):
         old.unlink()
     device = resolve_device("auto")
-    ctx = Ctx(scale, out, device, say, precision, rounds)
+    ctx = Ctx(scale, out, device, say, precision, rounds, seeds)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     info, loads = hardware(), [load()]
     cpu_start = (time.perf_counter(), busy_cpu_s(), own_cpu_s())
@@ -898,11 +1033,95 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
     timing["cpu"] = own_cpu_s()
     timing["others_share"] = others_share(cpu_start, (time.perf_counter(), busy_cpu_s(), timing["cpu"]),
                                           info["cores"] or 1)
-    page = write_page(out, rows, ctx, info, timing, tuple(loads), started)
-    (out / "report.json").write_text(json.dumps({"scale": scale.name, "hardware": info, "loads": loads,
-                                                 "timing": timing, "rows": [dataclasses.asdict(r) for r in rows]},
-                                                indent=1, default=str) + "\n")
+    meta = page_meta(ctx, started)
+    page = write_page(out, rows, meta, info, timing, tuple(loads))
+    write_json(out, rows, meta, info, timing, loads)
     return rows, page
+
+
+ROUND_RANGE = re.compile(r"([0-9.]+)x \(([0-9.]+)-([0-9.]+)x\)")
+
+
+def stored_evidence(row: Row, rounds: int) -> Row:
+    """A row of a report measured before the rule above, made judgeable from its stored numbers alone:
+    what its effect rests on (an exact count, the range of its paired rounds, one seed, one
+    measurement), and the threshold its claim's words set (THRESHOLDS)."""
+    n, text = row.numbers, row.speed
+    row.threshold = THRESHOLDS.get(row.technique, row.claimed)
+    row.interval, row.samples, row.missing = None, [], ""
+    if row.effect is None:
+        return row
+    m = ROUND_RANGE.search(text) if row.metric == "speed-up - 1" else None
+    if row.kind == "equal" or ("base_bytes" in n and "tech_bytes" in n) or row.metric.startswith("compression"):
+        row.evidence, row.samples = "exact", [row.effect]          # counted bytes, shapes, a deterministic difference
+    elif row.measurement == "lora":
+        stored_lora(row)
+    elif m and median_rank(rounds):
+        lo, hi = float(m.group(2)), float(m.group(3))
+        n["round_range"], n["rounds"] = [lo, hi], rounds
+        # the range of n >= 6 paired rounds holds the order-statistic interval of the median ratio
+        row.evidence, row.n, row.interval = "rounds", rounds, [lo - 1, hi - 1]
+    elif row.metric == "speed-up - 1":
+        row.evidence, row.n, row.missing = "rounds", 0, "medians of two separate runs, not paired rounds"
+    elif "base_peak" in n:
+        row.evidence, row.n, row.missing = "repeats", 1, "one measurement of each peak"
+    else:
+        row.evidence, row.n, row.missing = "seeds", 1, "one seed"
+    if row.measurement == "taesd":
+        row.unmeasured = "the cost (reconstruction quality)"
+    return row
+
+
+def stored_lora(row: Row) -> None:
+    """LoRA and QLoRA from the stored counts: the claims are about training memory, whose measured
+    peak (the runs' RSS, one process for all three) was not separable; QLoRA against LoRA on a
+    16-bit base (the stored fp32 base bytes halved, the adapters kept in fp32)."""
+    full, lora, q = (row.numbers[k] for k in ("full", "lora", "qlora"))
+    row.evidence, row.unmeasured = "exact", (f"measured peak memory (peak RSS {full['peak_rss'] / 2**30:.2f} / "
+                                             f"{lora['peak_rss'] / 2**30:.2f} / {q['peak_rss'] / 2**30:.2f} GiB "
+                                             f"full / LoRA / QLoRA, in one process)")
+    if row.technique.startswith("QLoRA"):
+        adapters = 4 * lora["trainable"]
+        half = (lora["weights"] - adapters) / 2 + adapters
+        row.numbers["lora_16bit_weights"] = half
+        row.baseline = "LoRA on a 16-bit base (the stored fp32 base bytes halved)"
+        row.samples = [1 - q["weights"] / half]
+    else:
+        row.samples = [row.effect]
+
+
+def rejudge(out: Path) -> list[Row]:
+    """Recomputes every verdict of out/report.json from its stored numbers under the rule above and
+    rewrites report.json and report.md (the plots stay). Returns the rows."""
+    data = json.loads((out / "report.json").read_text())
+    page = (out / "report.md").read_text()
+    meta = data.get("page")
+    if meta is None:   # a report written before report.json kept the page's settings: read them off the page
+        got = re.search(r"\) on (.+?); every number below", page), re.search(r"(\d+) alternating rounds per timing", page)
+        prec = re.search(r"comparisons not about precision in (\w+)", page)
+        if not all(got) or not prec:
+            raise SystemExit(f"{out / 'report.md'}: cannot read the run's date and rounds off the page")
+        meta = {"scale": data["scale"], "precision": prec.group(1), "rounds": int(got[1].group(1)), "seeds": 1,
+                "device": "cuda" if data["hardware"]["gpu"] else "cpu", "started": got[0].group(1),
+                "plots": [list(t) for t in re.findall(r"\*\*([^*]+)\*\*\n\n!\[[^\]]*\]\(([^)]+\.png)\)", page)]}
+    fields = {f.name for f in dataclasses.fields(Row)}
+    rows = []
+    for d in data["rows"]:
+        old = d.get("verdict", "")
+        row = Row(**{k: v for k, v in d.items() if k in fields})
+        if "samples" not in d or not d["samples"]:
+            stored_evidence(row, meta["rounds"])
+        row.decide()
+        if old != row.verdict:
+            row.numbers.setdefault("verdicts_before", []).append(old)
+        rows.append(row)
+    meta["rejudged"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta["rejudge_note"] = ("rows that rest on one seed or one measurement have no verdict until re-measured over "
+                            "seeds; a row whose verdict changed keeps the earlier one in numbers.verdicts_before "
+                            "(report.json).")
+    write_page(out, rows, meta, data["hardware"], data["timing"], tuple(data["loads"]))
+    write_json(out, rows, meta, data["hardware"], data["timing"], data["loads"])
+    return rows
 
 
 def main(argv=None):
@@ -913,8 +1132,19 @@ def main(argv=None):
     ap.add_argument("--only", type=harness.name_list(MEASUREMENTS, "measurement"), default=None,
                     help=f"comma list of {', '.join(MEASUREMENTS)} (default: all)")
     ap.add_argument("--rounds", type=harness.positive_int, default=None,
-                    help="alternating rounds per timing (default: 5 with --quick, 8 without)")
+                    help="alternating rounds per timing (default: 6 with --quick, 8 without; at least 6 for a 95%% interval)")
+    ap.add_argument("--seeds", type=harness.positive_int, default=MIN_SEEDS,
+                    help=f"seeds of every quality comparison, and repeats of every measured peak (default {MIN_SEEDS}; "
+                         f"fewer than {MIN_SEEDS} gives those rows no verdict)")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="measure nothing: recompute every verdict of OUT/report.json from its stored numbers under "
+                         "the current rule, rewrite report.json and report.md")
     args = ap.parse_args(argv)
+    if args.rejudge:
+        rows = rejudge(Path(args.out))
+        for r in rows:
+            print(f"{r.technique}: {fmt_effect(r)} -> {r.verdict}")
+        return 0
     if len(args.precision) != 1:
         ap.error("--precision: one precision, for every comparison not about precision")
     if args.threads:
@@ -922,7 +1152,7 @@ def main(argv=None):
     scale = SCALES[args.scale or ("quick" if args.quick else "full")]
     t0 = time.perf_counter()
     rows, page = run_report(Path(args.out), scale, args.only, say=lambda m: print(m, flush=True),
-                            precision=args.precision[0], rounds=args.rounds)
+                            precision=args.precision[0], rounds=args.rounds, seeds=args.seeds)
     print(f"\n{page} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
     return 0
 
