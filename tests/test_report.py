@@ -136,8 +136,10 @@ def check_rows(rows: list[dict], measurements: list[str], cuda: bool):
         n = r["numbers"]
         if r["metric"] == "speed-up - 1" and "speedup" in n:   # the effect is the measured number, not typed in
             assert r["effect"] == pytest.approx(n["speedup"] - 1), name
-        if r["metric"] == "memory saved" and "tech_peak" in n:
+        if r["metric"] == "memory saved" and "tech_peak" in n:   # a re-judged row: one measurement each
             assert r["effect"] == pytest.approx(1 - n["tech_peak"] / n["base_peak"]), name
+        if r["metric"] == "memory saved" and "tech_peaks" in n:   # repeats, paired in turn
+            assert r["samples"] == pytest.approx([1 - t / b for b, t in zip(n["base_peaks"], n["tech_peaks"])]), name
         if r["metric"] == "memory saved" and "tech_bytes" in n:
             assert r["effect"] == pytest.approx(1 - n["tech_bytes"] / n["base_bytes"]), name
 
@@ -163,6 +165,11 @@ def test_tiny_report_rows_come_from_measurements(tmp_path, one_thread):
     check_rows(data["rows"], TINY, torch.cuda.is_available())
     check_page(tmp_path, data["rows"])
     assert "averaging_loss.png" in (tmp_path / "report.md").read_text()
+    by = {r["technique"]: r for r in data["rows"]}
+    avg = by["checkpoint averaging"]   # three seeds: a t interval from the per-seed effects
+    assert avg["n"] == report.MIN_SEEDS and avg["interval"] is not None and len(avg["numbers"]["val_loss"]) == 3
+    assert by["fused AdamW"]["verdict"] == "no verdict: 2 rounds: too few for a 95% interval"
+    assert by["lion (state memory)"]["verdict"] == "partly"   # stateless claimed, one momentum buffer measured
 
 
 def test_committed_report_covers_every_measurement():
