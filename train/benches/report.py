@@ -1,14 +1,22 @@
 """The techniques report: every claim of the source notes measured on this machine, beside its baseline.
 
-    python train/bench.py report --out docs/report   # the full run: larger shapes, more rounds and steps (27 min on 2 idle CPU cores)
-    python train/bench.py report --quick          # small shapes, few rounds and steps (4 min on 2 idle CPU cores, 11.5 min shared)
-    python train/bench.py report --quick --only precision,compile
+    python train/bench.py report --out docs/report   # the full run: larger shapes, more rounds and steps
+    python train/bench.py report --quick          # small shapes, few rounds and steps
+    python train/bench.py report --quick --only precision,compile --seeds 5
     python train/bench.py report --precision bf16 --rounds 12   # comparisons not about precision in bf16
+    python train/bench.py report --rejudge --out docs/report    # measure nothing: re-judge the stored numbers
 
-Writes DIR/report.md (the hardware, library versions and date; the verdict rule; one row per
-claim: the claim, the baseline, what was measured on speed, memory and quality, the measured
-effect against the claimed one, their ratio and the verdict), DIR/report.json (every number
-the rows were made from) and PNG plots (loss against step and wall time for each quality
+Time: seeds are what costs (every quality comparison trains once per seed, every measured peak is
+taken once per seed), so the loop runs are short: the full run with one seed took 27 min on 2 idle
+CPU cores (--quick: 4 min); with the default 3 seeds and the full LLM runs cut from 600 to 400 steps
+the per-part times of that run put the full run near 50 min and --quick near 10 min, within the
+60 and 15 minute bounds (an estimate from those times, not yet timed on an idle machine).
+
+Writes DIR/report.md (the hardware, library versions and date; the verdict rule, RULE, applied by
+`verdict`; one row per claim: the claim, the baseline, what was measured on speed, memory and
+quality, the estimate with its 95% interval and samples against the threshold the claim's words
+set, their ratio and the verdict), DIR/report.json (every number
+the rows were made from, the per-seed, per-round or per-repeat samples among them) and PNG plots (loss against step and wall time for each quality
 comparison, memory bars, a speed-up bar chart).
 
 Each measurement reuses the benchmark that owns it (train/benches/*.py, harness.run_rounds's
