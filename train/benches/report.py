@@ -1187,13 +1187,13 @@ def stored_evidence(row: Row, rounds: int) -> Row:
 
 
 def lora_evidence(row: Row) -> None:
-    """LoRA and QLoRA from the stored counts: the claims are about training memory, whose measured
-    peak (the runs' RSS, one process for all three) was not separable; QLoRA against LoRA on a
-    16-bit base (the stored fp32 base bytes halved, the adapters kept in fp32)."""
+    """LoRA and QLoRA from the counted bytes: the claims are about training memory, whose measured
+    peak (each run's peak RSS, one run each at a shape where weights do not dominate) is not yet a
+    sample; QLoRA against LoRA on a 16-bit base (the fp32 base bytes halved, the adapters kept in fp32)."""
     full, lora, q = (row.numbers[k] for k in ("full", "lora", "qlora"))
     row.evidence, row.unmeasured = "exact", (f"measured peak memory (peak RSS {full['peak_rss'] / 2**30:.2f} / "
                                              f"{lora['peak_rss'] / 2**30:.2f} / {q['peak_rss'] / 2**30:.2f} GiB "
-                                             f"full / LoRA / QLoRA, in one process)")
+                                             f"full / LoRA / QLoRA, one run each, at a shape where the weights do not dominate)")
     row.effect = None
     if row.technique.startswith("QLoRA"):
         adapters = 4 * lora["trainable"]
