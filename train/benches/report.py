@@ -9,8 +9,8 @@
 Time: seeds are what costs (every quality comparison trains once per seed, every measured peak is
 taken once per seed), so the loop runs are short: the full run with one seed took 27 min on 2 idle
 CPU cores (--quick: 4 min); with the default 3 seeds and the full LLM runs cut from 600 to 400 steps
-the per-part times of that run put the full run near 50 min and --quick near 10 min, within the
-60 and 15 minute bounds (an estimate from those times, not yet timed on an idle machine).
+the per-part times of that run put the full run near 50 min, and --quick at most 3 x 4 = 12 min,
+within the 60 and 15 minute bounds (estimates from those times, not yet timed on an idle machine).
 
 Writes DIR/report.md (the hardware, library versions and date; the verdict rule, RULE, applied by
 `verdict`; one row per claim: the claim, the baseline, what was measured on speed, memory and
