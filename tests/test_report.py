@@ -19,30 +19,69 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["fused", "optimizers", "channels-last", "taesd", "averaging", "cuda-flags"]
 
 
-@pytest.mark.parametrize("effect, claimed, kind, expected", [
-    (1.0, 1.0, "gain", "holds"),
-    (0.5, 1.0, "gain", "holds"),            # exactly half the claim
-    (0.49, 1.0, "gain", "partly"),
-    (0.001, 0.1, "gain", "partly"),
-    (0.0, 0.1, "gain", "does not hold here"),
-    (-0.3, 0.75, "gain", "does not hold here"),
-    (3.0, 0.1, "gain", "holds"),
-    (None, 0.1, "gain", "skipped"),
-    (float("nan"), 0.1, "gain", "skipped"),
-    (float("inf"), 0.1, "gain", "skipped"),
-    (1e-6, 1e-5, "equal", "holds"),
-    (-1e-5, 1e-5, "equal", "holds"),
-    (5e-5, 1e-5, "equal", "partly"),
-    (2e-4, 1e-5, "equal", "does not hold here"),
+def judged(samples, evidence, threshold, kind="gain", unmeasured=""):
+    est, iv, why = report.estimate(samples, evidence)
+    return report.verdict(est, iv, threshold, kind, why, unmeasured)
+
+
+@pytest.mark.parametrize("samples, evidence, threshold, expected", [
+    ([0.12, 0.15, 0.11], "seeds", 0.10, "holds"),          # interval above zero, mean 0.127 >= 0.10
+    ([0.04, 0.06, 0.05], "seeds", 0.10, "partly"),         # above zero, short of the claim
+    ([-0.04, -0.06, -0.05], "seeds", 0.01, "does not hold"),
+    ([0.05, -0.04, 0.01], "seeds", 0.01, "inconclusive"),  # straddles zero, though the mean is 0.0067
+    ([0.20, -0.01, 0.21], "seeds", 0.01, "inconclusive"),  # mean 0.13 meets the claim, the interval does not exclude 0
+    ([0.3], "seeds", 0.01, "no verdict: one seed"),
+    ([0.3, 0.31], "seeds", 0.01, "no verdict: 2 seeds (at least 3 needed)"),
+    ([0.3], "repeats", 0.01, "no verdict: one measurement"),
+    ([0.5], "exact", 1.0, "partly"),                       # "stateless" at 50% of Adam's state saved
+    ([1.0], "exact", 1.0, "holds"),                        # zero state
+    ([0.0], "exact", 0.1, "does not hold"),                # exactly no effect
+    ([0.5], "exact", 0.5, "holds"),
+    ([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "rounds", 0.1, "holds"),         # 6 rounds: the full range, 96.9%
+    ([-0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "rounds", 0.1, "inconclusive"),
+    ([0.1, 0.2, 0.3, 0.4, 0.5], "rounds", 0.1, "no verdict: 5 rounds: too few for a 95% interval"),
 ])
-def test_verdict_rule(effect, claimed, kind, expected):
-    assert report.verdict(effect, claimed, kind) == expected
+def test_verdict_rule_on_constructed_numbers(samples, evidence, threshold, expected):
+    assert judged(samples, evidence, threshold) == expected
+
+
+def test_unmeasured_part_of_a_claim_caps_at_partly_and_equalities():
+    assert judged([11.0], "exact", 11.0, unmeasured="the cost") == "partly"
+    assert judged([4e-7], "exact", 1e-5, "equal") == "holds"
+    assert judged([2e-4], "exact", 1e-5, "equal") == "does not hold"
+    assert judged([1e-6, 3e-5, 2e-6], "seeds", 1e-5, "equal") == "inconclusive"
+    assert report.verdict(None, None, 0.1) == "skipped"
+
+
+def test_interval_arithmetic_against_direct_computation():
+    """t interval: mean +- t(0.975, n-1) s / sqrt(n), with t checked by the t CDF's symmetry and
+    a Monte-Carlo tail (no reference library in the core install); rounds: order statistics."""
+    import random
+    import statistics
+    xs = [0.12, 0.15, 0.11]
+    est, (lo, hi), why = report.estimate(xs, "seeds")
+    t = report.t_quantile(0.975, 2)
+    rng = random.Random(0)
+    draws = [rng.gauss(0, 1) / math.sqrt((rng.gauss(0, 1) ** 2 + rng.gauss(0, 1) ** 2) / 2) for _ in range(40000)]
+    assert sum(abs(d) > t for d in draws) / len(draws) == pytest.approx(0.05, abs=0.006)
+    assert est == pytest.approx(statistics.fmean(xs)) and not why
+    assert hi - est == pytest.approx(est - lo) == pytest.approx(t * statistics.stdev(xs) / math.sqrt(3))
+    assert report.median_rank(6) == 1 and report.median_rank(5) is None
+    k = report.median_rank(20)
+    cover = lambda k: 1 - 2 * sum(math.comb(20, i) for i in range(k)) / 2 ** 20
+    assert cover(k) >= 0.95 > cover(k + 1)
+    assert report.estimate(list(range(20)), "rounds")[1] == (k - 1, 20 - k)
 
 
 def test_verdict_rule_rejects_meaningless_claims():
-    for bad in ((0.1, 0.0, "gain"), (0.1, -1.0, "gain"), (0.1, 0.0, "equal"), (0.1, 1.0, "other")):
+    for bad in ((0.1, (0.0, 0.2), 0.0, "gain"), (0.1, (0.0, 0.2), -1.0, "gain"), (0.1, (0.0, 0.2), 0.0, "equal"),
+                (0.1, (0.0, 0.2), 1.0, "other")):
         with pytest.raises(ValueError):
             report.verdict(*bad)
+    with pytest.raises(ValueError):
+        report.estimate([0.1, 0.2], "exact")
+    with pytest.raises(ValueError):
+        report.estimate([0.1], "guess")
 
 
 def test_others_share_counts_other_processes_not_the_report():
@@ -63,7 +102,8 @@ def test_others_share_counts_other_processes_not_the_report():
 
 def check_rows(rows: list[dict], measurements: list[str], cuda: bool):
     """Every measurement gave rows; every row not skipped for a named hardware reason holds finite
-    measured numbers and the verdict and ratio the rule gives them."""
+    measured numbers, and the interval, verdict and ratio the rule gives them: no verdict from one
+    seed or one measurement, nor without an interval."""
     assert {r["measurement"] for r in rows} == set(measurements)
     for r in rows:
         name = r["technique"]
@@ -76,20 +116,37 @@ def check_rows(rows: list[dict], measurements: list[str], cuda: bool):
         leaves += [v for d in r["numbers"].values() if isinstance(d, dict) for v in d.values()
                    if isinstance(v, (int, float))]
         assert leaves and all(math.isfinite(v) for v in leaves), name
-        assert r["verdict"] == report.verdict(r["effect"], r["claimed"], r["kind"]), name
-        assert r["ratio"] == pytest.approx(r["effect"] / r["claimed"]), name
+        assert r["threshold"] > 0 and r["evidence"] in report.EVIDENCE, name
+        if r["samples"]:   # the estimate and interval are the rule's, from the stored samples
+            est, iv, why = report.estimate(r["samples"], r["evidence"])
+            assert r["effect"] == pytest.approx(est) and r["n"] == len(r["samples"]), name
+            assert r["interval"] == (None if iv is None else pytest.approx(list(iv))) and r["missing"] == why, name
+        elif r["interval"] is not None:   # a re-judged speed row: the range of its stored paired rounds
+            n = r["numbers"]
+            assert r["evidence"] == "rounds" and report.median_rank(n["rounds"]) is not None, name
+            assert r["interval"] == pytest.approx([v - 1 for v in n["round_range"]]), name
+            assert n["round_range"][0] - 0.01 <= r["effect"] + 1 <= n["round_range"][1] + 0.01, name
+        if r["interval"] is None:
+            assert r["verdict"].startswith("no verdict: ") and r["missing"], name
+        if r["evidence"] in ("seeds", "repeats") and r["n"] < report.MIN_SEEDS:
+            assert r["verdict"].startswith("no verdict: "), f"{name}: a verdict from {r['n']} {r['evidence']}"
+        assert r["verdict"] == report.verdict(r["effect"], r["interval"], r["threshold"], r["kind"], r["missing"],
+                                              r["unmeasured"]), name
+        assert r["ratio"] == pytest.approx(r["effect"] / r["threshold"]), name
         n = r["numbers"]
         if r["metric"] == "speed-up - 1" and "speedup" in n:   # the effect is the measured number, not typed in
             assert r["effect"] == pytest.approx(n["speedup"] - 1), name
-        if r["metric"] == "memory saved" and "tech_peak" in n:
+        if r["metric"] == "memory saved" and "tech_peak" in n:   # a re-judged row: one measurement each
             assert r["effect"] == pytest.approx(1 - n["tech_peak"] / n["base_peak"]), name
+        if r["metric"] == "memory saved" and "tech_peaks" in n:   # repeats, paired in turn
+            assert r["samples"] == pytest.approx([1 - t / b for b, t in zip(n["base_peaks"], n["tech_peaks"])]), name
         if r["metric"] == "memory saved" and "tech_bytes" in n:
             assert r["effect"] == pytest.approx(1 - n["tech_bytes"] / n["base_bytes"]), name
 
 
 def check_page(out: Path, rows: list[dict]):
     page = (out / "report.md").read_text()
-    for key in ("CPU:", "torch ", "transformers ", "## The verdict rule", "holds"):
+    for key in ("CPU:", "torch ", "transformers ", "## The verdict rule", report.RULE):
         assert key in page
     for r in rows:
         assert f"| {r['technique']} |" in page
@@ -108,6 +165,11 @@ def test_tiny_report_rows_come_from_measurements(tmp_path, one_thread):
     check_rows(data["rows"], TINY, torch.cuda.is_available())
     check_page(tmp_path, data["rows"])
     assert "averaging_loss.png" in (tmp_path / "report.md").read_text()
+    by = {r["technique"]: r for r in data["rows"]}
+    avg = by["checkpoint averaging"]   # three seeds: a t interval from the per-seed effects
+    assert avg["n"] == report.MIN_SEEDS and avg["interval"] is not None and len(avg["numbers"]["val_loss"]) == 3
+    assert by["fused AdamW"]["verdict"] == "no verdict: 2 rounds: too few for a 95% interval"
+    assert by["lion (state memory)"]["verdict"] == "partly"   # stateless claimed, one momentum buffer measured
 
 
 def test_committed_report_covers_every_measurement():
