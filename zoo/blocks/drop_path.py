@@ -66,8 +66,9 @@ def residual_drop_path(shortcut: torch.Tensor, branch: Callable, x: torch.Tensor
         return shortcut + drop_path(branch(x), drop_prob, training, generator)
     mask = keep_mask(x.shape[0], keep, x.device, generator)
     rows = mask.nonzero().squeeze(1)
-    if rows.numel() in (0, x.shape[0]):  # all rows alike: the masked form (no row kept: still a graph
-        view = mask.to(x.dtype).view((-1,) + (1,) * (x.ndim - 1)) / keep  # through the branch)
+    if rows.numel() < 2 or rows.numel() == x.shape[0]:  # the masked form when all rows are kept, or fewer
+        # than two (no row: still a graph through the branch; one row: a BatchNorm of 1x1 maps needs two)
+        view = mask.to(x.dtype).view((-1,) + (1,) * (x.ndim - 1)) / keep
         return shortcut + branch(x) * view
     fmt = torch.channels_last if x.ndim == 4 and x.is_contiguous(memory_format=torch.channels_last) \
         and not x.is_contiguous() else torch.contiguous_format
