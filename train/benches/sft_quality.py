@@ -47,13 +47,15 @@ def main(argv=None):
     ap.add_argument("--base", default=str(ROOT / "runs" / "tiny"), help="the model before fine-tuning")
     ap.add_argument("--runs", default=str(ROOT / "runs" / "tiny-sft"), help="comma list of fine-tuned run folders")
     ap.add_argument("--conversations", type=harness.positive_int, default=200)
+    ap.add_argument("--precision", type=harness.precision_name, default="fp32", help="the models' dtype when answering")
     ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
     args = ap.parse_args(argv)
     harness.setup(args)
     convs = conversations("val", args.conversations)
-    results = {"base": scores(*load(args.base), convs)}  # a folder without a template: the built-in ChatML
+    dtype = str(harness.PRECISIONS[args.precision]).removeprefix("torch.")  # train.precision's name -> float32 ...
+    results = {"base": scores(*load(args.base, dtype=dtype), convs)}  # a folder without a template: ChatML
     for run in args.runs.split(","):
-        results[run] = scores(*load(run), convs)
+        results[run] = scores(*load(run, dtype=dtype), convs)
     kinds = list(results["base"])
     print(f"sft-quality: exact match of the greedy answers to {args.conversations} held-out conversations of the "
           f"embedded set; torch {torch.__version__}")
