@@ -69,7 +69,7 @@ KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from train.data import prepare as P
-from train.data.tokenizers import SentencePieceTokenizer
+from train.data.text_tokenizers import SentencePieceTokenizer
 calls = [0]
 add = P._Writer.add
 def add_then_die(self, tokens, starts):

@@ -3,7 +3,7 @@
 The package:
     sources.py     documents read lazily: text files and folders, jsonl (.gz, .zst), Parquet, saved
                    Hugging Face datasets, `stdlib` (the embedded default); bad documents counted
-    tokenizers.py  bytes, sentencepiece (trained on a reservoir sample of the corpus), tokenizer.json
+    text_tokenizers.py  bytes, sentencepiece (trained on a reservoir sample of the corpus), tokenizer.json
     prepare.py     streaming, parallel, kill-safe preparation into token shards + a document index
     tokens.py      token streams over memmaps; pre-tokenized inputs (nanoGPT .bin, llm.c shards) in place
     loader.py      batches made ahead on a background thread
@@ -52,7 +52,7 @@ from .loader import Prefetcher
 from .prepare import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, fingerprint, read_corpus,  # noqa: F401
                       stdlib_files)
-from .tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
+from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
                          load_tokenizer_file, sample_documents, train_sentencepiece)
 from .tokens import TokenStream, is_pretokenized, pretokenized_splits
 

@@ -75,7 +75,7 @@ _worker_tok = None
 def _init_worker(spec):
     global _worker_tok
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
-    from .tokenizers import from_spec
+    from .text_tokenizers import from_spec
     _worker_tok = from_spec(spec, threads=1)
 
 
@@ -223,7 +223,7 @@ def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, worke
         if skip:
             bar.skip(skip)
         if workers == 1:
-            from .tokenizers import from_spec
+            from .text_tokenizers import from_spec
             tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
             results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
         else:
