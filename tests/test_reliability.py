@@ -381,7 +381,7 @@ def test_nan_loss_skips_the_step_and_training_goes_on(small_full, tmp_path, monk
     corpus, _ = small_full
     k = 7
     task = nan_task(lambda s: s == k, what)
-    monkeypatch.setattr(builder, "task_class", lambda family: task)
+    monkeypatch.setattr(builder, "task_class", lambda family, *_: task)
     out, logs = run(tmp_path, corpus, "nan")
     snaps = task.snapshots
     assert_bitwise_equal(snaps[k + 1], snaps[k])  # the NaN step left the weights untouched
@@ -404,7 +404,7 @@ def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_
     corpus, full = small_full
     part = killed_copy(full, tmp_path / "part", after_step=10)
     kept = {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)}
-    monkeypatch.setattr(builder, "task_class", lambda family: nan_task(lambda s: True))
+    monkeypatch.setattr(builder, "task_class", lambda family, *_: nan_task(lambda s: True))
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({**SMALL, "data": {**SMALL["data"], "path": str(corpus)}}))
     code = run_main([str(cfg), f"train.out_dir={part}", "train.checkpoint_every=2", "train.max_nonfinite=4",
