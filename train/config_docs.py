@@ -87,7 +87,9 @@ def doc_type(tp) -> str:
     if origin is Literal:
         return ", ".join(str(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        # a fixed order (typing caches equal Unions, so Union[str, int] may come back as Union[int, str])
+        args = sorted((a for a in typing.get_args(tp) if a is not type(None)),
+                      key=lambda a: (typing.get_origin(a) is Literal, doc_type(a)))
         text = " or ".join(doc_type(a) for a in args)
         return text + " or null" if len(args) < len(typing.get_args(tp)) else text
     if origin in (list, tuple):
