@@ -126,6 +126,8 @@ def test_bad_init_from_is_one_line_and_exit_2(family, tmp_path, capsys, monkeypa
     # the intact file trains
     code, err = run(capsys, *args, f"train.init_from={init}")
     assert code == 0, err
+    if family == "llm":  # the run folder describes the loaded architecture (d_model 32), not the config's (256)
+        assert zoo.from_pretrained(tmp_path / "out").config.d_model == 32
     shutil.rmtree(tmp_path / "out")
 
     for damage in (truncate, flip_a_data_byte):

@@ -23,6 +23,7 @@ import yaml
 from torch import nn
 
 from zoo.adapters import apply_adapters, count_params, trainable_keys
+from zoo.config import to_dict
 from zoo.weights.files import atomic_write
 
 from .distill import load_teacher
@@ -74,8 +75,14 @@ class Run:
         return self.autocast()
 
     def write_config(self, out):
-        """<out>/config.yaml: the run's config with its resolved values (what a resume compares)."""
-        atomic_write(Path(out) / "config.yaml", yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        """<out>/config.yaml: the run's config with its resolved values (what a resume compares).
+        With train.init_from the model: section is the architecture that was loaded (the weights the
+        folder will hold), whatever the config file's model: section said."""
+        data = self.cfg.to_dict()
+        built = getattr(self.model, "config", None)
+        if self.cfg.train.init_from and type(built) is type(self.cfg.model):
+            data["model"] = to_dict(built)
+        atomic_write(Path(out) / "config.yaml", yaml.safe_dump(data, sort_keys=False))
 
     def params(self) -> list:
         return [p for p in self.model.parameters() if p.requires_grad]
