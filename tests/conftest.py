@@ -1,4 +1,5 @@
 """Shared test helpers."""
+import os
 import time
 from pathlib import Path
 
@@ -8,7 +9,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Two intra-op threads at most; one per worker when pytest-xdist runs the files in parallel processes
+# (the README's command: -n 2), so the workers together use the cores without oversubscribing them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 
 pytest_plugins = ["skip_policy"]  # a skip for a reason not on its allow-list fails the run
 
@@ -25,7 +28,6 @@ def shared_file(rel: str) -> Path:
 def zoo_cache(tmp_path_factory):
     """Caches (tokenizers, token streams, autoencoders) of the whole test session go to one
     temporary folder, never to the user's ~/.cache/zoo; subprocesses inherit it."""
-    import os
     path = tmp_path_factory.mktemp("zoo_cache")
     old = os.environ.get("ZOO_CACHE")
     os.environ["ZOO_CACHE"] = str(path)

@@ -15,7 +15,8 @@ def test_a_skip_off_the_allow_list_fails_the_run(tmp_path):
         "def test_gpu():\n    pytest.skip('needs CUDA')\n"
         "def test_passes():\n    assert True\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "skip_policy", "-p", "no:cacheprovider",
+    # with pytest-xdist's workers, as the README's test command runs the suite
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "skip_policy", "-p", "no:cacheprovider",
                         str(tmp_path / "test_probe.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
