@@ -3,29 +3,49 @@ computed and zeroed (`drop_path_mode: mask`) against never computed (`skip`: kep
 run, scattered back; `batch`: a whole block dropped for the batch, Huang et al. 2016).
 
     python train/bench.py drop-path                       # resnet50, 32 x 3 x 64 x 64, rates 0.1 0.3 0.5
+    python train/bench.py drop-path --rates 0.1 0.2 0.3 0.4 0.5 --rounds 10 --docs
     python train/bench.py drop-path --rates 0.2 --size 128 --rounds 8
 
 Each rate is the last block's (linear from 0 at the first block, as in the paper); every side has
 the same weights, batch and drop rate, channels-last, fp32 (or `--precision`), SGD step included.
 Timing: train/benches/harness.py's alternating rounds; the table gives each mode's images/s
-(best round) and the paired median of skip's (and batch's) speed over mask's. Writes the table's
-numbers to `--json` (train/benches/drop_path.json by default); docs/convnet.md quotes them.
+(best round) and the paired median of skip's (and batch's) speed over mask's with its range over the
+rounds. Writes the numbers (every round's seconds too) to `--json` (runs/bench-drop-path/drop_path.json
+by default); with `--docs` also to docs/convnet/drop_path.json and the table in docs/convnet.md is
+rendered from it (tests/test_convnet.py checks that the two agree). The machine's load average
+before and after is recorded: the paired ratios, not the images/s, are what survives a shared machine.
 """
 from __future__ import annotations
 
-import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
 
 from train.benches import harness  # noqa: E402
 from train.benches.resnet import Side  # noqa: E402
 
 MODES = ("mask", "skip", "batch")
+PAGE = ROOT / "docs" / "convnet.md"
+DOCS_JSON = ROOT / "docs" / "convnet" / "drop_path.json"
+
+
+def table(data: dict) -> str:
+    """The docs table: images/s of each mode's best round, and skip's and batch's paired speed over mask's."""
+    return harness.table_text(
+        ["precision", "last block's rate", "mask img/s", "skip img/s", "batch img/s",
+         "skip / mask (paired median, range)", "batch / mask"],
+        [[r["precision"], r["rate"], *(f"{r[f'{m}_img_s']:.1f}" for m in MODES),
+          *(str(harness.Paired(**r[f"{m}_over_mask"])) for m in ("skip", "batch"))] for r in data["results"]])
+
+
+def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
+    return ["drop-path"] if harness.update_docs_table(page, "drop-path", table(data), write) else []
 
 
 def main(argv=None):
@@ -37,7 +57,8 @@ def main(argv=None):
     ap.add_argument("--size", type=int, default=64, help="image height and width")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     ap.add_argument("--steps", type=harness.positive_int, default=2, help="timed steps per round")
-    ap.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
+    ap.add_argument("--json", default="runs/bench-drop-path/drop_path.json", help="where the numbers are written")
+    ap.add_argument("--docs", action="store_true", help=f"also write {DOCS_JSON.relative_to(ROOT)} and its table")
     args = ap.parse_args(argv)
     harness.setup(args)
     g = torch.Generator().manual_seed(0)
@@ -45,7 +66,10 @@ def main(argv=None):
     y = torch.randint(0, 10, (args.batch,), generator=g)
     print(f"drop-path: {args.arch}, batch {args.batch} x 3 x {args.size} x {args.size}, channels-last, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds of {args.steps} steps")
-    rows, out = [], {"arch": args.arch, "batch": args.batch, "size": args.size, "rounds": args.rounds, "results": []}
+    out = {"command": "python train/bench.py drop-path " + " ".join(sys.argv[2:] if argv is None else argv),
+           "arch": args.arch, "batch": args.batch, "size": args.size, "rounds": args.rounds, "steps": args.steps,
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "load_before": os.getloadavg()[0], "results": []}
     for p in args.precision:
         for rate in args.rates:
             sides = {}
@@ -56,17 +80,15 @@ def main(argv=None):
                 sides[mode].step(x, y, p)
             r = harness.run_rounds({m: (lambda s=s: s.step(x, y, p)) for m, s in sides.items()}, args.rounds,
                                    calls=args.steps)
-            res = {"precision": p, "rate": rate, **{f"{m}_img_s": args.batch / r.best(m) for m in MODES},
-                   **{f"{m}_over_mask": r.paired(m, "mask")._asdict() for m in ("skip", "batch")}}
-            out["results"].append(res)
-            rows.append([p, rate, *(f"{res[f'{m}_img_s']:.1f}" for m in MODES), str(r.paired("skip", "mask")),
-                         str(r.paired("batch", "mask"))])
-            print("  " + " | ".join(map(str, rows[-1])), flush=True)
-    print()
-    harness.print_table(["precision", "last block's rate", "mask img/s", "skip img/s", "batch img/s",
-                         "skip / mask (paired median, range)", "batch / mask"], rows)
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.json}")
+            out["results"].append({
+                "precision": p, "rate": rate, **{f"{m}_img_s": args.batch / r.best(m) for m in MODES},
+                **{f"{m}_over_mask": r.paired(m, "mask")._asdict() for m in ("skip", "batch")},
+                "seconds": {m: r.times(m) for m in MODES}})
+            print(table({"results": out["results"][-1:]}).splitlines()[-1], flush=True)
+    out["load_after"] = os.getloadavg()[0]
+    print(f"\nload average (1 min) before {out['load_before']:.2f}, after {out['load_after']:.2f}\n")
+    print(table(out), end="", flush=True)
+    harness.write_results(out, Path(args.json), DOCS_JSON if args.docs else None, render)
     return 0
 
 
