@@ -7,7 +7,9 @@ run, scattered back; `batch`: a whole block dropped for the batch, Huang et al. 
     python train/bench.py drop-path --rates 0.2 --size 128 --rounds 8
 
 Each rate is the last block's (linear from 0 at the first block, as in the paper); every side has
-the same weights, batch and drop rate, channels-last, fp32 (or `--precision`), SGD step included.
+the same weights, batch and drop rate, channels-last, fp32 (or `--precision`), SGD step included;
+like the loop (`train.cpu_keep_memory`) the process keeps freed memory (`--no-keep-memory`: glibc's
+default, each step's activations page-faulted in afresh).
 Timing: train/benches/harness.py's alternating rounds; the table gives each mode's images/s
 (best round) and the paired median of skip's (and batch's) speed over mask's with its range over the
 rounds. Writes the numbers (every round's seconds too) to `--json` (runs/bench-drop-path/drop_path.json
@@ -44,14 +46,35 @@ def table(data: dict) -> str:
           *(str(harness.Paired(**r[f"{m}_over_mask"])) for m in ("skip", "batch"))] for r in data["results"]])
 
 
+def crossover(data: dict, mode: str, precision: str = "fp32"):
+    """The lowest rate from which on (every higher rate measured too) `mode`'s paired median speed
+    over mask's is above 1; None when there is no such rate."""
+    rows = sorted((r for r in data["results"] if r["precision"] == precision), key=lambda r: r["rate"])
+    above = [r[f"{mode}_over_mask"]["median"] > 1.0 for r in rows]
+    first = next((i for i in range(len(rows)) if all(above[i:])), None)
+    return None if first is None else rows[first]["rate"]
+
+
+def summary(data: dict) -> str:
+    """One line per mode under the table: where it pays against mask, from the JSON."""
+    lines = []
+    for p in dict.fromkeys(r["precision"] for r in data["results"]):
+        for mode in ("skip", "batch"):
+            rate = crossover(data, mode, p)
+            where = "at no rate measured" if rate is None else f"from a last-block rate of {rate} on"
+            lines.append(f"{mode} / mask ({p}): paired median above 1.00x {where}.")
+    return "\n".join(lines) + "\n"
+
+
 def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
-    return ["drop-path"] if harness.update_docs_table(page, "drop-path", table(data), write) else []
+    return ["drop-path"] if harness.update_docs_table(page, "drop-path", table(data) + "\n" + summary(data),
+                                                      write) else []
 
 
 def main(argv=None):
     import zoo
     from zoo.config import ConvNetConfig
-    ap = harness.parser("drop-path", __doc__, precision="fp32")
+    ap = harness.parser("drop-path", __doc__, precision="fp32", keep_memory=True)
     ap.add_argument("--arch", default="resnet50")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--size", type=int, default=64, help="image height and width")
@@ -60,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--json", default="runs/bench-drop-path/drop_path.json", help="where the numbers are written")
     ap.add_argument("--docs", action="store_true", help=f"also write {DOCS_JSON.relative_to(ROOT)} and its table")
     args = ap.parse_args(argv)
-    harness.setup(args)
+    kept = harness.setup(args)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), generator=g)
@@ -68,7 +91,7 @@ def main(argv=None):
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds of {args.steps} steps")
     out = {"command": "python train/bench.py drop-path " + " ".join(sys.argv[2:] if argv is None else argv),
            "arch": args.arch, "batch": args.batch, "size": args.size, "rounds": args.rounds, "steps": args.steps,
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "freed_memory_kept": kept,
            "load_before": os.getloadavg()[0], "results": []}
     for p in args.precision:
         for rate in args.rates:
@@ -87,7 +110,7 @@ def main(argv=None):
             print(table({"results": out["results"][-1:]}).splitlines()[-1], flush=True)
     out["load_after"] = os.getloadavg()[0]
     print(f"\nload average (1 min) before {out['load_before']:.2f}, after {out['load_after']:.2f}\n")
-    print(table(out), end="", flush=True)
+    print(table(out) + "\n" + summary(out), end="", flush=True)
     harness.write_results(out, Path(args.json), DOCS_JSON if args.docs else None, render)
     return 0
 
