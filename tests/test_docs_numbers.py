@@ -184,3 +184,15 @@ def test_optimizer_state_table_is_the_reports():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_measured_number_names_its_command(page):
     assert uncited(page.read_text()) == []
+
+
+def test_readme_states_the_committed_reports_run():
+    """README's paragraph on the committed report: its wall time and seeds are report.json's."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    page = json.loads(REPORT.read_text())
+    minutes = re.search(r"`python train/bench.py report --out docs/report` with (\w+) seeds? per quality "
+                        r"comparison \((\d+) min on the idle machine", text)
+    assert minutes, "README no longer states how the committed report was measured"
+    seeds = {"one": 1, "two": 2, "three": 3}.get(minutes.group(1), minutes.group(1))
+    assert str(seeds) == str(page["page"]["seeds"])
+    assert int(minutes.group(2)) == round(page["timing"]["total"] / 60)
