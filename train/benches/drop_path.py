@@ -37,13 +37,23 @@ PAGE = ROOT / "docs" / "convnet.md"
 DOCS_JSON = ROOT / "docs" / "convnet" / "drop_path.json"
 
 
+def bound(rate: float) -> float:
+    """About the most skipping can give at a last-block rate: the linear rule's mean rate over the
+    blocks is rate / 2, so that share of the branches' work is saved in expectation, a bound on the
+    step's share when the step is all branches and the blocks do equal work (as ResNet's roughly do:
+    each stage halves the map and doubles the width)."""
+    return 1.0 / (1.0 - rate / 2)
+
+
 def table(data: dict) -> str:
-    """The docs table: images/s of each mode's best round, and skip's and batch's paired speed over mask's."""
+    """The docs table: images/s of each mode's best round, skip's and batch's paired speed over
+    mask's, and the bound on any speed-up at that rate."""
     return harness.table_text(
         ["precision", "last block's rate", "mask img/s", "skip img/s", "batch img/s",
-         "skip / mask (paired median, range)", "batch / mask"],
+         "skip / mask (paired median, range)", "batch / mask", "bound 1 / (1 - rate / 2)"],
         [[r["precision"], r["rate"], *(f"{r[f'{m}_img_s']:.1f}" for m in MODES),
-          *(str(harness.Paired(**r[f"{m}_over_mask"])) for m in ("skip", "batch"))] for r in data["results"]])
+          *(str(harness.Paired(**r[f"{m}_over_mask"])) for m in ("skip", "batch")), f"{bound(r['rate']):.2f}x"]
+         for r in data["results"]])
 
 
 def crossover(data: dict, mode: str, precision: str = "fp32"):
@@ -56,13 +66,22 @@ def crossover(data: dict, mode: str, precision: str = "fp32"):
 
 
 def summary(data: dict) -> str:
-    """One line per mode under the table: where it pays against mask, from the JSON."""
+    """Lines under the table, from the JSON: per mode, where its paired median beats mask's, at
+    which rates every round was faster, and at which the median is beyond `bound` (noise); the load."""
     lines = []
     for p in dict.fromkeys(r["precision"] for r in data["results"]):
+        rows = [r for r in data["results"] if r["precision"] == p]
         for mode in ("skip", "batch"):
             rate = crossover(data, mode, p)
-            where = "at no rate measured" if rate is None else f"from a last-block rate of {rate} on"
-            lines.append(f"{mode} / mask ({p}): paired median above 1.00x {where}.")
+            every = [r["rate"] for r in rows if r[f"{mode}_over_mask"]["low"] > 1.0]
+            beyond = [r["rate"] for r in rows if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])]
+            lines.append(f"{mode} / mask ({p}): paired median above 1.00x "
+                         f"{'at no rate measured' if rate is None else f'from a last-block rate of {rate} on'}; "
+                         f"every round faster at {', '.join(map(str, every)) or 'no rate'}; "
+                         f"median beyond the bound (noise) at {', '.join(map(str, beyond)) or 'no rate'}.")
+    if "load_before" in data:
+        lines.append(f"Load average (1 min) on the 2-core machine: {data['load_before']:.1f} before, "
+                     f"{data['load_after']:.1f} after.")
     return "\n".join(lines) + "\n"
 
 
