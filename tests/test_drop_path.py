@@ -115,3 +115,22 @@ def test_whole_batch_skipping_is_refused_under_data_parallelism():
     assert unsupported(load_run_config(None, [], base=base)) is None
     cfg = load_run_config(None, ["model.drop_path_mode=batch"], base=base)
     assert unsupported(cfg).startswith("model.drop_path_mode=batch does not combine with train.parallel=ddp")
+
+
+def test_bench_crossover_and_the_docs_table_from_its_json():
+    """The drop-path bench's crossover (the lowest rate from which on a mode beats mask's paired
+    median) on made-up rows, and docs/convnet.md's table equal to what the committed JSON renders."""
+    import json
+
+    from train.benches import drop_path as bench
+
+    def rows(skip):
+        return {"results": [{"precision": "fp32", "rate": r, "skip_over_mask": {"median": m},
+                             "batch_over_mask": {"median": 1.5}} for r, m in zip([0.1, 0.3, 0.5], skip)]}
+    assert bench.crossover(rows([0.9, 1.1, 1.2]), "skip") == 0.3
+    assert bench.crossover(rows([1.1, 0.9, 1.2]), "skip") == 0.5      # above 1 at every higher rate too
+    assert bench.crossover(rows([0.9, 0.95, 0.99]), "skip") is None
+    assert bench.crossover(rows([0.9, 0.95, 0.99]), "batch") == 0.1
+    data = json.loads(bench.DOCS_JSON.read_text())
+    assert sorted(r["rate"] for r in data["results"]) == [0.1, 0.2, 0.3, 0.4, 0.5] and data["arch"] == "resnet50"
+    assert bench.render(data, write=False) == []
