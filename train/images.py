@@ -82,16 +82,22 @@ def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) ->
 # ImageFolder-style directories: root/<class>/<image>
 # ----------------------------------------------------------------------------------------
 
-def scan_image_folder(root, classes: Optional[Sequence[str]] = None) -> tuple[list, list]:
+def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool = False) -> tuple[list, list]:
     """root/<class name>/**/<image> -> (class names sorted, [(path, label), ...]).
 
     A missing root, a root without class folders, fewer than two classes or a class folder
     without images is a one-line error naming the path. `classes` fixes the label order
-    (e.g. the val folder uses the train folder's classes)."""
+    (e.g. the val folder uses the train folder's classes). flat=True also takes a root that holds
+    images and no class folders: one class, named after the root (a root with neither is an error)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: image folder not found")
     found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if flat and classes is None and not found:
+        files = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        if not files:
+            raise ValueError(f"{root}: no images and no class folders ({', '.join(IMAGE_EXTENSIONS)})")
+        return [root.name], [(str(p), 0) for p in files]
     if classes is None:
         classes = found
         if len(classes) < 2:
