@@ -122,31 +122,10 @@ def starts(out: Path) -> int:
     return log.read_text().count("mfu: ") if log.exists() else 0
 
 
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photos scikit-image ships
-
-
-def write_photo_tiles(folder: Path, tile: int = 48, photos=PHOTOS, per_class: bool = True) -> int:
-    """Cut the scikit-image photos into non-overlapping tile x tile squares and write them as PNGs:
-    folder/<photo>/<row>_<col>.png (per_class) or folder/<photo>_<row>_<col>.png. Returns the number
-    written (354 with the defaults). Real-photo data for image-folder tests, made on the spot."""
-    from PIL import Image
-    from skimage import data
-    n = 0
-    for name in photos:
-        img = getattr(data, name)()
-        out = folder / name if per_class else folder
-        out.mkdir(parents=True, exist_ok=True)
-        for r in range(img.shape[0] // tile):
-            for c in range(img.shape[1] // tile):
-                crop = img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
-                Image.fromarray(crop).save(out / (f"{r}_{c}.png" if per_class else f"{name}_{r}_{c}.png"))
-                n += 1
-    return n
-
-
 @pytest.fixture(scope="session")
 def photo_tiles(tmp_path_factory) -> Path:
-    """A folder of photo tiles (write_photo_tiles), a class folder per photo, written once a session."""
+    """A folder of 354 photo tiles (train.images.write_photo_tiles: a class folder per photo), written once a session."""
+    from train.images import write_photo_tiles
     root = tmp_path_factory.mktemp("photo_tiles")
     write_photo_tiles(root)
     return root

@@ -234,6 +234,35 @@ def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
 
 
 # ----------------------------------------------------------------------------------------
+# a folder of real photographs, made on the spot (tests, benchmarks)
+# ----------------------------------------------------------------------------------------
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scikit-image ships
+
+
+def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, per_class: bool = True) -> int:
+    """Cut scikit-image's photographs into non-overlapping tile x tile squares and write them as PNGs:
+    folder/<photo>/<row>_<col>.png (per_class: an image folder with a class per photo) or
+    folder/<photo>_<row>_<col>.png. Returns the number written (354 with the defaults)."""
+    try:
+        from skimage import data
+    except ImportError:
+        raise ImportError("the photo tiles need scikit-image: pip install scikit-image") from None
+    from PIL import Image
+    n = 0
+    for name in photos:
+        img = getattr(data, name)()
+        out = Path(folder) / name if per_class else Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        for r in range(img.shape[0] // tile):
+            for c in range(img.shape[1] // tile):
+                crop = img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
+                Image.fromarray(crop).save(out / (f"{r}_{c}.png" if per_class else f"{name}_{r}_{c}.png"))
+                n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------------------
 # the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
 # ----------------------------------------------------------------------------------------
 
