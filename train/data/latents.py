@@ -128,6 +128,9 @@ def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, l
     if folder.exists():  # a cache of another key under this name (a digest collision) or an older version
         shutil.rmtree(folder)
     part = folder.parent / f".{folder.name}.partial"
+    if read_cache(part, key) is not None:  # complete when a kill came just before the rename
+        os.replace(part, folder)
+        return LatentCache(folder)
     progress = _read_progress(part, key)
     if progress is None:
         shutil.rmtree(part, ignore_errors=True)

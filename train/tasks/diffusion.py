@@ -170,8 +170,9 @@ class DiffusionTask(Task):
         self.latents = self._latent_cache(data)
         self.latent_mean, self.latent_std = self.latents.mean, self.latents.std
         self.y_tr = self.latents.labels["train"].to(self.device)
-        self.z_va = self._normalised(self.latents.latents("val", slice(None)))
-        self.y_va = self.latents.labels["val"].to(self.device)
+        n_eval = cfg.train.batch_size * cfg.train.eval_batches  # what evaluate() reads, kept on the device
+        self.z_va = self._normalised(self.latents.latents("val", slice(0, n_eval)))
+        self.y_va = self.latents.labels["val"][:n_eval].to(self.device)
         self.log(f"latents: {self.latents.shape} per image, {self.latents.views} per training image "
                  f"(mean {[round(v, 3) for v in self.latent_mean.tolist()][:4]}..., "
                  f"std {[round(v, 3) for v in self.latent_std.tolist()][:4]}...)")
