@@ -122,3 +122,12 @@ def starts(out: Path) -> int:
     """How many times the run in `out` has entered the training loop (its log's 'mfu:' lines)."""
     log = out / "log.txt"
     return log.read_text().count("mfu: ") if log.exists() else 0
+
+
+@pytest.fixture(scope="session")
+def photo_tiles(tmp_path_factory) -> Path:
+    """A folder of 354 photo tiles (train.images.write_photo_tiles: a class folder per photo), written once a session."""
+    from train.images import write_photo_tiles
+    root = tmp_path_factory.mktemp("photo_tiles")
+    write_photo_tiles(root)
+    return root

@@ -82,16 +82,22 @@ def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) ->
 # ImageFolder-style directories: root/<class>/<image>
 # ----------------------------------------------------------------------------------------
 
-def scan_image_folder(root, classes: Optional[Sequence[str]] = None) -> tuple[list, list]:
+def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool = False) -> tuple[list, list]:
     """root/<class name>/**/<image> -> (class names sorted, [(path, label), ...]).
 
     A missing root, a root without class folders, fewer than two classes or a class folder
     without images is a one-line error naming the path. `classes` fixes the label order
-    (e.g. the val folder uses the train folder's classes)."""
+    (e.g. the val folder uses the train folder's classes). flat=True also takes a root that holds
+    images and no class folders: one class, named after the root (a root with neither is an error)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: image folder not found")
     found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if flat and classes is None and not found:
+        files = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        if not files:
+            raise ValueError(f"{root}: no images and no class folders ({', '.join(IMAGE_EXTENSIONS)})")
+        return [root.name], [(str(p), 0) for p in files]
     if classes is None:
         classes = found
         if len(classes) < 2:
@@ -225,6 +231,35 @@ def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
     permutation of range(n) drawn from (seed, epoch) -> [(index, per-sample seed)]."""
     return [(int(_epoch_perm(n, seed, p // n)[p % n]), (seed * 2_654_435_761 + p) % 2**63)
             for p in range(start, start + count)]
+
+
+# ----------------------------------------------------------------------------------------
+# a folder of real photographs, made on the spot (tests, benchmarks)
+# ----------------------------------------------------------------------------------------
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scikit-image ships
+
+
+def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, per_class: bool = True) -> int:
+    """Cut scikit-image's photographs into non-overlapping tile x tile squares and write them as PNGs:
+    folder/<photo>/<row>_<col>.png (per_class: an image folder with a class per photo) or
+    folder/<photo>_<row>_<col>.png. Returns the number written (354 with the defaults)."""
+    try:
+        from skimage import data
+    except ImportError:
+        raise ImportError("the photo tiles need scikit-image: pip install scikit-image") from None
+    from PIL import Image
+    n = 0
+    for name in photos:
+        img = getattr(data, name)()
+        out = Path(folder) / name if per_class else Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        for r in range(img.shape[0] // tile):
+            for c in range(img.shape[1] // tile):
+                crop = img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
+                Image.fromarray(crop).save(out / (f"{r}_{c}.png" if per_class else f"{name}_{r}_{c}.png"))
+                n += 1
+    return n
 
 
 # ----------------------------------------------------------------------------------------

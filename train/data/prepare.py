@@ -24,6 +24,7 @@ workers.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -180,15 +181,23 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
     if done and done.get("complete"):
         return Shards(out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:  # one preparer at a time (torchrun's ranks)
+    with exclusive(out):  # one preparer at a time (torchrun's ranks)
+        return _prepare(source, tokenizer, out, column=column, max_chars=max_chars, boundary=boundary,
+                        workers=workers, chunk_chars=chunk_chars, shard_tokens=shard_tokens, progress=progress,
+                        log=log)
+
+
+@contextlib.contextmanager
+def exclusive(out: Path):
+    """Holds an exclusive lock on the file `.<name>.lock` beside `out` (other processes wait for it);
+    no lock where the system has no fcntl."""
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
         try:
             import fcntl
             fcntl.flock(lock, fcntl.LOCK_EX)
         except ImportError:  # not POSIX: no lock
             pass
-        return _prepare(source, tokenizer, out, column=column, max_chars=max_chars, boundary=boundary,
-                        workers=workers, chunk_chars=chunk_chars, shard_tokens=shard_tokens, progress=progress,
-                        log=log)
+        yield
 
 
 def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, workers, chunk_chars, shard_tokens,

@@ -282,9 +282,14 @@ def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: s
 
 def fingerprint(path: str) -> str:
     """Identifies the source's content as it is now (each file's path, size and mtime)."""
+    return files_fingerprint(corpus_files(path))
+
+
+def files_fingerprint(files) -> str:
+    """Identifies the content of these files as it is now (each one's path, size and mtime)."""
     import hashlib
     h = hashlib.sha256()
-    for f in corpus_files(path):
+    for f in map(Path, files):
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]

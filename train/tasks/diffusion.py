@@ -2,19 +2,21 @@
 
 setup(): the autoencoder is either pretrained (model.autoencoder.weights, e.g. taef2_encoder.pth or a
 diffusers AutoencoderTiny folder) or trained here on the training images and cached in
-data.cache_dir (keyed by everything that determines it, so a second run reuses it). The dataset is
-fixed (no augmentation), so every image is encoded once; the per-channel latent mean and std become
-the model's normalisation buffers. The loop then trains only the denoiser (and keeps its EMA).
+data.cache_dir (keyed by everything that determines it, so a second run reuses it). Every image (and,
+with data.hflip, its mirror image) is then encoded once into the latent cache (train/data/latents.py:
+memmaps in data.cache_dir keyed by the images, the autoencoder's weights, the resolution and the
+flips; built once, reused by later runs); the per-channel latent mean and std become the model's
+normalisation buffers. The loop then trains only the denoiser (and keeps its EMA) on latents read
+from the cache: no encoder in the step.
 At the end, samples() writes a guided sample grid (a row per class) to out_dir/samples.png.
 """
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,16 +31,19 @@ from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
 from ..data import DataError, cache_dir
+from ..data.latents import LatentCache, digest, latent_cache, weights_fingerprint
 from . import Task
 
 
 @dataclass
 class DiffusionDataConfig:
-    dataset: str = "digits"                 # `digits` or an image folder `root/<class>/*` (centre crops)
+    dataset: str = "digits"                 # `digits`, an image folder `root/<class>/*` (a class per folder) or a folder
+                                            # of images (one class); centre crops of model.image_size
     val_fraction: float = bounded(0.1, gt=0, lt=1)  # held-out images
-    cache_dir: Optional[str] = None         # trained autoencoders; null = `$ZOO_CACHE`, else the user cache directory
-                                            # (`$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`)
-    encode_batch_size: int = bounded(64, gt=0)  # batch for the one-off encoding
+    hflip: bool = False                     # also encode each training image mirrored; a step takes either at random
+    cache_dir: Optional[str] = None         # trained autoencoders and latent caches; null = `$ZOO_CACHE`, else the user
+                                            # cache directory (`$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`)
+    encode_batch_size: int = bounded(64, gt=0)  # batch for the one-off encoding into the latent cache
     # the autoencoder trained here when model.autoencoder.weights is null
     ae_steps: int = bounded(400, gt=0)      # autoencoder training (when no weights)
     ae_batch_size: int = bounded(32, gt=0)  # autoencoder training (when no weights)
@@ -48,34 +53,47 @@ class DiffusionDataConfig:
     samples_per_class: int = bounded(8, gt=0)  # columns of samples.png
 
 
-def load_images(d: DiffusionDataConfig, size: int, source: str):
-    """(train images, train labels, val images, val labels, number of classes); images (N, 3, size, size)
-    float32 in [0, 1]."""
+@dataclass
+class ImageData:
+    """A dataset's two splits, read lazily: labels (N,) int64 each, read(split, start, stop) -> images
+    (n, 3, size, size) float32 in [0, 1]; `key` identifies the images (for the caches)."""
+    key: dict
+    labels: dict
+    read: Callable[[str, int, int], torch.Tensor]
+    classes: int
+
+
+def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
+    """The digits (in memory), or an image folder split at random (fixed seed) into train and val,
+    each image centre-cropped to size x size when it is read. A missing or empty folder, or an
+    unreadable image, is a one-line error naming it."""
+    key = {"dataset": d.dataset, "size": size, "val": d.val_fraction}
     if d.dataset == "digits":
         from ..images import digits_dataset
-        tr = digits_dataset("train", size, 3, d.val_fraction)
-        va = digits_dataset("val", size, 3, d.val_fraction)
-        return (*tr, *va, 10)
+        x = {s: digits_dataset(s, size, 3, d.val_fraction) for s in ("train", "val")}
+        return ImageData(key, {s: y for s, (_, y) in x.items()}, lambda s, i, j: x[s][0][i:j], 10)
+    from ..data.sources import files_fingerprint
     from ..images import FolderImages, collate_images, scan_image_folder
     try:
-        classes, samples = scan_image_folder(d.dataset)
+        classes, samples = scan_image_folder(d.dataset, flat=True)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{source}: data.dataset: {e}") from None
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(len(samples), generator=g).tolist()
-    n_val = max(1, round(len(samples) * d.val_fraction))
-    out = []
-    for part in (perm[n_val:], perm[:n_val]):
-        ds = FolderImages([samples[i] for i in part], size, train=False)
-        x, y, bad = collate_images([ds[i] for i in range(len(ds))])
+    if len(samples) < 2:
+        raise ConfigError(f"{source}: data.dataset: {d.dataset}: {len(samples)} image; a train and a val split need two")
+    perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
+    n_val = min(len(samples) - 1, max(1, round(len(samples) * d.val_fraction)))
+    parts = {"train": [samples[i] for i in perm[n_val:]], "val": [samples[i] for i in perm[:n_val]]}
+    sets = {s: FolderImages(p, size, train=False) for s, p in parts.items()}
+
+    def read(split, i, j):
+        x, _, bad = collate_images([sets[split][k] for k in range(i, j)])
         if bad:
-            raise DataError(f"{bad[0]}: unreadable image ({len(bad)} unreadable in data.dataset={d.dataset})")
-        out += [x.float() / 255, y]
-    return (*out, len(classes))
+            raise DataError(f"{bad[0]}: unreadable image (in data.dataset={d.dataset})")
+        return x.float() / 255
 
-
-def _digest(obj) -> str:
-    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    key.update(crop="centre", files=files_fingerprint(p for p, _ in samples), classes=classes)
+    labels = {s: torch.tensor([y for _, y in p], dtype=torch.int64) for s, p in parts.items()}
+    return ImageData(key, labels, read, len(classes))
 
 
 def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: int, lr: float, noise: float,
@@ -98,13 +116,6 @@ def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: i
         if step % 100 == 0 or step == steps - 1:
             log(f"autoencoder: step {step + 1}/{steps} reconstruction mse {loss.item():.5f}")
     return ae.eval().cpu()
-
-
-@torch.no_grad()
-def encode_all(ae: TAESD, images: torch.Tensor, batch_size: int, device) -> torch.Tensor:
-    ae = ae.to(device).eval()
-    return torch.cat([ae.encode(images[i:i + batch_size].to(device)).float().cpu()
-                      for i in range(0, len(images), batch_size)])
 
 
 def load_dit_into(model: LatentDiffusion, path):
@@ -145,37 +156,52 @@ class DiffusionTask(Task):
 
     def setup(self):
         cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
-        x_tr, self.y_tr, x_va, self.y_va, n_classes = load_images(d, m.image_size, cfg.source)
-        if n_classes > m.num_classes:
+        data = load_images(d, m.image_size, cfg.source)
+        if data.classes > m.num_classes:
             raise ConfigError(f"{cfg.source}: model.num_classes={m.num_classes} but data.dataset has "
-                              f"{n_classes} classes")
-        self.log(f"data: {d.dataset}, {len(x_tr)} train / {len(x_va)} val images of {m.image_size}x{m.image_size}")
-        self.autoencoder = self._autoencoder(x_tr)
+                              f"{data.classes} classes")
+        n_tr, n_va = len(data.labels["train"]), len(data.labels["val"])
+        self.log(f"data: {d.dataset}, {n_tr} train / {n_va} val images of {m.image_size}x{m.image_size}")
+        self.autoencoder = self._autoencoder(data)
         C = self.autoencoder.latent_channels
         if m.latent_channels is not None and m.latent_channels != C:
             raise ConfigError(f"{cfg.source}: model.latent_channels={m.latent_channels} does not match the "
                               f"autoencoder's {C} latent channels")
-        raw_tr = encode_all(self.autoencoder, x_tr, d.encode_batch_size, self.device)
-        raw_va = encode_all(self.autoencoder, x_va, d.encode_batch_size, self.device)
-        x = raw_tr.transpose(0, 1).flatten(1)
-        self.latent_mean, self.latent_std = x.mean(1), x.std(1).clamp(min=1e-6)
-        norm = lambda r: ((r - self.latent_mean.view(1, -1, 1, 1)) / self.latent_std.view(1, -1, 1, 1))  # noqa: E731
-        self.z_tr, self.z_va = norm(raw_tr).to(self.device), norm(raw_va).to(self.device)
-        self.y_tr, self.y_va = self.y_tr.to(self.device), self.y_va.to(self.device)
-        self.log(f"latents: {tuple(self.z_tr.shape[1:])} per image, encoded once "
+        self.latents = self._latent_cache(data)
+        self.latent_mean, self.latent_std = self.latents.mean, self.latents.std
+        self.y_tr = self.latents.labels["train"].to(self.device)
+        n_eval = cfg.train.batch_size * cfg.train.eval_batches  # what evaluate() reads, kept on the device
+        self.z_va = self._normalised(self.latents.latents("val", slice(0, n_eval)))
+        self.y_va = self.latents.labels["val"][:n_eval].to(self.device)
+        self.log(f"latents: {self.latents.shape} per image, {self.latents.views} per training image "
                  f"(mean {[round(v, 3) for v in self.latent_mean.tolist()][:4]}..., "
                  f"std {[round(v, 3) for v in self.latent_std.tolist()][:4]}...)")
 
-    def _autoencoder(self, x_tr) -> TAESD:
+    def _latent_cache(self, data: ImageData) -> LatentCache:
+        """Every image encoded once by the frozen autoencoder into an on-disk cache (train/data/latents.py),
+        keyed by the images, the autoencoder's weights, the resolution and the flips; reused when it exists."""
+        d, ae = self.cfg.data, self.autoencoder.to(self.device).eval()
+        key = {**data.key, "autoencoder": weights_fingerprint(ae), "variant": ae.variant, "hflip": d.hflip}
+        folder = cache_dir(d.cache_dir) / f"latents-{Path(d.dataset).name}-{digest(key)}"
+        splits = {s: (data.labels[s], functools.partial(data.read, s)) for s in ("train", "val")}
+        return latent_cache(folder, key, splits, lambda x: ae.encode(x.to(self.device)), 2 if d.hflip else 1,
+                            d.encode_batch_size, log=self.log)
+
+    def _normalised(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw latents (B, C, h, w) -> on the device, per-channel standardised."""
+        raw = raw.to(self.device)
+        return (raw - self.latent_mean.to(raw).view(1, -1, 1, 1)) / self.latent_std.to(raw).view(1, -1, 1, 1)
+
+    def _autoencoder(self, data: ImageData) -> TAESD:
         cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
         if m.autoencoder.weights:
             ae = build_autoencoder(m, cfg.source)
             self.log(f"autoencoder: {m.autoencoder.weights} (frozen) {ae.variant}")
             return ae
         ae = build_autoencoder(m, cfg.source)
-        key = _digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
+        key = digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
                        "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
-                       "seed": cfg.train.seed})
+                       "seed": cfg.train.seed, **({"files": data.key["files"]} if "files" in data.key else {})})
         path = cache_dir(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.safetensors"
         if path.is_file():
             try:
@@ -186,6 +212,7 @@ class DiffusionTask(Task):
                 self.log(f"autoencoder: cached file unusable ({e}); training it again")
         self.log(f"autoencoder: training a TAESD {ae.variant} on the training images ({d.ae_steps} steps)")
         torch.manual_seed(cfg.train.seed)
+        x_tr = data.read("train", 0, len(data.labels["train"]))
         ae = train_autoencoder(ae, x_tr, d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise, self.device,
                                cfg.train.seed, self.log)
         zoo.save_pretrained(ae, path)
@@ -222,8 +249,10 @@ class DiffusionTask(Task):
 
     def train_batch(self, step, micro):
         g = self.batch_generator(step, micro)
-        idx = torch.randint(len(self.z_tr), (self.global_rows(),), generator=g).to(self.device)
-        batch = self._noised(self.z_tr[idx], self.y_tr[idx], g, self.cfg.model.class_dropout)
+        idx = torch.randint(len(self.latents), (self.global_rows(),), generator=g)
+        views = torch.randint(self.latents.views, idx.shape, generator=g) if self.latents.views > 1 else None
+        z = self._normalised(self.latents.latents("train", idx, views))
+        batch = self._noised(z, self.y_tr[idx.to(self.device)], g, self.cfg.model.class_dropout)
         return {k: self.own_rows(v) for k, v in batch.items()} if self.world > 1 else batch
 
     def loss(self, model, batch):

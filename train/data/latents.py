@@ -1,0 +1,204 @@
+"""The latent cache: a dataset's images encoded once by a frozen autoencoder and kept on disk.
+
+    latent_cache(folder, key, splits, encode, views, ...) -> LatentCache (built, resumed or reused)
+    cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
+
+On disk, in `folder` (its name carries a digest of `key`: whatever determines the latents, e.g.
+the image files with their sizes and mtimes, the autoencoder's weights, the resolution, the flips):
+    train.npy         float32 (N, V, C, h, w): each training image's latents; V = 2 with flips
+                      (view 1 is the mirrored image), else 1
+    train.labels.npy  int64 (N,)
+    val.npy           float32 (M, 1, C, h, w), and val.labels.npy
+    meta.json         the key, the shapes, and the per-channel mean and std of the training latents
+
+Kill-safe and resumable: the arrays are written as memmaps in `.<folder name>.partial` beside it,
+a batch of images at a time; every `commit_every` images the memmaps are flushed and the rows done
+recorded (progress.json, written atomically), so a run killed at any moment encodes again only
+what came after the last record. When every row is written, the folder is renamed to its final
+name: a reader never sees part of a cache. One builder at a time (a file lock: torchrun's ranks
+wait for the first and then read what it wrote).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from zoo.weights.files import atomic_write, fsync_dir
+
+from .prepare import exclusive
+from .sources import DataError
+
+VERSION = 1
+META = "meta.json"
+PROGRESS = "progress.json"
+
+
+def digest(obj) -> str:
+    """A short stable digest of a JSON-able object (dict keys sorted)."""
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def weights_fingerprint(module: torch.nn.Module) -> str:
+    """Identifies a module's weights: a digest of every state-dict entry's name, dtype, shape and bytes."""
+    h = hashlib.sha1()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+class LatentCache:
+    """A complete cache folder, its arrays opened as read-only memmaps."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.meta = json.loads((self.folder / META).read_text())
+        self.arrays = {s: np.load(self.folder / f"{s}.npy", mmap_mode="r") for s in ("train", "val")}
+        self.labels = {s: torch.from_numpy(np.load(self.folder / f"{s}.labels.npy")) for s in ("train", "val")}
+        self.mean = torch.tensor(self.meta["mean"], dtype=torch.float32)
+        self.std = torch.tensor(self.meta["std"], dtype=torch.float32)
+
+    @property
+    def views(self) -> int:
+        """Latents per training image: 2 with flips (view 1 mirrored), else 1."""
+        return self.arrays["train"].shape[1]
+
+    @property
+    def shape(self) -> tuple:
+        """(C, h, w) of one image's latents."""
+        return tuple(self.arrays["train"].shape[2:])
+
+    def __len__(self) -> int:
+        return len(self.arrays["train"])
+
+    def latents(self, split: str, rows, views=None) -> torch.Tensor:
+        """Raw latents (B, C, h, w) of the given rows (a tensor, list or slice) of a split, each in
+        its view (None: view 0), read from the memmap into a new CPU tensor."""
+        a = self.arrays[split]
+        if isinstance(rows, slice):
+            return torch.from_numpy(np.array(a[rows, 0]))
+        rows = np.asarray(rows)
+        views = np.zeros_like(rows) if views is None else np.asarray(views)
+        return torch.from_numpy(a[rows, views])
+
+
+def read_cache(folder: Path, key: dict) -> Optional[LatentCache]:
+    """The complete cache in `folder` when it holds `key`'s latents, else None."""
+    try:
+        meta = json.loads((Path(folder) / META).read_text())
+        return LatentCache(folder) if meta.get("version") == VERSION and meta.get("key") == key else None
+    except (OSError, ValueError):
+        return None
+
+
+def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor], torch.Tensor], views: int = 1,
+                 batch_size: int = 64, commit_every: int = 1024, log=print) -> LatentCache:
+    """The cache of `key` in `folder`: reused when complete (and said so), else built (or resumed).
+
+    splits: {"train": (labels (N,), read), "val": (labels (M,), read)} where read(start, stop) gives
+    the images start..stop-1 (float (n, 3, H, W) in [0, 1]). encode: images -> raw latents (n, C, h, w)
+    (the frozen autoencoder, called under no_grad). views=2 also encodes each training image
+    mirrored (images.flip(-1)). An empty split is a one-line error."""
+    folder = Path(folder)
+    cache = read_cache(folder, key)
+    if cache is not None:
+        log(f"latents: reusing {folder}")
+        return cache
+    for name, (labels, _) in splits.items():
+        if len(labels) == 0:
+            raise DataError(f"{folder.name}: the {name} split has no images")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(folder):
+        cache = read_cache(folder, key)  # another process built it while this one waited
+        if cache is None:
+            cache = _build(folder, key, splits, encode, views, batch_size, commit_every, log)
+    return cache
+
+
+def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, log) -> LatentCache:
+    if folder.exists():  # a cache of another key under this name (a digest collision) or an older version
+        shutil.rmtree(folder)
+    part = folder.parent / f".{folder.name}.partial"
+    if read_cache(part, key) is not None:  # complete when a kill came just before the rename
+        os.replace(part, folder)
+        return LatentCache(folder)
+    progress = _read_progress(part, key)
+    if progress is None:
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir()
+        progress = {"version": VERSION, "key": key, "done": {}}
+    elif any(progress["done"].values()):
+        log(f"latents: resuming {folder.name} after {progress['done']} images")
+    t0, n_encoded = time.perf_counter(), 0
+    with torch.no_grad():
+        for name, (labels, read) in splits.items():
+            n, v = len(labels), views if name == "train" else 1
+            path = part / f"{name}.npy"
+            start = progress["done"].get(name, 0)
+            if start == 0 or not path.exists():
+                atomic_write(part / f"{name}.labels.npy", lambda f: np.save(f, labels.numpy().astype(np.int64)))
+                first = _encode_views(encode, read(0, min(batch_size, n)), v)
+                out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, *first.shape[1:]))
+                start = 0
+            else:
+                out = np.load(path, mmap_mode="r+")
+            last = start
+            for i in range(start, n, batch_size):
+                j = min(i + batch_size, n)
+                out[i:j] = (first if i == 0 else _encode_views(encode, read(i, j), v)).numpy()
+                n_encoded += (j - i) * v
+                if j - last >= commit_every or j == n:
+                    out.flush()
+                    progress["done"][name] = last = j
+                    atomic_write(part / PROGRESS, json.dumps(progress))
+            del out
+    train = np.load(part / "train.npy", mmap_mode="r")
+    mean, std = _channel_stats(train)
+    meta = {"version": VERSION, "key": key, "train": list(train.shape), "val": list(np.load(part / "val.npy",
+            mmap_mode="r").shape), "mean": mean, "std": std}
+    del train
+    atomic_write(part / META, json.dumps(meta, indent=1))
+    (part / PROGRESS).unlink()
+    os.replace(part, folder)
+    fsync_dir(folder.parent)
+    secs = time.perf_counter() - t0
+    log(f"latents: encoded {n_encoded} images in {secs:.1f} s ({n_encoded / max(secs, 1e-9):.0f} images/s) "
+        f"into {folder}")
+    return LatentCache(folder)
+
+
+def _read_progress(part: Path, key) -> Optional[dict]:
+    try:
+        p = json.loads((part / PROGRESS).read_text())
+        return p if p.get("version") == VERSION and p.get("key") == key else None
+    except (OSError, ValueError):
+        return None
+
+
+def _encode_views(encode, images: torch.Tensor, views: int) -> torch.Tensor:
+    """(n, V, C, h, w) float32 CPU latents of the images, and with V = 2 of their mirror images."""
+    z = [encode(images)] + ([encode(images.flip(-1))] if views == 2 else [])
+    return torch.stack([x.float().cpu() for x in z], 1)
+
+
+def _channel_stats(a: np.ndarray, rows: int = 4096) -> tuple[list, list]:
+    """Per-channel mean and (unbiased) std of latents (N, V, C, h, w), in float64, a block of rows at a time."""
+    C = a.shape[2]
+    s, ss, n = np.zeros(C), np.zeros(C), 0
+    for i in range(0, len(a), rows):
+        x = np.asarray(a[i:i + rows], dtype=np.float64).swapaxes(0, 2).reshape(C, -1)
+        s += x.sum(1)
+        ss += (x * x).sum(1)
+        n += x.shape[1]
+    mean = s / n
+    var = np.maximum(ss - n * mean * mean, 0.0) / max(n - 1, 1)
+    return mean.tolist(), np.maximum(np.sqrt(var), 1e-6).tolist()
