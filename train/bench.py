@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "taesd": "train.benches.taesd",
     "dit": "train.benches.dit",
     "min-snr": "train.benches.min_snr",
+    "diffusion-quality": "train.benches.diffusion_quality",
     "resnet": "train.benches.resnet",
     "drop-path": "train.benches.drop_path",
     "convnets": "train.benches.convnets",
