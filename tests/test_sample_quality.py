@@ -69,3 +69,31 @@ def test_classifier_features_are_the_head_input():
     assert sample_accuracy(logits, (labels + 1) % 10) == 0.0
     out = judge(judge_, rgb, labels, feats)
     assert out["sample_accuracy"] == 1.0 and abs(out["classifier_fd"]) < 1e-6
+
+
+@pytest.mark.parametrize("ema_better", [True, False])
+def test_classifier_from_a_run_folder(tmp_path, ema_better):
+    """A convnet run folder (config.yaml, weights, metrics.jsonl): the weights with the lower final
+    validation loss judge, normalised as the run trained (digits: 0.5 / 0.5)."""
+    import json
+
+    import yaml
+    from safetensors.torch import save_model
+
+    import zoo
+    from train.config import load_run_config
+    cfg = load_run_config("configs/convnet/resnet-digits.yaml", ["model.width=4", f"train.out_dir={tmp_path}"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    torch.manual_seed(0)
+    raw, ema = zoo.build(cfg.model).eval(), zoo.build(cfg.model).eval()
+    save_model(raw, str(tmp_path / "model.safetensors"))
+    save_model(ema, str(tmp_path / "model_ema.safetensors"))
+    row = {"step": 10, "val_loss": 1.0, "ema_val_loss": 0.5 if ema_better else 2.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n" + json.dumps(row) + "\n")
+    images = torch.rand(4, 3, 32, 32)
+    _, logits = Classifier.from_run(tmp_path)(images)
+    with torch.no_grad():
+        expected = (ema if ema_better else raw)((images.mean(1, keepdim=True) - 0.5) / 0.5)
+    assert torch.allclose(logits, expected, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="no config.yaml"):
+        Classifier.from_run(tmp_path / "nothing")

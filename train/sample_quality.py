@@ -72,13 +72,14 @@ class Classifier:
 
     @classmethod
     def from_run(cls, run_dir) -> "Classifier":
-        """The classifier a ConvNet run of train/run.py wrote to run_dir (its config.yaml and its EMA
-        weights where it kept an EMA, else model.safetensors)."""
+        """The classifier a ConvNet run of train/run.py wrote to run_dir (its config.yaml, and of its
+        weights and EMA weights those with the lower validation loss at the run's final evaluation)."""
         from safetensors.torch import load_model
 
         import zoo
 
         from .config import load_run_config
+        from .metrics import read_rows
         from .tasks.classify import normalization
         run = Path(run_dir)
         if not (run / "config.yaml").is_file():
@@ -87,9 +88,13 @@ class Classifier:
         if cfg.family != "convnet":
             raise ValueError(f"{run}: a {cfg.family} run; the judge is a convnet classifier")
         model = zoo.build(cfg.model)
-        weights = next((p for p in (run / "model_ema.safetensors", run / "model.safetensors") if p.is_file()), None)
-        if weights is None:
+        weights = run / "model.safetensors"
+        if not weights.is_file():
             raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)")
+        final = ([r for r in read_rows(run) if "val_loss" in r] or [{}])[-1]
+        ema, inf = run / "model_ema.safetensors", float("inf")
+        if ema.is_file() and final.get("ema_val_loss", inf) < final.get("val_loss", inf):
+            weights = ema
         load_model(model, str(weights))
         return cls(model, *normalization(cfg.data, cfg.model.in_chans))
 
