@@ -97,3 +97,15 @@ def test_classifier_from_a_run_folder(tmp_path, ema_better):
     assert torch.allclose(logits, expected, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="no config.yaml"):
         Classifier.from_run(tmp_path / "nothing")
+
+
+def test_docs_tables_are_rendered_from_the_benchmarks_json():
+    """docs/diffusion.md's quality tables equal what `bench.py diffusion-quality` renders from its
+    committed JSON: three seeds or more, each with every run judged."""
+    import json
+
+    from train.benches import diffusion_quality as dq
+    data = json.loads(dq.DOCS_JSON.read_text())
+    assert len(data["per_seed"]) >= 3
+    assert all(set(runs) == set(dq.RUNS) for runs in data["per_seed"].values())
+    assert dq.render(data, write=False) == []
