@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "dit": "train.benches.dit",
     "min-snr": "train.benches.min_snr",
     "latent-cache": "train.benches.latent_cache",
+    "diffusion-quality": "train.benches.diffusion_quality",
     "resnet": "train.benches.resnet",
     "drop-path": "train.benches.drop_path",
     "convnets": "train.benches.convnets",

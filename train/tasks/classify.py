@@ -35,6 +35,16 @@ from ..images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, augment_seeded,
 from . import Task
 
 
+def normalization(d: "ImageDataConfig", channels: int) -> tuple:
+    """(mean, std) per channel of the images the model sees: data.mean / data.std, else 0.5 / 0.5
+    for the digits, ImageNet's for RGB folders and 0.449 / 0.226 for grey ones."""
+    if d.mean is not None:
+        return tuple(d.mean), tuple(d.std)
+    if d.path == "digits":
+        return (0.5,), (0.5,)
+    return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.449,), (0.226,))
+
+
 @dataclass
 class ImageDataConfig:
     path: str = "digits"                    # `digits` (embedded: scikit-learn's 8x8 digits, upsampled) or an image
@@ -130,7 +140,6 @@ class ClassifyTask(Task):
             self.val_x, self.val_y = xv.to(self.device), yv.to(self.device)
             self.classes = [str(i) for i in range(10)]
             self.n_train = len(y)
-            mean, std = (0.5,), (0.5,)
         else:
             train_s, val_s = self._scan(Path(d.path), d.val_path)
             kw = dict(size=self.size, channels=channels, scale=d.scale, ratio=d.ratio, hflip=d.hflip, crop_pct=d.crop_pct)
@@ -138,9 +147,7 @@ class ClassifyTask(Task):
             self.train_eval_set = FolderImages(train_s, train=False, **kw)  # for BatchNorm recalibration
             self.val_set = FolderImages(val_s, train=False, **kw)
             self.n_train = len(train_s)
-            mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.449,), (0.226,))
-        if d.mean is not None:
-            mean, std = d.mean, d.std
+        mean, std = normalization(d, channels)
         if self.model_cfg.num_classes != len(self.classes):
             raise ConfigError(f"{cfg.source}: model.num_classes={self.model_cfg.num_classes} but {d.path} has "
                               f"{len(self.classes)} classes (set model.num_classes={len(self.classes)})")
