@@ -145,7 +145,7 @@ def test_prediction_is_not_under_a_fresh_measurement():
     at 109.3 and 109.4 MiB in two processes (docs/memory.md), where a small LLM moves by a sixth from
     process to process. Not under it by more than 2% (the spread of the diffusion measurements,
     at most 1.8% over five processes at batch 256); not over by half (the diffusion envelope is a
-    constant fitted at batch 256, about 1.3x here). The measured tensors left after the steps
+    constant fitted at batch 256, about 1.1x here). The measured tensors left after the steps
     (weights, optimizer state, EMA, batch) are the planned ones, byte for byte."""
     from train.benches.memory import CONFIGS, base_of
     spec, over = CONFIGS["diffusion fp32 adamw"]
