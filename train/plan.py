@@ -165,28 +165,33 @@ GLIBC_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX = 128 * 1024, 32 * MiB
 
 def cpu_heap_peak(events, keep: bool) -> int:
     """The peak resident bytes glibc's malloc holds for the blocks of `events` (an AllocTrace's),
-    modelled: a heap served best-fit (the smallest free chunk that fits, split; freed chunks merge
-    with free neighbours and with the top of the heap, which grows when nothing fits), chunks of
-    the request + 8 bytes rounded up to 64. keep (train.cpu_keep_memory, glibc told M_MMAP_MAX=0):
-    every block is on the heap; else blocks at or over the mmap threshold are mapped apart and
-    unmapped when freed, the threshold rising to the size of a freed mapped block (glibc's dynamic
-    threshold, at most 32 MiB). The resident peak is the highest (heap top + mapped bytes): freed
-    heap memory stays resident (glibc trims only the free top, which the top already accounts)."""
+    modelled: a heap served best-fit (the smallest free chunk that fits, split; the top of the heap
+    grows when nothing fits), chunks of the request + 8 bytes rounded up to 64. A freed chunk stays
+    where it is, for a later block of its size or less: it does not merge with its free neighbours
+    (a freed chunk at the top of the heap goes back to the top). In a training process the tensors'
+    chunks are interleaved with many small allocations no tensor makes (the autograd graph's nodes,
+    the tensors' own objects: about 19,000 a step for a 4-block LLM), which glibc keeps in its
+    per-size caches (tcache) without coalescing them, so they separate the tensors' freed chunks
+    (docs/memory.md, "The heap model").
+    keep (train.cpu_keep_memory, glibc told M_MMAP_MAX=0): every block is on the heap; else blocks
+    at or over the mmap threshold are mapped apart and unmapped when freed, the threshold rising to
+    the size of a freed mapped block (glibc's dynamic threshold, at most 32 MiB). The resident peak
+    is the highest (heap top + mapped bytes): freed heap memory stays resident."""
     import bisect
     top = mapped = peak = 0
     threshold = GLIBC_MMAP_THRESHOLD
-    by_size: list[tuple[int, int]] = []          # free chunks (size, address), sorted
-    start_of: dict[int, int] = {}                 # free chunk address -> size
-    end_of: dict[int, int] = {}                   # free chunk end -> address
+    free: list[tuple[int, int]] = []             # free chunks (size, address), sorted
+    ends: dict[int, int] = {}                     # free chunk end -> its size
     blocks: dict[int, tuple[int, int]] = {}       # live block -> (address or -1 when mapped, size)
 
-    def take(addr, size):
-        del start_of[addr], end_of[addr + size]
-        by_size.pop(bisect.bisect_left(by_size, (size, addr)))
-
     def put(addr, size):
-        start_of[addr], end_of[addr + size] = size, addr
-        bisect.insort(by_size, (size, addr))
+        bisect.insort(free, (size, addr))
+        ends[addr + size] = size
+
+    def take(i):
+        size, addr = free.pop(i)
+        del ends[addr + size]
+        return size, addr
 
     for uid, n in events:
         if n > 0:
@@ -195,17 +200,15 @@ def cpu_heap_peak(events, keep: bool) -> int:
                 blocks[uid] = (-1, size)
                 mapped += size
             else:
-                i = bisect.bisect_left(by_size, (size, -1))
-                if i < len(by_size):
-                    fsize, addr = by_size[i]
-                    take(addr, fsize)
+                i = bisect.bisect_left(free, (size, -1))
+                if i < len(free):
+                    fsize, addr = take(i)
                     if fsize > size:
                         put(addr + size, fsize - size)
-                else:
-                    addr = top
-                    if end_of.get(top) is not None:  # a free chunk next to the top is the top's
-                        addr = end_of[top]
-                        take(addr, top - addr)
+                else:  # from the top, which takes in a free chunk just below it
+                    addr = top - ends.get(top, 0)
+                    if addr < top:
+                        take(free.index((top - addr, addr)))
                     top = addr + size
                 blocks[uid] = (addr, size)
             peak = max(peak, top + mapped)
@@ -218,17 +221,7 @@ def cpu_heap_peak(events, keep: bool) -> int:
                 mapped -= size
                 if size <= GLIBC_MMAP_THRESHOLD_MAX:
                     threshold = max(threshold, size)
-                continue
-            if addr + size in start_of:            # merge with the next free chunk
-                nsize = start_of[addr + size]
-                take(addr + size, nsize)
-                size += nsize
-            if addr in end_of:                      # and with the previous one
-                prev = end_of[addr]
-                take(prev, addr - prev)
-                size += addr - prev
-                addr = prev
-            if addr + size == top:                  # the top of the heap: it shrinks (trimmed or kept free)
+            elif addr + size == top:                # the top of the heap: it shrinks (kept free)
                 top = addr
             else:
                 put(addr, size)

@@ -7,6 +7,10 @@
     python train/bench.py memory --calibrate         # measure the calibration configurations, fit the
                                                      # unseen-memory envelope, write memory_calibration.json
     python train/bench.py memory --calibrate --only "llm 76M"   # re-measure those, refit with the others' points
+    python train/bench.py memory --calibrate --refit  # plan the calibration configurations again and refit
+                                                     # on the measurements memory_calibration.json holds
+                                                     # (after a change to the planner: the measured
+                                                     # peaks do not depend on it)
     python train/bench.py memory --planner-time      # + how long the planner takes on the large presets
 
 Measured (`train.plan.measure`, each configuration in a fresh process on the CPU): the growth of
@@ -57,6 +61,7 @@ LLM = llm(4096, 256, 4, 4, 2, 16)             # 4.0M parameters
 LLM30 = llm(8192, 512, 8, 8, 4, 8)            # 27.8M
 LLM80 = llm(16384, 768, 10, 12, 4, 4)         # 75.5M
 DEEP_THIN = llm(16384, 512, 24, 8, 4, 4)      # 79.2M: 24 blocks of width 512
+LLM47 = llm(16384, 640, 8, 10, 5, 4)          # 46.9M
 LLM100 = llm(32000, 768, 12, 12, 4, 2)        # 100M (tied embedding): GPT-2-small-sized, above the calibrated heaps
 TINY = llm(4096, 128, 2, 4, 2, 16)            # 0.9M, full loss: the shape an earlier 15% test measured (421-625 MiB from process to process)
 SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.4M: tests/test_plan.py's settings-that-fit test (full loss)
@@ -71,12 +76,12 @@ CONFIGS = {
     "llm 76M bf16 adamw ckpt": (LLM80, ["train.precision=bf16", "train.activation_checkpointing=true"]),
     "llm 79M deep-thin bf16 adamw": (DEEP_THIN, ["train.precision=bf16"]),
     "llm 100M fp32 adamw ckpt": (LLM100, ["train.activation_checkpointing=true"]),
+    "llm 47M bf16 adamw selective": (LLM47, ["train.precision=bf16", "train.activation_checkpointing=selective"]),
     "convnet fp32 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", []),
     "convnet fp32 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64"]),
     "convnet bf16 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64", "train.precision=bf16"]),
     "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
-    # outside the envelope (small LLMs whose unseen memory is far above their heap's share; see docs/memory.md)
     "llm 0.9M fp32 adamw full-loss": (TINY, ["train.chunked_loss=false"]),
     "llm 4M fp32 adamw chunked ckpt": (LLM, ["train.activation_checkpointing=true"]),
     "llm 4M bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "train.chunked_loss=false",
@@ -87,7 +92,7 @@ CALIBRATE = ["llm 0.4M fp32 adamw full-loss", "llm 4M fp32 adamw chunked", "llm 
              "llm 76M bf16 adamw ckpt", "llm 79M deep-thin bf16 adamw",
              "convnet fp32 adamw (resnet-digits)", "convnet fp32 adamw (width 64)", "diffusion fp32 adamw"]
 # measured and reported apart: configurations the envelope is known not to cover
-OUTSIDE = ["llm 0.9M fp32 adamw full-loss", "llm 4M fp32 adamw chunked ckpt", "llm 4M bf16 adamw full-loss ckpt"]
+OUTSIDE: list[str] = []
 LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 
 
@@ -225,6 +230,8 @@ def main(argv=None):
                                                             "the unseen-memory envelope (memory_calibration.json)")
     p.add_argument("--repeat", type=int, default=2, help="--calibrate: measurements per configuration "
                                                            "(the largest kept)")
+    p.add_argument("--refit", action="store_true", help="--calibrate: keep the measurements of "
+                                                        "memory_calibration.json, plan again and refit")
     p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
     args = p.parse_args(argv)
     from train.config import load_run_config
@@ -234,14 +241,18 @@ def main(argv=None):
         planner._calibration.clear()
         planner._calibration["none"] = {}  # fit on the modelled heap alone
         names = [n for n in CALIBRATE if n.startswith(args.only)]
-        rows = measure_rows(names, args.threads, repeat=args.repeat)
-        points = {}  # --only: the others' points as the last calibration measured them
-        if args.only and CALIBRATION.exists():
+        points = {}  # --only, --refit: the points as the last calibration measured them
+        if (args.only or args.refit) and CALIBRATION.exists():
             points = {pt["name"]: dict(pt, family=fam) for fam, c in json.loads(CALIBRATION.read_text())[
                 "families"].items() for pt in c["points"]}
-        for r in rows:
-            points[r["name"]] = {"name": r["name"], "family": r["family"], "held": r["held"], "measured": r["measured"],
-                                 "runs": r["runs"], "date": machine()["date"]}
+        if args.refit:
+            rows = measure_rows(names, args.threads, measured={n: points[n]["measured"] for n in names})
+            for r in rows:
+                points[r["name"]]["held"] = r["held"]
+        else:
+            for r in measure_rows(names, args.threads, repeat=args.repeat):
+                points[r["name"]] = {"name": r["name"], "family": r["family"], "held": r["held"],
+                                     "measured": r["measured"], "runs": r["runs"], "date": machine()["date"]}
         families = {}
         for fam in sorted({pt["family"] for pt in points.values()}):
             pts = [pt for n, pt in points.items() if pt["family"] == fam and n in CALIBRATE]
@@ -251,7 +262,8 @@ def main(argv=None):
             print(f"{fam}: unseen = " + (f"min({c['s']:.2f} x heap, " if c["s"] is not None else "(")
                   + f"{c['a'] / MiB:.1f} MiB + {c['b']:.3f} x heap)"
                   f"(largest predicted / measured on its points {families[fam]['worst_ratio']:.3f})")
-        CALIBRATION.write_text(json.dumps({"command": "python train/bench.py memory --calibrate", **machine(),
+        command = "python train/bench.py memory --calibrate" + (" --refit" if args.refit else "")
+        CALIBRATION.write_text(json.dumps({"command": command, **machine(),
                                            "families": families}, indent=1) + "\n")
         print(f"wrote {CALIBRATION}")
         return 0
@@ -260,10 +272,11 @@ def main(argv=None):
         p.error(f"no configuration starts with {args.only!r} (names: {', '.join(CONFIGS)})")
     cal = json.loads(CALIBRATION.read_text())
     known = {pt["name"]: pt["measured"] for c in cal["families"].values() for pt in c["points"]}
+    when = {pt["name"]: pt.get("date", cal["date"]) for c in cal["families"].values() for pt in c["points"]}
     now = machine()["date"]
     rows = measure_rows(names, args.threads, measured=known)  # the calibration rows: as --calibrate measured them
     for r in rows:
-        r["measured_date"] = cal["date"] if r["calibration"] else now
+        r["measured_date"] = when[r["name"]] if r["calibration"] else now
     old = {r["name"]: r for r in json.loads(RESULTS.read_text())["rows"]} if RESULTS.exists() else {}
     rest = [n for n in CONFIGS if n not in names and n in old]
     if rest:  # --only: the other rows planned again, their measurements as memory.json recorded them
@@ -272,7 +285,7 @@ def main(argv=None):
                               measured={n: known.get(n, old[n]["measured"]) for n in rest}):
             was = old[r["name"]]
             r.update({k: was.get(k) for k in ("start_rss", "phases", "runs")},
-                     measured_date=cal["date"] if r["calibration"] else
+                     measured_date=when[r["name"]] if r["calibration"] else
                      was.get("measured_date", json.loads(RESULTS.read_text())["machine"]["date"]))
             rows.append(r)
         rows.sort(key=lambda r: list(CONFIGS).index(r["name"]))
