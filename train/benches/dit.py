@@ -3,7 +3,8 @@
     python train/bench.py dit                                   # DiT-S/2 on 16 x 16 x 4 latents, batch 8
     python train/bench.py dit --preset B --size 32 --batch 16 --modes eager,compiled --precision fp32,bf16
 
-One training step = forward + MSE against a fixed target + backward + AdamW step (torch's, foreach) +
+One training step = forward + MSE against a fixed target + backward + AdamW step (torch's, fused where the
+device has it, as the loop's `optim.name: adamw` runs it; `--adamw foreach` for the multi-tensor one) +
 zero_grad(set_to_none), on the same batch of latents, timesteps and labels, in each precision (fp32,
 or bf16 / fp16 autocast with fp32 master weights, as the loop runs it), each side eager and compiled
 (torch.compile of the whole model, default mode), each at its best: the table compares eager with
@@ -59,9 +60,9 @@ def build_pair(preset: str, patch: int, size: int, classes: int, tied: bool, see
 
 
 class Side:
-    def __init__(self, name, model, call):
+    def __init__(self, name, model, call, adamw: str = "fused"):
         self.name, self.model, self.call = name, model, call
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{adamw: True})
         self.fn = model
 
     def compile(self, on: bool):
@@ -88,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--untied", action="store_true", help="a different timestep + class embedder in every block")
     ap.add_argument("--modes", type=harness.name_list(MODES, "mode"), default="eager,compiled",
                     help="comma list of eager, compiled")
+    ap.add_argument("--adamw", choices=["fused", "foreach"], default="fused",
+                    help="torch AdamW implementation for both sides (default fused, as the loop uses on CPU)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting (compilation included)")
     ap.add_argument("--steps", type=harness.positive_int, default=2, help="timed steps per round")
     ap.add_argument("--json", default="runs/bench/dit.json", help="where the numbers are written")
@@ -95,8 +98,8 @@ def main(argv=None):
     kept = harness.setup(args)
 
     zoo_model, ref_model = build_pair(args.preset, args.patch, args.size, args.classes, not args.untied)
-    sides = [Side("zoo", zoo_model, lambda f, x, t, y: f(x, t, y)),
-             Side("diffusers", ref_model, lambda f, x, t, y: f(x, t, y).sample)]
+    sides = [Side("zoo", zoo_model, lambda f, x, t, y: f(x, t, y), args.adamw),
+             Side("diffusers", ref_model, lambda f, x, t, y: f(x, t, y).sample, args.adamw)]
     g = torch.Generator().manual_seed(0)
     B, S = args.batch, args.size
     batch = (torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g),
@@ -105,7 +108,7 @@ def main(argv=None):
     print(f"dit: DiT-{args.preset}/{args.patch}, {zoo_model.num_params() / 1e6:.1f}M params (Zoo; "
           f"{sum(p.numel() for p in ref_model.parameters()) / 1e6:.1f}M diffusers), batch {B} x 4 x {S} x {S} "
           f"({tokens} tokens), embedders {'per block' if args.untied else 'shared (tied)'}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, freed memory {'kept' if kept else 'returned to the OS'}; "
+          f"{torch.get_num_threads()} threads, {args.adamw} AdamW, freed memory {'kept' if kept else 'returned to the OS'}; "
           f"{args.rounds} alternating rounds of {args.steps} steps", flush=True)
 
     results = {}  # (precision, mode) -> harness.Rounds
