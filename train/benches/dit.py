@@ -19,7 +19,8 @@ Timing (train/benches/harness.py): after warm-up steps, the sides alternate, `--
 `--profile STEPS` also runs each side's steps under torch.profiler and splits its time by kind of work
 (matmul, attention, compiled kernels, optimizer, other).
 The numbers are written as JSON to `--json` beside the printed table; `--docs` also writes them to
-train/benches/dit.json and renders docs/diffusion.md's table from it (`--render`: only that).
+train/benches/dit.json (dit-profile.json with `--profile`) and renders docs/diffusion.md's table from
+it (`--render`: only that).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from train.benches import harness  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "diffusion.md"
 DOCS_JSON = Path(__file__).with_suffix(".json")  # the measurement docs/diffusion.md quotes
+PROFILE_JSON = DOCS_JSON.with_name("dit-profile.json")  # and its --profile split
 
 MODES = ("eager", "compiled")
 
@@ -133,9 +135,19 @@ def table(data: dict) -> str:
     return text
 
 
+def profile_table(data: dict) -> str:
+    """`--profile`'s split of each side's step (ms per step by kind of work), one row per setting and side."""
+    rows = [[setting, side] + [f"{v:.0f}" for v in kinds.values()]
+            for setting, sides in data["profile"].items() for side, kinds in sides.items()]
+    kinds = next(iter(next(iter(data["profile"].values())).values()))
+    return harness.table_text(["setting", "side", *(f"{k} ms" for k in kinds)], rows)
+
+
 def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
-    """docs/diffusion.md's `bench:dit` table made from the JSON."""
-    return ["dit"] if harness.update_docs_table(page, "dit", table(data), write) else []
+    """docs/diffusion.md's `bench:dit` table made from the JSON, or its `bench:dit-profile` table
+    when the JSON holds a `--profile` split."""
+    name, text = ("dit-profile", profile_table(data)) if "profile" in data else ("dit", table(data))
+    return [name] if harness.update_docs_table(page, name, text, write) else []
 
 
 def main(argv=None):
@@ -155,13 +167,16 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS steps of each side per setting (after the rounds): ms per step by kind of work")
     ap.add_argument("--json", default="runs/bench/dit.json", help="where the numbers are written")
-    ap.add_argument("--docs", action="store_true", help=f"also write {DOCS_JSON.relative_to(ROOT)} and docs/diffusion.md's table")
-    ap.add_argument("--render", action="store_true", help=f"only re-render docs/diffusion.md's table from {DOCS_JSON.name}")
+    ap.add_argument("--docs", action="store_true", help=f"also write {DOCS_JSON.relative_to(ROOT)} ({PROFILE_JSON.name} "
+                    "with --profile) and docs/diffusion.md's table from it")
+    ap.add_argument("--render", action="store_true", help=f"only re-render docs/diffusion.md's tables from {DOCS_JSON.name} "
+                    f"and {PROFILE_JSON.name}")
     args = ap.parse_args(argv)
     if args.render:
-        if not DOCS_JSON.is_file():
+        found = [f for f in (DOCS_JSON, PROFILE_JSON) if f.is_file()]
+        if not found:
             ap.error(f"{DOCS_JSON}: no measurement to render (run with --docs first)")
-        print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
+        print("rewrote: " + (", ".join(n for f in found for n in render(json.loads(f.read_text()))) or "nothing (up to date)"))
         return 0
     load0 = os.getloadavg()[0]
     kept = harness.setup(args)
@@ -205,11 +220,13 @@ def main(argv=None):
                      "diffusers_images_per_s": B / r.best("diffusers"), "best_rounds_ratio": r.ratio("zoo", "diffusers"),
                      "paired_median": paired.median, "paired_low": paired.low, "paired_high": paired.high,
                      "zoo_s": r.wall["zoo"], "diffusers_s": r.wall["diffusers"]})
-    data = {"bench": "dit", "args": {k: str(v) if isinstance(v, list) else v for k, v in vars(args).items()},
+    data = {"bench": "dit", "args": vars(args),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": [load0, os.getloadavg()[0]],
             "rows": rows, **({"profile": profiles} if profiles else {})}
     print("\n" + table(data), end="")
-    harness.write_results(data, Path(args.json), DOCS_JSON if args.docs else None, render)
+    if profiles:
+        print("\n" + profile_table(data), end="")
+    harness.write_results(data, Path(args.json), (PROFILE_JSON if profiles else DOCS_JSON) if args.docs else None, render)
     return 0
 
 
