@@ -81,7 +81,8 @@ def main(argv=None):
     p.add_argument("--family", choices=sorted(FAMILIES), default="convnet")
     p.add_argument("--precision", type=harness.precision_name, default="fp32", help="train.precision of every run")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
-    p.add_argument("--steps", type=harness.positive_int, default=100, help="the student's steps, both sides")
+    p.add_argument("--steps", type=harness.positive_int, default=None,
+                   help="the student's steps, both sides (default 40 for convnet, 100 for llm)")
     p.add_argument("--teacher", default=None, help="the teacher's run folder (default: trained once into --out/teacher)")
     p.add_argument("--teacher-steps", type=harness.positive_int, default=None,
                    help="the teacher's steps (default: 2 x --steps for convnet, 300 for llm)")
@@ -97,6 +98,7 @@ def main(argv=None):
         print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
         return 0
     config, teacher_over, student_over, metrics = FAMILIES[args.family]
+    args.steps = args.steps or (100 if args.family == "llm" else 40)
     out = Path(args.out or f"runs/bench-distill-{args.family}")
     extra = [f"train.eval_batches={args.eval_batches}"] if args.family == "llm" else []
     teacher = Path(args.teacher) if args.teacher else out / "teacher"
