@@ -2,7 +2,7 @@
 
     python train/bench.py convnet-ptq                       # resnet-digits, 3 seeds, runs/bench-convnet-ptq/
     python train/bench.py convnet-ptq --docs                # also docs/deploy/convnet_ptq.json, the table in docs/deploy.md
-    python train/bench.py convnet-ptq --seeds 0,1,2 --steps 200 --rounds 8 --threads 2   # the preset's full 200 steps
+    python train/bench.py convnet-ptq --seeds 0,1,2 --steps 100 --rounds 8 --threads 2
 
 Per seed: the digits preset (--config, configs/convnet/resnet-digits.yaml) trained by train/run.py
 for --steps steps with train.seed=seed (a finished run in --out is read back), then
@@ -50,7 +50,7 @@ def trained(args, seed: int) -> Path:
                "train.precision=fp32", "train.progress=false", "train.samples=false", "train.plot=false",
                "train.export=false"]
         print(" ".join(cmd[1:]), flush=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))  # one thread: runs side by side on a shared machine
         subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     return out
 
@@ -140,8 +140,7 @@ def main(argv=None):
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--speed-seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="the seeds whose models are timed (default: the first seed)")
-    p.add_argument("--steps", type=harness.positive_int, default=40,
-                   help="training steps of each seed's model (default 40: what three seeds take on 2 shared cores)")
+    p.add_argument("--steps", type=harness.positive_int, default=200, help="training steps of each seed's model (the preset's)")
     p.add_argument("--calib-batches", type=harness.positive_int, default=8)
     p.add_argument("--batch", type=harness.positive_int, default=64, help="images per timed call")
     p.add_argument("--out", default="runs/bench-convnet-ptq")

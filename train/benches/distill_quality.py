@@ -16,7 +16,7 @@ The teacher (--teacher, or trained once into --out/teacher): for `convnet` the d
 (configs/convnet/resnet-digits.yaml, a ResNet-10 of width 16) trained for --teacher-steps; the
 student is the same ResNet-10 at width 8 (--student). For `llm` the embedded default
 (configs/llm/tiny.yaml) at d_model 128, 2 layers (--teacher-overrides) trained for
---teacher-steps; the student is d_model 64, 1 layer (--student). Runs that finished in --out are
+--teacher-steps (batch 8); the student is d_model 64, 1 layer (--student). Runs that finished in --out are
 read back, not run again.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def run(args, out: Path, overrides: list[str]) -> dict:
         cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / FAMILIES[args.family][0]),
                f"train.out_dir={out}", f"train.precision={args.precision}", *QUIET, *overrides]
         print(" ".join(cmd[1:]), flush=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))  # one thread: runs side by side on a shared machine
         subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     return [r for r in read_rows(out) if "val_loss" in r][-1]
 
@@ -82,10 +82,10 @@ def main(argv=None):
     p.add_argument("--precision", type=harness.precision_name, default="fp32", help="train.precision of every run")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--steps", type=harness.positive_int, default=None,
-                   help="the student's steps, both sides (default 40 for convnet, 100 for llm)")
+                   help="the student's steps, both sides (default 100)")
     p.add_argument("--teacher", default=None, help="the teacher's run folder (default: trained once into --out/teacher)")
     p.add_argument("--teacher-steps", type=harness.positive_int, default=None,
-                   help="the teacher's steps (default: 2 x --steps for convnet, 300 for llm)")
+                   help="the teacher's steps (default: 200, the preset's for convnet)")
     p.add_argument("--student", default=None, help="the student's overrides (default: the family's, see above)")
     p.add_argument("--kd-alpha", type=float, default=0.5)
     p.add_argument("--kd-temperature", type=float, default=2.0)
@@ -98,12 +98,12 @@ def main(argv=None):
         print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
         return 0
     config, teacher_over, student_over, metrics = FAMILIES[args.family]
-    args.steps = args.steps or (100 if args.family == "llm" else 40)
+    args.steps = args.steps or 100
     out = Path(args.out or f"runs/bench-distill-{args.family}")
     extra = [f"train.eval_batches={args.eval_batches}"] if args.family == "llm" else []
     teacher = Path(args.teacher) if args.teacher else out / "teacher"
     if not args.teacher:
-        steps = args.teacher_steps or (300 if args.family == "llm" else 2 * args.steps)
+        steps = args.teacher_steps or 200
         run(args, teacher, [*teacher_over.split(), f"train.max_steps={steps}", *extra])
     student = (args.student if args.student is not None else student_over).split()
     seeds = []
