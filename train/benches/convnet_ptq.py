@@ -78,7 +78,7 @@ def one_seed(args, seed: int, speed: bool) -> dict:
     from zoo.quantization import compile_frozen
     folder = trained(args, seed)
     task = task_of(folder)
-    model = zoo.from_pretrained(folder, dtype=torch.float32).eval()
+    model = zoo.from_pretrained(folder).float().eval()
     calib = [task.normalize(task.train_batch(s, 0)[0]) for s in range(args.calib_batches)]
     t0 = time.perf_counter()
     int8 = zoo.quantize(model, "int8", calibration=calib)
@@ -135,7 +135,7 @@ def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
 
 
 def main(argv=None):
-    p = harness.parser("convnet-ptq", __doc__, precision=None)
+    p = harness.parser("convnet-ptq", __doc__, precision="fp32")
     p.add_argument("--config", default="resnet-digits.yaml", help="a file of configs/convnet/")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--speed-seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -152,6 +152,8 @@ def main(argv=None):
         return 0
     if len(args.seeds) < 2:
         p.error("--seeds: at least two seeds for an interval")
+    if args.precision != ["fp32"]:
+        p.error("--precision: fp32 only (the float model int8 is measured against, and its training)")
     harness.setup(args)
     timed = set(args.speed_seeds if args.speed_seeds is not None else args.seeds[:1])
     seeds = [one_seed(args, s, s in timed) for s in args.seeds]
