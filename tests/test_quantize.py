@@ -190,8 +190,8 @@ def test_docs_tables_are_rendered_from_the_benchmarks_json(tmp_path):
     renderer rewrites a table that disagrees (tables in docs/ are never typed in)."""
     import json
 
-    from train.benches import distill, harness, qat, quantized
-    for mod in (quantized, qat, distill):
+    from train.benches import convnet_ptq, distill, distill_quality, harness, qat, quantized
+    for mod in (quantized, qat, distill, convnet_ptq, distill_quality):
         if mod.DOCS_JSON.is_file():
             assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__
     page = tmp_path / "page.md"
