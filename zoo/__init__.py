@@ -3,7 +3,7 @@
     model = zoo.build("configs/llm/tiny.yaml", n_layers=2)
     model = zoo.from_pretrained("path/to/hf_checkpoint")
     zoo.save_pretrained(model, "out/")
-    model = zoo.quantize(model, "int4wo")     # int8wo, int4wo, 8da4w (torchao; zoo/quantization.py)
+    model = zoo.quantize(model, "int4wo")     # int8wo, int4wo, 8da4w; a ConvNet: "int8", calibration= (torchao)
 """
 from __future__ import annotations
 
