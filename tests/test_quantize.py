@@ -190,8 +190,8 @@ def test_docs_tables_are_rendered_from_the_benchmarks_json(tmp_path):
     renderer rewrites a table that disagrees (tables in docs/ are never typed in)."""
     import json
 
-    from train.benches import distill, harness, qat, quantized
-    for mod in (quantized, qat, distill):
+    from train.benches import convnet_ptq, distill, distill_quality, harness, qat, quantized
+    for mod in (quantized, qat, distill, convnet_ptq, distill_quality):
         if mod.DOCS_JSON.is_file():
             assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__
     page = tmp_path / "page.md"
@@ -200,3 +200,45 @@ def test_docs_tables_are_rendered_from_the_benchmarks_json(tmp_path):
     assert not harness.update_docs_table(page, "t", "| new |\n")
     with pytest.raises(ValueError, match="no <!-- bench:other -->"):
         harness.update_docs_table(page, "other", "")
+
+
+# ------------------------------------------------------------------ ConvNets: PT2E static int8
+def tiny_convnet(seed=0):
+    torch.manual_seed(seed)
+    return zoo.build({"family": "convnet", "model": dict(arch="resnet18", layers=[1, 1, 1, 1], width=4, stem="small",
+                                                         in_chans=1, num_classes=10)}).eval()
+
+
+def test_convnet_int8_quantizes_every_conv_and_stays_close_to_fp32():
+    """PT2E with the x86 inductor quantizer: every convolution and the classifier read int8 weights
+    (one scale per output channel) and int8 activations (one scale per tensor, from calibration);
+    the reference graph's logits stay within 2% of the fp32 logits' range (8-bit steps on inputs
+    and weights of 6 layers; an unquantized or uncalibrated graph would fail the node counts or
+    the closeness), on a batch size other than calibration's (the batch dim is dynamic)."""
+    model = tiny_convnet()
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randn(8, 1, 16, 16, generator=g) for _ in range(2)]
+    q = zoo.quantize(model, "int8", calibration=calib)
+    assert q.quantization["calibration_batches"] == 2 and not hasattr(model, "quantization")
+    convs = sum(isinstance(m, nn.Conv2d) for m in model.modules()) + 1  # + the classifier's linear
+    targets_ = [str(n.target) for n in q.graph.nodes if n.op == "call_function"]
+    assert sum("dequantize_per_channel" in t for t in targets_) == convs
+    assert sum("quantize_per_tensor" in t and "dequantize" not in t for t in targets_) >= convs
+    x = torch.randn(5, 1, 16, 16, generator=g)
+    with torch.no_grad():
+        ref, out = model(x), q(x)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max() <= 0.02 * (ref.max() - ref.min())
+    assert not torch.equal(out, ref)
+
+
+def test_convnet_quantization_errors_are_one_line():
+    model = tiny_convnet()
+    for call, words in [(lambda: zoo.quantize(model, "int4wo"), "a ConvNet takes 'int8'"),
+                        (lambda: zoo.quantize(model, "int8"), "calibration= (image batches) is required"),
+                        (lambda: zoo.quantize(model, "int8", calibration=[torch.zeros(1, 1, 16, 16)]), "B >= 2"),
+                        (lambda: zoo.quantize(tiny(), "int8", calibration=[torch.zeros(2, 1, 16, 16)]), "has no nn.Conv2d"),
+                        (lambda: zoo.quantize(model, "int2", calibration=[]), "unknown quantization scheme")]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -45,6 +45,8 @@ BENCHES: dict[str, str] = {
     "quantized": "train.benches.quantized",
     "qat": "train.benches.qat",
     "distill": "train.benches.distill",
+    "convnet-ptq": "train.benches.convnet_ptq",
+    "distill-quality": "train.benches.distill_quality",
     "data": "train.benches.data",
     "sft-quality": "train.benches.sft_quality",
 }

@@ -3,7 +3,7 @@
     model = zoo.build("configs/llm/tiny.yaml", n_layers=2)
     model = zoo.from_pretrained("path/to/hf_checkpoint")
     zoo.save_pretrained(model, "out/")
-    model = zoo.quantize(model, "int4wo")     # int8wo, int4wo, 8da4w (torchao; zoo/quantization.py)
+    model = zoo.quantize(model, "int4wo")     # int8wo, int4wo, 8da4w; a ConvNet: "int8", calibration= (torchao)
 """
 from __future__ import annotations
 
@@ -67,9 +67,15 @@ def save_pretrained(model, path, **kwargs):
     return _save(model, path, **kwargs)
 
 
-def quantize(model, scheme: str, group_size: int = 32, keep=("embed", "lm_head")):
-    """Quantize the model's linears in place for inference through torchao and return it: `int8wo`
-    (int8 weights), `int4wo` (int4 weights in groups of group_size), `8da4w` (int8 dynamic
-    activations, int4 weights); the modules named in `keep` stay in 16-bit (zoo/quantization.py)."""
-    from .quantization import quantize as _quantize
+def quantize(model, scheme: str, group_size: int = 32, keep=("embed", "lm_head"), calibration=None):
+    """Quantize a model for inference through torchao and return it. An LLM's linears, in place:
+    `int8wo` (int8 weights), `int4wo` (int4 weights in groups of group_size), `8da4w` (int8 dynamic
+    activations, int4 weights); the modules named in `keep` stay in 16-bit. A ConvNet: `int8`,
+    static int8 on a CPU (PT2E, calibrated on `calibration`, image batches), as a new module
+    (zoo/quantization.py)."""
+    from .quantization import CONVNET_SCHEMES, quantize as _quantize, quantize_convnet
+    if scheme in CONVNET_SCHEMES:
+        if calibration is None:
+            raise ValueError(f"scheme {scheme!r}: calibration= (image batches) is required")
+        return quantize_convnet(model, calibration, scheme)
     return _quantize(model, scheme, group_size, keep)

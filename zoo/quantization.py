@@ -17,6 +17,16 @@ layers most sensitive to quantization; a name matches the module of that qualifi
 children, or any module whose last name component it is). The model's floating dtype is the
 compute dtype; the embedding, norms and kept layers keep it.
 
+ConvNets (`quantize_convnet`, the scheme `int8`): int8 static post-training quantization on a CPU
+through PyTorch 2 Export (PT2E) with torchao's X86InductorQuantizer: the model is exported with
+torch.export (the batch dim dynamic), observers are inserted after each convolution's and linear's
+inputs and weights, calibration batches (training images) set the activations' scales (one per
+tensor), the weights get one scale per output channel, and `convert_pt2e` leaves a graph of
+quantize / dequantize ops around float convolutions: the reference numerics, slow in eager.
+torch.compile (inductor, with `freezing` on) fuses those patterns into oneDNN's int8 convolutions
+and linears; that compiled module is the fast one. The result is a new module; the model is left
+as it was.
+
 Quantization-aware training (`prepare_qat`, `convert_qat`): torchao's QAT swaps the same linears
 for FakeQuantizedLinear, whose forward rounds the weights (and for 8da4w the activations) to the
 scheme's grid and back with a straight-through gradient; `convert_qat` swaps them back and
@@ -32,14 +42,19 @@ from typing import Iterable
 import torch
 from torch import nn
 
-SCHEMES = ("int8wo", "int4wo", "8da4w")
+SCHEMES = ("int8wo", "int4wo", "8da4w")   # an LLM's linears (torchao tensor subclasses)
+CONVNET_SCHEMES = ("int8",)              # a ConvNet: PT2E static int8 on a CPU
 KEEP = ("embed", "lm_head")          # stay in 16-bit unless `keep` says otherwise
 INT4_CPU_GROUPS = (32, 64, 128)     # the group sizes the CPU int4 kernel packs
 
 
-def _check_scheme(scheme: str):
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+def _check_scheme(scheme: str, allowed: tuple = SCHEMES + CONVNET_SCHEMES):
+    if scheme not in allowed:
+        raise ValueError(f"unknown quantization scheme {scheme!r} (choose from {', '.join(allowed)})")
+
+
+def has_conv(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
 def kept(name: str, keep: Iterable[str]) -> bool:
@@ -73,7 +88,7 @@ def ptq_config(scheme: str, group_size: int, device: str):
     """The torchao config that quantizes a linear for `scheme` on a device of type `device`."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, Int8WeightOnlyConfig
     from torchao.quantization.granularity import PerGroup
-    _check_scheme(scheme)
+    _check_scheme(scheme, SCHEMES)
     if scheme == "int8wo":
         return Int8WeightOnlyConfig()
     if scheme == "8da4w":
@@ -99,6 +114,9 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable
     model records what was done in `model.quantization` (what zoo.save_pretrained writes)."""
     from torchao.quantization import quantize_
     _check_scheme(scheme)
+    if scheme in CONVNET_SCHEMES or has_conv(model):
+        raise ValueError(f"scheme {scheme!r} on a {type(model).__name__}: {', '.join(SCHEMES)} quantize an LLM's "
+                         f"linears; a ConvNet takes 'int8' (zoo.quantize(model, 'int8', calibration=batches))")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantized ({model.quantization['scheme']})")
     keep = tuple(keep)
@@ -124,7 +142,7 @@ def fake_quant_configs(scheme: str, group_size: int):
     """(activation, weight) torchao fake-quantize configs with the numerics of `scheme`'s kernels."""
     from torchao.quantization.qat import IntxFakeQuantizeConfig
     from torchao.quantization.quant_primitives import ZeroPointDomain
-    _check_scheme(scheme)
+    _check_scheme(scheme, SCHEMES)
     if scheme == "int8wo":
         return None, IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
     if scheme == "int4wo":  # tinygemm: asymmetric, the zero point in the float domain
@@ -163,3 +181,59 @@ def convert_qat(model: nn.Module) -> nn.Module:
     quantize_(model, QATConfig(step="convert"), filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear))
     del model.qat
     return quantize(model, qat["scheme"], qat["group_size"], qat["keep"])
+
+
+# ------------------------------------------------------------------ ConvNets: PT2E static int8
+def quantize_convnet(model: nn.Module, calibration, scheme: str = "int8") -> nn.Module:
+    """int8 static post-training quantization of a ConvNet on a CPU (PT2E, X86InductorQuantizer):
+    exported with a dynamic batch dim, calibrated on `calibration` (an iterable of normalized image
+    batches (B, C, H, W), B >= 2), converted. Returns a new module (the reference quantize /
+    dequantize graph; torch.compile it with inductor's `freezing` on for the int8 kernels, see
+    `compile_frozen`); `model` is unchanged. Its `quantization` records what was done."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+    if scheme not in CONVNET_SCHEMES:
+        raise ValueError(f"unknown ConvNet quantization scheme {scheme!r} (choose from {', '.join(CONVNET_SCHEMES)})")
+    if not has_conv(model):
+        raise ValueError(f"scheme {scheme!r} quantizes a ConvNet; the {type(model).__name__} has no nn.Conv2d "
+                         f"(an LLM takes {', '.join(SCHEMES)})")
+    device = next(model.parameters()).device.type
+    if device != "cpu":
+        raise ValueError(f"scheme {scheme!r} (PT2E with the x86 inductor quantizer) runs on a CPU, the model is on {device}")
+    batches = iter(calibration)
+    first = next(batches, None)
+    if first is None or first.dim() != 4 or first.shape[0] < 2:
+        raise ValueError("calibration: at least one image batch (B, C, H, W) with B >= 2, got "
+                         + ("nothing" if first is None else f"shape {tuple(first.shape)}"))
+    was = model.training
+    model.eval()
+    try:
+        batch = torch.export.Dim("batch", min=2)
+        graph = torch.export.export(model, (first,), dynamic_shapes=({0: batch},)).module()
+    finally:
+        model.train(was)
+    quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(graph, quantizer)
+    n = 0
+    with torch.no_grad():
+        for x in (first, *batches):
+            prepared(x)
+            n += 1
+    out = convert_pt2e(prepared)
+    out.quantization = {"scheme": scheme, "method": "pt2e-x86-inductor", "calibration_batches": n,
+                        "source": type(model).__name__}
+    return out
+
+
+def compile_frozen(module: nn.Module):
+    """torch.compile (inductor) with `freezing` on, the weights constant-folded and pre-packed: how
+    the x86 inductor path lowers a PT2E int8 graph to oneDNN's int8 kernels (also used for the fp32
+    model it is compared with). Returns a function of a batch; call it under torch.no_grad(), the
+    first call compiles."""
+    import torch._inductor.config as inductor_config
+    compiled = torch.compile(module)
+
+    def run(x):
+        with inductor_config.patch(freezing=True):
+            return compiled(x)
+    return run

@@ -58,11 +58,13 @@ def fine_tune(args, base: Path, seed: int, qat: bool) -> dict:
 
 def table(data: dict) -> str:
     rows = [[s["seed"], f"{s['float']:.4f}", f"{s['ptq']:.4f} ({s['ptq'] - s['float']:+.4f})",
+             f"{s['qat_fake_val_loss']:.4f} ({s['qat_fake_val_loss'] - s['float']:+.4f})",
              f"{s['qat']:.4f} ({s['qat'] - s['float']:+.4f})", f"{s['recovered']:.2f}"] for s in data["seeds"]]
     m, h = data["recovered"]
-    rows.append(["mean (95% interval)", "", "", "", f"{m:.2f} (±{h:.2f})"])
+    rows.append(["mean (95% interval)", "", "", "", "", f"{m:.2f} (±{h:.2f})"])
     return harness.table_text(["seed", "float fine-tune val loss", f"{data['scheme']} PTQ (increase)",
-                               f"{data['scheme']} QAT (increase)", "increase recovered by QAT"], rows)
+                               "QAT, fake-quantized (increase)", f"{data['scheme']} QAT, converted (increase)",
+                               "increase recovered by QAT"], rows)
 
 
 def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
