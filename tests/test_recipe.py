@@ -176,3 +176,13 @@ def test_recipe_draws_survive_a_sigkill_and_resume(tmp_path, one_thread):
     resumed, whole = run(killed), run(tmp_path / "whole")
     assert resumed[0] == whole[0] and [s for s, _ in resumed[0]] == list(range(1, 9))
     assert_bitwise_equal(resumed[1], whole[1])
+
+
+def test_convnet_docs_tables_are_rendered_from_the_benchmarks_json():
+    """docs/convnet.md's tables of the convnets and convnet-recipe benchmarks equal what the
+    benchmarks render from their committed JSON (tables in docs/ are never typed in)."""
+    import json
+
+    from train.benches import convnet_recipe, convnets
+    for mod in (convnets, convnet_recipe):
+        assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__

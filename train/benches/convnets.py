@@ -81,12 +81,12 @@ def main(argv=None):
             "threads": torch.get_num_threads(), "results": out}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for arch in args.archs:
-        zoo_model, timm_model = (m.to(device) for m in build_pair(arch, args.classes))
-        for fmt in args.formats:
-            mf = harness.FORMATS[fmt]
-            x = x0.contiguous(memory_format=mf)
-            for mode in args.modes:
+    for mode in args.modes:  # every eager setting first: the compiled ones take far longer (compilation)
+        for arch in args.archs:
+            zoo_model, timm_model = (m.to(device) for m in build_pair(arch, args.classes))
+            for fmt in args.formats:
+                mf = harness.FORMATS[fmt]
+                x = x0.contiguous(memory_format=mf)
                 for m in (zoo_model, timm_model):
                     m.to(memory_format=mf)
                 sides = [Side("zoo", zoo_model, device), Side("timm", timm_model, device)]
@@ -111,7 +111,7 @@ def main(argv=None):
                                 "cpu_time_range": [cpu.low, cpu.high], "rounds": args.rounds})
                     path.write_text(json.dumps(data, indent=1))
                 torch._dynamo.reset()
-        del zoo_model, timm_model
+            del zoo_model, timm_model
     print()
     print(table(data), end="")
     harness.write_results(data, path, DOCS_JSON if args.docs else None, render)
