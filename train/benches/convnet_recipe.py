@@ -7,11 +7,11 @@
 Two runs of train/run.py per seed, the same config, data, steps and batch: `baseline` as shipped
 (random shifts, label smoothing, EMA) and `recipe` with timm's augmentations on top
 (`--recipe`, default TrivialAugment, random erasing 0.25, Mixup 0.8 / CutMix 1.0). The table gives
-each side's final validation accuracy and loss per seed, and the mean of the per-seed differences
-(recipe - baseline) with its 95% t-interval (harness.mean_interval); an interval that straddles 0
-is inconclusive. The numbers go to `--out`/recipe.json beside the runs (a run already there is read,
-not redone); `--docs` also writes them to docs/convnet_recipe.json and renders docs/convnet.md's
-table from them (`render`).
+each side's final validation accuracy, loss and confidence (`confidence`) per seed, and the mean
+of the per-seed differences (recipe - baseline) with its 95% t-interval (harness.mean_interval);
+an interval that straddles 0 is inconclusive. The numbers go to `--out`/recipe.json beside the
+runs (a run already there is read, not redone); `--docs` also writes them to
+docs/convnet_recipe.json and renders docs/convnet.md's table from them (`render`).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from train.metrics import read_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_JSON, PAGE = ROOT / "docs" / "convnet_recipe.json", ROOT / "docs" / "convnet.md"
+METRICS = ("val_acc1", "val_loss", "val_confidence")
 RECIPE = "data.auto_augment=trivialaugment,data.random_erasing=0.25,data.mixup_alpha=0.8,data.cutmix_alpha=1.0"
 
 
@@ -35,9 +36,25 @@ def final_eval(out: Path) -> dict:
     return [r for r in read_rows(out) if "val_acc1" in r][-1]
 
 
+def confidence(out: Path) -> float:
+    """The mean over the validation images of the highest softmax probability of the run's final
+    weights (how sure the model is; a model as sure as it is right scores about its accuracy)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from train.config import load_run_config
+    from train.tasks.classify import ClassifyTask
+    task = ClassifyTask(load_run_config(str(out / "config.yaml")), torch.device("cpu"), log=lambda m: None)
+    task.setup()
+    model = task.build_model()
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    logits, _ = task.predict(model)
+    return logits.softmax(-1).max(-1).values.mean().item()
+
+
 def table(data: dict) -> str:
     runs, rows = data["runs"], []
-    for key in ("val_acc1", "val_loss"):
+    for key in METRICS:
         m, (lo, hi), verdict = (data["summary"][key][k] for k in ("mean_diff", "ci95", "verdict"))
         rows.append([key, " ".join(f"{a[key]:.4f}" for a in runs["baseline"]),
                      " ".join(f"{b[key]:.4f}" for b in runs["recipe"]), f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]", verdict])
@@ -75,10 +92,11 @@ def main(argv=None):
                 print(" ".join(cmd[1:]), flush=True)
                 subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
             r = final_eval(out)
-            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"]})
-            print(f"  {name} seed {seed}: val_acc1 {r['val_acc1']:.4f}, val_loss {r['val_loss']:.4f}", flush=True)
+            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
+                              "val_confidence": confidence(out)})
+            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {res[name][-1][k]:.4f}" for k in METRICS), flush=True)
     summary = {}
-    for key in ("val_acc1", "val_loss"):
+    for key in METRICS:
         m, half = harness.mean_interval(b[key] - a[key] for a, b in zip(res["baseline"], res["recipe"]))
         verdict = harness.verdict(m, half, lower_is="lower")
         summary[key] = {"mean_diff": m, "ci95": [m - half, m + half],
