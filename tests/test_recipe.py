@@ -1,16 +1,25 @@
 """The classification recipe (timm's): Mixup / CutMix targets against a hand computation, the
 soft-target loss, RandAugment / TrivialAugment / erasing / mixing drawn from (seed, step, micro) only
 (so a resumed run draws the same), the extra named when torchvision is missing, and the EMA of the
-weights treating BatchNorm statistics as timm's ModelEmaV3 does."""
+weights treating BatchNorm statistics as timm's ModelEmaV3 does; and a run with the recipe on, SIGKILLed and
+resumed, ends bitwise equal to an uninterrupted one."""
 import random
+import signal
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
 
 from conftest import optional_module
-from test_classify import config, make_task
+from test_classify import TINY, config, make_task
+from test_reliability import assert_bitwise_equal, finish, launch
+from train.checkpoint import list_checkpoints
+from train.config import load_run_config
 from train.images import auto_augment_op, mix_batch, smooth_one_hot
+from train.loop import train
+from train.metrics import read_rows
 from train.step import EMA
 from zoo.config import ConfigError
 
@@ -131,3 +140,49 @@ def test_ema_averages_batchnorm_statistics_as_timm():
     a, b = ours.model.state_dict(), ref.module.state_dict()
     assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-7) for k in b), [k for k in b if not torch.equal(a[k], b[k])]
     assert not torch.allclose(a["1.running_mean"], model[1].running_mean)  # averaged, not copied
+
+
+def test_recipe_draws_survive_a_sigkill_and_resume(tmp_path, one_thread):
+    """A run with the whole recipe on (TrivialAugment, random erasing, Mixup and CutMix) SIGKILLed
+    in a fresh process while it writes its step-8 checkpoint, then resumed from step 4 in this one
+    (whose generators hold other states): the final weights and every logged loss equal those of an
+    uninterrupted run, bit for bit, which they cannot if a redone step drew other augmentations."""
+    optional_module("torchvision")
+    over = {**RECIPE, "data.auto_augment": "trivialaugment", "train.max_steps": 8, "train.checkpoint_every": 4,
+            "train.keep_checkpoints": 3, "train.log_every": 1, "train.export": False}
+    cfg_file = tmp_path / "recipe.yaml"
+    cfg_file.write_text(yaml.safe_dump(TINY))
+    hook = tmp_path / "hook"  # the child kills itself just before its step-8 checkpoint is renamed into place
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\n_replace = os.replace\n"
+        "def _kill_at_step_8(a, b, *args, **kw):\n"
+        "    if os.path.basename(os.fspath(b)) == 'step_00000008':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _replace(a, b, *args, **kw)\n"
+        "os.replace = _kill_at_step_8\n")
+    killed = tmp_path / "killed"
+    p = launch(cfg_file, killed, *(f"{k}={v}" for k, v in over.items()), env={"PYTHONPATH": str(hook)})
+    assert finish(p) == -signal.SIGKILL, (killed / "stderr-0.txt").read_text()
+    assert [c.name for c in list_checkpoints(killed)] == ["step_00000004"]
+
+    def run(out):
+        torch.manual_seed(1234)
+        random.seed(99)
+        train(load_run_config(None, [f"train.out_dir={out}"] + [f"{k}={v}" for k, v in over.items()], base=TINY),
+              log=lambda m: None)
+        return [(r["step"], r["loss"]) for r in read_rows(out) if "loss" in r], load_file(out / "model.safetensors")
+
+    resumed, whole = run(killed), run(tmp_path / "whole")
+    assert resumed[0] == whole[0] and [s for s, _ in resumed[0]] == list(range(1, 9))
+    assert_bitwise_equal(resumed[1], whole[1])
+
+
+def test_convnet_docs_tables_are_rendered_from_the_benchmarks_json():
+    """docs/convnet.md's tables of the convnets and convnet-recipe benchmarks equal what the
+    benchmarks render from their committed JSON (tables in docs/ are never typed in)."""
+    import json
+
+    from train.benches import convnet_recipe, convnets
+    for mod in (convnets, convnet_recipe):
+        assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__

@@ -2,19 +2,20 @@
 
     python train/bench.py convnet-recipe                        # resnet-digits, 200 steps, seeds 0 1 2
     python train/bench.py convnet-recipe --config convnext-digits.yaml --seeds 0,1,2,3,4
+    python train/bench.py convnet-recipe --docs   # also docs/convnet_recipe.json and docs/convnet.md's table
 
 Two runs of train/run.py per seed, the same config, data, steps and batch: `baseline` as shipped
 (random shifts, label smoothing, EMA) and `recipe` with timm's augmentations on top
 (`--recipe`, default TrivialAugment, random erasing 0.25, Mixup 0.8 / CutMix 1.0). The table gives
-each side's final validation accuracy and loss per seed, and the mean of the per-seed differences
-(recipe - baseline) with its 95% t-interval; an interval that straddles 0 is inconclusive. The
-numbers go to `--out`/recipe.json beside the runs.
+each side's final validation accuracy, loss and confidence (`confidence`) per seed, and the mean
+of the per-seed differences (recipe - baseline) with its 95% t-interval (harness.mean_interval);
+an interval that straddles 0 is inconclusive. The numbers go to `--out`/recipe.json beside the
+runs (a run already there is read, not redone); `--docs` also writes them to
+docs/convnet_recipe.json and renders docs/convnet.md's table from them (`render`).
 """
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ from train.benches import harness  # noqa: E402
 from train.metrics import read_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+DOCS_JSON, PAGE = ROOT / "docs" / "convnet_recipe.json", ROOT / "docs" / "convnet.md"
+METRICS = ("val_acc1", "val_loss", "val_confidence")
 RECIPE = "data.auto_augment=trivialaugment,data.random_erasing=0.25,data.mixup_alpha=0.8,data.cutmix_alpha=1.0"
 
 
@@ -33,12 +36,34 @@ def final_eval(out: Path) -> dict:
     return [r for r in read_rows(out) if "val_acc1" in r][-1]
 
 
-def interval(diffs: list) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of the paired differences and its 95% Student-t interval."""
-    from scipy.stats import t
-    m = statistics.mean(diffs)
-    half = t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
-    return m, m - half, m + half
+def confidence(out: Path) -> float:
+    """The mean over the validation images of the highest softmax probability of the run's final
+    weights (how sure the model is; a model as sure as it is right scores about its accuracy)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from train.config import load_run_config
+    from train.tasks.classify import ClassifyTask
+    task = ClassifyTask(load_run_config(str(out / "config.yaml")), torch.device("cpu"), log=lambda m: None)
+    task.setup()
+    model = task.build_model()
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    logits, _ = task.predict(model)
+    return logits.softmax(-1).max(-1).values.mean().item()
+
+
+def table(data: dict) -> str:
+    runs, rows = data["runs"], []
+    for key in METRICS:
+        m, (lo, hi), verdict = (data["summary"][key][k] for k in ("mean_diff", "ci95", "verdict"))
+        rows.append([key, " ".join(f"{a[key]:.4f}" for a in runs["baseline"]),
+                     " ".join(f"{b[key]:.4f}" for b in runs["recipe"]), f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]", verdict])
+    return harness.table_text(["metric", "baseline (per seed)", "recipe (per seed)",
+                               "recipe - baseline, mean [95% interval]", "verdict"], rows)
+
+
+def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
+    return ["convnet-recipe"] if harness.update_docs_table(page, "convnet-recipe", table(data), write) else []
 
 
 def main(argv=None):
@@ -48,9 +73,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=harness.positive_int, default=200)
     ap.add_argument("--recipe", default=RECIPE, help="comma list of the overrides the recipe adds")
     ap.add_argument("--out", default="runs/bench/convnet-recipe")
+    ap.add_argument("--docs", action="store_true", help="also write docs/convnet_recipe.json and docs/convnet.md's table")
     args = ap.parse_args(argv)
-    if len(args.seeds) < 2:
-        ap.error("--seeds: at least two seeds for an interval")
+    if len(args.seeds) < 3:  # quality comparisons: at least three seeds (DESIGN.md)
+        ap.error("--seeds: at least three seeds")
     if len(args.precision) != 1:
         ap.error("--precision: one precision (train.precision of every run)")
     sides = {"baseline": [], "recipe": args.recipe.split(",")}
@@ -66,24 +92,20 @@ def main(argv=None):
                 print(" ".join(cmd[1:]), flush=True)
                 subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
             r = final_eval(out)
-            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"]})
-            print(f"  {name} seed {seed}: val_acc1 {r['val_acc1']:.4f}, val_loss {r['val_loss']:.4f}", flush=True)
-    rows, summary = [], {}
-    for key in ("val_acc1", "val_loss"):
-        diffs = [b[key] - a[key] for a, b in zip(res["baseline"], res["recipe"])]
-        m, lo, hi = interval(diffs)
-        verdict = "inconclusive" if lo <= 0 <= hi else ("recipe higher" if lo > 0 else "recipe lower")
-        summary[key] = {"mean_diff": m, "ci95": [lo, hi], "verdict": verdict}
-        rows.append([key, " ".join(f"{a[key]:.4f}" for a in res["baseline"]),
-                     " ".join(f"{b[key]:.4f}" for b in res["recipe"]), f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]", verdict])
+            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
+                              "val_confidence": confidence(out)})
+            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {res[name][-1][k]:.4f}" for k in METRICS), flush=True)
+    summary = {}
+    for key in METRICS:
+        m, half = harness.mean_interval(b[key] - a[key] for a, b in zip(res["baseline"], res["recipe"]))
+        verdict = harness.verdict(m, half, lower_is="lower")
+        summary[key] = {"mean_diff": m, "ci95": [m - half, m + half],
+                        "verdict": verdict if verdict == "inconclusive" else f"recipe {verdict}"}
+    data = {"config": args.config, "steps": args.steps, "precision": args.precision[0], "recipe": sides["recipe"],
+            "runs": res, "summary": summary}
     print()
-    harness.print_table(["metric", "baseline (per seed)", "recipe (per seed)",
-                         "recipe - baseline, mean [95% interval]", "verdict"], rows)
-    path = Path(args.out) / "recipe.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"config": args.config, "steps": args.steps, "recipe": sides["recipe"], "runs": res,
-                                "summary": summary}, indent=1))
-    print(f"\nwrote {path}")
+    print(table(data), end="")
+    harness.write_results(data, Path(args.out) / "recipe.json", DOCS_JSON if args.docs else None, render)
     return 0
 
 

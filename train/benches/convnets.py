@@ -4,13 +4,16 @@ against timm's, same weights, batch and precision, eager and compiled, contiguou
     python train/bench.py convnets                                  # the four models, 64 x 3 x 224 x 224 on CUDA
     python train/bench.py convnets --batch 8 --size 64 --modes eager --rounds 8    # a CPU-sized run
     python train/bench.py convnets --archs convnext_tiny --json out.json
+    python train/bench.py convnets --device cpu --batch 8 --size 64 --docs   # also docs/convnets_bench.json and docs/convnet.md's table
 
 A training step is the resnet bench's (train/benches/resnet.py: forward, cross-entropy, backward,
 SGD-momentum step, zero_grad), the models built by its build_pair (timm's random init, loaded into
 Zoo). For each model, mode (eager, or torch.compile of each side's model) and memory format, the
 two sides alternate `--rounds` rounds of `--steps` steps (train/benches/harness.py); the table
 gives images/s of each side's best round and the median of the paired ratios (Zoo / timm speed,
-> 1: Zoo faster) with their range. The numbers are written as JSON beside the table (`--json`).
+> 1: Zoo faster) with their range. The numbers are written as JSON beside the table (`--json`),
+after every setting, so an interrupted run keeps what it measured; `--docs` also writes them to
+docs/convnets_bench.json and renders docs/convnet.md's table from them (`render`).
 """
 from __future__ import annotations
 
@@ -26,8 +29,24 @@ if __package__ in (None, ""):
 from train.benches import harness  # noqa: E402
 from train.benches.resnet import Side, build_pair  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
+DOCS_JSON, PAGE = ROOT / "docs" / "convnets_bench.json", ROOT / "docs" / "convnet.md"
+HEADER = ["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
+          "zoo speed / timm, paired median (range)", "the same on CPU time"]
 ARCHS = ["convnext_tiny", "convnextv2_tiny", "efficientnet_b0", "mobilenetv3_large_100"]
 MODES = ("eager", "compiled")
+
+
+def table(data: dict) -> str:
+    return harness.table_text(HEADER, [
+        [r["arch"], r["mode"], r["format"], r["precision"], f"{r['zoo_img_s']:.1f}", f"{r['timm_img_s']:.1f}",
+         f"{r['zoo_speed_over_timm_paired_median']:.2f}x ({r['range'][0]:.2f}-{r['range'][1]:.2f}x)",
+         f"{r['cpu_time_paired_median']:.2f}x ({r['cpu_time_range'][0]:.2f}-{r['cpu_time_range'][1]:.2f}x)"]
+        for r in data["results"]])
+
+
+def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
+    return ["convnets"] if harness.update_docs_table(page, "convnets", table(data), write) else []
 
 
 def main(argv=None):
@@ -43,6 +62,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side and setting (compilation included)")
     ap.add_argument("--steps", type=harness.positive_int, default=5, help="timed steps per round")
     ap.add_argument("--json", default="runs/bench/convnets.json", help="where the numbers are written")
+    ap.add_argument("--docs", action="store_true", help="also write docs/convnets_bench.json and docs/convnet.md's table")
     args = ap.parse_args(argv)
     kept = harness.setup(args)
     device = torch.device(args.device)
@@ -56,13 +76,17 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device)
     y = torch.randint(0, args.classes, (args.batch,), generator=g).to(device)
-    rows, out = [], []
-    for arch in args.archs:
-        zoo_model, timm_model = (m.to(device) for m in build_pair(arch, args.classes))
-        for fmt in args.formats:
-            mf = harness.FORMATS[fmt]
-            x = x0.contiguous(memory_format=mf)
-            for mode in args.modes:
+    out = []
+    data = {"device": str(device), "batch": args.batch, "size": args.size, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "results": out}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for mode in args.modes:  # every eager setting first: the compiled ones take far longer (compilation)
+        for arch in args.archs:
+            zoo_model, timm_model = (m.to(device) for m in build_pair(arch, args.classes))
+            for fmt in args.formats:
+                mf = harness.FORMATS[fmt]
+                x = x0.contiguous(memory_format=mf)
                 for m in (zoo_model, timm_model):
                     m.to(memory_format=mf)
                 sides = [Side("zoo", zoo_model, device), Side("timm", timm_model, device)]
@@ -78,22 +102,19 @@ def main(argv=None):
                                            calls=args.steps, sync=sync)
                     zoo_ips, timm_ips = args.batch / r.best("zoo"), args.batch / r.best("timm")
                     paired = r.paired("zoo", "timm")  # how many times faster Zoo is, round by round
+                    cpu = r.paired("zoo", "timm", clock="cpu")  # the same on each side's CPU time (waits for a core left out)
                     print(f"  {arch} {mode} {fmt} {p}: zoo {zoo_ips:.1f} img/s, timm {timm_ips:.1f} img/s, "
-                          f"zoo speed / timm {paired}", flush=True)
-                    rows.append([arch, mode, fmt, p, f"{zoo_ips:.1f}", f"{timm_ips:.1f}", str(paired)])
+                          f"zoo speed / timm {paired}, on CPU time {cpu}", flush=True)
                     out.append({"arch": arch, "mode": mode, "format": fmt, "precision": p, "zoo_img_s": zoo_ips,
                                 "timm_img_s": timm_ips, "zoo_speed_over_timm_paired_median": paired.median,
-                                "range": [paired.low, paired.high], "rounds": args.rounds})
+                                "range": [paired.low, paired.high], "cpu_time_paired_median": cpu.median,
+                                "cpu_time_range": [cpu.low, cpu.high], "rounds": args.rounds})
+                    path.write_text(json.dumps(data, indent=1))
                 torch._dynamo.reset()
-        del zoo_model, timm_model
+            del zoo_model, timm_model
     print()
-    harness.print_table(["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
-                         "zoo speed / timm, paired median (range)"], rows)
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": str(device), "batch": args.batch, "size": args.size,
-                                "torch": torch.__version__, "results": out}, indent=1))
-    print(f"\nwrote {path}")
+    print(table(data), end="")
+    harness.write_results(data, path, DOCS_JSON if args.docs else None, render)
     return 0
 
 
