@@ -23,7 +23,6 @@ compiled logits are checked against the reference graph's on that batch (argmax 
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -160,8 +159,7 @@ def main(argv=None):
     p.add_argument("--render", action="store_true", help="only re-render the docs table from the JSON")
     args = p.parse_args(argv)
     if args.render:
-        print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
-        return 0
+        return harness.render_docs(DOCS_JSON, render)
     if len(args.seeds) < 2:
         p.error("--seeds: at least two seeds for an interval")
     if args.precision != ["fp32"]:

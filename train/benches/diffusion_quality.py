@@ -34,7 +34,6 @@ read back, not run again (delete the folder to redo them).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -262,8 +261,7 @@ def main(argv=None):
     ap.add_argument("--render", action="store_true", help="only re-render the docs tables from the docs JSON")
     args = ap.parse_args(argv)
     if args.render:
-        print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
-        return 0
+        return harness.render_docs(DOCS_JSON, render)
     if len(args.seeds) < 2:
         ap.error("--seeds: at least two seeds for an interval")
     harness.setup(args)

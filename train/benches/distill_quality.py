@@ -95,8 +95,7 @@ def main(argv=None):
     p.add_argument("--render", action="store_true", help="only re-render the docs tables from the JSON")
     args = p.parse_args(argv)
     if args.render:
-        print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
-        return 0
+        return harness.render_docs(DOCS_JSON, render)
     config, teacher_over, student_over, metrics = FAMILIES[args.family]
     args.steps = args.steps or 100
     out = Path(args.out or f"runs/bench-distill-{args.family}")

@@ -18,7 +18,6 @@ Runs that finished in --out are read back, not run again.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -88,8 +87,7 @@ def main(argv=None):
     p.add_argument("--render", action="store_true", help="only re-render the docs table from the JSON")
     args = p.parse_args(argv)
     if args.render:
-        print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
-        return 0
+        return harness.render_docs(DOCS_JSON, render)
     base = trained_folder(args.trained, overrides=args.train_overrides.split())
     seeds = []
     for seed in (int(s) for s in args.seeds.split(",")):

@@ -200,8 +200,7 @@ def main(argv=None):
     p.add_argument("--render", action="store_true", help="only re-render the docs tables from the JSON")
     args = p.parse_args(argv)
     if args.render:
-        print("rewrote: " + (", ".join(render(json.loads(DOCS_JSON.read_text()))) or "nothing (up to date)"))
-        return 0
+        return harness.render_docs(DOCS_JSON, render)
     harness.setup(args)
     from train.benches.report import hardware
     data = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
