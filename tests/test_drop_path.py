@@ -40,11 +40,15 @@ def run(form, branch, x, seed):
 
 
 def test_skip_equals_the_masked_form_for_a_fixed_mask():
+    """In float64: the two forms sum the weights' gradients over 16 rows or over the kept ones only,
+    so in float32 they differ by rounding (up to ~1e-6 of the gradients' scale, depending on the
+    kernels' summation order and thread count); in float64 that rounding is ~1e-15."""
     branch, x = branch_and_input()
+    branch, x = branch.double(), x.double()
     for seed in range(5):
         (a, ga), (b, gb) = run("mask", branch, x, seed), run("skip", branch, x, seed)
-        assert (a - b).abs().max() <= 1e-6 and not torch.equal(a, 2 * x + branch(x).detach())  # rows were dropped
-        assert all((u - v).abs().max() <= 1e-6 * max(1.0, u.abs().max().item()) for u, v in zip(ga, gb))
+        assert (a - b).abs().max() <= 1e-12 and not torch.equal(a, 2 * x + branch(x).detach())  # rows were dropped
+        assert all((u - v).abs().max() <= 1e-12 * max(1.0, u.abs().max().item()) for u, v in zip(ga, gb))
     g = torch.Generator().manual_seed(0)
     assert residual_drop_path(2 * x, branch, x, P, True, generator=g).is_contiguous(memory_format=torch.channels_last)
 
