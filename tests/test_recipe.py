@@ -186,3 +186,18 @@ def test_convnet_docs_tables_are_rendered_from_the_benchmarks_json():
     from train.benches import convnet_recipe, convnets
     for mod in (convnets, convnet_recipe):
         assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__
+
+
+def test_convnets_bench_run_of_some_settings_updates_only_their_docs_rows():
+    from train.benches.convnets import merged
+
+    def row(arch, mode, ratio):
+        return {"arch": arch, "mode": mode, "format": "contiguous", "precision": "fp32",
+                "zoo_speed_over_timm_paired_median": ratio}
+    setting = {"device": "cpu", "batch": 8, "size": 64, "threads": 1, "torch": "2.14.1"}
+    old = {**setting, "results": [row("a", "eager", 1.0), row("b", "eager", 1.1), row("b", "compiled", 0.9)]}
+    new = {**setting, "results": [row("b", "compiled", 1.2), row("c", "compiled", 1.3)]}
+    got = [(r["arch"], r["mode"], r["zoo_speed_over_timm_paired_median"]) for r in merged(old, new)["results"]]
+    assert got == [("a", "eager", 1.0), ("b", "eager", 1.1), ("b", "compiled", 1.2), ("c", "compiled", 1.3)]
+    other = {**new, "size": 224}  # another shape: its rows replace the table
+    assert merged(old, other) == other

@@ -13,12 +13,15 @@ two sides alternate `--rounds` rounds of `--steps` steps (train/benches/harness.
 gives images/s of each side's best round and the median of the paired ratios (Zoo / timm speed,
 > 1: Zoo faster) with their range. The numbers are written as JSON beside the table (`--json`),
 after every setting, so an interrupted run keeps what it measured; `--docs` also writes them to
-docs/convnets_bench.json and renders docs/convnet.md's table from them (`render`).
+docs/convnets_bench.json, over the rows of the same settings already there (`merged`: a run of
+some models or modes updates only their rows), and renders docs/convnet.md's table from it.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +46,22 @@ def table(data: dict) -> str:
          f"{r['zoo_speed_over_timm_paired_median']:.2f}x ({r['range'][0]:.2f}-{r['range'][1]:.2f}x)",
          f"{r['cpu_time_paired_median']:.2f}x ({r['cpu_time_range'][0]:.2f}-{r['cpu_time_range'][1]:.2f}x)"]
         for r in data["results"]])
+
+
+SETTING = ("device", "batch", "size", "threads", "torch")
+
+
+def merged(old: dict, new: dict) -> dict:
+    """The docs JSON after a run of some settings (e.g. `--archs convnextv2_tiny --modes compiled`):
+    new's rows replace old's of the same model, mode, memory format and precision, old's other rows
+    stay, when both ran at the same shape, device, threads and torch; otherwise new alone. Each row
+    keeps its own date (paired ratios are measured back to back, so rows stand on their own)."""
+    if any(old.get(k) != new.get(k) for k in SETTING):
+        return new
+    key = lambda r: (r["arch"], r["mode"], r["format"], r["precision"])  # noqa: E731
+    fresh = {key(r): r for r in new["results"]}
+    rows = [fresh.pop(key(r), r) for r in old["results"]] + list(fresh.values())
+    return {**new, "results": rows}
 
 
 def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
@@ -108,13 +127,19 @@ def main(argv=None):
                     out.append({"arch": arch, "mode": mode, "format": fmt, "precision": p, "zoo_img_s": zoo_ips,
                                 "timm_img_s": timm_ips, "zoo_speed_over_timm_paired_median": paired.median,
                                 "range": [paired.low, paired.high], "cpu_time_paired_median": cpu.median,
-                                "cpu_time_range": [cpu.low, cpu.high], "rounds": args.rounds})
+                                "cpu_time_range": [cpu.low, cpu.high], "rounds": args.rounds,
+                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                "load_average": os.getloadavg()[0]})
                     path.write_text(json.dumps(data, indent=1))
                 torch._dynamo.reset()
             del zoo_model, timm_model
     print()
     print(table(data), end="")
-    harness.write_results(data, path, DOCS_JSON if args.docs else None, render)
+    harness.write_results(data, path)
+    if args.docs:
+        docs = merged(json.loads(DOCS_JSON.read_text()), data) if DOCS_JSON.is_file() else data
+        DOCS_JSON.write_text(json.dumps(docs, indent=1))
+        print(f"json: {DOCS_JSON}; docs tables rewritten: {', '.join(render(docs)) or 'none (up to date)'}")
     return 0
 
 
