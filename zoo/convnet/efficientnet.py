@@ -128,8 +128,28 @@ def init_mobile(model: nn.Module):
             nn.init.zeros_(m.bias)
 
 
-class EfficientNet(ConvNetBase):
+class MobileNetBase(ConvNetBase):
+    """What EfficientNet and MobileNetV3 share: timm's names (conv_stem, bn1, act1, blocks.i.j,
+    classifier), init_mobile, and the blocks as the units."""
     classifier_name = "classifier"
+
+    def reset_parameters(self):
+        init_mobile(self)
+        if self.config.zero_init_last:
+            self.zero_init_last_bn()
+        self.reset_classifier(self.config.num_classes)
+
+    def units(self) -> list:
+        return [block for stage in self.blocks for block in stage]
+
+    def stem_and_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act1(self.bn1(self.conv_stem(x)))
+        for block in self.units():
+            x = block(x)
+        return x
+
+
+class EfficientNet(MobileNetBase):
 
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
@@ -150,21 +170,9 @@ class EfficientNet(ConvNetBase):
         self.classifier = nn.Linear(self.num_features, cfg.num_classes)
         self.reset_parameters()
 
-    def reset_parameters(self):
-        init_mobile(self)
-        if self.config.zero_init_last:
-            self.zero_init_last_bn()
-        self.reset_classifier(self.config.num_classes)
-
-    def units(self) -> list:
-        return [block for stage in self.blocks for block in stage]
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
-        x = self.act1(self.bn1(self.conv_stem(x)))
-        for block in self.units():
-            x = block(x)
-        return self.act2(self.bn2(self.conv_head(x)))
+        return self.act2(self.bn2(self.conv_head(self.stem_and_blocks(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""

@@ -22,8 +22,7 @@ from torch import nn
 
 from ..blocks.hard_swish import HardSigmoid, HardSwish
 from ..config import MOBILENETV3_ARCHS, ConvNetConfig, check
-from .base import ConvNetBase
-from .efficientnet import Blocks, build_stages, init_mobile, make_divisible
+from .efficientnet import Blocks, MobileNetBase, build_stages, make_divisible
 
 R = "relu"
 STAGES = {
@@ -48,8 +47,7 @@ STAGES = {
 HEAD_FEATURES = {"large": 1280, "small": 1024}
 
 
-class MobileNetV3(ConvNetBase):
-    classifier_name = "classifier"
+class MobileNetV3(MobileNetBase):
 
     def __init__(self, cfg: ConvNetConfig):
         super().__init__()
@@ -71,21 +69,9 @@ class MobileNetV3(ConvNetBase):
         self.classifier = nn.Linear(self.num_features, cfg.num_classes)
         self.reset_parameters()
 
-    def reset_parameters(self):
-        init_mobile(self)
-        if self.config.zero_init_last:
-            self.zero_init_last_bn()
-        self.reset_classifier(self.config.num_classes)
-
-    def units(self) -> list:
-        return [block for stage in self.blocks for block in stage]
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, C, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
-        x = self.act1(self.bn1(self.conv_stem(x)))
-        for block in self.units():
-            x = block(x)
-        return x
+        return self.stem_and_blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""
