@@ -105,6 +105,20 @@ def assert_compiled_step_equals_eager(model, ids, tol: float):
         assert (p.grad - q.grad).abs().max() <= tol, name
 
 
+def assert_channels_last_step_matches(model, x, y, grad_rtol: float):
+    """One cross-entropy step of a ConvNet in channels-last equals the contiguous one: the loss within
+    1e-5, every gradient within `grad_rtol` of its scale (at least 1)."""
+    import copy
+    other = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    la = torch.nn.functional.cross_entropy(model(x), y)
+    lb = torch.nn.functional.cross_entropy(other(x.contiguous(memory_format=torch.channels_last)), y)
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) < 1e-5
+    for (n, pa), pb in zip(model.named_parameters(), other.parameters()):
+        assert (pa.grad - pb.grad).abs().max().item() <= grad_rtol * max(1.0, pa.grad.abs().max().item()), n
+
+
 def wait_for_training(p, out: Path, starts_before: int, timeout=120) -> bool:
     """Wait until the run of subprocess p has entered the training loop (a new 'mfu:' line in
     out/log.txt); False if p exited first."""

@@ -1,7 +1,7 @@
 """ResNet family: timm/torchvision parity and weight round trips, stochastic depth, no bias
 before BatchNorm, channels-last, config errors."""
 import pytest
-from conftest import optional_module
+from conftest import assert_channels_last_step_matches, optional_module
 import torch
 from torch import nn
 
@@ -255,19 +255,7 @@ def test_zero_init_last_makes_blocks_start_as_identity():
 def test_channels_last_training_step_matches_contiguous():
     torch.manual_seed(0)
     cfg = ConvNetConfig(arch="resnet50", layers=[1, 1], width=8, stem="small", num_classes=5, zero_init_last=False)
-    a = ResNet(cfg)
-    b = ResNet(cfg)
-    b.load_state_dict(a.state_dict())
-    b = b.to(memory_format=torch.channels_last)
-    x = torch.randn(4, 3, 16, 16)
-    y = torch.tensor([0, 1, 2, 3])
-    la = nn.functional.cross_entropy(a(x), y)
-    lb = nn.functional.cross_entropy(b(x.contiguous(memory_format=torch.channels_last)), y)
-    la.backward()
-    lb.backward()
-    assert abs(la.item() - lb.item()) < 1e-5
-    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert (pa.grad - pb.grad).abs().max().item() <= 1e-4 * max(1.0, pa.grad.abs().max().item()), n
+    assert_channels_last_step_matches(ResNet(cfg), torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3]), 1e-4)
 
 
 def test_config_errors_are_one_line():
