@@ -50,8 +50,8 @@ from zoo.weights.files import atomic_write
 from . import doc_masks
 from .loader import Prefetcher
 from .prepare import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
-from .sources import (DataError, Problems, corpus_files, documents, fingerprint, read_corpus,  # noqa: F401
-                      stdlib_files)
+from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
+                      short_digest, stdlib_files)
 from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
                          load_tokenizer_file, sample_documents, train_sentencepiece)
 from .tokens import TokenStream, is_pretokenized, pretokenized_splits
@@ -209,10 +209,6 @@ def cache_dir(configured: Optional[str] = None) -> Path:
     return d
 
 
-def _key(*parts) -> str:
-    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:16]
-
-
 def resolve_boundary(mode: str, tokenizer, pretokenized: bool = False) -> tuple[str, Optional[int], Optional[int]]:
     """(mode in force, BOS id or None, EOS id or None) of `data.boundary` for this tokenizer."""
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
@@ -287,7 +283,7 @@ class TokenData:
                 raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, "
                                 f"sentencepiece or a path to a tokenizer.model / tokenizer.json)")
             return load_tokenizer_file(p)
-        key = _key(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars)
+        key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars)
         sp_path = self.cache / f"sp-{key}.model"
         if sp_path.is_file():
             try:
@@ -314,8 +310,7 @@ class TokenData:
     def _max_id(self, path: str) -> int:
         """The largest id of pre-tokenized files (a pass over them, cached under their fingerprint)."""
         from .tokens import token_files
-        key = _key(*(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in token_files(path)),
-                   self.cfg.token_dtype)
+        key = short_digest(files_fingerprint(token_files(path)), self.cfg.token_dtype)
         cached = self.cache / f"max-id-{key}.txt"
         if cached.is_file():
             return int(cached.read_text())
@@ -328,7 +323,7 @@ class TokenData:
         cfg, tok = self.cfg, self.tokenizer
         tok_key = "bytes" if tok.spec[0] == "bytes" else hashlib.sha256(
             Path(tok.model_path).read_bytes()).hexdigest()[:16]
-        out = self.cache / f"tokens-{_key(fingerprint(path), cfg.column, cfg.max_chars, tok_key, self.bos_id, self.eos_id, cfg.shard_tokens)}"
+        out = self.cache / f"tokens-{short_digest(fingerprint(path), cfg.column, cfg.max_chars, tok_key, self.bos_id, self.eos_id, cfg.shard_tokens)}"
         m = read_manifest(out)
         if m and m.get("complete"):
             for s in m["shards"]:  # a damaged cache (a truncated or missing shard) is prepared again

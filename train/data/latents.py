@@ -41,11 +41,6 @@ META = "meta.json"
 PROGRESS = "progress.json"
 
 
-def digest(obj) -> str:
-    """A short stable digest of a JSON-able object (dict keys sorted)."""
-    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
 def weights_fingerprint(module: torch.nn.Module) -> str:
     """Identifies a module's weights: a digest of every state-dict entry's name, dtype, shape and bytes."""
     h = hashlib.sha1()

@@ -285,11 +285,15 @@ def fingerprint(path: str) -> str:
     return files_fingerprint(corpus_files(path))
 
 
+def short_digest(*parts) -> str:
+    """A short stable digest of `parts` (the name of a cache entry): strings and numbers as they
+    print, dicts and lists as JSON with sorted keys."""
+    import hashlib
+    text = ":".join(json.dumps(p, sort_keys=True, default=str) if isinstance(p, (dict, list)) else str(p)
+                    for p in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def files_fingerprint(files) -> str:
     """Identifies the content of these files as it is now (each one's path, size and mtime)."""
-    import hashlib
-    h = hashlib.sha256()
-    for f in map(Path, files):
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
+    return short_digest(*(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in map(Path, files)))

@@ -31,7 +31,8 @@ from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
 from ..data import DataError, cache_dir
-from ..data.latents import LatentCache, digest, latent_cache, weights_fingerprint
+from ..data.latents import LatentCache, latent_cache, weights_fingerprint
+from ..data.sources import files_fingerprint, short_digest
 from . import Task
 
 
@@ -72,7 +73,6 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
         from ..images import digits_dataset
         x = {s: digits_dataset(s, size, 3, d.val_fraction) for s in ("train", "val")}
         return ImageData(key, {s: y for s, (_, y) in x.items()}, lambda s, i, j: x[s][0][i:j], 10)
-    from ..data.sources import files_fingerprint
     from ..images import FolderImages, collate_images, scan_image_folder
     try:
         classes, samples = scan_image_folder(d.dataset, flat=True)
@@ -182,7 +182,7 @@ class DiffusionTask(Task):
         keyed by the images, the autoencoder's weights, the resolution and the flips; reused when it exists."""
         d, ae = self.cfg.data, self.autoencoder.to(self.device).eval()
         key = {**data.key, "autoencoder": weights_fingerprint(ae), "variant": ae.variant, "hflip": d.hflip}
-        folder = cache_dir(d.cache_dir) / f"latents-{Path(d.dataset).name}-{digest(key)}"
+        folder = cache_dir(d.cache_dir) / f"latents-{Path(d.dataset).name}-{short_digest(key)}"
         splits = {s: (data.labels[s], functools.partial(data.read, s)) for s in ("train", "val")}
         return latent_cache(folder, key, splits, lambda x: ae.encode(x.to(self.device)), 2 if d.hflip else 1,
                             d.encode_batch_size, log=self.log)
@@ -199,7 +199,7 @@ class DiffusionTask(Task):
             self.log(f"autoencoder: {m.autoencoder.weights} (frozen) {ae.variant}")
             return ae
         ae = build_autoencoder(m, cfg.source)
-        key = digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
+        key = short_digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
                        "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
                        "seed": cfg.train.seed, **({"files": data.key["files"]} if "files" in data.key else {})})
         path = cache_dir(d.cache_dir) / f"taesd-{Path(d.dataset).name}-{key}_encoder.safetensors"
