@@ -225,3 +225,7 @@ def test_a_cpu_plan_states_the_spread_the_bench_measured(tmp_path, monkeypatch):
     assert planner.measured_spread("diffusion") is None
     notes = planner.plan(cfg_of(), device=torch.device("cpu")).notes
     assert [n for n in notes if "0.87-1.12 x their plans" in n and "3 or more fresh processes" in n]
+    logs = []  # and train.batch_size=auto's line, with the size it chose
+    cfg = cfg_of("train.batch_size=auto", "train.global_batch=4", "train.memory_budget=64GB")
+    assert planner.find_batch_size(cfg, torch.device("cpu"), logs.append) == (4, 1)
+    assert logs[-1].endswith("the bench's llm peaks measured 0.87-1.12 x their plans)"), logs

@@ -911,6 +911,9 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
         best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
     b = sizes[best]
     nxt = f"; {sizes[best + 1]} would need {_fmt(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
+    spread = measured_spread(cfg.family) if device.type == "cpu" else None
+    if spread is not None:  # the planner's stated accuracy on a CPU (plan's note)
+        nxt += f"; the bench's {cfg.family} peaks measured {spread[0]:.2f}-{spread[1]:.2f} x their plans"
     log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated = train.global_batch {G} (planned peak "
         f"{_fmt(peak(b))} of {_fmt(budget)}{nxt})")
     return b, G // b
