@@ -208,3 +208,24 @@ def test_planned_tensors_are_those_of_the_real_step():
         assert getattr(fake, k) == getattr(real, k), k
     assert fake.forward_backward > 0 and len(fake.per_unit) == 2
     assert sorted(fake.events) == sorted(real.events)
+
+
+def test_a_cpu_plan_states_the_spread_the_bench_measured(tmp_path, monkeypatch):
+    """Every CPU plan carries, as a note, the lowest and highest measured / predicted of its
+    family's rows in the bench's results (train/benches/memory.json), computed here from rows
+    written for the test."""
+    results = tmp_path / "memory.json"
+    rows = [{"family": "llm", "predicted": 100, "measured": 87, "runs": [80, 87, 85]},
+            {"family": "llm", "predicted": 100, "measured": 112, "runs": [112, 90, 100]},
+            {"family": "convnet", "predicted": 100, "measured": 150, "runs": [150, 140]}]
+    results.write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(planner, "RESULTS", results)
+    monkeypatch.setattr(planner, "_spread", {})
+    assert planner.measured_spread("llm") == (0.87, 1.12, 3)
+    assert planner.measured_spread("diffusion") is None
+    notes = planner.plan(cfg_of(), device=torch.device("cpu")).notes
+    assert [n for n in notes if "0.87-1.12 x their plans" in n and "3 or more fresh processes" in n]
+    logs = []  # and train.batch_size=auto's line, with the size it chose
+    cfg = cfg_of("train.batch_size=auto", "train.global_batch=4", "train.memory_budget=64GB")
+    assert planner.find_batch_size(cfg, torch.device("cpu"), logs.append) == (4, 1)
+    assert logs[-1].endswith("the bench's llm peaks measured 0.87-1.12 x their plans)"), logs

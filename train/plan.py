@@ -641,6 +641,11 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
                  "allocator": max(0, allocator)}
     one_device = sim.params + sim.buffers + sim.states + ema + sim.inputs + transient + max(0, allocator)
     breakdown["unseen"] = unseen_bytes(cfg, device, one_device)  # of the step on one device
+    spread = measured_spread(cfg.family) if device.type == "cpu" else None
+    if spread is not None:
+        notes.append(f"CPU: glibc's heap layout differs from process to process; the {cfg.family} configurations of "
+                     f"`python train/bench.py memory` peaked at {spread[0]:.2f}-{spread[1]:.2f} x their plans on the "
+                     f"machine that measured them (each the highest of {spread[2]} or more fresh processes; docs/memory.md)")
     kv = _kv_cache_bytes(cfg, B, device)
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
                 sharding if devices > 1 else "none", extrapolated, notes)
@@ -663,6 +668,28 @@ def calibration() -> dict:
         except (OSError, ValueError, KeyError):
             _calibration["none"] = {}
     return _calibration
+
+
+RESULTS = CALIBRATION.parent / "memory.json"
+_spread: dict = {}
+
+
+def measured_spread(family: str) -> Optional[tuple]:
+    """(lowest, highest measured / predicted, processes per row) over the family's rows of
+    `python train/bench.py memory` (train/benches/memory.json), or None without them: the
+    planner's stated accuracy, printed with every CPU plan."""
+    if not _spread:
+        try:
+            rows = json.loads(RESULTS.read_text())["rows"]
+        except (OSError, ValueError, KeyError):
+            rows = []
+        for fam in {r["family"] for r in rows}:
+            mine = [r for r in rows if r["family"] == fam]
+            _spread[fam] = (min(r["measured"] / r["predicted"] for r in mine),
+                            max(r["measured"] / r["predicted"] for r in mine),
+                            min(len(r.get("runs") or [1]) for r in mine))
+        _spread.setdefault("", None)
+    return _spread.get(family)
 
 
 def unseen_bytes(cfg, device, held: int) -> int:
@@ -884,6 +911,9 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
         best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
     b = sizes[best]
     nxt = f"; {sizes[best + 1]} would need {_fmt(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
+    spread = measured_spread(cfg.family) if device.type == "cpu" else None
+    if spread is not None:  # the planner's stated accuracy on a CPU (plan's note)
+        nxt += f"; the bench's {cfg.family} peaks measured {spread[0]:.2f}-{spread[1]:.2f} x their plans"
     log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated = train.global_batch {G} (planned peak "
         f"{_fmt(peak(b))} of {_fmt(budget)}{nxt})")
     return b, G // b
@@ -994,11 +1024,13 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
 
 
 def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
-                          timeout: float = 1800) -> dict:
+                          timeout: float = 1800, collect_garbage: bool = True) -> dict:
     """`measure` in a fresh Python process (nice'd like the caller): the run config `base` with
-    `overrides`. Returns its dict."""
+    `overrides`. collect_garbage=False: Python's cyclic garbage collector off in that process (to
+    study where the peak's spread between processes comes from, docs/memory.md). Returns its dict."""
     import subprocess
-    arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads})
+    arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
+                      "gc": collect_garbage})
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-m", "train.plan", "--measure", arg], cwd=root, capture_output=True,
                          text=True, timeout=timeout)
@@ -1010,6 +1042,9 @@ def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int]
 def _measure_main(arg: str) -> int:
     from train.config import load_run_config
     a = json.loads(arg)
+    if not a.get("gc", True):
+        import gc
+        gc.disable()
     if a.get("threads"):
         torch.set_num_threads(a["threads"])
     cfg = load_run_config(None, a["overrides"], base=a["base"])

@@ -13,7 +13,9 @@
                                                      # peaks do not depend on it)
     python train/bench.py memory --planner-time      # + how long the planner takes on the large presets
 
-Measured (`train.plan.measure`, each configuration in a fresh process on the CPU): the growth of
+Measured (`train.plan.measure`, each configuration in --repeat fresh processes on the CPU, the
+largest kept: the same step's peak differs from process to process, docs/memory.md, and a user
+meets whichever their process draws; the table's `fresh processes` column gives the range): the growth of
 the process's peak resident memory (VmHWM) from just before the model is built (interpreter,
 torch and Zoo imported) to the end of three steps of the loop's own `optimizer_step`, with glibc
 set as train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
@@ -176,12 +178,20 @@ def role(r) -> str:
 def table(rows) -> tuple[list, list]:
     from train.plan import MiB
     header = ["configuration", "role", "params", "tensors MiB", "+ allocator MiB", "+ unseen MiB", "predicted MiB",
-              "measured MiB", "predicted / measured", "measured on"]
+              "measured MiB", "fresh processes MiB", "predicted / measured", "measured on"]
     out = [[r["name"], role(r), f"{r['params'] / 1e6:.1f}M",
             f"{r['tensors'] / MiB:.1f}", f"{r['allocator'] / MiB:.1f}", f"{r['unseen'] / MiB:.1f}",
-            f"{r['predicted'] / MiB:.1f}", f"{r['measured'] / MiB:.1f}", f"{r['ratio']:.3f}",
+            f"{r['predicted'] / MiB:.1f}", f"{r['measured'] / MiB:.1f}", spread(r.get("runs")), f"{r['ratio']:.3f}",
             r.get("measured_date", "-")] for r in rows]
     return header, out
+
+
+def spread(runs) -> str:
+    """The measured peaks of a row's fresh processes: "lowest-highest (n)", the highest being the row's."""
+    from train.plan import MiB
+    if not runs:
+        return "-"
+    return f"{min(runs) / MiB:.1f}-{max(runs) / MiB:.1f} ({len(runs)})" if len(runs) > 1 else f"{runs[0] / MiB:.1f} (1)"
 
 
 def machine() -> dict:
@@ -228,8 +238,8 @@ def main(argv=None):
     p.add_argument("--only", default="", help="run the configurations whose name starts with this")
     p.add_argument("--calibrate", action="store_true", help="measure the calibration configurations and fit "
                                                             "the unseen-memory envelope (memory_calibration.json)")
-    p.add_argument("--repeat", type=int, default=2, help="--calibrate: measurements per configuration "
-                                                           "(the largest kept)")
+    p.add_argument("--repeat", type=int, default=3, help="measurements per configuration, each in a fresh "
+                                                           "process (the largest kept: the user meets the worst)")
     p.add_argument("--refit", action="store_true", help="--calibrate: keep the measurements of "
                                                         "memory_calibration.json, plan again and refit")
     p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
@@ -273,10 +283,13 @@ def main(argv=None):
     cal = json.loads(CALIBRATION.read_text())
     known = {pt["name"]: pt["measured"] for c in cal["families"].values() for pt in c["points"]}
     when = {pt["name"]: pt.get("date", cal["date"]) for c in cal["families"].values() for pt in c["points"]}
+    runs_of = {pt["name"]: pt.get("runs") for c in cal["families"].values() for pt in c["points"]}
     now = machine()["date"]
-    rows = measure_rows(names, args.threads, measured=known)  # the calibration rows: as --calibrate measured them
+    rows = measure_rows(names, args.threads, measured=known,  # the calibration rows: as --calibrate measured them
+                        repeat=args.repeat)
     for r in rows:
         r["measured_date"] = when[r["name"]] if r["calibration"] else now
+        r["runs"] = runs_of.get(r["name"], r["runs"])
     old = {r["name"]: r for r in json.loads(RESULTS.read_text())["rows"]} if RESULTS.exists() else {}
     rest = [n for n in CONFIGS if n not in names and n in old]
     if rest:  # --only: the other rows planned again, their measurements as memory.json recorded them
@@ -284,7 +297,7 @@ def main(argv=None):
         for r in measure_rows(rest, args.threads, log=lambda *a, **k: None,
                               measured={n: known.get(n, old[n]["measured"]) for n in rest}):
             was = old[r["name"]]
-            r.update({k: was.get(k) for k in ("start_rss", "phases", "runs")},
+            r.update({k: was.get(k) for k in ("start_rss", "phases")}, runs=runs_of.get(r["name"], was.get("runs")),
                      measured_date=when[r["name"]] if r["calibration"] else
                      was.get("measured_date", json.loads(RESULTS.read_text())["machine"]["date"]))
             rows.append(r)
