@@ -4,6 +4,7 @@
     python train/bench.py distill-quality --family llm          # the embedded default's data, 3 seeds
     python train/bench.py distill-quality --family llm --seeds 0 --steps 100   # one seed's runs (read back later)
     python train/bench.py distill-quality --family llm-gguf     # SmolLM2-135M (a GGUF) teaching a small student
+    python train/bench.py distill-quality --family llm-gguf --kd-alpha 0.9 --key llm-gguf-alpha09 --docs  # a second table
     python train/bench.py distill-quality --render              # the docs tables from docs/deploy/distill_quality.json
 
 Per seed, two runs of train/run.py from scratch with the same config, data, steps, schedule and
@@ -138,6 +139,8 @@ def main(argv=None):
     p.add_argument("--eval-batches", type=harness.positive_int, default=20, help="LLM: train.eval_batches")
     p.add_argument("--out", default=None, help="default runs/bench-distill-FAMILY")
     p.add_argument("--docs", action="store_true")
+    p.add_argument("--key", default=None, help="the entry of docs/deploy/distill_quality.json and the docs table "
+                                               "(distill-KEY) --docs writes (default: the family)")
     p.add_argument("--render", action="store_true", help="only re-render the docs tables from the JSON")
     args = p.parse_args(argv)
     if args.render:
@@ -165,16 +168,18 @@ def main(argv=None):
         print(f"seed {seed}: " + ", ".join(f"{k} alone {alone[k]:.4f} teacher {taught[k]:.4f}" for k in metrics), flush=True)
     diff = {k: list(harness.mean_interval(s["teacher"][k] - s["alone"][k] for s in seeds)) for k in metrics}
     verdict = {k: harness.verdict(*diff[k], lower_is="lower") for k in metrics}
-    data = {"family": args.family, "config": config, "teacher": str(teacher), "teacher_overrides": teacher_over,
+    data = {"command": "python train/bench.py distill-quality " + " ".join(sys.argv[2:] if argv is None else argv),
+            "family": args.family, "config": config, "teacher": str(teacher), "teacher_overrides": teacher_over,
             "student_overrides": " ".join(student), "steps": args.steps, "kd_alpha": args.kd_alpha,
-            "kd_temperature": args.kd_temperature, "precision": args.precision, "metrics": list(metrics),
+            "kd_temperature": args.kd_temperature, "eval_batches": args.eval_batches if args.family.startswith("llm") else None,
+            "precision": args.precision, "metrics": list(metrics),
             "seeds": seeds, "diff": diff, "verdict": verdict,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()[0]}
     if teacher_over is None:  # a teacher not trained here: its own loss on the same windows, for scale
         data["teacher_val_loss"] = teacher_val_loss(args, out, [*student, f"train.teacher={teacher}", *extra])
     print(table(data))
     all_data = json.loads(DOCS_JSON.read_text()) if args.docs and DOCS_JSON.is_file() else {}
-    all_data[args.family] = data
+    all_data[args.key or args.family] = data
     harness.write_results(data, out / "distill_quality.json")
     if args.docs:
         harness.write_results(all_data, DOCS_JSON, None)
