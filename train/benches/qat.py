@@ -77,7 +77,10 @@ def fine_tune(args, base: Path, seed: int, qat: bool) -> dict:
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     rows = read_rows(out)
     last = max(r["step"] for r in rows)
-    return {k: v for r in rows if r["step"] == last for k, v in r.items()}  # its evaluation rows, merged
+    row = {k: v for r in rows if r["step"] == last for k, v in r.items()}  # its evaluation rows, merged
+    if "quant_ref_val_loss" not in row:
+        raise SystemExit(f"bench.py qat: {out} has no quant_ref_val_loss (made by an older Zoo); delete it to run it again")
+    return row
 
 
 def seed_result(seed: int, ptq: dict, qat: dict) -> dict:
