@@ -142,6 +142,26 @@ def test_qat_fake_quantizes_as_the_scheme_quantizes(scheme):
     assert (fake - conv).abs().max() < 0.5 * (fake - plain).abs().max() + 0.05
 
 
+def test_int4_fake_quantization_rounds_as_the_conversion():
+    """QAT trains the model that is deployed: after prepare_qat(int4wo) every fake-quantized weight
+    is the converted bf16 model's weight (read through its kernel) up to the kernel's own rounding of
+    (level - 8) * scale + zero, at most 1/8 of a quantization step: the same level everywhere.
+    (torchao's generic int4 fake quantizer, its zero point stored as an int32, puts about a quarter
+    of the weights on another level, up to several steps away.)"""
+    from torchao.quantization.qat import FakeQuantizedLinear
+    model = tiny(dtype=torch.float32)
+    prepare_qat(model, "int4wo", group_size=32)
+    fake = {n: m.weight_fake_quantizer(m.weight).detach() for n, m in model.named_modules()
+            if isinstance(m, FakeQuantizedLinear)}
+    assert fake and all(w.dtype == torch.float32 for w in fake.values())
+    mods = dict(convert_qat(cast_weights(model, torch.bfloat16)).named_modules())
+    for n, w in fake.items():
+        ref = dequantized(mods[n].weight)
+        groups = ref.reshape(ref.shape[0], -1, 32)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, 1)
+        assert ((w - ref).abs() / step).max() <= 0.125, n
+
+
 RUN = {
     "family": "llm", "model": TINY, "data": {"tokenizer": "bytes", "seq_len": 32},
     "train": {"max_steps": 3, "batch_size": 4, "log_every": 1, "eval_every": 0, "eval_batches": 2,
@@ -168,6 +188,8 @@ def test_qat_run_writes_and_evaluates_the_converted_model(tmp_path, text_corpus,
     task = LMTask(cfg, torch.device("cpu"), lambda m: None)
     task.setup()
     assert task.evaluate(q)["val_loss"] == pytest.approx(final["quant_val_loss"], rel=1e-6)
+    # the reference of the quantization's cost: the same bf16 weights, unquantized
+    assert task.evaluate(plain)["val_loss"] == pytest.approx(final["quant_ref_val_loss"], rel=1e-6)
     assert task.evaluate(zoo.quantize(plain, "int4wo"))["val_loss"] == pytest.approx(final["quant_val_loss"], rel=1e-3)
 
 

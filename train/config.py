@@ -198,7 +198,8 @@ class TrainConfig:
     quantize: Optional[Literal["int8wo", "int4wo", "8da4w"]] = None  # post-training quantization (LLM): at the
                                             # end a bf16 copy of the final model is quantized through torchao
                                             # (zoo.quantize), evaluated beside the float model (`quant_val_loss`,
-                                            # ... in the final row) and written to `out_dir/quantized/` (a quantized
+                                            # ... in the final row; `quant_ref_val_loss`, ...: the bf16 copy before
+                                            # quantization) and written to `out_dir/quantized/` (a quantized
                                             # Zoo folder, zoo.from_pretrained loads it). With `qat` it must be
                                             # that scheme's (null: it is)
     quant_group_size: int = bounded(32, gt=0)  # with `qat` / `quantize`: weights per int4 group (int4 schemes;

@@ -4,12 +4,15 @@
                                       torchao's fake-quantized ones (built in build_model, before any
                                       wrapping, so DDP, compile and the EMA see them)
     train.quantize: int8wo | ...      at the last step, quantized_evaluation(run): a bf16 copy of the
-                                      final model quantized (converted, after QAT), evaluated
-                                      (`quant_*` in the final row) and kept as run.quantized, which
-                                      train/finish.py writes to out_dir/quantized/
+                                      final model (QAT's fake quantization removed) evaluated
+                                      (`quant_ref_*`), then quantized (converted, after QAT) and
+                                      evaluated again (`quant_*`, in the final row) and kept as
+                                      run.quantized, which train/finish.py writes to out_dir/quantized/
 The copy is bf16 whatever train.precision is: quantized inference keeps the unquantized parts
-(embedding, norms, the kept modules) in 16-bit. Under torchrun rank 0 alone makes and evaluates it
-(as checkpoint averaging does); FSDP is refused (train/distributed.py).
+(embedding, norms, the kept modules) in 16-bit, and QAT's int4 fake quantizer rounds in that dtype.
+`quant_val_loss - quant_ref_val_loss` is the quantization's own cost, the bf16 cast's excluded.
+Under torchrun rank 0 alone makes and evaluates it (as checkpoint averaging does); FSDP is refused
+(train/distributed.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import copy
 import torch
 from torch import nn
 
-from zoo.quantization import convert_qat, prepare_qat, quantize
+from zoo.quantization import prepare_qat, quantize, remove_fake_quantization
 from zoo.weights.zoo_folder import cast_weights
 
 from .config import QAT_SCHEMES
@@ -29,27 +32,32 @@ DEPLOY_DTYPE = torch.bfloat16
 def prepare(model: nn.Module, t, say) -> nn.Module:
     """train.qat: fake-quantize the model's linears (in place)."""
     if t.qat:
-        prepare_qat(model, QAT_SCHEMES[t.qat], t.quant_group_size, t.quant_keep)
+        prepare_qat(model, QAT_SCHEMES[t.qat], t.quant_group_size, t.quant_keep, DEPLOY_DTYPE)
         say(f"qat: {t.qat} fake quantization on the linears outside {', '.join(t.quant_keep)} "
             f"(converts to {QAT_SCHEMES[t.qat]} at the end)")
     return model
 
 
-def quantized_copy(model: nn.Module, t) -> nn.Module:
-    """The final model as it is deployed: a bf16 copy, converted (QAT) or quantized (train.quantize)."""
+def deployed_copy(model: nn.Module, t) -> nn.Module:
+    """The final model as it is deployed, before quantization: a bf16 copy, QAT's fake quantization
+    removed."""
     q = cast_weights(copy.deepcopy(model), DEPLOY_DTYPE).eval().requires_grad_(False)
     if t.qat:
-        return convert_qat(q)
-    return quantize(q, t.quantize, t.quant_group_size, t.quant_keep)
+        remove_fake_quantization(q)
+    return q
 
 
 def quantized_evaluation(run) -> dict:
-    """The quantized model's evaluation ({'quant_val_loss': ...}); sets run.quantized. {} on ranks
-    other than 0 and when the run quantizes nothing."""
+    """The deployed model's evaluation before and after quantization ({'quant_ref_val_loss': ...,
+    'quant_val_loss': ...}); sets run.quantized. {} on ranks other than 0 and when the run quantizes
+    nothing."""
     t = run.cfg.train
     if not (t.qat or t.quantize) or not run.par.main:
         return {}
-    run.quantized = quantized_copy(run.model, t)
+    model = deployed_copy(run.model, t)
+    with run.autocast():
+        ref = run.task.evaluate(model)
+    run.quantized = quantize(model, QAT_SCHEMES[t.qat] if t.qat else t.quantize, t.quant_group_size, t.quant_keep)
     with run.autocast():
         ev = run.task.evaluate(run.quantized)
-    return {f"quant_{k}": v for k, v in ev.items()}
+    return {**{f"quant_ref_{k}": v for k, v in ref.items()}, **{f"quant_{k}": v for k, v in ev.items()}}

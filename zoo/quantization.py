@@ -31,7 +31,10 @@ Quantization-aware training (`prepare_qat`, `convert_qat`): torchao's QAT swaps 
 for FakeQuantizedLinear, whose forward rounds the weights (and for 8da4w the activations) to the
 scheme's grid and back with a straight-through gradient; `convert_qat` swaps them back and
 quantizes with the scheme above. The fake quantizer of each scheme uses that scheme's numerics
-(`fake_quant_configs`).
+(`fake_quant_configs`); for int4wo it is `Int4FakeQuantizer`, which rounds the weight exactly as
+the conversion will (in the deployed dtype, through torchao's own tinygemm functions): torchao's
+generic int4 fake quantizer stores the float zero point as an int32 (its default zero-point
+precision) and so trains on a grid that a quarter of the weights leave once converted.
 
 What runs where and how fast is measured by `python train/bench.py quantized` (docs/deploy.md).
 """
@@ -138,23 +141,73 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------ quantization-aware training
+def int4_round_trip(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`w` (out, in) rounded to int4wo's grid and back, in w's dtype, with the functions the int4wo
+    tensors quantize through (torchao's tinygemm numerics, computed in w's dtype): per group of
+    `group_size` inputs scale = (max - min) / 15 and zero point min + 8 * scale, level
+    round((w - (zero - 8 * scale)) / scale) in 0..15, weight (level - 8) * scale + zero."""
+    from torchao.quantization.quant_primitives import (MappingType, _choose_qparams_affine_tinygemm,
+                                                       _dequantize_affine_tinygemm, _quantize_affine_tinygemm)
+    block = (1, group_size)
+    scale, zero = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, block, torch.int32, 0, 15, 1e-6,
+                                                  None, w.dtype)
+    levels = _quantize_affine_tinygemm(w, block, scale, zero, torch.int32, 0, 15)
+    return _dequantize_affine_tinygemm(levels, block, scale, zero, torch.int32, 0, 15, output_dtype=w.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the rounded weight; backward: the gradient of the weight unchanged."""
+
+    @staticmethod
+    def forward(ctx, w, rounded):
+        return rounded
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Int4FakeQuantizer(nn.Module):
+    """int4wo's fake quantizer (a FakeQuantizedLinear's `weight_fake_quantizer`): the weight cast to
+    `dtype`, the dtype the converted model runs in, and rounded as the conversion will round it
+    (`int4_round_trip`), then back in the weight's dtype; the gradient passes straight through.
+    `config`: the torchao fake-quantize config it stands in for (torchao's convert step reads it)."""
+
+    def __init__(self, group_size: int, dtype: torch.dtype = torch.bfloat16, config=None):
+        super().__init__()
+        self.group_size, self.dtype, self.config = group_size, dtype, config
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            rounded = int4_round_trip(w.to(self.dtype), self.group_size).to(w.dtype)
+        return _StraightThrough.apply(w, rounded)
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}, dtype={self.dtype}"
+
+
 def fake_quant_configs(scheme: str, group_size: int):
-    """(activation, weight) torchao fake-quantize configs with the numerics of `scheme`'s kernels."""
+    """(activation, weight) torchao fake-quantize configs with the numerics of `scheme`'s kernels.
+    int4wo's (asymmetric, the zero point a float) is torchao's nearest; prepare_qat replaces its
+    quantizer with `Int4FakeQuantizer`, which rounds as the conversion does."""
     from torchao.quantization.qat import IntxFakeQuantizeConfig
     from torchao.quantization.quant_primitives import ZeroPointDomain
     _check_scheme(scheme, SCHEMES)
     if scheme == "int8wo":
         return None, IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
-    if scheme == "int4wo":  # tinygemm: asymmetric, the zero point in the float domain
+    if scheme == "int4wo":
         return None, IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=False,
-                                            zero_point_domain=ZeroPointDomain.FLOAT)
+                                            zero_point_domain=ZeroPointDomain.FLOAT,
+                                            zero_point_precision=torch.float32)
     return (IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False),
             IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=True))
 
 
-def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable[str] = KEEP) -> nn.Module:
+def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable[str] = KEEP,
+                dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Swap the linears `quantize` would quantize for torchao's FakeQuantizedLinear (same weight
-    parameter, same state-dict names), in place; returns the model."""
+    parameter, same state-dict names), in place; returns the model. `dtype`: the dtype the model
+    will be converted in (int4wo's fake quantizer rounds in it)."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
     keep = tuple(keep)
@@ -166,13 +219,17 @@ def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Itera
     wanted = set(names)
     quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),
               filter_fn=lambda m, fqn: fqn in wanted)
+    if scheme == "int4wo":
+        mods = dict(model.named_modules())
+        for n in names:
+            mods[n].weight_fake_quantizer = Int4FakeQuantizer(group_size, dtype, mods[n].weight_fake_quantizer.config)
     model.qat = {"scheme": scheme, "group_size": group_size, "keep": list(keep)}
     return model
 
 
-def convert_qat(model: nn.Module) -> nn.Module:
-    """Swap prepare_qat's fake-quantized linears back to nn.Linear and quantize the model with the
-    same scheme, in place (in the model's dtype: cast it first to deploy in another); returns it."""
+def remove_fake_quantization(model: nn.Module) -> dict:
+    """Swap prepare_qat's fake-quantized linears back to nn.Linear (the same weights), in place;
+    returns what prepare_qat recorded ({'scheme', 'group_size', 'keep'})."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
     qat = getattr(model, "qat", None)
@@ -180,6 +237,13 @@ def convert_qat(model: nn.Module) -> nn.Module:
         raise ValueError("the model was not prepared for quantization-aware training (zoo.quantization.prepare_qat)")
     quantize_(model, QATConfig(step="convert"), filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear))
     del model.qat
+    return qat
+
+
+def convert_qat(model: nn.Module) -> nn.Module:
+    """Swap prepare_qat's fake-quantized linears back to nn.Linear and quantize the model with the
+    same scheme, in place (in the model's dtype: cast it first to deploy in another); returns it."""
+    qat = remove_fake_quantization(model)
     return quantize(model, qat["scheme"], qat["group_size"], qat["keep"])
 
 
