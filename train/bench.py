@@ -44,6 +44,7 @@ BENCHES: dict[str, str] = {
     "sft-packing": "train.benches.sft_packing",
     "quantized": "train.benches.quantized",
     "qat": "train.benches.qat",
+    "prune": "train.benches.prune",
     "distill": "train.benches.distill",
     "convnet-ptq": "train.benches.convnet_ptq",
     "distill-quality": "train.benches.distill_quality",

@@ -1,6 +1,6 @@
 """The run builder: a run config -> everything a training step needs, built one way for all.
 
-    run = build_run(cfg, say)            # device, precision, task, model, adapters, unfreezing,
+    run = build_run(cfg, say)            # device, precision, task, model, adapters, pruning, unfreezing,
                                          # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
     run.autocast(), run.fwd, run.optimizer, run.params(), ...
 
@@ -24,6 +24,7 @@ from torch import nn
 
 from zoo.adapters import apply_adapters, count_params, trainable_keys
 from zoo.config import to_dict
+from zoo.pruning import apply_masks, prune, sparsity_of
 from zoo.weights.files import atomic_write
 
 from .distill import load_teacher
@@ -51,6 +52,7 @@ class Run:
     unfreezer: Optional[GradualUnfreezing] = None
     par: Parallel = field(default_factory=lambda: Parallel("none", Launch()))
     quantized: Optional[nn.Module] = None  # train.qat / train.quantize: the deployed model, made at the end
+    pruned: Optional[dict] = None      # train.prune: {linear's name: (weight, mask)}, held after every step
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
@@ -118,6 +120,22 @@ def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Modul
     return prepare_qat(model, cfg.train, say)
 
 
+def prune_linears(model: nn.Module, cfg, say) -> Optional[dict]:
+    """train.prune: the model's linears magnitude-pruned in place; their masks (None without it)."""
+    t = cfg.train
+    if not t.prune:
+        return None
+    try:
+        masks = prune(model, t.prune, t.prune_sparsity, t.prune_keep)
+    except ValueError as e:
+        raise RunStopped(f"{cfg.source}: train.prune={t.prune}: {e}", EXIT_CONFIG) from None
+    n = sum(w.numel() for w, _ in masks.values())
+    kind = f"unstructured {t.prune_sparsity:g}" if t.prune == "unstructured" else t.prune
+    say(f"prune: {kind} magnitude pruning of {len(masks)} linears outside {', '.join(t.prune_keep)}: "
+        f"{sparsity_of(masks):.1%} of their {n / 1e6:.2f}M weights zero, held after every optimizer step")
+    return masks
+
+
 def with_batch(cfg, batch_size: int, grad_accum: int):
     """A copy of cfg with the micro-batch and accumulation resolved (train.batch_size: auto)."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size,
@@ -143,6 +161,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
     model = build_model(cfg, task, device, say)
+    pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None
     unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
@@ -165,12 +184,15 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
         say("activation offload: saved activations go to pinned host memory (torch.autograd.graph.save_on_cpu)"
             if device.type == "cuda" else
             f"activation offload: skipped on {device.type} (CUDA only: activations already live in host memory)")
-    run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys, unfreezer=unfreezer, par=par)
+    run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys, unfreezer=unfreezer, par=par,
+              pruned=pruned)
     try:
         run.optimizer = build_optimizer(model, cfg.optim, device, say)
     except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
         raise RunStopped(str(e), EXIT_CONFIG) from None
     run.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    if pruned:
+        after_step(run.optimizer, lambda: apply_masks(pruned))
     hook = task.step_hook(model)
     if hook is not None:
         after_step(run.optimizer, hook)

@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 from zoo.adapters import AdapterConfig
 from zoo.config import (ConfigError, bounded, deep_merge, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
+from zoo.pruning import parse_pattern
 
 from .optim import OPTIMIZERS
 
@@ -207,6 +208,16 @@ class TrainConfig:
     quant_keep: list[str] = field(default_factory=lambda: ["embed", "lm_head"])  # with `qat` / `quantize`: the
                                             # modules that stay in 16-bit (a qualified name, or a name's last
                                             # part); the embedding and the LM head by default
+    prune: Optional[str] = None             # magnitude pruning (zoo/pruning.py) of the linears outside `prune_keep`,
+                                            # once, on the built model (after `init_from`'s weights): `unstructured`
+                                            # (each linear's `prune_sparsity` share of smallest weights) or `N:M` such
+                                            # as `2:4` (the N largest of every M consecutive inputs of a row stay). The
+                                            # run is the recovery fine-tune: the pruned weights are set to zero again
+                                            # after every optimizer step, and evaluations log `sparsity` (the zeros'
+                                            # share of those linears' weights). See docs/deploy.md
+    prune_sparsity: float = bounded(0.5, gt=0, lt=1)  # with `prune: unstructured`: the share of each linear pruned
+    prune_keep: list[str] = field(default_factory=lambda: ["embed", "lm_head"])  # with `prune`: the modules that
+                                            # stay dense (as `quant_keep` names them)
     sync_bn: bool = False                   # with `parallel`: BatchNorm layers normalise with the statistics of the
                                             # global batch (ResNets; torch's SyncBatchNorm on GPUs, its CPU
                                             # counterpart in train/distributed.py on CPUs)
@@ -238,6 +249,11 @@ class TrainConfig:
         if self.qat and self.quantize and QAT_SCHEMES[self.qat] != self.quantize:
             raise fail(source, prefix + "quantize", f"={self.quantize} is not what train.qat={self.qat} trains for "
                                                     f"({QAT_SCHEMES[self.qat]}; or null)")
+        if self.prune is not None:
+            try:
+                parse_pattern(self.prune)
+            except ValueError as e:
+                raise fail(source, prefix + "prune", str(e)) from None
         from .tracking import missing_package
         missing = missing_package(self.tracker, prefix + "tracker")
         if missing:
@@ -372,6 +388,9 @@ def check_across_sections(cfg: RunConfig):
     if (t.qat or t.quantize) and cfg.adapter.enabled:
         raise fail(src, "train.qat" if t.qat else "train.quantize",
                    f"does not combine with adapter.method={cfg.adapter.method} (quantize the merged model afterwards)")
+    if t.prune and cfg.adapter.enabled:
+        raise fail(src, "train.prune", f"does not combine with adapter.method={cfg.adapter.method} (an adapter's "
+                                       f"update would fill the pruned weights in; prune the merged model)")
     warmup = o.resolved_warmup_steps(t.max_steps)
     wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
     if warmup >= t.max_steps:

@@ -103,6 +103,8 @@ def unsupported(cfg) -> Optional[str]:
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
               (t.parallel == "fsdp" and (t.qat or t.quantize), "train.qat / train.quantize",
                "the quantized copy is made from the whole model in one process; use ddp"),
+              (t.parallel == "fsdp" and t.prune, "train.prune",
+               "the masks are taken on whole weights, which FSDP2 shards; use ddp"),
               (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
                "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32"),
               (getattr(cfg.model, "drop_path_mode", None) == "batch", "model.drop_path_mode=batch",

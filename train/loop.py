@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from zoo.pruning import sparsity_of
+
 from .builder import build_run
 from .checkpoint import CKPT_DIR, list_checkpoints
 from .checkpointer import Checkpointer
@@ -168,11 +170,14 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
 
 
 def evaluate(run) -> dict:
-    """The task's evaluation of the model (and of the EMA's weights, as ema_*)."""
+    """The task's evaluation of the model (and of the EMA's weights, as ema_*; with train.prune the
+    pruned linears' sparsity)."""
     with run.autocast():
         ev = run.task.evaluate(run.model)
         if run.ema is not None:
             ev.update({f"ema_{k}": v for k, v in run.task.evaluate(run.ema.model).items()})
+    if run.pruned:
+        ev["sparsity"] = sparsity_of(run.pruned)
     return ev
 
 

@@ -9,7 +9,8 @@ that adds a tensor storage's bytes when an op first returns it and subtracts the
 storage dies. The peak of that count, one steady-state step after a first one has made the
 optimizer's state, is the predicted peak. The parts:
 
-    params, buffers       the model's tensors (a frozen base counts here too)
+    params, buffers       the model's tensors (a frozen base counts here too; train.prune's masks,
+                          a byte per pruned weight, with the buffers)
     ema                   train.ema_decay: the averaged copy of the model
     grads                 one per trainable parameter, in its dtype
     optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout:
@@ -71,6 +72,7 @@ from torch.utils._pytree import tree_flatten
 from train.runtime import apply_runtime
 from train.step import DTYPES, EMA, autocast_for, optimizer_step, precision_of, resolve_precision
 from zoo.config import ConfigError
+from zoo.quantization import targets
 from zoo.tensors import tensors_of
 
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -466,6 +468,8 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         model.train()
         if cfg.train.ema_decay:  # the loop's EMA: a copy of the model, made before the optimizer
             trace.add_bytes(_bytes(model.parameters()) + _bytes(model.buffers()))
+        if cfg.train.prune:
+            trace.add_bytes(mask_bytes(model, cfg.train))
         task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
         task.autocast_dtype = amp
         with LiveBytes(device.type, trace):
@@ -547,11 +551,19 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         for h in handles:
             h.remove()
         p_bytes = _bytes(model.parameters())
-        b_bytes = _bytes(model.buffers())
+        b_bytes = _bytes(model.buffers()) + mask_bytes(model, cfg.train)
         g_bytes = sum(p.numel() * p.element_size() for p in params)
         inputs = _bytes(tree_flatten(batch)[0])
     return Simulated(persistent, p_bytes, b_bytes, g_bytes, states, inputs, fb - persistent, opt - persistent,
                      [per_unit.get(i, 0) for i in range(len(units))], logits["peak"], trace.events)
+
+
+def mask_bytes(model: nn.Module, t) -> int:
+    """train.prune's masks, counted with the buffers: a bool per weight of the pruned linears."""
+    if not t.prune:
+        return 0
+    modules = dict(model.named_modules())
+    return sum(modules[n].weight.numel() for n in targets(model, t.prune_keep))
 
 
 def _bytes(tensors) -> int:
@@ -747,7 +759,7 @@ def _static(cfg, device, B) -> Simulated:
             fake_step(opt)
             states = _bytes(tensors_of(opt.state))
         grads = sum(p.numel() * p.element_size() for p in params)
-        pb, bb = _bytes(model.parameters()), _bytes(model.buffers())
+        pb, bb = _bytes(model.parameters()), _bytes(model.buffers()) + mask_bytes(model, cfg.train)
     return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
 
 

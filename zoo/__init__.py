@@ -4,6 +4,7 @@
     model = zoo.from_pretrained("path/to/hf_checkpoint")
     zoo.save_pretrained(model, "out/")
     model = zoo.quantize(model, "int4wo")     # int8wo, int4wo, 8da4w; a ConvNet: "int8", calibration= (torchao)
+    masks = zoo.prune(model, "2:4")           # magnitude pruning of the linears: "unstructured" or "N:M"
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from .config import FAMILIES, ConfigError, family, from_dict, load_class, load_yaml, model_config_from
 
-__all__ = ["build", "from_pretrained", "save_pretrained", "quantize", "ConfigError", "FAMILIES"]
+__all__ = ["build", "from_pretrained", "save_pretrained", "quantize", "prune", "ConfigError", "FAMILIES"]
 
 def model_class(name: str):
     return load_class(family(name, "zoo").model)
@@ -79,3 +80,12 @@ def quantize(model, scheme: str, group_size: int = 32, keep=("embed", "lm_head")
             raise ValueError(f"scheme {scheme!r}: calibration= (image batches) is required")
         return quantize_convnet(model, calibration, scheme)
     return _quantize(model, scheme, group_size, keep)
+
+
+def prune(model, pattern: str = "unstructured", sparsity: float = 0.5, keep=("embed", "lm_head")) -> dict:
+    """Magnitude-prune the model's linears outside `keep` in place: `unstructured` (each linear's
+    smallest `sparsity` share of weights set to zero) or `N:M` such as "2:4". Returns the masks
+    ({name: (weight, mask)}) that zoo.pruning.apply_masks holds after each optimizer step of a
+    recovery fine-tune (zoo/pruning.py)."""
+    from .pruning import prune as _prune
+    return _prune(model, pattern, sparsity, keep)

@@ -217,13 +217,24 @@ def to_dict(obj) -> dict:
     return conv(obj)
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's numbers: a plain scalar with a colon (`2:4`, an N:M
+    pruning pattern) stays a string instead of YAML 1.1's base-60 number (124)."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and ":" in value and tag.endswith((":int", ":float")):
+            return "tag:yaml.org,2002:str"
+        return tag
+
+
 def load_yaml(path) -> dict:
     """Read a YAML mapping; a missing file, bad YAML or a non-mapping is a one-line error."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=ConfigLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -248,7 +259,7 @@ def parse_overrides(items, source: str = "command line") -> dict:
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"{source}: override '{item}' has an empty key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
+            value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() != "" else None
         except yaml.YAMLError:
             value = raw
         node = out

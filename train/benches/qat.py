@@ -63,24 +63,36 @@ def gguf_folder(path: Path, out: Path) -> Path:
 def fine_tune(args, base: Path, seed: int, qat: bool) -> dict:
     """The final row of one fine-tune (run, or read back when it finished before)."""
     out = Path(args.out) / f"{'qat' if qat else 'ptq'}-{args.scheme}-seed{seed}"
+    row = fine_tune_row(args, base, out, seed, [
+        f"train.quant_group_size={args.group_size}",
+        f"train.qat={args.scheme}" if qat else f"train.quantize={QAT_SCHEMES[args.scheme]}"])
+    if "quant_ref_val_loss" not in row:
+        raise SystemExit(f"bench.py qat: {out} has no quant_ref_val_loss (made by an older Zoo); delete it to run it again")
+    return row
+
+
+def fine_tune_row(args, base: Path, out: Path, seed: int, extra: list[str]) -> dict:
+    """The final row (its evaluation rows merged) of a fine-tune of `base` by train/run.py into
+    `out` with --steps, --lr (10% warmup), --eval-batches, --precision, --threads,
+    --fine-tune-overrides and `extra`; read back when `out` holds a finished run."""
     if not (out / "model.safetensors").is_file():
         cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(ROOT / "configs" / "llm" / "tiny.yaml"),
-               f"train.init_from={base}", f"train.out_dir={out}", f"train.max_steps={args.steps}",
-               f"train.seed={seed}", f"train.eval_batches={args.eval_batches}", "train.eval_every=0",
-               "train.checkpoint_every=0", "train.average_last=0", "train.samples=false", "train.plot=false",
-               "train.progress=false", "train.export=false", f"optim.lr={args.lr}", "optim.warmup_fraction=0.1",
-               f"train.quant_group_size={args.group_size}", f"train.precision={args.precision}",
-               f"train.qat={args.scheme}" if qat else f"train.quantize={QAT_SCHEMES[args.scheme]}",
-               *args.fine_tune_overrides.split()]
+               *fine_tune_overrides(args, base, out, seed), *extra]
         print(" ".join(cmd[1:]), flush=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads)) if args.threads else None
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     rows = read_rows(out)
     last = max(r["step"] for r in rows)
-    row = {k: v for r in rows if r["step"] == last for k, v in r.items()}  # its evaluation rows, merged
-    if "quant_ref_val_loss" not in row:
-        raise SystemExit(f"bench.py qat: {out} has no quant_ref_val_loss (made by an older Zoo); delete it to run it again")
-    return row
+    return {k: v for r in rows if r["step"] == last for k, v in r.items()}
+
+
+def fine_tune_overrides(args, base: Path, out: Path, seed: int) -> list[str]:
+    """The overrides of configs/llm/tiny.yaml that make it a fine-tune of `base` (fine_tune_row)."""
+    return [f"train.init_from={base}", f"train.out_dir={out}", f"train.max_steps={args.steps}",
+            f"train.seed={seed}", f"train.eval_batches={args.eval_batches}", "train.eval_every=0",
+            "train.checkpoint_every=0", "train.average_last=0", "train.samples=false", "train.plot=false",
+            "train.progress=false", "train.export=false", f"optim.lr={args.lr}", "optim.warmup_fraction=0.1",
+            f"train.precision={args.precision}", *args.fine_tune_overrides.split()]
 
 
 def seed_result(seed: int, ptq: dict, qat: dict) -> dict:
@@ -160,28 +172,39 @@ def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
     return done
 
 
-def main(argv=None):
-    p = harness.parser("qat", __doc__, precision=None, rounds=False)
+def fine_tune_arguments(p, out: str):
+    """The options of a bench of fine-tunes of one base (this one's and prune.py's)."""
     p.add_argument("--precision", type=harness.precision_name, default="fp32", help="the fine-tunes' train.precision")
-    p.add_argument("--scheme", choices=sorted(QAT_SCHEMES), default="int4")
     p.add_argument("--seeds", default="0,1,2", help="comma list of train.seed values")
     p.add_argument("--steps", type=harness.positive_int, default=100)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--group-size", type=harness.positive_int, default=32)
     p.add_argument("--eval-batches", type=harness.positive_int, default=20)
-    p.add_argument("--trained", default=None, help="the LLM run folder to fine-tune (default: the embedded default's)")
+    p.add_argument("--trained", default=None, help="the LLM to fine-tune: a run or Hugging Face folder, a GGUF "
+                                                   "file (default: the embedded default's run folder)")
     p.add_argument("--train-overrides", default="", help="as `quantized --train-overrides`: the base run changed")
     p.add_argument("--fine-tune-overrides", default="", help="key=value overrides of the fine-tunes")
-    p.add_argument("--out", default="runs/bench-qat")
+    p.add_argument("--out", default=out)
     p.add_argument("--docs", action="store_true")
-    p.add_argument("--render", action="store_true", help="only re-render the docs table from the JSON")
-    args = p.parse_args(argv)
+    p.add_argument("--render", action="store_true", help="only re-render the docs tables from the JSON")
+    return p
+
+
+def base_model(args) -> Path:
+    """The folder the fine-tunes start from: --trained (a GGUF file converted once into --out), or
+    the embedded default trained once."""
+    if args.trained and Path(args.trained).suffix == ".gguf":
+        return gguf_folder(Path(args.trained), Path(args.out))
+    return trained_folder(args.trained, overrides=args.train_overrides.split())
+
+
+def main(argv=None):
+    p = harness.parser("qat", __doc__, precision=None, rounds=False)
+    p.add_argument("--scheme", choices=sorted(QAT_SCHEMES), default="int4")
+    p.add_argument("--group-size", type=harness.positive_int, default=32)
+    args = fine_tune_arguments(p, "runs/bench-qat").parse_args(argv)
     if args.render:
         return harness.render_docs(DOCS_JSON, render)
-    if args.trained and Path(args.trained).suffix == ".gguf":
-        base = gguf_folder(Path(args.trained), Path(args.out))
-    else:
-        base = trained_folder(args.trained, overrides=args.train_overrides.split())
+    base = base_model(args)
     seeds = [seed_result(seed, fine_tune(args, base, seed, False), fine_tune(args, base, seed, True))
              for seed in (int(s) for s in args.seeds.split(","))]
     data = {"scheme": args.scheme, "base": str(base), "steps": args.steps, "lr": args.lr,
