@@ -24,15 +24,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from zoo.pruning import sparsity_of
 
 from .builder import build_run
-from .checkpoint import CKPT_DIR, list_checkpoints
+from .checkpoint import CKPT_DIR
 from .checkpointer import Checkpointer
 from .config import RunConfig
-from .distributed import Launch, Parallel, launch_env
+from .distributed import Parallel, launch_env
 from .finish import finish
 from .hardware import release_freed_memory, sync
 from .metrics import Metrics

@@ -790,7 +790,7 @@ class Option:
 
 def options(cfg, device) -> list[list[Option]]:
     """Groups of mutually exclusive options (one of each group may be chosen)."""
-    t, m, o = cfg.train, cfg.model, cfg.optim
+    t, o = cfg.train, cfg.optim
     groups = []
     if cfg.family == "llm" and not t.chunked_loss:
         groups.append([Option("train.chunked_loss=true", 1.0, {"train.chunked_loss": True})])
@@ -934,7 +934,6 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
 def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
     """The largest size from sizes[best] down whose forward and backward run (with the optimizer's
     planned state held on the device); the model's weights, buffers and RNG are left as they were."""
-    import contextlib
     amp = _precision(cfg, device)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     params = [p for p in model.parameters() if p.requires_grad]
