@@ -671,15 +671,23 @@ _calibration: dict = {}
 
 
 def calibration() -> dict:
-    """The CPU's unseen-memory envelope per family, {family: {"a": bytes, "b": fraction, ...}}, as
-    `python train/bench.py memory --calibrate` measured and wrote it (train/benches/
-    memory_calibration.json: the machine, torch, the date and every point it was fitted on)."""
+    """The CPU's unseen-memory envelopes, {key: {"a": bytes, "b": fraction, ...}}, key a family or a
+    family and its autocast dtype (`envelope_key`), as `python train/bench.py memory --calibrate`
+    measured and wrote them (train/benches/memory_calibration.json: the machine, torch, the date and
+    every point each was fitted on)."""
     if not _calibration:
         try:
             _calibration.update(json.loads(CALIBRATION.read_text())["families"])
         except (OSError, ValueError, KeyError):
             _calibration["none"] = {}
     return _calibration
+
+
+def envelope_key(cfg, device: torch.device) -> str:
+    """Which envelope holds `cfg`'s unseen memory: its family (fp32), or the family and the autocast
+    dtype ("llm bf16"): bf16 and fp16 run other kernels (oneDNN's), whose buffers are not fp32's."""
+    amp = _precision(cfg, device)
+    return cfg.family if amp is None else f"{cfg.family} {precision_of(amp)}"
 
 
 RESULTS = CALIBRATION.parent / "memory.json"
@@ -710,11 +718,13 @@ def unseen_bytes(cfg, device, held: int) -> int:
     graph's own objects and the heap fragmentation their allocations cause among the tensors'.
     Dispatch cannot see it, so it is measured: `envelope`, min(s * held, a + b * held), held the
     modelled heap of the tensors (`cpu_heap_peak`), s, a and b the upper envelope of
-    (measured - held) over the family's calibration configurations (`calibration()`). Zero on CUDA (the caching allocator's
-    replay holds everything the step allocates there; the CUDA context is apart)."""
+    (measured - held) over the calibration configurations of the same family and autocast dtype
+    (`envelope_key`; the family's fp32 envelope where that dtype has none; `calibration()`). Zero
+    on CUDA (the caching allocator's replay holds everything the step allocates there; the CUDA
+    context is apart)."""
     if device.type != "cpu":
         return 0
-    c = calibration().get(cfg.family)
+    c = calibration().get(envelope_key(cfg, device)) or calibration().get(cfg.family)
     if not c:
         return 0
     return round(envelope(c, held))
@@ -977,11 +987,15 @@ def cpu_keeps_freed_memory(cfg) -> bool:
     return cfg.train.cpu_keep_memory if cfg.train.cpu_keep_memory is not None else True
 
 
-def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
+MEASURE_STEPS = 16  # glibc's heap can still grow a block's size at the 12th step (docs/memory.md)
+
+
+def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
     """The measured memory of `cfg`'s training on the CPU, in this process: run it in a fresh one
     (measure_in_subprocess). Follows the loop's code path: glibc's allocator set as train/run.py
     sets it (`cpu_keeps_freed_memory`), the model built and set to train, the EMA, the optimizer,
-    the batch, then `steps` steps of the loop's own `optimizer_step`. Returns
+    the batch, then `steps` steps of the loop's own `optimizer_step` (the heap's layout differs from
+    process to process and its peak can grow in later steps, by a large block at a time). Returns
 
         start_rss   the process's resident memory before the model is built (the interpreter,
                     torch and Zoo imported: what every run has before it starts)
@@ -1035,13 +1049,13 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = 3) -> dict:
 
 
 def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
-                          timeout: float = 1800, collect_garbage: bool = True) -> dict:
+                          timeout: float = 1800, collect_garbage: bool = True, steps: int = MEASURE_STEPS) -> dict:
     """`measure` in a fresh Python process (nice'd like the caller): the run config `base` with
     `overrides`. collect_garbage=False: Python's cyclic garbage collector off in that process (to
     study where the peak's spread between processes comes from, docs/memory.md). Returns its dict."""
     import subprocess
     arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
-                      "gc": collect_garbage})
+                      "gc": collect_garbage, "steps": steps})
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-m", "train.plan", "--measure", arg], cwd=root, capture_output=True,
                          text=True, timeout=timeout)
@@ -1059,7 +1073,7 @@ def _measure_main(arg: str) -> int:
     if a.get("threads"):
         torch.set_num_threads(a["threads"])
     cfg = load_run_config(None, a["overrides"], base=a["base"])
-    print(json.dumps(measure(cfg, a.get("batch_size"))))
+    print(json.dumps(measure(cfg, a.get("batch_size"), a.get("steps", MEASURE_STEPS))))
     return 0
 
 

@@ -17,15 +17,15 @@ Measured (`train.plan.measure`, each configuration in --repeat fresh processes o
 largest kept: the same step's peak differs from process to process, docs/memory.md, and a user
 meets whichever their process draws; the table's `fresh processes` column gives the range): the growth of
 the process's peak resident memory (VmHWM) from just before the model is built (interpreter,
-torch and Zoo imported) to the end of three steps of the loop's own `optimizer_step`, with glibc
-set as train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
+torch and Zoo imported) to the end of `train.plan.MEASURE_STEPS` (16) steps of the loop's own
+`optimizer_step` (the heap can still grow by a large block after the third), with glibc set as train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
 nothing allocated): the tensors' peak, the heap glibc makes of them (the traced allocations
-replayed through a model of its malloc) and the unseen memory (the family's envelope of that
-heap, measured by --calibrate: `train.plan.envelope`).
+replayed through a model of its malloc) and the unseen memory (the envelope of that heap for the
+family and autocast dtype, measured by --calibrate: `train.plan.envelope`, `envelope_key`).
 
 --calibrate measures the CALIBRATE configurations (--repeat fresh processes each, the largest
-peak kept) and fits, per family, the envelope min(s * heap, a + b * heap) or the line a + b * heap
-that lies on or above every (heap, measured - heap) point with the smallest largest
+peak kept) and fits, per family and autocast dtype (`train.plan.envelope_key`: "llm", "llm bf16",
+...), the envelope min(s * heap, a + b * heap) or the line a + b * heap that lies on or above every (heap, measured - heap) point with the smallest largest
 predicted / measured (`fit_envelope`); it writes train/benches/memory_calibration.json (the planner reads it).
 The other configurations are not used to fit it (role `held out` in the table); a run takes the
 calibration rows' measurements from that file (role `fit`) and measures the rest (OUTSIDE: configurations the envelope is known
@@ -72,6 +72,7 @@ SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.4M: tests/test_plan.py's setti
 CONFIGS = {
     "llm 0.4M fp32 adamw full-loss": (SMALLEST, ["train.chunked_loss=false"]),
     "llm 4M fp32 adamw chunked": (LLM, []),
+    "llm 4M bf16 adamw chunked": (LLM, ["train.precision=bf16"]),
     "llm 28M fp32 adamw": (LLM30, []),
     "llm 28M bf16 adamw ckpt": (LLM30, ["train.precision=bf16", "train.activation_checkpointing=true"]),
     "llm 76M fp32 adamw": (LLM80, []),
@@ -82,17 +83,23 @@ CONFIGS = {
     "convnet fp32 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", []),
     "convnet fp32 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64"]),
     "convnet bf16 adamw (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64", "train.precision=bf16"]),
+    "convnet bf16 adamw (resnet-digits)": ("convnet/resnet-digits.yaml", ["train.precision=bf16"]),
+    "convnet fp32 adamw (width 32)": ("convnet/resnet-digits.yaml", ["model.width=32"]),
+    "convnet bf16 adamw (width 32)": ("convnet/resnet-digits.yaml", ["model.width=32", "train.precision=bf16"]),
     "diffusion fp32 adamw": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 adamw": ("diffusion/digits.yaml", ["train.batch_size=256", "train.precision=bf16"]),
+    "diffusion bf16 adamw (batch 64)": ("diffusion/digits.yaml", ["train.batch_size=64", "train.precision=bf16"]),
     "llm 0.9M fp32 adamw full-loss": (TINY, ["train.chunked_loss=false"]),
     "llm 4M fp32 adamw chunked ckpt": (LLM, ["train.activation_checkpointing=true"]),
     "llm 4M bf16 adamw full-loss ckpt": (LLM, ["train.precision=bf16", "train.chunked_loss=false",
                                               "train.activation_checkpointing=true"]),
 }
-# the configurations the unseen-memory envelope is fitted on (--calibrate); the rest check it
+# the configurations the unseen-memory envelopes are fitted on (--calibrate; one envelope per family and
+# autocast dtype, `train.plan.envelope_key`); the rest check them
 CALIBRATE = ["llm 0.4M fp32 adamw full-loss", "llm 4M fp32 adamw chunked", "llm 28M fp32 adamw", "llm 76M fp32 adamw",
-             "llm 76M bf16 adamw ckpt", "llm 79M deep-thin bf16 adamw",
-             "convnet fp32 adamw (resnet-digits)", "convnet fp32 adamw (width 64)", "diffusion fp32 adamw"]
+             "llm 4M bf16 adamw chunked", "llm 76M bf16 adamw ckpt", "llm 79M deep-thin bf16 adamw",
+             "convnet fp32 adamw (resnet-digits)", "convnet fp32 adamw (width 64)", "convnet bf16 adamw (resnet-digits)",
+             "convnet bf16 adamw (width 64)", "diffusion fp32 adamw", "diffusion bf16 adamw"]
 # measured and reported apart: configurations the envelope is known not to cover
 OUTSIDE: list[str] = []
 LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
@@ -101,6 +108,15 @@ LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 def base_of(spec):
     from zoo.config import load_yaml
     return load_yaml(ROOT / "configs" / spec) if isinstance(spec, str) else spec
+
+
+def key_of(name: str) -> str:
+    """The envelope a configuration's unseen memory belongs to (`train.plan.envelope_key`)."""
+    import torch
+    from train.config import load_run_config
+    from train.plan import envelope_key
+    spec, over = CONFIGS[name]
+    return envelope_key(load_run_config(None, over, base=base_of(spec)), torch.device("cpu"))
 
 
 def fit_envelope(points) -> dict:
@@ -158,7 +174,7 @@ def measure_rows(names, threads, log=print, measured=None, repeat=1) -> list[dic
             m["runs"] = [r["peak"] for r in runs]
         b = p.breakdown
         held = p.peak_bytes - b["unseen"]
-        row = {"name": name, "family": cfg.family, "params": p.breakdown["params"] // 4,
+        row = {"name": name, "family": cfg.family, "key": key_of(name), "params": p.breakdown["params"] // 4,
                "predicted": p.peak_bytes, "measured": m["peak"], "ratio": p.peak_bytes / m["peak"],
                "tensors": held - b["allocator"], "allocator": b["allocator"], "unseen": b["unseen"],
                "held": held, "start_rss": m["start_rss"], "phases": m["phases"], "runs": m.get("runs"), "planner_s": planner_s,
@@ -253,25 +269,25 @@ def main(argv=None):
         names = [n for n in CALIBRATE if n.startswith(args.only)]
         points = {}  # --only, --refit: the points as the last calibration measured them
         if (args.only or args.refit) and CALIBRATION.exists():
-            points = {pt["name"]: dict(pt, family=fam) for fam, c in json.loads(CALIBRATION.read_text())[
-                "families"].items() for pt in c["points"]}
+            points = {pt["name"]: dict(pt, key=key_of(pt["name"])) for c in json.loads(CALIBRATION.read_text())[
+                "families"].values() for pt in c["points"]}
         if args.refit:
             rows = measure_rows(names, args.threads, measured={n: points[n]["measured"] for n in names})
             for r in rows:
                 points[r["name"]]["held"] = r["held"]
         else:
             for r in measure_rows(names, args.threads, repeat=args.repeat):
-                points[r["name"]] = {"name": r["name"], "family": r["family"], "held": r["held"],
+                points[r["name"]] = {"name": r["name"], "key": r["key"], "held": r["held"],
                                      "measured": r["measured"], "runs": r["runs"], "date": machine()["date"]}
         families = {}
-        for fam in sorted({pt["family"] for pt in points.values()}):
-            pts = [pt for n, pt in points.items() if pt["family"] == fam and n in CALIBRATE]
-            families[fam] = {**fit_envelope([(pt["held"], pt["measured"]) for pt in pts]),
-                             "points": [{k: v for k, v in pt.items() if k != "family"} for pt in pts]}
-            c = families[fam]
-            print(f"{fam}: unseen = " + (f"min({c['s']:.2f} x heap, " if c["s"] is not None else "(")
+        for key in sorted({pt["key"] for pt in points.values()}):
+            pts = [pt for n, pt in points.items() if pt["key"] == key and n in CALIBRATE]
+            families[key] = {**fit_envelope([(pt["held"], pt["measured"]) for pt in pts]),
+                             "points": [{k: v for k, v in pt.items() if k != "key"} for pt in pts]}
+            c = families[key]
+            print(f"{key}: unseen = " + (f"min({c['s']:.2f} x heap, " if c["s"] is not None else "(")
                   + f"{c['a'] / MiB:.1f} MiB + {c['b']:.3f} x heap)"
-                  f"(largest predicted / measured on its points {families[fam]['worst_ratio']:.3f})")
+                  f"(largest predicted / measured on its points {c['worst_ratio']:.3f})")
         command = "python train/bench.py memory --calibrate" + (" --refit" if args.refit else "")
         CALIBRATION.write_text(json.dumps({"command": command, **machine(),
                                            "families": families}, indent=1) + "\n")
