@@ -18,15 +18,16 @@ largest kept: the same step's peak differs from process to process, docs/memory.
 meets whichever their process draws; the table's `fresh processes` column gives the range): the growth of
 the process's peak resident memory (VmHWM) from just before the model is built (interpreter,
 torch and Zoo imported) to the end of `train.plan.MEASURE_STEPS` (16) steps of the loop's own
-`optimizer_step` (the heap can still grow by a large block after the third), with glibc set as train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
+`optimizer_step` (the heap can still grow by a large block after the third), with glibc set as
+train/run.py sets it (`train.cpu_keep_memory`). Predicted (`train.plan.plan`, fake tensors,
 nothing allocated): the tensors' peak, the heap glibc makes of them (the traced allocations
 replayed through a model of its malloc) and the unseen memory (the envelope of that heap for the
 family and autocast dtype, measured by --calibrate: `train.plan.envelope`, `envelope_key`).
 
 --calibrate measures the CALIBRATE configurations (--repeat fresh processes each, the largest
 peak kept) and fits, per family and autocast dtype (`train.plan.envelope_key`: "llm", "llm bf16",
-...), the envelope min(s * heap, a + b * heap) or the line a + b * heap that lies on or above every (heap, measured - heap) point with the smallest largest
-predicted / measured (`fit_envelope`); it writes train/benches/memory_calibration.json (the planner reads it).
+...), the envelope min(s * heap, a + b * heap) or the line a + b * heap that lies on or above
+every (heap, measured - heap) point with the smallest largest predicted / measured (`fit_envelope`); it writes train/benches/memory_calibration.json (the planner reads it).
 The other configurations are not used to fit it (role `held out` in the table); a run takes the
 calibration rows' measurements from that file (role `fit`) and measures the rest (OUTSIDE: configurations the envelope is known
 not to cover, reported in a table of their own). A run writes train/benches/memory.json and
