@@ -2,14 +2,10 @@
 
 - `measure_peak_flops(device, dtype)`: the FLOP/s of a large square matmul in the compute dtype,
   the denominator of every MFU figure Zoo prints (metrics.jsonl and the benchmark tables).
-- `keep_freed_memory()` / `release_freed_memory()`: glibc's allocator told to keep freed memory
-  for reuse (and back to its defaults), see `train.cpu_keep_memory`.
 - `sync(device)`, `peak_memory_gb(device)`.
 """
 from __future__ import annotations
 
-import ctypes
-import platform
 import resource
 import sys
 import time
@@ -82,39 +78,3 @@ def peak_memory_gb(device: torch.device) -> float:
     # process peak resident set size (Linux reports KiB, macOS bytes)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-
-
-def _glibc():
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def keep_freed_memory() -> bool:
-    """Linux glibc: serve every allocation from the heap and never trim it (mallopt
-    M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB). glibc otherwise maps each block over 32 MiB afresh
-    and unmaps it when freed, so a step's large tensors (logits, activations, gradients) are
-    page-faulted in again every step. Process-wide; memory freed stays with the process (its
-    RSS stays at its peak, as with CUDA's caching allocator). Returns whether it applied."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    return libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
-
-
-def release_freed_memory() -> bool:
-    """Undo keep_freed_memory(): glibc's default limits again (mmap for blocks over 128 KiB,
-    trim at 128 KiB) and the kept memory returned to the OS. glibc's dynamic mmap threshold,
-    which any mallopt call turns off, stays off. Returns whether it applied."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    ok = libc.mallopt(_M_MMAP_MAX, 65536) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024) == 1
-    libc.malloc_trim(0)
-    return ok

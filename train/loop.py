@@ -32,7 +32,8 @@ from .checkpointer import Checkpointer
 from .config import RunConfig
 from .distributed import Parallel, launch_env
 from .finish import finish
-from .hardware import release_freed_memory, sync
+from .glibc import release_freed_memory
+from .hardware import sync
 from .metrics import Metrics
 from .optim import lr_multiplier, micro_batches, set_lr
 from .quantized import quantized_evaluation

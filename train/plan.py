@@ -69,6 +69,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from train.glibc import steady_heap_env
 from train.runtime import apply_runtime
 from train.step import DTYPES, EMA, autocast_for, optimizer_step, precision_of, resolve_precision
 from zoo.config import ConfigError
@@ -992,10 +993,11 @@ MEASURE_STEPS = 16  # glibc's heap can still grow a block's size at the 12th ste
 
 def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
     """The measured memory of `cfg`'s training on the CPU, in this process: run it in a fresh one
-    (measure_in_subprocess). Follows the loop's code path: glibc's allocator set as train/run.py
-    sets it (`cpu_keeps_freed_memory`), the model built and set to train, the EMA, the optimizer,
-    the batch, then `steps` steps of the loop's own `optimizer_step` (the heap's layout differs from
-    process to process and its peak can grow in later steps, by a large block at a time). Returns
+    started as train/run.py starts (measure_in_subprocess; with glibc's tcache on, the heap's
+    layout differs from process to process). Follows the loop's code path: glibc's allocator set
+    as train/run.py sets it (`cpu_keeps_freed_memory`), the model built and set to train, the EMA,
+    the optimizer, the batch, then `steps` steps of the loop's own `optimizer_step` (the heap's
+    peak can grow in later steps, by a large block at a time). Returns
 
         start_rss   the process's resident memory before the model is built (the interpreter,
                     torch and Zoo imported: what every run has before it starts)
@@ -1005,7 +1007,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
                     optimizer state, batch, the EMA's copy)
         rest_rss    the resident memory after the last step"""
     import gc
-    from train.hardware import keep_freed_memory
+    from train.glibc import keep_freed_memory
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
@@ -1050,15 +1052,16 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
 
 def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
                           timeout: float = 1800, collect_garbage: bool = True, steps: int = MEASURE_STEPS) -> dict:
-    """`measure` in a fresh Python process (nice'd like the caller): the run config `base` with
-    `overrides`. collect_garbage=False: Python's cyclic garbage collector off in that process (to
-    study where the peak's spread between processes comes from, docs/memory.md). Returns its dict."""
+    """`measure` in a fresh Python process (nice'd like the caller), started with glibc as
+    train/run.py starts (`train.glibc.steady_heap_env`): the run config `base` with `overrides`.
+    collect_garbage=False: Python's cyclic garbage collector off in that process (to study where
+    the peak's spread between processes comes from, docs/memory.md). Returns its dict."""
     import subprocess
     arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
                       "gc": collect_garbage, "steps": steps})
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-m", "train.plan", "--measure", arg], cwd=root, capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, env=steady_heap_env())
     if out.returncode != 0:
         raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from .hardware import keep_freed_memory, measure_peak_flops
+from .glibc import keep_freed_memory, steady_heap
+from .hardware import measure_peak_flops
 
 EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
@@ -98,7 +99,9 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> 
         kept = keep_freed_memory()
         if kept:
             log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)"
-                + ("" if owns_process else "; glibc's defaults are restored when train() returns"))
+                + ("" if owns_process else "; glibc's defaults are restored when train() returns")
+                + ("" if steady_heap() else "; glibc's tcache is on, so the peak memory differs from process to "
+                   "process (start the process as train/run.py does: train.glibc.steady_heap_env)"))
         else:
             log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
     if device.type == "cuda":

@@ -40,7 +40,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.hardware import _glibc, keep_freed_memory, measure_peak_flops  # noqa: E402
+from train.glibc import keep_freed_memory, libc  # noqa: E402
+from train.hardware import measure_peak_flops  # noqa: E402
 from train.step import DTYPES as PRECISIONS  # noqa: E402  (fp32, bf16, fp16: train.precision's names)
 
 MIN_ROUNDS = 8
@@ -223,9 +224,9 @@ def rss() -> Optional[int]:
 def trim():
     """Collect garbage and hand freed heap memory back to the OS (glibc), so the next peak is measured from a low base."""
     gc.collect()
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    c = libc()
+    if c is not None:
+        c.malloc_trim(0)
 
 
 class PeakRSS:

@@ -1,0 +1,46 @@
+"""What a run tells glibc (train/glibc.py): the tcache off from the process's start, so that the
+same run peaks at the same resident memory in every process."""
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from train.glibc import TCACHE, steady_heap_env
+
+ON_GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+
+def test_steady_heap_env_turns_the_tcache_off_and_keeps_the_callers_choice():
+    assert steady_heap_env({})["GLIBC_TUNABLES"] == f"{TCACHE}=0"
+    assert steady_heap_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"}) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{TCACHE}=0", "X": "1"}
+    mine = {"GLIBC_TUNABLES": f"{TCACHE}=7"}
+    assert steady_heap_env(mine) == mine
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="needs Linux with glibc")
+def test_a_process_restarts_once_with_the_tcache_off_and_its_options_kept():
+    """restart_with_steady_heap() runs the same command line again (interpreter options included)
+    with the tunable set, once; where the caller set a tcache count it does nothing."""
+    code = ("import os, sys; print('started', sys.flags.dont_write_bytecode, flush=True); "
+            "from train.glibc import restart_with_steady_heap; restart_with_steady_heap(); "
+            "print(os.environ.get('GLIBC_TUNABLES'))")
+    env = {k: v for k, v in steady_heap_env().items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split("\n")[:3] == ["started 1", "started 1", f"{TCACHE}=0"], out.stdout
+    env["GLIBC_TUNABLES"] = f"{TCACHE}=7"
+    out = subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split("\n")[:2] == ["started 1", f"{TCACHE}=7"], out.stdout
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="needs Linux with glibc")
+def test_the_same_run_peaks_alike_in_every_process():
+    """The 0.9M LLM with full loss (64 MiB logits), 6 steps in three fresh processes started as
+    train/run.py starts: the same peak within 1%. With glibc's tcache on, six such processes
+    peaked anywhere from 405 to 533 MiB (docs/memory.md, "Why processes differed")."""
+    from train.benches.memory import CONFIGS, base_of
+    from train.plan import measure_in_subprocess
+    spec, over = CONFIGS["llm 0.9M fp32 adamw full-loss"]
+    peaks = [measure_in_subprocess(base_of(spec), over, steps=6)["peak"] for _ in range(3)]
+    assert max(peaks) <= 1.01 * min(peaks), [p / 2**20 for p in peaks]
