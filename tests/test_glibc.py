@@ -44,3 +44,20 @@ def test_the_same_run_peaks_alike_in_every_process():
     spec, over = CONFIGS["llm 0.9M fp32 adamw full-loss"]
     peaks = [measure_in_subprocess(base_of(spec), over, steps=6)["peak"] for _ in range(3)]
     assert max(peaks) <= 1.01 * min(peaks), [p / 2**20 for p in peaks]
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="needs Linux with glibc")
+def test_train_run_starts_with_the_tcache_off(tmp_path):
+    """train/run.py from an environment without the tunable: the run's process has it (the loop
+    logs when a run's tcache is on, and this run's log does not say so)."""
+    import os
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(root / "train" / "run.py"), str(root / "configs/convnet/resnet-digits.yaml"),
+                           "train.max_steps=2", "train.progress=false", f"train.out_dir={out}"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (out / "log.txt").read_text()
+    assert "backends: cpu, freed memory kept" in log and "tcache is on" not in log, log
