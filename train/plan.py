@@ -173,9 +173,11 @@ def cpu_heap_peak(events, keep: bool) -> int:
     where it is, for a later block of its size or less: it does not merge with its free neighbours
     (a freed chunk at the top of the heap goes back to the top). In a training process the tensors'
     chunks are interleaved with many small allocations no tensor makes (the autograd graph's nodes,
-    the tensors' own objects: about 19,000 a step for a 4-block LLM), which glibc keeps in its
-    per-size caches (tcache) without coalescing them, so they separate the tensors' freed chunks
-    (docs/memory.md, "The heap model").
+    the tensors' own objects: about 19,000 a step for a 4-block LLM), which separate the tensors'
+    freed chunks: those glibc's per-size caches (tcache, on by default) keep unmerged, and those
+    still alive (with the tcache off, as train/run.py starts, more of them merge: a process lands
+    between this model and a merging one; the unseen envelope carries the rest; docs/memory.md,
+    "The heap model").
     keep (train.cpu_keep_memory, glibc told M_MMAP_MAX=0): every block is on the heap; else blocks
     at or over the mmap threshold are mapped apart and unmapped when freed, the threshold rising to
     the size of a freed mapped block (glibc's dynamic threshold, at most 32 MiB). The resident peak
