@@ -145,8 +145,9 @@ def test_prediction_is_not_under_a_fresh_measurement():
     at 108.6-109.6 MiB in three processes (docs/memory.md), where a ConvNet or a bf16 LLM moves by
     a tenth or more from process to process. Not under it by more than 2% (the spread of the
     diffusion measurements, at most 1.1% between the bench's processes); not over by half (the
-    diffusion envelope is a line fitted at batches 16 and 256, about 1.0x here). The measured tensors left after the steps
-    (weights, optimizer state, EMA, batch) are the planned ones, byte for byte."""
+    diffusion envelope is a line fitted at batches 16 and 256, about 1.0x here). The measured
+    tensors left after the steps (weights, optimizer state, EMA, batch) are the planned ones, byte
+    for byte."""
     from train.benches.memory import CONFIGS, base_of
     spec, over = CONFIGS["diffusion fp32 adamw"]
     base, over = base_of(spec), [*over, "train.batch_size=8"]
