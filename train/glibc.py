@@ -83,7 +83,7 @@ def restart_with_steady_heap() -> None:
     do (not glibc, the tunable set already, or no command line to run again, as in an embedded
     interpreter); else does not return (os.execve: the same process id, so torchrun and job
     schedulers see one process). Call it first, before anything is imported or written."""
-    if libc() is None or steady_heap() or not getattr(sys, "orig_argv", None):
+    if steady_heap() or not getattr(sys, "orig_argv", None) or libc() is None:  # the restarted process: one look at the environment
         return
     sys.stdout.flush()
     sys.stderr.flush()
