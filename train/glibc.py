@@ -1,9 +1,11 @@
-"""What a run tells glibc's allocator (Linux with glibc; elsewhere each function does nothing).
+"""What a run tells the CPU allocators under torch: glibc's malloc and MKL's buffer cache (Linux
+with glibc; elsewhere each function does nothing).
 
 - `keep_freed_memory()` / `release_freed_memory()`: freed memory kept in the process for reuse,
   and glibc's defaults back (`train.cpu_keep_memory`).
-- `steady_heap_env()` / `restart_with_steady_heap()`: glibc's per-thread cache of small freed
-  chunks (tcache) off, so that the same run peaks at the same resident memory in every process.
+- `steady_heap_env()` / `restart_with_steady_heap()`: the caches that place small and long-lived
+  blocks by chance off (glibc's tcache and fastbins, MKL's buffer cache), so that the same run
+  peaks at about the same resident memory in every process, and lower.
 
 Imports nothing but the standard library: train/run.py calls `restart_with_steady_heap` before
 torch is imported.
@@ -16,7 +18,8 @@ import platform
 import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-TCACHE = "glibc.malloc.tcache_count"
+TCACHE, MXFAST = "glibc.malloc.tcache_count", "glibc.malloc.mxfast"
+MKL_FAST_MM = "MKL_DISABLE_FAST_MM"
 
 
 def libc():
@@ -54,34 +57,45 @@ def release_freed_memory() -> bool:
 
 
 def steady_heap_env(env=None) -> dict:
-    """A copy of `env` (default os.environ) whose GLIBC_TUNABLES turns glibc's tcache off
-    (glibc.malloc.tcache_count=0), unless it sets a tcache count already (the caller's choice
-    stands). The tcache keeps up to 7 freed chunks of each small size (up to 1 KiB: the autograd
-    graph's nodes, the tensors' own objects, tens of thousands a step) apart from the heap, never
-    merged, and hands them out again in an order that follows the process's own randomness (its
-    hash seed, its address layout). Where those small chunks land decides whether a large tensor's
-    freed chunk merges with its neighbours and can take the next large block, so the same run's
-    peak differed from process to process (a 0.9M LLM with full loss: 433-599 MiB over 16 steps).
-    With the tcache off glibc merges small freed chunks before it serves a large request, and the
-    processes peak alike (471.0 MiB four times; docs/memory.md, "Why processes differed")."""
+    """A copy of `env` (default os.environ) with what keeps a run's heap the same from process to
+    process (docs/memory.md, "Why processes differed"); a setting the caller made stands:
+
+    - GLIBC_TUNABLES glibc.malloc.tcache_count=0: glibc's per-thread cache of small freed chunks
+      off. It keeps up to 7 freed chunks of each small size (up to 1 KiB: the autograd graph's
+      nodes, the tensors' own objects, tens of thousands a step) apart from the heap, never merged,
+      and hands them out in an order that follows the process's own randomness (its hash seed, its
+      address layout). Where those small chunks land decides whether a large tensor's freed chunk
+      merges with its neighbours and can take the next large block (a 0.9M LLM with full loss
+      peaked at 433-599 MiB over 16 steps from process to process).
+    - glibc.malloc.mxfast=0: glibc's fastbins off, so a small chunk freed merges with its free
+      neighbours at once. A training step frees small objects in an order that differs from
+      process to process (the 16-byte nodes of a hash set keyed by address are freed in the set's
+      order); kept in fastbins, they were handed out again in that order (a ResNet-10 of width 32:
+      190-241 MiB in six processes; 196-208 without them).
+    - MKL_DISABLE_FAST_MM=1: MKL allocates its matmul buffers for each call and frees them, instead
+      of keeping the first ones for the process's lifetime wherever the heap's top then was (after
+      a 64 MiB logits block, they kept that block's freed chunk from merging: the 0.9M LLM peaked
+      at 471 MiB with them, 409-410 without)."""
     env = dict(os.environ if env is None else env)
     tunables = env.get("GLIBC_TUNABLES", "")
-    if TCACHE not in tunables:
-        env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, f"{TCACHE}=0") if t)
+    missing = [f"{key}=0" for key in (TCACHE, MXFAST) if key not in tunables]
+    if missing:
+        env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, *missing) if t)
+    env.setdefault(MKL_FAST_MM, "1")
     return env
 
 
 def steady_heap() -> bool:
-    """Whether this process's environment sets glibc's tcache count (`steady_heap_env` set it, or
-    the user chose one): glibc runs as that says, and no run restarts the process."""
-    return TCACHE in os.environ.get("GLIBC_TUNABLES", "")
+    """Whether this process's environment has every setting of `steady_heap_env` (set by it or
+    by the user): the allocators run as that says, and no run restarts the process."""
+    return steady_heap_env() == dict(os.environ)
 
 
 def restart_with_steady_heap() -> None:
-    """Start this process again, same command line, with `steady_heap_env()`, where glibc runs
-    without it: glibc reads its tunables only when a process starts. Returns where nothing is to
-    do (not glibc, the tunable set already, or no command line to run again, as in an embedded
-    interpreter); else does not return (os.execve: the same process id, so torchrun and job
+    """Start this process again, same command line, with `steady_heap_env()`, where the environment
+    lacks it: glibc and MKL read these settings only when a process starts. Returns where nothing is
+    to do (not glibc, the settings there already, or no command line to run again, as in an
+    embedded interpreter); else does not return (os.execve: the same process id, so torchrun and job
     schedulers see one process). Call it first, before anything is imported or written."""
     if steady_heap() or not getattr(sys, "orig_argv", None) or libc() is None:  # the restarted process: one look at the environment
         return

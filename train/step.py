@@ -100,8 +100,9 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> 
         if kept:
             log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)"
                 + ("" if owns_process else "; glibc's defaults are restored when train() returns")
-                + ("" if steady_heap() else "; glibc's tcache is on, so the peak memory differs from process to "
-                   "process (start the process as train/run.py does: train.glibc.steady_heap_env)"))
+                + ("" if steady_heap() else "; the allocators' caches are on (glibc's tcache and fastbins, MKL's "
+                   "buffers), so the peak memory differs from process to process (start the process as "
+                   "train/run.py does: train.glibc.steady_heap_env)"))
         else:
             log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
     if device.type == "cuda":
