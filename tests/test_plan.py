@@ -142,9 +142,9 @@ def test_prediction_is_not_under_a_fresh_measurement():
     """The whole plan (tensors, the heap replay, the calibrated unseen memory) against a fresh
     process's measured peak (train.plan.measure: 16 steps of the loop's own step), on a
     configuration whose measurement is stable: the diffusion model at batch 8, one thread, measured
-    at 108.6-109.6 MiB in three processes (docs/memory.md), where a ConvNet or a bf16 LLM moves by
-    a tenth or more from process to process. Not under it by more than 2% (the spread of the
-    diffusion measurements, at most 1.1% between the bench's processes); not over by half (the
+    at 107.3-108.0 MiB in three processes (docs/memory.md), where a ConvNet or a bf16 LLM moves by
+    several percent from process to process. Not under it by more than 2% (its three processes
+    differed by 0.7%); not over by half (the
     diffusion envelope is a line fitted at batches 16 and 256, about 1.0x here). The measured
     tensors left after the steps (weights, optimizer state, EMA, batch) are the planned ones, byte
     for byte."""
