@@ -158,25 +158,6 @@ def test_prediction_is_not_under_a_fresh_measurement():
     assert m["live"] == b["params"] + b["buffers"] + b["optimizer_states"] + b["ema"] + b["inputs"]
 
 
-def test_cpu_heap_reuses_freed_chunks_best_fit_and_never_merges_them():
-    """glibc's heap as the planner models it (docs/memory.md, the heap model): a freed chunk is
-    reused by a block of its size or less (the smallest that fits), but never merged with a freed
-    neighbour, so two freed 1 KiB chunks side by side do not hold a 2 KiB block. Chunks
-    are the request + 8 bytes rounded up to 64; without train.cpu_keep_memory blocks of 128 KiB
-    and more are mapped apart."""
-    events = [(1, 1000), (2, 1000), (3, 1000), (1, -1000), (2, -1000),   # chunks of 1024 at 0, 1024, 2048
-              (4, 2000),                                                # 2048: no freed chunk holds it
-              (5, 500), (6, 1000), (3, -1000), (7, 1000)]               # into the freed chunks
-    assert planner.cpu_heap_peak(events, keep=True) == 3 * 1024 + 2048
-    # a freed chunk at the top goes back to it; the top grows over a freed chunk just below it
-    assert planner.cpu_heap_peak([(1, 1000), (2, 1000), (1, -1000), (2, -1000), (3, 3000)], keep=True) == (3000 + 8 + 63) // 64 * 64
-    mapped = [(1, 1000), (2, 200_000), (2, -200_000), (3, 1000)]
-    assert planner.cpu_heap_peak(mapped, keep=False) == 1024 + (200_008 + 63) // 64 * 64
-    assert planner.cpu_heap_peak(mapped, keep=True) == 1024 + (200_008 + 63) // 64 * 64
-    # a freed mapped block raises the threshold (glibc's dynamic one): the next of its size is on the heap
-    assert planner.cpu_heap_peak(mapped + [(4, 200_000)], keep=False) == 2 * 1024 + (200_008 + 63) // 64 * 64
-
-
 def test_live_bytes_counts_one_device_only():
     counter = planner.LiveBytes("cuda")
     counter.add(torch.empty(100))  # a host tensor: where offloaded activations live

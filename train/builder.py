@@ -29,6 +29,7 @@ from zoo.weights.files import atomic_write
 
 from .distill import load_teacher
 from .distributed import Launch, Parallel, unsupported
+from .glibc import fill_heap_holes
 from .optim import build_optimizer
 from .quantized import prepare as prepare_qat
 from .runtime import apply_runtime
@@ -160,6 +161,8 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
+    if device.type == "cpu":
+        fill_heap_holes()  # glibc: the run's blocks laid out alike in every process (train/heap.py)
     model = build_model(cfg, task, device, say)
     pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)

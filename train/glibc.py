@@ -6,6 +6,9 @@ with glibc; elsewhere each function does nothing).
 - `steady_heap_env()` / `restart_with_steady_heap()`: the caches that place small and long-lived
   blocks by chance off (glibc's tcache and fastbins, MKL's buffer cache), so that the same run
   peaks at about the same resident memory in every process, and lower.
+- `fill_heap_holes()`: the free chunks that the process left in the heap before the run filled,
+  so that the run's blocks are laid out the same way in every process, as train/heap.py lays
+  them out.
 
 Imports nothing but the standard library: train/run.py calls `restart_with_steady_heap` before
 torch is imported.
@@ -13,6 +16,7 @@ torch is imported.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -22,6 +26,7 @@ TCACHE, MXFAST = "glibc.malloc.tcache_count", "glibc.malloc.mxfast"
 MKL_FAST_MM = "MKL_DISABLE_FAST_MM"
 
 
+@functools.lru_cache(maxsize=None)
 def libc():
     """glibc, or None where the C library is another (or the platform not Linux)."""
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
@@ -38,22 +43,86 @@ def keep_freed_memory() -> bool:
     when freed, so a step's large tensors (logits, activations, gradients) are page-faulted in
     again every step. Process-wide; memory freed stays with the process (its RSS stays at its
     peak, as with CUDA's caching allocator). Returns whether it applied."""
+    global _kept
     c = libc()
     if c is None:
         return False
-    return c.mallopt(_M_MMAP_MAX, 0) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
+    _kept = c.mallopt(_M_MMAP_MAX, 0) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
+    return _kept
 
 
 def release_freed_memory() -> bool:
     """Undo keep_freed_memory(): glibc's default limits again (mmap for blocks over 128 KiB,
-    trim at 128 KiB) and the kept memory returned to the OS. glibc's dynamic mmap threshold,
-    which any mallopt call turns off, stays off. Returns whether it applied."""
+    trim at 128 KiB) and the kept memory returned to the OS, the blocks of `fill_heap_holes` too.
+    glibc's dynamic mmap threshold, which any mallopt call turns off, stays off. Returns whether
+    it applied."""
+    global _kept
     c = libc()
     if c is None:
         return False
+    _kept = False
+    while _fillers:
+        c.free(ctypes.c_void_p(_fillers.pop()))
     ok = c.mallopt(_M_MMAP_MAX, 65536) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 128 * 1024) == 1
     c.malloc_trim(0)
     return ok
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_fillers: list[int] = []  # the blocks fill_heap_holes placed, kept until release_freed_memory
+_kept = False  # keep_freed_memory() in effect
+_MADV_DONTNEED, _PAGE = 4, 4096
+
+
+def fill_heap_holes() -> int:
+    """Fill every free chunk of glibc's heap with a block that nothing uses, then give the heap's
+    free top back to the OS and start it on a 64-byte boundary. Returns the bytes filled.
+
+    Why: glibc serves a request from the best-fitting free chunk anywhere in the heap, so a run's
+    blocks land in whatever holes the process left before it (imports, reading data), which
+    differ from process to process; the same run then peaks at different resident memory (a
+    ResNet-10 at width 32: 201-213 MiB in four processes, 207.8 MiB in each with its holes
+    filled). With the holes filled, the run's blocks come from the top of the heap, as
+    train/heap.py (the planner's model of glibc) places them. The fillers cost no resident
+    memory: their whole pages are given back to the OS (madvise) and never touched again.
+
+    Call it just before the run builds its model. Does nothing (returns 0) unless
+    keep_freed_memory() is in effect (with blocks mapped apart, glibc's default, the large fillers
+    would not come from the heap), or without glibc 2.33 or later (mallinfo2)."""
+    c = libc()
+    if not _kept or c is None or not hasattr(c, "mallinfo2"):
+        return 0
+    c.mallinfo2.restype = _Mallinfo2
+    c.malloc.restype, c.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    c.free.argtypes = [ctypes.c_void_p]
+    c.sbrk.restype, c.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+    c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def top() -> int:  # where the heap's free top chunk starts
+        return c.sbrk(0) - c.mallinfo2().keepcost
+
+    start, filled = top(), 0
+    for shift in range(20, 4, -1):  # chunks of 1 MiB, 512 KiB, ... 32 bytes: each hole filled, largest first
+        size = (1 << shift) - 8
+        while True:
+            p = c.malloc(size)
+            if not p or p >= start:  # from the top: no hole of this size is left
+                c.free(p)
+                break
+            _fillers.append(p)
+            filled += size
+            lo, hi = (p + _PAGE - 1) // _PAGE * _PAGE, (p + size) // _PAGE * _PAGE
+            if hi > lo:
+                c.madvise(lo, hi - lo, _MADV_DONTNEED)
+    c.malloc_trim(0)
+    pad = {16: 40, 32: 24, 48: 72}.get(top() % 64)  # a chunk of 48, 32 or 80 bytes: the top on a 64-byte boundary
+    if pad:
+        _fillers.append(c.malloc(pad))
+    return filled
 
 
 def steady_heap_env(env=None) -> dict:

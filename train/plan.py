@@ -37,7 +37,7 @@ model.
 
 The peak is what the device will hold, not only the tensors: the storages the step makes and frees,
 in order (`AllocTrace`, from the model's construction to the third step), are replayed through a
-model of the device's allocator (`allocator`: glibc's heap on a CPU, `cpu_heap_peak`; the CUDA
+model of the device's allocator (`allocator`: glibc's heap on a CPU, `train.heap.heap_peak`; the CUDA
 caching allocator's reserved segments, `cuda_reserved_peak`), and on a CPU the memory no tensor
 holds (`unseen`: BLAS and oneDNN buffers, the runtime's own allocations and the fragmentation they
 cause) is added from a per-family envelope measured on this machine (`python train/bench.py memory
@@ -70,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from train.glibc import steady_heap_env
+from train.heap import heap_peak
 from train.runtime import apply_runtime
 from train.step import DTYPES, EMA, autocast_for, optimizer_step, precision_of, resolve_precision
 from zoo.config import ConfigError
@@ -135,7 +136,7 @@ class LiveBytes(TorchDispatchMode):
 class AllocTrace:
     """The order in which tensor storages are made and freed: [(key, +bytes) or (key, -bytes)], each
     storage once however many counters see it. Replayed through a model of the device's allocator
-    (`cpu_heap_peak`, `cuda_reserved_peak`) it gives the memory the allocator holds at its peak."""
+    (`train.heap.heap_peak`, `cuda_reserved_peak`) it gives the memory the allocator holds at its peak."""
 
     def __init__(self):
         self.events: list[tuple[int, int]] = []
@@ -160,77 +161,6 @@ class AllocTrace:
     def _free(self, key, uid, n):
         if self._refs.pop(key, None) is not None:
             self.events.append((uid, -n))
-
-
-# glibc's malloc (Linux) as it serves the CPU allocator's blocks (c10: posix_memalign, 64-byte aligned)
-GLIBC_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX = 128 * 1024, 32 * MiB
-
-
-def cpu_heap_peak(events, keep: bool) -> int:
-    """The peak resident bytes glibc's malloc holds for the blocks of `events` (an AllocTrace's),
-    modelled: a heap served best-fit (the smallest free chunk that fits, split; the top of the heap
-    grows when nothing fits), chunks of the request + 8 bytes rounded up to 64. A freed chunk stays
-    where it is, for a later block of its size or less: it does not merge with its free neighbours
-    (a freed chunk at the top of the heap goes back to the top). In a training process the tensors'
-    chunks are interleaved with many small allocations no tensor makes (the autograd graph's nodes,
-    the tensors' own objects: about 19,000 a step for a 4-block LLM), which separate the tensors'
-    freed chunks: those glibc's per-size caches (tcache, on by default) keep unmerged, and those
-    still alive (with the tcache off, as train/run.py starts, more of them merge: a process lands
-    between this model and a merging one; the unseen envelope carries the rest; docs/memory.md,
-    "The heap model").
-    keep (train.cpu_keep_memory, glibc told M_MMAP_MAX=0): every block is on the heap; else blocks
-    at or over the mmap threshold are mapped apart and unmapped when freed, the threshold rising to
-    the size of a freed mapped block (glibc's dynamic threshold, at most 32 MiB). The resident peak
-    is the highest (heap top + mapped bytes): freed heap memory stays resident."""
-    import bisect
-    top = mapped = peak = 0
-    threshold = GLIBC_MMAP_THRESHOLD
-    free: list[tuple[int, int]] = []             # free chunks (size, address), sorted
-    ends: dict[int, int] = {}                     # free chunk end -> its size
-    blocks: dict[int, tuple[int, int]] = {}       # live block -> (address or -1 when mapped, size)
-
-    def put(addr, size):
-        bisect.insort(free, (size, addr))
-        ends[addr + size] = size
-
-    def take(i):
-        size, addr = free.pop(i)
-        del ends[addr + size]
-        return size, addr
-
-    for uid, n in events:
-        if n > 0:
-            size = (n + 8 + 63) // 64 * 64
-            if not keep and n >= threshold:
-                blocks[uid] = (-1, size)
-                mapped += size
-            else:
-                i = bisect.bisect_left(free, (size, -1))
-                if i < len(free):
-                    fsize, addr = take(i)
-                    if fsize > size:
-                        put(addr + size, fsize - size)
-                else:  # from the top, which takes in a free chunk just below it
-                    addr = top - ends.get(top, 0)
-                    if addr < top:
-                        take(free.index((top - addr, addr)))
-                    top = addr + size
-                blocks[uid] = (addr, size)
-            peak = max(peak, top + mapped)
-        else:
-            got = blocks.pop(uid, None)
-            if got is None:
-                continue
-            addr, size = got
-            if addr < 0:
-                mapped -= size
-                if size <= GLIBC_MMAP_THRESHOLD_MAX:
-                    threshold = max(threshold, size)
-            elif addr + size == top:                # the top of the heap: it shrinks (kept free)
-                top = addr
-            else:
-                put(addr, size)
-    return peak
 
 
 def cuda_reserved_peak(events) -> int:
@@ -550,7 +480,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             phase["name"] = "forward"
             fb, opt = step(track=True)
             phase["name"] = "third"
-            step(track=False)  # the allocator's layout settles over the first steps (cpu_heap_peak)
+            step(track=False)  # the allocator's layout settles over the first steps (train/heap.py)
         for h in handles:
             h.remove()
         p_bytes = _bytes(model.parameters())
@@ -720,7 +650,7 @@ def unseen_bytes(cfg, device, held: int) -> int:
     (packing buffers, primitive caches, convolution scratch), the thread pools, the autograd
     graph's own objects and the heap fragmentation their allocations cause among the tensors'.
     Dispatch cannot see it, so it is measured: `envelope`, min(s * held, a + b * held), held the
-    modelled heap of the tensors (`cpu_heap_peak`), s, a and b the upper envelope of
+    modelled heap of the tensors (`train.heap.heap_peak`), s, a and b the upper envelope of
     (measured - held) over the calibration configurations of the same family and autocast dtype
     (`envelope_key`; the family's fp32 envelope where that dtype has none; `calibration()`). Zero
     on CUDA (the caching allocator's replay holds everything the step allocates there; the CUDA
@@ -743,7 +673,7 @@ def envelope(c: dict, held: float) -> float:
 
 def allocator_overhead(events, cfg, device) -> int:
     """What the device's allocator holds at its peak beyond the peak of the tensors alive: the trace
-    replayed through glibc's heap (CPU, `cpu_heap_peak`) or the CUDA caching allocator
+    replayed through glibc's heap (CPU, `train.heap.heap_peak`) or the CUDA caching allocator
     (`cuda_reserved_peak`, plus cuBLAS's workspace)."""
     live = peak_live = 0
     for _, n in events:
@@ -752,7 +682,7 @@ def allocator_overhead(events, cfg, device) -> int:
     if device.type == "cuda":
         held = cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES
     elif device.type == "cpu":
-        held = cpu_heap_peak(events, cpu_keeps_freed_memory(cfg))
+        held = heap_peak(events, cpu_keeps_freed_memory(cfg))
     else:
         held = peak_live
     return held - peak_live
@@ -1009,7 +939,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
                     optimizer state, batch, the EMA's copy)
         rest_rss    the resident memory after the last step"""
     import gc
-    from train.glibc import keep_freed_memory
+    from train.glibc import fill_heap_holes, keep_freed_memory
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
@@ -1019,6 +949,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them: 160 MiB)
         build_model(cfg)
     gc.collect()
+    fill_heap_holes()  # as the run builder does: the run's blocks laid out alike in every process
     start = _proc_status("VmRSS")
     start_file = _proc_status("RssFile") + _proc_status("RssShmem")
     with open("/proc/self/clear_refs", "w") as f:
