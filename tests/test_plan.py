@@ -68,6 +68,7 @@ def test_adamw8bit_state_layout_matches_torchao():
 
 
 def test_deep_stacks_extrapolate_to_the_full_simulation(monkeypatch):
+    monkeypatch.setattr(planner, "SIMULATE_FULL_DEPTH", 8)
     cfg = cfg_of("model.n_layers=12")
     extrapolated = planner.plan(cfg)
     assert extrapolated.extrapolated_from == [2, 4]
@@ -215,9 +216,10 @@ def test_a_cpu_plan_states_the_spread_the_bench_measured(tmp_path, monkeypatch):
 
 def test_unseen_memory_takes_the_envelope_of_the_family_and_autocast_dtype(monkeypatch):
     """The unseen memory of a CPU plan comes from the envelope fitted on the calibration points of
-    its family and autocast dtype (bf16 runs other kernels than fp32), and from the family's fp32
-    envelope where its dtype has none (envelopes written here for the test)."""
-    cal = {"llm": {"a": 1000, "b": 0.0, "s": None}, "llm bf16": {"a": 5000, "b": 0.5, "s": None}}
+    its family, autocast dtype (bf16 runs other kernels than fp32) and activation checkpointing,
+    and from the next key without its last word where that has none ("llm bf16 ckpt", "llm bf16",
+    "llm"; envelopes written here for the test)."""
+    cal = {"llm": {"a": 1000, "b": 0.0}, "llm bf16": {"a": 5000, "b": 0.5}, "llm ckpt": {"a": 3000, "b": 0.0}}
     monkeypatch.setattr(planner, "_calibration", cal)
     cpu = torch.device("cpu")
     fp32, bf16, fp16 = (cfg_of(f"train.precision={p}") for p in ("fp32", "bf16", "fp16"))
@@ -226,5 +228,9 @@ def test_unseen_memory_takes_the_envelope_of_the_family_and_autocast_dtype(monke
     assert planner.unseen_bytes(bf16, cpu, 4000) == 5000 + 2000
     assert planner.unseen_bytes(fp16, cpu, 4000) == 1000  # no fp16 envelope: the family's
     assert planner.unseen_bytes(bf16, torch.device("meta"), 4000) == 0  # off the CPU: none
+    ckpt, bf16_ckpt = (cfg_of(f"train.precision={p}", "train.activation_checkpointing=selective") for p in ("fp32", "bf16"))
+    assert [planner.envelope_key(c, cpu) for c in (ckpt, bf16_ckpt)] == ["llm ckpt", "llm bf16 ckpt"]
+    assert planner.unseen_bytes(ckpt, cpu, 4000) == 3000
+    assert planner.unseen_bytes(bf16_ckpt, cpu, 4000) == 5000 + 2000  # no "llm bf16 ckpt": "llm bf16"
     p = planner.plan(bf16, device=cpu)
     assert p.breakdown["unseen"] == 5000 + round(0.5 * (p.peak_bytes - p.breakdown["unseen"]))

@@ -523,7 +523,7 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths and extrapolated
+SIMULATE_FULL_DEPTH = 32  # deeper LLM stacks are simulated at two reduced depths and extrapolated
 
 
 def _run_device(cfg) -> torch.device:
@@ -617,10 +617,13 @@ def calibration() -> dict:
 
 
 def envelope_key(cfg, device: torch.device) -> str:
-    """Which envelope holds `cfg`'s unseen memory: its family (fp32), or the family and the autocast
-    dtype ("llm bf16"): bf16 and fp16 run other kernels (oneDNN's), whose buffers are not fp32's."""
+    """Which envelope holds `cfg`'s unseen memory: its family, its autocast dtype if any ("llm bf16":
+    bf16 and fp16 run other kernels, oneDNN's, whose buffers are not fp32's), and "ckpt" with
+    activation checkpointing ("llm bf16 ckpt": the recomputed forward allocates its small objects
+    among the backward's gradients, which fragments the heap in another way)."""
     amp = _precision(cfg, device)
-    return cfg.family if amp is None else f"{cfg.family} {precision_of(amp)}"
+    key = cfg.family if amp is None else f"{cfg.family} {precision_of(amp)}"
+    return key + " ckpt" if cfg.train.activation_checkpointing not in (False, "none") else key
 
 
 RESULTS = CALIBRATION.parent / "memory.json"
@@ -649,26 +652,18 @@ def unseen_bytes(cfg, device, held: int) -> int:
     """Memory the process adds that no tensor holds, on a CPU: what the BLAS and oneDNN keep
     (packing buffers, primitive caches, convolution scratch), the thread pools, the autograd
     graph's own objects and the heap fragmentation their allocations cause among the tensors'.
-    Dispatch cannot see it, so it is measured: `envelope`, min(s * held, a + b * held), held the
-    modelled heap of the tensors (`train.heap.heap_peak`), s, a and b the upper envelope of
-    (measured - held) over the calibration configurations of the same family and autocast dtype
-    (`envelope_key`; the family's fp32 envelope where that dtype has none; `calibration()`). Zero
-    on CUDA (the caching allocator's replay holds everything the step allocates there; the CUDA
-    context is apart)."""
+    Dispatch cannot see it, so it is measured: a + b * held, held the modelled heap of the
+    tensors (`train.heap.heap_peak`), a and b fitted on the calibration configurations of the same
+    `envelope_key` (`calibration()`); a key without calibration takes the next one without its last
+    word ("llm bf16 ckpt", then "llm bf16", then "llm"). Zero on CUDA (the caching allocator's
+    replay holds everything the step allocates there; the CUDA context is apart)."""
     if device.type != "cpu":
         return 0
-    c = calibration().get(envelope_key(cfg, device)) or calibration().get(cfg.family)
-    if not c:
-        return 0
-    return round(envelope(c, held))
-
-
-def envelope(c: dict, held: float) -> float:
-    """A family's unseen memory at a modelled heap of `held` bytes: a + b * held, or, where the
-    calibration fitted a slope s for small heaps, min(s * held, a + b * held) (the small models'
-    buffers grow with the heap, the large ones' level off)."""
-    line = c["a"] + c["b"] * held
-    return min(c["s"] * held, line) if c.get("s") is not None else line
+    key = envelope_key(cfg, device)
+    while key not in calibration() and " " in key:
+        key = key.rsplit(" ", 1)[0]
+    c = calibration().get(key)
+    return round(c["a"] + c["b"] * held) if c else 0
 
 
 def allocator_overhead(events, cfg, device) -> int:
