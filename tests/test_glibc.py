@@ -72,3 +72,37 @@ def test_train_run_starts_with_the_caches_off(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = (out / "log.txt").read_text()
     assert "backends: cpu, freed memory kept" in log and "caches are on" not in log, log
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="needs Linux with glibc")
+def test_fill_heap_holes_leaves_only_the_top_free():
+    """In a process set up as a run sets it up, with holes made on purpose (blocks of every size,
+    used, then every other one freed): afterwards glibc's only free chunk is the top of the heap
+    (that it starts on a 64-byte boundary, as train/heap.py starts, tests/test_heap.py checks: its
+    replays put every block where the model does), a second call finds nothing to fill, and the
+    fillers hold no resident memory (their pages given back: the process is smaller after filling
+    more than 128 MiB of holes than before)."""
+    code = r"""
+import ctypes, random
+from train.glibc import fill_heap_holes, keep_freed_memory, libc
+keep_freed_memory()
+c = libc()
+c.malloc.restype, c.malloc.argtypes, c.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+rng = random.Random(0)
+sizes = [int(2 ** rng.uniform(3, 21)) for _ in range(2000)]
+blocks = [c.malloc(n) for n in sizes]
+for p, n in zip(blocks, sizes):
+    ctypes.memset(p, 1, n)  # used, as a process's memory is before a run
+for p in blocks[::2]:
+    c.free(p)
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+before = rss()
+filled = fill_heap_holes()
+mi = c.mallinfo2()
+print(filled, mi.fordblks == mi.keepcost, rss() - before, fill_heap_holes())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=steady_heap_env())
+    assert out.returncode == 0, out.stderr
+    filled, only_top, grown, again = out.stdout.split()
+    assert int(filled) > 128 * 2**20 and only_top == "True" and int(again) == 0, out.stdout
+    assert int(grown) < 0, out.stdout

@@ -62,7 +62,8 @@ def release_freed_memory() -> bool:
         return False
     _kept = False
     while _fillers:
-        c.free(ctypes.c_void_p(_fillers.pop()))
+        for p in _fillers.pop():
+            c.free(ctypes.c_void_p(p))  # free(NULL) for the unused slots
     ok = c.mallopt(_M_MMAP_MAX, 65536) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 128 * 1024) == 1
     c.malloc_trim(0)
     return ok
@@ -73,7 +74,7 @@ class _Mallinfo2(ctypes.Structure):
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-_fillers: list[int] = []  # the blocks fill_heap_holes placed, kept until release_freed_memory
+_fillers: list[list[int]] = []  # the blocks fill_heap_holes placed (0: none), kept until release_freed_memory
 _kept = False  # keep_freed_memory() in effect
 _MADV_DONTNEED, _PAGE = 4, 4096
 
@@ -105,23 +106,28 @@ def fill_heap_holes() -> int:
     def top() -> int:  # where the heap's free top chunk starts
         return c.sbrk(0) - c.mallinfo2().keepcost
 
-    start, filled = top(), 0
-    for shift in range(20, 4, -1):  # chunks of 1 MiB, 512 KiB, ... 32 bytes: each hole filled, largest first
-        size = (1 << shift) - 8
-        while True:
-            p = c.malloc(size)
-            if not p or p >= start:  # from the top: no hole of this size is left
-                c.free(p)
-                break
-            _fillers.append(p)
-            filled += size
-            lo, hi = (p + _PAGE - 1) // _PAGE * _PAGE, (p + size) // _PAGE * _PAGE
-            if hi > lo:
-                c.madvise(lo, hi - lo, _MADV_DONTNEED)
-    c.malloc_trim(0)
-    pad = {16: 40, 32: 24, 48: 72}.get(top() % 64)  # a chunk of 48, 32 or 80 bytes: the top on a 64-byte boundary
-    if pad:
-        _fillers.append(c.malloc(pad))
+    filled = 0
+    for _ in range(8):  # again while anything is free below the top
+        found, n, start = [0] * 65536, 0, top()  # made before the holes are filled: appending would free buffers
+        for shift in range(20, 4, -1):  # chunks of 1 MiB, 512 KiB, ... 32 bytes: each hole filled, largest first
+            size = (1 << shift) - 8
+            while n < len(found) - 1:
+                p = c.malloc(size)
+                if not p or p >= start:  # from the top: no hole of this size is left
+                    c.free(p)
+                    break
+                found[n], n, filled = p, n + 1, filled + size
+                lo, hi = (p + _PAGE - 1) // _PAGE * _PAGE, (p + size) // _PAGE * _PAGE
+                if hi > lo:
+                    c.madvise(lo, hi - lo, _MADV_DONTNEED)
+        c.malloc_trim(0)
+        pad = {16: 40, 32: 24, 48: 72}.get(top() % 64)  # a chunk of 48, 32 or 80 bytes: the top on a 64-byte boundary
+        if pad is not None:
+            found[n], n = c.malloc(pad), n + 1
+        _fillers.append(found)
+        info = c.mallinfo2()
+        if info.fordblks == info.keepcost and top() % 64 == 0:
+            break
     return filled
 
 
