@@ -22,7 +22,7 @@ optimizer's state, is the predicted peak. The parts:
                           train.activation_offload on CUDA the saved activations are simulated in
                           host memory (save_on_cpu) and only the device's tensors are counted
     allocator             what the device's allocator holds beyond the tensors at its peak (replayed)
-    unseen                CPU: what no tensor holds (measured envelope, per family)
+    unseen                CPU: what no tensor holds (measured, per family, dtype and checkpointing)
 
 Also reported: activations per repeated block (what one block keeps for the backward), the
 logits of the loss, the KV cache of generation at the run's batch and model.max_seq_len, and
@@ -40,11 +40,11 @@ in order (`AllocTrace`, from the model's construction to the third step), are re
 model of the device's allocator (`allocator`: glibc's heap on a CPU, `train.heap.heap_peak`; the CUDA
 caching allocator's reserved segments, `cuda_reserved_peak`), and on a CPU the memory no tensor
 holds (`unseen`: BLAS and oneDNN buffers, the runtime's own allocations and the fragmentation they
-cause) is added from a per-family envelope measured on this machine (`python train/bench.py memory
---calibrate`, train/benches/memory_calibration.json). On a CPU the prediction is the growth of the
-process's peak resident memory from the imported interpreter to the end of the third step
-(`measure`); on CUDA the peak reserved memory, without the CUDA context. docs/memory.md has the
-prediction against measured peaks.
+cause) is added as measured on this machine for the family, autocast dtype and checkpointing
+(`python train/bench.py memory --calibrate`, train/benches/memory_calibration.json). On a CPU the
+prediction is the growth of the process's peak resident memory from the imported interpreter to
+the end of the 16th step (`measure`); on CUDA the peak reserved memory, without the CUDA context.
+docs/memory.md has the prediction against measured peaks.
 
 `--memory` lists settings that make the step fit, cheapest in speed first (each with its
 estimated slowdown); `--json` prints one JSON object (peak_bytes, breakdown, ...).
