@@ -588,7 +588,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     breakdown["unseen"] = unseen_bytes(cfg, device, one_device)  # of the step on one device
     spread = measured_spread(cfg.family) if device.type == "cpu" else None
     if spread is not None:
-        notes.append(f"CPU: glibc's heap layout differs from process to process; the {cfg.family} configurations of "
+        notes.append(f"CPU: what no tensor holds is measured, not simulated; the {cfg.family} configurations of "
                      f"`python train/bench.py memory` peaked at {spread[0]:.2f}-{spread[1]:.2f} x their plans on the "
                      f"machine that measured them (each the highest of {spread[2]} or more fresh processes; docs/memory.md)")
     kv = _kv_cache_bytes(cfg, B, device)
