@@ -523,7 +523,7 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-SIMULATE_FULL_DEPTH = 32  # deeper LLM stacks are simulated at two reduced depths and extrapolated
+SIMULATE_FULL_DEPTH = 24  # deeper LLM stacks are simulated at two reduced depths and extrapolated
 
 
 def _run_device(cfg) -> torch.device:
