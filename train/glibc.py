@@ -86,8 +86,8 @@ def fill_heap_holes() -> int:
     Why: glibc serves a request from the best-fitting free chunk anywhere in the heap, so a run's
     blocks land in whatever holes the process left before it (imports, reading data), which
     differ from process to process; the same run then peaks at different resident memory (a
-    ResNet-10 at width 32: 201-213 MiB in four processes, 207.8 MiB in each with its holes
-    filled). With the holes filled, the run's blocks come from the top of the heap, as
+    ResNet-10 at width 32: 185.8-205.7 MiB in six processes, 204.9-207.0 with the holes filled;
+    docs/memory.md). With the holes filled, the run's blocks come from the top of the heap, as
     train/heap.py (the planner's model of glibc) places them. The fillers cost no resident
     memory: their whole pages are given back to the OS (madvise) and never touched again.
 
@@ -108,7 +108,7 @@ def fill_heap_holes() -> int:
 
     filled = 0
     for _ in range(8):  # again while anything is free below the top
-        found, n, start = [0] * 65536, 0, top()  # made before the holes are filled: appending would free buffers
+        found, n, start = [0] * 16384, 0, top()  # made before the holes are filled: appending would free buffers
         for shift in range(20, 4, -1):  # chunks of 1 MiB, 512 KiB, ... 32 bytes: each hole filled, largest first
             size = (1 << shift) - 8
             while n < len(found) - 1:

@@ -1,11 +1,12 @@
 """glibc's malloc as it lays out the tensors of a training step on a CPU: the planner's heap model.
 
 A CPU tensor's memory comes from c10's allocator, `posix_memalign(64, n)`, and goes back with
-`free`. `GlibcHeap` follows what glibc's malloc (2.26 and later, the main arena) does with those
-calls when a run has set it up as train/run.py does (train/glibc.py): the per-thread cache and the
-fastbins off, nothing mapped apart and nothing trimmed. Its addresses are glibc's own: replaying
-the calls of a real process gives the same address for every block (tests/test_heap.py checks this
-against glibc itself). The parts of glibc it follows:
+`free`. `GlibcHeap` follows what glibc's malloc (2.26 to 2.37, the main arena; 2.38 changed how an
+aligned request picks its chunk) does with those calls when a run has set it up as train/run.py
+does (train/glibc.py): the per-thread cache and the fastbins off, nothing mapped apart and nothing
+trimmed. Its addresses are glibc's own: replaying the calls of a real process gives the same
+address for every block (tests/test_heap.py checks this against the machine's glibc). The parts of
+glibc it follows:
 
 - chunks: a request of n bytes takes a chunk of n + 8 rounded up to 16 (32 at least); an aligned
   request asks malloc for n + 64 + 32 more, then gives the misaligned head and the spare tail back;

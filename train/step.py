@@ -86,8 +86,8 @@ def autocast_for(device: torch.device, precision: str):
     """A factory of the run's autocast context (a no-op context in fp32). On a CPU without
     autocast's cache of cast weights: leaving autocast frees that cache in the order of a hash of
     the weights' addresses, which differs from process to process and so moves where glibc places
-    the next blocks (a 4M-parameter bf16 LLM with checkpointing peaked at 399-480 MiB in three
-    processes with it, 386 MiB in each without it; docs/memory.md). A weight used once per forward
+    the next blocks (a 4M-parameter bf16 LLM with checkpointing peaked at 423.8-474.8 MiB in six
+    processes with it, 419.8 MiB in each without it; docs/memory.md). A weight used once per forward
     (every Zoo model) is cast once either way."""
     dtype = None if precision == "fp32" else DTYPES[precision]
     if dtype is None:
