@@ -79,6 +79,16 @@ _kept = False  # keep_freed_memory() in effect
 _MADV_DONTNEED, _PAGE = 4, 4096
 
 
+def heap_end():
+    """Where glibc's main heap ends (sbrk(0)): it only grows while keep_freed_memory() is in effect,
+    so its growth over a run is the most the run's heap reached. None without glibc."""
+    c = libc()
+    if c is None:
+        return None
+    c.sbrk.restype, c.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+    return c.sbrk(0)
+
+
 def fill_heap_holes() -> int:
     """Fill every free chunk of glibc's heap with a block that nothing uses, then give the heap's
     free top back to the OS and start it on a 64-byte boundary. Returns the bytes filled.
@@ -100,11 +110,10 @@ def fill_heap_holes() -> int:
     c.mallinfo2.restype = _Mallinfo2
     c.malloc.restype, c.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     c.free.argtypes = [ctypes.c_void_p]
-    c.sbrk.restype, c.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
     c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def top() -> int:  # where the heap's free top chunk starts
-        return c.sbrk(0) - c.mallinfo2().keepcost
+        return heap_end() - c.mallinfo2().keepcost
 
     filled = 0
     for _ in range(8):  # again while anything is free below the top

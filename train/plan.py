@@ -930,11 +930,13 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
                     torch and Zoo imported: what every run has before it starts)
         hwm         the process's peak resident memory (/proc/self/status VmHWM) at the end
         peak        hwm - start_rss: the growth of the peak, what the planner predicts
+        heap        how far glibc's heap grew (None without glibc): peak - heap is what the process
+                    added outside it (code pages run for the first time, other threads' arenas)
         live        the bytes of the tensors alive after the last step (parameters, buffers,
                     optimizer state, batch, the EMA's copy)
         rest_rss    the resident memory after the last step"""
     import gc
-    from train.glibc import fill_heap_holes, keep_freed_memory
+    from train.glibc import fill_heap_holes, heap_end, keep_freed_memory
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
@@ -945,7 +947,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
         build_model(cfg)
     gc.collect()
     fill_heap_holes()  # as the run builder does: the run's blocks laid out alike in every process
-    start = _proc_status("VmRSS")
+    start, end = _proc_status("VmRSS"), heap_end()
     start_file = _proc_status("RssFile") + _proc_status("RssShmem")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
@@ -974,6 +976,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
     return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept),
+            "heap": heap_end() - end if end is not None else None,
             "rest_rss": _proc_status("VmRSS"), "phases": phases,
             "file_growth": _proc_status("RssFile") + _proc_status("RssShmem") - start_file}
 
