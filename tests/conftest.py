@@ -13,8 +13,6 @@ SHARED = ROOT.parent / "shared"
 # (the README's command: -n 2), so the workers together use the cores without oversubscribing them.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 
-pytest_plugins = ["skip_policy"]  # a skip for a reason not on its allow-list fails the run
-
 
 def shared_file(rel: str) -> Path:
     """A file from ../shared, or skip the test (with the reason) when it is absent."""
@@ -76,20 +74,6 @@ def traced_calls(fn, *args) -> set:
     return {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
 
 
-class optional_module:
-    """A module-level stand-in for an optional library: the test that first touches it imports
-    it, or is skipped (with pytest.importorskip's reason) when it is absent; the other tests of
-    the file run. E.g. `timm = optional_module("timm")` at the top of a test file."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr):
-        if attr.startswith("__") or attr.startswith("pytest"):  # pytest's collection looks at module globals
-            raise AttributeError(attr)
-        return getattr(pytest.importorskip(self._name), attr)
-
-
 def assert_compiled_step_equals_eager(model, ids, tol: float):
     """A torch.compile'd forward + backward of an LLM (LM loss + its auxiliary loss) equals eager:
     the loss within `tol`, the auxiliary loss within 1e-6, every parameter's gradient within `tol`."""
@@ -140,8 +124,8 @@ def starts(out: Path) -> int:
 
 @pytest.fixture(scope="session")
 def photo_tiles(tmp_path_factory) -> Path:
-    """A folder of 354 photo tiles (train.images.write_photo_tiles: a class folder per photo), written once a session."""
-    from train.images import write_photo_tiles
+    """A folder of 354 photo tiles (train.data.images.write_photo_tiles: a class folder per photo), written once a session."""
+    from train.data.images import write_photo_tiles
     root = tmp_path_factory.mktemp("photo_tiles")
     write_photo_tiles(root)
     return root

@@ -1,10 +1,7 @@
 """The base install (`pip install -e .`, no extras) is enough for every default the README
-advertises, and the test files run every test that needs no optional library when those
-libraries are absent. Both run in fresh processes in which torchvision, timm, diffusers and
-transformers cannot be imported (a sitecustomize on PYTHONPATH blocks them), so nothing has to
-be uninstalled."""
+advertises: each runs in a fresh process in which torchvision, timm, diffusers and transformers
+cannot be imported (a sitecustomize on PYTHONPATH blocks them), so nothing has to be uninstalled."""
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,26 +60,3 @@ def test_readme_defaults_run_on_the_base_install(name, blocked_env, tmp_path):
     assert not missing, (missing, sorted(x.name for x in out.iterdir()))
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert any('"loss"' in r for r in rows) and any('"val_loss"' in r for r in rows)
-
-
-# files whose tests partly need timm, diffusers or transformers -> how many need none of them
-PARTLY_OPTIONAL = {"test_convnet.py": 15, "test_schedule.py": 3, "test_hf_llm.py": 0, "test_hf_moe.py": 3}
-
-
-@pytest.mark.parametrize("name", PARTLY_OPTIONAL)
-def test_test_files_run_what_needs_no_optional_library(name, blocked_env):
-    """With the optional libraries absent, the tests that need none of them still run and pass,
-    and every skipped test says why (the skip policy, tests/skip_policy.py, is off in this run:
-    these skips are the point)."""
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:skip_policy",
-                        f"tests/{name}"],
-                       cwd=ROOT, env=blocked_env, capture_output=True, text=True, timeout=900)
-    out = p.stdout
-    assert p.returncode == 0, out[-3000:]
-    summary = out.strip().splitlines()[-1]
-    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", summary)) else 0
-    assert passed >= PARTLY_OPTIONAL[name], summary
-    reasons = [line for line in out.splitlines() if line.startswith("SKIPPED")]
-    # the only other reason allowed: the data in ../shared is absent (a clone without it beside)
-    assert reasons and all(re.search(r"could not import '(timm|diffusers|transformers|torchvision)'"
-                                     r"|is not beside th(is|e) checkout", r) for r in reasons), reasons

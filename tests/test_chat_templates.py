@@ -9,13 +9,12 @@ same token ids, the same assistant masks where the template has {% generation %}
 import json
 
 import pytest
-from conftest import optional_module
 
 from train.data import DataError, HFTokenizer
 from train.data.conversations import (ChatTemplate, find_template, read_conversations, row_messages,
                                       token_offsets)
 
-transformers = optional_module("transformers")
+import transformers
 
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' "
           "+ message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 "
@@ -213,7 +212,7 @@ def test_template_sources(folders, tmp_path):
         ChatTemplate("{% for m in messages %}", name="broken")
     with pytest.raises(DataError, match="TemplateError: only user"):
         ChatTemplate("{{ raise_exception('only user') }}").render([])
-    gguf = optional_module("gguf")
+    import gguf
     path = tmp_path / "model.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_chat_template(ZEPHYR)

@@ -1,5 +1,5 @@
 """Activation checkpointing policies (zoo/blocks/checkpoint.py), applied from outside to each of the
-three families' units (train/runtime.py): the same gradients (and BatchNorm statistics) as without
+three families' units (train/builder.py): the same gradients (and BatchNorm statistics) as without
 checkpointing, the config keys, and the memory each policy saves as the planner counts it."""
 import copy
 
@@ -9,7 +9,7 @@ import torch
 import zoo
 from train import plan as planner
 from train.config import TrainConfig, load_run_config
-from train.runtime import apply_runtime
+from train.builder import apply_runtime
 from zoo.config import ConfigError, ConvNetConfig, DiffusionConfig, LLMConfig
 
 POLICIES = [(True, 1), ("full", 2), ("selective", 1), ("selective", 3)]

@@ -12,7 +12,7 @@ from PIL import Image
 import zoo
 from train.config import load_run_config
 from train.data import DataError
-from train.images import digits_dataset, epoch_positions, random_shift
+from train.data.images import digits_dataset, epoch_positions, random_shift
 from train.loop import train
 from train.tasks.classify import ClassifyTask
 from zoo.config import ConfigError, ConvNetConfig
@@ -238,7 +238,7 @@ def test_train_and_val_subfolders_and_centre_crops(tmp_path):
 
 
 def test_finetune_from_timm_weights_and_export(tmp_path):
-    timm = pytest.importorskip("timm")
+    import timm
     root = write_images(tmp_path / "data", per_class=4)
     from timm.models.resnet import BasicBlock, ResNet
     ref = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=1000)  # timm's class and key layout, ResNet-10 depth

@@ -1,7 +1,7 @@
 """ResNet family: timm/torchvision parity and weight round trips, stochastic depth, no bias
 before BatchNorm, channels-last, config errors."""
 import pytest
-from conftest import assert_channels_last_step_matches, optional_module
+from conftest import assert_channels_last_step_matches
 import torch
 from torch import nn
 
@@ -11,7 +11,7 @@ from zoo.config import RESNET_ARCHS, ConfigError, ConvNetConfig
 from zoo.convnet import Bottleneck, ConvNetBase, ResNet
 from zoo.weights import timm_convnet as rw
 
-timm = optional_module("timm")
+import timm
 
 
 def randomize_bn(model, seed=0):
@@ -53,7 +53,7 @@ def test_timm_parity_contiguous_and_channels_last(tmp_path, arch, suffix):
 
 
 def test_torchvision_layout_loads_and_arch_is_inferred(tmp_path):
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv
     ref = randomize_bn(tv.models.resnet18(num_classes=10)).eval()
     torch.save({"model": ref.state_dict()}, tmp_path / "tv.pth")  # torchvision references' wrapper
     model = zoo.from_pretrained(tmp_path / "tv.pth")
@@ -69,7 +69,7 @@ def test_torchvision_layout_loads_and_arch_is_inferred(tmp_path):
 
 @pytest.mark.parametrize("arch", sorted(RESNET_ARCHS))
 def test_every_preset_has_the_reference_key_layout(arch):
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv
     with torch.device("meta"):
         ref = getattr(tv.models, arch)().state_dict()
         ours = ResNet(ConvNetConfig(arch=arch)).state_dict()

@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_channels_last_step_matches, optional_module
+from conftest import assert_channels_last_step_matches
 import zoo
 from zoo.config import CONVNEXT_ARCHS, EFFICIENTNET_ARCHS, MOBILENETV3_ARCHS, ConfigError, ConvNetConfig
 from zoo.convnet import ConvNeXt, EfficientNet, MobileNetV3, build
 from zoo.weights import timm_convnet as tw
 
-timm = optional_module("timm")
+import timm
 
 PARITY = [("convnext_tiny", ConvNeXt), ("convnextv2_tiny", ConvNeXt), ("efficientnet_b0", EfficientNet),
           ("mobilenetv3_large_100", MobileNetV3)]

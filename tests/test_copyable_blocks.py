@@ -1,7 +1,8 @@
 """Every file in zoo/blocks can be copied into another codebase as it is: it opens with a
 docstring, imports torch and the standard library only (plus the sibling blocks its docstring
 names on a `Needs:` line), and a bare copy of it, with exactly those siblings, imports and runs
-in a fresh interpreter that has torch and nothing of zoo."""
+in a fresh interpreter that has torch and nothing of zoo. The README's copy commands are run as
+they are written."""
 import ast
 import re
 import shutil
@@ -68,13 +69,36 @@ SMOKE = {
         with torch.no_grad():
             steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
         assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
-        from attention import document_positions
-        doc = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
-        pos = document_positions(doc)
+    """,
+    "attention_docs.py": """
+        from attention import CausalSelfAttention
+        from attention_docs import Documents, document_positions
+        from rope import RotaryEmbedding
+        attn = CausalSelfAttention(16, n_heads=4, n_kv_heads=2)
         rope = RotaryEmbedding(4, 16)
-        yd = attn(x, *rope.at(pos, torch.float32), doc_ids=doc)
+        x = torch.randn(2, 6, 16)
+        y = attn(x, *rope(0, 6, torch.float32))
+        doc = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+        yd = attn(x, *rope.at(document_positions(doc), torch.float32), mask=Documents(doc))
         assert (yd[:, :3] - y[:, :3]).abs().max() < 1e-5 and (yd[1] - y[1]).abs().max() < 1e-5
-        assert (yd[:1, 3:] - attn(x[:1, 3:], cos[:3], sin[:3])).abs().max() < 1e-5
+        assert (yd[:1, 3:] - attn(x[:1, 3:], *rope(0, 3, torch.float32))).abs().max() < 1e-5
+    """,
+    "attention_masked.py": """
+        from attention import CausalSelfAttention
+        from attention_masked import KeyMask, MaskedKVCache
+        from rope import RotaryEmbedding
+        attn = CausalSelfAttention(16, n_heads=4, n_kv_heads=2)
+        cos, sin = RotaryEmbedding(4, 16)(0, 6, torch.float32)
+        x = torch.randn(1, 6, 16)
+        keep = torch.tensor([[True, False, True, True, False, True]])
+        y = attn(x, cos, sin, mask=KeyMask(keep))
+        cache = MaskedKVCache(1, 2, 6, 4)
+        with torch.no_grad():
+            steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i, KeyMask(keep[:, i:i + 1]))
+                     for i in range(6)]
+        assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
+        dense = attn(x[:, keep[0]], cos[keep[0]], sin[keep[0]])  # the skipped keys never seen
+        assert (y[:, keep[0]] - dense).abs().max() < 1e-5
     """,
     "mlp.py": """
         from mlp import SwiGLU
@@ -294,12 +318,13 @@ def test_block_imports_only_torch_stdlib_and_named_siblings(path):
         if isinstance(node, ast.Import):
             roots = [a.name.split(".")[0] for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            roots = [(node.module or "").split(".")[0]]
-            if node.level or roots[0] in siblings:  # a sibling block, inside the package or beside the copy
-                assert roots[0] in siblings, f"{path.name} imports blocks/{roots[0]}.py without naming it on " \
-                                             f"its Needs: line"
-                continue
+            # `from .x import y` / `from x import y`, or `from . import x` (the module itself)
+            roots = [a.name for a in node.names] if node.module is None else [node.module.split(".")[0]]
         else:
+            continue
+        if getattr(node, "level", 0) or any(r in siblings for r in roots):
+            missing = [r for r in roots if r not in siblings]  # a sibling block, inside the package or beside the copy
+            assert not missing, f"{path.name} imports blocks/{missing[0]}.py without naming it on its Needs: line"
             continue
         for r in roots:
             # an optional import inside a function (flash-attn) is looked up on first use, not at import
@@ -332,6 +357,38 @@ torch.manual_seed(0)
 """
 
 
+README = BLOCKS.parents[1] / "README.md"
+
+
+def readme_copies() -> list[list[str]]:
+    """The README's `cp zoo/blocks/{a,b}.py DEST` commands, as the file names each copies."""
+    out = []
+    for m in re.finditer(r"^cp zoo/blocks/(?:\{([\w,]+)\}|(\w+))\.py \S+$", README.read_text(), re.M):
+        out.append([f"{n}.py" for n in (m.group(1) or m.group(2)).split(",")])
+    return out
+
+
+def test_readme_copy_commands_follow_the_needs_lines(tmp_path):
+    """Each copy command of the README copies a block and exactly the files its Needs: line names;
+    run as written (the files copied into an empty folder), the block runs there."""
+    copies = readme_copies()
+    assert copies, "the README shows no `cp zoo/blocks/...` command"
+    for names in copies:
+        assert set(names) == {names[0], *needs(BLOCKS / names[0])}, names
+        dest = tmp_path / names[0].removesuffix(".py")
+        dest.mkdir()
+        for n in names:
+            shutil.copy(BLOCKS / n, dest / n)
+        _run_smoke(names[0], dest)
+
+
+def _run_smoke(name: str, folder: Path):
+    code = BLOCKER + textwrap.dedent(SMOKE[name]) + "\nprint('ok')\n"
+    out = subprocess.run([sys.executable, "-I", "-c", code, str(folder)], cwd=folder, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_bare_copy_imports_and_runs(path, tmp_path):
     """Copy the block and exactly the siblings it names into an empty folder; run it there in a fresh,
@@ -339,7 +396,4 @@ def test_bare_copy_imports_and_runs(path, tmp_path):
     for name in [path.name] + needs(path):
         shutil.copy(BLOCKS / name, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted({path.name, *needs(path)})
-    code = BLOCKER + textwrap.dedent(SMOKE[path.name]) + "\nprint('ok')\n"
-    out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    _run_smoke(path.name, tmp_path)

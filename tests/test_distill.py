@@ -1,4 +1,4 @@
-"""Knowledge distillation (zoo/blocks/chunked_ce.py, train/distill.py): the loss against an
+"""Knowledge distillation (zoo/blocks/chunked_ce.py, train/features/distill.py): the loss against an
 independent computation on fixed logits, chunked and not, values and gradients; a short
 distillation run of an LLM and of a ResNet on digits; a teacher that does not fit is one line."""
 import pytest

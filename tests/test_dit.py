@@ -9,14 +9,13 @@ import math
 
 import pytest
 import torch
-from conftest import optional_module
 
 import zoo
 from zoo.config import ConfigError, DiffusionConfig, DiTConfig, from_dict
 from zoo.diffusion.dit import DiT
 from zoo.diffusion.latent import LatentDiffusion
 
-diffusers = optional_module("diffusers")
+import diffusers
 
 SHAPES = {  # two shapes: (heads, head_dim, C, layers, sample, patch, classes), with and without learned sigma
     "p2-eps": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2, sample_size=8,

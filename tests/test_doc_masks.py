@@ -1,11 +1,11 @@
-"""Document masking (zoo/blocks/attention.py, zoo/llm.py), document ids from boundary tokens
+"""Document masking (zoo/blocks/attention_docs.py, zoo/llm.py), document ids from boundary tokens
 (train/data/doc_masks.py) and packing (train/data/packing.py): documents run together in one
 row with doc_ids give what each gives run alone (fp32: logits and gradients <= 1e-5)."""
 import pytest
 import torch
 
-from zoo.blocks.attention import (attend, attend_math, document_mask, document_positions, document_runs,
-                                  flash_available, set_backend)
+from zoo.blocks.attention import attend_math, flash_available, set_backend
+from zoo.blocks.attention_docs import Documents, attend_documents, document_mask, document_positions, document_runs
 from zoo.config import LLMConfig, MoEConfig
 from zoo.llm import LLM
 
@@ -97,7 +97,7 @@ def test_document_masking_compiled_equals_separate_documents():
     for r, at, out in refs:
         ref[r, at:at + out.shape[1]] = out[0]
     ref_grads = _grads(attn, sum((out[0] * w[r, at:at + out.shape[1]]).sum() for r, at, out in refs))
-    out = torch.compile(attn)(x, *rope.at(document_positions(doc), torch.float32), doc_ids=doc)
+    out = torch.compile(attn)(x, *rope.at(document_positions(doc), torch.float32), mask=Documents(doc))
     _assert_close(out, ref.detach(), "output")
     grads = _grads(attn, (out * w).sum())
     for n in grads:
@@ -116,7 +116,7 @@ def test_document_mask_runs_and_positions():
 
 
 def test_every_document_backend_equals_the_reference_mask():
-    """attend with doc_ids, every CPU backend, against the fp32 reference with document_mask;
+    """attend_documents, every CPU backend, against the fp32 reference with document_mask;
     a learned prefix (more keys than queries) too."""
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 4, 13, 8, generator=g), torch.randn(2, 2, 15, 8, generator=g), torch.randn(2, 2, 15, 8, generator=g)
@@ -124,26 +124,27 @@ def test_every_document_backend_equals_the_reference_mask():
     ref = attend_math(q, k[:, :, 2:], v[:, :, 2:], document_mask(doc)[:, None])
     ref_prefix = attend_math(q, k, v, document_mask(doc, 15)[:, None])
     for backend in ("math", "sdpa", "bmm", "auto"):
-        _assert_close(attend(q, k[:, :, 2:], v[:, :, 2:], backend, doc_ids=doc), ref, backend)
-        _assert_close(attend(q, k, v, backend, doc_ids=doc), ref_prefix, backend + " prefix")
+        _assert_close(attend_documents(q, k[:, :, 2:], v[:, :, 2:], doc, backend), ref, backend)
+        _assert_close(attend_documents(q, k, v, doc, backend), ref_prefix, backend + " prefix")
     with torch.no_grad():  # FlexAttention's mask function, through torch's eager reference (no CPU backward)
-        _assert_close(attend(q, k[:, :, 2:], v[:, :, 2:], "flex", doc_ids=doc), ref, "flex")
+        _assert_close(attend_documents(q, k[:, :, 2:], v[:, :, 2:], doc, "flex"), ref, "flex")
     with pytest.raises(RuntimeError, match="'flex' has no backward on a CPU"):
-        attend(q.requires_grad_(), k[:, :, 2:], v[:, :, 2:], "flex", doc_ids=doc)
+        attend_documents(q.requires_grad_(), k[:, :, 2:], v[:, :, 2:], doc, "flex")
     plain = attend_math(q, k[:, :, 2:], v[:, :, 2:], torch.ones(13, 13, dtype=torch.bool).tril())
     assert (plain - ref).abs().max() > 1e-2  # the mask changes the result
     with pytest.raises(ValueError, match="without keys in front"):
-        attend(q, k, v, "flex", doc_ids=doc)
+        attend_documents(q, k, v, doc, "flex")
 
 
 def test_auto_picks_the_document_backend_measured_fastest():
     """'auto' with documents: SDPA's boolean mask on a CPU (bench doc-mask: faster than 'bmm' with the
     mask, eager and compiled), FlexAttention on CUDA under torch.compile."""
     import zoo.blocks.attention as A
+    import zoo.blocks.attention_docs as D
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert A.resolve_backend("auto", cpu, torch.float32, 128, documents=True) == "sdpa"
-    assert A.resolve_backend("auto", cpu, torch.float32, 128, compiling=True, documents=True) == "sdpa"
-    assert A.resolve_backend("auto", cuda, torch.float32, 128, compiling=True, documents=True) == "flex"
+    assert D.resolve_backend("auto", cpu, torch.float32) == "sdpa"
+    assert D.resolve_backend("auto", cpu, torch.float32, compiling=True) == "sdpa"
+    assert D.resolve_backend("auto", cuda, torch.float32, compiling=True) == "flex"
     assert A.resolve_backend("auto", cpu, torch.float32, 128) == "bmm"  # plain causal: unchanged
 
 
@@ -195,7 +196,7 @@ def test_cuda_document_backends_equal_the_reference():
     ref = attend_math(q, k, v, document_mask(doc)[:, None])
     if flash_available() is None:
         pytest.skip("flash-attn is not installed: FlexAttention checked below only")
-    out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), "flash", doc_ids=doc)
+    out = attend_documents(q.bfloat16(), k.bfloat16(), v.bfloat16(), doc, "flash")
     assert (out.float() - ref).abs().max() <= 2e-2
 
 
@@ -208,7 +209,7 @@ def test_cuda_flex_document_masking_gradients():
     ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
     doc = torch.tensor(ROW_IDS, device=dev)
     go = torch.randn(2, 4, 13, 64, generator=g).to(dev)
-    torch.compile(attend_flex)(*leaves, doc_ids=doc).backward(go)
+    torch.compile(attend_flex)(*leaves, runs=document_runs(doc)).backward(go)
     attend_math(*ref_leaves, document_mask(doc)[:, None]).backward(go)
     for a, b in zip(leaves, ref_leaves):
         assert (a.grad - b.grad).abs().max() <= 1e-4

@@ -10,7 +10,7 @@ import torch
 import zoo
 from train.builder import build_run
 from train.config import load_run_config
-from train.evaluation import sequence_logps
+from train.eval import sequence_logps
 from train.loop import train, train_step
 from train.metrics import read_rows
 from train.tasks.dpo import DPOTask, preference_loss
@@ -99,7 +99,7 @@ def test_simpo_run_raises_the_held_out_margin(tmp_path, one_thread):
 @pytest.mark.parametrize("method", ["lora", "dora", "prefix", "qlora"])
 def test_adapter_dpo_uses_the_base_as_reference(tmp_path, method, one_thread):
     if method == "qlora":
-        pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install -e '.[qlora]')")
+        import torchao  # noqa: F401
     torch.manual_seed(0)
     base = zoo.save_pretrained(zoo.build(MODEL), tmp_path / "base")
     nf4 = ["adapter.quantize_base=nf4"] if method == "qlora" else []

@@ -1,4 +1,4 @@
-"""Evaluation on task files (train/evaluation.py, train/eval.py): multiple choice against a hand
+"""Evaluation on task files (train/eval.py, train/eval.py): multiple choice against a hand
 computation of the summed and length-normalised log-likelihoods, generation scoring, loss rows, the
 command line and `data.eval_tasks` in a run."""
 import json
@@ -13,7 +13,7 @@ import zoo
 from conftest import ROOT
 from train.data import ByteTokenizer, DataError
 from zoo.config import ConfigError
-from train.evaluation import choice_pair, cut_at, evaluate_files, read_task
+from train.eval import choice_pair, cut_at, evaluate_files, read_task
 
 MODEL = {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
 

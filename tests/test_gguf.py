@@ -16,15 +16,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import optional_module
 from test_hf_llm import randomize
 
 import zoo
 from zoo.config import ConfigError
 from zoo.weights import gguf_llm
 
-gguf = optional_module("gguf")
-transformers = optional_module("transformers")
+import gguf
+import transformers
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on a busy machine
 
 TOL = 1e-4  # fp32 logits

@@ -9,7 +9,6 @@ import json
 import struct
 
 import pytest
-from conftest import optional_module
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -17,7 +16,7 @@ import zoo
 from zoo.config import ConfigError
 from zoo.weights import hf_llm
 
-transformers = optional_module("transformers")
+import transformers
 
 TOL = 1e-4  # fp32 logits
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -336,7 +335,7 @@ def test_detect_claims_only_causal_lm_folders(tmp_path, saved):
 # ----------------------------------------------------------------------------------------
 
 def test_finetune_through_run_py(tmp_path, capsys):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
     from train.run import ROOT, main
 
     data = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

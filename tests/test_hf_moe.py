@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from conftest import optional_module
 from test_hf_llm import assert_same_generation, assert_same_logits, randomize, tokens
 
 import zoo
@@ -17,7 +16,7 @@ from zoo.config import ConfigError
 from zoo.weights import hf_llm
 from train.metrics import read_rows
 
-transformers = optional_module("transformers")
+import transformers
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)

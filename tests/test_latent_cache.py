@@ -1,6 +1,6 @@
 """The latent cache (train/data/latents.py) and image folders in the diffusion task.
 
-An image folder of real-photo tiles (train.images.write_photo_tiles: scikit-image's photos cut into
+An image folder of real-photo tiles (train.data.images.write_photo_tiles: scikit-image's photos cut into
 squares, written on the spot) trains end to end; the cached latents equal the autoencoder's own
 encoding of the images; a build killed mid-way resumes and ends with the same bytes.
 """

@@ -116,7 +116,7 @@ def test_cpu_keep_memory_keeps_freed_blocks_and_release_returns_them():
         pytest.skip("needs Linux with glibc")
     code = """
 import torch
-from train.glibc import keep_freed_memory, release_freed_memory
+from train.hardware import keep_freed_memory, release_freed_memory
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * 4096
 def returned_by_free():

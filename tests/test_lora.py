@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-from conftest import optional_module
 
 import zoo
 from zoo.adapters import AdapterConfig, apply_adapters, merge_adapters, merged_model, unmerge_adapters
@@ -20,8 +19,8 @@ from zoo.weights.peft_lora import save_adapter
 
 from test_hf_llm import hf_model, randomize, tokens
 
-transformers = optional_module("transformers")
-peft = optional_module("peft")
+import transformers
+import peft
 
 TOL = 1e-4
 MERGE_TOL = 1e-5

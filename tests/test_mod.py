@@ -261,7 +261,7 @@ def test_cached_decoding_skips_tokens_in_the_cache():
                 assert torch.equal(cache.valid, route)
                 x, *_ = layer(x, cos, sin, causal=True)
             else:
-                assert cache.valid is None
+                assert not hasattr(cache, "valid")  # a dense layer's cache keeps no mask
                 x, _ = layer(x, cos, sin)
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import optional_module
 from train.config import OptimConfig, load_run_config
 from train.loop import train
 from train.metrics import read_rows
@@ -25,7 +24,7 @@ from zoo.llm import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-transformers = optional_module("transformers")
+import transformers
 
 
 # ------------------------------------------------------------------------------ LR schedules

@@ -56,7 +56,7 @@ def test_planned_optimizer_states_are_those_of_the_real_optimizer(name):
 
 
 def test_adamw8bit_state_layout_matches_torchao():
-    pytest.importorskip("torchao")
+    import torchao  # noqa: F401
     from torchao.optim import AdamW8bit
     params = [torch.nn.Parameter(torch.zeros(s)) for s in [(64, 128), (100,), (4096,), (33, 128), (3, 1000)]]
     opt = AdamW8bit(params)

@@ -1,4 +1,4 @@
-"""Streaming preparation (train/data/prepare.py), sources, document boundaries, pre-tokenized
+"""Streaming preparation (train/data/shards.py), sources, document boundaries, pre-tokenized
 inputs, mixtures and batches made ahead (train/data/)."""
 import gzip
 import json
@@ -14,7 +14,7 @@ import torch
 from train.data import (ByteTokenizer, DataError, Problems, SentencePieceTokenizer, TextDataConfig, TokenData,
                         documents, document_ids, sample_documents, train_sentencepiece)
 from train.data.loader import Prefetcher
-from train.data.prepare import prepare
+from train.data.shards import prepare
 from train.data.tokens import LLMC_MAGIC
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def test_killed_preparation_reruns_to_the_same_shards(tmp_path, sp_model):
     assert not manifest["complete"] and manifest["shards"]  # killed after a shard, in the middle of the next
     assert (out / f"shard-{len(manifest['shards']):05d}.bin.tmp").stat().st_size > 0
     with pytest.raises(DataError, match="not complete"):
-        from train.data.prepare import Shards
+        from train.data.shards import Shards
         Shards(out)
     logs = []
     again = prep(src, sp_model, out, workers=2, log=logs.append)
@@ -114,16 +114,16 @@ def test_sources_read_the_same_documents(tmp_path):
     read = lambda p: [d.text for d in documents(str(p))]  # noqa: E731
     assert read(tmp_path / "a.jsonl") == want
     assert read(tmp_path / "a.jsonl.gz") == want
-    zstd = pytest.importorskip("zstandard", reason="zstandard (the `data` extra) reads .jsonl.zst")
+    import zstandard as zstd
     (tmp_path / "a.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress((tmp_path / "a.jsonl").read_bytes()))
     assert read(tmp_path / "a.jsonl.zst") == want
-    pa = pytest.importorskip("pyarrow", reason="pyarrow (the `data` extra) reads Parquet")
+    import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"body": docs, "n": list(range(len(docs)))}), tmp_path / "a.parquet", row_group_size=7)
     assert [d.text for d in documents(str(tmp_path / "a.parquet"), column="body")] == want
     with pytest.raises(DataError, match="no column 'text'"):
         list(documents(str(tmp_path / "a.parquet")))
-    datasets = pytest.importorskip("datasets", reason="datasets (the `data` extra) reads save_to_disk folders")
+    import datasets
     datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "saved"))
     assert [d.text for d in documents(str(tmp_path / "saved"), column="body")] == want
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs})}).save_to_disk(str(tmp_path / "dd"))
@@ -154,7 +154,7 @@ def test_bad_rows_are_counted_in_one_line(tmp_path):
     assert f"{f}: 3 bad jsonl lines (skipped)" in line and "1 empty documents" in line
     assert "2 undecodable bytes replaced with U+FFFD" in line
     assert out.manifest["documents"] == 6 and out.manifest["problems"] == {"bad_json": 3, "empty": 1, "undecodable": 2}
-    pa = pytest.importorskip("pyarrow", reason="pyarrow (the `data` extra) reads Parquet")
+    import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"text": ["one", None, "", "two"]}), tmp_path / "p.parquet")
     problems = Problems()

@@ -1,11 +1,11 @@
 """Quantized inference and quantization-aware training (zoo/quantization.py, zoo/weights/quantized.py,
-train/quantized.py) on a tiny LLM: what is quantized, the numerics against torchao's own
+train/features/quantize.py) on a tiny LLM: what is quantized, the numerics against torchao's own
 dequantization, the round trip through a saved folder, the device check, and the loop's keys."""
 import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("torchao")
+import torchao  # noqa: F401
 
 import zoo  # noqa: E402
 from zoo.quantization import SCHEMES, convert_qat, prepare_qat, targets  # noqa: E402

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
-from conftest import optional_module
 from test_classify import TINY, config, make_task
 from test_reliability import assert_bitwise_equal, finish, launch
 from train.checkpoint import list_checkpoints
 from train.config import load_run_config
-from train.images import auto_augment_op, mix_batch, smooth_one_hot
+from train.data.images import auto_augment_op, mix_batch, smooth_one_hot
 from train.loop import train
 from train.metrics import read_rows
 from train.step import EMA
@@ -87,7 +86,7 @@ def test_augmentation_draws_are_a_function_of_seed_step_and_micro(tmp_path):
     """What a resumed run needs: step 3's batch (RandAugment'd images, then erased and mixed in the loss)
     is the same whether it comes after steps 0..6 or first in a fresh process-like task, and whatever
     torch's global generator holds; and the recipe does change the images."""
-    optional_module("torchvision")
+    import torchvision  # noqa: F401
     cfg = config(tmp_path, **RECIPE)
     first, second = make_task(cfg), make_task(cfg)
     for step in range(3):
@@ -126,7 +125,7 @@ def test_missing_torchvision_names_the_extra(tmp_path, monkeypatch):
 def test_ema_averages_batchnorm_statistics_as_timm():
     """train/step.py's EMA against timm's ModelEmaV3 (no warmup): parameters and BatchNorm running
     statistics averaged the same, the batch count copied: the same state after three updates."""
-    timm_utils = optional_module("timm.utils")
+    import timm.utils as timm_utils
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
     ours, ref = EMA(model, 0.9), timm_utils.ModelEmaV3(model, decay=0.9)
@@ -147,7 +146,7 @@ def test_recipe_draws_survive_a_sigkill_and_resume(tmp_path, one_thread):
     in a fresh process while it writes its step-8 checkpoint, then resumed from step 4 in this one
     (whose generators hold other states): the final weights and every logged loss equal those of an
     uninterrupted run, bit for bit, which they cannot if a redone step drew other augmentations."""
-    optional_module("torchvision")
+    import torchvision  # noqa: F401
     over = {**RECIPE, "data.auto_augment": "trivialaugment", "train.max_steps": 8, "train.checkpoint_every": 4,
             "train.keep_checkpoints": 3, "train.log_every": 1, "train.export": False}
     cfg_file = tmp_path / "recipe.yaml"

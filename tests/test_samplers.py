@@ -10,13 +10,12 @@ import math
 
 import pytest
 import torch
-from conftest import optional_module
 
 from zoo.config import DiffusionConfig, from_dict
 from zoo.diffusion.latent import LatentDiffusion
 from zoo.diffusion.schedule import flow_min_snr_weight, flow_timesteps
 
-diffusers = optional_module("diffusers")
+import diffusers
 
 STEPS, GUIDANCE = 5, 2.5
 COMMON = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,

@@ -4,12 +4,11 @@ Tolerances: alphas_cumprod 1e-6 (diffusers computes in fp32, zoo in fp64); one s
 max abs diff <= 1e-5 on O(1) inputs (fp32).
 """
 import pytest
-from conftest import optional_module
 import torch
 
 from zoo.diffusion.schedule import NoiseSchedule, guided, min_snr_weight
 
-diffusers = optional_module("diffusers")
+import diffusers
 
 SCHEDULES = [("linear", "linear", 1e-4, 0.02), ("scaled_linear", "scaled_linear", 0.00085, 0.012),
              ("cosine", "squaredcos_cap_v2", 1e-4, 0.02)]

@@ -18,7 +18,7 @@ TAEF2 = SHARED / "weights" / "taef2_encoder.pth"
 
 
 def _reference(latent_channels, seed=0):
-    diffusers = pytest.importorskip("diffusers")
+    import diffusers
     torch.manual_seed(seed)
     ref = diffusers.AutoencoderTiny(latent_channels=latent_channels).eval()
     with torch.no_grad():  # perturb every tensor so that a mis-mapped one changes the outputs
@@ -48,7 +48,7 @@ def test_diffusers_autoencoder_tiny_parity(tmp_path, latent_channels):
 
 
 def test_export_round_trips_both_formats(tmp_path):
-    diffusers = pytest.importorskip("diffusers")
+    import diffusers
     ref = _reference(16, seed=3)
     ref.register_to_config(scaling_factor=0.75, shift_factor=0.1)
     ref.save_pretrained(tmp_path / "ref")
@@ -95,8 +95,8 @@ def test_flux2_variant_round_trip_and_variant_errors(tmp_path):
 
 
 def test_detect_does_not_claim_other_families(tmp_path):
-    torchvision = pytest.importorskip("torchvision")
-    transformers = pytest.importorskip("transformers")
+    import torchvision
+    import transformers
     resnet = torchvision.models.resnet18(num_classes=10).state_dict()
     for name in ("resnet18.pth", "resnet18_encoder.pth"):
         torch.save(resnet, tmp_path / name)
@@ -125,7 +125,7 @@ def test_encode_decode_shapes_and_bad_input():
 
 
 def _photos():
-    data = pytest.importorskip("skimage.data")
+    from skimage import data
     for name in ("astronaut", "coffee", "chelsea"):
         im = getattr(data, name)()
         h, w = min(im.shape[0], 256), min(im.shape[1], 256)                      # centre crop, a multiple of 8

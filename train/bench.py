@@ -65,6 +65,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from train.glibc import restart_with_steady_heap
-    restart_with_steady_heap()  # glibc as train/run.py runs it
     sys.exit(main())

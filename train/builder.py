@@ -4,11 +4,15 @@
                                          # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
     run.autocast(), run.fwd, run.optimizer, run.params(), ...
 
-The loop (train/loop.py), the LR finder (train/lr_find.py), the memory planner's measurement
-(train/plan.py) and the benchmarks build their runs here, so they cannot disagree on precision,
-loss path, model or optimizer. The config is never changed: values resolved while building
-(`train.precision: auto`, `train.batch_size: auto`) live in the Run (`run.precision`,
-`run.cfg`, a resolved copy of the config that the task reads too).
+The loop (train/loop.py), the LR finder (train/features/lr_find.py), the memory planner and the
+benchmarks build their runs here, so they cannot disagree on precision, loss path, model or
+optimizer. The config is never changed: values resolved while building (`train.precision: auto`,
+`train.batch_size: auto`) live in the Run (`run.precision`, `run.cfg`, a resolved copy of the
+config that the task reads too).
+
+`apply_runtime` applies the train: section's choices of how a built model runs (attention
+backend, activation checkpointing, chunked loss) from outside the model, as torchtitan applies
+activation checkpointing: a model config (zoo/config.py) describes the architecture only.
 """
 from __future__ import annotations
 
@@ -24,18 +28,21 @@ from torch import nn
 
 from zoo.adapters import apply_adapters, count_params, trainable_keys
 from zoo.config import to_dict
-from zoo.pruning import apply_masks, prune, sparsity_of
+from zoo.pruning import apply_masks
 from zoo.weights.files import atomic_write
 
-from .distill import load_teacher
+from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backend
+from zoo.blocks.checkpoint import checkpoint_units, resolve_policy
+from zoo.config import ConfigError
+
 from .distributed import Launch, Parallel, unsupported
-from .glibc import fill_heap_holes
+from .features.distill import load_teacher
+from .features.prune import prune_linears
+from .features.quantize import prepare as prepare_qat
+from .features.unfreeze import GradualUnfreezing
 from .optim import build_optimizer
-from .quantized import prepare as prepare_qat
-from .runtime import apply_runtime
 from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
 from .tasks import task_class
-from .unfreeze import GradualUnfreezing
 
 
 @dataclass
@@ -108,6 +115,33 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
     return task
 
 
+def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lambda s: None,
+                  source: str = "<config>") -> nn.Module:
+    """Apply train_cfg's attention backend, activation checkpointing and chunked-loss settings to
+    `model` (in place; returned for chaining). A choice the model cannot take is a one-line
+    ConfigError naming the key."""
+    t = train_cfg
+    if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
+        if t.attn_backend == "flash" and flash_available() is None:
+            raise ConfigError(f"{source}: train.attn_backend=flash needs flash-attn, which is not installed or "
+                              f"does not import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
+        set_backend(model, t.attn_backend)
+    policy = resolve_policy(t.activation_checkpointing)
+    units = model.checkpoint_units() if hasattr(model, "checkpoint_units") else []
+    if policy != "none":
+        if not units:
+            raise ConfigError(f"{source}: train.activation_checkpointing={t.activation_checkpointing}: "
+                              f"{type(model).__name__} exposes no checkpoint_units()")
+        n = checkpoint_units(units, policy, t.activation_checkpointing_every)
+        log(f"activation checkpointing: {policy} on {n} of {len(units)} units "
+            f"(every {t.activation_checkpointing_every})")
+    elif units:
+        checkpoint_units(units, "none")
+    if hasattr(model, "chunked_loss"):
+        model.chunked_loss, model.loss_chunk_size = t.chunked_loss, t.loss_chunk_size
+    return model
+
+
 def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Module:
     """The task's model on `device` in training mode, with the run's runtime choices (attention
     backend, activation checkpointing, chunked loss) and adapters applied."""
@@ -119,22 +153,6 @@ def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Modul
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
     return prepare_qat(model, cfg.train, say)
-
-
-def prune_linears(model: nn.Module, cfg, say) -> Optional[dict]:
-    """train.prune: the model's linears magnitude-pruned in place; their masks (None without it)."""
-    t = cfg.train
-    if not t.prune:
-        return None
-    try:
-        masks = prune(model, t.prune, t.prune_sparsity, t.prune_keep)
-    except ValueError as e:
-        raise RunStopped(f"{cfg.source}: train.prune={t.prune}: {e}", EXIT_CONFIG) from None
-    n = sum(w.numel() for w, _ in masks.values())
-    kind = f"unstructured {t.prune_sparsity:g}" if t.prune == "unstructured" else t.prune
-    say(f"prune: {kind} magnitude pruning of {len(masks)} linears outside {', '.join(t.prune_keep)}: "
-        f"{sparsity_of(masks):.1%} of their {n / 1e6:.2f}M weights zero, held after every optimizer step")
-    return masks
 
 
 def with_batch(cfg, batch_size: int, grad_accum: int):
@@ -161,8 +179,6 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
-    if device.type == "cpu":
-        fill_heap_holes()  # glibc: the run's blocks laid out alike in every process (train/heap.py)
     model = build_model(cfg, task, device, say)
     pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)

@@ -4,8 +4,7 @@
 
 DIR: a run folder (train/run.py's out_dir), a Hugging Face folder, or anything zoo.from_pretrained
 takes. Task files are jsonl: multiple choice (context, choices, answer), generation (prompt,
-expected) or loss rows (text, prompt/completion, messages); train/evaluation.py has the formats and
-how each is scored (multiple choice as lm-evaluation-harness scores HellaSwag, ARC and MMLU).
+expected) or loss rows (text, prompt/completion, messages); how each is scored is below.
 
 Options: --json OUT (default: DIR/eval.json when DIR is a folder, else eval.json), --tokenizer (a
 tokenizer file or `bytes`; default: the folder's own), --template (the chat template chat prompts and
@@ -14,19 +13,305 @@ messages are rendered with: a built-in name, a path, or `none`; default: the fol
 --precision (fp32, bf16, fp16), --batch-size, --max-new-tokens, --delimiter (multiple choice:
 between context and choice, default " "), --details (each row's scores in the JSON).
 Exit codes: 0 done; 2 a bad file, folder or option (one line).
+
+Scoring. A task file is jsonl; the keys of its rows say what it measures (each row one of these):
+
+    {"context": str, "choices": [str, ...], "answer": int | str}   multiple choice by log-likelihood
+    {"prompt": str | messages, "expected": str, "until": [str]?}   generation: exact match, contains
+    {"prompt": str | messages, "completion": str}                  loss on the completion's tokens
+    {"messages": [...]}                                            loss on the assistant's tokens
+    {"text": str}                                                  loss on every token
+
+Multiple choice is scored as lm-evaluation-harness scores HellaSwag, ARC and MMLU: each choice is
+the continuation `delimiter + choice` (delimiter " " by default) of the context, tokenised as the
+harness does (the context's trailing spaces move to the continuation; the continuation's tokens are
+those of context + continuation past the context's own); its log-likelihood is the sum of its
+tokens' log-probabilities. `acc`: the choice of the highest sum is the answer; `acc_norm`: the
+highest sum divided by the choice's length in characters (the harness's `completion_len`, the
+delimiter not counted). Ties go to the first choice, as numpy's argmax.
+
+Generation is greedy, at most `max_new_tokens` tokens, cut at EOS and at the first of the row's
+`until` strings (default: none with a chat template, ["\\n"] without); `exact_match` compares the
+output and `expected` with surrounding whitespace stripped, `contains` asks whether the output
+contains `expected` (stripped).
+
+Loss rows are scored by the mean cross-entropy over their trained tokens (`loss`, `ppl`, `tokens`).
+`evaluate_files` runs several files: this command line, and the LM task's `data.eval_tasks` at
+every evaluation of a run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
+from train.data import DataError  # noqa: E402
+from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, prompt_messages,  # noqa: E402
+                                   read_jsonl, response_text)
 
+
+# ----------------------------------------------------------------------------- log-likelihoods
+def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of the labelled next tokens: ids (B, T) inputs, labels (B, T) the
+    tokens to score at each position (-100: not scored) -> (sums (B,) fp32, scored tokens (B,)).
+    The full logits are made (B, T, V), the log-softmax in fp32."""
+    logits = model(ids).float()
+    valid = labels != IGNORE
+    target = labels.masked_fill(~valid, 0)
+    logp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return (logp * valid).sum(-1), valid.sum(-1)
+
+
+def collate(seqs: list[tuple[list[int], list[int]]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(ids, labels), ...] (labels aligned with ids) -> inputs x (B, T) and next-token labels y (B, T),
+    right-padded to the longest (pad positions are not scored)."""
+    T = max(len(ids) for ids, _ in seqs) - 1
+    x = torch.full((len(seqs), T), pad, dtype=torch.long)
+    y = torch.full((len(seqs), T), IGNORE, dtype=torch.long)
+    for i, (ids, labels) in enumerate(seqs):
+        n = len(ids) - 1
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, :n] = torch.tensor(labels[1:])
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def score_sequences(model, seqs: list, device, batch_size: int = 16, autocast=None) -> list[tuple[float, int]]:
+    """(summed log-likelihood, scored tokens) of every (ids, labels) sequence."""
+    out = []
+    for s in range(0, len(seqs), batch_size):
+        x, y = collate(seqs[s:s + batch_size], device)
+        with (autocast or contextlib.nullcontext)():
+            lp, n = sequence_logps(model, x, y)
+        out += list(zip(lp.tolist(), n.tolist()))
+    return out
+
+
+# ----------------------------------------------------------------------------- task files
+def _choice_row(row):
+    context, choices, answer = row["context"], row["choices"], row["answer"]
+    if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
+            or not all(isinstance(c, str) and c for c in choices):
+        raise TypeError("context must be a string and choices a list of at least two non-empty strings")
+    if isinstance(answer, str):
+        if answer not in choices:
+            raise ValueError(f"answer {answer!r} is not one of the choices")
+        answer = choices.index(answer)
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        raise ValueError(f"answer must be a choice or its index in [0, {len(choices)}), got {answer!r}")
+    return {"kind": "choice", "context": context, "choices": choices, "answer": answer}
+
+
+def _generation_row(row):
+    until = row.get("until")
+    if until is not None and not (isinstance(until, list) and all(isinstance(u, str) and u for u in until)):
+        raise TypeError("until must be a list of non-empty strings")
+    if not isinstance(row["expected"], str):
+        raise TypeError("expected must be a string")
+    prompt_messages(row["prompt"])
+    return {"kind": "generation", "prompt": row["prompt"], "expected": row["expected"], "until": until}
+
+
+def _loss_row(row):
+    if "messages" in row:
+        msgs = prompt_messages(row["messages"])
+        if msgs[-1]["role"] != "assistant":
+            raise ValueError("the last message must be the assistant's")
+        return {"kind": "loss", "prompt": msgs[:-1], "completion": msgs[-1]["content"]}
+    if "completion" in row:
+        prompt_messages(row["prompt"])
+        return {"kind": "loss", "prompt": row["prompt"], "completion": response_text(row["completion"])}
+    if not isinstance(row["text"], str) or not row["text"]:
+        raise TypeError("text must be a non-empty string")
+    return {"kind": "loss", "prompt": None, "completion": row["text"]}
+
+
+def parse_row(row: dict) -> dict:
+    if "choices" in row:
+        return _choice_row(row)
+    if "expected" in row:
+        return _generation_row(row)
+    return _loss_row(row)
+
+
+def read_task(path, log=print) -> tuple[str, list[dict]]:
+    """(kind, rows) of a task file; every row must be of one kind."""
+    rows = read_jsonl(path, parse_row, log, "task rows")
+    kinds = sorted({r["kind"] for r in rows})
+    if len(kinds) > 1:
+        raise DataError(f"{path}: rows of several kinds ({', '.join(kinds)}); one task file holds one kind")
+    return kinds[0], rows
+
+
+# ----------------------------------------------------------------------------- scoring
+def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness's split of a (context, continuation) request into token ids."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tokenizer.encode(context + continuation)
+    ctx = tokenizer.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, autocast=None, max_len=None, **_):
+    """acc and acc_norm of multiple-choice rows (and each row's log-likelihoods)."""
+    seqs = []
+    for r in rows:
+        for c in r["choices"]:
+            ctx, cont = choice_pair(tokenizer, r["context"], delimiter + c)
+            if not ctx:  # an empty context: the harness conditions on the end-of-text token
+                if tokenizer.eos_id is None:
+                    raise DataError(f"an empty context needs a tokenizer with an EOS token (choice {c!r})")
+                ctx = [tokenizer.eos_id]
+            ids = ctx + cont
+            if max_len is not None:
+                ids = ids[-(max_len + 1):]  # the harness keeps the last max_len + 1 tokens
+            seqs.append((ids, [IGNORE] * (len(ids) - len(cont)) + ids[len(ids) - len(cont):]))
+    scores = iter(score_sequences(model, seqs, device, batch_size, autocast))
+    acc = acc_norm = 0
+    details = []
+    for r in rows:
+        lls = [next(scores)[0] for _ in r["choices"]]
+        normed = [ll / len(c) for ll, c in zip(lls, r["choices"])]
+        pick, pick_norm = lls.index(max(lls)), normed.index(max(normed))
+        acc += pick == r["answer"]
+        acc_norm += pick_norm == r["answer"]
+        details.append({"loglikelihoods": lls, "pred": pick, "pred_norm": pick_norm, "answer": r["answer"]})
+    n = len(rows)
+    return {"acc": acc / n, "acc_norm": acc_norm / n, "n": n}, details
+
+
+def cut_at(text: str, until) -> str:
+    """text up to the first occurrence of any string of `until`."""
+    end = min((i for i in (text.find(u) for u in until or ()) if i >= 0), default=len(text))
+    return text[:end]
+
+
+def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tokens=64, max_len=None) -> str:
+    """The greedy continuation of a prompt: with a chat template the assistant's reply (train/chat.py's
+    ChatSession: up to the end of turn or EOS); else the text after the plain prompt, up to EOS."""
+    if template is not None:
+        from .chat import ChatSession
+        return ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens).respond(prompt_messages(prompt))
+    ids = encode_prompt(tokenizer, prompt)
+    if max_len is not None:
+        ids = ids[-max(1, max_len - max_new_tokens):]
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    out = model.generate(x, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_id)[0, len(ids):].tolist()
+    if tokenizer.eos_id is not None and tokenizer.eos_id in out:
+        out = out[:out.index(tokenizer.eos_id)]
+    return tokenizer.decode(out)
+
+
+def score_generation(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, max_len=None,
+                     **_):
+    """exact_match and contains of generation rows (and each row's output)."""
+    exact = contains = 0
+    details = []
+    for r in rows:
+        with (autocast or contextlib.nullcontext)():
+            out = generate_answer(model, tokenizer, r["prompt"], device, template, max_new_tokens, max_len)
+        until = r["until"] if r["until"] is not None else ([] if template is not None else ["\n"])
+        text = cut_at(out, until)
+        want = r["expected"].strip()
+        exact += text.strip() == want
+        contains += want in text
+        details.append({"output": text, "expected": r["expected"]})
+    n = len(rows)
+    return {"exact_match": exact / n, "contains": contains / n, "n": n}, details
+
+
+def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, autocast=None, max_len=None, **_):
+    """Mean cross-entropy over the rows' trained tokens."""
+    seqs = []
+    for r in rows:
+        if r["prompt"] is None:
+            ids = tokenizer.encode(r["completion"])
+            ids, labels = ids, list(ids)
+        else:
+            ids, labels = encode_response(tokenizer, r["prompt"], r["completion"], template)
+        if max_len is not None:
+            ids, labels, _ = fit(ids, labels, max_len + 1)
+        seqs.append((ids, labels))
+    scores = score_sequences(model, seqs, device, batch_size, autocast)
+    total, tokens = sum(s for s, _ in scores), sum(n for _, n in scores)
+    if tokens == 0:
+        raise DataError("no tokens to score (every row is a single token)")
+    loss = -total / tokens
+    return {"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens": tokens}, []
+
+
+SCORERS = {"choice": score_choices, "generation": score_generation, "loss": score_loss}
+
+
+def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
+                   delimiter=" ", autocast=None, log=print) -> dict[str, dict]:
+    """{task name (the file's stem): {metric: value, ..., "kind": ...}} of every task file, and
+    under "details" each row's scores. The model is evaluated in eval mode and put back as it was."""
+    was = model.training
+    model.eval()
+    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
+    results = {}
+    try:
+        for f in files:
+            kind, rows = read_task(f, log)
+            try:
+                m, d = SCORERS[kind](model, tokenizer, rows, device, template=template, batch_size=batch_size,
+                                     max_new_tokens=max_new_tokens, delimiter=delimiter, autocast=autocast,
+                                     max_len=max_len)
+            except TypeError as e:  # a prompt of messages and no template
+                raise DataError(f"{f}: {e}") from None
+            name = Path(f).stem
+            while name in results:
+                name += "_"
+            results[name] = {"kind": kind, **m, "details": d}
+    finally:
+        model.train(was)
+    return results
+
+
+def metric_row(results: dict) -> dict[str, float]:
+    """The results as flat numbers for metrics.jsonl: `eval_<task>_<metric>`."""
+    return {f"eval_{name}_{k}": float(v) for name, r in results.items() for k, v in r.items()
+            if isinstance(v, (int, float)) and k != "n"}
+
+
+def table(results: dict) -> str:
+    """The results as a plain-text table: task, kind, rows, then its metrics."""
+    lines = [f"{'task':<24} {'kind':<11} {'n':>6}  metrics"]
+    for name, r in results.items():
+        n = r.get("n", r.get("tokens", ""))
+        metrics = "  ".join(f"{k} {v:.4f}" for k, v in r.items()
+                            if k not in ("kind", "n", "tokens", "details") and isinstance(v, float))
+        lines.append(f"{name:<24} {r['kind']:<11} {n:>6}  {metrics}")
+    return "\n".join(lines)
+
+
+def tokenizer_of(path) -> object:
+    """The tokenizer of a model folder (a Zoo run folder or a Hugging Face folder; tokenizer.json
+    first, as the chat templates want), or of a tokenizer file, or 'bytes'."""
+    from train.data import load_tokenizer_file, model_tokenizer
+    spec = str(path)
+    if Path(path).expanduser().is_dir():
+        spec = model_tokenizer(Path(path).expanduser(), ("tokenizer.json", "tokenizer.model"))
+        if spec is None:
+            raise DataError(f"{path}: no tokenizer.json or tokenizer.model (pass --tokenizer)")
+    if spec != "bytes" and not Path(spec).expanduser().is_file():
+        raise DataError(f"{spec}: tokenizer file not found")
+    return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
+
+
+# ----------------------------------------------------------------------------- command line
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python train/eval.py", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a run folder, a Hugging Face folder, or anything zoo.from_pretrained takes")
@@ -44,14 +329,10 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    import torch
-
     import zoo
     from zoo.config import ConfigError
 
-    from train.data import DataError
     from train.data.conversations import BUILTIN, ChatTemplate, find_template
-    from train.evaluation import evaluate_files, table, tokenizer_of
     from train.step import EXIT_CONFIG, RunStopped, autocast_for, resolve_device
 
     args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -1,11 +1,16 @@
 """What the machine can do, measured the same way by the loop and the benchmarks.
 
-- `measure_peak_flops(device, dtype)`: the FLOP/s of a large square matmul in the compute dtype,
-  the denominator of every MFU figure Zoo prints (metrics.jsonl and the benchmark tables).
+- `measure_peak_flops(device, dtype)`: the FLOP/s of a square matmul in the compute dtype, the
+  denominator of every MFU figure Zoo prints (metrics.jsonl and the benchmark tables).
 - `sync(device)`, `peak_memory_gb(device)`.
+- `keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory for reuse
+  (`train.cpu_keep_memory`), and its defaults back.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
 import resource
 import sys
 import time
@@ -21,51 +26,34 @@ def sync(device: torch.device):
         torch.mps.synchronize()
 
 
-_PEAK_SIZES: dict = {}  # (device, dtype, threads) -> the matmul size measure_peak_flops chose
+# The matmul measured: about 2 GFLOP on a CPU, 1 TFLOP on an accelerator, chosen by its FLOPs alone
+# so that a slow first timing (a busy machine) cannot pick a matmul too small to reach the peak.
+PEAK_SIZES = {"cpu": 1024}
+PEAK_SIZE_DEFAULT = 8192
 
 
 def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5,
-                       budget: float = 0.25) -> float:
-    """Achieved FLOP/s of an n x n matmul in the run's compute dtype (None: float32): the MFU
-    denominator of the training loop and of every benchmark.
-
-    n is the largest of 256, 512, ..., 8192 whose matmul takes at most ~50 ms: large enough to
-    reach the device's matmul speed, small enough to stay cheap in a dtype the device only
-    emulates. It is chosen at the first call (each size timed twice, growing while 8x the faster
-    time stays under 50 ms) and kept for the process, device, dtype and thread count, so that
-    every later call measures the same matmul. The result is 2 n^3 over the fastest of `reps`
-    timed matmuls after a warm-up one, stopping early once `budget` seconds are spent (at least
-    two): the fastest is the least disturbed by other work on the machine. A call costs at most
-    about 0.4 s. The loop measures once at the start; a benchmark may keep the largest of
-    several calls made between its rounds."""
+                       budget: float = 0.5) -> float:
+    """Achieved FLOP/s of an n x n matmul in the run's compute dtype (None: float32), n from
+    `PEAK_SIZES` by device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up
+    (the fastest is the least disturbed by other work), stopping early once `budget` seconds are
+    spent (at least two)."""
     dt = dtype or torch.float32
-    key = (str(device), dt, torch.get_num_threads())
+    n = PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
 
-    def timed(a, b) -> float:
+    def timed() -> float:
         sync(device)
         t0 = time.perf_counter()
         a @ b
         sync(device)
         return time.perf_counter() - t0
 
-    n = _PEAK_SIZES.get(key)
-    if n is None:
-        n = 256
-        while True:
-            a = torch.randn(n, n, device=device, dtype=dt)
-            b = torch.randn(n, n, device=device, dtype=dt)
-            once = min(timed(a, b), timed(a, b))
-            if once * 8 > 0.05 or n >= 8192:
-                break
-            n *= 2
-        _PEAK_SIZES[key] = n
-    else:
-        a = torch.randn(n, n, device=device, dtype=dt)
-        b = torch.randn(n, n, device=device, dtype=dt)
-        timed(a, b)  # warm-up
+    timed()  # warm-up
     best, spent = float("inf"), 0.0
     for i in range(max(2, reps)):
-        t = timed(a, b)
+        t = timed()
         best, spent = min(best, t), spent + t
         if i >= 1 and spent > budget:
             break
@@ -78,3 +66,38 @@ def peak_memory_gb(device: torch.device) -> float:
     # process peak resident set size (Linux reports KiB, macOS bytes)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+# ------------------------------------------------------------------------------ glibc: freed memory kept
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+@functools.lru_cache(maxsize=None)
+def libc():
+    """glibc, or None where the C library is another (or the platform not Linux)."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Serve every allocation from the heap and never trim it (mallopt M_MMAP_MAX=0,
+    M_TRIM_THRESHOLD=2 GiB). glibc otherwise maps each large block afresh and unmaps it when
+    freed, so a step's large tensors are page-faulted in again every step. Process-wide: memory
+    freed stays with the process, as with CUDA's caching allocator. Returns whether it applied."""
+    c = libc()
+    return c is not None and c.mallopt(_M_MMAP_MAX, 0) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
+
+
+def release_freed_memory() -> bool:
+    """Undo keep_freed_memory(): glibc's default limits again (mmap for blocks over 128 KiB, trim
+    at 128 KiB) and the kept memory returned to the OS. Returns whether it applied."""
+    c = libc()
+    if c is None:
+        return False
+    ok = c.mallopt(_M_MMAP_MAX, 65536) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 128 * 1024) == 1
+    c.malloc_trim(0)
+    return ok

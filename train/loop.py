@@ -1,6 +1,6 @@
 """The one training loop. It knows nothing family-specific: a family plugs in through its task.
 
-    train(cfg) -> builds the run (train/builder.py), resumes it (train/checkpointer.py), then per
+    train(cfg) -> builds the run (train/builder.py), resumes it (train/checkpoint.py), then per
     optimizer step: LR from the schedule -> `grad_accum` micro-batches (ramped up from 1 over
     `batch_warmup_steps`) under autocast -> unscale, clip the global grad norm -> optimizer step
     (skipped, counted and logged when the loss or grad norm is not finite) -> weight clipping ->
@@ -8,7 +8,7 @@
     (train/metrics.py); every `eval_every` steps the task evaluates; every `checkpoint_every` steps
     a checkpoint is written. The last step evaluates, checkpoints and averages the last
     `average_last` checkpoints inside the loop (its `last_step`), then train/finish.py writes the
-    weights, the export and the samples. `lr_find` runs the LR range test instead (train/lr_find.py).
+    weights, the export and the samples. `lr_find` runs the LR range test instead (train/features/lr_find.py).
 
 A run whose out_dir holds a checkpoint resumes from it exactly. SIGTERM/SIGINT finish the
 current step, write a checkpoint and exit with code EXIT_PREEMPTED. Under torchrun,
@@ -27,16 +27,14 @@ from typing import Optional
 from zoo.pruning import sparsity_of
 
 from .builder import build_run
-from .checkpoint import CKPT_DIR
-from .checkpointer import Checkpointer
+from .checkpoint import CKPT_DIR, Checkpointer
 from .config import RunConfig
 from .distributed import Parallel, launch_env
+from .features.quantize import quantized_evaluation
 from .finish import finish
-from .glibc import release_freed_memory
-from .hardware import sync
+from .hardware import release_freed_memory, sync
 from .metrics import Metrics
 from .optim import lr_multiplier, micro_batches, set_lr
-from .quantized import quantized_evaluation
 from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, RunStopped, clip_weights_, optimizer_step,
                    resolve_device, setup_backends, to_device)
 
@@ -65,7 +63,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
     try:
         kept = setup_backends(t, par.device(resolve_device(t.device)), say, owns_process)
         if t.lr_find:
-            from .lr_find import lr_find
+            from .features.lr_find import lr_find
             try:
                 return lr_find(cfg, say)
             except ValueError as e:

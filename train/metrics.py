@@ -10,10 +10,19 @@
 
 `read_rows(out_dir)` gives both merged by step (the rows a reader wants); the tracker
 (`train.tracker`) and the progress bar get the merged rows live. Only rank 0 writes.
+
+Trackers (`train.tracker`: none | tensorboard | wandb) get every row metrics.jsonl gets, so they
+hold the same numbers at the same steps, with the resolved run config as the hyperparameters:
+- tensorboard: event files in <out_dir>/tensorboard/, one scalar per key; a resumed run drops the
+  events from the checkpoint's step on (purge_step), as metrics.jsonl drops its rows, so a curve
+  is never doubled.
+- wandb: files in <out_dir>/wandb/, offline unless `train.tracker_mode` (or $WANDB_MODE) says
+  otherwise; the run id kept in <out_dir>/wandb/run_id, so a resumed run continues the same run.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -21,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from zoo.config import ConfigError
 from zoo.weights.files import atomic_write
 
 from .hardware import measure_peak_flops, peak_memory_gb
-from .tracking import open_tracker
 
 METRICS, SPEED = "metrics.jsonl", "speed.jsonl"
 
@@ -73,12 +82,10 @@ class Metrics:
         if self.main:
             for name in (METRICS, SPEED):
                 truncate(out / name, start, finished=start >= t.max_steps)
-        # measurements draw from a forked generator: the (resumed) RNG stream of the run stays untouched
-        with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
-            self.peak = t.peak_flops or measure_peak_flops(run.device, run.amp_dtype)
+        self.peak = t.peak_flops or self._measure_peak()
+        with torch.random.fork_rng(devices=[]):
             self.fpi = run.task.flops_per_item(run.model)
-        rate = f"{self.peak / 1e12:.2f} TFLOP/s" if self.peak >= 1e12 else f"{self.peak / 1e9:.1f} GFLOP/s"
-        say(f"mfu: peak {rate} ({'configured' if t.peak_flops else 'measured matmul'})")
+        say(f"mfu: peak {_flops(self.peak)} ({'configured' if t.peak_flops else 'measured matmul'})")
         self._stack = contextlib.ExitStack()
         self.files = {}
         self.tracker = None
@@ -150,12 +157,31 @@ class Metrics:
         if par.active:
             speed["peak_mem_gb_ranks"] = par.gather(speed["peak_mem_gb"])
         if self.fpi:
-            speed["mfu"] = self.fpi * rate / (self.peak * par.world)
+            speed["mfu"] = self._mfu(self.fpi * rate / par.world)
         self.record(row, speed)
         self.bar.set_postfix({"loss": f"{row['loss']:.3f}", "lr": f"{lr:.1e}",
                               f"{self.unit[:3]}/s": f"{rate:,.0f}",
                               **({"mfu": f"{speed['mfu']:.1%}"} if self.fpi else {})}, refresh=False)
         self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0, "wait": 0.0}
+
+    def _measure_peak(self) -> float:
+        """The peak FLOP/s measured now, from a forked generator: the run's RNG stream stays untouched."""
+        device = self.run.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return measure_peak_flops(device, self.run.amp_dtype)
+
+    def _mfu(self, flops: float) -> float:
+        """Achieved FLOP/s per process over the peak, never above 1: an achieved rate over the peak
+        means the peak was measured low (a busy machine), so it is measured again (the higher kept),
+        and what is still above is capped, both said in the log."""
+        if flops > self.peak and not self.t.peak_flops:
+            was, self.peak = self.peak, max(self.peak, self._measure_peak())
+            self.say(f"mfu: {_flops(flops)} achieved is above the peak measured at the start ({_flops(was)}): "
+                     f"peak measured again, {_flops(self.peak)}")
+        if flops > self.peak:
+            self.say(f"mfu: {_flops(flops)} achieved is above the peak {_flops(self.peak)}; MFU capped at 100%")
+            self.peak = flops
+        return flops / self.peak
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
@@ -189,3 +215,120 @@ class Metrics:
         if not any(series.values()):
             return None
         return line_plot(series, self.out / "loss.png", xlabel="step", ylabel="loss", markers={"val loss"})
+
+
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:.2f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
+# ------------------------------------------------------------------------------ trackers
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the package (and extra) it needs
+
+
+def missing_package(tracker: str, key: str = "train.tracker"):
+    """The one-line error for a tracker whose package is not installed, else None."""
+    name = PACKAGES.get(tracker)
+    if name is None:
+        return None
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # blocked, or a half-imported module
+        found = False
+    return None if found else f"{key}={tracker} needs the {name} package: pip install -e '.[{name}]'"
+
+
+class Tracker:
+    """The tracker of train.tracker=none: `log` and `close` do nothing. A context manager whose
+    exit closes it (with the exit code of the exception that ended the run, if one did)."""
+
+    def log(self, row: dict):
+        pass
+
+    def close(self, exit_code: int = 0):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(0 if exc is None else getattr(exc, "code", 1))
+
+
+class TensorBoardTracker(Tracker):
+    def __init__(self, cfg, out: Path, start: int, kept: list = ()):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+        except ImportError as e:
+            raise ConfigError(f"{missing_package('tensorboard') or 'train.tracker=tensorboard'} ({e})") from None
+        # purge_step: TensorBoard hides the events at steps >= start written before this one
+        self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start)
+        flat = _flatten(cfg.to_dict())
+        _, session_start, _ = hparams({k: v if isinstance(v, (int, float, str)) else json.dumps(v)
+                                       for k, v in flat.items()}, {})
+        self.writer.file_writer.add_summary(session_start)
+        self.writer.add_text("config", "\n".join(f"    {k}: {json.dumps(v)}" for k, v in flat.items()), start)
+        for row in kept:  # the rows the run's files keep at the purged step
+            self.log(row)
+
+    def log(self, row: dict):
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self.writer.add_scalar(k, float(v), row["step"])  # float32: TensorBoard's data server reads no float64
+            elif isinstance(v, list):  # one number per layer (e.g. moe_load_max): a scalar each, k/0, k/1, ...
+                for i, x in enumerate(v):
+                    if isinstance(x, (int, float)):
+                        self.writer.add_scalar(f"{k}/{i}", float(x), row["step"])
+        self.writer.flush()  # a killed run loses no row that metrics.jsonl has
+
+    def close(self, exit_code: int = 0):
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    def __init__(self, cfg, out: Path, start: int):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ConfigError(f"{missing_package('wandb') or 'train.tracker=wandb'} ({e})") from None
+        t = cfg.train
+        mode = t.tracker_mode or os.environ.get("WANDB_MODE") or "offline"
+        id_file = out / "wandb" / "run_id"
+        run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # fresh start: a new run
+        # the process-wide settings too: wandb's own telemetry follows them, not the run's
+        wandb.setup(wandb.Settings(mode=mode))
+        try:
+            self.run = wandb.init(project=t.tracker_project or "zoo", name=out.resolve().name, id=run_id,
+                                  resume="allow", dir=str(out), mode=mode, config=cfg.to_dict())
+        except wandb.errors.Error as e:  # e.g. online without an API key
+            raise ConfigError(f"train.tracker=wandb ({mode}): {str(e).strip().splitlines()[0]}") from None
+        if self.run.id != run_id:
+            atomic_write(id_file, self.run.id + "\n")
+
+    def log(self, row: dict):
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self, exit_code: int = 0):
+        self.run.finish(exit_code=exit_code)
+
+
+def open_tracker(cfg, out: Path, start: int, kept: list = ()) -> Tracker:
+    """The tracker of cfg.train.tracker for a run in `out` that starts (or resumes) at `start`;
+    kept: the metrics rows of step `start` already logged (a tracker that purges that step logs
+    them again)."""
+    kind = cfg.train.tracker
+    if kind == "tensorboard":
+        return TensorBoardTracker(cfg, out, start, kept)
+    if kind == "wandb":
+        return WandbTracker(cfg, out, start)
+    return Tracker()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat

@@ -7,47 +7,27 @@ memory: a 7B model costs nothing) and the loop's training step (autocast forward
 gradient clipping, optimizer step, zero_grad) runs on it under `LiveBytes`, a dispatch mode
 that adds a tensor storage's bytes when an op first returns it and subtracts them when the
 storage dies. The peak of that count, one steady-state step after a first one has made the
-optimizer's state, is the predicted peak. The parts:
+optimizer's state, is the tensors' peak. The parts:
 
-    params, buffers       the model's tensors (a frozen base counts here too; train.prune's masks,
-                          a byte per pruned weight, with the buffers)
+    params, buffers       the model's tensors (a frozen base counts here too; train.prune's masks)
     ema                   train.ema_decay: the averaged copy of the model
     grads                 one per trainable parameter, in its dtype
-    optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout:
-                          int8 codes + an fp32 scale per 256 values, small tensors in fp32)
+    optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout)
     inputs                the batch
-    activations           the rest of the tensors' peak: saved activations, the loss's logits, autocast's
-                          weight copies, the gradients of the backward in flight, the optimizer's
-                          temporaries (whichever phase of the step is higher); with
-                          train.activation_offload on CUDA the saved activations are simulated in
-                          host memory (save_on_cpu) and only the device's tensors are counted
-    allocator             what the device's allocator holds beyond the tensors at its peak (replayed)
-    unseen                CPU: what no tensor holds (measured, per family, dtype and checkpointing)
-
-Also reported: activations per repeated block (what one block keeps for the backward), the
-logits of the loss, the KV cache of generation at the run's batch and model.max_seq_len, and
-per device under DDP (everything replicated, plus DDP's gradient buckets, one more copy of the
-gradients) and FSDP2 (parameters, gradients and states sharded by N, plus the all-gathered
-parameters of two blocks: the one running and the one prefetched; activations per device as on
-one device, for the per-device micro-batch).
+    activations           the rest of the tensors' peak: saved activations, the loss's logits,
+                          autocast's weight copies, the backward's gradients in flight, the
+                          optimizer's temporaries (whichever phase of the step is higher)
+    allocator             what the device's allocator holds beyond the tensors: on CUDA the caching
+                          allocator's blocks and segments, replayed from the step's allocations
+                          (`cuda_reserved_peak`) plus cuBLAS's workspace; on a CPU a stated margin
+                          (`CPU_MARGIN` of the tensors' peak plus `CPU_RUNTIME`) that errs high
 
 Deep models are simulated at two reduced depths and extrapolated (every quantity of a stack of
-equal blocks is linear in its depth); the parameters and optimizer states are those of the full
-model.
-
-The peak is what the device will hold, not only the tensors: the storages the step makes and frees,
-in order (`AllocTrace`, from the model's construction to the third step), are replayed through a
-model of the device's allocator (`allocator`: glibc's heap on a CPU, `train.heap.heap_peak`; the CUDA
-caching allocator's reserved segments, `cuda_reserved_peak`), and on a CPU the memory no tensor
-holds (`unseen`: BLAS and oneDNN buffers, the runtime's own allocations and the fragmentation they
-cause) is added as measured on this machine for the family, autocast dtype and checkpointing
-(`python train/bench.py memory --calibrate`, train/benches/memory_calibration.json). On a CPU the
-prediction is the growth of the process's peak resident memory from the imported interpreter to
-the end of the 16th step (`measure`); on CUDA the peak reserved memory, without the CUDA context.
-docs/memory.md has the prediction against measured peaks.
-
-`--memory` lists settings that make the step fit, cheapest in speed first (each with its
-estimated slowdown); `--json` prints one JSON object (peak_bytes, breakdown, ...).
+equal blocks is linear in its depth). Also reported: activations per repeated block, the logits
+of the loss, the KV cache of generation, and per device under DDP (everything replicated, plus
+DDP's gradient buckets) and FSDP2 (parameters, gradients and states sharded, plus two blocks'
+gathered parameters). `--memory` lists settings that make the step fit, cheapest in speed first;
+`--json` prints one JSON object. docs/memory.md has the prediction against measured peaks.
 """
 from __future__ import annotations
 
@@ -69,9 +49,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from train.glibc import steady_heap_env
-from train.heap import heap_peak
-from train.runtime import apply_runtime
+from train.builder import apply_runtime
 from train.step import DTYPES, EMA, autocast_for, optimizer_step, precision_of, resolve_precision
 from zoo.config import ConfigError
 from zoo.quantization import targets
@@ -135,8 +113,8 @@ class LiveBytes(TorchDispatchMode):
 
 class AllocTrace:
     """The order in which tensor storages are made and freed: [(key, +bytes) or (key, -bytes)], each
-    storage once however many counters see it. Replayed through a model of the device's allocator
-    (`train.heap.heap_peak`, `cuda_reserved_peak`) it gives the memory the allocator holds at its peak."""
+    storage once however many counters see it. Replayed through the CUDA caching allocator's rules
+    (`cuda_reserved_peak`) it gives the memory that allocator holds at its peak."""
 
     def __init__(self):
         self.events: list[tuple[int, int]] = []
@@ -480,7 +458,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             phase["name"] = "forward"
             fb, opt = step(track=True)
             phase["name"] = "third"
-            step(track=False)  # the allocator's layout settles over the first steps (train/heap.py)
+            step(track=False)  # the caching allocator's blocks settle over the first steps
         for h in handles:
             h.remove()
         p_bytes = _bytes(model.parameters())
@@ -523,7 +501,7 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-SIMULATE_FULL_DEPTH = 24  # deeper LLM stacks are simulated at two reduced depths and extrapolated
+SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths and extrapolated
 
 
 def _run_device(cfg) -> torch.device:
@@ -553,11 +531,11 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
         sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
                                   logits=s2.logits)
-        allocator = lin(allocator_overhead(s1.events, cfg, device), allocator_overhead(s2.events, cfg, device))
+        allocator = lin(allocator_overhead(s1.events, device), allocator_overhead(s2.events, device))
         extrapolated = [l1, l2]
     else:
         sim, extrapolated = simulate(cfg, device, B), None
-        allocator = allocator_overhead(sim.events, cfg, device)
+        allocator = allocator_overhead(sim.events, device)
     transient = max(sim.forward_backward, sim.optimizer_step)
     activations = transient - sim.grads
     host = 0
@@ -582,15 +560,12 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
                      f"(one more copy of the gradients)")
     ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
-                 "ema": ema, "inputs": sim.inputs, "activations": activations,
-                 "allocator": max(0, allocator)}
-    one_device = sim.params + sim.buffers + sim.states + ema + sim.inputs + transient + max(0, allocator)
-    breakdown["unseen"] = unseen_bytes(cfg, device, one_device)  # of the step on one device
-    spread = measured_spread(cfg.family) if device.type == "cpu" else None
-    if spread is not None:
-        notes.append(f"CPU: what no tensor holds is measured, not simulated; the {cfg.family} configurations of "
-                     f"`python train/bench.py memory` peaked at {spread[0]:.2f}-{spread[1]:.2f} x their plans on the "
-                     f"machine that measured them (each the highest of {spread[2]} or more fresh processes; docs/memory.md)")
+                 "ema": ema, "inputs": sim.inputs, "activations": activations}
+    if device.type == "cpu":
+        allocator = round(CPU_MARGIN * sum(breakdown.values())) + CPU_RUNTIME
+        notes.append(f"CPU: the allocator's margin is {CPU_MARGIN:.0%} of the tensors' peak plus {_fmt(CPU_RUNTIME)}, "
+                     f"chosen to err high (docs/memory.md)")
+    breakdown["allocator"] = max(0, allocator)
     kv = _kv_cache_bytes(cfg, B, device)
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
                 sharding if devices > 1 else "none", extrapolated, notes)
@@ -599,88 +574,25 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
 
 
-CALIBRATION = Path(__file__).resolve().parent / "benches" / "memory_calibration.json"
-_calibration: dict = {}
+# A CPU's allocator margin: glibc's heap around the tensors (blocks freed out of order leave holes
+# that only smaller blocks can reuse) and what no tensor holds (the autograd graph's objects, the
+# BLAS and oneDNN buffers, code run for the first time), as a share of the tensors' peak plus a
+# constant. Chosen to err high: `python train/bench.py memory` measures it (docs/memory.md).
+CPU_MARGIN = 0.25
+CPU_RUNTIME = 96 * MiB
 
 
-def calibration() -> dict:
-    """The CPU's unseen-memory envelopes, {key: {"a": bytes, "b": fraction, ...}}, key a family or a
-    family and its autocast dtype (`envelope_key`), as `python train/bench.py memory --calibrate`
-    measured and wrote them (train/benches/memory_calibration.json: the machine, torch, the date and
-    every point each was fitted on)."""
-    if not _calibration:
-        try:
-            _calibration.update(json.loads(CALIBRATION.read_text())["families"])
-        except (OSError, ValueError, KeyError):
-            _calibration["none"] = {}
-    return _calibration
-
-
-def envelope_key(cfg, device: torch.device) -> str:
-    """Which envelope holds `cfg`'s unseen memory: its family, its autocast dtype if any ("llm bf16":
-    bf16 and fp16 run other kernels, oneDNN's, whose buffers are not fp32's), and "ckpt" with
-    activation checkpointing ("llm bf16 ckpt": the recomputed forward allocates its small objects
-    among the backward's gradients, which fragments the heap in another way)."""
-    amp = _precision(cfg, device)
-    key = cfg.family if amp is None else f"{cfg.family} {precision_of(amp)}"
-    return key + " ckpt" if cfg.train.activation_checkpointing not in (False, "none") else key
-
-
-RESULTS = CALIBRATION.parent / "memory.json"
-_spread: dict = {}
-
-
-def measured_spread(family: str) -> Optional[tuple]:
-    """(lowest, highest measured / predicted, processes per row) over the family's rows of
-    `python train/bench.py memory` (train/benches/memory.json), or None without them: the
-    planner's stated accuracy, printed with every CPU plan."""
-    if not _spread:
-        try:
-            rows = json.loads(RESULTS.read_text())["rows"]
-        except (OSError, ValueError, KeyError):
-            rows = []
-        for fam in {r["family"] for r in rows}:
-            mine = [r for r in rows if r["family"] == fam]
-            _spread[fam] = (min(r["measured"] / r["predicted"] for r in mine),
-                            max(r["measured"] / r["predicted"] for r in mine),
-                            min(len(r.get("runs") or [1]) for r in mine))
-        _spread.setdefault("", None)
-    return _spread.get(family)
-
-
-def unseen_bytes(cfg, device, held: int) -> int:
-    """Memory the process adds that no tensor holds, on a CPU: what the BLAS and oneDNN keep
-    (packing buffers, primitive caches, convolution scratch), the thread pools, the autograd
-    graph's own objects and the heap fragmentation their allocations cause among the tensors'.
-    Dispatch cannot see it, so it is measured: a + b * held, held the modelled heap of the
-    tensors (`train.heap.heap_peak`), a and b fitted on the calibration configurations of the same
-    `envelope_key` (`calibration()`); a key without calibration takes the next one without its last
-    word ("llm bf16 ckpt", then "llm bf16", then "llm"). Zero on CUDA (the caching allocator's
-    replay holds everything the step allocates there; the CUDA context is apart)."""
-    if device.type != "cpu":
+def allocator_overhead(events, device) -> int:
+    """What the CUDA caching allocator holds at its peak beyond the peak of the tensors alive, the
+    step's allocations replayed through its rules (`cuda_reserved_peak`) plus cuBLAS's workspace;
+    0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
+    if device.type != "cuda":
         return 0
-    key = envelope_key(cfg, device)
-    while key not in calibration() and " " in key:
-        key = key.rsplit(" ", 1)[0]
-    c = calibration().get(key)
-    return round(c["a"] + c["b"] * held) if c else 0
-
-
-def allocator_overhead(events, cfg, device) -> int:
-    """What the device's allocator holds at its peak beyond the peak of the tensors alive: the trace
-    replayed through glibc's heap (CPU, `train.heap.heap_peak`) or the CUDA caching allocator
-    (`cuda_reserved_peak`, plus cuBLAS's workspace)."""
     live = peak_live = 0
     for _, n in events:
         live += n
         peak_live = max(peak_live, live)
-    if device.type == "cuda":
-        held = cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES
-    elif device.type == "cpu":
-        held = heap_peak(events, cpu_keeps_freed_memory(cfg))
-    else:
-        held = peak_live
-    return held - peak_live
+    return cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES - peak_live
 
 
 def _static(cfg, device, B) -> Simulated:
@@ -861,9 +773,6 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
         best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
     b = sizes[best]
     nxt = f"; {sizes[best + 1]} would need {_fmt(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
-    spread = measured_spread(cfg.family) if device.type == "cpu" else None
-    if spread is not None:  # the planner's stated accuracy on a CPU (plan's note)
-        nxt += f"; the bench's {cfg.family} peaks measured {spread[0]:.2f}-{spread[1]:.2f} x their plans"
     log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated = train.global_batch {G} (planned peak "
         f"{_fmt(peak(b))} of {_fmt(budget)}{nxt})")
     return b, G // b
@@ -915,40 +824,33 @@ def cpu_keeps_freed_memory(cfg) -> bool:
     return cfg.train.cpu_keep_memory if cfg.train.cpu_keep_memory is not None else True
 
 
-MEASURE_STEPS = 16  # glibc's heap can still grow a block's size at the 12th step (docs/memory.md)
+MEASURE_STEPS = 8
 
 
 def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
-    """The measured memory of `cfg`'s training on the CPU, in this process: run it in a fresh one
-    started as train/run.py starts (measure_in_subprocess; with glibc's tcache on, the heap's
-    layout differs from process to process). Follows the loop's code path: glibc's allocator set
-    as train/run.py sets it (`cpu_keeps_freed_memory`), the model built and set to train, the EMA,
-    the optimizer, the batch, then `steps` steps of the loop's own `optimizer_step` (the heap's
-    peak can grow in later steps, by a large block at a time). Returns
+    """The measured memory of `cfg`'s training on the CPU, in this process (measure_in_subprocess:
+    in a fresh one). Follows the loop's code path: glibc set as train/run.py sets it, the model
+    built and set to train, the EMA, the optimizer, the batch, then `steps` steps of the loop's own
+    `optimizer_step`. Returns
 
         start_rss   the process's resident memory before the model is built (the interpreter,
                     torch and Zoo imported: what every run has before it starts)
         hwm         the process's peak resident memory (/proc/self/status VmHWM) at the end
         peak        hwm - start_rss: the growth of the peak, what the planner predicts
-        heap        how far glibc's heap grew (None without glibc): peak - heap is what the process
-                    added outside it (code pages run for the first time, other threads' arenas)
         live        the bytes of the tensors alive after the last step (parameters, buffers,
-                    optimizer state, batch, the EMA's copy)
-        rest_rss    the resident memory after the last step"""
+                    optimizer state, batch, the EMA's copy)"""
     import gc
-    from train.glibc import fill_heap_holes, heap_end, keep_freed_memory
+    from train.hardware import keep_freed_memory
     from train.optim import build_optimizer
     from train.tasks import task_class
     device = torch.device("cpu")
     if cpu_keeps_freed_memory(cfg):  # else glibc's defaults, untouched, as in the loop
         keep_freed_memory()
     amp = _precision(cfg, device)
-    with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them: 160 MiB)
+    with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)
         build_model(cfg)
     gc.collect()
-    fill_heap_holes()  # as the run builder does: the run's blocks laid out alike in every process
-    start, end = _proc_status("VmRSS"), heap_end()
-    start_file = _proc_status("RssFile") + _proc_status("RssShmem")
+    start = _proc_status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     torch.manual_seed(cfg.train.seed)
@@ -964,35 +866,27 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     batch = task.example_batch(model, batch_size or cfg.train.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, precision_of(amp))
-    phases = {"built": _proc_status("VmHWM") - start}
-    for i in range(steps):
+    for _ in range(steps):
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
                        cfg.train.clip_grad, autocast)
         if ema is not None:
             ema.update(model)
-        phases[f"step {i + 1}"] = _proc_status("VmHWM") - start
     hwm = _proc_status("VmHWM")
     kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
-    return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept),
-            "heap": heap_end() - end if end is not None else None,
-            "rest_rss": _proc_status("VmRSS"), "phases": phases,
-            "file_growth": _proc_status("RssFile") + _proc_status("RssShmem") - start_file}
+    return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept)}
 
 
 def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
-                          timeout: float = 1800, collect_garbage: bool = True, steps: int = MEASURE_STEPS) -> dict:
-    """`measure` in a fresh Python process (nice'd like the caller), started with glibc as
-    train/run.py starts (`train.glibc.steady_heap_env`): the run config `base` with `overrides`.
-    collect_garbage=False: Python's cyclic garbage collector off in that process (to study where
-    the peak's spread between processes comes from, docs/memory.md). Returns its dict."""
+                          timeout: float = 1800, steps: int = MEASURE_STEPS) -> dict:
+    """`measure` in a fresh Python process: the run config `base` with `overrides`. Returns its dict."""
     import subprocess
     arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
-                      "gc": collect_garbage, "steps": steps})
+                      "steps": steps})
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-m", "train.plan", "--measure", arg], cwd=root, capture_output=True,
-                         text=True, timeout=timeout, env=steady_heap_env())
+                         text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -1001,9 +895,6 @@ def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int]
 def _measure_main(arg: str) -> int:
     from train.config import load_run_config
     a = json.loads(arg)
-    if not a.get("gc", True):
-        import gc
-        gc.disable()
     if a.get("threads"):
         torch.set_num_threads(a["threads"])
     cfg = load_run_config(None, a["overrides"], base=a["base"])

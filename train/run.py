@@ -3,12 +3,6 @@
     python train/run.py                                   # the embedded default (configs/llm/tiny.yaml)
     python train/run.py CONFIG.yaml [key=value ...]       # e.g. train.max_steps=200 model.n_layers=2
 
-On Linux with glibc the process starts itself once more, with glibc's tcache and fastbins and
-MKL's buffer cache off (GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0,
-MKL_DISABLE_FAST_MM=1; a value you set yourself is kept): the same run then peaks at about the
-same resident memory from process to process, and lower (train/glibc.py; docs/memory.md, "Why
-processes differed").
-
 Exit codes: 0 done; 2 bad config or data (one-line error); 3 stopped after too many
 non-finite losses in a row; 75 stopped by SIGTERM/SIGINT after writing a checkpoint
 (run the same command again to resume); 130 a second Ctrl-C (stopped at once).
@@ -60,8 +54,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from train.glibc import restart_with_steady_heap
-    restart_with_steady_heap()  # the allocators' caches off: the same peak memory in every process
     code = main()
     from train.distributed import exit_process
     exit_process(code)  # under torchrun: without the interpreter's teardown (see its docstring)

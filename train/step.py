@@ -19,8 +19,7 @@ from typing import Optional
 
 import torch
 
-from .glibc import keep_freed_memory, steady_heap
-from .hardware import measure_peak_flops
+from .hardware import keep_freed_memory, measure_peak_flops
 
 EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
@@ -83,16 +82,11 @@ def precision_of(dtype: Optional[torch.dtype]) -> str:
 
 
 def autocast_for(device: torch.device, precision: str):
-    """A factory of the run's autocast context (a no-op context in fp32). On a CPU without
-    autocast's cache of cast weights: leaving autocast frees that cache in the order of a hash of
-    the weights' addresses, which differs from process to process and so moves where glibc places
-    the next blocks (a 4M-parameter bf16 LLM with checkpointing peaked at 423.8-474.8 MiB in six
-    processes with it, 419.8 MiB in each without it; docs/memory.md). A weight used once per forward
-    (every Zoo model) is cast once either way."""
+    """A factory of the run's autocast context (a no-op context in fp32)."""
     dtype = None if precision == "fp32" else DTYPES[precision]
     if dtype is None:
         return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype, cache_enabled=device.type != "cpu")
+    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> bool:
@@ -104,10 +98,7 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> 
         kept = keep_freed_memory()
         if kept:
             log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)"
-                + ("" if owns_process else "; glibc's defaults are restored when train() returns")
-                + ("" if steady_heap() else "; the allocators' caches are on (glibc's tcache and fastbins, MKL's "
-                   "buffers), so the peak memory differs from process to process (start the process as "
-                   "train/run.py does: train.glibc.steady_heap_env)"))
+                + ("" if owns_process else "; glibc's defaults are restored when train() returns"))
         else:
             log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
     if device.type == "cuda":

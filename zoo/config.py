@@ -733,18 +733,17 @@ class DiffusionConfig:
 
 @dataclass(frozen=True)
 class Family:
-    """A model family: its config dataclass, its model class and the task that trains it (both as
-    "module:Class", imported when used; zoo itself never imports the trainer's task)."""
+    """A model family: its config dataclass and its model class ("module:Class", imported when used).
+    The task that trains a family is the trainer's to register (train/tasks/__init__.py)."""
     config: type
     model: str
-    task: str
 
 
-# the one registry of families: a new family registers its config, model and task here
+# the registry of model families: a new family registers its config and model here
 FAMILIES: dict[str, Family] = {
-    "llm": Family(LLMConfig, "zoo.llm:LLM", "train.tasks.lm:LMTask"),
-    "convnet": Family(ConvNetConfig, "zoo.convnet:build", "train.tasks.classify:ClassifyTask"),
-    "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion", "train.tasks.diffusion:DiffusionTask"),
+    "llm": Family(LLMConfig, "zoo.llm:LLM"),
+    "convnet": Family(ConvNetConfig, "zoo.convnet:build"),
+    "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion"),
 }
 
 

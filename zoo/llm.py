@@ -8,7 +8,7 @@ materialises the full fp32 logits (the attributes `chunked_loss`, `loss_chunk_si
 How the model runs is set on the built model, not in its config: the attention backend with
 blocks/attention.py's `set_backend(model, name)`, activation checkpointing of every (n-th) block
 with blocks/checkpoint.py's `checkpoint_units(model.checkpoint_units(), policy, every)` (the
-training loop applies both from the run config's train: section, train/runtime.py).
+training loop applies both from the run config's train: section, train/builder.py).
 With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
 routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
 With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
@@ -16,7 +16,7 @@ With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-o
 decision when decoding with the KV cache; their statistics come out of return_aux too.
 
 Documents: `forward(..., doc_ids=)` (B, T) confines attention to each document (block-diagonal
-causal, blocks/attention.py) and `position_ids=` (B, T) sets each token's RoPE position
+causal, blocks/attention_docs.py) and `position_ids=` (B, T) sets each token's RoPE position
 (`document_positions(doc_ids)`: restarting per document), so that documents packed in one row
 train as if each ran alone. A dropless MoE routes token by token, so it keeps that equality (with
 a capacity_factor, which tokens overflow depends on the whole batch, documents or not). A
@@ -32,7 +32,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .blocks.attention import CausalSelfAttention, KVCache, document_positions  # noqa: F401  (part of the API)
+from .blocks.attention import CausalSelfAttention, KVCache
+from .blocks.attention_docs import Documents, document_positions  # noqa: F401  (document_positions: part of the API)
+from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
 from .blocks.matvec_cpu import MatvecAsReduction
 from .blocks.mlp import SwiGLU
@@ -72,9 +74,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
-        may use as keys (a Mixture-of-Depths block in causal mode); doc_ids (B, T): attention within
-        each document (see blocks/attention.py)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, key_mask, doc_ids)
+        may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
+        doc_ids (B, T): attention within each document (blocks/attention_docs.py)."""
+        mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, mask)
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(self.mlp_norm(x))
             return x + y, stats
@@ -296,8 +299,8 @@ class LLM(nn.Module):
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
         p = self.embed.weight
         cfg = self.config
-        return [KVCache(batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype,
-                        masked=cfg.is_mod(i))
+        return [(MaskedKVCache if cfg.is_mod(i) else KVCache)(batch, cfg.resolved_n_kv_heads, max_len,
+                                                              cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
                 for i in range(cfg.n_layers)]
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ Python standard library's sources, so every machine has it.
 
 1. speed: per tokenizer (sentencepiece BPE and a Hugging Face byte-level BPE tokenizer.json, both
    trained on a sample of the corpus, vocab 8192), the sides alternating round by round:
-   `zoo prepare` (train/data/prepare.py with `--workers` processes: reading, tokenising, writing
+   `zoo prepare` (train/data/shards.py with `--workers` processes: reading, tokenising, writing
    the shards and the document index) against `tokenizer alone`: the same documents read from
    the same file, encoded in batches of 8 MB by the tokenizer's own multi-threaded batch encode
    with `--workers` threads (sentencepiece `encode(num_threads=)`, tokenizers `encode_batch`,
@@ -101,7 +101,7 @@ def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
 
 
 def speed(args, folder: Path, out: dict):
-    from train.data.prepare import prepare
+    from train.data.shards import prepare
     corpus = generate(folder / "speed.jsonl", args.mb << 20)
     mb = corpus.stat().st_size / 1e6
     toks = tokenizers(corpus, folder)
@@ -157,7 +157,7 @@ CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
 from train.data import SentencePieceTokenizer
-from train.data.prepare import prepare
+from train.data.shards import prepare
 tok = SentencePieceTokenizer({model!r})
 t0 = time.perf_counter()
 s = prepare({corpus!r}, tok, __import__("pathlib").Path({out!r}), boundary=(None, tok.eos_id), workers={workers},

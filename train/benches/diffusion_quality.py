@@ -150,7 +150,7 @@ def trained(cfg, say) -> tuple:
 
 
 def measure(args, say=print) -> dict:
-    from train.images import digits_dataset
+    from train.data.images import digits_dataset
     from train.sample_quality import judge
     from train.tasks.diffusion import sample_grid
 

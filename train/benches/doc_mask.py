@@ -45,7 +45,8 @@ def random_documents(batch: int, seq: int, mean_len: float, seed: int = 0) -> to
 
 
 def main(argv=None):
-    from zoo.blocks.attention import document_positions, set_backend
+    from zoo.blocks.attention import set_backend
+    from zoo.blocks.attention_docs import document_positions
     from zoo.config import LLMConfig
     from zoo.llm import LLM
     ap = harness.parser("doc-mask", __doc__, precision="fp32", keep_memory=True)

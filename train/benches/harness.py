@@ -40,7 +40,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.glibc import keep_freed_memory, libc  # noqa: E402
+from train.hardware import keep_freed_memory, libc  # noqa: E402
 from train.hardware import measure_peak_flops  # noqa: E402
 from train.step import DTYPES as PRECISIONS  # noqa: E402  (fp32, bf16, fp16: train.precision's names)
 

@@ -6,7 +6,7 @@
 The autoencoder: the pretrained TAEF2 (FLUX.2's latent space, 32 channels; `--weights`, by default
 ../shared/weights/taef2_encoder.pth beside this checkout; when it is absent the bench says so and
 stops, exit 0). The images: scikit-image's photographs cut into 48 px tiles
-(train.images.write_photo_tiles, 354 of them), written as PNGs to a temporary image folder and
+(train.data.images.write_photo_tiles, 354 of them), written as PNGs to a temporary image folder and
 centre-cropped to --size by the diffusion task. For each denoiser (DiT preset/patch), the task's own
 setup builds the latent cache once (the first denoiser's; the others reuse it: the table gives the
 setup's time, the one-off cost), then two sides train
@@ -80,7 +80,7 @@ def main(argv=None):
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
         return 0
     kept = harness.setup(args)
-    from train.images import write_photo_tiles
+    from train.data.images import write_photo_tiles
     from train.tasks.diffusion import DiffusionTask, load_images
 
     device, B = torch.device(args.device), args.batch

@@ -1,10 +1,10 @@
-"""The LR range test against a sweep: does `train.lr_find`'s suggestion land within a factor of 3
+"""The LR range test against a sweep: does `train.features.lr_find`'s suggestion land within a factor of 3
 of the best LR of a small sweep?
 
     python train/bench.py lr-find                               # the embedded default, AdamW
     python train/bench.py lr-find --train-steps 200 --lrs 5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2
 
-Runs the range test (train.lr_find=true, its default range and steps) on the embedded default
+Runs the range test (train.features.lr_find=true, its default range and steps) on the embedded default
 (configs/llm/tiny.yaml, `--set key=value` overrides for both), then trains `--train-steps` steps
 at each LR of `--lrs` (warmup 10%, the config's cosine schedule) and prints the final val loss of
 each, the best LR, the suggestion and their ratio.
@@ -36,7 +36,7 @@ def main(argv=None):
     common = [f"train.precision={args.precision[0]}", "train.progress=false", "train.samples=false",
               "train.export=false", *args.set]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_run_config(str(DEFAULT_CONFIG), [f"train.out_dir={tmp}", "train.lr_find=true", *common])
+        cfg = load_run_config(str(DEFAULT_CONFIG), [f"train.out_dir={tmp}", "train.features.lr_find=true", *common])
         found = train(cfg, log=lambda m: None)
     suggested = found["suggested_lr"]
     print(f"lr-find: suggested {suggested:.3g} ({len(found['lr'])} range-test steps)", flush=True)

@@ -30,7 +30,7 @@ def digits_classifier(size: int):
     RGB in [0, 1] average-pooled back to 8x8 grey. Returns predict_proba(images) -> (N, 10) numpy."""
     from sklearn.linear_model import LogisticRegression
 
-    from ..images import digits_dataset
+    from ..data.images import digits_dataset
 
     def features(images):
         grey = images.float().mean(1, keepdim=True)
@@ -87,7 +87,7 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
         model.eval()
         if classify is None:
             classify = digits_classifier(cfg.model.image_size)
-            from ..images import digits_dataset
+            from ..data.images import digits_dataset
             xv, yv = digits_dataset("val", cfg.model.image_size, 3)
             with torch.no_grad():
                 recon = model.autoencoder(xv).clamp(0, 1)

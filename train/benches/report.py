@@ -1103,7 +1103,7 @@ def run_report(out: Path, scale: Scale, only: Optional[list[str]] = None, say=pr
     `precision`: of every comparison not about precision; `rounds`: alternating rounds per timing
     (default: the scale's); `seeds`: of every quality comparison, and repeats of every measured
     peak. Returns the rows and the page's path."""
-    from train.glibc import keep_freed_memory, release_freed_memory
+    from train.hardware import keep_freed_memory, release_freed_memory
     from train.step import resolve_device
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):

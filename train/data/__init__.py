@@ -10,7 +10,7 @@ The package:
     __init__.py    the config (`data.*`), TokenData (the LM task's data), the document-boundary contract
 
 A source (`data.path`, or each `path` of `data.sources`, a mixture sampled by weight) is prepared
-once into `data.cache_dir` (train/data/prepare.py; `python train/prepare.py CONFIG` does it ahead
+once into `data.cache_dir` (train/data/shards.py; `python train/prepare.py CONFIG` does it ahead
 of training) and read as memmaps; pre-tokenized files are read where they are. Validation is
 `data.val_path` when set, else the `val` files of pre-tokenized inputs, else the last
 `data.val_fraction` of each source, cut at a document start. Training batches are random
@@ -49,7 +49,7 @@ from zoo.weights.files import atomic_write
 
 from . import doc_masks
 from .loader import Prefetcher
-from .prepare import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
+from .shards import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
                       short_digest, stdlib_files)
 from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
@@ -112,7 +112,7 @@ class TextDataConfig:
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of documents sampled across the whole corpus
                                             # (every source) to train sentencepiece
-    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
+    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py: multiple choice, generation, loss)
                                             # scored at every evaluation, logged as `eval_<file stem>_<metric>`
     # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
     attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of

@@ -94,7 +94,7 @@ class ChatDataConfig:
     synthetic_rows: int = bounded(4000, ge=10)  # `path: synthetic`: how many conversations are made
     cache_dir: Optional[str] = None         # where a trained tokenizer is cached; null = `$ZOO_CACHE`, else the user
                                             # cache directory
-    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py: multiple choice, generation, loss)
+    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py: multiple choice, generation, loss)
                                             # scored at every evaluation with the template, logged as
                                             # `eval_<file stem>_<metric>`
 

@@ -33,7 +33,7 @@ import torch
 
 from zoo.weights.files import atomic_write, fsync_dir
 
-from .prepare import exclusive
+from .shards import exclusive
 from .sources import DataError
 
 VERSION = 1

@@ -2,9 +2,9 @@
 
 A task turns a run config into a model and batches, a batch into a loss, and a model into
 eval metrics and samples. The loop knows nothing else about the family.
-A family registers its task in zoo/config.py's FAMILIES (with its config and model). A task may
-name other tasks of the same family by the `data.format` that selects them (`Task.formats`: the
-LLM's `preference` is DPO, train/tasks/dpo.py).
+A family's model and config are registered in zoo/config.py's FAMILIES; its task here, in TASKS.
+A task may name other tasks of the same family by the `data.format` that selects them
+(`Task.formats`: the LLM's `preference` is DPO, train/tasks/dpo.py).
 """
 from __future__ import annotations
 
@@ -15,11 +15,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+# family (zoo/config.py's FAMILIES) -> "module:Class" of the task that trains it
+TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
+         "diffusion": "train.tasks.diffusion:DiffusionTask"}
+
+
 def task_class(family: str, source: str = "<config>", data=None):
     """The task that trains `family` on `data` (the `data:` section, a mapping or its dataclass):
     the family's own, or the one its `formats` names for `data.format`."""
     from zoo.config import family as family_entry, load_class
-    cls = load_class(family_entry(family, source).task)
+    family_entry(family, source)  # a one-line error for an unknown family
+    cls = load_class(TASKS[family])
     fmt = data.get("format") if isinstance(data, dict) else getattr(data, "format", None)
     return load_class(cls.formats[fmt]) if isinstance(fmt, str) and fmt in cls.formats else cls
 
@@ -32,7 +38,7 @@ class Task:
     unit: str = "items"
     formats: dict[str, str] = {}  # data.format -> "module:Class" of the task that trains that format instead
     quantizable: bool = False  # train.qat / train.quantize apply (the quantized model has a format to be written in)
-    teacher: Optional[nn.Module] = None  # train.teacher, loaded by the run builder (train/distill.py)
+    teacher: Optional[nn.Module] = None  # train.teacher, loaded by the run builder (train/features/distill.py)
     # data parallelism (train/distributed.py): this process's rank among `world`; micro-batch m of
     # step s is one global batch of batch_size x world items drawn from batch_generator(s, m),
     # of which this rank trains on own_rows(); sum_across_ranks(x) sums a tensor in place
@@ -95,7 +101,7 @@ class Task:
         raise NotImplementedError
 
     def unfreeze_groups(self, model: nn.Module) -> list[list[nn.Parameter]]:
-        """Parameter groups for gradual unfreezing (train.unfreeze), the head first, then the blocks
+        """Parameter groups for gradual unfreezing (train.features.unfreeze), the head first, then the blocks
         from the top down. Default: the model's top-level modules in reverse order, a ModuleList or
         Sequential of blocks split into its blocks."""
         groups = []

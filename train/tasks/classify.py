@@ -1,6 +1,6 @@
 """Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5, and
 timm's training recipe as data keys: RandAugment or TrivialAugment after the crop, random erasing
-after normalisation, Mixup / CutMix with soft-target cross-entropy (train/images.py).
+after normalisation, Mixup / CutMix with soft-target cross-entropy (train/data/images.py).
 
 Data (`data.path`): `digits` (the embedded default: scikit-learn's bundled 8x8 digits,
 upsampled; no download) or an ImageFolder-style directory, root/<class>/<images>. A root with
@@ -30,7 +30,7 @@ from zoo.config import ConfigError, bounded, fail
 from zoo.weights import timm_convnet
 
 from ..data import DataError
-from ..images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, augment_seeded, auto_augment_op, collate_images,
+from ..data.images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, augment_seeded, auto_augment_op, collate_images,
                       digits_dataset, epoch_positions, mix_batch, random_erase, random_shift, scan_image_folder)
 from . import Task
 

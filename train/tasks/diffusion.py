@@ -70,10 +70,10 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
     unreadable image, is a one-line error naming it."""
     key = {"dataset": d.dataset, "size": size, "val": d.val_fraction}
     if d.dataset == "digits":
-        from ..images import digits_dataset
+        from ..data.images import digits_dataset
         x = {s: digits_dataset(s, size, 3, d.val_fraction) for s in ("train", "val")}
         return ImageData(key, {s: y for s, (_, y) in x.items()}, lambda s, i, j: x[s][0][i:j], 10)
-    from ..images import FolderImages, collate_images, scan_image_folder
+    from ..data.images import FolderImages, collate_images, scan_image_folder
     try:
         classes, samples = scan_image_folder(d.dataset, flat=True)
     except (ValueError, FileNotFoundError) as e:

@@ -39,8 +39,8 @@ from zoo.config import ConfigError, bounded, fail
 from ..data import DataError, check_files, load_tokenizer_file
 from ..data.conversations import BUILTIN, ChatTemplate, find_template
 from ..data.preference import PreferenceData
-from ..evaluation import collate, sequence_logps
-from ..runtime import apply_runtime
+from ..eval import collate, sequence_logps
+from ..builder import apply_runtime
 from .lm import LMTask
 from .sft import SFTTask, write_template
 
@@ -77,7 +77,7 @@ class PreferenceDataConfig:
                                             # the initial model once over every pair at the start (and at every
                                             # resume) and keeps only its log-probabilities. With an adapter the
                                             # reference is always the base with the adapters off
-    eval_tasks: Optional[list[str]] = None  # task files (train/evaluation.py) evaluated at every evaluation, their
+    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) evaluated at every evaluation, their
                                             # metrics logged as `eval_<file stem>_<metric>`
 
     def validate(self, source, prefix="data."):

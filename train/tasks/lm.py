@@ -27,14 +27,15 @@ from typing import Optional
 import torch
 
 import zoo
-from zoo.blocks.attention import document_positions, resolve_backend
+from zoo.blocks import attention, attention_docs
+from zoo.blocks.attention_docs import document_positions
 from zoo.config import ConfigError
 from zoo.llm import Distill
 from zoo.weights import hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
 from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
-from ..evaluation import evaluate_files, metric_row
+from ..eval import evaluate_files, metric_row
 from ..optim import micro_batches
 from . import Task
 
@@ -108,7 +109,7 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            # the architecture comes from the checkpoint (how it runs comes from train:, train/runtime.py)
+            # the architecture comes from the checkpoint (how it runs comes from train:, train/builder.py)
             # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
             def load(path):
                 if not (hf_llm.detect(path) or zoo_folder.detect(path)):
@@ -140,8 +141,9 @@ class LMTask(Task):
 
     def _say_attention(self):
         backend = self.cfg.train.attn_backend
-        picked = resolve_backend(backend, self.device, self.autocast_dtype or torch.float32, self.cfg.data.seq_len,
-                                 compiling=self.cfg.train.compile, documents=self.documents)
+        dtype = self.autocast_dtype or torch.float32
+        picked = attention_docs.resolve_backend(backend, self.device, dtype, self.cfg.train.compile) if self.documents \
+            else attention.resolve_backend(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
         self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
 
@@ -326,7 +328,7 @@ class LMTask(Task):
         return None
 
     def eval_tasks(self, model) -> dict[str, float]:
-        """The task files of data.eval_tasks (train/evaluation.py) scored on `model`, as
+        """The task files of data.eval_tasks (train/eval.py) scored on `model`, as
         `eval_<file stem>_<metric>` numbers."""
         files = getattr(self.cfg.data, "eval_tasks", None)
         if not files:

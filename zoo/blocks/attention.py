@@ -5,44 +5,23 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 "Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
 "FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
 
-Backends (`backend`; each name is exactly one implementation):
-- 'auto' (the default) picks per call: 'flash' on CUDA in fp16/bf16 when flash-attn is
-  installed; 'bmm' on a CPU with at most CPU_BMM_MAX_LEN keys (CPU_BMM_MAX_LEN_COMPILED under
-  torch.compile); 'sdpa' otherwise. `resolve_backend` says what it picks for a given shape.
-- 'sdpa': torch.nn.functional.scaled_dot_product_attention (torch chooses its kernel).
-- 'flash': flash-attn's flash_attn_func (CUDA, fp16/bf16); anything else is an error.
-- 'bmm': the CPU speed path `attend_bmm` of attention_cpu.py (batched matmuls around an fp32
-  softmax with a hand-written backward; faster than torch's CPU flash kernel up to ~1024 keys).
-- 'math': a plain softmax(QK^T/sqrt(D))V in fp32, the reference for tests.
-- 'flex': torch's FlexAttention (torch.nn.attention.flex_attention) with a block mask: fused
-  kernels under torch.compile (CUDA; on a CPU forward only: torch has no CPU backward for it).
-The backend is how attention runs, not what it computes: `set_backend(model, name)` sets it on
-every CausalSelfAttention of a built model.
-
-Document masking (`doc_ids` (B, T) ints, each token's document; a document is a run of equal ids
-along a row): a query sees only the earlier keys of its own document (block-diagonal causal), as if
-each document ran alone; several documents packed in one row train as separate sequences
-(`document_positions` gives the positions that restart per document, for RoPE). 'auto' then
-picks 'flash' as flash-attn's varlen kernel (flash_attn_varlen_func over the documents,
-cu_seqlens from doc_ids) where 'flash' runs, 'flex' on CUDA under torch.compile, and otherwise
-'sdpa' with the boolean mask `document_mask` (on a CPU faster than 'bmm' with the same mask,
-eager and compiled: docs/llm.md, "Document masking"); `resolve_backend(..., documents=True)`.
-Not with a KV cache (decoding runs one sequence).
-
 q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
-[0, H*D) are q, then KV*D rows of k, then KV*D rows of v (heads contiguous inside each).
-With `qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billion
-Parameters", 2023) each q and k head is RMS-normalised over D, with gains `q_norm` and `k_norm`
-of shape (D,), before RoPE.
+[0, H*D) are q, then KV*D rows of k, then KV*D rows of v. With `qk_norm` (Qwen3; Dehghani et al.,
+"Scaling Vision Transformers to 22 Billion Parameters", 2023) each q and k head is RMS-normalised
+over D before RoPE. `prefix` (None by default) may be a module that puts learned keys and values
+in front of the layer's own (prefix.py). `mask` replaces the causal rule with a narrower one: an
+object with `attend(q, k, v, backend, window)`, `cached(cache, start)` and `prefixed(n)`
+(attention_docs.py's Documents, attention_masked.py's KeyMask).
 
-Prefix tuning: `prefix`, None by default, may be set to a module taking the keys and values
-(B, KV, Tk, D) after RoPE and the cache and returning them with learned ones in front (prefix.py).
+Backends (each name one implementation; `set_backend(model, name)` sets it on a built model):
+'auto' picks 'flash' on CUDA in fp16/bf16 when flash-attn is installed, 'bmm' on a CPU for short
+keys (attention_cpu.py), else 'sdpa' (torch's scaled_dot_product_attention); 'flex' is torch's
+FlexAttention with a block mask (fused under torch.compile; no backward on a CPU); 'math' is the
+fp32 reference.
 
-Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D);
-cos, sin (T, D) from rope.py, or (B, T, D) when each row has positions of its own; key_mask
-(B, T) bool for layers that skip tokens (`attend_masked`, `KVCache(masked=True)`); doc_ids (B, T) ints.
-Needs: rope.py, norm.py, attention_cpu.py (copy them beside this file). Depends on torch only; flash-attn is
-imported on first use of the 'flash' backend, when installed.
+Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
+(T, D) from rope.py, or (B, T, D) when each row has positions of its own.
+Needs: rope.py, norm.py, attention_cpu.py. flash-attn is imported on first use, when installed.
 """
 import math
 from typing import Optional
@@ -62,17 +41,14 @@ except ImportError:  # copied next to rope.py, norm.py and attention_cpu.py, out
 
 BACKENDS = ("auto", "sdpa", "flash", "bmm", "math", "flex")
 
-# flash_attn.flash_attn_func(q, k, v, causal, window_size) on (B, T, H, D) tensors and
-# flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...) on
-# (total tokens, H, D): imported on first use (None when flash-attn is absent or fails to import,
-# e.g. built for another CUDA)
+# flash-attn's flash_attn_func and flash_attn_varlen_func, imported on first use (None when absent
+# or when it fails to import, e.g. built for another CUDA)
 flash_attn_func = flash_attn_varlen_func = None
 _flash_imported = False
 
 
 def flash_available():
-    """flash-attn's flash_attn_func when it is installed and imports, else None (looked up once;
-    flash_attn_varlen_func is imported with it)."""
+    """flash-attn's flash_attn_func when it is installed and imports, else None (looked up once)."""
     global flash_attn_func, flash_attn_varlen_func, _flash_imported
     if flash_attn_func is None and not _flash_imported:
         _flash_imported = True
@@ -86,27 +62,13 @@ def flash_available():
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values of one layer: (B, KV, max_len, D). With `masked`, also which
-    positions of each row hold a key the layer processed, `valid` (B, max_len) bool (a layer that
-    skips tokens, as Mixture-of-Depths does: see `update_mask`)."""
+    """Preallocated keys and values of one layer: (B, KV, max_len, D)."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None,
-                 masked: bool = False):
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
         super().__init__()
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device) if masked else None
-        self.register_buffer("valid", valid, persistent=False)
-
-    def update_mask(self, key_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Record key_mask (B, T) bool (True: a key later queries may see) at [start, start+T);
-        return the mask of all positions up to start+T, (B, start+T)."""
-        if self.valid is None:
-            raise ValueError("this KV cache was made without masked=True, so it cannot keep a key mask")
-        end = start + key_mask.shape[1]
-        self.valid[:, start:end] = key_mask
-        return self.valid[:, :end]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int):
         """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T."""
@@ -116,76 +78,6 @@ class KVCache(nn.Module):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
-
-
-def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window: Optional[int] = None,
-                  doc_ids: Optional[torch.Tensor] = None):
-    """`attend` where, besides the causal (and window) rule, query i sees key j only when
-    key_mask[b, j] is True or j is query i's own position; key_mask (B, Tk) bool. A query always
-    sees itself, so no row of the softmax is empty. With doc_ids (B, Tq), also only keys of its own
-    document (`document_mask`). Runs as SDPA with a (B, 1, Tq, Tk) boolean mask ('math': the fp32
-    reference with the same mask)."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    q_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
-    own = torch.arange(Tk, device=q.device)[None, :] == q_pos  # (Tq, Tk)
-    mask = attention_mask(Tq, Tk, window, q.device) & (key_mask[:, None, :] | own)  # (B, Tq, Tk)
-    if doc_ids is not None:
-        mask = mask & document_mask(doc_ids, Tk)
-    if backend == "math":
-        return attend_math(q, k, v, mask[:, None])
-    return _sdpa(q, k, v, attn_mask=mask[:, None])
-
-
-def attend_math(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (broadcasting to (B, H, Tq, Tk),
-    True = attend)."""
-    H, KV = q.shape[1], k.shape[1]
-    if KV != H:
-        k = k.repeat_interleave(H // KV, dim=1)
-        v = v.repeat_interleave(H // KV, dim=1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
-
-
-def _sdpa(q, k, v, **kw) -> torch.Tensor:
-    """torch's scaled_dot_product_attention, with grouped kv heads when there are fewer of them."""
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    return F.scaled_dot_product_attention(q, k, v, **kw, **gqa)
-
-
-def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids (B, T) -> (B, T) bool, True where a document starts: at a row's first token and
-    wherever the id changes. A document is a run of equal ids, so an id that comes back later in
-    a row is a new document (as flash-attn's varlen kernel sees it): every backend agrees."""
-    new = torch.ones_like(doc_ids, dtype=torch.bool)
-    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return new
-
-
-def document_runs(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids (B, T) -> (B, T) int64: each row's documents numbered 0, 1, 2, ... (`document_starts`)."""
-    return document_starts(doc_ids).long().cumsum(1) - 1
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids (B, T) -> (B, T) int64 positions that restart at 0 at the start of every document,
-    for RoPE."""
-    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
-    start = torch.where(document_starts(doc_ids), idx, 0).cummax(1).values  # each token's document start
-    return idx - start
-
-
-def document_mask(doc_ids: torch.Tensor, k_len: Optional[int] = None, window: Optional[int] = None) -> torch.Tensor:
-    """Boolean (B, Tq, Tk) mask, True = attend: query i sees key j when j <= i (and, with a window,
-    i - j < window) and both are in one document (run of equal ids of doc_ids (B, Tq)). Keys
-    before the queries (k_len > Tq: a learned prefix) are seen by every query."""
-    B, Tq = doc_ids.shape
-    Tk = k_len or Tq
-    runs = document_runs(doc_ids)
-    same = runs[:, :, None] == runs[:, None, :]  # (B, Tq, Tq)
-    if Tk > Tq:
-        same = torch.cat([same.new_ones(B, Tq, Tk - Tq), same], dim=-1)
-    return same & attention_mask(Tq, Tk, window, doc_ids.device)
 
 
 def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
@@ -199,25 +91,38 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> tor
     return mask
 
 
+def attend_math(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (broadcasting to (B, H, Tq, Tk),
+    True = attend)."""
+    H, KV = q.shape[1], k.shape[1]
+    if KV != H:
+        k = k.repeat_interleave(H // KV, dim=1)
+        v = v.repeat_interleave(H // KV, dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
+
+
+def sdpa(q, k, v, **kw) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, with grouped kv heads when there are fewer of them."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, **kw, **gqa)
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_len: int,
-                    compiling: bool = False, documents: bool = False) -> str:
-    """The implementation that `backend` runs for keys of length k_len on `device` in `dtype`
-    (documents: with document masking, doc_ids)."""
+                    compiling: bool = False) -> str:
+    """The implementation that `backend` runs for keys of length k_len on `device` in `dtype`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
     if backend != "auto":
         return backend
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None \
-            and (flash_attn_varlen_func is not None or not documents):
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None:
         return "flash"
-    if documents:  # measured on a CPU: the boolean mask runs faster through SDPA than through 'bmm'
-        return "flex" if device.type == "cuda" and compiling else "sdpa"
     if device.type == "cpu" and k_len <= (CPU_BMM_MAX_LEN_COMPILED if compiling else CPU_BMM_MAX_LEN):
         return "bmm"
     return "sdpa"
 
 
-def _check_flash(q):
+def check_flash(q):
     """flash_attn_func, or a one-line error saying why the 'flash' backend cannot run here."""
     fn = flash_available()
     if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
@@ -227,83 +132,34 @@ def _check_flash(q):
     return fn
 
 
-def attend(q, k, v, backend: str = "auto", window: Optional[int] = None,
-           doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D), Tk >= Tq, the queries being
-    the last Tq positions. Returns (B, H, Tq, D). With doc_ids (B, Tq), document masking
-    (`attend_documents`)."""
-    if doc_ids is not None:
-        return attend_documents(q, k, v, doc_ids, backend, window)
+    the last Tq positions. Returns (B, H, Tq, D)."""
     Tq, Tk = q.shape[2], k.shape[2]
-    windowed = window is not None and Tk > window
+    window = window if window is not None and Tk > window else None
     backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling())
     if backend == "flash":
-        out = _check_flash(q)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                              window_size=(window - 1, 0) if windowed else (-1, -1))
+        out = check_flash(q)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                             window_size=(window - 1, 0) if window else (-1, -1))
         return out.transpose(1, 2)
     if backend == "bmm":
-        return attend_bmm(q, k, v, window if windowed else None)
+        return attend_bmm(q, k, v, window)
     if backend == "flex":
-        return attend_flex(q, k, v, window if windowed else None)
+        return attend_flex(q, k, v, window)
     if backend == "sdpa":
-        if not windowed and Tq == Tk:
-            return _sdpa(q, k, v, is_causal=True)
-        if not windowed and Tq == 1:
-            return _sdpa(q, k, v)
-        return _sdpa(q, k, v, attn_mask=attention_mask(Tq, Tk, window, q.device))
+        if window is None and Tq == Tk:
+            return sdpa(q, k, v, is_causal=True)
+        if window is None and Tq == 1:
+            return sdpa(q, k, v)
+        return sdpa(q, k, v, attn_mask=attention_mask(Tq, Tk, window, q.device))
     return attend_math(q, k, v, attention_mask(Tq, Tk, window, q.device))
 
 
-def attend_documents(q, k, v, doc_ids: torch.Tensor, backend: str = "auto",
-                     window: Optional[int] = None) -> torch.Tensor:
-    """Block-diagonal causal attention: query i of q (B, H, Tq, D) sees the keys of k, v
-    (B, KV, Tk, D) at or before it in its own document, a run of equal ids of doc_ids (B, Tq)
-    (and, with a window, fewer than `window` back). Keys before the queries (Tk > Tq: a learned
-    prefix) are seen by every query ('sdpa', 'bmm' and 'math' only). Returns (B, H, Tq, D)."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    windowed = window is not None and Tk > window
-    asked, backend = backend, resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling(), True)
-    if Tk != Tq and backend in ("flash", "flex"):
-        if asked != "auto":
-            raise ValueError(f"attention backend {backend!r} masks documents only without keys in front of "
-                             f"the queries (got {Tk} keys for {Tq} queries); use 'sdpa'")
-        backend = "sdpa"
-    if backend == "flash":
-        _check_flash(q)
-        if flash_attn_varlen_func is None:
-            raise RuntimeError("attention backend 'flash' masks documents with flash_attn_varlen_func, which this "
-                               "flash-attn lacks; use 'auto' or 'sdpa'")
-        return attend_varlen(q, k, v, doc_ids, window if windowed else None)
-    if backend == "flex":
-        return attend_flex(q, k, v, window if windowed else None, doc_ids)
-    mask = document_mask(doc_ids, Tk, window)  # (B, Tq, Tk)
-    if backend == "bmm":
-        return attend_bmm(q, k, v, window if windowed else None, mask=mask)
-    if backend == "sdpa":
-        return _sdpa(q, k, v, attn_mask=mask[:, None])
-    return attend_math(q, k, v, mask[:, None])
-
-
-def attend_varlen(q, k, v, doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
-    """Document masking by flash-attn's varlen kernel: the B rows of T tokens are laid end to end
-    as one (B*T, H, D) sequence cut into the documents (runs of equal ids within a row; a row's
-    start always starts one), cu_seqlens their start offsets, each attended causally on its own.
-    CUDA, fp16/bf16, flash-attn installed. Reads the longest document on the host (a sync)."""
-    B, H, T, D = q.shape
-    KV = k.shape[1]
-    starts = document_starts(doc_ids).flatten().nonzero().squeeze(1)  # flat offsets of the documents' first tokens
-    cu = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    out = flash_attn_varlen_func(q.transpose(1, 2).reshape(B * T, H, D), k.transpose(1, 2).reshape(B * T, KV, D),
-                                 v.transpose(1, 2).reshape(B * T, KV, D), cu, cu, max_len, max_len, causal=True,
-                                 window_size=(window - 1, 0) if window is not None else (-1, -1))
-    return out.view(B, T, H, D).transpose(1, 2)
-
-
-def attend_flex(q, k, v, window: Optional[int] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Causal (and windowed, and with doc_ids (B, Tq) document-masked) attention through torch's
-    FlexAttention with a block mask, which skips the blocks no query of a tile can see. Fused
-    kernels come from torch.compile; eagerly torch runs a slow reference. No backward on a CPU."""
+def attend_flex(q, k, v, window: Optional[int] = None, runs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal (and windowed) attention through torch's FlexAttention with a block mask, which skips
+    the blocks no query of a tile can see; with `runs` (B, Tq) ints, a query sees only keys of its
+    own run (attention_docs.py). Fused kernels come from torch.compile; eagerly torch runs a slow
+    reference. No backward on a CPU."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     B, H, Tq, D = q.shape
     KV, Tk = k.shape[1], k.shape[2]
@@ -311,7 +167,6 @@ def attend_flex(q, k, v, window: Optional[int] = None, doc_ids: Optional[torch.T
         raise RuntimeError("attention backend 'flex' has no backward on a CPU (torch's FlexAttention); "
                            "use 'auto', 'bmm' or 'sdpa' to train there")
     off = Tk - Tq  # query i sits at position off + i
-    runs = document_runs(doc_ids) if doc_ids is not None else None
 
     def visible(b, h, i, j):
         m = j <= i + off
@@ -347,16 +202,10 @@ class CausalSelfAttention(nn.Module):
         self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[KVCache] = None, start_pos: int = 0,
-                key_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, start_pos: int = 0, mask=None) -> torch.Tensor:
         """x (B, T, dim) at positions [start_pos, start_pos + T); cos, sin (T, D), or (B, T, D) for
-        rows at positions of their own (Mixture-of-Depths' routed tokens, in order; positions that
-        restart per document). key_mask (B, T) bool: the keys later queries may see (`attend_masked`;
-        kept in a masked cache). doc_ids (B, T): attention within each document (`attend_documents`;
-        not with a cache)."""
+        rows at positions of their own; mask: a narrower rule than causal (see the module's docstring)."""
         B, T, _ = x.shape
-        if doc_ids is not None and cache is not None:
-            raise ValueError("doc_ids (document masking) is for forwards without a KV cache; decoding runs one sequence")
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
         if self.q_norm is not None:
@@ -367,17 +216,15 @@ class CausalSelfAttention(nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
-            if key_mask is not None:
-                key_mask = cache.update_mask(key_mask, start_pos)
+            mask = mask.cached(cache, start_pos) if mask is not None else None
         if self.prefix is not None:
             n = k.shape[2]
             k, v = self.prefix(k, v)
-            if key_mask is not None:  # the learned prefix is visible to every query
-                key_mask = torch.cat([key_mask.new_ones(B, k.shape[2] - n), key_mask], dim=1)
-        if key_mask is not None:
-            y = attend_masked(q, k, v, key_mask, self.backend, self.sliding_window, doc_ids)
+            mask = mask.prefixed(k.shape[2] - n) if mask is not None else None
+        if mask is not None:
+            y = mask.attend(q, k, v, self.backend, self.sliding_window)
         else:
-            y = attend(q, k, v, self.backend, self.sliding_window, doc_ids)
+            y = attend(q, k, v, self.backend, self.sliding_window)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 

@@ -17,7 +17,7 @@ diffusers model does not); otherwise one embedder feeds every block. The final l
 first block's.
 
 The blocks are the repeated units: activation checkpointing and FSDP2 are applied to
-`checkpoint_units()` / `repeated_units()` from outside (train/runtime.py, train/distributed.py).
+`checkpoint_units()` / `repeated_units()` from outside (train/builder.py, train/distributed.py).
 Blocks: zoo/blocks/{adaln,patch,timestep}.py.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ from torch import nn
 from zoo.quantization import prepare_qat, quantize, remove_fake_quantization
 from zoo.weights.zoo_folder import cast_weights
 
-from .config import QAT_SCHEMES
+from ..config import QAT_SCHEMES
 
 DEPLOY_DTYPE = torch.bfloat16
 

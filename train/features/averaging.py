@@ -17,8 +17,6 @@ import torch
 
 from zoo.weights.files import load_tensors, save_safetensors
 
-from . import checkpoint as ckpt
-
 AVG_FILE = "model_avg.safetensors"
 
 
@@ -57,12 +55,8 @@ def checkpoint_weights(path: Path) -> dict:
     return sd
 
 
-def average_last(out_dir, k: int, weighting: str = "uniform") -> tuple[Path, list[Path]]:
-    """Average the newest `k` checkpoints of out_dir into out_dir/model_avg.safetensors.
-    Returns the file and the checkpoints averaged (fewer than k when the run wrote fewer)."""
-    paths = list(reversed(ckpt.list_checkpoints(out_dir)[:k]))  # oldest first
-    if not paths:
-        raise ValueError(f"{Path(out_dir) / ckpt.CKPT_DIR}: no checkpoints to average")
+def average_last(out_dir, paths: list[Path], weighting: str = "uniform") -> Path:
+    """Average the checkpoints `paths` (oldest first) into out_dir/model_avg.safetensors."""
     states = [checkpoint_weights(p) for p in paths]
     keys = set(states[-1])
     for p, sd in zip(paths, states):
@@ -71,4 +65,4 @@ def average_last(out_dir, k: int, weighting: str = "uniform") -> tuple[Path, lis
     weights = [1.0] * len(paths) if weighting == "uniform" else [float(i + 1) for i in range(len(paths))]
     dest = Path(out_dir) / AVG_FILE
     save_safetensors(average_tensors(states, weights), dest)
-    return dest, paths
+    return dest

@@ -1,7 +1,7 @@
 """Gradual unfreezing (Howard & Ruder, "Universal Language Model Fine-tuning for Text
 Classification", 2018): train the head first, then unfreeze the blocks from the top down.
 
-`train.unfreeze: [s1, s2, ...]` lists the steps at which the next group (the task's
+`train.features.unfreeze: [s1, s2, ...]` lists the steps at which the next group (the task's
 `unfreeze_groups`, top first) becomes trainable; before s1 only the first group (the head)
 trains, from the last listed step on the first len(list) + 1 groups. Groups past the list stay
 frozen for the whole run. A frozen parameter has no gradient, so no optimizer touches it.
@@ -20,7 +20,7 @@ def add_param_groups(optimizer, model: nn.Module, params: list, weight_decay: fl
     """Add the newly trainable `params` of `model` to `optimizer`, split as the optimizer was built
     (`train.optim.param_groups`: weight decay on matrices, not on vectors and embeddings). Each
     new group takes the optimizer's defaults for the other hyperparameters."""
-    from .optim import param_groups
+    from ..optim import param_groups
     new = {id(p) for p in params}
     for g in param_groups(model, weight_decay):
         ps = [p for p in g["params"] if id(p) in new]

@@ -1,0 +1,131 @@
+"""Document masking: causal attention within each document of rows that pack several.
+
+A query sees only the earlier keys of its own document (block-diagonal causal), so documents
+packed in one row train as if each ran alone; `document_positions` gives the RoPE positions that
+restart per document. A document is a run of equal ids along a row (`doc_ids` (B, T) ints), so an
+id that comes back later in a row is a new document, as flash-attn's varlen kernel sees it.
+Used in the style of the Llama 3 report (Dubey et al., "The Llama 3 Herd of Models", 2024).
+
+`Documents(doc_ids)` is the mask CausalSelfAttention takes (attention.py): 'auto' runs flash-attn's
+varlen kernel where 'flash' runs, 'flex' on CUDA under torch.compile, else SDPA with the boolean
+mask `document_mask`. Keys before the queries (a learned prefix) are seen by every query. Not
+with a KV cache (decoding runs one sequence).
+
+Shapes: doc_ids (B, T); q (B, H, Tq, D); k, v (B, KV, Tk, D) -> (B, H, Tq, D); masks (B, Tq, Tk).
+Needs: attention.py, attention_cpu.py, rope.py, norm.py.
+"""
+from typing import Optional
+
+import torch
+
+try:
+    from . import attention as A
+except ImportError:  # copied beside attention.py and what it needs, outside the zoo package
+    import attention as A
+
+
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> (B, T) bool, True where a document starts: at a row's first token and
+    wherever the id changes."""
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return new
+
+
+def document_runs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> (B, T) int64: each row's documents numbered 0, 1, 2, ..."""
+    return document_starts(doc_ids).long().cumsum(1) - 1
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> (B, T) int64 positions that restart at 0 at the start of every document."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    start = torch.where(document_starts(doc_ids), idx, 0).cummax(1).values  # each token's document start
+    return idx - start
+
+
+def document_mask(doc_ids: torch.Tensor, k_len: Optional[int] = None, window: Optional[int] = None) -> torch.Tensor:
+    """Boolean (B, Tq, Tk) mask, True = attend: query i sees key j when j <= i (and, with a window,
+    i - j < window) and both are in one document. Keys before the queries (k_len > Tq: a learned
+    prefix) are seen by every query."""
+    B, Tq = doc_ids.shape
+    Tk = k_len or Tq
+    runs = document_runs(doc_ids)
+    same = runs[:, :, None] == runs[:, None, :]  # (B, Tq, Tq)
+    if Tk > Tq:
+        same = torch.cat([same.new_ones(B, Tq, Tk - Tq), same], dim=-1)
+    return same & A.attention_mask(Tq, Tk, window, doc_ids.device)
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, compiling: bool = False) -> str:
+    """The implementation `backend` runs with document masking: 'auto' picks flash-attn's varlen
+    kernel where 'flash' runs, 'flex' on CUDA under torch.compile, else 'sdpa' with the mask (on a
+    CPU faster than 'bmm' with the same mask)."""
+    if backend not in A.BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(A.BACKENDS)})")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.flash_available() is not None \
+            and A.flash_attn_varlen_func is not None:
+        return "flash"
+    return "flex" if device.type == "cuda" and compiling else "sdpa"
+
+
+def attend_documents(q, k, v, doc_ids: torch.Tensor, backend: str = "auto",
+                     window: Optional[int] = None) -> torch.Tensor:
+    """Block-diagonal causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D): a query sees
+    the keys at or before it in its own document (and, with a window, fewer than `window` back).
+    Keys before the queries (Tk > Tq) are seen by every query ('sdpa', 'bmm' and 'math' only)."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    window = window if window is not None and Tk > window else None
+    asked, backend = backend, resolve_backend(backend, q.device, q.dtype, torch.compiler.is_compiling())
+    if Tk != Tq and backend in ("flash", "flex"):
+        if asked != "auto":
+            raise ValueError(f"attention backend {backend!r} masks documents only without keys in front of "
+                             f"the queries (got {Tk} keys for {Tq} queries); use 'sdpa'")
+        backend = "sdpa"
+    if backend == "flash":
+        A.check_flash(q)
+        if A.flash_attn_varlen_func is None:
+            raise RuntimeError("attention backend 'flash' masks documents with flash_attn_varlen_func, which this "
+                               "flash-attn lacks; use 'auto' or 'sdpa'")
+        return attend_varlen(q, k, v, doc_ids, window)
+    if backend == "flex":
+        return A.attend_flex(q, k, v, window, document_runs(doc_ids))
+    mask = document_mask(doc_ids, Tk, window)  # (B, Tq, Tk)
+    if backend == "bmm":
+        return A.attend_bmm(q, k, v, window, mask=mask)
+    if backend == "sdpa":
+        return A.sdpa(q, k, v, attn_mask=mask[:, None])
+    return A.attend_math(q, k, v, mask[:, None])
+
+
+def attend_varlen(q, k, v, doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """Document masking by flash-attn's varlen kernel: the B rows of T tokens laid end to end as one
+    (B*T, H, D) sequence cut into the documents, cu_seqlens their start offsets. CUDA, fp16/bf16,
+    flash-attn installed. Reads the longest document on the host (a sync)."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    starts = document_starts(doc_ids).flatten().nonzero().squeeze(1)  # flat offsets of the documents' first tokens
+    cu = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    out = A.flash_attn_varlen_func(q.transpose(1, 2).reshape(B * T, H, D), k.transpose(1, 2).reshape(B * T, KV, D),
+                                   v.transpose(1, 2).reshape(B * T, KV, D), cu, cu, max_len, max_len, causal=True,
+                                   window_size=(window - 1, 0) if window is not None else (-1, -1))
+    return out.view(B, T, H, D).transpose(1, 2)
+
+
+class Documents:
+    """The document mask of doc_ids (B, T), as CausalSelfAttention takes it (`mask=`)."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids = doc_ids
+
+    def attend(self, q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
+        return attend_documents(q, k, v, self.doc_ids, backend, window)
+
+    def cached(self, cache, start: int):
+        raise ValueError("doc_ids (document masking) is for forwards without a KV cache; decoding runs one sequence")
+
+    def prefixed(self, n: int) -> "Documents":
+        return self  # keys in front of the queries are seen by every query

@@ -1,0 +1,74 @@
+"""Attention restricted to the keys a layer processed: the causal decoding of Mixture-of-Depths.
+
+Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
+language models" (2024). A layer that skips tokens must let no query attend to a key of a skipped
+token, in training and in its KV cache: `KeyMask(key_mask)` is the mask CausalSelfAttention takes
+(attention.py), key_mask (B, Tk) bool (True: a key later queries may see). A query always sees its
+own position, so no row of the softmax is empty; with doc_ids, also only keys of its own document
+(attention_docs.py). `MaskedKVCache` keeps the mask of the keys it holds.
+
+Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D); key_mask (B, Tk); doc_ids (B, Tq) -> (B, H, Tq, D).
+Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.
+"""
+from typing import Optional
+
+import torch
+
+try:
+    from . import attention as A
+    from .attention_docs import document_mask
+except ImportError:  # copied beside attention.py and what it needs, outside the zoo package
+    import attention as A
+    from attention_docs import document_mask
+
+
+class MaskedKVCache(A.KVCache):
+    """A KV cache that also keeps which positions of each row hold a key the layer processed,
+    `valid` (B, max_len) bool."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
+        super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
+        self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
+
+    def update_mask(self, key_mask: torch.Tensor, start: int) -> torch.Tensor:
+        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T."""
+        end = start + key_mask.shape[1]
+        self.valid[:, start:end] = key_mask
+        return self.valid[:, :end]
+
+
+def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window: Optional[int] = None,
+                  doc_ids: Optional[torch.Tensor] = None):
+    """Causal (and windowed) attention where query i sees key j only when key_mask[b, j] is True or
+    j is query i's own position; with doc_ids (B, Tq), also only keys of its own document. Runs as
+    SDPA with a (B, 1, Tq, Tk) boolean mask ('math': the fp32 reference with the same mask)."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    q_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+    own = torch.arange(Tk, device=q.device)[None, :] == q_pos  # (Tq, Tk)
+    mask = A.attention_mask(Tq, Tk, window, q.device) & (key_mask[:, None, :] | own)  # (B, Tq, Tk)
+    if doc_ids is not None:
+        mask = mask & document_mask(doc_ids, Tk)
+    if backend == "math":
+        return A.attend_math(q, k, v, mask[:, None])
+    return A.sdpa(q, k, v, attn_mask=mask[:, None])
+
+
+class KeyMask:
+    """The keys a layer may attend to, key_mask (B, Tk) bool (and the document ids of its queries),
+    as CausalSelfAttention takes it (`mask=`)."""
+
+    def __init__(self, key_mask: torch.Tensor, doc_ids: Optional[torch.Tensor] = None):
+        self.key_mask, self.doc_ids = key_mask, doc_ids
+
+    def attend(self, q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
+        return attend_masked(q, k, v, self.key_mask, backend, window, self.doc_ids)
+
+    def cached(self, cache, start: int) -> "KeyMask":
+        if not isinstance(cache, MaskedKVCache):
+            raise ValueError("a key mask needs a MaskedKVCache, which keeps the mask of the keys it holds")
+        return KeyMask(cache.update_mask(self.key_mask, start), self.doc_ids)
+
+    def prefixed(self, n: int) -> "KeyMask":
+        """The mask with n keys in front that every query sees (a learned prefix)."""
+        return KeyMask(torch.cat([self.key_mask.new_ones(self.key_mask.shape[0], n), self.key_mask], dim=1),
+                       self.doc_ids)
