@@ -146,3 +146,37 @@ def test_lm_task_names_the_attention_it_runs(tmp_path, text_corpus):
         task.setup()
         task.build_model()
         assert expected in logs, logs
+
+
+def test_peak_flops_size_is_set_by_flops_not_by_a_slow_first_timing(monkeypatch):
+    """measure_peak_flops times a matmul of a size fixed by the device (PEAK_SIZES), so a first
+    timing slowed by a busy machine neither shrinks the matmul nor lowers the peak (the fastest of
+    the timed runs counts). A fake clock: the warm-up takes 10 s, every later matmul 10 ms."""
+    import train.hardware as hw
+    clock = {"t": 0.0, "calls": 0}
+
+    def perf_counter():
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0:  # the end of a timed matmul
+            clock["t"] += 10.0 if clock["calls"] == 2 else 0.01
+        return clock["t"]
+    monkeypatch.setattr(hw.time, "perf_counter", perf_counter)
+    peak = hw.measure_peak_flops(torch.device("cpu"), None)
+    n = hw.PEAK_SIZES["cpu"]
+    assert peak == pytest.approx(2 * n ** 3 / 0.01)
+
+
+def test_mfu_is_never_above_100_percent(tmp_path, text_corpus, monkeypatch):
+    """A peak measured far too low at the start (a busy machine) makes the achieved rate exceed it:
+    the peak is measured again and the log says so; what is still above is capped."""
+    import train.metrics as metrics
+    peaks = iter([1e3, 2e3])  # FLOP/s: far below what any step achieves
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, dtype: next(peaks))
+    logs = []
+    cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}", "train.max_steps=3",
+                                 "optim.warmup_steps=1"], base=TINY)
+    train(cfg, log=logs.append)
+    rows = read_rows(tmp_path / "r")
+    assert all(0 < r["mfu"] <= 1.0 for r in rows if "mfu" in r)
+    assert any(m.startswith("mfu above 100%") and "measured again" in m for m in logs), logs
+    assert any(m.startswith("mfu above 100%") and "capped" in m for m in logs), logs

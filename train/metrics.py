@@ -83,6 +83,7 @@ class Metrics:
             for name in (METRICS, SPEED):
                 truncate(out / name, start, finished=start >= t.max_steps)
         self.peak = t.peak_flops or self._measure_peak()
+        self.remeasured = False
         with torch.random.fork_rng(devices=[]):
             self.fpi = run.task.flops_per_item(run.model)
         say(f"mfu: peak {_flops(self.peak)} ({'configured' if t.peak_flops else 'measured matmul'})")
@@ -172,14 +173,15 @@ class Metrics:
 
     def _mfu(self, flops: float) -> float:
         """Achieved FLOP/s per process over the peak, never above 1: an achieved rate over the peak
-        means the peak was measured low (a busy machine), so it is measured again (the higher kept),
-        and what is still above is capped, both said in the log."""
-        if flops > self.peak and not self.t.peak_flops:
+        means the peak was measured low (a busy machine), so it is measured again once (the higher
+        kept), and what is still above is capped, both said in the log."""
+        if flops > self.peak and not self.t.peak_flops and not self.remeasured:
+            self.remeasured = True
             was, self.peak = self.peak, max(self.peak, self._measure_peak())
-            self.say(f"mfu: {_flops(flops)} achieved is above the peak measured at the start ({_flops(was)}): "
-                     f"peak measured again, {_flops(self.peak)}")
+            self.say(f"mfu above 100%: {_flops(flops)} achieved, over the peak measured at the start "
+                     f"({_flops(was)}); the peak measured again: {_flops(self.peak)}")
         if flops > self.peak:
-            self.say(f"mfu: {_flops(flops)} achieved is above the peak {_flops(self.peak)}; MFU capped at 100%")
+            self.say(f"mfu above 100%: {_flops(flops)} achieved, over the peak {_flops(self.peak)}; MFU capped at 100%")
             self.peak = flops
         return flops / self.peak
 
