@@ -140,21 +140,16 @@ def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_prediction_is_not_under_a_fresh_measurement():
-    """The whole plan (tensors, the heap replay, the calibrated unseen memory) against a fresh
-    process's measured peak (train.plan.measure: 16 steps of the loop's own step), on a
-    configuration whose measurement is stable: the diffusion model at batch 8, one thread, measured
-    at 107.3-108.0 MiB in three processes (docs/memory.md), where a ConvNet or a bf16 LLM moves by
-    several percent from process to process. Not under it by more than 2% (its three processes
-    differed by 0.7%); not over by half (the
-    diffusion envelope is a line fitted at batches 16 and 256, about 1.0x here). The measured
-    tensors left after the steps (weights, optimizer state, EMA, batch) are the planned ones, byte
-    for byte."""
+    """The plan (the tensors and the CPU's allocator margin) against a fresh process's measured
+    peak (train.plan.measure, the loop's own step): never under it, not far over it (the memory
+    bench's worst-case target). The tensors left after the steps (weights, optimizer state, EMA,
+    batch) are the planned ones, byte for byte."""
     from train.benches.memory import CONFIGS, base_of
-    spec, over = CONFIGS["diffusion fp32 adamw"]
+    spec, over = CONFIGS["diffusion bf16 (batch 64)"]
     base, over = base_of(spec), [*over, "train.batch_size=8"]
     p = planner.plan(cfg_of(*over, base=base))
     m = planner.measure_in_subprocess(base, over, threads=1)
-    assert 0.98 * m["peak"] <= p.peak_bytes <= 1.5 * m["peak"], (p.peak_bytes, m["peak"])
+    assert m["peak"] <= p.peak_bytes <= 1.6 * m["peak"], (p.peak_bytes, m["peak"])
     b = p.breakdown
     assert m["live"] == b["params"] + b["buffers"] + b["optimizer_states"] + b["ema"] + b["inputs"]
 
@@ -193,44 +188,40 @@ def test_planned_tensors_are_those_of_the_real_step():
     assert sorted(fake.events) == sorted(real.events)
 
 
-def test_a_cpu_plan_states_the_spread_the_bench_measured(tmp_path, monkeypatch):
-    """Every CPU plan carries, as a note, the lowest and highest measured / predicted of its
-    family's rows in the bench's results (train/benches/memory.json), computed here from rows
-    written for the test."""
-    results = tmp_path / "memory.json"
-    rows = [{"family": "llm", "predicted": 100, "measured": 87, "runs": [80, 87, 85]},
-            {"family": "llm", "predicted": 100, "measured": 112, "runs": [112, 90, 100]},
-            {"family": "convnet", "predicted": 100, "measured": 150, "runs": [150, 140]}]
-    results.write_text(json.dumps({"rows": rows}))
-    monkeypatch.setattr(planner, "RESULTS", results)
-    monkeypatch.setattr(planner, "_spread", {})
-    assert planner.measured_spread("llm") == (0.87, 1.12, 3)
-    assert planner.measured_spread("diffusion") is None
-    notes = planner.plan(cfg_of(), device=torch.device("cpu")).notes
-    assert [n for n in notes if "0.87-1.12 x their plans" in n and "3 or more fresh processes" in n]
-    logs = []  # and train.batch_size=auto's line, with the size it chose
-    cfg = cfg_of("train.batch_size=auto", "train.global_batch=4", "train.memory_budget=64GB")
-    assert planner.find_batch_size(cfg, torch.device("cpu"), logs.append) == (4, 1)
-    assert logs[-1].endswith("the bench's llm peaks measured 0.87-1.12 x their plans)"), logs
-
-
-def test_unseen_memory_takes_the_envelope_of_the_family_and_autocast_dtype(monkeypatch):
-    """The unseen memory of a CPU plan comes from the envelope fitted on the calibration points of
-    its family, autocast dtype (bf16 runs other kernels than fp32) and activation checkpointing,
-    and from the next key without its last word where that has none ("llm bf16 ckpt", "llm bf16",
-    "llm"; envelopes written here for the test)."""
-    cal = {"llm": {"a": 1000, "b": 0.0}, "llm bf16": {"a": 5000, "b": 0.5}, "llm ckpt": {"a": 3000, "b": 0.0}}
-    monkeypatch.setattr(planner, "_calibration", cal)
+def test_a_cpu_plan_adds_the_stated_allocator_margin():
+    """On a CPU the allocator part is CPU_MARGIN of the tensors' peak plus CPU_RUNTIME, said in a note;
+    off the CPU (the CUDA caching allocator's replay) it is not."""
     cpu = torch.device("cpu")
-    fp32, bf16, fp16 = (cfg_of(f"train.precision={p}") for p in ("fp32", "bf16", "fp16"))
-    assert [planner.envelope_key(c, cpu) for c in (fp32, bf16, fp16)] == ["llm", "llm bf16", "llm fp16"]
-    assert planner.unseen_bytes(fp32, cpu, 4000) == 1000
-    assert planner.unseen_bytes(bf16, cpu, 4000) == 5000 + 2000
-    assert planner.unseen_bytes(fp16, cpu, 4000) == 1000  # no fp16 envelope: the family's
-    assert planner.unseen_bytes(bf16, torch.device("meta"), 4000) == 0  # off the CPU: none
-    ckpt, bf16_ckpt = (cfg_of(f"train.precision={p}", "train.activation_checkpointing=selective") for p in ("fp32", "bf16"))
-    assert [planner.envelope_key(c, cpu) for c in (ckpt, bf16_ckpt)] == ["llm ckpt", "llm bf16 ckpt"]
-    assert planner.unseen_bytes(ckpt, cpu, 4000) == 3000
-    assert planner.unseen_bytes(bf16_ckpt, cpu, 4000) == 5000 + 2000  # no "llm bf16 ckpt": "llm bf16"
-    p = planner.plan(bf16, device=cpu)
-    assert p.breakdown["unseen"] == 5000 + round(0.5 * (p.peak_bytes - p.breakdown["unseen"]))
+    p = planner.plan(cfg_of(), device=cpu)
+    tensors = p.peak_bytes - p.breakdown["allocator"]
+    assert p.breakdown["allocator"] == round(planner.CPU_MARGIN * tensors) + planner.CPU_RUNTIME
+    assert any("allocator's margin" in n for n in p.notes)
+    assert planner.allocator_overhead([(1, 100), (1, -100)], cpu) == 0
+
+
+def test_cuda_replay_rounds_blocks_and_keeps_segments():
+    """The CUDA caching allocator's rules (cuda_reserved_peak): a small request takes a 2 MiB segment,
+    a large one below 10 MiB a 20 MiB segment, a larger one its size rounded up to 2 MiB; freed
+    blocks stay reserved and are reused by the best fit."""
+    MiB = planner.MiB
+    assert planner.cuda_reserved_peak([(1, 100)]) == 2 * MiB
+    assert planner.cuda_reserved_peak([(1, 5 * MiB)]) == 20 * MiB
+    assert planner.cuda_reserved_peak([(1, 21 * MiB + 1)]) == 22 * MiB
+    assert planner.cuda_reserved_peak([(1, 5 * MiB), (1, -5 * MiB), (2, 8 * MiB)]) == 20 * MiB
+    assert planner.cuda_reserved_peak([(1, 5 * MiB), (2, 8 * MiB), (3, 8 * MiB)]) == 40 * MiB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.max_memory_reserved)")
+def test_cuda_plan_is_not_under_max_memory_reserved():
+    """On a GPU the plan (the step's allocations replayed through the caching allocator's rules) is
+    not under what the allocator reserved for the same step, nor far over it."""
+    dev = torch.device("cuda")
+    cfg = cfg_of("train.precision=bf16", "model.d_model=256", "model.n_layers=4", "train.batch_size=8",
+                 "model.max_seq_len=256", "data.seq_len=256")
+    p = planner.plan(cfg, device=dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_reserved(dev)
+    planner.simulate(cfg, dev, fake=False)
+    reserved = torch.cuda.max_memory_reserved(dev) - base
+    assert reserved <= p.peak_bytes <= 1.6 * reserved, (p.peak_bytes, reserved)
