@@ -1,4 +1,4 @@
-"""The config key tables of docs/, rendered from the config dataclasses.
+"""The generated tables of docs/: config keys from the config dataclasses, numbers from results.
 
 Each config dataclass is the one source of its keys: the field's name, type, default, declared
 bounds (zoo.config.bounded) and its trailing `# comment` in the source (continued on the comment
@@ -8,12 +8,14 @@ lines below it that are indented past the field). A docs page holds a table betw
     ...
     <!-- /keys -->
 
-which this module rewrites:
+and a bench's result (docs/results/NAME.json: the command, the machine, the date, named tables of
+columns and rows, and the numbers) a table between `<!-- table:NAME -->` (every table of the result)
+or `<!-- table:NAME/KEY -->` (one) and `<!-- /table -->`, with a line naming the command that made it.
 
-    python -m train.config_docs           # rewrite every marked table in docs/
-    python -m train.config_docs --check   # exit 1 naming each table that disagrees with the code
+    python -m train.docs           # rewrite every marked region in docs/
+    python -m train.docs --check   # exit 1 naming each region that disagrees with the code or its result
 
-tests/test_docs_keys.py runs the check.
+tests/test_docs.py runs the check.
 """
 from __future__ import annotations
 
@@ -30,13 +32,15 @@ import tokenize
 import types
 import typing
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from zoo.config import describe_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"
 REGION = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
+TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w.-]+))? -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
 def config_classes() -> dict[str, type]:
@@ -142,11 +146,39 @@ def render(cls) -> str:
     return "\n".join(rows) + "\n"
 
 
-def update(text: str, classes: dict, source: str = "docs") -> tuple[str, list[str]]:
-    """text with every marked table re-rendered; and the names of the tables that changed."""
+def markdown(t: dict) -> str:
+    """A result's table (columns, rows, notes) as markdown."""
+    lines = ["| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in t["rows"]]
+    return "\n".join(lines) + "\n" + (f"\n{t['notes'].strip()}\n" if t.get("notes") else "")
+
+
+def made_by(command: str, result: dict) -> str:
+    return f"\nMade by `{command}` on {result['machine']}, {result['date']}.\n"
+
+
+def render_result(name: str, key: Optional[str] = None, results: Path = RESULTS) -> str:
+    """The region <!-- table:NAME[/KEY] -->: the result's tables (or the one named KEY), each followed by
+    the command that made it where it has one of its own, then the result's command."""
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"<!-- table:{name} -->: no result {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    result = json.loads(path.read_text())
+    if key is not None and key not in result["tables"]:
+        raise ValueError(f"<!-- table:{name}/{key} -->: {path.name} has no table {key!r} "
+                         f"(it has {', '.join(result['tables'])})")
+    tables = [result["tables"][key]] if key else list(result["tables"].values())
+    parts = [markdown(t) + (made_by(t["command"], result) if "command" in t else "") for t in tables]
+    if any("command" not in t for t in tables):
+        parts[-1] += made_by(result["command"], result)
+    return "\n".join(parts)
+
+
+def update(text: str, classes: dict, source: str = "docs", results: Path = RESULTS) -> tuple[str, list[str]]:
+    """text with every marked region re-rendered; and the names of the regions that changed."""
     changed = []
 
-    def sub(m):
+    def keys(m):
         name = m.group(2)
         if name not in classes:
             raise ValueError(f"{source}: <!-- keys:{name} --> names no config dataclass "
@@ -156,23 +188,32 @@ def update(text: str, classes: dict, source: str = "docs") -> tuple[str, list[st
             changed.append(name)
         return m.group(1) + table + m.group(4)
 
-    return REGION.sub(sub, text), changed
+    def tables(m):
+        try:
+            text = render_result(m.group(2), m.group(3), results)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        if m.group(4) != text:
+            changed.append("table:" + m.group(2) + (f"/{m.group(3)}" if m.group(3) else ""))
+        return m.group(1) + text + m.group(5)
+
+    return TABLE.sub(tables, REGION.sub(keys, text)), changed
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="only report the tables that disagree with the code")
+    p.add_argument("--check", action="store_true", help="only report the regions that disagree with the code or results")
     args = p.parse_args(argv)
     classes = config_classes()
     stale = []
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text()
         new, changed = update(text, classes, str(page))
-        stale += [f"{page.relative_to(ROOT)}: keys:{name}" for name in changed]
+        stale += [f"{page.relative_to(ROOT)}: {name if name.startswith('table:') else 'keys:' + name}" for name in changed]
         if changed and not args.check:
             page.write_text(new)
     if args.check and stale:
-        print("stale key tables (run python -m train.config_docs): " + ", ".join(stale), file=sys.stderr)
+        print("stale tables (run python -m train.docs): " + ", ".join(stale), file=sys.stderr)
         return 1
     if not args.check:
         print(f"rewrote {len(stale)} table(s)" + (": " + ", ".join(stale) if stale else ""))
