@@ -238,7 +238,8 @@ def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: 
     return p
 
 
-SHAPE_ALIASES = {"n_layers": ["--layers"], "n_heads": ["--heads"], "n_kv_heads": ["--kv-heads"], "seq": ["--seq-len"]}
+SHAPE_ALIASES = {"n_layers": ["--layers"], "n_heads": ["--heads"], "n_kv_heads": ["--kv-heads"], "seq": ["--seq-len"],
+                 "ffn": ["--expert-hidden"]}
 
 
 def llm_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
@@ -437,15 +438,16 @@ def load_result(path: Path) -> dict:
     return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
 
 
-def save(args, tables: dict, data: dict, path: Optional[Path] = None) -> Path:
+def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> Path:
     """Prints the tables and writes the result JSON (args.json): the command, the machine, the date, the
     tables and the numbers; under docs/results/ the docs regions made from it are rewritten too."""
-    show(tables)
+    if show_tables:
+        show(tables)
     path = Path(path or args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     result = {"command": args.command, "machine": machine(), "date": date, "tables": tables, "data": data}
-    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    path.write_text(json.dumps(result, indent=1, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)) + "\n")
     print(f"\nresult: {path}")
     if path.resolve().parent == RESULTS.resolve():
         from train.docs import main as docs
