@@ -365,7 +365,7 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
     from train.metrics import read_rows
     out = Path(out)
     over = [f"train.out_dir={out}", *QUIET, *overrides]
-    if not (out / done).is_file():
+    if not (out / done).exists():
         if inproc or isinstance(config, dict):
             from train.config import load_run_config
             from train.loop import train

@@ -73,7 +73,8 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
         over += [f"train.eval_every={max(1, steps // args.evals)}", "train.log_every=10",
                  f"optim.warmup_steps={max(1, steps // 12)}"]
     over += [f"train.precision={args.precision}"] if args.precision else []
-    return harness.run_loop(LLM / cfg, Path(args.out) / (name if seed == 0 else f"{name}-seed{seed}"), over, args.threads)
+    return harness.run_loop(LLM / cfg, Path(args.out) / (name if seed == 0 else f"{name}-seed{seed}"), over, args.threads,
+                            done="adapter" if preset == "peft" and name != "full" else "model.safetensors")
 
 
 def trained(out: Path):
