@@ -256,8 +256,8 @@ def llm_config(args, **over):
     from zoo.config import LLMConfig
     shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                  n_kv_heads=getattr(args, "n_kv_heads", 0) or None, ffn_hidden=getattr(args, "ffn", 0) or None,
-                 max_seq_len=args.seq)
-    return LLMConfig(**{**shape, **over})
+                 max_seq_len=getattr(args, "seq", None))
+    return LLMConfig(**{k: v for k, v in {**shape, **over}.items() if v is not None})
 
 
 def setup(args) -> bool:
