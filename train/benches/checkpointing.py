@@ -3,13 +3,10 @@
     python train/bench.py checkpointing                       # the three families, fp32
     python train/bench.py checkpointing --families llm --rounds 8 --no-measure
 
-Per family, one model per policy (none, selective, full on every 2nd block, full on every block),
-the same weights, the same batch (`Task.example_batch`); each side is one training step of the
-loop's own step function (`train.step.optimizer_step`: forward, backward, clipping, AdamW),
-the sides alternating round by round (harness.run_rounds). Printed: each policy's best step time,
-the paired median of its time over no checkpointing's (how many times slower), the planner's
-predicted peak and activations, and the peak measured in a fresh process (`train.plan.measure`;
-leave it out with --no-measure).
+Per family, one model per policy (none, selective, full on every 2nd block, full), the same weights and
+batch; each side is one step of the loop's own step function, the sides alternating round by round.
+The table: each policy's best step, how many times slower than none (paired median), the planner's
+predicted peak and activations, and the peak measured in a fresh process (train.plan.measure).
 """
 from __future__ import annotations
 
@@ -83,6 +80,7 @@ def measure_policies(family: str, precision: str, rounds: int, measure: bool = T
 
 def main(argv=None):
     p = harness.parser("checkpointing", __doc__, precision="fp32")
+    tables = {}
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
     args = p.parse_args(argv)
@@ -99,9 +97,10 @@ def main(argv=None):
                 rows.append([name, f"{r.best(name) * 1e3:.1f}", "1.00x" if slower is None else str(slower),
                              f"{q.peak_bytes / MiB:.1f}", f"{q.breakdown['activations'] / MiB:.1f}",
                              "-" if measured is None else f"{measured / MiB:.1f}"])
-            print(f"\n{family}, {precision}, {args.rounds} rounds")
-            harness.print_table(["policy", "best step ms", "step time / none (paired median)",
-                                 "predicted peak MiB", "predicted activations MiB", "measured peak MiB"], rows)
+            tables[f"{family} {precision}"] = harness.table(["policy", "best step ms", "step time / none (paired median)",
+                                                             "predicted peak MiB", "predicted activations MiB",
+                                                             "measured peak MiB"], rows)
+    harness.save(args, tables, {})
     return 0
 
 

@@ -177,7 +177,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, argv=None, namespace=None):
         argv = sys.argv[2:] if argv is None else list(argv)
         args = super().parse_args(argv, namespace)
-        args.command = shlex.join(["python", "train/bench.py", self.prog.split()[-1], *argv])
+        args.command, args.argv = shlex.join(["python", "train/bench.py", self.prog.split()[-1], *argv]), argv
         return args
 
 
@@ -427,11 +427,15 @@ def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "")
     return {"columns": list(columns), "rows": [[str(c) for c in r] for r in rows], **({"notes": notes} if notes else {})}
 
 
+def print_table(columns: list[str], rows: Iterable[Iterable[object]]):
+    show({"": table(columns, rows)})
+
+
 def show(tables: dict):
     """Print each table as markdown (as docs/ shows it)."""
     from train.docs import markdown
     for key, t in tables.items():
-        print(f"\n{key}:\n{markdown(t)}", end="", flush=True)
+        print(f"\n{key}:\n" if key else "", markdown(t), sep="", end="", flush=True)
 
 
 def load_result(path: Path) -> dict:
