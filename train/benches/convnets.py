@@ -52,6 +52,20 @@ def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) 
     return harness.Side(model, lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]), opt, compile, device)
 
 
+def step_rounds(models: dict, batch: int, size: int, classes: int, precision: str, rounds: int, device=torch.device("cpu"),
+                fmt: dict = None) -> harness.Rounds:
+    """Training steps of each model on one batch (in its memory format, `fmt`, channels-last by default) after a
+    warm-up step, in alternating rounds."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 3, size, size, generator=g).to(device), torch.randint(0, classes, (batch,), generator=g).to(device)
+    calls = {}
+    for n, m in models.items():
+        f = (fmt or {}).get(n, torch.channels_last)
+        calls[n] = (lambda s: lambda: s.step(precision))(side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device))
+    harness.warm_up(calls, say=lambda m: None)
+    return harness.run_rounds(calls, rounds, sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
+
+
 def merged(old: dict, new: dict) -> dict:
     """The result after a run of some settings: new's rows replace old's of the same model, mode, memory
     format and precision, old's others stay, when both ran at the same shape, device, threads and torch."""
@@ -236,3 +250,44 @@ def main(argv=None, preset: str = "resnet"):
     tables, data = (drop_path if preset == "drop-path" else recipe if preset == "convnet-recipe" else zoo_vs_timm)(args)
     harness.save(args, tables, data)
     return 0
+
+
+# ---------------------------------------------------------------- the techniques report's claims
+def claim_channels_last(ctx) -> list[dict]:
+    """Channels-last against contiguous: the resnet bench's training step, the same weights, paired rounds."""
+    arch, batch, size = ctx.s.resnet
+    return [ctx.speed("channels-last", step_rounds({f: build_pair(arch, 1000)[0] for f in harness.FORMATS}, batch, size, 1000, p,
+                                                   ctx.n_rounds, ctx.device, harness.FORMATS), "channels_last", "contiguous",
+                      f"channels-last ({arch}, {p})", unit=f"step ({batch}x3x{size}x{size})")
+            for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else [])]
+
+
+def claim_stochastic_depth(ctx) -> list[dict]:
+    """Stochastic depth. Speed: the report's ResNet without drop path against whole blocks skipped for the batch
+    (drop_path_mode=batch, Huang et al. 2016) and the dropped rows skipped (skip), rates 0 to 0.5, paired rounds.
+    Quality: the digits ResNet with and without drop_path_rate 0.1, loop runs per seed."""
+    import zoo
+    from zoo.config import ConvNetConfig
+    arch, batch, size = ctx.s.resnet
+    models = {}
+    for name, rate, mode in (("none", 0.0, "mask"), ("batch", 0.5, "batch"), ("skip", 0.5, "skip")):
+        torch.manual_seed(0)
+        models[name] = zoo.build(ConvNetConfig(arch=arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode))
+    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds, ctx.device)  # skip may leave 1 sample
+    steps, ps = ctx.s.sd_steps, []
+    for seed in range(ctx.seeds):
+        res = {n: ctx.loop(f"sd_{rate}", ROOT / "configs" / "convnet" / "resnet-digits.yaml", [
+            f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}", f"train.log_every={max(1, steps // 20)}",
+            f"optim.warmup_steps={max(1, steps // 10)}", "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed)
+            for n, rate in (("none", 0.0), ("0.1", 0.1))}
+        if seed == 0:
+            ctx.plot("stochastic_depth_val", "ResNet on digits: stochastic depth 0.1 vs none (seed 0)", res, "val_loss",
+                     "validation loss")
+        ps.append({f"{n}_{k}": harness.last(res[n], f"val_{k}") for n in res for k in ("loss", "acc1")})
+    m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
+    q = f"val loss {m['none_loss']:.4f} -> {m['0.1_loss']:.4f}, top-1 {m['none_acc1']:.3f} -> {m['0.1_acc1']:.3f} ({steps} steps)"
+    speed = ctx.speed("stochastic depth (speed)", r, "batch", "none", unit=f"{arch} step, rates 0 -> 0.5, batch skip",
+                      speed=f"per-sample skip {r.paired('skip', 'none')}; ", quality=q)
+    speed["numbers"]["skip_speedup"] = r.paired("skip", "none").median
+    return [speed, dict(key="stochastic depth (quality)", samples=[(p["none_loss"] - p["0.1_loss"]) / p["none_loss"] for p in ps],
+                        speed=speed["speed"], quality=q, numbers={"per_seed": ps})]

@@ -9,11 +9,13 @@ side. A speed target is judged on the median over rounds of the per-round paired
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -347,6 +349,27 @@ class PeakRSS:
             self._stop.set()
             self._thread.join()
             self._sample()
+
+
+def busy_cpu_s() -> Optional[float]:
+    """CPU seconds every process of the machine has used since boot (/proc/stat: all but idle and iowait)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        ticks = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the measurements' subprocesses)."""
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+def others_share(start: tuple, end: tuple, cores: int) -> Optional[float]:
+    """The share of the machine's CPU time (wall x cores) other processes used between two (wall, busy, own) samples."""
+    if start[1] is None or end[1] is None or end[0] <= start[0]:
+        return None
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / ((end[0] - start[0]) * max(1, cores)))
 
 
 def gib(n: Optional[int]) -> str:

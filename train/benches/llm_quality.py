@@ -77,6 +77,32 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
                             done="adapter" if preset == "peft" and name != "full" else "model.safetensors")
 
 
+def against_dense(preset, steps, batch, seq, eval_batches, precision, out, seed=0) -> tuple[dict, dict]:
+    """The dense run and the preset's other (moe, mod) for one seed: their rows, and their steps and FLOPs per token."""
+    from argparse import Namespace
+    args = Namespace(steps=steps, batch=batch, seq=seq, evals=8, eval_batches=eval_batches, precision=precision, threads=None,
+                     out=out, runs=["dense", preset[4:7]])
+    steps, fpt = steps_of(preset, args)
+    return {n: run(preset, n, args, steps[n], seed) for n in args.runs}, {"steps": steps, "flops_per_token": fpt}
+
+
+def wall(rows: list[dict], upto=None) -> float:
+    """Training seconds of a run up to step `upto` (its logged step times)."""
+    timed = [r for r in rows if "step_time_s" in r and (upto is None or r["step"] <= upto)]
+    return sum(r["step_time_s"] * (r["step"] - p) for r, p in zip(timed, [0] + [r["step"] for r in timed]))
+
+
+def peft_runs(args, names) -> dict:
+    """Fine-tunes of the base per method: rows, trainable and all parameters, state and weight bytes, peak RSS, val loss."""
+    base, res = make_base(args), {}
+    for n in names:
+        rows = run("peft", n, args, args.steps, base=base)
+        t, total, state = state_bytes(base, RUNS["peft"][n][1])
+        res[n] = {"rows": rows, "trainable": t, "total": total, "state": state, "weights": state - 12 * t,
+                  "peak_rss": max(r["peak_mem_gb"] for r in rows if "loss" in r) * 2**30, "val": harness.last(rows, "val_loss")}
+    return res
+
+
 def trained(out: Path):
     """The final model of the run in `out` (eval mode) and its data."""
     import yaml
@@ -254,3 +280,81 @@ def main(argv=None, preset: str = "llm-moe-quality"):
              "training FLOPs (x 1e12)" if fpt else "step", scale)
     harness.save(args, tables, {"summaries": sums, "steps": steps, "flops_per_token": fpt})
     return 0
+
+
+# ---------------------------------------------------------------- the techniques report's claims
+def claim_lora(ctx) -> list[dict]:
+    """Full fine-tuning against LoRA and QLoRA (the peft bench's runs; the state bytes counted from the tensors)."""
+    from argparse import Namespace
+    data = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+    res = peft_runs(Namespace(config="configs/llm/tiny.yaml", layers=ctx.s.lora_layers, steps=ctx.s.lora_steps, batch=4, seq=64,
+                              eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=ctx.precision, threads=None,
+                              data=str(data) if data.is_file() else None, out=str(ctx.work / "peft")), ("full", "lora", "qlora"))
+    ctx.plot("lora_loss", f"full fine-tuning vs LoRA vs QLoRA ({ctx.s.lora_steps} steps)",
+             {n: v.pop("rows") for n, v in res.items()}, "loss", "training loss")
+    ctx.memory["fine-tuning (weights + grads + AdamW state)"] = {n: v["state"] / 2**20 for n, v in res.items()}
+    f, lo, q = res["full"], res["lora"], res["qlora"]
+    half = (lo["weights"] - 4 * lo["trainable"]) / 2 + 4 * lo["trainable"]  # LoRA's fp32 base halved, adapters in fp32
+    peak = "measured peak memory (peak RSS " + " / ".join(f"{v['peak_rss'] / 2**30:.2f}" for v in res.values()) + \
+        " GiB full / LoRA / QLoRA, one run each)"
+    common = dict(evidence="exact", unmeasured=peak, numbers=res,
+                  quality=f"val loss {f['val']:.3f} / {lo['val']:.3f} / {q['val']:.3f} (full / LoRA / QLoRA)")
+    return [dict(key="LoRA (training state)", samples=[1 - lo["state"] / f["state"]],
+                 memory=f"state {f['state'] / 2**20:.1f} -> {lo['state'] / 2**20:.1f} MiB", **common),
+            dict(key="QLoRA (base weights)", samples=[1 - q["weights"] / half],
+                 memory=f"weights {half / 2**20:.1f} (16-bit base) -> {q['weights'] / 2**20:.1f} MiB", **common)]
+
+
+def claim_averaging(ctx) -> list[dict]:
+    """Loop runs of the embedded default per seed with an EMA and checkpoint averaging: their val loss beside the weights'."""
+    n = ctx.s.loop_steps
+    decay = round(max(0.5, 1 - 10 / n), 4)  # an averaging horizon of about a tenth of the run
+    over = [f"train.max_steps={n}", f"train.batch_size={ctx.s.loop_batch}", f"data.seq_len={ctx.s.loop_seq}",
+            "data.tokenizer=bytes", f"data.max_chars={ctx.s.max_chars}", f"train.ema_decay={decay}", "train.eval_batches=4",
+            f"train.eval_every={max(1, n // 4)}", f"train.checkpoint_every={max(1, n // 4)}", "train.average_last=2",
+            "train.keep_checkpoints=2", f"optim.warmup_steps={max(1, n // 10)}", f"train.log_every={max(1, n // 20)}"]
+    runs = [ctx.loop("averaging", LLM / "tiny.yaml", over, s) for s in range(ctx.seeds)]
+    ctx.plot("averaging_loss", f"final weights vs EMA (decay {decay}), seed 0", {"weights (val)": runs[0], "EMA (val)": [
+        dict(r, val_loss=r["ema_val_loss"]) for r in runs[0] if "ema_val_loss" in r]}, "val_loss", "validation loss")
+    v = {k: [harness.last(r, k) for r in runs] for k in ("val_loss", "ema_val_loss", "avg_val_loss")}
+    q = "val loss (mean of seeds): " + ", ".join(f"{k} {statistics.fmean(x):.4f}" for k, x in v.items())
+    return [dict(key=key, samples=[(b - a) / b for b, a in zip(v["val_loss"], v[k])], quality=q,
+                 numbers={**v, "ema_decay": decay})
+            for key, k in (("checkpoint averaging", "avg_val_loss"), ("EMA of the weights", "ema_val_loss"))]
+
+
+def seeded(ctx, preset) -> list:
+    """against_dense per seed at the report's scale (the dense run made once per seed, read back by MoE and MoD)."""
+    got = [against_dense(preset, ctx.s.loop_steps, ctx.s.loop_batch, ctx.s.loop_seq, 20 if ctx.s.name == "full" else 4,
+                         ctx.precision, str(ctx.work / "llm"), seed) for seed in range(ctx.seeds)]
+    ctx.plot(f"{preset[4:7]}_val", f"dense vs {preset[4:7]}: validation loss (seed 0)", got[0][0], "val_loss", "validation loss")
+    return [(res, info, {f"{n}_tok_s": harness.median_of(res[n], "tokens_per_s") for n in res}) for res, info in got]
+
+
+def claim_moe(ctx) -> list[dict]:
+    """Dense against MoE (the same active parameters, so FLOPs, per token): the training time MoE takes to reach dense's
+    final val loss, per seed (where it never does, dense's time over MoE's whole run, an upper bound)."""
+    ps = []
+    for res, _, tok in seeded(ctx, "llm-moe-quality"):
+        target = harness.last(res["dense"], "val_loss")
+        hit = next((r["step"] for r in res["moe"] if r.get("val_loss", 1e9) <= target), None)
+        ps.append({"dense_val": target, "moe_val": harness.last(res["moe"], "val_loss"), "dense_s": wall(res["dense"]),
+                   "moe_s": wall(res["moe"], hit), "moe_step": hit, **tok})
+    sp = statistics.fmean(p["moe_tok_s"] / p["dense_tok_s"] for p in ps)
+    return [dict(key="MoE (equal compute)", samples=[p["dense_s"] / p["moe_s"] - 1 for p in ps], numbers={"per_seed": ps},
+                 quality=f"MoE reached dense's final val loss at step {', '.join(str(p['moe_step']) for p in ps)} "
+                         f"of {ctx.s.loop_steps}", speed=f"tokens/s ratio {sp:.2f}x (medians of separate runs, not paired)")]
+
+
+def claim_mod(ctx) -> list[dict]:
+    """Dense against Mixture-of-Depths at equal training FLOPs, per seed, on MoD's causal validation loss (routing as
+    decoding does; the loop's top-k evaluation looks at later tokens): the mod-quality bench's runs."""
+    ps = [{"dense_val": harness.last(res["dense"], "val_loss"), "mod_val_topk": harness.last(res["mod"], "val_loss"),
+           "mod_val_causal": harness.last(res["mod"], "val_loss_causal"), **info, **tok}
+          for res, info, tok in seeded(ctx, "llm-mod-quality")]
+    m = {k: statistics.fmean(p[k] for p in ps) for k in ("dense_val", "mod_val_causal", "mod_val_topk", "dense_tok_s", "mod_tok_s")}
+    return [dict(key="Mixture-of-Depths (equal FLOPs)", numbers={"per_seed": ps},
+                 samples=[(p["dense_val"] - p["mod_val_causal"]) / p["dense_val"] for p in ps],
+                 quality=f"val loss {m['dense_val']:.4f} -> {m['mod_val_causal']:.4f} causal, {m['mod_val_topk']:.4f} top-k "
+                         f"(steps {ps[0]['steps']})",
+                 speed=f"tokens/s {m['dense_tok_s']:.0f} -> {m['mod_tok_s']:.0f} (medians of separate runs, not paired)")]

@@ -154,3 +154,32 @@ def main(argv=None, preset: str = "optimizers"):
         tables |= quality(args, names) if args.quality else {}
     harness.save(args, tables, {})
     return 0
+
+
+# ---------------------------------------------------------------- the techniques report's claims
+def claim_fused(ctx) -> list[dict]:
+    """Fused AdamW (one kernel for the whole update) against the for-each one: the optimizer step."""
+    from argparse import Namespace
+
+    from train.config import OptimConfig
+    model = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device))
+    configs = {k: OptimConfig(name="adamw", lr=1e-5, fused=k == "fused") for k in ("foreach", "fused")}
+    r, b, _ = time_optimizers(model, configs, ctx.n_rounds, steps=2, say=lambda m: None)
+    n = sum(p.numel() for p in model.parameters())
+    return [ctx.speed("fused AdamW", r, "fused", "foreach", unit=f"optimizer step ({n / 1e6:.1f}M params)",
+                      memory=f"state {b['foreach'] / 2**20:.1f} / {b['fused'] / 2**20:.1f} MiB")]
+
+
+def claim_state(ctx) -> list[dict]:
+    """Optimizer-state bytes after a step (train.optim.state_bytes) of each optimizer against AdamW's."""
+    from argparse import Namespace
+
+    from train.config import OptimConfig
+    model, names = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device)), ["adamw", "adamw8bit", "lion", "sgd",
+                                                                                        "adafactor"]
+    r, b, _ = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5) for k in names}, ctx.n_rounds, say=lambda m: None)
+    n, ref = sum(p.numel() for p in model.parameters()), b["adamw"]
+    ctx.memory["optimizer state"] = {k: v / 2**20 for k, v in b.items()}
+    return [dict(key=f"{k} (state memory)", evidence="exact", samples=[1 - b[k] / ref], numbers={"base_bytes": ref, "tech_bytes": b[k]},
+                 memory=f"state {ref / 2**20:.1f} -> {b[k] / 2**20:.1f} MiB ({b[k] / n:.2f} bytes/param)",
+                 speed=f"optimizer step {r.paired(k, 'adamw')} of AdamW's speed") for k in names[1:]]
