@@ -22,12 +22,14 @@ BENCHES: dict[str, str] = {
     "llm-moe-quality": "llm_quality, name", "llm-mod-quality": "llm_quality, name", "peft": "llm_quality, name",
     "quantized": "deploy, name", "qat": "deploy, name", "prune": "deploy, name", "distill": "deploy, name",
     "distill-quality": "deploy, name", "convnet-ptq": "deploy, name",
-    "resnet": "convnets, name", "convnets": "convnets, name", "drop-path": "convnets, name", "convnet-recipe": "convnets, name",
-    "taesd": "diffusion, name", "dit": "diffusion, name", "latent-cache": "diffusion, name", "min-snr": "diffusion, name",
-    "diffusion-quality": "diffusion, name",
+    "resnet": "convnets, name", "convnets": "convnets, name", "drop-path": "convnets, name",
+    "convnet-recipe": "convnets, name",
+    "taesd": "diffusion, name", "dit": "diffusion, name", "latent-cache": "diffusion, name",
+    "min-snr": "diffusion, name", "diffusion-quality": "diffusion, name",
     "optimizers": "optimizers, name", "lr-find": "optimizers, name",
     "sft-packing": "sft, name", "sft-quality": "sft, name",
-    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory", "report": "report",
+    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
+    "report": "report",
 }
 
 

@@ -162,7 +162,7 @@ def render_result(name: str, key: Optional[str] = None, results: Path = RESULTS)
     the command that made it where it has one of its own, then the result's command."""
     path = results / f"{name}.json"
     if not path.is_file():
-        raise ValueError(f"<!-- table:{name} -->: no result {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        raise ValueError(f"<!-- table:{name} -->: no result {path}")
     result = json.loads(path.read_text())
     if key is not None and key not in result["tables"]:
         raise ValueError(f"<!-- table:{name}/{key} -->: {path.name} has no table {key!r} "
@@ -202,14 +202,15 @@ def update(text: str, classes: dict, source: str = "docs", results: Path = RESUL
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="only report the regions that disagree with the code or results")
+    p.add_argument("--check", action="store_true",
+                   help="only report the regions that disagree with the code or results")
     args = p.parse_args(argv)
     classes = config_classes()
     stale = []
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text()
         new, changed = update(text, classes, str(page))
-        stale += [f"{page.relative_to(ROOT)}: {name if name.startswith('table:') else 'keys:' + name}" for name in changed]
+        stale += [f"{page.relative_to(ROOT)}: {n if n.startswith('table:') else 'keys:' + n}" for n in changed]
         if changed and not args.check:
             page.write_text(new)
     if args.check and stale:

@@ -25,7 +25,8 @@ from train.benches import harness  # noqa: E402
 from train.hardware import sync  # noqa: E402
 
 FAMILIES = {
-    "llm": ({"family": "llm", "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+    "llm": ({"family": "llm", "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4,
+                                        "n_kv_heads": 2,
                                         "max_seq_len": 256},
              "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 8}}, []),
     "convnet": ("convnet/resnet-digits.yaml", ["model.width=32", "train.batch_size=64"]),
@@ -66,7 +67,8 @@ def peak(base: dict, over: list, device: torch.device, threads: int = 0) -> int:
     if device.type != "cuda":
         return measure_in_subprocess(base, over, threads=threads)["peak"]
     fn = step_fn(load_run_config(None, over, base=base), device)
-    fn(), fn(), torch.cuda.synchronize(device), torch.cuda.reset_peak_memory_stats(device), fn(), torch.cuda.synchronize(device)
+    fn(), fn(), torch.cuda.synchronize(device), torch.cuda.reset_peak_memory_stats(device)
+    fn(), torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device)
 
 
@@ -97,12 +99,14 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
     b, gen = cfg.train.batch_size, torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len + 1), generator=gen).to(device)
     params, grads = [p for p in model.parameters() if p.requires_grad], []
-    rec = SimpleNamespace(param_groups=[{"params": params}], step=lambda: grads.append([p.grad.clone() for p in params]),
+    rec = SimpleNamespace(param_groups=[{"params": params}],
+                          step=lambda: grads.append([p.grad.clone() for p in params]),
                           zero_grad=lambda set_to_none=True: [setattr(p, "grad", None) for p in params])
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     for batches in ([(ids[:, :-1], ids[:, 1:])], [(ids[i::k, :-1], ids[i::k, 1:]) for i in range(k)]):
         optimizer_step(lambda bb: task.loss(model, bb), iter(batches), len(batches), rec, scaler, params, None)
-    return max(float((a - w).abs().max()) for a, w in zip(grads[1], grads[0])) / max(float(w.abs().max()) for w in grads[0])
+    return max(float((a - w).abs().max()) for a, w in zip(grads[1],
+                                                          grads[0])) / max(float(w.abs().max()) for w in grads[0])
 
 
 def main(argv=None):
@@ -124,7 +128,8 @@ def main(argv=None):
             rows = []
             for name, o in sides.items():
                 q = plan(load_run_config(None, o, base=base))
-                rows.append([name, f"{r.best(name) * 1e3:.1f}", "1.00x" if name == "none" else str(r.paired("none", name)),
+                slower = "1.00x" if name == "none" else str(r.paired("none", name))
+                rows.append([name, f"{r.best(name) * 1e3:.1f}", slower,
                              f"{q.peak_bytes / MiB:.1f}", f"{q.breakdown['activations'] / MiB:.1f}",
                              f"{measured[name][0] / MiB:.1f}" if measured[name] else "-"])
             tables[f"{family} {precision}"] = harness.table(
@@ -179,11 +184,14 @@ def claim_grad_accum(ctx) -> list[dict]:
     k, b = ctx.s.accum, ctx.s.llm["train"]["batch_size"]
     diff = accumulation_diff(load_run_config(None, [f"train.precision={ctx.precision}"], base=ctx.s.llm), k, ctx.device)
     r, peaks, _ = steps(ctx, {"one": [], "acc": [f"train.batch_size={b // k}", f"train.grad_accum={k}"]}, memory=True)
-    speed = ctx.speed("gradient accumulation (memory)", r, "acc", "one", f"grad accumulation {k} x {b // k} (cost)")["speed"]
-    return [dict(key="gradient accumulation (gradients)", baseline=f"one batch of {b}", evidence="exact", samples=[diff],
+    speed = ctx.speed("gradient accumulation (memory)", r, "acc", "one",
+                      f"grad accumulation {k} x {b // k} (cost)")["speed"]
+    return [dict(key="gradient accumulation (gradients)", baseline=f"one batch of {b}", evidence="exact",
+                 samples=[diff],
                  speed=speed, numbers={"max_rel_grad_diff": diff},
                  quality=f"max abs(g_accum - g_batch) / max abs(g_batch) = {diff:.2e} ({k} x {b // k} vs 1 x {b})"),
-            ctx.saved("gradient accumulation (memory)", peaks["one"], peaks["acc"], baseline=f"one batch of {b}", speed=speed)]
+            ctx.saved("gradient accumulation (memory)", peaks["one"], peaks["acc"], baseline=f"one batch of {b}",
+                      speed=speed)]
 
 
 def claim_cuda_flags(ctx) -> list[dict]:

@@ -49,21 +49,26 @@ def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) 
     from train.config import OptimConfig
     from train.optim import build_optimizer
     opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), device, log=lambda *a: None)
-    return harness.Side(model, lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]), opt, compile, device)
+    return harness.Side(model, lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]), opt, compile,
+                        device)
 
 
-def step_rounds(models: dict, batch: int, size: int, classes: int, precision: str, rounds: int, device=torch.device("cpu"),
+def step_rounds(models: dict, batch: int, size: int, classes: int, precision: str, rounds: int,
+                device=torch.device("cpu"),
                 fmt: dict = None) -> harness.Rounds:
     """Training steps of each model on one batch (in its memory format, `fmt`, channels-last by default) after a
     warm-up step, in alternating rounds."""
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, 3, size, size, generator=g).to(device), torch.randint(0, classes, (batch,), generator=g).to(device)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, classes, (batch,), generator=g).to(device)
     calls = {}
     for n, m in models.items():
         f = (fmt or {}).get(n, torch.channels_last)
-        calls[n] = (lambda s: lambda: s.step(precision))(side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device))
+        s = side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device)
+        calls[n] = lambda s=s: s.step(precision)
     harness.warm_up(calls, say=lambda m: None)
-    return harness.run_rounds(calls, rounds, sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
+    return harness.run_rounds(calls, rounds,
+                              sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
 
 
 def merged(old: dict, new: dict) -> dict:
@@ -100,10 +105,13 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
                     r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=sync)
                     w, c = r.paired("zoo", "timm"), r.paired("zoo", "timm", "cpu")
                     data["results"].append({
-                        "arch": arch, "mode": mode, "format": fmt, "precision": p, "zoo_img_s": args.batch / r.best("zoo"),
+                        "arch": arch, "mode": mode, "format": fmt, "precision": p,
+                                            "zoo_img_s": args.batch / r.best("zoo"),
                         "timm_img_s": args.batch / r.best("timm"), "best_ratio": r.ratio("zoo", "timm"),
-                        "zoo_speed_over_timm_paired_median": w.median, "range": [w.low, w.high], "cpu_time_paired_median": c.median,
-                        "cpu_time_range": [c.low, c.high], "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9,
+                        "zoo_speed_over_timm_paired_median": w.median, "range": [w.low, w.high],
+                                            "cpu_time_paired_median": c.median,
+                        "cpu_time_range": [c.low, c.high],
+                                            "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9,
                         "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "load_average": os.getloadavg()[0], "wall": r.wall})
                     print(f"  {arch} {mode} {fmt} {p}: {r.summary('zoo', 'timm')}", flush=True)
@@ -117,18 +125,24 @@ def convnets_table(data: dict) -> dict:
     def rng(m, r):
         return f"{m:.2f}x ({r[0]:.2f}-{r[1]:.2f}x)"
     rows = [[r["arch"], r["mode"], r["format"], r["precision"], f"{r['zoo_img_s']:.1f}", f"{r['timm_img_s']:.1f}",
-             f"{r['best_ratio']:.2f}x" if "best_ratio" in r else "-", rng(r["zoo_speed_over_timm_paired_median"], r["range"]),
-             rng(r["cpu_time_paired_median"], r["cpu_time_range"]), f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"]
+             f"{r['best_ratio']:.2f}x" if "best_ratio" in r else "-",
+             rng(r["zoo_speed_over_timm_paired_median"], r["range"]),
+             rng(r["cpu_time_paired_median"], r["cpu_time_range"]),
+             f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"]
             for r in data["results"]]
     notes = []
     for p in dict.fromkeys(r["precision"] for r in data["results"]):  # channels-last against contiguous, per side
         for arch, mode in dict.fromkeys((r["arch"], r["mode"]) for r in data["results"]):
             got = {r["format"]: r for r in data["results"] if (r["arch"], r["mode"], r["precision"]) == (arch, mode, p)}
             if len(got) == 2:
-                gain = {s: got["channels_last"][f"{s}_img_s"] / got["contiguous"][f"{s}_img_s"] for s in ("zoo", "timm")}
-                notes.append(f"channels-last / contiguous, {arch} {mode} {p}: zoo {gain['zoo']:.2f}x, timm {gain['timm']:.2f}x (best rounds)")
-    return harness.table(["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s", "zoo / timm (best rounds)",
-                          "zoo speed / timm, paired median (range)", "the same on CPU time", "zoo GFLOP/s"], rows, "\n".join(notes))
+                gain = {s: got["channels_last"][f"{s}_img_s"] / got["contiguous"][f"{s}_img_s"]
+                        for s in ("zoo", "timm")}
+                notes.append(f"channels-last / contiguous, {arch} {mode} {p}: zoo {gain['zoo']:.2f}x, "
+                             f"timm {gain['timm']:.2f}x (best rounds)")
+    return harness.table(["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
+                          "zoo / timm (best rounds)",
+                          "zoo speed / timm, paired median (range)", "the same on CPU time", "zoo GFLOP/s"], rows,
+                         "\n".join(notes))
 
 
 def bound(rate: float) -> float:
@@ -152,7 +166,8 @@ def drop_path(args) -> tuple[dict, dict]:
     import zoo
     from zoo.config import ConvNetConfig
     g = torch.Generator().manual_seed(0)
-    batch = [torch.randn(args.batch, 3, args.size, args.size, generator=g).contiguous(memory_format=torch.channels_last),
+    batch = [torch.randn(args.batch, 3, args.size, args.size,
+                         generator=g).contiguous(memory_format=torch.channels_last),
              torch.randint(0, 10, (args.batch,), generator=g)]
     data = {"arch": args.arch, "load_before": os.getloadavg()[0], "results": []}
     for p in args.precision:
@@ -163,8 +178,10 @@ def drop_path(args) -> tuple[dict, dict]:
                 cfg = ConvNetConfig(arch=args.arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode)
                 sides[mode] = side(zoo.build(cfg).to(memory_format=torch.channels_last), batch)
                 sides[mode].step(p)
-            r = harness.run_rounds({m: (lambda s=s: s.step(p)) for m, s in sides.items()}, args.rounds, calls=args.steps)
-            data["results"].append({"precision": p, "rate": rate, **{f"{m}_img_s": args.batch / r.best(m) for m in MODES},
+            r = harness.run_rounds({m: (lambda s=s: s.step(p)) for m, s in sides.items()}, args.rounds,
+                                   calls=args.steps)
+            data["results"].append({"precision": p, "rate": rate,
+                                    **{f"{m}_img_s": args.batch / r.best(m) for m in MODES},
                                     **{f"{m}_over_mask": r.paired(m, "mask")._asdict() for m in ("skip", "batch")},
                                     "seconds": r.wall})
             print(f"  {p} rate {rate}: {r.summary('skip', 'mask')}; {r.summary('batch', 'mask')}", flush=True)
@@ -178,7 +195,8 @@ def drop_path(args) -> tuple[dict, dict]:
         for mode in ("skip", "batch"):
             rate = crossover(data, mode, p)
             every = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["low"] > 1.0) or "no rate"
-            beyond = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])) or "no rate"
+            beyond = ", ".join(str(r["rate"]) for r in at
+                               if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])) or "no rate"
             notes.append(f"{mode} / mask ({p}): paired median above 1.00x "
                          f"{'at no rate measured' if rate is None else f'from a last-block rate of {rate} on'}; "
                          f"every round faster at {every}; median beyond the bound (noise) at {beyond}.")
@@ -200,9 +218,11 @@ def recipe(args) -> tuple[dict, dict]:
                 f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision[0]}", *extra],
                 args.threads or 1)
             r = [r for r in rows if "val_acc1" in r][-1]
-            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"], "val_confidence": confidence(out)})
+            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
+                              "val_confidence": confidence(out)})
     rows = [[k, " ".join(f"{a[k]:.4f}" for a in res["baseline"]), " ".join(f"{b[k]:.4f}" for b in res["recipe"]),
-             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])], words="recipe")] for k in metrics]
+             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])],
+                                   words="recipe")] for k in metrics]
     return {"recipe": harness.table(["metric", "baseline (per seed)", "recipe (per seed)",
                                      "recipe - baseline, mean ± 95% interval, verdict"], rows)}, res
 
@@ -222,18 +242,21 @@ def confidence(out: Path) -> float:
 def main(argv=None, preset: str = "resnet"):
     p = harness.parser(preset, __doc__, precision={"convnets": "bf16", "resnet": "fp32,bf16"}.get(preset, "fp32"),
                        rounds=preset != "convnet-recipe", keep_memory=preset != "convnet-recipe")
-    p.add_argument("--batch", type=harness.positive_int, default={"resnet": 16, "convnets": 64, "drop-path": 32}.get(preset, 64))
+    batch = {"resnet": 16, "convnets": 64, "drop-path": 32}.get(preset, 64)
+    p.add_argument("--batch", type=harness.positive_int, default=batch)
     p.add_argument("--size", type=harness.positive_int, default=64 if preset == "drop-path" else 224, help="image size")
     p.add_argument("--steps", type=harness.positive_int, default={"convnets": 5, "convnet-recipe": 200}.get(preset, 2),
                    help="timed steps per round (convnet-recipe: training steps)")
-    p.add_argument("--warmup", type=int, default=3 if preset == "convnets" else 1, help="untimed steps per side and setting")
+    p.add_argument("--warmup", type=int, default=3 if preset == "convnets" else 1,
+                   help="untimed steps per side and setting")
     p.add_argument("--classes", type=harness.positive_int, default=1000)
-    p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + ["resnet18", "resnet34", "resnet50", "resnet101",
-                                                                       "resnet152"], "arch"),
+    resnets = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+    p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + resnets, "arch"),
                    default="resnet50" if preset in ("resnet", "drop-path") else ",".join(ARCHS))
     p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"),
                    default="eager,compiled" if preset == "convnets" else "eager")
-    p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"), default="contiguous,channels_last")
+    p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
+                   default="contiguous,channels_last")
     p.add_argument("--device", default="cuda" if preset == "convnets" and torch.cuda.is_available() else "cpu")
     p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5], help="drop-path: last block's rates")
     p.add_argument("--config", default="resnet-digits.yaml", help="convnet-recipe: a file of configs/convnet/")
@@ -256,8 +279,10 @@ def main(argv=None, preset: str = "resnet"):
 def claim_channels_last(ctx) -> list[dict]:
     """Channels-last against contiguous: the resnet bench's training step, the same weights, paired rounds."""
     arch, batch, size = ctx.s.resnet
-    return [ctx.speed("channels-last", step_rounds({f: build_pair(arch, 1000)[0] for f in harness.FORMATS}, batch, size, 1000, p,
-                                                   ctx.n_rounds, ctx.device, harness.FORMATS), "channels_last", "contiguous",
+    return [ctx.speed("channels-last", step_rounds({f: build_pair(arch, 1000)[0] for f in harness.FORMATS}, batch, size,
+                                                   1000, p,
+                                                   ctx.n_rounds, ctx.device, harness.FORMATS), "channels_last",
+                      "contiguous",
                       f"channels-last ({arch}, {p})", unit=f"step ({batch}x3x{size}x{size})")
             for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else [])]
 
@@ -273,11 +298,13 @@ def claim_stochastic_depth(ctx) -> list[dict]:
     for name, rate, mode in (("none", 0.0, "mask"), ("batch", 0.5, "batch"), ("skip", 0.5, "skip")):
         torch.manual_seed(0)
         models[name] = zoo.build(ConvNetConfig(arch=arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode))
-    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds, ctx.device)  # skip may leave 1 sample
+    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds,
+                    ctx.device)  # skip may leave 1 sample
     steps, ps = ctx.s.sd_steps, []
     for seed in range(ctx.seeds):
         res = {n: ctx.loop(f"sd_{rate}", ROOT / "configs" / "convnet" / "resnet-digits.yaml", [
-            f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}", f"train.log_every={max(1, steps // 20)}",
+            f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}",
+            f"train.log_every={max(1, steps // 20)}",
             f"optim.warmup_steps={max(1, steps // 10)}", "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed)
             for n, rate in (("none", 0.0), ("0.1", 0.1))}
         if seed == 0:
@@ -285,9 +312,11 @@ def claim_stochastic_depth(ctx) -> list[dict]:
                      "validation loss")
         ps.append({f"{n}_{k}": harness.last(res[n], f"val_{k}") for n in res for k in ("loss", "acc1")})
     m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
-    q = f"val loss {m['none_loss']:.4f} -> {m['0.1_loss']:.4f}, top-1 {m['none_acc1']:.3f} -> {m['0.1_acc1']:.3f} ({steps} steps)"
+    q = (f"val loss {m['none_loss']:.4f} -> {m['0.1_loss']:.4f}, top-1 {m['none_acc1']:.3f} -> {m['0.1_acc1']:.3f} "
+         f"({steps} steps)")
     speed = ctx.speed("stochastic depth (speed)", r, "batch", "none", unit=f"{arch} step, rates 0 -> 0.5, batch skip",
                       speed=f"per-sample skip {r.paired('skip', 'none')}; ", quality=q)
     speed["numbers"]["skip_speedup"] = r.paired("skip", "none").median
-    return [speed, dict(key="stochastic depth (quality)", samples=[(p["none_loss"] - p["0.1_loss"]) / p["none_loss"] for p in ps],
+    return [speed, dict(key="stochastic depth (quality)",
+                        samples=[(p["none_loss"] - p["0.1_loss"]) / p["none_loss"] for p in ps],
                         speed=speed["speed"], quality=q, numbers={"per_seed": ps})]

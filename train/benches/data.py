@@ -107,13 +107,15 @@ def speed(args, folder: Path, out: dict):
                "paired_high": paired.high}
         for side, key in zip(SIDES, ("zoo", "alone")):
             best = r.best(side)
-            res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best, "tokens": counts[key],
+            res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best,
+                         "tokens": counts[key],
                          "wall_s": r.wall[side]}
             rows.append([name, side, f"{mb / best:.2f}", f"{counts[key] / best / 1e6:.2f}",
                          str(paired) if side == SIDES[0] else ""])
         out.setdefault("speed", {})[name] = res
     return harness.table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows,
-                         f"{mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} alternating rounds "
+                         f"{mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} alternating "
+                         f"rounds "
                          f"(zoo also writes the shards; its tokens include one EOS per document)")
 
 
@@ -168,10 +170,12 @@ def rss(args, folder: Path, out: dict):
             time.sleep(0.05)
         tokens, secs = p.stdout.read().split()
         size = corpus.stat().st_size / 1e6
-        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak, "peak_anon_pss_bytes": peak_anon,
+        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak,
+                                              "peak_anon_pss_bytes": peak_anon,
                                              "seconds": float(secs),
                                              "tokens": int(tokens)}
-        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}", f"{size / float(secs):.2f}",
+        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}",
+                     f"{size / float(secs):.2f}",
                      f"{int(tokens):,}"])
         corpus.unlink()
     return harness.table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows,

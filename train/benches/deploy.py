@@ -89,10 +89,12 @@ def quantized_speed(args) -> dict:
     torch.manual_seed(0)
     models = quantized_copies(cast_weights(zoo.build(ROOT / "configs" / "llm" / "smollm-135m.yaml"),
                                            harness.PRECISIONS[base]).eval(), args, base)
-    prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt),
+                           generator=torch.Generator().manual_seed(1))
     calls = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}
     if args.compile:
-        calls |= {f"{s} compiled": (lambda m=m: m.generate(prompt, args.new_tokens, compile=True)) for s, m in models.items()}
+        calls |= {f"{s} compiled": (lambda m=m: m.generate(prompt, args.new_tokens, compile=True)) for s,
+                  m in models.items()}
     outs = {}
     sides = {s: (lambda s=s: outs.__setitem__(s, calls[s]())) for s in calls}
     with torch.inference_mode():
@@ -102,7 +104,8 @@ def quantized_speed(args) -> dict:
     for s in calls:
         ref = f"{base} compiled" if s.endswith("compiled") else base
         size = get_model_size_in_bytes(models[s.removesuffix(" compiled")], ignore_embeddings=False)
-        rows.append([s, f"{size / 2**20:.0f}", f"{args.new_tokens / r.best(s):.3g}", f"{args.new_tokens / r.best(s, 'cpu'):.3g}",
+        rows.append([s, f"{size / 2**20:.0f}", f"{args.new_tokens / r.best(s):.3g}",
+                     f"{args.new_tokens / r.best(s, 'cpu'):.3g}",
                      str(r.paired(s, ref)), f"{first[s]:.1f}", "yes" if torch.equal(outs[s], outs[ref]) else "no"])
     return harness.table(["model", "weights MiB", "tokens/s (best round)", "tokens per CPU-second (best round)",
                           f"against {base}: paired median (range)", "first call s", f"same tokens as {base}"], rows)
@@ -141,7 +144,8 @@ def qat(args, base) -> tuple[dict, dict]:
         p = fine_tune(args, base, f"ptq-{args.scheme}", seed, [group, f"train.quantize={QAT_SCHEMES[args.scheme]}"])
         q = fine_tune(args, base, f"qat-{args.scheme}", seed, [group, f"train.qat={args.scheme}"])
         ref = p["quant_ref_val_loss"]
-        seeds.append({"seed": seed, "float": p["val_loss"], "ref": ref, "ptq": p["quant_val_loss"], "qat": q["quant_val_loss"],
+        seeds.append({"seed": seed, "float": p["val_loss"], "ref": ref, "ptq": p["quant_val_loss"],
+                      "qat": q["quant_val_loss"],
                       "qat_fake": q["val_loss"], "qat_ref": q["quant_ref_val_loss"]})
     for s in seeds:
         s.update(ptq_increase=s["ptq"] - s["ref"], qat_increase=s["qat"] - s["ref"],
@@ -152,7 +156,8 @@ def qat(args, base) -> tuple[dict, dict]:
     iv = {k: harness.interval_text([s[k] for s in seeds]) for k in ("ptq_increase", "qat_increase", "recovered")}
     rows.append(["mean (95% interval)", "", "", iv["ptq_increase"], "", iv["qat_increase"], iv["recovered"], ""])
     sc = args.scheme
-    tables = {"seeds": harness.table(["seed", "float fine-tune val loss", "its bf16 copy (reference)", f"{sc} PTQ (increase)",
+    tables = {"seeds": harness.table(["seed", "float fine-tune val loss", "its bf16 copy (reference)",
+                                      f"{sc} PTQ (increase)",
                                       "QAT, fake-quantized (vs reference)", f"{sc} QAT, converted (increase)",
                                       "increase recovered by QAT", "QAT's own bf16 copy"], rows)}
     if sc == "int4":
@@ -193,7 +198,8 @@ def numerics(folder: Path, group_size: int) -> dict:
                 off[k] += int((d > 0.5).sum())
                 worst[k] = max(worst[k], float(d.max()))
             n += w.numel()
-    return harness.table(["fake quantizer", "weights on another level than the converted model", "largest distance (steps)"],
+    return harness.table(["fake quantizer", "weights on another level than the converted model",
+                          "largest distance (steps)"],
                          [[k, f"{off[k] / n:.2%}", f"{worst[k]:.2f}"] for k in makers], f"over {n} weights")
 
 
@@ -210,7 +216,8 @@ def prune(args, base) -> tuple[dict, dict]:
         over = [f"train.prune={pattern}", f"train.prune_sparsity={args.sparsity}"]
         runs = [fine_tune(args, base, tag, s, over) for s in args.seeds]
         rec, shot = [r["val_loss"] for r in runs], one_shot(args, base, over)
-        rows.append([pattern, f"{runs[0]['sparsity']:.2f}", f"{shot:.4f} ({shot - base_loss:+.4f})", harness.interval_text(rec, ".4f"),
+        rows.append([pattern, f"{runs[0]['sparsity']:.2f}", f"{shot:.4f} ({shot - base_loss:+.4f})",
+                     harness.interval_text(rec, ".4f"),
                      harness.interval_text(dense, ".4f"), harness.interval_text([a - b for a, b in zip(rec, dense)])])
         ratio = csr_speed(args, base, pattern)
         speed.append([pattern, *(f"{v:.2f}x" for v in ratio.values())])
@@ -218,15 +225,18 @@ def prune(args, base) -> tuple[dict, dict]:
     return {"loss": harness.table(["pattern", "sparsity of the pruned linears", "one-shot val loss (vs base)",
                                    f"pruned + {args.steps}-step fine-tune", "dense fine-tune, same steps",
                                    "pruned - dense (mean of seeds)"], rows),
-            "speed": harness.table(["pattern", "CSR's speed / dense's, 1 token", "CSR's speed / dense's, 128 tokens"], speed)}, data
+            "speed": harness.table(["pattern", "CSR's speed / dense's, 1 token", "CSR's speed / dense's, 128 tokens"],
+                                   speed)}, data
 
 
 def one_shot(args, base: Path, over) -> float:
     """The validation loss of the base, pruned with `over` (None: as it is), before any step."""
     from train.builder import build_run
     from train.config import load_run_config
-    run = build_run(load_run_config(str(TINY), [f"train.init_from={base}", f"train.out_dir={Path(args.out) / 'one-shot'}",
-                                                f"train.eval_batches={args.eval_batches}", f"train.precision={args.precision}",
+    run = build_run(load_run_config(str(TINY), [f"train.init_from={base}",
+                                                f"train.out_dir={Path(args.out) / 'one-shot'}",
+                                                f"train.eval_batches={args.eval_batches}",
+                                                f"train.precision={args.precision}",
                                                 *args.fine_tune_overrides.split(), *(over or [])]))
     with torch.no_grad(), run.autocast():
         return run.task.evaluate(run.model)["val_loss"]
@@ -238,7 +248,8 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
 
     import zoo
     from zoo.pruning import prune as prune_model
-    weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern, args.sparsity).values()]
+    weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern,
+                                                  args.sparsity).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
         for n in (1, 128):
@@ -272,7 +283,8 @@ def distill_memory(args) -> tuple[dict, dict]:
             peaks[side].append(m.peak or 0)
             losses[side] = loss.item()
     full = N * V * 4 / 2**20
-    return {"memory": harness.table(["loss", "peak memory MiB (best round)", "against the full logits' size", "loss value"],
+    return {"memory": harness.table(["loss", "peak memory MiB (best round)", "against the full logits' size",
+                                     "loss value"],
                                     [[s, f"{min(v) / 2**20:.0f}", f"{min(v) / 2**20 / full:.1f}x of {full:.0f} MiB",
                                       f"{losses[s]:.6f}"] for s, v in peaks.items()])}, {"peaks": peaks}
 
@@ -294,27 +306,34 @@ def distill_quality(args) -> tuple[dict, dict]:
             out.mkdir(parents=True, exist_ok=True)
             load_tokenizer(teacher).backend.save(str(tok))
         reader, meta = read(teacher)
-        extra += [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={config_from_gguf(meta, [t.name for t in reader.tensors], str(teacher))[0].vocab_size}"]
+        vocab = config_from_gguf(meta, [t.name for t in reader.tensors], str(teacher))[0].vocab_size
+        extra += [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={vocab}"]
     elif not args.teacher:
-        harness.run_loop(ROOT / config, teacher, [*common, *teacher_over.split(), f"train.max_steps={args.teacher_steps}", *extra],
+        harness.run_loop(ROOT / config, teacher, [*common, *teacher_over.split(),
+                                                  f"train.max_steps={args.teacher_steps}", *extra],
                          args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
     seeds = []
     for seed in args.seeds:
         over = [*common, *student, f"train.max_steps={args.steps}", f"train.seed={seed}", *extra]
-        kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}", f"train.kd_temperature={args.kd_temperature}"]
-        got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o, args.threads or 1))
+        kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}",
+              f"train.kd_temperature={args.kd_temperature}"]
+        got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o,
+                                                    args.threads or 1))
                for side, o in (("alone", []), ("teacher", kd))}
         seeds.append({"seed": seed, **{side: {k: r[k] for k in metrics} for side, r in got.items()}})
     rows = [[s["seed"], *(f"{s[side][k]:.4f}" for side in ("alone", "teacher") for k in metrics),
              *(f"{s['teacher'][k] - s['alone'][k]:+.4f}" for k in metrics)] for s in seeds]
     rows.append(["mean (95% interval)", *([""] * 2 * len(metrics)),
-                 *(harness.interval_text([s["teacher"][k] - s["alone"][k] for s in seeds], words="teacher") for k in metrics)])
+                 *(harness.interval_text([s["teacher"][k] - s["alone"][k] for s in seeds],
+                                         words="teacher") for k in metrics)])
     if teacher_over is None:  # the teacher's own loss on the same windows, for scale
-        rows.append(["the teacher itself", f"{teacher_val_loss(args, ROOT / config, [*student, f'train.teacher={teacher}', *extra]):.4f}",
+        rows.append(["the teacher itself",
+                     f"{teacher_val_loss(args, ROOT / config, [*student, f'train.teacher={teacher}', *extra]):.4f}",
                      *([""] * (3 * len(metrics) - 1))])
-    return {"seeds": harness.table(["seed", *(f"{side} {k}" for side in ("alone", "with teacher") for k in metrics),
-                                    *(f"teacher - alone {k}" for k in metrics)], rows)}, {"seeds": seeds, "teacher": str(teacher)}
+    columns = ["seed", *(f"{side} {k}" for side in ("alone", "with teacher") for k in metrics),
+               *(f"teacher - alone {k}" for k in metrics)]
+    return {"seeds": harness.table(columns, rows)}, {"seeds": seeds, "teacher": str(teacher)}
 
 
 def teacher_val_loss(args, config: Path, overrides: list[str]) -> float:
@@ -339,14 +358,17 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"
         harness.run_loop(ROOT / "configs" / "convnet" / args.config, folder, [
-            f"train.max_steps={args.steps}", f"train.seed={seed}", "train.eval_every=0", "train.precision=fp32"], args.threads or 1)
+            f"train.max_steps={args.steps}", f"train.seed={seed}", "train.eval_every=0", "train.precision=fp32"],
+                         args.threads or 1)
         task = ClassifyTask(load_run_config(str(folder / "config.yaml")), torch.device("cpu"), lambda m: None)
         task.setup()
         model = zoo.from_pretrained(folder).float().eval()
         t0 = time.perf_counter()
-        int8 = zoo.quantize(model, "int8", calibration=[task.normalize(task.train_batch(s, 0)[0]) for s in range(args.calib_batches)])
+        calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(args.calib_batches)]
+        int8 = zoo.quantize(model, "int8", calibration=calibration)
         val = [(task.normalize(x), y) for x, y in task._val_batches()]
-        s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val), "int8": scores(int8, val)}
+        s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val),
+             "int8": scores(int8, val)}
         seeds.append(s)
         if seed in (args.speed_seeds or args.seeds[:1]):
             x = torch.cat([x for x, _ in val])[:args.batch]
@@ -357,15 +379,18 @@ def convnet_ptq(args) -> tuple[dict, dict]:
                 same = (sides["int8 compiled"](x).argmax(1) == int8(x).argmax(1)).float().mean().item()
                 r = harness.run_rounds({k: (lambda f=f: f(x)) for k, f in sides.items()}, args.rounds)
             tables[f"speed seed {seed}"] = harness.table(
-                [f"seed {seed}, batch {args.batch}", "images/s (best round)", "against fp32 eager: paired median (range)",
+                [f"seed {seed}, batch {args.batch}", "images/s (best round)",
+                 "against fp32 eager: paired median (range)",
                  "against fp32 compiled: paired median (range)", "first call s (compile)"],
                 [[k, f"{args.batch / r.best(k):.0f}", str(r.paired(k, "fp32 eager")), str(r.paired(k, "fp32 compiled")),
-                  f"{first[k]:.0f}"] for k in sides], f"int8 compiled argmax equal to the reference graph's: {same:.2%}")
+                  f"{first[k]:.0f}"] for k in sides],
+                f"int8 compiled argmax equal to the reference graph's: {same:.2%}")
             s["speed"] = {"wall": r.wall, "argmax_equal": same}
-    rows = [[s["seed"], f"{s['fp32']['acc1']:.4f}", f"{s['int8']['acc1']:.4f}", f"{s['fp32']['acc1'] - s['int8']['acc1']:+.4f}",
+    rows = [[s["seed"], f"{s['fp32']['acc1']:.4f}", f"{s['int8']['acc1']:.4f}",
+             f"{s['fp32']['acc1'] - s['int8']['acc1']:+.4f}",
              f"{s['fp32']['loss']:.4f}", f"{s['int8']['loss']:.4f}", f"{s['quantize_s']:.0f}"] for s in seeds]
-    rows.append(["mean (95% interval)", "", "", harness.interval_text([s["fp32"]["acc1"] - s["int8"]["acc1"] for s in seeds],
-                                                                      words="drop"), "",
+    rows.append(["mean (95% interval)", "", "",
+                 harness.interval_text([s["fp32"]["acc1"] - s["int8"]["acc1"] for s in seeds], words="drop"), "",
                  harness.interval_text([s["int8"]["loss"] - s["fp32"]["loss"] for s in seeds], words="int8 loss"), ""])
     acc = harness.table(["seed", "fp32 top-1", "int8 top-1", "drop (fp32 - int8)", "fp32 val loss", "int8 val loss",
                          "quantize s"], rows)
@@ -381,7 +406,7 @@ def scores(fn, batches) -> dict:
 
 def main(argv=None, preset: str = "quantized"):
     lists = preset in ("distill", "convnet-ptq")
-    p = harness.parser(preset, __doc__, precision={"quantized": "bf16", "qat": "fp32", "prune": "fp32"}.get(preset, "fp32"),
+    p = harness.parser(preset, __doc__, precision="bf16" if preset == "quantized" else "fp32",
                        rounds=preset in ("quantized", "prune", "distill", "convnet-ptq"), one_precision=not lists,
                        result=None if preset == "distill-quality" else "")
     p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="comma list of train.seed values")
@@ -444,7 +469,8 @@ def main(argv=None, preset: str = "quantized"):
         tables = {k: {"command": old["command"], **old["tables"][k]} for k in ("speed", "quality")
                   if k not in args.parts and k in old.get("tables", {})}
         for k in args.parts:
-            tables[k] = {**(quantized_speed(args) if k == "speed" else quantized_quality(args)), "command": args.command}
+            tables[k] = {**(quantized_speed(args) if k == "speed" else quantized_quality(args)),
+                         "command": args.command}
         data = {}
     else:
         run = {"qat": lambda: qat(args, base_model(args)), "prune": lambda: prune(args, base_model(args)),

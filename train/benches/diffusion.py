@@ -1,7 +1,7 @@
 """Latent diffusion: the autoencoder and DiT against diffusers, the latent cache, and sample quality.
 
     python train/bench.py taesd              # TAESD encode + decode vs diffusers' AutoencoderTiny, same weights
-    python train/bench.py dit                # DiT-S/2 training step vs diffusers' DiTTransformer2DModel (--profile: where it goes)
+    python train/bench.py dit                # DiT-S/2 training step vs diffusers' DiTTransformer2DModel
     python train/bench.py latent-cache       # training from the latent cache vs encoding every step (TAEF2)
     python train/bench.py min-snr            # Min-SNR-5 vs uniform loss weighting on the digits, equal steps
     python train/bench.py diffusion-quality  # flow vs eps at equal steps, DiT vs U-Net at equal FLOPs, over seeds
@@ -65,15 +65,18 @@ def taesd(args) -> tuple[dict, dict]:
             a, b = ours.to(device, dt, memory_format=mf), ref.to(device, dt, memory_format=mf)
             x = torch.rand(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(1))
             x = x.to(device, dt).contiguous(memory_format=mf)
-            sides = {"zoo": lambda: a.decode(a.encode(x)), "diffusers": lambda: b.decode(b.encode(x * 2 - 1).latents).sample}
+            sides = {"zoo": lambda: a.decode(a.encode(x)),
+                     "diffusers": lambda: b.decode(b.encode(x * 2 - 1).latents).sample}
             with torch.inference_mode():
                 diff = (sides["zoo"]().float() * 2 - 1 - sides["diffusers"]().float()).abs().max().item()  # warm-up
                 r = harness.run_rounds(sides, args.rounds, sync=lambda: sync(device))
-            rows.append([prec, fmt, f"{args.batch / r.best('zoo'):.3f}", f"{args.batch / r.best('diffusers'):.3f}", *versus(r),
+            rows.append([prec, fmt, f"{args.batch / r.best('zoo'):.3f}", f"{args.batch / r.best('diffusers'):.3f}",
+                         *versus(r),
                          f"{diff:.2e}"])
             data[f"{prec} {fmt}"] = r.wall
     low = min(float(row[5].split("x")[0]) for row in rows)
-    return {"speed": harness.table(["precision", "memory format", "zoo img/s", "diffusers img/s", "zoo / diffusers (best rounds)",
+    return {"speed": harness.table(["precision", "memory format", "zoo img/s", "diffusers img/s",
+                                    "zoo / diffusers (best rounds)",
                                     "median of paired rounds (range)", "max abs diff"], rows,
                                    f"lowest paired median: {low:.2f}x (target >= 1.0x)")}, data
 
@@ -111,7 +114,8 @@ def profile_step(step, steps: int) -> dict[str, float]:
     kinds = dict.fromkeys([*KINDS, "compiled kernels", "optimizer", "other"], 0.0)
     events = prof.key_averages()
     for e in events:
-        kind = next((k for k, names in KINDS.items() if e.key in names), "compiled kernels" if "CompiledFxGraph" in e.key else None)
+        kind = next((k for k, names in KINDS.items() if e.key in names),
+                    "compiled kernels" if "CompiledFxGraph" in e.key else None)
         if kind is not None:
             kinds[kind] += e.self_cpu_time_total
         elif e.key.startswith("Optimizer.step"):
@@ -124,7 +128,8 @@ def profile_step(step, steps: int) -> dict[str, float]:
 def dit(args) -> tuple[dict, dict]:
     """A step: forward, MSE against a fixed target, backward, torch's AdamW (--adamw), zero_grad, on the same
     latents, timesteps and labels; diffusers' label embedder drops labels at random in training (p = 0.1)."""
-    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes, not args.untied)))
+    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes,
+                                                     not args.untied)))
     g, B, S = torch.Generator().manual_seed(0), args.batch, args.size
     x, t = torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g)
     y, target = torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
@@ -151,11 +156,12 @@ def dit(args) -> tuple[dict, dict]:
         z, d = max(at, key=lambda row: float(row[2])), max(at, key=lambda row: float(row[3]))
         notes.append(f"Each at its best, {p}: zoo {z[1]} {z[2]} img/s, diffusers {d[1]} {d[3]} img/s: "
                      f"{float(z[2]) / float(d[3]):.2f}x (best rounds).")
-    tables = {"speed": harness.table(["precision", "mode", "zoo img/s", "diffusers img/s", "zoo / diffusers (best rounds)",
+    tables = {"speed": harness.table(["precision", "mode", "zoo img/s", "diffusers img/s",
+                                      "zoo / diffusers (best rounds)",
                                       "median of paired rounds (range)"], rows, "\n\n".join(notes))}
     if profiles:
-        tables["profile"] = harness.table(["setting", "side", *(f"{k} ms" for k in [*KINDS, "compiled kernels", "optimizer",
-                                                                                    "other", "total"])], profiles)
+        kinds = [*KINDS, "compiled kernels", "optimizer", "other", "total"]
+        tables["profile"] = harness.table(["setting", "side", *(f"{k} ms" for k in kinds)], profiles)
     return tables, data
 
 
@@ -174,14 +180,16 @@ def latent_cache(args) -> tuple[dict, dict]:
         for preset, patch in args.denoisers:
             cfg = load_run_config(None, [], base={
                 "family": "diffusion", "data": {"dataset": str(tmp / "tiles"), "cache_dir": str(tmp / "cache")},
-                "model": {"image_size": args.size, "num_classes": 4, "denoiser": "dit", "dit": {"preset": preset, "patch_size": patch},
+                "model": {"image_size": args.size, "num_classes": 4, "denoiser": "dit",
+                          "dit": {"preset": preset, "patch_size": patch},
                           "autoencoder": {"weights": str(args.weights), "latent_channels": 32, "midblock_gn": True}},
                 "train": {"out_dir": str(tmp / "run"), "batch_size": B, "device": args.device, "progress": False}})
             logs = []
             task = DiffusionTask(cfg, device, log=logs.append)
             t0 = time.perf_counter()
             task.setup()
-            setup_s, cache = time.perf_counter() - t0, "reused" if any(m.startswith("latents: reusing") for m in logs) else "built"
+            setup_s = time.perf_counter() - t0
+            cache = "reused" if any(m.startswith("latents: reusing") for m in logs) else "built"
             images = load_images(cfg.data, args.size, cfg.source)
             pixels = images.read("train", 0, len(images.labels["train"])).to(device)
             ae, base = task.autoencoder.to(device).eval(), task.build_model().to(device)
@@ -192,7 +200,8 @@ def latent_cache(args) -> tuple[dict, dict]:
                 with torch.no_grad():
                     z = task._normalised(ae.encode(pixels[idx]))
                 return task._noised(z, task.y_tr[idx], gen, cfg.model.class_dropout)
-            batches, count = {"cache": lambda step: task.train_batch(step, 0), "encode": encoded}, {"cache": 0, "encode": 0}
+            batches = {"cache": lambda step: task.train_batch(step, 0), "encode": encoded}
+            count = dict.fromkeys(batches, 0)
 
             def loss(name):
                 def fn(model):
@@ -203,12 +212,15 @@ def latent_cache(args) -> tuple[dict, dict]:
                 sides = {}
                 for n in batches:
                     model = copy.deepcopy(base)
-                    sides[n] = harness.Side(model, loss(n), torch.optim.AdamW(model.denoiser.parameters(), lr=1e-4), device=device)
+                    sides[n] = harness.Side(model, loss(n), torch.optim.AdamW(model.denoiser.parameters(), lr=1e-4),
+                                            device=device)
                 calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
                 harness.warm_up(calls, say=lambda m: None)
                 r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device))
-                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p, f"{B / r.best('cache'):.2f}",
-                             f"{B / r.best('encode'):.2f}", str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
+                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
+                             f"{B / r.best('cache'):.2f}",
+                             f"{B / r.best('encode'):.2f}", str(r.paired("cache", "encode")),
+                             f"{cache} ({setup_s:.1f})"])
                 data[f"DiT-{preset}/{patch} {p}"] = r.wall
     return {"speed": harness.table(["denoiser", "params", "precision", "cache img/s", "encode-every-step img/s",
                                     "speed-up, paired median (range)", "setup: latent cache (s)"], rows,
@@ -222,7 +234,8 @@ def denoisers(text: str) -> list[tuple[str, int]]:
     for item in (t.strip() for t in text.split(",") if t.strip()):
         preset, _, patch = item.partition("/")
         if preset not in DIT_PRESETS or not patch.isdigit() or int(patch) < 1:
-            raise argparse.ArgumentTypeError(f"not a DiT preset/patch: {item!r} (e.g. tiny/1, S/2; presets {', '.join(DIT_PRESETS)})")
+            raise argparse.ArgumentTypeError(f"not a DiT preset/patch: {item!r} (e.g. tiny/1, S/2; presets "
+                                             f"{', '.join(DIT_PRESETS)})")
         out.append((preset, int(patch)))
     return out
 
@@ -263,7 +276,8 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
     for gamma in gammas.split(","):
         name = "uniform" if gamma.strip().lower() == "none" else f"gamma={float(gamma):g}"
         over = [f"model.min_snr_gamma={'null' if name == 'uniform' else float(gamma)}", "train.resume=false",
-                *([f"train.max_steps={steps}"] if steps else []), *([f"train.precision={precision}"] if precision else []), *overrides]
+                *([f"train.max_steps={steps}"] if steps else []),
+                *([f"train.precision={precision}"] if precision else []), *overrides]
         run = Path(out) / name.replace("=", "")
         say(f"== {name}")
         rows = harness.run_loop(config, run, over, inproc=True, done="no such file")
@@ -282,21 +296,26 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
         images = sample_grid(model, per_class, torch.device("cpu"), seed=0)
         save_grid(images, Path(out) / f"samples_{name.replace('=', '')}.png", nrow=per_class)
         results[name] = {"curve": [(r["step"], r["val_mse"], r.get("ema_val_mse")) for r in rows if "val_mse" in r],
-                         "rows": rows, **score(classify(images), torch.arange(cfg.model.num_classes).repeat_interleave(per_class))}
+                         "rows": rows, **score(classify(images),
+                                               torch.arange(cfg.model.num_classes).repeat_interleave(per_class))}
     return results
 
 
 def min_snr(args) -> tuple[dict, dict]:
     from train.plots import line_plot
-    res = train_settings(args.config, args.gammas, Path(args.out), args.steps, args.precision, args.overrides, args.per_class)
+    res = train_settings(args.config, args.gammas, Path(args.out), args.steps, args.precision, args.overrides,
+                         args.per_class)
     names = list(res)
-    curve = [[s, *(f"{res[n]['curve'][i][1]:.4f}" + (f" ({res[n]['curve'][i][2]:.4f})" if res[n]["curve"][i][2] is not None else "")
-                   for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
-    line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png", "step",
+    def cell(point):  # validation MSE (the EMA's)
+        return f"{point[1]:.4f}" + (f" ({point[2]:.4f})" if point[2] is not None else "")
+    curve = [[s, *(cell(res[n]["curve"][i]) for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
+    line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png",
+              "step",
               "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
     return {"curves": harness.table(["step", *(f"{n} val MSE (EMA)" for n in names)], curve),
             "samples": harness.table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"],
-                                     [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n, r in res.items()],
+                                     [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n,
+                                      r in res.items()],
                                      f"{args.per_class} samples per class from the EMA model, a digits classifier")}, \
         {n: {k: v for k, v in r.items() if k != "rows"} for n, r in res.items()}
 
@@ -347,16 +366,20 @@ def diffusion_quality(args) -> tuple[dict, dict]:
         d = cfg.data
         torch.manual_seed(0)
         images = load_images(d, cfg.model.image_size, cfg.source)
-        zoo.save_pretrained(train_autoencoder(build_autoencoder(cfg.model), images.read("train", 0, len(images.labels["train"])),
-                                              d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise, torch.device("cpu"), 0, print), ae)
+        pixels = images.read("train", 0, len(images.labels["train"]))
+        zoo.save_pretrained(train_autoencoder(build_autoencoder(cfg.model), pixels,
+                                              d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise,
+                                              torch.device("cpu"), 0, print), ae)
     x_tr, _ = digits_dataset("train", 32, 3, 0.1)
     x_va, y_va = digits_dataset("val", 32, 3, 0.1)
     real = judge_model(x_tr)[0]
 
     def overrides(name, seed, steps):
         return RUNS[name][1] + [f"train.max_steps={steps}", f"train.seed={seed}", f"train.eval_every={steps}",
-                                f"train.ema_decay={min(0.999, max(0.9, 1 - 8 / steps)):.6g}", "train.checkpoint_every=0",
-                                f"train.precision={args.precision}", "train.resume=false", f"model.autoencoder.weights={ae}"]
+                                f"train.ema_decay={min(0.999, max(0.9, 1 - 8 / steps)):.6g}",
+                                "train.checkpoint_every=0",
+                                f"train.precision={args.precision}", "train.resume=false",
+                                f"model.autoencoder.weights={ae}"]
 
     def config(name, seed, steps):
         return load_run_config(str(CONFIGS / RUNS[name][0]), overrides(name, seed, steps))
@@ -377,10 +400,12 @@ def diffusion_quality(args) -> tuple[dict, dict]:
             load_model(model, str(run / "model_ema.safetensors"))
             images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=args.sample_steps)
             ev = [r for r in rows if "val_loss" in r][-1]
-            per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"], "steps": steps[name],
+            per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
+                                                   "steps": steps[name],
                                                    **judge(judge_model, images, labels, real)}
             print(f"   {name} seed {seed}: classifier FD {per_seed[seed][name]['classifier_fd']:.2f}", flush=True)
-    data = {"per_seed": per_seed, "steps": steps, "flops_per_step": flops, "reference": reference, "samples": len(labels)}
+    data = {"per_seed": per_seed, "steps": steps, "flops_per_step": flops, "reference": reference,
+            "samples": len(labels)}
     return diffusion_tables(data), data
 
 
@@ -419,32 +444,39 @@ def diffusion_tables(data: dict) -> dict:
 
 def main(argv=None, preset: str = "taesd"):
     speed = preset in ("taesd", "dit", "latent-cache")
-    p = harness.parser(preset, __doc__, precision={"taesd": "fp32,bf16", "dit": "fp32,bf16", "min-snr": None}.get(preset, "fp32"),
+    p = harness.parser(preset, __doc__, precision={"taesd": "fp32,bf16", "dit": "fp32,bf16",
+                                                   "min-snr": None}.get(preset, "fp32"),
                        rounds=speed, keep_memory=preset in ("dit", "latent-cache"), one_precision=not speed)
     p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
-    p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "dit": 16, "latent-cache": 64}.get(preset, 16),
+    size = {"taesd": 512, "dit": 16, "latent-cache": 64}.get(preset, 16)
+    p.add_argument("--size", type=harness.positive_int, default=size,
                    help="image (taesd, latent-cache) or latent (dit) size")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=harness.positive_int, default={"min-snr": None, "diffusion-quality": 300}.get(preset, 2),
+    steps = {"min-snr": None, "diffusion-quality": 300}.get(preset, 2)
+    p.add_argument("--steps", type=harness.positive_int, default=steps,
                    help="timed steps per round (training steps for min-snr, diffusion-quality)")
     p.add_argument("--out", default=f"runs/bench-{preset}")
     if preset == "taesd":
         p.add_argument("--latent-channels", type=int, default=4)
-        p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"), default="contiguous,channels_last")
+        p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
+                       default="contiguous,channels_last")
     if preset == "dit":
-        p.add_argument("--preset", dest="preset_dit", default="S", choices=["tiny", "S", "B", "L", "XL"], help="DiT shape")
+        p.add_argument("--preset", dest="preset_dit", default="S", choices=["tiny", "S", "B", "L", "XL"],
+                       help="DiT shape")
         p.add_argument("--patch", type=harness.positive_int, default=2)
         p.add_argument("--classes", type=harness.positive_int, default=1000)
         p.add_argument("--untied", action="store_true", help="a different timestep + class embedder in every block")
         p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"), default="eager,compiled")
         p.add_argument("--adamw", choices=["fused", "foreach"], default="fused")
         p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting")
-        p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="also profile STEPS steps per side and setting")
+        p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                       help="also profile STEPS steps per side and setting")
     if preset == "latent-cache":
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
         p.add_argument("--denoisers", type=denoisers, default="tiny/1,S/2", help="DiT preset/patch list")
     if preset == "min-snr":
-        p.add_argument("--precision", type=harness.precision_name, default=None, help="every run's (default: the config's)")
+        p.add_argument("--precision", type=harness.precision_name, default=None,
+                       help="every run's (default: the config's)")
         p.add_argument("--config", default="configs/diffusion/digits.yaml")
         p.add_argument("--gammas", default="5,none", help="comma list; none: uniform weighting")
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
@@ -453,7 +485,8 @@ def main(argv=None, preset: str = "taesd"):
     if preset == "diffusion-quality":
         p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="train.seed values (at least 2)")
         p.add_argument("--sample-steps", type=harness.positive_int, default=25)
-        p.add_argument("--classifier", default=None, help="a finished convnet run to judge with (default: trained once)")
+        p.add_argument("--classifier", default=None,
+                       help="a finished convnet run to judge with (default: trained once)")
         p.add_argument("--classifier-steps", type=harness.positive_int, default=200)
         p.add_argument("--ae-steps", type=harness.positive_int, default=300)
     args = p.parse_args(argv)
@@ -465,7 +498,8 @@ def main(argv=None, preset: str = "taesd"):
     kept = harness.setup(args)
     print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
           f"{'kept' if kept else 'returned to the OS'}", flush=True)
-    run = {"taesd": taesd, "dit": dit, "latent-cache": latent_cache, "min-snr": min_snr, "diffusion-quality": diffusion_quality}
+    run = {"taesd": taesd, "dit": dit, "latent-cache": latent_cache, "min-snr": min_snr,
+           "diffusion-quality": diffusion_quality}
     harness.save(args, *run[preset](args))
     return 0
 
@@ -485,7 +519,8 @@ def claim_taesd(ctx) -> list[dict]:
     c = x.numel() / z.numel()
     return [dict(key="TAESD latents", evidence="exact", samples=[c - 1], unmeasured="the cost (reconstruction quality)",
                  memory=f"{tuple(x.shape[1:])} -> {tuple(z.shape[1:])}: {c:.1f}x fewer values",
-                 speed=f"encode {r.best('encode') * 1e3:.1f} ms, decode {r.best('decode') * 1e3:.1f} ms per {size}x{size} image",
+                 speed=f"encode {r.best('encode') * 1e3:.1f} ms, decode {r.best('decode') * 1e3:.1f} ms per "
+                       f"{size}x{size} image",
                  numbers={"compression": c, "encode_s": r.best("encode"), "decode_s": r.best("decode")})]
 
 
@@ -494,14 +529,18 @@ def claim_min_snr(ctx) -> list[dict]:
     n, ps = ctx.s.snr_steps, []
     for seed in range(ctx.seeds):
         res = train_settings(str(CONFIGS / "digits.yaml"), "5,none", ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
-            f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}", f"train.log_every={max(1, n // 20)}",
+            f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
+            f"train.log_every={max(1, n // 20)}",
             "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}", f"train.device={ctx.device}",
             f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5, say=lambda m: None)
         if seed == 0:
             ctx.plot("min_snr_val", "Min-SNR-5 vs uniform: unweighted validation MSE (seed 0)",
                      {k: v["rows"] for k, v in res.items()}, "val_mse", "validation MSE (unweighted)")
-        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k, v in res.items() for m in ("mse", "acc")})
+        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k,
+                   v in res.items() for m in ("mse", "acc")})
     m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
-    return [dict(key="Min-SNR-gamma weighting", samples=[(p["uniform mse"] - p["gamma=5 mse"]) / p["uniform mse"] for p in ps],
+    return [dict(key="Min-SNR-gamma weighting",
+                 samples=[(p["uniform mse"] - p["gamma=5 mse"]) / p["uniform mse"] for p in ps],
                  quality=f"val MSE {m['uniform mse']:.4f} -> {m['gamma=5 mse']:.4f} after {n} steps; sample accuracy "
-                         f"{m['uniform acc']:.2f} -> {m['gamma=5 acc']:.2f} (digits classifier)", numbers={"per_seed": ps})]
+                         f"{m['uniform acc']:.2f} -> {m['gamma=5 acc']:.2f} (digits classifier)",
+                 numbers={"per_seed": ps})]

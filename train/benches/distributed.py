@@ -93,7 +93,8 @@ def launch(side: str, args, precision: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": str(args.nproc) if side == "1 process" else "1"}
     flags = [*args.argv, "--worker", "none" if side == "1 process" else side, "--precision", precision]
-    run = [] if side == "1 process" else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    run = [] if side == "1 process" else ["-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc-per-node={args.nproc}"]
     res = subprocess.run([sys.executable, *run, __file__, *flags], env=env, cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
     if res.returncode != 0 or not lines:
@@ -114,14 +115,18 @@ def table(args, precision: str) -> tuple[dict, dict]:
         ranks = results[side]["ranks"]
         worst = max(ranks, key=lambda rk: rk["params"] + rk["grads"] + rk["optim"])
         total = worst["params"] + worst["grads"] + worst["optim"]
-        rows.append([side, len(ranks), *(f"{worst[k] / 2**20:.0f}" for k in ("params", "grads", "optim")), f"{total / 2**20:.0f}",
-                     f"{total / n:.1f}", " / ".join(f"{rk['rss'] / 2**30:.2f}" for rk in ranks), f"{rounds.median(side):.2f}",
+        rows.append([side, len(ranks), *(f"{worst[k] / 2**20:.0f}" for k in ("params", "grads", "optim")),
+                     f"{total / 2**20:.0f}",
+                     f"{total / n:.1f}", " / ".join(f"{rk['rss'] / 2**30:.2f}" for rk in ranks),
+                     f"{rounds.median(side):.2f}",
                      "1.00x" if side == "1 process" else str(rounds.paired(side, "1 process"))])
-    return harness.table(["side", "processes", "params MiB/rank", "grads MiB/rank", "optimizer MiB/rank", "P+G+O MiB/rank",
+    return harness.table(["side", "processes", "params MiB/rank", "grads MiB/rank", "optimizer MiB/rank",
+                          "P+G+O MiB/rank",
                           "bytes/param/rank", "peak RSS GiB per rank", "s/step (median)",
                           "speed vs 1 process (paired median, range)"], rows,
-                         f"{n / 1e6:.1f}M-parameter LLM, AdamW, global batch {args.batch} x {args.seq} tokens, {args.nproc} "
-                         f"processes (gloo, CPU), {args.rounds} rounds of {args.steps} steps after {args.warmup}"), results
+                         f"{n / 1e6:.1f}M-parameter LLM, AdamW, global batch {args.batch} x {args.seq} tokens, "
+                         f"{args.nproc} processes (gloo, CPU), {args.rounds} rounds of {args.steps} steps after "
+                         f"{args.warmup}"), results
 
 
 def main(argv=None) -> int:

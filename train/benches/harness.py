@@ -98,7 +98,8 @@ class Rounds:
     def summary(self, side: str, ref: str, clock: str = "wall") -> str:
         n = len(self.times(side, clock))
         return (f"{side} / {ref}: best rounds {self.ratio(side, ref, clock):.2f}x, "
-                f"paired median {self.paired(side, ref, clock)} over {n} rounds" + ("" if clock == "wall" else f" ({clock})"))
+                f"paired median {self.paired(side, ref, clock)} over {n} rounds"
+                + ("" if clock == "wall" else f" ({clock})"))
 
 
 def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
@@ -229,9 +230,11 @@ def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: 
     if precision is not None:
         kind = precision_name if one_precision else name_list(PRECISIONS, "precision")
         p.add_argument("--precision", type=kind, default=precision,
-                       help=f"{'one' if one_precision else 'comma list'} of {', '.join(PRECISIONS)} (default {precision})")
+                       help=f"{'one' if one_precision else 'comma list'} of {', '.join(PRECISIONS)} "
+                            f"(default {precision})")
     if rounds:
-        p.add_argument("--rounds", type=positive_int, default=MIN_ROUNDS, help=f"alternating rounds (default {MIN_ROUNDS})")
+        p.add_argument("--rounds", type=positive_int, default=MIN_ROUNDS,
+                       help=f"alternating rounds (default {MIN_ROUNDS})")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     if keep_memory:
         p.add_argument("--no-keep-memory", action="store_true", help="glibc's default instead of cpu_keep_memory")
@@ -392,7 +395,8 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
         if inproc or isinstance(config, dict):
             from train.config import load_run_config
             from train.loop import train
-            cfg = load_run_config(None, over, base=config) if isinstance(config, dict) else load_run_config(str(config), over)
+            cfg = (load_run_config(None, over, base=config) if isinstance(config, dict)
+                   else load_run_config(str(config), over))
             train(cfg, log=lambda m: None)
         else:
             cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(config), *over]
@@ -441,13 +445,15 @@ def machine() -> str:
     """One line: the CPU, cores, torch threads, the GPU, torch, and the load average now."""
     h = hardware()
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads" + (f", {h['gpu']}" if h["gpu"] else "")
+    return (f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads"
+            + (f", {h['gpu']}" if h["gpu"] else "")
             + f", torch {torch.__version__}{load}")
 
 
 def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "") -> dict:
     """A table as a result JSON holds it: column names, rows of cells (text), lines below it."""
-    return {"columns": list(columns), "rows": [[str(c) for c in r] for r in rows], **({"notes": notes} if notes else {})}
+    return {"columns": list(columns), "rows": [[str(c) for c in r] for r in rows],
+            **({"notes": notes} if notes else {})}
 
 
 def print_table(columns: list[str], rows: Iterable[Iterable[object]]):
@@ -474,7 +480,7 @@ def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_table
     path.parent.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     result = {"command": args.command, "machine": machine(), "date": date, "tables": tables, "data": data}
-    path.write_text(json.dumps(result, indent=1, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)) + "\n")
+    path.write_text(json.dumps(result, indent=1, default=lambda o: getattr(o, "__dict__", str(o))) + "\n")
     print(f"\nresult: {path}")
     if path.resolve().parent == RESULTS.resolve():
         from train.docs import main as docs

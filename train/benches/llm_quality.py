@@ -1,7 +1,7 @@
 """LLM quality at equal compute: MoE and Mixture-of-Depths against dense, full fine-tuning against adapters.
 
     python train/bench.py llm-moe-quality   # dense vs MoE (same active parameters, 4x the total), 3 ways of balancing
-    python train/bench.py llm-mod-quality   # dense vs Mixture-of-Depths (top-k 12.5%, 2 routers) at equal training FLOPs
+    python train/bench.py llm-mod-quality   # dense vs Mixture-of-Depths (top-k 12.5%, 2 routers), equal FLOPs
     python train/bench.py peft              # full fine-tuning vs LoRA, DoRA and QLoRA at the SmolLM-135M shape
 
 Runs of train/run.py, each a process of its own, on the same data, seed, batch and tokens; a run that
@@ -68,19 +68,22 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
         lr = args.lr_full if name == "full" else args.lr_adapter
         over += [f"train.init_from={base}", "data.tokenizer=bytes", "train.grad_accum=1", "train.eval_every=0",
                  "train.average_last=0", "train.log_every=1", "train.compile=false", "train.resume=false",
-                 f"optim.lr={lr}", f"optim.warmup_steps={max(1, steps // 10)}", *([f"data.path={args.data}"] if args.data else [])]
+                 f"optim.lr={lr}", f"optim.warmup_steps={max(1, steps // 10)}",
+                 *([f"data.path={args.data}"] if args.data else [])]
     else:
         over += [f"train.eval_every={max(1, steps // args.evals)}", "train.log_every=10",
                  f"optim.warmup_steps={max(1, steps // 12)}"]
     over += [f"train.precision={args.precision}"] if args.precision else []
-    return harness.run_loop(LLM / cfg, Path(args.out) / (name if seed == 0 else f"{name}-seed{seed}"), over, args.threads,
+    return harness.run_loop(LLM / cfg, Path(args.out) / (name if seed == 0 else f"{name}-seed{seed}"), over,
+                            args.threads,
                             done="adapter" if preset == "peft" and name != "full" else "model.safetensors")
 
 
 def against_dense(preset, steps, batch, seq, eval_batches, precision, out, seed=0) -> tuple[dict, dict]:
     """The dense run and the preset's other (moe, mod) for one seed: their rows, and their steps and FLOPs per token."""
     from argparse import Namespace
-    args = Namespace(steps=steps, batch=batch, seq=seq, evals=8, eval_batches=eval_batches, precision=precision, threads=None,
+    args = Namespace(steps=steps, batch=batch, seq=seq, evals=8, eval_batches=eval_batches, precision=precision,
+                     threads=None,
                      out=out, runs=["dense", preset[4:7]])
     steps, fpt = steps_of(preset, args)
     return {n: run(preset, n, args, steps[n], seed) for n in args.runs}, {"steps": steps, "flops_per_token": fpt}
@@ -93,13 +96,15 @@ def wall(rows: list[dict], upto=None) -> float:
 
 
 def peft_runs(args, names) -> dict:
-    """Fine-tunes of the base per method: rows, trainable and all parameters, state and weight bytes, peak RSS, val loss."""
+    """Fine-tunes of the base per method: rows, trainable and all parameters, state and weight bytes, peak RSS
+    and val loss."""
     base, res = make_base(args), {}
     for n in names:
         rows = run("peft", n, args, args.steps, base=base)
         t, total, state = state_bytes(base, RUNS["peft"][n][1])
         res[n] = {"rows": rows, "trainable": t, "total": total, "state": state, "weights": state - 12 * t,
-                  "peak_rss": max(r["peak_mem_gb"] for r in rows if "loss" in r) * 2**30, "val": harness.last(rows, "val_loss")}
+                  "peak_rss": max(r["peak_mem_gb"] for r in rows if "loss" in r) * 2**30,
+                  "val": harness.last(rows, "val_loss")}
     return res
 
 
@@ -156,7 +161,8 @@ def decisions(out: Path, batch: int, n_batches: int) -> dict:
             for i, layer in enumerate(model.layers):
                 if isinstance(layer, MixtureOfDepths):
                     r = layer.router(x).squeeze(-1).float()
-                    top = torch.zeros_like(r, dtype=torch.bool).scatter_(1, r.topk(layer.tokens_routed(r.shape[1]), -1).indices, True)
+                    k = layer.tokens_routed(r.shape[1])
+                    top = torch.zeros_like(r, dtype=torch.bool).scatter_(1, r.topk(k, -1).indices, True)
                     d = layer.decision_logits(x, r) - layer.threshold  # route where > 0
                     for name, v in (("router", r), ("decide", d), ("top", top)):
                         logs.setdefault(i, {}).setdefault(name, []).append(v.flatten())
@@ -175,7 +181,7 @@ def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
     ev = [r for r in rows if "val_loss" in r][-1]
     s = {"steps": steps, "val loss": f"{ev['val_loss']:.4f}", "val loss (top-k)": f"{ev['val_loss']:.4f}",
          "tokens/s (median)": f"{statistics.median(r['tokens_per_s'] for r in train):.0f}",
-         "step s (median)": f"{statistics.median([r['step_time_s'] for r in train[1:]] or [train[0]['step_time_s']]):.2f}",
+         "step s (median)": f"{statistics.median([r['step_time_s'] for r in train[1:] or train]):.2f}",
          "peak RSS GiB": f"{max(r['peak_mem_gb'] for r in train):.2f}", "val_loss": ev["val_loss"]}
     if name in fpt:
         s["FLOPs/token"] = f"{fpt[name] / 1e6:.1f}M"
@@ -219,7 +225,8 @@ def state_bytes(base: Path, extra: list) -> tuple[int, int, int]:
     model = zoo.from_pretrained(base, dtype=torch.float32)
     if extra:
         kv = dict(e.split("=", 1) for e in extra)
-        apply_adapters(model, AdapterConfig(method=kv["adapter.method"], r=int(kv["adapter.r"]), alpha=float(kv["adapter.alpha"]),
+        apply_adapters(model, AdapterConfig(method=kv["adapter.method"], r=int(kv["adapter.r"]),
+                                            alpha=float(kv["adapter.alpha"]),
                                             targets=kv["adapter.targets"].strip("[]").split(","),
                                             quantize_base=kv.get("adapter.quantize_base", "none")))
     trainable, total = count_params(model)
@@ -244,14 +251,18 @@ def main(argv=None, preset: str = "llm-moe-quality"):
     peft = preset == "peft"
     p = harness.parser(preset, __doc__, precision="fp32" if peft else None, rounds=False)
     if not peft:
-        p.add_argument("--precision", type=harness.precision_name, default=None, help="the runs' train.precision (default auto)")
+        p.add_argument("--precision", type=harness.precision_name, default=None,
+                       help="the runs' train.precision (default auto)")
     harness.llm_args(p, **(dict(seq=128, batch=4) if peft else dict(seq=256, batch=16)))
-    p.add_argument("--steps", type=harness.positive_int, default=20 if peft else 600, help="steps (MoD: the dense run's)")
-    p.add_argument("--evals", type=harness.positive_int, default=6 if preset == "llm-moe-quality" else 4, help="evaluations per run")
+    p.add_argument("--steps", type=harness.positive_int, default=20 if peft else 600,
+                   help="steps (MoD: the dense run's)")
+    p.add_argument("--evals", type=harness.positive_int, default=6 if preset == "llm-moe-quality" else 4,
+                   help="evaluations per run")
     p.add_argument("--eval-batches", type=harness.positive_int, default=8 if peft else 20)
     p.add_argument("--runs", "--only", type=harness.name_list(RUNS[preset], "run"), default=",".join(RUNS[preset]))
     p.add_argument("--out", default=f"runs/bench-{preset}")
-    p.add_argument("--png", default=str(ROOT / "docs" / f"{preset[4:7]}_quality.png"), help="the loss curves (MoE, MoD)")
+    p.add_argument("--png", default=str(ROOT / "docs" / f"{preset[4:7]}_quality.png"),
+                   help="the loss curves (MoE, MoD)")
     if peft:
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
         p.add_argument("--layers", type=int, default=None, help="its number of layers")
@@ -267,8 +278,8 @@ def main(argv=None, preset: str = "llm-moe-quality"):
     steps, fpt = steps_of(preset, args)
     results = {n: run(preset, n, args, steps[n], base=base) for n in args.runs}
     sums = {n: summary(preset, n, rows, args, steps[n], fpt, base) for n, rows in results.items()}
-    tables = {"runs": harness.table(["run", *COLUMNS[preset]], [[n, *(s.get(c, "-") for c in COLUMNS[preset])]
-                                                                 for n, s in sums.items()])}
+    rows = [[n, *(s.get(c, "-") for c in COLUMNS[preset])] for n, s in sums.items()]
+    tables = {"runs": harness.table(["run", *COLUMNS[preset]], rows)}
     if preset == "llm-mod-quality" and len(results) > 1:
         dec = {n: decisions(Path(args.out) / n, args.batch, args.eval_batches) for n in results if n != "dense"}
         tables["decisions"] = harness.table(
@@ -287,9 +298,10 @@ def claim_lora(ctx) -> list[dict]:
     """Full fine-tuning against LoRA and QLoRA (the peft bench's runs; the state bytes counted from the tensors)."""
     from argparse import Namespace
     data = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-    res = peft_runs(Namespace(config="configs/llm/tiny.yaml", layers=ctx.s.lora_layers, steps=ctx.s.lora_steps, batch=4, seq=64,
-                              eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=ctx.precision, threads=None,
-                              data=str(data) if data.is_file() else None, out=str(ctx.work / "peft")), ("full", "lora", "qlora"))
+    args = Namespace(config="configs/llm/tiny.yaml", layers=ctx.s.lora_layers, steps=ctx.s.lora_steps, batch=4, seq=64,
+                     eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=ctx.precision, threads=None,
+                     data=str(data) if data.is_file() else None, out=str(ctx.work / "peft"))
+    res = peft_runs(args, ("full", "lora", "qlora"))
     ctx.plot("lora_loss", f"full fine-tuning vs LoRA vs QLoRA ({ctx.s.lora_steps} steps)",
              {n: v.pop("rows") for n, v in res.items()}, "loss", "training loss")
     ctx.memory["fine-tuning (weights + grads + AdamW state)"] = {n: v["state"] / 2**20 for n, v in res.items()}
@@ -306,16 +318,19 @@ def claim_lora(ctx) -> list[dict]:
 
 
 def claim_averaging(ctx) -> list[dict]:
-    """Loop runs of the embedded default per seed with an EMA and checkpoint averaging: their val loss beside the weights'."""
+    """Loop runs of the embedded default per seed with an EMA and checkpoint averaging: their val loss beside
+    the weights'."""
     n = ctx.s.loop_steps
     decay = round(max(0.5, 1 - 10 / n), 4)  # an averaging horizon of about a tenth of the run
     over = [f"train.max_steps={n}", f"train.batch_size={ctx.s.loop_batch}", f"data.seq_len={ctx.s.loop_seq}",
-            "data.tokenizer=bytes", f"data.max_chars={ctx.s.max_chars}", f"train.ema_decay={decay}", "train.eval_batches=4",
+            "data.tokenizer=bytes", f"data.max_chars={ctx.s.max_chars}", f"train.ema_decay={decay}",
+            "train.eval_batches=4",
             f"train.eval_every={max(1, n // 4)}", f"train.checkpoint_every={max(1, n // 4)}", "train.average_last=2",
             "train.keep_checkpoints=2", f"optim.warmup_steps={max(1, n // 10)}", f"train.log_every={max(1, n // 20)}"]
     runs = [ctx.loop("averaging", LLM / "tiny.yaml", over, s) for s in range(ctx.seeds)]
-    ctx.plot("averaging_loss", f"final weights vs EMA (decay {decay}), seed 0", {"weights (val)": runs[0], "EMA (val)": [
-        dict(r, val_loss=r["ema_val_loss"]) for r in runs[0] if "ema_val_loss" in r]}, "val_loss", "validation loss")
+    ema = [dict(r, val_loss=r["ema_val_loss"]) for r in runs[0] if "ema_val_loss" in r]
+    ctx.plot("averaging_loss", f"final weights vs EMA (decay {decay}), seed 0",
+             {"weights (val)": runs[0], "EMA (val)": ema}, "val_loss", "validation loss")
     v = {k: [harness.last(r, k) for r in runs] for k in ("val_loss", "ema_val_loss", "avg_val_loss")}
     q = "val loss (mean of seeds): " + ", ".join(f"{k} {statistics.fmean(x):.4f}" for k, x in v.items())
     return [dict(key=key, samples=[(b - a) / b for b, a in zip(v["val_loss"], v[k])], quality=q,
@@ -327,7 +342,8 @@ def seeded(ctx, preset) -> list:
     """against_dense per seed at the report's scale (the dense run made once per seed, read back by MoE and MoD)."""
     got = [against_dense(preset, ctx.s.loop_steps, ctx.s.loop_batch, ctx.s.loop_seq, 20 if ctx.s.name == "full" else 4,
                          ctx.precision, str(ctx.work / "llm"), seed) for seed in range(ctx.seeds)]
-    ctx.plot(f"{preset[4:7]}_val", f"dense vs {preset[4:7]}: validation loss (seed 0)", got[0][0], "val_loss", "validation loss")
+    ctx.plot(f"{preset[4:7]}_val", f"dense vs {preset[4:7]}: validation loss (seed 0)", got[0][0], "val_loss",
+             "validation loss")
     return [(res, info, {f"{n}_tok_s": harness.median_of(res[n], "tokens_per_s") for n in res}) for res, info in got]
 
 
@@ -341,9 +357,11 @@ def claim_moe(ctx) -> list[dict]:
         ps.append({"dense_val": target, "moe_val": harness.last(res["moe"], "val_loss"), "dense_s": wall(res["dense"]),
                    "moe_s": wall(res["moe"], hit), "moe_step": hit, **tok})
     sp = statistics.fmean(p["moe_tok_s"] / p["dense_tok_s"] for p in ps)
-    return [dict(key="MoE (equal compute)", samples=[p["dense_s"] / p["moe_s"] - 1 for p in ps], numbers={"per_seed": ps},
+    return [dict(key="MoE (equal compute)", samples=[p["dense_s"] / p["moe_s"] - 1 for p in ps],
+                 numbers={"per_seed": ps},
                  quality=f"MoE reached dense's final val loss at step {', '.join(str(p['moe_step']) for p in ps)} "
-                         f"of {ctx.s.loop_steps}", speed=f"tokens/s ratio {sp:.2f}x (medians of separate runs, not paired)")]
+                         f"of {ctx.s.loop_steps}",
+                 speed=f"tokens/s ratio {sp:.2f}x (medians of separate runs, not paired)")]
 
 
 def claim_mod(ctx) -> list[dict]:
@@ -352,9 +370,12 @@ def claim_mod(ctx) -> list[dict]:
     ps = [{"dense_val": harness.last(res["dense"], "val_loss"), "mod_val_topk": harness.last(res["mod"], "val_loss"),
            "mod_val_causal": harness.last(res["mod"], "val_loss_causal"), **info, **tok}
           for res, info, tok in seeded(ctx, "llm-mod-quality")]
-    m = {k: statistics.fmean(p[k] for p in ps) for k in ("dense_val", "mod_val_causal", "mod_val_topk", "dense_tok_s", "mod_tok_s")}
+    m = {k: statistics.fmean(p[k] for p in ps) for k in ("dense_val", "mod_val_causal", "mod_val_topk", "dense_tok_s",
+                                                         "mod_tok_s")}
     return [dict(key="Mixture-of-Depths (equal FLOPs)", numbers={"per_seed": ps},
                  samples=[(p["dense_val"] - p["mod_val_causal"]) / p["dense_val"] for p in ps],
-                 quality=f"val loss {m['dense_val']:.4f} -> {m['mod_val_causal']:.4f} causal, {m['mod_val_topk']:.4f} top-k "
+                 quality=f"val loss {m['dense_val']:.4f} -> {m['mod_val_causal']:.4f} causal, "
+                         f"{m['mod_val_topk']:.4f} top-k "
                          f"(steps {ps[0]['steps']})",
-                 speed=f"tokens/s {m['dense_tok_s']:.0f} -> {m['mod_tok_s']:.0f} (medians of separate runs, not paired)")]
+                 speed=f"tokens/s {m['dense_tok_s']:.0f} -> {m['mod_tok_s']:.0f} (medians of separate runs, "
+                       f"not paired)")]

@@ -33,15 +33,21 @@ if __package__ in (None, ""):
 from train.benches import harness  # noqa: E402
 
 PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or decoding and loading only)
-    "llm-train": (dict(d_model=384, n_layers=16, n_heads=6, n_kv_heads=2, vocab=32000, seq=512, batch=4), "bf16,fp32", 0, True),
-    "llm-moe": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn=1024, experts=8, vocab=32000, seq=512, batch=4),
+    "llm-train": (dict(d_model=384, n_layers=16, n_heads=6, n_kv_heads=2, vocab=32000, seq=512, batch=4), "bf16,fp32",
+                  0, True),
+    "llm-moe": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn=1024, experts=8, vocab=32000, seq=512,
+                     batch=4),
                 "bf16", 64, True),
-    "llm-mod": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab=8192, seq=512, batch=4), "fp32", 128, True),
-    "doc-mask": (dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=128, batch=16), "fp32", 0, True),
-    "llm-generate": (dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn=1408, vocab=32000), "fp32,bf16", 128, False),
+    "llm-mod": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab=8192, seq=512, batch=4), "fp32", 128,
+                True),
+    "doc-mask": (dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=128, batch=16), "fp32", 0,
+                 True),
+    "llm-generate": (dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn=1408, vocab=32000), "fp32,bf16", 128,
+                     False),
     "gguf": ({}, "fp32", 64, False),
 }
-REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal", "llm-generate": "transformers",
+REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
+       "llm-generate": "transformers",
        "gguf": "transformers"}  # each side's reference: the same mode of the sides named so (the best by median)
 TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
          "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
@@ -59,13 +65,15 @@ def reference(r: harness.Rounds, side: str, preset: str):
 def versus(r: harness.Rounds, side: str, ref, clocks=("wall",)) -> list[str]:
     if ref is None:
         return ["", "", ""] + [""] * len(clocks)
-    return [ref, f"{r.ratio(side, ref):.2f}x", f"{r.median(ref) / r.median(side):.2f}x", *(str(r.paired(side, ref, c)) for c in clocks)]
+    return [ref, f"{r.ratio(side, ref):.2f}x", f"{r.median(ref) / r.median(side):.2f}x",
+            *(str(r.paired(side, ref, c)) for c in clocks)]
 
 
 def best_pair(r: harness.Rounds, preset: str, clocks=("wall",)) -> list[str]:
     ours = [n for n in r.wall if not n.startswith(REF[preset])]
     refs = [n for n in r.wall if n.startswith(REF[preset])]
-    return [] if not ours or not refs else [r.summary(min(ours, key=r.median), min(refs, key=r.median), c) for c in clocks]
+    return [] if not ours or not refs else [r.summary(min(ours, key=r.median), min(refs, key=r.median),
+                                                      c) for c in clocks]
 
 
 # ---------------------------------------------------------------- models
@@ -115,7 +123,8 @@ def prepare(preset, args, tmp: Path) -> Path:
         transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn, num_hidden_layers=args.n_layers,
             num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads,
-            max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)).save_pretrained(folder)
+            max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        )).save_pretrained(folder)
     return folder
 
 
@@ -129,10 +138,12 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
         model = zoo.build(harness.llm_config(args, tie_embeddings=not args.untied))
         model.chunked_loss, model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
         c = model.config
-        hf = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=c.resolved_ffn_hidden,
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model,
+                                          intermediate_size=c.resolved_ffn_hidden,
                                           num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
                                           num_key_value_heads=c.resolved_n_kv_heads, max_position_embeddings=args.seq,
-                                          rms_norm_eps=c.norm_eps, tie_word_embeddings=not args.untied, attn_implementation="sdpa"))
+                                          rms_norm_eps=c.norm_eps, tie_word_embeddings=not args.untied,
+                                          attn_implementation="sdpa"))
         if model.num_params() != sum(p.numel() for p in hf.parameters()):
             raise RuntimeError("parameter counts differ between Zoo and transformers")
         sides = pair("zoo", model, zoo_loss(ids), args.modes)
@@ -150,8 +161,9 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
         return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
     if preset == "llm-mod":
         models = {"dense": mod_model(args, 0.0), "mod": mod_model(args, args.capacity)}
-        sides = {n: s for k, m in models.items() for n, s in pair(k, copy.deepcopy(m), zoo_loss(ids, aux=k == "mod"),
-                                                                   args.modes).items()}
+        sides = {}
+        for k, m in models.items():
+            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux=k == "mod"), args.modes))
         return sides, {n: models[n.split("-")[0]].flops_per_token(args.seq) for n in sides}
     from zoo.blocks.attention import document_positions, set_backend  # doc-mask
     base = zoo.build(harness.llm_config(args, tie_embeddings=True))
@@ -197,7 +209,8 @@ def calibrate(model, args) -> list[float]:
 
 
 # ---------------------------------------------------------------- training
-TRAIN_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "MFU (best round)", "+RSS GiB (a step)",
+TRAIN_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "MFU (best round)",
+                 "+RSS GiB (a step)",
                  "warm-up s", "loss", "reference", "vs reference: best rounds", "vs reference: medians",
                  "vs reference: paired median (range)"]
 
@@ -228,8 +241,10 @@ def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
 
 
 # ---------------------------------------------------------------- decoding
-DECODE_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "tokens/s (CPU time)", "first call s",
-                  "same tokens as the first reference", "reference", "vs reference: best rounds", "vs reference: medians",
+DECODE_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "tokens/s (CPU time)",
+                  "first call s",
+                  "same tokens as the first reference", "reference", "vs reference: best rounds",
+                  "vs reference: medians",
                   "vs reference: paired median (range)", "the same on CPU time"]
 
 
@@ -253,16 +268,19 @@ def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
     if preset == "llm-mod":
         dense, mod = mod_model(args, 0.0).eval(), mod_model(args, args.capacity).eval()
         fracs = calibrate(mod, args)
-        models, note = {"dense": dense, "mod": mod}, f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in fracs)}"
+        models, note = {"dense": dense,
+                        "mod": mod}, f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in fracs)}"
     else:
         models, note = {"zoo": zoo.from_pretrained(folder, dtype=dt).eval()}, ""
     sides = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
              for k, z in models.items() for m in args.modes}
     if preset == "llm-moe":
         for impl in ("eager", "grouped_mm"):
-            sides.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl), prompt, n, args.modes))
+            sides.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl), prompt, n,
+                                     args.modes))
     elif preset == "gguf":
-        sides.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name), prompt, n, args.modes))
+        sides.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name), prompt,
+                                 n, args.modes))
     elif preset == "llm-generate":
         sides.update(hf_decoders("transformers", lambda: hf_load(folder, dt), prompt, n, args.modes))
     return sides, note, models
@@ -290,7 +308,8 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
         with torch.inference_mode():
             _, aux = models["mod"](outs[mod], return_aux=True, mod_causal=True)
         note += f"; while decoding, MoD layers routed {', '.join(f'{f:.3f}' for f in aux['mod_routed'].tolist())}"
-    return harness.table(DECODE_COLUMNS, rows, "\n".join(filter(None, [note, *best_pair(r, preset, ("wall", "cpu"))]))), r
+    notes = filter(None, [note, *best_pair(r, preset, ("wall", "cpu"))])
+    return harness.table(DECODE_COLUMNS, rows, "\n".join(notes)), r
 
 
 # ---------------------------------------------------------------- loading
@@ -350,13 +369,16 @@ def load_table(args, path, prec) -> dict:
             raise RuntimeError(f"load subprocess ({side}, {prec}) failed:\n{out.stderr[-2000:]}")
         got[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = {s: {k: min(m[k] for m in v) for k in keys} for s, v in got.items()}
-    r = harness.Rounds({s: [m["cold"] for m in v] for s, v in got.items()}, {s: [m["cold"] for m in v] for s, v in got.items()})
-    rows = [[s, f"{b['cold']:.2f}", f"{b['warm']:.2f}", *(f"{b[k] / 2**20:.0f}" for k in keys[2:])] for s, b in best.items()]
+    cold = {s: [m["cold"] for m in v] for s, v in got.items()}
+    r = harness.Rounds(cold, cold)
+    rows = [[s, f"{b['cold']:.2f}", f"{b['warm']:.2f}", *(f"{b[k] / 2**20:.0f}" for k in keys[2:])] for s,
+            b in best.items()]
     z, h = best["zoo"], best["transformers"]
     rows.append(["Zoo / transformers", *(f"{z[k] / max(h[k], 1e-9):.2f}x" for k in keys[:5]), ""])
     return harness.table(["side", "first load s", "second load s", "first peak MiB", "second peak MiB",
                           "resident after a forward MiB", "weights MiB"], rows,
-                         f"best of {args.load_rounds} processes each; first load, {r.summary('zoo', 'transformers')}"), got
+                         f"best of {args.load_rounds} processes each; first load, "
+                         f"{r.summary('zoo', 'transformers')}"), got
 
 
 # ---------------------------------------------------------------- GGUF parity
@@ -370,7 +392,8 @@ def gguf_checks(args, path: Path, prec: str) -> tuple[dict, torch.Tensor]:
     ours, ref = zoo.from_pretrained(path, dtype=dt), hf_load(str(path.parent), dt, gguf_file=path.name).eval()
     tok = gguf_llm.load_tokenizer(ours)
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    prompt = ref_tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+    prompt = ref_tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False,
                                          add_generation_prompt=True)
     ids = tok.encode(prompt)
     x = torch.tensor([ids])
@@ -398,10 +421,12 @@ def main(argv=None, preset: str = "llm-train"):
     p.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
     p.add_argument("--steps", type=harness.positive_int, default=2 if preset == "doc-mask" else 1,
                    help="timed training steps per side and round")
-    p.add_argument("--new-tokens", "--decode-tokens", type=int, default=new_tokens, help="decoded tokens (0: no decoding)")
+    p.add_argument("--new-tokens", "--decode-tokens", type=int, default=new_tokens,
+                   help="decoded tokens (0: no decoding)")
     p.add_argument("--prompt", type=harness.positive_int, default=16, help="prompt tokens")
     p.add_argument("--decode-only", action="store_true", help="decoding (and loading) only")
-    p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"), help="load processes per side")
+    p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
+                   help="load processes per side")
     p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
     if preset == "llm-train":
         p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
@@ -435,11 +460,13 @@ def main(argv=None, preset: str = "llm-train"):
     with tempfile.TemporaryDirectory() as tmp:
         folder = prepare(preset, args, Path(tmp))
         for prec in args.precision:
-            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, args.prompt), generator=torch.Generator().manual_seed(1))
+            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, args.prompt),
+                                   generator=torch.Generator().manual_seed(1))
             if preset == "gguf":
                 tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
             if trains and not args.decode_only:
-                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1),
+                                    generator=torch.Generator().manual_seed(0))
                 sides, flops = train_sides(preset, args, folder, ids)
                 sides = {k: v for k, v in sides.items() if mode(k) in args.modes}
                 tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)

@@ -69,10 +69,12 @@ def memory_and_time(args, names) -> dict:
     from train.config import OptimConfig
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
-    r, nbytes, notes = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names}, args.rounds,
+    r, nbytes, notes = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names},
+                                       args.rounds,
                                        args.steps)
     ref = nbytes[REFERENCE]
-    rows = [[k, f"{r.best(k) * 1e3:.1f}", str(r.paired(REFERENCE, k)) if k != REFERENCE else "", f"{nbytes[k] / 2**20:.1f}",
+    rows = [[k, f"{r.best(k) * 1e3:.1f}", str(r.paired(REFERENCE, k)) if k != REFERENCE else "",
+             f"{nbytes[k] / 2**20:.1f}",
              f"{nbytes[k] / n:.2f}", f"{100 * (1 - nbytes[k] / ref):.0f}%", notes[k]] for k in names]
     return harness.table(["optimizer", "best step ms", "step time / adamw's, paired median (range)", "state MiB",
                           "state bytes / param", "state saved vs adamw", "notes"], rows, f"{n / 1e6:.1f}M parameters")
@@ -85,9 +87,9 @@ def train_run(args, over: list) -> tuple[dict, list]:
     from train.metrics import read_rows
     from train.run import DEFAULT_CONFIG
     with tempfile.TemporaryDirectory() as tmp:
-        final = train(load_run_config(str(DEFAULT_CONFIG), [f"train.out_dir={tmp}", *harness.QUIET, "train.checkpoint_every=0",
-                                                            "train.average_last=0", f"train.precision={args.precision[0]}",
-                                                            *over, *args.set]), log=lambda m: None)
+        over = [f"train.out_dir={tmp}", *harness.QUIET, "train.checkpoint_every=0", "train.average_last=0",
+                f"train.precision={args.precision[0]}", *over, *args.set]
+        final = train(load_run_config(str(DEFAULT_CONFIG), over), log=lambda m: None)
         rows = read_rows(Path(tmp)) if (Path(tmp) / "metrics.jsonl").is_file() else []  # none from the range test
         return final, [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
 
@@ -98,20 +100,24 @@ def quality(args, names) -> dict:
     res = {}
     for name in names:
         for lr in args.lrs or [LR_START[name] / 3, LR_START[name], LR_START[name] * 3]:
-            final, curve = train_run(args, [f"train.max_steps={args.train_steps}", f"train.eval_every={args.eval_every}",
-                                            f"optim.warmup_steps={max(1, args.train_steps // 10)}", f"optim.name={name}",
-                                            f"optim.lr={lr}", *([f"optim.muon_lr={MUON_LR * lr / LR_START[name]}"] if name == "muon" else [])])
+            muon = [f"optim.muon_lr={MUON_LR * lr / LR_START[name]}"] if name == "muon" else []
+            final, curve = train_run(args, [
+                f"train.max_steps={args.train_steps}", f"train.eval_every={args.eval_every}",
+                f"optim.warmup_steps={max(1, args.train_steps // 10)}", f"optim.name={name}", f"optim.lr={lr}", *muon])
             res[name, lr] = (final["val_loss"], curve)
             print(f"  {name} lr {lr:.2g}: val loss {final['val_loss']:.4f}", flush=True)
     best = {n: min(((lr, *v) for (m, lr), v in res.items() if m == n), key=lambda t: t[1]) for n in names}
-    tables = {"quality": harness.table(["optimizer", "best LR", f"val loss after {args.train_steps} steps", "LRs tried"],
+    tables = {"quality": harness.table(["optimizer", "best LR", f"val loss after {args.train_steps} steps",
+                                        "LRs tried"],
                                        [[n, f"{lr:.2g}", f"{v:.4f}", ", ".join(f"{l:.2g}" for m, l in res if m == n)]
                                         for n, (lr, v, _) in best.items()])}
     if "muon" in best and REFERENCE in best:
         target = args.target or best[REFERENCE][1]
-        rows = [[n, f"{best[n][0]:.2g}", f"{target:.4f}", next((str(s) for s, v in best[n][2] if v <= target),
-                                                                  f"not within {args.train_steps}")] for n in (REFERENCE, "muon")]
-        tables["muon"] = harness.table(["optimizer", "LR", "target val loss", f"steps to reach it (evaluated every {args.eval_every})"], rows)
+        rows = [[n, f"{best[n][0]:.2g}", f"{target:.4f}",
+                 next((str(s) for s, v in best[n][2] if v <= target), f"not within {args.train_steps}")]
+                for n in (REFERENCE, "muon")]
+        tables["muon"] = harness.table(["optimizer", "LR", "target val loss",
+                                        f"steps to reach it (evaluated every {args.eval_every})"], rows)
     return tables
 
 
@@ -121,12 +127,15 @@ def lr_find(args) -> dict:
     suggested, res = found["suggested_lr"], {}
     for lr in args.lrs:
         res[lr] = train_run(args, [f"train.max_steps={args.train_steps}", "train.eval_every=0",
-                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}", f"optim.lr={lr}"])[0]["val_loss"]
+                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}",
+                                   f"optim.lr={lr}"])[0]["val_loss"]
     best = min(res, key=res.get)
     ratio = max(best / suggested, suggested / best)
     return {"sweep": harness.table(["LR", f"val loss after {args.train_steps} steps"],
-                                   [[f"{lr:.3g}" + (" (best)" if lr == best else ""), f"{v:.4f}"] for lr, v in res.items()],
-                                   f"suggested {suggested:.3g} ({len(found['lr'])} range-test steps), best of the sweep {best:.3g}: "
+                                   [[f"{lr:.3g}" + (" (best)" if lr == best else ""), f"{v:.4f}"] for lr,
+                                    v in res.items()],
+                                   f"suggested {suggested:.3g} ({len(found['lr'])} range-test steps), best of the "
+                                   f"sweep {best:.3g}: "
                                    f"a factor of {ratio:.2f} ({'within' if ratio <= 3 else 'NOT within'} 3)")}
 
 
@@ -140,7 +149,8 @@ def main(argv=None, preset: str = "optimizers"):
     p.add_argument("--quality", action="store_true", help="also sweep LRs on the embedded default")
     p.add_argument("--skip-memory", action="store_true", help="--quality only")
     p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")],
-                   default=None if preset == "optimizers" else [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2], help="comma list of LRs")
+                   default=None if preset == "optimizers" else [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2],
+                   help="comma list of LRs")
     p.add_argument("--eval-every", type=harness.positive_int, default=50)
     p.add_argument("--target", type=float, default=None, help="--quality: the val loss for Muon against AdamW")
     p.add_argument("--set", nargs="*", default=[], help="key=value overrides of every training run")
@@ -175,11 +185,12 @@ def claim_state(ctx) -> list[dict]:
     from argparse import Namespace
 
     from train.config import OptimConfig
-    model, names = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device)), ["adamw", "adamw8bit", "lion", "sgd",
-                                                                                        "adafactor"]
+    model = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device))
+    names = ["adamw", "adamw8bit", "lion", "sgd", "adafactor"]
     r, b, _ = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5) for k in names}, ctx.n_rounds, say=lambda m: None)
     n, ref = sum(p.numel() for p in model.parameters()), b["adamw"]
     ctx.memory["optimizer state"] = {k: v / 2**20 for k, v in b.items()}
-    return [dict(key=f"{k} (state memory)", evidence="exact", samples=[1 - b[k] / ref], numbers={"base_bytes": ref, "tech_bytes": b[k]},
+    return [dict(key=f"{k} (state memory)", evidence="exact", samples=[1 - b[k] / ref],
+                 numbers={"base_bytes": ref, "tech_bytes": b[k]},
                  memory=f"state {ref / 2**20:.1f} -> {b[k] / 2**20:.1f} MiB ({b[k] / n:.2f} bytes/param)",
                  speed=f"optimizer step {r.paired(k, 'adamw')} of AdamW's speed") for k in names[1:]]

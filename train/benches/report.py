@@ -38,21 +38,22 @@ CONFIDENCE, MIN_SEEDS, APPROX = harness.LEVEL, 3, 0.9   # "~X" is met from 90% o
 NOMINAL, NOMINAL_QUALITY = 0.10, 0.01                   # "faster" / "less memory" / "better" without a number
 EVIDENCE = ("seeds", "rounds", "repeats", "exact")
 SHARED = 0.25   # the page says "shared" when other processes used more of the CPU time than this
-RULE = (f"Every effect is in the claim's own units, positive in the claimed direction (speed-up - 1: the baseline's "
-        f"step time over the technique's within a round; memory saved as a fraction of the baseline's; relative loss "
-        f"reduction; compression - 1), with a {CONFIDENCE:.0%} interval: quality over at least {MIN_SEEDS} seeds (the "
-        f"mean and its Student-t interval), speed over paired alternating rounds (the median ratio and its "
-        f"distribution-free interval from the order statistics of the per-round ratios: 6 rounds or more), measured "
-        f"peak memory over at least {MIN_SEEDS} repeats (t interval), counts (bytes of tensors, shapes, a deterministic "
-        f"difference) exactly. The threshold is what the claim's words require: a number it states (\"~X\" is met "
-        f"from {APPROX:.0%} of X; \"stateless\" only by zero state), else {NOMINAL:.0%} for speed and memory and "
-        f"{NOMINAL_QUALITY:.0%} lower loss. **holds**: the interval lies on the claimed side of zero and the estimate "
-        f"meets the threshold (and no part of the claim went unmeasured); **partly**: on the claimed side, short of the "
-        f"threshold (or a part unmeasured); **does not hold**: on the other side (or exactly zero); **inconclusive**: "
-        f"it straddles zero. No verdict from fewer than {MIN_SEEDS} seeds or repeats, nor without an interval (the row "
-        f"says why). A claimed equality holds when the difference's interval is within the tolerance, does not beyond "
-        f"it, is inconclusive otherwise. **skipped** (with the reason): this hardware lacks the feature, or the "
-        f"measurement failed. Ratio = estimate / threshold.")
+RULE = " ".join(f"""
+Every effect is in the claim's own units, positive in the claimed direction (speed-up - 1: the baseline's
+step time over the technique's within a round; memory saved as a fraction of the baseline's; relative loss reduction;
+compression - 1), with a {CONFIDENCE:.0%} interval: quality over at least {MIN_SEEDS} seeds (the mean and its
+Student-t interval), speed over paired alternating rounds (the median ratio and its distribution-free interval
+from the order statistics of the per-round ratios: 6 rounds or more), measured peak memory over at least
+{MIN_SEEDS} repeats (t interval), counts (bytes of tensors, shapes, a deterministic difference) exactly. The
+threshold is what the claim's words require: a number it states ("~X" is met from {APPROX:.0%} of X; "stateless"
+only by zero state), else {NOMINAL:.0%} for speed and memory and {NOMINAL_QUALITY:.0%} lower loss. **holds**:
+the interval lies on the claimed side of zero and the estimate meets the threshold (and no part of the claim
+went unmeasured); **partly**: on the claimed side, short of the threshold (or a part unmeasured); **does not
+hold**: on the other side (or exactly zero); **inconclusive**: it straddles zero. No verdict from fewer than
+{MIN_SEEDS} seeds or repeats, nor without an interval (the row says why). A claimed equality holds when the
+difference's interval is within the tolerance, does not beyond it, is inconclusive otherwise. **skipped** (with
+the reason): this hardware lacks the feature, or the measurement failed. Ratio = estimate / threshold.""".split())
+
 
 def estimate(samples: list, evidence: str) -> tuple[Optional[float], Optional[tuple], str]:
     """The effect's estimate and interval from its samples (one per seed, round or repeat; one value for an exact
@@ -243,7 +244,8 @@ class Ctx:
         self.memory[name or key] = {"baseline": b / 2**20, "technique": t / 2**20}
         return dict(key=key, name=name, evidence="repeats", samples=[1 - y / x for x, y in zip(base, tech)],
                     memory=f"peak {b / 2**20:.1f} -> {t / 2**20:.1f} MiB ({100 * (1 - t / b):+.0f}%, medians)",
-                    numbers={"base_peaks": base, "tech_peaks": tech, **kw.pop("numbers", {})}, **kw)
+                    numbers={"base_peaks": base, "tech_peaks": tech, "base_median": b, "tech_median": t,
+                             **kw.pop("numbers", {})}, **kw)
 
     def plot(self, key, title, runs: dict, value, ylabel):
         plots.loss_curves({n: plots.curves(r, value) for n, r in runs.items()}, self.out / f"{key}.png", title, ylabel)
@@ -286,7 +288,8 @@ def write_page(out: Path, rows: list, meta: dict) -> Path:
     """report.md and report.json (every row with its samples, the hardware, the timing) from the rows."""
     h, t = meta["hardware"], meta["timing"]
     others = t.get("others_share")
-    lines = ["# Techniques report", "", f"Measured by `{meta['command']}` (scale {meta['scale']}, {meta['seeds']} seeds,"
+    lines = ["# Techniques report", "",
+             f"Measured by `{meta['command']}` (scale {meta['scale']}, {meta['seeds']} seeds,"
              f" "
              f"{meta['rounds']} rounds, comparisons not about precision in {meta['precision']}) on {meta['started']}; "
              f"every number below comes from that run.", "", *([meta["note"], ""] if meta.get("note") else []),
@@ -374,8 +377,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "docs" / "report"), help="folder of report.md, report.json, the PNGs")
     ap.add_argument("--only", type=harness.name_list(MEASUREMENTS, "measurement"), default=None, help="default: all")
     ap.add_argument("--rounds", type=harness.positive_int, default=None, help="rounds per timing (6+: an interval)")
-    ap.add_argument("--seeds", type=harness.positive_int, default=MIN_SEEDS, help="seeds of each quality comparison, "
-                                                                                    "repeats of each measured peak")
+    ap.add_argument("--seeds", type=harness.positive_int, default=MIN_SEEDS,
+                    help="seeds of each quality comparison, repeats of each measured peak")
     args = ap.parse_args(argv)
     harness.setup(args)
     rows, page = run_report(Path(args.out), SCALES[args.scale or ("quick" if args.quick else "full")], args.only,

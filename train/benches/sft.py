@@ -1,6 +1,6 @@
 """Chat fine-tuning on the embedded conversations: packed against padded rows, and what fine-tuning taught.
 
-    python train/bench.py sft-packing   # padding waste and training tokens/s: packed, padded by length, padded at random
+    python train/bench.py sft-packing   # padding and training tokens/s: packed, padded by length, padded at random
     python train/bench.py sft-quality   # exact-match answers to held-out conversations: runs/tiny against runs/tiny-sft
 
 sft-packing: one pass over --conversations training conversations (ChatML; the embedded default's
@@ -26,7 +26,8 @@ if __package__ in (None, ""):
 
 from train.benches import harness  # noqa: E402
 
-SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False), "padded-random": dict(pack=False, bucket_batches=1)}
+SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False),
+         "padded-random": dict(pack=False, bucket_batches=1)}
 
 
 def packing(args) -> dict:
@@ -47,8 +48,8 @@ def packing(args) -> dict:
                         dataclasses.replace(ChatDataConfig(seq_len=args.seq), **keys), log=lambda m: None)
         batches = [data.batch(i, args.batch) for i in range(len(data._epoch_batches(0, args.batch)))]
         real = sum(n for _, _, n, _ in batches)
-        info[name] = {"rows": sum(x.shape[0] for x, *_ in batches), "padding": 1 - real / sum(x.numel() for x, *_ in batches),
-                      "tokens": real}
+        cells = sum(x.numel() for x, *_ in batches)
+        info[name] = {"rows": sum(x.shape[0] for x, *_ in batches), "padding": 1 - real / cells, "tokens": real}
         model = copy.deepcopy(base).train()
         opt = build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
 
@@ -70,8 +71,9 @@ def packing(args) -> dict:
                     f"{i['tokens'] / r.best(name):.0f}", "-" if name == "padded-bucketed" else str(paired)])
     return harness.table(["side", "rows", "padding", "best s", "median s", "real tokens/s (best)",
                           "tokens/s vs padded-bucketed (paired median, range)"], out,
-                         f"one pass over {args.conversations} conversations (forward, loss, backward, AdamW); tokenizer "
-                         f"{getattr(tok, 'model_path', None) or 'bytes'}; {args.batch} rows, {args.seq} tokens when packed")
+                         f"one pass over {args.conversations} conversations (forward, loss, backward, AdamW); "
+                         f"tokenizer {getattr(tok, 'model_path', None) or 'bytes'}; {args.batch} rows, {args.seq} "
+                         f"tokens when packed")
 
 
 def quality(args) -> dict:
@@ -92,7 +94,8 @@ def quality(args) -> dict:
     if len(runs) >= 2:
         iv = [harness.mean_interval(r[k] for r in runs) for k in kinds]
         rows.append([f"{len(runs)} runs: mean ± 95% interval", *(f"{100 * m:.1f}% ± {100 * h:.1f}" for m, h in iv)])
-    return harness.table(["model", *kinds], rows, f"exact match of the greedy answers to {args.conversations} held-out conversations")
+    return harness.table(["model", *kinds], rows,
+                         f"exact match of the greedy answers to {args.conversations} held-out conversations")
 
 
 def main(argv=None, preset: str = "sft-packing"):
