@@ -280,7 +280,7 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
                 *([f"train.precision={precision}"] if precision else []), *overrides]
         run = Path(out) / name.replace("=", "")
         say(f"== {name}")
-        rows = harness.run_loop(config, run, over, inproc=True, done="no such file")
+        rows = harness.run_loop(config, run, over, inproc=True, done=None)
         cfg = load_run_config(config, over)
         model = zoo.build(cfg.model)
         ema = run / "model_ema.safetensors"

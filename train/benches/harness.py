@@ -384,14 +384,14 @@ QUIET = ["train.progress=false", "train.samples=false", "train.plot=false", "tra
 
 
 def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] = None, inproc: bool = False,
-             done: str = "model.safetensors") -> list[dict]:
+             done: Optional[str] = "model.safetensors") -> list[dict]:
     """The metrics rows of a run of `config` (a path or a base dict) with `overrides` into `out`: read
-    back when `out/done` exists, else run by train/run.py in a process of its own (`threads` OMP
-    threads) or in this one (`inproc`)."""
+    back when `out/done` exists (done=None: never), else run by train/run.py in a process of its own
+    (`threads` OMP threads) or in this one (`inproc`)."""
     from train.metrics import read_rows
     out = Path(out)
     over = [f"train.out_dir={out}", *QUIET, *overrides]
-    if not (out / done).exists():
+    if done is None or not (out / done).exists():
         if inproc or isinstance(config, dict):
             from train.config import load_run_config
             from train.loop import train

@@ -288,6 +288,7 @@ def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
 
 def decode_table(preset, args, folder, prec, prompt) -> dict:
     calls, note, models = decode_sides(preset, args, folder, prec, prompt)
+    calls = {k: v for k, v in calls.items() if not args.sides or k in args.sides}
     outs, first = {}, {}
 
     def timed(name):
@@ -416,6 +417,8 @@ def main(argv=None, preset: str = "llm-train"):
     shape, precision, new_tokens, trains = PRESETS[preset]
     p = harness.parser(preset, __doc__, precision=precision, keep_memory=trains)
     harness.llm_args(p, **shape)
+    p.add_argument("--sides", type=lambda s: s.split(","), default=None, help="comma list of sides (default: all), "
+                   "e.g. zoo-compile,tf-grouped_mm-compile")
     p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"),
                    default="eager" if preset == "gguf" else "eager,compile")
     p.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
@@ -468,7 +471,7 @@ def main(argv=None, preset: str = "llm-train"):
                 ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1),
                                     generator=torch.Generator().manual_seed(0))
                 sides, flops = train_sides(preset, args, folder, ids)
-                sides = {k: v for k, v in sides.items() if mode(k) in args.modes}
+                sides = {k: v for k, v in sides.items() if mode(k) in args.modes and (not args.sides or k in args.sides)}
                 tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)
                 del sides
             if args.new_tokens:
