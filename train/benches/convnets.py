@@ -116,8 +116,10 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
                         "load_average": os.getloadavg()[0], "wall": r.wall})
                     print(f"  {arch} {mode} {fmt} {p}: {r.summary('zoo', 'timm')}", flush=True)
             torch._dynamo.reset()
-    if args.preset == "convnets":
-        data = merged(harness.load_result(args.json).get("data", {}), data)
+    if args.preset == "convnets":  # rows of other settings kept from the result before, and its command
+        old, new = harness.load_result(args.json), data
+        data = merged(old.get("data", {}), new)
+        args.command = args.command if data is new else f"{old['command']}; {args.command}"
     return {"steps": convnets_table(data)}, data
 
 
