@@ -119,7 +119,8 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
     if args.preset == "convnets":  # rows of other settings kept from the result before, and its command
         old, new = harness.load_result(args.json), data
         data = merged(old.get("data", {}), new)
-        args.command = args.command if data is new else f"{old['command']}; {args.command}"
+        if len(data["results"]) > len(new["results"]):
+            args.command = f"{old['command']}; {args.command}"
     return {"steps": convnets_table(data)}, data
 
 
