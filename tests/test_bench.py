@@ -135,3 +135,35 @@ def test_peak_rss_sees_an_allocation():
         x = torch.ones(64 * 2**20 // 4)  # 64 MiB, written
         del x
     assert 48 * 2**20 < m.peak < 1 * 2**30
+
+
+def test_every_name_is_an_entry_point_of_its_module(capsys):
+    """Every name of bench.BENCHES (the public interface) builds its parser, merged modules through their preset."""
+    for name in bench.BENCHES:
+        with pytest.raises(SystemExit) as e:
+            bench.main([name, "--help"])
+        assert e.value.code == 0, name
+        assert capsys.readouterr().out.startswith(f"usage: bench.py {name} "), name
+
+
+def test_one_parser_for_llm_shapes(capsys):
+    p = harness.llm_args(harness.parser("x", "doc"), d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab=512, seq=32)
+    args = p.parse_args(["--layers", "3", "--seq-len", "16", "--n-kv-heads", "0"])
+    cfg = harness.llm_config(args, tie_embeddings=False)
+    assert (cfg.n_layers, cfg.max_seq_len, cfg.d_model, cfg.vocab_size, cfg.tie_embeddings) == (3, 16, 64, 512, False)
+    assert cfg.resolved_n_kv_heads == 2  # 0: as many as heads
+    assert args.command == "python train/bench.py x --layers 3 --seq-len 16 --n-kv-heads 0"
+    for name in ("llm-train", "llm-moe", "llm-mod", "doc-mask", "llm-generate", "optimizers", "distributed", "sft-packing",
+                 "distill", "lr-find"):
+        with pytest.raises(SystemExit):
+            bench.main([name, "--help"])
+        assert "--d-model" in capsys.readouterr().out, name
+
+
+def test_the_entry_point_leaves_the_process_alone():
+    """train/bench.py runs in the interpreter it was started in (no re-execution, no environment set)."""
+    source = (Path(__file__).resolve().parents[1] / "train" / "bench.py").read_text()
+    assert "restart" not in source and "environ" not in source and "execv" not in source
+    out = subprocess.run([sys.executable, "train/bench.py"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("benchmarks: ") == 1

@@ -391,9 +391,9 @@ def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_threa
 
 
 def test_best_threshold_accuracy_against_every_threshold():
-    """The MoD quality bench's bound on a causal decision (train/benches/mod_quality.py) against a
+    """The MoD quality bench's bound on a causal decision (train/benches/llm_quality.py) against a
     brute-force sweep of the thresholds."""
-    from train.benches.mod_quality import best_threshold_accuracy
+    from train.benches.llm_quality import best_threshold_accuracy
     g = torch.Generator().manual_seed(0)
     for n in (1, 7, 50):
         score = torch.randn(n, generator=g)

@@ -207,21 +207,23 @@ def test_run_keys_are_checked_in_one_line(tmp_path):
         load_run_config(None, ["train.quantize=int8wo"], base={"family": "convnet"})
 
 
-def test_docs_tables_are_rendered_from_the_benchmarks_json(tmp_path):
-    """docs/deploy.md's tables equal what the benchmarks render from their committed JSON, and the
-    renderer rewrites a table that disagrees (tables in docs/ are never typed in)."""
+def test_docs_tables_are_rendered_from_the_benchmarks_json():
+    """docs/deploy.md's tables equal what train/docs.py renders from the deploy benches' committed results
+    (docs/results/*.json; tables in docs/ are never typed in); tests/test_docs.py checks the rewriting."""
     import json
 
-    from train.benches import convnet_ptq, distill, distill_quality, harness, qat, quantized
-    for mod in (quantized, qat, distill, convnet_ptq, distill_quality):
-        if mod.DOCS_JSON.is_file():
-            assert mod.render(json.loads(mod.DOCS_JSON.read_text()), write=False) == [], mod.__name__
-    page = tmp_path / "page.md"
-    page.write_text("# x\n<!-- bench:t -->\n| stale |\n<!-- /bench -->\nafter\n")
-    assert harness.update_docs_table(page, "t", "| new |\n") and page.read_text().endswith("| new |\n<!-- /bench -->\nafter\n")
-    assert not harness.update_docs_table(page, "t", "| new |\n")
-    with pytest.raises(ValueError, match="no <!-- bench:other -->"):
-        harness.update_docs_table(page, "other", "")
+    from train.docs import RESULTS, ROOT, render_result
+    page = (ROOT / "docs" / "deploy.md").read_text()
+    names = ["quantized", "qat", "prune", "distill", "convnet-ptq", "gguf"] + sorted(
+        p.stem for p in RESULTS.glob("distill-quality-*.json") if p.stem != "distill-quality-llm-more")
+    for name in names:
+        for key in json.loads((RESULTS / f"{name}.json").read_text())["tables"]:
+            region = f"<!-- table:{name}/{key} -->\n"
+            if region not in page:  # the whole result in one region
+                region = f"<!-- table:{name} -->\n"
+                assert region + render_result(name) in page, name
+            else:
+                assert region + render_result(name, key) in page, (name, key)
 
 
 # ------------------------------------------------------------------ ConvNets: PT2E static int8

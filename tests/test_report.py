@@ -1,7 +1,8 @@
-"""The techniques report (train/benches/report.py): the verdict rule on hand-made numbers, a tiny
-run of the report's cheaper measurements (each row must come from a measurement and carry the
-verdict the rule gives its numbers), and the same checks on the committed report of this machine
-(docs/report/report.json), which covers every measurement."""
+"""The techniques report (train/benches/report.py): the verdict rule on hand-made numbers (and a test
+that fails when the interval rule changes), a tiny run of the report's cheaper measurements (each
+row must come from a measurement and carry the verdict the rule gives its numbers), and the same
+checks on the committed report of this machine (docs/report/report.json), which covers every
+measurement."""
 import json
 import math
 import re
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from train.benches import report
+from train.benches import harness, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,23 +55,38 @@ def test_unmeasured_part_of_a_claim_caps_at_partly_and_equalities():
 
 
 def test_interval_arithmetic_against_direct_computation():
-    """t interval: mean +- t(0.975, n-1) s / sqrt(n), with t checked by the t CDF's symmetry and
-    a Monte-Carlo tail (no reference library in the core install); rounds: order statistics."""
+    """t interval: mean +- t(0.975, n-1) s / sqrt(n), with t checked by a Monte-Carlo tail (independent of scipy,
+    which computes it); rounds: order statistics."""
     import random
     import statistics
     xs = [0.12, 0.15, 0.11]
     est, (lo, hi), why = report.estimate(xs, "seeds")
-    t = report.t_quantile(0.975, 2)
+    t = (hi - est) * math.sqrt(3) / statistics.stdev(xs)
     rng = random.Random(0)
     draws = [rng.gauss(0, 1) / math.sqrt((rng.gauss(0, 1) ** 2 + rng.gauss(0, 1) ** 2) / 2) for _ in range(40000)]
     assert sum(abs(d) > t for d in draws) / len(draws) == pytest.approx(0.05, abs=0.006)
     assert est == pytest.approx(statistics.fmean(xs)) and not why
-    assert hi - est == pytest.approx(est - lo) == pytest.approx(t * statistics.stdev(xs) / math.sqrt(3))
-    assert report.median_rank(6) == 1 and report.median_rank(5) is None
-    k = report.median_rank(20)
+    assert hi - est == pytest.approx(est - lo)
+    assert harness.median_rank(6) == 1 and harness.median_rank(5) is None
+    k = harness.median_rank(20)
     cover = lambda k: 1 - 2 * sum(math.comb(20, i) for i in range(k)) / 2 ** 20
     assert cover(k) >= 0.95 > cover(k + 1)
     assert report.estimate(list(range(20)), "rounds")[1] == (k - 1, 20 - k)
+
+
+def test_the_interval_rule_is_95_percent_student_t_and_order_statistics():
+    """Fails when the rule changes: the level, the t quantile (Student's t with n - 1 degrees of freedom, not a
+    normal one), the minimum of seeds, or the order statistic of the rounds' interval."""
+    assert report.CONFIDENCE == 0.95 and report.MIN_SEEDS == 3
+    xs = [1.0, 2.0, 4.0]  # mean 7/3, s = sqrt(7/3); t(0.975, 2) = 4.302652729911275
+    est, (lo, hi), _ = report.estimate(xs, "seeds")
+    assert est == pytest.approx(7 / 3) and hi - est == pytest.approx(4.302652729911275 * math.sqrt(7 / 3) / math.sqrt(3))
+    assert report.estimate(xs[:2], "seeds")[1] is None  # two seeds: no interval
+    assert report.estimate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], "rounds")[1] == (0.1, 0.8)  # 8 rounds: k = 1
+    assert report.estimate(list(range(1, 12)), "repeats")[1] is not None
+    # the verdict turns exactly where the interval's lower end crosses zero
+    assert report.verdict(0.5, (1e-9, 1.0), 0.1) == "holds" and report.verdict(0.5, (-1e-9, 1.0), 0.1) == "inconclusive"
+    assert report.verdict(0.05, (0.01, 0.09), 0.1) == "partly" and report.verdict(-0.5, (-1.0, -1e-9), 0.1) == "does not hold"
 
 
 def test_verdict_rule_rejects_meaningless_claims():
@@ -86,16 +102,16 @@ def test_verdict_rule_rejects_meaningless_claims():
 
 def test_others_share_counts_other_processes_not_the_report():
     """The 'shared' line: CPU time of the whole machine minus the report's own, over wall x cores."""
-    assert report.others_share((0.0, 100.0, 10.0), (10.0, 130.0, 20.0), 2) == pytest.approx(1.0)
-    assert report.others_share((0.0, 100.0, 10.0), (10.0, 110.0, 20.0), 2) == 0.0  # only the report ran
-    assert report.others_share((0.0, None, 0.0), (1.0, 5.0, 1.0), 2) is None
-    if report.busy_cpu_s() is None:
+    assert harness.others_share((0.0, 100.0, 10.0), (10.0, 130.0, 20.0), 2) == pytest.approx(1.0)
+    assert harness.others_share((0.0, 100.0, 10.0), (10.0, 110.0, 20.0), 2) == 0.0  # only the report ran
+    assert harness.others_share((0.0, None, 0.0), (1.0, 5.0, 1.0), 2) is None
+    if harness.busy_cpu_s() is None:
         pytest.skip("no /proc/stat here")
     import subprocess, sys
-    busy0, own0 = report.busy_cpu_s(), report.own_cpu_s()
+    busy0, own0 = harness.busy_cpu_s(), harness.own_cpu_s()
     burn = "import time\nt=time.process_time()\nwhile time.process_time()-t<1.0: pass"
     subprocess.run([sys.executable, "-c", burn], check=True)   # a child: counted in the report's own CPU time
-    d_busy, d_own = report.busy_cpu_s() - busy0, report.own_cpu_s() - own0
+    d_busy, d_own = harness.busy_cpu_s() - busy0, harness.own_cpu_s() - own0
     assert d_own >= 1.0
     assert d_busy >= 0.9 * d_own   # the machine's busy time (parsed from /proc/stat) holds the child's second
 
@@ -123,7 +139,7 @@ def check_rows(rows: list[dict], measurements: list[str], cuda: bool):
             assert r["interval"] == (None if iv is None else pytest.approx(list(iv))) and r["missing"] == why, name
         elif r["interval"] is not None:   # a re-judged speed row: the range of its stored paired rounds
             n = r["numbers"]
-            assert r["evidence"] == "rounds" and report.median_rank(n["rounds"]) is not None, name
+            assert r["evidence"] == "rounds" and harness.median_rank(n["rounds"]) is not None, name
             assert r["interval"] == pytest.approx([v - 1 for v in n["round_range"]]), name
             assert n["round_range"][0] - 0.01 <= r["effect"] + 1 <= n["round_range"][1] + 0.01, name
         if r["interval"] is None:

@@ -1,10 +1,10 @@
-"""Benchmarks that print tables (never timed tests).
+"""Benchmarks that print tables and write their numbers (never timed tests).
 
     python train/bench.py                # list the benchmarks
     python train/bench.py NAME [args]    # run one; `NAME --help` for its options
 
-Each benchmark runs Zoo and the reference implementation side by side in one process and
-reports their ratio, so the numbers compare like with like on the machine at hand.
+Each benchmark runs its sides in one process, alternating round by round (train/benches/harness.py),
+and writes docs/results/NAME.json, which the tables in docs/ are rendered from (train/docs.py).
 """
 from __future__ import annotations
 
@@ -15,41 +15,21 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# name -> module (with a main(argv) function) under train/benches/
+# name -> the module under train/benches/ whose main(argv[, name]) runs it (", name": a preset of a merged module)
 BENCHES: dict[str, str] = {
-    "llm-train": "train.benches.llm_train",
-    "llm-generate": "train.benches.llm_generate",
-    "llm-moe": "train.benches.llm_moe",
-    "llm-moe-quality": "train.benches.moe_quality",
-    "llm-mod": "train.benches.llm_mod",
-    "llm-mod-quality": "train.benches.mod_quality",
-    "doc-mask": "train.benches.doc_mask",
-    "taesd": "train.benches.taesd",
-    "dit": "train.benches.dit",
-    "min-snr": "train.benches.min_snr",
-    "latent-cache": "train.benches.latent_cache",
-    "diffusion-quality": "train.benches.diffusion_quality",
-    "resnet": "train.benches.resnet",
-    "drop-path": "train.benches.drop_path",
-    "convnets": "train.benches.convnets",
-    "convnet-recipe": "train.benches.convnet_recipe",
-    "peft": "train.benches.finetune",
-    "optimizers": "train.benches.optimizers",
-    "lr-find": "train.benches.lr_find",
-    "memory": "train.benches.memory",
-    "checkpointing": "train.benches.checkpointing",
-    "distributed": "train.benches.distributed",
-    "report": "train.benches.report",
-    "gguf": "train.benches.llm_gguf",
-    "sft-packing": "train.benches.sft_packing",
-    "quantized": "train.benches.quantized",
-    "qat": "train.benches.qat",
-    "prune": "train.benches.prune",
-    "distill": "train.benches.distill",
-    "convnet-ptq": "train.benches.convnet_ptq",
-    "distill-quality": "train.benches.distill_quality",
-    "data": "train.benches.data",
-    "sft-quality": "train.benches.sft_quality",
+    "llm-train": "llm_speed, name", "llm-moe": "llm_speed, name", "llm-mod": "llm_speed, name",
+    "doc-mask": "llm_speed, name", "llm-generate": "llm_speed, name", "gguf": "llm_speed, name",
+    "llm-moe-quality": "llm_quality, name", "llm-mod-quality": "llm_quality, name", "peft": "llm_quality, name",
+    "quantized": "deploy, name", "qat": "deploy, name", "prune": "deploy, name", "distill": "deploy, name",
+    "distill-quality": "deploy, name", "convnet-ptq": "deploy, name",
+    "resnet": "convnets, name", "convnets": "convnets, name", "drop-path": "convnets, name",
+    "convnet-recipe": "convnets, name",
+    "taesd": "diffusion, name", "dit": "diffusion, name", "latent-cache": "diffusion, name",
+    "min-snr": "diffusion, name", "diffusion-quality": "diffusion, name",
+    "optimizers": "optimizers, name", "lr-find": "optimizers, name",
+    "sft-packing": "sft, name", "sft-quality": "sft, name",
+    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
+    "report": "report",
 }
 
 
@@ -58,10 +38,11 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"unknown benchmark '{argv[0]}'")
-        print("benchmarks: " + (", ".join(sorted(BENCHES)) or "(none)"))
+        print("benchmarks: " + ", ".join(sorted(BENCHES)))
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    mod = importlib.import_module(BENCHES[argv[0]])
-    return mod.main(argv[1:]) or 0
+    module, _, preset = BENCHES[argv[0]].partition(", ")
+    mod = importlib.import_module(f"train.benches.{module}")
+    return (mod.main(argv[1:], argv[0]) if preset else mod.main(argv[1:])) or 0
 
 
 if __name__ == "__main__":

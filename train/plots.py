@@ -43,8 +43,8 @@ def _lines(ax, series: dict, x: int = 0, markers=(), styles: Optional[dict] = No
         if not pts:
             continue
         cols = list(zip(*pts))
-        style = dict(label=name, color=f"C{i % 10}", marker="o" if name in markers or len(pts) < 12 else None,
-                     markersize=3, **(styles or {}).get(name, {}))
+        style = {**dict(label=name, color=f"C{i % 10}", marker="o" if name in markers or len(pts) < 12 else None,
+                        markersize=3), **(styles or {}).get(name, {})}
         ax.plot(cols[x], cols[-1], **style)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

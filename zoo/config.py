@@ -5,7 +5,7 @@ e.g. ``configs/llm/tiny.yaml: model.n_heads=5 must divide model.d_model=256``.
 The dataclasses here are the single source of defaults. A field's numeric range is declared on
 the field (`n_layers: int = bounded(8, gt=0)`) and checked in one place (`check_bounds`, from
 `from_dict` and from the models); a config's `validate()` holds only the rules across fields.
-Each field's trailing `# comment` is its documentation: train/config_docs.py renders the key
+Each field's trailing `# comment` is its documentation: train/docs.py renders the key
 tables of docs/ from the dataclasses.
 """
 from __future__ import annotations

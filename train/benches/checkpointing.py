@@ -1,15 +1,13 @@
-"""Activation checkpointing policies: step time and memory of each, per family.
+"""The loop's training step under different settings: activation checkpointing policies, per family.
 
     python train/bench.py checkpointing                       # the three families, fp32
     python train/bench.py checkpointing --families llm --rounds 8 --no-measure
 
-Per family, one model per policy (none, selective, full on every 2nd block, full on every block),
-the same weights, the same batch (`Task.example_batch`); each side is one training step of the
-loop's own step function (`train.step.optimizer_step`: forward, backward, clipping, AdamW),
-the sides alternating round by round (harness.run_rounds). Printed: each policy's best step time,
-the paired median of its time over no checkpointing's (how many times slower), the planner's
-predicted peak and activations, and the peak measured in a fresh process (`train.plan.measure`;
-leave it out with --no-measure).
+Per family, one model per policy (none, selective, full on every 2nd block, full), the same weights
+and batch; each side is one step of the loop's own step function, the sides alternating round by
+round. The table: each policy's best step, how many times slower than none (paired median), the
+planner's predicted peak and activations, and the peak measured in a fresh process (train.plan).
+`compare` is the same for any settings (the report's precision, compile, chunked loss, accumulation).
 """
 from __future__ import annotations
 
@@ -19,16 +17,17 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
 
 from train.benches import harness  # noqa: E402
 from train.hardware import sync  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {
     "llm": ({"family": "llm", "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4,
-                                        "n_kv_heads": 2, "max_seq_len": 256},
+                                        "n_kv_heads": 2,
+                                        "max_seq_len": 256},
              "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 8}}, []),
     "convnet": ("convnet/resnet-digits.yaml", ["model.width=32", "train.batch_size=64"]),
     "diffusion": ("diffusion/digits.yaml", ["train.batch_size=128"]),
@@ -38,14 +37,13 @@ POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"
             "full": ["train.activation_checkpointing=full"]}
 
 
-def step_fn(cfg, precision: str, device: torch.device = torch.device("cpu"), model=None):
-    """One training step of `cfg` as the loop runs it (`train.step.optimizer_step`: train.grad_accum
-    micro-batches of `Task.example_batch`, autocast in `precision` with a GradScaler for fp16,
-    clipping, the config's optimizer), through torch.compile when train.compile. `model`: use this
-    one (already built, on `device`) instead of building the config's. Returns the step callable."""
-    from train.step import optimizer_step
+def step_fn(cfg, device: torch.device = torch.device("cpu"), model=None):
+    """One training step of `cfg` as the loop runs it (train.step.optimizer_step: train.grad_accum micro-batches
+    of Task.example_batch, autocast in train.precision with a GradScaler for fp16, clipping, the config's
+    optimizer), compiled when train.compile; `model`: this one instead of the config's. The step callable."""
     from train.optim import build_optimizer
     from train.plan import build_model
+    from train.step import optimizer_step
     from train.tasks import task_class
     torch.manual_seed(0)
     model = (build_model(cfg).to(device) if model is None else model).train()
@@ -54,56 +52,173 @@ def step_fn(cfg, precision: str, device: torch.device = torch.device("cpu"), mod
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
     params = [p for p in model.parameters() if p.requires_grad]
     fwd = torch.compile(model) if cfg.train.compile else model
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    autocast = (lambda: harness.autocast(precision, device.type)) if precision != "fp32" else contextlib.nullcontext
+    p = cfg.train.precision
+    scaler = torch.amp.GradScaler(device.type, enabled=p == "fp16")
+    autocast = (lambda: harness.autocast(p, device.type)) if p != "fp32" else contextlib.nullcontext
     n = cfg.train.grad_accum
     return lambda: optimizer_step(lambda b: task.loss(fwd, b), iter([batch] * n), n, opt, scaler, params, 1.0, autocast)
 
 
-def measure_policies(family: str, precision: str, rounds: int, measure: bool = True, threads: int = 0,
-                     policies=POLICIES, extra: tuple = (), device: torch.device = torch.device("cpu")) -> dict:
-    """Each policy's step time (harness.Rounds over the policies), planned peak and activations,
-    and measured peak (None without `measure`): {"rounds": Rounds, name: {"plan": Plan, "measured": bytes}}.
-    `extra`: overrides of the family's config (e.g. a smaller shape)."""
+def peak(base: dict, over: list, device: torch.device, threads: int = 0) -> int:
+    """The peak bytes of a steady-state step: the planner's measurement in a fresh process on a CPU,
+    max_memory_allocated across a step on CUDA."""
     from train.config import load_run_config
-    from train.plan import measure_in_subprocess, plan
-    from train.benches.memory import base_of
-    spec, over = FAMILIES[family]
-    base, over = base_of(spec), over + list(extra) + [f"train.precision={precision}"]
-    cfgs = {name: load_run_config(None, over + policies[name], base=base) for name in policies}
-    sides = {name: step_fn(c, precision, device) for name, c in cfgs.items()}
-    for fn in sides.values():
-        fn()  # warm-up
-    out = {"rounds": harness.run_rounds(sides, rounds, sync=lambda: sync(device))}
-    for name, c in cfgs.items():
-        out[name] = {"plan": plan(c), "measured": measure_in_subprocess(
-            base, over + policies[name], threads=threads)["peak"] if measure else None}
-    return out
+    from train.plan import measure_in_subprocess
+    if device.type != "cuda":
+        return measure_in_subprocess(base, over, threads=threads)["peak"]
+    fn = step_fn(load_run_config(None, over, base=base), device)
+    fn(), fn(), torch.cuda.synchronize(device), torch.cuda.reset_peak_memory_stats(device)
+    fn(), torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def compare(base: dict, sides: dict, rounds: int, repeats: int = 0, device=torch.device("cpu"), warmup: int = 1,
+            threads: int = 0) -> tuple[harness.Rounds, dict, dict]:
+    """The step of `base` with each side's overrides in alternating rounds -> (Rounds, {side: `repeats`
+    measured peaks}, {side: its first step's seconds})."""
+    from train.config import load_run_config
+    fns = {n: step_fn(load_run_config(None, o, base=base), device) for n, o in sides.items()}
+    first = harness.warm_up(fns, say=lambda m: None)
+    harness.warm_up(fns, warmup - 1, say=lambda m: None)
+    r = harness.run_rounds(fns, rounds, sync=lambda: sync(device))
+    return r, {n: [peak(base, o, device, threads) for _ in range(repeats)] for n, o in sides.items()}, first
+
+
+def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
+    """max |g_accum - g_batch| / max |g_batch|: k micro-batches of the loop's optimizer_step against one batch
+    k times larger, the same data (a recording optimizer keeps the gradients)."""
+    from types import SimpleNamespace
+
+    from train.plan import build_model
+    from train.step import optimizer_step
+    from train.tasks import task_class
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device).train()
+    task = task_class(cfg.family)(cfg, device, lambda m: None)
+    task.example_batch(model, 1)  # the task takes the model's settings, as before the loop's first step
+    b, gen = cfg.train.batch_size, torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len + 1), generator=gen).to(device)
+    params, grads = [p for p in model.parameters() if p.requires_grad], []
+    rec = SimpleNamespace(param_groups=[{"params": params}],
+                          step=lambda: grads.append([p.grad.clone() for p in params]),
+                          zero_grad=lambda set_to_none=True: [setattr(p, "grad", None) for p in params])
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    for batches in ([(ids[:, :-1], ids[:, 1:])], [(ids[i::k, :-1], ids[i::k, 1:]) for i in range(k)]):
+        optimizer_step(lambda bb: task.loss(model, bb), iter(batches), len(batches), rec, scaler, params, None)
+    return max(float((a - w).abs().max()) for a, w in zip(grads[1],
+                                                          grads[0])) / max(float(w.abs().max()) for w in grads[0])
 
 
 def main(argv=None):
+    from train.benches.memory import base_of
+    from train.config import load_run_config
+    from train.plan import MiB, plan
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
     args = p.parse_args(argv)
     harness.setup(args)
-    from train.plan import MiB
+    tables = {}
     for precision in args.precision:
         for family in args.families:
-            m = measure_policies(family, precision, args.rounds, not args.no_measure, args.threads or 0)
-            r = m["rounds"]
+            spec, over = FAMILIES[family]
+            base, over = base_of(spec), [*over, f"train.precision={precision}"]
+            sides = {k: over + v for k, v in POLICIES.items()}
+            r, measured, _ = compare(base, sides, args.rounds, 0 if args.no_measure else 1, threads=args.threads or 0)
             rows = []
-            for name in POLICIES:
-                q, measured = m[name]["plan"], m[name]["measured"]
-                slower = r.paired("none", name) if name != "none" else None
-                rows.append([name, f"{r.best(name) * 1e3:.1f}", "1.00x" if slower is None else str(slower),
+            for name, o in sides.items():
+                q = plan(load_run_config(None, o, base=base))
+                slower = "1.00x" if name == "none" else str(r.paired("none", name))
+                rows.append([name, f"{r.best(name) * 1e3:.1f}", slower,
                              f"{q.peak_bytes / MiB:.1f}", f"{q.breakdown['activations'] / MiB:.1f}",
-                             "-" if measured is None else f"{measured / MiB:.1f}"])
-            print(f"\n{family}, {precision}, {args.rounds} rounds")
-            harness.print_table(["policy", "best step ms", "step time / none (paired median)",
-                                 "predicted peak MiB", "predicted activations MiB", "measured peak MiB"], rows)
+                             f"{measured[name][0] / MiB:.1f}" if measured[name] else "-"])
+            tables[f"{family} {precision}"] = harness.table(
+                ["policy", "best step ms", "step time / none (paired median)", "predicted peak MiB",
+                 "predicted activations MiB", "measured peak MiB"], rows)
+    harness.save(args, tables, {})
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ---------------------------------------------------------------- the techniques report's claims on the loop's step
+def steps(ctx, sides: dict, memory=False, warmup=1):
+    """`compare` on the report's LLM (ctx: train/benches/report.py's Ctx): rounds, `ctx.seeds` peaks, first steps."""
+    return compare(ctx.s.llm, {n: [f"train.precision={ctx.precision}", *o] for n, o in sides.items()}, ctx.n_rounds,
+                   ctx.seeds if memory else 0, ctx.device, warmup)
+
+
+def claim_precision(ctx) -> list[dict]:
+    """bf16 autocast and fp16 autocast + GradScaler against fp32: the loop's step time and its peak memory."""
+    r, peaks, _ = steps(ctx, {p: [f"train.precision={p}"] for p in ("fp32", "bf16", "fp16")}, memory=True)
+    return [x for p, label in (("bf16", "bf16 autocast"), ("fp16", "fp16 autocast + GradScaler")) for x in (
+        ctx.speed("bf16 autocast (speed)", r, p, "fp32", f"{label} (speed)"),
+        ctx.saved("precision (memory)", peaks["fp32"], peaks[p], f"{label} (memory)"))]
+
+
+def claim_compile(ctx) -> list[dict]:
+    """torch.compile of the model in the loop's step: the first step (compilation) and the steady speed."""
+    if not ctx.s.compile:
+        return [dict(key="torch.compile", reason="left out at this scale (compilation takes tens of seconds)")]
+    r, _, first = steps(ctx, {m: [f"train.compile={m == 'compile'}"] for m in ("eager", "compile")}, warmup=2)
+    return [ctx.speed("torch.compile", r, "compile", "eager",
+                      speed=f"first step {first['eager']:.2f} s eager, {first['compile']:.1f} s compiled; ")]
+
+
+def claim_checkpointing(ctx) -> list[dict]:
+    """Full activation checkpointing against none: measured peak and step time (this bench's)."""
+    r, peaks, _ = steps(ctx, {"none": [], "full": ["train.activation_checkpointing=full"]}, memory=True)
+    p = r.paired("full", "none")
+    return [ctx.saved("activation checkpointing", peaks["none"], peaks["full"], speed=f"slowdown {p}",
+                      numbers={"speedup": p.median})]
+
+
+def claim_chunked_ce(ctx) -> list[dict]:
+    """Chunked cross-entropy (the default) against the loss on the full logits: the step's peak."""
+    r, peaks, _ = steps(ctx, {k: [f"train.chunked_loss={k == 'chunked'}"] for k in ("full", "chunked")}, memory=True)
+    return [ctx.saved("chunked cross-entropy", peaks["full"], peaks["chunked"], speed=str(r.paired("chunked", "full")))]
+
+
+def claim_grad_accum(ctx) -> list[dict]:
+    """Gradient accumulation: k micro-batches against one batch k times larger, the same data: the gradients (the
+    loop's optimizer_step), the step time and the step's peak."""
+    from train.config import load_run_config
+    k, b = ctx.s.accum, ctx.s.llm["train"]["batch_size"]
+    diff = accumulation_diff(load_run_config(None, [f"train.precision={ctx.precision}"], base=ctx.s.llm), k, ctx.device)
+    r, peaks, _ = steps(ctx, {"one": [], "acc": [f"train.batch_size={b // k}", f"train.grad_accum={k}"]}, memory=True)
+    speed = ctx.speed("gradient accumulation (memory)", r, "acc", "one",
+                      f"grad accumulation {k} x {b // k} (cost)")["speed"]
+    return [dict(key="gradient accumulation (gradients)", baseline=f"one batch of {b}", evidence="exact",
+                 samples=[diff],
+                 speed=speed, numbers={"max_rel_grad_diff": diff},
+                 quality=f"max abs(g_accum - g_batch) / max abs(g_batch) = {diff:.2e} ({k} x {b // k} vs 1 x {b})"),
+            ctx.saved("gradient accumulation (memory)", peaks["one"], peaks["acc"], baseline=f"one batch of {b}",
+                      speed=speed)]
+
+
+def claim_cuda_flags(ctx) -> list[dict]:
+    """TF32 matmuls (an fp32 LLM step) and cudnn.benchmark (a ResNet step): CUDA only."""
+    if ctx.device.type != "cuda":
+        return [dict(key=k, reason=f"this hardware has no CUDA device ({ctx.device.type})")
+                for k in ("TF32 matmuls", "cudnn.benchmark")]
+    from train.benches.convnets import build_pair, side
+    from train.config import load_run_config
+    arch, batch, size = ctx.s.resnet
+    data = [torch.randn(batch, 3, size, size, device=ctx.device), torch.randint(0, 1000, (batch,), device=ctx.device)]
+    res = side(build_pair(arch, 1000)[0].to(ctx.device), data, ctx.device)
+    llm = step_fn(load_run_config(None, [f"train.precision={ctx.precision}"], base=ctx.s.llm), ctx.device)
+
+    def flag(obj, attr, on, fn):
+        def call():
+            old = getattr(obj, attr)
+            setattr(obj, attr, on)
+            try:
+                fn()
+            finally:
+                setattr(obj, attr, old)
+        return call
+    out = []
+    for key, obj, attr, fn in (("TF32 matmuls", torch.backends.cuda.matmul, "allow_tf32", llm),
+                               ("cudnn.benchmark", torch.backends.cudnn, "benchmark", lambda: res.step(ctx.precision))):
+        calls = {k: flag(obj, attr, k == "on", fn) for k in ("off", "on")}
+        harness.warm_up(calls, 2, say=lambda m: None)
+        out.append(ctx.speed(key, harness.run_rounds(calls, ctx.n_rounds, sync=torch.cuda.synchronize), "on", "off"))
+    return out

@@ -1,24 +1,17 @@
-"""ConvNet training steps: Zoo's ConvNeXt, ConvNeXt V2, EfficientNet-B0 and MobileNetV3-Large
-against timm's, same weights, batch and precision, eager and compiled, contiguous and channels-last.
+"""ConvNets: training steps of Zoo's models against timm's, drop-path modes, and the classification recipe.
 
-    python train/bench.py convnets                                  # the four models, 64 x 3 x 224 x 224 on CUDA
-    python train/bench.py convnets --batch 8 --size 64 --modes eager --rounds 8    # a CPU-sized run
-    python train/bench.py convnets --archs convnext_tiny --json out.json
-    python train/bench.py convnets --device cpu --batch 8 --size 64 --docs   # also docs/convnets_bench.json and docs/convnet.md's table
+    python train/bench.py resnet          # ResNet-50 vs timm's, 16 x 3 x 224 x 224, fp32 and bf16, both memory formats
+    python train/bench.py convnets        # ConvNeXt (V2), EfficientNet-B0, MobileNetV3 vs timm's, eager and compiled
+    python train/bench.py drop-path       # stochastic depth computed and zeroed (mask) vs skipped (skip, batch)
+    python train/bench.py convnet-recipe  # timm's augmentations on top of the digits preset, equal steps, 3 seeds
 
-A training step is the resnet bench's (train/benches/resnet.py: forward, cross-entropy, backward,
-SGD-momentum step, zero_grad), the models built by its build_pair (timm's random init, loaded into
-Zoo). For each model, mode (eager, or torch.compile of each side's model) and memory format, the
-two sides alternate `--rounds` rounds of `--steps` steps (train/benches/harness.py); the table
-gives images/s of each side's best round and the median of the paired ratios (Zoo / timm speed,
-> 1: Zoo faster) with their range. The numbers are written as JSON beside the table (`--json`),
-after every setting, so an interrupted run keeps what it measured; `--docs` also writes them to
-docs/convnets_bench.json, over the rows of the same settings already there (`merged`: a run of
-some models or modes updates only their rows), and renders docs/convnet.md's table from it.
+A training step is forward, cross-entropy, backward, the loop's SGD-momentum step and zero_grad on the
+same batch; the two models hold the same weights (timm's random init loaded into Zoo). Sides alternate
+round by round (harness.py): images/s of each best round, the paired median ratio with its range, and
+the same on each side's CPU time (which leaves out the time a side waited for a core).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -26,122 +19,307 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
 
 from train.benches import harness  # noqa: E402
-from train.benches.resnet import Side, build_pair  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS_JSON, PAGE = ROOT / "docs" / "convnets_bench.json", ROOT / "docs" / "convnet.md"
-HEADER = ["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
-          "zoo speed / timm, paired median (range)", "the same on CPU time"]
 ARCHS = ["convnext_tiny", "convnextv2_tiny", "efficientnet_b0", "mobilenetv3_large_100"]
-MODES = ("eager", "compiled")
-
-
-def table(data: dict) -> str:
-    return harness.table_text(HEADER, [
-        [r["arch"], r["mode"], r["format"], r["precision"], f"{r['zoo_img_s']:.1f}", f"{r['timm_img_s']:.1f}",
-         f"{r['zoo_speed_over_timm_paired_median']:.2f}x ({r['range'][0]:.2f}-{r['range'][1]:.2f}x)",
-         f"{r['cpu_time_paired_median']:.2f}x ({r['cpu_time_range'][0]:.2f}-{r['cpu_time_range'][1]:.2f}x)"]
-        for r in data["results"]])
-
-
+MODES = ("mask", "skip", "batch")
+RECIPE = "data.auto_augment=trivialaugment,data.random_erasing=0.25,data.mixup_alpha=0.8,data.cutmix_alpha=1.0"
 SETTING = ("device", "batch", "size", "threads", "torch")
 
 
+def build_pair(arch: str, num_classes: int):
+    """Zoo's model and timm's (random init) with the same weights, fp32, training mode."""
+    import timm
+
+    from zoo.convnet import build
+    from zoo.weights.timm_convnet import config_from_state_dict, load_into
+    torch.manual_seed(0)
+    ref = timm.create_model(arch, pretrained=False, num_classes=num_classes)
+    model = build(config_from_state_dict(ref.state_dict(), arch))
+    load_into(model, ref.state_dict())
+    return model.train(), ref.train()
+
+
+def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) -> harness.Side:
+    """A training step of `model` on batch[0], batch[1] (a list: the caller may swap the tensors)."""
+    from train.config import OptimConfig
+    from train.optim import build_optimizer
+    opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), device, log=lambda *a: None)
+    return harness.Side(model, lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]), opt, compile,
+                        device)
+
+
+def step_rounds(models: dict, batch: int, size: int, classes: int, precision: str, rounds: int,
+                device=torch.device("cpu"),
+                fmt: dict = None) -> harness.Rounds:
+    """Training steps of each model on one batch (in its memory format, `fmt`, channels-last by default) after a
+    warm-up step, in alternating rounds."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, classes, (batch,), generator=g).to(device)
+    calls = {}
+    for n, m in models.items():
+        f = (fmt or {}).get(n, torch.channels_last)
+        s = side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device)
+        calls[n] = lambda s=s: s.step(precision)
+    harness.warm_up(calls, say=lambda m: None)
+    return harness.run_rounds(calls, rounds,
+                              sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
+
+
 def merged(old: dict, new: dict) -> dict:
-    """The docs JSON after a run of some settings (e.g. `--archs convnextv2_tiny --modes compiled`):
-    new's rows replace old's of the same model, mode, memory format and precision, old's other rows
-    stay, when both ran at the same shape, device, threads and torch; otherwise new alone. Each row
-    keeps its own date (paired ratios are measured back to back, so rows stand on their own)."""
+    """The result after a run of some settings: new's rows replace old's of the same model, mode, memory
+    format and precision, old's others stay, when both ran at the same shape, device, threads and torch."""
     if any(old.get(k) != new.get(k) for k in SETTING):
         return new
     key = lambda r: (r["arch"], r["mode"], r["format"], r["precision"])  # noqa: E731
     fresh = {key(r): r for r in new["results"]}
-    rows = [fresh.pop(key(r), r) for r in old["results"]] + list(fresh.values())
-    return {**new, "results": rows}
+    return {**new, "results": [fresh.pop(key(r), r) for r in old["results"]] + list(fresh.values())}
 
 
-def render(data: dict, page: Path = PAGE, write: bool = True) -> list[str]:
-    return ["convnets"] if harness.update_docs_table(page, "convnets", table(data), write) else []
-
-
-def main(argv=None):
-    ap = harness.parser("convnets", __doc__, precision="bf16", keep_memory=True)
-    ap.add_argument("--archs", type=harness.name_list(ARCHS, "arch"), default=",".join(ARCHS))
-    ap.add_argument("--modes", type=harness.name_list(MODES, "mode"), default="eager,compiled")
-    ap.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
-                    default="contiguous,channels_last")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--size", type=int, default=224, help="image height and width")
-    ap.add_argument("--classes", type=int, default=1000)
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side and setting (compilation included)")
-    ap.add_argument("--steps", type=harness.positive_int, default=5, help="timed steps per round")
-    ap.add_argument("--json", default="runs/bench/convnets.json", help="where the numbers are written")
-    ap.add_argument("--docs", action="store_true", help="also write docs/convnets_bench.json and docs/convnet.md's table")
-    args = ap.parse_args(argv)
-    kept = harness.setup(args)
+def zoo_vs_timm(args) -> tuple[dict, dict]:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    print(f"convnets: batch {args.batch} x 3 x {args.size} x {args.size} on {device} "
-          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
-          f"torch {torch.__version__}, freed memory {'kept' if kept else 'returned to the OS'}; "
-          f"{args.rounds} alternating rounds of {args.steps} steps", flush=True)
+    torch.backends.cudnn.benchmark = device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device)
-    y = torch.randint(0, args.classes, (args.batch,), generator=g).to(device)
-    out = []
+    batch = [x0, torch.randint(0, args.classes, (args.batch,), generator=g).to(device)]
     data = {"device": str(device), "batch": args.batch, "size": args.size, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "results": out}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for mode in args.modes:  # every eager setting first: the compiled ones take far longer (compilation)
+            "threads": torch.get_num_threads(), "results": []}
+    for mode in args.modes:  # every eager setting first: the compiled ones take far longer
         for arch in args.archs:
-            zoo_model, timm_model = (m.to(device) for m in build_pair(arch, args.classes))
+            models = build_pair(arch, args.classes)
+            flops = models[0].flops_per_image(args.size) if hasattr(models[0], "flops_per_image") else None
             for fmt in args.formats:
-                mf = harness.FORMATS[fmt]
-                x = x0.contiguous(memory_format=mf)
-                for m in (zoo_model, timm_model):
-                    m.to(memory_format=mf)
-                sides = [Side("zoo", zoo_model, device), Side("timm", timm_model, device)]
-                if mode == "compiled":
-                    for s in sides:
-                        s.model = torch.compile(s.model)
+                batch[0] = x0.contiguous(memory_format=harness.FORMATS[fmt])
+                sides = {n: side(m.to(device, memory_format=harness.FORMATS[fmt]), batch, device, mode == "compiled")
+                         for n, m in zip(("zoo", "timm"), models)}
                 for p in args.precision:
-                    for s in sides:
-                        for _ in range(args.warmup):
-                            s.step(x, y, p)
+                    calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
+                    harness.warm_up(calls, args.warmup, say=lambda m: None)
                     sync()
-                    r = harness.run_rounds({s.name: (lambda s=s: s.step(x, y, p)) for s in sides}, args.rounds,
-                                           calls=args.steps, sync=sync)
-                    zoo_ips, timm_ips = args.batch / r.best("zoo"), args.batch / r.best("timm")
-                    paired = r.paired("zoo", "timm")  # how many times faster Zoo is, round by round
-                    cpu = r.paired("zoo", "timm", clock="cpu")  # the same on each side's CPU time (waits for a core left out)
-                    print(f"  {arch} {mode} {fmt} {p}: zoo {zoo_ips:.1f} img/s, timm {timm_ips:.1f} img/s, "
-                          f"zoo speed / timm {paired}, on CPU time {cpu}", flush=True)
-                    out.append({"arch": arch, "mode": mode, "format": fmt, "precision": p, "zoo_img_s": zoo_ips,
-                                "timm_img_s": timm_ips, "zoo_speed_over_timm_paired_median": paired.median,
-                                "range": [paired.low, paired.high], "cpu_time_paired_median": cpu.median,
-                                "cpu_time_range": [cpu.low, cpu.high], "rounds": args.rounds,
-                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                "load_average": os.getloadavg()[0]})
-                    path.write_text(json.dumps(data, indent=1))
-                torch._dynamo.reset()
-            del zoo_model, timm_model
-    print()
-    print(table(data), end="")
-    harness.write_results(data, path)
-    if args.docs:
-        docs = merged(json.loads(DOCS_JSON.read_text()), data) if DOCS_JSON.is_file() else data
-        DOCS_JSON.write_text(json.dumps(docs, indent=1))
-        print(f"json: {DOCS_JSON}; docs tables rewritten: {', '.join(render(docs)) or 'none (up to date)'}")
+                    r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=sync)
+                    w, c = r.paired("zoo", "timm"), r.paired("zoo", "timm", "cpu")
+                    data["results"].append({
+                        "arch": arch, "mode": mode, "format": fmt, "precision": p,
+                                            "zoo_img_s": args.batch / r.best("zoo"),
+                        "timm_img_s": args.batch / r.best("timm"), "best_ratio": r.ratio("zoo", "timm"),
+                        "zoo_speed_over_timm_paired_median": w.median, "range": [w.low, w.high],
+                                            "cpu_time_paired_median": c.median,
+                        "cpu_time_range": [c.low, c.high],
+                                            "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9,
+                        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "load_average": os.getloadavg()[0], "wall": r.wall})
+                    print(f"  {arch} {mode} {fmt} {p}: {r.summary('zoo', 'timm')}", flush=True)
+            torch._dynamo.reset()
+    if args.preset == "convnets":  # rows of other settings kept from the result before, and its command
+        old, new = harness.load_result(args.json), data
+        data = merged(old.get("data", {}), new)
+        if len(data["results"]) > len(new["results"]):
+            args.command = f"{old['command']}; {args.command}"
+    return {"steps": convnets_table(data)}, data
+
+
+def convnets_table(data: dict) -> dict:
+    def rng(m, r):
+        return f"{m:.2f}x ({r[0]:.2f}-{r[1]:.2f}x)"
+    rows = [[r["arch"], r["mode"], r["format"], r["precision"], f"{r['zoo_img_s']:.1f}", f"{r['timm_img_s']:.1f}",
+             f"{r['best_ratio']:.2f}x" if "best_ratio" in r else "-",
+             rng(r["zoo_speed_over_timm_paired_median"], r["range"]),
+             rng(r["cpu_time_paired_median"], r["cpu_time_range"]),
+             f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"]
+            for r in data["results"]]
+    notes = []
+    for p in dict.fromkeys(r["precision"] for r in data["results"]):  # channels-last against contiguous, per side
+        for arch, mode in dict.fromkeys((r["arch"], r["mode"]) for r in data["results"]):
+            got = {r["format"]: r for r in data["results"] if (r["arch"], r["mode"], r["precision"]) == (arch, mode, p)}
+            if len(got) == 2:
+                gain = {s: got["channels_last"][f"{s}_img_s"] / got["contiguous"][f"{s}_img_s"]
+                        for s in ("zoo", "timm")}
+                notes.append(f"channels-last / contiguous, {arch} {mode} {p}: zoo {gain['zoo']:.2f}x, "
+                             f"timm {gain['timm']:.2f}x (best rounds)")
+    return harness.table(["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
+                          "zoo / timm (best rounds)",
+                          "zoo speed / timm, paired median (range)", "the same on CPU time", "zoo GFLOP/s"], rows,
+                         "\n".join(notes))
+
+
+def bound(rate: float) -> float:
+    """About the most skipping gives at a last-block rate: the linear rule's mean rate over the blocks is
+    rate / 2, that share of the branches' work saved (a bound when the blocks do equal work)."""
+    return 1.0 / (1.0 - rate / 2)
+
+
+def crossover(data: dict, mode: str, precision: str = "fp32"):
+    """The lowest rate from which on (every higher rate measured too) `mode`'s paired median speed over
+    mask's is above 1; None when there is no such rate."""
+    rows = sorted((r for r in data["results"] if r["precision"] == precision), key=lambda r: r["rate"])
+    above = [r[f"{mode}_over_mask"]["median"] > 1.0 for r in rows]
+    first = next((i for i in range(len(rows)) if all(above[i:])), None)
+    return None if first is None else rows[first]["rate"]
+
+
+def drop_path(args) -> tuple[dict, dict]:
+    """Each rate is the last block's (linear from 0 at the first, as in Huang et al. 2016); every mode has
+    the same weights, batch and rate, channels-last."""
+    import zoo
+    from zoo.config import ConvNetConfig
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randn(args.batch, 3, args.size, args.size,
+                         generator=g).contiguous(memory_format=torch.channels_last),
+             torch.randint(0, 10, (args.batch,), generator=g)]
+    data = {"arch": args.arch, "load_before": os.getloadavg()[0], "results": []}
+    for p in args.precision:
+        for rate in args.rates:
+            sides = {}
+            for mode in MODES:
+                torch.manual_seed(0)
+                cfg = ConvNetConfig(arch=args.arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode)
+                sides[mode] = side(zoo.build(cfg).to(memory_format=torch.channels_last), batch)
+                sides[mode].step(p)
+            r = harness.run_rounds({m: (lambda s=s: s.step(p)) for m, s in sides.items()}, args.rounds,
+                                   calls=args.steps)
+            data["results"].append({"precision": p, "rate": rate,
+                                    **{f"{m}_img_s": args.batch / r.best(m) for m in MODES},
+                                    **{f"{m}_over_mask": r.paired(m, "mask")._asdict() for m in ("skip", "batch")},
+                                    "seconds": r.wall})
+            print(f"  {p} rate {rate}: {r.summary('skip', 'mask')}; {r.summary('batch', 'mask')}", flush=True)
+    data["load_after"] = os.getloadavg()[0]
+    rows = [[r["precision"], r["rate"], *(f"{r[f'{m}_img_s']:.1f}" for m in MODES),
+             *(str(harness.Paired(**r[f"{m}_over_mask"])) for m in ("skip", "batch")), f"{bound(r['rate']):.2f}x"]
+            for r in data["results"]]
+    notes = []
+    for p in args.precision:
+        at = [r for r in data["results"] if r["precision"] == p]
+        for mode in ("skip", "batch"):
+            rate = crossover(data, mode, p)
+            every = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["low"] > 1.0) or "no rate"
+            beyond = ", ".join(str(r["rate"]) for r in at
+                               if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])) or "no rate"
+            notes.append(f"{mode} / mask ({p}): paired median above 1.00x "
+                         f"{'at no rate measured' if rate is None else f'from a last-block rate of {rate} on'}; "
+                         f"every round faster at {every}; median beyond the bound (noise) at {beyond}.")
+    notes.append(f"Load average (1 min): {data['load_before']:.1f} before, {data['load_after']:.1f} after.")
+    return {"rates": harness.table(["precision", "last block's rate", "mask img/s", "skip img/s", "batch img/s",
+                                    "skip / mask (paired median, range)", "batch / mask", "bound 1 / (1 - rate / 2)"],
+                                   rows, "\n".join(notes))}, data
+
+
+def recipe(args) -> tuple[dict, dict]:
+    """Per seed, the config as shipped (baseline) and with --recipe's overrides: final validation top-1,
+    loss and confidence (the mean highest softmax probability of the final weights)."""
+    metrics = ("val_acc1", "val_loss", "val_confidence")
+    res = {"baseline": [], "recipe": []}
+    for seed in args.seeds:
+        for name, extra in (("baseline", []), ("recipe", args.recipe.split(","))):
+            out = Path(args.out) / f"{name}-{seed}"
+            rows = harness.run_loop(ROOT / "configs" / "convnet" / args.config, out, [
+                f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision[0]}", *extra],
+                args.threads or 1)
+            r = [r for r in rows if "val_acc1" in r][-1]
+            res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
+                              "val_confidence": confidence(out)})
+    rows = [[k, " ".join(f"{a[k]:.4f}" for a in res["baseline"]), " ".join(f"{b[k]:.4f}" for b in res["recipe"]),
+             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])],
+                                   words="recipe")] for k in metrics]
+    return {"recipe": harness.table(["metric", "baseline (per seed)", "recipe (per seed)",
+                                     "recipe - baseline, mean ± 95% interval, verdict"], rows)}, res
+
+
+def confidence(out: Path) -> float:
+    from safetensors.torch import load_file
+
+    from train.config import load_run_config
+    from train.tasks.classify import ClassifyTask
+    task = ClassifyTask(load_run_config(str(out / "config.yaml")), torch.device("cpu"), log=lambda m: None)
+    task.setup()
+    model = task.build_model()
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    return task.predict(model)[0].softmax(-1).max(-1).values.mean().item()
+
+
+def main(argv=None, preset: str = "resnet"):
+    p = harness.parser(preset, __doc__, precision={"convnets": "bf16", "resnet": "fp32,bf16"}.get(preset, "fp32"),
+                       rounds=preset != "convnet-recipe", keep_memory=preset != "convnet-recipe")
+    batch = {"resnet": 16, "convnets": 64, "drop-path": 32}.get(preset, 64)
+    p.add_argument("--batch", type=harness.positive_int, default=batch)
+    p.add_argument("--size", type=harness.positive_int, default=64 if preset == "drop-path" else 224, help="image size")
+    p.add_argument("--steps", type=harness.positive_int, default={"convnets": 5, "convnet-recipe": 200}.get(preset, 2),
+                   help="timed steps per round (convnet-recipe: training steps)")
+    p.add_argument("--warmup", type=int, default=3 if preset == "convnets" else 1,
+                   help="untimed steps per side and setting")
+    p.add_argument("--classes", type=harness.positive_int, default=1000)
+    resnets = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+    p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + resnets, "arch"),
+                   default="resnet50" if preset in ("resnet", "drop-path") else ",".join(ARCHS))
+    p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"),
+                   default="eager,compiled" if preset == "convnets" else "eager")
+    p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
+                   default="contiguous,channels_last")
+    p.add_argument("--device", default="cuda" if preset == "convnets" and torch.cuda.is_available() else "cpu")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5], help="drop-path: last block's rates")
+    p.add_argument("--config", default="resnet-digits.yaml", help="convnet-recipe: a file of configs/convnet/")
+    p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="convnet-recipe: train.seed values")
+    p.add_argument("--recipe", default=RECIPE, help="convnet-recipe: comma list of the overrides the recipe adds")
+    p.add_argument("--out", default="runs/bench/convnet-recipe")
+    args = p.parse_args(argv)
+    args.preset, args.arch = preset, args.archs[0]
+    if preset == "convnet-recipe" and (len(args.seeds) < 3 or len(args.precision) != 1):
+        p.error("--seeds: at least three seeds; --precision: one precision")
+    kept = harness.setup(args)
+    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
+          f"{'kept' if kept else 'returned to the OS'}", flush=True)
+    tables, data = (drop_path if preset == "drop-path" else recipe if preset == "convnet-recipe" else zoo_vs_timm)(args)
+    harness.save(args, tables, data)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ---------------------------------------------------------------- the techniques report's claims
+def claim_channels_last(ctx) -> list[dict]:
+    """Channels-last against contiguous: the resnet bench's training step, the same weights, paired rounds."""
+    arch, batch, size = ctx.s.resnet
+    return [ctx.speed("channels-last", step_rounds({f: build_pair(arch, 1000)[0] for f in harness.FORMATS}, batch, size,
+                                                   1000, p,
+                                                   ctx.n_rounds, ctx.device, harness.FORMATS), "channels_last",
+                      "contiguous",
+                      f"channels-last ({arch}, {p})", unit=f"step ({batch}x3x{size}x{size})")
+            for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else [])]
+
+
+def claim_stochastic_depth(ctx) -> list[dict]:
+    """Stochastic depth. Speed: the report's ResNet without drop path against whole blocks skipped for the batch
+    (drop_path_mode=batch, Huang et al. 2016) and the dropped rows skipped (skip), rates 0 to 0.5, paired rounds.
+    Quality: the digits ResNet with and without drop_path_rate 0.1, loop runs per seed."""
+    import zoo
+    from zoo.config import ConvNetConfig
+    arch, batch, size = ctx.s.resnet
+    models = {}
+    for name, rate, mode in (("none", 0.0, "mask"), ("batch", 0.5, "batch"), ("skip", 0.5, "skip")):
+        torch.manual_seed(0)
+        models[name] = zoo.build(ConvNetConfig(arch=arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode))
+    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds,
+                    ctx.device)  # skip may leave 1 sample
+    steps, ps = ctx.s.sd_steps, []
+    for seed in range(ctx.seeds):
+        res = {n: ctx.loop(f"sd_{rate}", ROOT / "configs" / "convnet" / "resnet-digits.yaml", [
+            f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}",
+            f"train.log_every={max(1, steps // 20)}",
+            f"optim.warmup_steps={max(1, steps // 10)}", "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed)
+            for n, rate in (("none", 0.0), ("0.1", 0.1))}
+        if seed == 0:
+            ctx.plot("stochastic_depth_val", "ResNet on digits: stochastic depth 0.1 vs none (seed 0)", res, "val_loss",
+                     "validation loss")
+        ps.append({f"{n}_{k}": harness.last(res[n], f"val_{k}") for n in res for k in ("loss", "acc1")})
+    m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
+    q = (f"val loss {m['none_loss']:.4f} -> {m['0.1_loss']:.4f}, top-1 {m['none_acc1']:.3f} -> {m['0.1_acc1']:.3f} "
+         f"({steps} steps)")
+    speed = ctx.speed("stochastic depth (speed)", r, "batch", "none", unit=f"{arch} step, rates 0 -> 0.5, batch skip",
+                      speed=f"per-sample skip {r.paired('skip', 'none')}; ", quality=q)
+    speed["numbers"]["skip_speedup"] = r.paired("skip", "none").median
+    return [speed, dict(key="stochastic depth (quality)",
+                        samples=[(p["none_loss"] - p["0.1_loss"]) / p["none_loss"] for p in ps],
+                        speed=speed["speed"], quality=q, numbers={"per_seed": ps})]

@@ -1,31 +1,15 @@
 """Data preparation and batch assembly: speed against the tokenizer alone, peak memory, batch rate.
 
-    python train/bench.py data                          # speed (16 MB corpus), RSS at 100 MB, batches
-    python train/bench.py data --rss-mb 100,1000        # + the 1 GB corpus (about 2 minutes per 100 MB)
+    python train/bench.py data                          # speed (16 MB corpus), memory at 100 MB, batches
+    python train/bench.py data --rss-mb 100,1000        # + the 1 GB corpus
     python train/bench.py data --only speed --mb 32 --rounds 8
 
-A generated corpus (`generate`): a .jsonl of documents of 1-40 lines drawn at random from the
-Python standard library's sources, so every machine has it.
-
-1. speed: per tokenizer (sentencepiece BPE and a Hugging Face byte-level BPE tokenizer.json, both
-   trained on a sample of the corpus, vocab 8192), the sides alternating round by round:
-   `zoo prepare` (train/data/shards.py with `--workers` processes: reading, tokenising, writing
-   the shards and the document index) against `tokenizer alone`: the same documents read from
-   the same file, encoded in batches of 8 MB by the tokenizer's own multi-threaded batch encode
-   with `--workers` threads (sentencepiece `encode(num_threads=)`, tokenizers `encode_batch`,
-   RAYON_NUM_THREADS), the ids counted and dropped. Printed: MB/s and tokens/s of each side's
-   best round, and the paired median of zoo's speed over the tokenizer's (target >= 0.8x).
-2. rss: the peak memory of preparing a corpus of each `--rss-mb` size in a fresh process
-   (sentencepiece, `--workers` processes): the sum of the proportional set sizes (PSS: shared
-   pages divided among the processes that share them) of the process and its workers, and of
-   its anonymous part (the heap; the rest is file-backed), sampled every 50 ms (target: < 1 GB
-   and within 20% across sizes).
-3. batches: the rate at which TokenData assembles training batches of the SmolLM-135M preset's
-   shape (8 x 2048 tokens, random windows of the prepared corpus) against the rate at which that
-   preset trains on this machine (one micro-batch of 1 x 2048 tokens, forward and backward,
-   tokens/s), both in tokens/s.
-
-The numbers go to the JSON file `--json` beside the printed tables.
+The corpus: a generated .jsonl of 1-40 line documents of the Python standard library's sources.
+speed: `zoo prepare` (train/data/prepare.py, --workers processes: tokenising and writing shards) against
+the tokenizer alone (its own threaded batch encode, ids counted and dropped), per tokenizer
+(sentencepiece, a byte-level BPE tokenizer.json); target: zoo >= 0.8x. rss: the peak PSS of preparing
+each --rss-mb corpus in a fresh process and its workers, and its anonymous part. batches: TokenData's
+assembly rate of the SmolLM-135M preset's batches against the rate that preset trains at here.
 """
 from __future__ import annotations
 
@@ -123,14 +107,16 @@ def speed(args, folder: Path, out: dict):
                "paired_high": paired.high}
         for side, key in zip(SIDES, ("zoo", "alone")):
             best = r.best(side)
-            res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best, "tokens": counts[key],
+            res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best,
+                         "tokens": counts[key],
                          "wall_s": r.wall[side]}
             rows.append([name, side, f"{mb / best:.2f}", f"{counts[key] / best / 1e6:.2f}",
                          str(paired) if side == SIDES[0] else ""])
         out.setdefault("speed", {})[name] = res
-    print(f"\nPreparation speed, {mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} "
-          f"alternating rounds (zoo also writes the shards; its tokens include one EOS per document)")
-    harness.print_table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows)
+    return harness.table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows,
+                         f"{mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} alternating "
+                         f"rounds "
+                         f"(zoo also writes the shards; its tokens include one EOS per document)")
 
 
 def tree_pss(pid: int) -> tuple[int, int]:
@@ -184,14 +170,16 @@ def rss(args, folder: Path, out: dict):
             time.sleep(0.05)
         tokens, secs = p.stdout.read().split()
         size = corpus.stat().st_size / 1e6
-        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak, "peak_anon_pss_bytes": peak_anon,
+        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak,
+                                              "peak_anon_pss_bytes": peak_anon,
                                              "seconds": float(secs),
                                              "tokens": int(tokens)}
-        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}", f"{size / float(secs):.2f}",
+        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}",
+                     f"{size / float(secs):.2f}",
                      f"{int(tokens):,}"])
         corpus.unlink()
-    print(f"\nPeak memory of preparation (sentencepiece, {args.workers} workers; PSS of the process and its workers)")
-    harness.print_table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows)
+    return harness.table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows,
+                         f"sentencepiece, {args.workers} workers; PSS of the process and its workers")
 
 
 def batches(args, folder: Path, out: dict):
@@ -227,38 +215,35 @@ def batches(args, folder: Path, out: dict):
     trained = T / min(times[1:])
     out["batches"] = {"batch": [B, T], "assembled_tokens_per_s": assemble, "trained_tokens_per_s": trained,
                       "precision": args.precision[0], "threads": torch.get_num_threads()}
-    print(f"\nBatch assembly against training, SmolLM-135M preset ({B} x {T} windows; training: 1 x {T} forward + "
-          f"backward, {args.precision[0]}, {torch.get_num_threads()} threads, best of {args.train_reps})")
-    harness.print_table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
-                        [[f"{assemble:,.0f}", f"{trained:,.0f}", f"{assemble / trained:,.0f}x"]])
+    return harness.table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
+                         [[f"{assemble:,.0f}", f"{trained:,.0f}", f"{assemble / trained:,.0f}x"]],
+                         f"SmolLM-135M preset ({B} x {T} windows; training: 1 x {T} forward and backward, "
+                         f"{args.precision[0]}, {torch.get_num_threads()} threads, best of {args.train_reps})")
 
 
 def main(argv=None):
     ap = harness.parser("data", __doc__, precision="fp32")
     ap.add_argument("--only", type=harness.name_list(("speed", "rss", "batches"), "part"), default="speed,rss,batches")
     ap.add_argument("--mb", type=harness.positive_int, default=16, help="size of the speed corpus in MB (default 16)")
-    ap.add_argument("--rss-mb", type=lambda s: [int(x) for x in s.split(",")], default=[100],
+    ap.add_argument("--rss-mb", type=harness.int_list, default=[100],
                     help="comma list of corpus sizes in MB for the memory part (default 100)")
     ap.add_argument("--workers", type=harness.positive_int, default=2, help="processes / threads (default 2)")
     ap.add_argument("--train-reps", type=harness.positive_int, default=2)
     ap.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
-    ap.add_argument("--json", default="runs/bench-data.json", help="where the numbers go (default %(default)s)")
     args = ap.parse_args(argv)
     harness.setup(args)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
     folder = Path(args.dir or tempfile.mkdtemp(prefix="zoo-bench-data-"))
     folder.mkdir(parents=True, exist_ok=True)
-    out = {"workers": args.workers, "cpus": os.cpu_count()}
+    out, tables = {"workers": args.workers, "cpus": os.cpu_count()}, {}
     try:
         for part, fn in (("speed", speed), ("rss", rss), ("batches", batches)):
             if part in args.only:
-                fn(args, folder, out)
+                tables[part] = fn(args, folder, out)
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
-    print(f"\nnumbers: {args.json}")
+    harness.save(args, tables, out)
     return 0
 
 

@@ -1,33 +1,24 @@
-"""What every benchmark shares: alternating rounds, paired ratios, the command line, tables, memory.
+"""What every benchmark shares: alternating rounds and paired ratios, the statistics (scipy's), the
+command line (shared options, one parser for LLM shapes), training sides, peak memory, runs of the
+loop, and the result JSON that docs tables are rendered from (docs/results/NAME.json, train/docs.py).
 
-Timing (DESIGN.md, "Benchmarks"): the sides of a comparison run in one process, one after the
-other in each round, the order reversed every other round (A B, B A, A B, ...), so that a slow
-spell of the machine, the allocator's state or a warm cache favours no side. `run_rounds` gives
-each side's seconds per call round by round, on the wall clock and on the process's CPU clock
-(which leaves out the time the process waited for a core). From them:
-  - each side's best round: the least disturbed one;
-  - the paired ratio of two sides in a round (one side's time over the other's, measured back to
-    back), and its median over the rounds with the range: the figure a speed target is judged on,
-    least moved by a slow spell that hits one side's best round.
-At least `MIN_ROUNDS` rounds by default (`--rounds`).
-
-Command line: `parser()` makes each benchmark's parser with the options they share: `--precision`
-(the names configs use for `train.precision`: fp32, bf16, fp16), `--rounds`, `--threads` and,
-for the training benchmarks, `--no-keep-memory` (by default the process keeps freed memory, as
-`train.cpu_keep_memory` does in the loop, for every side alike). A bad value is a one-line error
-(exit 2).
-
-Also: `PeakRSS` (the peak resident set size a piece of code adds, sampled by a thread) and
-`print_table` (a Markdown table, as docs/ quotes them).
+Timing (DESIGN.md, "Benchmarks"): the sides of a comparison run in one process, one after the other
+in each round, the order reversed every other round, so that a slow spell of the machine favours no
+side. A speed target is judged on the median over rounds of the per-round paired ratio.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import gc
 import json
 import os
-import re
+import platform
+import resource
+import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -37,8 +28,9 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
 
 from train.hardware import keep_freed_memory, libc  # noqa: E402
 from train.hardware import measure_peak_flops  # noqa: E402
@@ -46,6 +38,8 @@ from train.step import DTYPES as PRECISIONS  # noqa: E402  (fp32, bf16, fp16: tr
 
 MIN_ROUNDS = 8
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+RESULTS = ROOT / "docs" / "results"
+LEVEL = 0.95
 
 
 # ---------------------------------------------------------------- rounds
@@ -87,40 +81,40 @@ class Rounds:
         return getattr(self, clock)[side]
 
     def best(self, side: str, clock: str = "wall") -> float:
-        """The side's fastest round, in seconds per call."""
         return min(self.times(side, clock))
+
+    def median(self, side: str, clock: str = "wall") -> float:
+        return statistics.median(self.times(side, clock))
 
     def ratio(self, side: str, ref: str, clock: str = "wall") -> float:
         """How many times faster `side` is than `ref`, best round against best round."""
         return self.best(ref, clock) / self.best(side, clock)
 
     def paired(self, side: str, ref: str, clock: str = "wall") -> Paired:
-        """How many times faster `side` is than `ref` within each round (ref's time over side's,
-        measured back to back): the median over rounds and the range."""
+        """How many times faster `side` is than `ref` within each round: the median and the range."""
         ratios = sorted(r / s for s, r in zip(self.times(side, clock), self.times(ref, clock), strict=True))
         return Paired(statistics.median(ratios), ratios[0], ratios[-1])
 
     def summary(self, side: str, ref: str, clock: str = "wall") -> str:
         n = len(self.times(side, clock))
         return (f"{side} / {ref}: best rounds {self.ratio(side, ref, clock):.2f}x, "
-                f"paired median {self.paired(side, ref, clock)} over {n} rounds")
+                f"paired median {self.paired(side, ref, clock)} over {n} rounds"
+                + ("" if clock == "wall" else f" ({clock})"))
 
 
 def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
                between: Optional[Callable[[int], object]] = None, sync: Callable[[], object] = lambda: None,
                clock: Callable[[], tuple[float, float]] = now) -> Rounds:
-    """Times `calls` calls of each side per round, the sides alternating as `round_order` orders
-    them; `sync()` (e.g. a CUDA synchronize) ends each side's turn before the clock is read, and
-    `between(round)` runs after each round, untimed. Returns the seconds per call."""
+    """Times `calls` calls of each side per round in `round_order`; `sync()` ends each side's turn
+    before the clock is read, `between(round)` runs after each round, untimed. Seconds per call."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds and calls must be >= 1, got {rounds} and {calls}")
     out = Rounds({s: [] for s in sides}, {s: [] for s in sides})
     for r in range(rounds):
         for name in round_order(sides, r):
-            fn = sides[name]
             wall0, cpu0 = clock()
             for _ in range(calls):
-                fn()
+                sides[name]()
             sync()
             wall1, cpu1 = clock()
             out.wall[name].append((wall1 - wall0) / calls)
@@ -130,12 +124,64 @@ def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int =
     return out
 
 
+def warm_up(sides: dict[str, Callable[[], object]], calls: int = 1, say=print) -> dict[str, float]:
+    """`calls` untimed calls of each side (compilation happens here); their seconds per side."""
+    out = {}
+    for name, fn in sides.items():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = time.perf_counter() - t0
+        say(f"  warm-up {name}: {out[name]:.1f} s")
+    return out
+
+
+# ---------------------------------------------------------------- statistics (scipy's, for every bench and the report)
+def mean_interval(values: Iterable[float], level: float = LEVEL) -> tuple[float, float]:
+    """(mean, half-width of its Student-t interval) of independent measurements; inf for fewer than two."""
+    from scipy.stats import t  # scipy comes with scikit-learn, a dependency of zoo
+    v = [float(x) for x in values]
+    m = statistics.fmean(v)
+    if len(v) < 2:
+        return m, float("inf")
+    return m, float(t.ppf(0.5 + level / 2, len(v) - 1)) * statistics.stdev(v) / len(v) ** 0.5
+
+
+def median_rank(n: int, level: float = LEVEL) -> Optional[int]:
+    """The largest k with P(X_(k) <= median <= X_(n+1-k)) >= level for n samples (a binomial tail),
+    or None when even the full range covers less (n <= 5 at 95%)."""
+    from scipy.stats import binom
+    ks = [k for k in range(1, n // 2 + 1) if 1 - 2 * binom.cdf(k - 1, n, 0.5) >= level - 1e-12]
+    return max(ks, default=None)
+
+
+def verdict(mean: float, half: float, lower_is: str = "lower") -> str:
+    """A difference with its interval in words: `inconclusive` when the interval holds zero."""
+    if abs(mean) <= half:
+        return "inconclusive"
+    return lower_is if mean < 0 else ("higher" if lower_is == "lower" else "lower")
+
+
+def interval_text(values: Iterable[float], fmt: str = "+.4f", words: str = "") -> str:
+    """'mean ± half' of the values (with the verdict after `words`, e.g. 'recipe', when given)."""
+    m, h = mean_interval(values)
+    v = verdict(m, h)
+    return f"{m:{fmt}} ± {h:.4f}" + (f" {v if v == 'inconclusive' else f'{words} {v}'}" if words else "")
+
+
 # ---------------------------------------------------------------- command line
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `bench.py NAME: error: ...`, exit 2 (no usage block)."""
+    """argparse whose errors are one line (`bench.py NAME: error: ...`, exit 2), and which records the
+    command line as `args.command` (what a result JSON says made it)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, argv=None, namespace=None):
+        argv = sys.argv[2:] if argv is None else list(argv)
+        args = super().parse_args(argv, namespace)
+        args.command, args.argv = shlex.join(["python", "train/bench.py", self.prog.split()[-1], *argv]), argv
+        return args
 
 
 def name_list(choices: Iterable[str], what: str) -> Callable[[str], list[str]]:
@@ -170,32 +216,60 @@ def positive_int(text: str) -> int:
     return n
 
 
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: bool = True,
-           keep_memory: bool = False) -> ArgumentParser:
-    """The parser of `bench.py NAME` with the shared options; `precision` is the default list
-    (None: no --precision option). `setup(args)` applies --threads and --no-keep-memory."""
-    p = ArgumentParser(prog=f"bench.py {name}", description=doc.split("\n")[0])
+           keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "") -> ArgumentParser:
+    """The parser of `bench.py NAME` with the shared options: --precision (a comma list, default
+    `precision`; one name with `one_precision`), --rounds, --threads, --no-keep-memory (training
+    benches) and --json (where the result goes: docs/results/RESULT.json, RESULT the name by default;
+    None: no result file)."""
+    p = ArgumentParser(prog=f"bench.py {name}", description=doc.strip().split("\n")[0])
     if precision is not None:
-        p.add_argument("--precision", type=name_list(PRECISIONS, "precision"), default=precision,
-                       help=f"comma list of {', '.join(PRECISIONS)} (as train.precision; default {precision})")
+        kind = precision_name if one_precision else name_list(PRECISIONS, "precision")
+        p.add_argument("--precision", type=kind, default=precision,
+                       help=f"{'one' if one_precision else 'comma list'} of {', '.join(PRECISIONS)} "
+                            f"(default {precision})")
     if rounds:
         p.add_argument("--rounds", type=positive_int, default=MIN_ROUNDS,
-                       help=f"alternating rounds of the sides (default {MIN_ROUNDS})")
+                       help=f"alternating rounds (default {MIN_ROUNDS})")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     if keep_memory:
-        p.add_argument("--no-keep-memory", action="store_true",
-                       help="leave glibc's default (mmap and unmap large blocks) instead of the loop's cpu_keep_memory")
+        p.add_argument("--no-keep-memory", action="store_true", help="glibc's default instead of cpu_keep_memory")
+    if result is not None:
+        p.add_argument("--json", type=Path, default=RESULTS / f"{result or name}.json", help="where the result goes")
     return p
 
 
+SHAPE_ALIASES = {"n_layers": ["--layers"], "n_heads": ["--heads"], "n_kv_heads": ["--kv-heads"], "seq": ["--seq-len"],
+                 "ffn": ["--expert-hidden"]}
+
+
+def llm_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
+    """The LLM shape options of every LLM bench, with the bench's defaults: --d-model, --n-layers,
+    --n-heads, --n-kv-heads (0: as many as heads), --ffn (0: the config's), --experts, --vocab, --seq, --batch."""
+    for key, default in defaults.items():
+        p.add_argument("--" + key.replace("_", "-"), *SHAPE_ALIASES.get(key, []), dest=key, default=default,
+                       type=int if key in ("n_kv_heads", "ffn") else positive_int)
+    return p
+
+
+def llm_config(args, **over):
+    """The LLMConfig of the shape options (and `over`)."""
+    from zoo.config import LLMConfig
+    shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                 n_kv_heads=getattr(args, "n_kv_heads", 0) or None, ffn_hidden=getattr(args, "ffn", 0) or None,
+                 max_seq_len=getattr(args, "seq", None))
+    return LLMConfig(**{k: v for k, v in {**shape, **over}.items() if v is not None})
+
+
 def setup(args) -> bool:
-    """Applies --threads, and keeps freed memory in the process unless --no-keep-memory (for
-    every side alike). Returns whether freed memory is kept."""
+    """Applies --threads, and keeps freed memory unless --no-keep-memory (every side alike). Whether it is kept."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    if getattr(args, "no_keep_memory", True):
-        return False
-    return keep_freed_memory()
+    return False if getattr(args, "no_keep_memory", True) else keep_freed_memory()
 
 
 def autocast(precision: str, device_type: str = "cpu"):
@@ -206,9 +280,29 @@ def autocast(precision: str, device_type: str = "cpu"):
 
 
 def best_peak_flops(device: torch.device, precision: str, peak: float = 0.0) -> float:
-    """The larger of `peak` and a new `measure_peak_flops` (the loop's MFU denominator): a
-    benchmark calls it between rounds and keeps the least disturbed measurement."""
+    """The larger of `peak` and a new `measure_peak_flops` (the loop's MFU denominator)."""
     return max(peak, measure_peak_flops(device, PRECISIONS[precision]))
+
+
+class Side:
+    """A model, its optimizer (the loop's AdamW by default) and one training step:
+    loss(model or its compiled self) -> loss; backward; step; zero_grad(set_to_none)."""
+
+    def __init__(self, model, loss, optimizer=None, compile: bool = False, device=torch.device("cpu")):
+        from train.config import OptimConfig
+        from train.optim import build_optimizer
+        self.model, self.loss_fn, self.device = model.train(), loss, device
+        self.fwd = torch.compile(model) if compile else model
+        self.opt = optimizer or build_optimizer(model, OptimConfig(), device, log=lambda *a: None)
+
+    def step(self, precision: str = "fp32"):
+        with autocast(precision, self.device.type):
+            loss = self.loss_fn(self.fwd)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = loss.detach()
+        return self.loss
 
 
 # ---------------------------------------------------------------- memory
@@ -222,7 +316,7 @@ def rss() -> Optional[int]:
 
 
 def trim():
-    """Collect garbage and hand freed heap memory back to the OS (glibc), so the next peak is measured from a low base."""
+    """Collect garbage and hand freed heap memory back to the OS, so the next peak starts low."""
     gc.collect()
     c = libc()
     if c is not None:
@@ -230,8 +324,8 @@ def trim():
 
 
 class PeakRSS:
-    """Context manager: the peak resident set size above the level at entry, sampled by a
-    background thread every `every` seconds (`peak` in bytes, None where RSS is unavailable)."""
+    """Context manager: the peak resident set size above the level at entry, sampled by a thread
+    every `every` seconds (`peak` in bytes, None where RSS is unavailable)."""
 
     def __init__(self, every: float = 0.002):
         self.every, self.peak = every, None
@@ -240,8 +334,7 @@ class PeakRSS:
         trim()
         self.base = rss()
         if self.base is not None:
-            self.peak = 0
-            self._stop = threading.Event()
+            self.peak, self._stop = 0, threading.Event()
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
@@ -261,71 +354,135 @@ class PeakRSS:
             self._sample()
 
 
+def busy_cpu_s() -> Optional[float]:
+    """CPU seconds every process of the machine has used since boot (/proc/stat: all but idle and iowait)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        ticks = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the measurements' subprocesses)."""
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+def others_share(start: tuple, end: tuple, cores: int) -> Optional[float]:
+    """The share of the machine's CPU time (wall x cores) other processes used between two (wall, busy, own) samples."""
+    if start[1] is None or end[1] is None or end[0] <= start[0]:
+        return None
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / ((end[0] - start[0]) * max(1, cores)))
+
+
 def gib(n: Optional[int]) -> str:
     return "unavailable" if n is None else f"{n / 2**30:.2f}"
 
 
-# ---------------------------------------------------------------- quality
-def mean_interval(values: Iterable[float], level: float = 0.95) -> tuple[float, float]:
-    """(mean, half-width of its `level` Student-t interval) of independent measurements (seeds,
-    batches); the half-width is inf for fewer than two."""
-    from scipy.stats import t  # scipy comes with scikit-learn, a dependency of zoo
-    v = list(values)
-    m = statistics.fmean(v)
-    if len(v) < 2:
-        return m, float("inf")
-    return m, float(t.ppf(0.5 + level / 2, len(v) - 1)) * statistics.stdev(v) / len(v) ** 0.5
+# ---------------------------------------------------------------- runs of the loop
+QUIET = ["train.progress=false", "train.samples=false", "train.plot=false", "train.export=false"]
 
 
-def verdict(mean: float, half: float, lower_is: str = "lower") -> str:
-    """A difference with its interval in words: `inconclusive` when the interval holds zero."""
-    if abs(mean) <= half:
-        return "inconclusive"
-    return lower_is if mean < 0 else ("higher" if lower_is == "lower" else "lower")
+def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] = None, inproc: bool = False,
+             done: Optional[str] = "model.safetensors") -> list[dict]:
+    """The metrics rows of a run of `config` (a path or a base dict) with `overrides` into `out`: read
+    back when `out/done` exists (done=None: never), else run by train/run.py in a process of its own
+    (`threads` OMP threads) or in this one (`inproc`)."""
+    from train.metrics import read_rows
+    out = Path(out)
+    over = [f"train.out_dir={out}", *QUIET, *overrides]
+    if done is None or not (out / done).exists():
+        if inproc or isinstance(config, dict):
+            from train.config import load_run_config
+            from train.loop import train
+            cfg = (load_run_config(None, over, base=config) if isinstance(config, dict)
+                   else load_run_config(str(config), over))
+            train(cfg, log=lambda m: None)
+        else:
+            cmd = [sys.executable, str(ROOT / "train" / "run.py"), str(config), *over]
+            print(" ".join(cmd[1:]), flush=True)
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
+            subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    return read_rows(out)
 
 
-# ---------------------------------------------------------------- output
-def table_text(header: list[str], rows: Iterable[Iterable[object]]) -> str:
-    """A Markdown table, one line per row."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
+def last(rows: list[dict], key: str) -> float:
+    return [r[key] for r in rows if key in r][-1]
 
 
-def print_table(header: list[str], rows: Iterable[Iterable[object]]):
-    """A Markdown table (docs/ quotes them as printed)."""
-    print(table_text(header, rows), end="", flush=True)
+def final(rows: list[dict]) -> dict:
+    """The last step's rows merged (its training and evaluation rows)."""
+    step = max(r["step"] for r in rows)
+    return {k: v for r in rows if r["step"] == step for k, v in r.items()}
 
 
-DOCS_TABLE = re.compile(r"(<!-- bench:([\w-]+) -->\n)(.*?)(<!-- /bench -->)", re.S)
+def median_of(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if key in r]
+    return statistics.median(vals[1:] if len(vals) > 2 else vals)  # the first window includes warm-up
 
 
-def update_docs_table(page: Path, name: str, table: str, write: bool = True) -> bool:
-    """The table between `<!-- bench:NAME -->` and `<!-- /bench -->` in `page` made `table` (tables
-    in docs/ are rendered from a benchmark's JSON, never typed in). Returns whether it differed;
-    write=False only checks. A page without the markers is a one-line error."""
-    text = page.read_text()
-    found = [m for m in DOCS_TABLE.finditer(text) if m.group(2) == name]
-    if not found:
-        raise ValueError(f"{page}: no <!-- bench:{name} --> ... <!-- /bench --> markers")
-    new = DOCS_TABLE.sub(lambda m: m.group(1) + table + m.group(4) if m.group(2) == name else m.group(0), text)
-    if new != text and write:
-        page.write_text(new)
-    return new != text
+# ---------------------------------------------------------------- results: tables and their JSON
+def hardware() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import importlib.metadata as md
+    versions = {}
+    for pkg in ("torch", "transformers", "torchao", "peft", "timm", "diffusers", "numpy", "matplotlib"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = "not installed"
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
 
 
-def write_results(data: dict, out: Path, docs_json: Optional[Path] = None,
-                  render: Optional[Callable[[dict], list[str]]] = None):
-    """A benchmark's JSON at `out`; with docs_json also there, and `render(data)` rewrites the docs
-    tables made from it (the names it rewrote are printed)."""
-    for path in [out] + ([docs_json] if docs_json is not None else []):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1))
-        print(f"json: {path}")
-    if docs_json is not None and render is not None:
-        print(f"docs tables rewritten: {', '.join(render(data)) or 'none (up to date)'}")
+def machine() -> str:
+    """One line: the CPU, cores, torch threads, the GPU, torch, and the load average now."""
+    h = hardware()
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads"
+            + (f", {h['gpu']}" if h["gpu"] else "")
+            + f", torch {torch.__version__}{load}")
 
 
-def render_docs(docs_json: Path, render: Callable[[dict], list[str]]) -> int:
-    """`--render`: rewrite the docs tables from the committed JSON alone (no measurement)."""
-    print("rewrote: " + (", ".join(render(json.loads(docs_json.read_text()))) or "nothing (up to date)"))
-    return 0
+def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "") -> dict:
+    """A table as a result JSON holds it: column names, rows of cells (text), lines below it."""
+    return {"columns": list(columns), "rows": [[str(c) for c in r] for r in rows],
+            **({"notes": notes} if notes else {})}
+
+
+def print_table(columns: list[str], rows: Iterable[Iterable[object]]):
+    show({"": table(columns, rows)})
+
+
+def show(tables: dict):
+    """Print each table as markdown (as docs/ shows it)."""
+    from train.docs import markdown
+    for key, t in tables.items():
+        print(f"\n{key}:\n" if key else "", markdown(t), sep="", end="", flush=True)
+
+
+def load_result(path: Path) -> dict:
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+
+
+def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> Path:
+    """Prints the tables and writes the result JSON (args.json): the command, the machine, the date, the
+    tables and the numbers; under docs/results/ the docs regions made from it are rewritten too."""
+    if show_tables:
+        show(tables)
+    path = Path(path or args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    result = {"command": args.command, "machine": machine(), "date": date, "tables": tables, "data": data}
+    path.write_text(json.dumps(result, indent=1, default=lambda o: getattr(o, "__dict__", str(o))) + "\n")
+    print(f"\nresult: {path}")
+    if path.resolve().parent == RESULTS.resolve():
+        from train.docs import main as docs
+        docs([])
+    return path

@@ -1,77 +1,38 @@
-"""Optimizers side by side: state memory and step time on the ~40M LLM bench shape, and the val
-loss each reaches on the embedded default (configs/llm/tiny.yaml) with its own tuned LR.
+"""Optimizers: state memory and step time side by side, the loss each reaches, and the LR range test.
 
-    python train/bench.py optimizers                          # memory + step time, all optimizers
-    python train/bench.py optimizers --optimizers adamw,lion  # a subset (adamw, the reference, always runs)
-    python train/bench.py optimizers --quality --train-steps 300   # + the LR sweep of each on the embedded default
+    python train/bench.py optimizers                          # state bytes and step time of every optimizer
+    python train/bench.py optimizers --quality --train-steps 300   # + an LR sweep of each on the embedded default
+    python train/bench.py lr-find                             # train.lr_find's suggestion against a sweep's best LR
 
-Memory and time: one model (d_model 512, 8 layers, 8 heads (MHA), vocab 32000, tied: 42M
-parameters) with fixed random gradients; every optimizer is built on it and stepped in
-alternating rounds (harness.run_rounds); the table gives each one's optimizer-step time, the
-paired median of fused AdamW's time over its own, and the bytes its state holds after a step
-(`train.optim.state_bytes`: tensors counted once, quantised states by their storage). The forward
-and backward are the same for every optimizer and are left out. torchao's AdamW8bit compiles its
-update per tensor shape in its untimed warm-up step (minutes on a CPU, once per process).
-
-Quality (`--quality`): for each optimizer, `--train-steps` steps of the embedded default at each LR of
-its grid (x1/3, x1, x3 around LR_START, or `--lrs`), the best final val loss and its LR (for
-Muon the grid scales `optim.muon_lr` from 0.02 as it scales `optim.lr`); and Muon against AdamW: the first evaluation (every `--eval-every` steps) at which each
-reaches `--target` val loss (default: AdamW's best final val loss).
+Memory and time: one LLM with fixed random gradients; every optimizer is built on it and stepped in
+alternating rounds, the weights put back between rounds (forward and backward are left out: the same
+for all). State bytes: `train.optim.state_bytes` after a step. torchao's AdamW8bit compiles its update
+per tensor shape in its untimed warm-up step. Quality and lr-find: runs of configs/llm/tiny.yaml.
 """
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(ROOT))
 
 from train.benches import harness  # noqa: E402
-from train.metrics import read_rows
 
 REFERENCE = "adamw"
-# starting LRs on the embedded default (the grid multiplies them by 1/3, 1 and 3)
 LR_START = {"adamw": 2e-3, "sgd": 0.1, "adafactor": 1e-2, "lion": 3e-4, "muon": 2e-3, "adamw8bit": 2e-3,
-            "adamw_offload": 2e-3, "galore": 2e-3}
+            "adamw_offload": 2e-3, "galore": 2e-3}  # on the embedded default; the grid is x1/3, x1, x3
 MUON_LR = 0.02
 
 
 def build_model(args):
-    from zoo.config import LLMConfig
-    from zoo.llm import LLM
+    import zoo
     torch.manual_seed(0)
-    return LLM(LLMConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                         n_kv_heads=args.n_heads, max_seq_len=256, tie_embeddings=True))
-
-
-def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print) -> tuple:
-    """Every optimizer of `configs` (name -> OptimConfig) built on `model` (whose parameters hold
-    fixed gradients) and stepped in alternating rounds, the weights put back between rounds.
-    Returns (harness.Rounds, {name: state bytes after a step (`train.optim.state_bytes`)}, {name: build notes})."""
-    from train.optim import build_optimizer, state_bytes
-    device = next(model.parameters()).device
-    opts, notes = {}, {}
-    for name, cfg in configs.items():
-        msgs = []
-        opts[name] = build_optimizer(model, cfg, device, log=msgs.append)
-        notes[name] = "; ".join(msgs)
-    for name, o in opts.items():  # warm-up: states allocated (and torchao's update compiled)
-        o.step()
-        say(f"  {name}: warmed up" + (f" ({notes[name]})" if notes[name] else ""))
-    with torch.no_grad():
-        weights = [p.detach().clone() for p in model.parameters()]
-
-    def restore(_r):  # the optimizers move the shared weights by tiny steps; put them back between rounds
-        with torch.no_grad():
-            for p, w in zip(model.parameters(), weights):
-                p.copy_(w)
-
-    rounds = harness.run_rounds({k: o.step for k, o in opts.items()}, rounds, calls=steps, between=restore)
-    return rounds, {name: state_bytes(o) for name, o in opts.items()}, notes
+    return zoo.build(harness.llm_config(args, n_kv_heads=args.n_heads, max_seq_len=256, tie_embeddings=True))
 
 
 def with_gradients(model, seed: int = 0):
@@ -82,92 +43,154 @@ def with_gradients(model, seed: int = 0):
     return model
 
 
-def memory_and_time(args, names):
+def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print) -> tuple:
+    """Every optimizer of `configs` (name -> OptimConfig) on `model` (holding fixed gradients), stepped in
+    alternating rounds -> (harness.Rounds, {name: state bytes after a step}, {name: build notes})."""
+    from train.optim import build_optimizer, state_bytes
+    device = next(model.parameters()).device
+    opts, notes = {}, {}
+    for name, cfg in configs.items():
+        msgs = []
+        opts[name] = build_optimizer(model, cfg, device, log=msgs.append)
+        notes[name] = "; ".join(msgs)
+    harness.warm_up({k: o.step for k, o in opts.items()}, say=say)  # states allocated (and torchao's update compiled)
+    with torch.no_grad():
+        weights = [p.detach().clone() for p in model.parameters()]
+
+    def restore(_):  # the optimizers move the shared weights by tiny steps: put them back
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), weights):
+                p.copy_(w)
+    rounds = harness.run_rounds({k: o.step for k, o in opts.items()}, rounds, calls=steps, between=restore)
+    return rounds, {name: state_bytes(o) for name, o in opts.items()}, notes
+
+
+def memory_and_time(args, names) -> dict:
     from train.config import OptimConfig
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
-    print(f"optimizers: LLM {n / 1e6:.1f}M params (d_model {args.d_model}, {args.n_layers} layers, vocab "
-          f"{args.vocab}), torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} alternating "
-          f"rounds of {args.steps} optimizer step(s)", flush=True)
-    rounds, nbytes, _ = time_optimizers(model, {name: OptimConfig(name=name, lr=1e-5, muon_lr=1e-5) for name in names},
-                                        args.rounds, args.steps, say=lambda m: print(m, flush=True))
-    ref_bytes = nbytes[REFERENCE]
-    rows = []
-    for name in names:
-        b = nbytes[name]
-        rows.append([name, f"{rounds.best(name) * 1e3:.1f}", str(rounds.paired(REFERENCE, name)) if name != REFERENCE
-                     else "", f"{b / 2**20:.1f}", f"{b / n:.2f}", f"{100 * (1 - b / ref_bytes):.0f}%"])
-    print()
-    harness.print_table(["optimizer", "best step ms", "step time / adamw's, paired median (range)", "state MiB",
-                         "state bytes / param", "state saved vs adamw"], rows)
+    r, nbytes, notes = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names},
+                                       args.rounds,
+                                       args.steps)
+    ref = nbytes[REFERENCE]
+    rows = [[k, f"{r.best(k) * 1e3:.1f}", str(r.paired(REFERENCE, k)) if k != REFERENCE else "",
+             f"{nbytes[k] / 2**20:.1f}",
+             f"{nbytes[k] / n:.2f}", f"{100 * (1 - nbytes[k] / ref):.0f}%", notes[k]] for k in names]
+    return harness.table(["optimizer", "best step ms", "step time / adamw's, paired median (range)", "state MiB",
+                          "state bytes / param", "state saved vs adamw", "notes"], rows, f"{n / 1e6:.1f}M parameters")
 
 
-def quality(args, names):
+def train_run(args, over: list) -> tuple[dict, list]:
+    """The final row and the val-loss curve of a run of the embedded default with `over` (and --set)."""
     from train.config import load_run_config
     from train.loop import train
+    from train.metrics import read_rows
     from train.run import DEFAULT_CONFIG
-    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        over = [f"train.out_dir={tmp}", *harness.QUIET, "train.checkpoint_every=0", "train.average_last=0",
+                f"train.precision={args.precision[0]}", *over, *args.set]
+        final = train(load_run_config(str(DEFAULT_CONFIG), over), log=lambda m: None)
+        rows = read_rows(Path(tmp)) if (Path(tmp) / "metrics.jsonl").is_file() else []  # none from the range test
+        return final, [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+
+def quality(args, names) -> dict:
+    """Each optimizer at each LR of its grid for --train-steps: the best final val loss and its LR; and Muon
+    against AdamW: the first evaluation at which each reaches --target (default: AdamW's best)."""
+    res = {}
     for name in names:
-        lrs = args.lrs or [LR_START[name] / 3, LR_START[name], LR_START[name] * 3]
-        for lr in lrs:
-            with tempfile.TemporaryDirectory() as tmp:
-                over = [f"train.out_dir={tmp}", f"train.max_steps={args.train_steps}", f"train.eval_every={args.eval_every}",
-                        f"train.precision={args.precision[0]}", "train.progress=false", "train.samples=false",
-                        "train.plot=false", "train.export=false", f"train.checkpoint_every=0", "train.average_last=0",
-                        f"optim.warmup_steps={max(1, args.train_steps // 10)}", f"optim.name={name}", f"optim.lr={lr}",
-                        *([f"optim.muon_lr={MUON_LR * lr / LR_START[name]}"] if name == "muon" else []), *args.set]
-                cfg = load_run_config(str(DEFAULT_CONFIG), over)
-                final = train(cfg, log=lambda m: None)
-                rows = read_rows(Path(tmp))
-            curve = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-            results[name, lr] = (final["val_loss"], curve)
+        for lr in args.lrs or [LR_START[name] / 3, LR_START[name], LR_START[name] * 3]:
+            muon = [f"optim.muon_lr={MUON_LR * lr / LR_START[name]}"] if name == "muon" else []
+            final, curve = train_run(args, [
+                f"train.max_steps={args.train_steps}", f"train.eval_every={args.eval_every}",
+                f"optim.warmup_steps={max(1, args.train_steps // 10)}", f"optim.name={name}", f"optim.lr={lr}", *muon])
+            res[name, lr] = (final["val_loss"], curve)
             print(f"  {name} lr {lr:.2g}: val loss {final['val_loss']:.4f}", flush=True)
-    best = {}
-    for name in names:
-        lr = min((lr for n, lr in results if n == name), key=lambda lr: results[name, lr][0])
-        best[name] = (lr, *results[name, lr])
-    print()
-    harness.print_table(["optimizer", "best LR", f"val loss after {args.train_steps} steps", "LRs tried"],
-                        [[n, f"{lr:.2g}", f"{v:.4f}", ", ".join(f"{l:.2g}" for m, l in results if m == n)]
-                         for n, (lr, v, _) in best.items()])
+    best = {n: min(((lr, *v) for (m, lr), v in res.items() if m == n), key=lambda t: t[1]) for n in names}
+    tables = {"quality": harness.table(["optimizer", "best LR", f"val loss after {args.train_steps} steps",
+                                        "LRs tried"],
+                                       [[n, f"{lr:.2g}", f"{v:.4f}", ", ".join(f"{l:.2g}" for m, l in res if m == n)]
+                                        for n, (lr, v, _) in best.items()])}
     if "muon" in best and REFERENCE in best:
         target = args.target or best[REFERENCE][1]
-        print()
-        rows = []
-        for n in (REFERENCE, "muon"):
-            hit = next((s for s, v in best[n][2] if v <= target), None)
-            rows.append([n, f"{best[n][0]:.2g}", f"{target:.4f}", str(hit) if hit else f"not within {args.train_steps}"])
-        harness.print_table(["optimizer", "LR", "target val loss", f"steps to reach it (evaluated every "
-                                                                   f"{args.eval_every})"], rows)
+        rows = [[n, f"{best[n][0]:.2g}", f"{target:.4f}",
+                 next((str(s) for s, v in best[n][2] if v <= target), f"not within {args.train_steps}")]
+                for n in (REFERENCE, "muon")]
+        tables["muon"] = harness.table(["optimizer", "LR", "target val loss",
+                                        f"steps to reach it (evaluated every {args.eval_every})"], rows)
+    return tables
 
 
-def main(argv=None):
+def lr_find(args) -> dict:
+    """The range test (train.lr_find, its default range and steps), then --train-steps at each LR of --lrs."""
+    found, _ = train_run(args, ["train.lr_find=true"])
+    suggested, res = found["suggested_lr"], {}
+    for lr in args.lrs:
+        res[lr] = train_run(args, [f"train.max_steps={args.train_steps}", "train.eval_every=0",
+                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}",
+                                   f"optim.lr={lr}"])[0]["val_loss"]
+    best = min(res, key=res.get)
+    ratio = max(best / suggested, suggested / best)
+    return {"sweep": harness.table(["LR", f"val loss after {args.train_steps} steps"],
+                                   [[f"{lr:.3g}" + (" (best)" if lr == best else ""), f"{v:.4f}"] for lr,
+                                    v in res.items()],
+                                   f"suggested {suggested:.3g} ({len(found['lr'])} range-test steps), best of the "
+                                   f"sweep {best:.3g}: "
+                                   f"a factor of {ratio:.2f} ({'within' if ratio <= 3 else 'NOT within'} 3)")}
+
+
+def main(argv=None, preset: str = "optimizers"):
     from train.optim import OPTIMIZERS
-    ap = harness.parser("optimizers", __doc__, precision="fp32")
-    ap.add_argument("--optimizers", type=harness.name_list(OPTIMIZERS, "optimizer"), default=",".join(OPTIMIZERS))
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--n-layers", type=int, default=8)
-    ap.add_argument("--n-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--steps", type=harness.positive_int, default=1, help="optimizer steps per round")
-    ap.add_argument("--train-steps", type=harness.positive_int, default=300,
-                    help="--quality: training steps per run (the embedded default runs 600)")
-    ap.add_argument("--quality", action="store_true", help="also sweep LRs on the embedded default")
-    ap.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=None,
-                    help="--quality: comma list of LRs for every optimizer (default: each one's grid)")
-    ap.add_argument("--eval-every", type=harness.positive_int, default=50)
-    ap.add_argument("--target", type=float, default=None, help="--quality: val loss for Muon vs AdamW")
-    ap.add_argument("--skip-memory", action="store_true", help="--quality only")
-    ap.add_argument("--set", nargs="*", default=[], help="--quality: key=value overrides of the config, every run")
-    args = ap.parse_args(argv)
+    p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers")
+    harness.llm_args(p, d_model=512, n_layers=8, n_heads=8, vocab=32000)
+    p.add_argument("--optimizers", type=harness.name_list(OPTIMIZERS, "optimizer"), default=",".join(OPTIMIZERS))
+    p.add_argument("--steps", type=harness.positive_int, default=1, help="optimizer steps per round")
+    p.add_argument("--train-steps", type=harness.positive_int, default=300 if preset == "optimizers" else 200)
+    p.add_argument("--quality", action="store_true", help="also sweep LRs on the embedded default")
+    p.add_argument("--skip-memory", action="store_true", help="--quality only")
+    p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")],
+                   default=None if preset == "optimizers" else [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2],
+                   help="comma list of LRs")
+    p.add_argument("--eval-every", type=harness.positive_int, default=50)
+    p.add_argument("--target", type=float, default=None, help="--quality: the val loss for Muon against AdamW")
+    p.add_argument("--set", nargs="*", default=[], help="key=value overrides of every training run")
+    args = p.parse_args(argv)
     harness.setup(args)
-    names = [REFERENCE] + [n for n in args.optimizers if n != REFERENCE]
-    if not args.skip_memory:
-        memory_and_time(args, names)
-    if args.quality:
-        quality(args, names)
+    if preset == "lr-find":
+        tables = lr_find(args)
+    else:
+        names = [REFERENCE] + [n for n in args.optimizers if n != REFERENCE]
+        tables = {} if args.skip_memory else {"memory and time": memory_and_time(args, names)}
+        tables |= quality(args, names) if args.quality else {}
+    harness.save(args, tables, {})
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ---------------------------------------------------------------- the techniques report's claims
+def claim_fused(ctx) -> list[dict]:
+    """Fused AdamW (one kernel for the whole update) against the for-each one: the optimizer step."""
+    from argparse import Namespace
+
+    from train.config import OptimConfig
+    model = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device))
+    configs = {k: OptimConfig(name="adamw", lr=1e-5, fused=k == "fused") for k in ("foreach", "fused")}
+    r, b, _ = time_optimizers(model, configs, ctx.n_rounds, steps=2, say=lambda m: None)
+    n = sum(p.numel() for p in model.parameters())
+    return [ctx.speed("fused AdamW", r, "fused", "foreach", unit=f"optimizer step ({n / 1e6:.1f}M params)",
+                      memory=f"state {b['foreach'] / 2**20:.1f} / {b['fused'] / 2**20:.1f} MiB")]
+
+
+def claim_state(ctx) -> list[dict]:
+    """Optimizer-state bytes after a step (train.optim.state_bytes) of each optimizer against AdamW's."""
+    from argparse import Namespace
+
+    from train.config import OptimConfig
+    model = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device))
+    names = ["adamw", "adamw8bit", "lion", "sgd", "adafactor"]
+    r, b, _ = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5) for k in names}, ctx.n_rounds, say=lambda m: None)
+    n, ref = sum(p.numel() for p in model.parameters()), b["adamw"]
+    ctx.memory["optimizer state"] = {k: v / 2**20 for k, v in b.items()}
+    return [dict(key=f"{k} (state memory)", evidence="exact", samples=[1 - b[k] / ref],
+                 numbers={"base_bytes": ref, "tech_bytes": b[k]},
+                 memory=f"state {ref / 2**20:.1f} -> {b[k] / 2**20:.1f} MiB ({b[k] / n:.2f} bytes/param)",
+                 speed=f"optimizer step {r.paired(k, 'adamw')} of AdamW's speed") for k in names[1:]]

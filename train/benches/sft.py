@@ -1,0 +1,114 @@
+"""Chat fine-tuning on the embedded conversations: packed against padded rows, and what fine-tuning taught.
+
+    python train/bench.py sft-packing   # padding and training tokens/s: packed, padded by length, padded at random
+    python train/bench.py sft-quality   # exact-match answers to held-out conversations: runs/tiny against runs/tiny-sft
+
+sft-packing: one pass over --conversations training conversations (ChatML; the embedded default's
+tokenizer when runs/tiny has one, else bytes) per side, each with its own copy of a random LLM of
+the tiny preset's shape: `packed` (several conversations a row, attention within each, positions
+restarting), `padded-bucketed` (one a row, similar lengths together: the default) and `padded-random`.
+Real (unpadded) tokens/s against padded-bucketed's, paired over rounds.
+sft-quality: the greedy answer to each held-out conversation's last turn against the reference (exact
+match); chance is low (the answer must repeat a number). With several runs, the mean and its interval.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from train.benches import harness  # noqa: E402
+
+SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False),
+         "padded-random": dict(pack=False, bucket_batches=1)}
+
+
+def packing(args) -> dict:
+    import zoo
+    from train.config import OptimConfig
+    from train.data import ByteTokenizer, load_tokenizer_file
+    from train.data.chat_data import ChatData
+    from train.data.chat_example import conversations
+    from train.data.conversations import ChatDataConfig, ChatTemplate
+    from train.optim import build_optimizer
+    tok = load_tokenizer_file(args.tokenizer) if Path(args.tokenizer).is_file() else ByteTokenizer()
+    rows = [(m, ("synthetic", i + 1)) for i, m in enumerate(conversations("train", args.conversations))]
+    torch.manual_seed(0)
+    base = zoo.build(harness.llm_config(args, vocab_size=max(args.vocab, tok.vocab_size), tie_embeddings=True))
+    sides, info = {}, {}
+    for name, keys in SIDES.items():
+        data = ChatData(rows, rows[:1], tok, ChatTemplate.builtin("chatml"),
+                        dataclasses.replace(ChatDataConfig(seq_len=args.seq), **keys), log=lambda m: None)
+        batches = [data.batch(i, args.batch) for i in range(len(data._epoch_batches(0, args.batch)))]
+        real = sum(n for _, _, n, _ in batches)
+        cells = sum(x.numel() for x, *_ in batches)
+        info[name] = {"rows": sum(x.shape[0] for x, *_ in batches), "padding": 1 - real / cells, "tokens": real}
+        model = copy.deepcopy(base).train()
+        opt = build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
+
+        def one_pass(model=model, opt=opt, batches=batches):
+            for x, y, _, docs in batches:
+                with harness.autocast(args.precision[0]):
+                    loss = model(x, y, **docs)[1]
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        sides[name] = one_pass
+    harness.warm_up(sides)
+    r = harness.run_rounds(sides, args.rounds)
+    ref = info["padded-bucketed"]["tokens"]
+    out = []  # tokens/s against tokens/s: a pass's last batch is filled from its start, so passes differ a little
+    for name, i in info.items():
+        paired = harness.Paired(*(v * i["tokens"] / ref for v in r.paired(name, "padded-bucketed")))
+        out.append([name, i["rows"], f"{100 * i['padding']:.1f}%", f"{r.best(name):.2f}", f"{r.median(name):.2f}",
+                    f"{i['tokens'] / r.best(name):.0f}", "-" if name == "padded-bucketed" else str(paired)])
+    return harness.table(["side", "rows", "padding", "best s", "median s", "real tokens/s (best)",
+                          "tokens/s vs padded-bucketed (paired median, range)"], out,
+                         f"one pass over {args.conversations} conversations (forward, loss, backward, AdamW); "
+                         f"tokenizer {getattr(tok, 'model_path', None) or 'bytes'}; {args.batch} rows, {args.seq} "
+                         f"tokens when packed")
+
+
+def quality(args) -> dict:
+    from train.chat import ChatSession, load
+    from train.data.chat_example import KINDS, conversations
+    convs = conversations("val", args.conversations)
+    dtype = str(harness.PRECISIONS[args.precision]).removeprefix("torch.")
+    res = {}
+    for run in [args.base, *args.runs.split(",")]:  # a folder without a template answers in ChatML
+        chat, hits = ChatSession(*load(run, dtype=dtype), max_new_tokens=40), {k: [] for k in KINDS}
+        for i, c in enumerate(convs):
+            last = max(j for j, m in enumerate(c) if m["role"] == "assistant")
+            hits[KINDS[i % len(KINDS)]].append(chat.respond(c[:last]).strip() == c[last]["content"].strip())
+        res[run] = {**{k: sum(v) / len(v) for k, v in hits.items()}, "all": sum(map(sum, hits.values())) / len(convs)}
+    kinds = list(res[args.base])
+    rows = [[name, *(f"{100 * r[k]:.1f}%" for k in kinds)] for name, r in res.items()]
+    runs = [r for n, r in res.items() if n != args.base]
+    if len(runs) >= 2:
+        iv = [harness.mean_interval(r[k] for r in runs) for k in kinds]
+        rows.append([f"{len(runs)} runs: mean ± 95% interval", *(f"{100 * m:.1f}% ± {100 * h:.1f}" for m, h in iv)])
+    return harness.table(["model", *kinds], rows,
+                         f"exact match of the greedy answers to {args.conversations} held-out conversations")
+
+
+def main(argv=None, preset: str = "sft-packing"):
+    packs = preset == "sft-packing"
+    p = harness.parser(preset, __doc__, precision="fp32", rounds=packs, keep_memory=packs, one_precision=not packs)
+    if packs:
+        harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=256, batch=16)
+        p.add_argument("--tokenizer", default=str(ROOT / "runs" / "tiny" / "tokenizer.model"), help="bytes when absent")
+    else:
+        p.add_argument("--base", default=str(ROOT / "runs" / "tiny"), help="the model before fine-tuning")
+        p.add_argument("--runs", default=str(ROOT / "runs" / "tiny-sft"), help="comma list of fine-tuned run folders")
+    p.add_argument("--conversations", type=harness.positive_int, default=256 if packs else 200)
+    args = p.parse_args(argv)
+    harness.setup(args)
+    harness.save(args, {"sides" if packs else "answers": (packing if packs else quality)(args)}, {})
+    return 0

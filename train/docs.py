@@ -1,0 +1,225 @@
+"""The generated tables of docs/: config keys from the config dataclasses, numbers from results.
+
+Each config dataclass is the one source of its keys: the field's name, type, default, declared
+bounds (zoo.config.bounded) and its trailing `# comment` in the source (continued on the comment
+lines below it that are indented past the field). A docs page holds a table between markers,
+
+    <!-- keys:LLMConfig -->
+    ...
+    <!-- /keys -->
+
+and a bench's result (docs/results/NAME.json: the command, the machine, the date, named tables of
+columns and rows, and the numbers) a table between `<!-- table:NAME -->` (every table of the result)
+or `<!-- table:NAME/KEY -->` (one) and `<!-- /table -->`, with a line naming the command that made it.
+
+    python -m train.docs           # rewrite every marked region in docs/
+    python -m train.docs --check   # exit 1 naming each region that disagrees with the code or its result
+
+tests/test_docs.py runs the check.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import re
+import sys
+import textwrap
+import tokenize
+import types
+import typing
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from zoo.config import describe_bounds
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "results"
+REGION = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
+TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w.-]+))? -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def config_classes() -> dict[str, type]:
+    """Name -> every config dataclass a run config is made of (model, data, train, optim, adapter)."""
+    from zoo import config as zc
+    from zoo.adapters import AdapterConfig
+    from .config import OptimConfig, TrainConfig
+    from .tasks import task_class
+    from zoo.config import load_class
+    classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
+               zc.DiTConfig,
+               TrainConfig, OptimConfig, AdapterConfig]
+    tasks = [task_class(f) for f in zc.FAMILIES]
+    classes += [t.DataConfig for t in tasks] + [load_class(s).DataConfig for t in tasks for s in t.formats.values()]
+    from .data import SourceConfig  # an entry of data.sources
+    classes.append(SourceConfig)
+    return {c.__name__: c for c in classes}
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Field name -> its comment in the source: the trailing `# ...` of the field's line(s) and the
+    comment-only lines right below it indented past the field (a section comment at the field's
+    own indentation belongs to the fields after it)."""
+    lines, _ = inspect.getsourcelines(cls)
+    src = textwrap.dedent("".join(lines))
+    comments = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+    body = src.splitlines()
+    out = {}
+    for node in ast.parse(src).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        indent = node.col_offset
+        parts = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        n = node.end_lineno + 1
+        while n in comments and not body[n - 1][:comments[n][0]].strip() and comments[n][0] > indent:
+            parts.append(comments[n][1])
+            n += 1
+        out[node.target.id] = " ".join(p for p in parts if p)
+    return out
+
+
+def doc_type(tp) -> str:
+    """A type annotation as the docs show it (no '|' characters: they are table cells)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return ", ".join(str(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        # a fixed order (typing caches equal Unions, so Union[str, int] may come back as Union[int, str])
+        args = sorted((a for a in typing.get_args(tp) if a is not type(None)),
+                      key=lambda a: (typing.get_origin(a) is Literal, doc_type(a)))
+        text = " or ".join(doc_type(a) for a in args)
+        return text + " or null" if len(args) < len(typing.get_args(tp)) else text
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        if origin is tuple and len(args) > 1:
+            return f"{len(args)} {doc_type(args[0])}s"
+        return f"list of {doc_type(args[0])}" if args else "list"
+    if dataclasses.is_dataclass(tp):
+        return f"mapping (`{tp.__name__}`)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def doc_value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return json.dumps([doc_value(x) if isinstance(x, float) else x for x in v]).replace('"', "")
+    if dataclasses.is_dataclass(v):
+        return f"`{type(v).__name__}` defaults"
+    return str(v) if v != "" else "''"
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(cls) -> str:
+    """The markdown table of cls's keys (without the markers)."""
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    rows = ["| key | type | default | bounds | meaning |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        bounds = describe_bounds(f.metadata.get("bounds", {}))
+        rows.append(f"| `{f.name}` | {_cell(doc_type(hints[f.name]))} | {_cell(doc_value(_default(f)))} | "
+                    f"{_cell(bounds)} | {_cell(comments.get(f.name, ''))} |")
+    return "\n".join(rows) + "\n"
+
+
+def markdown(t: dict) -> str:
+    """A result's table (columns, rows, notes) as markdown."""
+    lines = ["| " + " | ".join(t["columns"]) + " |", "|" + "---|" * len(t["columns"])]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in t["rows"]]
+    return "\n".join(lines) + "\n" + (f"\n{t['notes'].strip()}\n" if t.get("notes") else "")
+
+
+def made_by(command: str, result: dict) -> str:
+    return f"\nMade by `{command}` on {result['machine']}, {result['date']}.\n"
+
+
+def render_result(name: str, key: Optional[str] = None, results: Path = RESULTS) -> str:
+    """The region <!-- table:NAME[/KEY] -->: the result's tables (or the one named KEY), each followed by
+    the command that made it where it has one of its own, then the result's command."""
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"<!-- table:{name} -->: no result {path}")
+    result = json.loads(path.read_text())
+    if key is not None and key not in result["tables"]:
+        raise ValueError(f"<!-- table:{name}/{key} -->: {path.name} has no table {key!r} "
+                         f"(it has {', '.join(result['tables'])})")
+    tables = [result["tables"][key]] if key else list(result["tables"].values())
+    parts = [markdown(t) + (made_by(t["command"], result) if "command" in t else "") for t in tables]
+    if any("command" not in t for t in tables):
+        parts[-1] += made_by(result["command"], result)
+    return "\n".join(parts)
+
+
+def update(text: str, classes: dict, source: str = "docs", results: Path = RESULTS) -> tuple[str, list[str]]:
+    """text with every marked region re-rendered; and the names of the regions that changed."""
+    changed = []
+
+    def keys(m):
+        name = m.group(2)
+        if name not in classes:
+            raise ValueError(f"{source}: <!-- keys:{name} --> names no config dataclass "
+                             f"(known: {', '.join(sorted(classes))})")
+        table = render(classes[name])
+        if m.group(3) != table:
+            changed.append(name)
+        return m.group(1) + table + m.group(4)
+
+    def tables(m):
+        try:
+            text = render_result(m.group(2), m.group(3), results)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        if m.group(4) != text:
+            changed.append("table:" + m.group(2) + (f"/{m.group(3)}" if m.group(3) else ""))
+        return m.group(1) + text + m.group(5)
+
+    return TABLE.sub(tables, REGION.sub(keys, text)), changed
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true",
+                   help="only report the regions that disagree with the code or results")
+    args = p.parse_args(argv)
+    classes = config_classes()
+    stale = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        new, changed = update(text, classes, str(page))
+        stale += [f"{page.relative_to(ROOT)}: {n if n.startswith('table:') else 'keys:' + n}" for n in changed]
+        if changed and not args.check:
+            page.write_text(new)
+    if args.check and stale:
+        print("stale tables (run python -m train.docs): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    if not args.check:
+        print(f"rewrote {len(stale)} table(s)" + (": " + ", ".join(stale) if stale else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
