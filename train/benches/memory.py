@@ -14,7 +14,6 @@ allocator margin. The planner's target: never under the measurement (ratio >= 1)
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -26,8 +25,6 @@ if __package__ in (None, ""):
 from train.benches import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "docs" / "results" / "memory.json"
-COMMAND = "python train/bench.py memory"
 
 
 def llm(vocab, d, layers, heads, kv, batch, seq=256):
@@ -99,7 +96,7 @@ def verdict(rows) -> str:
 
 
 def main(argv=None):
-    p = harness.parser("memory", __doc__, precision="fp32,bf16", rounds=False)
+    p = harness.parser("memory", __doc__, precision=None, rounds=False)
     p.add_argument("--only", default="", help="run the configurations whose name starts with this")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration (the largest kept)")
     p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
@@ -111,16 +108,10 @@ def main(argv=None):
     for name in names:
         rows.append(measure_row(name, args.repeat, args.threads or 0))
         print(f"{name}: {rows[-1]['ratio']:.3f}", flush=True)
-    old = {r["name"]: r for r in json.loads(RESULTS.read_text())["rows"]} if RESULTS.exists() else {}
+    old = {r["name"]: r for r in harness.load_result(args.json).get("data", {}).get("rows", [])}
     rows += [old[n] for n in CONFIGS if n not in names and n in old]  # --only: the others as measured before
     rows.sort(key=lambda r: list(CONFIGS).index(r["name"]))
-    header, body = table(rows)
-    harness.print_table(header, body)
-    print(verdict(rows))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": COMMAND, "machine": harness.machine(), "header": header,
-                                   "rows": rows, "table": body, "verdict": verdict(rows)}, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    tables = {"": harness.table(*table(rows), notes=verdict(rows))}
     if args.planner_time:
         from train.config import load_run_config
         from train.plan import GiB, plan
@@ -129,7 +120,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             q = plan(load_run_config(str(ROOT / "configs" / spec)))
             out.append([spec, f"{time.perf_counter() - t0:.1f}", f"{q.peak_bytes / GiB:.1f}"])
-        harness.print_table(["preset", "planner seconds", "predicted peak GiB"], out)
+        tables["planner-time"] = harness.table(["preset", "planner seconds", "predicted peak GiB"], out)
+    harness.save(args, tables, {"rows": rows})
     return 0
 
 
