@@ -315,7 +315,7 @@ def check_across_sections(cfg: RunConfig):
                                                   f"{o.decay_fraction} of train.max_steps={t.max_steps})")
     a = cfg.adapter
     if a.enabled and t.unfreeze is not None:
-        raise fail(src, "train.features.unfreeze", f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze")
+        raise fail(src, "train.unfreeze", f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze")
     if a.quantize_base != "none" and t.ema_decay is not None:
         raise fail(src, "train.ema_decay", f"with adapter.quantize_base={a.quantize_base}: an EMA of a quantised "
                                            f"model is not supported")
@@ -330,7 +330,7 @@ def check_across_sections(cfg: RunConfig):
     if t.batch_warmup_steps and t.grad_accum == 1:
         raise fail(src, "train.batch_warmup_steps", "ramps the micro-batches up to train.grad_accum, which is 1")
     if t.batch_size == "auto" and t.lr_find:
-        raise fail(src, "train.batch_size", "=auto does not combine with train.features.lr_find (give the batch size to test)")
+        raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
     if t.batch_size == "auto" and t.batch_warmup_steps:
         raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
     if t.init_from is not None and not Path(t.init_from).expanduser().exists():
