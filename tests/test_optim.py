@@ -23,8 +23,8 @@ HIDDEN = r"layers\.\d+\.(attn\.qkv|attn\.proj|mlp\.gate_up|mlp\.down)\.weight"
 
 @pytest.fixture
 def eager_torchao(monkeypatch):
-    """torchao's 8-bit AdamW compiles its update once per tensor shape (minutes of C++ compilation on
-    a CPU): the tests run the same update eagerly."""
+    """torchao's 8-bit AdamW compiles its update once per tensor shape (a slow C++ compilation on a
+    CPU): the tests run the same update eagerly."""
     import torchao  # noqa: F401
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: fn)
 
