@@ -1,5 +1,5 @@
 """Adapters and gradual unfreezing in the loop: the `adapter:` section, adapter-only checkpoints
-that resume bitwise, PEFT export, QLoRA through train/run.py, `train.features.unfreeze`."""
+that resume bitwise, PEFT export, QLoRA through train/run.py, `train.unfreeze`."""
 import json
 import shutil
 import subprocess
@@ -176,7 +176,7 @@ def test_gradual_unfreezing_stages_and_frozen_weights_never_change(text_corpus, 
 
 
 def test_unfreeze_run_resumes_bitwise(tmp_path, text_corpus, one_thread):
-    over = ["train.features.unfreeze=[2,4]", "train.checkpoint_every=3", "train.keep_checkpoints=5", "train.max_steps=6",
+    over = ["train.unfreeze=[2,4]", "train.checkpoint_every=3", "train.keep_checkpoints=5", "train.max_steps=6",
             "optim.warmup_steps=1"]
     _, full = run(tmp_path, text_corpus, "full", *over)
     part = tmp_path / "part"
@@ -193,7 +193,7 @@ def test_unfreeze_resnet_trains_top_down(tmp_path, one_thread):
     """A ResNet: fc first, then the blocks from the top; the stem and lower stages, never unfrozen in
     this run, end with their initial weights, the unfrozen parts with changed ones."""
     cfg = load_run_config(str(ROOT / "configs/convnet/resnet-digits.yaml"),
-                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=6", "train.features.unfreeze=[2,4]",
+                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=6", "train.unfreeze=[2,4]",
                            "train.eval_every=0", "train.progress=false", "train.samples=false", "train.plot=false",
                            "train.ema_decay=null", "optim.warmup_steps=1"])
     torch.manual_seed(cfg.train.seed)
@@ -210,8 +210,8 @@ def test_unfreeze_resnet_trains_top_down(tmp_path, one_thread):
     (["adapter.method=lora", "adapter.targets=[q_proj,qq_proj]"], "adapter.targets: qq_proj not in this model"),
     (["adapter.quantize_base=nf4"], "adapter.quantize_base"),
     (["adapter.method=lora", "adapter.r=0"], "adapter.r"),
-    (["train.features.unfreeze=[5,3]"], "train.features.unfreeze"),
-    (["adapter.method=lora", "train.features.unfreeze=[3]"], "train.features.unfreeze"),
+    (["train.unfreeze=[5,3]"], "train.unfreeze"),
+    (["adapter.method=lora", "train.unfreeze=[3]"], "train.unfreeze"),
     (["adapter.method=prefix", "adapter.export_merged=true"], "adapter.export_merged"),
 ])
 def test_adapter_config_errors_are_one_line(tmp_path, text_corpus, over, msg):

@@ -33,8 +33,8 @@ STEPS = "train.max_steps=20"
 # whole corpus. The presets' accumulation over 16-64 micro-batches (a global batch for many GPUs)
 # shrinks to 2 micro-batches (still accumulating): at 64 it is 1280 forward/backward passes in 20
 # steps. train.compile stays as shipped in smollm-135m (the dense preset: one compilation); in the
-# others it is off, since each compilation (recompiled per MoE routing shape) takes minutes on a
-# CPU and says nothing more about the config.
+# others it is off, since each compilation (recompiled per MoE routing shape) is slow on a CPU and
+# says nothing more about the config.
 LLM_SHAPES = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.ffn_hidden=128",
               "model.max_seq_len=64", "model.vocab_size=2048", "data.vocab_size=2048", "data.seq_len=64",
               "data.max_chars=6000000", "train.grad_accum=2"]
@@ -67,12 +67,12 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "convnet/resnet50-finetune.yaml": ["data.path=digits", "data.image_size=32", "model.num_classes=10",
                                        "train.init_from={weights}"],
     # SFT of the embedded default's run folder (runs/tiny, trained by the user first): a small LLM folder
-    # on bytes written here stands in for it; a tenth of the conversations (encoding 4000 takes seconds)
+    # on bytes written here stands in for it; a tenth of the conversations (encoding all is slow)
     # and 4 generated answers per evaluation instead of 64
     "llm/tiny-sft.yaml": ["train.init_from={llm}", "data.synthetic_rows=400", "data.eval_generate=4"],
     "diffusion/digits.yaml": [],
     # needs ../shared/weights/taef2_encoder.pth (skipped without it); its denoiser of [128, 256] channels
-    # (3.5 min for 20 steps and the 80 guided samples on 2 busy cores) shrinks to [32, 64]
+    # (slow on a CPU for 20 steps and the 80 guided samples) shrinks to [32, 64]
     "diffusion/digits-taef2.yaml": ["model.channels=[32,64]"],
     # the DiT variant of digits.yaml (the same cached autoencoder): 10 sampling steps instead of 50 for the
     # 80 guided samples, the only part of its 20-step run that its DiT makes slower than the U-Net's

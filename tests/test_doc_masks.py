@@ -79,7 +79,7 @@ def test_document_masking_equals_separate_documents(backend, positions, over):
 def test_document_masking_compiled_equals_separate_documents():
     """torch.compile (inductor, the CPU's 'auto' backend under compile) of an attention block with
     doc_ids and restarting positions, forward and backward, against each document run alone
-    eagerly (kept to one block: compiling a whole model takes most of a minute on 2 cores)."""
+    eagerly (kept to one block: compiling a whole model is slow on a CPU)."""
     from zoo.blocks.attention import CausalSelfAttention
     from zoo.blocks.rope import RotaryEmbedding
     torch.manual_seed(0)

@@ -23,8 +23,8 @@ HIDDEN = r"layers\.\d+\.(attn\.qkv|attn\.proj|mlp\.gate_up|mlp\.down)\.weight"
 
 @pytest.fixture
 def eager_torchao(monkeypatch):
-    """torchao's 8-bit AdamW compiles its update once per tensor shape (minutes of C++ compilation on
-    a CPU): the tests run the same update eagerly."""
+    """torchao's 8-bit AdamW compiles its update once per tensor shape (a slow C++ compilation on a
+    CPU): the tests run the same update eagerly."""
     import torchao  # noqa: F401
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: fn)
 
@@ -255,7 +255,7 @@ def test_clip_weights_bounds_every_weight(tmp_path, text_corpus, one_thread):
 
 
 def test_lr_find_writes_its_plot_and_suggests_a_tenth_of_the_best_lr(tmp_path, text_corpus, one_thread):
-    overrides = [f"train.out_dir={tmp_path / 'run'}", f"data.path={text_corpus}", "train.features.lr_find=true",
+    overrides = [f"train.out_dir={tmp_path / 'run'}", f"data.path={text_corpus}", "train.lr_find=true",
                  "train.lr_find_steps=40", "train.lr_find_min=1e-5", "train.lr_find_max=10", "train.plot=true"]
     from train.loop import train
     res = train(load_run_config(None, overrides, base=TINY), log=lambda m: None)

@@ -146,8 +146,8 @@ def test_int4_fake_quantization_rounds_as_the_conversion():
     """QAT trains the model that is deployed: after prepare_qat(int4wo) every fake-quantized weight
     is the converted bf16 model's weight (read through its kernel) up to the kernel's own rounding of
     (level - 8) * scale + zero, at most 1/8 of a quantization step: the same level everywhere.
-    (torchao's generic int4 fake quantizer, its zero point stored as an int32, puts about a quarter
-    of the weights on another level, up to several steps away.)"""
+    (torchao's generic int4 fake quantizer, its zero point stored as an int32, puts many weights on
+    another level, up to several steps away: `python train/bench.py qat` measures it.)"""
     from torchao.quantization.qat import FakeQuantizedLinear
     model = tiny(dtype=torch.float32)
     prepare_qat(model, "int4wo", group_size=32)

@@ -2,8 +2,8 @@
 malicious pickles, and lose nothing.
 
 The kill and signal tests run `python train/run.py` as subprocesses on a tiny LLM (bytes
-tokenizer, CPU, one thread: deterministic without train.deterministic, whose first call costs
-seconds of start-up) and compare the final weights bitwise with an uninterrupted run of the
+tokenizer, CPU, one thread: deterministic without train.deterministic, whose first call is slow
+to start) and compare the final weights bitwise with an uninterrupted run of the
 same length.
 """
 import hashlib

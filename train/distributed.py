@@ -53,20 +53,14 @@ _PROCESS_GROUP_USED = False  # set once this process has made a process group (s
 
 
 def exit_process(code: int):
-    """End the process of a run (train/run.py) with `code`. After a run that made a process group,
-    the process leaves with os._exit once stdout and stderr are flushed (everything the run writes
-    is closed by then), skipping the interpreter's teardown; otherwise with sys.exit.
+    """End the process of a run (train/run.py) with `code`: after a run that made a process group,
+    os._exit once stdout and stderr are flushed (everything the run writes is closed by then),
+    skipping the interpreter's teardown; otherwise sys.exit.
 
-    Why: destroy_process_group() (Parallel.close) does not end gloo's background threads after an
-    FSDP2 run. FSDP2's DeviceMesh objects keep the process group alive (DeviceMesh._pg_registry),
-    and they stay referenced by DTensor's sharding-propagation and redistribution caches and by
-    FSDP's mesh info, so the ProcessGroupGloo object, its two worker threads (pt_gloo_runloop) and
-    its transport thread (gloo_tcp_loop) are still alive at interpreter exit; they are then torn
-    down in whatever order the interpreter and the C++ runtime free them, and now and then a rank
-    aborts there (`terminate called without an active exception`, SIGABRT) after writing its final
-    weights: 2 of 21 launches of tests/test_distributed.py's FSDP2 run. A plain gloo group (no
-    DeviceMesh) has no such threads left after destroy_process_group. tests/soak_distributed.py
-    launches the 2-process runs again and again and counts the clean exits."""
+    Why: after an FSDP2 run, DeviceMesh objects (held by DTensor's caches and FSDP's mesh info)
+    keep the gloo process group and its threads alive past destroy_process_group(), and their
+    teardown at interpreter exit now and then aborts a rank (SIGABRT) after it wrote its final
+    weights. tests/soak_distributed.py launches the runs again and again and counts the clean exits."""
     if not _PROCESS_GROUP_USED:
         sys.exit(code)
     for stream in (sys.stdout, sys.stderr):
@@ -98,8 +92,8 @@ def unsupported(cfg) -> Optional[str]:
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
                f"with it, use one of {', '.join(optimizers)}"),
               (a.enabled, f"adapter.method={a.method}", "adapters train a few parameters: one process is the way"),
-              (t.unfreeze is not None, "train.features.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
-              (t.lr_find, "train.features.lr_find", "the LR range test runs in one process"),
+              (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
+              (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
               (t.parallel == "fsdp" and (t.qat or t.quantize), "train.qat / train.quantize",
                "the quantized copy is made from the whole model in one process; use ddp"),

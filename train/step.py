@@ -53,8 +53,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
     """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 only
-    when its matmul is clearly faster than fp32's there (measured: many CPUs without native bf16
-    instructions emulate it 10-1000x slower); fp32 otherwise. An explicit bf16 on a CPU that
+    when a timed bf16 matmul is clearly faster than fp32's there (CPUs without native bf16
+    instructions emulate it, far slower); fp32 otherwise. An explicit bf16 on a CPU that
     emulates it is kept, with a warning in the log."""
     p = precision
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():

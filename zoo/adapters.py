@@ -37,22 +37,17 @@ NF4_BLOCK = 64
 
 @dataclass
 class AdapterConfig:
-    method: Literal["none", "lora", "dora", "prefix"] = "none"  # `none`, `lora`, `dora` or `prefix`: applied after
-                                            # the model is built (or loaded by `train.init_from`) and before the
-                                            # optimizer; only the adapters train, checkpoints hold only them
+    method: Literal["none", "lora", "dora", "prefix"] = "none"  # `none`, `lora`, `dora` or `prefix`; only the
+                                            # adapters train, and checkpoints hold only them
     r: int = bounded(8, gt=0)               # LoRA / DoRA rank
     alpha: float = bounded(16.0, gt=0)      # the adapters' output is scaled by `alpha / r` (`alpha / sqrt(r)` with
                                             # `rslora`)
     dropout: float = bounded(0.0, ge=0, lt=1)  # dropout on the adapters' input, in [0, 1)
     targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # the projections to adapt, by their
-                                            # Hugging Face / PEFT names: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
-                                            # `gate_proj`, `up_proj`, `down_proj` (a MoE layer: its shared expert's
-                                            # gate/up/down); an unknown name is a one-line error listing the known
-                                            # ones
+                                            # Hugging Face / PEFT names (a MoE layer: its shared expert's gate/up/down)
     rslora: bool = False                    # rank-stabilised scaling `alpha / sqrt(r)`
-    quantize_base: Literal["none", "nf4"] = "none"  # `nf4`: the frozen linear weights (not the embedding or LM head)
-                                            # stored in torchao's NF4 (QLoRA; `pip install -e '.[qlora]'`). Not with
-                                            # `train.ema_decay`
+    quantize_base: Literal["none", "nf4"] = "none"  # `nf4`: the frozen linear weights stored in torchao's NF4
+                                            # (QLoRA; `pip install -e '.[qlora]'`); not with `train.ema_decay`
     prefix_len: int = bounded(16, gt=0)     # `prefix`: learned key/value vectors per layer (not with
                                             # `model.sliding_window`)
     export_merged: bool = False             # at the end, also merge the adapters into the weights and export them as

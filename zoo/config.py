@@ -323,21 +323,18 @@ class MoEConfig:
                                             # (DeepSeek-V3)
     norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
-                                            # `aux_loss_coef`), `bias` (DeepSeek-V3's auxiliary-loss-free routing
-                                            # bias), `none`
+                                            # `aux_loss_coef`), `bias` (DeepSeek-V3's loss-free routing bias), `none`
     aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the mean over layers of the load-balancing loss (`balance:
                                             # aux_loss`)
     z_loss_coef: float = bounded(0.001, ge=0)  # weight of the mean over layers of the ST-MoE router z-loss, whatever
                                             # `balance`; 0 = off
     bias_update_rate: float = bounded(0.001, ge=0)  # `balance: bias`: the bias step per optimizer step
-    capacity_factor: Optional[float] = bounded(None, gt=0)  # null = dropless; else each expert takes at most
-                                            # ceil(factor * tokens * top_k / n_experts) choices per forward in
-                                            # training, the overflow dropped and counted
+    capacity_factor: Optional[float] = bounded(None, gt=0)  # null = dropless; else in training an expert takes at
+                                            # most ceil(factor * tokens * top_k / n_experts) choices, the rest dropped
     router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer's input by U(1 - j, 1 + j) noise
                                             # (Mixtral's `router_jitter_noise`)
     dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
-                                            # matmul per expert), `auto` (grouped where the device and dtype support
-                                            # it)
+                                            # matmul per expert), `auto` (grouped where the device and dtype allow)
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -378,20 +375,16 @@ class LLMConfig:
                                             # model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
     # every mod_every-th block and the rest around it
-    mod_capacity: float = bounded(0.0, ge=0, le=1)  # Mixture-of-Depths: the share of each sequence's tokens a MoD
-                                            # block processes (k = int(capacity · T), at least 1), in [0, 1]; 0 = off.
-                                            # Not with `sliding_window`
+    mod_capacity: float = bounded(0.0, ge=0, le=1)  # the share of each sequence's tokens a MoD block processes
+                                            # (k = int(capacity · T), at least 1); 0 = off; not with `sliding_window`
     mod_every: int = bounded(2, gt=0)       # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0 (2: layers
                                             # 1, 3, 5, ...); at most `n_layers`
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
-                                            # binary cross-entropy on the router logit, target "in the top-k") or
-                                            # `predictor` (a small MLP on the stop-gradient block input, trained with
-                                            # the same cross-entropy)
+                                            # cross-entropy on the router logit) or `predictor` (a small MLP)
     mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of that cross-entropy (the mean over the MoD blocks) in
                                             # the training loss
-    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast each decision's threshold follows the top-k's
-                                            # boundary in its logits during training (an exponential moving average
-                                            # per training forward; 0 keeps it at logit 0); fixed after training
+    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast the decision threshold follows the top-k's
+                                            # boundary in training (a moving average; 0 keeps it at logit 0)
     init_std: float = bounded(0.02, gt=0)   # std of the normal init; residual projections get `init_std / sqrt(2
                                             # n_layers)`
     # how a model runs is not part of its architecture: these keys live in the run config's train:
@@ -506,39 +499,29 @@ class ConvNetConfig:
     """A ConvNet: a preset `arch` (ResNet, ConvNeXt, EfficientNet or MobileNetV3, timm's names),
     optionally reshaped by the keys of its kind. The `resolved_*` properties give the values in use
     (the override, else the preset's)."""
-    arch: str = "resnet50"                  # preset, timm's name: resnet18/34/50/101/152, resnext50_32x4d,
-                                            # resnext101_32x8d, wide_resnet50_2, wide_resnet101_2;
-                                            # convnext_tiny/small/base, convnextv2_tiny/small/base;
-                                            # efficientnet_b0..b3; mobilenetv3_large_100/075,
-                                            # mobilenetv3_small_100/075/050
+    arch: str = "resnet50"                  # the preset, timm's name (resnet50, convnextv2_tiny, efficientnet_b0,
+                                            # mobilenetv3_large_100, ...; docs/convnet.md lists them)
     block: Optional[Literal["basic", "bottleneck"]] = None  # ResNet: `basic` or `bottleneck`; null: the preset's
     layers: Optional[list[int]] = None      # ResNet, ConvNeXt: blocks per stage, e.g. `[1, 1, 1, 1]` (a ResNet-10);
                                             # any number of stages; null: the preset's
     groups: Optional[int] = bounded(None, gt=0)  # ResNeXt cardinality; null: from arch
     width_per_group: Optional[int] = bounded(None, gt=0)  # ResNet bottleneck width per group; null: from arch
-    width: Optional[int] = bounded(None, gt=0)  # ResNet: stem channels (null: 64), stage i has `width * 2**i`
-                                            # planes (x4 out for bottlenecks); ConvNeXt: stage-1 channels, doubled
-                                            # per stage (null: the preset's, 96 or 128)
+    width: Optional[int] = bounded(None, gt=0)  # ResNet: stem channels, `width * 2**i` planes in stage i (null:
+                                            # 64); ConvNeXt: stage-1 channels, doubled per stage (null: the preset's)
     width_mult: Optional[float] = bounded(None, gt=0)  # EfficientNet, MobileNetV3: channel multiplier (rounded to
                                             # multiples of 8); null: the preset's
     depth_mult: Optional[float] = bounded(None, gt=0)  # EfficientNet, MobileNetV3: blocks-per-stage multiplier
                                             # (rounded up); null: the preset's (1.0 for MobileNetV3)
     stem: Literal["imagenet", "small"] = "imagenet"  # `imagenet` (the architecture's own downsampling stem) or
-                                            # `small` (for 32x32 inputs: the stem keeps the resolution; ResNet: a
-                                            # 3x3/1 conv without max-pool, ConvNeXt: a 1x1 patchify, EfficientNet /
-                                            # MobileNetV3: the 3x3 stem conv at stride 1)
+                                            # `small` (for 32x32 inputs: a stem that keeps the resolution)
     in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
     num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
-    drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # `mask`: dropped samples' branches computed
-                                            # and zeroed; `skip`: only the kept samples' rows computed (BatchNorm
-                                            # in the branch then normalises over those); `batch`: a block dropped
-                                            # for the whole batch (Huang et al. 2016; not under DDP). ResNet
-                                            # only; see docs/convnet.md for when skipping pays
-    zero_init_last: bool = True             # the last BN gamma of each residual branch starts at 0 (ResNet,
-                                            # EfficientNet, MobileNetV3; ConvNeXt's layer scale starts at 1e-6
-                                            # instead)
+    drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # ResNet: `mask` (dropped samples computed, then
+                                            # zeroed), `skip` (kept samples only), `batch` (whole batch; not under DDP)
+    zero_init_last: bool = True             # the last BN gamma of each residual branch starts at 0 (not ConvNeXt,
+                                            # whose layer scale starts at 1e-6)
     bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon (ConvNeXt's LayerNorms use 1e-6)
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
                              "checkpoint_every": "train.activation_checkpointing_every"}
@@ -679,9 +662,9 @@ class DiffusionConfig:
     dit: DiTConfig = field(default_factory=DiTConfig)
     channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each level halves the
                                             # latent size)
-    blocks_per_level: int = bounded(2, gt=0)  # U-Net depth, self-attention at the lowest level
+    blocks_per_level: int = bounded(2, gt=0)  # U-Net residual blocks per level going down (one more going up)
     attention: bool = True                  # self-attention at the lowest resolution
-    heads: int = bounded(4, gt=0)           # U-Net depth, self-attention at the lowest level
+    heads: int = bounded(4, gt=0)           # U-Net attention heads; must divide every `channels` width
     class_dropout: float = bounded(0.1, ge=0, lt=1)  # label dropout for classifier-free guidance
     prediction: Literal["eps", "v", "x0", "flow"] = "eps"  # eps, v or x0 (on the noise schedule), or flow (rectified
                                             # flow: velocity eps - x0 on x_s = (1 - s) x0 + s eps)

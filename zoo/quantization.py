@@ -34,7 +34,7 @@ quantizes with the scheme above. The fake quantizer of each scheme uses that sch
 (`fake_quant_configs`); for int4wo it is `Int4FakeQuantizer`, which rounds the weight exactly as
 the conversion will (in the deployed dtype, through torchao's own tinygemm functions): torchao's
 generic int4 fake quantizer stores the float zero point as an int32 (its default zero-point
-precision) and so trains on a grid that a quarter of the weights leave once converted.
+precision) and so trains on a grid that many weights leave once converted (docs/deploy.md).
 
 What runs where and how fast is measured by `python train/bench.py quantized` (docs/deploy.md).
 """

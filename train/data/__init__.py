@@ -59,47 +59,33 @@ from .tokens import TokenStream, is_pretokenized, pretokenized_splits
 
 @dataclass
 class SourceConfig:
-    path: str = ""                          # (required) a source as `data.path` takes it (text, jsonl, Parquet, saved dataset,
-                                            # pre-tokenized .bin files)
+    path: str = ""                          # (required) a source in any form `data.path` takes
     weight: float = bounded(1.0, gt=0)      # its share of the training windows (weights are normalised)
 
 
 @dataclass
 class TextDataConfig:
-    format: str = "text"                    # `text`: language modelling on plain text (this table's keys); the
-                                            # chat formats `messages`, `prompt_completion` and `alpaca` fine-tune on
-                                            # conversations, `preference` is DPO / SimPO, each with the keys of
-                                            # docs/post-training.md
-    path: str = "stdlib"                    # a text file, a folder, a .jsonl(.gz/.zst) file, a .parquet file, a
-                                            # saved Hugging Face dataset, pre-tokenized `.bin` files (a file, folder or
-                                            # glob: nanoGPT's raw ids or llm.c shards), or `stdlib` (the Python
-                                            # standard library's .py files: the embedded default); docs/data.md
+    format: str = "text"                    # `text`: language modelling (these keys); `messages`, `prompt_completion`,
+                                            # `alpaca` (chat) and `preference` (DPO) take docs/post-training.md's keys
+    path: str = "stdlib"                    # text, .jsonl, .parquet, a saved dataset, pre-tokenized `.bin` files, a
+                                            # folder or glob (docs/data.md), or `stdlib` (the embedded default)
     sources: Optional[list[SourceConfig]] = None  # a mixture instead of `path`: `[{path: ..., weight: ...}, ...]`,
-                                            # each source prepared and cached on its own, training windows drawn
-                                            # from each with probability weight / sum of weights
+                                            # windows drawn from each with probability weight / sum of weights
     column: str = "text"                    # the field of a .jsonl line, the column of Parquet and saved datasets
     val_path: Optional[str] = None          # a separate validation source (any `path` form); null = the `val` files
-                                            # of pre-tokenized inputs, else the last `val_fraction` of each source
-                                            # cut at a document start
-    tokenizer: str = "sentencepiece"        # `bytes` (vocab 256), `sentencepiece` (BPE trained on the corpus,
-                                            # cached), or a path to a sentencepiece `tokenizer.model` or a Hugging
-                                            # Face `tokenizer.json`; with `train.init_from`, `sentencepiece` means the
-                                            # checkpoint's own tokenizer (`tokenizer.model`, else `tokenizer.json`)
+                                            # of pre-tokenized inputs, else each source's tail (`val_fraction`)
+    tokenizer: str = "sentencepiece"        # `bytes`, `sentencepiece` (BPE trained on the corpus; with
+                                            # `train.init_from`: the checkpoint's own) or a tokenizer file's path
     vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of the trained sentencepiece tokenizer
     seq_len: int = bounded(256, ge=2)       # tokens per training window; <= `model.max_seq_len`
-    seq_len_schedule: Optional[list[list[int]]] = None  # sequence-length curriculum: `[[until, seq_len], ...]`,
-                                            # shorter windows first: windows of each stage's length until its `until`,
-                                            # then `seq_len` (e.g. `[[1000, 64], [3000, 128]]`); lengths increasing
-                                            # and < `seq_len`. The window of a step follows from the config alone, so
-                                            # a resumed run gets the same ones; the log names each change
+    seq_len_schedule: Optional[list[list[int]]] = None  # sequence-length curriculum `[[until, seq_len], ...]`
+                                            # (e.g. `[[1000, 64], [3000, 128]]`), then `seq_len`; lengths increasing
     seq_len_schedule_unit: Literal["steps", "tokens"] = "steps"  # what `until` counts: `steps`, or `tokens` trained
                                             # before the step (batch_size x micro-batches x window, step by step)
     val_fraction: float = bounded(0.05, gt=0, lt=1)  # the held-out tail of each source used for validation, from
                                             # the first document that starts in it (the token tail when none does)
-    boundary: Literal["auto", "bos", "eos", "both", "none"] = "auto"  # what separates documents in the token
-                                            # stream: the tokenizer's BOS before each, EOS after each, both, or
-                                            # nothing; `auto`: `eos` when the tokenizer has one, else `bos`, else
-                                            # `none` (`none` for pre-tokenized inputs, read as they are)
+    boundary: Literal["auto", "bos", "eos", "both", "none"] = "auto"  # what separates documents: BOS before,
+                                            # EOS after, both or nothing; `auto`: `eos`, else `bos`, else `none`
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # the ids of raw pre-tokenized `.bin` files (nanoGPT);
                                             # llm.c shards say theirs
     workers: int = bounded(0, ge=0)         # processes that tokenise during preparation; 0 = one per core
@@ -107,8 +93,7 @@ class TextDataConfig:
     prefetch: int = bounded(2, ge=0)        # training batches made ahead on a background thread (pinned memory on
                                             # CUDA); 0 = made by the training thread when asked
     cache_dir: Optional[str] = None         # where the tokenizer and the token memmap are cached; null =
-                                            # `$ZOO_CACHE`, else the user cache directory (`$XDG_CACHE_HOME/zoo` or
-                                            # `~/.cache/zoo`); never beside your data
+                                            # `$ZOO_CACHE`, else `$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of documents sampled across the whole corpus
                                             # (every source) to train sentencepiece
@@ -117,10 +102,8 @@ class TextDataConfig:
     # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
     attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of
                                             # its window; `document`: only to those of its own document
-                                            # (block-diagonal causal, documents split as `boundary` says), as if each document ran alone
     positions: Literal["global", "document"] = "global"  # RoPE positions: `global` (0..T-1 along the window) or
-                                            # `document` (restarting at 0 in each document; needs
-                                            # `attention: document`)
+                                            # `document` (from 0 in each document; needs `attention: document`)
 
     def validate(self, source, prefix="data."):
         if not self.path:

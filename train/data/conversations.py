@@ -65,20 +65,14 @@ BUILTIN = {"chatml": CHATML}
 @dataclass
 class ChatDataConfig:
     format: Literal["messages", "prompt_completion", "alpaca"] = "messages"  # the rows' shape: `messages`
-                                            # (OpenAI / ShareGPT conversations), `prompt_completion` or `alpaca`
-                                            # (docs/post-training.md); `text`, the default, is plain language
-                                            # modelling with the keys of docs/llm.md
+                                            # (OpenAI / ShareGPT), `prompt_completion` or `alpaca`; `text`: docs/llm.md
     path: str = "synthetic"                 # a .jsonl file, a folder of .jsonl files, or `synthetic`: the embedded
                                             # conversation set (train/data/chat_example.py, made by code, no download)
-    tokenizer: str = "sentencepiece"        # with `train.init_from`: `sentencepiece` means the checkpoint's own
-                                            # (`tokenizer.json`, else `tokenizer.model`); without: `bytes`,
-                                            # `sentencepiece` (BPE trained on the rendered conversations, cached) or
-                                            # a path to a `tokenizer.model` / `tokenizer.json`
+    tokenizer: str = "sentencepiece"        # `sentencepiece` (with `train.init_from`: the checkpoint's own; else BPE
+                                            # trained on the rendered conversations), `bytes` or a tokenizer file's path
     vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of a sentencepiece tokenizer trained here
-    template: Optional[str] = None          # the chat template: null = the model's own (`train.init_from`'s
-                                            # tokenizer_config.json or chat_template.jinja), else the built-in
-                                            # `chatml`; or a built-in name, or a path to a tokenizer_config.json, a
-                                            # .jinja file, a folder holding one, or a .gguf file
+    template: Optional[str] = None          # the chat template: null = the `train.init_from` model's own, else
+                                            # `chatml`; or a built-in name, or a path (docs/post-training.md)
     seq_len: int = bounded(512, ge=2)       # tokens per conversation (<= `model.max_seq_len`); a longer one is cut
                                             # there (counted in the log), dropped when no assistant token is left
     train_on_prompt: bool = False           # train on every token (system, user, template markup), not only the
@@ -88,15 +82,13 @@ class ChatDataConfig:
     bucket_batches: int = bounded(64, ge=1)  # length bucketing: the conversations of this many batches are sorted by
                                             # length and cut into batches (then shuffled); 1 = no bucketing
     val_fraction: float = bounded(0.05, gt=0, lt=1)  # conversations held out for validation (assistant-token loss)
-    eval_generate: int = bounded(32, ge=0)  # at every evaluation, the last answer of this many validation
-                                            # conversations is generated (greedy) and compared with the reference:
-                                            # `val_exact_match`; 0 = off
+    eval_generate: int = bounded(32, ge=0)  # validation conversations whose last answer is generated (greedy) at
+                                            # every evaluation and compared with the reference (`val_exact_match`)
     synthetic_rows: int = bounded(4000, ge=10)  # `path: synthetic`: how many conversations are made
     cache_dir: Optional[str] = None         # where a trained tokenizer is cached; null = `$ZOO_CACHE`, else the user
                                             # cache directory
-    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py: multiple choice, generation, loss)
-                                            # scored at every evaluation with the template, logged as
-                                            # `eval_<file stem>_<metric>`
+    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) scored at every evaluation with the
+                                            # template, logged as `eval_<file stem>_<metric>`
 
     def validate(self, source, prefix="data."):
         if not self.path:

@@ -1,5 +1,5 @@
 """The LR range test (Smith, "Cyclical Learning Rates for Training Neural Networks", 2017):
-`python train/run.py CONFIG train.features.lr_find=true`.
+`python train/run.py CONFIG train.lr_find=true`.
 
 On a fresh copy of the run (same model, data, optimizer and batch; nothing is read from or
 written to the run's checkpoints), the LR grows exponentially from `train.lr_find_min` to

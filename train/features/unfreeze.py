@@ -1,7 +1,7 @@
 """Gradual unfreezing (Howard & Ruder, "Universal Language Model Fine-tuning for Text
 Classification", 2018): train the head first, then unfreeze the blocks from the top down.
 
-`train.features.unfreeze: [s1, s2, ...]` lists the steps at which the next group (the task's
+`train.unfreeze: [s1, s2, ...]` lists the steps at which the next group (the task's
 `unfreeze_groups`, top first) becomes trainable; before s1 only the first group (the head)
 trains, from the last listed step on the first len(list) + 1 groups. Groups past the list stay
 frozen for the whole run. A frozen parameter has no gradient, so no optimizer touches it.

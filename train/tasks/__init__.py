@@ -101,7 +101,7 @@ class Task:
         raise NotImplementedError
 
     def unfreeze_groups(self, model: nn.Module) -> list[list[nn.Parameter]]:
-        """Parameter groups for gradual unfreezing (train.features.unfreeze), the head first, then the blocks
+        """Parameter groups for gradual unfreezing (train.unfreeze), the head first, then the blocks
         from the top down. Default: the model's top-level modules in reverse order, a ModuleList or
         Sequential of blocks split into its blocks."""
         groups = []

@@ -65,8 +65,7 @@ class ImageDataConfig:
                                             # 0.5/0.5 digits
     label_smoothing: float = bounded(0.1, ge=0, lt=1)  # cross-entropy label smoothing (of the mixed targets too)
     auto_augment: Literal["none", "randaugment", "trivialaugment"] = "none"  # train: torchvision's RandAugment or
-                                            # TrivialAugmentWide on each image after the crop (needs the `convnet`
-                                            # extra: torchvision)
+                                            # TrivialAugmentWide on each image after the crop (the `convnet` extra)
     randaugment_ops: int = bounded(2, gt=0)  # RandAugment: operations per image
     randaugment_magnitude: int = bounded(9, ge=0, le=30)  # RandAugment: magnitude, of 31 bins
     random_erasing: float = bounded(0.0, ge=0, le=1)  # train: probability that an image gets a box (2-33% of its

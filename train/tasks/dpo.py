@@ -48,22 +48,16 @@ from .sft import SFTTask, write_template
 @dataclass
 class PreferenceDataConfig:
     format: Literal["preference"] = "preference"  # selects preference tuning (this task) for `family: llm`
-    path: str = ""                          # a jsonl file of `{"prompt", "chosen", "rejected"}` rows (the prompt a
-                                            # string or a list of chat messages, the responses strings), or
-                                            # `synthetic`: pairs made from the embedded conversation set (the chat
-                                            # example's), the rejected answer another conversation's
+    path: str = ""                          # a jsonl file of `{"prompt", "chosen", "rejected"}` rows, or
+                                            # `synthetic`: pairs made from the embedded conversations
     synthetic_rows: int = bounded(2000, ge=10)  # `path: synthetic`: how many pairs are made (`val_fraction` of them
                                             # from the held-out conversations)
     val_path: Optional[str] = None          # held-out pairs (same format); null = the last `val_fraction` of `path`
     val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
-    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer
-                                            # (`tokenizer.json`, else `tokenizer.model`); `bytes`; or a path to a
-                                            # `tokenizer.model` / `tokenizer.json`
-    template: Optional[str] = None          # the chat template the pairs are rendered with: null = the
-                                            # `train.init_from` model's own when it has one (an SFT run's folder
-                                            # does), else none (prompt and response concatenated); or a built-in
-                                            # name (`chatml`), or a path as `template` of the chat data; `none`: no
-                                            # template even when the model has one
+    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer;
+                                            # `bytes`; or a tokenizer file's path
+    template: Optional[str] = None          # null = the `train.init_from` model's own template, if any; a built-in
+                                            # name or a path as for chat data; `none`: no template
     seq_len: int = bounded(256, ge=2)       # tokens per prompt + response (longer: the prompt loses its start, then
                                             # the response its end; counted in the log); <= `model.max_seq_len`
     loss: Literal["dpo", "simpo"] = "dpo"   # `dpo` (against the frozen reference) or `simpo` (reference-free, length
@@ -72,11 +66,8 @@ class PreferenceDataConfig:
     label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # the assumed fraction of flipped preferences (conservative
                                             # DPO): the loss also pushes the other way with this weight
     simpo_gamma: float = bounded(0.5, ge=0)  # `simpo`: the target margin between the rewards
-    reference: Literal["copy", "precomputed"] = "copy"  # `dpo` without an adapter: `copy` keeps a frozen copy of the
-                                            # initial model on the device (the weights twice); `precomputed` runs
-                                            # the initial model once over every pair at the start (and at every
-                                            # resume) and keeps only its log-probabilities. With an adapter the
-                                            # reference is always the base with the adapters off
+    reference: Literal["copy", "precomputed"] = "copy"  # `dpo` without an adapter: `copy` (a frozen copy of the
+                                            # initial model) or `precomputed` (its log-probabilities, computed at start)
     eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) evaluated at every evaluation, their
                                             # metrics logged as `eval_<file stem>_<metric>`
 

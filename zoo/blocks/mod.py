@@ -33,10 +33,10 @@ forward reports its decision logits in its stats ('decide'); `boundary(decide, k
 midpoint between the n-th and (n+1)-th largest of a batch's decision logits (n = B x k: the
 threshold that decides exactly as many tokens as the top-k routes; the logits may be gathered
 from several processes), and `update_threshold(boundary, rate)` moves the threshold toward it
-(an exponential moving average). The cross-entropy alone, at its small
-weight, leaves the decision logits' top-k boundary well below 0 for hundreds of steps (with one
-token in eight routed, "route nothing" is right 87.5% of the time); a threshold at the boundary
-makes the decision route about the top-k's share (docs/llm.md, "Mixture of Depths", measures both).
+(an exponential moving average). The cross-entropy alone, at its small weight, leaves the
+decision logits' top-k boundary far below 0 for a long time (with one token in eight routed,
+"route nothing" is right 87.5% of the time); a threshold at the boundary makes the decision route
+about the top-k's share (docs/llm.md, "Mixture of Depths", compares both).
 
 `forward(x, *per_token, causal=False)` routes by the top-k (training, evaluation);
 `causal=True` routes each token by its own decision (decoding): the block runs on every token with
