@@ -62,8 +62,8 @@ def config_classes() -> dict[str, type]:
 
 def field_comments(cls) -> dict[str, str]:
     """Field name -> its comment in the source: the trailing `# ...` of the field's line(s) and the
-    comment-only lines right below it indented past the field (a section comment at the field's
-    own indentation belongs to the fields after it)."""
+    comment-only lines right below it indented past the field. A section comment `# -- concern` at
+    the field's own indentation heads the fields after it: `field_groups`."""
     lines, _ = inspect.getsourcelines(cls)
     src = textwrap.dedent("".join(lines))
     comments = {}
@@ -82,6 +82,18 @@ def field_comments(cls) -> dict[str, str]:
             parts.append(comments[n][1])
             n += 1
         out[node.target.id] = " ".join(p for p in parts if p)
+    return out
+
+
+def field_groups(cls) -> dict[str, str]:
+    """Field name -> the concern it is grouped under (the section comment `# -- concern` above it)."""
+    lines, _ = inspect.getsourcelines(cls)
+    out, group = {}, ""
+    for line in textwrap.dedent("".join(lines)).splitlines():
+        if m := re.match(r"\s+# -- (.+)$", line):
+            group = m.group(1).strip()
+        elif m := re.match(r"\s+(\w+)\s*:", line):
+            out[m.group(1)] = group
     return out
 
 
@@ -135,11 +147,15 @@ def _cell(text: str) -> str:
 def render(cls) -> str:
     """The markdown table of cls's keys (without the markers)."""
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    comments, groups = field_comments(cls), field_groups(cls)
     rows = ["| key | type | default | bounds | meaning |", "|---|---|---|---|---|"]
+    group = ""
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
+        if groups.get(f.name, "") != group:  # the fields of one concern under a row naming it
+            group = groups[f.name]
+            rows.append(f"| **{_cell(group)}** | | | | |")
         bounds = describe_bounds(f.metadata.get("bounds", {}))
         rows.append(f"| `{f.name}` | {_cell(doc_type(hints[f.name]))} | {_cell(doc_value(_default(f)))} | "
                     f"{_cell(bounds)} | {_cell(comments.get(f.name, ''))} |")
