@@ -20,7 +20,7 @@ optimizer's state, is the tensors' peak. The parts:
     allocator             what the device's allocator holds beyond the tensors: on CUDA the caching
                           allocator's blocks and segments, replayed from the step's allocations
                           (`cuda_reserved_peak`) plus cuBLAS's workspace; on a CPU a stated margin
-                          (`CPU_MARGIN` of the tensors' peak plus `CPU_RUNTIME`) that errs high
+                          per family (`CPU_MARGIN`: a share of the tensors' peak plus a constant)
 
 Deep models are simulated at two reduced depths and extrapolated (every quantity of a stack of
 equal blocks is linear in its depth). Also reported: activations per repeated block, the logits
@@ -562,9 +562,10 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
                  "ema": ema, "inputs": sim.inputs, "activations": activations}
     if device.type == "cpu":
-        allocator = round(CPU_MARGIN * sum(breakdown.values())) + CPU_RUNTIME
-        notes.append(f"CPU: the allocator's margin is {CPU_MARGIN:.0%} of the tensors' peak plus {_fmt(CPU_RUNTIME)}, "
-                     f"chosen to err high (docs/memory.md)")
+        allocator = cpu_margin(cfg.family, sum(breakdown.values()))
+        share, constant = CPU_MARGIN.get(cfg.family, CPU_MARGIN_OTHER)
+        notes.append(f"CPU: the allocator's margin for the {cfg.family} family is {share:.0%} of the tensors' peak "
+                     f"plus {_fmt(constant)}, chosen to err high (docs/memory.md)")
     breakdown["allocator"] = max(0, allocator)
     kv = _kv_cache_bytes(cfg, B, device)
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
@@ -574,12 +575,18 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
 
 
-# A CPU's allocator margin: glibc's heap around the tensors (blocks freed out of order leave holes
-# that only smaller blocks can reuse) and what no tensor holds (the autograd graph's objects, the
-# BLAS and oneDNN buffers, code run for the first time), as a share of the tensors' peak plus a
-# constant. Chosen to err high: `python train/bench.py memory` measures it (docs/memory.md).
-CPU_MARGIN = 0.25
-CPU_RUNTIME = 96 * MiB
+# A CPU's allocator margin per family: (share of the tensors' peak, constant). It covers glibc's heap
+# around the tensors (a block freed out of order leaves a hole only smaller blocks reuse) and what no
+# tensor holds (the autograd graph's objects, the BLAS and oneDNN buffers, code run for the first
+# time; oneDNN's convolutions keep the most). Chosen to err high: `python train/bench.py memory`.
+CPU_MARGIN = {"llm": (0.5, 32 * MiB), "convnet": (0.8, 64 * MiB), "diffusion": (0.3, 48 * MiB)}
+CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
+
+
+def cpu_margin(family: str, tensors: int) -> int:
+    """The CPU allocator's margin over a step whose tensors peak at `tensors` bytes."""
+    share, constant = CPU_MARGIN.get(family, CPU_MARGIN_OTHER)
+    return round(share * tensors) + constant
 
 
 def allocator_overhead(events, device) -> int:
