@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -496,6 +497,8 @@ class Plan:
     sharding: str = "none"
     extrapolated_from: Optional[list] = None  # the depths simulated when the stack was extrapolated
     notes: list = field(default_factory=list)
+    device: str = "cpu"                  # the device planned for
+    precision: str = "fp32"              # the precision the run computes in there
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -511,13 +514,35 @@ def _run_device(cfg) -> torch.device:
     return torch.device(name)
 
 
+def for_target(cfg, target: torch.device) -> tuple:
+    """(cfg as it runs on `target`, the device its step is simulated on, what precision it runs in and
+    why). A CUDA target on a machine without CUDA is simulated on the CPU's fake tensors with
+    `train.precision: auto` as bf16 (every GPU since Ampere) and attention through SDPA (what CUDA's
+    fused kernels hold: no score matrix); the CUDA allocator's rules then apply to its allocations."""
+    t, sim = cfg.train, target
+    if target.type == "cuda" and not torch.cuda.is_available():
+        sim = torch.device("cpu")
+        precision = "bf16" if t.precision == "auto" else t.precision
+        why = "auto: bf16 on a CUDA GPU (compute capability 8.0+ assumed)" if t.precision == "auto" else "as set"
+        over = {"attn_backend": "sdpa"} if t.attn_backend == "auto" else {}
+    else:
+        precision, over = precision_of(_precision(cfg, target)), {}
+        why = f"auto on this {target.type}" if t.precision == "auto" else "as set"
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, precision=precision, **over))
+    return cfg, sim, precision, why
+
+
 def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int] = None,
          device: Optional[torch.device] = None) -> Plan:
-    """The predicted peak memory (per device) of one training step of `cfg` (a RunConfig)."""
-    device = device or _run_device(cfg)
+    """The predicted peak memory (per device) of one training step of `cfg` (a RunConfig) on `device`
+    (default: the run's), from any machine."""
+    target = device or _run_device(cfg)
+    cfg, device, precision, why = for_target(cfg, target)
     B = batch_size or cfg.train.batch_size
     depth = _depth_keys(cfg)
-    notes = []
+    notes = [f"precision {precision} ({why})"]
+    if cfg.train.activation_offload and target.type == "cuda" and device.type != "cuda":
+        notes.append("train.activation_offload is simulated only on a machine with CUDA: planned without it")
     if depth is not None and depth[0] > max(SIMULATE_FULL_DEPTH, 4 * depth[1]):
         L, p = depth
         l1, l2 = 2 * p, 4 * p
@@ -531,16 +556,16 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
         sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
                                   logits=s2.logits)
-        allocator = lin(allocator_overhead(s1.events, device), allocator_overhead(s2.events, device))
+        allocator = lin(allocator_overhead(s1.events, target), allocator_overhead(s2.events, target))
         extrapolated = [l1, l2]
     else:
         sim, extrapolated = simulate(cfg, device, B), None
-        allocator = allocator_overhead(sim.events, device)
+        allocator = allocator_overhead(sim.events, target)
     transient = max(sim.forward_backward, sim.optimizer_step)
     activations = transient - sim.grads
     host = 0
     params, grads, states = sim.params, sim.grads, sim.states
-    if cfg.optim.name == "adamw_offload" and device.type == "cuda":
+    if cfg.optim.name == "adamw_offload" and target.type == "cuda":
         host += states + params + grads  # torchao keeps fp32 params, grads and states on the host
         states = 0
         notes.append("optim.name=adamw_offload: optimizer states, a copy of the parameters and the gradients "
@@ -561,7 +586,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
                  "ema": ema, "inputs": sim.inputs, "activations": activations}
-    if device.type == "cpu":
+    if target.type == "cpu":
         allocator = cpu_margin(cfg.family, sum(breakdown.values()))
         share, constant = CPU_MARGIN.get(cfg.family, CPU_MARGIN_OTHER)
         notes.append(f"CPU: the allocator's margin for the {cfg.family} family is {share:.0%} of the tensors' peak "
@@ -569,7 +594,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     breakdown["allocator"] = max(0, allocator)
     kv = _kv_cache_bytes(cfg, B, device)
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
-                sharding if devices > 1 else "none", extrapolated, notes)
+                sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
 
 
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
@@ -639,10 +664,13 @@ def _kv_cache_bytes(cfg, B, device) -> Optional[int]:
 # ------------------------------------------------------------------------------ what makes it fit
 @dataclass
 class Option:
-    name: str              # what to set
+    overrides: dict        # the config keys it sets
     slowdown: float        # estimated step-time factor (docs/memory.md)
-    overrides: dict        # config keys it sets
-    batch_split: int = 1   # micro-batch divided by this, grad_accum multiplied
+
+    @property
+    def name(self) -> str:
+        """The overrides as train/run.py takes them on its command line."""
+        return " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in self.overrides.items())
 
 
 def options(cfg, device) -> list[list[Option]]:
@@ -650,29 +678,23 @@ def options(cfg, device) -> list[list[Option]]:
     t, o = cfg.train, cfg.optim
     groups = []
     if cfg.family == "llm" and not t.chunked_loss:
-        groups.append([Option("train.chunked_loss=true", 1.0, {"train.chunked_loss": True})])
+        groups.append([Option({"train.chunked_loss": True}, 1.0)])
     if t.precision == "fp32" and device.type == "cuda":
-        groups.append([Option("train.precision=bf16", 0.6, {"train.precision": "bf16"})])
+        groups.append([Option({"train.precision": "bf16"}, 0.6)])
     if o.name in ("adamw", "galore", "muon"):
-        opts = [Option("optim.name=adamw8bit", 1.05, {"optim.name": "adamw8bit"})]
-        if device.type == "cuda":
-            opts.append(Option("optim.name=adamw_offload", 1.3, {"optim.name": "adamw_offload"}))
-        groups.append(opts)
+        groups.append([Option({"optim.name": "adamw8bit"}, 1.05)]
+                      + ([Option({"optim.name": "adamw_offload"}, 1.3)] if device.type == "cuda" else []))
     if device.type == "cuda" and not t.activation_offload:
-        groups.append([Option("train.activation_offload=true", 1.2, {"train.activation_offload": True})])
+        groups.append([Option({"train.activation_offload": True}, 1.2)])
     if t.activation_checkpointing in (False, "none"):
-        groups.append([Option("activation_checkpointing=selective", 1.1,
-                              {"train.activation_checkpointing": "selective"}),
-                       Option("activation_checkpointing=true, activation_checkpointing_every=2", 1.15,
-                              {"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}),
-                       Option("activation_checkpointing=true", 1.3, {"train.activation_checkpointing": True})])
-    splits = []
-    b, k = t.batch_size, 2
+        groups.append([Option({"train.activation_checkpointing": "selective"}, 1.1),
+                       Option({"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}, 1.15),
+                       Option({"train.activation_checkpointing": True}, 1.3)])
+    b, k, splits = t.batch_size, 2, []
     while b != "auto" and k <= b:
         if b % k == 0:
-            splits.append(Option(f"train.batch_size={b // k}, train.grad_accum={t.grad_accum * k}",
-                                 1.0 + 0.05 * math.log2(k), {"train.batch_size": b // k,
-                                                             "train.grad_accum": t.grad_accum * k}, k))
+            splits.append(Option({"train.batch_size": b // k, "train.grad_accum": t.grad_accum * k},
+                                 1.0 + 0.05 * math.log2(k)))
         k *= 2
     if splits:
         groups.append(splits)
@@ -682,10 +704,11 @@ def options(cfg, device) -> list[list[Option]]:
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
          device: Optional[torch.device] = None, log=lambda m: None) -> list[tuple[float, list[str], Plan]]:
     """Up to `top` combinations of options whose planned peak is under `budget` bytes, the
-    cheapest (lowest estimated slowdown) first: [(slowdown, settings, plan)]."""
+    cheapest (lowest estimated slowdown) first: [(slowdown, the overrides each sets, plan)]."""
     import itertools
     from train.config import load_run_config
     device = device or _run_device(cfg)
+    cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there
     base = cfg.to_dict()
     groups = options(cfg, device)
     combos = []
@@ -697,7 +720,7 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
     for slowdown, picked in combos:
         if any(set(p) <= set(f) for _, f, _ in found for p in [[c.name for c in picked]]):
             continue  # a superset of a combination that already fits is never cheaper
-        over = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for c in picked for k, v in c.overrides.items()]
+        over = [tok for c in picked for tok in c.name.split()]
         key = tuple(sorted(over))
         if key not in cache:
             try:
@@ -707,7 +730,7 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
             cache[key] = plan(c, devices, sharding, device=device)
         p = cache[key]
         if p.peak_bytes <= budget:
-            found.append((slowdown, [c.name for c in picked] or ["as configured"], p))
+            found.append((slowdown, [c.name for c in picked], p))  # [] = as configured
             if len(found) >= top or not picked:
                 break
     return found
@@ -917,8 +940,8 @@ def _fmt(n: Optional[int]) -> str:
 
 
 def report(cfg, p: Plan) -> str:
-    lines = [f"plan: {cfg.source}: family={cfg.family} batch={cfg.train.batch_size} x {cfg.train.grad_accum} "
-             f"precision={cfg.train.precision} optimizer={cfg.optim.name}"
+    lines = [f"plan: {cfg.source}: family={cfg.family} device={p.device} precision={p.precision} "
+             f"batch={cfg.train.batch_size} x {cfg.train.grad_accum} optimizer={cfg.optim.name}"
              + (f", per device of {p.devices} ({p.sharding})" if p.devices > 1 else "")]
     for k, v in p.breakdown.items():
         lines.append(f"  {k:<18}{_fmt(v):>14}")
@@ -951,6 +974,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", help="the memory a device has, e.g. 24GB: print the settings that make it fit")
     ap.add_argument("--devices", type=int, default=1, help="data-parallel devices (default 1)")
     ap.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp", help="with --devices > 1")
+    ap.add_argument("--device", help="plan for this device (cpu, cuda, cuda:N, ...) from any machine; "
+                                     "default: train.device")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     args = ap.parse_args(argv)
     try:
@@ -961,8 +986,9 @@ def main(argv=None) -> int:
         if args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
         cfg = load_run_config(args.config, args.overrides)
-        p = plan(cfg, args.devices, args.sharding)
-        found = fits(cfg, budget, args.devices, args.sharding) if budget is not None else None
+        target = torch.device(args.device) if args.device else _run_device(cfg)
+        p = plan(cfg, args.devices, args.sharding, device=target)
+        found = fits(cfg, budget, args.devices, args.sharding, device=target) if budget is not None else None
     except (ConfigError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -970,16 +996,19 @@ def main(argv=None) -> int:
         out = p.to_dict()
         if found is not None:
             out["budget_bytes"] = budget
-            out["fits"] = [{"slowdown": s, "settings": names, "peak_bytes": q.peak_bytes} for s, names, q in found]
+            out["fits"] = [{"slowdown": s, "overrides": names, "peak_bytes": q.peak_bytes} for s, names, q in found]
         print(json.dumps(out))
         return 0
     print(report(cfg, p))
     if found is not None:
-        print(f"settings that fit in {_fmt(budget)}, cheapest in speed first (estimated step time):")
+        print(f"settings that fit in {_fmt(budget)}, cheapest in speed first (estimated step time; paste the "
+              f"overrides after the command):")
         if not found:
             print("  none of the options is enough; more devices (--devices N --sharding fsdp2) or a smaller model")
+        command = shlex.join(["python", "train/run.py", args.config, *args.overrides])
         for s, names, q in found:
-            print(f"  {s:.2f}x  peak {_fmt(q.peak_bytes):>11}  {'; '.join(names)}")
+            print(f"  {s:.2f}x  peak {_fmt(q.peak_bytes):>11}  {command} {' '.join(names)}".rstrip()
+                  + ("  (as configured)" if not names else ""))
     return 0
 
 

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,11 +52,37 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def cpu_has_bf16() -> Optional[bool]:
+    """Whether this CPU has bf16 instructions (avx512_bf16, amx_bf16, or aarch64's bf16 in
+    /proc/cpuinfo's flags); None where there is no such file to read."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    flags = set(" ".join(re.findall(r"^(?:flags|Features)\s*:(.*)$", text, re.M)).split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if flags else None
+
+
+def matmul_speeds(device: torch.device, rounds: int = 6) -> tuple[float, float]:
+    """(bf16, fp32) matmul FLOP/s, the best of alternating timings, repeated until the ratio moves by
+    less than 5% from one round to the next (at least 2 rounds): the same answer under other load."""
+    best = {torch.bfloat16: 0.0, None: 0.0}
+    ratio = None
+    with torch.random.fork_rng(devices=[]):
+        for i in range(rounds):
+            for dtype in best:
+                best[dtype] = max(best[dtype], measure_peak_flops(device, dtype))
+            was, ratio = ratio, best[torch.bfloat16] / best[None]
+            if was is not None and abs(ratio - was) < 0.05 * was:
+                break
+    return best[torch.bfloat16], best[None]
+
+
 def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
-    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 only
-    when a timed bf16 matmul is clearly faster than fp32's there (CPUs without native bf16
-    instructions emulate it, far slower); fp32 otherwise. An explicit bf16 on a CPU that
-    emulates it is kept, with a warning in the log."""
+    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU by its
+    instructions (`cpu_has_bf16`): without bf16 instructions fp32; with them bf16, unless a repeated
+    timing finds bf16 under half fp32's speed; where the flags cannot be read, bf16 when it times at
+    least half again as fast. An explicit bf16 on a CPU that emulates it is kept, with a warning."""
     p = precision
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
@@ -63,12 +90,16 @@ def resolve_precision(precision: str, device: torch.device, log=lambda m: None) 
         return "fp32" if p == "auto" else p
     if device.type == "cuda":
         return "bf16" if p == "bf16" or torch.cuda.is_bf16_supported() else "fp32"
-    with torch.random.fork_rng(devices=[]):
-        bf16, fp32 = measure_peak_flops(device, torch.bfloat16), measure_peak_flops(device, None)
+    native = cpu_has_bf16()
+    if p == "auto" and native is False:
+        log("precision: auto -> fp32 (this CPU has no bf16 instructions)")
+        return "fp32"
+    bf16, fp32 = matmul_speeds(device)
     speeds = f"matmul on this CPU: bf16 {bf16 / 1e9:.1f}, fp32 {fp32 / 1e9:.1f} GFLOP/s"
     if p == "auto":
-        choice = "bf16" if bf16 >= 1.5 * fp32 else "fp32"
-        log(f"precision: auto -> {choice} ({speeds})")
+        choice = "bf16" if bf16 >= (0.5 if native else 1.5) * fp32 else "fp32"
+        why = "this CPU has bf16 instructions" if native else "no instruction flags to read"
+        log(f"precision: auto -> {choice} ({why}; {speeds})")
         return choice
     if bf16 < 0.5 * fp32:
         log(f"precision: warning: train.precision=bf16 on a CPU that emulates bf16 ({speeds}); "
