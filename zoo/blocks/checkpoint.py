@@ -6,26 +6,16 @@ policy after Korthikanti et al., "Reducing Activation Recomputation in Large Tra
 (2022): keep the outputs of the expensive ops, recompute the cheap ones.
 
     policy "none" (or False)   every block keeps its activations
-    policy "full" (or True)    a checkpointed block keeps only its inputs; the backward runs its forward again
-    policy "selective"         a checkpointed block keeps the outputs of its matmuls, convolutions and
-                               attention (MATMUL_OPS) and recomputes the rest (norms, activations,
-                               element-wise ops): most of the memory saved for little recompute
-    every = n                  only blocks 0, n, 2n, ... are checkpointed (1: every block)
+    policy "full" (or True)    a checkpointed block keeps only its inputs
+    policy "selective"         a checkpointed block keeps the outputs of MATMUL_OPS, recomputes the rest
+    every = n                  only blocks 0, n, 2n, ... are checkpointed
 
-Applied from outside a model, as timm's set_grad_checkpointing and torchtitan do: a model keeps a
-plain forward and exposes its repeated units, and
-
-    checkpoint_units(model.checkpoint_units(), "selective", every=2)
-
-makes unit i (from 0) of that list run checkpointed when i % every == 0 (its `forward` replaced on
-the instance; parameter names and the state dict are unchanged; policy "none" restores the plain
-forward). `run_block(block, i, policy, every, *args, **kwargs)` is the same for one call:
-`block(*args, **kwargs)` as block i of its stack under the policy. Both go through
-torch.utils.checkpoint, non-reentrant, RNG state preserved so dropout and stochastic depth draw
-the same masks again. Running statistics (BatchNorm) are not
-updated twice: while a block is recomputed their momentum is 0 and their batch count is restored.
-Checkpointing applies only when gradients are being recorded (`torch.is_grad_enabled()`) and
-the block is training. Shapes: whatever the block takes and returns. torch only.
+Applied from outside a model, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
+"selective", every=2)` replaces the units' forward on the instance (the state dict is unchanged);
+`run_block` does the same for one call. Non-reentrant torch.utils.checkpoint with the RNG state
+preserved (dropout draws the same masks); BatchNorm's running statistics are not updated twice.
+Only while training with gradients enabled. Shapes: whatever the block takes and returns.
+Depends on torch only.
 """
 from __future__ import annotations
 
