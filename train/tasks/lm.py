@@ -1,23 +1,10 @@
 """Language modelling: next-token cross-entropy on windows of a token stream.
 
-For a Mixture-of-Experts model (model.moe) the task adds the router's auxiliary losses to the
-cross-entropy, steps the routing biases once per optimizer step (moe.balance: bias), and reports
-in every logged row (and a log line) the auxiliary losses, each sparse layer's max and min expert
-load relative to uniform, and the fraction of choices dropped by a capacity limit.
-
-For a Mixture-of-Depths model (model.mod_capacity > 0) the task adds the causal decisions'
-cross-entropy to the loss and reports, per MoD layer, the fraction of tokens routed through it,
-the fraction its causal decision would route, and how often that decision agrees with the
-top-k (`mod_routed`, `mod_decided`, `mod_accuracy`); after every training forward it moves each
-decision's threshold toward the top-k's boundary (model.mod_threshold_rate); evaluation adds the decision accuracy on the
-validation tokens (`val_mod_accuracy`, the mean over the MoD layers; `val_mod_accuracy_layer<i>`
-for layer i) and the
-validation loss when every MoD layer routes by the causal decision, as decoding does
-(`val_loss_causal`).
-
-With `data.attention: document` every forward (training and evaluation) passes the model the
-batch's document ids (train/data/doc_masks.py, from the boundary tokens data.boundary put in the stream), and with
-`data.positions: document` positions restarting per document."""
+A Mixture-of-Experts model's router losses join the loss and its routing biases step once per
+optimizer step; a Mixture-of-Depths model's decision loss joins it and its thresholds follow the
+top-k; both report their routing statistics (docs/llm.md, "Metrics"). With `data.attention:
+document` every forward gets the batch's document ids (and with `data.positions: document`
+positions restarting per document)."""
 from __future__ import annotations
 
 import math

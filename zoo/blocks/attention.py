@@ -5,19 +5,13 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 "Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
 "FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
 
-q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
-[0, H*D) are q, then KV*D rows of k, then KV*D rows of v. With `qk_norm` (Qwen3; Dehghani et al.,
-"Scaling Vision Transformers to 22 Billion Parameters", 2023) each q and k head is RMS-normalised
-over D before RoPE. `prefix` (None by default) may be a module that puts learned keys and values
-in front of the layer's own (prefix.py). `mask` replaces the causal rule with a narrower one: an
-object with `attend(q, k, v, backend, window)`, `cached(cache, start)` and `prefixed(n)`
-(attention_docs.py's Documents, attention_masked.py's KeyMask).
-
-Backends (each name one implementation; `set_backend(model, name)` sets it on a built model):
-'auto' picks 'flash' on CUDA in fp16/bf16 when flash-attn is installed, 'bmm' on a CPU for short
-keys (attention_cpu.py), else 'sdpa' (torch's scaled_dot_product_attention); 'flex' is torch's
-FlexAttention with a block mask (fused under torch.compile; no backward on a CPU); 'math' is the
-fp32 reference.
+q, k and v come from one fused projection `qkv` (rows: H*D of q, then KV*D of k, then of v).
+`qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters", 2023)
+RMS-normalises each q and k head before RoPE; `prefix` puts learned keys and values in front
+(prefix.py); `mask` replaces the causal rule with a narrower one (attention_docs.py's Documents,
+attention_masked.py's KeyMask). Backends (`set_backend(model, name)`): 'auto' picks 'flash'
+(flash-attn on CUDA in fp16/bf16), 'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa';
+'flex' is FlexAttention with a block mask; 'math' the fp32 reference.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
 (T, D) from rope.py, or (B, T, D) when each row has positions of its own.
@@ -157,9 +151,8 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torc
 
 def attend_flex(q, k, v, window: Optional[int] = None, runs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (and windowed) attention through torch's FlexAttention with a block mask, which skips
-    the blocks no query of a tile can see; with `runs` (B, Tq) ints, a query sees only keys of its
-    own run (attention_docs.py). Fused kernels come from torch.compile; eagerly torch runs a slow
-    reference. No backward on a CPU."""
+    blocks no query of a tile sees; with `runs` (B, Tq), a query sees only keys of its own run.
+    Fused under torch.compile; no backward on a CPU."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     B, H, Tq, D = q.shape
     KV, Tk = k.shape[1], k.shape[2]
