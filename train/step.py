@@ -52,10 +52,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
-    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 only
-    when a timed bf16 matmul is clearly faster than fp32's there (CPUs without native bf16
-    instructions emulate it, far slower); fp32 otherwise. An explicit bf16 on a CPU that
-    emulates it is kept, with a warning in the log."""
+    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 only when a
+    timed bf16 matmul is clearly faster than fp32's (many CPUs emulate it); fp32 otherwise."""
     p = precision
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
@@ -166,17 +164,11 @@ class StepResult:
 
 def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
                    autocast=contextlib.nullcontext, no_sync=None, agree=None) -> StepResult:
-    """One optimizer step over `n_micro` micro-batches. loss_fn(batch) -> (mean loss, items).
-
-    Each micro-batch's mean loss is divided by n_micro before backward, so the accumulated
-    gradients of k equal micro-batches are those of one k-times larger batch. Then the GradScaler
-    (fp16) unscales them, the global norm is clipped to `clip` (None: measured, not clipped), and
-    the optimizer steps, unless the loss or the norm is not finite: without a scaler the step is
-    skipped and reported; with one, an overflowing gradient is the scaler's business (it skips
-    the step and lowers its scale). Gradients are then freed (zero_grad(set_to_none=True)).
-    Data-parallel runs (train/distributed.py) pass no_sync(last) -> the context of a micro-batch's
-    backward (DDP: no all-reduce but on the last), and agree([loss sum, grad norm]) -> the same on
-    every rank, so that all ranks take or skip the step together."""
+    """One optimizer step over `n_micro` micro-batches; loss_fn(batch) -> (mean loss, items). Each loss
+    is divided by n_micro before backward (accumulation equals one larger batch); then unscale (fp16),
+    clip to `clip` (None: measure only) and step, unless the loss or norm is not finite (skipped and
+    reported; with a GradScaler, the scaler's business). Data-parallel runs pass no_sync(last) and
+    agree([loss sum, grad norm]) so that all ranks take or skip the step together."""
     loss_sum, items = None, 0
     for i, batch in enumerate(batches):
         with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():

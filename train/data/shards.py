@@ -2,25 +2,13 @@
 
     prepare(source, tokenizer, out, ...) -> Shards
 
-The main process reads documents lazily (train/data/sources.py) and groups them into chunks of
-about `chunk_chars` characters; worker processes (one per core by default) tokenise the chunks;
-the main process writes their tokens, in chunk order, to shards of about `shard_tokens` tokens.
-At most two chunks per worker are in flight, so memory is bounded by the chunk size, never by
-the corpus. Documents are separated by the tokenizer's BOS and/or EOS (`boundary`, see
-train/data/__init__.py for the contract).
-
-On disk, in the folder `out`:
-    shard-00000.bin        the tokens, raw uint16 (uint32 for vocabularies over 65,536)
-    shard-00000.docs.npy   int64: the offset in the shard of each document that starts in it
-    manifest.json          the shards written so far, the chunks they hold, and when done
-                           `complete: true` with the totals (tokens, documents, bad documents)
-
-Kill-safe: a shard is written under a temporary name and renamed when whole, then the manifest is
-rewritten atomically; a reader uses only the shards the manifest lists. A rerun after a kill (any
-signal, any moment) removes what the manifest does not list, skips the chunks the manifest says
-are written (reading, not tokenising, them) and goes on; the chunking is a function of the source
-alone, so the shards are the same bytes as an uninterrupted run's, and the same with any number of
-workers.
+Documents are read lazily and grouped into chunks that worker processes tokenise; the main process
+writes their tokens in chunk order to shards (shard-NNNNN.bin, raw uint16 or uint32; shard-NNNNN.docs.npy,
+the document starts; manifest.json). At most two chunks per worker are in flight, so memory is
+bounded by the chunk size, not the corpus. Kill-safe: a shard is renamed into place when whole and
+the manifest rewritten atomically; a rerun drops what the manifest does not list and goes on.
+The chunking is a function of the source alone, so the shards are the same bytes as an
+uninterrupted run's, with any number of workers.
 """
 from __future__ import annotations
 

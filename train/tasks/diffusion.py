@@ -1,14 +1,9 @@
 """Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
-setup(): the autoencoder is either pretrained (model.autoencoder.weights, e.g. taef2_encoder.pth or a
-diffusers AutoencoderTiny folder) or trained here on the training images and cached in
-data.cache_dir (keyed by everything that determines it, so a second run reuses it). Every image (and,
-with data.hflip, its mirror image) is then encoded once into the latent cache (train/data/latents.py:
-memmaps in data.cache_dir keyed by the images, the autoencoder's weights, the resolution and the
-flips; built once, reused by later runs); the per-channel latent mean and std become the model's
-normalisation buffers. The loop then trains only the denoiser (and keeps its EMA) on latents read
-from the cache: no encoder in the step.
-At the end, samples() writes a guided sample grid (a row per class) to out_dir/samples.png.
+setup() loads the autoencoder (pretrained, or trained here and cached), encodes every image once
+into the latent cache (train/data/latents.py) and sets the model's latent normalisation; the loop
+then trains only the denoiser on cached latents, no encoder in the step. samples() writes a
+guided grid (a row per class) to out_dir/samples.png.
 """
 from __future__ import annotations
 
@@ -65,9 +60,8 @@ class ImageData:
 
 
 def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
-    """The digits (in memory), or an image folder split at random (fixed seed) into train and val,
-    each image centre-cropped to size x size when it is read. A missing or empty folder, or an
-    unreadable image, is a one-line error naming it."""
+    """The digits (in memory), or an image folder split at random (fixed seed) into train and val, centre
+    crops of size x size read lazily; a missing or unreadable file is a one-line error naming it."""
     key = {"dataset": d.dataset, "size": size, "val": d.val_fraction}
     if d.dataset == "digits":
         from ..data.images import digits_dataset
