@@ -6,7 +6,7 @@ sub-layers, zero-initialised so every block starts as the identity:
 
     shift1, scale1, gate1, shift2, scale2, gate2 = Linear(SiLU(c))              (adaLN-Zero)
     x = x + gate1 * Attn(modulate(LN(x), shift1, scale1))
-    x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))     modulate(h, s, a) = h * (1 + a) + s
+    x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))     modulate(h, sh, sc) = h * (1 + sc) + sh
 
 Options: `qk_norm` (Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters",
 2023); `rope`, axial 2D RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer",

@@ -101,9 +101,8 @@ class LatentDiffusion(nn.Module):
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
                 weighted: bool = True) -> torch.Tensor:
-        """Per-item loss (B,) of denoising normalised latents z at timesteps t (ints; for flow, s in
-        (0, 1)): Min-SNR-weighted (as configured) or, with weighted=False, the plain MSE of the
-        prediction. Labels already hold the "no label" class where they were dropped for guidance."""
+        """Per-item loss (B,) of denoising normalised latents z at timesteps t (ints; flow: s in (0, 1)),
+        Min-SNR-weighted as configured or, weighted=False, the plain MSE. Dropped labels are already "no label"."""
         cfg = self.config
         if cfg.prediction == "flow":
             out = self.denoiser(flow_interpolate(z, noise, t), t * 1000, labels)
