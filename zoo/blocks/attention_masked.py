@@ -1,11 +1,10 @@
 """Attention restricted to the keys a layer processed: the causal decoding of Mixture-of-Depths.
 
 Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
-language models" (2024). A layer that skips tokens must let no query attend to a key of a skipped
-token, in training and in its KV cache: `KeyMask(key_mask)` is the mask CausalSelfAttention takes
-(attention.py), key_mask (B, Tk) bool (True: a key later queries may see). A query always sees its
-own position, so no row of the softmax is empty; with doc_ids, also only keys of its own document
-(attention_docs.py). `MaskedKVCache` keeps the mask of the keys it holds.
+language models" (2024). A layer that skips tokens must let no query see a skipped token's key, in
+training and in its KV cache: `KeyMask(key_mask)` is the mask CausalSelfAttention takes, key_mask
+(B, Tk) bool; a query always sees its own position (and with doc_ids only its own document).
+`MaskedKVCache` keeps the mask of the keys it holds.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D); key_mask (B, Tk); doc_ids (B, Tq) -> (B, H, Tq, D).
 Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.
