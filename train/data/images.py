@@ -22,9 +22,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-# ----------------------------------------------------------------------------------------
-# embedded default: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes)
-# ----------------------------------------------------------------------------------------
+# ---------- embedded default: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes)
 
 def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_fraction: float = 0.2,
                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +69,7 @@ def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) ->
     return out.gather(3, cols[:, None, None, :].expand(B, C, H, W))
 
 
-# ----------------------------------------------------------------------------------------
-# ImageFolder-style directories: root/<class>/<image>
-# ----------------------------------------------------------------------------------------
+# ------------------------------------ ImageFolder-style directories: root/<class>/<image>
 
 def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool = False) -> tuple[list, list]:
     """root/<class name>/**/<image> -> (class names sorted, [(path, label), ...]); one-line errors naming
@@ -218,9 +214,7 @@ def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
             for p in range(start, start + count)]
 
 
-# ----------------------------------------------------------------------------------------
-# a folder of real photographs, made on the spot (tests, benchmarks)
-# ----------------------------------------------------------------------------------------
+# --------------------- a folder of real photographs, made on the spot (tests, benchmarks)
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scikit-image ships
 
@@ -246,9 +240,7 @@ def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, pe
     return n
 
 
-# ----------------------------------------------------------------------------------------
-# the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
-# ----------------------------------------------------------------------------------------
+# ---------- the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
 
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
 

@@ -35,9 +35,7 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-# ---------------------------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------- writing
 
 def fsync_file(path):
     with open(path, "rb") as f:
@@ -142,9 +140,7 @@ def save_safetensors(tensors: Union[dict, torch.nn.Module], path, metadata: dict
     return atomic_write(path, write)
 
 
-# ---------------------------------------------------------------------------------------------
-# reading and checking
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------ reading and checking
 
 def read_safetensors_header(path) -> tuple[dict, dict, int]:
     """(tensor table {name: {"dtype", "shape", "data_offsets"}}, metadata, byte where the data

@@ -39,9 +39,7 @@ def _gguf():
     return gguf
 
 
-# ----------------------------------------------------------------------------------------
-# reading
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------- reading
 
 def read(path):
     """(reader, metadata {key: value}) of a GGUF file, after checking that it is one and that every
@@ -186,9 +184,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     return model.eval()
 
 
-# ----------------------------------------------------------------------------------------
-# the tokenizer
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------- the tokenizer
 
 # How text is split before byte-level BPE, by `tokenizer.ggml.pre` (the model's own tokenizer.json
 # has the same split); anything else gets GPT-2's.
@@ -303,9 +299,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
     return [(left, right) for *_, left, right in found]
 
 
-# ----------------------------------------------------------------------------------------
-# writing
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------- writing
 
 def exports(model) -> bool:
     return False  # chosen by the file name (".gguf"), never as a family's default format

@@ -52,9 +52,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-# ----------------------------------------------------------------------------------------
-# config.json <-> LLMConfig
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------- config.json <-> LLMConfig
 
 def read_json(path: Path) -> dict:
     try:
@@ -314,9 +312,7 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     return hf
 
 
-# ----------------------------------------------------------------------------------------
-# weight names
-# ----------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------- weight names
 
 def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by
@@ -392,9 +388,7 @@ def _listing(names, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-# ----------------------------------------------------------------------------------------
-# safetensors files
-# ----------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------- safetensors files
 
 def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or the shards listed in model.safetensors.index.json."""
@@ -486,9 +480,7 @@ def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.devic
     return model
 
 
-# ----------------------------------------------------------------------------------------
-# the format interface: detect / load / exports / save
-# ----------------------------------------------------------------------------------------
+# ----------------------------------- the format interface: detect / load / exports / save
 
 def _folder(path) -> Path:
     p = Path(path)

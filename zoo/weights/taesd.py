@@ -70,9 +70,7 @@ def detect(path) -> bool:
     return "0.weight" in keys and any(re.fullmatch(r"\d+\.conv\.0\.weight", k) for k in keys)
 
 
-# ---------------------------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------- loading
 
 def variant_of(sd: dict, source) -> dict:
     """Read the TAESD variant from a zoo-keyed state dict."""
@@ -152,9 +150,7 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
     return model
 
 
-# ---------------------------------------------------------------------------------------------
-# export
-# ---------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------- export
 
 def exports(model) -> bool:
     return isinstance(model, TAESD)
