@@ -70,8 +70,7 @@ class Run:
         self.task.autocast_dtype = self.amp_dtype
 
     def train_context(self):
-        """The context of a training forward and backward: autocast, and on CUDA with
-        train.activation_offload the saved activations in pinned host memory."""
+        """A training forward and backward's context: autocast (and activation offload on CUDA)."""
         if self.cfg.train.activation_offload and self.device.type == "cuda":
             stack = contextlib.ExitStack()
             stack.enter_context(self.autocast())
@@ -137,8 +136,7 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
 
 
 def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Module:
-    """The task's model on `device` in training mode, with the run's runtime choices (attention
-    backend, activation checkpointing, chunked loss) and adapters applied."""
+    """The task's model on `device` in training mode, runtime choices and adapters applied."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model(), cfg.train, say, cfg.source)
     model = model.to(device).train()  # from_pretrained returns eval mode

@@ -107,8 +107,7 @@ class ChatSession:
 
 
 def _held_back(text: str, stop: str) -> int:
-    """How many characters at the end of text must wait: a possible start of the stop text, or a
-    character still being decoded (U+FFFD)."""
+    """How many characters at the end of text must wait (a possible stop-text start, or U+FFFD)."""
     n = len(text) - len(text.rstrip("\ufffd"))
     for k in range(min(len(stop) - 1, len(text)), 0, -1):
         if stop.startswith(text[-k:]):

@@ -139,8 +139,7 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """Return the manifest if every file is present with the recorded size and checksum;
-    otherwise raise ValueError naming the checkpoint and the problem."""
+    """The manifest when every file has its recorded size and checksum; else a ValueError saying why."""
     man = path / "manifest.json"
     if not man.is_file():
         raise ValueError(f"{path}: no manifest.json (incomplete write)")
@@ -189,8 +188,7 @@ def _subset(model: torch.nn.Module, keys: set) -> dict:
 
 
 def read_weights(path: Path, model: torch.nn.Module, keys: Optional[set] = None) -> dict:
-    """The tensors of a checked weight file, matched name by name and shape by shape against `model`
-    (against its `keys` only, when given)."""
+    """The tensors of a checked weight file, matched by name and shape against `model` (or its `keys`)."""
     sd = load_tensors(path)
     want = model.state_dict() if keys is None else _subset(model, keys)
     # tied tensors (one storage, several names) are stored once by save_model: any one name will do
@@ -376,8 +374,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
-        """Load the newest usable checkpoint of out_dir into the run (train.resume) or set the old
-        ones aside (train.resume=false). Returns the step to start from."""
+        """Load the newest usable checkpoint (train.resume) or set old ones aside; returns the start step."""
         run, t, par = self.run, self.t, self.run.par
         if not t.resume and par.broadcast(bool(list_checkpoints(self.out)) if par.main else None):
             if par.main:

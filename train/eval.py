@@ -42,8 +42,7 @@ def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(ids, labels), ...] (labels aligned with ids) -> inputs x (B, T) and next-token labels y (B, T),
-    right-padded to the longest (pad positions are not scored)."""
+    """[(ids, labels), ...] -> inputs x (B, T) and next-token labels y (B, T), right-padded (not scored)."""
     T = max(len(ids) for ids, _ in seqs) - 1
     x = torch.full((len(seqs), T), pad, dtype=torch.long)
     y = torch.full((len(seqs), T), IGNORE, dtype=torch.long)
@@ -228,8 +227,7 @@ SCORERS = {"choice": score_choices, "generation": score_generation, "loss": scor
 
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
                    delimiter=" ", autocast=None, log=print) -> dict[str, dict]:
-    """{task name (the file's stem): {metric: value, ..., "kind": ...}} of every task file, and
-    under "details" each row's scores. The model is evaluated in eval mode and put back as it was."""
+    """{task (file stem): {metric: value, "kind", "details"}} of every task file, in eval mode."""
     was = model.training
     model.eval()
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)

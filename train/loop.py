@@ -161,8 +161,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
 
 
 def evaluate(run) -> dict:
-    """The task's evaluation of the model (and of the EMA's weights, as ema_*; with train.prune the
-    pruned linears' sparsity)."""
+    """The task's evaluation of the model (and of the EMA as ema_*; with train.prune the sparsity)."""
     with run.autocast():
         ev = run.task.evaluate(run.model)
         if run.ema is not None:

@@ -31,8 +31,7 @@ def _as_features(x, name: str) -> np.ndarray:
 
 
 def frechet_distance(a, b) -> float:
-    """The Frechet distance between the Gaussians fitted to features a (N, D) and b (M, D) (torch
-    or numpy; computed in float64)."""
+    """The Frechet distance between Gaussians fitted to features a (N, D) and b (M, D), in float64."""
     a, b = _as_features(a, "a"), _as_features(b, "b")
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"frechet_distance: features of different sizes, a {a.shape} and b {b.shape}")
@@ -114,8 +113,7 @@ def sample_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 def judge(classifier: Classifier, images: torch.Tensor, labels: Optional[torch.Tensor],
           reference_features: torch.Tensor) -> dict:
-    """{"classifier_fd": FD of the images' features against the reference's, "sample_accuracy": (with
-    labels)} of a set of images."""
+    """{"classifier_fd", "sample_accuracy" (with labels)} of a set of images against the reference."""
     feats, logits = classifier(images)
     out = {"classifier_fd": frechet_distance(feats, reference_features)}
     if labels is not None:

@@ -130,8 +130,7 @@ def to_device(batch, device, channels_last: bool):
 
 # ------------------------------------------------------------------------------ the step
 class EMA:
-    """Exponential moving average of a model's weights (floating-point params and buffers;
-    integer buffers are copied)."""
+    """Exponential moving average of a model's floating-point weights and buffers (others copied)."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay

@@ -152,8 +152,7 @@ class LLM(nn.Module):
         return out[0] if len(out) == 1 else out
 
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (a teacher's
-        side of distillation)."""
+        """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (distillation)."""
         return self._trunk(input_ids, None, 0, None)[0]
 
     def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None):
@@ -235,8 +234,7 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def update_mod_thresholds(self, boundary: torch.Tensor):
-        """Move each MoD block's threshold toward `boundary` (L,) by mod_threshold_rate; the trainer calls it
-        after every optimizer step."""
+        """Move each MoD block's threshold toward `boundary` (L,) by mod_threshold_rate, after every step."""
         for layer, b in zip(self.mod_layers(), boundary):
             layer.update_threshold(b, self.config.mod_threshold_rate)
 

@@ -56,8 +56,7 @@ def magnitude_mask(w: torch.Tensor, pattern: str = "unstructured", sparsity: flo
 
 def prune(model: nn.Module, pattern: str = "unstructured", sparsity: float = 0.5,
           keep: Iterable[str] = KEEP) -> dict:
-    """Magnitude-prune the model's linears outside `keep` in place (each layer on its own) and
-    return their masks, {name: (weight, mask)}. `sparsity` is the unstructured pattern's share."""
+    """Magnitude-prune the linears outside `keep` in place; returns their masks {name: (weight, mask)}."""
     nm = parse_pattern(pattern)
     names = targets(model, keep)
     if not names:

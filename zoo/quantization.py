@@ -3,18 +3,13 @@
     model = zoo.quantize(model, "int4wo", group_size=32)    # in place; returns the model
     zoo.save_pretrained(model, "out/")                      # a quantized Zoo folder (zoo/weights/quantized.py)
 
-LLM schemes (`SCHEMES`) swap torchao's tensor subclasses in for the weight of every nn.Linear
-not in `keep` (by default the embedding and the LM head, the most sensitive layers): `int8wo`
-(int8 weights per output row), `int4wo` (int4 weights in groups, tinygemm's numerics, packed for
-the CPU or CUDA kernel) and `8da4w` (int8 dynamic activations, int4 grouped weights: ExecuTorch's
-XNNPACK scheme). ConvNets take `int8` (`quantize_convnet`): static PT2E quantization on a CPU with
-torchao's X86InductorQuantizer, fast once compiled with `compile_frozen`.
-
-Quantization-aware training (`prepare_qat`, `convert_qat`) swaps the same linears for torchao's
-FakeQuantizedLinear with each scheme's numerics; int4wo uses Zoo's `Int4FakeQuantizer`, which
-rounds exactly as the conversion will (torchao's generic one stores the zero point as an int32
-and trains on another grid). docs/deploy.md has the schemes, the kernels and `python train/bench.py
-quantized`.
+LLM schemes (`SCHEMES`: int8wo, int4wo, 8da4w) swap torchao's tensor subclasses in for the weight
+of every nn.Linear not in `keep` (by default the embedding and the LM head, the most sensitive).
+ConvNets take `int8` (`quantize_convnet`): static PT2E quantization on a CPU, fast once compiled
+with `compile_frozen`. Quantization-aware training (`prepare_qat`, `convert_qat`) swaps the same
+linears for torchao's FakeQuantizedLinear; int4wo uses Zoo's `Int4FakeQuantizer`, which rounds
+exactly as the conversion will (torchao's generic one trains on another grid). docs/deploy.md
+has the schemes and kernels.
 """
 from __future__ import annotations
 
@@ -203,8 +198,7 @@ def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Itera
 
 
 def remove_fake_quantization(model: nn.Module) -> dict:
-    """Swap prepare_qat's fake-quantized linears back to nn.Linear (the same weights), in place;
-    returns what prepare_qat recorded ({'scheme', 'group_size', 'keep'})."""
+    """Swap prepare_qat's fake-quantized linears back to nn.Linear in place; returns prepare_qat's record."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
     qat = getattr(model, "qat", None)
@@ -263,8 +257,7 @@ def quantize_convnet(model: nn.Module, calibration, scheme: str = "int8") -> nn.
 
 
 def compile_frozen(module: nn.Module):
-    """torch.compile with inductor's `freezing` on, which lowers a PT2E int8 graph to oneDNN's int8
-    kernels. Returns a function of a batch; call it under torch.no_grad()."""
+    """torch.compile with inductor's `freezing` on (oneDNN's int8 kernels for a PT2E graph); call under no_grad."""
     import torch._inductor.config as inductor_config
     compiled = torch.compile(module)
 

@@ -118,8 +118,7 @@ def check_files(paths, source, key):
 
 
 def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
-    """The tokenizer of a model folder: the first of `names` it holds, 'bytes' for a Zoo folder
-    trained on bytes, else None."""
+    """The tokenizer of a model folder: the first of `names` it holds, 'bytes', or None."""
     from zoo.weights import zoo_folder
     for name in names:
         if (Path(folder) / name).is_file():
@@ -192,8 +191,7 @@ def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int], eos
 
 
 class TokenData:
-    """The tokenizer and the train/val token streams of `data.path` or the mixture `data.sources`:
-    prepared (or read in place), split, and sampled into windows."""
+    """The tokenizer and the train/val token streams of `data.path` or `data.sources`, sampled into windows."""
 
     def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print, progress: bool = False):
         self.cfg, self.log, self.progress = cfg, log, progress

@@ -81,8 +81,7 @@ class ChatData:
 
     # ------------------------------------------------------------------ batches
     def _epoch_batches(self, epoch: int, rows: int) -> list:
-        """The epoch's batches in training order: each a list of `rows` rows, a row a list of
-        conversation indices (one when padded)."""
+        """The epoch's batches in training order: lists of rows, a row a list of conversation indices."""
         if self._epoch != (epoch, rows):
             lengths = np.array([len(x) for x, _ in self.train])
             if self.cfg.pack:

@@ -387,8 +387,7 @@ class ChatTemplate:
 
 
 def find_template(folder) -> Optional[ChatTemplate]:
-    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja), or
-    None when it has none."""
+    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja), or None."""
     p = Path(folder)
     if not p.is_dir():
         return None

@@ -208,8 +208,7 @@ def _epoch_perm(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
-    """Sample positions start..start+count-1 of an endless stream of epochs, each a fresh
-    permutation of range(n) drawn from (seed, epoch) -> [(index, per-sample seed)]."""
+    """Positions start..start+count-1 of endless seeded epochs -> [(index, per-sample seed)]."""
     return [(int(_epoch_perm(n, seed, p // n)[p % n]), (seed * 2_654_435_761 + p) % 2**63)
             for p in range(start, start + count)]
 

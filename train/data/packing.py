@@ -48,8 +48,7 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
 
 
 def pack(sequences: Sequence[tuple], seq_len: int, pad_id: int = 0) -> Packed:
-    """sequences: (input_ids, labels) pairs (lists or 1-D tensors of ints, equal lengths, 1 to
-    seq_len tokens) -> a Packed batch of R rows (`pack_rows`)."""
+    """(input_ids, labels) pairs of 1 to seq_len tokens -> a Packed batch of R rows (`pack_rows`)."""
     seqs = []
     for i, (ids, labels) in enumerate(sequences):
         ids, labels = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(labels, dtype=torch.long)

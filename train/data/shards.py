@@ -40,8 +40,7 @@ def token_dtype(vocab_size: int):
 
 # ----------------------------------------------------------------------------- chunks
 def chunks(docs: Iterator[Doc], chunk_chars: int, max_chars: Optional[int]) -> Iterator[list[Doc]]:
-    """Documents grouped into chunks of about chunk_chars characters (a function of the source
-    alone); at most max_chars characters in all."""
+    """Documents grouped into chunks of about chunk_chars (a function of the source); max_chars in all."""
     chunk, size, total = [], 0, 0
     for d in docs:
         if max_chars is not None and total + len(d.text) >= max_chars:
@@ -177,8 +176,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
 
 @contextlib.contextmanager
 def exclusive(out: Path):
-    """Holds an exclusive lock on the file `.<name>.lock` beside `out` (other processes wait for it);
-    no lock where the system has no fcntl."""
+    """An exclusive lock on `.<name>.lock` beside `out` (others wait); none without fcntl."""
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         try:
             import fcntl
@@ -266,8 +264,7 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
 
 
 class _Progress:
-    """A tqdm bar over the source's bytes (characters read, for compressed files an estimate), with
-    MB/s and tokens/s; ETA from tqdm."""
+    """A tqdm bar over the source's bytes, with MB/s and tokens/s."""
 
     def __init__(self, total_bytes: int, max_chars, on: bool, source: str, workers: int):
         from tqdm import tqdm

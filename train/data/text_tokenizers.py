@@ -109,8 +109,7 @@ class HFTokenizer:
 
 
 class IdsTokenizer:
-    """The stand-in for pre-tokenized data read without a tokenizer file: it knows the vocabulary
-    the ids need and decodes them as numbers; it cannot encode text."""
+    """Stand-in for pre-tokenized data without a tokenizer: decodes ids as numbers, cannot encode."""
     bos_id = eos_id = None
     model_path = None
     spec = ("ids", None)

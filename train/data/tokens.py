@@ -95,8 +95,7 @@ def token_files(path: str) -> list[Path]:
 
 
 def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
-    """The ids of one token file as a memmap: an llm.c shard (found by its magic number) or raw ids
-    of `dtype`."""
+    """The ids of one token file as a memmap: an llm.c shard (by its magic number) or raw `dtype` ids."""
     size = f.stat().st_size
     with open(f, "rb") as fh:
         head = np.frombuffer(fh.read(4 * LLMC_HEADER_INTS), dtype="<i4")

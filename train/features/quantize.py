@@ -32,8 +32,7 @@ def prepare(model: nn.Module, t, say) -> nn.Module:
 
 
 def deployed_copy(model: nn.Module, t) -> nn.Module:
-    """The final model as it is deployed, before quantization: a bf16 copy, QAT's fake quantization
-    removed."""
+    """The final model as deployed, before quantization: a bf16 copy without QAT's fake quantization."""
     q = cast_weights(copy.deepcopy(model), DEPLOY_DTYPE).eval().requires_grad_(False)
     if t.qat:
         remove_fake_quantization(q)

@@ -20,8 +20,7 @@ TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:Classi
 
 
 def task_class(family: str, source: str = "<config>", data=None):
-    """The task that trains `family` on `data` (the `data:` section, a mapping or its dataclass):
-    the family's own, or the one its `formats` names for `data.format`."""
+    """The task that trains `family` on `data`: the family's own, or the one `formats` names for data.format."""
     from zoo.config import family as family_entry, load_class
     family_entry(family, source)  # a one-line error for an unknown family
     cls = load_class(TASKS[family])
@@ -30,8 +29,7 @@ def task_class(family: str, source: str = "<config>", data=None):
 
 
 class Task:
-    """Base class of a family's task. Subclasses set DataConfig (the dataclass of the `data:`
-    section) and `unit` (what throughput counts: 'tokens', 'images', ...)."""
+    """Base class of a family's task: subclasses set DataConfig and `unit` ('tokens', 'images', ...)."""
 
     DataConfig: type = None
     unit: str = "items"
@@ -54,8 +52,7 @@ class Task:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def batch_generator(self, step: int, micro: int) -> torch.Generator:
-        """A CPU generator seeded by (train.seed, step, micro) only: whatever a batch draws from it
-        is the same every time that step is run, so a resumed run sees exactly the same data."""
+        """A CPU generator seeded by (train.seed, step, micro) only, so a resumed run sees the same data."""
         seed = hash((self.cfg.train.seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF  # ints hash the same in every process
         return torch.Generator().manual_seed(seed)
 
@@ -89,8 +86,7 @@ class Task:
         """Read and prepare the data (called once, before build_model)."""
 
     def save_files(self, out_dir) -> None:
-        """Files the run folder needs beside model.safetensors to be used on its own (e.g. the
-        LLM's tokenizer); called once at the end, where model.safetensors is written."""
+        """Files the run folder needs beside model.safetensors to be used alone (e.g. the tokenizer)."""
 
     def build_model(self) -> nn.Module:
         """A fresh (or pretrained, if cfg.train.init_from is set) model on the CPU, fp32."""
@@ -110,8 +106,7 @@ class Task:
         return f"the {self.cfg.family} task has no distillation loss"
 
     def train_batch(self, step: int, micro: int) -> Any:
-        """Micro-batch `micro` of optimizer step `step`, on self.device. Must depend only on
-        (seed, step, micro) so that a resumed run sees exactly the same data."""
+        """Micro-batch `micro` of step `step` on self.device: a function of (seed, step, micro) only."""
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
@@ -130,8 +125,7 @@ class Task:
         raise NotImplementedError
 
     def train_metrics(self) -> dict[str, float]:
-        """Numbers the task gathered from its training losses since the last call (e.g. auxiliary
-        losses, router load), averaged as it sees fit; the loop adds them to every logged row."""
+        """The task's training numbers since the last call (e.g. auxiliary losses), added to every logged row."""
         return {}
 
     @torch.no_grad()

@@ -226,8 +226,7 @@ class ClassifyTask(Task):
         return x, y, recipe_seed
 
     def _recipe_seed(self, g: torch.Generator) -> int:
-        """The seed of a micro-batch's erasing and mixing (applied in loss), drawn from its (seed, step,
-        micro) generator; each rank's own."""
+        """The seed of a micro-batch's erasing and mixing, drawn from its (seed, step, micro) generator."""
         return int(torch.randint(2 ** 62, (1,), generator=g)) + self.rank
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,8 +388,7 @@ class ClassifyTask(Task):
         return model.flops_per_image(self.size)
 
     def samples(self, model, out_dir):
-        """Per-class validation accuracy: all classes in out_dir/per_class.txt; the returned text (the log)
-        lists the five worst and five best when there are more than 20."""
+        """Per-class validation accuracy in out_dir/per_class.txt; the log shows the worst and best five."""
         logits, y = self.predict(model)
         pred = logits.argmax(1)
         rows = []

@@ -92,8 +92,7 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
 
 def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: int, lr: float, noise: float,
                       device, seed: int = 0, log=print) -> TAESD:
-    """Fit `ae` to reconstruct `images` (N, 3, H, W): MSE of decode(encode(x) + noise * randn), AdamW
-    with a cosine learning rate. Returns it in eval mode, on the CPU."""
+    """Fit `ae` to reconstruct `images` (N, 3, H, W) with noisy latents (AdamW, cosine); eval mode, CPU."""
     ae = ae.to(device).train()
     opt = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
@@ -172,8 +171,7 @@ class DiffusionTask(Task):
                  f"std {[round(v, 3) for v in self.latent_std.tolist()][:4]}...)")
 
     def _latent_cache(self, data: ImageData) -> LatentCache:
-        """Every image encoded once by the frozen autoencoder into an on-disk cache (train/data/latents.py),
-        keyed by the images, the autoencoder's weights, the resolution and the flips; reused when it exists."""
+        """Every image encoded once by the frozen autoencoder into the on-disk latent cache (reused)."""
         d, ae = self.cfg.data, self.autoencoder.to(self.device).eval()
         key = {**data.key, "autoencoder": weights_fingerprint(ae), "variant": ae.variant, "hflip": d.hflip}
         folder = cache_dir(d.cache_dir) / f"latents-{Path(d.dataset).name}-{short_digest(key)}"

@@ -134,8 +134,7 @@ class DPOTask(LMTask):
 
     @torch.no_grad()
     def precompute(self, model) -> torch.Tensor:
-        """The reference log-probabilities of every pair (train, then val) by `model`, on the device,
-        in the run's precision, in batches of train.batch_size pairs."""
+        """The reference log-probabilities of every pair (train, then val), in batches of train.batch_size."""
         model = apply_runtime(model, self.cfg.train).to(self.device)
         was = model.training
         model.eval()
@@ -180,8 +179,7 @@ class DPOTask(LMTask):
         return (*collate(rows, self.device), torch.tensor(list(ids), dtype=torch.long, device=self.device))
 
     def train_batch(self, step, micro):
-        """The pairs of one global micro-batch, in an order reshuffled every epoch (seeded by train.seed
-        and the epoch), at the position (step, micro) gives; this rank's part of them."""
+        """This rank's part of one global micro-batch of pairs, reshuffled every epoch, at (step, micro)."""
         n, G = len(self.data.train), self.global_rows()
         pos = (step * self.cfg.train.grad_accum + micro) * G
         idx = []

@@ -53,8 +53,7 @@ class LMTask(Task):
                               f"got {d.format!r}")
 
     def _pretrained_tokenizer(self) -> Optional[str]:
-        """With train.init_from and data.tokenizer 'sentencepiece' (the default), the data is
-        tokenised with the checkpoint's own tokenizer (`tokenizer_files`, in that order)."""
+        """With train.init_from and data.tokenizer 'sentencepiece', the checkpoint's own tokenizer file."""
         init = self.cfg.train.init_from
         if init is None or self.cfg.data.tokenizer != "sentencepiece":
             return None
@@ -140,8 +139,7 @@ class LMTask(Task):
                 + [list(layer.parameters()) for layer in reversed(model.layers)] + [list(model.embed.parameters())])
 
     def seq_len_at(self, step: int) -> int:
-        """The training window of `step` (data.seq_len_schedule; made at the first call, when the
-        batch size is known, train.batch_size=auto included)."""
+        """The training window of `step` (data.seq_len_schedule, made once the batch size is known)."""
         if self._schedule is None:
             t, d = self.cfg.train, self.cfg.data
             self._schedule = SeqLenSchedule(d, t.batch_size, lambda s: micro_batches(s, t.grad_accum,
@@ -165,8 +163,7 @@ class LMTask(Task):
         return xy[:, :-1], xy[:, 1:]
 
     def _windows(self, key):
-        """The (B, T + 1) ids of micro-batch `key` = (step, micro), on the CPU (pinned on CUDA):
-        a function of the key alone, made ahead by the prefetcher's thread (data.prefetch)."""
+        """The (B, T + 1) ids of micro-batch `key` = (step, micro) on the CPU, made ahead by the prefetcher."""
         step, micro = key
         B = self.cfg.train.batch_size
         return self.data.windows("train", self.global_rows(), self.batch_generator(step, micro), self.seq_len_at(step),
@@ -315,8 +312,7 @@ class LMTask(Task):
         return None
 
     def eval_tasks(self, model) -> dict[str, float]:
-        """The task files of data.eval_tasks (train/eval.py) scored on `model`, as
-        `eval_<file stem>_<metric>` numbers."""
+        """data.eval_tasks (train/eval.py) scored on `model`, as `eval_<file stem>_<metric>` numbers."""
         files = getattr(self.cfg.data, "eval_tasks", None)
         if not files:
             return {}
@@ -357,8 +353,7 @@ class LMTask(Task):
         return str(path)
 
     def save_files(self, out_dir):
-        """The tokenizer file beside the run's model.safetensors and config.yaml, so that the run
-        folder is a Zoo LLM folder that loads (zoo.from_pretrained) and fine-tunes on its own."""
+        """The tokenizer beside model.safetensors, so the run folder loads and fine-tunes on its own."""
         tok = getattr(self.data.tokenizer, "model_path", None)
         if tok is not None:
             name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"

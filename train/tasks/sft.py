@@ -135,8 +135,7 @@ class SFTTask(LMTask):
         return out
 
     def exact_match(self, model, conversations) -> float:
-        """The fraction of conversations whose last assistant message, generated greedily from the
-        messages before it, equals the reference (stripped)."""
+        """The share of conversations whose greedily generated last answer equals the reference."""
         hits = 0
         for messages in conversations:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")

@@ -86,8 +86,7 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> tor
 
 
 def attend_math(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (broadcasting to (B, H, Tq, Tk),
-    True = attend)."""
+    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (True = attend)."""
     H, KV = q.shape[1], k.shape[1]
     if KV != H:
         k = k.repeat_interleave(H // KV, dim=1)
@@ -127,8 +126,7 @@ def check_flash(q):
 
 
 def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D), Tk >= Tq, the queries being
-    the last Tq positions. Returns (B, H, Tq, D)."""
+    """Causal attention of q (B, H, Tq, D), the last Tq positions, over k, v (B, KV, Tk, D) -> (B, H, Tq, D)."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
     backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling())
@@ -222,8 +220,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def set_backend(model: nn.Module, backend: str) -> int:
-    """Set the attention backend (BACKENDS) of every CausalSelfAttention in `model`; returns how
-    many. A choice of how attention runs, made on a built model (train.attn_backend)."""
+    """Set the attention backend (BACKENDS) of every CausalSelfAttention in `model`; returns how many."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
     if backend in ("auto", "flash"):

@@ -32,8 +32,7 @@ CPU_BMM_MAX_LEN_COMPILED = 1024   # the same under torch.compile, which fuses th
 
 
 def bmm_block_size(tq: int) -> int:
-    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256] (the best
-    measured on a CPU; see docs/llm.md, "Training speed")."""
+    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256]."""
     return min(256, max(64, tq // 4))
 
 

@@ -22,8 +22,7 @@ except ImportError:  # copied beside attention.py and what it needs, outside the
 
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids (B, T) -> (B, T) bool, True where a document starts: at a row's first token and
-    wherever the id changes."""
+    """doc_ids (B, T) -> (B, T) bool, True at a row's first token and wherever the id changes."""
     new = torch.ones_like(doc_ids, dtype=torch.bool)
     new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return new

@@ -22,8 +22,7 @@ except ImportError:  # copied beside attention.py and what it needs, outside the
 
 
 class MaskedKVCache(A.KVCache):
-    """A KV cache that also keeps which positions of each row hold a key the layer processed,
-    `valid` (B, max_len) bool."""
+    """A KV cache that also keeps `valid` (B, max_len) bool: the positions holding a processed key."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
         super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
@@ -53,8 +52,7 @@ def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window
 
 
 class KeyMask:
-    """The keys a layer may attend to, key_mask (B, Tk) bool (and the document ids of its queries),
-    as CausalSelfAttention takes it (`mask=`)."""
+    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`."""
 
     def __init__(self, key_mask: torch.Tensor, doc_ids: Optional[torch.Tensor] = None):
         self.key_mask, self.doc_ids = key_mask, doc_ids

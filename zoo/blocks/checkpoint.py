@@ -3,18 +3,13 @@ in the backward pass instead of keeping their activations, and what a recomputed
 
 Chen, Xu, Zhang & Guestrin, "Training Deep Nets with Sublinear Memory Cost" (2016); the selective
 policy after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-(2022): keep the outputs of the expensive ops, recompute the cheap ones.
-
-    policy "none" (or False)   every block keeps its activations
-    policy "full" (or True)    a checkpointed block keeps only its inputs
-    policy "selective"         a checkpointed block keeps the outputs of MATMUL_OPS, recomputes the rest
-    every = n                  only blocks 0, n, 2n, ... are checkpointed
+(2022): keep the outputs of the expensive ops (MATMUL_OPS), recompute the cheap ones.
+Policies "none", "full" (keep only the inputs) and "selective", on blocks 0, every, 2 * every, ...
 
 Applied from outside a model, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
 "selective", every=2)` replaces the units' forward on the instance (the state dict is unchanged);
-`run_block` does the same for one call. Non-reentrant torch.utils.checkpoint with the RNG state
-preserved (dropout draws the same masks); BatchNorm's running statistics are not updated twice.
-Only while training with gradients enabled. Shapes: whatever the block takes and returns.
+`run_block` does the same for one call. RNG state is preserved and BatchNorm's running statistics
+are not updated twice. Shapes: whatever the block takes and returns.
 Depends on torch only.
 """
 from __future__ import annotations
@@ -57,8 +52,7 @@ def _keep_matmuls(ctx, op, *args, **kwargs):
 
 
 def _frozen_stats(block: nn.Module, fn):
-    """fn whose second and later calls (the recomputation) leave BatchNorm's running statistics as
-    they are."""
+    """fn whose later calls (the recomputation) leave BatchNorm's running statistics as they are."""
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
     if not norms:
         return fn

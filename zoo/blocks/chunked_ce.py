@@ -95,8 +95,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           chunk_size: int = 2048, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of softmax(h @ weight^T) against targets, chunk by chunk.
-    All targets ignored gives 0 (F.cross_entropy would give nan)."""
+    """Mean cross-entropy of softmax(h @ weight^T) against targets, chunk by chunk (0 if all ignored)."""
     if h.dim() != 2 or weight.dim() != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, D), weight (V, D), targets (N,); got {tuple(h.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")

@@ -5,20 +5,16 @@ Papers: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (2021); 
 "DoRA: Weight-Decomposed Low-Rank Adaptation" (2024); Dettmers et al., "QLoRA: Efficient
 Finetuning of Quantized LLMs" (2023).
 
-`LoRALinear` replaces an nn.Linear and keeps its `weight` and `bias` under the same names (the
-base state-dict keys do not change). Its output rows are split into parts (q, k, v of a fused
-`qkv`; gate and up of `gate_up`), each adapted part p with its own A_p (r, in), B_p (rows_p, r),
-so it maps one to one onto an adapter of a separate q_proj / k_proj / ... With s = alpha / r
-(rsLoRA: alpha / sqrt(r)):
-
+`LoRALinear` replaces an nn.Linear, keeping its `weight` and `bias` names; its output rows are
+split into parts (q, k, v of a fused `qkv`), each adapted part with its own A_p (r, in), B_p
+(rows_p, r), so it maps onto a separate q_proj / k_proj adapter. With s = alpha / r (rsLoRA:
+alpha / sqrt(r)):
     LoRA:  y_p = W_p x + b_p + s * B_p A_p dropout(x)
     DoRA:  y_p = g_p * (W_p x' + s * B_p A_p x') + b_p + W_p (x - x'),   x' = dropout(x),
            g_p = m_p / ||W_p + s B_p A_p||_row   (norm detached; m_p starts at W_p's row norms)
-
-B starts at 0, so a fresh adapter leaves the model unchanged; `merge` / `unmerge` write the
-adapters into the weight and take them out; `enabled = False` computes the base alone (DPO's
-reference). The weight may be any tensor F.linear accepts, e.g. torchao's NF4Tensor (QLoRA); it is
-read densely through `dense_weight`, and a quantised weight cannot be merged in place.
+B starts at 0 (a fresh adapter changes nothing); `merge` / `unmerge` write the adapters into the
+weight and out; `enabled = False` computes the base alone. The weight may be any tensor F.linear
+accepts, e.g. torchao's NF4Tensor (QLoRA), read densely through `dense_weight`.
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
 Depends on torch only.

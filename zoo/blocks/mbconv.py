@@ -30,8 +30,7 @@ def _se(channels: int, rd_channels: int, se_act, se_gate) -> nn.Module:
 
 
 class MBConv(nn.Module):
-    """Inverted residual: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride) through `mid` channels.
-    se_channels: the SE bottleneck width (0: no SE)."""
+    """Inverted residual through `mid` channels: (B, c_in, H, W) -> (B, c_out, H / s, W / s); SE if se_channels."""
 
     def __init__(self, c_in: int, c_out: int, mid: int, kernel: int = 3, stride: int = 1, act=nn.SiLU,
                  se_channels: int = 0, se_act: Optional[type] = None, se_gate=nn.Sigmoid, drop_path: float = 0.0,

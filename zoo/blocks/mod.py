@@ -6,23 +6,17 @@ language models" (2024).
 `MixtureOfDepths(block, d_model, capacity)` wraps a residual block `block(x, *per_token) -> x + f(x)`
 (or a tuple whose first item is that). A linear router scores every token; per sequence the
 k = max(1, int(capacity * T)) best go through the block in their original order (with their
-`per_token` rows, e.g. RoPE's cos/sin, and `doc_ids`), and the block's update is scaled by
-sigmoid(router logit), which puts the router on the loss's gradient path; the rest pass unchanged.
-k is fixed by T, so every shape is static (it compiles).
+`per_token` rows and `doc_ids`), the update scaled by sigmoid(router logit) so the router learns
+from the loss; the rest pass unchanged. k is fixed by T, so shapes are static (it compiles).
 
 The top-k looks at later tokens, which decoding cannot, so a causal decision is trained beside it
-(`router`): 'aux_loss' (binary cross-entropy on the router logit, target "in the top-k") or
-'predictor' (a small MLP on the stop-gradient input, same loss). A token is routed when its decision
-logit exceeds `threshold`, a buffer that training moves toward the top-k's boundary
-(`boundary`, `update_threshold`) so that the decision routes the top-k's share; docs/llm.md
-("Mixture of Depths") explains and compares both. `forward(..., causal=True)` routes by that
-decision and passes `key_mask` (B, T) to the block, which must keep skipped tokens out of its
-attention and KV cache (zoo/blocks/attention.py does); when nothing is routed the block does not run
-(a `torch.cond` under torch.compile) and its `n_extra` extra outputs come back as Nones.
+(`router`: 'aux_loss' or 'predictor'), with a `threshold` that training moves toward the top-k's
+boundary (docs/llm.md, "Mixture of Depths"). `forward(..., causal=True)` routes by it and passes
+`key_mask` (B, T) to the block, which must keep skipped tokens out of its attention and KV cache;
+when nothing is routed the block does not run and its `n_extra` outputs come back as Nones.
 
 Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` holds 0-dim tensors
 'aux_loss', 'routed', 'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
-
 Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared, or (B, T, ...) per
 row -> gathered (B, k, ...); doc_ids (B, T) -> (B, k).
 Depends on torch only.

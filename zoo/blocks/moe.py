@@ -9,22 +9,14 @@ Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral
 (2024); Qwen Team, "Qwen2 Technical Report" (2024: gated shared expert); DeepSeek-AI,
 "DeepSeek-V3 Technical Report" (2024: sigmoid scores, auxiliary-loss-free balancing bias).
 
-Routing: scores = softmax or sigmoid of x W_r^T; each token picks its top_k experts (plus
-`score_bias` when `bias_balancing`, which moves the choice, never the weights); the weights are
-the chosen scores, renormalised when `norm_topk_prob`.
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
-Experts are stacked tensors `gate_up` (E, 2F, D) (gate rows first, as mlp.py's fused SwiGLU) and
-`down` (E, D, F); tokens are sorted by expert once and run through one grouped matmul per
-projection (`dispatch='grouped'`) or one matmul per expert ('loop'); 'auto' picks grouped_mm
-where the device and dtype support it. A compiled CPU decode step (at most DECODE_ROWS tokens)
-writes the experts as fused reductions that read only the chosen experts' weights.
-`capacity_factor` None is dropless; otherwise in training each expert takes at most
-ceil(capacity_factor * N * top_k / E) choices (first choices and earlier tokens first) and the
-overflow is dropped.
-
-Returned for the caller's balancing: `stats['lb_loss']` (Switch's E * sum_e f_e * P_e),
-`stats['z_loss']` (ST-MoE), `stats['load']` (E,) and `stats['dropped']`; `update_bias(load, rate)`
-is DeepSeek-V3's bias step.
+Each token picks its top_k experts by softmax or sigmoid scores (plus `score_bias` with
+`bias_balancing`, which moves the choice, never the weights). The experts are stacked tensors
+`gate_up` (E, 2F, D) and `down` (E, D, F); tokens sorted by expert run through grouped matmuls
+(`dispatch='grouped'`) or one matmul per expert ('loop'). `capacity_factor` None is dropless;
+otherwise each expert takes at most ceil(capacity_factor * N * top_k / E) choices in training.
+`stats` returns 'lb_loss' (Switch), 'z_loss' (ST-MoE), 'load' (E,) and 'dropped' for the caller's
+balancing; `update_bias(load, rate)` is DeepSeek-V3's bias step.
 
 Shapes: x (B, T, D) or (N, D) -> y of the same shape, and `stats`, a dict of tensors.
 Needs: mlp.py (the shared experts are one SwiGLU; copy it beside this file).
@@ -72,8 +64,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 
 
 def loop_linear(x: torch.Tensor, w: torch.Tensor, counts: list) -> torch.Tensor:
-    """The per-expert fallback of `grouped_linear`: counts[g] rows for group g, in order; rows
-    past sum(counts) come out as zeros."""
+    """The per-expert fallback of `grouped_linear`: counts[g] rows per group; rows past them zeros."""
     outs, start = [], 0
     for g, n in enumerate(counts):
         if n:
@@ -135,8 +126,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float):
-        """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of under-loaded experts and
-        lower it for over-loaded ones by `rate`, from the observed load (E,)."""
+        """DeepSeek-V3's loss-free balancing: under-loaded experts' bias up by `rate`, over-loaded ones' down."""
         if self.score_bias is None:
             raise RuntimeError("update_bias needs MoE(..., bias_balancing=True)")
         load = load.float()

@@ -140,7 +140,6 @@ class UNet(nn.Module):
         return self.checkpoint_units()
 
     def checkpoint_units(self) -> list:
-        """The residual and attention blocks in the order they run: what activation checkpointing
-        (blocks/checkpoint.py's checkpoint_units, every n-th from the first) applies to."""
+        """The residual and attention blocks in the order they run: what activation checkpointing applies to."""
         mid = [self.mid1] + ([] if isinstance(self.mid_attn, nn.Identity) else [self.mid_attn]) + [self.mid2]
         return [b for level in self.down for b in level] + mid + [b for level in self.up for b in level]

@@ -28,8 +28,7 @@ from .taesd import TAESD
 
 
 def build_autoencoder(cfg: DiffusionConfig, source: str = "<config>", prefix: str = "model.") -> TAESD:
-    """The config's TAESD: loaded from autoencoder.weights (checked against the variant keys that
-    are set), or a fresh one of the configured variant."""
+    """The config's TAESD: loaded from autoencoder.weights (checked against the set variant keys), or fresh."""
     a = cfg.autoencoder
     if a.weights:
         from ..weights import taesd as taesd_weights

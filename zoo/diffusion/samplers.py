@@ -9,10 +9,8 @@
     euler_a     diffusers EulerAncestralDiscreteScheduler            eps, v
     unipc       diffusers UniPCMultistepScheduler (order 2)          eps, v, x0
 
-Zoo's own three stay so the embedded defaults sample with torch alone, and as the short reference
-of a step (each equals diffusers' loop with the matching scheduler). diffusers' schedulers
-(`pip install -e ".[diffusers]"`) are configured from the model's noise schedule with "trailing"
-spacing and run diffusers' pipeline loop.
+Zoo's own three let the embedded defaults sample with torch alone; diffusers' (the `diffusers`
+extra) are configured from the model's noise schedule with "trailing" spacing.
 """
 from __future__ import annotations
 

@@ -1,23 +1,20 @@
 """Noise schedules, SNR, Min-SNR-gamma loss weights, DDIM / DDPM samplers, classifier-free guidance,
 learned sigma and flow matching.
 
-Forward process (Ho et al., "Denoising Diffusion Probabilistic Models", 2020):
     x_t = sqrt(abar_t) * x_0 + sqrt(1 - abar_t) * eps,    SNR(t) = abar_t / (1 - abar_t)
-Betas "linear", "scaled_linear" (Stable Diffusion) or "cosine" (Nichol & Dhariwal, "Improved
-Denoising Diffusion Probabilistic Models", 2021). Predictions "eps", "v" (Salimans & Ho,
-"Progressive Distillation", 2022) or "x0". Min-SNR-gamma (Hang et al., "Efficient Diffusion
-Training via Min-SNR Weighting Strategy", 2023) weights each so that it amounts to an x_0-loss
-weighted by min(SNR, gamma), written to stay finite at SNR = 0 and inf.
-Samplers: DDIM (Song et al., "Denoising Diffusion Implicit Models", 2021) and DDPM ancestral, on
-any subsequence of the timesteps; classifier-free guidance (Ho & Salimans, 2022). Learned sigma
-(Nichol & Dhariwal 2021): `vlb_term` is the L_vlb DiT trains beside L_simple.
+Papers: Ho et al., "Denoising Diffusion Probabilistic Models" (2020); Nichol & Dhariwal, "Improved
+Denoising Diffusion Probabilistic Models" (2021: cosine betas, learned sigma); Salimans & Ho,
+"Progressive Distillation" (2022: v prediction); Hang et al., "Efficient Diffusion Training via
+Min-SNR Weighting Strategy" (2023); Song et al., "Denoising Diffusion Implicit Models" (2021);
+Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022); for flow matching Liu et al., "Flow
+Straight and Fast" (2023), Lipman et al., "Flow Matching for Generative Modeling" (2023) and
+Esser et al., "Scaling Rectified Flow Transformers" (2024).
 
-Flow matching (Liu et al., "Flow Straight and Fast", 2023; Lipman et al., "Flow Matching for
-Generative Modeling", 2023; Esser et al., "Scaling Rectified Flow Transformers", 2024), prediction
-"flow", s in (0, 1) (the denoiser sees s * 1000):
+Min-SNR weights make every prediction ("eps", "v", "x0") an x_0-loss weighted by min(SNR, gamma),
+finite at SNR = 0 and inf. Flow matching ("flow", s in (0, 1), the denoiser sees s * 1000):
     x_s = (1 - s) x_0 + s eps,    target u = eps - x_0,    sampling x_{s'} = x_s + (s' - s) u
-s is logit-normal (SD3's default) or uniform; Min-SNR's equivalent weight is min((1 - s)^2, g s^2);
-`flow_sample` equals diffusers' FlowMatchEulerDiscreteScheduler loop (shift 1).
+with s logit-normal or uniform and weight min((1 - s)^2, gamma s^2); `flow_sample` equals diffusers'
+FlowMatchEulerDiscreteScheduler loop.
 
 Shapes: x (B, C, H, W); t (B,) int64 timesteps in [0, num_timesteps); per-item weights (B,).
 """

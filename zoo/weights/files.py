@@ -85,8 +85,7 @@ def file_crc32(path, start: int = 0) -> str:
 
 
 def self_checked(path) -> bool:
-    """Whether the file carries its own checksum, which check_weight_file verifies (safetensors
-    files Zoo wrote, torch zip archives)."""
+    """Whether the file carries its own checksum (safetensors files Zoo wrote, torch zip archives)."""
     suffix = Path(path).suffix.lower()
     return suffix == ".safetensors" or suffix in WEIGHT_SUFFIXES
 

@@ -42,8 +42,7 @@ def _gguf():
 # -------------------------------------------------------------------------------- reading
 
 def read(path):
-    """(reader, metadata {key: value}) of a GGUF file, after checking that it is one and that every
-    tensor's bytes lie inside it."""
+    """(reader, metadata {key: value}) of a GGUF file, checked to be one with every tensor inside it."""
     gguf = _gguf()
     path = Path(path)
     with open(path, "rb") as f:

@@ -503,8 +503,7 @@ def detect(path) -> bool:
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Load a Hugging Face folder into a Zoo LLM. dtype None (or "auto") keeps the checkpoint's (else
-    fp32); device defaults to the CPU."""
+    """Load a Hugging Face folder into a Zoo LLM; dtype None / "auto": the checkpoint's (else fp32)."""
     folder = _folder(path)
     cfg_file = folder / "config.json"
     hf = read_json(cfg_file)

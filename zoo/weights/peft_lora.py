@@ -110,8 +110,7 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_adapter_weights(model, path: Path):
-    """Read PEFT-named adapter tensors into `model`'s adapters; every missing, unexpected or
-    wrongly shaped tensor is one error naming the file."""
+    """Read PEFT-named adapter tensors into `model`; any mismatch is one error naming the file."""
     found = load_tensors(path)
     want = adapter_state(model)
     missing = [k for k in want if k not in found]

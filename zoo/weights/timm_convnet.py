@@ -175,8 +175,7 @@ def _depths(sd, stage: str, block_key: str, start: int) -> list:
 
 
 def _matching_preset(sd, kind: str, cfg: dict, source: str) -> str:
-    """The first preset of `kind` whose model (built on the meta device, with cfg's keys) has every tensor
-    of sd with the same shape."""
+    """The first preset of `kind` whose model (on the meta device) has every tensor of sd's shape."""
     from ..convnet import build
     head = HEADS[kind] + "."
     shapes = {k: tuple(v.shape) for k, v in sd.items() if not k.startswith(head)}

@@ -40,8 +40,7 @@ def detect(path) -> bool:
 
 
 def tokenizer_of(path) -> Optional[str]:
-    """The tokenizer the folder's model was trained with: its tokenizer file, 'bytes' when its
-    config.yaml says so, else None."""
+    """The tokenizer the folder's model was trained with: its file, 'bytes' per config.yaml, or None."""
     f = _folder(path)
     for name in TOKENIZER_FILES:
         if (f / name).is_file():
@@ -52,8 +51,7 @@ def tokenizer_of(path) -> Optional[str]:
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Build the LLM of config.yaml and load model.safetensors into it. dtype None keeps the file's
-    floating dtype; device defaults to the CPU."""
+    """Build the LLM of config.yaml and load model.safetensors; dtype None keeps the file's."""
     from ..config import LLMConfig
     from ..llm import LLM
     from .hf_llm import _listing, _resolve_dtype
@@ -86,8 +84,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
 
 
 def cast_weights(model, dtype: torch.dtype):
-    """Cast the model's parameters to `dtype` in place; its buffers (RoPE tables, MoD thresholds,
-    MoE biases) stay float32. Returns the model."""
+    """Cast the model's parameters to `dtype` in place (buffers stay float32); returns the model."""
     kept = {(m, n): b for m in model.modules() for n, b in m._buffers.items() if b is not None}
     model.to(dtype=dtype)
     for (m, n), b in kept.items():
