@@ -4,15 +4,10 @@
                                          # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
     run.autocast(), run.fwd, run.optimizer, run.params(), ...
 
-The loop (train/loop.py), the LR finder (train/features/lr_find.py), the memory planner and the
-benchmarks build their runs here, so they cannot disagree on precision, loss path, model or
-optimizer. The config is never changed: values resolved while building (`train.precision: auto`,
-`train.batch_size: auto`) live in the Run (`run.precision`, `run.cfg`, a resolved copy of the
-config that the task reads too).
-
-`apply_runtime` applies the train: section's choices of how a built model runs (attention
-backend, activation checkpointing, chunked loss) from outside the model, as torchtitan applies
-activation checkpointing: a model config (zoo/config.py) describes the architecture only.
+The loop, the LR finder, the memory planner and the benchmarks build their runs here, so they
+cannot disagree. The config is never changed: resolved values live in the Run (`run.precision`,
+`run.cfg`). `apply_runtime` applies how a built model runs (attention backend, activation
+checkpointing, chunked loss) from outside the model: a model config is the architecture only.
 """
 from __future__ import annotations
 
@@ -75,8 +70,7 @@ class Run:
         self.task.autocast_dtype = self.amp_dtype
 
     def train_context(self):
-        """The context of a training forward and backward: autocast, and on CUDA with
-        train.activation_offload the saved activations in pinned host memory."""
+        """A training forward and backward's context: autocast (and activation offload on CUDA)."""
         if self.cfg.train.activation_offload and self.device.type == "cuda":
             stack = contextlib.ExitStack()
             stack.enter_context(self.autocast())
@@ -85,9 +79,8 @@ class Run:
         return self.autocast()
 
     def write_config(self, out):
-        """<out>/config.yaml: the run's config with its resolved values (what a resume compares).
-        With train.init_from the model: section is the architecture that was loaded (the weights the
-        folder will hold), whatever the config file's model: section said."""
+        """<out>/config.yaml: the run's config with its resolved values (what a resume compares); with
+        train.init_from, the model: section is the architecture loaded."""
         data = self.cfg.to_dict()
         built = getattr(self.model, "config", None)
         if self.cfg.train.init_from and type(built) is type(self.cfg.model):
@@ -143,8 +136,7 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
 
 
 def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Module:
-    """The task's model on `device` in training mode, with the run's runtime choices (attention
-    backend, activation checkpointing, chunked loss) and adapters applied."""
+    """The task's model on `device` in training mode, runtime choices and adapters applied."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model(), cfg.train, say, cfg.source)
     model = model.to(device).train()  # from_pretrained returns eval mode

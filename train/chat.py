@@ -4,13 +4,9 @@
     python train/chat.py DIR --prompt "Hi there"     # one answer, then exit
     python train/chat.py DIR --temperature 0.8 --top-k 50 --system "Answer briefly."
 
-DIR is a run folder (train/run.py's out_dir), a Hugging Face folder, or anything
-`zoo.from_pretrained` loads that has a tokenizer beside it. The template is the folder's own
-(tokenizer_config.json or chat_template.jinja; an SFT run writes it there), else the built-in
-ChatML. A reply stops at the template's end-of-turn text or the EOS token. The conversation stays
-in the KV cache between turns: a new turn runs only the tokens the cache does not hold yet.
-Interactive commands: `/reset` starts a new conversation, `/exit` (or end of input) quits.
-Sampling as in `LLM.generate`: temperature 0 (the default) is greedy.
+DIR: anything `zoo.from_pretrained` loads with a tokenizer beside it; the template is the folder's
+own, else ChatML. The conversation stays in the KV cache between turns, so a new turn runs only
+the new tokens. `/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy.
 """
 from __future__ import annotations
 
@@ -111,8 +107,7 @@ class ChatSession:
 
 
 def _held_back(text: str, stop: str) -> int:
-    """How many characters at the end of text must wait: a possible start of the stop text, or a
-    character still being decoded (U+FFFD)."""
+    """How many characters at the end of text must wait (a possible stop-text start, or U+FFFD)."""
     n = len(text) - len(text.rstrip("\ufffd"))
     for k in range(min(len(stop) - 1, len(text)), 0, -1):
         if stop.startswith(text[-k:]):

@@ -1,27 +1,16 @@
 """Atomic checkpoints and exact resume.
 
-A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding
-    model.safetensors   the weights (safetensors: no pickle); an adapter run's: only what trains
-    ema.safetensors     the EMA weights, when the run keeps an EMA
-    state.pt            optimizer, GradScaler, RNG states, step, task state (read back
-                        with torch.load(weights_only=True): tensors and plain containers only)
-    manifest.json       written last: step, and the size of every file, with the CRC-32 of those
-                        that carry no checksum of their own (safetensors files carry theirs in
-                        the header, state.pt in its zip records: zoo/weights/files.py checks both)
-It is written into a temporary directory, every file fsynced, then renamed into place, so
-a run killed at any moment leaves either a complete checkpoint or none. Resume takes the
-newest checkpoint whose manifest, sizes and checksums all hold, and falls back to older
-ones (naming the bad one) otherwise. The last `keep` checkpoints are kept.
-A run of several processes (train/distributed.py) writes a sharded checkpoint instead (`save_dcp`):
-DCP's files (.metadata, one __<rank>_0.distcp per rank) beside rank 0's state.pt (step, every
-rank's RNG state, GradScaler, extra), with "format": "dcp" in the manifest, sealed and renamed by
-`publish` as here; `load_checkpoint` reads either kind. DCP reshards on load, so a checkpoint of
-N ranks resumes on M ranks, one process included (without a process group). `par` below is the
-run's train.distributed.Parallel (rank, world, broadcast, gather, barrier), or None in one process.
+A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding model.safetensors (an
+adapter run's: only what trains), ema.safetensors (with an EMA), state.pt (optimizer, GradScaler,
+RNG states, step, task state; read with weights_only=True) and manifest.json (written last: sizes
+and checksums). It is written into a temporary directory, fsynced and renamed into place, so a run
+killed at any moment leaves a complete checkpoint or none; resume takes the newest that verifies.
+Several processes write a sharded DCP checkpoint instead (`save_dcp`), which reshards on load.
+docs/reliability.md ("Checkpoint layout", "Resume rules") has the details. `par` below is the run's
+train.distributed.Parallel, or None in one process.
 
-`Checkpointer` is the loop's component: resume at the start, save at `train.checkpoint_every`
-steps and at the end (keeping `train.keep_checkpoints`), one-process or sharded format by the run,
-and the average of the last `train.average_last` checkpoints evaluated at the end.
+`Checkpointer` is the loop's component: resume at the start, save every `train.checkpoint_every`
+steps and at the end, and evaluate the average of the last `train.average_last` checkpoints.
 """
 from __future__ import annotations
 
@@ -122,10 +111,9 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
 
 
 def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None):
-    """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest
-    (the size of each, the CRC-32 of those without a checksum of their own) last, rename it to `final`, drop the checkpoints beyond the newest
-    `keep` and the temporary directories of killed writers (those not ending in -`tag`).
-    fmt: "dcp" for a sharded checkpoint (train/distributed.py); None: the one-process layout."""
+    """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest last,
+    rename it to `final`, drop checkpoints beyond the newest `keep` and killed writers' temporaries.
+    fmt: "dcp" for a sharded checkpoint; None: the one-process layout."""
     root = final.parent
     files = {}
     for f in sorted(tmp.iterdir()):
@@ -151,8 +139,7 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
 
 
 def verify_checkpoint(path: Path) -> dict:
-    """Return the manifest if every file is present with the recorded size and checksum;
-    otherwise raise ValueError naming the checkpoint and the problem."""
+    """The manifest when every file has its recorded size and checksum; else a ValueError saying why."""
     man = path / "manifest.json"
     if not man.is_file():
         raise ValueError(f"{path}: no manifest.json (incomplete write)")
@@ -201,8 +188,7 @@ def _subset(model: torch.nn.Module, keys: set) -> dict:
 
 
 def read_weights(path: Path, model: torch.nn.Module, keys: Optional[set] = None) -> dict:
-    """The tensors of a checked weight file, matched name by name and shape by shape against `model`
-    (against its `keys` only, when given)."""
+    """The tensors of a checked weight file, matched by name and shape against `model` (or its `keys`)."""
     sd = load_tensors(path)
     want = model.state_dict() if keys is None else _subset(model, keys)
     # tied tensors (one storage, several names) are stored once by save_model: any one name will do
@@ -223,10 +209,8 @@ def read_weights(path: Path, model: torch.nn.Module, keys: Optional[set] = None)
 
 def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, keys: Optional[set] = None,
                     before_optimizer=None, par=None, seed: int = 0) -> dict:
-    """Load a verified checkpoint into the given objects; returns the state dict (step, extra).
-    Every file is read and checked before anything is loaded, so a bad checkpoint changes nothing.
-    keys: as for save_checkpoint. before_optimizer(state): called before the optimizer state is
-    loaded (e.g. to give the optimizer the parameter groups it had at that step)."""
+    """Load a verified checkpoint into the given objects (every file checked first, so a bad one changes
+    nothing); returns the state dict. before_optimizer(state) runs before the optimizer state loads."""
     manifest = verify_checkpoint(path)
     if manifest.get("format") == "dcp":
         return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed)
@@ -267,9 +251,8 @@ def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimize
 
 def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=print, keys: Optional[set] = None,
                   before_optimizer=None, par=None, seed: int = 0) -> Optional[dict]:
-    """Resume from the newest complete, uncorrupted checkpoint; None if there is none.
-    When checkpoints exist but none is usable, raise CheckpointError rather than start over
-    (starting over would rotate them away: nothing is deleted without the user saying so)."""
+    """Resume from the newest complete, uncorrupted checkpoint; None if there is none. When checkpoints
+    exist but none is usable, raise CheckpointError rather than start over (and rotate them away)."""
     paths = list_checkpoints(out_dir)
     if par is not None and par.active:  # rank 0 picks the checkpoint, every rank loads it (collectively)
         found, paths = par.broadcast((len(paths), _first_verified(paths, log)) if par.main else None)
@@ -391,8 +374,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
-        """Load the newest usable checkpoint of out_dir into the run (train.resume) or set the old
-        ones aside (train.resume=false). Returns the step to start from."""
+        """Load the newest usable checkpoint (train.resume) or set old ones aside; returns the start step."""
         run, t, par = self.run, self.t, self.run.par
         if not t.resume and par.broadcast(bool(list_checkpoints(self.out)) if par.main else None):
             if par.main:
@@ -454,10 +436,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ averaging
     def evaluate_average(self) -> dict:
-        """train.average_last: the last checkpoints' weights averaged, saved and evaluated (avg_*).
-        An adapter run's checkpoints hold only what trains (`keys`): those are averaged, the rest is
-        the model's. Under torchrun rank 0 alone reads the (DCP) checkpoints back whole and evaluates
-        the average in a plain model, as one process would; the other ranks return {} (no collective)."""
+        """train.average_last: the last checkpoints' weights (an adapter run's: what trains) averaged, saved
+        and evaluated (avg_*); under torchrun rank 0 alone does it in a plain model, the others return {}."""
         run, t = self.run, self.t
         if run.par.active and not run.par.main:
             return {}

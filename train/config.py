@@ -228,9 +228,8 @@ class OptimConfig:
     galore_scale: float = bounded(0.25, gt=0)  # galore: factor on the projected-back update
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
-        """warmup_steps when given (an absolute count wins, so that `optim.warmup_steps=N` on the
-        command line overrides a config's fraction); else floor(warmup_fraction x max_steps), which
-        stays below max_steps for any run length; else 10% of the run, at most 100 steps."""
+        """warmup_steps when given (so `optim.warmup_steps=N` overrides a config's fraction); else
+        floor(warmup_fraction x max_steps); else 10% of the run, at most 100 steps."""
         if self.warmup_steps is not None:
             return self.warmup_steps
         if self.warmup_fraction is not None:

@@ -3,36 +3,16 @@ cross-rank agreement. (Sharded checkpoints are train/checkpoint.py's.)
 
     torchrun --nproc-per-node N train/run.py CONFIG train.parallel=ddp|fsdp
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python train/run.py` has none of them
-and runs as one process, unwrapped, whatever train.parallel says. The backend follows the
-device: NCCL on CUDA (one GPU per process, cuda:LOCAL_RANK), gloo on CPU.
-
-- ddp: torch's DistributedDataParallel; gradients are all-reduced on the last micro-batch of an
-  optimizer step only (no_sync() on the others). Parameters, gradients and optimizer state are
-  replicated on every rank.
-- fsdp: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each of the model's repeated units
-  (`model.repeated_units()`: LLM blocks, ResNet residual blocks, denoiser blocks) and then on the root,
-  as torchtitan orders it: activation checkpointing is inside the model, train.compile compiles
-  each unit before it is sharded, and the MixedPrecisionPolicy follows train.precision (bf16:
-  bf16 parameters for compute, fp32 gradient reduction; fp32: none). Parameters, gradients and
-  optimizer state are sharded: each rank keeps 1/N of them. Parameters that do not train (a
-  frozen autoencoder) stay whole on every rank.
-
-Data: the loop hands the task its rank and the world size; micro-batch `m` of step `s` is one
-global batch of batch_size x N items drawn from the generator of (seed, s, m), of which rank r
-takes rows [r * batch_size, (r + 1) * batch_size). The data therefore depends only on the
-global micro-batch (batch_size x N): N processes with batch_size B see what one process with
-batch_size N x B sees.
-
-Agreement: one all-reduce per step carries the loss, a non-finite-gradient flag and the
-preemption flag, so every rank skips a non-finite step, checkpoints and stops together.
-
-Checkpoints of a multi-process run are DCP directories (`get_state_dict` / `set_state_dict` of
-torch.distributed.checkpoint.state_dict for model, optimizer and EMA), beside rank 0's
-state.pt (step, every rank's RNG state, GradScaler, extra) and the manifest, written into a
-temporary directory and renamed by rank 0 as train/checkpoint.py does for one process. DCP
-reshards on load, so a checkpoint of N ranks resumes on M ranks, one process included (without
-a process group). The out_dir must be on a filesystem every rank sees.
+A plain `python train/run.py` (no RANK, WORLD_SIZE, LOCAL_RANK) runs as one process, unwrapped.
+The backend follows the device: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU.
+- ddp: torch's DistributedDataParallel, gradients all-reduced on an optimizer step's last
+  micro-batch only; everything replicated.
+- fsdp: FSDP2 `fully_shard` on each of `model.repeated_units()` and then the root, as torchtitan
+  orders it (each unit compiled before it is sharded); frozen parameters stay whole.
+Rank r takes its rows of one global batch of batch_size x N drawn from (seed, step, micro-batch),
+so the data depends only on the global batch; one all-reduce per step carries the loss, the
+non-finite flag and the stop flag, so the ranks skip, checkpoint and stop together.
+docs/distributed.md has the rest (checkpoints that reshard, precision, limits).
 """
 from __future__ import annotations
 
@@ -53,14 +33,9 @@ _PROCESS_GROUP_USED = False  # set once this process has made a process group (s
 
 
 def exit_process(code: int):
-    """End the process of a run (train/run.py) with `code`: after a run that made a process group,
-    os._exit once stdout and stderr are flushed (everything the run writes is closed by then),
-    skipping the interpreter's teardown; otherwise sys.exit.
-
-    Why: after an FSDP2 run, DeviceMesh objects (held by DTensor's caches and FSDP's mesh info)
-    keep the gloo process group and its threads alive past destroy_process_group(), and their
-    teardown at interpreter exit now and then aborts a rank (SIGABRT) after it wrote its final
-    weights. tests/soak_distributed.py launches the runs again and again and counts the clean exits."""
+    """End a run's process with `code`: after a run that made a process group, os._exit once stdout
+    and stderr are flushed, skipping the interpreter's teardown (where FSDP2's DeviceMesh objects,
+    still holding the gloo group, now and then abort a rank); otherwise sys.exit."""
     if not _PROCESS_GROUP_USED:
         sys.exit(code)
     for stream in (sys.stdout, sys.stderr):
@@ -252,11 +227,9 @@ class Parallel:
 
 # ------------------------------------------------------------------------------ SyncBatchNorm
 class CPUSyncBatchNorm(nn.BatchNorm2d):
-    """BatchNorm2d whose training statistics are those of the whole global batch, on any device.
-    torch.nn.SyncBatchNorm (used on GPUs) accepts only GPU inputs, so CPU (gloo) runs use this:
-    two differentiable all-reduces per layer (the mean, then the centred sum of squares: the
-    same two-pass variance one process computes), running statistics updated as BatchNorm2d
-    updates them (unbiased variance)."""
+    """BatchNorm2d with the whole global batch's training statistics on any device (torch's
+    SyncBatchNorm takes GPU inputs only): two differentiable all-reduces per layer (mean, then the
+    centred sum of squares), running statistics updated as BatchNorm2d does."""
 
     def forward(self, x):
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):

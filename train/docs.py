@@ -1,21 +1,11 @@
 """The generated tables of docs/: config keys from the config dataclasses, numbers from results.
 
-Each config dataclass is the one source of its keys: the field's name, type, default, declared
-bounds (zoo.config.bounded) and its trailing `# comment` in the source (continued on the comment
-lines below it that are indented past the field). A docs page holds a table between markers,
-
-    <!-- keys:LLMConfig -->
-    ...
-    <!-- /keys -->
-
-and a bench's result (docs/results/NAME.json: the command, the machine, the date, named tables of
-columns and rows, and the numbers) a table between `<!-- table:NAME -->` (every table of the result)
-or `<!-- table:NAME/KEY -->` (one) and `<!-- /table -->`, with a line naming the command that made it.
+A config dataclass is the one source of its keys (name, type, default, bounds, and its trailing
+`# comment`); a page marks where a table goes with `<!-- keys:LLMConfig -->` ... `<!-- /keys -->`,
+and a bench's result (docs/results/NAME.json) with `<!-- table:NAME[/KEY] -->` ... `<!-- /table -->`.
 
     python -m train.docs           # rewrite every marked region in docs/
     python -m train.docs --check   # exit 1 naming each region that disagrees with the code or its result
-
-tests/test_docs.py runs the check.
 """
 from __future__ import annotations
 

@@ -2,42 +2,13 @@
 
     python train/eval.py DIR --task FILE [--task FILE ...] [--json OUT.json]
 
-DIR: a run folder (train/run.py's out_dir), a Hugging Face folder, or anything zoo.from_pretrained
-takes. Task files are jsonl: multiple choice (context, choices, answer), generation (prompt,
-expected) or loss rows (text, prompt/completion, messages); how each is scored is below.
-
-Options: --json OUT (default: DIR/eval.json when DIR is a folder, else eval.json), --tokenizer (a
-tokenizer file or `bytes`; default: the folder's own), --template (the chat template chat prompts and
-messages are rendered with: a built-in name, a path, or `none`; default: the folder's own, else none),
---device (auto, cpu, cuda, ...),
---precision (fp32, bf16, fp16), --batch-size, --max-new-tokens, --delimiter (multiple choice:
-between context and choice, default " "), --details (each row's scores in the JSON).
+DIR: a run folder, a Hugging Face folder, or anything zoo.from_pretrained takes. A task file is
+jsonl whose row keys say what it measures: multiple choice (context, choices, answer) scored by
+log-likelihood as lm-evaluation-harness scores HellaSwag, ARC and MMLU (`acc`, `acc_norm`);
+generation (prompt, expected, until) greedy (`exact_match`, `contains`); loss rows (text,
+prompt/completion, messages) by mean cross-entropy. docs/post-training.md ("Evaluation") lists
+the rows and options. `evaluate_files` also serves a run's `data.eval_tasks`.
 Exit codes: 0 done; 2 a bad file, folder or option (one line).
-
-Scoring. A task file is jsonl; the keys of its rows say what it measures (each row one of these):
-
-    {"context": str, "choices": [str, ...], "answer": int | str}   multiple choice by log-likelihood
-    {"prompt": str | messages, "expected": str, "until": [str]?}   generation: exact match, contains
-    {"prompt": str | messages, "completion": str}                  loss on the completion's tokens
-    {"messages": [...]}                                            loss on the assistant's tokens
-    {"text": str}                                                  loss on every token
-
-Multiple choice is scored as lm-evaluation-harness scores HellaSwag, ARC and MMLU: each choice is
-the continuation `delimiter + choice` (delimiter " " by default) of the context, tokenised as the
-harness does (the context's trailing spaces move to the continuation; the continuation's tokens are
-those of context + continuation past the context's own); its log-likelihood is the sum of its
-tokens' log-probabilities. `acc`: the choice of the highest sum is the answer; `acc_norm`: the
-highest sum divided by the choice's length in characters (the harness's `completion_len`, the
-delimiter not counted). Ties go to the first choice, as numpy's argmax.
-
-Generation is greedy, at most `max_new_tokens` tokens, cut at EOS and at the first of the row's
-`until` strings (default: none with a chat template, ["\\n"] without); `exact_match` compares the
-output and `expected` with surrounding whitespace stripped, `contains` asks whether the output
-contains `expected` (stripped).
-
-Loss rows are scored by the mean cross-entropy over their trained tokens (`loss`, `ppl`, `tokens`).
-`evaluate_files` runs several files: this command line, and the LM task's `data.eval_tasks` at
-every evaluation of a run.
 """
 from __future__ import annotations
 
@@ -61,9 +32,8 @@ from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, 
 
 # ----------------------------------------------------------------------------- log-likelihoods
 def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities of the labelled next tokens: ids (B, T) inputs, labels (B, T) the
-    tokens to score at each position (-100: not scored) -> (sums (B,) fp32, scored tokens (B,)).
-    The full logits are made (B, T, V), the log-softmax in fp32."""
+    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
+    -> (sums (B,) fp32, scored tokens (B,))."""
     logits = model(ids).float()
     valid = labels != IGNORE
     target = labels.masked_fill(~valid, 0)
@@ -72,8 +42,7 @@ def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(ids, labels), ...] (labels aligned with ids) -> inputs x (B, T) and next-token labels y (B, T),
-    right-padded to the longest (pad positions are not scored)."""
+    """[(ids, labels), ...] -> inputs x (B, T) and next-token labels y (B, T), right-padded (not scored)."""
     T = max(len(ids) for ids, _ in seqs) - 1
     x = torch.full((len(seqs), T), pad, dtype=torch.long)
     y = torch.full((len(seqs), T), IGNORE, dtype=torch.long)
@@ -154,7 +123,8 @@ def read_task(path, log=print) -> tuple[str, list[dict]]:
 
 # ----------------------------------------------------------------------------- scoring
 def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-evaluation-harness's split of a (context, continuation) request into token ids."""
+    """lm-evaluation-harness's split of (context, continuation) into token ids: the context's trailing
+    spaces move to the continuation, whose tokens are those of the whole past the context's."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
@@ -164,7 +134,8 @@ def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, autocast=None, max_len=None, **_):
-    """acc and acc_norm of multiple-choice rows (and each row's log-likelihoods)."""
+    """acc (highest summed log-likelihood) and acc_norm (per character of the choice) of multiple-choice
+    rows, ties to the first choice; and each row's log-likelihoods."""
     seqs = []
     for r in rows:
         for c in r["choices"]:
@@ -199,7 +170,7 @@ def cut_at(text: str, until) -> str:
 
 def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tokens=64, max_len=None) -> str:
     """The greedy continuation of a prompt: with a chat template the assistant's reply (train/chat.py's
-    ChatSession: up to the end of turn or EOS); else the text after the plain prompt, up to EOS."""
+    ChatSession), else the text after the plain prompt, up to EOS."""
     if template is not None:
         from .chat import ChatSession
         return ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens).respond(prompt_messages(prompt))
@@ -256,8 +227,7 @@ SCORERS = {"choice": score_choices, "generation": score_generation, "loss": scor
 
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
                    delimiter=" ", autocast=None, log=print) -> dict[str, dict]:
-    """{task name (the file's stem): {metric: value, ..., "kind": ...}} of every task file, and
-    under "details" each row's scores. The model is evaluated in eval mode and put back as it was."""
+    """{task (file stem): {metric: value, "kind", "details"}} of every task file, in eval mode."""
     was = model.training
     model.eval()
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)

@@ -52,9 +52,8 @@ def finish(run, out: Path, metrics, say):
 
 
 def consolidated(run):
-    """(model, EMA model) as one process would hold them, on rank 0 (None, None on the others).
-    One process and DDP: the module itself (replicated); FSDP2: a model built anew and given the
-    gathered weights."""
+    """(model, EMA model) as one process would hold them, on rank 0 (None, None elsewhere): the module
+    itself for one process and DDP; under FSDP2 a model built anew with the gathered weights."""
     par, ema = run.par, run.ema
     if not par.active or par.strategy == "ddp":
         return run.model, ema.model if ema is not None else None

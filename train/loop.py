@@ -1,20 +1,14 @@
 """The one training loop. It knows nothing family-specific: a family plugs in through its task.
 
     train(cfg) -> builds the run (train/builder.py), resumes it (train/checkpoint.py), then per
-    optimizer step: LR from the schedule -> `grad_accum` micro-batches (ramped up from 1 over
-    `batch_warmup_steps`) under autocast -> unscale, clip the global grad norm -> optimizer step
-    (skipped, counted and logged when the loss or grad norm is not finite) -> weight clipping ->
-    EMA update (train/step.py). Every `log_every` steps a row goes to metrics.jsonl and speed.jsonl
-    (train/metrics.py); every `eval_every` steps the task evaluates; every `checkpoint_every` steps
-    a checkpoint is written. The last step evaluates, checkpoints and averages the last
-    `average_last` checkpoints inside the loop (its `last_step`), then train/finish.py writes the
-    weights, the export and the samples. `lr_find` runs the LR range test instead (train/features/lr_find.py).
+    optimizer step: LR -> micro-batches under autocast -> clip -> optimizer step (a non-finite one
+    skipped) -> EMA (train/step.py); logging, evaluation and checkpoints at their intervals. The
+    last step evaluates and checkpoints inside the loop (`last_step`), then train/finish.py writes
+    the weights, the export and the samples.
 
-A run whose out_dir holds a checkpoint resumes from it exactly. SIGTERM/SIGINT finish the
-current step, write a checkpoint and exit with code EXIT_PREEMPTED. Under torchrun,
-`train.parallel` (ddp | fsdp) wraps the model after it is built and one all-reduce per step makes
-the ranks agree on the loss, on skipping a non-finite step and on stopping; only rank 0 logs and
-writes (train/distributed.py, docs/distributed.md). docs/architecture.md maps train/.
+A run whose out_dir holds a checkpoint resumes from it exactly; SIGTERM/SIGINT finish the step,
+checkpoint and exit with EXIT_PREEMPTED. Under torchrun the ranks agree once per step
+(train/distributed.py). docs/architecture.md maps train/.
 """
 from __future__ import annotations
 
@@ -167,8 +161,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
 
 
 def evaluate(run) -> dict:
-    """The task's evaluation of the model (and of the EMA's weights, as ema_*; with train.prune the
-    pruned linears' sparsity)."""
+    """The task's evaluation of the model (and of the EMA as ema_*; with train.prune the sparsity)."""
     with run.autocast():
         ev = run.task.evaluate(run.model)
         if run.ema is not None:
@@ -179,11 +172,9 @@ def evaluate(run) -> dict:
 
 
 class Preemption:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits. Under
-    torchrun every rank stops together: the flag travels in the step's all-reduce (`agree`).
-    hold: once a signal has been received, further SIGTERMs stay ignored after the loop (the
-    process is on its way out with EXIT_PREEMPTED; under torchrun, the launcher sends one more
-    to the ranks still running when the first exits). For a program that owns its process."""
+    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits (under torchrun
+    all ranks together, through `agree`). hold: once signalled, later SIGTERMs stay ignored after the
+    loop (torchrun sends more on the way out). For a program that owns its process."""
 
     def __init__(self, hold: bool = False):
         self.signal: Optional[int] = None

@@ -1,10 +1,6 @@
-"""Every plot Zoo draws (PNG, matplotlib's Agg backend): lines (`line_plot`: the run's loss curve,
-the LR range test, the benchmarks' curves), loss curves against step and wall time, grouped
-memory bars, a speed-up bar chart. Each takes plain numbers and a path, and returns the path.
-
-Wall time of a loop run comes from its metrics rows (train/metrics.py `read_rows`): each logged
-row holds the mean `step_time_s` over the steps since the previous row, so the time up to a row is
-the sum of step_time_s x steps over the rows so far (evaluations, checkpoints and start-up left out).
+"""Every plot Zoo draws (PNG, matplotlib's Agg backend): line plots, loss against step and wall time,
+grouped memory bars, a speed-up bar chart. Each takes plain numbers and a path and returns the path.
+A run's wall time up to a row is the sum of its rows' step_time_s x steps (evaluations left out).
 """
 from __future__ import annotations
 

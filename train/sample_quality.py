@@ -1,22 +1,14 @@
 """Sample quality of generated images: the Frechet distance, and a trained Zoo classifier as the judge.
 
-Frechet distance (Frechet 1957; as FID uses it, Heusel et al., "GANs Trained by a Two Time-Scale
-Update Rule Converge to a Local Nash Equilibrium", 2017) between two sets of features, each seen as
-a Gaussian with the set's mean and covariance (N - 1 denominator):
+Frechet distance (as FID uses it, Heusel et al., "GANs Trained by a Two Time-Scale Update Rule
+Converge to a Local Nash Equilibrium", 2017) between Gaussians fitted to two feature sets:
 
     FD = |mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a S_b)^(1/2))
 
-tr((S_a S_b)^(1/2)) is the sum of the square roots of the eigenvalues of S_a S_b, which are those of
-the symmetric M = S_a^(1/2) S_b S_a^(1/2) (S_a^(1/2) from S_a's eigendecomposition): two symmetric
-eigendecompositions in float64, no complex numbers. M is positive semi-definite, so its negative
-eigenvalues are rounding error: they are set to zero when they are tiny against the largest, and a
-larger one is an error (the inputs were not covariances).
-
-"Classifier FD": the same distance on the features a Zoo ConvNet classifier, trained on the real
-images, computes before its final linear layer (the penultimate layer, as FID uses Inception's
-pool features); it is never called FID, whose numbers need Inception's weights. "Sample accuracy":
-the fraction of class-conditional samples that the classifier labels as the class they were asked
-to be. `python train/bench.py diffusion-quality` uses both on the embedded digits.
+computed through two symmetric eigendecompositions in float64 (tiny negative eigenvalues are
+rounding, larger ones an error). "Classifier FD" uses the penultimate features of a Zoo ConvNet
+trained on the real images (never called FID, which needs Inception's weights); "sample accuracy"
+is the share of class-conditional samples the classifier labels as asked.
 """
 from __future__ import annotations
 
@@ -39,8 +31,7 @@ def _as_features(x, name: str) -> np.ndarray:
 
 
 def frechet_distance(a, b) -> float:
-    """The Frechet distance between the Gaussians fitted to features a (N, D) and b (M, D) (torch
-    or numpy; computed in float64)."""
+    """The Frechet distance between Gaussians fitted to features a (N, D) and b (M, D), in float64."""
     a, b = _as_features(a, "a"), _as_features(b, "b")
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"frechet_distance: features of different sizes, a {a.shape} and b {b.shape}")
@@ -122,8 +113,7 @@ def sample_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 def judge(classifier: Classifier, images: torch.Tensor, labels: Optional[torch.Tensor],
           reference_features: torch.Tensor) -> dict:
-    """{"classifier_fd": FD of the images' features against the reference's, "sample_accuracy": (with
-    labels)} of a set of images."""
+    """{"classifier_fd", "sample_accuracy" (with labels)} of a set of images against the reference."""
     feats, logits = classifier(images)
     out = {"classifier_fd": frechet_distance(feats, reference_features)}
     if labels is not None:

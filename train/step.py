@@ -163,8 +163,7 @@ def to_device(batch, device, channels_last: bool):
 
 # ------------------------------------------------------------------------------ the step
 class EMA:
-    """Exponential moving average of a model's weights (floating-point params and buffers;
-    integer buffers are copied)."""
+    """Exponential moving average of a model's floating-point weights and buffers (others copied)."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
@@ -197,17 +196,11 @@ class StepResult:
 
 def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
                    autocast=contextlib.nullcontext, no_sync=None, agree=None) -> StepResult:
-    """One optimizer step over `n_micro` micro-batches. loss_fn(batch) -> (mean loss, items).
-
-    Each micro-batch's mean loss is divided by n_micro before backward, so the accumulated
-    gradients of k equal micro-batches are those of one k-times larger batch. Then the GradScaler
-    (fp16) unscales them, the global norm is clipped to `clip` (None: measured, not clipped), and
-    the optimizer steps, unless the loss or the norm is not finite: without a scaler the step is
-    skipped and reported; with one, an overflowing gradient is the scaler's business (it skips
-    the step and lowers its scale). Gradients are then freed (zero_grad(set_to_none=True)).
-    Data-parallel runs (train/distributed.py) pass no_sync(last) -> the context of a micro-batch's
-    backward (DDP: no all-reduce but on the last), and agree([loss sum, grad norm]) -> the same on
-    every rank, so that all ranks take or skip the step together."""
+    """One optimizer step over `n_micro` micro-batches; loss_fn(batch) -> (mean loss, items). Each loss
+    is divided by n_micro before backward (accumulation equals one larger batch); then unscale (fp16),
+    clip to `clip` (None: measure only) and step, unless the loss or norm is not finite (skipped and
+    reported; with a GradScaler, the scaler's business). Data-parallel runs pass no_sync(last) and
+    agree([loss sum, grad norm]) so that all ranks take or skip the step together."""
     loss_sum, items = None, 0
     for i, batch in enumerate(batches):
         with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():

@@ -69,11 +69,9 @@ def save_pretrained(model, path, **kwargs):
 
 
 def quantize(model, scheme: str, group_size: int = 32, keep=("embed", "lm_head"), calibration=None):
-    """Quantize a model for inference through torchao and return it. An LLM's linears, in place:
-    `int8wo` (int8 weights), `int4wo` (int4 weights in groups of group_size), `8da4w` (int8 dynamic
-    activations, int4 weights); the modules named in `keep` stay in 16-bit. A ConvNet: `int8`,
-    static int8 on a CPU (PT2E, calibrated on `calibration`, image batches), as a new module
-    (zoo/quantization.py)."""
+    """Quantize a model for inference through torchao and return it: an LLM's linears in place
+    (`int8wo`, `int4wo`, `8da4w`; `keep` stays 16-bit), or a ConvNet as a new static `int8` module
+    calibrated on `calibration` (zoo/quantization.py)."""
     from .quantization import CONVNET_SCHEMES, quantize as _quantize, quantize_convnet
     if scheme in CONVNET_SCHEMES:
         if calibration is None:
@@ -83,9 +81,7 @@ def quantize(model, scheme: str, group_size: int = 32, keep=("embed", "lm_head")
 
 
 def prune(model, pattern: str = "unstructured", sparsity: float = 0.5, keep=("embed", "lm_head")) -> dict:
-    """Magnitude-prune the model's linears outside `keep` in place: `unstructured` (each linear's
-    smallest `sparsity` share of weights set to zero) or `N:M` such as "2:4". Returns the masks
-    ({name: (weight, mask)}) that zoo.pruning.apply_masks holds after each optimizer step of a
-    recovery fine-tune (zoo/pruning.py)."""
+    """Magnitude-prune the model's linears outside `keep` in place (`unstructured` or `N:M` such as
+    "2:4"); returns the masks that zoo.pruning.apply_masks re-applies after each optimizer step."""
     from .pruning import prune as _prune
     return _prune(model, pattern, sparsity, keep)

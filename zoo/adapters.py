@@ -6,15 +6,10 @@
     with adapters_disabled(model): ...  # the base model alone (e.g. DPO's reference), no copy
     dense = merged_model(model)         # a plain model with the adapters merged (and NF4 dequantised)
 
-Targets are named as in the Hugging Face / PEFT checkpoints: for an LLM the logical projections
-q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Zoo's fused `attn.qkv` and
-`mlp.gate_up` take one adapter per logical part, `lora_sites` has the map; a MoE layer's shared
-expert takes gate/up/down adapters, its routed experts none). For another family a target is
-the last component of a linear layer's name (e.g. `fc` of a ResNet).
-
-method 'prefix' adds learned keys/values to every attention layer (blocks/prefix.py) instead.
-quantize_base 'nf4' stores every frozen linear weight (not the embeddings or the LM head) as a
-torchao NF4Tensor: 4-bit NormalFloat in blocks of 64 with double-quantised scales (QLoRA).
+Targets are named as in Hugging Face / PEFT checkpoints (q_proj, ..., down_proj: one adapter per
+logical part of Zoo's fused layers, `lora_sites` has the map); for other families the last
+component of a linear's name. method 'prefix' adds learned keys/values instead (blocks/prefix.py);
+quantize_base 'nf4' stores the frozen linear weights as torchao NF4Tensors (QLoRA).
 """
 from __future__ import annotations
 
@@ -139,9 +134,8 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
 
 
 def nf4_scaler_block(numel: int) -> Optional[int]:
-    """torchao's second-level block (scales per 8-bit scale) for a weight of numel elements: the
-    largest power of two up to 256 dividing its number of 64-element blocks; None if numel is
-    not a multiple of 64 (such a weight stays dense)."""
+    """torchao's second-level block for a weight of numel elements: the largest power of two up to 256
+    dividing its number of 64-element blocks; None if numel is not a multiple of 64 (stays dense)."""
     if numel % NF4_BLOCK:
         return None
     return math.gcd(numel // NF4_BLOCK, 256)

@@ -31,9 +31,7 @@ def fail(source: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {key}{'' if msg.startswith('=') else ' '}{msg}")
 
 
-# ----------------------------------------------------------------------------------------
-# generic machinery: dict -> dataclass with type checks, YAML loading, overrides
-# ----------------------------------------------------------------------------------------
+# ---------- generic machinery: dict -> dataclass with type checks, YAML loading, overrides
 
 _SCI_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
@@ -283,9 +281,7 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------------------
-# LLM family
-# ----------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- LLM family
 
 @dataclass
 class RopeScaling:
@@ -446,9 +442,7 @@ class LLMConfig:
         return m is not None and layer not in m.dense_layers and (layer + 1) % m.sparse_every == 0
 
 
-# ----------------------------------------------------------------------------------------
-# ConvNet family (zoo/convnet/: resnet, convnext, efficientnet, mobilenetv3)
-# ----------------------------------------------------------------------------------------
+# ------------- ConvNet family (zoo/convnet/: resnet, convnext, efficientnet, mobilenetv3)
 
 # ResNet presets: name -> (block, blocks per stage, groups, width_per_group), as timm/torchvision.
 RESNET_ARCHS: dict[str, tuple] = {
@@ -588,9 +582,7 @@ class ConvNetConfig:
         return self.width_per_group or RESNET_ARCHS[self.arch][3]
 
 
-# ----------------------------------------------------------------------------------------
-# Latent diffusion family
-# ----------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- Latent diffusion family
 
 @dataclass
 class AutoencoderConfig:

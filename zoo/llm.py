@@ -3,26 +3,13 @@
     tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
-projections initialised with std / sqrt(2 * n_layers) (GPT-2); a chunked loss that never
-materialises the full fp32 logits (the attributes `chunked_loss`, `loss_chunk_size`).
-How the model runs is set on the built model, not in its config: the attention backend with
-blocks/attention.py's `set_backend(model, name)`, activation checkpointing of every (n-th) block
-with blocks/checkpoint.py's `checkpoint_units(model.checkpoint_units(), policy, every)` (the
-training loop applies both from the run config's train: section, train/builder.py).
-With `config.moe`, the sparse blocks' SwiGLU is a Mixture-of-Experts (blocks/moe.py); their
-routing statistics and auxiliary losses come out of `forward(..., return_aux=True)`.
-With `config.mod_capacity` > 0, every mod_every-th block is wrapped in Mixture-of-Depths routing
-(blocks/mod.py): top-k tokens per sequence in training and evaluation, each token's causal
-decision when decoding with the KV cache; their statistics come out of return_aux too.
-
-Documents: `forward(..., doc_ids=)` (B, T) confines attention to each document (block-diagonal
-causal, blocks/attention_docs.py) and `position_ids=` (B, T) sets each token's RoPE position
-(`document_positions(doc_ids)`: restarting per document), so that documents packed in one row
-train as if each ran alone. A dropless MoE routes token by token, so it keeps that equality (with
-a capacity_factor, which tokens overflow depends on the whole batch, documents or not). A
-Mixture-of-Depths block gathers the doc ids and positions of the tokens it routes with them, so its
-attention stays within documents; its top-k, though, is taken over the row, so the documents of a
-row share its capacity (routing by the causal decision, mod_causal=True, keeps the equality).
+projections initialised with std / sqrt(2 * n_layers) (GPT-2); a chunked loss that never makes
+the full fp32 logits. With `config.moe` the sparse blocks' MLP is a Mixture-of-Experts
+(blocks/moe.py); with `config.mod_capacity` > 0 every mod_every-th block is wrapped in
+Mixture-of-Depths routing (blocks/mod.py); their statistics come out of `return_aux=True`.
+`doc_ids=` and `position_ids=` (B, T) let documents packed in one row train as if each ran alone.
+How the model runs (attention backend, activation checkpointing) is set on the built model from
+outside (train/builder.py), not in its config.
 """
 from __future__ import annotations
 
@@ -107,8 +94,7 @@ class LLM(nn.Module):
         n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
-        # training forwards' MoD decision logits since the last threshold update, kept only when whoever
-        # trains the model takes them (keep_mod_decisions; train/ sets it): otherwise they would pile up
+        # MoD decision logits since the last threshold update, kept only when keep_mod_decisions (train/ sets it)
         self.mod_decisions: list = []
         self.keep_mod_decisions = False
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
@@ -131,15 +117,11 @@ class LLM(nn.Module):
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
                 mod_causal: Optional[bool] = None, distill: Optional[Distill] = None,
                 doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
-        """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), where logits
-        is None when the chunked loss is on (the full logits are never made). The loss is the
-        cross-entropy alone, or with `distill` (a teacher's final hidden states and LM head) the
-        distillation loss (blocks/chunked_ce.py). return_aux=True appends a dict (`moe_aux`,
-        `mod_aux`) to the result. mod_causal: Mixture-of-Depths blocks route by each token's
-        causal decision instead of the top-k of the sequence; by default, exactly when decoding
-        with caches. doc_ids (B, T) ints: attention within each document (a run of equal ids;
-        not with caches). position_ids (B, T): each token's position for RoPE (default
-        start_pos + 0, 1, ...; `document_positions(doc_ids)` restarts them per document)."""
+        """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), logits None under the
+        chunked loss; with `distill` the distillation loss (blocks/chunked_ce.py). return_aux=True appends
+        {`moe_aux`, `mod_aux`}. mod_causal: MoD blocks route by the causal decision (default: when decoding).
+        doc_ids (B, T): attention within each document (not with caches); position_ids (B, T): RoPE
+        positions (`document_positions(doc_ids)` restarts them per document)."""
         B, T = input_ids.shape
         h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids)
         if targets is None:
@@ -170,8 +152,7 @@ class LLM(nn.Module):
         return out[0] if len(out) == 1 else out
 
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (a teacher's
-        side of distillation)."""
+        """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (distillation)."""
         return self._trunk(input_ids, None, 0, None)[0]
 
     def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None):
@@ -207,10 +188,8 @@ class LLM(nn.Module):
         return self.norm(x), stats, mod_stats
 
     def moe_aux(self, stats: list) -> dict:
-        """The sparse layers' routing statistics -> {'aux_loss': the weighted sum to add to the
-        training loss, 'lb_loss' (L,), 'z_loss' (L,), 'load' (L, E) choices per expert,
-        'dropped' (L,) choices dropped by the capacity}, L the sparse layers; {} when dense.
-        The coefficients apply to the means over the layers."""
+        """The sparse layers' routing statistics -> {'aux_loss' (the weighted sum for the training loss),
+        'lb_loss', 'z_loss', 'dropped' (L,), 'load' (L, E)}, L the sparse layers; {} when dense."""
         if not stats:
             return {}
         m = self.config.moe
@@ -223,11 +202,8 @@ class LLM(nn.Module):
 
     # ------------------------------------------------------------------ Mixture-of-Depths
     def mod_aux(self, mod_stats: list) -> dict:
-        """The MoD blocks' statistics -> {'mod_aux_loss': mod_aux_loss_coef * the mean over the MoD
-        blocks of their decision's cross-entropy, 'mod_routed' (L,) the fraction of tokens each
-        processed, 'mod_decided' (L,) the fraction its causal decision routes, 'mod_accuracy' (L,)
-        the fraction where that decision agrees with the top-k (NaN in causal mode), and with top-k
-        routing 'mod_decide' (L, B, T) the decision logits (for `mod_boundaries`)}."""
+        """The MoD blocks' statistics -> {'mod_aux_loss' (weighted mean decision cross-entropy), 'mod_routed',
+        'mod_decided', 'mod_accuracy' (L,), and with top-k routing 'mod_decide' (L, B, T)} (blocks/mod.py)."""
         aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
         if all("decide" in s for s in mod_stats):  # top-k routing: the decision logits, (L, B, T)
             aux["mod_decide"] = torch.stack([s["decide"] for s in mod_stats])
@@ -236,10 +212,9 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def _record_routing(self, stats: list, mod_stats: list):
-        """A training forward keeps what the routing-state updates need, as BatchNorm keeps its
-        statistics: the experts' load (balance 'bias', in `router_load`) and the MoD blocks' decision
-        logits of top-k routing (in `mod_decisions`, when keep_mod_decisions). Whoever trains the
-        model applies them once per optimizer step (update_router_biases, update_mod_thresholds)."""
+        """A training forward keeps what the routing-state updates need, as BatchNorm keeps its statistics:
+        the experts' load (`router_load`) and, when keep_mod_decisions, the MoD decision logits; the
+        trainer applies them once per optimizer step (update_router_biases, update_mod_thresholds)."""
         if stats and hasattr(self, "router_load"):
             self.router_load += torch.stack([s["load"] for s in stats])
         if self.keep_mod_decisions and mod_stats and all("decide" in s for s in mod_stats):
@@ -259,9 +234,7 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def update_mod_thresholds(self, boundary: torch.Tensor):
-        """Move each MoD block's decision threshold toward `boundary` (L,) (`mod_boundaries` of the
-        training forwards of an optimizer step) by mod_threshold_rate (blocks/mod.py); the trainer
-        calls it after every optimizer step."""
+        """Move each MoD block's threshold toward `boundary` (L,) by mod_threshold_rate, after every step."""
         for layer, b in zip(self.mod_layers(), boundary):
             layer.update_threshold(b, self.config.mod_threshold_rate)
 
@@ -287,10 +260,8 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def update_router_biases(self):
-        """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load by
-        moe.bias_update_rate, from the choices recorded since the last update; then reset them.
-        Called once per optimizer step, after it (the load lives in the `router_load` buffer, so a
-        checkpoint resumes exactly). Without recorded load nothing moves."""
+        """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load from the
+        choices recorded since the last update (a buffer, so a resume is exact), then reset them."""
         for block, load in zip(self.moe_blocks(), self.router_load):
             block.update_bias(load, self.config.moe.bias_update_rate)
         self.router_load.zero_()
@@ -308,15 +279,9 @@ class LLM(nn.Module):
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  compile: bool = False) -> torch.Tensor:
-        """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens), using the KV cache.
-        temperature 0 is greedy; otherwise sample from softmax(logits / temperature), restricted
-        to the top_k tokens and/or the smallest set whose probability reaches top_p. Rows that
-        produced eos_token_id keep emitting it.
-
-        compile=True runs each one-token decoding step through torch.compile (see `decode_step`):
-        the first call compiles (docs/pretrained.md, "Benchmark", has how long it takes), later
-        calls with any prompt length, cache length or position reuse the compiled step. The prompt
-        itself is always run eagerly."""
+        """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0
+        is greedy, else sampling with top_k / top_p; rows that produced eos_token_id keep emitting it.
+        compile=True runs each one-token step through torch.compile (`compiled_decode_step`)."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
@@ -347,10 +312,8 @@ class LLM(nn.Module):
         return n - self.embed.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022).
-        A MoE layer counts the experts a token is routed to, not the others. A Mixture-of-Depths
-        block counts its k of seq_len tokens: its matmuls at the fraction c = k / seq_len of the
-        tokens, its attention at c of the queries over c of the keys (c^2), its router on every token."""
+        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022), with
+        a MoE layer's routed experts only and a MoD block's matmuls at c = k / seq_len (attention at c^2)."""
         cfg = self.config
         n_matmul = self.num_params(non_embedding=True, active=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
         per_layer_attn = 12 * cfg.n_heads * cfg.resolved_head_dim * seq_len
@@ -383,10 +346,8 @@ _compiled_step = None
 
 
 def compiled_decode_step():
-    """decode_step under torch.compile, with the matrix-vector products as fused reductions on
-    CPU. Shapes are static at the first call; a second position or cache length recompiles once
-    with those sizes dynamic (torch.compile's automatic dynamic shapes), and later calls reuse it.
-    The weights' shapes stay static, which keeps the reductions fully vectorised."""
+    """decode_step under torch.compile, the matrix-vector products as fused reductions on a CPU; a second
+    position or cache length recompiles once with those sizes dynamic, and later calls reuse it."""
     global _compiled_step
     if _compiled_step is None:
         _compiled_step = torch.compile(_decode_step_matvec)

@@ -4,27 +4,12 @@
     masks = zoo.prune(model, "2:4")                          # 2 kept in every 4 consecutive inputs of a row
     optimizer.register_step_post_hook(lambda *a: apply_masks(masks))   # pruned weights stay zero
 
-Patterns (`pattern`):
-- `unstructured`: in each pruned linear, the `sparsity` share of its weights with the smallest
-  magnitude (Han et al. 2015, "Learning both Weights and Connections for Efficient Neural
-  Networks": prune by magnitude, then retrain the rest).
-- `N:M` (e.g. `2:4`): in every group of M consecutive weights along a row's input dimension the N
-  of largest magnitude stay, the sparsity is 1 - N/M (Mishra et al. 2021, "Accelerating Sparse
-  Deep Neural Networks": the 2:4 pattern NVIDIA's Ampere and later GPUs multiply at up to twice the
-  dense rate). The input dimension must be a multiple of M.
-Which modules: every nn.Linear whose name `keep` does not cover (zoo/quantization.py's rule: by
-default the embedding and the LM head stay dense). Weights stored otherwise (MoE experts stacked in
-one parameter, convolutions) are not pruned.
-
-Masks (`{qualified name: (weight, bool mask of its shape)}`, True where a weight stays) are taken
-once; `apply_masks` sets the pruned weights to zero again, after every optimizer step of a recovery
-fine-tune (the optimizer's update touches them; the forward then sees them at zero). A pruned
-model is an ordinary dense model whose weights hold zeros: saved, loaded and run as any other.
-
-Speed: a dense kernel multiplies zeros at full cost, so on a CPU a pruned model runs at its dense
-speed. On a CUDA GPU of compute capability 8.0 or later, `to_semi_structured` swaps 2:4-pruned
-16-bit weights for torch's SparseSemiStructuredTensor (cuSPARSELt / CUTLASS sparse kernels) for
-inference. `python train/bench.py prune` measures both (docs/deploy.md).
+Patterns: `unstructured` (Han et al., "Learning both Weights and Connections for Efficient Neural
+Networks", 2015) and `N:M` along a row's inputs (Mishra et al., "Accelerating Sparse Deep Neural
+Networks", 2021: 2:4 is what Ampere and later GPUs multiply sparsely). Every nn.Linear outside
+`keep` (zoo/quantization.py's rule) is pruned; stacked MoE experts and convolutions are not.
+A pruned model is an ordinary dense model holding zeros, so it runs at dense speed on a CPU;
+`to_semi_structured` swaps 2:4 weights for torch's sparse kernels on CUDA (docs/deploy.md).
 """
 from __future__ import annotations
 
@@ -71,8 +56,7 @@ def magnitude_mask(w: torch.Tensor, pattern: str = "unstructured", sparsity: flo
 
 def prune(model: nn.Module, pattern: str = "unstructured", sparsity: float = 0.5,
           keep: Iterable[str] = KEEP) -> dict:
-    """Magnitude-prune the model's linears outside `keep` in place (each layer on its own) and
-    return their masks, {name: (weight, mask)}. `sparsity` is the unstructured pattern's share."""
+    """Magnitude-prune the linears outside `keep` in place; returns their masks {name: (weight, mask)}."""
     nm = parse_pattern(pattern)
     names = targets(model, keep)
     if not names:

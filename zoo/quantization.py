@@ -3,40 +3,13 @@
     model = zoo.quantize(model, "int4wo", group_size=32)    # in place; returns the model
     zoo.save_pretrained(model, "out/")                      # a quantized Zoo folder (zoo/weights/quantized.py)
 
-Schemes (`SCHEMES`), each torchao's own tensor subclass swapped in for the weight of every
-nn.Linear that is not kept:
-- `int8wo`: int8 weights, one scale per output row (symmetric); activations stay 16-bit.
-- `int4wo`: int4 weights in groups of `group_size` along the input dim, a scale and a zero point
-  per group (asymmetric, tinygemm's numerics); activations stay 16-bit. The packed layout is the
-  device's: on a CPU torch's `_weight_int4pack_mm_for_cpu` kernel (torchao's Int4OpaqueTensor,
-  group size 32, 64 or 128), on CUDA the tinygemm kernel (Int4TilePackedTo4dTensor, bf16).
-- `8da4w`: int8 activations quantized per token at run time (asymmetric), int4 weights in groups
-  (symmetric): torchao's IntxUnpackedToInt8Tensor, the scheme of ExecuTorch's XNNPACK kernels.
-`keep` names the modules that stay in 16-bit (by default the embedding and the LM head, the
-layers most sensitive to quantization; a name matches the module of that qualified name, its
-children, or any module whose last name component it is). The model's floating dtype is the
-compute dtype; the embedding, norms and kept layers keep it.
-
-ConvNets (`quantize_convnet`, the scheme `int8`): int8 static post-training quantization on a CPU
-through PyTorch 2 Export (PT2E) with torchao's X86InductorQuantizer: the model is exported with
-torch.export (the batch dim dynamic), observers are inserted after each convolution's and linear's
-inputs and weights, calibration batches (training images) set the activations' scales (one per
-tensor), the weights get one scale per output channel, and `convert_pt2e` leaves a graph of
-quantize / dequantize ops around float convolutions: the reference numerics, slow in eager.
-torch.compile (inductor, with `freezing` on) fuses those patterns into oneDNN's int8 convolutions
-and linears; that compiled module is the fast one. The result is a new module; the model is left
-as it was.
-
-Quantization-aware training (`prepare_qat`, `convert_qat`): torchao's QAT swaps the same linears
-for FakeQuantizedLinear, whose forward rounds the weights (and for 8da4w the activations) to the
-scheme's grid and back with a straight-through gradient; `convert_qat` swaps them back and
-quantizes with the scheme above. The fake quantizer of each scheme uses that scheme's numerics
-(`fake_quant_configs`); for int4wo it is `Int4FakeQuantizer`, which rounds the weight exactly as
-the conversion will (in the deployed dtype, through torchao's own tinygemm functions): torchao's
-generic int4 fake quantizer stores the float zero point as an int32 (its default zero-point
-precision) and so trains on a grid that many weights leave once converted (docs/deploy.md).
-
-What runs where and how fast is measured by `python train/bench.py quantized` (docs/deploy.md).
+LLM schemes (`SCHEMES`: int8wo, int4wo, 8da4w) swap torchao's tensor subclasses in for the weight
+of every nn.Linear not in `keep` (by default the embedding and the LM head, the most sensitive).
+ConvNets take `int8` (`quantize_convnet`): static PT2E quantization on a CPU, fast once compiled
+with `compile_frozen`. Quantization-aware training (`prepare_qat`, `convert_qat`) swaps the same
+linears for torchao's FakeQuantizedLinear; int4wo uses Zoo's `Int4FakeQuantizer`, which rounds
+exactly as the conversion will (torchao's generic one trains on another grid). docs/deploy.md
+has the schemes and kernels.
 """
 from __future__ import annotations
 
@@ -142,10 +115,8 @@ def is_quantized(model: nn.Module) -> bool:
 
 # ------------------------------------------------------------------ quantization-aware training
 def int4_round_trip(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`w` (out, in) rounded to int4wo's grid and back, in w's dtype, with the functions the int4wo
-    tensors quantize through (torchao's tinygemm numerics, computed in w's dtype): per group of
-    `group_size` inputs scale = (max - min) / 15 and zero point min + 8 * scale, level
-    round((w - (zero - 8 * scale)) / scale) in 0..15, weight (level - 8) * scale + zero."""
+    """`w` (out, in) rounded to int4wo's grid and back, in w's dtype, through torchao's tinygemm
+    functions (asymmetric, one scale and float zero point per group of `group_size` inputs)."""
     from torchao.quantization.quant_primitives import (MappingType, _choose_qparams_affine_tinygemm,
                                                        _dequantize_affine_tinygemm, _quantize_affine_tinygemm)
     block = (1, group_size)
@@ -168,10 +139,9 @@ class _StraightThrough(torch.autograd.Function):
 
 
 class Int4FakeQuantizer(nn.Module):
-    """int4wo's fake quantizer (a FakeQuantizedLinear's `weight_fake_quantizer`): the weight cast to
-    `dtype`, the dtype the converted model runs in, and rounded as the conversion will round it
-    (`int4_round_trip`), then back in the weight's dtype; the gradient passes straight through.
-    `config`: the torchao fake-quantize config it stands in for (torchao's convert step reads it)."""
+    """int4wo's fake quantizer (a FakeQuantizedLinear's `weight_fake_quantizer`): the weight rounded in
+    `dtype`, the converted model's, as `int4_round_trip`; the gradient passes straight through.
+    `config`: the torchao config it stands in for (torchao's convert step reads it)."""
 
     def __init__(self, group_size: int, dtype: torch.dtype = torch.bfloat16, config=None):
         super().__init__()
@@ -228,8 +198,7 @@ def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Itera
 
 
 def remove_fake_quantization(model: nn.Module) -> dict:
-    """Swap prepare_qat's fake-quantized linears back to nn.Linear (the same weights), in place;
-    returns what prepare_qat recorded ({'scheme', 'group_size', 'keep'})."""
+    """Swap prepare_qat's fake-quantized linears back to nn.Linear in place; returns prepare_qat's record."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
     qat = getattr(model, "qat", None)
@@ -250,10 +219,8 @@ def convert_qat(model: nn.Module) -> nn.Module:
 # ------------------------------------------------------------------ ConvNets: PT2E static int8
 def quantize_convnet(model: nn.Module, calibration, scheme: str = "int8") -> nn.Module:
     """int8 static post-training quantization of a ConvNet on a CPU (PT2E, X86InductorQuantizer):
-    exported with a dynamic batch dim, calibrated on `calibration` (an iterable of normalized image
-    batches (B, C, H, W), B >= 2), converted. Returns a new module (the reference quantize /
-    dequantize graph; torch.compile it with inductor's `freezing` on for the int8 kernels, see
-    `compile_frozen`); `model` is unchanged. Its `quantization` records what was done."""
+    exported with a dynamic batch, calibrated on `calibration` (image batches (B, C, H, W), B >= 2).
+    Returns a new module (compile it with `compile_frozen` for the int8 kernels); `model` is unchanged."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
     if scheme not in CONVNET_SCHEMES:
@@ -290,10 +257,7 @@ def quantize_convnet(model: nn.Module, calibration, scheme: str = "int8") -> nn.
 
 
 def compile_frozen(module: nn.Module):
-    """torch.compile (inductor) with `freezing` on, the weights constant-folded and pre-packed: how
-    the x86 inductor path lowers a PT2E int8 graph to oneDNN's int8 kernels (also used for the fp32
-    model it is compared with). Returns a function of a batch; call it under torch.no_grad(), the
-    first call compiles."""
+    """torch.compile with inductor's `freezing` on (oneDNN's int8 kernels for a PT2E graph); call under no_grad."""
     import torch._inductor.config as inductor_config
     compiled = torch.compile(module)
 

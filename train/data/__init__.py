@@ -1,36 +1,17 @@
 """Text data for language models: sources, preparation into token shards, mixtures, random windows.
 
-The package:
-    sources.py     documents read lazily: text files and folders, jsonl (.gz, .zst), Parquet, saved
-                   Hugging Face datasets, `stdlib` (the embedded default); bad documents counted
-    text_tokenizers.py  bytes, sentencepiece (trained on a reservoir sample of the corpus), tokenizer.json
-    prepare.py     streaming, parallel, kill-safe preparation into token shards + a document index
-    tokens.py      token streams over memmaps; pre-tokenized inputs (nanoGPT .bin, llm.c shards) in place
-    loader.py      batches made ahead on a background thread
-    __init__.py    the config (`data.*`), TokenData (the LM task's data), the document-boundary contract
+This file holds the config (`data.*`), TokenData (the LM task's data) and the document-boundary
+contract; the rest of the package: sources.py (documents read lazily), text_tokenizers.py,
+shards.py (kill-safe preparation into token shards), tokens.py (memmapped and pre-tokenized
+streams), loader.py (batches on a background thread), doc_masks.py, and the chat, preference,
+image and latent data.
 
-A source (`data.path`, or each `path` of `data.sources`, a mixture sampled by weight) is prepared
-once into `data.cache_dir` (train/data/shards.py; `python train/prepare.py CONFIG` does it ahead
-of training) and read as memmaps; pre-tokenized files are read where they are. Validation is
-`data.val_path` when set, else the `val` files of pre-tokenized inputs, else the last
-`data.val_fraction` of each source, cut at a document start. Training batches are random
-windows drawn from a generator seeded by (seed, step, micro), so any step's batch can be rebuilt
-exactly on resume.
-
-Document boundaries (the contract with document-masked attention). Documents in the token stream
-are separated by the tokenizer's special tokens, as `data.boundary` says; TokenData exposes
-`boundary` (the mode in force: `bos`, `eos`, `both` or `none`), `bos_id` and `eos_id` (None when
-the mode does not use them), so that the document of every token of any window follows from the
-window alone, a cumulative count of boundary tokens (`document_ids`):
-    bos   each document starts with BOS; doc id = cumsum(x == bos_id)          (BOS opens its document)
-    eos   each document ends with EOS;   doc id = cumsum(x == eos_id) - (x == eos_id)
-                                                                               (EOS closes its document)
-    both  BOS document EOS;              doc id = cumsum(x == bos_id)          (as bos)
-    none  no separators: one document
-`auto` (the default) is `eos` when the tokenizer has an EOS token, else `bos` when it has a BOS,
-else `none` (the bytes tokenizer has neither); for pre-tokenized inputs `auto` is `none` (the ids
-are read as they are: name the mode the files were written with). A window starting inside a
-document gives its first tokens id 0: the ids are equal within a document and differ across.
+A source (`data.path`, or a weighted mixture `data.sources`) is prepared once into
+`data.cache_dir` (`python train/prepare.py CONFIG` does it ahead of training) and read as
+memmaps. Training batches are random windows drawn from a generator seeded by (seed, step,
+micro), so any step's batch is rebuilt exactly on resume. `document_ids` gives each token's
+document from the window alone, by the boundary tokens of `data.boundary` (docs/data.md,
+"Document boundaries"): equal within a document, different across.
 """
 from __future__ import annotations
 
@@ -137,8 +118,7 @@ def check_files(paths, source, key):
 
 
 def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
-    """The tokenizer of a model folder: the first of `names` it holds, 'bytes' for a Zoo folder
-    trained on bytes, else None."""
+    """The tokenizer of a model folder: the first of `names` it holds, 'bytes', or None."""
     from zoo.weights import zoo_folder
     for name in names:
         if (Path(folder) / name).is_file():
@@ -150,10 +130,8 @@ def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Opti
 
 # ----------------------------------------------------------------------------- curriculum
 class SeqLenSchedule:
-    """Sequence-length curriculum (`data.seq_len_schedule`): windows of each stage's length until its
-    `until` (a step, or a number of tokens trained), then data.seq_len. With tokens, the stage of a
-    step follows from the tokens of the steps before it (batch_size x micro-batches x window), so
-    the window of any step is a function of the config alone and a resumed run gets the same ones."""
+    """Sequence-length curriculum (`data.seq_len_schedule`): each stage's window length until its `until`
+    (a step, or tokens trained), then data.seq_len; a function of the config alone, so resume agrees."""
 
     def __init__(self, cfg: TextDataConfig, batch_size: int, micro_batches):
         self.final = cfg.seq_len
@@ -179,9 +157,8 @@ class SeqLenSchedule:
 
 # ----------------------------------------------------------------------------- token data
 def cache_dir(configured: Optional[str] = None) -> Path:
-    """Where derived data (tokenizers, token streams, trained autoencoders, latents) is cached: the
-    configured folder (`data.cache_dir`), else $ZOO_CACHE, else the user cache directory
-    ($XDG_CACHE_HOME/zoo or ~/.cache/zoo). Never beside the user's own data."""
+    """Where derived data is cached: `data.cache_dir`, else $ZOO_CACHE, else $XDG_CACHE_HOME/zoo or
+    ~/.cache/zoo; never beside the user's own data."""
     if configured:
         d = Path(configured).expanduser()
     elif os.environ.get("ZOO_CACHE"):
@@ -206,17 +183,15 @@ def resolve_boundary(mode: str, tokenizer, pretokenized: bool = False) -> tuple[
 
 
 def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int], eos_id: Optional[int]) -> torch.Tensor:
-    """The document of each token of windows (B, T) of ids, from the window alone (module
-    docstring): equal within a document, different across; int64 of the same shape
-    (doc_masks.document_ids with the boundary token of `boundary`)."""
+    """The document of each token of windows (B, T) of ids, from the window alone: int64 of the same
+    shape, equal within a document, different across."""
     if boundary == "none":
         return torch.zeros_like(tokens, dtype=torch.long)
     return doc_masks.document_ids(tokens, eos_id if boundary == "eos" else bos_id, "eos" if boundary == "eos" else "bos")
 
 
 class TokenData:
-    """The tokenizer and the train/val token streams of `data.path` or the mixture `data.sources`:
-    prepared (or read in place), split, and sampled into windows."""
+    """The tokenizer and the train/val token streams of `data.path` or `data.sources`, sampled into windows."""
 
     def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print, progress: bool = False):
         self.cfg, self.log, self.progress = cfg, log, progress
@@ -364,9 +339,8 @@ class TokenData:
         return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)
 
     def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
-        """Entropy (nats/token) of the training tokens' unigram distribution: the loss of the
-        best model that ignores context. Counted on all the tokens up to `sample_tokens`, else on
-        64 evenly spaced blocks of sample_tokens / 64 (a corpus of any size starts at once)."""
+        """Entropy (nats/token) of the training tokens' unigram distribution (the loss of the best
+        context-free model), on up to `sample_tokens` tokens in evenly spaced blocks."""
         counts = np.zeros(self.vocab_size, dtype=np.float64)
         n = len(self.train)
         size = sample_tokens // 64
@@ -379,9 +353,8 @@ class TokenData:
 
     def windows(self, split: str, batch_size: int, generator: torch.Generator, seq_len: Optional[int] = None,
                 rows: Optional[slice] = None, pin: bool = False) -> torch.Tensor:
-        """Random windows (B, T + 1) of ids on the CPU (pinned memory when `pin`). With a mixture,
-        each training window's source is drawn by weight first. rows: only those of the batch_size
-        windows drawn (a rank's part of a global batch)."""
+        """Random windows (B, T + 1) of ids on the CPU (pinned when `pin`), each window's source drawn by
+        weight in a mixture; rows: only those of a rank's part of the batch."""
         T = seq_len or self.cfg.seq_len
         if split == "train" and len(self.mixture) > 1:
             src = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()

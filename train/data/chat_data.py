@@ -7,20 +7,10 @@ padded to the longest row of its batch, rows of similar length batched together;
                                               # the real tokens, the model's document keywords ({}: padded)
     for x, y, n, docs in data.val_batches(B): ...
 
-Each conversation is encoded once (conversations.py: ids, and labels that are -100 off the
-assistant's tokens), cut to `data.seq_len + 1` tokens, and shifted: inputs ids[:-1], targets
-labels[1:]. Padding goes on the right (inputs 0, targets -100), so under causal attention it
-changes nothing of the real tokens' outputs. `n` is the number of real (unpadded) tokens.
-
-Length bucketing: each epoch is a permutation of the training conversations (seeded by the run's
-seed and the epoch); every window of `bucket_batches` batches is sorted by length and cut into
-batches, and the batches of the epoch are shuffled. A micro-batch's conversations follow from
-(seed, index) alone, so a resumed run sees the same ones.
-
-Packing (train/data/packing.py): each epoch's permutation is packed into rows by best-fit
-decreasing, the rows shuffled; the model gets the rows' document ids and positions restarting per
-conversation (`doc_ids`, `position_ids`), so that each conversation is computed as if alone.
-Validation batches are always padded (their loss is the same either way).
+Padding goes on the right (inputs 0, targets -100), so causal attention leaves the real tokens'
+outputs unchanged. A micro-batch's conversations follow from (seed, index) alone, so a resume sees
+the same ones. Packed rows (train/data/packing.py) carry document ids and positions restarting per
+conversation, so each is computed as if alone; validation batches are always padded.
 """
 from __future__ import annotations
 
@@ -91,8 +81,7 @@ class ChatData:
 
     # ------------------------------------------------------------------ batches
     def _epoch_batches(self, epoch: int, rows: int) -> list:
-        """The epoch's batches in training order: each a list of `rows` rows, a row a list of
-        conversation indices (one when padded)."""
+        """The epoch's batches in training order: lists of rows, a row a list of conversation indices."""
         if self._epoch != (epoch, rows):
             lengths = np.array([len(x) for x, _ in self.train])
             if self.cfg.pack:

@@ -1,18 +1,10 @@
 """The embedded conversation set (`data.path: synthetic`): small chat tasks made by code, the same
 every time, so chat fine-tuning has an example that needs no download.
 
-Four kinds of conversation, some with a system message:
-- introductions over two turns: "Hi, my name is Ada." -> "Nice to meet you, Ada!", then
-  "What is my name?" -> "Your name is Ada." (the second answer needs the first turn);
-- parity: "Is 417 even or odd?" -> "417 is odd.";
-- repetition: "Repeat after me: green river stone" -> "green river stone";
-- the last word: "What is the last word of: apple moon tiger?" -> "tiger".
-
-The names and words come from fixed lists, the numbers from 10 to 999. `conversations("val")`
-draws its own conversations (another random stream): new combinations of names, words and
-system messages, and numbers whose tens training never showed (one ten in five is held out), so
-answering them takes the skill (finding the name or word in the context, the parity of the last
-digit), not the memory of a conversation. Chance: 1/2 for the parity word, about zero for the rest.
+Four kinds, some with a system message: introductions over two turns ("Hi, my name is Ada." ...
+"What is my name?"), parity ("Is 417 even or odd?"), repetition, and the last word of a list.
+`conversations("val")` draws new combinations and numbers whose tens training never showed, so
+answering takes the skill, not the memory of a conversation.
 """
 from __future__ import annotations
 

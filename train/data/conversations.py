@@ -1,33 +1,16 @@
 """Conversations for chat fine-tuning: jsonl rows -> messages -> chat template -> token ids and
 labels that train only the assistant's tokens.
 
-Row formats (`data.format`), one JSON object per line of a .jsonl file:
-- `messages`: `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`
-  (OpenAI's shape), or ShareGPT's `{"conversations": [{"from": "system" | "human" | "gpt",
-  "value": "..."}, ...]}`; at least one assistant message.
-- `prompt_completion`: `{"prompt": "...", "completion": "..."}`, each a string or a list of
-  messages; an optional `"system"` string.
-- `alpaca`: `{"instruction": "...", "input": "...", "output": "..."}` (`input` optional: the user
-  message is the instruction, then a blank line and the input when there is one); an optional
-  `"system"` string.
-A malformed row is counted and skipped (`read_conversations` logs one line per file naming the
-line numbers); a file without a usable row is a one-line DataError.
+Row formats (`data.format`): `messages` (OpenAI's or ShareGPT's shape), `prompt_completion` and
+`alpaca` (docs/post-training.md shows each). A malformed row is counted and skipped with one log
+line per file; a file without a usable row is a one-line DataError.
 
-Chat templates (`ChatTemplate`): a model's own Jinja `chat_template` (a Hugging Face
-tokenizer_config.json or chat_template.jinja, or a GGUF file's `tokenizer.chat_template`),
-rendered as transformers' `apply_chat_template` renders it: a sandboxed Jinja environment with
-trim_blocks and lstrip_blocks, the loop-controls extension, `raise_exception`, `strftime_now`, a
-`tojson` that does not escape HTML, and the tokenizer's special tokens (`bos_token`,
-`eos_token`, ...) as variables. A named built-in (`chatml`) serves a model that has none.
-
-Assistant-only labels (`ChatTemplate.encode`): the characters the assistant's turns occupy in
-the rendered conversation are found with the template's `{% generation %}` markers when it has
-them (as transformers' `return_assistant_tokens_mask` does), else by rendering the conversation
-prefix by prefix: assistant message i spans from the end of `render(messages[:i],
-add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, less the whitespace after
-its end-of-turn token (and before its content). Tokens overlapping those characters keep their
-ids as labels; every other label is -100. A template that renders an earlier turn differently
-once later turns follow (so no prefix marks the assistant's part) is a one-line error.
+`ChatTemplate` renders a model's own Jinja `chat_template` (Hugging Face folder files or a GGUF
+file) exactly as transformers' `apply_chat_template` does (same sandboxed environment, extensions
+and special-token variables), or a built-in (`chatml`). Assistant-only labels: the characters of
+the assistant's turns come from the template's `{% generation %}` markers, else from rendering the
+conversation prefix by prefix; tokens overlapping them keep their ids as labels, the rest -100.
+A template that renders an earlier turn differently once later turns follow is a one-line error.
 """
 from __future__ import annotations
 
@@ -389,10 +372,9 @@ class ChatTemplate:
         return turn[turn.index(probe) + len(probe):].strip()
 
     def encode(self, tokenizer, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """(token ids of the rendered conversation, labels): labels are the ids on the tokens of the
-        assistant's turns (with their end-of-turn tokens) and -100 elsewhere; every id with
-        train_on_prompt. Ids are those of tokenizing the whole rendered text with no special tokens
-        added, as apply_chat_template(tokenize=True) gives."""
+        """(token ids of the rendered conversation, labels): the ids on the assistant's turns (with their
+        end-of-turn tokens; every id with train_on_prompt), -100 elsewhere. Ids as
+        apply_chat_template(tokenize=True) gives."""
         text, spans = self.assistant_spans(messages)
         ids, offsets = token_offsets(tokenizer, text)
         if train_on_prompt:
@@ -405,8 +387,7 @@ class ChatTemplate:
 
 
 def find_template(folder) -> Optional[ChatTemplate]:
-    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja), or
-    None when it has none."""
+    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja), or None."""
     p = Path(folder)
     if not p.is_dir():
         return None

@@ -1,12 +1,9 @@
-"""Image datasets: the embedded digits default and ImageFolder-style directories.
-
-    digits_dataset("train", size=32)   -> images (N, C, 32, 32) float32 in [0, 1], labels (N,) int64
-    scan_image_folder(root)            -> (class names, [(path, label), ...]) with one-line errors
-    FolderImages(samples, size, train) -> a Dataset of uint8 (C, size, size) crops, PIL-decoded
+"""Image datasets: the embedded digits default and ImageFolder-style directories, and timm's
+training recipe (RandAugment / TrivialAugment, random erasing, Mixup / CutMix).
 
 Augmentations are drawn from a per-sample seed, never from global RNG state, so a batch is a
-pure function of (seed, step, micro) and a resumed run sees exactly the same images whatever
-the number of DataLoader workers. Normalisation happens on the device (uint8 travels to it).
+function of (seed, step, micro) whatever the number of DataLoader workers (exact resume).
+uint8 crops travel to the device and are normalised there.
 """
 from __future__ import annotations
 
@@ -25,18 +22,12 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-# ----------------------------------------------------------------------------------------
-# embedded default: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes)
-# ----------------------------------------------------------------------------------------
+# ---------- embedded default: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes)
 
 def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_fraction: float = 0.2,
                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The digits, bilinearly upsampled from 8x8 to size x size.
-
-    Returns (images (N, channels, size, size) float32 in [0, 1], labels (N,) int64 in 0..9).
-    split: "train", "val" or "all"; the split is stratified per class and fixed by `seed`, so
-    train and val never overlap. channels=3 repeats the grey channel (for RGB models).
-    Needs scikit-learn (the data ships inside it: no download)."""
+    """scikit-learn's 8x8 digits upsampled to size x size -> (images (N, channels, size, size) float32 in
+    [0, 1], labels (N,)); split "train", "val" or "all", stratified and fixed by `seed`."""
     if split not in ("train", "val", "all"):
         raise ValueError(f"digits_dataset: split must be 'train', 'val' or 'all', got {split!r}")
     if not 0.0 < val_fraction < 1.0:
@@ -78,17 +69,11 @@ def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) ->
     return out.gather(3, cols[:, None, None, :].expand(B, C, H, W))
 
 
-# ----------------------------------------------------------------------------------------
-# ImageFolder-style directories: root/<class>/<image>
-# ----------------------------------------------------------------------------------------
+# ------------------------------------ ImageFolder-style directories: root/<class>/<image>
 
 def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool = False) -> tuple[list, list]:
-    """root/<class name>/**/<image> -> (class names sorted, [(path, label), ...]).
-
-    A missing root, a root without class folders, fewer than two classes or a class folder
-    without images is a one-line error naming the path. `classes` fixes the label order
-    (e.g. the val folder uses the train folder's classes). flat=True also takes a root that holds
-    images and no class folders: one class, named after the root (a root with neither is an error)."""
+    """root/<class name>/**/<image> -> (class names sorted, [(path, label), ...]); one-line errors naming
+    the path. `classes` fixes the label order; flat=True takes a root of images as one class."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: image folder not found")
@@ -174,13 +159,9 @@ def load_crop(path: str, size: int, box_fn, mode: str = "RGB", flip: bool = Fals
 
 
 class FolderImages(torch.utils.data.Dataset):
-    """samples [(path, label)] -> item (uint8 image (C, size, size) or None, label, bad path or None).
-
-    Indexed by (index, seed): training items draw their random-resized crop and flip from a
-    random.Random(seed), and their `augment` (RandAugment / TrivialAugment) from torch seeded by it
-    (augment_seeded), so the item does not depend on which worker made it. Eval items
-    (train=False) are resized and centre-cropped. An unreadable file gives image None and its
-    path (with the reason); the collate function drops it and the task reports it."""
+    """samples [(path, label)] -> item (uint8 (C, size, size) or None, label, bad path or None), indexed
+    by (index, seed): a training item's crop, flip and `augment` come from its seed alone, so it does
+    not depend on the worker. An unreadable file gives None and its path; the task reports it."""
 
     def __init__(self, samples, size: int, train: bool, channels: int = 3, scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), hflip: float = 0.5, crop_pct: float = 0.875, augment=None):
@@ -227,23 +208,19 @@ def _epoch_perm(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
-    """Sample positions start..start+count-1 of an endless stream of epochs, each a fresh
-    permutation of range(n) drawn from (seed, epoch) -> [(index, per-sample seed)]."""
+    """Positions start..start+count-1 of endless seeded epochs -> [(index, per-sample seed)]."""
     return [(int(_epoch_perm(n, seed, p // n)[p % n]), (seed * 2_654_435_761 + p) % 2**63)
             for p in range(start, start + count)]
 
 
-# ----------------------------------------------------------------------------------------
-# a folder of real photographs, made on the spot (tests, benchmarks)
-# ----------------------------------------------------------------------------------------
+# --------------------- a folder of real photographs, made on the spot (tests, benchmarks)
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scikit-image ships
 
 
 def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, per_class: bool = True) -> int:
-    """Cut scikit-image's photographs into non-overlapping tile x tile squares and write them as PNGs:
-    folder/<photo>/<row>_<col>.png (per_class: an image folder with a class per photo) or
-    folder/<photo>_<row>_<col>.png. Returns the number written (354 with the defaults)."""
+    """Cut scikit-image's photographs into tile x tile PNGs: folder/<photo>/<row>_<col>.png (per_class)
+    or folder/<photo>_<row>_<col>.png. Returns the number written."""
     try:
         from skimage import data
     except ImportError:
@@ -262,9 +239,7 @@ def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, pe
     return n
 
 
-# ----------------------------------------------------------------------------------------
-# the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
-# ----------------------------------------------------------------------------------------
+# ---------- the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
 
 AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
 
@@ -282,9 +257,8 @@ def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
 
 
 def augment_seeded(op, images: torch.Tensor, seeds) -> torch.Tensor:
-    """op applied to each uint8 image of (B, C, H, W) (or to one (C, H, W) image with one seed), its random
-    draws made from torch's global generator seeded by that image's seed, inside a fork: the global
-    state outside is left as it was, and an image's augmentation is a function of its seed alone."""
+    """op on each uint8 image of (B, C, H, W) (or one (C, H, W)), its draws from torch's generator seeded
+    by the image's seed inside a fork, so the global state is untouched."""
     one = images.dim() == 3
     with torch.random.fork_rng(devices=[]):
         out = []
@@ -295,10 +269,8 @@ def augment_seeded(op, images: torch.Tensor, seeds) -> torch.Tensor:
 
 
 def random_erase(x: torch.Tensor, prob: float, rng: random.Random, scale=(0.02, 1 / 3), ratio=(0.3, 3.3)) -> torch.Tensor:
-    """Zhong et al., "Random Erasing Data Augmentation" (2017), timm's 'pixel' mode: each image of the
-    normalised batch x (B, C, H, W) gets, with probability prob, one box covering a fraction `scale` of
-    its area (aspect ratio log-uniform in `ratio`; up to 10 draws to fit) filled with N(0, 1) noise.
-    All draws from rng. Returns a new tensor."""
+    """Zhong et al., "Random Erasing Data Augmentation" (2017), timm's 'pixel' mode: each image of x
+    (B, C, H, W), with probability prob, gets a box of N(0, 1) noise; draws from rng; a new tensor."""
     B, C, H, W = x.shape
     x = x.clone()
     for i in range(B):
@@ -326,11 +298,8 @@ def smooth_one_hot(y: torch.Tensor, num_classes: int, smoothing: float) -> torch
 def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Random, mixup_alpha: float = 0.0,
               cutmix_alpha: float = 0.0, prob: float = 1.0, switch_prob: float = 0.5, smoothing: float = 0.0):
     """Mixup (Zhang et al., 2018) or CutMix (Yun et al., 2019) of a batch with itself reversed, as timm's
-    batch mode: x (B, C, H, W), labels y (B,) -> (mixed x, soft targets (B, num_classes), lam).
-    With probability `prob` the batch is mixed; with both alphas > 0, CutMix with probability
-    `switch_prob`, else Mixup. lam ~ Beta(alpha, alpha); Mixup: lam x + (1 - lam) x[::-1]; CutMix: a box
-    of area (1 - lam) H W centred uniformly (clipped at the border) taken from x[::-1], lam then the
-    share of pixels kept. Targets: lam t + (1 - lam) t[::-1], t the label-smoothed one-hot."""
+    batch mode: x (B, C, H, W), labels (B,) -> (mixed x, soft targets (B, num_classes), lam); mixed
+    with probability `prob`, CutMix with `switch_prob` when both alphas are on."""
     t = smooth_one_hot(y, num_classes, smoothing)
     if rng.random() >= prob or (mixup_alpha <= 0 and cutmix_alpha <= 0):
         return x, t, 1.0

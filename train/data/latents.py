@@ -3,20 +3,11 @@
     latent_cache(folder, key, splits, encode, views, ...) -> LatentCache (built, resumed or reused)
     cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
 
-On disk, in `folder` (its name carries a digest of `key`: whatever determines the latents, e.g.
-the image files with their sizes and mtimes, the autoencoder's weights, the resolution, the flips):
-    train.npy         float32 (N, V, C, h, w): each training image's latents; V = 2 with flips
-                      (view 1 is the mirrored image), else 1
-    train.labels.npy  int64 (N,)
-    val.npy           float32 (M, 1, C, h, w), and val.labels.npy
-    meta.json         the key, the shapes, and the per-channel mean and std of the training latents
-
-Kill-safe and resumable: the arrays are written as memmaps in `.<folder name>.partial` beside it,
-a batch of images at a time; every `commit_every` images the memmaps are flushed and the rows done
-recorded (progress.json, written atomically), so a run killed at any moment encodes again only
-what came after the last record. When every row is written, the folder is renamed to its final
-name: a reader never sees part of a cache. One builder at a time (a file lock: torchrun's ranks
-wait for the first and then read what it wrote).
+The folder's name carries a digest of `key` (whatever determines the latents: images, autoencoder
+weights, resolution, flips); it holds train.npy (N, V, C, h, w) (V = 2 with flips), val.npy, their
+labels, and meta.json (shapes, per-channel mean and std). Built in a `.partial` folder with its
+progress recorded atomically, so a killed build resumes, and renamed when whole; one builder at a
+time (a file lock).
 """
 from __future__ import annotations
 
@@ -97,12 +88,9 @@ def read_cache(folder: Path, key: dict) -> Optional[LatentCache]:
 
 def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor], torch.Tensor], views: int = 1,
                  batch_size: int = 64, commit_every: int = 1024, log=print) -> LatentCache:
-    """The cache of `key` in `folder`: reused when complete (and said so), else built (or resumed).
-
-    splits: {"train": (labels (N,), read), "val": (labels (M,), read)} where read(start, stop) gives
-    the images start..stop-1 (float (n, 3, H, W) in [0, 1]). encode: images -> raw latents (n, C, h, w)
-    (the frozen autoencoder, called under no_grad). views=2 also encodes each training image
-    mirrored (images.flip(-1)). An empty split is a one-line error."""
+    """The cache of `key` in `folder`: reused when complete, else built (or resumed). splits: {"train" /
+    "val": (labels, read(start, stop) -> images (n, 3, H, W) in [0, 1])}; encode: images -> raw latents
+    (n, C, h, w); views=2 also encodes each training image mirrored. An empty split is an error."""
     folder = Path(folder)
     cache = read_cache(folder, key)
     if cache is not None:

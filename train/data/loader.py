@@ -1,13 +1,10 @@
 """Batches assembled off the training thread.
 
-`Prefetcher(make, after, depth)` runs `make(key)` on a background thread for the keys the loop
-will ask for next (`after(key)` is the key that follows `key`), keeping up to `depth` batches
-ready. `get(key)` returns the batch of `key`: the one made ahead when the loop asks in the
-expected order, else (the first call, a resumed run, an evaluation in between that asked out of
-order) it starts again from `key`. A batch is a function of its key alone, so prefetching never
-changes what the loop trains on; an error in `make` is raised by the `get` that asked for it.
-The thread ends by itself when no batch has been taken for `IDLE_S` seconds (the run is over or
-paused); the next `get` starts it again.
+`Prefetcher(make, after, depth)` runs `make(key)` on a background thread for the next keys
+(`after(key)`), keeping up to `depth` batches ready; `get(key)` returns the one made ahead, or
+starts again from `key` when asked out of order (a resume, an evaluation). A batch is a function of
+its key alone, so prefetching never changes what is trained on; `make`'s errors are raised by
+`get`. The thread ends after `IDLE_S` seconds unused; the next `get` starts it again.
 """
 from __future__ import annotations
 

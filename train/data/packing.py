@@ -1,14 +1,10 @@
 """Packing variable-length sequences (conversations, instructions) into rows of a fixed length.
 
-Each sequence is a pair (input_ids, labels) of equal length, labels aligned with the model's
-targets (labels[i] is what position i predicts, -100 where nothing is trained: from a
-conversation's tokens t and trained mask m, input_ids = t[:-1], labels = t[1:] where m[1:] else
--100). `pack_rows` assigns the sequences to rows by best-fit decreasing (longest first, each into
-the fullest row that still has room; ties by index, so it is deterministic), and `pack` lays them
-out as (R, seq_len) tensors with the document ids and the positions that make the model treat
-each sequence as if it ran alone (zoo/llm.py, `forward(..., doc_ids=, position_ids=)`: attention
-within each sequence, positions restarting at 0). The rest of a row is padding (pad_id, labels
--100) in a document of its own.
+Each sequence is (input_ids, labels) of equal length, labels aligned with the targets (-100 where
+nothing is trained). `pack_rows` assigns them to rows by best-fit decreasing (deterministic), and
+`pack` lays them out as (R, seq_len) tensors with the document ids and positions that make the
+model treat each sequence as if it ran alone (zoo/llm.py's doc_ids, position_ids). The rest of a
+row is padding in a document of its own.
 """
 from __future__ import annotations
 
@@ -52,8 +48,7 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
 
 
 def pack(sequences: Sequence[tuple], seq_len: int, pad_id: int = 0) -> Packed:
-    """sequences: (input_ids, labels) pairs (lists or 1-D tensors of ints, equal lengths, 1 to
-    seq_len tokens) -> a Packed batch of R rows (`pack_rows`)."""
+    """(input_ids, labels) pairs of 1 to seq_len tokens -> a Packed batch of R rows (`pack_rows`)."""
     seqs = []
     for i, (ids, labels) in enumerate(sequences):
         ids, labels = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(labels, dtype=torch.long)

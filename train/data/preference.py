@@ -1,22 +1,13 @@
 """Prompt/response rows: reading jsonl, tokenising a prompt and its response, preference pairs.
 
-A prompt is a string or a list of chat messages (`{"role": ..., "content": ...}`, the
-OpenAI/ShareGPT shape); a response is a string (or a one-message list holding the assistant's
-message). `encode_response` is the one place a prompt and a response become tokens:
-
     ids, labels = encode_response(tokenizer, prompt, response, template)
 
-labels[i] is ids[i] on the response's tokens and -100 elsewhere (the caller shifts them for
-next-token prediction). With a chat template (train/data/conversations.py) the conversation is
-rendered by it and only the assistant's tokens are kept; without one the prompt's and the
-response's tokens are concatenated (each tokenised on its own, so every response to a prompt
-shares the prompt's tokens), then the tokenizer's EOS when it has one.
-
-Preference rows (`data.format: preference`, train/tasks/dpo.py) are jsonl lines
-`{"prompt": ..., "chosen": ..., "rejected": ...}`, or `synthetic`: pairs made from the embedded
-conversation set (train/data/chat_example.py), the chosen response the conversation's own last
-answer, the rejected one the last answer of another conversation of the same kind (a wrong name,
-number or words in the right shape); the held-out pairs come from its validation split.
+`encode_response` is the one place a prompt (a string or chat messages) and a response become
+tokens: labels are the ids on the response's tokens and -100 elsewhere. With a chat template only
+the assistant's tokens are kept; without one the prompt's and the response's tokens are
+concatenated (tokenised separately), then EOS. Preference rows (`data.format: preference`) are
+`{"prompt", "chosen", "rejected"}` lines, or `synthetic`: pairs made from the embedded
+conversations, the rejected answer taken from another conversation of the same kind.
 """
 from __future__ import annotations
 

@@ -2,25 +2,13 @@
 
     prepare(source, tokenizer, out, ...) -> Shards
 
-The main process reads documents lazily (train/data/sources.py) and groups them into chunks of
-about `chunk_chars` characters; worker processes (one per core by default) tokenise the chunks;
-the main process writes their tokens, in chunk order, to shards of about `shard_tokens` tokens.
-At most two chunks per worker are in flight, so memory is bounded by the chunk size, never by
-the corpus. Documents are separated by the tokenizer's BOS and/or EOS (`boundary`, see
-train/data/__init__.py for the contract).
-
-On disk, in the folder `out`:
-    shard-00000.bin        the tokens, raw uint16 (uint32 for vocabularies over 65,536)
-    shard-00000.docs.npy   int64: the offset in the shard of each document that starts in it
-    manifest.json          the shards written so far, the chunks they hold, and when done
-                           `complete: true` with the totals (tokens, documents, bad documents)
-
-Kill-safe: a shard is written under a temporary name and renamed when whole, then the manifest is
-rewritten atomically; a reader uses only the shards the manifest lists. A rerun after a kill (any
-signal, any moment) removes what the manifest does not list, skips the chunks the manifest says
-are written (reading, not tokenising, them) and goes on; the chunking is a function of the source
-alone, so the shards are the same bytes as an uninterrupted run's, and the same with any number of
-workers.
+Documents are read lazily and grouped into chunks that worker processes tokenise; the main process
+writes their tokens in chunk order to shards (shard-NNNNN.bin, raw uint16 or uint32; shard-NNNNN.docs.npy,
+the document starts; manifest.json). At most two chunks per worker are in flight, so memory is
+bounded by the chunk size, not the corpus. Kill-safe: a shard is renamed into place when whole and
+the manifest rewritten atomically; a rerun drops what the manifest does not list and goes on.
+The chunking is a function of the source alone, so the shards are the same bytes as an
+uninterrupted run's, with any number of workers.
 """
 from __future__ import annotations
 
@@ -52,8 +40,7 @@ def token_dtype(vocab_size: int):
 
 # ----------------------------------------------------------------------------- chunks
 def chunks(docs: Iterator[Doc], chunk_chars: int, max_chars: Optional[int]) -> Iterator[list[Doc]]:
-    """Documents grouped into chunks of about chunk_chars characters (a function of the source
-    alone); at most max_chars characters in all."""
+    """Documents grouped into chunks of about chunk_chars (a function of the source); max_chars in all."""
     chunk, size, total = [], 0, 0
     for d in docs:
         if max_chars is not None and total + len(d.text) >= max_chars:
@@ -189,8 +176,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
 
 @contextlib.contextmanager
 def exclusive(out: Path):
-    """Holds an exclusive lock on the file `.<name>.lock` beside `out` (other processes wait for it);
-    no lock where the system has no fcntl."""
+    """An exclusive lock on `.<name>.lock` beside `out` (others wait); none without fcntl."""
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         try:
             import fcntl
@@ -278,8 +264,7 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
 
 
 class _Progress:
-    """A tqdm bar over the source's bytes (characters read, for compressed files an estimate), with
-    MB/s and tokens/s; ETA from tqdm."""
+    """A tqdm bar over the source's bytes, with MB/s and tokens/s."""
 
     def __init__(self, total_bytes: int, max_chars, on: bool, source: str, workers: int):
         from tqdm import tqdm

@@ -1,20 +1,9 @@
 """Documents read lazily from a text source, one at a time, in bounded memory.
 
-A source (`data.path`, or a `path` of `data.sources`) is one of:
-  - `stdlib`: the Python standard library's own .py files (the embedded default; no download);
-  - a text file (.txt .md .py .text, or any other name that is not one of the formats below):
-    the whole file is one document, read in pieces of at most `PIECE_BYTES` cut at a blank
-    line (else a line end) so that a file of any size streams;
-  - a JSON-lines file (.jsonl, .jsonl.gz, .jsonl.zst; .zst needs the `zstandard` package): one
-    document per line, the string in the field `data.column` (default `text`);
-  - a Parquet file (.parquet; needs `pyarrow`): one document per row of the column `data.column`;
-  - a folder saved by Hugging Face `datasets` (`Dataset.save_to_disk`; needs `datasets`): one
-    document per row of the column `data.column` (of the `train` split of a DatasetDict);
-  - a folder of any of these files (read in sorted order, recursively).
-
-Bad documents never stop the reading: undecodable bytes are replaced with U+FFFD, bad JSON
-lines (not JSON, no string in the column) are skipped, empty rows are skipped; each is counted
-in `Problems`, whose `summary()` is the one line the preparation reports.
+A source is `stdlib` (the standard library's .py files, the embedded default), a text file (one
+document, read in pieces cut at blank lines), a .jsonl (.gz, .zst) file, a Parquet file, a saved
+Hugging Face dataset, or a folder of these (docs/data.md, "Sources"). Bad documents never stop the
+reading: they are replaced, skipped and counted in `Problems`, whose `summary()` is one line.
 
 `documents(path, column, problems)` yields `Doc(text, first, last)`: a document, or a piece of
 one (`first`: it starts a document; `last`: it ends one).

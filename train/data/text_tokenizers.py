@@ -109,8 +109,7 @@ class HFTokenizer:
 
 
 class IdsTokenizer:
-    """The stand-in for pre-tokenized data read without a tokenizer file: it knows the vocabulary
-    the ids need and decodes them as numbers; it cannot encode text."""
+    """Stand-in for pre-tokenized data without a tokenizer: decodes ids as numbers, cannot encode."""
     bos_id = eos_id = None
     model_path = None
     spec = ("ids", None)
@@ -145,10 +144,8 @@ def from_spec(spec, threads: int = 1):
 
 # ----------------------------------------------------------------------------- training
 def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> list[str]:
-    """A uniform random sample of the documents whose total length is at most `budget_chars`,
-    in one pass and bounded memory: every document gets a random key; the documents with the
-    smallest keys are kept while they fit (a heap holds them). A document longer than the
-    budget is cut to it. Deterministic for a seed."""
+    """A uniform random sample of the documents totalling at most `budget_chars`, in one pass and bounded
+    memory (the smallest random keys kept in a heap; a longer document cut); deterministic for a seed."""
     rng = random.Random(seed)
     heap: list = []  # (-key, n, text): the largest key on top, evicted first
     total = 0

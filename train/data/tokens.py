@@ -1,11 +1,8 @@
 """Token streams: memory-mapped token files read as one sequence, and pre-tokenized inputs read in place.
 
-Pre-tokenized formats (`data.path` a file, a folder or a glob of them; never copied):
-  - nanoGPT's raw token files (`train.bin`): the ids one after another, uint16 (or uint32 with
-    `data.token_dtype: uint32`); a `val.bin` beside a `train.bin` is its validation split;
-  - the llm.c / modded-nanogpt shards: a header of 256 int32 (magic 20240520, version 1, the
-    number of tokens), then uint16 ids. In a folder or glob, the files whose name has `val` in it
-    (`val.bin`, `fineweb_val_000000.bin`) are the validation split.
+Pre-tokenized formats (`data.path` a file, folder or glob; never copied): nanoGPT's raw `train.bin`
+(uint16, or `data.token_dtype: uint32`) with `val.bin` beside it, and llm.c / modded-nanogpt shards
+(a 256 x int32 header, then uint16 ids), files named with `val` being the validation split.
 """
 from __future__ import annotations
 
@@ -98,8 +95,7 @@ def token_files(path: str) -> list[Path]:
 
 
 def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
-    """The ids of one token file as a memmap: an llm.c shard (found by its magic number) or raw ids
-    of `dtype`."""
+    """The ids of one token file as a memmap: an llm.c shard (by its magic number) or raw `dtype` ids."""
     size = f.stat().st_size
     with open(f, "rb") as fh:
         head = np.frombuffer(fh.read(4 * LLMC_HEADER_INTS), dtype="<i4")

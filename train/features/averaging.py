@@ -1,13 +1,8 @@
-"""Checkpoint averaging (`train.average_last: K`): the weights of the run's last K checkpoints,
-averaged entry by entry, written to `<out_dir>/model_avg.safetensors` and evaluated beside the
-final weights (the `avg_*` metrics). `uniform`: each checkpoint 1/K; `linear`: weights 1..K over
-the checkpoints oldest to newest, normalised (the newest counts most). Floating-point tensors
-are averaged in fp32 and stored in their own dtype; other tensors (counters) come from the
-newest checkpoint. Works for every family: it only reads the checkpoints' weights, from a
-one-process checkpoint's model.safetensors or from the "model" entries of a sharded (DCP)
-checkpoint of a DDP / FSDP2 run, read back to full tensors in this one process (no process group,
-no collective: under torchrun rank 0 averages alone, and evaluates the average as one process
-would, while the other ranks go on).
+"""Checkpoint averaging (`train.average_last: K`): the weights of the run's last K checkpoints
+averaged (`uniform`, or `linear`: the newest counts most), written to
+`<out_dir>/model_avg.safetensors` and evaluated beside the final weights (`avg_*`). Floating-point
+tensors are averaged in fp32, others come from the newest. One-process and DCP checkpoints alike
+are read back whole in this process, so under torchrun rank 0 averages alone, no collective.
 """
 from __future__ import annotations
 

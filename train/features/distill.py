@@ -1,12 +1,9 @@
 """Knowledge distillation: the run's teacher (train.teacher, train.kd_alpha, train.kd_temperature).
 
-`load_teacher` reads the teacher with zoo.from_pretrained (fp32, on the run's device, eval mode,
-no gradients: it runs under the run's autocast, so in its precision) and asks the task whether
-it fits the student (`Task.check_teacher`: the same vocabulary, the same classes); a mismatch is
-a one-line ConfigError naming the key. The task keeps it (`task.teacher`) and uses it in its loss
-(the LLM's chunked form in zoo/blocks/chunked_ce.py, `distillation_loss` on a ConvNet's logits).
-It is never part of the trained model: DDP / FSDP wrap the student alone, checkpoints hold the
-student alone, and every rank runs its own copy on its own part of the batch.
+`load_teacher` reads the teacher with zoo.from_pretrained (fp32, eval mode, no gradients) and asks
+the task whether it fits the student (`Task.check_teacher`; a mismatch is a one-line ConfigError).
+The task uses it in its loss (zoo/blocks/chunked_ce.py). It is never part of the trained model:
+wrappers and checkpoints hold the student alone; every rank runs its own copy.
 """
 from __future__ import annotations
 

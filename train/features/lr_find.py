@@ -1,13 +1,10 @@
 """The LR range test (Smith, "Cyclical Learning Rates for Training Neural Networks", 2017):
 `python train/run.py CONFIG train.lr_find=true`.
 
-On a fresh copy of the run (same model, data, optimizer and batch; nothing is read from or
-written to the run's checkpoints), the LR grows exponentially from `train.lr_find_min` to
-`train.lr_find_max` over `train.lr_find_steps` optimizer steps, one step per LR. The loss is
-smoothed (EMA, 0.9, bias-corrected); the test stops early once the smoothed loss exceeds 4x its
-best. Suggested LR: the LR of the lowest smoothed loss divided by 10 (past the minimum the run is
-already diverging; a tenth of it is the largest LR that still trains stably). Writes
-`<out_dir>/lr_find.png` (loss against LR, log scale) and `<out_dir>/lr_find.json`.
+On a fresh copy of the run (its checkpoints untouched) the LR grows exponentially from
+`train.lr_find_min` to `train.lr_find_max`, one step per LR, until the smoothed loss passes 4x its
+best. Suggested LR: that of the lowest smoothed loss divided by 10 (past the minimum the run is
+already diverging). Writes `<out_dir>/lr_find.png` and `<out_dir>/lr_find.json`.
 """
 from __future__ import annotations
 

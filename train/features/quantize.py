@@ -1,18 +1,11 @@
 """The run's quantization: quantization-aware training and the quantized model at the end.
 
-    train.qat: int8 | int4 | 8da4w    prepare(model): the linears zoo.quantization.prepare_qat swaps for
-                                      torchao's fake-quantized ones (built in build_model, before any
-                                      wrapping, so DDP, compile and the EMA see them)
-    train.quantize: int8wo | ...      at the last step, quantized_evaluation(run): a bf16 copy of the
-                                      final model (QAT's fake quantization removed) evaluated
-                                      (`quant_ref_*`), then quantized (converted, after QAT) and
-                                      evaluated again (`quant_*`, in the final row) and kept as
-                                      run.quantized, which train/finish.py writes to out_dir/quantized/
-The copy is bf16 whatever train.precision is: quantized inference keeps the unquantized parts
-(embedding, norms, the kept modules) in 16-bit, and QAT's int4 fake quantizer rounds in that dtype.
-`quant_val_loss - quant_ref_val_loss` is the quantization's own cost, the bf16 cast's excluded.
-Under torchrun rank 0 alone makes and evaluates it (as checkpoint averaging does); FSDP is refused
-(train/distributed.py).
+`train.qat` swaps the linears for torchao's fake-quantized ones in build_model (before any
+wrapping, so DDP, compile and the EMA see them). With `train.quantize`, the last step evaluates a
+bf16 copy of the final model (`quant_ref_*`, bf16 because quantized inference keeps the rest in
+16-bit), quantizes it and evaluates again (`quant_*`), so their difference is the quantization's
+own cost; train/finish.py writes it to out_dir/quantized/. Under torchrun rank 0 alone does it;
+FSDP is refused.
 """
 from __future__ import annotations
 
@@ -39,8 +32,7 @@ def prepare(model: nn.Module, t, say) -> nn.Module:
 
 
 def deployed_copy(model: nn.Module, t) -> nn.Module:
-    """The final model as it is deployed, before quantization: a bf16 copy, QAT's fake quantization
-    removed."""
+    """The final model as deployed, before quantization: a bf16 copy without QAT's fake quantization."""
     q = cast_weights(copy.deepcopy(model), DEPLOY_DTYPE).eval().requires_grad_(False)
     if t.qat:
         remove_fake_quantization(q)

@@ -1,15 +1,10 @@
 """Gradual unfreezing (Howard & Ruder, "Universal Language Model Fine-tuning for Text
 Classification", 2018): train the head first, then unfreeze the blocks from the top down.
 
-`train.unfreeze: [s1, s2, ...]` lists the steps at which the next group (the task's
-`unfreeze_groups`, top first) becomes trainable; before s1 only the first group (the head)
-trains, from the last listed step on the first len(list) + 1 groups. Groups past the list stay
-frozen for the whole run. A frozen parameter has no gradient, so no optimizer touches it.
-
-The optimizer starts with the first group's parameters; each unfrozen group is added to it with
-`add_param_groups` (decayed and undecayed parts as `train.optim.param_groups` splits them), so its
-state (AdamW moments, step counts) exists only for what has trained. A resumed run replays the
-additions up to the checkpoint's step before loading the optimizer state (`restore`).
+`train.unfreeze: [s1, s2, ...]`: the steps at which the next of the task's `unfreeze_groups`
+becomes trainable (groups past the list stay frozen). Each unfrozen group is added to the
+optimizer (`add_param_groups`), so optimizer state exists only for what has trained; a resume
+replays the additions before loading the optimizer state (`restore`).
 """
 from __future__ import annotations
 

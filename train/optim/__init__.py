@@ -1,23 +1,11 @@
 """Optimizers and learning-rate schedules.
 
-`build_optimizer(model, cfg, device)` builds `optim.name` from the registry below:
-
-    adamw          torch.optim.AdamW, fused (one kernel for the whole update) where the device supports it
-    sgd            torch.optim.SGD with momentum (Nesterov by default)
-    adafactor      torch.optim.Adafactor (factored second moments, no first moment)
-    lion           Zoo's own (lion.py): sign of an interpolated momentum, one state tensor per weight
-    muon           torch.optim.Muon on the hidden 2-D weights, AdamW on the rest (muon.py)
-    adamw8bit      torchao's AdamW8bit (CPU and CUDA); bitsandbytes' on CUDA when it is installed
-    adamw_offload  torchao's CPUOffloadOptimizer around fused AdamW (CUDA: states and update on the CPU);
-                   elsewhere the states are in host memory already: plain AdamW, said in the log
-    galore         Zoo's own (galore.py): AdamW with low-rank projected states for the hidden 2-D weights
-
-Parameter groups, for every optimizer: weight decay goes to matrices only; norms, biases and
-embeddings are not decayed. "Hidden" matrices (Muon's and GaLore's) are the 2-D weights that
-are neither an embedding nor the output head (the last Linear of the model, or one tied to
-an embedding). A group's `lr_scale` (1 unless said) turns the run's LR into the group's.
-
-Schedules are multipliers of the peak LR (schedules.py).
+`build_optimizer(model, cfg, device)` builds `optim.name` from the registry below (OPTIMIZERS):
+adamw (fused where supported), sgd, adafactor, muon (torch's), adamw8bit and adamw_offload
+(torchao's), and Zoo's own lion.py and galore.py. Weight decay goes to matrices only (not norms,
+biases, embeddings); "hidden" matrices (Muon's and GaLore's) are the 2-D weights that are neither
+an embedding nor the output head. A group's `lr_scale` turns the run's LR into the group's.
+Schedules are multipliers of the peak LR (schedules.py); docs/llm.md ("Optimizers") has the table.
 """
 from __future__ import annotations
 

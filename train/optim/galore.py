@@ -1,24 +1,12 @@
 """GaLore: AdamW with low-rank gradient states (Zhao et al., "GaLore: Memory-Efficient LLM Training
 by Gradient Low-Rank Projection", 2024).
 
-For a weight W (m x n) in a group with `galore=True`, every `update_every` steps the gradient's
-top-`rank` singular vectors become the projection P (the side with the fewer entries: the left
-U[:, :r] (m x r) when m < n, else the right V[:r] (r x n)). Between updates the gradient is
-projected (R = P^T G, r x n; or G P^T, m x r), Adam's moments are kept for R only, and the
-normalised update is projected back and scaled:
-
-    M = b1 M + (1 - b1) R;  V = b2 V + (1 - b2) R^2
-    N = (M / (1 - b1^t)) / (sqrt(V / (1 - b2^t)) + eps)
-    W = W (1 - lr wd) - lr * scale * (P N  or  N P)
-
-So the moments of an m x n matrix take 2 r max(m, n) entries instead of 2 m n, plus P.
-Other groups (and non-2-D tensors) get plain AdamW with the same hyperparameters. All the state
-is plain tensors (P included), so a resumed run continues exactly and the state loads with
-torch.load(weights_only=True).
-
-Zoo's own rather than the `galore-torch` package: that package requires bitsandbytes and
-transformers for an optimizer of a few dozen lines, and keeps its projector (an object) in the
-optimizer state, which `weights_only=True` refuses.
+For a 2-D weight in a group with `galore=True`, every `update_every` steps the gradient's top-`rank`
+singular vectors (on the smaller side) become the projection P; in between the gradient is
+projected to R (r x n or m x r), Adam's moments are kept for R only, and the normalised update is
+projected back and scaled: 2 r max(m, n) moment entries instead of 2 m n. Other tensors get plain
+AdamW. Zoo's own because `galore-torch` keeps its projector object in the optimizer state, which
+`weights_only=True` refuses; here all state is plain tensors, so resume is exact.
 """
 from __future__ import annotations
 
@@ -42,10 +30,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return Vh[:rank].contiguous()             # r x n: R = G P^T
 
     def planned_state_bytes(self) -> int:
-        """The bytes of the state after a step, from the shapes alone (for the memory planner, which
-        cannot run the step on fake tensors: it reads the step count back): per low-rank matrix the
-        projection (r x the smaller side) and two r x the-larger-side moments, else two moments like
-        the weight; all fp32, plus a step counter per tensor."""
+        """The state's bytes after a step, from the shapes alone (the planner cannot run the step on fake
+        tensors): per low-rank matrix P and two r x larger-side moments, else two moments; fp32."""
         total = 0
         for group in self.param_groups:
             for p in group["params"]:

@@ -4,10 +4,9 @@
     p = p * (1 - lr * wd) - lr * sign(c)     decoupled weight decay, then a step of size lr per entry
     m = beta2 * m + (1 - beta2) * g          the momentum, with the slower beta2
 
-One state tensor per parameter (the momentum, in the parameter's dtype): half of AdamW's.
-Zoo's own because torch has none; each group is updated with torch's multi-tensor (foreach)
-kernels, a handful of launches for all of its parameters. Every update entry is +-lr, so the
-LR is typically 3-10x below AdamW's and the weight decay 3-10x above it (the paper).
+One state tensor per parameter, half of AdamW's; foreach kernels per group. Zoo's own because
+torch has none. Every entry moves by +-lr, so the LR is typically lower and the weight decay
+higher than AdamW's (the paper).
 """
 from __future__ import annotations
 

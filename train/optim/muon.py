@@ -1,12 +1,10 @@
 """Muon on the hidden matrices, AdamW on the rest, as one optimizer (the split of the
 modded-nanogpt recipe: Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024).
 
-Muon (`torch.optim.Muon`: momentum, then the update orthogonalised by Newton-Schulz iterations)
-takes the 2-D weights of the hidden layers; AdamW takes the embeddings, the output head, norms,
-biases and every other tensor (convolutions included: torch's Muon accepts 2-D tensors only).
-`Chained` steps the two as one: the loop sets the LR of every group through `param_groups`
-(each group's `lr_scale` turns the run's LR into the group's: Muon's own LR is `optim.muon_lr`),
-and the checkpoint holds both states.
+`torch.optim.Muon` takes the hidden 2-D weights (it accepts 2-D tensors only); AdamW takes the
+embeddings, head, norms, biases and convolutions. `Chained` steps the two as one: the loop sets
+every group's LR through `param_groups` (Muon's own LR via `lr_scale`, from `optim.muon_lr`), and
+the checkpoint holds both states.
 """
 from __future__ import annotations
 

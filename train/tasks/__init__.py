@@ -1,10 +1,9 @@
 """Tasks: how a model family plugs into the one loop.
 
-A task turns a run config into a model and batches, a batch into a loss, and a model into
-eval metrics and samples. The loop knows nothing else about the family.
-A family's model and config are registered in zoo/config.py's FAMILIES; its task here, in TASKS.
-A task may name other tasks of the same family by the `data.format` that selects them
-(`Task.formats`: the LLM's `preference` is DPO, train/tasks/dpo.py).
+A task turns a run config into a model and batches, a batch into a loss, and a model into eval
+metrics and samples; the loop knows nothing else about the family. A family's task is registered
+in TASKS; `Task.formats` names the family's other tasks by `data.format` (the LLM's `preference`
+is DPO).
 """
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:Classi
 
 
 def task_class(family: str, source: str = "<config>", data=None):
-    """The task that trains `family` on `data` (the `data:` section, a mapping or its dataclass):
-    the family's own, or the one its `formats` names for `data.format`."""
+    """The task that trains `family` on `data`: the family's own, or the one `formats` names for data.format."""
     from zoo.config import family as family_entry, load_class
     family_entry(family, source)  # a one-line error for an unknown family
     cls = load_class(TASKS[family])
@@ -31,17 +29,14 @@ def task_class(family: str, source: str = "<config>", data=None):
 
 
 class Task:
-    """Base class of a family's task. Subclasses set DataConfig (the dataclass of the `data:`
-    section) and `unit` (what throughput counts: 'tokens', 'images', ...)."""
+    """Base class of a family's task: subclasses set DataConfig and `unit` ('tokens', 'images', ...)."""
 
     DataConfig: type = None
     unit: str = "items"
     formats: dict[str, str] = {}  # data.format -> "module:Class" of the task that trains that format instead
     quantizable: bool = False  # train.qat / train.quantize apply (the quantized model has a format to be written in)
     teacher: Optional[nn.Module] = None  # train.teacher, loaded by the run builder (train/features/distill.py)
-    # data parallelism (train/distributed.py): this process's rank among `world`; micro-batch m of
-    # step s is one global batch of batch_size x world items drawn from batch_generator(s, m),
-    # of which this rank trains on own_rows(); sum_across_ranks(x) sums a tensor in place
+    # data parallelism: this rank's own_rows() of a global batch drawn from batch_generator(step, micro)
     rank: int = 0
     world: int = 1
     sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda x: x)
@@ -57,8 +52,7 @@ class Task:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def batch_generator(self, step: int, micro: int) -> torch.Generator:
-        """A CPU generator seeded by (train.seed, step, micro) only: whatever a batch draws from it
-        is the same every time that step is run, so a resumed run sees exactly the same data."""
+        """A CPU generator seeded by (train.seed, step, micro) only, so a resumed run sees the same data."""
         seed = hash((self.cfg.train.seed, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF  # ints hash the same in every process
         return torch.Generator().manual_seed(seed)
 
@@ -72,8 +66,7 @@ class Task:
         return rows[self.rank * B:(self.rank + 1) * B]
 
     def load_pretrained(self, load: Callable[[str], Any], say: bool = True):
-        """`load(train.init_from)` through one checked path: whatever goes wrong reading it (missing,
-        truncated, a flipped byte, a refused pickle, another architecture) is a one-line
+        """`load(train.init_from)` through one checked path: whatever goes wrong reading it is a one-line
         ConfigError naming the file (exit 2), never a traceback."""
         from zoo.config import ConfigError
         path = self.cfg.train.init_from
@@ -93,17 +86,15 @@ class Task:
         """Read and prepare the data (called once, before build_model)."""
 
     def save_files(self, out_dir) -> None:
-        """Files the run folder needs beside model.safetensors to be used on its own (e.g. the
-        LLM's tokenizer); called once at the end, where model.safetensors is written."""
+        """Files the run folder needs beside model.safetensors to be used alone (e.g. the tokenizer)."""
 
     def build_model(self) -> nn.Module:
         """A fresh (or pretrained, if cfg.train.init_from is set) model on the CPU, fp32."""
         raise NotImplementedError
 
     def unfreeze_groups(self, model: nn.Module) -> list[list[nn.Parameter]]:
-        """Parameter groups for gradual unfreezing (train.unfreeze), the head first, then the blocks
-        from the top down. Default: the model's top-level modules in reverse order, a ModuleList or
-        Sequential of blocks split into its blocks."""
+        """Parameter groups for gradual unfreezing (train.unfreeze), head first, then the blocks from the top
+        down; default: the top-level modules in reverse, a ModuleList or Sequential split into its blocks."""
         groups = []
         for child in reversed(list(model.children())):
             parts = reversed(list(child)) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
@@ -115,8 +106,7 @@ class Task:
         return f"the {self.cfg.family} task has no distillation loss"
 
     def train_batch(self, step: int, micro: int) -> Any:
-        """Micro-batch `micro` of optimizer step `step`, on self.device. Must depend only on
-        (seed, step, micro) so that a resumed run sees exactly the same data."""
+        """Micro-batch `micro` of step `step` on self.device: a function of (seed, step, micro) only."""
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
@@ -124,21 +114,18 @@ class Task:
         raise NotImplementedError
 
     def step_hook(self, model: nn.Module) -> Optional[Callable[[], None]]:
-        """What must run after every optimizer step on the (unwrapped) model: routing-state updates
-        such as MoE bias balancing, with any cross-rank reduction inside. None: nothing. The run
-        builder registers it once, as an optimizer step hook."""
+        """What must run on the (unwrapped) model after every optimizer step, e.g. MoE bias balancing with
+        its cross-rank reduction inside; None: nothing. The run builder registers it as a step hook."""
         return None
 
     def example_batch(self, model: nn.Module, batch_size: int) -> Any:
-        """A training batch of `batch_size` items with the shapes and dtypes train_batch gives, made
-        without the data (zeros, on self.device; under a FakeTensorMode, fake). After it, `loss` works
-        on that model without setup(): the memory planner (train/plan.py) and the batch-size finder
-        run the training step on it."""
+        """A training batch of `batch_size` items shaped as train_batch's, made without the data (zeros, or
+        fake under a FakeTensorMode), on which `loss` works without setup(): the planner and the
+        batch-size finder run the step on it."""
         raise NotImplementedError
 
     def train_metrics(self) -> dict[str, float]:
-        """Numbers the task gathered from its training losses since the last call (e.g. auxiliary
-        losses, router load), averaged as it sees fit; the loop adds them to every logged row."""
+        """The task's training numbers since the last call (e.g. auxiliary losses), added to every logged row."""
         return {}
 
     @torch.no_grad()

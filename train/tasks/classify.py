@@ -1,15 +1,9 @@
 """Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5, and
-timm's training recipe as data keys: RandAugment or TrivialAugment after the crop, random erasing
-after normalisation, Mixup / CutMix with soft-target cross-entropy (train/data/images.py).
+timm's training recipe as data keys (RandAugment or TrivialAugment, random erasing, Mixup / CutMix
+with soft targets; train/data/images.py).
 
-Data (`data.path`): `digits` (the embedded default: scikit-learn's bundled 8x8 digits,
-upsampled; no download) or an ImageFolder-style directory, root/<class>/<images>. A root with
-train/ and val/ folders uses them; otherwise `data.val_fraction` of each class is held out.
-Training crops are random-resized with a horizontal flip, eval crops resized and centred;
-PIL decodes in DataLoader workers, uint8 crops travel to the device (pinned on CUDA) and are
-normalised there. Every batch, its augmentations, erasing and mixing included, is a function of
-(seed, step, micro) only: exact resume.
-Unreadable images are reported by path, counted and skipped.
+Data: `digits` (the embedded default) or an ImageFolder-style directory (docs/convnet.md). Every
+batch, augmentations included, is a function of (seed, step, micro) only, so resume is exact.
 """
 from __future__ import annotations
 
@@ -232,8 +226,7 @@ class ClassifyTask(Task):
         return x, y, recipe_seed
 
     def _recipe_seed(self, g: torch.Generator) -> int:
-        """The seed of a micro-batch's erasing and mixing (applied in loss), drawn from its (seed, step,
-        micro) generator; each rank's own."""
+        """The seed of a micro-batch's erasing and mixing, drawn from its (seed, step, micro) generator."""
         return int(torch.randint(2 ** 62, (1,), generator=g)) + self.rank
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,9 +272,8 @@ class ClassifyTask(Task):
         return None
 
     def loss(self, model, batch):
-        """Cross-entropy with label smoothing; against Mixup / CutMix's soft targets when they are on;
-        with train.teacher, the distillation loss (the teacher's soft targets replace label smoothing).
-        A training batch carries its recipe seed (train_batch); example batches (planner, tests) do not."""
+        """Cross-entropy with label smoothing, against Mixup / CutMix's soft targets when on; with
+        train.teacher the distillation loss. Training batches carry their recipe seed; example ones do not."""
         x, y = self.normalize(batch[0]), batch[1]
         n = y.numel()
         if len(batch) > 2:
@@ -344,10 +336,8 @@ class ClassifyTask(Task):
 
     @torch.no_grad()
     def recalibrate_bn(self, model, n_batches: int):
-        """Recompute every BatchNorm's running statistics as the plain average over n_batches of
-        un-augmented training images (Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021).
-        An EMA of the weights needs this: the EMA of the running statistics does not match the
-        statistics of the averaged weights. Only the BN layers run in training mode (no DropPath)."""
+        """Recompute every BatchNorm's running statistics over n_batches of un-augmented training images
+        (Wu & Johnson, "Rethinking 'Batch' in BatchNorm", 2021): an EMA of the weights needs it."""
         bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if not bns or n_batches <= 0:
             return
@@ -398,8 +388,7 @@ class ClassifyTask(Task):
         return model.flops_per_image(self.size)
 
     def samples(self, model, out_dir):
-        """Per-class validation accuracy: all classes in out_dir/per_class.txt; the returned text (the log)
-        lists the five worst and five best when there are more than 20."""
+        """Per-class validation accuracy in out_dir/per_class.txt; the log shows the worst and best five."""
         logits, y = self.predict(model)
         pred = logits.argmax(1)
         rows = []

@@ -1,14 +1,9 @@
 """Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
-setup(): the autoencoder is either pretrained (model.autoencoder.weights, e.g. taef2_encoder.pth or a
-diffusers AutoencoderTiny folder) or trained here on the training images and cached in
-data.cache_dir (keyed by everything that determines it, so a second run reuses it). Every image (and,
-with data.hflip, its mirror image) is then encoded once into the latent cache (train/data/latents.py:
-memmaps in data.cache_dir keyed by the images, the autoencoder's weights, the resolution and the
-flips; built once, reused by later runs); the per-channel latent mean and std become the model's
-normalisation buffers. The loop then trains only the denoiser (and keeps its EMA) on latents read
-from the cache: no encoder in the step.
-At the end, samples() writes a guided sample grid (a row per class) to out_dir/samples.png.
+setup() loads the autoencoder (pretrained, or trained here and cached), encodes every image once
+into the latent cache (train/data/latents.py) and sets the model's latent normalisation; the loop
+then trains only the denoiser on cached latents, no encoder in the step. samples() writes a
+guided grid (a row per class) to out_dir/samples.png.
 """
 from __future__ import annotations
 
@@ -65,9 +60,8 @@ class ImageData:
 
 
 def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
-    """The digits (in memory), or an image folder split at random (fixed seed) into train and val,
-    each image centre-cropped to size x size when it is read. A missing or empty folder, or an
-    unreadable image, is a one-line error naming it."""
+    """The digits (in memory), or an image folder split at random (fixed seed) into train and val, centre
+    crops of size x size read lazily; a missing or unreadable file is a one-line error naming it."""
     key = {"dataset": d.dataset, "size": size, "val": d.val_fraction}
     if d.dataset == "digits":
         from ..data.images import digits_dataset
@@ -98,8 +92,7 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
 
 def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: int, lr: float, noise: float,
                       device, seed: int = 0, log=print) -> TAESD:
-    """Fit `ae` to reconstruct `images` (N, 3, H, W): MSE of decode(encode(x) + noise * randn), AdamW
-    with a cosine learning rate. Returns it in eval mode, on the CPU."""
+    """Fit `ae` to reconstruct `images` (N, 3, H, W) with noisy latents (AdamW, cosine); eval mode, CPU."""
     ae = ae.to(device).train()
     opt = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
@@ -178,8 +171,7 @@ class DiffusionTask(Task):
                  f"std {[round(v, 3) for v in self.latent_std.tolist()][:4]}...)")
 
     def _latent_cache(self, data: ImageData) -> LatentCache:
-        """Every image encoded once by the frozen autoencoder into an on-disk cache (train/data/latents.py),
-        keyed by the images, the autoencoder's weights, the resolution and the flips; reused when it exists."""
+        """Every image encoded once by the frozen autoencoder into the on-disk latent cache (reused)."""
         d, ae = self.cfg.data, self.autoencoder.to(self.device).eval()
         key = {**data.key, "autoencoder": weights_fingerprint(ae), "variant": ae.variant, "hflip": d.hflip}
         folder = cache_dir(d.cache_dir) / f"latents-{Path(d.dataset).name}-{short_digest(key)}"

@@ -1,27 +1,15 @@
 """Preference tuning of an LLM: DPO, and SimPO without a reference (`data.format: preference`).
 
-Rows are (prompt, chosen, rejected) (train/data/preference.py). A batch holds B pairs as 2B rows,
-the chosen responses first, each row's loss mask on its response only. With pi(y|x) the policy's
-summed log-probability of a response's tokens and ref(y|x) the frozen reference's:
-
+A batch holds B (prompt, chosen, rejected) pairs as 2B rows, chosen first, the loss on the
+responses only. With r a response's implicit reward and eps label smoothing:
     DPO (Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a
-    Reward Model", 2023), with label smoothing eps (the conservative DPO of Mitchell, 2023):
-        r = beta * (log pi(y|x) - log ref(y|x))                    a response's implicit reward
-        loss = -(1 - eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)
-    SimPO (Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward", 2024):
-        r = beta * log pi(y|x) / |y|                               the mean log-probability
-        loss = -(1 - eps) log sigmoid(r_c - r_r - gamma) - eps log sigmoid(gamma - r_c + r_r)
-
-The reference: for an adapter run (adapter: LoRA, DoRA, QLoRA, prefix) the model itself with its
-adapters switched off (zoo.adapters.adapters_disabled: the base, no second copy); otherwise a
-frozen copy of the model as built (train.init_from's weights, or the seeded initialisation),
-taken before any training or resume, in fp32 on the run's device. Its log-probabilities are made
-under no_grad in the same batch.
-
-Logged in every training row (means over the step's pairs): `rewards_chosen`, `rewards_rejected`,
-`reward_margin` (chosen - rejected) and `reward_accuracy` (the fraction of pairs whose chosen
-reward is the higher); evaluation gives the same on the held-out pairs (`val_loss`,
-`val_reward_margin`, `val_reward_accuracy`, ...), and the files of `data.eval_tasks` as the LM task.
+    Reward Model", 2023): r = beta * (log pi(y|x) - log ref(y|x))
+    SimPO (Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward",
+    2024): r = beta * log pi(y|x) / |y|, with a margin gamma
+    loss = -(1 - eps) log sigmoid(r_c - r_r [- gamma]) - eps log sigmoid(r_r - r_c [+ gamma])
+The reference is the model with its adapters switched off for an adapter run, else a frozen copy
+of the initial model (or its precomputed log-probabilities). Rewards, margin and accuracy are
+logged per step and at evaluation (docs/post-training.md).
 """
 from __future__ import annotations
 
@@ -146,8 +134,7 @@ class DPOTask(LMTask):
 
     @torch.no_grad()
     def precompute(self, model) -> torch.Tensor:
-        """The reference log-probabilities of every pair (train, then val) by `model`, on the device,
-        in the run's precision, in batches of train.batch_size pairs."""
+        """The reference log-probabilities of every pair (train, then val), in batches of train.batch_size."""
         model = apply_runtime(model, self.cfg.train).to(self.device)
         was = model.training
         model.eval()
@@ -192,8 +179,7 @@ class DPOTask(LMTask):
         return (*collate(rows, self.device), torch.tensor(list(ids), dtype=torch.long, device=self.device))
 
     def train_batch(self, step, micro):
-        """The pairs of one global micro-batch, in an order reshuffled every epoch (seeded by train.seed
-        and the epoch), at the position (step, micro) gives; this rank's part of them."""
+        """This rank's part of one global micro-batch of pairs, reshuffled every epoch, at (step, micro)."""
         n, G = len(self.data.train), self.global_rows()
         pos = (step * self.cfg.train.grad_accum + micro) * G
         idx = []

@@ -1,23 +1,10 @@
 """Language modelling: next-token cross-entropy on windows of a token stream.
 
-For a Mixture-of-Experts model (model.moe) the task adds the router's auxiliary losses to the
-cross-entropy, steps the routing biases once per optimizer step (moe.balance: bias), and reports
-in every logged row (and a log line) the auxiliary losses, each sparse layer's max and min expert
-load relative to uniform, and the fraction of choices dropped by a capacity limit.
-
-For a Mixture-of-Depths model (model.mod_capacity > 0) the task adds the causal decisions'
-cross-entropy to the loss and reports, per MoD layer, the fraction of tokens routed through it,
-the fraction its causal decision would route, and how often that decision agrees with the
-top-k (`mod_routed`, `mod_decided`, `mod_accuracy`); after every training forward it moves each
-decision's threshold toward the top-k's boundary (model.mod_threshold_rate); evaluation adds the decision accuracy on the
-validation tokens (`val_mod_accuracy`, the mean over the MoD layers; `val_mod_accuracy_layer<i>`
-for layer i) and the
-validation loss when every MoD layer routes by the causal decision, as decoding does
-(`val_loss_causal`).
-
-With `data.attention: document` every forward (training and evaluation) passes the model the
-batch's document ids (train/data/doc_masks.py, from the boundary tokens data.boundary put in the stream), and with
-`data.positions: document` positions restarting per document."""
+A Mixture-of-Experts model's router losses join the loss and its routing biases step once per
+optimizer step; a Mixture-of-Depths model's decision loss joins it and its thresholds follow the
+top-k; both report their routing statistics (docs/llm.md, "Metrics"). With `data.attention:
+document` every forward gets the batch's document ids (and with `data.positions: document`
+positions restarting per document)."""
 from __future__ import annotations
 
 import math
@@ -66,8 +53,7 @@ class LMTask(Task):
                               f"got {d.format!r}")
 
     def _pretrained_tokenizer(self) -> Optional[str]:
-        """With train.init_from and data.tokenizer 'sentencepiece' (the default), the data is
-        tokenised with the checkpoint's own tokenizer (`tokenizer_files`, in that order)."""
+        """With train.init_from and data.tokenizer 'sentencepiece', the checkpoint's own tokenizer file."""
         init = self.cfg.train.init_from
         if init is None or self.cfg.data.tokenizer != "sentencepiece":
             return None
@@ -153,8 +139,7 @@ class LMTask(Task):
                 + [list(layer.parameters()) for layer in reversed(model.layers)] + [list(model.embed.parameters())])
 
     def seq_len_at(self, step: int) -> int:
-        """The training window of `step` (data.seq_len_schedule; made at the first call, when the
-        batch size is known, train.batch_size=auto included)."""
+        """The training window of `step` (data.seq_len_schedule, made once the batch size is known)."""
         if self._schedule is None:
             t, d = self.cfg.train, self.cfg.data
             self._schedule = SeqLenSchedule(d, t.batch_size, lambda s: micro_batches(s, t.grad_accum,
@@ -178,8 +163,7 @@ class LMTask(Task):
         return xy[:, :-1], xy[:, 1:]
 
     def _windows(self, key):
-        """The (B, T + 1) ids of micro-batch `key` = (step, micro), on the CPU (pinned on CUDA):
-        a function of the key alone, made ahead by the prefetcher's thread (data.prefetch)."""
+        """The (B, T + 1) ids of micro-batch `key` = (step, micro) on the CPU, made ahead by the prefetcher."""
         step, micro = key
         B = self.cfg.train.batch_size
         return self.data.windows("train", self.global_rows(), self.batch_generator(step, micro), self.seq_len_at(step),
@@ -328,8 +312,7 @@ class LMTask(Task):
         return None
 
     def eval_tasks(self, model) -> dict[str, float]:
-        """The task files of data.eval_tasks (train/eval.py) scored on `model`, as
-        `eval_<file stem>_<metric>` numbers."""
+        """data.eval_tasks (train/eval.py) scored on `model`, as `eval_<file stem>_<metric>` numbers."""
         files = getattr(self.cfg.data, "eval_tasks", None)
         if not files:
             return {}
@@ -370,8 +353,7 @@ class LMTask(Task):
         return str(path)
 
     def save_files(self, out_dir):
-        """The tokenizer file beside the run's model.safetensors and config.yaml, so that the run
-        folder is a Zoo LLM folder that loads (zoo.from_pretrained) and fine-tunes on its own."""
+        """The tokenizer beside model.safetensors, so the run folder loads and fine-tunes on its own."""
         tok = getattr(self.data.tokenizer, "model_path", None)
         if tok is not None:
             name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"

@@ -1,21 +1,11 @@
 """Chat fine-tuning (SFT) of an LLM: conversations rendered with the model's chat template, the
 loss on the assistant's tokens only.
 
-The LLM family's task for `data.format: messages | prompt_completion | alpaca` (LMTask.formats
-sends those formats here). It is the language-model task (train/tasks/lm.py: the model, its
-loading with `train.init_from`, the loss with its MoE / MoD terms, evaluation, export) with
-conversations for data (train/data/chat_data.py):
-
-- the tokenizer: with `train.init_from`, the checkpoint's own (tokenizer.json first: it reads the
-  template's special tokens written in the text as those tokens); else `data.tokenizer`;
-- the template: `data.template`, else the checkpoint's own, else the built-in ChatML;
-- batches: one conversation per row, padded, rows of similar length together;
-- evaluation: `val_loss` is the loss on the validation conversations' trained tokens (the
-  assistant's), and `val_exact_match` the fraction of `data.eval_generate` validation
-  conversations whose last answer, generated greedily from the conversation before it, equals the
-  reference (whitespace at the ends aside);
-- the run folder (and the export) gets the template in tokenizer_config.json, so that
-  `python train/chat.py RUN_FOLDER` talks to the model in the format it was trained in.
+The LLM task for `data.format: messages | prompt_completion | alpaca`: the language-model task
+(train/tasks/lm.py) with conversations for data (train/data/chat_data.py). The tokenizer and
+template are the checkpoint's own with `train.init_from` (else `data.tokenizer`, ChatML);
+evaluation adds `val_exact_match` on greedily generated last answers; the run folder gets the
+template, so `python train/chat.py RUN_FOLDER` talks in the trained format.
 """
 from __future__ import annotations
 
@@ -145,8 +135,7 @@ class SFTTask(LMTask):
         return out
 
     def exact_match(self, model, conversations) -> float:
-        """The fraction of conversations whose last assistant message, generated greedily from the
-        messages before it, equals the reference (stripped)."""
+        """The share of conversations whose greedily generated last answer equals the reference."""
         hits = 0
         for messages in conversations:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")

@@ -2,23 +2,15 @@
 
 Paper: Peebles & Xie, "Scalable Diffusion Models with Transformers" (DiT, 2023). The conditioning
 vector c (timestep + class embedding) regresses, per block, the shift, scale and gate of both
-sub-layers; the regression is zero-initialised so every block starts as the identity:
+sub-layers, zero-initialised so every block starts as the identity:
 
     shift1, scale1, gate1, shift2, scale2, gate2 = Linear(SiLU(c))              (adaLN-Zero)
     x = x + gate1 * Attn(modulate(LN(x), shift1, scale1))
-    x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))     MLP = Linear, GELU(tanh), Linear
-    modulate(h, shift, scale) = h * (1 + scale) + shift       (LayerNorms without affine weights)
+    x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))     modulate(h, sh, sc) = h * (1 + sc) + sh
 
-FinalLayer: modulate(LN(x), shift, scale) with (shift, scale) = Linear(SiLU(c)), then a linear map
-to the patch outputs (zero-initialised).
-
-Options: `qk_norm` RMS-normalises each query and key head (Dehghani et al., "Scaling Vision
-Transformers to 22 Billion Parameters", 2023); `rope` rotates queries and keys by their 2D
-position (axial RoPE: the first half of each head by the row, the second half by the column; Su et
-al., "RoFormer", 2021; Heo et al., "Rotary Position Embedding for Vision Transformer", 2024), the
-tables from `axial_rope(head_dim, h, w)`.
-
-q, k and v come from one fused projection `qkv` (3 * dim, dim): rows [0, dim) are q, then k, then v.
+Options: `qk_norm` (Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters",
+2023); `rope`, axial 2D RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer",
+2024) from `axial_rope(head_dim, h, w)`. FinalLayer: adaLN then a zero-initialised linear map.
 Shapes: x (B, N, D) tokens, c (B, D) -> (B, N, D); rope cos/sin (N, head_dim).
 Needs: norm.py, rope.py (copy them beside this file).
 """

@@ -5,19 +5,13 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 "Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
 "FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
 
-q, k and v come from one fused projection `qkv` of shape ((H + 2*KV) * D, d_model): rows
-[0, H*D) are q, then KV*D rows of k, then KV*D rows of v. With `qk_norm` (Qwen3; Dehghani et al.,
-"Scaling Vision Transformers to 22 Billion Parameters", 2023) each q and k head is RMS-normalised
-over D before RoPE. `prefix` (None by default) may be a module that puts learned keys and values
-in front of the layer's own (prefix.py). `mask` replaces the causal rule with a narrower one: an
-object with `attend(q, k, v, backend, window)`, `cached(cache, start)` and `prefixed(n)`
-(attention_docs.py's Documents, attention_masked.py's KeyMask).
-
-Backends (each name one implementation; `set_backend(model, name)` sets it on a built model):
-'auto' picks 'flash' on CUDA in fp16/bf16 when flash-attn is installed, 'bmm' on a CPU for short
-keys (attention_cpu.py), else 'sdpa' (torch's scaled_dot_product_attention); 'flex' is torch's
-FlexAttention with a block mask (fused under torch.compile; no backward on a CPU); 'math' is the
-fp32 reference.
+q, k and v come from one fused projection `qkv` (rows: H*D of q, then KV*D of k, then of v).
+`qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters", 2023)
+RMS-normalises each q and k head before RoPE; `prefix` puts learned keys and values in front
+(prefix.py); `mask` replaces the causal rule with a narrower one (attention_docs.py's Documents,
+attention_masked.py's KeyMask). Backends (`set_backend(model, name)`): 'auto' picks 'flash'
+(flash-attn on CUDA in fp16/bf16), 'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa';
+'flex' is FlexAttention with a block mask; 'math' the fp32 reference.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
 (T, D) from rope.py, or (B, T, D) when each row has positions of its own.
@@ -92,8 +86,7 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> tor
 
 
 def attend_math(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (broadcasting to (B, H, Tq, Tk),
-    True = attend)."""
+    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (True = attend)."""
     H, KV = q.shape[1], k.shape[1]
     if KV != H:
         k = k.repeat_interleave(H // KV, dim=1)
@@ -133,8 +126,7 @@ def check_flash(q):
 
 
 def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D), Tk >= Tq, the queries being
-    the last Tq positions. Returns (B, H, Tq, D)."""
+    """Causal attention of q (B, H, Tq, D), the last Tq positions, over k, v (B, KV, Tk, D) -> (B, H, Tq, D)."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
     backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling())
@@ -157,9 +149,8 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torc
 
 def attend_flex(q, k, v, window: Optional[int] = None, runs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (and windowed) attention through torch's FlexAttention with a block mask, which skips
-    the blocks no query of a tile can see; with `runs` (B, Tq) ints, a query sees only keys of its
-    own run (attention_docs.py). Fused kernels come from torch.compile; eagerly torch runs a slow
-    reference. No backward on a CPU."""
+    blocks no query of a tile sees; with `runs` (B, Tq), a query sees only keys of its own run.
+    Fused under torch.compile; no backward on a CPU."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     B, H, Tq, D = q.shape
     KV, Tk = k.shape[1], k.shape[2]
@@ -229,8 +220,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def set_backend(model: nn.Module, backend: str) -> int:
-    """Set the attention backend (BACKENDS) of every CausalSelfAttention in `model`; returns how
-    many. A choice of how attention runs, made on a built model (train.attn_backend)."""
+    """Set the attention backend (BACKENDS) of every CausalSelfAttention in `model`; returns how many."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
     if backend in ("auto", "flash"):

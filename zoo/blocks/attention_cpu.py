@@ -3,16 +3,13 @@ blocks that skip the keys they cannot see, with a hand-written backward.
 
 The algebra is plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward
 takes the softmax gradient from the kept probabilities with FlashAttention's identity
-dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). On a CPU `attend_bmm` beats
-torch's flash kernel up to ~1024 keys (numbers in docs/llm.md, "Training speed"); attention.py
-runs it as the 'bmm' backend, and its 'auto' picks it on a CPU for at most CPU_BMM_MAX_LEN keys
-(CPU_BMM_MAX_LEN_COMPILED under torch.compile). It keeps the probabilities of the causal half
-of each head's (T, T) scores for backward, in the compute dtype; as in transformers' eager
-attention, the scores come out of the matmul in the compute dtype before the fp32 softmax.
+dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). On a CPU it beats torch's
+flash kernel for short keys (docs/llm.md, "Training speed"), so attention.py's 'auto' picks it
+('bmm') for at most CPU_BMM_MAX_LEN keys.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
 positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk)
-bool (True = attend), e.g. attention.py's `document_mask`, narrows what the causal rule allows.
+bool (True = attend) narrows what the causal rule allows.
 Depends on torch only.
 """
 from typing import Optional
@@ -35,17 +32,14 @@ CPU_BMM_MAX_LEN_COMPILED = 1024   # the same under torch.compile, which fuses th
 
 
 def bmm_block_size(tq: int) -> int:
-    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256] (the best
-    measured on a CPU; see docs/llm.md, "Training speed")."""
+    """Queries per block in `attend_bmm`: a quarter of the queries, within [64, 256]."""
     return min(256, max(64, tq // 4))
 
 
 class _AttendBlock(torch.autograd.Function):
-    """One block of `attend_bmm`: all Tq queries against all Tk keys, the queries being the
-    last Tq positions, with a hand-written backward. It keeps the probabilities once, in the
-    compute dtype, and takes the softmax gradient from them as
-    dS = P * (dP - rowsum(dO * O)) (FlashAttention's identity), in fp32. Autograd through
-    the plain expression would keep an fp32 copy of P as well and reduce over the key axis."""
+    """One block of `attend_bmm`: all Tq queries (the last Tq positions) against all Tk keys. Its backward
+    keeps the probabilities once, in the compute dtype, and uses FlashAttention's identity in fp32
+    (autograd would keep an fp32 copy of P as well)."""
 
     @staticmethod
     def forward(ctx, q, k, v, window: Optional[int], mask: Optional[torch.Tensor] = None):
@@ -85,12 +79,9 @@ class _AttendBlock(torch.autograd.Function):
 
 def attend_bmm(q, k, v, window: Optional[int] = None, block: Optional[int] = None,
                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D), causal and windowed, and within `mask` (B, Tq, Tk) when given) v as
-    batched matmuls, softmax in fp32. Every query must see at least one key (itself, say).
-    Grouped heads are stacked along the rows of their kv head, so k and v are never copied.
-    The queries go in blocks of `block` (default `bmm_block_size`); a block multiplies only the
-    keys its queries can see (up to its last query; with a window, from its first query's
-    window start), so about half of a causal (T, T) score matrix is never computed."""
+    """softmax(q k^T / sqrt(D), causal, windowed and within `mask` (B, Tq, Tk)) v as batched matmuls, softmax
+    in fp32; every query must see a key. Grouped heads share their kv head without copies; queries go
+    in blocks that multiply only the keys they can see (about half of a causal score matrix is skipped)."""
     Tq, Tk = q.shape[2], k.shape[2]
     block = block or bmm_block_size(Tq)
     if Tq <= block:

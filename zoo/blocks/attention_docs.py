@@ -1,15 +1,12 @@
 """Document masking: causal attention within each document of rows that pack several.
 
 A query sees only the earlier keys of its own document (block-diagonal causal), so documents
-packed in one row train as if each ran alone; `document_positions` gives the RoPE positions that
-restart per document. A document is a run of equal ids along a row (`doc_ids` (B, T) ints), so an
-id that comes back later in a row is a new document, as flash-attn's varlen kernel sees it.
-Used in the style of the Llama 3 report (Dubey et al., "The Llama 3 Herd of Models", 2024).
-
-`Documents(doc_ids)` is the mask CausalSelfAttention takes (attention.py): 'auto' runs flash-attn's
-varlen kernel where 'flash' runs, 'flex' on CUDA under torch.compile, else SDPA with the boolean
-mask `document_mask`. Keys before the queries (a learned prefix) are seen by every query. Not
-with a KV cache (decoding runs one sequence).
+packed in one row train as if each ran alone (as in Dubey et al., "The Llama 3 Herd of Models",
+2024); `document_positions` gives RoPE positions that restart per document. A document is a run
+of equal ids along a row (`doc_ids` (B, T)), as flash-attn's varlen kernel sees it.
+`Documents(doc_ids)` is the mask CausalSelfAttention takes (`mask=`); its backends are flash-attn's
+varlen kernel, 'flex', or SDPA with `document_mask`. A learned prefix is seen by every query; not
+with a KV cache.
 
 Shapes: doc_ids (B, T); q (B, H, Tq, D); k, v (B, KV, Tk, D) -> (B, H, Tq, D); masks (B, Tq, Tk).
 Needs: attention.py, attention_cpu.py, rope.py, norm.py.
@@ -25,8 +22,7 @@ except ImportError:  # copied beside attention.py and what it needs, outside the
 
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids (B, T) -> (B, T) bool, True where a document starts: at a row's first token and
-    wherever the id changes."""
+    """doc_ids (B, T) -> (B, T) bool, True at a row's first token and wherever the id changes."""
     new = torch.ones_like(doc_ids, dtype=torch.bool)
     new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return new

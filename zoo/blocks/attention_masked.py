@@ -1,11 +1,10 @@
 """Attention restricted to the keys a layer processed: the causal decoding of Mixture-of-Depths.
 
 Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
-language models" (2024). A layer that skips tokens must let no query attend to a key of a skipped
-token, in training and in its KV cache: `KeyMask(key_mask)` is the mask CausalSelfAttention takes
-(attention.py), key_mask (B, Tk) bool (True: a key later queries may see). A query always sees its
-own position, so no row of the softmax is empty; with doc_ids, also only keys of its own document
-(attention_docs.py). `MaskedKVCache` keeps the mask of the keys it holds.
+language models" (2024). A layer that skips tokens must let no query see a skipped token's key, in
+training and in its KV cache: `KeyMask(key_mask)` is the mask CausalSelfAttention takes, key_mask
+(B, Tk) bool; a query always sees its own position (and with doc_ids only its own document).
+`MaskedKVCache` keeps the mask of the keys it holds.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D); key_mask (B, Tk); doc_ids (B, Tq) -> (B, H, Tq, D).
 Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.
@@ -23,8 +22,7 @@ except ImportError:  # copied beside attention.py and what it needs, outside the
 
 
 class MaskedKVCache(A.KVCache):
-    """A KV cache that also keeps which positions of each row hold a key the layer processed,
-    `valid` (B, max_len) bool."""
+    """A KV cache that also keeps `valid` (B, max_len) bool: the positions holding a processed key."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
         super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
@@ -54,8 +52,7 @@ def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window
 
 
 class KeyMask:
-    """The keys a layer may attend to, key_mask (B, Tk) bool (and the document ids of its queries),
-    as CausalSelfAttention takes it (`mask=`)."""
+    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`."""
 
     def __init__(self, key_mask: torch.Tensor, doc_ids: Optional[torch.Tensor] = None):
         self.key_mask, self.doc_ids = key_mask, doc_ids

@@ -3,29 +3,14 @@ in the backward pass instead of keeping their activations, and what a recomputed
 
 Chen, Xu, Zhang & Guestrin, "Training Deep Nets with Sublinear Memory Cost" (2016); the selective
 policy after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-(2022): keep the outputs of the expensive ops, recompute the cheap ones.
+(2022): keep the outputs of the expensive ops (MATMUL_OPS), recompute the cheap ones.
+Policies "none", "full" (keep only the inputs) and "selective", on blocks 0, every, 2 * every, ...
 
-    policy "none" (or False)   every block keeps its activations
-    policy "full" (or True)    a checkpointed block keeps only its inputs; the backward runs its forward again
-    policy "selective"         a checkpointed block keeps the outputs of its matmuls, convolutions and
-                               attention (MATMUL_OPS) and recomputes the rest (norms, activations,
-                               element-wise ops): most of the memory saved for little recompute
-    every = n                  only blocks 0, n, 2n, ... are checkpointed (1: every block)
-
-Applied from outside a model, as timm's set_grad_checkpointing and torchtitan do: a model keeps a
-plain forward and exposes its repeated units, and
-
-    checkpoint_units(model.checkpoint_units(), "selective", every=2)
-
-makes unit i (from 0) of that list run checkpointed when i % every == 0 (its `forward` replaced on
-the instance; parameter names and the state dict are unchanged; policy "none" restores the plain
-forward). `run_block(block, i, policy, every, *args, **kwargs)` is the same for one call:
-`block(*args, **kwargs)` as block i of its stack under the policy. Both go through
-torch.utils.checkpoint, non-reentrant, RNG state preserved so dropout and stochastic depth draw
-the same masks again. Running statistics (BatchNorm) are not
-updated twice: while a block is recomputed their momentum is 0 and their batch count is restored.
-Checkpointing applies only when gradients are being recorded (`torch.is_grad_enabled()`) and
-the block is training. Shapes: whatever the block takes and returns. torch only.
+Applied from outside a model, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
+"selective", every=2)` replaces the units' forward on the instance (the state dict is unchanged);
+`run_block` does the same for one call. RNG state is preserved and BatchNorm's running statistics
+are not updated twice. Shapes: whatever the block takes and returns.
+Depends on torch only.
 """
 from __future__ import annotations
 
@@ -67,8 +52,7 @@ def _keep_matmuls(ctx, op, *args, **kwargs):
 
 
 def _frozen_stats(block: nn.Module, fn):
-    """fn whose second and later calls (the recomputation) leave BatchNorm's running statistics as
-    they are."""
+    """fn whose later calls (the recomputation) leave BatchNorm's running statistics as they are."""
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
     if not norms:
         return fn

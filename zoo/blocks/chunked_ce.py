@@ -1,21 +1,15 @@
 """Chunked linear + cross-entropy: the LM-head loss without ever holding the full logits.
 
-A language model's last step, logits = h @ W^T followed by cross-entropy, would hold a
-(N, V) fp32 logits tensor (N = B*T tokens, V = vocabulary) plus its gradient. Here the
-tokens are processed `chunk_size` rows at a time: each chunk's logits are made, reduced to
-its loss, and turned at once into its gradients with respect to h and W (softmax - onehot),
-then dropped. Peak extra memory is one (chunk_size, V) block instead of (N, V); the matmul
-work is the same as the plain path (one forward and two gradient matmuls per chunk).
-The same idea is known as fused linear cross-entropy (e.g. Wijmans et al., "Cut Your Losses
-in Large-Vocabulary Language Models", 2024).
+logits = h @ W^T followed by cross-entropy would hold (N, V) fp32 logits and their gradient. Here
+`chunk_size` rows at a time are made, reduced to their loss and turned at once into their
+gradients with respect to h and W, then dropped: one (chunk_size, V) block at most, the same
+matmul work. Known as fused linear cross-entropy (e.g. Wijmans et al., "Cut Your Losses in
+Large-Vocabulary Language Models", 2024). Mean over targets != ignore_index, like
+F.cross_entropy; matmuls in the autocast dtype, log-softmax and sums in fp32. Knowledge
+distillation the same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
 
-Mean over targets != ignore_index, like torch.nn.functional.cross_entropy.
-Under autocast the matmuls run in the autocast dtype; the log-softmax and sums in fp32.
-
-Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss.
-Knowledge distillation the same way (`chunked_distillation_loss`; `distillation_loss` on full
-logits): a teacher's final hidden states (N, Dt) and LM head (V, Dt) give its logits chunk by
-chunk beside the student's.
+Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's hidden states
+(N, Dt) and LM head (V, Dt).
 Depends on torch only.
 """
 import torch
@@ -40,15 +34,9 @@ def _log_probs(h, w, t, ignore_index):
 
 
 def _loss_and_dlogits(h, w, t, ignore_index, dtype):
-    """One chunk: the summed loss of its valid rows, d(loss)/d(logits) = softmax - onehot on
-    valid rows (n, V) in `dtype` (rows of ignored targets: softmax, masked by the caller), and
-    the validity mask (n,).
-
-    Two formulations of the same math. Eagerly, log_softmax and an in-place exp are the fewest
-    full passes over the (n, V) block. Under torch.compile, logsumexp plus one pointwise
-    expression (exp(logits - lse) - onehot, the one-hot as a comparison against column
-    indices) lets inductor make two fused kernels that never write an fp32 (n, V) block; a
-    scatter into the block would instead break the fusion."""
+    """One chunk: the summed loss of its valid rows, d(loss)/d(logits) = softmax - onehot (n, V) in
+    `dtype`, and the validity mask (n,). Written two ways: eagerly the fewest passes over the block;
+    under torch.compile one pointwise expression that inductor fuses without an fp32 (n, V) block."""
     valid = t != ignore_index
     safe_t = t.masked_fill(~valid, 0)
     if torch.compiler.is_compiling():
@@ -107,8 +95,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           chunk_size: int = 2048, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of softmax(h @ weight^T) against targets, chunk by chunk.
-    All targets ignored gives 0 (F.cross_entropy would give nan)."""
+    """Mean cross-entropy of softmax(h @ weight^T) against targets, chunk by chunk (0 if all ignored)."""
     if h.dim() != 2 or weight.dim() != 2 or targets.shape != h.shape[:1]:
         raise ValueError(f"expected h (N, D), weight (V, D), targets (N,); got {tuple(h.shape)}, "
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")
@@ -177,10 +164,8 @@ class _ChunkedLinearKD(_ChunkedLinearCE):
 def chunked_distillation_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                               teacher_h: torch.Tensor, teacher_weight: torch.Tensor, alpha: float,
                               temperature: float, chunk_size: int = 2048, ignore_index: int = -100) -> torch.Tensor:
-    """`distillation_loss` of the student logits h @ weight^T against the teacher's teacher_h @
-    teacher_weight^T, chunk by chunk: neither model's (N, V) logits exist beyond one chunk.
-    Shapes: h (N, D), weight (V, D), targets (N,), teacher_h (N, Dt), teacher_weight (V, Dt) -> scalar.
-    The teacher's tensors get no gradient."""
+    """`distillation_loss` of h @ weight^T against teacher_h @ teacher_weight^T, chunk by chunk: h (N, D),
+    weight (V, D), targets (N,), teacher_h (N, Dt), teacher_weight (V, Dt) -> scalar; no teacher grad."""
     if teacher_h.shape[0] != h.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher shapes {tuple(teacher_h.shape)}, {tuple(teacher_weight.shape)} do not match the "
                          f"student's {tuple(h.shape)}, {tuple(weight.shape)} (same tokens, same vocabulary)")

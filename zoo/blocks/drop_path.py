@@ -1,29 +1,19 @@
 """Stochastic depth (DropPath): drop a residual branch for whole samples during training.
 
 Paper: Huang, Sun, Liu, Sedra & Weinberger, "Deep Networks with Stochastic Depth" (2016).
-In training, each sample's branch output is kept with probability keep = 1 - drop_prob and
-scaled by 1 / keep, so its expectation equals the undropped output; at eval it is the identity.
+In training each sample's branch output is kept with probability keep = 1 - drop_prob and scaled
+by 1 / keep; at eval it is the identity. Two forms for a residual block y = shortcut + branch(x):
 
-Two ways to apply it to a residual block  y = shortcut + branch(x):
-
-    y = shortcut + drop_path(branch(x), p, training)          # the masked form: the branch runs on
-                                                              # every sample, dropped rows are zeroed
+    y = shortcut + drop_path(branch(x), p, training)          # masked: dropped rows zeroed
     y = residual_drop_path(shortcut, branch, x, p, training)  # the branch runs on the kept rows only
-                                                              # (gathered, run, scaled, added back)
 
-Both draw the same per-sample Bernoulli mask from the same generator state, so for a given
-mask they give the same output and gradients when the branch treats samples independently.
-A branch with BatchNorm in training mode normalises over the rows it sees: over the kept rows
-only in the second form (a smaller batch, as when a whole block is skipped in the paper). The
-second form saves the dropped rows' compute (the speed-up the paper reports); its row count
-changes every step, so under torch.compile the masked form is used (static shapes).
-`per="batch"` is the paper's own variant: one draw for the whole batch, the branch skipped
-entirely when dropped (scaled by 1 / keep when kept); its parameters then get no gradient that
-step, which DistributedDataParallel (without find_unused_parameters) does not allow.
+Both draw the same mask, so they agree when the branch treats samples independently (BatchNorm
+sees only the kept rows in the second). The second saves the dropped rows' compute; under
+torch.compile the masked form is used (static shapes). `per="batch"` is the paper's variant: one
+draw for the whole batch (not under DDP without find_unused_parameters).
 
-Shapes: x (B, ...) -> (B, ...), e.g. (B, C, H, W) or (B, T, D); one Bernoulli draw per sample.
-Works with any memory format (the mask is (B, 1, ..., 1) and broadcasts; gathered rows keep
-channels-last). Depends on torch only.
+Shapes: x (B, ...) -> (B, ...), e.g. (B, C, H, W) or (B, T, D); any memory format.
+Depends on torch only.
 """
 from typing import Callable
 
@@ -48,12 +38,8 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False,
 
 def residual_drop_path(shortcut: torch.Tensor, branch: Callable, x: torch.Tensor, drop_prob: float = 0.0,
                        training: bool = False, generator: torch.Generator = None, per: str = "sample"):
-    """shortcut + drop_path(branch(x)), with the branch computed only where it is kept.
-
-    per="sample": the kept rows of x are gathered, run through the branch, scaled by 1 / keep and
-    added to their rows of shortcut (out of place). per="batch": the whole branch is skipped with
-    probability drop_prob. In eval, at rate 0, or while compiling: shortcut + branch(x) as usual
-    (the masked form while compiling)."""
+    """shortcut + drop_path(branch(x)), the branch run on the kept rows only (per="sample") or skipped
+    whole with probability drop_prob (per="batch"); the plain sum in eval, at rate 0 or compiling."""
     if drop_prob == 0.0 or not training:
         return shortcut + branch(x)
     if per not in ("sample", "batch"):

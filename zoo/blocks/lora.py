@@ -3,29 +3,18 @@
 Papers: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (2021); Kalajdzievski,
 "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA" (2023, rsLoRA); Liu et al.,
 "DoRA: Weight-Decomposed Low-Rank Adaptation" (2024); Dettmers et al., "QLoRA: Efficient
-Finetuning of Quantized LLMs" (2023: the frozen weight in NF4, the adapters in the compute dtype).
+Finetuning of Quantized LLMs" (2023).
 
-`LoRALinear` replaces an nn.Linear and keeps its `weight` (out, in) and `bias` under the same
-names, so the base model's state-dict keys do not change. Its output rows are split into parts
-(a fused projection's logical ones: q, k, v of attention's `qkv`, gate and up of SwiGLU's
-`gate_up`); each adapted part p has its own A_p (r, in), B_p (rows_p, r), so that it maps one to
-one onto an adapter of a separate q_proj / k_proj / ... matrix. With s = alpha / r (rsLoRA:
-alpha / sqrt(r)) and W_p, b_p the part's rows of the weight and bias:
-
+`LoRALinear` replaces an nn.Linear, keeping its `weight` and `bias` names; its output rows are
+split into parts (q, k, v of a fused `qkv`), each adapted part with its own A_p (r, in), B_p
+(rows_p, r), so it maps onto a separate q_proj / k_proj adapter. With s = alpha / r (rsLoRA:
+alpha / sqrt(r)):
     LoRA:  y_p = W_p x + b_p + s * B_p A_p dropout(x)
     DoRA:  y_p = g_p * (W_p x' + s * B_p A_p x') + b_p + W_p (x - x'),   x' = dropout(x),
-           g_p = m_p / ||W_p + s B_p A_p||_row,   the norm treated as a constant (detached)
-
-m_p (rows_p,) is DoRA's magnitude, initialised to the row norms of W_p. Without dropout DoRA is
-y_p = g_p (W_p + s B_p A_p) x + b_p, which is what `merge` writes into the weight (and `unmerge`
-takes out again). Initialisation: A kaiming-uniform(a=sqrt(5)) as nn.Linear's weight, B = 0,
-so a fresh adapter leaves the model unchanged. Parts not adapted pass through unchanged.
-`enabled = False` switches the adapters off (the layer computes W x + b, the base alone), e.g. for
-DPO's reference model; a merged layer cannot be switched off (unmerge it first).
-
-The weight may be any tensor that F.linear accepts, for example a torchao NF4Tensor (QLoRA);
-DoRA and merge read it densely through `dense_weight` (a tensor subclass exposing
-`get_original_weight()` is dequantised). A quantised weight cannot be merged in place.
+           g_p = m_p / ||W_p + s B_p A_p||_row   (norm detached; m_p starts at W_p's row norms)
+B starts at 0 (a fresh adapter changes nothing); `merge` / `unmerge` write the adapters into the
+weight and out; `enabled = False` computes the base alone. The weight may be any tensor F.linear
+accepts, e.g. torchao's NF4Tensor (QLoRA), read densely through `dense_weight`.
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
 Depends on torch only.

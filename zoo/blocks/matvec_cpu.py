@@ -11,17 +11,9 @@ from torch.overrides import TorchFunctionMode
 
 
 class MatvecAsReduction(TorchFunctionMode):
-    """Inside torch.compile on a CPU, turns F.linear on at most two rows (a decoding step at
-    batch 1 or 2) into a multiply and a sum over the input dim, accumulated in fp32.
-
-    Decoding is a chain of matrix-vector products that read every weight once per token, so
-    its speed is the rate at which the weights are read. On a CPU the GEMV behind F.linear
-    reads them well below the memory bandwidth, while inductor fuses the multiply-and-sum into
-    one vectorised reduction that streams the weight at close to it (Zoo's docs/pretrained.md,
-    "Benchmark", has the measurements). In eager mode the product would be materialised, so
-    this is only for compiled code; on other devices F.linear is left alone (cuBLAS GEMV is
-    bandwidth-bound), and so is a weight that is a tensor subclass (a quantized weight: its
-    own kernel reads its packed form)."""
+    """Inside torch.compile on a CPU, F.linear on at most two rows (a decoding step) becomes a multiply
+    and a sum accumulated in fp32, which inductor fuses into one reduction that streams the weight
+    faster than the GEMV behind F.linear. Other devices and tensor-subclass weights are left alone."""
 
     MAX_ROWS = 2  # from 4 rows on, the GEMM is as fast (docs/pretrained.md, "Benchmark")
 

@@ -9,11 +9,8 @@ Networks" (2019) and Howard et al., "Searching for MobileNetV3" (2019).
     DepthwiseSeparable:  kxk depthwise (stride) -> BN, act -> SE -> 1x1 project -> BN
     out = shortcut + drop_path(branch)   when stride 1 and c_in == c_out, else the branch alone
 
-Shapes: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride); any memory format (channels-last
-kept). No conv that feeds a BatchNorm has a bias; the projection's BN has no activation (the
-linear bottleneck). Parameter names (conv_pw, bn1, conv_dw, bn2, se, conv_pwl, bn3) are timm's.
-`act` and the SE's act / gate are module classes taking `inplace` (nn.SiLU for EfficientNet;
-nn.ReLU or hard_swish.py's HardSwish for MobileNetV3).
+Shapes: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride); any memory format. Parameter names
+are timm's; `act` and the SE's act / gate are module classes taking `inplace`.
 Needs: se.py, drop_path.py (copy them beside this file). Depends on torch only.
 """
 from typing import Optional
@@ -33,8 +30,7 @@ def _se(channels: int, rd_channels: int, se_act, se_gate) -> nn.Module:
 
 
 class MBConv(nn.Module):
-    """Inverted residual: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride) through `mid` channels.
-    se_channels: the SE bottleneck width (0: no SE)."""
+    """Inverted residual through `mid` channels: (B, c_in, H, W) -> (B, c_out, H / s, W / s); SE if se_channels."""
 
     def __init__(self, c_in: int, c_out: int, mid: int, kernel: int = 3, stride: int = 1, act=nn.SiLU,
                  se_channels: int = 0, se_act: Optional[type] = None, se_gate=nn.Sigmoid, drop_path: float = 0.0,

@@ -3,61 +3,22 @@
 Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
 language models" (2024).
 
-`MixtureOfDepths(block, d_model, capacity)` wraps any residual block `block(x, *per_token) -> x + f(x)`
-(or a tuple whose first item is that). A router (linear d_model -> 1, with a bias: the causal
-decision's base rate, which does not move the top-k) scores every token;
-per sequence, the k = max(1, int(capacity * T)) best-scoring tokens go through the block, gathered in
-their original order, with the `per_token` tensors (RoPE's cos and sin tables (T, D), indexed by
-position, or (B, T, D) with a row per sequence) gathered at their original positions, and with
-`doc_ids` (B, T) when given (the block's document masking), so the block's causal attention and
-RoPE see the tokens where they are and in their documents. The top-k is over the whole row, so
-the documents of a row share its capacity. The block's update of a routed token is scaled by its router weight
-sigmoid(r) and added back to the residual stream; every other token passes through unchanged:
+`MixtureOfDepths(block, d_model, capacity)` wraps a residual block `block(x, *per_token) -> x + f(x)`
+(or a tuple whose first item is that). A linear router scores every token; per sequence the
+k = max(1, int(capacity * T)) best go through the block in their original order (with their
+`per_token` rows and `doc_ids`), the update scaled by sigmoid(router logit) so the router learns
+from the loss; the rest pass unchanged. k is fixed by T, so shapes are static (it compiles).
 
-    x_i <- x_i + sigmoid(r_i) * (block(X_routed)_i - x_i)   if token i is in the top-k of its sequence
-    x_i <- x_i                                               otherwise
+The top-k looks at later tokens, which decoding cannot, so a causal decision is trained beside it
+(`router`: 'aux_loss' or 'predictor'), with a `threshold` that training moves toward the top-k's
+boundary (docs/llm.md, "Mixture of Depths"). `forward(..., causal=True)` routes by it and passes
+`key_mask` (B, T) to the block, which must keep skipped tokens out of its attention and KV cache;
+when nothing is routed the block does not run and its `n_extra` outputs come back as Nones.
 
-The scaling puts the router on the language-model loss's gradient path. The paper multiplies by
-the raw router output; the sigmoid keeps the scale in (0, 1), which lets the threshold below sit
-at a fixed logit of 0. k is fixed by T, so every shape is static (it compiles).
-
-Causal decisions. The top-k over a sequence looks at later tokens, which decoding cannot do. The
-block keeps one of the paper's two causal decisions, trained beside the top-k (`router`):
-- 'aux_loss': a binary cross-entropy on the router logit, target "is this token in the top-k";
-  decide "route" when the logit is > `threshold`.
-- 'predictor': a small MLP (d_model -> predictor_hidden -> 1, SiLU) on the stop-gradient block
-  input, trained with the same cross-entropy; decide "route" when its logit is > `threshold`. The
-  router itself learns only through the language-model loss.
-The threshold (a buffer, 0 at the start) is set in training and fixed after it: each top-k
-forward reports its decision logits in its stats ('decide'); `boundary(decide, k)` is the
-midpoint between the n-th and (n+1)-th largest of a batch's decision logits (n = B x k: the
-threshold that decides exactly as many tokens as the top-k routes; the logits may be gathered
-from several processes), and `update_threshold(boundary, rate)` moves the threshold toward it
-(an exponential moving average). The cross-entropy alone, at its small weight, leaves the
-decision logits' top-k boundary far below 0 for a long time (with one token in eight routed,
-"route nothing" is right 87.5% of the time); a threshold at the boundary makes the decision route
-about the top-k's share (docs/llm.md, "Mixture of Depths", compares both).
-
-`forward(x, *per_token, causal=False)` routes by the top-k (training, evaluation);
-`causal=True` routes each token by its own decision (decoding): the block runs on every token with
-`key_mask=route` (B, T) bool, and must let no query attend to a key outside the mask (other than
-itself) and keep the mask in its KV cache, so a skipped token adds nothing the layer's later tokens
-can see (zoo/blocks/attention.py does both). When no token of the call is routed (a decoding step
-that skips the layer) the block does not run at all; a block returning a tuple says how many items
-follow x in its attribute `n_extra`, and a skipped call returns as many Nones in their place. Under
-torch.compile that test is a `torch.cond` inside the graph (no graph break), and a causal call
-returns the Nones in place of the block's extras whether or not it ran.
-
-Returns (x, *rest, stats): `rest` is what the block returned after x (e.g. a MoE block's routing
-statistics); `stats` is a dict of 0-dim tensors, 'aux_loss' (the decision's binary cross-entropy
-against the top-k; 0 in causal mode), 'routed' (the fraction of tokens the block processed),
-'decided' (the fraction the causal decision routes), 'accuracy' (the fraction of tokens whose
-causal decision agrees with the top-k; NaN in causal mode); and with top-k routing 'decide', the
-decision logits (B, T), detached.
-
-Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared by every row, or
-(B, T, ...) with as many dims as x, one row per sequence -> gathered (B, k, ...); doc_ids (B, T) ->
-(B, k).
+Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` holds 0-dim tensors
+'aux_loss', 'routed', 'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
+Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared, or (B, T, ...) per
+row -> gathered (B, k, ...); doc_ids (B, T) -> (B, k).
 Depends on torch only.
 """
 from typing import Optional
@@ -151,17 +112,16 @@ class MixtureOfDepths(nn.Module):
     @staticmethod
     @torch.no_grad()
     def boundary(decide: torch.Tensor, k: int) -> torch.Tensor:
-        """The threshold that decides exactly as many tokens of a batch as the top-k routes: the
-        midpoint between the n-th and (n+1)-th largest of its decision logits (N, T), n = N x k."""
+        """The threshold that decides as many tokens as the top-k routes: the midpoint between the
+        n-th and (n+1)-th largest decision logits (N, T), n = N x k."""
         n, total = decide.shape[0] * k, decide.numel()
         s = decide.flatten().topk(min(n + 1, total)).values
         return (s[n - 1] + s[n]) / 2 if n < total else s[-1] - 1.0
 
     @torch.no_grad()
     def update_threshold(self, boundary: torch.Tensor, rate: float):
-        """Move the decision threshold toward `boundary` (`boundary` of a training forward's
-        decision logits) by the fraction `rate`; called outside forward, so activation checkpointing's
-        recomputation does not count a batch twice."""
+        """Move the threshold toward `boundary` by the fraction `rate`; called outside forward, so
+        activation checkpointing's recomputation does not count a batch twice."""
         self.threshold.lerp_(boundary.to(self.threshold), rate)
 
     def _empty_rest(self) -> tuple:

@@ -2,46 +2,21 @@
 dropless by default, with optional always-on shared experts.
 
 Papers: Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated
-Mixture-of-Experts Layer" (2017); Fedus et al., "Switch Transformers" (2021: the load-balancing
-loss, the capacity factor); Zoph et al., "ST-MoE: Designing Stable and Transferable Sparse
-Expert Models" (2022: the router z-loss); Gale et al., "MegaBlocks: Efficient Sparse Training
-with Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral of
-Experts" (2024); Qwen Team, "Qwen2 Technical Report" (2024: a shared expert behind a sigmoid
-gate); DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024: sigmoid scores and the
-auxiliary-loss-free balancing bias).
+Mixture-of-Experts Layer" (2017); Fedus et al., "Switch Transformers" (2021: load-balancing
+loss, capacity factor); Zoph et al., "ST-MoE: Designing Stable and Transferable Sparse Expert
+Models" (2022: router z-loss); Gale et al., "MegaBlocks: Efficient Sparse Training with
+Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral of Experts"
+(2024); Qwen Team, "Qwen2 Technical Report" (2024: gated shared expert); DeepSeek-AI,
+"DeepSeek-V3 Technical Report" (2024: sigmoid scores, auxiliary-loss-free balancing bias).
 
-Routing. logits = x W_r^T (E experts); scores = softmax(logits) ('softmax', Mixtral, Qwen) or
-sigmoid(logits) ('sigmoid', DeepSeek-V3); each token picks the top_k experts by score (plus the
-balancing bias `score_bias` when `bias_balancing`: the bias moves the choice, never the
-weights); the weights are the chosen scores, renormalised to sum to 1 when `norm_topk_prob`.
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
-
-Experts are stacked tensors: `gate_up` (E, 2F, D) (rows [0, F) gate, [F, 2F) up, as mlp.py's
-fused SwiGLU) and `down` (E, D, F). Dispatch sorts the (token, choice) pairs by expert once,
-gathers the tokens in that order and runs one grouped matmul per projection
-(torch.nn.functional.grouped_mm, `dispatch='grouped'`) or one matmul per expert
-(`dispatch='loop'`, which reads the group sizes on the host); 'auto' takes grouped_mm where the
-device and dtype support it (see `grouped_mm_supported`). Under torch.compile on a CPU in fp32,
-which inductor's grouped_mm does not take, the grouped matmuls run eagerly (a graph break).
-Decoding (at most DECODE_ROWS tokens) under torch.compile on a CPU: each chosen expert's
-matrix-vector products are written as a gather of its rows times the token, summed over D in
-fp32, which inductor fuses into one reduction reading only the chosen experts' weights (a
-matrix-vector product is bound by reading the weights; the fused reduction streams them faster
-than the GEMV kernel behind a matmul, as matvec_cpu.py's MatvecAsReduction does for F.linear).
-
-Capacity. `capacity_factor` None is dropless. Otherwise, in training, each expert takes at most
-ceil(capacity_factor * N * top_k / E) of the N tokens' choices, first choices before second
-ones and earlier tokens first; the overflow is dropped (it adds nothing; the residual carries
-the token) and counted in `stats['dropped']`.
-
-Balancing, returned for the caller to use (a training loss, a bias update):
-- `stats['lb_loss']`: Switch Transformer's E * sum_e f_e * P_e, f_e the fraction of tokens
-  sent to expert e (summing to top_k over the experts, as in transformers'
-  load_balancing_loss_func), P_e the mean router probability (for 'sigmoid', the scores
-  normalised per token);
-- `stats['z_loss']`: ST-MoE's mean over tokens of logsumexp(logits)^2;
-- `stats['load']`: (E,) the choices each expert received (before capacity drops);
-- `update_bias(load, rate)`: DeepSeek-V3's bias step, b_e += rate * sign(mean(load) - load_e).
+Each token picks its top_k experts by softmax or sigmoid scores (plus `score_bias` with
+`bias_balancing`, which moves the choice, never the weights). The experts are stacked tensors
+`gate_up` (E, 2F, D) and `down` (E, D, F); tokens sorted by expert run through grouped matmuls
+(`dispatch='grouped'`) or one matmul per expert ('loop'). `capacity_factor` None is dropless;
+otherwise each expert takes at most ceil(capacity_factor * N * top_k / E) choices in training.
+`stats` returns 'lb_loss' (Switch), 'z_loss' (ST-MoE), 'load' (E,) and 'dropped' for the caller's
+balancing; `update_bias(load, rate)` is DeepSeek-V3's bias step.
 
 Shapes: x (B, T, D) or (N, D) -> y of the same shape, and `stats`, a dict of tensors.
 Needs: mlp.py (the shared experts are one SwiGLU; copy it beside this file).
@@ -89,8 +64,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 
 
 def loop_linear(x: torch.Tensor, w: torch.Tensor, counts: list) -> torch.Tensor:
-    """The per-expert fallback of `grouped_linear`: counts[g] rows for group g, in order; rows
-    past sum(counts) come out as zeros."""
+    """The per-expert fallback of `grouped_linear`: counts[g] rows per group; rows past them zeros."""
     outs, start = [], 0
     for g, n in enumerate(counts):
         if n:
@@ -152,8 +126,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float):
-        """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of under-loaded experts and
-        lower it for over-loaded ones by `rate`, from the observed load (E,)."""
+        """DeepSeek-V3's loss-free balancing: under-loaded experts' bias up by `rate`, over-loaded ones' down."""
         if self.score_bias is None:
             raise RuntimeError("update_bias needs MoE(..., bias_balancing=True)")
         load = load.float()

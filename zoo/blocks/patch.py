@@ -5,10 +5,9 @@ He et al., "Masked Autoencoders Are Scalable Vision Learners" (2022) for the 2D 
 that DiT (Peebles & Xie, "Scalable Diffusion Models with Transformers", 2023) uses.
 
     PatchEmbed:    (B, C, H, W) -> conv p x p, stride p -> (B, N, D), N = (H/p) * (W/p), row-major
-    unpatchify:    (B, N, p*p*C) -> (B, C, H, W)   (the inverse layout: each token's p x p x C values)
-    sincos_pos_embed_2d(D, h, w): (h*w, D) = [sincos(column), sincos(row)], each half
-                   [sin(pos w_i), cos(pos w_i)], w_i = 10000 ** (-i / (D/4)); positions scaled by
-                   base_size / h (and / w) so that another grid size interpolates the trained one
+    unpatchify:    (B, N, p*p*C) -> (B, C, H, W)
+    sincos_pos_embed_2d(D, h, w): (h*w, D) = [sincos(column), sincos(row)], positions scaled by
+                   base_size / h (and / w) so that another grid interpolates the trained one
 
 Shapes as above; H and W divisible by p; D divisible by 4.
 Depends on torch only.

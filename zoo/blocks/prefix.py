@@ -1,15 +1,10 @@
 """Prefix tuning: learned keys and values prepended to one attention layer's own.
 
 Paper: Li & Liang, "Prefix-Tuning: Optimizing Continuous Prompts for Generation" (2021).
-Every layer gets P learned key and value vectors per kv head; every query attends to them
-before the causal keys, and they are never rotated (they sit at no position). The base model
-stays frozen; only the prefixes train. Attention's keys (B, KV, Tk, D) become
-(B, KV, P + Tk, D), so a causal mask on "queries are the last Tq positions" lets every query see
-all of the prefix. Initialised N(0, std^2): small keys give the prefix a near-uniform share of
-attention at first, small values keep its contribution small.
-
-Use: set `attn.prefix = KVPrefix(...)` on attention.py's CausalSelfAttention, which calls it
-on its keys and values (after RoPE and the KV cache).
+P learned key and value vectors per kv head, seen by every query and never rotated; only they
+train. Small N(0, std^2) initial values give the prefix a near-uniform, small share at first.
+Use: `attn.prefix = KVPrefix(...)` on attention.py's CausalSelfAttention, which calls it on its
+keys and values (after RoPE and the KV cache).
 
 Shapes: k, v (B, KV, T, D) -> (B, KV, P + T, D).
 Depends on torch only.

@@ -61,13 +61,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., T, D) by the angles in cos/sin (T, D) (or any shape broadcasting against
-    x, e.g. (T, 1, D) for x laid out (B, T, H, D)); returns x's dtype.
-
-    Eagerly it computes x * cos + rotate_half(x) * sin as x * cos + roll(x, D/2) * [-sin, sin]:
-    three kernels (mul, roll, addcmul) instead of six, forward and backward alike. Under
-    torch.compile it rotates the two halves seen as one (..., 2, D/2) view instead: inductor
-    vectorises that fully, while the roll becomes an element-by-element gather."""
+    """Rotate x (..., T, D) by the angles in cos/sin (T, D) (or anything broadcasting, e.g. (T, 1, D) for
+    x (B, T, H, D)); returns x's dtype. Eagerly x * cos + roll(x, D/2) * [-sin, sin] (fewer kernels);
+    under torch.compile the two halves as one (..., 2, D/2) view, which inductor vectorises."""
     half = x.shape[-1] // 2
     if torch.compiler.is_compiling():
         x1, x2 = x.unflatten(-1, (2, half)).unbind(-2)
@@ -100,10 +96,8 @@ class RotaryEmbedding(nn.Module):
         return self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin of shape (*positions.shape, D) for integer positions of any shape (e.g. (B, T):
-        a row of positions per sequence, restarting per document), in `dtype`. Positions must be
-        below the cache's length or the rows' length T, whichever is larger (the cache grows to
-        T; reading the largest position would cost a host sync)."""
+        """cos, sin of shape (*positions.shape, D) for integer positions of any shape (e.g. (B, T), restarting
+        per document), in `dtype`; positions must be below max(cache length, T) (no host sync to check)."""
         n = positions.shape[-1] if positions.dim() else 1
         if n > self.cos.shape[0]:
             self._build(max(n, 2 * self.cos.shape[0]), self.inv_freq.device)

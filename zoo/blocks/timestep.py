@@ -1,18 +1,15 @@
 """Conditioning embeddings of diffusion denoisers: sinusoidal timesteps, an MLP on them, class labels.
 
-Papers: Vaswani et al., "Attention Is All You Need" (2017) for the sinusoids; Ho et al., "Denoising
-Diffusion Probabilistic Models" (2020) for embedding the timestep; Peebles & Xie, "Scalable
-Diffusion Models with Transformers" (DiT, 2023) for TimestepEmbedder + LabelEmbedder; Ho &
-Salimans, "Classifier-Free Diffusion Guidance" (2022) for label dropout.
+Papers: Vaswani et al., "Attention Is All You Need" (2017) for the sinusoids; Peebles & Xie,
+"Scalable Diffusion Models with Transformers" (DiT, 2023) for TimestepEmbedder + LabelEmbedder;
+Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022) for the "no label" row.
 
     timestep_embedding(t, dim): [cos(t f_i), sin(t f_i)], f_i = max_period ** (-i / (dim/2 - freq_shift))
-    TimestepEmbedder:          mlp(timestep_embedding(t))  = linear_2(SiLU(linear_1(.)))
+    TimestepEmbedder:          linear_2(SiLU(linear_1(timestep_embedding(t))))
     LabelEmbedder:             table[label], row `num_classes` = "no label" (for guidance)
 
-freq_shift 0 is the original DiT / ADM convention; diffusers' DiT uses 1 (its
-`downscale_freq_shift`), so a model that must match diffusers' outputs sets it to 1.
-Timesteps may be integers (discrete schedules) or floats (flow matching: t * 1000).
-
+freq_shift 0 is DiT's convention, 1 diffusers' (to match its outputs). Timesteps may be integers
+or floats (flow matching: t * 1000).
 Shapes: t (B,) -> (B, dim) float32; TimestepEmbedder (B,) -> (B, D); LabelEmbedder (B,) int -> (B, D).
 Depends on torch only.
 """

@@ -19,13 +19,11 @@ class ConvNetBase(nn.Module):
         raise NotImplementedError
 
     def repeated_units(self) -> list:
-        """The model's repeated units, the residual blocks (the forward calls them one by one, not the
-        stages): what a data-parallel wrapper shards one by one."""
+        """The residual blocks (called one by one, not the stages): what a data-parallel wrapper shards."""
         return self.checkpoint_units()
 
     def checkpoint_units(self) -> list:
-        """The residual blocks, in order: what activation checkpointing applies to (blocks/checkpoint.py's
-        checkpoint_units)."""
+        """The residual blocks, in order: what activation checkpointing applies to."""
         return self.units()
 
     def reset_classifier(self, num_classes: int):

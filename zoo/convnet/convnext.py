@@ -1,20 +1,15 @@
 """ConvNeXt V1 and V2 (tiny, small, base) built from zoo/blocks.
 
-    image (B, C, H, W) -> stem (4x4/4 patchify conv, LayerNorm2d) -> 4 stages of ConvNeXt blocks,
-    each stage after the first opening with LayerNorm2d + 2x2/2 conv -> global average pool
-    -> LayerNorm -> fc -> logits (B, num_classes)
+    image (B, C, H, W) -> stem (4x4/4 patchify conv, LayerNorm2d) -> 4 stages of ConvNeXt blocks
+    (downsampling between them) -> global average pool -> LayerNorm -> fc -> logits (B, num_classes)
 
     block:  x + drop_path(gamma * fc2(act(fc1(LayerNorm(dwconv7x7(x))))))       (V1, layer scale gamma)
             x + drop_path(fc2(GRN(act(fc1(LayerNorm(dwconv7x7(x)))))))           (V2, no layer scale)
 
 Papers: Liu et al., "A ConvNet for the 2020s" (2022); Woo et al., "ConvNeXt V2: Co-designing and
-Scaling ConvNets with Masked Autoencoders" (2023).
-Efficiency choices: the block's LayerNorm and MLP run on (B, H, W, C): on a channels-last input
-the permute is a free view and the two linears are plain matmuls over the pixels; stochastic depth
-with the linear rule; no BatchNorm (so no BN bias question), LayerNorm eps 1e-6 as the papers.
-The `small` stem is a 1x1 patchify (no downsampling) for 32x32 inputs.
-Parameter names are timm's (stem.0/1, stages.i.downsample.0/1, stages.i.blocks.j.conv_dw / norm /
-mlp.fc1 / mlp.grn / mlp.fc2 / gamma, head.norm, head.fc), so its state dicts load without mapping.
+Scaling ConvNets with Masked Autoencoders" (2023). The block's LayerNorm and MLP run on
+(B, H, W, C), a free view of a channels-last input; the `small` stem is a 1x1 patchify for 32x32
+inputs. Parameter names are timm's, so its state dicts load without mapping.
 """
 from __future__ import annotations
 
@@ -106,8 +101,7 @@ class ConvNeXt(ConvNetBase):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Normal (std 0.02) weights and zero biases for convs and linears, as the paper (its truncation at
-        +-2 is 100 standard deviations out: a plain normal)."""
+        """Normal (std 0.02) weights and zero biases for convs and linears, as the paper."""
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
                 nn.init.normal_(m.weight, std=0.02)

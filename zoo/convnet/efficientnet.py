@@ -1,17 +1,12 @@
 """EfficientNet-B0 to B3 built from zoo/blocks, and the stage builder MobileNetV3 shares.
 
-    image (B, C, H, W) -> conv_stem 3x3/2, BN, SiLU -> 7 stages of MBConv blocks (the first
-    depthwise-separable), each with squeeze-excitation -> conv_head 1x1, BN, SiLU -> global
-    average pool -> dropout -> classifier -> logits (B, num_classes)
+    image (B, C, H, W) -> conv_stem 3x3/2, BN, SiLU -> 7 stages of MBConv blocks with
+    squeeze-excitation -> conv_head 1x1, BN, SiLU -> pool -> dropout -> classifier -> logits (B, num_classes)
 
 Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks"
-(2019). Compound scaling: B1-B3 multiply B0's channels by a width multiplier (rounded to multiples
-of 8) and its blocks per stage by a depth multiplier (rounded up); the presets are
-zoo/config.py's EFFICIENTNET_ARCHS (`model.width_mult` / `model.depth_mult` override them).
-Efficiency choices: no conv that feeds a BatchNorm has a bias; stochastic depth with the linear
-rule on the residual blocks; channels-last throughout (applied by the loop).
-Parameter names are timm's (conv_stem, bn1, blocks.i.j.conv_pw / bn1 / conv_dw / bn2 / se /
-conv_pwl / bn3, conv_head, bn2, classifier), so its state dicts load without mapping.
+(2019). B1-B3 scale B0's widths and depths (zoo/config.py's EFFICIENTNET_ARCHS). No bias before a
+BatchNorm, stochastic depth with the linear rule, channels-last. Parameter names are timm's, so
+its state dicts load without mapping.
 """
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """MobileNetV3 small and large built from zoo/blocks.
 
-    image (B, C, H, W) -> conv_stem 3x3/2, BN, hard-swish -> stages of MBConv blocks (ReLU in the
-    early ones, hard-swish later; squeeze-excitation with a hard-sigmoid gate where the paper puts
-    it) -> 1x1 conv, BN, hard-swish -> global average pool -> conv_head 1x1 (with bias), hard-swish
-    -> dropout -> classifier -> logits (B, num_classes)
+    image (B, C, H, W) -> conv_stem 3x3/2, BN, hard-swish -> stages of MBConv blocks (ReLU early,
+    hard-swish later; SE with a hard-sigmoid gate) -> 1x1 conv, BN, hard-swish -> pool ->
+    conv_head 1x1, hard-swish -> dropout -> classifier -> logits (B, num_classes)
 
-Paper: Howard et al., "Searching for MobileNetV3" (2019), tables 1 and 2. A width multiplier
-(`model.width_mult`, the preset's: 1.0, 0.75, 0.5) scales every stage (rounded to multiples of 8;
-the 16-channel stem stays fixed below 0.75), as timm's mobilenetv3_*_100/075/050.
-Efficiency choices: no conv that feeds a BatchNorm has a bias; stochastic depth with the linear
-rule on the residual blocks; channels-last throughout (applied by the loop).
-Parameter names are timm's (conv_stem, bn1, blocks.i.j..., conv_head, classifier), so its state
-dicts load without mapping.
+Paper: Howard et al., "Searching for MobileNetV3" (2019), tables 1 and 2. `model.width_mult`
+scales every stage, as timm's mobilenetv3_*_100/075/050. No bias before a BatchNorm, stochastic
+depth, channels-last. Parameter names are timm's, so its state dicts load without mapping.
 """
 from __future__ import annotations
 

@@ -3,20 +3,11 @@
     image (B, C, H, W) -> stem -> layer1..layer4 -> global average pool -> fc -> logits (B, num_classes)
 
 Paper: He, Zhang, Ren & Sun, "Deep Residual Learning for Image Recognition" (2015), with the
-stride on the 3x3 conv of the bottleneck ("ResNet v1.5", as timm and torchvision).
-Two stems: "imagenet" (7x7/2 conv + 3x3/2 max-pool, for 224x224 images) and "small"
-(one 3x3/1 conv and no pooling, for 32x32 images such as CIFAR or the digits default).
-
-Efficiency choices: no conv that feeds a BatchNorm has a bias (the BN shift makes it
-redundant); the last BN of each residual branch can start at gamma = 0 so that every block
-starts as the identity (Goyal et al., "Accurate, Large Minibatch SGD", 2017); stochastic
-depth with the linear rule; every op works in the channels-last memory format, which the
-loop applies to the model and the batches (train.channels_last); activation checkpointing of
-every (n-th) residual block, full or selective, applied from outside to `checkpoint_units()`
-(blocks/checkpoint.py; BatchNorm's running statistics are updated once).
-
-Parameter names are those of timm and torchvision (conv1, bn1, layer1.0.conv1, ...,
-layer1.0.downsample.0/1, fc), so their state dicts load without any key mapping.
+stride on the bottleneck's 3x3 conv ("ResNet v1.5", as timm and torchvision). Stems "imagenet"
+(7x7/2 conv + max-pool) and "small" (one 3x3/1 conv, for 32x32 images). No bias before a
+BatchNorm; optional zero-init of each branch's last BN (Goyal et al., "Accurate, Large Minibatch
+SGD", 2017); stochastic depth; channels-last throughout. Parameter names are timm's and
+torchvision's, so their state dicts load without mapping.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """A small class-conditional U-Net that denoises latents.
 
-Architecture after Ho et al., "Denoising Diffusion Probabilistic Models" (2020) and Dhariwal &
-Nichol, "Diffusion Models Beat GANs on Image Synthesis" (2021): residual blocks with GroupNorm and
-SiLU, the timestep + class embedding applied as a scale and shift after the second norm
-(AdaGN), self-attention at the lowest resolution, skip connections from each down block to its
-up block. Zero-initialised output convs make every block start as the identity.
-
-Classifier-free guidance (Ho & Salimans, "Classifier-Free Diffusion Guidance", 2022): class
-`num_classes` is the "no label" class; training replaces labels by it with probability
-`class_dropout` (drop_labels), sampling mixes conditional and unconditional predictions.
+After Ho et al., "Denoising Diffusion Probabilistic Models" (2020) and Dhariwal & Nichol,
+"Diffusion Models Beat GANs on Image Synthesis" (2021): GroupNorm/SiLU residual blocks with the
+timestep + class embedding as AdaGN, self-attention at the lowest resolution, skip connections,
+zero-initialised output convs. Class `num_classes` is "no label" for classifier-free guidance (Ho &
+Salimans, "Classifier-Free Diffusion Guidance", 2022).
 
 Shapes: x (B, C, h, w) latents, t (B,) int timesteps, labels (B,) int -> (B, C, h, w).
 h and w must be divisible by 2 ** (len(channels) - 1).
-Activation checkpointing is applied from outside (blocks/checkpoint.py's checkpoint_units) to the
-residual and attention blocks in the order they run (`checkpoint_units()`).
 """
 from __future__ import annotations
 
@@ -146,7 +140,6 @@ class UNet(nn.Module):
         return self.checkpoint_units()
 
     def checkpoint_units(self) -> list:
-        """The residual and attention blocks in the order they run: what activation checkpointing
-        (blocks/checkpoint.py's checkpoint_units, every n-th from the first) applies to."""
+        """The residual and attention blocks in the order they run: what activation checkpointing applies to."""
         mid = [self.mid1] + ([] if isinstance(self.mid_attn, nn.Identity) else [self.mid_attn]) + [self.mid2]
         return [b for level in self.down for b in level] + mid + [b for level in self.up for b in level]

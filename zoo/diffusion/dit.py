@@ -1,23 +1,14 @@
 """DiT: a class-conditional diffusion transformer on latent patches.
 
 Peebles & Xie, "Scalable Diffusion Models with Transformers" (2023): the latents are cut into p x p
-patches (tokens, plus a fixed 2D sin-cos position embedding), run through `depth` adaLN-Zero
-transformer blocks conditioned on c = timestep embedding + class embedding, and a final adaLN layer
-maps every token back to its p x p patch of outputs. Options: learned sigma (2x output channels:
-the noise prediction then the variance interpolation v of Nichol & Dhariwal 2021), QK-norm, and
-2D RoPE in place of the position embedding (blocks/adaln.py).
+patches (tokens with a fixed 2D sin-cos position embedding, or 2D RoPE), run through `depth`
+adaLN-Zero blocks conditioned on c = timestep + class embedding, and mapped back to patches.
+Learned sigma doubles the output channels (Nichol & Dhariwal 2021). `block_conditioning` keeps one
+embedder per block, as diffusers stores them; otherwise one feeds every block.
 
 Called as diffusers' DiTTransformer2DModel is: `dit(latents, timestep, class_labels)`, latents
 (B, C, h, w), timestep (B,) or a scalar (ints, or floats for flow matching), class_labels (B,) with
 `num_classes` the "no label" class -> (B, out_channels, h, w).
-
-`block_conditioning` keeps one timestep + class embedder per block, as diffusers stores them (a
-published DiT converted to diffusers holds the same weights in every block; a randomly initialised
-diffusers model does not); otherwise one embedder feeds every block. The final layer uses the
-first block's.
-
-The blocks are the repeated units: activation checkpointing and FSDP2 are applied to
-`checkpoint_units()` / `repeated_units()` from outside (train/builder.py, train/distributed.py).
 Blocks: zoo/blocks/{adaln,patch,timestep}.py.
 """
 from __future__ import annotations

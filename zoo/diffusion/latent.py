@@ -28,8 +28,7 @@ from .taesd import TAESD
 
 
 def build_autoencoder(cfg: DiffusionConfig, source: str = "<config>", prefix: str = "model.") -> TAESD:
-    """The config's TAESD: loaded from autoencoder.weights (checked against the variant keys that
-    are set), or a fresh one of the configured variant."""
+    """The config's TAESD: loaded from autoencoder.weights (checked against the set variant keys), or fresh."""
     a = cfg.autoencoder
     if a.weights:
         from ..weights import taesd as taesd_weights
@@ -101,9 +100,8 @@ class LatentDiffusion(nn.Module):
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
                 weighted: bool = True) -> torch.Tensor:
-        """Per-item loss (B,) of denoising normalised latents z at timesteps t (ints; for flow, s in
-        (0, 1)): Min-SNR-weighted (as configured) or, with weighted=False, the plain MSE of the
-        prediction. Labels already hold the "no label" class where they were dropped for guidance."""
+        """Per-item loss (B,) of denoising normalised latents z at timesteps t (ints; flow: s in (0, 1)),
+        Min-SNR-weighted as configured or, weighted=False, the plain MSE. Dropped labels are already "no label"."""
         cfg = self.config
         if cfg.prediction == "flow":
             out = self.denoiser(flow_interpolate(z, noise, t), t * 1000, labels)

@@ -9,13 +9,8 @@
     euler_a     diffusers EulerAncestralDiscreteScheduler            eps, v
     unipc       diffusers UniPCMultistepScheduler (order 2)          eps, v, x0
 
-Zoo's own three stay because the embedded defaults must sample with nothing but torch installed,
-and they are the short, copyable reference of what a step does (each equals diffusers' loop with
-the matching scheduler: tests/test_samplers.py). The others need `pip install -e ".[diffusers]"`.
-diffusers' schedulers are configured from the model's noise schedule (betas, T, prediction) with
-"trailing" timestep spacing (the first step at t = T - 1, as Zoo's own samplers), and run the loop
-diffusers' pipelines run: x = randn * init_noise_sigma; for t: out = model(scale_model_input(x, t), t);
-x = step(out, t, x, generator).
+Zoo's own three let the embedded defaults sample with torch alone; diffusers' (the `diffusers`
+extra) are configured from the model's noise schedule with "trailing" spacing.
 """
 from __future__ import annotations
 

@@ -1,37 +1,20 @@
-"""Noise schedules, SNR, Min-SNR-gamma loss weights, DDIM / DDPM samplers, classifier-free guidance.
+"""Noise schedules, SNR, Min-SNR-gamma loss weights, DDIM / DDPM samplers, classifier-free guidance,
+learned sigma and flow matching.
 
-Forward process (Ho et al., "Denoising Diffusion Probabilistic Models", 2020):
-    x_t = sqrt(abar_t) * x_0 + sqrt(1 - abar_t) * eps,    abar_t = prod_{s<=t} (1 - beta_s)
-    SNR(t) = abar_t / (1 - abar_t)
-Betas: "linear" (Ho et al. 2020), "scaled_linear" (linear in sqrt(beta), Stable Diffusion) and
-"cosine" (Nichol & Dhariwal, "Improved Denoising Diffusion Probabilistic Models", 2021).
+    x_t = sqrt(abar_t) * x_0 + sqrt(1 - abar_t) * eps,    SNR(t) = abar_t / (1 - abar_t)
+Papers: Ho et al., "Denoising Diffusion Probabilistic Models" (2020); Nichol & Dhariwal, "Improved
+Denoising Diffusion Probabilistic Models" (2021: cosine betas, learned sigma); Salimans & Ho,
+"Progressive Distillation" (2022: v prediction); Hang et al., "Efficient Diffusion Training via
+Min-SNR Weighting Strategy" (2023); Song et al., "Denoising Diffusion Implicit Models" (2021);
+Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022); for flow matching Liu et al., "Flow
+Straight and Fast" (2023), Lipman et al., "Flow Matching for Generative Modeling" (2023) and
+Esser et al., "Scaling Rectified Flow Transformers" (2024).
 
-The network predicts one of (with v from Salimans & Ho, "Progressive Distillation", 2022):
-    "eps": eps      "v": sqrt(abar) * eps - sqrt(1 - abar) * x_0      "x0": x_0
-Min-SNR-gamma (Hang et al., "Efficient Diffusion Training via Min-SNR Weighting Strategy", 2023)
-weights each timestep's MSE so that every prediction type amounts to an x_0-loss weighted by
-min(SNR, gamma):  eps: min(SNR, g) / SNR,  v: min(SNR, g) / (SNR + 1),  x0: min(SNR, g).
-They are written in terms of abar so that they stay finite at SNR = 0 and SNR = inf.
-
-Samplers: DDIM (Song et al., "Denoising Diffusion Implicit Models", 2021; eta = 0 deterministic,
-eta = 1 ancestral-like) and DDPM ancestral sampling with the posterior variance beta~_t, both on
-any subsequence of the training timesteps. Classifier-free guidance (Ho & Salimans, 2022):
-    out = out_uncond + scale * (out_cond - out_uncond).
-
-Learned sigma (Nichol & Dhariwal 2021): the network also outputs v in [-1, 1] per element, the
-log-variance of p(x_{t-1} | x_t) being the interpolation (v + 1)/2 log beta_t + (1 - v)/2 log beta~_t;
-`vlb_term` is the KL (in bits per element) between the posterior q(x_{t-1} | x_t, x_0) and that
-p with the mean from the stopped-gradient prediction, as DiT trains it (L_simple + L_vlb).
-
-Flow matching (rectified flow: Liu et al., "Flow Straight and Fast", 2023; Lipman et al., "Flow
-Matching for Generative Modeling", 2023; Esser et al., "Scaling Rectified Flow Transformers" (SD3),
-2024), prediction "flow", with continuous s in (0, 1) (the denoiser sees s * 1000):
+Min-SNR weights make every prediction ("eps", "v", "x0") an x_0-loss weighted by min(SNR, gamma),
+finite at SNR = 0 and inf. Flow matching ("flow", s in (0, 1), the denoiser sees s * 1000):
     x_s = (1 - s) x_0 + s eps,    target u = eps - x_0,    sampling x_{s'} = x_s + (s' - s) u
-s is drawn logit-normal (s = sigmoid(n), n ~ N(mean, std), SD3's default) or uniform. Min-SNR's
-equivalent: SNR(s) = (1 - s)^2 / s^2 and x_0 = x_s - s u, so an x_0-loss weighted by
-min(SNR, g) is the velocity loss weighted by min(SNR, g) s^2 = min((1 - s)^2, g s^2).
-`flow_sigmas` is diffusers' FlowMatchEulerDiscreteScheduler grid (shift 1), so `flow_sample`
-equals that scheduler's loop.
+with s logit-normal or uniform and weight min((1 - s)^2, gamma s^2); `flow_sample` equals diffusers'
+FlowMatchEulerDiscreteScheduler loop.
 
 Shapes: x (B, C, H, W); t (B,) int64 timesteps in [0, num_timesteps); per-item weights (B,).
 """
@@ -211,9 +194,8 @@ def _normal_kl(mean1, logvar1, mean2, logvar2):
 
 def vlb_term(schedule: "NoiseSchedule", var_out: torch.Tensor, x0_pred: torch.Tensor, x0: torch.Tensor,
              x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """(B,) KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) in bits per element; p's mean from x0_pred (pass it
-    detached: the VLB trains only the variance), its log-variance from var_out in [-1, 1]. At t = 0 the
-    Gaussian negative log-likelihood of x_0 under p (latents are continuous, no discretisation)."""
+    """(B,) KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) in bits per element: p's mean from x0_pred
+    (pass it detached), its log-variance from var_out in [-1, 1]; at t = 0 the Gaussian NLL of x_0."""
     a, a_prev = _bcast(schedule.abar(t), x_t), _bcast(schedule.abar(t - 1), x_t)
     beta = 1 - a / a_prev
     post_var = beta * (1 - a_prev) / (1 - a)

@@ -1,24 +1,14 @@
 """TAESD: the tiny autoencoder for latent diffusion (images <-> latents, 8x spatial downscale).
 
 Model: Ollin Boer Bohan's "Tiny AutoEncoder for Stable Diffusion" (TAESD, 2023), distilled from
-the Stable Diffusion / SDXL / SD3 / FLUX VAEs. Plain convs and ReLU residual blocks, no norms,
-no attention, so it is fast enough to decode every sampling step.
+the Stable Diffusion / SDXL / SD3 / FLUX VAEs: plain convs and ReLU residual blocks, no norms, no
+attention, so it is fast enough to decode every sampling step. Latent channels 4 (SD 1.x / SDXL),
+16 (SD3 / FLUX.1) or 32 (FLUX.2, with an extra GroupNorm branch at the lowest resolution).
 
-    encoder: conv -> Block -> 3 x [stride-2 conv -> 3 x Block] -> conv to latent_channels
-    decoder: tanh(z/3)*3 -> conv -> ReLU -> 3 x [3 x Block -> 2x nearest upsample -> conv]
-             -> Block -> conv to RGB
-
-Variants by latent channels: 4 (SD 1.x / SDXL), 16 (SD3 / FLUX.1) and 32 (FLUX.2). The FLUX.2
-variant adds a branch to the blocks at the lowest resolution (the encoder's last stage and the
-decoder's first): x + conv1x1(ReLU(GroupNorm(conv1x1(x)))) with 4x wider hidden channels,
-before the block's convs.
-
-Images are in [0, 1] in and out (decode() does not clamp: call .clamp(0, 1) to display).
-Latents are raw (unscaled), as the original encoder produces them.
+Images are in [0, 1] in and out (decode() does not clamp); latents are raw, as the original's.
 Shapes: encode (B, 3, H, W) -> (B, C, H/8, W/8); decode (B, C, h, w) -> (B, 3, 8h, 8w).
-
-The module indices inside `encoder` and `decoder` are the original nn.Sequential ones, so the
-original .pth files load with load_state_dict as they are (see zoo/weights/taesd.py).
+The module indices are the original nn.Sequential ones, so the original .pth files load as they
+are (zoo/weights/taesd.py).
 """
 from __future__ import annotations
 
@@ -53,10 +43,9 @@ PHASE_TAPS = ((1, 0, 0), (0, 1, 1)), ((1, 1, 0), (0, 0, 1))
 
 
 class UpsampleConv(nn.Conv2d):
-    """conv3x3(upsample_nearest_2x(x)), computed at the input resolution: one 2x2 conv with 4x the
-    output channels (the four phases) on the 1-padded input, then the phases are interleaved.
-    16 instead of 36 multiply-adds per input pixel and channel pair; the same weights and keys as
-    the plain conv it replaces. (B, C, H, W) -> (B, C_out, 2H, 2W)."""
+    """conv3x3(upsample_nearest_2x(x)) computed at the input resolution as one 2x2 conv with 4x the
+    output channels (the four phases), then interleaved: fewer multiply-adds, the same weights and keys.
+    (B, C, H, W) -> (B, C_out, 2H, 2W)."""
 
     def __init__(self, c_in: int, c_out: int):
         super().__init__(c_in, c_out, 3, padding=1, bias=False)

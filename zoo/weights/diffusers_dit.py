@@ -5,27 +5,11 @@ diffusion_pytorch_model.safetensors, or a pipeline folder whose `transformer/` s
 loads as Zoo's DiT (zoo/diffusion/dit.py), called as diffusers' model is:
 `dit(latents, timestep, class_labels)`. `save(dit, folder)` writes a folder diffusers loads.
 
-Names (diffusers -> Zoo), block i:
-    pos_embed.proj                                   patch.proj
-    transformer_blocks.i.norm1.emb.timestep_embedder cond.i.t_embed   (one per block, or cond.0 shared)
-    transformer_blocks.i.norm1.emb.class_embedder.embedding_table   cond.i.y_embed.table
-    transformer_blocks.i.norm1.linear                blocks.i.ada
-    transformer_blocks.i.attn1.to_q / to_k / to_v    blocks.i.attn.qkv (rows q, k, v)
-    transformer_blocks.i.attn1.to_out.0              blocks.i.attn.proj
-    transformer_blocks.i.ff.net.0.proj / ff.net.2    blocks.i.mlp.fc1 / fc2
-    proj_out_1 / proj_out_2                          final.ada / final.linear
-diffusers keeps a timestep + class embedder in every block (and its final layer uses block 0's).
-When all blocks hold the same embedder weights (every published DiT, converted from one shared
-embedder), Zoo keeps one (`block_conditioning: false`); otherwise one per block. Export writes a
-shared embedder into every block.
-
-Config: num_layers, num_attention_heads x attention_head_dim, in_channels, out_channels (= in:
-eps only; = 2 x in: learned sigma), sample_size (the position table's grid), patch_size,
-num_embeds_ada_norm (classes), attention_bias, activation_fn (gelu-approximate or gelu) and
-norm_eps (the LayerNorm before each MLP) are honoured; norm_num_groups is not used by DiT's
-computation; norm_type other than ada_norm_zero, norm_elementwise_affine, dropout > 0 and
-upcast_attention are refused, each in one line naming the file. Zoo-only options (qk_norm, rope,
-mlp_ratio other than 4, freq_shift other than 1) are refused on export.
+diffusers keeps a timestep + class embedder in every block; when all blocks hold the same weights
+(every published DiT) Zoo keeps one (`block_conditioning: false`), and export writes it into every
+block. Config keys DiT's computation does not support (another norm_type, dropout,
+upcast_attention, ...) are refused in one line naming the file, as are Zoo-only options on
+export. `to_zoo` maps the names (docs/diffusion.md, "diffusers DiT weights in and out").
 """
 from __future__ import annotations
 

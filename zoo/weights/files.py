@@ -1,20 +1,11 @@
 """Weight files: the one atomic writer, the one safetensors header reader, integrity checks and
 the one checked reader that every loader goes through.
 
-- `atomic_write(path, content)`: a uniquely named temporary file beside `path`, fsynced, renamed
-  over it, the folder fsynced: a crash leaves the old file or the new one, never a mix.
-- `save_safetensors(tensors or module, path)`: safetensors through `atomic_write`, with the CRC-32
-  of the data section in the header's metadata (`zoo.crc32`), so that a flipped byte in a file
-  Zoo wrote is caught on load.
-- `read_safetensors_header(path)`: the tensor table, metadata and data offset of a safetensors
-  file, after checking the header length, the JSON, every dtype and every tensor's byte range.
-- `check_weights(path)`: a file, or the weight files of a folder, checked before any loader reads
-  them: safetensors headers (and the CRC-32 when the file carries one); torch.save zip archives'
-  directory and the CRC-32 of every record (torch.load itself does not check them). Legacy
-  (pre-zip) torch files carry no checksums; torch.load(weights_only=True) judges them.
-- `load_tensors(path)`: the checked tensors of one file (safetensors, or a torch file read with
-  weights_only=True: tensors and plain containers only, never code).
-Every problem is a ValueError whose message is one line naming the file.
+`atomic_write` (temporary file, fsync, rename: a crash leaves the old file or the new one);
+`save_safetensors` (through atomic_write, with the data's CRC-32 in the metadata, so a flipped
+byte is caught on load); `read_safetensors_header`; `check_weights` (safetensors headers and
+CRC-32, torch zip archives' records, which torch.load does not check); `load_tensors` (torch
+files with weights_only=True, never code). Every problem is a one-line ValueError naming the file.
 """
 from __future__ import annotations
 
@@ -44,9 +35,7 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-# ---------------------------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------- writing
 
 def fsync_file(path):
     with open(path, "rb") as f:
@@ -67,10 +56,9 @@ def fsync_dir(path):
 
 
 def atomic_write(path, content: Union[bytes, str, Callable[[Path], object]]) -> Path:
-    """Write `content` to `path` atomically. content: bytes, text (UTF-8), or a function that writes
-    the temporary path it is given. The temporary file has the final file's name, inside a
-    uniquely named temporary folder beside it (torch.save records the name in its archive). The
-    file gets the usual permissions (0666 less the umask)."""
+    """Write `content` (bytes, text, or a function that writes the temporary path it is given) to `path`
+    atomically, through a file of the final name in a temporary folder beside it (torch.save records
+    the name); usual permissions (0666 less the umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -97,8 +85,7 @@ def file_crc32(path, start: int = 0) -> str:
 
 
 def self_checked(path) -> bool:
-    """Whether the file carries its own checksum, which check_weight_file verifies (safetensors
-    files Zoo wrote, torch zip archives)."""
+    """Whether the file carries its own checksum (safetensors files Zoo wrote, torch zip archives)."""
     suffix = Path(path).suffix.lower()
     return suffix == ".safetensors" or suffix in WEIGHT_SUFFIXES
 
@@ -116,9 +103,8 @@ def _data_crc32(f, start: int, end: int) -> int:
 
 
 def _seal(path: Path):
-    """Put the header's metadata in sorted key order (safetensors writes it in a hash map's order,
-    which changes from process to process: the same tensors must give the same bytes) and write
-    the CRC-32 of the data section over the placeholder (the same number of bytes, so nothing moves)."""
+    """Sort the header's metadata (safetensors writes a hash map's order, which changes per process) and
+    write the data's CRC-32 over the placeholder, same length, so nothing moves."""
     with open(path, "r+b") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = f.read(n)
@@ -153,9 +139,7 @@ def save_safetensors(tensors: Union[dict, torch.nn.Module], path, metadata: dict
     return atomic_write(path, write)
 
 
-# ---------------------------------------------------------------------------------------------
-# reading and checking
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------ reading and checking
 
 def read_safetensors_header(path) -> tuple[dict, dict, int]:
     """(tensor table {name: {"dtype", "shape", "data_offsets"}}, metadata, byte where the data
@@ -243,9 +227,8 @@ def check_weight_file(path):
 
 
 def check_weights(path):
-    """Check a weight file, or the weight files directly inside a folder: its .safetensors files,
-    or its torch files when it has no .safetensors (the loaders prefer those; a Hub folder often
-    holds both, and checking a multi-GB .bin nobody reads would be wasted time)."""
+    """Check a weight file, or the weight files directly in a folder: its .safetensors files, else its
+    torch files (the loaders prefer safetensors, so a .bin beside them goes unread and unchecked)."""
     p = Path(path)
     if not p.is_dir():
         return check_weight_file(p)

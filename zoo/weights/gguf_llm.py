@@ -4,33 +4,15 @@
     tok = zoo.weights.gguf_llm.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
-Needs the `gguf` package (`pip install -e ".[gguf]"`), which reads, dequantizes and writes the
-files; this module maps them to Zoo. Architectures: `llama` (Llama 1-3 shapes, SmolLM, Mistral
-without a sliding window) and `qwen2` (a bias on q/k/v). Tensor types read: F32, F16, BF16, Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, each dequantized by `gguf.quants.dequantize`
-into the dtype asked (weights are full-precision afterwards: the file's quantization is not kept).
-
-Names and config reuse the Hugging Face mapping (hf_llm.py): the file's metadata becomes a
-config.json dict for `hf_llm.config_from_hf`, and each Zoo tensor's Hugging Face names become
-GGUF names through the `gguf` package's own table (`gguf.get_tensor_name_map`), so
-`model.layers.3.self_attn.q_proj.weight` is `blk.3.attn_q.weight`. GGUF writes shapes
-innermost-first (ne0 = columns); the tensors read here are (rows, columns) as in PyTorch.
-
-RoPE layout. llama.cpp's converter permutes the q and k rows of `llama` files so that each
-head's pairs are interleaved (channels 2i, 2i+1: GGML's "normal" RoPE), where Hugging Face and
-Zoo pair channel i with i + D/2 (rotate-half). Loading undoes it per head (rows seen as
-(heads, D/2, 2) -> (heads, 2, D/2)); saving applies it. `qwen2` files use the rotate-half
-("NeoX") layout and are not permuted.
-
-The tokenizer is rebuilt from the metadata as a `tokenizers.Tokenizer`: `gpt2` vocabularies as
-byte-level BPE with the file's merges and the pre-tokenizer `tokenizer.ggml.pre` names,
-`llama` (sentencepiece) ones as BPE with byte fallback and merges recovered from the scores.
-Control tokens are special tokens, user-defined ones added tokens, as llama.cpp matches both
-whole. `tokenizer.chat_template` is kept as the string (render it with a chat template class).
-
-Refused with one line naming the file: another architecture, an unsupported tensor type, RoPE
-scaling other than linear (Llama 3.1's `rope_freqs.weight` factors, YaRN), mixture-of-experts
-files, tensors that do not match the metadata, a file that is not GGUF or is truncated.
+The `gguf` package (`pip install -e ".[gguf]"`) reads, dequantizes and writes the files; this
+module maps them to Zoo through the Hugging Face mapping (hf_llm.py): the metadata becomes a
+config.json dict, tensor names go through `gguf.get_tensor_name_map`, and the q/k rows of `llama`
+files are un-permuted from llama.cpp's interleaved RoPE layout to rotate-half (and permuted again
+on save). Architectures `llama` and `qwen2`; quantized tensors are dequantized on load. The
+tokenizer is rebuilt from the metadata as a `tokenizers.Tokenizer` (byte-level BPE, or
+sentencepiece as BPE with byte fallback). Anything else (another architecture or tensor type,
+RoPE scaling other than linear, MoE, a bad file) is refused with one line naming the file.
+docs/pretrained.md ("GGUF files") lists what is read and written.
 """
 from __future__ import annotations
 
@@ -57,13 +39,10 @@ def _gguf():
     return gguf
 
 
-# ----------------------------------------------------------------------------------------
-# reading
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------- reading
 
 def read(path):
-    """(reader, metadata {key: value}) of a GGUF file, after checking that it is one and that every
-    tensor's bytes lie inside it."""
+    """(reader, metadata {key: value}) of a GGUF file, checked to be one with every tensor inside it."""
     gguf = _gguf()
     path = Path(path)
     with open(path, "rb") as f:
@@ -168,10 +147,8 @@ def detect(path) -> bool:
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Load a GGUF file into a Zoo LLM (eval mode). dtype: a torch dtype or its name, default float32
-    (whatever the file's tensor types: quantized tensors are dequantized); device: default CPU.
-    The file's tokenizer metadata is kept on the model (`model.gguf_tokenizer`), so saving it as
-    GGUF again writes the same vocabulary and chat template."""
+    """Load a GGUF file into a Zoo LLM (eval mode), dequantized to `dtype` (default float32) on `device`
+    (default CPU); the tokenizer metadata stays on the model (`model.gguf_tokenizer`) for a later save."""
     gguf = _gguf()
     path = Path(path)
     reader, meta = read(path)
@@ -206,9 +183,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     return model.eval()
 
 
-# ----------------------------------------------------------------------------------------
-# the tokenizer
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------- the tokenizer
 
 # How text is split before byte-level BPE, by `tokenizer.ggml.pre` (the model's own tokenizer.json
 # has the same split); anything else gets GPT-2's.
@@ -222,12 +197,9 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_t
 
 
 class GGUFTokenizer:
-    """The tokenizer a GGUF file describes, with the interface Zoo's generation and data code use
-    (encode, encode_many, decode, vocab_size, bos_id, eos_id) and what a chat needs:
-    `chat_template` (the Jinja string, or None), `special_tokens` ({"bos_token": "<s>", ...}, None
-    where the file names none), `add_bos` / `add_eos` (whether llama.cpp adds them to a prompt).
-    encode() adds no special tokens. `backend` is the `tokenizers.Tokenizer`; `backend.save(
-    "tokenizer.json")` writes it in the format train/ reads."""
+    """The tokenizer a GGUF file describes, with Zoo's tokenizer interface (encode, encode_many, decode,
+    vocab_size, bos_id, eos_id; encode adds no special tokens) and what a chat needs: `chat_template`,
+    `special_tokens`, `add_bos` / `add_eos`. `backend` is the `tokenizers.Tokenizer`."""
 
     def __init__(self, fields: dict, source: str):
         self.model_path = source
@@ -326,9 +298,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
     return [(left, right) for *_, left, right in found]
 
 
-# ----------------------------------------------------------------------------------------
-# writing
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------- writing
 
 def exports(model) -> bool:
     return False  # chosen by the file name (".gguf"), never as a family's default format
@@ -343,12 +313,9 @@ def _write_type(dtype) -> str:
 
 
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
-    """Write `model` as one GGUF file (`llama`, or `qwen2` for a model with a q/k/v bias). dtype:
-    the type of the 2-D weights ("f32", "f16", "bf16" or "q8_0"; a matrix whose rows are not a
-    multiple of 32 long is written F16 under "q8_0", as llama.cpp's converter does); norms and biases
-    are always F32. tokenizer: a GGUF file or a GGUFTokenizer whose vocabulary and chat template
-    are written too; by default those of the GGUF file the model was loaded from, if any (without
-    a vocabulary, transformers reads the file but llama.cpp cannot run it)."""
+    """Write `model` as one GGUF file (`llama`, or `qwen2` with a q/k/v bias); dtype: the 2-D weights'
+    type (under "q8_0" a row length not a multiple of 32 is written F16, as llama.cpp's converter does);
+    norms and biases F32. tokenizer: a GGUF file or GGUFTokenizer to write (default: the loaded file's)."""
     gguf = _gguf()
     model = getattr(model, "_orig_mod", model)
     out = Path(path)

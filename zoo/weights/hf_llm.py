@@ -4,27 +4,13 @@ and the Mixture-of-Experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeF
     model = zoo.from_pretrained("path/to/folder", dtype=torch.bfloat16)    # config.json + *.safetensors
     zoo.save_pretrained(model, "out/", tokenizer="path/to/tokenizer.model")
 
-A folder holds config.json and either model.safetensors or shards listed in
-model.safetensors.index.json. config.json is read in both dialects: transformers 4.x (top-level
-`rope_theta`, `rope_scaling` with "type" or "rope_type") and 5.x (`rope_parameters`).
-
-Weight layout. Hugging Face stores q/k/v and gate/up as separate matrices; Zoo fuses them
-(rows of `attn.qkv`: q, k, v; rows of `mlp.gate_up`: gate, up), so loading is a concatenation
-along the output dimension and saving a split. Both use the rotate-half RoPE layout (channel i
-paired with channel i + D/2), so the q/k rows need no permutation; the parity tests in
-tests/test_hf_llm.py hold the logits to 1e-4 against transformers, which would fail otherwise.
-MoE checkpoints store every expert's gate/up/down matrices separately (`experts.{e}.w1/w3/w2`
-for Mixtral, `experts.{e}.gate_proj/up_proj/down_proj` for Qwen); Zoo stacks them: the rows
-of expert e's gate and up are rows [2eF, 2(e+1)F) of `mlp.gate_up` seen as (E * 2F, D), its
-down matrix rows [eD, (e+1)D) of `mlp.down` seen as (E * D, F). Every config.json key of these
-architectures that changes what the model computes is read, or refused with an error naming it.
-
-Loading never holds two copies of the weights: the model is built on the meta device, each Zoo
-tensor is allocated once in the dtype and on the device asked, and every file tensor is read
-straight into its rows (q/k/v and gate/up into their fused matrix) with plain file reads; the
-tensors are then assigned to the model and the RoPE tables rebuilt on the real device.
-Every file header is checked (length, offsets inside the file, byte sizes) and every tensor name
-and shape against config.json before any data is read: a mismatch is one error listing it.
+A folder holds config.json (transformers 4.x or 5.x dialect) and model.safetensors or its shards.
+Hugging Face stores q/k/v, gate/up and each MoE expert separately; Zoo fuses and stacks them
+(`key_map`), so loading concatenates rows and saving splits them; both use rotate-half RoPE, so no
+permutation. Every config.json key that changes what the model computes is read, or refused with
+an error naming it. Loading never holds two copies of the weights: the model is built on the meta
+device and each file tensor read straight into its rows, after every header, name and shape has
+been checked (a mismatch is one error listing it).
 """
 from __future__ import annotations
 
@@ -66,9 +52,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-# ----------------------------------------------------------------------------------------
-# config.json <-> LLMConfig
-# ----------------------------------------------------------------------------------------
+# -------------------------------------------------------------- config.json <-> LLMConfig
 
 def read_json(path: Path) -> dict:
     try:
@@ -328,9 +312,7 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     return hf
 
 
-# ----------------------------------------------------------------------------------------
-# weight names
-# ----------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------- weight names
 
 def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by
@@ -406,9 +388,7 @@ def _listing(names, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-# ----------------------------------------------------------------------------------------
-# safetensors files
-# ----------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------- safetensors files
 
 def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or the shards listed in model.safetensors.index.json."""
@@ -432,10 +412,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_tensor(f, path: Path, offset: int, entry: dict, dest: torch.Tensor):
-    """Read one tensor of an open safetensors file into `dest` (same shape). When dest is a
-    contiguous CPU tensor of the file's dtype the bytes go straight into it; otherwise through one
-    temporary of this tensor's size. Plain reads, not a memory map: the file's pages stay in the
-    OS cache instead of being counted in (and doubling) the process's resident memory."""
+    """Read one tensor of an open safetensors file into `dest` (same shape), straight into it when it is a
+    contiguous CPU tensor of the file's dtype. Plain reads, not a memory map, so the file's pages are
+    not counted in (and doubling) the process's resident memory."""
     file_dtype = FILE_DTYPES[entry["dtype"]]
     direct = dest.device.type == "cpu" and dest.dtype == file_dtype and dest.is_contiguous()
     buf = dest if direct else torch.empty(dest.shape, dtype=file_dtype, device="cpu")
@@ -462,12 +441,9 @@ def _resolve_dtype(dtype, hf: dict, source: str) -> torch.dtype:
 
 
 def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.device, fills) -> "LLM":
-    """An LLM whose weights come from `fills`: (external name, fill(dest)) pairs, external names as
-    in `kmap` (key_map's form), each fill writing its tensor into `dest`, the rows it holds in the
-    Zoo tensor. The model is built on the meta device and each Zoo tensor allocated once, in `dtype`
-    on `device`, so q/k/v and gate/up land in their fused matrix without concatenation copies;
-    then the tensors are assigned, the LM head tied and the RoPE tables rebuilt on `device`.
-    Every name of `kmap` must be filled (the callers check names and shapes first)."""
+    """An LLM whose weights come from `fills`: (external name of `kmap`, fill(dest)) pairs, each writing its
+    rows of a Zoo tensor. Built on the meta device, each tensor allocated once in `dtype` on `device`
+    (no concatenation copies); the LM head tied and the RoPE tables rebuilt. Every name must be filled."""
     from ..blocks.rope import RotaryEmbedding
     from ..llm import LLM
 
@@ -504,9 +480,7 @@ def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.devic
     return model
 
 
-# ----------------------------------------------------------------------------------------
-# the format interface: detect / load / exports / save
-# ----------------------------------------------------------------------------------------
+# ----------------------------------- the format interface: detect / load / exports / save
 
 def _folder(path) -> Path:
     p = Path(path)
@@ -529,10 +503,7 @@ def detect(path) -> bool:
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Load a Hugging Face folder into a Zoo LLM. dtype None (or "auto") keeps the checkpoint's
-    dtype (config.json's `dtype`/`torch_dtype`, else fp32); device defaults to the CPU. How the
-    model runs is set on it afterwards (blocks/attention.py's set_backend, blocks/checkpoint.py's
-    checkpoint_units)."""
+    """Load a Hugging Face folder into a Zoo LLM; dtype None / "auto": the checkpoint's (else fp32)."""
     folder = _folder(path)
     cfg_file = folder / "config.json"
     hf = read_json(cfg_file)

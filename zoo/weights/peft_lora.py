@@ -4,12 +4,10 @@
     model = zoo.from_pretrained("adapter/", base="path/to/hf_llm")  # or named here
     save_adapter(model, "out/adapter", base="path/to/hf_llm")
 
-Key names are PEFT's: `base_model.model.<module>.lora_A.weight` (r, in), `.lora_B.weight`
-(out, r) and, for DoRA, `.lora_magnitude_vector` (out,), where <module> is the Hugging Face
-module (model.layers.0.self_attn.q_proj, ...; `zoo.adapters.lora_sites` has the map onto Zoo's
-fused projections). Only what PEFT's LoRA does and Zoo's LoRALinear computes the same way is
-read: an adapter_config.json asking for anything else (rank or alpha patterns, bias training,
-modules_to_save, regex targets, another PEFT method) is refused with an error naming the key.
+Key names are PEFT's (`base_model.model.<HF module>.lora_A.weight`, `.lora_B.weight`,
+`.lora_magnitude_vector`; `zoo.adapters.lora_sites` maps them onto Zoo's fused projections). An
+adapter_config.json asking for anything Zoo's LoRALinear would compute differently is refused
+with an error naming the key.
 """
 from __future__ import annotations
 
@@ -112,8 +110,7 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_adapter_weights(model, path: Path):
-    """Read PEFT-named adapter tensors into `model`'s adapters; every missing, unexpected or
-    wrongly shaped tensor is one error naming the file."""
+    """Read PEFT-named adapter tensors into `model`; any mismatch is one error naming the file."""
     found = load_tensors(path)
     want = adapter_state(model)
     missing = [k for k in want if k not in found]

@@ -1,16 +1,12 @@
 """Quantized LLMs (zoo/quantization.py) on disk: a Zoo folder whose weights are torchao's.
 
-    out/config.yaml        family: llm, the model: section, and quantization: {scheme, group_size,
-                           keep, layout, device, dtype}
-    out/model.pt           the quantized state dict, torch.save of torchao's tensor subclasses
+    out/config.yaml        family: llm, the model: section, and quantization: {scheme, group_size, ...}
+    out/model.pt           the quantized state dict (torchao's tensor subclasses)
     out/tokenizer.*        the tokenizer file, when given
 
-torchao's serialization: its tensor subclasses are registered as safe to load, so model.pt is
-read with torch.load(weights_only=True) like every torch file Zoo reads (no code runs), and
-loaded into a model built from config.yaml with load_state_dict(assign=True). The packed layout
-of a scheme is the device's (int4wo packs differently on a CPU and on CUDA), so a file made on one
-device may not run on another: loading it there is a one-line error naming the file, the scheme
-and the device, instead of a failure inside the first forward.
+torchao registers its tensor subclasses as safe, so model.pt loads with weights_only=True (no code
+runs) into a model built from config.yaml. A scheme's packed layout is the device's, so loading on
+a device without its kernel is a one-line error naming the file, the scheme and the device.
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """TAESD weights in and out: original .pth / .safetensors pairs and diffusers AutoencoderTiny folders.
 
-Original format (madebyollin/taesd): two flat nn.Sequential state dicts, `<name>_encoder.pth` and
-`<name>_decoder.pth` (fp16, torch.save; read with weights_only=True), or the same keys in
-`<name>_encoder.safetensors` / `<name>_decoder.safetensors`. Keys are zoo's own minus the
-`encoder.` / `decoder.` prefix. Point at either file of the pair (or at a folder holding one pair).
-
-diffusers format: a folder with config.json (`_class_name: AutoencoderTiny`) and
-diffusion_pytorch_model.safetensors. Keys `encoder.layers.{i}` are zoo's `encoder.{i}`;
-`decoder.layers.{i}` are zoo's `decoder.{i+1}` (diffusers has no module for the input clamp).
-diffusers' encode takes images in [-1, 1] and its decode returns [-1, 1]; zoo's TAESD works in
-[0, 1], and the weights are the same, so only the keys differ.
-
-The variant (latent channels, FLUX.2 mid-block branch, width) is read from the tensors.
+Original format (madebyollin/taesd): `<name>_encoder.pth` and `<name>_decoder.pth` (or
+.safetensors), flat nn.Sequential state dicts whose keys are zoo's minus the `encoder.` /
+`decoder.` prefix; point at either file (or a folder holding one pair). diffusers format: a folder
+with config.json (`_class_name: AutoencoderTiny`); its decoder layers are shifted by one (no module
+for the clamp), and its [-1, 1] images are the same weights as zoo's [0, 1], so only keys differ.
+The variant (latent channels, FLUX.2 branch, width) is read from the tensors.
 """
 from __future__ import annotations
 
@@ -76,9 +70,7 @@ def detect(path) -> bool:
     return "0.weight" in keys and any(re.fullmatch(r"\d+\.conv\.0\.weight", k) for k in keys)
 
 
-# ---------------------------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------- loading
 
 def variant_of(sd: dict, source) -> dict:
     """Read the TAESD variant from a zoo-keyed state dict."""
@@ -130,10 +122,8 @@ def _load_diffusers(p: Path) -> tuple[dict, dict]:
 
 
 def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, channels=None, **_) -> TAESD:
-    """TAESD from an original pair (either file, or a folder holding one pair) or a diffusers folder.
-    latent_channels / midblock_gn / channels, when given, must match the weights' variant.
-    The model remembers its source format (`pretrained_format`: the pair's name, file type and
-    dtype, or diffusers), which save() writes by default."""
+    """TAESD from an original pair (either file, or a folder holding one) or a diffusers folder; the
+    variant keywords, when given, must match the weights'. It remembers `pretrained_format` for save()."""
     p = Path(path)
     expected = {"latent_channels": latent_channels, "midblock_gn": midblock_gn, "channels": channels}
     if _is_diffusers(p):
@@ -160,22 +150,17 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
     return model
 
 
-# ---------------------------------------------------------------------------------------------
-# export
-# ---------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------- export
 
 def exports(model) -> bool:
     return isinstance(model, TAESD)
 
 
 def save(model: TAESD, path, format: str | None = None, dtype=None, name: str | None = None, **_) -> Path:
-    """Write `model` as an original pair (format="taesd": `<name>_encoder.pth` and
-    `<name>_decoder.pth`, or .safetensors) or as a diffusers AutoencoderTiny folder
-    (format="diffusers"). A path ending in _encoder.pth / _decoder.pth (or .safetensors) is a
-    pair; any other path is a folder. By default a model goes back in the format, file type,
-    name and dtype it was loaded from (`pretrained_format`; TAESD's own files are fp16); a model
-    built here goes to a folder as diffusers, in its own dtype. Returns the encoder file or the
-    folder."""
+    """Write `model` as an original pair (format="taesd"; a path ending _encoder.pth / _decoder.pth or
+    .safetensors) or a diffusers AutoencoderTiny folder (format="diffusers", any other path). By
+    default a model goes back as it was loaded (`pretrained_format`); one built here goes to a
+    diffusers folder. Returns the encoder file or the folder."""
     p = Path(path)
     source = getattr(model, "pretrained_format", None) or {}
     if format is None:

@@ -1,20 +1,14 @@
 """timm weights in and out for the ConvNet family: ResNet (and torchvision's ResNets), ConvNeXt V1 / V2,
 EfficientNet and MobileNetV3.
 
-Zoo's ConvNets use timm's parameter names (ResNet: conv1, layer1.0.conv1, ..., fc, which are
-torchvision's too; ConvNeXt: stem.0, stages.i.blocks.j..., head.fc; EfficientNet and MobileNetV3:
-conv_stem, blocks.i.j..., conv_head, classifier), so the name map is the identity; this module
-reads the file, tells the kind from the keys, infers the architecture (or checks the one given,
-a timm name), checks every name and shape, and writes the same layout back.
+Zoo's ConvNets use timm's parameter names, so the name map is the identity; this module reads the
+file (.safetensors, a .pth/.pt/.bin/.ckpt state dict read with weights_only=True, or a timm hub
+folder), tells the kind from the keys, infers the architecture (or checks the timm name given),
+checks every name and shape, and writes the same layout back.
 
     model = zoo.from_pretrained("resnet50.pth")                     # arch inferred from the keys
     model = zoo.from_pretrained("convnext_tiny.safetensors", arch="convnext_tiny", num_classes=10)
-    model = zoo.from_pretrained("timm_folder/")                     # its config.json names the arch
     zoo.save_pretrained(model, "out/model.safetensors")             # or .pth, or a folder
-
-Accepted files: .safetensors, or .pth/.pt/.bin/.ckpt read with torch.load(weights_only=True)
-(a bare state dict, or one wrapped as {"state_dict": ...} / {"model": ...}, "module." prefixes
-stripped), or a folder holding model.safetensors or pytorch_model.bin (timm's hub layout).
 """
 from __future__ import annotations
 
@@ -86,11 +80,9 @@ def detect(path) -> bool:
 
 def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<state dict>", base: dict | None = None,
                            **overrides) -> ConvNetConfig:
-    """Infer a ConvNetConfig from timm-layout keys and shapes (in_chans and num_classes always from the
-    shapes). Without `arch`, the architecture is inferred: ResNet and ConvNeXt from their blocks per stage,
-    widths and stem; EfficientNet and MobileNetV3 as the preset whose every tensor shape matches. With
-    `arch` (a timm name), the preset; a file of another kind is a one-line error, a preset that does not
-    fit shows as one when loading. `base`: a saved Zoo config the file carries (Zoo's own exports)."""
+    """Infer a ConvNetConfig from timm-layout keys and shapes: ResNet and ConvNeXt from their stages,
+    EfficientNet and MobileNetV3 as the preset whose every shape matches; or the preset `arch` names.
+    `base`: a saved Zoo config the file carries (Zoo's own exports)."""
     if "conv1.0.weight" in sd:
         raise ValueError(f"{source}: deep stem (conv1.0/conv1.3/conv1.6, timm's resnet*c/d/t variants) "
                          "is not supported; only the plain conv1 stem is")
@@ -183,8 +175,7 @@ def _depths(sd, stage: str, block_key: str, start: int) -> list:
 
 
 def _matching_preset(sd, kind: str, cfg: dict, source: str) -> str:
-    """The first preset of `kind` whose model (built on the meta device, with cfg's keys) has every tensor
-    of sd with the same shape."""
+    """The first preset of `kind` whose model (on the meta device) has every tensor of sd's shape."""
     from ..convnet import build
     head = HEADS[kind] + "."
     shapes = {k: tuple(v.shape) for k, v in sd.items() if not k.startswith(head)}
@@ -201,9 +192,8 @@ def _matching_preset(sd, kind: str, cfg: dict, source: str) -> str:
 
 
 def load_into(model, sd: dict, source: str = "<state dict>") -> None:
-    """Copy a timm-layout state dict into a Zoo ConvNet. Missing, unexpected and mis-shaped keys are one
-    error listing them; a classifier of another size (or none) leaves the model's own freshly
-    initialised head, with a warning."""
+    """Copy a timm-layout state dict into a Zoo ConvNet: key and shape mismatches are one error listing
+    them; a classifier of another size (or none) leaves the model's fresh head, with a warning."""
     own = model.state_dict()
     sd = dict(sd)
     name = model.classifier_name
@@ -262,9 +252,8 @@ def saved_config(path) -> tuple[str | None, dict | None]:
 
 
 def load(path, arch: str | None = None, num_classes: int | None = None, **overrides):
-    """A Zoo ConvNet (eval mode) with the weights of `path`; see the module docstring. The model
-    remembers the file name it came from (`pretrained_format`), so that save() to a folder writes
-    it back in the same file type."""
+    """A Zoo ConvNet (eval mode) with the weights of `path`; it remembers the file name it came from
+    (`pretrained_format`), so save() to a folder writes the same file type back."""
     from ..convnet import build
     sd = read_state_dict(path)
     if num_classes is not None:
@@ -287,12 +276,9 @@ def exports(model) -> bool:
 
 
 def save(model, path, **kwargs) -> Path:
-    """Write timm's key layout: a path ending .safetensors, or .pth/.pt/.bin
-    (torch.save), is that file. Any other path is a folder: a model loaded from a single file
-    goes back as that file's name inside it (resnet50.pth -> folder/resnet50.pth); otherwise the
-    folder gets model.safetensors (or the weight file it was loaded with) and a config.json with
-    the zoo config (a .safetensors file carries the zoo config in its metadata too, so that a reshaped
-model loads back as it is). Returns the weight file written."""
+    """Write timm's key layout: to a .safetensors or .pth/.pt/.bin path as that file; to a folder as the
+    file the model was loaded from, else model.safetensors with a config.json carrying the zoo config.
+    Returns the weight file written."""
     if kwargs:
         raise TypeError(f"save_pretrained for a ConvNet takes no options, got {', '.join(kwargs)}")
     p = Path(path)

@@ -1,16 +1,10 @@
 """Zoo's own LLM format: a folder holding `config.yaml` (`family: llm` and a `model:` section) and
 `model.safetensors` (Zoo's state-dict names), plus the tokenizer file when there is one.
 
-Every train/run.py output folder of an LLM is one (the loop writes config.yaml, model.safetensors
-and the tokenizer it trained on), and `zoo.save_pretrained` writes one for an LLM that no Hugging
-Face architecture holds (Mixture-of-Depths routers and thresholds, qk-norm on a dense model, MoE
-options such as sigmoid scoring) or that has a trained MoE routing bias. So such
-a model loads back with `zoo.from_pretrained(folder)` and fine-tunes with
-`train.init_from=folder`. A Hugging Face folder (with config.json) is left to that format.
-
-Loading builds the model from config.yaml and reads model.safetensors, every name and shape
-checked against the model before anything is copied: a missing, unexpected or misshapen tensor
-is a one-line error naming the file.
+Every LLM run folder is one, and `zoo.save_pretrained` writes one for an LLM no Hugging Face
+architecture holds (Mixture-of-Depths, qk-norm on a dense model, some MoE options, a trained
+routing bias), so it loads with `zoo.from_pretrained(folder)` and fine-tunes with
+`train.init_from=folder`. Every name and shape is checked before anything is copied.
 """
 from __future__ import annotations
 
@@ -46,8 +40,7 @@ def detect(path) -> bool:
 
 
 def tokenizer_of(path) -> Optional[str]:
-    """The tokenizer the folder's model was trained with: its tokenizer file, 'bytes' when its
-    config.yaml says so, else None."""
+    """The tokenizer the folder's model was trained with: its file, 'bytes' per config.yaml, or None."""
     f = _folder(path)
     for name in TOKENIZER_FILES:
         if (f / name).is_file():
@@ -58,9 +51,7 @@ def tokenizer_of(path) -> Optional[str]:
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Build the LLM of config.yaml and load model.safetensors into it. dtype None keeps the file's
-    floating dtype; device defaults to the CPU. How the model runs is set on it afterwards
-    (blocks/attention.py's set_backend, blocks/checkpoint.py's checkpoint_units)."""
+    """Build the LLM of config.yaml and load model.safetensors; dtype None keeps the file's."""
     from ..config import LLMConfig
     from ..llm import LLM
     from .hf_llm import _listing, _resolve_dtype
@@ -93,8 +84,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
 
 
 def cast_weights(model, dtype: torch.dtype):
-    """Cast the model's parameters to `dtype` in place; its buffers (RoPE tables, MoD thresholds,
-    MoE biases) stay float32. Returns the model."""
+    """Cast the model's parameters to `dtype` in place (buffers stay float32); returns the model."""
     kept = {(m, n): b for m in model.modules() for n, b in m._buffers.items() if b is not None}
     model.to(dtype=dtype)
     for (m, n), b in kept.items():
