@@ -39,6 +39,9 @@ CASES = [
     (BASE, ["train.seed=99999999999999999999999"], ["train.seed", "64 bits"]),
     (BASE, ["optim.betas=[0.9, 0.95, 0.99]"], ["optim.betas"]),
     (BASE, ["colour=red"], ["colour"]),
+    (BASE, ["train.max_step=3"], ["train.max_step", "did you mean 'train.max_steps'?"]),
+    (BASE, ["trian.max_steps=3"], ["trian", "did you mean 'train'?"]),
+    (BASE, ["train.init_from=README.md"], ["train.init_from=README.md", "is a file", "folder", ".gguf"]),
     (BASE.replace("family: llm", "family: gan"), [], ["family", "gan"]),
     ("model: [1, 2\n", [], ["invalid YAML"]),
     ("- a\n- b\n", [], ["mapping"]),
@@ -80,8 +83,9 @@ def test_every_shipped_config_loads(path, tmp_path):
     if init and not Path(init).exists():  # a placeholder for the user's weights: named in a one-line error
         with pytest.raises(ConfigError, match=rf"train.init_from={re.escape(init)}: no such file or folder"):
             load_run_config(str(path), [])
-        (tmp_path / "weights.safetensors").write_bytes(b"")
-        over = [f"train.init_from={tmp_path / 'weights.safetensors'}"]
+        weights = tmp_path / "weights.safetensors"  # an LLM's weights come in a folder (or a .gguf file)
+        weights.mkdir() if "family: llm" in text else weights.write_bytes(b"")
+        over = [f"train.init_from={weights}"]
     load_run_config(str(path), over)
 
 
@@ -241,3 +245,22 @@ def test_bounds_hold_for_a_config_built_in_code_and_validate_keeps_only_cross_fi
     # a declared bound is not checked again by hand in validate()
     src = inspect.getsource(LLMConfig.validate)
     assert "self.n_layers <= 0" not in src and "self.mod_every <= 0" not in src and "must be > 0" not in src
+
+
+def test_keys_of_the_files_format_do_not_apply_to_another_format():
+    """tiny.yaml sets data.max_chars (the text format's); data.format=messages on the command line
+    leaves it out instead of calling it an unknown key. A key of the new format's own still applies."""
+    cfg = load_run_config(str(ROOT / "configs/llm/tiny.yaml"), ["data.format=messages", "data.seq_len=64"])
+    assert cfg.data.format == "messages" and cfg.data.seq_len == 64
+    with pytest.raises(ConfigError, match="data.max_chars"):  # typed by the user: still an error
+        load_run_config(str(ROOT / "configs/llm/tiny.yaml"), ["data.format=messages", "data.max_chars=5"])
+
+
+def test_help_lists_the_sections_and_keys_and_leaves_a_closed_pipe_quietly():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "train/run.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "  train: out_dir, max_steps" in out.stdout and "  optim: name, lr" in out.stdout
+    head = subprocess.run(f"{sys.executable} train/run.py --help | head -1", shell=True, cwd=ROOT,
+                          capture_output=True, text=True)
+    assert head.stdout.startswith("Train or fine-tune") and head.stderr == "", head.stderr

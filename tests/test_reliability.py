@@ -41,7 +41,7 @@ CFG = {
     "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
     "data": {"tokenizer": "bytes", "seq_len": 64},
     "train": {"max_steps": 150, "batch_size": 8, "log_every": 1, "eval_every": 0, "eval_batches": 2,
-              "checkpoint_every": 5, "keep_checkpoints": 2, "device": "cpu", "deterministic": False,
+              "checkpoint_every": 5, "keep_checkpoints": 2, "average_last": 2, "device": "cpu", "deterministic": False,
               "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False},
     "optim": {"lr": 3e-3, "warmup_steps": 5},
 }
@@ -154,7 +154,7 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, ref
     assert curve(out) == ref_curve  # every step logged once, with the uninterrupted run's numbers
     ref_out = reference[3]  # and the files themselves, byte for byte
     assert (out / "model.safetensors").read_bytes() == (ref_out / "model.safetensors").read_bytes()
-    assert (out / "metrics.jsonl").read_bytes() == (ref_out / "metrics.jsonl").read_bytes()
+    assert (out / "metrics.jsonl").read_bytes() == (ref_out / "metrics.jsonl").read_bytes()  # avg_* included
     assert not list((out / "checkpoints").glob(".tmp-*"))  # killed writers' leftovers are cleaned up
     assert len(list_checkpoints(out)) == CFG["train"]["keep_checkpoints"]
 
@@ -210,9 +210,13 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
     assert cut and not cut & after and max(before) in after, (cut, before, after)
     assert all(name > max(before) for name in after - before), (before, after)
     assert finish(launch(run_cfg, out)) == 0
-    ref_weights, ref_curve, _, _ = reference
+    ref_weights, ref_curve, _, ref_out = reference
     assert_bitwise_equal(weights(out / "model.safetensors"), ref_weights)
     assert curve(out) == ref_curve
+    # averaging (train.average_last: 2) counts the schedule's checkpoints only, never a signal's:
+    # the files, the average's metrics included, are the uninterrupted run's byte for byte
+    for name in ("metrics.jsonl", "model.safetensors", "model_avg.safetensors"):
+        assert (out / name).read_bytes() == (ref_out / name).read_bytes(), name
 
 
 # ------------------------------------------------------------------------------ in-process runs

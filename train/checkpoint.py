@@ -74,6 +74,18 @@ def list_checkpoints(out_dir) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
+def interval_checkpoints(out_dir) -> list[Path]:
+    """The checkpoints the run's schedule wrote (not a signal's), newest first: what `keep` counts and
+    averaging averages, so that an interrupted and resumed run keeps and averages what an
+    uninterrupted one does."""
+    def interval(p):
+        try:
+            return json.loads((p / "manifest.json").read_text()).get("interval", True)
+        except (OSError, ValueError):
+            return True
+    return [p for p in list_checkpoints(out_dir) if interval(p)]
+
+
 def set_aside(out_dir) -> Path:
     """Move the checkpoints of a previous run out of the way (train.resume=false): a fresh run
     must neither resume from them nor have its own checkpoints rotated away by their higher steps."""
@@ -90,8 +102,9 @@ def set_aside(out_dir) -> Path:
 
 
 def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None, extra: Optional[dict] = None,
-                    keep: int = 2, keys: Optional[set] = None) -> Path:
-    """keys: the state-dict names to write (an adapter run: what trains); None = the whole model."""
+                    keep: int = 2, keys: Optional[set] = None, interval: bool = True) -> Path:
+    """keys: the state-dict names to write (an adapter run: what trains); None = the whole model.
+    interval=False: a checkpoint outside the run's schedule (a signal's), kept only until the next."""
     root = Path(out_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -106,13 +119,15 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     torch.save(state, tmp / "state.pt")
-    publish(out_dir, tmp, final, step, keep, os.getpid())
+    publish(out_dir, tmp, final, step, keep, os.getpid(), interval=interval)
     return final
 
 
-def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None):
+def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None,
+            interval: bool = True):
     """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest last,
-    rename it to `final`, drop checkpoints beyond the newest `keep` and killed writers' temporaries.
+    rename it to `final`, drop killed writers' temporaries and the checkpoints beyond the newest `keep`
+    interval ones (those of the run's schedule; the newest checkpoint is always kept, a signal's too).
     fmt: "dcp" for a sharded checkpoint; None: the one-process layout."""
     root = final.parent
     files = {}
@@ -120,7 +135,8 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
         fsync_file(f)
         files[f.name] = {"size": f.stat().st_size, **({} if self_checked(f) else {"crc32": file_crc32(f)})}
     manifest = tmp / "manifest.json"
-    manifest.write_text(json.dumps({"step": step, **({"format": fmt} if fmt else {}), "files": files}, indent=1))
+    manifest.write_text(json.dumps({"step": step, **({"format": fmt} if fmt else {}),
+                                    **({} if interval else {"interval": False}), "files": files}, indent=1))
     fsync_file(manifest)
     fsync_dir(tmp)
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
@@ -131,8 +147,11 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
     else:
         os.replace(tmp, final)
     fsync_dir(root)
-    for stale in list_checkpoints(out_dir)[keep:]:
-        shutil.rmtree(stale, ignore_errors=True)
+    every = list_checkpoints(out_dir)
+    kept = set(interval_checkpoints(out_dir)[:keep]) | set(every[:1])
+    for stale in every:
+        if stale not in kept:
+            shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):  # temporary directories of killed writers
         if not leftover.name.endswith(f"-{tag}"):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -308,7 +327,7 @@ def _dcp_state(model, optimizer, ema) -> dict:
 
 
 def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
-             extra: Optional[dict] = None, keep: int = 2) -> Path:
+             extra: Optional[dict] = None, keep: int = 2, interval: bool = True) -> Path:
     """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
     manifest and renames it into place (publish). Collective."""
     import torch.distributed.checkpoint as dcp
@@ -331,7 +350,7 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
         torch.save(state, tmp / "state.pt")
-        publish(out_dir, tmp, final, step, keep, tag, fmt="dcp")
+        publish(out_dir, tmp, final, step, keep, tag, fmt="dcp", interval=interval)
     par.barrier()  # nobody goes on (or is killed as done) before the checkpoint is in place
     return final
 
@@ -426,12 +445,14 @@ class Checkpointer:
             extra["metrics"] = self.metrics.state_dict()
         scaler = run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
         ema = run.ema.model if run.ema is not None else None
+        every = self.t.checkpoint_every
+        interval = step >= self.t.max_steps or bool(every and step % every == 0)  # else a signal's
         if run.par.active:
             path = save_dcp(run.par, self.out, step, run.model, run.optimizer, scaler, ema, extra=extra,
-                            keep=self.t.keep_checkpoints)
+                            keep=self.t.keep_checkpoints, interval=interval)
         else:
             path = save_checkpoint(self.out, step, run.model, run.optimizer, scaler, ema, extra=extra,
-                                   keep=self.t.keep_checkpoints, keys=run.keys)
+                                   keep=self.t.keep_checkpoints, keys=run.keys, interval=interval)
         self.say(f"checkpoint: {path}")
 
     # ------------------------------------------------------------------ averaging
@@ -441,7 +462,7 @@ class Checkpointer:
         run, t = self.run, self.t
         if run.par.active and not run.par.main:
             return {}
-        used = list(reversed(list_checkpoints(self.out)[:t.average_last]))  # oldest first
+        used = list(reversed(interval_checkpoints(self.out)[:t.average_last]))  # oldest first
         if not used:
             raise RunStopped(f"{self.out / CKPT_DIR}: no checkpoints to average", EXIT_CONFIG)
         path = average_last(self.out, used, t.average_weighting)

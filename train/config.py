@@ -12,13 +12,13 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 import re
 from typing import Any, Literal, Optional, Union
 
 from zoo.adapters import AdapterConfig
-from zoo.config import (ConfigError, bounded, deep_merge, fail, from_dict, load_yaml, model_config_from,
+from zoo.config import (ConfigError, bounded, deep_merge, did_you_mean, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
 from zoo.pruning import parse_pattern
 
@@ -270,7 +270,8 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(f"{source}: the config must be a mapping")
     for k in data:
         if k not in SECTIONS:
-            raise ConfigError(f"{source}: unknown key {str(k)!r} (known: {', '.join(SECTIONS)})")
+            raise ConfigError(f"{source}: unknown key {str(k)!r}{did_you_mean(str(k), SECTIONS)} "
+                              f"(known: {', '.join(SECTIONS)})")
     family = data.get("family", "llm")
     if not isinstance(family, str):
         raise ConfigError(f"{source}: family must be a string, got {family!r}")
@@ -343,6 +344,21 @@ def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = No
     data = load_yaml(path) if path else dict(base or {})
     source = str(path) if path else "<config>"
     if overrides:
-        data = deep_merge(data, parse_overrides(list(overrides)))
+        over = parse_overrides(list(overrides))
+        data = deep_merge(for_format(data, (over.get("data") or {}).get("format")), over)
         source = f"{source} (with overrides)" if path else "command line"
     return run_config_from_dict(data, source)
+
+
+def for_format(data: dict, fmt) -> dict:
+    """The file's config with its data: keys that the data.format given on the command line does not
+    know left out (they belong to the file's own format: data.max_chars of text, say)."""
+    section = data.get("data")
+    if not isinstance(fmt, str) or not isinstance(section, dict) or section.get("format") == fmt:
+        return data
+    from .tasks import task_class
+    try:
+        known = {f.name for f in fields(task_class(data.get("family", "llm"), data=dict(section, format=fmt)).DataConfig)}
+    except ConfigError:
+        return data  # an unknown family: its one-line error comes later
+    return {**data, "data": {k: v for k, v in section.items() if k in known}}

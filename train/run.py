@@ -9,6 +9,7 @@ non-finite losses in a row; 75 stopped by SIGTERM/SIGINT after writing a checkpo
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,12 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        try:
+            print(__doc__.strip() + "\n\nSections and keys (each key's meaning: docs/llm.md and the family's page):\n"
+                  + keys_help())
+            sys.stdout.flush()
+        except BrokenPipeError:  # `... --help | head`: the reader left, nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     path = None
     if argv and "=" not in argv[0]:
@@ -51,6 +57,26 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def keys_help() -> str:
+    """Every section of a run config with its keys, briefly."""
+    import dataclasses
+    import textwrap
+
+    from zoo.adapters import AdapterConfig
+    from zoo.config import FAMILIES
+
+    from train.config import OptimConfig, TrainConfig
+    from train.tasks import task_class
+
+    def keys(section: str, cls) -> str:
+        names = ", ".join(f.name for f in dataclasses.fields(cls) if f.init)
+        return textwrap.fill(f"{section}: {names}", 100, initial_indent="  ", subsequent_indent="      ")
+    lines = [f"  family: {' | '.join(FAMILIES)}"]
+    for name, family in FAMILIES.items():
+        lines += [keys(f"model ({name})", family.config), keys(f"data ({name})", task_class(name).DataConfig)]
+    return "\n".join(lines + [keys("train", TrainConfig), keys("optim", OptimConfig), keys("adapter", AdapterConfig)])
 
 
 if __name__ == "__main__":

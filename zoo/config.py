@@ -138,11 +138,19 @@ def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
         if k in moved:
             raise ConfigError(f"{source}: {prefix + str(k)} moved to {moved[k]}")
         if k not in names:
-            raise ConfigError(f"{source}: unknown key {prefix + str(k)!r} (known: {', '.join(names)})")
+            raise ConfigError(f"{source}: unknown key {prefix + str(k)!r}{did_you_mean(str(k), names, prefix)} "
+                              f"(known: {', '.join(names)})")
         kwargs[k] = _coerce(v, hints[k], prefix + k, source)
     obj = cls(**kwargs)
     check(obj, source, prefix)
     return obj
+
+
+def did_you_mean(key: str, names, prefix: str = "") -> str:
+    """'; did you mean X?' naming the closest of `names` to a misspelled `key`, or ''."""
+    import difflib
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return f"; did you mean {prefix + close[0]!r}?" if close else ""
 
 
 def bounded(default=dataclasses.MISSING, *, gt=None, ge=None, lt=None, le=None,

@@ -44,12 +44,15 @@ class Problems:
     def __init__(self):
         self.counts: Counter = Counter()
         self.files: dict[str, list[str]] = {k: [] for k in self.KINDS}
+        self.lines: dict[str, list[int]] = {k: [] for k in self.KINDS}  # the first file's, up to 5
 
-    def add(self, kind: str, file, n: int = 1):
+    def add(self, kind: str, file, n: int = 1, line: Optional[int] = None):
         if n:
             self.counts[kind] += n
             if str(file) not in self.files[kind][-1:]:
                 self.files[kind].append(str(file))
+            if line is not None and len(self.files[kind]) == 1 and len(self.lines[kind]) < 5:
+                self.lines[kind].append(line)
 
     def summary(self, path: str) -> Optional[str]:
         """One line: every kind with its count and the first file it was met in; None if none."""
@@ -59,7 +62,10 @@ class Problems:
         for k, what in self.KINDS.items():
             if self.counts[k]:
                 files = self.files[k]
-                where = files[0] + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
+                lines = self.lines[k]
+                where = files[0] + (f" (line{'s' * (len(lines) > 1)} {', '.join(map(str, lines))}"
+                                    f"{', ...' if self.counts[k] > len(lines) else ''})" if lines else "")
+                where += f" and {len(files) - 1} more files" if len(files) > 1 else ""
                 parts.append(f"{where}: {self.counts[k]} {what}")
         return f"data: bad documents in {path}: " + "; ".join(parts)
 
@@ -164,7 +170,7 @@ def _text_pieces(f: Path, problems: Problems) -> Iterator[Doc]:
 
 def _jsonl_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
     with _open_binary(f) as fh:
-        for raw in fh:
+        for number, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
             line = raw.decode("utf-8", errors="surrogateescape")
@@ -173,7 +179,7 @@ def _jsonl_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
                 if not isinstance(text, str):
                     raise TypeError
             except (ValueError, KeyError, TypeError, IndexError):
-                problems.add("bad_json", f)
+                problems.add("bad_json", f, line=number)
                 continue
             if not text.strip():
                 problems.add("empty", f)

@@ -42,7 +42,10 @@ class LMTask(Task):
 
     @staticmethod
     def validate_config(cfg):
-        m, d = cfg.model, cfg.data
+        m, d, init = cfg.model, cfg.data, cfg.train.init_from
+        if init is not None and Path(init).expanduser().is_file() and not init.endswith(".gguf"):
+            raise ConfigError(f"{cfg.source}: train.init_from={init} is a file: give the folder that holds it "
+                              f"(a Hugging Face or Zoo LLM folder) or a .gguf file")
         if cfg.train.init_from is None and d.seq_len > m.max_seq_len:
             raise ConfigError(f"{cfg.source}: data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         if cfg.train.init_from is None and d.tokenizer == "bytes" and m.vocab_size < 256:
