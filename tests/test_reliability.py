@@ -219,6 +219,23 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
         assert (out / name).read_bytes() == (ref_out / name).read_bytes(), name
 
 
+def test_a_signals_checkpoint_is_never_averaged(run_cfg, tmp_path):
+    """With checkpoints only at the end, a SIGINT's checkpoint would be among train.average_last's two
+    if it counted: the resumed run averages what the uninterrupted one does (the final checkpoint
+    alone), so its files equal the uninterrupted run's byte for byte."""
+    over = ["train.checkpoint_every=0", "train.average_last=2"]
+    ref, out = tmp_path / "ref", tmp_path / "int"
+    assert finish(launch(run_cfg, ref, *over)) == 0
+    p = launch(run_cfg, out, *over)
+    assert wait_for_training(p, out, 0)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    assert finish(p) == 75
+    assert finish(launch(run_cfg, out, *over)) == 0
+    for name in ("metrics.jsonl", "model.safetensors", "model_avg.safetensors"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
 # ------------------------------------------------------------------------------ in-process runs
 SMALL = {**CFG, "train": {**CFG["train"], "max_steps": 20, "deterministic": True}}
 
