@@ -79,11 +79,11 @@ class Run:
         return self.autocast()
 
     def write_config(self, out):
-        """<out>/config.yaml: the run's config with its resolved values (what a resume compares); with
-        train.init_from, the model: section is the architecture loaded."""
+        """<out>/config.yaml: the run's config with its resolved values; the model: section is the
+        architecture built (the one loaded with train.init_from; an image folder's channels and classes)."""
         data = self.cfg.to_dict()
         built = getattr(self.model, "config", None)
-        if self.cfg.train.init_from and type(built) is type(self.cfg.model):
+        if type(built) is type(self.cfg.model):
             data["model"] = to_dict(built)
         atomic_write(Path(out) / "config.yaml", yaml.safe_dump(data, sort_keys=False))
 

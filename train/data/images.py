@@ -8,6 +8,7 @@ uint8 crops travel to the device and are normalised there.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 from pathlib import Path
@@ -70,6 +71,19 @@ def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) ->
 
 
 # ------------------------------------ ImageFolder-style directories: root/<class>/<image>
+
+def folder_channels(paths, sample: int = 16) -> int:
+    """3 if any of the first `sample` images has colour (RGB, palette, CMYK, ...), else 1 (all grey)."""
+    from PIL import Image
+    for path in itertools.islice(paths, sample):
+        try:
+            with Image.open(path) as im:
+                if im.mode not in ("1", "L", "LA", "I", "I;16", "F"):
+                    return 3
+        except OSError:
+            continue  # unreadable: skipped when training too
+    return 1
+
 
 def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool = False) -> tuple[list, list]:
     """root/<class name>/**/<image> -> (class names sorted, [(path, label), ...]); one-line errors naming

@@ -7,6 +7,7 @@ batch, augmentations included, is a function of (seed, step, micro) only, so res
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from zoo.weights import timm_convnet
 
 from ..data import DataError
 from ..data.images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, augment_seeded, auto_augment_op, collate_images,
-                      digits_dataset, epoch_positions, mix_batch, random_erase, random_shift, scan_image_folder)
+                      digits_dataset, epoch_positions, folder_channels, mix_batch, random_erase, random_shift,
+                           scan_image_folder)
 from . import Task
 
 
@@ -109,20 +111,25 @@ class ClassifyTask(Task):
     def setup(self):
         cfg, d = self.cfg, self.cfg.data
         self.pretrained = None
-        self.model_cfg = cfg.model
+        self.augment = auto_augment_op(d.auto_augment, d.randaugment_ops, d.randaugment_magnitude)
+        self.digits = d.path == "digits"
+        self.size = d.image_size or (32 if self.digits else 224)
+        self.bad: set = set()
+        if self.digits:
+            self.classes, seen = [str(i) for i in range(10)], None
+        else:
+            train_s, val_s = self._scan(Path(d.path), d.val_path)
+            seen = folder_channels(p for p, _ in train_s)
+        self.model_cfg = self._fit_to_data(seen)
         if cfg.train.init_from:  # the architecture (and input channels) come from the weights
             def read(path):
                 sd = timm_convnet.read_state_dict(path)
                 named, base = timm_convnet.saved_config(path)  # a timm folder's arch, a Zoo export's config
                 return sd, timm_convnet.config_from_state_dict(
-                    sd, named, str(path), base, num_classes=cfg.model.num_classes, drop_rate=cfg.model.drop_rate,
-                    drop_path_rate=cfg.model.drop_path_rate)
+                    sd, named, str(path), base, num_classes=self.model_cfg.num_classes,
+                    drop_rate=cfg.model.drop_rate, drop_path_rate=cfg.model.drop_path_rate)
             self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
         channels = self.model_cfg.in_chans
-        self.augment = auto_augment_op(d.auto_augment, d.randaugment_ops, d.randaugment_magnitude)
-        self.digits = d.path == "digits"
-        self.size = d.image_size or (32 if self.digits else 224)
-        self.bad: set = set()
         if self.digits:
             try:
                 x, y = digits_dataset("train", self.size, channels, d.val_fraction, cfg.train.seed)
@@ -131,19 +138,14 @@ class ClassifyTask(Task):
                 raise DataError(f"data.path=digits: {e}") from None
             self.train_x, self.train_y = x.to(self.device), y.to(self.device)
             self.val_x, self.val_y = xv.to(self.device), yv.to(self.device)
-            self.classes = [str(i) for i in range(10)]
             self.n_train = len(y)
         else:
-            train_s, val_s = self._scan(Path(d.path), d.val_path)
             kw = dict(size=self.size, channels=channels, scale=d.scale, ratio=d.ratio, hflip=d.hflip, crop_pct=d.crop_pct)
             self.train_set = FolderImages(train_s, train=True, augment=self.augment, **kw)
             self.train_eval_set = FolderImages(train_s, train=False, **kw)  # for BatchNorm recalibration
             self.val_set = FolderImages(val_s, train=False, **kw)
             self.n_train = len(train_s)
         mean, std = normalization(d, channels)
-        if self.model_cfg.num_classes != len(self.classes):
-            raise ConfigError(f"{cfg.source}: model.num_classes={self.model_cfg.num_classes} but {d.path} has "
-                              f"{len(self.classes)} classes (set model.num_classes={len(self.classes)})")
         std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_inv_std = 1.0 / std_t
@@ -151,6 +153,19 @@ class ClassifyTask(Task):
         self._iter, self._next = None, None
         self.log(f"data: {d.path}: {self.n_train} train / {self.n_val} val images, {len(self.classes)} classes, "
                  f"{self.size}x{self.size}, {channels} channel(s)")
+
+    def _fit_to_data(self, channels: Optional[int]):
+        """The model config with what the data decides where the config says otherwise: the class count,
+        and an image folder's channels (1 when every image is grey; pretrained weights keep theirs)."""
+        m = self.cfg.model
+        over = {"num_classes": len(self.classes)}
+        if channels is not None and not self.cfg.train.init_from:
+            over["in_chans"] = channels
+        over = {k: v for k, v in over.items() if getattr(m, k) != v}
+        if over:
+            self.log("model: " + ", ".join(f"model.{k}={getattr(m, k)} -> {v}" for k, v in over.items())
+                     + f", as {self.cfg.data.path} has them")
+        return dataclasses.replace(m, **over)
 
     @property
     def n_val(self) -> int:
@@ -239,7 +254,7 @@ class ClassifyTask(Task):
     def build_model(self):
         from zoo.convnet import build
         if self.pretrained is None:
-            self.model = zoo.build(self.cfg.model)
+            self.model = zoo.build(self.model_cfg)
             return self.model
         model = self.model = build(self.model_cfg)
         with warnings.catch_warnings(record=True) as caught:
