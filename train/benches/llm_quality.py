@@ -270,6 +270,7 @@ def main(argv=None, preset: str = "llm-moe-quality"):
         p.add_argument("--lr-adapter", type=float, default=3e-3)
         p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
     args = p.parse_args(argv)
+    harness.setup(args)  # --threads here too, so that the result's machine line names the runs' threads
     if peft:
         args.precision = args.precision[0]
         if not Path(args.data).is_file():

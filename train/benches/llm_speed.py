@@ -310,7 +310,8 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
         with torch.inference_mode():
             _, aux = models["mod"](outs[mod], return_aux=True, mod_causal=True)
         note += f"; while decoding, MoD layers routed {', '.join(f'{f:.3f}' for f in aux['mod_routed'].tolist())}"
-    notes = filter(None, [note, *best_pair(r, preset, ("wall", "cpu"))])
+    notes = filter(None, [f"{prec}: batch 1, {n} new tokens after a {args.prompt}-token prompt, greedy", note,
+                          *best_pair(r, preset, ("wall", "cpu"))])
     return harness.table(DECODE_COLUMNS, rows, "\n".join(notes)), r
 
 
@@ -379,7 +380,7 @@ def load_table(args, path, prec) -> dict:
     rows.append(["Zoo / transformers", *(f"{z[k] / max(h[k], 1e-9):.2f}x" for k in keys[:5]), ""])
     return harness.table(["side", "first load s", "second load s", "first peak MiB", "second peak MiB",
                           "resident after a forward MiB", "weights MiB"], rows,
-                         f"best of {args.load_rounds} processes each; first load, "
+                         f"{prec}: best of {args.load_rounds} processes each; first load, "
                          f"{r.summary('zoo', 'transformers')}"), got
 
 
