@@ -116,18 +116,6 @@ def test_loop_and_benches_share_one_peak_flops(monkeypatch):
     assert peak == 5.0 and calls == [torch.bfloat16] * 3
 
 
-def test_measure_peak_flops_keeps_its_size(monkeypatch):
-    monkeypatch.setattr(hardware, "_PEAK_SIZES", {})
-    cpu = torch.device("cpu")
-    first = hardware.measure_peak_flops(cpu, None)
-    sizes = dict(hardware._PEAK_SIZES)
-    second = hardware.measure_peak_flops(cpu, torch.float32)  # None is float32: the same matmul
-    assert hardware._PEAK_SIZES == sizes and len(sizes) == 1
-    (n,) = sizes.values()
-    assert n in (256, 512, 1024, 2048, 4096, 8192)
-    assert 0 < first < float("inf") and 0 < second < float("inf")
-
-
 def test_peak_rss_sees_an_allocation():
     if harness.rss() is None:
         pytest.skip("no /proc/self/statm: the resident set size is unavailable here")

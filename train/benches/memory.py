@@ -96,12 +96,12 @@ def verdict(rows) -> str:
 
 
 def main(argv=None):
-    p = harness.parser("memory", __doc__, precision=None, rounds=False)
+    p = harness.parser("memory", __doc__, precision="fp32,bf16", rounds=False)
     p.add_argument("--only", default="", help="run the configurations whose name starts with this")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration (the largest kept)")
     p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
     args = p.parse_args(argv)
-    names = [n for n in CONFIGS if n.startswith(args.only)]
+    names = [n for n in CONFIGS if n.startswith(args.only) and any(f" {pr}" in n for pr in args.precision)]
     if not names:
         p.error(f"no configuration starts with {args.only!r} (names: {', '.join(CONFIGS)})")
     rows = []
