@@ -4,8 +4,8 @@
     python train/chat.py DIR --prompt "Hi there"     # one answer, then exit
     python train/chat.py DIR --temperature 0.8 --top-k 50 --system "Answer briefly."
 
-DIR: anything `zoo.from_pretrained` loads with a tokenizer beside it; the template is the folder's
-own, else ChatML. The conversation stays in the KV cache between turns, so a new turn runs only
+DIR: a run folder (an adapter run's too), a Hugging Face folder or a GGUF file; the tokenizer and
+template are its own, else its base's (`--tokenizer` for one it lacks; ChatML without a template). The conversation stays in the KV cache between turns, so a new turn runs only
 the new tokens. `/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy.
 """
 from __future__ import annotations
@@ -115,21 +115,19 @@ def _held_back(text: str, stop: str) -> int:
     return n
 
 
-def load(path: str, device: str = "auto", dtype: str = "float32"):
-    """(model, tokenizer, template) of a model folder."""
+def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Optional[str] = None):
+    """(model, tokenizer, template) of anything zoo.from_pretrained loads: a run folder (an adapter
+    run's too), an adapter folder, a Hugging Face folder or a GGUF file; the template is its own (or
+    its base's), else ChatML."""
     import zoo
-    from train.data import DataError, load_tokenizer_file, model_tokenizer
-    from train.data.conversations import ChatTemplate, find_template
+    from train.data import DataError, tokenizer_and_template
+    from train.data.conversations import ChatTemplate
     from train.step import resolve_device
-    folder = Path(path) if Path(path).is_dir() else Path(path).parent
-    tok = model_tokenizer(folder, ("tokenizer.json", "tokenizer.model"))
-    if tok is None:
-        raise DataError(f"{path}: no tokenizer.json or tokenizer.model beside the model")
+    tok, template = tokenizer_and_template(path, tokenizer)
     model = zoo.from_pretrained(path, dtype=getattr(torch, dtype), device=resolve_device(device))
     if getattr(model, "family", None) != "llm":
         raise DataError(f"{path}: not an LLM")
-    template = find_template(folder) or ChatTemplate.builtin("chatml")
-    return model.eval(), load_tokenizer_file(tok), template
+    return model.eval(), tok, template or ChatTemplate.builtin("chatml")
 
 
 def main(argv=None) -> int:
@@ -144,11 +142,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the weights' dtype")
+    p.add_argument("--tokenizer", help="a tokenizer file or 'bytes' (default: the model's own, else its base's)")
     args = p.parse_args(argv)
     from zoo.config import ConfigError
     from train.data import DataError
     try:
-        model, tokenizer, template = load(args.dir, args.device, args.dtype)
+        model, tokenizer, template = load(args.dir, args.device, args.dtype, args.tokenizer)
     except (ConfigError, DataError, ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
-"""Evaluate a language model on task files: a printed table and a JSON file.
+"""Evaluate a model: a language model on task files, a ConvNet on an image folder; a table and JSON.
 
     python train/eval.py DIR --task FILE [--task FILE ...] [--json OUT.json]
+    python train/eval.py DIR --images FOLDER [--ema]     # a ConvNet run folder: accuracy, per class
 
 DIR: a run folder, a Hugging Face folder, or anything zoo.from_pretrained takes. A task file is
 jsonl whose row keys say what it measures: multiple choice (context, choices, answer) scored by
@@ -267,25 +268,13 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def tokenizer_of(path) -> object:
-    """The tokenizer of a model folder (a Zoo run folder or a Hugging Face folder; tokenizer.json
-    first, as the chat templates want), or of a tokenizer file, or 'bytes'."""
-    from train.data import load_tokenizer_file, model_tokenizer
-    spec = str(path)
-    if Path(path).expanduser().is_dir():
-        spec = model_tokenizer(Path(path).expanduser(), ("tokenizer.json", "tokenizer.model"))
-        if spec is None:
-            raise DataError(f"{path}: no tokenizer.json or tokenizer.model (pass --tokenizer)")
-    if spec != "bytes" and not Path(spec).expanduser().is_file():
-        raise DataError(f"{spec}: tokenizer file not found")
-    return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
-
-
 # ----------------------------------------------------------------------------- command line
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python train/eval.py", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a run folder, a Hugging Face folder, or anything zoo.from_pretrained takes")
-    p.add_argument("--task", action="append", required=True, help="a task file (jsonl); repeat for several")
+    p.add_argument("--task", action="append", help="a task file (jsonl); repeat for several")
+    p.add_argument("--images", help="a ConvNet run's test images: a folder of class folders")
+    p.add_argument("--ema", action="store_true", help="--images: the EMA's weights")
     p.add_argument("--json", default=None, help="where the results go (default: MODEL/eval.json)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer file or 'bytes' (default: the folder's)")
     p.add_argument("--template", default=None, help="chatml, a template file or folder, or none (default: the folder's)")
@@ -302,18 +291,22 @@ def main(argv=None) -> int:
     import zoo
     from zoo.config import ConfigError
 
-    from train.data.conversations import BUILTIN, ChatTemplate, find_template
+    from train.data import tokenizer_and_template
+    from train.data.conversations import BUILTIN, ChatTemplate
     from train.step import EXIT_CONFIG, RunStopped, autocast_for, resolve_device
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.images or not args.task:
+        return evaluate_images(args) if args.images else (print("error: --task or --images is required",
+                                                                  file=sys.stderr) or EXIT_CONFIG)
     try:
         if args.batch_size <= 0 or args.max_new_tokens <= 0:
             raise ConfigError("--batch-size and --max-new-tokens must be > 0")
         device = resolve_device(args.device)
-        tokenizer = tokenizer_of(args.tokenizer or args.model)
+        tokenizer, own = tokenizer_and_template(args.model, args.tokenizer)
         t = args.template
         template = (None if t == "none" else ChatTemplate.builtin(t) if t in BUILTIN else
-                    ChatTemplate.from_pretrained(t) if t is not None else find_template(args.model))
+                    ChatTemplate.from_pretrained(t) if t is not None else own)
         try:
             model = zoo.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         except (ValueError, OSError) as e:
@@ -331,6 +324,32 @@ def main(argv=None) -> int:
         results = {k: {m: v for m, v in r.items() if m != "details"} for k, r in results.items()}
     from zoo.weights.files import atomic_write
     atomic_write(out, json.dumps({"model": str(args.model), "tasks": results}, indent=2))
+    print(f"results: {out}")
+    return 0
+
+
+def evaluate_images(args) -> int:
+    """A ConvNet run folder on a folder of class folders: accuracy and the per-class table (JSON too)."""
+    from train.data.images import scan_image_folder
+    from train.predict import load, probabilities
+    from zoo.weights.files import atomic_write
+    try:
+        model, prep = load(args.model, args.ema)
+        _, samples = scan_image_folder(args.images, prep.classes)
+        probs = probabilities(model, prep, [p for p, _ in samples], args.batch_size)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    right = probs.argmax(1) == torch.tensor([y for _, y in samples])
+    labels = torch.tensor([y for _, y in samples])
+    per = {c: (int((labels == i).sum()), float(right[labels == i].float().mean())) for i, c in enumerate(prep.classes)
+           if (labels == i).any()}
+    print(f"weights: {'model_ema' if args.ema else 'model'}.safetensors\n{'class':>24}  {'n':>5}  acc")
+    print("\n".join(f"{c[:24]:>24}  {n:>5}  {a:.3f}" for c, (n, a) in per.items()))
+    print(f"{'all':>24}  {len(samples):>5}  {right.float().mean():.3f}")
+    out = Path(args.json) if args.json else Path(args.model) / "eval_images.json"
+    atomic_write(out, json.dumps({"model": str(args.model), "images": str(args.images), "accuracy":
+                                  float(right.float().mean()), "per_class": per}, indent=2))
     print(f"results: {out}")
     return 0
 

@@ -24,9 +24,9 @@ def finish(run, out: Path, metrics, say):
     model, ema_model = consolidated(run)
     if not run.par.main:
         return
+    task.save_files(out)  # what the folder needs to be used alone (tokenizer, chat template, classes)
     if run.keys is None:
         save_safetensors(model, out / "model.safetensors")
-        task.save_files(out)
         if ema_model is not None:
             save_safetensors(ema_model, out / "model_ema.safetensors")
         say(f"weights: {out / 'model.safetensors'}")

@@ -1,33 +1,17 @@
 """The memory planner: what a training step needs, from the config alone, before the run starts.
 
-    python train/plan.py CONFIG [key=value ...] [--memory 24GB] [--devices N] [--sharding fsdp2] [--json]
+    python train/plan.py CONFIG [key=value ...] [--device cuda] [--memory 24GB] [--devices N] [--sharding fsdp2]
 
-How: the model is built under torch's FakeTensorMode (tensors with shapes and dtypes but no
-memory: a 7B model costs nothing) and the loop's training step (autocast forward, backward,
-gradient clipping, optimizer step, zero_grad) runs on it under `LiveBytes`, a dispatch mode
-that adds a tensor storage's bytes when an op first returns it and subtracts them when the
-storage dies. The peak of that count, one steady-state step after a first one has made the
-optimizer's state, is the tensors' peak. The parts:
-
-    params, buffers       the model's tensors (a frozen base counts here too; train.prune's masks)
-    ema                   train.ema_decay: the averaged copy of the model
-    grads                 one per trainable parameter, in its dtype
-    optimizer_states      what the optimizer keeps (torchao's 8-bit AdamW from its block layout)
-    inputs                the batch
-    activations           the rest of the tensors' peak: saved activations, the loss's logits,
-                          autocast's weight copies, the backward's gradients in flight, the
-                          optimizer's temporaries (whichever phase of the step is higher)
-    allocator             what the device's allocator holds beyond the tensors: on CUDA the caching
-                          allocator's blocks and segments, replayed from the step's allocations
-                          (`cuda_reserved_peak`) plus cuBLAS's workspace; on a CPU a stated margin
-                          per family (`CPU_MARGIN`: a share of the tensors' peak plus a constant)
-
-Deep models are simulated at two reduced depths and extrapolated (every quantity of a stack of
-equal blocks is linear in its depth). Also reported: activations per repeated block, the logits
-of the loss, the KV cache of generation, and per device under DDP (everything replicated, plus
-DDP's gradient buckets) and FSDP2 (parameters, gradients and states sharded, plus two blocks'
-gathered parameters). `--memory` lists settings that make the step fit, cheapest in speed first;
-`--json` prints one JSON object. docs/memory.md has the prediction against measured peaks.
+The model is built under torch's FakeTensorMode (shapes and dtypes, no memory: a 7B model costs
+nothing) and the loop's training step runs on it under `LiveBytes`, a dispatch mode that counts the
+tensor storages alive; its peak over a steady-state step is the tensors' peak, split into params,
+buffers, ema, grads, optimizer_states, inputs and activations (the rest: saved activations,
+logits, gradients in flight, the optimizer's temporaries). `allocator` is what the device's
+allocator holds beyond them: on CUDA the step's allocations replayed through the caching
+allocator's rules, on a CPU a stated margin per family (`CPU_MARGIN`). Deep stacks are simulated
+at two depths and extrapolated; DDP and FSDP2 are planned per device. `--memory` lists settings
+that fit, cheapest first, as train/run.py overrides. docs/memory.md has the prediction against
+measured peaks.
 """
 from __future__ import annotations
 
@@ -858,17 +842,9 @@ MEASURE_STEPS = 8
 
 
 def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
-    """The measured memory of `cfg`'s training on the CPU, in this process (measure_in_subprocess:
-    in a fresh one). Follows the loop's code path: glibc set as train/run.py sets it, the model
-    built and set to train, the EMA, the optimizer, the batch, then `steps` steps of the loop's own
-    `optimizer_step`. Returns
-
-        start_rss   the process's resident memory before the model is built (the interpreter,
-                    torch and Zoo imported: what every run has before it starts)
-        hwm         the process's peak resident memory (/proc/self/status VmHWM) at the end
-        peak        hwm - start_rss: the growth of the peak, what the planner predicts
-        live        the bytes of the tensors alive after the last step (parameters, buffers,
-                    optimizer state, batch, the EMA's copy)"""
+    """The measured memory of `cfg`'s training on the CPU in this process (measure_in_subprocess: a
+    fresh one), along the loop's code path for `steps` steps: {start_rss (before the model is built),
+    hwm (VmHWM at the end), peak (hwm - start_rss: what the planner predicts), live (the tensors kept)}."""
     import gc
     from train.hardware import keep_freed_memory
     from train.optim import build_optimizer

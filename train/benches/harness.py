@@ -456,9 +456,6 @@ def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "")
             **({"notes": notes} if notes else {})}
 
 
-def print_table(columns: list[str], rows: Iterable[Iterable[object]]):
-    show({"": table(columns, rows)})
-
 
 def show(tables: dict):
     """Print each table as markdown (as docs/ shows it)."""

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from zoo.convnet.preprocess import center_crop_box, load_crop
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -142,34 +144,6 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
         cw, ch = w, h
     x0, y0 = (w - cw) // 2, (h - ch) // 2
     return (x0, y0, x0 + cw, y0 + ch)
-
-
-def center_crop_box(w: int, h: int, crop_pct: float = 0.875):
-    """The box that 'resize the short side to size / crop_pct, then centre-crop size' keeps."""
-    side = min(w, h) * crop_pct
-    x0, y0 = (w - side) / 2, (h - side) / 2
-    return (x0, y0, x0 + side, y0 + side)
-
-
-def load_crop(path: str, size: int, box_fn, mode: str = "RGB", flip: bool = False) -> np.ndarray:
-    """Decode `path` with PIL, crop box_fn(w, h) and resize it to size x size -> uint8 (size, size, C).
-    JPEGs are decoded at the smallest DCT scale that still leaves the crop >= size pixels."""
-    from PIL import Image
-    with Image.open(path) as img:
-        w, h = img.size
-        box = box_fn(w, h)
-        if img.format == "JPEG":
-            need = size / max(1e-6, min(box[2] - box[0], box[3] - box[1]))  # output px per source px
-            if need < 1.0:
-                img.draft(img.mode if img.mode in ("RGB", "L") else "RGB", (math.ceil(w * need), math.ceil(h * need)))
-                sx, sy = img.size[0] / w, img.size[1] / h
-                box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-        img = img.convert(mode)
-        out = img.resize((size, size), Image.BILINEAR, box=box)
-    if flip:
-        out = out.transpose(Image.FLIP_LEFT_RIGHT)
-    arr = np.asarray(out, dtype=np.uint8)
-    return arr[:, :, None] if arr.ndim == 2 else arr
 
 
 class FolderImages(torch.utils.data.Dataset):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import zoo
 from zoo.blocks.chunked_ce import distillation_loss
 from zoo.config import ConfigError, bounded, fail
+from zoo.convnet.preprocess import Preprocess
 from zoo.weights import timm_convnet
 
 from ..data import DataError
@@ -146,6 +147,8 @@ class ClassifyTask(Task):
             self.val_set = FolderImages(val_s, train=False, **kw)
             self.n_train = len(train_s)
         mean, std = normalization(d, channels)
+        self.preprocess = Preprocess(self.size, channels, tuple(mean), tuple(std), 1.0 if self.digits else d.crop_pct,
+                                     tuple(self.classes))  # what the run folder needs to be used alone
         std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_inv_std = 1.0 / std_t
@@ -402,8 +405,12 @@ class ClassifyTask(Task):
     def flops_per_item(self, model):
         return model.flops_per_image(self.size)
 
+    def save_files(self, out_dir):
+        self.preprocess.save(out_dir)
+
     def samples(self, model, out_dir):
-        """Per-class validation accuracy in out_dir/per_class.txt; the log shows the worst and best five."""
+        """Per-class validation accuracy of `model` (the EMA's weights when the run keeps an EMA) in
+        out_dir/per_class.txt, saying which; the log shows the worst and best five."""
         logits, y = self.predict(model)
         pred = logits.argmax(1)
         rows = []
@@ -412,7 +419,9 @@ class ClassifyTask(Task):
             if m.any():
                 rows.append((name[:24], int(m.sum()), (pred[m] == c).float().mean().item()))
         fmt = lambda r: f"{r[0]:>24}  {r[1]:>5}  {r[2]:.3f}"  # noqa: E731
-        head, total = f"{'class':>24}  {'n':>5}  acc", f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
+        weights = "model_ema.safetensors (EMA)" if self.cfg.train.ema_decay else "model.safetensors"
+        head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
+        total = f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
         (Path(out_dir) / "per_class.txt").write_text("\n".join([head] + [fmt(r) for r in rows] + [total]) + "\n")
         if len(rows) > 20:  # the log shows the five worst and five best classes
             rows = sorted(rows, key=lambda r: r[2])

@@ -28,6 +28,8 @@ def load_pretrained(path, **kwargs):
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
+    if (p / "adapter" / "adapter_config.json").is_file() and not (p / "model.safetensors").is_file():
+        p = p / "adapter"  # an adapter run's folder: its adapter on the base it names
     check_weights(p)  # truncated / corrupt files: a one-line error before any loader reads them
     for mod in _modules():
         if mod.detect(p):

@@ -609,7 +609,8 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     return out
 
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 def _copy_tokenizer(src: Path, out: Path):
