@@ -59,6 +59,9 @@ def test_convnet_on_an_rgb_folder_then_predict(tmp_path):
     colour_folder(new, 2, seed=1)
     run("train/run.py", "configs/convnet/resnet-digits.yaml", f"data.path={data}", f"train.out_dir={out}",
         "train.max_steps=40", *QUICK)
+    import yaml
+    built = yaml.safe_load((out / "config.yaml").read_text())["model"]  # the preset says 1 channel, 10 classes
+    assert (built["in_chans"], built["num_classes"]) == (3, 3)       # the RGB folder of 3 classes decides
     lines = [json.loads(line) for line in run("train/predict.py", out, new, "--json").splitlines()]
     assert len(lines) == 6
     assert all(Path(r["image"]).parent.name == r["top"][0][0] for r in lines), lines
