@@ -4,10 +4,7 @@ Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding
 Scaling: 'linear' = Chen et al., "Extending Context Window of Large Language Models via
 Positional Interpolation" (2023); 'llama3' = the wavelength-dependent rule of Llama 3.1
 (Meta, "The Llama 3 Herd of Models", 2024).
-
-Convention: the "rotate-half" layout (channel i is paired with channel i + D/2), the same
-as Hugging Face transformers, so Hugging Face q/k projection weights need no permutation.
-The property that makes it a position encoding: <rope(q, m), rope(k, n)> depends on m - n only.
+The "rotate-half" layout (channel i paired with i + D/2), as Hugging Face's: no weight permutation.
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
 (`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
