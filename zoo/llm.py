@@ -2,14 +2,10 @@
 
     tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
-Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
-projections initialised with std / sqrt(2 * n_layers) (GPT-2); a chunked loss that never makes
-the full fp32 logits. With `config.moe` the sparse blocks' MLP is a Mixture-of-Experts
-(blocks/moe.py); with `config.mod_capacity` > 0 every mod_every-th block is wrapped in
-Mixture-of-Depths routing (blocks/mod.py); their statistics come out of `return_aux=True`.
-`doc_ids=` and `position_ids=` (B, T) let documents packed in one row train as if each ran alone.
-How the model runs (attention backend, activation checkpointing) is set on the built model from
-outside (train/builder.py), not in its config.
+Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; a chunked loss.
+`config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
+(blocks/mod.py), their statistics from `return_aux=True`. `doc_ids=` and `position_ids=` (B, T)
+for packed documents. How the model runs (attention backend, checkpointing) is set from outside.
 """
 from __future__ import annotations
 

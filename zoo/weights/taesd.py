@@ -1,11 +1,8 @@
 """TAESD weights in and out: original .pth / .safetensors pairs and diffusers AutoencoderTiny folders.
 
-Original format (madebyollin/taesd): `<name>_encoder.pth` and `<name>_decoder.pth` (or
-.safetensors), flat nn.Sequential state dicts whose keys are zoo's minus the `encoder.` /
-`decoder.` prefix; point at either file (or a folder holding one pair). diffusers format: a folder
-with config.json (`_class_name: AutoencoderTiny`); its decoder layers are shifted by one (no module
-for the clamp), and its [-1, 1] images are the same weights as zoo's [0, 1], so only keys differ.
-The variant (latent channels, FLUX.2 branch, width) is read from the tensors.
+Original (madebyollin/taesd): `<name>_encoder.pth` and `<name>_decoder.pth` (or .safetensors),
+keys without the `encoder.` / `decoder.` prefix. diffusers: a folder with config.json
+(`_class_name: AutoencoderTiny`), decoder layers shifted by one. The variant is read from the tensors.
 """
 from __future__ import annotations
 
