@@ -348,9 +348,7 @@ class MoEConfig:
 @dataclass
 class LLMConfig:
     """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU).
-
-    Fields that may be null are derived from others; the `resolved_*` properties give the
-    values in use (resolved_n_kv_heads, resolved_head_dim, resolved_ffn_hidden)."""
+    Null fields are derived; the `resolved_*` properties give the values in use."""
     vocab_size: int = bounded(32000, gt=0)  # embedding rows / output classes; must be >= the tokenizer's vocabulary
     d_model: int = bounded(512, gt=0)       # width of the residual stream
     n_layers: int = bounded(8, gt=0)        # transformer blocks

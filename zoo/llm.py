@@ -113,11 +113,9 @@ class LLM(nn.Module):
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
                 mod_causal: Optional[bool] = None, distill: Optional[Distill] = None,
                 doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
-        """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), logits None under the
-        chunked loss; with `distill` the distillation loss (blocks/chunked_ce.py). return_aux=True appends
-        {`moe_aux`, `mod_aux`}. mod_causal: MoD blocks route by the causal decision (default: when decoding).
-        doc_ids (B, T): attention within each document (not with caches); position_ids (B, T): RoPE
-        positions (`document_positions(doc_ids)` restarts them per document)."""
+        """input_ids (B, T) -> logits (B, T, V); with targets: (logits, loss), logits None under the chunked
+        loss; `distill`: the distillation loss; return_aux=True appends {`moe_aux`, `mod_aux`}. mod_causal:
+        MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches)."""
         B, T = input_ids.shape
         h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids)
         if targets is None:

@@ -114,10 +114,9 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
 # ---------------------------------------------------------------- knowledge distillation
 def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, alpha: float,
                       temperature: float, ignore_index: int = -100) -> torch.Tensor:
-    """Knowledge distillation (Hinton et al., "Distilling the Knowledge in a Neural Network", 2015) on
-    full logits: alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) *
-    cross-entropy(student, targets), the mean over the rows whose target is not ignore_index.
-    Shapes: logits, teacher_logits (N, V); targets (N,) -> scalar. The teacher gets no gradient."""
+    """Knowledge distillation (Hinton et al., "Distilling the Knowledge in a Neural Network", 2015):
+    alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) * cross-entropy, the
+    mean over rows whose target is not ignore_index. logits, teacher_logits (N, V); targets (N,) -> scalar."""
     s, t = logits.float(), teacher_logits.detach().float()
     valid = targets != ignore_index
     n = valid.sum().clamp(min=1)

@@ -18,11 +18,9 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/D), i < D/2, in fp32, with the scaling rule applied.
-
-    scaling: None, or a dict with 'type' ('linear' or 'llama3'), 'factor' and, for llama3,
-    'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'.
-    """
+    """Inverse frequencies theta^(-2i/D), i < D/2, in fp32, with the scaling rule applied. scaling: None,
+    or {'type': 'linear' | 'llama3', 'factor'} and for llama3 'low_freq_factor', 'high_freq_factor',
+    'original_max_position_embeddings'."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq

@@ -100,11 +100,9 @@ def decoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = Fal
 
 
 class TAESD(nn.Module):
-    """Tiny autoencoder: encode() [0,1] images to latents, decode() latents to [0,1] images.
-
+    """Tiny autoencoder: encode() [0,1] images to raw latents, decode() latents to [0,1] images.
     latent_channels: 4 (SD/SDXL), 16 (SD3/FLUX.1), 32 (FLUX.2); midblock_gn: the FLUX.2 branch.
-    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them:
-    encode()/decode() work on raw latents, like the original."""
+    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them."""
 
     downscale = 8
 

@@ -109,10 +109,9 @@ def _rope(hf: dict, source: str, default_theta: float = 10000.0) -> tuple[float,
 
 
 def _sliding_window(hf: dict, arch: str, n_layers: int, source: str) -> Optional[int]:
-    """Mistral, Mixtral: `sliding_window` on every layer (null = none). Qwen3-MoE: on every layer
-    with use_sliding_window. Qwen2, Qwen2-MoE: only with use_sliding_window, and then only on
-    the layers `layer_types` marks (by default, Qwen2: those >= max_window_layers; Qwen2-MoE:
-    the even ones below max_window_layers)."""
+    """Mistral, Mixtral: `sliding_window` on every layer (null = none); Qwen3-MoE: with use_sliding_window.
+    Qwen2, Qwen2-MoE: only with use_sliding_window, on the layers `layer_types` marks (default: Qwen2
+    those >= max_window_layers; Qwen2-MoE the even ones below it)."""
     defaults = _DEFAULTS[arch]
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return hf.get("sliding_window", defaults["sliding_window"])

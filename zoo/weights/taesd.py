@@ -155,9 +155,8 @@ def exports(model) -> bool:
 
 def save(model: TAESD, path, format: str | None = None, dtype=None, name: str | None = None, **_) -> Path:
     """Write `model` as an original pair (format="taesd"; a path ending _encoder.pth / _decoder.pth or
-    .safetensors) or a diffusers AutoencoderTiny folder (format="diffusers", any other path). By
-    default a model goes back as it was loaded (`pretrained_format`); one built here goes to a
-    diffusers folder. Returns the encoder file or the folder."""
+    .safetensors) or a diffusers AutoencoderTiny folder (format="diffusers"); by default as it was
+    loaded (`pretrained_format`, else diffusers). Returns the encoder file or the folder."""
     p = Path(path)
     source = getattr(model, "pretrained_format", None) or {}
     if format is None:
