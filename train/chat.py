@@ -35,9 +35,7 @@ class ChatSession:
     """A conversation with an LLM that keeps its keys and values between turns.
 
         chat = ChatSession(model, tokenizer, template, system="Answer briefly.")
-        chat.reply("Hi, my name is Ada.", on_text=print)    # streams, returns the answer
-        chat.reply("What is my name?")                     # the cache holds the first turn already
-    """
+        chat.reply("Hi, my name is Ada.", on_text=print)    # streams, returns the answer"""
 
     def __init__(self, model, tokenizer, template, system: Optional[str] = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,

@@ -1,10 +1,7 @@
 """What the machine can do, measured the same way by the loop and the benchmarks.
 
-- `measure_peak_flops(device, dtype)`: the FLOP/s of a square matmul in the compute dtype, the
-  denominator of every MFU figure Zoo prints (metrics.jsonl and the benchmark tables).
-- `sync(device)`, `peak_memory_gb(device)`.
-- `keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory for reuse
-  (`train.cpu_keep_memory`), and its defaults back.
+`measure_peak_flops(device, dtype)`: the denominator of every MFU figure; `sync`, `peak_memory_gb`;
+`keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory (`train.cpu_keep_memory`).
 """
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ def sync(device: torch.device):
         torch.mps.synchronize()
 
 
-# The matmul measured: about 2 GFLOP on a CPU, 1 TFLOP on an accelerator, chosen by its FLOPs alone
-# so that a slow first timing (a busy machine) cannot pick a matmul too small to reach the peak.
+# The matmul measured, chosen by its FLOPs alone (a slow first timing cannot pick one too small).
 PEAK_SIZES = {"cpu": 1024}
 PEAK_SIZE_DEFAULT = 8192
 

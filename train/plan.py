@@ -570,10 +570,8 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
 
 
-# A CPU's allocator margin per family: (share of the tensors' peak, constant). It covers glibc's heap
-# around the tensors (a block freed out of order leaves a hole only smaller blocks reuse) and what no
-# tensor holds (the autograd graph's objects, the BLAS and oneDNN buffers, code run for the first
-# time; oneDNN's convolutions keep the most). Chosen to err high: `python train/bench.py memory`.
+# A CPU's allocator margin per family: (share of the tensors' peak, constant), for glibc's heap holes
+# and what no tensor holds (autograd objects, BLAS/oneDNN buffers); errs high (`bench.py memory`).
 CPU_MARGIN = {"llm": (0.5, 32 * MiB), "convnet": (0.8, 64 * MiB), "diffusion": (0.3, 48 * MiB)}
 CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
 

@@ -2,9 +2,8 @@
 command line (shared options, one parser for LLM shapes), training sides, peak memory, runs of the
 loop, and the result JSON that docs tables are rendered from (docs/results/NAME.json, train/docs.py).
 
-Timing (DESIGN.md, "Benchmarks"): the sides of a comparison run in one process, one after the other
-in each round, the order reversed every other round, so that a slow spell of the machine favours no
-side. A speed target is judged on the median over rounds of the per-round paired ratio.
+The sides run in one process, in an order reversed every other round; a speed target is judged on
+the median of the per-round paired ratio (DESIGN.md, "Benchmarks").
 """
 from __future__ import annotations
 

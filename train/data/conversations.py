@@ -265,7 +265,6 @@ class ChatTemplate:
 
         t = ChatTemplate.from_pretrained("path/to/hf_folder")      # or a tokenizer_config.json, .jinja, .gguf
         t = ChatTemplate.builtin("chatml")
-        text = t.render(messages, add_generation_prompt=True)
         ids, labels = t.encode(tokenizer, messages)                  # labels: -100 but on the assistant's tokens
     """
 

@@ -32,8 +32,7 @@ except ImportError:  # copied next to rope.py, norm.py and attention_cpu.py, out
 
 BACKENDS = ("auto", "sdpa", "flash", "bmm", "math", "flex")
 
-# flash-attn's flash_attn_func and flash_attn_varlen_func, imported on first use (None when absent
-# or when it fails to import, e.g. built for another CUDA)
+# flash-attn's functions, imported on first use (None when absent or failing to import)
 flash_attn_func = flash_attn_varlen_func = None
 _flash_imported = False
 

@@ -35,8 +35,7 @@ class MixtureOfDepths(nn.Module):
             raise ValueError(f"unknown router {router!r} (supported: {', '.join(ROUTERS)})")
         self.block, self.capacity, self.router_kind = block, capacity, router
         self.router = nn.Linear(d_model, 1)
-        # the decision threshold: a fixed logit at inference; in training it follows the top-k's
-        # boundary in the decision logits (`update_threshold`), so the decision routes the top-k's share
+        # the decision threshold: fixed at inference; in training it follows the top-k's boundary
         self.register_buffer("threshold", torch.zeros(()))
         self.predictor = None
         if router == "predictor":

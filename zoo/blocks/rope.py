@@ -32,8 +32,7 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict]
         old_len = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
-        # long wavelengths (low frequencies) are divided by factor, short ones kept,
-        # and the band between is a smooth interpolation of the two
+        # long wavelengths divided by factor, short ones kept, the band between interpolated
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
         mid = (1 - smooth) * scaled / factor + smooth * scaled
