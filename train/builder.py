@@ -2,12 +2,9 @@
 
     run = build_run(cfg, say)            # device, precision, task, model, adapters, pruning, unfreezing,
                                          # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
-    run.autocast(), run.fwd, run.optimizer, run.params(), ...
 
-The loop, the LR finder, the memory planner and the benchmarks build their runs here, so they
-cannot disagree. The config is never changed: resolved values live in the Run (`run.precision`,
-`run.cfg`). `apply_runtime` applies how a built model runs (attention backend, activation
-checkpointing, chunked loss) from outside the model: a model config is the architecture only.
+The loop, the LR finder, the memory planner and the benchmarks build here, so they cannot disagree.
+The config is never changed; `apply_runtime` sets how a built model runs from outside the model.
 """
 from __future__ import annotations
 

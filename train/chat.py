@@ -4,9 +4,8 @@
     python train/chat.py DIR --prompt "Hi there"     # one answer, then exit
     python train/chat.py DIR --temperature 0.8 --top-k 50 --system "Answer briefly."
 
-DIR: a run folder (an adapter run's too), a Hugging Face folder or a GGUF file; the tokenizer and
-template are its own, else its base's (`--tokenizer` for one it lacks; ChatML without a template). The conversation stays in the KV cache between turns, so a new turn runs only
-the new tokens. `/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy.
+DIR: a run folder, a Hugging Face folder or a GGUF file. Turns stay in the KV cache;
+`/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy.
 """
 from __future__ import annotations
 
@@ -36,9 +35,7 @@ class ChatSession:
     """A conversation with an LLM that keeps its keys and values between turns.
 
         chat = ChatSession(model, tokenizer, template, system="Answer briefly.")
-        chat.reply("Hi, my name is Ada.", on_text=print)    # streams, returns the answer
-        chat.reply("What is my name?")                     # the cache holds the first turn already
-    """
+        chat.reply("Hi, my name is Ada.", on_text=print)    # streams, returns the answer"""
 
     def __init__(self, model, tokenizer, template, system: Optional[str] = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,

@@ -1,16 +1,10 @@
 """Atomic checkpoints and exact resume.
 
-A checkpoint is a directory `<out_dir>/checkpoints/step_XXXXXXXX/` holding model.safetensors (an
-adapter run's: only what trains), ema.safetensors (with an EMA), state.pt (optimizer, GradScaler,
-RNG states, step, task state; read with weights_only=True) and manifest.json (written last: sizes
-and checksums). It is written into a temporary directory, fsynced and renamed into place, so a run
-killed at any moment leaves a complete checkpoint or none; resume takes the newest that verifies.
-Several processes write a sharded DCP checkpoint instead (`save_dcp`), which reshards on load.
-docs/reliability.md ("Checkpoint layout", "Resume rules") has the details. `par` below is the run's
-train.distributed.Parallel, or None in one process.
-
-`Checkpointer` is the loop's component: resume at the start, save every `train.checkpoint_every`
-steps and at the end, and evaluate the average of the last `train.average_last` checkpoints.
+`<out_dir>/checkpoints/step_XXXXXXXX/` holds model.safetensors, ema.safetensors, state.pt
+(weights_only=True) and manifest.json (written last, with checksums); written in a temporary
+directory and renamed, so a killed run leaves a complete checkpoint or none. Several processes
+write a sharded DCP checkpoint (`save_dcp`). docs/reliability.md has the layout and resume rules.
+`Checkpointer` is the loop's component: resume, save every `train.checkpoint_every` steps, average.
 """
 from __future__ import annotations
 
@@ -126,9 +120,8 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
 def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None,
             interval: bool = True):
     """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest last,
-    rename it to `final`, drop killed writers' temporaries and the checkpoints beyond the newest `keep`
-    interval ones (those of the run's schedule; the newest checkpoint is always kept, a signal's too).
-    fmt: "dcp" for a sharded checkpoint; None: the one-process layout."""
+    rename it to `final`, drop killed writers' temporaries and all but the newest `keep` interval
+    checkpoints (the newest is always kept). fmt: "dcp" sharded; None: the one-process layout."""
     root = final.parent
     files = {}
     for f in sorted(tmp.iterdir()):

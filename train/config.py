@@ -7,8 +7,7 @@
     optim:  {...}          # OptimConfig below: optimizer and LR schedule
     adapter: {...}         # zoo.adapters.AdapterConfig: LoRA / DoRA / QLoRA / prefix tuning
 
-`load_run_config(path, overrides)` reads the YAML, applies `key=value` overrides
-(e.g. `train.max_steps=100 model.n_layers=2`) and validates every key.
+`load_run_config(path, overrides)` reads it, applies `key=value` overrides and validates every key.
 """
 from __future__ import annotations
 

@@ -3,16 +3,9 @@ cross-rank agreement. (Sharded checkpoints are train/checkpoint.py's.)
 
     torchrun --nproc-per-node N train/run.py CONFIG train.parallel=ddp|fsdp
 
-A plain `python train/run.py` (no RANK, WORLD_SIZE, LOCAL_RANK) runs as one process, unwrapped.
-The backend follows the device: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU.
-- ddp: torch's DistributedDataParallel, gradients all-reduced on an optimizer step's last
-  micro-batch only; everything replicated.
-- fsdp: FSDP2 `fully_shard` on each of `model.repeated_units()` and then the root, as torchtitan
-  orders it (each unit compiled before it is sharded); frozen parameters stay whole.
-Rank r takes its rows of one global batch of batch_size x N drawn from (seed, step, micro-batch),
-so the data depends only on the global batch; one all-reduce per step carries the loss, the
-non-finite flag and the stop flag, so the ranks skip, checkpoint and stop together.
-docs/distributed.md has the rest (checkpoints that reshard, precision, limits).
+Without torchrun's variables a run is one unwrapped process. NCCL on CUDA, gloo on CPU. fsdp:
+FSDP2 `fully_shard` on each of `model.repeated_units()`, then the root. The data depends only on
+the global batch; one all-reduce per step carries the loss and the stop flags (docs/distributed.md).
 """
 from __future__ import annotations
 

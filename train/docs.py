@@ -1,11 +1,9 @@
 """The generated tables of docs/: config keys from the config dataclasses, numbers from results.
 
-A config dataclass is the one source of its keys (name, type, default, bounds, and its trailing
-`# comment`); a page marks where a table goes with `<!-- keys:LLMConfig -->` ... `<!-- /keys -->`,
-and a bench's result (docs/results/NAME.json) with `<!-- table:NAME[/KEY] -->` ... `<!-- /table -->`.
-
     python -m train.docs           # rewrite every marked region in docs/
     python -m train.docs --check   # exit 1 naming each region that disagrees with the code or its result
+
+Markers: `<!-- keys:LLMConfig -->` ... `<!-- /keys -->`, `<!-- table:NAME[/KEY] -->` ... `<!-- /table -->`.
 """
 from __future__ import annotations
 

@@ -3,12 +3,9 @@
     python train/eval.py DIR --task FILE [--task FILE ...] [--json OUT.json]
     python train/eval.py DIR --images FOLDER [--ema]     # a ConvNet run folder: accuracy, per class
 
-DIR: a run folder, a Hugging Face folder, or anything zoo.from_pretrained takes. A task file is
-jsonl whose row keys say what it measures: multiple choice (context, choices, answer) scored by
-log-likelihood as lm-evaluation-harness scores HellaSwag, ARC and MMLU (`acc`, `acc_norm`);
-generation (prompt, expected, until) greedy (`exact_match`, `contains`); loss rows (text,
-prompt/completion, messages) by mean cross-entropy. docs/post-training.md ("Evaluation") lists
-the rows and options. `evaluate_files` also serves a run's `data.eval_tasks`.
+A task file is jsonl: multiple choice (context, choices, answer) scored by log-likelihood as
+lm-evaluation-harness does; generation (prompt, expected, until) greedy; loss rows by mean
+cross-entropy (docs/post-training.md, "Evaluation").
 Exit codes: 0 done; 2 a bad file, folder or option (one line).
 """
 from __future__ import annotations

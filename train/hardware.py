@@ -1,10 +1,7 @@
 """What the machine can do, measured the same way by the loop and the benchmarks.
 
-- `measure_peak_flops(device, dtype)`: the FLOP/s of a square matmul in the compute dtype, the
-  denominator of every MFU figure Zoo prints (metrics.jsonl and the benchmark tables).
-- `sync(device)`, `peak_memory_gb(device)`.
-- `keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory for reuse
-  (`train.cpu_keep_memory`), and its defaults back.
+`measure_peak_flops(device, dtype)`: the denominator of every MFU figure; `sync`, `peak_memory_gb`;
+`keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory (`train.cpu_keep_memory`).
 """
 from __future__ import annotations
 
@@ -26,18 +23,16 @@ def sync(device: torch.device):
         torch.mps.synchronize()
 
 
-# The matmul measured: about 2 GFLOP on a CPU, 1 TFLOP on an accelerator, chosen by its FLOPs alone
-# so that a slow first timing (a busy machine) cannot pick a matmul too small to reach the peak.
+# The matmul measured, chosen by its FLOPs alone (a slow first timing cannot pick one too small).
 PEAK_SIZES = {"cpu": 1024}
 PEAK_SIZE_DEFAULT = 8192
 
 
 def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5,
                        budget: float = 0.5) -> float:
-    """Achieved FLOP/s of an n x n matmul in the run's compute dtype (None: float32), n from
-    `PEAK_SIZES` by device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up
-    (the fastest is the least disturbed by other work), stopping early once `budget` seconds are
-    spent (at least two)."""
+    """Achieved FLOP/s of an n x n matmul in the compute dtype (None: float32), n from `PEAK_SIZES` by
+    device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up, stopping once
+    `budget` seconds are spent (at least two)."""
     dt = dtype or torch.float32
     n = PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
     a = torch.randn(n, n, device=device, dtype=dt)
@@ -84,10 +79,9 @@ def libc():
 
 
 def keep_freed_memory() -> bool:
-    """Serve every allocation from the heap and never trim it (mallopt M_MMAP_MAX=0,
-    M_TRIM_THRESHOLD=2 GiB). glibc otherwise maps each large block afresh and unmaps it when
-    freed, so a step's large tensors are page-faulted in again every step. Process-wide: memory
-    freed stays with the process, as with CUDA's caching allocator. Returns whether it applied."""
+    """Serve every allocation from the heap and never trim it (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB),
+    so a step's large tensors are not page-faulted in again every step. Process-wide, as CUDA's caching
+    allocator. Returns whether it applied."""
     c = libc()
     return c is not None and c.mallopt(_M_MMAP_MAX, 0) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
 

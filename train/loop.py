@@ -1,14 +1,10 @@
 """The one training loop. It knows nothing family-specific: a family plugs in through its task.
 
     train(cfg) -> builds the run (train/builder.py), resumes it (train/checkpoint.py), then per
-    optimizer step: LR -> micro-batches under autocast -> clip -> optimizer step (a non-finite one
-    skipped) -> EMA (train/step.py); logging, evaluation and checkpoints at their intervals. The
-    last step evaluates and checkpoints inside the loop (`last_step`), then train/finish.py writes
-    the weights, the export and the samples.
+    optimizer step: LR -> micro-batches under autocast -> clip -> optimizer step -> EMA; logging,
+    evaluation and checkpoints at their intervals; train/finish.py writes the end.
 
-A run whose out_dir holds a checkpoint resumes from it exactly; SIGTERM/SIGINT finish the step,
-checkpoint and exit with EXIT_PREEMPTED. Under torchrun the ranks agree once per step
-(train/distributed.py). docs/architecture.md maps train/.
+SIGTERM/SIGINT finish the step, checkpoint and exit with EXIT_PREEMPTED; docs/architecture.md maps train/.
 """
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
 """The run's metrics: two JSON-lines files, the tracker, the progress bar and the throughput window.
 
-    <out_dir>/metrics.jsonl   what the run computed: every `log_every` steps the window's mean loss,
-                              the LR, the grad norm and the task's numbers (MoE load, ...); every
-                              evaluation. Deterministic: a resumed run writes the same bytes as an
-                              uninterrupted one (the window is checkpointed and restored on resume).
-    <out_dir>/speed.jsonl     what the machine measured, per logged step: items/s, the step time,
-                              the time a step waited for its batches (`data_wait_s`, the window's
-                              mean), MFU, peak memory (per rank under torchrun).
+    <out_dir>/metrics.jsonl   what the run computed (loss, LR, grad norm, task numbers, evaluations);
+                              a resumed run writes the same bytes as an uninterrupted one
+    <out_dir>/speed.jsonl     what the machine measured: items/s, step time, data wait, MFU, peak memory
 
-`read_rows(out_dir)` gives both merged by step (the rows a reader wants); the tracker
-(`train.tracker`) and the progress bar get the merged rows live. Only rank 0 writes.
-
-Trackers (`train.tracker`: none | tensorboard | wandb) get every row metrics.jsonl gets, so they
-hold the same numbers at the same steps, with the resolved run config as the hyperparameters:
-- tensorboard: event files in <out_dir>/tensorboard/, one scalar per key; a resumed run drops the
-  events from the checkpoint's step on (purge_step), as metrics.jsonl drops its rows, so a curve
-  is never doubled.
-- wandb: files in <out_dir>/wandb/, offline unless `train.tracker_mode` (or $WANDB_MODE) says
-  otherwise; the run id kept in <out_dir>/wandb/run_id, so a resumed run continues the same run.
+`read_rows(out_dir)` merges both by step. Trackers (`train.tracker`: tensorboard in
+<out_dir>/tensorboard/, wandb offline in <out_dir>/wandb/) get the same rows; a resumed run
+drops the rows from the checkpoint's step on, so a curve is never doubled. Only rank 0 writes.
 """
 from __future__ import annotations
 

@@ -2,16 +2,9 @@
 
     python train/plan.py CONFIG [key=value ...] [--device cuda] [--memory 24GB] [--devices N] [--sharding fsdp2]
 
-The model is built under torch's FakeTensorMode (shapes and dtypes, no memory: a 7B model costs
-nothing) and the loop's training step runs on it under `LiveBytes`, a dispatch mode that counts the
-tensor storages alive; its peak over a steady-state step is the tensors' peak, split into params,
-buffers, ema, grads, optimizer_states, inputs and activations (the rest: saved activations,
-logits, gradients in flight, the optimizer's temporaries). `allocator` is what the device's
-allocator holds beyond them: on CUDA the step's allocations replayed through the caching
-allocator's rules, on a CPU a stated margin per family (`CPU_MARGIN`). Deep stacks are simulated
-at two depths and extrapolated; DDP and FSDP2 are planned per device. `--memory` lists settings
-that fit, cheapest first, as train/run.py overrides. docs/memory.md has the prediction against
-measured peaks.
+The model is built under FakeTensorMode (nothing allocated) and the loop's step runs on it under
+`LiveBytes`, which counts the storages alive; `allocator` adds the CUDA caching allocator's rules or
+a CPU margin (`CPU_MARGIN`). `--memory` lists settings that fit. docs/memory.md has the accuracy.
 """
 from __future__ import annotations
 
@@ -45,11 +38,9 @@ MiB, GiB = 2 ** 20, 2 ** 30
 
 # ------------------------------------------------------------------------------ counting live bytes
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the tensor storages alive: a storage is added when an op first returns
-    it (or when `add` is called on a tensor made before), and subtracted when it dies. `peak` is
-    the highest count since the last `reset_peak()`. Works on real and fake tensors alike.
-    device: count only the tensors on a device of this type (activations offloaded to the host
-    are not on the GPU)."""
+    """Counts the bytes of the tensor storages alive (added when an op first returns one, or by `add`;
+    subtracted when it dies); `peak` since the last `reset_peak()`. Real and fake tensors alike.
+    device: count only the tensors on a device of this type."""
 
     def __init__(self, device: Optional[str] = None, trace: Optional["AllocTrace"] = None):
         super().__init__()
@@ -127,13 +118,9 @@ class AllocTrace:
 
 
 def cuda_reserved_peak(events) -> int:
-    """The peak bytes PyTorch's CUDA caching allocator reserves for the blocks of `events`, modelled
-    on its rules (c10/cuda/CUDACachingAllocator.cpp): requests rounded up to 512 bytes; blocks of
-    at most 1 MiB from a small pool of 2 MiB segments, larger ones from a large pool (20 MiB segments
-    below 10 MiB, else the request rounded up to 2 MiB); the best-fitting cached free block is used
-    and split when what remains is over 512 bytes (small) or 1 MiB (large); freed blocks merge with
-    free neighbours in their segment; segments stay reserved (cached) until the end. What it does
-    not hold (the CUDA context, 300-600 MB a process) is not in it."""
+    """The peak bytes PyTorch's CUDA caching allocator reserves for `events`, on its rules
+    (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, small and large pools, best fit, splitting,
+    merging, segments cached to the end). The CUDA context is not in it."""
     import bisect
     reserved = peak = 0
     free: dict[bool, list] = {True: [], False: []}   # small pool? -> sorted [(size, segment, offset)]
@@ -499,10 +486,9 @@ def _run_device(cfg) -> torch.device:
 
 
 def for_target(cfg, target: torch.device) -> tuple:
-    """(cfg as it runs on `target`, the device its step is simulated on, what precision it runs in and
-    why). A CUDA target on a machine without CUDA is simulated on the CPU's fake tensors with
-    `train.precision: auto` as bf16 (every GPU since Ampere) and attention through SDPA (what CUDA's
-    fused kernels hold: no score matrix); the CUDA allocator's rules then apply to its allocations."""
+    """(cfg as it runs on `target`, the device its step is simulated on, its precision and why). A CUDA
+    target without CUDA is simulated on the CPU's fake tensors, `auto` as bf16 and attention through
+    SDPA; the CUDA allocator's rules then apply."""
     t, sim = cfg.train, target
     if target.type == "cuda" and not torch.cuda.is_available():
         sim = torch.device("cpu")
@@ -584,10 +570,8 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
 
 
-# A CPU's allocator margin per family: (share of the tensors' peak, constant). It covers glibc's heap
-# around the tensors (a block freed out of order leaves a hole only smaller blocks reuse) and what no
-# tensor holds (the autograd graph's objects, the BLAS and oneDNN buffers, code run for the first
-# time; oneDNN's convolutions keep the most). Chosen to err high: `python train/bench.py memory`.
+# A CPU's allocator margin per family: (share of the tensors' peak, constant), for glibc's heap holes
+# and what no tensor holds (autograd objects, BLAS/oneDNN buffers); errs high (`bench.py memory`).
 CPU_MARGIN = {"llm": (0.5, 32 * MiB), "convnet": (0.8, 64 * MiB), "diffusion": (0.3, 48 * MiB)}
 CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
 
@@ -752,11 +736,9 @@ def auto_batch_size(cfg, model, task, device, out: Path, say) -> tuple[int, int]
 
 
 def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None) -> tuple[int, int]:
-    """train.batch_size=auto: (micro-batch, grad_accum) with micro-batch x grad_accum = train.global_batch,
-    the micro-batch the largest divisor of it whose planned peak fits train.memory_budget (null:
-    `device_memory`). `model` (built): plan its own architecture (a pretrained one). On CUDA the
-    choice is then tried, a forward and backward with the optimizer's planned state held, backing
-    off to the next smaller size on out-of-memory."""
+    """train.batch_size=auto: (micro-batch, grad_accum), the micro-batch the largest divisor of
+    train.global_batch whose planned peak fits train.memory_budget (null: `device_memory`); `model`:
+    plan its own architecture. On CUDA the choice is tried, backing off on out-of-memory."""
     from train.config import parse_memory_size
     t = cfg.train
     G = t.global_batch

@@ -2,11 +2,7 @@
 
     python train/prepare.py CONFIG.yaml [key=value ...]     # e.g. data.path=corpus.jsonl data.workers=2
 
-Reads the documents of `data.path` (or each of `data.sources`, and `data.val_path`) in bounded
-memory, trains the sentencepiece tokenizer when the config asks for one, and writes the token
-shards to `data.cache_dir` with a progress bar (MB/s, tokens/s, ETA) and one line counting the bad
-documents. `train/run.py` with the same config then starts at once; without this step it
-prepares the same way when the cache is missing. Killed midway, the same command resumes.
+Then `train/run.py` with the same config starts at once. Killed midway, the same command resumes.
 Exit codes: 0 done; 2 bad config or data (one-line error).
 """
 from __future__ import annotations

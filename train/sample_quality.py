@@ -1,14 +1,9 @@
 """Sample quality of generated images: the Frechet distance, and a trained Zoo classifier as the judge.
 
-Frechet distance (as FID uses it, Heusel et al., "GANs Trained by a Two Time-Scale Update Rule
-Converge to a Local Nash Equilibrium", 2017) between Gaussians fitted to two feature sets:
-
-    FD = |mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a S_b)^(1/2))
-
-computed through two symmetric eigendecompositions in float64 (tiny negative eigenvalues are
-rounding, larger ones an error). "Classifier FD" uses the penultimate features of a Zoo ConvNet
-trained on the real images (never called FID, which needs Inception's weights); "sample accuracy"
-is the share of class-conditional samples the classifier labels as asked.
+Frechet distance (as FID, Heusel et al., "GANs Trained by a Two Time-Scale Update Rule Converge to
+a Local Nash Equilibrium", 2017): FD = |mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a S_b)^(1/2)).
+"Classifier FD" uses a Zoo ConvNet's penultimate features (not FID, which needs Inception's weights);
+"sample accuracy" is the share of samples the classifier labels as asked.
 """
 from __future__ import annotations
 

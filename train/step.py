@@ -1,12 +1,7 @@
 """The training step and what it runs on: a leaf module (it imports no other part of the loop).
 
-- `resolve_device`, `resolve_precision`, `setup_backends`: where and in which dtype the run computes
-  (`train.device`, `train.precision`, TF32 / cudnn.benchmark / glibc settings).
-- `DTYPES`: the one table of precision names (fp32, bf16, fp16) to torch dtypes; `autocast_for`.
-- `optimizer_step`: one optimizer step over gradient-accumulated micro-batches (autocast, GradScaler,
-  clipping, skipping a non-finite step); `StepResult` is what it reports.
-- `EMA`: the exponential moving average of the weights; `to_device`; `clip_weights_`.
-- `RunStopped` and the exit codes a run ends with.
+`resolve_device`, `resolve_precision`, `setup_backends`, `DTYPES`, `autocast_for`; `optimizer_step`
+(one step over accumulated micro-batches) and its `StepResult`; `EMA`; `RunStopped` and exit codes.
 """
 from __future__ import annotations
 
@@ -79,10 +74,9 @@ def matmul_speeds(device: torch.device, rounds: int = 6) -> tuple[float, float]:
 
 
 def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
-    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU by its
-    instructions (`cpu_has_bf16`): without bf16 instructions fp32; with them bf16, unless a repeated
-    timing finds bf16 under half fp32's speed; where the flags cannot be read, bf16 when it times at
-    least half again as fast. An explicit bf16 on a CPU that emulates it is kept, with a warning."""
+    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 with
+    bf16 instructions (`cpu_has_bf16`) unless it times under half fp32's speed, else fp32. An
+    explicit bf16 on a CPU that emulates it is kept, with a warning."""
     p = precision
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
@@ -196,11 +190,9 @@ class StepResult:
 
 def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
                    autocast=contextlib.nullcontext, no_sync=None, agree=None) -> StepResult:
-    """One optimizer step over `n_micro` micro-batches; loss_fn(batch) -> (mean loss, items). Each loss
-    is divided by n_micro before backward (accumulation equals one larger batch); then unscale (fp16),
-    clip to `clip` (None: measure only) and step, unless the loss or norm is not finite (skipped and
-    reported; with a GradScaler, the scaler's business). Data-parallel runs pass no_sync(last) and
-    agree([loss sum, grad norm]) so that all ranks take or skip the step together."""
+    """One optimizer step over `n_micro` micro-batches; loss_fn(batch) -> (mean loss, items), each loss
+    divided by n_micro. Unscale (fp16), clip (None: measure only), step unless the loss or norm is not
+    finite; data-parallel runs pass no_sync(last) and agree([loss sum, grad norm]) to agree on it."""
     loss_sum, items = None, 0
     for i, batch in enumerate(batches):
         with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():

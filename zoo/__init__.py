@@ -26,10 +26,8 @@ def _family_of(cfg) -> str:
 
 
 def build(config, **overrides):
-    """Build a model from a YAML path, a dict, or a model config dataclass.
-
-    A YAML file may be a full run config (with `family:` and a `model:` section) or just the
-    model keys. Keyword overrides replace model keys: build("tiny.yaml", n_layers=2)."""
+    """Build a model from a YAML path (a full run config or just the model keys), a dict, or a model
+    config dataclass. Keyword overrides replace model keys: build("tiny.yaml", n_layers=2)."""
     if isinstance(config, (str, Path)):
         source = str(config)
         data = load_yaml(config)

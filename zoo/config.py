@@ -1,12 +1,9 @@
 """Typed configs: one dataclass per model family, YAML files, `key=value` overrides, validation.
 
-Every config error is a `ConfigError` whose message is one line naming the file and the key,
-e.g. ``configs/llm/tiny.yaml: model.n_heads=5 must divide model.d_model=256``.
-The dataclasses here are the single source of defaults. A field's numeric range is declared on
-the field (`n_layers: int = bounded(8, gt=0)`) and checked in one place (`check_bounds`, from
-`from_dict` and from the models); a config's `validate()` holds only the rules across fields.
-Each field's trailing `# comment` is its documentation: train/docs.py renders the key
-tables of docs/ from the dataclasses.
+Every config error is a one-line `ConfigError` naming the file and the key. The dataclasses are the
+single source of defaults; a field's range is declared on it (`bounded(8, gt=0)`) and checked by
+`check_bounds`; `validate()` holds the rules across fields. A field's trailing `# comment` is its
+documentation (train/docs.py renders the key tables of docs/).
 """
 from __future__ import annotations
 
@@ -351,9 +348,7 @@ class MoEConfig:
 @dataclass
 class LLMConfig:
     """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU).
-
-    Fields that may be null are derived from others; the `resolved_*` properties give the
-    values in use (resolved_n_kv_heads, resolved_head_dim, resolved_ffn_hidden)."""
+    Null fields are derived; the `resolved_*` properties give the values in use."""
     vocab_size: int = bounded(32000, gt=0)  # embedding rows / output classes; must be >= the tokenizer's vocabulary
     d_model: int = bounded(512, gt=0)       # width of the residual stream
     n_layers: int = bounded(8, gt=0)        # transformer blocks

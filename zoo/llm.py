@@ -2,14 +2,10 @@
 
     tokens -> embed -> n_layers x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
-Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; residual
-projections initialised with std / sqrt(2 * n_layers) (GPT-2); a chunked loss that never makes
-the full fp32 logits. With `config.moe` the sparse blocks' MLP is a Mixture-of-Experts
-(blocks/moe.py); with `config.mod_capacity` > 0 every mod_every-th block is wrapped in
-Mixture-of-Depths routing (blocks/mod.py); their statistics come out of `return_aux=True`.
-`doc_ids=` and `position_ids=` (B, T) let documents packed in one row train as if each ran alone.
-How the model runs (attention backend, activation checkpointing) is set on the built model from
-outside (train/builder.py), not in its config.
+Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; a chunked loss.
+`config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
+(blocks/mod.py), their statistics from `return_aux=True`. `doc_ids=` and `position_ids=` (B, T)
+for packed documents. How the model runs (attention backend, checkpointing) is set from outside.
 """
 from __future__ import annotations
 
@@ -117,11 +113,9 @@ class LLM(nn.Module):
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
                 mod_causal: Optional[bool] = None, distill: Optional[Distill] = None,
                 doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
-        """input_ids (B, T) -> logits (B, T, V); with targets (B, T): (logits, loss), logits None under the
-        chunked loss; with `distill` the distillation loss (blocks/chunked_ce.py). return_aux=True appends
-        {`moe_aux`, `mod_aux`}. mod_causal: MoD blocks route by the causal decision (default: when decoding).
-        doc_ids (B, T): attention within each document (not with caches); position_ids (B, T): RoPE
-        positions (`document_positions(doc_ids)` restarts them per document)."""
+        """input_ids (B, T) -> logits (B, T, V); with targets: (logits, loss), logits None under the chunked
+        loss; `distill`: the distillation loss; return_aux=True appends {`moe_aux`, `mod_aux`}. mod_causal:
+        MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches)."""
         B, T = input_ids.shape
         h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids)
         if targets is None:

@@ -3,13 +3,10 @@
     model = zoo.quantize(model, "int4wo", group_size=32)    # in place; returns the model
     zoo.save_pretrained(model, "out/")                      # a quantized Zoo folder (zoo/weights/quantized.py)
 
-LLM schemes (`SCHEMES`: int8wo, int4wo, 8da4w) swap torchao's tensor subclasses in for the weight
-of every nn.Linear not in `keep` (by default the embedding and the LM head, the most sensitive).
-ConvNets take `int8` (`quantize_convnet`): static PT2E quantization on a CPU, fast once compiled
-with `compile_frozen`. Quantization-aware training (`prepare_qat`, `convert_qat`) swaps the same
-linears for torchao's FakeQuantizedLinear; int4wo uses Zoo's `Int4FakeQuantizer`, which rounds
-exactly as the conversion will (torchao's generic one trains on another grid). docs/deploy.md
-has the schemes and kernels.
+LLM schemes (`SCHEMES`) swap torchao's tensor subclasses into every nn.Linear outside `keep`;
+ConvNets take `int8` (`quantize_convnet`, PT2E on a CPU). QAT (`prepare_qat`, `convert_qat`) uses
+torchao's FakeQuantizedLinear; int4wo uses Zoo's `Int4FakeQuantizer`, which rounds exactly as the
+conversion will (torchao's generic one does not). docs/deploy.md has the schemes and kernels.
 """
 from __future__ import annotations
 

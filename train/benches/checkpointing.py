@@ -3,11 +3,8 @@
     python train/bench.py checkpointing                       # the three families, fp32
     python train/bench.py checkpointing --families llm --rounds 8 --no-measure
 
-Per family, one model per policy (none, selective, full on every 2nd block, full), the same weights
-and batch; each side is one step of the loop's own step function, the sides alternating round by
-round. The table: each policy's best step, how many times slower than none (paired median), the
-planner's predicted peak and activations, and the peak measured in a fresh process (train.plan).
-`compare` is the same for any settings (the report's precision, compile, chunked loss, accumulation).
+Per family one model per policy (none, selective, full on every 2nd block, full), alternating
+rounds of the loop's own step: time against none, the planner's peak and the measured one.
 """
 from __future__ import annotations
 

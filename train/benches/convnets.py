@@ -5,10 +5,7 @@
     python train/bench.py drop-path       # stochastic depth computed and zeroed (mask) vs skipped (skip, batch)
     python train/bench.py convnet-recipe  # timm's augmentations on top of the digits preset, equal steps, 3 seeds
 
-A training step is forward, cross-entropy, backward, the loop's SGD-momentum step and zero_grad on the
-same batch; the two models hold the same weights (timm's random init loaded into Zoo). Sides alternate
-round by round (harness.py): images/s of each best round, the paired median ratio with its range, and
-the same on each side's CPU time (which leaves out the time a side waited for a core).
+A step is forward, cross-entropy, backward, SGD-momentum and zero_grad; both models hold the same weights.
 """
 from __future__ import annotations
 

@@ -4,12 +4,8 @@
     python train/bench.py data --rss-mb 100,1000        # + the 1 GB corpus
     python train/bench.py data --only speed --mb 32 --rounds 8
 
-The corpus: a generated .jsonl of 1-40 line documents of the Python standard library's sources.
-speed: `zoo prepare` (train/data/prepare.py, --workers processes: tokenising and writing shards) against
-the tokenizer alone (its own threaded batch encode, ids counted and dropped), per tokenizer
-(sentencepiece, a byte-level BPE tokenizer.json); target: zoo >= 0.8x. rss: the peak PSS of preparing
-each --rss-mb corpus in a fresh process and its workers, and its anonymous part. batches: TokenData's
-assembly rate of the SmolLM-135M preset's batches against the rate that preset trains at here.
+speed: `zoo prepare` against the tokenizer's own batch encode (target: >= 0.8x); rss: the peak PSS
+of preparing a corpus in a fresh process; batches: TokenData's assembly rate against the training rate.
 """
 from __future__ import annotations
 

@@ -7,10 +7,7 @@
     python train/bench.py distill-quality  # a student trained with a teacher vs alone, per seed (--family)
     python train/bench.py convnet-ptq      # a ConvNet's int8 PT2E quantization vs fp32: accuracy and images/s
 
-The LLM base is the embedded default (configs/llm/tiny.yaml) trained once, or --trained (a run or
-Hugging Face folder, or a GGUF file converted once). Fine-tunes and trainings are runs of
-train/run.py, read back when they finished in --out. Differences over seeds or batches are means
-with their 95% interval (harness.mean_interval); an interval holding zero is inconclusive.
+The LLM base is configs/llm/tiny.yaml trained once, or --trained; runs are read back from --out.
 """
 from __future__ import annotations
 

@@ -6,9 +6,7 @@
     python train/bench.py min-snr            # Min-SNR-5 vs uniform loss weighting on the digits, equal steps
     python train/bench.py diffusion-quality  # flow vs eps at equal steps, DiT vs U-Net at equal FLOPs, over seeds
 
-Speed: the sides alternate round by round (harness.py), images/s of each best round and the paired
-median ratio. Quality: loop runs per seed, samples judged by a digits classifier (accuracy, and for
-diffusion-quality the Frechet distance of its features), means with their 95% interval.
+Quality: samples judged by a digits classifier (accuracy, Frechet distance of its features).
 """
 from __future__ import annotations
 

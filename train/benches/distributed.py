@@ -3,11 +3,8 @@
     python train/bench.py distributed                  # a 100M-parameter LLM, AdamW, 3 rounds
     python train/bench.py distributed --steps 3 --rounds 2 --nproc 2
 
-One global batch per step (each of N processes takes 1/N of it); each side is one launch
-(`torch.distributed.run` with gloo for DDP and FSDP2, the loop's wrapping and optimizer_step; a plain
-process for 1 process, with N threads where each rank has one: the same cores for every side), the
-sides alternating round by round. Memory per rank, counted from the tensors (a rank's own shards):
-parameters, gradients, optimizer state, and the peak RSS of the rank's process.
+One global batch per step split over the ranks; each side one launch (gloo), the same cores for
+every side. Memory per rank: parameters, gradients, optimizer state, peak RSS.
 """
 from __future__ import annotations
 

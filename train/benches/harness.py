@@ -2,9 +2,8 @@
 command line (shared options, one parser for LLM shapes), training sides, peak memory, runs of the
 loop, and the result JSON that docs tables are rendered from (docs/results/NAME.json, train/docs.py).
 
-Timing (DESIGN.md, "Benchmarks"): the sides of a comparison run in one process, one after the other
-in each round, the order reversed every other round, so that a slow spell of the machine favours no
-side. A speed target is judged on the median over rounds of the per-round paired ratio.
+The sides run in one process, in an order reversed every other round; a speed target is judged on
+the median of the per-round paired ratio (DESIGN.md, "Benchmarks").
 """
 from __future__ import annotations
 
@@ -222,10 +221,9 @@ def int_list(text: str) -> list[int]:
 
 def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: bool = True,
            keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "") -> ArgumentParser:
-    """The parser of `bench.py NAME` with the shared options: --precision (a comma list, default
-    `precision`; one name with `one_precision`), --rounds, --threads, --no-keep-memory (training
-    benches) and --json (where the result goes: docs/results/RESULT.json, RESULT the name by default;
-    None: no result file)."""
+    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`; one name
+    with `one_precision`), --rounds, --threads, --no-keep-memory (training benches) and --json
+    (default docs/results/RESULT.json, RESULT the name; None: no result file)."""
     p = ArgumentParser(prog=f"bench.py {name}", description=doc.strip().split("\n")[0])
     if precision is not None:
         kind = precision_name if one_precision else name_list(PRECISIONS, "precision")

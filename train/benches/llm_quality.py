@@ -4,9 +4,7 @@
     python train/bench.py llm-mod-quality   # dense vs Mixture-of-Depths (top-k 12.5%, 2 routers), equal FLOPs
     python train/bench.py peft              # full fine-tuning vs LoRA, DoRA and QLoRA at the SmolLM-135M shape
 
-Runs of train/run.py, each a process of its own, on the same data, seed, batch and tokens; a run that
-finished in --out is read back. The table gives each run's final validation loss and its cost; the
-PNG (MoE, MoD) the training and validation loss of every run.
+Runs of train/run.py on the same data, seed and tokens (read back from --out when finished).
 """
 from __future__ import annotations
 
@@ -145,10 +143,9 @@ def best_threshold_accuracy(score, target) -> float:
 
 
 def decisions(out: Path, batch: int, n_batches: int) -> dict:
-    """Per MoD layer, how well a causal decision agrees with the top-k on the validation tokens:
-    the trained decision; its logit with the best fixed threshold; the router logit itself with the
-    best fixed threshold (the ceiling of a decision that learns the router's score exactly: the top-k
-    ranks within each sequence, which no fixed threshold follows)."""
+    """Per MoD layer, how well a causal decision agrees with the top-k on the validation tokens: the
+    trained decision, its logit with the best fixed threshold, and the router logit with the best
+    fixed threshold (the ceiling of a decision that learns the router's score exactly)."""
     import torch
 
     from zoo.blocks.mod import MixtureOfDepths

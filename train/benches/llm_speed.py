@@ -7,10 +7,7 @@
     python train/bench.py llm-generate   # Zoo vs transformers on one checkpoint: decoding, loading
     python train/bench.py gguf           # a GGUF file in Zoo and transformers: parity, decoding, loading
 
-Every side runs eager and under torch.compile (`--modes`). A training step is forward, loss,
-backward, AdamW and zero_grad in autocast over fp32 weights, as the loop runs it; decoding is batch
-1, greedy. The sides alternate round by round (harness.py); each table gives best and median rounds
-and the paired ratio against the side's reference (the same mode of the other library or model).
+Eager and compiled (`--modes`); a training step as the loop runs it; decoding batch 1, greedy.
 """
 from __future__ import annotations
 

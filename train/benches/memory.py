@@ -4,13 +4,8 @@
     python train/bench.py memory --only "llm 28M"  # the configurations whose name starts with that
     python train/bench.py memory --planner-time    # + how long the planner takes on the large presets
 
-Measured (`train.plan.measure`, each configuration in --repeat fresh processes on the CPU, the
-largest kept: a user meets whichever their process draws): the growth of the process's peak
-resident memory from just before the model is built to the end of `train.plan.MEASURE_STEPS`
-steps of the loop's own `optimizer_step`, with glibc set as train/run.py sets it. Predicted
-(`train.plan.plan`, fake tensors, nothing allocated): the tensors' peak plus the CPU's stated
-allocator margin. The planner's target: never under the measurement (ratio >= 1), close to it
-(median ratio <= 1.25, worst <= 1.6). Linux only (/proc).
+Measured: `train.plan.measure` in --repeat fresh CPU processes, the largest kept. Predicted:
+`train.plan.plan`. Target: ratio >= 1, median <= 1.25, worst <= 1.6. Linux only (/proc).
 """
 from __future__ import annotations
 

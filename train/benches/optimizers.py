@@ -4,10 +4,7 @@
     python train/bench.py optimizers --quality --train-steps 300   # + an LR sweep of each on the embedded default
     python train/bench.py lr-find                             # train.lr_find's suggestion against a sweep's best LR
 
-Memory and time: one LLM with fixed random gradients; every optimizer is built on it and stepped in
-alternating rounds, the weights put back between rounds (forward and backward are left out: the same
-for all). State bytes: `train.optim.state_bytes` after a step. torchao's AdamW8bit compiles its update
-per tensor shape in its untimed warm-up step. Quality and lr-find: runs of configs/llm/tiny.yaml.
+Memory and time: one LLM with fixed random gradients, every optimizer stepped in alternating rounds.
 """
 from __future__ import annotations
 

@@ -3,9 +3,7 @@
     python train/bench.py report --seeds 3 --out docs/report   # the committed report (docs/report/report.md)
     python train/bench.py report --quick --only precision,compile
 
-Three parts: the rule (a verdict from a 95% interval), the measurements (each claim run against its
-baseline, reusing the benches) and the page (report.md, report.json with every sample, PNG plots).
-A measurement that fails is a skipped row with its error; the others still run.
+The rule (a verdict from a 95% interval), the measurements and the page (report.md, report.json).
 """
 from __future__ import annotations
 

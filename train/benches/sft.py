@@ -2,14 +2,6 @@
 
     python train/bench.py sft-packing   # padding and training tokens/s: packed, padded by length, padded at random
     python train/bench.py sft-quality   # exact-match answers to held-out conversations: runs/tiny against runs/tiny-sft
-
-sft-packing: one pass over --conversations training conversations (ChatML; the embedded default's
-tokenizer when runs/tiny has one, else bytes) per side, each with its own copy of a random LLM of
-the tiny preset's shape: `packed` (several conversations a row, attention within each, positions
-restarting), `padded-bucketed` (one a row, similar lengths together: the default) and `padded-random`.
-Real (unpadded) tokens/s against padded-bucketed's, paired over rounds.
-sft-quality: the greedy answer to each held-out conversation's last turn against the reference (exact
-match); chance is low (the answer must repeat a number). With several runs, the mean and its interval.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Text data for language models: sources, preparation into token shards, mixtures, random windows.
 
 This file holds the config (`data.*`), TokenData (the LM task's data) and the document-boundary
-contract; the rest of the package: sources.py (documents read lazily), text_tokenizers.py,
-shards.py (kill-safe preparation into token shards), tokens.py (memmapped and pre-tokenized
-streams), loader.py (batches on a background thread), doc_masks.py, and the chat, preference,
-image and latent data.
-
-A source (`data.path`, or a weighted mixture `data.sources`) is prepared once into
-`data.cache_dir` (`python train/prepare.py CONFIG` does it ahead of training) and read as
-memmaps. Training batches are random windows drawn from a generator seeded by (seed, step,
-micro), so any step's batch is rebuilt exactly on resume. `document_ids` gives each token's
-document from the window alone, by the boundary tokens of `data.boundary` (docs/data.md,
-"Document boundaries"): equal within a document, different across.
+contract. A source (`data.path`, or a mixture `data.sources`) is prepared once into `data.cache_dir`
+and read as memmaps; batches are random windows seeded by (seed, step, micro), so resume is exact.
+`document_ids` numbers each token's document by `data.boundary` (docs/data.md).
 """
 from __future__ import annotations
 

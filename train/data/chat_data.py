@@ -3,14 +3,10 @@ padded to the longest row of its batch, rows of similar length batched together;
 `data.pack`, several conversations per row of `data.seq_len` tokens, each in a document of its own.
 
     data = ChatData(train_rows, val_rows, tokenizer, template, cfg, seed, log)
-    x, y, n, docs = data.batch(index, rows)   # micro-batch `index` of the run: (B, T) inputs and targets,
-                                              # the real tokens, the model's document keywords ({}: padded)
+    x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords
     for x, y, n, docs in data.val_batches(B): ...
 
-Padding goes on the right (inputs 0, targets -100), so causal attention leaves the real tokens'
-outputs unchanged. A micro-batch's conversations follow from (seed, index) alone, so a resume sees
-the same ones. Packed rows (train/data/packing.py) carry document ids and positions restarting per
-conversation, so each is computed as if alone; validation batches are always padded.
+Padding on the right (inputs 0, targets -100); a micro-batch follows from (seed, index) alone.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The embedded conversation set (`data.path: synthetic`): small chat tasks made by code, the same
 every time, so chat fine-tuning has an example that needs no download.
 
-Four kinds, some with a system message: introductions over two turns ("Hi, my name is Ada." ...
-"What is my name?"), parity ("Is 417 even or odd?"), repetition, and the last word of a list.
-`conversations("val")` draws new combinations and numbers whose tens training never showed, so
-answering takes the skill, not the memory of a conversation.
+Four kinds: introductions over two turns, parity, repetition, the last word of a list;
+`conversations("val")` draws combinations training never showed, so answering takes the skill.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Conversations for chat fine-tuning: jsonl rows -> messages -> chat template -> token ids and
 labels that train only the assistant's tokens.
 
-Row formats (`data.format`): `messages` (OpenAI's or ShareGPT's shape), `prompt_completion` and
-`alpaca` (docs/post-training.md shows each). A malformed row is counted and skipped with one log
-line per file; a file without a usable row is a one-line DataError.
-
-`ChatTemplate` renders a model's own Jinja `chat_template` (Hugging Face folder files or a GGUF
-file) exactly as transformers' `apply_chat_template` does (same sandboxed environment, extensions
-and special-token variables), or a built-in (`chatml`). Assistant-only labels: the characters of
-the assistant's turns come from the template's `{% generation %}` markers, else from rendering the
-conversation prefix by prefix; tokens overlapping them keep their ids as labels, the rest -100.
-A template that renders an earlier turn differently once later turns follow is a one-line error.
+Row formats (`data.format`): `messages`, `prompt_completion` and `alpaca` (docs/post-training.md);
+malformed rows are counted and skipped. `ChatTemplate` renders a model's Jinja `chat_template` as
+transformers' `apply_chat_template` does, or `chatml`; assistant-only labels come from the
+`{% generation %}` markers, else from rendering the conversation prefix by prefix.
 """
 from __future__ import annotations
 
@@ -271,7 +265,6 @@ class ChatTemplate:
 
         t = ChatTemplate.from_pretrained("path/to/hf_folder")      # or a tokenizer_config.json, .jinja, .gguf
         t = ChatTemplate.builtin("chatml")
-        text = t.render(messages, add_generation_prompt=True)
         ids, labels = t.encode(tokenizer, messages)                  # labels: -100 but on the assistant's tokens
     """
 

@@ -1,9 +1,8 @@
 """Image datasets: the embedded digits default and ImageFolder-style directories, and timm's
 training recipe (RandAugment / TrivialAugment, random erasing, Mixup / CutMix).
 
-Augmentations are drawn from a per-sample seed, never from global RNG state, so a batch is a
-function of (seed, step, micro) whatever the number of DataLoader workers (exact resume).
-uint8 crops travel to the device and are normalised there.
+Augmentations draw from a per-sample seed, so a batch is a function of (seed, step, micro) whatever
+the number of workers (exact resume). uint8 crops are normalised on the device.
 """
 from __future__ import annotations
 

@@ -3,11 +3,8 @@
     latent_cache(folder, key, splits, encode, views, ...) -> LatentCache (built, resumed or reused)
     cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
 
-The folder's name carries a digest of `key` (whatever determines the latents: images, autoencoder
-weights, resolution, flips); it holds train.npy (N, V, C, h, w) (V = 2 with flips), val.npy, their
-labels, and meta.json (shapes, per-channel mean and std). Built in a `.partial` folder with its
-progress recorded atomically, so a killed build resumes, and renamed when whole; one builder at a
-time (a file lock).
+The folder's name carries a digest of `key`; it holds train.npy (N, V, C, h, w), val.npy, labels
+and meta.json. Built in a `.partial` folder (a killed build resumes), one builder at a time.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Batches assembled off the training thread.
 
-`Prefetcher(make, after, depth)` runs `make(key)` on a background thread for the next keys
-(`after(key)`), keeping up to `depth` batches ready; `get(key)` returns the one made ahead, or
-starts again from `key` when asked out of order (a resume, an evaluation). A batch is a function of
-its key alone, so prefetching never changes what is trained on; `make`'s errors are raised by
-`get`. The thread ends after `IDLE_S` seconds unused; the next `get` starts it again.
+`Prefetcher(make, after, depth)` runs `make(key)` on a background thread for the next keys, keeping
+up to `depth` batches ready; `get(key)` returns the one made ahead, or starts again from `key` when
+asked out of order. A batch is a function of its key alone, so prefetching never changes training.
 """
 from __future__ import annotations
 

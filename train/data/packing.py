@@ -1,10 +1,7 @@
 """Packing variable-length sequences (conversations, instructions) into rows of a fixed length.
 
-Each sequence is (input_ids, labels) of equal length, labels aligned with the targets (-100 where
-nothing is trained). `pack_rows` assigns them to rows by best-fit decreasing (deterministic), and
-`pack` lays them out as (R, seq_len) tensors with the document ids and positions that make the
-model treat each sequence as if it ran alone (zoo/llm.py's doc_ids, position_ids). The rest of a
-row is padding in a document of its own.
+`pack_rows` assigns (input_ids, labels) sequences to rows by best-fit decreasing; `pack` lays them
+out as (R, seq_len) tensors with document ids and positions, so each sequence runs as if alone.
 """
 from __future__ import annotations
 

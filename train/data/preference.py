@@ -2,12 +2,8 @@
 
     ids, labels = encode_response(tokenizer, prompt, response, template)
 
-`encode_response` is the one place a prompt (a string or chat messages) and a response become
-tokens: labels are the ids on the response's tokens and -100 elsewhere. With a chat template only
-the assistant's tokens are kept; without one the prompt's and the response's tokens are
-concatenated (tokenised separately), then EOS. Preference rows (`data.format: preference`) are
-`{"prompt", "chosen", "rejected"}` lines, or `synthetic`: pairs made from the embedded
-conversations, the rejected answer taken from another conversation of the same kind.
+`encode_response`: labels are the ids on the response's (with a template, the assistant's) tokens,
+-100 elsewhere. Preference rows are `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
 """
 from __future__ import annotations
 

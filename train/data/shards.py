@@ -2,13 +2,9 @@
 
     prepare(source, tokenizer, out, ...) -> Shards
 
-Documents are read lazily and grouped into chunks that worker processes tokenise; the main process
-writes their tokens in chunk order to shards (shard-NNNNN.bin, raw uint16 or uint32; shard-NNNNN.docs.npy,
-the document starts; manifest.json). At most two chunks per worker are in flight, so memory is
-bounded by the chunk size, not the corpus. Kill-safe: a shard is renamed into place when whole and
-the manifest rewritten atomically; a rerun drops what the manifest does not list and goes on.
-The chunking is a function of the source alone, so the shards are the same bytes as an
-uninterrupted run's, with any number of workers.
+Worker processes tokenise chunks, the main process writes them in order to shards (shard-NNNNN.bin,
+shard-NNNNN.docs.npy, manifest.json); at most two chunks per worker in flight. Kill-safe: a rerun
+drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Documents read lazily from a text source, one at a time, in bounded memory.
 
-A source is `stdlib` (the standard library's .py files, the embedded default), a text file (one
-document, read in pieces cut at blank lines), a .jsonl (.gz, .zst) file, a Parquet file, a saved
-Hugging Face dataset, or a folder of these (docs/data.md, "Sources"). Bad documents never stop the
-reading: they are replaced, skipped and counted in `Problems`, whose `summary()` is one line.
-
-`documents(path, column, problems)` yields `Doc(text, first, last)`: a document, or a piece of
-one (`first`: it starts a document; `last`: it ends one).
+A source is `stdlib` (the embedded default), a text file, a .jsonl (.gz, .zst), a Parquet file, a
+saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in
+`Problems`. `documents(path, column, problems)` yields `Doc(text, first, last)`.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The run's quantization: quantization-aware training and the quantized model at the end.
 
-`train.qat` swaps the linears for torchao's fake-quantized ones in build_model (before any
-wrapping, so DDP, compile and the EMA see them). With `train.quantize`, the last step evaluates a
-bf16 copy of the final model (`quant_ref_*`, bf16 because quantized inference keeps the rest in
-16-bit), quantizes it and evaluates again (`quant_*`), so their difference is the quantization's
-own cost; train/finish.py writes it to out_dir/quantized/. Under torchrun rank 0 alone does it;
-FSDP is refused.
+`train.qat` swaps the linears for torchao's fake-quantized ones before any wrapping. With
+`train.quantize` the last step evaluates a bf16 copy (`quant_ref_*`) and the quantized model
+(`quant_*`); train/finish.py writes it to out_dir/quantized/. Rank 0 alone; FSDP is refused.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Optimizers and learning-rate schedules.
 
-`build_optimizer(model, cfg, device)` builds `optim.name` from the registry below (OPTIMIZERS):
-adamw (fused where supported), sgd, adafactor, muon (torch's), adamw8bit and adamw_offload
-(torchao's), and Zoo's own lion.py and galore.py. Weight decay goes to matrices only (not norms,
-biases, embeddings); "hidden" matrices (Muon's and GaLore's) are the 2-D weights that are neither
-an embedding nor the output head. A group's `lr_scale` turns the run's LR into the group's.
-Schedules are multipliers of the peak LR (schedules.py); docs/llm.md ("Optimizers") has the table.
+`build_optimizer(model, cfg, device)` builds `optim.name` from OPTIMIZERS (torch's, torchao's and
+Zoo's lion.py and galore.py). Weight decay goes to matrices only; "hidden" matrices are the 2-D
+weights other than the embedding and the head. docs/llm.md ("Optimizers") has the table.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """GaLore: AdamW with low-rank gradient states (Zhao et al., "GaLore: Memory-Efficient LLM Training
 by Gradient Low-Rank Projection", 2024).
 
-For a 2-D weight in a group with `galore=True`, every `update_every` steps the gradient's top-`rank`
-singular vectors (on the smaller side) become the projection P; in between the gradient is
-projected to R (r x n or m x r), Adam's moments are kept for R only, and the normalised update is
-projected back and scaled: 2 r max(m, n) moment entries instead of 2 m n. Other tensors get plain
-AdamW. Zoo's own because `galore-torch` keeps its projector object in the optimizer state, which
-`weights_only=True` refuses; here all state is plain tensors, so resume is exact.
+Every `update_every` steps the gradient's top-`rank` singular vectors become the projection; Adam's
+moments are kept for the projected gradient only. Zoo's own because `galore-torch` keeps an object
+in the optimizer state, which `weights_only=True` refuses; here the state is plain tensors.
 """
 from __future__ import annotations
 

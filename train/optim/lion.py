@@ -4,9 +4,7 @@
     p = p * (1 - lr * wd) - lr * sign(c)     decoupled weight decay, then a step of size lr per entry
     m = beta2 * m + (1 - beta2) * g          the momentum, with the slower beta2
 
-One state tensor per parameter, half of AdamW's; foreach kernels per group. Zoo's own because
-torch has none. Every entry moves by +-lr, so the LR is typically lower and the weight decay
-higher than AdamW's (the paper).
+Half of AdamW's state. Zoo's own because torch has none.
 """
 from __future__ import annotations
 

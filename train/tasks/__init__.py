@@ -1,9 +1,7 @@
 """Tasks: how a model family plugs into the one loop.
 
 A task turns a run config into a model and batches, a batch into a loss, and a model into eval
-metrics and samples; the loop knows nothing else about the family. A family's task is registered
-in TASKS; `Task.formats` names the family's other tasks by `data.format` (the LLM's `preference`
-is DPO).
+metrics and samples. Registered in TASKS; `Task.formats` names a family's other tasks by `data.format`.
 """
 from __future__ import annotations
 

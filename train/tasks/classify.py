@@ -1,9 +1,7 @@
 """Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5, and
-timm's training recipe as data keys (RandAugment or TrivialAugment, random erasing, Mixup / CutMix
-with soft targets; train/data/images.py).
+timm's training recipe as data keys (train/data/images.py).
 
-Data: `digits` (the embedded default) or an ImageFolder-style directory (docs/convnet.md). Every
-batch, augmentations included, is a function of (seed, step, micro) only, so resume is exact.
+Data: `digits` (the embedded default) or an ImageFolder-style directory (docs/convnet.md).
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
-setup() loads the autoencoder (pretrained, or trained here and cached), encodes every image once
-into the latent cache (train/data/latents.py) and sets the model's latent normalisation; the loop
-then trains only the denoiser on cached latents, no encoder in the step. samples() writes a
-guided grid (a row per class) to out_dir/samples.png.
+setup() loads the autoencoder and fills the latent cache (train/data/latents.py), so the loop trains
+only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png.
 """
 from __future__ import annotations
 

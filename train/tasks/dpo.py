@@ -1,15 +1,12 @@
 """Preference tuning of an LLM: DPO, and SimPO without a reference (`data.format: preference`).
 
-A batch holds B (prompt, chosen, rejected) pairs as 2B rows, chosen first, the loss on the
-responses only. With r a response's implicit reward and eps label smoothing:
+With r a response's implicit reward and eps label smoothing:
     DPO (Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a
     Reward Model", 2023): r = beta * (log pi(y|x) - log ref(y|x))
     SimPO (Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward",
     2024): r = beta * log pi(y|x) / |y|, with a margin gamma
     loss = -(1 - eps) log sigmoid(r_c - r_r [- gamma]) - eps log sigmoid(r_r - r_c [+ gamma])
-The reference is the model with its adapters switched off for an adapter run, else a frozen copy
-of the initial model (or its precomputed log-probabilities). Rewards, margin and accuracy are
-logged per step and at evaluation (docs/post-training.md).
+The reference: the model with its adapters off, else a frozen copy of the initial model.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Language modelling: next-token cross-entropy on windows of a token stream.
 
-A Mixture-of-Experts model's router losses join the loss and its routing biases step once per
-optimizer step; a Mixture-of-Depths model's decision loss joins it and its thresholds follow the
-top-k; both report their routing statistics (docs/llm.md, "Metrics"). With `data.attention:
-document` every forward gets the batch's document ids (and with `data.positions: document`
-positions restarting per document)."""
+MoE router losses and MoD decision losses join the loss, with their routing statistics (docs/llm.md,
+"Metrics"); with `data.attention: document` every forward gets the batch's document ids."""
 from __future__ import annotations
 
 import math

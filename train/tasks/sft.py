@@ -1,11 +1,8 @@
 """Chat fine-tuning (SFT) of an LLM: conversations rendered with the model's chat template, the
 loss on the assistant's tokens only.
 
-The LLM task for `data.format: messages | prompt_completion | alpaca`: the language-model task
-(train/tasks/lm.py) with conversations for data (train/data/chat_data.py). The tokenizer and
-template are the checkpoint's own with `train.init_from` (else `data.tokenizer`, ChatML);
-evaluation adds `val_exact_match` on greedily generated last answers; the run folder gets the
-template, so `python train/chat.py RUN_FOLDER` talks in the trained format.
+The LM task (train/tasks/lm.py) with conversations for data (train/data/chat_data.py) for
+`data.format: messages | prompt_completion | alpaca`; evaluation adds `val_exact_match`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """adaLN-Zero transformer block (DiT) with bidirectional attention, optional QK-norm and 2D RoPE.
 
 Paper: Peebles & Xie, "Scalable Diffusion Models with Transformers" (DiT, 2023). The conditioning
-vector c (timestep + class embedding) regresses, per block, the shift, scale and gate of both
-sub-layers, zero-initialised so every block starts as the identity:
+c (timestep + class) regresses per block the shift, scale and gate of both sub-layers, zero-init:
 
-    shift1, scale1, gate1, shift2, scale2, gate2 = Linear(SiLU(c))              (adaLN-Zero)
-    x = x + gate1 * Attn(modulate(LN(x), shift1, scale1))
-    x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))     modulate(h, sh, sc) = h * (1 + sc) + sh
+    x = x + gate1 * Attn(modulate(LN(x), shift1, scale1))     modulate(h, sh, sc) = h * (1 + sc) + sh
+    x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))
 
 Options: `qk_norm` (Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters",
 2023); `rope`, axial 2D RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer",

@@ -5,13 +5,10 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 "Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
 "FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
 
-q, k and v come from one fused projection `qkv` (rows: H*D of q, then KV*D of k, then of v).
-`qk_norm` (Qwen3; Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters", 2023)
-RMS-normalises each q and k head before RoPE; `prefix` puts learned keys and values in front
-(prefix.py); `mask` replaces the causal rule with a narrower one (attention_docs.py's Documents,
-attention_masked.py's KeyMask). Backends (`set_backend(model, name)`): 'auto' picks 'flash'
-(flash-attn on CUDA in fp16/bf16), 'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa';
-'flex' is FlexAttention with a block mask; 'math' the fp32 reference.
+One fused projection `qkv` (rows: H*D of q, KV*D of k, KV*D of v); `qk_norm` (Qwen3) RMS-normalises
+q and k heads before RoPE; `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
+attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16),
+'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
 (T, D) from rope.py, or (B, T, D) when each row has positions of its own.
@@ -35,8 +32,7 @@ except ImportError:  # copied next to rope.py, norm.py and attention_cpu.py, out
 
 BACKENDS = ("auto", "sdpa", "flash", "bmm", "math", "flex")
 
-# flash-attn's flash_attn_func and flash_attn_varlen_func, imported on first use (None when absent
-# or when it fails to import, e.g. built for another CUDA)
+# flash-attn's functions, imported on first use (None when absent or failing to import)
 flash_attn_func = flash_attn_varlen_func = None
 _flash_imported = False
 

@@ -1,11 +1,9 @@
 """CPU speed path for causal attention: batched matmuls around an fp32 softmax, the queries in
 blocks that skip the keys they cannot see, with a hand-written backward.
 
-The algebra is plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward
-takes the softmax gradient from the kept probabilities with FlashAttention's identity
-dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). On a CPU it beats torch's
-flash kernel for short keys (docs/llm.md, "Training speed"), so attention.py's 'auto' picks it
-('bmm') for at most CPU_BMM_MAX_LEN keys.
+Plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward uses
+FlashAttention's dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). attention.py's
+'auto' picks it ('bmm') for at most CPU_BMM_MAX_LEN keys, where it beats torch's flash kernel.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
 positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk)

@@ -1,10 +1,8 @@
 """Attention restricted to the keys a layer processed: the causal decoding of Mixture-of-Depths.
 
 Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
-language models" (2024). A layer that skips tokens must let no query see a skipped token's key, in
-training and in its KV cache: `KeyMask(key_mask)` is the mask CausalSelfAttention takes, key_mask
-(B, Tk) bool; a query always sees its own position (and with doc_ids only its own document).
-`MaskedKVCache` keeps the mask of the keys it holds.
+language models" (2024). `KeyMask(key_mask)` is CausalSelfAttention's mask: no query sees a skipped
+token's key (a query always sees its own position); `MaskedKVCache` keeps the mask of its keys.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D); key_mask (B, Tk); doc_ids (B, Tq) -> (B, H, Tq, D).
 Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.

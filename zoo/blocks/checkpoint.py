@@ -3,13 +3,10 @@ in the backward pass instead of keeping their activations, and what a recomputed
 
 Chen, Xu, Zhang & Guestrin, "Training Deep Nets with Sublinear Memory Cost" (2016); the selective
 policy after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-(2022): keep the outputs of the expensive ops (MATMUL_OPS), recompute the cheap ones.
-Policies "none", "full" (keep only the inputs) and "selective", on blocks 0, every, 2 * every, ...
-
-Applied from outside a model, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
-"selective", every=2)` replaces the units' forward on the instance (the state dict is unchanged);
-`run_block` does the same for one call. RNG state is preserved and BatchNorm's running statistics
-are not updated twice. Shapes: whatever the block takes and returns.
+(2022): keep the outputs of MATMUL_OPS, recompute the rest. Policies "none", "full", "selective".
+Applied from outside, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
+"selective", every=2)` (the state dict is unchanged); `run_block` for one call.
+Shapes: whatever the block takes and returns.
 Depends on torch only.
 """
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Chunked linear + cross-entropy: the LM-head loss without ever holding the full logits.
 
-logits = h @ W^T followed by cross-entropy would hold (N, V) fp32 logits and their gradient. Here
-`chunk_size` rows at a time are made, reduced to their loss and turned at once into their
-gradients with respect to h and W, then dropped: one (chunk_size, V) block at most, the same
-matmul work. Known as fused linear cross-entropy (e.g. Wijmans et al., "Cut Your Losses in
-Large-Vocabulary Language Models", 2024). Mean over targets != ignore_index, like
-F.cross_entropy; matmuls in the autocast dtype, log-softmax and sums in fp32. Knowledge
-distillation the same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
+`chunk_size` rows of logits at a time are made, reduced to their loss and turned into their
+gradients with respect to h and W, then dropped: one (chunk_size, V) block at most, the same matmul
+work (fused linear cross-entropy, e.g. Wijmans et al., "Cut Your Losses in Large-Vocabulary Language
+Models", 2024). Mean over targets != ignore_index, like F.cross_entropy. Knowledge distillation the
+same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
 
 Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's hidden states
 (N, Dt) and LM head (V, Dt).
@@ -116,10 +114,9 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
 # ---------------------------------------------------------------- knowledge distillation
 def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, alpha: float,
                       temperature: float, ignore_index: int = -100) -> torch.Tensor:
-    """Knowledge distillation (Hinton et al., "Distilling the Knowledge in a Neural Network", 2015) on
-    full logits: alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) *
-    cross-entropy(student, targets), the mean over the rows whose target is not ignore_index.
-    Shapes: logits, teacher_logits (N, V); targets (N,) -> scalar. The teacher gets no gradient."""
+    """Knowledge distillation (Hinton et al., "Distilling the Knowledge in a Neural Network", 2015):
+    alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alpha) * cross-entropy, the
+    mean over rows whose target is not ignore_index. logits, teacher_logits (N, V); targets (N,) -> scalar."""
     s, t = logits.float(), teacher_logits.detach().float()
     valid = targets != ignore_index
     n = valid.sum().clamp(min=1)

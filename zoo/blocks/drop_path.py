@@ -1,16 +1,13 @@
 """Stochastic depth (DropPath): drop a residual branch for whole samples during training.
 
 Paper: Huang, Sun, Liu, Sedra & Weinberger, "Deep Networks with Stochastic Depth" (2016).
-In training each sample's branch output is kept with probability keep = 1 - drop_prob and scaled
-by 1 / keep; at eval it is the identity. Two forms for a residual block y = shortcut + branch(x):
+A sample's branch is kept with probability 1 - drop_prob and scaled by its inverse; identity at eval.
 
     y = shortcut + drop_path(branch(x), p, training)          # masked: dropped rows zeroed
     y = residual_drop_path(shortcut, branch, x, p, training)  # the branch runs on the kept rows only
 
-Both draw the same mask, so they agree when the branch treats samples independently (BatchNorm
-sees only the kept rows in the second). The second saves the dropped rows' compute; under
-torch.compile the masked form is used (static shapes). `per="batch"` is the paper's variant: one
-draw for the whole batch (not under DDP without find_unused_parameters).
+Both draw the same mask; the second saves the dropped rows' compute (masked under torch.compile).
+`per="batch"`: one draw for the whole batch (the paper's variant).
 
 Shapes: x (B, ...) -> (B, ...), e.g. (B, C, H, W) or (B, T, D); any memory format.
 Depends on torch only.

@@ -1,14 +1,13 @@
 """Global Response Normalization (GRN): scale each channel by its share of the feature map's
 energy, which keeps channels from collapsing to copies of each other.
 
-Paper: Woo et al., "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked Autoencoders"
-(2023), inside the MLP of every ConvNeXt V2 block.
+Paper: Woo et al., "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked Autoencoders" (2023).
 
     g[c] = ||x[:, :, c]||_2 over H, W        n[c] = g[c] / (mean over c of g + eps)
     y = x + bias + weight * (x * n)           (weight, bias start at 0: the block starts as identity)
 
-Shapes: x (B, H, W, C) channels-last, as inside a ConvNeXt block -> (B, H, W, C). Parameter
-names (weight, bias of shape (C,)) are timm's. Depends on torch only.
+Shapes: x (B, H, W, C) channels-last -> (B, H, W, C); weight, bias (C,) (timm's names).
+Depends on torch only.
 """
 import torch
 from torch import nn

@@ -5,9 +5,8 @@ Paper: Howard et al., "Searching for MobileNetV3" (2019).
 
     hard_sigmoid(x) = relu6(x + 3) / 6          hard_swish(x) = x * hard_sigmoid(x)
 
-Shapes: any tensor -> the same shape. The modules run torch's fused kernels (F.hardswish,
-F.hardsigmoid), which compute exactly these formulas; `inplace` is accepted (and ignored) so
-that either can stand where an nn.ReLU(inplace=True) is built. Depends on torch only.
+Shapes: any tensor -> the same shape. Runs F.hardswish / F.hardsigmoid; `inplace` is accepted
+(and ignored). Depends on torch only.
 """
 import torch
 import torch.nn.functional as F

@@ -1,13 +1,10 @@
 """LayerNorm2d: LayerNorm over the channels of each pixel of a (B, C, H, W) feature map.
 
 Paper: Ba, Kiros & Hinton, "Layer Normalization" (2016); used per pixel by ConvNeXt (Liu et al.,
-"A ConvNet for the 2020s", 2022) in its stem, downsampling layers and head.
+"A ConvNet for the 2020s", 2022).
 
-    y[b, :, h, w] = (x[b, :, h, w] - mean) / sqrt(var + eps) * weight + bias
-
-Shapes: x (B, C, H, W) -> (B, C, H, W). The channels move last for F.layer_norm and back: on a
-channels-last tensor both permutes are free views (no copy). Parameter names (weight, bias) are
-nn.LayerNorm's, as timm's. Depends on torch only.
+Shapes: x (B, C, H, W) -> (B, C, H, W). The channels move last for F.layer_norm and back (free
+views on a channels-last tensor). Parameter names (weight, bias) are timm's. Depends on torch only.
 """
 import torch
 import torch.nn.functional as F

@@ -9,8 +9,7 @@ Networks" (2019) and Howard et al., "Searching for MobileNetV3" (2019).
     DepthwiseSeparable:  kxk depthwise (stride) -> BN, act -> SE -> 1x1 project -> BN
     out = shortcut + drop_path(branch)   when stride 1 and c_in == c_out, else the branch alone
 
-Shapes: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride); any memory format. Parameter names
-are timm's; `act` and the SE's act / gate are module classes taking `inplace`.
+Shapes: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride); parameter names are timm's.
 Needs: se.py, drop_path.py (copy them beside this file). Depends on torch only.
 """
 from typing import Optional

@@ -2,8 +2,7 @@
 
 Paper: Shazeer, "GLU Variants Improve Transformer" (2020); used by PaLM and Llama.
     y = W_down( silu(W_gate x) * (W_up x) )
-W_gate and W_up are stored as one fused (2*F, D) matrix `gate_up` (first F rows: gate,
-last F rows: up) so the block does one input matmul instead of two.
+W_gate and W_up are one fused (2*F, D) matrix `gate_up` (gate rows first): one input matmul.
 
 Shapes: x (B, T, D) -> (B, T, D); hidden F.
 Depends on torch only.

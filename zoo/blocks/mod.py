@@ -3,17 +3,12 @@
 Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
 language models" (2024).
 
-`MixtureOfDepths(block, d_model, capacity)` wraps a residual block `block(x, *per_token) -> x + f(x)`
-(or a tuple whose first item is that). A linear router scores every token; per sequence the
-k = max(1, int(capacity * T)) best go through the block in their original order (with their
-`per_token` rows and `doc_ids`), the update scaled by sigmoid(router logit) so the router learns
-from the loss; the rest pass unchanged. k is fixed by T, so shapes are static (it compiles).
-
-The top-k looks at later tokens, which decoding cannot, so a causal decision is trained beside it
-(`router`: 'aux_loss' or 'predictor'), with a `threshold` that training moves toward the top-k's
-boundary (docs/llm.md, "Mixture of Depths"). `forward(..., causal=True)` routes by it and passes
-`key_mask` (B, T) to the block, which must keep skipped tokens out of its attention and KV cache;
-when nothing is routed the block does not run and its `n_extra` outputs come back as Nones.
+`MixtureOfDepths(block, d_model, capacity)` wraps `block(x, *per_token) -> x + f(x)` (or a tuple
+starting with it). Per sequence the k = max(1, int(capacity * T)) best-scored tokens go through the
+block in order, the update scaled by sigmoid(router logit); the rest pass unchanged (static shapes).
+The top-k sees later tokens, so a causal decision (`router`: 'aux_loss' or 'predictor', with a
+`threshold`) is trained beside it (docs/llm.md, "Mixture of Depths"); `forward(..., causal=True)`
+routes by it and passes `key_mask` (B, T) to the block.
 
 Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` holds 0-dim tensors
 'aux_loss', 'routed', 'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
@@ -40,8 +35,7 @@ class MixtureOfDepths(nn.Module):
             raise ValueError(f"unknown router {router!r} (supported: {', '.join(ROUTERS)})")
         self.block, self.capacity, self.router_kind = block, capacity, router
         self.router = nn.Linear(d_model, 1)
-        # the decision threshold: a fixed logit at inference; in training it follows the top-k's
-        # boundary in the decision logits (`update_threshold`), so the decision routes the top-k's share
+        # the decision threshold: fixed at inference; in training it follows the top-k's boundary
         self.register_buffer("threshold", torch.zeros(()))
         self.predictor = None
         if router == "predictor":

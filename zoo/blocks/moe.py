@@ -10,13 +10,9 @@ Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral
 "DeepSeek-V3 Technical Report" (2024: sigmoid scores, auxiliary-loss-free balancing bias).
 
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
-Each token picks its top_k experts by softmax or sigmoid scores (plus `score_bias` with
-`bias_balancing`, which moves the choice, never the weights). The experts are stacked tensors
-`gate_up` (E, 2F, D) and `down` (E, D, F); tokens sorted by expert run through grouped matmuls
-(`dispatch='grouped'`) or one matmul per expert ('loop'). `capacity_factor` None is dropless;
-otherwise each expert takes at most ceil(capacity_factor * N * top_k / E) choices in training.
-`stats` returns 'lb_loss' (Switch), 'z_loss' (ST-MoE), 'load' (E,) and 'dropped' for the caller's
-balancing; `update_bias(load, rate)` is DeepSeek-V3's bias step.
+Experts are stacked `gate_up` (E, 2F, D) and `down` (E, D, F), run by grouped matmuls ('grouped')
+or per expert ('loop'); `capacity_factor` None is dropless. `stats`: 'lb_loss', 'z_loss', 'load'
+(E,), 'dropped'; `update_bias(load, rate)` is DeepSeek-V3's bias step.
 
 Shapes: x (B, T, D) or (N, D) -> y of the same shape, and `stats`, a dict of tensors.
 Needs: mlp.py (the shared experts are one SwiGLU; copy it beside this file).

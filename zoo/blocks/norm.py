@@ -2,9 +2,7 @@
 
 Paper: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
     y = x / sqrt(mean(x^2, dim=-1) + eps) * weight
-The statistics are computed in fp32 and the result is cast back to the input dtype before
-the (learned) weight is applied, as Llama does, so bf16/fp16 inputs stay stable; the output
-has the input's dtype.
+Statistics in fp32, cast back to the input dtype before the weight, as Llama does.
 
 Shapes: x (..., D) -> (..., D); weight (D,).
 Depends on torch only.

@@ -6,8 +6,7 @@ that DiT (Peebles & Xie, "Scalable Diffusion Models with Transformers", 2023) us
 
     PatchEmbed:    (B, C, H, W) -> conv p x p, stride p -> (B, N, D), N = (H/p) * (W/p), row-major
     unpatchify:    (B, N, p*p*C) -> (B, C, H, W)
-    sincos_pos_embed_2d(D, h, w): (h*w, D) = [sincos(column), sincos(row)], positions scaled by
-                   base_size / h (and / w) so that another grid interpolates the trained one
+    sincos_pos_embed_2d(D, h, w): (h*w, D), positions scaled by base_size / h (and / w)
 
 Shapes as above; H and W divisible by p; D divisible by 4.
 Depends on torch only.

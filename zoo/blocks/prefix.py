@@ -1,10 +1,8 @@
 """Prefix tuning: learned keys and values prepended to one attention layer's own.
 
 Paper: Li & Liang, "Prefix-Tuning: Optimizing Continuous Prompts for Generation" (2021).
-P learned key and value vectors per kv head, seen by every query and never rotated; only they
-train. Small N(0, std^2) initial values give the prefix a near-uniform, small share at first.
-Use: `attn.prefix = KVPrefix(...)` on attention.py's CausalSelfAttention, which calls it on its
-keys and values (after RoPE and the KV cache).
+P learned key and value vectors per kv head, seen by every query, never rotated; only they train.
+Use: `attn.prefix = KVPrefix(...)` on attention.py's CausalSelfAttention.
 
 Shapes: k, v (B, KV, T, D) -> (B, KV, P + T, D).
 Depends on torch only.

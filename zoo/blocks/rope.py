@@ -4,10 +4,7 @@ Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding
 Scaling: 'linear' = Chen et al., "Extending Context Window of Large Language Models via
 Positional Interpolation" (2023); 'llama3' = the wavelength-dependent rule of Llama 3.1
 (Meta, "The Llama 3 Herd of Models", 2024).
-
-Convention: the "rotate-half" layout (channel i is paired with channel i + D/2), the same
-as Hugging Face transformers, so Hugging Face q/k projection weights need no permutation.
-The property that makes it a position encoding: <rope(q, m), rope(k, n)> depends on m - n only.
+The "rotate-half" layout (channel i paired with i + D/2), as Hugging Face's: no weight permutation.
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
 (`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
@@ -21,11 +18,9 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/D), i < D/2, in fp32, with the scaling rule applied.
-
-    scaling: None, or a dict with 'type' ('linear' or 'llama3'), 'factor' and, for llama3,
-    'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'.
-    """
+    """Inverse frequencies theta^(-2i/D), i < D/2, in fp32, with the scaling rule applied. scaling: None,
+    or {'type': 'linear' | 'llama3', 'factor'} and for llama3 'low_freq_factor', 'high_freq_factor',
+    'original_max_position_embeddings'."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq
@@ -37,8 +32,7 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict]
         old_len = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
-        # long wavelengths (low frequencies) are divided by factor, short ones kept,
-        # and the band between is a smooth interpolation of the two
+        # long wavelengths divided by factor, short ones kept, the band between interpolated
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
         mid = (1 - smooth) * scaled / factor + smooth * scaled

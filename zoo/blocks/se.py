@@ -1,15 +1,13 @@
 """Squeeze-and-Excitation: reweight the channels of a feature map by a gate computed from their
 global averages.
 
-Paper: Hu, Shen & Sun, "Squeeze-and-Excitation Networks" (2018); inside the MBConv blocks of
-EfficientNet (Tan & Le, 2019; sigmoid gate) and MobileNetV3 (Howard et al., 2019; ReLU and
-hard-sigmoid gate).
+Paper: Hu, Shen & Sun, "Squeeze-and-Excitation Networks" (2018); inside EfficientNet's (sigmoid
+gate) and MobileNetV3's (hard-sigmoid gate) MBConv blocks.
 
     s = gate(conv_expand(act(conv_reduce(mean over H, W of x))))      out = x * s
 
-Shapes: x (B, C, H, W) -> (B, C, H, W); the gate s is (B, C, 1, 1), so any memory format of x
-(channels-last included) is kept. Parameter names (conv_reduce, conv_expand: 1x1 convs with a
-bias) are timm's, so its weights load as they are. Depends on torch only.
+Shapes: x (B, C, H, W) -> (B, C, H, W); the gate s is (B, C, 1, 1). Parameter names are timm's.
+Depends on torch only.
 """
 from torch import nn
 

@@ -8,8 +8,7 @@ Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022) for the "no label" ro
     TimestepEmbedder:          linear_2(SiLU(linear_1(timestep_embedding(t))))
     LabelEmbedder:             table[label], row `num_classes` = "no label" (for guidance)
 
-freq_shift 0 is DiT's convention, 1 diffusers' (to match its outputs). Timesteps may be integers
-or floats (flow matching: t * 1000).
+freq_shift 0 is DiT's convention, 1 diffusers'. Timesteps may be ints or floats (flow: t * 1000).
 Shapes: t (B,) -> (B, dim) float32; TimestepEmbedder (B,) -> (B, D); LabelEmbedder (B,) int -> (B, D).
 Depends on torch only.
 """

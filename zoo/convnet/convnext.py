@@ -6,10 +6,8 @@
     block:  x + drop_path(gamma * fc2(act(fc1(LayerNorm(dwconv7x7(x))))))       (V1, layer scale gamma)
             x + drop_path(fc2(GRN(act(fc1(LayerNorm(dwconv7x7(x)))))))           (V2, no layer scale)
 
-Papers: Liu et al., "A ConvNet for the 2020s" (2022); Woo et al., "ConvNeXt V2: Co-designing and
-Scaling ConvNets with Masked Autoencoders" (2023). The block's LayerNorm and MLP run on
-(B, H, W, C), a free view of a channels-last input; the `small` stem is a 1x1 patchify for 32x32
-inputs. Parameter names are timm's, so its state dicts load without mapping.
+Papers: Liu et al., "A ConvNet for the 2020s" (2022); Woo et al., "ConvNeXt V2" (2023). The `small`
+stem is a 1x1 patchify for 32x32 inputs. Parameter names are timm's.
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@
     squeeze-excitation -> conv_head 1x1, BN, SiLU -> pool -> dropout -> classifier -> logits (B, num_classes)
 
 Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks"
-(2019). B1-B3 scale B0's widths and depths (zoo/config.py's EFFICIENTNET_ARCHS). No bias before a
-BatchNorm, stochastic depth with the linear rule, channels-last. Parameter names are timm's, so
-its state dicts load without mapping.
+(2019). B1-B3 scale B0 (EFFICIENTNET_ARCHS). Parameter names are timm's.
 """
 from __future__ import annotations
 

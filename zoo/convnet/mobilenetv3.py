@@ -4,9 +4,8 @@
     hard-swish later; SE with a hard-sigmoid gate) -> 1x1 conv, BN, hard-swish -> pool ->
     conv_head 1x1, hard-swish -> dropout -> classifier -> logits (B, num_classes)
 
-Paper: Howard et al., "Searching for MobileNetV3" (2019), tables 1 and 2. `model.width_mult`
-scales every stage, as timm's mobilenetv3_*_100/075/050. No bias before a BatchNorm, stochastic
-depth, channels-last. Parameter names are timm's, so its state dicts load without mapping.
+Paper: Howard et al., "Searching for MobileNetV3" (2019). `model.width_mult` scales every stage
+(timm's mobilenetv3_*_100/075/050). Parameter names are timm's.
 """
 from __future__ import annotations
 

@@ -2,12 +2,9 @@
 
     image (B, C, H, W) -> stem -> layer1..layer4 -> global average pool -> fc -> logits (B, num_classes)
 
-Paper: He, Zhang, Ren & Sun, "Deep Residual Learning for Image Recognition" (2015), with the
-stride on the bottleneck's 3x3 conv ("ResNet v1.5", as timm and torchvision). Stems "imagenet"
-(7x7/2 conv + max-pool) and "small" (one 3x3/1 conv, for 32x32 images). No bias before a
-BatchNorm; optional zero-init of each branch's last BN (Goyal et al., "Accurate, Large Minibatch
-SGD", 2017); stochastic depth; channels-last throughout. Parameter names are timm's and
-torchvision's, so their state dicts load without mapping.
+Paper: He, Zhang, Ren & Sun, "Deep Residual Learning for Image Recognition" (2015), stride on the
+3x3 conv ("ResNet v1.5"). Stems "imagenet" (7x7/2 + max-pool) and "small" (3x3/1, 32x32 images).
+Parameter names are timm's and torchvision's.
 """
 from __future__ import annotations
 

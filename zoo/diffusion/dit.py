@@ -1,15 +1,11 @@
 """DiT: a class-conditional diffusion transformer on latent patches.
 
-Peebles & Xie, "Scalable Diffusion Models with Transformers" (2023): the latents are cut into p x p
-patches (tokens with a fixed 2D sin-cos position embedding, or 2D RoPE), run through `depth`
-adaLN-Zero blocks conditioned on c = timestep + class embedding, and mapped back to patches.
-Learned sigma doubles the output channels (Nichol & Dhariwal 2021). `block_conditioning` keeps one
-embedder per block, as diffusers stores them; otherwise one feeds every block.
+Peebles & Xie, "Scalable Diffusion Models with Transformers" (2023): p x p latent patches through
+`depth` adaLN-Zero blocks conditioned on timestep + class. Learned sigma doubles the output channels
+(Nichol & Dhariwal 2021); `block_conditioning` keeps one embedder per block, as diffusers does.
 
-Called as diffusers' DiTTransformer2DModel is: `dit(latents, timestep, class_labels)`, latents
-(B, C, h, w), timestep (B,) or a scalar (ints, or floats for flow matching), class_labels (B,) with
-`num_classes` the "no label" class -> (B, out_channels, h, w).
-Blocks: zoo/blocks/{adaln,patch,timestep}.py.
+Called as diffusers' DiTTransformer2DModel: `dit(latents, timestep, class_labels)`, latents
+(B, C, h, w), timestep (B,) or a scalar, class_labels (B,) -> (B, out_channels, h, w).
 """
 from __future__ import annotations
 

@@ -2,14 +2,11 @@
 
     images [0,1] --encode--> z = (taesd.encode(images) - latent_mean) / latent_std
     training:  loss = w(t) * |denoiser(sqrt(abar) z + sqrt(1-abar) eps, t, label) - target|^2
-               (w: Min-SNR-gamma weights, target: eps, v or x0; see schedule.py)
                flow: loss = w(s) * |denoiser((1-s) z + s eps, 1000 s, label) - (eps - z)|^2
-               a DiT with learned sigma adds the VLB term of its variance output (schedule.vlb_term)
     sampling:  x_T ~ N(0, I) -> a sampler (samplers.py) with classifier-free guidance -> z -> decode -> images
 
-latent_mean / latent_std are per-channel buffers (set from the training latents by the task, and
-saved with the model) so that the denoiser sees unit-variance latents whatever the autoencoder.
-Only the denoiser is trained: the autoencoder's parameters have requires_grad=False.
+latent_mean / latent_std are per-channel buffers (unit-variance latents whatever the autoencoder).
+Only the denoiser is trained.
 """
 from __future__ import annotations
 

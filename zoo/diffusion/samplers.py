@@ -8,9 +8,6 @@
     euler       diffusers EulerDiscreteScheduler                     eps, v
     euler_a     diffusers EulerAncestralDiscreteScheduler            eps, v
     unipc       diffusers UniPCMultistepScheduler (order 2)          eps, v, x0
-
-Zoo's own three let the embedded defaults sample with torch alone; diffusers' (the `diffusers`
-extra) are configured from the model's noise schedule with "trailing" spacing.
 """
 from __future__ import annotations
 

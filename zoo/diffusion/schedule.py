@@ -2,6 +2,7 @@
 learned sigma and flow matching.
 
     x_t = sqrt(abar_t) * x_0 + sqrt(1 - abar_t) * eps,    SNR(t) = abar_t / (1 - abar_t)
+    flow:  x_s = (1 - s) x_0 + s eps,    target u = eps - x_0,    sampling x_{s'} = x_s + (s' - s) u
 Papers: Ho et al., "Denoising Diffusion Probabilistic Models" (2020); Nichol & Dhariwal, "Improved
 Denoising Diffusion Probabilistic Models" (2021: cosine betas, learned sigma); Salimans & Ho,
 "Progressive Distillation" (2022: v prediction); Hang et al., "Efficient Diffusion Training via
@@ -9,12 +10,6 @@ Min-SNR Weighting Strategy" (2023); Song et al., "Denoising Diffusion Implicit M
 Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022); for flow matching Liu et al., "Flow
 Straight and Fast" (2023), Lipman et al., "Flow Matching for Generative Modeling" (2023) and
 Esser et al., "Scaling Rectified Flow Transformers" (2024).
-
-Min-SNR weights make every prediction ("eps", "v", "x0") an x_0-loss weighted by min(SNR, gamma),
-finite at SNR = 0 and inf. Flow matching ("flow", s in (0, 1), the denoiser sees s * 1000):
-    x_s = (1 - s) x_0 + s eps,    target u = eps - x_0,    sampling x_{s'} = x_s + (s' - s) u
-with s logit-normal or uniform and weight min((1 - s)^2, gamma s^2); `flow_sample` equals diffusers'
-FlowMatchEulerDiscreteScheduler loop.
 
 Shapes: x (B, C, H, W); t (B,) int64 timesteps in [0, num_timesteps); per-item weights (B,).
 """

@@ -1,14 +1,11 @@
 """TAESD: the tiny autoencoder for latent diffusion (images <-> latents, 8x spatial downscale).
 
-Model: Ollin Boer Bohan's "Tiny AutoEncoder for Stable Diffusion" (TAESD, 2023), distilled from
-the Stable Diffusion / SDXL / SD3 / FLUX VAEs: plain convs and ReLU residual blocks, no norms, no
-attention, so it is fast enough to decode every sampling step. Latent channels 4 (SD 1.x / SDXL),
+Ollin Boer Bohan's "Tiny AutoEncoder for Stable Diffusion" (TAESD, 2023): plain convs and ReLU
+residual blocks, fast enough to decode every sampling step. Latent channels 4 (SD 1.x / SDXL),
 16 (SD3 / FLUX.1) or 32 (FLUX.2, with an extra GroupNorm branch at the lowest resolution).
 
-Images are in [0, 1] in and out (decode() does not clamp); latents are raw, as the original's.
+Images in [0, 1] (decode() does not clamp); latents raw. Module indices are the original's.
 Shapes: encode (B, 3, H, W) -> (B, C, H/8, W/8); decode (B, C, h, w) -> (B, 3, 8h, 8w).
-The module indices are the original nn.Sequential ones, so the original .pth files load as they
-are (zoo/weights/taesd.py).
 """
 from __future__ import annotations
 
@@ -103,11 +100,9 @@ def decoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = Fal
 
 
 class TAESD(nn.Module):
-    """Tiny autoencoder: encode() [0,1] images to latents, decode() latents to [0,1] images.
-
+    """Tiny autoencoder: encode() [0,1] images to raw latents, decode() latents to [0,1] images.
     latent_channels: 4 (SD/SDXL), 16 (SD3/FLUX.1), 32 (FLUX.2); midblock_gn: the FLUX.2 branch.
-    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them:
-    encode()/decode() work on raw latents, like the original."""
+    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them."""
 
     downscale = 8
 

@@ -1,15 +1,9 @@
 """diffusers DiTTransformer2DModel folders in and out.
 
-A folder with config.json (`_class_name: DiTTransformer2DModel`) and
-diffusion_pytorch_model.safetensors, or a pipeline folder whose `transformer/` subfolder is one,
-loads as Zoo's DiT (zoo/diffusion/dit.py), called as diffusers' model is:
-`dit(latents, timestep, class_labels)`. `save(dit, folder)` writes a folder diffusers loads.
-
-diffusers keeps a timestep + class embedder in every block; when all blocks hold the same weights
-(every published DiT) Zoo keeps one (`block_conditioning: false`), and export writes it into every
-block. Config keys DiT's computation does not support (another norm_type, dropout,
-upcast_attention, ...) are refused in one line naming the file, as are Zoo-only options on
-export. `to_zoo` maps the names (docs/diffusion.md, "diffusers DiT weights in and out").
+A folder with config.json (`_class_name: DiTTransformer2DModel`) and the safetensors, or a
+pipeline folder's `transformer/`, loads as Zoo's DiT; `save(dit, folder)` writes one diffusers
+loads. diffusers keeps an embedder per block; when all are equal Zoo keeps one. Unsupported config
+keys are refused in one line (docs/diffusion.md, "diffusers DiT weights in and out").
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Weight files: the one atomic writer, the one safetensors header reader, integrity checks and
 the one checked reader that every loader goes through.
 
-`atomic_write` (temporary file, fsync, rename: a crash leaves the old file or the new one);
-`save_safetensors` (through atomic_write, with the data's CRC-32 in the metadata, so a flipped
-byte is caught on load); `read_safetensors_header`; `check_weights` (safetensors headers and
-CRC-32, torch zip archives' records, which torch.load does not check); `load_tensors` (torch
-files with weights_only=True, never code). Every problem is a one-line ValueError naming the file.
+`atomic_write` (temp file, fsync, rename); `save_safetensors` (with a CRC-32 in the metadata);
+`read_safetensors_header`; `check_weights`; `load_tensors` (torch files with weights_only=True).
+Every problem is a one-line ValueError naming the file.
 """
 from __future__ import annotations
 

@@ -4,15 +4,10 @@
     tok = zoo.weights.gguf_llm.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
-The `gguf` package (`pip install -e ".[gguf]"`) reads, dequantizes and writes the files; this
-module maps them to Zoo through the Hugging Face mapping (hf_llm.py): the metadata becomes a
-config.json dict, tensor names go through `gguf.get_tensor_name_map`, and the q/k rows of `llama`
-files are un-permuted from llama.cpp's interleaved RoPE layout to rotate-half (and permuted again
-on save). Architectures `llama` and `qwen2`; quantized tensors are dequantized on load. The
-tokenizer is rebuilt from the metadata as a `tokenizers.Tokenizer` (byte-level BPE, or
-sentencepiece as BPE with byte fallback). Anything else (another architecture or tensor type,
-RoPE scaling other than linear, MoE, a bad file) is refused with one line naming the file.
-docs/pretrained.md ("GGUF files") lists what is read and written.
+The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping
+(the metadata as a config.json dict, llama.cpp's interleaved q/k rows un-permuted to rotate-half).
+Architectures `llama` and `qwen2`; the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything
+else is refused in one line naming the file (docs/pretrained.md, "GGUF files").
 """
 from __future__ import annotations
 

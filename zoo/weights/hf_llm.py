@@ -4,13 +4,9 @@ and the Mixture-of-Experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeF
     model = zoo.from_pretrained("path/to/folder", dtype=torch.bfloat16)    # config.json + *.safetensors
     zoo.save_pretrained(model, "out/", tokenizer="path/to/tokenizer.model")
 
-A folder holds config.json (transformers 4.x or 5.x dialect) and model.safetensors or its shards.
-Hugging Face stores q/k/v, gate/up and each MoE expert separately; Zoo fuses and stacks them
-(`key_map`), so loading concatenates rows and saving splits them; both use rotate-half RoPE, so no
-permutation. Every config.json key that changes what the model computes is read, or refused with
-an error naming it. Loading never holds two copies of the weights: the model is built on the meta
-device and each file tensor read straight into its rows, after every header, name and shape has
-been checked (a mismatch is one error listing it).
+Zoo fuses and stacks HF's separate q/k/v, gate/up and experts (`key_map`); both use rotate-half
+RoPE. A config.json key that changes the computation is read or refused by name. Loading builds
+the model on the meta device and reads each tensor into its rows, after every check: no two copies.
 """
 from __future__ import annotations
 
@@ -113,10 +109,9 @@ def _rope(hf: dict, source: str, default_theta: float = 10000.0) -> tuple[float,
 
 
 def _sliding_window(hf: dict, arch: str, n_layers: int, source: str) -> Optional[int]:
-    """Mistral, Mixtral: `sliding_window` on every layer (null = none). Qwen3-MoE: on every layer
-    with use_sliding_window. Qwen2, Qwen2-MoE: only with use_sliding_window, and then only on
-    the layers `layer_types` marks (by default, Qwen2: those >= max_window_layers; Qwen2-MoE:
-    the even ones below max_window_layers)."""
+    """Mistral, Mixtral: `sliding_window` on every layer (null = none); Qwen3-MoE: with use_sliding_window.
+    Qwen2, Qwen2-MoE: only with use_sliding_window, on the layers `layer_types` marks (default: Qwen2
+    those >= max_window_layers; Qwen2-MoE the even ones below it)."""
     defaults = _DEFAULTS[arch]
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return hf.get("sliding_window", defaults["sliding_window"])

@@ -4,10 +4,8 @@
     model = zoo.from_pretrained("adapter/", base="path/to/hf_llm")  # or named here
     save_adapter(model, "out/adapter", base="path/to/hf_llm")
 
-Key names are PEFT's (`base_model.model.<HF module>.lora_A.weight`, `.lora_B.weight`,
-`.lora_magnitude_vector`; `zoo.adapters.lora_sites` maps them onto Zoo's fused projections). An
-adapter_config.json asking for anything Zoo's LoRALinear would compute differently is refused
-with an error naming the key.
+Key names are PEFT's (`zoo.adapters.lora_sites` maps them); a config asking for anything LoRALinear
+computes differently is refused with an error naming the key.
 """
 from __future__ import annotations
 

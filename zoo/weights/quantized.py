@@ -4,9 +4,7 @@
     out/model.pt           the quantized state dict (torchao's tensor subclasses)
     out/tokenizer.*        the tokenizer file, when given
 
-torchao registers its tensor subclasses as safe, so model.pt loads with weights_only=True (no code
-runs) into a model built from config.yaml. A scheme's packed layout is the device's, so loading on
-a device without its kernel is a one-line error naming the file, the scheme and the device.
+model.pt loads with weights_only=True; a device without the scheme's kernel is a one-line error.
 """
 from __future__ import annotations
 

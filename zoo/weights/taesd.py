@@ -1,11 +1,8 @@
 """TAESD weights in and out: original .pth / .safetensors pairs and diffusers AutoencoderTiny folders.
 
-Original format (madebyollin/taesd): `<name>_encoder.pth` and `<name>_decoder.pth` (or
-.safetensors), flat nn.Sequential state dicts whose keys are zoo's minus the `encoder.` /
-`decoder.` prefix; point at either file (or a folder holding one pair). diffusers format: a folder
-with config.json (`_class_name: AutoencoderTiny`); its decoder layers are shifted by one (no module
-for the clamp), and its [-1, 1] images are the same weights as zoo's [0, 1], so only keys differ.
-The variant (latent channels, FLUX.2 branch, width) is read from the tensors.
+Original (madebyollin/taesd): `<name>_encoder.pth` and `<name>_decoder.pth` (or .safetensors),
+keys without the `encoder.` / `decoder.` prefix. diffusers: a folder with config.json
+(`_class_name: AutoencoderTiny`), decoder layers shifted by one. The variant is read from the tensors.
 """
 from __future__ import annotations
 
@@ -158,9 +155,8 @@ def exports(model) -> bool:
 
 def save(model: TAESD, path, format: str | None = None, dtype=None, name: str | None = None, **_) -> Path:
     """Write `model` as an original pair (format="taesd"; a path ending _encoder.pth / _decoder.pth or
-    .safetensors) or a diffusers AutoencoderTiny folder (format="diffusers", any other path). By
-    default a model goes back as it was loaded (`pretrained_format`); one built here goes to a
-    diffusers folder. Returns the encoder file or the folder."""
+    .safetensors) or a diffusers AutoencoderTiny folder (format="diffusers"); by default as it was
+    loaded (`pretrained_format`, else diffusers). Returns the encoder file or the folder."""
     p = Path(path)
     source = getattr(model, "pretrained_format", None) or {}
     if format is None:

@@ -1,10 +1,8 @@
 """timm weights in and out for the ConvNet family: ResNet (and torchvision's ResNets), ConvNeXt V1 / V2,
 EfficientNet and MobileNetV3.
 
-Zoo's ConvNets use timm's parameter names, so the name map is the identity; this module reads the
-file (.safetensors, a .pth/.pt/.bin/.ckpt state dict read with weights_only=True, or a timm hub
-folder), tells the kind from the keys, infers the architecture (or checks the timm name given),
-checks every name and shape, and writes the same layout back.
+Zoo uses timm's parameter names; this module reads the file, infers the architecture from the keys
+(or checks the timm name given), checks every name and shape, and writes the same layout back.
 
     model = zoo.from_pretrained("resnet50.pth")                     # arch inferred from the keys
     model = zoo.from_pretrained("convnext_tiny.safetensors", arch="convnext_tiny", num_classes=10)
