@@ -146,9 +146,11 @@ def test_label_smoothing_and_normalisation(tmp_path):
     assert n == 2 and torch.allclose(loss, want)
 
 
-def test_wrong_num_classes_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="model.num_classes=7 but digits has 10 classes"):
-        make_task(config(tmp_path, **{"model.num_classes": 7}))
+def test_the_data_decides_the_class_count_and_says_so(tmp_path):
+    logs = []
+    task = make_task(config(tmp_path, **{"model.num_classes": 7}), logs)
+    assert task.model_cfg.num_classes == 10
+    assert any("model.num_classes=7 -> 10, as digits has them" in m for m in logs), logs
 
 
 # ----------------------------------------------------------------------------- image folders

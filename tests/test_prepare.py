@@ -68,7 +68,7 @@ def test_one_and_two_workers_give_identical_shards(tmp_path, sp_model):
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from train.data import prepare as P
+from train.data import shards as P
 from train.data.text_tokenizers import SentencePieceTokenizer
 calls = [0]
 add = P._Writer.add

@@ -117,8 +117,8 @@ def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Opt
     run's too), an adapter folder, a Hugging Face folder or a GGUF file; the template is its own (or
     its base's), else ChatML."""
     import zoo
-    from train.data import DataError, tokenizer_and_template
-    from train.data.conversations import ChatTemplate
+    from train.data import DataError
+    from train.data.conversations import ChatTemplate, tokenizer_and_template
     from train.step import resolve_device
     tok, template = tokenizer_and_template(path, tokenizer)
     model = zoo.from_pretrained(path, dtype=getattr(torch, dtype), device=resolve_device(device))

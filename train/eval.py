@@ -288,8 +288,7 @@ def main(argv=None) -> int:
     import zoo
     from zoo.config import ConfigError
 
-    from train.data import tokenizer_and_template
-    from train.data.conversations import BUILTIN, ChatTemplate
+    from train.data.conversations import BUILTIN, ChatTemplate, tokenizer_and_template
     from train.step import EXIT_CONFIG, RunStopped, autocast_for, resolve_device
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
