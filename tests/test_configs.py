@@ -1,6 +1,5 @@
 """Every shipped config runs: `python train/run.py CONFIG train.max_steps=20` exits 0 for each file
-in configs/, and the three small ones (the tiny LLM, the digits ResNet, the digits diffusion model)
-also under `torchrun --nproc-per-node 2 ... train.parallel=ddp|fsdp train.max_steps=20`.
+in configs/ (the three small ones also run under torchrun: tests/test_configs_torchrun.py).
 
 Each run is a subprocess from the repository root (one thread per process), into its own
 out_dir. Overrides beyond train.max_steps and train.out_dir are listed per config, each with the
@@ -133,11 +132,3 @@ def test_config_runs_20_steps(config, tmp_path):
     made = {"weights": lambda: timm_resnet(tmp_path / "resnet50.pth"), "llm": lambda: zoo_llm(tmp_path / "llm")}
     over = [o.format(**{k: f() for k, f in made.items() if "{" + k + "}" in o}) for o in CASES[config]]
     run([sys.executable, str(RUN_PY), str(ROOT / "configs" / config), STEPS, *over], tmp_path / "out")
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("config", cases(SMALL))
-def test_small_config_runs_under_torchrun(config, strategy, tmp_path):
-    run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUN_PY),
-         str(ROOT / "configs" / config), f"train.parallel={strategy}", STEPS], tmp_path / "out")
