@@ -10,8 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 # Two intra-op threads at most; one per worker when pytest-xdist runs the files in parallel processes
-# (the README's command: -n 2), so the workers together use the cores without oversubscribing them.
+# (the README's command: -n 2), and one in the programs the tests start there, so the workers
+# together use the cores without oversubscribing them.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def shared_file(rel: str) -> Path:

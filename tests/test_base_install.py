@@ -25,7 +25,7 @@ sys.meta_path.insert(0, _Absent())
 def blocked_env(tmp_path_factory):
     d = tmp_path_factory.mktemp("blocked")
     (d / "sitecustomize.py").write_text(BLOCKER)
-    env = {**os.environ, "PYTHONPATH": str(d), "OMP_NUM_THREADS": "2", "MPLBACKEND": "Agg"}
+    env = {**os.environ, "PYTHONPATH": str(d), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     probe = "import importlib\nfor m in {!r}:\n    try:\n        importlib.import_module(m)\n" \
             "    except ImportError:\n        continue\n    raise SystemExit(m + ' is importable')\n".format(OPTIONAL)
     subprocess.run([sys.executable, "-c", probe], env=env, check=True)
