@@ -246,6 +246,28 @@ def test_average_last_equals_an_average_of_the_saved_checkpoints(tmp_path, text_
     assert any("avg_val_loss" in r for r in rows)
 
 
+@pytest.mark.parametrize("dcp_first", [True, False])
+def test_tied_weights_average_across_one_process_and_dcp_checkpoints(tmp_path, dcp_first):
+    """A run resumed with another process count averages a DCP checkpoint (a tie under both names)
+    with a one-process one (the tie stored once), in either order."""
+    import torch.distributed.checkpoint as dcp
+
+    from train.features.averaging import average_last, tied_names
+    from zoo.weights.files import save_safetensors
+    old, new = tiny_llm(seed=0), tiny_llm(seed=1)
+    (a, b), dirs = (old, new), [tmp_path / "a", tmp_path / "b"]
+    for model, d, as_dcp in zip((a, b), dirs, (dcp_first, not dcp_first)):
+        if as_dcp:
+            dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+        else:
+            save_safetensors(model, d / "model.safetensors")
+    avg = load_file(average_last(tmp_path, dirs, "uniform", tied_names(a)))
+    want = {k: (v + b.state_dict()[k]) / 2 for k, v in a.state_dict().items()}
+    assert len(avg) == len(want) - 1 and set(avg) < set(want)  # the tie once
+    for k, v in avg.items():
+        assert torch.allclose(v, want[k], rtol=0, atol=1e-7), k
+
+
 def test_clip_weights_bounds_every_weight(tmp_path, text_corpus, one_thread):
     run(tmp_path, text_corpus, "free", **{"train.max_steps": 6})
     run(tmp_path, text_corpus, "clipped", **{"train.max_steps": 6, "train.clip_weights": 0.05})

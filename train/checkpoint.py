@@ -22,7 +22,7 @@ import torch
 from zoo.weights.files import (check_weight_file, file_crc32, fsync_dir, fsync_file, load_tensors,
                                save_safetensors, self_checked)
 
-from .features.averaging import average_last
+from .features.averaging import average_last, tied_names
 from .optim import resume_note
 from .step import EXIT_CONFIG, RunStopped
 
@@ -458,11 +458,11 @@ class Checkpointer:
         used = list(reversed(interval_checkpoints(self.out)[:t.average_last]))  # oldest first
         if not used:
             raise RunStopped(f"{self.out / CKPT_DIR}: no checkpoints to average", EXIT_CONFIG)
-        path = average_last(self.out, used, t.average_weighting)
         if run.par.active:  # the trained model is wrapped or sharded: a plain one on its device
             avg = run.task.build_model().to(run.device)
         else:
             avg = copy.deepcopy(run.model)
+        path = average_last(self.out, used, t.average_weighting, tied_names(avg))
         avg.load_state_dict(read_weights(path, avg, run.keys), strict=False)
         self.say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
                  f"({', '.join(p.name for p in used)}) -> {path}"

@@ -50,9 +50,34 @@ def checkpoint_weights(path: Path) -> dict:
     return sd
 
 
-def average_last(out_dir, paths: list[Path], weighting: str = "uniform") -> Path:
-    """Average the checkpoints `paths` (oldest first) into out_dir/model_avg.safetensors."""
+def tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of state-dict names that share one tensor (tied weights), in state-dict order."""
+    groups = {}
+    for k, v in model.state_dict().items():
+        if v.numel():
+            groups.setdefault((v.data_ptr(), v.shape), []).append(k)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def one_name_per_tie(sd: dict, tied: list[list[str]], names) -> dict:
+    """A tied tensor under one name, the first of its group in `names`: a one-process checkpoint
+    stores a tie once, a DCP checkpoint under every name."""
+    for group in tied:
+        keep, got = next((n for n in group if n in names), None), [n for n in group if n in sd]
+        if keep is not None and got:
+            sd.setdefault(keep, sd[got[0]])
+            for n in got:
+                if n != keep:
+                    del sd[n]
+    return sd
+
+
+def average_last(out_dir, paths: list[Path], weighting: str = "uniform", tied: list[list[str]] = ()) -> Path:
+    """Average the checkpoints `paths` (oldest first) into out_dir/model_avg.safetensors; `tied`
+    (tied_names of the model) lets checkpoints of one process and of several be averaged together."""
     states = [checkpoint_weights(p) for p in paths]
+    names = list(states[-1])
+    states = [one_name_per_tie(sd, tied, names) for sd in states]
     keys = set(states[-1])
     for p, sd in zip(paths, states):
         if set(sd) != keys:
