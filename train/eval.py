@@ -292,9 +292,11 @@ def main(argv=None) -> int:
     from train.step import EXIT_CONFIG, RunStopped, autocast_for, resolve_device
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.images or not args.task:
-        return evaluate_images(args) if args.images else (print("error: --task or --images is required",
-                                                                  file=sys.stderr) or EXIT_CONFIG)
+    if args.images:
+        return evaluate_images(args)
+    if not args.task:
+        print("error: --task or --images is required", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         if args.batch_size <= 0 or args.max_new_tokens <= 0:
             raise ConfigError("--batch-size and --max-new-tokens must be > 0")
@@ -328,6 +330,7 @@ def evaluate_images(args) -> int:
     """A ConvNet run folder on a folder of class folders: accuracy and the per-class table (JSON too)."""
     from train.data.images import scan_image_folder
     from train.predict import load, probabilities
+    from train.tasks.classify import per_class_table
     from zoo.weights.files import atomic_write
     try:
         model, prep = load(args.model, args.ema)
@@ -336,16 +339,14 @@ def evaluate_images(args) -> int:
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    right = probs.argmax(1) == torch.tensor([y for _, y in samples])
     labels = torch.tensor([y for _, y in samples])
-    per = {c: (int((labels == i).sum()), float(right[labels == i].float().mean())) for i, c in enumerate(prep.classes)
-           if (labels == i).any()}
-    print(f"weights: {'model_ema' if args.ema else 'model'}.safetensors\n{'class':>24}  {'n':>5}  acc")
-    print("\n".join(f"{c[:24]:>24}  {n:>5}  {a:.3f}" for c, (n, a) in per.items()))
-    print(f"{'all':>24}  {len(samples):>5}  {right.float().mean():.3f}")
+    rows, text, _, _ = per_class_table(probs.argmax(1), labels, prep.classes,
+                                       f"{'model_ema' if args.ema else 'model'}.safetensors")
+    print(text)
+    accuracy = float((probs.argmax(1) == labels).float().mean())
     out = Path(args.json) if args.json else Path(args.model) / "eval_images.json"
-    atomic_write(out, json.dumps({"model": str(args.model), "images": str(args.images), "accuracy":
-                                  float(right.float().mean()), "per_class": per}, indent=2))
+    atomic_write(out, json.dumps({"model": str(args.model), "images": str(args.images), "accuracy": accuracy,
+                                  "per_class": {n: (k, a) for n, k, a in rows}}, indent=2))
     print(f"results: {out}")
     return 0
 

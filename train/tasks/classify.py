@@ -410,17 +410,10 @@ class ClassifyTask(Task):
         """Per-class validation accuracy of `model` (the EMA's weights when the run keeps an EMA) in
         out_dir/per_class.txt, saying which; the log shows the worst and best five."""
         logits, y = self.predict(model)
-        pred = logits.argmax(1)
-        rows = []
-        for c, name in enumerate(self.classes):
-            m = y == c
-            if m.any():
-                rows.append((name[:24], int(m.sum()), (pred[m] == c).float().mean().item()))
-        fmt = lambda r: f"{r[0]:>24}  {r[1]:>5}  {r[2]:.3f}"  # noqa: E731
         weights = "model_ema.safetensors (EMA)" if self.cfg.train.ema_decay else "model.safetensors"
-        head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
-        total = f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
-        (Path(out_dir) / "per_class.txt").write_text("\n".join([head] + [fmt(r) for r in rows] + [total]) + "\n")
+        rows, text, head, total = per_class_table(logits.argmax(1), y, self.classes, weights)
+        (Path(out_dir) / "per_class.txt").write_text(text + "\n")
+        fmt = lambda r: f"{r[0][:24]:>24}  {r[1]:>5}  {r[2]:.3f}"  # noqa: E731
         if len(rows) > 20:  # the log shows the five worst and five best classes
             rows = sorted(rows, key=lambda r: r[2])
             rows = rows[:5] + [("...", 0, float("nan"))] + rows[-5:]
@@ -435,3 +428,14 @@ class ClassifyTask(Task):
         path = Path(out_dir) / "export" / name
         zoo.save_pretrained(model, path)
         return str(path)
+
+
+def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
+    """Accuracy per class of predictions `pred` against labels `y` -> (rows (name, n, acc), the table
+    headed by the `weights` it is of, its head line, its total line)."""
+    rows = [(name, int((y == c).sum()), (pred[y == c] == c).float().mean().item())
+            for c, name in enumerate(classes) if (y == c).any()]
+    head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
+    total = f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
+    text = "\n".join([head] + [f"{n[:24]:>24}  {k:>5}  {a:.3f}" for n, k, a in rows] + [total])
+    return rows, text, head, total
