@@ -245,7 +245,8 @@ def test_resnet_sync_bn_matches_one_process(configs, tmp_path):
     assert_close_weights(tmp_path / "one", sync)
 
 
-@pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("prune", "ddp")])
+@pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("prune", "ddp"),
+                                             ("float8", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
     and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
@@ -253,16 +254,23 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
     the same global batch; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the
     decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
     logits); DDP on a 2:4-pruned LLM (train.prune: the masks taken on every rank's same weights and
-    held after each step): the losses and the weights, zeros included. (The LLM and the
+    held after each step): the losses and the weights, zeros included; float8 (emulated) under FSDP2:
+    each rank scales its own activations, so the losses agree to float8's round-off. (The LLM and the
     ResNet: the tests above.)"""
     cfg = configs["diffusion" if family == "diffusion" else "llm"]
     extra = {"diffusion": [], "moe": MOE + ["train.grad_accum=1"],
-             "mod": MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], "prune": ["train.prune=2:4"]}[family]
+             "mod": MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], "prune": ["train.prune=2:4"],
+             "float8": ["train.float8=true", "train.float8_keep=[]"]}[family]
     one = launch(cfg, tmp_path / "one", "train.batch_size=8", *extra, nproc=0)
     par = run(cfg, tmp_path / strategy, f"train.parallel={strategy}", *extra)
     assert one.wait(300) == 0, last_stderr(tmp_path / "one")
     assert f"parallel: {strategy} over 2 processes" in (par / "log.txt").read_text()
     assert family != "prune" or "prune: 2:4 magnitude pruning" in (par / "log.txt").read_text()
+    if family == "float8":
+        assert "float8: tensorwise scaling on 9 of 9 linears" in (par / "log.txt").read_text()
+        ca, cb = dict(curve(tmp_path / "one")), dict(curve(par))
+        assert len(ca) == 6 and all(cb[s] == pytest.approx(ca[s], rel=1e-2) for s in ca), (ca, cb)
+        return
     assert_same_losses(tmp_path / "one", par)
     if family == "mod":  # a top-k choice flips on a round-off difference between near-tied router
         # scores, which moves the routed block's weights by far more than round-off: losses only,

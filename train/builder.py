@@ -30,6 +30,7 @@ from zoo.config import ConfigError
 from .distributed import Launch, Parallel, unsupported
 from .features.distill import load_teacher
 from .features.prune import prune_linears
+from .features.float8 import prepare as prepare_float8
 from .features.quantize import prepare as prepare_qat
 from .features.unfreeze import GradualUnfreezing
 from .optim import build_optimizer
@@ -132,8 +133,9 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
     return model
 
 
-def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Module:
-    """The task's model on `device` in training mode, runtime choices and adapters applied."""
+def build_model(cfg, task, device: torch.device, say=lambda m: None, fsdp: bool = False) -> nn.Module:
+    """The task's model on `device` in training mode, runtime choices, adapters and float8 applied
+    (fsdp: the model will be sharded by FSDP2)."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model(), cfg.train, say, cfg.source)
     model = model.to(device).train()  # from_pretrained returns eval mode
@@ -141,6 +143,7 @@ def build_model(cfg, task, device: torch.device, say=lambda m: None) -> nn.Modul
         model = model.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
+    prepare_float8(model, cfg.train, device, fsdp, say)
     return prepare_qat(model, cfg.train, say)
 
 
@@ -168,7 +171,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
     task = new_task(cfg, device, precision, say, par)
-    model = build_model(cfg, task, device, say)
+    model = build_model(cfg, task, device, say, fsdp=par.active and t.parallel == "fsdp")
     pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None

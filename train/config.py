@@ -60,6 +60,12 @@ class TrainConfig:
     compile: bool = False                   # `torch.compile` the model (the first steps include compilation)
     attn_backend: Literal["auto", "sdpa", "flash", "bmm", "math", "flex"] = "auto"  # LLM attention: `sdpa`,
                                             # `flash` (flash-attn), `bmm` (CPU), `math`, `flex` or `auto` (logged)
+    float8: bool = False                    # float8 matmuls in the linears (torchao; emulated without a GPU of
+                                            # compute capability 8.9+), weights and optimizer in high precision
+    float8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # with `float8`: one scale per tensor, or per row
+    float8_keep: list[str] = field(default_factory=lambda: ["lm_head"])  # with `float8`: the linears kept in high
+                                            # precision (a qualified name, or a name's last part)
+    float8_skip_small: bool = False         # with `float8`: also keep the linears too small to gain (torchao's rule)
     channels_last: bool = False             # channels-last memory format for 4-D models and batches (ConvNets)
     cpu_keep_memory: Optional[bool] = None  # CPU, Linux with glibc: keep freed memory for reuse instead of unmapping
                                             # it; null = on under `train/run.py`, off when your code calls `train()`
@@ -297,6 +303,9 @@ def check_across_sections(cfg: RunConfig):
     if (t.qat or t.quantize) and cfg.adapter.enabled:
         raise fail(src, "train.qat" if t.qat else "train.quantize",
                    f"does not combine with adapter.method={cfg.adapter.method} (quantize the merged model afterwards)")
+    if t.float8 and (t.qat or t.quantize):
+        raise fail(src, "train.float8", f"does not combine with train.{'qat' if t.qat else 'quantize'} (both replace "
+                                        f"the linears; quantize the float8-trained model afterwards)")
     if t.prune and cfg.adapter.enabled:
         raise fail(src, "train.prune", f"does not combine with adapter.method={cfg.adapter.method} (an adapter's "
                                        f"update would fill the pruned weights in; prune the merged model)")

@@ -262,7 +262,8 @@ def build_model(cfg) -> nn.Module:
     if cfg.adapter.enabled:
         from zoo.adapters import apply_adapters
         apply_adapters(model, cfg.adapter, cfg.source, lambda m: None)
-    return model
+    from train.features.float8 import prepare
+    return prepare(model, cfg.train, next(model.parameters()).device, False, lambda m: None)
 
 
 def repeated_units(model: nn.Module) -> list[nn.Module]:
