@@ -17,6 +17,36 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# The device the tests run on: ZOO_TEST_DEVICE (default cpu, the suite as CI runs it). Every test that needs a
+# device takes it from here: the `device` fixture, TEST_DEVICE in module constants, and CPU / CUDA where a device
+# is data (a policy per device) or a test runs on the CPU by design (marked cpu_only, with the reason).
+TEST_DEVICE = torch.device(os.environ.get("ZOO_TEST_DEVICE", "cpu"))
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): runs on the CPU under any ZOO_TEST_DEVICE (the reason says "
+                                       "why it cannot take another device)")
+    if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"ZOO_TEST_DEVICE={TEST_DEVICE}: torch sees no CUDA device on this machine")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return TEST_DEVICE
+
+
+@pytest.fixture(autouse=True)
+def on_test_device(request):
+    """Under ZOO_TEST_DEVICE=cuda the tensors and models a test makes without naming a device are made on the
+    GPU (torch's default device), except in cpu_only tests; on the CPU nothing changes."""
+    if TEST_DEVICE.type == "cpu" or request.node.get_closest_marker("cpu_only"):
+        yield
+        return
+    with TEST_DEVICE:
+        yield
+
+
 def shared_file(rel: str) -> Path:
     """A file from ../shared, or skip the test (with the reason) when it is absent."""
     p = SHARED / rel

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, shared_file
+from conftest import TEST_DEVICE, ROOT, shared_file
 from safetensors.torch import load_file
 
 import zoo
@@ -144,12 +144,12 @@ def test_gradual_unfreezing_stages_and_frozen_weights_never_change(text_corpus, 
     model = zoo.build(TINY["model"])
     cfg = load_run_config(None, [f"data.path={text_corpus}"], base=TINY)
     from train.tasks.lm import LMTask
-    task = LMTask(cfg, torch.device("cpu"), lambda m: None)
+    task = LMTask(cfg, TEST_DEVICE, lambda m: None)
     groups = task.unfreeze_groups(model)
     assert len(groups) == 2 + 2  # head (+ norm), 2 blocks, embedding
     steps = [2, 4, 6]
     unf = GradualUnfreezing(model, groups, steps, 0.1, log=lambda m: None)
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), lambda m: None)
+    opt = build_optimizer(model, cfg.optim, TEST_DEVICE, lambda m: None)
     names = {id(p): n for n, p in model.named_parameters()}
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(0)

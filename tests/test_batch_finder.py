@@ -13,6 +13,7 @@ from train.loop import train
 from train.step import RunStopped
 from zoo.config import ConfigError
 from train.metrics import read_rows
+from conftest import CPU
 
 BASE = {"family": "llm",
         "model": {"vocab_size": 2048, "d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
@@ -83,4 +84,4 @@ def test_precision_auto_plans_the_dtype_the_loop_runs(tmp_path, text_corpus, mon
     assert any(m.startswith(f"precision: auto -> {fast}") for m in logs), logs
     assert planned and set(planned) == {fast}  # every plan the finder made, in the loop's dtype
     cfg = load_run_config(None, [], base={**base, "train": {**base["train"], "batch_size": 1}})
-    assert planner._precision(cfg, torch.device("cpu")) == (torch.bfloat16 if fast == "bf16" else None)
+    assert planner._precision(cfg, CPU) == (torch.bfloat16 if fast == "bf16" else None)

@@ -11,6 +11,7 @@ from zoo.blocks.chunked_ce import chunked_cross_entropy
 from zoo.blocks.mlp import SwiGLU
 from zoo.blocks.norm import RMSNorm
 from zoo.blocks.rope import RotaryEmbedding, apply_rope, rope_cos_sin, rope_inv_freq
+from conftest import CPU
 
 TOL = 1e-4
 
@@ -237,11 +238,11 @@ def test_each_backend_name_runs_exactly_its_implementation(monkeypatch):
     attend(q, k, v, "bmm")
     attend(q, k, v, "auto")  # 8 keys <= CPU_BMM_MAX_LEN: bmm
     assert calls == [1]
-    assert A.resolve_backend("auto", torch.device("cpu"), torch.float32, 8) == "bmm"
-    assert A.resolve_backend("auto", torch.device("cpu"), torch.float32, A.CPU_BMM_MAX_LEN + 1) == "sdpa"
-    assert A.resolve_backend("auto", torch.device("cpu"), torch.float32, A.CPU_BMM_MAX_LEN + 1, compiling=True) \
+    assert A.resolve_backend("auto", CPU, torch.float32, 8) == "bmm"
+    assert A.resolve_backend("auto", CPU, torch.float32, A.CPU_BMM_MAX_LEN + 1) == "sdpa"
+    assert A.resolve_backend("auto", CPU, torch.float32, A.CPU_BMM_MAX_LEN + 1, compiling=True) \
         == "bmm"
-    assert A.resolve_backend("sdpa", torch.device("cpu"), torch.float32, 8) == "sdpa"
+    assert A.resolve_backend("sdpa", CPU, torch.float32, 8) == "sdpa"
     monkeypatch.setattr(A, "CPU_BMM_MAX_LEN", 4)
     attend(q, k, v, "auto")
     assert calls == [1, 1]

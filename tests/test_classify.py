@@ -17,6 +17,7 @@ from train.loop import train
 from train.tasks.classify import ClassifyTask
 from zoo.config import ConfigError, ConvNetConfig
 from train.metrics import read_rows
+from conftest import TEST_DEVICE
 
 TINY = {
     "family": "convnet",
@@ -34,7 +35,7 @@ def config(tmp_path, base=TINY, **over):
 
 
 def make_task(cfg, logs=None):
-    task = ClassifyTask(cfg, torch.device("cpu"), log=(logs.append if logs is not None else lambda m: None))
+    task = ClassifyTask(cfg, TEST_DEVICE, log=(logs.append if logs is not None else lambda m: None))
     task.setup()
     return task
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_channels_last_step_matches
+from conftest import CPU, TEST_DEVICE, assert_channels_last_step_matches
 import zoo
 from zoo.config import CONVNEXT_ARCHS, EFFICIENTNET_ARCHS, MOBILENETV3_ARCHS, ConfigError, ConvNetConfig
 from zoo.convnet import ConvNeXt, EfficientNet, MobileNetV3, build
@@ -21,7 +21,7 @@ def random_timm(arch, seed=0, **kw):
     """timm's model with every tensor drawn at random: conv / linear weights ~ N(0, 1 / fan_in), norms'
     affine params, running statistics, ConvNeXt's layer scale and GRN too (timm starts those at 1 / 0 /
     1e-6 / 0, where a wrong mapping would not show). Built on the meta device: timm's own init is skipped."""
-    model = timm.create_model(arch, pretrained=False, device="meta", **kw).to_empty(device="cpu")
+    model = timm.create_model(arch, pretrained=False, device="meta", **kw).to_empty(device=TEST_DEVICE)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -83,7 +83,7 @@ def test_timm_folder_names_the_arch_and_safetensors_load(tmp_path):
 
 def test_another_architectures_file_is_one_line_error(tmp_path):
     with torch.device("meta"):
-        sd = {k: torch.zeros(v.shape, dtype=v.dtype, device="cpu") for k, v in
+        sd = {k: torch.zeros(v.shape, dtype=v.dtype, device=CPU) for k, v in
               build(ConvNetConfig(arch="efficientnet_b0")).state_dict().items()}
     torch.save(sd, tmp_path / "b0.pth")
     for arch, match in [("convnext_tiny", "holds efficientnet weights, which do not load as arch=convnext_tiny"),

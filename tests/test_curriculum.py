@@ -9,11 +9,12 @@ from train.tasks.lm import LMTask
 from zoo.config import ConfigError
 
 from tests.test_loop import TINY, check_resume_is_exact
+from conftest import TEST_DEVICE
 
 
 def task_for(corpus, *over):
     cfg = load_run_config(None, [f"data.path={corpus}", *over], base=TINY)
-    task = LMTask(cfg, torch.device("cpu"), lambda m: None)
+    task = LMTask(cfg, TEST_DEVICE, lambda m: None)
     task.setup()
     return cfg, task
 

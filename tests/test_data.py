@@ -6,12 +6,13 @@ import pytest
 import yaml
 
 from train.run import main as run_main
+from conftest import TEST_DEVICE
 
 TINY = {
     "family": "llm",
     "model": {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64},
     "data": {"tokenizer": "bytes", "seq_len": 64},
-    "train": {"max_steps": 2, "batch_size": 2, "log_every": 1, "eval_every": 0, "eval_batches": 1, "device": "cpu",
+    "train": {"max_steps": 2, "batch_size": 2, "log_every": 1, "eval_every": 0, "eval_batches": 1, "device": str(TEST_DEVICE),
               "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False},
 }
 

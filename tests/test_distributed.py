@@ -31,14 +31,14 @@ from train.checkpoint import list_checkpoints, read_weights
 from train.step import optimizer_step
 from train.run import main as run_main
 
-from conftest import starts, wait_for_training
+from conftest import CPU, starts, wait_for_training
 from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PY = ROOT / "train" / "run.py"
 RTOL, ATOL = 1e-5, 1e-5
 
-QUIET = {"device": "cpu", "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False,
+QUIET = {"device": str(CPU), "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False,
          "log_every": 1, "eval_every": 0, "eval_batches": 1}
 LLM = {"family": "llm",
        "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
@@ -60,7 +60,8 @@ DIFFUSION = {"family": "diffusion",
              "optim": {"lr": 1e-3, "warmup_steps": 1}}
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.balance=bias"]
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.cpu_only("two processes over gloo share the CPU; NCCL needs a GPU per process")]
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -8,6 +8,7 @@ from zoo.blocks.attention import attend_math, flash_available, set_backend
 from zoo.blocks.attention_docs import Documents, attend_documents, document_mask, document_positions, document_runs
 from zoo.config import LLMConfig, MoEConfig
 from zoo.llm import LLM
+from conftest import TEST_DEVICE, CPU, CUDA
 
 TOL = 1e-5
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -141,7 +142,7 @@ def test_auto_picks_the_document_backend_measured_fastest():
     mask, eager and compiled), FlexAttention on CUDA under torch.compile."""
     import zoo.blocks.attention as A
     import zoo.blocks.attention_docs as D
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu, cuda = CPU, CUDA
     assert D.resolve_backend("auto", cpu, torch.float32) == "sdpa"
     assert D.resolve_backend("auto", cpu, torch.float32, compiling=True) == "sdpa"
     assert D.resolve_backend("auto", cuda, torch.float32, compiling=True) == "flex"
@@ -189,7 +190,7 @@ def test_mixture_of_depths_gathers_doc_ids_and_positions():
 def test_cuda_document_backends_equal_the_reference():
     """flash-attn's varlen kernel (bf16; when installed) and compiled FlexAttention (fp32, forward and
     backward) against the fp32 reference mask."""
-    dev = torch.device("cuda")
+    dev = CUDA
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 13, 64, generator=g).to(dev) for h in (4, 2, 2))
     doc = torch.tensor(ROW_IDS, device=dev)
@@ -203,7 +204,7 @@ def test_cuda_document_backends_equal_the_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention's backward)")
 def test_cuda_flex_document_masking_gradients():
     from zoo.blocks.attention import attend_flex
-    dev = torch.device("cuda")
+    dev = CUDA
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(2, h, 13, 64, generator=g).to(dev).requires_grad_() for h in (4, 2, 2)]
     ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
@@ -238,11 +239,11 @@ def test_lm_task_trains_within_documents(tmp_path, text_corpus, monkeypatch):
             "train": {"batch_size": 2, "out_dir": str(tmp_path)}}
     cfg = load_run_config(None, [f"data.path={text_corpus}"], base=base)
     with pytest.raises(ConfigError, match="this stream has none"):
-        LMTask(cfg, torch.device("cpu"), lambda s: None).setup()
+        LMTask(cfg, TEST_DEVICE, lambda s: None).setup()
     with pytest.raises(ConfigError, match="data.positions"):
         load_run_config(None, [f"data.path={text_corpus}", "data.attention=causal"], base=base)
     monkeypatch.setattr(ByteTokenizer, "bos_id", 10)
-    task = LMTask(cfg, torch.device("cpu"), lambda s: None)
+    task = LMTask(cfg, TEST_DEVICE, lambda s: None)
     task.setup()
     model = task.build_model()
     x, y = task.train_batch(0, 0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zoo
-from conftest import ROOT
+from conftest import TEST_DEVICE, ROOT
 from train.data import ByteTokenizer, DataError
 from zoo.config import ConfigError
 from train.eval import choice_pair, cut_at, evaluate_files, read_task
@@ -45,7 +45,7 @@ def test_multiple_choice_equals_a_hand_computation(tmp_path, model, one_thread):
         pick = torch.randperm(len(words), generator=rng)[:3].tolist()
         rows.append({"context": f"Q{i}: which?", "choices": [words[j] for j in pick], "answer": i % 3})
     f = write(tmp_path / "mc.jsonl", rows)
-    res = evaluate_files(model, ByteTokenizer(), [f], torch.device("cpu"), batch_size=5, log=lambda m: None)["mc"]
+    res = evaluate_files(model, ByteTokenizer(), [f], TEST_DEVICE, batch_size=5, log=lambda m: None)["mc"]
     acc = acc_norm = 0
     for r, d in zip(rows, res["details"]):
         ctx = list(r["context"].encode())
@@ -92,7 +92,7 @@ def test_generation_scores_exact_match_and_contains(tmp_path, model, one_thread)
             {"prompt": prompts[1], "expected": outputs[1][1:4], "until": ["\x00\x01"]},  # contains only
             {"prompt": prompts[2], "expected": "not this", "until": ["\x00\x01"]}]      # neither
     f = write(tmp_path / "gen.jsonl", rows)
-    res = evaluate_files(model, tok, [f], torch.device("cpu"), max_new_tokens=6, log=lambda m: None)["gen"]
+    res = evaluate_files(model, tok, [f], TEST_DEVICE, max_new_tokens=6, log=lambda m: None)["gen"]
     assert [d["output"] for d in res["details"]] == outputs
     exact = (outputs[0].strip() == outputs[0].strip()) + (outputs[1].strip() == outputs[1][1:4].strip())
     contains = 1 + (outputs[1][1:4].strip() in outputs[1]) + ("not this" in outputs[2])
@@ -109,7 +109,7 @@ def test_cut_at_stops_at_the_first_stop_string():
 def test_loss_rows_score_only_the_completion(tmp_path, model, one_thread):
     rows = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "name: ", "completion": "zoo"}]
     f = write(tmp_path / "loss.jsonl", rows)
-    res = evaluate_files(model, ByteTokenizer(), [f], torch.device("cpu"), log=lambda m: None)["loss"]
+    res = evaluate_files(model, ByteTokenizer(), [f], TEST_DEVICE, log=lambda m: None)["loss"]
     total, n = 0.0, 0
     for r in rows:
         p, c = list(r["prompt"].encode()), list(r["completion"].encode())
@@ -117,7 +117,7 @@ def test_loss_rows_score_only_the_completion(tmp_path, model, one_thread):
         n += len(c)
     assert res["tokens"] == n and res["loss"] == pytest.approx(-total / n, abs=1e-5)
     text = write(tmp_path / "text.jsonl", [{"text": "plain text"}])
-    res = evaluate_files(model, ByteTokenizer(), [text], torch.device("cpu"), log=lambda m: None)["text"]
+    res = evaluate_files(model, ByteTokenizer(), [text], TEST_DEVICE, log=lambda m: None)["text"]
     ids = list(b"plain text")
     assert res["loss"] == pytest.approx(-sum(logprobs(model, ids)) / (len(ids) - 1), abs=1e-5)
 
@@ -136,7 +136,7 @@ def test_task_files_are_checked_row_by_row(tmp_path):
     chat = write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                       {"role": "assistant", "content": "yo"}]}])
     with pytest.raises(DataError, match="c.jsonl: a prompt of chat messages needs a chat template"):
-        evaluate_files(zoo.build(MODEL), ByteTokenizer(), [chat], torch.device("cpu"), log=said.append)
+        evaluate_files(zoo.build(MODEL), ByteTokenizer(), [chat], TEST_DEVICE, log=said.append)
 
 
 def test_eval_command_prints_a_table_and_writes_json(tmp_path, model, capsys, one_thread):
@@ -147,7 +147,7 @@ def test_eval_command_prints_a_table_and_writes_json(tmp_path, model, capsys, on
     p = subprocess.run([sys.executable, str(ROOT / "train" / "eval.py"), str(folder), "--task", str(f),
                         "--tokenizer", "bytes", "--json", str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
-    want = evaluate_files(model, ByteTokenizer(), [f], torch.device("cpu"), log=lambda m: None)["mc"]
+    want = evaluate_files(model, ByteTokenizer(), [f], TEST_DEVICE, log=lambda m: None)["mc"]
     got = json.loads(out.read_text())["tasks"]["mc"]
     assert got["acc"] == want["acc"] and got["acc_norm"] == want["acc_norm"] and "details" not in got
     assert re.search(r"mc\s+choice\s+2\s+acc ", p.stdout), p.stdout
@@ -185,6 +185,6 @@ def test_chat_prompts_are_answered_through_the_template(tmp_path, one_thread):
     reply = ChatSession(model, tok, chatml, max_new_tokens=5).respond(msgs)
     plain = ChatSession(model, tok, chatml, max_new_tokens=5).respond([{"role": "user", "content": "yo"}])
     f = write(tmp_path / "chat.jsonl", [{"prompt": msgs, "expected": reply}, {"prompt": "yo", "expected": plain}])
-    res = evaluate_files(model, tok, [f], torch.device("cpu"), template=chatml, max_new_tokens=5,
+    res = evaluate_files(model, tok, [f], TEST_DEVICE, template=chatml, max_new_tokens=5,
                          log=lambda m: None)["chat"]
     assert [d["output"] for d in res["details"]] == [reply, plain] and res["exact_match"] == 1.0

@@ -15,6 +15,7 @@ from train.checkpoint import list_checkpoints  # noqa: E402
 from train.config import load_run_config  # noqa: E402
 from train.features.float8 import float8_targets  # noqa: E402
 from train.loop import train  # noqa: E402
+from conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -91,4 +92,4 @@ def test_float8_keys_are_checked_in_one_line():
     from train.features.float8 import prepare
     import zoo
     with pytest.raises(ValueError, match="none of the 9 linears"):
-        prepare(zoo.build(cfg.model), cfg.train, torch.device("cpu"), False, print)
+        prepare(zoo.build(cfg.model), cfg.train, TEST_DEVICE, False, print)

@@ -24,6 +24,7 @@ from zoo.weights import gguf_llm
 
 import gguf
 import transformers
+from conftest import CUDA
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on a busy machine
 
 TOL = 1e-4  # fp32 logits
@@ -239,10 +240,10 @@ def test_dtype_argument(f32_file):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_argument(f32_file):
     hf, path = f32_file
-    z = zoo.from_pretrained(path, device="cuda")
+    z = zoo.from_pretrained(path, device=CUDA)
     assert all(p.device.type == "cuda" for p in z.parameters())
     x = ids()
-    assert (logits(hf, x) - logits(z, x.cuda()).cpu()).abs().max() <= TOL
+    assert (logits(hf, x) - logits(z, x.to(CUDA)).cpu()).abs().max() <= TOL
 
 
 # ----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from zoo.config import ConfigError
 from zoo.weights import hf_llm
 
 import transformers
+from conftest import TEST_DEVICE
 
 TOL = 1e-4  # fp32 logits
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -143,7 +144,7 @@ def test_transformers_4x_config_dialect(tmp_path, rope):
 def test_dtype_and_device_arguments(tmp_path):
     hf = hf_model("llama", num_key_value_heads=2)
     hf_save(hf, tmp_path)
-    z = zoo.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu")
+    z = zoo.from_pretrained(tmp_path, dtype=torch.bfloat16, device=TEST_DEVICE)
     assert {p.dtype for p in z.parameters()} == {torch.bfloat16}
     assert z.rope.inv_freq.dtype == torch.float32 and not z.rope.cos.is_meta
     with torch.no_grad():
@@ -357,7 +358,7 @@ def test_finetune_through_run_py(tmp_path, capsys):
     out = tmp_path / "run"
     code = main([str(ROOT / "configs/llm/tiny.yaml"), f"train.init_from={init}", f"data.path={corpus}",
                  f"train.out_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64",
-                 "train.max_steps=40", "train.batch_size=8", "train.precision=fp32", "train.device=cpu",
+                 "train.max_steps=40", "train.batch_size=8", "train.precision=fp32", f"train.device={TEST_DEVICE}",
                  "train.eval_every=0", "train.eval_batches=4", "train.checkpoint_every=0",
                  "train.progress=false", "train.samples=false", "train.plot=false",
                  "optim.lr=0.01", "optim.warmup_steps=5"])
@@ -379,6 +380,6 @@ def test_finetune_through_run_py(tmp_path, capsys):
     capsys.readouterr()
     code = main([str(ROOT / "configs/llm/tiny.yaml"), f"train.init_from={init}", f"data.path={corpus}",
                  f"train.out_dir={tmp_path / 'bad'}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64",
-                 "train.device=cpu", "train.progress=false"])
+                 f"train.device={TEST_DEVICE}", "train.progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and str(weights) in err[0] and "truncated" in err[0], err

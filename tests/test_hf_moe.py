@@ -17,6 +17,7 @@ from zoo.weights import hf_llm
 from train.metrics import read_rows
 
 import transformers
+from conftest import TEST_DEVICE
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -230,7 +231,7 @@ def test_finetune_moe_through_run_py(tmp_path, text_corpus, one_thread):
     code = main([str(ROOT / "configs/llm/tiny.yaml"), f"train.init_from={init}", f"data.path={text_corpus}",
                  "data.tokenizer=bytes", f"train.out_dir={out}", f"data.cache_dir={tmp_path / 'cache'}",
                  "data.seq_len=32", "train.max_steps=30", "train.batch_size=8", "train.precision=fp32",
-                 "train.device=cpu", "train.eval_every=0", "train.eval_batches=4", "train.checkpoint_every=0",
+                 f"train.device={TEST_DEVICE}", "train.eval_every=0", "train.eval_batches=4", "train.checkpoint_every=0",
                  "train.progress=false", "train.samples=false", "train.plot=false", "train.log_every=10",
                  "optim.lr=0.01", "optim.warmup_steps=5"])
     assert code == 0

@@ -93,3 +93,45 @@ def test_no_import_cycles():
 def test_zoo_never_imports_train():
     bad = {m: sorted(t for t in ts if t.split(".")[0] == "train") for m, ts in graph().items() if m.startswith("zoo")}
     assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_tests_take_their_device_from_conftest():
+    """No test constructs a device itself (torch.device("cpu"), device="cuda", "device": "cpu",
+    "train.device=cpu"): each takes tests/conftest.py's (the `device` fixture, TEST_DEVICE, or CPU and CUDA
+    where a device is data or a test is CPU-only), so ZOO_TEST_DEVICE=cuda moves the whole suite. A line
+    that names a device as data says so in a comment."""
+    literal = lambda n: isinstance(n, ast.Constant) and n.value in ("cpu", "cuda")  # noqa: E731
+    found = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        if path.name == "test_imports.py":
+            continue
+        lines = path.read_text().split("\n")
+        for n in ast.walk(ast.parse(path.read_text())):
+            bad = ((isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.device" and any(map(literal, n.args)))
+                   or (isinstance(n, ast.keyword) and n.arg == "device" and literal(n.value))
+                   or (isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "device"
+                                                       and literal(v) for k, v in zip(n.keys, n.values)))
+                   or (isinstance(n, ast.Constant) and isinstance(n.value, str)
+                       and n.value.startswith(("train.device=cpu", "train.device=cuda"))))
+            if bad and "# a device as data" not in lines[n.lineno - 1]:
+                found.append(f"{path.name}:{n.lineno}")
+    assert not found, found
+
+
+def test_the_cuda_switch_is_refused_without_cuda_and_a_no_op_on_the_cpu(device):
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import CPU
+    assert device == torch.device(os.environ.get("ZOO_TEST_DEVICE", "cpu"))
+    if device.type == "cpu":
+        assert torch.get_default_device() == CPU
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_imports.py",
+                        "-k", "device_from_conftest"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "ZOO_TEST_DEVICE": "cuda"})
+    assert r.returncode == 4 and "ZOO_TEST_DEVICE=cuda: torch sees no CUDA device" in r.stderr, (r.stdout, r.stderr)

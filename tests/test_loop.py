@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from train.config import load_run_config
 from train.loop import train
 from train.metrics import read_rows
+from conftest import TEST_DEVICE, CPU
 
 TINY = {
     "family": "llm",
@@ -85,7 +86,7 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path, text_corpus):
     from train.tasks.lm import LMTask
     cfg = load_run_config(None, [f"data.path={text_corpus}", "train.grad_accum=2", "train.batch_size=4",
                                  f"train.out_dir={tmp_path / 'acc'}", "train.max_steps=1", "optim.warmup_steps=0"], base=TINY)
-    task = LMTask(cfg, torch.device("cpu"), lambda m: None)
+    task = LMTask(cfg, TEST_DEVICE, lambda m: None)
     task.setup()
     torch.manual_seed(cfg.train.seed)
     model = task.build_model()
@@ -142,7 +143,7 @@ def test_lm_task_names_the_attention_it_runs(tmp_path, text_corpus):
     for backend, expected in (("auto", "attention: bmm (auto, for 64 keys)"), ("sdpa", "attention: sdpa")):
         cfg = load_run_config(None, [f"data.path={text_corpus}", f"train.attn_backend={backend}",
                                      f"train.out_dir={tmp_path}"], base=TINY)
-        task = LMTask(cfg, torch.device("cpu"), logs.append)
+        task = LMTask(cfg, TEST_DEVICE, logs.append)
         task.setup()
         task.build_model()
         assert expected in logs, logs
@@ -161,7 +162,7 @@ def test_peak_flops_size_is_set_by_flops_not_by_a_slow_first_timing(monkeypatch)
             clock["t"] += 10.0 if clock["calls"] == 2 else 0.01
         return clock["t"]
     monkeypatch.setattr(hw.time, "perf_counter", perf_counter)
-    peak = hw.measure_peak_flops(torch.device("cpu"), None)
+    peak = hw.measure_peak_flops(CPU, None)
     n = hw.PEAK_SIZES["cpu"]
     assert peak == pytest.approx(2 * n ** 3 / 0.01)
 

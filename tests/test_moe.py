@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_compiled_step_equals_eager
+from conftest import CPU, assert_compiled_step_equals_eager
 from safetensors.torch import load_file
 
 import zoo
@@ -225,7 +225,7 @@ def test_bias_balancing_moves_load_toward_uniform(scoring, rate, steps, bound):
 
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch.nn.functional.grouped_mm needs torch >= 2.10")
 def test_grouped_mm_support_table():
-    cpu = torch.device("cpu")
+    cpu = CPU
     assert grouped_mm_supported(cpu, torch.float32) and grouped_mm_supported(cpu, torch.bfloat16)
     assert not grouped_mm_supported(cpu, torch.float32, compiling=True)
     assert grouped_mm_supported(cpu, torch.bfloat16, compiling=True)

@@ -21,9 +21,9 @@ from train.optim import build_optimizer, lr_multiplier, param_groups
 from zoo.config import ConfigError, ConvNetConfig, LLMConfig
 from zoo.convnet import ResNet
 from zoo.llm import LLM
+from conftest import TEST_DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU = torch.device("cpu")
 import transformers
 
 
@@ -132,7 +132,7 @@ def test_weight_decay_goes_to_matrices_only(kind):
     want = {n for n, _ in model.named_parameters() if re.fullmatch(DECAYED[pattern], n)}
     assert decayed == want and want
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))  # each once (tied too)
-    opt = build_optimizer(model, OptimConfig(lr=0.5, weight_decay=0.1, fused=False), CPU, log=lambda m: None)
+    opt = build_optimizer(model, OptimConfig(lr=0.5, weight_decay=0.1, fused=False), TEST_DEVICE, log=lambda m: None)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -218,7 +218,7 @@ def test_sgd_nesterov_steps_equal_torch_sgd_and_the_formula():
     b.load_state_dict(a.state_dict())
     lr, mom, wd = 0.1, 0.9, 1e-4
     decayed = lambda n: re.fullmatch(DECAYED["resnet"], n) is not None  # noqa: E731
-    opt_a = build_optimizer(a, OptimConfig(name="sgd", lr=lr, momentum=mom, nesterov=True, weight_decay=wd), CPU)
+    opt_a = build_optimizer(a, OptimConfig(name="sgd", lr=lr, momentum=mom, nesterov=True, weight_decay=wd), TEST_DEVICE)
     opt_b = torch.optim.SGD([{"params": [p for n, p in b.named_parameters() if decayed(n)], "weight_decay": wd},
                              {"params": [p for n, p in b.named_parameters() if not decayed(n)], "weight_decay": 0.0}],
                             lr=lr, momentum=mom, nesterov=True)
@@ -322,7 +322,7 @@ TINY = {
     "model": {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 32},
     "data": {"tokenizer": "bytes", "seq_len": 32},
     "train": {"max_steps": 6, "batch_size": 4, "log_every": 1, "eval_every": 0, "eval_batches": 2,
-              "checkpoint_every": 0, "progress": False, "samples": False, "plot": False, "device": "cpu"},
+              "checkpoint_every": 0, "progress": False, "samples": False, "plot": False, "device": str(TEST_DEVICE)},
     "optim": {"lr": 3e-3, "warmup_steps": 1},
 }
 

@@ -15,8 +15,8 @@ from train.config import OptimConfig, load_run_config
 from train.optim import (OPTIMIZERS, build_optimizer, hidden_matrices, lr_multiplier, micro_batches, param_groups,
                          set_lr, state_bytes)
 from zoo.config import ConfigError
+from conftest import TEST_DEVICE
 
-CPU = torch.device("cpu")
 QUIET = dict(log=lambda m: None)
 HIDDEN = r"layers\.\d+\.(attn\.qkv|attn\.proj|mlp\.gate_up|mlp\.down)\.weight"
 
@@ -59,7 +59,7 @@ def test_hidden_matrices_are_the_layers_2d_weights_not_embedding_or_head():
 def test_adafactor_equals_torch_adafactor():
     a, b = tiny_llm(), tiny_llm()
     cfg = OptimConfig(name="adafactor", lr=0.01, weight_decay=0.1, adafactor_beta2_decay=-0.7)
-    steps(a, build_optimizer(a, cfg, CPU, **QUIET))
+    steps(a, build_optimizer(a, cfg, TEST_DEVICE, **QUIET))
     steps(b, torch.optim.Adafactor(param_groups(b, 0.1), lr=0.01, beta2_decay=-0.7))
     same(a, b)
 
@@ -67,7 +67,7 @@ def test_adafactor_equals_torch_adafactor():
 def test_lion_equals_the_papers_update():
     a, b = tiny_llm(bias=True), tiny_llm(bias=True)
     lr, (b1, b2), wd = 1e-3, (0.9, 0.99), 0.1
-    steps(a, build_optimizer(a, OptimConfig(name="lion", lr=lr, betas=(b1, b2), weight_decay=wd), CPU, **QUIET))
+    steps(a, build_optimizer(a, OptimConfig(name="lion", lr=lr, betas=(b1, b2), weight_decay=wd), TEST_DEVICE, **QUIET))
     decayed = {id(p) for g in param_groups(b, wd) if g["weight_decay"] for p in g["params"]}
     mom = {}
     for i in range(4):
@@ -86,7 +86,7 @@ def test_lion_equals_the_papers_update():
 def test_muon_equals_torch_muon_on_the_hidden_matrices_and_adamw_on_the_rest():
     a, b = tiny_llm(tied=False, bias=True), tiny_llm(tied=False, bias=True)
     cfg = OptimConfig(name="muon", lr=3e-3, muon_lr=0.02, muon_momentum=0.9, weight_decay=0.1, fused=False)
-    opt = build_optimizer(a, cfg, CPU, **QUIET)
+    opt = build_optimizer(a, cfg, TEST_DEVICE, **QUIET)
     steps(a, opt)
     hidden = [p for n, p in b.named_parameters() if re.fullmatch(HIDDEN, n)]
     rest = [g for g in param_groups(b, 0.1) for g in [dict(g, params=[p for p in g["params"]
@@ -109,7 +109,7 @@ def test_galore_equals_the_papers_update():
     lr, (b1, b2), eps, wd, rank, every, scale = 2e-3, (0.9, 0.95), 1e-8, 0.1, 3, 2, 0.5
     cfg = OptimConfig(name="galore", lr=lr, weight_decay=wd, galore_rank=rank, galore_update_every=every,
                       galore_scale=scale)
-    steps(a, build_optimizer(a, cfg, CPU, **QUIET), n=5)
+    steps(a, build_optimizer(a, cfg, TEST_DEVICE, **QUIET), n=5)
     decayed = {id(p) for g in param_groups(b, wd) if g["weight_decay"] for p in g["params"]}
     st = {}
     for t in range(1, 6):
@@ -136,7 +136,7 @@ def test_galore_equals_the_papers_update():
                 p.mul_(1 - lr * (wd if id(p) in decayed else 0.0)).sub_(lr * N)
     same(a, b, atol=1e-6)
     # the states of the projected weights are low-rank: r x max(m, n) instead of m x n
-    opt = build_optimizer(a, cfg, CPU, **QUIET)
+    opt = build_optimizer(a, cfg, TEST_DEVICE, **QUIET)
     steps(a, opt, n=1)
     for n, p in a.named_parameters():
         if re.fullmatch(HIDDEN, n):
@@ -154,7 +154,7 @@ def test_adamw8bit_within_its_quantisation_of_fp32_adamw(eager_torchao):
         torch.manual_seed(1)
         lin = torch.nn.Linear(64, 64, bias=False)
         w0 = lin.weight.detach().clone()
-        opt = build_optimizer(lin, OptimConfig(**{**cfg.__dict__, "name": name}), CPU, **QUIET)
+        opt = build_optimizer(lin, OptimConfig(**{**cfg.__dict__, "name": name}), TEST_DEVICE, **QUIET)
         for _ in range(100):
             loss = ((lin(X) - Y) ** 2).mean()
             opt.zero_grad()

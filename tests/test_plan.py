@@ -14,6 +14,7 @@ from train.benches.harness import rss
 from train.config import load_run_config
 from train.optim import build_optimizer, state_bytes
 from train import plan as planner
+from conftest import TEST_DEVICE, CPU, CUDA
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"family": "llm",
@@ -47,11 +48,11 @@ def test_planned_optimizer_states_are_those_of_the_real_optimizer(name):
     cfg = cfg_of(f"optim.name={name}", "optim.galore_rank=8")
     torch.manual_seed(0)
     model = planner.build_model(cfg)
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), lambda m: None)
+    opt = build_optimizer(model, cfg.optim, TEST_DEVICE, lambda m: None)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    static = planner._static(cfg, torch.device("cpu"), 1)
+    static = planner._static(cfg, TEST_DEVICE, 1)
     assert static.states == state_bytes(opt) > 0
     assert static.params == sum(p.numel() * 4 for p in set(model.parameters()))
 
@@ -181,8 +182,8 @@ def test_planned_tensors_are_those_of_the_real_step():
     bf16 autocast with checkpointing on every block: autocast's weight copies, made again in the
     recomputation, are counted as the real run makes them."""
     cfg = cfg_of("train.precision=bf16", "train.activation_checkpointing=true")
-    fake = planner.simulate(cfg, torch.device("cpu"))
-    real = planner.simulate(cfg, torch.device("cpu"), fake=False)
+    fake = planner.simulate(cfg, TEST_DEVICE)
+    real = planner.simulate(cfg, TEST_DEVICE, fake=False)
     for k in ("persistent", "params", "grads", "states", "inputs", "forward_backward", "optimizer_step",
               "per_unit", "logits"):
         assert getattr(fake, k) == getattr(real, k), k
@@ -193,7 +194,7 @@ def test_planned_tensors_are_those_of_the_real_step():
 def test_a_cpu_plan_adds_the_stated_allocator_margin():
     """On a CPU the allocator part is the family's CPU_MARGIN (a share of the tensors' peak plus a
     constant), said in a note; off the CPU (the CUDA caching allocator's replay) it is not."""
-    cpu = torch.device("cpu")
+    cpu = CPU
     p = planner.plan(cfg_of(), device=cpu)
     tensors = p.peak_bytes - p.breakdown["allocator"]
     share, constant = planner.CPU_MARGIN["llm"]
@@ -218,7 +219,7 @@ def test_cuda_replay_rounds_blocks_and_keeps_segments():
 def test_cuda_plan_is_not_under_max_memory_reserved():
     """On a GPU the plan (the step's allocations replayed through the caching allocator's rules) is
     not under what the allocator reserved for the same step, nor far over it."""
-    dev = torch.device("cuda")
+    dev = CUDA
     cfg = cfg_of("train.precision=bf16", "model.d_model=256", "model.n_layers=4", "train.batch_size=8",
                  "model.max_seq_len=256", "data.seq_len=256")
     p = planner.plan(cfg, device=dev)
@@ -235,7 +236,7 @@ def test_a_cuda_plan_from_any_machine_with_pasteable_settings(capsys, monkeypatc
     the same command gives the same plan every time; every suggestion, pasted after train/run.py's
     command as printed, is accepted by the config loader."""
     monkeypatch.chdir(ROOT)
-    cuda = torch.device("cuda")
+    cuda = CUDA
     peak = planner.plan(load_run_config("configs/llm/tiny.yaml", ["train.batch_size=64"]), device=cuda).peak_bytes
     args = ["configs/llm/tiny.yaml", "train.batch_size=64", "--device", "cuda", "--memory", str(int(0.6 * peak))]
     outs = []
@@ -253,7 +254,7 @@ def test_a_cuda_plan_from_any_machine_with_pasteable_settings(capsys, monkeypatc
         assert cfg.train.device == "auto"
     tiny = [planner.plan(cfg_of(), device=cuda).peak_bytes for _ in range(5)]
     assert len(set(tiny)) == 1
-    on_cuda = cfg_of("train.device=cuda")  # the run's own device, planned from here without a crash
-    assert planner.main(["configs/llm/tiny.yaml", "train.device=cuda", "--json"]) == 0
+    on_cuda = cfg_of("train.device=cuda")  # a device as data; the run's own device, planned from here without a crash
+    assert planner.main(["configs/llm/tiny.yaml", "train.device=cuda", "--json"]) == 0  # a device as data
     assert json.loads(capsys.readouterr().out)["device"] == "cuda"
     assert on_cuda.train.device == "cuda"

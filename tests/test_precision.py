@@ -4,12 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import train.step as step
+from conftest import CPU
+
+pytestmark = pytest.mark.cpu_only("train.precision: auto on a CPU, decided by the CPU's own instructions and timing")
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU = torch.device("cpu")
 
 
 def test_the_instructions_decide_and_the_timing_confirms(monkeypatch):

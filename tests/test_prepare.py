@@ -16,6 +16,7 @@ from train.data import (ByteTokenizer, DataError, Problems, SentencePieceTokeniz
 from train.data.loader import Prefetcher
 from train.data.shards import prepare
 from train.data.tokens import LLMC_MAGIC
+from conftest import TEST_DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = lambda m: None  # noqa: E731
@@ -242,7 +243,7 @@ def test_model_vocab_must_cover_the_largest_id(tmp_path):
     cfg = load_run_config(None, [], base={
         "family": "llm", "model": {"vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
         "data": {"path": str(tmp_path / "train.bin"), "seq_len": 16}})
-    task = LMTask(cfg, torch.device("cpu"), QUIET)
+    task = LMTask(cfg, TEST_DEVICE, QUIET)
     task.setup()
     with pytest.raises(ConfigError, match=r"vocab_size=256 is smaller than the data's \(largest id 300\) 301"):
         task.build_model()
@@ -269,7 +270,7 @@ def test_mixture_proportions_within_sampling_error(tmp_path):
 
 
 MIX_RUN = {"family": "llm", "model": {"vocab_size": 256, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
-           "train": {"batch_size": 4, "log_every": 1, "eval_every": 0, "eval_batches": 1, "device": "cpu",
+           "train": {"batch_size": 4, "log_every": 1, "eval_every": 0, "eval_batches": 1, "device": str(TEST_DEVICE),
                      "checkpoint_every": 2, "peak_flops": 1e12, "progress": False, "samples": False, "plot": False,
                      "export": False}}
 

@@ -11,6 +11,7 @@ from torch import nn
 import zoo
 from zoo.config import ConfigError, load_yaml, parse_overrides
 from zoo.pruning import apply_masks, magnitude_mask, prune, sparsity_of, to_semi_structured
+from conftest import CUDA
 
 TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=128, max_seq_len=64)
 RUN = {
@@ -139,7 +140,7 @@ def test_semi_structured_linears_match_the_dense_pruned_model_on_cuda():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to("cuda", torch.half).eval()
     prune(model, "2:4", keep=[])
-    x = torch.randn(128, 256, device="cuda", dtype=torch.half)
+    x = torch.randn(128, 256, device=CUDA, dtype=torch.half)
     with torch.no_grad():
         dense = model(x).float()
         sparse = to_semi_structured(model, keep=[])(x).float()

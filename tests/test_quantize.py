@@ -10,6 +10,7 @@ import torchao  # noqa: F401
 import zoo  # noqa: E402
 from zoo.quantization import SCHEMES, convert_qat, prepare_qat, targets  # noqa: E402
 from zoo.weights.zoo_folder import cast_weights  # noqa: E402
+from conftest import TEST_DEVICE
 
 TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=128, max_seq_len=64)
 
@@ -104,7 +105,7 @@ def test_file_of_another_device_is_a_one_line_error(tmp_path):
     zoo.save_pretrained(zoo.quantize(tiny(), "int4wo"), tmp_path / "q")
     cfg = yaml.safe_load((tmp_path / "q" / "config.yaml").read_text())
     assert cfg["quantization"]["layout"] == ["Int4OpaqueTensor"]  # the CPU packing
-    cfg["quantization"].update(layout=["Int4TilePackedTo4dTensor"], device="cuda")  # as CUDA writes it
+    cfg["quantization"].update(layout=["Int4TilePackedTo4dTensor"], device="cuda")  # a device as data; as CUDA writes it
     (tmp_path / "q" / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError) as e:
         zoo.from_pretrained(tmp_path / "q")
@@ -185,7 +186,7 @@ def test_qat_run_writes_and_evaluates_the_converted_model(tmp_path, text_corpus,
     # the folder's model is the final float weights (model.safetensors, same names as without QAT) quantized
     plain = cast_weights(zoo.build({"family": "llm", "model": TINY}), torch.bfloat16)
     plain.load_state_dict(load_file(tmp_path / "r" / "model.safetensors"), strict=False)
-    task = LMTask(cfg, torch.device("cpu"), lambda m: None)
+    task = LMTask(cfg, TEST_DEVICE, lambda m: None)
     task.setup()
     assert task.evaluate(q)["val_loss"] == pytest.approx(final["quant_val_loss"], rel=1e-6)
     # the reference of the quantization's cost: the same bf16 weights, unquantized

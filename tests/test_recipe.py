@@ -21,6 +21,7 @@ from train.loop import train
 from train.metrics import read_rows
 from train.step import EMA
 from zoo.config import ConfigError
+from conftest import CPU
 
 K, S = 5, 0.1  # classes, label smoothing
 
@@ -192,7 +193,7 @@ def test_convnets_bench_run_of_some_settings_updates_only_their_docs_rows():
     def row(arch, mode, ratio):
         return {"arch": arch, "mode": mode, "format": "contiguous", "precision": "fp32",
                 "zoo_speed_over_timm_paired_median": ratio}
-    setting = {"device": "cpu", "batch": 8, "size": 64, "threads": 1, "torch": "2.14.1"}
+    setting = {"device": str(CPU), "batch": 8, "size": 64, "threads": 1, "torch": "2.14.1"}
     old = {**setting, "results": [row("a", "eager", 1.0), row("b", "eager", 1.1), row("b", "compiled", 0.9)]}
     new = {**setting, "results": [row("b", "compiled", 1.2), row("c", "compiled", 1.3)]}
     got = [(r["arch"], r["mode"], r["zoo_speed_over_timm_paired_median"]) for r in merged(old, new)["results"]]

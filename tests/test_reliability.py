@@ -30,7 +30,7 @@ from train.config import load_run_config
 from train.run import main as run_main
 from train.tasks.lm import LMTask
 
-from conftest import starts, wait_for_training
+from conftest import CPU, starts, wait_for_training
 from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ CFG = {
     "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
     "data": {"tokenizer": "bytes", "seq_len": 64},
     "train": {"max_steps": 150, "batch_size": 8, "log_every": 1, "eval_every": 0, "eval_batches": 2,
-              "checkpoint_every": 5, "keep_checkpoints": 2, "average_last": 2, "device": "cpu", "deterministic": False,
+              "checkpoint_every": 5, "keep_checkpoints": 2, "average_last": 2, "device": str(CPU), "deterministic": False,
               "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False},
     "optim": {"lr": 3e-3, "warmup_steps": 5},
 }
@@ -49,7 +49,8 @@ MAX_STEPS = CFG["train"]["max_steps"]
 
 
 # ------------------------------------------------------------------------------ helpers
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.cpu_only("bitwise resume after SIGKILL, compared on the CPU's deterministic kernels")]
 
 
 def weights(path) -> dict:

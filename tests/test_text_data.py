@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from train.data import TextDataConfig, TokenData, read_corpus
+from conftest import TEST_DEVICE
 
 
 def test_sources_file_folder_jsonl(tmp_path):
@@ -26,8 +27,8 @@ def test_bytes_tokens_match_the_text_and_split_is_a_tail(tmp_path):
     assert bytes(allt.astype(np.uint8)).decode() == text
     assert len(d.val) == 500
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    x1, y1 = d.batch("train", 4, g1, torch.device("cpu"))
-    x2, _ = d.batch("train", 4, g2, torch.device("cpu"))
+    x1, y1 = d.batch("train", 4, g1, TEST_DEVICE)
+    x2, _ = d.batch("train", 4, g2, TEST_DEVICE)
     assert torch.equal(x1, x2) and x1.shape == (4, 16)
     assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
 

@@ -20,6 +20,7 @@ from train.config import load_run_config
 from train.loop import train
 from train.metrics import read_rows
 from train.run import main as run_main
+from conftest import TEST_DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +29,7 @@ TINY = {
     "model": {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 32},
     "data": {"tokenizer": "bytes", "seq_len": 32},
     "train": {"max_steps": 10, "batch_size": 4, "log_every": 1, "eval_every": 5, "eval_batches": 2,
-              "checkpoint_every": 5, "keep_checkpoints": 5, "device": "cpu", "peak_flops": 1e12,
+              "checkpoint_every": 5, "keep_checkpoints": 5, "device": str(TEST_DEVICE), "peak_flops": 1e12,
               "progress": False, "samples": False, "plot": False, "export": False},
     "optim": {"lr": 3e-3, "warmup_steps": 2},
 }

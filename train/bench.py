@@ -28,7 +28,7 @@ BENCHES: dict[str, str] = {
     "min-snr": "diffusion, name", "diffusion-quality": "diffusion, name",
     "optimizers": "optimizers, name", "lr-find": "optimizers, name",
     "sft-packing": "sft, name", "sft-quality": "sft, name",
-    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
+    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory", "gpu": "gpu, name", "float8": "gpu, name",
     "report": "report",
 }
 
