@@ -87,8 +87,9 @@ class TrainConfig:
     log_every: int = bounded(10, gt=0)      # steps between metrics lines
     progress: bool = True                   # live progress bar (loss, lr, tokens/s, MFU)
     plot: bool = True                       # write `loss.png` at the end
-    peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = a matmul measured at
-                                            # start in the run's dtype (`train.hardware.measure_peak_flops`)
+    peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = the vendor's dense
+                                            # figure on known GPUs in bf16/fp16, else a matmul measured at start
+                                            # in the run's dtype (`train.hardware.measure_peak_flops`)
     tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send every row of `metrics.jsonl` to
                                             # `tensorboard` or `wandb` (files under `out_dir`; needs the extra)
     tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (the entity: `$WANDB_ENTITY`, else your

@@ -1,6 +1,7 @@
 """What the machine can do, measured the same way by the loop and the benchmarks.
 
-`measure_peak_flops(device, dtype)`: the denominator of every MFU figure; `sync`, `peak_memory_gb`;
+`measure_peak_flops(device, dtype)`: the denominator of every MFU figure (`vendor_peak_flops` on known GPUs);
+`sync`, `peak_memory_gb`;
 `keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory (`train.cpu_keep_memory`).
 """
 from __future__ import annotations
@@ -53,6 +54,21 @@ def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps:
         if i >= 1 and spent > budget:
             break
     return 2 * n ** 3 / best
+
+
+# Dense bf16/fp16 FLOP/s the vendor states (no sparsity), by a part of torch.cuda.get_device_name, more
+# specific names first: the MFU denominator on those GPUs, as torchtitan reports MFU.
+VENDOR_PEAKS = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+                "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
+
+
+def vendor_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> Optional[tuple[str, float]]:
+    """(the GPU's name, its vendor's dense 16-bit FLOP/s) for a known CUDA device computing in bf16 or fp16,
+    else None."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(((name, v) for k, v in VENDOR_PEAKS.items() if k.lower() in name.lower()), None)
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -22,7 +22,7 @@ from .config import RunConfig
 from .distributed import Parallel, launch_env
 from .features.quantize import quantized_evaluation
 from .finish import finish
-from .hardware import release_freed_memory, sync
+from .hardware import sync
 from .metrics import Metrics
 from .optim import lr_multiplier, micro_batches, set_lr
 from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, RunStopped, clip_weights_, optimizer_step,
@@ -49,9 +49,9 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
             log_file.write(msg + "\n")
             log_file.flush()
 
-    kept = False
+    restore = None
     try:
-        kept = setup_backends(t, par.device(resolve_device(t.device)), say, owns_process)
+        restore = setup_backends(t, par.device(resolve_device(t.device)), say, owns_process)
         if t.lr_find:
             from .features.lr_find import lr_find
             try:
@@ -61,8 +61,8 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
         return _train(cfg, out, say, par, owns_process)
     finally:
         par.close()
-        if kept and not owns_process:
-            release_freed_memory()
+        if restore is not None and not owns_process:
+            restore()
         if log_file is not None:
             log_file.close()
 

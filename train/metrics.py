@@ -22,7 +22,7 @@ import torch
 from zoo.config import ConfigError
 from zoo.weights.files import atomic_write
 
-from .hardware import measure_peak_flops, peak_memory_gb
+from .hardware import measure_peak_flops, peak_memory_gb, vendor_peak_flops
 
 METRICS, SPEED = "metrics.jsonl", "speed.jsonl"
 
@@ -71,11 +71,14 @@ class Metrics:
         if self.main:
             for name in (METRICS, SPEED):
                 truncate(out / name, start, finished=start >= t.max_steps)
-        self.peak = t.peak_flops or self._measure_peak()
-        self.remeasured = False
+        vendor = None if t.peak_flops else vendor_peak_flops(run.device, run.amp_dtype)
+        self.peak = t.peak_flops or (vendor[1] if vendor else self._measure_peak())
+        self.remeasured = vendor is not None  # a vendor's peak is never measured again
         with torch.random.fork_rng(devices=[]):
             self.fpi = run.task.flops_per_item(run.model)
-        say(f"mfu: peak {_flops(self.peak)} ({'configured' if t.peak_flops else 'measured matmul'})")
+        say(f"mfu: peak {_flops(self.peak)} ("
+            + ("configured" if t.peak_flops else f"{vendor[0]}, the vendor's dense figure; a matmul measured "
+               f"{_flops(self._measure_peak())}" if vendor else "measured matmul") + ")")
         self._stack = contextlib.ExitStack()
         self.files = {}
         self.tracker = None

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .hardware import keep_freed_memory, measure_peak_flops
+from .hardware import keep_freed_memory, measure_peak_flops, release_freed_memory
 
 EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
@@ -114,18 +114,31 @@ def autocast_for(device: torch.device, precision: str):
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> bool:
-    """Device settings of `t` (the train: section). Returns whether glibc was told to keep freed
-    memory (which the caller undoes at the end unless the run owns the process)."""
-    kept = False
+def setup_backends(t, device: torch.device, log, owns_process: bool = False):
+    """Apply the device settings of `t` (the train: section). Returns what undoes them (glibc's freed
+    memory, TF32, cudnn.benchmark, deterministic algorithms), which the caller runs at the end unless
+    the run owns the process."""
+    undo = []
     keep = t.cpu_keep_memory if t.cpu_keep_memory is not None else owns_process
     if device.type == "cpu" and keep:
-        kept = keep_freed_memory()
-        if kept:
+        if keep_freed_memory():
+            undo.append(release_freed_memory)
             log("backends: cpu, freed memory kept for reuse (glibc: no mmap, no trim; train.cpu_keep_memory)"
                 + ("" if owns_process else "; glibc's defaults are restored when train() returns"))
         else:
             log("backends: cpu_keep_memory skipped (needs Linux with glibc)")
+    flags = [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+             (torch.backends.cudnn, "benchmark")]
+    before = [getattr(m, k) for m, k in flags] + [torch.are_deterministic_algorithms_enabled(),
+                                                  os.environ.get("CUBLAS_WORKSPACE_CONFIG")]
+
+    def restore():
+        for (m, k), v in zip(flags, before):
+            setattr(m, k, v)
+        torch.use_deterministic_algorithms(before[3])
+        if before[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    undo.append(restore)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = t.tf32
         torch.backends.cudnn.allow_tf32 = t.tf32
@@ -139,7 +152,7 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False) -> 
         torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    return kept
+    return lambda: [f() for f in undo]
 
 
 def to_device(batch, device, channels_last: bool):

@@ -29,9 +29,6 @@ if __package__ in (None, ""):
 from train.benches import harness  # noqa: E402
 
 BENCH = [sys.executable, str(ROOT / "train" / "bench.py")]
-# Dense bf16 FLOP/s the vendor states (no sparsity), the MFU denominator torchtitan reports against.
-VENDOR_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
-               "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
 SEQ, BATCH, NEW = 2048, 4, 128  # training batch x sequence of the LLM rows; tokens generated per row
 
 
@@ -86,11 +83,6 @@ def command(row: Row, out: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- the rows measured here
-def vendor_peak(device: torch.device) -> tuple[str, float]:
-    name = torch.cuda.get_device_name(device)
-    return next(((k, v) for k, v in VENDOR_BF16.items() if k.lower() in name.lower()), (name, float("nan")))
-
-
 def llama_pair(dev):
     """Zoo's Llama-3.2-1B and transformers' LlamaForCausalLM of the same shape, on dev."""
     import zoo
@@ -110,13 +102,14 @@ def llm_train(args, dev) -> tuple[dict, dict]:
     from train.config import OptimConfig
     from train.optim import build_optimizer
     from train.benches.llm_speed import hf_loss, zoo_loss
-    from train.hardware import measure_peak_flops
+    from train.hardware import measure_peak_flops, vendor_peak_flops
     zm, hf = llama_pair(dev)
     ids = torch.randint(zm.config.vocab_size, (BATCH, SEQ + 1), device=dev)
     opts = {"zoo": build_optimizer(zm, OptimConfig(), dev, log=lambda *a: None),
             "transformers": torch.optim.AdamW(hf.parameters(), lr=OptimConfig().lr, fused=True)}
     flops = zm.flops_per_token(SEQ) * BATCH * SEQ
-    vendor, measured = vendor_peak(dev), measure_peak_flops(dev, torch.bfloat16)
+    vendor = vendor_peak_flops(dev, torch.bfloat16) or (torch.cuda.get_device_name(dev), float("nan"))
+    measured = measure_peak_flops(dev, torch.bfloat16)
     rows_, data = [], {"vendor_peak": vendor, "measured_peak": measured, "flops_per_step": flops}
     for mode in ("bf16 eager", "bf16 compiled", "float8 compiled"):
         if mode.startswith("float8"):
