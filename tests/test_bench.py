@@ -118,6 +118,17 @@ def test_loop_and_benches_share_one_peak_flops(monkeypatch):
     assert peak == 5.0 and calls == [torch.bfloat16] * 3
 
 
+def test_the_vendors_peak_names_the_gpu_by_its_most_specific_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = torch.device("cuda")
+    for name, want in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA L40S", 362e12),
+                       ("NVIDIA L4", 121e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert hardware.vendor_peak_flops(gpu, torch.bfloat16) == (None if want is None else (name, want)), name
+    assert hardware.vendor_peak_flops(gpu, None) is None  # fp32: measured, never the 16-bit figure
+    assert hardware.vendor_peak_flops(CPU, torch.bfloat16) is None
+
+
 def test_peak_rss_sees_an_allocation():
     if harness.rss() is None:
         pytest.skip("no /proc/self/statm: the resident set size is unavailable here")

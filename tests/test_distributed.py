@@ -246,6 +246,48 @@ def test_resnet_sync_bn_matches_one_process(configs, tmp_path):
     assert_close_weights(tmp_path / "one", sync)
 
 
+# ------------------------------------------------------------------------------ adapters
+ADAPTERS = {"lora": ["adapter.method=lora"], "dora": ["adapter.method=dora"],
+            "prefix": ["adapter.method=prefix", "adapter.prefix_len=4"],
+            # NF4 stores blocks of 64 weights, their scales in blocks of 256: a wider model
+            "qlora": ["adapter.method=lora", "adapter.quantize_base=nf4", "model.d_model=256", "model.n_kv_heads=4",
+                      "model.ffn_hidden=512"]}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("method", list(ADAPTERS))
+def test_adapters_under_two_processes_match_one(configs, tmp_path, method, strategy):
+    """LoRA, DoRA, prefix tuning and QLoRA under DDP and FSDP2 (the frozen base, NF4 included, sharded with
+    its adapters): the losses, the trained adapter and the final and averaged evaluations of one process
+    with the same global batch; the checkpoints (DCP) hold what trains, not the base. The FSDP2 LoRA
+    checkpoint of step 3 resumes in one process and ends with the same adapter."""
+    import torch.distributed.checkpoint as dcp
+    over = ["train.average_last=2", *ADAPTERS[method]]
+    one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", *over, nproc=0)
+    par = run(configs["llm"], tmp_path / strategy, f"train.parallel={strategy}", *over)
+    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
+    assert_same_losses(tmp_path / "one", par)
+    files = sorted(f.name for f in (par / "adapter").glob("*.safetensors"))
+    assert files and files == sorted(f.name for f in (tmp_path / "one" / "adapter").glob("*.safetensors"))
+    for f in files:
+        assert_close_weights(tmp_path / "one" / "adapter", par / "adapter", f)
+    last = [{k: v for r in read_rows(d) if r["step"] == 6 for k, v in r.items()} for d in (tmp_path / "one", par)]
+    ev = [(f["val_loss"], f["avg_val_loss"]) for f in last]
+    assert ev[1] == pytest.approx(ev[0], rel=RTOL)
+    ckpt = par / "checkpoints" / "step_00000003"
+    held = {k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")}
+    trained = {"model." + k for k in load_file(str(par / "model_avg.safetensors"))}
+    assert held == trained and not any(".base" in k or "embed" in k for k in held), held
+    if (method, strategy) == ("lora", "fsdp"):
+        import shutil
+        out = tmp_path / "resharded"
+        shutil.copytree(ckpt, out / "checkpoints" / ckpt.name)
+        run(configs["llm"], out, "train.batch_size=8", *over, nproc=0)
+        assert "written by 2 processes, resharded to 1" in (out / "log.txt").read_text()
+        assert_same_losses(par, out, steps=[4, 5, 6])
+        assert_close_weights(par / "adapter", out / "adapter", files[0])
+
+
 @pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("prune", "ddp"),
                                              ("float8", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, strategy):

@@ -88,6 +88,16 @@ class Run:
     def params(self) -> list:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def plain_model(self) -> nn.Module:
+        """A new, unwrapped model of the run on its device (adapters applied): what weights gathered from
+        the ranks, or averaged, are loaded into."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.train.seed)  # a base drawn at random: the run's own
+            model = self.task.build_model()
+            if self.cfg.adapter.enabled:
+                apply_adapters(model, self.cfg.adapter, self.cfg.source)
+        return model.to(self.device)
+
     def adapter_id(self) -> dict:
         """What an adapter checkpoint is only valid with: the adapter settings and the base weights."""
         if self.keys is None:

@@ -225,7 +225,7 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     nothing); returns the state dict. before_optimizer(state) runs before the optimizer state loads."""
     manifest = verify_checkpoint(path)
     if manifest.get("format") == "dcp":
-        return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed)
+        return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys)
     if par is not None and par.active:
         raise ValueError(f"{path}: written by one process; a run under torchrun resumes from sharded "
                          f"checkpoints only (resume it in one process, or start in another train.out_dir)")
@@ -251,11 +251,11 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     return state
 
 
-def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed) -> dict:
+def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys=None) -> dict:
     """A DCP checkpoint of any number of ranks, into this run (one process or many)."""
     if before_optimizer is not None:
         before_optimizer(read_state(path / "state.pt"))
-    state = load_dcp(par, path, model, optimizer, scaler, ema, seed)
+    state = load_dcp(par, path, model, optimizer, scaler, ema, seed, trained_only=keys is not None)
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
     return state
@@ -310,19 +310,29 @@ def _first_verified(paths: list, log) -> list:
 
 
 # ------------------------------------------------------------------------------ DCP checkpoints
-def _dcp_state(model, optimizer, ema) -> dict:
+def _dcp_options(trained_only: bool):
+    """What a DCP checkpoint holds: every tensor, or (an adapter run) only what trains."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only)
+
+
+def _dcp_state(model, optimizer, ema, trained_only: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_dcp_options(trained_only))
+    if trained_only:  # a frozen weight tied to another (an LM head) is still listed
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k not in frozen}
     state = {"model": msd, "optimizer": osd}
     if ema is not None:
-        state["ema"] = get_model_state_dict(ema)
+        state["ema"] = {k: v for k, v in get_model_state_dict(ema).items() if not trained_only or k in msd}
     return state
 
 
 def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
-             extra: Optional[dict] = None, keep: int = 2, interval: bool = True) -> Path:
+             extra: Optional[dict] = None, keep: int = 2, interval: bool = True, trained_only: bool = False) -> Path:
     """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
-    manifest and renames it into place (publish). Collective."""
+    manifest and renames it into place (publish). Collective. trained_only: an adapter run's
+    checkpoint, without the frozen base."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(out_dir) / CKPT_DIR
@@ -334,7 +344,8 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
             shutil.rmtree(tmp)
         tmp.mkdir()
     par.barrier()
-    dcp.save(_dcp_state(model, optimizer, ema), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    dcp.save(_dcp_state(model, optimizer, ema, trained_only),
+             storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     rngs = par.gather(rng_state())
     final = root / f"{PREFIX}{step:08d}"
     if par.main:
@@ -348,7 +359,8 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     return final
 
 
-def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0) -> dict:
+def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0,
+             trained_only: bool = False) -> dict:
     """Load a verified DCP checkpoint written by any number of ranks into this run (collective
     when distributed; works in one process without a process group: par None)."""
     import torch.distributed.checkpoint as dcp
@@ -356,11 +368,12 @@ def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed
 
     state = read_state(path / "state.pt")
     with_ema = ema is not None and state.get("has_ema", False)
-    sd = _dcp_state(model, optimizer, ema if with_ema else None)
+    sd = _dcp_state(model, optimizer, ema if with_ema else None, trained_only)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    opts = _dcp_options(trained_only)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"], options=opts)
     if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
-        set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"])
+        set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"], options=opts)
         state["ema_started"] = not with_ema
     if scaler is not None and "scaler" in state:
         scaler.load_state_dict(state["scaler"])
@@ -442,7 +455,7 @@ class Checkpointer:
         interval = step >= self.t.max_steps or bool(every and step % every == 0)  # else a signal's
         if run.par.active:
             path = save_dcp(run.par, self.out, step, run.model, run.optimizer, scaler, ema, extra=extra,
-                            keep=self.t.keep_checkpoints, interval=interval)
+                            keep=self.t.keep_checkpoints, interval=interval, trained_only=run.keys is not None)
         else:
             path = save_checkpoint(self.out, step, run.model, run.optimizer, scaler, ema, extra=extra,
                                    keep=self.t.keep_checkpoints, keys=run.keys, interval=interval)
@@ -459,7 +472,7 @@ class Checkpointer:
         if not used:
             raise RunStopped(f"{self.out / CKPT_DIR}: no checkpoints to average", EXIT_CONFIG)
         if run.par.active:  # the trained model is wrapped or sharded: a plain one on its device
-            avg = run.task.build_model().to(run.device)
+            avg = run.plain_model()
         else:
             avg = copy.deepcopy(run.model)
         path = average_last(self.out, used, t.average_weighting, tied_names(avg))

@@ -59,7 +59,6 @@ def unsupported(cfg) -> Optional[str]:
     optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
                f"with it, use one of {', '.join(optimizers)}"),
-              (a.enabled, f"adapter.method={a.method}", "adapters train a few parameters: one process is the way"),
               (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
@@ -124,9 +123,11 @@ class Parallel:
                 if n else "sync_bn: skipped (the model has no BatchNorm layer)")
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
-            # the gradients are views into the all-reduce buckets: no second copy of them
+            # the gradients are views into the all-reduce buckets: no second copy of them. Every rank builds the
+            # same weights; rank 0's are not broadcast to a QLoRA base (DDP's broadcast alters torchao's NF4 tensors)
+            nf4 = getattr(getattr(model, "adapter_config", None), "quantize_base", "none") == "nf4"
             ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      gradient_as_bucket_view=True)
+                      gradient_as_bucket_view=True, init_sync=not nf4)
             if compile_:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")
                 return model, torch.compile(ddp)
@@ -137,9 +138,11 @@ class Parallel:
         units = model.repeated_units()
         if compile_:
             say(f"compile: each of the {len(units)} repeated units compiled, then sharded")
-        # parameters that do not train (a frozen autoencoder) stay whole
-        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-        frozen = {p for p in model.parameters() if not p.requires_grad}
+        # parameters that do not train stay whole (a frozen autoencoder), except an adapter's base: it is
+        # sharded with the adapters, so that no rank holds all of it
+        adapted = hasattr(model, "adapter_config")
+        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad and not adapted}
+        frozen = {p for p in model.parameters() if not p.requires_grad and not adapted}
         for unit in units:
             if compile_:
                 unit.compile()

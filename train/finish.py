@@ -63,9 +63,8 @@ def consolidated(run):
         return None, None
 
     def plain(sd):
-        m = run.task.build_model()
+        m = run.plain_model()
         m.load_state_dict(sd)
-        m = m.to(run.device)
         return m.to(memory_format=torch.channels_last) if run.cfg.train.channels_last else m
 
     return plain(full), plain(full_ema).eval().requires_grad_(False) if full_ema is not None else None

@@ -284,7 +284,9 @@ class LMTask(Task):
         model.eval()
         total, n = 0.0, 0
         causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
-        for x, y, *_ in self.data.val_batches(self.cfg.train.batch_size, self.cfg.train.eval_batches):
+        B = self.cfg.train.batch_size  # every rank evaluates the global batches, in micro-batches of B rows
+        for x, y in (part for batch in self.data.val_batches(B * self.world, self.cfg.train.eval_batches)
+                     for part in zip(*(t.split(B) for t in batch[:2]))):
             x, y = x.to(self.device), y.to(self.device)
             k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
             docs = self.doc_inputs(x)
