@@ -59,6 +59,17 @@ def test_lora_fine_tune_of_a_gguf_file_exports_to_transformers_and_gguf(tmp_path
     assert gguf_llm.load_tokenizer(tuned).chat_template == CHATML
 
 
+def test_a_gguf_file_converts_to_a_hugging_face_folder_with_its_tokenizer(tmp_path, f32_file):
+    _, path = f32_file
+    model = zoo.from_pretrained(path)
+    folder = zoo.save_pretrained(model, tmp_path / "hf", tokenizer=gguf_llm.load_tokenizer(model))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert max_diff(transformers.AutoModelForCausalLM.from_pretrained(folder), model, ids()) <= TOL
+    assert tok(TEXT).input_ids == transformers_tokenizer(path)(TEXT).input_ids
+    assert tok.apply_chat_template(MESSAGES, tokenize=False) == ChatTemplate(CHATML).render(MESSAGES)
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
 def test_chat_and_eval_on_a_gguf_file_answer_as_on_transformers_folder_of_it(tmp_path, f32_file, capsys):
     hf, path = f32_file
     folder = tmp_path / "hf"  # the model the file was converted from, with transformers' reading of its tokenizer
