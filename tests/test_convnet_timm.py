@@ -107,15 +107,47 @@ def test_reshaped_export_loads_back_as_it_is(tmp_path):
             assert torch.equal(back(x), model(x))
 
 
+HELD_OUT = ["convnext_atto", "convnextv2_pico", "efficientnet_b3", "mobilenetv3_large_075", "mobilenetv3_small_050"]
+
+
+@pytest.mark.parametrize("arch", HELD_OUT)
+def test_a_size_without_a_preset_loads_from_its_shapes(tmp_path, monkeypatch, arch):
+    """timm's file of a size whose preset is removed here loads from its shapes alone (another preset
+    reshaped) with timm's logits (<= 1e-5) and exports back to timm; by name it is that preset."""
+    ref = random_timm(arch, num_classes=7)
+    path = tmp_path / f"{arch}.pth"
+    torch.save(ref.state_dict(), path)
+    named = zoo.from_pretrained(path, arch=arch)
+    assert named.config.arch == arch
+    for table in (CONVNEXT_ARCHS, EFFICIENTNET_ARCHS, MOBILENETV3_ARCHS):
+        if arch in table:
+            monkeypatch.delitem(table, arch)
+    model = zoo.from_pretrained(path)
+    assert model.config.arch != arch
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    back = timm.create_model(arch, pretrained=False, num_classes=7, device="meta").eval()
+    back.load_state_dict(tw.read_state_dict(zoo.save_pretrained(model, tmp_path / "export.safetensors")), strict=True,
+                         assign=True)
+    with torch.no_grad():
+        want = ref(x)
+        assert want.abs().max() > 0.1
+        for ours in (named, model, back):
+            assert (ours(x) - want).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("arch", sorted(CONVNEXT_ARCHS) + sorted(EFFICIENTNET_ARCHS) + sorted(MOBILENETV3_ARCHS))
 def test_every_preset_has_timms_key_layout(arch):
+    """Every size (xxlarge too) by its structure on the meta device: timm's names and shapes, its LayerNorm
+    epsilons, and the preset inferred back from the shapes."""
     with torch.device("meta"):
-        ref = timm.create_model(arch, pretrained=False).state_dict()
-        ours = build(ConvNetConfig(arch=arch)).state_dict()
+        timm_model, model = timm.create_model(arch, pretrained=False), build(ConvNetConfig(arch=arch))
+        ref, ours = timm_model.state_dict(), model.state_dict()
         sd = {k: torch.empty(v.shape, device="meta") for k, v in ref.items()}
         assert tw.config_from_state_dict(sd).arch == arch  # inferred from the keys and shapes
     assert list(ours) == list(ref)
     assert all(ours[k].shape == ref[k].shape for k in ref)
+    eps = [sorted(n.eps for n in m.modules() if isinstance(n, nn.LayerNorm)) for m in (timm_model, model)]
+    assert eps[0] == eps[1]
 
 
 # ----------------------------------------------------------------------------- structure

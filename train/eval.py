@@ -170,7 +170,7 @@ def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tok
     """The greedy continuation of a prompt: with a chat template the assistant's reply (train/chat.py's
     ChatSession), else the text after the plain prompt, up to EOS."""
     if template is not None:
-        from .chat import ChatSession
+        from train.chat import ChatSession
         return ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens).respond(prompt_messages(prompt))
     ids = encode_prompt(tokenizer, prompt)
     if max_len is not None:

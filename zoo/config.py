@@ -459,29 +459,36 @@ RESNET_ARCHS: dict[str, tuple] = {
     "wide_resnet50_2": ("bottleneck", [3, 4, 6, 3], 1, 128),
     "wide_resnet101_2": ("bottleneck", [3, 4, 23, 3], 1, 128),
 }
-# ConvNeXt presets: name -> (version 1 or 2 (GRN, no layer scale), blocks per stage, stage-1 channels), as timm.
+# ConvNeXt presets, timm's: name -> (version 1 or 2 (GRN, no layer scale), blocks per stage, stage-1 channels,
+# whether timm holds the MLP as 1x1 convs: its atto to nano sizes).
+_CONVNEXT_SIZES = {"atto": ([2, 2, 6, 2], 40, True), "femto": ([2, 2, 6, 2], 48, True),
+                   "pico": ([2, 2, 6, 2], 64, True), "nano": ([2, 2, 8, 2], 80, True),
+                   "tiny": ([3, 3, 9, 3], 96, False), "small": ([3, 3, 27, 3], 96, False),
+                   "base": ([3, 3, 27, 3], 128, False), "large": ([3, 3, 27, 3], 192, False),
+                   "xlarge": ([3, 3, 27, 3], 256, False), "xxlarge": ([3, 4, 30, 3], 384, False),
+                   "huge": ([3, 3, 27, 3], 352, False)}
 CONVNEXT_ARCHS: dict[str, tuple] = {
-    "convnext_tiny": (1, [3, 3, 9, 3], 96),
-    "convnext_small": (1, [3, 3, 27, 3], 96),
-    "convnext_base": (1, [3, 3, 27, 3], 128),
-    "convnextv2_tiny": (2, [3, 3, 9, 3], 96),
-    "convnextv2_small": (2, [3, 3, 27, 3], 96),
-    "convnextv2_base": (2, [3, 3, 27, 3], 128),
-}
+    f"convnext{'v2' if v == 2 else ''}_{size}": (v, *_CONVNEXT_SIZES[size])
+    for v, sizes in ((1, "atto femto pico nano tiny small base large xlarge xxlarge"),
+                     (2, "atto femto pico nano tiny small base large huge")) for size in sizes.split()}
 # EfficientNet compound scaling: name -> (width multiplier, depth multiplier, the paper's image size).
 EFFICIENTNET_ARCHS: dict[str, tuple] = {
     "efficientnet_b0": (1.0, 1.0, 224),
     "efficientnet_b1": (1.0, 1.1, 240),
     "efficientnet_b2": (1.1, 1.2, 260),
     "efficientnet_b3": (1.2, 1.4, 300),
+    "efficientnet_b4": (1.4, 1.8, 380),
+    "efficientnet_b5": (1.6, 2.2, 456),
+    "efficientnet_b6": (1.8, 2.6, 528),
+    "efficientnet_b7": (2.0, 3.1, 600),
 }
 # MobileNetV3 presets: name -> (size "large" or "small", width multiplier), as timm.
 MOBILENETV3_ARCHS: dict[str, tuple] = {
     "mobilenetv3_large_100": ("large", 1.0),
     "mobilenetv3_large_075": ("large", 0.75),
-    "mobilenetv3_small_100": ("small", 1.0),
-    "mobilenetv3_small_075": ("small", 0.75),
     "mobilenetv3_small_050": ("small", 0.5),
+    "mobilenetv3_small_075": ("small", 0.75),
+    "mobilenetv3_small_100": ("small", 1.0),
 }
 CONVNET_KINDS: dict[str, dict] = {"resnet": RESNET_ARCHS, "convnext": CONVNEXT_ARCHS,
                                   "efficientnet": EFFICIENTNET_ARCHS, "mobilenetv3": MOBILENETV3_ARCHS}

@@ -49,8 +49,7 @@ def base_model(args) -> Path:
         folder = Path(args.out) / Path(args.trained).stem
         if not (folder / "tokenizer.json").is_file():
             model = zoo.from_pretrained(args.trained)
-            zoo.save_pretrained(model, folder)
-            load_tokenizer(model).backend.save(str(folder / "tokenizer.json"))
+            zoo.save_pretrained(model, folder, tokenizer=load_tokenizer(model))
         return folder
     if args.trained:
         return Path(args.trained)

@@ -109,6 +109,22 @@ def check_files(paths, source, key):
             raise fail(source, key, f"{f}: no such file")
 
 
+def tokenizer_folder(path, cache: Optional[str] = None) -> Path:
+    """The folder of a model's tokenizer files: the model folder itself, or for a GGUF file its tokenizer and
+    chat template written once into the cache as Hugging Face's files (tokenizer.json, tokenizer_config.json)."""
+    p = Path(path).expanduser()
+    if not (p.suffix == ".gguf" and p.is_file()):
+        return p
+    from zoo.weights.gguf_llm import load_tokenizer
+    out = cache_dir(cache) / f"gguf-tokenizer-{files_fingerprint([p])}"
+    if not (out / "tokenizer_config.json").is_file():
+        try:
+            load_tokenizer(p).save(out)
+        except (ValueError, OSError) as e:
+            raise DataError(str(e).splitlines()[0]) from None
+    return out
+
+
 def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
     """The tokenizer of a model folder: the first of `names` it holds, 'bytes', or None."""
     from zoo.weights import zoo_folder

@@ -19,7 +19,8 @@ import yaml
 
 from zoo.config import bounded, fail
 
-from . import ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file, model_tokenizer
+from . import (ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file,
+               model_tokenizer, tokenizer_folder)
 
 FORMATS = ("messages", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant")
@@ -382,8 +383,9 @@ class ChatTemplate:
 
 
 def find_template(folder) -> Optional[ChatTemplate]:
-    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja), or None."""
-    p = Path(folder)
+    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja) or GGUF
+    file (tokenizer_folder), or None."""
+    p = tokenizer_folder(folder)
     if not p.is_dir():
         return None
     has = (p / "chat_template.jinja").is_file() or (
@@ -479,31 +481,28 @@ def _sentencepiece_offsets(sp, text: str):
 
 
 def model_sources(path) -> list[Path]:
-    """Where a model's tokenizer and chat template are: the path itself (a folder or a .gguf file), then the
-    base it was fine-tuned from (an adapter run's train.init_from, an adapter folder's base model)."""
+    """Where a model's tokenizer and chat template are: the path itself (a folder, or a .gguf file's
+    tokenizer_folder), then the base it was fine-tuned from (an adapter run's train.init_from, an adapter
+    folder's base model)."""
     p = Path(path).expanduser()
     base = None
     if (p / "adapter_config.json").is_file():
         base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
     elif (p / "config.yaml").is_file():
         base = ((yaml.safe_load((p / "config.yaml").read_text()) or {}).get("train") or {}).get("init_from")
-    return [p] + (model_sources(base) if base and Path(base).expanduser().exists() else [])
+    return [tokenizer_folder(p)] + (model_sources(base) if base and Path(base).expanduser().exists() else [])
 
 
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
     """(tokenizer, chat template or None) of a model: a run folder (an adapter run's too), an adapter
     folder, a Hugging Face folder or a GGUF file, each its own or else its base's; `tokenizer` (a file
     or 'bytes') wins."""
-    from zoo.weights.gguf_llm import load_tokenizer
     tok = template = None
     for src in model_sources(path):
-        gguf = src.suffix == ".gguf" and src.is_file()
         if tok is None and tokenizer is None:
-            name = str(src) if gguf else model_tokenizer(src, ("tokenizer.json", "tokenizer.model"))
-            tok = (load_tokenizer(src) if gguf else load_tokenizer_file(name)) if name else None
-        if template is None:
-            template = find_template(src) if not gguf else (
-                ChatTemplate.from_pretrained(src) if getattr(load_tokenizer(src), "chat_template", None) else None)
+            name = model_tokenizer(src, ("tokenizer.json", "tokenizer.model"))
+            tok = load_tokenizer_file(name) if name else None
+        template = template or find_template(src)
     if tokenizer is not None:
         tok = load_tokenizer_file(tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
     if tok is None:

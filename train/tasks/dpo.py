@@ -104,7 +104,7 @@ class DPOTask(LMTask):
         elif t in BUILTIN:
             template = ChatTemplate.builtin(t)
         else:
-            template = ChatTemplate.from_pretrained(t) if t is not None else find_template(init)
+            template = ChatTemplate.from_pretrained(t) if t is not None else find_template(self._init_tokenizers())
         self.log(f"data: chat template: {template.name} (end of turn {template.end_of_turn!r})" if template else
                  "data: no chat template: prompt and response tokens concatenated")
         return template

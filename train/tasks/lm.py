@@ -15,10 +15,10 @@ from zoo.blocks import attention, attention_docs
 from zoo.blocks.attention_docs import document_positions
 from zoo.config import ConfigError
 from zoo.llm import Distill
-from zoo.weights import hf_llm, zoo_folder
+from zoo.weights import gguf_llm, hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
-from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer
+from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer, tokenizer_folder
 from ..eval import evaluate_files, metric_row
 from ..optim import micro_batches
 from . import Task
@@ -57,7 +57,7 @@ class LMTask(Task):
         init = self.cfg.train.init_from
         if init is None or self.cfg.data.tokenizer != "sentencepiece":
             return None
-        found = model_tokenizer(init, self.tokenizer_files)
+        found = model_tokenizer(self._init_tokenizers(), self.tokenizer_files)
         if found is None:
             raise ConfigError(f"{self.cfg.source}: train.init_from={init} has no {' or '.join(self.tokenizer_files)}; "
                               f"set data.tokenizer to a tokenizer file or 'bytes'")
@@ -98,10 +98,11 @@ class LMTask(Task):
             # the architecture comes from the checkpoint (how it runs comes from train:, train/builder.py)
             # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
             def load(path):
-                if not (hf_llm.detect(path) or zoo_folder.detect(path)):
+                if not (hf_llm.detect(path) or zoo_folder.detect(path) or gguf_llm.detect(path)):
                     raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "
-                                     f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)}) nor a Zoo LLM "
-                                     f"folder (config.yaml and model.safetensors, as train/run.py writes)")
+                                     f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)}), a Zoo LLM "
+                                     f"folder (config.yaml and model.safetensors, as train/run.py writes) "
+                                     f"nor a GGUF file")
                 return zoo.from_pretrained(path, dtype=torch.float32)
             model = self.load_pretrained(load)
         else:
@@ -349,14 +350,23 @@ class LMTask(Task):
         zoo_only = zoo_folder.exports(model)  # MoD / MoE routing bias: a Zoo folder, else Hugging Face's
         path = Path(out_dir) / ("zoo" if zoo_only else "hf")
         tok = getattr(self.data.tokenizer, "model_path", None)
-        if tok is not None and Path(tok).parent == Path(self.cfg.train.init_from) and not zoo_only:
-            tok = self.cfg.train.init_from  # the checkpoint's tokenizer files, config included
+        if tok is not None and Path(tok).parent == self._init_tokenizers() and not zoo_only:
+            tok = Path(tok).parent  # the checkpoint's tokenizer files, config included
         zoo.save_pretrained(model, path, tokenizer=tok if tok is not None or not zoo_only else "bytes")
         return str(path)
 
+    def _init_tokenizers(self) -> Optional[Path]:
+        """The folder of train.init_from's tokenizer files (a GGUF file's: written into the cache)."""
+        init = self.cfg.train.init_from
+        return tokenizer_folder(init, getattr(self.cfg.data, "cache_dir", None)) if init else None
+
     def save_files(self, out_dir):
-        """The tokenizer beside model.safetensors, so the run folder loads and fine-tunes on its own."""
+        """The tokenizer beside model.safetensors, so the run folder loads and fine-tunes on its own (with
+        the special tokens and chat template of train.init_from's tokenizer_config.json)."""
         tok = getattr(self.data.tokenizer, "model_path", None)
         if tok is not None:
             name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"
             atomic_write(Path(out_dir) / name, Path(tok).read_bytes())
+            config = Path(tok).with_name("tokenizer_config.json")
+            if Path(tok).parent == self._init_tokenizers() and config.is_file():
+                atomic_write(Path(out_dir) / config.name, config.read_bytes())

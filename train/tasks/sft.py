@@ -66,7 +66,8 @@ class SFTTask(LMTask):
         elif t is not None:
             template = ChatTemplate.from_pretrained(t)
         else:
-            template = (find_template(init) if init is not None else None) or ChatTemplate.builtin("chatml")
+            template = (find_template(self._init_tokenizers()) if init is not None else None) \
+                or ChatTemplate.builtin("chatml")
         self.log(f"data: chat template: {template.name} (end of turn {template.end_of_turn!r})")
         return template
 

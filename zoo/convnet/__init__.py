@@ -1,5 +1,5 @@
-"""The ConvNet family: ResNet, ConvNeXt (V1, V2), EfficientNet (B0-B3) and MobileNetV3 (small,
-large), one config (zoo/config.py's ConvNetConfig) whose `arch`, a timm name, picks the class.
+"""The ConvNet family: ResNet, ConvNeXt (V1, V2, atto to xxlarge), EfficientNet (B0-B7) and MobileNetV3
+(small, large), one config (zoo/config.py's ConvNetConfig) whose `arch`, a timm name, picks the class.
 
     model = zoo.build({"family": "convnet", "model": {"arch": "convnext_tiny", "num_classes": 10}})
     model = zoo.convnet.build(ConvNetConfig(arch="efficientnet_b0"))

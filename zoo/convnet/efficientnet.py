@@ -1,10 +1,10 @@
-"""EfficientNet-B0 to B3 built from zoo/blocks, and the stage builder MobileNetV3 shares.
+"""EfficientNet-B0 to B7 built from zoo/blocks, and the stage builder MobileNetV3 shares.
 
     image (B, C, H, W) -> conv_stem 3x3/2, BN, SiLU -> 7 stages of MBConv blocks with
     squeeze-excitation -> conv_head 1x1, BN, SiLU -> pool -> dropout -> classifier -> logits (B, num_classes)
 
 Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks"
-(2019). B1-B3 scale B0 (EFFICIENTNET_ARCHS). Parameter names are timm's.
+(2019). B1-B7 scale B0 (EFFICIENTNET_ARCHS). Parameter names are timm's.
 """
 from __future__ import annotations
 
@@ -127,6 +127,8 @@ class MobileNetBase(ConvNetBase):
     classifier_name = "classifier"
 
     def reset_parameters(self):
+        if self.conv_stem.weight.is_meta:  # built to be loaded or measured: nothing to draw
+            return
         init_mobile(self)
         if self.config.zero_init_last:
             self.zero_init_last_bn()

@@ -221,6 +221,20 @@ class GGUFTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def save(self, folder) -> Path:
+        """Write the tokenizer as a Hugging Face folder holds it: tokenizer.json, and tokenizer_config.json
+        with the special tokens and the chat template (what transformers' AutoTokenizer reads)."""
+        import json
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / "tokenizer.json", lambda tmp: self.backend.save(str(tmp)))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos,
+                  "add_eos_token": self.add_eos, **{k: v for k, v in self.special_tokens.items() if v is not None}}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        atomic_write(out / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        return out
+
 
 def load_tokenizer(source) -> GGUFTokenizer:
     """The tokenizer, chat template and special tokens of a GGUF file (see GGUFTokenizer). `source`:

@@ -551,7 +551,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
          dtype: Optional[torch.dtype] = None) -> Path:
     """Write `model` as a Hugging Face folder: config.json and model.safetensors, or shards of at
     most max_shard_size bytes plus model.safetensors.index.json; copy tokenizer.model (a file, or
-    a folder holding one) if given. Returns the folder."""
+    a folder holding one) or write a GGUFTokenizer if given. Returns the folder."""
     model = getattr(model, "_orig_mod", model)  # torch.compile'd
     cfg: LLMConfig = model.config
     out = Path(path)
@@ -599,7 +599,9 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
 
     hf = config_to_hf(cfg, arch, dtype, getattr(model, "hf_config", None))
     atomic_write(out / "config.json", json.dumps(hf, indent=2) + "\n")
-    if tokenizer is not None:
+    if hasattr(tokenizer, "save"):  # a GGUF file's (gguf_llm.load_tokenizer): written as tokenizer.json + config
+        tokenizer.save(out)
+    elif tokenizer is not None:
         _copy_tokenizer(Path(tokenizer), out)
     return out
 

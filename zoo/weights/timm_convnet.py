@@ -11,6 +11,7 @@ Zoo uses timm's parameter names; this module reads the file, infers the architec
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     if head in sd:
         cfg["num_classes"] = sd[head].shape[0]
     if kind in ("efficientnet", "mobilenetv3") and "arch" not in cfg:
-        cfg["arch"] = _matching_preset(sd, kind, {**cfg, **overrides}, source)
+        cfg.update(_matching_preset(sd, kind, {**cfg, **overrides}, source))
     cfg.update(overrides)
     return from_dict(ConvNetConfig, cfg, source, "")
 
@@ -143,17 +144,24 @@ def _resnet(sd, arch, source) -> dict:
 
 
 def _convnext(sd, arch, source) -> dict:
-    """Version 2 where the MLPs have a GRN; depths from the blocks per stage, width and stem from stem.0."""
+    """Version 2 where the MLPs have a GRN, MLP weights as 1x1 convs' (timm's small sizes), depths from the
+    blocks per stage, width and stem from stem.0: the preset so built, else one of its version and MLP
+    layout reshaped by `layers` and `width`."""
     stem_w = sd["stem.0.weight"]  # (width, in_chans, patch, patch)
     cfg = dict(stem="imagenet" if stem_w.shape[-1] == 4 else "small")
     if arch is not None:
         return {**cfg, "arch": arch}
     version = 2 if any(k.endswith(".mlp.grn.weight") for k in sd) else 1
+    conv_mlp = sd["stages.0.blocks.0.mlp.fc1.weight"].ndim == 4
     depths, width = _depths(sd, "stages.{}.blocks.", ".conv_dw.weight", start=0), stem_w.shape[0]
-    match = [n for n, a in CONVNEXT_ARCHS.items() if a == (version, depths, width)]
+    alike = [n for n, a in CONVNEXT_ARCHS.items() if (a[0], a[3]) == (version, conv_mlp)]
+    match = [n for n in alike if CONVNEXT_ARCHS[n][1:3] == (depths, width)]
     if match:
         return {**cfg, "arch": match[0]}
-    return {**cfg, "arch": "convnext_tiny" if version == 1 else "convnextv2_tiny", "layers": depths, "width": width}
+    if not alike:
+        raise ValueError(f"{source}: ConvNeXt V{version} weights{' with 1x1-conv MLPs' if conv_mlp else ''}: no "
+                         f"preset of that kind to reshape")
+    return {**cfg, "arch": alike[0], "layers": depths, "width": width}
 
 
 def _mobile(sd, arch, source) -> dict:
@@ -172,21 +180,46 @@ def _depths(sd, stage: str, block_key: str, start: int) -> list:
     return depths
 
 
-def _matching_preset(sd, kind: str, cfg: dict, source: str) -> str:
-    """The first preset of `kind` whose model (on the meta device) has every tensor of sd's shape."""
+def _matching_preset(sd, kind: str, cfg: dict, source: str) -> dict:
+    """The first of `kind`'s presets whose model (on the meta device) has every tensor of sd's shape, else
+    the multipliers that rebuild them on the preset of sd's stage count (_multipliers): {arch, ...}."""
     from ..convnet import build
     head = HEADS[kind] + "."
     shapes = {k: tuple(v.shape) for k, v in sd.items() if not k.startswith(head)}
-    for name in CONVNET_KINDS[kind]:
+    stages = _depths(sd, "blocks.{}.", ".bn1.weight", start=0)
+    presets = [{"arch": name} for name in CONVNET_KINDS[kind]]
+    for c in presets + _multipliers(sd, kind, stages):
         try:
             with torch.device("meta"):
-                own = build(from_dict(ConvNetConfig, {**cfg, "arch": name}, source, "")).state_dict()
+                own = build(from_dict(ConvNetConfig, {**cfg, **c}, source, "")).state_dict()
         except ConfigError:
             continue
         if {k: tuple(v.shape) for k, v in own.items() if not k.startswith(head)} == shapes:
-            return name
-    raise ValueError(f"{source}: {kind} weights that match no preset ({', '.join(CONVNET_KINDS[kind])}): pass "
-                     f"arch= and the model keys that reshape it (width_mult, depth_mult, stem)")
+            return c
+    raise ValueError(f"{source}: {kind} weights that match no preset ({', '.join(CONVNET_KINDS[kind])}) nor "
+                     f"one reshaped by width_mult / depth_mult: pass arch= and the model keys that reshape it")
+
+
+def _multipliers(sd, kind: str, stages: list) -> list:
+    """Candidate {arch, width_mult, depth_mult} for EfficientNet / MobileNetV3 weights of any size: the
+    preset of that many stages, each stage's output channels over the preset's as a width multiplier,
+    and the largest depth multiplier giving every stage its blocks (timm rounds a stage's blocks up; the
+    ratio is rounded down, so that blocks x ratio cannot round above the count)."""
+    from ..convnet.efficientnet import STAGES
+    from ..convnet.mobilenetv3 import STAGES as MOBILE
+    tables = {"efficientnet": {"efficientnet_b0": STAGES},
+              "mobilenetv3": {f"mobilenetv3_{size}_100": MOBILE[size] for size in MOBILE}}[kind]
+    found = []
+    for arch, table in tables.items():
+        if len(table) != len(stages):
+            continue
+        depth = math.floor(min(n / sum(b.repeats for b in stage) for n, stage in zip(stages, table)) * 1e4) / 1e4
+        for i, stage in enumerate(table):
+            last = f"blocks.{i}.{stages[i] - 1}."
+            out = next(sd[f"{last}{c}.weight"].shape[0] for c in ("conv_pwl", "conv_pw", "conv")
+                       if f"{last}{c}.weight" in sd)
+            found.append({"arch": arch, "width_mult": round(out / stage[-1].channels, 4), "depth_mult": depth})
+    return found
 
 
 def load_into(model, sd: dict, source: str = "<state dict>") -> None:
