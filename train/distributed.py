@@ -57,8 +57,9 @@ def unsupported(cfg) -> Optional[str]:
     """A one-line reason why this config cannot run with train.parallel (the key named), or None."""
     t, a = cfg.train, cfg.adapter
     optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
+    why = OPTIMIZERS[cfg.optim.name].why_not if cfg.optim.name in OPTIMIZERS else ""
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
-               f"with it, use one of {', '.join(optimizers)}"),
+               f"{why + '; ' if why else ''}with it, use one of {', '.join(optimizers)}"),
               (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),

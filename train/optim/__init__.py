@@ -131,22 +131,24 @@ def _adamw_offload(model, groups, cfg, device, log):
 class Optimizer:
     """An entry of the registry: its builder (model, parameter groups, optim config, device, log)
     -> torch optimizer, the package it needs (None: torch alone), and the train.parallel
-    strategies it has been run under (the others are refused in one line)."""
+    strategies it runs under (the others are refused in one line, with why_not)."""
     build: Callable
     package: Optional[str] = None
     parallel: tuple = ()
+    why_not: str = ""  # why the strategies left out cannot run it
 
 
 # optim.name -> its entry: the one list of optimizers (the config checks names against it)
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, parallel=("ddp", "fsdp")),
     "sgd": Optimizer(_sgd, parallel=("ddp", "fsdp")),
-    "adafactor": Optimizer(_adafactor, parallel=("ddp",)),
+    "adafactor": Optimizer(_adafactor, parallel=("ddp",), why_not="torch.optim.Adafactor updates its factored "
+                           "statistics in place, which FSDP2's sharded tensors refuse"),
     "lion": Optimizer(_lion, parallel=("ddp", "fsdp")),
-    "muon": Optimizer(_muon),
-    "adamw8bit": Optimizer(_adamw8bit, package="torchao"),
-    "adamw_offload": Optimizer(_adamw_offload),
-    "galore": Optimizer(_galore),
+    "muon": Optimizer(_muon, parallel=("ddp", "fsdp")),
+    "adamw8bit": Optimizer(_adamw8bit, package="torchao", parallel=("ddp", "fsdp")),
+    "adamw_offload": Optimizer(_adamw_offload, parallel=("ddp", "fsdp")),
+    "galore": Optimizer(_galore, parallel=("ddp", "fsdp")),
 }
 
 

@@ -17,6 +17,9 @@ class Chained:
     def __init__(self, optimizers: dict):
         self.optimizers = dict(optimizers)
 
+    def __iter__(self):  # torch.distributed.checkpoint reads several optimizers' state as one
+        return iter(self.optimizers.values())
+
     @property
     def param_groups(self) -> list[dict]:
         return [g for o in self.optimizers.values() for g in o.param_groups]
