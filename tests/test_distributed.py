@@ -219,18 +219,20 @@ def test_checkpoint_averaging_under_torchrun(llm_runs, tmp_path, strategy):
 
 def test_fsdp_checkpoint_of_two_processes_resumes_in_one(configs, llm_runs, tmp_path):
     """Resharding: the 2-process FSDP2 checkpoint of step 3 resumes in one process (batch_size 8:
-    the same global batch) and continues with the losses and weights of the 2-process run."""
+    the same global batch) and continues with the losses and weights of the 2-process run; its average
+    of the last 2 checkpoints (the 2-process step 3, its own step 6) equals the 2-process run's."""
     import shutil
     src = llm_runs / "fsdp" / "checkpoints" / "step_00000003"
     assert json.loads((src / "manifest.json").read_text())["format"] == "dcp"
     out = tmp_path / "resharded"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(src, out / "checkpoints" / src.name)
-    run(configs["llm"], out, "train.batch_size=8", nproc=0)
+    run(configs["llm"], out, "train.batch_size=8", "train.average_last=2", nproc=0)
     assert "written by 2 processes, resharded to 1" in (out / "log.txt").read_text()
     assert [s for s, _ in curve(out)] == [4, 5, 6]
     assert_same_losses(llm_runs / "fsdp", out, steps=[4, 5, 6])
     assert_close_weights(llm_runs / "fsdp", out)
+    assert_close_weights(llm_runs / "fsdp", out, "model_avg.safetensors")
 
 
 def test_resnet_sync_bn_matches_one_process(configs, tmp_path):
