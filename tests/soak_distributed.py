@@ -1,10 +1,10 @@
 """Soak test of clean exits under torchrun (not collected by pytest: run it by hand).
 
-    python tests/soak_distributed.py --launches 50 [--strategies ddp fsdp] [--keep DIR]
+    python tests/soak_distributed.py --launches 50 [--strategies ddp fsdp lora-fsdp] [--keep DIR]
 
 Launches the 2-process run of tests/test_distributed.py (its small LLM config: 6 steps, gloo,
-CPU, one thread per process) `--launches` times per strategy, one launch after the other, each
-into a fresh out_dir, and prints for each strategy how many launches exited with code 0 (and the
+CPU, one thread per process; `lora-fsdp`: with a LoRA adapter under FSDP2) `--launches` times per
+strategy, one launch after the other, each into a fresh out_dir, and prints for each strategy how many launches exited with code 0 (and the
 last lines of stderr of every launch that did not). A finished run must exit 0 every time: a
 rank that aborts after writing its weights (e.g. `terminate called without an active exception`)
 fails the job. Exit code: 0 when every launch exited 0, 1 otherwise.
@@ -41,7 +41,8 @@ def write_config(d: Path) -> Path:
 def launch(cfg: Path, out: Path, strategy: str, timeout: float) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(RUN_PY),
-           str(cfg), f"train.out_dir={out}", f"train.parallel={strategy}"]
+           str(cfg), f"train.out_dir={out}", f"train.parallel={strategy.split('-')[-1]}",
+           *(["adapter.method=lora"] if strategy.startswith("lora") else [])]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            timeout=timeout)
@@ -53,7 +54,7 @@ def launch(cfg: Path, out: Path, strategy: str, timeout: float) -> tuple[int, st
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--launches", type=int, default=50, help="launches per strategy")
-    ap.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
+    ap.add_argument("--strategies", nargs="+", default=["ddp", "fsdp", "lora-fsdp"], choices=["ddp", "fsdp", "lora-fsdp"])
     ap.add_argument("--timeout", type=float, default=300, help="seconds one launch may take")
     ap.add_argument("--keep", type=Path, help="keep the out_dirs of failed launches under this folder")
     a = ap.parse_args(argv)
