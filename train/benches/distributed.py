@@ -2,6 +2,7 @@
 
     python train/bench.py distributed                  # a 100M-parameter LLM, AdamW, 3 rounds
     python train/bench.py distributed --steps 3 --rounds 2 --nproc 2
+    python train/bench.py distributed --tune full,lora,qlora --smollm   # fine-tuning the SmolLM-135M shape
 
 One global batch per step split over the ranks; each side one launch (gloo), the same cores for
 every side. Memory per rank: parameters, gradients, optimizer state, peak RSS.
@@ -48,6 +49,10 @@ def worker(args, strategy: str) -> dict:
     try:
         torch.manual_seed(0)
         model = zoo.build(harness.llm_config(args))
+        if args.worker_tune != "full":
+            from zoo.adapters import AdapterConfig, apply_adapters
+            apply_adapters(model, AdapterConfig(method="lora", quantize_base="nf4" if args.worker_tune == "qlora"
+                                                else "none"))
         model, fwd = par.wrap(model, precision, False, False, device, lambda m: None)
         fwd = fwd or model
         optimizer = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None)
@@ -66,6 +71,7 @@ def worker(args, strategy: str) -> dict:
                                   no_sync=(lambda last: par.no_sync(fwd, last)) if par.active else None,
                                   agree=(lambda st: par.agree(st, False)[0]) if par.active else None)
 
+        planned = planned_per_rank(args, strategy, par.world) if par.main else None
         for s in range(warmup):
             step(s)
         par.barrier()
@@ -76,7 +82,7 @@ def worker(args, strategy: str) -> dict:
         dt = (time.perf_counter() - t0) / steps
         state = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        mine = {"params": sum(_local_bytes(p) for p in model.parameters()), "grads": grads[-1],
+        mine = {"params": sum(_local_bytes(p) for p in model.parameters()), "grads": grads[-1], "planned": planned,
                 "optim": state, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_s": dt,
                 "n_params": sum(p.numel() for p in model.parameters()) if not par.active or strategy == "ddp"
                 else None}
@@ -85,11 +91,28 @@ def worker(args, strategy: str) -> dict:
         par.close()
 
 
+def planned_per_rank(args, strategy: str, world: int) -> int:
+    """train/plan.py's peak per rank for the same step (model, adapter, AdamW, this rank's batch)."""
+    from train.config import load_run_config
+    from train.plan import plan
+    c = harness.llm_config(args)
+    over = [f"model.{k}={v}" for k, v in (("vocab_size", c.vocab_size), ("d_model", c.d_model), ("n_layers", c.n_layers),
+                                          ("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads),
+                                          ("max_seq_len", args.seq))]
+    over += [f"data.seq_len={args.seq}", f"train.batch_size={args.batch // world}", "optim.lr=1e-4",
+             f"train.precision={args.precision[0]}", "data.tokenizer=bytes"]
+    if args.worker_tune != "full":
+        over += ["adapter.method=lora", f"adapter.quantize_base={'nf4' if args.worker_tune == 'qlora' else 'none'}"]
+    cfg = load_run_config(None, over, base={"family": "llm"})
+    return plan(cfg, devices=world, sharding="fsdp2" if strategy == "fsdp" else "ddp").peak_bytes
+
+
 def launch(side: str, args, precision: str) -> dict:
     """Run one side in fresh processes; the JSON rank 0 prints."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": str(args.nproc) if side == "1 process" else "1"}
-    flags = [*args.argv, "--worker", "none" if side == "1 process" else side, "--precision", precision]
+    flags = [*args.argv, "--worker", "none" if side == "1 process" else side, "--precision", precision,
+             "--worker-tune", args.worker_tune]
     run = [] if side == "1 process" else ["-m", "torch.distributed.run", "--standalone",
                                           f"--nproc-per-node={args.nproc}"]
     res = subprocess.run([sys.executable, *run, __file__, *flags], env=env, cwd=ROOT, capture_output=True, text=True)
@@ -100,7 +123,7 @@ def launch(side: str, args, precision: str) -> dict:
 
 
 def table(args, precision: str) -> tuple[dict, dict]:
-    """Every side, round by round, then the table for one precision."""
+    """Every side, round by round, then the table for one precision and way of training (--tune)."""
     rounds, results = harness.Rounds({s: [] for s in SIDES}, {s: [] for s in SIDES}), {}
     for r, side in harness.schedule(SIDES, args.rounds):
         results[side] = launch(side, args, precision)
@@ -115,13 +138,14 @@ def table(args, precision: str) -> tuple[dict, dict]:
         rows.append([side, len(ranks), *(f"{worst[k] / 2**20:.0f}" for k in ("params", "grads", "optim")),
                      f"{total / 2**20:.0f}",
                      f"{total / n:.1f}", " / ".join(f"{rk['rss'] / 2**30:.2f}" for rk in ranks),
-                     f"{rounds.median(side):.2f}",
+                     f"{ranks[0]['planned'] / 2**30:.2f}", f"{rounds.median(side):.2f}",
                      "1.00x" if side == "1 process" else str(rounds.paired(side, "1 process"))])
+    how = {"full": "full training", "lora": "LoRA", "qlora": "QLoRA (NF4 base)"}[args.worker_tune]
     return harness.table(["side", "processes", "params MiB/rank", "grads MiB/rank", "optimizer MiB/rank",
                           "P+G+O MiB/rank",
-                          "bytes/param/rank", "peak RSS GiB per rank", "s/step (median)",
+                          "bytes/param/rank", "peak RSS GiB per rank", "planned peak GiB/rank", "s/step (median)",
                           "speed vs 1 process (paired median, range)"], rows,
-                         f"{n / 1e6:.1f}M-parameter LLM, AdamW, global batch {args.batch} x {args.seq} tokens, "
+                         f"{n / 1e6:.1f}M-parameter LLM, {how}, AdamW, global batch {args.batch} x {args.seq} tokens, "
                          f"{args.nproc} processes (gloo, CPU), {args.rounds} rounds of {args.steps} steps after "
                          f"{args.warmup}"), results
 
@@ -133,8 +157,14 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=harness.positive_int, default=2, help="processes of the DDP and FSDP2 sides")
     p.add_argument("--steps", type=harness.positive_int, default=2, help="timed optimizer steps per launch")
     p.add_argument("--warmup", type=harness.positive_int, default=1, help="untimed steps first")
+    p.add_argument("--tune", type=harness.name_list(("full", "lora", "qlora"), "way of training"), default="full",
+                   help="comma list: full training, LoRA, QLoRA (one table each)")
+    p.add_argument("--smollm", action="store_true", help="the SmolLM-135M shape (configs/llm/smollm-135m.yaml)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-tune", default="full", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smollm:
+        args.d_model, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab = 576, 30, 9, 3, 49152
     if args.worker is not None:
         out = worker(args, args.worker)
         if int(os.environ.get("RANK", 0)) == 0:
@@ -144,8 +174,11 @@ def main(argv=None) -> int:
         p.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
     if "fp16" in args.precision:
         p.error("--precision fp16: FSDP2 does not run with fp16's GradScaler here (train.parallel); use fp32 or bf16")
-    got = {prec: table(args, prec) for prec in args.precision}
-    harness.save(args, {prec: t for prec, (t, _) in got.items()}, {prec: d for prec, (_, d) in got.items()})
+    got = {}
+    for tune in args.tune:
+        args.worker_tune = tune
+        got.update({(prec if args.tune == ["full"] else f"{tune} {prec}"): table(args, prec) for prec in args.precision})
+    harness.save(args, {k: t for k, (t, _) in got.items()}, {k: d for k, (_, d) in got.items()})
     return 0
 
 
