@@ -290,6 +290,33 @@ def test_adapters_under_two_processes_match_one(configs, tmp_path, method, strat
         assert_close_weights(par / "adapter", out / "adapter", files[0])
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_post_training_under_two_processes_matches_one(configs, tmp_path, task, strategy):
+    """Chat SFT (the assistant's tokens only: each rank's loss is its share of the global micro-batch's
+    mean, as their numbers of targets differ) and DPO with LoRA (the reference: the base with adapters
+    off) under DDP and FSDP2: the losses and the trained weights of one process with the same global batch."""
+    if task == "sft":
+        over = ["data.format=messages", "data.path=synthetic", "data.synthetic_rows=200", "data.seq_len=128",
+                "model.max_seq_len=128", "data.eval_generate=0"]
+    else:
+        import random
+        rng, pairs = random.Random(0), tmp_path / "pairs.jsonl"
+        words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6))) for _ in range(100)]
+        pairs.write_text("".join(json.dumps({"prompt": w + "=", "chosen": w.upper(), "rejected": w}) + "\n"
+                                 for w in words))
+        over = ["data.format=preference", f"data.path={pairs}", "data.seq_len=24", "data.val_fraction=0.2",
+                "adapter.method=lora"]
+    one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", *over, nproc=0)
+    par = run(configs["llm"], tmp_path / strategy, f"train.parallel={strategy}", *over)
+    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
+    assert_same_losses(tmp_path / "one", par)
+    if task == "sft":
+        assert_close_weights(tmp_path / "one", par)
+    else:
+        assert_close_weights(tmp_path / "one" / "adapter", par / "adapter", "adapter_model.safetensors")
+
+
 # optim.name -> (losses' rel, weights' abs tolerance) against one process: where an optimizer rounds what it
 # is given (Muon orthogonalises in bf16, 8-bit AdamW quantises its states per block of the shard, GaLore
 # projects on a few singular vectors), the round-off of 2 ranks' gradient sums grows to its own size

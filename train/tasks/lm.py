@@ -27,6 +27,7 @@ from . import Task
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
+    masked_targets = False  # targets -100 where no loss is taken (chat SFT: all but the assistant's tokens)
     formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
                "preference": "train.tasks.dpo:DPOTask"}  # data.format -> chat SFT, or DPO / SimPO
     tokenizer_files = ("tokenizer.model", "tokenizer.json")  # a checkpoint's tokenizer, in order of preference
@@ -199,10 +200,18 @@ class LMTask(Task):
             kw["distill"] = Distill(hidden, self.teacher.lm_head.weight, t.kd_alpha, t.kd_temperature)
         if self.moe is None and not self.mod:
             _, loss = model(x, y, **kw)
-            return loss, y.numel()
+            return self._global_mean(loss, y), y.numel()
         _, loss, aux = model(x, y, return_aux=True, **kw)
         self._accumulate(loss, aux, y.numel())
-        return loss + aux["aux_loss"], y.numel()
+        return self._global_mean(loss, y) + aux["aux_loss"], y.numel()
+
+    def _global_mean(self, loss, y):
+        """A rank's mean over its targets -> its share of the mean over the global micro-batch's targets, so
+        that the ranks' average is one process's loss when masked targets (chat SFT) differ from rank to rank."""
+        if self.world == 1 or not self.masked_targets:
+            return loss
+        n = (y != -100).sum().float()
+        return loss * n * self.world / self.sum_across_ranks(n.clone()).clamp(min=1)
 
     def step_hook(self, model):
         """MoE bias balancing and MoD thresholds: after every optimizer step, from what the step's

@@ -25,6 +25,7 @@ from .lm import LMTask
 
 
 class SFTTask(LMTask):
+    masked_targets = True
     DataConfig = ChatDataConfig
     tokenizer_files = ("tokenizer.json", "tokenizer.model")
 
