@@ -1,0 +1,123 @@
+"""Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py): Qwen3, SmolLM3,
+OLMo 2, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), each at two small shapes, the second with its
+features at non-default values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads,
+MQA, partial rotary, LongRoPE / YaRN / linear scaling, NoPE layers).
+
+Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
+transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
+KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / rope_local_base_freq /
+partial_rotary_factor at the top level, torch_dtype); Zoo's export loads back in transformers as the same
+class with the same logits.
+"""
+import json
+
+import pytest
+import torch
+from test_hf_llm import assert_same_generation, assert_same_logits, randomize
+
+import zoo
+
+import transformers
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+YARN = {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+CASES = {
+    "qwen3": ("Qwen3", dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3-mqa-window-bias-yarn": ("Qwen3", dict(num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                                                 max_window_layers=2, attention_bias=True, rope_parameters=YARN)),
+    "smollm3": ("SmolLM3", dict(tie_word_embeddings=True)),
+    "smollm3-nope-window-mqa": ("SmolLM3", dict(num_key_value_heads=1, no_rope_layers=[1, 0, 0, 1], head_dim=24,
+                                                use_sliding_window=True, sliding_window=8)),
+    "olmo2": ("Olmo2", dict()),
+    "olmo2-mqa-head-dim-linear": ("Olmo2", dict(num_key_value_heads=1, head_dim=24, rope_parameters={
+        "rope_type": "linear", "rope_theta": 5e4, "factor": 2.0})),
+    "phi3-window": ("Phi3", dict(sliding_window=8)),
+    "phi4mini-partial-longrope": ("Phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                               num_key_value_heads=1, rope_parameters=LONGROPE)),
+    "gemma2": ("Gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8)),
+    "gemma2-softcaps-scalar-mqa": ("Gemma2", dict(head_dim=24, num_key_value_heads=1, query_pre_attn_scalar=10,
+                                                  attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                                  sliding_window=6)),
+    "gemma3": ("Gemma3Text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                  layer_types=[SLIDING, SLIDING, FULL, SLIDING])),
+    "gemma3-scaled-global-softcaps-mqa": ("Gemma3Text", dict(
+        head_dim=24, num_key_value_heads=1, query_pre_attn_scalar=20, sliding_window=6, final_logit_softcapping=4.0,
+        attn_logit_softcapping=3.0, layer_types=[SLIDING, FULL, SLIDING, FULL], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+}
+
+
+def hf_model(kind, **kw):
+    cfg = getattr(transformers, kind + "Config")(**{**SMALL, **kw})
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None  # generate() must never stop early
+    model_cls = getattr(transformers, kind.removesuffix("Text") + "ForCausalLM")
+    return randomize(model_cls(cfg)).eval()
+
+
+def to_4x(cfg: dict) -> dict:
+    """A 5.x config.json rewritten in transformers 4.x's dialect."""
+    cfg = dict(cfg)
+    params = cfg.pop("rope_parameters")
+    if "full_attention" in params:
+        cfg["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        params = params["full_attention"]
+    params = dict(params)
+    cfg["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params:
+        cfg["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    if params.get("rope_type", "default") != "default":
+        params["type"] = params.pop("rope_type")
+        cfg["rope_scaling"] = params
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parity_dialects_and_export(tmp_path, case):
+    kind, kw = CASES[case]
+    hf = hf_model(kind, **kw)
+    hf.save_pretrained(tmp_path / "in")
+    arch = type(hf).__name__
+    z = zoo.from_pretrained(tmp_path / "in")
+    assert z.hf_architecture == arch
+    if "sliding_window" in kw:  # the window is shorter than the 48 tokens compared: it shows
+        assert z.config.sliding_window == kw["sliding_window"]
+    assert_same_logits(hf, z)
+    assert_same_generation(hf, z)
+
+    old = tmp_path / "4x"
+    old.mkdir()
+    (old / "model.safetensors").symlink_to(tmp_path / "in" / "model.safetensors")
+    (old / "config.json").write_text(json.dumps(to_4x(json.loads((tmp_path / "in" / "config.json").read_text()))))
+    assert "rope_parameters" not in json.loads((old / "config.json").read_text())
+    assert_same_logits(hf, zoo.from_pretrained(old))
+
+    zoo.save_pretrained(z, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == arch
+    assert_same_logits(back, z)
+
+
+def test_features_refused_together(tmp_path):
+    """A model whose ideas no single Hugging Face class holds is refused on export, in one line."""
+    from zoo.weights import hf_llm
+    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, norm_placement="post", attn_softcap=5.0))
+    with pytest.raises(ValueError, match="no Hugging Face architecture here holds .*attn_softcap.*post_norm"):
+        hf_llm.save(z, tmp_path)
+
+
+def test_final_softcap_caps_and_chunked_loss_refuses():
+    z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
+    x = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        assert z(x).abs().max() <= 0.5
+    with pytest.raises(ValueError, match="final_softcap"):
+        z(x, targets=x)
+    z.chunked_loss = False
+    assert z(x, targets=x)[1] > 0
