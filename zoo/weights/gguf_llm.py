@@ -6,7 +6,7 @@
 
 The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping
 (the metadata as a config.json dict, llama.cpp's interleaved q/k rows un-permuted to rotate-half).
-Architectures `llama` and `qwen2`; the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything
+Architectures `ARCHITECTURES` (in: all; out: `llama`, `qwen2`); the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything
 else is refused in one line naming the file (docs/pretrained.md, "GGUF files").
 """
 from __future__ import annotations
@@ -20,7 +20,9 @@ from ..config import ConfigError, LLMConfig
 from .files import atomic_write
 from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, key_map, mismatches
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF name -> Hugging Face class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM"}  # GGUF name -> Hugging Face class
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
@@ -80,14 +82,11 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
         raise ConfigError(f"{source}: RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are "
                           f"not supported")
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
+    if scaling not in ("none", "linear") and not (arch == "phi3" and "rope_factors_long.weight" in tensor_names):
         raise ConfigError(f"{source}: {arch}.rope.scaling.type='{scaling}' is not supported (none, linear)")
     n_heads, d = get("attention.head_count"), get("embedding_length")
     head_dim = get("attention.key_length") or (get("rope.dimension_count") if arch == "llama" else None)
     rot = get("rope.dimension_count")
-    if head_dim is not None and rot is not None and rot != head_dim:
-        raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
-                          f"RoPE is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     hf = {"architectures": [ARCHITECTURES[arch]], "hidden_size": d, "num_attention_heads": n_heads,
           "num_hidden_layers": get("block_count"), "intermediate_size": get("feed_forward_length"),
@@ -98,8 +97,23 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
           "rope_theta": get("rope.freq_base", 10000.0), "tie_word_embeddings": "output.weight" not in tensor_names}
     if head_dim is not None:
         hf["head_dim"] = head_dim
+    if get("attention.sliding_window"):
+        hf.update(sliding_window=get("attention.sliding_window"), use_sliding_window=True)
+    if rot is not None and rot != (head_dim or d // n_heads):
+        if arch != "phi3":
+            raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
+                              f"RoPE is not supported for {arch}")
+        hf["partial_rotary_factor"] = rot / (head_dim or d // n_heads)
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
+    if arch == "phi3" and "rope_factors_long.weight" in tensor_names:  # LongRoPE: the factors are tensors
+        factors = {k: [float(v) for v in tensor_names[f"rope_factors_{k}.weight"].data] for k in ("short", "long")}
+        hf.update(original_max_position_embeddings=get("rope.scaling.original_context_length"),
+                  rope_scaling={"rope_type": "longrope", "short_factor": factors["short"],
+                                "long_factor": factors["long"], "attention_factor": get("rope.scaling.attn_factor")})
+    if arch == "gemma3":  # llama.cpp's rules: local layers at base 10000, scores by the head size (27B: d / heads)
+        hf.update(sliding_window_pattern=get("attention.sliding_window_pattern", 6), rope_local_base_freq=10000.0,
+                  query_pre_attn_scalar=d // n_heads if get("block_count") == 62 else head_dim)
     missing = [k for k, v in hf.items() if v is None]
     if missing:
         raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
@@ -109,8 +123,8 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
 def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple[str, tuple]]]:
     """key_map with GGUF tensor names: Zoo name -> [(GGUF name, (rows, cols)), ...]."""
     gguf = _gguf()
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "LlamaForCausalLM" else gguf.MODEL_ARCH.QWEN2,
-                                     cfg.n_layers)
+    name = {v: k for k, v in ARCHITECTURES.items()}[arch]
+    table = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, name.upper()), cfg.n_layers)
     return {zoo: [(table.get_name(hf, try_suffixes=(".weight", ".bias")), shape) for hf, shape in parts]
             for zoo, parts in key_map(cfg, arch).items()}
 
@@ -155,7 +169,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     kmap = gguf_names(cfg, arch)
     expected = {name: shape for parts in kmap.values() for name, shape in parts}
     found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
-    problems = mismatches(found, expected)
+    problems = mismatches(found, expected, lambda n: n.startswith("rope_factors_"))
     if problems:
         raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
                          f"{cfg.n_layers} layers): {problems}")
@@ -319,9 +333,9 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     cfg: LLMConfig = model.config
     kind = _write_type(dtype)
     arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
-    if arch not in ARCHITECTURES.values():
-        raise ValueError(f"{out}: no GGUF architecture here holds this model ({arch}; supported: "
-                         f"{', '.join(ARCHITECTURES.values())})")
+    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        raise ValueError(f"{out}: no GGUF architecture here writes this model ({arch}; supported: "
+                         f"LlamaForCausalLM, Qwen2ForCausalLM)")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type != "linear":
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear only)")
     name = {v: k for k, v in ARCHITECTURES.items()}[arch]

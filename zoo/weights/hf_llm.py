@@ -250,7 +250,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     if missing:
         raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
     defaults = _DEFAULTS[arch]
-    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    gemma = arch in GEMMA
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
     acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
     if act not in acts:
         raise ConfigError(f"{source}: hidden_act '{act}' is not supported (silu, gelu_pytorch_tanh)")
@@ -265,7 +266,6 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     head_dim = hf.get("head_dim", defaults.get("head_dim")) or d // n_heads
     kv = hf.get("num_key_value_heads", defaults["num_key_value_heads"]) or n_heads
     window, pattern = _window(hf, arch, n_layers)
-    gemma = arch in GEMMA
     data = dict(
         vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=kv, head_dim=head_dim if head_dim * n_heads != d else None,
@@ -401,6 +401,8 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         hf.update(attention_bias=cfg.attn_out_bias, mlp_bias=False)
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         hf["sliding_window"] = cfg.sliding_window
+    if arch == "Phi3ForCausalLM" and cfg.rope_scaling is not None:  # Phi-3 reads it at the top level
+        hf["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     elif arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
         hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, max_window_layers=n, layer_types=types)
     elif arch == "Qwen3MoeForCausalLM":  # one window on every layer
