@@ -122,3 +122,23 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
         z(x, targets=x)
     z.chunked_loss = False
     assert z(x, targets=x)[1] > 0
+
+
+PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
+           "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM"}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_is_its_architecture(preset):
+    """Each family's preset, built on the meta device, exports as its Hugging Face class, and transformers'
+    model of that config.json holds exactly as many parameters."""
+    from zoo.weights import hf_llm
+    with torch.device("meta"):
+        z = zoo.build(f"configs/llm/{preset}.yaml")
+        arch = hf_llm.architecture_for(z.config)
+        assert arch == PRESETS[preset]
+        hf_cfg = hf_llm.config_to_hf(z.config, arch, torch.bfloat16)
+        conf = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+        hf = transformers.AutoModelForCausalLM.from_config(conf)
+    assert type(hf).__name__ == arch
+    assert sum(p.numel() for p in hf.parameters()) == z.num_params()
