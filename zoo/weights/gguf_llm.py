@@ -23,6 +23,7 @@ from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM"}  # GGUF name -> Hugging Face class
+WRITES = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # the architectures `save` writes
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
@@ -333,9 +334,9 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     cfg: LLMConfig = model.config
     kind = _write_type(dtype)
     arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
-    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    if arch not in WRITES:
         raise ValueError(f"{out}: no GGUF architecture here writes this model ({arch}; supported: "
-                         f"LlamaForCausalLM, Qwen2ForCausalLM)")
+                         f"{', '.join(WRITES)})")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type != "linear":
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear only)")
     name = {v: k for k, v in ARCHITECTURES.items()}[arch]

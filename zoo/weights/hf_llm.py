@@ -40,9 +40,11 @@ DENSE = {
     "Gemma3ForCausalLM": ("gemma3_text", {"sandwich_norm", "gelu_tanh", "embed_scale", "qk_norm"},
                           {"query_scalar", "final_softcap", "window", "pattern", "rope_local"} | ROPES),
 }
+MOE = {"MixtralForCausalLM": ("mixtral", {"moe"}, {"window"} | ROPES),  # which one: _moe_architecture_for
+       "Qwen2MoeForCausalLM": ("qwen2_moe", {"moe"}, {"qkv_bias", "window", "pattern"} | ROPES),
+       "Qwen3MoeForCausalLM": ("qwen3_moe", {"moe", "qk_norm"}, {"window"} | ROPES)}
 ARCHITECTURES = tuple(DENSE) + MOE_ARCHITECTURES
-MODEL_TYPES = {**{t: a for a, (t, _, _) in DENSE.items()},
-               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {t: a for a, (t, _, _) in {**DENSE, **MOE}.items()}
 _GEMMA_PERIOD = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}  # every Nth layer global (sliding_window_pattern)
 
 # transformers' defaults for keys a config.json may leave out (they differ per architecture)
@@ -340,7 +342,7 @@ def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
         raise ValueError(f"model.mod_capacity={cfg.mod_capacity}: Mixture-of-Depths routers have no place in a "
                          f"Hugging Face checkpoint")
     if cfg.moe is not None:
-        extra = have - {"moe", "qk_norm", "qkv_bias", "window", "pattern"} - ROPES
+        extra = have - set().union(*(need | may for _, need, may in MOE.values()))
         if extra:
             raise ValueError(f"a MoE model with {', '.join(sorted(extra))} fits no Hugging Face MoE architecture here")
         return _moe_architecture_for(cfg, remembered)
