@@ -140,6 +140,8 @@ SMOKE = {
         loop = MoE(8, 12, n_experts=4, top_k=2, n_shared=1, shared_gate=True, dispatch="loop")
         loop.load_state_dict(m.state_dict())
         assert (loop(x)[0] - y).abs().max() < 1e-5
+        gpt = MoE(8, 12, n_experts=4, top_k=2, bias=True, swiglu_limit=0.5)  # GPT-OSS: biases, clamped SwiGLU
+        assert gpt.router.bias is not None and gpt.gate_up_bias.shape == (4, 24) and gpt(x)[0].shape == x.shape
     """,
     "mod.py": """
         from mod import MixtureOfDepths

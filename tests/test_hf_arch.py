@@ -51,12 +51,18 @@ CASES = {
         attn_logit_softcapping=3.0, layer_types=[SLIDING, FULL, SLIDING, FULL], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    "gpt-oss": ("GptOss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                               swiglu_limit=0.3, rope_parameters=dict(YARN, truncate=False))),
+    "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
+                                                     num_key_value_heads=1, sliding_window=6, layer_types=[SLIDING] * 4,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
 }
 
 
 def hf_model(kind, **kw):
     cfg = getattr(transformers, kind + "Config")(**{**SMALL, **kw})
     cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None  # generate() must never stop early
+    cfg._experts_implementation = "eager"
     model_cls = getattr(transformers, kind.removesuffix("Text") + "ForCausalLM")
     return randomize(model_cls(cfg)).eval()
 
@@ -125,7 +131,8 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
 
 
 PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
-           "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM"}
+           "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
+           "gpt-oss-20b": "GptOssForCausalLM"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -344,6 +344,9 @@ class MoEConfig:
                                             # most ceil(factor * tokens * top_k / n_experts) choices, the rest dropped
     router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer's input by U(1 - j, 1 + j) noise
                                             # (Mixtral's `router_jitter_noise`)
+    bias: bool = False                      # biases on the router and the experts (GPT-OSS)
+    swiglu_limit: Optional[float] = bounded(None, gt=0)  # clamped SwiGLU experts (GPT-OSS): gate <= L, up in [-L,
+                                            # L], gate * sigmoid(1.702 gate) * (up + 1); null = plain SwiGLU
     dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
                                             # matmul per expert), `auto` (grouped where the device and dtype allow)
 

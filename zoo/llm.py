@@ -41,7 +41,7 @@ def moe_block(cfg: LLMConfig) -> MoE:
     m = cfg.moe
     return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
                m.n_shared, m.shared_hidden, m.shared_gate, m.capacity_factor, m.balance == "bias",
-               m.router_jitter, m.dispatch)
+               m.router_jitter, m.dispatch, m.bias, m.swiglu_limit)
 
 
 class Block(nn.Module):

@@ -22,7 +22,7 @@ import torch
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import FILE_DTYPES, atomic_write, read_safetensors_header, save_safetensors
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ROPES = {"rope_linear", "rope_llama3", "rope_yarn"}
 # Hugging Face class -> (model_type, the Zoo features (`features`) it needs, those it may have): what
@@ -42,10 +42,12 @@ DENSE = {
 }
 MOE = {"MixtralForCausalLM": ("mixtral", {"moe"}, {"window"} | ROPES),  # which one: _moe_architecture_for
        "Qwen2MoeForCausalLM": ("qwen2_moe", {"moe"}, {"qkv_bias", "window", "pattern"} | ROPES),
-       "Qwen3MoeForCausalLM": ("qwen3_moe", {"moe", "qk_norm"}, {"window"} | ROPES)}
+       "Qwen3MoeForCausalLM": ("qwen3_moe", {"moe", "qk_norm"}, {"window"} | ROPES),
+       "GptOssForCausalLM": ("gpt_oss", {"moe", "moe_bias", "clamped_swiglu", "sinks", "attn_bias"},
+                             {"window", "pattern"} | ROPES)}
 ARCHITECTURES = tuple(DENSE) + MOE_ARCHITECTURES
 MODEL_TYPES = {t: a for a, (t, _, _) in {**DENSE, **MOE}.items()}
-_GEMMA_PERIOD = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}  # every Nth layer global (sliding_window_pattern)
+_PERIOD = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}  # every Nth layer global
 
 # transformers' defaults for keys a config.json may leave out (they differ per architecture)
 _DEFAULTS = {
@@ -75,6 +77,9 @@ _DEFAULTS = {
                             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                             "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
 }
+_DEFAULTS["GptOssForCausalLM"] = {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 128,
+                                  "head_dim": 64, "rope_theta": 150000.0, "num_local_experts": 128,
+                                  "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "swiglu_limit": 7.0}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -179,13 +184,13 @@ def _window(hf: dict, arch: str, n_layers: int) -> tuple[Optional[int], list]:
     """(sliding_window, attn_pattern). Mistral, Mixtral, Phi-3: `sliding_window` on every layer (null = none);
     Qwen2/3 (-MoE), SmolLM3: only with use_sliding_window, on the layers `layer_types` marks (defaults: Qwen2,
     Qwen3 those >= max_window_layers; Qwen2-MoE the even ones below it; Qwen3-MoE all; SmolLM3 the NoPE ones);
-    Gemma: `layer_types`, or every sliding_window_pattern-th layer global."""
+    Gemma, GPT-OSS: `layer_types`, or every sliding_window_pattern-th layer global."""
     defaults = _DEFAULTS[arch]
     window = hf.get("sliding_window", defaults.get("sliding_window"))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") or window is None:
         return window, []
-    if arch in GEMMA:
-        period = hf.get("sliding_window_pattern", _GEMMA_PERIOD[arch])
+    if arch in _PERIOD:
+        period = hf.get("sliding_window_pattern", _PERIOD[arch])
         default_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers)]
     elif arch in ("LlamaForCausalLM", "Olmo2ForCausalLM") or not hf.get("use_sliding_window", False):
         return None, []
@@ -220,7 +225,7 @@ def _moe_from_hf(hf: dict, arch: str, n_layers: int, source: str) -> dict:
                 return hf[k]
         return defaults[key]
 
-    n_experts = get("num_local_experts", "num_experts") if arch == "MixtralForCausalLM" \
+    n_experts = get("num_local_experts", "num_experts") if arch in ("MixtralForCausalLM", "GptOssForCausalLM") \
         else get("num_experts", "num_local_experts")
     if not isinstance(n_experts, int) or n_experts <= 0:
         raise ConfigError(f"{source}: num_experts={n_experts!r} is not supported (a MoE model needs experts)")
@@ -231,6 +236,12 @@ def _moe_from_hf(hf: dict, arch: str, n_layers: int, source: str) -> dict:
     if arch == "MixtralForCausalLM":
         moe.update(norm_topk_prob=True, expert_hidden=hf["intermediate_size"],
                    router_jitter=float(get("router_jitter_noise") or 0.0))
+        return moe
+    if arch == "GptOssForCausalLM":  # softmax over the top-k logits: the renormalised top-k of a softmax
+        if hf.get("swiglu_alpha", 1.702) != 1.702:
+            raise ConfigError(f"{source}: swiglu_alpha={hf['swiglu_alpha']} is not supported (1.702)")
+        moe.update(norm_topk_prob=True, expert_hidden=hf["intermediate_size"], bias=True,
+                   swiglu_limit=float(get("swiglu_limit")))
         return moe
     step = get("decoder_sparse_step")
     if not isinstance(step, int) or step <= 0:
@@ -259,8 +270,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         raise ConfigError(f"{source}: hidden_act '{act}' is not supported (silu, gelu_pytorch_tanh)")
     if hf.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported")
-    bias = bool(hf.get("attention_bias"))  # q, k, v and o
-    if bias and arch in GEMMA + ("Phi3ForCausalLM", "MistralForCausalLM") + MOE_ARCHITECTURES:
+    bias = bool(hf.get("attention_bias", arch == "GptOssForCausalLM"))  # q, k, v and o
+    if bias and arch in GEMMA + ("Phi3ForCausalLM", "MistralForCausalLM") + MOE_ARCHITECTURES[:3]:
         raise ConfigError(f"{source}: attention_bias=true is not supported for {arch}")
     if arch in MOE_ARCHITECTURES and hf.get("attention_dropout"):
         raise ConfigError(f"{source}: attention_dropout={hf['attention_dropout']} is not supported (Zoo's attention has no dropout)")
@@ -278,7 +289,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         qk_norm="proj" if arch == "Olmo2ForCausalLM" else arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                                                     "Gemma3ForCausalLM"),
         norm_placement="sandwich" if gemma else "post" if arch == "Olmo2ForCausalLM" else "pre",
-        mlp_act=acts[act], embed_scale=gemma, **_rope(hf, arch, source),
+        mlp_act=acts[act], embed_scale=gemma, attn_sinks=arch == "GptOssForCausalLM", **_rope(hf, arch, source),
     )
     if gemma:
         data.update(query_pre_attn_scalar=hf.get("query_pre_attn_scalar", defaults["query_pre_attn_scalar"]),
@@ -306,7 +317,8 @@ def features(cfg: LLMConfig) -> set:
     flags = {"embed_scale": cfg.embed_scale, "query_scalar": cfg.query_pre_attn_scalar,
              "attn_softcap": cfg.attn_softcap, "final_softcap": cfg.final_softcap, "rope_local": cfg.rope_theta_local,
              "nope": cfg.nope_layers, "partial_rotary": cfg.rotary_fraction < 1, "sinks": cfg.attn_sinks,
-             "mod": cfg.mod_capacity > 0}
+             "mod": cfg.mod_capacity > 0, "moe_bias": cfg.moe and cfg.moe.bias,
+             "clamped_swiglu": cfg.moe and cfg.moe.swiglu_limit}
     return (named | {k for k, v in flags.items() if v}) - {None}
 
 
@@ -345,6 +357,9 @@ def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
         extra = have - set().union(*(need | may for _, need, may in MOE.values()))
         if extra:
             raise ValueError(f"a MoE model with {', '.join(sorted(extra))} fits no Hugging Face MoE architecture here")
+        fits = [a for a, (_, need, may) in MOE.items() if need <= have <= need | may]
+        if remembered in fits or "GptOssForCausalLM" in fits:
+            return remembered if remembered in fits else "GptOssForCausalLM"
         return _moe_architecture_for(cfg, remembered)
 
     def fits(arch):
@@ -409,6 +424,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, max_window_layers=n, layer_types=types)
     elif arch == "Qwen3MoeForCausalLM":  # one window on every layer
         hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, attention_bias=False)
+    elif arch == "GptOssForCausalLM":
+        hf.update(sliding_window=cfg.sliding_window or cfg.max_seq_len, layer_types=types,
+                  attention_bias=True, swiglu_limit=cfg.moe.swiglu_limit)
     elif arch in GEMMA:
         hf.update(hidden_activation=hf.pop("hidden_act"), sliding_window=cfg.sliding_window or cfg.max_seq_len,
                   layer_types=types, query_pre_attn_scalar=_int(cfg.query_pre_attn_scalar or cfg.resolved_head_dim),
@@ -423,9 +441,10 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         m = cfg.moe
         hf.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
                   output_router_logits=m.balance == "aux_loss", attention_dropout=0.0)
-        if arch == "MixtralForCausalLM":
-            hf.update(num_local_experts=m.n_experts, intermediate_size=cfg.resolved_expert_hidden,
-                      router_jitter_noise=m.router_jitter)
+        if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+            hf.update(num_local_experts=m.n_experts, intermediate_size=cfg.resolved_expert_hidden)
+            if arch == "MixtralForCausalLM":
+                hf["router_jitter_noise"] = m.router_jitter
         else:
             hf.update(num_experts=m.n_experts, moe_intermediate_size=cfg.resolved_expert_hidden,
                       norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.sparse_every,
@@ -471,6 +490,8 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
         m[z + "attn.proj.weight"] = [(a + "o_proj.weight", (d, q))]
         if cfg.attn_out_bias:
             m[z + "attn.proj.bias"] = [(a + "o_proj.bias", (d,))]
+        if cfg.attn_sinks:
+            m[z + "attn.sinks"] = [(a + "sinks", (cfg.n_heads,))]
         if cfg.is_sparse(i):
             m.update(_moe_keys(cfg, z, h, arch))
             continue
@@ -481,6 +502,26 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", (V, d))]
     return m
+
+
+@torch.no_grad()
+def gpt_oss_experts(state: dict, to_file: bool) -> dict:
+    """GPT-OSS's expert tensors <-> Zoo's: gate_up_proj (E, d, 2F) with gate and up columns interleaved and
+    down_proj (E, F, d) vs Zoo's gate_up (E, 2F, d) gate rows first and down (E, d, F); the gate_up bias
+    interleaved too. Zoo names; a new dict (each tensor contiguous, in the target layout's shape)."""
+    out = dict(state)
+    for name, t in state.items():
+        if name.endswith(("mlp.gate_up", "mlp.gate_up_bias")):  # Zoo's shape: (E, 2F, d) or (E, 2F)
+            if to_file:  # rows gate, up -> interleaved, then (E, d, 2F)
+                t = torch.stack(t.unflatten(1, (2, t.shape[1] // 2)).unbind(1), dim=2).flatten(1, 2)
+                out[name] = t if t.dim() == 2 else t.transpose(1, 2).contiguous()
+            else:  # the memory holds the file's (E, d, 2F)
+                t = t if t.dim() == 2 else t.view(t.shape[0], t.shape[2], t.shape[1]).transpose(1, 2)
+                out[name] = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+        elif name.endswith("mlp.down"):
+            E, d, F = t.shape
+            out[name] = t.transpose(1, 2).contiguous() if to_file else t.view(E, F, d).transpose(1, 2).contiguous()
+    return out
 
 
 @torch.no_grad()
@@ -500,6 +541,13 @@ def _moe_keys(cfg: LLMConfig, z: str, h: str, arch: Optional[str]) -> dict:
     """Zoo -> Hugging Face names of one sparse layer (z, h: the layer's prefixes): router, experts
     (stacked in Zoo; the shapes here are each expert's, concatenated along dim 0) and shared experts."""
     d, E, F = cfg.d_model, cfg.moe.n_experts, cfg.resolved_expert_hidden
+    if arch == "GptOssForCausalLM":  # experts as stacked tensors in their own layout: `gpt_oss_experts`
+        h = h + "mlp."
+        return {z + "mlp.router.weight": [(h + "router.weight", (E, d))], z + "mlp.router.bias": [(h + "router.bias", (E,))],
+                z + "mlp.gate_up": [(h + "experts.gate_up_proj", (E, d, 2 * F))],
+                z + "mlp.gate_up_bias": [(h + "experts.gate_up_proj_bias", (E, 2 * F))],
+                z + "mlp.down": [(h + "experts.down_proj", (E, F, d))],
+                z + "mlp.down_bias": [(h + "experts.down_proj_bias", (E, d))]}
     if arch == "MixtralForCausalLM":
         h, gate, up, down = h + "block_sparse_moe.", "w1", "w3", "w2"
     else:
@@ -680,6 +728,8 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
 
     model = assemble(cfg, kmap, dtype, device, fills())
     _shift_norms(model.state_dict(), norm_offset(arch))
+    if arch == "GptOssForCausalLM":
+        model.load_state_dict(gpt_oss_experts(model.state_dict(), to_file=False))
     model.hf_architecture = arch
     model.hf_config = hf
     return model.eval()
@@ -718,6 +768,8 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     if norm_offset(arch):
         state = {k: v.clone() if k.endswith("norm.weight") else v for k, v in state.items()}
         _shift_norms(state, -norm_offset(arch))
+    if arch == "GptOssForCausalLM":
+        state = gpt_oss_experts(state, to_file=True)
     if any(b.score_bias is not None and bool(b.score_bias.any()) for b in model.moe_blocks()):
         raise ValueError(f"model.moe.balance=bias: the trained routing bias has no place in a {arch} checkpoint")
     limit = _shard_limit(max_shard_size)
