@@ -90,6 +90,20 @@ SMOKE = {
         y_half = half(x, cos[:, :2], sin[:, :2])  # partial rotary: the first half of each head rotated
         assert y_half.shape == x.shape and (y_half - y).abs().max() > 1e-4
     """,
+    "mla.py": """
+        from mla import LatentKVCache, MultiHeadLatentAttention
+        from rope import RotaryEmbedding
+        attn = MultiHeadLatentAttention(16, n_heads=4, kv_rank=6, rope_dim=4, nope_dim=6, v_dim=5, q_rank=8)
+        cos, sin = RotaryEmbedding(4, 16)(0, 6, torch.float32)
+        x = torch.randn(2, 6, 16)
+        y = attn(x, cos, sin)
+        y.sum().backward()
+        assert y.shape == x.shape and attn.kv_b.weight.grad is not None
+        cache = LatentKVCache(2, 6, 6 + 4)  # the compressed latents only
+        with torch.no_grad():
+            steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
+        assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
+    """,
     "attention_docs.py": """
         from attention import CausalSelfAttention
         from attention_docs import Documents, document_positions

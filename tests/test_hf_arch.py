@@ -1,7 +1,8 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py): Qwen3, SmolLM3,
-OLMo 2, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), each at two small shapes, the second with its
-features at non-default values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads,
-MQA, partial rotary, LongRoPE / YaRN / linear scaling, NoPE layers).
+OLMo 2, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GPT-OSS and DeepSeek-V3, each at two small shapes, the
+second with its features at non-default values (windows shorter than the sequence, soft-caps, head_dim !=
+d_model / heads, MQA, partial rotary, LongRoPE / YaRN / linear scaling, NoPE layers, clamped experts, no
+query bottleneck); the presets of their families against transformers' classes.
 
 Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
@@ -56,6 +57,15 @@ CASES = {
     "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
                                                      num_key_value_heads=1, sliding_window=6, layer_types=[SLIDING] * 4,
                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "deepseek-v3": ("DeepseekV3", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                       n_group=4, topk_group=2, first_k_dense_replace=1, moe_intermediate_size=32,
+                                       q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                                       v_head_dim=10, routed_scaling_factor=2.5)),
+    "deepseek-v3-no-q-rank-yarn": ("DeepseekV3", dict(
+        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1,
+        first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
+        rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
 }
 
 
@@ -64,7 +74,11 @@ def hf_model(kind, **kw):
     cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None  # generate() must never stop early
     cfg._experts_implementation = "eager"
     model_cls = getattr(transformers, kind.removesuffix("Text") + "ForCausalLM")
-    return randomize(model_cls(cfg)).eval()
+    model = randomize(model_cls(cfg)).eval()
+    for name, b in model.named_buffers():  # DeepSeek's routing bias: non-zero, so that it shows
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=torch.Generator().manual_seed(3)))
+    return model
 
 
 def to_4x(cfg: dict) -> dict:
@@ -132,7 +146,7 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
 
 PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
-           "gpt-oss-20b": "GptOssForCausalLM"}
+           "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)

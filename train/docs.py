@@ -69,7 +69,7 @@ def config_classes() -> dict[str, type]:
     from .config import OptimConfig, TrainConfig
     from .tasks import task_class
     from zoo.config import load_class
-    classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
+    classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                zc.DiTConfig,
                TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]

@@ -301,6 +301,8 @@ class RopeScaling:
     beta_slow: float = bounded(1.0, gt=0)   # yarn: channels turning less often than this are interpolated
     truncate: bool = True                   # yarn: round the ramp's ends to whole channels
     attention_factor: Optional[float] = bounded(None, gt=0)  # yarn, longrope: cos/sin scale; null = from `factor`
+    mscale_all_dim: float = bounded(0.0, ge=0)  # yarn with multi-head latent attention (DeepSeek): scores times
+                                            # (0.1 mscale_all_dim ln(factor) + 1)^2; 0 = off
     short_factor: list[float] = field(default_factory=list)  # longrope: per-channel divisors (head_dim / 2 values)
     long_factor: list[float] = field(default_factory=list)  # longrope: the same past
                                             # `original_max_position_embeddings`
@@ -347,6 +349,9 @@ class MoEConfig:
     bias: bool = False                      # biases on the router and the experts (GPT-OSS)
     swiglu_limit: Optional[float] = bounded(None, gt=0)  # clamped SwiGLU experts (GPT-OSS): gate <= L, up in [-L,
                                             # L], gate * sigmoid(1.702 gate) * (up + 1); null = plain SwiGLU
+    n_groups: int = bounded(1, gt=0)        # expert groups for group-limited routing (DeepSeek-V3); 1 = off
+    topk_groups: int = bounded(1, gt=0)     # groups a token's experts may come from (<= `n_groups`)
+    routed_scale: float = bounded(1.0, gt=0)  # the routed experts' weights are multiplied by it (DeepSeek-V3)
     dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
                                             # matmul per expert), `auto` (grouped where the device and dtype allow)
 
@@ -354,8 +359,21 @@ class MoEConfig:
         p = prefix
         if self.top_k > self.n_experts:
             raise fail(source, p + "top_k", f"={self.top_k} must be <= {p}n_experts={self.n_experts}")
+        if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
+            raise fail(source, p + "n_groups", f"={self.n_groups} must divide {p}n_experts={self.n_experts} and be "
+                                               f">= {p}topk_groups={self.topk_groups}")
         if self.shared_gate and not self.n_shared:
             raise fail(source, p + "shared_gate", f"needs {p}n_shared > 0")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (zoo/blocks/mla.py, DeepSeek-V2/V3) in place of grouped-query attention."""
+    kv_rank: int = bounded(512, gt=0)       # width of the compressed key/value latent (what the KV cache holds)
+    q_rank: Optional[int] = bounded(None, gt=0)  # width of the query bottleneck; null = a full-rank query projection
+    rope_dim: int = bounded(64, gt=0)       # per-head channels with RoPE (the key part shared by all heads)
+    nope_dim: int = bounded(128, gt=0)      # per-head query/key channels without RoPE
+    v_dim: int = bounded(128, gt=0)         # per-head value width
 
 
 @dataclass
@@ -403,6 +421,8 @@ class LLMConfig:
     attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
     final_softcap: Optional[float] = bounded(None, gt=0)  # output logits c * tanh(z / c) (Gemma 2)
     attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)
+    mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): a mapping of its keys; null =
+                                            # grouped-query attention
     moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: a mapping of the keys below; null = a dense
                                             # model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
@@ -437,7 +457,7 @@ class LLMConfig:
         if self.mod_capacity > 0 and self.sliding_window is not None:
             raise fail(source, p + "mod_capacity", f"does not combine with {p}sliding_window (a MoD block's "
                                                    f"tokens are not contiguous)")
-        for key in ("attn_sinks", "attn_softcap"):
+        for key in ("attn_sinks", "attn_softcap", "mla"):
             if self.mod_capacity > 0 and getattr(self, key):
                 raise fail(source, p + "mod_capacity", f"does not combine with {p}{key} (a MoD block attends "
                                                        f"through a key mask)")
@@ -483,7 +503,7 @@ class LLMConfig:
     @property
     def rotary_dim(self) -> int:
         """The channels of each head that RoPE rotates."""
-        return int(self.resolved_head_dim * self.rotary_fraction)
+        return self.mla.rope_dim if self.mla else int(self.resolved_head_dim * self.rotary_fraction)
 
     def is_local(self, layer: int) -> bool:
         """Whether block `layer` (from 0) attends within `sliding_window` (attn_pattern)."""

@@ -20,6 +20,7 @@ from .blocks.attention_docs import Documents, document_positions  # noqa: F401  
 from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
 from .blocks.matvec_cpu import MatvecAsReduction
+from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
@@ -41,7 +42,17 @@ def moe_block(cfg: LLMConfig) -> MoE:
     m = cfg.moe
     return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
                m.n_shared, m.shared_hidden, m.shared_gate, m.capacity_factor, m.balance == "bias",
-               m.router_jitter, m.dispatch, m.bias, m.swiglu_limit)
+               m.router_jitter, m.dispatch, m.bias, m.swiglu_limit, m.n_groups, m.topk_groups, m.routed_scale)
+
+
+def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
+    """Multi-head latent attention; scores scaled as DeepSeek's YaRN does (mscale_all_dim)."""
+    m, s = cfg.mla, cfg.rope_scaling
+    scale = (m.nope_dim + m.rope_dim) ** -0.5
+    if s is not None and s.type == "yarn" and s.mscale_all_dim and s.factor > 1:
+        scale *= (0.1 * s.mscale_all_dim * math.log(s.factor) + 1) ** 2
+    return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
+                                    cfg.norm_eps, scale)
 
 
 class Block(nn.Module):
@@ -55,7 +66,7 @@ class Block(nn.Module):
             wanted = cfg.norm_placement == "sandwich" or cfg.norm_placement == where
             return RMSNorm(cfg.d_model, cfg.norm_eps) if wanted else nn.Identity()
         self.attn_norm = norm("pre")
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
+        self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
                                         sliding_window=cfg.sliding_window if cfg.is_local(layer) else None,
                                         qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers,
                                         scale=scalar ** -0.5 if scalar else None, softcap=cfg.attn_softcap,
@@ -296,6 +307,9 @@ class LLM(nn.Module):
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
         p = self.embed.weight
         cfg = self.config
+        if cfg.mla:  # the compressed latents only
+            return [LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device or p.device, dtype or p.dtype)
+                    for _ in range(cfg.n_layers)]
         return [(MaskedKVCache if cfg.is_mod(i) else KVCache)(batch, cfg.resolved_n_kv_heads, max_len,
                                                               cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
                 for i in range(cfg.n_layers)]

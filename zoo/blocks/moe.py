@@ -9,7 +9,9 @@ Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral
 (2024); Qwen Team, "Qwen2 Technical Report" (2024: gated shared expert); DeepSeek-AI,
 "DeepSeek-V3 Technical Report" (2024: sigmoid scores, auxiliary-loss-free balancing bias); OpenAI,
 "gpt-oss-120b & gpt-oss-20b Model Card" (2025: `bias` on the router and experts, `swiglu_limit` L: the
-SwiGLU clamped, gate min(g, L) * sigmoid(1.702 gate) * (clamp(u, -L, L) + 1)).
+SwiGLU clamped, gate min(g, L) * sigmoid(1.702 gate) * (clamp(u, -L, L) + 1)). DeepSeek-V3's group-limited
+routing: `n_groups` groups of experts, only those of the `topk_groups` groups whose two best scores sum
+highest chosen; the weights times `routed_scale`.
 
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
 Experts are stacked `gate_up` (E, 2F, D) and `down` (E, D, F), run by grouped matmuls ('grouped')
@@ -79,7 +81,8 @@ class MoE(nn.Module):
                  norm_topk_prob: bool = True, n_shared: int = 0, shared_hidden: Optional[int] = None,
                  shared_gate: bool = False, capacity_factor: Optional[float] = None,
                  bias_balancing: bool = False, jitter: float = 0.0, dispatch: str = "auto", bias: bool = False,
-                 swiglu_limit: Optional[float] = None):
+                 swiglu_limit: Optional[float] = None, n_groups: int = 1, topk_groups: int = 1,
+                 routed_scale: float = 1.0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
@@ -92,7 +95,9 @@ class MoE(nn.Module):
         self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
         self.scoring, self.norm_topk_prob = scoring, norm_topk_prob
         self.capacity_factor, self.jitter, self.dispatch = capacity_factor, jitter, dispatch
-        self.swiglu_limit = swiglu_limit
+        if n_experts % n_groups or not 1 <= topk_groups <= n_groups:
+            raise ValueError(f"n_groups={n_groups} must divide n_experts={n_experts}, topk_groups={topk_groups} in [1, n_groups]")
+        self.swiglu_limit, self.n_groups, self.topk_groups, self.routed_scale = swiglu_limit, n_groups, topk_groups, routed_scale
         self.router = nn.Linear(dim, n_experts, bias=bias)
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down = nn.Parameter(torch.empty(n_experts, dim, hidden))
@@ -119,10 +124,17 @@ class MoE(nn.Module):
         logits = self.router(x).float()
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.n_groups > 1:  # group-limited: only experts of the groups with the best two scores summed
+            G = self.n_groups
+            best = choice.view(-1, G, self.n_experts // G).topk(2, dim=-1).values.sum(-1)  # (N, G)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.n_experts // G, dim=1), float("-inf"))
         experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
         return logits, weights, experts, probs
 

@@ -22,7 +22,8 @@ import torch
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import FILE_DTYPES, atomic_write, read_safetensors_header, save_safetensors
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+                     "DeepseekV3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ROPES = {"rope_linear", "rope_llama3", "rope_yarn"}
 # Hugging Face class -> (model_type, the Zoo features (`features`) it needs, those it may have): what
@@ -43,6 +44,7 @@ DENSE = {
 MOE = {"MixtralForCausalLM": ("mixtral", {"moe"}, {"window"} | ROPES),  # which one: _moe_architecture_for
        "Qwen2MoeForCausalLM": ("qwen2_moe", {"moe"}, {"qkv_bias", "window", "pattern"} | ROPES),
        "Qwen3MoeForCausalLM": ("qwen3_moe", {"moe", "qk_norm"}, {"window"} | ROPES),
+       "DeepseekV3ForCausalLM": ("deepseek_v3", {"moe", "mla", "sigmoid"}, {"moe_groups"} | ROPES),
        "GptOssForCausalLM": ("gpt_oss", {"moe", "moe_bias", "clamped_swiglu", "sinks", "attn_bias"},
                              {"window", "pattern"} | ROPES)}
 ARCHITECTURES = tuple(DENSE) + MOE_ARCHITECTURES
@@ -80,6 +82,12 @@ _DEFAULTS = {
 _DEFAULTS["GptOssForCausalLM"] = {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 128,
                                   "head_dim": 64, "rope_theta": 150000.0, "num_local_experts": 128,
                                   "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "swiglu_limit": 7.0}
+_DEFAULTS["DeepseekV3ForCausalLM"] = {"max_position_embeddings": 4096, "num_key_value_heads": None, "n_routed_experts": 256,
+                                      "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+                                      "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                                      "moe_intermediate_size": 2048, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                                      "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                                      "router_aux_loss_coef": 0.001}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -138,6 +146,8 @@ def _rope_params(params: dict, hf: dict, key: str, source: str) -> tuple[float, 
             m, m_all = params.get("mscale"), params.get("mscale_all_dim")
             if params.get("attention_factor") is None and m and m_all and factor > 1:  # DeepSeek's form
                 params = {**params, "attention_factor": (0.1 * m * math.log(factor) + 1) / (0.1 * m_all * math.log(factor) + 1)}
+            if m_all:
+                scaling["mscale_all_dim"] = float(m_all)
         if kind == "longrope":
             scaling.update(short_factor=list(params["short_factor"]), long_factor=list(params["long_factor"]))
         if params.get("attention_factor") is not None:
@@ -225,7 +235,8 @@ def _moe_from_hf(hf: dict, arch: str, n_layers: int, source: str) -> dict:
                 return hf[k]
         return defaults[key]
 
-    n_experts = get("num_local_experts", "num_experts") if arch in ("MixtralForCausalLM", "GptOssForCausalLM") \
+    n_experts = get("n_routed_experts") if arch == "DeepseekV3ForCausalLM" else \
+        get("num_local_experts", "num_experts") if arch in ("MixtralForCausalLM", "GptOssForCausalLM") \
         else get("num_experts", "num_local_experts")
     if not isinstance(n_experts, int) or n_experts <= 0:
         raise ConfigError(f"{source}: num_experts={n_experts!r} is not supported (a MoE model needs experts)")
@@ -236,6 +247,13 @@ def _moe_from_hf(hf: dict, arch: str, n_layers: int, source: str) -> dict:
     if arch == "MixtralForCausalLM":
         moe.update(norm_topk_prob=True, expert_hidden=hf["intermediate_size"],
                    router_jitter=float(get("router_jitter_noise") or 0.0))
+        return moe
+    if arch == "DeepseekV3ForCausalLM":  # sigmoid scores, group-limited, a routing bias, shared experts
+        F = get("moe_intermediate_size")
+        moe.update(n_experts=get("n_routed_experts"), scoring="sigmoid", norm_topk_prob=bool(get("norm_topk_prob")),
+                   expert_hidden=F, n_shared=get("n_shared_experts"), shared_hidden=F, n_groups=get("n_group"),
+                   topk_groups=get("topk_group"), routed_scale=float(get("routed_scaling_factor")), balance="bias",
+                   dense_layers=list(range(min(get("first_k_dense_replace"), n_layers))))
         return moe
     if arch == "GptOssForCausalLM":  # softmax over the top-k logits: the renormalised top-k of a softmax
         if hf.get("swiglu_alpha", 1.702) != 1.702:
@@ -271,7 +289,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     if hf.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported")
     bias = bool(hf.get("attention_bias", arch == "GptOssForCausalLM"))  # q, k, v and o
-    if bias and arch in GEMMA + ("Phi3ForCausalLM", "MistralForCausalLM") + MOE_ARCHITECTURES[:3]:
+    if bias and arch in GEMMA + ("Phi3ForCausalLM", "MistralForCausalLM") + MOE_ARCHITECTURES[:3] \
+            + ("DeepseekV3ForCausalLM",):
         raise ConfigError(f"{source}: attention_bias=true is not supported for {arch}")
     if arch in MOE_ARCHITECTURES and hf.get("attention_dropout"):
         raise ConfigError(f"{source}: attention_dropout={hf['attention_dropout']} is not supported (Zoo's attention has no dropout)")
@@ -302,6 +321,11 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         data["nope_layers"] = [i for i, r in enumerate(_no_rope(hf, n_layers)) if not r]
     if arch in MOE_ARCHITECTURES:
         data["moe"] = _moe_from_hf(hf, arch, n_layers, source)
+    if arch == "DeepseekV3ForCausalLM":
+        get = {**defaults, **hf}.get
+        data.update(mla=dict(kv_rank=get("kv_lora_rank"), q_rank=get("q_lora_rank"), rope_dim=get("qk_rope_head_dim"),
+                             nope_dim=get("qk_nope_head_dim"), v_dim=get("v_head_dim")),
+                    head_dim=get("qk_rope_head_dim") + get("qk_nope_head_dim"), n_kv_heads=n_heads)
     return from_dict(LLMConfig, data, source), arch
 
 
@@ -318,7 +342,9 @@ def features(cfg: LLMConfig) -> set:
              "attn_softcap": cfg.attn_softcap, "final_softcap": cfg.final_softcap, "rope_local": cfg.rope_theta_local,
              "nope": cfg.nope_layers, "partial_rotary": cfg.rotary_fraction < 1, "sinks": cfg.attn_sinks,
              "mod": cfg.mod_capacity > 0, "moe_bias": cfg.moe and cfg.moe.bias,
-             "clamped_swiglu": cfg.moe and cfg.moe.swiglu_limit}
+             "clamped_swiglu": cfg.moe and cfg.moe.swiglu_limit, "mla": cfg.mla,
+             "sigmoid": cfg.moe and cfg.moe.scoring == "sigmoid",
+             "moe_groups": cfg.moe and (cfg.moe.n_groups > 1 or cfg.moe.routed_scale != 1)}
     return (named | {k for k, v in flags.items() if v}) - {None}
 
 
@@ -358,8 +384,8 @@ def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
         if extra:
             raise ValueError(f"a MoE model with {', '.join(sorted(extra))} fits no Hugging Face MoE architecture here")
         fits = [a for a, (_, need, may) in MOE.items() if need <= have <= need | may]
-        if remembered in fits or "GptOssForCausalLM" in fits:
-            return remembered if remembered in fits else "GptOssForCausalLM"
+        if remembered in fits or fits[-1:] in (["GptOssForCausalLM"], ["DeepseekV3ForCausalLM"]):
+            return remembered if remembered in fits else fits[-1]
         return _moe_architecture_for(cfg, remembered)
 
     def fits(arch):
@@ -384,7 +410,8 @@ def _rope_to_hf(cfg: LLMConfig, theta: float, scaling: Optional[RopeScaling]) ->
     rope = {"rope_type": "default", "rope_theta": theta}
     if scaling is not None:
         keep = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "yarn": ("beta_fast", "beta_slow", "truncate", "original_max_position_embeddings", "attention_factor"),
+                "yarn": ("beta_fast", "beta_slow", "truncate", "original_max_position_embeddings", "attention_factor",
+                         "mscale_all_dim"),
                 "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")}
         rope.update(rope_type=scaling.type, factor=scaling.factor,
                     **{k: getattr(scaling, k) for k in keep.get(scaling.type, ()) if getattr(scaling, k) is not None})
@@ -424,6 +451,18 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, max_window_layers=n, layer_types=types)
     elif arch == "Qwen3MoeForCausalLM":  # one window on every layer
         hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window, attention_bias=False)
+    elif arch == "DeepseekV3ForCausalLM":
+        m, a = cfg.moe, cfg.mla
+        first = len(m.dense_layers)
+        if list(m.dense_layers) != list(range(first)) or m.sparse_every != 1 or m.n_shared * (m.shared_hidden or 0) == 0 \
+                or (m.shared_hidden or 0) != cfg.resolved_expert_hidden:
+            raise ValueError("a DeepseekV3ForCausalLM has its dense layers first, then every layer sparse with "
+                             "shared experts of the experts' width")
+        hf.update(kv_lora_rank=a.kv_rank, q_lora_rank=a.q_rank, qk_rope_head_dim=a.rope_dim, qk_nope_head_dim=a.nope_dim,
+                  v_head_dim=a.v_dim, head_dim=a.rope_dim, rope_interleave=True, attention_bias=False,
+                  n_routed_experts=m.n_experts, n_shared_experts=m.n_shared, moe_intermediate_size=m.expert_hidden,
+                  n_group=m.n_groups, topk_group=m.topk_groups, routed_scaling_factor=m.routed_scale,
+                  first_k_dense_replace=first, norm_topk_prob=m.norm_topk_prob)
     elif arch == "GptOssForCausalLM":
         hf.update(sliding_window=cfg.sliding_window or cfg.max_seq_len, layer_types=types,
                   attention_bias=True, swiglu_limit=cfg.moe.swiglu_limit)
@@ -441,7 +480,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         m = cfg.moe
         hf.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
                   output_router_logits=m.balance == "aux_loss", attention_dropout=0.0)
-        if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        if arch == "DeepseekV3ForCausalLM":
+            pass
+        elif arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
             hf.update(num_local_experts=m.n_experts, intermediate_size=cfg.resolved_expert_hidden)
             if arch == "MixtralForCausalLM":
                 hf["router_jitter_noise"] = m.router_jitter
@@ -479,7 +520,9 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
         for zoo_norm, hf_norm in norms[cfg.norm_placement].items():
             m[z + zoo_norm + ".weight"] = [(h + hf_norm + ".weight", (d,))]
         a = h + "self_attn."
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        if cfg.mla:
+            m.update(_mla_keys(cfg, z, a))
+        for kind in (() if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)):
             shapes = [(r, d)[:2 if kind == "weight" else 1] for r in (q, kv, kv)]
             m[z + "attn.qkv." + kind] = [(a + f"qkv_proj.{kind}", (q + 2 * kv, d)[:len(shapes[0])])] if phi3 else \
                 [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes)]
@@ -487,7 +530,7 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
             per_proj = cfg.qk_norm == "proj"
             m[z + "attn.q_norm.weight"] = [(a + "q_norm.weight", (q if per_proj else D,))]
             m[z + "attn.k_norm.weight"] = [(a + "k_norm.weight", (kv if per_proj else D,))]
-        m[z + "attn.proj.weight"] = [(a + "o_proj.weight", (d, q))]
+        m[z + "attn.proj.weight"] = [(a + "o_proj.weight", (d, cfg.n_heads * cfg.mla.v_dim if cfg.mla else q))]
         if cfg.attn_out_bias:
             m[z + "attn.proj.bias"] = [(a + "o_proj.bias", (d,))]
         if cfg.attn_sinks:
@@ -537,6 +580,35 @@ def norm_offset(arch: Optional[str]) -> float:
     return 1.0 if arch in GEMMA else 0.0
 
 
+def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
+    """Zoo -> Hugging Face names of one multi-head latent attention (DeepSeek-V3; z, a: the prefixes)."""
+    mla, d, H = cfg.mla, cfg.d_model, cfg.n_heads
+    qk = H * (mla.nope_dim + mla.rope_dim)
+    m = {z + "attn.kv_a.weight": [(a + "kv_a_proj_with_mqa.weight", (mla.kv_rank + mla.rope_dim, d))],
+         z + "attn.kv_norm.weight": [(a + "kv_a_layernorm.weight", (mla.kv_rank,))],
+         z + "attn.kv_b.weight": [(a + "kv_b_proj.weight", (H * (mla.nope_dim + mla.v_dim), mla.kv_rank))]}
+    if mla.q_rank is None:
+        return {**m, z + "attn.q_b.weight": [(a + "q_proj.weight", (qk, d))]}
+    return {**m, z + "attn.q_a.weight": [(a + "q_a_proj.weight", (mla.q_rank, d))],
+            z + "attn.q_norm.weight": [(a + "q_a_layernorm.weight", (mla.q_rank,))],
+            z + "attn.q_b.weight": [(a + "q_b_proj.weight", (qk, mla.q_rank))]}
+
+
+@torch.no_grad()
+def interleaved_rope(state: dict, cfg: LLMConfig, to_file: bool) -> dict:
+    """DeepSeek's RoPE channels in interleaved pairs (x0, x1), (x2, x3), ... <-> Zoo's halves: the rows of
+    the RoPE parts of q_b (per head) and kv_a permuted (the scores are the same). A new dict."""
+    out, R = dict(state), cfg.mla.rope_dim
+    for name, w in state.items():
+        if name.endswith(("attn.q_b.weight", "attn.kv_a.weight")):
+            heads = w.view(cfg.n_heads if "q_b" in name else 1, -1, w.shape[-1])
+            rope = heads[:, -R:]
+            rope = torch.stack([rope[:, :R // 2], rope[:, R // 2:]], dim=2).flatten(1, 2) if to_file \
+                else torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+            out[name] = torch.cat([heads[:, :-R], rope], dim=1).view(w.shape)
+    return out
+
+
 def _moe_keys(cfg: LLMConfig, z: str, h: str, arch: Optional[str]) -> dict:
     """Zoo -> Hugging Face names of one sparse layer (z, h: the layer's prefixes): router, experts
     (stacked in Zoo; the shapes here are each expert's, concatenated along dim 0) and shared experts."""
@@ -556,11 +628,13 @@ def _moe_keys(cfg: LLMConfig, z: str, h: str, arch: Optional[str]) -> dict:
          z + "mlp.gate_up": [p for e in range(E) for p in ((h + f"experts.{e}.{gate}.weight", (F, d)),
                                                             (h + f"experts.{e}.{up}.weight", (F, d)))],
          z + "mlp.down": [(h + f"experts.{e}.{down}.weight", (d, F)) for e in range(E)]}
+    if arch == "DeepseekV3ForCausalLM":
+        m[z + "mlp.score_bias"] = [(h + "gate.e_score_correction_bias", (E,))]
     if cfg.moe.n_shared:
         Fs = cfg.moe.n_shared * (cfg.moe.shared_hidden or F)
-        m[z + "mlp.shared.gate_up.weight"] = [(h + "shared_expert.gate_proj.weight", (Fs, d)),
-                                              (h + "shared_expert.up_proj.weight", (Fs, d))]
-        m[z + "mlp.shared.down.weight"] = [(h + "shared_expert.down_proj.weight", (d, Fs))]
+        s = h + ("shared_experts." if arch == "DeepseekV3ForCausalLM" else "shared_expert.")
+        m[z + "mlp.shared.gate_up.weight"] = [(s + "gate_proj.weight", (Fs, d)), (s + "up_proj.weight", (Fs, d))]
+        m[z + "mlp.shared.down.weight"] = [(s + "down_proj.weight", (d, Fs))]
         if cfg.moe.shared_gate:
             m[z + "mlp.shared_gate.weight"] = [(h + "shared_expert_gate.weight", (1, d))]
     return m
@@ -664,6 +738,9 @@ def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.devic
         fill(state[zoo_name][start:start + rows])
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
+    for name, buf in model.state_dict().items():  # running statistics no file holds (router_load) start at zero
+        if name not in state and name not in (n for n, _ in model.named_parameters()):
+            state[name] = torch.zeros(buf.shape, dtype=torch.float32, device=device)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     state = {k: t.view(shapes[k]) for k, t in state.items()}  # stacked experts: (E * rows, cols) -> (E, rows, cols)
     model.load_state_dict(state, strict=True, assign=True)
@@ -730,6 +807,8 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     _shift_norms(model.state_dict(), norm_offset(arch))
     if arch == "GptOssForCausalLM":
         model.load_state_dict(gpt_oss_experts(model.state_dict(), to_file=False))
+    if arch == "DeepseekV3ForCausalLM" and hf.get("rope_interleave", True):
+        model.load_state_dict(interleaved_rope(model.state_dict(), cfg, to_file=False))
     model.hf_architecture = arch
     model.hf_config = hf
     return model.eval()
@@ -770,7 +849,10 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
         _shift_norms(state, -norm_offset(arch))
     if arch == "GptOssForCausalLM":
         state = gpt_oss_experts(state, to_file=True)
-    if any(b.score_bias is not None and bool(b.score_bias.any()) for b in model.moe_blocks()):
+    if arch == "DeepseekV3ForCausalLM":
+        state = interleaved_rope(state, cfg, to_file=True)
+    if arch != "DeepseekV3ForCausalLM" and any(b.score_bias is not None and bool(b.score_bias.any())
+                                                for b in model.moe_blocks()):
         raise ValueError(f"model.moe.balance=bias: the trained routing bias has no place in a {arch} checkpoint")
     limit = _shard_limit(max_shard_size)
 
