@@ -131,6 +131,11 @@ def test_features_refused_together(tmp_path):
     z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, norm_placement="post", attn_softcap=5.0))
     with pytest.raises(ValueError, match="no Hugging Face architecture here holds .*attn_softcap.*post_norm"):
         hf_llm.save(z, tmp_path)
+    from zoo.config import ConfigError  # combinations that cannot work: one line naming both keys
+    for key in ("attn_sinks", "mla"):
+        with pytest.raises(ConfigError, match=f"mod_capacity does not combine with model.{key}"):
+            zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, mod_capacity=0.5,
+                           **{key: True if key == "attn_sinks" else {"kv_rank": 8}}))
 
 
 def test_final_softcap_caps_and_chunked_loss_refuses():
