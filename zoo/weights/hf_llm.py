@@ -383,9 +383,10 @@ def architecture_for(cfg: LLMConfig, remembered: Optional[str] = None) -> str:
         extra = have - set().union(*(need | may for _, need, may in MOE.values()))
         if extra:
             raise ValueError(f"a MoE model with {', '.join(sorted(extra))} fits no Hugging Face MoE architecture here")
-        fits = [a for a, (_, need, may) in MOE.items() if need <= have <= need | may]
-        if remembered in fits or fits[-1:] in (["GptOssForCausalLM"], ["DeepseekV3ForCausalLM"]):
-            return remembered if remembered in fits else fits[-1]
+        for arch in ("DeepseekV3ForCausalLM", "GptOssForCausalLM"):  # their ideas no other MoE class holds
+            need, may = MOE[arch][1:]
+            if need <= have <= need | may:
+                return arch
         return _moe_architecture_for(cfg, remembered)
 
     def fits(arch):
