@@ -32,6 +32,13 @@ SMOKE = {
         q = torch.randn(1, 2, 5, 8)
         r = apply_rope(q, cos, sin)
         assert r.shape == q.shape and torch.allclose(r.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+        yarn = RotaryEmbedding(8, 16, scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+        assert yarn.attention_factor > 1 and yarn.inv_freq[0] == 1 and yarn.inv_freq[-1] < cos.new_tensor(1e4 ** -0.75)
+        longrope = {"type": "longrope", "factor": 2.0, "original_max_position_embeddings": 4,
+                    "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+        lr = RotaryEmbedding(8, 16, scaling=longrope)
+        short, long = lr(0, 4, torch.float32)[0], lr(0, 5, torch.float32)[0]
+        assert torch.allclose(short, cos[:4] * lr.attention_factor) and not torch.allclose(long[:4], short)
     """,
     "lora.py": """
         from lora import LoRALinear
@@ -66,6 +73,33 @@ SMOKE = {
         qk(x, cos, sin).sum().backward()
         assert qk.q_norm.weight.grad is not None and qk.k_norm.weight.grad is not None
         cache = KVCache(2, 2, 6, 4)
+        with torch.no_grad():
+            steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
+        assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
+        # Gemma / OLMo 2 / GPT-OSS / Phi-4 options: a huge cap and a sink at -inf change nothing
+        same = CausalSelfAttention(16, n_heads=4, n_kv_heads=2, softcap=1e9, sinks=True)
+        same.load_state_dict(attn.state_dict(), strict=False)
+        torch.nn.init.constant_(same.sinks, float("-inf"))
+        assert (same(x, cos, sin) - y).abs().max() < 1e-5
+        torch.nn.init.zeros_(same.sinks)
+        assert (same(x, cos, sin) - y).abs().max() > 1e-3
+        proj = CausalSelfAttention(16, n_heads=4, n_kv_heads=2, qk_norm="proj", rope=False, scale=0.3)
+        assert proj.q_norm.weight.shape == (16,) and proj(x, cos, sin).shape == x.shape
+        half = CausalSelfAttention(16, n_heads=4, n_kv_heads=2)
+        half.load_state_dict(attn.state_dict())
+        y_half = half(x, cos[:, :2], sin[:, :2])  # partial rotary: the first half of each head rotated
+        assert y_half.shape == x.shape and (y_half - y).abs().max() > 1e-4
+    """,
+    "mla.py": """
+        from mla import LatentKVCache, MultiHeadLatentAttention
+        from rope import RotaryEmbedding
+        attn = MultiHeadLatentAttention(16, n_heads=4, kv_rank=6, rope_dim=4, nope_dim=6, v_dim=5, q_rank=8)
+        cos, sin = RotaryEmbedding(4, 16)(0, 6, torch.float32)
+        x = torch.randn(2, 6, 16)
+        y = attn(x, cos, sin)
+        y.sum().backward()
+        assert y.shape == x.shape and attn.kv_b.weight.grad is not None
+        cache = LatentKVCache(2, 6, 6 + 4)  # the compressed latents only
         with torch.no_grad():
             steps = [attn(x[:, i:i + 1], cos[i:i + 1], sin[i:i + 1], cache, i) for i in range(6)]
         assert (torch.cat(steps, 1) - y).abs().max() < 1e-4
@@ -106,6 +140,9 @@ SMOKE = {
         x = torch.randn(3, 8)
         g, u = (x @ m.gate_up.weight.t()).chunk(2, -1)
         assert (m(x) - (torch.nn.functional.silu(g) * u) @ m.down.weight.t()).abs().max() < 1e-5
+        m.act = "gelu_tanh"
+        ref = torch.nn.functional.gelu(g, approximate="tanh") * u @ m.down.weight.t()
+        assert (m(x) - ref).abs().max() < 1e-5
     """,
     "moe.py": """
         from moe import MoE
@@ -117,6 +154,8 @@ SMOKE = {
         loop = MoE(8, 12, n_experts=4, top_k=2, n_shared=1, shared_gate=True, dispatch="loop")
         loop.load_state_dict(m.state_dict())
         assert (loop(x)[0] - y).abs().max() < 1e-5
+        gpt = MoE(8, 12, n_experts=4, top_k=2, bias=True, swiglu_limit=0.5)  # GPT-OSS: biases, clamped SwiGLU
+        assert gpt.router.bias is not None and gpt.gate_up_bias.shape == (4, 24) and gpt(x)[0].shape == x.shape
     """,
     "mod.py": """
         from mod import MixtureOfDepths

@@ -148,7 +148,6 @@ def edit_config(folder, **changes):
 @pytest.mark.parametrize("kind,changes,needle", [
     ("mixtral", dict(attention_dropout=0.1), "attention_dropout"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias"),
-    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, layer_types=None), "some layers only"),
     ("qwen2_moe", dict(num_experts=0), "num_experts"),
     ("qwen2_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
     ("mixtral", dict(hidden_act="gelu"), "hidden_act"),

@@ -3,7 +3,8 @@
     python -m train.docs           # rewrite every marked region in docs/
     python -m train.docs --check   # exit 1 naming each region that disagrees with the code or its result
 
-Markers: `<!-- keys:LLMConfig -->` ... `<!-- /keys -->`, `<!-- table:NAME[/KEY] -->` ... `<!-- /table -->`.
+Markers: `<!-- keys:LLMConfig -->` ... `<!-- /keys -->`, `<!-- table:NAME[/KEY] -->` ... `<!-- /table -->`,
+`<!-- code:NAME -->` ... `<!-- /code -->` (a table made from the code: CODE_TABLES).
 """
 from __future__ import annotations
 
@@ -29,6 +30,36 @@ DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 REGION = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w.-]+))? -->\n)(.*?)(<!-- /table -->)", re.S)
+CODE = re.compile(r"(<!-- code:(\w+) -->\n)(.*?)(<!-- /code -->)", re.S)
+
+
+def pretrained_table() -> dict:
+    """docs/pretrained.md's table, from the code: each Hugging Face architecture hf_llm maps, the Zoo
+    features it needs (bold) or may have, whether GGUF files of it load / are written, and the presets
+    in configs/llm/ that export as it."""
+    import torch
+
+    import zoo
+    from zoo.weights import gguf_llm, hf_llm
+    presets = {}
+    for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
+        with torch.device("meta"):
+            cfg = zoo.build(path).config
+        try:
+            presets.setdefault(hf_llm.architecture_for(cfg), []).append(path.stem)
+        except ValueError:
+            pass
+    gguf_in = {hf: name for name, hf in gguf_llm.ARCHITECTURES.items()}
+    rows = []
+    for arch, (_, need, may) in {**hf_llm.DENSE, **hf_llm.MOE}.items():
+        feats = [f"**{f}**" for f in sorted(need)] + sorted(may)
+        rows.append([arch, ", ".join(feats) or "-", "yes", "yes", gguf_in.get(arch, "-"),
+                     gguf_in[arch] if arch in gguf_llm.WRITES else "-", ", ".join(presets.get(arch, [])) or "-"])
+    return {"columns": ["architecture", "features (needed in bold)", "HF in", "HF out", "GGUF in", "GGUF out",
+                        "presets"], "rows": rows}
+
+
+CODE_TABLES = {"pretrained": pretrained_table}
 
 
 def config_classes() -> dict[str, type]:
@@ -38,7 +69,7 @@ def config_classes() -> dict[str, type]:
     from .config import OptimConfig, TrainConfig
     from .tasks import task_class
     from zoo.config import load_class
-    classes = [zc.RopeScaling, zc.MoEConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
+    classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                zc.DiTConfig,
                TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
@@ -201,7 +232,17 @@ def update(text: str, classes: dict, source: str = "docs", results: Path = RESUL
             changed.append("table:" + m.group(2) + (f"/{m.group(3)}" if m.group(3) else ""))
         return m.group(1) + text + m.group(5)
 
-    return TABLE.sub(tables, REGION.sub(keys, text)), changed
+    def code(m):
+        if m.group(2) not in CODE_TABLES:
+            raise ValueError(f"{source}: <!-- code:{m.group(2)} --> names no table (known: {', '.join(CODE_TABLES)})")
+        text = markdown(CODE_TABLES[m.group(2)]())
+        if m.group(3) != text:
+            changed.append("code:" + m.group(2))
+        return m.group(1) + text + m.group(4)
+
+    text = REGION.sub(keys, text)
+    text = CODE.sub(code, text) if CODE.search(text) else text
+    return TABLE.sub(tables, text), changed
 
 
 def main(argv=None) -> int:
@@ -214,7 +255,7 @@ def main(argv=None) -> int:
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text()
         new, changed = update(text, classes, str(page))
-        stale += [f"{page.relative_to(ROOT)}: {n if n.startswith('table:') else 'keys:' + n}" for n in changed]
+        stale += [f"{page.relative_to(ROOT)}: {n if n.startswith(('table:', 'code:')) else 'keys:' + n}" for n in changed]
         if changed and not args.check:
             page.write_text(new)
     if args.check and stale:

@@ -290,14 +290,26 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 @dataclass
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (position interpolation) or 'llama3' (Llama 3.1)."""
-    type: Literal["linear", "llama3"] = "linear"
+    """RoPE frequency scaling: 'linear' (position interpolation), 'llama3' (Llama 3.1), 'yarn' (YaRN) or
+    'longrope' (Phi-3); zoo/blocks/rope.py."""
+    type: Literal["linear", "llama3", "yarn", "longrope"] = "linear"
     factor: float = bounded(1.0, gt=0)
     low_freq_factor: float = 1.0            # llama3 only
     high_freq_factor: float = 4.0           # llama3 only
-    original_max_position_embeddings: int = bounded(8192, gt=0)  # llama3 only
+    original_max_position_embeddings: int = bounded(8192, gt=0)  # llama3, yarn, longrope: the pretraining context
+    beta_fast: float = bounded(32.0, gt=0)  # yarn: channels turning more often than this keep their frequency
+    beta_slow: float = bounded(1.0, gt=0)   # yarn: channels turning less often than this are interpolated
+    truncate: bool = True                   # yarn: round the ramp's ends to whole channels
+    attention_factor: Optional[float] = bounded(None, gt=0)  # yarn, longrope: cos/sin scale; null = from `factor`
+    mscale_all_dim: float = bounded(0.0, ge=0)  # yarn with multi-head latent attention (DeepSeek): scores times
+                                            # (0.1 mscale_all_dim ln(factor) + 1)^2; 0 = off
+    short_factor: list[float] = field(default_factory=list)  # longrope: per-channel divisors (head_dim / 2 values)
+    long_factor: list[float] = field(default_factory=list)  # longrope: the same past
+                                            # `original_max_position_embeddings`
 
     def validate(self, source, prefix=""):
+        if self.type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise fail(source, prefix + "short_factor", "and long_factor must be lists of head_dim / 2 numbers")
         if self.type == "llama3":
             if self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
                 raise fail(source, prefix + "high_freq_factor",
@@ -334,6 +346,12 @@ class MoEConfig:
                                             # most ceil(factor * tokens * top_k / n_experts) choices, the rest dropped
     router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer's input by U(1 - j, 1 + j) noise
                                             # (Mixtral's `router_jitter_noise`)
+    bias: bool = False                      # biases on the router and the experts (GPT-OSS)
+    swiglu_limit: Optional[float] = bounded(None, gt=0)  # clamped SwiGLU experts (GPT-OSS): gate <= L, up in [-L,
+                                            # L], gate * sigmoid(1.702 gate) * (up + 1); null = plain SwiGLU
+    n_groups: int = bounded(1, gt=0)        # expert groups for group-limited routing (DeepSeek-V3); 1 = off
+    topk_groups: int = bounded(1, gt=0)     # groups a token's experts may come from (<= `n_groups`)
+    routed_scale: float = bounded(1.0, gt=0)  # the routed experts' weights are multiplied by it (DeepSeek-V3)
     dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
                                             # matmul per expert), `auto` (grouped where the device and dtype allow)
 
@@ -341,8 +359,21 @@ class MoEConfig:
         p = prefix
         if self.top_k > self.n_experts:
             raise fail(source, p + "top_k", f"={self.top_k} must be <= {p}n_experts={self.n_experts}")
+        if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
+            raise fail(source, p + "n_groups", f"={self.n_groups} must divide {p}n_experts={self.n_experts} and be "
+                                               f">= {p}topk_groups={self.topk_groups}")
         if self.shared_gate and not self.n_shared:
             raise fail(source, p + "shared_gate", f"needs {p}n_shared > 0")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (zoo/blocks/mla.py, DeepSeek-V2/V3) in place of grouped-query attention."""
+    kv_rank: int = bounded(512, gt=0)       # width of the compressed key/value latent (what the KV cache holds)
+    q_rank: Optional[int] = bounded(None, gt=0)  # width of the query bottleneck; null = a full-rank query projection
+    rope_dim: int = bounded(64, gt=0)       # per-head channels with RoPE (the key part shared by all heads)
+    nope_dim: int = bounded(128, gt=0)      # per-head query/key channels without RoPE
+    v_dim: int = bounded(128, gt=0)         # per-head value width
 
 
 @dataclass
@@ -368,8 +399,30 @@ class LLMConfig:
     tie_embeddings: bool = True             # the LM head shares the embedding matrix (one tensor)
     qkv_bias: bool = False                  # bias on the q/k/v projection (Qwen2)
     sliding_window: Optional[int] = bounded(None, gt=0)  # attend only to the last N positions (Mistral)
-    qk_norm: bool = False                   # RMSNorm (eps `norm_eps`) over each query and key head before RoPE
-                                            # (Qwen3)
+    qk_norm: Union[bool, Literal["head", "proj"]] = False  # RMSNorm (eps `norm_eps`) of queries and keys before
+                                            # RoPE: `true` / `head` per head (Qwen3, Gemma 3), `proj` over the whole
+                                            # projection (OLMo 2)
+    attn_out_bias: bool = False             # bias on the attention output projection (with `qkv_bias`: Llama's
+                                            # attention_bias)
+    attn_pattern: list[Literal["local", "global"]] = field(default_factory=list)  # per layer, repeated over the
+                                            # layers: `local` layers use `sliding_window`, `global` ones see
+                                            # everything (Gemma, GPT-OSS); empty: `sliding_window` on every layer
+    rope_theta_local: Optional[float] = bounded(None, gt=0)  # RoPE base of the `local` layers, unscaled (Gemma 3);
+                                            # null = `rope_theta`
+    nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
+    rotary_fraction: float = bounded(1.0, gt=0, le=1)  # share of each head's channels RoPE rotates (Phi-4-mini)
+    norm_placement: Literal["pre", "post", "sandwich"] = "pre"  # RMSNorm before each branch (`pre`), after it
+                                            # (`post`, OLMo 2) or both (`sandwich`, Gemma)
+    mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
+                                            # (Gemma)
+    embed_scale: bool = False               # multiply the embeddings by sqrt(`d_model`) (Gemma)
+    query_pre_attn_scalar: Optional[float] = bounded(None, gt=0)  # attention scores scaled by its -1/2 power
+                                            # instead of `head_dim`'s (Gemma)
+    attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
+    final_softcap: Optional[float] = bounded(None, gt=0)  # output logits c * tanh(z / c) (Gemma 2)
+    attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)
+    mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): a mapping of its keys; null =
+                                            # grouped-query attention
     moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: a mapping of the keys below; null = a dense
                                             # model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
@@ -404,6 +457,18 @@ class LLMConfig:
         if self.mod_capacity > 0 and self.sliding_window is not None:
             raise fail(source, p + "mod_capacity", f"does not combine with {p}sliding_window (a MoD block's "
                                                    f"tokens are not contiguous)")
+        for key in ("attn_sinks", "attn_softcap", "mla"):
+            if self.mod_capacity > 0 and getattr(self, key):
+                raise fail(source, p + "mod_capacity", f"does not combine with {p}{key} (a MoD block attends "
+                                                       f"through a key mask)")
+        if "local" in self.attn_pattern and self.sliding_window is None:
+            raise fail(source, p + "attn_pattern", f"has local layers but {p}sliding_window is null")
+        bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise fail(source, p + "nope_layers", f"has {bad}, not layers of {p}n_layers={self.n_layers}")
+        if self.rotary_dim % 2:
+            raise fail(source, p + "rotary_fraction", f"={self.rotary_fraction} gives {self.rotary_dim} rotated "
+                                                      f"channels; RoPE needs an even number")
         if self.mod_capacity > 0 and self.mod_every > self.n_layers:
             raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
                                                 f"no layer would be a MoD block")
@@ -434,6 +499,17 @@ class LLMConfig:
         if self.moe is None:
             return None
         return self.moe.expert_hidden or self.resolved_ffn_hidden
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that RoPE rotates."""
+        return self.mla.rope_dim if self.mla else int(self.resolved_head_dim * self.rotary_fraction)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) attends within `sliding_window` (attn_pattern)."""
+        if self.sliding_window is None:
+            return False
+        return not self.attn_pattern or self.attn_pattern[layer % len(self.attn_pattern)] == "local"
 
     def is_mod(self, layer: int) -> bool:
         """Whether block `layer` (from 0) is wrapped in Mixture-of-Depths routing."""

@@ -20,6 +20,7 @@ from .blocks.attention_docs import Documents, document_positions  # noqa: F401  
 from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
 from .blocks.matvec_cpu import MatvecAsReduction
+from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
@@ -41,7 +42,17 @@ def moe_block(cfg: LLMConfig) -> MoE:
     m = cfg.moe
     return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
                m.n_shared, m.shared_hidden, m.shared_gate, m.capacity_factor, m.balance == "bias",
-               m.router_jitter, m.dispatch)
+               m.router_jitter, m.dispatch, m.bias, m.swiglu_limit, m.n_groups, m.topk_groups, m.routed_scale)
+
+
+def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
+    """Multi-head latent attention; scores scaled as DeepSeek's YaRN does (mscale_all_dim)."""
+    m, s = cfg.mla, cfg.rope_scaling
+    scale = (m.nope_dim + m.rope_dim) ** -0.5
+    if s is not None and s.type == "yarn" and s.mscale_all_dim and s.factor > 1:
+        scale *= (0.1 * s.mscale_all_dim * math.log(s.factor) + 1) ** 2
+    return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
+                                    cfg.norm_eps, scale)
 
 
 class Block(nn.Module):
@@ -49,22 +60,32 @@ class Block(nn.Module):
 
     def __init__(self, cfg: LLMConfig, layer: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
-                                        sliding_window=cfg.sliding_window, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
+        scalar = cfg.query_pre_attn_scalar
+
+        def norm(where):  # RMSNorm where norm_placement puts one, else nothing
+            wanted = cfg.norm_placement == "sandwich" or cfg.norm_placement == where
+            return RMSNorm(cfg.d_model, cfg.norm_eps) if wanted else nn.Identity()
+        self.attn_norm = norm("pre")
+        self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
+                                        sliding_window=cfg.sliding_window if cfg.is_local(layer) else None,
+                                        qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers,
+                                        scale=scalar ** -0.5 if scalar else None, softcap=cfg.attn_softcap,
+                                        sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias)
+        self.attn_post_norm = norm("post")
+        self.mlp_norm = norm("pre")
+        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
+        self.mlp_post_norm = norm("post")
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
         may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
         doc_ids (B, T): attention within each document (blocks/attention_docs.py)."""
         mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, mask)
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, cache, start_pos, mask))
+        y, stats = self.mlp(self.mlp_norm(x)), None
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.mlp_norm(x))
-            return x + y, stats
-        return x + self.mlp(self.mlp_norm(x)), None
+            y, stats = y
+        return x + self.mlp_post_norm(y), stats
 
 
 class LLM(nn.Module):
@@ -85,8 +106,7 @@ class LLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rope = RotaryEmbedding(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, scaling)
+        self.build_rope(cfg.max_seq_len)
         n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
@@ -95,6 +115,15 @@ class LLM(nn.Module):
         self.keep_mod_decisions = False
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
+
+    def build_rope(self, length: int):
+        """The RoPE tables (fp32, non-persistent), `length` positions to start with: `rope`, and `rope_local`
+        for the local layers when they have a base of their own (rope_theta_local)."""
+        cfg = self.config
+        scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        self.rope = RotaryEmbedding(cfg.rotary_dim, length, cfg.rope_theta, scaling)
+        self.rope_local = RotaryEmbedding(cfg.rotary_dim, length, cfg.rope_theta_local) \
+            if cfg.rope_theta_local is not None else None
 
     def reset_parameters(self):
         std = self.config.init_std
@@ -118,8 +147,12 @@ class LLM(nn.Module):
         MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches)."""
         B, T = input_ids.shape
         h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids)
+        cap = self.config.final_softcap
         if targets is None:
-            out = (self.lm_head(h),)
+            out = (self.logits(h),)
+        elif cap is not None and (self.chunked_loss or distill is not None):
+            raise ValueError(f"final_softcap={cap}: train with train.chunked_loss=false and without distillation "
+                             f"(the chunked losses read the uncapped logits)")
         elif self.chunked_loss and distill is not None:
             loss = chunked_distillation_loss(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
                                              distill.hidden.reshape(B * T, -1), distill.weight, distill.alpha,
@@ -130,7 +163,7 @@ class LLM(nn.Module):
                                          self.loss_chunk_size)
             out = (None, loss)
         else:
-            logits = self.lm_head(h)
+            logits = self.logits(h)
             if distill is not None:
                 loss = distillation_loss(logits.view(B * T, -1), distill.hidden.reshape(B * T, -1) @ distill.weight.t(),
                                          targets.reshape(B * T), distill.alpha, distill.temperature)
@@ -145,6 +178,12 @@ class LLM(nn.Module):
             out = out + (aux,)
         return out[0] if len(out) == 1 else out
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, T, D) -> logits (B, T, V), soft-capped at final_softcap c: c * tanh(z / c)."""
+        z = self.lm_head(h)
+        cap = self.config.final_softcap
+        return z if cap is None else cap * torch.tanh(z / cap)
+
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (distillation)."""
         return self._trunk(input_ids, None, 0, None)[0]
@@ -155,12 +194,16 @@ class LLM(nn.Module):
         if doc_ids is not None and caches is not None:
             raise ValueError("doc_ids (document masking) is for forwards without caches; decoding runs one sequence")
         x = self.embed(input_ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        if position_ids is not None:
-            cos, sin = self.rope.at(position_ids, rope_dtype)  # (B, T, D)
-        else:
-            cos, sin = self.rope(start_pos, T, rope_dtype)
+        tables = []
+        for rope in (self.rope, self.rope_local or self.rope):
+            if position_ids is not None:
+                tables.append(rope.at(position_ids, rope_dtype))  # (B, T, D)
+            else:
+                tables.append(rope(start_pos, T, rope_dtype))
         stats, mod_stats = [], []
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
@@ -173,7 +216,7 @@ class LLM(nn.Module):
                 kw["causal"] = causal
             if doc_ids is not None:
                 kw["doc_ids"] = doc_ids
-            x, s, *m = layer(x, cos, sin, **kw)
+            x, s, *m = layer(x, *tables[self.config.is_local(i)], **kw)
             if s is not None:
                 stats.append(s)
             mod_stats += m
@@ -264,6 +307,9 @@ class LLM(nn.Module):
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
         p = self.embed.weight
         cfg = self.config
+        if cfg.mla:  # the compressed latents only
+            return [LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device or p.device, dtype or p.dtype)
+                    for _ in range(cfg.n_layers)]
         return [(MaskedKVCache if cfg.is_mod(i) else KVCache)(batch, cfg.resolved_n_kv_heads, max_len,
                                                               cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
                 for i in range(cfg.n_layers)]

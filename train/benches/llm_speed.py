@@ -1,6 +1,7 @@
 """LLM speed: training steps, decoding and loading, Zoo against transformers or one Zoo model against another.
 
     python train/bench.py llm-train      # Zoo's LLM vs transformers' Llama of the same shape: training steps
+    python train/bench.py llm-train --arch gemma3   # ... or of Qwen3's / Gemma 3's architecture, on one checkpoint
     python train/bench.py llm-moe        # Zoo's MoE vs transformers' Mixtral on the same weights: training, decoding
     python train/bench.py llm-mod        # Mixture-of-Depths vs the dense model: training, decoding
     python train/bench.py doc-mask       # document masking (bmm, SDPA mask) vs plain causal attention: training
@@ -101,6 +102,28 @@ def pair(name, model, loss, modes, optimizer=None) -> dict:
     return {f"{name}-{m}": harness.Side(model, loss, opt, compile=m == "compile") for m in modes}
 
 
+# --arch: transformers' config class and what its shape needs beyond the common options
+ARCHS = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", {}),
+         "gemma3": ("Gemma3TextConfig", {"sliding_window": 128, "layer_types": None})}
+
+
+def hf_checkpoint(args, folder: Path) -> Path:
+    """A transformers model of --arch and the shape options, random weights, saved to `folder`."""
+    import transformers
+    name, extra = ARCHS[args.arch]
+    head_dim = args.d_model // args.n_heads
+    kw = dict(vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.n_layers,
+              num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads, head_dim=head_dim,
+              max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None, **extra)
+    kw["intermediate_size"] = getattr(args, "ffn", 0) or harness.llm_config(args).resolved_ffn_hidden
+    if args.arch == "gemma3":  # five local layers to one global, scores by the head size
+        kw.update(query_pre_attn_scalar=head_dim,
+                  layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(args.n_layers)])
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**kw)).save_pretrained(folder)
+    return folder
+
+
 def prepare(preset, args, tmp: Path) -> Path:
     """The checkpoint the sides load: a Mixtral folder of Zoo's MoE (llm-moe), a Llama folder with random
     weights (llm-generate), the GGUF file (gguf)."""
@@ -115,13 +138,8 @@ def prepare(preset, args, tmp: Path) -> Path:
             args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
             moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss", aux_loss_coef=args.aux_coef,
                           z_loss_coef=0.0))), folder)
-    if preset == "llm-generate":
-        import transformers
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn, num_hidden_layers=args.n_layers,
-            num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads,
-            max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-        )).save_pretrained(folder)
+    if preset == "llm-generate" or getattr(args, "arch", "llama") != "llama":
+        hf_checkpoint(args, folder)
     return folder
 
 
@@ -130,6 +148,14 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     import zoo
     from train.config import OptimConfig
     torch.manual_seed(0)
+    if preset == "llm-train" and args.arch != "llama":  # both sides load the checkpoint: the same weights
+        model = zoo.from_pretrained(folder, dtype=torch.float32)
+        model.chunked_loss, model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
+        sides = pair("zoo", model.train(), zoo_loss(ids), args.modes)
+        hf = hf_load(folder, attn_implementation="sdpa").train()
+        opt = torch.optim.AdamW(hf.parameters(), lr=OptimConfig().lr, fused=True)
+        sides.update(pair("transformers", hf, hf_loss(ids), args.modes, opt))
+        return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
     if preset == "llm-train":
         from transformers import LlamaConfig, LlamaForCausalLM
         model = zoo.build(harness.llm_config(args, tie_embeddings=not args.untied))
@@ -430,6 +456,9 @@ def main(argv=None, preset: str = "llm-train"):
     p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
                    help="load processes per side")
     p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
+    if preset in ("llm-train", "llm-generate"):
+        p.add_argument("--arch", choices=tuple(ARCHS), default="llama",
+                       help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
     if preset == "llm-train":
         p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
         p.add_argument("--no-chunked-loss", action="store_true", help="Zoo: plain cross-entropy on full logits")

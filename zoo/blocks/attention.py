@@ -5,8 +5,13 @@ Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); 
 "Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
 "FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
 
-One fused projection `qkv` (rows: H*D of q, KV*D of k, KV*D of v); `qk_norm` (Qwen3) RMS-normalises
-q and k heads before RoPE; `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
+One fused projection `qkv` (rows: H*D of q, KV*D of k, KV*D of v); `qk_norm` RMS-normalises q and k
+before RoPE, per head ('head': Qwen3, Gemma 3) or over the whole projection ('proj': OLMo 2); `rope`
+False: no positions (NoPE layers, SmolLM3); cos, sin narrower than a head rotate its first channels
+(partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma's query_pre_attn_scalar ** -0.5);
+`softcap` c: scores c * tanh(s / c) (Gemma 2); `sinks`: a learned logit per head in every softmax's
+denominator (GPT-OSS; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023);
+the last two run the 'math' path. `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
 attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16),
 'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
 
@@ -81,14 +86,23 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> tor
     return mask
 
 
-def attend_math(q, k, v, mask: torch.Tensor) -> torch.Tensor:
-    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (True = attend)."""
-    H, KV = q.shape[1], k.shape[1]
+def attend_math(q, k, v, mask: torch.Tensor, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 reference softmax(q k^T / sqrt(D)) v within `mask` (True = attend); scores soft-capped at
+    `softcap`; `sinks` (H,): a logit per head that joins each softmax and takes no value."""
+    B, H, Tq, _ = q.shape
+    KV = k.shape[1]
     if KV != H:
         k = k.repeat_interleave(H // KV, dim=1)
         v = v.repeat_interleave(H // KV, dim=1)
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    scores = torch.cat([scores, sinks.float().view(1, H, 1, 1).expand(B, H, Tq, 1)], dim=-1)
+    return (scores.softmax(-1)[..., :-1] @ v.float()).to(q.dtype)
 
 
 def sdpa(q, k, v, **kw) -> torch.Tensor:
@@ -121,10 +135,14 @@ def check_flash(q):
     return fn
 
 
-def attend(q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of q (B, H, Tq, D), the last Tq positions, over k, v (B, KV, Tk, D) -> (B, H, Tq, D)."""
+def attend(q, k, v, backend: str = "auto", window: Optional[int] = None, softcap: Optional[float] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of q (B, H, Tq, D), the last Tq positions, over k, v (B, KV, Tk, D) -> (B, H, Tq, D);
+    soft-capped scores or sinks: the 'math' path (attend_math)."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
+    if softcap is not None or sinks is not None:
+        return attend_math(q, k, v, attention_mask(Tq, Tk, window, q.device), softcap, sinks)
     backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling())
     if backend == "flash":
         out = check_flash(q)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
@@ -170,7 +188,8 @@ def attend_flex(q, k, v, window: Optional[int] = None, runs: Optional[torch.Tens
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None,
-                 qk_norm: bool = False, norm_eps: float = 1e-6):
+                 qk_norm=False, norm_eps: float = 1e-6, rope: bool = True, scale: Optional[float] = None,
+                 softcap: Optional[float] = None, sinks: bool = False, out_bias: bool = False):
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
@@ -182,10 +201,17 @@ class CausalSelfAttention(nn.Module):
         if backend in ("auto", "flash"):
             flash_available()  # import it now, not inside a compiled forward
         self.backend, self.sliding_window = backend, sliding_window
+        self.rope, self.softcap = rope, softcap
+        self.q_scale = None if scale is None else scale * math.sqrt(self.head_dim)  # on q: every backend's 1/sqrt(D)
         self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
-        self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=out_bias)
+        self.qk_norm = "head" if qk_norm is True else qk_norm or None
+        if self.qk_norm not in (None, "head", "proj"):
+            raise ValueError(f"qk_norm={qk_norm!r} must be False, True / 'head' or 'proj'")
+        per_proj = self.qk_norm == "proj"
+        self.q_norm = RMSNorm(self.head_dim * (n_heads if per_proj else 1), norm_eps) if self.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if per_proj else 1), norm_eps) if self.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -195,11 +221,19 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = qk.split([H, KV], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = apply_rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))  # q and k heads rotated in one go
+        elif self.qk_norm == "proj":
+            q, k = qk.flatten(2).split([H * D, KV * D], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2).view(B, T, H + KV, D)
+        if self.rope:  # q and k heads rotated in one go; a narrower table: its first channels only
+            r = cos.shape[-1]
+            rot = apply_rope(qk[..., :r], cos.unsqueeze(-2), sin.unsqueeze(-2))
+            qk = rot if r == D else torch.cat([rot, qk[..., r:]], dim=-1)
         q, k = qk.transpose(1, 2).split([H, KV], dim=1)  # (B, H, T, D), (B, KV, T, D)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
@@ -209,9 +243,12 @@ class CausalSelfAttention(nn.Module):
             k, v = self.prefix(k, v)
             mask = mask.prefixed(k.shape[2] - n) if mask is not None else None
         if mask is not None:
+            if self.softcap is not None or self.sinks is not None:
+                raise ValueError("soft-capped attention or attention sinks do not combine with a narrower mask "
+                                 "(packed documents, Mixture-of-Depths)")
             y = mask.attend(q, k, v, self.backend, self.sliding_window)
         else:
-            y = attend(q, k, v, self.backend, self.sliding_window)
+            y = attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 

@@ -1,7 +1,7 @@
-"""SwiGLU feed-forward block.
+"""SwiGLU feed-forward block (GeGLU with act='gelu_tanh', as Gemma's).
 
 Paper: Shazeer, "GLU Variants Improve Transformer" (2020); used by PaLM and Llama.
-    y = W_down( silu(W_gate x) * (W_up x) )
+    y = W_down( act(W_gate x) * (W_up x) ),  act: silu, or gelu with the tanh approximation
 W_gate and W_up are one fused (2*F, D) matrix `gate_up` (gate rows first): one input matmul.
 
 Shapes: x (B, T, D) -> (B, T, D); hidden F.
@@ -13,12 +13,15 @@ from torch import nn
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = False):
+    def __init__(self, dim: int, hidden: int, bias: bool = False, act: str = "silu"):
         super().__init__()
-        self.hidden = hidden
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"act={act!r} must be 'silu' or 'gelu_tanh'")
+        self.hidden, self.act = hidden, act
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down(gate * up)

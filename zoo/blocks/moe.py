@@ -7,7 +7,11 @@ loss, capacity factor); Zoph et al., "ST-MoE: Designing Stable and Transferable 
 Models" (2022: router z-loss); Gale et al., "MegaBlocks: Efficient Sparse Training with
 Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral of Experts"
 (2024); Qwen Team, "Qwen2 Technical Report" (2024: gated shared expert); DeepSeek-AI,
-"DeepSeek-V3 Technical Report" (2024: sigmoid scores, auxiliary-loss-free balancing bias).
+"DeepSeek-V3 Technical Report" (2024: sigmoid scores, auxiliary-loss-free balancing bias); OpenAI,
+"gpt-oss-120b & gpt-oss-20b Model Card" (2025: `bias` on the router and experts, `swiglu_limit` L: the
+SwiGLU clamped, gate min(g, L) * sigmoid(1.702 gate) * (clamp(u, -L, L) + 1)). DeepSeek-V3's group-limited
+routing: `n_groups` groups of experts, only those of the `topk_groups` groups whose two best scores sum
+highest chosen; the weights times `routed_scale`.
 
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
 Experts are stacked `gate_up` (E, 2F, D) and `down` (E, D, F), run by grouped matmuls ('grouped')
@@ -76,7 +80,9 @@ class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, scoring: str = "softmax",
                  norm_topk_prob: bool = True, n_shared: int = 0, shared_hidden: Optional[int] = None,
                  shared_gate: bool = False, capacity_factor: Optional[float] = None,
-                 bias_balancing: bool = False, jitter: float = 0.0, dispatch: str = "auto"):
+                 bias_balancing: bool = False, jitter: float = 0.0, dispatch: str = "auto", bias: bool = False,
+                 swiglu_limit: Optional[float] = None, n_groups: int = 1, topk_groups: int = 1,
+                 routed_scale: float = 1.0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
@@ -89,9 +95,14 @@ class MoE(nn.Module):
         self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
         self.scoring, self.norm_topk_prob = scoring, norm_topk_prob
         self.capacity_factor, self.jitter, self.dispatch = capacity_factor, jitter, dispatch
-        self.router = nn.Linear(dim, n_experts, bias=False)
+        if n_experts % n_groups or not 1 <= topk_groups <= n_groups:
+            raise ValueError(f"n_groups={n_groups} must divide n_experts={n_experts}, topk_groups={topk_groups} in [1, n_groups]")
+        self.swiglu_limit, self.n_groups, self.topk_groups, self.routed_scale = swiglu_limit, n_groups, topk_groups, routed_scale
+        self.router = nn.Linear(dim, n_experts, bias=bias)
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.gate_up_bias = nn.Parameter(torch.zeros(n_experts, 2 * hidden)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(n_experts, dim)) if bias else None
         self.shared = SwiGLU(dim, n_shared * (shared_hidden or hidden)) if n_shared else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if n_shared and shared_gate else None
         if bias_balancing:  # persistent: a checkpoint resumes with the same routing
@@ -113,10 +124,17 @@ class MoE(nn.Module):
         logits = self.router(x).float()
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.n_groups > 1:  # group-limited: only experts of the groups with the best two scores summed
+            G = self.n_groups
+            best = choice.view(-1, G, self.n_experts // G).topk(2, dim=-1).values.sum(-1)  # (N, G)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.n_experts // G, dim=1), float("-inf"))
         experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
         return logits, weights, experts, probs
 
@@ -154,7 +172,7 @@ class MoE(nn.Module):
             order, keep = order[again], keep[again]
             kept = counts.clamp(max=cap)
         token = order % N
-        y = self._experts(x, token, sorted_e, kept, keep).float()
+        y = self._experts(x, token, sorted_e if keep is None else flat[order], kept, keep).float()
         if keep is not None:  # before the weights: the dropped rows hold undefined values
             y = torch.where(keep[:, None], y, 0.0)
         y = y * w_flat[order, None]
@@ -180,6 +198,19 @@ class MoE(nn.Module):
         dev = x.device.type
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
+    def _glu(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The gate_up rows h (S, 2F) of experts e (S,) -> the activations (S, F): SwiGLU, or the clamped one."""
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[e].to(h.dtype)
+        g, u = h.chunk(2, dim=-1)
+        if self.swiglu_limit is None:
+            return F.silu(g) * u
+        g, u = g.clamp(max=self.swiglu_limit), u.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return g * torch.sigmoid(1.702 * g) * (u + 1)
+
+    def _out(self, y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return y if self.down_bias is None else y + self.down_bias[e].to(y.dtype)
+
     def _experts(self, x, token, sorted_e, kept, keep):
         """The SwiGLU experts on the gathered tokens x[token] (S, D), grouped by expert (row i
         for expert sorted_e[i]): kept[e] rows for expert e, then the dropped rows (if any).
@@ -189,9 +220,8 @@ class MoE(nn.Module):
         if keep is None and x.shape[0] <= DECODE_ROWS and x.device.type == "cpu" and torch.compiler.is_compiling():
             gate_up = self.gate_up[sorted_e].to(dt)  # (S, 2F, D): fused into the reduction, never made
             h = (xs[:, None, :] * gate_up).sum(-1, dtype=torch.float32).to(dt)
-            g, u = h.chunk(2, dim=-1)
-            a = F.silu(g) * u
-            return (a[:, None, :] * self.down[sorted_e].to(dt)).sum(-1, dtype=torch.float32).to(dt)
+            a = self._glu(h, sorted_e)
+            return self._out((a[:, None, :] * self.down[sorted_e].to(dt)).sum(-1, dtype=torch.float32).to(dt), sorted_e)
         gate_up, down = self.gate_up.to(dt), self.down.to(dt)
         mode = self.dispatch
         if mode == "auto":
@@ -200,11 +230,9 @@ class MoE(nn.Module):
             if keep is not None:  # rows past the kept ones are left undefined: zero their gradient
                 xs = xs.masked_fill(~keep[:, None], 0.0)
             offs = kept.cumsum(0).to(torch.int32)
-            g, u = grouped_linear(xs, gate_up, offs).chunk(2, dim=-1)
-            return grouped_linear(F.silu(g) * u, down, offs)
+            return self._out(grouped_linear(self._glu(grouped_linear(xs, gate_up, offs), sorted_e), down, offs), sorted_e)
         counts = kept.tolist()  # the loop needs the group sizes on the host
-        g, u = loop_linear(xs, gate_up, counts).chunk(2, dim=-1)
-        return loop_linear(F.silu(g) * u, down, counts)
+        return self._out(loop_linear(self._glu(loop_linear(xs, gate_up, counts), sorted_e), down, counts), sorted_e)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, n_experts={self.n_experts}, top_k={self.top_k}, "

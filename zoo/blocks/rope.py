@@ -1,10 +1,14 @@
-"""Rotary position embedding (RoPE) with optional 'linear' and 'llama3' frequency scaling.
+"""Rotary position embedding (RoPE) with optional 'linear', 'llama3', 'yarn' and 'longrope' scaling.
 
 Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021).
 Scaling: 'linear' = Chen et al., "Extending Context Window of Large Language Models via
 Positional Interpolation" (2023); 'llama3' = the wavelength-dependent rule of Llama 3.1
-(Meta, "The Llama 3 Herd of Models", 2024).
-The "rotate-half" layout (channel i paired with i + D/2), as Hugging Face's: no weight permutation.
+(Meta, "The Llama 3 Herd of Models", 2024); 'yarn' = Peng et al., "YaRN: Efficient Context Window
+Extension of Large Language Models" (2023); 'longrope' = Ding et al., "LongRoPE" (2024, Phi-3: per-channel
+factors, the long ones once a sequence passes original_max_position_embeddings). yarn and longrope
+scale cos and sin by an attention factor. The "rotate-half" layout (channel i paired with i + D/2), as
+Hugging Face's: no weight permutation. A table narrower than a head rotates only its first channels
+(partial rotary, `apply_rope`'s caller splits them off).
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
 (`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
@@ -17,16 +21,32 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None,
+                  long: bool = False) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/D), i < D/2, in fp32, with the scaling rule applied. scaling: None,
-    or {'type': 'linear' | 'llama3', 'factor'} and for llama3 'low_freq_factor', 'high_freq_factor',
-    'original_max_position_embeddings'."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    or {'type': 'linear' | 'llama3' | 'yarn' | 'longrope', 'factor'}, for llama3 'low_freq_factor',
+    'high_freq_factor', 'original_max_position_embeddings', for yarn 'beta_fast', 'beta_slow', 'truncate',
+    for longrope 'short_factor', 'long_factor' (D/2 each; `long` picks the second)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
     if not scaling:
         return inv_freq
     kind, factor = scaling["type"], float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
+    if kind == "longrope":
+        return 1.0 / (torch.tensor(scaling["long_factor" if long else "short_factor"]).float() * theta ** exponent)
+    if kind == "yarn":  # channels that turn fewer than beta_slow times in the old context: interpolated
+        old = float(scaling["original_max_position_embeddings"])
+
+        def channel(turns):  # the channel that turns `turns` times over the old context
+            return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = channel(scaling.get("beta_fast", 32.0)), channel(scaling.get("beta_slow", 1.0))
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2).float() - low) / max(high - low, 0.001)).clamp(0, 1)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp)
     if kind == "llama3":
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_len = float(scaling["original_max_position_embeddings"])
@@ -38,7 +58,22 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict]
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unknown rope scaling type {kind!r} (supported: 'linear', 'llama3')")
+    raise ValueError(f"unknown rope scaling type {kind!r} (supported: 'linear', 'llama3', 'yarn', 'longrope')")
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """The factor yarn and longrope multiply cos and sin by: scaling['attention_factor'], else from the
+    factor (yarn: 0.1 ln(factor) + 1; longrope: sqrt(1 + ln(factor) / ln(original length))); else 1."""
+    if not scaling or scaling["type"] not in ("yarn", "longrope"):
+        return 1.0
+    factor = float(scaling["factor"])
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    if factor <= 1:
+        return 1.0
+    if scaling["type"] == "yarn":
+        return 0.1 * math.log(factor) + 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor):
@@ -68,31 +103,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds inv_freq and a cos/sin cache for positions [0, max_seq_len)."""
+    """Holds inv_freq and a cos/sin cache for positions [0, max_seq_len); under longrope a second one
+    (`long_*`) for sequences longer than original_max_position_embeddings."""
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, scaling: Optional[dict] = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.attention_factor = rope_attention_factor(scaling)
+        self.long_after = scaling["original_max_position_embeddings"] \
+            if scaling and scaling["type"] == "longrope" else None
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        if self.long_after is not None:
+            self.register_buffer("long_inv_freq", rope_inv_freq(head_dim, theta, scaling, long=True), persistent=False)
         self._build(max_seq_len)
 
     def _build(self, n: int, device=None):
-        inv = self.inv_freq if device is None else self.inv_freq.to(device)
-        cos, sin = rope_cos_sin(inv, torch.arange(n, device=inv.device))
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        for prefix in ("", "long_") if self.long_after is not None else ("",):
+            inv = getattr(self, prefix + "inv_freq")
+            inv = inv if device is None else inv.to(device)
+            cos, sin = rope_cos_sin(inv, torch.arange(n, device=inv.device))
+            self.register_buffer(prefix + "cos", cos * self.attention_factor, persistent=False)
+            self.register_buffer(prefix + "sin", sin * self.attention_factor, persistent=False)
+
+    def _tables(self, end: int):
+        if end > self.cos.shape[0]:
+            self._build(max(end, 2 * self.cos.shape[0]), self.inv_freq.device)
+        if self.long_after is not None and end > self.long_after:
+            return self.long_cos, self.long_sin
+        return self.cos, self.sin
 
     def forward(self, start: int, length: int, dtype: torch.dtype):
         """cos, sin of shape (length, D) for positions [start, start + length), in `dtype`."""
-        end = start + length
-        if end > self.cos.shape[0]:
-            self._build(max(end, 2 * self.cos.shape[0]), self.inv_freq.device)
-        return self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)
+        cos, sin = self._tables(start + length)
+        return cos[start:start + length].to(dtype), sin[start:start + length].to(dtype)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin of shape (*positions.shape, D) for integer positions of any shape (e.g. (B, T), restarting
         per document), in `dtype`; positions must be below max(cache length, T) (no host sync to check)."""
-        n = positions.shape[-1] if positions.dim() else 1
-        if n > self.cos.shape[0]:
-            self._build(max(n, 2 * self.cos.shape[0]), self.inv_freq.device)
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        cos, sin = self._tables(positions.shape[-1] if positions.dim() else 1)
+        return cos[positions].to(dtype), sin[positions].to(dtype)

@@ -6,7 +6,7 @@
 
 The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping
 (the metadata as a config.json dict, llama.cpp's interleaved q/k rows un-permuted to rotate-half).
-Architectures `llama` and `qwen2`; the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything
+Architectures `ARCHITECTURES` (in: all; out: `llama`, `qwen2`); the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything
 else is refused in one line naming the file (docs/pretrained.md, "GGUF files").
 """
 from __future__ import annotations
@@ -20,7 +20,11 @@ from ..config import ConfigError, LLMConfig
 from .files import atomic_write
 from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, key_map, mismatches
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # GGUF name -> Hugging Face class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM"}  # GGUF name -> Hugging Face class
+WRITES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM",
+          "Phi3ForCausalLM")  # the architectures `save` writes
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
@@ -80,14 +84,11 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
         raise ConfigError(f"{source}: RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are "
                           f"not supported")
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
+    if scaling not in ("none", "linear") and not (arch == "phi3" and "rope_factors_long.weight" in tensor_names):
         raise ConfigError(f"{source}: {arch}.rope.scaling.type='{scaling}' is not supported (none, linear)")
     n_heads, d = get("attention.head_count"), get("embedding_length")
     head_dim = get("attention.key_length") or (get("rope.dimension_count") if arch == "llama" else None)
     rot = get("rope.dimension_count")
-    if head_dim is not None and rot is not None and rot != head_dim:
-        raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
-                          f"RoPE is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     hf = {"architectures": [ARCHITECTURES[arch]], "hidden_size": d, "num_attention_heads": n_heads,
           "num_hidden_layers": get("block_count"), "intermediate_size": get("feed_forward_length"),
@@ -98,8 +99,23 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
           "rope_theta": get("rope.freq_base", 10000.0), "tie_word_embeddings": "output.weight" not in tensor_names}
     if head_dim is not None:
         hf["head_dim"] = head_dim
+    if get("attention.sliding_window"):
+        hf.update(sliding_window=get("attention.sliding_window"), use_sliding_window=True)
+    if rot is not None and rot != (head_dim or d // n_heads):
+        if arch != "phi3":
+            raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
+                              f"RoPE is not supported for {arch}")
+        hf["partial_rotary_factor"] = rot / (head_dim or d // n_heads)
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
+    if arch == "phi3" and "rope_factors_long.weight" in tensor_names:  # LongRoPE: the factors are tensors
+        factors = {k: [float(v) for v in tensor_names[f"rope_factors_{k}.weight"].data] for k in ("short", "long")}
+        hf.update(original_max_position_embeddings=get("rope.scaling.original_context_length"),
+                  rope_scaling={"rope_type": "longrope", "short_factor": factors["short"],
+                                "long_factor": factors["long"], "attention_factor": get("rope.scaling.attn_factor")})
+    if arch == "gemma3":  # llama.cpp's rules: local layers at base 10000, scores by the head size (27B: d / heads)
+        hf.update(sliding_window_pattern=get("attention.sliding_window_pattern", 6), rope_local_base_freq=10000.0,
+                  query_pre_attn_scalar=d // n_heads if get("block_count") == 62 else head_dim)
     missing = [k for k, v in hf.items() if v is None]
     if missing:
         raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
@@ -109,8 +125,8 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
 def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple[str, tuple]]]:
     """key_map with GGUF tensor names: Zoo name -> [(GGUF name, (rows, cols)), ...]."""
     gguf = _gguf()
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "LlamaForCausalLM" else gguf.MODEL_ARCH.QWEN2,
-                                     cfg.n_layers)
+    name = {v: k for k, v in ARCHITECTURES.items()}[arch]
+    table = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, name.upper()), cfg.n_layers)
     return {zoo: [(table.get_name(hf, try_suffixes=(".weight", ".bias")), shape) for hf, shape in parts]
             for zoo, parts in key_map(cfg, arch).items()}
 
@@ -155,7 +171,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     kmap = gguf_names(cfg, arch)
     expected = {name: shape for parts in kmap.values() for name, shape in parts}
     found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
-    problems = mismatches(found, expected)
+    problems = mismatches(found, expected, lambda n: n.startswith("rope_factors_"))
     if problems:
         raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
                          f"{cfg.n_layers} layers): {problems}")
@@ -322,7 +338,7 @@ def _write_type(dtype) -> str:
 
 
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
-    """Write `model` as one GGUF file (`llama`, or `qwen2` with a q/k/v bias); dtype: the 2-D weights'
+    """Write `model` as one GGUF file (`WRITES`: llama, qwen2, qwen3, olmo2, gemma3, phi3); dtype: the 2-D weights'
     type (under "q8_0" a row length not a multiple of 32 is written F16, as llama.cpp's converter does);
     norms and biases F32. tokenizer: a GGUF file or GGUFTokenizer to write (default: the loaded file's)."""
     gguf = _gguf()
@@ -333,11 +349,14 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     cfg: LLMConfig = model.config
     kind = _write_type(dtype)
     arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
-    if arch not in ARCHITECTURES.values():
-        raise ValueError(f"{out}: no GGUF architecture here holds this model ({arch}; supported: "
-                         f"{', '.join(ARCHITECTURES.values())})")
-    if cfg.rope_scaling is not None and cfg.rope_scaling.type != "linear":
-        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear only)")
+    if arch not in WRITES:
+        raise ValueError(f"{out}: no GGUF architecture here writes this model ({arch}; supported: "
+                         f"{', '.join(WRITES)})")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope"):
+        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
+    why = _unwritable(cfg, arch)
+    if why:
+        raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
     name = {v: k for k, v in ARCHITECTURES.items()}[arch]
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
     n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
@@ -360,13 +379,21 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w.add_head_count_kv(cfg.resolved_n_kv_heads)
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_rope_dimension_count(D)
-        if D * cfg.n_heads != cfg.d_model:
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        if D * cfg.n_heads != cfg.d_model or name in ("qwen3", "gemma3"):
             w.add_key_length(D)
             w.add_value_length(D)
-        if cfg.rope_scaling is not None:
+        if cfg.sliding_window is not None:
+            w.add_sliding_window(cfg.sliding_window)
+        s = cfg.rope_scaling
+        if s is not None and s.type == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+            w.add_rope_scaling_factor(s.factor)
+        if s is not None and s.type == "longrope":  # Phi-3: the factors as tensors
+            w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+            w.add_rope_scaling_attn_factors(model.rope.attention_factor)
+            for which in ("long", "short"):
+                w.add_tensor(f"rope_factors_{which}.weight", torch.tensor(getattr(s, which + "_factor")).float().numpy())
         w.add_vocab_size(cfg.vocab_size)
         w.add_file_type(file_type)
         if kind == "q8_0":
@@ -392,6 +419,19 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w.close()
 
     return atomic_write(out, write)
+
+
+def _unwritable(cfg: LLMConfig, arch: str) -> str:
+    """What of `cfg` llama.cpp's architecture would not read back ('' when nothing): its fixed rules."""
+    pattern = [cfg.is_local(i) for i in range(cfg.n_layers)]
+    if arch == "Gemma3ForCausalLM":
+        return ("a local/global pattern but five local layers to one global" if pattern != [(i + 1) % 6 != 0
+                for i in range(cfg.n_layers)] else "local RoPE base but 10000" if cfg.rope_theta_local not in (None, 1e4)
+                else "query_pre_attn_scalar but the head size" if cfg.query_pre_attn_scalar else
+                "final soft-cap" if cfg.final_softcap else "")
+    if arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM") and any(pattern):
+        return "sliding window"
+    return "q/k/v/o biases" if cfg.attn_out_bias else ""
 
 
 def _fields_to_write(tokenizer, remembered: Optional[dict]) -> dict:

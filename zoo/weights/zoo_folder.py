@@ -94,18 +94,17 @@ def cast_weights(model, dtype: torch.dtype):
 
 def zoo_only(model) -> bool:
     """An LLM no Hugging Face architecture holds (Mixture-of-Depths, qk-norm on a dense model, MoE
-    options none of them has) or with a trained MoE routing bias."""
+    options none of them has) or with a trained MoE routing bias (but for DeepSeek-V3, which holds one)."""
     from .hf_llm import architecture_for
     model = getattr(model, "_orig_mod", model)
     if getattr(model, "family", None) != "llm":
         return False
-    if any(b.score_bias is not None and bool(b.score_bias.any()) for b in model.moe_blocks()):
-        return True
     try:
-        architecture_for(model.config, getattr(model, "hf_architecture", None))
+        arch = architecture_for(model.config, getattr(model, "hf_architecture", None))
     except ValueError:
         return True
-    return False
+    return arch != "DeepseekV3ForCausalLM" and any(b.score_bias is not None and bool(b.score_bias.any())
+                                                   for b in model.moe_blocks())
 
 
 def exports(model) -> bool:

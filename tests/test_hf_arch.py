@@ -1,0 +1,170 @@
+"""Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py): Qwen3, SmolLM3,
+OLMo 2, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GPT-OSS and DeepSeek-V3, each at two small shapes, the
+second with its features at non-default values (windows shorter than the sequence, soft-caps, head_dim !=
+d_model / heads, MQA, partial rotary, LongRoPE / YaRN / linear scaling, NoPE layers, clamped experts, no
+query bottleneck); the presets of their families against transformers' classes.
+
+Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
+transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
+KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / rope_local_base_freq /
+partial_rotary_factor at the top level, torch_dtype); Zoo's export loads back in transformers as the same
+class with the same logits.
+"""
+import json
+
+import pytest
+import torch
+from test_hf_llm import assert_same_generation, assert_same_logits, randomize
+
+import zoo
+
+import transformers
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+YARN = {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+CASES = {
+    "qwen3": ("Qwen3", dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3-mqa-window-bias-yarn": ("Qwen3", dict(num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                                                 max_window_layers=2, attention_bias=True, rope_parameters=YARN)),
+    "smollm3": ("SmolLM3", dict(tie_word_embeddings=True)),
+    "smollm3-nope-window-mqa": ("SmolLM3", dict(num_key_value_heads=1, no_rope_layers=[1, 0, 0, 1], head_dim=24,
+                                                use_sliding_window=True, sliding_window=8)),
+    "olmo2": ("Olmo2", dict()),
+    "olmo2-mqa-head-dim-linear": ("Olmo2", dict(num_key_value_heads=1, head_dim=24, rope_parameters={
+        "rope_type": "linear", "rope_theta": 5e4, "factor": 2.0})),
+    "phi3-window": ("Phi3", dict(sliding_window=8)),
+    "phi4mini-partial-longrope": ("Phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                               num_key_value_heads=1, rope_parameters=LONGROPE,
+                                               original_max_position_embeddings=32)),
+    "gemma2": ("Gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8)),
+    "gemma2-softcaps-scalar-mqa": ("Gemma2", dict(head_dim=24, num_key_value_heads=1, query_pre_attn_scalar=10,
+                                                  attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                                  sliding_window=6)),
+    "gemma3": ("Gemma3Text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                  layer_types=[SLIDING, SLIDING, FULL, SLIDING])),
+    "gemma3-scaled-global-softcaps-mqa": ("Gemma3Text", dict(
+        head_dim=24, num_key_value_heads=1, query_pre_attn_scalar=20, sliding_window=6, final_logit_softcapping=4.0,
+        attn_logit_softcapping=3.0, layer_types=[SLIDING, FULL, SLIDING, FULL], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    "gpt-oss": ("GptOss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                               swiglu_limit=0.3, rope_parameters=dict(YARN, truncate=False))),
+    "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
+                                                     num_key_value_heads=1, sliding_window=6, layer_types=[SLIDING] * 4,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "deepseek-v3": ("DeepseekV3", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                       n_group=4, topk_group=2, first_k_dense_replace=1, moe_intermediate_size=32,
+                                       q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                                       v_head_dim=10, routed_scaling_factor=2.5)),
+    "deepseek-v3-no-q-rank-yarn": ("DeepseekV3", dict(
+        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1,
+        first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
+        rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
+}
+
+
+def hf_model(kind, **kw):
+    cfg = getattr(transformers, kind + "Config")(**{**SMALL, **kw})
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None  # generate() must never stop early
+    cfg._experts_implementation = "eager"
+    model_cls = getattr(transformers, kind.removesuffix("Text") + "ForCausalLM")
+    model = randomize(model_cls(cfg)).eval()
+    for name, b in model.named_buffers():  # DeepSeek's routing bias: non-zero, so that it shows
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=torch.Generator().manual_seed(3)))
+    return model
+
+
+def to_4x(cfg: dict) -> dict:
+    """A 5.x config.json rewritten in transformers 4.x's dialect."""
+    cfg = dict(cfg)
+    params = cfg.pop("rope_parameters")
+    if "full_attention" in params:
+        cfg["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        params = params["full_attention"]
+    params = dict(params)
+    cfg["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params:
+        cfg["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    if params.get("rope_type", "default") != "default":
+        params["type"] = params.pop("rope_type")
+        cfg["rope_scaling"] = params
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parity_dialects_and_export(tmp_path, case):
+    kind, kw = CASES[case]
+    hf = hf_model(kind, **kw)
+    hf.save_pretrained(tmp_path / "in")
+    arch = type(hf).__name__
+    z = zoo.from_pretrained(tmp_path / "in")
+    assert z.hf_architecture == arch
+    if "sliding_window" in kw:  # the window is shorter than the 48 tokens compared: it shows
+        assert z.config.sliding_window == kw["sliding_window"]
+    assert_same_logits(hf, z)
+    assert_same_generation(hf, z)
+
+    old = tmp_path / "4x"
+    old.mkdir()
+    (old / "model.safetensors").symlink_to(tmp_path / "in" / "model.safetensors")
+    (old / "config.json").write_text(json.dumps(to_4x(json.loads((tmp_path / "in" / "config.json").read_text()))))
+    assert "rope_parameters" not in json.loads((old / "config.json").read_text())
+    assert_same_logits(hf, zoo.from_pretrained(old))
+
+    zoo.save_pretrained(z, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == arch
+    assert_same_logits(back, z)
+
+
+def test_features_refused_together(tmp_path):
+    """A model whose ideas no single Hugging Face class holds is refused on export, in one line."""
+    from zoo.weights import hf_llm
+    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, norm_placement="post", attn_softcap=5.0))
+    with pytest.raises(ValueError, match="no Hugging Face architecture here holds .*attn_softcap.*post_norm"):
+        hf_llm.save(z, tmp_path)
+    from zoo.config import ConfigError  # combinations that cannot work: one line naming both keys
+    for key in ("attn_sinks", "mla"):
+        with pytest.raises(ConfigError, match=f"mod_capacity does not combine with model.{key}"):
+            zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, mod_capacity=0.5,
+                           **{key: True if key == "attn_sinks" else {"kv_rank": 8}}))
+
+
+def test_final_softcap_caps_and_chunked_loss_refuses():
+    z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
+    x = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        assert z(x).abs().max() <= 0.5
+    with pytest.raises(ValueError, match="final_softcap"):
+        z(x, targets=x)
+    z.chunked_loss = False
+    assert z(x, targets=x)[1] > 0
+
+
+PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
+           "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
+           "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_is_its_architecture(preset):
+    """Each family's preset, built on the meta device, exports as its Hugging Face class, and transformers'
+    model of that config.json holds exactly as many parameters."""
+    from zoo.weights import hf_llm
+    with torch.device("meta"):
+        z = zoo.build(f"configs/llm/{preset}.yaml")
+        arch = hf_llm.architecture_for(z.config)
+        assert arch == PRESETS[preset]
+        hf_cfg = hf_llm.config_to_hf(z.config, arch, torch.bfloat16)
+        conf = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+        hf = transformers.AutoModelForCausalLM.from_config(conf)
+    assert type(hf).__name__ == arch
+    assert sum(p.numel() for p in hf.parameters()) == z.num_params()

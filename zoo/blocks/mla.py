@@ -1,0 +1,81 @@
+"""Multi-head latent attention (MLA) with its compressed KV cache.
+
+Paper: DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model"
+(2024), used by DeepSeek-V3. Queries through an optional low-rank bottleneck (q_a, RMSNorm, q_b); keys and
+values from one latent c (kv_rank wide, RMS-normalised) expanded per head by kv_b into a no-RoPE key part
+and the value; a RoPE key part (rope_dim) shared by all heads comes straight from x. The cache holds only
+c and the rotated shared key: kv_rank + rope_dim numbers per token instead of 2 * H * D.
+Scores (q_nope . k_nope + q_rope . k_rope) * scale; RoPE in the rotate-half layout (rope.py).
+
+Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len,
+kv_rank + rope_dim).
+Needs: norm.py, rope.py.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .norm import RMSNorm
+    from .rope import apply_rope
+except ImportError:  # copied next to norm.py and rope.py, outside the zoo package
+    from norm import RMSNorm
+    from rope import apply_rope
+
+
+class LatentKVCache(nn.Module):
+    """Preallocated latents of one MLA layer: (B, max_len, kv_rank + rope_dim)."""
+
+    def __init__(self, batch: int, max_len: int, width: int, device=None, dtype=None):
+        super().__init__()
+        self.register_buffer("c", torch.zeros(batch, max_len, width, device=device, dtype=dtype), persistent=False)
+
+    def update(self, c: torch.Tensor, start: int) -> torch.Tensor:
+        """Write c (B, T, width) at [start, start+T); return the latents up to start+T."""
+        end = start + c.shape[1]
+        if end > self.c.shape[1]:
+            raise ValueError(f"KV cache holds {self.c.shape[1]} positions, asked to write up to {end}")
+        self.c[:, start:end] = c
+        return self.c[:, :end]
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, kv_rank: int, rope_dim: int, nope_dim: int, v_dim: int,
+                 q_rank: Optional[int] = None, norm_eps: float = 1e-6, scale: Optional[float] = None):
+        super().__init__()
+        self.n_heads, self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = n_heads, kv_rank, rope_dim, nope_dim, v_dim
+        self.scale = scale if scale is not None else (nope_dim + rope_dim) ** -0.5
+        qk = n_heads * (nope_dim + rope_dim)
+        self.q_a = nn.Linear(dim, q_rank, bias=False) if q_rank else None
+        self.q_norm = RMSNorm(q_rank, norm_eps) if q_rank else None
+        self.q_b = nn.Linear(q_rank or dim, qk, bias=False)
+        self.kv_a = nn.Linear(dim, kv_rank + rope_dim, bias=False)
+        self.kv_norm = RMSNorm(kv_rank, norm_eps)
+        self.kv_b = nn.Linear(kv_rank, n_heads * (nope_dim + v_dim), bias=False)
+        self.proj = nn.Linear(n_heads * v_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: Optional[LatentKVCache] = None, start_pos: int = 0, mask=None) -> torch.Tensor:
+        """x (B, T, dim) at positions [start_pos, start_pos + T); causal attention over the cache."""
+        if mask is not None:
+            raise ValueError("multi-head latent attention takes no narrower mask (packed documents, Mixture-of-Depths)")
+        B, T, _ = x.shape
+        H, R = self.n_heads, self.rope_dim
+        q = self.q_b(self.q_norm(self.q_a(x)) if self.q_a is not None else x).view(B, T, H, self.nope_dim + R)
+        q_rope = apply_rope(q[..., self.nope_dim:], cos.unsqueeze(-2), sin.unsqueeze(-2))
+        c, k_rope = self.kv_a(x).split([self.kv_rank, R], dim=-1)
+        k_rope = apply_rope(k_rope, cos, sin)
+        latent = torch.cat([self.kv_norm(c), k_rope], dim=-1)  # what the cache keeps
+        if cache is not None:
+            latent = cache.update(latent, start_pos)
+        c, k_rope = latent.split([self.kv_rank, R], dim=-1)
+        Tk = latent.shape[1]
+        k_nope, v = self.kv_b(c).view(B, Tk, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
+        q = torch.cat([q[..., :self.nope_dim], q_rope], dim=-1).transpose(1, 2)  # (B, H, T, Dqk)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, Tk, H, R)], dim=-1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, is_causal=T == Tk,
+                                           attn_mask=None if T in (1, Tk) else
+                                           torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T))
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
