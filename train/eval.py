@@ -29,14 +29,26 @@ from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, 
 
 
 # ----------------------------------------------------------------------------- log-likelihoods
-def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
-    -> (sums (B,) fp32, scored tokens (B,))."""
+def token_logps(model, ids: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
+    """Log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored) -> (log-probs
+    (B, T) fp32, 0 where not scored; the scored mask (B, T)[; the distributions' entropies (B, T), no grad])."""
     logits = model(ids).float()
     valid = labels != IGNORE
     target = labels.masked_fill(~valid, 0)
-    logp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return (logp * valid).sum(-1), valid.sum(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = (logits.gather(-1, target[..., None]).squeeze(-1) - lse) * valid
+    if not entropy:
+        return logp, valid
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, valid, ent
+
+
+def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
+    -> (sums (B,) fp32, scored tokens (B,))."""
+    logp, valid = token_logps(model, ids, labels)
+    return logp.sum(-1), valid.sum(-1)
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +192,58 @@ def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tok
     if tokenizer.eos_id is not None and tokenizer.eos_id in out:
         out = out[:out.index(tokenizer.eos_id)]
     return tokenizer.decode(out)
+
+
+def chat_prompt_ids(tokenizer, template, prompt) -> list[int]:
+    """The tokens of a prompt: with a template its messages rendered with the generation prompt, else plain text."""
+    if template is None:
+        return encode_prompt(tokenizer, prompt)
+    from train.data.conversations import token_offsets
+    return token_offsets(tokenizer, template.render(prompt_messages(prompt), add_generation_prompt=True))[0]
+
+
+def stop_tokens(tokenizer, template) -> tuple[list[int], "str | None"]:
+    """(the ids a completion stops at: EOS, and the end of turn when it is one token; the end-of-turn text)."""
+    stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    if template is None:
+        return stops, None
+    from train.data.conversations import token_offsets
+    for text in (template.special_tokens.get("eos_token"), template.end_of_turn):
+        ids = token_offsets(tokenizer, text)[0] if isinstance(text, str) and text else []
+        if len(ids) == 1 and ids[0] not in stops:
+            stops.append(ids[0])
+    return stops, template.end_of_turn or None
+
+
+@torch.no_grad()
+def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperature: float = 0.0, top_p=None,
+             generator=None, max_prompt: "int | None" = None, stop_early: bool = True, compile: bool = False):
+    """Completions of many prompts in one batched generate (left-padded, a stop per row). Returns
+    (prompt ids, completion ids up to and with the stop, completion texts without it, truncated flags:
+    no stop within max_new_tokens). A multi-token end of turn is found in the text, and the ids cut after it."""
+    device = next(model.parameters()).device
+    enc = [chat_prompt_ids(tokenizer, template, p)[-(max_prompt or 0):] for p in prompts]
+    stops, eot = stop_tokens(tokenizer, template)
+    T = max(len(e) for e in enc)
+    ids = torch.tensor([[0] * (T - len(e)) + e for e in enc], device=device)
+    mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc], device=device)
+    out = model.generate(ids, max_new_tokens, temperature, top_p=top_p, eos_token_id=stops or None,
+                         generator=generator, attention_mask=mask, stop_early=stop_early, compile=compile)
+    comps, texts, truncated = [], [], []
+    for row in out[:, T:].tolist():
+        n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        stopped, row = row[n - 1] in stops, row[:n]
+        text = tokenizer.decode(row[:-1] if stopped else row)
+        if eot and eot in text:  # an end of turn of several tokens: the shortest prefix holding it
+            lo, hi = 1, len(row)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if eot in tokenizer.decode(row[:mid]) else (mid + 1, hi)
+            row, text, stopped = row[:lo], text[:text.index(eot)], True
+        comps.append(row)
+        texts.append(text)
+        truncated.append(not stopped)
+    return enc, comps, texts, truncated
 
 
 def score_generation(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, max_len=None,

@@ -28,7 +28,8 @@ class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
     formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
-               "preference": "train.tasks.dpo:DPOTask"}  # data.format -> chat SFT, or DPO / SimPO
+               "preference": "train.tasks.dpo:DPOTask", "prompts": "train.tasks.rl:RLTask"}  # data.format -> chat SFT,
+                                                                            # DPO / SimPO, or RL
     tokenizer_files = ("tokenizer.model", "tokenizer.json")  # a checkpoint's tokenizer, in order of preference
     quantizable = True
     moe = None           # the model's MoEConfig, when it has one
