@@ -34,7 +34,7 @@ def arithmetic_row(rng: random.Random, split: str) -> dict:
     who, what = rng.choice(NAMES), rng.choice(THINGS)
     kind = rng.randrange(5)
     prompt, answer = [(f"What is {a} + {b}?", a + b), (f"What is {a} - {b}?", a - b),
-                      (f"What is {a % 10 + 2} times {b % 10 + 2}?", (a % 10 + 2) * (b % 10 + 2)),
+                      (f"What is {a} times {b % 4 + 2}?", a * (b % 4 + 2)),
                       (f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have?", a + b),
                       (f"{who} had {a} {what} and gave {b} away. How many {what} are left?", a - b)][kind]
     return {"prompt": prompt, "answer": answer}

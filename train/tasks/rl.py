@@ -168,6 +168,7 @@ class RLTask(DPOTask):
     _window: list = []            # each batch's metric sums since the last logged row
     _clock = None                 # when the logging window began
     _generating = 0.0             # seconds spent sampling in the window
+    _trained = None               # [clipped tokens, k3 sum, entropy sum, tokens] of the losses since the last row
 
     def setup(self):
         d, rl = self.cfg.data, self.cfg.rl
@@ -320,12 +321,9 @@ class RLTask(DPOTask):
         loss, stats = policy_loss(logp, old, batch.get("ref"), batch["adv"], valid, rl.algorithm, rl.clip_low,
                                   rl.clip_high, rl.kl_beta, rl.max_new_tokens, batch.get("n_seqs"),
                                   batch.get("n_tokens"))
-        if self._window:
-            w = self._window[-1]
-            w["clip"] = w.get("clip", 0.0) + stats["clip"]
-            w["kl"] = w.get("kl", 0.0) + stats.get("kl", 0.0)
-            w["entropy"] = w.get("entropy", 0.0) + (ent * valid).sum()
-            w["trained"] = w.get("trained", 0.0) + valid.sum()
+        now = torch.stack([stats["clip"], torch.as_tensor(stats.get("kl", 0.0), device=logp.device),
+                           (ent * valid).sum(), valid.sum().float()])
+        self._trained = now if self._trained is None else self._trained + now
         return loss * scale, int(valid.sum())
 
     def example_batch(self, model, batch_size, seq_len=None):
@@ -333,6 +331,18 @@ class RLTask(DPOTask):
         T = seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
         x = torch.zeros(batch_size, T, dtype=torch.long, device=self.device)
         return {"x": x, "y": torch.zeros_like(x), "adv": torch.zeros(batch_size, device=self.device)}
+
+    def state_dict(self):
+        """The batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""
+        if self.cfg.rl.updates_per_batch == 1 or self._rollouts is None or self.world > 1:
+            return {}
+        return {"key": self._key, "rollouts": {k: v.cpu() if torch.is_tensor(v) else v
+                                               for k, v in self._rollouts.items()}}
+
+    def load_state_dict(self, state):
+        if state:
+            self._key = state["key"]
+            self._rollouts = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state["rollouts"].items()}
 
     # ------------------------------------------------------------------ metrics
     def _record(self, got, rewards, seconds, tokens, sampled):
@@ -349,12 +359,17 @@ class RLTask(DPOTask):
                              "seconds": seconds})
 
     def train_metrics(self):
+        out = {}
+        if self._trained is not None:  # clip fraction, KL and entropy over the trained tokens
+            clip, kl, ent, n = self.sum_across_ranks(self._trained).tolist()
+            self._trained = None
+            out = {"clip_fraction": clip / max(n, 1), "kl": kl / max(n, 1), "entropy": ent / max(n, 1)}
         if not self._window:
-            return {}
+            return out
         window, self._window = self._window, []
         s = sum(w["sums"] for w in window).tolist()
         n, k = s[0], len(self.rewards)
-        out = {f"reward_{name.split(':')[0]}": v / n for (name, _, _), v in zip(self.rewards, s[1:1 + k])}
+        out.update({f"reward_{name.split(':')[0]}": v / n for (name, _, _), v in zip(self.rewards, s[1:1 + k])})
         mean = s[1 + k] / n
         out.update({"reward_mean": mean, "reward_std": math.sqrt(max(0.0, s[2 + k] / n - mean ** 2)),
                     "solved": s[3 + k] / n, "completion_len_mean": s[4 + k] / n,
@@ -362,10 +377,6 @@ class RLTask(DPOTask):
                     "rollout_tokens_per_s": s[6 + k] / self.world / max(sum(w["seconds"] for w in window), 1e-9)})
         if self.cfg.rl.dynamic_sampling:
             out["prompts_sampled"] = s[7 + k] / len(window)
-        trained = self.sum_across_ranks(torch.stack([torch.as_tensor(w.get(m, 0.0), device=self.device).float()
-                                                     for w in window for m in ("clip", "kl", "entropy", "trained")]))
-        t = trained.view(-1, 4).sum(0).tolist()
-        out.update({"clip_fraction": t[0] / max(t[3], 1), "kl": t[1] / max(t[3], 1), "entropy": t[2] / max(t[3], 1)})
         now = time.perf_counter()
         out["generation_share"] = self._generating / max(now - self._clock, 1e-9)
         self._clock, self._generating = now, 0.0
