@@ -190,3 +190,31 @@ def test_run_logs_the_metrics_and_resumes_with_the_same_rollouts(tmp_path, one_t
     assert [r[k] for k in keys for r in again] == [r[k] for k in keys for r in rows]
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (tmp_path / "full", part))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_scores_a_prompts_file_with_rewards(tmp_path, one_thread):
+    """train/eval.py --task on prompt/answer rows: reward and pass@1 equal each row generated alone,
+    decoded and checked; pass@k from k samples."""
+    from train.data.text_tokenizers import ByteTokenizer
+    from train.eval import main
+    torch.manual_seed(0)
+    model = zoo.build(dict(MODEL, family="llm"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    folder = zoo.save_pretrained(model, tmp_path / "m")
+    tok, rows, alone = ByteTokenizer(), arithmetic("val", 6), []
+    for i, r in enumerate(rows):  # the even rows' answers: what the model answers alone
+        ids = tok.encode(r["prompt"])
+        alone.append(tok.decode(model.generate(torch.tensor([ids]), 5)[0, len(ids):].tolist()))
+        r["answer"] = alone[-1].strip() if i % 2 == 0 else "no"
+    task = tmp_path / "arith.jsonl"
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eval.json"
+    assert main([str(folder), "--task", str(task), "--tokenizer", "bytes", "--template", "none", "--max-new-tokens",
+                 "5", "--samples", "3", "--reward", "exact", "--reward", "length:3", "--json", str(out),
+                 "--device", "cpu"]) == 0
+    got = json.loads(out.read_text())["tasks"]["arith"]
+    penalty = reward_fn("length:3")(alone, None, None)
+    assert got["kind"] == "reward" and got["n"] == 6 and got["pass@1"] == 0.5
+    assert got["reward"] == pytest.approx((3 + sum(penalty)) / 6) and any(penalty)
+    assert 0 <= got["pass@3"] <= 1

@@ -33,7 +33,7 @@ from zoo.config import ConfigError, bounded, fail
 from ..data import DataError, check_files, load_tokenizer_file
 from ..data.conversations import BUILTIN as TEMPLATES
 from ..data.prompts import arithmetic, read_prompts, reward_fn, score
-from ..eval import collate, complete, token_logps
+from ..eval import collate, complete, score_rewards, token_logps
 from ..optim import micro_batches
 from .dpo import DPOTask, unwrapped
 from .lm import LMTask
@@ -384,21 +384,13 @@ class RLTask(DPOTask):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def score_prompts(self, model, rows, temperature: float = 0.0, generators=None) -> list[list[float]]:
-        """Each reward's values for completions of rows (greedy unless temperature > 0)."""
-        rl = self.cfg.rl
-        _, _, texts, _ = complete(model, self.data.tokenizer, self.chat_template, [r["prompt"] for r in rows],
-                                  rl.max_new_tokens, temperature, rl.top_p, generators, self.cfg.data.seq_len)
-        return score(self.rewards, texts, [r["answer"] for r in rows], [r["prompt"] for r in rows])
-
-    @torch.no_grad()
     def evaluate(self, model):
-        rows = self.data.val[:self.cfg.data.eval_prompts]
-        with self.autocast():
-            values = self.score_prompts(unwrapped(model), rows)
-        total = [sum(w * v[k] for (_, w, _), v in zip(self.rewards, values)) for k in range(len(rows))]
-        return {"val_reward": sum(total) / len(rows), "val_solved": sum(v >= 1 for v in values[0]) / len(rows),
-                **self.eval_tasks(unwrapped(model))}
+        """val_reward and val_solved: greedy completions of the first data.eval_prompts held-out prompts."""
+        rl = self.cfg.rl
+        m, _ = score_rewards(unwrapped(model), self.data.tokenizer, self.data.val[:self.cfg.data.eval_prompts],
+                             self.device, self.chat_template, self.cfg.data.eval_prompts, rl.max_new_tokens,
+                             self.autocast, self.cfg.data.seq_len + rl.max_new_tokens, self.rewards)
+        return {"val_reward": m["reward"], "val_solved": m["pass@1"], **self.eval_tasks(unwrapped(model))}
 
     def samples(self, model, out_dir):
         rows = self.data.val[:4]
