@@ -1,0 +1,116 @@
+"""RL rollouts: sampled completions per second, Zoo's batched generation against transformers' generate.
+
+    python train/bench.py rollout    # P prompts of different lengths x G samples, N new tokens each
+
+One Llama checkpoint (random weights) loaded by both. Zoo: `LLM.generate` on the P x G rows left-padded,
+a generator per row (as the RL task samples); transformers: `generate(do_sample=True,
+num_return_sequences=G)` on the P prompts left-padded. Both sample at temperature 1 with top_p and
+produce exactly N tokens per row; eager and compiled (transformers: its forward compiled on a static cache).
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from train.benches import harness  # noqa: E402
+from train.benches.llm_speed import hf_load  # noqa: E402
+
+
+def prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """P left-padded prompts of lengths spread over [prompt / 2, prompt] and their attention mask."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(args.prompt // 2, args.prompt, args.prompts).round().long().tolist()
+    ids = torch.zeros(args.prompts, args.prompt, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:] = torch.randint(1, args.vocab, (n,), generator=g)
+        mask[i, -n:] = 1
+    return ids, mask
+
+
+def sides(args, folder: Path, prec: str) -> dict:
+    import zoo
+    dt = harness.PRECISIONS[prec]
+    ids, mask = prompts(args)
+    G, n = args.group, args.new_tokens
+    rows, row_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    model = zoo.from_pretrained(folder, dtype=dt).eval()
+    out = {}
+    for m in args.modes:
+        def zoo_side(c=m == "compile"):
+            gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+            return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
+                                  compile=c)
+        out[f"zoo-{m}"] = zoo_side
+        hf = hf_load(folder, dt).eval()
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_p=args.top_p, top_k=0,
+                  num_return_sequences=G, pad_token_id=0)
+        if m == "compile":
+            hf.forward = torch.compile(hf.forward)
+            kw["cache_implementation"] = "static"
+        out[f"transformers-{m}"] = lambda hf=hf, kw=kw: hf.generate(ids, attention_mask=mask, **kw)
+    return out
+
+
+def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
+    calls = sides(args, folder, prec)
+    shapes = {}
+
+    def timed(name):
+        def run():
+            with torch.inference_mode(), harness.autocast(prec):
+                shapes[name] = tuple(calls[name]().shape)
+        return run
+    fns = {k: timed(k) for k in calls}
+    first = harness.warm_up(fns, say=lambda m: print(f"  {prec} rollouts {m}", flush=True))
+    r = harness.run_rounds(fns, args.rounds)
+    done = args.prompts * args.group
+    rows = []
+    for k in calls:
+        ref = "transformers-" + k.split("-")[1]
+        rows.append([k, f"{r.median(k):.3f}", f"{done / r.median(k):.1f}", f"{done / r.best(k):.1f}", f"{first[k]:.1f}",
+                     "x".join(map(str, shapes[k])), "-" if k == ref else str(r.paired(k, ref))])
+    note = (f"{prec}: {args.prompts} prompts of {args.prompt // 2}-{args.prompt} tokens x {args.group} samples, "
+            f"{args.new_tokens} new tokens each, temperature 1, top_p {args.top_p}; a Llama of d_model {args.d_model}, "
+            f"{args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab}; "
+            f"{args.rounds} alternating rounds; speedup: transformers' seconds / Zoo's, paired median (range)")
+    table = harness.table(["side", "median s", "completions/s (median)", "completions/s (best)", "first call s",
+                           "output", "speedup vs transformers, same mode"], rows, note)
+    return table, {k: {"wall": r.times(k)} for k in calls}
+
+
+def main(argv=None):
+    p = harness.parser("rollout", __doc__, precision="bf16")
+    harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
+    p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
+    p.add_argument("--group", type=harness.positive_int, default=8, help="samples per prompt (G)")
+    p.add_argument("--prompt", type=harness.positive_int, default=40, help="the longest prompt's tokens")
+    p.add_argument("--new-tokens", type=harness.positive_int, default=32, help="tokens sampled per row (N)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
+    args = p.parse_args(argv)
+    harness.setup(args)
+    import transformers
+    tables, data = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn or 4 * args.d_model * 2 // 3,
+            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+            num_key_value_heads=args.n_kv_heads or args.n_heads, max_position_embeddings=512,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)).save_pretrained(tmp)
+        for prec in args.precision:
+            tables[prec], data[prec] = rollout_table(args, Path(tmp), prec)
+    harness.save(args, tables, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
