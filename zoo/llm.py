@@ -276,7 +276,7 @@ class LLM(nn.Module):
             batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
             for i in range(cfg.n_layers)]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference mode: FSDP2 reuses the buffers it gathers the weights into for training
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id=None, generator=None, compile: bool = False,

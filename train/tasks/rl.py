@@ -246,6 +246,7 @@ class RLTask(DPOTask):
         reference log-probs where needed, the batch-wide counts the loss normalises by."""
         rl, G = self.cfg.rl, self.cfg.rl.group_size
         P = rl.prompts_per_step // self.world
+        model = unwrapped(model)  # sampling and the no-grad forwards skip DDP's gradient hooks
         pos = [key * rl.prompts_per_step + self.rank * P + i for i in range(P)]
         got = self._groups(model, [self._prompt_at(p) for p in pos], [(self.cfg.train.seed, key, p) for p in pos])
         sampled, seconds, tokens = P, got["seconds"], got["tokens"]
@@ -273,9 +274,8 @@ class RLTask(DPOTask):
         x, y = collate(seqs, self.device)
         out = {"x": x, "y": y, "adv": adv.to(self.device)}
         n_micro = micro_batches(key * rl.updates_per_batch, self.cfg.train.grad_accum, self.cfg.train.batch_warmup_steps)
-        base = unwrapped(model)
         if rl.updates_per_batch > 1:
-            out["old"] = self._logps(base, x, y, n_micro)
+            out["old"] = self._logps(model, x, y, n_micro)
         if rl.kl_beta > 0:
             ref = unwrapped(self._reference_model(model))
             with adapters_disabled(ref):
