@@ -218,3 +218,16 @@ def test_eval_scores_a_prompts_file_with_rewards(tmp_path, one_thread):
     assert got["kind"] == "reward" and got["n"] == 6 and got["pass@1"] == 0.5
     assert got["reward"] == pytest.approx((3 + sum(penalty)) / 6) and any(penalty)
     assert 0 <= got["pass@3"] <= 1
+
+
+def test_the_reference_is_the_base_with_adapters_off_or_a_frozen_copy(tmp_path):
+    from train.builder import build_run
+    torch.manual_seed(0)
+    init = zoo.save_pretrained(zoo.build(dict(MODEL, family="llm")), tmp_path / "base")
+    lora = build_run(config(tmp_path, "a", f"train.init_from={init}", "adapter.method=lora", "rl.kl_beta=0.1"))
+    assert lora.task.reference is None  # the KL reads the base with its adapters off: no second copy
+    full = build_run(config(tmp_path, "b", f"train.init_from={init}", "rl.kl_beta=0.1"))
+    ref = full.task.reference
+    assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+    assert {p.data_ptr() for p in ref.parameters()}.isdisjoint(p.data_ptr() for p in full.model.parameters())
+    assert build_run(config(tmp_path, "c", f"train.init_from={init}")).task.reference is None  # kl_beta 0

@@ -29,7 +29,7 @@ BENCHES: dict[str, str] = {
     "optimizers": "optimizers, name", "lr-find": "optimizers, name",
     "sft-packing": "sft, name", "sft-quality": "sft, name",
     "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
-    "report": "report", "rollout": "rollout",
+    "report": "report", "rollout": "rollout, name", "rl-quality": "rollout, name",
 }
 
 

@@ -1,6 +1,7 @@
-"""RL rollouts: sampled completions per second, Zoo's batched generation against transformers' generate.
+"""RL: rollout speed (Zoo's batched generation against transformers' generate) and what RL teaches.
 
-    python train/bench.py rollout    # P prompts of different lengths x G samples, N new tokens each
+    python train/bench.py rollout      # P prompts of different lengths x G samples, N new tokens each
+    python train/bench.py rl-quality   # held-out reward of runs/tiny-sft, then of tiny-grpo over 3 seeds
 
 One Llama checkpoint (random weights) loaded by both. Zoo: `LLM.generate` on the P x G rows left-padded,
 a generator per row (as the RL task samples); transformers: `generate(do_sample=True,
@@ -86,7 +87,52 @@ def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
     return table, {k: {"wall": r.times(k)} for k in calls}
 
 
-def main(argv=None):
+def quality(args) -> dict:
+    """Greedy answers to the embedded task's held-out prompts: the starting model, then each seed's run."""
+    from train.chat import load
+    from train.config import load_run_config
+    from train.data.prompts import arithmetic, reward_fn
+    from train.eval import score_rewards
+    cfg = load_run_config(args.config, args.override)
+    rl, rows = cfg.rl, arithmetic("val", args.prompts)
+    rewards = [(r.name, r.weight, reward_fn(r.name)) for r in rl.rewards]
+
+    def score(folder):
+        model, tok, template = load(str(folder))
+        m, details = score_rewards(model, tok, rows, torch.device("cpu"), template, 64, rl.max_new_tokens,
+                                   max_len=cfg.data.seq_len + rl.max_new_tokens, rewards=rewards)
+        return [m["reward"], *(sum(d["rewards"][k] for d in details) / len(rows) for k in range(len(rewards)))]
+    before = score(args.init)
+    after = []
+    for seed in range(args.seeds):
+        out = args.out / f"seed{seed}"
+        harness.run_loop(args.config, out, [f"train.seed={seed}", f"train.init_from={args.init}", *args.override])
+        after.append(score(out))
+    names = ["reward"] + [f"{n} rate" for n, _, _ in rewards]
+    table = [["before: " + str(args.init), *(f"{v:.3f}" for v in before)]]
+    table += [[f"after, seed {i}", *(f"{v:.3f}" for v in a)] for i, a in enumerate(after)]
+    diffs = [harness.mean_interval(a[k] - before[k] for a in after) for k in range(len(names))]
+    table.append([f"after - before: mean ± 95% interval ({args.seeds} seeds)",
+                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
+                    for m, h in diffs)])
+    return harness.table(["model", *names], table,
+                         f"greedy answers to {args.prompts} held-out prompts of the embedded task; "
+                         f"{args.config} with {' '.join(args.override) or 'no overrides'}")
+
+
+def main(argv=None, preset: str = "rollout"):
+    if preset == "rl-quality":
+        p = harness.parser(preset, __doc__, precision=None, rounds=False)
+        p.add_argument("--config", default=str(ROOT / "configs" / "llm" / "tiny-grpo.yaml"))
+        p.add_argument("--init", default=str(ROOT / "runs" / "tiny-sft"), help="the model before RL")
+        p.add_argument("--out", type=Path, default=ROOT / "runs" / "rl-quality", help="the runs' folders")
+        p.add_argument("--seeds", type=harness.positive_int, default=3)
+        p.add_argument("--prompts", type=harness.positive_int, default=200)
+        p.add_argument("override", nargs="*", help="key=value overrides of the config")
+        args = p.parse_args(argv)
+        harness.setup(args)
+        harness.save(args, {"": quality(args)}, {})
+        return 0
     p = harness.parser("rollout", __doc__, precision="bf16")
     harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
     p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")

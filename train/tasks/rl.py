@@ -164,6 +164,7 @@ class Prompts:
 class RLTask(DPOTask):
     DataConfig = PromptDataConfig
     RLConfig = RLConfig
+    sections = (RLConfig, Reward)  # the config dataclasses of the rl: section (docs tables)
     _rollouts, _key = None, None  # the batch of rollouts at hand and its index (step // updates_per_batch)
     _window: list = []            # each batch's metric sums since the last logged row
     _clock = None                 # when the logging window began
