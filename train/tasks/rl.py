@@ -137,6 +137,15 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
     return min(0.0, (max_new_tokens - buffer - length) / buffer)
 
 
+def reward_keys(rewards) -> list[str]:
+    """Each reward's metric: reward_<name up to a colon>, a repeated name numbered from its second (_2, ...)."""
+    keys = []
+    for name, _, _ in rewards:
+        key = "reward_" + name.split(":")[0]
+        keys.append(key if key not in keys else f"{key}_{sum(k.startswith(key) for k in keys) + 1}")
+    return keys
+
+
 class Prompts:
     """The prompt rows of a run: train, val ([{prompt, answer}]) and the tokenizer."""
     max_id = -1
@@ -370,7 +379,7 @@ class RLTask(DPOTask):
         window, self._window = self._window, []
         s = sum(w["sums"] for w in window).tolist()
         n, k = s[0], len(self.rewards)
-        out.update({f"reward_{name.split(':')[0]}": v / n for (name, _, _), v in zip(self.rewards, s[1:1 + k])})
+        out.update({key: v / n for key, v in zip(reward_keys(self.rewards), s[1:1 + k])})
         mean = s[1 + k] / n
         out.update({"reward_mean": mean, "reward_std": math.sqrt(max(0.0, s[2 + k] / n - mean ** 2)),
                     "solved": s[3 + k] / n, "completion_len_mean": s[4 + k] / n,
