@@ -375,21 +375,23 @@ def compiled_decode_step():
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,); generator: one, or a list of one per row."""
+                top_p: Optional[float] = None, generator=None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,). Sampling inverts each row's cumulative distribution at one
+    uniform draw: from `generator`, or with a list of generators one per row from the row's own."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs, order = logits.softmax(-1), None
     if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    probs = logits.softmax(-1)
+        probs, order = probs.sort(dim=-1, descending=True)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)  # the smallest prefix reaching top_p
     if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generator])
+    else:
+        u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+    return (order.gather(-1, pick) if order is not None else pick).squeeze(1)
