@@ -231,3 +231,12 @@ def test_the_reference_is_the_base_with_adapters_off_or_a_frozen_copy(tmp_path):
     assert ref is not None and not any(p.requires_grad for p in ref.parameters())
     assert {p.data_ptr() for p in ref.parameters()}.isdisjoint(p.data_ptr() for p in full.model.parameters())
     assert build_run(config(tmp_path, "c", f"train.init_from={init}")).task.reference is None  # kl_beta 0
+
+
+def test_dapo_run_with_dynamic_sampling_and_overlong_shaping(tmp_path, one_thread):
+    train(config(tmp_path, "dapo", "rl.algorithm=dapo", "rl.clip_high=0.28", "rl.dynamic_sampling=true",
+                 "rl.max_refills=2", "rl.overlong=soft", "rl.overlong_buffer=2", "train.max_steps=2"),
+          log=lambda m: None)
+    rows = [r for r in read_rows(tmp_path / "dapo") if "reward_mean" in r]
+    assert len(rows) == 2 and all(2 <= r["prompts_sampled"] <= 6 for r in rows)
+    assert all(r["truncated"] == 1 and r["reward_mean"] <= 0.5 for r in rows)  # 6 bytes, no stop: -1 each

@@ -38,7 +38,7 @@ from ..optim import micro_batches
 from .dpo import DPOTask, unwrapped
 from .lm import LMTask
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo")
+ROW_KEYS = ("prompt", "comp", "cut", "total")  # a batch's per-completion lists (and "values": one list per reward)
 
 
 @dataclass
@@ -270,11 +270,12 @@ class RLTask(DPOTask):
                 more = self._keep_varied(self._groups(model, idx, [(self.cfg.train.seed, key, -attempt, i)
                                                                    for i in idx]))
                 seconds, tokens, sampled = seconds + more["seconds"], tokens + more["tokens"], sampled + P
-                got = {k: v + more[k] if isinstance(v, list) else v for k, v in got.items()}
+                got = {**{k: v + more[k] for k, v in got.items() if k in ROW_KEYS},
+                       "values": [a + b for a, b in zip(got["values"], more["values"])]}
             if not got["total"]:  # nothing varied: the last groups, whose advantages are zero
                 got = more if rl.max_refills else self._groups(model, [self._prompt_at(p) for p in pos], [
                     (self.cfg.train.seed, key, p) for p in pos])
-            got = {k: v[:P * G] if isinstance(v, list) else v for k, v in got.items()}
+            got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
         rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
         adv = advantages(rewards, rl.algorithm).flatten()
         seqs = []
@@ -301,8 +302,7 @@ class RLTask(DPOTask):
         keep = [k for k in range(0, len(got["total"]), G) if len(set(got["total"][k:k + G])) > 1]
         rows = [k + j for k in keep for j in range(G)]
         pick = lambda v: [v[r] for r in rows]  # noqa: E731
-        return {**got, **{k: pick(got[k]) for k in ("prompt", "comp", "cut", "total")},
-                "values": [pick(v) for v in got["values"]]}
+        return {**got, **{k: pick(got[k]) for k in ROW_KEYS}, "values": [pick(v) for v in got["values"]]}
 
     def _logps(self, model, x, y, parts: int) -> torch.Tensor:
         """Per-token log-probs of x, y from a training-mode forward without grad, in `parts` micro-batches."""
