@@ -100,7 +100,8 @@ def quality(args) -> dict:
     def score(folder):
         model, tok, template = load(str(folder))
         m, details = score_rewards(model, tok, rows, torch.device("cpu"), template, 64, rl.max_new_tokens,
-                                   max_len=cfg.data.seq_len + rl.max_new_tokens, rewards=rewards)
+                                   lambda: harness.autocast(args.precision), cfg.data.seq_len + rl.max_new_tokens,
+                                   rewards=rewards)
         return [m["reward"], *(sum(d["rewards"][k] for d in details) / len(rows) for k in range(len(rewards)))]
     before = score(args.init)
     after = []
@@ -109,7 +110,7 @@ def quality(args) -> dict:
         harness.run_loop(args.config, out, [f"train.seed={seed}", f"train.init_from={args.init}", *args.override])
         after.append(score(out))
     names = ["reward"] + [f"{n} rate" for n, _, _ in rewards]
-    table = [["before: " + str(args.init), *(f"{v:.3f}" for v in before)]]
+    table = [["before: " + relative(args.init), *(f"{v:.3f}" for v in before)]]
     table += [[f"after, seed {i}", *(f"{v:.3f}" for v in a)] for i, a in enumerate(after)]
     diffs = [harness.mean_interval(a[k] - before[k] for a in after) for k in range(len(names))]
     table.append([f"after - before: mean ± 95% interval ({args.seeds} seeds)",
@@ -117,12 +118,18 @@ def quality(args) -> dict:
                     for m, h in diffs)])
     return harness.table(["model", *names], table,
                          f"greedy answers to {args.prompts} held-out prompts of the embedded task; "
-                         f"{args.config} with {' '.join(args.override) or 'no overrides'}")
+                         f"{relative(args.config)} with {' '.join(args.override) or 'no overrides'}; {args.precision}")
+
+
+def relative(path) -> str:
+    """A path under the checkout as the checkout names it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
 
 
 def main(argv=None, preset: str = "rollout"):
     if preset == "rl-quality":
-        p = harness.parser(preset, __doc__, precision=None, rounds=False)
+        p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
         p.add_argument("--config", default=str(ROOT / "configs" / "llm" / "tiny-grpo.yaml"))
         p.add_argument("--init", default=str(ROOT / "runs" / "tiny-sft"), help="the model before RL")
         p.add_argument("--out", type=Path, default=ROOT / "runs" / "rl-quality", help="the runs' folders")
