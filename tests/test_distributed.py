@@ -247,7 +247,8 @@ def test_resnet_sync_bn_matches_one_process(configs, tmp_path):
 
 RL = ["data.format=prompts", "data.path=synthetic", "data.synthetic_rows=40", "data.template=none", "data.seq_len=24",
       "data.eval_prompts=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.kl_beta=0.1",
-      "rl.updates_per_batch=2", "train.max_steps=4"]
+      "rl.updates_per_batch=2", "train.max_steps=4",
+      "optim.name=sgd", "optim.lr=0.5"]  # not Adam: it would scale the round-off of near-zero gradients up to the LR
 
 
 @pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("prune", "ddp"),
@@ -276,7 +277,7 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
         rewards = [[r.get(k) for r in read_rows(d) if "reward_mean" in r] for d in (tmp_path / "one", par)
                    for k in ("reward_mean", "completion_len_mean")]
         assert rewards[:2] == rewards[2:] and len(rewards[0]) == 2
-        assert max(r["loss"] for r in read_rows(par) if "loss" in r) > 1e-4  # the KL term: not a zero loss
+        assert max(r["loss"] for r in read_rows(par) if "loss" in r) > 1e-6  # the KL term: not a zero loss
         assert_close_weights(tmp_path / "one", par)
         if strategy == "fsdp":  # resumes from its sharded checkpoint and goes on
             run(cfg, par, f"train.parallel={strategy}", *extra, "train.max_steps=6")
