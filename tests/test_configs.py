@@ -72,6 +72,10 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     # on bytes written here stands in for it; a tenth of the conversations (encoding all is slow)
     # and 4 generated answers per evaluation instead of 64
     "llm/tiny-sft.yaml": ["train.init_from={llm}", "data.synthetic_rows=400", "data.eval_generate=4"],
+    # RL from the SFT run (runs/tiny-sft, trained by the user first): the small LLM folder on bytes stands in for
+    # it; 2 prompts x 4 completions of 8 tokens per step instead of 8 x 8 x 16
+    "llm/tiny-grpo.yaml": ["train.init_from={llm}", "rl.prompts_per_step=2", "rl.group_size=4",
+                           "rl.max_new_tokens=8", "data.eval_prompts=4"],
     "diffusion/digits.yaml": [],
     # needs ../shared/weights/taef2_encoder.pth (skipped without it); its denoiser of [128, 256] channels
     # (slow on a CPU for 20 steps and the 80 guided samples) shrinks to [32, 64]

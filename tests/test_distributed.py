@@ -345,8 +345,14 @@ def test_optimizers_under_fsdp_match_one_process(configs, tmp_path, name):
         assert_close_weights(par, again, atol=0)
 
 
+RL = ["data.format=prompts", "data.path=synthetic", "data.synthetic_rows=40", "data.template=none", "data.seq_len=24",
+      "data.eval_prompts=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.kl_beta=0.1",
+      "rl.updates_per_batch=2", "train.max_steps=4",
+      "optim.name=sgd", "optim.lr=0.5"]  # not Adam: it would scale the round-off of near-zero gradients up to the LR
+
+
 @pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("prune", "ddp"),
-                                             ("float8", "fsdp")])
+                                             ("float8", "fsdp"), ("rl", "ddp"), ("rl", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
     and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
@@ -355,12 +361,13 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
     decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
     logits); DDP on a 2:4-pruned LLM (train.prune: the masks taken on every rank's same weights and
     held after each step): the losses and the weights, zeros included; float8 (emulated) under FSDP2:
-    each rank scales its own activations, so the losses agree to float8's round-off. (The LLM and the
-    ResNet: the tests above.)"""
+    each rank scales its own activations, so the losses agree to float8's round-off; GRPO with a KL term
+    (each rank samples its own prompts of the global batch, a generator per row): the rewards, losses and
+    weights. (The LLM and the ResNet: the tests above.)"""
     cfg = configs["diffusion" if family == "diffusion" else "llm"]
     extra = {"diffusion": [], "moe": MOE + ["train.grad_accum=1"],
              "mod": MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], "prune": ["train.prune=2:4"],
-             "float8": ["train.float8=true", "train.float8_keep=[]"]}[family]
+             "float8": ["train.float8=true", "train.float8_keep=[]"], "rl": RL}[family]
     one = launch(cfg, tmp_path / "one", "train.batch_size=8", *extra, nproc=0)
     par = run(cfg, tmp_path / strategy, f"train.parallel={strategy}", *extra)
     assert one.wait(300) == 0, last_stderr(tmp_path / "one")
@@ -372,6 +379,16 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
         assert len(ca) == 6 and all(cb[s] == pytest.approx(ca[s], rel=1e-2) for s in ca), (ca, cb)
         return
     assert_same_losses(tmp_path / "one", par)
+    if family == "rl":
+        rewards = [[r.get(k) for r in read_rows(d) if "reward_mean" in r] for d in (tmp_path / "one", par)
+                   for k in ("reward_mean", "completion_len_mean")]
+        assert rewards[:2] == rewards[2:] and len(rewards[0]) == 2
+        assert max(r["loss"] for r in read_rows(par) if "loss" in r) > 1e-6  # the KL term: not a zero loss
+        assert_close_weights(tmp_path / "one", par)
+        if strategy == "fsdp":  # resumes from its sharded checkpoint and goes on
+            run(cfg, par, f"train.parallel={strategy}", *extra, "train.max_steps=6")
+            assert "resumed from" in (par / "log.txt").read_text() and curve(par)[-1][0] == 6
+        return
     if family == "mod":  # a top-k choice flips on a round-off difference between near-tied router
         # scores, which moves the routed block's weights by far more than round-off: losses only,
         # and the thresholds, which every rank moves by the boundary of the whole global batch

@@ -171,6 +171,44 @@ def test_generate_with_sampling_reproducible():
     assert torch.equal(a, b) and a.shape == (2, 12)
 
 
+def _left_padded(prompts, pad=0):
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def test_batched_generation_equals_each_row_alone():
+    """Left-padded rows of different lengths decode as each row alone: greedy, the same tokens;
+    sampled with a generator per row, the same draws; a row stops at its own EOS (or any of several
+    stop ids) and keeps emitting it, while the others go on."""
+    model = tiny(n_kv_heads=2).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 7, 5, 1)]
+    ids, mask = _left_padded(prompts)
+    greedy = model.generate(ids, 10, attention_mask=mask)
+    assert torch.equal(model.generate(ids, 10, attention_mask=mask, compile=True), greedy)
+    alone = [model.generate(torch.tensor([p]), 10)[0, len(p):] for p in prompts]
+    assert torch.equal(greedy[:, ids.shape[1]:], torch.stack(alone))
+    sampled = model.generate(ids, 10, temperature=1.0, top_p=0.95, attention_mask=mask,
+                             generator=[torch.Generator().manual_seed(i) for i in range(4)])
+    alone = [model.generate(torch.tensor([p]), 10, temperature=1.0, top_p=0.95, generator=[torch.Generator().manual_seed(i)])
+             for i, p in enumerate(prompts)]
+    assert torch.equal(sampled[:, ids.shape[1]:], torch.stack([a[0, len(p):] for a, p in zip(alone, prompts)]))
+    assert len({tuple(r) for r in sampled[:, ids.shape[1]:].tolist()}) > 1
+    eos = [int(greedy[0, ids.shape[1] + 2]), int(greedy[2, ids.shape[1] + 4])]  # row 0 stops at step 3, row 2 by 5
+    stopped = model.generate(ids, 10, attention_mask=mask, eos_token_id=eos)[:, ids.shape[1]:]
+    for row, p in zip(stopped, prompts):
+        want = model.generate(torch.tensor([p]), 10, eos_token_id=eos)[0, len(p):]
+        assert torch.equal(row, want)
+        hit = torch.isin(row, torch.tensor(eos)).nonzero()
+        if len(hit):
+            assert (row[hit[0, 0]:] == row[hit[0, 0]]).all()
+    assert torch.isin(stopped[0, 2], torch.tensor(eos)) and (stopped[0, 2:] == stopped[0, 2]).all()
+
+
 # ---------------------------------------------------------------------------- parameters
 
 def test_tied_and_untied_embeddings():

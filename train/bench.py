@@ -28,8 +28,9 @@ BENCHES: dict[str, str] = {
     "min-snr": "diffusion, name", "diffusion-quality": "diffusion, name",
     "optimizers": "optimizers, name", "lr-find": "optimizers, name",
     "sft-packing": "sft, name", "sft-quality": "sft, name",
-    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory", "gpu": "gpu, name", "float8": "gpu, name",
-    "report": "report",
+    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
+    "gpu": "gpu, name", "float8": "gpu, name", "report": "report", "rollout": "rollout, name",
+    "rl-quality": "rollout, name",
 }
 
 

@@ -419,6 +419,7 @@ class Checkpointer:
             return 0
         self.resumed, self.start = state, state["step"]
         extra = state["extra"]
+        run.task.load_state_dict(extra.get("task") or {})
         if note := resume_note(self.start, extra.get("max_steps"), t.max_steps, run.cfg.optim):
             self.say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed
         was_id = {k: extra.get(k) for k in run.adapter_id()}
@@ -449,6 +450,8 @@ class Checkpointer:
         if self.metrics is not None:  # the rows up to this step are durable before the checkpoint is
             self.metrics.sync()
             extra["metrics"] = self.metrics.state_dict()
+        if task_state := run.task.state_dict():
+            extra["task"] = task_state
         scaler = run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
         ema = run.ema.model if run.ema is not None else None
         every = self.t.checkpoint_every

@@ -261,13 +261,15 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     source: str = "<config>"
+    rl: Any = None                          # the `rl:` section of a `data.format: prompts` run (train/tasks/rl.py)
 
     def to_dict(self) -> dict:
-        return {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
-                "train": to_dict(self.train), "optim": to_dict(self.optim), "adapter": to_dict(self.adapter)}
+        out = {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
+               "train": to_dict(self.train), "optim": to_dict(self.optim), "adapter": to_dict(self.adapter)}
+        return out if self.rl is None else {**out, "rl": to_dict(self.rl)}
 
 
-SECTIONS = ("family", "model", "data", "train", "optim", "adapter")
+SECTIONS = ("family", "model", "data", "train", "optim", "adapter", "rl")
 
 
 def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
@@ -287,7 +289,11 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
     optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
     adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
-    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source)
+    rl_cls = getattr(task, "RLConfig", None)
+    if data.get("rl") is not None and rl_cls is None:
+        raise ConfigError(f"{source}: rl: is the section of reinforcement learning runs (data.format: prompts)")
+    rl = from_dict(rl_cls, data.get("rl") or {}, source, "rl.") if rl_cls is not None else None
+    cfg = RunConfig(family, model, dcfg, train, optim, adapter, source, rl)
     if (train.qat or train.quantize) and not task.quantizable:
         key = "train.qat" if train.qat else "train.quantize"
         raise fail(source, key, f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")

@@ -73,7 +73,9 @@ def config_classes() -> dict[str, type]:
                zc.DiTConfig,
                TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
-    classes += [t.DataConfig for t in tasks] + [load_class(s).DataConfig for t in tasks for s in t.formats.values()]
+    formats = [load_class(s) for t in tasks for s in t.formats.values()]
+    classes += [t.DataConfig for t in tasks] + [f.DataConfig for f in formats]
+    classes += [c for f in formats for c in getattr(f, "sections", ())]  # a task's own sections (rl:), their parts
     from .data import SourceConfig  # an entry of data.sources
     classes.append(SourceConfig)
     return {c.__name__: c for c in classes}
@@ -145,7 +147,8 @@ def doc_value(v) -> str:
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, (list, tuple)):
-        return json.dumps([doc_value(x) if isinstance(x, float) else x for x in v]).replace('"', "")
+        return json.dumps([doc_value(x) if isinstance(x, float) else dataclasses.asdict(x) if dataclasses.is_dataclass(x)
+                           else x for x in v]).replace('"', "")
     if dataclasses.is_dataclass(v):
         return f"`{type(v).__name__}` defaults"
     return str(v) if v != "" else "''"

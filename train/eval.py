@@ -5,7 +5,7 @@
 
 A task file is jsonl: multiple choice (context, choices, answer) scored by log-likelihood as
 lm-evaluation-harness does; generation (prompt, expected, until) greedy; loss rows by mean
-cross-entropy (docs/post-training.md, "Evaluation").
+cross-entropy; prompt (or messages) and answer rows by rewards (--reward, --samples for pass@k) (docs/post-training.md, "Evaluation").
 Exit codes: 0 done; 2 a bad file, folder or option (one line).
 """
 from __future__ import annotations
@@ -29,14 +29,26 @@ from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, 
 
 
 # ----------------------------------------------------------------------------- log-likelihoods
-def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
-    -> (sums (B,) fp32, scored tokens (B,))."""
+def token_logps(model, ids: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
+    """Log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored) -> (log-probs
+    (B, T) fp32, 0 where not scored; the scored mask (B, T)[; the distributions' entropies (B, T), no grad])."""
     logits = model(ids).float()
     valid = labels != IGNORE
     target = labels.masked_fill(~valid, 0)
-    logp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return (logp * valid).sum(-1), valid.sum(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = (logits.gather(-1, target[..., None]).squeeze(-1) - lse) * valid
+    if not entropy:
+        return logp, valid
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, valid, ent
+
+
+def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
+    -> (sums (B,) fp32, scored tokens (B,))."""
+    logp, valid = token_logps(model, ids, labels)
+    return logp.sum(-1), valid.sum(-1)
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +119,9 @@ def parse_row(row: dict) -> dict:
         return _choice_row(row)
     if "expected" in row:
         return _generation_row(row)
+    if "answer" in row:
+        from train.data.prompts import prompt_row
+        return {"kind": "reward", **prompt_row(row)}
     return _loss_row(row)
 
 
@@ -182,6 +197,58 @@ def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tok
     return tokenizer.decode(out)
 
 
+def chat_prompt_ids(tokenizer, template, prompt) -> list[int]:
+    """The tokens of a prompt: with a template its messages rendered with the generation prompt, else plain text."""
+    if template is None:
+        return encode_prompt(tokenizer, prompt)
+    from train.data.conversations import token_offsets
+    return token_offsets(tokenizer, template.render(prompt_messages(prompt), add_generation_prompt=True))[0]
+
+
+def stop_tokens(tokenizer, template) -> tuple[list[int], "str | None"]:
+    """(the ids a completion stops at: EOS, and the end of turn when it is one token; the end-of-turn text)."""
+    stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    if template is None:
+        return stops, None
+    from train.data.conversations import token_offsets
+    for text in (template.special_tokens.get("eos_token"), template.end_of_turn):
+        ids = token_offsets(tokenizer, text)[0] if isinstance(text, str) and text else []
+        if len(ids) == 1 and ids[0] not in stops:
+            stops.append(ids[0])
+    return stops, template.end_of_turn or None
+
+
+@torch.no_grad()
+def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperature: float = 0.0, top_p=None,
+             generator=None, max_prompt: "int | None" = None, stop_early: bool = True, compile: bool = False):
+    """Completions of many prompts in one batched generate (left-padded, a stop per row). Returns
+    (prompt ids, completion ids up to and with the stop, completion texts without it, truncated flags:
+    no stop within max_new_tokens). A multi-token end of turn is found in the text, and the ids cut after it."""
+    device = next(model.parameters()).device
+    enc = [chat_prompt_ids(tokenizer, template, p)[-(max_prompt or 0):] for p in prompts]
+    stops, eot = stop_tokens(tokenizer, template)
+    T = max(len(e) for e in enc)
+    ids = torch.tensor([[0] * (T - len(e)) + e for e in enc], device=device)
+    mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc], device=device)
+    out = model.generate(ids, max_new_tokens, temperature, top_p=top_p, eos_token_id=stops or None,
+                         generator=generator, attention_mask=mask, stop_early=stop_early, compile=compile)
+    comps, texts, truncated = [], [], []
+    for row in out[:, T:].tolist():
+        n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        stopped, row = row[n - 1] in stops, row[:n]
+        text = tokenizer.decode(row[:-1] if stopped else row)
+        if eot and eot in text:  # an end of turn of several tokens: the shortest prefix holding it
+            lo, hi = 1, len(row)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if eot in tokenizer.decode(row[:mid]) else (mid + 1, hi)
+            row, text, stopped = row[:lo], text[:text.index(eot)], True
+        comps.append(row)
+        texts.append(text)
+        truncated.append(not stopped)
+    return enc, comps, texts, truncated
+
+
 def score_generation(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, max_len=None,
                      **_):
     """exact_match and contains of generation rows (and each row's output)."""
@@ -220,11 +287,43 @@ def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, aut
     return {"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens": tokens}, []
 
 
-SCORERS = {"choice": score_choices, "generation": score_generation, "loss": score_loss}
+def score_rewards(model, tokenizer, rows, device, template=None, batch_size=16, max_new_tokens=64, autocast=None,
+                  max_len=None, rewards=None, samples=1, temperature=1.0, **_):
+    """reward (the mean weighted total) and pass@1 (solved: the first reward >= 1) of greedy completions
+    of prompt rows, scored by `rewards` [(name, weight, fn)] (default numeric); with samples k > 1 also
+    pass@k: the share of prompts one of whose k sampled completions (each row's generator seeded by its
+    index) is solved."""
+    from train.data.prompts import reward_fn, score
+    rewards = rewards or [("numeric", 1.0, reward_fn("numeric"))]
+    max_prompt = max(1, max_len - max_new_tokens) if max_len else None
+
+    def values(rows, temp, seeded):
+        out = []
+        for s in range(0, len(rows), batch_size):
+            part = rows[s:s + batch_size]
+            gens = [torch.Generator(device).manual_seed(s + i) for i in range(len(part))] if seeded else None
+            with (autocast or contextlib.nullcontext)():
+                texts = complete(model, tokenizer, template, [r["prompt"] for r in part], max_new_tokens, temp,
+                                 generator=gens, max_prompt=max_prompt)[2]
+            got = score(rewards, texts, [r["answer"] for r in part], [r["prompt"] for r in part])
+            out += [(t, [v[k] for v in got]) for k, t in enumerate(texts)]
+        return out
+    greedy = values(rows, 0.0, False)
+    total = [sum(w * v for (_, w, _), v in zip(rewards, vals)) for _, vals in greedy]
+    out = {"reward": sum(total) / len(rows), "pass@1": sum(v[0] >= 1 for _, v in greedy) / len(rows), "n": len(rows)}
+    details = [{"output": t, "answer": r["answer"], "rewards": v} for (t, v), r in zip(greedy, rows)]
+    if samples > 1:
+        many = values([r for r in rows for _ in range(samples)], temperature, True)
+        out[f"pass@{samples}"] = sum(any(v[0] >= 1 for _, v in many[i * samples:(i + 1) * samples])
+                                     for i in range(len(rows))) / len(rows)
+    return out, details
+
+
+SCORERS = {"choice": score_choices, "generation": score_generation, "loss": score_loss, "reward": score_rewards}
 
 
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
-                   delimiter=" ", autocast=None, log=print) -> dict[str, dict]:
+                   delimiter=" ", autocast=None, log=print, **reward_options) -> dict[str, dict]:
     """{task (file stem): {metric: value, "kind", "details"}} of every task file, in eval mode."""
     was = model.training
     model.eval()
@@ -236,7 +335,7 @@ def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16
             try:
                 m, d = SCORERS[kind](model, tokenizer, rows, device, template=template, batch_size=batch_size,
                                      max_new_tokens=max_new_tokens, delimiter=delimiter, autocast=autocast,
-                                     max_len=max_len)
+                                     max_len=max_len, **reward_options)
             except TypeError as e:  # a prompt of messages and no template
                 raise DataError(f"{f}: {e}") from None
             name = Path(f).stem
@@ -281,6 +380,11 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--delimiter", default=" ")
     p.add_argument("--details", action="store_true", help="each row's scores in the JSON")
+    p.add_argument("--reward", action="append", help="prompt/answer rows: a reward (as rl.rewards names them, "
+                   "weight 1); repeat for several; default numeric")
+    p.add_argument("--samples", type=int, default=1, help="prompt/answer rows: k sampled completions per prompt "
+                   "for pass@k (1: greedy only)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the temperature of those samples")
     return p.parse_args(argv)
 
 
@@ -298,8 +402,8 @@ def main(argv=None) -> int:
         print("error: --task or --images is required", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        if args.batch_size <= 0 or args.max_new_tokens <= 0:
-            raise ConfigError("--batch-size and --max-new-tokens must be > 0")
+        if args.batch_size <= 0 or args.max_new_tokens <= 0 or args.samples <= 0:
+            raise ConfigError("--batch-size, --max-new-tokens and --samples must be > 0")
         device = resolve_device(args.device)
         tokenizer, own = tokenizer_and_template(args.model, args.tokenizer)
         t = args.template
@@ -309,9 +413,12 @@ def main(argv=None) -> int:
             model = zoo.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         except (ValueError, OSError) as e:
             raise ConfigError(f"{args.model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        from train.data.prompts import reward_fn
+        rewards = [(r, 1.0, reward_fn(r, "--reward")) for r in args.reward or ["numeric"]]
         results = evaluate_files(model, tokenizer, args.task, device, template=template, batch_size=args.batch_size,
                                  max_new_tokens=args.max_new_tokens, delimiter=args.delimiter,
-                                 autocast=autocast_for(device, args.precision), log=print)
+                                 autocast=autocast_for(device, args.precision), log=print, rewards=rewards,
+                                 samples=args.samples, temperature=args.temperature)
     except (ConfigError, DataError, FileNotFoundError, RunStopped) as e:  # RunStopped: e.g. no CUDA
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "code", EXIT_CONFIG)

@@ -141,12 +141,14 @@ class LLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
                 mod_causal: Optional[bool] = None, distill: Optional[Distill] = None,
-                doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
+                doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                key_mask: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets: (logits, loss), logits None under the chunked
         loss; `distill`: the distillation loss; return_aux=True appends {`moe_aux`, `mod_aux`}. mod_causal:
-        MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches)."""
+        MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches).
+        key_mask (B, T) bool: the tokens attention may use as keys (False: left padding; needs masked caches)."""
         B, T = input_ids.shape
-        h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids)
+        h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids, key_mask)
         cap = self.config.final_softcap
         if targets is None:
             out = (self.logits(h),)
@@ -188,11 +190,14 @@ class LLM(nn.Module):
         """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (distillation)."""
         return self._trunk(input_ids, None, 0, None)[0]
 
-    def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None):
+    def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None,
+               key_mask=None):
         """embed -> the layers -> the final norm: (h (B, T, D), MoE stats, MoD stats)."""
         B, T = input_ids.shape
         if doc_ids is not None and caches is not None:
             raise ValueError("doc_ids (document masking) is for forwards without caches; decoding runs one sequence")
+        if key_mask is not None and self.config.mod_capacity > 0:
+            raise ValueError("key_mask (padded rows) is not supported with Mixture-of-Depths layers")
         x = self.embed(input_ids)
         if self.config.embed_scale:
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
@@ -216,6 +221,8 @@ class LLM(nn.Module):
                 kw["causal"] = causal
             if doc_ids is not None:
                 kw["doc_ids"] = doc_ids
+            if key_mask is not None:
+                kw["key_mask"] = key_mask
             x, s, *m = layer(x, *tables[self.config.is_local(i)], **kw)
             if s is not None:
                 stats.append(s)
@@ -304,44 +311,64 @@ class LLM(nn.Module):
         self.router_load.zero_()
 
     # ------------------------------------------------------------------ generation
-    def new_caches(self, batch: int, max_len: int, device=None, dtype=None) -> list:
+    def new_caches(self, batch: int, max_len: int, device=None, dtype=None, masked: bool = False) -> list:
+        """One KV cache per layer; masked=True: caches that also keep which keys are real (padded rows)."""
         p = self.embed.weight
         cfg = self.config
         if cfg.mla:  # the compressed latents only
+            if masked:
+                raise ValueError("left-padded rows (attention_mask) are not supported with multi-head latent attention")
             return [LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device or p.device, dtype or p.dtype)
                     for _ in range(cfg.n_layers)]
-        return [(MaskedKVCache if cfg.is_mod(i) else KVCache)(batch, cfg.resolved_n_kv_heads, max_len,
-                                                              cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
-                for i in range(cfg.n_layers)]
+        return [(MaskedKVCache if masked or cfg.is_mod(i) else KVCache)(
+            batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
+            for i in range(cfg.n_layers)]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference mode: FSDP2 reuses the buffers it gathers the weights into for training
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 compile: bool = False) -> torch.Tensor:
+                 eos_token_id=None, generator=None, compile: bool = False,
+                 attention_mask: Optional[torch.Tensor] = None, stop_early: bool = True) -> torch.Tensor:
         """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0
-        is greedy, else sampling with top_k / top_p; rows that produced eos_token_id keep emitting it.
+        is greedy, else sampling with top_k / top_p. eos_token_id: an id or a list of ids; a row stops at
+        the first it produces and keeps emitting it, and decoding ends once every row has stopped
+        (stop_early=False: it runs every step, as ranks that share each forward must). attention_mask
+        (B, T), 0 on left padding: each row runs at its own positions and never attends to its padding.
+        generator: one, or a list of one per row (each row's draws then do not depend on the batch).
         compile=True runs each one-token step through torch.compile (`compiled_decode_step`)."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
-        dtype = torch.get_autocast_dtype(input_ids.device.type) \
-            if torch.is_autocast_enabled(input_ids.device.type) else None
-        caches = self.new_caches(B, T + max_new_tokens, input_ids.device, dtype)
+        dev = input_ids.device
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        caches = self.new_caches(B, T + max_new_tokens, dev, dtype, masked=padded)
         step = compiled_decode_step() if compile else decode_step
-        out = input_ids
-        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        logits = self(input_ids, caches=caches, start_pos=0)[:, -1]
+        kw = {}
+        if padded:
+            real = attention_mask.bool()
+            kw = {"key_mask": real, "position_ids": (real.long().cumsum(1) - 1).clamp(min=0)}
+            last_pos, one = kw["position_ids"][:, -1:], real.new_ones(B, 1)
+        stops = None if eos_token_id is None else torch.tensor(
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=dev)
+        out = input_ids.new_empty(B, max_new_tokens)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        logits = self(input_ids, caches=caches, **kw)[:, -1]
         for i in range(max_new_tokens):
             nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            out = torch.cat([out, nxt[:, None]], dim=1)
+            if stops is not None:
+                nxt = torch.where(done, out[:, i - 1] if i else nxt, nxt)
+                done |= torch.isin(nxt, stops)
+            out[:, i] = nxt
+            if stops is not None and stop_early and bool(done.all()):
+                out[:, i + 1:] = nxt[:, None]
+                break
             if i + 1 < max_new_tokens:
-                logits = step(self, nxt[:, None], caches, T + i)
+                if padded:
+                    kw = {"key_mask": one, "position_ids": last_pos + i + 1}
+                logits = step(self, nxt[:, None], caches, T + i, **kw)
         self.train(was_training)
-        return out
+        return torch.cat([input_ids, out], dim=1)
 
     # ------------------------------------------------------------------ accounting
     def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
@@ -372,14 +399,15 @@ class LLM(nn.Module):
         return 6 * n_matmul + attn
 
 
-def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
-    """One decoding step: ids (B, 1) at position pos -> next-token logits (B, V); fills the caches."""
-    return model(ids, caches=caches, start_pos=pos)[:, -1]
+def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int, **kw) -> torch.Tensor:
+    """One decoding step: ids (B, 1) into cache slot pos -> next-token logits (B, V); fills the caches.
+    kw: position_ids and key_mask (B, 1) of padded rows (LLM.generate)."""
+    return model(ids, caches=caches, start_pos=pos, **kw)[:, -1]
 
 
-def _decode_step_matvec(model: LLM, ids: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
+def _decode_step_matvec(model: LLM, ids: torch.Tensor, caches: list, pos: int, **kw) -> torch.Tensor:
     with MatvecAsReduction():
-        return decode_step(model, ids, caches, pos)
+        return decode_step(model, ids, caches, pos, **kw)
 
 
 _compiled_step = None
@@ -395,19 +423,23 @@ def compiled_decode_step():
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,)."""
+                top_p: Optional[float] = None, generator=None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,). Sampling inverts each row's cumulative distribution at one
+    uniform draw: from `generator`, or with a list of generators one per row from the row's own."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs, order = logits.softmax(-1), None
     if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        probs, order = probs.sort(dim=-1, descending=True)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)  # the smallest prefix reaching top_p
+    if isinstance(generator, (list, tuple)):
+        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generator])
+    else:
+        u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+    return (order.gather(-1, pick) if order is not None else pick).squeeze(1)

@@ -122,6 +122,13 @@ class Task:
         batch-size finder run the step on it."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """What the task must carry across a resume beyond (seed, step): checkpointed with the loop's state."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what state_dict() returned (an empty dict: nothing was saved)."""
+
     def train_metrics(self) -> dict[str, float]:
         """The task's training numbers since the last call (e.g. auxiliary losses), added to every logged row."""
         return {}

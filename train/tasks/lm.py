@@ -29,7 +29,8 @@ class LMTask(Task):
     unit = "tokens"
     masked_targets = False  # targets -100 where no loss is taken (chat SFT: all but the assistant's tokens)
     formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
-               "preference": "train.tasks.dpo:DPOTask"}  # data.format -> chat SFT, or DPO / SimPO
+               "preference": "train.tasks.dpo:DPOTask", "prompts": "train.tasks.rl:RLTask"}  # data.format -> chat SFT,
+                                                                            # DPO / SimPO, or RL
     tokenizer_files = ("tokenizer.model", "tokenizer.json")  # a checkpoint's tokenizer, in order of preference
     quantizable = True
     moe = None           # the model's MoEConfig, when it has one

@@ -1,0 +1,169 @@
+"""RL: rollout speed (Zoo's batched generation against transformers' generate) and what RL teaches.
+
+    python train/bench.py rollout      # P prompts of different lengths x G samples, N new tokens each
+    python train/bench.py rl-quality   # held-out reward of runs/tiny-sft, then of tiny-grpo over 3 seeds
+
+One Llama checkpoint (random weights) loaded by both. Zoo: `LLM.generate` on the P x G rows left-padded,
+a generator per row (as the RL task samples); transformers: `generate(do_sample=True,
+num_return_sequences=G)` on the P prompts left-padded. Both sample at temperature 1 with top_p and
+produce exactly N tokens per row; eager and compiled (transformers: its forward compiled on a static cache).
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from train.benches import harness  # noqa: E402
+from train.benches.llm_speed import hf_load  # noqa: E402
+
+
+def prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """P left-padded prompts of lengths spread over [prompt / 2, prompt] and their attention mask."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(args.prompt // 2, args.prompt, args.prompts).round().long().tolist()
+    ids = torch.zeros(args.prompts, args.prompt, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:] = torch.randint(1, args.vocab, (n,), generator=g)
+        mask[i, -n:] = 1
+    return ids, mask
+
+
+def sides(args, folder: Path, prec: str) -> dict:
+    import zoo
+    dt = harness.PRECISIONS[prec]
+    ids, mask = prompts(args)
+    G, n = args.group, args.new_tokens
+    rows, row_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    model = zoo.from_pretrained(folder, dtype=dt).eval()
+    out = {}
+    for m in args.modes:
+        def zoo_side(c=m == "compile"):
+            gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+            return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
+                                  compile=c)
+        out[f"zoo-{m}"] = zoo_side
+        hf = hf_load(folder, dt).eval()
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_p=args.top_p, top_k=0,
+                  num_return_sequences=G, pad_token_id=0)
+        if m == "compile":
+            hf.forward = torch.compile(hf.forward)
+            kw["cache_implementation"] = "static"
+        out[f"transformers-{m}"] = lambda hf=hf, kw=kw: hf.generate(ids, attention_mask=mask, **kw)
+    return out
+
+
+def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
+    calls = sides(args, folder, prec)
+    shapes = {}
+
+    def timed(name):
+        def run():
+            with torch.inference_mode(), harness.autocast(prec):
+                shapes[name] = tuple(calls[name]().shape)
+        return run
+    fns = {k: timed(k) for k in calls}
+    first = harness.warm_up(fns, say=lambda m: print(f"  {prec} rollouts {m}", flush=True))
+    r = harness.run_rounds(fns, args.rounds)
+    done = args.prompts * args.group
+    rows = []
+    for k in calls:
+        ref = "transformers-" + k.split("-")[1]
+        rows.append([k, f"{r.median(k):.3f}", f"{done / r.median(k):.1f}", f"{done / r.best(k):.1f}", f"{first[k]:.1f}",
+                     "x".join(map(str, shapes[k])), "-" if k == ref else str(r.paired(k, ref))])
+    note = (f"{prec}: {args.prompts} prompts of {args.prompt // 2}-{args.prompt} tokens x {args.group} samples, "
+            f"{args.new_tokens} new tokens each, temperature 1, top_p {args.top_p}; a Llama of d_model {args.d_model}, "
+            f"{args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab}; "
+            f"{args.rounds} alternating rounds; speedup: transformers' seconds / Zoo's, paired median (range)")
+    table = harness.table(["side", "median s", "completions/s (median)", "completions/s (best)", "first call s",
+                           "output", "speedup vs transformers, same mode"], rows, note)
+    return table, {k: {"wall": r.times(k)} for k in calls}
+
+
+def quality(args) -> dict:
+    """Greedy answers to the embedded task's held-out prompts: the starting model, then each seed's run."""
+    from train.chat import load
+    from train.config import load_run_config
+    from train.data.prompts import arithmetic, reward_fn
+    from train.eval import score_rewards
+    cfg = load_run_config(args.config, args.override)
+    rl, rows = cfg.rl, arithmetic("val", args.prompts)
+    rewards = [(r.name, r.weight, reward_fn(r.name)) for r in rl.rewards]
+
+    def score(folder):
+        model, tok, template = load(str(folder))
+        m, details = score_rewards(model, tok, rows, torch.device("cpu"), template, 64, rl.max_new_tokens,
+                                   lambda: harness.autocast(args.precision), cfg.data.seq_len + rl.max_new_tokens,
+                                   rewards=rewards)
+        return [m["reward"], *(sum(d["rewards"][k] for d in details) / len(rows) for k in range(len(rewards)))]
+    before = score(args.init)
+    after = []
+    for seed in range(args.seeds):
+        out = args.out / f"seed{seed}"
+        harness.run_loop(args.config, out, [f"train.seed={seed}", f"train.init_from={args.init}", *args.override])
+        after.append(score(out))
+    names = ["reward"] + [f"{n} rate" for n, _, _ in rewards]
+    table = [["before: " + relative(args.init), *(f"{v:.3f}" for v in before)]]
+    table += [[f"after, seed {i}", *(f"{v:.3f}" for v in a)] for i, a in enumerate(after)]
+    diffs = [harness.mean_interval(a[k] - before[k] for a in after) for k in range(len(names))]
+    table.append([f"after - before: mean ± 95% interval ({args.seeds} seeds)",
+                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
+                    for m, h in diffs)])
+    return harness.table(["model", *names], table,
+                         f"greedy answers to {args.prompts} held-out prompts of the embedded task; "
+                         f"{relative(args.config)} with {' '.join(args.override) or 'no overrides'}; {args.precision}")
+
+
+def relative(path) -> str:
+    """A path under the checkout as the checkout names it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
+def main(argv=None, preset: str = "rollout"):
+    if preset == "rl-quality":
+        p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
+        p.add_argument("--config", default=str(ROOT / "configs" / "llm" / "tiny-grpo.yaml"))
+        p.add_argument("--init", default=str(ROOT / "runs" / "tiny-sft"), help="the model before RL")
+        p.add_argument("--out", type=Path, default=ROOT / "runs" / "rl-quality", help="the runs' folders")
+        p.add_argument("--seeds", type=harness.positive_int, default=3)
+        p.add_argument("--prompts", type=harness.positive_int, default=200)
+        p.add_argument("override", nargs="*", help="key=value overrides of the config")
+        args = p.parse_args(argv)
+        harness.setup(args)
+        harness.save(args, {"": quality(args)}, {})
+        return 0
+    p = harness.parser("rollout", __doc__, precision="bf16")
+    harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
+    p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
+    p.add_argument("--group", type=harness.positive_int, default=8, help="samples per prompt (G)")
+    p.add_argument("--prompt", type=harness.positive_int, default=40, help="the longest prompt's tokens")
+    p.add_argument("--new-tokens", type=harness.positive_int, default=32, help="tokens sampled per row (N)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
+    args = p.parse_args(argv)
+    harness.setup(args)
+    import transformers
+    tables, data = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn or 4 * args.d_model * 2 // 3,
+            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+            num_key_value_heads=args.n_kv_heads or args.n_heads, max_position_embeddings=512,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)).save_pretrained(tmp)
+        for prec in args.precision:
+            tables[prec], data[prec] = rollout_table(args, Path(tmp), prec)
+    harness.save(args, tables, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""Reinforcement learning with verifiable rewards (`data.format: prompts`, the `rl:` section).
+
+Each batch of rollouts: group_size completions of every prompt, sampled on Zoo's batched KV-cache
+generation (eval mode, no grad), scored by the rewards, turned into advantages within each group;
+then the PPO-style clipped objective over the completions' tokens, with an optional KL term:
+    ratio = exp(logp - logp_old);  per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A)
+                                              + kl_beta (exp(ref - logp) - (ref - logp) - 1)   (k3)
+GRPO (Shao et al., "DeepSeekMath", 2024): A = (r - mean) / (std + eps) in the group; each completion's
+    token mean, then the mean over completions.
+Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective", 2025): A = r - mean;
+    the token sum over completions x max_new_tokens (no length or std normalisation, their biases gone).
+DAPO (Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", 2025): GRPO's A, the
+    token mean over the whole batch, a higher clip_high, dynamic sampling, overlong shaping.
+What is recomputed: the sampler's log-probabilities are not kept. The loss runs a training-mode forward
+over prompt + completion (the graph the gradient needs), and the old log-probs of updates_per_batch > 1
+come from that same forward without grad right after sampling, not from the decode steps (other kernels:
+cache, compilation, padding, bf16): so the ratio is exactly 1 at a batch's first update.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from zoo.adapters import adapters_disabled
+from zoo.config import ConfigError, bounded, fail
+
+from ..data import DataError, check_files, load_tokenizer_file
+from ..data.conversations import BUILTIN as TEMPLATES
+from ..data.prompts import arithmetic, read_prompts, reward_fn, score
+from ..eval import collate, complete, score_rewards, token_logps
+from ..optim import micro_batches
+from .dpo import DPOTask, unwrapped
+from .lm import LMTask
+
+ROW_KEYS = ("prompt", "comp", "cut", "total")  # a batch's per-completion lists (and "values": one list per reward)
+
+
+@dataclass
+class PromptDataConfig:
+    format: Literal["prompts"] = "prompts"  # selects reinforcement learning (this task and `rl:`) for `family: llm`
+    path: str = ""                          # a jsonl file of `{"prompt" or "messages", "answer"}` rows, or `synthetic`:
+                                            # the embedded arithmetic task (train/data/prompts.py)
+    synthetic_rows: int = bounded(2000, ge=10)  # `path: synthetic`: how many problems (`val_fraction` held out)
+    val_path: Optional[str] = None          # held-out prompts (same format); null = the last `val_fraction` of `path`
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
+    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer;
+                                            # `bytes`; or a tokenizer file's path
+    template: Optional[str] = None          # null = the `train.init_from` model's own template, if any; a built-in
+                                            # name or a path as for chat data; `none`: plain-text prompts
+    seq_len: int = bounded(128, ge=1)       # prompt tokens kept (the end of a longer prompt); + `rl.max_new_tokens`
+                                            # <= `model.max_seq_len`
+    eval_prompts: int = bounded(64, gt=0)   # held-out prompts answered greedily at every evaluation (`val_reward`)
+    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) evaluated at every evaluation
+
+    def validate(self, source, prefix="data."):
+        if not self.path:
+            raise fail(source, prefix + "path", "must name a jsonl file of prompt/answer rows or be synthetic")
+        check_files(self.eval_tasks, source, prefix + "eval_tasks")
+        if self.template not in (None, "none", *TEMPLATES) and not Path(self.template).expanduser().exists():
+            raise fail(source, prefix + "template", f"={self.template}: neither none, a built-in template "
+                                                    f"({', '.join(TEMPLATES)}) nor an existing file or folder")
+
+
+@dataclass
+class Reward:
+    name: str = "numeric"                   # numeric, exact, contains, format:REGEX, length[:N] or module:function
+    weight: float = 1.0                     # its weight in the total reward
+
+
+@dataclass
+class RLConfig:
+    algorithm: Literal["grpo", "dr_grpo", "dapo"] = "grpo"  # the loss (see train/tasks/rl.py's docstring)
+    group_size: int = bounded(8, ge=2)      # completions sampled per prompt
+    prompts_per_step: int = bounded(8, gt=0)  # prompts per batch of rollouts (all processes together)
+    max_new_tokens: int = bounded(64, gt=0)  # a completion's length at most (past it: truncated)
+    temperature: float = bounded(1.0, gt=0)  # sampling temperature of the rollouts
+    top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling of the rollouts (1: off)
+    rewards: list[Reward] = field(default_factory=lambda: [Reward()])  # summed with their weights; the first is
+                                            # the check `solved` counts (a completion scoring >= 1)
+    kl_beta: float = bounded(0.0, ge=0)     # weight of the k3 KL to the reference (the base with adapters off, else
+                                            # a frozen copy of the initial model); 0: no reference
+    clip_low: float = bounded(0.2, ge=0, lt=1)  # the ratio's lower clip 1 - clip_low
+    clip_high: float = bounded(0.2, ge=0)   # the ratio's upper clip 1 + clip_high (DAPO: 0.28)
+    updates_per_batch: int = bounded(1, gt=0)  # optimizer steps on one batch of rollouts (> 1: old log-probs kept)
+    dynamic_sampling: bool = False          # DAPO: groups whose rewards are all equal are dropped and refilled
+    max_refills: int = bounded(4, ge=0)     # dynamic sampling: extra rounds of sampling at most per batch
+    overlong: Literal["none", "mask", "soft"] = "none"  # truncated completions: `mask` (left out of the loss) or
+                                            # `soft` (DAPO's penalty over the last `overlong_buffer` tokens)
+    overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: a quarter of
+                                            # max_new_tokens
+    compile: bool = False                   # decode through torch.compile (LLM.generate(compile=True))
+
+
+def advantages(rewards: torch.Tensor, algorithm: str, eps: float = 1e-4) -> torch.Tensor:
+    """rewards (groups, G) -> advantages (groups, G): r - the group's mean, over (its std + eps) but for
+    dr_grpo (std: torch.std's unbiased estimate, as TRL). A group of equal rewards: all zero."""
+    centred = rewards - rewards.mean(1, keepdim=True)
+    return centred if algorithm == "dr_grpo" else centred / (rewards.std(1, keepdim=True) + eps)
+
+
+def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip_high: float, kl_beta: float,
+                max_new_tokens: int, n_seqs: Optional[float] = None, n_tokens: Optional[float] = None):
+    """The clipped objective of completions: logp, old, ref, mask (N, T) (ref None when kl_beta is 0),
+    adv (N,). n_seqs and n_tokens: the whole batch's (over micro-batches and processes; default these
+    rows'), so that the parts' losses add up to the batch's. -> (loss, {clip, kl} sums over the tokens)."""
+    mask = mask.float()
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = -torch.minimum(ratio * a, clipped * a)
+    stats = {"clip": ((ratio * a > clipped * a).float() * mask).sum().detach()}
+    if kl_beta > 0:
+        d = ref - logp
+        k3 = torch.exp(d) - d - 1
+        per_token = per_token + kl_beta * k3
+        stats["kl"] = (k3 * mask).sum().detach()
+    n_seqs = mask.shape[0] if n_seqs is None else n_seqs
+    n_tokens = mask.sum() if n_tokens is None else n_tokens
+    total = per_token * mask
+    if algorithm == "grpo":
+        loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    elif algorithm == "dr_grpo":
+        loss = total.sum() / (n_seqs * max_new_tokens)
+    else:
+        loss = total.sum() / n_tokens
+    return loss, stats
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falling linearly to -1 at max."""
+    return min(0.0, (max_new_tokens - buffer - length) / buffer)
+
+
+def reward_keys(rewards) -> list[str]:
+    """Each reward's metric: reward_<name up to a colon>, a repeated name numbered from its second (_2, ...)."""
+    keys = []
+    for name, _, _ in rewards:
+        key = "reward_" + name.split(":")[0]
+        keys.append(key if key not in keys else f"{key}_{sum(k.startswith(key) for k in keys) + 1}")
+    return keys
+
+
+class Prompts:
+    """The prompt rows of a run: train, val ([{prompt, answer}]) and the tokenizer."""
+    max_id = -1
+
+    def __init__(self, d, tokenizer, log):
+        self.tokenizer = tokenizer
+        if d.path == "synthetic":
+            n_val = max(1, round(d.synthetic_rows * d.val_fraction))
+            self.train, self.val = arithmetic("train", d.synthetic_rows - n_val), arithmetic("val", n_val)
+        else:
+            rows = read_prompts(d.path, log)
+            n_val = 0 if d.val_path else max(1, int(len(rows) * d.val_fraction))
+            self.train, self.val = (rows, read_prompts(d.val_path, log)) if d.val_path else (rows[:-n_val],
+                                                                                             rows[-n_val:])
+            if not self.train:
+                raise DataError(f"{d.path}: {len(rows)} prompt rows leave none for training after "
+                                f"data.val_fraction={d.val_fraction}")
+        log(f"data: {d.path}: {len(self.train)} train + {len(self.val)} held-out prompts")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+class RLTask(DPOTask):
+    DataConfig = PromptDataConfig
+    RLConfig = RLConfig
+    sections = (RLConfig, Reward)  # the config dataclasses of the rl: section (docs tables)
+    _rollouts, _key = None, None  # the batch of rollouts at hand and its index (step // updates_per_batch)
+    _window: list = []            # each batch's metric sums since the last logged row
+    _clock = None                 # when the logging window began
+    _generating = 0.0             # seconds spent sampling in the window
+    _trained = None               # [clipped tokens, k3 sum, entropy sum, tokens] of the losses since the last row
+
+    def setup(self):
+        d, rl = self.cfg.data, self.cfg.rl
+        spec = self._pretrained_tokenizer() or d.tokenizer
+        if spec == "sentencepiece":
+            raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
+                              f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
+        if spec != "bytes" and not Path(spec).expanduser().is_file():
+            raise DataError(f"{spec}: tokenizer file not found")
+        if rl.prompts_per_step % self.world:
+            raise ConfigError(f"{self.cfg.source}: rl.prompts_per_step={rl.prompts_per_step} must divide among the "
+                              f"{self.world} processes")
+        self.chat_template = self._template()
+        self.data = Prompts(d, load_tokenizer_file(spec), self.log)
+        self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
+        self._window = []
+        self.log(f"rl: {rl.algorithm}, {rl.prompts_per_step} prompts x {rl.group_size} completions per batch, "
+                 f"rewards {', '.join(f'{n} x {w:g}' for n, w, _ in self.rewards)}"
+                 + (f", kl_beta {rl.kl_beta:g} against " + ("the base with its adapters off" if self.cfg.adapter.enabled
+                                                           else "a frozen copy of the initial model")
+                    if rl.kl_beta > 0 else ""))
+
+    def build_model(self):
+        model = LMTask.build_model(self)
+        need = self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
+        if need > model.config.max_seq_len:
+            raise ConfigError(f"{self.cfg.source}: data.seq_len + rl.max_new_tokens = {need} exceeds the model's "
+                              f"max_seq_len={model.config.max_seq_len}")
+        if self.cfg.rl.kl_beta > 0 and not self.cfg.adapter.enabled:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        return model
+
+    # ------------------------------------------------------------------ rollouts
+    def train_batch(self, step, micro):
+        """Where the step's rollouts are: they are sampled in loss(), which holds the model."""
+        return {"step": step, "micro": micro}
+
+    def _prompt_at(self, pos: int) -> int:
+        """The training prompt at position pos of the stream of shuffled epochs."""
+        n = len(self.data.train)
+        epoch, i = divmod(pos, n)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(hash((self.cfg.train.seed, epoch, -2)) & 0x7FFF_FFFF_FFFF_FFFF)
+            self._epoch, self._order = epoch, torch.randperm(n, generator=g).tolist()
+        return self._order[i]
+
+    def _groups(self, model, idx: list[int], seeds: list[tuple]):
+        """Sample, decode and score group_size completions of the training prompts idx; a row's draws come
+        from its own generator seeded by seeds[prompt] + (row,). -> dict of per-row lists."""
+        rl = self.cfg.rl
+        G = rl.group_size
+        rows = [self.data.train[i] for i in idx for _ in range(G)]
+        gens = [torch.Generator(self.device).manual_seed(hash((*seeds[k // G], k % G)) & 0x7FFF_FFFF_FFFF_FFFF)
+                for k in range(len(rows))]
+        t0 = time.perf_counter()
+        with self.autocast():
+            prompt, comp, texts, cut = complete(model, self.data.tokenizer, self.chat_template,
+                                                [r["prompt"] for r in rows], rl.max_new_tokens, rl.temperature,
+                                                rl.top_p, gens, self.cfg.data.seq_len,
+                                                stop_early=self.cfg.train.parallel != "fsdp", compile=rl.compile)
+        seconds = time.perf_counter() - t0
+        answers = [r["answer"] for r in rows]
+        values = score(self.rewards, texts, answers, [r["prompt"] for r in rows])
+        total = [sum(w * v[k] for (_, w, _), v in zip(self.rewards, values)) for k in range(len(rows))]
+        if rl.overlong == "soft":
+            buf = rl.overlong_buffer or max(1, rl.max_new_tokens // 4)
+            total = [t + overlong_penalty(len(c), rl.max_new_tokens, buf) for t, c in zip(total, comp)]
+        return {"prompt": prompt, "comp": comp, "cut": cut, "values": values, "total": total,
+                "seconds": seconds, "tokens": sum(map(len, comp))}
+
+    @torch.no_grad()
+    def rollouts(self, model, key: int) -> dict:
+        """The batch of rollouts number `key`: this process's prompts, their groups sampled and scored
+        (dynamic sampling: groups of equal rewards dropped and refilled), advantages, the old and the
+        reference log-probs where needed, the batch-wide counts the loss normalises by."""
+        rl, G = self.cfg.rl, self.cfg.rl.group_size
+        P = rl.prompts_per_step // self.world
+        model = unwrapped(model)  # sampling and the no-grad forwards skip DDP's gradient hooks
+        pos = [key * rl.prompts_per_step + self.rank * P + i for i in range(P)]
+        got = self._groups(model, [self._prompt_at(p) for p in pos], [(self.cfg.train.seed, key, p) for p in pos])
+        sampled, seconds, tokens = P, got["seconds"], got["tokens"]
+        if rl.dynamic_sampling:
+            got = self._keep_varied(got)
+            for attempt in range(1, rl.max_refills + 1):
+                if len(got["total"]) >= P * G:
+                    break
+                g = torch.Generator().manual_seed(hash((self.cfg.train.seed, key, self.rank, attempt)) & 0x7FFF_FFFF)
+                idx = torch.randint(len(self.data.train), (P,), generator=g).tolist()
+                more = self._keep_varied(self._groups(model, idx, [(self.cfg.train.seed, key, -attempt, i)
+                                                                   for i in idx]))
+                seconds, tokens, sampled = seconds + more["seconds"], tokens + more["tokens"], sampled + P
+                got = {**{k: v + more[k] for k, v in got.items() if k in ROW_KEYS},
+                       "values": [a + b for a, b in zip(got["values"], more["values"])]}
+            if not got["total"]:  # nothing varied: the last groups, whose advantages are zero
+                got = more if rl.max_refills else self._groups(model, [self._prompt_at(p) for p in pos], [
+                    (self.cfg.train.seed, key, p) for p in pos])
+            got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
+        rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
+        adv = advantages(rewards, rl.algorithm).flatten()
+        seqs = []
+        for p, c, cut in zip(got["prompt"], got["comp"], got["cut"]):
+            keep = not (cut and rl.overlong == "mask")
+            seqs.append((p + c, [-100] * len(p) + (c if keep else [-100] * len(c))))
+        x, y = collate(seqs, self.device)
+        out = {"x": x, "y": y, "adv": adv.to(self.device)}
+        n_micro = micro_batches(key * rl.updates_per_batch, self.cfg.train.grad_accum, self.cfg.train.batch_warmup_steps)
+        if rl.updates_per_batch > 1:
+            out["old"] = self._logps(model, x, y, n_micro)
+        if rl.kl_beta > 0:
+            ref = unwrapped(self._reference_model(model))
+            with adapters_disabled(ref):
+                out["ref"] = self._logps(ref, x, y, n_micro)
+        counts = self.sum_across_ranks(torch.tensor([float(len(seqs)), float((y != -100).sum())], device=self.device))
+        out["n_seqs"], out["n_tokens"] = counts.tolist()
+        self._record(got, rewards, seconds, tokens, sampled)
+        return out
+
+    def _keep_varied(self, got: dict) -> dict:
+        """The groups whose rewards are not all equal (DAPO's dynamic sampling)."""
+        G = self.cfg.rl.group_size
+        keep = [k for k in range(0, len(got["total"]), G) if len(set(got["total"][k:k + G])) > 1]
+        rows = [k + j for k in keep for j in range(G)]
+        pick = lambda v: [v[r] for r in rows]  # noqa: E731
+        return {**got, **{k: pick(got[k]) for k in ROW_KEYS}, "values": [pick(v) for v in got["values"]]}
+
+    def _logps(self, model, x, y, parts: int) -> torch.Tensor:
+        """Per-token log-probs of x, y from a training-mode forward without grad, in `parts` micro-batches."""
+        with self.autocast():
+            return torch.cat([token_logps(model, xs, ys)[0] for xs, ys in zip(x.tensor_split(parts),
+                                                                               y.tensor_split(parts))])
+
+    # ------------------------------------------------------------------ the loss
+    def loss(self, model, batch):
+        """The clipped objective of one micro-batch of the step's rollouts (sampled at its first micro-batch),
+        scaled so that the micro-batches' and processes' parts add up to the batch's loss."""
+        if "step" in batch:
+            step, micro = batch["step"], batch["micro"]
+            key = step // self.cfg.rl.updates_per_batch
+            if key != self._key:
+                self._rollouts, self._key = self.rollouts(model, key), key
+            t = self.cfg.train
+            n = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
+            batch = {k: v.tensor_split(n)[micro] if torch.is_tensor(v) else v for k, v in self._rollouts.items()}
+            scale = n * self.world
+        else:
+            scale = 1
+        rl = self.cfg.rl
+        logp, valid, ent = token_logps(model, batch["x"], batch["y"], entropy=True)
+        old = batch["old"] if "old" in batch else logp.detach()
+        loss, stats = policy_loss(logp, old, batch.get("ref"), batch["adv"], valid, rl.algorithm, rl.clip_low,
+                                  rl.clip_high, rl.kl_beta, rl.max_new_tokens, batch.get("n_seqs"),
+                                  batch.get("n_tokens"))
+        now = torch.stack([stats["clip"], torch.as_tensor(stats.get("kl", 0.0), device=logp.device),
+                           (ent * valid).sum(), valid.sum().float()])
+        self._trained = now if self._trained is None else self._trained + now
+        return loss * scale, int(valid.sum())
+
+    def example_batch(self, model, batch_size, seq_len=None):
+        self._use(model)
+        T = seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
+        x = torch.zeros(batch_size, T, dtype=torch.long, device=self.device)
+        return {"x": x, "y": torch.zeros_like(x), "adv": torch.zeros(batch_size, device=self.device)}
+
+    def state_dict(self):
+        """The batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""
+        if self.cfg.rl.updates_per_batch == 1 or self._rollouts is None or self.world > 1:
+            return {}
+        return {"key": self._key, "rollouts": {k: v.cpu() if torch.is_tensor(v) else v
+                                               for k, v in self._rollouts.items()}}
+
+    def load_state_dict(self, state):
+        if state:
+            self._key = state["key"]
+            self._rollouts = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state["rollouts"].items()}
+
+    # ------------------------------------------------------------------ metrics
+    def _record(self, got, rewards, seconds, tokens, sampled):
+        """The batch's numbers (sums over every process) into the logging window."""
+        if self._clock is None:
+            self._clock = time.perf_counter() - seconds
+        self._generating += seconds
+        lengths = torch.tensor([float(len(c)) for c in got["comp"]])
+        sums = torch.tensor([float(rewards.numel()), *[sum(v) for v in got["values"]], float(rewards.sum()),
+                             float((rewards ** 2).sum()), sum(float(v >= 1) for v in got["values"][0]),
+                             float(lengths.sum()), float(sum(got["cut"])), float(tokens), float(sampled)],
+                            device=self.device)
+        self._window.append({"sums": self.sum_across_ranks(sums), "len_max": float(lengths.max()),
+                             "seconds": seconds})
+
+    def train_metrics(self):
+        out = {}
+        if self._trained is not None:  # clip fraction, KL and entropy over the trained tokens
+            clip, kl, ent, n = self.sum_across_ranks(self._trained).tolist()
+            self._trained = None
+            out = {"clip_fraction": clip / max(n, 1), "kl": kl / max(n, 1), "entropy": ent / max(n, 1)}
+        if not self._window:
+            return out
+        window, self._window = self._window, []
+        s = sum(w["sums"] for w in window).tolist()
+        n, k = s[0], len(self.rewards)
+        out.update({key: v / n for key, v in zip(reward_keys(self.rewards), s[1:1 + k])})
+        mean = s[1 + k] / n
+        out.update({"reward_mean": mean, "reward_std": math.sqrt(max(0.0, s[2 + k] / n - mean ** 2)),
+                    "solved": s[3 + k] / n, "completion_len_mean": s[4 + k] / n,
+                    "completion_len_max": max(w["len_max"] for w in window), "truncated": s[5 + k] / n,
+                    "rollout_tokens_per_s": s[6 + k] / self.world / max(sum(w["seconds"] for w in window), 1e-9)})
+        if self.cfg.rl.dynamic_sampling:
+            out["prompts_sampled"] = s[7 + k] / len(window)
+        now = time.perf_counter()
+        out["generation_share"] = self._generating / max(now - self._clock, 1e-9)
+        self._clock, self._generating = now, 0.0
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, model):
+        """val_reward and val_solved: greedy completions of the first data.eval_prompts held-out prompts."""
+        rl = self.cfg.rl
+        m, _ = score_rewards(unwrapped(model), self.data.tokenizer, self.data.val[:self.cfg.data.eval_prompts],
+                             self.device, self.chat_template, self.cfg.data.eval_prompts, rl.max_new_tokens,
+                             self.autocast, self.cfg.data.seq_len + rl.max_new_tokens, self.rewards)
+        return {"val_reward": m["reward"], "val_solved": m["pass@1"], **self.eval_tasks(unwrapped(model))}
+
+    def samples(self, model, out_dir):
+        rows = self.data.val[:4]
+        with self.autocast():
+            _, _, texts, _ = complete(model, self.data.tokenizer, self.chat_template, [r["prompt"] for r in rows],
+                                      self.cfg.rl.max_new_tokens, max_prompt=self.cfg.data.seq_len)
+        text = "\n".join(f"{r['prompt']!r}\n  -> {t!r} (answer {r['answer']!r})" for r, t in zip(rows, texts))
+        (Path(out_dir) / "samples.txt").write_text(text + "\n")
+        return text
+
+    def flops_per_item(self, model):
+        return model.flops_per_token(self.cfg.data.seq_len + self.cfg.rl.max_new_tokens)
