@@ -389,3 +389,20 @@ def test_build_error_names_the_key():
         zoo.build({"family": "llm", "model": {"d_model": 64, "n_heads": 4, "n_kv_heads": 3}})
     model = zoo.build({"family": "llm", "model": {"vocab_size": 50, "d_model": 32, "n_layers": 1, "n_heads": 2}})
     assert isinstance(model, LLM) and model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 50)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"attn_softcap": 5.0}, {"attn_sinks": True}])
+def test_static_decoding_gives_the_tokens_of_eager_decoding(monkeypatch, kw):
+    """generate(compile="reduce-overhead"): steps of fixed shapes (the position a tensor, every cache slot
+    attended with those past it masked), what CUDA graphs replay; run here uncompiled (the compiled graphs:
+    tests/test_cuda.py). Greedy tokens equal the dynamic decoding's, twice on the kept caches."""
+    import zoo.llm as L
+    torch.manual_seed(0)
+    model = tiny(max_seq_len=64, **kw).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    want = model.generate(ids, 12)
+    monkeypatch.setattr(L, "_static_step", L.decode_step)
+    assert torch.equal(model.generate(ids, 12, compile="reduce-overhead"), want)
+    assert torch.equal(model.generate(ids, 12, compile="reduce-overhead"), want)
+    with pytest.raises(ValueError, match="left-padded rows"):
+        model.generate(ids, 4, compile="reduce-overhead", attention_mask=torch.tensor([[0] * 2 + [1] * 5, [1] * 7]))

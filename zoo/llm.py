@@ -215,7 +215,7 @@ class LLM(nn.Module):
             raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
         for i, layer in enumerate(self.layers):
             kw = {"cache": caches[i]} if caches is not None else {}
-            if start_pos:
+            if isinstance(start_pos, torch.Tensor) or start_pos:
                 kw["start_pos"] = start_pos
             if isinstance(layer, MixtureOfDepths):
                 kw["causal"] = causal
@@ -327,7 +327,7 @@ class LLM(nn.Module):
     @torch.no_grad()  # not inference mode: FSDP2 reuses the buffers it gathers the weights into for training
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_token_id=None, generator=None, compile: bool = False,
+                 eos_token_id=None, generator=None, compile=False,
                  attention_mask: Optional[torch.Tensor] = None, stop_early: bool = True) -> torch.Tensor:
         """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0
         is greedy, else sampling with top_k / top_p. eos_token_id: an id or a list of ids; a row stops at
@@ -335,15 +335,21 @@ class LLM(nn.Module):
         (stop_early=False: it runs every step, as ranks that share each forward must). attention_mask
         (B, T), 0 on left padding: each row runs at its own positions and never attends to its padding.
         generator: one, or a list of one per row (each row's draws then do not depend on the batch).
-        compile=True runs each one-token step through torch.compile (`compiled_decode_step`)."""
+        compile=True runs each one-token step through torch.compile (`compiled_decode_step`);
+        compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`)."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
         dev = input_ids.device
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
         padded = attention_mask is not None and not bool(attention_mask.all())
-        caches = self.new_caches(B, T + max_new_tokens, dev, dtype, masked=padded)
-        step = compiled_decode_step() if compile else decode_step
+        static = compile == "reduce-overhead"
+        if static:
+            self.check_static_decoding(padded)
+            caches = self.static_caches(B, T + max_new_tokens, dev, dtype or self.embed.weight.dtype)
+        else:
+            caches = self.new_caches(B, T + max_new_tokens, dev, dtype, masked=padded)
+        step = static_decode_step() if static else compiled_decode_step() if compile else decode_step
         kw = {}
         if padded:
             real = attention_mask.bool()
@@ -352,7 +358,7 @@ class LLM(nn.Module):
         stops = None if eos_token_id is None else torch.tensor(
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=dev)
         out = input_ids.new_empty(B, max_new_tokens)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        done, pos = torch.zeros(B, dtype=torch.bool, device=dev), None
         logits = self(input_ids, caches=caches, **kw)[:, -1]
         for i in range(max_new_tokens):
             nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
@@ -366,9 +372,34 @@ class LLM(nn.Module):
             if i + 1 < max_new_tokens:
                 if padded:
                     kw = {"key_mask": one, "position_ids": last_pos + i + 1}
+                if static:  # the position as a tensor, the same one every step (its value moves)
+                    pos = pos.add_(1) if i else torch.full((B, 1), T, device=dev)
+                    logits = step(self, nxt[:, None], caches, pos[0, 0], position_ids=pos)
+                    continue
                 logits = step(self, nxt[:, None], caches, T + i, **kw)
         self.train(was_training)
         return torch.cat([input_ids, out], dim=1)
+
+    def check_static_decoding(self, padded: bool):
+        cfg = self.config
+        why = ("left-padded rows (attention_mask)" if padded else "multi-head latent attention" if cfg.mla else
+               "Mixture-of-Depths" if cfg.mod_capacity > 0 else
+               "prefix tuning" if any(getattr(m, "prefix", None) is not None for m in self.modules()) else None)
+        if why:
+            raise ValueError(f"compile='reduce-overhead' (decoding steps of fixed shapes) does not run {why}; "
+                             f"use compile=True")
+
+    def static_caches(self, batch: int, max_len: int, device, dtype) -> list:
+        """KV caches kept from one static decoding to the next of the same shapes (a replayed CUDA graph
+        reads and writes them at fixed addresses; what a previous decoding left is never attended)."""
+        key = (batch, max_len, str(device), dtype)
+        if getattr(self, "_static_caches", (None,))[0] != key:
+            caches = self.new_caches(batch, max_len, device, dtype)
+            for c in caches:
+                torch._dynamo.mark_static_address(c.k)
+                torch._dynamo.mark_static_address(c.v)
+            self._static_caches = (key, caches)
+        return self._static_caches[1]
 
     # ------------------------------------------------------------------ accounting
     def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
@@ -420,6 +451,19 @@ def compiled_decode_step():
     if _compiled_step is None:
         _compiled_step = torch.compile(_decode_step_matvec)
     return _compiled_step
+
+
+_static_step = None
+
+
+def static_decode_step():
+    """decode_step under torch.compile's reduce-overhead mode: the position a tensor, every cache slot
+    attended with those past it masked, so every step has the same shapes and on a GPU one CUDA graph
+    replays it (elsewhere it runs compiled, without graphs)."""
+    global _static_step
+    if _static_step is None:
+        _static_step = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
+    return _static_step
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,

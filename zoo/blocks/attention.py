@@ -65,8 +65,13 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start: int):
-        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T."""
+    def update(self, k: torch.Tensor, v: torch.Tensor, start):
+        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T. A tensor
+        `start` (one decoding step of fixed shapes): k, v written in place there, every slot returned."""
+        if isinstance(start, torch.Tensor):
+            self.k.index_copy_(2, start.view(1), k)
+            self.v.index_copy_(2, start.view(1), v)
+            return self.k, self.v
         end = start + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
@@ -238,6 +243,14 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
             mask = mask.cached(cache, start_pos) if mask is not None else None
+        if isinstance(start_pos, torch.Tensor):  # a decoding step over every cache slot, those past it masked
+            j = torch.arange(k.shape[2], device=k.device)
+            seen = ((j <= start_pos) & ((start_pos - j < self.sliding_window) if self.sliding_window else True))[None]
+            if self.softcap is not None or self.sinks is not None:
+                y = attend_math(q, k, v, seen, self.softcap, self.sinks)
+            else:
+                y = sdpa(q, k, v, attn_mask=seen)
+            return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
         if self.prefix is not None:
             n = k.shape[2]
             k, v = self.prefix(k, v)
