@@ -16,7 +16,7 @@ import torch
 from train import bench, hardware, metrics
 from train.benches import harness
 from train.config import TrainConfig
-from conftest import CPU
+from conftest import CPU, CUDA
 
 
 class ScriptedSides:
@@ -120,7 +120,7 @@ def test_loop_and_benches_share_one_peak_flops(monkeypatch):
 
 def test_the_vendors_peak_names_the_gpu_by_its_most_specific_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gpu = torch.device("cuda")
+    gpu = CUDA
     for name, want in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA L40S", 362e12),
                        ("NVIDIA L4", 121e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)

@@ -256,43 +256,48 @@ ADAPTERS = {"lora": ["adapter.method=lora"], "dora": ["adapter.method=dora"],
                       "model.ffn_hidden=512"]}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def two_ways_and_one(cfg: Path, tmp_path: Path, *over) -> tuple[Path, dict]:
+    """One process with batch_size 8, then 2-process DDP and FSDP2 runs with the same global batch."""
+    one = launch(cfg, tmp_path / "one", "train.batch_size=8", *over, nproc=0)
+    runs = {s: run(cfg, tmp_path / s, f"train.parallel={s}", *over) for s in ("ddp", "fsdp")}
+    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
+    return tmp_path / "one", runs
+
+
 @pytest.mark.parametrize("method", list(ADAPTERS))
-def test_adapters_under_two_processes_match_one(configs, tmp_path, method, strategy):
+def test_adapters_under_two_processes_match_one(configs, tmp_path, method):
     """LoRA, DoRA, prefix tuning and QLoRA under DDP and FSDP2 (the frozen base, NF4 included, sharded with
     its adapters): the losses, the trained adapter and the final and averaged evaluations of one process
     with the same global batch; the checkpoints (DCP) hold what trains, not the base. The FSDP2 LoRA
     checkpoint of step 3 resumes in one process and ends with the same adapter."""
     import torch.distributed.checkpoint as dcp
     over = ["train.average_last=2", *ADAPTERS[method]]
-    one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", *over, nproc=0)
-    par = run(configs["llm"], tmp_path / strategy, f"train.parallel={strategy}", *over)
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    assert_same_losses(tmp_path / "one", par)
-    files = sorted(f.name for f in (par / "adapter").glob("*.safetensors"))
-    assert files and files == sorted(f.name for f in (tmp_path / "one" / "adapter").glob("*.safetensors"))
-    for f in files:
-        assert_close_weights(tmp_path / "one" / "adapter", par / "adapter", f)
-    last = [{k: v for r in read_rows(d) if r["step"] == 6 for k, v in r.items()} for d in (tmp_path / "one", par)]
-    ev = [(f["val_loss"], f["avg_val_loss"]) for f in last]
-    assert ev[1] == pytest.approx(ev[0], rel=RTOL)
-    ckpt = par / "checkpoints" / "step_00000003"
-    held = {k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")}
-    trained = {"model." + k for k in load_file(str(par / "model_avg.safetensors"))}
-    assert held == trained and not any(".base" in k or "embed" in k for k in held), held
-    if (method, strategy) == ("lora", "fsdp"):
+    one, runs = two_ways_and_one(configs["llm"], tmp_path, *over)
+    files = sorted(f.name for f in (one / "adapter").glob("*.safetensors"))
+    last = lambda d: {k: v for r in read_rows(d) if r["step"] == 6 for k, v in r.items()}  # noqa: E731
+    for par in runs.values():
+        assert_same_losses(one, par)
+        assert files and files == sorted(f.name for f in (par / "adapter").glob("*.safetensors"))
+        for f in files:
+            assert_close_weights(one / "adapter", par / "adapter", f)
+        assert [last(par)[k] for k in ("val_loss", "avg_val_loss")] == \
+            pytest.approx([last(one)[k] for k in ("val_loss", "avg_val_loss")], rel=RTOL)
+        ckpt = par / "checkpoints" / "step_00000003"
+        held = {k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")}
+        trained = {"model." + k for k in load_file(str(par / "model_avg.safetensors"))}
+        assert held == trained and not any(".base" in k or "embed" in k for k in held), held
+    if method == "lora":
         import shutil
         out = tmp_path / "resharded"
-        shutil.copytree(ckpt, out / "checkpoints" / ckpt.name)
+        shutil.copytree(runs["fsdp"] / "checkpoints" / "step_00000003", out / "checkpoints" / "step_00000003")
         run(configs["llm"], out, "train.batch_size=8", *over, nproc=0)
         assert "written by 2 processes, resharded to 1" in (out / "log.txt").read_text()
-        assert_same_losses(par, out, steps=[4, 5, 6])
-        assert_close_weights(par / "adapter", out / "adapter", files[0])
+        assert_same_losses(runs["fsdp"], out, steps=[4, 5, 6])
+        assert_close_weights(runs["fsdp"] / "adapter", out / "adapter", files[0])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("task", ["sft", "dpo"])
-def test_post_training_under_two_processes_matches_one(configs, tmp_path, task, strategy):
+def test_post_training_under_two_processes_matches_one(configs, tmp_path, task):
     """Chat SFT (the assistant's tokens only: each rank's loss is its share of the global micro-batch's
     mean, as their numbers of targets differ) and DPO with LoRA (the reference: the base with adapters
     off) under DDP and FSDP2: the losses and the trained weights of one process with the same global batch."""
@@ -307,14 +312,13 @@ def test_post_training_under_two_processes_matches_one(configs, tmp_path, task, 
                                  for w in words))
         over = ["data.format=preference", f"data.path={pairs}", "data.seq_len=24", "data.val_fraction=0.2",
                 "adapter.method=lora"]
-    one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", *over, nproc=0)
-    par = run(configs["llm"], tmp_path / strategy, f"train.parallel={strategy}", *over)
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    assert_same_losses(tmp_path / "one", par)
-    if task == "sft":
-        assert_close_weights(tmp_path / "one", par)
-    else:
-        assert_close_weights(tmp_path / "one" / "adapter", par / "adapter", "adapter_model.safetensors")
+    one, runs = two_ways_and_one(configs["llm"], tmp_path, *over)
+    for par in runs.values():
+        assert_same_losses(one, par)
+        if task == "sft":
+            assert_close_weights(one, par)
+        else:
+            assert_close_weights(one / "adapter", par / "adapter", "adapter_model.safetensors")
 
 
 # optim.name -> (losses' rel, weights' abs tolerance) against one process: where an optimizer rounds what it
