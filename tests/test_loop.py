@@ -75,15 +75,19 @@ def test_mixed_precision_runs(tmp_path, text_corpus, precision, one_thread):
 def test_train_leaves_the_callers_backend_settings_as_it_found_them(tmp_path, text_corpus, one_thread):
     """train() called from the user's code applies train.deterministic (and on CUDA TF32 and cudnn.benchmark)
     for the run and restores the caller's settings when it returns."""
-    seen = {}
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
-              torch.backends.cudnn.benchmark)
-    cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}", "train.max_steps=2",
-                                 "train.deterministic=true", "optim.warmup_steps=1"], base=TINY)
-    train(cfg, log=lambda m: seen.__setitem__("during", torch.are_deterministic_algorithms_enabled()))
-    assert seen["during"] is True and before[0] is False
-    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.benchmark) == before
+    seen, was = {}, torch.are_deterministic_algorithms_enabled()  # (a test before may have run a process's way)
+    torch.use_deterministic_algorithms(False)
+    try:
+        before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
+                  torch.backends.cudnn.benchmark)
+        cfg = load_run_config(None, [f"train.out_dir={tmp_path / 'r'}", f"data.path={text_corpus}",
+                                     "train.max_steps=2", "train.deterministic=true", "optim.warmup_steps=1"], base=TINY)
+        train(cfg, log=lambda m: seen.__setitem__("during", torch.are_deterministic_algorithms_enabled()))
+        assert seen["during"] is True and before[0] is False
+        assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
+                torch.backends.cudnn.benchmark) == before
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_compile_and_accumulation_run(tmp_path, text_corpus, one_thread):
