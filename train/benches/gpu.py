@@ -208,7 +208,7 @@ def fsdp_row(out: Path, row: Row) -> tuple[dict, dict]:
                        stdout=subprocess.DEVNULL)
         metrics = read_rows(out / f"run{i}")
         res[name] = {"tokens_per_s": harness.median_of(metrics, "tokens_per_s"), "mfu": harness.median_of(metrics, "mfu")}
-    return {"fsdp": harness.table(["run", "tokens/s (median)", "MFU (measured peak)"],
+    return {"fsdp": harness.table(["run", "tokens/s (median)", "MFU (the loop's: the vendor's peak on known GPUs)"],
                                   [[n, f"{v['tokens_per_s']:,.0f}", f"{v['mfu']:.1%}"] for n, v in res.items()])}, res
 
 
