@@ -58,7 +58,7 @@ def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps:
 
 # Dense bf16/fp16 FLOP/s the vendor states (no sparsity), by a part of torch.cuda.get_device_name, more
 # specific names first: the MFU denominator on those GPUs, as torchtitan reports MFU.
-VENDOR_PEAKS = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+VENDOR_PEAKS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
                 "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
 
 

@@ -11,7 +11,8 @@ False: no positions (NoPE layers, SmolLM3); cos, sin narrower than a head rotate
 (partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma's query_pre_attn_scalar ** -0.5);
 `softcap` c: scores c * tanh(s / c) (Gemma 2); `sinks`: a learned logit per head in every softmax's
 denominator (GPT-OSS; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023);
-the last two run the 'math' path. `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
+the last two run the 'math' path. A tensor `start_pos` is a decoding step of fixed shapes (CUDA graphs):
+the cache written in place there, every slot attended, those past it masked. `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
 attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16),
 'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
 
