@@ -93,7 +93,8 @@ def quality(args) -> dict:
     from train.config import load_run_config
     from train.data.prompts import arithmetic, reward_fn
     from train.eval import score_rewards
-    cfg = load_run_config(args.config, args.override)
+    override = [f"train.init_from={args.init}", *args.override]
+    cfg = load_run_config(args.config, override)
     rl, rows = cfg.rl, arithmetic("val", args.prompts)
     rewards = [(r.name, r.weight, reward_fn(r.name)) for r in rl.rewards]
 
@@ -107,7 +108,7 @@ def quality(args) -> dict:
     after = []
     for seed in range(args.seeds):
         out = args.out / f"seed{seed}"
-        harness.run_loop(args.config, out, [f"train.seed={seed}", f"train.init_from={args.init}", *args.override])
+        harness.run_loop(args.config, out, [f"train.seed={seed}", *override])
         after.append(score(out))
     names = ["reward"] + [f"{n} rate" for n, _, _ in rewards]
     table = [["before: " + relative(args.init), *(f"{v:.3f}" for v in before)]]
