@@ -166,9 +166,10 @@ def assert_close_weights(a: Path, b: Path, name="model.safetensors", atol=ATOL, 
 def llm_runs(configs, tmp_path_factory):
     """One process with batch_size 8, and 2-process DDP and FSDP2 runs with batch_size 4 (the
     same global batch of 2 x 8 per step, 2 micro-batches each). Each run also averages its last 2
-    checkpoints (steps 3 and 6) at the end."""
+    checkpoints (steps 3 and 6) at the end; the one-process run keeps an EMA (test_unfreezing_and_resuming_...)."""
     d = tmp_path_factory.mktemp("llm_runs")
-    procs = {"one": launch(configs["llm"], d / "one", "train.batch_size=8", "train.average_last=2", nproc=0),
+    procs = {"one": launch(configs["llm"], d / "one", "train.batch_size=8", "train.average_last=2",
+                           "train.ema_decay=0.9", nproc=0),
              "ddp": launch(configs["llm"], d / "ddp", "train.parallel=ddp", "train.average_last=2")}
     for name, p in procs.items():
         assert p.wait(300) == 0, last_stderr(d / name)[-3000:]
@@ -435,7 +436,8 @@ def test_unfreezing_and_resuming_under_torchrun(configs, llm_runs, tmp_path):
       and weights of one process with the same global batch; each resumes from its step-3 DCP checkpoint (its
       optimizer groups added per stage, the tied head's among them) bit for bit;
     - the one-process step-3 checkpoint of llm_runs resumes on 2 processes (DDP and FSDP2) and ends with the
-      losses, weights and average of the last 2 checkpoints (train.average_last) of the one-process run;
+      losses, weights, EMA and average of the last 2 checkpoints (train.average_last, over a one-process and a
+      DCP checkpoint) of the one-process run;
     - a LoRA and a Muon FSDP2 run SIGKILLed (torchrun and its ranks) right after their first checkpoint, then
       relaunched: the losses and trained weights of the uninterrupted runs, bit for bit.
     Tolerances: losses 1e-6 relative (measured 1.8e-7 unfreezing, 0 resuming 1 -> 2); 1 -> 2 weights 1e-6
@@ -454,7 +456,7 @@ def test_unfreezing_and_resuming_under_torchrun(configs, llm_runs, tmp_path):
         steps += [case(cfg, d / s, f"train.parallel={s}", *UNFREEZE), copy_step(d / s, d / f"{s}-resumed"),
                   case(cfg, d / f"{s}-resumed", f"train.parallel={s}", *UNFREEZE),
                   copy_step(llm_runs / "one", d / f"{s}-from-one"),
-                  case(cfg, d / f"{s}-from-one", f"train.parallel={s}", "train.average_last=2")]
+                  case(cfg, d / f"{s}-from-one", f"train.parallel={s}", "train.average_last=2", "train.ema_decay=0.9")]
     p = launch(cfg, d, cases=steps)
     assert p.wait(600) == 0 and one.wait(300) == 0, last_stderr(d)[-3000:]
     for s in ("ddp", "fsdp"):
@@ -471,7 +473,7 @@ def test_unfreezing_and_resuming_under_torchrun(configs, llm_runs, tmp_path):
         assert "(step 3) written by 1 process, resharded to 2" in (moved / "log.txt").read_text()
         ca, cb = dict(curve(llm_runs / "one")), dict(curve(moved))
         assert sorted(cb) == [4, 5, 6] and all(cb[i] == pytest.approx(ca[i], rel=1e-6) for i in cb), (ca, cb)
-        for name in ("model.safetensors", "model_avg.safetensors"):
+        for name in ("model.safetensors", "model_avg.safetensors", "model_ema.safetensors"):
             assert_close_weights(llm_runs / "one", moved, name, atol=1e-7, rtol=1e-6)
     for name in KILLED:
         ref, out = d / f"{name}-ref", d / name
