@@ -263,9 +263,11 @@ def _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema,
     if before_optimizer is not None:
         before_optimizer(state)
     weights = _every_tied_name(model, weights)
-    osd = _by_name(model, optimizer, state["optimizer"]) if optimizer is not None else {}
-    set_state_dict(model, optimizer if optimizer is not None else (), model_state_dict=weights,
-                   optim_state_dict=osd, options=opts)
+    if optimizer is None:
+        set_model_state_dict(model, weights, options=opts)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_by_name(model, optimizer,
+                       state["optimizer"]), options=opts)
     if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
         set_model_state_dict(ema, _every_tied_name(ema, ema_weights) if ema_weights is not None else weights,
                              options=opts)
@@ -330,7 +332,7 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
                 state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
             except ValueError as e:
                 raise CheckpointError(str(e).splitlines()[0]) from None
-            log(resumed_note(path, state))
+            log(_resumed_note(path, state))
             return dict(state, path=str(path))
         return None
     for path in paths:
@@ -340,7 +342,7 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
-        log(resumed_note(path, state))
+        log(_resumed_note(path, state))
         state["path"] = str(path)
         return state
     if paths:
@@ -349,7 +351,8 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
     return None
 
 
-def resumed_note(path, state: dict) -> str:
+def _resumed_note(path, state: dict) -> str:
+    """The log line of a resume, with the world sizes when the checkpoint was resharded."""
     was, now = state.get("resharded", (0, 0))
     return f"resumed from {path} (step {state['step']})" + (
         f" written by {was} process{'es' if was > 1 else ''}, resharded to {now}" if was else "")
