@@ -175,6 +175,42 @@ def test_gradual_unfreezing_stages_and_frozen_weights_never_change(text_corpus, 
     assert "lm_head.weight" in {names[id(p)] for p in unf.groups[0]} or model.config.tie_embeddings
 
 
+def test_unfreezing_stages_through_dcp_state_dicts_and_what_the_model_froze(text_corpus, one_thread):
+    """The stages' optimizer groups survive DCP's optimizer state dict (how torchrun runs checkpoint): a tied head
+    with the final norm trains first, all of it without weight decay, so no empty decay group is made (DCP maps
+    groups by their parameters' names and would hand an empty one back without its hyperparameters). A part the
+    model keeps frozen (here the first block) stays frozen through every stage."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    cfg = load_run_config(None, [f"data.path={text_corpus}"], base=TINY)
+    from train.tasks.lm import LMTask
+    task = LMTask(cfg, TEST_DEVICE, lambda m: None)
+
+    def staged():
+        torch.manual_seed(0)
+        model = zoo.build(TINY["model"])
+        assert model.lm_head.weight is model.embed.weight
+        model.layers[0].requires_grad_(False)
+        unf = GradualUnfreezing(model, task.unfreeze_groups(model), [1, 2], 0.1, log=lambda m: None)
+        opt = build_optimizer(model, cfg.optim, TEST_DEVICE, lambda m: None)
+        return model, unf, opt
+
+    model, unf, opt = staged()
+    assert [len(g["params"]) for g in opt.param_groups] == [2]  # the tied head and the norm, no decay
+    x = torch.randint(0, 256, (2, 16))
+    for step in range(3):
+        unf.advance(step, opt)
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert not any(p.requires_grad for p in model.layers[0].parameters())
+    assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("layers.0."))
+    again, unf2, opt2 = staged()
+    unf2.restore(opt2, 3)
+    set_optimizer_state_dict(again, opt2, get_optimizer_state_dict(model, opt))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
 def test_unfreeze_run_resumes_bitwise(tmp_path, text_corpus, one_thread):
     over = ["train.unfreeze=[2,4]", "train.checkpoint_every=3", "train.keep_checkpoints=5", "train.max_steps=6",
             "optim.warmup_steps=1"]

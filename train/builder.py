@@ -185,8 +185,6 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None
-    unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
-        if t.unfreeze else None
     if t.batch_size == "auto" and size_batch is not None:
         cfg = with_batch(cfg, *size_batch(cfg, model, task, device))
         task.cfg = cfg
@@ -194,7 +192,10 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
-    model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say)
+    model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say, unused=bool(t.unfreeze))
+    # after wrapping: DDP and FSDP2 take in every parameter, the stages unfreeze them later
+    unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
+        if t.unfreeze else None
     if ema is not None:
         par.shard_like(ema.model)
     par.seed_rank(t.seed)

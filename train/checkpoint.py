@@ -9,6 +9,7 @@ write a sharded DCP checkpoint (`save_dcp`). docs/reliability.md has the layout 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -204,7 +205,9 @@ def read_weights(path: Path, model: torch.nn.Module, keys: Optional[set] = None)
     sd = load_tensors(path)
     want = model.state_dict() if keys is None else _subset(model, keys)
     # tied tensors (one storage, several names) are stored once by save_model: any one name will do
-    storage = {k: v.data_ptr() if v.numel() else k for k, v in want.items()}
+    params = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    storage = {k: params.get(k, k) if hasattr(v, "device_mesh") else v.data_ptr() if v.numel() else k
+               for k, v in want.items()}  # a shard (DTensor): by its parameter
     names_of = {}
     for k, ptr in storage.items():
         names_of.setdefault(ptr, []).append(k)
@@ -226,15 +229,15 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     manifest = verify_checkpoint(path)
     if manifest.get("format") == "dcp":
         return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys)
-    if par is not None and par.active:
-        raise ValueError(f"{path}: written by one process; a run under torchrun resumes from sharded "
-                         f"checkpoints only (resume it in one process, or start in another train.out_dir)")
     weights = read_weights(path / "model.safetensors", model, keys)
     ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
         if ema is not None and (path / "ema.safetensors").is_file() else None
     state = read_state(path / "state.pt")
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
+    if par is not None and par.active:
+        return _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema, before_optimizer, par,
+                                seed, keys is not None)
     model.load_state_dict(weights, strict=False)
     if ema_weights is not None:
         ema.load_state_dict(ema_weights, strict=False)
@@ -249,6 +252,59 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     return state
+
+
+def _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema, before_optimizer, par, seed,
+                     trained_only) -> dict:
+    """A one-process checkpoint, read whole by every rank, into a run under torchrun: each rank keeps its
+    part (DDP: all of it; FSDP2: its shards) through DCP's full state dicts. Collective."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    opts = dataclasses.replace(_dcp_options(trained_only), full_state_dict=True)
+    if before_optimizer is not None:
+        before_optimizer(state)
+    weights = _every_tied_name(model, weights)
+    if optimizer is None:
+        set_model_state_dict(model, weights, options=opts)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_by_name(model, optimizer,
+                       state["optimizer"]), options=opts)
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        set_model_state_dict(ema, _every_tied_name(ema, ema_weights) if ema_weights is not None else weights,
+                             options=opts)
+        state["ema_started"] = ema_weights is None
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])  # rank 0 continues the stream, the others start fresh ones (as resharded)
+    par.seed_rank(seed)
+    state["resharded"] = (1, par.world)
+    return state
+
+
+def _every_tied_name(model, weights: dict) -> dict:
+    """weights with a tied tensor (stored once) under each of its names, as DCP's state dicts list it."""
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out = dict(weights)
+    for group in names.values():
+        have = next((n for n in group if n in weights), None)
+        for n in group if have is not None else ():
+            out.setdefault(n, weights[have])
+    return out
+
+
+def _by_name(model, optimizer, osd: dict) -> dict:
+    """A one-process optimizer state (parameters by their index; a Chained optimizer's by its parts' names)
+    keyed by parameter names, as DCP's full optimizer state dicts are."""
+    parts = getattr(optimizer, "optimizers", None)
+    pairs = [(o, osd[k]) for k, o in parts.items()] if parts else [(optimizer, osd)]
+    name = {id(p): n for n, p in model.named_parameters()}
+    out = {"state": {}, "param_groups": []}
+    for opt, sd in pairs:
+        names = [name[id(p)] for g in opt.param_groups for p in g["params"]]
+        out["state"].update({names[i]: s for i, s in sd["state"].items()})
+        out["param_groups"] += [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return out
 
 
 def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys=None) -> dict:
@@ -276,9 +332,7 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
                 state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
             except ValueError as e:
                 raise CheckpointError(str(e).splitlines()[0]) from None
-            log(f"resumed from {path} (step {state['step']})"
-                + (" written by {} processes, resharded to {}".format(*state["resharded"])
-                   if "resharded" in state else ""))
+            log(_resumed_note(path, state))
             return dict(state, path=str(path))
         return None
     for path in paths:
@@ -288,14 +342,20 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
-        log(f"resumed from {path} (step {state['step']})"
-            + (" written by {} processes, resharded to {}".format(*state["resharded"]) if "resharded" in state else ""))
+        log(_resumed_note(path, state))
         state["path"] = str(path)
         return state
     if paths:
         raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {len(paths)} checkpoints is usable (see "
                               f"log.txt); move them away or set train.resume=false to start over")
     return None
+
+
+def _resumed_note(path, state: dict) -> str:
+    """The log line of a resume, with the world sizes when the checkpoint was resharded."""
+    was, now = state.get("resharded", (0, 0))
+    return f"resumed from {path} (step {state['step']})" + (
+        f" written by {was} process{'es' if was > 1 else ''}, resharded to {now}" if was else "")
 
 
 def _first_verified(paths: list, log) -> list:

@@ -60,7 +60,6 @@ def unsupported(cfg) -> Optional[str]:
     why = OPTIMIZERS[cfg.optim.name].why_not if cfg.optim.name in OPTIMIZERS else ""
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
                f"{why + '; ' if why else ''}with it, use one of {', '.join(optimizers)}"),
-              (t.unfreeze is not None, "train.unfreeze", "DDP and FSDP fix the trained parameters at wrapping"),
               (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
               (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
               (t.parallel == "fsdp" and (t.qat or t.quantize), "train.qat / train.quantize",
@@ -112,10 +111,11 @@ class Parallel:
         return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
 
     # ------------------------------------------------------------------ wrapping
-    def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say):
+    def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
         """-> (model, fwd): the module whose state is checkpointed and the callable the loss runs.
         ddp: model stays the plain module, fwd is DDP(model) (compiled when asked); fsdp: both are
-        the model sharded in place (each unit compiled before it is sharded when asked)."""
+        the model sharded in place (each unit compiled before it is sharded when asked). unused: some
+        parameters get no gradient in some steps (frozen by train.unfreeze until their stage)."""
         if not self.active:
             return model, None
         if sync_bn:
@@ -128,7 +128,7 @@ class Parallel:
             # same weights; rank 0's are not broadcast to a QLoRA base (DDP's broadcast alters torchao's NF4 tensors)
             nf4 = getattr(getattr(model, "adapter_config", None), "quantize_base", "none") == "nf4"
             ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      gradient_as_bucket_view=True, init_sync=not nf4)
+                      gradient_as_bucket_view=True, init_sync=not nf4, find_unused_parameters=unused)
             if compile_:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")
                 return model, torch.compile(ddp)

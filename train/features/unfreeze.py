@@ -28,8 +28,10 @@ class GradualUnfreezing:
                  log=print):
         if len(groups) < 2:
             raise ValueError("gradual unfreezing needs at least two parameter groups")
-        seen, self.groups = set(), []
-        for g in groups:  # a tied tensor belongs to the first (topmost) group that names it
+        # a tied tensor belongs to the first (topmost) group that names it; what the model keeps frozen (a
+        # latent diffusion model's autoencoder) stays frozen, and DDP and FSDP2 wrapped it as frozen
+        seen, self.groups = {id(p) for p in model.parameters() if not p.requires_grad}, []
+        for g in groups:
             g = [p for p in g if id(p) not in seen]
             seen.update(id(p) for p in g)
             self.groups.append(g)

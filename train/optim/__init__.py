@@ -31,10 +31,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             no_decay.append(p)
         else:
             decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    # no empty group (e.g. a tied head alone trains under train.unfreeze): DCP's optimizer state maps groups by
+    # the names of their parameters, so an empty group would come back without its hyperparameters
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]] or groups[:1]
 
 
 def hidden_matrices(model: nn.Module) -> set:
