@@ -547,7 +547,3 @@ def test_config_errors_under_torchrun(monkeypatch, capsys, tmp_path):
     assert run_main(["train.parallel=fsdp", "train.precision=fp16", *base]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train.precision=fp16 does not combine with train.parallel=fsdp" in err
-    assert run_main(["train.parallel=fsdp", "optim.name=adafactor", *base]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "optim.name=adafactor does not combine with train.parallel=fsdp " \
-        "(torch.optim.Adafactor updates its factored statistics in place" in err

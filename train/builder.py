@@ -195,6 +195,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say)
+    par.shard_masks(model, pruned)
     if ema is not None:
         par.shard_like(ema.model)
     par.seed_rank(t.seed)
