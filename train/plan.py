@@ -764,7 +764,7 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
 
     def peak(b):
         if b not in peaks:
-            peaks[b] = plan(cfg, devices, sharding, batch_size=b, device=device).peak_bytes
+            peaks[b] = plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
         return peaks[b]
 
     lo, hi, best = 0, len(sizes) - 1, None  # the planned peak grows with the micro-batch: bisect
