@@ -362,10 +362,10 @@ def test_distill_qat_prune_and_adafactor_under_two_processes_match_one(configs, 
 
 
 def test_lr_find_under_torchrun_matches_one_process(configs, tmp_path):
-    """train.lr_find under FSDP2: each rank runs the range test on its rows of every global batch, the
-    ranks agreeing on each step's loss; every rank suggests the same LR, the one one process suggests
-    with the same global batch, from the same losses."""
-    over = ["train.lr_find=true", "train.lr_find_steps=10"]
+    """train.lr_find under FSDP2 (with Lion): each rank runs the range test on its rows of every global
+    batch, the ranks agreeing on each step's loss; every rank suggests the same LR, the one one process
+    suggests with the same global batch, from the same losses."""
+    over = ["train.lr_find=true", "train.lr_find_steps=10", "optim.name=lion"]
     one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", *over, nproc=0)
     run(configs["llm"], tmp_path / "fsdp", "train.parallel=fsdp", *over)
     assert one.wait(300) == 0, last_stderr(tmp_path / "one")
