@@ -729,7 +729,8 @@ def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple
     world = par.world if par is not None and par.active else 1
     if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
         was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
-        if isinstance(was.get("batch_size"), int) and was["batch_size"] * was["grad_accum"] * world == t.global_batch:
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch \
+                and was["batch_size"] * was["grad_accum"] * world == t.global_batch:  # the same number of ranks
             say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
             return was["batch_size"], was["grad_accum"]
     try:
