@@ -193,6 +193,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say, unused=bool(t.unfreeze))
+    par.shard_masks(model, pruned)
     # after wrapping: DDP and FSDP2 take in every parameter, the stages unfreeze them later
     unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
         if t.unfreeze else None

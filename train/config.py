@@ -37,9 +37,10 @@ class TrainConfig:
     deterministic: bool = False             # `torch.use_deterministic_algorithms`
     # -- batch
     batch_size: Union[int, Literal["auto"]] = bounded(16, gt=0)  # sequences per micro-batch; `auto`: the largest
-                                            # divisor of `global_batch` whose planned peak fits `memory_budget`
-    global_batch: Optional[int] = bounded(None, gt=0)  # with `batch_size: auto`: items per optimizer step (required
-                                            # there)
+                                            # divisor of `global_batch` (under torchrun: of `global_batch` / processes)
+                                            # whose planned peak fits `memory_budget`
+    global_batch: Optional[int] = bounded(None, gt=0)  # with `batch_size: auto`: items per optimizer step, all
+                                            # processes together (required there)
     memory_budget: Optional[Union[int, str]] = None  # with `batch_size: auto`: the memory a training step may use
                                             # (`8GB`, `512MB` or bytes); null = the device's free memory
     grad_accum: int = bounded(1, gt=0)      # micro-batches per optimizer step

@@ -60,12 +60,6 @@ def unsupported(cfg) -> Optional[str]:
     why = OPTIMIZERS[cfg.optim.name].why_not if cfg.optim.name in OPTIMIZERS else ""
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
                f"{why + '; ' if why else ''}with it, use one of {', '.join(optimizers)}"),
-              (t.lr_find, "train.lr_find", "the LR range test runs in one process"),
-              (t.batch_size == "auto", "train.batch_size=auto", "give the per-rank batch size"),
-              (t.parallel == "fsdp" and (t.qat or t.quantize), "train.qat / train.quantize",
-               "the quantized copy is made from the whole model in one process; use ddp"),
-              (t.parallel == "fsdp" and t.prune, "train.prune",
-               "the masks are taken on whole weights, which FSDP2 shards; use ddp"),
               (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
                "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32"),
               (getattr(cfg.model, "drop_path_mode", None) == "batch", "model.drop_path_mode=batch",
@@ -162,6 +156,16 @@ class Parallel:
                 fully_shard(unit, ignored_params=frozen)
             fully_shard(model, ignored_params=frozen)
         return model
+
+    def shard_masks(self, model: nn.Module, masks: Optional[dict]):
+        """train.prune under FSDP2: each mask follows its weight, which wrap() replaced by this rank's
+        shard (masks: {linear's name: (weight, mask)}, updated in place)."""
+        if masks and self.active and self.strategy == "fsdp":
+            from torch.distributed.tensor import distribute_tensor
+            modules = dict(model.named_modules())
+            for name, (_, mask) in masks.items():
+                w = modules[name].weight
+                masks[name] = (w, distribute_tensor(mask, w.device_mesh, w.placements, src_data_rank=None))
 
     def no_sync(self, fwd, last: bool):
         """DDP: no gradient all-reduce on the micro-batches before the last of an optimizer step."""

@@ -59,7 +59,66 @@ def pretrained_table() -> dict:
                         "presets"], "rows": rows}
 
 
-CODE_TABLES = {"pretrained": pretrained_table}
+# docs/distributed.md's table: per combination its overrides and, for DDP, FSDP2 and resuming a torchrun
+# checkpoint, the tests that run it under torchrun against one process ("KEY[case], ...", KEY in
+# PARALLEL_TESTS); a combination train.parallel refuses gets the refusal's reason instead
+PARALLEL_TESTS = {"parity": "test_two_processes_match_one_with_the_same_global_batch",
+                  "kill": "test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identical",
+                  "reshard": "test_fsdp_checkpoint_of_two_processes_resumes_in_one",
+                  "adapters": "test_adapters_under_two_processes_match_one",
+                  "optim": "test_optimizers_under_fsdp_match_one_process",
+                  "post": "test_post_training_under_two_processes_matches_one",
+                  "families": "test_diffusion_moe_and_mod_match_one_process",
+                  "compress": "test_distill_qat_prune_and_adafactor_under_two_processes_match_one",
+                  "lr_find": "test_lr_find_under_torchrun_matches_one_process",
+                  "torchrun": "test_unfreezing_and_resuming_under_torchrun"}
+PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
+    ("full (AdamW)", [], "parity[ddp]", "parity[fsdp]", "kill, reshard, torchrun (1 -> 2 processes)"),
+    ("LoRA", ["adapter.method=lora"], "adapters[lora]", "adapters[lora]", "adapters[lora], torchrun (SIGKILL)"),
+    ("DoRA", ["adapter.method=dora"], "adapters[dora]", "adapters[dora]", ""),
+    ("prefix tuning", ["adapter.method=prefix"], "adapters[prefix]", "adapters[prefix]", ""),
+    ("QLoRA", ["adapter.method=lora", "adapter.quantize_base=nf4"], "adapters[qlora]", "adapters[qlora]", ""),
+    ("train.unfreeze", ["train.unfreeze=[2]"], "torchrun", "torchrun", "torchrun"),
+    ("optim.name=sgd", ["optim.name=sgd"], "families[rl-ddp]", "families[rl-fsdp]", "families[rl-fsdp]"),
+    ("optim.name=adafactor", ["optim.name=adafactor"], "compress", "compress", ""),
+    ("optim.name=lion", ["optim.name=lion"], "", "lr_find", ""),
+    ("optim.name=muon", ["optim.name=muon"], "", "optim[muon]", "torchrun (SIGKILL)"),
+    ("optim.name=adamw8bit", ["optim.name=adamw8bit"], "", "optim[adamw8bit]", ""),
+    ("optim.name=adamw_offload", ["optim.name=adamw_offload"], "", "optim[adamw_offload]", ""),
+    ("optim.name=galore", ["optim.name=galore"], "", "optim[galore]", ""),
+    ("chat SFT", [], "post[sft]", "post[sft]", ""),
+    ("DPO (LoRA)", [], "post[dpo]", "post[dpo]", ""),
+    ("GRPO", [], "families[rl-ddp]", "families[rl-fsdp]", "families[rl-fsdp]"),
+    ("train.teacher (distillation)", [], "compress", "compress", ""),
+    ("train.qat", ["train.qat=int8"], "compress", "compress", ""),
+    ("train.prune", ["train.prune=2:4"], "compress", "compress", ""),
+    ("train.lr_find", ["train.lr_find=true"], "", "lr_find", "n/a (no checkpoints)"),
+    ("train.batch_size: auto", ["train.batch_size=auto", "train.global_batch=16"], "parity[ddp]", "", ""),
+]
+
+
+def parallel_table() -> dict:
+    """docs/distributed.md's table of what runs under torchrun: per combination and column the tests
+    (tests/test_distributed.py, numbered) that run it against one process, or train.parallel's refusal."""
+    from train.config import load_run_config
+    from train.distributed import unsupported
+    numbers = {key: str(i + 1) for i, key in enumerate(PARALLEL_TESTS)}
+    reason = lambda why: why.split(" (", 1)[-1][:-1] if why else None  # noqa: E731
+    rows = []
+    for name, over, *cells in PARALLEL_COMBINATIONS:
+        why = {s: reason(unsupported(load_run_config(None, [*over, f"train.parallel={s}"]))) for s in ("ddp", "fsdp")}
+        why["resume"] = why["ddp"] and why["fsdp"]
+        rows.append([name] + [
+            ("refused" if col != "ddp" and why[col] == why["ddp"] else f"refused: {why[col]}") if why[col] else
+            re.sub(r"^\w+|(?<=, )\w+", lambda m: numbers.get(m.group(), m.group()), cell) or "-"
+            for col, cell in zip(("ddp", "fsdp", "resume"), cells)])
+    notes = "Tests of tests/test_distributed.py (`-`: no test runs it under torchrun):\n\n" + "\n".join(
+        f"{n}. `{PARALLEL_TESTS[k]}`" for k, n in numbers.items())
+    return {"columns": ["combination", "DDP", "FSDP2", "resumed from a torchrun checkpoint"], "rows": rows,
+            "notes": notes}
+
+
+CODE_TABLES = {"pretrained": pretrained_table, "parallel": parallel_table}
 
 
 def config_classes() -> dict[str, type]:

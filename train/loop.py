@@ -55,7 +55,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
         if t.lr_find:
             from .features.lr_find import lr_find
             try:
-                return lr_find(cfg, say)
+                return lr_find(cfg, say, par)
             except ValueError as e:
                 raise RunStopped(str(e), EXIT_CONFIG) from None
         return _train(cfg, out, say, par, owns_process)
@@ -69,7 +69,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
 
 def _train(cfg, out: Path, say, par: Parallel, owns_process: bool) -> dict:
     from .plan import auto_batch_size
-    run = build_run(cfg, say, par, size_batch=lambda *a: auto_batch_size(*a, out, say))
+    run = build_run(cfg, say, par, size_batch=lambda *a: auto_batch_size(*a, out, say, par))
     if par.main:
         run.write_config(out)
     ckpt = Checkpointer(run, out, say)

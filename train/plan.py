@@ -718,31 +718,43 @@ def device_memory(device: torch.device) -> int:
     raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
 
 
-def auto_batch_size(cfg, model, task, device, out: Path, say) -> tuple[int, int]:
+def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple[int, int]:
     """train.batch_size=auto in the loop: the micro-batch of the run being resumed (its config.yaml),
-    else the largest that fits (find_batch_size); train.global_batch kept by accumulation."""
+    else the largest that fits (find_batch_size); train.global_batch kept by accumulation. Under
+    torchrun (par) each rank finds its own per-rank micro-batch and all take the smallest found."""
     import yaml
     from train.checkpoint import list_checkpoints
     from train.step import EXIT_CONFIG, RunStopped
     t = cfg.train
+    world = par.world if par is not None and par.active else 1
     if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
         was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
-        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch:
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch \
+                and was["batch_size"] * was["grad_accum"] * world == t.global_batch:  # the same number of ranks
             say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
             return was["batch_size"], was["grad_accum"]
     try:
-        return find_batch_size(cfg, device, say, model, task)
+        b, _ = find_batch_size(cfg, device, say, model, task, world, "fsdp2" if t.parallel == "fsdp" else "ddp")
     except ValueError as e:
         raise RunStopped(str(e), EXIT_CONFIG) from None
+    if world > 1:
+        found = par.gather(b)
+        b = min(found)
+        say(f"batch size: auto: each rank's micro-batch {found}; all {world} use {b}")
+    return b, t.global_batch // (b * world)
 
 
-def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None) -> tuple[int, int]:
-    """train.batch_size=auto: (micro-batch, grad_accum), the micro-batch the largest divisor of
-    train.global_batch whose planned peak fits train.memory_budget (null: `device_memory`); `model`:
-    plan its own architecture. On CUDA the choice is tried, backing off on out-of-memory."""
+def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None,
+                    devices: int = 1, sharding: str = "ddp") -> tuple[int, int]:
+    """train.batch_size=auto: (micro-batch, grad_accum) of each of `devices` data-parallel ranks, the
+    micro-batch the largest divisor of train.global_batch / devices whose planned peak (per device,
+    `sharding` ddp or fsdp2) fits train.memory_budget (null: `device_memory`); `model`: plan its own
+    architecture. On CUDA the choice is tried, backing off on out-of-memory."""
     from train.config import parse_memory_size
     t = cfg.train
-    G = t.global_batch
+    if t.global_batch % devices:
+        raise ValueError(f"train.global_batch={t.global_batch} is not a multiple of the {devices} processes")
+    G = t.global_batch // devices
     if model is not None and getattr(model, "config", None) is not None:
         cfg = dataclasses.replace(cfg, model=model.config)
     if task is not None:  # plan the precision the run resolved (train.precision: auto), not a new measurement
@@ -753,7 +765,7 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
 
     def peak(b):
         if b not in peaks:
-            peaks[b] = plan(cfg, batch_size=b, device=device).peak_bytes
+            peaks[b] = plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
         return peaks[b]
 
     lo, hi, best = 0, len(sizes) - 1, None  # the planned peak grows with the micro-batch: bisect
@@ -770,7 +782,8 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
         best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
     b = sizes[best]
     nxt = f"; {sizes[best + 1]} would need {_fmt(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
-    log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated = train.global_batch {G} (planned peak "
+    log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated{f' x {devices} ranks' if devices > 1 else ''} = "
+        f"train.global_batch {G * devices} (planned peak "
         f"{_fmt(peak(b))} of {_fmt(budget)}{nxt})")
     return b, G // b
 

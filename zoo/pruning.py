@@ -77,8 +77,10 @@ def apply_masks(masks: dict):
 
 
 def sparsity_of(masks: dict) -> float:
-    """The share of the masked weights that are zero now (what pruning left, checked on the weights)."""
-    zeros = sum(int((w == 0).sum()) for w, _ in masks.values())
+    """The share of the masked weights that are zero now (what pruning left, checked on the weights;
+    sharded weights, DTensors, are counted over all their shards)."""
+    counts = [(w == 0).sum() for w, _ in masks.values()]
+    zeros = sum(int(c.full_tensor() if hasattr(c, "full_tensor") else c) for c in counts)
     return zeros / sum(w.numel() for w, _ in masks.values())
 
 

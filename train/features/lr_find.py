@@ -5,6 +5,10 @@ On a fresh copy of the run (its checkpoints untouched) the LR grows exponentiall
 `train.lr_find_min` to `train.lr_find_max`, one step per LR, until the smoothed loss passes 4x its
 best. Suggested LR: that of the lowest smoothed loss divided by 10 (past the minimum the run is
 already diverging). Writes `<out_dir>/lr_find.png` and `<out_dir>/lr_find.json`.
+
+Under torchrun every rank runs the test on its part of each global batch, as training does; the
+ranks agree on each step's loss (the global batch's), so each finds the same LR by the same rule,
+the LR one process finds with the same global batch. lr_find.json lists every rank's suggestion.
 """
 from __future__ import annotations
 
@@ -35,22 +39,25 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
     return lrs[best] / 10, smooth
 
 
-def lr_find(cfg, say) -> dict:
+def lr_find(cfg, say, par=None) -> dict:
     t = cfg.train
     out = Path(t.out_dir)
-    run = build_run(cfg, say)
+    run = build_run(cfg, say, par)
+    par = run.par
+    sync = dict(no_sync=lambda last: par.no_sync(run.fwd, last), agree=lambda s: par.agree(s, False)[0]) \
+        if par.active else {}
     task, params = run.task, run.params()
     n = t.lr_find_steps
     ratio = t.lr_find_max / t.lr_find_min
     lrs, losses, best = [], [], math.inf
     say(f"lr_find: {n} steps, LR {t.lr_find_min:g} to {t.lr_find_max:g} ({cfg.optim.name}, "
-        f"{t.batch_size} x {t.grad_accum} per step)")
+        f"{t.batch_size} x {t.grad_accum}{f' x {par.world} ranks' if par.active else ''} per step)")
     for step in range(n):
         lr = t.lr_find_min * ratio ** (step / (n - 1))
         set_lr(run.optimizer, lr)
         batches = (to_device(task.train_batch(step, m), run.device, t.channels_last) for m in range(t.grad_accum))
         r = optimizer_step(lambda b: task.loss(run.fwd, b), batches, t.grad_accum, run.optimizer, run.scaler, params,
-                           t.clip_grad, run.train_context)
+                           t.clip_grad, run.train_context, **sync)
         if not math.isfinite(r.loss):
             break
         lrs.append(lr)
@@ -62,13 +69,15 @@ def lr_find(cfg, say) -> dict:
     if len(losses) < 3:
         raise ValueError(f"lr_find: the loss was not finite from LR {t.lr_find_min:g}; lower train.lr_find_min")
     lr, smooth = suggest(lrs, losses)
-    result = {"suggested_lr": lr, "lr": lrs, "loss": losses, "smoothed_loss": smooth}
+    result = {"suggested_lr": lr, "lr": lrs, "loss": losses, "smoothed_loss": smooth, "ranks": par.gather(lr)}
+    if not par.main:
+        return result
     atomic_write(out / "lr_find.json", json.dumps(result))
     if t.plot:
         _plot(lrs, losses, smooth, lr, out / "lr_find.png")
         say(f"lr_find: plot {out / 'lr_find.png'}")
     say(f"lr_find: suggested optim.lr={lr:.3g} (lowest smoothed loss {min(smooth):.3f} at LR "
-        f"{lr * 10:.3g}, divided by 10; {len(lrs)} steps)")
+        f"{lr * 10:.3g}, divided by 10; {len(lrs)} steps" + (f"; each rank's: {result['ranks']})" if par.active else ")"))
     return result
 
 

@@ -2,7 +2,8 @@
 
 `train.qat` swaps the linears for torchao's fake-quantized ones before any wrapping. With
 `train.quantize` the last step evaluates a bf16 copy (`quant_ref_*`) and the quantized model
-(`quant_*`); train/finish.py writes it to out_dir/quantized/. Rank 0 alone; FSDP is refused.
+(`quant_*`); train/finish.py writes it to out_dir/quantized/. Rank 0 evaluates, on the weights
+gathered from FSDP2's shards where the model is sharded.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ def prepare(model: nn.Module, t, say) -> nn.Module:
     return model
 
 
-def deployed_copy(model: nn.Module, t) -> nn.Module:
+def deployed_copy(model: nn.Module) -> nn.Module:
     """The final model as deployed, before quantization: a bf16 copy without QAT's fake quantization."""
     q = cast_weights(copy.deepcopy(model), DEPLOY_DTYPE).eval().requires_grad_(False)
-    if t.qat:
+    if getattr(q, "qat", None):  # (a model gathered from FSDP2's shards is built without it)
         remove_fake_quantization(q)
     return q
 
@@ -40,10 +41,14 @@ def quantized_evaluation(run) -> dict:
     """The deployed model's evaluation before and after quantization ({'quant_ref_val_loss': ...,
     'quant_val_loss': ...}); sets run.quantized. {} on ranks other than 0 and when the run quantizes
     nothing."""
+    from ..finish import consolidated
     t = run.cfg.train
-    if not (t.qat or t.quantize) or not run.par.main:
+    if not (t.qat or t.quantize):
         return {}
-    model = deployed_copy(run.model, t)
+    whole, _ = consolidated(run)  # FSDP2: every rank takes part in the gathering
+    if not run.par.main:
+        return {}
+    model = deployed_copy(whole)
     with run.autocast():
         ref = run.task.evaluate(model)
     run.quantized = quantize(model, QAT_SCHEMES[t.qat] if t.qat else t.quantize, t.quant_group_size, t.quant_keep)

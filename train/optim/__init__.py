@@ -77,7 +77,8 @@ def _sgd(model, groups, cfg, device, log):
 
 
 def _adafactor(model, groups, cfg, device, log):
-    return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay)
+    from .adafactor import Adafactor
+    return Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay)
 
 
 def _lion(model, groups, cfg, device, log):
@@ -142,8 +143,7 @@ class Optimizer:
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw": Optimizer(_adamw, parallel=("ddp", "fsdp")),
     "sgd": Optimizer(_sgd, parallel=("ddp", "fsdp")),
-    "adafactor": Optimizer(_adafactor, parallel=("ddp",), why_not="torch.optim.Adafactor updates its factored "
-                           "statistics in place, which FSDP2's sharded tensors refuse"),
+    "adafactor": Optimizer(_adafactor, parallel=("ddp", "fsdp")),
     "lion": Optimizer(_lion, parallel=("ddp", "fsdp")),
     "muon": Optimizer(_muon, parallel=("ddp", "fsdp")),
     "adamw8bit": Optimizer(_adamw8bit, package="torchao", parallel=("ddp", "fsdp")),
