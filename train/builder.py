@@ -192,7 +192,8 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
-    model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say, unused=bool(t.unfreeze))
+    unused = bool(t.unfreeze) or getattr(cfg.model, "drop_path_mode", None) == "batch"
+    model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say, unused=unused)
     par.shard_masks(model, pruned)
     # after wrapping: DDP and FSDP2 take in every parameter, the stages unfreeze them later
     unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
@@ -213,7 +214,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
         run.optimizer = build_optimizer(model, cfg.optim, device, say)
     except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices
         raise RunStopped(str(e), EXIT_CONFIG) from None
-    run.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    run.scaler = torch.amp.GradScaler(device.type, t.loss_scale, enabled=precision == "fp16")
     if pruned:
         after_step(run.optimizer, lambda: apply_masks(pruned))
     hook = task.step_hook(model)

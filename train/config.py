@@ -56,6 +56,8 @@ class TrainConfig:
     # -- precision and speed
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # `fp32`, `bf16` (autocast), `fp16` (autocast +
                                             # GradScaler) or `auto`: bf16 where the device runs it fast, else fp32
+    loss_scale: float = bounded(65536.0, gt=0)  # fp16: the GradScaler's initial loss scale (halved at each step
+                                            # whose gradients overflow, which is skipped)
     tf32: bool = True                       # TF32 matmuls on CUDA (logged as skipped elsewhere)
     cudnn_benchmark: bool = True            # cudnn autotuning on CUDA (logged as skipped elsewhere)
     compile: bool = False                   # `torch.compile` the model (the first steps include compilation)

@@ -59,11 +59,7 @@ def unsupported(cfg) -> Optional[str]:
     optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
     why = OPTIMIZERS[cfg.optim.name].why_not if cfg.optim.name in OPTIMIZERS else ""
     checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
-               f"{why + '; ' if why else ''}with it, use one of {', '.join(optimizers)}"),
-              (t.parallel == "fsdp" and t.precision == "fp16", "train.precision=fp16",
-               "FSDP2 shards the gradients the GradScaler checks; use bf16 or fp32"),
-              (getattr(cfg.model, "drop_path_mode", None) == "batch", "model.drop_path_mode=batch",
-               "a block dropped for the whole batch leaves its parameters without gradients that step; use skip")]
+               f"{why + '; ' if why else ''}with it, use one of {', '.join(optimizers)}")]
     for bad, key, why in checks:
         if bad:
             return f"{key} does not combine with train.parallel={t.parallel} ({why})"
@@ -109,7 +105,9 @@ class Parallel:
         """-> (model, fwd): the module whose state is checkpointed and the callable the loss runs.
         ddp: model stays the plain module, fwd is DDP(model) (compiled when asked); fsdp: both are
         the model sharded in place (each unit compiled before it is sharded when asked). unused: some
-        parameters get no gradient in some steps (frozen by train.unfreeze until their stage)."""
+        parameters get no gradient in some steps (frozen by train.unfreeze until their stage, or in a block that
+        model.drop_path_mode=batch skipped). fsdp with fp16: the GradScaler's inf/nan check of the sharded
+        (DTensor) gradients is all-reduced by DTensor itself, so every rank skips the same steps."""
         if not self.active:
             return model, None
         if sync_bn:

@@ -93,6 +93,7 @@ class ImageDataConfig:
 class ClassifyTask(Task):
     DataConfig = ImageDataConfig
     unit = "images"
+    _drops = None  # the DropPath modules of model.drop_path_mode=batch (found at the first training batch)
 
     @staticmethod
     def validate_config(cfg):
@@ -267,6 +268,18 @@ class ClassifyTask(Task):
         self.pretrained = None
         return model
 
+    def seed_batch_drops(self, model, seed: int):
+        """model.drop_path_mode=batch: the blocks a micro-batch drops are drawn from a generator seeded by its
+        (seed, step, micro) draw, the same on every rank, so that all ranks drop the blocks one process drops."""
+        if self._drops is None:
+            from zoo.blocks.drop_path import DropPath
+            self._drops = [m for m in model.modules() if isinstance(m, DropPath) and m.mode == "batch"]
+            g = torch.Generator(self.device)
+            for m in self._drops:
+                m.generator = g
+        if self._drops:
+            self._drops[0].generator.manual_seed(seed)
+
     def recipe(self, x: torch.Tensor, y: torch.Tensor, seed: int):
         """Random erasing, then Mixup / CutMix, of a normalised training batch, all drawn from `seed`:
         -> (images, targets: labels (B,), or soft targets (B, num_classes) when mixing is on)."""
@@ -293,6 +306,7 @@ class ClassifyTask(Task):
         x, y = self.normalize(batch[0]), batch[1]
         n = y.numel()
         if len(batch) > 2:
+            self.seed_batch_drops(model, batch[2] - self.rank)
             x, y = self.recipe(x, y, batch[2])
         logits = model(x).float()
         if self.teacher is not None:

@@ -62,7 +62,9 @@ def residual_drop_path(shortcut: torch.Tensor, branch: Callable, x: torch.Tensor
 class DropPath(nn.Module):
     """Module form. mode "mask": `self.drop_path(branch_out)` zeroes the dropped rows; "skip" and
     "batch": `self.drop_path.residual(shortcut, branch, x)` is residual_drop_path with per="sample"
-    or per="batch" (residual() works in every mode). Identity in eval mode or when drop_prob == 0."""
+    or per="batch" (residual() works in every mode). Identity in eval mode or when drop_prob == 0.
+    `generator`: where the draws come from (None: the global RNG); data-parallel ranks that give their
+    "batch" blocks generators seeded alike drop the same blocks, as one process would."""
     MODES = ("mask", "skip", "batch")
 
     def __init__(self, drop_prob: float = 0.0, mode: str = "mask"):
@@ -72,14 +74,15 @@ class DropPath(nn.Module):
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {', '.join(self.MODES)}, got {mode!r}")
         self.drop_prob, self.mode = float(drop_prob), mode
+        self.generator: torch.Generator = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return drop_path(x, self.drop_prob, self.training)
+        return drop_path(x, self.drop_prob, self.training, self.generator)
 
     def residual(self, shortcut: torch.Tensor, branch: Callable, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "mask":
             return shortcut + self(branch(x))
-        return residual_drop_path(shortcut, branch, x, self.drop_prob, self.training,
+        return residual_drop_path(shortcut, branch, x, self.drop_prob, self.training, self.generator,
                                   per="batch" if self.mode == "batch" else "sample")
 
     def extra_repr(self) -> str:
