@@ -143,6 +143,17 @@ def run(cfg: Path, out: Path, *overrides, nproc: int = 2) -> Path:
     return out
 
 
+def case(cfg: Path, out: Path, *over) -> list:
+    """A run of tests/torchrun_cases.py: train/run.py's arguments."""
+    return [str(cfg), f"train.out_dir={out}", *over]
+
+
+def copy_step(src: Path, dst: Path, step: int = 3) -> dict:
+    """A step of tests/torchrun_cases.py: a run's checkpoint of `step` copied into another run's folder."""
+    name = f"checkpoints/step_{step:08d}"
+    return {"copy": [str(src / name), str(dst / name)]}
+
+
 def curve(out: Path) -> list:
     rows = read_rows(out)
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
@@ -254,47 +265,80 @@ def test_fsdp_checkpoint_of_two_processes_resumes_in_one(configs, llm_runs, tmp_
     assert_close_weights(llm_runs / "fsdp", out, "model_avg.safetensors")
 
 
-def test_resnet_sync_bn_matches_one_process(configs, tmp_path):
-    """A ResNet with train.sync_bn under DDP normalises with the statistics of the global batch:
-    the losses and weights (BatchNorm running statistics included) of one process with the
-    same global batch. (Without sync_bn each rank normalises its own half: on this config the
-    loss of step 4 is then 3e-3 away, relative, so parity fails.)"""
-    one = launch(configs["resnet"], tmp_path / "one", "train.batch_size=8", nproc=0)
-    sync = run(configs["resnet"], tmp_path / "sync", "train.parallel=ddp", "train.sync_bn=true")
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    assert re.search(r"sync_bn: \d+ BatchNorm layers normalise", (sync / "log.txt").read_text())
-    assert_same_losses(tmp_path / "one", sync)
-    assert_close_weights(tmp_path / "one", sync)
-
-
-# ------------------------------------------------------------------------------ adapters
+# ------------------------------------------------------------------------------ parity, case by case
 ADAPTERS = {"lora": ["adapter.method=lora"], "dora": ["adapter.method=dora"],
             "prefix": ["adapter.method=prefix", "adapter.prefix_len=4"],
             # NF4 stores blocks of 64 weights, their scales in blocks of 256: a wider model
             "qlora": ["adapter.method=lora", "adapter.quantize_base=nf4", "model.d_model=256", "model.n_kv_heads=4",
                       "model.ffn_hidden=512"]}
+# optim.name -> (losses' rel, weights' abs tolerance) against one process: where an optimizer rounds what it
+# is given (Muon orthogonalises in bf16, 8-bit AdamW quantises its states per block of the shard, GaLore
+# projects on a few singular vectors), the round-off of 2 ranks' gradient sums grows to its own size
+OPTIM_TOL = {"adamw_offload": (RTOL, ATOL), "muon": (1e-4, 1e-2), "adamw8bit": (1e-4, 2e-3), "galore": (1e-5, 1e-3)}
+SFT = ["data.format=messages", "data.path=synthetic", "data.synthetic_rows=200", "data.seq_len=128",
+       "model.max_seq_len=128", "data.eval_generate=0"]
+RL = ["data.format=prompts", "data.path=synthetic", "data.synthetic_rows=40", "data.template=none", "data.seq_len=24",
+      "data.eval_prompts=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.kl_beta=0.1",
+      "rl.updates_per_batch=2", "train.max_steps=4",
+      "optim.name=sgd", "optim.lr=0.5"]  # not Adam: it would scale the round-off of near-zero gradients up to the LR
+BOTH = ("ddp", "fsdp")
+PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own overrides)
+    **{m: ("llm", ["train.average_last=2", *over], BOTH, []) for m, over in ADAPTERS.items()},
+    "sft": ("llm", SFT, BOTH, []),
+    "dpo": ("llm", ["data.format=preference", "data.path={pairs}", "data.seq_len=24", "data.val_fraction=0.2",
+                    "adapter.method=lora"], BOTH, []),
+    "compress": ("llm", ["train.teacher={teacher}", "train.kd_alpha=0.5", "train.qat=int8", "train.prune=2:4",
+                         "optim.name=adafactor", "optim.lr=1e-2"], BOTH, []),
+    **{f"optim-{n}": ("llm", [f"optim.name={n}"], BOTH, []) for n in OPTIM_TOL},
+    "diffusion": ("diffusion", [], ("fsdp",), []),
+    "moe": ("llm", MOE + ["train.grad_accum=1"], ("fsdp",), []),
+    "mod": ("llm", MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], ("ddp",), []),
+    "float8": ("llm", ["train.float8=true", "train.float8_keep=[]"], ("fsdp",), []),
+    "rl": ("llm", RL, BOTH, []),
+    "lr_find": ("llm", ["train.lr_find=true", "train.lr_find_steps=10", "optim.name=lion"], ("fsdp",), []),
+    # without sync_bn each rank normalises its own half: on this config the loss of step 4 is then 3e-3
+    # away, relative, so parity fails
+    "resnet": ("resnet", [], ("ddp",), ["train.sync_bn=true"]),
+}
 
 
-def two_ways_and_one(cfg: Path, tmp_path: Path, *over) -> tuple[Path, dict]:
-    """One process with batch_size 8, then 2-process DDP and FSDP2 runs with the same global batch."""
-    one = launch(cfg, tmp_path / "one", "train.batch_size=8", *over, nproc=0)
-    runs = {s: run(cfg, tmp_path / s, f"train.parallel={s}", *over) for s in ("ddp", "fsdp")}
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    return tmp_path / "one", runs
+@pytest.fixture(scope="module")
+def parity(configs, tmp_path_factory):
+    """Every case of PARITY run in one process with batch_size 8 (one after another in one process),
+    and under each of its strategies on 2 processes with batch_size 4, the same global batch (one after
+    another in one torchrun launch: tests/torchrun_cases.py); the FSDP2 GRPO run's step-3 checkpoint then
+    resumes to step 6 (rl/resumed). Returns the folder: CASE/one, CASE/ddp, CASE/fsdp."""
+    d = tmp_path_factory.mktemp("parity")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6))) for _ in range(100)]
+    (d / "pairs.jsonl").write_text("".join(json.dumps({"prompt": w + "=", "chosen": w.upper(), "rejected": w}) + "\n"
+                                           for w in words))
+    zoo.save_pretrained(zoo.build({"model": dict(LLM["model"], d_model=48)}), d / "teacher")
+    fill = lambda over: [o.format(pairs=d / "pairs.jsonl", teacher=d / "teacher") for o in over]  # noqa: E731
+    ones, pars = [], []
+    for name, (cfg, over, strategies, par_over) in PARITY.items():
+        ones.append(case(configs[cfg], d / name / "one", "train.batch_size=8", *fill(over)))
+        pars += [case(configs[cfg], d / name / s, f"train.parallel={s}", *fill(over), *par_over) for s in strategies]
+    pars += [copy_step(d / "rl" / "fsdp", d / "rl" / "resumed"),
+             case(configs["llm"], d / "rl" / "resumed", "train.parallel=fsdp", *RL, "train.max_steps=6")]
+    one, par = launch(None, d / "one-process", cases=ones, nproc=0), launch(None, d / "torchrun", cases=pars)
+    assert par.wait(1500) == 0, last_stderr(d / "torchrun")[-3000:]
+    assert one.wait(600) == 0, last_stderr(d / "one-process")[-3000:]
+    return d
 
 
 @pytest.mark.parametrize("method", list(ADAPTERS))
-def test_adapters_under_two_processes_match_one(configs, tmp_path, method):
+def test_adapters_under_two_processes_match_one(parity, configs, tmp_path, method):
     """LoRA, DoRA, prefix tuning and QLoRA under DDP and FSDP2 (the frozen base, NF4 included, sharded with
     its adapters): the losses, the trained adapter and the final and averaged evaluations of one process
     with the same global batch; the checkpoints (DCP) hold what trains, not the base. The FSDP2 LoRA
     checkpoint of step 3 resumes in one process and ends with the same adapter."""
     import torch.distributed.checkpoint as dcp
-    over = ["train.average_last=2", *ADAPTERS[method]]
-    one, runs = two_ways_and_one(configs["llm"], tmp_path, *over)
+    one = parity / method / "one"
     files = sorted(f.name for f in (one / "adapter").glob("*.safetensors"))
     last = lambda d: {k: v for r in read_rows(d) if r["step"] == 6 for k, v in r.items()}  # noqa: E731
-    for par in runs.values():
+    for s in BOTH:
+        par = parity / method / s
         assert_same_losses(one, par)
         assert files and files == sorted(f.name for f in (par / "adapter").glob("*.safetensors"))
         for f in files:
@@ -307,32 +351,22 @@ def test_adapters_under_two_processes_match_one(configs, tmp_path, method):
         assert held == trained and not any(".base" in k or "embed" in k for k in held), held
     if method == "lora":
         import shutil
-        out = tmp_path / "resharded"
-        shutil.copytree(runs["fsdp"] / "checkpoints" / "step_00000003", out / "checkpoints" / "step_00000003")
-        run(configs["llm"], out, "train.batch_size=8", *over, nproc=0)
+        fsdp, out = parity / method / "fsdp", tmp_path / "resharded"
+        shutil.copytree(fsdp / "checkpoints" / "step_00000003", out / "checkpoints" / "step_00000003")
+        run(configs["llm"], out, "train.batch_size=8", *PARITY[method][1], nproc=0)
         assert "written by 2 processes, resharded to 1" in (out / "log.txt").read_text()
-        assert_same_losses(runs["fsdp"], out, steps=[4, 5, 6])
-        assert_close_weights(runs["fsdp"] / "adapter", out / "adapter", files[0])
+        assert_same_losses(fsdp, out, steps=[4, 5, 6])
+        assert_close_weights(fsdp / "adapter", out / "adapter", files[0])
 
 
 @pytest.mark.parametrize("task", ["sft", "dpo"])
-def test_post_training_under_two_processes_matches_one(configs, tmp_path, task):
+def test_post_training_under_two_processes_matches_one(parity, task):
     """Chat SFT (the assistant's tokens only: each rank's loss is its share of the global micro-batch's
     mean, as their numbers of targets differ) and DPO with LoRA (the reference: the base with adapters
     off) under DDP and FSDP2: the losses and the trained weights of one process with the same global batch."""
-    if task == "sft":
-        over = ["data.format=messages", "data.path=synthetic", "data.synthetic_rows=200", "data.seq_len=128",
-                "model.max_seq_len=128", "data.eval_generate=0"]
-    else:
-        import random
-        rng, pairs = random.Random(0), tmp_path / "pairs.jsonl"
-        words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 6))) for _ in range(100)]
-        pairs.write_text("".join(json.dumps({"prompt": w + "=", "chosen": w.upper(), "rejected": w}) + "\n"
-                                 for w in words))
-        over = ["data.format=preference", f"data.path={pairs}", "data.seq_len=24", "data.val_fraction=0.2",
-                "adapter.method=lora"]
-    one, runs = two_ways_and_one(configs["llm"], tmp_path, *over)
-    for par in runs.values():
+    one = parity / task / "one"
+    for s in BOTH:
+        par = parity / task / s
         assert_same_losses(one, par)
         if task == "sft":
             assert_close_weights(one, par)
@@ -340,7 +374,7 @@ def test_post_training_under_two_processes_matches_one(configs, tmp_path, task):
             assert_close_weights(one / "adapter", par / "adapter", "adapter_model.safetensors")
 
 
-def test_distill_qat_prune_and_adafactor_under_two_processes_match_one(configs, tmp_path):
+def test_distill_qat_prune_and_adafactor_under_two_processes_match_one(parity):
     """Distillation (the teacher replicated on each rank, each rank distilling its own rows), int8 QAT,
     2:4 pruning (under FSDP2 each mask sharded like its weight) and Adafactor (under FSDP2 each sharded
     parameter stepped whole, so its factored statistics are the one process's) in one run, under DDP and
@@ -348,14 +382,11 @@ def test_distill_qat_prune_and_adafactor_under_two_processes_match_one(configs, 
     the same global batch; the weights within 1e-3: QAT's rounding to int8 is discontinuous in the weights,
     so a round-off-sized difference moves a weight across a rounding boundary, a whole quantization step
     in the forward (without QAT, each of the others is within 1e-6 of one process)."""
-    teacher = zoo.build({"model": dict(LLM["model"], d_model=48)})
-    zoo.save_pretrained(teacher, tmp_path / "teacher")
-    over = [f"train.teacher={tmp_path / 'teacher'}", "train.kd_alpha=0.5", "train.qat=int8", "train.prune=2:4",
-            "optim.name=adafactor", "optim.lr=1e-2"]
-    one, runs = two_ways_and_one(configs["llm"], tmp_path, *over)
+    one = parity / "compress" / "one"
     last = lambda d: {k: v for r in read_rows(d) if r["step"] == 6 for k, v in r.items()}  # noqa: E731
     w1 = load_file(str(one / "model.safetensors"))
-    for par in runs.values():
+    for s in BOTH:
+        par = parity / "compress" / s
         log = (par / "log.txt").read_text()
         assert all(s in log for s in ("teacher: ", "qat: int8 fake quantization", "prune: 2:4 magnitude pruning"))
         assert_same_losses(one, par)
@@ -369,49 +400,32 @@ def test_distill_qat_prune_and_adafactor_under_two_processes_match_one(configs, 
         assert (par / "quantized").is_dir()
 
 
-def test_lr_find_under_torchrun_matches_one_process(configs, tmp_path):
+def test_lr_find_under_torchrun_matches_one_process(parity):
     """train.lr_find under FSDP2 (with Lion): each rank runs the range test on its rows of every global
     batch, the ranks agreeing on each step's loss; every rank suggests the same LR, the one one process
     suggests with the same global batch, from the same losses."""
-    over = ["train.lr_find=true", "train.lr_find_steps=10", "optim.name=lion"]
-    one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", *over, nproc=0)
-    run(configs["llm"], tmp_path / "fsdp", "train.parallel=fsdp", *over)
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    a, b = (json.loads((tmp_path / d / "lr_find.json").read_text()) for d in ("one", "fsdp"))
+    a, b = (json.loads((parity / "lr_find" / d / "lr_find.json").read_text()) for d in ("one", "fsdp"))
     assert b["ranks"] == [a["suggested_lr"]] * 2 and b["suggested_lr"] == a["suggested_lr"]
     assert len(a["loss"]) == len(b["loss"]) >= 3 and b["loss"] == pytest.approx(a["loss"], rel=RTOL)
 
 
-# optim.name -> (losses' rel, weights' abs tolerance) against one process: where an optimizer rounds what it
-# is given (Muon orthogonalises in bf16, 8-bit AdamW quantises its states per block of the shard, GaLore
-# projects on a few singular vectors), the round-off of 2 ranks' gradient sums grows to its own size
-OPTIM_TOL = {"adamw_offload": (RTOL, ATOL), "muon": (1e-4, 1e-2), "adamw8bit": (1e-4, 2e-3), "galore": (1e-5, 1e-3)}
-
-
 @pytest.mark.parametrize("name", list(OPTIM_TOL))
-def test_optimizers_under_fsdp_match_one_process(configs, tmp_path, name):
-    """Every optimizer of the registry on FSDP2's sharded parameters (Muon orthogonalises each whole matrix:
-    DTensor gathers the shards for its matmuls): the losses and weights of one process with the same global
-    batch, within what the optimizer's own rounding allows (OPTIM_TOL). (Muon's chained state through DCP: the
-    SIGKILL case of test_unfreezing_and_resuming_under_torchrun.)"""
-    one = launch(configs["llm"], tmp_path / "one", "train.batch_size=8", f"optim.name={name}", nproc=0)
-    par = run(configs["llm"], tmp_path / "fsdp", "train.parallel=fsdp", f"optim.name={name}")
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    rel, atol = OPTIM_TOL[name]
-    ca, cb = dict(curve(tmp_path / "one")), dict(curve(par))
-    assert len(ca) == 6 and all(cb[s] == pytest.approx(ca[s], rel=rel) for s in ca), (ca, cb)
-    assert_close_weights(tmp_path / "one", par, atol=atol)
-
-
-RL = ["data.format=prompts", "data.path=synthetic", "data.synthetic_rows=40", "data.template=none", "data.seq_len=24",
-      "data.eval_prompts=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.kl_beta=0.1",
-      "rl.updates_per_batch=2", "train.max_steps=4",
-      "optim.name=sgd", "optim.lr=0.5"]  # not Adam: it would scale the round-off of near-zero gradients up to the LR
+def test_optimizers_under_two_processes_match_one(parity, name):
+    """Every optimizer of the registry under DDP and on FSDP2's sharded parameters (Muon orthogonalises each
+    whole matrix: DTensor gathers the shards for its matmuls): the losses and weights of one process with the
+    same global batch, within what the optimizer's own rounding allows (OPTIM_TOL). (Muon's chained state
+    through DCP: the SIGKILL case of test_unfreezing_and_resuming_under_torchrun.)"""
+    one, rel, atol = parity / f"optim-{name}" / "one", *OPTIM_TOL[name]
+    for s in BOTH:
+        par = parity / f"optim-{name}" / s
+        ca, cb = dict(curve(one)), dict(curve(par))
+        assert len(ca) == 6 and all(cb[i] == pytest.approx(ca[i], rel=rel) for i in ca), (s, ca, cb)
+        assert_close_weights(one, par, atol=atol)
 
 
 @pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("float8", "fsdp"),
-                                             ("rl", "ddp"), ("rl", "fsdp")])
-def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, strategy):
+                                             ("rl", "ddp"), ("rl", "fsdp"), ("resnet", "ddp")])
+def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
     and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
     over the ranks for the bias balancing): the losses, the weights and the EMA of one process with
@@ -420,57 +434,46 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
     logits); float8 (emulated) under FSDP2:
     each rank scales its own activations, so the losses agree to float8's round-off; GRPO with a KL term
     (each rank samples its own prompts of the global batch, a generator per row): the rewards, losses and
-    weights. (The LLM and the ResNet: the tests above.)"""
-    cfg = configs["diffusion" if family == "diffusion" else "llm"]
-    extra = {"diffusion": [], "moe": MOE + ["train.grad_accum=1"],
-             "mod": MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"],
-             "float8": ["train.float8=true", "train.float8_keep=[]"], "rl": RL}[family]
-    one = launch(cfg, tmp_path / "one", "train.batch_size=8", *extra, nproc=0)
-    par = run(cfg, tmp_path / strategy, f"train.parallel={strategy}", *extra)
-    assert one.wait(300) == 0, last_stderr(tmp_path / "one")
-    assert f"parallel: {strategy} over 2 processes" in (par / "log.txt").read_text()
+    weights, and the FSDP2 run resumes; a ResNet with train.sync_bn under DDP normalises with the statistics
+    of the global batch: the losses and weights (BatchNorm running statistics included)."""
+    one, par = parity / family / "one", parity / family / strategy
+    log = (par / "log.txt").read_text()
+    assert f"parallel: {strategy} over 2 processes" in log
     if family == "float8":
-        assert "float8: tensorwise scaling on 9 of 9 linears" in (par / "log.txt").read_text()
-        ca, cb = dict(curve(tmp_path / "one")), dict(curve(par))
+        assert "float8: tensorwise scaling on 9 of 9 linears" in log
+        ca, cb = dict(curve(one)), dict(curve(par))
         assert len(ca) == 6 and all(cb[s] == pytest.approx(ca[s], rel=1e-2) for s in ca), (ca, cb)
         return
-    assert_same_losses(tmp_path / "one", par)
+    assert_same_losses(one, par)
     if family == "rl":
-        rewards = [[r.get(k) for r in read_rows(d) if "reward_mean" in r] for d in (tmp_path / "one", par)
+        rewards = [[r.get(k) for r in read_rows(d) if "reward_mean" in r] for d in (one, par)
                    for k in ("reward_mean", "completion_len_mean")]
         assert rewards[:2] == rewards[2:] and len(rewards[0]) == 2
         assert max(r["loss"] for r in read_rows(par) if "loss" in r) > 1e-6  # the KL term: not a zero loss
-        assert_close_weights(tmp_path / "one", par)
-        if strategy == "fsdp":  # resumes from its sharded checkpoint and goes on
-            run(cfg, par, f"train.parallel={strategy}", *extra, "train.max_steps=6")
-            assert "resumed from" in (par / "log.txt").read_text() and curve(par)[-1][0] == 6
+        assert_close_weights(one, par)
+        if strategy == "fsdp":  # resumed from its sharded checkpoint of step 3, on to step 6
+            resumed = parity / family / "resumed"
+            assert "resumed from" in (resumed / "log.txt").read_text() and curve(resumed)[-1][0] == 6
         return
+    if family == "resnet":
+        assert re.search(r"sync_bn: \d+ BatchNorm layers normalise", log)
     if family == "mod":  # a top-k choice flips on a round-off difference between near-tied router
         # scores, which moves the routed block's weights by far more than round-off: losses only,
         # and the thresholds, which every rank moves by the boundary of the whole global batch
-        one_w, par_w = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(par / "model.safetensors"))
+        one_w, par_w = load_file(str(one / "model.safetensors")), load_file(str(par / "model.safetensors"))
         # (apart by the logits' round-off only; a mean of the ranks' own boundaries would fail this tolerance)
         torch.testing.assert_close(par_w["layers.1.threshold"], one_w["layers.1.threshold"], rtol=1e-3, atol=1e-9)
         assert one_w["layers.1.threshold"].item() != 0.0
         return
-    assert_close_weights(tmp_path / "one", par)
+    assert_close_weights(one, par)
     if family == "diffusion":
-        assert_close_weights(tmp_path / "one", par, "model_ema.safetensors")
+        assert_close_weights(one, par, "model_ema.safetensors")
         assert (par / "samples.png").is_file()
 
 
 # ------------------------------------------------------------------------------ unfreezing; resuming
 UNFREEZE = ["train.unfreeze=[2,4]"]  # the head (its weight tied to the embedding) alone, then a block at steps 2, 4
 KILLED = {"lora": ["adapter.method=lora"], "muon": ["optim.name=muon"]}  # FSDP2 runs SIGKILLed, then resumed
-
-
-def case(cfg: Path, out: Path, *over) -> list:
-    return [str(cfg), f"train.out_dir={out}", *over]
-
-
-def copy_step(src: Path, dst: Path, step: int = 3) -> dict:
-    name = f"checkpoints/step_{step:08d}"
-    return {"copy": [str(src / name), str(dst / name)]}
 
 
 def kill_after_a_checkpoint(p: subprocess.Popen, out: Path, log: Path):
