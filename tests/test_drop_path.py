@@ -83,6 +83,14 @@ def test_whole_batch_skipping():
     model = DropPath(P, "batch").eval()
     with torch.no_grad():
         assert torch.equal(model.residual(shortcut, branch, x), shortcut + full)
+    # generators seeded alike (as data-parallel ranks seed theirs) draw the same blocks, whatever the global RNG
+    a, b = DropPath(P, "batch"), DropPath(P, "batch")
+    a.generator, b.generator = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for seed, m in ((0, a), (1, b)):
+            torch.manual_seed(seed)
+            m.draws = [torch.equal(m.residual(shortcut, branch, x), shortcut) for _ in range(50)]
+    assert a.draws == b.draws and 0 < sum(a.draws) < 50
 
 
 @pytest.mark.parametrize("mode", ["skip", "batch"])
@@ -110,15 +118,6 @@ def test_resnet_modes_train_and_match_mask_in_eval(mode):
         assert (a - b).abs().max() <= 1e-5
     model.train()(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad) or mode == "batch"
-
-
-def test_whole_batch_skipping_is_refused_under_data_parallelism():
-    from train.config import load_run_config
-    from train.distributed import unsupported
-    base = {"family": "convnet", "model": {"arch": "resnet18", "drop_path_rate": 0.1}, "train": {"parallel": "ddp"}}
-    assert unsupported(load_run_config(None, [], base=base)) is None
-    cfg = load_run_config(None, ["model.drop_path_mode=batch"], base=base)
-    assert unsupported(cfg).startswith("model.drop_path_mode=batch does not combine with train.parallel=ddp")
 
 
 def test_bench_crossover_and_the_docs_table_from_its_json():

@@ -54,16 +54,15 @@ def launch_env() -> Launch:
 
 
 def unsupported(cfg) -> Optional[str]:
-    """A one-line reason why this config cannot run with train.parallel (the key named), or None."""
-    t, a = cfg.train, cfg.adapter
+    """A one-line reason why this config cannot run with train.parallel (the key named), or None: an
+    optimizer of the registry that does not run under the strategy (with the registry's reason)."""
+    t, name = cfg.train, cfg.optim.name
     optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
-    why = OPTIMIZERS[cfg.optim.name].why_not if cfg.optim.name in OPTIMIZERS else ""
-    checks = [(cfg.optim.name not in optimizers, f"optim.name={cfg.optim.name}",
-               f"{why + '; ' if why else ''}with it, use one of {', '.join(optimizers)}")]
-    for bad, key, why in checks:
-        if bad:
-            return f"{key} does not combine with train.parallel={t.parallel} ({why})"
-    return None
+    if name in optimizers:
+        return None
+    why = OPTIMIZERS[name].why_not if name in OPTIMIZERS else ""
+    return (f"optim.name={name} does not combine with train.parallel={t.parallel} "
+            f"({why + '; ' if why else ''}with it, use one of {', '.join(optimizers)})")
 
 
 class Parallel:

@@ -599,7 +599,7 @@ class ConvNetConfig:
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
     drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # ResNet: `mask` (dropped samples computed, then
-                                            # zeroed), `skip` (kept samples only), `batch` (whole batch; not under DDP)
+                                            # zeroed), `skip` (kept samples only), `batch` (whole batch)
     zero_init_last: bool = True             # the last BN gamma of each residual branch starts at 0 (not ConvNeXt,
                                             # whose layer scale starts at 1e-6)
     bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon (ConvNeXt's LayerNorms use 1e-6)
