@@ -171,6 +171,7 @@ def test_preset_is_its_architecture(preset):
     assert sum(p.numel() for p in hf.parameters()) == z.num_params()
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn"])
 def test_absorbed_latent_attention_decodes_as_the_expanded(tmp_path, case):
     """`mla.absorb`: on the cache (a prefill of 12, a chunk of 3, then single tokens) the logits equal the
