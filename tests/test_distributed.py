@@ -59,6 +59,9 @@ DIFFUSION = {"family": "diffusion",
                        "samples": True},
              "optim": {"lr": 1e-3, "warmup_steps": 1}}
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.balance=bias"]
+DEEPSEEK = MOE + ["model.moe.scoring=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=1", "model.moe.n_shared=1",
+                  "model.mla.kv_rank=16", "model.mla.q_rank=24", "model.mla.rope_dim=8", "model.mla.nope_dim=8",
+                  "model.mla.v_dim=16"]  # DeepSeek-V3's ideas: latent attention, group-limited sigmoid routing
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.cpu_only("two processes over gloo share the CPU; NCCL needs a GPU per process")]
@@ -359,8 +362,9 @@ RL = ["data.format=prompts", "data.path=synthetic", "data.synthetic_rows=40", "d
                                              ("float8", "fsdp"), ("rl", "ddp"), ("rl", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
-    and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
-    over the ranks for the bias balancing): the losses, the weights and the EMA of one process with
+    and on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
+    routing; expert weights sharded like any other; the router load summed over the ranks for the bias
+    balancing): the losses, the weights and the EMA of one process with
     the same global batch; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the
     decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
     logits); DDP on a 2:4-pruned LLM (train.prune: the masks taken on every rank's same weights and
@@ -369,7 +373,7 @@ def test_diffusion_moe_and_mod_match_one_process(configs, tmp_path, family, stra
     (each rank samples its own prompts of the global batch, a generator per row): the rewards, losses and
     weights. (The LLM and the ResNet: the tests above.)"""
     cfg = configs["diffusion" if family == "diffusion" else "llm"]
-    extra = {"diffusion": [], "moe": MOE + ["train.grad_accum=1"],
+    extra = {"diffusion": [], "moe": DEEPSEEK + ["train.grad_accum=1"],
              "mod": MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], "prune": ["train.prune=2:4"],
              "float8": ["train.float8=true", "train.float8_keep=[]"], "rl": RL}[family]
     one = launch(cfg, tmp_path / "one", "train.batch_size=8", *extra, nproc=0)
