@@ -34,11 +34,10 @@ METHODS = {"qwen3": "qlora", "smollm3": "dora", "olmo2": "lora", "phi3-window": 
 COMPILED = "deepseek-v3"
 RUNTIME = TrainConfig(chunked_loss=False)  # the final soft-cap needs the full logits
 LLAMA = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-DEFAULTS = {"phi3-window": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "gpt-oss": LLAMA - {"gate_proj", "up_proj",
-            "down_proj"}, "deepseek-v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
-                                          "up_proj", "down_proj"},
-            "deepseek-v3-no-q-rank-yarn": {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj"}}
+MLP = {"gate_proj", "up_proj", "down_proj"}
+LATENT = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} | MLP
+DEFAULTS = {"phi3-window": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "gpt-oss": LLAMA - MLP,
+            "deepseek-v3": LATENT | {"q_a_proj", "q_b_proj"}, "deepseek-v3-no-q-rank-yarn": LATENT | {"q_proj"}}
 # PEFT reads gate_proj / up_proj / down_proj of a DeepSeek-V3 as its routed experts' fused parameters (its
 # conversion from transformers 4's layout), so the dense layers' and shared experts' adapters would not load there
 ATTENTION_ONLY = ("deepseek-v3", "deepseek-v3-no-q-rank-yarn")
@@ -64,7 +63,7 @@ def test_adapters_step_peft_checkpointing_and_compile(tmp_path, case):
     targets = DEFAULTS.get(case, LLAMA)
     assert set(known_targets(z)) == targets  # the default: all the model has
     if case in ATTENTION_ONLY:
-        targets -= {"gate_proj", "up_proj", "down_proj"}
+        targets -= MLP
     cfg = AdapterConfig(method="lora" if method == "qlora" else method, r=4, alpha=8,
                         quantize_base="nf4" if method == "qlora" else "none",
                         **{"targets": sorted(targets)} if case in ATTENTION_ONLY else {})
