@@ -62,6 +62,9 @@ DIFFUSION = {"family": "diffusion",
                        "samples": True},
              "optim": {"lr": 1e-3, "warmup_steps": 1}}
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.balance=bias"]
+DEEPSEEK = MOE + ["model.moe.scoring=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=1", "model.moe.n_shared=1",
+                  "model.mla.kv_rank=16", "model.mla.q_rank=24", "model.mla.rope_dim=8", "model.mla.nope_dim=8",
+                  "model.mla.v_dim=16"]  # DeepSeek-V3's ideas: latent attention, group-limited sigmoid routing
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.cpu_only("two processes over gloo share the CPU; NCCL needs a GPU per process")]
@@ -292,7 +295,7 @@ PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own ove
                          "optim.name=adafactor", "optim.lr=1e-2"], BOTH, []),
     **{f"optim-{n}": ("llm", [f"optim.name={n}"], BOTH, []) for n in OPTIM_TOL},
     "diffusion": ("diffusion", [], ("fsdp",), []),
-    "moe": ("llm", MOE + ["train.grad_accum=1"], ("fsdp",), []),
+    "moe": ("llm", DEEPSEEK + ["train.grad_accum=1"], ("fsdp",), []),
     "mod": ("llm", MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], ("ddp",), []),
     "float8": ("llm", ["train.float8=true", "train.float8_keep=[]"], ("fsdp",), []),
     "rl": ("llm", RL, BOTH, []),
@@ -433,8 +436,9 @@ def test_optimizers_under_two_processes_match_one(parity, name):
                                              ("rl", "ddp"), ("rl", "fsdp"), ("resnet", "ddp")])
 def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
-    and on an MoE LLM's layers (expert weights sharded like any other; the router load summed
-    over the ranks for the bias balancing): the losses, the weights and the EMA of one process with
+    and on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
+    routing; expert weights sharded like any other; the router load summed over the ranks for the bias
+    balancing): the losses, the weights and the EMA of one process with
     the same global batch; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the
     decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
     logits); float8 (emulated) under FSDP2:

@@ -104,3 +104,39 @@ def test_smollm2_gguf_fine_tunes_on_its_tokenizer_and_template(tmp_path):
     vals = [r["val_loss"] for r in read_rows(out) if "val_loss" in r]
     assert vals[-1] < vals[0], vals
     assert "You are a helpful AI assistant named SmolLM" in ChatTemplate.from_pretrained(out).source  # the file's
+
+
+def test_gemma3_270m_gguf_lora_fine_tune_exports_to_a_transformers_folder(tmp_path):
+    """The real Gemma 3 270M Q4_K_M file (optional, the `weights` extra), fine-tuned as a user would:
+    `train/run.py configs/llm/tiny.yaml train.init_from=FILE.gguf adapter.method=lora data.path=TEXT`.
+    The validation loss falls, so does the loss on text the run never saw (the base's, adapters off,
+    against the adapted model's), and the run's hf/ export loads in transformers with the merged model's
+    logits (fp32; the logits span tens, hence 1e-3, as for the file itself in test_gguf_arch.py)."""
+    from test_gguf_arch import gemma3_270m
+    path = gemma3_270m()
+    import json.decoder
+    import json.encoder
+    from pathlib import Path
+    from zoo.adapters import adapters_disabled
+    text = tmp_path / "text.txt"
+    text.write_text(Path(json.decoder.__file__).read_text())
+    out = tmp_path / "run"
+    assert run_main(["configs/llm/tiny.yaml", f"train.init_from={path}", "adapter.method=lora", f"data.path={text}",
+                     "train.max_steps=3", "data.seq_len=48", "train.batch_size=2", "train.eval_every=1",
+                     "train.eval_batches=2", "train.checkpoint_every=0", "train.average_last=0", "train.precision=fp32",
+                     "train.samples=false", "train.plot=false", "train.progress=false", "optim.lr=2e-3",
+                     "adapter.export_merged=true", f"train.out_dir={out}"]) == 0
+    vals = [r["val_loss"] for r in read_rows(out) if "val_loss" in r]
+    assert vals[-1] < vals[0], vals
+
+    tuned = zoo.from_pretrained(out).eval()  # the adapter on the .gguf
+    tok = transformers.AutoTokenizer.from_pretrained(out / "hf")
+    x = torch.tensor([tok(Path(json.encoder.__file__).read_text()[:1500]).input_ids])  # held out
+    with torch.no_grad():
+        with adapters_disabled(tuned):
+            before = tuned(x[:, :-1], targets=x[:, 1:])[1].item()
+        after = tuned(x[:, :-1], targets=x[:, 1:])[1].item()
+    assert after < before, (before, after)
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    assert max_diff(ref, merged_model(tuned), x[:, :32]) <= 1e-3

@@ -10,6 +10,7 @@ KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / r
 partial_rotary_factor at the top level, torch_dtype); Zoo's export loads back in transformers as the same
 class with the same logits.
 """
+import copy
 import json
 
 import pytest
@@ -168,3 +169,25 @@ def test_preset_is_its_architecture(preset):
         hf = transformers.AutoModelForCausalLM.from_config(conf)
     assert type(hf).__name__ == arch
     assert sum(p.numel() for p in hf.parameters()) == z.num_params()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn"])
+def test_absorbed_latent_attention_decodes_as_the_expanded(tmp_path, case):
+    """`mla.absorb`: on the cache (a prefill of 12, a chunk of 3, then single tokens) the logits equal the
+    expanded attention's (1e-4, fp32) and 20 greedy tokens are the same."""
+    hf = hf_model(*CASES[case][:1], **CASES[case][1])
+    hf.save_pretrained(tmp_path)
+    z = zoo.from_pretrained(tmp_path)
+    cfg = copy.deepcopy(z.config)
+    cfg.mla.absorb = True
+    a = zoo.build(cfg).eval()
+    a.load_state_dict(z.state_dict())
+    assert all(b.attn.absorb for b in a.blocks()) and not any(b.attn.absorb for b in z.blocks())
+    x = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(4))
+    caches = [m.new_caches(2, 20) for m in (z, a)]
+    with torch.no_grad():
+        for start, end in [(0, 12), (12, 15)] + [(t, t + 1) for t in range(15, 20)]:
+            ref, out = (m(x[:, start:end], caches=c, start_pos=start) for m, c in zip((z, a), caches))
+            assert ref.abs().max() > 1.0 and (ref - out).abs().max() <= 1e-4, (start, (ref - out).abs().max())
+    assert torch.equal(z.generate(x[:1, :12], 20), a.generate(x[:1, :12], 20))

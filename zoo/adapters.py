@@ -37,7 +37,9 @@ class AdapterConfig:
                                             # `rslora`)
     dropout: float = bounded(0.0, ge=0, lt=1)  # dropout on the adapters' input, in [0, 1)
     targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # the projections to adapt, by their
-                                            # Hugging Face / PEFT names (a MoE layer: its shared expert's gate/up/down)
+                                            # Hugging Face / PEFT names (a MoE layer: its shared expert's gate/up/down);
+                                            # the default on an LLM: all it has (Phi-3: qkv_proj, gate_up_proj; latent
+                                            # attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj)
     rslora: bool = False                    # rank-stabilised scaling `alpha / sqrt(r)`
     quantize_base: Literal["none", "nf4"] = "none"  # `nf4`: the frozen linear weights stored in torchao's NF4
                                             # (QLoRA; `pip install -e '.[qlora]'`); not with `train.ema_decay`
@@ -60,30 +62,55 @@ class AdapterConfig:
 
 def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int, str]]]:
     """Zoo module name -> [(target name, rows, PEFT module name), ...] of the linear layers adapters
-    may wrap, parts in row order. For an LLM the PEFT names are the Hugging Face module names."""
+    may wrap, parts in row order. For an LLM the PEFT names are those of the Hugging Face class it
+    exports as (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek-V3's latent attention)."""
     if getattr(model, "family", None) == "llm":
-        cfg = model.config
-        d, D = cfg.d_model, cfg.resolved_head_dim
-        q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
+        cfg, arch = model.config, _hf_architecture(model)
         sites = {}
         for i, (wrapper, layer) in enumerate(zip(model.layers, model.blocks())):
             z, h = f"layers.{i}." + ("block." if layer is not wrapper else ""), f"model.layers.{i}."  # MoD: its block
-            sites[z + "attn.qkv"] = [(n, rows, h + f"self_attn.{n}") for n, rows in
-                                     (("q_proj", q), ("k_proj", kv), ("v_proj", kv))]
-            sites[z + "attn.proj"] = [("o_proj", d, h + "self_attn.o_proj")]
+            for m, n, rows in _attention_sites(cfg, arch):
+                sites.setdefault(z + "attn." + m, []).append((n, rows, h + "self_attn." + n))
             mlp = layer.mlp
             if hasattr(mlp, "router"):  # MoE: the shared expert only
                 if getattr(mlp, "shared", None) is not None:
+                    s = h + ("mlp.shared_experts." if arch == "DeepseekV3ForCausalLM" else "mlp.shared_expert.")
                     F = mlp.shared.hidden
-                    sites[z + "mlp.shared.gate_up"] = [(n, F, h + f"mlp.shared_expert.{n}") for n in ("gate_proj", "up_proj")]
-                    sites[z + "mlp.shared.down"] = [("down_proj", d, h + "mlp.shared_expert.down_proj")]
+                    sites[z + "mlp.shared.gate_up"] = [(n, F, s + n) for n in ("gate_proj", "up_proj")]
+                    sites[z + "mlp.shared.down"] = [("down_proj", cfg.d_model, s + "down_proj")]
                 continue
             F = mlp.hidden
-            sites[z + "mlp.gate_up"] = [(n, F, h + f"mlp.{n}") for n in ("gate_proj", "up_proj")]
-            sites[z + "mlp.down"] = [("down_proj", d, h + "mlp.down_proj")]
+            sites[z + "mlp.gate_up"] = [("gate_up_proj", 2 * F, h + "mlp.gate_up_proj")] if arch == "Phi3ForCausalLM" \
+                else [(n, F, h + f"mlp.{n}") for n in ("gate_proj", "up_proj")]
+            sites[z + "mlp.down"] = [("down_proj", cfg.d_model, h + "mlp.down_proj")]
         return sites
     return {name: [(name.rsplit(".", 1)[-1], m.out_features, name)] for name, m in model.named_modules()
             if isinstance(m, (nn.Linear, LoRALinear)) and (targets is None or name.rsplit(".", 1)[-1] in targets)}
+
+
+def _hf_architecture(model: nn.Module) -> Optional[str]:
+    """The Hugging Face class an LLM exports as (None where none holds it, e.g. Mixture-of-Depths)."""
+    from .weights.hf_llm import architecture_for
+    try:
+        return architecture_for(model.config, getattr(model, "hf_architecture", None))
+    except ValueError:
+        return None
+
+
+def _attention_sites(cfg, arch: Optional[str]) -> list[tuple[str, str, int]]:
+    """[(Zoo module under attn., PEFT name, rows), ...] of one attention layer, a fused module's parts
+    in row order."""
+    if cfg.mla:
+        a, H = cfg.mla, cfg.n_heads
+        q = [("q_a", "q_a_proj", a.q_rank), ("q_b", "q_b_proj", H * (a.nope_dim + a.rope_dim))] if a.q_rank else \
+            [("q_b", "q_proj", H * (a.nope_dim + a.rope_dim))]
+        return q + [("kv_a", "kv_a_proj_with_mqa", a.kv_rank + a.rope_dim),
+                    ("kv_b", "kv_b_proj", H * (a.nope_dim + a.v_dim)), ("proj", "o_proj", cfg.d_model)]
+    D = cfg.resolved_head_dim
+    q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
+    qkv = [("qkv", "qkv_proj", q + 2 * kv)] if arch == "Phi3ForCausalLM" else \
+        [("qkv", "q_proj", q), ("qkv", "k_proj", kv), ("qkv", "v_proj", kv)]
+    return qkv + [("proj", "o_proj", cfg.d_model)]
 
 
 def known_targets(model: nn.Module) -> list[str]:
@@ -104,12 +131,14 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
     model.requires_grad_(False)
     if cfg.method in ("lora", "dora"):
         known = known_targets(model)
-        unknown = [t for t in cfg.targets if t not in known]
+        llm_default = getattr(model, "family", None) == "llm" and list(cfg.targets) == list(LLM_TARGETS)
+        targets = known if llm_default else cfg.targets
+        unknown = [t for t in targets if t not in known]
         if unknown:
             raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
                               f"(known: {', '.join(known) or 'none'})")
         for name, parts in lora_sites(model).items():
-            adapted = [n for n, _, _ in parts if n in cfg.targets]
+            adapted = [n for n, _, _ in parts if n in targets]
             if not adapted:
                 continue
             base = model.get_submodule(name)

@@ -374,6 +374,9 @@ class MLAConfig:
     rope_dim: int = bounded(64, gt=0)       # per-head channels with RoPE (the key part shared by all heads)
     nope_dim: int = bounded(128, gt=0)      # per-head query/key channels without RoPE
     v_dim: int = bounded(128, gt=0)         # per-head value width
+    absorb: bool = False                    # decoding on the cache: kv_b folded into the query and the output, the
+                                            # attention over the latents themselves (the same numbers; less work when
+                                            # kv_rank is small against heads x head widths)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
     if s is not None and s.type == "yarn" and s.mscale_all_dim and s.factor > 1:
         scale *= (0.1 * s.mscale_all_dim * math.log(s.factor) + 1) ** 2
     return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
-                                    cfg.norm_eps, scale)
+                                    cfg.norm_eps, scale, m.absorb)
 
 
 class Block(nn.Module):

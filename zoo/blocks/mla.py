@@ -6,6 +6,10 @@ values from one latent c (kv_rank wide, RMS-normalised) expanded per head by kv_
 and the value; a RoPE key part (rope_dim) shared by all heads comes straight from x. The cache holds only
 c and the rotated shared key: kv_rank + rope_dim numbers per token instead of 2 * H * D.
 Scores (q_nope . k_nope + q_rope . k_rope) * scale; RoPE in the rotate-half layout (rope.py).
+With `absorb`, the steps on a cache fold kv_b into the attention instead (DeepSeek-V2's section 2.1.3): the
+query's no-RoPE part times each head's key matrix W_UK becomes a query in the latent space, the attention
+runs on the cached latents themselves, and each head's value matrix W_UV maps its output back; the same
+numbers, without expanding every cached position into per-head keys and values.
 
 Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len,
 kv_rank + rope_dim).
@@ -43,9 +47,11 @@ class LatentKVCache(nn.Module):
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, kv_rank: int, rope_dim: int, nope_dim: int, v_dim: int,
-                 q_rank: Optional[int] = None, norm_eps: float = 1e-6, scale: Optional[float] = None):
+                 q_rank: Optional[int] = None, norm_eps: float = 1e-6, scale: Optional[float] = None,
+                 absorb: bool = False):
         super().__init__()
         self.n_heads, self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = n_heads, kv_rank, rope_dim, nope_dim, v_dim
+        self.absorb = absorb  # with a cache: attend over the latents, kv_b folded into q and the output
         self.scale = scale if scale is not None else (nope_dim + rope_dim) ** -0.5
         qk = n_heads * (nope_dim + rope_dim)
         self.q_a = nn.Linear(dim, q_rank, bias=False) if q_rank else None
@@ -70,12 +76,25 @@ class MultiHeadLatentAttention(nn.Module):
         latent = torch.cat([self.kv_norm(c), k_rope], dim=-1)  # what the cache keeps
         if cache is not None:
             latent = cache.update(latent, start_pos)
-        c, k_rope = latent.split([self.kv_rank, R], dim=-1)
         Tk = latent.shape[1]
+        mask = None if T in (1, Tk) else torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
+        if cache is not None and self.absorb:
+            return self.proj(self._absorbed(q[..., :self.nope_dim], q_rope, latent, mask).reshape(B, T, H * self.v_dim))
+        c, k_rope = latent.split([self.kv_rank, R], dim=-1)
         k_nope, v = self.kv_b(c).view(B, Tk, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat([q[..., :self.nope_dim], q_rope], dim=-1).transpose(1, 2)  # (B, H, T, Dqk)
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, Tk, H, R)], dim=-1).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, is_causal=T == Tk,
-                                           attn_mask=None if T in (1, Tk) else
-                                           torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T))
+        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, is_causal=T == Tk, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
+
+    def _absorbed(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
+        """Attention in the latent space: q_nope (B, T, H, nope), q_rope (B, T, H, rope), latent
+        (B, Tk, kv_rank + rope) -> (B, T, H, v_dim). The latent serves as every head's key, its first
+        kv_rank channels as the value."""
+        B, T, H, _ = q_nope.shape
+        w = self.kv_b.weight.view(H, self.nope_dim + self.v_dim, self.kv_rank)
+        q = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w[:, :self.nope_dim]), q_rope], dim=-1).transpose(1, 2)
+        k = latent[:, None].expand(B, H, *latent.shape[1:])
+        y = F.scaled_dot_product_attention(q, k, k[..., :self.kv_rank], scale=self.scale,
+                                           is_causal=T == latent.shape[1], attn_mask=mask)  # (B, H, T, kv_rank)
+        return torch.einsum("bhtc,hvc->bthv", y, w[:, self.nope_dim:])

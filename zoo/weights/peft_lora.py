@@ -93,17 +93,34 @@ def peft_names(model) -> dict[tuple[str, str], str]:
     return out
 
 
-def adapter_state(model) -> dict[str, torch.Tensor]:
-    """The adapters of `model` under PEFT's key names."""
+def adapter_state(model, to_file: bool = False) -> dict[str, torch.Tensor]:
+    """The adapters of `model` under PEFT's key names: Zoo's own tensors, or with `to_file` as the file
+    holds them (the rows of latent attention's RoPE keys and queries in DeepSeek's interleaved order)."""
+    return {k: rope_rows(model, name, t, to_file) if to_file else t for k, (name, t) in _adapter_tensors(model).items()}
+
+
+def _adapter_tensors(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """PEFT key -> (Zoo module name where the tensor runs over the module's output rows, else '';
+    Zoo's tensor)."""
     mods = adapter_modules(model)
     state = {}
     for (name, part), hf in peft_names(model).items():
         m: LoRALinear = mods[name]
-        state[f"{PREFIX}{hf}.lora_A.weight"] = m.lora_A[part]
-        state[f"{PREFIX}{hf}.lora_B.weight"] = m.lora_B[part]
+        state[f"{PREFIX}{hf}.lora_A.weight"] = "", m.lora_A[part]
+        state[f"{PREFIX}{hf}.lora_B.weight"] = name, m.lora_B[part]
         if m.dora:
-            state[f"{PREFIX}{hf}.lora_magnitude_vector"] = m.magnitude[part]
+            state[f"{PREFIX}{hf}.lora_magnitude_vector"] = name, m.magnitude[part]
     return state
+
+
+def rope_rows(model, name: str, t: torch.Tensor, to_file: bool) -> torch.Tensor:
+    """t (rows of Zoo's module `name`, ...) with the rows of latent attention's RoPE parts reordered
+    between Zoo's halves and the file's interleaved pairs (hf_llm.interleaved_rope); else t itself."""
+    if not (getattr(getattr(model, "config", None), "mla", None) and name.endswith(("attn.q_b", "attn.kv_a"))):
+        return t
+    from .hf_llm import interleaved_rope
+    key = name + ".weight"
+    return interleaved_rope({key: t.detach().reshape(t.shape[0], -1)}, model.config, to_file)[key].view(t.shape)
 
 
 @torch.no_grad()
@@ -119,8 +136,8 @@ def load_adapter_weights(model, path: Path):
         parts = [f"{what}: {', '.join(names[:4])}" + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
                  for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
         raise ValueError(f"{path}: does not match adapter_config.json and the base model: " + "; ".join(parts))
-    for k, t in want.items():
-        t.copy_(found[k])
+    for k, (name, t) in _adapter_tensors(model).items():
+        t.copy_(rope_rows(model, name, found[k], to_file=False))
 
 
 def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
@@ -133,7 +150,8 @@ def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.
         raise ValueError("save_adapter: unmerge the adapters first")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous().clone() for k, v in adapter_state(model).items()}
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous().clone()
+             for k, v in adapter_state(model, to_file=True).items()}
     save_safetensors(state, out / WEIGHTS)
     targets = sorted({part for _, part in peft_names(model)})
     hf = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if getattr(model, "family", None) == "llm" else None,
