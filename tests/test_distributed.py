@@ -1,9 +1,8 @@
 """Data-parallel training under torchrun (gloo, CPU, 2 processes): DDP and FSDP2 match one
 process with the same global batch (the LLM under both, the ResNet with SyncBatchNorm under DDP,
 the diffusion denoiser, an MoE LLM and fp16 under FSDP2, gradual unfreezing and whole-batch stochastic
-depth under both), and sharded (DCP)
-checkpoints that survive SIGKILL and SIGTERM of the torchrun job and resume on another world size (and
-one-process checkpoints that resume on 2 processes).
+depth under both), and sharded (DCP) checkpoints that survive SIGKILL and SIGTERM of the torchrun job
+and resume on another world size (and one-process checkpoints that resume on 2 processes).
 
 Every multi-process run is `python -m torch.distributed.run --standalone --nproc-per-node 2
 train/run.py ...` as a subprocess on tiny models in fp32 (unless a case says), one thread per process. Parity is
