@@ -59,7 +59,7 @@ def worker(args, strategy: str) -> dict:
         grads = []
         optimizer.register_step_pre_hook(lambda opt, a, k: grads.append(
             sum(_local_bytes(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
         params = [p for p in model.parameters() if p.requires_grad]
         B = batch // par.world
 
@@ -172,8 +172,6 @@ def main(argv=None) -> int:
         return 0
     if args.batch % args.nproc:
         p.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
-    if "fp16" in args.precision:
-        p.error("--precision fp16: FSDP2 does not run with fp16's GradScaler here (train.parallel); use fp32 or bf16")
     got = {}
     for tune in args.tune:
         args.worker_tune = tune
