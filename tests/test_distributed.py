@@ -1,6 +1,6 @@
 """Data-parallel training under torchrun (gloo, CPU, 2 processes): DDP and FSDP2 match one
 process with the same global batch (the LLM under both, the ResNet with SyncBatchNorm under DDP,
-the diffusion denoiser, an MoE LLM and fp16 under FSDP2, gradual unfreezing and whole-batch stochastic
+the diffusion denoiser and an MoE LLM under FSDP2, fp16, gradual unfreezing and whole-batch stochastic
 depth under both), and sharded (DCP) checkpoints that survive SIGKILL and SIGTERM of the torchrun job
 and resume on another world size (and one-process checkpoints that resume on 2 processes).
 
@@ -304,7 +304,7 @@ PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own ove
     # away, relative, so parity fails
     "resnet": ("resnet", [], ("ddp",), ["train.sync_bn=true"]),
     # a loss scale that overflows the fp16 gradients of the first steps, which are skipped, then trains
-    "fp16": ("llm", ["train.precision=fp16", f"train.loss_scale={FP16_SCALE}", "optim.eps=1e-5"], ("fsdp",), []),
+    "fp16": ("llm", ["train.precision=fp16", f"train.loss_scale={FP16_SCALE}", "optim.eps=1e-5"], BOTH, []),
     # train.seed=1: the second block is dropped in some steps and kept in others
     "drop_path": ("resnet", ["model.drop_path_rate=0.5", "model.drop_path_mode=batch", "train.seed=1"], BOTH,
                   ["train.sync_bn=true"]),
@@ -481,23 +481,25 @@ def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
         assert (par / "samples.png").is_file()
 
 
-def test_fp16_under_fsdp_and_whole_batch_drop_path_under_both_match_one_process(parity):
-    """fp16 under FSDP2: the GradScaler's inf/nan check of the sharded (DTensor) gradients is all-reduced
-    over the ranks (by DTensor), so the steps whose gradients overflow are skipped on every rank, those one
-    process skips, with the same loss scales; the losses within 1e-6 relative (measured 1.9e-7) and the
-    weights within 1e-3 absolute (measured 1.3e-4): fp16 gradients carry a relative round-off of 2^-11,
-    which Adam's lr * g / (|g| + eps) passes on to weights whose gradients are near eps (with the default
-    eps, DDP in fp16 is 1.8e-3 away, as is FSDP2). model.drop_path_mode=batch (a ResNet with sync_bn)
-    under DDP (find_unused_parameters) and FSDP2: each micro-batch's draws come from a generator every
-    rank seeds alike, so the ranks drop the blocks one process drops: the losses and weights."""
-    one, par = parity / "fp16" / "one", parity / "fp16" / "fsdp"
-    scales = [[r["loss_scale"] for r in read_rows(d) if "loss" in r] for d in (one, par)]
-    assert scales[0] == scales[1] and len(scales[0]) == 6, scales
-    assert scales[0][0] < FP16_SCALE and scales[0][-1] == scales[0][-2]  # overflows first, then steps applied
-    ca, cb = dict(curve(one)), dict(curve(par))
-    assert all(cb[s] == pytest.approx(ca[s], rel=1e-6) for s in ca), (ca, cb)
-    assert ca[6] < ca[1]
-    assert_close_weights(one, par, atol=1e-3)
+def test_fp16_and_whole_batch_drop_path_match_one_process(parity):
+    """fp16 under DDP and FSDP2 (there the GradScaler's inf/nan check of the sharded DTensor gradients is
+    all-reduced over the ranks by DTensor): the steps whose gradients overflow are skipped on every rank,
+    those one process skips, with the same loss scales; the losses within 1e-5 relative (measured 1.4e-6
+    DDP, 9.5e-8 FSDP2) and the weights within 1e-3 absolute (measured 1.3e-4 both): fp16 gradients carry
+    a relative round-off of 2^-11, which Adam's lr * g / (|g| + eps) passes on to weights whose gradients
+    are near eps (with the default eps both are 1.8e-3 away). model.drop_path_mode=batch (a ResNet with
+    sync_bn) under DDP (find_unused_parameters) and FSDP2: each micro-batch's draws come from a generator
+    every rank seeds alike, so the ranks drop the blocks one process drops: the losses and weights
+    (measured 1.0e-7 and 6e-7)."""
+    one = parity / "fp16" / "one"
+    for s in BOTH:
+        par = parity / "fp16" / s
+        scales = [[r["loss_scale"] for r in read_rows(d) if "loss" in r] for d in (one, par)]
+        assert scales[0] == scales[1] and len(scales[0]) == 6, scales
+        assert scales[0][0] < FP16_SCALE and scales[0][-1] == scales[0][-2]  # overflows first, then steps applied
+        ca, cb = dict(curve(one)), dict(curve(par))
+        assert all(cb[i] == pytest.approx(ca[i], rel=RTOL) for i in ca) and ca[6] < ca[1], (ca, cb)
+        assert_close_weights(one, par, atol=1e-3)
     one = parity / "drop_path" / "one"
     for s in BOTH:
         assert_same_losses(one, parity / "drop_path" / s)

@@ -72,7 +72,7 @@ PARALLEL_TESTS = {"parity": "test_two_processes_match_one_with_the_same_global_b
                   "compress": "test_distill_qat_prune_and_adafactor_under_two_processes_match_one",
                   "lr_find": "test_lr_find_under_torchrun_matches_one_process",
                   "torchrun": "test_unfreezing_and_resuming_under_torchrun",
-                  "fp16_drop": "test_fp16_under_fsdp_and_whole_batch_drop_path_under_both_match_one_process"}
+                  "fp16_drop": "test_fp16_and_whole_batch_drop_path_match_one_process"}
 PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
     ("full (AdamW)", [], "parity[ddp]", "parity[fsdp]", "kill, reshard, torchrun (1 -> 2 processes)"),
     ("LoRA", ["adapter.method=lora"], "adapters[lora]", "adapters[lora]", "adapters[lora], torchrun (SIGKILL)"),
@@ -95,7 +95,7 @@ PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
     ("train.prune", ["train.prune=2:4"], "compress", "compress", ""),
     ("train.lr_find", ["train.lr_find=true"], "", "lr_find", "n/a (no checkpoints)"),
     ("train.batch_size: auto", ["train.batch_size=auto", "train.global_batch=16"], "parity[ddp]", "", ""),
-    ("train.precision=fp16", ["train.precision=fp16"], "", "fp16_drop", ""),
+    ("train.precision=fp16", ["train.precision=fp16"], "fp16_drop", "fp16_drop", ""),
     ("model.drop_path_mode=batch (ResNet)", ["family=convnet", "model.arch=resnet18", "model.drop_path_rate=0.1",
                                             "model.drop_path_mode=batch"], "fp16_drop", "fp16_drop", ""),
 ]
