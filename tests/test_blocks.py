@@ -212,7 +212,7 @@ def _naive_attention(q, k, v, window=None):
 ])
 def test_every_backend_equals_reference(H, KV, Tq, Tk, window, monkeypatch):
     """Every backend: 'math', 'sdpa' (torch's kernel), 'bmm' (the batched-matmul blocks) and
-    'auto' on both sides of its CPU length limit."""
+    'auto'."""
     import zoo.blocks.attention as A
     q, k, v = _qkv(H=H, KV=KV, Tq=Tq, Tk=Tk)
     ref = _naive_attention(q, k, v, window)
@@ -221,13 +221,11 @@ def test_every_backend_equals_reference(H, KV, Tq, Tk, window, monkeypatch):
         assert (A.attend_bmm(q, k, v, window, block=block) - ref).abs().max() <= TOL, block
     for backend in ("math", "sdpa", "bmm", "auto"):
         assert (attend(q, k, v, backend, window) - ref).abs().max() <= TOL, backend
-    monkeypatch.setattr(A, "CPU_BMM_MAX_LEN", 0)
-    assert (attend(q, k, v, "auto", window) - ref).abs().max() <= TOL
 
 
 def test_each_backend_name_runs_exactly_its_implementation(monkeypatch):
     """'sdpa' calls torch's scaled_dot_product_attention at any length, 'bmm' never does; 'auto'
-    picks bmm on a CPU up to the limit and sdpa beyond it, and says so through resolve_backend."""
+    picks sdpa on a CPU eagerly, bmm under torch.compile up to its limit, and says so through resolve_backend."""
     import zoo.blocks.attention as A
     calls = []
     real = A.F.scaled_dot_product_attention
@@ -236,16 +234,13 @@ def test_each_backend_name_runs_exactly_its_implementation(monkeypatch):
     attend(q, k, v, "sdpa")
     assert calls == [1]
     attend(q, k, v, "bmm")
-    attend(q, k, v, "auto")  # 8 keys <= CPU_BMM_MAX_LEN: bmm
     assert calls == [1]
-    assert A.resolve_backend("auto", CPU, torch.float32, 8) == "bmm"
-    assert A.resolve_backend("auto", CPU, torch.float32, A.CPU_BMM_MAX_LEN + 1) == "sdpa"
-    assert A.resolve_backend("auto", CPU, torch.float32, A.CPU_BMM_MAX_LEN + 1, compiling=True) \
-        == "bmm"
-    assert A.resolve_backend("sdpa", CPU, torch.float32, 8) == "sdpa"
-    monkeypatch.setattr(A, "CPU_BMM_MAX_LEN", 4)
-    attend(q, k, v, "auto")
+    attend(q, k, v, "auto")  # eager on a CPU: sdpa
     assert calls == [1, 1]
+    assert A.resolve_backend("auto", CPU, torch.float32, 8) == "sdpa"
+    assert A.resolve_backend("auto", CPU, torch.float32, 8, compiling=True) == "bmm"
+    assert A.resolve_backend("auto", CPU, torch.float32, A.CPU_BMM_MAX_LEN_COMPILED + 1, compiling=True) == "sdpa"
+    assert A.resolve_backend("sdpa", CPU, torch.float32, 8) == "sdpa"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -146,7 +146,7 @@ def test_auto_picks_the_document_backend_measured_fastest():
     assert D.resolve_backend("auto", cpu, torch.float32) == "sdpa"
     assert D.resolve_backend("auto", cpu, torch.float32, compiling=True) == "sdpa"
     assert D.resolve_backend("auto", cuda, torch.float32, compiling=True) == "flex"
-    assert A.resolve_backend("auto", cpu, torch.float32, 128) == "bmm"  # plain causal: unchanged
+    assert A.resolve_backend("auto", cpu, torch.float32, 128, compiling=True) == "bmm"  # plain causal: unchanged
 
 
 def test_kv_cache_decoding_refuses_doc_ids():

@@ -158,7 +158,7 @@ print(plain, kept, released)
 def test_lm_task_names_the_attention_it_runs(tmp_path, text_corpus):
     from train.tasks.lm import LMTask
     logs = []
-    for backend, expected in (("auto", "attention: bmm (auto, for 64 keys)"), ("sdpa", "attention: sdpa")):
+    for backend, expected in (("auto", "attention: sdpa (auto, for 64 keys)"), ("bmm", "attention: bmm")):
         cfg = load_run_config(None, [f"data.path={text_corpus}", f"train.attn_backend={backend}",
                                      f"train.out_dir={tmp_path}"], base=TINY)
         task = LMTask(cfg, TEST_DEVICE, logs.append)

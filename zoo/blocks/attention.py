@@ -14,7 +14,7 @@ denominator (GPT-OSS; Xiao et al., "Efficient Streaming Language Models with Att
 the last two run the 'math' path. A tensor `start_pos` is a decoding step of fixed shapes (CUDA graphs):
 the cache written in place there, every slot attended, those past it masked. `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
 attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16),
-'bmm' on a CPU for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
+'bmm' on a CPU under torch.compile for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
 (T, D) from rope.py, or (B, T, D) when each row has positions of its own.
@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .attention_cpu import CPU_BMM_MAX_LEN, CPU_BMM_MAX_LEN_COMPILED, attend_bmm
+    from .attention_cpu import CPU_BMM_MAX_LEN_COMPILED, attend_bmm
     from .norm import RMSNorm
     from .rope import apply_rope
 except ImportError:  # copied next to rope.py, norm.py and attention_cpu.py, outside the zoo package
-    from attention_cpu import CPU_BMM_MAX_LEN, CPU_BMM_MAX_LEN_COMPILED, attend_bmm
+    from attention_cpu import CPU_BMM_MAX_LEN_COMPILED, attend_bmm
     from norm import RMSNorm
     from rope import apply_rope
 
@@ -126,7 +126,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_le
         return backend
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None:
         return "flash"
-    if device.type == "cpu" and k_len <= (CPU_BMM_MAX_LEN_COMPILED if compiling else CPU_BMM_MAX_LEN):
+    if device.type == "cpu" and compiling and k_len <= CPU_BMM_MAX_LEN_COMPILED:
         return "bmm"
     return "sdpa"
 
@@ -227,9 +227,9 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
-        if self.qk_norm == "head":
-            q, k = qk.split([H, KV], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        if self.qk_norm == "head":  # one RMSNorm over every q and k head, then each side's weight
+            w = torch.cat([self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(KV, D)]).to(qk.dtype)
+            qk = F.rms_norm(qk, (D,), None, self.q_norm.eps) * w
         elif self.qk_norm == "proj":
             q, k = qk.flatten(2).split([H * D, KV * D], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2).view(B, T, H + KV, D)

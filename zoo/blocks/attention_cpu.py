@@ -3,7 +3,8 @@ blocks that skip the keys they cannot see, with a hand-written backward.
 
 Plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward uses
 FlashAttention's dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). attention.py's
-'auto' picks it ('bmm') for at most CPU_BMM_MAX_LEN keys, where it beats torch's flash kernel.
+'auto' picks it ('bmm') under torch.compile, which fuses its softmax; eagerly torch's flash kernel is as
+fast on one thread and several times faster on a busy CPU (fewer kernels, each a parallel region).
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
 positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk)
@@ -25,8 +26,7 @@ def _causal_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch
     return mask
 
 
-CPU_BMM_MAX_LEN = 512             # eager: the longest key length for `attend_bmm` on a CPU
-CPU_BMM_MAX_LEN_COMPILED = 1024   # the same under torch.compile, which fuses the softmax
+CPU_BMM_MAX_LEN_COMPILED = 1024   # under torch.compile: the longest key length 'auto' runs `attend_bmm` for
 
 
 def bmm_block_size(tq: int) -> int:
