@@ -94,7 +94,8 @@ class RLConfig:
                                             # `soft` (DAPO's penalty over the last `overlong_buffer` tokens)
     overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: a quarter of
                                             # max_new_tokens
-    compile: bool = False                   # decode through torch.compile (LLM.generate(compile=True))
+    compile: bool = False                   # decode through torch.compile: the step of fixed shapes
+                                            # (LLM.generate(compile="reduce-overhead")); FSDP2: compile=True
 
 
 def advantages(rewards: torch.Tensor, algorithm: str, eps: float = 1e-4) -> torch.Tensor:
@@ -238,7 +239,7 @@ class RLTask(DPOTask):
             prompt, comp, texts, cut = complete(model, self.data.tokenizer, self.chat_template,
                                                 [r["prompt"] for r in rows], rl.max_new_tokens, rl.temperature,
                                                 rl.top_p, gens, self.cfg.data.seq_len,
-                                                stop_early=self.cfg.train.parallel != "fsdp", compile=rl.compile)
+                                                stop_early=self.cfg.train.parallel != "fsdp", compile=self._compile())
         seconds = time.perf_counter() - t0
         answers = [r["answer"] for r in rows]
         values = score(self.rewards, texts, answers, [r["prompt"] for r in rows])
@@ -248,6 +249,13 @@ class RLTask(DPOTask):
             total = [t + overlong_penalty(len(c), rl.max_new_tokens, buf) for t, c in zip(total, comp)]
         return {"prompt": prompt, "comp": comp, "cut": cut, "values": values, "total": total,
                 "seconds": seconds, "tokens": sum(map(len, comp))}
+
+    def _compile(self):
+        """generate's `compile` for rl.compile: the decoding step of fixed shapes (one CUDA graph replayed
+        on a GPU), but under FSDP2, whose gathered weights change between steps: the compiled step."""
+        if not self.cfg.rl.compile:
+            return False
+        return True if self.cfg.train.parallel == "fsdp" else "reduce-overhead"
 
     @torch.no_grad()
     def rollouts(self, model, key: int) -> dict:
