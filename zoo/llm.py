@@ -512,12 +512,13 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[
     pick = inverse_cdf(probs, uniforms(generator, rows, probs.device))
     if top_p is None or top_p >= 1.0:
         return pick
-    for attempt in range(tries):
-        mass_above = torch.where(probs > probs.gather(1, pick[:, None]), probs, 0.0).sum(-1)
-        redraw = rows[mass_above >= top_p]
+    redraw, p = rows, probs
+    for attempt in range(tries):  # the rows just drawn: is their token outside the nucleus?
+        outside = torch.where(p > p.gather(1, pick[redraw, None]), p, 0.0).sum(-1) >= top_p
+        redraw, p = redraw[outside], p[outside]
         if len(redraw) == 0:
             return pick
-        inside = probs[redraw] if attempt + 1 < tries else probs[redraw].masked_fill(~nucleus(probs[redraw], top_p), 0)
+        inside = p if attempt + 1 < tries else p.masked_fill(~nucleus(p, top_p), 0.0)
         pick[redraw] = inverse_cdf(inside, uniforms(generator, redraw, probs.device))
     return pick
 
