@@ -374,7 +374,8 @@ class LLM(nn.Module):
                 break
             if i + 1 < max_new_tokens:  # static: tensors of fixed addresses whose values move
                 pos, slot = (pos.add_(1), slot.add_(1)) if static else (pos + 1, T + i)
-                logits = step(self, nxt[:, None], caches, slot, position_ids=pos, **one)
+                rows = {"position_ids": pos, **one} if static or padded else {}  # else: positions = slots
+                logits = step(self, nxt[:, None], caches, slot, **rows)
         self.train(was_training)
         return torch.cat([input_ids, out], dim=1)
 
