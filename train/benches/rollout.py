@@ -167,7 +167,7 @@ def memory(args) -> dict:
                        "rl": {"group_size": args.group, "prompts_per_step": args.prompts, "max_new_tokens": 16,
                               "kl_beta": beta},
                        "train": {"init_from": str(init), "max_steps": args.steps, "batch_size": args.group * args.prompts,
-                                 "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": "fp32",
+                                 "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": args.precision,
                                  "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
                                  "out_dir": str(Path(tmp) / f"{method}-{beta}"), "progress": False,
@@ -192,7 +192,7 @@ def memory(args) -> dict:
     return harness.table(["fine-tuning", "kl_beta", "step peak RSS MiB", "the reference's cost: MiB (x the weights)"],
                          rows, f"GRPO in the loop, the largest resident set during each of {args.steps} optimizer steps "
                          f"(rollouts, reference log-probs, backward, update; the interpreter and torch included) of "
-                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, fp32, a fresh process "
+                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, a fresh process "
                          f"each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}: "
                          f"{n / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; LoRA r 16")
 
@@ -217,7 +217,7 @@ def main(argv=None, preset: str = "rollout"):
         harness.save(args, {"": quality(args)}, {})
         return 0
     if preset == "rl-memory":
-        p = harness.parser(preset, __doc__, precision=None, rounds=False)
+        p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
         harness.llm_args(p, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab=8192)
         p.add_argument("--prompts", type=harness.positive_int, default=2, help="prompts per step")
         p.add_argument("--group", type=harness.positive_int, default=4, help="completions per prompt")
