@@ -14,6 +14,7 @@ nucleus sampling redraws the rare token outside the nucleus instead of sorting t
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -170,31 +171,37 @@ def memory(args) -> dict:
                                  "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": args.precision,
                                  "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
-                                 "out_dir": str(Path(tmp) / f"{method}-{beta}"), "progress": False,
+                                 "progress": False,
                                  "samples": False, "plot": False, "export": False},
                        "optim": {"lr": 1e-4}}
                 if method == "lora":
                     cfg["adapter"] = {"method": "lora", "r": 16}
-                path = Path(tmp) / f"{method}-{beta}.yaml"
-                path.write_text(json.dumps(cfg))  # JSON is YAML
                 env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-                out = subprocess.run([sys.executable, "-c", STEP_PEAKS, str(path)], cwd=ROOT, env=env, check=True,
-                                     capture_output=True, text=True)
-                peaks[method, beta] = max(json.loads(out.stdout.strip().splitlines()[-1]))
-                print(f"  {method}, kl_beta {beta}: step peak {harness.gib(peaks[method, beta])} GiB", flush=True)
+                peaks[method, beta] = []
+                for r in range(args.repeat):  # a run of its own each (a finished run's folder would resume)
+                    cfg["train"]["out_dir"] = str(Path(tmp) / f"{method}-{beta}-{r}")
+                    path = Path(tmp) / f"{method}-{beta}-{r}.yaml"
+                    path.write_text(json.dumps(cfg))  # JSON is YAML
+                    out = subprocess.run([sys.executable, "-c", STEP_PEAKS, str(path)], cwd=ROOT, env=env, check=True,
+                                         capture_output=True, text=True)
+                    peaks[method, beta].append(max(json.loads(out.stdout.strip().splitlines()[-1])))
+                    print(f"  {method}, kl_beta {beta}: step peak {harness.gib(peaks[method, beta][-1])} GiB", flush=True)
     mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    median = {k: statistics.median(v) for k, v in peaks.items()}
     for method in ("full", "lora"):
         for beta in (0.0, 0.05):
-            extra = peaks[method, beta] - peaks[method, 0.0]
-            rows.append([method, beta, mib(peaks[method, beta]),
+            extra = median[method, beta] - median[method, 0.0]
+            v = peaks[method, beta]
+            rows.append([method, beta, f"{mib(median[method, beta])} ({mib(min(v))}-{mib(max(v))})",
                          "-" if beta == 0 else f"{mib(extra)} ({extra / weights:.2f}x)"])
     n = sum(p.numel() for p in base.parameters())
-    return harness.table(["fine-tuning", "kl_beta", "step peak RSS MiB", "the reference's cost: MiB (x the weights)"],
-                         rows, f"GRPO in the loop, the largest resident set during each of {args.steps} optimizer steps "
+    return harness.table(["fine-tuning", "kl_beta", "step peak RSS MiB: median (range)",
+                          "the reference's cost: MiB (x the weights), of the medians"],
+                         rows, f"GRPO in the loop, the largest resident set during {args.steps} optimizer steps "
                          f"(rollouts, reference log-probs, backward, update; the interpreter and torch included) of "
                          f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, a fresh process "
                          f"each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}: "
-                         f"{n / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; LoRA r 16")
+                         f"{n / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; LoRA r 16; {args.repeat} runs each")
 
 
 def relative(path) -> str:
@@ -222,6 +229,7 @@ def main(argv=None, preset: str = "rollout"):
         p.add_argument("--prompts", type=harness.positive_int, default=2, help="prompts per step")
         p.add_argument("--group", type=harness.positive_int, default=4, help="completions per prompt")
         p.add_argument("--steps", type=harness.positive_int, default=2, help="optimizer steps per run")
+        p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
         args = p.parse_args(argv)
         harness.save(args, {"": memory(args)}, {})
         return 0
