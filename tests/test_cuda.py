@@ -18,6 +18,7 @@ from zoo.blocks import attention as A
 
 from conftest import CUDA, ROOT
 
+DEVICES_NAMED = True  # each test names CUDA (and the CPU) itself: no default device (conftest)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (this machine has no CUDA device)")
 
 RUN = {
