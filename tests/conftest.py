@@ -39,8 +39,11 @@ def device() -> torch.device:
 @pytest.fixture(autouse=True)
 def on_test_device(request):
     """Under ZOO_TEST_DEVICE=cuda the tensors and models a test makes without naming a device are made on the
-    GPU (torch's default device), except in cpu_only tests; on the CPU nothing changes."""
-    if TEST_DEVICE.type == "cpu" or request.node.get_closest_marker("cpu_only"):
+    GPU (torch's default device), except in cpu_only tests and in modules that name every device they use
+    (DEVICES_NAMED = True: torch's own CPU-side code, activation offload's pinned buffers, must stay on the CPU
+    there); on the CPU nothing changes."""
+    if TEST_DEVICE.type == "cpu" or request.node.get_closest_marker("cpu_only") \
+            or getattr(request.module, "DEVICES_NAMED", False):
         yield
         return
     with TEST_DEVICE:

@@ -18,6 +18,7 @@ from zoo.blocks import attention as A
 
 from conftest import CUDA, ROOT
 
+DEVICES_NAMED = True  # each test names CUDA (and the CPU) itself: no default device (conftest)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (this machine has no CUDA device)")
 
 RUN = {
@@ -110,6 +111,11 @@ def test_cuda_graph_decoding_gives_the_tokens_of_eager_decoding(batch):
     eager = model.generate(ids, 24)
     assert torch.equal(model.generate(ids, 24, compile="reduce-overhead"), eager)
     assert torch.equal(model.generate(ids, 24, compile="reduce-overhead"), eager)  # replayed graphs
+    if batch > 1:  # left-padded rows: their keys masked in the replayed step
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        eager = model.generate(ids, 24, attention_mask=mask)
+        assert torch.equal(model.generate(ids, 24, compile="reduce-overhead", attention_mask=mask), eager)
 
 
 def test_batches_come_pinned_and_on_the_gpu(text_corpus):

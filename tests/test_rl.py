@@ -41,8 +41,21 @@ def reference_loss(logp, old, ref, adv, mask, algorithm, lo, hi, beta, max_new):
     total_tokens = sum(lengths)
     loss, grad = 0.0, [[0.0] * T for _ in range(N)]
     for i in range(N):
+        if algorithm == "gspo":  # one ratio for the completion: exp of its tokens' mean log-ratio
+            n = max(lengths[i], 1)
+            r = math.exp(sum(logp[i][t] - old[i][t] for t in range(T) if mask[i][t]) / n)
+            c = min(max(r, 1 - lo), 1 + hi)
+            loss -= min(r * adv[i], c * adv[i]) / N
+            d_r = -adv[i] * r if r * adv[i] <= c * adv[i] else 0.0  # d(term) / d(log r)
         for t in range(T):
             if not mask[i][t]:
+                continue
+            if algorithm == "gspo":  # d(log r) / d(logp[i][t]) = 1 / n
+                grad[i][t] = d_r / (n * N)
+                if beta:
+                    d = ref[i][t] - logp[i][t]
+                    loss += beta * (math.exp(d) - d - 1) / (n * N)
+                    grad[i][t] += beta * (1 - math.exp(d)) / (n * N)
                 continue
             r = math.exp(logp[i][t] - old[i][t])
             a = adv[i]
@@ -59,7 +72,10 @@ def reference_loss(logp, old, ref, adv, mask, algorithm, lo, hi, beta, max_new):
     return loss, grad
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "dapo"])
+ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo"]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("beta", [0.0, 0.05])
 def test_each_loss_and_gradient_is_its_formula(algorithm, beta):
     g = torch.Generator().manual_seed(0)
@@ -71,6 +87,9 @@ def test_each_loss_and_gradient_is_its_formula(algorithm, beta):
     mask = torch.rand(N, T, generator=g) > 0.3
     mask[:, 0] = True
     lo, hi = 0.2, 0.28
+    if algorithm == "gspo":  # a completion's ratio: its tokens' noise averages out, so old moves per completion
+        old = logp - torch.tensor([0.4, 0.1, 0.0, -0.1, -0.3, -0.5])[:, None] + 0.25 * torch.randn(N, T, generator=g)
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0, 1.0])  # some clipped, some not
     x = logp.clone().requires_grad_(True)
     loss, stats = policy_loss(x, old, ref, adv, mask, algorithm, lo, hi, beta, max_new_tokens=10)
     loss.backward()
@@ -79,12 +98,14 @@ def test_each_loss_and_gradient_is_its_formula(algorithm, beta):
     assert abs(loss.item() - want) <= 1e-6
     assert (x.grad - torch.tensor(grad)).abs().max() <= 1e-6
     ratio = (logp - old).exp()
+    if algorithm == "gspo":
+        ratio = (((logp - old) * mask).sum(1) / mask.sum(1)).exp()[:, None].expand(N, T)
     assert ((ratio < 1 - lo) & mask).any() and ((ratio > 1 + hi) & mask).any() and 0 < stats["clip"] < mask.sum()
     # another clipping or another normalisation gives another loss
     for other in (dict(lo=0.2, hi=0.2), dict(lo=0.1, hi=0.28)):
         changed, _ = policy_loss(logp, old, ref, adv, mask, algorithm, other["lo"], other["hi"], beta, 10)
         assert abs(changed.item() - want) > 1e-4
-    for a in {"grpo", "dr_grpo", "dapo"} - {algorithm}:
+    for a in set(ALGORITHMS) - {algorithm}:  # gspo against grpo: the token-level ratio differs
         assert abs(policy_loss(logp, old, ref, adv, mask, a, lo, hi, beta, 10)[0].item() - want) > 1e-4
 
 
@@ -93,7 +114,7 @@ def test_parts_add_up_to_the_batch_loss():
     g = torch.Generator().manual_seed(1)
     logp, old = -torch.rand(8, 5, generator=g), -torch.rand(8, 5, generator=g)
     adv, mask = torch.randn(8, generator=g), torch.rand(8, 5, generator=g) > 0.4
-    for a in ("grpo", "dr_grpo", "dapo"):
+    for a in ALGORITHMS:
         whole, _ = policy_loss(logp, old, None, adv, mask, a, 0.2, 0.28, 0.0, 5)
         parts = sum(policy_loss(logp[s], old[s], None, adv[s], mask[s], a, 0.2, 0.28, 0.0, 5, 8, float(mask.sum()))[0]
                     for s in (slice(0, 3), slice(3, 8)))
@@ -159,6 +180,13 @@ def test_rl_section_belongs_to_prompts(tmp_path):
         load_run_config(None, [], base={"family": "llm", "model": MODEL, "data": {"path": "x"}, "rl": {}})
     with pytest.raises(ConfigError, match="rl.algorithm"):
         config(tmp_path, "x", "rl.algorithm=ppo")
+
+
+def test_clip_defaults_follow_the_algorithm(tmp_path):
+    """Unset clips: 0.2 / 0.2, and GSPO's tight 3e-4 / 4e-4 (its ratio is a mean over the tokens); set: kept."""
+    assert config(tmp_path, "x").rl.clips() == (0.2, 0.2)
+    assert config(tmp_path, "x", "rl.algorithm=gspo").rl.clips() == (3e-4, 4e-4)
+    assert config(tmp_path, "x", "rl.algorithm=gspo", "rl.clip_high=0.01").rl.clips() == (3e-4, 0.01)
 
 
 def test_run_logs_the_metrics_and_resumes_with_the_same_rollouts(tmp_path, one_thread):

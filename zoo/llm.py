@@ -345,8 +345,8 @@ class LLM(nn.Module):
         padded = attention_mask is not None and not bool(attention_mask.all())
         static = compile == "reduce-overhead"
         if static:
-            self.check_static_decoding(padded)
-            caches = self.static_caches(B, T + max_new_tokens, dev, dtype or self.embed.weight.dtype)
+            self.check_static_decoding()
+            caches = self.static_caches(B, T + max_new_tokens, dev, dtype or self.embed.weight.dtype, padded)
         else:
             caches = self.new_caches(B, T + max_new_tokens, dev, dtype, masked=padded)
         step = static_decode_step() if static else compiled_decode_step() if compile else decode_step
@@ -354,12 +354,15 @@ class LLM(nn.Module):
         if padded:
             real = attention_mask.bool()
             kw = {"key_mask": real, "position_ids": (real.long().cumsum(1) - 1).clamp(min=0)}
-            last_pos, one = kw["position_ids"][:, -1:], real.new_ones(B, 1)
+        pos = kw["position_ids"][:, -1:] if padded else torch.full((B, 1), T - 1, device=dev)
         stops = None if eos_token_id is None else torch.tensor(
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=dev)
         out = input_ids.new_empty(B, max_new_tokens)
-        done, pos = torch.zeros(B, dtype=torch.bool, device=dev), None
-        logits = self(input_ids, caches=caches, **kw)[:, -1]
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        logits = self.prefill(input_ids, caches, lambda n: self.new_caches(n, T + max_new_tokens, dev, dtype, padded),
+                              **kw)
+        one = {"key_mask": done.new_ones(B, 1)} if padded else {}
+        slot = torch.tensor(T - 1, device=dev)  # the cache slot a step writes
         for i in range(max_new_tokens):
             nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
             if stops is not None:
@@ -369,35 +372,48 @@ class LLM(nn.Module):
             if stops is not None and stop_early and bool(done.all()):
                 out[:, i + 1:] = nxt[:, None]
                 break
-            if i + 1 < max_new_tokens:
-                if padded:
-                    kw = {"key_mask": one, "position_ids": last_pos + i + 1}
-                if static:  # the position as a tensor, the same one every step (its value moves)
-                    pos = pos.add_(1) if i else torch.full((B, 1), T, device=dev)
-                    logits = step(self, nxt[:, None], caches, pos[0, 0], position_ids=pos)
-                    continue
-                logits = step(self, nxt[:, None], caches, T + i, **kw)
+            if i + 1 < max_new_tokens:  # static: tensors of fixed addresses whose values move
+                pos, slot = (pos.add_(1), slot.add_(1)) if static else (pos + 1, T + i)
+                rows = {"position_ids": pos, **one} if static or padded else {}  # else: positions = slots
+                logits = step(self, nxt[:, None], caches, slot, **rows)
         self.train(was_training)
         return torch.cat([input_ids, out], dim=1)
 
-    def check_static_decoding(self, padded: bool):
+    def prefill(self, input_ids: torch.Tensor, caches: list, new_caches, **kw) -> torch.Tensor:
+        """The prompts' forward into `caches` -> the last logits (B, V). Rows equal to another (a prompt
+        sampled several times) run once, into `new_caches(n)` for the n distinct rows, and are copied."""
+        B = input_ids.shape[0]
+        rows = torch.cat([input_ids, kw["key_mask"]], 1) if "key_mask" in kw else input_ids
+        distinct, inv = torch.unique(rows, dim=0, return_inverse=True)
+        if len(distinct) == B:
+            return self(input_ids, caches=caches, **kw)[:, -1]
+        ar = torch.arange(B, device=input_ids.device)
+        first = ar.new_full((len(distinct),), B).scatter_reduce(0, inv, ar, "amin")  # a row of each
+        few = new_caches(len(distinct))
+        logits = self(input_ids[first], caches=few, **{k: v[first] for k, v in kw.items()})[:, -1]
+        for cache, f in zip(caches, few):
+            for big, small in zip(cache.buffers(), f.buffers()):
+                big.copy_(small[inv])
+        return logits[inv]
+
+    def check_static_decoding(self):
         cfg = self.config
-        why = ("left-padded rows (attention_mask)" if padded else "multi-head latent attention" if cfg.mla else
+        why = ("multi-head latent attention" if cfg.mla else
                "Mixture-of-Depths" if cfg.mod_capacity > 0 else
                "prefix tuning" if any(getattr(m, "prefix", None) is not None for m in self.modules()) else None)
         if why:
             raise ValueError(f"compile='reduce-overhead' (decoding steps of fixed shapes) does not run {why}; "
                              f"use compile=True")
 
-    def static_caches(self, batch: int, max_len: int, device, dtype) -> list:
+    def static_caches(self, batch: int, max_len: int, device, dtype, masked: bool = False) -> list:
         """KV caches kept from one static decoding to the next of the same shapes (a replayed CUDA graph
         reads and writes them at fixed addresses; what a previous decoding left is never attended)."""
-        key = (batch, max_len, str(device), dtype)
+        key = (batch, max_len, str(device), dtype, masked)
         if getattr(self, "_static_caches", (None,))[0] != key:
-            caches = self.new_caches(batch, max_len, device, dtype)
+            caches = self.new_caches(batch, max_len, device, dtype, masked)
             for c in caches:
-                torch._dynamo.mark_static_address(c.k)
-                torch._dynamo.mark_static_address(c.v)
+                for b in c.buffers():
+                    torch._dynamo.mark_static_address(b)
             self._static_caches = (key, caches)
         return self._static_caches[1]
 
@@ -466,24 +482,57 @@ def static_decode_step():
     return _static_step
 
 
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs (B, V) -> (B, V) bool: each row's smallest set of most probable tokens whose mass reaches top_p
+    (tokens tied with its least probable one included). Only the values are sorted, as one flat integer
+    sort (non-negative floats order as their bit patterns; a row's number above them): torch's CPU sort of
+    a batch of float rows is many times slower, and no token order depends on how ties fall."""
+    B, V = probs.shape
+    rows = torch.arange(B, device=probs.device)[:, None] << 32
+    keys = (rows | probs.view(torch.int32).long()).flatten().sort().values.view(B, V)
+    asc = (keys & 0xFFFF_FFFF).int().view(torch.float32)  # each row's probabilities, ascending
+    cdf = asc.cumsum(-1)
+    n = ((cdf[:, -1:] - cdf) < top_p).sum(-1, keepdim=True)  # how many have less than top_p above them
+    return probs >= asc.gather(-1, V - n)
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator=None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,). Sampling inverts each row's cumulative distribution at one
-    uniform draw: from `generator`, or with a list of generators one per row from the row's own."""
+                top_p: Optional[float] = None, generator=None, tries: int = 4) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,). Sampling inverts each row's cumulative distribution (in the
+    vocabulary's order) at a uniform draw: from `generator`, or with a list of generators one per row from
+    the row's own. top_p: a token outside the nucleus is drawn again (exactly the nucleus's distribution,
+    with no sort), up to `tries` draws, then the row draws once more within the sorted nucleus."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs, order = logits.softmax(-1), None
-    if top_p is not None and top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)  # the smallest prefix reaching top_p
+    probs = logits.softmax(-1)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    pick = inverse_cdf(probs, uniforms(generator, rows, probs.device))
+    if top_p is None or top_p >= 1.0:
+        return pick
+    redraw, p = rows, probs
+    for attempt in range(tries):  # the rows just drawn: is their token outside the nucleus?
+        outside = torch.where(p > p.gather(1, pick[redraw, None]), p, 0.0).sum(-1) >= top_p
+        redraw, p = redraw[outside], p[outside]
+        if len(redraw) == 0:
+            return pick
+        inside = p if attempt + 1 < tries else p.masked_fill(~nucleus(p, top_p), 0.0)
+        pick[redraw] = inverse_cdf(inside, uniforms(generator, redraw, probs.device))
+    return pick
+
+
+def uniforms(generator, rows: torch.Tensor, device) -> torch.Tensor:
+    """One uniform draw for each of `rows`: from `generator`, or from each row's own of a list."""
     if isinstance(generator, (list, tuple)):
-        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generator])
-    else:
-        u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
+        return torch.cat([torch.rand(1, generator=generator[r], device=device) for r in rows.tolist()])
+    return torch.rand(len(rows), generator=generator, device=device)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs (B, V), unnormalised, and uniforms u (B,) -> the token each row's cumulative sum puts u at."""
     cdf = probs.cumsum(-1)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[-1] - 1)
-    return (order.gather(-1, pick) if order is not None else pick).squeeze(1)
+    return pick.squeeze(1)

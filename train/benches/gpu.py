@@ -47,29 +47,29 @@ def rows() -> dict[str, Row]:
     return {
         "llm-train": Row("training tokens/s and MFU, Zoo against transformers (fused AdamW, bf16 autocast): eager, "
                          "compiled, compiled + float8 (torchao tensorwise on both, LM head kept)",
-                         f"Llama-3.2-1B (configs/llm/llama-1b.yaml), batch {BATCH} x {SEQ}", [*own, "llm-train"], 130),
+                         f"Llama-3.2-1B (configs/llm/llama-1b.yaml), batch {BATCH} x {SEQ}", [*own, "llm-train"], 300),
         "fsdp": Row("the loop's tokens/s and MFU in one process, plain and FSDP2 over one NCCL process",
-                    "SmolLM-135M shape (bytes vocabulary), batch 8 x 2048, 40 steps, eager", ["{fsdp}", *smollm], 60),
+                    "SmolLM-135M shape (bytes vocabulary), batch 8 x 2048, 40 steps, eager", ["{fsdp}", *smollm], 90),
         "generate": Row("decoding tokens/s, eager against CUDA graphs (generate(compile='reduce-overhead')), the same "
                         "greedy tokens", f"Llama-3.2-1B in bf16, batch 1 and 32, 128-token prompts + {NEW} new",
-                        [*own, "generate"], 60),
+                        [*own, "generate"], 150),
         "attention": Row("document-masked causal attention, forward + backward: flash-attn varlen, SDPA (dense mask), "
                          "FlexAttention (compiled)", "batch 4 x 8192 tokens, 16 heads x 128, documents of mean 512",
-                         [*own, "attention"], 40),
+                         [*own, "attention"], 60),
         "planner": Row("train/plan.py's peak against torch.cuda.max_memory_reserved of the same step",
                        f"llama-1b batch {BATCH} x {SEQ} bf16 (checkpointed), smollm-135m batch 8 x 2048 bf16",
                        [*own, "planner"], 50),
         "resnet50": Row("ResNet-50 training images/s against timm, channels-last, bf16, eager and compiled",
                         "batch 128 x 3 x 224 x 224", [*BENCH, "convnets", "--device", "cuda", "--archs", "resnet50",
                                                       "--formats", "channels_last", "--batch", "128", "--rounds", "5",
-                                                      "--json", "{out}"], 50),
+                                                      "--json", "{out}"], 100),
         "taesd": Row("TAESD encode + decode images/s against diffusers' AutoencoderTiny", "batch 8 x 3 x 512 x 512",
                      [*BENCH, "taesd", "--device", "cuda", "--batch", "8", "--rounds", "5", "--formats",
-                      "channels_last", "--json", "{out}"], 25),
+                      "channels_last", "--json", "{out}"], 40),
         "dit": Row("DiT-B/2 training step against diffusers' DiTTransformer2DModel, eager and compiled",
                    "batch 64 x 4 x 32 x 32 latents", [*BENCH, "dit", "--device", "cuda", "--preset", "B", "--batch",
                                                       "64", "--size", "32", "--precision", "bf16", "--rounds", "5",
-                                                      "--json", "{out}"], 60),
+                                                      "--json", "{out}"], 150),
     }
 
 

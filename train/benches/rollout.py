@@ -2,14 +2,19 @@
 
     python train/bench.py rollout      # P prompts of different lengths x G samples, N new tokens each
     python train/bench.py rl-quality   # held-out reward of runs/tiny-sft, then of tiny-grpo over 3 seeds
+    python train/bench.py rl-memory    # peak memory of GRPO steps: full fine-tuning and LoRA, KL or not
 
 One Llama checkpoint (random weights) loaded by both. Zoo: `LLM.generate` on the P x G rows left-padded,
 a generator per row (as the RL task samples); transformers: `generate(do_sample=True,
 num_return_sequences=G)` on the P prompts left-padded. Both sample at temperature 1 with top_p and
-produce exactly N tokens per row; eager and compiled (transformers: its forward compiled on a static cache).
+produce exactly N tokens per row; eager and compiled (Zoo: its decoding step of fixed shapes,
+compile="reduce-overhead"; transformers: its forward compiled on a static cache). Where Zoo is faster by
+design: it runs each distinct prompt's forward once for its G rows (transformers runs P x G), and its
+nucleus sampling redraws the rare token outside the nucleus instead of sorting the vocabulary each step.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +50,7 @@ def sides(args, folder: Path, prec: str) -> dict:
     model = zoo.from_pretrained(folder, dtype=dt).eval()
     out = {}
     for m in args.modes:
-        def zoo_side(c=m == "compile"):
+        def zoo_side(c="reduce-overhead" if m == "compile" else False):
             gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
             return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
                                   compile=c)
@@ -122,6 +127,84 @@ def quality(args) -> dict:
                          f"{relative(args.config)} with {' '.join(args.override) or 'no overrides'}; {args.precision}")
 
 
+STEP_PEAKS = """
+import json, sys
+from train import loop
+from train.config import load_run_config
+from train.plan import _proc_status
+peaks, step = [], loop.optimizer_step
+def measured(*a, **k):  # the resident peak of each optimizer step (rollouts, reference, backward, update)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM back to the resident set now
+    out = step(*a, **k)
+    peaks.append(_proc_status("VmHWM"))
+    return out
+loop.optimizer_step = measured
+loop.train(load_run_config(sys.argv[1], []), log=lambda m: None)
+print(json.dumps(peaks))
+"""
+
+
+def memory(args) -> dict:
+    """The resident peak of GRPO steps of one random LLM (the loop's, in a fresh process each: the largest
+    over `--steps` steps, everything resident counted): full fine-tuning and LoRA, each without and with a
+    KL reference. Full fine-tuning keeps a frozen copy for it; LoRA's reference is the base with its
+    adapters off, so its KL should cost no copy."""
+    import json
+    import os
+    import subprocess
+    import zoo
+    model = {"vocab_size": args.vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
+             "n_kv_heads": args.n_kv_heads, "max_seq_len": 128}
+    base = zoo.build({"family": "llm", "model": model})
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    rows, peaks = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init = zoo.save_pretrained(base, Path(tmp) / "base")
+        for method in ("full", "lora"):
+            for beta in (0.0, 0.05):
+                cfg = {"family": "llm", "model": model,
+                       "data": {"format": "prompts", "path": "synthetic", "tokenizer": "bytes", "template": "none",
+                                "seq_len": 64, "synthetic_rows": 100, "eval_prompts": 4},
+                       "rl": {"group_size": args.group, "prompts_per_step": args.prompts, "max_new_tokens": 16,
+                              "kl_beta": beta},
+                       "train": {"init_from": str(init), "max_steps": args.steps, "batch_size": args.group * args.prompts,
+                                 "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": args.precision,
+                                 "peak_flops": 1e12,  # not measured: its matrices would set the peak
+                                 "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
+                                 "progress": False,
+                                 "samples": False, "plot": False, "export": False},
+                       "optim": {"lr": 1e-4}}
+                if method == "lora":
+                    cfg["adapter"] = {"method": "lora", "r": 16}
+                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
+                peaks[method, beta] = []
+                for r in range(args.repeat):  # a run of its own each (a finished run's folder would resume)
+                    cfg["train"]["out_dir"] = str(Path(tmp) / f"{method}-{beta}-{r}")
+                    path = Path(tmp) / f"{method}-{beta}-{r}.yaml"
+                    path.write_text(json.dumps(cfg))  # JSON is YAML
+                    out = subprocess.run([sys.executable, "-c", STEP_PEAKS, str(path)], cwd=ROOT, env=env, check=True,
+                                         capture_output=True, text=True)
+                    peaks[method, beta].append(max(json.loads(out.stdout.strip().splitlines()[-1])))
+                    print(f"  {method}, kl_beta {beta}: step peak {harness.gib(peaks[method, beta][-1])} GiB", flush=True)
+    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    median = {k: statistics.median(v) for k, v in peaks.items()}
+    for method in ("full", "lora"):
+        for beta in (0.0, 0.05):
+            extra = median[method, beta] - median[method, 0.0]
+            v = peaks[method, beta]
+            rows.append([method, beta, f"{mib(median[method, beta])} ({mib(min(v))}-{mib(max(v))})",
+                         "-" if beta == 0 else f"{mib(extra)} ({extra / weights:.2f}x)"])
+    n = sum(p.numel() for p in base.parameters())
+    return harness.table(["fine-tuning", "kl_beta", "step peak RSS MiB: median (range)",
+                          "the reference's cost: MiB (x the weights), of the medians"],
+                         rows, f"GRPO in the loop, the largest resident set during {args.steps} optimizer steps "
+                         f"(rollouts, reference log-probs, backward, update; the interpreter and torch included) of "
+                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, a fresh process "
+                         f"each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}: "
+                         f"{n / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; LoRA r 16; {args.repeat} runs each")
+
+
 def relative(path) -> str:
     """A path under the checkout as the checkout names it."""
     p = Path(path).resolve()
@@ -140,6 +223,16 @@ def main(argv=None, preset: str = "rollout"):
         args = p.parse_args(argv)
         harness.setup(args)
         harness.save(args, {"": quality(args)}, {})
+        return 0
+    if preset == "rl-memory":
+        p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
+        harness.llm_args(p, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab=8192)
+        p.add_argument("--prompts", type=harness.positive_int, default=2, help="prompts per step")
+        p.add_argument("--group", type=harness.positive_int, default=4, help="completions per prompt")
+        p.add_argument("--steps", type=harness.positive_int, default=2, help="optimizer steps per run")
+        p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
+        args = p.parse_args(argv)
+        harness.save(args, {"": memory(args)}, {})
         return 0
     p = harness.parser("rollout", __doc__, precision="bf16")
     harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)

@@ -366,11 +366,13 @@ class TokenData:
         T = seq_len or self.cfg.seq_len
         if split == "train" and len(self.mixture) > 1:
             src = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()
-            picks = [(self.mixture[k], int(torch.randint(0, len(self.mixture[k]) - T, (1,), generator=generator)))
+            picks = [(self.mixture[k], int(torch.randint(0, len(self.mixture[k]) - T, (1,), generator=generator,
+                                                                 device=generator.device)))
                      for k in src]
         else:
             data = self.train if split == "train" else self.val
-            picks = [(data, s) for s in torch.randint(0, len(data) - T, (batch_size,), generator=generator).tolist()]
+            picks = [(data, s) for s in torch.randint(0, len(data) - T, (batch_size,), generator=generator,
+                                                    device=generator.device).tolist()]
         if rows is not None:
             picks = picks[rows]
         xy = torch.from_numpy(np.stack([np.asarray(d[s:s + T + 1], dtype=np.int64) for d, s in picks]))

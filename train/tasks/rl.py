@@ -11,6 +11,8 @@ Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspecti
     the token sum over completions x max_new_tokens (no length or std normalisation, their biases gone).
 DAPO (Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", 2025): GRPO's A, the
     token mean over the whole batch, a higher clip_high, dynamic sampling, overlong shaping.
+GSPO (Zheng et al., "Group Sequence Policy Optimization", 2025): GRPO's A and aggregation, one ratio per
+    completion, exp(the mean over its tokens of logp - logp_old), clipped per completion (tight clips).
 What is recomputed: the sampler's log-probabilities are not kept. The loss runs a training-mode forward
 over prompt + completion (the graph the gradient needs), and the old log-probs of updates_per_batch > 1
 come from that same forward without grad right after sampling, not from the decode steps (other kernels:
@@ -75,7 +77,7 @@ class Reward:
 
 @dataclass
 class RLConfig:
-    algorithm: Literal["grpo", "dr_grpo", "dapo"] = "grpo"  # the loss (see train/tasks/rl.py's docstring)
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo"] = "grpo"  # the loss (see train/tasks/rl.py's docstring)
     group_size: int = bounded(8, ge=2)      # completions sampled per prompt
     prompts_per_step: int = bounded(8, gt=0)  # prompts per batch of rollouts (all processes together)
     max_new_tokens: int = bounded(64, gt=0)  # a completion's length at most (past it: truncated)
@@ -85,8 +87,15 @@ class RLConfig:
                                             # the check `solved` counts (a completion scoring >= 1)
     kl_beta: float = bounded(0.0, ge=0)     # weight of the k3 KL to the reference (the base with adapters off, else
                                             # a frozen copy of the initial model); 0: no reference
-    clip_low: float = bounded(0.2, ge=0, lt=1)  # the ratio's lower clip 1 - clip_low
-    clip_high: float = bounded(0.2, ge=0)   # the ratio's upper clip 1 + clip_high (DAPO: 0.28)
+    clip_low: Optional[float] = bounded(None, ge=0, lt=1)  # the ratio's lower clip 1 - clip_low; null: 0.2
+                                            # (gspo: 3e-4, its sequence-level ratio staying near 1)
+    clip_high: Optional[float] = bounded(None, ge=0)  # the ratio's upper clip 1 + clip_high; null: 0.2 (gspo: 4e-4;
+                                            # DAPO's paper: 0.28)
+
+    def clips(self) -> tuple[float, float]:
+        """(clip_low, clip_high), the algorithm's defaults where unset (GSPO's from its paper)."""
+        low, high = (3e-4, 4e-4) if self.algorithm == "gspo" else (0.2, 0.2)
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
     updates_per_batch: int = bounded(1, gt=0)  # optimizer steps on one batch of rollouts (> 1: old log-probs kept)
     dynamic_sampling: bool = False          # DAPO: groups whose rewards are all equal are dropped and refilled
     max_refills: int = bounded(4, ge=0)     # dynamic sampling: extra rounds of sampling at most per batch
@@ -94,7 +103,8 @@ class RLConfig:
                                             # `soft` (DAPO's penalty over the last `overlong_buffer` tokens)
     overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: a quarter of
                                             # max_new_tokens
-    compile: bool = False                   # decode through torch.compile (LLM.generate(compile=True))
+    compile: bool = False                   # decode through torch.compile: the step of fixed shapes
+                                            # (LLM.generate(compile="reduce-overhead")); FSDP2: compile=True
 
 
 def advantages(rewards: torch.Tensor, algorithm: str, eps: float = 1e-4) -> torch.Tensor:
@@ -108,13 +118,20 @@ def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip
                 max_new_tokens: int, n_seqs: Optional[float] = None, n_tokens: Optional[float] = None):
     """The clipped objective of completions: logp, old, ref, mask (N, T) (ref None when kl_beta is 0),
     adv (N,). n_seqs and n_tokens: the whole batch's (over micro-batches and processes; default these
-    rows'), so that the parts' losses add up to the batch's. -> (loss, {clip, kl} sums over the tokens)."""
+    rows'), so that the parts' losses add up to the batch's. -> (loss, {clip, kl} sums over the tokens;
+    gspo: a clipped completion counts all its tokens)."""
     mask = mask.float()
-    ratio = torch.exp(logp - old)
+    lengths = mask.sum(1).clamp(min=1)
+    log_ratio = logp - old
+    if algorithm == "gspo":  # one ratio per completion: the geometric mean of its tokens' ratios
+        log_ratio = ((log_ratio * mask).sum(1) / lengths)[:, None]
+    ratio = torch.exp(log_ratio)
     a = adv[:, None]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = -torch.minimum(ratio * a, clipped * a)
     stats = {"clip": ((ratio * a > clipped * a).float() * mask).sum().detach()}
+    if algorithm == "gspo":
+        per_token = per_token.expand_as(mask)  # the completion's term, once over its tokens' mean
     if kl_beta > 0:
         d = ref - logp
         k3 = torch.exp(d) - d - 1
@@ -123,8 +140,8 @@ def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip
     n_seqs = mask.shape[0] if n_seqs is None else n_seqs
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     total = per_token * mask
-    if algorithm == "grpo":
-        loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if algorithm in ("grpo", "gspo"):
+        loss = (total.sum(1) / lengths).sum() / n_seqs
     elif algorithm == "dr_grpo":
         loss = total.sum() / (n_seqs * max_new_tokens)
     else:
@@ -238,7 +255,7 @@ class RLTask(DPOTask):
             prompt, comp, texts, cut = complete(model, self.data.tokenizer, self.chat_template,
                                                 [r["prompt"] for r in rows], rl.max_new_tokens, rl.temperature,
                                                 rl.top_p, gens, self.cfg.data.seq_len,
-                                                stop_early=self.cfg.train.parallel != "fsdp", compile=rl.compile)
+                                                stop_early=self.cfg.train.parallel != "fsdp", compile=self._compile())
         seconds = time.perf_counter() - t0
         answers = [r["answer"] for r in rows]
         values = score(self.rewards, texts, answers, [r["prompt"] for r in rows])
@@ -248,6 +265,13 @@ class RLTask(DPOTask):
             total = [t + overlong_penalty(len(c), rl.max_new_tokens, buf) for t, c in zip(total, comp)]
         return {"prompt": prompt, "comp": comp, "cut": cut, "values": values, "total": total,
                 "seconds": seconds, "tokens": sum(map(len, comp))}
+
+    def _compile(self):
+        """generate's `compile` for rl.compile: the decoding step of fixed shapes (one CUDA graph replayed
+        on a GPU), but under FSDP2, whose gathered weights change between steps: the compiled step."""
+        if not self.cfg.rl.compile:
+            return False
+        return True if self.cfg.train.parallel == "fsdp" else "reduce-overhead"
 
     @torch.no_grad()
     def rollouts(self, model, key: int) -> dict:
@@ -328,9 +352,8 @@ class RLTask(DPOTask):
         rl = self.cfg.rl
         logp, valid, ent = token_logps(model, batch["x"], batch["y"], entropy=True)
         old = batch["old"] if "old" in batch else logp.detach()
-        loss, stats = policy_loss(logp, old, batch.get("ref"), batch["adv"], valid, rl.algorithm, rl.clip_low,
-                                  rl.clip_high, rl.kl_beta, rl.max_new_tokens, batch.get("n_seqs"),
-                                  batch.get("n_tokens"))
+        loss, stats = policy_loss(logp, old, batch.get("ref"), batch["adv"], valid, rl.algorithm, *rl.clips(),
+                                  rl.kl_beta, rl.max_new_tokens, batch.get("n_seqs"), batch.get("n_tokens"))
         now = torch.stack([stats["clip"], torch.as_tensor(stats.get("kl", 0.0), device=logp.device),
                            (ent * valid).sum(), valid.sum().float()])
         self._trained = now if self._trained is None else self._trained + now

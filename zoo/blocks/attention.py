@@ -247,8 +247,13 @@ class CausalSelfAttention(nn.Module):
         if isinstance(start_pos, torch.Tensor):  # a decoding step over every cache slot, those past it masked
             j = torch.arange(k.shape[2], device=k.device)
             seen = ((j <= start_pos) & ((start_pos - j < self.sliding_window) if self.sliding_window else True))[None]
+            if mask is not None:  # padded rows: the keys each row holds
+                seen = seen & mask.key_mask
+            seen = seen[:, None, None]  # (B or 1, 1, 1, Tk)
             if self.softcap is not None or self.sinks is not None:
                 y = attend_math(q, k, v, seen, self.softcap, self.sinks)
+            elif resolve_backend(self.backend, q.device, q.dtype, k.shape[2], torch.compiler.is_compiling()) == "bmm":
+                y = attend_bmm(q, k, v, mask=seen[:, 0].expand(B, T, -1))
             else:
                 y = sdpa(q, k, v, attn_mask=seen)
             return self.proj(y.transpose(1, 2).reshape(B, T, H * D))

@@ -27,7 +27,11 @@ class MaskedKVCache(A.KVCache):
         self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
 
     def update_mask(self, key_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T."""
+        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T
+        (a tensor `start`, a decoding step of fixed shapes: written in place there, every slot returned)."""
+        if isinstance(start, torch.Tensor):
+            self.valid.index_copy_(1, start.view(1), key_mask)
+            return self.valid
         end = start + key_mask.shape[1]
         self.valid[:, start:end] = key_mask
         return self.valid[:, :end]
@@ -46,6 +50,8 @@ def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window
         mask = mask & document_mask(doc_ids, Tk)
     if backend == "math":
         return A.attend_math(q, k, v, mask[:, None])
+    if A.resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling()) == "bmm":
+        return A.attend_bmm(q, k, v, window, mask=mask)
     return A.sdpa(q, k, v, attn_mask=mask[:, None])
 
 
