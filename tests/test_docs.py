@@ -103,11 +103,13 @@ def test_the_check_names_each_stale_region(tmp_path, monkeypatch, capsys):
 
 def test_the_parallel_table_names_tests_that_exist():
     """docs/distributed.md's table of combinations under torchrun: every test it names is defined in
-    tests/test_distributed.py with the cases it names, and every column's key is one of the tests."""
+    tests/test_distributed.py or test_distributed_cases.py with the cases it names, and every column's key is
+    one of the tests."""
     import re
     from pathlib import Path
     from train.docs import PARALLEL_COMBINATIONS, PARALLEL_TESTS
-    source = (Path(__file__).parent / "test_distributed.py").read_text()
+    here = Path(__file__).parent
+    source = "".join((here / f).read_text() for f in ("test_distributed.py", "test_distributed_cases.py"))
     assert all(f"\ndef {name}(" in source for name in PARALLEL_TESTS.values())
     for row, _, *cells in PARALLEL_COMBINATIONS:
         for ref in (r for cell in cells for r in cell.split(", ") if cell and not cell.startswith("n/a")):

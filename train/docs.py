@@ -103,7 +103,7 @@ PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
 
 def parallel_table() -> dict:
     """docs/distributed.md's table of what runs under torchrun: per combination and column the tests
-    (tests/test_distributed.py, numbered) that run it against one process, or train.parallel's refusal."""
+    (tests/test_distributed*.py, numbered) that run it against one process, or train.parallel's refusal."""
     from train.config import load_run_config
     from train.distributed import unsupported
     numbers = {key: str(i + 1) for i, key in enumerate(PARALLEL_TESTS)}
@@ -116,7 +116,8 @@ def parallel_table() -> dict:
             ("refused" if col != "ddp" and why[col] == why["ddp"] else f"refused: {why[col]}") if why[col] else
             re.sub(r"^\w+|(?<=, )\w+", lambda m: numbers.get(m.group(), m.group()), cell) or "-"
             for col, cell in zip(("ddp", "fsdp", "resume"), cells)])
-    notes = "Tests of tests/test_distributed.py (`-`: no test runs it under torchrun):\n\n" + "\n".join(
+    notes = ("Tests of tests/test_distributed.py and test_distributed_cases.py (`-`: no test runs it under "
+             "torchrun):\n\n") + "\n".join(
         f"{n}. `{PARALLEL_TESTS[k]}`" for k, n in numbers.items())
     return {"columns": ["combination", "DDP", "FSDP2", "resumed from a torchrun checkpoint"], "rows": rows,
             "notes": notes}

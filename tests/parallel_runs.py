@@ -1,0 +1,163 @@
+"""What the torchrun tests share (test_distributed.py, test_distributed_cases.py): tiny configs, launching
+train/run.py under torchrun (or plainly) as a subprocess, several runs in one launch (tests/torchrun_cases.py),
+signalling a torchrun job, and comparing runs' losses and weights."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import CPU
+from train.metrics import read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_PY = ROOT / "train" / "run.py"
+CASES_PY = ROOT / "tests" / "torchrun_cases.py"
+RTOL, ATOL = 1e-5, 1e-5
+
+QUIET = {"device": str(CPU), "peak_flops": 1e12, "progress": False, "samples": False, "plot": False, "export": False,
+         "log_every": 1, "eval_every": 0, "eval_batches": 1}
+LLM = {"family": "llm",
+       "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32},
+       "data": {"tokenizer": "bytes", "seq_len": 32},
+       "train": {**QUIET, "max_steps": 6, "batch_size": 4, "grad_accum": 2, "checkpoint_every": 3},
+       "optim": {"lr": 3e-3, "warmup_steps": 2}}
+RESNET = {"family": "convnet",
+          "model": {"arch": "resnet18", "layers": [1, 1], "width": 8, "stem": "small", "in_chans": 1,
+                    "num_classes": 10},
+          "data": {"path": "digits", "image_size": 16, "shift": 2},
+          "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0, "clip_grad": None},
+          "optim": {"lr": 3e-3, "warmup_steps": 1}}
+DIFFUSION = {"family": "diffusion",
+             "model": {"image_size": 16, "autoencoder": {"latent_channels": 4, "channels": 8}, "channels": [16, 32],
+                       "blocks_per_level": 1, "sample_steps": 2},
+             "data": {"dataset": "digits", "ae_steps": 3, "ae_batch_size": 8, "samples_per_class": 1},
+             "train": {**QUIET, "max_steps": 3, "batch_size": 4, "checkpoint_every": 0, "ema_decay": 0.9,
+                       "samples": True},
+             "optim": {"lr": 1e-3, "warmup_steps": 1}}
+MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.balance=bias"]
+DEEPSEEK = MOE + ["model.moe.scoring=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=1", "model.moe.n_shared=1",
+                  "model.mla.kv_rank=16", "model.mla.q_rank=24", "model.mla.rope_dim=8", "model.mla.nope_dim=8",
+                  "model.mla.v_dim=16"]  # DeepSeek-V3's ideas: latent attention, group-limited sigmoid routing
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    from train.data import stdlib_files
+    d = tmp_path_factory.mktemp("dist")
+    corpus = d / "corpus.txt"
+    corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:10])[:100_000])
+    out = {}
+    for name, cfg in {"llm": LLM, "resnet": RESNET, "diffusion": DIFFUSION}.items():
+        if name == "llm":
+            cfg = {**cfg, "data": {**cfg["data"], "path": str(corpus)}}
+        out[name] = d / f"{name}.yaml"
+        out[name].write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def launch(cfg: Path, out: Path, *overrides, nproc: int = 2, cases: Optional[list] = None) -> subprocess.Popen:
+    """torchrun with nproc processes (nproc=0: plain `python train/run.py`); its stderr in
+    out/stderr-N.txt. cases: instead of one run, the runs (and checkpoint copies) of tests/torchrun_cases.py
+    in one launch (cfg and overrides unused)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob("stderr-*.txt")))
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc else [sys.executable]
+    args = [str(RUN_PY), str(cfg), f"train.out_dir={out}", *overrides]
+    if cases is not None:
+        (out / f"cases-{n}.json").write_text(json.dumps(cases))
+        args = [str(CASES_PY), str(out / f"cases-{n}.json")]
+    with open(out / f"stderr-{n}.txt", "w") as err:
+        return subprocess.Popen([*head, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def ranks_of(p: subprocess.Popen) -> list:
+    """The pids of torchrun's workers (it starts each in a session of its own)."""
+    try:
+        return [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def kill_job(p: subprocess.Popen, sig=signal.SIGKILL):
+    """Signal torchrun and its workers at once, as a cluster kills a job, and wait until all are gone."""
+    pids = [p.pid] + ranks_of(p)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    p.wait()
+    deadline = time.monotonic() + 60
+    for pid in pids[1:]:  # reparented when torchrun died: gone once they are not running any more
+        while time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] in "ZX":
+                    break
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            time.sleep(0.005)
+
+
+def last_stderr(out: Path) -> str:
+    return max(out.glob("stderr-*.txt"), key=lambda f: int(f.stem.split("-")[1])).read_text()
+
+
+def run(cfg: Path, out: Path, *overrides, nproc: int = 2) -> Path:
+    p = launch(cfg, out, *overrides, nproc=nproc)
+    try:
+        code = p.wait(300)
+    except subprocess.TimeoutExpired:
+        kill_job(p)
+        raise
+    assert code == 0, last_stderr(out)[-3000:]
+    return out
+
+
+def case(cfg: Path, out: Path, *over) -> list:
+    """A run of tests/torchrun_cases.py: train/run.py's arguments."""
+    return [str(cfg), f"train.out_dir={out}", *over]
+
+
+def copy_step(src: Path, dst: Path, step: int = 3) -> dict:
+    """A step of tests/torchrun_cases.py: a run's checkpoint of `step` copied into another run's folder."""
+    name = f"checkpoints/step_{step:08d}"
+    return {"copy": [str(src / name), str(dst / name)]}
+
+
+def curve(out: Path) -> list:
+    rows = read_rows(out)
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def assert_same_losses(a: Path, b: Path, steps=None):
+    ca, cb = dict(curve(a)), dict(curve(b))
+    steps = steps or sorted(ca)
+    assert steps and all(s in cb for s in steps), (ca, cb)
+    for s in steps:
+        assert cb[s] == pytest.approx(ca[s], rel=RTOL), (s, ca[s], cb[s])
+
+
+def assert_close_weights(a: Path, b: Path, name="model.safetensors", atol=ATOL, rtol=0.0):
+    wa, wb = load_file(str(a / name)), load_file(str(b / name))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=rtol, atol=atol, msg=k)
+
+
+
+def assert_bitwise(a: Path, b: Path, name="model.safetensors"):
+    wa, wb = load_file(str(a / name)), load_file(str(b / name))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
