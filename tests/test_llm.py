@@ -78,28 +78,31 @@ def test_generate_with_cache_equals_full_forward_greedy(kw, batch):
     assert torch.equal(out, full_forward_greedy(model, ids, 12))
 
 
-def test_matvec_as_reduction_equals_linear():
-    """The decoding-step rewrite of F.linear (zoo.blocks.matvec_cpu.MatvecAsReduction), checked in eager mode:
-    on 1 and 2 rows it equals F.linear (fp32, <= 1e-5: another summation order); on 3 rows and
-    on 2-D weights given as other ops it leaves the call alone (bit-identical)."""
-    from zoo.blocks.matvec_cpu import MatvecAsReduction
+def test_matvec_routes_equal_linear():
+    """The decoding step's routes for F.linear (zoo.blocks.matvec_cpu) equal it (fp32, <= 1e-5: another
+    summation order), with and without bias, at 1, 2 and 8 rows; the mode takes the weight-on-the-left
+    route in eager fp32 up to 8 rows and leaves 9 rows and autocast's bf16 to F.linear (bit-identical)."""
+    from zoo.blocks.matvec_cpu import MatvecCPU, as_reduction, weight_on_the_left
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
-    for shape in ((1, 64), (1, 1, 64), (2, 1, 64)):
+    for shape in ((1, 64), (1, 1, 64), (2, 1, 64), (8, 1, 64)):
         x = torch.randn(*shape, generator=g)
-        with MatvecAsReduction():
-            y, yb = F.linear(x, w), F.linear(x, w, b)
-        assert y.shape == shape[:-1] + (300,)
-        assert (y - F.linear(x, w)).abs().max() <= 1e-5 and (yb - F.linear(x, w, b)).abs().max() <= 1e-5
-    x = torch.randn(3, 1, 64, generator=g)
+        for route in (as_reduction, weight_on_the_left):
+            y, yb = route(x, w), route(x, w, b)
+            assert y.shape == shape[:-1] + (300,)
+            assert (y - F.linear(x, w)).abs().max() <= 1e-5 and (yb - F.linear(x, w, b)).abs().max() <= 1e-5
+        with MatvecCPU():
+            assert torch.equal(F.linear(x, w, b), weight_on_the_left(x, w, b))
+    x = torch.randn(9, 1, 64, generator=g)
     ref = F.linear(x, w, b)
-    with MatvecAsReduction():
+    with MatvecCPU():
         assert torch.equal(F.linear(x, w, b), ref)
     x = torch.randn(1, 64, generator=g)
-    with torch.autocast("cpu", torch.bfloat16):  # follows autocast: bf16 operands, bf16 result
+    with torch.autocast("cpu", torch.bfloat16):
         ref = F.linear(x, w)
-        with MatvecAsReduction():
-            y = F.linear(x, w)
+        with MatvecCPU():
+            assert torch.equal(F.linear(x, w), ref)
+        y = as_reduction(x, w)  # follows autocast: bf16 operands, bf16 result
     assert y.dtype == ref.dtype == torch.bfloat16 and (y.float() - ref.float()).abs().max() <= 0.02 * ref.abs().max()
 
 
@@ -119,11 +122,12 @@ def test_generate_compiled_equals_eager():
 
 def test_compiled_decode_step_has_no_linear_at_batch_1():
     """torch.compile traces through the mode: the compiled decoding step at batch 1 holds no
-    F.linear (all of them became reductions); without the mode it holds them."""
+    F.linear (all of them became reductions); the model's forward without the mode holds them."""
     import zoo.llm
     from conftest import traced_calls
     model = tiny().eval()
-    for fn, want_linear in ((zoo.llm._decode_step_matvec, False), (zoo.llm.decode_step, True)):
+    forward = lambda m, ids, caches, pos: m(ids, caches=caches, start_pos=pos)  # noqa: E731
+    for fn, want_linear in ((zoo.llm.decode_step, False), (forward, True)):
         targets = traced_calls(fn, model, torch.tensor([[1]]), model.new_caches(1, 8), 0)
         assert (F.linear in targets) == want_linear
 

@@ -298,13 +298,13 @@ def test_generate_compiled_equals_eager():
 
 def test_compiled_decoding_is_one_graph():
     """The "did any token route" branch of a MoD layer is a torch.cond inside the graph, not a break."""
-    from zoo.llm import _decode_step_matvec
+    from zoo.llm import decode_step
     m = mod_llm(mod_every=1).eval()
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
     caches = m.new_caches(1, 8)
     with torch.inference_mode():
         m(ids, caches=caches)
-        explained = torch._dynamo.explain(_decode_step_matvec)(m, ids[:, -1:], caches, 6)
+        explained = torch._dynamo.explain(decode_step)(m, ids[:, -1:], caches, 6)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
 
 

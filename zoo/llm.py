@@ -9,6 +9,7 @@ for packed documents. How the model runs (attention backend, checkpointing) is s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -19,7 +20,7 @@ from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.attention_docs import Documents, document_positions  # noqa: F401  (document_positions: part of the API)
 from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
-from .blocks.matvec_cpu import MatvecAsReduction
+from .blocks.matvec_cpu import MatvecCPU
 from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
@@ -448,13 +449,13 @@ class LLM(nn.Module):
 
 def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int, **kw) -> torch.Tensor:
     """One decoding step: ids (B, 1) into cache slot pos -> next-token logits (B, V); fills the caches.
-    kw: position_ids and key_mask (B, 1) of padded rows (LLM.generate)."""
-    return model(ids, caches=caches, start_pos=pos, **kw)[:, -1]
-
-
-def _decode_step_matvec(model: LLM, ids: torch.Tensor, caches: list, pos: int, **kw) -> torch.Tensor:
-    with MatvecAsReduction():
-        return decode_step(model, ids, caches, pos, **kw)
+    kw: position_ids and key_mask (B, 1) of padded rows (LLM.generate). On a CPU, compiled or in eager fp32,
+    the matrix-vector products take the faster routes of `MatvecCPU` (elsewhere its Python costs, gaining nothing)."""
+    w = model.embed.weight
+    eager_fp32 = w.dtype == torch.float32 and not torch.is_autocast_enabled(w.device.type)
+    faster = w.device.type == "cpu" and (torch.compiler.is_compiling() or eager_fp32)
+    with MatvecCPU() if faster else contextlib.nullcontext():
+        return model(ids, caches=caches, start_pos=pos, **kw)[:, -1]
 
 
 _compiled_step = None
@@ -465,7 +466,7 @@ def compiled_decode_step():
     position or cache length recompiles once with those sizes dynamic, and later calls reuse it."""
     global _compiled_step
     if _compiled_step is None:
-        _compiled_step = torch.compile(_decode_step_matvec)
+        _compiled_step = torch.compile(decode_step)
     return _compiled_step
 
 

@@ -1,31 +1,56 @@
-"""CPU speed path for decoding: F.linear on one or two rows as a multiply and a sum, which
-inductor fuses into one reduction that streams the weight.
+"""CPU speed paths for decoding: F.linear on a few rows, by the route a CPU runs fastest.
 
-A torch function mode (no paper: a kernel-selection trick for memory-bound matrix-vector
-products). Shapes: F.linear's, x (..., in) with at most MAX_ROWS rows, w (out, in) ->
-(..., out), accumulated in fp32. Depends on torch only.
+A torch function mode (no paper: kernel selection for memory-bound matrix-vector products).
+Shapes: F.linear's, x (..., in) with a few rows, w (out, in) -> (..., out). Depends on torch only.
+- compiled, at most two rows: a multiply and a sum accumulated in fp32, which inductor fuses into
+  one reduction that streams the weight (`as_reduction`);
+- eager fp32, at most eight rows: the weight on the left, (w @ x^T)^T, one row padded to two
+  (`weight_on_the_left`); the BLAS streams it several times faster than F.linear's x @ w^T.
 """
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
-class MatvecAsReduction(TorchFunctionMode):
-    """Inside torch.compile on a CPU, F.linear on at most two rows (a decoding step) becomes a multiply
-    and a sum accumulated in fp32, which inductor fuses into one reduction that streams the weight
-    faster than the GEMV behind F.linear. Other devices and tensor-subclass weights are left alone."""
+def as_reduction(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear as (x w) summed over `in`, accumulated in fp32, in autocast's dtype when it is on."""
+    if torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        x, w, bias = x.to(dt), w.to(dt), None if bias is None else bias.to(dt)
+    y = (x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32).to(x.dtype)
+    return y if bias is None else y + bias
 
-    MAX_ROWS = 2  # from 4 rows on, the GEMM is as fast (docs/pretrained.md, "Benchmark")
+
+def weight_on_the_left(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear as (w @ x^T)^T over the rows of x; a single row is padded to two, which the BLAS
+    runs as a small GEMM instead of its slower matrix-vector kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n == 1:
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    y = (w @ rows.t()).t()[:n].reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias
+
+
+class MatvecCPU(TorchFunctionMode):
+    """Inside it, F.linear on a CPU takes `as_reduction` under torch.compile (at most COMPILED_ROWS rows) and
+    `weight_on_the_left` in eager fp32 without autocast (at most EAGER_ROWS rows). Other devices, dtypes,
+    tensor-subclass weights and larger batches are left alone (docs/pretrained.md, "Benchmark")."""
+
+    COMPILED_ROWS = 2  # from 4 rows on, the GEMM is as fast
+    EAGER_ROWS = 8  # from 12 rows on, F.linear is as fast
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if type(w) in (torch.Tensor, torch.nn.Parameter) and w.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() <= self.MAX_ROWS:
-                if torch.is_autocast_enabled("cpu"):
-                    dt = torch.get_autocast_dtype("cpu")
-                    x, w, bias = x.to(dt), w.to(dt), None if bias is None else bias.to(dt)
-                y = (x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32).to(x.dtype)
-                return y if bias is None else y + bias
+            if type(w) in (torch.Tensor, torch.nn.Parameter) and w.device.type == "cpu" and x.dim() >= 2:
+                rows = x.shape[:-1].numel()
+                if torch.compiler.is_compiling():
+                    if rows <= self.COMPILED_ROWS:
+                        return as_reduction(x, w, bias)
+                elif (rows <= self.EAGER_ROWS and x.dtype == w.dtype == torch.float32
+                      and not torch.is_autocast_enabled("cpu")):
+                    return weight_on_the_left(x, w, bias)
         return func(*args, **kwargs)
