@@ -47,6 +47,9 @@ MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32
 DEEPSEEK = MOE + ["model.moe.scoring=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=1", "model.moe.n_shared=1",
                   "model.mla.kv_rank=16", "model.mla.q_rank=24", "model.mla.rope_dim=8", "model.mla.nope_dim=8",
                   "model.mla.v_dim=16"]  # DeepSeek-V3's ideas: latent attention, group-limited sigmoid routing
+NEWER = ["model.qk_norm=true", "model.norm_placement=sandwich", "model.mlp_act=gelu_tanh", "model.embed_scale=true",
+         "model.head_dim=24", "model.sliding_window=8", "model.attn_pattern=[local,global]",
+         "model.rope_theta_local=100.0", "model.attn_softcap=20.0", "model.attn_sinks=true"]  # Gemma 2/3's and GPT-OSS's
 
 
 @pytest.fixture(scope="module")

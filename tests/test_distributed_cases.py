@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import zoo
 from parallel_runs import configs  # noqa: F401 (a fixture)
-from parallel_runs import (ATOL, DEEPSEEK, LLM, MOE, RTOL, assert_close_weights, assert_same_losses, case, copy_step,
+from parallel_runs import (ATOL, DEEPSEEK, LLM, MOE, NEWER, RTOL, assert_close_weights, assert_same_losses, case, copy_step,
                            curve, last_stderr, launch, run)
 from train.metrics import read_rows
 
@@ -49,6 +49,7 @@ PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own ove
     **{f"optim-{n}": ("llm", [f"optim.name={n}"], BOTH, []) for n in OPTIM_TOL},
     "diffusion": ("diffusion", [], ("fsdp",), []),
     "moe": ("llm", DEEPSEEK + ["train.grad_accum=1"], ("fsdp",), []),
+    "newer": ("llm", NEWER, BOTH, []),
     "mod": ("llm", MOE + ["train.grad_accum=1", "model.mod_capacity=0.25"], ("ddp",), []),
     "float8": ("llm", ["train.float8=true", "train.float8_keep=[]"], ("fsdp",), []),
     "rl": ("llm", RL, BOTH, []),
@@ -185,14 +186,16 @@ def test_optimizers_under_two_processes_match_one(parity, name):
         assert_close_weights(one, par, atol=atol)
 
 
-@pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("mod", "ddp"), ("float8", "fsdp"),
-                                             ("rl", "ddp"), ("rl", "fsdp"), ("resnet", "ddp")])
+@pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("newer", "ddp"), ("newer", "fsdp"),
+                                             ("mod", "ddp"), ("float8", "fsdp"), ("rl", "ddp"), ("rl", "fsdp"),
+                                             ("resnet", "ddp")])
 def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
     and on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
     routing; expert weights sharded like any other; the router load summed over the ranks for the bias
     balancing): the losses, the weights and the EMA of one process with
-    the same global batch; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the
+    the same global batch; a dense LLM of Gemma 2/3's and GPT-OSS's ideas (local and global layers, sandwich
+    norms, per-head q/k norms, GeGLU, scaled embeddings, soft-capped scores, sinks) under DDP and FSDP2: the same; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the
     decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
     logits); float8 (emulated) under FSDP2:
     each rank scales its own activations, so the losses agree to float8's round-off; GRPO with a KL term
