@@ -6,7 +6,7 @@ Reference: transformers' random-init model of each case (test_hf_arch.hf_model),
 Zoo's step (B and the DoRA magnitudes then redrawn, so every row shows) the adapter Zoo exports, loaded by
 PEFT onto the transformers model, gives Zoo's logits (fp32, <= 1e-4). QLoRA's base is the NF4 weights
 dequantised, exported before the step. Checkpointing (full or selective, by turns) gives the gradients of
-none (<= 1e-6); the latent attention's first repeated unit under torch.compile (one graph,
+none (<= 1e-6); the first repeated unit of DeepSeek-V3, Gemma 2 and Gemma 3 under torch.compile (one graph,
 AOT autograd) gives the eager logits (<= 1e-4).
 """
 import dataclasses
@@ -31,7 +31,7 @@ TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS = {"qwen3": "qlora", "smollm3": "dora", "olmo2": "lora", "phi3-window": "dora", "gemma2": "lora",
            "gemma3": "dora", "gpt-oss": "qlora", "deepseek-v3": "dora", "deepseek-v3-no-q-rank-yarn": "lora"}
-COMPILED = "deepseek-v3"
+COMPILED = ("deepseek-v3", "gemma2", "gemma3")  # latent attention; soft-caps; local/global, sandwich norms
 RUNTIME = TrainConfig(chunked_loss=False)  # the final soft-cap needs the full logits
 LLAMA = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 MLP = {"gate_proj", "up_proj", "down_proj"}
@@ -102,7 +102,7 @@ def test_adapters_step_peft_checkpointing_and_compile(tmp_path, case):
     assert got.keys() == want.keys() and all(g is not None for g in got.values())
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6, policy
 
-    if case == COMPILED:  # a repeated unit compiled in place, as FSDP2 compiles them; AOT autograd without
+    if case in COMPILED:  # a repeated unit compiled in place, as FSDP2 compiles them; AOT autograd without
         apply_runtime(z, RUNTIME).eval()  # Inductor's code generation, which takes a minute on 2 cores
         z.repeated_units()[0].compile(backend="aot_eager", fullgraph=True)  # (the next: MoE, a CPU graph break)
         with torch.no_grad():
