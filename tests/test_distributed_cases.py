@@ -196,8 +196,8 @@ def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     balancing): the losses, the weights and the EMA of one process with
     the same global batch; a dense LLM of Gemma 2/3's and GPT-OSS's ideas (local and global layers, sandwich
     norms, per-head q/k norms, GeGLU, scaled embeddings, soft-capped scores, sinks) under DDP and FSDP2: the
-    same; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the decision thresholds (moved by the global batch's top-k boundary, from every rank's decision
-    logits); float8 (emulated) under FSDP2:
+    same; DDP on a Mixture-of-Depths LLM with MoE layers: the losses and the decision thresholds (moved by
+    the global batch's top-k boundary, from every rank's decision logits); float8 (emulated) under FSDP2:
     each rank scales its own activations, so the losses agree to float8's round-off; GRPO with a KL term
     (each rank samples its own prompts of the global batch, a generator per row): the rewards, losses and
     weights, and the FSDP2 run resumes; a ResNet with train.sync_bn under DDP normalises with the statistics
