@@ -139,23 +139,66 @@ def assert_channels_last_step_matches(model, x, y, grad_rtol: float):
         assert (pa.grad - pb.grad).abs().max().item() <= grad_rtol * max(1.0, pa.grad.abs().max().item()), n
 
 
-def wait_for_training(p, out: Path, starts_before: int, timeout=120) -> bool:
-    """Wait until the run of subprocess p has entered the training loop (a new 'mfu:' line in
-    out/log.txt); False if p exited first."""
+def wait_for(p, done, what: str, timeout=900) -> bool:
+    """Poll done() until it holds (True) or subprocess p exits first (False). Moments in a run are defined by
+    its own progress, never by wall time: the timeout only ends a run that hangs."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if p.poll() is not None:
-            return False
-        if starts(out) > starts_before:
+        if done():
             return True
-        time.sleep(0.01)
-    raise TimeoutError("the run did not start training")
+        if p.poll() is not None:
+            return bool(done())
+        time.sleep(0.002)
+    raise TimeoutError(f"the run did not reach {what} in {timeout} s")
+
+
+def wait_for_training(p, out: Path, starts_before: int) -> bool:
+    """Wait until the run of subprocess p has entered the training loop (a new 'mfu:' line in
+    out/log.txt, written after the metrics of a resumed run are cut back to its checkpoint); False if
+    p exited first."""
+    return wait_for(p, lambda: starts(out) > starts_before, "its training loop") and p.poll() is None
+
+
+def wait_for_step(p, out: Path, step: int) -> bool:
+    """Wait until the run of subprocess p has logged training step `step`; False if p exited first."""
+    return wait_for(p, lambda: logged_step(out) >= step, f"step {step}") and p.poll() is None
 
 
 def starts(out: Path) -> int:
     """How many times the run in `out` has entered the training loop (its log's 'mfu:' lines)."""
     log = out / "log.txt"
     return log.read_text().count("mfu: ") if log.exists() else 0
+
+
+def logged_step(out: Path) -> int:
+    """The last training step the run in `out` has logged (metrics.jsonl, every step with train.log_every=1);
+    0 before the first. A line a killed writer left torn is skipped."""
+    import json
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row:
+            return row["step"]
+    return 0
+
+
+SLOW_FSYNC = "import os, time\n_fsync = os.fsync\ndef _slow(fd):\n    time.sleep(0.05)\n    return _fsync(fd)\nos.fsync = _slow\n"
+
+
+@pytest.fixture
+def slow_fsync(tmp_path) -> dict:
+    """The environment of a run whose every fsync takes 50 ms more (a sitecustomize on its PYTHONPATH): a
+    checkpoint write then lasts long enough for a test to signal the process inside it, on any machine."""
+    d = tmp_path / "slow_fsync"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(SLOW_FSYNC)
+    return {"PYTHONPATH": str(d)}
 
 
 @pytest.fixture(scope="session")

@@ -67,11 +67,12 @@ def configs(tmp_path_factory):
     return out
 
 
-def launch(cfg: Path, out: Path, *overrides, nproc: int = 2, cases: Optional[list] = None) -> subprocess.Popen:
+def launch(cfg: Path, out: Path, *overrides, nproc: int = 2, cases: Optional[list] = None,
+           env: Optional[dict] = None) -> subprocess.Popen:
     """torchrun with nproc processes (nproc=0: plain `python train/run.py`); its stderr in
     out/stderr-N.txt. cases: instead of one run, the runs (and checkpoint copies) of tests/torchrun_cases.py
-    in one launch (cfg and overrides unused)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    in one launch (cfg and overrides unused); env: variables added to the process's environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob("stderr-*.txt")))
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
@@ -143,12 +144,12 @@ def curve(out: Path) -> list:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def assert_same_losses(a: Path, b: Path, steps=None):
+def assert_same_losses(a: Path, b: Path, steps=None, rtol=RTOL):
     ca, cb = dict(curve(a)), dict(curve(b))
     steps = steps or sorted(ca)
     assert steps and all(s in cb for s in steps), (ca, cb)
     for s in steps:
-        assert cb[s] == pytest.approx(ca[s], rel=RTOL), (s, ca[s], cb[s])
+        assert cb[s] == pytest.approx(ca[s], rel=rtol), (s, ca[s], cb[s])
 
 
 def assert_close_weights(a: Path, b: Path, name="model.safetensors", atol=ATOL, rtol=0.0):
@@ -157,6 +158,17 @@ def assert_close_weights(a: Path, b: Path, name="model.safetensors", atol=ATOL, 
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=rtol, atol=atol, msg=k)
 
+
+
+def checkpoint_weights(ckpt: Path) -> dict:
+    """The model weights of a checkpoint directory, one process's (model.safetensors) or sharded (DCP)."""
+    if (ckpt / "model.safetensors").is_file():
+        return load_file(str(ckpt / "model.safetensors"))
+    import tempfile
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as d:
+        dcp_to_torch_save(ckpt, Path(d) / "state.pt")
+        return torch.load(Path(d) / "state.pt", weights_only=True)["model"]
 
 
 def assert_bitwise(a: Path, b: Path, name="model.safetensors"):

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 import zoo
 import zoo.config
-from conftest import CPU, starts, wait_for_training
+from conftest import CPU, logged_step, starts, wait_for, wait_for_step, wait_for_training
 from parallel_runs import configs  # noqa: F401 (a fixture)
 from parallel_runs import (ATOL, assert_bitwise, assert_close_weights, assert_same_losses, case, copy_step, curve,
                            kill_job, last_stderr, launch, ranks_of, run)
@@ -210,10 +210,8 @@ KILL = ["train.parallel=fsdp", "train.max_steps=200", "train.checkpoint_every=5"
 
 @pytest.fixture(scope="module")
 def uninterrupted(configs, tmp_path_factory):
-    """The run the stopped ones must reproduce, and the sum of its step times in seconds."""
-    out = run(configs["llm"], tmp_path_factory.mktemp("uninterrupted"), *KILL)
-    rows = read_rows(out)
-    return out, sum(r.get("step_time_s", 0) for r in rows)
+    """The run the stopped ones must reproduce."""
+    return run(configs["llm"], tmp_path_factory.mktemp("uninterrupted"), *KILL)
 
 
 def tmp_dirs(out: Path) -> set:
@@ -225,23 +223,23 @@ def tmp_dirs(out: Path) -> set:
 
 
 def test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identical(configs, uninterrupted,
-                                                                                      tmp_path):
+                                                                                      tmp_path, slow_fsync):
     """An FSDP2 run (with an EMA) stopped again and again and relaunched each time:
     - SIGTERM to torchrun (which forwards it to its workers): both ranks stop at the same step
       after one checkpoint of that step;
     - SIGTERM to the ranks alone: torchrun reports each rank's exit code, 75;
-    - SIGKILL to the whole torchrun job (torchrun and both ranks at once) at random moments, at
-      least 3 times and at least once while a sharded checkpoint is being written.
+    - SIGKILL to the whole torchrun job (torchrun and both ranks at once) at least 3 times: after a random number
+      of steps past the checkpoint it resumed from, and inside a sharded checkpoint write (every fsync of those
+      processes slowed down, so that the write lasts long enough to be cut short on any machine).
     The final weights, EMA and losses equal the uninterrupted 2-process run's bit for bit (same
     world size, same reduction order: nothing rounds differently)."""
     rng = random.Random(0)
-    uninterrupted, train_time = uninterrupted
     out = tmp_path / "stopped"
     for target in ("job", "ranks"):
         before = starts(out)
         p = launch(configs["llm"], out, *KILL)
         assert wait_for_training(p, out, before)
-        time.sleep(0.3)
+        assert wait_for_step(p, out, logged_step(out) + 1)
         if target == "job":
             p.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
         else:
@@ -262,18 +260,16 @@ def test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identi
     for attempt in range(12):
         if kills >= 3 and in_write >= 1:
             break
-        before, old_tmp = starts(out), tmp_dirs(out)
-        p = launch(configs["llm"], out, *KILL)
+        before, old_tmp, mid_write = starts(out), tmp_dirs(out), attempt % 2 == 1
+        p = launch(configs["llm"], out, *KILL, env=slow_fsync if mid_write else None)
         if not wait_for_training(p, out, before):
             break
-        if attempt % 2 == 1:  # inside a checkpoint write: a new temporary directory is on disk
-            deadline = time.monotonic() + 30
-            while not tmp_dirs(out) - old_tmp and p.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            time.sleep(rng.uniform(0.0, 0.001))  # a tiny model's sharded checkpoint takes a few ms
-        else:  # a random moment, scaled to this machine's speed so that the kills fit in the run
-            time.sleep(rng.uniform(0.0, 0.3 * train_time))
-        if p.poll() is not None:
+        if mid_write:  # inside a checkpoint write: a new temporary directory is on disk
+            reached = wait_for(p, lambda: tmp_dirs(out) - old_tmp, "a checkpoint write")
+            time.sleep(rng.uniform(0.0, 0.05))  # within the first of its slowed fsyncs
+        else:  # a random number of steps past the checkpoint it resumed from
+            reached = wait_for_step(p, out, logged_step(out) + rng.randint(1, 10))
+        if not reached or p.poll() is not None:
             break
         kill_job(p)
         kills += 1

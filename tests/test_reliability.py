@@ -30,7 +30,7 @@ from train.config import load_run_config
 from train.run import main as run_main
 from train.tasks.lm import LMTask
 
-from conftest import CPU, starts, wait_for_training
+from conftest import CPU, logged_step, starts, wait_for, wait_for_step, wait_for_training
 from train.metrics import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,29 +117,32 @@ def reference(run_cfg, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------ SIGKILL
-def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, reference, tmp_path):
-    """At least 5 SIGKILLs (one or more inside a checkpoint write), each followed by a resume:
-    the final weights and the whole loss curve equal the uninterrupted run's, bit for bit."""
+def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, reference, tmp_path, slow_fsync):
+    """At least 5 SIGKILLs, each followed by a resume: the final weights and the whole loss curve equal the
+    uninterrupted run's, bit for bit. The moments come from the run's own progress, so that no machine's
+    speed or load changes what is tested: the first kill after a random number of steps past the first
+    checkpoint, then each after a random number of steps past the checkpoint the process resumed from; every
+    other process is killed inside a checkpoint write (its temporary directory on disk, every fsync of that
+    process slowed down so that the write lasts long enough to be cut short on any machine)."""
     rng = random.Random(0)
-    ref_weights, ref_curve, train_time, _ = reference
-    out = tmp_path / "killed"
+    ref_weights, ref_curve, _, _ = reference
+    out, every = tmp_path / "killed", CFG["train"]["checkpoint_every"]
     kills, in_write = 0, 0
     for attempt in range(14):
         if kills >= 5 and in_write >= 1:
             break
-        n_starts = starts(out)
-        p = launch(run_cfg, out)
+        n_starts, mid_write = starts(out), attempt % 2 == 1
+        p = launch(run_cfg, out, env=slow_fsync if mid_write else None)
         if not wait_for_training(p, out, n_starts):
             break  # it finished before we could kill it
-        if attempt % 2 == 1:
-            # kill while this process writes a checkpoint: its temporary directory is on disk
-            deadline = time.monotonic() + 30
-            while not tmp_dirs_of(out, p.pid) and p.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            time.sleep(rng.uniform(0.0, 0.01))  # at a random point of the write (or just after it)
-        else:  # a random moment, scaled to this machine's speed so that 5 kills fit in the run
-            time.sleep(rng.uniform(0.0, 0.3 * train_time))
-        if p.poll() is not None:
+        resumed_at = logged_step(out)  # the checkpoint this process resumed from (0: none yet)
+        if mid_write:  # at a random point of a write this process started
+            reached = wait_for(p, lambda: tmp_dirs_of(out, p.pid), "a checkpoint write")
+            time.sleep(rng.uniform(0.0, 0.05))  # within the first of its slowed fsyncs
+        else:
+            reached = wait_for_step(p, out, min(resumed_at + rng.randint(1, 2 * every) + (0 if resumed_at else every),
+                                                MAX_STEPS - every))
+        if not reached or p.poll() is not None:
             break
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -161,13 +164,13 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(run_cfg, ref
 
 
 # ------------------------------------------------------------------------------ SIGTERM / SIGINT
-def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, reference, tmp_path):
+def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, reference, tmp_path, slow_fsync):
     out = tmp_path / "preempted"
     for sig in (signal.SIGTERM, signal.SIGINT):
         n_starts = starts(out)
         p = launch(run_cfg, out)
         assert wait_for_training(p, out, n_starts)
-        time.sleep(0.3)
+        assert wait_for_step(p, out, logged_step(out) + 1)  # a step of its own
         p.send_signal(sig)
         assert finish(p) == 75
         err = sorted(out.glob("stderr-*"), key=lambda f: f.stat().st_mtime)[-1].read_text().strip()
@@ -179,26 +182,19 @@ def test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly(run_cfg, refer
         assert list_checkpoints(out)[0].name == f"step_{step:08d}"  # the step it stopped at, nothing lost
     # a second Ctrl-C, while the first one's checkpoint is being written, stops at once (exit 130,
     # one line); the previous complete checkpoint is used and the run still resumes exactly.
-    # Every fsync of that process is slowed down (a sitecustomize in its path), so that the write
-    # lasts long enough for the test to see it begin: a tiny model's checkpoint takes a few ms.
-    slow = tmp_path / "slow_fsync"
-    slow.mkdir()
-    (slow / "sitecustomize.py").write_text("import os, time\n_fsync = os.fsync\n"
-                                           "def _slow(fd):\n    time.sleep(0.05)\n    return _fsync(fd)\n"
-                                           "os.fsync = _slow\n")
+    # Every fsync of that process is slowed down (`slow_fsync`), so that the write lasts long enough for the
+    # test to see it begin: a tiny model's checkpoint takes a few ms.
     n_starts = starts(out)
-    p = launch(run_cfg, out, env={"PYTHONPATH": str(slow)})
+    p = launch(run_cfg, out, env=slow_fsync)
     assert wait_for_training(p, out, n_starts)
-    time.sleep(0.2)
+    assert wait_for_step(p, out, logged_step(out) + 1)
     before = {c.name for c in list_checkpoints(out)}
     # the second signal must come after the first one was handled (two SIGINTs that arrive before
     # Python runs its handler count as one): wait for the write the first one starts, which is a
     # temporary directory that was not there when it was sent (a periodic write may be under way)
     writing = set(tmp_dirs_of(out, p.pid))
     p.send_signal(signal.SIGINT)
-    t0 = time.monotonic()
-    while not set(tmp_dirs_of(out, p.pid)) - writing and p.poll() is None and time.monotonic() - t0 < 60:
-        time.sleep(0.0005)
+    assert wait_for(p, lambda: set(tmp_dirs_of(out, p.pid)) - writing, "the signal's checkpoint write")
     p.send_signal(signal.SIGINT)
     assert finish(p) == 130
     err = sorted(out.glob("stderr-*"), key=lambda f: f.stat().st_mtime)[-1].read_text().strip()
@@ -230,7 +226,7 @@ def test_a_signals_checkpoint_is_never_averaged(run_cfg, tmp_path):
     assert finish(launch(run_cfg, ref, *over)) == 0
     p = launch(run_cfg, out, *over)
     assert wait_for_training(p, out, 0)
-    time.sleep(0.3)
+    assert wait_for_step(p, out, 1)
     p.send_signal(signal.SIGINT)
     assert finish(p) == 75
     assert finish(launch(run_cfg, out, *over)) == 0

@@ -85,6 +85,8 @@ PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
      "families[newer-ddp]", "families[newer-fsdp]", ""),
     ("DeepSeek-V3 layers (latent attention, MoE)", ["model.mla.kv_rank=16", "model.moe.n_experts=4",
      "model.moe.scoring=sigmoid"], "", "families[moe-fsdp]", ""),
+    ("Mixture-of-Depths (with MoE layers)", ["model.mod_capacity=0.25", "model.moe.n_experts=4"],
+     "families[mod-ddp]", "families[mod-fsdp]", ""),
     ("optim.name=sgd", ["optim.name=sgd"], "families[rl-ddp]", "families[rl-fsdp]", "families[rl-fsdp]"),
     ("optim.name=adafactor", ["optim.name=adafactor"], "compress", "compress", ""),
     ("optim.name=lion", ["optim.name=lion"], "", "lr_find", ""),
