@@ -1,8 +1,9 @@
-"""Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py): Qwen3, SmolLM3,
-OLMo 2, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GPT-OSS and DeepSeek-V3, each at two small shapes, the
-second with its features at non-default values (windows shorter than the sequence, soft-caps, head_dim !=
-d_model / heads, MQA, partial rotary, LongRoPE / YaRN / linear scaling, NoPE layers, clamped experts, no
-query bottleneck); the presets of their families against transformers' classes.
+"""Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
+zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GLM-4, Cohere 2, GPT-OSS,
+DeepSeek-V3 and Mistral 4, each at two small shapes, the second with its features at non-default values
+(windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
+YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short
+original context, logit scales, biases); the presets of their families against transformers' classes.
 
 Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
@@ -58,6 +59,29 @@ CASES = {
     "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
                                                      num_key_value_heads=1, sliding_window=6, layer_types=[SLIDING] * 4,
                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "olmo3": ("Olmo3", dict(sliding_window=8, layer_types=[SLIDING, SLIDING, SLIDING, FULL])),
+    "olmo3-mqa-head-dim-local-rope-yarn": ("Olmo3", dict(
+        num_key_value_heads=1, head_dim=24, sliding_window=6, layer_types=[SLIDING, FULL, SLIDING, FULL],
+        rope_parameters={"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    "glm4": ("Glm4", dict(head_dim=16, pad_token_id=None)),
+    "glm4-mqa-no-bias-linear-partial": ("Glm4", dict(num_key_value_heads=1, head_dim=24, attention_bias=False,
+                                                     pad_token_id=None, rope_parameters={
+                                                         "rope_type": "linear", "rope_theta": 5e4, "factor": 2.0,
+                                                         "partial_rotary_factor": 0.75})),
+    "cohere2": ("Cohere2", dict(sliding_window=8, layer_types=[SLIDING, SLIDING, SLIDING, FULL], logit_scale=4.0)),
+    "cohere2-bias-mqa-pattern-scale-untied": ("Cohere2", dict(
+        num_key_value_heads=1, attention_bias=True, sliding_window=6, layer_types=[SLIDING, FULL, SLIDING, FULL],
+        logit_scale=0.5, tie_word_embeddings=False, rope_parameters={"rope_type": "linear", "rope_theta": 5e4,
+                                                                     "factor": 2.0})),
+    "mistral4": ("Mistral4", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                  first_k_dense_replace=1, moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)),
+    "mistral4-groups-no-q-rank-temperature": ("Mistral4", dict(
+        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=2, n_group=3, topk_group=2,
+        first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
+        rope_parameters=dict(YARN, original_max_position_embeddings=16, mscale=0.7, mscale_all_dim=0.9,
+                             llama_4_scaling_beta=0.3))),
     "deepseek-v3": ("DeepseekV3", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                                        n_group=4, topk_group=2, first_k_dense_replace=1, moe_intermediate_size=32,
                                        q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
@@ -121,8 +145,8 @@ def test_parity_dialects_and_export(tmp_path, case):
     assert_same_logits(hf, zoo.from_pretrained(old))
 
     zoo.save_pretrained(z, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back).__name__ == arch
+    back = getattr(transformers, arch).from_pretrained(tmp_path / "out").eval()  # (Mistral 4 has no Auto class)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [arch]
     assert_same_logits(back, z)
 
 
@@ -151,6 +175,8 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
 
 
 PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
+           "olmo3-7b": "Olmo3ForCausalLM", "glm4-9b": "Glm4ForCausalLM", "cohere2-7b": "Cohere2ForCausalLM",
+           "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
            "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}
 
@@ -166,7 +192,7 @@ def test_preset_is_its_architecture(preset):
         assert arch == PRESETS[preset]
         hf_cfg = hf_llm.config_to_hf(z.config, arch, torch.bfloat16)
         conf = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
-        hf = transformers.AutoModelForCausalLM.from_config(conf)
+        hf = getattr(transformers, arch)(conf)
     assert type(hf).__name__ == arch
     assert sum(p.numel() for p in hf.parameters()) == z.num_params()
 

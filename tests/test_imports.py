@@ -135,3 +135,27 @@ def test_the_cuda_switch_is_refused_without_cuda_and_a_no_op_on_the_cpu(device):
                         "-k", "device_from_conftest"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "ZOO_TEST_DEVICE": "cuda"})
     assert r.returncode == 4 and "ZOO_TEST_DEVICE=cuda: torch sees no CUDA device" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_architectures_are_named_in_their_records_only():
+    """What makes an architecture what it is lives in its record (zoo/archs), which the machinery reads: no
+    branch on a particular architecture (`arch == "..."`, `arch in ("...", ...)`, `model_type == ...`)
+    anywhere in zoo/ or train/ outside the records, and no Hugging Face class or model_type named outside
+    the records and their readers (zoo/weights/hf_llm.py, gguf_llm.py; the benchmarks name the reference
+    libraries' classes they run)."""
+    import re
+    from zoo.archs import RECORDS
+    names = {f'"{n}"' for r in RECORDS.values() for n in (r.hf_class, r.model_type)}
+    branch = re.compile(r"\b(arch|architecture|model_type)\b\s*(==\s*[\"']|!=\s*[\"']|(not )?in\s*[(\[{])|"
+                        r"\bmodel_type\b\s*==")
+    readers = {"hf_llm.py", "gguf_llm.py"}
+    found = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path.parent.name == "archs":
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                named = path.name not in readers and path.parent.name != "benches" and any(n in line for n in names)
+                if branch.search(line) or named:
+                    found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

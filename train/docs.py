@@ -34,13 +34,14 @@ CODE = re.compile(r"(<!-- code:(\w+) -->\n)(.*?)(<!-- /code -->)", re.S)
 
 
 def pretrained_table() -> dict:
-    """docs/pretrained.md's table, from the code: each Hugging Face architecture hf_llm maps, the Zoo
-    features it needs (bold) or may have, whether GGUF files of it load / are written, and the presets
-    in configs/llm/ that export as it."""
+    """docs/pretrained.md's table, from the records (zoo/archs): each Hugging Face class, the Zoo features it
+    needs (bold) or may have, its GGUF architecture (read, and written where it is), and the presets in
+    configs/llm/ that export as it."""
     import torch
 
     import zoo
-    from zoo.weights import gguf_llm, hf_llm
+    from zoo.archs import RECORDS
+    from zoo.weights import hf_llm
     presets = {}
     for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
         with torch.device("meta"):
@@ -49,14 +50,15 @@ def pretrained_table() -> dict:
             presets.setdefault(hf_llm.architecture_for(cfg), []).append(path.stem)
         except ValueError:
             pass
-    gguf_in = {hf: name for name, hf in gguf_llm.ARCHITECTURES.items()}
-    rows = []
-    for arch, (_, need, may) in {**hf_llm.DENSE, **hf_llm.MOE}.items():
-        feats = [f"**{f}**" for f in sorted(need)] + sorted(may)
-        rows.append([arch, ", ".join(feats) or "-", "yes", "yes", gguf_in.get(arch, "-"),
-                     gguf_in[arch] if arch in gguf_llm.WRITES else "-", ", ".join(presets.get(arch, [])) or "-"])
-    return {"columns": ["architecture", "features (needed in bold)", "HF in", "HF out", "GGUF in", "GGUF out",
-                        "presets"], "rows": rows}
+    rows = [[r.hf_class, ", ".join([f"**{f}**" for f in sorted(r.needs)] + sorted(r.may)) or "-", r.gguf or "-",
+             r.gguf if r.gguf_writes else "-", ", ".join(presets.get(r.hf_class, [])) or "-"] for r in RECORDS.values()]
+    return {"columns": ["architecture", "features (needed in bold)", "GGUF in", "GGUF out", "presets"], "rows": rows}
+
+
+def features_table() -> dict:
+    """docs/pretrained.md's legend of the feature names: the model keys that give each (zoo/archs/record.py)."""
+    from zoo.archs import FEATURES
+    return {"columns": ["feature", "model keys"], "rows": [[f"`{k}`", f"`{v}`"] for k, v in FEATURES.items()]}
 
 
 # docs/distributed.md's table: per combination its overrides and, for DDP, FSDP2 and resuming a torchrun
@@ -130,7 +132,7 @@ def parallel_table() -> dict:
             "notes": notes}
 
 
-CODE_TABLES = {"pretrained": pretrained_table, "parallel": parallel_table}
+CODE_TABLES = {"pretrained": pretrained_table, "features": features_table, "parallel": parallel_table}
 
 
 def config_classes() -> dict[str, type]:

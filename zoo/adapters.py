@@ -65,22 +65,21 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
     may wrap, parts in row order. For an LLM the PEFT names are those of the Hugging Face class it
     exports as (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek-V3's latent attention)."""
     if getattr(model, "family", None) == "llm":
-        cfg, arch = model.config, _hf_architecture(model)
+        cfg, rec = model.config, _record(model)
         sites = {}
         for i, (wrapper, layer) in enumerate(zip(model.layers, model.blocks())):
             z, h = f"layers.{i}." + ("block." if layer is not wrapper else ""), f"model.layers.{i}."  # MoD: its block
-            for m, n, rows in _attention_sites(cfg, arch):
+            for m, n, rows in _attention_sites(cfg, rec):
                 sites.setdefault(z + "attn." + m, []).append((n, rows, h + "self_attn." + n))
             mlp = layer.mlp
             if hasattr(mlp, "router"):  # MoE: the shared expert only
                 if getattr(mlp, "shared", None) is not None:
-                    s = h + ("mlp.shared_experts." if arch == "DeepseekV3ForCausalLM" else "mlp.shared_expert.")
-                    F = mlp.shared.hidden
+                    s, F = rec.experts(cfg, h)["shared"], mlp.shared.hidden
                     sites[z + "mlp.shared.gate_up"] = [(n, F, s + n) for n in ("gate_proj", "up_proj")]
                     sites[z + "mlp.shared.down"] = [("down_proj", cfg.d_model, s + "down_proj")]
                 continue
             F = mlp.hidden
-            sites[z + "mlp.gate_up"] = [("gate_up_proj", 2 * F, h + "mlp.gate_up_proj")] if arch == "Phi3ForCausalLM" \
+            sites[z + "mlp.gate_up"] = [("gate_up_proj", 2 * F, h + "mlp.gate_up_proj")] if "gate_up_proj" in rec.fused \
                 else [(n, F, h + f"mlp.{n}") for n in ("gate_proj", "up_proj")]
             sites[z + "mlp.down"] = [("down_proj", cfg.d_model, h + "mlp.down_proj")]
         return sites
@@ -88,16 +87,18 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
             if isinstance(m, (nn.Linear, LoRALinear)) and (targets is None or name.rsplit(".", 1)[-1] in targets)}
 
 
-def _hf_architecture(model: nn.Module) -> Optional[str]:
-    """The Hugging Face class an LLM exports as (None where none holds it, e.g. Mixture-of-Depths)."""
-    from .weights.hf_llm import architecture_for
+def _record(model: nn.Module):
+    """The record of the Hugging Face class an LLM exports as (zoo/archs); where none holds it (e.g.
+    Mixture-of-Depths), the base record: the names most classes share."""
+    from .archs import Record
+    from .weights.hf_llm import record_for
     try:
-        return architecture_for(model.config, getattr(model, "hf_architecture", None))
+        return record_for(model.config, getattr(model, "hf_architecture", None))
     except ValueError:
-        return None
+        return Record()
 
 
-def _attention_sites(cfg, arch: Optional[str]) -> list[tuple[str, str, int]]:
+def _attention_sites(cfg, rec) -> list[tuple[str, str, int]]:
     """[(Zoo module under attn., PEFT name, rows), ...] of one attention layer, a fused module's parts
     in row order."""
     if cfg.mla:
@@ -108,7 +109,7 @@ def _attention_sites(cfg, arch: Optional[str]) -> list[tuple[str, str, int]]:
                     ("kv_b", "kv_b_proj", H * (a.nope_dim + a.v_dim)), ("proj", "o_proj", cfg.d_model)]
     D = cfg.resolved_head_dim
     q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
-    qkv = [("qkv", "qkv_proj", q + 2 * kv)] if arch == "Phi3ForCausalLM" else \
+    qkv = [("qkv", "qkv_proj", q + 2 * kv)] if "qkv_proj" in rec.fused else \
         [("qkv", "q_proj", q), ("qkv", "k_proj", kv), ("qkv", "v_proj", kv)]
     return qkv + [("proj", "o_proj", cfg.d_model)]
 

@@ -306,6 +306,9 @@ class RopeScaling:
     short_factor: list[float] = field(default_factory=list)  # longrope: per-channel divisors (head_dim / 2 values)
     long_factor: list[float] = field(default_factory=list)  # longrope: the same past
                                             # `original_max_position_embeddings`
+    query_beta: float = bounded(0.0, ge=0)  # queries times 1 + beta ln(1 + floor(position /
+                                            # original_max_position_embeddings)) (Llama 4, Mistral 4: `llama_4_scaling_beta`;
+                                            # multi-head latent attention only); 0 = off
 
     def validate(self, source, prefix=""):
         if self.type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
@@ -419,6 +422,10 @@ class LLMConfig:
     mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
                                             # (Gemma)
     embed_scale: bool = False               # multiply the embeddings by sqrt(`d_model`) (Gemma)
+    norm_type: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (Cohere)
+    parallel_block: bool = False            # attention and MLP side by side from one norm: x + attn(n(x)) + mlp(n(x))
+                                            # (Cohere; `norm_placement: pre` only)
+    logit_scale: float = bounded(1.0, gt=0)  # the output logits times it (Cohere)
     query_pre_attn_scalar: Optional[float] = bounded(None, gt=0)  # attention scores scaled by its -1/2 power
                                             # instead of `head_dim`'s (Gemma)
     attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
@@ -464,6 +471,10 @@ class LLMConfig:
             if self.mod_capacity > 0 and getattr(self, key):
                 raise fail(source, p + "mod_capacity", f"does not combine with {p}{key} (a MoD block attends "
                                                        f"through a key mask)")
+        if self.parallel_block and self.norm_placement != "pre":
+            raise fail(source, p + "parallel_block", f"needs {p}norm_placement=pre, got {self.norm_placement}")
+        if self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None:
+            raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
         if "local" in self.attn_pattern and self.sliding_window is None:
             raise fail(source, p + "attn_pattern", f"has local layers but {p}sliding_window is null")
         bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]

@@ -25,7 +25,7 @@ from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
-from .blocks.norm import RMSNorm
+from .blocks.norm import LayerNorm, RMSNorm
 from .blocks.rope import RotaryEmbedding
 from .config import LLMConfig, check, to_dict
 
@@ -63,9 +63,10 @@ class Block(nn.Module):
         super().__init__()
         scalar = cfg.query_pre_attn_scalar
 
-        def norm(where):  # RMSNorm where norm_placement puts one, else nothing
+        def norm(where):  # a norm where norm_placement puts one, else nothing
             wanted = cfg.norm_placement == "sandwich" or cfg.norm_placement == where
-            return RMSNorm(cfg.d_model, cfg.norm_eps) if wanted else nn.Identity()
+            return norm_class(cfg)(cfg.d_model, cfg.norm_eps) if wanted else nn.Identity()
+        self.parallel = cfg.parallel_block  # attention and MLP both read attn_norm's output
         self.attn_norm = norm("pre")
         self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
                                         sliding_window=cfg.sliding_window if cfg.is_local(layer) else None,
@@ -73,20 +74,31 @@ class Block(nn.Module):
                                         scale=scalar ** -0.5 if scalar else None, softcap=cfg.attn_softcap,
                                         sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias)
         self.attn_post_norm = norm("post")
-        self.mlp_norm = norm("pre")
+        self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
         self.mlp_post_norm = norm("post")
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None):
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None,
+                q_scale=None):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
         may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
-        doc_ids (B, T): attention within each document (blocks/attention_docs.py)."""
+        doc_ids (B, T): attention within each document (blocks/attention_docs.py); q_scale: the
+        queries' scale per position (latent attention, rope_scaling.query_beta)."""
         mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos, sin, cache, start_pos, mask))
-        y, stats = self.mlp(self.mlp_norm(x)), None
-        if isinstance(self.mlp, MoE):
-            y, stats = y
+        h = self.attn_norm(x)
+        kw = {"q_scale": q_scale} if q_scale is not None else {}
+        a = self.attn_post_norm(self.attn(h, cos, sin, cache, start_pos, mask, **kw))
+        if self.parallel:  # both branches read one norm's output
+            x, y = x + a, self.mlp(h)
+        else:
+            x = x + a
+            y = self.mlp(self.mlp_norm(x))
+        y, stats = y if isinstance(self.mlp, MoE) else (y, None)
         return x + self.mlp_post_norm(y), stats
+
+
+def norm_class(cfg: LLMConfig) -> type:
+    return LayerNorm if cfg.norm_type == "layer" else RMSNorm
 
 
 class LLM(nn.Module):
@@ -103,7 +115,7 @@ class LLM(nn.Module):
         self.layers = nn.ModuleList(
             MixtureOfDepths(Block(cfg, i), cfg.d_model, cfg.mod_capacity, cfg.mod_router) if cfg.is_mod(i)
             else Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = norm_class(cfg)(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -211,6 +223,7 @@ class LLM(nn.Module):
             else:
                 tables.append(rope(start_pos, T, rope_dtype))
         stats, mod_stats = [], []
+        q_scale = self.query_scale(position_ids, start_pos, T, x.device)
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
             raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
@@ -224,13 +237,24 @@ class LLM(nn.Module):
                 kw["doc_ids"] = doc_ids
             if key_mask is not None:
                 kw["key_mask"] = key_mask
+            if q_scale is not None:
+                kw["q_scale"] = q_scale
             x, s, *m = layer(x, *tables[self.config.is_local(i)], **kw)
             if s is not None:
                 stats.append(s)
             mod_stats += m
         if self.training:
             self._record_routing(stats, mod_stats)
-        return self.norm(x), stats, mod_stats
+        h = self.norm(x)  # the logits' scale folded into what the LM head reads (the chunked loss too)
+        return (h if self.config.logit_scale == 1.0 else h * self.config.logit_scale), stats, mod_stats
+
+    def query_scale(self, position_ids, start_pos, T: int, device) -> Optional[torch.Tensor]:
+        """rope_scaling.query_beta's scale of the queries at each position, (T,) or (B, T); None when off."""
+        s = self.config.rope_scaling
+        if s is None or not s.query_beta:
+            return None
+        pos = position_ids if position_ids is not None else start_pos + torch.arange(T, device=device)
+        return 1 + s.query_beta * torch.log1p(torch.floor(pos / s.original_max_position_embeddings))
 
     def moe_aux(self, stats: list) -> dict:
         """The sparse layers' routing statistics -> {'aux_loss' (the weighted sum for the training loss),

@@ -102,9 +102,12 @@ def pair(name, model, loss, modes, optimizer=None) -> dict:
     return {f"{name}-{m}": harness.Side(model, loss, opt, compile=m == "compile") for m in modes}
 
 
-# --arch: transformers' config class and what its shape needs beyond the common options
-ARCHS = {"llama": ("LlamaConfig", {}), "qwen3": ("Qwen3Config", {}),
-         "gemma3": ("Gemma3TextConfig", {"sliding_window": 128, "layer_types": None})}
+# --arch: transformers' config class and what its shape needs beyond the common options (Gemma 3: five local
+# layers to one global, scores by the head size); llm-train builds the Llama sides itself, the others load
+ARCHS = {"llama": ("LlamaConfig", lambda a: {}), "qwen3": ("Qwen3Config", lambda a: {}),
+         "gemma3": ("Gemma3TextConfig", lambda a: dict(sliding_window=128, query_pre_attn_scalar=a.d_model // a.n_heads,
+                    layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(a.n_layers)]))}
+BUILT = "llama"  # the --arch whose llm-train sides both build the model (no checkpoint)
 
 
 def hf_checkpoint(args, folder: Path) -> Path:
@@ -115,11 +118,8 @@ def hf_checkpoint(args, folder: Path) -> Path:
     kw = dict(vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.n_layers,
               num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads, head_dim=head_dim,
               max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-              pad_token_id=None, **extra)
+              pad_token_id=None, **extra(args))
     kw["intermediate_size"] = getattr(args, "ffn", 0) or harness.llm_config(args).resolved_ffn_hidden
-    if args.arch == "gemma3":  # five local layers to one global, scores by the head size
-        kw.update(query_pre_attn_scalar=head_dim,
-                  layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(args.n_layers)])
     transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**kw)).save_pretrained(folder)
     return folder
 
@@ -138,7 +138,7 @@ def prepare(preset, args, tmp: Path) -> Path:
             args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
             moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss", aux_loss_coef=args.aux_coef,
                           z_loss_coef=0.0))), folder)
-    if preset == "llm-generate" or getattr(args, "arch", "llama") != "llama":
+    if preset == "llm-generate" or getattr(args, "arch", BUILT) != BUILT:
         hf_checkpoint(args, folder)
     return folder
 
@@ -148,7 +148,7 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     import zoo
     from train.config import OptimConfig
     torch.manual_seed(0)
-    if preset == "llm-train" and args.arch != "llama":  # both sides load the checkpoint: the same weights
+    if preset == "llm-train" and args.arch != BUILT:  # both sides load the checkpoint: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
         model.chunked_loss, model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
         sides = pair("zoo", model.train(), zoo_loss(ids), args.modes)
@@ -457,7 +457,7 @@ def main(argv=None, preset: str = "llm-train"):
                    help="load processes per side")
     p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
     if preset in ("llm-train", "llm-generate"):
-        p.add_argument("--arch", choices=tuple(ARCHS), default="llama",
+        p.add_argument("--arch", choices=tuple(ARCHS), default=BUILT,
                        help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
     if preset == "llm-train":
         p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")

@@ -63,13 +63,17 @@ class MultiHeadLatentAttention(nn.Module):
         self.proj = nn.Linear(n_heads * v_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[LatentKVCache] = None, start_pos: int = 0, mask=None) -> torch.Tensor:
-        """x (B, T, dim) at positions [start_pos, start_pos + T); causal attention over the cache."""
+                cache: Optional[LatentKVCache] = None, start_pos: int = 0, mask=None,
+                q_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, dim) at positions [start_pos, start_pos + T); causal attention over the cache. q_scale (T,) or
+        (B, T): each position's queries times it (Llama 4's attention temperature, Mistral 4)."""
         if mask is not None:
             raise ValueError("multi-head latent attention takes no narrower mask (packed documents, Mixture-of-Depths)")
         B, T, _ = x.shape
         H, R = self.n_heads, self.rope_dim
         q = self.q_b(self.q_norm(self.q_a(x)) if self.q_a is not None else x).view(B, T, H, self.nope_dim + R)
+        if q_scale is not None:
+            q = q * q_scale[..., None, None].to(q.dtype)
         q_rope = apply_rope(q[..., self.nope_dim:], cos.unsqueeze(-2), sin.unsqueeze(-2))
         c, k_rope = self.kv_a(x).split([self.kv_rank, R], dim=-1)
         k_rope = apply_rope(k_rope, cos, sin)

@@ -1,7 +1,9 @@
-"""RMSNorm: root-mean-square layer normalisation.
+"""RMSNorm: root-mean-square layer normalisation; LayerNorm without a bias (Cohere's).
 
-Paper: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019).
-    y = x / sqrt(mean(x^2, dim=-1) + eps) * weight
+Papers: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); Ba et al., "Layer
+Normalization" (2016).
+    RMSNorm:   y = x / sqrt(mean(x^2, dim=-1) + eps) * weight
+    LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * weight
 Statistics in fp32, cast back to the input dtype before the weight, as Llama does.
 
 Shapes: x (..., D) -> (..., D); weight (D,).
@@ -25,3 +27,10 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(RMSNorm):
+    """LayerNorm with a gain and no bias (Cohere's), the state dict of RMSNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), None, self.eps)

@@ -4,10 +4,10 @@
     tok = zoo.weights.gguf_llm.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
-The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping
-(the metadata as a config.json dict, llama.cpp's interleaved q/k rows un-permuted to rotate-half).
-Architectures `ARCHITECTURES` (in: all; out: `llama`, `qwen2`); the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything
-else is refused in one line naming the file (docs/pretrained.md, "GGUF files").
+The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping (the
+metadata as a config.json dict; llama.cpp's interleaved q/k rows of Llama turned to rotate-half). The
+architectures are those whose record (zoo/archs) names a GGUF architecture (`gguf`, `gguf_writes`); the
+tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything else is refused in one line naming the file.
 """
 from __future__ import annotations
 
@@ -16,15 +16,13 @@ from typing import Optional, Union
 
 import torch
 
+from ..archs import BY_GGUF, RECORDS, interleaved
 from ..config import ConfigError, LLMConfig
 from .files import atomic_write
-from .hf_llm import _resolve_dtype, architecture_for, assemble, config_from_hf, key_map, mismatches
+from .hf_llm import _resolve_dtype, assemble, config_from_hf, inverse, key_map, mismatches, record_for, reordered
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "olmo2": "Olmo2ForCausalLM"}  # GGUF name -> Hugging Face class
-WRITES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM",
-          "Phi3ForCausalLM")  # the architectures `save` writes
+ARCHITECTURES = {name: r.hf_class for name, r in BY_GGUF.items()}  # GGUF name -> Hugging Face class
+WRITES = tuple(r.hf_class for r in RECORDS.values() if r.gguf_writes)  # the architectures `save` writes
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
@@ -83,14 +81,16 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     if "rope_freqs.weight" in tensor_names:
         raise ConfigError(f"{source}: RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are "
                           f"not supported")
+    rec = BY_GGUF[arch]
+    own = rec.gguf_config(get, tensor_names)
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", "linear") and not (arch == "phi3" and "rope_factors_long.weight" in tensor_names):
+    if scaling not in ("none", "linear") and "rope_scaling" not in own:
         raise ConfigError(f"{source}: {arch}.rope.scaling.type='{scaling}' is not supported (none, linear)")
     n_heads, d = get("attention.head_count"), get("embedding_length")
-    head_dim = get("attention.key_length") or (get("rope.dimension_count") if arch == "llama" else None)
+    head_dim = own.pop("head_dim", get("attention.key_length"))
     rot = get("rope.dimension_count")
     tokens = meta.get("tokenizer.ggml.tokens")
-    hf = {"architectures": [ARCHITECTURES[arch]], "hidden_size": d, "num_attention_heads": n_heads,
+    hf = {"architectures": [rec.hf_class], "hidden_size": d, "num_attention_heads": n_heads,
           "num_hidden_layers": get("block_count"), "intermediate_size": get("feed_forward_length"),
           "num_key_value_heads": get("attention.head_count_kv", n_heads),
           "vocab_size": get("vocab_size", len(tokens) if tokens else None),
@@ -102,20 +102,13 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     if get("attention.sliding_window"):
         hf.update(sliding_window=get("attention.sliding_window"), use_sliding_window=True)
     if rot is not None and rot != (head_dim or d // n_heads):
-        if arch != "phi3":
+        if "partial_rotary" not in rec.may:
             raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
                               f"RoPE is not supported for {arch}")
         hf["partial_rotary_factor"] = rot / (head_dim or d // n_heads)
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
-    if arch == "phi3" and "rope_factors_long.weight" in tensor_names:  # LongRoPE: the factors are tensors
-        factors = {k: [float(v) for v in tensor_names[f"rope_factors_{k}.weight"].data] for k in ("short", "long")}
-        hf.update(original_max_position_embeddings=get("rope.scaling.original_context_length"),
-                  rope_scaling={"rope_type": "longrope", "short_factor": factors["short"],
-                                "long_factor": factors["long"], "attention_factor": get("rope.scaling.attn_factor")})
-    if arch == "gemma3":  # llama.cpp's rules: local layers at base 10000, scores by the head size (27B: d / heads)
-        hf.update(sliding_window_pattern=get("attention.sliding_window_pattern", 6), rope_local_base_freq=10000.0,
-                  query_pre_attn_scalar=d // n_heads if get("block_count") == 62 else head_dim)
+    hf.update(own)
     missing = [k for k, v in hf.items() if v is None]
     if missing:
         raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
@@ -125,28 +118,18 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
 def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple[str, tuple]]]:
     """key_map with GGUF tensor names: Zoo name -> [(GGUF name, (rows, cols)), ...]."""
     gguf = _gguf()
-    name = {v: k for k, v in ARCHITECTURES.items()}[arch]
-    table = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, name.upper()), cfg.n_layers)
+    table = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, RECORDS[arch].gguf.upper()), cfg.n_layers)
     return {zoo: [(table.get_name(hf, try_suffixes=(".weight", ".bias")), shape) for hf, shape in parts]
             for zoo, parts in key_map(cfg, arch).items()}
 
 
-def _rope_rows(w: torch.Tensor, heads: int, to_file: bool) -> torch.Tensor:
-    """llama.cpp's q/k row order (pairs interleaved per head) from rotate-half order, or back."""
-    D = w.shape[0] // heads
-    a, b = (2, D // 2) if to_file else (D // 2, 2)
-    return w.reshape(heads, a, b, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _permuted_heads(name: str, cfg: LLMConfig, arch: str) -> Optional[int]:
-    """The number of heads whose rows llama.cpp permuted in tensor `name`, or None."""
-    if arch != "LlamaForCausalLM":
-        return None
-    if ".attn_q." in name:
-        return cfg.n_heads
-    if ".attn_k." in name:
-        return cfg.resolved_n_kv_heads
-    return None
+def row_orders(cfg: LLMConfig, arch: str) -> dict[str, list]:
+    """GGUF tensor name -> Zoo's order of its rows: the q/k rows llama.cpp stores with RoPE pairs interleaved."""
+    if not RECORDS[arch].gguf_interleaved:
+        return {}
+    D, heads = cfg.resolved_head_dim, {".attn_q.": cfg.n_heads, ".attn_k.": cfg.resolved_n_kv_heads}
+    return {name: interleaved(n, D, 0, D) for parts in gguf_names(cfg, arch).values() for name, _ in parts
+            for part, n in heads.items() if part in name}
 
 
 def detect(path) -> bool:
@@ -182,12 +165,11 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
 
     def fill(t, dest):
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=True))
-        w = w.reshape(dest.shape)
-        heads = _permuted_heads(t.name, cfg, arch)
-        dest.copy_(w if heads is None else _rope_rows(w, heads, to_file=False))
+        dest.copy_(w.reshape(dest.shape))
 
+    orders = row_orders(cfg, arch)
     model = assemble(cfg, kmap, dtype, device,
-                     ((n, lambda dest, t=tensors[n]: fill(t, dest)) for n in expected))
+                     ((n, reordered(lambda dest, t=tensors[n]: fill(t, dest), orders.get(n))) for n in expected))
     model.hf_architecture = arch
     model.gguf_path = str(path)
     model.gguf_tokenizer = tokenizer_fields(reader, meta)
@@ -338,7 +320,7 @@ def _write_type(dtype) -> str:
 
 
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
-    """Write `model` as one GGUF file (`WRITES`: llama, qwen2, qwen3, olmo2, gemma3, phi3); dtype: the 2-D weights'
+    """Write `model` as one GGUF file (an architecture of `WRITES`); dtype: the 2-D weights'
     type (under "q8_0" a row length not a multiple of 32 is written F16, as llama.cpp's converter does);
     norms and biases F32. tokenizer: a GGUF file or GGUFTokenizer to write (default: the loaded file's)."""
     gguf = _gguf()
@@ -348,16 +330,17 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         raise ValueError(f"{out}: GGUF holds LLMs; a {type(model).__name__} cannot be written to it")
     cfg: LLMConfig = model.config
     kind = _write_type(dtype)
-    arch = architecture_for(cfg, getattr(model, "hf_architecture", None))
-    if arch not in WRITES:
+    rec = record_for(cfg, getattr(model, "hf_architecture", None))
+    arch = rec.hf_class
+    if not rec.gguf_writes:
         raise ValueError(f"{out}: no GGUF architecture here writes this model ({arch}; supported: "
                          f"{', '.join(WRITES)})")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope"):
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
-    why = _unwritable(cfg, arch)
+    why = rec.gguf_refuses(cfg)
     if why:
         raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
-    name = {v: k for k, v in ARCHITECTURES.items()}[arch]
+    name = rec.gguf
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
     n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
     if n_tokens != cfg.vocab_size:
@@ -380,9 +363,8 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_rope_dimension_count(cfg.rotary_dim)
-        if D * cfg.n_heads != cfg.d_model or name in ("qwen3", "gemma3"):
-            w.add_key_length(D)
-            w.add_value_length(D)
+        w.add_key_length(D)
+        w.add_value_length(D)
         if cfg.sliding_window is not None:
             w.add_sliding_window(cfg.sliding_window)
         s = cfg.rope_scaling
@@ -400,12 +382,11 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, (value, types) in meta.items():
             w.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
-        state = model.state_dict()
+        state, orders = model.state_dict(), {k: inverse(o) for k, o in row_orders(cfg, arch).items()}
         for zoo_name, parts in gguf_names(cfg, arch).items():
             pieces = state[zoo_name].detach().to("cpu", torch.float32).split([s[0] for _, s in parts], dim=0)
             for (tensor_name, _), t in zip(parts, pieces):
-                heads = _permuted_heads(tensor_name, cfg, arch)
-                x = (t if heads is None else _rope_rows(t, heads, to_file=True)).contiguous().numpy()
+                x = (t[orders[tensor_name]] if tensor_name in orders else t).contiguous().numpy()
                 if x.ndim == 1 or kind == "f32":
                     w.add_tensor(tensor_name, x)
                 elif kind == "f16" or (kind == "q8_0" and x.shape[-1] % 32):
@@ -419,19 +400,6 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w.close()
 
     return atomic_write(out, write)
-
-
-def _unwritable(cfg: LLMConfig, arch: str) -> str:
-    """What of `cfg` llama.cpp's architecture would not read back ('' when nothing): its fixed rules."""
-    pattern = [cfg.is_local(i) for i in range(cfg.n_layers)]
-    if arch == "Gemma3ForCausalLM":
-        return ("a local/global pattern but five local layers to one global" if pattern != [(i + 1) % 6 != 0
-                for i in range(cfg.n_layers)] else "local RoPE base but 10000" if cfg.rope_theta_local not in (None, 1e4)
-                else "query_pre_attn_scalar but the head size" if cfg.query_pre_attn_scalar else
-                "final soft-cap" if cfg.final_softcap else "")
-    if arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM") and any(pattern):
-        return "sliding window"
-    return "q/k/v/o biases" if cfg.attn_out_bias else ""
 
 
 def _fields_to_write(tokenizer, remembered: Optional[dict]) -> dict:

@@ -18,6 +18,7 @@ import torch
 from ..adapters import AdapterConfig, adapter_modules, apply_adapters, lora_sites
 from ..blocks.lora import LoRALinear
 from .files import atomic_write, load_tensors, save_safetensors
+from .hf_llm import inverse, read_json, record_for, row_orders
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -42,7 +43,6 @@ def exports(model) -> bool:
 
 def read_config(folder: Path) -> AdapterConfig:
     """adapter_config.json -> AdapterConfig; anything Zoo would compute differently is an error."""
-    from .hf_llm import read_json
     src = folder / CONFIG
     hf = read_json(src)
     if hf.get("peft_type") != "LORA":
@@ -66,7 +66,6 @@ def load(path, base=None, dtype=None, device=None, **kw):
     default: base_model_name_or_path of adapter_config.json). Returns the model in eval mode with
     the adapters unmerged (merge with zoo.adapters.merge_adapters)."""
     import zoo
-    from .hf_llm import read_json
     folder = Path(path)
     folder = folder.parent if folder.is_file() else folder
     cfg = read_config(folder)
@@ -95,32 +94,35 @@ def peft_names(model) -> dict[tuple[str, str], str]:
 
 def adapter_state(model, to_file: bool = False) -> dict[str, torch.Tensor]:
     """The adapters of `model` under PEFT's key names: Zoo's own tensors, or with `to_file` as the file
-    holds them (the rows of latent attention's RoPE keys and queries in DeepSeek's interleaved order)."""
-    return {k: rope_rows(model, name, t, to_file) if to_file else t for k, (name, t) in _adapter_tensors(model).items()}
+    holds them (the rows of a module whose RoPE channels the base's file interleaves, in its order)."""
+    orders = file_orders(model) if to_file else {}
+    return {k: t[inverse(orders[hf])] if hf in orders else t for k, (hf, t) in _adapter_tensors(model).items()}
 
 
 def _adapter_tensors(model) -> dict[str, tuple[str, torch.Tensor]]:
-    """PEFT key -> (Zoo module name where the tensor runs over the module's output rows, else '';
+    """PEFT key -> (the base file's weight name where the tensor runs over its module's output rows, else '';
     Zoo's tensor)."""
     mods = adapter_modules(model)
     state = {}
     for (name, part), hf in peft_names(model).items():
         m: LoRALinear = mods[name]
         state[f"{PREFIX}{hf}.lora_A.weight"] = "", m.lora_A[part]
-        state[f"{PREFIX}{hf}.lora_B.weight"] = name, m.lora_B[part]
+        state[f"{PREFIX}{hf}.lora_B.weight"] = hf + ".weight", m.lora_B[part]
         if m.dora:
-            state[f"{PREFIX}{hf}.lora_magnitude_vector"] = name, m.magnitude[part]
+            state[f"{PREFIX}{hf}.lora_magnitude_vector"] = hf + ".weight", m.magnitude[part]
     return state
 
 
-def rope_rows(model, name: str, t: torch.Tensor, to_file: bool) -> torch.Tensor:
-    """t (rows of Zoo's module `name`, ...) with the rows of latent attention's RoPE parts reordered
-    between Zoo's halves and the file's interleaved pairs (hf_llm.interleaved_rope); else t itself."""
-    if not (getattr(getattr(model, "config", None), "mla", None) and name.endswith(("attn.q_b", "attn.kv_a"))):
-        return t
-    from .hf_llm import interleaved_rope
-    key = name + ".weight"
-    return interleaved_rope({key: t.detach().reshape(t.shape[0], -1)}, model.config, to_file)[key].view(t.shape)
+def file_orders(model) -> dict:
+    """The base file's tensor name -> Zoo's order of its rows (hf_llm.row_orders), for the Hugging Face class
+    an LLM exports as; {} for other models."""
+    if getattr(model, "family", None) != "llm":
+        return {}
+    try:
+        rec = record_for(model.config, getattr(model, "hf_architecture", None))
+    except ValueError:
+        return {}
+    return row_orders(model.config, rec, getattr(model, "hf_config", None))
 
 
 @torch.no_grad()
@@ -136,8 +138,9 @@ def load_adapter_weights(model, path: Path):
         parts = [f"{what}: {', '.join(names[:4])}" + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
                  for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
         raise ValueError(f"{path}: does not match adapter_config.json and the base model: " + "; ".join(parts))
-    for k, (name, t) in _adapter_tensors(model).items():
-        t.copy_(rope_rows(model, name, found[k], to_file=False))
+    orders = file_orders(model)
+    for k, (hf, t) in _adapter_tensors(model).items():
+        t.copy_(found[k][orders[hf]] if hf in orders else found[k])
 
 
 def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:

@@ -93,18 +93,11 @@ def cast_weights(model, dtype: torch.dtype):
 
 
 def zoo_only(model) -> bool:
-    """An LLM no Hugging Face architecture holds (Mixture-of-Depths, qk-norm on a dense model, MoE
-    options none of them has) or with a trained MoE routing bias (but for DeepSeek-V3, which holds one)."""
-    from .hf_llm import architecture_for
+    """An LLM no Hugging Face class holds (hf_llm.holds: Mixture-of-Depths, ideas no one class has, a trained
+    routing bias where the class has none)."""
+    from .hf_llm import holds
     model = getattr(model, "_orig_mod", model)
-    if getattr(model, "family", None) != "llm":
-        return False
-    try:
-        arch = architecture_for(model.config, getattr(model, "hf_architecture", None))
-    except ValueError:
-        return True
-    return arch != "DeepseekV3ForCausalLM" and any(b.score_bias is not None and bool(b.score_bias.any())
-                                                   for b in model.moe_blocks())
+    return getattr(model, "family", None) == "llm" and bool(holds(model))
 
 
 def exports(model) -> bool:
