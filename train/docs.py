@@ -166,6 +166,20 @@ def llm_presets_table() -> dict:
             "rows": rows}
 
 
+def convnet_presets_table() -> dict:
+    """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says it is and its
+    parameters."""
+    import torch
+
+    import zoo
+    rows = []
+    for path in sorted((ROOT / "configs" / "convnet").glob("*.yaml")):
+        with torch.device("meta"):
+            model = zoo.build(path)
+        rows.append([f"`{path.name}`", _summary(path), _count(model.num_params())])
+    return {"columns": ["file", "what", "parameters"], "rows": rows}
+
+
 def convnet_archs_table() -> dict:
     """docs/convnet.md's kinds: every `model.arch` of zoo/config.py's CONVNET_KINDS, per kind."""
     from zoo.config import CONVNET_KINDS
@@ -191,8 +205,26 @@ def dit_presets_table() -> dict:
             "rows": rows}
 
 
+def samplers_table() -> dict:
+    """docs/diffusion.md's samplers (zoo/diffusion/samplers.py): what runs each and the predictions it takes
+    (those check_sampler accepts)."""
+    from zoo.config import DiffusionConfig
+    from zoo.diffusion.samplers import DIFFUSERS, SAMPLERS, check_sampler
+    predictions = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"])
+    rows = []
+    for name in SAMPLERS:
+        if name in DIFFUSERS:
+            cls, extra, _ = DIFFUSERS[name]
+            what = f"diffusers `{cls}`" + (f" ({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else "")
+        else:
+            what = "Zoo (zoo/diffusion/schedule.py), torch only"
+        rows.append([f"`{name}`", what, ", ".join(p for p in predictions if check_sampler(name, p) is None)])
+    return {"columns": ["`model.sampler`", "implementation", "predictions"], "rows": rows}
+
+
 CODE_TABLES = {"pretrained": pretrained_table, "parallel": parallel_table, "llm_presets": llm_presets_table,
-               "convnet_archs": convnet_archs_table, "dit_presets": dit_presets_table}
+               "convnet_presets": convnet_presets_table, "convnet_archs": convnet_archs_table,
+               "dit_presets": dit_presets_table, "samplers": samplers_table}
 
 
 def config_classes() -> dict[str, type]:
