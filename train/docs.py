@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 REGION = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
-TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w.-]+))? -->\n)(.*?)(<!-- /table -->)", re.S)
+TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w. -]+?))? -->\n)(.*?)(<!-- /table -->)", re.S)
 CODE = re.compile(r"(<!-- code:(\w+) -->\n)(.*?)(<!-- /code -->)", re.S)
 
 
