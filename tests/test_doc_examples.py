@@ -10,6 +10,9 @@ comes from INPUTS; SHRINK is how an example is shrunk here: a textual substituti
 contains; an entry that matches no block fails the test, so they cannot go stale. A block that needs more
 than a few seconds is in SLOW and runs in the slow tier only.
 
+```yaml blocks: each is a run config, whole or in part, and loads through load_run_config (the sections it
+leaves out take their defaults).
+
 ```bash blocks: every `python train/PROGRAM.py ...` line (also after `torchrun ...`) is parsed as the
 program parses it: run.py and prepare.py through load_run_config (the config, the overrides and the checks
 across sections; init_from paths exist in the world), chat.py / eval.py / predict.py / plan.py and each
@@ -32,9 +35,10 @@ import torch
 
 import zoo
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on a busy machine
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.S | re.M)
+BLOCK = re.compile(r"^```(python|bash|yaml)\n(.*?)^```", re.S | re.M)
 CUDA = torch.cuda.is_available()
 
 # (page, a text of the block) -> the code that makes the block's inputs (run before it, same namespace)
@@ -58,9 +62,12 @@ INPUTS = {
 }
 # (page, a text of the block) -> [(old, new), ...]: how the block is shrunk here
 SHRINK = {
+    ("README.md", "smollm-135m.yaml"): [('smollm-135m.yaml")', 'smollm-135m.yaml", n_layers=2)')],
     ("llm.md", "model.generate(prompt_ids"): [("max_new_tokens=100", "max_new_tokens=4"),
                                              ("max_new_tokens=500, compile=True", "max_new_tokens=4")],
     ("convnet.md", "forward_features"): [("224, 224", "64, 64")],
+    ("pretrained.md", "max_new_tokens=50"): [("max_new_tokens=50", "max_new_tokens=4")],
+    ("pretrained.md", "load_tokenizer(model)"): [("torch.tensor([ids]), 64,", "torch.tensor([ids]), 4,")],
     ("deploy.md", "int4wo"): [("model.generate(ids, 128)", "model.generate(ids, 4)")],
 }
 NO_CUDA = [('device="cuda"', 'device="cpu"')]  # without CUDA, any block: a CUDA device becomes the CPU
@@ -154,7 +161,8 @@ def make_world(w: Path):
         zoo.save_pretrained(llm, w / name, tokenizer=tok)
     zoo.save_pretrained(zoo.from_pretrained(w / "model.gguf"), w / "path/to/hf_folder", tokenizer=tok)
     train_sentencepiece([TEXT], 340, w / "path/to/tokenizer.model", log=lambda s: None)
-    zoo_folder.save(small_llm(2048), w / "runs/tiny")
+    for run in ("runs/tiny", "runs/tiny-sft"):
+        zoo_folder.save(small_llm(2048), w / run)
     zoo_folder.save(small_llm(2048, mod_capacity=0.25, mod_every=2), w / "runs/mod")
     # ConvNets: timm / torchvision files, a run folder with its preprocessing and an image
     tiny_resnet = zoo.build({"family": "convnet", "model": {"arch": "resnet18", "layers": [1, 1, 1, 1], "width": 8}})
@@ -198,6 +206,7 @@ def test_python_example_runs(page, code, world, monkeypatch):
     monkeypatch.chdir(world)
     monkeypatch.syspath_prepend(str(world))
     monkeypatch.delitem(sys.modules, "norm", raising=False)
+    inputs = entry(INPUTS, page, code) or ""
     for old, new in entry(SHRINK, page, code) or []:
         assert old in code, (page, old)
         code = code.replace(old, new)
@@ -206,7 +215,7 @@ def test_python_example_runs(page, code, world, monkeypatch):
     namespace = {"torch": torch, "zoo": zoo, "__name__": "__doc_example__"}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        exec(compile(entry(INPUTS, page, code) or "", f"<inputs of {page}>", "exec"), namespace)
+        exec(compile(inputs, f"<inputs of {page}>", "exec"), namespace)
         exec(compile(code, f"<{page} example>", "exec"), namespace)
 
 
@@ -261,6 +270,15 @@ def test_shell_command_parses(page, argv, world, monkeypatch):
     check_command(argv, world, monkeypatch)
 
 
+@pytest.mark.parametrize("page,text", [pytest.param(page, code, id=f"{page}:{line}") for page, line, code in blocks("yaml")])
+def test_yaml_example_is_a_run_config(page, text, world, monkeypatch):
+    import yaml
+
+    from train.config import load_run_config
+    monkeypatch.chdir(world)
+    load_run_config(None, base=yaml.safe_load(text))
+
+
 def test_a_broken_example_fails(world, monkeypatch):
     """The checks above catch a wrong key, a wrong argument and a wrong call."""
     from zoo.config import ConfigError
@@ -269,5 +287,7 @@ def test_a_broken_example_fails(world, monkeypatch):
         check_command(["python", "train/run.py", "configs/llm/tiny.yaml", "train.max_stepz=2"], world, monkeypatch)
     with pytest.raises(SystemExit):
         check_command(["python", "train/chat.py", "runs/tiny", "--temprature", "0.8"], world, monkeypatch)
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="n_layerz"):
         test_python_example_runs("llm.md", "zoo.build('configs/llm/tiny.yaml', n_layerz=2)", world, monkeypatch)
+    with pytest.raises(AttributeError):
+        test_python_example_runs("llm.md", "zoo.build('configs/llm/tiny.yaml').generat()", world, monkeypatch)

@@ -139,7 +139,7 @@ def _count(n: int) -> str:
 def _summary(path: Path) -> str:
     """The first line of a config's header comment, up to its first ':' or ' (' (what the file is)."""
     first = path.read_text().split("\n", 1)[0].lstrip("# ").strip()
-    return re.split(r":|\s\(", first, maxsplit=1)[0]
+    return re.sub(r" shape$", "", re.split(r":|\s\(", first, maxsplit=1)[0])
 
 
 def llm_presets_table() -> dict:
@@ -162,7 +162,7 @@ def llm_presets_table() -> dict:
         total, active = model.num_params(), model.num_params(active=True)
         rows.append([f"`{path.name}`", _summary(path), ", ".join(shape),
                      _count(total) + (f" ({_count(active)} active)" if active != total else "")])
-    return {"columns": ["file", "what", "layers x d_model, heads (query / key-value), experts", "parameters"],
+    return {"columns": ["file", "what", "layers x d_model, query / key-value heads, experts", "parameters"],
             "rows": rows}
 
 
