@@ -156,7 +156,8 @@ def make_world(w: Path):
     # LLMs: a GGUF file (and the names the examples give it), a Hugging Face folder, Zoo run folders
     tok = gguf_tokenizer(w)
     llm = small_llm(tok.vocab_size)
-    for name in ("model.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", "source.gguf", "PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf"):
+    for name in ("model.gguf", "source.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                 "PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf"):
         (w / name).parent.mkdir(parents=True, exist_ok=True)
         zoo.save_pretrained(llm, w / name, tokenizer=tok)
     zoo.save_pretrained(zoo.from_pretrained(w / "model.gguf"), w / "path/to/hf_folder", tokenizer=tok)
@@ -171,7 +172,8 @@ def make_world(w: Path):
     atto = zoo.build({"family": "convnet", "model": {"arch": "convnext_atto"}})
     zoo.save_pretrained(atto, w / "convnext_atto.pth")
     zoo.save_pretrained(atto, w / "convnext_atto.safetensors")
-    zoo.save_pretrained(zoo.build({"family": "convnet", "model": {"arch": "efficientnet_b0"}}), w / "efficientnet_b0.ra_in1k")
+    effnet = zoo.build({"family": "convnet", "model": {"arch": "efficientnet_b0"}})
+    zoo.save_pretrained(effnet, w / "efficientnet_b0.ra_in1k")
     digits = zoo.build({"family": "convnet", "model": {"arch": "resnet18", "layers": [1, 1, 1, 1], "width": 8,
                                                        "in_chans": 1, "num_classes": 10, "stem": "small"}})
     for run in ("runs/imgs", "runs/resnet-digits"):
@@ -270,7 +272,8 @@ def test_shell_command_parses(page, argv, world, monkeypatch):
     check_command(argv, world, monkeypatch)
 
 
-@pytest.mark.parametrize("page,text", [pytest.param(page, code, id=f"{page}:{line}") for page, line, code in blocks("yaml")])
+@pytest.mark.parametrize("page,text", [pytest.param(page, code, id=f"{page}:{line}")
+                                       for page, line, code in blocks("yaml")])
 def test_yaml_example_is_a_run_config(page, text, world, monkeypatch):
     import yaml
 

@@ -201,8 +201,8 @@ def dit_presets_table() -> dict:
         with torch.device("meta"):
             n = DiT(DiTConfig(preset=name, patch_size=2, learn_sigma=True), 4, 1000, 32).num_params()
         rows.append([f"`{name}`", str(depth), str(width), str(heads), _count(n)])
-    return {"columns": ["preset", "depth", "width", "heads", "parameters (patch 2, 4 channels, learned sigma, 1000 classes)"],
-            "rows": rows}
+    return {"columns": ["preset", "depth", "width", "heads",
+                        "parameters (patch 2, 4 channels, learned sigma, 1000 classes)"], "rows": rows}
 
 
 def samplers_table() -> dict:
