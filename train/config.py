@@ -30,7 +30,7 @@ QAT_SCHEMES = {"int8": "int8wo", "int4": "int4wo", "8da4w": "8da4w"}  # train.qa
 @dataclass
 class TrainConfig:
     # -- the run and its length
-    out_dir: str = "runs/default"           # where metrics, checkpoints and the final `model.safetensors` go
+    out_dir: str = "runs/default"           # where metrics, checkpoints and the final weights go
     max_steps: int = bounded(1000, gt=0)    # optimizer steps
     device: str = "auto"                    # `auto` (cuda, then mps, then cpu), `cpu`, `cuda`, `cuda:N`, `mps`
     seed: int = 0                           # seeds init and data order
