@@ -6,9 +6,10 @@ folder a temporary "world" where every path the examples name exists: `configs/`
 timm / torchvision weights, a TAESD pair, a diffusers DiT folder; a file's name says what it would hold
 in real use, its content is small). What a block uses without making it (its inputs: `x`, `images`, ...)
 comes from INPUTS; SHRINK is how an example is shrunk here: a textual substitution (a shape, a length,
-`compile=True`, a CUDA device where there is none). Both tables are keyed by the page and a text the block
-contains; an entry that matches no block fails the test, so they cannot go stale. A block that needs more
-than a few seconds is in SLOW and runs in the slow tier only.
+`compile=True`), and ON_CPU turns a CUDA device of any block into the CPU, where these examples run. Both
+tables are keyed by the page and a text the block contains; an entry that matches no block fails the
+test, so they cannot go stale. A block that needs more than a few seconds is in SLOW and runs in the
+slow tier only.
 
 ```yaml blocks: each is a run config, whole or in part, and loads through load_run_config (the sections it
 leaves out take their defaults).
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(python|bash|yaml)\n(.*?)^```", re.S | re.M)
-CUDA = torch.cuda.is_available()
+DEVICES_NAMED = True  # conftest: under ZOO_TEST_DEVICE=cuda too, the examples run on the CPU (ON_CPU)
 
 # (page, a text of the block) -> the code that makes the block's inputs (run before it, same namespace)
 INPUTS = {
@@ -70,7 +71,7 @@ SHRINK = {
     ("pretrained.md", "load_tokenizer(model)"): [("torch.tensor([ids]), 64,", "torch.tensor([ids]), 4,")],
     ("deploy.md", "int4wo"): [("model.generate(ids, 128)", "model.generate(ids, 4)")],
 }
-NO_CUDA = [('device="cuda"', 'device="cpu"')]  # without CUDA, any block: a CUDA device becomes the CPU
+ON_CPU = [('device="cuda"', 'device="cpu"')]  # any block: the examples run on the CPU here, a CUDA device too
 SLOW = {("deploy.md", "compile_frozen"): "PT2E int8 quantization and an inductor compile of a ResNet"}
 SKIP_LINES = ("pip ", "cp ", "python -m pytest", "ZOO_TEST_DEVICE=")
 
@@ -212,7 +213,7 @@ def test_python_example_runs(page, code, world, monkeypatch):
     for old, new in entry(SHRINK, page, code) or []:
         assert old in code, (page, old)
         code = code.replace(old, new)
-    for old, new in [] if CUDA else NO_CUDA:
+    for old, new in ON_CPU:
         code = code.replace(old, new)
     namespace = {"torch": torch, "zoo": zoo, "__name__": "__doc_example__"}
     with torch.random.fork_rng(devices=[]):
