@@ -4,6 +4,8 @@ renders now (`python -m train.docs --check`), every config dataclass has a key t
 has the fields the renderer reads, and the check names a region that disagrees."""
 import dataclasses
 import json
+import re
+import typing
 
 import pytest
 
@@ -116,3 +118,56 @@ def test_the_parallel_table_names_tests_that_exist():
             key, case = re.fullmatch(r"(\w+)(?:\[([\w-]+)\])?(?: \(.*\))?", ref).groups()
             assert key in PARALLEL_TESTS, (row, ref)
             assert case is None or all(f'"{part}"' in source for part in case.split("-")), (row, ref)
+
+
+def test_a_table_key_may_hold_spaces(tmp_path):
+    """<!-- table:NAME/KEY --> with a key such as "training bf16" renders that table alone."""
+    result = {"command": "python train/bench.py x", "machine": "a CPU", "date": "today", "data": {},
+              "tables": {"training bf16": {"columns": ["k"], "rows": [["bf16"]]},
+                         "training fp32": {"columns": ["k"], "rows": [["fp32"]]}}}
+    (tmp_path / "x.json").write_text(json.dumps(result))
+    text, changed = update("<!-- table:x/training bf16 -->\n<!-- /table -->", {}, results=tmp_path)
+    assert changed == ["table:x/training bf16"] and "| bf16 |" in text and "fp32" not in text
+
+
+def first_column(page: str, header: str) -> list[str]:
+    """The first cell's first `code` of each row of the table of docs/PAGE whose header row starts with
+    `header`, quotes and a `:ARG` part left out (`"f16"` -> f16, `format:REGEX` -> format)."""
+    lines = (DOCS / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    names = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        code = re.search(r"`([^`]+)`", line.split("|")[1])
+        names.append(code.group(1).strip('"').split(":")[0])
+    return names
+
+
+def literal(cls, key: str) -> list[str]:
+    return list(typing.get_args(typing.get_type_hints(cls)[key]))
+
+
+def test_hand_written_lists_of_choices_are_the_code_s():
+    """The tables that explain each choice of a key by hand (what each does is prose no code holds) name
+    exactly the choices the code has, so a choice added or removed fails here until the table follows."""
+    from train.config import TrainConfig
+    from train.data import TextDataConfig
+    from train.data.conversations import FORMATS
+    from train.data.prompts import BUILTIN
+    from train.optim import OPTIMIZERS
+    from train.tasks.dpo import PreferenceDataConfig
+    from train.tasks.rl import RLConfig
+    from zoo.quantization import SCHEMES
+    from zoo.weights.gguf_llm import WRITE_TYPES
+    cases = [("llm.md", "| name | what runs |", list(OPTIMIZERS)),
+             ("pretrained.md", "| `dtype` |", list(WRITE_TYPES)),
+             ("deploy.md", "| scheme |", list(SCHEMES)),
+             ("post-training.md", "| `data.format` |", list(FORMATS)),
+             ("post-training.md", "| `data.loss` |", literal(PreferenceDataConfig, "loss")),
+             ("post-training.md", "| `rl.algorithm` |", literal(RLConfig, "algorithm")),
+             ("post-training.md", "| name | reward |", [*BUILTIN, "format", "length", "module"]),
+             ("data.md", "| `data.boundary` |", literal(TextDataConfig, "boundary")),
+             ("distributed.md", "| `train.parallel` |", literal(TrainConfig, "parallel"))]
+    for page, header, names in cases:
+        assert sorted(first_column(page, header)) == sorted(names), (page, header)

@@ -30,7 +30,7 @@ QAT_SCHEMES = {"int8": "int8wo", "int4": "int4wo", "8da4w": "8da4w"}  # train.qa
 @dataclass
 class TrainConfig:
     # -- the run and its length
-    out_dir: str = "runs/default"           # where metrics, checkpoints and the final `model.safetensors` go
+    out_dir: str = "runs/default"           # where metrics, checkpoints and the final weights go
     max_steps: int = bounded(1000, gt=0)    # optimizer steps
     device: str = "auto"                    # `auto` (cuda, then mps, then cpu), `cpu`, `cuda`, `cuda:N`, `mps`
     seed: int = 0                           # seeds init and data order
@@ -104,9 +104,12 @@ class TrainConfig:
     eval_batches: int = bounded(20, gt=0)   # validation batches per evaluation
     samples: bool = True                    # generate samples at the end (printed and written to `samples.txt`)
     # -- fine-tuning from weights
-    init_from: Optional[str] = None         # a Hugging Face or Zoo folder to fine-tune from; its architecture replaces
-                                            # `model:` (how it runs still comes from `train:`)
-    export: bool = True                     # at the end, write the model back in its pretrained format (`out_dir/hf`)
+    init_from: Optional[str] = None         # the weights to fine-tune from (an LLM: a Hugging Face or Zoo folder, or a
+                                            # GGUF file); their architecture replaces `model:` (how it runs still comes
+                                            # from `train:`)
+    export: bool = True                     # with `init_from`, at the end: write the model back in its pretrained
+                                            # format (an LLM: `out_dir/hf`, else `out_dir/zoo`; an adapter run only with
+                                            # `adapter.export_merged`)
     # -- optional: weight averaging
     ema_decay: Optional[float] = bounded(None, gt=0, lt=1)  # keep an exponential moving average of the weights;
                                             # evaluated beside them (`ema_*` metrics)

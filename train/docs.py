@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
 REGION = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
-TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w.-]+))? -->\n)(.*?)(<!-- /table -->)", re.S)
+TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w. -]+?))? -->\n)(.*?)(<!-- /table -->)", re.S)
 CODE = re.compile(r"(<!-- code:(\w+) -->\n)(.*?)(<!-- /code -->)", re.S)
 
 
@@ -132,7 +132,101 @@ def parallel_table() -> dict:
             "notes": notes}
 
 
-CODE_TABLES = {"pretrained": pretrained_table, "features": features_table, "parallel": parallel_table}
+def _count(n: int) -> str:
+    """A parameter count as 3.48M, 1.24B (three significant digits)."""
+    unit, div = ("B", 1e9) if n >= 0.9995e9 else ("M", 1e6)
+    return f"{n / div:.3g}{unit}"
+
+
+def _summary(path: Path) -> str:
+    """The first line of a config's header comment, up to its first ':' or ' (' (what the file is)."""
+    first = path.read_text().split("\n", 1)[0].lstrip("# ").strip()
+    return re.sub(r" shape$", "", re.split(r":|\s\(", first, maxsplit=1)[0])
+
+
+def llm_presets_table() -> dict:
+    """docs/llm.md's presets: each configs/llm/*.yaml, what its header comment says it is, its shape and
+    its parameters (built on the meta device)."""
+    import torch
+
+    import zoo
+    rows = []
+    for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
+        with torch.device("meta"):
+            model = zoo.build(path)
+        c = model.config
+        shape = [f"{c.n_layers} x {c.d_model}", f"{c.n_heads} / {c.resolved_n_kv_heads} heads"
+                 + (" (latent attention)" if c.mla else "")]
+        if c.moe is not None:
+            shape.append(f"{c.moe.n_experts} experts of {c.resolved_expert_hidden}, top-{c.moe.top_k}")
+        if c.mod_capacity:
+            shape.append(f"Mixture-of-Depths {c.mod_capacity:g} every {c.mod_every}")
+        total, active = model.num_params(), model.num_params(active=True)
+        rows.append([f"`{path.name}`", _summary(path), ", ".join(shape),
+                     _count(total) + (f" ({_count(active)} active)" if active != total else "")])
+    return {"columns": ["file", "what", "layers x d_model, query / key-value heads, experts", "parameters"],
+            "rows": rows}
+
+
+def convnet_presets_table() -> dict:
+    """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says it is and its
+    parameters."""
+    import torch
+
+    import zoo
+    rows = []
+    for path in sorted((ROOT / "configs" / "convnet").glob("*.yaml")):
+        with torch.device("meta"):
+            model = zoo.build(path)
+        rows.append([f"`{path.name}`", _summary(path), _count(model.num_params())])
+    return {"columns": ["file", "what", "parameters"], "rows": rows}
+
+
+def convnet_archs_table() -> dict:
+    """docs/convnet.md's kinds: every `model.arch` of zoo/config.py's CONVNET_KINDS, per kind."""
+    from zoo.config import CONVNET_KINDS
+    files = {"resnet": "resnet.py", "convnext": "convnext.py", "efficientnet": "efficientnet.py",
+             "mobilenetv3": "mobilenetv3.py"}
+    return {"columns": ["kind", "`model.arch`"],
+            "rows": [[f"{kind} (`{files.get(kind, '-')}`)", ", ".join(archs)] for kind, archs in CONVNET_KINDS.items()]}
+
+
+def dit_presets_table() -> dict:
+    """docs/diffusion.md's DiT presets (zoo/config.py's DIT_PRESETS) and their parameters at patch 2, 4 latent
+    channels, learned sigma and 1000 classes (DiT-XL/2's setting; built on the meta device)."""
+    import torch
+
+    from zoo.config import DIT_PRESETS, DiTConfig
+    from zoo.diffusion.dit import DiT
+    rows = []
+    for name, (depth, width, heads) in DIT_PRESETS.items():
+        with torch.device("meta"):
+            n = DiT(DiTConfig(preset=name, patch_size=2, learn_sigma=True), 4, 1000, 32).num_params()
+        rows.append([f"`{name}`", str(depth), str(width), str(heads), _count(n)])
+    return {"columns": ["preset", "depth", "width", "heads",
+                        "parameters (patch 2, 4 channels, learned sigma, 1000 classes)"], "rows": rows}
+
+
+def samplers_table() -> dict:
+    """docs/diffusion.md's samplers (zoo/diffusion/samplers.py): what runs each and the predictions it takes
+    (those check_sampler accepts)."""
+    from zoo.config import DiffusionConfig
+    from zoo.diffusion.samplers import DIFFUSERS, SAMPLERS, check_sampler
+    predictions = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"])
+    rows = []
+    for name in SAMPLERS:
+        if name in DIFFUSERS:
+            cls, extra, _ = DIFFUSERS[name]
+            what = f"diffusers `{cls}`" + (f" ({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else "")
+        else:
+            what = "Zoo (zoo/diffusion/schedule.py), torch only"
+        rows.append([f"`{name}`", what, ", ".join(p for p in predictions if check_sampler(name, p) is None)])
+    return {"columns": ["`model.sampler`", "implementation", "predictions"], "rows": rows}
+
+
+CODE_TABLES = {"pretrained": pretrained_table, "features": features_table, "parallel": parallel_table,
+               "llm_presets": llm_presets_table, "convnet_presets": convnet_presets_table,
+               "convnet_archs": convnet_archs_table, "dit_presets": dit_presets_table, "samplers": samplers_table}
 
 
 def config_classes() -> dict[str, type]:

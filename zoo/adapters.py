@@ -46,7 +46,7 @@ class AdapterConfig:
     prefix_len: int = bounded(16, gt=0)     # `prefix`: learned key/value vectors per layer (not with
                                             # `model.sliding_window`)
     export_merged: bool = False             # at the end, also merge the adapters into the weights and export them as
-                                            # `train.export` does (`out_dir/hf/`); not for `prefix`
+                                            # `train.export` does; not for `prefix`
 
     def validate(self, source, prefix="adapter."):
         if self.method in ("lora", "dora") and not self.targets:
