@@ -69,25 +69,23 @@ _DEFAULTS = {
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "sliding_window": 4096,
                           "head_dim": 256, "query_pre_attn_scalar": 256, "rope_theta": 1e6, "rope_local_base_freq": 1e4},
     "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": None,
-                           "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2,
-                           "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
+                           "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2},
     "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16, "sliding_window": 4096,
                             "max_window_layers": 28, "num_experts": 60, "num_experts_per_tok": 4,
                             "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-                            "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
+                            "norm_topk_prob": False, "decoder_sparse_step": 1},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
                             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                            "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
+                            "norm_topk_prob": False, "decoder_sparse_step": 1},
 }
 _DEFAULTS["GptOssForCausalLM"] = {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 128,
                                   "head_dim": 64, "rope_theta": 150000.0, "num_local_experts": 128,
-                                  "num_experts_per_tok": 4, "router_aux_loss_coef": 0.001, "swiglu_limit": 7.0}
+                                  "num_experts_per_tok": 4, "swiglu_limit": 7.0}
 _DEFAULTS["DeepseekV3ForCausalLM"] = {"max_position_embeddings": 4096, "num_key_value_heads": None, "n_routed_experts": 256,
                                       "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
                                       "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
                                       "moe_intermediate_size": 2048, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                                      "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-                                      "router_aux_loss_coef": 0.001}
+                                      "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -242,11 +240,9 @@ def _moe_from_hf(hf: dict, arch: str, n_layers: int, source: str) -> dict:
         raise ConfigError(f"{source}: num_experts={n_experts!r} is not supported (a MoE model needs experts)")
     # transformers adds the load-balancing loss in training only with output_router_logits
     moe = dict(n_experts=n_experts, top_k=get("num_experts_per_tok"),
-               balance="aux_loss" if hf.get("output_router_logits") else "none",
-               aux_loss_coef=float(get("router_aux_loss_coef")), z_loss_coef=0.0)
+               balance="aux_loss" if hf.get("output_router_logits") else "none")
     if arch == "MixtralForCausalLM":
-        moe.update(norm_topk_prob=True, expert_hidden=hf["intermediate_size"],
-                   router_jitter=float(get("router_jitter_noise") or 0.0))
+        moe.update(norm_topk_prob=True, expert_hidden=hf["intermediate_size"])
         return moe
     if arch == "DeepseekV3ForCausalLM":  # sigmoid scores, group-limited, a routing bias, shared experts
         F = get("moe_intermediate_size")
@@ -304,7 +300,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         ffn_hidden=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         qkv_bias=bias or arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))),
-        attn_out_bias=bias, sliding_window=window, attn_pattern=pattern, init_std=hf.get("initializer_range", 0.02),
+        attn_out_bias=bias, sliding_window=window, attn_pattern=pattern,
         qk_norm="proj" if arch == "Olmo2ForCausalLM" else arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                                                     "Gemma3ForCausalLM"),
         norm_placement="sandwich" if gemma else "post" if arch == "Olmo2ForCausalLM" else "pre",
@@ -435,7 +431,7 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         "num_key_value_heads": cfg.resolved_n_kv_heads, "head_dim": cfg.resolved_head_dim,
         "hidden_act": "gelu_pytorch_tanh" if cfg.mlp_act == "gelu_tanh" else "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": rope, "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rotary_fraction,
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling else None,
         "dtype": str(dtype).removeprefix("torch."), "use_cache": True,
@@ -479,14 +475,11 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
                   rope_local_base_freq=local)
     if cfg.moe is not None:
         m = cfg.moe
-        hf.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
-                  output_router_logits=m.balance == "aux_loss", attention_dropout=0.0)
+        hf.update(num_experts_per_tok=m.top_k, output_router_logits=m.balance == "aux_loss", attention_dropout=0.0)
         if arch == "DeepseekV3ForCausalLM":
             pass
         elif arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
             hf.update(num_local_experts=m.n_experts, intermediate_size=cfg.resolved_expert_hidden)
-            if arch == "MixtralForCausalLM":
-                hf["router_jitter_noise"] = m.router_jitter
         else:
             hf.update(num_experts=m.n_experts, moe_intermediate_size=cfg.resolved_expert_hidden,
                       norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.sparse_every,
