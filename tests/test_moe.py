@@ -233,8 +233,8 @@ def test_grouped_mm_support_table():
 
 
 def test_jitter_matches_mixtral_in_training():
-    """router_jitter is Mixtral's router_jitter_noise: the same noise (same generator state)
-    multiplies the input of the router and the experts, in training only."""
+    """The block's jitter (train.moe_router_jitter) is Mixtral's router_jitter_noise: the same noise (same
+    generator state) multiplies the input of the router and the experts, in training only."""
     import transformers.models.mixtral.modeling_mixtral as mixtral
     import transformers
     cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=6,
