@@ -141,9 +141,8 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
         checkpoint_units(units, "none")
     if hasattr(model, "chunked_loss"):
         model.chunked_loss, model.loss_chunk_size = t.chunked_loss, t.loss_chunk_size
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.capacity_factor, m.jitter, m.dispatch = t.moe_capacity_factor, t.moe_router_jitter, t.moe_dispatch
+    for m in filter(lambda m: isinstance(m, MoE), model.modules()):
+        m.capacity_factor, m.jitter, m.dispatch = t.moe_capacity_factor, t.moe_router_jitter, t.moe_dispatch
     return model
 
 

@@ -144,13 +144,11 @@ def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
 
 
 def without_moved(cls, data: dict) -> dict:
-    """`data` without the keys that moved out of dataclass `cls` and its nested configs (`moved`): what a
-    folder written before they moved still holds."""
-    hints, moved = typing.get_type_hints(cls), getattr(cls, "moved", {})
-    nested = {k: next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
-              for k, tp in hints.items()}
-    return {k: without_moved(nested[k], v) if nested.get(k) and isinstance(v, dict) else v
-            for k, v in data.items() if k not in moved}
+    """`data` less the keys that moved out of dataclass `cls` and its nested configs (what older folders hold)."""
+    sub = {k: next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+           for k, tp in typing.get_type_hints(cls).items()}
+    return {k: without_moved(sub[k], v) if isinstance(v, dict) and sub.get(k) else v
+            for k, v in data.items() if k not in getattr(cls, "moved", {})}
 
 
 def did_you_mean(key: str, names, prefix: str = "") -> str:
@@ -346,15 +344,13 @@ class MoEConfig:
                                             # (DeepSeek-V3)
     norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
-                                            # `train.moe_aux_loss_coef`), `bias` (DeepSeek-V3's loss-free routing
-                                            # bias), `none`
+                                            # `train.moe_aux_loss_coef`), `bias` (DeepSeek-V3's loss-free bias), `none`
     bias: bool = False                      # biases on the router and the experts (GPT-OSS)
     swiglu_limit: Optional[float] = bounded(None, gt=0)  # clamped SwiGLU experts (GPT-OSS): gate <= L, up in [-L,
                                             # L], gate * sigmoid(1.702 gate) * (up + 1); null = plain SwiGLU
     n_groups: int = bounded(1, gt=0)        # expert groups for group-limited routing (DeepSeek-V3); 1 = off
     topk_groups: int = bounded(1, gt=0)     # groups a token's experts may come from (<= `n_groups`)
     routed_scale: float = bounded(1.0, gt=0)  # the routed experts' weights are multiplied by it (DeepSeek-V3)
-    # how the experts train and run is not part of the architecture: these keys live in the run config's train:
     moved: ClassVar[dict] = {k: f"train.moe_{k}" for k in ("aux_loss_coef", "z_loss_coef", "bias_update_rate",
                                                            "capacity_factor", "router_jitter", "dispatch")}
 
@@ -438,8 +434,7 @@ class LLMConfig:
     mod_every: int = bounded(2, gt=0)       # layer i (from 0) is a MoD block when (i + 1) % mod_every == 0 (2: layers
                                             # 1, 3, 5, ...); at most `n_layers`
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
-                                            # cross-entropy on the router logit) or `predictor` (a small MLP); its
-                                            # weight: `train.mod_aux_loss_coef`
+                                            # cross-entropy on the router logit) or `predictor` (a small MLP)
     # how a model trains and runs is not part of its architecture: these keys live in the run config's train:
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
                              "checkpoint_every": "train.activation_checkpointing_every",

@@ -5,8 +5,7 @@
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; a chunked loss.
 `config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
 (blocks/mod.py), their statistics from `return_aux=True`. `doc_ids=` and `position_ids=` (B, T)
-for packed documents. How the model trains and runs (attention backend, checkpointing, the MoE's capacity,
-jitter and dispatch, the init's std, the weights of the routing losses) is set from outside.
+for packed documents. How it trains and runs (attention, checkpointing, MoE routing, losses' weights) is set outside.
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ class Distill(NamedTuple):
 
 
 def moe_block(cfg: LLMConfig) -> MoE:
-    """A sparse layer; how it trains and runs (capacity, jitter, dispatch) is set from outside (train/)."""
     m = cfg.moe
     return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
                m.n_shared, m.shared_hidden, m.shared_gate, bias_balancing=m.balance == "bias", bias=m.bias,
@@ -129,7 +127,6 @@ class LLM(nn.Module):
             if cfg.rope_theta_local is not None else None
 
     def reset_parameters(self, init_std: float = 0.02):
-        """Normal weights of std `init_std` (the residual projections': / sqrt(2 n_layers)); norms 1, biases 0."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
@@ -147,7 +144,7 @@ class LLM(nn.Module):
                 doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 key_mask: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets: (logits, loss), logits None under the chunked
-        loss; `distill`: the distillation loss; return_aux=True appends {`moe_aux`, `mod_aux`}. mod_causal:
+        loss; `distill`: the distillation loss; return_aux=True appends `routing_aux`. mod_causal:
         MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches).
         key_mask (B, T) bool: the tokens attention may use as keys (False: left padding; needs masked caches)."""
         B, T = input_ids.shape
@@ -176,7 +173,7 @@ class LLM(nn.Module):
                 loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
             out = (logits, loss)
         if return_aux:
-            out = out + ({**self.moe_aux(stats), **(self.mod_aux(mod_stats) if mod_stats else {})},)
+            out = out + (self.routing_aux(stats, mod_stats),)
         return out[0] if len(out) == 1 else out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -230,22 +227,17 @@ class LLM(nn.Module):
             self._record_routing(stats, mod_stats)
         return self.norm(x), stats, mod_stats
 
-    def moe_aux(self, stats: list) -> dict:
-        """The sparse layers' routing statistics -> {'lb_loss', 'z_loss', 'dropped' (L,), 'load' (L, E)}, L the
-        sparse layers; {} when dense. The training task weighs the losses (train/tasks/lm.py)."""
-        keys = ("lb_loss", "z_loss", "load", "dropped") if stats else ()
-        return {k: torch.stack([s[k] for s in stats]) for k in keys}
-
-    # ------------------------------------------------------------------ Mixture-of-Depths
-    def mod_aux(self, mod_stats: list) -> dict:
-        """The MoD blocks' statistics -> {'mod_decision_loss' (mean decision cross-entropy), 'mod_routed',
-        'mod_decided', 'mod_accuracy' (L,), and with top-k routing 'mod_decide' (L, B, T)} (blocks/mod.py)."""
-        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
-        if all("decide" in s for s in mod_stats):  # top-k routing: the decision logits, (L, B, T)
-            aux["mod_decide"] = torch.stack([s["decide"] for s in mod_stats])
-        aux["mod_decision_loss"] = torch.stack([s["aux_loss"] for s in mod_stats]).mean()
+    def routing_aux(self, stats: list, mod_stats: list) -> dict:
+        """return_aux's statistics, unweighted (train/ weighs the losses): MoE 'lb_loss', 'z_loss', 'dropped' (L,),
+        'load' (L, E); MoD 'mod_decision_loss' (the mean), 'mod_routed', 'mod_decided', 'mod_accuracy', 'mod_decide'."""
+        aux = {k: torch.stack([s[k] for s in stats]) for k in ("lb_loss", "z_loss", "load", "dropped") if stats}
+        mod = [k for k in ("routed", "decided", "accuracy", "decide") if mod_stats and all(k in s for s in mod_stats)]
+        aux.update({f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in mod})
+        if mod_stats:
+            aux["mod_decision_loss"] = torch.stack([s["aux_loss"] for s in mod_stats]).mean()
         return aux
 
+    # ------------------------------------------------------------------ Mixture-of-Depths
     @torch.no_grad()
     def _record_routing(self, stats: list, mod_stats: list):
         """A training forward keeps what the routing-state updates need, as BatchNorm keeps its statistics:

@@ -83,13 +83,10 @@ def hf_load(folder, dtype=torch.float32, **kw):
     return m
 
 
-def zoo_loss(ids, train_cfg=None, moe=None, **docs):
-    """The LM task's objective: with train_cfg (TrainConfig), the routing losses it weighs (of MoE config `moe`)."""
-    from train.tasks.lm import aux_losses
-
-    def loss(fwd):
-        out = fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=train_cfg is not None, **docs)
-        return out[1] if train_cfg is None else out[1] + aux_losses(out[2], train_cfg, moe)["aux_loss"]
+def zoo_loss(ids, aux=None, **docs):
+    def loss(fwd):  # the LM task's objective; aux(stats): the routing losses it adds (train/tasks/lm.py's aux_losses)
+        out = fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=aux is not None, **docs)
+        return out[1] if aux is None else out[1] + aux(out[2])
     return loss
 
 
@@ -149,6 +146,7 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     """{side: harness.Side}, {side: model FLOPs per token} of the preset."""
     import zoo
     from train.config import OptimConfig, TrainConfig
+    from train.tasks.lm import aux_losses
     torch.manual_seed(0)
     if preset == "llm-train" and args.arch != "llama":  # both sides load the checkpoint: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
@@ -178,8 +176,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     if preset == "llm-moe":  # every side loads the Mixtral folder: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
         model.config.moe.balance = "none" if args.no_aux else "aux_loss"
-        aux = TrainConfig(moe_aux_loss_coef=args.aux_coef, moe_z_loss_coef=0.0)
-        sides = pair("zoo", model, zoo_loss(ids, aux, model.config.moe), args.modes)
+        t = TrainConfig(moe_aux_loss_coef=args.aux_coef, moe_z_loss_coef=0.0)
+        sides = pair("zoo", model, zoo_loss(ids, lambda a: aux_losses(a, t, model.config.moe)["aux_loss"]), args.modes)
         for impl in ("eager", "grouped_mm"):
             hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl,
                          router_aux_loss_coef=args.aux_coef)
@@ -190,7 +188,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
         models = {"dense": mod_model(args, 0.0), "mod": mod_model(args, args.capacity)}
         sides = {}
         for k, m in models.items():
-            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, TrainConfig() if k == "mod" else None), args.modes))
+            aux = (lambda a: aux_losses(a, TrainConfig(), None)["aux_loss"]) if k == "mod" else None
+            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux), args.modes))
         return sides, {n: models[n.split("-")[0]].flops_per_token(args.seq) for n in sides}
     from zoo.blocks.attention import set_backend  # doc-mask
     from zoo.blocks.attention_docs import document_positions

@@ -25,18 +25,13 @@ from . import Task
 
 
 def aux_losses(aux: dict, t, moe) -> dict:
-    """What the training loss adds to the LM loss, from LLM.forward's return_aux statistics weighted by train: `t`
-    (moe_aux_loss_coef with `moe.balance: aux_loss`, moe_z_loss_coef, mod_aux_loss_coef): {'aux_loss': the sum,
-    and with MoD layers 'mod_aux_loss': their part}."""
-    out = {}
-    if "z_loss" in aux:
-        out["aux_loss"] = t.moe_z_loss_coef * aux["z_loss"].mean()
-        if moe.balance == "aux_loss":
-            out["aux_loss"] = out["aux_loss"] + t.moe_aux_loss_coef * aux["lb_loss"].mean()
-    if "mod_decision_loss" in aux:
-        out["mod_aux_loss"] = t.mod_aux_loss_coef * aux["mod_decision_loss"]
-        out["aux_loss"] = out.get("aux_loss", 0.0) + out["mod_aux_loss"]
-    return out
+    """LLM.forward's return_aux statistics weighted by train: `t` -> {'aux_loss': what the training loss adds to
+    the LM loss, and with MoD layers 'mod_aux_loss': their part}."""
+    total = t.moe_z_loss_coef * aux["z_loss"].mean() if "z_loss" in aux else 0.0
+    if "z_loss" in aux and moe.balance == "aux_loss":
+        total = total + t.moe_aux_loss_coef * aux["lb_loss"].mean()
+    mod = t.mod_aux_loss_coef * aux["mod_decision_loss"] if "mod_decision_loss" in aux else None
+    return {"aux_loss": total} if mod is None else {"aux_loss": total + mod, "mod_aux_loss": mod}
 
 
 class LMTask(Task):

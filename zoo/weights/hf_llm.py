@@ -476,11 +476,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     if cfg.moe is not None:
         m = cfg.moe
         hf.update(num_experts_per_tok=m.top_k, output_router_logits=m.balance == "aux_loss", attention_dropout=0.0)
-        if arch == "DeepseekV3ForCausalLM":
-            pass
-        elif arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
             hf.update(num_local_experts=m.n_experts, intermediate_size=cfg.resolved_expert_hidden)
-        else:
+        elif arch != "DeepseekV3ForCausalLM":
             hf.update(num_experts=m.n_experts, moe_intermediate_size=cfg.resolved_expert_hidden,
                       norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.sparse_every,
                       mlp_only_layers=list(m.dense_layers))

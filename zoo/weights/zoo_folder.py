@@ -57,7 +57,6 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     from .hf_llm import _listing, _resolve_dtype
     f = _folder(path)
     data = load_yaml(f / CONFIG)
-    # folders written before those keys moved to the run's train: section may still hold them
     cfg = model_config_from(without_moved(LLMConfig, data.get("model") or {}), "llm", str(f / CONFIG))
     state = load_tensors(f / WEIGHTS)
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
