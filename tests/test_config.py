@@ -214,7 +214,7 @@ def test_run_config_parsing_property(data):
     ("model.n_layers=0", "model.n_layers must be > 0, got 0"),
     ("model.n_kv_heads=-2", "model.n_kv_heads must be > 0 or null, got -2"),
     ("model.mod_capacity=1.5", "model.mod_capacity must be in [0, 1], got 1.5"),
-    ("model.moe.router_jitter=1", "model.moe.router_jitter must be in [0, 1), got 1.0"),
+    ("train.moe_router_jitter=1", "train.moe_router_jitter must be in [0, 1), got 1.0"),
     ("train.ema_decay=1", "train.ema_decay must be in (0, 1) or null, got 1.0"),
     ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every must be >= 1, got 0"),
     ("optim.adafactor_beta2_decay=0", "optim.adafactor_beta2_decay must be < 0, got 0.0"),
@@ -225,6 +225,22 @@ def test_declared_bounds_are_one_line_errors_naming_file_and_key(over, msg):
     with pytest.raises(ConfigError) as e:
         load_run_config(None, [over], base={"family": "llm", "model": {"moe": {}}})
     assert str(e.value) == f"command line: {msg}"
+
+
+@pytest.mark.parametrize("key, new", [(f"moe.{k}", f"train.moe_{k}") for k in (
+    "aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor", "router_jitter", "dispatch")] + [
+    (k, f"train.{k}") for k in ("mod_aux_loss_coef", "mod_threshold_rate", "init_std")])
+def test_a_training_setting_under_model_is_a_one_line_error_naming_its_new_place(tmp_path, key, new):
+    """The model config holds the architecture only: an old key, in a file or an override, names its train: key."""
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, [f"model.{key}=0.1"], base={"family": "llm"})
+    assert str(e.value) == f"command line: model.{key} moved to {new}"
+    cfg = tmp_path / "old.yaml"
+    outer, _, inner = key.rpartition(".")
+    cfg.write_text(yaml.safe_dump({"model": {outer: {inner: 0.1}} if outer else {inner: 0.1}}))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(str(cfg))
+    assert str(e.value) == f"{cfg}: model.{key} moved to {new}"
 
 
 def test_bounds_hold_for_a_config_built_in_code_and_validate_keeps_only_cross_field_rules():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zoo
-from conftest import assert_compiled_step_equals_eager
+from conftest import assert_compiled_step_equals_eager, aux_loss
 from zoo.blocks.attention import set_backend
 from zoo.blocks.checkpoint import checkpoint_units
 from zoo.blocks.mod import MixtureOfDepths
@@ -190,9 +190,10 @@ def mod_llm(seed=0, attn_backend="math", **kw):
     """Weights of std 0.2, so that every block moves the logits well beyond the tolerance."""
     torch.manual_seed(seed)
     args = dict(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64,
-                mod_capacity=0.25, init_std=0.2, tie_embeddings=False)
+                mod_capacity=0.25, tie_embeddings=False)
     args.update(kw)
     model = zoo.build(LLMConfig(**args))
+    model.reset_parameters(init_std=0.2)
     set_backend(model, attn_backend)
     return model
 
@@ -276,7 +277,7 @@ def test_cached_decoding_with_moe_layers():
     assert torch.equal(out, ref)
     _, loss, aux = m.train()(ids, ids, return_aux=True)
     assert aux["load"].shape == (4, 4) and aux["mod_routed"].shape == (2,)  # both kinds of stats
-    (loss + aux["aux_loss"]).backward()
+    (loss + aux_loss(m, aux)).backward()
     assert all(layer.block.mlp.router.weight.grad is not None for layer in m.layers if isinstance(layer, MixtureOfDepths))
 
 
@@ -321,7 +322,7 @@ def test_activation_checkpointing_same_gradients():
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     for m in (model, ckpt):
         _, loss, aux = m(ids, ids, return_aux=True)
-        (loss + aux["aux_loss"]).backward()
+        (loss + aux_loss(m, aux)).backward()
     for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
         assert (p.grad - q.grad).abs().max() <= MODEL_TOL, name
 
@@ -384,7 +385,7 @@ def test_training_through_the_loop_logs_routing(tmp_path, text_corpus, one_threa
     assert sum("routed/decided/decision accuracy per MoD layer" in l for l in lines) == 2
     from zoo.weights.files import load_tensors
     assert load_tensors(tmp_path / "run" / "model.safetensors")["layers.1.threshold"].item() != 0.0  # the task moved it
-    base["model"]["mod_threshold_rate"] = 0.0
+    base["train"]["mod_threshold_rate"] = 0.0
     base["train"]["out_dir"] = str(tmp_path / "fixed")
     train(load_run_config(None, [], base=base), log=lines.append)
     assert load_tensors(tmp_path / "fixed" / "model.safetensors")["layers.1.threshold"].item() == 0.0

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU, assert_compiled_step_equals_eager
+from conftest import CPU, assert_compiled_step_equals_eager, aux_loss
 from safetensors.torch import load_file
 
 import zoo
@@ -233,8 +233,8 @@ def test_grouped_mm_support_table():
 
 
 def test_jitter_matches_mixtral_in_training():
-    """router_jitter is Mixtral's router_jitter_noise: the same noise (same generator state)
-    multiplies the input of the router and the experts, in training only."""
+    """The block's jitter (train.moe_router_jitter) is Mixtral's router_jitter_noise: the same noise (same
+    generator state) multiplies the input of the router and the experts, in training only."""
     import transformers.models.mixtral.modeling_mixtral as mixtral
     import transformers
     cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=6,
@@ -281,7 +281,7 @@ def test_sparse_and_dense_layers():
     _, loss, aux = m(ids, ids, return_aux=True)
     assert aux["load"].shape == (2, 4) and aux["lb_loss"].shape == (2,)
     expected = 0.01 * aux["lb_loss"].mean() + 0.001 * aux["z_loss"].mean()
-    assert abs(aux["aux_loss"].item() - expected.item()) < 1e-7
+    assert abs(aux_loss(m, aux).item() - expected.item()) < 1e-7
     assert zoo.build(dict(vocab_size=97, d_model=32, n_layers=1, n_heads=4))(ids, ids, return_aux=True)[2] == {}
 
 
@@ -314,14 +314,16 @@ def test_compiled_training_step_equals_eager():
 
 
 def test_activation_checkpointing_same_gradients():
-    model = moe_llm(moe=dict(router_jitter=0.1))
+    model = moe_llm()
+    for b in model.moe_blocks():
+        b.jitter = 0.1
     ckpt = copy.deepcopy(model)
     checkpoint_units(ckpt.checkpoint_units(), True)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     for m in (model, ckpt):
         torch.manual_seed(5)
         _, loss, aux = m(ids, ids, return_aux=True)
-        (loss + aux["aux_loss"]).backward()
+        (loss + aux_loss(m, aux)).backward()
     for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
         assert (p.grad - q.grad).abs().max() <= MODEL_TOL, name
 
@@ -364,7 +366,7 @@ def run(tmp_path, corpus, name, moe, **over):
 
 
 def test_training_logs_router_metrics(tmp_path, text_corpus, one_thread):
-    rows, lines = run(tmp_path, text_corpus, "aux", {"capacity_factor": 0.5})
+    rows, lines = run(tmp_path, text_corpus, "aux", {}, **{"train.moe_capacity_factor": 0.5})
     row = [r for r in rows if "loss" in r][-1]
     for k in ("moe_aux_loss", "moe_lb_loss", "moe_z_loss", "moe_dropped", "lm_loss", "mfu"):
         assert math.isfinite(row[k]), k
@@ -376,13 +378,13 @@ def test_training_logs_router_metrics(tmp_path, text_corpus, one_thread):
 
 
 def test_bias_balancing_through_the_loop_resumes_exactly(tmp_path, text_corpus, one_thread):
-    over = {"model.moe.balance": "bias", "model.moe.bias_update_rate": 0.01, "train.checkpoint_every": 2,
+    over = {"model.moe.balance": "bias", "train.moe_bias_update_rate": 0.01, "train.checkpoint_every": 2,
             "train.keep_checkpoints": 5}
     full, _ = run(tmp_path, text_corpus, "full", {}, **over)
     weights = load_file(tmp_path / "full" / "model.safetensors")
     biases = [v for k, v in weights.items() if k.endswith("score_bias")]
     assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # the bias moved
-    for b in biases:  # whole steps of bias_update_rate, at most one per optimizer step (after each of the 6)
+    for b in biases:  # whole steps of moe_bias_update_rate, at most one per optimizer step (after each of the 6)
         n = b / 0.01
         assert torch.allclose(n, n.round(), atol=1e-3) and n.abs().max() <= 6
     part = tmp_path / "part"

@@ -21,8 +21,9 @@ from train.metrics import read_rows
 
 # MoD on every other layer and MoE layers with bias balancing: both only Zoo's format can hold
 MOD_MOE = copy.deepcopy(TINY)
-MOD_MOE["model"].update(n_layers=2, mod_capacity=0.5, mod_every=2, mod_threshold_rate=0.5,
-                        moe={"n_experts": 4, "top_k": 2, "balance": "bias", "bias_update_rate": 0.01})
+MOD_MOE["model"].update(n_layers=2, mod_capacity=0.5, mod_every=2,
+                        moe={"n_experts": 4, "top_k": 2, "balance": "bias"})
+MOD_MOE["train"].update(mod_threshold_rate=0.5, moe_bias_update_rate=0.01)
 
 
 def run(tmp_path, corpus, name, *over, base=MOD_MOE):
@@ -143,14 +144,15 @@ def test_run_folder_holds_its_sentencepiece_tokenizer(tmp_path, text_corpus, one
 
 def test_a_folder_written_before_the_runtime_keys_moved_still_loads(tmp_path):
     """config.yaml files written when model: still held attn_backend, activation_checkpointing,
-    checkpoint_every, chunked_loss and loss_chunk_size (now train: keys) load as before."""
+    checkpoint_every, chunked_loss, loss_chunk_size, init_std and the MoE / MoD training settings
+    (now train: keys) load as before."""
     import yaml
-    from zoo.config import LLMConfig
-    model = zoo.build(LLMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
+    model = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, moe={"n_experts": 2}))
     out = zoo_folder.save(model, tmp_path / "old")
     data = yaml.safe_load((out / "config.yaml").read_text())
     data["model"].update(attn_backend="sdpa", activation_checkpointing=True, checkpoint_every=2, chunked_loss=False,
-                         loss_chunk_size=512)
+                         loss_chunk_size=512, init_std=0.02, mod_aux_loss_coef=0.01, mod_threshold_rate=0.02)
+    data["model"]["moe"].update(aux_loss_coef=0.01, z_loss_coef=0.001, capacity_factor=None, dispatch="auto")
     (out / "config.yaml").write_text(yaml.safe_dump(data))
     again = zoo.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))

@@ -25,6 +25,7 @@ from zoo.weights.files import atomic_write
 
 from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backend
 from zoo.blocks.checkpoint import checkpoint_units, resolve_policy
+from zoo.blocks.moe import MoE
 from zoo.config import ConfigError
 
 from .distributed import Launch, Parallel, unsupported
@@ -118,8 +119,8 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
 
 def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lambda s: None,
                   source: str = "<config>") -> nn.Module:
-    """Apply train_cfg's attention backend, activation checkpointing and chunked-loss settings to
-    `model` (in place; returned for chaining). A choice the model cannot take is a one-line
+    """Apply train_cfg's attention backend, activation checkpointing, chunked-loss and MoE (capacity, jitter,
+    dispatch) settings to `model` (in place; returned for chaining). A choice the model cannot take is a one-line
     ConfigError naming the key."""
     t = train_cfg
     if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
@@ -140,6 +141,8 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
         checkpoint_units(units, "none")
     if hasattr(model, "chunked_loss"):
         model.chunked_loss, model.loss_chunk_size = t.chunked_loss, t.loss_chunk_size
+    for m in filter(lambda m: isinstance(m, MoE), model.modules()):
+        m.capacity_factor, m.jitter, m.dispatch = t.moe_capacity_factor, t.moe_router_jitter, t.moe_dispatch
     return model
 
 

@@ -117,6 +117,19 @@ class TrainConfig:
                                             # (`avg_*`); at most `keep_checkpoints`; 0 = off
     average_weighting: Literal["uniform", "linear"] = "uniform"  # `uniform` (1/K each) or `linear` (weights 1..K,
                                             # oldest to newest, normalised)
+    # -- LLM: init and routing (MoE, Mixture-of-Depths)
+    init_std: float = bounded(0.02, gt=0)   # std of the normal init; the residual projections' / sqrt(2 n_layers)
+    moe_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the load-balancing loss (`model.moe.balance: aux_loss`)
+    moe_z_loss_coef: float = bounded(0.001, ge=0)  # weight of the ST-MoE router z-loss (whatever the balance); 0 = off
+    moe_bias_update_rate: float = bounded(0.001, ge=0)  # `model.moe.balance: bias`: the bias step per optimizer step
+    moe_capacity_factor: Optional[float] = bounded(None, gt=0)  # in training an expert takes at most ceil(factor *
+                                            # tokens * top_k / n_experts) choices, the rest dropped; null = dropless
+    moe_router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: sparse layers' input times U(1 - j, 1 + j) noise
+    moe_dispatch: Literal["auto", "grouped", "loop"] = "auto"  # experts by `grouped` (F.grouped_mm), `loop` (a matmul
+                                            # each) or `auto` (grouped where the device and dtype allow)
+    mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the MoD decision cross-entropy (`model.mod_router`'s)
+    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast the MoD decision threshold follows the top-k
+                                            # boundary in training (a moving average; 0 keeps it at logit 0)
     # -- optional: gradual unfreezing
     unfreeze: Optional[list[int]] = None    # increasing steps: only the head trains before the first, the next group
                                             # from the top joins at each (not with an adapter)

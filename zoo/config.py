@@ -143,6 +143,14 @@ def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
     return obj
 
 
+def without_moved(cls, data: dict) -> dict:
+    """`data` less the keys that moved out of dataclass `cls` and its nested configs (what older folders hold)."""
+    sub = {k: next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+           for k, tp in typing.get_type_hints(cls).items()}
+    return {k: without_moved(sub[k], v) if isinstance(v, dict) and sub.get(k) else v
+            for k, v in data.items() if k not in getattr(cls, "moved", {})}
+
+
 def did_you_mean(key: str, names, prefix: str = "") -> str:
     """'; did you mean X?' naming the closest of `names` to a misspelled `key`, or ''."""
     import difflib
@@ -339,24 +347,15 @@ class MoEConfig:
                                             # (DeepSeek-V3)
     norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
-                                            # `aux_loss_coef`), `bias` (DeepSeek-V3's loss-free routing bias), `none`
-    aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the mean over layers of the load-balancing loss (`balance:
-                                            # aux_loss`)
-    z_loss_coef: float = bounded(0.001, ge=0)  # weight of the mean over layers of the ST-MoE router z-loss, whatever
-                                            # `balance`; 0 = off
-    bias_update_rate: float = bounded(0.001, ge=0)  # `balance: bias`: the bias step per optimizer step
-    capacity_factor: Optional[float] = bounded(None, gt=0)  # null = dropless; else in training an expert takes at
-                                            # most ceil(factor * tokens * top_k / n_experts) choices, the rest dropped
-    router_jitter: float = bounded(0.0, ge=0, lt=1)  # training: multiply the layer's input by U(1 - j, 1 + j) noise
-                                            # (Mixtral's `router_jitter_noise`)
+                                            # `train.moe_aux_loss_coef`), `bias` (DeepSeek-V3's loss-free bias), `none`
     bias: bool = False                      # biases on the router and the experts (GPT-OSS)
     swiglu_limit: Optional[float] = bounded(None, gt=0)  # clamped SwiGLU experts (GPT-OSS): gate <= L, up in [-L,
                                             # L], gate * sigmoid(1.702 gate) * (up + 1); null = plain SwiGLU
     n_groups: int = bounded(1, gt=0)        # expert groups for group-limited routing (DeepSeek-V3); 1 = off
     topk_groups: int = bounded(1, gt=0)     # groups a token's experts may come from (<= `n_groups`)
     routed_scale: float = bounded(1.0, gt=0)  # the routed experts' weights are multiplied by it (DeepSeek-V3)
-    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # `grouped` (torch.nn.functional.grouped_mm), `loop` (one
-                                            # matmul per expert), `auto` (grouped where the device and dtype allow)
+    moved: ClassVar[dict] = {k: f"train.moe_{k}" for k in ("aux_loss_coef", "z_loss_coef", "bias_update_rate",
+                                                           "capacity_factor", "router_jitter", "dispatch")}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -443,17 +442,11 @@ class LLMConfig:
                                             # 1, 3, 5, ...); at most `n_layers`
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
                                             # cross-entropy on the router logit) or `predictor` (a small MLP)
-    mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of that cross-entropy (the mean over the MoD blocks) in
-                                            # the training loss
-    mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast the decision threshold follows the top-k's
-                                            # boundary in training (a moving average; 0 keeps it at logit 0)
-    init_std: float = bounded(0.02, gt=0)   # std of the normal init; residual projections get `init_std / sqrt(2
-                                            # n_layers)`
-    # how a model runs is not part of its architecture: these keys live in the run config's train:
-    moved: ClassVar[dict] = {"attn_backend": "train.attn_backend",
-                             "activation_checkpointing": "train.activation_checkpointing",
+    # how a model trains and runs is not part of its architecture: these keys live in the run config's train:
+    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
                              "checkpoint_every": "train.activation_checkpointing_every",
-                             "chunked_loss": "train.chunked_loss", "loss_chunk_size": "train.loss_chunk_size"}
+                             **{k: f"train.{k}" for k in ("attn_backend", "chunked_loss", "loss_chunk_size",
+                                                          "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix

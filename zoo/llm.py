@@ -5,7 +5,7 @@
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; a chunked loss.
 `config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
 (blocks/mod.py), their statistics from `return_aux=True`. `doc_ids=` and `position_ids=` (B, T)
-for packed documents. How the model runs (attention backend, checkpointing) is set from outside.
+for packed documents. How it trains and runs (attention, checkpointing, MoE routing, losses' weights) is set outside.
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ class Distill(NamedTuple):
 def moe_block(cfg: LLMConfig) -> MoE:
     m = cfg.moe
     return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
-               m.n_shared, m.shared_hidden, m.shared_gate, m.capacity_factor, m.balance == "bias",
-               m.router_jitter, m.dispatch, m.bias, m.swiglu_limit, m.n_groups, m.topk_groups, m.routed_scale)
+               m.n_shared, m.shared_hidden, m.shared_gate, bias_balancing=m.balance == "bias", bias=m.bias,
+               swiglu_limit=m.swiglu_limit, n_groups=m.n_groups, topk_groups=m.topk_groups, routed_scale=m.routed_scale)
 
 
 def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
@@ -138,17 +138,16 @@ class LLM(nn.Module):
         self.rope_local = RotaryEmbedding(cfg.rotary_dim, length, cfg.rope_theta_local) \
             if cfg.rope_theta_local is not None else None
 
-    def reset_parameters(self):
-        std = self.config.init_std
+    def reset_parameters(self, init_std: float = 0.02):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
             elif name.endswith(("attn.proj.weight", "mlp.down.weight", "mlp.down", "mlp.shared.down.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layers))
+                nn.init.normal_(p, 0.0, init_std / math.sqrt(2 * self.config.n_layers))
             else:
-                nn.init.normal_(p, 0.0, std)
+                nn.init.normal_(p, 0.0, init_std)
 
     # ------------------------------------------------------------------ forward / loss
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
@@ -157,7 +156,7 @@ class LLM(nn.Module):
                 doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 key_mask: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets: (logits, loss), logits None under the chunked
-        loss; `distill`: the distillation loss; return_aux=True appends {`moe_aux`, `mod_aux`}. mod_causal:
+        loss; `distill`: the distillation loss; return_aux=True appends `routing_aux`. mod_causal:
         MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches).
         key_mask (B, T) bool: the tokens attention may use as keys (False: left padding; needs masked caches)."""
         B, T = input_ids.shape
@@ -186,11 +185,7 @@ class LLM(nn.Module):
                 loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
             out = (logits, loss)
         if return_aux:
-            aux = self.moe_aux(stats)
-            if mod_stats:
-                aux.update(self.mod_aux(mod_stats))
-                aux["aux_loss"] = aux.get("aux_loss", 0.0) + aux["mod_aux_loss"]
-            out = out + (aux,)
+            out = out + (self.routing_aux(stats, mod_stats),)
         return out[0] if len(out) == 1 else out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -256,29 +251,17 @@ class LLM(nn.Module):
         pos = position_ids if position_ids is not None else start_pos + torch.arange(T, device=device)
         return 1 + s.query_beta * torch.log1p(torch.floor(pos / s.original_max_position_embeddings))
 
-    def moe_aux(self, stats: list) -> dict:
-        """The sparse layers' routing statistics -> {'aux_loss' (the weighted sum for the training loss),
-        'lb_loss', 'z_loss', 'dropped' (L,), 'load' (L, E)}, L the sparse layers; {} when dense."""
-        if not stats:
-            return {}
-        m = self.config.moe
-        aux = {k: torch.stack([s[k] for s in stats]) for k in ("lb_loss", "z_loss", "load", "dropped")}
-        total = m.z_loss_coef * aux["z_loss"].mean()
-        if m.balance == "aux_loss":
-            total = total + m.aux_loss_coef * aux["lb_loss"].mean()
-        aux["aux_loss"] = total
+    def routing_aux(self, stats: list, mod_stats: list) -> dict:
+        """return_aux's statistics, unweighted (train/ weighs the losses): MoE 'lb_loss', 'z_loss', 'dropped' (L,),
+        'load' (L, E); MoD 'mod_decision_loss' (the mean), 'mod_routed', 'mod_decided', 'mod_accuracy', 'mod_decide'."""
+        aux = {k: torch.stack([s[k] for s in stats]) for k in ("lb_loss", "z_loss", "load", "dropped") if stats}
+        mod = [k for k in ("routed", "decided", "accuracy", "decide") if mod_stats and all(k in s for s in mod_stats)]
+        aux.update({f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in mod})
+        if mod_stats:
+            aux["mod_decision_loss"] = torch.stack([s["aux_loss"] for s in mod_stats]).mean()
         return aux
 
     # ------------------------------------------------------------------ Mixture-of-Depths
-    def mod_aux(self, mod_stats: list) -> dict:
-        """The MoD blocks' statistics -> {'mod_aux_loss' (weighted mean decision cross-entropy), 'mod_routed',
-        'mod_decided', 'mod_accuracy' (L,), and with top-k routing 'mod_decide' (L, B, T)} (blocks/mod.py)."""
-        aux = {f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in ("routed", "decided", "accuracy")}
-        if all("decide" in s for s in mod_stats):  # top-k routing: the decision logits, (L, B, T)
-            aux["mod_decide"] = torch.stack([s["decide"] for s in mod_stats])
-        aux["mod_aux_loss"] = self.config.mod_aux_loss_coef * torch.stack([s["aux_loss"] for s in mod_stats]).mean()
-        return aux
-
     @torch.no_grad()
     def _record_routing(self, stats: list, mod_stats: list):
         """A training forward keeps what the routing-state updates need, as BatchNorm keeps its statistics:
@@ -302,10 +285,10 @@ class LLM(nn.Module):
         return torch.stack([layer.boundary(d, layer.tokens_routed(T)) for layer, d in zip(self.mod_layers(), decide)])
 
     @torch.no_grad()
-    def update_mod_thresholds(self, boundary: torch.Tensor):
-        """Move each MoD block's threshold toward `boundary` (L,) by mod_threshold_rate, after every step."""
+    def update_mod_thresholds(self, boundary: torch.Tensor, rate: float):
+        """Move each MoD block's threshold toward `boundary` (L,) by the fraction `rate`, after every step."""
         for layer, b in zip(self.mod_layers(), boundary):
-            layer.update_threshold(b, self.config.mod_threshold_rate)
+            layer.update_threshold(b, rate)
 
     def checkpoint_units(self) -> list:
         """The blocks activation checkpointing applies to (blocks/checkpoint.py's checkpoint_units)."""
@@ -328,11 +311,11 @@ class LLM(nn.Module):
         return [b.mlp for b in self.blocks() if isinstance(b.mlp, MoE)]
 
     @torch.no_grad()
-    def update_router_biases(self):
-        """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias toward uniform load from the
-        choices recorded since the last update (a buffer, so a resume is exact), then reset them."""
+    def update_router_biases(self, rate: float):
+        """balance 'bias' (DeepSeek-V3): move each sparse layer's routing bias by `rate` toward uniform load from
+        the choices recorded since the last update (a buffer, so a resume is exact), then reset them."""
         for block, load in zip(self.moe_blocks(), self.router_load):
-            block.update_bias(load, self.config.moe.bias_update_rate)
+            block.update_bias(load, rate)
         self.router_load.zero_()
 
     # ------------------------------------------------------------------ generation

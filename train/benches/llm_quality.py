@@ -25,8 +25,8 @@ RUNS = {  # preset -> run -> (config, overrides)
     "llm-moe-quality": {
         "dense": ("tiny.yaml", []), "moe": ("tiny-moe.yaml", []),
         # a bias step of 0.01: the default 0.001 is too slow for a run this short (routing collapses first)
-        "moe-bias": ("tiny-moe.yaml", ["model.moe.balance=bias", "model.moe.bias_update_rate=0.01"]),
-        "moe-none": ("tiny-moe.yaml", ["model.moe.balance=none", "model.moe.z_loss_coef=0"])},
+        "moe-bias": ("tiny-moe.yaml", ["model.moe.balance=bias", "train.moe_bias_update_rate=0.01"]),
+        "moe-none": ("tiny-moe.yaml", ["model.moe.balance=none", "train.moe_z_loss_coef=0"])},
     "llm-mod-quality": {"dense": ("tiny.yaml", []), "mod": ("tiny-mod.yaml", []),
                         "mod-predictor": ("tiny-mod.yaml", ["model.mod_router=predictor"])},
     "peft": {"full": ("tiny.yaml", []), "lora": ("tiny.yaml", LORA),

@@ -83,10 +83,10 @@ def hf_load(folder, dtype=torch.float32, **kw):
     return m
 
 
-def zoo_loss(ids, aux=False, **docs):
-    def loss(fwd):
-        out = fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=aux, **docs)
-        return out[1] + out[2]["aux_loss"] if aux and "aux_loss" in out[2] else out[1]  # the LM task's objective
+def zoo_loss(ids, aux=None, **docs):
+    def loss(fwd):  # the LM task's objective; aux(stats): the routing losses it adds (train/tasks/lm.py's aux_losses)
+        out = fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=aux is not None, **docs)
+        return out[1] if aux is None else out[1] + aux(out[2])
     return loss
 
 
@@ -136,8 +136,7 @@ def prepare(preset, args, tmp: Path) -> Path:
     if preset == "llm-moe":
         zoo.save_pretrained(zoo.build(harness.llm_config(
             args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
-            moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss", aux_loss_coef=args.aux_coef,
-                          z_loss_coef=0.0))), folder)
+            moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss"))), folder)
     if preset == "llm-generate" or getattr(args, "arch", BUILT) != BUILT:
         hf_checkpoint(args, folder)
     return folder
@@ -146,7 +145,8 @@ def prepare(preset, args, tmp: Path) -> Path:
 def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     """{side: harness.Side}, {side: model FLOPs per token} of the preset."""
     import zoo
-    from train.config import OptimConfig
+    from train.config import OptimConfig, TrainConfig
+    from train.tasks.lm import aux_losses
     torch.manual_seed(0)
     if preset == "llm-train" and args.arch != BUILT:  # both sides load the checkpoint: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
@@ -176,9 +176,11 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     if preset == "llm-moe":  # every side loads the Mixtral folder: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
         model.config.moe.balance = "none" if args.no_aux else "aux_loss"
-        sides = pair("zoo", model, zoo_loss(ids, aux=True), args.modes)
+        t = TrainConfig(moe_aux_loss_coef=args.aux_coef, moe_z_loss_coef=0.0)
+        sides = pair("zoo", model, zoo_loss(ids, lambda a: aux_losses(a, t, model.config.moe)["aux_loss"]), args.modes)
         for impl in ("eager", "grouped_mm"):
-            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl)
+            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl,
+                         router_aux_loss_coef=args.aux_coef)
             hf.config.output_router_logits = not args.no_aux
             sides.update(pair(f"tf-{impl}", hf, hf_loss(ids), args.modes))
         return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
@@ -186,7 +188,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
         models = {"dense": mod_model(args, 0.0), "mod": mod_model(args, args.capacity)}
         sides = {}
         for k, m in models.items():
-            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux=k == "mod"), args.modes))
+            aux = (lambda a: aux_losses(a, TrainConfig(), None)["aux_loss"]) if k == "mod" else None
+            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux), args.modes))
         return sides, {n: models[n.split("-")[0]].flops_per_token(args.seq) for n in sides}
     from zoo.blocks.attention import set_backend  # doc-mask
     from zoo.blocks.attention_docs import document_positions

@@ -24,6 +24,16 @@ from ..optim import micro_batches
 from . import Task
 
 
+def aux_losses(aux: dict, t, moe) -> dict:
+    """LLM.forward's return_aux statistics weighted by train: `t` -> {'aux_loss': what the training loss adds to
+    the LM loss, and with MoD layers 'mod_aux_loss': their part}."""
+    total = t.moe_z_loss_coef * aux["z_loss"].mean() if "z_loss" in aux else 0.0
+    if "z_loss" in aux and moe.balance == "aux_loss":
+        total = total + t.moe_aux_loss_coef * aux["lb_loss"].mean()
+    mod = t.mod_aux_loss_coef * aux["mod_decision_loss"] if "mod_decision_loss" in aux else None
+    return {"aux_loss": total} if mod is None else {"aux_loss": total + mod, "mod_aux_loss": mod}
+
+
 class LMTask(Task):
     DataConfig = TextDataConfig
     unit = "tokens"
@@ -109,6 +119,8 @@ class LMTask(Task):
             model = self.load_pretrained(load)
         else:
             model = zoo.build(self.cfg.model)
+            if self.cfg.train.init_std != 0.02:  # zoo.build drew the default's weights
+                model.reset_parameters(self.cfg.train.init_std)
         self._use(model)
         vocab = self.data.vocab_size  # the tokenizer's, or one past the largest id of pre-tokenized data
         if model.config.vocab_size < vocab:
@@ -203,6 +215,7 @@ class LMTask(Task):
             _, loss = model(x, y, **kw)
             return self._global_mean(loss, y), y.numel()
         _, loss, aux = model(x, y, return_aux=True, **kw)
+        aux.update(aux_losses(aux, self.cfg.train, self.moe))
         self._accumulate(loss, aux, y.numel())
         return self._global_mean(loss, y) + aux["aux_loss"], y.numel()
 
@@ -226,14 +239,14 @@ class LMTask(Task):
         def update():
             if bias:
                 self.sum_across_ranks(model.router_load)
-                model.update_router_biases()
+                model.update_router_biases(self.cfg.train.moe_bias_update_rate)
             d = model.take_mod_decisions() if self.mod else None
             if d is not None:
                 if self.world > 1:  # every rank's decision logits: an all-gather (zeros elsewhere, then a sum)
                     every = torch.zeros((self.world, *d.shape), device=d.device, dtype=d.dtype)
                     every[self.rank] = d
                     d = self.sum_across_ranks(every).transpose(0, 1).flatten(1, 2)
-                model.update_mod_thresholds(model.mod_boundaries(d))
+                model.update_mod_thresholds(model.mod_boundaries(d), self.cfg.train.mod_threshold_rate)
         return update
 
     @torch.no_grad()

@@ -32,16 +32,14 @@ class Mixtral(Record):
     hf_class, model_type = "MixtralForCausalLM", "mixtral"
     needs, may = frozenset({"moe"}), ROPES | {"window"}
     defaults = {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": None,
-                "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}
+                "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}
     window = "every"
 
     def config(self, hf, get, n_layers):
-        return {"moe": dict(n_experts=get("num_local_experts"), norm_topk_prob=True, expert_hidden=hf["intermediate_size"],
-                            router_jitter=float(get("router_jitter_noise") or 0.0))}
+        return {"moe": dict(n_experts=get("num_local_experts"), norm_topk_prob=True, expert_hidden=hf["intermediate_size"])}
 
     def to_hf(self, cfg):
-        return {"num_local_experts": cfg.moe.n_experts, "intermediate_size": cfg.resolved_expert_hidden,
-                "router_jitter_noise": cfg.moe.router_jitter}
+        return {"num_local_experts": cfg.moe.n_experts, "intermediate_size": cfg.resolved_expert_hidden}
 
     def experts(self, cfg, h):
         return {"router": h + "block_sparse_moe.gate", "per_expert": (h + "block_sparse_moe.experts.{e}.", "w1", "w3", "w2")}

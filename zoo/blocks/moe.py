@@ -15,8 +15,8 @@ highest chosen; the weights times `routed_scale`.
 
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
 Experts are stacked `gate_up` (E, 2F, D) and `down` (E, D, F), run by grouped matmuls ('grouped')
-or per expert ('loop'); `capacity_factor` None is dropless. `stats`: 'lb_loss', 'z_loss', 'load'
-(E,), 'dropped'; `update_bias(load, rate)` is DeepSeek-V3's bias step.
+or per expert ('loop'); `capacity_factor` None is dropless (it, `jitter`, `dispatch`: may be set after building).
+`stats`: 'lb_loss', 'z_loss' (unweighted), 'load' (E,), 'dropped'; `update_bias(load, rate)` is DeepSeek-V3's bias step.
 
 Shapes: x (B, T, D) or (N, D) -> y of the same shape, and `stats`, a dict of tensors.
 Needs: mlp.py (the shared experts are one SwiGLU; copy it beside this file).

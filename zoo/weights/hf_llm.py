@@ -170,7 +170,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         n_kv_heads=get("num_key_value_heads") or n_heads, head_dim=head_dim if head_dim * n_heads != d else None,
         ffn_hidden=hf["intermediate_size"], max_seq_len=get("max_position_embeddings", 2048),
         norm_eps=get("rms_norm_eps", 1e-6), tie_embeddings=bool(get("tie_word_embeddings", rec.tie)),
-        sliding_window=window, attn_pattern=pattern, init_std=get("initializer_range", 0.02), mlp_act=_ACTS[act],
+        sliding_window=window, attn_pattern=pattern, mlp_act=_ACTS[act],
         **_rope(hf, get, rec, source))
     try:
         own = rec.config(hf, get, n_layers)
@@ -180,8 +180,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         raise ConfigError(f"{source}: attention_bias=true is not supported for {rec.hf_class}")
     if "moe" in own:  # transformers adds the load-balancing loss in training only with output_router_logits
         own["moe"] = {"top_k": get("num_experts_per_tok"), "balance": "aux_loss" if hf.get("output_router_logits")
-                      else "none", "aux_loss_coef": float(get("router_aux_loss_coef", 0.001)), "z_loss_coef": 0.0,
-                      **own["moe"]}
+                      else "none", **own["moe"]}
     return from_dict(LLMConfig, {**data, **own}, source), rec.hf_class
 
 
@@ -245,7 +244,7 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         "num_key_value_heads": cfg.resolved_n_kv_heads, "head_dim": cfg.resolved_head_dim,
         "hidden_act": "gelu_pytorch_tanh" if cfg.mlp_act == "gelu_tanh" else "silu",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": rope, "rope_theta": cfg.rope_theta,
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling else None,
         "dtype": str(dtype).removeprefix("torch."), "use_cache": True,
@@ -263,8 +262,8 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         local = cfg.rope_theta_local or cfg.rope_theta
         hf.update(rope_parameters={"full_attention": rope, "sliding_attention": _rope_to_hf(cfg, local, None)})
     if cfg.moe is not None:
-        hf.update(num_experts_per_tok=cfg.moe.top_k, router_aux_loss_coef=cfg.moe.aux_loss_coef,
-                  output_router_logits=cfg.moe.balance == "aux_loss", attention_dropout=0.0)
+        hf.update(num_experts_per_tok=cfg.moe.top_k, output_router_logits=cfg.moe.balance == "aux_loss",
+                  attention_dropout=0.0)
     hf.update(rec.to_hf(cfg))
     hf["partial_rotary_factor"] = fraction = cfg.rotary_dim / hf["head_dim"]  # of the head_dim the class counts
     for params in (rope, hf["rope_parameters"].get("sliding_attention")):

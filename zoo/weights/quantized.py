@@ -72,7 +72,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     """Build the LLM of config.yaml and load the quantized model.pt into it (eval mode). The 16-bit
     dtype is the file's (a `dtype` that differs is an error: quantized weights are not recast);
     device defaults to the CPU."""
-    from ..config import LLMConfig
+    from ..config import LLMConfig, without_moved
     from ..llm import LLM
     from .zoo_folder import cast_weights
     f = _folder(path)
@@ -89,7 +89,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     if dtype not in (None, "auto") and (getattr(torch, dtype) if isinstance(dtype, str) else dtype) != saved:
         raise ValueError(f"{f / CONFIG}: the quantized model runs in {saved} (its 16-bit parts); dtype={dtype} "
                          f"would need the unquantized weights")
-    cfg = model_config_from({k: v for k, v in data["model"].items() if k not in LLMConfig.moved}, "llm", str(f / CONFIG))
+    cfg = model_config_from(without_moved(LLMConfig, data["model"]), "llm", str(f / CONFIG))
     with torch.device(device):
         model = cast_weights(LLM(cfg), saved)
     model.requires_grad_(False)

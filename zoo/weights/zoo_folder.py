@@ -52,14 +52,12 @@ def tokenizer_of(path) -> Optional[str]:
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
     """Build the LLM of config.yaml and load model.safetensors; dtype None keeps the file's."""
-    from ..config import LLMConfig
+    from ..config import LLMConfig, without_moved
     from ..llm import LLM
     from .hf_llm import _listing, _resolve_dtype
     f = _folder(path)
     data = load_yaml(f / CONFIG)
-    # folders written before those keys moved to the run's train: section may still hold them
-    model = {k: v for k, v in (data.get("model") or {}).items() if k not in LLMConfig.moved}
-    cfg = model_config_from(model, "llm", str(f / CONFIG))
+    cfg = model_config_from(without_moved(LLMConfig, data.get("model") or {}), "llm", str(f / CONFIG))
     state = load_tensors(f / WEIGHTS)
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
     dtype = floats[0] if dtype in (None, "auto") and floats else _resolve_dtype(dtype, {}, str(f / CONFIG))
