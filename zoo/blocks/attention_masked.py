@@ -37,37 +37,27 @@ class MaskedKVCache(A.KVCache):
         return self.valid[:, :end]
 
 
-def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window: Optional[int] = None,
-                  doc_ids: Optional[torch.Tensor] = None):
-    """Causal (and windowed) attention where query i sees key j only when key_mask[b, j] is True or
-    j is query i's own position; with doc_ids (B, Tq), also only keys of its own document. Runs as
-    SDPA with a (B, 1, Tq, Tk) boolean mask ('math': the fp32 reference with the same mask)."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    q_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
-    own = torch.arange(Tk, device=q.device)[None, :] == q_pos  # (Tq, Tk)
-    mask = A.attention_mask(Tq, Tk, window, q.device) & (key_mask[:, None, :] | own)  # (B, Tq, Tk)
-    if doc_ids is not None:
-        mask = mask & document_mask(doc_ids, Tk)
-    if backend == "math":
-        return A.attend_math(q, k, v, mask[:, None])
-    if A.resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling()) == "bmm":
-        return A.attend_bmm(q, k, v, window, mask=mask)
-    return A.sdpa(q, k, v, attn_mask=mask[:, None])
-
-
-class KeyMask:
-    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`."""
+class KeyMask(A.Causal):
+    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`: query i sees key j
+    only when key_mask[b, j] is True or j is its own position; with doc_ids (B, Tq), also only keys of its own
+    document. Runs as SDPA with a (B, 1, Tq, Tk) boolean mask ('bmm', 'math': the same mask)."""
 
     def __init__(self, key_mask: torch.Tensor, doc_ids: Optional[torch.Tensor] = None):
         self.key_mask, self.doc_ids = key_mask, doc_ids
 
-    def attend(self, q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
-        return attend_masked(q, k, v, self.key_mask, backend, window, self.doc_ids)
+    def attend(self, q, k, v, backend="auto", window=None, softcap=None, sinks=None) -> torch.Tensor:
+        Tq, Tk = q.shape[2], k.shape[2]
+        own = A.attention_mask(Tq, Tk, 1, q.device)  # (Tq, Tk): each query's own position
+        mask = A.attention_mask(Tq, Tk, window, q.device) & (self.key_mask[:, None, :] | own)  # (B, Tq, Tk)
+        if self.doc_ids is not None:
+            mask = mask & document_mask(self.doc_ids, Tk)
+        return A.attend_within(q, k, v, mask, backend, window, softcap, sinks)
 
-    def cached(self, cache, start: int) -> "KeyMask":
+    def cached(self, cache, start) -> A.Causal:
         if not isinstance(cache, MaskedKVCache):
             raise ValueError("a key mask needs a MaskedKVCache, which keeps the mask of the keys it holds")
-        return KeyMask(cache.update_mask(self.key_mask, start), self.doc_ids)
+        held = cache.update_mask(self.key_mask, start)
+        return A.Step(start, held) if isinstance(start, torch.Tensor) else KeyMask(held, self.doc_ids)
 
     def prefixed(self, n: int) -> "KeyMask":
         """The mask with n keys in front that every query sees (a learned prefix)."""
