@@ -11,10 +11,12 @@ False: no positions (NoPE layers, SmolLM3); cos, sin narrower than a head rotate
 (partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma's query_pre_attn_scalar ** -0.5);
 `softcap` c: scores c * tanh(s / c) (Gemma 2); `sinks`: a learned logit per head in every softmax's
 denominator (GPT-OSS; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023);
-the last two run the 'math' path. A tensor `start_pos` is a decoding step of fixed shapes (CUDA graphs):
-the cache written in place there, every slot attended, those past it masked. `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
-attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16),
-'bmm' on a CPU under torch.compile for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
+the last two run the 'math' path. `prefix`: learned keys in front (prefix.py). `mask`: which keys a query sees,
+one object per situation whose `attend` picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding
+step of fixed shapes for CUDA graphs, every cache slot attended, those past it masked), `Documents`
+(attention_docs.py), `KeyMask` (attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA
+fp16/bf16), 'bmm' on a CPU under torch.compile for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the
+fp32 reference.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
 (T, D) from rope.py, or (B, T, D) when each row has positions of its own.
@@ -67,18 +69,20 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start):
-        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T. A tensor
-        `start` (one decoding step of fixed shapes): k, v written in place there, every slot returned."""
-        if isinstance(start, torch.Tensor):
-            self.k.index_copy_(2, start.view(1), k)
-            self.v.index_copy_(2, start.view(1), v)
-            return self.k, self.v
-        end = start + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T."""
+        return write(self.k, k, start, 2), write(self.v, v, start, 2)
+
+
+def write(buf: torch.Tensor, x: torch.Tensor, start, dim: int) -> torch.Tensor:
+    """x written into a cache's `buf` at [start, start+T) along `dim` -> buf up to start+T. A tensor `start` (one
+    decoding step of fixed shapes): written in place there, every slot returned."""
+    if isinstance(start, torch.Tensor):
+        return buf.index_copy_(dim, start.view(1), x)
+    end = start + x.shape[dim]
+    if end > buf.shape[dim]:
+        raise ValueError(f"KV cache holds {buf.shape[dim]} positions, asked to write up to {end}")
+    buf.narrow(dim, start, x.shape[dim]).copy_(x)
+    return buf.narrow(dim, 0, end)
 
 
 def attend_math(q, k, v, mask: torch.Tensor, softcap: Optional[float] = None,
@@ -131,13 +135,13 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_le
     return ([b for b in auto if fits[b]] + ["sdpa"])[0]
 
 
-def check_flash(q):
-    """flash_attn_func, or a one-line error saying why the 'flash' backend cannot run here."""
-    fn = flash_available()
+def check_flash(q, varlen: bool = False):
+    """flash_attn_func (flash_attn_varlen_func), or a one-line error saying why the 'flash' backend cannot run here."""
+    fn = flash_available() and (flash_attn_varlen_func if varlen else flash_attn_func)
     if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        raise RuntimeError(f"attention backend 'flash' needs flash-attn installed, CUDA and fp16/bf16 "
-                           f"(got {q.device.type}, {q.dtype}, flash-attn "
-                           f"{'installed' if fn is not None else 'not installed'}); use 'auto' or 'sdpa'")
+        raise RuntimeError(f"attention backend 'flash' needs flash-attn installed{' with its varlen kernel' * varlen}, "
+                           f"CUDA and fp16/bf16 (got {q.device.type}, {q.dtype}, flash-attn "
+                           f"{'installed' if flash_attn_func is not None else 'not installed'}); use 'auto' or 'sdpa'")
     return fn
 
 

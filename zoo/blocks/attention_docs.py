@@ -80,18 +80,15 @@ def attend_varlen(q, k, v, doc_ids: torch.Tensor, window: Optional[int] = None) 
     """Document masking by flash-attn's varlen kernel: the B rows of T tokens laid end to end as one
     (B*T, H, D) sequence cut into the documents, cu_seqlens their start offsets. CUDA, fp16/bf16,
     flash-attn installed. Reads the longest document on the host (a sync)."""
-    A.check_flash(q)
-    if A.flash_attn_varlen_func is None:
-        raise RuntimeError("attention backend 'flash' masks documents with flash_attn_varlen_func, which this "
-                           "flash-attn lacks; use 'auto' or 'sdpa'")
+    varlen = A.check_flash(q, varlen=True)
     B, H, T, D = q.shape
     KV = k.shape[1]
     starts = document_starts(doc_ids).flatten().nonzero().squeeze(1)  # flat offsets of the documents' first tokens
     cu = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
-    out = A.flash_attn_varlen_func(q.transpose(1, 2).reshape(B * T, H, D), k.transpose(1, 2).reshape(B * T, KV, D),
-                                   v.transpose(1, 2).reshape(B * T, KV, D), cu, cu, max_len, max_len, causal=True,
-                                   window_size=(window - 1, 0) if window is not None else (-1, -1))
+    out = varlen(q.transpose(1, 2).reshape(B * T, H, D), k.transpose(1, 2).reshape(B * T, KV, D),
+                 v.transpose(1, 2).reshape(B * T, KV, D), cu, cu, max_len, max_len, causal=True,
+                 window_size=(window - 1, 0) if window is not None else (-1, -1))
     return out.view(B, T, H, D).transpose(1, 2)
 
 

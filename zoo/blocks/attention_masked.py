@@ -10,6 +10,7 @@ Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 try:
     from . import attention as A
@@ -27,20 +28,13 @@ class MaskedKVCache(A.KVCache):
         self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
 
     def update_mask(self, key_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T
-        (a tensor `start`, a decoding step of fixed shapes: written in place there, every slot returned)."""
-        if isinstance(start, torch.Tensor):
-            self.valid.index_copy_(1, start.view(1), key_mask)
-            return self.valid
-        end = start + key_mask.shape[1]
-        self.valid[:, start:end] = key_mask
-        return self.valid[:, :end]
+        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T."""
+        return A.write(self.valid, key_mask, start, 1)
 
 
 class KeyMask(A.Causal):
-    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`: query i sees key j
-    only when key_mask[b, j] is True or j is its own position; with doc_ids (B, Tq), also only keys of its own
-    document. Runs as SDPA with a (B, 1, Tq, Tk) boolean mask ('bmm', 'math': the same mask)."""
+    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`; with doc_ids
+    (B, Tq), only those of a query's own document too. Runs as SDPA with a (B, 1, Tq, Tk) boolean mask."""
 
     def __init__(self, key_mask: torch.Tensor, doc_ids: Optional[torch.Tensor] = None):
         self.key_mask, self.doc_ids = key_mask, doc_ids
@@ -59,7 +53,5 @@ class KeyMask(A.Causal):
         held = cache.update_mask(self.key_mask, start)
         return A.Step(start, held) if isinstance(start, torch.Tensor) else KeyMask(held, self.doc_ids)
 
-    def prefixed(self, n: int) -> "KeyMask":
-        """The mask with n keys in front that every query sees (a learned prefix)."""
-        return KeyMask(torch.cat([self.key_mask.new_ones(self.key_mask.shape[0], n), self.key_mask], dim=1),
-                       self.doc_ids)
+    def prefixed(self, n: int) -> "KeyMask":  # n keys in front that every query sees (a learned prefix)
+        return KeyMask(F.pad(self.key_mask, (n, 0), value=True), self.doc_ids)
