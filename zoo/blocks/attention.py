@@ -122,15 +122,17 @@ def check_backend(backend: str) -> str:
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_len: int = 0, compiling: bool = False,
                     auto=("flash", "bmm"), softcap: Optional[float] = None, sinks=None) -> str:
-    """The implementation `backend` runs for keys of length k_len on `device` in `dtype`: 'math' for soft-capped
-    scores or sinks; 'auto' the first of `auto` that runs there ('flash': flash-attn, CUDA fp16/bf16; 'flex': CUDA
-    under torch.compile; 'bmm': a CPU under torch.compile, up to CPU_BMM_MAX_LEN_COMPILED keys), else 'sdpa'."""
+    """The implementation `backend` runs for keys of length k_len on `device` in `dtype` (`compiling`, or when
+    torch.compile traces the call): 'math' for soft-capped scores or sinks; 'auto' the first of `auto` that runs there
+    ('flash': flash-attn, CUDA fp16/bf16; 'flex': CUDA under torch.compile; 'bmm': a CPU under torch.compile, up to
+    CPU_BMM_MAX_LEN_COMPILED keys), else 'sdpa'."""
     if softcap is not None or sinks is not None:
         return "math"
     if check_backend(backend) != "auto":
         return backend
-    fits = {"flash": device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None,
-            "flex": device.type == "cuda" and compiling,
+    cuda, compiling = device.type == "cuda", compiling or torch.compiler.is_compiling()
+    fits = {"flash": cuda and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None,
+            "flex": cuda and compiling,
             "bmm": device.type == "cpu" and compiling and k_len <= CPU_BMM_MAX_LEN_COMPILED}
     return ([b for b in auto if fits[b]] + ["sdpa"])[0]
 
@@ -151,7 +153,7 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None, softcap
     soft-capped scores or sinks: the 'math' path (attend_math)."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
-    backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling(), softcap=softcap, sinks=sinks)
+    backend = resolve_backend(backend, q.device, q.dtype, Tk, softcap=softcap, sinks=sinks)
     if backend == "flash":
         out = check_flash(q)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                              window_size=(window - 1, 0) if window else (-1, -1))
@@ -169,8 +171,7 @@ def attend_within(q, k, v, mask: torch.Tensor, backend: str = "auto", window: Op
                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention within a boolean mask (B or 1, Tq, Tk) or (Tq, Tk), True = attend, that holds every rule: 'math'
     (attend_math; soft-capped scores, sinks), 'bmm' (skipping the keys before `window`), else SDPA."""
-    backend = resolve_backend(backend, q.device, q.dtype, k.shape[2], torch.compiler.is_compiling(),
-                              softcap=softcap, sinks=sinks)
+    backend = resolve_backend(backend, q.device, q.dtype, k.shape[2], softcap=softcap, sinks=sinks)
     if backend == "bmm":
         return attend_bmm(q, k, v, window, mask=mask)
     mask = mask[:, None] if mask.dim() == 3 else mask  # (B, 1, Tq, Tk), or one (Tq, Tk) for every row

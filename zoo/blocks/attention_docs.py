@@ -63,7 +63,7 @@ def attend_documents(q, k, v, doc_ids: torch.Tensor, backend: str = "auto", wind
     Keys before the queries (Tk > Tq) are seen by every query (not by 'flash' and 'flex')."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
-    picked = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling(), softcap=softcap, sinks=sinks)
+    picked = resolve_backend(backend, q.device, q.dtype, Tk, softcap=softcap, sinks=sinks)
     if Tk != Tq and picked in ("flash", "flex"):
         if backend != "auto":
             raise ValueError(f"attention backend {picked!r} masks documents only without keys in front of "
