@@ -143,8 +143,8 @@ class LMTask(Task):
     def _say_attention(self):
         backend = self.cfg.train.attn_backend
         dtype = self.autocast_dtype or torch.float32
-        picked = attention_docs.resolve_backend(backend, self.device, dtype, self.cfg.train.compile) if self.documents \
-            else attention.resolve_backend(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
+        resolve = attention_docs.resolve_backend if self.documents else attention.resolve_backend
+        picked = resolve(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
         self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
 

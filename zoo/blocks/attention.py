@@ -11,10 +11,12 @@ False: no positions (NoPE layers, SmolLM3); cos, sin narrower than a head rotate
 (partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma's query_pre_attn_scalar ** -0.5);
 `softcap` c: scores c * tanh(s / c) (Gemma 2); `sinks`: a learned logit per head in every softmax's
 denominator (GPT-OSS; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023);
-the last two run the 'math' path. A tensor `start_pos` is a decoding step of fixed shapes (CUDA graphs):
-the cache written in place there, every slot attended, those past it masked. `prefix` (prefix.py); `mask` narrows the causal rule (attention_docs.py,
-attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16),
-'bmm' on a CPU under torch.compile for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
+the last two run the 'math' path. `prefix`: learned keys in front (prefix.py). `mask`: which keys a query sees,
+one object per situation whose `attend` picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding
+step of fixed shapes for CUDA graphs, every cache slot attended, those past it masked), `Documents`
+(attention_docs.py), `KeyMask` (attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA
+fp16/bf16), 'bmm' on a CPU under torch.compile for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the
+fp32 reference.
 
 Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
 (T, D) from rope.py, or (B, T, D) when each row has positions of its own.
@@ -28,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .attention_cpu import CPU_BMM_MAX_LEN_COMPILED, attend_bmm
+    from .attention_cpu import CPU_BMM_MAX_LEN_COMPILED, attend_bmm, attention_mask
     from .norm import RMSNorm
     from .rope import apply_rope
 except ImportError:  # copied next to rope.py, norm.py and attention_cpu.py, outside the zoo package
-    from attention_cpu import CPU_BMM_MAX_LEN_COMPILED, attend_bmm
+    from attention_cpu import CPU_BMM_MAX_LEN_COMPILED, attend_bmm, attention_mask
     from norm import RMSNorm
     from rope import apply_rope
 
@@ -67,29 +69,20 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start):
-        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T. A tensor
-        `start` (one decoding step of fixed shapes): k, v written in place there, every slot returned."""
-        if isinstance(start, torch.Tensor):
-            self.k.index_copy_(2, start.view(1), k)
-            self.v.index_copy_(2, start.view(1), v)
-            return self.k, self.v
-        end = start + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        """Write k, v (B, KV, T, D) at [start, start+T); return all keys/values up to start+T."""
+        return write(self.k, k, start, 2), write(self.v, v, start, 2)
 
 
-def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
-    """Boolean (q_len, k_len) mask, True = attend. Query i sits at position k_len - q_len + i;
-    it sees keys at positions <= its own and, with a window, fewer than `window` back."""
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask = mask & (q_pos - k_pos < window)
-    return mask
+def write(buf: torch.Tensor, x: torch.Tensor, start, dim: int) -> torch.Tensor:
+    """x written into a cache's `buf` at [start, start+T) along `dim` -> buf up to start+T. A tensor `start` (one
+    decoding step of fixed shapes): written in place there, every slot returned."""
+    if isinstance(start, torch.Tensor):
+        return buf.index_copy_(dim, start.view(1), x)
+    end = start + x.shape[dim]
+    if end > buf.shape[dim]:
+        raise ValueError(f"KV cache holds {buf.shape[dim]} positions, asked to write up to {end}")
+    buf.narrow(dim, start, x.shape[dim]).copy_(x)
+    return buf.narrow(dim, 0, end)
 
 
 def attend_math(q, k, v, mask: torch.Tensor, softcap: Optional[float] = None,
@@ -117,27 +110,40 @@ def sdpa(q, k, v, **kw) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, **kw, **gqa)
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_len: int,
-                    compiling: bool = False) -> str:
-    """The implementation that `backend` runs for keys of length k_len on `device` in `dtype`."""
+def check_backend(backend: str) -> str:
+    """`backend` when it is one of BACKENDS (else a one-line error); flash-attn imported for 'auto' and 'flash'
+    (here, not inside a compiled forward)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
-    if backend != "auto":
+    if backend in ("auto", "flash"):
+        flash_available()
+    return backend
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, k_len: int = 0, compiling: bool = False,
+                    auto=("flash", "bmm"), softcap: Optional[float] = None, sinks=None) -> str:
+    """The implementation `backend` runs for keys of length k_len on `device` in `dtype` (`compiling`, or when
+    torch.compile traces the call): 'math' for soft-capped scores or sinks; 'auto' the first of `auto` that runs there
+    ('flash': flash-attn, CUDA fp16/bf16; 'flex': CUDA under torch.compile; 'bmm': a CPU under torch.compile, up to
+    CPU_BMM_MAX_LEN_COMPILED keys), else 'sdpa'."""
+    if softcap is not None or sinks is not None:
+        return "math"
+    if check_backend(backend) != "auto":
         return backend
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None:
-        return "flash"
-    if device.type == "cpu" and compiling and k_len <= CPU_BMM_MAX_LEN_COMPILED:
-        return "bmm"
-    return "sdpa"
+    cuda, compiling = device.type == "cuda", compiling or torch.compiler.is_compiling()
+    fits = {"flash": cuda and dtype in (torch.float16, torch.bfloat16) and flash_available() is not None,
+            "flex": cuda and compiling,
+            "bmm": device.type == "cpu" and compiling and k_len <= CPU_BMM_MAX_LEN_COMPILED}
+    return ([b for b in auto if fits[b]] + ["sdpa"])[0]
 
 
-def check_flash(q):
-    """flash_attn_func, or a one-line error saying why the 'flash' backend cannot run here."""
-    fn = flash_available()
+def check_flash(q, varlen: bool = False):
+    """flash_attn_func (flash_attn_varlen_func), or a one-line error saying why the 'flash' backend cannot run here."""
+    fn = flash_available() and (flash_attn_varlen_func if varlen else flash_attn_func)
     if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        raise RuntimeError(f"attention backend 'flash' needs flash-attn installed, CUDA and fp16/bf16 "
-                           f"(got {q.device.type}, {q.dtype}, flash-attn "
-                           f"{'installed' if fn is not None else 'not installed'}); use 'auto' or 'sdpa'")
+        raise RuntimeError(f"attention backend 'flash' needs flash-attn installed{' with its varlen kernel' * varlen}, "
+                           f"CUDA and fp16/bf16 (got {q.device.type}, {q.dtype}, flash-attn "
+                           f"{'installed' if flash_attn_func is not None else 'not installed'}); use 'auto' or 'sdpa'")
     return fn
 
 
@@ -147,9 +153,7 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None, softcap
     soft-capped scores or sinks: the 'math' path (attend_math)."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
-    if softcap is not None or sinks is not None:
-        return attend_math(q, k, v, attention_mask(Tq, Tk, window, q.device), softcap, sinks)
-    backend = resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling())
+    backend = resolve_backend(backend, q.device, q.dtype, Tk, softcap=softcap, sinks=sinks)
     if backend == "flash":
         out = check_flash(q)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                              window_size=(window - 1, 0) if window else (-1, -1))
@@ -158,13 +162,20 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None, softcap
         return attend_bmm(q, k, v, window)
     if backend == "flex":
         return attend_flex(q, k, v, window)
-    if backend == "sdpa":
-        if window is None and Tq == Tk:
-            return sdpa(q, k, v, is_causal=True)
-        if window is None and Tq == 1:
-            return sdpa(q, k, v)
-        return sdpa(q, k, v, attn_mask=attention_mask(Tq, Tk, window, q.device))
-    return attend_math(q, k, v, attention_mask(Tq, Tk, window, q.device))
+    if backend == "sdpa" and window is None and Tq in (Tk, 1):  # the causal rule needs no mask
+        return sdpa(q, k, v, is_causal=Tq == Tk)
+    return attend_within(q, k, v, attention_mask(Tq, Tk, window, q.device), backend, window, softcap, sinks)
+
+
+def attend_within(q, k, v, mask: torch.Tensor, backend: str = "auto", window: Optional[int] = None,
+                  softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention within a boolean mask (B or 1, Tq, Tk) or (Tq, Tk), True = attend, that holds every rule: 'math'
+    (attend_math; soft-capped scores, sinks), 'bmm' (skipping the keys before `window`), else SDPA."""
+    backend = resolve_backend(backend, q.device, q.dtype, k.shape[2], softcap=softcap, sinks=sinks)
+    if backend == "bmm":
+        return attend_bmm(q, k, v, window, mask=mask)
+    mask = mask[:, None] if mask.dim() == 3 else mask  # (B, 1, Tq, Tk), or one (Tq, Tk) for every row
+    return attend_math(q, k, v, mask, softcap, sinks) if backend == "math" else sdpa(q, k, v, attn_mask=mask)
 
 
 def attend_flex(q, k, v, window: Optional[int] = None, runs: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -191,6 +202,53 @@ def attend_flex(q, k, v, window: Optional[int] = None, runs: Optional[torch.Tens
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=KV != H)
 
 
+class Causal:
+    """The causal rule alone (with the layer's window): CausalSelfAttention's `mask=None`. Every mask narrows it
+    with the same three methods: `attend(q, k, v, backend, window, softcap, sinks)` picks the kernel; `cached(cache,
+    start)`, the mask over what a cache holds after a write at `start`; `prefixed(n)`, with n learned keys in front."""
+    attend = staticmethod(attend)
+
+    def cached(self, cache, start) -> "Causal":
+        return Step(start) if isinstance(start, torch.Tensor) else self
+
+    def prefixed(self, n: int) -> "Causal":
+        return self  # keys in front of the queries are seen by every query
+
+    def keys(self, k, v, cache: Optional[KVCache] = None, start=0, prefix=None):
+        """k, v (B, KV, T, D) at positions [start, start + T) -> (k, v, mask): the keys and values attended (the
+        cache's, a learned prefix's in front: prefix.py) and the mask over them."""
+        mask = self
+        if cache is not None:
+            k, v = cache.update(k, v, start)
+            mask = self.cached(cache, start)
+        if prefix is not None:
+            n = k.shape[2]
+            k, v = prefix(k, v)
+            mask = mask.prefixed(k.shape[2] - n)
+        return k, v, mask
+
+
+class Step(Causal):
+    """A decoding step of fixed shapes (CUDA graphs): the query at position `start` (a tensor) over every cache
+    slot, those past it masked (and, as `held` (B, Tk) says, those a padded row does not hold)."""
+
+    def __init__(self, start: torch.Tensor, held=True):
+        self.start, self.held = start, held
+
+    def attend(self, q, k, v, backend="auto", window=None, softcap=None, sinks=None) -> torch.Tensor:
+        j = torch.arange(k.shape[2], device=k.device)[None]
+        seen = (j <= self.start) & self.held  # (B or 1, Tk)
+        if window is not None:
+            seen = seen & (self.start - j < window)
+        return attend_within(q, k, v, seen[:, None], backend, None, softcap, sinks)
+
+    def prefixed(self, n: int):
+        raise ValueError("a decoding step of fixed shapes takes no learned prefix")
+
+
+CAUSAL = Causal()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None,
@@ -202,11 +260,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = head_dim or dim // n_heads
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={n_heads}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
-        if backend in ("auto", "flash"):
-            flash_available()  # import it now, not inside a compiled forward
-        self.backend, self.sliding_window = backend, sliding_window
+        self.backend, self.sliding_window = check_backend(backend), sliding_window
         self.rope, self.softcap = rope, softcap
         self.q_scale = None if scale is None else scale * math.sqrt(self.head_dim)  # on q: every backend's 1/sqrt(D)
         self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
@@ -221,62 +275,42 @@ class CausalSelfAttention(nn.Module):
         self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[KVCache] = None, start_pos: int = 0, mask=None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, start_pos: int = 0, mask: Optional[Causal] = None) -> torch.Tensor:
         """x (B, T, dim) at positions [start_pos, start_pos + T); cos, sin (T, D), or (B, T, D) for
         rows at positions of their own; mask: a narrower rule than causal (see the module's docstring)."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
+        q, k = self.rotate(self.norm_qk(qk), cos, sin)  # (B, H, T, D), (B, KV, T, D)
+        k, v, mask = (mask or CAUSAL).keys(k, v.transpose(1, 2), cache, start_pos, self.prefix)
+        y = mask.attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks)
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk (B, T, H + KV, D) with q and k RMS-normalised (`qk_norm`)."""
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qk_norm == "head":  # one RMSNorm over every q and k head, then each side's weight
             w = torch.cat([self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(KV, D)]).to(qk.dtype)
-            qk = F.rms_norm(qk, (D,), None, self.q_norm.eps) * w
-        elif self.qk_norm == "proj":
+            return F.rms_norm(qk, (D,), None, self.q_norm.eps) * w
+        if self.qk_norm == "proj":
             q, k = qk.flatten(2).split([H * D, KV * D], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2).view(B, T, H + KV, D)
-        if self.rope:  # q and k heads rotated in one go; a narrower table: its first channels only
+            return torch.cat([self.q_norm(q), self.k_norm(k)], dim=2).view_as(qk)
+        return qk
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE on qk (B, T, H + KV, D), q and k heads in one go (a narrower table: their first channels only)
+        -> q (B, H, T, D), scaled by `scale`, and k (B, KV, T, D)."""
+        if self.rope:
             r = cos.shape[-1]
             rot = apply_rope(qk[..., :r], cos.unsqueeze(-2), sin.unsqueeze(-2))
-            qk = rot if r == D else torch.cat([rot, qk[..., r:]], dim=-1)
-        q, k = qk.transpose(1, 2).split([H, KV], dim=1)  # (B, H, T, D), (B, KV, T, D)
-        if self.q_scale is not None:
-            q = q * self.q_scale
-        v = v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, start_pos)
-            mask = mask.cached(cache, start_pos) if mask is not None else None
-        if isinstance(start_pos, torch.Tensor):  # a decoding step over every cache slot, those past it masked
-            j = torch.arange(k.shape[2], device=k.device)
-            seen = ((j <= start_pos) & ((start_pos - j < self.sliding_window) if self.sliding_window else True))[None]
-            if mask is not None:  # padded rows: the keys each row holds
-                seen = seen & mask.key_mask
-            seen = seen[:, None, None]  # (B or 1, 1, 1, Tk)
-            if self.softcap is not None or self.sinks is not None:
-                y = attend_math(q, k, v, seen, self.softcap, self.sinks)
-            elif resolve_backend(self.backend, q.device, q.dtype, k.shape[2], torch.compiler.is_compiling()) == "bmm":
-                y = attend_bmm(q, k, v, mask=seen[:, 0].expand(B, T, -1))
-            else:
-                y = sdpa(q, k, v, attn_mask=seen)
-            return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
-        if self.prefix is not None:
-            n = k.shape[2]
-            k, v = self.prefix(k, v)
-            mask = mask.prefixed(k.shape[2] - n) if mask is not None else None
-        if mask is not None:
-            if self.softcap is not None or self.sinks is not None:
-                raise ValueError("soft-capped attention or attention sinks do not combine with a narrower mask "
-                                 "(packed documents, Mixture-of-Depths)")
-            y = mask.attend(q, k, v, self.backend, self.sliding_window)
-        else:
-            y = attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks)
-        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+            qk = rot if r == qk.shape[-1] else torch.cat([rot, qk[..., r:]], dim=-1)
+        q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv_heads], dim=1)
+        return (q if self.q_scale is None else q * self.q_scale), k
 
 
 def set_backend(model: nn.Module, backend: str) -> int:
     """Set the attention backend (BACKENDS) of every CausalSelfAttention in `model`; returns how many."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(BACKENDS)})")
-    if backend in ("auto", "flash"):
-        flash_available()  # import it now, not inside a compiled forward
+    check_backend(backend)
     mods = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
     for m in mods:
         m.backend = backend

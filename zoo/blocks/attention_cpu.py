@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 
 
-def _causal_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
-    """Boolean (q_len, k_len), True = attend (attention.py's attention_mask)."""
+def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
+    """Boolean (q_len, k_len) mask, True = attend. Query i sits at position k_len - q_len + i;
+    it sees keys at positions <= its own and, with a window, fewer than `window` back."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
     mask = k_pos <= q_pos
@@ -49,7 +50,7 @@ class _AttendBlock(torch.autograd.Function):
         if Tq > 1 or window is not None or mask is not None:  # one query, no window: it sees every key
             # row g*Tq + i is query i of head g: seen as (B, KV, G, Tq, Tk) the (Tq, Tk) mask
             # broadcasts, with no per-row index arithmetic in a compiled kernel
-            allowed = _causal_mask(Tq, Tk, window, q.device)
+            allowed = attention_mask(Tq, Tk, window, q.device)
             if mask is not None:  # (B, Tq, Tk) -> (B, 1, 1, Tq, Tk)
                 allowed = (allowed & mask)[:, None, None]
             scores = scores.view(B, KV, G, Tq, Tk).masked_fill(~allowed, float("-inf")).view(B, KV, G * Tq, Tk)

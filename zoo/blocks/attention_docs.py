@@ -8,6 +8,7 @@ varlen kernel, 'flex', or SDPA with `document_mask`. A learned prefix is seen by
 Shapes: doc_ids (B, T); q (B, H, Tq, D); k, v (B, KV, Tk, D) -> (B, H, Tq, D); masks (B, Tq, Tk).
 Needs: attention.py, attention_cpu.py, rope.py, norm.py.
 """
+import functools
 from typing import Optional
 
 import torch
@@ -50,75 +51,55 @@ def document_mask(doc_ids: torch.Tensor, k_len: Optional[int] = None, window: Op
     return same & A.attention_mask(Tq, Tk, window, doc_ids.device)
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, compiling: bool = False) -> str:
-    """The implementation `backend` runs with document masking: 'auto' picks flash-attn's varlen
-    kernel where 'flash' runs, 'flex' on CUDA under torch.compile, else 'sdpa' with the mask (on a
-    CPU faster than 'bmm' with the same mask)."""
-    if backend not in A.BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r} (supported: {', '.join(A.BACKENDS)})")
-    if backend != "auto":
-        return backend
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and A.flash_available() is not None \
-            and A.flash_attn_varlen_func is not None:
-        return "flash"
-    return "flex" if device.type == "cuda" and compiling else "sdpa"
+# 'auto' with documents: flash-attn's varlen kernel, FlexAttention on CUDA under torch.compile, else SDPA with the
+# mask (on a CPU faster than 'bmm' with the same mask)
+resolve_backend = functools.partial(A.resolve_backend, auto=("flash", "flex"))
 
 
-def attend_documents(q, k, v, doc_ids: torch.Tensor, backend: str = "auto",
-                     window: Optional[int] = None) -> torch.Tensor:
+def attend_documents(q, k, v, doc_ids: torch.Tensor, backend: str = "auto", window: Optional[int] = None,
+                     softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Block-diagonal causal attention of q (B, H, Tq, D) over k, v (B, KV, Tk, D): a query sees
     the keys at or before it in its own document (and, with a window, fewer than `window` back).
-    Keys before the queries (Tk > Tq) are seen by every query ('sdpa', 'bmm' and 'math' only)."""
+    Keys before the queries (Tk > Tq) are seen by every query (not by 'flash' and 'flex')."""
     Tq, Tk = q.shape[2], k.shape[2]
     window = window if window is not None and Tk > window else None
-    asked, backend = backend, resolve_backend(backend, q.device, q.dtype, torch.compiler.is_compiling())
-    if Tk != Tq and backend in ("flash", "flex"):
-        if asked != "auto":
-            raise ValueError(f"attention backend {backend!r} masks documents only without keys in front of "
+    picked = resolve_backend(backend, q.device, q.dtype, Tk, softcap=softcap, sinks=sinks)
+    if Tk != Tq and picked in ("flash", "flex"):
+        if backend != "auto":
+            raise ValueError(f"attention backend {picked!r} masks documents only without keys in front of "
                              f"the queries (got {Tk} keys for {Tq} queries); use 'sdpa'")
-        backend = "sdpa"
-    if backend == "flash":
-        A.check_flash(q)
-        if A.flash_attn_varlen_func is None:
-            raise RuntimeError("attention backend 'flash' masks documents with flash_attn_varlen_func, which this "
-                               "flash-attn lacks; use 'auto' or 'sdpa'")
+        picked = "sdpa"
+    if picked == "flash":
         return attend_varlen(q, k, v, doc_ids, window)
-    if backend == "flex":
+    if picked == "flex":
         return A.attend_flex(q, k, v, window, document_runs(doc_ids))
-    mask = document_mask(doc_ids, Tk, window)  # (B, Tq, Tk)
-    if backend == "bmm":
-        return A.attend_bmm(q, k, v, window, mask=mask)
-    if backend == "sdpa":
-        return A.sdpa(q, k, v, attn_mask=mask[:, None])
-    return A.attend_math(q, k, v, mask[:, None])
+    return A.attend_within(q, k, v, document_mask(doc_ids, Tk, window), picked, window, softcap, sinks)
 
 
 def attend_varlen(q, k, v, doc_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
     """Document masking by flash-attn's varlen kernel: the B rows of T tokens laid end to end as one
     (B*T, H, D) sequence cut into the documents, cu_seqlens their start offsets. CUDA, fp16/bf16,
     flash-attn installed. Reads the longest document on the host (a sync)."""
+    varlen = A.check_flash(q, varlen=True)
     B, H, T, D = q.shape
     KV = k.shape[1]
     starts = document_starts(doc_ids).flatten().nonzero().squeeze(1)  # flat offsets of the documents' first tokens
     cu = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
-    out = A.flash_attn_varlen_func(q.transpose(1, 2).reshape(B * T, H, D), k.transpose(1, 2).reshape(B * T, KV, D),
-                                   v.transpose(1, 2).reshape(B * T, KV, D), cu, cu, max_len, max_len, causal=True,
-                                   window_size=(window - 1, 0) if window is not None else (-1, -1))
+    out = varlen(q.transpose(1, 2).reshape(B * T, H, D), k.transpose(1, 2).reshape(B * T, KV, D),
+                 v.transpose(1, 2).reshape(B * T, KV, D), cu, cu, max_len, max_len, causal=True,
+                 window_size=(window - 1, 0) if window is not None else (-1, -1))
     return out.view(B, T, H, D).transpose(1, 2)
 
 
-class Documents:
+class Documents(A.Causal):
     """The document mask of doc_ids (B, T), as CausalSelfAttention takes it (`mask=`)."""
 
     def __init__(self, doc_ids: torch.Tensor):
         self.doc_ids = doc_ids
 
-    def attend(self, q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
-        return attend_documents(q, k, v, self.doc_ids, backend, window)
+    def attend(self, q, k, v, backend="auto", window=None, softcap=None, sinks=None) -> torch.Tensor:
+        return attend_documents(q, k, v, self.doc_ids, backend, window, softcap, sinks)
 
-    def cached(self, cache, start: int):
+    def cached(self, cache, start):
         raise ValueError("doc_ids (document masking) is for forwards without a KV cache; decoding runs one sequence")
-
-    def prefixed(self, n: int) -> "Documents":
-        return self  # keys in front of the queries are seen by every query

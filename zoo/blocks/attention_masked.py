@@ -10,6 +10,7 @@ Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 try:
     from . import attention as A
@@ -27,49 +28,30 @@ class MaskedKVCache(A.KVCache):
         self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
 
     def update_mask(self, key_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T
-        (a tensor `start`, a decoding step of fixed shapes: written in place there, every slot returned)."""
-        if isinstance(start, torch.Tensor):
-            self.valid.index_copy_(1, start.view(1), key_mask)
-            return self.valid
-        end = start + key_mask.shape[1]
-        self.valid[:, start:end] = key_mask
-        return self.valid[:, :end]
+        """Record key_mask (B, T) at [start, start+T); return the mask of all positions up to start+T."""
+        return A.write(self.valid, key_mask, start, 1)
 
 
-def attend_masked(q, k, v, key_mask: torch.Tensor, backend: str = "auto", window: Optional[int] = None,
-                  doc_ids: Optional[torch.Tensor] = None):
-    """Causal (and windowed) attention where query i sees key j only when key_mask[b, j] is True or
-    j is query i's own position; with doc_ids (B, Tq), also only keys of its own document. Runs as
-    SDPA with a (B, 1, Tq, Tk) boolean mask ('math': the fp32 reference with the same mask)."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    q_pos = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
-    own = torch.arange(Tk, device=q.device)[None, :] == q_pos  # (Tq, Tk)
-    mask = A.attention_mask(Tq, Tk, window, q.device) & (key_mask[:, None, :] | own)  # (B, Tq, Tk)
-    if doc_ids is not None:
-        mask = mask & document_mask(doc_ids, Tk)
-    if backend == "math":
-        return A.attend_math(q, k, v, mask[:, None])
-    if A.resolve_backend(backend, q.device, q.dtype, Tk, torch.compiler.is_compiling()) == "bmm":
-        return A.attend_bmm(q, k, v, window, mask=mask)
-    return A.sdpa(q, k, v, attn_mask=mask[:, None])
-
-
-class KeyMask:
-    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`."""
+class KeyMask(A.Causal):
+    """The keys a layer may attend to, key_mask (B, Tk) bool, as CausalSelfAttention's `mask=`; with doc_ids
+    (B, Tq), only those of a query's own document too. Runs as SDPA with a (B, 1, Tq, Tk) boolean mask."""
 
     def __init__(self, key_mask: torch.Tensor, doc_ids: Optional[torch.Tensor] = None):
         self.key_mask, self.doc_ids = key_mask, doc_ids
 
-    def attend(self, q, k, v, backend: str = "auto", window: Optional[int] = None) -> torch.Tensor:
-        return attend_masked(q, k, v, self.key_mask, backend, window, self.doc_ids)
+    def attend(self, q, k, v, backend="auto", window=None, softcap=None, sinks=None) -> torch.Tensor:
+        Tq, Tk = q.shape[2], k.shape[2]
+        own = A.attention_mask(Tq, Tk, 1, q.device)  # (Tq, Tk): each query's own position
+        mask = A.attention_mask(Tq, Tk, window, q.device) & (self.key_mask[:, None, :] | own)  # (B, Tq, Tk)
+        if self.doc_ids is not None:
+            mask = mask & document_mask(self.doc_ids, Tk)
+        return A.attend_within(q, k, v, mask, backend, window, softcap, sinks)
 
-    def cached(self, cache, start: int) -> "KeyMask":
+    def cached(self, cache, start) -> A.Causal:
         if not isinstance(cache, MaskedKVCache):
             raise ValueError("a key mask needs a MaskedKVCache, which keeps the mask of the keys it holds")
-        return KeyMask(cache.update_mask(self.key_mask, start), self.doc_ids)
+        held = cache.update_mask(self.key_mask, start)
+        return A.Step(start, held) if isinstance(start, torch.Tensor) else KeyMask(held, self.doc_ids)
 
-    def prefixed(self, n: int) -> "KeyMask":
-        """The mask with n keys in front that every query sees (a learned prefix)."""
-        return KeyMask(torch.cat([self.key_mask.new_ones(self.key_mask.shape[0], n), self.key_mask], dim=1),
-                       self.doc_ids)
+    def prefixed(self, n: int) -> "KeyMask":  # n keys in front that every query sees (a learned prefix)
+        return KeyMask(F.pad(self.key_mask, (n, 0), value=True), self.doc_ids)

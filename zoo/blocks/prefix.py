@@ -20,7 +20,5 @@ class KVPrefix(nn.Module):
         self.v = nn.Parameter(torch.randn(n_kv_heads, length, head_dim, device=device, dtype=dtype) * std)
 
     def forward(self, k: torch.Tensor, v: torch.Tensor):
-        B = k.shape[0]
-        pk = self.k.to(k.dtype).unsqueeze(0).expand(B, -1, -1, -1)
-        pv = self.v.to(v.dtype).unsqueeze(0).expand(B, -1, -1, -1)
+        pk, pv = (p.to(k.dtype).expand(k.shape[0], -1, -1, -1) for p in (self.k, self.v))  # (B, KV, P, D)
         return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
