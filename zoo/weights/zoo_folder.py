@@ -2,8 +2,8 @@
 `model.safetensors` (Zoo's state-dict names), plus the tokenizer file when there is one.
 
 Every LLM run folder is one, and `zoo.save_pretrained` writes one for an LLM no Hugging Face
-architecture holds (Mixture-of-Depths, qk-norm on a dense model, some MoE options, a trained
-routing bias), so it loads with `zoo.from_pretrained(folder)` and fine-tunes with
+architecture holds (hf_llm.holds: Mixture-of-Depths, ideas no one class has, a trained routing
+bias), so it loads with `zoo.from_pretrained(folder)` and fine-tunes with
 `train.init_from=folder`. Every name and shape is checked before anything is copied.
 """
 from __future__ import annotations
