@@ -137,8 +137,7 @@ def config_classes() -> dict[str, type]:
     """Name -> every config dataclass a run config is made of (model, data, train, optim, adapter)."""
     from zoo import config as zc
     from zoo.adapters import AdapterConfig
-    from .config import OptimConfig, TrainConfig
-    from .tasks import task_class
+    from .config import OptimConfig, TrainConfig, task_class
     from zoo.config import load_class
     classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                zc.DiTConfig,

@@ -25,7 +25,7 @@ from ..data import DataError, check_files, load_tokenizer_file
 from ..data.conversations import BUILTIN, ChatTemplate, find_template
 from ..data.preference import PreferenceData
 from ..eval import collate, sequence_logps
-from ..builder import apply_runtime
+from ..model import apply_runtime
 from .lm import LMTask
 from .sft import SFTTask, write_template
 
