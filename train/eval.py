@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     import zoo
     from zoo.config import ConfigError
 
-    from train.data.conversations import BUILTIN, ChatTemplate, tokenizer_and_template
+    from train.data.conversations import choose_template, tokenizer_and_template
     from train.step import EXIT_CONFIG, RunStopped, autocast_for, resolve_device
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -417,9 +417,7 @@ def main(argv=None) -> int:
             raise ConfigError("--batch-size, --max-new-tokens and --samples must be > 0")
         device = resolve_device(args.device)
         tokenizer, own = tokenizer_and_template(args.model, args.tokenizer)
-        t = args.template
-        template = (None if t == "none" else ChatTemplate.builtin(t) if t in BUILTIN else
-                    ChatTemplate.from_pretrained(t) if t is not None else own)
+        template = choose_template(args.template, own)
         try:
             model = zoo.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         except (ValueError, OSError) as e:

@@ -410,6 +410,16 @@ def find_template(folder) -> Optional[ChatTemplate]:
     return ChatTemplate.from_pretrained(p) if has else None
 
 
+def choose_template(name: Optional[str], own: Optional[ChatTemplate] = None) -> Optional[ChatTemplate]:
+    """The template `name` names, as data.template and --template do: `none` (no template), a built-in
+    name or a path; null: `own` (the model's)."""
+    if name == "none":
+        return None
+    if name in BUILTIN:
+        return ChatTemplate.builtin(name)
+    return ChatTemplate.from_pretrained(name) if name is not None else own
+
+
 def _overlaps(token: tuple[int, int], span: tuple[int, int]) -> bool:
     (a, b), (s, e) = token, span
     return a < e and b > s if b > a else s <= a < e

@@ -18,7 +18,7 @@ from zoo.config import ConfigError
 from zoo.weights.files import atomic_write
 
 from ..data import DataError, load_tokenizer_file
-from ..data.conversations import BUILTIN, ChatTemplate, find_template
+from ..data.conversations import ChatTemplate, choose_template, find_template
 from ..model import apply_runtime
 from .lm import LMTask
 
@@ -37,16 +37,10 @@ class PostTrainingTask(LMTask):
     def _template(self) -> Optional[ChatTemplate]:
         """data.template: `none`, a built-in name or a path; null: the checkpoint's own, else default_template."""
         t = self.cfg.data.template
-        if t == "none":
-            template = None
-        elif t in BUILTIN:
-            template = ChatTemplate.builtin(t)
-        elif t is not None:
-            template = ChatTemplate.from_pretrained(t)
-        else:
-            template = find_template(self._init_tokenizers()) if self.cfg.train.init_from is not None else None
-            if template is None and self.default_template is not None:
-                template = ChatTemplate.builtin(self.default_template)
+        own = find_template(self._init_tokenizers()) if t is None and self.cfg.train.init_from is not None else None
+        if t is None and own is None and self.default_template is not None:
+            own = ChatTemplate.builtin(self.default_template)
+        template = choose_template(t, own)
         self.log(f"data: chat template: {template.name} (end of turn {template.end_of_turn!r})" if template else
                  "data: no chat template: prompt and response tokens concatenated")
         return template
