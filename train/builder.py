@@ -112,12 +112,6 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
     return task
 
 
-def with_batch(cfg, batch_size: int, grad_accum: int):
-    """A copy of cfg with the micro-batch and accumulation resolved (train.batch_size: auto)."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size,
-                                                              grad_accum=grad_accum))
-
-
 def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
     when None). train.batch_size: auto is resolved by the planner (train/planner.py's auto_batch_size)."""
@@ -139,8 +133,9 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None
-    if t.batch_size == "auto":
-        cfg = with_batch(cfg, *auto_batch_size(cfg, model, task, device, Path(t.out_dir), say, par))
+    if t.batch_size == "auto":  # resolved in a copy of the config (the user's is untouched)
+        b, accum = auto_batch_size(cfg, model, task, device, Path(t.out_dir), say, par)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=b, grad_accum=accum))
         task.cfg = cfg
     n_train, n_params = count_params(model)
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"

@@ -16,8 +16,6 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
 from zoo.weights.files import atomic_write
 
 from ..optim import set_lr

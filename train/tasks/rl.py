@@ -237,8 +237,9 @@ class RLTask(PostTrainingTask):
         P = rl.prompts_per_step // self.world
         model = unwrapped(model)  # sampling and the no-grad forwards skip DDP's gradient hooks
         pos = [key * rl.prompts_per_step + self.rank * P + i for i in range(P)]
-        first = [self.shuffled(p, len(self.data.train), -2) for p in pos], [(self.cfg.train.seed, key, p) for p in pos]
-        got = self._groups(model, *first)
+        picked = [self.shuffled(p, len(self.data.train), -2) for p in pos]
+        seeds = [(self.cfg.train.seed, key, p) for p in pos]
+        got = self._groups(model, picked, seeds)
         sampled, seconds, tokens = P, got["seconds"], got["tokens"]
         if rl.dynamic_sampling:
             got = self._keep_varied(got)
@@ -253,7 +254,7 @@ class RLTask(PostTrainingTask):
                 got = {**{k: v + more[k] for k, v in got.items() if k in ROW_KEYS},
                        "values": [a + b for a, b in zip(got["values"], more["values"])]}
             if not got["total"]:  # nothing varied: the last groups, whose advantages are zero
-                got = more if rl.max_refills else self._groups(model, *first)
+                got = more if rl.max_refills else self._groups(model, picked, seeds)
             got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
         rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
         adv = advantages(rewards, rl.algorithm).flatten()
