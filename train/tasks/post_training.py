@@ -45,23 +45,18 @@ class PostTrainingTask(LMTask):
                  "data: no chat template: prompt and response tokens concatenated")
         return template
 
-    def _tokenizer_file(self) -> Optional[str]:
-        """The tokenizer to load: the checkpoint's own file, `bytes` or a file; None for `sentencepiece`
-        without train.init_from."""
+    def _load_tokenizer(self, make: Optional[Callable] = None):
+        """The run's tokenizer: the checkpoint's own file, `bytes` or a file; `sentencepiece` without
+        train.init_from: make() (chat SFT trains one), else a one-line error."""
         spec = self._pretrained_tokenizer() or self.cfg.data.tokenizer
+        if spec == "sentencepiece" and make is not None:
+            return make()
         if spec == "sentencepiece":
-            return None
+            raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
+                              f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
         if spec != "bytes" and not Path(spec).expanduser().is_file():
             raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a "
                             f"path to a tokenizer.model / tokenizer.json)")
-        return spec
-
-    def _load_tokenizer(self):
-        """The tokenizer of a task that trains none (preference tuning, RL)."""
-        spec = self._tokenizer_file()
-        if spec is None:
-            raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
-                              f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
         return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
 
     def held_out(self, make: Callable[[str, int], list], read: Callable[[str], list]) -> tuple[list, list]:

@@ -19,6 +19,7 @@ from ..data import DataError, cache_dir, load_tokenizer_file, train_sentencepiec
 from ..data import chat_example
 from ..data.chat_data import ChatData
 from ..data.conversations import ChatDataConfig, read_conversations
+from ..eval import generate_answer
 from .lm import LMTask
 from .post_training import PostTrainingTask
 
@@ -47,7 +48,7 @@ class SFTTask(PostTrainingTask):
             lambda split, n: [(m, ("synthetic" + ("-val" if split == "val" else ""), i + 1))
                               for i, m in enumerate(chat_example.conversations(split, n))],
             lambda path: read_conversations(path, d.format, self.log))
-        tokenizer = self._tokenizer(train_rows)
+        tokenizer = self._load_tokenizer(lambda: self._sentencepiece(train_rows))
         self.data = ChatData(train_rows, val_rows, tokenizer, self.chat_template, d, self.cfg.train.seed, self.log)
         trained = np.concatenate([y[y != -100] for _, y in self.data.train])
         p = np.bincount(trained).astype(np.float64)
@@ -71,10 +72,8 @@ class SFTTask(PostTrainingTask):
         held = set(order[:n_val])
         return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
-    def _tokenizer(self, train_rows):
-        spec = self._tokenizer_file()
-        if spec is not None:
-            return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
+    def _sentencepiece(self, train_rows):
+        """A sentencepiece tokenizer trained on the rendered conversations (cached by its input)."""
         d = self.cfg.data
         texts = [self.chat_template.render(m) for m, _ in train_rows]  # a tokenizer for the rendered conversations
         key = hashlib.sha256(f"{d.vocab_size}:{''.join(texts)}".encode()).hexdigest()[:16]
@@ -124,10 +123,9 @@ class SFTTask(PostTrainingTask):
         return hits / max(len(conversations), 1)
 
     def answer(self, model, messages, max_new_tokens: int = 64) -> str:
-        from ..chat import ChatSession
-        session = ChatSession(model, self.data.tokenizer, self.chat_template, max_new_tokens=max_new_tokens)
         with self.autocast():
-            return session.respond(messages)
+            return generate_answer(model, self.data.tokenizer, messages, self.device, self.chat_template,
+                                   max_new_tokens)
 
     def samples(self, model, out_dir):
         lines = []
