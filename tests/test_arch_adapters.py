@@ -18,7 +18,7 @@ from test_hf_llm import tokens
 from test_lora import randomize_adapters
 
 import zoo
-from train.builder import apply_runtime
+from train.model import apply_runtime
 from train.config import TrainConfig
 from zoo.adapters import AdapterConfig, apply_adapters, known_targets, merged_model
 from zoo.blocks.lora import dense_weight

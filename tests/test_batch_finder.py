@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from train import plan as planner
+from train import planner
 from train.config import load_run_config
 from train.loop import train
 from train.step import RunStopped

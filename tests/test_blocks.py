@@ -286,7 +286,7 @@ def test_flash_backend_is_an_error_where_it_cannot_run():
     installed fails where the run applies it (train/builder.py) with a one-line config error."""
     import zoo.blocks.attention as A
     from train.config import TrainConfig
-    from train.builder import apply_runtime
+    from train.model import apply_runtime
     from zoo.config import ConfigError, LLMConfig
     from zoo.llm import LLM
     q, k, v = _qkv()

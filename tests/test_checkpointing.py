@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import zoo
-from train import plan as planner
+from train import planner
 from train.config import TrainConfig, load_run_config
-from train.builder import apply_runtime
+from train.model import apply_runtime
 from zoo.config import ConfigError, ConvNetConfig, DiffusionConfig, LLMConfig
 
 POLICIES = [(True, 1), ("full", 2), ("selective", 1), ("selective", 3)]

@@ -134,7 +134,7 @@ def _section_fields(family):
     """section -> {key: default} of the run config's four dataclasses, plus an unknown key."""
     import dataclasses
     from train.config import OptimConfig, TrainConfig
-    from train.tasks import task_class
+    from train.config import task_class
     from zoo.config import FAMILIES
     classes = {"model": FAMILIES[family].config, "data": task_class(family).DataConfig, "train": TrainConfig,
                "optim": OptimConfig}

@@ -50,7 +50,7 @@ def llm_runs(configs, tmp_path_factory):
     DDP's batch size is train.batch_size=auto with train.global_batch=16 and a memory budget between the
     planned per-rank peaks of micro-batches 4 and 8 (2 ranks, ddp): the planner's choice is 4, accumulated twice."""
     from train.config import load_run_config
-    from train.plan import plan
+    from train.planner import plan
     d = tmp_path_factory.mktemp("llm_runs")
     one = launch(configs["llm"], d / "one", "train.batch_size=8", "train.average_last=2", "train.ema_decay=0.9",
                  nproc=0)

@@ -1,5 +1,5 @@
 """Document masking (zoo/blocks/attention_docs.py, zoo/llm.py), document ids from boundary tokens
-(train/data/doc_masks.py) and packing (train/data/packing.py): documents run together in one
+(train/data's document_ids) and packing (train/data/packing.py): documents run together in one
 row with doc_ids give what each gives run alone (fp32: logits and gradients <= 1e-5)."""
 import pytest
 import torch
@@ -218,12 +218,12 @@ def test_cuda_flex_document_masking_gradients():
 
 # ----------------------------------------------------------------------------- document ids, the LM task
 def test_document_ids_from_boundary_tokens():
-    from train.data.doc_masks import document_ids
+    from train.data import document_ids
     t = torch.tensor([[9, 1, 2, 9, 3, 9], [4, 5, 9, 9, 6, 7]])
-    assert document_ids(t, 9, "bos").tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 2, 2, 2]]
-    assert document_ids(t, 9, "eos").tolist() == [[0, 1, 1, 1, 2, 2], [0, 0, 0, 1, 2, 2]]
-    with pytest.raises(ValueError, match="boundary mode"):
-        document_ids(t, 9, "sep")
+    assert document_ids(t, "bos", bos_id=9).tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 1, 2, 2, 2]]
+    assert document_ids(t, "eos", eos_id=9).tolist() == [[0, 1, 1, 1, 2, 2], [0, 0, 0, 1, 2, 2]]
+    with pytest.raises(ValueError, match="document boundary"):
+        document_ids(t, "sep", 9)
 
 
 def test_lm_task_trains_within_documents(tmp_path, text_corpus, monkeypatch):

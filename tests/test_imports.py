@@ -1,10 +1,23 @@
 """The import graph, built from the source (imports inside functions included, since they are
-edges too, only deferred): no cycles in zoo/ or train/, and zoo never imports train."""
+edges too, only deferred): no cycles in zoo/ or train/, zoo never imports train, and inside train/
+every import goes down its layers (LAYERS; docs/architecture.md)."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("zoo", "train")
+# train/'s layers, bottom to top: a module imports from its own layer and those below, never from one
+# above (a piece two layers share moves down, or is passed in). A new module of train/ is placed here.
+LAYERS = [
+    ("base", ("train.hardware", "train.plots", "train.step", "train.optim", "train.data", "train.distributed")),
+    ("config", ("train.config",)),
+    ("run parts", ("train.features", "train.model", "train.checkpoint", "train.metrics", "train.finish")),
+    ("scoring", ("train.eval", "train.chat", "train.predict", "train.sample_quality")),
+    ("tasks", ("train.tasks",)),
+    ("assembly", ("train.planner", "train.builder")),
+    ("loop", ("train.loop",)),
+    ("programs", ("train.run", "train.plan", "train.prepare", "train.docs", "train.bench", "train.benches")),
+]
 
 
 def module_name(path: Path) -> str:
@@ -78,16 +91,36 @@ def cycles(g: dict[str, set]) -> list[list[str]]:
     return out
 
 
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a module of train/."""
+    found = [i for i, (_, names) in enumerate(LAYERS) for n in names if module == n or module.startswith(n + ".")]
+    assert found, f"{module}: not in any of tests/test_imports.py's LAYERS (place it there)"
+    return found[0]
+
+
+def upward_imports(g: dict[str, set]) -> list[str]:
+    """Every import inside train/ from a module to one of a higher layer, as 'importer (layer) -> imported (layer)'."""
+    name = lambda m: f"{m} ({LAYERS[layer_of(m)][0]})"  # noqa: E731
+    return sorted(f"{name(m)} -> {name(t)}" for m, ts in g.items() if m.startswith("train.")
+                  for t in ts if t.startswith("train.") and layer_of(t) > layer_of(m))
+
+
 def test_the_graph_sees_relative_and_deferred_imports():
     g = graph()
     assert "train.step" in g["train.loop"]            # from .step import ...
-    assert "train.plan" in g["train.loop"]            # inside a function
+    assert "train.chat" in g["train.eval"]            # inside a function
     assert "zoo.config" in g["train.config"]          # absolute
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_import_cycles():
     assert cycles(graph()) == []
+
+
+def test_train_imports_only_down_its_layers():
+    assert upward_imports(graph()) == []
+    assert upward_imports({"train.config": {"train.tasks.lm", "train.optim"}, "train.tasks.lm": {"train.config"}}) \
+        == ["train.config (config) -> train.tasks.lm (tasks)"]
 
 
 def test_zoo_never_imports_train():

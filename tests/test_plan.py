@@ -1,6 +1,6 @@
-"""The memory planner (train/plan.py): live-byte counting, optimizer states against the real
-optimizers, depth extrapolation, the large presets without allocating them, the command line,
-and one prediction against a measured peak."""
+"""The memory planner (train/planner.py; its program train/plan.py): live-byte counting, optimizer
+states against the real optimizers, depth extrapolation, the large presets without allocating them,
+the command line, and one prediction against a measured peak."""
 import json
 import shlex
 import subprocess
@@ -13,7 +13,8 @@ import torch
 from train.benches.harness import rss
 from train.config import load_run_config
 from train.optim import build_optimizer, state_bytes
-from train import plan as planner
+from train import planner
+from train.plan import main as plan_main
 from conftest import TEST_DEVICE, CPU, CUDA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +137,7 @@ def test_cli_json():
                                         (["configs/llm/tiny.yaml", "--devices", "0"], "--devices")])
 def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert planner.main(args) == 2
+    assert plan_main(args) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and word in err, err
 
@@ -144,7 +145,7 @@ def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_prediction_is_not_under_a_fresh_measurement():
     """The plan (the tensors and the CPU's allocator margin) against a fresh process's measured
-    peak (train.plan.measure, the loop's own step): never under it, not far over it (the memory
+    peak (train.planner.measure, the loop's own step): never under it, not far over it (the memory
     bench's worst-case target). The tensors left after the steps (weights, optimizer state, EMA,
     batch) are the planned ones, byte for byte."""
     from train.benches.memory import CONFIGS, base_of
@@ -241,7 +242,7 @@ def test_a_cuda_plan_from_any_machine_with_pasteable_settings(capsys, monkeypatc
     args = ["configs/llm/tiny.yaml", "train.batch_size=64", "--device", "cuda", "--memory", str(int(0.6 * peak))]
     outs = []
     for _ in range(2):
-        assert planner.main(args) == 0
+        assert plan_main(args) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
     head = outs[0].splitlines()[0]
@@ -255,6 +256,6 @@ def test_a_cuda_plan_from_any_machine_with_pasteable_settings(capsys, monkeypatc
     tiny = [planner.plan(cfg_of(), device=cuda).peak_bytes for _ in range(5)]
     assert len(set(tiny)) == 1
     on_cuda = cfg_of("train.device=cuda")  # a device as data; the run's own device, planned from here without a crash
-    assert planner.main(["configs/llm/tiny.yaml", "train.device=cuda", "--json"]) == 0  # a device as data
+    assert plan_main(["configs/llm/tiny.yaml", "train.device=cuda", "--json"]) == 0  # a device as data
     assert json.loads(capsys.readouterr().out)["device"] == "cuda"
     assert on_cuda.train.device == "cuda"

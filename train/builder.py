@@ -3,8 +3,8 @@
     run = build_run(cfg, say)            # device, precision, task, model, adapters, pruning, unfreezing,
                                          # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
 
-The loop, the LR finder, the memory planner and the benchmarks build here, so they cannot disagree.
-The config is never changed; `apply_runtime` sets how a built model runs from outside the model.
+The loop, the LR finder and the benchmarks build here; the model is train/model.py's, which the memory
+planner builds too, so they cannot disagree. The config is never changed.
 """
 from __future__ import annotations
 
@@ -23,20 +23,15 @@ from zoo.config import to_dict
 from zoo.pruning import apply_masks
 from zoo.weights.files import atomic_write
 
-from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backend
-from zoo.blocks.checkpoint import checkpoint_units, resolve_policy
-from zoo.blocks.moe import MoE
-from zoo.config import ConfigError
-
+from .config import task_class
 from .distributed import Launch, Parallel, unsupported
 from .features.distill import load_teacher
 from .features.prune import prune_linears
-from .features.float8 import prepare as prepare_float8
-from .features.quantize import prepare as prepare_qat
 from .features.unfreeze import GradualUnfreezing
+from .model import build_model
 from .optim import build_optimizer
+from .planner import auto_batch_size
 from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
-from .tasks import task_class
 
 
 @dataclass
@@ -117,59 +112,9 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
     return task
 
 
-def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lambda s: None,
-                  source: str = "<config>") -> nn.Module:
-    """Apply train_cfg's attention backend, activation checkpointing, chunked-loss and MoE (capacity, jitter,
-    dispatch) settings to `model` (in place; returned for chaining). A choice the model cannot take is a one-line
-    ConfigError naming the key."""
-    t = train_cfg
-    if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
-        if t.attn_backend == "flash" and flash_available() is None:
-            raise ConfigError(f"{source}: train.attn_backend=flash needs flash-attn, which is not installed or "
-                              f"does not import (pip install -e '.[flash]', CUDA only); use auto or sdpa")
-        set_backend(model, t.attn_backend)
-    policy = resolve_policy(t.activation_checkpointing)
-    units = model.checkpoint_units() if hasattr(model, "checkpoint_units") else []
-    if policy != "none":
-        if not units:
-            raise ConfigError(f"{source}: train.activation_checkpointing={t.activation_checkpointing}: "
-                              f"{type(model).__name__} exposes no checkpoint_units()")
-        n = checkpoint_units(units, policy, t.activation_checkpointing_every)
-        log(f"activation checkpointing: {policy} on {n} of {len(units)} units "
-            f"(every {t.activation_checkpointing_every})")
-    elif units:
-        checkpoint_units(units, "none")
-    if hasattr(model, "chunked_loss"):
-        model.chunked_loss, model.loss_chunk_size = t.chunked_loss, t.loss_chunk_size
-    for m in filter(lambda m: isinstance(m, MoE), model.modules()):
-        m.capacity_factor, m.jitter, m.dispatch = t.moe_capacity_factor, t.moe_router_jitter, t.moe_dispatch
-    return model
-
-
-def build_model(cfg, task, device: torch.device, say=lambda m: None, fsdp: bool = False) -> nn.Module:
-    """The task's model on `device` in training mode, runtime choices, adapters and float8 applied
-    (fsdp: the model will be sharded by FSDP2)."""
-    torch.manual_seed(cfg.train.seed)
-    model = apply_runtime(task.build_model(), cfg.train, say, cfg.source)
-    model = model.to(device).train()  # from_pretrained returns eval mode
-    if cfg.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if cfg.adapter.enabled:
-        apply_adapters(model, cfg.adapter, cfg.source, say)
-    prepare_float8(model, cfg.train, device, fsdp, say)
-    return prepare_qat(model, cfg.train, say)
-
-
-def with_batch(cfg, batch_size: int, grad_accum: int):
-    """A copy of cfg with the micro-batch and accumulation resolved (train.batch_size: auto)."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch_size,
-                                                              grad_accum=grad_accum))
-
-
-def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batch=None) -> Run:
+def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
-    when None). size_batch(cfg, model, task, device) -> (batch_size, grad_accum) resolves
-    train.batch_size: auto (train/plan.py's find_batch_size)."""
+    when None). train.batch_size: auto is resolved by the planner (train/planner.py's auto_batch_size)."""
     t = cfg.train
     par = par or Parallel("none", Launch())
     if par.active and unsupported(cfg):
@@ -188,8 +133,9 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None, size_batc
     pruned = prune_linears(model, cfg, say)
     task.teacher = load_teacher(cfg, task, model, device, say)
     keys = trainable_keys(model) if cfg.adapter.enabled else None
-    if t.batch_size == "auto" and size_batch is not None:
-        cfg = with_batch(cfg, *size_batch(cfg, model, task, device))
+    if t.batch_size == "auto":  # resolved in a copy of the config (the user's is untouched)
+        b, accum = auto_batch_size(cfg, model, task, device, Path(t.out_dir), say, par)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=b, grad_accum=accum))
         task.cfg = cfg
     n_train, n_params = count_params(model)
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"

@@ -198,7 +198,6 @@ class TrainConfig:
                 parse_pattern(self.prune)
             except ValueError as e:
                 raise fail(source, prefix + "prune", str(e)) from None
-        from .metrics import missing_package
         missing = missing_package(self.tracker, prefix + "tracker")
         if missing:
             raise ConfigError(f"{source}: {missing}")
@@ -216,8 +215,17 @@ def _installed(module: str) -> bool:
     import importlib.util
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
+    except (ImportError, ValueError):  # blocked, or a half-imported module
         return False
+
+
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # train.tracker -> the package (and extra) it needs
+
+
+def missing_package(tracker: str, key: str = "train.tracker"):
+    """The one-line error for a tracker whose package is not installed, else None."""
+    name = TRACKER_PACKAGES.get(tracker)
+    return None if name is None or _installed(name) else f"{key}={tracker} needs the {name} package: pip install -e '.[{name}]'"
 
 
 @dataclass
@@ -290,9 +298,22 @@ class RunConfig:
 
 SECTIONS = ("family", "model", "data", "train", "optim", "adapter", "rl")
 
+# family (zoo/config.py's FAMILIES) -> "module:Class" of the task that trains it (train/tasks/), named, not
+# imported: the tasks sit above the config (docs/architecture.md)
+TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
+         "diffusion": "train.tasks.diffusion:DiffusionTask"}
+
+
+def task_class(family: str, source: str = "<config>", data=None):
+    """The task that trains `family` on `data`: the family's own, or the one `formats` names for data.format."""
+    from zoo.config import family as family_entry, load_class
+    family_entry(family, source)  # a one-line error for an unknown family
+    cls = load_class(TASKS[family])
+    fmt = data.get("format") if isinstance(data, dict) else getattr(data, "format", None)
+    return load_class(cls.formats[fmt]) if isinstance(fmt, str) and fmt in cls.formats else cls
+
 
 def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
-    from .tasks import task_class
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a mapping")
     for k in data:
@@ -390,7 +411,6 @@ def for_format(data: dict, fmt) -> dict:
     section = data.get("data")
     if not isinstance(fmt, str) or not isinstance(section, dict) or section.get("format") == fmt:
         return data
-    from .tasks import task_class
     try:
         known = {f.name for f in fields(task_class(data.get("family", "llm"), data=dict(section, format=fmt)).DataConfig)}
     except ConfigError:

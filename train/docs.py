@@ -233,8 +233,7 @@ def config_classes() -> dict[str, type]:
     """Name -> every config dataclass a run config is made of (model, data, train, optim, adapter)."""
     from zoo import config as zc
     from zoo.adapters import AdapterConfig
-    from .config import OptimConfig, TrainConfig
-    from .tasks import task_class
+    from .config import OptimConfig, TrainConfig, task_class
     from zoo.config import load_class
     classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
                zc.DiTConfig,
@@ -248,40 +247,49 @@ def config_classes() -> dict[str, type]:
     return {c.__name__: c for c in classes}
 
 
+def dataclass_chain(cls) -> list:
+    """cls and the dataclasses it derives from, the base first: a field's comment and group are those
+    of the last class to declare it."""
+    return [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+
+
 def field_comments(cls) -> dict[str, str]:
     """Field name -> its comment in the source: the trailing `# ...` of the field's line(s) and the
     comment-only lines right below it indented past the field. A section comment `# -- concern` at
     the field's own indentation heads the fields after it: `field_groups`."""
-    lines, _ = inspect.getsourcelines(cls)
-    src = textwrap.dedent("".join(lines))
-    comments = {}
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
-    body = src.splitlines()
     out = {}
-    for node in ast.parse(src).body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        indent = node.col_offset
-        parts = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-        n = node.end_lineno + 1
-        while n in comments and not body[n - 1][:comments[n][0]].strip() and comments[n][0] > indent:
-            parts.append(comments[n][1])
-            n += 1
-        out[node.target.id] = " ".join(p for p in parts if p)
+    for c in dataclass_chain(cls):
+        lines, _ = inspect.getsourcelines(c)
+        src = textwrap.dedent("".join(lines))
+        comments = {}
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+        body = src.splitlines()
+        for node in ast.parse(src).body[0].body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            indent = node.col_offset
+            parts = [comments[n][1] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            n = node.end_lineno + 1
+            while n in comments and not body[n - 1][:comments[n][0]].strip() and comments[n][0] > indent:
+                parts.append(comments[n][1])
+                n += 1
+            out[node.target.id] = " ".join(p for p in parts if p)
     return out
 
 
 def field_groups(cls) -> dict[str, str]:
     """Field name -> the concern it is grouped under (the section comment `# -- concern` above it)."""
-    lines, _ = inspect.getsourcelines(cls)
-    out, group = {}, ""
-    for line in textwrap.dedent("".join(lines)).splitlines():
-        if m := re.match(r"\s+# -- (.+)$", line):
-            group = m.group(1).strip()
-        elif m := re.match(r"\s+(\w+)\s*:", line):
-            out[m.group(1)] = group
+    out = {}
+    for c in dataclass_chain(cls):
+        lines, _ = inspect.getsourcelines(c)
+        group = ""
+        for line in textwrap.dedent("".join(lines)).splitlines():
+            if m := re.match(r"\s+# -- (.+)$", line):
+                group = m.group(1).strip()
+            elif m := re.match(r"\s+(\w+)\s*:", line):
+                out[m.group(1)] = group
     return out
 
 

@@ -353,6 +353,17 @@ def metric_row(results: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and k != "n"}
 
 
+def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
+    """Accuracy per class of predictions `pred` against labels `y` -> (rows (name, n, acc), the table
+    headed by the `weights` it is of, its head line, its total line)."""
+    rows = [(name, int((y == c).sum()), (pred[y == c] == c).float().mean().item())
+            for c, name in enumerate(classes) if (y == c).any()]
+    head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
+    total = f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
+    text = "\n".join([head] + [f"{n[:24]:>24}  {k:>5}  {a:.3f}" for n, k, a in rows] + [total])
+    return rows, text, head, total
+
+
 def table(results: dict) -> str:
     """The results as a plain-text table: task, kind, rows, then its metrics."""
     lines = [f"{'task':<24} {'kind':<11} {'n':>6}  metrics"]
@@ -392,7 +403,7 @@ def main(argv=None) -> int:
     import zoo
     from zoo.config import ConfigError
 
-    from train.data.conversations import BUILTIN, ChatTemplate, tokenizer_and_template
+    from train.data.conversations import choose_template, tokenizer_and_template
     from train.step import EXIT_CONFIG, RunStopped, autocast_for, resolve_device
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -406,9 +417,7 @@ def main(argv=None) -> int:
             raise ConfigError("--batch-size, --max-new-tokens and --samples must be > 0")
         device = resolve_device(args.device)
         tokenizer, own = tokenizer_and_template(args.model, args.tokenizer)
-        t = args.template
-        template = (None if t == "none" else ChatTemplate.builtin(t) if t in BUILTIN else
-                    ChatTemplate.from_pretrained(t) if t is not None else own)
+        template = choose_template(args.template, own)
         try:
             model = zoo.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         except (ValueError, OSError) as e:
@@ -437,7 +446,6 @@ def evaluate_images(args) -> int:
     """A ConvNet run folder on a folder of class folders: accuracy and the per-class table (JSON too)."""
     from train.data.images import scan_image_folder
     from train.predict import load, probabilities
-    from train.tasks.classify import per_class_table
     from zoo.weights.files import atomic_write
     try:
         model, prep = load(args.model, args.ema)

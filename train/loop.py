@@ -20,6 +20,7 @@ from .builder import build_run
 from .checkpoint import CKPT_DIR, Checkpointer
 from .config import RunConfig
 from .distributed import Parallel, launch_env
+from .features.lr_find import lr_find
 from .features.quantize import quantized_evaluation
 from .finish import finish
 from .hardware import sync
@@ -53,9 +54,8 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
     try:
         restore = setup_backends(t, par.device(resolve_device(t.device)), say, owns_process)
         if t.lr_find:
-            from .features.lr_find import lr_find
             try:
-                return lr_find(cfg, say, par)
+                return lr_find(build_run(cfg, say, par), say)
             except ValueError as e:
                 raise RunStopped(str(e), EXIT_CONFIG) from None
         return _train(cfg, out, say, par, owns_process)
@@ -68,8 +68,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
 
 
 def _train(cfg, out: Path, say, par: Parallel, owns_process: bool) -> dict:
-    from .plan import auto_batch_size
-    run = build_run(cfg, say, par, size_batch=lambda *a: auto_batch_size(*a, out, say, par))
+    run = build_run(cfg, say, par)
     if par.main:
         run.write_config(out)
     ckpt = Checkpointer(run, out, say)

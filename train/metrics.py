@@ -11,7 +11,6 @@ drops the rows from the checkpoint's step on, so a curve is never doubled. Only 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import torch
 from zoo.config import ConfigError
 from zoo.weights.files import atomic_write
 
+from .config import missing_package
 from .hardware import measure_peak_flops, peak_memory_gb, vendor_peak_flops
 
 METRICS, SPEED = "metrics.jsonl", "speed.jsonl"
@@ -216,21 +216,6 @@ def _flops(rate: float) -> str:
 
 
 # ------------------------------------------------------------------------------ trackers
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the package (and extra) it needs
-
-
-def missing_package(tracker: str, key: str = "train.tracker"):
-    """The one-line error for a tracker whose package is not installed, else None."""
-    name = PACKAGES.get(tracker)
-    if name is None:
-        return None
-    try:
-        found = importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # blocked, or a half-imported module
-        found = False
-    return None if found else f"{key}={tracker} needs the {name} package: pip install -e '.[{name}]'"
-
-
 class Tracker:
     """The tracker of train.tracker=none: `log` and `close` do nothing. A context manager whose
     exit closes it (with the exit code of the exception that ended the run, if one did)."""

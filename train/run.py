@@ -67,8 +67,7 @@ def keys_help() -> str:
     from zoo.adapters import AdapterConfig
     from zoo.config import FAMILIES
 
-    from train.config import OptimConfig, TrainConfig
-    from train.tasks import task_class
+    from train.config import OptimConfig, TrainConfig, task_class
 
     def keys(section: str, cls) -> str:
         names = ", ".join(f.name for f in dataclasses.fields(cls) if f.init)

@@ -66,7 +66,7 @@ class Classifier:
 
         from .config import load_run_config
         from .metrics import read_rows
-        from .tasks.classify import normalization
+        from .data.images import normalization
         run = Path(run_dir)
         if not (run / "config.yaml").is_file():
             raise FileNotFoundError(f"{run}: not a run folder (no config.yaml)")

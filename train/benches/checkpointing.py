@@ -39,9 +39,9 @@ def step_fn(cfg, device: torch.device = torch.device("cpu"), model=None):
     of Task.example_batch, autocast in train.precision with a GradScaler for fp16, clipping, the config's
     optimizer), compiled when train.compile; `model`: this one instead of the config's. The step callable."""
     from train.optim import build_optimizer
-    from train.plan import build_model
+    from train.planner import build_model
     from train.step import optimizer_step
-    from train.tasks import task_class
+    from train.config import task_class
     torch.manual_seed(0)
     model = (build_model(cfg).to(device) if model is None else model).train()
     task = task_class(cfg.family)(cfg, device, lambda m: None)
@@ -60,7 +60,7 @@ def peak(base: dict, over: list, device: torch.device, threads: int = 0) -> int:
     """The peak bytes of a steady-state step: the planner's measurement in a fresh process on a CPU,
     max_memory_allocated across a step on CUDA."""
     from train.config import load_run_config
-    from train.plan import measure_in_subprocess
+    from train.planner import measure_in_subprocess
     if device.type != "cuda":
         return measure_in_subprocess(base, over, threads=threads)["peak"]
     fn = step_fn(load_run_config(None, over, base=base), device)
@@ -86,9 +86,9 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
     k times larger, the same data (a recording optimizer keeps the gradients)."""
     from types import SimpleNamespace
 
-    from train.plan import build_model
+    from train.planner import build_model
     from train.step import optimizer_step
-    from train.tasks import task_class
+    from train.config import task_class
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
     task = task_class(cfg.family)(cfg, device, lambda m: None)
@@ -109,7 +109,7 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
 def main(argv=None):
     from train.benches.memory import base_of
     from train.config import load_run_config
-    from train.plan import MiB, plan
+    from train.planner import MiB, plan
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")

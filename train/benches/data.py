@@ -182,7 +182,7 @@ def batches(args, folder: Path, out: dict):
     import torch
     from train.config import load_run_config
     from train.data import TextDataConfig, TokenData
-    from train.plan import build_model
+    from train.planner import build_model
     corpus = folder / "speed.jsonl"
     if not corpus.is_file():
         generate(corpus, args.mb << 20)

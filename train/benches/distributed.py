@@ -94,7 +94,7 @@ def worker(args, strategy: str) -> dict:
 def planned_per_rank(args, strategy: str, world: int) -> int:
     """train/plan.py's peak per rank for the same step (model, adapter, AdamW, this rank's batch)."""
     from train.config import load_run_config
-    from train.plan import plan
+    from train.planner import plan
     c = harness.llm_config(args)
     over = [f"model.{k}={v}" for k, v in (("vocab_size", c.vocab_size), ("d_model", c.d_model), ("n_layers", c.n_layers),
                                           ("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads),

@@ -173,7 +173,7 @@ def attention(args, dev) -> tuple[dict, dict]:
 
 
 def planner(args, dev) -> tuple[dict, dict]:
-    import train.plan as plan
+    import train.planner as plan
     from train.config import load_run_config
     cases = {"llama-1b": ("llama-1b.yaml", [f"train.batch_size={BATCH}", f"data.seq_len={SEQ}"]),
              "smollm-135m": ("smollm-135m.yaml", ["train.batch_size=8", "data.seq_len=2048"])}

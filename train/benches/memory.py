@@ -4,8 +4,8 @@
     python train/bench.py memory --only "llm 28M"  # the configurations whose name starts with that
     python train/bench.py memory --planner-time    # + how long the planner takes on the large presets
 
-Measured: `train.plan.measure` in --repeat fresh CPU processes, the largest kept. Predicted:
-`train.plan.plan`. Target: ratio >= 1, median <= 1.25, worst <= 1.6. Linux only (/proc).
+Measured: `train.planner.measure` in --repeat fresh CPU processes, the largest kept. Predicted:
+`train.planner.plan`. Target: ratio >= 1, median <= 1.25, worst <= 1.6. Linux only (/proc).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def base_of(spec):
 def measure_row(name: str, repeat: int, threads: int) -> dict:
     """Plan `name` and measure it in `repeat` fresh processes (the largest peak kept)."""
     from train.config import load_run_config
-    from train.plan import measure_in_subprocess, plan
+    from train.planner import measure_in_subprocess, plan
     spec, over = CONFIGS[name]
     base = base_of(spec)
     cfg = load_run_config(None, over, base=base)
@@ -109,7 +109,7 @@ def main(argv=None):
     tables = {"": harness.table(*table(rows), notes=verdict(rows))}
     if args.planner_time:
         from train.config import load_run_config
-        from train.plan import GiB, plan
+        from train.planner import GiB, plan
         out = []
         for spec in LARGE:
             t0 = time.perf_counter()

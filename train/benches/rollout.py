@@ -131,7 +131,7 @@ STEP_PEAKS = """
 import json, sys
 from train import loop
 from train.config import load_run_config
-from train.plan import _proc_status
+from train.planner import _proc_status
 peaks, step = [], loop.optimizer_step
 def measured(*a, **k):  # the resident peak of each optimizer step (rollouts, reference, backward, update)
     with open("/proc/self/clear_refs", "w") as f:

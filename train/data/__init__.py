@@ -20,7 +20,6 @@ import torch
 from zoo.config import bounded, fail
 from zoo.weights.files import atomic_write
 
-from . import doc_masks
 from .loader import Prefetcher
 from .shards import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
@@ -72,7 +71,7 @@ class TextDataConfig:
                                             # (every source) to train sentencepiece
     eval_tasks: Optional[list[str]] = None  # task files (train/eval.py: multiple choice, generation, loss)
                                             # scored at every evaluation, logged as `eval_<file stem>_<metric>`
-    # document masking (train/data/doc_masks.py, zoo/blocks/attention.py)
+    # document masking (document_ids below, zoo/blocks/attention.py)
     attention: Literal["causal", "document"] = "causal"  # `causal`: every token attends to all earlier tokens of
                                             # its window; `document`: only to those of its own document
     positions: Literal["global", "document"] = "global"  # RoPE positions: `global` (0..T-1 along the window) or
@@ -190,12 +189,18 @@ def resolve_boundary(mode: str, tokenizer, pretokenized: bool = False) -> tuple[
     return mode, (bos if "BOS" in need else None), (eos if "EOS" in need else None)
 
 
-def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int], eos_id: Optional[int]) -> torch.Tensor:
-    """The document of each token of windows (B, T) of ids, from the window alone: int64 of the same
-    shape, equal within a document, different across."""
+def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int] = None,
+                 eos_id: Optional[int] = None) -> torch.Tensor:
+    """The document of each token of windows (..., T) of ids, from the window alone: int64 of the same
+    shape, non-decreasing from 0 along each row. `bos` / `both` start a document at every BOS, `eos`
+    ends one at every EOS (data.boundary); a row starting mid-document starts at 0; `none`: all 0."""
+    if boundary not in ("none", "bos", "eos", "both"):
+        raise ValueError(f"unknown document boundary {boundary!r} (supported: none, bos, eos, both)")
     if boundary == "none":
         return torch.zeros_like(tokens, dtype=torch.long)
-    return doc_masks.document_ids(tokens, eos_id if boundary == "eos" else bos_id, "eos" if boundary == "eos" else "bos")
+    at = (tokens == (eos_id if boundary == "eos" else bos_id)).long()
+    ids = at.cumsum(-1)
+    return ids - at if boundary == "eos" else ids - at[..., :1]  # bos: the first token's own BOS opens document 0
 
 
 class TokenData:

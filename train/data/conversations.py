@@ -43,40 +43,57 @@ BUILTIN = {"chatml": CHATML}
 
 
 @dataclass
-class ChatDataConfig:
+class PostTrainingDataConfig:
+    """The data keys of every post-training format (chat SFT, preference tuning, RL prompts)."""
+    format: str = ""                        # the rows' shape, which selects the task for `family: llm`
+    path: str = ""                          # a jsonl file of the format's rows (chat SFT: or a folder of them;
+                                            # docs/post-training.md), or `synthetic`: the embedded set, made by code
+    val_path: Optional[str] = None          # held-out rows (same format); null = `val_fraction` of `path`'s
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
+    synthetic_rows: int = bounded(2000, ge=10)  # `path: synthetic`: how many rows are made (`val_fraction` of them
+                                            # held out, from their own split)
+    tokenizer: str = "sentencepiece"        # `sentencepiece`: the `train.init_from` checkpoint's own (chat SFT without
+                                            # one: BPE trained on the rendered conversations); `bytes`; or a file's path
+    template: Optional[str] = None          # the chat template: null = the `train.init_from` model's own, if any (chat
+                                            # SFT: else `chatml`); a built-in name or a path (docs/post-training.md);
+                                            # `none` (not for chat SFT): plain text, no template
+    seq_len: int = bounded(256, ge=2)       # tokens per row; <= `model.max_seq_len`
+    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) scored at every evaluation with the
+                                            # template, logged as `eval_<file stem>_<metric>`
+
+    def validate(self, source, prefix="data."):
+        if not self.path:
+            raise fail(source, prefix + "path", "must name a jsonl file of the format's rows, or be synthetic")
+        check_files(self.eval_tasks, source, prefix + "eval_tasks")
+        if self.path == "synthetic" and self.val_path is not None:
+            raise fail(source, prefix + "val_path", "must be null with path: synthetic (it has its own held-out rows)")
+        if self.template not in (None, "none", *BUILTIN) and not Path(self.template).expanduser().exists():
+            raise fail(source, prefix + "template", f"={self.template}: neither a built-in template "
+                                                    f"({', '.join(BUILTIN)}), none, nor an existing file or folder")
+
+
+@dataclass
+class ChatDataConfig(PostTrainingDataConfig):
     format: Literal["messages", "prompt_completion", "alpaca"] = "messages"  # the rows' shape: `messages`
                                             # (OpenAI / ShareGPT), `prompt_completion` or `alpaca`; `text`: docs/llm.md
     path: str = "synthetic"                 # a .jsonl file, a folder of .jsonl files, or `synthetic`: the embedded
                                             # conversation set (train/data/chat_example.py, made by code, no download)
-    tokenizer: str = "sentencepiece"        # `sentencepiece` (with `train.init_from`: the checkpoint's own; else BPE
-                                            # trained on the rendered conversations), `bytes` or a tokenizer file's path
-    vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of a sentencepiece tokenizer trained here
-    template: Optional[str] = None          # the chat template: null = the `train.init_from` model's own, else
-                                            # `chatml`; or a built-in name, or a path (docs/post-training.md)
+    val_fraction: float = bounded(0.05, gt=0, lt=1)  # conversations held out for validation (assistant-token loss)
+                                            # when there is no `val_path`
+    synthetic_rows: int = bounded(4000, ge=10)  # `path: synthetic`: how many conversations are made
     seq_len: int = bounded(512, ge=2)       # tokens per conversation (<= `model.max_seq_len`); a longer one is cut
                                             # there (counted in the log), dropped when no assistant token is left
+    vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of a sentencepiece tokenizer trained here
     train_on_prompt: bool = False           # train on every token (system, user, template markup), not only the
                                             # assistant's turns and their end-of-turn tokens
     pack: bool = False                      # several conversations per row; false: one conversation per row, padded
                                             # to the longest in its batch, rows of similar length batched together
     bucket_batches: int = bounded(64, ge=1)  # length bucketing: the conversations of this many batches are sorted by
                                             # length and cut into batches (then shuffled); 1 = no bucketing
-    val_fraction: float = bounded(0.05, gt=0, lt=1)  # conversations held out for validation (assistant-token loss)
     eval_generate: int = bounded(32, ge=0)  # validation conversations whose last answer is generated (greedy) at
                                             # every evaluation and compared with the reference (`val_exact_match`)
-    synthetic_rows: int = bounded(4000, ge=10)  # `path: synthetic`: how many conversations are made
     cache_dir: Optional[str] = None         # where a trained tokenizer is cached; null = `$ZOO_CACHE`, else the user
                                             # cache directory
-    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) scored at every evaluation with the
-                                            # template, logged as `eval_<file stem>_<metric>`
-
-    def validate(self, source, prefix="data."):
-        if not self.path:
-            raise fail(source, prefix + "path", "must not be empty")
-        check_files(self.eval_tasks, source, prefix + "eval_tasks")
-        if self.template is not None and self.template not in BUILTIN and not Path(self.template).expanduser().exists():
-            raise fail(source, prefix + "template", f"={self.template}: neither a built-in template "
-                                                    f"({', '.join(BUILTIN)}) nor an existing file or folder")
 
 
 # ----------------------------------------------------------------------------- rows -> messages
@@ -391,6 +408,16 @@ def find_template(folder) -> Optional[ChatTemplate]:
     has = (p / "chat_template.jinja").is_file() or (
         (p / "tokenizer_config.json").is_file() and _config_template(p / "tokenizer_config.json") is not None)
     return ChatTemplate.from_pretrained(p) if has else None
+
+
+def choose_template(name: Optional[str], own: Optional[ChatTemplate] = None) -> Optional[ChatTemplate]:
+    """The template `name` names, as data.template and --template do: `none` (no template), a built-in
+    name or a path; null: `own` (the model's)."""
+    if name == "none":
+        return None
+    if name in BUILTIN:
+        return ChatTemplate.builtin(name)
+    return ChatTemplate.from_pretrained(name) if name is not None else own
 
 
 def _overlaps(token: tuple[int, int], span: tuple[int, int]) -> bool:

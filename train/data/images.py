@@ -24,6 +24,16 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def normalization(d, channels: int) -> tuple:
+    """(mean, std) per channel of the images the model sees: data.mean / data.std, else 0.5 / 0.5
+    for the digits, ImageNet's for RGB folders and 0.449 / 0.226 for grey ones."""
+    if d.mean is not None:
+        return tuple(d.mean), tuple(d.std)
+    if d.path == "digits":
+        return (0.5,), (0.5,)
+    return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.449,), (0.226,))
+
+
 # ---------- embedded default: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes)
 
 def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_fraction: float = 0.2,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from . import DataError
 
@@ -120,14 +120,12 @@ def synthetic_pairs(split: str, n: int) -> list[dict]:
 
 class PreferenceData:
     """Preference pairs, tokenised: each pair is (chosen ids, chosen labels, rejected ids, rejected
-    labels), at most `seq_len` tokens each. Held out: the rows of `val_path`, else the last
-    `val_fraction` of the rows (at least one); `synthetic`: the validation split's pairs."""
+    labels), at most `seq_len` tokens each, of the training and the held-out rows."""
 
     max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound
 
-    def __init__(self, cfg, tokenizer, template=None, log=print):
+    def __init__(self, rows: list[dict], val: list[dict], cfg, tokenizer, template=None, log=print):
         self.tokenizer, self.template = tokenizer, template
-        rows, val = self.rows(cfg, log)
         self.truncated = 0
         try:
             self.train = [self.encode(r, cfg.seq_len) for r in rows]
@@ -141,21 +139,6 @@ class PreferenceData:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    @staticmethod
-    def rows(cfg, log) -> tuple[list[dict], list[dict]]:
-        """(training rows, held-out rows) of data.path (and data.val_path)."""
-        if cfg.path == "synthetic":
-            n_val = max(1, round(cfg.synthetic_rows * cfg.val_fraction))
-            return synthetic_pairs("train", cfg.synthetic_rows - n_val), synthetic_pairs("val", n_val)
-        rows = read_jsonl(cfg.path, _preference_row, log, "preference rows")
-        if cfg.val_path:
-            return rows, read_jsonl(cfg.val_path, _preference_row, log, "preference rows")
-        n_val = max(1, int(len(rows) * cfg.val_fraction))
-        if len(rows) - n_val < 1:
-            raise DataError(f"{cfg.path}: {len(rows)} preference rows leave none for training after "
-                            f"data.val_fraction={cfg.val_fraction}")
-        return rows[:-n_val], rows[-n_val:]
-
     def encode(self, row: dict, seq_len: int) -> tuple:
         out = []
         for key in ("chosen", "rejected"):
@@ -165,7 +148,8 @@ class PreferenceData:
         return tuple(out)
 
 
-def _preference_row(row: dict) -> dict:
+def preference_row(row: dict) -> dict:
+    """A preference row: {'prompt', 'chosen', 'rejected'} (KeyError / TypeError when malformed)."""
     prompt_messages(row["prompt"])
     return {"prompt": row["prompt"], "chosen": response_text(row["chosen"]),
             "rejected": response_text(row["rejected"])}

@@ -16,11 +16,8 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
 from zoo.weights.files import atomic_write
 
-from ..builder import build_run
 from ..optim import set_lr
 from ..plots import line_plot
 from ..step import optimizer_step, to_device
@@ -39,18 +36,17 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
     return lrs[best] / 10, smooth
 
 
-def lr_find(cfg, say, par=None) -> dict:
-    t = cfg.train
+def lr_find(run, say) -> dict:
+    """The range test on a built run (train/builder.py's build_run, as training builds it)."""
+    t, par = run.cfg.train, run.par
     out = Path(t.out_dir)
-    run = build_run(cfg, say, par)
-    par = run.par
     sync = dict(no_sync=lambda last: par.no_sync(run.fwd, last), agree=lambda s: par.agree(s, False)[0]) \
         if par.active else {}
     task, params = run.task, run.params()
     n = t.lr_find_steps
     ratio = t.lr_find_max / t.lr_find_min
     lrs, losses, best = [], [], math.inf
-    say(f"lr_find: {n} steps, LR {t.lr_find_min:g} to {t.lr_find_max:g} ({cfg.optim.name}, "
+    say(f"lr_find: {n} steps, LR {t.lr_find_min:g} to {t.lr_find_max:g} ({run.cfg.optim.name}, "
         f"{t.batch_size} x {t.grad_accum}{f' x {par.world} ranks' if par.active else ''} per step)")
     for step in range(n):
         lr = t.lr_find_min * ratio ** (step / (n - 1))

@@ -1,7 +1,8 @@
 """Tasks: how a model family plugs into the one loop.
 
 A task turns a run config into a model and batches, a batch into a loss, and a model into eval
-metrics and samples. Registered in TASKS; `Task.formats` names a family's other tasks by `data.format`.
+metrics and samples. train/config.py's TASKS names each family's; `Task.formats` names a family's other tasks
+by `data.format`.
 """
 from __future__ import annotations
 
@@ -11,20 +12,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-
-# family (zoo/config.py's FAMILIES) -> "module:Class" of the task that trains it
-TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
-         "diffusion": "train.tasks.diffusion:DiffusionTask"}
-
-
-def task_class(family: str, source: str = "<config>", data=None):
-    """The task that trains `family` on `data`: the family's own, or the one `formats` names for data.format."""
-    from zoo.config import family as family_entry, load_class
-    family_entry(family, source)  # a one-line error for an unknown family
-    cls = load_class(TASKS[family])
-    fmt = data.get("format") if isinstance(data, dict) else getattr(data, "format", None)
-    return load_class(cls.formats[fmt]) if isinstance(fmt, str) and fmt in cls.formats else cls
-
 
 class Task:
     """Base class of a family's task: subclasses set DataConfig and `unit` ('tokens', 'images', ...)."""

@@ -24,20 +24,11 @@ from zoo.convnet.preprocess import Preprocess
 from zoo.weights import timm_convnet
 
 from ..data import DataError
-from ..data.images import (IMAGENET_MEAN, IMAGENET_STD, FolderImages, augment_seeded, auto_augment_op, collate_images,
-                      digits_dataset, epoch_positions, folder_channels, mix_batch, random_erase, random_shift,
+from ..data.images import (FolderImages, augment_seeded, auto_augment_op, collate_images, digits_dataset,
+                           epoch_positions, folder_channels, mix_batch, normalization, random_erase, random_shift,
                            scan_image_folder)
+from ..eval import per_class_table
 from . import Task
-
-
-def normalization(d: "ImageDataConfig", channels: int) -> tuple:
-    """(mean, std) per channel of the images the model sees: data.mean / data.std, else 0.5 / 0.5
-    for the digits, ImageNet's for RGB folders and 0.449 / 0.226 for grey ones."""
-    if d.mean is not None:
-        return tuple(d.mean), tuple(d.std)
-    if d.path == "digits":
-        return (0.5,), (0.5,)
-    return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.449,), (0.226,))
 
 
 @dataclass
@@ -442,14 +433,3 @@ class ClassifyTask(Task):
         path = Path(out_dir) / "export" / name
         zoo.save_pretrained(model, path)
         return str(path)
-
-
-def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
-    """Accuracy per class of predictions `pred` against labels `y` -> (rows (name, n, acc), the table
-    headed by the `weights` it is of, its head line, its total line)."""
-    rows = [(name, int((y == c).sum()), (pred[y == c] == c).float().mean().item())
-            for c, name in enumerate(classes) if (y == c).any()]
-    head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
-    total = f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
-    text = "\n".join([head] + [f"{n[:24]:>24}  {k:>5}  {a:.3f}" for n, k, a in rows] + [total])
-    return rows, text, head, total

@@ -10,39 +10,25 @@ The reference: the model with its adapters off, else a frozen copy of the initia
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from zoo.adapters import adapters_disabled
-from zoo.config import ConfigError, bounded, fail
+from zoo.config import bounded
 
-from ..data import DataError, check_files, load_tokenizer_file
-from ..data.conversations import BUILTIN, ChatTemplate, find_template
-from ..data.preference import PreferenceData
+from ..data.conversations import PostTrainingDataConfig
+from ..data.preference import PreferenceData, preference_row, read_jsonl, synthetic_pairs
 from ..eval import collate, sequence_logps
-from ..builder import apply_runtime
-from .lm import LMTask
-from .sft import SFTTask, write_template
+from ..model import apply_runtime
+from .post_training import PostTrainingTask, unwrapped
 
 
 @dataclass
-class PreferenceDataConfig:
+class PreferenceDataConfig(PostTrainingDataConfig):
     format: Literal["preference"] = "preference"  # selects preference tuning (this task) for `family: llm`
-    path: str = ""                          # a jsonl file of `{"prompt", "chosen", "rejected"}` rows, or
-                                            # `synthetic`: pairs made from the embedded conversations
-    synthetic_rows: int = bounded(2000, ge=10)  # `path: synthetic`: how many pairs are made (`val_fraction` of them
-                                            # from the held-out conversations)
-    val_path: Optional[str] = None          # held-out pairs (same format); null = the last `val_fraction` of `path`
-    val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
-    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer;
-                                            # `bytes`; or a tokenizer file's path
-    template: Optional[str] = None          # null = the `train.init_from` model's own template, if any; a built-in
-                                            # name or a path as for chat data; `none`: no template
     seq_len: int = bounded(256, ge=2)       # tokens per prompt + response (longer: the prompt loses its start, then
                                             # the response its end; counted in the log); <= `model.max_seq_len`
     loss: Literal["dpo", "simpo"] = "dpo"   # `dpo` (against the frozen reference) or `simpo` (reference-free, length
@@ -53,80 +39,34 @@ class PreferenceDataConfig:
     simpo_gamma: float = bounded(0.5, ge=0)  # `simpo`: the target margin between the rewards
     reference: Literal["copy", "precomputed"] = "copy"  # `dpo` without an adapter: `copy` (a frozen copy of the
                                             # initial model) or `precomputed` (its log-probabilities, computed at start)
-    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) evaluated at every evaluation, their
-                                            # metrics logged as `eval_<file stem>_<metric>`
-
-    def validate(self, source, prefix="data."):
-        if not self.path:
-            raise fail(source, prefix + "path", "must name a jsonl file of prompt/chosen/rejected rows")
-        check_files(self.eval_tasks, source, prefix + "eval_tasks")
-        if self.path == "synthetic" and self.val_path is not None:
-            raise fail(source, prefix + "val_path", "must be null with path: synthetic (it has its own held-out pairs)")
-        if self.template not in (None, "none", *BUILTIN) and not Path(self.template).expanduser().exists():
-            raise fail(source, prefix + "template", f"={self.template}: neither none, a built-in template "
-                                                    f"({', '.join(BUILTIN)}) nor an existing file or folder")
 
 
-class DPOTask(LMTask):
+class DPOTask(PostTrainingTask):
     DataConfig = PreferenceDataConfig
-    tokenizer_files = SFTTask.tokenizer_files  # tokenizer.json first: it reads a template's special tokens
-    chat_template = None
-    reference = None            # the frozen copy (full fine-tuning, data.reference: copy)
     reference_table = None      # (pairs, 2) the initial model's log-probabilities of every pair's chosen and
                                 # rejected response (data.reference: precomputed); train pairs, then val pairs
-    _placed = False             # the copy is on the device with the run's runtime choices
     _pair_sums = None           # pair_sums of the training batches since the last logged row
-    _epoch, _order = None, None  # the epoch whose shuffled order of the training pairs is at hand
 
     def setup(self):
         d = self.cfg.data
-        spec = self._pretrained_tokenizer() or d.tokenizer
-        if spec == "sentencepiece":
-            raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
-                              f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
-        if spec != "bytes" and not Path(spec).expanduser().is_file():
-            raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a "
-                            f"path to a tokenizer.model / tokenizer.json)")
+        tokenizer = self._load_tokenizer()
         self.chat_template = self._template()
-        self.data = PreferenceData(d, load_tokenizer_file(spec), self.chat_template, self.log)
+        rows, val = self.held_out(synthetic_pairs, lambda path: read_jsonl(path, preference_row, self.log,
+                                                                           "preference rows"))
+        self.data = PreferenceData(rows, val, d, tokenizer, self.chat_template, self.log)
         self.log(f"preference: loss={d.loss} beta={d.beta} label_smoothing={d.label_smoothing}"
                  + (f" gamma={d.simpo_gamma}" if d.loss == "simpo" else "")
                  + (", reference: the base with its adapters off" if d.loss == "dpo" and self.cfg.adapter.enabled
                     else f", reference: the initial model ({d.reference})" if d.loss == "dpo" else ""))
 
-    def template(self):
-        return self.chat_template
-
-    def _template(self):
-        t, init = self.cfg.data.template, self.cfg.train.init_from
-        if t == "none" or (t is None and init is None):
-            template = None
-        elif t in BUILTIN:
-            template = ChatTemplate.builtin(t)
-        else:
-            template = ChatTemplate.from_pretrained(t) if t is not None else find_template(self._init_tokenizers())
-        self.log(f"data: chat template: {template.name} (end of turn {template.end_of_turn!r})" if template else
-                 "data: no chat template: prompt and response tokens concatenated")
-        return template
-
-    def save_files(self, out_dir):
-        super().save_files(out_dir)
-        if self.chat_template is not None:
-            write_template(self.chat_template, out_dir)
-
-    def export(self, model, out_dir):
-        path = super().export(model, out_dir)
-        if path is not None and self.chat_template is not None:
-            write_template(self.chat_template, path)
-        return path
+    def wants_reference(self):
+        return self.cfg.data.loss == "dpo" and self.cfg.data.reference == "copy"
 
     def build_model(self):
         model = super().build_model()
-        if self.cfg.data.loss == "dpo" and not self.cfg.adapter.enabled:
-            if self.cfg.data.reference == "copy":
-                self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-            else:
-                self.reference_table = self.precompute(model)
+        d = self.cfg.data
+        if d.loss == "dpo" and d.reference == "precomputed" and not self.cfg.adapter.enabled:
+            self.reference_table = self.precompute(model)
         return model
 
     @torch.no_grad()
@@ -144,15 +84,6 @@ class DPOTask(LMTask):
         model.train(was)
         self.log(f"reference: log-probabilities of {len(pairs)} pairs precomputed (data.reference=precomputed)")
         return torch.cat(out)
-
-    def _reference_model(self, model):
-        if self.cfg.adapter.enabled or self.reference is None:  # the planner's example runs have no copy
-            return model
-        if not self._placed:
-            apply_runtime(self.reference, self.cfg.train)
-            self.reference.to(self.device)
-            self._placed = True
-        return self.reference
 
     @torch.no_grad()
     def reference_logps(self, model, batch):
@@ -179,14 +110,7 @@ class DPOTask(LMTask):
         """This rank's part of one global micro-batch of pairs, reshuffled every epoch, at (step, micro)."""
         n, G = len(self.data.train), self.global_rows()
         pos = (step * self.cfg.train.grad_accum + micro) * G
-        idx = []
-        for p in range(pos, pos + G):
-            epoch, i = divmod(p, n)
-            if epoch != self._epoch:
-                g = torch.Generator().manual_seed(hash((self.cfg.train.seed, epoch, -1)) & 0x7FFF_FFFF_FFFF_FFFF)
-                self._epoch, self._order = epoch, torch.randperm(n, generator=g).tolist()
-            idx.append(self._order[i])
-        idx = self.own_rows(idx)
+        idx = self.own_rows([self.shuffled(p, n, -1) for p in range(pos, pos + G)])
         return self._batch([self.data.train[i] for i in idx], idx)
 
     def pair_loss(self, model, batch):
@@ -250,12 +174,6 @@ def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tok
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
     r = reward.detach()
     return losses, r[:B], r[B:]
-
-
-def unwrapped(model):
-    """The module under a torch.compile and a DDP wrapper."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
 
 
 def pair_sums(losses, chosen, rejected) -> torch.Tensor:

@@ -20,7 +20,6 @@ cache, compilation, padding, bf16): so the ratio is exactly 1 at a batch's first
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,43 +29,23 @@ from typing import Literal, Optional
 import torch
 
 from zoo.adapters import adapters_disabled
-from zoo.config import ConfigError, bounded, fail
+from zoo.config import ConfigError, bounded
 
-from ..data import DataError, check_files, load_tokenizer_file
-from ..data.conversations import BUILTIN as TEMPLATES
+from ..data.conversations import PostTrainingDataConfig
 from ..data.prompts import arithmetic, read_prompts, reward_fn, score
 from ..eval import collate, complete, score_rewards, token_logps
 from ..optim import micro_batches
-from .dpo import DPOTask, unwrapped
-from .lm import LMTask
+from .post_training import PostTrainingTask, unwrapped
 
 ROW_KEYS = ("prompt", "comp", "cut", "total")  # a batch's per-completion lists (and "values": one list per reward)
 
 
 @dataclass
-class PromptDataConfig:
+class PromptDataConfig(PostTrainingDataConfig):
     format: Literal["prompts"] = "prompts"  # selects reinforcement learning (this task and `rl:`) for `family: llm`
-    path: str = ""                          # a jsonl file of `{"prompt" or "messages", "answer"}` rows, or `synthetic`:
-                                            # the embedded arithmetic task (train/data/prompts.py)
-    synthetic_rows: int = bounded(2000, ge=10)  # `path: synthetic`: how many problems (`val_fraction` held out)
-    val_path: Optional[str] = None          # held-out prompts (same format); null = the last `val_fraction` of `path`
-    val_fraction: float = bounded(0.1, gt=0, lt=1)  # rows held out when there is no `val_path` (at least one)
-    tokenizer: str = "sentencepiece"        # `sentencepiece` = the `train.init_from` checkpoint's own tokenizer;
-                                            # `bytes`; or a tokenizer file's path
-    template: Optional[str] = None          # null = the `train.init_from` model's own template, if any; a built-in
-                                            # name or a path as for chat data; `none`: plain-text prompts
     seq_len: int = bounded(128, ge=1)       # prompt tokens kept (the end of a longer prompt); + `rl.max_new_tokens`
                                             # <= `model.max_seq_len`
     eval_prompts: int = bounded(64, gt=0)   # held-out prompts answered greedily at every evaluation (`val_reward`)
-    eval_tasks: Optional[list[str]] = None  # task files (train/eval.py) evaluated at every evaluation
-
-    def validate(self, source, prefix="data."):
-        if not self.path:
-            raise fail(source, prefix + "path", "must name a jsonl file of prompt/answer rows or be synthetic")
-        check_files(self.eval_tasks, source, prefix + "eval_tasks")
-        if self.template not in (None, "none", *TEMPLATES) and not Path(self.template).expanduser().exists():
-            raise fail(source, prefix + "template", f"={self.template}: neither none, a built-in template "
-                                                    f"({', '.join(TEMPLATES)}) nor an existing file or folder")
 
 
 @dataclass
@@ -164,30 +143,18 @@ def reward_keys(rewards) -> list[str]:
 
 
 class Prompts:
-    """The prompt rows of a run: train, val ([{prompt, answer}]) and the tokenizer."""
+    """The prompt rows of a run, train and val ([{prompt, answer}]), and the tokenizer."""
     max_id = -1
 
-    def __init__(self, d, tokenizer, log):
-        self.tokenizer = tokenizer
-        if d.path == "synthetic":
-            n_val = max(1, round(d.synthetic_rows * d.val_fraction))
-            self.train, self.val = arithmetic("train", d.synthetic_rows - n_val), arithmetic("val", n_val)
-        else:
-            rows = read_prompts(d.path, log)
-            n_val = 0 if d.val_path else max(1, int(len(rows) * d.val_fraction))
-            self.train, self.val = (rows, read_prompts(d.val_path, log)) if d.val_path else (rows[:-n_val],
-                                                                                             rows[-n_val:])
-            if not self.train:
-                raise DataError(f"{d.path}: {len(rows)} prompt rows leave none for training after "
-                                f"data.val_fraction={d.val_fraction}")
-        log(f"data: {d.path}: {len(self.train)} train + {len(self.val)} held-out prompts")
+    def __init__(self, train: list, val: list, tokenizer):
+        self.train, self.val, self.tokenizer = train, val, tokenizer
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
 
-class RLTask(DPOTask):
+class RLTask(PostTrainingTask):
     DataConfig = PromptDataConfig
     RLConfig = RLConfig
     sections = (RLConfig, Reward)  # the config dataclasses of the rl: section (docs tables)
@@ -199,17 +166,13 @@ class RLTask(DPOTask):
 
     def setup(self):
         d, rl = self.cfg.data, self.cfg.rl
-        spec = self._pretrained_tokenizer() or d.tokenizer
-        if spec == "sentencepiece":
-            raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
-                              f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
-        if spec != "bytes" and not Path(spec).expanduser().is_file():
-            raise DataError(f"{spec}: tokenizer file not found")
+        tokenizer = self._load_tokenizer()
         if rl.prompts_per_step % self.world:
             raise ConfigError(f"{self.cfg.source}: rl.prompts_per_step={rl.prompts_per_step} must divide among the "
                               f"{self.world} processes")
         self.chat_template = self._template()
-        self.data = Prompts(d, load_tokenizer_file(spec), self.log)
+        self.data = Prompts(*self.held_out(arithmetic, lambda path: read_prompts(path, self.log)), tokenizer)
+        self.log(f"data: {d.path}: {len(self.data.train)} train + {len(self.data.val)} held-out prompts")
         self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
         self._window = []
         self.log(f"rl: {rl.algorithm}, {rl.prompts_per_step} prompts x {rl.group_size} completions per batch, "
@@ -218,29 +181,21 @@ class RLTask(DPOTask):
                                                            else "a frozen copy of the initial model")
                     if rl.kl_beta > 0 else ""))
 
+    def wants_reference(self):
+        return self.cfg.rl.kl_beta > 0
+
     def build_model(self):
-        model = LMTask.build_model(self)
+        model = super().build_model()
         need = self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
         if need > model.config.max_seq_len:
             raise ConfigError(f"{self.cfg.source}: data.seq_len + rl.max_new_tokens = {need} exceeds the model's "
                               f"max_seq_len={model.config.max_seq_len}")
-        if self.cfg.rl.kl_beta > 0 and not self.cfg.adapter.enabled:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         return model
 
     # ------------------------------------------------------------------ rollouts
     def train_batch(self, step, micro):
         """Where the step's rollouts are: they are sampled in loss(), which holds the model."""
         return {"step": step, "micro": micro}
-
-    def _prompt_at(self, pos: int) -> int:
-        """The training prompt at position pos of the stream of shuffled epochs."""
-        n = len(self.data.train)
-        epoch, i = divmod(pos, n)
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(hash((self.cfg.train.seed, epoch, -2)) & 0x7FFF_FFFF_FFFF_FFFF)
-            self._epoch, self._order = epoch, torch.randperm(n, generator=g).tolist()
-        return self._order[i]
 
     def _groups(self, model, idx: list[int], seeds: list[tuple]):
         """Sample, decode and score group_size completions of the training prompts idx; a row's draws come
@@ -282,7 +237,9 @@ class RLTask(DPOTask):
         P = rl.prompts_per_step // self.world
         model = unwrapped(model)  # sampling and the no-grad forwards skip DDP's gradient hooks
         pos = [key * rl.prompts_per_step + self.rank * P + i for i in range(P)]
-        got = self._groups(model, [self._prompt_at(p) for p in pos], [(self.cfg.train.seed, key, p) for p in pos])
+        picked = [self.shuffled(p, len(self.data.train), -2) for p in pos]
+        seeds = [(self.cfg.train.seed, key, p) for p in pos]
+        got = self._groups(model, picked, seeds)
         sampled, seconds, tokens = P, got["seconds"], got["tokens"]
         if rl.dynamic_sampling:
             got = self._keep_varied(got)
@@ -297,8 +254,7 @@ class RLTask(DPOTask):
                 got = {**{k: v + more[k] for k, v in got.items() if k in ROW_KEYS},
                        "values": [a + b for a, b in zip(got["values"], more["values"])]}
             if not got["total"]:  # nothing varied: the last groups, whose advantages are zero
-                got = more if rl.max_refills else self._groups(model, [self._prompt_at(p) for p in pos], [
-                    (self.cfg.train.seed, key, p) for p in pos])
+                got = more if rl.max_refills else self._groups(model, picked, seeds)
             got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
         rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
         adv = advantages(rewards, rl.algorithm).flatten()

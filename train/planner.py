@@ -1,0 +1,876 @@
+"""The memory planner: what a training step needs, from the config alone, before the run starts.
+
+`plan(cfg)` builds the model under FakeTensorMode (nothing allocated; train/model.py's build_model,
+as the loop builds it) and runs the loop's step on it under `LiveBytes`, which counts the storages
+alive; `allocator` adds the CUDA caching allocator's rules or a CPU margin (`CPU_MARGIN`). `fits`
+lists settings that fit a budget; `auto_batch_size` resolves train.batch_size: auto for the run
+builder; `measure` runs the real step to check the plan. Its program: train/plan.py
+(docs/memory.md has the accuracy).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from zoo.config import ConfigError
+from zoo.quantization import targets
+from zoo.tensors import tensors_of
+
+from .checkpoint import list_checkpoints
+from .config import load_run_config, parse_memory_size, task_class
+from .hardware import keep_freed_memory
+from .model import build_model
+from .optim import build_optimizer
+from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, optimizer_step, precision_of, resolve_precision
+
+MiB, GiB = 2 ** 20, 2 ** 30
+
+
+# ------------------------------------------------------------------------------ counting live bytes
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensor storages alive (added when an op first returns one, or by `add`;
+    subtracted when it dies); `peak` since the last `reset_peak()`. Real and fake tensors alike.
+    device: count only the tensors on a device of this type."""
+
+    def __init__(self, device: Optional[str] = None, trace: Optional["AllocTrace"] = None):
+        super().__init__()
+        self.device = device
+        self.trace = trace
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, *tensors):
+        for t in tree_flatten(tensors)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or \
+                    (self.device is not None and t.device.type != self.device):
+                continue
+            inner = getattr(t, "__tensor_flatten__", None)
+            if inner is not None and type(t) not in (torch.Tensor, nn.Parameter) \
+                    and not type(t).__name__ == "FakeTensor":  # a tensor subclass: count its parts
+                self.add(*[getattr(t, n) for n in inner()[0]])
+                continue
+            s = t.untyped_storage()
+            key = id(s)
+            if key in self._refs:
+                continue
+            n = s.nbytes()
+            if self.trace is not None:
+                self.trace.add(s, n)
+            self._refs[key] = weakref.ref(s, lambda _, key=key, n=n: self._drop(key, n))
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+    def _drop(self, key, n):
+        if self._refs.pop(key, None) is not None:
+            self.live -= n
+
+    def reset_peak(self):
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32:
+            out = _grouped_mm_like(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.add(out)
+        return out
+
+
+class AllocTrace:
+    """The order in which tensor storages are made and freed: [(key, +bytes) or (key, -bytes)], each
+    storage once however many counters see it. Replayed through the CUDA caching allocator's rules
+    (`cuda_reserved_peak`) it gives the memory that allocator holds at its peak."""
+
+    def __init__(self):
+        self.events: list[tuple[int, int]] = []
+        self._refs: dict[int, weakref.ref] = {}
+        self._next = 0
+
+    def add(self, storage, n: int):
+        key = id(storage)
+        if key in self._refs:
+            return
+        self._next += 1
+        uid = self._next
+        self.events.append((uid, n))
+        self._refs[key] = weakref.ref(storage, lambda _, key=key, uid=uid, n=n: self._free(key, uid, n))
+
+    def add_bytes(self, n: int) -> int:
+        """A block that no dispatched op makes (torchao's 8-bit states, the EMA's copy), never freed."""
+        self._next += 1
+        self.events.append((self._next, n))
+        return self._next
+
+    def _free(self, key, uid, n):
+        if self._refs.pop(key, None) is not None:
+            self.events.append((uid, -n))
+
+
+def cuda_reserved_peak(events) -> int:
+    """The peak bytes PyTorch's CUDA caching allocator reserves for `events`, on its rules
+    (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, small and large pools, best fit, splitting,
+    merging, segments cached to the end). The CUDA context is not in it."""
+    import bisect
+    reserved = peak = 0
+    free: dict[bool, list] = {True: [], False: []}   # small pool? -> sorted [(size, segment, offset)]
+    start_of: dict[tuple, int] = {}                   # (segment, offset) -> size of a free block
+    end_of: dict[tuple, int] = {}                     # (segment, end) -> offset of a free block
+    blocks: dict[int, tuple] = {}
+    segments = 0
+
+    def take(small, seg, off, size):
+        del start_of[(seg, off)], end_of[(seg, off + size)]
+        free[small].pop(bisect.bisect_left(free[small], (size, seg, off)))
+
+    def put(small, seg, off, size):
+        start_of[(seg, off)], end_of[(seg, off + size)] = size, off
+        bisect.insort(free[small], (size, seg, off))
+
+    for uid, n in events:
+        if n > 0:
+            size = max(512, (n + 511) // 512 * 512)
+            small = size <= MiB
+            pool = free[small]
+            i = bisect.bisect_left(pool, (size, -1, -1))
+            if i < len(pool):
+                fsize, seg, off = pool[i]
+                take(small, seg, off, fsize)
+            else:
+                fsize = 2 * MiB if small else 20 * MiB if size < 10 * MiB else (size + 2 * MiB - 1) // (2 * MiB) * 2 * MiB
+                seg, off = segments, 0
+                segments += 1
+                reserved += fsize
+                peak = max(peak, reserved)
+            if fsize - size > (512 if small else MiB):
+                put(small, seg, off + size, fsize - size)
+            else:
+                size = fsize
+            blocks[uid] = (small, seg, off, size)
+        else:
+            got = blocks.pop(uid, None)
+            if got is None:
+                continue
+            small, seg, off, size = got
+            if (seg, off + size) in start_of:
+                nsize = start_of[(seg, off + size)]
+                take(small, seg, off + size, nsize)
+                size += nsize
+            if (seg, off) in end_of:
+                prev = end_of[(seg, off)]
+                take(small, seg, prev, off - prev)
+                size += off - prev
+                off = prev
+            put(small, seg, off, size)
+    return peak
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+
+
+def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
+    """An empty result of aten._grouped_mm's shape: its shape function refuses fp32, which the CPU
+    kernel runs (MoE layers planned in fp32)."""
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    else:
+        shape = (a.shape[1], b.shape[-1])
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+# ------------------------------------------------------------------------------ optimizer states
+def adamw8bit_state_bytes(params) -> int:
+    """torchao's AdamW8bit: for a tensor of >= 4096 values (a multiple of the 256-value block) each of
+    the two moments is int8 codes, an fp32 scale per block and a 256-entry fp32 code map; smaller
+    tensors keep fp32 moments; plus a step counter per tensor."""
+    total = 0
+    for p in params:
+        n = p.numel()
+        if n >= 4096 and n % 256 == 0:
+            total += 2 * (n + 4 * (n // 256) + 4 * 256)
+        else:
+            total += 2 * n * p.element_size()
+        total += 4  # step
+    return total
+
+
+def planned_optimizer(model, params, cfg, device):
+    """(the optimizer to step on fake tensors, None) or (None, its state bytes from its layout) for
+    those whose step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and
+    optimizers with a `planned_state_bytes()` (GaLore)."""
+    if cfg.optim.name == "adamw8bit":
+        return None, adamw8bit_state_bytes(params)
+    opt = build_optimizer(model, cfg.optim, device, lambda m: None)
+    if hasattr(opt, "planned_state_bytes"):
+        return None, opt.planned_state_bytes()
+    return opt, 0
+
+
+def fake_step(optimizer):
+    """optimizer.step() on fake tensors. An optimizer that reads a value back to Python (Adafactor's
+    step count, GaLore's) stops there, after making the state of the tensor it was on: then each
+    tensor is stepped on its own, so that every one gets its state (what the plan needs)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    try:
+        optimizer.step()
+        return
+    except DataDependentOutputException:
+        pass
+    groups = optimizer.param_groups
+    try:
+        for g in groups:
+            for p in g["params"]:
+                optimizer.param_groups = [dict(g, params=[p])]
+                try:
+                    optimizer.step()
+                except DataDependentOutputException:
+                    pass
+    finally:
+        optimizer.param_groups = groups
+
+
+# ------------------------------------------------------------------------------ the model and its units
+def repeated_units(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformer blocks, residual blocks)."""
+    units = getattr(model, "checkpoint_units", None)
+    if units is not None:
+        return list(units())
+    if hasattr(model, "layers"):
+        return list(model.layers)
+    return []
+
+
+def _depth_keys(cfg):
+    """(depth, period) of an LLM stack: its n_layers and the period of its block pattern (MoD,
+    sparse MoE layers, checkpointing every n-th block), or None for other families."""
+    if cfg.family != "llm":
+        return None
+    m = cfg.model
+    period = 1
+    if m.mod_capacity > 0:
+        period = math.lcm(period, m.mod_every)
+    if m.moe is not None:
+        period = math.lcm(period, m.moe.sparse_every)
+    every = cfg.train.activation_checkpointing_every
+    period = math.lcm(period, every)
+    return m.n_layers, period
+
+
+# ------------------------------------------------------------------------------ the simulated step
+@dataclass
+class Simulated:
+    persistent: int          # params + buffers + optimizer states + batch at rest
+    params: int
+    buffers: int
+    grads: int
+    states: int
+    inputs: int
+    forward_backward: int    # peak above `persistent` during forward and backward
+    optimizer_step: int      # peak above `persistent` during clipping and the optimizer step
+    per_unit: list           # bytes each repeated block keeps from its forward to the backward
+    logits: int              # the peak the loss adds over the last block's output (forward)
+    events: list = field(default_factory=list)  # AllocTrace.events: construction and three steps
+
+
+
+
+def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
+    """The compute dtype the loop runs cfg in (train/step.py's resolve_precision: `auto` measured
+    once per process and device, as the loop measures it; outside any fake-tensor mode)."""
+    p = cfg.train.precision
+    if p == "auto":
+        key = (str(device), torch.get_num_threads())
+        if key not in _AUTO:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            with unset_fake_temporarily():
+                _AUTO[key] = resolve_precision(p, device)
+        p = _AUTO[key]
+    return None if p == "fp32" else DTYPES[p]
+
+
+_AUTO: dict = {}  # (device, threads) -> what train.precision: auto resolved to
+
+
+def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_layers: Optional[int] = None,
+             fake: bool = True) -> Simulated:
+    """One steady-state training step of `cfg` (a RunConfig) counted by LiveBytes: fake tensors
+    (nothing allocated) unless fake=False. n_layers: build the LLM at that depth instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if n_layers is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+        if cfg.model.moe is not None:
+            dense = [i for i in cfg.model.moe.dense_layers if i < n_layers]
+            cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)
+    amp = _precision(cfg, device)
+    B = batch_size or cfg.train.batch_size
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    trace = AllocTrace()  # the run's storages in order, from the model's construction to the third step
+    with mode, torch.random.fork_rng(devices=[]):
+        with torch.device(device), LiveBytes(device.type, trace):
+            model = build_model(cfg)
+        if cfg.train.ema_decay:  # the loop's EMA: a copy of the model, made before the optimizer
+            trace.add_bytes(_bytes(model.parameters()) + _bytes(model.buffers()))
+        if cfg.train.prune:
+            trace.add_bytes(mask_bytes(model, cfg.train))
+        task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
+        task.autocast_dtype = amp
+        with LiveBytes(device.type, trace):
+            batch = task.example_batch(model, B)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer, states = planned_optimizer(model, params, cfg, device)
+        eightbit = optimizer is None
+        autocast = autocast_for(device, precision_of(amp))
+        units = repeated_units(model)
+        counter = LiveBytes(device.type, trace)
+        per_unit, phase, before = {}, {"name": "warm-up"}, {}
+
+        def pre(i):
+            def hook(mod, args):
+                if phase["name"] == "forward" and i not in per_unit:
+                    before[i] = counter.live
+            return hook
+
+        def post(i):
+            def hook(mod, args, out):
+                if phase["name"] == "forward" and i not in per_unit and i in before:
+                    per_unit[i] = counter.live - before[i]
+            return hook
+
+        handles = [u.register_forward_pre_hook(pre(i)) for i, u in enumerate(units)]
+        handles += [u.register_forward_hook(post(i)) for i, u in enumerate(units)]
+        logits = {"start": None, "peak": 0}
+        if units:
+            def after_last(mod, args, out):
+                if phase["name"] == "forward":
+                    logits["start"] = counter.live
+                    counter.reset_peak()
+            handles.append(units[-1].register_forward_hook(after_last))
+
+        offload = cfg.train.activation_offload and device.type == "cuda"
+
+        def step(track: bool):
+            with autocast(), (torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()):
+                loss, _ = task.loss(model, batch)
+            if track and logits["start"] is not None:
+                logits["peak"] = counter.peak - logits["start"]
+            phase["name"] = "backward"
+            loss.backward()
+            if track:
+                fb = counter.peak
+                phase["name"] = "optimizer"
+                counter.reset_peak()
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad or float("inf"))
+            if optimizer is not None:
+                fake_step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                if not made["states"]:  # torchao's 8-bit states, made at its first step
+                    trace.add_bytes(states)
+                    made["states"] = True
+                for p in params:
+                    p.grad = None
+            return (fb, counter.peak) if track else None
+
+        made = {"states": False}
+        with counter:
+            step(track=False)  # the optimizer makes its state
+        state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
+        if optimizer is not None:
+            states = 0
+            probe = LiveBytes()
+            probe.add(state_tensors)
+            states = probe.live
+        counter = LiveBytes(device.type, trace)
+        counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
+        persistent = counter.live + (states if eightbit else 0)
+        counter.live = counter.peak = persistent
+        counter.reset_peak()
+        with counter:
+            phase["name"] = "forward"
+            fb, opt = step(track=True)
+            phase["name"] = "third"
+            step(track=False)  # the caching allocator's blocks settle over the first steps
+        for h in handles:
+            h.remove()
+        p_bytes = _bytes(model.parameters())
+        b_bytes = _bytes(model.buffers()) + mask_bytes(model, cfg.train)
+        g_bytes = sum(p.numel() * p.element_size() for p in params)
+        inputs = _bytes(tree_flatten(batch)[0])
+    return Simulated(persistent, p_bytes, b_bytes, g_bytes, states, inputs, fb - persistent, opt - persistent,
+                     [per_unit.get(i, 0) for i in range(len(units))], logits["peak"], trace.events)
+
+
+def mask_bytes(model: nn.Module, t) -> int:
+    """train.prune's masks, counted with the buffers: a bool per weight of the pruned linears."""
+    if not t.prune:
+        return 0
+    modules = dict(model.named_modules())
+    return sum(modules[n].weight.numel() for n in targets(model, t.prune_keep))
+
+
+def _bytes(tensors) -> int:
+    probe = LiveBytes()
+    probe.add(list(tensors))
+    return probe.live
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    peak_bytes: int
+    breakdown: dict                      # params, buffers, grads, optimizer_states, inputs, activations
+    per_layer_activations: list          # bytes per repeated block
+    logits_bytes: int
+    kv_cache_bytes: Optional[int]        # LLM: generation at the run's batch and model.max_seq_len
+    host_bytes: int = 0                  # offloaded to host memory (CUDA: optimizer states, activations)
+    devices: int = 1
+    sharding: str = "none"
+    extrapolated_from: Optional[list] = None  # the depths simulated when the stack was extrapolated
+    notes: list = field(default_factory=list)
+    device: str = "cpu"                  # the device planned for
+    precision: str = "fp32"              # the precision the run computes in there
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths and extrapolated
+
+
+def run_device(cfg) -> torch.device:
+    name = cfg.train.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def for_target(cfg, target: torch.device) -> tuple:
+    """(cfg as it runs on `target`, the device its step is simulated on, its precision and why). A CUDA
+    target without CUDA is simulated on the CPU's fake tensors, `auto` as bf16 and attention through
+    SDPA; the CUDA allocator's rules then apply."""
+    t, sim = cfg.train, target
+    if target.type == "cuda" and not torch.cuda.is_available():
+        sim = torch.device("cpu")
+        precision = "bf16" if t.precision == "auto" else t.precision
+        why = "auto: bf16 on a CUDA GPU (compute capability 8.0+ assumed)" if t.precision == "auto" else "as set"
+        over = {"attn_backend": "sdpa"} if t.attn_backend == "auto" else {}
+    else:
+        precision, over = precision_of(_precision(cfg, target)), {}
+        why = f"auto on this {target.type}" if t.precision == "auto" else "as set"
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, precision=precision, **over))
+    return cfg, sim, precision, why
+
+
+def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int] = None,
+         device: Optional[torch.device] = None) -> Plan:
+    """The predicted peak memory (per device) of one training step of `cfg` (a RunConfig) on `device`
+    (default: the run's), from any machine."""
+    target = device or run_device(cfg)
+    cfg, device, precision, why = for_target(cfg, target)
+    B = batch_size or cfg.train.batch_size
+    depth = _depth_keys(cfg)
+    notes = [f"precision {precision} ({why})"]
+    if cfg.train.activation_offload and target.type == "cuda" and device.type != "cuda":
+        notes.append("train.activation_offload is simulated only on a machine with CUDA: planned without it")
+    if depth is not None and depth[0] > max(SIMULATE_FULL_DEPTH, 4 * depth[1]):
+        L, p = depth
+        l1, l2 = 2 * p, 4 * p
+        s1, s2 = simulate(cfg, device, B, l1), simulate(cfg, device, B, l2)
+        full = _static(cfg, device, B)
+        k = (L - l1) / (l2 - l1)
+        lin = lambda a, b: round(a + k * (b - a))  # noqa: E731
+        # activations above the persistent part extrapolate in depth; the full model's own grads
+        fb = lin(s1.forward_backward - s1.grads, s2.forward_backward - s2.grads) + full.grads
+        opt = lin(s1.optimizer_step - s1.grads, s2.optimizer_step - s2.grads) + full.grads
+        per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
+        sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
+                                  logits=s2.logits)
+        allocator = lin(allocator_overhead(s1.events, target), allocator_overhead(s2.events, target))
+        extrapolated = [l1, l2]
+    else:
+        sim, extrapolated = simulate(cfg, device, B), None
+        allocator = allocator_overhead(sim.events, target)
+    transient = max(sim.forward_backward, sim.optimizer_step)
+    activations = transient - sim.grads
+    host = 0
+    params, grads, states = sim.params, sim.grads, sim.states
+    if cfg.optim.name == "adamw_offload" and target.type == "cuda":
+        host += states + params + grads  # torchao keeps fp32 params, grads and states on the host
+        states = 0
+        notes.append("optim.name=adamw_offload: optimizer states, a copy of the parameters and the gradients "
+                     "are in host memory")
+    elif cfg.optim.name == "adamw_offload":
+        notes.append("optim.name=adamw_offload runs as AdamW on a CPU (its states are in host memory already)")
+    if sharding == "fsdp2" and devices > 1:
+        units = repeated_units_sizes(cfg, device)
+        gathered = 2 * max(units, default=0)  # the block running and the one prefetched, unsharded
+        params, grads, states = params // devices, grads // devices, states // devices
+        activations += gathered
+        notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
+                     f"{fmt_bytes(gathered)} for the all-gathered parameters of two blocks")
+    elif sharding == "ddp" and devices > 1:
+        activations += sim.grads  # DDP's gradient buckets: one more copy of the gradients
+        notes.append(f"ddp over {devices} devices: everything replicated, plus DDP's gradient buckets "
+                     f"(one more copy of the gradients)")
+    ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
+    breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
+                 "ema": ema, "inputs": sim.inputs, "activations": activations}
+    if target.type == "cpu":
+        allocator = cpu_margin(cfg.family, sum(breakdown.values()))
+        share, constant = CPU_MARGIN.get(cfg.family, CPU_MARGIN_OTHER)
+        notes.append(f"CPU: the allocator's margin for the {cfg.family} family is {share:.0%} of the tensors' peak "
+                     f"plus {fmt_bytes(constant)}, chosen to err high (docs/memory.md)")
+    breakdown["allocator"] = max(0, allocator)
+    kv = _kv_cache_bytes(cfg, B, device)
+    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
+                sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
+
+
+CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
+
+
+# A CPU's allocator margin per family: (share of the tensors' peak, constant), for glibc's heap holes
+# and what no tensor holds (autograd objects, BLAS/oneDNN buffers); errs high (`bench.py memory`).
+CPU_MARGIN = {"llm": (0.5, 32 * MiB), "convnet": (0.8, 64 * MiB), "diffusion": (0.3, 48 * MiB)}
+CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
+
+
+def cpu_margin(family: str, tensors: int) -> int:
+    """The CPU allocator's margin over a step whose tensors peak at `tensors` bytes."""
+    share, constant = CPU_MARGIN.get(family, CPU_MARGIN_OTHER)
+    return round(share * tensors) + constant
+
+
+def allocator_overhead(events, device) -> int:
+    """What the CUDA caching allocator holds at its peak beyond the peak of the tensors alive, the
+    step's allocations replayed through its rules (`cuda_reserved_peak`) plus cuBLAS's workspace;
+    0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
+    if device.type != "cuda":
+        return 0
+    live = peak_live = 0
+    for _, n in events:
+        live += n
+        peak_live = max(peak_live, live)
+    return cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES - peak_live
+
+
+def _static(cfg, device, B) -> Simulated:
+    """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = build_model(cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt, states = planned_optimizer(model, params, cfg, device)
+        if opt is not None:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            fake_step(opt)
+            states = _bytes(tensors_of(opt.state))
+        grads = sum(p.numel() * p.element_size() for p in params)
+        pb, bb = _bytes(model.parameters()), _bytes(model.buffers()) + mask_bytes(model, cfg.train)
+    return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
+
+
+def repeated_units_sizes(cfg, device) -> list[int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
+        with torch.device(device):
+            model = build_model(cfg)
+        return [_bytes(u.parameters()) for u in repeated_units(model)]
+
+
+def _kv_cache_bytes(cfg, B, device) -> Optional[int]:
+    if cfg.family != "llm":
+        return None
+    m = cfg.model
+    dt = _precision(cfg, device) or torch.float32
+    return 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * dt.itemsize
+
+
+# ------------------------------------------------------------------------------ what makes it fit
+@dataclass
+class Option:
+    overrides: dict        # the config keys it sets
+    slowdown: float        # estimated step-time factor (docs/memory.md)
+
+    @property
+    def name(self) -> str:
+        """The overrides as train/run.py takes them on its command line."""
+        return " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in self.overrides.items())
+
+
+def options(cfg, device) -> list[list[Option]]:
+    """Groups of mutually exclusive options (one of each group may be chosen)."""
+    t, o = cfg.train, cfg.optim
+    groups = []
+    if cfg.family == "llm" and not t.chunked_loss:
+        groups.append([Option({"train.chunked_loss": True}, 1.0)])
+    if t.precision == "fp32" and device.type == "cuda":
+        groups.append([Option({"train.precision": "bf16"}, 0.6)])
+    if o.name in ("adamw", "galore", "muon"):
+        groups.append([Option({"optim.name": "adamw8bit"}, 1.05)]
+                      + ([Option({"optim.name": "adamw_offload"}, 1.3)] if device.type == "cuda" else []))
+    if device.type == "cuda" and not t.activation_offload:
+        groups.append([Option({"train.activation_offload": True}, 1.2)])
+    if t.activation_checkpointing in (False, "none"):
+        groups.append([Option({"train.activation_checkpointing": "selective"}, 1.1),
+                       Option({"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}, 1.15),
+                       Option({"train.activation_checkpointing": True}, 1.3)])
+    b, k, splits = t.batch_size, 2, []
+    while b != "auto" and k <= b:
+        if b % k == 0:
+            splits.append(Option({"train.batch_size": b // k, "train.grad_accum": t.grad_accum * k},
+                                 1.0 + 0.05 * math.log2(k)))
+        k *= 2
+    if splits:
+        groups.append(splits)
+    return groups
+
+
+def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
+         device: Optional[torch.device] = None, log=lambda m: None) -> list[tuple[float, list[str], Plan]]:
+    """Up to `top` combinations of options whose planned peak is under `budget` bytes, the
+    cheapest (lowest estimated slowdown) first: [(slowdown, the overrides each sets, plan)]."""
+    import itertools
+    device = device or run_device(cfg)
+    cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there
+    base = cfg.to_dict()
+    groups = options(cfg, device)
+    combos = []
+    for choice in itertools.product(*[[None] + g for g in groups]):
+        picked = [c for c in choice if c is not None]
+        combos.append((math.prod(c.slowdown for c in picked), picked))
+    combos.sort(key=lambda c: (c[0], len(c[1])))
+    found, cache = [], {}
+    for slowdown, picked in combos:
+        if any(set(p) <= set(f) for _, f, _ in found for p in [[c.name for c in picked]]):
+            continue  # a superset of a combination that already fits is never cheaper
+        over = [tok for c in picked for tok in c.name.split()]
+        key = tuple(sorted(over))
+        if key not in cache:
+            try:
+                c = load_run_config(None, over, base=base)
+            except ConfigError:
+                continue
+            cache[key] = plan(c, devices, sharding, device=device)
+        p = cache[key]
+        if p.peak_bytes <= budget:
+            found.append((slowdown, [c.name for c in picked], p))  # [] = as configured
+            if len(found) >= top or not picked:
+                break
+    return found
+
+
+# ------------------------------------------------------------------------------ train.batch_size: auto
+def device_memory(device: torch.device) -> int:
+    """What a step may use when train.memory_budget is null: free memory on a GPU, the kernel's
+    MemAvailable on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+
+
+def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple[int, int]:
+    """train.batch_size=auto in the loop: the micro-batch of the run being resumed (its config.yaml),
+    else the largest that fits (find_batch_size); train.global_batch kept by accumulation. Under
+    torchrun (par) each rank finds its own per-rank micro-batch and all take the smallest found."""
+    import yaml
+    t = cfg.train
+    world = par.world if par is not None and par.active else 1
+    if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
+        was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
+        if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch \
+                and was["batch_size"] * was["grad_accum"] * world == t.global_batch:  # the same number of ranks
+            say(f"batch size: auto -> micro-batch {was['batch_size']} x {was['grad_accum']}, as in the run being resumed")
+            return was["batch_size"], was["grad_accum"]
+    try:
+        b, _ = find_batch_size(cfg, device, say, model, task, world, "fsdp2" if t.parallel == "fsdp" else "ddp")
+    except ValueError as e:
+        raise RunStopped(str(e), EXIT_CONFIG) from None
+    if world > 1:
+        found = par.gather(b)
+        b = min(found)
+        say(f"batch size: auto: each rank's micro-batch {found}; all {world} use {b}")
+    return b, t.global_batch // (b * world)
+
+
+def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None,
+                    devices: int = 1, sharding: str = "ddp") -> tuple[int, int]:
+    """train.batch_size=auto: (micro-batch, grad_accum) of each of `devices` data-parallel ranks, the
+    micro-batch the largest divisor of train.global_batch / devices whose planned peak (per device,
+    `sharding` ddp or fsdp2) fits train.memory_budget (null: `device_memory`); `model`: plan its own
+    architecture. On CUDA the choice is tried, backing off on out-of-memory."""
+    t = cfg.train
+    if t.global_batch % devices:
+        raise ValueError(f"train.global_batch={t.global_batch} is not a multiple of the {devices} processes")
+    G = t.global_batch // devices
+    if model is not None and getattr(model, "config", None) is not None:
+        cfg = dataclasses.replace(cfg, model=model.config)
+    if task is not None:  # plan the precision the run resolved (train.precision: auto), not a new measurement
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
+    budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
+    sizes = [d for d in range(1, G + 1) if G % d == 0]
+    peaks: dict[int, int] = {}
+
+    def peak(b):
+        if b not in peaks:
+            peaks[b] = plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
+        return peaks[b]
+
+    lo, hi, best = 0, len(sizes) - 1, None  # the planned peak grows with the micro-batch: bisect
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if peak(sizes[mid]) <= budget:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise ValueError(f"train.batch_size=auto: a micro-batch of 1 is planned at {fmt_bytes(peak(1))}, over "
+                         f"train.memory_budget={fmt_bytes(budget)} (docs/memory.md: what else makes it fit)")
+    if device.type == "cuda" and model is not None and task is not None:
+        best = _try_on_cuda(cfg, model, task, device, sizes, best, log)
+    b = sizes[best]
+    nxt = f"; {sizes[best + 1]} would need {fmt_bytes(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
+    log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated{f' x {devices} ranks' if devices > 1 else ''} = "
+        f"train.global_batch {G * devices} (planned peak "
+        f"{fmt_bytes(peak(b))} of {fmt_bytes(budget)}{nxt})")
+    return b, G // b
+
+
+def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
+    """The largest size from sizes[best] down whose forward and backward run (with the optimizer's
+    planned state held on the device); the model's weights, buffers and RNG are left as they were."""
+    amp = _precision(cfg, device)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    states = _static(cfg, device, 1).states
+    autocast = autocast_for(device, precision_of(amp))
+    while best >= 0:
+        b, hold = sizes[best], None
+        try:
+            with torch.random.fork_rng(devices=[device]):
+                hold = torch.empty(states, dtype=torch.uint8, device=device)
+                with autocast():
+                    loss, _ = task.loss(model, task.example_batch(model, b))
+                loss.backward()
+            return best
+        except torch.cuda.OutOfMemoryError:
+            log(f"batch size: auto: micro-batch {b} ran out of memory on {device}; trying a smaller one")
+            best -= 1
+        finally:
+            del hold
+            for p in params:
+                p.grad = None
+            with torch.no_grad():
+                for k, v in model.named_buffers():
+                    v.copy_(buffers[k])
+            torch.cuda.empty_cache()
+    raise ValueError(f"train.batch_size=auto: even a micro-batch of {sizes[0]} runs out of memory on {device}")
+
+
+# ------------------------------------------------------------------------------ measured, to check the plan
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def cpu_keeps_freed_memory(cfg) -> bool:
+    """Whether a run of `cfg` started by train/run.py keeps freed memory on a CPU (glibc told not to
+    trim or unmap, `train.cpu_keep_memory`, on by default for a process the run owns)."""
+    return cfg.train.cpu_keep_memory if cfg.train.cpu_keep_memory is not None else True
+
+
+MEASURE_STEPS = 8
+
+
+def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
+    """The measured memory of `cfg`'s training on the CPU in this process (measure_in_subprocess: a
+    fresh one), along the loop's code path for `steps` steps: {start_rss (before the model is built),
+    hwm (VmHWM at the end), peak (hwm - start_rss: what the planner predicts), live (the tensors kept)}."""
+    import gc
+    device = torch.device("cpu")
+    if cpu_keeps_freed_memory(cfg):  # else glibc's defaults, untouched, as in the loop
+        keep_freed_memory()
+    amp = _precision(cfg, device)
+    with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)
+        build_model(cfg)
+    gc.collect()
+    start = _proc_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    model = build_model(cfg)
+    task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
+    task.autocast_dtype = amp
+    ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+    optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    batch = task.example_batch(model, batch_size or cfg.train.batch_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = autocast_for(device, precision_of(amp))
+    for _ in range(steps):
+        optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
+                       cfg.train.clip_grad, autocast)
+        if ema is not None:
+            ema.update(model)
+    hwm = _proc_status("VmHWM")
+    kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
+    if ema is not None:
+        kept += [*ema.model.parameters(), *ema.model.buffers()]
+    return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept)}
+
+
+def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
+                          timeout: float = 1800, steps: int = MEASURE_STEPS) -> dict:
+    """`measure` in a fresh Python process: the run config `base` with `overrides`. Returns its dict."""
+    import subprocess
+    arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
+                      "steps": steps})
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", "import sys; from train.planner import measure_main; "
+                          "sys.exit(measure_main(sys.argv[1]))", arg], cwd=root, capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_main(arg: str) -> int:
+    """measure_in_subprocess's side: measure the JSON `arg`'s config, print the result as JSON."""
+    a = json.loads(arg)
+    if a.get("threads"):
+        torch.set_num_threads(a["threads"])
+    cfg = load_run_config(None, a["overrides"], base=a["base"])
+    print(json.dumps(measure(cfg, a.get("batch_size"), a.get("steps", MEASURE_STEPS))))
+    return 0
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
