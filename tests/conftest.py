@@ -24,6 +24,51 @@ TEST_DEVICE = torch.device(os.environ.get("ZOO_TEST_DEVICE", "cpu"))
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
+# The slow tier, by kind (a file, or a file's test function with all its parameters): `python -m pytest -m
+# "not slow"` is the quick loop over every module; the README's command runs everything.
+SLOW = {
+    "torchrun launches": ["test_distributed.py", "test_distributed_cases.py", "test_configs_torchrun.py"],
+    "programs run as subprocesses: every shipped config, the README's flows, a fresh install": [
+        "test_configs.py", "test_readme_flows.py", "test_base_install.py", "test_eval.py::test_eval_command_prints_a_table_and_writes_json",
+        "test_sft.py::test_chat_command_two_turns_through_stdin", "test_plan.py::test_cli_json",
+        "test_plan.py::test_a_cuda_plan_from_any_machine_with_pasteable_settings",
+        "test_precision.py::test_the_same_answer_in_every_process_beside_a_busy_neighbour",
+        "test_tracking.py::test_wandb_offline_logs_metrics_resumes_the_same_run_and_touches_no_network"],
+    "SIGKILL and signal loops": [
+        "test_reliability.py::test_sigkill_at_random_moments_then_resume_is_bitwise_identical",
+        "test_reliability.py::test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly",
+        "test_reliability.py::test_a_signals_checkpoint_is_never_averaged",
+        "test_recipe.py::test_recipe_draws_survive_a_sigkill_and_resume",
+        "test_prepare.py::test_killed_preparation_reruns_to_the_same_shards"],
+    "runs long enough to learn or to be measured": [
+        "test_classify.py::test_digits_preset_reaches_95_percent", "test_classify.py::test_digits_run_learns",
+        "test_classify.py::test_finetune_from_timm_weights_and_export", "test_loop.py::test_short_run_lowers_loss_and_writes_outputs",
+        "test_sft.py::test_sft_lowers_the_assistant_loss_and_answers_held_out_prompts",
+        "test_adapter_loop.py::test_qlora_run_on_tinyshakespeare_lowers_val_loss",
+        "test_report.py::test_tiny_report_rows_come_from_measurements",
+        "test_report.py::test_others_share_counts_other_processes_not_the_report",
+        "test_batch_finder.py::test_the_chosen_batch_fits_and_the_next_does_not",
+        "test_batch_finder.py::test_precision_auto_plans_the_dtype_the_loop_runs",
+        "test_plan.py::test_prediction_is_not_under_a_fresh_measurement",
+        "test_plan.py::test_planned_tensors_are_those_of_the_real_step"],
+    "compilations (Inductor) of whole steps and decoding loops": [
+        "test_loop.py::test_compile_and_accumulation_run", "test_loop.py::test_mixed_precision_runs",
+        "test_llm.py::test_generate_compiled_equals_eager", "test_llm.py::test_compile_path_equals_eager",
+        "test_mod.py::test_generate_compiled_equals_eager", "test_mod.py::test_compiled_training_step_equals_eager",
+        "test_moe.py::test_generate_compiled_equals_eager", "test_moe.py::test_compiled_training_step_equals_eager",
+        "test_doc_masks.py::test_document_masking_compiled_equals_separate_documents",
+        "test_arch_adapters.py::test_adapters_step_peft_checkpointing_and_compile"],
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = {key for keys in SLOW.values() for key in keys}
+    for item in items:
+        file = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        if file in slow or f"{file}::{item.originalname}" in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only(reason): runs on the CPU under any ZOO_TEST_DEVICE (the reason says "
                                        "why it cannot take another device)")

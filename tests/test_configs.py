@@ -7,8 +7,8 @@ reason it is there: only shapes of the large presets (so that 20 steps of a 7B p
 test on a CPU), data that is not on this machine (ImageNet and flower folders: the embedded digits
 instead), and downloads (pretrained weights: a small file of the same format written here). The
 small configs run exactly as shipped (but for the TAEF2 digits preset's denoiser width). Configs
-that need ../shared (TAESD weights) skip, with the reason, when it is absent. The diffusion configs
-are marked slow: they run by default; `pytest -m "not slow"` is the quick pass.
+that need ../shared (TAESD weights) skip, with the reason, when it is absent. The whole file is in the
+slow tier (tests/conftest.py's SLOW).
 """
 import os
 import subprocess
@@ -85,13 +85,6 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "diffusion/digits-dit.yaml": ["model.sample_steps=10"],
 }
 SMALL = ["llm/tiny.yaml", "convnet/resnet-digits.yaml", "diffusion/digits.yaml"]
-# the slowest (the digits autoencoder's 300 pretraining steps, 80 guided samples of 50 steps):
-# in the default run like every other; `-m "not slow"` leaves them out for a quick pass
-SLOW = {"diffusion/digits.yaml", "diffusion/digits-taef2.yaml", "diffusion/digits-dit.yaml"}
-
-
-def cases(configs):
-    return [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in configs]
 
 
 def test_every_config_is_covered():
@@ -135,7 +128,7 @@ def zoo_llm(path: Path) -> Path:
     return zoo_folder.save(model, path, tokenizer="bytes")
 
 
-@pytest.mark.parametrize("config", cases(sorted(CASES)))
+@pytest.mark.parametrize("config", sorted(CASES))
 def test_config_runs_20_steps(config, tmp_path):
     if config == "diffusion/digits-taef2.yaml" and not (SHARED / "weights" / "taef2_encoder.pth").exists():
         pytest.skip(f"{SHARED / 'weights' / 'taef2_encoder.pth'} is absent (../shared is not beside this checkout)")

@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from test_configs import ROOT, RUN_PY, SMALL, STEPS, cases, run
+from test_configs import ROOT, RUN_PY, SMALL, STEPS, run
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("config", cases(SMALL))
+@pytest.mark.parametrize("config", SMALL)
 def test_small_config_runs_under_torchrun(config, strategy, tmp_path):
     run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUN_PY),
