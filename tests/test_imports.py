@@ -2,6 +2,7 @@
 edges too, only deferred): no cycles in zoo/ or train/, zoo never imports train, and inside train/
 every import goes down its layers (LAYERS; docs/architecture.md)."""
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +55,7 @@ def imports_of(name: str, path: Path, known: set) -> set:
     return found
 
 
+@functools.cache
 def graph() -> dict[str, set]:
     mods = modules()
     return {n: imports_of(n, p, set(mods)) for n, p in mods.items()}
