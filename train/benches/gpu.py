@@ -22,11 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 BENCH = [sys.executable, str(ROOT / "train" / "bench.py")]
 SEQ, BATCH, NEW = 2048, 4, 128  # training batch x sequence of the LLM rows; tokens generated per row
@@ -86,14 +83,13 @@ def command(row: Row, out: Path) -> list[str]:
 def llama_pair(dev):
     """Zoo's Llama-3.2-1B and transformers' LlamaForCausalLM of the same shape, on dev."""
     import zoo
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+    from train.benches.llm_speed import hf_config
     from train.config import load_run_config
     c = dataclasses.replace(load_run_config(str(ROOT / "configs/llm/llama-1b.yaml")).model, max_seq_len=SEQ + NEW + 128)
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.ffn_hidden,
-                                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-                                      num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
-                                      rms_norm_eps=c.norm_eps, tie_word_embeddings=True, attn_implementation="sdpa"))
+    hf = LlamaForCausalLM(hf_config(c, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+                                    attn_implementation="sdpa"))
     return zoo.build(c).to(dev), hf.to(dev)
 
 
@@ -202,12 +198,12 @@ def fsdp_row(out: Path, row: Row) -> tuple[dict, dict]:
     from train.metrics import read_rows
     cmd = command(row, out)
     plain = [sys.executable, *cmd[cmd.index(str(ROOT / "train" / "run.py")):]]
-    res = {}
-    for i, (name, c) in enumerate({"one process": plain, "FSDP2, 1 NCCL process": [*cmd, "train.parallel=fsdp"]}.items()):
+    res, sides = {}, {"one process": plain, "FSDP2, 1 NCCL process": [*cmd, "train.parallel=fsdp"]}
+    for i, (name, c) in enumerate(sides.items()):
         subprocess.run([*c, f"train.out_dir={out / f'run{i}'}"], check=True, cwd=ROOT, timeout=row.limit_s / 2,
                        stdout=subprocess.DEVNULL)
         metrics = read_rows(out / f"run{i}")
-        res[name] = {"tokens_per_s": harness.median_of(metrics, "tokens_per_s"), "mfu": harness.median_of(metrics, "mfu")}
+        res[name] = {k: harness.median_of(metrics, k) for k in ("tokens_per_s", "mfu")}
     return {"fsdp": harness.table(["run", "tokens/s (median)", "MFU (the loop's: the vendor's peak on known GPUs)"],
                                   [[n, f"{v['tokens_per_s']:,.0f}", f"{v['mfu']:.1%}"] for n, v in res.items()])}, res
 
@@ -246,10 +242,11 @@ def float8_quality(args) -> tuple[dict, dict]:
                                                  done=None), "val_loss") for seed in args.seeds]
             for side in ("bf16", "float8")}
     rel = [f / b - 1 for b, f in zip(loss["bf16"], loss["float8"])]
-    rows_ = [[seed, f"{b:.4f}", f"{f:.4f}", f"{100 * r:+.2f}%"] for seed, b, f, r in zip(args.seeds, *loss.values(), rel)]
+    rows_ = [[seed, f"{b:.4f}", f"{f:.4f}", f"{100 * r:+.2f}%"]
+             for seed, b, f, r in zip(args.seeds, loss["bf16"], loss["float8"], rel)]
     mean, half = harness.mean_interval(rel)
-    rows_.append(["mean (95% interval)", "", "", f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to "
-                                                  f"{100 * (mean + half):+.2f}%)"])
+    rows_.append(["mean (95% interval)", "", "",
+                  f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to {100 * (mean + half):+.2f}%)"])
     return {"float8": harness.table(["seed", "bf16 val loss", "float8 val loss", "float8 / bf16 - 1"], rows_,
                                     f"configs/llm/tiny.yaml, {args.steps} steps, tensorwise scales, the LM head kept "
                                     f"in bf16; float8 emulated on this machine.")}, {"val_loss": loss, "relative": rel}
@@ -257,13 +254,12 @@ def float8_quality(args) -> tuple[dict, dict]:
 
 def main(argv=None, name: str = "gpu"):
     if name == "float8":
-        p = harness.parser(name, float8_quality.__doc__, precision=None, rounds=False)
+        p = harness.parser(name, float8_quality.__doc__, precision=None, rounds=False, out=True, seeds=1)
         p.add_argument("--steps", type=harness.positive_int, default=20)
-        p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2])
-        p.add_argument("--out", default="runs/bench-float8")
         args = p.parse_args(argv)
+        harness.setup(args)
         harness.save(args, *float8_quality(args))
-        return 0
+        return
     p = harness.parser(name, __doc__, precision=None)
     p.add_argument("--out", default="runs/bench-gpu", help="the folder of the rows' results")
     p.add_argument("--dry-run", action="store_true", help="list the rows and their commands; measure nothing")
@@ -274,21 +270,21 @@ def main(argv=None, name: str = "gpu"):
     dev = torch.device("cuda")
     if args.row:  # one of the rows measured in this module, in its own process
         harness.save(args, *OWN[args.row](args, dev))
-        return 0
+        return
     rows_ = {n: r for n, r in rows().items() if n in args.only}
     if args.dry_run or not torch.cuda.is_available():
         print(("gpu: dry run" if args.dry_run else "gpu: no CUDA device here; what it would run:")
               + f" ({len(rows_)} rows, about {sum(r.limit_s for r in rows_.values()) / 60:.0f} minutes at most)")
         for n, r in rows_.items():
-            print(f"  {n}: {r.what}\n    shape: {r.shape}\n    runs: {' '.join(command(r, Path(args.out) / (n + '.json')))}")
+            cmd = " ".join(command(r, Path(args.out) / f"{n}.json"))
+            print(f"  {n}: {r.what}\n    shape: {r.shape}\n    runs: {cmd}")
         if args.dry_run:
             overview = [[n, r.what, r.shape, "not run (dry run)", ""] for n, r in rows_.items()]
             save_both(args, {"rows": harness.table(["row", "measures", "shape", "status", "seconds"], overview,
                                                    "No GPU run yet: the rows list what the command measures.")},
                       {"dry_run": True})
-        return 0
+        return
     save_both(args, *run_all(args, rows_))
-    return 0
 
 
 def save_both(args, tables: dict, data: dict):

@@ -14,19 +14,19 @@ nucleus sampling redraws the rare token outside the nucleus instead of sorting t
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
-from train.benches.llm_speed import hf_load  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
+from train.benches.llm_speed import hf_config, hf_decoders, hf_load
 
 
 def prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,41 +48,29 @@ def sides(args, folder: Path, prec: str) -> dict:
     G, n = args.group, args.new_tokens
     rows, row_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     model = zoo.from_pretrained(folder, dtype=dt).eval()
-    out = {}
-    for m in args.modes:
-        def zoo_side(c="reduce-overhead" if m == "compile" else False):
-            gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
-            return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
-                                  compile=c)
-        out[f"zoo-{m}"] = zoo_side
-        hf = hf_load(folder, dt).eval()
-        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_p=args.top_p, top_k=0,
-                  num_return_sequences=G, pad_token_id=0)
-        if m == "compile":
-            hf.forward = torch.compile(hf.forward)
-            kw["cache_implementation"] = "static"
-        out[f"transformers-{m}"] = lambda hf=hf, kw=kw: hf.generate(ids, attention_mask=mask, **kw)
-    return out
+
+    def zoo_side(c):
+        gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+        return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
+                              compile=c)
+    hf = hf_decoders("transformers", lambda: hf_load(folder, dt), args.modes, inputs=ids, attention_mask=mask,
+                     max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_p=args.top_p, top_k=0,
+                     num_return_sequences=G, pad_token_id=0)
+    return {k: v for m in args.modes for k, v in (
+        (f"zoo-{m}", lambda c="reduce-overhead" if m == "compile" else False: zoo_side(c)),
+        (f"transformers-{m}", hf[f"transformers-{m}"]))}
 
 
 def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
-    calls = sides(args, folder, prec)
-    shapes = {}
-
-    def timed(name):
-        def run():
-            with torch.inference_mode(), harness.autocast(prec):
-                shapes[name] = tuple(calls[name]().shape)
-        return run
-    fns = {k: timed(k) for k in calls}
+    calls, outs = sides(args, folder, prec), {}
+    fns = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(fns, say=lambda m: print(f"  {prec} rollouts {m}", flush=True))
     r = harness.run_rounds(fns, args.rounds)
-    done = args.prompts * args.group
-    rows = []
+    done, rows = args.prompts * args.group, []
     for k in calls:
         ref = "transformers-" + k.split("-")[1]
         rows.append([k, f"{r.median(k):.3f}", f"{done / r.median(k):.1f}", f"{done / r.best(k):.1f}", f"{first[k]:.1f}",
-                     "x".join(map(str, shapes[k])), "-" if k == ref else str(r.paired(k, ref))])
+                     "x".join(map(str, outs[k].shape)), "-" if k == ref else str(r.paired(k, ref))])
     note = (f"{prec}: {args.prompts} prompts of {args.prompt // 2}-{args.prompt} tokens x {args.group} samples, "
             f"{args.new_tokens} new tokens each, temperature 1, top_p {args.top_p}; a Llama of d_model {args.d_model}, "
             f"{args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab}; "
@@ -120,8 +108,7 @@ def quality(args) -> dict:
     table += [[f"after, seed {i}", *(f"{v:.3f}" for v in a)] for i, a in enumerate(after)]
     diffs = [harness.mean_interval(a[k] - before[k] for a in after) for k in range(len(names))]
     table.append([f"after - before: mean ± 95% interval ({args.seeds} seeds)",
-                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
-                    for m, h in diffs)])
+                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})" for m, h in diffs)])
     return harness.table(["model", *names], table,
                          f"greedy answers to {args.prompts} held-out prompts of the embedded task; "
                          f"{relative(args.config)} with {' '.join(args.override) or 'no overrides'}; {args.precision}")
@@ -150,9 +137,6 @@ def memory(args) -> dict:
     over `--steps` steps, everything resident counted): full fine-tuning and LoRA, each without and with a
     KL reference. Full fine-tuning keeps a frozen copy for it; LoRA's reference is the base with its
     adapters off, so its KL should cost no copy."""
-    import json
-    import os
-    import subprocess
     import zoo
     model = {"vocab_size": args.vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
              "n_kv_heads": args.n_kv_heads, "max_seq_len": 128}
@@ -172,8 +156,7 @@ def memory(args) -> dict:
                                  "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": args.precision,
                                  "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
-                                 "progress": False,
-                                 "samples": False, "plot": False, "export": False},
+                                 "progress": False, "samples": False, "plot": False, "export": False},
                        "optim": {"lr": 1e-4}}
                 if method == "lora":
                     cfg["adapter"] = {"method": "lora", "r": 16}
@@ -223,7 +206,7 @@ def main(argv=None, preset: str = "rollout"):
         args = p.parse_args(argv)
         harness.setup(args)
         harness.save(args, {"": quality(args)}, {})
-        return 0
+        return
     if preset == "rl-memory":
         p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
         harness.llm_args(p, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab=8192)
@@ -233,7 +216,7 @@ def main(argv=None, preset: str = "rollout"):
         p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
         args = p.parse_args(argv)
         harness.save(args, {"": memory(args)}, {})
-        return 0
+        return
     p = harness.parser("rollout", __doc__, precision="bf16")
     harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
     p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
@@ -244,20 +227,12 @@ def main(argv=None, preset: str = "rollout"):
     p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
     args = p.parse_args(argv)
     harness.setup(args)
-    import transformers
+    from transformers import LlamaForCausalLM
     tables, data = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn or 4 * args.d_model * 2 // 3,
-            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads or args.n_heads, max_position_embeddings=512,
-            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)).save_pretrained(tmp)
+        LlamaForCausalLM(hf_config(harness.llm_config(args), intermediate_size=args.ffn or 4 * args.d_model * 2 // 3,
+                                   max_position_embeddings=512)).save_pretrained(tmp)
         for prec in args.precision:
             tables[prec], data[prec] = rollout_table(args, Path(tmp), prec)
     harness.save(args, tables, data)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
