@@ -10,10 +10,7 @@ Quality: samples judged by a digits classifier (accuracy, Frechet distance of it
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,15 +18,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
-from train.hardware import sync  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
+from train.hardware import sync
 
 CONFIGS = ROOT / "configs" / "diffusion"
 TAEF2 = ROOT.parent / "shared" / "weights" / "taef2_encoder.pth"
+DENOISERS = [("tiny", 1), ("S", 2)]  # latent-cache's DiTs: preset, patch
 KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::mkldnn_convolution", "aten::convolution_backward"),
          "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                        "aten::_scaled_dot_product_flash_attention_for_cpu_backward")}
@@ -69,14 +64,12 @@ def taesd(args) -> tuple[dict, dict]:
                 diff = (sides["zoo"]().float() * 2 - 1 - sides["diffusers"]().float()).abs().max().item()  # warm-up
                 r = harness.run_rounds(sides, args.rounds, sync=lambda: sync(device))
             rows.append([prec, fmt, f"{args.batch / r.best('zoo'):.3f}", f"{args.batch / r.best('diffusers'):.3f}",
-                         *versus(r),
-                         f"{diff:.2e}"])
+                         *versus(r), f"{diff:.2e}"])
             data[f"{prec} {fmt}"] = r.wall
     low = min(float(row[5].split("x")[0]) for row in rows)
     return {"speed": harness.table(["precision", "memory format", "zoo img/s", "diffusers img/s",
-                                    "zoo / diffusers (best rounds)",
-                                    "median of paired rounds (range)", "max abs diff"], rows,
-                                   f"lowest paired median: {low:.2f}x (target >= 1.0x)")}, data
+                                    "zoo / diffusers (best rounds)", "median of paired rounds (range)", "max abs diff"],
+                                   rows, f"lowest paired median: {low:.2f}x (target >= 1.0x)")}, data
 
 
 # ---------------------------------------------------------------- dit
@@ -127,7 +120,7 @@ def dit(args) -> tuple[dict, dict]:
     """A step: forward, MSE against a fixed target, backward, torch's AdamW (--adamw), zero_grad, on the same
     latents, timesteps and labels; diffusers' label embedder drops labels at random in training (p = 0.1)."""
     models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes,
-                                                     not args.untied)))
+                                                     tied=not args.untied)))
     g, B, S = torch.Generator().manual_seed(0), args.batch, args.size
     x, t = torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g)
     y, target = torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
@@ -140,8 +133,7 @@ def dit(args) -> tuple[dict, dict]:
         for mode in args.modes:
             sides = {n: harness.Side(m, loss(n), opts[n], compile=mode == "compiled") for n, m in models.items()}
             calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-            harness.warm_up(calls, args.warmup, say=lambda m: None)
-            r = harness.run_rounds(calls, args.rounds, calls=args.steps)
+            r = harness.run_rounds(calls, args.rounds, calls=args.steps, warmup=args.warmup)
             rows.append([p, mode, f"{B / r.best('zoo'):.2f}", f"{B / r.best('diffusers'):.2f}", *versus(r)])
             data[f"{p} {mode}"] = r.wall
             print(f"  {p} {mode}: {r.summary('zoo', 'diffusers')}", flush=True)
@@ -155,8 +147,8 @@ def dit(args) -> tuple[dict, dict]:
         notes.append(f"Each at its best, {p}: zoo {z[1]} {z[2]} img/s, diffusers {d[1]} {d[3]} img/s: "
                      f"{float(z[2]) / float(d[3]):.2f}x (best rounds).")
     tables = {"speed": harness.table(["precision", "mode", "zoo img/s", "diffusers img/s",
-                                      "zoo / diffusers (best rounds)",
-                                      "median of paired rounds (range)"], rows, "\n\n".join(notes))}
+                                      "zoo / diffusers (best rounds)", "median of paired rounds (range)"], rows,
+                                     "\n\n".join(notes))}
     if profiles:
         kinds = [*KINDS, "compiled kernels", "optimizer", "other", "total"]
         tables["profile"] = harness.table(["setting", "side", *(f"{k} ms" for k in kinds)], profiles)
@@ -175,7 +167,7 @@ def latent_cache(args) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         n_images = write_photo_tiles(tmp / "tiles")
-        for preset, patch in args.denoisers:
+        for preset, patch in DENOISERS:
             cfg = load_run_config(None, [], base={
                 "family": "diffusion", "data": {"dataset": str(tmp / "tiles"), "cache_dir": str(tmp / "cache")},
                 "model": {"image_size": args.size, "num_classes": 4, "denoiser": "dit",
@@ -213,29 +205,14 @@ def latent_cache(args) -> tuple[dict, dict]:
                     sides[n] = harness.Side(model, loss(n), torch.optim.AdamW(model.denoiser.parameters(), lr=1e-4),
                                             device=device)
                 calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-                harness.warm_up(calls, say=lambda m: None)
-                r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device))
+                r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device), warmup=1)
                 rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
-                             f"{B / r.best('cache'):.2f}",
-                             f"{B / r.best('encode'):.2f}", str(r.paired("cache", "encode")),
-                             f"{cache} ({setup_s:.1f})"])
+                             f"{B / r.best('cache'):.2f}", f"{B / r.best('encode'):.2f}",
+                             str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
                 data[f"DiT-{preset}/{patch} {p}"] = r.wall
     return {"speed": harness.table(["denoiser", "params", "precision", "cache img/s", "encode-every-step img/s",
                                     "speed-up, paired median (range)", "setup: latent cache (s)"], rows,
                                    f"{n_images} photo tiles, latents of shape {tuple(task.latents.shape)}")}, data
-
-
-def denoisers(text: str) -> list[tuple[str, int]]:
-    """An argparse type: a comma list of DiT preset/patch names, e.g. tiny/1,S/2."""
-    from zoo.config import DIT_PRESETS
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        preset, _, patch = item.partition("/")
-        if preset not in DIT_PRESETS or not patch.isdigit() or int(patch) < 1:
-            raise argparse.ArgumentTypeError(f"not a DiT preset/patch: {item!r} (e.g. tiny/1, S/2; presets "
-                                             f"{', '.join(DIT_PRESETS)})")
-        out.append((preset, int(patch)))
-    return out
 
 
 # ---------------------------------------------------------------- min-snr
@@ -293,9 +270,9 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
                 f"their autoencoder reconstructions {score(classify(recon), yv)['accuracy']:.3f}")
         images = sample_grid(model, per_class, torch.device("cpu"), seed=0)
         save_grid(images, Path(out) / f"samples_{name.replace('=', '')}.png", nrow=per_class)
+        labels = torch.arange(cfg.model.num_classes).repeat_interleave(per_class)
         results[name] = {"curve": [(r["step"], r["val_mse"], r.get("ema_val_mse")) for r in rows if "val_mse" in r],
-                         "rows": rows, **score(classify(images),
-                                               torch.arange(cfg.model.num_classes).repeat_interleave(per_class))}
+                         "rows": rows, **score(classify(images), labels)}
     return results
 
 
@@ -304,16 +281,15 @@ def min_snr(args) -> tuple[dict, dict]:
     res = train_settings(args.config, args.gammas, Path(args.out), args.steps, args.precision, args.overrides,
                          args.per_class)
     names = list(res)
+
     def cell(point):  # validation MSE (the EMA's)
         return f"{point[1]:.4f}" + (f" ({point[2]:.4f})" if point[2] is not None else "")
     curve = [[s, *(cell(res[n]["curve"][i]) for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
     line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png",
-              "step",
-              "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
+              "step", "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
+    samples = [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n, r in res.items()]
     return {"curves": harness.table(["step", *(f"{n} val MSE (EMA)" for n in names)], curve),
-            "samples": harness.table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"],
-                                     [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n,
-                                      r in res.items()],
+            "samples": harness.table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"], samples,
                                      f"{args.per_class} samples per class from the EMA model, a digits classifier")}, \
         {n: {k: v for k, v in r.items() if k != "rows"} for n, r in res.items()}
 
@@ -442,18 +418,16 @@ def diffusion_tables(data: dict) -> dict:
 
 def main(argv=None, preset: str = "taesd"):
     speed = preset in ("taesd", "dit", "latent-cache")
-    p = harness.parser(preset, __doc__, precision={"taesd": "fp32,bf16", "dit": "fp32,bf16",
-                                                   "min-snr": None}.get(preset, "fp32"),
-                       rounds=speed, keep_memory=preset in ("dit", "latent-cache"), one_precision=not speed)
+    precision = {"taesd": "fp32,bf16", "dit": "fp32,bf16", "min-snr": ""}.get(preset, "fp32")
+    p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
+                       one_precision=not speed, out=True, seeds=2 if preset == "diffusion-quality" else 0)
     p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
-    size = {"taesd": 512, "dit": 16, "latent-cache": 64}.get(preset, 16)
-    p.add_argument("--size", type=harness.positive_int, default=size,
+    p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
                    help="image (taesd, latent-cache) or latent (dit) size")
     p.add_argument("--device", default="cpu")
     steps = {"min-snr": None, "diffusion-quality": 300}.get(preset, 2)
     p.add_argument("--steps", type=harness.positive_int, default=steps,
                    help="timed steps per round (training steps for min-snr, diffusion-quality)")
-    p.add_argument("--out", default=f"runs/bench-{preset}")
     if preset == "taesd":
         p.add_argument("--latent-channels", type=int, default=4)
         p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
@@ -471,35 +445,26 @@ def main(argv=None, preset: str = "taesd"):
                        help="also profile STEPS steps per side and setting")
     if preset == "latent-cache":
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
-        p.add_argument("--denoisers", type=denoisers, default="tiny/1,S/2", help="DiT preset/patch list")
     if preset == "min-snr":
-        p.add_argument("--precision", type=harness.precision_name, default=None,
-                       help="every run's (default: the config's)")
         p.add_argument("--config", default="configs/diffusion/digits.yaml")
         p.add_argument("--gammas", default="5,none", help="comma list; none: uniform weighting")
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
     if preset in ("min-snr", "diffusion-quality"):
         p.add_argument("--per-class", type=harness.positive_int, default=20, help="samples per digit and run")
     if preset == "diffusion-quality":
-        p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="train.seed values (at least 2)")
         p.add_argument("--sample-steps", type=harness.positive_int, default=25)
         p.add_argument("--classifier", default=None,
                        help="a finished convnet run to judge with (default: trained once)")
         p.add_argument("--classifier-steps", type=harness.positive_int, default=200)
         p.add_argument("--ae-steps", type=harness.positive_int, default=300)
     args = p.parse_args(argv)
-    if preset == "diffusion-quality" and len(args.seeds) < 2:
-        p.error("--seeds: at least two seeds for an interval")
     if preset == "latent-cache" and not args.weights.is_file():
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
-        return 0
-    kept = harness.setup(args)
-    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
-          f"{'kept' if kept else 'returned to the OS'}", flush=True)
+        return
+    harness.setup(args)
     run = {"taesd": taesd, "dit": dit, "latent-cache": latent_cache, "min-snr": min_snr,
            "diffusion-quality": diffusion_quality}
     harness.save(args, *run[preset](args))
-    return 0
 
 
 # ---------------------------------------------------------------- the techniques report's claims

@@ -99,11 +99,15 @@ class Rounds:
 
 def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
                between: Optional[Callable[[int], object]] = None, sync: Callable[[], object] = lambda: None,
-               clock: Callable[[], tuple[float, float]] = now) -> Rounds:
-    """Times `calls` calls of each side per round in `round_order`; `sync()` ends each side's turn
-    before the clock is read, `between(round)` runs after each round, untimed. Seconds per call."""
+               clock: Callable[[], tuple[float, float]] = now, warmup: int = 0) -> Rounds:
+    """Times `calls` calls of each side per round in `round_order` (after `warmup` untimed calls of each);
+    `sync()` ends each side's turn before the clock is read, `between(round)` runs after each round, untimed.
+    Seconds per call."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds and calls must be >= 1, got {rounds} and {calls}")
+    if warmup:
+        warm_up(sides, warmup, say=lambda m: None)
+        sync()
     out = Rounds({s: [] for s in sides}, {s: [] for s in sides})
     for r in range(rounds):
         for name in round_order(sides, r):
@@ -227,16 +231,16 @@ def seed_list(at_least: int) -> Callable[[str], list[int]]:
 def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: bool = True,
            keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "", out: bool = False,
            seeds: int = 0) -> ArgumentParser:
-    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`; one name
-    with `one_precision`), --rounds, --threads, --no-keep-memory (training benches), --json (default
-    docs/results/RESULT.json, RESULT the name; None: no result file), --out (runs/bench-NAME, the runs'
-    folder) and --seeds (0,1,2; at least `seeds`)."""
+    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`, "": the
+    config's train.precision; one name with `one_precision`), --rounds, --threads, --no-keep-memory (training
+    benches), --json (default docs/results/RESULT.json, RESULT the name; None: no result file), --out
+    (runs/bench-NAME, the runs' folder) and --seeds (0,1,2; at least `seeds`)."""
     p = ArgumentParser(prog=f"bench.py {name}", description=doc.strip().split("\n")[0])
     if precision is not None:
         kind = precision_name if one_precision else name_list(PRECISIONS, "precision")
-        p.add_argument("--precision", type=kind, default=precision,
+        p.add_argument("--precision", type=kind, default=precision or None,
                        help=f"{'one' if one_precision else 'comma list'} of {', '.join(PRECISIONS)} "
-                            f"(default {precision})")
+                            f"(default {precision or 'the config’s'})")
     if rounds:
         p.add_argument("--rounds", type=positive_int, default=MIN_ROUNDS,
                        help=f"alternating rounds (default {MIN_ROUNDS})")

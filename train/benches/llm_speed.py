@@ -32,8 +32,10 @@ PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or
                   0, True),
     "llm-moe": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn=1024, experts=8, vocab=32000, seq=512,
                      batch=4), "bf16", 64, True),
-    "llm-mod": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab=8192, seq=512, batch=4), "fp32", 128, True),
-    "doc-mask": (dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=128, batch=16), "fp32", 0, True),
+    "llm-mod": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab=8192, seq=512, batch=4), "fp32", 128,
+                True),
+    "doc-mask": (dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=128, batch=16), "fp32", 0,
+                 True),
     "llm-generate": (dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn=1408, vocab=32000), "fp32,bf16", 128,
                      False),
     "gguf": ({}, "fp32", 64, False),
@@ -460,7 +462,8 @@ def main(argv=None, preset: str = "llm-train"):
             if preset == "gguf":
                 tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
             if trains:
-                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+                g = torch.Generator().manual_seed(0)
+                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
                 sides, flops = train_sides(preset, args, folder, ids)
                 tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)
                 del sides
