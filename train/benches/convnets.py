@@ -10,17 +10,14 @@ A step is forward, cross-entropy, backward, SGD-momentum and zero_grad; both mod
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
+from train.hardware import sync
 
 ARCHS = ["convnext_tiny", "convnextv2_tiny", "efficientnet_b0", "mobilenetv3_large_100"]
 MODES = ("mask", "skip", "batch")
@@ -46,13 +43,12 @@ def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) 
     from train.config import OptimConfig
     from train.optim import build_optimizer
     opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), device, log=lambda *a: None)
-    return harness.Side(model, lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]), opt, compile,
-                        device)
+    loss = lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1])  # noqa: E731
+    return harness.Side(model, loss, opt, compile, device)
 
 
 def step_rounds(models: dict, batch: int, size: int, classes: int, precision: str, rounds: int,
-                device=torch.device("cpu"),
-                fmt: dict = None) -> harness.Rounds:
+                device=torch.device("cpu"), fmt: dict = None) -> harness.Rounds:
     """Training steps of each model on one batch (in its memory format, `fmt`, channels-last by default) after a
     warm-up step, in alternating rounds."""
     g = torch.Generator().manual_seed(0)
@@ -63,9 +59,7 @@ def step_rounds(models: dict, batch: int, size: int, classes: int, precision: st
         f = (fmt or {}).get(n, torch.channels_last)
         s = side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device)
         calls[n] = lambda s=s: s.step(precision)
-    harness.warm_up(calls, say=lambda m: None)
-    return harness.run_rounds(calls, rounds,
-                              sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
+    return harness.run_rounds(calls, rounds, sync=lambda: sync(device), warmup=1)
 
 
 def merged(old: dict, new: dict) -> dict:
@@ -80,7 +74,6 @@ def merged(old: dict, new: dict) -> dict:
 
 def zoo_vs_timm(args) -> tuple[dict, dict]:
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.backends.cudnn.benchmark = device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device)
@@ -97,19 +90,16 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
                          for n, m in zip(("zoo", "timm"), models)}
                 for p in args.precision:
                     calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-                    harness.warm_up(calls, args.warmup, say=lambda m: None)
-                    sync()
-                    r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=sync)
+                    r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device),
+                                           warmup=args.warmup)
                     w, c = r.paired("zoo", "timm"), r.paired("zoo", "timm", "cpu")
                     data["results"].append({
                         "arch": arch, "mode": mode, "format": fmt, "precision": p,
-                                            "zoo_img_s": args.batch / r.best("zoo"),
-                        "timm_img_s": args.batch / r.best("timm"), "best_ratio": r.ratio("zoo", "timm"),
-                        "zoo_speed_over_timm_paired_median": w.median, "range": [w.low, w.high],
-                                            "cpu_time_paired_median": c.median,
-                        "cpu_time_range": [c.low, c.high],
-                                            "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9,
-                        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "zoo_img_s": args.batch / r.best("zoo"), "timm_img_s": args.batch / r.best("timm"),
+                        "best_ratio": r.ratio("zoo", "timm"), "zoo_speed_over_timm_paired_median": w.median,
+                        "range": [w.low, w.high], "cpu_time_paired_median": c.median, "cpu_time_range": [c.low, c.high],
+                        "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9, "rounds": args.rounds,
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "load_average": os.getloadavg()[0], "wall": r.wall})
                     print(f"  {arch} {mode} {fmt} {p}: {r.summary('zoo', 'timm')}", flush=True)
             torch._dynamo.reset()
@@ -140,9 +130,8 @@ def convnets_table(data: dict) -> dict:
                 notes.append(f"channels-last / contiguous, {arch} {mode} {p}: zoo {gain['zoo']:.2f}x, "
                              f"timm {gain['timm']:.2f}x (best rounds)")
     return harness.table(["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
-                          "zoo / timm (best rounds)",
-                          "zoo speed / timm, paired median (range)", "the same on CPU time", "zoo GFLOP/s"], rows,
-                         "\n".join(notes))
+                          "zoo / timm (best rounds)", "zoo speed / timm, paired median (range)", "the same on CPU time",
+                          "zoo GFLOP/s"], rows, "\n".join(notes))
 
 
 def bound(rate: float) -> float:
@@ -166,9 +155,8 @@ def drop_path(args) -> tuple[dict, dict]:
     import zoo
     from zoo.config import ConvNetConfig
     g = torch.Generator().manual_seed(0)
-    batch = [torch.randn(args.batch, 3, args.size, args.size,
-                         generator=g).contiguous(memory_format=torch.channels_last),
-             torch.randint(0, 10, (args.batch,), generator=g)]
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=g)
+    batch = [x.contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (args.batch,), generator=g)]
     data = {"arch": args.arch, "load_before": os.getloadavg()[0], "results": []}
     for p in args.precision:
         for rate in args.rates:
@@ -215,14 +203,14 @@ def recipe(args) -> tuple[dict, dict]:
         for name, extra in (("baseline", []), ("recipe", args.recipe.split(","))):
             out = Path(args.out) / f"{name}-{seed}"
             rows = harness.run_loop(ROOT / "configs" / "convnet" / args.config, out, [
-                f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision[0]}", *extra],
+                f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision}", *extra],
                 args.threads or 1)
             r = [r for r in rows if "val_acc1" in r][-1]
             res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
                               "val_confidence": confidence(out)})
     rows = [[k, " ".join(f"{a[k]:.4f}" for a in res["baseline"]), " ".join(f"{b[k]:.4f}" for b in res["recipe"]),
-             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])],
-                                   words="recipe")] for k in metrics]
+             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])], words="recipe")]
+            for k in metrics]
     return {"recipe": harness.table(["metric", "baseline (per seed)", "recipe (per seed)",
                                      "recipe - baseline, mean ± 95% interval, verdict"], rows)}, res
 
@@ -240,10 +228,10 @@ def confidence(out: Path) -> float:
 
 
 def main(argv=None, preset: str = "resnet"):
+    runs = preset == "convnet-recipe"  # loop runs, not timed steps
     p = harness.parser(preset, __doc__, precision={"convnets": "bf16", "resnet": "fp32,bf16"}.get(preset, "fp32"),
-                       rounds=preset != "convnet-recipe", keep_memory=preset != "convnet-recipe")
-    batch = {"resnet": 16, "convnets": 64, "drop-path": 32}.get(preset, 64)
-    p.add_argument("--batch", type=harness.positive_int, default=batch)
+                       rounds=not runs, keep_memory=not runs, one_precision=runs, seeds=3 if runs else 1)
+    p.add_argument("--batch", type=harness.positive_int, default={"resnet": 16, "drop-path": 32}.get(preset, 64))
     p.add_argument("--size", type=harness.positive_int, default=64 if preset == "drop-path" else 224, help="image size")
     p.add_argument("--steps", type=harness.positive_int, default={"convnets": 5, "convnet-recipe": 200}.get(preset, 2),
                    help="timed steps per round (convnet-recipe: training steps)")
@@ -260,31 +248,25 @@ def main(argv=None, preset: str = "resnet"):
     p.add_argument("--device", default="cuda" if preset == "convnets" and torch.cuda.is_available() else "cpu")
     p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5], help="drop-path: last block's rates")
     p.add_argument("--config", default="resnet-digits.yaml", help="convnet-recipe: a file of configs/convnet/")
-    p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="convnet-recipe: train.seed values")
     p.add_argument("--recipe", default=RECIPE, help="convnet-recipe: comma list of the overrides the recipe adds")
     p.add_argument("--out", default="runs/bench/convnet-recipe")
     args = p.parse_args(argv)
     args.preset, args.arch = preset, args.archs[0]
-    if preset == "convnet-recipe" and (len(args.seeds) < 3 or len(args.precision) != 1):
-        p.error("--seeds: at least three seeds; --precision: one precision")
-    kept = harness.setup(args)
-    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
-          f"{'kept' if kept else 'returned to the OS'}", flush=True)
-    tables, data = (drop_path if preset == "drop-path" else recipe if preset == "convnet-recipe" else zoo_vs_timm)(args)
-    harness.save(args, tables, data)
-    return 0
+    harness.setup(args)
+    harness.save(args, *(drop_path if preset == "drop-path" else recipe if runs else zoo_vs_timm)(args))
 
 
 # ---------------------------------------------------------------- the techniques report's claims
 def claim_channels_last(ctx) -> list[dict]:
     """Channels-last against contiguous: the resnet bench's training step, the same weights, paired rounds."""
     arch, batch, size = ctx.s.resnet
-    return [ctx.speed("channels-last", step_rounds({f: build_pair(arch, 1000)[0] for f in harness.FORMATS}, batch, size,
-                                                   1000, p,
-                                                   ctx.n_rounds, ctx.device, harness.FORMATS), "channels_last",
-                      "contiguous",
-                      f"channels-last ({arch}, {p})", unit=f"step ({batch}x3x{size}x{size})")
-            for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else [])]
+    rows = []
+    for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else []):
+        models = {f: build_pair(arch, 1000)[0] for f in harness.FORMATS}
+        r = step_rounds(models, batch, size, 1000, p, ctx.n_rounds, ctx.device, harness.FORMATS)
+        rows.append(ctx.speed("channels-last", r, "channels_last", "contiguous", f"channels-last ({arch}, {p})",
+                              unit=f"step ({batch}x3x{size}x{size})"))
+    return rows
 
 
 def claim_stochastic_depth(ctx) -> list[dict]:
@@ -298,15 +280,13 @@ def claim_stochastic_depth(ctx) -> list[dict]:
     for name, rate, mode in (("none", 0.0, "mask"), ("batch", 0.5, "batch"), ("skip", 0.5, "skip")):
         torch.manual_seed(0)
         models[name] = zoo.build(ConvNetConfig(arch=arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode))
-    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds,
-                    ctx.device)  # skip may leave 1 sample
+    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds, ctx.device)  # skip: >= 1 sample
     steps, ps = ctx.s.sd_steps, []
     for seed in range(ctx.seeds):
         res = {n: ctx.loop(f"sd_{rate}", ROOT / "configs" / "convnet" / "resnet-digits.yaml", [
             f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}",
-            f"train.log_every={max(1, steps // 20)}",
-            f"optim.warmup_steps={max(1, steps // 10)}", "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed)
-            for n, rate in (("none", 0.0), ("0.1", 0.1))}
+            f"train.log_every={max(1, steps // 20)}", f"optim.warmup_steps={max(1, steps // 10)}",
+            "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed) for n, rate in (("none", 0.0), ("0.1", 0.1))}
         if seed == 0:
             ctx.plot("stochastic_depth_val", "ResNet on digits: stochastic depth 0.1 vs none (seed 0)", res, "val_loss",
                      "validation loss")
