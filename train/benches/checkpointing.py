@@ -8,8 +8,6 @@ rounds of the loop's own step: time against none, the planner's peak and the mea
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from train.benches import harness
@@ -31,7 +29,7 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
     optimizer), compiled when train.compile. The step callable."""
     from train.optim import build_optimizer
     from train.planner import build_model
-    from train.step import optimizer_step
+    from train.step import autocast_for, optimizer_step
     from train.config import task_class
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
@@ -40,11 +38,9 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
     params = [p for p in model.parameters() if p.requires_grad]
     fwd = torch.compile(model) if cfg.train.compile else model
-    p = cfg.train.precision
-    scaler = torch.amp.GradScaler(device.type, enabled=p == "fp16")
-    autocast = (lambda: harness.autocast(p, device.type)) if p != "fp32" else contextlib.nullcontext
-    n = cfg.train.grad_accum
-    return lambda: optimizer_step(lambda b: task.loss(fwd, b), iter([batch] * n), n, opt, scaler, params, 1.0, autocast)
+    scaler, n = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"), cfg.train.grad_accum
+    return lambda: optimizer_step(lambda b: task.loss(fwd, b), iter([batch] * n), n, opt, scaler, params, 1.0,
+                                  autocast_for(device, cfg.train.precision))
 
 
 def peak(base: dict, over: list, device: torch.device, threads: int = 0) -> int:

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 import torch
 
 from train.hardware import keep_freed_memory, libc, measure_peak_flops
-from train.step import DTYPES as PRECISIONS  # fp32, bf16, fp16: train.precision's names
+from train.step import DTYPES as PRECISIONS, autocast_for  # PRECISIONS: train.precision's names (fp32, bf16, fp16)
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_ROUNDS = 8
@@ -296,10 +296,8 @@ def setup(args):
 
 
 def autocast(precision: str, device_type: str = "cpu"):
-    """Autocast to the precision's dtype; fp32 runs without autocast (fp32 master weights either way)."""
-    if precision == "fp32":
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=PRECISIONS[precision])
+    """The loop's autocast context for the precision (train.step.autocast_for; none in fp32)."""
+    return autocast_for(torch.device(device_type), precision)()
 
 
 def best_peak_flops(device: torch.device, precision: str, peak: float = 0.0) -> float:

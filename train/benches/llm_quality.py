@@ -105,17 +105,11 @@ def peft_runs(args, names) -> dict:
 
 def trained(out: Path):
     """The final model of the run in `out` (eval mode) and its data."""
-    import yaml
-
     import zoo
-    from train.data import TextDataConfig, TokenData
-    from zoo.config import LLMConfig, from_dict
-    from zoo.weights.files import load_tensors
-    cfg = yaml.safe_load((out / "config.yaml").read_text())
-    model = zoo.build(from_dict(LLMConfig, cfg["model"]))
-    missing, unexpected = model.load_state_dict(load_tensors(out / "model.safetensors"), strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)  # tied: saved once
-    return model.eval(), TokenData(from_dict(TextDataConfig, cfg["data"]), None, lambda *a: None)
+    from train.config import load_run_config
+    from train.data import TokenData
+    return zoo.from_pretrained(out).eval(), TokenData(load_run_config(str(out / "config.yaml")).data, None,
+                                                       lambda *a: None)
 
 
 def starved(out: Path, batch: int) -> int:

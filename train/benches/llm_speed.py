@@ -319,6 +319,7 @@ def load_child(side: str, path: str, precision: str) -> dict:
     import importlib
 
     import torch._dynamo  # noqa: F401
+    from train.planner import _proc_status as status
     dt, p = harness.PRECISIONS[precision], Path(path)
     if side == "zoo":
         import zoo
@@ -331,9 +332,6 @@ def load_child(side: str, path: str, precision: str) -> dict:
         transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # resolve the lazy imports
         kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
         load = lambda: hf_load(str(p.parent) if kw else path, dt, **kw)  # noqa: E731
-
-    def status(key):
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 
     def once():
         gc.collect()
