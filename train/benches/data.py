@@ -181,24 +181,18 @@ def batches(args, folder: Path, out: dict):
     data = TokenData(TextDataConfig(path=str(corpus), tokenizer="bytes", seq_len=T, cache_dir=str(folder / "cache"),
                                     workers=args.workers), log=lambda m: None)
     g = torch.Generator().manual_seed(0)
-    data.windows("train", B, g)
-    n = 20
-    t0 = time.perf_counter()
-    for _ in range(n):
-        data.windows("train", B, g)
-    assemble = n * B * T / (time.perf_counter() - t0)
+    assemble = B * T / harness.run_rounds({"windows": lambda: data.windows("train", B, g)}, 1, calls=20,
+                                          warmup=1).best("windows")
     torch.manual_seed(0)
     model = build_model(preset).train()
     x = torch.randint(0, preset.model.vocab_size, (1, T))
-    times = []
-    for _ in range(args.train_reps + 1):
-        t0 = time.perf_counter()
+
+    def step():  # forward and backward, no optimizer
         with harness.autocast(args.precision):
             _, loss = model(x, x)
         loss.backward()
         model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    trained = T / min(times[1:])
+    trained = T / harness.run_rounds({"step": step}, args.train_reps, warmup=1).best("step")
     out["batches"] = {"batch": [B, T], "assembled_tokens_per_s": assemble, "trained_tokens_per_s": trained,
                       "precision": args.precision, "threads": torch.get_num_threads()}
     return harness.table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
