@@ -141,8 +141,8 @@ def memory(args) -> dict:
     model = {"vocab_size": args.vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
              "n_kv_heads": args.n_kv_heads, "max_seq_len": 128}
     base = zoo.build({"family": "llm", "model": model})
-    weights = sum(p.numel() * p.element_size() for p in base.parameters())
-    rows, peaks = [], {}
+    weights, mib = sum(p.numel() * p.element_size() for p in base.parameters()), lambda n: f"{n / 2**20:.0f}"
+    rows, median = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         init = zoo.save_pretrained(base, Path(tmp) / "base")
         for method in ("full", "lora"):
@@ -152,40 +152,36 @@ def memory(args) -> dict:
                                 "seq_len": 64, "synthetic_rows": 100, "eval_prompts": 4},
                        "rl": {"group_size": args.group, "prompts_per_step": args.prompts, "max_new_tokens": 16,
                               "kl_beta": beta},
-                       "train": {"init_from": str(init), "max_steps": args.steps, "batch_size": args.group * args.prompts,
-                                 "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": args.precision,
+                       "train": {"init_from": str(init), "max_steps": args.steps, "precision": args.precision,
+                                 "batch_size": args.group * args.prompts, "eval_every": 0, "checkpoint_every": 0,
+                                 "log_every": 1,
                                  "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
                                  "progress": False, "samples": False, "plot": False, "export": False},
                        "optim": {"lr": 1e-4}}
                 if method == "lora":
                     cfg["adapter"] = {"method": "lora", "r": 16}
-                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-                peaks[method, beta] = []
+                env, v = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1)), []
                 for r in range(args.repeat):  # a run of its own each (a finished run's folder would resume)
                     cfg["train"]["out_dir"] = str(Path(tmp) / f"{method}-{beta}-{r}")
                     path = Path(tmp) / f"{method}-{beta}-{r}.yaml"
                     path.write_text(json.dumps(cfg))  # JSON is YAML
                     out = subprocess.run([sys.executable, "-c", STEP_PEAKS, str(path)], cwd=ROOT, env=env, check=True,
                                          capture_output=True, text=True)
-                    peaks[method, beta].append(max(json.loads(out.stdout.strip().splitlines()[-1])))
-                    print(f"  {method}, kl_beta {beta}: step peak {harness.gib(peaks[method, beta][-1])} GiB", flush=True)
-    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-    median = {k: statistics.median(v) for k, v in peaks.items()}
-    for method in ("full", "lora"):
-        for beta in (0.0, 0.05):
-            extra = median[method, beta] - median[method, 0.0]
-            v = peaks[method, beta]
-            rows.append([method, beta, f"{mib(median[method, beta])} ({mib(min(v))}-{mib(max(v))})",
-                         "-" if beta == 0 else f"{mib(extra)} ({extra / weights:.2f}x)"])
-    n = sum(p.numel() for p in base.parameters())
+                    v.append(max(json.loads(out.stdout.strip().splitlines()[-1])))
+                    print(f"  {method}, kl_beta {beta}: step peak {harness.gib(v[-1])} GiB", flush=True)
+                median[method, beta] = statistics.median(v)
+                extra = median[method, beta] - median[method, 0.0]
+                rows.append([method, beta, f"{mib(median[method, beta])} ({mib(min(v))}-{mib(max(v))})",
+                             "-" if beta == 0 else f"{mib(extra)} ({extra / weights:.2f}x)"])
     return harness.table(["fine-tuning", "kl_beta", "step peak RSS MiB: median (range)",
                           "the reference's cost: MiB (x the weights), of the medians"],
                          rows, f"GRPO in the loop, the largest resident set during {args.steps} optimizer steps "
                          f"(rollouts, reference log-probs, backward, update; the interpreter and torch included) of "
-                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, a fresh process "
-                         f"each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}: "
-                         f"{n / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; LoRA r 16; {args.repeat} runs each")
+                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, "
+                         f"a fresh process each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab "
+                         f"{args.vocab}: {base.num_params() / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; "
+                         f"LoRA r 16; {args.repeat} runs each")
 
 
 def relative(path) -> str:
@@ -215,6 +211,7 @@ def main(argv=None, preset: str = "rollout"):
         p.add_argument("--steps", type=harness.positive_int, default=2, help="optimizer steps per run")
         p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
         args = p.parse_args(argv)
+        harness.setup(args)
         harness.save(args, {"": memory(args)}, {})
         return
     p = harness.parser("rollout", __doc__, precision="bf16")
