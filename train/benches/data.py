@@ -209,18 +209,12 @@ def main(argv=None):
                     help="comma list of corpus sizes in MB for the memory part (default 100)")
     ap.add_argument("--workers", type=harness.positive_int, default=2, help="processes / threads (default 2)")
     ap.add_argument("--train-reps", type=harness.positive_int, default=2)
-    ap.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
     args = ap.parse_args(argv)
     harness.setup(args)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
-    folder = Path(args.dir or tempfile.mkdtemp(prefix="zoo-bench-data-"))
-    folder.mkdir(parents=True, exist_ok=True)
     out, tables = {"workers": args.workers, "cpus": os.cpu_count()}, {}
-    try:
+    with tempfile.TemporaryDirectory(prefix="zoo-bench-data-") as folder:
         for part, fn in (("speed", speed), ("rss", rss), ("batches", batches)):
             if part in args.only:
-                tables[part] = fn(args, folder, out)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(folder, ignore_errors=True)
+                tables[part] = fn(args, Path(folder), out)
     harness.save(args, tables, out)

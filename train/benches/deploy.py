@@ -82,19 +82,17 @@ def quantized_speed(args) -> dict:
                                            harness.PRECISIONS[base]).eval(), args, base)
     prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt),
                            generator=torch.Generator().manual_seed(1))
-    calls = {s + " compiled" * c: (lambda m=m, c=c: m.generate(prompt, args.new_tokens, compile=c))
-             for c in ([False, True] if args.compile else [False]) for s, m in models.items()}
+    calls = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}
     outs = {}
     sides = harness.inference_sides(calls, "fp32", outs)  # fp32: no autocast, each model in its own dtype
     first = harness.warm_up(sides)
     r = harness.run_rounds(sides, args.rounds)
     rows = []
     for s in calls:
-        ref = f"{base} compiled" if s.endswith("compiled") else base
-        size = get_model_size_in_bytes(models[s.removesuffix(" compiled")], ignore_embeddings=False)
+        size = get_model_size_in_bytes(models[s], ignore_embeddings=False)
         rows.append([s, f"{size / 2**20:.0f}", f"{args.new_tokens / r.best(s):.3g}",
-                     f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, ref)), f"{first[s]:.1f}",
-                     "yes" if torch.equal(outs[s], outs[ref]) else "no"])
+                     f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, base)), f"{first[s]:.1f}",
+                     "yes" if torch.equal(outs[s], outs[base]) else "no"])
     return harness.table(["model", "weights MiB", "tokens/s (best round)", "tokens per CPU-second (best round)",
                           f"against {base}: paired median (range)", "first call s", f"same tokens as {base}"], rows)
 
@@ -350,7 +348,7 @@ def convnet_ptq(args) -> tuple[dict, dict]:
         s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val),
              "int8": scores(int8, val)}
         seeds.append(s)
-        if seed in (args.speed_seeds or args.seeds[:1]):
+        if seed == args.seeds[0]:
             x = torch.cat([x for x, _ in val])[:args.batch]
             x = torch.cat([x] * -(-args.batch // len(x)))[:args.batch]   # --batch images (repeated when val is smaller)
             sides = {"fp32 eager": model, "fp32 compiled": compile_frozen(model), "int8 compiled": compile_frozen(int8)}
@@ -405,7 +403,6 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--schemes", type=harness.name_list(SCHEMES, "scheme"), default=",".join(SCHEMES))
         p.add_argument("--prompt", type=harness.positive_int, default=16)
         p.add_argument("--new-tokens", type=harness.positive_int, default=128)
-        p.add_argument("--compile", action="store_true", help="also each side's compiled decoding step")
     if preset == "qat":
         from train.config import QAT_SCHEMES
         p.add_argument("--scheme", choices=sorted(QAT_SCHEMES), default="int4")
@@ -430,7 +427,6 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--json", type=Path, default=None, help="default docs/results/distill-quality-FAMILY.json")
     if preset == "convnet-ptq":
         p.add_argument("--config", default="resnet-digits.yaml", help="a file of configs/convnet/")
-        p.add_argument("--speed-seeds", type=harness.int_list, default=None, help="seeds timed (default: the first)")
         p.add_argument("--steps", type=harness.positive_int, default=200)
         p.add_argument("--calib-batches", type=harness.positive_int, default=8)
         p.add_argument("--batch", type=harness.positive_int, default=64, help="images per timed call")

@@ -47,7 +47,7 @@ def taesd(args) -> tuple[dict, dict]:
     import zoo
     device = torch.device(args.device)
     torch.manual_seed(0)
-    ref = AutoencoderTiny(latent_channels=args.latent_channels).eval()
+    ref = AutoencoderTiny(latent_channels=4).eval()
     with tempfile.TemporaryDirectory() as d:
         ref.save_pretrained(d)
         ours = zoo.from_pretrained(d).eval()
@@ -73,9 +73,9 @@ def taesd(args) -> tuple[dict, dict]:
 
 
 # ---------------------------------------------------------------- dit
-def dit_pair(preset: str, patch: int, size: int, classes: int, tied: bool):
+def dit_pair(preset: str, patch: int, size: int, classes: int):
     """Zoo's DiT loaded from diffusers' (random init redrawn N(0, 0.02); one timestep + class embedder copied
-    into every block, as published DiTs are stored, unless untied), fp32, training mode."""
+    into every block, as published DiTs are stored), fp32, training mode."""
     import diffusers
 
     import zoo
@@ -88,7 +88,7 @@ def dit_pair(preset: str, patch: int, size: int, classes: int, tied: bool):
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.02)
-        for b in ref.transformer_blocks[1:] if tied else []:
+        for b in ref.transformer_blocks[1:]:
             b.norm1.emb.load_state_dict(ref.transformer_blocks[0].norm1.emb.state_dict())
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
@@ -117,17 +117,16 @@ def profile_step(step, steps: int) -> dict[str, float]:
 
 
 def dit(args) -> tuple[dict, dict]:
-    """A step: forward, MSE against a fixed target, backward, torch's AdamW (--adamw), zero_grad, on the same
+    """A step: forward, MSE against a fixed target, backward, torch's fused AdamW, zero_grad, on the same
     latents, timesteps and labels; diffusers' label embedder drops labels at random in training (p = 0.1)."""
-    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes,
-                                                     tied=not args.untied)))
+    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes)))
     g, B, S = torch.Generator().manual_seed(0), args.batch, args.size
     x, t = torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g)
     y, target = torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
 
     def loss(name):
         return lambda f: F.mse_loss((f(x, t, y) if name == "zoo" else f(x, t, y).sample).float(), target)
-    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, **{args.adamw: True}) for n, m in models.items()}
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for n, m in models.items()}
     rows, profiles, data = [], [], {}
     for p in args.precision:
         for mode in args.modes:
@@ -429,7 +428,6 @@ def main(argv=None, preset: str = "taesd"):
     p.add_argument("--steps", type=harness.positive_int, default=steps,
                    help="timed steps per round (training steps for min-snr, diffusion-quality)")
     if preset == "taesd":
-        p.add_argument("--latent-channels", type=int, default=4)
         p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
                        default="contiguous,channels_last")
     if preset == "dit":
@@ -437,9 +435,7 @@ def main(argv=None, preset: str = "taesd"):
                        help="DiT shape")
         p.add_argument("--patch", type=harness.positive_int, default=2)
         p.add_argument("--classes", type=harness.positive_int, default=1000)
-        p.add_argument("--untied", action="store_true", help="a different timestep + class embedder in every block")
         p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"), default="eager,compiled")
-        p.add_argument("--adamw", choices=["fused", "foreach"], default="fused")
         p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting")
         p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                        help="also profile STEPS steps per side and setting")

@@ -2,7 +2,6 @@
 
     python train/bench.py memory                   # every configuration below: table, JSON, docs table
     python train/bench.py memory --only "llm 28M"  # the configurations whose name starts with that
-    python train/bench.py memory --planner-time    # + how long the planner takes on the large presets
 
 Measured: `train.planner.measure` in --repeat fresh CPU processes, the largest kept. Predicted:
 `train.planner.plan`. Target: ratio >= 1, median <= 1.25, worst <= 1.6. Linux only (/proc).
@@ -10,7 +9,6 @@ Measured: `train.planner.measure` in --repeat fresh CPU processes, the largest k
 from __future__ import annotations
 
 import statistics
-import time
 
 from train.benches import harness
 from train.benches.harness import ROOT, llm_base
@@ -31,7 +29,6 @@ CONFIGS = {  # name -> (base config: a dict or a path under configs/, overrides)
     "diffusion fp32 (batch 256)": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 (batch 64)": ("diffusion/digits.yaml", ["train.batch_size=64", "train.precision=bf16"]),
 }
-LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 
 
 def base_of(spec):
@@ -70,7 +67,6 @@ def main(argv=None):
     p = harness.parser("memory", __doc__, precision="fp32,bf16", rounds=False)
     p.add_argument("--only", default="", help="run the configurations whose name starts with this")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration (the largest kept)")
-    p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
     args = p.parse_args(argv)
     names = [n for n in CONFIGS if n.startswith(args.only) and any(f" {pr}" in n for pr in args.precision)]
     if not names:
@@ -82,14 +78,4 @@ def main(argv=None):
     old = {r["name"]: r for r in harness.load_result(args.json).get("data", {}).get("rows", [])}
     rows += [old[n] for n in CONFIGS if n not in names and n in old]  # --only: the others as measured before
     rows.sort(key=lambda r: list(CONFIGS).index(r["name"]))
-    tables = {"": table(rows)}
-    if args.planner_time:
-        from train.config import load_run_config
-        from train.planner import GiB, plan
-        out = []
-        for spec in LARGE:
-            t0 = time.perf_counter()
-            q = plan(load_run_config(str(ROOT / "configs" / spec)))
-            out.append([spec, f"{time.perf_counter() - t0:.1f}", f"{q.peak_bytes / GiB:.1f}"])
-        tables["planner-time"] = harness.table(["preset", "planner seconds", "predicted peak GiB"], out)
-    harness.save(args, tables, {"rows": rows})
+    harness.save(args, {"": table(rows)}, {"rows": rows})

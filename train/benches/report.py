@@ -355,7 +355,6 @@ def run_report(out: Path, scale, only=None, say=print, precision="fp32", rounds=
 def main(argv=None):
     ap = harness.parser("report", __doc__, precision="fp32", rounds=False, one_precision=True, result=None)
     ap.add_argument("--quick", action="store_true", help="small shapes, few rounds and steps")
-    ap.add_argument("--scale", choices=list(SCALES), default=None, help="test: the test suite's tiny size")
     ap.add_argument("--out", default=str(ROOT / "docs" / "report"), help="folder of report.md, report.json, the PNGs")
     ap.add_argument("--only", type=harness.name_list(MEASUREMENTS, "measurement"), default=None, help="default: all")
     ap.add_argument("--rounds", type=harness.positive_int, default=None, help="rounds per timing (6+: an interval)")
@@ -363,6 +362,6 @@ def main(argv=None):
                     help="seeds of each quality comparison, repeats of each measured peak")
     args = ap.parse_args(argv)
     harness.setup(args)
-    rows, page = run_report(Path(args.out), SCALES[args.scale or ("quick" if args.quick else "full")], args.only,
+    rows, page = run_report(Path(args.out), SCALES["quick" if args.quick else "full"], args.only,
                             lambda m: print(m, flush=True), args.precision, args.rounds, args.seeds, args.command)
     print(f"\n{page} ({len(rows)} rows)")
