@@ -38,6 +38,7 @@ class Row(NamedTuple):
 
 def rows() -> dict[str, Row]:
     own = [*BENCH, "gpu", "--json", "{out}", "--row"]
+    bench = lambda cmd: [*BENCH, *cmd.split(), "--device", "cuda", "--rounds", "5", "--json", "{out}"]  # noqa: E731
     smollm = ["configs/llm/smollm-135m.yaml", "data.tokenizer=bytes", "model.vocab_size=256", "train.compile=false",
               "train.max_steps=40", "train.log_every=10", "train.eval_every=0", "train.checkpoint_every=0",
               "train.average_last=0", *harness.QUIET]
@@ -57,26 +58,20 @@ def rows() -> dict[str, Row]:
                        f"llama-1b batch {BATCH} x {SEQ} bf16 (checkpointed), smollm-135m batch 8 x 2048 bf16",
                        [*own, "planner"], 50),
         "resnet50": Row("ResNet-50 training images/s against timm, channels-last, bf16, eager and compiled",
-                        "batch 128 x 3 x 224 x 224", [*BENCH, "convnets", "--device", "cuda", "--archs", "resnet50",
-                                                      "--formats", "channels_last", "--batch", "128", "--rounds", "5",
-                                                      "--json", "{out}"], 100),
+                        "batch 128 x 3 x 224 x 224",
+                        bench("convnets --archs resnet50 --formats channels_last --batch 128"), 100),
         "taesd": Row("TAESD encode + decode images/s against diffusers' AutoencoderTiny", "batch 8 x 3 x 512 x 512",
-                     [*BENCH, "taesd", "--device", "cuda", "--batch", "8", "--rounds", "5", "--formats",
-                      "channels_last", "--json", "{out}"], 40),
+                     bench("taesd --batch 8 --formats channels_last"), 40),
         "dit": Row("DiT-B/2 training step against diffusers' DiTTransformer2DModel, eager and compiled",
-                   "batch 64 x 4 x 32 x 32 latents", [*BENCH, "dit", "--device", "cuda", "--preset", "B", "--batch",
-                                                      "64", "--size", "32", "--precision", "bf16", "--rounds", "5",
-                                                      "--json", "{out}"], 150),
+                   "batch 64 x 4 x 32 x 32 latents", bench("dit --preset B --batch 64 --size 32 --precision bf16"),
+                   150),
     }
 
 
 def command(row: Row, out: Path) -> list[str]:
-    fsdp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    fsdp = [sys.executable, *"-m torch.distributed.run --standalone --nproc-per-node 1".split(),
             str(ROOT / "train" / "run.py")]
-    cmd = []
-    for c in row.command:
-        cmd += fsdp if c == "{fsdp}" else [c.replace("{out}", str(out))]
-    return cmd
+    return [x for c in row.command for x in (fsdp if c == "{fsdp}" else [c.replace("{out}", str(out))])]
 
 
 # ---------------------------------------------------------------- the rows measured here
