@@ -51,11 +51,6 @@ def schedule(names: Iterable[str], rounds: int) -> Iterator[tuple[int, str]]:
             yield r, name
 
 
-def now() -> tuple[float, float]:
-    """(wall clock, this process's CPU time) in seconds."""
-    return time.perf_counter(), time.process_time()
-
-
 class Paired(NamedTuple):
     """The median over rounds of a paired ratio, with its range."""
     median: float
@@ -99,10 +94,11 @@ class Rounds:
 
 def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
                between: Optional[Callable[[int], object]] = None, sync: Callable[[], object] = lambda: None,
-               clock: Callable[[], tuple[float, float]] = now, warmup: int = 0) -> Rounds:
-    """Times `calls` calls of each side per round in `round_order` (after `warmup` untimed calls of each);
-    `sync()` ends each side's turn before the clock is read, `between(round)` runs after each round, untimed.
-    Seconds per call."""
+               clock: Callable[[], tuple[float, float]] = lambda: (time.perf_counter(), time.process_time()),
+               warmup: int = 0) -> Rounds:
+    """Times `calls` calls of each side per round in `round_order` (after `warmup` untimed calls of each) on the
+    wall clock and this process's CPU time; `sync()` ends each side's turn before the clock is read,
+    `between(round)` runs after each round, untimed. Seconds per call."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds and calls must be >= 1, got {rounds} and {calls}")
     if warmup:
@@ -346,23 +342,18 @@ def rss() -> Optional[int]:
         return None
 
 
-def trim():
-    """Collect garbage and hand freed heap memory back to the OS, so the next peak starts low."""
-    gc.collect()
-    c = libc()
-    if c is not None:
-        c.malloc_trim(0)
-
-
 class PeakRSS:
-    """Context manager: the peak resident set size above the level at entry, sampled by a thread
-    every `every` seconds (`peak` in bytes, None where RSS is unavailable)."""
+    """Context manager: the peak resident set size above the level at entry (garbage collected and freed heap
+    memory handed back first), sampled by a thread every `every` seconds (`peak` in bytes, None where RSS is
+    unavailable)."""
 
     def __init__(self, every: float = 0.002):
         self.every, self.peak = every, None
 
     def __enter__(self):
-        trim()
+        gc.collect()
+        if libc() is not None:
+            libc().malloc_trim(0)
         self.base = rss()
         if self.base is not None:
             self.peak, self._stop = 0, threading.Event()
@@ -370,19 +361,16 @@ class PeakRSS:
             self._thread.start()
         return self
 
-    def _sample(self):
-        self.peak = max(self.peak, rss() - self.base)
-
     def _run(self):
         while not self._stop.is_set():
-            self._sample()
+            self.peak = max(self.peak, rss() - self.base)
             time.sleep(self.every)
 
     def __exit__(self, *exc):
         if self.base is not None:
             self._stop.set()
             self._thread.join()
-            self._sample()
+            self.peak = max(self.peak, rss() - self.base)
 
 
 def busy_cpu_s() -> Optional[float]:
