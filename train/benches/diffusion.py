@@ -73,7 +73,7 @@ def taesd(args) -> tuple[dict, dict]:
 
 
 # ---------------------------------------------------------------- dit
-def dit_pair(preset: str, patch: int, size: int, classes: int):
+def dit_pair(preset: str, size: int, patch: int = 2, classes: int = 1000):
     """Zoo's DiT loaded from diffusers' (random init redrawn N(0, 0.02); one timestep + class embedder copied
     into every block, as published DiTs are stored), fp32, training mode."""
     import diffusers
@@ -119,10 +119,10 @@ def profile_step(step, steps: int) -> dict[str, float]:
 def dit(args) -> tuple[dict, dict]:
     """A step: forward, MSE against a fixed target, backward, torch's fused AdamW, zero_grad, on the same
     latents, timesteps and labels; diffusers' label embedder drops labels at random in training (p = 0.1)."""
-    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes)))
+    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.size)))
     g, B, S = torch.Generator().manual_seed(0), args.batch, args.size
     x, t = torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g)
-    y, target = torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
+    y, target = torch.randint(0, 1000, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
 
     def loss(name):
         return lambda f: F.mse_loss((f(x, t, y) if name == "zoo" else f(x, t, y).sample).float(), target)
@@ -235,9 +235,8 @@ def score(proba, labels) -> dict:
             "confident": float(((pred == labels) & (conf > 0.5)).mean())}
 
 
-def train_settings(config: str, gammas: str, out: Path, steps=None, precision=None, overrides=(), per_class: int = 20,
-                   say=print) -> dict:
-    """`config` trained through the loop once per gamma ('5,none': none = uniform), all else equal:
+def train_settings(out: Path, steps=None, precision=None, overrides=(), per_class: int = 20, say=print) -> dict:
+    """The digits preset trained through the loop with Min-SNR-5 and with uniform weighting, all else equal:
     {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident}};
     a samples PNG per setting in `out`."""
     from safetensors.torch import load_model
@@ -246,10 +245,9 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
     from train.config import load_run_config
     from train.data.images import digits_dataset
     from train.tasks.diffusion import sample_grid, save_grid
-    results, classify = {}, None
-    for gamma in gammas.split(","):
-        name = "uniform" if gamma.strip().lower() == "none" else f"gamma={float(gamma):g}"
-        over = [f"model.min_snr_gamma={'null' if name == 'uniform' else float(gamma)}", "train.resume=false",
+    results, classify, config = {}, None, str(CONFIGS / "digits.yaml")
+    for name, gamma in (("gamma=5", 5.0), ("uniform", "null")):
+        over = [f"model.min_snr_gamma={gamma}", "train.resume=false",
                 *([f"train.max_steps={steps}"] if steps else []),
                 *([f"train.precision={precision}"] if precision else []), *overrides]
         run = Path(out) / name.replace("=", "")
@@ -277,8 +275,7 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
 
 def min_snr(args) -> tuple[dict, dict]:
     from train.plots import line_plot
-    res = train_settings(args.config, args.gammas, Path(args.out), args.steps, args.precision, args.overrides,
-                         args.per_class)
+    res = train_settings(Path(args.out), args.steps, args.precision, args.overrides, args.per_class)
     names = list(res)
 
     def cell(point):  # validation MSE (the EMA's)
@@ -328,14 +325,14 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     from train.tasks.diffusion import load_images, sample_grid, train_autoencoder
     from zoo.diffusion.latent import build_autoencoder
     out = Path(args.out)
-    judge_run = args.classifier or out / "classifier"
+    judge_run = out / "classifier"  # trained once, 200 steps
     harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", judge_run, [
-        "data.val_fraction=0.1", "train.seed=0", f"train.max_steps={args.classifier_steps}", "train.resume=false",
+        "data.val_fraction=0.1", "train.seed=0", "train.max_steps=200", "train.resume=false",
         "train.checkpoint_every=0"], inproc=True)
     judge_model = Classifier.from_run(judge_run)
     ae = out / "autoencoder" / "taesd-digits_encoder.safetensors"
     if not ae.is_file():  # the digits autoencoder, trained once (seed 0)
-        cfg = load_run_config(str(CONFIGS / "digits.yaml"), [f"data.ae_steps={args.ae_steps}"])
+        cfg = load_run_config(str(CONFIGS / "digits.yaml"), ["data.ae_steps=300"])
         d = cfg.data
         torch.manual_seed(0)
         images = load_images(d, cfg.model.image_size, cfg.source)
@@ -371,7 +368,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
                                     done="model_ema.safetensors")
             model = zoo.build(config(name, seed, steps[name]).model)
             load_model(model, str(run / "model_ema.safetensors"))
-            images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=args.sample_steps)
+            images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=25)
             ev = [r for r in rows if "val_loss" in r][-1]
             per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
                                                    "steps": steps[name],
@@ -433,8 +430,6 @@ def main(argv=None, preset: str = "taesd"):
     if preset == "dit":
         p.add_argument("--preset", dest="preset_dit", default="S", choices=["tiny", "S", "B", "L", "XL"],
                        help="DiT shape")
-        p.add_argument("--patch", type=harness.positive_int, default=2)
-        p.add_argument("--classes", type=harness.positive_int, default=1000)
         p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"), default="eager,compiled")
         p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting")
         p.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -442,17 +437,9 @@ def main(argv=None, preset: str = "taesd"):
     if preset == "latent-cache":
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
     if preset == "min-snr":
-        p.add_argument("--config", default="configs/diffusion/digits.yaml")
-        p.add_argument("--gammas", default="5,none", help="comma list; none: uniform weighting")
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
     if preset in ("min-snr", "diffusion-quality"):
         p.add_argument("--per-class", type=harness.positive_int, default=20, help="samples per digit and run")
-    if preset == "diffusion-quality":
-        p.add_argument("--sample-steps", type=harness.positive_int, default=25)
-        p.add_argument("--classifier", default=None,
-                       help="a finished convnet run to judge with (default: trained once)")
-        p.add_argument("--classifier-steps", type=harness.positive_int, default=200)
-        p.add_argument("--ae-steps", type=harness.positive_int, default=300)
     args = p.parse_args(argv)
     if preset == "latent-cache" and not args.weights.is_file():
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
@@ -472,9 +459,7 @@ def claim_taesd(ctx) -> list[dict]:
     x = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     with torch.inference_mode():
         z = ae.encode(x)
-        sides = {"encode": lambda: ae.encode(x), "decode": lambda: ae.decode(z)}
-        harness.warm_up(sides, say=lambda m: None)
-        r = harness.run_rounds(sides, ctx.n_rounds)
+        r = harness.run_rounds({"encode": lambda: ae.encode(x), "decode": lambda: ae.decode(z)}, ctx.n_rounds, warmup=1)
     c = x.numel() / z.numel()
     return [dict(key="TAESD latents", evidence="exact", samples=[c - 1], unmeasured="the cost (reconstruction quality)",
                  memory=f"{tuple(x.shape[1:])} -> {tuple(z.shape[1:])}: {c:.1f}x fewer values",
@@ -487,16 +472,15 @@ def claim_min_snr(ctx) -> list[dict]:
     """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs)."""
     n, ps = ctx.s.snr_steps, []
     for seed in range(ctx.seeds):
-        res = train_settings(str(CONFIGS / "digits.yaml"), "5,none", ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
-            f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
-            f"train.log_every={max(1, n // 20)}",
+        res = train_settings(ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
+            f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}", f"train.log_every={max(1, n // 20)}",
             "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}", f"train.device={ctx.device}",
             f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5, say=lambda m: None)
         if seed == 0:
             ctx.plot("min_snr_val", "Min-SNR-5 vs uniform: unweighted validation MSE (seed 0)",
                      {k: v["rows"] for k, v in res.items()}, "val_mse", "validation MSE (unweighted)")
-        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k,
-                   v in res.items() for m in ("mse", "acc")})
+        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k, v in res.items()
+                   for m in ("mse", "acc")})
     m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
     return [dict(key="Min-SNR-gamma weighting",
                  samples=[(p["uniform mse"] - p["gamma=5 mse"]) / p["uniform mse"] for p in ps],
