@@ -22,7 +22,7 @@ from train.benches import harness
 from train.benches.harness import ROOT
 
 TINY = ROOT / "configs" / "llm" / "tiny.yaml"
-SCHEMES = ("int8wo", "int4wo", "8da4w")
+SCHEMES, PATTERNS, SPARSITY = ("int8wo", "int4wo", "8da4w"), ("unstructured", "2:4"), 0.5  # quantized's, prune's
 FAMILIES = {  # distill-quality: config, the teacher's overrides (None: a GGUF file), the student's, the metrics
     "convnet": ("configs/convnet/resnet-digits.yaml", "", "model.width=8", ("val_acc1", "val_loss")),
     "llm": ("configs/llm/tiny.yaml", "model.d_model=128 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 "
@@ -68,7 +68,7 @@ def fine_tune(args, base: Path, name: str, seed: int, extra=()) -> dict:
 # ---------------------------------------------------------------- quantized
 def quantized_copies(model, args, name: str) -> dict:
     import zoo
-    return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, args.group_size) for s in args.schemes}}
+    return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, args.group_size) for s in SCHEMES}}
 
 
 def quantized_speed(args) -> dict:
@@ -121,14 +121,14 @@ def quantized_quality(args) -> dict:
 
 # ---------------------------------------------------------------- qat
 def qat(args, base) -> tuple[dict, dict]:
-    """Per seed two fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
+    """Per seed two int4 fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
     and qat (train.qat: fake-quantized, then converted). Both increases over the ptq run's bf16 copy."""
     from train.config import QAT_SCHEMES
     seeds = []
     for seed in args.seeds:
         group = f"train.quant_group_size={args.group_size}"
-        p = fine_tune(args, base, f"ptq-{args.scheme}", seed, [group, f"train.quantize={QAT_SCHEMES[args.scheme]}"])
-        q = fine_tune(args, base, f"qat-{args.scheme}", seed, [group, f"train.qat={args.scheme}"])
+        p = fine_tune(args, base, "ptq-int4", seed, [group, f"train.quantize={QAT_SCHEMES['int4']}"])
+        q = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"])
         ref = p["quant_ref_val_loss"]
         seeds.append({"seed": seed, "float": p["val_loss"], "ref": ref, "ptq": p["quant_val_loss"],
                       "qat": q["quant_val_loss"], "qat_fake": q["val_loss"], "qat_ref": q["quant_ref_val_loss"],
@@ -139,14 +139,11 @@ def qat(args, base) -> tuple[dict, dict]:
              f"{s['recovered']:.2f}", f"{s['qat_ref']:.4f}"] for s in seeds]
     iv = {k: harness.interval_text([s[k] for s in seeds]) for k in ("ptq_increase", "qat_increase", "recovered")}
     rows.append(["mean (95% interval)", "", "", iv["ptq_increase"], "", iv["qat_increase"], iv["recovered"], ""])
-    sc = args.scheme
-    tables = {"seeds": harness.table(["seed", "float fine-tune val loss", "its bf16 copy (reference)",
-                                      f"{sc} PTQ (increase)", "QAT, fake-quantized (vs reference)",
-                                      f"{sc} QAT, converted (increase)", "increase recovered by QAT",
-                                      "QAT's own bf16 copy"], rows)}
-    if sc == "int4":
-        tables["numerics"] = numerics(base, args.group_size)
-    return tables, {"seeds": seeds}
+    return {"seeds": harness.table(["seed", "float fine-tune val loss", "its bf16 copy (reference)",
+                                    "int4 PTQ (increase)", "QAT, fake-quantized (vs reference)",
+                                    "int4 QAT, converted (increase)", "increase recovered by QAT",
+                                    "QAT's own bf16 copy"], rows),
+            "numerics": numerics(base, args.group_size)}, {"seeds": seeds}
 
 
 def numerics(folder: Path, group_size: int) -> dict:
@@ -195,9 +192,9 @@ def prune(args, base) -> tuple[dict, dict]:
     dense = [fine_tune(args, base, "dense", s)["val_loss"] for s in args.seeds]
     base_loss, rows, speed, data = one_shot(args, base, []), [], [], {"dense": dense}
     rows.append(["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""])
-    for pattern in args.patterns:
-        tag = pattern.replace(":", "of") if parse_pattern(pattern) else f"unstructured{args.sparsity:g}"
-        over = [f"train.prune={pattern}", f"train.prune_sparsity={args.sparsity}"]
+    for pattern in PATTERNS:
+        tag = pattern.replace(":", "of") if parse_pattern(pattern) else f"unstructured{SPARSITY:g}"
+        over = [f"train.prune={pattern}", f"train.prune_sparsity={SPARSITY}"]
         runs = [fine_tune(args, base, tag, s, over) for s in args.seeds]
         rec, shot = [r["val_loss"] for r in runs], one_shot(args, base, over)
         rows.append([pattern, f"{runs[0]['sparsity']:.2f}", f"{shot:.4f} ({shot - base_loss:+.4f})",
@@ -238,7 +235,7 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
     import zoo
     from zoo.pruning import prune as prune_model
     weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern,
-                                                  args.sparsity).values()]
+                                                  SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
         for n in (1, 128):
@@ -259,13 +256,13 @@ def distill_memory(args) -> tuple[dict, dict]:
     N, V = args.tokens, args.vocab
     h = torch.randn(N, args.d_model, generator=g).requires_grad_()
     w = (torch.randn(V, args.d_model, generator=g) * 0.02).requires_grad_()
-    th, tw = torch.randn(N, args.teacher_d_model, generator=g), torch.randn(V, args.teacher_d_model, generator=g) * 0.02
+    th, tw = torch.randn(N, 512, generator=g), torch.randn(V, 512, generator=g) * 0.02  # a teacher of d_model 512
     y = torch.randint(0, V, (N,), generator=g)
     peaks, losses = {"chunked": [], "full logits": []}, {}
     with harness.autocast(args.precision):
         for _, side in harness.schedule(peaks, args.rounds):
             with harness.PeakRSS() as m:
-                loss = (chunked_distillation_loss(h, w, y, th, tw, 0.5, 2.0, args.chunk) if side == "chunked"
+                loss = (chunked_distillation_loss(h, w, y, th, tw, 0.5, 2.0, 256) if side == "chunked"
                         else distillation_loss(h @ w.t(), th @ tw.t(), y, 0.5, 2.0))
                 loss.backward()
                 h.grad = w.grad = None
@@ -299,7 +296,7 @@ def distill_quality(args) -> tuple[dict, dict]:
         extra += [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={vocab}"]
     elif not args.teacher:
         harness.run_loop(ROOT / config, teacher, [*common, *teacher_over.split(),
-                                                  f"train.max_steps={args.teacher_steps}", *extra], args.threads or 1)
+                                                  "train.max_steps=200", *extra], args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
     seeds = []
     for seed in args.seeds:
@@ -335,14 +332,14 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     seeds, tables, speed = [], {}, []
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"
-        harness.run_loop(ROOT / "configs" / "convnet" / args.config, folder, [
+        harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", folder, [
             f"train.max_steps={args.steps}", f"train.seed={seed}", "train.eval_every=0", "train.precision=fp32"],
             args.threads or 1)
         task = ClassifyTask(load_run_config(str(folder / "config.yaml")), torch.device("cpu"), lambda m: None)
         task.setup()
         model = zoo.from_pretrained(folder).float().eval()
         t0 = time.perf_counter()
-        calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(args.calib_batches)]
+        calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(8)]
         int8 = zoo.quantize(model, "int8", calibration=calibration)
         val = [(task.normalize(x), y) for x, y in task._val_batches()]
         s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val),
@@ -400,35 +397,23 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--fine-tune-overrides", default="", help="key=value overrides of the fine-tunes")
     if preset == "quantized":
         p.add_argument("--parts", type=harness.name_list(("speed", "quality"), "part"), default="speed,quality")
-        p.add_argument("--schemes", type=harness.name_list(SCHEMES, "scheme"), default=",".join(SCHEMES))
         p.add_argument("--prompt", type=harness.positive_int, default=16)
         p.add_argument("--new-tokens", type=harness.positive_int, default=128)
-    if preset == "qat":
-        from train.config import QAT_SCHEMES
-        p.add_argument("--scheme", choices=sorted(QAT_SCHEMES), default="int4")
-    if preset == "prune":
-        p.add_argument("--patterns", type=lambda s: s.split(","), default="unstructured,2:4", help="train.prune values")
-        p.add_argument("--sparsity", type=float, default=0.5, help="train.prune_sparsity (unstructured)")
     if preset == "distill":
         harness.llm_args(p, vocab=32000, d_model=256)
         p.add_argument("--tokens", type=harness.positive_int, default=1024)
-        p.add_argument("--teacher-d-model", type=harness.positive_int, default=512)
-        p.add_argument("--chunk", type=harness.positive_int, default=256)
         p.set_defaults(rounds=3)
     if preset == "distill-quality":
         p.add_argument("--family", choices=sorted(FAMILIES), default="convnet")
         p.add_argument("--steps", type=harness.positive_int, default=100, help="the student's steps, both sides")
         p.add_argument("--teacher", default=None, help="the teacher's run folder or GGUF file (default: trained once)")
-        p.add_argument("--teacher-steps", type=harness.positive_int, default=200)
         p.add_argument("--student", default=None, help="the student's overrides (default: the family's)")
         p.add_argument("--kd-alpha", type=float, default=0.5)
         p.add_argument("--kd-temperature", type=float, default=2.0)
         p.add_argument("--eval-batches", type=harness.positive_int, default=20, help="LLM: train.eval_batches")
         p.add_argument("--json", type=Path, default=None, help="default docs/results/distill-quality-FAMILY.json")
     if preset == "convnet-ptq":
-        p.add_argument("--config", default="resnet-digits.yaml", help="a file of configs/convnet/")
         p.add_argument("--steps", type=harness.positive_int, default=200)
-        p.add_argument("--calib-batches", type=harness.positive_int, default=8)
         p.add_argument("--batch", type=harness.positive_int, default=64, help="images per timed call")
     args = p.parse_args(argv)
     if preset == "convnet-ptq" and args.precision != "fp32":
