@@ -77,12 +77,12 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
     torch.backends.cudnn.benchmark = device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device)
-    batch = [x0, torch.randint(0, args.classes, (args.batch,), generator=g).to(device)]
+    batch = [x0, torch.randint(0, 1000, (args.batch,), generator=g).to(device)]
     data = {"device": str(device), "batch": args.batch, "size": args.size, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "results": []}
     for mode in args.modes:  # every eager setting first: the compiled ones take far longer
         for arch in args.archs:
-            models = build_pair(arch, args.classes)
+            models = build_pair(arch, 1000)
             flops = models[0].flops_per_image(args.size) if hasattr(models[0], "flops_per_image") else None
             for fmt in args.formats:
                 batch[0] = x0.contiguous(memory_format=harness.FORMATS[fmt])
@@ -192,14 +192,14 @@ def drop_path(args) -> tuple[dict, dict]:
 
 
 def recipe(args) -> tuple[dict, dict]:
-    """Per seed, the config as shipped (baseline) and with --recipe's overrides: final validation top-1,
+    """Per seed, the digits preset as shipped (baseline) and with RECIPE's overrides: final validation top-1,
     loss and confidence (the mean highest softmax probability of the final weights)."""
     metrics = ("val_acc1", "val_loss", "val_confidence")
     res = {"baseline": [], "recipe": []}
     for seed in args.seeds:
-        for name, extra in (("baseline", []), ("recipe", args.recipe.split(","))):
+        for name, extra in (("baseline", []), ("recipe", RECIPE.split(","))):
             out = Path(args.out) / f"{name}-{seed}"
-            rows = harness.run_loop(ROOT / "configs" / "convnet" / args.config, out, [
+            rows = harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", out, [
                 f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision}", *extra],
                 args.threads or 1)
             r = [r for r in rows if "val_acc1" in r][-1]
@@ -231,7 +231,6 @@ def main(argv=None, preset: str = "resnet"):
                    help="timed steps per round (convnet-recipe: training steps)")
     p.add_argument("--warmup", type=int, default=3 if preset == "convnets" else 1,
                    help="untimed steps per side and setting")
-    p.add_argument("--classes", type=harness.positive_int, default=1000)
     resnets = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
     p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + resnets, "arch"),
                    default="resnet50" if preset in ("resnet", "drop-path") else ",".join(ARCHS))
@@ -241,8 +240,6 @@ def main(argv=None, preset: str = "resnet"):
                    default="contiguous,channels_last")
     p.add_argument("--device", default="cuda" if preset == "convnets" and torch.cuda.is_available() else "cpu")
     p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5], help="drop-path: last block's rates")
-    p.add_argument("--config", default="resnet-digits.yaml", help="convnet-recipe: a file of configs/convnet/")
-    p.add_argument("--recipe", default=RECIPE, help="convnet-recipe: comma list of the overrides the recipe adds")
     p.add_argument("--out", default="runs/bench/convnet-recipe")
     args = p.parse_args(argv)
     args.preset, args.arch = preset, args.archs[0]

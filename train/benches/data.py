@@ -192,13 +192,13 @@ def batches(args, folder: Path, out: dict):
             _, loss = model(x, x)
         loss.backward()
         model.zero_grad(set_to_none=True)
-    trained = T / harness.run_rounds({"step": step}, args.train_reps, warmup=1).best("step")
+    trained = T / harness.run_rounds({"step": step}, 2, warmup=1).best("step")
     out["batches"] = {"batch": [B, T], "assembled_tokens_per_s": assemble, "trained_tokens_per_s": trained,
                       "precision": args.precision, "threads": torch.get_num_threads()}
     return harness.table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
                          [[f"{assemble:,.0f}", f"{trained:,.0f}", f"{assemble / trained:,.0f}x"]],
                          f"SmolLM-135M preset ({B} x {T} windows; training: 1 x {T} forward and backward, "
-                         f"{args.precision}, {torch.get_num_threads()} threads, best of {args.train_reps})")
+                         f"{args.precision}, {torch.get_num_threads()} threads, best of 2)")
 
 
 def main(argv=None):
@@ -208,7 +208,6 @@ def main(argv=None):
     ap.add_argument("--rss-mb", type=harness.int_list, default=[100],
                     help="comma list of corpus sizes in MB for the memory part (default 100)")
     ap.add_argument("--workers", type=harness.positive_int, default=2, help="processes / threads (default 2)")
-    ap.add_argument("--train-reps", type=harness.positive_int, default=2)
     args = ap.parse_args(argv)
     harness.setup(args)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads

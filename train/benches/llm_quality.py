@@ -61,11 +61,10 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
     cfg, extra = RUNS[preset][name]
     over = [f"train.max_steps={steps}", f"train.batch_size={args.batch}", f"data.seq_len={args.seq}",
             f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", f"train.seed={seed}", *extra]
-    if preset == "peft":
-        lr = args.lr_full if name == "full" else args.lr_adapter
+    if preset == "peft":  # full fine-tuning at lr 3e-4, adapters at 3e-3
         over += [f"train.init_from={base}", "data.tokenizer=bytes", "train.grad_accum=1", "train.eval_every=0",
                  "train.average_last=0", "train.log_every=1", "train.compile=false", "train.resume=false",
-                 f"optim.lr={lr}", f"optim.warmup_steps={max(1, steps // 10)}",
+                 f"optim.lr={3e-4 if name == 'full' else 3e-3}", f"optim.warmup_steps={max(1, steps // 10)}",
                  *([f"data.path={args.data}"] if args.data else [])]
     else:
         over += [f"train.eval_every={max(1, steps // args.evals)}", "train.log_every=10",
@@ -234,13 +233,9 @@ def main(argv=None, preset: str = "llm-moe-quality"):
                    help="evaluations per run")
     p.add_argument("--eval-batches", type=harness.positive_int, default=8 if peft else 20)
     p.add_argument("--runs", "--only", type=harness.name_list(RUNS[preset], "run"), default=",".join(RUNS[preset]))
-    p.add_argument("--png", default=str(ROOT / "docs" / f"{preset[4:7]}_quality.png"),
-                   help="the loss curves (MoE, MoD)")
     if peft:
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
         p.add_argument("--layers", type=int, default=None, help="its number of layers")
-        p.add_argument("--lr-full", type=float, default=3e-4)
-        p.add_argument("--lr-adapter", type=float, default=3e-3)
         p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
     args = p.parse_args(argv)
     harness.setup(args)  # --threads here too, so that the result's machine line names the runs' threads
@@ -259,7 +254,7 @@ def main(argv=None, preset: str = "llm-moe-quality"):
             [[n, f"layer {i}", *(f"{100 * v:.1f}%" for v in a.values())] for n, d in dec.items() for i, a in d.items()])
     if not peft:
         scale = {n: args.batch * args.seq * fpt[n] / 1e12 for n in fpt}
-        plot(results, Path(args.png), f"{preset}: {args.steps} steps of {args.batch} x {args.seq} tokens",
+        plot(results, ROOT / "docs" / f"{preset[4:7]}_quality.png", f"{preset}: {args.steps} steps of {args.batch} x {args.seq} tokens",
              "training FLOPs (x 1e12)" if fpt else "step", scale)
     harness.save(args, tables, {"summaries": sums, "steps": steps, "flops_per_token": fpt})
 
@@ -269,8 +264,8 @@ def claim_lora(ctx) -> list[dict]:
     """Full fine-tuning against LoRA and QLoRA (the peft bench's runs; the state bytes counted from the tensors)."""
     data = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
     args = Namespace(config="configs/llm/tiny.yaml", layers=ctx.s.lora_layers, steps=ctx.s.lora_steps, batch=4, seq=64,
-                     eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=ctx.precision, threads=None,
-                     data=str(data) if data.is_file() else None, out=str(ctx.work / "peft"))
+                     eval_batches=2, precision=ctx.precision, threads=None, data=str(data) if data.is_file() else None,
+                     out=str(ctx.work / "peft"))
     res = peft_runs(args, ("full", "lora", "qlora"))
     ctx.plot("lora_loss", f"full fine-tuning vs LoRA vs QLoRA ({ctx.s.lora_steps} steps)",
              {n: v.pop("rows") for n, v in res.items()}, "loss", "training loss")

@@ -63,7 +63,7 @@ def memory_and_time(args, names) -> dict:
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
     r, nbytes, notes = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names},
-                                       args.rounds, args.steps)
+                                       args.rounds)
     ref = nbytes[REFERENCE]
     rows = [[k, f"{r.best(k) * 1e3:.1f}", str(r.paired(REFERENCE, k)) if k != REFERENCE else "",
              f"{nbytes[k] / 2**20:.1f}", f"{nbytes[k] / n:.2f}", f"{100 * (1 - nbytes[k] / ref):.0f}%", notes[k]]
@@ -88,7 +88,7 @@ def train_run(args, over: list) -> tuple[dict, list]:
 
 def quality(args, names) -> dict:
     """Each optimizer at each LR of its grid for --train-steps: the best final val loss and its LR; and Muon
-    against AdamW: the first evaluation at which each reaches --target (default: AdamW's best)."""
+    against AdamW: the first evaluation at which each reaches AdamW's best."""
     res = {}
     for name in names:
         for lr in args.lrs or [LR_START[name] / 3, LR_START[name], LR_START[name] * 3]:
@@ -104,7 +104,7 @@ def quality(args, names) -> dict:
         [[n, f"{lr:.2g}", f"{v:.4f}", ", ".join(f"{x:.2g}" for m, x in res if m == n)]
          for n, (lr, v, _) in best.items()])}
     if "muon" in best and REFERENCE in best:
-        target = args.target or best[REFERENCE][1]
+        target = best[REFERENCE][1]
         rows = [[n, f"{best[n][0]:.2g}", f"{target:.4f}",
                  next((str(s) for s, v in best[n][2] if v <= target), f"not within {args.train_steps}")]
                 for n in (REFERENCE, "muon")]
@@ -135,7 +135,6 @@ def main(argv=None, preset: str = "optimizers"):
     p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers")
     harness.llm_args(p, d_model=512, n_layers=8, n_heads=8, vocab=32000)
     p.add_argument("--optimizers", type=harness.name_list(OPTIMIZERS, "optimizer"), default=",".join(OPTIMIZERS))
-    p.add_argument("--steps", type=harness.positive_int, default=1, help="optimizer steps per round")
     p.add_argument("--train-steps", type=harness.positive_int, default=300 if preset == "optimizers" else 200)
     p.add_argument("--quality", action="store_true", help="also sweep LRs on the embedded default")
     p.add_argument("--skip-memory", action="store_true", help="--quality only")
@@ -143,7 +142,6 @@ def main(argv=None, preset: str = "optimizers"):
                    default=None if preset == "optimizers" else [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2],
                    help="comma list of LRs")
     p.add_argument("--eval-every", type=harness.positive_int, default=50)
-    p.add_argument("--target", type=float, default=None, help="--quality: the val loss for Muon against AdamW")
     p.add_argument("--set", nargs="*", default=[], help="key=value overrides of every training run")
     args = p.parse_args(argv)
     harness.setup(args)
