@@ -254,7 +254,8 @@ def main(argv=None, preset: str = "llm-moe-quality"):
             [[n, f"layer {i}", *(f"{100 * v:.1f}%" for v in a.values())] for n, d in dec.items() for i, a in d.items()])
     if not peft:
         scale = {n: args.batch * args.seq * fpt[n] / 1e12 for n in fpt}
-        plot(results, ROOT / "docs" / f"{preset[4:7]}_quality.png", f"{preset}: {args.steps} steps of {args.batch} x {args.seq} tokens",
+        plot(results, ROOT / "docs" / f"{preset[4:7]}_quality.png",
+             f"{preset}: {args.steps} steps of {args.batch} x {args.seq} tokens",
              "training FLOPs (x 1e12)" if fpt else "step", scale)
     harness.save(args, tables, {"summaries": sums, "steps": steps, "flops_per_token": fpt})
 
