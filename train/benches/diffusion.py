@@ -475,7 +475,8 @@ def claim_min_snr(ctx) -> list[dict]:
         res = train_settings(ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
             f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
             f"train.log_every={max(1, n // 20)}", "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}",
-            f"train.device={ctx.device}", f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5, say=lambda m: None)
+            f"train.device={ctx.device}", f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5,
+            say=lambda m: None)
         if seed == 0:
             ctx.plot("min_snr_val", "Min-SNR-5 vs uniform: unweighted validation MSE (seed 0)",
                      {k: v["rows"] for k, v in res.items()}, "val_mse", "validation MSE (unweighted)")
