@@ -325,7 +325,8 @@ def claim_moe(ctx) -> list[dict]:
     sp = statistics.fmean(p["moe_tok_s"] / p["dense_tok_s"] for p in ps)
     hits = ", ".join(str(p["moe_step"]) for p in ps)
     return [dict(key="MoE (equal compute)", samples=[p["dense_s"] / p["moe_s"] - 1 for p in ps],
-                 numbers={"per_seed": ps}, quality=f"MoE reached dense's final val loss at step {hits} of {ctx.s.loop_steps}",
+                 numbers={"per_seed": ps},
+                 quality=f"MoE reached dense's final val loss at step {hits} of {ctx.s.loop_steps}",
                  speed=f"tokens/s ratio {sp:.2f}x (medians of separate runs, not paired)")]
 
 
