@@ -62,8 +62,8 @@ def memory_and_time(args, names) -> dict:
     from train.config import OptimConfig
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
-    r, nbytes, notes = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names},
-                                       args.rounds)
+    configs = {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names}
+    r, nbytes, notes = time_optimizers(model, configs, args.rounds)
     ref = nbytes[REFERENCE]
     rows = [[k, f"{r.best(k) * 1e3:.1f}", str(r.paired(REFERENCE, k)) if k != REFERENCE else "",
              f"{nbytes[k] / 2**20:.1f}", f"{nbytes[k] / n:.2f}", f"{100 * (1 - nbytes[k] / ref):.0f}%", notes[k]]
@@ -80,7 +80,7 @@ def train_run(args, over: list) -> tuple[dict, list]:
     from train.run import DEFAULT_CONFIG
     with tempfile.TemporaryDirectory() as tmp:
         over = [f"train.out_dir={tmp}", *harness.QUIET, "train.checkpoint_every=0", "train.average_last=0",
-                f"train.precision={args.precision[0]}", *over, *args.set]
+                f"train.precision={args.precision}", *over, *args.set]
         final = train(load_run_config(str(DEFAULT_CONFIG), over), log=lambda m: None)
         rows = read_rows(Path(tmp)) if (Path(tmp) / "metrics.jsonl").is_file() else []  # none from the range test
         return final, [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
@@ -118,9 +118,8 @@ def lr_find(args) -> dict:
     found, _ = train_run(args, ["train.lr_find=true"])
     suggested, res = found["suggested_lr"], {}
     for lr in args.lrs:
-        res[lr] = train_run(args, [f"train.max_steps={args.train_steps}", "train.eval_every=0",
-                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}",
-                                   f"optim.lr={lr}"])[0]["val_loss"]
+        res[lr] = train_run(args, [f"train.max_steps={args.train_steps}", "train.eval_every=0", f"optim.lr={lr}",
+                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}"])[0]["val_loss"]
     best = min(res, key=res.get)
     ratio = max(best / suggested, suggested / best)
     rows = [[f"{lr:.3g}" + (" (best)" if lr == best else ""), f"{v:.4f}"] for lr, v in res.items()]
@@ -132,7 +131,7 @@ def lr_find(args) -> dict:
 
 def main(argv=None, preset: str = "optimizers"):
     from train.optim import OPTIMIZERS
-    p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers")
+    p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers", one_precision=True)
     harness.llm_args(p, d_model=512, n_layers=8, n_heads=8, vocab=32000)
     p.add_argument("--optimizers", type=harness.name_list(OPTIMIZERS, "optimizer"), default=",".join(OPTIMIZERS))
     p.add_argument("--train-steps", type=harness.positive_int, default=300 if preset == "optimizers" else 200)
