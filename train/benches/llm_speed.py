@@ -47,12 +47,8 @@ TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n
          "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
 
 
-def mode(side: str) -> str:
-    return side.rsplit("-", 1)[1]
-
-
 def reference(r: harness.Rounds, side: str, preset: str):
-    refs = [n for n in r.wall if n.startswith(REF[preset]) and mode(n) == mode(side)]
+    refs = [n for n in r.wall if n.startswith(REF[preset]) and n.rsplit("-", 1)[1] == side.rsplit("-", 1)[1]]
     return None if side.startswith(REF[preset]) or not refs else min(refs, key=r.median)
 
 
@@ -265,8 +261,8 @@ def hf_decoders(name, load, modes, **kw) -> dict:
     return out
 
 
-def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
-    """{side: a call generating args.new_tokens tokens}, a note on the models, Zoo's models."""
+def decode_table(preset, args, folder, prec, prompt) -> dict:
+    """Each side generating args.new_tokens tokens: Zoo's models (eager and compiled) and transformers'."""
     import zoo
     n, dt = args.new_tokens, harness.PRECISIONS[prec]
     if preset == "llm-mod":
@@ -274,28 +270,23 @@ def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
         note = f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in calibrate(models['mod'], args))}"
     else:
         models, note = {"zoo": zoo.from_pretrained(folder, dtype=dt).eval()}, ""
-    sides = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
+    calls = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
              for k, z in models.items() for m in args.modes}
     greedy = dict(inputs=prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if preset == "llm-moe":
         for impl in ("eager", "grouped_mm"):
-            sides.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl),
+            calls.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl),
                                      args.modes, **greedy))
     elif preset == "gguf":
-        sides.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name),
+        calls.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name),
                                  args.modes, **greedy))
     elif preset == "llm-generate":
-        sides.update(hf_decoders("transformers", lambda: hf_load(folder, dt), args.modes, **greedy))
-    return sides, note, models
-
-
-def decode_table(preset, args, folder, prec, prompt) -> dict:
-    calls, note, models = decode_sides(preset, args, folder, prec, prompt)
+        calls.update(hf_decoders("transformers", lambda: hf_load(folder, dt), args.modes, **greedy))
     outs = {}
     sides = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(sides, say=lambda m: print(f"  {prec} decoding {m}", flush=True))
     r = harness.run_rounds(sides, args.rounds)
-    ref0, n = next((k for k in calls if k.startswith(REF[preset])), None), args.new_tokens
+    ref0 = next((k for k in calls if k.startswith(REF[preset])), None)
     rows = [[k, f"{r.best(k):.3f}", f"{r.median(k):.3f}", f"{n / r.best(k):.1f}", f"{n / r.best(k, 'cpu'):.1f}",
              f"{first[k]:.1f}", "-" if ref0 is None else ("yes" if torch.equal(outs[k], outs[ref0]) else "no"),
              *versus(r, k, reference(r, k, preset), ("wall", "cpu"))] for k in calls]
