@@ -329,7 +329,7 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     from train.config import load_run_config
     from train.tasks.classify import ClassifyTask
     from zoo.quantization import compile_frozen
-    seeds, tables, speed = [], {}, []
+    seeds, tables = [], {}
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"
         harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", folder, [
