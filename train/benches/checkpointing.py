@@ -8,24 +8,13 @@ rounds of the loop's own step: time against none, the planner's peak and the mea
 """
 from __future__ import annotations
 
-import contextlib
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
-from train.hardware import sync  # noqa: E402
+from train.benches import harness
+from train.hardware import sync
 
 FAMILIES = {
-    "llm": ({"family": "llm", "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4,
-                                        "n_kv_heads": 2,
-                                        "max_seq_len": 256},
-             "data": {"tokenizer": "bytes", "seq_len": 256}, "train": {"batch_size": 8}}, []),
+    "llm": (harness.llm_base(4096, 256, 4, 4, 2, 8), []),
     "convnet": ("convnet/resnet-digits.yaml", ["model.width=32", "train.batch_size=64"]),
     "diffusion": ("diffusion/digits.yaml", ["train.batch_size=128"]),
 }
@@ -34,26 +23,24 @@ POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"
             "full": ["train.activation_checkpointing=full"]}
 
 
-def step_fn(cfg, device: torch.device = torch.device("cpu"), model=None):
+def step_fn(cfg, device: torch.device = torch.device("cpu")):
     """One training step of `cfg` as the loop runs it (train.step.optimizer_step: train.grad_accum micro-batches
     of Task.example_batch, autocast in train.precision with a GradScaler for fp16, clipping, the config's
-    optimizer), compiled when train.compile; `model`: this one instead of the config's. The step callable."""
+    optimizer), compiled when train.compile. The step callable."""
     from train.optim import build_optimizer
     from train.planner import build_model
-    from train.step import optimizer_step
+    from train.step import autocast_for, optimizer_step
     from train.config import task_class
     torch.manual_seed(0)
-    model = (build_model(cfg).to(device) if model is None else model).train()
+    model = build_model(cfg).to(device).train()
     task = task_class(cfg.family)(cfg, device, lambda m: None)
     batch = task.example_batch(model, cfg.train.batch_size)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
     params = [p for p in model.parameters() if p.requires_grad]
     fwd = torch.compile(model) if cfg.train.compile else model
-    p = cfg.train.precision
-    scaler = torch.amp.GradScaler(device.type, enabled=p == "fp16")
-    autocast = (lambda: harness.autocast(p, device.type)) if p != "fp32" else contextlib.nullcontext
-    n = cfg.train.grad_accum
-    return lambda: optimizer_step(lambda b: task.loss(fwd, b), iter([batch] * n), n, opt, scaler, params, 1.0, autocast)
+    scaler, n = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"), cfg.train.grad_accum
+    return lambda: optimizer_step(lambda b: task.loss(fwd, b), iter([batch] * n), n, opt, scaler, params, 1.0,
+                                  autocast_for(device, cfg.train.precision))
 
 
 def peak(base: dict, over: list, device: torch.device, threads: int = 0) -> int:
@@ -102,8 +89,8 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     for batches in ([(ids[:, :-1], ids[:, 1:])], [(ids[i::k, :-1], ids[i::k, 1:]) for i in range(k)]):
         optimizer_step(lambda bb: task.loss(model, bb), iter(batches), len(batches), rec, scaler, params, None)
-    return max(float((a - w).abs().max()) for a, w in zip(grads[1],
-                                                          grads[0])) / max(float(w.abs().max()) for w in grads[0])
+    scale = max(float(w.abs().max()) for w in grads[0])
+    return max(float((a - w).abs().max()) for a, w in zip(grads[1], grads[0])) / scale
 
 
 def main(argv=None):
@@ -133,7 +120,6 @@ def main(argv=None):
                 ["policy", "best step ms", "step time / none (paired median)", "predicted peak MiB",
                  "predicted activations MiB", "measured peak MiB"], rows)
     harness.save(args, tables, {})
-    return 0
 
 
 # ---------------------------------------------------------------- the techniques report's claims on the loop's step
@@ -184,8 +170,7 @@ def claim_grad_accum(ctx) -> list[dict]:
     speed = ctx.speed("gradient accumulation (memory)", r, "acc", "one",
                       f"grad accumulation {k} x {b // k} (cost)")["speed"]
     return [dict(key="gradient accumulation (gradients)", baseline=f"one batch of {b}", evidence="exact",
-                 samples=[diff],
-                 speed=speed, numbers={"max_rel_grad_diff": diff},
+                 samples=[diff], speed=speed, numbers={"max_rel_grad_diff": diff},
                  quality=f"max abs(g_accum - g_batch) / max abs(g_batch) = {diff:.2e} ({k} x {b // k} vs 1 x {b})"),
             ctx.saved("gradient accumulation (memory)", peaks["one"], peaks["acc"], baseline=f"one batch of {b}",
                       speed=speed)]

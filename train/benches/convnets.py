@@ -10,17 +10,14 @@ A step is forward, cross-entropy, backward, SGD-momentum and zero_grad; both mod
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
+from train.hardware import sync
 
 ARCHS = ["convnext_tiny", "convnextv2_tiny", "efficientnet_b0", "mobilenetv3_large_100"]
 MODES = ("mask", "skip", "batch")
@@ -46,13 +43,12 @@ def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) 
     from train.config import OptimConfig
     from train.optim import build_optimizer
     opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), device, log=lambda *a: None)
-    return harness.Side(model, lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]), opt, compile,
-                        device)
+    loss = lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1])  # noqa: E731
+    return harness.Side(model, loss, opt, compile, device)
 
 
 def step_rounds(models: dict, batch: int, size: int, classes: int, precision: str, rounds: int,
-                device=torch.device("cpu"),
-                fmt: dict = None) -> harness.Rounds:
+                device=torch.device("cpu"), fmt: dict = None) -> harness.Rounds:
     """Training steps of each model on one batch (in its memory format, `fmt`, channels-last by default) after a
     warm-up step, in alternating rounds."""
     g = torch.Generator().manual_seed(0)
@@ -63,9 +59,7 @@ def step_rounds(models: dict, batch: int, size: int, classes: int, precision: st
         f = (fmt or {}).get(n, torch.channels_last)
         s = side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device)
         calls[n] = lambda s=s: s.step(precision)
-    harness.warm_up(calls, say=lambda m: None)
-    return harness.run_rounds(calls, rounds,
-                              sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
+    return harness.run_rounds(calls, rounds, sync=lambda: sync(device), warmup=1)
 
 
 def merged(old: dict, new: dict) -> dict:
@@ -80,16 +74,15 @@ def merged(old: dict, new: dict) -> dict:
 
 def zoo_vs_timm(args) -> tuple[dict, dict]:
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.backends.cudnn.benchmark = device.type == "cuda"
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device)
-    batch = [x0, torch.randint(0, args.classes, (args.batch,), generator=g).to(device)]
+    batch = [x0, torch.randint(0, 1000, (args.batch,), generator=g).to(device)]
     data = {"device": str(device), "batch": args.batch, "size": args.size, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "results": []}
     for mode in args.modes:  # every eager setting first: the compiled ones take far longer
         for arch in args.archs:
-            models = build_pair(arch, args.classes)
+            models = build_pair(arch, 1000)
             flops = models[0].flops_per_image(args.size) if hasattr(models[0], "flops_per_image") else None
             for fmt in args.formats:
                 batch[0] = x0.contiguous(memory_format=harness.FORMATS[fmt])
@@ -97,19 +90,16 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
                          for n, m in zip(("zoo", "timm"), models)}
                 for p in args.precision:
                     calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-                    harness.warm_up(calls, args.warmup, say=lambda m: None)
-                    sync()
-                    r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=sync)
+                    r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device),
+                                           warmup=args.warmup)
                     w, c = r.paired("zoo", "timm"), r.paired("zoo", "timm", "cpu")
                     data["results"].append({
                         "arch": arch, "mode": mode, "format": fmt, "precision": p,
-                                            "zoo_img_s": args.batch / r.best("zoo"),
-                        "timm_img_s": args.batch / r.best("timm"), "best_ratio": r.ratio("zoo", "timm"),
-                        "zoo_speed_over_timm_paired_median": w.median, "range": [w.low, w.high],
-                                            "cpu_time_paired_median": c.median,
-                        "cpu_time_range": [c.low, c.high],
-                                            "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9,
-                        "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "zoo_img_s": args.batch / r.best("zoo"), "timm_img_s": args.batch / r.best("timm"),
+                        "best_ratio": r.ratio("zoo", "timm"), "zoo_speed_over_timm_paired_median": w.median,
+                        "range": [w.low, w.high], "cpu_time_paired_median": c.median, "cpu_time_range": [c.low, c.high],
+                        "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9, "rounds": args.rounds,
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "load_average": os.getloadavg()[0], "wall": r.wall})
                     print(f"  {arch} {mode} {fmt} {p}: {r.summary('zoo', 'timm')}", flush=True)
             torch._dynamo.reset()
@@ -122,14 +112,11 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
 
 
 def convnets_table(data: dict) -> dict:
-    def rng(m, r):
-        return f"{m:.2f}x ({r[0]:.2f}-{r[1]:.2f}x)"
     rows = [[r["arch"], r["mode"], r["format"], r["precision"], f"{r['zoo_img_s']:.1f}", f"{r['timm_img_s']:.1f}",
              f"{r['best_ratio']:.2f}x" if "best_ratio" in r else "-",
-             rng(r["zoo_speed_over_timm_paired_median"], r["range"]),
-             rng(r["cpu_time_paired_median"], r["cpu_time_range"]),
-             f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"]
-            for r in data["results"]]
+             str(harness.Paired(r["zoo_speed_over_timm_paired_median"], *r["range"])),
+             str(harness.Paired(r["cpu_time_paired_median"], *r["cpu_time_range"])),
+             f"{r['zoo_gflops']:.1f}" if r.get("zoo_gflops") else "-"] for r in data["results"]]
     notes = []
     for p in dict.fromkeys(r["precision"] for r in data["results"]):  # channels-last against contiguous, per side
         for arch, mode in dict.fromkeys((r["arch"], r["mode"]) for r in data["results"]):
@@ -140,9 +127,8 @@ def convnets_table(data: dict) -> dict:
                 notes.append(f"channels-last / contiguous, {arch} {mode} {p}: zoo {gain['zoo']:.2f}x, "
                              f"timm {gain['timm']:.2f}x (best rounds)")
     return harness.table(["model", "mode", "memory format", "precision", "zoo img/s", "timm img/s",
-                          "zoo / timm (best rounds)",
-                          "zoo speed / timm, paired median (range)", "the same on CPU time", "zoo GFLOP/s"], rows,
-                         "\n".join(notes))
+                          "zoo / timm (best rounds)", "zoo speed / timm, paired median (range)", "the same on CPU time",
+                          "zoo GFLOP/s"], rows, "\n".join(notes))
 
 
 def bound(rate: float) -> float:
@@ -166,9 +152,8 @@ def drop_path(args) -> tuple[dict, dict]:
     import zoo
     from zoo.config import ConvNetConfig
     g = torch.Generator().manual_seed(0)
-    batch = [torch.randn(args.batch, 3, args.size, args.size,
-                         generator=g).contiguous(memory_format=torch.channels_last),
-             torch.randint(0, 10, (args.batch,), generator=g)]
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=g)
+    batch = [x.contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (args.batch,), generator=g)]
     data = {"arch": args.arch, "load_before": os.getloadavg()[0], "results": []}
     for p in args.precision:
         for rate in args.rates:
@@ -195,8 +180,8 @@ def drop_path(args) -> tuple[dict, dict]:
         for mode in ("skip", "batch"):
             rate = crossover(data, mode, p)
             every = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["low"] > 1.0) or "no rate"
-            beyond = ", ".join(str(r["rate"]) for r in at
-                               if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])) or "no rate"
+            beyond = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["median"] > bound(r["rate"]))
+            beyond = beyond or "no rate"
             notes.append(f"{mode} / mask ({p}): paired median above 1.00x "
                          f"{'at no rate measured' if rate is None else f'from a last-block rate of {rate} on'}; "
                          f"every round faster at {every}; median beyond the bound (noise) at {beyond}.")
@@ -207,49 +192,45 @@ def drop_path(args) -> tuple[dict, dict]:
 
 
 def recipe(args) -> tuple[dict, dict]:
-    """Per seed, the config as shipped (baseline) and with --recipe's overrides: final validation top-1,
+    """Per seed, the digits preset as shipped (baseline) and with RECIPE's overrides: final validation top-1,
     loss and confidence (the mean highest softmax probability of the final weights)."""
     metrics = ("val_acc1", "val_loss", "val_confidence")
     res = {"baseline": [], "recipe": []}
     for seed in args.seeds:
-        for name, extra in (("baseline", []), ("recipe", args.recipe.split(","))):
+        for name, extra in (("baseline", []), ("recipe", RECIPE.split(","))):
             out = Path(args.out) / f"{name}-{seed}"
-            rows = harness.run_loop(ROOT / "configs" / "convnet" / args.config, out, [
-                f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision[0]}", *extra],
+            rows = harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", out, [
+                f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision}", *extra],
                 args.threads or 1)
             r = [r for r in rows if "val_acc1" in r][-1]
             res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
                               "val_confidence": confidence(out)})
     rows = [[k, " ".join(f"{a[k]:.4f}" for a in res["baseline"]), " ".join(f"{b[k]:.4f}" for b in res["recipe"]),
-             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])],
-                                   words="recipe")] for k in metrics]
+             harness.interval_text([b[k] - a[k] for a, b in zip(res["baseline"], res["recipe"])], words="recipe")]
+            for k in metrics]
     return {"recipe": harness.table(["metric", "baseline (per seed)", "recipe (per seed)",
                                      "recipe - baseline, mean ± 95% interval, verdict"], rows)}, res
 
 
 def confidence(out: Path) -> float:
-    from safetensors.torch import load_file
-
+    import zoo
     from train.config import load_run_config
     from train.tasks.classify import ClassifyTask
     task = ClassifyTask(load_run_config(str(out / "config.yaml")), torch.device("cpu"), log=lambda m: None)
     task.setup()
-    model = task.build_model()
-    model.load_state_dict(load_file(str(out / "model.safetensors")))
-    return task.predict(model)[0].softmax(-1).max(-1).values.mean().item()
+    return task.predict(zoo.from_pretrained(out))[0].softmax(-1).max(-1).values.mean().item()
 
 
 def main(argv=None, preset: str = "resnet"):
+    runs = preset == "convnet-recipe"  # loop runs, not timed steps
     p = harness.parser(preset, __doc__, precision={"convnets": "bf16", "resnet": "fp32,bf16"}.get(preset, "fp32"),
-                       rounds=preset != "convnet-recipe", keep_memory=preset != "convnet-recipe")
-    batch = {"resnet": 16, "convnets": 64, "drop-path": 32}.get(preset, 64)
-    p.add_argument("--batch", type=harness.positive_int, default=batch)
+                       rounds=not runs, keep_memory=not runs, one_precision=runs, seeds=3 if runs else 1)
+    p.add_argument("--batch", type=harness.positive_int, default={"resnet": 16, "drop-path": 32}.get(preset, 64))
     p.add_argument("--size", type=harness.positive_int, default=64 if preset == "drop-path" else 224, help="image size")
     p.add_argument("--steps", type=harness.positive_int, default={"convnets": 5, "convnet-recipe": 200}.get(preset, 2),
                    help="timed steps per round (convnet-recipe: training steps)")
     p.add_argument("--warmup", type=int, default=3 if preset == "convnets" else 1,
                    help="untimed steps per side and setting")
-    p.add_argument("--classes", type=harness.positive_int, default=1000)
     resnets = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
     p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + resnets, "arch"),
                    default="resnet50" if preset in ("resnet", "drop-path") else ",".join(ARCHS))
@@ -259,32 +240,24 @@ def main(argv=None, preset: str = "resnet"):
                    default="contiguous,channels_last")
     p.add_argument("--device", default="cuda" if preset == "convnets" and torch.cuda.is_available() else "cpu")
     p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5], help="drop-path: last block's rates")
-    p.add_argument("--config", default="resnet-digits.yaml", help="convnet-recipe: a file of configs/convnet/")
-    p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="convnet-recipe: train.seed values")
-    p.add_argument("--recipe", default=RECIPE, help="convnet-recipe: comma list of the overrides the recipe adds")
     p.add_argument("--out", default="runs/bench/convnet-recipe")
     args = p.parse_args(argv)
     args.preset, args.arch = preset, args.archs[0]
-    if preset == "convnet-recipe" and (len(args.seeds) < 3 or len(args.precision) != 1):
-        p.error("--seeds: at least three seeds; --precision: one precision")
-    kept = harness.setup(args)
-    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
-          f"{'kept' if kept else 'returned to the OS'}", flush=True)
-    tables, data = (drop_path if preset == "drop-path" else recipe if preset == "convnet-recipe" else zoo_vs_timm)(args)
-    harness.save(args, tables, data)
-    return 0
+    harness.setup(args)
+    harness.save(args, *(drop_path if preset == "drop-path" else recipe if runs else zoo_vs_timm)(args))
 
 
 # ---------------------------------------------------------------- the techniques report's claims
 def claim_channels_last(ctx) -> list[dict]:
     """Channels-last against contiguous: the resnet bench's training step, the same weights, paired rounds."""
     arch, batch, size = ctx.s.resnet
-    return [ctx.speed("channels-last", step_rounds({f: build_pair(arch, 1000)[0] for f in harness.FORMATS}, batch, size,
-                                                   1000, p,
-                                                   ctx.n_rounds, ctx.device, harness.FORMATS), "channels_last",
-                      "contiguous",
-                      f"channels-last ({arch}, {p})", unit=f"step ({batch}x3x{size}x{size})")
-            for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else [])]
+    rows = []
+    for p in [ctx.precision] + (["bf16"] if ctx.s.name != "test" and ctx.precision != "bf16" else []):
+        models = {f: build_pair(arch, 1000)[0] for f in harness.FORMATS}
+        r = step_rounds(models, batch, size, 1000, p, ctx.n_rounds, ctx.device, harness.FORMATS)
+        rows.append(ctx.speed("channels-last", r, "channels_last", "contiguous", f"channels-last ({arch}, {p})",
+                              unit=f"step ({batch}x3x{size}x{size})"))
+    return rows
 
 
 def claim_stochastic_depth(ctx) -> list[dict]:
@@ -298,15 +271,13 @@ def claim_stochastic_depth(ctx) -> list[dict]:
     for name, rate, mode in (("none", 0.0, "mask"), ("batch", 0.5, "batch"), ("skip", 0.5, "skip")):
         torch.manual_seed(0)
         models[name] = zoo.build(ConvNetConfig(arch=arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode))
-    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds,
-                    ctx.device)  # skip may leave 1 sample
+    r = step_rounds(models, batch, max(size, 64), 10, ctx.precision, ctx.n_rounds, ctx.device)  # skip: >= 1 sample
     steps, ps = ctx.s.sd_steps, []
     for seed in range(ctx.seeds):
         res = {n: ctx.loop(f"sd_{rate}", ROOT / "configs" / "convnet" / "resnet-digits.yaml", [
             f"train.max_steps={steps}", f"train.eval_every={max(1, steps // 4)}",
-            f"train.log_every={max(1, steps // 20)}",
-            f"optim.warmup_steps={max(1, steps // 10)}", "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed)
-            for n, rate in (("none", 0.0), ("0.1", 0.1))}
+            f"train.log_every={max(1, steps // 20)}", f"optim.warmup_steps={max(1, steps // 10)}",
+            "train.ema_decay=null", f"model.drop_path_rate={rate}"], seed) for n, rate in (("none", 0.0), ("0.1", 0.1))}
         if seed == 0:
             ctx.plot("stochastic_depth_val", "ResNet on digits: stochastic depth 0.1 vs none (seed 0)", res, "val_loss",
                      "validation loss")

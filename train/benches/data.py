@@ -16,16 +16,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from train.benches import harness
+from train.benches.harness import ROOT
 
-from train.benches import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 SIDES = ("zoo prepare", "tokenizer alone")
 BATCH_BYTES = 8 << 20
 
@@ -62,8 +58,7 @@ def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
 
 
 def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
-    """The documents of the corpus encoded in 8 MB batches by the tokenizer's own threads; the
-    number of ids."""
+    """The documents of the corpus encoded in 8 MB batches by the tokenizer's own threads; the number of ids."""
     n, batch, size = 0, [], 0
 
     def encode(texts):
@@ -104,21 +99,18 @@ def speed(args, folder: Path, out: dict):
         for side, key in zip(SIDES, ("zoo", "alone")):
             best = r.best(side)
             res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best,
-                         "tokens": counts[key],
-                         "wall_s": r.wall[side]}
+                         "tokens": counts[key], "wall_s": r.wall[side]}
             rows.append([name, side, f"{mb / best:.2f}", f"{counts[key] / best / 1e6:.2f}",
                          str(paired) if side == SIDES[0] else ""])
         out.setdefault("speed", {})[name] = res
     return harness.table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows,
                          f"{mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} alternating "
-                         f"rounds "
-                         f"(zoo also writes the shards; its tokens include one EOS per document)")
+                         f"rounds (zoo also writes the shards; its tokens include one EOS per document)")
 
 
 def tree_pss(pid: int) -> tuple[int, int]:
-    """(PSS, anonymous PSS) in bytes of a process and all its descendants (Linux /proc). The
-    difference is file-backed: pages of files mapped (memmaps of the token shards) or loaded
-    (libraries), which the kernel can drop and read again."""
+    """(PSS, anonymous PSS) in bytes of a process and all its descendants (Linux /proc). The difference is
+    file-backed: pages of files mapped (the token shards) or loaded (libraries), which the kernel can drop."""
     total, anon, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
@@ -165,14 +157,12 @@ def rss(args, folder: Path, out: dict):
             peak, peak_anon = max(peak, pss), max(peak_anon, anon)
             time.sleep(0.05)
         tokens, secs = p.stdout.read().split()
+        tokens, secs = int(tokens), float(secs)
         size = corpus.stat().st_size / 1e6
         out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak,
-                                              "peak_anon_pss_bytes": peak_anon,
-                                             "seconds": float(secs),
-                                             "tokens": int(tokens)}
-        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{float(secs):.0f}",
-                     f"{size / float(secs):.2f}",
-                     f"{int(tokens):,}"])
+                                              "peak_anon_pss_bytes": peak_anon, "seconds": secs, "tokens": tokens}
+        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{secs:.0f}", f"{size / secs:.2f}",
+                     f"{tokens:,}"])
         corpus.unlink()
     return harness.table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows,
                          f"sentencepiece, {args.workers} workers; PSS of the process and its workers")
@@ -191,57 +181,39 @@ def batches(args, folder: Path, out: dict):
     data = TokenData(TextDataConfig(path=str(corpus), tokenizer="bytes", seq_len=T, cache_dir=str(folder / "cache"),
                                     workers=args.workers), log=lambda m: None)
     g = torch.Generator().manual_seed(0)
-    data.windows("train", B, g)
-    n = 20
-    t0 = time.perf_counter()
-    for _ in range(n):
-        data.windows("train", B, g)
-    assemble = n * B * T / (time.perf_counter() - t0)
+    assemble = B * T / harness.run_rounds({"windows": lambda: data.windows("train", B, g)}, 1, calls=20,
+                                          warmup=1).best("windows")
     torch.manual_seed(0)
     model = build_model(preset).train()
     x = torch.randint(0, preset.model.vocab_size, (1, T))
-    times = []
-    for _ in range(args.train_reps + 1):
-        t0 = time.perf_counter()
-        with harness.autocast(args.precision[0]):
+
+    def step():  # forward and backward, no optimizer
+        with harness.autocast(args.precision):
             _, loss = model(x, x)
         loss.backward()
         model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    trained = T / min(times[1:])
+    trained = T / harness.run_rounds({"step": step}, 2, warmup=1).best("step")
     out["batches"] = {"batch": [B, T], "assembled_tokens_per_s": assemble, "trained_tokens_per_s": trained,
-                      "precision": args.precision[0], "threads": torch.get_num_threads()}
+                      "precision": args.precision, "threads": torch.get_num_threads()}
     return harness.table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
                          [[f"{assemble:,.0f}", f"{trained:,.0f}", f"{assemble / trained:,.0f}x"]],
                          f"SmolLM-135M preset ({B} x {T} windows; training: 1 x {T} forward and backward, "
-                         f"{args.precision[0]}, {torch.get_num_threads()} threads, best of {args.train_reps})")
+                         f"{args.precision}, {torch.get_num_threads()} threads, best of 2)")
 
 
 def main(argv=None):
-    ap = harness.parser("data", __doc__, precision="fp32")
+    ap = harness.parser("data", __doc__, precision="fp32", one_precision=True)
     ap.add_argument("--only", type=harness.name_list(("speed", "rss", "batches"), "part"), default="speed,rss,batches")
     ap.add_argument("--mb", type=harness.positive_int, default=16, help="size of the speed corpus in MB (default 16)")
     ap.add_argument("--rss-mb", type=harness.int_list, default=[100],
                     help="comma list of corpus sizes in MB for the memory part (default 100)")
     ap.add_argument("--workers", type=harness.positive_int, default=2, help="processes / threads (default 2)")
-    ap.add_argument("--train-reps", type=harness.positive_int, default=2)
-    ap.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
     args = ap.parse_args(argv)
     harness.setup(args)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
-    folder = Path(args.dir or tempfile.mkdtemp(prefix="zoo-bench-data-"))
-    folder.mkdir(parents=True, exist_ok=True)
     out, tables = {"workers": args.workers, "cpus": os.cpu_count()}, {}
-    try:
+    with tempfile.TemporaryDirectory(prefix="zoo-bench-data-") as folder:
         for part, fn in (("speed", speed), ("rss", rss), ("batches", batches)):
             if part in args.only:
-                tables[part] = fn(args, folder, out)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(folder, ignore_errors=True)
+                tables[part] = fn(args, Path(folder), out)
     harness.save(args, tables, out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

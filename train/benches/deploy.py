@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 TINY = ROOT / "configs" / "llm" / "tiny.yaml"
-SCHEMES = ("int8wo", "int4wo", "8da4w")
+SCHEMES, PATTERNS, SPARSITY = ("int8wo", "int4wo", "8da4w"), ("unstructured", "2:4"), 0.5  # quantized's, prune's
 FAMILIES = {  # distill-quality: config, the teacher's overrides (None: a GGUF file), the student's, the metrics
     "convnet": ("configs/convnet/resnet-digits.yaml", "", "model.width=8", ("val_acc1", "val_loss")),
     "llm": ("configs/llm/tiny.yaml", "model.d_model=128 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 "
@@ -73,7 +68,7 @@ def fine_tune(args, base: Path, name: str, seed: int, extra=()) -> dict:
 # ---------------------------------------------------------------- quantized
 def quantized_copies(model, args, name: str) -> dict:
     import zoo
-    return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, args.group_size) for s in args.schemes}}
+    return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, args.group_size) for s in SCHEMES}}
 
 
 def quantized_speed(args) -> dict:
@@ -88,21 +83,16 @@ def quantized_speed(args) -> dict:
     prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt),
                            generator=torch.Generator().manual_seed(1))
     calls = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}
-    if args.compile:
-        calls |= {f"{s} compiled": (lambda m=m: m.generate(prompt, args.new_tokens, compile=True)) for s,
-                  m in models.items()}
     outs = {}
-    sides = {s: (lambda s=s: outs.__setitem__(s, calls[s]())) for s in calls}
-    with torch.inference_mode():
-        first = harness.warm_up(sides)
-        r = harness.run_rounds(sides, args.rounds)
+    sides = harness.inference_sides(calls, "fp32", outs)  # fp32: no autocast, each model in its own dtype
+    first = harness.warm_up(sides)
+    r = harness.run_rounds(sides, args.rounds)
     rows = []
     for s in calls:
-        ref = f"{base} compiled" if s.endswith("compiled") else base
-        size = get_model_size_in_bytes(models[s.removesuffix(" compiled")], ignore_embeddings=False)
+        size = get_model_size_in_bytes(models[s], ignore_embeddings=False)
         rows.append([s, f"{size / 2**20:.0f}", f"{args.new_tokens / r.best(s):.3g}",
-                     f"{args.new_tokens / r.best(s, 'cpu'):.3g}",
-                     str(r.paired(s, ref)), f"{first[s]:.1f}", "yes" if torch.equal(outs[s], outs[ref]) else "no"])
+                     f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, base)), f"{first[s]:.1f}",
+                     "yes" if torch.equal(outs[s], outs[base]) else "no"])
     return harness.table(["model", "weights MiB", "tokens/s (best round)", "tokens per CPU-second (best round)",
                           f"against {base}: paired median (range)", "first call s", f"same tokens as {base}"], rows)
 
@@ -131,34 +121,29 @@ def quantized_quality(args) -> dict:
 
 # ---------------------------------------------------------------- qat
 def qat(args, base) -> tuple[dict, dict]:
-    """Per seed two fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
+    """Per seed two int4 fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
     and qat (train.qat: fake-quantized, then converted). Both increases over the ptq run's bf16 copy."""
     from train.config import QAT_SCHEMES
     seeds = []
     for seed in args.seeds:
         group = f"train.quant_group_size={args.group_size}"
-        p = fine_tune(args, base, f"ptq-{args.scheme}", seed, [group, f"train.quantize={QAT_SCHEMES[args.scheme]}"])
-        q = fine_tune(args, base, f"qat-{args.scheme}", seed, [group, f"train.qat={args.scheme}"])
+        p = fine_tune(args, base, "ptq-int4", seed, [group, f"train.quantize={QAT_SCHEMES['int4']}"])
+        q = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"])
         ref = p["quant_ref_val_loss"]
         seeds.append({"seed": seed, "float": p["val_loss"], "ref": ref, "ptq": p["quant_val_loss"],
-                      "qat": q["quant_val_loss"],
-                      "qat_fake": q["val_loss"], "qat_ref": q["quant_ref_val_loss"]})
-    for s in seeds:
-        s.update(ptq_increase=s["ptq"] - s["ref"], qat_increase=s["qat"] - s["ref"],
-                 recovered=1 - (s["qat"] - s["ref"]) / (s["ptq"] - s["ref"]))
+                      "qat": q["quant_val_loss"], "qat_fake": q["val_loss"], "qat_ref": q["quant_ref_val_loss"],
+                      "ptq_increase": p["quant_val_loss"] - ref, "qat_increase": q["quant_val_loss"] - ref,
+                      "recovered": 1 - (q["quant_val_loss"] - ref) / (p["quant_val_loss"] - ref)})
     rows = [[s["seed"], f"{s['float']:.4f}", f"{s['ref']:.4f}", f"{s['ptq']:.4f} ({s['ptq_increase']:+.4f})",
              f"{s['qat_fake']:.4f} ({s['qat_fake'] - s['ref']:+.4f})", f"{s['qat']:.4f} ({s['qat_increase']:+.4f})",
              f"{s['recovered']:.2f}", f"{s['qat_ref']:.4f}"] for s in seeds]
     iv = {k: harness.interval_text([s[k] for s in seeds]) for k in ("ptq_increase", "qat_increase", "recovered")}
     rows.append(["mean (95% interval)", "", "", iv["ptq_increase"], "", iv["qat_increase"], iv["recovered"], ""])
-    sc = args.scheme
-    tables = {"seeds": harness.table(["seed", "float fine-tune val loss", "its bf16 copy (reference)",
-                                      f"{sc} PTQ (increase)",
-                                      "QAT, fake-quantized (vs reference)", f"{sc} QAT, converted (increase)",
-                                      "increase recovered by QAT", "QAT's own bf16 copy"], rows)}
-    if sc == "int4":
-        tables["numerics"] = numerics(base, args.group_size)
-    return tables, {"seeds": seeds}
+    return {"seeds": harness.table(["seed", "float fine-tune val loss", "its bf16 copy (reference)",
+                                    "int4 PTQ (increase)", "QAT, fake-quantized (vs reference)",
+                                    "int4 QAT, converted (increase)", "increase recovered by QAT",
+                                    "QAT's own bf16 copy"], rows),
+            "numerics": numerics(base, args.group_size)}, {"seeds": seeds}
 
 
 def numerics(folder: Path, group_size: int) -> dict:
@@ -195,8 +180,8 @@ def numerics(folder: Path, group_size: int) -> dict:
                 worst[k] = max(worst[k], float(d.max()))
             n += w.numel()
     return harness.table(["fake quantizer", "weights on another level than the converted model",
-                          "largest distance (steps)"],
-                         [[k, f"{off[k] / n:.2%}", f"{worst[k]:.2f}"] for k in makers], f"over {n} weights")
+                          "largest distance (steps)"], [[k, f"{off[k] / n:.2%}", f"{worst[k]:.2f}"] for k in makers],
+                         f"over {n} weights")
 
 
 # ---------------------------------------------------------------- prune
@@ -205,16 +190,16 @@ def prune(args, base) -> tuple[dict, dict]:
     fine-tune dense, per seed; and torch's CSR matmul against the dense one on the pruned weights."""
     from zoo.pruning import parse_pattern
     dense = [fine_tune(args, base, "dense", s)["val_loss"] for s in args.seeds]
-    base_loss, rows, speed, data = one_shot(args, base, None), [], [], {"dense": dense}
+    base_loss, rows, speed, data = one_shot(args, base, []), [], [], {"dense": dense}
     rows.append(["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""])
-    for pattern in args.patterns:
-        tag = pattern.replace(":", "of") if parse_pattern(pattern) else f"unstructured{args.sparsity:g}"
-        over = [f"train.prune={pattern}", f"train.prune_sparsity={args.sparsity}"]
+    for pattern in PATTERNS:
+        tag = pattern.replace(":", "of") if parse_pattern(pattern) else f"unstructured{SPARSITY:g}"
+        over = [f"train.prune={pattern}", f"train.prune_sparsity={SPARSITY}"]
         runs = [fine_tune(args, base, tag, s, over) for s in args.seeds]
         rec, shot = [r["val_loss"] for r in runs], one_shot(args, base, over)
         rows.append([pattern, f"{runs[0]['sparsity']:.2f}", f"{shot:.4f} ({shot - base_loss:+.4f})",
-                     harness.interval_text(rec, ".4f"),
-                     harness.interval_text(dense, ".4f"), harness.interval_text([a - b for a, b in zip(rec, dense)])])
+                     harness.interval_text(rec, ".4f"), harness.interval_text(dense, ".4f"),
+                     harness.interval_text([a - b for a, b in zip(rec, dense)])])
         ratio = csr_speed(args, base, pattern)
         speed.append([pattern, *(f"{v:.2f}x" for v in ratio.values())])
         data[pattern] = {"recovered": rec, "one_shot": shot, "csr_speed": ratio}
@@ -225,17 +210,22 @@ def prune(args, base) -> tuple[dict, dict]:
                                    speed)}, data
 
 
-def one_shot(args, base: Path, over) -> float:
-    """The validation loss of the base, pruned with `over` (None: as it is), before any step."""
+def one_shot(args, base: Path, over: list) -> float:
+    """The validation loss of the base, pruned with `over` ([]: as it is), before any step."""
+    return val_loss(TINY, [f"train.init_from={base}", f"train.out_dir={Path(args.out) / 'one-shot'}",
+                           f"train.eval_batches={args.eval_batches}", f"train.precision={args.precision}",
+                           *args.fine_tune_overrides.split(), *over])
+
+
+def val_loss(config, overrides: list, teacher: bool = False) -> float:
+    """The validation loss of a run's model (autocast in its precision), or of its teacher, before any step."""
+    import contextlib
+
     from train.builder import build_run
     from train.config import load_run_config
-    run = build_run(load_run_config(str(TINY), [f"train.init_from={base}",
-                                                f"train.out_dir={Path(args.out) / 'one-shot'}",
-                                                f"train.eval_batches={args.eval_batches}",
-                                                f"train.precision={args.precision}",
-                                                *args.fine_tune_overrides.split(), *(over or [])]))
-    with torch.no_grad(), run.autocast():
-        return run.task.evaluate(run.model)["val_loss"]
+    run = build_run(load_run_config(str(config), [*harness.QUIET, *overrides]))
+    with torch.no_grad(), contextlib.nullcontext() if teacher else run.autocast():
+        return run.task.evaluate(run.task.teacher if teacher else run.model)["val_loss"]
 
 
 def csr_speed(args, base: Path, pattern: str) -> dict:
@@ -245,7 +235,7 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
     import zoo
     from zoo.pruning import prune as prune_model
     weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern,
-                                                  args.sparsity).values()]
+                                                  SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
         for n in (1, 128):
@@ -266,23 +256,23 @@ def distill_memory(args) -> tuple[dict, dict]:
     N, V = args.tokens, args.vocab
     h = torch.randn(N, args.d_model, generator=g).requires_grad_()
     w = (torch.randn(V, args.d_model, generator=g) * 0.02).requires_grad_()
-    th, tw = torch.randn(N, args.teacher_d_model, generator=g), torch.randn(V, args.teacher_d_model, generator=g) * 0.02
+    th, tw = torch.randn(N, 512, generator=g), torch.randn(V, 512, generator=g) * 0.02  # a teacher of d_model 512
     y = torch.randint(0, V, (N,), generator=g)
     peaks, losses = {"chunked": [], "full logits": []}, {}
-    with harness.autocast(args.precision[0]):
+    with harness.autocast(args.precision):
         for _, side in harness.schedule(peaks, args.rounds):
             with harness.PeakRSS() as m:
-                loss = (chunked_distillation_loss(h, w, y, th, tw, 0.5, 2.0, args.chunk) if side == "chunked"
+                loss = (chunked_distillation_loss(h, w, y, th, tw, 0.5, 2.0, 256) if side == "chunked"
                         else distillation_loss(h @ w.t(), th @ tw.t(), y, 0.5, 2.0))
                 loss.backward()
                 h.grad = w.grad = None
             peaks[side].append(m.peak or 0)
             losses[side] = loss.item()
     full = N * V * 4 / 2**20
+    rows = [[s, f"{min(v) / 2**20:.0f}", f"{min(v) / 2**20 / full:.1f}x of {full:.0f} MiB", f"{losses[s]:.6f}"]
+            for s, v in peaks.items()]
     return {"memory": harness.table(["loss", "peak memory MiB (best round)", "against the full logits' size",
-                                     "loss value"],
-                                    [[s, f"{min(v) / 2**20:.0f}", f"{min(v) / 2**20 / full:.1f}x of {full:.0f} MiB",
-                                      f"{losses[s]:.6f}"] for s, v in peaks.items()])}, {"peaks": peaks}
+                                     "loss value"], rows)}, {"peaks": peaks}
 
 
 # ---------------------------------------------------------------- distill-quality
@@ -306,8 +296,7 @@ def distill_quality(args) -> tuple[dict, dict]:
         extra += [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={vocab}"]
     elif not args.teacher:
         harness.run_loop(ROOT / config, teacher, [*common, *teacher_over.split(),
-                                                  f"train.max_steps={args.teacher_steps}", *extra],
-                         args.threads or 1)
+                                                  "train.max_steps=200", *extra], args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
     seeds = []
     for seed in args.seeds:
@@ -315,30 +304,20 @@ def distill_quality(args) -> tuple[dict, dict]:
         kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}",
               f"train.kd_temperature={args.kd_temperature}"]
         got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o,
-                                                    args.threads or 1))
-               for side, o in (("alone", []), ("teacher", kd))}
+                                                    args.threads or 1)) for side, o in (("alone", []), ("teacher", kd))}
         seeds.append({"seed": seed, **{side: {k: r[k] for k in metrics} for side, r in got.items()}})
     rows = [[s["seed"], *(f"{s[side][k]:.4f}" for side in ("alone", "teacher") for k in metrics),
              *(f"{s['teacher'][k] - s['alone'][k]:+.4f}" for k in metrics)] for s in seeds]
     rows.append(["mean (95% interval)", *([""] * 2 * len(metrics)),
-                 *(harness.interval_text([s["teacher"][k] - s["alone"][k] for s in seeds],
-                                         words="teacher") for k in metrics)])
+                 *(harness.interval_text([s["teacher"][k] - s["alone"][k] for s in seeds], words="teacher")
+                   for k in metrics)])
     if teacher_over is None:  # the teacher's own loss on the same windows, for scale
-        rows.append(["the teacher itself",
-                     f"{teacher_val_loss(args, ROOT / config, [*student, f'train.teacher={teacher}', *extra]):.4f}",
-                     *([""] * (3 * len(metrics) - 1))])
+        loss = val_loss(ROOT / config, [f"train.out_dir={out / 'teacher-eval'}", f"train.precision={args.precision}",
+                                        *student, f"train.teacher={teacher}", *extra], teacher=True)
+        rows.append(["the teacher itself", f"{loss:.4f}", *([""] * (3 * len(metrics) - 1))])
     columns = ["seed", *(f"{side} {k}" for side in ("alone", "with teacher") for k in metrics),
                *(f"teacher - alone {k}" for k in metrics)]
     return {"seeds": harness.table(columns, rows)}, {"seeds": seeds, "teacher": str(teacher)}
-
-
-def teacher_val_loss(args, config: Path, overrides: list[str]) -> float:
-    from train.builder import build_run
-    from train.config import load_run_config
-    run = build_run(load_run_config(str(config), [f"train.out_dir={Path(args.out) / 'teacher-eval'}",
-                                                  f"train.precision={args.precision}", *harness.QUIET, *overrides]))
-    with torch.no_grad():
-        return run.task.evaluate(run.task.teacher)["val_loss"]
 
 
 # ---------------------------------------------------------------- convnet-ptq
@@ -350,41 +329,42 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     from train.config import load_run_config
     from train.tasks.classify import ClassifyTask
     from zoo.quantization import compile_frozen
-    seeds, tables, speed = [], {}, []
+    seeds, tables = [], {}
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"
-        harness.run_loop(ROOT / "configs" / "convnet" / args.config, folder, [
+        harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", folder, [
             f"train.max_steps={args.steps}", f"train.seed={seed}", "train.eval_every=0", "train.precision=fp32"],
-                         args.threads or 1)
+            args.threads or 1)
         task = ClassifyTask(load_run_config(str(folder / "config.yaml")), torch.device("cpu"), lambda m: None)
         task.setup()
         model = zoo.from_pretrained(folder).float().eval()
         t0 = time.perf_counter()
-        calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(args.calib_batches)]
+        calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(8)]
         int8 = zoo.quantize(model, "int8", calibration=calibration)
         val = [(task.normalize(x), y) for x, y in task._val_batches()]
         s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val),
              "int8": scores(int8, val)}
         seeds.append(s)
-        if seed in (args.speed_seeds or args.seeds[:1]):
+        if seed == args.seeds[0]:
             x = torch.cat([x for x, _ in val])[:args.batch]
             x = torch.cat([x] * -(-args.batch // len(x)))[:args.batch]   # --batch images (repeated when val is smaller)
             sides = {"fp32 eager": model, "fp32 compiled": compile_frozen(model), "int8 compiled": compile_frozen(int8)}
+            calls = {k: (lambda f=f: f(x)) for k, f in sides.items()}
             with torch.no_grad():
-                first = harness.warm_up({k: (lambda f=f: f(x)) for k, f in sides.items()})
+                first = harness.warm_up(calls)
                 same = (sides["int8 compiled"](x).argmax(1) == int8(x).argmax(1)).float().mean().item()
-                r = harness.run_rounds({k: (lambda f=f: f(x)) for k, f in sides.items()}, args.rounds)
+                r = harness.run_rounds(calls, args.rounds)
             tables[f"speed seed {seed}"] = harness.table(
                 [f"seed {seed}, batch {args.batch}", "images/s (best round)",
-                 "against fp32 eager: paired median (range)",
-                 "against fp32 compiled: paired median (range)", "first call s (compile)"],
+                 "against fp32 eager: paired median (range)", "against fp32 compiled: paired median (range)",
+                 "first call s (compile)"],
                 [[k, f"{args.batch / r.best(k):.0f}", str(r.paired(k, "fp32 eager")), str(r.paired(k, "fp32 compiled")),
                   f"{first[k]:.0f}"] for k in sides],
                 f"int8 compiled argmax equal to the reference graph's: {same:.2%}")
             s["speed"] = {"wall": r.wall, "argmax_equal": same}
     rows = [[s["seed"], f"{s['fp32']['acc1']:.4f}", f"{s['int8']['acc1']:.4f}",
-             f"{s['fp32']['acc1'] - s['int8']['acc1']:+.4f}",
-             f"{s['fp32']['loss']:.4f}", f"{s['int8']['loss']:.4f}", f"{s['quantize_s']:.0f}"] for s in seeds]
+             f"{s['fp32']['acc1'] - s['int8']['acc1']:+.4f}", f"{s['fp32']['loss']:.4f}", f"{s['int8']['loss']:.4f}",
+             f"{s['quantize_s']:.0f}"] for s in seeds]
     rows.append(["mean (95% interval)", "", "",
                  harness.interval_text([s["fp32"]["acc1"] - s["int8"]["acc1"] for s in seeds], words="drop"), "",
                  harness.interval_text([s["int8"]["loss"] - s["fp32"]["loss"] for s in seeds], words="int8 loss"), ""])
@@ -401,12 +381,10 @@ def scores(fn, batches) -> dict:
 
 
 def main(argv=None, preset: str = "quantized"):
-    lists = preset in ("distill", "convnet-ptq")
     p = harness.parser(preset, __doc__, precision="bf16" if preset == "quantized" else "fp32",
-                       rounds=preset in ("quantized", "prune", "distill", "convnet-ptq"), one_precision=not lists,
-                       result=None if preset == "distill-quality" else "")
-    p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="comma list of train.seed values")
-    p.add_argument("--out", default=f"runs/bench-{preset}")
+                       rounds=preset in ("quantized", "prune", "distill", "convnet-ptq"), one_precision=True,
+                       result=None if preset == "distill-quality" else "", out=True,
+                       seeds=2 if preset in ("distill-quality", "convnet-ptq") else 1)
     if preset in ("quantized", "qat", "prune"):
         p.add_argument("--trained", default=None, help="the LLM: a run or Hugging Face folder, a GGUF file "
                                                        "(default: the embedded default, trained once)")
@@ -419,43 +397,27 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--fine-tune-overrides", default="", help="key=value overrides of the fine-tunes")
     if preset == "quantized":
         p.add_argument("--parts", type=harness.name_list(("speed", "quality"), "part"), default="speed,quality")
-        p.add_argument("--schemes", type=harness.name_list(SCHEMES, "scheme"), default=",".join(SCHEMES))
         p.add_argument("--prompt", type=harness.positive_int, default=16)
         p.add_argument("--new-tokens", type=harness.positive_int, default=128)
-        p.add_argument("--compile", action="store_true", help="also each side's compiled decoding step")
-    if preset == "qat":
-        from train.config import QAT_SCHEMES
-        p.add_argument("--scheme", choices=sorted(QAT_SCHEMES), default="int4")
-    if preset == "prune":
-        p.add_argument("--patterns", type=lambda s: s.split(","), default="unstructured,2:4", help="train.prune values")
-        p.add_argument("--sparsity", type=float, default=0.5, help="train.prune_sparsity (unstructured)")
     if preset == "distill":
         harness.llm_args(p, vocab=32000, d_model=256)
         p.add_argument("--tokens", type=harness.positive_int, default=1024)
-        p.add_argument("--teacher-d-model", type=harness.positive_int, default=512)
-        p.add_argument("--chunk", type=harness.positive_int, default=256)
         p.set_defaults(rounds=3)
     if preset == "distill-quality":
         p.add_argument("--family", choices=sorted(FAMILIES), default="convnet")
         p.add_argument("--steps", type=harness.positive_int, default=100, help="the student's steps, both sides")
         p.add_argument("--teacher", default=None, help="the teacher's run folder or GGUF file (default: trained once)")
-        p.add_argument("--teacher-steps", type=harness.positive_int, default=200)
         p.add_argument("--student", default=None, help="the student's overrides (default: the family's)")
         p.add_argument("--kd-alpha", type=float, default=0.5)
         p.add_argument("--kd-temperature", type=float, default=2.0)
         p.add_argument("--eval-batches", type=harness.positive_int, default=20, help="LLM: train.eval_batches")
         p.add_argument("--json", type=Path, default=None, help="default docs/results/distill-quality-FAMILY.json")
     if preset == "convnet-ptq":
-        p.add_argument("--config", default="resnet-digits.yaml", help="a file of configs/convnet/")
-        p.add_argument("--speed-seeds", type=harness.int_list, default=None, help="seeds timed (default: the first)")
         p.add_argument("--steps", type=harness.positive_int, default=200)
-        p.add_argument("--calib-batches", type=harness.positive_int, default=8)
         p.add_argument("--batch", type=harness.positive_int, default=64, help="images per timed call")
     args = p.parse_args(argv)
-    if preset == "convnet-ptq" and args.precision != ["fp32"]:
+    if preset == "convnet-ptq" and args.precision != "fp32":
         p.error("--precision: fp32 only (the float model int8 is measured against, and its training)")
-    if preset in ("distill-quality", "convnet-ptq") and len(args.seeds) < 2:
-        p.error("--seeds: at least two seeds for an interval")
     harness.setup(args)
     if preset == "distill-quality":
         args.json = args.json or harness.RESULTS / f"distill-quality-{args.family}.json"
@@ -473,4 +435,3 @@ def main(argv=None, preset: str = "quantized"):
                "distill": lambda: distill_memory(args), "convnet-ptq": lambda: convnet_ptq(args)}[preset]
         tables, data = run()
     harness.save(args, tables, data)
-    return 0

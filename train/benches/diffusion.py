@@ -10,10 +10,7 @@ Quality: samples judged by a digits classifier (accuracy, Frechet distance of it
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,15 +18,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
-from train.hardware import sync  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
+from train.hardware import sync
 
 CONFIGS = ROOT / "configs" / "diffusion"
 TAEF2 = ROOT.parent / "shared" / "weights" / "taef2_encoder.pth"
+DENOISERS = [("tiny", 1), ("S", 2)]  # latent-cache's DiTs: preset, patch
 KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::mkldnn_convolution", "aten::convolution_backward"),
          "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                        "aten::_scaled_dot_product_flash_attention_for_cpu_backward")}
@@ -52,7 +47,7 @@ def taesd(args) -> tuple[dict, dict]:
     import zoo
     device = torch.device(args.device)
     torch.manual_seed(0)
-    ref = AutoencoderTiny(latent_channels=args.latent_channels).eval()
+    ref = AutoencoderTiny(latent_channels=4).eval()
     with tempfile.TemporaryDirectory() as d:
         ref.save_pretrained(d)
         ours = zoo.from_pretrained(d).eval()
@@ -69,20 +64,18 @@ def taesd(args) -> tuple[dict, dict]:
                 diff = (sides["zoo"]().float() * 2 - 1 - sides["diffusers"]().float()).abs().max().item()  # warm-up
                 r = harness.run_rounds(sides, args.rounds, sync=lambda: sync(device))
             rows.append([prec, fmt, f"{args.batch / r.best('zoo'):.3f}", f"{args.batch / r.best('diffusers'):.3f}",
-                         *versus(r),
-                         f"{diff:.2e}"])
+                         *versus(r), f"{diff:.2e}"])
             data[f"{prec} {fmt}"] = r.wall
     low = min(float(row[5].split("x")[0]) for row in rows)
     return {"speed": harness.table(["precision", "memory format", "zoo img/s", "diffusers img/s",
-                                    "zoo / diffusers (best rounds)",
-                                    "median of paired rounds (range)", "max abs diff"], rows,
-                                   f"lowest paired median: {low:.2f}x (target >= 1.0x)")}, data
+                                    "zoo / diffusers (best rounds)", "median of paired rounds (range)", "max abs diff"],
+                                   rows, f"lowest paired median: {low:.2f}x (target >= 1.0x)")}, data
 
 
 # ---------------------------------------------------------------- dit
-def dit_pair(preset: str, patch: int, size: int, classes: int, tied: bool):
+def dit_pair(preset: str, size: int, patch: int = 2, classes: int = 1000):
     """Zoo's DiT loaded from diffusers' (random init redrawn N(0, 0.02); one timestep + class embedder copied
-    into every block, as published DiTs are stored, unless untied), fp32, training mode."""
+    into every block, as published DiTs are stored), fp32, training mode."""
     import diffusers
 
     import zoo
@@ -95,7 +88,7 @@ def dit_pair(preset: str, patch: int, size: int, classes: int, tied: bool):
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.02)
-        for b in ref.transformer_blocks[1:] if tied else []:
+        for b in ref.transformer_blocks[1:]:
             b.norm1.emb.load_state_dict(ref.transformer_blocks[0].norm1.emb.state_dict())
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
@@ -124,24 +117,22 @@ def profile_step(step, steps: int) -> dict[str, float]:
 
 
 def dit(args) -> tuple[dict, dict]:
-    """A step: forward, MSE against a fixed target, backward, torch's AdamW (--adamw), zero_grad, on the same
+    """A step: forward, MSE against a fixed target, backward, torch's fused AdamW, zero_grad, on the same
     latents, timesteps and labels; diffusers' label embedder drops labels at random in training (p = 0.1)."""
-    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.patch, args.size, args.classes,
-                                                     not args.untied)))
+    models = dict(zip(("zoo", "diffusers"), dit_pair(args.preset_dit, args.size)))
     g, B, S = torch.Generator().manual_seed(0), args.batch, args.size
     x, t = torch.randn(B, 4, S, S, generator=g), torch.randint(0, 1000, (B,), generator=g)
-    y, target = torch.randint(0, args.classes, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
+    y, target = torch.randint(0, 1000, (B,), generator=g), torch.randn(B, 8, S, S, generator=g)
 
     def loss(name):
         return lambda f: F.mse_loss((f(x, t, y) if name == "zoo" else f(x, t, y).sample).float(), target)
-    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, **{args.adamw: True}) for n, m in models.items()}
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for n, m in models.items()}
     rows, profiles, data = [], [], {}
     for p in args.precision:
         for mode in args.modes:
             sides = {n: harness.Side(m, loss(n), opts[n], compile=mode == "compiled") for n, m in models.items()}
             calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-            harness.warm_up(calls, args.warmup, say=lambda m: None)
-            r = harness.run_rounds(calls, args.rounds, calls=args.steps)
+            r = harness.run_rounds(calls, args.rounds, calls=args.steps, warmup=args.warmup)
             rows.append([p, mode, f"{B / r.best('zoo'):.2f}", f"{B / r.best('diffusers'):.2f}", *versus(r)])
             data[f"{p} {mode}"] = r.wall
             print(f"  {p} {mode}: {r.summary('zoo', 'diffusers')}", flush=True)
@@ -155,8 +146,8 @@ def dit(args) -> tuple[dict, dict]:
         notes.append(f"Each at its best, {p}: zoo {z[1]} {z[2]} img/s, diffusers {d[1]} {d[3]} img/s: "
                      f"{float(z[2]) / float(d[3]):.2f}x (best rounds).")
     tables = {"speed": harness.table(["precision", "mode", "zoo img/s", "diffusers img/s",
-                                      "zoo / diffusers (best rounds)",
-                                      "median of paired rounds (range)"], rows, "\n\n".join(notes))}
+                                      "zoo / diffusers (best rounds)", "median of paired rounds (range)"], rows,
+                                     "\n\n".join(notes))}
     if profiles:
         kinds = [*KINDS, "compiled kernels", "optimizer", "other", "total"]
         tables["profile"] = harness.table(["setting", "side", *(f"{k} ms" for k in kinds)], profiles)
@@ -175,7 +166,7 @@ def latent_cache(args) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         n_images = write_photo_tiles(tmp / "tiles")
-        for preset, patch in args.denoisers:
+        for preset, patch in DENOISERS:
             cfg = load_run_config(None, [], base={
                 "family": "diffusion", "data": {"dataset": str(tmp / "tiles"), "cache_dir": str(tmp / "cache")},
                 "model": {"image_size": args.size, "num_classes": 4, "denoiser": "dit",
@@ -213,29 +204,14 @@ def latent_cache(args) -> tuple[dict, dict]:
                     sides[n] = harness.Side(model, loss(n), torch.optim.AdamW(model.denoiser.parameters(), lr=1e-4),
                                             device=device)
                 calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-                harness.warm_up(calls, say=lambda m: None)
-                r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device))
+                r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device), warmup=1)
                 rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
-                             f"{B / r.best('cache'):.2f}",
-                             f"{B / r.best('encode'):.2f}", str(r.paired("cache", "encode")),
-                             f"{cache} ({setup_s:.1f})"])
+                             f"{B / r.best('cache'):.2f}", f"{B / r.best('encode'):.2f}",
+                             str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
                 data[f"DiT-{preset}/{patch} {p}"] = r.wall
     return {"speed": harness.table(["denoiser", "params", "precision", "cache img/s", "encode-every-step img/s",
                                     "speed-up, paired median (range)", "setup: latent cache (s)"], rows,
                                    f"{n_images} photo tiles, latents of shape {tuple(task.latents.shape)}")}, data
-
-
-def denoisers(text: str) -> list[tuple[str, int]]:
-    """An argparse type: a comma list of DiT preset/patch names, e.g. tiny/1,S/2."""
-    from zoo.config import DIT_PRESETS
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        preset, _, patch = item.partition("/")
-        if preset not in DIT_PRESETS or not patch.isdigit() or int(patch) < 1:
-            raise argparse.ArgumentTypeError(f"not a DiT preset/patch: {item!r} (e.g. tiny/1, S/2; presets "
-                                             f"{', '.join(DIT_PRESETS)})")
-        out.append((preset, int(patch)))
-    return out
 
 
 # ---------------------------------------------------------------- min-snr
@@ -259,9 +235,8 @@ def score(proba, labels) -> dict:
             "confident": float(((pred == labels) & (conf > 0.5)).mean())}
 
 
-def train_settings(config: str, gammas: str, out: Path, steps=None, precision=None, overrides=(), per_class: int = 20,
-                   say=print) -> dict:
-    """`config` trained through the loop once per gamma ('5,none': none = uniform), all else equal:
+def train_settings(out: Path, steps=None, precision=None, overrides=(), per_class: int = 20, say=print) -> dict:
+    """The digits preset trained through the loop with Min-SNR-5 and with uniform weighting, all else equal:
     {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident}};
     a samples PNG per setting in `out`."""
     from safetensors.torch import load_model
@@ -270,10 +245,9 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
     from train.config import load_run_config
     from train.data.images import digits_dataset
     from train.tasks.diffusion import sample_grid, save_grid
-    results, classify = {}, None
-    for gamma in gammas.split(","):
-        name = "uniform" if gamma.strip().lower() == "none" else f"gamma={float(gamma):g}"
-        over = [f"model.min_snr_gamma={'null' if name == 'uniform' else float(gamma)}", "train.resume=false",
+    results, classify, config = {}, None, str(CONFIGS / "digits.yaml")
+    for name, gamma in (("gamma=5", 5.0), ("uniform", "null")):
+        over = [f"model.min_snr_gamma={gamma}", "train.resume=false",
                 *([f"train.max_steps={steps}"] if steps else []),
                 *([f"train.precision={precision}"] if precision else []), *overrides]
         run = Path(out) / name.replace("=", "")
@@ -293,27 +267,25 @@ def train_settings(config: str, gammas: str, out: Path, steps=None, precision=No
                 f"their autoencoder reconstructions {score(classify(recon), yv)['accuracy']:.3f}")
         images = sample_grid(model, per_class, torch.device("cpu"), seed=0)
         save_grid(images, Path(out) / f"samples_{name.replace('=', '')}.png", nrow=per_class)
+        labels = torch.arange(cfg.model.num_classes).repeat_interleave(per_class)
         results[name] = {"curve": [(r["step"], r["val_mse"], r.get("ema_val_mse")) for r in rows if "val_mse" in r],
-                         "rows": rows, **score(classify(images),
-                                               torch.arange(cfg.model.num_classes).repeat_interleave(per_class))}
+                         "rows": rows, **score(classify(images), labels)}
     return results
 
 
 def min_snr(args) -> tuple[dict, dict]:
     from train.plots import line_plot
-    res = train_settings(args.config, args.gammas, Path(args.out), args.steps, args.precision, args.overrides,
-                         args.per_class)
+    res = train_settings(Path(args.out), args.steps, args.precision, args.overrides, args.per_class)
     names = list(res)
+
     def cell(point):  # validation MSE (the EMA's)
         return f"{point[1]:.4f}" + (f" ({point[2]:.4f})" if point[2] is not None else "")
     curve = [[s, *(cell(res[n]["curve"][i]) for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
     line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png",
-              "step",
-              "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
+              "step", "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
+    samples = [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n, r in res.items()]
     return {"curves": harness.table(["step", *(f"{n} val MSE (EMA)" for n in names)], curve),
-            "samples": harness.table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"],
-                                     [[n, *(f"{r[k]:.3f}" for k in ("accuracy", "confidence", "confident"))] for n,
-                                      r in res.items()],
+            "samples": harness.table(["setting", "accuracy", "mean confidence", "correct & confidence > 0.5"], samples,
                                      f"{args.per_class} samples per class from the EMA model, a digits classifier")}, \
         {n: {k: v for k, v in r.items() if k != "rows"} for n, r in res.items()}
 
@@ -353,14 +325,14 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     from train.tasks.diffusion import load_images, sample_grid, train_autoencoder
     from zoo.diffusion.latent import build_autoencoder
     out = Path(args.out)
-    judge_run = args.classifier or out / "classifier"
+    judge_run = out / "classifier"  # trained once, 200 steps
     harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", judge_run, [
-        "data.val_fraction=0.1", "train.seed=0", f"train.max_steps={args.classifier_steps}", "train.resume=false",
+        "data.val_fraction=0.1", "train.seed=0", "train.max_steps=200", "train.resume=false",
         "train.checkpoint_every=0"], inproc=True)
     judge_model = Classifier.from_run(judge_run)
     ae = out / "autoencoder" / "taesd-digits_encoder.safetensors"
     if not ae.is_file():  # the digits autoencoder, trained once (seed 0)
-        cfg = load_run_config(str(CONFIGS / "digits.yaml"), [f"data.ae_steps={args.ae_steps}"])
+        cfg = load_run_config(str(CONFIGS / "digits.yaml"), ["data.ae_steps=300"])
         d = cfg.data
         torch.manual_seed(0)
         images = load_images(d, cfg.model.image_size, cfg.source)
@@ -396,7 +368,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
                                     done="model_ema.safetensors")
             model = zoo.build(config(name, seed, steps[name]).model)
             load_model(model, str(run / "model_ema.safetensors"))
-            images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=args.sample_steps)
+            images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=25)
             ev = [r for r in rows if "val_loss" in r][-1]
             per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
                                                    "steps": steps[name],
@@ -442,64 +414,40 @@ def diffusion_tables(data: dict) -> dict:
 
 def main(argv=None, preset: str = "taesd"):
     speed = preset in ("taesd", "dit", "latent-cache")
-    p = harness.parser(preset, __doc__, precision={"taesd": "fp32,bf16", "dit": "fp32,bf16",
-                                                   "min-snr": None}.get(preset, "fp32"),
-                       rounds=speed, keep_memory=preset in ("dit", "latent-cache"), one_precision=not speed)
+    precision = {"taesd": "fp32,bf16", "dit": "fp32,bf16", "min-snr": ""}.get(preset, "fp32")
+    p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
+                       one_precision=not speed, out=True, seeds=2 if preset == "diffusion-quality" else 0)
     p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
-    size = {"taesd": 512, "dit": 16, "latent-cache": 64}.get(preset, 16)
-    p.add_argument("--size", type=harness.positive_int, default=size,
+    p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
                    help="image (taesd, latent-cache) or latent (dit) size")
     p.add_argument("--device", default="cpu")
     steps = {"min-snr": None, "diffusion-quality": 300}.get(preset, 2)
     p.add_argument("--steps", type=harness.positive_int, default=steps,
                    help="timed steps per round (training steps for min-snr, diffusion-quality)")
-    p.add_argument("--out", default=f"runs/bench-{preset}")
     if preset == "taesd":
-        p.add_argument("--latent-channels", type=int, default=4)
         p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
                        default="contiguous,channels_last")
     if preset == "dit":
         p.add_argument("--preset", dest="preset_dit", default="S", choices=["tiny", "S", "B", "L", "XL"],
                        help="DiT shape")
-        p.add_argument("--patch", type=harness.positive_int, default=2)
-        p.add_argument("--classes", type=harness.positive_int, default=1000)
-        p.add_argument("--untied", action="store_true", help="a different timestep + class embedder in every block")
         p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"), default="eager,compiled")
-        p.add_argument("--adamw", choices=["fused", "foreach"], default="fused")
         p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting")
         p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                        help="also profile STEPS steps per side and setting")
     if preset == "latent-cache":
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
-        p.add_argument("--denoisers", type=denoisers, default="tiny/1,S/2", help="DiT preset/patch list")
     if preset == "min-snr":
-        p.add_argument("--precision", type=harness.precision_name, default=None,
-                       help="every run's (default: the config's)")
-        p.add_argument("--config", default="configs/diffusion/digits.yaml")
-        p.add_argument("--gammas", default="5,none", help="comma list; none: uniform weighting")
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
     if preset in ("min-snr", "diffusion-quality"):
         p.add_argument("--per-class", type=harness.positive_int, default=20, help="samples per digit and run")
-    if preset == "diffusion-quality":
-        p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2], help="train.seed values (at least 2)")
-        p.add_argument("--sample-steps", type=harness.positive_int, default=25)
-        p.add_argument("--classifier", default=None,
-                       help="a finished convnet run to judge with (default: trained once)")
-        p.add_argument("--classifier-steps", type=harness.positive_int, default=200)
-        p.add_argument("--ae-steps", type=harness.positive_int, default=300)
     args = p.parse_args(argv)
-    if preset == "diffusion-quality" and len(args.seeds) < 2:
-        p.error("--seeds: at least two seeds for an interval")
     if preset == "latent-cache" and not args.weights.is_file():
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
-        return 0
-    kept = harness.setup(args)
-    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
-          f"{'kept' if kept else 'returned to the OS'}", flush=True)
+        return
+    harness.setup(args)
     run = {"taesd": taesd, "dit": dit, "latent-cache": latent_cache, "min-snr": min_snr,
            "diffusion-quality": diffusion_quality}
     harness.save(args, *run[preset](args))
-    return 0
 
 
 # ---------------------------------------------------------------- the techniques report's claims
@@ -511,9 +459,7 @@ def claim_taesd(ctx) -> list[dict]:
     x = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     with torch.inference_mode():
         z = ae.encode(x)
-        sides = {"encode": lambda: ae.encode(x), "decode": lambda: ae.decode(z)}
-        harness.warm_up(sides, say=lambda m: None)
-        r = harness.run_rounds(sides, ctx.n_rounds)
+        r = harness.run_rounds({"encode": lambda: ae.encode(x), "decode": lambda: ae.decode(z)}, ctx.n_rounds, warmup=1)
     c = x.numel() / z.numel()
     return [dict(key="TAESD latents", evidence="exact", samples=[c - 1], unmeasured="the cost (reconstruction quality)",
                  memory=f"{tuple(x.shape[1:])} -> {tuple(z.shape[1:])}: {c:.1f}x fewer values",
@@ -526,16 +472,16 @@ def claim_min_snr(ctx) -> list[dict]:
     """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs)."""
     n, ps = ctx.s.snr_steps, []
     for seed in range(ctx.seeds):
-        res = train_settings(str(CONFIGS / "digits.yaml"), "5,none", ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
+        res = train_settings(ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
             f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
-            f"train.log_every={max(1, n // 20)}",
-            "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}", f"train.device={ctx.device}",
-            f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5, say=lambda m: None)
+            f"train.log_every={max(1, n // 20)}", "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}",
+            f"train.device={ctx.device}", f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5,
+            say=lambda m: None)
         if seed == 0:
             ctx.plot("min_snr_val", "Min-SNR-5 vs uniform: unweighted validation MSE (seed 0)",
                      {k: v["rows"] for k, v in res.items()}, "val_mse", "validation MSE (unweighted)")
-        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k,
-                   v in res.items() for m in ("mse", "acc")})
+        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k, v in res.items()
+                   for m in ("mse", "acc")})
     m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
     return [dict(key="Min-SNR-gamma weighting",
                  samples=[(p["uniform mse"] - p["gamma=5 mse"]) / p["uniform mse"] for p in ps],

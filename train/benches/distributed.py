@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
+import torch
 
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 SIDES = ("1 process", "ddp", "fsdp")
 
@@ -33,10 +32,6 @@ def _local_bytes(t) -> int:
 
 def worker(args, strategy: str) -> dict:
     """One side's run in this process (a rank under torchrun): its memory and seconds per step."""
-    import resource
-
-    import torch
-
     import zoo
     from train.config import OptimConfig
     from train.distributed import Parallel, launch_env
@@ -51,8 +46,7 @@ def worker(args, strategy: str) -> dict:
         model = zoo.build(harness.llm_config(args))
         if args.worker_tune != "full":
             from zoo.adapters import AdapterConfig, apply_adapters
-            apply_adapters(model, AdapterConfig(method="lora", quantize_base="nf4" if args.worker_tune == "qlora"
-                                                else "none"))
+            apply_adapters(model, AdapterConfig("lora", quantize_base="nf4" if args.worker_tune == "qlora" else "none"))
         model, fwd = par.wrap(model, precision, False, False, device, lambda m: None)
         fwd = fwd or model
         optimizer = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None)
@@ -82,10 +76,10 @@ def worker(args, strategy: str) -> dict:
         dt = (time.perf_counter() - t0) / steps
         state = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        whole = not par.active or strategy == "ddp"  # this rank holds every parameter
         mine = {"params": sum(_local_bytes(p) for p in model.parameters()), "grads": grads[-1], "planned": planned,
                 "optim": state, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_s": dt,
-                "n_params": sum(p.numel() for p in model.parameters()) if not par.active or strategy == "ddp"
-                else None}
+                "n_params": sum(p.numel() for p in model.parameters()) if whole else None}
         return {"ranks": [mine]} if not par.active else {"ranks": par.gather(mine)}
     finally:
         par.close()
@@ -95,27 +89,24 @@ def planned_per_rank(args, strategy: str, world: int) -> int:
     """train/plan.py's peak per rank for the same step (model, adapter, AdamW, this rank's batch)."""
     from train.config import load_run_config
     from train.planner import plan
-    c = harness.llm_config(args)
-    over = [f"model.{k}={v}" for k, v in (("vocab_size", c.vocab_size), ("d_model", c.d_model), ("n_layers", c.n_layers),
-                                          ("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads),
-                                          ("max_seq_len", args.seq))]
-    over += [f"data.seq_len={args.seq}", f"train.batch_size={args.batch // world}", "optim.lr=1e-4",
-             f"train.precision={args.precision[0]}", "data.tokenizer=bytes"]
+    base = harness.llm_base(args.vocab, args.d_model, args.n_layers, args.n_heads, args.n_kv_heads or None,
+                            args.batch // world, args.seq)
+    over = ["optim.lr=1e-4", f"train.precision={args.precision[0]}"]
     if args.worker_tune != "full":
         over += ["adapter.method=lora", f"adapter.quantize_base={'nf4' if args.worker_tune == 'qlora' else 'none'}"]
-    cfg = load_run_config(None, over, base={"family": "llm"})
+    cfg = load_run_config(None, over, base=base)
     return plan(cfg, devices=world, sharding="fsdp2" if strategy == "fsdp" else "ddp").peak_bytes
 
 
 def launch(side: str, args, precision: str) -> dict:
-    """Run one side in fresh processes; the JSON rank 0 prints."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": str(args.nproc) if side == "1 process" else "1"}
+    """Run one side in fresh processes (bench.py distributed --worker); the JSON rank 0 prints."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.nproc) if side == "1 process" else "1"}
     flags = [*args.argv, "--worker", "none" if side == "1 process" else side, "--precision", precision,
              "--worker-tune", args.worker_tune]
     run = [] if side == "1 process" else ["-m", "torch.distributed.run", "--standalone",
                                           f"--nproc-per-node={args.nproc}"]
-    res = subprocess.run([sys.executable, *run, __file__, *flags], env=env, cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, *run, str(ROOT / "train" / "bench.py"), "distributed", *flags], env=env,
+                         cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
     if res.returncode != 0 or not lines:
         raise SystemExit(f"{side}: failed (exit {res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
@@ -136,21 +127,19 @@ def table(args, precision: str) -> tuple[dict, dict]:
         worst = max(ranks, key=lambda rk: rk["params"] + rk["grads"] + rk["optim"])
         total = worst["params"] + worst["grads"] + worst["optim"]
         rows.append([side, len(ranks), *(f"{worst[k] / 2**20:.0f}" for k in ("params", "grads", "optim")),
-                     f"{total / 2**20:.0f}",
-                     f"{total / n:.1f}", " / ".join(f"{rk['rss'] / 2**30:.2f}" for rk in ranks),
+                     f"{total / 2**20:.0f}", f"{total / n:.1f}", " / ".join(f"{rk['rss'] / 2**30:.2f}" for rk in ranks),
                      f"{ranks[0]['planned'] / 2**30:.2f}", f"{rounds.median(side):.2f}",
                      "1.00x" if side == "1 process" else str(rounds.paired(side, "1 process"))])
     how = {"full": "full training", "lora": "LoRA", "qlora": "QLoRA (NF4 base)"}[args.worker_tune]
     return harness.table(["side", "processes", "params MiB/rank", "grads MiB/rank", "optimizer MiB/rank",
-                          "P+G+O MiB/rank",
-                          "bytes/param/rank", "peak RSS GiB per rank", "planned peak GiB/rank", "s/step (median)",
-                          "speed vs 1 process (paired median, range)"], rows,
+                          "P+G+O MiB/rank", "bytes/param/rank", "peak RSS GiB per rank", "planned peak GiB/rank",
+                          "s/step (median)", "speed vs 1 process (paired median, range)"], rows,
                          f"{n / 1e6:.1f}M-parameter LLM, {how}, AdamW, global batch {args.batch} x {args.seq} tokens, "
                          f"{args.nproc} processes (gloo, CPU), {args.rounds} rounds of {args.steps} steps after "
                          f"{args.warmup}"), results
 
 
-def main(argv=None) -> int:
+def main(argv=None):
     p = harness.parser("distributed", __doc__, precision="fp32")
     harness.llm_args(p, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab=32000, seq=128, batch=4)
     p.set_defaults(rounds=3)
@@ -169,16 +158,11 @@ def main(argv=None) -> int:
         out = worker(args, args.worker)
         if int(os.environ.get("RANK", 0)) == 0:
             print(json.dumps(out), flush=True)
-        return 0
+        return
     if args.batch % args.nproc:
         p.error(f"--batch {args.batch} must be divisible by --nproc {args.nproc}")
     got = {}
     for tune in args.tune:
         args.worker_tune = tune
-        got.update({(prec if args.tune == ["full"] else f"{tune} {prec}"): table(args, prec) for prec in args.precision})
+        got |= {(prec if args.tune == ["full"] else f"{tune} {prec}"): table(args, prec) for prec in args.precision}
     harness.save(args, {k: t for k, (t, _) in got.items()}, {k: d for k, (_, d) in got.items()})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -22,11 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 BENCH = [sys.executable, str(ROOT / "train" / "bench.py")]
 SEQ, BATCH, NEW = 2048, 4, 128  # training batch x sequence of the LLM rows; tokens generated per row
@@ -41,6 +38,7 @@ class Row(NamedTuple):
 
 def rows() -> dict[str, Row]:
     own = [*BENCH, "gpu", "--json", "{out}", "--row"]
+    bench = lambda cmd: [*BENCH, *cmd.split(), "--device", "cuda", "--rounds", "5", "--json", "{out}"]  # noqa: E731
     smollm = ["configs/llm/smollm-135m.yaml", "data.tokenizer=bytes", "model.vocab_size=256", "train.compile=false",
               "train.max_steps=40", "train.log_every=10", "train.eval_every=0", "train.checkpoint_every=0",
               "train.average_last=0", *harness.QUIET]
@@ -60,40 +58,33 @@ def rows() -> dict[str, Row]:
                        f"llama-1b batch {BATCH} x {SEQ} bf16 (checkpointed), smollm-135m batch 8 x 2048 bf16",
                        [*own, "planner"], 50),
         "resnet50": Row("ResNet-50 training images/s against timm, channels-last, bf16, eager and compiled",
-                        "batch 128 x 3 x 224 x 224", [*BENCH, "convnets", "--device", "cuda", "--archs", "resnet50",
-                                                      "--formats", "channels_last", "--batch", "128", "--rounds", "5",
-                                                      "--json", "{out}"], 100),
+                        "batch 128 x 3 x 224 x 224",
+                        bench("convnets --archs resnet50 --formats channels_last --batch 128"), 100),
         "taesd": Row("TAESD encode + decode images/s against diffusers' AutoencoderTiny", "batch 8 x 3 x 512 x 512",
-                     [*BENCH, "taesd", "--device", "cuda", "--batch", "8", "--rounds", "5", "--formats",
-                      "channels_last", "--json", "{out}"], 40),
+                     bench("taesd --batch 8 --formats channels_last"), 40),
         "dit": Row("DiT-B/2 training step against diffusers' DiTTransformer2DModel, eager and compiled",
-                   "batch 64 x 4 x 32 x 32 latents", [*BENCH, "dit", "--device", "cuda", "--preset", "B", "--batch",
-                                                      "64", "--size", "32", "--precision", "bf16", "--rounds", "5",
-                                                      "--json", "{out}"], 150),
+                   "batch 64 x 4 x 32 x 32 latents", bench("dit --preset B --batch 64 --size 32 --precision bf16"),
+                   150),
     }
 
 
 def command(row: Row, out: Path) -> list[str]:
-    fsdp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    fsdp = [sys.executable, *"-m torch.distributed.run --standalone --nproc-per-node 1".split(),
             str(ROOT / "train" / "run.py")]
-    cmd = []
-    for c in row.command:
-        cmd += fsdp if c == "{fsdp}" else [c.replace("{out}", str(out))]
-    return cmd
+    return [x for c in row.command for x in (fsdp if c == "{fsdp}" else [c.replace("{out}", str(out))])]
 
 
 # ---------------------------------------------------------------- the rows measured here
 def llama_pair(dev):
     """Zoo's Llama-3.2-1B and transformers' LlamaForCausalLM of the same shape, on dev."""
     import zoo
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+    from train.benches.llm_speed import hf_config
     from train.config import load_run_config
     c = dataclasses.replace(load_run_config(str(ROOT / "configs/llm/llama-1b.yaml")).model, max_seq_len=SEQ + NEW + 128)
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.ffn_hidden,
-                                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-                                      num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
-                                      rms_norm_eps=c.norm_eps, tie_word_embeddings=True, attn_implementation="sdpa"))
+    hf = LlamaForCausalLM(hf_config(c, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+                                    attn_implementation="sdpa"))
     return zoo.build(c).to(dev), hf.to(dev)
 
 
@@ -202,12 +193,12 @@ def fsdp_row(out: Path, row: Row) -> tuple[dict, dict]:
     from train.metrics import read_rows
     cmd = command(row, out)
     plain = [sys.executable, *cmd[cmd.index(str(ROOT / "train" / "run.py")):]]
-    res = {}
-    for i, (name, c) in enumerate({"one process": plain, "FSDP2, 1 NCCL process": [*cmd, "train.parallel=fsdp"]}.items()):
+    res, sides = {}, {"one process": plain, "FSDP2, 1 NCCL process": [*cmd, "train.parallel=fsdp"]}
+    for i, (name, c) in enumerate(sides.items()):
         subprocess.run([*c, f"train.out_dir={out / f'run{i}'}"], check=True, cwd=ROOT, timeout=row.limit_s / 2,
                        stdout=subprocess.DEVNULL)
         metrics = read_rows(out / f"run{i}")
-        res[name] = {"tokens_per_s": harness.median_of(metrics, "tokens_per_s"), "mfu": harness.median_of(metrics, "mfu")}
+        res[name] = {k: harness.median_of(metrics, k) for k in ("tokens_per_s", "mfu")}
     return {"fsdp": harness.table(["run", "tokens/s (median)", "MFU (the loop's: the vendor's peak on known GPUs)"],
                                   [[n, f"{v['tokens_per_s']:,.0f}", f"{v['mfu']:.1%}"] for n, v in res.items()])}, res
 
@@ -246,10 +237,11 @@ def float8_quality(args) -> tuple[dict, dict]:
                                                  done=None), "val_loss") for seed in args.seeds]
             for side in ("bf16", "float8")}
     rel = [f / b - 1 for b, f in zip(loss["bf16"], loss["float8"])]
-    rows_ = [[seed, f"{b:.4f}", f"{f:.4f}", f"{100 * r:+.2f}%"] for seed, b, f, r in zip(args.seeds, *loss.values(), rel)]
+    rows_ = [[seed, f"{b:.4f}", f"{f:.4f}", f"{100 * r:+.2f}%"]
+             for seed, b, f, r in zip(args.seeds, loss["bf16"], loss["float8"], rel)]
     mean, half = harness.mean_interval(rel)
-    rows_.append(["mean (95% interval)", "", "", f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to "
-                                                  f"{100 * (mean + half):+.2f}%)"])
+    rows_.append(["mean (95% interval)", "", "",
+                  f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to {100 * (mean + half):+.2f}%)"])
     return {"float8": harness.table(["seed", "bf16 val loss", "float8 val loss", "float8 / bf16 - 1"], rows_,
                                     f"configs/llm/tiny.yaml, {args.steps} steps, tensorwise scales, the LM head kept "
                                     f"in bf16; float8 emulated on this machine.")}, {"val_loss": loss, "relative": rel}
@@ -257,13 +249,12 @@ def float8_quality(args) -> tuple[dict, dict]:
 
 def main(argv=None, name: str = "gpu"):
     if name == "float8":
-        p = harness.parser(name, float8_quality.__doc__, precision=None, rounds=False)
+        p = harness.parser(name, float8_quality.__doc__, precision=None, rounds=False, out=True, seeds=1)
         p.add_argument("--steps", type=harness.positive_int, default=20)
-        p.add_argument("--seeds", type=harness.int_list, default=[0, 1, 2])
-        p.add_argument("--out", default="runs/bench-float8")
         args = p.parse_args(argv)
+        harness.setup(args)
         harness.save(args, *float8_quality(args))
-        return 0
+        return
     p = harness.parser(name, __doc__, precision=None)
     p.add_argument("--out", default="runs/bench-gpu", help="the folder of the rows' results")
     p.add_argument("--dry-run", action="store_true", help="list the rows and their commands; measure nothing")
@@ -274,21 +265,21 @@ def main(argv=None, name: str = "gpu"):
     dev = torch.device("cuda")
     if args.row:  # one of the rows measured in this module, in its own process
         harness.save(args, *OWN[args.row](args, dev))
-        return 0
+        return
     rows_ = {n: r for n, r in rows().items() if n in args.only}
     if args.dry_run or not torch.cuda.is_available():
         print(("gpu: dry run" if args.dry_run else "gpu: no CUDA device here; what it would run:")
               + f" ({len(rows_)} rows, about {sum(r.limit_s for r in rows_.values()) / 60:.0f} minutes at most)")
         for n, r in rows_.items():
-            print(f"  {n}: {r.what}\n    shape: {r.shape}\n    runs: {' '.join(command(r, Path(args.out) / (n + '.json')))}")
+            cmd = " ".join(command(r, Path(args.out) / f"{n}.json"))
+            print(f"  {n}: {r.what}\n    shape: {r.shape}\n    runs: {cmd}")
         if args.dry_run:
             overview = [[n, r.what, r.shape, "not run (dry run)", ""] for n, r in rows_.items()]
             save_both(args, {"rows": harness.table(["row", "measures", "shape", "status", "seconds"], overview,
                                                    "No GPU run yet: the rows list what the command measures.")},
                       {"dry_run": True})
-        return 0
+        return
     save_both(args, *run_all(args, rows_))
-    return 0
 
 
 def save_both(args, tables: dict, data: dict):

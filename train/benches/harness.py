@@ -27,14 +27,10 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+from train.hardware import keep_freed_memory, libc, measure_peak_flops
+from train.step import DTYPES as PRECISIONS, autocast_for  # PRECISIONS: train.precision's names (fp32, bf16, fp16)
+
 ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.hardware import keep_freed_memory, libc  # noqa: E402
-from train.hardware import measure_peak_flops  # noqa: E402
-from train.step import DTYPES as PRECISIONS  # noqa: E402  (fp32, bf16, fp16: train.precision's names)
-
 MIN_ROUNDS = 8
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 RESULTS = ROOT / "docs" / "results"
@@ -53,11 +49,6 @@ def schedule(names: Iterable[str], rounds: int) -> Iterator[tuple[int, str]]:
     for r in range(rounds):
         for name in round_order(names, r):
             yield r, name
-
-
-def now() -> tuple[float, float]:
-    """(wall clock, this process's CPU time) in seconds."""
-    return time.perf_counter(), time.process_time()
 
 
 class Paired(NamedTuple):
@@ -103,11 +94,16 @@ class Rounds:
 
 def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
                between: Optional[Callable[[int], object]] = None, sync: Callable[[], object] = lambda: None,
-               clock: Callable[[], tuple[float, float]] = now) -> Rounds:
-    """Times `calls` calls of each side per round in `round_order`; `sync()` ends each side's turn
-    before the clock is read, `between(round)` runs after each round, untimed. Seconds per call."""
+               clock: Callable[[], tuple[float, float]] = lambda: (time.perf_counter(), time.process_time()),
+               warmup: int = 0) -> Rounds:
+    """Times `calls` calls of each side per round in `round_order` (after `warmup` untimed calls of each) on the
+    wall clock and this process's CPU time; `sync()` ends each side's turn before the clock is read,
+    `between(round)` runs after each round, untimed. Seconds per call."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds and calls must be >= 1, got {rounds} and {calls}")
+    if warmup:
+        warm_up(sides, warmup, say=lambda m: None)
+        sync()
     out = Rounds({s: [] for s in sides}, {s: [] for s in sides})
     for r in range(rounds):
         for name in round_order(sides, r):
@@ -219,17 +215,28 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def seed_list(at_least: int) -> Callable[[str], list[int]]:
+    """An argparse type: a comma list of train.seed values, at least `at_least` of them."""
+    def seeds(text: str) -> list[int]:
+        if len(out := int_list(text)) < at_least:
+            raise argparse.ArgumentTypeError(f"at least {at_least} seeds for an interval, got {len(out)}")
+        return out
+    return seeds
+
+
 def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: bool = True,
-           keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "") -> ArgumentParser:
-    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`; one name
-    with `one_precision`), --rounds, --threads, --no-keep-memory (training benches) and --json
-    (default docs/results/RESULT.json, RESULT the name; None: no result file)."""
+           keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "", out: bool = False,
+           seeds: int = 0) -> ArgumentParser:
+    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`, "": the
+    config's train.precision; one name with `one_precision`), --rounds, --threads, --no-keep-memory (training
+    benches), --json (default docs/results/RESULT.json, RESULT the name; None: no result file), --out
+    (runs/bench-NAME, the runs' folder) and --seeds (0,1,2; at least `seeds`)."""
     p = ArgumentParser(prog=f"bench.py {name}", description=doc.strip().split("\n")[0])
     if precision is not None:
         kind = precision_name if one_precision else name_list(PRECISIONS, "precision")
-        p.add_argument("--precision", type=kind, default=precision,
+        p.add_argument("--precision", type=kind, default=precision or None,
                        help=f"{'one' if one_precision else 'comma list'} of {', '.join(PRECISIONS)} "
-                            f"(default {precision})")
+                            f"(default {precision or 'the config’s'})")
     if rounds:
         p.add_argument("--rounds", type=positive_int, default=MIN_ROUNDS,
                        help=f"alternating rounds (default {MIN_ROUNDS})")
@@ -238,6 +245,11 @@ def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: 
         p.add_argument("--no-keep-memory", action="store_true", help="glibc's default instead of cpu_keep_memory")
     if result is not None:
         p.add_argument("--json", type=Path, default=RESULTS / f"{result or name}.json", help="where the result goes")
+    if out:
+        p.add_argument("--out", default=f"runs/bench-{name}", help="the runs' folder (finished runs are read back)")
+    if seeds:
+        p.add_argument("--seeds", type=seed_list(seeds), default=[0, 1, 2],
+                       help=f"comma list of train.seed values (at least {seeds})")
     return p
 
 
@@ -263,23 +275,40 @@ def llm_config(args, **over):
     return LLMConfig(**{k: v for k, v in {**shape, **over}.items() if v is not None})
 
 
-def setup(args) -> bool:
-    """Applies --threads, and keeps freed memory unless --no-keep-memory (every side alike). Whether it is kept."""
+def llm_base(vocab: int, d: int, layers: int, heads: int, kv: int, batch: int, seq: int = 256) -> dict:
+    """A base run config of an LLM of that shape on bytes, fp32 (run_loop, train.planner, the report)."""
+    return {"family": "llm", "model": {"vocab_size": vocab, "d_model": d, "n_layers": layers, "n_heads": heads,
+                                       "n_kv_heads": kv, "max_seq_len": seq},
+            "data": {"tokenizer": "bytes", "seq_len": seq}, "train": {"batch_size": batch, "precision": "fp32"}}
+
+
+def setup(args):
+    """Applies --threads, keeps freed memory unless --no-keep-memory (every side alike), and says so."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    return False if getattr(args, "no_keep_memory", True) else keep_freed_memory()
+    kept = not getattr(args, "no_keep_memory", True) and keep_freed_memory()
+    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
+          f"{'kept' if kept else 'returned to the OS'}", flush=True)
 
 
 def autocast(precision: str, device_type: str = "cpu"):
-    """Autocast to the precision's dtype; fp32 runs without autocast (fp32 master weights either way)."""
-    if precision == "fp32":
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=PRECISIONS[precision])
+    """The loop's autocast context for the precision (train.step.autocast_for; none in fp32)."""
+    return autocast_for(torch.device(device_type), precision)()
 
 
 def best_peak_flops(device: torch.device, precision: str, peak: float = 0.0) -> float:
     """The larger of `peak` and a new `measure_peak_flops` (the loop's MFU denominator)."""
     return max(peak, measure_peak_flops(device, PRECISIONS[precision]))
+
+
+def inference_sides(calls: dict[str, Callable[[], object]], precision: str, outs: dict) -> dict:
+    """Each call under inference_mode and autocast(precision), its output kept in outs[name]."""
+    def side(name):
+        def run():
+            with torch.inference_mode(), autocast(precision):
+                outs[name] = calls[name]()
+        return run
+    return {k: side(k) for k in calls}
 
 
 class Side:
@@ -313,23 +342,18 @@ def rss() -> Optional[int]:
         return None
 
 
-def trim():
-    """Collect garbage and hand freed heap memory back to the OS, so the next peak starts low."""
-    gc.collect()
-    c = libc()
-    if c is not None:
-        c.malloc_trim(0)
-
-
 class PeakRSS:
-    """Context manager: the peak resident set size above the level at entry, sampled by a thread
-    every `every` seconds (`peak` in bytes, None where RSS is unavailable)."""
+    """Context manager: the peak resident set size above the level at entry (garbage collected and freed heap
+    memory handed back first), sampled by a thread every `every` seconds (`peak` in bytes, None where RSS is
+    unavailable)."""
 
     def __init__(self, every: float = 0.002):
         self.every, self.peak = every, None
 
     def __enter__(self):
-        trim()
+        gc.collect()
+        if libc() is not None:
+            libc().malloc_trim(0)
         self.base = rss()
         if self.base is not None:
             self.peak, self._stop = 0, threading.Event()
@@ -337,19 +361,16 @@ class PeakRSS:
             self._thread.start()
         return self
 
-    def _sample(self):
-        self.peak = max(self.peak, rss() - self.base)
-
     def _run(self):
         while not self._stop.is_set():
-            self._sample()
+            self.peak = max(self.peak, rss() - self.base)
             time.sleep(self.every)
 
     def __exit__(self, *exc):
         if self.base is not None:
             self._stop.set()
             self._thread.join()
-            self._sample()
+            self.peak = max(self.peak, rss() - self.base)
 
 
 def busy_cpu_s() -> Optional[float]:
@@ -452,7 +473,6 @@ def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "")
     """A table as a result JSON holds it: column names, rows of cells (text), lines below it."""
     return {"columns": list(columns), "rows": [[str(c) for c in r] for r in rows],
             **({"notes": notes} if notes else {})}
-
 
 
 def show(tables: dict):

@@ -9,14 +9,13 @@ Runs of train/run.py on the same data, seed and tokens (read back from --out whe
 from __future__ import annotations
 
 import statistics
-import sys
+from argparse import Namespace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
+import torch
 
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 LLM = ROOT / "configs" / "llm"
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
@@ -62,27 +61,24 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
     cfg, extra = RUNS[preset][name]
     over = [f"train.max_steps={steps}", f"train.batch_size={args.batch}", f"data.seq_len={args.seq}",
             f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", f"train.seed={seed}", *extra]
-    if preset == "peft":
-        lr = args.lr_full if name == "full" else args.lr_adapter
+    if preset == "peft":  # full fine-tuning at lr 3e-4, adapters at 3e-3
         over += [f"train.init_from={base}", "data.tokenizer=bytes", "train.grad_accum=1", "train.eval_every=0",
                  "train.average_last=0", "train.log_every=1", "train.compile=false", "train.resume=false",
-                 f"optim.lr={lr}", f"optim.warmup_steps={max(1, steps // 10)}",
+                 f"optim.lr={3e-4 if name == 'full' else 3e-3}", f"optim.warmup_steps={max(1, steps // 10)}",
                  *([f"data.path={args.data}"] if args.data else [])]
     else:
         over += [f"train.eval_every={max(1, steps // args.evals)}", "train.log_every=10",
                  f"optim.warmup_steps={max(1, steps // 12)}"]
     over += [f"train.precision={args.precision}"] if args.precision else []
+    done = "adapter" if preset == "peft" and name != "full" else "model.safetensors"
     return harness.run_loop(LLM / cfg, Path(args.out) / (name if seed == 0 else f"{name}-seed{seed}"), over,
-                            args.threads,
-                            done="adapter" if preset == "peft" and name != "full" else "model.safetensors")
+                            args.threads, done=done)
 
 
 def against_dense(preset, steps, batch, seq, eval_batches, precision, out, seed=0) -> tuple[dict, dict]:
     """The dense run and the preset's other (moe, mod) for one seed: their rows, and their steps and FLOPs per token."""
-    from argparse import Namespace
     args = Namespace(steps=steps, batch=batch, seq=seq, evals=8, eval_batches=eval_batches, precision=precision,
-                     threads=None,
-                     out=out, runs=["dense", preset[4:7]])
+                     threads=None, out=out, runs=["dense", preset[4:7]])
     steps, fpt = steps_of(preset, args)
     return {n: run(preset, n, args, steps[n], seed) for n in args.runs}, {"steps": steps, "flops_per_token": fpt}
 
@@ -108,22 +104,15 @@ def peft_runs(args, names) -> dict:
 
 def trained(out: Path):
     """The final model of the run in `out` (eval mode) and its data."""
-    import yaml
-
     import zoo
-    from train.data import TextDataConfig, TokenData
-    from zoo.config import LLMConfig, from_dict
-    from zoo.weights.files import load_tensors
-    cfg = yaml.safe_load((out / "config.yaml").read_text())
-    model = zoo.build(from_dict(LLMConfig, cfg["model"]))
-    missing, unexpected = model.load_state_dict(load_tensors(out / "model.safetensors"), strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)  # tied: saved once
-    return model.eval(), TokenData(from_dict(TextDataConfig, cfg["data"]), None, lambda *a: None)
+    from train.config import load_run_config
+    from train.data import TokenData
+    return zoo.from_pretrained(out).eval(), TokenData(load_run_config(str(out / "config.yaml")).data, None,
+                                                       lambda *a: None)
 
 
 def starved(out: Path, batch: int) -> int:
     """Experts (over all layers) that receive under a tenth of a uniform share of a validation batch."""
-    import torch
     model, data = trained(out)
     x, y = next(iter(data.val_batches(batch, 1)))
     with torch.no_grad():
@@ -134,7 +123,6 @@ def starved(out: Path, batch: int) -> int:
 def best_threshold_accuracy(score, target) -> float:
     """The best accuracy of the decision "score > t" against the bool `target` over every threshold t
     (both 1-D): sort by score, and route the first j tokens for every j."""
-    import torch
     hits = target[score.argsort(descending=True)].float()
     cum = torch.cat([torch.zeros(1), hits.cumsum(0)])  # the positives among the first j, j = 0..N
     n, pos = len(hits), hits.sum()
@@ -146,8 +134,6 @@ def decisions(out: Path, batch: int, n_batches: int) -> dict:
     """Per MoD layer, how well a causal decision agrees with the top-k on the validation tokens: the
     trained decision, its logit with the best fixed threshold, and the router logit with the best
     fixed threshold (the ceiling of a decision that learns the router's score exactly)."""
-    import torch
-
     from zoo.blocks.mod import MixtureOfDepths
     model, data = trained(out)
     logs = {}
@@ -203,8 +189,6 @@ def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
 
 def make_base(args) -> Path:
     """The fine-tunes' base: --config's shape (--layers deep) with random weights, saved once."""
-    import torch
-
     import zoo
     folder = Path(args.out) / "base"
     if not (folder / "config.json").is_file():
@@ -215,17 +199,12 @@ def make_base(args) -> Path:
 
 def state_bytes(base: Path, extra: list) -> tuple[int, int, int]:
     """(trainable parameters, all parameters, bytes of the weights + the trainables' gradients and AdamW moments)."""
-    import torch
-
     import zoo
-    from zoo.adapters import AdapterConfig, apply_adapters, count_params, param_bytes
-    model = zoo.from_pretrained(base, dtype=torch.float32)
-    if extra:
-        kv = dict(e.split("=", 1) for e in extra)
-        apply_adapters(model, AdapterConfig(method=kv["adapter.method"], r=int(kv["adapter.r"]),
-                                            alpha=float(kv["adapter.alpha"]),
-                                            targets=kv["adapter.targets"].strip("[]").split(","),
-                                            quantize_base=kv.get("adapter.quantize_base", "none")))
+    from train.config import load_run_config
+    from zoo.adapters import apply_adapters, count_params, param_bytes
+    model, adapter = zoo.from_pretrained(base, dtype=torch.float32), load_run_config(None, extra, base={}).adapter
+    if adapter.enabled:
+        apply_adapters(model, adapter)
     trainable, total = count_params(model)
     return trainable, total, param_bytes(model) + 3 * 4 * trainable
 
@@ -246,10 +225,7 @@ def plot(results: dict, png: Path, title: str, xlabel: str = "step", scale: dict
 
 def main(argv=None, preset: str = "llm-moe-quality"):
     peft = preset == "peft"
-    p = harness.parser(preset, __doc__, precision="fp32" if peft else None, rounds=False)
-    if not peft:
-        p.add_argument("--precision", type=harness.precision_name, default=None,
-                       help="the runs' train.precision (default auto)")
+    p = harness.parser(preset, __doc__, precision="fp32" if peft else "", rounds=False, one_precision=True, out=True)
     harness.llm_args(p, **(dict(seq=128, batch=4) if peft else dict(seq=256, batch=16)))
     p.add_argument("--steps", type=harness.positive_int, default=20 if peft else 600,
                    help="steps (MoD: the dense run's)")
@@ -257,21 +233,14 @@ def main(argv=None, preset: str = "llm-moe-quality"):
                    help="evaluations per run")
     p.add_argument("--eval-batches", type=harness.positive_int, default=8 if peft else 20)
     p.add_argument("--runs", "--only", type=harness.name_list(RUNS[preset], "run"), default=",".join(RUNS[preset]))
-    p.add_argument("--out", default=f"runs/bench-{preset}")
-    p.add_argument("--png", default=str(ROOT / "docs" / f"{preset[4:7]}_quality.png"),
-                   help="the loss curves (MoE, MoD)")
     if peft:
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
         p.add_argument("--layers", type=int, default=None, help="its number of layers")
-        p.add_argument("--lr-full", type=float, default=3e-4)
-        p.add_argument("--lr-adapter", type=float, default=3e-3)
         p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
     args = p.parse_args(argv)
     harness.setup(args)  # --threads here too, so that the result's machine line names the runs' threads
-    if peft:
-        args.precision = args.precision[0]
-        if not Path(args.data).is_file():
-            p.error(f"--data {args.data}: no such file (tinyshakespeare.txt)")
+    if peft and not Path(args.data).is_file():
+        p.error(f"--data {args.data}: no such file (tinyshakespeare.txt)")
     base = make_base(args) if peft else None
     steps, fpt = steps_of(preset, args)
     results = {n: run(preset, n, args, steps[n], base=base) for n in args.runs}
@@ -285,28 +254,27 @@ def main(argv=None, preset: str = "llm-moe-quality"):
             [[n, f"layer {i}", *(f"{100 * v:.1f}%" for v in a.values())] for n, d in dec.items() for i, a in d.items()])
     if not peft:
         scale = {n: args.batch * args.seq * fpt[n] / 1e12 for n in fpt}
-        plot(results, Path(args.png), f"{preset}: {args.steps} steps of {args.batch} x {args.seq} tokens",
+        plot(results, ROOT / "docs" / f"{preset[4:7]}_quality.png",
+             f"{preset}: {args.steps} steps of {args.batch} x {args.seq} tokens",
              "training FLOPs (x 1e12)" if fpt else "step", scale)
     harness.save(args, tables, {"summaries": sums, "steps": steps, "flops_per_token": fpt})
-    return 0
 
 
 # ---------------------------------------------------------------- the techniques report's claims
 def claim_lora(ctx) -> list[dict]:
     """Full fine-tuning against LoRA and QLoRA (the peft bench's runs; the state bytes counted from the tensors)."""
-    from argparse import Namespace
     data = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
     args = Namespace(config="configs/llm/tiny.yaml", layers=ctx.s.lora_layers, steps=ctx.s.lora_steps, batch=4, seq=64,
-                     eval_batches=2, lr_full=3e-4, lr_adapter=3e-3, precision=ctx.precision, threads=None,
-                     data=str(data) if data.is_file() else None, out=str(ctx.work / "peft"))
+                     eval_batches=2, precision=ctx.precision, threads=None, data=str(data) if data.is_file() else None,
+                     out=str(ctx.work / "peft"))
     res = peft_runs(args, ("full", "lora", "qlora"))
     ctx.plot("lora_loss", f"full fine-tuning vs LoRA vs QLoRA ({ctx.s.lora_steps} steps)",
              {n: v.pop("rows") for n, v in res.items()}, "loss", "training loss")
     ctx.memory["fine-tuning (weights + grads + AdamW state)"] = {n: v["state"] / 2**20 for n, v in res.items()}
     f, lo, q = res["full"], res["lora"], res["qlora"]
     half = (lo["weights"] - 4 * lo["trainable"]) / 2 + 4 * lo["trainable"]  # LoRA's fp32 base halved, adapters in fp32
-    peak = "measured peak memory (peak RSS " + " / ".join(f"{v['peak_rss'] / 2**30:.2f}" for v in res.values()) + \
-        " GiB full / LoRA / QLoRA, one run each)"
+    peaks = " / ".join(f"{v['peak_rss'] / 2**30:.2f}" for v in res.values())
+    peak = f"measured peak memory (peak RSS {peaks} GiB full / LoRA / QLoRA, one run each)"
     common = dict(evidence="exact", unmeasured=peak, numbers=res,
                   quality=f"val loss {f['val']:.3f} / {lo['val']:.3f} / {q['val']:.3f} (full / LoRA / QLoRA)")
     return [dict(key="LoRA (training state)", samples=[1 - lo["state"] / f["state"]],
@@ -322,9 +290,9 @@ def claim_averaging(ctx) -> list[dict]:
     decay = round(max(0.5, 1 - 10 / n), 4)  # an averaging horizon of about a tenth of the run
     over = [f"train.max_steps={n}", f"train.batch_size={ctx.s.loop_batch}", f"data.seq_len={ctx.s.loop_seq}",
             "data.tokenizer=bytes", f"data.max_chars={ctx.s.max_chars}", f"train.ema_decay={decay}",
-            "train.eval_batches=4",
-            f"train.eval_every={max(1, n // 4)}", f"train.checkpoint_every={max(1, n // 4)}", "train.average_last=2",
-            "train.keep_checkpoints=2", f"optim.warmup_steps={max(1, n // 10)}", f"train.log_every={max(1, n // 20)}"]
+            "train.eval_batches=4", f"train.eval_every={max(1, n // 4)}", f"train.checkpoint_every={max(1, n // 4)}",
+            "train.average_last=2", "train.keep_checkpoints=2", f"optim.warmup_steps={max(1, n // 10)}",
+            f"train.log_every={max(1, n // 20)}"]
     runs = [ctx.loop("averaging", LLM / "tiny.yaml", over, s) for s in range(ctx.seeds)]
     ema = [dict(r, val_loss=r["ema_val_loss"]) for r in runs[0] if "ema_val_loss" in r]
     ctx.plot("averaging_loss", f"final weights vs EMA (decay {decay}), seed 0",
@@ -355,10 +323,10 @@ def claim_moe(ctx) -> list[dict]:
         ps.append({"dense_val": target, "moe_val": harness.last(res["moe"], "val_loss"), "dense_s": wall(res["dense"]),
                    "moe_s": wall(res["moe"], hit), "moe_step": hit, **tok})
     sp = statistics.fmean(p["moe_tok_s"] / p["dense_tok_s"] for p in ps)
+    hits = ", ".join(str(p["moe_step"]) for p in ps)
     return [dict(key="MoE (equal compute)", samples=[p["dense_s"] / p["moe_s"] - 1 for p in ps],
                  numbers={"per_seed": ps},
-                 quality=f"MoE reached dense's final val loss at step {', '.join(str(p['moe_step']) for p in ps)} "
-                         f"of {ctx.s.loop_steps}",
+                 quality=f"MoE reached dense's final val loss at step {hits} of {ctx.s.loop_steps}",
                  speed=f"tokens/s ratio {sp:.2f}x (medians of separate runs, not paired)")]
 
 
@@ -368,12 +336,11 @@ def claim_mod(ctx) -> list[dict]:
     ps = [{"dense_val": harness.last(res["dense"], "val_loss"), "mod_val_topk": harness.last(res["mod"], "val_loss"),
            "mod_val_causal": harness.last(res["mod"], "val_loss_causal"), **info, **tok}
           for res, info, tok in seeded(ctx, "llm-mod-quality")]
-    m = {k: statistics.fmean(p[k] for p in ps) for k in ("dense_val", "mod_val_causal", "mod_val_topk", "dense_tok_s",
-                                                         "mod_tok_s")}
+    m = {k: statistics.fmean(p[k] for p in ps) for k in ("dense_val", "mod_val_causal", "mod_val_topk",
+                                                         "dense_tok_s", "mod_tok_s")}
     return [dict(key="Mixture-of-Depths (equal FLOPs)", numbers={"per_seed": ps},
                  samples=[(p["dense_val"] - p["mod_val_causal"]) / p["dense_val"] for p in ps],
                  quality=f"val loss {m['dense_val']:.4f} -> {m['mod_val_causal']:.4f} causal, "
-                         f"{m['mod_val_topk']:.4f} top-k "
-                         f"(steps {ps[0]['steps']})",
-                 speed=f"tokens/s {m['dense_tok_s']:.0f} -> {m['mod_tok_s']:.0f} (medians of separate runs, "
-                       f"not paired)")]
+                         f"{m['mod_val_topk']:.4f} top-k (steps {ps[0]['steps']})",
+                 speed=f"tokens/s {m['dense_tok_s']:.0f} -> {m['mod_tok_s']:.0f} "
+                       f"(medians of separate runs, not paired)")]

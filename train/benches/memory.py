@@ -2,7 +2,6 @@
 
     python train/bench.py memory                   # every configuration below: table, JSON, docs table
     python train/bench.py memory --only "llm 28M"  # the configurations whose name starts with that
-    python train/bench.py memory --planner-time    # + how long the planner takes on the large presets
 
 Measured: `train.planner.measure` in --repeat fresh CPU processes, the largest kept. Predicted:
 `train.planner.plan`. Target: ratio >= 1, median <= 1.25, worst <= 1.6. Linux only (/proc).
@@ -10,48 +9,26 @@ Measured: `train.planner.measure` in --repeat fresh CPU processes, the largest k
 from __future__ import annotations
 
 import statistics
-import sys
-import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from train.benches import harness
+from train.benches.harness import ROOT, llm_base
 
-from train.benches import harness  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def llm(vocab, d, layers, heads, kv, batch, seq=256):
-    return {"family": "llm",
-            "model": {"vocab_size": vocab, "d_model": d, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv,
-                      "max_seq_len": seq},
-            "data": {"tokenizer": "bytes", "seq_len": seq}, "train": {"batch_size": batch, "precision": "fp32"}}
-
-
-SMALLEST = llm(4096, 64, 2, 4, 2, 8, seq=64)  # 0.4M, full loss
-LLM4 = llm(4096, 256, 4, 4, 2, 16)            # 4.0M
-LLM28 = llm(8192, 512, 8, 8, 4, 8)            # 27.8M
-LLM47 = llm(16384, 640, 8, 10, 5, 4)          # 46.9M
-LLM76 = llm(16384, 768, 10, 12, 4, 4)         # 75.5M
-LLM100 = llm(32000, 768, 12, 12, 4, 2)        # 100M (tied embedding)
-
-# name -> (base config: a dict or a path under configs/, overrides)
-CONFIGS = {
-    "llm 0.4M fp32 full-loss": (SMALLEST, ["train.chunked_loss=false"]),
+LLM4, LLM28 = llm_base(4096, 256, 4, 4, 2, 16), llm_base(8192, 512, 8, 8, 4, 8)  # 4.0M, 27.8M parameters
+CONFIGS = {  # name -> (base config: a dict or a path under configs/, overrides)
+    "llm 0.4M fp32 full-loss": (llm_base(4096, 64, 2, 4, 2, 8, seq=64), ["train.chunked_loss=false"]),
     "llm 4M fp32": (LLM4, []),
     "llm 4M bf16": (LLM4, ["train.precision=bf16"]),
     "llm 28M fp32": (LLM28, []),
     "llm 28M bf16 ckpt": (LLM28, ["train.precision=bf16", "train.activation_checkpointing=true"]),
-    "llm 47M bf16 selective": (LLM47, ["train.precision=bf16", "train.activation_checkpointing=selective"]),
-    "llm 76M fp32": (LLM76, []),
-    "llm 100M fp32 ckpt": (LLM100, ["train.activation_checkpointing=true"]),
+    "llm 47M bf16 selective": (llm_base(16384, 640, 8, 10, 5, 4),
+                               ["train.precision=bf16", "train.activation_checkpointing=selective"]),
+    "llm 76M fp32": (llm_base(16384, 768, 10, 12, 4, 4), []),
+    "llm 100M fp32 ckpt": (llm_base(32000, 768, 12, 12, 4, 2), ["train.activation_checkpointing=true"]),  # tied
     "convnet fp32 (resnet-digits)": ("convnet/resnet-digits.yaml", []),
     "convnet bf16 (width 64)": ("convnet/resnet-digits.yaml", ["model.width=64", "train.precision=bf16"]),
     "diffusion fp32 (batch 256)": ("diffusion/digits.yaml", ["train.batch_size=256"]),
     "diffusion bf16 (batch 64)": ("diffusion/digits.yaml", ["train.batch_size=64", "train.precision=bf16"]),
 }
-LARGE = ["llm/llama2-7b.yaml", "llm/mixtral-8x7b.yaml"]
 
 
 def base_of(spec):
@@ -73,28 +50,23 @@ def measure_row(name: str, repeat: int, threads: int) -> dict:
             "predicted": p.peak_bytes, "measured": max(runs), "runs": runs, "ratio": p.peak_bytes / max(runs)}
 
 
-def table(rows) -> tuple[list, list]:
-    mib = 2 ** 20
-    header = ["configuration", "params", "tensors MiB", "+ margin MiB", "predicted MiB", "measured MiB (processes)",
-              "predicted / measured"]
-    return header, [[r["name"], f"{r['params'] / 1e6:.1f}M", f"{r['tensors'] / mib:.1f}", f"{r['allocator'] / mib:.1f}",
-                     f"{r['predicted'] / mib:.1f}",
-                     f"{r['measured'] / mib:.1f} ({min(r['runs']) / mib:.1f}-{max(r['runs']) / mib:.1f}, {len(r['runs'])})",
-                     f"{r['ratio']:.3f}"] for r in rows]
-
-
-def verdict(rows) -> str:
-    ratios = [r["ratio"] for r in rows]
-    return (f"predicted / measured over {len(ratios)} configurations: lowest {min(ratios):.3f}, median "
-            f"{statistics.median(ratios):.3f}, highest {max(ratios):.3f} (target: >= 1.0, median <= 1.25, "
-            f"highest <= 1.6)")
+def table(rows) -> dict:
+    mib, ratios = 2 ** 20, [r["ratio"] for r in rows]
+    return harness.table(
+        ["configuration", "params", "tensors MiB", "+ margin MiB", "predicted MiB", "measured MiB (processes)",
+         "predicted / measured"],
+        [[r["name"], f"{r['params'] / 1e6:.1f}M", f"{r['tensors'] / mib:.1f}", f"{r['allocator'] / mib:.1f}",
+          f"{r['predicted'] / mib:.1f}",
+          f"{r['measured'] / mib:.1f} ({min(r['runs']) / mib:.1f}-{max(r['runs']) / mib:.1f}, {len(r['runs'])})",
+          f"{r['ratio']:.3f}"] for r in rows],
+        f"predicted / measured over {len(ratios)} configurations: lowest {min(ratios):.3f}, median "
+        f"{statistics.median(ratios):.3f}, highest {max(ratios):.3f} (target: >= 1.0, median <= 1.25, highest <= 1.6)")
 
 
 def main(argv=None):
     p = harness.parser("memory", __doc__, precision="fp32,bf16", rounds=False)
     p.add_argument("--only", default="", help="run the configurations whose name starts with this")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration (the largest kept)")
-    p.add_argument("--planner-time", action="store_true", help="also time the planner on the large presets")
     args = p.parse_args(argv)
     names = [n for n in CONFIGS if n.startswith(args.only) and any(f" {pr}" in n for pr in args.precision)]
     if not names:
@@ -106,19 +78,4 @@ def main(argv=None):
     old = {r["name"]: r for r in harness.load_result(args.json).get("data", {}).get("rows", [])}
     rows += [old[n] for n in CONFIGS if n not in names and n in old]  # --only: the others as measured before
     rows.sort(key=lambda r: list(CONFIGS).index(r["name"]))
-    tables = {"": harness.table(*table(rows), notes=verdict(rows))}
-    if args.planner_time:
-        from train.config import load_run_config
-        from train.planner import GiB, plan
-        out = []
-        for spec in LARGE:
-            t0 = time.perf_counter()
-            q = plan(load_run_config(str(ROOT / "configs" / spec)))
-            out.append([spec, f"{time.perf_counter() - t0:.1f}", f"{q.peak_bytes / GiB:.1f}"])
-        tables["planner-time"] = harness.table(["preset", "planner seconds", "predicted peak GiB"], out)
-    harness.save(args, tables, {"rows": rows})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    harness.save(args, {"": table(rows)}, {"rows": rows})

@@ -8,17 +8,12 @@ Memory and time: one LLM with fixed random gradients, every optimizer stepped in
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
 
 REFERENCE = "adamw"
 LR_START = {"adamw": 2e-3, "sgd": 0.1, "adafactor": 1e-2, "lion": 3e-4, "muon": 2e-3, "adamw8bit": 2e-3,
@@ -27,6 +22,7 @@ MUON_LR = 0.02
 
 
 def build_model(args):
+    """An LLM of the shape options (args.d_model, n_layers, n_heads, vocab): full attention heads, tied."""
     import zoo
     torch.manual_seed(0)
     return zoo.build(harness.llm_config(args, n_kv_heads=args.n_heads, max_seq_len=256, tie_embeddings=True))
@@ -66,13 +62,12 @@ def memory_and_time(args, names) -> dict:
     from train.config import OptimConfig
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
-    r, nbytes, notes = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names},
-                                       args.rounds,
-                                       args.steps)
+    configs = {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names}
+    r, nbytes, notes = time_optimizers(model, configs, args.rounds)
     ref = nbytes[REFERENCE]
     rows = [[k, f"{r.best(k) * 1e3:.1f}", str(r.paired(REFERENCE, k)) if k != REFERENCE else "",
-             f"{nbytes[k] / 2**20:.1f}",
-             f"{nbytes[k] / n:.2f}", f"{100 * (1 - nbytes[k] / ref):.0f}%", notes[k]] for k in names]
+             f"{nbytes[k] / 2**20:.1f}", f"{nbytes[k] / n:.2f}", f"{100 * (1 - nbytes[k] / ref):.0f}%", notes[k]]
+            for k in names]
     return harness.table(["optimizer", "best step ms", "step time / adamw's, paired median (range)", "state MiB",
                           "state bytes / param", "state saved vs adamw", "notes"], rows, f"{n / 1e6:.1f}M parameters")
 
@@ -85,7 +80,7 @@ def train_run(args, over: list) -> tuple[dict, list]:
     from train.run import DEFAULT_CONFIG
     with tempfile.TemporaryDirectory() as tmp:
         over = [f"train.out_dir={tmp}", *harness.QUIET, "train.checkpoint_every=0", "train.average_last=0",
-                f"train.precision={args.precision[0]}", *over, *args.set]
+                f"train.precision={args.precision}", *over, *args.set]
         final = train(load_run_config(str(DEFAULT_CONFIG), over), log=lambda m: None)
         rows = read_rows(Path(tmp)) if (Path(tmp) / "metrics.jsonl").is_file() else []  # none from the range test
         return final, [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
@@ -93,7 +88,7 @@ def train_run(args, over: list) -> tuple[dict, list]:
 
 def quality(args, names) -> dict:
     """Each optimizer at each LR of its grid for --train-steps: the best final val loss and its LR; and Muon
-    against AdamW: the first evaluation at which each reaches --target (default: AdamW's best)."""
+    against AdamW: the first evaluation at which each reaches AdamW's best."""
     res = {}
     for name in names:
         for lr in args.lrs or [LR_START[name] / 3, LR_START[name], LR_START[name] * 3]:
@@ -104,12 +99,12 @@ def quality(args, names) -> dict:
             res[name, lr] = (final["val_loss"], curve)
             print(f"  {name} lr {lr:.2g}: val loss {final['val_loss']:.4f}", flush=True)
     best = {n: min(((lr, *v) for (m, lr), v in res.items() if m == n), key=lambda t: t[1]) for n in names}
-    tables = {"quality": harness.table(["optimizer", "best LR", f"val loss after {args.train_steps} steps",
-                                        "LRs tried"],
-                                       [[n, f"{lr:.2g}", f"{v:.4f}", ", ".join(f"{l:.2g}" for m, l in res if m == n)]
-                                        for n, (lr, v, _) in best.items()])}
+    tables = {"quality": harness.table(
+        ["optimizer", "best LR", f"val loss after {args.train_steps} steps", "LRs tried"],
+        [[n, f"{lr:.2g}", f"{v:.4f}", ", ".join(f"{x:.2g}" for m, x in res if m == n)]
+         for n, (lr, v, _) in best.items()])}
     if "muon" in best and REFERENCE in best:
-        target = args.target or best[REFERENCE][1]
+        target = best[REFERENCE][1]
         rows = [[n, f"{best[n][0]:.2g}", f"{target:.4f}",
                  next((str(s) for s, v in best[n][2] if v <= target), f"not within {args.train_steps}")]
                 for n in (REFERENCE, "muon")]
@@ -123,25 +118,22 @@ def lr_find(args) -> dict:
     found, _ = train_run(args, ["train.lr_find=true"])
     suggested, res = found["suggested_lr"], {}
     for lr in args.lrs:
-        res[lr] = train_run(args, [f"train.max_steps={args.train_steps}", "train.eval_every=0",
-                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}",
-                                   f"optim.lr={lr}"])[0]["val_loss"]
+        res[lr] = train_run(args, [f"train.max_steps={args.train_steps}", "train.eval_every=0", f"optim.lr={lr}",
+                                   f"optim.warmup_steps={max(1, args.train_steps // 10)}"])[0]["val_loss"]
     best = min(res, key=res.get)
     ratio = max(best / suggested, suggested / best)
-    return {"sweep": harness.table(["LR", f"val loss after {args.train_steps} steps"],
-                                   [[f"{lr:.3g}" + (" (best)" if lr == best else ""), f"{v:.4f}"] for lr,
-                                    v in res.items()],
+    rows = [[f"{lr:.3g}" + (" (best)" if lr == best else ""), f"{v:.4f}"] for lr, v in res.items()]
+    return {"sweep": harness.table(["LR", f"val loss after {args.train_steps} steps"], rows,
                                    f"suggested {suggested:.3g} ({len(found['lr'])} range-test steps), best of the "
-                                   f"sweep {best:.3g}: "
-                                   f"a factor of {ratio:.2f} ({'within' if ratio <= 3 else 'NOT within'} 3)")}
+                                   f"sweep {best:.3g}: a factor of {ratio:.2f} "
+                                   f"({'within' if ratio <= 3 else 'NOT within'} 3)")}
 
 
 def main(argv=None, preset: str = "optimizers"):
     from train.optim import OPTIMIZERS
-    p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers")
+    p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers", one_precision=True)
     harness.llm_args(p, d_model=512, n_layers=8, n_heads=8, vocab=32000)
     p.add_argument("--optimizers", type=harness.name_list(OPTIMIZERS, "optimizer"), default=",".join(OPTIMIZERS))
-    p.add_argument("--steps", type=harness.positive_int, default=1, help="optimizer steps per round")
     p.add_argument("--train-steps", type=harness.positive_int, default=300 if preset == "optimizers" else 200)
     p.add_argument("--quality", action="store_true", help="also sweep LRs on the embedded default")
     p.add_argument("--skip-memory", action="store_true", help="--quality only")
@@ -149,7 +141,6 @@ def main(argv=None, preset: str = "optimizers"):
                    default=None if preset == "optimizers" else [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2],
                    help="comma list of LRs")
     p.add_argument("--eval-every", type=harness.positive_int, default=50)
-    p.add_argument("--target", type=float, default=None, help="--quality: the val loss for Muon against AdamW")
     p.add_argument("--set", nargs="*", default=[], help="key=value overrides of every training run")
     args = p.parse_args(argv)
     harness.setup(args)
@@ -160,16 +151,13 @@ def main(argv=None, preset: str = "optimizers"):
         tables = {} if args.skip_memory else {"memory and time": memory_and_time(args, names)}
         tables |= quality(args, names) if args.quality else {}
     harness.save(args, tables, {})
-    return 0
 
 
 # ---------------------------------------------------------------- the techniques report's claims
 def claim_fused(ctx) -> list[dict]:
     """Fused AdamW (one kernel for the whole update) against the for-each one: the optimizer step."""
-    from argparse import Namespace
-
     from train.config import OptimConfig
-    model = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device))
+    model = with_gradients(build_model(ctx.s.opt).to(ctx.device))
     configs = {k: OptimConfig(name="adamw", lr=1e-5, fused=k == "fused") for k in ("foreach", "fused")}
     r, b, _ = time_optimizers(model, configs, ctx.n_rounds, steps=2, say=lambda m: None)
     n = sum(p.numel() for p in model.parameters())
@@ -179,10 +167,8 @@ def claim_fused(ctx) -> list[dict]:
 
 def claim_state(ctx) -> list[dict]:
     """Optimizer-state bytes after a step (train.optim.state_bytes) of each optimizer against AdamW's."""
-    from argparse import Namespace
-
     from train.config import OptimConfig
-    model = with_gradients(build_model(Namespace(**ctx.s.opt)).to(ctx.device))
+    model = with_gradients(build_model(ctx.s.opt).to(ctx.device))
     names = ["adamw", "adamw8bit", "lion", "sgd", "adafactor"]
     r, b, _ = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5) for k in names}, ctx.n_rounds, say=lambda m: None)
     n, ref = sum(p.numel() for p in model.parameters()), b["adamw"]

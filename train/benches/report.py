@@ -12,24 +12,17 @@ import json
 import math
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import traceback
-from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train import plots  # noqa: E402
-from train.benches import checkpointing, convnets, diffusion, harness, llm_quality, optimizers  # noqa: E402
+from train import plots
+from train.benches import checkpointing, convnets, diffusion, harness, llm_quality, optimizers
+from train.benches.harness import ROOT, llm_base
 
 # ---------------------------------------------------------------- the rule
 CONFIDENCE, MIN_SEEDS, APPROX = harness.LEVEL, 3, 0.9   # "~X" is met from 90% of X
@@ -194,26 +187,20 @@ def row(key: str, name: str = "", **kw) -> Row:
 
 
 # ---------------------------------------------------------------- the measurements
-def _llm(vocab, d, layers, heads, kv, seq, batch):
-    return {"family": "llm", "model": {"vocab_size": vocab, "d_model": d, "n_layers": layers, "n_heads": heads,
-                                       "n_kv_heads": kv, "max_seq_len": seq},
-            "data": {"tokenizer": "bytes", "seq_len": seq}, "train": {"batch_size": batch, "precision": "fp32"}}
-
-
 def _scale(name, rounds, llm, opt, resnet, accum, loop, snr, sd, lora, taesd, compile=True, max_chars=6_000_000):
-    opt = dict(zip(("d_model", "n_layers", "n_heads", "vocab"), opt))
-    return SimpleNamespace(name=name, rounds=rounds, llm=llm, opt=opt,
-                           resnet=resnet, accum=accum, loop_steps=loop[0], loop_batch=loop[1], loop_seq=loop[2],
-                           snr_steps=snr[0], ae_steps=snr[1], sd_steps=sd, lora_steps=lora[0], lora_layers=lora[1],
-                           taesd=taesd, compile=compile, max_chars=max_chars)
+    opt = SimpleNamespace(**dict(zip(("d_model", "n_layers", "n_heads", "vocab"), opt)))  # optimizers.build_model's
+    return SimpleNamespace(name=name, rounds=rounds, llm=llm, opt=opt, resnet=resnet, accum=accum,
+                           loop_steps=loop[0], loop_batch=loop[1], loop_seq=loop[2], snr_steps=snr[0], ae_steps=snr[1],
+                           sd_steps=sd, lora_steps=lora[0], lora_layers=lora[1], taesd=taesd, compile=compile,
+                           max_chars=max_chars)
 
 
 SCALES = {  # rounds, the step's LLM, the optimizer model, ResNet (arch, batch, size), accumulation, loop runs ...
-    "test": _scale("test", 2, _llm(512, 64, 2, 2, 1, 32, 4), (64, 2, 2, 512), ("resnet18", 2, 32), 2, (6, 2, 32),
+    "test": _scale("test", 2, llm_base(512, 64, 2, 2, 1, 4, 32), (64, 2, 2, 512), ("resnet18", 2, 32), 2, (6, 2, 32),
                    (4, 10), 6, (2, 1), 64, False, 200_000),
-    "quick": _scale("quick", 6, _llm(8192, 128, 4, 4, 2, 128, 8), (256, 4, 4, 8192), ("resnet18", 8, 64), 4,
+    "quick": _scale("quick", 6, llm_base(8192, 128, 4, 4, 2, 8, 128), (256, 4, 4, 8192), ("resnet18", 8, 64), 4,
                     (80, 8, 128), (100, 100), 80, (8, 2), 256, True, 2_000_000),
-    "full": _scale("full", 8, _llm(16384, 256, 4, 4, 2, 256, 8), (512, 8, 8, 32000), ("resnet50", 8, 128), 4,
+    "full": _scale("full", 8, llm_base(16384, 256, 4, 4, 2, 8, 256), (512, 8, 8, 32000), ("resnet50", 8, 128), 4,
                    (400, 8, 256), (300, 300), 200, (20, 4), 512),
 }
 
@@ -261,10 +248,9 @@ MEASUREMENTS = {  # the report's key: the bench function that measures its claim
     "optimizers": optimizers.claim_state, "checkpointing": checkpointing.claim_checkpointing,
     "chunked-ce": checkpointing.claim_chunked_ce, "grad-accum": checkpointing.claim_grad_accum,
     "channels-last": convnets.claim_channels_last, "lora": llm_quality.claim_lora,
-    "averaging": llm_quality.claim_averaging,
-    "moe": llm_quality.claim_moe, "mod": llm_quality.claim_mod, "taesd": diffusion.claim_taesd,
-    "min-snr": diffusion.claim_min_snr, "stochastic-depth": convnets.claim_stochastic_depth,
-    "cuda-flags": checkpointing.claim_cuda_flags}
+    "averaging": llm_quality.claim_averaging, "moe": llm_quality.claim_moe, "mod": llm_quality.claim_mod,
+    "taesd": diffusion.claim_taesd, "min-snr": diffusion.claim_min_snr,
+    "stochastic-depth": convnets.claim_stochastic_depth, "cuda-flags": checkpointing.claim_cuda_flags}
 
 
 # ---------------------------------------------------------------- the page
@@ -287,13 +273,11 @@ def write_page(out: Path, rows: list, meta: dict) -> Path:
     h, t = meta["hardware"], meta["timing"]
     others = t.get("others_share")
     lines = ["# Techniques report", "",
-             f"Measured by `{meta['command']}` (scale {meta['scale']}, {meta['seeds']} seeds,"
-             f" "
-             f"{meta['rounds']} rounds, comparisons not about precision in {meta['precision']}) on {meta['started']}; "
+             f"Measured by `{meta['command']}` (scale {meta['scale']}, {meta['seeds']} seeds, {meta['rounds']} rounds, "
+             f"comparisons not about precision in {meta['precision']}) on {meta['started']}; "
              f"every number below comes from that run.", "", *([meta["note"], ""] if meta.get("note") else []),
              f"- CPU: {h['cpu']}, {h['cores']} logical cores, torch threads {h['torch_threads']}; "
-             f"GPU: {h['gpu'] or 'none'}; "
-             f"device used: {meta['device']}", f"- Python {h['python']}, {h['platform']}",
+             f"GPU: {h['gpu'] or 'none'}; device used: {meta['device']}", f"- Python {h['python']}, {h['platform']}",
              "- " + ", ".join(f"{k} {v}" for k, v in h["versions"].items()),
              f"- total wall time {t['total']:.0f} s; CPU time of the report's processes {t['cpu']:.0f} s"
              + ("" if others is None else f"; other processes used {100 * others:.0f}% of the machine's CPU time")]
@@ -371,7 +355,6 @@ def run_report(out: Path, scale, only=None, say=print, precision="fp32", rounds=
 def main(argv=None):
     ap = harness.parser("report", __doc__, precision="fp32", rounds=False, one_precision=True, result=None)
     ap.add_argument("--quick", action="store_true", help="small shapes, few rounds and steps")
-    ap.add_argument("--scale", choices=list(SCALES), default=None, help="test: the test suite's tiny size")
     ap.add_argument("--out", default=str(ROOT / "docs" / "report"), help="folder of report.md, report.json, the PNGs")
     ap.add_argument("--only", type=harness.name_list(MEASUREMENTS, "measurement"), default=None, help="default: all")
     ap.add_argument("--rounds", type=harness.positive_int, default=None, help="rounds per timing (6+: an interval)")
@@ -379,7 +362,6 @@ def main(argv=None):
                     help="seeds of each quality comparison, repeats of each measured peak")
     args = ap.parse_args(argv)
     harness.setup(args)
-    rows, page = run_report(Path(args.out), SCALES[args.scale or ("quick" if args.quick else "full")], args.only,
+    rows, page = run_report(Path(args.out), SCALES["quick" if args.quick else "full"], args.only,
                             lambda m: print(m, flush=True), args.precision, args.rounds, args.seeds, args.command)
     print(f"\n{page} ({len(rows)} rows)")
-    return 0

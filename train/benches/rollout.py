@@ -14,19 +14,19 @@ nucleus sampling redraws the rare token outside the nucleus instead of sorting t
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
-from train.benches.llm_speed import hf_load  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
+from train.benches.llm_speed import hf_config, hf_decoders, hf_load
 
 
 def prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,41 +48,29 @@ def sides(args, folder: Path, prec: str) -> dict:
     G, n = args.group, args.new_tokens
     rows, row_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     model = zoo.from_pretrained(folder, dtype=dt).eval()
-    out = {}
-    for m in args.modes:
-        def zoo_side(c="reduce-overhead" if m == "compile" else False):
-            gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
-            return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
-                                  compile=c)
-        out[f"zoo-{m}"] = zoo_side
-        hf = hf_load(folder, dt).eval()
-        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_p=args.top_p, top_k=0,
-                  num_return_sequences=G, pad_token_id=0)
-        if m == "compile":
-            hf.forward = torch.compile(hf.forward)
-            kw["cache_implementation"] = "static"
-        out[f"transformers-{m}"] = lambda hf=hf, kw=kw: hf.generate(ids, attention_mask=mask, **kw)
-    return out
+
+    def zoo_side(c):
+        gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
+        return model.generate(rows, n, temperature=1.0, top_p=args.top_p, generator=gens, attention_mask=row_mask,
+                              compile=c)
+    hf = hf_decoders("transformers", lambda: hf_load(folder, dt), args.modes, inputs=ids, attention_mask=mask,
+                     max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_p=args.top_p, top_k=0,
+                     num_return_sequences=G, pad_token_id=0)
+    return {k: v for m in args.modes for k, v in (
+        (f"zoo-{m}", lambda c="reduce-overhead" if m == "compile" else False: zoo_side(c)),
+        (f"transformers-{m}", hf[f"transformers-{m}"]))}
 
 
 def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
-    calls = sides(args, folder, prec)
-    shapes = {}
-
-    def timed(name):
-        def run():
-            with torch.inference_mode(), harness.autocast(prec):
-                shapes[name] = tuple(calls[name]().shape)
-        return run
-    fns = {k: timed(k) for k in calls}
+    calls, outs = sides(args, folder, prec), {}
+    fns = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(fns, say=lambda m: print(f"  {prec} rollouts {m}", flush=True))
     r = harness.run_rounds(fns, args.rounds)
-    done = args.prompts * args.group
-    rows = []
+    done, rows = args.prompts * args.group, []
     for k in calls:
         ref = "transformers-" + k.split("-")[1]
         rows.append([k, f"{r.median(k):.3f}", f"{done / r.median(k):.1f}", f"{done / r.best(k):.1f}", f"{first[k]:.1f}",
-                     "x".join(map(str, shapes[k])), "-" if k == ref else str(r.paired(k, ref))])
+                     "x".join(map(str, outs[k].shape)), "-" if k == ref else str(r.paired(k, ref))])
     note = (f"{prec}: {args.prompts} prompts of {args.prompt // 2}-{args.prompt} tokens x {args.group} samples, "
             f"{args.new_tokens} new tokens each, temperature 1, top_p {args.top_p}; a Llama of d_model {args.d_model}, "
             f"{args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab}; "
@@ -120,8 +108,7 @@ def quality(args) -> dict:
     table += [[f"after, seed {i}", *(f"{v:.3f}" for v in a)] for i, a in enumerate(after)]
     diffs = [harness.mean_interval(a[k] - before[k] for a in after) for k in range(len(names))]
     table.append([f"after - before: mean ± 95% interval ({args.seeds} seeds)",
-                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
-                    for m, h in diffs)])
+                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})" for m, h in diffs)])
     return harness.table(["model", *names], table,
                          f"greedy answers to {args.prompts} held-out prompts of the embedded task; "
                          f"{relative(args.config)} with {' '.join(args.override) or 'no overrides'}; {args.precision}")
@@ -150,15 +137,12 @@ def memory(args) -> dict:
     over `--steps` steps, everything resident counted): full fine-tuning and LoRA, each without and with a
     KL reference. Full fine-tuning keeps a frozen copy for it; LoRA's reference is the base with its
     adapters off, so its KL should cost no copy."""
-    import json
-    import os
-    import subprocess
     import zoo
     model = {"vocab_size": args.vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
              "n_kv_heads": args.n_kv_heads, "max_seq_len": 128}
     base = zoo.build({"family": "llm", "model": model})
-    weights = sum(p.numel() * p.element_size() for p in base.parameters())
-    rows, peaks = [], {}
+    weights, mib = sum(p.numel() * p.element_size() for p in base.parameters()), lambda n: f"{n / 2**20:.0f}"
+    rows, median = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         init = zoo.save_pretrained(base, Path(tmp) / "base")
         for method in ("full", "lora"):
@@ -168,41 +152,36 @@ def memory(args) -> dict:
                                 "seq_len": 64, "synthetic_rows": 100, "eval_prompts": 4},
                        "rl": {"group_size": args.group, "prompts_per_step": args.prompts, "max_new_tokens": 16,
                               "kl_beta": beta},
-                       "train": {"init_from": str(init), "max_steps": args.steps, "batch_size": args.group * args.prompts,
-                                 "eval_every": 0, "checkpoint_every": 0, "log_every": 1, "precision": args.precision,
+                       "train": {"init_from": str(init), "max_steps": args.steps, "precision": args.precision,
+                                 "batch_size": args.group * args.prompts, "eval_every": 0, "checkpoint_every": 0,
+                                 "log_every": 1,
                                  "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
-                                 "progress": False,
-                                 "samples": False, "plot": False, "export": False},
+                                 "progress": False, "samples": False, "plot": False, "export": False},
                        "optim": {"lr": 1e-4}}
                 if method == "lora":
                     cfg["adapter"] = {"method": "lora", "r": 16}
-                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-                peaks[method, beta] = []
+                env, v = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1)), []
                 for r in range(args.repeat):  # a run of its own each (a finished run's folder would resume)
                     cfg["train"]["out_dir"] = str(Path(tmp) / f"{method}-{beta}-{r}")
                     path = Path(tmp) / f"{method}-{beta}-{r}.yaml"
                     path.write_text(json.dumps(cfg))  # JSON is YAML
                     out = subprocess.run([sys.executable, "-c", STEP_PEAKS, str(path)], cwd=ROOT, env=env, check=True,
                                          capture_output=True, text=True)
-                    peaks[method, beta].append(max(json.loads(out.stdout.strip().splitlines()[-1])))
-                    print(f"  {method}, kl_beta {beta}: step peak {harness.gib(peaks[method, beta][-1])} GiB", flush=True)
-    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-    median = {k: statistics.median(v) for k, v in peaks.items()}
-    for method in ("full", "lora"):
-        for beta in (0.0, 0.05):
-            extra = median[method, beta] - median[method, 0.0]
-            v = peaks[method, beta]
-            rows.append([method, beta, f"{mib(median[method, beta])} ({mib(min(v))}-{mib(max(v))})",
-                         "-" if beta == 0 else f"{mib(extra)} ({extra / weights:.2f}x)"])
-    n = sum(p.numel() for p in base.parameters())
+                    v.append(max(json.loads(out.stdout.strip().splitlines()[-1])))
+                    print(f"  {method}, kl_beta {beta}: step peak {harness.gib(v[-1])} GiB", flush=True)
+                median[method, beta] = statistics.median(v)
+                extra = median[method, beta] - median[method, 0.0]
+                rows.append([method, beta, f"{mib(median[method, beta])} ({mib(min(v))}-{mib(max(v))})",
+                             "-" if beta == 0 else f"{mib(extra)} ({extra / weights:.2f}x)"])
     return harness.table(["fine-tuning", "kl_beta", "step peak RSS MiB: median (range)",
                           "the reference's cost: MiB (x the weights), of the medians"],
                          rows, f"GRPO in the loop, the largest resident set during {args.steps} optimizer steps "
                          f"(rollouts, reference log-probs, backward, update; the interpreter and torch included) of "
-                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, a fresh process "
-                         f"each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab {args.vocab}: "
-                         f"{n / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; LoRA r 16; {args.repeat} runs each")
+                         f"{args.prompts} prompts x {args.group} completions, 16 new tokens, {args.precision}, "
+                         f"a fresh process each; a random LLM of d_model {args.d_model}, {args.n_layers} layers, vocab "
+                         f"{args.vocab}: {base.num_params() / 1e6:.1f}M parameters, {mib(weights)} MiB of weights; "
+                         f"LoRA r 16; {args.repeat} runs each")
 
 
 def relative(path) -> str:
@@ -223,7 +202,7 @@ def main(argv=None, preset: str = "rollout"):
         args = p.parse_args(argv)
         harness.setup(args)
         harness.save(args, {"": quality(args)}, {})
-        return 0
+        return
     if preset == "rl-memory":
         p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
         harness.llm_args(p, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab=8192)
@@ -232,8 +211,9 @@ def main(argv=None, preset: str = "rollout"):
         p.add_argument("--steps", type=harness.positive_int, default=2, help="optimizer steps per run")
         p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
         args = p.parse_args(argv)
+        harness.setup(args)
         harness.save(args, {"": memory(args)}, {})
-        return 0
+        return
     p = harness.parser("rollout", __doc__, precision="bf16")
     harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
     p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
@@ -244,20 +224,12 @@ def main(argv=None, preset: str = "rollout"):
     p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
     args = p.parse_args(argv)
     harness.setup(args)
-    import transformers
+    from transformers import LlamaForCausalLM
     tables, data = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn or 4 * args.d_model * 2 // 3,
-            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads or args.n_heads, max_position_embeddings=512,
-            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)).save_pretrained(tmp)
+        LlamaForCausalLM(hf_config(harness.llm_config(args), intermediate_size=args.ffn or 4 * args.d_model * 2 // 3,
+                                   max_position_embeddings=512)).save_pretrained(tmp)
         for prec in args.precision:
             tables[prec], data[prec] = rollout_table(args, Path(tmp), prec)
     harness.save(args, tables, data)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

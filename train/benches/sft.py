@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))
-
-from train.benches import harness  # noqa: E402
+from train.benches import harness
+from train.benches.harness import ROOT
 
 SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False),
          "padded-random": dict(pack=False, bucket_batches=1)}
@@ -39,15 +35,14 @@ def packing(args) -> dict:
         data = ChatData(rows, rows[:1], tok, ChatTemplate.builtin("chatml"),
                         dataclasses.replace(ChatDataConfig(seq_len=args.seq), **keys), log=lambda m: None)
         batches = [data.batch(i, args.batch) for i in range(len(data._epoch_batches(0, args.batch)))]
-        real = sum(n for _, _, n, _ in batches)
-        cells = sum(x.numel() for x, *_ in batches)
+        real, cells = sum(n for _, _, n, _ in batches), sum(x.numel() for x, *_ in batches)
         info[name] = {"rows": sum(x.shape[0] for x, *_ in batches), "padding": 1 - real / cells, "tokens": real}
         model = copy.deepcopy(base).train()
         opt = build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
 
         def one_pass(model=model, opt=opt, batches=batches):
             for x, y, _, docs in batches:
-                with harness.autocast(args.precision[0]):
+                with harness.autocast(args.precision):
                     loss = model(x, y, **docs)[1]
                 loss.backward()
                 opt.step()
@@ -92,7 +87,7 @@ def quality(args) -> dict:
 
 def main(argv=None, preset: str = "sft-packing"):
     packs = preset == "sft-packing"
-    p = harness.parser(preset, __doc__, precision="fp32", rounds=packs, keep_memory=packs, one_precision=not packs)
+    p = harness.parser(preset, __doc__, precision="fp32", rounds=packs, keep_memory=packs, one_precision=True)
     if packs:
         harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=2048, seq=256, batch=16)
         p.add_argument("--tokenizer", default=str(ROOT / "runs" / "tiny" / "tokenizer.model"), help="bytes when absent")
@@ -103,4 +98,3 @@ def main(argv=None, preset: str = "sft-packing"):
     args = p.parse_args(argv)
     harness.setup(args)
     harness.save(args, {"sides" if packs else "answers": (packing if packs else quality)(args)}, {})
-    return 0
