@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from train import bench, hardware, metrics
+from train.benches import gate as bench_gate
 from train.benches import harness
 from train.config import TrainConfig
 from conftest import CPU, CUDA
@@ -84,7 +85,7 @@ def test_precision_names_are_the_configs():
     assert p.parse_args([]).rounds == harness.MIN_ROUNDS >= 8
 
 
-@pytest.mark.parametrize("name", sorted(set(bench.BENCHES) - {"gpu", "float8"}))  # their rows fix their precisions
+@pytest.mark.parametrize("name", sorted(set(bench.BENCHES) - {"gpu", "float8", "gate"}))  # their rows fix their precisions
 @pytest.mark.parametrize("value", ["bfloat16", "fp32,float16", ","])
 def test_every_bench_rejects_a_bad_precision_in_one_line(name, value, capsys):
     with pytest.raises(SystemExit) as e:
@@ -214,3 +215,18 @@ def check_options(name: str, args: list):
     finally:
         argparse.ArgumentParser.parse_args = real
     assert "args" in seen, name
+
+
+def test_gate_rehearses_every_eager_check_and_judges_by_its_noise(tmp_path):
+    """`bench.py gate --rehearse`: each check's benchmark runs at tiny shapes and its paired ratio is read
+    back from the benchmark's own result data (Inductor's compilations are the full run's); a rehearsal
+    judges and writes nothing. A check fails when its ratio is below the committed one by more than its noise."""
+    for check in (c for c in bench_gate.CHECKS if "compiled" not in c):
+        m = bench_gate.measure(check, rehearse=True, threads=None)
+        assert m["ratio"] > 0 and m["noise"] >= 0, check
+    gate = tmp_path / "gate.json"
+    assert bench.main(["gate", "--rehearse", "--update", "--gate", str(gate), "--checks", "data-prepare"]) == 0
+    assert not gate.exists()
+    assert bench_gate.falls({"ratio": 1.2, "noise": 0.1}, {"ratio": 1.5}) and \
+        not bench_gate.falls({"ratio": 1.45, "noise": 0.1}, {"ratio": 1.5}) and \
+        not bench_gate.falls({"ratio": 0.5, "noise": 0.0}, None)

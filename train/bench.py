@@ -30,7 +30,7 @@ BENCHES: dict[str, str] = {
     "sft-packing": "sft, name", "sft-quality": "sft, name",
     "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
     "gpu": "gpu, name", "float8": "gpu, name", "report": "report", "rollout": "rollout, name",
-    "rl-quality": "rollout, name", "rl-memory": "rollout, name",
+    "rl-quality": "rollout, name", "rl-memory": "rollout, name", "gate": "gate",
 }
 
 
