@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import types
 import typing
@@ -79,8 +80,8 @@ def _coerce(value: Any, tp, key: str, source: str):
         if not isinstance(value, dict):
             raise bad
         return from_dict(tp, value, source, prefix=key + ".")
-    if tp is bool:
-        if isinstance(value, bool):
+    if tp in (bool, str):
+        if isinstance(value, tp):
             return value
         raise bad
     if tp is int:
@@ -99,10 +100,6 @@ def _coerce(value: Any, tp, key: str, source: str):
                 raise fail(source, key, f"must be a finite number, got {value!r}")
             return float(value)
         raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise bad
@@ -114,10 +111,8 @@ def _coerce(value: Any, tp, key: str, source: str):
         inner = args[0] if args else Any
         out = [_coerce(v, inner, f"{key}[{i}]", source) for i, v in enumerate(value)]
         return tuple(out) if (origin is tuple or tp is tuple) else out
-    if origin is dict or tp is dict:
-        if isinstance(value, dict):
-            return value
-        raise bad
+    if (origin is dict or tp is dict) and isinstance(value, dict):
+        return value
     raise bad
 
 
@@ -180,14 +175,7 @@ def describe_bounds(bounds: dict) -> str:
     return f"{end[1]} {_num(end[2])}" if end else ""
 
 
-def _within(v, bounds: dict) -> bool:
-    return (("gt" not in bounds or v > bounds["gt"]) and ("ge" not in bounds or v >= bounds["ge"])
-            and ("lt" not in bounds or v < bounds["lt"]) and ("le" not in bounds or v <= bounds["le"]))
-
-
-def _nullable(cls, name: str) -> bool:
-    tp = typing.get_type_hints(cls).get(name)
-    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
+_BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 
 
 def check_bounds(obj, source: str = "<config>", prefix: str = ""):
@@ -201,8 +189,8 @@ def check_bounds(obj, source: str = "<config>", prefix: str = ""):
         bounds = f.metadata.get("bounds")
         if not bounds or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue  # null, or a non-number a Union allows ('auto')
-        if not _within(v, bounds):
-            null = " or null" if _nullable(type(obj), f.name) else ""
+        if not all(_BOUNDS[k](v, b) for k, b in bounds.items()):
+            null = " or null" if type(None) in typing.get_args(typing.get_type_hints(type(obj))[f.name]) else ""
             raise fail(source, prefix + f.name, f"must be {describe_bounds(bounds)}{null}, got {v}")
 
 
@@ -644,27 +632,20 @@ class ConvNetConfig:
 
     @property
     def resolved_layers(self) -> list:
-        if self.layers:
-            return list(self.layers)
-        return list(RESNET_ARCHS[self.arch][1] if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][1])
+        return list(self.layers or (RESNET_ARCHS if self.kind == "resnet" else CONVNEXT_ARCHS)[self.arch][1])
 
     @property
     def resolved_width(self) -> int:
-        if self.width:
-            return self.width
-        return 64 if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][2]
+        return self.width or (64 if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][2])
 
     @property
     def resolved_width_mult(self) -> float:
-        if self.width_mult:
-            return self.width_mult
-        return EFFICIENTNET_ARCHS[self.arch][0] if self.kind == "efficientnet" else MOBILENETV3_ARCHS[self.arch][1]
+        return self.width_mult or (EFFICIENTNET_ARCHS[self.arch][0] if self.kind == "efficientnet"
+                                   else MOBILENETV3_ARCHS[self.arch][1])
 
     @property
     def resolved_depth_mult(self) -> float:
-        if self.depth_mult:
-            return self.depth_mult
-        return EFFICIENTNET_ARCHS[self.arch][1] if self.kind == "efficientnet" else 1.0
+        return self.depth_mult or (EFFICIENTNET_ARCHS[self.arch][1] if self.kind == "efficientnet" else 1.0)
 
     @property
     def resolved_groups(self) -> int:

@@ -83,12 +83,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor):
     return emb.cos(), emb.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dim (the reference form of RoPE)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (..., T, D) by the angles in cos/sin (T, D) (or anything broadcasting, e.g. (T, 1, D) for
     x (B, T, H, D)); returns x's dtype. Eagerly x * cos + roll(x, D/2) * [-sin, sin] (fewer kernels);

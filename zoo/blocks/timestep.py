@@ -30,6 +30,14 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, f
     return F.pad(emb, (0, 1)) if dim % 2 else emb
 
 
+def drop_labels(labels: torch.Tensor, p: float, null_label: int, generator: Optional[torch.Generator] = None):
+    """Each label replaced by `null_label` ("no label") with probability p (training for classifier-free guidance)."""
+    if p <= 0:
+        return labels
+    dropped = torch.rand(labels.shape, generator=generator, device=labels.device) < p
+    return torch.where(dropped, torch.full_like(labels, null_label), labels)
+
+
 class TimestepEmbedder(nn.Module):
     """(B,) timesteps -> (B, dim): the sinusoids (freq_dim of them) through a two-layer SiLU MLP."""
 
@@ -52,11 +60,7 @@ class LabelEmbedder(nn.Module):
         self.table = nn.Embedding(num_classes + 1, dim)
 
     def drop(self, labels: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Each label replaced by "no label" with probability p (training for classifier-free guidance)."""
-        if p <= 0:
-            return labels
-        dropped = torch.rand(labels.shape, generator=generator, device=labels.device) < p
-        return torch.where(dropped, torch.full_like(labels, self.num_classes), labels)
+        return drop_labels(labels, p, self.num_classes, generator)
 
     def forward(self, labels: torch.Tensor) -> torch.Tensor:
         return self.table(labels)

@@ -19,12 +19,11 @@ class ConvNetBase(nn.Module):
         raise NotImplementedError
 
     def repeated_units(self) -> list:
-        """The residual blocks (called one by one, not the stages): what a data-parallel wrapper shards."""
-        return self.checkpoint_units()
-
-    def checkpoint_units(self) -> list:
-        """The residual blocks, in order: what activation checkpointing applies to."""
+        """The residual blocks in order (not the stages): what a data-parallel wrapper shards, and activation
+        checkpointing applies to."""
         return self.units()
+
+    checkpoint_units = repeated_units
 
     def reset_classifier(self, num_classes: int):
         """A fresh head with num_classes outputs (fine-tuning on another label set)."""

@@ -60,11 +60,11 @@ class LatentDiffusion(nn.Module):
         self.register_buffer("latent_std", torch.ones(C))
 
     def repeated_units(self) -> list:
-        """The denoiser's blocks (the autoencoder is frozen): what a data-parallel wrapper shards."""
+        """The denoiser's blocks (the autoencoder is frozen): what a data-parallel wrapper shards, and
+        activation checkpointing applies to."""
         return self.denoiser.repeated_units()
 
-    def checkpoint_units(self) -> list:
-        return self.denoiser.checkpoint_units()
+    checkpoint_units = repeated_units
 
     @property
     def latent_size(self) -> int:

@@ -130,11 +130,9 @@ class NoiseSchedule:
             raise ValueError(f"sampling steps must be in [1, {T}], got {steps}")
         return sorted({round(T - i * T / steps) - 1 for i in range(steps)}, reverse=True)
 
-    def ddim_step(self, out, x_t, t, t_prev, prediction="eps", eta=0.0, noise=None, clip: Optional[float] = None):
+    def ddim_step(self, out, x_t, t, t_prev, prediction="eps", eta=0.0, noise=None):
         """x_{t_prev} from x_t (t_prev = -1: the final, noise-free step)."""
         x0, eps = self.split(out, x_t, t, prediction)
-        if clip is not None:
-            x0 = x0.clamp(-clip, clip)
         a, a_prev = _bcast(self.abar(t), x_t), _bcast(self.abar(t_prev), x_t)
         std = eta * ((1 - a_prev) / (1 - a) * (1 - a / a_prev)).sqrt()
         x = a_prev.sqrt() * x0 + (1 - a_prev - std ** 2).clamp(min=0).sqrt() * eps
@@ -144,11 +142,9 @@ class NoiseSchedule:
             x = x + std * noise
         return x
 
-    def ddpm_step(self, out, x_t, t, t_prev, prediction="eps", noise=None, clip: Optional[float] = None):
+    def ddpm_step(self, out, x_t, t, t_prev, prediction="eps", noise=None):
         """Ancestral step from the posterior q(x_{t_prev} | x_t, x_0) with variance beta~."""
         x0, _ = self.split(out, x_t, t, prediction)
-        if clip is not None:
-            x0 = x0.clamp(-clip, clip)
         a, a_prev = _bcast(self.abar(t), x_t), _bcast(self.abar(t_prev), x_t)
         beta = 1 - a / a_prev                        # the step's beta (strided steps included)
         mean = (a_prev.sqrt() * beta * x0 + (1 - beta).sqrt() * (1 - a_prev) * x_t) / (1 - a)
@@ -160,7 +156,7 @@ class NoiseSchedule:
     @torch.no_grad()
     def sample(self, model_fn: Callable, shape, steps: int = 50, sampler: str = "ddim", eta: float = 0.0,
                prediction: str = "eps", generator: Optional[torch.Generator] = None, device=None,
-               dtype=torch.float32, clip: Optional[float] = None, x_T: Optional[torch.Tensor] = None):
+               dtype=torch.float32, x_T: Optional[torch.Tensor] = None):
         """Run the reverse process from x_T ~ N(0, I) (or the given x_T); model_fn(x, t) -> output."""
         if sampler not in ("ddim", "ddpm"):
             raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
@@ -175,17 +171,13 @@ class NoiseSchedule:
             stochastic = sampler == "ddpm" or eta > 0
             noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype) if stochastic else None
             if sampler == "ddim":
-                x = self.ddim_step(out, x, tb, pb, prediction, eta, noise, clip)
+                x = self.ddim_step(out, x, tb, pb, prediction, eta, noise)
             else:
-                x = self.ddpm_step(out, x, tb, pb, prediction, noise, clip)
+                x = self.ddpm_step(out, x, tb, pb, prediction, noise)
         return x
 
 
 # -- learned sigma ------------------------------------------------------------------------------
-
-def _normal_kl(mean1, logvar1, mean2, logvar2):
-    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
-
 
 def vlb_term(schedule: "NoiseSchedule", var_out: torch.Tensor, x0_pred: torch.Tensor, x0: torch.Tensor,
              x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -203,7 +195,8 @@ def vlb_term(schedule: "NoiseSchedule", var_out: torch.Tensor, x0_pred: torch.Te
     coef_x0, coef_xt = a_prev.sqrt() * beta / (1 - a), (1 - beta).sqrt() * (1 - a_prev) / (1 - a)
     mean_q = coef_x0 * x0 + coef_xt * x_t
     mean_p = coef_x0 * x0_pred.float() + coef_xt * x_t
-    kl = _normal_kl(mean_q, log_post, mean_p, logvar_p).flatten(1).mean(1)
+    kl = 0.5 * (-1.0 + logvar_p - log_post + torch.exp(log_post - logvar_p)  # KL(q || p) of two Gaussians
+                + (mean_q - mean_p) ** 2 * torch.exp(-logvar_p)).flatten(1).mean(1)
     nll = (0.5 * (math.log(2 * math.pi) + logvar_p + (x0 - mean_p) ** 2 * torch.exp(-logvar_p))).flatten(1).mean(1)
     return torch.where(t > 0, kl, nll) / math.log(2.0)
 
