@@ -54,6 +54,11 @@ def features(cfg: LLMConfig) -> set:
     return (named | {k for k, v in flags.items() if v}) - {None}
 
 
+def attention_bias(get) -> dict:
+    """qkv_bias and attn_out_bias from config.json's one `attention_bias` (on q, k, v and o)."""
+    return dict.fromkeys(("qkv_bias", "attn_out_bias"), bool(get("attention_bias")))
+
+
 def interleaved(heads: int, head_dim: int, start: int, width: int) -> list:
     """The row order that turns a checkpoint's RoPE channels in interleaved pairs (x0, x1), (x2, x3), ...
     into Zoo's halves (x0, x2, ...), (x1, x3, ...): rows [start, start + width) of each of `heads` heads of

@@ -18,7 +18,7 @@ Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
 Depends on torch only.
 """
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -84,8 +84,7 @@ def file_crc32(path, start: int = 0) -> str:
 
 def self_checked(path) -> bool:
     """Whether the file carries its own checksum (safetensors files Zoo wrote, torch zip archives)."""
-    suffix = Path(path).suffix.lower()
-    return suffix == ".safetensors" or suffix in WEIGHT_SUFFIXES
+    return Path(path).suffix.lower() in WEIGHT_SUFFIXES
 
 
 def _data_crc32(f, start: int, end: int) -> int:
@@ -186,42 +185,30 @@ def read_safetensors_header(path) -> tuple[dict, dict, int]:
     return table, metadata, 8 + n
 
 
-def check_safetensors(path):
-    path = Path(path)
-    _, metadata, start = read_safetensors_header(path)
-    want = metadata.get(CHECKSUM_KEY)
-    if want is None:
-        return
-    got = file_crc32(path, start)
-    if got != want:
-        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got}, the file says {want}): "
-                         f"the file is corrupt")
-
-
-def check_torch_file(path):
-    path = Path(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04":
-        return  # a legacy torch file (or not a torch file): torch.load(weights_only=True) decides
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, zlib.error) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{path}: corrupt or truncated torch file ({first})") from None
-    if bad is not None:
-        raise ValueError(f"{path}: corrupt or truncated torch file (checksum mismatch in record {bad})")
-
-
 def check_weight_file(path):
-    """Check one weight file by its suffix; other files pass through."""
-    p = Path(path)
-    suffix = p.suffix.lower()
-    if suffix == ".safetensors":
-        check_safetensors(p)
-    elif suffix in WEIGHT_SUFFIXES:
-        check_torch_file(p)
+    """Check one weight file by its suffix: a safetensors file against the CRC-32 it carries (if any), a torch
+    zip archive against its records' checksums (a legacy torch file: torch.load(weights_only=True) decides);
+    other files pass through."""
+    path = Path(path)
+    if path.suffix.lower() == ".safetensors":
+        _, metadata, start = read_safetensors_header(path)
+        want = metadata.get(CHECKSUM_KEY)
+        got = None if want is None else file_crc32(path, start)
+        if got != want:
+            raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got}, the file says {want}): "
+                             f"the file is corrupt")
+    elif path.suffix.lower() in WEIGHT_SUFFIXES:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, zlib.error) as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{path}: corrupt or truncated torch file ({first})") from None
+        if bad is not None:
+            raise ValueError(f"{path}: corrupt or truncated torch file (checksum mismatch in record {bad})")
 
 
 def check_weights(path):

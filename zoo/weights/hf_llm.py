@@ -387,19 +387,14 @@ def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
             z + "attn.q_b.weight": [(a + "q_b_proj.weight", (qk, mla.q_rank))]}
 
 
-def _ignorable(name: str, cfg: LLMConfig) -> bool:
-    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
-
-
-def mismatches(found: dict, expected: dict, ignorable=lambda name: False) -> str:
+def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:
     """What differs between the tensors a file holds and those expected ({name: shape} both):
     "missing: ...; unexpected: ...; wrong shape: ..." (each list cut short), or "" when they match."""
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected and not ignorable(n)]
     wrong = [f"{n} {list(found[n])} (expected {list(s)})" for n, s in expected.items()
              if n in found and tuple(found[n]) != tuple(s)]
-    return "; ".join(f"{label}: {_listing(names)}" for label, names in
+    return "; ".join(f"{label}: {_listing(names, limit)}" for label, names in
                      (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
 
 
@@ -540,7 +535,9 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
-    problems = mismatches(found, expected, lambda n: _ignorable(n, cfg))
+    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
+    problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq")
+                          or (cfg.tie_embeddings and n == "lm_head.weight"))
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 

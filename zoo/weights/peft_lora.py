@@ -18,7 +18,7 @@ import torch
 from ..adapters import AdapterConfig, adapter_modules, apply_adapters, lora_sites
 from ..blocks.lora import LoRALinear
 from .files import atomic_write, load_tensors, save_safetensors
-from .hf_llm import inverse, read_json, record_for, row_orders
+from .hf_llm import inverse, mismatches, read_json, record_for, row_orders
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -129,15 +129,9 @@ def file_orders(model) -> dict:
 def load_adapter_weights(model, path: Path):
     """Read PEFT-named adapter tensors into `model`; any mismatch is one error naming the file."""
     found = load_tensors(path)
-    want = adapter_state(model)
-    missing = [k for k in want if k not in found]
-    unexpected = [k for k in found if k not in want]
-    wrong = [f"{k} {list(found[k].shape)} (expected {list(want[k].shape)})" for k in want
-             if k in found and found[k].shape != want[k].shape]
-    if missing or unexpected or wrong:
-        parts = [f"{what}: {', '.join(names[:4])}" + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
-                 for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
-        raise ValueError(f"{path}: does not match adapter_config.json and the base model: " + "; ".join(parts))
+    problems = mismatches(*({k: t.shape for k, t in d.items()} for d in (found, adapter_state(model))), limit=4)
+    if problems:
+        raise ValueError(f"{path}: does not match adapter_config.json and the base model: {problems}")
     orders = file_orders(model)
     for k, (hf, t) in _adapter_tensors(model).items():
         t.copy_(found[k][orders[hf]] if hf in orders else found[k])

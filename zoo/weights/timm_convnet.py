@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 
 from ..config import CONVNET_KINDS, CONVNEXT_ARCHS, RESNET_ARCHS, ConfigError, ConvNetConfig, from_dict, to_dict
-from .files import atomic_write, load_tensors, read_safetensors_header, save_safetensors
+from .files import WEIGHT_SUFFIXES as SUFFIXES, atomic_write, load_tensors, read_safetensors_header, save_safetensors
 
-SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 FOLDER_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -39,12 +38,6 @@ def read_state_dict(path) -> dict:
         raise FileNotFoundError(f"{path}: no ConvNet weight file ({', '.join(SUFFIXES)} or a folder with "
                                 f"{' / '.join(FOLDER_FILES)})")
     return {(k[7:] if k.startswith("module.") else k): v for k, v in load_tensors(f).items()}
-
-
-def _keys(f: Path) -> set:
-    if f.suffix.lower() == ".safetensors":
-        return set(read_safetensors_header(f)[0])  # the header only
-    return set(read_state_dict(f))
 
 
 # what tells each kind's keys apart (all of them present)
@@ -70,8 +63,8 @@ def detect(path) -> bool:
     f = weight_file(path)
     if f is None:
         return False
-    try:
-        keys = _keys(f)
+    try:  # a safetensors file's header only
+        keys = read_safetensors_header(f)[0] if f.suffix.lower() == ".safetensors" else read_state_dict(f)
     except Exception:
         return False
     return kind_of(keys) is not None
@@ -99,8 +92,8 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     if base is not None and (arch is None or base.get("arch") == arch):
         cfg = dict(base)
     else:
-        cfg = INFER[kind](sd, arch, source)
-    cfg.update(in_chans=_in_chans(sd, kind))
+        cfg = INFER[kind](sd, arch, source) if kind in INFER else {} if arch is None else {"arch": arch}
+    cfg.update(in_chans=sd[STEMS[kind]].shape[1])
     head = HEADS[kind] + ".weight"
     if head in sd:
         cfg["num_classes"] = sd[head].shape[0]
@@ -113,10 +106,6 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
 HEADS = {"resnet": "fc", "convnext": "head.fc", "efficientnet": "classifier", "mobilenetv3": "classifier"}
 STEMS = {"resnet": "conv1.weight", "convnext": "stem.0.weight", "efficientnet": "conv_stem.weight",
          "mobilenetv3": "conv_stem.weight"}
-
-
-def _in_chans(sd, kind) -> int:
-    return sd[STEMS[kind]].shape[1]
 
 
 def _resnet(sd, arch, source) -> dict:
@@ -164,11 +153,7 @@ def _convnext(sd, arch, source) -> dict:
     return {**cfg, "arch": alike[0], "layers": depths, "width": width}
 
 
-def _mobile(sd, arch, source) -> dict:
-    return {} if arch is None else {"arch": arch}
-
-
-INFER = {"resnet": _resnet, "convnext": _convnext, "efficientnet": _mobile, "mobilenetv3": _mobile}
+INFER = {"resnet": _resnet, "convnext": _convnext}  # EfficientNet, MobileNetV3: _matching_preset
 
 
 def _depths(sd, stage: str, block_key: str, start: int) -> list:
