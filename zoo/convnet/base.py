@@ -9,11 +9,19 @@ import math
 import torch
 from torch import nn
 
+from ..config import check
+
 
 class ConvNetBase(nn.Module):
-    """A subclass sets `classifier_name` (the dotted name of its final nn.Linear) and defines `units()`."""
+    """A subclass sets `classifier_name` (the dotted name of its final nn.Linear) and defines `units()`; it
+    builds from `self.config`, a copy of the checked config (reset_classifier() edits it, not the caller's)."""
     family = "convnet"
     classifier_name = "fc"
+
+    def __init__(self, cfg):
+        super().__init__()
+        check(cfg)
+        self.config = copy.deepcopy(cfg)
 
     def units(self) -> list:
         raise NotImplementedError

@@ -8,7 +8,6 @@ Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neura
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,7 +17,7 @@ from torch import nn
 
 from ..blocks.drop_path import linear_drop_rates
 from ..blocks.mbconv import DepthwiseSeparable, MBConv
-from ..config import ConvNetConfig, check
+from ..config import ConvNetConfig
 from .base import ConvNetBase
 
 
@@ -147,9 +146,8 @@ class MobileNetBase(ConvNetBase):
 class EfficientNet(MobileNetBase):
 
     def __init__(self, cfg: ConvNetConfig):
-        super().__init__()
-        check(cfg)
-        self.config = cfg = copy.deepcopy(cfg)
+        super().__init__(cfg)
+        cfg = self.config
         wm, dm = cfg.resolved_width_mult, cfg.resolved_depth_mult
         stem = make_divisible(32 * wm)
         self.conv_stem = nn.Conv2d(cfg.in_chans, stem, 3, 2 if cfg.stem == "imagenet" else 1, 1, bias=False)
