@@ -543,24 +543,12 @@ CONVNEXT_ARCHS: dict[str, tuple] = {
     for v, sizes in ((1, "atto femto pico nano tiny small base large xlarge xxlarge"),
                      (2, "atto femto pico nano tiny small base large huge")) for size in sizes.split()}
 # EfficientNet compound scaling: name -> (width multiplier, depth multiplier, the paper's image size).
-EFFICIENTNET_ARCHS: dict[str, tuple] = {
-    "efficientnet_b0": (1.0, 1.0, 224),
-    "efficientnet_b1": (1.0, 1.1, 240),
-    "efficientnet_b2": (1.1, 1.2, 260),
-    "efficientnet_b3": (1.2, 1.4, 300),
-    "efficientnet_b4": (1.4, 1.8, 380),
-    "efficientnet_b5": (1.6, 2.2, 456),
-    "efficientnet_b6": (1.8, 2.6, 528),
-    "efficientnet_b7": (2.0, 3.1, 600),
-}
+EFFICIENTNET_ARCHS: dict[str, tuple] = {f"efficientnet_b{i}": scaling for i, scaling in enumerate([
+    (1.0, 1.0, 224), (1.0, 1.1, 240), (1.1, 1.2, 260), (1.2, 1.4, 300), (1.4, 1.8, 380), (1.6, 2.2, 456),
+    (1.8, 2.6, 528), (2.0, 3.1, 600)])}
 # MobileNetV3 presets: name -> (size "large" or "small", width multiplier), as timm.
-MOBILENETV3_ARCHS: dict[str, tuple] = {
-    "mobilenetv3_large_100": ("large", 1.0),
-    "mobilenetv3_large_075": ("large", 0.75),
-    "mobilenetv3_small_050": ("small", 0.5),
-    "mobilenetv3_small_075": ("small", 0.75),
-    "mobilenetv3_small_100": ("small", 1.0),
-}
+MOBILENETV3_ARCHS: dict[str, tuple] = {f"mobilenetv3_{size}_{round(mult * 100):03d}": (size, mult) for size, mult in
+                                       (("large", 1.0), ("large", 0.75), ("small", 0.5), ("small", 0.75), ("small", 1.0))}
 CONVNET_KINDS: dict[str, dict] = {"resnet": RESNET_ARCHS, "convnext": CONVNEXT_ARCHS,
                                   "efficientnet": EFFICIENTNET_ARCHS, "mobilenetv3": MOBILENETV3_ARCHS}
 # the keys that shape only some kinds (the rest apply to all): key -> kinds

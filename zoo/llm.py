@@ -118,8 +118,8 @@ class LLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.build_rope(cfg.max_seq_len)
-        n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
+            n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
         # MoD decision logits since the last threshold update, kept only when keep_mod_decisions (train/ sets it)
         self.mod_decisions: list = []
@@ -166,14 +166,12 @@ class LLM(nn.Module):
             raise ValueError(f"final_softcap={cap}: train with train.chunked_loss=false and without distillation "
                              f"(the chunked losses read the uncapped logits)")
         elif self.chunked_loss and distill is not None:
-            loss = chunked_distillation_loss(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                             distill.hidden.reshape(B * T, -1), distill.weight, distill.alpha,
-                                             distill.temperature, self.loss_chunk_size)
-            out = (None, loss)
+            out = (None, chunked_distillation_loss(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                                   distill.hidden.reshape(B * T, -1), distill.weight, distill.alpha,
+                                                   distill.temperature, self.loss_chunk_size))
         elif self.chunked_loss:
-            loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self.loss_chunk_size)
-            out = (None, loss)
+            out = (None, chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                               self.loss_chunk_size))
         else:
             logits = self.logits(h)
             if distill is not None:
@@ -209,12 +207,8 @@ class LLM(nn.Module):
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        tables = []
-        for rope in (self.rope, self.rope_local or self.rope):
-            if position_ids is not None:
-                tables.append(rope.at(position_ids, rope_dtype))  # (B, T, D)
-            else:
-                tables.append(rope(start_pos, T, rope_dtype))
+        tables = [rope(start_pos, T, rope_dtype) if position_ids is None else rope.at(position_ids, rope_dtype)
+                  for rope in (self.rope, self.rope_local or self.rope)]  # (T, D), or (B, T, D) per row
         stats, mod_stats = [], []
         q_scale = self.query_scale(position_ids, start_pos, T, x.device)
         causal = caches is not None if mod_causal is None else mod_causal

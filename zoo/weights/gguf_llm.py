@@ -311,14 +311,6 @@ def exports(model) -> bool:
     return False  # chosen by the file name (".gguf"), never as a family's default format
 
 
-def _write_type(dtype) -> str:
-    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-    name = names.get(dtype, dtype)
-    if name not in WRITE_TYPES:
-        raise ValueError(f"GGUF dtype {dtype!r} is not supported (supported: {', '.join(WRITE_TYPES)})")
-    return name
-
-
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
     """Write `model` as one GGUF file (an architecture of `WRITES`); dtype: the 2-D weights'
     type (under "q8_0" a row length not a multiple of 32 is written F16, as llama.cpp's converter does);
@@ -329,7 +321,9 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     if getattr(model, "family", None) != "llm":
         raise ValueError(f"{out}: GGUF holds LLMs; a {type(model).__name__} cannot be written to it")
     cfg: LLMConfig = model.config
-    kind = _write_type(dtype)
+    kind = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(dtype, dtype)
+    if kind not in WRITE_TYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not supported (supported: {', '.join(WRITE_TYPES)})")
     rec = record_for(cfg, getattr(model, "hf_architecture", None))
     arch = rec.hf_class
     if not rec.gguf_writes:
@@ -354,17 +348,12 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         w = gguf.GGUFWriter(str(tmp), name)
         w.add_name(getattr(model, "gguf_name", "zoo"))
         D = cfg.resolved_head_dim
-        w.add_context_length(cfg.max_seq_len)
-        w.add_embedding_length(cfg.d_model)
-        w.add_block_count(cfg.n_layers)
-        w.add_feed_forward_length(cfg.resolved_ffn_hidden)
-        w.add_head_count(cfg.n_heads)
-        w.add_head_count_kv(cfg.resolved_n_kv_heads)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_rope_dimension_count(cfg.rotary_dim)
-        w.add_key_length(D)
-        w.add_value_length(D)
+        for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.d_model),
+                           ("block_count", cfg.n_layers), ("feed_forward_length", cfg.resolved_ffn_hidden),
+                           ("head_count", cfg.n_heads), ("head_count_kv", cfg.resolved_n_kv_heads),
+                           ("rope_freq_base", cfg.rope_theta), ("layer_norm_rms_eps", cfg.norm_eps),
+                           ("rope_dimension_count", cfg.rotary_dim), ("key_length", D), ("value_length", D)):
+            getattr(w, "add_" + key)(value)  # GGUFWriter.add_context_length, ...
         if cfg.sliding_window is not None:
             w.add_sliding_window(cfg.sliding_window)
         s = cfg.rope_scaling

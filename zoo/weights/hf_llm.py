@@ -269,9 +269,7 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     for params in (rope, hf["rope_parameters"].get("sliding_attention")):
         if params is not None and fraction < 1:
             params["partial_rotary_factor"] = fraction
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if base is not None and k in base:
-            hf[k] = base[k]
+    hf.update({k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in (base or {})})
     return hf
 
 
@@ -359,10 +357,7 @@ def row_orders(cfg: LLMConfig, rec: Record, hf: Optional[dict] = None) -> dict[s
 
 def inverse(order: list) -> list:
     """The order that undoes `order`."""
-    out = [0] * len(order)
-    for i, o in enumerate(order):
-        out[o] = i
-    return out
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 @torch.no_grad()
@@ -506,14 +501,9 @@ def _folder(path) -> Path:
 
 def detect(path) -> bool:
     """A folder (or its config.json) whose config.json describes a Hugging Face causal LM."""
-    cfg_file = _folder(path) / "config.json"
-    if not cfg_file.is_file():
-        return False
     try:
-        hf = json.loads(cfg_file.read_text())
-    except (ValueError, UnicodeDecodeError, OSError):
-        return False
-    if not isinstance(hf, dict):
+        hf = read_json(_folder(path) / "config.json")
+    except (ValueError, OSError):  # none, or not a JSON object
         return False
     archs = hf.get("architectures") or []
     return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in BY_MODEL_TYPE

@@ -78,18 +78,14 @@ def variant_of(sd: dict, source) -> dict:
     return {"latent_channels": latent, "midblock_gn": any(".pool." in k for k in sd), "channels": channels}
 
 
-def _check_variant(found: dict, expected: dict, source):
-    for k, v in expected.items():
-        if v is not None and found[k] != v:
-            raise ValueError(f"{source}: these weights are the TAESD variant {k}={found[k]}, but {k}={v} "
-                             f"was asked for")
-
-
 def from_state_dict(sd: dict, source, dtype=torch.float32, **expected) -> TAESD:
     """A TAESD with the zoo-keyed weights `sd`; `expected` (latent_channels=..., midblock_gn=...,
     channels=...) is checked against the variant the tensors say."""
     found = variant_of(sd, source)
-    _check_variant(found, {k: v for k, v in expected.items() if k in found}, source)
+    for k, v in expected.items():
+        if k in found and v is not None and found[k] != v:
+            raise ValueError(f"{source}: these weights are the TAESD variant {k}={found[k]}, but {k}={v} "
+                             f"was asked for")
     model = TAESD(**found)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
