@@ -300,8 +300,7 @@ class RopeScaling:
     mscale_all_dim: float = bounded(0.0, ge=0)  # yarn with multi-head latent attention (DeepSeek): scores times
                                             # (0.1 mscale_all_dim ln(factor) + 1)^2; 0 = off
     short_factor: list[float] = field(default_factory=list)  # longrope: per-channel divisors (head_dim / 2 values)
-    long_factor: list[float] = field(default_factory=list)  # longrope: the same past
-                                            # `original_max_position_embeddings`
+    long_factor: list[float] = field(default_factory=list)  # longrope: the same past `original_max_position_embeddings`
     query_beta: float = bounded(0.0, ge=0)  # queries times 1 + beta ln(1 + floor(position /
                                             # original_max_position_embeddings)) (Llama 4, Mistral 4: `llama_4_scaling_beta`;
                                             # multi-head latent attention only); 0 = off
@@ -322,8 +321,7 @@ class MoEConfig:
     n_experts: int = bounded(8, gt=0)       # experts per sparse layer
     top_k: int = bounded(2, gt=0)           # experts per token (<= `n_experts`)
     expert_hidden: Optional[int] = bounded(None, gt=0)  # each expert's SwiGLU width; null = `ffn_hidden`
-    n_shared: int = bounded(0, ge=0)        # always-on shared experts, run as one SwiGLU of `n_shared *
-                                            # shared_hidden`
+    n_shared: int = bounded(0, ge=0)        # always-on shared experts, run as one SwiGLU of `n_shared * shared_hidden`
     shared_hidden: Optional[int] = bounded(None, gt=0)  # width of each shared expert; null = `expert_hidden`
     shared_gate: bool = False               # multiply the shared experts' output by sigmoid(x W), W of shape (1,
                                             # d_model) (Qwen2-MoE); needs `n_shared` > 0
@@ -331,8 +329,7 @@ class MoEConfig:
                                             # `decoder_sparse_step`)
     dense_layers: list[int] = field(default_factory=list)  # layers kept dense, a SwiGLU of `ffn_hidden` (Qwen's
                                             # `mlp_only_layers`)
-    scoring: Literal["softmax", "sigmoid"] = "softmax"  # router scores: `softmax` (Mixtral, Qwen) or `sigmoid`
-                                            # (DeepSeek-V3)
+    scoring: Literal["softmax", "sigmoid"] = "softmax"  # router: `softmax` (Mixtral, Qwen) or `sigmoid` (DeepSeek-V3)
     norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
                                             # `train.moe_aux_loss_coef`), `bias` (DeepSeek-V3's loss-free bias), `none`
@@ -377,14 +374,11 @@ class LLMConfig:
     d_model: int = bounded(512, gt=0)       # width of the residual stream
     n_layers: int = bounded(8, gt=0)        # transformer blocks
     n_heads: int = bounded(8, gt=0)         # query heads; must divide `d_model` unless `head_dim` is set
-    n_kv_heads: Optional[int] = bounded(None, gt=0)  # key/value heads: null = `n_heads` (MHA), 1 = MQA, else GQA;
-                                            # must divide `n_heads`
+    n_kv_heads: Optional[int] = bounded(None, gt=0)  # null = `n_heads` (MHA), 1 = MQA, else GQA; divides `n_heads`
     head_dim: Optional[int] = bounded(None, gt=0)  # per-head width; null = `d_model / n_heads`; must be even (RoPE)
-    ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU hidden width; null = 8/3 `d_model` rounded up to
-                                            # `ffn_multiple_of`
+    ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU width; null = 8/3 `d_model` rounded up (`ffn_multiple_of`)
     ffn_multiple_of: int = bounded(64, gt=0)  # rounding of the default `ffn_hidden`
-    max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for (they grow if a longer sequence
-                                            # comes)
+    max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for; they grow for a longer sequence
     norm_eps: float = bounded(1e-5, gt=0)   # RMSNorm epsilon
     rope_theta: float = bounded(10000.0, gt=0)  # RoPE base
     rope_scaling: Optional[RopeScaling] = None  # `{type: linear, factor}` or `{type: llama3, factor, low_freq_factor,
@@ -395,8 +389,7 @@ class LLMConfig:
     qk_norm: Union[bool, Literal["head", "proj"]] = False  # RMSNorm (eps `norm_eps`) of queries and keys before
                                             # RoPE: `true` / `head` per head (Qwen3, Gemma 3), `proj` over the whole
                                             # projection (OLMo 2)
-    attn_out_bias: bool = False             # bias on the attention output projection (with `qkv_bias`: Llama's
-                                            # attention_bias)
+    attn_out_bias: bool = False             # bias on the attention output (with `qkv_bias`: Llama's attention_bias)
     attn_pattern: list[Literal["local", "global"]] = field(default_factory=list)  # per layer, repeated over the
                                             # layers: `local` layers use `sliding_window`, `global` ones see
                                             # everything (Gemma, GPT-OSS); empty: `sliding_window` on every layer
@@ -406,8 +399,7 @@ class LLMConfig:
     rotary_fraction: float = bounded(1.0, gt=0, le=1)  # share of each head's channels RoPE rotates (Phi-4-mini)
     norm_placement: Literal["pre", "post", "sandwich"] = "pre"  # RMSNorm before each branch (`pre`), after it
                                             # (`post`, OLMo 2) or both (`sandwich`, Gemma)
-    mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
-                                            # (Gemma)
+    mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # SwiGLU, or GeGLU with tanh-approximated GELU (Gemma)
     embed_scale: bool = False               # multiply the embeddings by sqrt(`d_model`) (Gemma)
     norm_type: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (Cohere)
     parallel_block: bool = False            # attention and MLP side by side from one norm: x + attn(n(x)) + mlp(n(x))
@@ -418,10 +410,8 @@ class LLMConfig:
     attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
     final_softcap: Optional[float] = bounded(None, gt=0)  # output logits c * tanh(z / c) (Gemma 2)
     attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)
-    mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): a mapping of its keys; null =
-                                            # grouped-query attention
-    moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: a mapping of the keys below; null = a dense
-                                            # model
+    mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): its keys; null = GQA
+    moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: the keys below; null = a dense model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
     # every mod_every-th block and the rest around it
     mod_capacity: float = bounded(0.0, ge=0, le=1)  # the share of each sequence's tokens a MoD block processes
@@ -547,8 +537,8 @@ EFFICIENTNET_ARCHS: dict[str, tuple] = {f"efficientnet_b{i}": scaling for i, sca
     (1.0, 1.0, 224), (1.0, 1.1, 240), (1.1, 1.2, 260), (1.2, 1.4, 300), (1.4, 1.8, 380), (1.6, 2.2, 456),
     (1.8, 2.6, 528), (2.0, 3.1, 600)])}
 # MobileNetV3 presets: name -> (size "large" or "small", width multiplier), as timm.
-MOBILENETV3_ARCHS: dict[str, tuple] = {f"mobilenetv3_{size}_{round(mult * 100):03d}": (size, mult) for size, mult in
-                                       (("large", 1.0), ("large", 0.75), ("small", 0.5), ("small", 0.75), ("small", 1.0))}
+MOBILENETV3_ARCHS: dict[str, tuple] = {f"mobilenetv3_{size}_{round(mult * 100):03d}": (size, mult) for size, mult in (
+    ("large", 1.0), ("large", 0.75), ("small", 0.5), ("small", 0.75), ("small", 1.0))}
 CONVNET_KINDS: dict[str, dict] = {"resnet": RESNET_ARCHS, "convnext": CONVNEXT_ARCHS,
                                   "efficientnet": EFFICIENTNET_ARCHS, "mobilenetv3": MOBILENETV3_ARCHS}
 # the keys that shape only some kinds (the rest apply to all): key -> kinds
@@ -583,8 +573,7 @@ class ConvNetConfig:
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
     drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # ResNet: `mask` (dropped samples computed, then
                                             # zeroed), `skip` (kept samples only), `batch` (whole batch)
-    zero_init_last: bool = True             # the last BN gamma of each residual branch starts at 0 (not ConvNeXt,
-                                            # whose layer scale starts at 1e-6)
+    zero_init_last: bool = True             # each residual branch's last BN gamma starts at 0 (not in ConvNeXt)
     bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon (ConvNeXt's LayerNorms use 1e-6)
     moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
                              "checkpoint_every": "train.activation_checkpointing_every"}
@@ -649,8 +638,7 @@ class ConvNetConfig:
 @dataclass
 class AutoencoderConfig:
     """The frozen TAESD autoencoder between images and latents (zoo/diffusion/taesd.py)."""
-    weights: Optional[str] = None           # TAESD weights (`*_encoder.pth` or a diffusers folder); null: trained by
-                                            # the task
+    weights: Optional[str] = None           # TAESD weights (`*_encoder.pth`, diffusers folder); null: the task trains it
     latent_channels: Optional[int] = bounded(None, gt=0)  # 4 / 16 / 32; null: the weights' (4 when trained)
     midblock_gn: Optional[bool] = None      # FLUX.2 branch; null: the weights' (false when trained)
     channels: Optional[int] = bounded(None, gt=0)  # width; null: the weights' (64 when trained)
@@ -714,8 +702,7 @@ class DiffusionConfig:
     latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; must match the autoencoder's
     denoiser: Literal["unet", "dit"] = "unet"  # `unet` (the keys below) or `dit` (the `dit:` section)
     dit: DiTConfig = field(default_factory=DiTConfig)
-    channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each level halves the
-                                            # latent size)
+    channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each halves the latents)
     blocks_per_level: int = bounded(2, gt=0)  # U-Net residual blocks per level going down (one more going up)
     attention: bool = True                  # self-attention at the lowest resolution
     heads: int = bounded(4, gt=0)           # U-Net attention heads; must divide every `channels` width

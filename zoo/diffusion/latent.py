@@ -86,13 +86,6 @@ class LatentDiffusion(nn.Module):
         mean, std = self._stats(z)
         return self.autoencoder.decode(z * std + mean).clamp(0, 1)
 
-    @torch.no_grad()
-    def set_latent_stats(self, raw_latents: torch.Tensor):
-        """Per-channel mean and std of raw autoencoder latents (N, C, h, w)."""
-        x = raw_latents.float().transpose(0, 1).flatten(1)
-        self.latent_mean.copy_(x.mean(1))
-        self.latent_std.copy_(x.std(1).clamp(min=1e-6))
-
     # -- training -----------------------------------------------------------------------------
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,

@@ -1,14 +1,5 @@
-"""Samplers by name: Zoo's own DDIM, DDPM and flow Euler, and diffusers' schedulers driving any Zoo denoiser.
-
-    name        implementation                                       predictions
-    ddim        Zoo (schedule.py), no dependency                     eps, v, x0
-    ddpm        Zoo (schedule.py), no dependency                     eps, v, x0
-    flow_euler  Zoo (schedule.py's flow_sample), no dependency       flow
-    dpmpp_2m    diffusers DPMSolverMultistepScheduler (dpmsolver++, order 2)   eps, v, x0
-    euler       diffusers EulerDiscreteScheduler                     eps, v
-    euler_a     diffusers EulerAncestralDiscreteScheduler            eps, v
-    unipc       diffusers UniPCMultistepScheduler (order 2)          eps, v, x0
-"""
+"""Samplers by name: Zoo's own DDIM, DDPM and flow Euler (schedule.py, no dependency), and diffusers' schedulers
+(`DIFFUSERS`) driving any Zoo denoiser. docs/diffusion.md's table of them and their predictions is made from these."""
 from __future__ import annotations
 
 import inspect
