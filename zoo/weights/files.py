@@ -223,6 +223,19 @@ def check_weights(path):
         check_weight_file(f)
 
 
+def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:
+    """What differs between the tensors a file holds and those expected ({name: tensor or shape} both):
+    "missing: ...; unexpected: ...; wrong shape: ..." (each list cut to `limit`), or "" when they match."""
+    shape = lambda v: list(getattr(v, "shape", v))  # noqa: E731
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected and not ignorable(n)]
+    wrong = [f"{n} {shape(found[n])} (expected {shape(s)})" for n, s in expected.items()
+             if n in found and shape(found[n]) != shape(s)]
+    more = lambda names: f" (+{len(names) - limit} more)" if len(names) > limit else ""  # noqa: E731
+    return "; ".join(f"{label}: {', '.join(names[:limit])}{more(names)}" for label, names in
+                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
+
+
 def _first_line(e: BaseException) -> str:
     return ((str(e).strip().splitlines() or [""])[0] or type(e).__name__)[:200]
 

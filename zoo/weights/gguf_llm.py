@@ -18,8 +18,8 @@ import torch
 
 from ..archs import BY_GGUF, RECORDS, interleaved
 from ..config import ConfigError, LLMConfig
-from .files import atomic_write
-from .hf_llm import _resolve_dtype, assemble, config_from_hf, inverse, key_map, mismatches, record_for, reordered
+from .files import atomic_write, mismatches
+from .hf_llm import _resolve_dtype, assemble, config_from_hf, inverse, key_map, record_for, reordered
 
 ARCHITECTURES = {name: r.hf_class for name, r in BY_GGUF.items()}  # GGUF name -> Hugging Face class
 WRITES = tuple(r.hf_class for r in RECORDS.values() if r.gguf_writes)  # the architectures `save` writes
@@ -71,10 +71,7 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
-
-    def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if get("expert_count"):
         raise ConfigError(f"{source}: {arch}.expert_count={get('expert_count')}: mixture-of-experts GGUF files "
                           f"are not supported")

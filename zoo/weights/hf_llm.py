@@ -23,7 +23,7 @@ import torch
 
 from ..archs import BY_MODEL_TYPE, FEATURES, RECORDS, Record, features
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
-from .files import FILE_DTYPES, atomic_write, read_safetensors_header, save_safetensors
+from .files import FILE_DTYPES, atomic_write, mismatches, read_safetensors_header, save_safetensors
 
 ARCHITECTURES = tuple(RECORDS)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -380,23 +380,6 @@ def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
     return {**m, z + "attn.q_a.weight": [(a + "q_a_proj.weight", (mla.q_rank, d))],
             z + "attn.q_norm.weight": [(a + "q_a_layernorm.weight", (mla.q_rank,))],
             z + "attn.q_b.weight": [(a + "q_b_proj.weight", (qk, mla.q_rank))]}
-
-
-def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:
-    """What differs between the tensors a file holds and those expected ({name: shape} both):
-    "missing: ...; unexpected: ...; wrong shape: ..." (each list cut short), or "" when they match."""
-    missing = [n for n in expected if n not in found]
-    unexpected = [n for n in found if n not in expected and not ignorable(n)]
-    wrong = [f"{n} {list(found[n])} (expected {list(s)})" for n, s in expected.items()
-             if n in found and tuple(found[n]) != tuple(s)]
-    return "; ".join(f"{label}: {_listing(names, limit)}" for label, names in
-                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
-
-
-def _listing(names, limit: int = 8) -> str:
-    names = list(names)
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 # ---------------------------------------------------------------------- safetensors files

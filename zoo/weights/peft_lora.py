@@ -17,8 +17,8 @@ import torch
 
 from ..adapters import AdapterConfig, adapter_modules, apply_adapters, lora_sites
 from ..blocks.lora import LoRALinear
-from .files import atomic_write, load_tensors, save_safetensors
-from .hf_llm import inverse, mismatches, read_json, record_for, row_orders
+from .files import atomic_write, load_tensors, mismatches, save_safetensors
+from .hf_llm import inverse, read_json, record_for, row_orders
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -129,7 +129,7 @@ def file_orders(model) -> dict:
 def load_adapter_weights(model, path: Path):
     """Read PEFT-named adapter tensors into `model`; any mismatch is one error naming the file."""
     found = load_tensors(path)
-    problems = mismatches(*({k: t.shape for k, t in d.items()} for d in (found, adapter_state(model))), limit=4)
+    problems = mismatches(found, adapter_state(model), limit=4)
     if problems:
         raise ValueError(f"{path}: does not match adapter_config.json and the base model: {problems}")
     orders = file_orders(model)

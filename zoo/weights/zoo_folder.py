@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from ..config import ConfigError, load_yaml, model_config_from, to_dict
-from .files import atomic_write, load_tensors, save_safetensors
+from .files import atomic_write, load_tensors, mismatches, save_safetensors
 
 CONFIG, WEIGHTS = "config.yaml", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
@@ -61,7 +61,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     """Build the LLM of config.yaml and load model.safetensors; dtype None keeps the file's."""
     from ..config import LLMConfig, without_moved
     from ..llm import LLM
-    from .hf_llm import _resolve_dtype, mismatches
+    from .hf_llm import _resolve_dtype
     f = _folder(path)
     data = load_yaml(f / CONFIG)
     cfg = model_config_from(without_moved(LLMConfig, data.get("model") or {}), "llm", str(f / CONFIG))
@@ -72,7 +72,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         model = LLM(cfg)
     tied = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"} if cfg.tie_embeddings else {}
     state.update({k: state[other] for k, other in tied.items() if k not in state and other in state})  # stored once
-    problems = mismatches(*({k: t.shape for k, t in d.items()} for d in (state, model.state_dict())), limit=3)
+    problems = mismatches(state, model.state_dict(), limit=3)
     if problems:
         raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): {problems}")
     model.load_state_dict(state, strict=True)
