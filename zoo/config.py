@@ -59,14 +59,10 @@ def _coerce(value: Any, tp, key: str, source: str):
         raise bad
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad
+        if value is None and type(None) in args:
+            return None
         errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        for a in [a for a in args if a is not type(None)]:
             try:
                 return _coerce(value, a, key, source)
             except ConfigError as e:
@@ -118,8 +114,7 @@ def _coerce(value: Any, tp, key: str, source: str):
 
 def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
     """Build dataclass `cls` from a mapping: unknown keys and wrong types are one-line errors."""
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -198,22 +193,19 @@ def check(obj, source: str = "<config>", prefix: str = ""):
     """Check a config dataclass: its declared field bounds, then its validate() (the rules across
     fields that bounds cannot declare). from_dict calls it; so do the models on their config."""
     check_bounds(obj, source, prefix)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate(source, prefix)
+    if hasattr(obj, "validate"):
+        obj.validate(source, prefix)
 
 
-def to_dict(obj) -> dict:
+def to_dict(obj):
     """Dataclass -> plain nested dict (tuples become lists, so it round-trips through YAML/JSON)."""
-    def conv(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        if isinstance(v, dict):
-            return {k: conv(x) for k, x in v.items()}
-        return v
-    return conv(obj)
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(x) for k, x in obj.items()}
+    return obj
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -240,8 +232,7 @@ def load_yaml(path) -> dict:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
     return data
@@ -275,10 +266,7 @@ def parse_overrides(items, source: str = "command line") -> dict:
 def deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -448,19 +436,16 @@ class LLMConfig:
             raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
         if "local" in self.attn_pattern and self.sliding_window is None:
             raise fail(source, p + "attn_pattern", f"has local layers but {p}sliding_window is null")
-        bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]
-        if bad:
-            raise fail(source, p + "nope_layers", f"has {bad}, not layers of {p}n_layers={self.n_layers}")
         if self.rotary_dim % 2:
             raise fail(source, p + "rotary_fraction", f"={self.rotary_fraction} gives {self.rotary_dim} rotated "
                                                       f"channels; RoPE needs an even number")
         if self.mod_capacity > 0 and self.mod_every > self.n_layers:
             raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
                                                 f"no layer would be a MoD block")
-        if self.moe is not None:
-            bad = [i for i in self.moe.dense_layers if not 0 <= i < self.n_layers]
+        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", self.moe and self.moe.dense_layers)):
+            bad = [i for i in layers or () if not 0 <= i < self.n_layers]
             if bad:
-                raise fail(source, p + "moe.dense_layers", f"has {bad}, not layers of {p}n_layers={self.n_layers}")
+                raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
 
     @property
     def resolved_n_kv_heads(self) -> int:
@@ -472,11 +457,8 @@ class LLMConfig:
 
     @property
     def resolved_ffn_hidden(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        h = int(8 * self.d_model / 3)
-        m = self.ffn_multiple_of
-        return m * ((h + m - 1) // m)
+        m = self.ffn_multiple_of  # 8/3 d_model rounded up to a multiple of m
+        return self.ffn_hidden or m * ((int(8 * self.d_model / 3) + m - 1) // m)
 
     @property
     def resolved_expert_hidden(self) -> Optional[int]:
