@@ -8,7 +8,6 @@ same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
 
 Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's hidden states
 (N, Dt) and LM head (V, Dt).
-Depends on torch only.
 """
 import torch
 

@@ -7,7 +7,6 @@ Paper: Woo et al., "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked A
     y = x + bias + weight * (x * n)           (weight, bias start at 0: the block starts as identity)
 
 Shapes: x (B, H, W, C) channels-last -> (B, H, W, C); weight, bias (C,) (timm's names).
-Depends on torch only.
 """
 import torch
 from torch import nn

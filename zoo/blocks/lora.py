@@ -15,7 +15,6 @@ B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. T
 any tensor F.linear accepts, e.g. torchao's NF4Tensor (QLoRA).
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
-Depends on torch only.
 """
 import math
 from typing import Sequence

@@ -14,7 +14,6 @@ Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` ho
 'aux_loss', 'routed', 'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
 Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared, or (B, T, ...) per
 row -> gathered (B, k, ...); doc_ids (B, T) -> (B, k).
-Depends on torch only.
 """
 from typing import Optional
 

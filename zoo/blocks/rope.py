@@ -12,7 +12,6 @@ Hugging Face's: no weight permutation. A table narrower than a head rotates only
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
 (`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
-Depends on torch only.
 """
 import math
 from typing import Optional

@@ -7,7 +7,6 @@ gate) and MobileNetV3's (hard-sigmoid gate) MBConv blocks.
     s = gate(conv_expand(act(conv_reduce(mean over H, W of x))))      out = x * s
 
 Shapes: x (B, C, H, W) -> (B, C, H, W); the gate s is (B, C, 1, 1). Parameter names are timm's.
-Depends on torch only.
 """
 from torch import nn
 

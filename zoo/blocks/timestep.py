@@ -10,7 +10,6 @@ Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022) for the "no label" ro
 
 freq_shift 0 is DiT's convention, 1 diffusers'. Timesteps may be ints or floats (flow: t * 1000).
 Shapes: t (B,) -> (B, dim) float32; TimestepEmbedder (B,) -> (B, D); LabelEmbedder (B,) int -> (B, D).
-Depends on torch only.
 """
 import math
 from typing import Optional
