@@ -13,8 +13,6 @@ from torch import nn
 
 
 class GRN(nn.Module):
-    """Global Response Normalization over (B, H, W, C)."""
-
     def __init__(self, channels: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps

@@ -12,8 +12,6 @@ from torch import nn
 
 
 class LayerNorm2d(nn.LayerNorm):
-    """nn.LayerNorm(C) applied to each pixel of (B, C, H, W)."""
-
     def __init__(self, channels: int, eps: float = 1e-6):
         super().__init__(channels, eps=eps)
 

@@ -12,8 +12,6 @@ from torch import nn
 
 
 class SqueezeExcite(nn.Module):
-    """x * gate(expand(act(reduce(mean_hw(x))))) with `rd_channels` in the bottleneck."""
-
     def __init__(self, channels: int, rd_channels: int, act=nn.ReLU, gate=nn.Sigmoid):
         super().__init__()
         self.conv_reduce = nn.Conv2d(channels, rd_channels, 1, bias=True)

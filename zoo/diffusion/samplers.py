@@ -56,8 +56,7 @@ def sample_with_scheduler(model_fn: Callable, scheduler, x: torch.Tensor, steps:
     x = x * getattr(scheduler, "init_noise_sigma", 1.0)
     draws = "generator" in inspect.signature(scheduler.step).parameters     # the stochastic ones
     for t in scheduler.timesteps:
-        inp = scheduler.scale_model_input(x, t)
-        out = model_fn(inp, t.expand(x.shape[0]))
+        out = model_fn(scheduler.scale_model_input(x, t), t.expand(x.shape[0]))
         x = scheduler.step(out, t, x, **({"generator": generator} if draws else {})).prev_sample
     return x
 

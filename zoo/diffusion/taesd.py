@@ -98,9 +98,8 @@ def decoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = Fal
 
 
 class TAESD(nn.Module):
-    """Tiny autoencoder: encode() [0,1] images to raw latents, decode() latents to [0,1] images.
-    latent_channels: 4 (SD/SDXL), 16 (SD3/FLUX.1), 32 (FLUX.2); midblock_gn: the FLUX.2 branch.
-    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them."""
+    """midblock_gn: the FLUX.2 branch. `scaling_factor` and `shift_factor` are kept only so that a diffusers
+    export round-trips them."""
 
     downscale = 8
 

@@ -55,8 +55,7 @@ def read(path):
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"{path}: corrupt or truncated GGUF file (tensor '{t.name}' ends at byte "
                              f"{t.data_offset + t.n_bytes} of {size})")
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    return reader, meta
+    return reader, {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def tokenizer_fields(reader, meta: dict) -> dict:

@@ -622,8 +622,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
         del tensors
     index = out / "model.safetensors.index.json"
     if n > 1:
-        body = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        atomic_write(index, body)
+        atomic_write(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     # remove weights of an earlier save into the same folder, which loaders would otherwise pick up
     keep = set(names) | ({index.name} if n > 1 else set())
     for old in [index, *out.glob("model*.safetensors")]:

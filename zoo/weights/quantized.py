@@ -40,8 +40,7 @@ def save(model, path, tokenizer=None, **_) -> Path:
         raise ValueError(f"a quantized Zoo folder holds LLMs, not a {type(model).__name__}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    atomic_write(out / WEIGHTS, lambda tmp: torch.save(state, tmp))
+    atomic_write(out / WEIGHTS, lambda tmp: torch.save(model.state_dict(), tmp))
     q = dict(model.quantization, dtype=str(model.embed.weight.dtype).removeprefix("torch."))
     return write_config(out, {"family": "llm", "model": to_dict(model.config), "quantization": q}, tokenizer)
 

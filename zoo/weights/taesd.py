@@ -17,6 +17,9 @@ from zoo.diffusion.taesd import TAESD
 from .files import atomic_write, check_weight_file, load_tensors, read_safetensors_header, save_safetensors
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+# the AutoencoderTiny config.json keys TAESD has one value of
+_DIFFUSERS_FIXED = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
+                    "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1]}
 _PAIR = re.compile(r"^(?P<stem>.*)_(?P<part>encoder|decoder)\.(?P<ext>pth|pt|safetensors)$")
 _MAX_PTH_BYTES = 256 << 20   # TAESD files are a few MB; never unpickle big unrelated files to look
 
@@ -29,9 +32,7 @@ def _pair_paths(p: Path):
     m = _PAIR.match(p.name)
     if not m:
         return None
-    enc = p.with_name(f"{m['stem']}_encoder.{m['ext']}")
-    dec = p.with_name(f"{m['stem']}_decoder.{m['ext']}")
-    return enc, dec
+    return p.with_name(f"{m['stem']}_encoder.{m['ext']}"), p.with_name(f"{m['stem']}_decoder.{m['ext']}")
 
 
 def _keys(path: Path) -> list[str]:
@@ -96,9 +97,7 @@ def from_state_dict(sd: dict, source, dtype=torch.float32, **expected) -> TAESD:
 
 def _load_diffusers(p: Path) -> tuple[dict, dict]:
     cfg = json.loads((p / "config.json").read_text())
-    want = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
-            "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1]}
-    for k, v in want.items():
+    for k, v in _DIFFUSERS_FIXED.items():
         if k in cfg and cfg[k] != v:
             raise ValueError(f"{p / 'config.json'}: {k}={cfg[k]!r} is not supported (TAESD has {v!r})")
     for k in ("encoder_block_out_channels", "decoder_block_out_channels"):
@@ -182,11 +181,8 @@ def save(model: TAESD, path, format: str | None = None, dtype=None, name: str | 
         part, i, rest = k.split(".", 2)
         out[f"{part}.layers.{int(i) - (part == 'decoder')}.{rest}"] = v
     c = model.channels
-    config = {"_class_name": "AutoencoderTiny", "in_channels": 3, "out_channels": 3,
-              "encoder_block_out_channels": [c] * 4, "decoder_block_out_channels": [c] * 4,
-              "act_fn": "relu", "upsample_fn": "nearest",
-              "latent_channels": model.latent_channels, "upsampling_scaling_factor": 2,
-              "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1],
+    config = {"_class_name": "AutoencoderTiny", **_DIFFUSERS_FIXED, "encoder_block_out_channels": [c] * 4,
+              "decoder_block_out_channels": [c] * 4, "latent_channels": model.latent_channels,
               "latent_magnitude": 3, "latent_shift": 0.5, "force_upcast": False,
               "scaling_factor": model.scaling_factor, "shift_factor": model.shift_factor}
     save_safetensors(out, p / DIFFUSERS_WEIGHTS)

@@ -52,8 +52,7 @@ def tokenizer_of(path) -> Optional[str]:
     for name in TOKENIZER_FILES:
         if (f / name).is_file():
             return str(f / name)
-    data = load_yaml(f / CONFIG)
-    tok = (data.get("data") or {}).get("tokenizer")
+    tok = (load_yaml(f / CONFIG).get("data") or {}).get("tokenizer")
     return "bytes" if tok == "bytes" else None
 
 
