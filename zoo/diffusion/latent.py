@@ -70,8 +70,6 @@ class LatentDiffusion(nn.Module):
     def latent_size(self) -> int:
         return self.config.image_size // TAESD.downscale
 
-    # -- images <-> normalised latents --------------------------------------------------------
-
     def _stats(self, z):
         return self.latent_mean.view(1, -1, 1, 1).to(z.dtype), self.latent_std.view(1, -1, 1, 1).to(z.dtype)
 
@@ -85,8 +83,6 @@ class LatentDiffusion(nn.Module):
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         mean, std = self._stats(z)
         return self.autoencoder.decode(z * std + mean).clamp(0, 1)
-
-    # -- training -----------------------------------------------------------------------------
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
                 weighted: bool = True) -> torch.Tensor:
@@ -110,8 +106,6 @@ class LatentDiffusion(nn.Module):
             x0_pred = self.schedule.split(out.detach().float(), x_t.float(), t, cfg.prediction)[0]
             loss = loss + vlb_term(self.schedule, var_out, x0_pred, z.float(), x_t.float(), t)
         return loss
-
-    # -- sampling -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def sample_latents(self, labels: torch.Tensor, steps: Optional[int] = None, guidance: Optional[float] = None,

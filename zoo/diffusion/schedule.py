@@ -98,8 +98,6 @@ class NoiseSchedule:
         """(B,) loss weights at timesteps t; gamma None = uniform (all ones)."""
         return min_snr_weight(self.snr(t), gamma, prediction)
 
-    # -- training -----------------------------------------------------------------------------
-
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         a = _bcast(self.abar(t), x0)
         return a.sqrt() * x0 + (1 - a).sqrt() * noise
@@ -120,8 +118,6 @@ class NoiseSchedule:
         if prediction == "x0":
             return out, (x_t - a.sqrt() * out) / (1 - a).sqrt()
         return a.sqrt() * x_t - (1 - a).sqrt() * out, a.sqrt() * out + (1 - a).sqrt() * x_t
-
-    # -- sampling -----------------------------------------------------------------------------
 
     def timesteps(self, steps: int) -> list[int]:
         """`steps` timesteps from T-1 down, evenly spaced ('trailing' spacing: the first is T-1)."""

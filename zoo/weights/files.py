@@ -33,8 +33,6 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-# ------------------------------------------------------------------------------------- writing
-
 def fsync_file(path):
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -135,8 +133,6 @@ def save_safetensors(tensors: Union[dict, torch.nn.Module], path, metadata: dict
 
     return atomic_write(path, write)
 
-
-# ------------------------------------------------------------------------ reading and checking
 
 def read_safetensors_header(path) -> tuple[dict, dict, int]:
     """(tensor table {name: {"dtype", "shape", "data_offsets"}}, metadata, byte where the data

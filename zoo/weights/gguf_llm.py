@@ -291,13 +291,9 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
     best first. Sentencepiece merges the pair whose joined piece scores highest, so a merge ranks by
     the score of the piece it makes (ties by the ids of its parts)."""
     normal = {t: i for i, t in enumerate(tokens) if types[i] == 1}
-    found = []
-    for piece, i in normal.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in normal and right in normal:
-                found.append((-scores[i], normal[left], normal[right], left, right))
-    found.sort()
+    found = sorted((-scores[i], normal[piece[:cut]], normal[piece[cut:]], piece[:cut], piece[cut:])
+                   for piece, i in normal.items() for cut in range(1, len(piece))
+                   if piece[:cut] in normal and piece[cut:] in normal)
     return [(left, right) for *_, left, right in found]
 
 

@@ -82,14 +82,9 @@ def load(path, base=None, dtype=None, device=None, **kw):
 
 def peft_names(model) -> dict[tuple[str, str], str]:
     """(Zoo LoRALinear name, part) -> PEFT module name, for the adapted parts."""
-    out = {}
     mods = adapter_modules(model)
-    for name, parts in lora_sites(model).items():
-        if name in mods:
-            for part, _, hf in parts:
-                if part in mods[name].adapted:
-                    out[(name, part)] = hf
-    return out
+    return {(name, part): hf for name, parts in lora_sites(model).items() if name in mods
+            for part, _, hf in parts if part in mods[name].adapted}
 
 
 def adapter_state(model, to_file: bool = False) -> dict[str, torch.Tensor]:

@@ -68,8 +68,6 @@ def detect(path) -> bool:
     return "0.weight" in keys and any(re.fullmatch(r"\d+\.conv\.0\.weight", k) for k in keys)
 
 
-# ------------------------------------------------------------------------------------- loading
-
 def variant_of(sd: dict, source) -> dict:
     """Read the TAESD variant from a zoo-keyed state dict."""
     try:
@@ -141,8 +139,6 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
                                "dtype": next(iter(sd.values())).dtype}
     return model
 
-
-# -------------------------------------------------------------------------------------- export
 
 def exports(model) -> bool:
     return isinstance(model, TAESD)

@@ -229,10 +229,8 @@ def load_into(model, sd: dict, source: str = "<state dict>") -> None:
     shapes = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in own
               if k in sd and sd[k].shape != own[k].shape]
     if missing or unexpected or shapes:
-        parts = []
-        for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped (file vs model)", shapes)):
-            if items:
-                parts.append(f"{len(items)} {what}: {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}")
+        parts = [f"{len(items)} {what}: {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}" for what, items in
+                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped (file vs model)", shapes)) if items]
         raise ValueError(f"{source}: weights do not fit {describe(model.config)}: {'; '.join(parts)}")
     for k in own:  # BatchNorm batch counts a file may lack (torchvision's): 0
         if k.endswith(tracked) and k not in sd:
