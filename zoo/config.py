@@ -463,9 +463,7 @@ class LLMConfig:
     @property
     def resolved_expert_hidden(self) -> Optional[int]:
         """The width of each MoE expert (None for a dense model)."""
-        if self.moe is None:
-            return None
-        return self.moe.expert_hidden or self.resolved_ffn_hidden
+        return None if self.moe is None else self.moe.expert_hidden or self.resolved_ffn_hidden
 
     @property
     def rotary_dim(self) -> int:

@@ -14,9 +14,7 @@ import torch
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     dev = t.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return t.dtype
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
 
 
 def _log_probs(h, w, t, ignore_index):

@@ -47,9 +47,7 @@ class MixtureOfDepths(nn.Module):
 
     def decision_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The causal decision's logits (B, T): route where > `threshold`."""
-        if self.predictor is None:
-            return router_logits
-        return self.predictor(x.detach()).squeeze(-1).float()
+        return router_logits if self.predictor is None else self.predictor(x.detach()).squeeze(-1).float()
 
     @staticmethod
     def _split(out):

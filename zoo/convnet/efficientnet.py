@@ -136,7 +136,8 @@ class MobileNetBase(ConvNetBase):
     def units(self) -> list:
         return [block for stage in self.blocks for block in stage]
 
-    def stem_and_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The stem and the blocks: (B, in_chans, H, W) -> (B, C, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
         x = self.act1(self.bn1(self.conv_stem(x)))
         for block in self.units():
             x = block(x)
@@ -144,7 +145,6 @@ class MobileNetBase(ConvNetBase):
 
 
 class EfficientNet(MobileNetBase):
-
     def __init__(self, cfg: ConvNetConfig):
         super().__init__(cfg)
         cfg = self.config
@@ -165,7 +165,7 @@ class EfficientNet(MobileNetBase):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
-        return self.act2(self.bn2(self.conv_head(self.stem_and_blocks(x))))
+        return self.act2(self.bn2(self.conv_head(super().forward_features(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""

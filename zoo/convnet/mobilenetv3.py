@@ -41,7 +41,6 @@ HEAD_FEATURES = {"large": 1280, "small": 1024}
 
 
 class MobileNetV3(MobileNetBase):
-
     def __init__(self, cfg: ConvNetConfig):
         super().__init__(cfg)
         cfg = self.config
@@ -60,10 +59,6 @@ class MobileNetV3(MobileNetBase):
         self.head_drop = nn.Dropout(cfg.drop_rate) if cfg.drop_rate > 0 else nn.Identity()
         self.classifier = nn.Linear(self.num_features, cfg.num_classes)
         self.reset_parameters()
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> (B, C, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
-        return self.stem_and_blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""

@@ -102,7 +102,6 @@ BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
 class ResNet(ConvNetBase):
-
     def __init__(self, cfg: ConvNetConfig):
         super().__init__(cfg)
         cfg = self.config

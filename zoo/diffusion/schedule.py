@@ -212,9 +212,7 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def flow_min_snr_weight(s: torch.Tensor, gamma: Optional[float]) -> torch.Tensor:
     """(B,) weights min((1 - s)^2, gamma s^2) of the velocity MSE (gamma None: ones)."""
-    if gamma is None:
-        return torch.ones_like(s)
-    return torch.minimum((1 - s) ** 2, gamma * s ** 2)
+    return torch.ones_like(s) if gamma is None else torch.minimum((1 - s) ** 2, gamma * s ** 2)
 
 
 def flow_timesteps(n: int, kind: str = "logit_normal", mean: float = 0.0, std: float = 1.0,

@@ -53,9 +53,7 @@ def kind_of(keys) -> str | None:
     """resnet, convnext, efficientnet or mobilenetv3: which layout a set of state-dict names has (None: none)."""
     keys = set(keys)
     kind = next((k for k, sig in SIGNATURES.items() if set(sig) <= keys), None)
-    if kind == "resnet" and not any(k.startswith("conv1.") for k in keys):
-        return None
-    return kind
+    return None if kind == "resnet" and not any(k.startswith("conv1.") for k in keys) else kind  # a conv1 stem
 
 
 def detect(path) -> bool:
