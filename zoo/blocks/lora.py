@@ -75,11 +75,8 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.lora_B[n])
         if self.dora and self.lora_A[self.adapted[0]].device.type != "meta":
             with torch.no_grad():
-                w = dense_weight(self.weight)
-                for n, (start, rows) in self.slices().items():
-                    if n in self.adapted:
-                        norm = torch.linalg.norm(w[start:start + rows].to(self.lora_A[n].dtype), dim=1)
-                        self.magnitude[n].copy_(norm)
+                for n, wp, _ in self._adapted_rows(dense_weight(self.weight)):
+                    self.magnitude[n].copy_(torch.linalg.norm(wp.to(self.lora_A[n].dtype), dim=1))
 
     def slices(self) -> dict:
         """name -> (first row, rows) of every part."""
@@ -109,8 +106,7 @@ class LoRALinear(nn.Module):
         z = F.linear(h.to(A.dtype), A).split(self.r, dim=-1)  # (..., r) per adapted part
         w = dense_weight(self.weight) if self.dora else None
         dropped = not isinstance(self.dropout, nn.Identity) and self.training
-        extra = []
-        k = 0
+        extra, k = [], 0
         for n, (start, rows) in self.slices().items():
             if n not in self.adapted:
                 extra.append(y.new_zeros(*y.shape[:-1], rows))

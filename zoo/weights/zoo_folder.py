@@ -87,16 +87,12 @@ def cast_weights(model, dtype: torch.dtype):
     return model
 
 
-def zoo_only(model) -> bool:
+def exports(model) -> bool:
     """An LLM no Hugging Face class holds (hf_llm.holds: Mixture-of-Depths, ideas no one class has, a trained
     routing bias where the class has none)."""
     from .hf_llm import holds
     model = getattr(model, "_orig_mod", model)
     return getattr(model, "family", None) == "llm" and bool(holds(model))
-
-
-def exports(model) -> bool:
-    return zoo_only(model)
 
 
 def save(model, path, tokenizer=None, **_) -> Path:
