@@ -299,10 +299,6 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
 
 # -------------------------------------------------------------------------------- writing
 
-def exports(model) -> bool:
-    return False  # chosen by the file name (".gguf"), never as a family's default format
-
-
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
     """Write `model` as one GGUF file (an architecture of `WRITES`); dtype: the 2-D weights'
     type (under "q8_0" a row length not a multiple of 32 is written F16, as llama.cpp's converter does);

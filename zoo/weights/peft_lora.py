@@ -37,10 +37,6 @@ def detect(path) -> bool:
     return (p / CONFIG).is_file() if p.is_dir() else p.name == CONFIG
 
 
-def exports(model) -> bool:
-    return False  # an adapter is written by save_adapter, never by save_pretrained
-
-
 def read_config(folder: Path) -> AdapterConfig:
     """adapter_config.json -> AdapterConfig; anything Zoo would compute differently is an error."""
     src = folder / CONFIG
