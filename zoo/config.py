@@ -270,6 +270,11 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+# the keys of how a model runs that moved from a model config to the run config's train: section
+CHECKPOINTING_MOVED = {"activation_checkpointing": "train.activation_checkpointing",
+                       "checkpoint_every": "train.activation_checkpointing_every"}
+
+
 # ----------------------------------------------------------------------------- LLM family
 
 @dataclass
@@ -409,10 +414,8 @@ class LLMConfig:
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
                                             # cross-entropy on the router logit) or `predictor` (a small MLP)
     # how a model trains and runs is not part of its architecture: these keys live in the run config's train:
-    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
-                             "checkpoint_every": "train.activation_checkpointing_every",
-                             **{k: f"train.{k}" for k in ("attn_backend", "chunked_loss", "loss_chunk_size",
-                                                          "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
+    moved: ClassVar[dict] = {**CHECKPOINTING_MOVED, **{k: f"train.{k}" for k in (
+        "attn_backend", "chunked_loss", "loss_chunk_size", "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -555,8 +558,7 @@ class ConvNetConfig:
                                             # zeroed), `skip` (kept samples only), `batch` (whole batch)
     zero_init_last: bool = True             # each residual branch's last BN gamma starts at 0 (not in ConvNeXt)
     bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon (ConvNeXt's LayerNorms use 1e-6)
-    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
-                             "checkpoint_every": "train.activation_checkpointing_every"}
+    moved: ClassVar[dict] = CHECKPOINTING_MOVED
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -702,8 +704,7 @@ class DiffusionConfig:
     sample_steps: int = bounded(50, gt=0)   # sampling defaults
     guidance: float = bounded(3.0, ge=0)    # classifier-free guidance scale (1 = off)
     eta: float = bounded(0.0, ge=0)         # DDIM noise (0 = deterministic)
-    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
-                             "checkpoint_every": "train.activation_checkpointing_every"}
+    moved: ClassVar[dict] = CHECKPOINTING_MOVED
 
     def validate(self, source="<config>", prefix=""):
         p = prefix

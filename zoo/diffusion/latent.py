@@ -51,10 +51,8 @@ class LatentDiffusion(nn.Module):
             raise ConfigError(f"model.latent_channels={cfg.latent_channels} does not match the autoencoder's "
                               f"{C} latent channels")
         self.latent_channels = C
-        if cfg.denoiser == "dit":
-            self.denoiser = DiT(cfg.dit, C, cfg.num_classes, self.latent_size)
-        else:
-            self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
+        self.denoiser = DiT(cfg.dit, C, cfg.num_classes, self.latent_size) if cfg.denoiser == "dit" else \
+            UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
         self.schedule = NoiseSchedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
         self.register_buffer("latent_mean", torch.zeros(C))
         self.register_buffer("latent_std", torch.ones(C))

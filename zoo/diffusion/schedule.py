@@ -158,11 +158,8 @@ class NoiseSchedule:
             raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
         x = torch.randn(shape, generator=generator, device=device, dtype=dtype) if x_T is None else x_T
         ts = self.timesteps(steps)
-        B = x.shape[0]
-        for i, t in enumerate(ts):
-            t_prev = ts[i + 1] if i + 1 < len(ts) else -1
-            tb = torch.full((B,), t, device=x.device, dtype=torch.long)
-            pb = torch.full((B,), t_prev, device=x.device, dtype=torch.long)
+        for t, t_prev in zip(ts, ts[1:] + [-1]):
+            tb, pb = (torch.full((x.shape[0],), v, device=x.device, dtype=torch.long) for v in (t, t_prev))
             out = model_fn(x, tb).to(x.dtype)
             stochastic = sampler == "ddpm" or eta > 0
             noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype) if stochastic else None
