@@ -88,8 +88,7 @@ class Block(nn.Module):
         mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
         h = self.attn_norm(x)
         kw = {"q_scale": q_scale} if q_scale is not None else {}
-        a = self.attn_post_norm(self.attn(h, cos, sin, cache, start_pos, mask, **kw))
-        x = x + a
+        x = x + self.attn_post_norm(self.attn(h, cos, sin, cache, start_pos, mask, **kw))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
         return x + self.mlp_post_norm(y), stats

@@ -219,6 +219,19 @@ def check_weights(path):
         check_weight_file(f)
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object in file `path`; a missing file, bad JSON or another JSON value is a one-line error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:
     """What differs between the tensors a file holds and those expected ({name: tensor or shape} both):
     "missing: ...; unexpected: ...; wrong shape: ..." (each list cut to `limit`), or "" when they match."""

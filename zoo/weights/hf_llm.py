@@ -23,7 +23,7 @@ import torch
 
 from ..archs import BY_MODEL_TYPE, FEATURES, RECORDS, Record, features
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
-from .files import FILE_DTYPES, atomic_write, mismatches, read_safetensors_header, save_safetensors
+from .files import FILE_DTYPES, atomic_write, mismatches, read_json, read_safetensors_header, save_safetensors
 
 ARCHITECTURES = tuple(RECORDS)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -32,18 +32,6 @@ _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gel
 
 
 # -------------------------------------------------------------- config.json <-> LLMConfig
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
 
 def record_of(hf: dict, source: str) -> Record:
     """The record of a config.json's class (its `architectures`, else its `model_type`)."""

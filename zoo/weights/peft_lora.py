@@ -17,8 +17,8 @@ import torch
 
 from ..adapters import AdapterConfig, adapter_modules, apply_adapters, lora_sites
 from ..blocks.lora import LoRALinear
-from .files import atomic_write, load_tensors, mismatches, save_safetensors
-from .hf_llm import inverse, read_json, record_for, row_orders
+from .files import atomic_write, load_tensors, mismatches, read_json, save_safetensors
+from .hf_llm import inverse, record_for, row_orders
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from ..config import CONVNET_KINDS, CONVNEXT_ARCHS, RESNET_ARCHS, ConfigError, ConvNetConfig, from_dict, to_dict
-from .files import WEIGHT_SUFFIXES as SUFFIXES, atomic_write, load_tensors, read_safetensors_header, save_safetensors
+from .files import (WEIGHT_SUFFIXES as SUFFIXES, atomic_write, load_tensors, read_json, read_safetensors_header,
+                    save_safetensors)
 
 FOLDER_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -251,10 +252,7 @@ def saved_config(path) -> tuple[str | None, dict | None]:
     p, f = Path(path), weight_file(path)
     meta = {}
     if p.is_dir() and (p / "config.json").is_file():
-        try:
-            meta = json.loads((p / "config.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{p / 'config.json'}: not valid JSON") from None
+        meta = read_json(p / "config.json")
     if "zoo" not in meta and f is not None and f.suffix.lower() == ".safetensors":
         extra = read_safetensors_header(f)[1] or {}
         if "zoo" in extra:
