@@ -355,8 +355,7 @@ class MLAConfig:
     nope_dim: int = bounded(128, gt=0)      # per-head query/key channels without RoPE
     v_dim: int = bounded(128, gt=0)         # per-head value width
     absorb: bool = False                    # decoding on the cache: kv_b folded into the query and the output, the
-                                            # attention over the latents themselves (the same numbers; less work when
-                                            # kv_rank is small against heads x head widths)
+                                            # attention over the latents (same numbers; less work for a small kv_rank)
 
 
 @dataclass
@@ -374,18 +373,15 @@ class LLMConfig:
     max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for; they grow for a longer sequence
     norm_eps: float = bounded(1e-5, gt=0)   # RMSNorm epsilon
     rope_theta: float = bounded(10000.0, gt=0)  # RoPE base
-    rope_scaling: Optional[RopeScaling] = None  # `{type: linear, factor}` or `{type: llama3, factor, low_freq_factor,
-                                            # high_freq_factor, original_max_position_embeddings}`
+    rope_scaling: Optional[RopeScaling] = None  # RoPE scaling: the `rope_scaling:` keys below; null = none
     tie_embeddings: bool = True             # the LM head shares the embedding matrix (one tensor)
     qkv_bias: bool = False                  # bias on the q/k/v projection (Qwen2)
     sliding_window: Optional[int] = bounded(None, gt=0)  # attend only to the last N positions (Mistral)
-    qk_norm: Union[bool, Literal["head", "proj"]] = False  # RMSNorm (eps `norm_eps`) of queries and keys before
-                                            # RoPE: `true` / `head` per head (Qwen3, Gemma 3), `proj` over the whole
-                                            # projection (OLMo 2)
+    qk_norm: Union[bool, Literal["head", "proj"]] = False  # RMSNorm of queries and keys before RoPE: `true` /
+                                            # `head` per head (Qwen3, Gemma 3), `proj` over the projection (OLMo 2)
     attn_out_bias: bool = False             # bias on the attention output (with `qkv_bias`: Llama's attention_bias)
-    attn_pattern: list[Literal["local", "global"]] = field(default_factory=list)  # per layer, repeated over the
-                                            # layers: `local` layers use `sliding_window`, `global` ones see
-                                            # everything (Gemma, GPT-OSS); empty: `sliding_window` on every layer
+    attn_pattern: list[Literal["local", "global"]] = field(default_factory=list)  # per layer, repeated: `local` uses
+                                            # `sliding_window`, `global` not (Gemma, GPT-OSS); empty: every layer local
     rope_theta_local: Optional[float] = bounded(None, gt=0)  # RoPE base of the `local` layers, unscaled (Gemma 3);
                                             # null = `rope_theta`
     nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
@@ -445,8 +441,9 @@ class LLMConfig:
         if self.mod_capacity > 0 and self.mod_every > self.n_layers:
             raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
                                                 f"no layer would be a MoD block")
-        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", self.moe and self.moe.dense_layers)):
-            bad = [i for i in layers or () if not 0 <= i < self.n_layers]
+        dense = self.moe.dense_layers if self.moe else []
+        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
+            bad = [i for i in layers if not 0 <= i < self.n_layers]
             if bad:
                 raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
 
