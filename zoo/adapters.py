@@ -134,8 +134,7 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
         known = known_targets(model)
         llm_default = getattr(model, "family", None) == "llm" and list(cfg.targets) == list(LLM_TARGETS)
         targets = known if llm_default else cfg.targets
-        unknown = [t for t in targets if t not in known]
-        if unknown:
+        if unknown := [t for t in targets if t not in known]:
             raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
                               f"(known: {', '.join(known) or 'none'})")
         for name, parts in lora_sites(model).items():

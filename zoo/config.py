@@ -443,8 +443,7 @@ class LLMConfig:
                                                 f"no layer would be a MoD block")
         dense = self.moe.dense_layers if self.moe else []
         for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
-            bad = [i for i in layers if not 0 <= i < self.n_layers]
-            if bad:
+            if bad := [i for i in layers if not 0 <= i < self.n_layers]:
                 raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
 
     @property
@@ -723,8 +722,7 @@ class DiffusionConfig:
             raise fail(source, p + "beta_end", f"must satisfy 0 < beta_start < beta_end < 1, got "
                                                f"{self.beta_start} and {self.beta_end}")
         from .diffusion.samplers import check_sampler
-        why = check_sampler(self.sampler, self.prediction)
-        if why:
+        if why := check_sampler(self.sampler, self.prediction):
             raise fail(source, p + "sampler", f"={self.sampler}: {why}")
         if self.denoiser == "dit" and self.dit.learn_sigma and self.prediction == "flow":
             raise fail(source, p + "dit.learn_sigma", "needs a noise-schedule prediction (eps, v, x0): the "

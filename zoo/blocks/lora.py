@@ -45,8 +45,7 @@ class LoRALinear(nn.Module):
             raise ValueError(f"parts {parts} do not cover the {self.out_features} output rows")
         names = [n for n, _ in parts]
         adapted = list(adapted) or names
-        unknown = [n for n in adapted if n not in names]
-        if unknown:
+        if unknown := [n for n in adapted if n not in names]:
             raise ValueError(f"adapted parts {unknown} are not among the parts {names}")
         if r <= 0:
             raise ValueError(f"r must be > 0, got {r}")

@@ -66,8 +66,7 @@ def sample(model_fn: Callable, shape, sampler: str, steps: int, schedule: NoiseS
            beta_start: float, beta_end: float, eta: float = 0.0, generator: Optional[torch.Generator] = None,
            device=None, dtype=torch.float32) -> torch.Tensor:
     """Latents (shape) sampled from noise drawn with `generator` by the named sampler."""
-    why = check_sampler(sampler, prediction)
-    if why:
+    if why := check_sampler(sampler, prediction):
         raise ValueError(why)
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     if sampler in ("ddim", "ddpm"):

@@ -44,8 +44,7 @@ def save_pretrained(model, path, **kwargs):
             or any(getattr(m, "prefix", None) is not None for m in model.modules()):
         raise ValueError("the model has adapters: save them with zoo.weights.peft_lora.save_adapter, or the "
                          "merged model with save_pretrained(zoo.adapters.merged_model(model), ...)")
-    by_suffix = SUFFIXES.get(Path(path).suffix.lower())
-    if by_suffix:
+    if by_suffix := SUFFIXES.get(Path(path).suffix.lower()):
         return importlib.import_module(by_suffix).save(model, path, **kwargs)
     for mod in _modules():
         if hasattr(mod, "exports") and mod.exports(model):

@@ -80,8 +80,7 @@ def load(path, dtype=torch.float32, **_):
         for b in model.blocks:
             b.mlp.approximate = "none"
     ours = to_zoo(sd, depth, shared)
-    what = mismatches(ours, model.state_dict(), limit=3)
-    if what:
+    if what := mismatches(ours, model.state_dict(), limit=3):
         raise ValueError(f"{f / WEIGHTS}: weights do not match config.json ({what})")
     model.load_state_dict(ours)
     model.pretrained_format = {"format": "diffusers", "sample_size": cfg.get("sample_size", 32)}

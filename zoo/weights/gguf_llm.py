@@ -105,8 +105,7 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
     hf.update(own)
-    missing = [k for k, v in hf.items() if v is None]
-    if missing:
+    if missing := [k for k, v in hf.items() if v is None]:
         raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
     return config_from_hf(hf, source)
 
@@ -150,8 +149,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     kmap = gguf_names(cfg, arch)
     expected = {name: shape for parts in kmap.values() for name, shape in parts}
     found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
-    problems = mismatches(found, expected, lambda n: n.startswith("rope_factors_"))
-    if problems:
+    if problems := mismatches(found, expected, lambda n: n.startswith("rope_factors_")):
         raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
                          f"{cfg.n_layers} layers): {problems}")
     bad = [f"{n} ({t.tensor_type.name})" for n, t in tensors.items() if t.tensor_type.name not in READ_TYPES]
@@ -319,8 +317,7 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
                          f"{', '.join(WRITES)})")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope"):
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
-    why = rec.gguf_refuses(cfg)
-    if why:
+    if why := rec.gguf_refuses(cfg):
         raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
     name = rec.gguf
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))

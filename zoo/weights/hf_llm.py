@@ -54,8 +54,7 @@ def _rope_params(params: dict, hf: dict, key: str, source: str) -> tuple[float, 
                           f"(supported: default, linear, llama3, yarn, longrope)")
     need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
             "longrope": ("short_factor", "long_factor")}.get(kind, ())
-    missing = [k for k in need if k not in params]
-    if missing:
+    if missing := [k for k in need if k not in params]:
         raise ConfigError(f"{source}: {key} of type '{kind}' lacks {', '.join(missing)}")
     try:
         theta = float(params["rope_theta"])
@@ -139,8 +138,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     """A Hugging Face config.json (as a dict) -> (LLMConfig, architecture): the common keys here, the class's
     own in its record."""
     rec = record_of(hf, source)
-    missing = [k for k in _REQUIRED if k not in hf]
-    if missing:
+    if missing := [k for k in _REQUIRED if k not in hf]:
         raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
     get = lambda k, d=None: hf[k] if k in hf else rec.defaults.get(k, d)  # noqa: E731
     act = hf.get("hidden_activation") or hf.get("hidden_act") or rec.act
@@ -568,8 +566,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     a folder holding one) or write a GGUFTokenizer if given. Returns the folder."""
     model = getattr(model, "_orig_mod", model)  # torch.compile'd
     cfg: LLMConfig = model.config
-    why = holds(model)
-    if why:
+    if why := holds(model):
         raise ValueError(why)
     rec = record_for(cfg, getattr(model, "hf_architecture", None))
     out = Path(path)

@@ -120,8 +120,7 @@ def file_orders(model) -> dict:
 def load_adapter_weights(model, path: Path):
     """Read PEFT-named adapter tensors into `model`; any mismatch is one error naming the file."""
     found = load_tensors(path)
-    problems = mismatches(found, adapter_state(model), limit=4)
-    if problems:
+    if problems := mismatches(found, adapter_state(model), limit=4):
         raise ValueError(f"{path}: does not match adapter_config.json and the base model: {problems}")
     orders = file_orders(model)
     for k, (hf, t) in _adapter_tensors(model).items():

@@ -71,8 +71,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         model = LLM(cfg)
     tied = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"} if cfg.tie_embeddings else {}
     state.update({k: state[other] for k, other in tied.items() if k not in state and other in state})  # stored once
-    problems = mismatches(state, model.state_dict(), limit=3)
-    if problems:
+    if problems := mismatches(state, model.state_dict(), limit=3):
         raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): {problems}")
     model.load_state_dict(state, strict=True)
     return cast_weights(model, dtype).eval()
