@@ -69,9 +69,8 @@ class DiT(nn.Module):
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch.proj.bias)
         for c in self.cond:
-            nn.init.normal_(c.y_embed.table.weight, std=0.02)
-            nn.init.normal_(c.t_embed.linear_1.weight, std=0.02)
-            nn.init.normal_(c.t_embed.linear_2.weight, std=0.02)
+            for w in (c.y_embed.table.weight, c.t_embed.linear_1.weight, c.t_embed.linear_2.weight):
+                nn.init.normal_(w, std=0.02)
         for m in [b.ada for b in self.blocks] + [self.final.ada, self.final.linear]:
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)

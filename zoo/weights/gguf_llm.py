@@ -319,18 +319,16 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
     if why := rec.gguf_refuses(cfg):
         raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
-    name = rec.gguf
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
     n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
     if n_tokens != cfg.vocab_size:
         raise ValueError(f"{out}: the tokenizer has {n_tokens} tokens and the model a vocabulary of {cfg.vocab_size} "
                          f"(llama.cpp needs them equal)")
-    Q = gguf.GGMLQuantizationType
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
 
     def write(tmp: Path):
-        w = gguf.GGUFWriter(str(tmp), name)
+        w = gguf.GGUFWriter(str(tmp), rec.gguf)
         w.add_name(getattr(model, "gguf_name", "zoo"))
         D = cfg.resolved_head_dim
         for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.d_model),
@@ -366,7 +364,7 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
                 elif kind == "f16" or (kind == "q8_0" and x.shape[-1] % 32):
                     w.add_tensor(tensor_name, x.astype("float16"))
                 else:
-                    q = Q.BF16 if kind == "bf16" else Q.Q8_0
+                    q = gguf.GGMLQuantizationType.BF16 if kind == "bf16" else gguf.GGMLQuantizationType.Q8_0
                     w.add_tensor(tensor_name, gguf.quants.quantize(x, q), raw_dtype=q)
         w.write_header_to_file()
         w.write_kv_data_to_file()

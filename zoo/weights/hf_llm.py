@@ -489,8 +489,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     device = torch.device(device or "cpu")
 
     # 1. check every file header and every name/shape before reading any data
-    files = weight_files(folder)
-    headers = {f: read_safetensors_header(f)[::2] for f in files}  # (table, data offset)
+    headers = {f: read_safetensors_header(f)[::2] for f in weight_files(folder)}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
