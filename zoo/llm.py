@@ -217,7 +217,8 @@ class LLM(nn.Module):
               if v is not None}
         for i, layer in enumerate(self.layers):
             mod = {"causal": causal} if isinstance(layer, MixtureOfDepths) else {}
-            x, s, *m = layer(x, *tables[self.config.is_local(i)], cache=None if caches is None else caches[i], **kw, **mod)
+            cache = None if caches is None else caches[i]
+            x, s, *m = layer(x, *tables[self.config.is_local(i)], cache=cache, **kw, **mod)
             if s is not None:
                 stats.append(s)
             mod_stats += m

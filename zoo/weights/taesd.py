@@ -19,7 +19,8 @@ from .files import atomic_write, check_weight_file, load_tensors, read_safetenso
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 # the AutoencoderTiny config.json keys TAESD has one value of
 _DIFFUSERS_FIXED = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
-                    "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1]}
+                    "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3],
+                    "num_decoder_blocks": [3, 3, 3, 1]}
 _PAIR = re.compile(r"^(?P<stem>.*)_(?P<part>encoder|decoder)\.(?P<ext>pth|pt|safetensors)$")
 _MAX_PTH_BYTES = 256 << 20   # TAESD files are a few MB; never unpickle big unrelated files to look
 
