@@ -222,7 +222,7 @@ def test_batched_generation_equals_each_row_alone(monkeypatch):
             assert (row[hit[0, 0]:] == row[hit[0, 0]]).all()
     assert torch.isin(stopped[0, 2], torch.tensor(eos)) and (stopped[0, 2:] == stopped[0, 2]).all()
     import zoo.llm as L
-    monkeypatch.setattr(L, "_static_step", L.decode_step)  # its logic; compiled graphs: tests/test_cuda.py
+    monkeypatch.setattr(L, "static_decode_step", lambda: L.decode_step)  # its logic; compiled graphs: tests/test_cuda.py
     model = tiny(n_kv_heads=2).eval()  # unscaled: draws that depend on the context
     twice = model.generate(ids.repeat_interleave(2, 0), 10, temperature=1.0, top_p=0.95, compile="reduce-overhead",
                            attention_mask=mask.repeat_interleave(2, 0),
@@ -426,7 +426,7 @@ def test_static_decoding_gives_the_tokens_of_eager_decoding(monkeypatch, kw):
     model = tiny(max_seq_len=64, **kw).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
     want = model.generate(ids, 12)
-    monkeypatch.setattr(L, "_static_step", L.decode_step)
+    monkeypatch.setattr(L, "static_decode_step", lambda: L.decode_step)
     assert torch.equal(model.generate(ids, 12, compile="reduce-overhead"), want)
     assert torch.equal(model.generate(ids, 12, compile="reduce-overhead"), want)
     if "attn_softcap" in kw or "attn_sinks" in kw:  # padded rows are not run with these at all

@@ -10,27 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import FAMILIES, ConfigError, family, from_dict, load_class, load_yaml, model_config_from
+from .config import FAMILIES, ConfigError, load_class, load_yaml, model_config_from, to_dict
 
 __all__ = ["build", "from_pretrained", "save_pretrained", "quantize", "prune", "ConfigError", "FAMILIES"]
-
-def model_class(name: str):
-    return load_class(family(name, "zoo").model)
-
-
-def _family_of(cfg) -> str:
-    for name, fam in FAMILIES.items():
-        if type(cfg) is fam.config:
-            return name
-    raise ConfigError(f"not a model config: {type(cfg).__name__}")
 
 
 def build(config, **overrides):
     """Build a model from a YAML path (a full run config or just the model keys), a dict, or a model
     config dataclass. Keyword overrides replace model keys: build("tiny.yaml", n_layers=2)."""
+    prefix = "model."
     if isinstance(config, (str, Path)):
-        source = str(config)
-        data = load_yaml(config)
+        source, data = str(config), load_yaml(config)
         family = data.get("family", "llm")
         if "model" in data:
             data = data["model"]
@@ -38,19 +28,17 @@ def build(config, **overrides):
             data = {}
         model_data = dict(data or {})
     elif isinstance(config, dict):
-        source = "<dict>"
-        family = config.get("family", "llm")
+        source, family = "<dict>", config.get("family", "llm")
         model_data = dict(config.get("model", {k: v for k, v in config.items() if k != "family"}))
     else:
-        family = _family_of(config)
-        cls = model_class(family)
-        if overrides:
-            from .config import to_dict
-            config = model_config_from({**to_dict(config), **overrides}, family, "<overrides>", "")
-        return cls(config)
-    model_data.update(overrides)
-    cfg = model_config_from(model_data, family, source)
-    return model_class(family)(cfg)
+        family = next((name for name, fam in FAMILIES.items() if type(config) is fam.config), None)
+        if family is None:
+            raise ConfigError(f"not a model config: {type(config).__name__}")
+        if not overrides:
+            return load_class(FAMILIES[family].model)(config)
+        source, prefix, model_data = "<overrides>", "", to_dict(config)
+    cfg = model_config_from({**model_data, **overrides}, family, source, prefix)
+    return load_class(FAMILIES[family].model)(cfg)
 
 
 def from_pretrained(path, **kwargs):

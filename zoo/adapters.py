@@ -134,8 +134,7 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
         known = known_targets(model)
         llm_default = getattr(model, "family", None) == "llm" and list(cfg.targets) == list(LLM_TARGETS)
         targets = known if llm_default else cfg.targets
-        unknown = [t for t in targets if t not in known]
-        if unknown:
+        if unknown := [t for t in targets if t not in known]:
             raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
                               f"(known: {', '.join(known) or 'none'})")
         for name, parts in lora_sites(model).items():
@@ -239,8 +238,7 @@ def merged_model(model: nn.Module) -> nn.Module:
     weight, every NF4 weight dequantised and prefixes removed (in place; returns the model)."""
     for name, m in adapter_modules(model).items():
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-        w = m.merged_weight()
-        lin.weight = nn.Parameter(w, requires_grad=False)
+        lin.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
         if m.bias is not None:
             lin.bias = m.bias
         _set_module(model, name, lin)
@@ -262,14 +260,8 @@ def trainable_keys(model: nn.Module) -> set[str]:
 
 def count_params(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters; NF4 weights count their logical elements."""
-    seen, trainable, total = set(), 0, 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    return trainable, total
+    params = list(model.parameters())  # a shared parameter once
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def param_bytes(model: nn.Module) -> int:

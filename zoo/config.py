@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import types
 import typing
@@ -58,14 +59,10 @@ def _coerce(value: Any, tp, key: str, source: str):
         raise bad
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad
+        if value is None and type(None) in args:
+            return None
         errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        for a in [a for a in args if a is not type(None)]:
             try:
                 return _coerce(value, a, key, source)
             except ConfigError as e:
@@ -79,8 +76,8 @@ def _coerce(value: Any, tp, key: str, source: str):
         if not isinstance(value, dict):
             raise bad
         return from_dict(tp, value, source, prefix=key + ".")
-    if tp is bool:
-        if isinstance(value, bool):
+    if tp in (bool, str):
+        if isinstance(value, tp):
             return value
         raise bad
     if tp is int:
@@ -99,10 +96,6 @@ def _coerce(value: Any, tp, key: str, source: str):
                 raise fail(source, key, f"must be a finite number, got {value!r}")
             return float(value)
         raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
     if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise bad
@@ -114,17 +107,14 @@ def _coerce(value: Any, tp, key: str, source: str):
         inner = args[0] if args else Any
         out = [_coerce(v, inner, f"{key}[{i}]", source) for i, v in enumerate(value)]
         return tuple(out) if (origin is tuple or tp is tuple) else out
-    if origin is dict or tp is dict:
-        if isinstance(value, dict):
-            return value
-        raise bad
+    if (origin is dict or tp is dict) and isinstance(value, dict):
+        return value
     raise bad
 
 
 def from_dict(cls, data: dict, source: str = "<config>", prefix: str = ""):
     """Build dataclass `cls` from a mapping: unknown keys and wrong types are one-line errors."""
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -180,14 +170,7 @@ def describe_bounds(bounds: dict) -> str:
     return f"{end[1]} {_num(end[2])}" if end else ""
 
 
-def _within(v, bounds: dict) -> bool:
-    return (("gt" not in bounds or v > bounds["gt"]) and ("ge" not in bounds or v >= bounds["ge"])
-            and ("lt" not in bounds or v < bounds["lt"]) and ("le" not in bounds or v <= bounds["le"]))
-
-
-def _nullable(cls, name: str) -> bool:
-    tp = typing.get_type_hints(cls).get(name)
-    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
+_BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 
 
 def check_bounds(obj, source: str = "<config>", prefix: str = ""):
@@ -201,8 +184,8 @@ def check_bounds(obj, source: str = "<config>", prefix: str = ""):
         bounds = f.metadata.get("bounds")
         if not bounds or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue  # null, or a non-number a Union allows ('auto')
-        if not _within(v, bounds):
-            null = " or null" if _nullable(type(obj), f.name) else ""
+        if not all(_BOUNDS[k](v, b) for k, b in bounds.items()):
+            null = " or null" if type(None) in typing.get_args(typing.get_type_hints(type(obj))[f.name]) else ""
             raise fail(source, prefix + f.name, f"must be {describe_bounds(bounds)}{null}, got {v}")
 
 
@@ -210,22 +193,19 @@ def check(obj, source: str = "<config>", prefix: str = ""):
     """Check a config dataclass: its declared field bounds, then its validate() (the rules across
     fields that bounds cannot declare). from_dict calls it; so do the models on their config."""
     check_bounds(obj, source, prefix)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate(source, prefix)
+    if hasattr(obj, "validate"):
+        obj.validate(source, prefix)
 
 
-def to_dict(obj) -> dict:
+def to_dict(obj):
     """Dataclass -> plain nested dict (tuples become lists, so it round-trips through YAML/JSON)."""
-    def conv(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        if isinstance(v, dict):
-            return {k: conv(x) for k, x in v.items()}
-        return v
-    return conv(obj)
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(x) for k, x in obj.items()}
+    return obj
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -252,8 +232,7 @@ def load_yaml(path) -> dict:
         raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
     return data
@@ -287,11 +266,13 @@ def parse_overrides(items, source: str = "command line") -> dict:
 def deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+# the keys of how a model runs that moved from a model config to the run config's train: section
+CHECKPOINTING_MOVED = {"activation_checkpointing": "train.activation_checkpointing",
+                       "checkpoint_every": "train.activation_checkpointing_every"}
 
 
 # ----------------------------------------------------------------------------- LLM family
@@ -312,8 +293,7 @@ class RopeScaling:
     mscale_all_dim: float = bounded(0.0, ge=0)  # yarn with multi-head latent attention (DeepSeek): scores times
                                             # (0.1 mscale_all_dim ln(factor) + 1)^2; 0 = off
     short_factor: list[float] = field(default_factory=list)  # longrope: per-channel divisors (head_dim / 2 values)
-    long_factor: list[float] = field(default_factory=list)  # longrope: the same past
-                                            # `original_max_position_embeddings`
+    long_factor: list[float] = field(default_factory=list)  # longrope: the same past `original_max_position_embeddings`
     query_beta: float = bounded(0.0, ge=0)  # queries times 1 + beta ln(1 + floor(position /
                                             # original_max_position_embeddings)) (Llama 4, Mistral 4: `llama_4_scaling_beta`;
                                             # multi-head latent attention only); 0 = off
@@ -334,8 +314,7 @@ class MoEConfig:
     n_experts: int = bounded(8, gt=0)       # experts per sparse layer
     top_k: int = bounded(2, gt=0)           # experts per token (<= `n_experts`)
     expert_hidden: Optional[int] = bounded(None, gt=0)  # each expert's SwiGLU width; null = `ffn_hidden`
-    n_shared: int = bounded(0, ge=0)        # always-on shared experts, run as one SwiGLU of `n_shared *
-                                            # shared_hidden`
+    n_shared: int = bounded(0, ge=0)        # always-on shared experts, run as one SwiGLU of `n_shared * shared_hidden`
     shared_hidden: Optional[int] = bounded(None, gt=0)  # width of each shared expert; null = `expert_hidden`
     shared_gate: bool = False               # multiply the shared experts' output by sigmoid(x W), W of shape (1,
                                             # d_model) (Qwen2-MoE); needs `n_shared` > 0
@@ -343,8 +322,7 @@ class MoEConfig:
                                             # `decoder_sparse_step`)
     dense_layers: list[int] = field(default_factory=list)  # layers kept dense, a SwiGLU of `ffn_hidden` (Qwen's
                                             # `mlp_only_layers`)
-    scoring: Literal["softmax", "sigmoid"] = "softmax"  # router scores: `softmax` (Mixtral, Qwen) or `sigmoid`
-                                            # (DeepSeek-V3)
+    scoring: Literal["softmax", "sigmoid"] = "softmax"  # router: `softmax` (Mixtral, Qwen) or `sigmoid` (DeepSeek-V3)
     norm_topk_prob: bool = True             # renormalise the chosen experts' weights to sum to 1
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # `aux_loss` (Switch Transformer loss, weight
                                             # `train.moe_aux_loss_coef`), `bias` (DeepSeek-V3's loss-free bias), `none`
@@ -377,8 +355,7 @@ class MLAConfig:
     nope_dim: int = bounded(128, gt=0)      # per-head query/key channels without RoPE
     v_dim: int = bounded(128, gt=0)         # per-head value width
     absorb: bool = False                    # decoding on the cache: kv_b folded into the query and the output, the
-                                            # attention over the latents themselves (the same numbers; less work when
-                                            # kv_rank is small against heads x head widths)
+                                            # attention over the latents (same numbers; less work for a small kv_rank)
 
 
 @dataclass
@@ -389,37 +366,29 @@ class LLMConfig:
     d_model: int = bounded(512, gt=0)       # width of the residual stream
     n_layers: int = bounded(8, gt=0)        # transformer blocks
     n_heads: int = bounded(8, gt=0)         # query heads; must divide `d_model` unless `head_dim` is set
-    n_kv_heads: Optional[int] = bounded(None, gt=0)  # key/value heads: null = `n_heads` (MHA), 1 = MQA, else GQA;
-                                            # must divide `n_heads`
+    n_kv_heads: Optional[int] = bounded(None, gt=0)  # null = `n_heads` (MHA), 1 = MQA, else GQA; divides `n_heads`
     head_dim: Optional[int] = bounded(None, gt=0)  # per-head width; null = `d_model / n_heads`; must be even (RoPE)
-    ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU hidden width; null = 8/3 `d_model` rounded up to
-                                            # `ffn_multiple_of`
+    ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU width; null = 8/3 `d_model` rounded up (`ffn_multiple_of`)
     ffn_multiple_of: int = bounded(64, gt=0)  # rounding of the default `ffn_hidden`
-    max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for (they grow if a longer sequence
-                                            # comes)
+    max_seq_len: int = bounded(2048, gt=0)  # context the RoPE tables are built for; they grow for a longer sequence
     norm_eps: float = bounded(1e-5, gt=0)   # RMSNorm epsilon
     rope_theta: float = bounded(10000.0, gt=0)  # RoPE base
-    rope_scaling: Optional[RopeScaling] = None  # `{type: linear, factor}` or `{type: llama3, factor, low_freq_factor,
-                                            # high_freq_factor, original_max_position_embeddings}`
+    rope_scaling: Optional[RopeScaling] = None  # RoPE scaling: the `rope_scaling:` keys below; null = none
     tie_embeddings: bool = True             # the LM head shares the embedding matrix (one tensor)
     qkv_bias: bool = False                  # bias on the q/k/v projection (Qwen2)
     sliding_window: Optional[int] = bounded(None, gt=0)  # attend only to the last N positions (Mistral)
-    qk_norm: Union[bool, Literal["head", "proj"]] = False  # RMSNorm (eps `norm_eps`) of queries and keys before
-                                            # RoPE: `true` / `head` per head (Qwen3, Gemma 3), `proj` over the whole
-                                            # projection (OLMo 2)
-    attn_out_bias: bool = False             # bias on the attention output projection (with `qkv_bias`: Llama's
-                                            # attention_bias)
-    attn_pattern: list[Literal["local", "global"]] = field(default_factory=list)  # per layer, repeated over the
-                                            # layers: `local` layers use `sliding_window`, `global` ones see
-                                            # everything (Gemma, GPT-OSS); empty: `sliding_window` on every layer
+    qk_norm: Union[bool, Literal["head", "proj"]] = False  # RMSNorm of queries and keys before RoPE: `true` /
+                                            # `head` per head (Qwen3, Gemma 3), `proj` over the projection (OLMo 2)
+    attn_out_bias: bool = False             # bias on the attention output (with `qkv_bias`: Llama's attention_bias)
+    attn_pattern: list[Literal["local", "global"]] = field(default_factory=list)  # per layer, repeated: `local` uses
+                                            # `sliding_window`, `global` not (Gemma, GPT-OSS); empty: every layer local
     rope_theta_local: Optional[float] = bounded(None, gt=0)  # RoPE base of the `local` layers, unscaled (Gemma 3);
                                             # null = `rope_theta`
     nope_layers: list[int] = field(default_factory=list)  # layers without RoPE (SmolLM3)
     rotary_fraction: float = bounded(1.0, gt=0, le=1)  # share of each head's channels RoPE rotates (Phi-4-mini)
     norm_placement: Literal["pre", "post", "sandwich"] = "pre"  # RMSNorm before each branch (`pre`), after it
                                             # (`post`, OLMo 2) or both (`sandwich`, Gemma)
-    mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
-                                            # (Gemma)
+    mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # SwiGLU, or GeGLU with tanh-approximated GELU (Gemma)
     embed_scale: bool = False               # multiply the embeddings by sqrt(`d_model`) (Gemma)
     norm_type: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (Cohere)
     parallel_block: bool = False            # attention and MLP side by side from one norm: x + attn(n(x)) + mlp(n(x))
@@ -430,10 +399,8 @@ class LLMConfig:
     attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
     final_softcap: Optional[float] = bounded(None, gt=0)  # output logits c * tanh(z / c) (Gemma 2)
     attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)
-    mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): a mapping of its keys; null =
-                                            # grouped-query attention
-    moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: a mapping of the keys below; null = a dense
-                                            # model
+    mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): its keys; null = GQA
+    moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: the keys below; null = a dense model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
     # every mod_every-th block and the rest around it
     mod_capacity: float = bounded(0.0, ge=0, le=1)  # the share of each sequence's tokens a MoD block processes
@@ -443,10 +410,8 @@ class LLMConfig:
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
                                             # cross-entropy on the router logit) or `predictor` (a small MLP)
     # how a model trains and runs is not part of its architecture: these keys live in the run config's train:
-    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
-                             "checkpoint_every": "train.activation_checkpointing_every",
-                             **{k: f"train.{k}" for k in ("attn_backend", "chunked_loss", "loss_chunk_size",
-                                                          "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
+    moved: ClassVar[dict] = {**CHECKPOINTING_MOVED, **{k: f"train.{k}" for k in (
+        "attn_backend", "chunked_loss", "loss_chunk_size", "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -470,19 +435,16 @@ class LLMConfig:
             raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
         if "local" in self.attn_pattern and self.sliding_window is None:
             raise fail(source, p + "attn_pattern", f"has local layers but {p}sliding_window is null")
-        bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]
-        if bad:
-            raise fail(source, p + "nope_layers", f"has {bad}, not layers of {p}n_layers={self.n_layers}")
         if self.rotary_dim % 2:
             raise fail(source, p + "rotary_fraction", f"={self.rotary_fraction} gives {self.rotary_dim} rotated "
                                                       f"channels; RoPE needs an even number")
         if self.mod_capacity > 0 and self.mod_every > self.n_layers:
             raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
                                                 f"no layer would be a MoD block")
-        if self.moe is not None:
-            bad = [i for i in self.moe.dense_layers if not 0 <= i < self.n_layers]
-            if bad:
-                raise fail(source, p + "moe.dense_layers", f"has {bad}, not layers of {p}n_layers={self.n_layers}")
+        dense = self.moe.dense_layers if self.moe else []
+        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
+            if bad := [i for i in layers if not 0 <= i < self.n_layers]:
+                raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
 
     @property
     def resolved_n_kv_heads(self) -> int:
@@ -494,18 +456,13 @@ class LLMConfig:
 
     @property
     def resolved_ffn_hidden(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        h = int(8 * self.d_model / 3)
-        m = self.ffn_multiple_of
-        return m * ((h + m - 1) // m)
+        m = self.ffn_multiple_of  # 8/3 d_model rounded up to a multiple of m
+        return self.ffn_hidden or m * ((int(8 * self.d_model / 3) + m - 1) // m)
 
     @property
     def resolved_expert_hidden(self) -> Optional[int]:
         """The width of each MoE expert (None for a dense model)."""
-        if self.moe is None:
-            return None
-        return self.moe.expert_hidden or self.resolved_ffn_hidden
+        return None if self.moe is None else self.moe.expert_hidden or self.resolved_ffn_hidden
 
     @property
     def rotary_dim(self) -> int:
@@ -555,24 +512,12 @@ CONVNEXT_ARCHS: dict[str, tuple] = {
     for v, sizes in ((1, "atto femto pico nano tiny small base large xlarge xxlarge"),
                      (2, "atto femto pico nano tiny small base large huge")) for size in sizes.split()}
 # EfficientNet compound scaling: name -> (width multiplier, depth multiplier, the paper's image size).
-EFFICIENTNET_ARCHS: dict[str, tuple] = {
-    "efficientnet_b0": (1.0, 1.0, 224),
-    "efficientnet_b1": (1.0, 1.1, 240),
-    "efficientnet_b2": (1.1, 1.2, 260),
-    "efficientnet_b3": (1.2, 1.4, 300),
-    "efficientnet_b4": (1.4, 1.8, 380),
-    "efficientnet_b5": (1.6, 2.2, 456),
-    "efficientnet_b6": (1.8, 2.6, 528),
-    "efficientnet_b7": (2.0, 3.1, 600),
-}
+EFFICIENTNET_ARCHS: dict[str, tuple] = {f"efficientnet_b{i}": scaling for i, scaling in enumerate([
+    (1.0, 1.0, 224), (1.0, 1.1, 240), (1.1, 1.2, 260), (1.2, 1.4, 300), (1.4, 1.8, 380), (1.6, 2.2, 456),
+    (1.8, 2.6, 528), (2.0, 3.1, 600)])}
 # MobileNetV3 presets: name -> (size "large" or "small", width multiplier), as timm.
-MOBILENETV3_ARCHS: dict[str, tuple] = {
-    "mobilenetv3_large_100": ("large", 1.0),
-    "mobilenetv3_large_075": ("large", 0.75),
-    "mobilenetv3_small_050": ("small", 0.5),
-    "mobilenetv3_small_075": ("small", 0.75),
-    "mobilenetv3_small_100": ("small", 1.0),
-}
+MOBILENETV3_ARCHS: dict[str, tuple] = {f"mobilenetv3_{size}_{round(mult * 100):03d}": (size, mult) for size, mult in (
+    ("large", 1.0), ("large", 0.75), ("small", 0.5), ("small", 0.75), ("small", 1.0))}
 CONVNET_KINDS: dict[str, dict] = {"resnet": RESNET_ARCHS, "convnext": CONVNEXT_ARCHS,
                                   "efficientnet": EFFICIENTNET_ARCHS, "mobilenetv3": MOBILENETV3_ARCHS}
 # the keys that shape only some kinds (the rest apply to all): key -> kinds
@@ -607,11 +552,9 @@ class ConvNetConfig:
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
     drop_path_mode: Literal["mask", "skip", "batch"] = "mask"  # ResNet: `mask` (dropped samples computed, then
                                             # zeroed), `skip` (kept samples only), `batch` (whole batch)
-    zero_init_last: bool = True             # the last BN gamma of each residual branch starts at 0 (not ConvNeXt,
-                                            # whose layer scale starts at 1e-6)
+    zero_init_last: bool = True             # each residual branch's last BN gamma starts at 0 (not in ConvNeXt)
     bn_eps: float = bounded(1e-5, gt=0)     # BatchNorm epsilon (ConvNeXt's LayerNorms use 1e-6)
-    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
-                             "checkpoint_every": "train.activation_checkpointing_every"}
+    moved: ClassVar[dict] = CHECKPOINTING_MOVED
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -644,27 +587,20 @@ class ConvNetConfig:
 
     @property
     def resolved_layers(self) -> list:
-        if self.layers:
-            return list(self.layers)
-        return list(RESNET_ARCHS[self.arch][1] if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][1])
+        return list(self.layers or (RESNET_ARCHS if self.kind == "resnet" else CONVNEXT_ARCHS)[self.arch][1])
 
     @property
     def resolved_width(self) -> int:
-        if self.width:
-            return self.width
-        return 64 if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][2]
+        return self.width or (64 if self.kind == "resnet" else CONVNEXT_ARCHS[self.arch][2])
 
     @property
     def resolved_width_mult(self) -> float:
-        if self.width_mult:
-            return self.width_mult
-        return EFFICIENTNET_ARCHS[self.arch][0] if self.kind == "efficientnet" else MOBILENETV3_ARCHS[self.arch][1]
+        return self.width_mult or (EFFICIENTNET_ARCHS[self.arch][0] if self.kind == "efficientnet"
+                                   else MOBILENETV3_ARCHS[self.arch][1])
 
     @property
     def resolved_depth_mult(self) -> float:
-        if self.depth_mult:
-            return self.depth_mult
-        return EFFICIENTNET_ARCHS[self.arch][1] if self.kind == "efficientnet" else 1.0
+        return self.depth_mult or (EFFICIENTNET_ARCHS[self.arch][1] if self.kind == "efficientnet" else 1.0)
 
     @property
     def resolved_groups(self) -> int:
@@ -680,8 +616,7 @@ class ConvNetConfig:
 @dataclass
 class AutoencoderConfig:
     """The frozen TAESD autoencoder between images and latents (zoo/diffusion/taesd.py)."""
-    weights: Optional[str] = None           # TAESD weights (`*_encoder.pth` or a diffusers folder); null: trained by
-                                            # the task
+    weights: Optional[str] = None           # TAESD weights (`*_encoder.pth`, diffusers folder); null: the task trains it
     latent_channels: Optional[int] = bounded(None, gt=0)  # 4 / 16 / 32; null: the weights' (4 when trained)
     midblock_gn: Optional[bool] = None      # FLUX.2 branch; null: the weights' (false when trained)
     channels: Optional[int] = bounded(None, gt=0)  # width; null: the weights' (64 when trained)
@@ -745,8 +680,7 @@ class DiffusionConfig:
     latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; must match the autoencoder's
     denoiser: Literal["unet", "dit"] = "unet"  # `unet` (the keys below) or `dit` (the `dit:` section)
     dit: DiTConfig = field(default_factory=DiTConfig)
-    channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each level halves the
-                                            # latent size)
+    channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each halves the latents)
     blocks_per_level: int = bounded(2, gt=0)  # U-Net residual blocks per level going down (one more going up)
     attention: bool = True                  # self-attention at the lowest resolution
     heads: int = bounded(4, gt=0)           # U-Net attention heads; must divide every `channels` width
@@ -766,8 +700,7 @@ class DiffusionConfig:
     sample_steps: int = bounded(50, gt=0)   # sampling defaults
     guidance: float = bounded(3.0, ge=0)    # classifier-free guidance scale (1 = off)
     eta: float = bounded(0.0, ge=0)         # DDIM noise (0 = deterministic)
-    moved: ClassVar[dict] = {"activation_checkpointing": "train.activation_checkpointing",
-                             "checkpoint_every": "train.activation_checkpointing_every"}
+    moved: ClassVar[dict] = CHECKPOINTING_MOVED
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
@@ -789,8 +722,7 @@ class DiffusionConfig:
             raise fail(source, p + "beta_end", f"must satisfy 0 < beta_start < beta_end < 1, got "
                                                f"{self.beta_start} and {self.beta_end}")
         from .diffusion.samplers import check_sampler
-        why = check_sampler(self.sampler, self.prediction)
-        if why:
+        if why := check_sampler(self.sampler, self.prediction):
             raise fail(source, p + "sampler", f"={self.sampler}: {why}")
         if self.denoiser == "dit" and self.dit.learn_sigma and self.prediction == "flow":
             raise fail(source, p + "dit.learn_sigma", "needs a noise-schedule prediction (eps, v, x0): the "

@@ -10,6 +10,7 @@ for packed documents. How it trains and runs (attention, checkpointing, MoE rout
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -87,12 +88,8 @@ class Block(nn.Module):
         mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
         h = self.attn_norm(x)
         kw = {"q_scale": q_scale} if q_scale is not None else {}
-        a = self.attn_post_norm(self.attn(h, cos, sin, cache, start_pos, mask, **kw))
-        if self.parallel:  # both branches read one norm's output
-            x, y = x + a, self.mlp(h)
-        else:
-            x = x + a
-            y = self.mlp(self.mlp_norm(x))
+        x = x + self.attn_post_norm(self.attn(h, cos, sin, cache, start_pos, mask, **kw))
+        y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
         return x + self.mlp_post_norm(y), stats
 
@@ -120,8 +117,8 @@ class LLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.build_rope(cfg.max_seq_len)
-        n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
+            n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
             self.register_buffer("router_load", torch.zeros(n_sparse, cfg.moe.n_experts))
         # MoD decision logits since the last threshold update, kept only when keep_mod_decisions (train/ sets it)
         self.mod_decisions: list = []
@@ -168,14 +165,12 @@ class LLM(nn.Module):
             raise ValueError(f"final_softcap={cap}: train with train.chunked_loss=false and without distillation "
                              f"(the chunked losses read the uncapped logits)")
         elif self.chunked_loss and distill is not None:
-            loss = chunked_distillation_loss(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                             distill.hidden.reshape(B * T, -1), distill.weight, distill.alpha,
-                                             distill.temperature, self.loss_chunk_size)
-            out = (None, loss)
+            out = (None, chunked_distillation_loss(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                                   distill.hidden.reshape(B * T, -1), distill.weight, distill.alpha,
+                                                   distill.temperature, self.loss_chunk_size))
         elif self.chunked_loss:
-            loss = chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self.loss_chunk_size)
-            out = (None, loss)
+            out = (None, chunked_cross_entropy(h.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                               self.loss_chunk_size))
         else:
             logits = self.logits(h)
             if distill is not None:
@@ -211,30 +206,19 @@ class LLM(nn.Module):
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         dev = x.device.type
         rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        tables = []
-        for rope in (self.rope, self.rope_local or self.rope):
-            if position_ids is not None:
-                tables.append(rope.at(position_ids, rope_dtype))  # (B, T, D)
-            else:
-                tables.append(rope(start_pos, T, rope_dtype))
+        tables = [rope(start_pos, T, rope_dtype) if position_ids is None else rope.at(position_ids, rope_dtype)
+                  for rope in (self.rope, self.rope_local or self.rope)]  # (T, D), or (B, T, D) per row
         stats, mod_stats = [], []
         q_scale = self.query_scale(position_ids, start_pos, T, x.device)
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
             raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
+        kw = {k: v for k, v in dict(start_pos=start_pos, doc_ids=doc_ids, key_mask=key_mask, q_scale=q_scale).items()
+              if v is not None}
         for i, layer in enumerate(self.layers):
-            kw = {"cache": caches[i]} if caches is not None else {}
-            if isinstance(start_pos, torch.Tensor) or start_pos:
-                kw["start_pos"] = start_pos
-            if isinstance(layer, MixtureOfDepths):
-                kw["causal"] = causal
-            if doc_ids is not None:
-                kw["doc_ids"] = doc_ids
-            if key_mask is not None:
-                kw["key_mask"] = key_mask
-            if q_scale is not None:
-                kw["q_scale"] = q_scale
-            x, s, *m = layer(x, *tables[self.config.is_local(i)], **kw)
+            mod = {"causal": causal} if isinstance(layer, MixtureOfDepths) else {}
+            cache = None if caches is None else caches[i]
+            x, s, *m = layer(x, *tables[self.config.is_local(i)], cache=cache, **kw, **mod)
             if s is not None:
                 stats.append(s)
             mod_stats += m
@@ -290,13 +274,11 @@ class LLM(nn.Module):
         for layer, b in zip(self.mod_layers(), boundary):
             layer.update_threshold(b, rate)
 
-    def checkpoint_units(self) -> list:
-        """The blocks activation checkpointing applies to (blocks/checkpoint.py's checkpoint_units)."""
+    def repeated_units(self) -> list:
+        """The layers: what a data-parallel wrapper shards, and activation checkpointing applies to, one by one."""
         return list(self.layers)
 
-    def repeated_units(self) -> list:
-        """The model's repeated units, the layers: what a data-parallel wrapper shards one by one."""
-        return list(self.layers)
+    checkpoint_units = repeated_units
 
     def mod_layers(self) -> list:
         """The Mixture-of-Depths layers, in order."""
@@ -465,29 +447,19 @@ def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int, **kw) -> 
         return model(ids, caches=caches, start_pos=pos, **kw)[:, -1]
 
 
-_compiled_step = None
-
-
+@functools.cache
 def compiled_decode_step():
     """decode_step under torch.compile, the matrix-vector products as fused reductions on a CPU; a second
     position or cache length recompiles once with those sizes dynamic, and later calls reuse it."""
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(decode_step)
-    return _compiled_step
+    return torch.compile(decode_step)
 
 
-_static_step = None
-
-
+@functools.cache
 def static_decode_step():
     """decode_step under torch.compile's reduce-overhead mode: the position a tensor, every cache slot
     attended with those past it masked, so every step has the same shapes and on a GPU one CUDA graph
     replays it (elsewhere it runs compiled, without graphs)."""
-    global _static_step
-    if _static_step is None:
-        _static_step = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
-    return _static_step
+    return torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

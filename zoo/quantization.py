@@ -42,19 +42,22 @@ def targets(model: nn.Module, keep: Iterable[str] = KEEP) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not kept(n, keep)]
 
 
-def _check_groups(model: nn.Module, names: list[str], scheme: str, group_size: int, device: str):
+def _check_groups(model: nn.Module, names: list[str], scheme: str, group_size: int) -> str:
+    """The device type of the linears `names`, once `scheme` can quantize them in groups of `group_size` there."""
+    mods = dict(model.named_modules())
+    device = mods[names[0]].weight.device.type
     if scheme == "int8wo":
-        return
+        return device
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if scheme == "int4wo" and device == "cpu" and group_size not in INT4_CPU_GROUPS:
         raise ValueError(f"int4wo on a CPU packs groups of {', '.join(map(str, INT4_CPU_GROUPS))}, "
                          f"not group_size={group_size}")
-    mods = dict(model.named_modules())
     bad = [f"{n} ({mods[n].in_features} inputs)" for n in names if mods[n].in_features % group_size]
     if bad:
         raise ValueError(f"group_size={group_size} does not divide the input size of {bad[0]}"
                          + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
+    return device
 
 
 def ptq_config(scheme: str, group_size: int, device: str):
@@ -76,11 +79,6 @@ def ptq_config(scheme: str, group_size: int, device: str):
     raise ValueError(f"int4wo has no kernel on device type {device!r} (cpu and cuda have one)")
 
 
-def _device_of(model: nn.Module, names: list[str]) -> str:
-    mods = dict(model.named_modules())
-    return mods[names[0]].weight.device.type if names else "cpu"
-
-
 def quantize(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable[str] = KEEP) -> nn.Module:
     """Quantize the model's linears (all but `keep`) in place for `scheme` (int8wo, int4wo, 8da4w)
     and return it. The weights become torchao tensor subclasses and stop requiring gradients; the
@@ -96,8 +94,7 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable
     names = targets(model, keep)
     if not names:
         raise ValueError(f"no nn.Linear to quantize in the {type(model).__name__} outside keep={list(keep)}")
-    device = _device_of(model, names)
-    _check_groups(model, names, scheme, group_size, device)
+    device = _check_groups(model, names, scheme, group_size)
     wanted = set(names)
     quantize_(model, ptq_config(scheme, group_size, device), filter_fn=lambda m, fqn: fqn in wanted)
     mods = dict(model.named_modules())
@@ -181,7 +178,7 @@ def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Itera
     names = targets(model, keep)
     if not names:
         raise ValueError(f"no nn.Linear to train quantization-aware in the {type(model).__name__} outside keep={list(keep)}")
-    _check_groups(model, names, scheme, group_size, _device_of(model, names))
+    _check_groups(model, names, scheme, group_size)
     act, weight = fake_quant_configs(scheme, group_size)
     wanted = set(names)
     quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),

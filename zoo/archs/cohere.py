@@ -1,7 +1,7 @@
 """Cohere 2 (Command R7B, Command A): attention and MLP side by side from one LayerNorm without a bias
 (parallel_block), local (sliding) and global layers (one of four global), RoPE on the local layers only,
 with its pairs interleaved in the file, and the logits scaled by logit_scale."""
-from .record import ROPES, Record, interleaved
+from .record import ROPES, Record, attention_bias, interleaved
 
 
 class Cohere2(Record):
@@ -14,13 +14,12 @@ class Cohere2(Record):
     norms = {"attn_norm": "input_layernorm"}
 
     def config(self, hf, get, n_layers):
-        bias = bool(get("attention_bias"))
         local = [t == "sliding_attention" for t in hf["layer_types"]] if hf.get("layer_types") else \
             self.default_local(hf, get, n_layers)
         if get("sliding_window") is None:  # no window: no layer is local, none has RoPE
             local = [False] * n_layers
         return {"norm_type": "layer", "parallel_block": True, "norm_eps": get("layer_norm_eps"),
-                "logit_scale": float(get("logit_scale")), "qkv_bias": bias, "attn_out_bias": bias,
+                "logit_scale": float(get("logit_scale")), **attention_bias(get),
                 "nope_layers": [i for i, is_local in enumerate(local) if not is_local]}
 
     def refuses(self, cfg):

@@ -73,6 +73,4 @@ class Mistral4(DeepseekV3):
                 "stacked": ((h + "mlp.experts.gate_up_proj", (E, 2 * F, d)), (h + "mlp.experts.down_proj", (E, d, F)))}
 
     def to_hf(self, cfg):
-        out = super().to_hf(cfg)
-        out.pop("head_dim")
-        return out
+        return {k: v for k, v in super().to_hf(cfg).items() if k != "head_dim"}

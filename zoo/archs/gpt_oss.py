@@ -3,7 +3,7 @@ two global), and experts with biases and a clamped SwiGLU (swiglu_limit), stored
 the gate and up columns interleaved and (E, F, d): a layout of their own."""
 import torch
 
-from .record import ROPES, Record
+from .record import ROPES, Record, attention_bias
 
 
 class GptOss(Record):
@@ -18,8 +18,7 @@ class GptOss(Record):
     def config(self, hf, get, n_layers):
         if get("swiglu_alpha", 1.702) != 1.702:
             raise ValueError(f"swiglu_alpha={get('swiglu_alpha')} is not supported (1.702)")
-        bias = bool(get("attention_bias"))
-        return {"attn_sinks": True, "qkv_bias": bias, "attn_out_bias": bias,
+        return {"attn_sinks": True, **attention_bias(get),
                 "moe": dict(n_experts=get("num_local_experts"), norm_topk_prob=True, expert_hidden=hf["intermediate_size"],
                             bias=True, swiglu_limit=float(get("swiglu_limit")))}
 

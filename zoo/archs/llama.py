@@ -1,7 +1,7 @@
 """Llama, Mistral and Mixtral: the pre-norm decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) every
 other record departs from; Mistral's window on every layer; Mixtral's experts (every layer sparse, the top-k
 renormalised), named w1 / w3 / w2 under block_sparse_moe."""
-from .record import ROPES, Record
+from .record import ROPES, Record, attention_bias
 
 
 class Llama(Record):
@@ -12,7 +12,7 @@ class Llama(Record):
     gguf_interleaved = True  # llama.cpp stores Llama's q/k rows with RoPE pairs interleaved
 
     def config(self, hf, get, n_layers):
-        return {"qkv_bias": bool(get("attention_bias")), "attn_out_bias": bool(get("attention_bias"))}
+        return attention_bias(get)
 
     def to_hf(self, cfg):
         return {"attention_bias": cfg.attn_out_bias, "mlp_bias": False}

@@ -1,6 +1,6 @@
 """OLMo 2 and OLMo 3: RMSNorm after each branch (post-norm, no norm before), q and k RMS-normalised over the
 whole projection; OLMo 3 adds a sliding window on three layers of four, each kind with its own RoPE base."""
-from .record import ROPES, Record
+from .record import ROPES, Record, attention_bias
 
 POST = {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
 
@@ -13,8 +13,7 @@ class Olmo2(Record):
     gguf, gguf_writes = "olmo2", True
 
     def config(self, hf, get, n_layers):
-        bias = bool(get("attention_bias"))
-        return {"qk_norm": "proj", "norm_placement": "post", "qkv_bias": bias, "attn_out_bias": bias}
+        return {"qk_norm": "proj", "norm_placement": "post", **attention_bias(get)}
 
     def to_hf(self, cfg):
         return {"attention_bias": cfg.attn_out_bias, "mlp_bias": False}

@@ -1,7 +1,7 @@
 """Qwen2 (a bias on q/k/v), Qwen3 (per-head q/k RMSNorm) and their Mixture-of-Experts classes (Qwen2-MoE: a
 shared expert behind a sigmoid gate; Qwen3-MoE). A window applies only with use_sliding_window: Qwen2 and
 Qwen3 on the layers from max_window_layers, Qwen2-MoE on the even ones below it, Qwen3-MoE on every layer."""
-from .record import ROPES, Record
+from .record import ROPES, Record, attention_bias
 
 QWEN_MOE = ROPES | {"moe_dense_layers", "moe_topk_raw"}
 
@@ -48,7 +48,7 @@ class Qwen3(Qwen2):
     gguf = "qwen3"
 
     def config(self, hf, get, n_layers):
-        return {"qk_norm": True, "qkv_bias": bool(get("attention_bias")), "attn_out_bias": bool(get("attention_bias"))}
+        return {"qk_norm": True, **attention_bias(get)}
 
     def to_hf(self, cfg):
         return {"attention_bias": cfg.attn_out_bias, "mlp_bias": False}

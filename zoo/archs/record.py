@@ -1,8 +1,8 @@
 """What an architecture record holds, and the names of the ideas records speak of.
 
 A record (one per Hugging Face decoder class, zoo/archs/*.py) says what makes the class what it is: its
-config.json keys and transformers' defaults for them, its tensor names where they are not the common ones
-(`HF_NAMES`), the tensors stored in another layout than Zoo's (RoPE pairs interleaved, Gemma's 1 + w
+config.json keys and transformers' defaults for them, its tensor names where they are not the common ones,
+the tensors stored in another layout than Zoo's (RoPE pairs interleaved, Gemma's 1 + w
 norms, GPT-OSS's experts), which Zoo ideas (`features`) a model needs and may have to be held by it, and
 its GGUF name. The base class is what most classes share; a record overrides the rest. zoo/weights/hf_llm.py
 and gguf_llm.py read records, docs/pretrained.md's table is made from them, tests/test_hf_arch.py tests them.
@@ -52,6 +52,11 @@ def features(cfg: LLMConfig) -> set:
              "moe_bias": m and m.bias, "clamped_swiglu": m and m.swiglu_limit, "sigmoid": m and m.scoring == "sigmoid",
              "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1)}
     return (named | {k for k, v in flags.items() if v}) - {None}
+
+
+def attention_bias(get) -> dict:
+    """qkv_bias and attn_out_bias from config.json's one `attention_bias` (on q, k, v and o)."""
+    return dict.fromkeys(("qkv_bias", "attn_out_bias"), bool(get("attention_bias")))
 
 
 def interleaved(heads: int, head_dim: int, start: int, width: int) -> list:

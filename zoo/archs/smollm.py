@@ -1,6 +1,6 @@
 """SmolLM3: Llama's decoder with RoPE left out of every `no_rope_layer_interval`-th layer (NoPE); with
 use_sliding_window, the window on the NoPE layers."""
-from .record import ROPES, Record
+from .record import ROPES, Record, attention_bias
 
 
 def no_rope(hf, get, n_layers) -> list:
@@ -17,9 +17,7 @@ class SmolLM3(Record):
     window = "qwen"
 
     def config(self, hf, get, n_layers):
-        bias = bool(get("attention_bias"))
-        return {"nope_layers": [i for i, r in enumerate(no_rope(hf, get, n_layers)) if not r], "qkv_bias": bias,
-                "attn_out_bias": bias}
+        return {"nope_layers": [i for i, r in enumerate(no_rope(hf, get, n_layers)) if not r], **attention_bias(get)}
 
     def default_local(self, hf, get, n_layers):
         return [not r for r in no_rope(hf, get, n_layers)]

@@ -255,9 +255,7 @@ class CausalSelfAttention(nn.Module):
                  qk_norm=False, norm_eps: float = 1e-6, rope: bool = True, scale: Optional[float] = None,
                  softcap: Optional[float] = None, sinks: bool = False, out_bias: bool = False):
         super().__init__()
-        self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads or n_heads
-        self.head_dim = head_dim or dim // n_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, head_dim or dim // n_heads
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={n_heads}")
         self.backend, self.sliding_window = check_backend(backend), sliding_window

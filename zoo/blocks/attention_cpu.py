@@ -9,7 +9,6 @@ fast on one thread and several times faster on a busy CPU (fewer kernels, each a
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
 positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk)
 bool (True = attend) narrows what the causal rule allows.
-Depends on torch only.
 """
 from typing import Optional
 

@@ -7,7 +7,6 @@ policy after Korthikanti et al., "Reducing Activation Recomputation in Large Tra
 Applied from outside, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
 "selective", every=2)` (the state dict is unchanged); `run_block` for one call.
 Shapes: whatever the block takes and returns.
-Depends on torch only.
 """
 from __future__ import annotations
 
@@ -76,11 +75,9 @@ def _frozen_stats(block: nn.Module, fn):
 
 def _run(block: nn.Module, fn, policy: str, *args, **kwargs):
     """fn(*args, **kwargs), the forward of `block`, checkpointed under `policy` ('full' or 'selective')."""
-    fn = _frozen_stats(block, fn)
-    if policy == "full":
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls), **kwargs)
+    selective = {} if policy == "full" else {
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
+    return checkpoint(_frozen_stats(block, fn), *args, use_reentrant=False, **selective, **kwargs)
 
 
 def run_block(block: nn.Module, i: int, policy: Union[bool, str], every: int, *args, **kwargs):

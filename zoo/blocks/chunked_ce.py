@@ -8,16 +8,13 @@ same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
 
 Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's hidden states
 (N, Dt) and LM head (V, Dt).
-Depends on torch only.
 """
 import torch
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     dev = t.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return t.dtype
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
 
 
 def _log_probs(h, w, t, ignore_index):

@@ -10,7 +10,6 @@ Both draw the same mask; the second saves the dropped rows' compute (masked unde
 `per="batch"`: one draw for the whole batch (the paper's variant).
 
 Shapes: x (B, ...) -> (B, ...), e.g. (B, C, H, W) or (B, T, D); any memory format.
-Depends on torch only.
 """
 from typing import Callable
 

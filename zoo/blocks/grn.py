@@ -7,15 +7,12 @@ Paper: Woo et al., "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked A
     y = x + bias + weight * (x * n)           (weight, bias start at 0: the block starts as identity)
 
 Shapes: x (B, H, W, C) channels-last -> (B, H, W, C); weight, bias (C,) (timm's names).
-Depends on torch only.
 """
 import torch
 from torch import nn
 
 
 class GRN(nn.Module):
-    """Global Response Normalization over (B, H, W, C)."""
-
     def __init__(self, channels: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps

@@ -6,7 +6,7 @@ Paper: Howard et al., "Searching for MobileNetV3" (2019).
     hard_sigmoid(x) = relu6(x + 3) / 6          hard_swish(x) = x * hard_sigmoid(x)
 
 Shapes: any tensor -> the same shape. Runs F.hardswish / F.hardsigmoid; `inplace` is accepted
-(and ignored). Depends on torch only.
+(and ignored).
 """
 import torch
 import torch.nn.functional as F

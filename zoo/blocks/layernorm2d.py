@@ -4,7 +4,7 @@ Paper: Ba, Kiros & Hinton, "Layer Normalization" (2016); used per pixel by ConvN
 "A ConvNet for the 2020s", 2022).
 
 Shapes: x (B, C, H, W) -> (B, C, H, W). The channels move last for F.layer_norm and back (free
-views on a channels-last tensor). Parameter names (weight, bias) are timm's. Depends on torch only.
+views on a channels-last tensor). Parameter names (weight, bias) are timm's.
 """
 import torch
 import torch.nn.functional as F
@@ -12,8 +12,6 @@ from torch import nn
 
 
 class LayerNorm2d(nn.LayerNorm):
-    """nn.LayerNorm(C) applied to each pixel of (B, C, H, W)."""
-
     def __init__(self, channels: int, eps: float = 1e-6):
         super().__init__(channels, eps=eps)
 

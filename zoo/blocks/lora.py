@@ -15,10 +15,9 @@ B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. T
 any tensor F.linear accepts, e.g. torchao's NF4Tensor (QLoRA).
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
-Depends on torch only.
 """
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +45,7 @@ class LoRALinear(nn.Module):
             raise ValueError(f"parts {parts} do not cover the {self.out_features} output rows")
         names = [n for n, _ in parts]
         adapted = list(adapted) or names
-        unknown = [n for n in adapted if n not in names]
-        if unknown:
+        if unknown := [n for n in adapted if n not in names]:
             raise ValueError(f"adapted parts {unknown} are not among the parts {names}")
         if r <= 0:
             raise ValueError(f"r must be > 0, got {r}")
@@ -76,11 +74,8 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.lora_B[n])
         if self.dora and self.lora_A[self.adapted[0]].device.type != "meta":
             with torch.no_grad():
-                w = dense_weight(self.weight)
-                for n, (start, rows) in self.slices().items():
-                    if n in self.adapted:
-                        norm = torch.linalg.norm(w[start:start + rows].to(self.lora_A[n].dtype), dim=1)
-                        self.magnitude[n].copy_(norm)
+                for n, wp, _ in self._adapted_rows(dense_weight(self.weight)):
+                    self.magnitude[n].copy_(torch.linalg.norm(wp.to(self.lora_A[n].dtype), dim=1))
 
     def slices(self) -> dict:
         """name -> (first row, rows) of every part."""
@@ -110,8 +105,7 @@ class LoRALinear(nn.Module):
         z = F.linear(h.to(A.dtype), A).split(self.r, dim=-1)  # (..., r) per adapted part
         w = dense_weight(self.weight) if self.dora else None
         dropped = not isinstance(self.dropout, nn.Identity) and self.training
-        extra = []
-        k = 0
+        extra, k = [], 0
         for n, (start, rows) in self.slices().items():
             if n not in self.adapted:
                 extra.append(y.new_zeros(*y.shape[:-1], rows))

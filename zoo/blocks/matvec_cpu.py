@@ -1,7 +1,7 @@
 """CPU speed paths for decoding: F.linear on a few rows, by the route a CPU runs fastest.
 
 A torch function mode (no paper: kernel selection for memory-bound matrix-vector products).
-Shapes: F.linear's, x (..., in) with a few rows, w (out, in) -> (..., out). Depends on torch only.
+Shapes: F.linear's, x (..., in) with a few rows, w (out, in) -> (..., out).
 - compiled, at most two rows: a multiply and a sum accumulated in fp32, which inductor fuses into
   one reduction that streams the weight (`as_reduction`);
 - eager fp32, at most eight rows: the weight on the left, (w @ x^T)^T, one row padded to two

@@ -10,7 +10,7 @@ Networks" (2019) and Howard et al., "Searching for MobileNetV3" (2019).
     out = shortcut + drop_path(branch)   when stride 1 and c_in == c_out, else the branch alone
 
 Shapes: (B, c_in, H, W) -> (B, c_out, H / stride, W / stride); parameter names are timm's.
-Needs: se.py, drop_path.py (copy them beside this file). Depends on torch only.
+Needs: se.py, drop_path.py (copy them beside this file).
 """
 from typing import Optional
 

@@ -5,7 +5,6 @@ Paper: Shazeer, "GLU Variants Improve Transformer" (2020); used by PaLM and Llam
 W_gate and W_up are one fused (2*F, D) matrix `gate_up` (gate rows first): one input matmul.
 
 Shapes: x (B, T, D) -> (B, T, D); hidden F.
-Depends on torch only.
 """
 import torch
 import torch.nn.functional as F

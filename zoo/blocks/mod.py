@@ -14,7 +14,6 @@ Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` ho
 'aux_loss', 'routed', 'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
 Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared, or (B, T, ...) per
 row -> gathered (B, k, ...); doc_ids (B, T) -> (B, k).
-Depends on torch only.
 """
 from typing import Optional
 
@@ -48,9 +47,7 @@ class MixtureOfDepths(nn.Module):
 
     def decision_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The causal decision's logits (B, T): route where > `threshold`."""
-        if self.predictor is None:
-            return router_logits
-        return self.predictor(x.detach()).squeeze(-1).float()
+        return router_logits if self.predictor is None else self.predictor(x.detach()).squeeze(-1).float()
 
     @staticmethod
     def _split(out):

@@ -7,7 +7,6 @@ Normalization" (2016).
 Statistics in fp32, cast back to the input dtype before the weight, as Llama does.
 
 Shapes: x (..., D) -> (..., D); weight (D,).
-Depends on torch only.
 """
 import torch
 import torch.nn.functional as F

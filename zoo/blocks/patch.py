@@ -9,7 +9,6 @@ that DiT (Peebles & Xie, "Scalable Diffusion Models with Transformers", 2023) us
     sincos_pos_embed_2d(D, h, w): (h*w, D), positions scaled by base_size / h (and / w)
 
 Shapes as above; H and W divisible by p; D divisible by 4.
-Depends on torch only.
 """
 from typing import Optional
 

@@ -5,7 +5,6 @@ P learned key and value vectors per kv head, seen by every query, never rotated;
 Use: `attn.prefix = KVPrefix(...)` on attention.py's CausalSelfAttention.
 
 Shapes: k, v (B, KV, T, D) -> (B, KV, P + T, D).
-Depends on torch only.
 """
 import torch
 from torch import nn

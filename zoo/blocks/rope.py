@@ -12,7 +12,6 @@ Hugging Face's: no weight permutation. A table narrower than a head rotates only
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
 (`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
-Depends on torch only.
 """
 import math
 from typing import Optional
@@ -81,12 +80,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor):
     freqs = torch.outer(positions.float(), inv_freq.float())  # (T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
     return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dim (the reference form of RoPE)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

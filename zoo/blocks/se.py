@@ -7,14 +7,11 @@ gate) and MobileNetV3's (hard-sigmoid gate) MBConv blocks.
     s = gate(conv_expand(act(conv_reduce(mean over H, W of x))))      out = x * s
 
 Shapes: x (B, C, H, W) -> (B, C, H, W); the gate s is (B, C, 1, 1). Parameter names are timm's.
-Depends on torch only.
 """
 from torch import nn
 
 
 class SqueezeExcite(nn.Module):
-    """x * gate(expand(act(reduce(mean_hw(x))))) with `rd_channels` in the bottleneck."""
-
     def __init__(self, channels: int, rd_channels: int, act=nn.ReLU, gate=nn.Sigmoid):
         super().__init__()
         self.conv_reduce = nn.Conv2d(channels, rd_channels, 1, bias=True)

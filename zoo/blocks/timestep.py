@@ -10,7 +10,6 @@ Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022) for the "no label" ro
 
 freq_shift 0 is DiT's convention, 1 diffusers'. Timesteps may be ints or floats (flow: t * 1000).
 Shapes: t (B,) -> (B, dim) float32; TimestepEmbedder (B,) -> (B, D); LabelEmbedder (B,) int -> (B, D).
-Depends on torch only.
 """
 import math
 from typing import Optional
@@ -28,6 +27,14 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, f
     args = t.float()[:, None] * freqs[None]
     emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
     return F.pad(emb, (0, 1)) if dim % 2 else emb
+
+
+def drop_labels(labels: torch.Tensor, p: float, null_label: int, generator: Optional[torch.Generator] = None):
+    """Each label replaced by `null_label` ("no label") with probability p (training for classifier-free guidance)."""
+    if p <= 0:
+        return labels
+    dropped = torch.rand(labels.shape, generator=generator, device=labels.device) < p
+    return torch.where(dropped, torch.full_like(labels, null_label), labels)
 
 
 class TimestepEmbedder(nn.Module):
@@ -52,11 +59,7 @@ class LabelEmbedder(nn.Module):
         self.table = nn.Embedding(num_classes + 1, dim)
 
     def drop(self, labels: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Each label replaced by "no label" with probability p (training for classifier-free guidance)."""
-        if p <= 0:
-            return labels
-        dropped = torch.rand(labels.shape, generator=generator, device=labels.device) < p
-        return torch.where(dropped, torch.full_like(labels, self.num_classes), labels)
+        return drop_labels(labels, p, self.num_classes, generator)
 
     def forward(self, labels: torch.Tensor) -> torch.Tensor:
         return self.table(labels)

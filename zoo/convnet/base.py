@@ -9,22 +9,29 @@ import math
 import torch
 from torch import nn
 
+from ..config import check
+
 
 class ConvNetBase(nn.Module):
-    """A subclass sets `classifier_name` (the dotted name of its final nn.Linear) and defines `units()`."""
+    """A subclass sets `classifier_name` (the dotted name of its final nn.Linear) and defines `units()`; it
+    builds from `self.config`, a copy of the checked config (reset_classifier() edits it, not the caller's)."""
     family = "convnet"
     classifier_name = "fc"
+
+    def __init__(self, cfg):
+        super().__init__()
+        check(cfg)
+        self.config = copy.deepcopy(cfg)
 
     def units(self) -> list:
         raise NotImplementedError
 
     def repeated_units(self) -> list:
-        """The residual blocks (called one by one, not the stages): what a data-parallel wrapper shards."""
-        return self.checkpoint_units()
-
-    def checkpoint_units(self) -> list:
-        """The residual blocks, in order: what activation checkpointing applies to."""
+        """The residual blocks in order (not the stages): what a data-parallel wrapper shards, and activation
+        checkpointing applies to."""
         return self.units()
+
+    checkpoint_units = repeated_units
 
     def reset_classifier(self, num_classes: int):
         """A fresh head with num_classes outputs (fine-tuning on another label set)."""

@@ -12,7 +12,6 @@ nano sizes hold the MLP's weights as 1x1 convs' (PointwiseConv, the same computa
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from torch import nn
 from ..blocks.drop_path import DropPath, linear_drop_rates
 from ..blocks.grn import GRN
 from ..blocks.layernorm2d import LayerNorm2d
-from ..config import CONVNEXT_ARCHS, ConvNetConfig, check
+from ..config import CONVNEXT_ARCHS, ConvNetConfig
 from .base import ConvNetBase
 
 LAYER_SCALE_INIT = 1e-6  # V1: the residual branches start scaled by 1e-6 (the paper's value)
@@ -97,9 +96,8 @@ class ConvNeXt(ConvNetBase):
     classifier_name = "head.fc"
 
     def __init__(self, cfg: ConvNetConfig):
-        super().__init__()
-        check(cfg)
-        self.config = cfg = copy.deepcopy(cfg)
+        super().__init__(cfg)
+        cfg = self.config
         version, conv_mlp = CONVNEXT_ARCHS[cfg.arch][0], CONVNEXT_ARCHS[cfg.arch][3]
         eps = NORM_EPS.get(cfg.arch, 1e-6)
         depths, w = cfg.resolved_layers, cfg.resolved_width

@@ -8,7 +8,6 @@ Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neura
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,7 +17,7 @@ from torch import nn
 
 from ..blocks.drop_path import linear_drop_rates
 from ..blocks.mbconv import DepthwiseSeparable, MBConv
-from ..config import ConvNetConfig, check
+from ..config import ConvNetConfig
 from .base import ConvNetBase
 
 
@@ -137,7 +136,8 @@ class MobileNetBase(ConvNetBase):
     def units(self) -> list:
         return [block for stage in self.blocks for block in stage]
 
-    def stem_and_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The stem and the blocks: (B, in_chans, H, W) -> (B, C, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
         x = self.act1(self.bn1(self.conv_stem(x)))
         for block in self.units():
             x = block(x)
@@ -145,11 +145,9 @@ class MobileNetBase(ConvNetBase):
 
 
 class EfficientNet(MobileNetBase):
-
     def __init__(self, cfg: ConvNetConfig):
-        super().__init__()
-        check(cfg)
-        self.config = cfg = copy.deepcopy(cfg)
+        super().__init__(cfg)
+        cfg = self.config
         wm, dm = cfg.resolved_width_mult, cfg.resolved_depth_mult
         stem = make_divisible(32 * wm)
         self.conv_stem = nn.Conv2d(cfg.in_chans, stem, 3, 2 if cfg.stem == "imagenet" else 1, 1, bias=False)
@@ -167,7 +165,7 @@ class EfficientNet(MobileNetBase):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
-        return self.act2(self.bn2(self.conv_head(self.stem_and_blocks(x))))
+        return self.act2(self.bn2(self.conv_head(super().forward_features(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""

@@ -9,13 +9,12 @@ Paper: Howard et al., "Searching for MobileNetV3" (2019). `model.width_mult` sca
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch import nn
 
 from ..blocks.hard_swish import HardSigmoid, HardSwish
-from ..config import MOBILENETV3_ARCHS, ConvNetConfig, check
+from ..config import MOBILENETV3_ARCHS, ConvNetConfig
 from .efficientnet import Blocks, MobileNetBase, build_stages, make_divisible
 
 R = "relu"
@@ -42,11 +41,9 @@ HEAD_FEATURES = {"large": 1280, "small": 1024}
 
 
 class MobileNetV3(MobileNetBase):
-
     def __init__(self, cfg: ConvNetConfig):
-        super().__init__()
-        check(cfg)
-        self.config = cfg = copy.deepcopy(cfg)
+        super().__init__(cfg)
+        cfg = self.config
         size = MOBILENETV3_ARCHS[cfg.arch][0]
         wm, dm = cfg.resolved_width_mult, cfg.resolved_depth_mult
         stem = 16 if wm < 0.75 else make_divisible(16 * wm)
@@ -62,10 +59,6 @@ class MobileNetV3(MobileNetBase):
         self.head_drop = nn.Dropout(cfg.drop_rate) if cfg.drop_rate > 0 else nn.Identity()
         self.classifier = nn.Linear(self.num_features, cfg.num_classes)
         self.reset_parameters()
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> (B, C, H / 32, W / 32) (imagenet stem) or / 16 (small)."""
-        return self.stem_and_blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> logits (B, num_classes)."""

@@ -8,14 +8,13 @@ Parameter names are timm's and torchvision's.
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
 from torch import nn
 
 from ..blocks.drop_path import DropPath, linear_drop_rates
-from ..config import RESNET_ARCHS, ConvNetConfig, check  # noqa: F401 (RESNET_ARCHS: the presets)
+from ..config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
 from .base import ConvNetBase
 
 
@@ -103,18 +102,11 @@ BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
 class ResNet(ConvNetBase):
-
     def __init__(self, cfg: ConvNetConfig):
-        super().__init__()
-        check(cfg)
-        self.config = cfg = copy.deepcopy(cfg)  # reset_classifier() edits it; the caller's stays as is
-        block = BLOCKS[cfg.resolved_block]
-        layers = cfg.resolved_layers
-        w = cfg.resolved_width
-        if cfg.stem == "imagenet":
-            self.conv1 = conv_bn(cfg.in_chans, w, 7, stride=2)
-        else:
-            self.conv1 = conv_bn(cfg.in_chans, w, 3)
+        super().__init__(cfg)
+        cfg = self.config
+        block, layers, w = BLOCKS[cfg.resolved_block], cfg.resolved_layers, cfg.resolved_width
+        self.conv1 = conv_bn(cfg.in_chans, w, 7, stride=2) if cfg.stem == "imagenet" else conv_bn(cfg.in_chans, w, 3)
         self.bn1 = nn.BatchNorm2d(w, eps=cfg.bn_eps)
         self.act1 = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1) if cfg.stem == "imagenet" else nn.Identity()
@@ -127,11 +119,10 @@ class ResNet(ConvNetBase):
             blocks = []
             for j in range(n):
                 s = stride if j == 0 else 1
-                down = None
-                if j == 0 and (s != 1 or c_in != c_out):
-                    down = nn.Sequential(conv_bn(c_in, c_out, 1, s), nn.BatchNorm2d(c_out, eps=cfg.bn_eps))
-                blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group, next(rates), cfg.bn_eps,
-                                    cfg.drop_path_mode))
+                down = nn.Sequential(conv_bn(c_in, c_out, 1, s), nn.BatchNorm2d(c_out, eps=cfg.bn_eps)) \
+                    if s != 1 or c_in != c_out else None
+                blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group,
+                                    next(rates), cfg.bn_eps, cfg.drop_path_mode))
                 c_in = c_out
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
         self.num_features = c_in

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks.timestep import timestep_embedding
-
+from ..blocks.timestep import drop_labels, timestep_embedding
 
 
 def norm(c: int) -> nn.GroupNorm:
@@ -103,10 +102,7 @@ class UNet(nn.Module):
 
     def drop_labels(self, labels: torch.Tensor, p: float, generator: Optional[torch.Generator] = None):
         """Replace each label by the "no label" class with probability p (for guidance)."""
-        if p <= 0:
-            return labels
-        drop = torch.rand(labels.shape, generator=generator, device=labels.device) < p
-        return torch.where(drop, torch.full_like(labels, self.null_label), labels)
+        return drop_labels(labels, p, self.null_label, generator)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % self.factor or x.shape[-2] % self.factor:
@@ -134,10 +130,9 @@ class UNet(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h)))
 
     def repeated_units(self) -> list:
-        """The residual and attention blocks: what a data-parallel wrapper shards one by one."""
-        return self.checkpoint_units()
-
-    def checkpoint_units(self) -> list:
-        """The residual and attention blocks in the order they run: what activation checkpointing applies to."""
+        """The residual and attention blocks in the order they run: what a data-parallel wrapper shards, and
+        activation checkpointing applies to."""
         mid = [self.mid1] + ([] if isinstance(self.mid_attn, nn.Identity) else [self.mid_attn]) + [self.mid2]
         return [b for level in self.down for b in level] + mid + [b for level in self.up for b in level]
+
+    checkpoint_units = repeated_units

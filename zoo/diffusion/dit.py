@@ -69,9 +69,8 @@ class DiT(nn.Module):
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch.proj.bias)
         for c in self.cond:
-            nn.init.normal_(c.y_embed.table.weight, std=0.02)
-            nn.init.normal_(c.t_embed.linear_1.weight, std=0.02)
-            nn.init.normal_(c.t_embed.linear_2.weight, std=0.02)
+            for w in (c.y_embed.table.weight, c.t_embed.linear_1.weight, c.t_embed.linear_2.weight):
+                nn.init.normal_(w, std=0.02)
         for m in [b.ada for b in self.blocks] + [self.final.ada, self.final.linear]:
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)
@@ -96,16 +95,11 @@ class DiT(nn.Module):
         B, _, Hl, Wl = x.shape
         p = self.config.patch_size
         h, w = Hl // p, Wl // p
-        t = torch.as_tensor(timestep, device=x.device)
-        t = t.expand(B) if t.dim() == 0 else t
-        labels = torch.as_tensor(class_labels, device=x.device)
-        labels = labels.expand(B) if labels.dim() == 0 else labels
+        t, labels = (torch.as_tensor(v, device=x.device).expand(B) for v in (timestep, class_labels))  # scalars too
         tokens = self.patch(x)
         pos = self._positions(h, w, x.device)
-        rope = None
-        if self.config.rope:
-            rope = tuple(v.to(tokens.dtype) for v in pos)
-        else:
+        rope = tuple(v.to(tokens.dtype) for v in pos) if self.config.rope else None
+        if rope is None:
             tokens = tokens + pos.to(tokens.dtype)
         conds = [c(t, labels) for c in self.cond]
         for i, block in enumerate(self.blocks):
@@ -113,12 +107,10 @@ class DiT(nn.Module):
         return unpatchify(self.final(tokens, conds[0]), p, h, w)
 
     def repeated_units(self) -> list:
-        """The transformer blocks: what a data-parallel wrapper shards one by one."""
+        """The transformer blocks: what a data-parallel wrapper shards, and activation checkpointing applies to."""
         return list(self.blocks)
 
-    def checkpoint_units(self) -> list:
-        """The transformer blocks, in order (activation checkpointing, every n-th from the first)."""
-        return list(self.blocks)
+    checkpoint_units = repeated_units
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -51,26 +51,22 @@ class LatentDiffusion(nn.Module):
             raise ConfigError(f"model.latent_channels={cfg.latent_channels} does not match the autoencoder's "
                               f"{C} latent channels")
         self.latent_channels = C
-        if cfg.denoiser == "dit":
-            self.denoiser = DiT(cfg.dit, C, cfg.num_classes, self.latent_size)
-        else:
-            self.denoiser = UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
+        self.denoiser = DiT(cfg.dit, C, cfg.num_classes, self.latent_size) if cfg.denoiser == "dit" else \
+            UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
         self.schedule = NoiseSchedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
         self.register_buffer("latent_mean", torch.zeros(C))
         self.register_buffer("latent_std", torch.ones(C))
 
     def repeated_units(self) -> list:
-        """The denoiser's blocks (the autoencoder is frozen): what a data-parallel wrapper shards."""
+        """The denoiser's blocks (the autoencoder is frozen): what a data-parallel wrapper shards, and
+        activation checkpointing applies to."""
         return self.denoiser.repeated_units()
 
-    def checkpoint_units(self) -> list:
-        return self.denoiser.checkpoint_units()
+    checkpoint_units = repeated_units
 
     @property
     def latent_size(self) -> int:
         return self.config.image_size // TAESD.downscale
-
-    # -- images <-> normalised latents --------------------------------------------------------
 
     def _stats(self, z):
         return self.latent_mean.view(1, -1, 1, 1).to(z.dtype), self.latent_std.view(1, -1, 1, 1).to(z.dtype)
@@ -85,15 +81,6 @@ class LatentDiffusion(nn.Module):
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         mean, std = self._stats(z)
         return self.autoencoder.decode(z * std + mean).clamp(0, 1)
-
-    @torch.no_grad()
-    def set_latent_stats(self, raw_latents: torch.Tensor):
-        """Per-channel mean and std of raw autoencoder latents (N, C, h, w)."""
-        x = raw_latents.float().transpose(0, 1).flatten(1)
-        self.latent_mean.copy_(x.mean(1))
-        self.latent_std.copy_(x.std(1).clamp(min=1e-6))
-
-    # -- training -----------------------------------------------------------------------------
 
     def forward(self, z: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
                 weighted: bool = True) -> torch.Tensor:
@@ -117,8 +104,6 @@ class LatentDiffusion(nn.Module):
             x0_pred = self.schedule.split(out.detach().float(), x_t.float(), t, cfg.prediction)[0]
             loss = loss + vlb_term(self.schedule, var_out, x0_pred, z.float(), x_t.float(), t)
         return loss
-
-    # -- sampling -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def sample_latents(self, labels: torch.Tensor, steps: Optional[int] = None, guidance: Optional[float] = None,

@@ -1,14 +1,5 @@
-"""Samplers by name: Zoo's own DDIM, DDPM and flow Euler, and diffusers' schedulers driving any Zoo denoiser.
-
-    name        implementation                                       predictions
-    ddim        Zoo (schedule.py), no dependency                     eps, v, x0
-    ddpm        Zoo (schedule.py), no dependency                     eps, v, x0
-    flow_euler  Zoo (schedule.py's flow_sample), no dependency       flow
-    dpmpp_2m    diffusers DPMSolverMultistepScheduler (dpmsolver++, order 2)   eps, v, x0
-    euler       diffusers EulerDiscreteScheduler                     eps, v
-    euler_a     diffusers EulerAncestralDiscreteScheduler            eps, v
-    unipc       diffusers UniPCMultistepScheduler (order 2)          eps, v, x0
-"""
+"""Samplers by name: Zoo's own DDIM, DDPM and flow Euler (schedule.py, no dependency), and diffusers' schedulers
+(`DIFFUSERS`) driving any Zoo denoiser. docs/diffusion.md's table of them and their predictions is made from these."""
 from __future__ import annotations
 
 import inspect
@@ -65,8 +56,7 @@ def sample_with_scheduler(model_fn: Callable, scheduler, x: torch.Tensor, steps:
     x = x * getattr(scheduler, "init_noise_sigma", 1.0)
     draws = "generator" in inspect.signature(scheduler.step).parameters     # the stochastic ones
     for t in scheduler.timesteps:
-        inp = scheduler.scale_model_input(x, t)
-        out = model_fn(inp, t.expand(x.shape[0]))
+        out = model_fn(scheduler.scale_model_input(x, t), t.expand(x.shape[0]))
         x = scheduler.step(out, t, x, **({"generator": generator} if draws else {})).prev_sample
     return x
 
@@ -76,8 +66,7 @@ def sample(model_fn: Callable, shape, sampler: str, steps: int, schedule: NoiseS
            beta_start: float, beta_end: float, eta: float = 0.0, generator: Optional[torch.Generator] = None,
            device=None, dtype=torch.float32) -> torch.Tensor:
     """Latents (shape) sampled from noise drawn with `generator` by the named sampler."""
-    why = check_sampler(sampler, prediction)
-    if why:
+    if why := check_sampler(sampler, prediction):
         raise ValueError(why)
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     if sampler in ("ddim", "ddpm"):

@@ -98,8 +98,6 @@ class NoiseSchedule:
         """(B,) loss weights at timesteps t; gamma None = uniform (all ones)."""
         return min_snr_weight(self.snr(t), gamma, prediction)
 
-    # -- training -----------------------------------------------------------------------------
-
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         a = _bcast(self.abar(t), x0)
         return a.sqrt() * x0 + (1 - a).sqrt() * noise
@@ -121,8 +119,6 @@ class NoiseSchedule:
             return out, (x_t - a.sqrt() * out) / (1 - a).sqrt()
         return a.sqrt() * x_t - (1 - a).sqrt() * out, a.sqrt() * out + (1 - a).sqrt() * x_t
 
-    # -- sampling -----------------------------------------------------------------------------
-
     def timesteps(self, steps: int) -> list[int]:
         """`steps` timesteps from T-1 down, evenly spaced ('trailing' spacing: the first is T-1)."""
         T = self.num_timesteps
@@ -130,11 +126,9 @@ class NoiseSchedule:
             raise ValueError(f"sampling steps must be in [1, {T}], got {steps}")
         return sorted({round(T - i * T / steps) - 1 for i in range(steps)}, reverse=True)
 
-    def ddim_step(self, out, x_t, t, t_prev, prediction="eps", eta=0.0, noise=None, clip: Optional[float] = None):
+    def ddim_step(self, out, x_t, t, t_prev, prediction="eps", eta=0.0, noise=None):
         """x_{t_prev} from x_t (t_prev = -1: the final, noise-free step)."""
         x0, eps = self.split(out, x_t, t, prediction)
-        if clip is not None:
-            x0 = x0.clamp(-clip, clip)
         a, a_prev = _bcast(self.abar(t), x_t), _bcast(self.abar(t_prev), x_t)
         std = eta * ((1 - a_prev) / (1 - a) * (1 - a / a_prev)).sqrt()
         x = a_prev.sqrt() * x0 + (1 - a_prev - std ** 2).clamp(min=0).sqrt() * eps
@@ -144,11 +138,9 @@ class NoiseSchedule:
             x = x + std * noise
         return x
 
-    def ddpm_step(self, out, x_t, t, t_prev, prediction="eps", noise=None, clip: Optional[float] = None):
+    def ddpm_step(self, out, x_t, t, t_prev, prediction="eps", noise=None):
         """Ancestral step from the posterior q(x_{t_prev} | x_t, x_0) with variance beta~."""
         x0, _ = self.split(out, x_t, t, prediction)
-        if clip is not None:
-            x0 = x0.clamp(-clip, clip)
         a, a_prev = _bcast(self.abar(t), x_t), _bcast(self.abar(t_prev), x_t)
         beta = 1 - a / a_prev                        # the step's beta (strided steps included)
         mean = (a_prev.sqrt() * beta * x0 + (1 - beta).sqrt() * (1 - a_prev) * x_t) / (1 - a)
@@ -160,32 +152,25 @@ class NoiseSchedule:
     @torch.no_grad()
     def sample(self, model_fn: Callable, shape, steps: int = 50, sampler: str = "ddim", eta: float = 0.0,
                prediction: str = "eps", generator: Optional[torch.Generator] = None, device=None,
-               dtype=torch.float32, clip: Optional[float] = None, x_T: Optional[torch.Tensor] = None):
+               dtype=torch.float32, x_T: Optional[torch.Tensor] = None):
         """Run the reverse process from x_T ~ N(0, I) (or the given x_T); model_fn(x, t) -> output."""
         if sampler not in ("ddim", "ddpm"):
             raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
         x = torch.randn(shape, generator=generator, device=device, dtype=dtype) if x_T is None else x_T
         ts = self.timesteps(steps)
-        B = x.shape[0]
-        for i, t in enumerate(ts):
-            t_prev = ts[i + 1] if i + 1 < len(ts) else -1
-            tb = torch.full((B,), t, device=x.device, dtype=torch.long)
-            pb = torch.full((B,), t_prev, device=x.device, dtype=torch.long)
+        for t, t_prev in zip(ts, ts[1:] + [-1]):
+            tb, pb = (torch.full((x.shape[0],), v, device=x.device, dtype=torch.long) for v in (t, t_prev))
             out = model_fn(x, tb).to(x.dtype)
             stochastic = sampler == "ddpm" or eta > 0
             noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype) if stochastic else None
             if sampler == "ddim":
-                x = self.ddim_step(out, x, tb, pb, prediction, eta, noise, clip)
+                x = self.ddim_step(out, x, tb, pb, prediction, eta, noise)
             else:
-                x = self.ddpm_step(out, x, tb, pb, prediction, noise, clip)
+                x = self.ddpm_step(out, x, tb, pb, prediction, noise)
         return x
 
 
 # -- learned sigma ------------------------------------------------------------------------------
-
-def _normal_kl(mean1, logvar1, mean2, logvar2):
-    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
-
 
 def vlb_term(schedule: "NoiseSchedule", var_out: torch.Tensor, x0_pred: torch.Tensor, x0: torch.Tensor,
              x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -203,7 +188,8 @@ def vlb_term(schedule: "NoiseSchedule", var_out: torch.Tensor, x0_pred: torch.Te
     coef_x0, coef_xt = a_prev.sqrt() * beta / (1 - a), (1 - beta).sqrt() * (1 - a_prev) / (1 - a)
     mean_q = coef_x0 * x0 + coef_xt * x_t
     mean_p = coef_x0 * x0_pred.float() + coef_xt * x_t
-    kl = _normal_kl(mean_q, log_post, mean_p, logvar_p).flatten(1).mean(1)
+    kl = 0.5 * (-1.0 + logvar_p - log_post + torch.exp(log_post - logvar_p)  # KL(q || p) of two Gaussians
+                + (mean_q - mean_p) ** 2 * torch.exp(-logvar_p)).flatten(1).mean(1)
     nll = (0.5 * (math.log(2 * math.pi) + logvar_p + (x0 - mean_p) ** 2 * torch.exp(-logvar_p))).flatten(1).mean(1)
     return torch.where(t > 0, kl, nll) / math.log(2.0)
 
@@ -223,9 +209,7 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def flow_min_snr_weight(s: torch.Tensor, gamma: Optional[float]) -> torch.Tensor:
     """(B,) weights min((1 - s)^2, gamma s^2) of the velocity MSE (gamma None: ones)."""
-    if gamma is None:
-        return torch.ones_like(s)
-    return torch.minimum((1 - s) ** 2, gamma * s ** 2)
+    return torch.ones_like(s) if gamma is None else torch.minimum((1 - s) ** 2, gamma * s ** 2)
 
 
 def flow_timesteps(n: int, kind: str = "logit_normal", mean: float = 0.0, std: float = 1.0,

@@ -83,26 +83,23 @@ class Block(nn.Module):
 def encoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = False) -> nn.Sequential:
     c = channels
     layers = [conv3x3(3, c), Block(c)]
-    for stage in range(3):
-        last = stage == 2
-        layers += [conv3x3(c, c, stride=2, bias=False)] + [Block(c, mid_branch and last) for _ in range(3)]
+    for stage in range(3):  # the mid branch in the last stage's blocks
+        layers += [conv3x3(c, c, stride=2, bias=False)] + [Block(c, mid_branch and stage == 2) for _ in range(3)]
     return nn.Sequential(*layers, conv3x3(c, latent_channels))
 
 
 def decoder(latent_channels: int = 4, channels: int = 64, mid_branch: bool = False) -> nn.Sequential:
     c = channels
     layers = [Clamp(), conv3x3(latent_channels, c), nn.ReLU(inplace=True)]
-    for stage in range(3):
-        first = stage == 0
-        layers += [Block(c, mid_branch and first) for _ in range(3)]
+    for stage in range(3):  # the mid branch in the first stage's blocks
+        layers += [Block(c, mid_branch and stage == 0) for _ in range(3)]
         layers += [nn.Identity(), UpsampleConv(c, c)]  # Identity keeps the original indices (was nn.Upsample)
     return nn.Sequential(*layers, Block(c), conv3x3(c, 3))
 
 
 class TAESD(nn.Module):
-    """Tiny autoencoder: encode() [0,1] images to raw latents, decode() latents to [0,1] images.
-    latent_channels: 4 (SD/SDXL), 16 (SD3/FLUX.1), 32 (FLUX.2); midblock_gn: the FLUX.2 branch.
-    `scaling_factor` and `shift_factor` are kept only so that a diffusers export round-trips them."""
+    """midblock_gn: the FLUX.2 branch. `scaling_factor` and `shift_factor` are kept only so that a diffusers
+    export round-trips them."""
 
     downscale = 8
 

@@ -2,8 +2,9 @@
 
 `load_pretrained(path, **kw)` looks at what `path` is and hands it to the format that
 claims it. Each format module provides `detect(path) -> bool`, `load(path, **kw)` and, for
-export, `save(model, path, **kw)` plus `exports(model) -> bool`. A single-file format that any
-model of a family can be written to is chosen by the file name's suffix (`SUFFIXES`) instead.
+export, `save(model, path, **kw)`; a family's default format also `exports(model) -> bool`. A single-file
+format that any model of a family can be written to (GGUF) is chosen by the file name's suffix (`SUFFIXES`)
+instead; PEFT adapters are written by peft_lora.save_adapter.
 """
 from __future__ import annotations
 
@@ -43,10 +44,9 @@ def save_pretrained(model, path, **kwargs):
             or any(getattr(m, "prefix", None) is not None for m in model.modules()):
         raise ValueError("the model has adapters: save them with zoo.weights.peft_lora.save_adapter, or the "
                          "merged model with save_pretrained(zoo.adapters.merged_model(model), ...)")
-    by_suffix = SUFFIXES.get(Path(path).suffix.lower())
-    if by_suffix:
+    if by_suffix := SUFFIXES.get(Path(path).suffix.lower()):
         return importlib.import_module(by_suffix).save(model, path, **kwargs)
     for mod in _modules():
-        if mod.exports(model):
+        if hasattr(mod, "exports") and mod.exports(model):
             return mod.save(model, path, **kwargs)
     raise ValueError(f"no exporter for a {type(model).__name__}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import DiTConfig
-from .files import atomic_write, load_tensors, save_safetensors
+from .files import atomic_write, load_tensors, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "DiTTransformer2DModel", "diffusion_pytorch_model.safetensors"
 _ACTIVATIONS = {"gelu-approximate": "tanh", "gelu": "none"}
@@ -80,14 +80,7 @@ def load(path, dtype=torch.float32, **_):
         for b in model.blocks:
             b.mlp.approximate = "none"
     ours = to_zoo(sd, depth, shared)
-    want = model.state_dict()
-    missing = [k for k in want if k not in ours]
-    unexpected = [k for k in ours if k not in want]
-    wrong = [f"{k} {list(ours[k].shape)} (expected {list(want[k].shape)})" for k in ours
-             if k in want and ours[k].shape != want[k].shape]
-    if missing or unexpected or wrong:
-        what = "; ".join(f"{label}: {', '.join(v[:3])}" for label, v in
-                         (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if v)
+    if what := mismatches(ours, model.state_dict(), limit=3):
         raise ValueError(f"{f / WEIGHTS}: weights do not match config.json ({what})")
     model.load_state_dict(ours)
     model.pretrained_format = {"format": "diffusers", "sample_size": cfg.get("sample_size", 32)}

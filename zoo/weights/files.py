@@ -33,8 +33,6 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-# ------------------------------------------------------------------------------------- writing
-
 def fsync_file(path):
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -84,8 +82,7 @@ def file_crc32(path, start: int = 0) -> str:
 
 def self_checked(path) -> bool:
     """Whether the file carries its own checksum (safetensors files Zoo wrote, torch zip archives)."""
-    suffix = Path(path).suffix.lower()
-    return suffix == ".safetensors" or suffix in WEIGHT_SUFFIXES
+    return Path(path).suffix.lower() in WEIGHT_SUFFIXES
 
 
 def _data_crc32(f, start: int, end: int) -> int:
@@ -137,8 +134,6 @@ def save_safetensors(tensors: Union[dict, torch.nn.Module], path, metadata: dict
     return atomic_write(path, write)
 
 
-# ------------------------------------------------------------------------ reading and checking
-
 def read_safetensors_header(path) -> tuple[dict, dict, int]:
     """(tensor table {name: {"dtype", "shape", "data_offsets"}}, metadata, byte where the data
     starts) of a safetensors file, after checking that every tensor's bytes lie inside the file
@@ -186,42 +181,30 @@ def read_safetensors_header(path) -> tuple[dict, dict, int]:
     return table, metadata, 8 + n
 
 
-def check_safetensors(path):
-    path = Path(path)
-    _, metadata, start = read_safetensors_header(path)
-    want = metadata.get(CHECKSUM_KEY)
-    if want is None:
-        return
-    got = file_crc32(path, start)
-    if got != want:
-        raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got}, the file says {want}): "
-                         f"the file is corrupt")
-
-
-def check_torch_file(path):
-    path = Path(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04":
-        return  # a legacy torch file (or not a torch file): torch.load(weights_only=True) decides
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, zlib.error) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{path}: corrupt or truncated torch file ({first})") from None
-    if bad is not None:
-        raise ValueError(f"{path}: corrupt or truncated torch file (checksum mismatch in record {bad})")
-
-
 def check_weight_file(path):
-    """Check one weight file by its suffix; other files pass through."""
-    p = Path(path)
-    suffix = p.suffix.lower()
-    if suffix == ".safetensors":
-        check_safetensors(p)
-    elif suffix in WEIGHT_SUFFIXES:
-        check_torch_file(p)
+    """Check one weight file by its suffix: a safetensors file against the CRC-32 it carries (if any), a torch
+    zip archive against its records' checksums (a legacy torch file: torch.load(weights_only=True) decides);
+    other files pass through."""
+    path = Path(path)
+    if path.suffix.lower() == ".safetensors":
+        _, metadata, start = read_safetensors_header(path)
+        want = metadata.get(CHECKSUM_KEY)
+        got = None if want is None else file_crc32(path, start)
+        if got != want:
+            raise ValueError(f"{path}: checksum mismatch (the data's CRC-32 is {got}, the file says {want}): "
+                             f"the file is corrupt")
+    elif path.suffix.lower() in WEIGHT_SUFFIXES:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, zlib.error) as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"{path}: corrupt or truncated torch file ({first})") from None
+        if bad is not None:
+            raise ValueError(f"{path}: corrupt or truncated torch file (checksum mismatch in record {bad})")
 
 
 def check_weights(path):
@@ -234,6 +217,32 @@ def check_weights(path):
     safe = [f for f in files if f.suffix.lower() == ".safetensors"]
     for f in safe or files:
         check_weight_file(f)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in file `path`; a missing file, bad JSON or another JSON value is a one-line error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:
+    """What differs between the tensors a file holds and those expected ({name: tensor or shape} both):
+    "missing: ...; unexpected: ...; wrong shape: ..." (each list cut to `limit`), or "" when they match."""
+    shape = lambda v: list(getattr(v, "shape", v))  # noqa: E731
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected and not ignorable(n)]
+    wrong = [f"{n} {shape(found[n])} (expected {shape(s)})" for n, s in expected.items()
+             if n in found and shape(found[n]) != shape(s)]
+    more = lambda names: f" (+{len(names) - limit} more)" if len(names) > limit else ""  # noqa: E731
+    return "; ".join(f"{label}: {', '.join(names[:limit])}{more(names)}" for label, names in
+                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
 
 
 def _first_line(e: BaseException) -> str:

@@ -18,8 +18,8 @@ import torch
 
 from ..archs import BY_GGUF, RECORDS, interleaved
 from ..config import ConfigError, LLMConfig
-from .files import atomic_write
-from .hf_llm import _resolve_dtype, assemble, config_from_hf, inverse, key_map, mismatches, record_for, reordered
+from .files import atomic_write, mismatches
+from .hf_llm import _resolve_dtype, assemble, config_from_hf, inverse, key_map, record_for, reordered
 
 ARCHITECTURES = {name: r.hf_class for name, r in BY_GGUF.items()}  # GGUF name -> Hugging Face class
 WRITES = tuple(r.hf_class for r in RECORDS.values() if r.gguf_writes)  # the architectures `save` writes
@@ -55,8 +55,7 @@ def read(path):
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"{path}: corrupt or truncated GGUF file (tensor '{t.name}' ends at byte "
                              f"{t.data_offset + t.n_bytes} of {size})")
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    return reader, meta
+    return reader, {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def tokenizer_fields(reader, meta: dict) -> dict:
@@ -71,10 +70,7 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
-
-    def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if get("expert_count"):
         raise ConfigError(f"{source}: {arch}.expert_count={get('expert_count')}: mixture-of-experts GGUF files "
                           f"are not supported")
@@ -109,8 +105,7 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
     hf.update(own)
-    missing = [k for k, v in hf.items() if v is None]
-    if missing:
+    if missing := [k for k, v in hf.items() if v is None]:
         raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
     return config_from_hf(hf, source)
 
@@ -154,8 +149,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     kmap = gguf_names(cfg, arch)
     expected = {name: shape for parts in kmap.values() for name, shape in parts}
     found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
-    problems = mismatches(found, expected, lambda n: n.startswith("rope_factors_"))
-    if problems:
+    if problems := mismatches(found, expected, lambda n: n.startswith("rope_factors_")):
         raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
                          f"{cfg.n_layers} layers): {problems}")
     bad = [f"{n} ({t.tensor_type.name})" for n, t in tensors.items() if t.tensor_type.name not in READ_TYPES]
@@ -295,29 +289,13 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
     best first. Sentencepiece merges the pair whose joined piece scores highest, so a merge ranks by
     the score of the piece it makes (ties by the ids of its parts)."""
     normal = {t: i for i, t in enumerate(tokens) if types[i] == 1}
-    found = []
-    for piece, i in normal.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in normal and right in normal:
-                found.append((-scores[i], normal[left], normal[right], left, right))
-    found.sort()
+    found = sorted((-scores[i], normal[piece[:cut]], normal[piece[cut:]], piece[:cut], piece[cut:])
+                   for piece, i in normal.items() for cut in range(1, len(piece))
+                   if piece[:cut] in normal and piece[cut:] in normal)
     return [(left, right) for *_, left, right in found]
 
 
 # -------------------------------------------------------------------------------- writing
-
-def exports(model) -> bool:
-    return False  # chosen by the file name (".gguf"), never as a family's default format
-
-
-def _write_type(dtype) -> str:
-    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-    name = names.get(dtype, dtype)
-    if name not in WRITE_TYPES:
-        raise ValueError(f"GGUF dtype {dtype!r} is not supported (supported: {', '.join(WRITE_TYPES)})")
-    return name
-
 
 def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) -> Path:
     """Write `model` as one GGUF file (an architecture of `WRITES`); dtype: the 2-D weights'
@@ -329,7 +307,9 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     if getattr(model, "family", None) != "llm":
         raise ValueError(f"{out}: GGUF holds LLMs; a {type(model).__name__} cannot be written to it")
     cfg: LLMConfig = model.config
-    kind = _write_type(dtype)
+    kind = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(dtype, dtype)
+    if kind not in WRITE_TYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not supported (supported: {', '.join(WRITE_TYPES)})")
     rec = record_for(cfg, getattr(model, "hf_architecture", None))
     arch = rec.hf_class
     if not rec.gguf_writes:
@@ -337,34 +317,26 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
                          f"{', '.join(WRITES)})")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope"):
         raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
-    why = rec.gguf_refuses(cfg)
-    if why:
+    if why := rec.gguf_refuses(cfg):
         raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
-    name = rec.gguf
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
     n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
     if n_tokens != cfg.vocab_size:
         raise ValueError(f"{out}: the tokenizer has {n_tokens} tokens and the model a vocabulary of {cfg.vocab_size} "
                          f"(llama.cpp needs them equal)")
-    Q = gguf.GGMLQuantizationType
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
 
     def write(tmp: Path):
-        w = gguf.GGUFWriter(str(tmp), name)
+        w = gguf.GGUFWriter(str(tmp), rec.gguf)
         w.add_name(getattr(model, "gguf_name", "zoo"))
         D = cfg.resolved_head_dim
-        w.add_context_length(cfg.max_seq_len)
-        w.add_embedding_length(cfg.d_model)
-        w.add_block_count(cfg.n_layers)
-        w.add_feed_forward_length(cfg.resolved_ffn_hidden)
-        w.add_head_count(cfg.n_heads)
-        w.add_head_count_kv(cfg.resolved_n_kv_heads)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_rope_dimension_count(cfg.rotary_dim)
-        w.add_key_length(D)
-        w.add_value_length(D)
+        for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.d_model),
+                           ("block_count", cfg.n_layers), ("feed_forward_length", cfg.resolved_ffn_hidden),
+                           ("head_count", cfg.n_heads), ("head_count_kv", cfg.resolved_n_kv_heads),
+                           ("rope_freq_base", cfg.rope_theta), ("layer_norm_rms_eps", cfg.norm_eps),
+                           ("rope_dimension_count", cfg.rotary_dim), ("key_length", D), ("value_length", D)):
+            getattr(w, "add_" + key)(value)  # GGUFWriter.add_context_length, ...
         if cfg.sliding_window is not None:
             w.add_sliding_window(cfg.sliding_window)
         s = cfg.rope_scaling
@@ -392,7 +364,7 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
                 elif kind == "f16" or (kind == "q8_0" and x.shape[-1] % 32):
                     w.add_tensor(tensor_name, x.astype("float16"))
                 else:
-                    q = Q.BF16 if kind == "bf16" else Q.Q8_0
+                    q = gguf.GGMLQuantizationType.BF16 if kind == "bf16" else gguf.GGMLQuantizationType.Q8_0
                     w.add_tensor(tensor_name, gguf.quants.quantize(x, q), raw_dtype=q)
         w.write_header_to_file()
         w.write_kv_data_to_file()

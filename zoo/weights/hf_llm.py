@@ -23,7 +23,7 @@ import torch
 
 from ..archs import BY_MODEL_TYPE, FEATURES, RECORDS, Record, features
 from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
-from .files import FILE_DTYPES, atomic_write, read_safetensors_header, save_safetensors
+from .files import FILE_DTYPES, atomic_write, mismatches, read_json, read_safetensors_header, save_safetensors
 
 ARCHITECTURES = tuple(RECORDS)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -32,18 +32,6 @@ _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gel
 
 
 # -------------------------------------------------------------- config.json <-> LLMConfig
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
 
 def record_of(hf: dict, source: str) -> Record:
     """The record of a config.json's class (its `architectures`, else its `model_type`)."""
@@ -66,8 +54,7 @@ def _rope_params(params: dict, hf: dict, key: str, source: str) -> tuple[float, 
                           f"(supported: default, linear, llama3, yarn, longrope)")
     need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
             "longrope": ("short_factor", "long_factor")}.get(kind, ())
-    missing = [k for k in need if k not in params]
-    if missing:
+    if missing := [k for k in need if k not in params]:
         raise ConfigError(f"{source}: {key} of type '{kind}' lacks {', '.join(missing)}")
     try:
         theta = float(params["rope_theta"])
@@ -151,8 +138,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     """A Hugging Face config.json (as a dict) -> (LLMConfig, architecture): the common keys here, the class's
     own in its record."""
     rec = record_of(hf, source)
-    missing = [k for k in _REQUIRED if k not in hf]
-    if missing:
+    if missing := [k for k in _REQUIRED if k not in hf]:
         raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
     get = lambda k, d=None: hf[k] if k in hf else rec.defaults.get(k, d)  # noqa: E731
     act = hf.get("hidden_activation") or hf.get("hidden_act") or rec.act
@@ -269,9 +255,7 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     for params in (rope, hf["rope_parameters"].get("sliding_attention")):
         if params is not None and fraction < 1:
             params["partial_rotary_factor"] = fraction
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if base is not None and k in base:
-            hf[k] = base[k]
+    hf.update({k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in (base or {})})
     return hf
 
 
@@ -359,10 +343,7 @@ def row_orders(cfg: LLMConfig, rec: Record, hf: Optional[dict] = None) -> dict[s
 
 def inverse(order: list) -> list:
     """The order that undoes `order`."""
-    out = [0] * len(order)
-    for i, o in enumerate(order):
-        out[o] = i
-    return out
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 @torch.no_grad()
@@ -385,28 +366,6 @@ def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
     return {**m, z + "attn.q_a.weight": [(a + "q_a_proj.weight", (mla.q_rank, d))],
             z + "attn.q_norm.weight": [(a + "q_a_layernorm.weight", (mla.q_rank,))],
             z + "attn.q_b.weight": [(a + "q_b_proj.weight", (qk, mla.q_rank))]}
-
-
-def _ignorable(name: str, cfg: LLMConfig) -> bool:
-    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
-
-
-def mismatches(found: dict, expected: dict, ignorable=lambda name: False) -> str:
-    """What differs between the tensors a file holds and those expected ({name: shape} both):
-    "missing: ...; unexpected: ...; wrong shape: ..." (each list cut short), or "" when they match."""
-    missing = [n for n in expected if n not in found]
-    unexpected = [n for n in found if n not in expected and not ignorable(n)]
-    wrong = [f"{n} {list(found[n])} (expected {list(s)})" for n, s in expected.items()
-             if n in found and tuple(found[n]) != tuple(s)]
-    return "; ".join(f"{label}: {_listing(names)}" for label, names in
-                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
-
-
-def _listing(names, limit: int = 8) -> str:
-    names = list(names)
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 # ---------------------------------------------------------------------- safetensors files
@@ -511,14 +470,9 @@ def _folder(path) -> Path:
 
 def detect(path) -> bool:
     """A folder (or its config.json) whose config.json describes a Hugging Face causal LM."""
-    cfg_file = _folder(path) / "config.json"
-    if not cfg_file.is_file():
-        return False
     try:
-        hf = json.loads(cfg_file.read_text())
-    except (ValueError, UnicodeDecodeError, OSError):
-        return False
-    if not isinstance(hf, dict):
+        hf = read_json(_folder(path) / "config.json")
+    except (ValueError, OSError):  # none, or not a JSON object
         return False
     archs = hf.get("architectures") or []
     return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in BY_MODEL_TYPE
@@ -535,12 +489,13 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     device = torch.device(device or "cpu")
 
     # 1. check every file header and every name/shape before reading any data
-    files = weight_files(folder)
-    headers = {f: read_safetensors_header(f)[::2] for f in files}  # (table, data offset)
+    headers = {f: read_safetensors_header(f)[::2] for f in weight_files(folder)}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
-    problems = mismatches(found, expected, lambda n: _ignorable(n, cfg))
+    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
+    problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq")
+                          or (cfg.tie_embeddings and n == "lm_head.weight"))
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 
@@ -610,8 +565,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     a folder holding one) or write a GGUFTokenizer if given. Returns the folder."""
     model = getattr(model, "_orig_mod", model)  # torch.compile'd
     cfg: LLMConfig = model.config
-    why = holds(model)
-    if why:
+    if why := holds(model):
         raise ValueError(why)
     rec = record_for(cfg, getattr(model, "hf_architecture", None))
     out = Path(path)
@@ -652,8 +606,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
         del tensors
     index = out / "model.safetensors.index.json"
     if n > 1:
-        body = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        atomic_write(index, body)
+        atomic_write(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     # remove weights of an earlier save into the same folder, which loaders would otherwise pick up
     keep = set(names) | ({index.name} if n > 1 else set())
     for old in [index, *out.glob("model*.safetensors")]:

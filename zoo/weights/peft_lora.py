@@ -17,8 +17,8 @@ import torch
 
 from ..adapters import AdapterConfig, adapter_modules, apply_adapters, lora_sites
 from ..blocks.lora import LoRALinear
-from .files import atomic_write, load_tensors, save_safetensors
-from .hf_llm import inverse, read_json, record_for, row_orders
+from .files import atomic_write, load_tensors, mismatches, read_json, save_safetensors
+from .hf_llm import inverse, record_for, row_orders
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -35,10 +35,6 @@ _MUST_BE = {"bias": ("none",), "fan_in_fan_out": (False, None), "modules_to_save
 def detect(path) -> bool:
     p = Path(path)
     return (p / CONFIG).is_file() if p.is_dir() else p.name == CONFIG
-
-
-def exports(model) -> bool:
-    return False  # an adapter is written by save_adapter, never by save_pretrained
 
 
 def read_config(folder: Path) -> AdapterConfig:
@@ -82,14 +78,9 @@ def load(path, base=None, dtype=None, device=None, **kw):
 
 def peft_names(model) -> dict[tuple[str, str], str]:
     """(Zoo LoRALinear name, part) -> PEFT module name, for the adapted parts."""
-    out = {}
     mods = adapter_modules(model)
-    for name, parts in lora_sites(model).items():
-        if name in mods:
-            for part, _, hf in parts:
-                if part in mods[name].adapted:
-                    out[(name, part)] = hf
-    return out
+    return {(name, part): hf for name, parts in lora_sites(model).items() if name in mods
+            for part, _, hf in parts if part in mods[name].adapted}
 
 
 def adapter_state(model, to_file: bool = False) -> dict[str, torch.Tensor]:
@@ -129,15 +120,8 @@ def file_orders(model) -> dict:
 def load_adapter_weights(model, path: Path):
     """Read PEFT-named adapter tensors into `model`; any mismatch is one error naming the file."""
     found = load_tensors(path)
-    want = adapter_state(model)
-    missing = [k for k in want if k not in found]
-    unexpected = [k for k in found if k not in want]
-    wrong = [f"{k} {list(found[k].shape)} (expected {list(want[k].shape)})" for k in want
-             if k in found and found[k].shape != want[k].shape]
-    if missing or unexpected or wrong:
-        parts = [f"{what}: {', '.join(names[:4])}" + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
-                 for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
-        raise ValueError(f"{path}: does not match adapter_config.json and the base model: " + "; ".join(parts))
+    if problems := mismatches(found, adapter_state(model), limit=4):
+        raise ValueError(f"{path}: does not match adapter_config.json and the base model: {problems}")
     orders = file_orders(model)
     for k, (hf, t) in _adapter_tensors(model).items():
         t.copy_(found[k][orders[hf]] if hf in orders else found[k])

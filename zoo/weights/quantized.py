@@ -9,34 +9,23 @@ model.pt loads with weights_only=True; a device without the scheme's kernel is a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
-import yaml
 
 from ..config import load_yaml, model_config_from, to_dict
 from .files import atomic_write, load_tensors
+from .zoo_folder import CONFIG, _folder, cast_weights, folder_config, write_config
 
-CONFIG, WEIGHTS = "config.yaml", "model.pt"
+WEIGHTS = "model.pt"
 # tensor subclass -> the device types its kernels run on (others run wherever torch runs)
 LAYOUT_DEVICES = {"Int4OpaqueTensor": ("cpu",), "Int4TilePackedTo4dTensor": ("cuda",)}
 
 
-def _folder(path) -> Path:
-    p = Path(path)
-    return p.parent if p.is_file() and p.name in (CONFIG, WEIGHTS) else p
-
-
 def detect(path) -> bool:
     """A folder with config.yaml holding a `quantization:` section, and model.pt."""
-    f = _folder(path)
-    if not (f.is_dir() and (f / CONFIG).is_file() and (f / WEIGHTS).is_file()):
-        return False
-    try:
-        data = yaml.safe_load((f / CONFIG).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, OSError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get("quantization"), dict)
+    data = folder_config(path, WEIGHTS)
+    return data is not None and isinstance(data.get("quantization"), dict)
 
 
 def exports(model) -> bool:
@@ -46,14 +35,12 @@ def exports(model) -> bool:
 
 def save(model, path, tokenizer=None, **_) -> Path:
     """Write a quantized LLM as a folder (config.yaml, model.pt, the tokenizer if given); returns it."""
-    from .zoo_folder import write_config
     model = getattr(model, "_orig_mod", model)
     if getattr(model, "family", None) != "llm":
         raise ValueError(f"a quantized Zoo folder holds LLMs, not a {type(model).__name__}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    atomic_write(out / WEIGHTS, lambda tmp: torch.save(state, tmp))
+    atomic_write(out / WEIGHTS, lambda tmp: torch.save(model.state_dict(), tmp))
     q = dict(model.quantization, dtype=str(model.embed.weight.dtype).removeprefix("torch."))
     return write_config(out, {"family": "llm", "model": to_dict(model.config), "quantization": q}, tokenizer)
 
@@ -74,8 +61,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     device defaults to the CPU."""
     from ..config import LLMConfig, without_moved
     from ..llm import LLM
-    from .zoo_folder import cast_weights
-    f = _folder(path)
+    f = _folder(path, WEIGHTS)
     data = load_yaml(f / CONFIG)
     q = data["quantization"]
     device = torch.device(device or "cpu")

@@ -17,6 +17,10 @@ from zoo.diffusion.taesd import TAESD
 from .files import atomic_write, check_weight_file, load_tensors, read_safetensors_header, save_safetensors
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+# the AutoencoderTiny config.json keys TAESD has one value of
+_DIFFUSERS_FIXED = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
+                    "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3],
+                    "num_decoder_blocks": [3, 3, 3, 1]}
 _PAIR = re.compile(r"^(?P<stem>.*)_(?P<part>encoder|decoder)\.(?P<ext>pth|pt|safetensors)$")
 _MAX_PTH_BYTES = 256 << 20   # TAESD files are a few MB; never unpickle big unrelated files to look
 
@@ -29,9 +33,7 @@ def _pair_paths(p: Path):
     m = _PAIR.match(p.name)
     if not m:
         return None
-    enc = p.with_name(f"{m['stem']}_encoder.{m['ext']}")
-    dec = p.with_name(f"{m['stem']}_decoder.{m['ext']}")
-    return enc, dec
+    return p.with_name(f"{m['stem']}_encoder.{m['ext']}"), p.with_name(f"{m['stem']}_decoder.{m['ext']}")
 
 
 def _keys(path: Path) -> list[str]:
@@ -67,8 +69,6 @@ def detect(path) -> bool:
     return "0.weight" in keys and any(re.fullmatch(r"\d+\.conv\.0\.weight", k) for k in keys)
 
 
-# ------------------------------------------------------------------------------------- loading
-
 def variant_of(sd: dict, source) -> dict:
     """Read the TAESD variant from a zoo-keyed state dict."""
     try:
@@ -78,18 +78,14 @@ def variant_of(sd: dict, source) -> dict:
     return {"latent_channels": latent, "midblock_gn": any(".pool." in k for k in sd), "channels": channels}
 
 
-def _check_variant(found: dict, expected: dict, source):
-    for k, v in expected.items():
-        if v is not None and found[k] != v:
-            raise ValueError(f"{source}: these weights are the TAESD variant {k}={found[k]}, but {k}={v} "
-                             f"was asked for")
-
-
 def from_state_dict(sd: dict, source, dtype=torch.float32, **expected) -> TAESD:
     """A TAESD with the zoo-keyed weights `sd`; `expected` (latent_channels=..., midblock_gn=...,
     channels=...) is checked against the variant the tensors say."""
     found = variant_of(sd, source)
-    _check_variant(found, {k: v for k, v in expected.items() if k in found}, source)
+    for k, v in expected.items():
+        if k in found and v is not None and found[k] != v:
+            raise ValueError(f"{source}: these weights are the TAESD variant {k}={found[k]}, but {k}={v} "
+                             f"was asked for")
     model = TAESD(**found)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -100,9 +96,7 @@ def from_state_dict(sd: dict, source, dtype=torch.float32, **expected) -> TAESD:
 
 def _load_diffusers(p: Path) -> tuple[dict, dict]:
     cfg = json.loads((p / "config.json").read_text())
-    want = {"in_channels": 3, "out_channels": 3, "act_fn": "relu", "upsample_fn": "nearest",
-            "upsampling_scaling_factor": 2, "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1]}
-    for k, v in want.items():
+    for k, v in _DIFFUSERS_FIXED.items():
         if k in cfg and cfg[k] != v:
             raise ValueError(f"{p / 'config.json'}: {k}={cfg[k]!r} is not supported (TAESD has {v!r})")
     for k in ("encoder_block_out_channels", "decoder_block_out_channels"):
@@ -147,8 +141,6 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
     return model
 
 
-# -------------------------------------------------------------------------------------- export
-
 def exports(model) -> bool:
     return isinstance(model, TAESD)
 
@@ -186,11 +178,8 @@ def save(model: TAESD, path, format: str | None = None, dtype=None, name: str | 
         part, i, rest = k.split(".", 2)
         out[f"{part}.layers.{int(i) - (part == 'decoder')}.{rest}"] = v
     c = model.channels
-    config = {"_class_name": "AutoencoderTiny", "in_channels": 3, "out_channels": 3,
-              "encoder_block_out_channels": [c] * 4, "decoder_block_out_channels": [c] * 4,
-              "act_fn": "relu", "upsample_fn": "nearest",
-              "latent_channels": model.latent_channels, "upsampling_scaling_factor": 2,
-              "num_encoder_blocks": [1, 3, 3, 3], "num_decoder_blocks": [3, 3, 3, 1],
+    config = {"_class_name": "AutoencoderTiny", **_DIFFUSERS_FIXED, "encoder_block_out_channels": [c] * 4,
+              "decoder_block_out_channels": [c] * 4, "latent_channels": model.latent_channels,
               "latent_magnitude": 3, "latent_shift": 0.5, "force_upcast": False,
               "scaling_factor": model.scaling_factor, "shift_factor": model.shift_factor}
     save_safetensors(out, p / DIFFUSERS_WEIGHTS)

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from ..config import CONVNET_KINDS, CONVNEXT_ARCHS, RESNET_ARCHS, ConfigError, ConvNetConfig, from_dict, to_dict
-from .files import atomic_write, load_tensors, read_safetensors_header, save_safetensors
+from .files import (WEIGHT_SUFFIXES as SUFFIXES, atomic_write, load_tensors, read_json, read_safetensors_header,
+                    save_safetensors)
 
-SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 FOLDER_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -41,12 +41,6 @@ def read_state_dict(path) -> dict:
     return {(k[7:] if k.startswith("module.") else k): v for k, v in load_tensors(f).items()}
 
 
-def _keys(f: Path) -> set:
-    if f.suffix.lower() == ".safetensors":
-        return set(read_safetensors_header(f)[0])  # the header only
-    return set(read_state_dict(f))
-
-
 # what tells each kind's keys apart (all of them present)
 SIGNATURES = {
     "resnet": ("layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.conv2.weight"),  # + a conv1 stem
@@ -60,9 +54,7 @@ def kind_of(keys) -> str | None:
     """resnet, convnext, efficientnet or mobilenetv3: which layout a set of state-dict names has (None: none)."""
     keys = set(keys)
     kind = next((k for k, sig in SIGNATURES.items() if set(sig) <= keys), None)
-    if kind == "resnet" and not any(k.startswith("conv1.") for k in keys):
-        return None
-    return kind
+    return None if kind == "resnet" and not any(k.startswith("conv1.") for k in keys) else kind  # a conv1 stem
 
 
 def detect(path) -> bool:
@@ -70,8 +62,8 @@ def detect(path) -> bool:
     f = weight_file(path)
     if f is None:
         return False
-    try:
-        keys = _keys(f)
+    try:  # a safetensors file's header only
+        keys = read_safetensors_header(f)[0] if f.suffix.lower() == ".safetensors" else read_state_dict(f)
     except Exception:
         return False
     return kind_of(keys) is not None
@@ -99,8 +91,8 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     if base is not None and (arch is None or base.get("arch") == arch):
         cfg = dict(base)
     else:
-        cfg = INFER[kind](sd, arch, source)
-    cfg.update(in_chans=_in_chans(sd, kind))
+        cfg = INFER[kind](sd, arch, source) if kind in INFER else {} if arch is None else {"arch": arch}
+    cfg.update(in_chans=sd[STEMS[kind]].shape[1])
     head = HEADS[kind] + ".weight"
     if head in sd:
         cfg["num_classes"] = sd[head].shape[0]
@@ -113,10 +105,6 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
 HEADS = {"resnet": "fc", "convnext": "head.fc", "efficientnet": "classifier", "mobilenetv3": "classifier"}
 STEMS = {"resnet": "conv1.weight", "convnext": "stem.0.weight", "efficientnet": "conv_stem.weight",
          "mobilenetv3": "conv_stem.weight"}
-
-
-def _in_chans(sd, kind) -> int:
-    return sd[STEMS[kind]].shape[1]
 
 
 def _resnet(sd, arch, source) -> dict:
@@ -164,11 +152,7 @@ def _convnext(sd, arch, source) -> dict:
     return {**cfg, "arch": alike[0], "layers": depths, "width": width}
 
 
-def _mobile(sd, arch, source) -> dict:
-    return {} if arch is None else {"arch": arch}
-
-
-INFER = {"resnet": _resnet, "convnext": _convnext, "efficientnet": _mobile, "mobilenetv3": _mobile}
+INFER = {"resnet": _resnet, "convnext": _convnext}  # EfficientNet, MobileNetV3: _matching_preset
 
 
 def _depths(sd, stage: str, block_key: str, start: int) -> list:
@@ -244,10 +228,8 @@ def load_into(model, sd: dict, source: str = "<state dict>") -> None:
     shapes = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in own
               if k in sd and sd[k].shape != own[k].shape]
     if missing or unexpected or shapes:
-        parts = []
-        for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped (file vs model)", shapes)):
-            if items:
-                parts.append(f"{len(items)} {what}: {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}")
+        parts = [f"{len(items)} {what}: {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}" for what, items in
+                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped (file vs model)", shapes)) if items]
         raise ValueError(f"{source}: weights do not fit {describe(model.config)}: {'; '.join(parts)}")
     for k in own:  # BatchNorm batch counts a file may lack (torchvision's): 0
         if k.endswith(tracked) and k not in sd:
@@ -270,10 +252,7 @@ def saved_config(path) -> tuple[str | None, dict | None]:
     p, f = Path(path), weight_file(path)
     meta = {}
     if p.is_dir() and (p / "config.json").is_file():
-        try:
-            meta = json.loads((p / "config.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{p / 'config.json'}: not valid JSON") from None
+        meta = read_json(p / "config.json")
     if "zoo" not in meta and f is not None and f.suffix.lower() == ".safetensors":
         extra = read_safetensors_header(f)[1] or {}
         if "zoo" in extra:

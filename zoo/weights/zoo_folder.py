@@ -16,27 +16,34 @@ import torch
 import yaml
 
 from ..config import ConfigError, load_yaml, model_config_from, to_dict
-from .files import atomic_write, load_tensors, save_safetensors
+from .files import atomic_write, load_tensors, mismatches, save_safetensors
 
 CONFIG, WEIGHTS = "config.yaml", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 
 
-def _folder(path) -> Path:
+def _folder(path, weights: str = WEIGHTS) -> Path:
     p = Path(path)
-    return p.parent if p.is_file() and p.name in (CONFIG, WEIGHTS) else p
+    return p.parent if p.is_file() and p.name in (CONFIG, weights) else p
+
+
+def folder_config(path, weights: str = WEIGHTS) -> Optional[dict]:
+    """The mapping config.yaml holds in a folder (or beside a file of it) that holds it and `weights`, else None."""
+    f = _folder(path, weights)
+    if not (f.is_dir() and (f / CONFIG).is_file() and (f / weights).is_file()):
+        return None
+    try:
+        data = yaml.safe_load((f / CONFIG).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def detect(path) -> bool:
     """A folder with config.yaml (family llm) and model.safetensors, and no Hugging Face config.json."""
-    f = _folder(path)
-    if not (f.is_dir() and (f / CONFIG).is_file() and (f / WEIGHTS).is_file()) or (f / "config.json").is_file():
-        return False
-    try:
-        data = yaml.safe_load((f / CONFIG).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, OSError):
-        return False
-    return isinstance(data, dict) and data.get("family", "llm") == "llm" and isinstance(data.get("model"), dict)
+    data = folder_config(path)
+    return (data is not None and not (_folder(path) / "config.json").is_file()
+            and data.get("family", "llm") == "llm" and isinstance(data.get("model"), dict))
 
 
 def tokenizer_of(path) -> Optional[str]:
@@ -45,8 +52,7 @@ def tokenizer_of(path) -> Optional[str]:
     for name in TOKENIZER_FILES:
         if (f / name).is_file():
             return str(f / name)
-    data = load_yaml(f / CONFIG)
-    tok = (data.get("data") or {}).get("tokenizer")
+    tok = (load_yaml(f / CONFIG).get("data") or {}).get("tokenizer")
     return "bytes" if tok == "bytes" else None
 
 
@@ -54,7 +60,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     """Build the LLM of config.yaml and load model.safetensors; dtype None keeps the file's."""
     from ..config import LLMConfig, without_moved
     from ..llm import LLM
-    from .hf_llm import _listing, _resolve_dtype
+    from .hf_llm import _resolve_dtype
     f = _folder(path)
     data = load_yaml(f / CONFIG)
     cfg = model_config_from(without_moved(LLMConfig, data.get("model") or {}), "llm", str(f / CONFIG))
@@ -63,20 +69,10 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     dtype = floats[0] if dtype in (None, "auto") and floats else _resolve_dtype(dtype, {}, str(f / CONFIG))
     with torch.device(device or "cpu"):
         model = LLM(cfg)
-    want = model.state_dict()
     tied = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"} if cfg.tie_embeddings else {}
-    missing = [k for k in want if k not in state and tied.get(k) not in state]
-    unexpected = [k for k in state if k not in want]
-    wrong = [f"{k} {list(state[k].shape)} (expected {list(want[k].shape)})" for k in state
-             if k in want and state[k].shape != want[k].shape]
-    if missing or unexpected or wrong:
-        problems = [f"{label}: {_listing(names, 3)}" for label, names in
-                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
-        raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): "
-                         + "; ".join(problems))
-    for k, other in tied.items():  # tied tensors are stored once
-        if k not in state:
-            state[k] = state[other]
+    state.update({k: state[other] for k, other in tied.items() if k not in state and other in state})  # stored once
+    if problems := mismatches(state, model.state_dict(), limit=3):
+        raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): {problems}")
     model.load_state_dict(state, strict=True)
     return cast_weights(model, dtype).eval()
 
@@ -90,16 +86,12 @@ def cast_weights(model, dtype: torch.dtype):
     return model
 
 
-def zoo_only(model) -> bool:
+def exports(model) -> bool:
     """An LLM no Hugging Face class holds (hf_llm.holds: Mixture-of-Depths, ideas no one class has, a trained
     routing bias where the class has none)."""
     from .hf_llm import holds
     model = getattr(model, "_orig_mod", model)
     return getattr(model, "family", None) == "llm" and bool(holds(model))
-
-
-def exports(model) -> bool:
-    return zoo_only(model)
 
 
 def save(model, path, tokenizer=None, **_) -> Path:
