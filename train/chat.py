@@ -21,6 +21,8 @@ import torch
 
 from zoo.llm import decode_step, sample_next
 
+from train.step import eval_mode
+
 
 def _common_prefix(a: list, b: list) -> int:
     n = 0
@@ -70,36 +72,34 @@ class ChatSession:
         ids = self._encode(self.template.render(messages, add_generation_prompt=True))
         if len(ids) >= cap:
             raise ValueError(f"the conversation is {len(ids)} tokens, the model's context {cap}: /reset to start over")
-        was = model.training
-        model.eval()
-        if self.caches is None:
-            dev = self.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-            self.caches = model.new_caches(1, cap, self.device, dtype)
-        keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
-        logits = model(torch.tensor([ids[keep:]], device=self.device), caches=self.caches, start_pos=keep)[:, -1]
-        self.cached = list(ids)
-        out, shown, text = [], 0, ""
-        for _ in range(min(self.max_new_tokens, cap - len(ids))):
-            nxt = int(sample_next(logits.float(), generator=self.generator, **self.sampling))
-            if nxt == self.eos_id:
-                break
-            out.append(nxt)
-            text = self.tokenizer.decode(out)
-            if self.end_of_turn and self.end_of_turn in text:
-                text = text[:text.index(self.end_of_turn)]
-                break
-            safe = len(text) - _held_back(text, self.end_of_turn)
-            if on_text is not None and safe > shown:
-                on_text(text[shown:safe])
-                shown = safe
-            if len(self.cached) >= cap:
-                break
-            logits = decode_step(model, torch.tensor([[nxt]], device=self.device), self.caches, len(self.cached))
-            self.cached.append(nxt)
-        if on_text is not None and len(text) > shown:
-            on_text(text[shown:])
-        model.train(was)
+        with eval_mode(model):
+            if self.caches is None:
+                dev = self.device.type
+                dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+                self.caches = model.new_caches(1, cap, self.device, dtype)
+            keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
+            logits = model(torch.tensor([ids[keep:]], device=self.device), caches=self.caches, start_pos=keep)[:, -1]
+            self.cached = list(ids)
+            out, shown, text = [], 0, ""
+            for _ in range(min(self.max_new_tokens, cap - len(ids))):
+                nxt = int(sample_next(logits.float(), generator=self.generator, **self.sampling))
+                if nxt == self.eos_id:
+                    break
+                out.append(nxt)
+                text = self.tokenizer.decode(out)
+                if self.end_of_turn and self.end_of_turn in text:
+                    text = text[:text.index(self.end_of_turn)]
+                    break
+                safe = len(text) - _held_back(text, self.end_of_turn)
+                if on_text is not None and safe > shown:
+                    on_text(text[shown:safe])
+                    shown = safe
+                if len(self.cached) >= cap:
+                    break
+                logits = decode_step(model, torch.tensor([[nxt]], device=self.device), self.caches, len(self.cached))
+                self.cached.append(nxt)
+            if on_text is not None and len(text) > shown:
+                on_text(text[shown:])
         return text
 
 

@@ -104,8 +104,7 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_safetensors(model if keys is None else _subset(model, keys), tmp / "model.safetensors")
     if ema is not None:
@@ -227,23 +226,22 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     """Load a verified checkpoint into the given objects (every file checked first, so a bad one changes
     nothing); returns the state dict. before_optimizer(state) runs before the optimizer state loads."""
     manifest = verify_checkpoint(path)
-    if manifest.get("format") == "dcp":
-        return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys)
+    if manifest.get("format") == "dcp":  # written by any number of ranks, into this run (one process or many)
+        if before_optimizer is not None:
+            before_optimizer(read_state(path / "state.pt"))
+        state = load_dcp(par, path, model, optimizer, scaler, ema, seed, trained_only=keys is not None)
+        return _same_step(path, state, manifest)
     weights = read_weights(path / "model.safetensors", model, keys)
     ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
         if ema is not None and (path / "ema.safetensors").is_file() else None
-    state = read_state(path / "state.pt")
-    if state["step"] != manifest.get("step"):
-        raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
+    state = _same_step(path, read_state(path / "state.pt"), manifest)
     if par is not None and par.active:
         return _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema, before_optimizer, par,
                                 seed, keys is not None)
     model.load_state_dict(weights, strict=False)
-    if ema_weights is not None:
-        ema.load_state_dict(ema_weights, strict=False)
-    elif ema is not None:  # an EMA switched on for a run that had none: it starts from the resumed weights
-        ema.load_state_dict(weights, strict=False)
-        state["ema_started"] = True
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        ema.load_state_dict(weights if ema_weights is None else ema_weights, strict=False)
+        state["ema_started"] = ema_weights is None
     if before_optimizer is not None:
         before_optimizer(state)
     if optimizer is not None:
@@ -307,11 +305,7 @@ def _by_name(model, optimizer, osd: dict) -> dict:
     return out
 
 
-def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys=None) -> dict:
-    """A DCP checkpoint of any number of ranks, into this run (one process or many)."""
-    if before_optimizer is not None:
-        before_optimizer(read_state(path / "state.pt"))
-    state = load_dcp(par, path, model, optimizer, scaler, ema, seed, trained_only=keys is not None)
+def _same_step(path, state: dict, manifest: dict) -> dict:
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
     return state
@@ -322,31 +316,24 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
     """Resume from the newest complete, uncorrupted checkpoint; None if there is none. When checkpoints
     exist but none is usable, raise CheckpointError rather than start over (and rotate them away)."""
     paths = list_checkpoints(out_dir)
-    if par is not None and par.active:  # rank 0 picks the checkpoint, every rank loads it (collectively)
-        found, paths = par.broadcast((len(paths), _first_verified(paths, log)) if par.main else None)
-        if found and not paths:
-            raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {found} checkpoints is usable (see "
-                                  f"log.txt); move them away or set train.resume=false to start over")
-        for path in paths:
-            try:
-                state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
-            except ValueError as e:
-                raise CheckpointError(str(e).splitlines()[0]) from None
-            log(_resumed_note(path, state))
-            return dict(state, path=str(path))
-        return None
+    found, ranks = len(paths), par is not None and par.active
+    if ranks:  # rank 0 picks the checkpoint, every rank loads it (collectively, no falling back)
+        found, paths = par.broadcast((found, _first_verified(paths, log)) if par.main else None)
     for path in paths:
         try:
             state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
         except Exception as e:  # noqa: BLE001 - corrupt or truncated: say which, try the previous one
+            if ranks and isinstance(e, ValueError):
+                raise CheckpointError(str(e).splitlines()[0]) from None
+            if ranks:
+                raise
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
         log(_resumed_note(path, state))
-        state["path"] = str(path)
-        return state
-    if paths:
-        raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {len(paths)} checkpoints is usable (see "
+        return dict(state, path=str(path))
+    if found:
+        raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {found} checkpoints is usable (see "
                               f"log.txt); move them away or set train.resume=false to start over")
     return None
 
@@ -400,8 +387,7 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     tmp = root / f".tmp-{PREFIX}{step:08d}-{tag}"
     if par.main:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     par.barrier()
     dcp.save(_dcp_state(model, optimizer, ema, trained_only),
@@ -534,10 +520,8 @@ class Checkpointer:
         used = list(reversed(interval_checkpoints(self.out)[:t.average_last]))  # oldest first
         if not used:
             raise RunStopped(f"{self.out / CKPT_DIR}: no checkpoints to average", EXIT_CONFIG)
-        if run.par.active:  # the trained model is wrapped or sharded: a plain one on its device
-            avg = run.plain_model()
-        else:
-            avg = copy.deepcopy(run.model)
+        # under torchrun the trained model is wrapped or sharded: a plain one on its device
+        avg = run.plain_model() if run.par.active else copy.deepcopy(run.model)
         path = average_last(self.out, used, t.average_weighting, tied_names(avg))
         avg.load_state_dict(read_weights(path, avg, run.keys), strict=False)
         self.say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "

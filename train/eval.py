@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 from train.data import DataError  # noqa: E402
 from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, prompt_messages,  # noqa: E402
                                    read_jsonl, response_text)
+from train.step import eval_mode  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- log-likelihoods
@@ -325,11 +326,9 @@ SCORERS = {"choice": score_choices, "generation": score_generation, "loss": scor
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
                    delimiter=" ", autocast=None, log=print, **reward_options) -> dict[str, dict]:
     """{task (file stem): {metric: value, "kind", "details"}} of every task file, in eval mode."""
-    was = model.training
-    model.eval()
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     results = {}
-    try:
+    with eval_mode(model):
         for f in files:
             kind, rows = read_task(f, log)
             try:
@@ -342,8 +341,6 @@ def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16
             while name in results:
                 name += "_"
             results[name] = {"kind": kind, **m, "details": d}
-    finally:
-        model.train(was)
     return results
 
 

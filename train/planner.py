@@ -249,12 +249,9 @@ def fake_step(optimizer):
 # ------------------------------------------------------------------------------ the model and its units
 def repeated_units(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks (transformer blocks, residual blocks)."""
-    units = getattr(model, "checkpoint_units", None)
-    if units is not None:
-        return list(units())
-    if hasattr(model, "layers"):
-        return list(model.layers)
-    return []
+    if hasattr(model, "checkpoint_units"):
+        return list(model.checkpoint_units())
+    return list(getattr(model, "layers", []))
 
 
 def _depth_keys(cfg):
@@ -263,14 +260,8 @@ def _depth_keys(cfg):
     if cfg.family != "llm":
         return None
     m = cfg.model
-    period = 1
-    if m.mod_capacity > 0:
-        period = math.lcm(period, m.mod_every)
-    if m.moe is not None:
-        period = math.lcm(period, m.moe.sparse_every)
-    every = cfg.train.activation_checkpointing_every
-    period = math.lcm(period, every)
-    return m.n_layers, period
+    return m.n_layers, math.lcm(m.mod_every if m.mod_capacity > 0 else 1, m.moe.sparse_every if m.moe else 1,
+                                cfg.train.activation_checkpointing_every)
 
 
 # ------------------------------------------------------------------------------ the simulated step
@@ -287,8 +278,6 @@ class Simulated:
     per_unit: list           # bytes each repeated block keeps from its forward to the backward
     logits: int              # the peak the loss adds over the last block's output (forward)
     events: list = field(default_factory=list)  # AllocTrace.events: construction and three steps
-
-
 
 
 def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
@@ -394,10 +383,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             step(track=False)  # the optimizer makes its state
         state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
         if optimizer is not None:
-            states = 0
-            probe = LiveBytes()
-            probe.add(state_tensors)
-            states = probe.live
+            states = _bytes(state_tensors)
         counter = LiveBytes(device.type, trace)
         counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
         persistent = counter.live + (states if eightbit else 0)
@@ -448,8 +434,7 @@ class Plan:
     device: str = "cpu"                  # the device planned for
     precision: str = "fp32"              # the precision the run computes in there
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    to_dict = dataclasses.asdict
 
 
 SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths and extrapolated
@@ -800,12 +785,6 @@ def _proc_status(key: str) -> int:
     raise OSError(f"/proc/self/status has no {key}")
 
 
-def cpu_keeps_freed_memory(cfg) -> bool:
-    """Whether a run of `cfg` started by train/run.py keeps freed memory on a CPU (glibc told not to
-    trim or unmap, `train.cpu_keep_memory`, on by default for a process the run owns)."""
-    return cfg.train.cpu_keep_memory if cfg.train.cpu_keep_memory is not None else True
-
-
 MEASURE_STEPS = 8
 
 
@@ -815,7 +794,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     hwm (VmHWM at the end), peak (hwm - start_rss: what the planner predicts), live (the tensors kept)}."""
     import gc
     device = torch.device("cpu")
-    if cpu_keeps_freed_memory(cfg):  # else glibc's defaults, untouched, as in the loop
+    if cfg.train.cpu_keep_memory is not False:  # null: on, as under train/run.py; else glibc's defaults
         keep_freed_memory()
     amp = _precision(cfg, device)
     with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)

@@ -1,7 +1,7 @@
 """The training step and what it runs on: a leaf module (it imports no other part of the loop).
 
 `resolve_device`, `resolve_precision`, `setup_backends`, `DTYPES`, `autocast_for`; `optimizer_step`
-(one step over accumulated micro-batches) and its `StepResult`; `EMA`; `RunStopped` and exit codes.
+(one step over accumulated micro-batches) and its `StepResult`; `EMA`, `eval_mode`; `RunStopped` and exit codes.
 """
 from __future__ import annotations
 
@@ -108,10 +108,9 @@ def precision_of(dtype: Optional[torch.dtype]) -> str:
 
 def autocast_for(device: torch.device, precision: str):
     """A factory of the run's autocast context (a no-op context in fp32)."""
-    dtype = None if precision == "fp32" else DTYPES[precision]
-    if dtype is None:
+    if precision == "fp32":
         return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
+    return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 def setup_backends(t, device: torch.device, log, owns_process: bool = False):
@@ -233,6 +232,17 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     optimizer.zero_grad(set_to_none=True)
     overflow = scaler.is_enabled() and not grads_ok
     return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """model.eval() inside, the mode it had restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from ..data.images import (FolderImages, augment_seeded, auto_augment_op, collat
                            epoch_positions, folder_channels, mix_batch, normalization, random_erase, random_shift,
                            scan_image_folder)
 from ..eval import per_class_table
+from ..step import eval_mode
 from . import Task
 
 
@@ -341,16 +342,12 @@ class ClassifyTask(Task):
     @torch.no_grad()
     def predict(self, model):
         """(logits (N, num_classes) float32, labels (N,)) over the validation set, in eval mode."""
-        was = model.training
-        model.eval()
         logits, labels = [], []
-        try:
+        with eval_mode(model):
             for x, y in self._val_batches():
                 with self.autocast():
                     logits.append(model(self.normalize(x)).float())
                 labels.append(y)
-        finally:
-            model.train(was)
         if not logits:
             raise DataError(f"{self.cfg.data.path}: no readable validation image")
         return torch.cat(logits), torch.cat(labels)
@@ -362,17 +359,15 @@ class ClassifyTask(Task):
         bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if not bns or n_batches <= 0:
             return
-        was = model.training
-        model.eval()
-        saved = [bn.momentum for bn in bns]
-        for bn in bns:
-            bn.reset_running_stats()
-            bn.momentum = None  # cumulative average
-            bn.train()
         B, t = self.cfg.train.batch_size, self.cfg.train
         fmt = torch.channels_last if t.channels_last else torch.contiguous_format
         keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * B, self.n_train))
-        try:
+        saved = [bn.momentum for bn in bns]
+        with eval_mode(model):
+            for bn in bns:  # the BatchNorm layers alone in training mode
+                bn.reset_running_stats()
+                bn.momentum = None  # cumulative average
+                bn.train()
             if self.digits:
                 idx = torch.tensor([i for i, _ in keys], device=self.device)
                 batches = ((self.train_x[idx[i:i + B]], None) for i in range(0, len(idx), B))
@@ -385,10 +380,8 @@ class ClassifyTask(Task):
                 if x is not None:
                     with self.autocast():
                         model(self.normalize(x.to(self.device).contiguous(memory_format=fmt)))
-        finally:
-            for bn, m in zip(bns, saved):
-                bn.momentum = m
-            model.train(was)
+        for bn, m in zip(bns, saved):
+            bn.momentum = m
 
     def evaluate(self, model):
         own = getattr(self, "model", None)

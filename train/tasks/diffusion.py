@@ -26,6 +26,7 @@ from ..checkpoint import read_weights
 from ..data import DataError, cache_dir
 from ..data.latents import LatentCache, latent_cache, weights_fingerprint
 from ..data.sources import files_fingerprint, short_digest
+from ..step import eval_mode
 from . import Task
 
 
@@ -260,18 +261,16 @@ class DiffusionTask(Task):
     def evaluate(self, model):
         """On the held-out latents with fixed t and noise: val_loss, the training loss (same weighting),
         and val_mse, the unweighted MSE of the prediction (comparable across loss weightings)."""
-        was = model.training
-        model.eval()
-        g = torch.Generator().manual_seed(1234)
-        bs = self.cfg.train.batch_size
-        n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
-        total, mse = 0.0, 0.0
-        for i in range(0, n, bs):
-            b = self._noised(self.z_va[i:i + bs][: n - i], self.y_va[i:i + bs][: n - i], g, 0.0)
-            with self.autocast():
-                total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
-                mse += model(b["z"], b["labels"], b["t"], b["noise"], weighted=False).float().sum().item()
-        model.train(was)
+        with eval_mode(model):
+            g = torch.Generator().manual_seed(1234)
+            bs = self.cfg.train.batch_size
+            n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
+            total, mse = 0.0, 0.0
+            for i in range(0, n, bs):
+                b = self._noised(self.z_va[i:i + bs][: n - i], self.y_va[i:i + bs][: n - i], g, 0.0)
+                with self.autocast():
+                    total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
+                    mse += model(b["z"], b["labels"], b["t"], b["noise"], weighted=False).float().sum().item()
         return {"val_loss": total / max(n, 1), "val_mse": mse / max(n, 1)}
 
     # -- samples ------------------------------------------------------------------------------
@@ -289,15 +288,10 @@ class DiffusionTask(Task):
 @torch.no_grad()
 def sample_grid(model: LatentDiffusion, per_class: int, device, seed: int = 0, autocast=None, **kw):
     """per_class samples of every class, class-major -> images (num_classes * per_class, 3, H, W)."""
-    was = model.training
-    model.eval()
     labels = torch.arange(model.config.num_classes, device=device).repeat_interleave(per_class)
     g = torch.Generator(device=device).manual_seed(seed)
-    ctx = autocast() if autocast is not None else torch.autocast(device.type, enabled=False)
-    with ctx:
-        images = model.sample(labels, generator=g, **kw).float()
-    model.train(was)
-    return images
+    with eval_mode(model), (autocast() if autocast is not None else torch.autocast(device.type, enabled=False)):
+        return model.sample(labels, generator=g, **kw).float()
 
 
 def image_grid(images: torch.Tensor, nrow: int, padding: int = 2, pad_value: float = 0.5) -> torch.Tensor:

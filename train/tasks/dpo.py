@@ -23,6 +23,7 @@ from ..data.conversations import PostTrainingDataConfig
 from ..data.preference import PreferenceData, preference_row, read_jsonl, synthetic_pairs
 from ..eval import collate, sequence_logps
 from ..model import apply_runtime
+from ..step import eval_mode
 from .post_training import PostTrainingTask, unwrapped
 
 
@@ -73,15 +74,13 @@ class DPOTask(PostTrainingTask):
     def precompute(self, model) -> torch.Tensor:
         """The reference log-probabilities of every pair (train, then val), in batches of train.batch_size."""
         model = apply_runtime(model, self.cfg.train).to(self.device)
-        was = model.training
-        model.eval()
-        pairs, B, out = self.data.train + self.data.val, self.cfg.train.batch_size, []
-        for i in range(0, len(pairs), B):
-            x, y, _ = self._batch(pairs[i:i + B], range(i, i + len(pairs[i:i + B])))
-            with self.autocast():
-                lp = sequence_logps(model, x, y)[0]
-            out.append(torch.stack(lp.chunk(2), dim=1))
-        model.train(was)
+        with eval_mode(model):
+            pairs, B, out = self.data.train + self.data.val, self.cfg.train.batch_size, []
+            for i in range(0, len(pairs), B):
+                x, y, _ = self._batch(pairs[i:i + B], range(i, i + len(pairs[i:i + B])))
+                with self.autocast():
+                    lp = sequence_logps(model, x, y)[0]
+                out.append(torch.stack(lp.chunk(2), dim=1))
         self.log(f"reference: log-probabilities of {len(pairs)} pairs precomputed (data.reference=precomputed)")
         return torch.cat(out)
 
@@ -139,15 +138,13 @@ class DPOTask(PostTrainingTask):
 
     @torch.no_grad()
     def evaluate(self, model):
-        was = model.training
-        model.eval()
-        sums, B, n = None, self.cfg.train.batch_size, len(self.data.train)
-        for i in range(0, len(self.data.val), B):
-            pairs = self.data.val[i:i + B]
-            with self.autocast():
-                now = pair_sums(*self.pair_loss(model, self._batch(pairs, range(n + i, n + i + len(pairs)))))
-            sums = now if sums is None else sums + now
-        model.train(was)
+        with eval_mode(model):
+            sums, B, n = None, self.cfg.train.batch_size, len(self.data.train)
+            for i in range(0, len(self.data.val), B):
+                pairs = self.data.val[i:i + B]
+                with self.autocast():
+                    now = pair_sums(*self.pair_loss(model, self._batch(pairs, range(n + i, n + i + len(pairs)))))
+                sums = now if sums is None else sums + now
         out = {f"val_{k}": v for k, v in pair_metrics(sums).items()}
         return {**out, **self.eval_tasks(model)}
 

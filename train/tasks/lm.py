@@ -21,6 +21,7 @@ from zoo.weights.files import atomic_write
 from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer, tokenizer_folder
 from ..eval import evaluate_files, metric_row
 from ..optim import micro_batches
+from ..step import eval_mode
 from . import Task
 
 
@@ -304,26 +305,24 @@ class LMTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model):
-        was = model.training
-        model.eval()
-        total, n = 0.0, 0
-        causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
-        B = self.cfg.train.batch_size  # every rank evaluates the global batches, in micro-batches of B rows
-        for x, y in (part for batch in self.data.val_batches(B * self.world, self.cfg.train.eval_batches)
-                     for part in zip(*(t.split(B) for t in batch[:2]))):
-            x, y = x.to(self.device), y.to(self.device)
-            k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
-            docs = self.doc_inputs(x)
-            with self.autocast():
-                if self.mod:
-                    _, loss, aux = model(x, y, return_aux=True, **docs)
-                    acc = acc + aux["mod_accuracy"].float() * k
-                    causal += model(x, y, mod_causal=True, **docs)[1].item() * k
-                else:
-                    _, loss = model(x, y, **docs)
-            total += loss.item() * k
-            n += k
-        model.train(was)
+        with eval_mode(model):
+            total, n = 0.0, 0
+            causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
+            B = self.cfg.train.batch_size  # every rank evaluates the global batches, in micro-batches of B rows
+            for x, y in (part for batch in self.data.val_batches(B * self.world, self.cfg.train.eval_batches)
+                         for part in zip(*(t.split(B) for t in batch[:2]))):
+                x, y = x.to(self.device), y.to(self.device)
+                k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
+                docs = self.doc_inputs(x)
+                with self.autocast():
+                    if self.mod:
+                        _, loss, aux = model(x, y, return_aux=True, **docs)
+                        acc = acc + aux["mod_accuracy"].float() * k
+                        causal += model(x, y, mod_causal=True, **docs)[1].item() * k
+                    else:
+                        _, loss = model(x, y, **docs)
+                total += loss.item() * k
+                n += k
         out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
                "unigram_entropy": self.entropy, **self.eval_tasks(model)}
         if self.mod:
