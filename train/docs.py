@@ -332,9 +332,7 @@ def doc_value(v) -> str:
 def _default(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
 def _cell(text: str) -> str:
@@ -391,36 +389,32 @@ def update(text: str, classes: dict, source: str = "docs", results: Path = RESUL
     """text with every marked region re-rendered; and the names of the regions that changed."""
     changed = []
 
-    def keys(m):
-        name = m.group(2)
+    def keys(name):
         if name not in classes:
-            raise ValueError(f"{source}: <!-- keys:{name} --> names no config dataclass "
-                             f"(known: {', '.join(sorted(classes))})")
-        table = render(classes[name])
-        if m.group(3) != table:
-            changed.append(name)
-        return m.group(1) + table + m.group(4)
+            raise ValueError(f"<!-- keys:{name} --> names no config dataclass (known: {', '.join(sorted(classes))})")
+        return render(classes[name])
 
-    def tables(m):
-        try:
-            text = render_result(m.group(2), m.group(3), results)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
-        if m.group(4) != text:
-            changed.append("table:" + m.group(2) + (f"/{m.group(3)}" if m.group(3) else ""))
-        return m.group(1) + text + m.group(5)
+    def code(name):
+        if name not in CODE_TABLES:
+            raise ValueError(f"<!-- code:{name} --> names no table (known: {', '.join(CODE_TABLES)})")
+        return markdown(CODE_TABLES[name]())
 
-    def code(m):
-        if m.group(2) not in CODE_TABLES:
-            raise ValueError(f"{source}: <!-- code:{m.group(2)} --> names no table (known: {', '.join(CODE_TABLES)})")
-        text = markdown(CODE_TABLES[m.group(2)]())
-        if m.group(3) != text:
-            changed.append("code:" + m.group(2))
-        return m.group(1) + text + m.group(4)
+    def region(make, label):  # a region's sub(): (opening marker, names..., old text, closing marker)
+        def sub(m):
+            opening, *names, old, closing = m.groups()
+            try:
+                new = make(*names)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+            if old != new:
+                changed.append(label(*names))
+            return opening + new + closing
+        return sub
 
-    text = REGION.sub(keys, text)
-    text = CODE.sub(code, text) if CODE.search(text) else text
-    return TABLE.sub(tables, text), changed
+    text = REGION.sub(region(keys, lambda name: name), text)
+    text = CODE.sub(region(code, lambda name: "code:" + name), text)
+    return TABLE.sub(region(lambda name, key: render_result(name, key, results),
+                            lambda name, key: "table:" + name + (f"/{key}" if key else "")), text), changed
 
 
 def main(argv=None) -> int:

@@ -34,10 +34,8 @@ def finish(run, out: Path, metrics, say):
         say(f"adapter: {export_adapter(model, out, t.init_from)}")
     if t.plot and metrics.plot():
         say(f"loss curve: {out / 'loss.png'}")
-    if t.samples:
-        text = task.samples(ema_model if ema_model is not None else model, out)
-        if text:
-            say("samples:\n" + text)
+    if t.samples and (text := task.samples(ema_model if ema_model is not None else model, out)):
+        say("samples:\n" + text)
     if run.quantized is not None:
         import zoo
         path = zoo.save_pretrained(run.quantized, out / "quantized")
@@ -45,10 +43,8 @@ def finish(run, out: Path, metrics, say):
         say(f"quantized: {path} ({run.quantized.quantization['scheme']})")
     if t.export and run.keys is not None and not run.cfg.adapter.export_merged:
         say("export: adapter run; set adapter.export_merged=true for the merged weights in the base's format")
-    elif t.export:
-        path = task.export(merged_model(model) if run.keys is not None else model, out)
-        if path:
-            say(f"exported: {path}")
+    elif t.export and (path := task.export(merged_model(model) if run.keys is not None else model, out)):
+        say(f"exported: {path}")
 
 
 def consolidated(run):

@@ -104,15 +104,11 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
             ckpt.say(f"step {step}: checkpoint postponed ({metrics.nonfinite_streak} non-finite steps in a row)")
         elif ran and ckpt.due(step):
             ckpt.save(step)
-        if last_step:
-            if t.average_last:
-                avg = ckpt.evaluate_average()
-                metrics.evaluation(step, avg, say=False)
-                ev.update(avg)
-            q = quantized_evaluation(run)  # train.qat / train.quantize (rank 0)
-            if q:
-                metrics.evaluation(step, q, say=False)
-                ev.update(q)
+        if last_step:  # the averaged checkpoints, train.qat / train.quantize (rank 0)
+            for more in (ckpt.evaluate_average() if t.average_last else {}, quantized_evaluation(run)):
+                if more:
+                    metrics.evaluation(step, more, say=False)
+                    ev.update(more)
             return step, ev
         t0 = time.perf_counter()
         r, lr, waited = train_step(run, step, pre)

@@ -63,9 +63,7 @@ class Metrics:
     def __init__(self, run, out: Path, start: int, say):
         t = run.cfg.train
         self.run, self.out, self.say, self.t = run, out, say, t
-        self.main = run.par.main
-        self.unit = run.task.unit
-        self.last: dict = {}
+        self.main, self.unit, self.last = run.par.main, run.task.unit, {}
         self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0, "wait": 0.0}
         self.nonfinite_streak, self.nonfinite_total, self.overflow_total = 0, 0, 0
         if self.main:
@@ -79,9 +77,7 @@ class Metrics:
         say(f"mfu: peak {_flops(self.peak)} ("
             + ("configured" if t.peak_flops else f"{vendor[0]}, the vendor's dense figure; a matmul measured "
                f"{_flops(self._measure_peak())}" if vendor else "measured matmul") + ")")
-        self._stack = contextlib.ExitStack()
-        self.files = {}
-        self.tracker = None
+        self._stack, self.files, self.tracker = contextlib.ExitStack(), {}, None
         if self.main:
             self.files = {n: self._stack.enter_context(open(out / n, "a")) for n in (METRICS, SPEED)}
             kept = [r for r in read_rows(out) if r["step"] == start] if start and (out / METRICS).exists() else []
@@ -93,9 +89,7 @@ class Metrics:
     # ------------------------------------------------------------------ rows
     def record(self, row: dict, speed: dict | None = None):
         """A row of metrics.jsonl (and, for a training row, its measured part in speed.jsonl)."""
-        self.last.update(row)
-        if speed:
-            self.last.update(speed)
+        self.last.update({**row, **(speed or {})})
         if not self.main:
             return
         self.files[METRICS].write(json.dumps(row) + "\n")
@@ -295,12 +289,9 @@ def open_tracker(cfg, out: Path, start: int, kept: list = ()) -> Tracker:
     """The tracker of cfg.train.tracker for a run in `out` that starts (or resumes) at `start`;
     kept: the metrics rows of step `start` already logged (a tracker that purges that step logs
     them again)."""
-    kind = cfg.train.tracker
-    if kind == "tensorboard":
+    if cfg.train.tracker == "tensorboard":
         return TensorBoardTracker(cfg, out, start, kept)
-    if kind == "wandb":
-        return WandbTracker(cfg, out, start)
-    return Tracker()
+    return WandbTracker(cfg, out, start) if cfg.train.tracker == "wandb" else Tracker()
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

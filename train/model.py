@@ -26,9 +26,8 @@ from .features.quantize import prepare as prepare_qat
 
 def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lambda s: None,
                   source: str = "<config>") -> nn.Module:
-    """Apply train_cfg's attention backend, activation checkpointing, chunked-loss and MoE (capacity, jitter,
-    dispatch) settings to `model` (in place; returned for chaining). A choice the model cannot take is a
-    one-line ConfigError naming the key."""
+    """train_cfg's attention backend, activation checkpointing, chunked loss and MoE settings, set on `model` in
+    place (returned); a choice the model cannot take is a one-line ConfigError naming the key."""
     t = train_cfg
     if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
         if t.attn_backend == "flash" and flash_available() is None:
@@ -57,8 +56,7 @@ def fresh_model(cfg) -> nn.Module:
     """A model of cfg.model with fresh weights; an autoencoder with weights is built as its variant
     without them (same shapes, nothing read: under a FakeTensorMode nothing is allocated)."""
     import zoo
-    model_cfg = cfg.model
-    ae = getattr(model_cfg, "autoencoder", None)
+    model_cfg, ae = cfg.model, getattr(cfg.model, "autoencoder", None)
     if ae is not None and ae.weights:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from zoo.diffusion.latent import build_autoencoder
@@ -70,10 +68,9 @@ def fresh_model(cfg) -> nn.Module:
 
 def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambda m: None,
                 fsdp: bool = False) -> nn.Module:
-    """The run's model in training mode on `device` (default: where it was built): the task's
-    (task.build_model(): pretrained weights, checked against the data) or, without a task,
-    `fresh_model(cfg)`; seeded by train.seed; runtime choices, channels-last, adapters, float8 and
-    QAT applied (fsdp: the model will be sharded by FSDP2)."""
+    """The run's model in training mode on `device` (default: where it was built): task.build_model(), or
+    without a task `fresh_model(cfg)`; seeded by train.seed; runtime choices, channels-last, adapters,
+    float8 and QAT applied (fsdp: the model will be sharded by FSDP2)."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model() if task is not None else fresh_model(cfg), cfg.train, say, cfg.source)
     model = (model if device is None else model.to(device)).train()  # from_pretrained returns eval mode

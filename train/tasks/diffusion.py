@@ -185,11 +185,10 @@ class DiffusionTask(Task):
 
     def _autoencoder(self, data: ImageData) -> TAESD:
         cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
+        ae = build_autoencoder(m, cfg.source)
         if m.autoencoder.weights:
-            ae = build_autoencoder(m, cfg.source)
             self.log(f"autoencoder: {m.autoencoder.weights} (frozen) {ae.variant}")
             return ae
-        ae = build_autoencoder(m, cfg.source)
         key = short_digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
                        "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
                        "seed": cfg.train.seed, **({"files": data.key["files"]} if "files" in data.key else {})})
