@@ -46,8 +46,7 @@ def token_logps(model, ids: torch.Tensor, labels: torch.Tensor, entropy: bool = 
 
 
 def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
-    -> (sums (B,) fp32, scored tokens (B,))."""
+    """token_logps summed: -> (sums (B,) fp32, scored tokens (B,))."""
     logp, valid = token_logps(model, ids, labels)
     return logp.sum(-1), valid.sum(-1)
 
@@ -274,7 +273,7 @@ def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, aut
     for r in rows:
         if r["prompt"] is None:
             ids = tokenizer.encode(r["completion"])
-            ids, labels = ids, list(ids)
+            labels = list(ids)
         else:
             ids, labels = encode_response(tokenizer, r["prompt"], r["completion"], template)
         if max_len is not None:
@@ -351,8 +350,8 @@ def metric_row(results: dict) -> dict[str, float]:
 
 
 def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
-    """Accuracy per class of predictions `pred` against labels `y` -> (rows (name, n, acc), the table
-    headed by the `weights` it is of, its head line, its total line)."""
+    """Accuracy per class of `pred` against labels `y` -> (rows (name, n, acc), the table headed by the
+    `weights` it is of, its head line, its total line)."""
     rows = [(name, int((y == c).sum()), (pred[y == c] == c).float().mean().item())
             for c, name in enumerate(classes) if (y == c).any()]
     head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
@@ -429,8 +428,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "code", EXIT_CONFIG)
     print(table(results))
-    out = Path(args.json) if args.json else (Path(args.model) / "eval.json" if Path(args.model).is_dir()
-                                                 else Path("eval.json"))
+    out = Path(args.json or (Path(args.model) / "eval.json" if Path(args.model).is_dir() else "eval.json"))
     if not args.details:
         results = {k: {m: v for m, v in r.items() if m != "details"} for k, r in results.items()}
     from zoo.weights.files import atomic_write
@@ -451,12 +449,11 @@ def evaluate_images(args) -> int:
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    labels = torch.tensor([y for _, y in samples])
-    rows, text, _, _ = per_class_table(probs.argmax(1), labels, prep.classes,
-                                       f"{'model_ema' if args.ema else 'model'}.safetensors")
+    labels, pred = torch.tensor([y for _, y in samples]), probs.argmax(1)
+    rows, text, _, _ = per_class_table(pred, labels, prep.classes, f"{'model_ema' if args.ema else 'model'}.safetensors")
     print(text)
-    accuracy = float((probs.argmax(1) == labels).float().mean())
-    out = Path(args.json) if args.json else Path(args.model) / "eval_images.json"
+    accuracy = float((pred == labels).float().mean())
+    out = Path(args.json or Path(args.model) / "eval_images.json")
     atomic_write(out, json.dumps({"model": str(args.model), "images": str(args.images), "accuracy": accuracy,
                                   "per_class": {n: (k, a) for n, k, a in rows}}, indent=2))
     print(f"results: {out}")

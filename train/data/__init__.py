@@ -124,6 +124,14 @@ def tokenizer_folder(path, cache: Optional[str] = None) -> Path:
     return out
 
 
+def tokenizer_file(spec: str):
+    """data.tokenizer `bytes` or a tokenizer file's path; a missing file is a one-line error."""
+    if spec != "bytes" and not Path(spec).expanduser().is_file():
+        raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a path "
+                        f"to a tokenizer.model / tokenizer.json)")
+    return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
+
+
 def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
     """The tokenizer of a model folder: the first of `names` it holds, 'bytes', or None."""
     from zoo.weights import zoo_folder
@@ -160,18 +168,12 @@ class SeqLenSchedule:
         return self.final
 
 
-
-
 # ----------------------------------------------------------------------------- token data
 def cache_dir(configured: Optional[str] = None) -> Path:
     """Where derived data is cached: `data.cache_dir`, else $ZOO_CACHE, else $XDG_CACHE_HOME/zoo or
     ~/.cache/zoo; never beside the user's own data."""
-    if configured:
-        d = Path(configured).expanduser()
-    elif os.environ.get("ZOO_CACHE"):
-        d = Path(os.environ["ZOO_CACHE"]).expanduser()
-    else:
-        d = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zoo"
+    d = Path(configured or os.environ.get("ZOO_CACHE")
+             or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "zoo").expanduser()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -246,14 +248,8 @@ class TokenData:
     # ------------------------------------------------------------------ building
     def _tokenizer(self, spec: str, texts: list[str]):
         cfg, log = self.cfg, self.log
-        if spec == "bytes":
-            return ByteTokenizer()
         if spec != "sentencepiece":
-            p = Path(spec).expanduser()
-            if not p.is_file():
-                raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, "
-                                f"sentencepiece or a path to a tokenizer.model / tokenizer.json)")
-            return load_tokenizer_file(p)
+            return tokenizer_file(spec)
         key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars)
         sp_path = self.cache / f"sp-{key}.model"
         if sp_path.is_file():
@@ -394,13 +390,7 @@ class TokenData:
         """Fixed, non-overlapping validation windows (the same every evaluation)."""
         T = self.cfg.seq_len
         n_windows = (len(self.val) - 1) // T
-        idx = 0
-        for _ in range(n_batches):
-            if idx >= n_windows:
-                return
-            rows = []
-            while len(rows) < batch_size and idx < n_windows:
-                rows.append(np.asarray(self.val[idx * T: idx * T + T + 1], dtype=np.int64))
-                idx += 1
-            xy = torch.from_numpy(np.stack(rows))
+        for s in range(0, min(n_windows, n_batches * batch_size), batch_size):
+            xy = torch.from_numpy(np.stack([np.asarray(self.val[i * T:i * T + T + 1], dtype=np.int64)
+                                            for i in range(s, min(s + batch_size, n_windows))]))
             yield xy[:, :-1], xy[:, 1:]

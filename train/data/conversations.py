@@ -1,10 +1,8 @@
-"""Conversations for chat fine-tuning: jsonl rows -> messages -> chat template -> token ids and
-labels that train only the assistant's tokens.
+"""Conversations for chat fine-tuning: jsonl rows (`data.format`: messages, prompt_completion, alpaca) ->
+messages -> chat template -> token ids, and labels that train only the assistant's tokens.
 
-Row formats (`data.format`): `messages`, `prompt_completion` and `alpaca` (docs/post-training.md);
-malformed rows are counted and skipped. `ChatTemplate` renders a model's Jinja `chat_template` as
-transformers' `apply_chat_template` does, or `chatml`; assistant-only labels come from the
-`{% generation %}` markers, else from rendering the conversation prefix by prefix.
+`ChatTemplate` renders a model's Jinja `chat_template` as transformers' `apply_chat_template` does, or
+`chatml`; assistant-only labels come from `{% generation %}` markers, else from rendering prefix by prefix.
 """
 from __future__ import annotations
 
@@ -103,9 +101,7 @@ class BadRow(ValueError):
 
 def _text(row: dict, key: str, optional: bool = False) -> Optional[str]:
     value = row.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
+    if not isinstance(value, str) and not (value is None and optional):
         raise BadRow(f"'{key}' is not a string")
     return value
 
@@ -165,9 +161,8 @@ def _line_list(lines: list[int], shown: int = 10) -> str:
 
 
 def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:
-    """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line).
-    Malformed rows are skipped: one log line per file with their count, line numbers and the
-    first reason."""
+    """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line); malformed
+    rows skipped, with one log line per file (their count, line numbers and the first reason)."""
     p = Path(path).expanduser()
     files = sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
     if not files or not files[0].is_file():
@@ -192,8 +187,8 @@ def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict],
             log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {_line_list(bad)}; "
                 f"line {bad[0]}: {reason})")
     if not out:
-        why = f"; {first_problem}" if first_problem else ""
-        raise DataError(f"{path}: no usable conversation for data.format={fmt}{why}")
+        raise DataError(f"{path}: no usable conversation for data.format={fmt}"
+                        + (f"; {first_problem}" if first_problem else ""))
     return out
 
 
@@ -219,7 +214,7 @@ def _environment():
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # transformers' own
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     class Namespace(jinja2.utils.Namespace):
@@ -319,18 +314,13 @@ class ChatTemplate:
             raise DataError(f"{path}: no such file or folder")
         if p.suffix == ".gguf":
             return _from_gguf(p)
-        if p.suffix == ".json":
-            config = _read_json(p)
-            template = _config_template(p)
-            if template is None:
-                raise DataError(f"{p}: no chat_template")
-            special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
-            return cls(template, special, str(p))
-        special = {}
-        config = p.parent / "tokenizer_config.json"  # a chat_template.jinja beside its tokenizer's special tokens
-        if config.is_file():
-            special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS}
-        return cls(p.read_text(encoding="utf-8"), special, str(p))
+        config = p if p.suffix == ".json" else p.parent / "tokenizer_config.json"  # a .jinja: its tokenizer's
+        special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS} if config.is_file() else {}
+        if p.suffix != ".json":
+            return cls(p.read_text(encoding="utf-8"), special, str(p))
+        if (template := _config_template(p)) is None:
+            raise DataError(f"{p}: no chat_template")
+        return cls(template, special, str(p))
 
     # -------------------------------------------------------------- rendering
     def _render_marked(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -394,8 +384,7 @@ class ChatTemplate:
             return ids, list(ids)
         return ids, [t if any(_overlaps(o, s) for s in spans) else -100 for t, o in zip(ids, offsets)]
 
-    def to_config(self) -> dict:
-        """The template and its special tokens as a tokenizer_config.json holds them."""
+    def to_config(self) -> dict:  # as a tokenizer_config.json holds them
         return {"chat_template": self.source, **self.special_tokens}
 
 
@@ -413,11 +402,9 @@ def find_template(folder) -> Optional[ChatTemplate]:
 def choose_template(name: Optional[str], own: Optional[ChatTemplate] = None) -> Optional[ChatTemplate]:
     """The template `name` names, as data.template and --template do: `none` (no template), a built-in
     name or a path; null: `own` (the model's)."""
-    if name == "none":
-        return None
     if name in BUILTIN:
         return ChatTemplate.builtin(name)
-    return ChatTemplate.from_pretrained(name) if name is not None else own
+    return None if name == "none" else ChatTemplate.from_pretrained(name) if name is not None else own
 
 
 def _overlaps(token: tuple[int, int], span: tuple[int, int]) -> bool:
@@ -457,11 +444,9 @@ def _from_gguf(p: Path) -> ChatTemplate:
     if field is None:
         raise DataError(f"{p}: no tokenizer.chat_template")
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    special = {}
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        f = reader.get_field(f"tokenizer.ggml.{key[:-6]}_token_id")
-        if f is not None and tokens is not None:
-            special[key] = tokens.contents(int(f.contents()))
+    ids = {k: reader.get_field(f"tokenizer.ggml.{k[:-6]}_token_id") for k in ("bos_token", "eos_token", "unk_token",
+                                                                             "pad_token")}
+    special = {k: tokens.contents(int(f.contents())) for k, f in ids.items() if f is not None and tokens is not None}
     return ChatTemplate(field.contents(), special, str(p))
 
 

@@ -17,8 +17,7 @@ AVG_FILE = "model_avg.safetensors"
 
 def average_tensors(states: list[dict], weights: list[float]) -> dict:
     """Weighted average of state dicts (same keys), oldest first; weights are normalised."""
-    total = sum(weights)
-    out = {}
+    total, out = sum(weights), {}
     for k, newest in states[-1].items():
         if newest.is_floating_point():
             acc = torch.zeros(newest.shape, dtype=torch.float32)
@@ -83,6 +82,4 @@ def average_last(out_dir, paths: list[Path], weighting: str = "uniform", tied: l
         if set(sd) != keys:
             raise ValueError(f"{p}: holds other tensors than {paths[-1]} (model changed?)")
     weights = [1.0] * len(paths) if weighting == "uniform" else [float(i + 1) for i in range(len(paths))]
-    dest = Path(out_dir) / AVG_FILE
-    save_safetensors(average_tensors(states, weights), dest)
-    return dest
+    return save_safetensors(average_tensors(states, weights), Path(out_dir) / AVG_FILE)

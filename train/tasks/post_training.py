@@ -17,7 +17,7 @@ import torch
 from zoo.config import ConfigError
 from zoo.weights.files import atomic_write
 
-from ..data import DataError, load_tokenizer_file
+from ..data import DataError, tokenizer_file
 from ..data.conversations import ChatTemplate, choose_template, find_template
 from ..model import apply_runtime
 from .lm import LMTask
@@ -54,10 +54,7 @@ class PostTrainingTask(LMTask):
         if spec == "sentencepiece":
             raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
                               f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
-        if spec != "bytes" and not Path(spec).expanduser().is_file():
-            raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a "
-                            f"path to a tokenizer.model / tokenizer.json)")
-        return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
+        return tokenizer_file(spec)
 
     def held_out(self, make: Callable[[str, int], list], read: Callable[[str], list]) -> tuple[list, list]:
         """(training rows, held-out rows): `synthetic` made by make(split, n), val_fraction of them from the
