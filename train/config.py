@@ -198,8 +198,7 @@ class TrainConfig:
                 parse_pattern(self.prune)
             except ValueError as e:
                 raise fail(source, prefix + "prune", str(e)) from None
-        missing = missing_package(self.tracker, prefix + "tracker")
-        if missing:
+        if missing := missing_package(self.tracker, prefix + "tracker"):
             raise ConfigError(f"{source}: {missing}")
 
 
@@ -219,13 +218,10 @@ def _installed(module: str) -> bool:
         return False
 
 
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # train.tracker -> the package (and extra) it needs
-
-
 def missing_package(tracker: str, key: str = "train.tracker"):
-    """The one-line error for a tracker whose package is not installed, else None."""
-    name = TRACKER_PACKAGES.get(tracker)
-    return None if name is None or _installed(name) else f"{key}={tracker} needs the {name} package: pip install -e '.[{name}]'"
+    """The one-line error for a tracker whose package (and extra, of the same name) is not installed, else None."""
+    return None if tracker == "none" or _installed(tracker) else \
+        f"{key}={tracker} needs the {tracker} package: pip install -e '.[{tracker}]'"
 
 
 @dataclass

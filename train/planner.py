@@ -310,9 +310,8 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)
     amp = _precision(cfg, device)
     B = batch_size or cfg.train.batch_size
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
     trace = AllocTrace()  # the run's storages in order, from the model's construction to the third step
-    with mode, torch.random.fork_rng(devices=[]):
+    with FakeTensorMode() if fake else contextlib.nullcontext(), torch.random.fork_rng(devices=[]):
         with torch.device(device), LiveBytes(device.type, trace):
             model = build_model(cfg)
         if cfg.train.ema_decay:  # the loop's EMA: a copy of the model, made before the optimizer
@@ -325,7 +324,6 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, states = planned_optimizer(model, params, cfg, device)
-        eightbit = optimizer is None
         autocast = autocast_for(device, precision_of(amp))
         units = repeated_units(model)
         counter = LiveBytes(device.type, trace)
@@ -382,13 +380,11 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         with counter:
             step(track=False)  # the optimizer makes its state
         state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
-        if optimizer is not None:
-            states = _bytes(state_tensors)
+        states = _bytes(state_tensors) if optimizer is not None else states
         counter = LiveBytes(device.type, trace)
         counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
-        persistent = counter.live + (states if eightbit else 0)
+        persistent = counter.live + (states if optimizer is None else 0)  # 8-bit states: their bytes (no tensors here)
         counter.live = counter.peak = persistent
-        counter.reset_peak()
         with counter:
             phase["name"] = "forward"
             fb, opt = step(track=True)
@@ -557,12 +553,19 @@ def allocator_overhead(events, device) -> int:
     return cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES - peak_live
 
 
-def _static(cfg, device, B) -> Simulated:
-    """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
+@contextlib.contextmanager
+def _fake_model(cfg, device):
+    """cfg's model built on fake tensors (nothing allocated), the RNG untouched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(), torch.random.fork_rng(devices=[]):
         with torch.device(device):
             model = build_model(cfg)
+        yield model
+
+
+def _static(cfg, device, B) -> Simulated:
+    """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
+    with _fake_model(cfg, device) as model:
         params = [p for p in model.parameters() if p.requires_grad]
         opt, states = planned_optimizer(model, params, cfg, device)
         if opt is not None:
@@ -576,10 +579,7 @@ def _static(cfg, device, B) -> Simulated:
 
 
 def repeated_units_sizes(cfg, device) -> list[int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
-        with torch.device(device):
-            model = build_model(cfg)
+    with _fake_model(cfg, device) as model:
         return [_bytes(u.parameters()) for u in repeated_units(model)]
 
 

@@ -6,6 +6,7 @@ tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (Non
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import io
 import json
@@ -79,24 +80,17 @@ class HFTokenizer:
         except Exception as e:
             raise DataError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        named = {}
-        cfg = Path(path).with_name("tokenizer_config.json")
+        named, cfg = {}, Path(path).with_name("tokenizer_config.json")
         if cfg.is_file():
-            try:
-                c = json.loads(cfg.read_text())
-                named = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in c.items()
-                         if k in ("bos_token", "eos_token")}
-            except (ValueError, AttributeError):
-                named = {}
+            with contextlib.suppress(ValueError, AttributeError):
+                named = {k: (v.get("content") if isinstance(v, dict) else v)
+                         for k, v in json.loads(cfg.read_text()).items() if k in ("bos_token", "eos_token")}
         self.bos_id = self._special(named.get("bos_token"), BOS_NAMES)
         self.eos_id = self._special(named.get("eos_token"), EOS_NAMES)
 
     def _special(self, name, usual) -> Optional[int]:
-        for n in ([name] if name else []) + list(usual):
-            i = self.tok.token_to_id(n)
-            if i is not None:
-                return i
-        return None
+        ids = (self.tok.token_to_id(n) for n in ([name] if name else []) + list(usual))
+        return next((i for i in ids if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -137,9 +131,7 @@ def from_spec(spec, threads: int = 1):
     kind, path = spec
     if kind == "bytes":
         return ByteTokenizer()
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(path, threads)
-    return HFTokenizer(path)
+    return SentencePieceTokenizer(path, threads) if kind == "sentencepiece" else HFTokenizer(path)
 
 
 # ----------------------------------------------------------------------------- training
@@ -165,9 +157,8 @@ def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> l
 
 
 def train_sentencepiece(docs: list[str], vocab_size: int, out_path: Path, log=print) -> Path:
-    """Train a BPE sentencepiece model on the documents (a sample of the corpus), with byte
-    fallback so any text round-trips, and BOS (id 1) and EOS (id 2) for document boundaries.
-    Written atomically to out_path."""
+    """A BPE sentencepiece model trained on the documents (a sample of the corpus), written atomically to
+    out_path: byte fallback, so any text round-trips; BOS (id 1) and EOS (id 2) for document boundaries."""
     import sentencepiece as spm
     lines = [ln for d in docs for ln in d.splitlines() if ln.strip()]
     if not lines:

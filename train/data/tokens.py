@@ -32,14 +32,11 @@ class TokenStream:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def _locate(self, i: int) -> int:
-        return int(np.searchsorted(self.offsets, i, side="right")) - 1
-
     def __getitem__(self, s: slice) -> np.ndarray:
         a, b, _ = s.indices(len(self))
         if b <= a:
             return np.zeros(0, self.dtype)
-        k = self._locate(a)
+        k = int(np.searchsorted(self.offsets, a, side="right")) - 1
         off = int(self.offsets[k])
         if b <= self.offsets[k + 1]:
             return self.parts[k][a - off:b - off]

@@ -102,11 +102,9 @@ class ClassifyTask(Task):
     # ------------------------------------------------------------------ data
     def setup(self):
         cfg, d = self.cfg, self.cfg.data
-        self.pretrained = None
+        self.pretrained, self.bad, self.digits = None, set(), d.path == "digits"
         self.augment = auto_augment_op(d.auto_augment, d.randaugment_ops, d.randaugment_magnitude)
-        self.digits = d.path == "digits"
         self.size = d.image_size or (32 if self.digits else 224)
-        self.bad: set = set()
         if self.digits:
             self.classes, seen = [str(i) for i in range(10)], None
         else:
@@ -140,9 +138,8 @@ class ClassifyTask(Task):
         mean, std = normalization(d, channels)
         self.preprocess = Preprocess(self.size, channels, tuple(mean), tuple(std), 1.0 if self.digits else d.crop_pct,
                                      tuple(self.classes))  # what the run folder needs to be used alone
-        std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
-        self.norm_inv_std = 1.0 / std_t
+        self.norm_inv_std = 1.0 / torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.pin = d.pin_memory if d.pin_memory is not None else self.device.type == "cuda"
         self._iter, self._next = None, None
         self.log(f"data: {d.path}: {self.n_train} train / {self.n_val} val images, {len(self.classes)} classes, "

@@ -77,8 +77,7 @@ class LMTask(Task):
         return found
 
     def setup(self):
-        self._schedule = None
-        self._prefetcher = None
+        self._schedule = self._prefetcher = None
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log, progress=self.cfg.train.progress)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
@@ -102,9 +101,8 @@ class LMTask(Task):
         if self.boundary is None:
             return {}
         doc = self.data.document_ids(x)
-        if self.cfg.data.positions == "document":
-            return {"doc_ids": doc, "position_ids": document_positions(doc)}
-        return {"doc_ids": doc}
+        return {"doc_ids": doc, **({"position_ids": document_positions(doc)} if self.cfg.data.positions == "document"
+                                   else {})}
 
     def build_model(self):
         if self.cfg.train.init_from:
@@ -133,8 +131,7 @@ class LMTask(Task):
         return model
 
     def _use(self, model):
-        self.moe = model.config.moe
-        self.mod = model.config.mod_capacity > 0
+        self.moe, self.mod = model.config.moe, model.config.mod_capacity > 0
 
     def example_batch(self, model, batch_size, seq_len=None):
         self._use(model)
@@ -332,8 +329,7 @@ class LMTask(Task):
                         **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
         return out
 
-    def template(self):
-        """The chat template the data is rendered with (None: plain text)."""
+    def template(self):  # the chat template the data is rendered with (None: plain text)
         return None
 
     def eval_tasks(self, model) -> dict[str, float]:
@@ -361,8 +357,7 @@ class LMTask(Task):
             with self.autocast():
                 out = model.generate(ids, max_new_tokens=80, temperature=0.8, top_k=50, generator=g)
             texts.append(tok.decode(out[0].tolist()))
-        sep = "\n" + "-" * 60 + "\n"
-        text = sep.join(texts)
+        text = ("\n" + "-" * 60 + "\n").join(texts)
         (Path(out_dir) / "samples.txt").write_text(text)
         return text
 

@@ -224,9 +224,7 @@ class RLTask(PostTrainingTask):
     def _compile(self):
         """generate's `compile` for rl.compile: the decoding step of fixed shapes (one CUDA graph replayed
         on a GPU), but under FSDP2, whose gathered weights change between steps: the compiled step."""
-        if not self.cfg.rl.compile:
-            return False
-        return True if self.cfg.train.parallel == "fsdp" else "reduce-overhead"
+        return self.cfg.rl.compile and (True if self.cfg.train.parallel == "fsdp" else "reduce-overhead")
 
     @torch.no_grad()
     def rollouts(self, model, key: int) -> dict:
