@@ -63,14 +63,12 @@ class Run:
         self.precision = precision
         self.task.autocast_dtype = self.amp_dtype
 
+    @contextlib.contextmanager
     def train_context(self):
         """A training forward and backward's context: autocast (and activation offload on CUDA)."""
-        if self.cfg.train.activation_offload and self.device.type == "cuda":
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.autocast())
-            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
-            return stack
-        return self.autocast()
+        offload = self.cfg.train.activation_offload and self.device.type == "cuda"
+        with self.autocast(), torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext():
+            yield
 
     def write_config(self, out):
         """<out>/config.yaml: the run's config with its resolved values; the model: section is the

@@ -73,7 +73,6 @@ class Parallel:
         self.main = self.rank == 0
         self.active = launch.torchrun and strategy != "none"
 
-    # ------------------------------------------------------------------ process group
     def device(self, device: torch.device) -> torch.device:
         """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
         if self.active and device.type == "cuda":
@@ -99,7 +98,6 @@ class Parallel:
         backend = dist.get_backend() if dist.is_initialized() else "?"
         return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
 
-    # ------------------------------------------------------------------ wrapping
     def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
         """-> (model, fwd): the module whose state is checkpointed and the callable the loss runs.
         ddp: model stays the plain module, fwd is DDP(model) (compiled when asked); fsdp: both are
@@ -170,7 +168,6 @@ class Parallel:
             return contextlib.nullcontext()
         return getattr(fwd, "_orig_mod", fwd).no_sync()
 
-    # ------------------------------------------------------------------ agreement
     def agree(self, stats: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
         """stats = [loss sum, grad norm] of this rank -> the same on every rank: the loss averaged
         over the ranks, the grad norm NaN when any rank's is not finite; and whether any rank
@@ -214,7 +211,6 @@ class Parallel:
         if self.active:
             dist.barrier()
 
-    # ------------------------------------------------------------------ full weights
     def full_state(self, model: nn.Module) -> dict:
         """The whole model's state dict on the CPU of rank 0 (empty on the others); collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -33,21 +33,26 @@ TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w. -]+?))? -->\n)(.*?)(<!-- /ta
 CODE = re.compile(r"(<!-- code:(\w+) -->\n)(.*?)(<!-- /code -->)", re.S)
 
 
+def _presets(family: str):
+    """(path, model) of each configs/<family>/*.yaml, the model built on the meta device."""
+    import torch
+
+    import zoo
+    for path in sorted((ROOT / "configs" / family).glob("*.yaml")):
+        with torch.device("meta"):
+            yield path, zoo.build(path)
+
+
 def pretrained_table() -> dict:
     """docs/pretrained.md's table, from the records (zoo/archs): each Hugging Face class, the Zoo features it
     needs (bold) or may have, its GGUF architecture (read, and written where it is), and the presets in
     configs/llm/ that export as it."""
-    import torch
-
-    import zoo
     from zoo.archs import RECORDS
     from zoo.weights import hf_llm
     presets = {}
-    for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
-        with torch.device("meta"):
-            cfg = zoo.build(path).config
+    for path, model in _presets("llm"):
         try:
-            presets.setdefault(hf_llm.architecture_for(cfg), []).append(path.stem)
+            presets.setdefault(hf_llm.architecture_for(model.config), []).append(path.stem)
         except ValueError:
             pass
     rows = [[r.hf_class, ", ".join([f"**{f}**" for f in sorted(r.needs)] + sorted(r.may)) or "-", r.gguf or "-",
@@ -147,13 +152,8 @@ def _summary(path: Path) -> str:
 def llm_presets_table() -> dict:
     """docs/llm.md's presets: each configs/llm/*.yaml, what its header comment says it is, its shape and
     its parameters (built on the meta device)."""
-    import torch
-
-    import zoo
     rows = []
-    for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
-        with torch.device("meta"):
-            model = zoo.build(path)
+    for path, model in _presets("llm"):
         c = model.config
         shape = [f"{c.n_layers} x {c.d_model}", f"{c.n_heads} / {c.resolved_n_kv_heads} heads"
                  + (" (latent attention)" if c.mla else "")]
@@ -171,14 +171,7 @@ def llm_presets_table() -> dict:
 def convnet_presets_table() -> dict:
     """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says it is and its
     parameters."""
-    import torch
-
-    import zoo
-    rows = []
-    for path in sorted((ROOT / "configs" / "convnet").glob("*.yaml")):
-        with torch.device("meta"):
-            model = zoo.build(path)
-        rows.append([f"`{path.name}`", _summary(path), _count(model.num_params())])
+    rows = [[f"`{path.name}`", _summary(path), _count(model.num_params())] for path, model in _presets("convnet")]
     return {"columns": ["file", "what", "parameters"], "rows": rows}
 
 

@@ -79,7 +79,6 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-# ------------------------------------------------------------------------------ glibc: freed memory kept
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 

@@ -86,7 +86,6 @@ class Metrics:
         self.bar = tqdm(total=t.max_steps, initial=start, disable=not (t.progress and self.main),
                         dynamic_ncols=True, unit="step", file=sys.stderr)
 
-    # ------------------------------------------------------------------ rows
     def record(self, row: dict, speed: dict | None = None):
         """A row of metrics.jsonl (and, for a training row, its measured part in speed.jsonl)."""
         self.last.update({**row, **(speed or {})})
@@ -171,7 +170,6 @@ class Metrics:
             self.peak = flops
         return flops / self.peak
 
-    # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
         """What a resumed run needs to log the same numbers: the window (its time excepted) and counts."""
         return {"window_loss": self.window["loss"], "window_n": self.window["n"], "window_items": self.window["items"],

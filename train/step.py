@@ -33,7 +33,6 @@ class RunStopped(Exception):
         self.code = code
 
 
-# ------------------------------------------------------------------------------ device and precision
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
@@ -167,7 +166,6 @@ def to_device(batch, device, channels_last: bool):
     return batch
 
 
-# ------------------------------------------------------------------------------ the step
 class EMA:
     """Exponential moving average of a model's floating-point weights and buffers (others copied)."""
 

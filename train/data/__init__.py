@@ -245,7 +245,6 @@ class TokenData:
         log(f"data: {specs[0].path if len(specs) == 1 else 'data.sources'}: {len(self.train):,} train + {len(self.val):,} "
             f"val tokens (vocab {self.tokenizer.vocab_size}, documents separated by {self.boundary}{kinds})")
 
-    # ------------------------------------------------------------------ building
     def _tokenizer(self, spec: str, texts: list[str]):
         cfg, log = self.cfg, self.log
         if spec != "sentencepiece":
@@ -342,7 +341,6 @@ class TokenData:
             raise DataError(f"{cfg.val_path or cfg.path}: {len(self.val)} validation tokens is too short for "
                             f"data.seq_len={T}")
 
-    # ------------------------------------------------------------------ reading
     def document_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """The document of each token of windows (..., T) (the contract in the module docstring)."""
         return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)

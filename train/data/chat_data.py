@@ -75,7 +75,6 @@ class ChatData:
             raise DataError(f"{self.cfg.path}: no {split} conversation left ({why})")
         return out, whole
 
-    # ------------------------------------------------------------------ batches
     def _epoch_batches(self, epoch: int, rows: int) -> list:
         """The epoch's batches in training order: lists of rows, a row a list of conversation indices."""
         if self._epoch != (epoch, rows):

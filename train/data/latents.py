@@ -74,11 +74,19 @@ class LatentCache:
         return torch.from_numpy(a[rows, views])
 
 
+def _of_key(path: Path, key) -> Optional[dict]:
+    """The JSON file at `path` when it is of this version and of `key`, else None."""
+    try:
+        d = json.loads(Path(path).read_text())
+        return d if d.get("version") == VERSION and d.get("key") == key else None
+    except (OSError, ValueError):
+        return None
+
+
 def read_cache(folder: Path, key: dict) -> Optional[LatentCache]:
     """The complete cache in `folder` when it holds `key`'s latents, else None."""
     try:
-        meta = json.loads((Path(folder) / META).read_text())
-        return LatentCache(folder) if meta.get("version") == VERSION and meta.get("key") == key else None
+        return LatentCache(folder) if _of_key(Path(folder) / META, key) else None
     except (OSError, ValueError):
         return None
 
@@ -111,7 +119,7 @@ def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, l
     if read_cache(part, key) is not None:  # complete when a kill came just before the rename
         os.replace(part, folder)
         return LatentCache(folder)
-    progress = _read_progress(part, key)
+    progress = _of_key(part / PROGRESS, key)
     if progress is None:
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir()
@@ -154,14 +162,6 @@ def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, l
     log(f"latents: encoded {n_encoded} images in {secs:.1f} s ({n_encoded / max(secs, 1e-9):.0f} images/s) "
         f"into {folder}")
     return LatentCache(folder)
-
-
-def _read_progress(part: Path, key) -> Optional[dict]:
-    try:
-        p = json.loads((part / PROGRESS).read_text())
-        return p if p.get("version") == VERSION and p.get("key") == key else None
-    except (OSError, ValueError):
-        return None
 
 
 def _encode_views(encode, images: torch.Tensor, views: int) -> torch.Tensor:

@@ -62,7 +62,6 @@ def read_prompts(path, log=print) -> list[dict]:
     return read_jsonl(path, prompt_row, log, "prompt rows (each needs prompt or messages, and answer)")
 
 
-# ------------------------------------------------------------------------------ rewards
 LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 

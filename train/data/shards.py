@@ -254,8 +254,7 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
         if len(pending) >= in_flight:
             r, c0 = pending.popleft()
             yield r.get(), c0
-    while pending:
-        r, c0 = pending.popleft()
+    for r, c0 in pending:
         yield r.get(), c0
 
 

@@ -134,7 +134,6 @@ def from_spec(spec, threads: int = 1):
     return SentencePieceTokenizer(path, threads) if kind == "sentencepiece" else HFTokenizer(path)
 
 
-# ----------------------------------------------------------------------------- training
 def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> list[str]:
     """A uniform random sample of the documents totalling at most `budget_chars`, in one pass and bounded
     memory (the smallest random keys kept in a heap; a longer document cut); deterministic for a seed."""

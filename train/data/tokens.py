@@ -65,7 +65,6 @@ class TokenStream:
         return max((int(b.max()) for b in self.blocks()), default=-1)
 
 
-# ----------------------------------------------------------------------------- pre-tokenized files
 def is_pretokenized(path: str) -> bool:
     """A .bin file, a glob of them, or a folder holding .bin files only."""
     if any(c in path for c in "*?["):

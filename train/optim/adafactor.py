@@ -19,10 +19,8 @@ class Adafactor(torch.optim.Adafactor):
     def step(self, closure=None):
         if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -51,9 +51,8 @@ class Chained:
 def muon_with_adamw(hidden_groups: list[dict], other_groups: list[dict], lr: float, muon_lr: float, momentum: float,
                     betas, eps: float, fused: bool) -> Chained:
     """hidden_groups / other_groups: param groups (with their weight_decay) for Muon / AdamW."""
-    scale = muon_lr / lr
-    muon = torch.optim.Muon([dict(g, lr_scale=scale) for g in hidden_groups], lr=muon_lr, momentum=momentum)
-    opts = {"muon": muon}
+    opts = {"muon": torch.optim.Muon([dict(g, lr_scale=muon_lr / lr) for g in hidden_groups], lr=muon_lr,
+                                     momentum=momentum)}
     if other_groups:
         opts["adamw"] = torch.optim.AdamW(other_groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
     return Chained(opts)

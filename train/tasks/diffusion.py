@@ -144,8 +144,6 @@ class DiffusionTask(Task):
             raise ConfigError(f"{cfg.source}: model.autoencoder.weights={m.autoencoder.weights}: no such file or "
                               f"directory")
 
-    # -- data and the frozen autoencoder --------------------------------------------------------
-
     def setup(self):
         cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
         data = load_images(d, m.image_size, cfg.source)
@@ -223,8 +221,6 @@ class DiffusionTask(Task):
         self.log(f"denoiser: {model.num_params() / 1e6:.2f}M trainable parameters")
         return model
 
-    # -- batches and loss ---------------------------------------------------------------------
-
     def _noised(self, z, y, g, drop: float):
         B, m = len(z), self.cfg.model
         if m.prediction == "flow":
@@ -271,8 +267,6 @@ class DiffusionTask(Task):
                     total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
                     mse += model(b["z"], b["labels"], b["t"], b["noise"], weighted=False).float().sum().item()
         return {"val_loss": total / max(n, 1), "val_mse": mse / max(n, 1)}
-
-    # -- samples ------------------------------------------------------------------------------
 
     def samples(self, model, out_dir):
         path = Path(out_dir) / "samples.png"

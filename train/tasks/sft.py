@@ -40,7 +40,6 @@ class SFTTask(PostTrainingTask):
             raise ConfigError(f"{cfg.source}: data.template=none: chat fine-tuning renders the conversations with a "
                               f"template (null: the checkpoint's own, else chatml)")
 
-    # ------------------------------------------------------------------ data
     def setup(self):
         d = self.cfg.data
         self.chat_template = self._template()
@@ -82,7 +81,6 @@ class SFTTask(PostTrainingTask):
             train_sentencepiece(texts, d.vocab_size, path, self.log)
         return load_tokenizer_file(path)
 
-    # ------------------------------------------------------------------ training
     @property
     def documents(self) -> bool:
         return self.cfg.data.pack
@@ -105,7 +103,6 @@ class SFTTask(PostTrainingTask):
         x, y, n, docs = batch
         return self.forward_loss(model, x, y, docs)[0], n
 
-    # ------------------------------------------------------------------ evaluation, samples
     @torch.no_grad()
     def evaluate(self, model):
         out = super().evaluate(model)
