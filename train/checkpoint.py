@@ -443,7 +443,6 @@ class Checkpointer:
         self.resumed: Optional[dict] = None
         self.metrics = None     # the Metrics whose rows a checkpoint seals (set by the loop)
 
-    # ------------------------------------------------------------------ resume
     def resume(self) -> int:
         """Load the newest usable checkpoint (train.resume) or set old ones aside; returns the start step."""
         run, t, par = self.run, self.t, self.run.par
@@ -485,7 +484,6 @@ class Checkpointer:
         """The logging window the checkpoint sealed (None: an older checkpoint, or none)."""
         return (self.resumed or {}).get("extra", {}).get("metrics")
 
-    # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
         every = self.t.checkpoint_every
         return bool(every) and step % every == 0 and step != self.t.max_steps
@@ -500,8 +498,7 @@ class Checkpointer:
             extra["task"] = task_state
         scaler = run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
         ema = run.ema.model if run.ema is not None else None
-        every = self.t.checkpoint_every
-        interval = step >= self.t.max_steps or bool(every and step % every == 0)  # else a signal's
+        interval = step >= self.t.max_steps or self.due(step)  # else a signal's
         if run.par.active:
             path = save_dcp(run.par, self.out, step, run.model, run.optimizer, scaler, ema, extra=extra,
                             keep=self.t.keep_checkpoints, interval=interval, trained_only=run.keys is not None)
@@ -510,7 +507,6 @@ class Checkpointer:
                                    keep=self.t.keep_checkpoints, keys=run.keys, interval=interval)
         self.say(f"checkpoint: {path}")
 
-    # ------------------------------------------------------------------ averaging
     def evaluate_average(self) -> dict:
         """train.average_last: the last checkpoints' weights (an adapter run's: what trains) averaged, saved
         and evaluated (avg_*); under torchrun rank 0 alone does it in a plain model, the others return {}."""
@@ -529,5 +525,4 @@ class Checkpointer:
                  + (f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last
                     else ""))
         with run.autocast():
-            ev = run.task.evaluate(avg)
-        return {f"avg_{k}": v for k, v in ev.items()}
+            return {f"avg_{k}": v for k, v in run.task.evaluate(avg).items()}

@@ -164,9 +164,8 @@ class Parallel:
 
     def no_sync(self, fwd, last: bool):
         """DDP: no gradient all-reduce on the micro-batches before the last of an optimizer step."""
-        if last or not self.active or self.strategy != "ddp":
-            return contextlib.nullcontext()
-        return getattr(fwd, "_orig_mod", fwd).no_sync()
+        return contextlib.nullcontext() if last or not self.active or self.strategy != "ddp" else \
+            getattr(fwd, "_orig_mod", fwd).no_sync()
 
     def agree(self, stats: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
         """stats = [loss sum, grad norm] of this rank -> the same on every rank: the loss averaged

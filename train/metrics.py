@@ -198,9 +198,8 @@ class Metrics:
         rows = read_rows(self.out)
         series = {"train loss": [(r["step"], r["loss"]) for r in rows if "loss" in r],
                   "val loss": [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]}
-        if not any(series.values()):
-            return None
-        return line_plot(series, self.out / "loss.png", xlabel="step", ylabel="loss", markers={"val loss"})
+        return line_plot(series, self.out / "loss.png", xlabel="step", ylabel="loss", markers={"val loss"}) \
+            if any(series.values()) else None
 
 
 def _flops(rate: float) -> str:

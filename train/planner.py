@@ -218,9 +218,7 @@ def planned_optimizer(model, params, cfg, device):
     if cfg.optim.name == "adamw8bit":
         return None, adamw8bit_state_bytes(params)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
-    if hasattr(opt, "planned_state_bytes"):
-        return None, opt.planned_state_bytes()
-    return opt, 0
+    return (None, opt.planned_state_bytes()) if hasattr(opt, "planned_state_bytes") else (opt, 0)
 
 
 def fake_step(optimizer):
@@ -249,9 +247,7 @@ def fake_step(optimizer):
 # ------------------------------------------------------------------------------ the model and its units
 def repeated_units(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks (transformer blocks, residual blocks)."""
-    if hasattr(model, "checkpoint_units"):
-        return list(model.checkpoint_units())
-    return list(getattr(model, "layers", []))
+    return list(model.checkpoint_units() if hasattr(model, "checkpoint_units") else getattr(model, "layers", []))
 
 
 def _depth_keys(cfg):
@@ -438,9 +434,7 @@ SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths
 
 def run_device(cfg) -> torch.device:
     name = cfg.train.device
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
 def for_target(cfg, target: torch.device) -> tuple:
@@ -489,20 +483,16 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     else:
         sim, extrapolated = simulate(cfg, device, B), None
         allocator = allocator_overhead(sim.events, target)
-    transient = max(sim.forward_backward, sim.optimizer_step)
-    activations = transient - sim.grads
-    host = 0
-    params, grads, states = sim.params, sim.grads, sim.states
+    activations = max(sim.forward_backward, sim.optimizer_step) - sim.grads
+    host, params, grads, states = 0, sim.params, sim.grads, sim.states
     if cfg.optim.name == "adamw_offload" and target.type == "cuda":
-        host += states + params + grads  # torchao keeps fp32 params, grads and states on the host
-        states = 0
+        host, states = states + params + grads, 0  # torchao keeps fp32 params, grads and states on the host
         notes.append("optim.name=adamw_offload: optimizer states, a copy of the parameters and the gradients "
                      "are in host memory")
     elif cfg.optim.name == "adamw_offload":
         notes.append("optim.name=adamw_offload runs as AdamW on a CPU (its states are in host memory already)")
-    if sharding == "fsdp2" and devices > 1:
-        units = repeated_units_sizes(cfg, device)
-        gathered = 2 * max(units, default=0)  # the block running and the one prefetched, unsharded
+    if sharding == "fsdp2" and devices > 1:  # the block running and the one prefetched, unsharded:
+        gathered = 2 * max(repeated_units_sizes(cfg, device), default=0)
         params, grads, states = params // devices, grads // devices, states // devices
         activations += gathered
         notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
@@ -520,9 +510,8 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         notes.append(f"CPU: the allocator's margin for the {cfg.family} family is {share:.0%} of the tensors' peak "
                      f"plus {fmt_bytes(constant)}, chosen to err high (docs/memory.md)")
     breakdown["allocator"] = max(0, allocator)
-    kv = _kv_cache_bytes(cfg, B, device)
-    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
-                sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
+    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, _kv_cache_bytes(cfg, B, device), host,
+                devices, sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
 
 
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
@@ -620,34 +609,28 @@ def options(cfg, device) -> list[list[Option]]:
         groups.append([Option({"train.activation_checkpointing": "selective"}, 1.1),
                        Option({"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}, 1.15),
                        Option({"train.activation_checkpointing": True}, 1.3)])
-    b, k, splits = t.batch_size, 2, []
-    while b != "auto" and k <= b:
-        if b % k == 0:
-            splits.append(Option({"train.batch_size": b // k, "train.grad_accum": t.grad_accum * k},
-                                 1.0 + 0.05 * math.log2(k)))
-        k *= 2
+    b = t.batch_size
+    splits = [Option({"train.batch_size": b // k, "train.grad_accum": t.grad_accum * k}, 1.0 + 0.05 * math.log2(k))
+              for k in (2 ** i for i in range(1, b.bit_length() if b != "auto" else 1)) if b % k == 0]
     if splits:
         groups.append(splits)
     return groups
 
 
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
-         device: Optional[torch.device] = None, log=lambda m: None) -> list[tuple[float, list[str], Plan]]:
+         device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
     """Up to `top` combinations of options whose planned peak is under `budget` bytes, the
     cheapest (lowest estimated slowdown) first: [(slowdown, the overrides each sets, plan)]."""
     import itertools
     device = device or run_device(cfg)
     cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there
     base = cfg.to_dict()
-    groups = options(cfg, device)
-    combos = []
-    for choice in itertools.product(*[[None] + g for g in groups]):
-        picked = [c for c in choice if c is not None]
-        combos.append((math.prod(c.slowdown for c in picked), picked))
-    combos.sort(key=lambda c: (c[0], len(c[1])))
+    picks = [[c for c in choice if c is not None] for choice in itertools.product(*[[None] + g for g in
+                                                                                   options(cfg, device)])]
+    combos = sorted(((math.prod(c.slowdown for c in p), p) for p in picks), key=lambda c: (c[0], len(c[1])))
     found, cache = [], {}
     for slowdown, picked in combos:
-        if any(set(p) <= set(f) for _, f, _ in found for p in [[c.name for c in picked]]):
+        if any({c.name for c in picked} <= set(f) for _, f, _ in found):
             continue  # a superset of a combination that already fits is never cheaper
         over = [tok for c in picked for tok in c.name.split()]
         key = tuple(sorted(over))

@@ -107,9 +107,8 @@ def precision_of(dtype: Optional[torch.dtype]) -> str:
 
 def autocast_for(device: torch.device, precision: str):
     """A factory of the run's autocast context (a no-op context in fp32)."""
-    if precision == "fp32":
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
+    return contextlib.nullcontext if precision == "fp32" else \
+        lambda: torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 def setup_backends(t, device: torch.device, log, owns_process: bool = False):

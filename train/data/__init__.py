@@ -138,9 +138,7 @@ def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Opti
     for name in names:
         if (Path(folder) / name).is_file():
             return str(Path(folder) / name)
-    if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes":
-        return "bytes"
-    return None
+    return "bytes" if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes" else None
 
 
 # ----------------------------------------------------------------------------- curriculum

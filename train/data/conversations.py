@@ -380,9 +380,8 @@ class ChatTemplate:
         apply_chat_template(tokenize=True) gives."""
         text, spans = self.assistant_spans(messages)
         ids, offsets = token_offsets(tokenizer, text)
-        if train_on_prompt:
-            return ids, list(ids)
-        return ids, [t if any(_overlaps(o, s) for s in spans) else -100 for t, o in zip(ids, offsets)]
+        return ids, list(ids) if train_on_prompt else [t if any(_overlaps(o, s) for s in spans) else -100
+                                                       for t, o in zip(ids, offsets)]
 
     def to_config(self) -> dict:  # as a tokenizer_config.json holds them
         return {"chat_template": self.source, **self.special_tokens}

@@ -22,9 +22,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
     @staticmethod
     def _projection(grad: torch.Tensor, rank: int) -> torch.Tensor:
         U, _, Vh = torch.linalg.svd(grad.float(), full_matrices=False)
-        if grad.shape[0] < grad.shape[1]:
-            return U[:, :rank].contiguous()      # m x r: R = P^T G
-        return Vh[:rank].contiguous()             # r x n: R = G P^T
+        # m x r: R = P^T G, or r x n: R = G P^T
+        return U[:, :rank].contiguous() if grad.shape[0] < grad.shape[1] else Vh[:rank].contiguous()
 
     def planned_state_bytes(self) -> int:
         """The state's bytes after a step, from the shapes alone (the planner cannot run the step on fake

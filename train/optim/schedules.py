@@ -65,6 +65,4 @@ def resume_note(start: int, was_max_steps, max_steps: int, cfg) -> str:
 
 def micro_batches(step: int, grad_accum: int, warmup_steps: int) -> int:
     """Batch-size warmup: micro-batches grow linearly from 1 at step 0 to `grad_accum` at `warmup_steps`."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return grad_accum
-    return 1 + (grad_accum - 1) * step // warmup_steps
+    return grad_accum if warmup_steps <= 0 or step >= warmup_steps else 1 + (grad_accum - 1) * step // warmup_steps

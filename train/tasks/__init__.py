@@ -32,9 +32,8 @@ class Task:
 
     def autocast(self):
         """The run's mixed-precision context (for evaluation and sampling inside a task)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return contextlib.nullcontext() if self.autocast_dtype is None else \
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def batch_generator(self, step: int, micro: int) -> torch.Generator:
         """A CPU generator seeded by (train.seed, step, micro) only, so a resumed run sees the same data."""
