@@ -1,8 +1,7 @@
 """What the machine can do, measured the same way by the loop and the benchmarks.
 
-`measure_peak_flops(device, dtype)`: the denominator of every MFU figure (`vendor_peak_flops` on known GPUs);
-`sync`, `peak_memory_gb`;
-`keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory (`train.cpu_keep_memory`).
+`measure_peak_flops` (`vendor_peak_flops` on known GPUs): the denominator of every MFU figure; `sync`,
+`peak_memory_gb`; `keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory or not.
 """
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ PEAK_SIZES = {"cpu": 1024}
 PEAK_SIZE_DEFAULT = 8192
 
 
-def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5,
-                       budget: float = 0.5) -> float:
+def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5, budget: float = 0.5) -> float:
     """Achieved FLOP/s of an n x n matmul in the compute dtype (None: float32), n from `PEAK_SIZES` by
     device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up, stopping once
     `budget` seconds are spent (at least two)."""

@@ -1,11 +1,9 @@
 """The memory planner: what a training step needs, from the config alone, before the run starts.
 
-`plan(cfg)` builds the model under FakeTensorMode (nothing allocated; train/model.py's build_model,
-as the loop builds it) and runs the loop's step on it under `LiveBytes`, which counts the storages
-alive; `allocator` adds the CUDA caching allocator's rules or a CPU margin (`CPU_MARGIN`). `fits`
-lists settings that fit a budget; `auto_batch_size` resolves train.batch_size: auto for the run
-builder; `measure` runs the real step to check the plan. Its program: train/plan.py
-(docs/memory.md has the accuracy).
+`plan(cfg)` builds the model as the loop does under FakeTensorMode (nothing allocated) and counts the
+storages alive through the loop's step (`LiveBytes`), plus the CUDA caching allocator's rules or a CPU
+margin. `fits`: settings that fit a budget; `auto_batch_size`: train.batch_size: auto; `measure`: the
+real step, to check the plan (docs/memory.md). Its program: train/plan.py.
 """
 from __future__ import annotations
 
@@ -476,8 +474,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         fb = lin(s1.forward_backward - s1.grads, s2.forward_backward - s2.grads) + full.grads
         opt = lin(s1.optimizer_step - s1.grads, s2.optimizer_step - s2.grads) + full.grads
         per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
-        sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
-                                  logits=s2.logits)
+        sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit, logits=s2.logits)
         allocator = lin(allocator_overhead(s1.events, target), allocator_overhead(s2.events, target))
         extrapolated = [l1, l2]
     else:

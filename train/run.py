@@ -53,8 +53,7 @@ def main(argv=None) -> int:
         print(f"{'error: ' if e.code != 75 else ''}{e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop started
-        print("interrupted: stopped at once, no checkpoint written (the last complete one is kept)",
-              file=sys.stderr)
+        print("interrupted: stopped at once, no checkpoint written (the last complete one is kept)", file=sys.stderr)
         return 130
     return 0
 

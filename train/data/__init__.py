@@ -256,8 +256,7 @@ class TokenData:
                 log(f"data: {e}; training it again")
                 sp_path.unlink()
         if not sp_path.is_file():
-            docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars)
-                    for d in c)
+            docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars) for d in c)
             train_sentencepiece(sample_documents(docs, cfg.sp_train_chars), cfg.vocab_size, sp_path, log)
         return SentencePieceTokenizer(sp_path)
 

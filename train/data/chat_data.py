@@ -1,12 +1,8 @@
-"""Tokenised conversations for chat fine-tuning, and their batches: one conversation per row,
-padded to the longest row of its batch, rows of similar length batched together; or with
-`data.pack`, several conversations per row of `data.seq_len` tokens, each in a document of its own.
+"""Tokenised conversations for chat fine-tuning, and their batches: a conversation per row, padded on
+the right (inputs 0, targets -100), rows of similar length batched together; or with `data.pack`,
+several per row of `data.seq_len` tokens, each in a document of its own. A batch follows from (seed, index).
 
-    data = ChatData(train_rows, val_rows, tokenizer, template, cfg, seed, log)
     x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords
-    for x, y, n, docs in data.val_batches(B): ...
-
-Padding on the right (inputs 0, targets -100); a micro-batch follows from (seed, index) alone.
 """
 from __future__ import annotations
 

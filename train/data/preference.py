@@ -151,5 +151,4 @@ class PreferenceData:
 def preference_row(row: dict) -> dict:
     """A preference row: {'prompt', 'chosen', 'rejected'} (KeyError / TypeError when malformed)."""
     prompt_messages(row["prompt"])
-    return {"prompt": row["prompt"], "chosen": response_text(row["chosen"]),
-            "rejected": response_text(row["rejected"])}
+    return {"prompt": row["prompt"], "chosen": response_text(row["chosen"]), "rejected": response_text(row["rejected"])}

@@ -2,13 +2,10 @@
 `python train/run.py CONFIG train.lr_find=true`.
 
 On a fresh copy of the run (its checkpoints untouched) the LR grows exponentially from
-`train.lr_find_min` to `train.lr_find_max`, one step per LR, until the smoothed loss passes 4x its
-best. Suggested LR: that of the lowest smoothed loss divided by 10 (past the minimum the run is
-already diverging). Writes `<out_dir>/lr_find.png` and `<out_dir>/lr_find.json`.
-
-Under torchrun every rank runs the test on its part of each global batch, as training does; the
-ranks agree on each step's loss (the global batch's), so each finds the same LR by the same rule,
-the LR one process finds with the same global batch. lr_find.json lists every rank's suggestion.
+`train.lr_find_min` to `train.lr_find_max`, a step per LR, until the smoothed loss passes 4x its best.
+Suggested LR: the lowest smoothed loss's over 10 (past the minimum the run already diverges); written
+to `<out_dir>/lr_find.png` and `.json`. Under torchrun the ranks agree on each step's loss (the global
+batch's), so each finds the LR one process finds; lr_find.json lists every rank's suggestion.
 """
 from __future__ import annotations
 

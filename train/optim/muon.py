@@ -1,10 +1,8 @@
 """Muon on the hidden matrices, AdamW on the rest, as one optimizer (the split of the
 modded-nanogpt recipe: Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024).
 
-`torch.optim.Muon` takes the hidden 2-D weights (it accepts 2-D tensors only); AdamW takes the
-embeddings, head, norms, biases and convolutions. `Chained` steps the two as one: the loop sets
-every group's LR through `param_groups` (Muon's own LR via `lr_scale`, from `optim.muon_lr`), and
-the checkpoint holds both states.
+`torch.optim.Muon` takes the hidden 2-D weights; AdamW the embeddings, head, norms, biases and convolutions.
+`Chained` steps, saves and loads the two as one; Muon's LR follows the run's through `lr_scale`.
 """
 from __future__ import annotations
 

@@ -270,8 +270,7 @@ class DiffusionTask(Task):
 
     def samples(self, model, out_dir):
         path = Path(out_dir) / "samples.png"
-        images = sample_grid(model, self.cfg.data.samples_per_class, self.device, self.cfg.train.seed,
-                             self.autocast)
+        images = sample_grid(model, self.cfg.data.samples_per_class, self.device, self.cfg.train.seed, self.autocast)
         save_grid(images, path, nrow=self.cfg.data.samples_per_class)
         m = self.cfg.model
         return (f"{path}: {len(images)} samples, a row per class ({m.sampler}, {m.sample_steps} steps, "

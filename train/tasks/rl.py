@@ -342,8 +342,7 @@ class RLTask(PostTrainingTask):
                              float((rewards ** 2).sum()), sum(float(v >= 1) for v in got["values"][0]),
                              float(lengths.sum()), float(sum(got["cut"])), float(tokens), float(sampled)],
                             device=self.device)
-        self._window.append({"sums": self.sum_across_ranks(sums), "len_max": float(lengths.max()),
-                             "seconds": seconds})
+        self._window.append({"sums": self.sum_across_ranks(sums), "len_max": float(lengths.max()), "seconds": seconds})
 
     def train_metrics(self):
         out = {}
