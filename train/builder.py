@@ -83,8 +83,7 @@ class Run:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def plain_model(self) -> nn.Module:
-        """A new, unwrapped model of the run on its device (adapters applied): what weights gathered from
-        the ranks, or averaged, are loaded into."""
+        """A new unwrapped model of the run on its device (adapters applied), for gathered or averaged weights."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.train.seed)  # a base drawn at random: the run's own
             model = self.task.build_model()

@@ -407,8 +407,7 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
 
 def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0,
              trained_only: bool = False) -> dict:
-    """Load a verified DCP checkpoint written by any number of ranks into this run (collective
-    when distributed; works in one process without a process group: par None)."""
+    """Load a verified DCP checkpoint of any number of ranks into this run (collective; par None: one process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 

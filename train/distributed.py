@@ -153,8 +153,7 @@ class Parallel:
         return model
 
     def shard_masks(self, model: nn.Module, masks: Optional[dict]):
-        """train.prune under FSDP2: each mask follows its weight, which wrap() replaced by this rank's
-        shard (masks: {linear's name: (weight, mask)}, updated in place)."""
+        """train.prune under FSDP2: each mask of {name: (weight, mask)} replaced by its weight's shard (in place)."""
         if masks and self.active and self.strategy == "fsdp":
             from torch.distributed.tensor import distribute_tensor
             modules = dict(model.named_modules())

@@ -150,8 +150,7 @@ def _summary(path: Path) -> str:
 
 
 def llm_presets_table() -> dict:
-    """docs/llm.md's presets: each configs/llm/*.yaml, what its header comment says it is, its shape and
-    its parameters (built on the meta device)."""
+    """docs/llm.md's presets: each configs/llm/*.yaml, what its header comment says, its shape and parameters."""
     rows = []
     for path, model in _presets("llm"):
         c = model.config
@@ -169,8 +168,7 @@ def llm_presets_table() -> dict:
 
 
 def convnet_presets_table() -> dict:
-    """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says it is and its
-    parameters."""
+    """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says, its parameters."""
     rows = [[f"`{path.name}`", _summary(path), _count(model.num_params())] for path, model in _presets("convnet")]
     return {"columns": ["file", "what", "parameters"], "rows": rows}
 
@@ -201,8 +199,7 @@ def dit_presets_table() -> dict:
 
 
 def samplers_table() -> dict:
-    """docs/diffusion.md's samplers (zoo/diffusion/samplers.py): what runs each and the predictions it takes
-    (those check_sampler accepts)."""
+    """docs/diffusion.md's samplers: what runs each and the predictions check_sampler accepts."""
     from zoo.config import DiffusionConfig
     from zoo.diffusion.samplers import DIFFUSERS, SAMPLERS, check_sampler
     predictions = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"])
@@ -240,10 +237,12 @@ def config_classes() -> dict[str, type]:
     return {c.__name__: c for c in classes}
 
 
-def dataclass_chain(cls) -> list:
-    """cls and the dataclasses it derives from, the base first: a field's comment and group are those
-    of the last class to declare it."""
-    return [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+def _sources(cls):
+    """The dedented source of cls and of each dataclass it derives from, the base first: a field's comment
+    and group are those of the last class to declare it."""
+    for c in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(c):
+            yield textwrap.dedent("".join(inspect.getsourcelines(c)[0]))
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -251,9 +250,7 @@ def field_comments(cls) -> dict[str, str]:
     comment-only lines right below it indented past the field. A section comment `# -- concern` at
     the field's own indentation heads the fields after it: `field_groups`."""
     out = {}
-    for c in dataclass_chain(cls):
-        lines, _ = inspect.getsourcelines(c)
-        src = textwrap.dedent("".join(lines))
+    for src in _sources(cls):
         comments = {}
         for tok in tokenize.generate_tokens(io.StringIO(src).readline):
             if tok.type == tokenize.COMMENT:
@@ -275,10 +272,9 @@ def field_comments(cls) -> dict[str, str]:
 def field_groups(cls) -> dict[str, str]:
     """Field name -> the concern it is grouped under (the section comment `# -- concern` above it)."""
     out = {}
-    for c in dataclass_chain(cls):
-        lines, _ = inspect.getsourcelines(c)
+    for src in _sources(cls):
         group = ""
-        for line in textwrap.dedent("".join(lines)).splitlines():
+        for line in src.splitlines():
             if m := re.match(r"\s+# -- (.+)$", line):
                 group = m.group(1).strip()
             elif m := re.match(r"\s+(\w+)\s*:", line):

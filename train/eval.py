@@ -182,8 +182,7 @@ def cut_at(text: str, until) -> str:
 
 
 def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tokens=64, max_len=None) -> str:
-    """The greedy continuation of a prompt: with a chat template the assistant's reply (train/chat.py's
-    ChatSession), else the text after the plain prompt, up to EOS."""
+    """The greedy reply to a prompt: ChatSession's with a template, else the plain prompt's continuation to EOS."""
     if template is not None:
         from train.chat import ChatSession
         return ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens).respond(prompt_messages(prompt))

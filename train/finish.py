@@ -67,8 +67,7 @@ def consolidated(run):
 
 
 def export_adapter(model, out: Path, base: Optional[str]) -> Path:
-    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format; prefixes (which PEFT
-    lays out per model class) as Zoo's tensors in adapter/prefix.safetensors."""
+    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format, prefixes in prefix.safetensors."""
     from zoo.weights.peft_lora import save_adapter
     if model.adapter_config.method in ("lora", "dora"):
         return save_adapter(model, out / "adapter", base=base)

@@ -61,8 +61,7 @@ VENDOR_PEAKS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e1
 
 
 def vendor_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> Optional[tuple[str, float]]:
-    """(the GPU's name, its vendor's dense 16-bit FLOP/s) for a known CUDA device computing in bf16 or fp16,
-    else None."""
+    """(GPU name, its vendor's dense 16-bit FLOP/s) of a known CUDA device in bf16 or fp16, else None."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
@@ -100,8 +99,7 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Undo keep_freed_memory(): glibc's default limits again (mmap for blocks over 128 KiB, trim
-    at 128 KiB) and the kept memory returned to the OS. Returns whether it applied."""
+    """Undo keep_freed_memory(): glibc's default limits again, the kept memory returned; whether it applied."""
     c = libc()
     if c is None:
         return False

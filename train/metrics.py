@@ -57,8 +57,7 @@ def truncate(path: Path, step: int, finished: bool = False):
 
 
 class Metrics:
-    """Owns metrics.jsonl, speed.jsonl, the tracker, the progress bar and the logging window.
-    A context manager: `with Metrics(run, out, start, say) as metrics: ...`."""
+    """Owns metrics.jsonl, speed.jsonl, the tracker, the progress bar and the logging window; a context manager."""
 
     def __init__(self, run, out: Path, start: int, say):
         t = run.cfg.train
@@ -104,8 +103,7 @@ class Metrics:
             self.say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
     def step(self, done: int, lr: float, r, seconds: float, data_wait: float = 0.0):
-        """Account one optimizer step (a StepResult; its seconds, of which data_wait waiting for
-        batches) and log the window every train.log_every steps."""
+        """Account one optimizer step (a StepResult, its seconds, data_wait of them for batches); log the window."""
         t, w = self.t, self.window
         if r.overflow:  # fp16: the GradScaler skipped the step and lowered its scale; not a failure
             self.overflow_total += 1

@@ -454,8 +454,7 @@ def for_target(cfg, target: torch.device) -> tuple:
 
 def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int] = None,
          device: Optional[torch.device] = None) -> Plan:
-    """The predicted peak memory (per device) of one training step of `cfg` (a RunConfig) on `device`
-    (default: the run's), from any machine."""
+    """The predicted peak memory per device of one training step of `cfg` on `device` (default: the run's)."""
     target = device or run_device(cfg)
     cfg, device, precision, why = for_target(cfg, target)
     B = batch_size or cfg.train.batch_size
@@ -647,8 +646,7 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
 
 # ------------------------------------------------------------------------------ train.batch_size: auto
 def device_memory(device: torch.device) -> int:
-    """What a step may use when train.memory_budget is null: free memory on a GPU, the kernel's
-    MemAvailable on a CPU."""
+    """A step's memory when train.memory_budget is null: free memory on a GPU, MemAvailable on a CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:

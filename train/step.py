@@ -47,8 +47,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_bf16() -> Optional[bool]:
-    """Whether this CPU has bf16 instructions (avx512_bf16, amx_bf16, or aarch64's bf16 in
-    /proc/cpuinfo's flags); None where there is no such file to read."""
+    """Whether /proc/cpuinfo's flags show bf16 instructions (avx512_bf16, amx_bf16, bf16); None without it."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:

@@ -168,8 +168,7 @@ class SeqLenSchedule:
 
 # ----------------------------------------------------------------------------- token data
 def cache_dir(configured: Optional[str] = None) -> Path:
-    """Where derived data is cached: `data.cache_dir`, else $ZOO_CACHE, else $XDG_CACHE_HOME/zoo or
-    ~/.cache/zoo; never beside the user's own data."""
+    """Where derived data is cached: `data.cache_dir`, $ZOO_CACHE, $XDG_CACHE_HOME/zoo or ~/.cache/zoo."""
     d = Path(configured or os.environ.get("ZOO_CACHE")
              or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "zoo").expanduser()
     d.mkdir(parents=True, exist_ok=True)

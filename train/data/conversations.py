@@ -388,8 +388,7 @@ class ChatTemplate:
 
 
 def find_template(folder) -> Optional[ChatTemplate]:
-    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja) or GGUF
-    file (tokenizer_folder), or None."""
+    """The chat template of a model folder or GGUF file (tokenizer_folder), or None."""
     p = tokenizer_folder(folder)
     if not p.is_dir():
         return None

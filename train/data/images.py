@@ -25,8 +25,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def normalization(d, channels: int) -> tuple:
-    """(mean, std) per channel of the images the model sees: data.mean / data.std, else 0.5 / 0.5
-    for the digits, ImageNet's for RGB folders and 0.449 / 0.226 for grey ones."""
+    """(mean, std) per channel: data.mean / data.std, else 0.5 (digits), ImageNet's (RGB) or 0.449 / 0.226 (grey)."""
     if d.mean is not None:
         return tuple(d.mean), tuple(d.std)
     if d.path == "digits":
@@ -254,8 +253,7 @@ def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
 
 
 def augment_seeded(op, images: torch.Tensor, seeds) -> torch.Tensor:
-    """op on each uint8 image of (B, C, H, W) (or one (C, H, W)), its draws from torch's generator seeded
-    by the image's seed inside a fork, so the global state is untouched."""
+    """op on each uint8 image of (B, C, H, W) (or one (C, H, W)), seeded by the image's seed in a forked RNG."""
     one = images.dim() == 3
     with torch.random.fork_rng(devices=[]):
         out = []

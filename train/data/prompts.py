@@ -108,8 +108,7 @@ BUILTIN = {"numeric": numeric, "exact": exact, "contains": contains}
 
 
 def reward_fn(name: str, source: str = "<config>") -> Callable:
-    """A reward by name: numeric, exact, contains, format:REGEX, length[:N] (N characters, default 100),
-    or module:function imported from the working directory or sys.path."""
+    """A reward by name: numeric, exact, contains, format:REGEX, length[:N] (default 100), or module:function."""
     from zoo.config import ConfigError
     if name in BUILTIN:
         return BUILTIN[name]

@@ -64,8 +64,7 @@ def _init_worker(spec):
 
 
 def encode_chunk(chunk: list[Doc], bos: Optional[int], eos: Optional[int], dtype, tok=None):
-    """(tokens, document starts) of a chunk: each piece's ids, BOS before a document's first
-    piece and EOS after its last when they are given."""
+    """(tokens, document starts) of a chunk, with BOS before a document's first piece and EOS after its last."""
     tok = tok or _worker_tok
     ids = tok.encode_many([d.text for d in chunk])
     sizes = np.fromiter((len(i) + (bos is not None and d.first) + (eos is not None and d.last)

@@ -263,8 +263,7 @@ def fingerprint(path: str) -> str:
 
 
 def short_digest(*parts) -> str:
-    """A short stable digest of `parts` (the name of a cache entry): strings and numbers as they
-    print, dicts and lists as JSON with sorted keys."""
+    """A short stable digest of `parts` (a cache entry's name); dicts and lists as sorted-key JSON."""
     import hashlib
     text = ":".join(json.dumps(p, sort_keys=True, default=str) if isinstance(p, (dict, list)) else str(p)
                     for p in parts)

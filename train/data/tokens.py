@@ -109,8 +109,7 @@ def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
 
 
 def pretokenized_splits(path: str, dtype: str = "uint16") -> tuple[TokenStream, Optional[TokenStream]]:
-    """(train, val or None) of pre-tokenized files: files named like `val` are the validation split;
-    a train.bin given alone takes a val.bin beside it."""
+    """(train, val or None) of pre-tokenized files: those named like `val`, or a val.bin beside a train.bin."""
     files = token_files(path)
     val = [f for f in files if _VAL.search(f.stem.lower())]
     train = [f for f in files if f not in val]

@@ -59,8 +59,7 @@ def tied_names(model: torch.nn.Module) -> list[list[str]]:
 
 
 def one_name_per_tie(sd: dict, tied: list[list[str]], names) -> dict:
-    """A tied tensor under one name, the first of its group in `names`: a one-process checkpoint
-    stores a tie once, a DCP checkpoint under every name."""
+    """A tied tensor under one name, its group's first in `names` (a DCP checkpoint stores it under each)."""
     for group in tied:
         keep, got = next((n for n in group if n in names), None), [n for n in group if n in sd]
         if keep is not None and got:

@@ -49,8 +49,7 @@ class Task:
         return rows[self.rank * B:(self.rank + 1) * B]
 
     def load_pretrained(self, load: Callable[[str], Any], say: bool = True):
-        """`load(train.init_from)` through one checked path: whatever goes wrong reading it is a one-line
-        ConfigError naming the file (exit 2), never a traceback."""
+        """`load(train.init_from)`: whatever goes wrong reading it is a one-line ConfigError naming the file."""
         from zoo.config import ConfigError
         path = self.cfg.train.init_from
         try:

@@ -96,8 +96,7 @@ class LMTask(Task):
         return self.boundary is not None
 
     def doc_inputs(self, x: torch.Tensor) -> dict:
-        """The model's document keywords for inputs x (B, T): doc_ids (and position_ids) with
-        data.attention: document (and data.positions: document); {} otherwise."""
+        """The model's document keywords for x (B, T) with data.attention: document (doc_ids, position_ids), else {}."""
         if self.boundary is None:
             return {}
         doc = self.data.document_ids(x)

@@ -46,8 +46,7 @@ class PostTrainingTask(LMTask):
         return template
 
     def _load_tokenizer(self, make: Optional[Callable] = None):
-        """The run's tokenizer: the checkpoint's own file, `bytes` or a file; `sentencepiece` without
-        train.init_from: make() (chat SFT trains one), else a one-line error."""
+        """The tokenizer: the checkpoint's, `bytes` or a file; `sentencepiece` and no checkpoint: make() or an error."""
         spec = self._pretrained_tokenizer() or self.cfg.data.tokenizer
         if spec == "sentencepiece" and make is not None:
             return make()
