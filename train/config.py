@@ -321,21 +321,19 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(f"{source}: family must be a string, got {family!r}")
     task = task_class(family, source, data.get("data"))
     model = model_config_from(data.get("model") or {}, family, source)
-    dcfg = from_dict(task.DataConfig, data.get("data") or {}, source, "data.")
-    train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
-    optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
-    adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
+    dcfg, train, optim, adapter = (from_dict(cls, data.get(name) or {}, source, name + ".") for cls, name in
+                                   ((task.DataConfig, "data"), (TrainConfig, "train"), (OptimConfig, "optim"),
+                                    (AdapterConfig, "adapter")))
     rl_cls = getattr(task, "RLConfig", None)
     if data.get("rl") is not None and rl_cls is None:
         raise ConfigError(f"{source}: rl: is the section of reinforcement learning runs (data.format: prompts)")
     rl = from_dict(rl_cls, data.get("rl") or {}, source, "rl.") if rl_cls is not None else None
     cfg = RunConfig(family, model, dcfg, train, optim, adapter, source, rl)
     if (train.qat or train.quantize) and not task.quantizable:
-        key = "train.qat" if train.qat else "train.quantize"
-        raise fail(source, key, f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")
+        raise fail(source, "train.qat" if train.qat else "train.quantize",
+                   f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")
     check_across_sections(cfg)
-    check = getattr(task, "validate_config", None)
-    if check is not None:
+    if (check := getattr(task, "validate_config", None)) is not None:
         check(cfg)
     return cfg
 
@@ -384,10 +382,9 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
     if t.batch_size == "auto" and t.batch_warmup_steps:
         raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
-    if t.init_from is not None and not Path(t.init_from).expanduser().exists():
-        raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
-    if t.teacher is not None and not Path(t.teacher).expanduser().exists():
-        raise fail(src, "train.teacher", f"={t.teacher}: no such file or folder")
+    for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher)):
+        if path is not None and not Path(path).expanduser().exists():
+            raise fail(src, key, f"={path}: no such file or folder")
 
 
 def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:

@@ -44,8 +44,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, device: Optional[str] = None, trace: Optional["AllocTrace"] = None):
         super().__init__()
-        self.device = device
-        self.trace = trace
+        self.device, self.trace = device, trace
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
 
@@ -78,11 +77,8 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32:
-            out = _grouped_mm_like(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        fp32_grouped = func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32
+        out = (_grouped_mm_like if fp32_grouped else func)(*args, **(kwargs or {}))
         self.add(out)
         return out
 
@@ -101,13 +97,11 @@ class AllocTrace:
         key = id(storage)
         if key in self._refs:
             return
-        self._next += 1
-        uid = self._next
-        self.events.append((uid, n))
+        uid = self.add_bytes(n)
         self._refs[key] = weakref.ref(storage, lambda _, key=key, uid=uid, n=n: self._free(key, uid, n))
 
     def add_bytes(self, n: int) -> int:
-        """A block that no dispatched op makes (torchao's 8-bit states, the EMA's copy), never freed."""
+        """A block made (by add, or one that no dispatched op makes: torchao's 8-bit states, the EMA's copy)."""
         self._next += 1
         self.events.append((self._next, n))
         return self._next
@@ -158,25 +152,20 @@ def cuda_reserved_peak(events) -> int:
                 size = fsize
             blocks[uid] = (small, seg, off, size)
         else:
-            got = blocks.pop(uid, None)
-            if got is None:
+            if uid not in blocks:
                 continue
-            small, seg, off, size = got
-            if (seg, off + size) in start_of:
-                nsize = start_of[(seg, off + size)]
+            small, seg, off, size = blocks.pop(uid)
+            if nsize := start_of.get((seg, off + size)):  # merged with the free blocks after and before it
                 take(small, seg, off + size, nsize)
                 size += nsize
-            if (seg, off) in end_of:
-                prev = end_of[(seg, off)]
+            if (prev := end_of.get((seg, off))) is not None:
                 take(small, seg, prev, off - prev)
-                size += off - prev
-                off = prev
+                size, off = size + off - prev, prev
             put(small, seg, off, size)
     return peak
 
 
-_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
-_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
 
 
 def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
@@ -201,11 +190,7 @@ def adamw8bit_state_bytes(params) -> int:
     total = 0
     for p in params:
         n = p.numel()
-        if n >= 4096 and n % 256 == 0:
-            total += 2 * (n + 4 * (n // 256) + 4 * 256)
-        else:
-            total += 2 * n * p.element_size()
-        total += 4  # step
+        total += (2 * (n + 4 * (n // 256) + 4 * 256) if n >= 4096 and n % 256 == 0 else 2 * n * p.element_size()) + 4
     return total
 
 
@@ -224,20 +209,16 @@ def fake_step(optimizer):
     step count, GaLore's) stops there, after making the state of the tensor it was on: then each
     tensor is stepped on its own, so that every one gets its state (what the plan needs)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
-    try:
+    with contextlib.suppress(DataDependentOutputException):
         optimizer.step()
         return
-    except DataDependentOutputException:
-        pass
     groups = optimizer.param_groups
     try:
         for g in groups:
             for p in g["params"]:
                 optimizer.param_groups = [dict(g, params=[p])]
-                try:
+                with contextlib.suppress(DataDependentOutputException):
                     optimizer.step()
-                except DataDependentOutputException:
-                    pass
     finally:
         optimizer.param_groups = groups
 

@@ -293,7 +293,6 @@ class ChatTemplate:
             raise DataError(f"{name}: not a valid Jinja chat template (line {e.lineno}: {e.message})") from None
         self.has_generation_marks = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
 
-    # -------------------------------------------------------------- sources
     @classmethod
     def builtin(cls, name: str = "chatml") -> "ChatTemplate":
         if name not in BUILTIN:
@@ -322,7 +321,6 @@ class ChatTemplate:
             raise DataError(f"{p}: no chat_template")
         return cls(template, special, str(p))
 
-    # -------------------------------------------------------------- rendering
     def _render_marked(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         import jinja2
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]

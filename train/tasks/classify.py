@@ -99,7 +99,6 @@ class ClassifyTask(Task):
             raise ConfigError(f"{cfg.source}: model.in_chans={m.in_chans}: image folders give 1 (grey) or 3 (RGB) "
                               f"channels")
 
-    # ------------------------------------------------------------------ data
     def setup(self):
         cfg, d = self.cfg, self.cfg.data
         self.pretrained, self.bad, self.digits = None, set(), d.path == "digits"
@@ -241,7 +240,6 @@ class ClassifyTask(Task):
             return (x.float() - self.norm_mean * 255.0) * (self.norm_inv_std / 255.0)
         return (x.float() - self.norm_mean) * self.norm_inv_std
 
-    # ------------------------------------------------------------------ model, loss, eval
     def build_model(self):
         from zoo.convnet import build
         if self.pretrained is None:

@@ -192,7 +192,6 @@ class RLTask(PostTrainingTask):
                               f"max_seq_len={model.config.max_seq_len}")
         return model
 
-    # ------------------------------------------------------------------ rollouts
     def train_batch(self, step, micro):
         """Where the step's rollouts are: they are sampled in loss(), which holds the model."""
         return {"step": step, "micro": micro}
@@ -200,8 +199,7 @@ class RLTask(PostTrainingTask):
     def _groups(self, model, idx: list[int], seeds: list[tuple]):
         """Sample, decode and score group_size completions of the training prompts idx; a row's draws come
         from its own generator seeded by seeds[prompt] + (row,). -> dict of per-row lists."""
-        rl = self.cfg.rl
-        G = rl.group_size
+        rl, G = self.cfg.rl, self.cfg.rl.group_size
         rows = [self.data.train[i] for i in idx for _ in range(G)]
         gens = [torch.Generator(self.device).manual_seed(hash((*seeds[k // G], k % G)) & 0x7FFF_FFFF_FFFF_FFFF)
                 for k in range(len(rows))]
@@ -212,8 +210,7 @@ class RLTask(PostTrainingTask):
                                                 rl.top_p, gens, self.cfg.data.seq_len,
                                                 stop_early=self.cfg.train.parallel != "fsdp", compile=self._compile())
         seconds = time.perf_counter() - t0
-        answers = [r["answer"] for r in rows]
-        values = score(self.rewards, texts, answers, [r["prompt"] for r in rows])
+        values = score(self.rewards, texts, [r["answer"] for r in rows], [r["prompt"] for r in rows])
         total = [sum(w * v[k] for (_, w, _), v in zip(self.rewards, values)) for k in range(len(rows))]
         if rl.overlong == "soft":
             buf = rl.overlong_buffer or max(1, rl.max_new_tokens // 4)
@@ -256,10 +253,8 @@ class RLTask(PostTrainingTask):
             got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
         rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
         adv = advantages(rewards, rl.algorithm).flatten()
-        seqs = []
-        for p, c, cut in zip(got["prompt"], got["comp"], got["cut"]):
-            keep = not (cut and rl.overlong == "mask")
-            seqs.append((p + c, [-100] * len(p) + (c if keep else [-100] * len(c))))
+        seqs = [(p + c, [-100] * len(p) + ([-100] * len(c) if cut and rl.overlong == "mask" else c))
+                for p, c, cut in zip(got["prompt"], got["comp"], got["cut"])]
         x, y = collate(seqs, self.device)
         out = {"x": x, "y": y, "adv": adv.to(self.device)}
         n_micro = micro_batches(key * rl.updates_per_batch, self.cfg.train.grad_accum, self.cfg.train.batch_warmup_steps)
@@ -288,10 +283,10 @@ class RLTask(PostTrainingTask):
             return torch.cat([token_logps(model, xs, ys)[0] for xs, ys in zip(x.tensor_split(parts),
                                                                                y.tensor_split(parts))])
 
-    # ------------------------------------------------------------------ the loss
     def loss(self, model, batch):
         """The clipped objective of one micro-batch of the step's rollouts (sampled at its first micro-batch),
         scaled so that the micro-batches' and processes' parts add up to the batch's loss."""
+        scale = 1
         if "step" in batch:
             step, micro = batch["step"], batch["micro"]
             key = step // self.cfg.rl.updates_per_batch
@@ -301,8 +296,6 @@ class RLTask(PostTrainingTask):
             n = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
             batch = {k: v.tensor_split(n)[micro] if torch.is_tensor(v) else v for k, v in self._rollouts.items()}
             scale = n * self.world
-        else:
-            scale = 1
         rl = self.cfg.rl
         logp, valid, ent = token_logps(model, batch["x"], batch["y"], entropy=True)
         old = batch["old"] if "old" in batch else logp.detach()
@@ -331,7 +324,6 @@ class RLTask(PostTrainingTask):
             self._key = state["key"]
             self._rollouts = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state["rollouts"].items()}
 
-    # ------------------------------------------------------------------ metrics
     def _record(self, got, rewards, seconds, tokens, sampled):
         """The batch's numbers (sums over every process) into the logging window."""
         if self._clock is None:
@@ -368,7 +360,6 @@ class RLTask(PostTrainingTask):
         self._clock, self._generating = now, 0.0
         return out
 
-    # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, model):
         """val_reward and val_solved: greedy completions of the first data.eval_prompts held-out prompts."""
