@@ -24,6 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 from train.data import DataError  # noqa: E402
+from train.data.conversations import token_offsets  # noqa: E402
 from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, prompt_messages,  # noqa: E402
                                    read_jsonl, response_text)
 from train.step import eval_mode  # noqa: E402
@@ -200,7 +201,6 @@ def chat_prompt_ids(tokenizer, template, prompt) -> list[int]:
     """The tokens of a prompt: with a template its messages rendered with the generation prompt, else plain text."""
     if template is None:
         return encode_prompt(tokenizer, prompt)
-    from train.data.conversations import token_offsets
     return token_offsets(tokenizer, template.render(prompt_messages(prompt), add_generation_prompt=True))[0]
 
 
@@ -209,7 +209,6 @@ def stop_tokens(tokenizer, template) -> tuple[list[int], "str | None"]:
     stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     if template is None:
         return stops, None
-    from train.data.conversations import token_offsets
     for text in (template.special_tokens.get("eos_token"), template.end_of_turn):
         ids = token_offsets(tokenizer, text)[0] if isinstance(text, str) and text else []
         if len(ids) == 1 and ids[0] not in stops:
@@ -231,7 +230,7 @@ def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperatu
     mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc], device=device)
     out = model.generate(ids, max_new_tokens, temperature, top_p=top_p, eos_token_id=stops or None,
                          generator=generator, attention_mask=mask, stop_early=stop_early, compile=compile)
-    comps, texts, truncated = [], [], []
+    done = []  # (completion ids, text, truncated) of each row
     for row in out[:, T:].tolist():
         n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         stopped, row = row[n - 1] in stops, row[:n]
@@ -242,10 +241,8 @@ def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperatu
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if eot in tokenizer.decode(row[:mid]) else (mid + 1, hi)
             row, text, stopped = row[:lo], text[:text.index(eot)], True
-        comps.append(row)
-        texts.append(text)
-        truncated.append(not stopped)
-    return enc, comps, texts, truncated
+        done.append((row, text, not stopped))
+    return enc, *map(list, zip(*done))
 
 
 def score_generation(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, max_len=None,

@@ -31,9 +31,8 @@ def read_rows(out_dir) -> list[dict]:
     """metrics.jsonl's rows, each training row merged with speed.jsonl's row of the same step."""
     out = Path(out_dir)
     rows = [json.loads(l) for l in (out / METRICS).read_text().splitlines() if l.strip()]
-    speed = {}
-    if (out / SPEED).is_file():
-        speed = {r["step"]: r for r in map(json.loads, (out / SPEED).read_text().splitlines()) if r}
+    speed = {r["step"]: r for r in map(json.loads, (out / SPEED).read_text().splitlines()) if r} \
+        if (out / SPEED).is_file() else {}
     return [{**r, **speed.get(r["step"], {})} if "loss" in r else r for r in rows]
 
 
