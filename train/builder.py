@@ -60,8 +60,7 @@ class Run:
 
     def set_precision(self, precision: str):
         """A resumed run keeps the precision it was trained in (train.precision: auto)."""
-        self.precision = precision
-        self.task.autocast_dtype = self.amp_dtype
+        self.precision, self.task.autocast_dtype = precision, self.amp_dtype
 
     @contextlib.contextmanager
     def train_context(self):
@@ -73,8 +72,7 @@ class Run:
     def write_config(self, out):
         """<out>/config.yaml: the run's config with its resolved values; the model: section is the
         architecture built (the one loaded with train.init_from; an image folder's channels and classes)."""
-        data = self.cfg.to_dict()
-        built = getattr(self.model, "config", None)
+        data, built = self.cfg.to_dict(), getattr(self.model, "config", None)
         if type(built) is type(self.cfg.model):
             data["model"] = to_dict(built)
         atomic_write(Path(out) / "config.yaml", yaml.safe_dump(data, sort_keys=False))
@@ -112,8 +110,7 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
 def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
     when None). train.batch_size: auto is resolved by the planner (train/planner.py's auto_batch_size)."""
-    t = cfg.train
-    par = par or Parallel("none", Launch())
+    t, par = cfg.train, par or Parallel("none", Launch())
     if par.active and unsupported(cfg):
         raise RunStopped(f"{cfg.source}: {unsupported(cfg)}", EXIT_CONFIG)
     device = par.device(resolve_device(t.device))

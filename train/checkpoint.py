@@ -27,8 +27,7 @@ from .features.averaging import average_last, tied_names
 from .optim import resume_note
 from .step import EXIT_CONFIG, RunStopped
 
-CKPT_DIR = "checkpoints"
-PREFIX = "step_"
+CKPT_DIR, PREFIX = "checkpoints", "step_"
 REQUIRED = ("model.safetensors", "state.pt")
 REQUIRED_DCP = (".metadata", "state.pt")  # a sharded checkpoint (train/distributed.py)
 
@@ -102,8 +101,7 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     interval=False: a checkpoint outside the run's schedule (a signal's), kept only until the next."""
     root = Path(out_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_safetensors(model if keys is None else _subset(model, keys), tmp / "model.safetensors")

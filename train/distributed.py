@@ -70,8 +70,7 @@ class Parallel:
 
     def __init__(self, strategy: str, launch: Launch):
         self.strategy, self.rank, self.world, self.local_rank = strategy, launch.rank, launch.world, launch.local_rank
-        self.main = self.rank == 0
-        self.active = launch.torchrun and strategy != "none"
+        self.main, self.active = self.rank == 0, launch.torchrun and strategy != "none"
 
     def device(self, device: torch.device) -> torch.device:
         """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
@@ -227,8 +226,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
         from torch.distributed.nn.functional import all_reduce
-        C = x.shape[1]
-        xf = x.float()
+        C, xf = x.shape[1], x.float()
         local = torch.cat([xf.sum((0, 2, 3)), xf.new_tensor([x.numel() / C])])
         total = all_reduce(local)
         n = total[-1]

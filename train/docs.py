@@ -410,8 +410,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true",
                    help="only report the regions that disagree with the code or results")
-    args = p.parse_args(argv)
-    classes = config_classes()
+    args, classes = p.parse_args(argv), config_classes()
     stale = []
     for page in sorted(DOCS.glob("*.md")):
         text = page.read_text()

@@ -34,10 +34,8 @@ from train.step import eval_mode  # noqa: E402
 def token_logps(model, ids: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
     """Log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored) -> (log-probs
     (B, T) fp32, 0 where not scored; the scored mask (B, T)[; the distributions' entropies (B, T), no grad])."""
-    logits = model(ids).float()
-    valid = labels != IGNORE
-    target = labels.masked_fill(~valid, 0)
-    lse = torch.logsumexp(logits, dim=-1)
+    logits, valid = model(ids).float(), labels != IGNORE
+    target, lse = labels.masked_fill(~valid, 0), torch.logsumexp(logits, dim=-1)
     logp = (logits.gather(-1, target[..., None]).squeeze(-1) - lse) * valid
     if not entropy:
         return logp, valid
@@ -142,8 +140,7 @@ def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
-    whole = tokenizer.encode(context + continuation)
-    ctx = tokenizer.encode(context)
+    whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
     return ctx, whole[len(ctx):]
 
 
@@ -254,8 +251,7 @@ def score_generation(model, tokenizer, rows, device, template=None, max_new_toke
         with (autocast or contextlib.nullcontext)():
             out = generate_answer(model, tokenizer, r["prompt"], device, template, max_new_tokens, max_len)
         until = r["until"] if r["until"] is not None else ([] if template is not None else ["\n"])
-        text = cut_at(out, until)
-        want = r["expected"].strip()
+        text, want = cut_at(out, until), r["expected"].strip()
         exact += text.strip() == want
         contains += want in text
         details.append({"output": text, "expected": r["expected"]})

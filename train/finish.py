@@ -53,8 +53,7 @@ def consolidated(run):
     par, ema = run.par, run.ema
     if not par.active or par.strategy == "ddp":
         return run.model, ema.model if ema is not None else None
-    full = par.full_state(run.model)
-    full_ema = par.full_state(ema.model) if ema is not None else None
+    full, full_ema = par.full_state(run.model), par.full_state(ema.model) if ema is not None else None
     if not par.main:
         return None, None
 

@@ -24,18 +24,15 @@ def sync(device: torch.device):
 
 
 # The matmul measured, chosen by its FLOPs alone (a slow first timing cannot pick one too small).
-PEAK_SIZES = {"cpu": 1024}
-PEAK_SIZE_DEFAULT = 8192
+PEAK_SIZES, PEAK_SIZE_DEFAULT = {"cpu": 1024}, 8192
 
 
 def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5, budget: float = 0.5) -> float:
     """Achieved FLOP/s of an n x n matmul in the compute dtype (None: float32), n from `PEAK_SIZES` by
     device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up, stopping once
     `budget` seconds are spent (at least two)."""
-    dt = dtype or torch.float32
-    n = PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
-    a = torch.randn(n, n, device=device, dtype=dt)
-    b = torch.randn(n, n, device=device, dtype=dt)
+    dt, n = dtype or torch.float32, PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
 
     def timed() -> float:
         sync(device)

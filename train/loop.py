@@ -35,8 +35,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
     owns_process: the caller is a program that does nothing but this run (train/run.py); then
     process-wide settings (train.cpu_keep_memory) apply by default and are not undone."""
     t = cfg.train
-    out = Path(t.out_dir)
-    launch = launch_env()
+    out, launch = Path(t.out_dir), launch_env()
     if launch.world > 1 and t.parallel == "none":
         raise RunStopped(f"{cfg.source}: launched by torchrun with {launch.world} processes but train.parallel=none; "
                          f"set train.parallel=ddp or fsdp", EXIT_CONFIG)
@@ -129,8 +128,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
     set_lr(run.optimizer, lr)
     if run.unfreezer is not None:
         run.unfreezer.advance(step, run.optimizer)
-    params = run.params()
-    n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
+    params, n_micro = run.params(), micro_batches(step, t.grad_accum, t.batch_warmup_steps)
     waited = 0.0
 
     def batch(m):
@@ -170,8 +168,7 @@ class Preemption:
     def __init__(self, hold: bool = False):
         self.signal: Optional[int] = None
         self.agreed = False  # some rank received a signal (known after the step's all-reduce)
-        self.hold = hold
-        self._old = {}
+        self.hold, self._old = hold, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

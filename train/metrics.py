@@ -259,8 +259,7 @@ class WandbTracker(Tracker):
         except ImportError as e:
             raise ConfigError(f"{missing_package('wandb') or 'train.tracker=wandb'} ({e})") from None
         t = cfg.train
-        mode = t.tracker_mode or os.environ.get("WANDB_MODE") or "offline"
-        id_file = out / "wandb" / "run_id"
+        mode, id_file = t.tracker_mode or os.environ.get("WANDB_MODE") or "offline", out / "wandb" / "run_id"
         run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # fresh start: a new run
         # the process-wide settings too: wandb's own telemetry follows them, not the run's
         wandb.setup(wandb.Settings(mode=mode))

@@ -283,8 +283,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         if cfg.model.moe is not None:
             dense = [i for i in cfg.model.moe.dense_layers if i < n_layers]
             cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)
-    amp = _precision(cfg, device)
-    B = batch_size or cfg.train.batch_size
+    amp, B = _precision(cfg, device), batch_size or cfg.train.batch_size
     trace = AllocTrace()  # the run's storages in order, from the model's construction to the third step
     with FakeTensorMode() if fake else contextlib.nullcontext(), torch.random.fork_rng(devices=[]):
         with torch.device(device), LiveBytes(device.type, trace):
@@ -299,8 +298,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, states = planned_optimizer(model, params, cfg, device)
-        autocast = autocast_for(device, precision_of(amp))
-        units = repeated_units(model)
+        autocast, units = autocast_for(device, precision_of(amp)), repeated_units(model)
         counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
@@ -438,8 +436,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     """The predicted peak memory per device of one training step of `cfg` on `device` (default: the run's)."""
     target = device or run_device(cfg)
     cfg, device, precision, why = for_target(cfg, target)
-    B = batch_size or cfg.train.batch_size
-    depth = _depth_keys(cfg)
+    B, depth = batch_size or cfg.train.batch_size, _depth_keys(cfg)
     notes = [f"precision {precision} ({why})"]
     if cfg.train.activation_offload and target.type == "cuda" and device.type != "cuda":
         notes.append("train.activation_offload is simulated only on a machine with CUDA: planned without it")
@@ -552,8 +549,7 @@ def repeated_units_sizes(cfg, device) -> list[int]:
 def _kv_cache_bytes(cfg, B, device) -> Optional[int]:
     if cfg.family != "llm":
         return None
-    m = cfg.model
-    dt = _precision(cfg, device) or torch.float32
+    m, dt = cfg.model, _precision(cfg, device) or torch.float32
     return 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * dt.itemsize
 
 
@@ -642,8 +638,7 @@ def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple
     else the largest that fits (find_batch_size); train.global_batch kept by accumulation. Under
     torchrun (par) each rank finds its own per-rank micro-batch and all take the smallest found."""
     import yaml
-    t = cfg.train
-    world = par.world if par is not None and par.active else 1
+    t, world = cfg.train, par.world if par is not None and par.active else 1
     if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
         was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
         if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch \

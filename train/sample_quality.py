@@ -49,8 +49,7 @@ class Classifier:
     layer (`classifier_name`), `logits` its output."""
 
     def __init__(self, model: torch.nn.Module, mean, std, batch_size: int = 256):
-        self.model = model.eval()
-        self.in_chans = model.config.in_chans
+        self.model, self.in_chans = model.eval(), model.config.in_chans
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self.batch_size = batch_size

@@ -59,8 +59,7 @@ def cpu_has_bf16() -> Optional[bool]:
 def matmul_speeds(device: torch.device, rounds: int = 6) -> tuple[float, float]:
     """(bf16, fp32) matmul FLOP/s, the best of alternating timings, repeated until the ratio moves by
     less than 5% from one round to the next (at least 2 rounds): the same answer under other load."""
-    best = {torch.bfloat16: 0.0, None: 0.0}
-    ratio = None
+    best, ratio = {torch.bfloat16: 0.0, None: 0.0}, None
     with torch.random.fork_rng(devices=[]):
         for i in range(rounds):
             for dtype in best:
@@ -136,8 +135,7 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     undo.append(restore)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = t.tf32
-        torch.backends.cudnn.allow_tf32 = t.tf32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = t.tf32, t.tf32
         torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
         log(f"backends: cuda, tf32={t.tf32}, cudnn.benchmark={torch.backends.cudnn.benchmark}")
     else:
@@ -168,13 +166,11 @@ class EMA:
     """Exponential moving average of a model's floating-point weights and buffers (others copied)."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.decay, self.model = decay, copy.deepcopy(model).eval().requires_grad_(False)
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module):
-        src = dict(model.state_dict(keep_vars=True))
-        done = set()
+        src, done = dict(model.state_dict(keep_vars=True)), set()
         for k, v in self.model.state_dict(keep_vars=True).items():
             if id(v) in done:  # a tied tensor (embedding = LM head) is updated once
                 continue

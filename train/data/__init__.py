@@ -141,7 +141,6 @@ def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Opti
     return "bytes" if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes" else None
 
 
-# ----------------------------------------------------------------------------- curriculum
 class SeqLenSchedule:
     """Sequence-length curriculum (`data.seq_len_schedule`): each stage's window length until its `until`
     (a step, or tokens trained), then data.seq_len; a function of the config alone, so resume agrees."""
@@ -160,10 +159,7 @@ class SeqLenSchedule:
         self.stages = stages  # [(first step of the next stage, window length)]
 
     def __call__(self, step: int) -> int:
-        for until, length in self.stages:
-            if step < until:
-                return length
-        return self.final
+        return next((length for until, length in self.stages if step < until), self.final)
 
 
 # ----------------------------------------------------------------------------- token data
@@ -289,8 +285,7 @@ class TokenData:
         m = read_manifest(out)
         if m and m.get("complete"):
             for s in m["shards"]:  # a damaged cache (a truncated or missing shard) is prepared again
-                f = out / s["name"]
-                want = s["tokens"] * np.dtype(m["dtype"]).itemsize
+                f, want = out / s["name"], s["tokens"] * np.dtype(m["dtype"]).itemsize
                 have = f.stat().st_size if f.is_file() else 0
                 if have != want:
                     self.log(f"data: {f}: truncated token cache ({have} bytes, {want} expected); rebuilding it")
@@ -330,8 +325,7 @@ class TokenData:
             if len(t) < T + 1:
                 raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "
                                 f"(need more than {2 * (T + 1)} for a training and a validation window)")
-        self.mixture = trains
-        self.train = TokenStream([p for t in trains for p in t.parts])
+        self.mixture, self.train = trains, TokenStream([p for t in trains for p in t.parts])
         self.val = TokenStream([p for v in vals for p in v.parts])
         if len(self.val) < T + 1:
             raise DataError(f"{cfg.val_path or cfg.path}: {len(self.val)} validation tokens is too short for "
@@ -344,8 +338,7 @@ class TokenData:
     def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
         """Entropy (nats/token) of the training tokens' unigram distribution (the loss of the best
         context-free model), on up to `sample_tokens` tokens in evenly spaced blocks."""
-        counts = np.zeros(self.vocab_size, dtype=np.float64)
-        n = len(self.train)
+        counts, n = np.zeros(self.vocab_size, dtype=np.float64), len(self.train)
         size = sample_tokens // 64
         blocks = self.train.blocks() if n <= sample_tokens else (
             self.train[i:i + size] for i in np.linspace(0, n - size, 64).astype(np.int64).tolist())

@@ -41,8 +41,7 @@ class ChatData:
         whole]); conversations the template refuses are skipped and summed up per file; those longer
         than seq_len + 1 tokens are cut."""
         out, whole, refused, cut, dropped = [], [], defaultdict(list), 0, 0
-        first = None
-        limit = self.cfg.seq_len + 1
+        first, limit = None, self.cfg.seq_len + 1
         for messages, where in rows:
             try:
                 ids, labels = self.template.encode(self.tokenizer, messages, self.cfg.train_on_prompt)
@@ -132,8 +131,7 @@ def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int
     """The batches of one epoch in training order, (batches, rows) indices into `lengths`: a
     permutation seeded by (seed, epoch), the last batch filled from its start, each window of
     `bucket_batches` batches sorted by length and cut, the batches shuffled."""
-    rng = np.random.default_rng((seed, epoch))
-    n = len(lengths)
+    rng, n = np.random.default_rng((seed, epoch)), len(lengths)
     n_batches = -(-n // rows)
     perm = np.resize(rng.permutation(n), n_batches * rows)  # np.resize repeats from the start
     window = rows * bucket_batches

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from zoo.convnet.preprocess import center_crop_box, load_crop
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def normalization(d, channels: int) -> tuple:
@@ -51,8 +50,7 @@ def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_
     x = torch.from_numpy(d.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8) in [0, 1]
     y = torch.from_numpy(d.target.astype(np.int64))
     if split != "all":
-        g = torch.Generator().manual_seed(seed)
-        val = torch.zeros(len(y), dtype=torch.bool)
+        g, val = torch.Generator().manual_seed(seed), torch.zeros(len(y), dtype=torch.bool)
         for c in range(10):
             idx = torch.nonzero(y == c).flatten()
             idx = idx[torch.randperm(len(idx), generator=g)]
@@ -134,11 +132,9 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
     """A crop box (left, top, right, bottom) covering a random fraction `scale` of the area with a
     log-uniform aspect ratio in `ratio` (Szegedy et al., "Going Deeper with Convolutions", 2014);
     after 10 failed draws, the largest centred box with an aspect ratio inside `ratio`."""
-    area = w * h
-    log_r = (math.log(ratio[0]), math.log(ratio[1]))
+    area, log_r = w * h, (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
-        target = area * rng.uniform(*scale)
-        r = math.exp(rng.uniform(*log_r))
+        target, r = area * rng.uniform(*scale), math.exp(rng.uniform(*log_r))
         cw, ch = round(math.sqrt(target * r)), round(math.sqrt(target / r))
         if 0 < cw <= w and 0 < ch <= h:
             x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
@@ -300,8 +296,7 @@ def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Ra
         return x, t, 1.0
     cutmix = cutmix_alpha > 0 and (mixup_alpha <= 0 or rng.random() < switch_prob)
     alpha = cutmix_alpha if cutmix else mixup_alpha
-    lam = rng.betavariate(alpha, alpha)
-    partner = x.flip(0)
+    lam, partner = rng.betavariate(alpha, alpha), x.flip(0)
     if cutmix:
         H, W = x.shape[-2:]
         cut = math.sqrt(1.0 - lam)

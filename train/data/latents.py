@@ -24,8 +24,7 @@ from zoo.weights.files import atomic_write, fsync_dir
 from .shards import exclusive
 from .sources import DataError
 
-VERSION = 1
-META = "meta.json"
+VERSION, META = 1, "meta.json"
 PROGRESS = "progress.json"
 
 
@@ -130,8 +129,7 @@ def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, l
     with torch.no_grad():
         for name, (labels, read) in splits.items():
             n, v = len(labels), views if name == "train" else 1
-            path = part / f"{name}.npy"
-            start = progress["done"].get(name, 0)
+            path, start = part / f"{name}.npy", progress["done"].get(name, 0)
             if start == 0 or not path.exists():
                 atomic_write(part / f"{name}.labels.npy", lambda f: np.save(f, labels.numpy().astype(np.int64)))
                 first = _encode_views(encode, read(0, min(batch_size, n)), v)

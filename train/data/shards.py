@@ -26,8 +26,7 @@ from zoo.weights.files import atomic_write
 
 from .sources import DataError, Doc, Problems, corpus_files, documents
 
-MANIFEST = "manifest.json"
-VERSION = 1
+MANIFEST, VERSION = "manifest.json", 1
 
 
 def token_dtype(vocab_size: int):
@@ -95,8 +94,7 @@ class Shards:
         m = read_manifest(self.out)
         if not m or not m.get("complete"):
             raise DataError(f"{out}: preparation not complete")
-        self.manifest = m
-        self.dtype = np.dtype(m["dtype"])
+        self.manifest, self.dtype = m, np.dtype(m["dtype"])
         self.files = [self.out / s["name"] for s in m["shards"]]
         self.tokens = [np.memmap(f, dtype=self.dtype, mode="r") if f.stat().st_size else np.zeros(0, self.dtype)
                        for f in self.files]
@@ -204,8 +202,7 @@ def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, worke
     total_bytes = sum(f.stat().st_size for f in corpus_files(source))
     problems = Problems()
     writer = _Writer(out, meta, shard_tokens, resume)
-    bar = _Progress(total_bytes, max_chars, progress, source, workers)
-    t0 = time.perf_counter()
+    bar, t0 = _Progress(total_bytes, max_chars, progress, source, workers), time.perf_counter()
     pool = None
     try:
         it = chunks(documents(source, column, problems), chunk_chars, max_chars)

@@ -27,8 +27,7 @@ BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 class ByteTokenizer:
     vocab_size = 256
     bos_id = eos_id = None
-    model_path = None
-    spec = ("bytes", None)
+    model_path, spec = None, ("bytes", None)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -105,8 +104,7 @@ class HFTokenizer:
 class IdsTokenizer:
     """Stand-in for pre-tokenized data without a tokenizer: decodes ids as numbers, cannot encode."""
     bos_id = eos_id = None
-    model_path = None
-    spec = ("ids", None)
+    model_path, spec = None, ("ids", None)
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -141,8 +139,7 @@ def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> l
     heap: list = []  # (-key, n, text): the largest key on top, evicted first
     total = 0
     for n, text in enumerate(docs):
-        text = text[:budget_chars]
-        key = rng.random()
+        text, key = text[:budget_chars], rng.random()
         if total + len(text) <= budget_chars:
             heapq.heappush(heap, (-key, n, text))
             total += len(text)

@@ -37,8 +37,7 @@ def prepare(model: nn.Module, t, device: torch.device, fsdp: bool, say) -> nn.Mo
     if not t.float8:
         return model
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    names = set(float8_targets(model, t))
-    total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    names, total = set(float8_targets(model, t)), sum(isinstance(m, nn.Linear) for m in model.modules())
     if not names:
         raise ValueError(f"train.float8: none of the {total} linears can be converted (train.float8_keep="
                          f"{t.float8_keep}, dimensions not multiples of 16, or train.float8_skip_small)")

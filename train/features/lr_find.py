@@ -19,8 +19,7 @@ from ..optim import set_lr
 from ..plots import line_plot
 from ..step import optimizer_step, to_device
 
-SMOOTH = 0.9
-STOP_FACTOR = 4.0
+SMOOTH, STOP_FACTOR = 0.9, 4.0
 
 
 def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:

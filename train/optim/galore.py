@@ -49,8 +49,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.float()
-                st = self.state[p]
+                g, st = p.grad.float(), self.state[p]
                 low_rank = group["galore"] and p.dim() == 2
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32)

@@ -83,8 +83,7 @@ class ImageDataConfig:
 
 
 class ClassifyTask(Task):
-    DataConfig = ImageDataConfig
-    unit = "images"
+    DataConfig, unit = ImageDataConfig, "images"
     _drops = None  # the DropPath modules of model.drop_path_mode=batch (found at the first training batch)
 
     @staticmethod
@@ -147,8 +146,7 @@ class ClassifyTask(Task):
     def _fit_to_data(self, channels: Optional[int]):
         """The model config with what the data decides where the config says otherwise: the class count,
         and an image folder's channels (1 when every image is grey; pretrained weights keep theirs)."""
-        m = self.cfg.model
-        over = {"num_classes": len(self.classes)}
+        m, over = self.cfg.model, {"num_classes": len(self.classes)}
         if channels is not None and not self.cfg.train.init_from:
             over["in_chans"] = channels
         over = {k: v for k, v in over.items() if getattr(m, k) != v}
@@ -217,8 +215,7 @@ class ClassifyTask(Task):
             if self.augment is not None:  # on uint8, each image seeded by its sample seed
                 u8 = (x * 255).round_().to(torch.uint8)
                 x = augment_seeded(self.augment, u8, [s for _, s in keys]).float() / 255
-            x, y = (self.own_rows(x), self.own_rows(y)) if self.world > 1 else (x, y)
-            return x, y, recipe_seed
+            return self.own_rows(x), self.own_rows(y), recipe_seed
         recipe_seed = self._recipe_seed(g)
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
             self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
@@ -270,8 +267,7 @@ class ClassifyTask(Task):
     def recipe(self, x: torch.Tensor, y: torch.Tensor, seed: int):
         """Random erasing, then Mixup / CutMix, of a normalised training batch, all drawn from `seed`:
         -> (images, targets: labels (B,), or soft targets (B, num_classes) when mixing is on)."""
-        d = self.cfg.data
-        rng = random.Random(seed)
+        d, rng = self.cfg.data, random.Random(seed)
         if d.random_erasing > 0:
             x = random_erase(x, d.random_erasing, rng)
         if d.mixup_alpha > 0 or d.cutmix_alpha > 0:
@@ -406,11 +402,11 @@ class ClassifyTask(Task):
         weights = "model_ema.safetensors (EMA)" if self.cfg.train.ema_decay else "model.safetensors"
         rows, text, head, total = per_class_table(logits.argmax(1), y, self.classes, weights)
         (Path(out_dir) / "per_class.txt").write_text(text + "\n")
-        fmt = lambda r: f"{r[0][:24]:>24}  {r[1]:>5}  {r[2]:.3f}"  # noqa: E731
+        lines = text.split("\n")[2:-1]  # the table's line of each class
         if len(rows) > 20:  # the log shows the five worst and five best classes
-            rows = sorted(rows, key=lambda r: r[2])
-            rows = rows[:5] + [("...", 0, float("nan"))] + rows[-5:]
-        return "\n".join([head] + [fmt(r) if r[0] != "..." else f"{'...':>24}" for r in rows] + [total])
+            order = sorted(range(len(rows)), key=lambda i: rows[i][2])
+            lines = [lines[i] for i in order[:5]] + [f"{'...':>24}"] + [lines[i] for i in order[-5:]]
+        return "\n".join([head, *lines, total])
 
     def export(self, model, out_dir):
         """Fine-tuned from pretrained weights: write them back in the layout (and file type) they came in."""

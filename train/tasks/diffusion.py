@@ -134,8 +134,7 @@ def load_dit_into(model: LatentDiffusion, path):
 
 
 class DiffusionTask(Task):
-    DataConfig = DiffusionDataConfig
-    unit = "images"
+    DataConfig, unit = DiffusionDataConfig, "images"
 
     @staticmethod
     def validate_config(cfg):
@@ -257,8 +256,7 @@ class DiffusionTask(Task):
         """On the held-out latents with fixed t and noise: val_loss, the training loss (same weighting),
         and val_mse, the unweighted MSE of the prediction (comparable across loss weightings)."""
         with eval_mode(model):
-            g = torch.Generator().manual_seed(1234)
-            bs = self.cfg.train.batch_size
+            g, bs = torch.Generator().manual_seed(1234), self.cfg.train.batch_size
             n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
             total, mse = 0.0, 0.0
             for i in range(0, n, bs):

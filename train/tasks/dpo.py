@@ -49,8 +49,7 @@ class DPOTask(PostTrainingTask):
     _pair_sums = None           # pair_sums of the training batches since the last logged row
 
     def setup(self):
-        d = self.cfg.data
-        tokenizer = self._load_tokenizer()
+        d, tokenizer = self.cfg.data, self._load_tokenizer()
         self.chat_template = self._template()
         rows, val = self.held_out(synthetic_pairs, lambda path: read_jsonl(path, preference_row, self.log,
                                                                            "preference rows"))

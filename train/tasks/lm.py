@@ -36,8 +36,7 @@ def aux_losses(aux: dict, t, moe) -> dict:
 
 
 class LMTask(Task):
-    DataConfig = TextDataConfig
-    unit = "tokens"
+    DataConfig, unit = TextDataConfig, "tokens"
     masked_targets = False  # targets -100 where no loss is taken (chat SFT: all but the assistant's tokens)
     formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
                "preference": "train.tasks.dpo:DPOTask", "prompts": "train.tasks.rl:RLTask"}  # data.format -> chat SFT,
@@ -138,8 +137,7 @@ class LMTask(Task):
         return x, torch.zeros_like(x)
 
     def _say_attention(self):
-        backend = self.cfg.train.attn_backend
-        dtype = self.autocast_dtype or torch.float32
+        backend, dtype = self.cfg.train.attn_backend, self.autocast_dtype or torch.float32
         resolve = attention_docs.resolve_backend if self.documents else attention.resolve_backend
         picked = resolve(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
         why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""

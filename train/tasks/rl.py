@@ -100,12 +100,10 @@ def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip
     rows'), so that the parts' losses add up to the batch's. -> (loss, {clip, kl} sums over the tokens;
     gspo: a clipped completion counts all its tokens)."""
     mask = mask.float()
-    lengths = mask.sum(1).clamp(min=1)
-    log_ratio = logp - old
+    lengths, log_ratio = mask.sum(1).clamp(min=1), logp - old
     if algorithm == "gspo":  # one ratio per completion: the geometric mean of its tokens' ratios
         log_ratio = ((log_ratio * mask).sum(1) / lengths)[:, None]
-    ratio = torch.exp(log_ratio)
-    a = adv[:, None]
+    ratio, a = torch.exp(log_ratio), adv[:, None]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = -torch.minimum(ratio * a, clipped * a)
     stats = {"clip": ((ratio * a > clipped * a).float() * mask).sum().detach()}

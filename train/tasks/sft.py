@@ -25,8 +25,7 @@ from .post_training import PostTrainingTask
 
 
 class SFTTask(PostTrainingTask):
-    masked_targets = True
-    DataConfig = ChatDataConfig
+    masked_targets, DataConfig = True, ChatDataConfig
     default_template = "chatml"
 
     @staticmethod
@@ -87,8 +86,7 @@ class SFTTask(PostTrainingTask):
 
     def train_batch(self, step, micro):
         """(inputs, targets, real tokens, document keywords: doc_ids and position_ids when packed)."""
-        self._step = step
-        B = self.cfg.train.batch_size
+        self._step, B = step, self.cfg.train.batch_size
         x, y, n, docs = self.data.batch(step * self.cfg.train.grad_accum + micro, self.global_rows(),
                                         slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
         return x.to(self.device), y.to(self.device), n, {k: v.to(self.device) for k, v in docs.items()}
