@@ -83,10 +83,8 @@ def interval_checkpoints(out_dir) -> list[Path]:
 def set_aside(out_dir) -> Path:
     """Move the checkpoints of a previous run out of the way (train.resume=false): a fresh run
     must neither resume from them nor have its own checkpoints rotated away by their higher steps."""
-    root = Path(out_dir) / CKPT_DIR
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = root.with_name(f"{CKPT_DIR}.old-{stamp}")
-    n = 1
+    root, stamp = Path(out_dir) / CKPT_DIR, time.strftime("%Y%m%d-%H%M%S")
+    dest, n = root.with_name(f"{CKPT_DIR}.old-{stamp}"), 1
     while dest.exists():
         n += 1
         dest = root.with_name(f"{CKPT_DIR}.old-{stamp}-{n}")
@@ -120,8 +118,7 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
     """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest last,
     rename it to `final`, drop killed writers' temporaries and all but the newest `keep` interval
     checkpoints (the newest is always kept). fmt: "dcp" sharded; None: the one-process layout."""
-    root = final.parent
-    files = {}
+    root, files = final.parent, {}
     for f in sorted(tmp.iterdir()):
         fsync_file(f)
         files[f.name] = {"size": f.stat().st_size, **({} if self_checked(f) else {"crc32": file_crc32(f)})}
@@ -390,8 +387,7 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     par.barrier()
     dcp.save(_dcp_state(model, optimizer, ema, trained_only),
              storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-    rngs = par.gather(rng_state())
-    final = root / f"{PREFIX}{step:08d}"
+    rngs, final = par.gather(rng_state()), root / f"{PREFIX}{step:08d}"
     if par.main:
         state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
                  "has_ema": ema is not None, "extra": extra or {}}

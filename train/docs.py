@@ -202,8 +202,7 @@ def samplers_table() -> dict:
     """docs/diffusion.md's samplers: what runs each and the predictions check_sampler accepts."""
     from zoo.config import DiffusionConfig
     from zoo.diffusion.samplers import DIFFUSERS, SAMPLERS, check_sampler
-    predictions = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"])
-    rows = []
+    predictions, rows = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"]), []
     for name in SAMPLERS:
         if name in DIFFUSERS:
             cls, extra, _ = DIFFUSERS[name]

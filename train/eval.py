@@ -317,8 +317,7 @@ SCORERS = {"choice": score_choices, "generation": score_generation, "loss": scor
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
                    delimiter=" ", autocast=None, log=print, **reward_options) -> dict[str, dict]:
     """{task (file stem): {metric: value, "kind", "details"}} of every task file, in eval mode."""
-    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
-    results = {}
+    max_len, results = getattr(getattr(model, "config", None), "max_seq_len", None), {}
     with eval_mode(model):
         for f in files:
             kind, rows = read_task(f, log)

@@ -444,8 +444,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         L, p = depth
         l1, l2 = 2 * p, 4 * p
         s1, s2 = simulate(cfg, device, B, l1), simulate(cfg, device, B, l2)
-        full = _static(cfg, device, B)
-        k = (L - l1) / (l2 - l1)
+        full, k = _static(cfg, device, B), (L - l1) / (l2 - l1)
         lin = lambda a, b: round(a + k * (b - a))  # noqa: E731
         # activations above the persistent part extrapolate in depth; the full model's own grads
         fb = lin(s1.forward_backward - s1.grads, s2.forward_backward - s2.grads) + full.grads

@@ -72,8 +72,7 @@ class Classifier:
         cfg = load_run_config(str(run / "config.yaml"))
         if cfg.family != "convnet":
             raise ValueError(f"{run}: a {cfg.family} run; the judge is a convnet classifier")
-        model = zoo.build(cfg.model)
-        weights = run / "model.safetensors"
+        model, weights = zoo.build(cfg.model), run / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)")
         final = ([r for r in read_rows(run) if "val_loss" in r] or [{}])[-1]

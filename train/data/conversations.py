@@ -492,8 +492,7 @@ def model_sources(path) -> list[Path]:
     """Where a model's tokenizer and chat template are: the path itself (a folder, or a .gguf file's
     tokenizer_folder), then the base it was fine-tuned from (an adapter run's train.init_from, an adapter
     folder's base model)."""
-    p = Path(path).expanduser()
-    base = None
+    p, base = Path(path).expanduser(), None
     if (p / "adapter_config.json").is_file():
         base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
     elif (p / "config.yaml").is_file():

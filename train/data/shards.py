@@ -199,8 +199,7 @@ def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, worke
     if resume:
         log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
     workers = workers or os.cpu_count() or 1
-    total_bytes = sum(f.stat().st_size for f in corpus_files(source))
-    problems = Problems()
+    total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
     writer = _Writer(out, meta, shard_tokens, resume)
     bar, t0 = _Progress(total_bytes, max_chars, progress, source, workers), time.perf_counter()
     pool = None

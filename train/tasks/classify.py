@@ -170,8 +170,7 @@ class ClassifyTask(Task):
                 return samples, val
         except (ValueError, FileNotFoundError) as e:
             raise DataError(str(e)) from None
-        g = torch.Generator().manual_seed(self.cfg.train.seed)
-        by_class = [[] for _ in self.classes]
+        g, by_class = torch.Generator().manual_seed(self.cfg.train.seed), [[] for _ in self.classes]
         for s in samples:
             by_class[s[1]].append(s)
         train, val = [], []
@@ -205,8 +204,7 @@ class ClassifyTask(Task):
     def train_batch(self, step, micro):
         t = self.cfg.train
         B = self.global_rows()  # one global micro-batch; this rank trains on its own rows of it
-        pos = (step * t.grad_accum + micro) * B
-        g = self.batch_generator(step, micro)
+        pos, g = (step * t.grad_accum + micro) * B, self.batch_generator(step, micro)
         if self.digits:
             keys = epoch_positions(self.n_train, t.seed, pos, B)
             idx = torch.tensor([i for i, _ in keys], device=self.device)

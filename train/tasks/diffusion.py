@@ -93,8 +93,7 @@ def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: i
                       device, seed: int = 0, log=print) -> TAESD:
     """Fit `ae` to reconstruct `images` (N, 3, H, W) with noisy latents (AdamW, cosine); eval mode, CPU."""
     ae = ae.to(device).train()
-    opt = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
+    opt, g = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))

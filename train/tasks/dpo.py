@@ -63,8 +63,7 @@ class DPOTask(PostTrainingTask):
         return self.cfg.data.loss == "dpo" and self.cfg.data.reference == "copy"
 
     def build_model(self):
-        model = super().build_model()
-        d = self.cfg.data
+        model, d = super().build_model(), self.cfg.data
         if d.loss == "dpo" and d.reference == "precomputed" and not self.cfg.adapter.enabled:
             self.reference_table = self.precompute(model)
         return model

@@ -347,8 +347,7 @@ class LMTask(Task):
             self.log("samples: skipped (pre-tokenized data without a tokenizer file cannot encode a prompt)")
             return None
         prompts = ["def ", "import ", "class "] if self.cfg.data.path == "stdlib" else ["\n", "The ", "A"]
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
-        texts = []
+        g, texts = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed), []
         for p in prompts:
             ids = torch.tensor([tok.encode(p)], dtype=torch.long, device=self.device)
             with self.autocast():

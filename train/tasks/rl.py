@@ -183,8 +183,7 @@ class RLTask(PostTrainingTask):
         return self.cfg.rl.kl_beta > 0
 
     def build_model(self):
-        model = super().build_model()
-        need = self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
+        model, need = super().build_model(), self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
         if need > model.config.max_seq_len:
             raise ConfigError(f"{self.cfg.source}: data.seq_len + rl.max_new_tokens = {need} exceeds the model's "
                               f"max_seq_len={model.config.max_seq_len}")

@@ -40,8 +40,7 @@ class SFTTask(PostTrainingTask):
                               f"template (null: the checkpoint's own, else chatml)")
 
     def setup(self):
-        d = self.cfg.data
-        self.chat_template = self._template()
+        d, self.chat_template = self.cfg.data, self._template()
         train_rows, val_rows = self.held_out(
             lambda split, n: [(m, ("synthetic" + ("-val" if split == "val" else ""), i + 1))
                               for i, m in enumerate(chat_example.conversations(split, n))],
