@@ -83,8 +83,8 @@ class Parallel:
         global _PROCESS_GROUP_USED
         if not self.active or dist.is_initialized():
             return
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         _PROCESS_GROUP_USED = True
 
     def close(self):

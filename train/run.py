@@ -44,8 +44,7 @@ def main(argv=None) -> int:
     elif DEFAULT_CONFIG.is_file():
         path = str(DEFAULT_CONFIG)
     try:
-        cfg = load_run_config(path, argv)
-        train(cfg, owns_process=True)
+        train(load_run_config(path, argv), owns_process=True)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -222,8 +222,7 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    overflow = scaler.is_enabled() and not grads_ok
-    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, scaler.is_enabled() and not grads_ok)
 
 
 @contextlib.contextmanager

@@ -156,8 +156,7 @@ def row_messages(row, fmt: str) -> list[dict]:
 
 
 def _line_list(lines: list[int], shown: int = 10) -> str:
-    more = f" and {len(lines) - shown} more" if len(lines) > shown else ""
-    return ", ".join(map(str, lines[:shown])) + more
+    return ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
 
 
 def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:

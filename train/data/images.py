@@ -282,8 +282,7 @@ def random_erase(x: torch.Tensor, prob: float, rng: random.Random, scale=(0.02, 
 def smooth_one_hot(y: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
     """(B,) labels -> (B, num_classes) targets: 1 - smoothing + smoothing / K on the label, smoothing / K elsewhere."""
     off = smoothing / num_classes
-    t = torch.full((len(y), num_classes), off, device=y.device)
-    return t.scatter_(1, y[:, None], 1.0 - smoothing + off)
+    return torch.full((len(y), num_classes), off, device=y.device).scatter_(1, y[:, None], 1.0 - smoothing + off)
 
 
 def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Random, mixup_alpha: float = 0.0,

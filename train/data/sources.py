@@ -67,8 +67,7 @@ class Problems:
 
 # ----------------------------------------------------------------------------- files
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if p.is_file())
+    return sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.is_file())
 
 
 def is_saved_dataset(p: Path) -> bool:

@@ -118,5 +118,4 @@ def pretokenized_splits(path: str, dtype: str = "uint16") -> tuple[TokenStream, 
     if not train:
         raise DataError(f"{path}: only validation token files (named like 'val') found")
     t = TokenStream([read_token_file(f, dtype) for f in train])
-    v = TokenStream([read_token_file(f, dtype) for f in val]) if val else None
-    return t, v
+    return t, TokenStream([read_token_file(f, dtype) for f in val]) if val else None

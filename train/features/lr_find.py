@@ -28,8 +28,7 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
     for i, l in enumerate(losses):
         avg = SMOOTH * avg + (1 - SMOOTH) * l
         smooth.append(avg / (1 - SMOOTH ** (i + 1)))
-    best = min(range(len(smooth)), key=smooth.__getitem__)
-    return lrs[best] / 10, smooth
+    return lrs[min(range(len(smooth)), key=smooth.__getitem__)] / 10, smooth
 
 
 def lr_find(run, say) -> dict:

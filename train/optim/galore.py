@@ -15,9 +15,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
                  rank: int = 128, update_every: int = 200, scale: float = 0.25):
         if rank < 1 or update_every < 1:
             raise ValueError(f"GaLore: rank and update_every must be >= 1, got {rank}, {update_every}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, galore=False, rank=rank,
-                        update_every=update_every, scale=scale)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, galore=False,
+                                      rank=rank, update_every=update_every, scale=scale))
 
     @staticmethod
     def _projection(grad: torch.Tensor, rank: int) -> torch.Tensor:

@@ -211,8 +211,7 @@ class ClassifyTask(Task):
             x, y = random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
             recipe_seed = self._recipe_seed(g)
             if self.augment is not None:  # on uint8, each image seeded by its sample seed
-                u8 = (x * 255).round_().to(torch.uint8)
-                x = augment_seeded(self.augment, u8, [s for _, s in keys]).float() / 255
+                x = augment_seeded(self.augment, (x * 255).round_().to(torch.uint8), [s for _, s in keys]).float() / 255
             return self.own_rows(x), self.own_rows(y), recipe_seed
         recipe_seed = self._recipe_seed(g)
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there

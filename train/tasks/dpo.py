@@ -116,8 +116,7 @@ class DPOTask(PostTrainingTask):
         logps, n = sequence_logps(model, x, y)
         d = self.cfg.data
         if d.loss == "dpo":
-            ref = self.reference_logps(model, batch)
-            return preference_loss(logps, ref, n, "dpo", d.beta, d.label_smoothing)
+            return preference_loss(logps, self.reference_logps(model, batch), n, "dpo", d.beta, d.label_smoothing)
         return preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma)
 
     def loss(self, model, batch):

@@ -334,9 +334,8 @@ class LMTask(Task):
         files = getattr(self.cfg.data, "eval_tasks", None)
         if not files:
             return {}
-        results = evaluate_files(model, self.data.tokenizer, files, self.device, self.template(),
-                                 self.cfg.train.batch_size, autocast=self.autocast, log=self.log)
-        return metric_row(results)
+        return metric_row(evaluate_files(model, self.data.tokenizer, files, self.device, self.template(),
+                                         self.cfg.train.batch_size, autocast=self.autocast, log=self.log))
 
     def flops_per_item(self, model):
         return model.flops_per_token(self.cfg.data.seq_len)

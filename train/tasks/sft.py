@@ -112,8 +112,7 @@ class SFTTask(PostTrainingTask):
         hits = 0
         for messages in conversations:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            got = self.answer(model, messages[:last])
-            hits += got.strip() == messages[last]["content"].strip()
+            hits += self.answer(model, messages[:last]).strip() == messages[last]["content"].strip()
         return hits / max(len(conversations), 1)
 
     def answer(self, model, messages, max_new_tokens: int = 64) -> str:
