@@ -108,9 +108,8 @@ def _held_back(text: str, stop: str) -> int:
 
 
 def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Optional[str] = None):
-    """(model, tokenizer, template) of anything zoo.from_pretrained loads: a run folder (an adapter
-    run's too), an adapter folder, a Hugging Face folder or a GGUF file; the template is its own (or
-    its base's), else ChatML."""
+    """(model, tokenizer, template) of anything zoo.from_pretrained loads (a run, adapter or Hugging Face
+    folder, a GGUF file); the template its own or its base's, else ChatML."""
     import zoo
     from train.data import DataError
     from train.data.conversations import ChatTemplate, tokenizer_and_template

@@ -70,8 +70,7 @@ def list_checkpoints(out_dir) -> list[Path]:
 
 def interval_checkpoints(out_dir) -> list[Path]:
     """The checkpoints the run's schedule wrote (not a signal's), newest first: what `keep` counts and
-    averaging averages, so that an interrupted and resumed run keeps and averages what an
-    uninterrupted one does."""
+    averaging averages, so that a resumed run keeps and averages what an uninterrupted one does."""
     def interval(p):
         try:
             return json.loads((p / "manifest.json").read_text()).get("interval", True)
@@ -372,9 +371,8 @@ def _dcp_state(model, optimizer, ema, trained_only: bool = False) -> dict:
 
 def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
              extra: Optional[dict] = None, keep: int = 2, interval: bool = True, trained_only: bool = False) -> Path:
-    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
-    manifest and renames it into place (publish). Collective. trained_only: an adapter run's
-    checkpoint, without the frozen base."""
+    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and publishes it.
+    Collective. trained_only: an adapter run's checkpoint, without the frozen base."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(out_dir) / CKPT_DIR

@@ -166,9 +166,8 @@ class Parallel:
             getattr(fwd, "_orig_mod", fwd).no_sync()
 
     def agree(self, stats: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        """stats = [loss sum, grad norm] of this rank -> the same on every rank: the loss averaged
-        over the ranks, the grad norm NaN when any rank's is not finite; and whether any rank
-        was asked to stop. One all-reduce."""
+        """[loss sum, grad norm] of this rank -> every rank's: the loss averaged over the ranks, the norm NaN
+        when any rank's is not finite; and whether any rank was asked to stop. One all-reduce."""
         if not self.active:
             return stats, stop
         t = torch.stack([stats[0], (~torch.isfinite(stats[1])).to(stats.dtype),

@@ -279,9 +279,8 @@ class WandbTracker(Tracker):
 
 
 def open_tracker(cfg, out: Path, start: int, kept: list = ()) -> Tracker:
-    """The tracker of cfg.train.tracker for a run in `out` that starts (or resumes) at `start`;
-    kept: the metrics rows of step `start` already logged (a tracker that purges that step logs
-    them again)."""
+    """cfg.train.tracker's tracker for a run in `out` starting (or resuming) at `start`; kept: the rows of
+    step `start` already logged (a tracker that purges that step logs them again)."""
     if cfg.train.tracker == "tensorboard":
         return TensorBoardTracker(cfg, out, start, kept)
     return WandbTracker(cfg, out, start) if cfg.train.tracker == "wandb" else Tracker()

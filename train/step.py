@@ -110,9 +110,8 @@ def autocast_for(device: torch.device, precision: str):
 
 
 def setup_backends(t, device: torch.device, log, owns_process: bool = False):
-    """Apply the device settings of `t` (the train: section). Returns what undoes them (glibc's freed
-    memory, TF32, cudnn.benchmark, deterministic algorithms), which the caller runs at the end unless
-    the run owns the process."""
+    """Apply `t`'s device settings (the train: section); returns what undoes them (glibc's freed memory,
+    TF32, cudnn.benchmark, deterministic algorithms), run at the end unless the run owns the process."""
     undo = []
     keep = t.cpu_keep_memory if t.cpu_keep_memory is not None else owns_process
     if device.type == "cpu" and keep:

@@ -37,9 +37,8 @@ class ChatData:
         return self.tokenizer.vocab_size
 
     def _encode(self, rows: list, split: str, log) -> tuple[list, list]:
-        """[(messages, (file, line))] -> ([(inputs, targets)], [the messages of the conversations kept
-        whole]); conversations the template refuses are skipped and summed up per file; those longer
-        than seq_len + 1 tokens are cut."""
+        """[(messages, (file, line))] -> ([(inputs, targets)], [the conversations kept whole]); those the template
+        refuses skipped (summed up per file), those longer than seq_len + 1 tokens cut."""
         out, whole, refused, cut, dropped = [], [], defaultdict(list), 0, 0
         first, limit = None, self.cfg.seq_len + 1
         for messages, where in rows:
@@ -115,9 +114,8 @@ class ChatData:
             yield self.collate([self.val[i] for i in order[s:s + batch_size]])
 
     def padding_waste(self, rows: int, bucket_batches: int = None, packed: bool = False) -> float:
-        """The fraction of padding among the tokens of the first epoch's training batches: padded
-        with `bucket_batches` (default data.bucket_batches; 1: batches of random conversations), or
-        packed into rows of data.seq_len."""
+        """The padding's share of the first epoch's training batches: padded with `bucket_batches` (default
+        data.bucket_batches; 1: random conversations), or packed into rows of data.seq_len."""
         lengths = np.array([len(x) for x, _ in self.train])
         if packed:
             batches = packed_batches(lengths, rows, self.cfg.seq_len, self.seed, 0)
@@ -141,9 +139,8 @@ def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int
 
 
 def packed_batches(lengths: np.ndarray, rows: int, seq_len: int, seed: int, epoch: int) -> list:
-    """The packed batches of one epoch in training order: a seeded permutation packed into rows of
-    seq_len tokens (pack_rows), the rows shuffled, `rows` at a time (the last batch filled from the
-    start)."""
+    """One epoch's packed batches in training order: a seeded permutation packed into rows of seq_len tokens
+    (pack_rows), the rows shuffled, `rows` at a time (the last batch filled from the start)."""
     rng = np.random.default_rng((seed, epoch))
     perm = rng.permutation(len(lengths))
     packed = [[int(perm[i]) for i in r] for r in pack_rows(lengths[perm].tolist(), seq_len)]

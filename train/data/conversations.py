@@ -372,9 +372,8 @@ class ChatTemplate:
         return turn[turn.index(probe) + len(probe):].strip()
 
     def encode(self, tokenizer, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """(token ids of the rendered conversation, labels): the ids on the assistant's turns (with their
-        end-of-turn tokens; every id with train_on_prompt), -100 elsewhere. Ids as
-        apply_chat_template(tokenize=True) gives."""
+        """(ids of the rendered conversation, as apply_chat_template(tokenize=True) gives them, labels): the ids
+        on the assistant's turns and their end-of-turn tokens (every id with train_on_prompt), -100 elsewhere."""
         text, spans = self.assistant_spans(messages)
         ids, offsets = token_offsets(tokenizer, text)
         return ids, list(ids) if train_on_prompt else [t if any(_overlaps(o, s) for s in spans) else -100
@@ -488,9 +487,8 @@ def _sentencepiece_offsets(sp, text: str):
 
 
 def model_sources(path) -> list[Path]:
-    """Where a model's tokenizer and chat template are: the path itself (a folder, or a .gguf file's
-    tokenizer_folder), then the base it was fine-tuned from (an adapter run's train.init_from, an adapter
-    folder's base model)."""
+    """Where a model's tokenizer and chat template are: the path itself (a .gguf file's tokenizer_folder),
+    then the base it was fine-tuned from (an adapter run's train.init_from, an adapter folder's base)."""
     p, base = Path(path).expanduser(), None
     if (p / "adapter_config.json").is_file():
         base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
@@ -500,9 +498,8 @@ def model_sources(path) -> list[Path]:
 
 
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
-    """(tokenizer, chat template or None) of a model: a run folder (an adapter run's too), an adapter
-    folder, a Hugging Face folder or a GGUF file, each its own or else its base's; `tokenizer` (a file
-    or 'bytes') wins."""
+    """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
+    own or else its base's; `tokenizer` (a file or 'bytes') wins."""
     tok = template = None
     for src in model_sources(path):
         if tok is None and tokenizer is None:

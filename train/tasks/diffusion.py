@@ -221,10 +221,8 @@ class DiffusionTask(Task):
 
     def _noised(self, z, y, g, drop: float):
         B, m = len(z), self.cfg.model
-        if m.prediction == "flow":
-            t = flow_timesteps(B, m.flow_timesteps, m.flow_logit_mean, m.flow_logit_std, g)
-        else:
-            t = torch.randint(m.num_timesteps, (B,), generator=g)
+        t = flow_timesteps(B, m.flow_timesteps, m.flow_logit_mean, m.flow_logit_std, g) if m.prediction == "flow" \
+            else torch.randint(m.num_timesteps, (B,), generator=g)
         noise = torch.randn(z.shape, generator=g)
         if drop > 0:
             keep = torch.rand(B, generator=g) >= drop

@@ -159,10 +159,7 @@ def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tok
     """Per-pair losses and rewards of 2B rows (B chosen, then B rejected): policy and reference (B*2,)
     summed log-probabilities, tokens (B*2,) their scored tokens. kind 'dpo' or 'simpo' (reference
     unused). Returns (losses (B,), chosen rewards (B,), rejected rewards (B,)), the rewards detached."""
-    if kind == "dpo":
-        reward = beta * (policy - reference)
-    else:
-        reward = beta * policy / tokens.clamp(min=1)
+    reward = beta * (policy - reference) if kind == "dpo" else beta * policy / tokens.clamp(min=1)
     B = policy.shape[0] // 2
     logits = reward[:B] - reward[B:] - (gamma if kind == "simpo" else 0.0)
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)

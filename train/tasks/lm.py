@@ -197,9 +197,8 @@ class LMTask(Task):
         return self.forward_loss(model, x, y, self.doc_inputs(x))
 
     def forward_loss(self, model, x, y, docs: dict):
-        """(the training loss of inputs x and targets y, with the model's document keywords `docs`
-        (doc_inputs), the distillation loss with train.teacher, and the MoE / MoD terms; the tokens
-        it covers)."""
+        """(the training loss of x and targets y with the document keywords `docs`, train.teacher's distillation
+        and the MoE / MoD terms; the tokens it covers)."""
         kw = dict(docs)
         if self.teacher is not None:  # its final hidden states only: the logits are made chunk by chunk
             with torch.no_grad():
@@ -223,9 +222,8 @@ class LMTask(Task):
         return loss * n * self.world / self.sum_across_ranks(n.clone()).clamp(min=1)
 
     def step_hook(self, model):
-        """MoE bias balancing and MoD thresholds: after every optimizer step, from what the step's
-        training forwards recorded (zoo/llm.py), over every rank's batch (so every rank keeps the
-        routing state one process would reach)."""
+        """MoE bias balancing and MoD thresholds after every optimizer step, from what the step's forwards
+        recorded over every rank's batch (so every rank keeps the routing state one process would reach)."""
         bias = self.moe is not None and self.moe.balance == "bias"
         if not (bias or self.mod):
             return None
