@@ -47,12 +47,10 @@ class TrainConfig:
     batch_warmup_steps: int = bounded(0, ge=0)  # batch-size warmup: the micro-batches per step grow linearly from 1
                                             # to `grad_accum` at this step; needs `grad_accum` > 1, < `max_steps`
     # -- the optimizer step
-    clip_grad: Optional[float] = bounded(1.0, gt=0)  # max global gradient norm; null = no clipping (the norm is still
-                                            # logged)
+    clip_grad: Optional[float] = bounded(1.0, gt=0)  # max global gradient norm; null = no clipping (still logged)
     clip_weights: Optional[float] = bounded(None, gt=0)  # weight clipping: after every applied step each trainable
                                             # weight is clamped to [-c, c] (off by default)
-    max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops (each one skips its
-                                            # step)
+    max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops (each skips its step)
     # -- precision and speed
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # `fp32`, `bf16` (autocast), `fp16` (autocast +
                                             # GradScaler) or `auto`: bf16 where the device runs it fast, else fp32
@@ -95,8 +93,7 @@ class TrainConfig:
                                             # in the run's dtype (`train.hardware.measure_peak_flops`)
     tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send every row of `metrics.jsonl` to
                                             # `tensorboard` or `wandb` (files under `out_dir`; needs the extra)
-    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (the entity: `$WANDB_ENTITY`, else your
-                                            # default)
+    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (entity: `$WANDB_ENTITY`, else your default)
     tracker_mode: Optional[Literal["offline", "online"]] = None  # W&B: `offline` (nothing sent; `wandb sync` later)
                                             # or `online` (needs `wandb login`); null = `$WANDB_MODE`, else `offline`
     # -- evaluation and samples
@@ -138,8 +135,7 @@ class TrainConfig:
                                             # and the suggested LR; checkpoints neither read nor written
     lr_find_min: float = bounded(1e-6, gt=0)  # the range test's first LR
     lr_find_max: float = bounded(1.0, gt=0)  # the range test's last LR (the LRs between exponentially spaced)
-    lr_find_steps: int = bounded(100, ge=2)  # the range test's steps (it stops early once the smoothed loss passes 4x
-                                            # its best)
+    lr_find_steps: int = bounded(100, ge=2)  # range test steps (it stops once the smoothed loss exceeds 4x its best)
     # -- optional: knowledge distillation
     teacher: Optional[str] = None           # distil from a model `zoo.from_pretrained` loads, with the student's
                                             # vocabulary or classes; evaluation stays the student's cross-entropy
@@ -229,12 +225,10 @@ class OptimConfig:
     name: str = "adamw"                     # `adamw`, `sgd`, `adafactor`, `lion`, `muon`, `adamw8bit`, `adamw_offload`
                                             # or `galore` (train/optim's registry; "Optimizers" below)
     lr: float = bounded(3e-4, gt=0)         # peak learning rate
-    weight_decay: float = bounded(0.1, ge=0)  # decoupled weight decay, applied to matrices only (not norms, biases,
-                                            # embeddings)
+    weight_decay: float = bounded(0.1, ge=0)  # decoupled weight decay, on matrices only (not norms, biases, embeddings)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas (also adamw8bit, adamw_offload, galore, muon's AdamW
                                             # part); Lion's beta1, beta2 (the paper uses [0.9, 0.99])
-    eps: float = bounded(1e-8, gt=0)        # Adam epsilon (adamw, adamw8bit, adamw_offload, galore, muon's AdamW
-                                            # part)
+    eps: float = bounded(1e-8, gt=0)        # Adam epsilon (adamw, adamw8bit, adamw_offload, galore, muon's AdamW part)
     momentum: float = bounded(0.9, ge=0, lt=1)  # sgd
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # force fused AdamW on/off; null = fused where supported
@@ -244,8 +238,7 @@ class OptimConfig:
                                             # `warmup_fraction`; < `train.max_steps`, ending before a WSD decay
     warmup_fraction: Optional[float] = bounded(None, ge=0, lt=1)  # warmup as a fraction of `train.max_steps`
                                             # (rounded down); both null: 10% of the run, at most 100 steps
-    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd,
-                                            # onecycle)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd, onecycle)
     decay_fraction: float = bounded(0.2, gt=0, le=1)  # wsd: the final fraction of steps that decays
     onecycle_div: float = bounded(25.0, ge=1)  # onecycle: the first LR is the peak / this (>= 1)
     muon_lr: float = bounded(0.02, gt=0)    # muon: Muon's peak LR on the hidden matrices (the schedule scales it as

@@ -38,8 +38,7 @@ class ImageDataConfig:
                                             # folder `root/<class>/<images>`
     val_path: Optional[str] = None          # a val folder with the same class folders; null: `root/val` when
                                             # `root/train` and `root/val` exist, else a split
-    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held out per class when there is no val folder (also the digits
-                                            # split)
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held out per class without a val folder (also the digits split)
     image_size: Optional[int] = bounded(None, ge=8)  # crop size; null: 32 for digits, 224 for folders
     crop_pct: float = bounded(0.875, gt=0, le=1)  # eval: resize the short side to `image_size / crop_pct`,
                                             # centre-crop `image_size`
@@ -65,8 +64,7 @@ class ImageDataConfig:
     mix_switch_prob: float = bounded(0.5, ge=0, le=1)  # with both on: probability of CutMix rather than Mixup
     num_workers: int = bounded(2, ge=0)     # DataLoader worker processes decoding images (folders)
     pin_memory: Optional[bool] = None       # null: on when the device is CUDA
-    eval_images: Optional[int] = bounded(None, gt=0)  # evaluate on a fixed seeded subset of this many validation
-                                            # images
+    eval_images: Optional[int] = bounded(None, gt=0)  # evaluate on a fixed seeded subset of this many validation images
     ema_bn_batches: int = bounded(8, ge=0)  # BN recalibration batches for the EMA model; 0 = off
 
     def validate(self, source, prefix="data."):
