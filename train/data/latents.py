@@ -104,29 +104,23 @@ def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor
         if len(labels) == 0:
             raise DataError(f"{folder.name}: the {name} split has no images")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(folder):
-        cache = read_cache(folder, key)  # another process built it while this one waited
-        if cache is None:
-            cache = _build(folder, key, splits, encode, views, batch_size, commit_every, log)
-    return cache
-
-
-def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, log) -> LatentCache:
-    if folder.exists():  # a cache of another key under this name (a digest collision) or an older version
-        shutil.rmtree(folder)
-    part = folder.parent / f".{folder.name}.partial"
-    if read_cache(part, key) is not None:  # complete when a kill came just before the rename
-        os.replace(part, folder)
-        return LatentCache(folder)
-    progress = _of_key(part / PROGRESS, key)
-    if progress is None:
-        shutil.rmtree(part, ignore_errors=True)
-        part.mkdir()
-        progress = {"version": VERSION, "key": key, "done": {}}
-    elif any(progress["done"].values()):
-        log(f"latents: resuming {folder.name} after {progress['done']} images")
-    t0, n_encoded = time.perf_counter(), 0
-    with torch.no_grad():
+    with exclusive(folder), torch.no_grad():
+        if (cache := read_cache(folder, key)) is not None:  # another process built it while this one waited
+            return cache
+        if folder.exists():  # a cache of another key under this name (a digest collision) or an older version
+            shutil.rmtree(folder)
+        part = folder.parent / f".{folder.name}.partial"
+        if read_cache(part, key) is not None:  # complete when a kill came just before the rename
+            os.replace(part, folder)
+            return LatentCache(folder)
+        progress = _of_key(part / PROGRESS, key)
+        if progress is None:
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir()
+            progress = {"version": VERSION, "key": key, "done": {}}
+        elif any(progress["done"].values()):
+            log(f"latents: resuming {folder.name} after {progress['done']} images")
+        t0, n_encoded = time.perf_counter(), 0
         for name, (labels, read) in splits.items():
             n, v = len(labels), views if name == "train" else 1
             path, start = part / f"{name}.npy", progress["done"].get(name, 0)
@@ -147,19 +141,19 @@ def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, l
                     progress["done"][name] = last = j
                     atomic_write(part / PROGRESS, json.dumps(progress))
             del out
-    train = np.load(part / "train.npy", mmap_mode="r")
-    mean, std = _channel_stats(train)
-    meta = {"version": VERSION, "key": key, "train": list(train.shape), "val": list(np.load(part / "val.npy",
-            mmap_mode="r").shape), "mean": mean, "std": std}
-    del train
-    atomic_write(part / META, json.dumps(meta, indent=1))
-    (part / PROGRESS).unlink()
-    os.replace(part, folder)
-    fsync_dir(folder.parent)
-    secs = time.perf_counter() - t0
-    log(f"latents: encoded {n_encoded} images in {secs:.1f} s ({n_encoded / max(secs, 1e-9):.0f} images/s) "
-        f"into {folder}")
-    return LatentCache(folder)
+        train = np.load(part / "train.npy", mmap_mode="r")
+        mean, std = _channel_stats(train)
+        meta = {"version": VERSION, "key": key, "train": list(train.shape), "val": list(np.load(part / "val.npy",
+                mmap_mode="r").shape), "mean": mean, "std": std}
+        del train
+        atomic_write(part / META, json.dumps(meta, indent=1))
+        (part / PROGRESS).unlink()
+        os.replace(part, folder)
+        fsync_dir(folder.parent)
+        secs = time.perf_counter() - t0
+        log(f"latents: encoded {n_encoded} images in {secs:.1f} s ({n_encoded / max(secs, 1e-9):.0f} images/s) "
+            f"into {folder}")
+        return LatentCache(folder)
 
 
 def _encode_views(encode, images: torch.Tensor, views: int) -> torch.Tensor:

@@ -162,83 +162,75 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         return Shards(out)
     out.mkdir(parents=True, exist_ok=True)
     with exclusive(out):  # one preparer at a time (torchrun's ranks)
-        return _prepare(source, tokenizer, out, column=column, max_chars=max_chars, boundary=boundary,
-                        workers=workers, chunk_chars=chunk_chars, shard_tokens=shard_tokens, progress=progress,
-                        log=log)
+        done = read_manifest(out)
+        if done and done.get("complete"):  # another process prepared it while this one waited
+            return Shards(out)
+        bos, eos = boundary
+        dtype = token_dtype(tokenizer.vocab_size)
+        meta = {"version": VERSION, "source": source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
+                "bos_id": bos, "eos_id": eos, "chunk_chars": chunk_chars, "shard_tokens": shard_tokens}
+        resume = done if done and all(done.get(k) == v for k, v in meta.items()) else None
+        listed = {s["name"] for s in resume["shards"]} if resume else set()
+        for f in out.iterdir():  # what a killed run left and the manifest does not list
+            if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+        if resume is None and (out / MANIFEST).exists():
+            (out / MANIFEST).unlink()
+        skip = resume["chunks"] if resume else 0
+        if resume:
+            log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
+        workers = workers or os.cpu_count() or 1
+        total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
+        writer = _Writer(out, meta, shard_tokens, resume)
+        bar, t0 = _Progress(total_bytes, max_chars, progress, source, workers), time.perf_counter()
+        pool = None
+        try:
+            it = chunks(documents(source, column, problems), chunk_chars, max_chars)
+            deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
+            if skip:
+                bar.skip(skip)
+            if workers == 1:
+                from .text_tokenizers import from_spec
+                tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
+                results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
+            else:
+                ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+                pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
+                results = _ordered(pool, it, bos, eos, dtype, 2 * workers)
+            for (tokens, starts), chunk in results:
+                writer.add(tokens, starts)
+                bar.update(chunk, len(tokens))
+            n_tokens = sum(s["tokens"] for s in writer.shards) + writer.n
+            n_docs = sum(s["docs"] for s in writer.shards) + sum(len(s) for s in writer.starts)
+            summary = problems.summary(source)
+            if n_tokens == 0 or n_docs == 0:
+                raise DataError(f"{source}: the corpus is empty"
+                                + (f" ({summary.split(': ', 2)[2]})" if summary else ""))
+            writer.commit(complete=True, extra={"tokens": n_tokens, "documents": n_docs,
+                                                "problems": dict(problems.counts), "summary": summary})
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            bar.close()
+            if not writer.fh.closed:
+                writer.fh.close()
+        if summary:
+            log(summary)
+        secs = time.perf_counter() - t0
+        log(f"data: prepared {source}: {n_docs:,} documents, {n_tokens:,} tokens in {len(writer.shards)} shards "
+            f"({secs:.1f} s, {n_tokens / max(secs, 1e-9):,.0f} tokens/s) -> {out}")
+        return Shards(out)
 
 
 @contextlib.contextmanager
 def exclusive(out: Path):
     """An exclusive lock on `.<name>.lock` beside `out` (others wait); none without fcntl."""
     with open(out.parent / f".{out.name}.lock", "w") as lock:
-        try:
+        with contextlib.suppress(ImportError):  # not POSIX: no lock
             import fcntl
             fcntl.flock(lock, fcntl.LOCK_EX)
-        except ImportError:  # not POSIX: no lock
-            pass
         yield
-
-
-def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, workers, chunk_chars, shard_tokens,
-             progress, log) -> Shards:
-    done = read_manifest(out)
-    if done and done.get("complete"):  # another process prepared it while this one waited
-        return Shards(out)
-    bos, eos = boundary
-    dtype = token_dtype(tokenizer.vocab_size)
-    meta = {"version": VERSION, "source": source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
-            "bos_id": bos, "eos_id": eos, "chunk_chars": chunk_chars, "shard_tokens": shard_tokens}
-    resume = done if done and all(done.get(k) == v for k, v in meta.items()) else None
-    listed = {s["name"] for s in resume["shards"]} if resume else set()
-    for f in out.iterdir():  # what a killed run left and the manifest does not list
-        if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
-            shutil.rmtree(f) if f.is_dir() else f.unlink()
-    if resume is None and (out / MANIFEST).exists():
-        (out / MANIFEST).unlink()
-    skip = resume["chunks"] if resume else 0
-    if resume:
-        log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
-    workers = workers or os.cpu_count() or 1
-    total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
-    writer = _Writer(out, meta, shard_tokens, resume)
-    bar, t0 = _Progress(total_bytes, max_chars, progress, source, workers), time.perf_counter()
-    pool = None
-    try:
-        it = chunks(documents(source, column, problems), chunk_chars, max_chars)
-        deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
-        if skip:
-            bar.skip(skip)
-        if workers == 1:
-            from .text_tokenizers import from_spec
-            tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
-            results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
-        else:
-            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
-            results = _ordered(pool, it, bos, eos, dtype, 2 * workers)
-        for (tokens, starts), chunk in results:
-            writer.add(tokens, starts)
-            bar.update(chunk, len(tokens))
-        n_tokens = sum(s["tokens"] for s in writer.shards) + writer.n
-        n_docs = sum(s["docs"] for s in writer.shards) + sum(len(s) for s in writer.starts)
-        summary = problems.summary(source)
-        if n_tokens == 0 or n_docs == 0:
-            raise DataError(f"{source}: the corpus is empty" + (f" ({summary.split(': ', 2)[2]})" if summary else ""))
-        writer.commit(complete=True, extra={"tokens": n_tokens, "documents": n_docs,
-                                            "problems": dict(problems.counts), "summary": summary})
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        bar.close()
-        if not writer.fh.closed:
-            writer.fh.close()
-    if summary:
-        log(summary)
-    secs = time.perf_counter() - t0
-    log(f"data: prepared {source}: {n_docs:,} documents, {n_tokens:,} tokens in {len(writer.shards)} shards "
-        f"({secs:.1f} s, {n_tokens / max(secs, 1e-9):,.0f} tokens/s) -> {out}")
-    return Shards(out)
 
 
 def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int):

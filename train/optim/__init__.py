@@ -15,7 +15,7 @@ from torch import nn
 
 from zoo.tensors import tensor_bytes
 
-from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note
+from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note  # noqa: F401
 
 def _embedding_ids(model: nn.Module) -> set:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -152,6 +152,3 @@ def state_bytes(optimizer) -> int:
     """Bytes the optimizer's state holds (its tensors, counted once; quantised tensors by their storage)."""
     return tensor_bytes(list(optimizer.state.values()))
 
-
-__all__ = ["OPTIMIZERS", "build_optimizer", "fused_supported", "hidden_matrices", "lr_multiplier", "micro_batches",
-           "param_groups", "SCHEDULES", "set_lr", "split_hidden", "state_bytes"]
