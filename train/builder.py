@@ -66,7 +66,8 @@ class Run:
     def train_context(self):
         """A training forward and backward's context: autocast (and activation offload on CUDA)."""
         offload = self.cfg.train.activation_offload and self.device.type == "cuda"
-        with self.autocast(), torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext():
+        with self.autocast(), (torch.autograd.graph.save_on_cpu(pin_memory=True) if offload
+                               else contextlib.nullcontext()):
             yield
 
     def write_config(self, out):
@@ -160,8 +161,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     run.scaler = torch.amp.GradScaler(device.type, t.loss_scale, enabled=precision == "fp16")
     if pruned:
         after_step(run.optimizer, lambda: apply_masks(pruned))
-    hook = task.step_hook(model)
-    if hook is not None:
+    if (hook := task.step_hook(model)) is not None:
         after_step(run.optimizer, hook)
     return run
 

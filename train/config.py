@@ -263,8 +263,7 @@ class OptimConfig:
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         if self.name not in OPTIMIZERS:
             raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
-        package = OPTIMIZERS[self.name].package
-        if package and not _installed(package):
+        if (package := OPTIMIZERS[self.name].package) and not _installed(package):
             raise fail(source, prefix + "name", f"={self.name} needs the {package} package: pip install -e '.[optim]'")
 
 

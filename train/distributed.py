@@ -98,12 +98,10 @@ class Parallel:
         return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
 
     def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
-        """-> (model, fwd): the module whose state is checkpointed and the callable the loss runs.
-        ddp: model stays the plain module, fwd is DDP(model) (compiled when asked); fsdp: both are
-        the model sharded in place (each unit compiled before it is sharded when asked). unused: some
-        parameters get no gradient in some steps (frozen by train.unfreeze until their stage, or in a block that
-        model.drop_path_mode=batch skipped). fsdp with fp16: the GradScaler's inf/nan check of the sharded
-        (DTensor) gradients is all-reduced by DTensor itself, so every rank skips the same steps."""
+        """-> (model, fwd): the module whose state is checkpointed, and what the loss runs. ddp: the plain
+        module and DDP(model) (compiled when asked); fsdp: the model sharded in place for both (each unit compiled
+        first when asked). unused: parameters without a gradient in some steps (train.unfreeze, drop_path_mode=batch).
+        fsdp with fp16: DTensor all-reduces the GradScaler's inf/nan check, so every rank skips the same steps."""
         if not self.active:
             return model, None
         if sync_bn:

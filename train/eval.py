@@ -137,8 +137,7 @@ def read_task(path, log=print) -> tuple[str, list[dict]]:
 def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-evaluation-harness's split of (context, continuation) into token ids: the context's trailing
     spaces move to the continuation, whose tokens are those of the whole past the context's."""
-    n = len(context) - len(context.rstrip())
-    if n:
+    if n := len(context) - len(context.rstrip()):
         context, continuation = context[:-n], context[-n:] + continuation
     whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
     return ctx, whole[len(ctx):]
@@ -281,10 +280,9 @@ def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, aut
 
 def score_rewards(model, tokenizer, rows, device, template=None, batch_size=16, max_new_tokens=64, autocast=None,
                   max_len=None, rewards=None, samples=1, temperature=1.0, **_):
-    """reward (the mean weighted total) and pass@1 (solved: the first reward >= 1) of greedy completions
-    of prompt rows, scored by `rewards` [(name, weight, fn)] (default numeric); with samples k > 1 also
-    pass@k: the share of prompts one of whose k sampled completions (each row's generator seeded by its
-    index) is solved."""
+    """reward (the mean weighted total) and pass@1 (the first reward >= 1) of greedy completions of prompt
+    rows, scored by `rewards` [(name, weight, fn)] (default numeric); samples k > 1: also pass@k, the share of
+    prompts one of whose k sampled completions (each row's generator seeded by its index) is solved."""
     from train.data.prompts import reward_fn, score
     rewards = rewards or [("numeric", 1.0, reward_fn("numeric"))]
     max_prompt = max(1, max_len - max_new_tokens) if max_len else None

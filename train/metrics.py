@@ -130,8 +130,7 @@ class Metrics:
                "grad_norm": r.grad_norm, **self.run.task.train_metrics()}
         if self.nonfinite_total:
             row["skipped_steps"] = self.nonfinite_total
-        scaler = self.run.scaler
-        if scaler is not None and scaler.is_enabled():
+        if (scaler := self.run.scaler) is not None and scaler.is_enabled():
             row["loss_scale"] = scaler.get_scale()
             row["overflow_steps"] = self.overflow_total
         steps = max(1, w["n"] + (0 if r.finite else 1))

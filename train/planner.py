@@ -612,8 +612,7 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
             except ConfigError:
                 continue
             cache[key] = plan(c, devices, sharding, device=device)
-        p = cache[key]
-        if p.peak_bytes <= budget:
+        if (p := cache[key]).peak_bytes <= budget:
             found.append((slowdown, [c.name for c in picked], p))  # [] = as configured
             if len(found) >= top or not picked:
                 break
@@ -657,10 +656,9 @@ def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple
 
 def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None,
                     devices: int = 1, sharding: str = "ddp") -> tuple[int, int]:
-    """train.batch_size=auto: (micro-batch, grad_accum) of each of `devices` data-parallel ranks, the
-    micro-batch the largest divisor of train.global_batch / devices whose planned peak (per device,
-    `sharding` ddp or fsdp2) fits train.memory_budget (null: `device_memory`); `model`: plan its own
-    architecture. On CUDA the choice is tried, backing off on out-of-memory."""
+    """train.batch_size=auto: (micro-batch, grad_accum) per rank of `devices`, the largest divisor of
+    train.global_batch / devices whose planned peak per device (`sharding`) fits train.memory_budget (null:
+    `device_memory`); `model`: plan its architecture. On CUDA the choice is tried, backing off on out-of-memory."""
     t = cfg.train
     if t.global_batch % devices:
         raise ValueError(f"train.global_batch={t.global_batch} is not a multiple of the {devices} processes")

@@ -282,8 +282,7 @@ class TokenData:
         tok_key = "bytes" if tok.spec[0] == "bytes" else hashlib.sha256(
             Path(tok.model_path).read_bytes()).hexdigest()[:16]
         out = self.cache / f"tokens-{short_digest(fingerprint(path), cfg.column, cfg.max_chars, tok_key, self.bos_id, self.eos_id, cfg.shard_tokens)}"
-        m = read_manifest(out)
-        if m and m.get("complete"):
+        if (m := read_manifest(out)) and m.get("complete"):
             for s in m["shards"]:  # a damaged cache (a truncated or missing shard) is prepared again
                 f, want = out / s["name"], s["tokens"] * np.dtype(m["dtype"]).itemsize
                 have = f.stat().st_size if f.is_file() else 0

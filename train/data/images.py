@@ -110,10 +110,8 @@ def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool 
         if len(classes) < 2:
             raise ValueError(f"{root}: an image folder needs at least two class folders, found {len(classes)}"
                              f"{' (' + ', '.join(classes) + ')' if classes else ''}")
-    else:
-        extra = sorted(set(found) - set(classes))
-        if extra:
-            raise ValueError(f"{root}: class folders not in the training set: {', '.join(extra[:5])}")
+    elif extra := sorted(set(found) - set(classes)):
+        raise ValueError(f"{root}: class folders not in the training set: {', '.join(extra[:5])}")
     samples = []
     for label, name in enumerate(classes):
         folder = root / name

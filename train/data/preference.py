@@ -101,8 +101,7 @@ def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], lis
         return ids, labels, False
     first = next((i for i, t in enumerate(labels) if t != IGNORE), len(labels))
     cut = max(0, min(first - max_len // 2, len(ids) - max_len))  # keep at least half the window for the response
-    ids, labels = ids[cut:cut + max_len], labels[cut:cut + max_len]
-    return ids, labels, True
+    return ids[cut:cut + max_len], labels[cut:cut + max_len], True
 
 
 def synthetic_pairs(split: str, n: int) -> list[dict]:
@@ -112,8 +111,7 @@ def synthetic_pairs(split: str, n: int) -> list[dict]:
     k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
     rows = []
     for i, c in enumerate(convs[:n]):
-        other = convs[i + k][-1]["content"]
-        if other != c[-1]["content"]:
+        if (other := convs[i + k][-1]["content"]) != c[-1]["content"]:
             rows.append({"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other})
     return rows
 

@@ -102,8 +102,7 @@ def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
         if size < off + 2 * n:
             raise DataError(f"{f}: llm.c shard truncated ({size} bytes for a header saying {n:,} tokens)")
         return np.memmap(f, dtype="<u2", mode="r", offset=off, shape=(n,)) if n else np.zeros(0, np.uint16)
-    item = np.dtype(dtype).itemsize
-    if size % item:
+    if size % (item := np.dtype(dtype).itemsize):
         raise DataError(f"{f}: {size} bytes is not a whole number of {dtype} tokens (data.token_dtype)")
     return np.memmap(f, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 

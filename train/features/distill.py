@@ -24,8 +24,7 @@ def load_teacher(cfg, task, model: nn.Module, device: torch.device, say) -> Opti
     except (ValueError, FileNotFoundError, OSError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{cfg.source}: train.teacher: {first}") from None
-    why = task.check_teacher(teacher, model)
-    if why:
+    if why := task.check_teacher(teacher, model):
         raise ConfigError(f"{cfg.source}: train.teacher={path}: {why}")
     teacher = teacher.float().to(device).eval().requires_grad_(False)
     if cfg.train.channels_last:

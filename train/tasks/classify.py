@@ -370,8 +370,7 @@ class ClassifyTask(Task):
             bn.momentum = m
 
     def evaluate(self, model):
-        own = getattr(self, "model", None)
-        if own is not None and model is not own and self.cfg.data.ema_bn_batches:  # the loop's EMA copy
+        if (own := getattr(self, "model", None)) is not None and model is not own and self.cfg.data.ema_bn_batches:  # the loop's EMA copy
             self.recalibrate_bn(model, self.cfg.data.ema_bn_batches)
         logits, y = self.predict(model)
         k = min(5, logits.shape[1])

@@ -373,8 +373,7 @@ class LMTask(Task):
     def save_files(self, out_dir):
         """The tokenizer beside model.safetensors, so the run folder loads and fine-tunes on its own (with
         the special tokens and chat template of train.init_from's tokenizer_config.json)."""
-        tok = getattr(self.data.tokenizer, "model_path", None)
-        if tok is not None:
+        if (tok := getattr(self.data.tokenizer, "model_path", None)) is not None:
             name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"
             atomic_write(Path(out_dir) / name, Path(tok).read_bytes())
             config = Path(tok).with_name("tokenizer_config.json")

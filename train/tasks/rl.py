@@ -95,10 +95,9 @@ def advantages(rewards: torch.Tensor, algorithm: str, eps: float = 1e-4) -> torc
 
 def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip_high: float, kl_beta: float,
                 max_new_tokens: int, n_seqs: Optional[float] = None, n_tokens: Optional[float] = None):
-    """The clipped objective of completions: logp, old, ref, mask (N, T) (ref None when kl_beta is 0),
-    adv (N,). n_seqs and n_tokens: the whole batch's (over micro-batches and processes; default these
-    rows'), so that the parts' losses add up to the batch's. -> (loss, {clip, kl} sums over the tokens;
-    gspo: a clipped completion counts all its tokens)."""
+    """The clipped objective of completions: logp, old, ref, mask (N, T) (ref None when kl_beta is 0), adv
+    (N,). n_seqs, n_tokens: the whole batch's (default these rows'), so the parts' losses add up to the batch's.
+    -> (loss, {clip, kl} sums over the tokens; gspo: a clipped completion counts all its tokens)."""
     mask = mask.float()
     lengths, log_ratio = mask.sum(1).clamp(min=1), logp - old
     if algorithm == "gspo":  # one ratio per completion: the geometric mean of its tokens' ratios
@@ -286,8 +285,7 @@ class RLTask(PostTrainingTask):
         scale = 1
         if "step" in batch:
             step, micro = batch["step"], batch["micro"]
-            key = step // self.cfg.rl.updates_per_batch
-            if key != self._key:
+            if (key := step // self.cfg.rl.updates_per_batch) != self._key:
                 self._rollouts, self._key = self.rollouts(model, key), key
             t = self.cfg.train
             n = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
