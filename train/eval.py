@@ -75,31 +75,31 @@ def score_sequences(model, seqs: list, device, batch_size: int = 16, autocast=No
 
 
 # ----------------------------------------------------------------------------- task files
-def _choice_row(row):
-    context, choices, answer = row["context"], row["choices"], row["answer"]
-    if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
-            or not all(isinstance(c, str) and c for c in choices):
-        raise TypeError("context must be a string and choices a list of at least two non-empty strings")
-    if isinstance(answer, str):
-        if answer not in choices:
-            raise ValueError(f"answer {answer!r} is not one of the choices")
-        answer = choices.index(answer)
-    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
-        raise ValueError(f"answer must be a choice or its index in [0, {len(choices)}), got {answer!r}")
-    return {"kind": "choice", "context": context, "choices": choices, "answer": answer}
-
-
-def _generation_row(row):
-    until = row.get("until")
-    if until is not None and not (isinstance(until, list) and all(isinstance(u, str) and u for u in until)):
-        raise TypeError("until must be a list of non-empty strings")
-    if not isinstance(row["expected"], str):
-        raise TypeError("expected must be a string")
-    prompt_messages(row["prompt"])
-    return {"kind": "generation", "prompt": row["prompt"], "expected": row["expected"], "until": until}
-
-
-def _loss_row(row):
+def parse_row(row: dict) -> dict:
+    """A task row, checked, by what it holds: choices, expected (generation), answer (reward) or a loss row."""
+    if "choices" in row:
+        context, choices, answer = row["context"], row["choices"], row["answer"]
+        if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
+                or not all(isinstance(c, str) and c for c in choices):
+            raise TypeError("context must be a string and choices a list of at least two non-empty strings")
+        if isinstance(answer, str):
+            if answer not in choices:
+                raise ValueError(f"answer {answer!r} is not one of the choices")
+            answer = choices.index(answer)
+        if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+            raise ValueError(f"answer must be a choice or its index in [0, {len(choices)}), got {answer!r}")
+        return {"kind": "choice", "context": context, "choices": choices, "answer": answer}
+    if "expected" in row:
+        until = row.get("until")
+        if until is not None and not (isinstance(until, list) and all(isinstance(u, str) and u for u in until)):
+            raise TypeError("until must be a list of non-empty strings")
+        if not isinstance(row["expected"], str):
+            raise TypeError("expected must be a string")
+        prompt_messages(row["prompt"])
+        return {"kind": "generation", "prompt": row["prompt"], "expected": row["expected"], "until": until}
+    if "answer" in row:
+        from train.data.prompts import prompt_row
+        return {"kind": "reward", **prompt_row(row)}
     if "messages" in row:
         msgs = prompt_messages(row["messages"])
         if msgs[-1]["role"] != "assistant":
@@ -111,17 +111,6 @@ def _loss_row(row):
     if not isinstance(row["text"], str) or not row["text"]:
         raise TypeError("text must be a non-empty string")
     return {"kind": "loss", "prompt": None, "completion": row["text"]}
-
-
-def parse_row(row: dict) -> dict:
-    if "choices" in row:
-        return _choice_row(row)
-    if "expected" in row:
-        return _generation_row(row)
-    if "answer" in row:
-        from train.data.prompts import prompt_row
-        return {"kind": "reward", **prompt_row(row)}
-    return _loss_row(row)
 
 
 def read_task(path, log=print) -> tuple[str, list[dict]]:

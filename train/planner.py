@@ -478,13 +478,15 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
                  "ema": ema, "inputs": sim.inputs, "activations": activations}
     if target.type == "cpu":
-        allocator = cpu_margin(cfg.family, sum(breakdown.values()))
         share, constant = CPU_MARGIN.get(cfg.family, CPU_MARGIN_OTHER)
+        allocator = round(share * sum(breakdown.values())) + constant
         notes.append(f"CPU: the allocator's margin for the {cfg.family} family is {share:.0%} of the tensors' peak "
                      f"plus {fmt_bytes(constant)}, chosen to err high (docs/memory.md)")
     breakdown["allocator"] = max(0, allocator)
-    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, _kv_cache_bytes(cfg, B, device), host,
-                devices, sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
+    m = cfg.model  # the KV cache of generation at the run's batch and model.max_seq_len
+    kv = 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * \
+        (_precision(cfg, device) or torch.float32).itemsize if cfg.family == "llm" else None
+    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices, sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
 
 
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
@@ -494,12 +496,6 @@ CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the cac
 # and what no tensor holds (autograd objects, BLAS/oneDNN buffers); errs high (`bench.py memory`).
 CPU_MARGIN = {"llm": (0.5, 32 * MiB), "convnet": (0.8, 64 * MiB), "diffusion": (0.3, 48 * MiB)}
 CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
-
-
-def cpu_margin(family: str, tensors: int) -> int:
-    """The CPU allocator's margin over a step whose tensors peak at `tensors` bytes."""
-    share, constant = CPU_MARGIN.get(family, CPU_MARGIN_OTHER)
-    return round(share * tensors) + constant
 
 
 def allocator_overhead(events, device) -> int:
@@ -543,13 +539,6 @@ def _static(cfg, device, B) -> Simulated:
 def repeated_units_sizes(cfg, device) -> list[int]:
     with _fake_model(cfg, device) as model:
         return [_bytes(u.parameters()) for u in repeated_units(model)]
-
-
-def _kv_cache_bytes(cfg, B, device) -> Optional[int]:
-    if cfg.family != "llm":
-        return None
-    m, dt = cfg.model, _precision(cfg, device) or torch.float32
-    return 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * dt.itemsize
 
 
 # ------------------------------------------------------------------------------ what makes it fit

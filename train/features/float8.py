@@ -16,10 +16,6 @@ from torch import nn
 from zoo.quantization import kept
 
 
-def has_float8_matmul(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def float8_targets(model: nn.Module, t) -> list[str]:
     """The qualified names of the linears `train.float8` converts."""
     from torchao.float8 import _auto_filter_for_recipe
@@ -41,7 +37,7 @@ def prepare(model: nn.Module, t, device: torch.device, fsdp: bool, say) -> nn.Mo
     if not names:
         raise ValueError(f"train.float8: none of the {total} linears can be converted (train.float8_keep="
                          f"{t.float8_keep}, dimensions not multiples of 16, or train.float8_skip_small)")
-    real = has_float8_matmul(device)
+    real = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
     cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name(t.float8_recipe), emulate=not real,
                               enable_fsdp_float8_all_gather=fsdp and real and t.float8_recipe == "tensorwise")
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, name: name in names)
