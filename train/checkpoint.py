@@ -324,19 +324,14 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
-        log(_resumed_note(path, state))
+        was, now = state.get("resharded", (0, 0))  # the world sizes when the checkpoint was resharded
+        log(f"resumed from {path} (step {state['step']})"
+            + (f" written by {was} process{'es' if was > 1 else ''}, resharded to {now}" if was else ""))
         return dict(state, path=str(path))
     if found:
         raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {found} checkpoints is usable (see "
                               f"log.txt); move them away or set train.resume=false to start over")
     return None
-
-
-def _resumed_note(path, state: dict) -> str:
-    """The log line of a resume, with the world sizes when the checkpoint was resharded."""
-    was, now = state.get("resharded", (0, 0))
-    return f"resumed from {path} (step {state['step']})" + (
-        f" written by {was} process{'es' if was > 1 else ''}, resharded to {now}" if was else "")
 
 
 def _first_verified(paths: list, log) -> list:

@@ -465,7 +465,8 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     elif cfg.optim.name == "adamw_offload":
         notes.append("optim.name=adamw_offload runs as AdamW on a CPU (its states are in host memory already)")
     if sharding == "fsdp2" and devices > 1:  # the block running and the one prefetched, unsharded:
-        gathered = 2 * max(repeated_units_sizes(cfg, device), default=0)
+        with _fake_model(cfg, device) as model:
+            gathered = 2 * max((_bytes(u.parameters()) for u in repeated_units(model)), default=0)
         params, grads, states = params // devices, grads // devices, states // devices
         activations += gathered
         notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
@@ -534,11 +535,6 @@ def _static(cfg, device, B) -> Simulated:
         grads = sum(p.numel() * p.element_size() for p in params)
         pb, bb = _bytes(model.parameters()), _bytes(model.buffers()) + mask_bytes(model, cfg.train)
     return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
-
-
-def repeated_units_sizes(cfg, device) -> list[int]:
-    with _fake_model(cfg, device) as model:
-        return [_bytes(u.parameters()) for u in repeated_units(model)]
 
 
 # ------------------------------------------------------------------------------ what makes it fit

@@ -125,7 +125,11 @@ class LMTask(Task):
             whose = f"data's (largest id {vocab - 1})" if self.data.max_id + 1 == vocab else "tokenizer's"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"{whose} {vocab}")
-        self._say_attention()
+        backend, dtype = self.cfg.train.attn_backend, self.autocast_dtype or torch.float32
+        resolve = attention_docs.resolve_backend if self.documents else attention.resolve_backend
+        picked = resolve(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
+        why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
+        self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
         return model
 
     def _use(self, model):
@@ -135,13 +139,6 @@ class LMTask(Task):
         self._use(model)
         x = torch.zeros(batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
         return x, torch.zeros_like(x)
-
-    def _say_attention(self):
-        backend, dtype = self.cfg.train.attn_backend, self.autocast_dtype or torch.float32
-        resolve = attention_docs.resolve_backend if self.documents else attention.resolve_backend
-        picked = resolve(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
-        why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
-        self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
 
     def unfreeze_groups(self, model):
         """The LM head with the final norm, then the blocks from the last, then the embedding."""

@@ -199,12 +199,14 @@ class RLTask(PostTrainingTask):
         rows = [self.data.train[i] for i in idx for _ in range(G)]
         gens = [torch.Generator(self.device).manual_seed(hash((*seeds[k // G], k % G)) & 0x7FFF_FFFF_FFFF_FFFF)
                 for k in range(len(rows))]
-        t0 = time.perf_counter()
+        # rl.compile: the decoding step of fixed shapes (one CUDA graph replayed on a GPU), but under FSDP2, whose
+        # gathered weights change between steps, the compiled step
+        fsdp, t0 = self.cfg.train.parallel == "fsdp", time.perf_counter()
         with self.autocast():
             prompt, comp, texts, cut = complete(model, self.data.tokenizer, self.chat_template,
                                                 [r["prompt"] for r in rows], rl.max_new_tokens, rl.temperature,
-                                                rl.top_p, gens, self.cfg.data.seq_len,
-                                                stop_early=self.cfg.train.parallel != "fsdp", compile=self._compile())
+                                                rl.top_p, gens, self.cfg.data.seq_len, stop_early=not fsdp,
+                                                compile=rl.compile and (True if fsdp else "reduce-overhead"))
         seconds = time.perf_counter() - t0
         values = score(self.rewards, texts, [r["answer"] for r in rows], [r["prompt"] for r in rows])
         total = [sum(w * v[k] for (_, w, _), v in zip(self.rewards, values)) for k in range(len(rows))]
@@ -213,11 +215,6 @@ class RLTask(PostTrainingTask):
             total = [t + overlong_penalty(len(c), rl.max_new_tokens, buf) for t, c in zip(total, comp)]
         return {"prompt": prompt, "comp": comp, "cut": cut, "values": values, "total": total,
                 "seconds": seconds, "tokens": sum(map(len, comp))}
-
-    def _compile(self):
-        """generate's `compile` for rl.compile: the decoding step of fixed shapes (one CUDA graph replayed
-        on a GPU), but under FSDP2, whose gathered weights change between steps: the compiled step."""
-        return self.cfg.rl.compile and (True if self.cfg.train.parallel == "fsdp" else "reduce-overhead")
 
     @torch.no_grad()
     def rollouts(self, model, key: int) -> dict:
