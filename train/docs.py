@@ -237,8 +237,7 @@ def config_classes() -> dict[str, type]:
 
 
 def _sources(cls):
-    """The dedented source of cls and of each dataclass it derives from, the base first: a field's comment
-    and group are those of the last class to declare it."""
+    """The dedented source of cls and its dataclass bases, base first (a field's comment is its last declarer's)."""
     for c in reversed(cls.__mro__):
         if dataclasses.is_dataclass(c):
             yield textwrap.dedent("".join(inspect.getsourcelines(c)[0]))

@@ -328,8 +328,7 @@ def metric_row(results: dict) -> dict[str, float]:
 
 
 def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
-    """Accuracy per class of `pred` against labels `y` -> (rows (name, n, acc), the table headed by the
-    `weights` it is of, its head line, its total line)."""
+    """Per-class accuracy of `pred` against `y` -> (rows (name, n, acc), table of `weights`, its head, its total)."""
     rows = [(name, int((y == c).sum()), (pred[y == c] == c).float().mean().item())
             for c, name in enumerate(classes) if (y == c).any()]
     head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"

@@ -169,8 +169,7 @@ _GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", N
 
 
 def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
-    """An empty result of aten._grouped_mm's shape: its shape function refuses fp32, which the CPU
-    kernel runs (MoE layers planned in fp32)."""
+    """An empty result of aten._grouped_mm's shape (its shape function refuses the fp32 the CPU kernel runs)."""
     if a.dim() == 2 and b.dim() == 3:
         shape = (a.shape[0], b.shape[-1])
     elif a.dim() == 2 and b.dim() == 2:

@@ -394,8 +394,7 @@ def find_template(folder) -> Optional[ChatTemplate]:
 
 
 def choose_template(name: Optional[str], own: Optional[ChatTemplate] = None) -> Optional[ChatTemplate]:
-    """The template `name` names, as data.template and --template do: `none` (no template), a built-in
-    name or a path; null: `own` (the model's)."""
+    """The template `name` names (data.template, --template): `none`, a built-in name or a path; null: `own`."""
     if name in BUILTIN:
         return ChatTemplate.builtin(name)
     return None if name == "none" else ChatTemplate.from_pretrained(name) if name is not None else own
@@ -468,8 +467,7 @@ def token_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]
 
 
 def _sentencepiece_offsets(sp, text: str):
-    """sentencepiece with its control pieces (<s>, </s>) written in the text read as those tokens,
-    as transformers' sentencepiece tokenizers read them."""
+    """sentencepiece, control pieces (<s>, </s>) written in the text read as those tokens, as transformers does."""
     controls = {sp.id_to_piece(i): i for i in (sp.bos_id(), sp.eos_id()) if i >= 0}
     pieces = re.split("(" + "|".join(map(re.escape, controls)) + ")", text) if controls else [text]
     ids, offsets, pos = [], [], 0

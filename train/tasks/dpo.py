@@ -115,9 +115,8 @@ class DPOTask(PostTrainingTask):
         x, y, _ = batch
         logps, n = sequence_logps(model, x, y)
         d = self.cfg.data
-        if d.loss == "dpo":
-            return preference_loss(logps, self.reference_logps(model, batch), n, "dpo", d.beta, d.label_smoothing)
-        return preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma)
+        ref = self.reference_logps(model, batch) if d.loss == "dpo" else None
+        return preference_loss(logps, ref, n, d.loss, d.beta, d.label_smoothing, d.simpo_gamma)
 
     def loss(self, model, batch):
         losses, rc, rr = self.pair_loss(model, batch)
@@ -129,9 +128,8 @@ class DPOTask(PostTrainingTask):
         if self._pair_sums is None:
             return {}
         s, self._pair_sums = self._pair_sums, None
-        out = pair_metrics(self.sum_across_ranks(s))  # every rank logs at the same steps: all pairs counted
-        del out["loss"]  # the row's own `loss`
-        return out
+        # every rank logs at the same steps: all pairs counted; the row's own `loss` is the step's
+        return {k: v for k, v in pair_metrics(self.sum_across_ranks(s)).items() if k != "loss"}
 
     @torch.no_grad()
     def evaluate(self, model):
@@ -142,8 +140,7 @@ class DPOTask(PostTrainingTask):
                 with self.autocast():
                     now = pair_sums(*self.pair_loss(model, self._batch(pairs, range(n + i, n + i + len(pairs)))))
                 sums = now if sums is None else sums + now
-        out = {f"val_{k}": v for k, v in pair_metrics(sums).items()}
-        return {**out, **self.eval_tasks(model)}
+        return {**{f"val_{k}": v for k, v in pair_metrics(sums).items()}, **self.eval_tasks(model)}
 
     def flops_per_item(self, model):
         """Per position: the policy's forward and backward, plus the reference's forward (DPO)."""

@@ -194,8 +194,7 @@ class LMTask(Task):
         return self.forward_loss(model, x, y, self.doc_inputs(x))
 
     def forward_loss(self, model, x, y, docs: dict):
-        """(the training loss of x and targets y with the document keywords `docs`, train.teacher's distillation
-        and the MoE / MoD terms; the tokens it covers)."""
+        """(the loss of x and y with document keywords `docs`, distillation and the MoE / MoD terms; the tokens)."""
         kw = dict(docs)
         if self.teacher is not None:  # its final hidden states only: the logits are made chunk by chunk
             with torch.no_grad():
