@@ -126,19 +126,16 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
                                     **({} if interval else {"interval": False}), "files": files}, indent=1))
     fsync_file(manifest)
     fsync_dir(tmp)
+    old = root / f".old-{final.name}-{tag}"
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-        old = root / f".old-{final.name}-{tag}"
         os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_dir(root)
     every = list_checkpoints(out_dir)
     kept = set(interval_checkpoints(out_dir)[:keep]) | set(every[:1])
-    for stale in every:
-        if stale not in kept:
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in (p for p in every if p not in kept):
+        shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):  # temporary directories of killed writers
         if not leftover.name.endswith(f"-{tag}"):
             shutil.rmtree(leftover, ignore_errors=True)

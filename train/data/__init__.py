@@ -314,12 +314,11 @@ class TokenData:
             pre = is_pretokenized(cfg.val_path)
             v = self._source(cfg.val_path, pre)
             vals = [TokenStream([*v[0].parts, *(v[1].parts if pre and v[1] is not None else [])])]
-        elif any(v is None for v in vals):  # pre-tokenized without val files: the token tail
-            for i, v in enumerate(vals):
-                if v is None:
-                    n = len(trains[i])
-                    n_val = max(int(n * cfg.val_fraction), T + 1)
-                    trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
+        for i, v in enumerate(vals):
+            if v is None:  # pre-tokenized without val files: the token tail
+                n = len(trains[i])
+                n_val = max(int(n * cfg.val_fraction), T + 1)
+                trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
         for s, t in zip(specs, trains):
             if len(t) < T + 1:
                 raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "
