@@ -34,12 +34,10 @@ REQUIRED_DCP = (".metadata", "state.pt")  # a sharded checkpoint (train/distribu
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(),
+             "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                       "cached_gaussian": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -153,9 +151,8 @@ def verify_checkpoint(path: Path) -> dict:
         sums = {name: str(meta["crc32"]) for name, meta in files.items() if "crc32" in meta}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ValueError(f"{man}: unreadable manifest") from None
-    for name in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED):
-        if name not in files:
-            raise ValueError(f"{man}: does not list {name}")
+    if unlisted := [n for n in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED) if n not in files]:
+        raise ValueError(f"{man}: does not list {unlisted[0]}")
     for name in files:
         f = path / name
         if not f.is_file() or f.parent != path:

@@ -1,8 +1,5 @@
-"""What the machine can do, measured the same way by the loop and the benchmarks.
-
-`measure_peak_flops` (`vendor_peak_flops` on known GPUs): the denominator of every MFU figure; `sync`,
-`peak_memory_gb`; `keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory or not.
-"""
+"""What the machine can do, measured the same way by the loop and the benchmarks (MFU's denominator, peak
+memory), and glibc told to keep freed memory (train.cpu_keep_memory)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,10 +1,6 @@
 """The run's model, built one way for the run builder (train/builder.py) and the memory planner
-(train/planner.py), so that what the planner counts is what the loop trains.
-
-    model = build_model(cfg, task, device, say)   # the task's model; without a task a fresh one of cfg.model
-
-`apply_runtime` sets how a built model runs (attention backend, activation checkpointing, chunked
-loss) from outside the model; the config is never changed.
+(train/planner.py), so that what the planner counts is what the loop trains. `apply_runtime` sets how a
+built model runs from outside the model; the config is never changed.
 """
 from __future__ import annotations
 

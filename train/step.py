@@ -1,8 +1,4 @@
-"""The training step and what it runs on: a leaf module (it imports no other part of the loop).
-
-`resolve_device`, `resolve_precision`, `setup_backends`, `DTYPES`, `autocast_for`; `optimizer_step`
-(one step over accumulated micro-batches) and its `StepResult`; `EMA`, `eval_mode`; `RunStopped` and exit codes.
-"""
+"""The training step and what it runs on (device, precision, backends, EMA, exit codes): a leaf module."""
 from __future__ import annotations
 
 import contextlib

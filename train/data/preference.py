@@ -1,9 +1,5 @@
-"""Prompt/response rows: reading jsonl, tokenising a prompt and its response, preference pairs.
-
-    ids, labels = encode_response(tokenizer, prompt, response, template)
-
-`encode_response`: labels are the ids on the response's (with a template, the assistant's) tokens,
--100 elsewhere. Preference rows are `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
+"""Prompt/response rows: reading jsonl, tokenising a prompt and its response (`encode_response`), and
+preference pairs: `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
 """
 from __future__ import annotations
 

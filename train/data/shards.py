@@ -1,7 +1,5 @@
 """Streaming preparation: a text source -> sharded token files and a document index, in bounded memory.
 
-    prepare(source, tokenizer, out, ...) -> Shards
-
 Worker processes tokenise chunks, the main process writes them in order to shards (shard-NNNNN.bin,
 shard-NNNNN.docs.npy, manifest.json); at most two chunks per worker in flight. Kill-safe: a rerun
 drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run.

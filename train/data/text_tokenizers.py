@@ -1,8 +1,5 @@
 """Tokenizers of the text data: bytes, sentencepiece (trained on a sample of the corpus, or a
 tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none).
-
-`train_sentencepiece` trains on a reservoir sample of documents drawn across the whole corpus
-(`sample_documents`), never on its first characters only.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Checkpoint averaging (`train.average_last: K`): the weights of the run's last K checkpoints
-averaged (`uniform`, or `linear`: the newest counts most), written to
-`<out_dir>/model_avg.safetensors` and evaluated beside the final weights (`avg_*`). Floating-point
-tensors are averaged in fp32, others come from the newest. One-process and DCP checkpoints alike
-are read back whole in this process, so under torchrun rank 0 averages alone, no collective.
+"""Checkpoint averaging (`train.average_last: K`): the last K checkpoints' weights averaged (`uniform`, or
+`linear`: the newest counts most; floating-point tensors in fp32, others the newest's) into
+`<out_dir>/model_avg.safetensors`, evaluated as `avg_*`. One-process and DCP checkpoints alike are read
+back whole, so under torchrun rank 0 averages alone, no collective.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5, and
-timm's training recipe as data keys (train/data/images.py).
-
-Data: `digits` (the embedded default) or an ImageFolder-style directory (docs/convnet.md).
+"""Image classification (the ConvNet family) on `digits` (the embedded default) or an image folder:
+cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md).
 """
 from __future__ import annotations
 

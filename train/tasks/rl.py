@@ -1,8 +1,8 @@
 """Reinforcement learning with verifiable rewards (`data.format: prompts`, the `rl:` section).
 
-Each batch of rollouts: group_size completions of every prompt, sampled on Zoo's batched KV-cache
-generation (eval mode, no grad), scored by the rewards, turned into advantages within each group;
-then the PPO-style clipped objective over the completions' tokens, with an optional KL term:
+Each batch of rollouts: group_size completions of every prompt, sampled on Zoo's batched KV-cache generation
+(eval mode, no grad), scored, turned into advantages within each group; then the PPO-style clipped objective
+over the completions' tokens, with an optional KL term:
     ratio = exp(logp - logp_old);  per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A)
                                               + kl_beta (exp(ref - logp) - (ref - logp) - 1)   (k3)
 GRPO (Shao et al., "DeepSeekMath", 2024): A = (r - mean) / (std + eps) in the group; each completion's
@@ -13,10 +13,9 @@ DAPO (Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scal
     token mean over the whole batch, a higher clip_high, dynamic sampling, overlong shaping.
 GSPO (Zheng et al., "Group Sequence Policy Optimization", 2025): GRPO's A and aggregation, one ratio per
     completion, exp(the mean over its tokens of logp - logp_old), clipped per completion (tight clips).
-What is recomputed: the sampler's log-probabilities are not kept. The loss runs a training-mode forward
-over prompt + completion (the graph the gradient needs), and the old log-probs of updates_per_batch > 1
-come from that same forward without grad right after sampling, not from the decode steps (other kernels:
-cache, compilation, padding, bf16): so the ratio is exactly 1 at a batch's first update.
+The sampler's log-probabilities are not kept: the loss runs a training-mode forward over prompt + completion,
+and the old log-probs of updates_per_batch > 1 come from that forward without grad right after sampling, not
+from the decode steps (other kernels: cache, compilation, padding), so the ratio is exactly 1 at first.
 """
 from __future__ import annotations
 

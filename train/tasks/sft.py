@@ -1,9 +1,6 @@
-"""Chat fine-tuning (SFT) of an LLM: conversations rendered with the model's chat template, the
-loss on the assistant's tokens only.
-
-The post-training task (post_training.py) with conversations for data (train/data/chat_data.py) for
-`data.format: messages | prompt_completion | alpaca`; evaluation adds `val_exact_match`.
-"""
+"""Chat fine-tuning (SFT) of an LLM (`data.format: messages | prompt_completion | alpaca`): conversations
+rendered with the model's chat template, the loss on the assistant's tokens only; evaluation adds
+`val_exact_match`."""
 from __future__ import annotations
 
 import hashlib
