@@ -1,10 +1,6 @@
-"""The run builder: a run config -> everything a training step needs, built one way for all.
-
-    run = build_run(cfg, say)            # device, precision, task, model, adapters, pruning, unfreezing,
-                                         # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
-
-The loop, the LR finder and the benchmarks build here; the model is train/model.py's, which the memory
-planner builds too, so they cannot disagree. The config is never changed.
+"""The run builder: a run config -> everything a training step needs (device, precision, task, model, adapters,
+pruning, unfreezing, wrapping, EMA, optimizer, scaler), built one way for the loop, the LR finder and the
+benchmarks; the model is train/model.py's, which the memory planner builds too. The config is never changed.
 """
 from __future__ import annotations
 

@@ -6,8 +6,6 @@
     train:  {...}          # TrainConfig below: the loop
     optim:  {...}          # OptimConfig below: optimizer and LR schedule
     adapter: {...}         # zoo.adapters.AdapterConfig: LoRA / DoRA / QLoRA / prefix tuning
-
-`load_run_config(path, overrides)` reads it, applies `key=value` overrides and validates every key.
 """
 from __future__ import annotations
 
