@@ -27,7 +27,9 @@ from train.data import DataError  # noqa: E402
 from train.data.conversations import token_offsets  # noqa: E402
 from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, prompt_messages,  # noqa: E402
                                    read_jsonl, response_text)
+from train.data.prompts import prompt_row, reward_fn, score  # noqa: E402
 from train.step import eval_mode  # noqa: E402
+from zoo.weights.files import atomic_write  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- log-likelihoods
@@ -98,7 +100,6 @@ def parse_row(row: dict) -> dict:
         prompt_messages(row["prompt"])
         return {"kind": "generation", "prompt": row["prompt"], "expected": row["expected"], "until": until}
     if "answer" in row:
-        from train.data.prompts import prompt_row
         return {"kind": "reward", **prompt_row(row)}
     if "messages" in row:
         msgs = prompt_messages(row["messages"])
@@ -272,7 +273,6 @@ def score_rewards(model, tokenizer, rows, device, template=None, batch_size=16, 
     """reward (the mean weighted total) and pass@1 (the first reward >= 1) of greedy completions of prompt
     rows, scored by `rewards` [(name, weight, fn)] (default numeric); samples k > 1: also pass@k, the share of
     prompts one of whose k sampled completions (each row's generator seeded by its index) is solved."""
-    from train.data.prompts import reward_fn, score
     rewards = rewards or [("numeric", 1.0, reward_fn("numeric"))]
     max_prompt = max(1, max_len - max_new_tokens) if max_len else None
 
@@ -395,7 +395,6 @@ def main(argv=None) -> int:
             model = zoo.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         except (ValueError, OSError) as e:
             raise ConfigError(f"{args.model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        from train.data.prompts import reward_fn
         rewards = [(r, 1.0, reward_fn(r, "--reward")) for r in args.reward or ["numeric"]]
         results = evaluate_files(model, tokenizer, args.task, device, template=template, batch_size=args.batch_size,
                                  max_new_tokens=args.max_new_tokens, delimiter=args.delimiter,
@@ -408,7 +407,6 @@ def main(argv=None) -> int:
     out = Path(args.json or (Path(args.model) / "eval.json" if Path(args.model).is_dir() else "eval.json"))
     if not args.details:
         results = {k: {m: v for m, v in r.items() if m != "details"} for k, r in results.items()}
-    from zoo.weights.files import atomic_write
     atomic_write(out, json.dumps({"model": str(args.model), "tasks": results}, indent=2))
     print(f"results: {out}")
     return 0
@@ -418,7 +416,6 @@ def evaluate_images(args) -> int:
     """A ConvNet run folder on a folder of class folders: accuracy and the per-class table (JSON too)."""
     from train.data.images import scan_image_folder
     from train.predict import load, probabilities
-    from zoo.weights.files import atomic_write
     try:
         model, prep = load(args.model, args.ema)
         _, samples = scan_image_folder(args.images, prep.classes)
