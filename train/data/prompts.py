@@ -118,15 +118,10 @@ def reward_fn(name: str, source: str = "<config>") -> Callable:
             return matches(arg)
         if kind == "length":
             return length_penalty(int(arg) if arg else 100)
-    except (re.error, ValueError) as e:
-        raise ConfigError(f"{source}: rl.rewards: {name!r}: {e}") from None
-    if kind and arg and "." not in arg:
-        try:
-            fn = getattr(_user_module(kind), arg)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{source}: rl.rewards: {name!r}: {e}") from None
-        if callable(fn):
+        if kind and arg and "." not in arg and callable(fn := getattr(_user_module(kind), arg)):
             return fn
+    except (re.error, ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"{source}: rl.rewards: {name!r}: {e}") from None
     raise ConfigError(f"{source}: rl.rewards: {name!r} is none of numeric, exact, contains, format:REGEX, "
                       f"length[:N] or module:function")
 
