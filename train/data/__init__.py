@@ -101,6 +101,15 @@ class TextDataConfig:
                                       f"got {lens}")
 
 
+class TokenizedRows:
+    """Rows tokenised by `tokenizer`, whose vocabulary bounds the ids (TokenData's `max_id`: pre-tokenized data)."""
+    max_id = -1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
 def check_files(paths, source, key):
     """A list of files that must exist (checked with the config, not when first read)."""
     for f in paths or ():

@@ -11,14 +11,12 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from . import DataError
+from . import DataError, TokenizedRows
 from .conversations import ChatDataConfig, ChatTemplate, _line_list
 from .packing import pack, pack_rows
 
 
-class ChatData:
-    max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound (TokenData's `max_id` for pre-tokenized data)
-
+class ChatData(TokenizedRows):
     def __init__(self, train_rows: list, val_rows: list, tokenizer, template: ChatTemplate, cfg: ChatDataConfig,
                  seed: int = 0, log=print):
         self.cfg, self.tokenizer, self.template, self.seed = cfg, tokenizer, template, seed
@@ -31,10 +29,6 @@ class ChatData:
             f"tokens ({100 * n_lab / max(n_tok, 1):.1f}% trained: "
             f"{'every token, data.train_on_prompt' if cfg.train_on_prompt else 'the assistant turns'}; template "
             f"{template.name}, vocab {tokenizer.vocab_size})")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
     def _encode(self, rows: list, split: str, log) -> tuple[list, list]:
         """[(messages, (file, line))] -> ([(inputs, targets)], [the conversations kept whole]); those the template

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import DataError
+from . import DataError, TokenizedRows
 
 IGNORE = -100
 
@@ -112,15 +112,12 @@ def synthetic_pairs(split: str, n: int) -> list[dict]:
     return rows
 
 
-class PreferenceData:
+class PreferenceData(TokenizedRows):
     """Preference pairs, tokenised: each pair is (chosen ids, chosen labels, rejected ids, rejected
     labels), at most `seq_len` tokens each, of the training and the held-out rows."""
 
-    max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound
-
     def __init__(self, rows: list[dict], val: list[dict], cfg, tokenizer, template=None, log=print):
-        self.tokenizer, self.template = tokenizer, template
-        self.truncated = 0
+        self.tokenizer, self.template, self.truncated = tokenizer, template, 0
         try:
             self.train = [self.encode(r, cfg.seq_len) for r in rows]
             self.val = [self.encode(r, cfg.seq_len) for r in val]
@@ -128,10 +125,6 @@ class PreferenceData:
             raise DataError(f"{cfg.path}: {e}: set data.template (e.g. chatml)") from None
         log(f"data: {cfg.path}: {len(self.train)} train + {len(self.val)} held-out preference pairs"
             + (f"; {self.truncated} responses truncated to data.seq_len={cfg.seq_len}" if self.truncated else ""))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
     def encode(self, row: dict, seq_len: int) -> tuple:
         out = []

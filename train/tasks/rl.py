@@ -30,6 +30,7 @@ import torch
 from zoo.adapters import adapters_disabled
 from zoo.config import ConfigError, bounded
 
+from ..data import TokenizedRows
 from ..data.conversations import PostTrainingDataConfig
 from ..data.prompts import arithmetic, read_prompts, reward_fn, score
 from ..eval import collate, complete, score_rewards, token_logps
@@ -138,16 +139,11 @@ def reward_keys(rewards) -> list[str]:
     return keys
 
 
-class Prompts:
+class Prompts(TokenizedRows):
     """The prompt rows of a run, train and val ([{prompt, answer}]), and the tokenizer."""
-    max_id = -1
 
     def __init__(self, train: list, val: list, tokenizer):
         self.train, self.val, self.tokenizer = train, val, tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
 
 class RLTask(PostTrainingTask):
