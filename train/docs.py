@@ -411,8 +411,7 @@ def main(argv=None) -> int:
     args, classes = p.parse_args(argv), config_classes()
     stale = []
     for page in sorted(DOCS.glob("*.md")):
-        text = page.read_text()
-        new, changed = update(text, classes, str(page))
+        new, changed = update(page.read_text(), classes, str(page))
         stale += [f"{page.relative_to(ROOT)}: {n if n.startswith(('table:', 'code:')) else 'keys:' + n}" for n in changed]
         if changed and not args.check:
             page.write_text(new)

@@ -38,9 +38,8 @@ MiB, GiB = 2 ** 20, 2 ** 30
 
 # ------------------------------------------------------------------------------ counting live bytes
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the tensor storages alive (added when an op first returns one, or by `add`;
-    subtracted when it dies); `peak` since the last `reset_peak()`. Real and fake tensors alike.
-    device: count only the tensors on a device of this type."""
+    """Counts the bytes of the tensor storages alive, real or fake (added when an op first returns one, or by
+    `add`; subtracted when it dies), and their `peak` since `reset_peak()`. device: only that device type's."""
 
     def __init__(self, device: Optional[str] = None, trace: Optional["AllocTrace"] = None):
         super().__init__()
@@ -84,9 +83,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 class AllocTrace:
-    """The order in which tensor storages are made and freed: [(key, +bytes) or (key, -bytes)], each
-    storage once however many counters see it. Replayed through the CUDA caching allocator's rules
-    (`cuda_reserved_peak`) it gives the memory that allocator holds at its peak."""
+    """The order in which tensor storages are made and freed, [(key, +bytes) or (key, -bytes)], each storage
+    once: replayed through the CUDA caching allocator's rules (`cuda_reserved_peak`) it gives its peak."""
 
     def __init__(self):
         self.events: list[tuple[int, int]] = []
@@ -112,9 +110,8 @@ class AllocTrace:
 
 
 def cuda_reserved_peak(events) -> int:
-    """The peak bytes PyTorch's CUDA caching allocator reserves for `events`, on its rules
-    (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, small and large pools, best fit, splitting,
-    merging, segments cached to the end). The CUDA context is not in it."""
+    """The peak bytes PyTorch's CUDA caching allocator reserves for `events` (CUDACachingAllocator.cpp: 512-byte
+    rounding, small and large pools, best fit, splitting, merging, segments cached), the CUDA context not in it."""
     import bisect
     reserved = peak = 0
     free: dict[bool, list] = {True: [], False: []}   # small pool? -> sorted [(size, segment, offset)]
@@ -183,9 +180,8 @@ def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
 
 # ------------------------------------------------------------------------------ optimizer states
 def adamw8bit_state_bytes(params) -> int:
-    """torchao's AdamW8bit: for a tensor of >= 4096 values (a multiple of the 256-value block) each of
-    the two moments is int8 codes, an fp32 scale per block and a 256-entry fp32 code map; smaller
-    tensors keep fp32 moments; plus a step counter per tensor."""
+    """torchao's AdamW8bit: per tensor of >= 4096 values (a multiple of the 256-value block) two int8 moments,
+    an fp32 scale per block and a 256-entry fp32 code map each; smaller tensors fp32 moments; a step count each."""
     total = 0
     for p in params:
         n = p.numel()
@@ -194,9 +190,8 @@ def adamw8bit_state_bytes(params) -> int:
 
 
 def planned_optimizer(model, params, cfg, device):
-    """(the optimizer to step on fake tensors, None) or (None, its state bytes from its layout) for
-    those whose step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and
-    optimizers with a `planned_state_bytes()` (GaLore)."""
+    """(the optimizer to step on fake tensors, None), or (None, its state bytes from its layout) for those whose
+    step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and GaLore (`planned_state_bytes`)."""
     if cfg.optim.name == "adamw8bit":
         return None, adamw8bit_state_bytes(params)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
@@ -204,9 +199,8 @@ def planned_optimizer(model, params, cfg, device):
 
 
 def fake_step(optimizer):
-    """optimizer.step() on fake tensors. An optimizer that reads a value back to Python (Adafactor's
-    step count, GaLore's) stops there, after making the state of the tensor it was on: then each
-    tensor is stepped on its own, so that every one gets its state (what the plan needs)."""
+    """optimizer.step() on fake tensors; an optimizer that reads a value back (Adafactor's, GaLore's step count)
+    stops there, so each tensor is then stepped alone, every one getting its state (what the plan needs)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
     with contextlib.suppress(DataDependentOutputException):
         optimizer.step()
@@ -414,9 +408,8 @@ def run_device(cfg) -> torch.device:
 
 
 def for_target(cfg, target: torch.device) -> tuple:
-    """(cfg as it runs on `target`, the device its step is simulated on, its precision and why). A CUDA
-    target without CUDA is simulated on the CPU's fake tensors, `auto` as bf16 and attention through
-    SDPA; the CUDA allocator's rules then apply."""
+    """(cfg as it runs on `target`, the device its step is simulated on, its precision and why): a CUDA target
+    without CUDA is simulated on the CPU's fake tensors, `auto` as bf16, attention through SDPA."""
     t, sim = cfg.train, target
     if target.type == "cuda" and not torch.cuda.is_available():
         sim = torch.device("cpu")
@@ -499,9 +492,8 @@ CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
 
 
 def allocator_overhead(events, device) -> int:
-    """What the CUDA caching allocator holds at its peak beyond the peak of the tensors alive, the
-    step's allocations replayed through its rules (`cuda_reserved_peak`) plus cuBLAS's workspace;
-    0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
+    """What the CUDA caching allocator holds at its peak beyond the tensors alive (`cuda_reserved_peak` of the
+    step's allocations) plus cuBLAS's workspace; 0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
     if device.type != "cuda":
         return 0
     live = peak_live = 0
@@ -616,9 +608,8 @@ def device_memory(device: torch.device) -> int:
 
 
 def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple[int, int]:
-    """train.batch_size=auto in the loop: the micro-batch of the run being resumed (its config.yaml),
-    else the largest that fits (find_batch_size); train.global_batch kept by accumulation. Under
-    torchrun (par) each rank finds its own per-rank micro-batch and all take the smallest found."""
+    """train.batch_size=auto in the loop: the resumed run's micro-batch (its config.yaml), else the largest that
+    fits (find_batch_size), train.global_batch kept by accumulation; under torchrun the ranks' smallest."""
     import yaml
     t, world = cfg.train, par.world if par is not None and par.active else 1
     if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
@@ -724,9 +715,8 @@ MEASURE_STEPS = 8
 
 
 def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
-    """The measured memory of `cfg`'s training on the CPU in this process (measure_in_subprocess: a
-    fresh one), along the loop's code path for `steps` steps: {start_rss (before the model is built),
-    hwm (VmHWM at the end), peak (hwm - start_rss: what the planner predicts), live (the tensors kept)}."""
+    """The measured CPU memory of `cfg`'s training in this process, along the loop's code path for `steps` steps:
+    {start_rss (before the model), hwm (VmHWM after), peak (hwm - start_rss: what is planned), live (tensors kept)}."""
     import gc
     device = torch.device("cpu")
     if cfg.train.cpu_keep_memory is not False:  # null: on, as under train/run.py; else glibc's defaults

@@ -13,7 +13,6 @@ import torch
 
 from .hardware import keep_freed_memory, measure_peak_flops, release_freed_memory
 
-EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
 EXIT_NONFINITE = 3         # too many non-finite losses in a row; the last good checkpoint is kept
 EXIT_PREEMPTED = 75        # SIGTERM/SIGINT: checkpoint written, run again to resume
@@ -31,11 +30,8 @@ class RunStopped(Exception):
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RunStopped(f"train.device={name}: CUDA is not available on this machine", EXIT_CONFIG)
@@ -133,10 +129,8 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = t.tf32, t.tf32
         torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
         log(f"backends: cuda, tf32={t.tf32}, cudnn.benchmark={torch.backends.cudnn.benchmark}")
-    else:
-        skipped = [k for k in ("tf32", "cudnn_benchmark") if getattr(t, k)]
-        if skipped:
-            log(f"backends: {device.type}: {', '.join(skipped)} skipped (CUDA only)")
+    elif skipped := [k for k in ("tf32", "cudnn_benchmark") if getattr(t, k)]:
+        log(f"backends: {device.type}: {', '.join(skipped)} skipped (CUDA only)")
     if t.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
