@@ -44,9 +44,8 @@ def _presets(family: str):
 
 
 def pretrained_table() -> dict:
-    """docs/pretrained.md's table, from the records (zoo/archs): each Hugging Face class, the Zoo features it
-    needs (bold) or may have, its GGUF architecture (read, and written where it is), and the presets in
-    configs/llm/ that export as it."""
+    """docs/pretrained.md's table from the records (zoo/archs): each Hugging Face class, the features it needs
+    (bold) or may have, its GGUF architecture (read; written where it is), the configs/llm/ presets exported as it."""
     from zoo.archs import RECORDS
     from zoo.weights import hf_llm
     presets = {}

@@ -25,9 +25,8 @@ PEAK_SIZES, PEAK_SIZE_DEFAULT = {"cpu": 1024}, 8192
 
 
 def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5, budget: float = 0.5) -> float:
-    """Achieved FLOP/s of an n x n matmul in the compute dtype (None: float32), n from `PEAK_SIZES` by
-    device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up, stopping once
-    `budget` seconds are spent (at least two)."""
+    """Achieved FLOP/s of an n x n matmul in `dtype` (None: fp32), n by device type (`PEAK_SIZES`): 2 n^3 over
+    the fastest of `reps` timed matmuls after a warm-up, stopping once `budget` seconds are spent (two at least)."""
     dt, n = dtype or torch.float32, PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
     a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
 
@@ -85,9 +84,8 @@ def libc():
 
 
 def keep_freed_memory() -> bool:
-    """Serve every allocation from the heap and never trim it (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB),
-    so a step's large tensors are not page-faulted in again every step. Process-wide, as CUDA's caching
-    allocator. Returns whether it applied."""
+    """Serve every allocation from the heap, never trimmed (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB), so a
+    step's large tensors are not page-faulted in again every step; process-wide, as CUDA's caching allocator."""
     c = libc()
     return c is not None and c.mallopt(_M_MMAP_MAX, 0) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
 

@@ -31,9 +31,8 @@ from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, RunStopped, clip
 
 
 def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
-    """Run (or resume) the training described by cfg. Returns the final metrics.
-    owns_process: the caller is a program that does nothing but this run (train/run.py); then
-    process-wide settings (train.cpu_keep_memory) apply by default and are not undone."""
+    """Run (or resume) the training described by cfg; returns the final metrics. owns_process: the caller does
+    nothing but this run (train/run.py), so process-wide settings (train.cpu_keep_memory) apply and stay."""
     t = cfg.train
     out, launch = Path(t.out_dir), launch_env()
     if launch.world > 1 and t.parallel == "none":

@@ -37,9 +37,8 @@ def read_rows(out_dir) -> list[dict]:
 
 
 def truncate(path: Path, step: int, finished: bool = False):
-    """On resume, drop rows logged after the checkpoint (they will be logged again) and a torn last
-    line of a killed writer. When resuming a finished run (the checkpoint is the last step), its
-    final evaluation rows are logged again too, so drop them."""
+    """On resume, drop the rows logged after the checkpoint (logged again) and a killed writer's torn last line;
+    resuming a finished run (checkpoint at the last step), its final evaluation rows too."""
     if not path.exists():
         return
     keep = []
@@ -153,9 +152,8 @@ class Metrics:
             return measure_peak_flops(device, self.run.amp_dtype)
 
     def _mfu(self, flops: float) -> float:
-        """Achieved FLOP/s per process over the peak, never above 1: an achieved rate over the peak
-        means the peak was measured low (a busy machine), so it is measured again once (the higher
-        kept), and what is still above is capped, both said in the log."""
+        """Achieved FLOP/s per process over the peak, never above 1: a peak measured low (a busy machine) is measured
+        again once, the higher kept, and what is still above is capped, both said in the log."""
         if flops > self.peak and not self.t.peak_flops and not self.remeasured:
             self.remeasured = True
             was, self.peak = self.peak, max(self.peak, self._measure_peak())

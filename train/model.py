@@ -64,9 +64,8 @@ def fresh_model(cfg) -> nn.Module:
 
 def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambda m: None,
                 fsdp: bool = False) -> nn.Module:
-    """The run's model in training mode on `device` (default: where it was built): task.build_model(), or
-    without a task `fresh_model(cfg)`; seeded by train.seed; runtime choices, channels-last, adapters,
-    float8 and QAT applied (fsdp: the model will be sharded by FSDP2)."""
+    """The run's model in training mode on `device` (default: where built): task.build_model() or `fresh_model`,
+    seeded by train.seed; runtime choices, channels-last, adapters, float8, QAT applied (fsdp: FSDP2 to come)."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model() if task is not None else fresh_model(cfg), cfg.train, say, cfg.source)
     model = (model if device is None else model.to(device)).train()  # from_pretrained returns eval mode

@@ -44,9 +44,8 @@ def frechet_distance(a, b) -> float:
 
 
 class Classifier:
-    """A trained Zoo ConvNet as the judge of images (N, C, H, W) in [0, 1]: normalised as in its
-    training, RGB turned grey for a one-channel model. `features` are the input of its final linear
-    layer (`classifier_name`), `logits` its output."""
+    """A trained Zoo ConvNet as the judge of images (N, C, H, W) in [0, 1], normalised as in its training (RGB
+    turned grey for one channel): `features` are its final linear layer's input, `logits` its output."""
 
     def __init__(self, model: torch.nn.Module, mean, std, batch_size: int = 256):
         self.model, self.in_chans = model.eval(), model.config.in_chans

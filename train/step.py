@@ -63,9 +63,8 @@ def matmul_speeds(device: torch.device, rounds: int = 6) -> tuple[float, float]:
 
 
 def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
-    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 with
-    bf16 instructions (`cpu_has_bf16`) unless it times under half fp32's speed, else fp32. An
-    explicit bf16 on a CPU that emulates it is kept, with a warning."""
+    """train.precision as it will run: 'auto' is bf16 on a GPU that supports it, on a CPU with bf16 instructions
+    unless it times under half fp32's speed, else fp32; an explicit bf16 a CPU emulates is kept, with a warning."""
     p = precision
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)

@@ -151,9 +151,8 @@ class _Writer:
 def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_chars: Optional[int] = None,
             boundary: tuple = (None, None), workers: int = 0, chunk_chars: int = 1 << 20,
             shard_tokens: int = 1 << 28, progress: bool = False, log=print) -> Shards:
-    """Prepare `source` into the folder `out` (created; resumed when a previous run was killed),
-    unless it is complete already. boundary: the (BOS, EOS) ids put around each document (None:
-    not put). workers: tokenising processes (0: one per core; 1: in this process)."""
+    """Prepare `source` into the folder `out` (resumed after a kill) unless complete already. boundary: the (BOS,
+    EOS) ids put around each document (None: not put). workers: tokenising processes (0: one per core)."""
     out = Path(out)
     done = read_manifest(out)
     if done and done.get("complete"):

@@ -231,9 +231,8 @@ def documents(path: str, column: str = "text", problems: Optional[Problems] = No
 
 
 def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: str = "text") -> str:
-    """All documents of a (small) source joined by blank lines, at most max_chars characters; bad
-    documents reported in one line; an empty corpus is an error. For small corpora and tests:
-    preparation (train/data/shards.py) streams instead."""
+    """All documents of a small source (tests; preparation streams) joined by blank lines, at most max_chars;
+    bad documents reported in one line; an empty corpus is an error."""
     problems = Problems()
     docs, parts, total = [], [], 0
     for d in documents(path, column, problems):

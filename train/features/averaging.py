@@ -29,9 +29,8 @@ def average_tensors(states: list[dict], weights: list[float]) -> dict:
 
 
 def checkpoint_weights(path: Path) -> dict:
-    """The model weights of one checkpoint directory as whole tensors on the CPU: a one-process
-    checkpoint's model.safetensors, or the "model" entries of a DCP checkpoint (written by any
-    number of ranks; their shapes and dtypes come from its .metadata)."""
+    """The model weights of a checkpoint directory, whole, on the CPU: model.safetensors, or a DCP checkpoint's
+    "model" entries (written by any number of ranks; their shapes and dtypes from its .metadata)."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return load_tensors(path / "model.safetensors")

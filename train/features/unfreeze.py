@@ -12,9 +12,8 @@ from torch import nn
 
 
 def add_param_groups(optimizer, model: nn.Module, params: list, weight_decay: float):
-    """Add the newly trainable `params` of `model` to `optimizer`, split as the optimizer was built
-    (`train.optim.param_groups`: weight decay on matrices, not on vectors and embeddings). Each
-    new group takes the optimizer's defaults for the other hyperparameters."""
+    """Add `model`'s newly trainable `params` to `optimizer`, split as it was built (weight decay on matrices only),
+    each new group with the optimizer's defaults for the other hyperparameters."""
     from ..optim import param_groups
     new = {id(p) for p in params}
     for g in param_groups(model, weight_decay):

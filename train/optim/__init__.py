@@ -115,9 +115,8 @@ def _adamw_offload(model, groups, cfg, device, log):
 
 @dataclass(frozen=True)
 class Optimizer:
-    """An entry of the registry: its builder (model, parameter groups, optim config, device, log)
-    -> torch optimizer, the package it needs (None: torch alone), and the train.parallel
-    strategies it runs under (the others are refused in one line, with why_not)."""
+    """A registry entry: its builder (model, param groups, optim config, device, log) -> optimizer, the package
+    it needs (None: torch alone), the train.parallel strategies it runs under (the others refused with why_not)."""
     build: Callable
     package: Optional[str] = None
     parallel: tuple = ("ddp", "fsdp")

@@ -101,9 +101,8 @@ class Task:
         return None
 
     def example_batch(self, model: nn.Module, batch_size: int) -> Any:
-        """A training batch of `batch_size` items shaped as train_batch's, made without the data (zeros, or
-        fake under a FakeTensorMode), on which `loss` works without setup(): the planner and the
-        batch-size finder run the step on it."""
+        """A batch of `batch_size` items shaped as train_batch's, made without the data (zeros, or fake under a
+        FakeTensorMode), on which `loss` works without setup(): the planner and the batch-size finder run on it."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
