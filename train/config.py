@@ -157,8 +157,7 @@ class TrainConfig:
     # -- several processes (torchrun)
     parallel: Literal["none", "ddp", "fsdp"] = "none"  # under `torchrun`: `ddp` or `fsdp` (FSDP2); `batch_size` is
                                             # per process; ignored by a plain `python train/run.py`
-    sync_bn: bool = False                   # with `parallel`: BatchNorm layers normalise with the statistics of the
-                                            # global batch
+    sync_bn: bool = False                   # with `parallel`: BatchNorm normalises with the global batch's statistics
 
     def validate(self, source, prefix="train."):
         if self.batch_size == "auto" and self.global_batch is None:

@@ -45,8 +45,7 @@ class ImageDataConfig:
     hflip: float = bounded(0.5, ge=0, le=1)  # train: horizontal flip probability (folders)
     shift: int = bounded(2, ge=0)           # train: random translation in pixels (digits; no flips for digits)
     mean: Optional[list[float]] = None      # null: ImageNet's (RGB) / 0.5 (digits, grey)
-    std: Optional[list[float]] = None       # normalisation; null: ImageNet's for RGB folders, 0.449/0.226 grey,
-                                            # 0.5/0.5 digits
+    std: Optional[list[float]] = None       # null: ImageNet's for RGB folders, 0.449/0.226 grey, 0.5/0.5 digits
     label_smoothing: float = bounded(0.1, ge=0, lt=1)  # cross-entropy label smoothing (of the mixed targets too)
     auto_augment: Literal["none", "randaugment", "trivialaugment"] = "none"  # train: torchvision's RandAugment or
                                             # TrivialAugmentWide on each image after the crop (the `convnet` extra)
@@ -368,7 +367,8 @@ class ClassifyTask(Task):
             bn.momentum = m
 
     def evaluate(self, model):
-        if (own := getattr(self, "model", None)) is not None and model is not own and self.cfg.data.ema_bn_batches:  # the loop's EMA copy
+        own = getattr(self, "model", None)
+        if own is not None and model is not own and self.cfg.data.ema_bn_batches:  # the loop's EMA copy
             self.recalibrate_bn(model, self.cfg.data.ema_bn_batches)
         logits, y = self.predict(model)
         k = min(5, logits.shape[1])

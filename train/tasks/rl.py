@@ -80,8 +80,7 @@ class RLConfig:
     max_refills: int = bounded(4, ge=0)     # dynamic sampling: extra rounds of sampling at most per batch
     overlong: Literal["none", "mask", "soft"] = "none"  # truncated completions: `mask` (left out of the loss) or
                                             # `soft` (DAPO's penalty over the last `overlong_buffer` tokens)
-    overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: a quarter of
-                                            # max_new_tokens
+    overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: max_new_tokens/4
     compile: bool = False                   # decode through torch.compile: the step of fixed shapes
                                             # (LLM.generate(compile="reduce-overhead")); FSDP2: compile=True
 
