@@ -48,6 +48,7 @@ class LMTask(Task):
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
     _sums: Optional[dict] = None
     boundary: Optional[str] = None  # data.boundary in force ('bos', 'eos', 'both'), with data.attention: document
+    chat_template = None  # the chat template the data is rendered with (None: plain text)
 
     @staticmethod
     def validate_config(cfg):
@@ -320,15 +321,12 @@ class LMTask(Task):
                         **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
         return out
 
-    def template(self):  # the chat template the data is rendered with (None: plain text)
-        return None
-
     def eval_tasks(self, model) -> dict[str, float]:
         """data.eval_tasks (train/eval.py) scored on `model`, as `eval_<file stem>_<metric>` numbers."""
         files = getattr(self.cfg.data, "eval_tasks", None)
         if not files:
             return {}
-        return metric_row(evaluate_files(model, self.data.tokenizer, files, self.device, self.template(),
+        return metric_row(evaluate_files(model, self.data.tokenizer, files, self.device, self.chat_template,
                                          self.cfg.train.batch_size, autocast=self.autocast, log=self.log))
 
     def flops_per_item(self, model):

@@ -31,9 +31,6 @@ class PostTrainingTask(LMTask):
     _placed = False             # the copy is on the device with the run's runtime choices
     _epoch, _order = None, None  # the epoch whose shuffled order of the training rows is at hand
 
-    def template(self) -> Optional[ChatTemplate]:
-        return self.chat_template
-
     def _template(self) -> Optional[ChatTemplate]:
         """data.template: `none`, a built-in name or a path; null: the checkpoint's own, else default_template."""
         t = self.cfg.data.template
