@@ -26,7 +26,6 @@ from .lm import LMTask
 class PostTrainingTask(LMTask):
     tokenizer_files = ("tokenizer.json", "tokenizer.model")  # tokenizer.json first: it reads a template's special tokens
     default_template: Optional[str] = None  # the built-in template when neither data.template nor the checkpoint has one
-    chat_template: Optional[ChatTemplate] = None
     reference = None            # a frozen copy of the initial model, when wants_reference() and no adapter
     _placed = False             # the copy is on the device with the run's runtime choices
     _epoch, _order = None, None  # the epoch whose shuffled order of the training rows is at hand
