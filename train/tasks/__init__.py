@@ -98,7 +98,6 @@ class Task:
     def step_hook(self, model: nn.Module) -> Optional[Callable[[], None]]:
         """What must run on the (unwrapped) model after every optimizer step, e.g. MoE bias balancing with
         its cross-rank reduction inside; None: nothing. The run builder registers it as a step hook."""
-        return None
 
     def example_batch(self, model: nn.Module, batch_size: int) -> Any:
         """A batch of `batch_size` items shaped as train_batch's, made without the data (zeros, or fake under a
@@ -123,12 +122,9 @@ class Task:
 
     def flops_per_item(self, model: nn.Module) -> Optional[float]:
         """Training FLOPs per item, for MFU; None if unknown."""
-        return None
 
     def samples(self, model: nn.Module, out_dir) -> Optional[str]:
         """Produce samples at the end of a run (text to print, files in out_dir)."""
-        return None
 
     def export(self, model: nn.Module, out_dir) -> Optional[str]:
         """Write the final model in an external format if the run asks for it; returns a path."""
-        return None
