@@ -133,15 +133,10 @@ def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> l
     """A uniform random sample of the documents totalling at most `budget_chars`, in one pass and bounded
     memory (the smallest random keys kept in a heap; a longer document cut); deterministic for a seed."""
     rng = random.Random(seed)
-    heap: list = []  # (-key, n, text): the largest key on top, evicted first
-    total = 0
+    heap, total = [], 0  # heap: (-key, n, text), the largest key on top, evicted first
     for n, text in enumerate(docs):
         text, key = text[:budget_chars], rng.random()
-        if total + len(text) <= budget_chars:
-            heapq.heappush(heap, (-key, n, text))
-            total += len(text)
-            continue
-        if heap and -heap[0][0] > key:  # smaller than the largest kept: make room for it
+        if total + len(text) <= budget_chars or (heap and -heap[0][0] > key):  # fits, or evicts larger keys
             heapq.heappush(heap, (-key, n, text))
             total += len(text)
             while total > budget_chars:
