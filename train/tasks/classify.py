@@ -305,8 +305,7 @@ class ClassifyTask(Task):
 
     def _val_batches(self):
         """(images, labels) over the validation set (or its first data.eval_images), on the device."""
-        B, limit = self.cfg.train.batch_size, self.cfg.data.eval_images or self.n_val
-        n = min(limit, self.n_val)
+        B, n = self.cfg.train.batch_size, min(self.cfg.data.eval_images or self.n_val, self.n_val)
         fmt = torch.channels_last if self.cfg.train.channels_last else torch.contiguous_format
         if self.digits:
             for i in range(0, n, B):
@@ -315,8 +314,7 @@ class ClassifyTask(Task):
         # a fixed, seeded subset when eval_images < the val set: every class is represented
         order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
         keys = [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))]
-        batches = [keys[i:i + B] for i in range(0, n, B)]
-        for x, y, bad in self._loader(self.val_set, batches):
+        for x, y, bad in self._loader(self.val_set, [keys[i:i + B] for i in range(0, n, B)]):
             self._report(bad)
             if x is not None:
                 yield (x.to(self.device, non_blocking=True).contiguous(memory_format=fmt),
@@ -372,8 +370,7 @@ class ClassifyTask(Task):
             self.recalibrate_bn(model, self.cfg.data.ema_bn_batches)
         logits, y = self.predict(model)
         k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hit = top == y[:, None]
+        hit = logits.topk(k, dim=1).indices == y[:, None]
         out = {"val_loss": F.cross_entropy(logits, y).item(), "val_acc1": hit[:, 0].float().mean().item()}
         if k == 5:
             out["val_acc5"] = hit.any(1).float().mean().item()
