@@ -179,7 +179,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         workers = workers or os.cpu_count() or 1
         total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
         writer = _Writer(out, meta, shard_tokens, resume)
-        bar, t0 = _Progress(total_bytes, max_chars, progress, source, workers), time.perf_counter()
+        bar, t0 = _Progress(total_bytes, max_chars, progress, workers), time.perf_counter()
         pool = None
         try:
             it = chunks(documents(source, column, problems), chunk_chars, max_chars)
@@ -245,7 +245,7 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
 class _Progress:
     """A tqdm bar over the source's bytes, with MB/s and tokens/s."""
 
-    def __init__(self, total_bytes: int, max_chars, on: bool, source: str, workers: int):
+    def __init__(self, total_bytes: int, max_chars, on: bool, workers: int):
         from tqdm import tqdm
         total = min(total_bytes, max_chars) if max_chars else total_bytes
         self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True,
