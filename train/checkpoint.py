@@ -78,8 +78,7 @@ def interval_checkpoints(out_dir) -> list[Path]:
 
 
 def set_aside(out_dir) -> Path:
-    """Move the checkpoints of a previous run out of the way (train.resume=false): a fresh run
-    must neither resume from them nor have its own checkpoints rotated away by their higher steps."""
+    """A previous run's checkpoints moved away (train.resume=false): neither resumed nor rotating this run's away."""
     root, stamp = Path(out_dir) / CKPT_DIR, time.strftime("%Y%m%d-%H%M%S")
     dest, n = root.with_name(f"{CKPT_DIR}.old-{stamp}"), 1
     while dest.exists():
@@ -171,8 +170,7 @@ class CheckpointError(ValueError):
 
 
 def read_state(path: Path) -> dict:
-    """state.pt through torch.load(weights_only=True): tensors and plain containers only, so a
-    file carrying a pickled object (code run on load) is refused without running it."""
+    """state.pt through torch.load(weights_only=True): a file carrying a pickled object is refused, not run."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling refused, truncated zip, ...: one line
@@ -280,8 +278,7 @@ def _every_tied_name(model, weights: dict) -> dict:
 
 
 def _by_name(model, optimizer, osd: dict) -> dict:
-    """A one-process optimizer state (parameters by their index; a Chained optimizer's by its parts' names)
-    keyed by parameter names, as DCP's full optimizer state dicts are."""
+    """A one-process optimizer state (by index; a Chained one's by part) keyed by parameter names, as DCP's are."""
     parts = getattr(optimizer, "optimizers", None)
     pairs = [(o, osd[k]) for k, o in parts.items()] if parts else [(optimizer, osd)]
     name = {id(p): n for n, p in model.named_parameters()}

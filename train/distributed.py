@@ -243,8 +243,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> int:
-    """Replace every BatchNorm2d in place by a synchronised one (torch.nn.SyncBatchNorm on GPUs,
-    CPUSyncBatchNorm elsewhere), keeping its parameters and statistics; returns how many."""
+    """Each BatchNorm2d made a synchronised one in place (SyncBatchNorm on GPUs, else CPUSyncBatchNorm); how many."""
     count = 0
     for parent in model.modules():
         for name, bn in list(parent.named_children()):

@@ -134,8 +134,7 @@ def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, autocast=None, max_len=None, **_):
-    """acc (highest summed log-likelihood) and acc_norm (per character of the choice) of multiple-choice
-    rows, ties to the first choice; and each row's log-likelihoods."""
+    """acc (highest log-likelihood) and acc_norm (per character) of choice rows, ties to the first; each row's."""
     seqs = []
     for r in rows:
         for c in r["choices"]:

@@ -48,8 +48,7 @@ def finish(run, out: Path, metrics, say):
 
 
 def consolidated(run):
-    """(model, EMA model) as one process would hold them, on rank 0 (None, None elsewhere): the module
-    itself for one process and DDP; under FSDP2 a model built anew with the gathered weights."""
+    """(model, EMA model) as one process holds them on rank 0, else (None, None); FSDP2's rebuilt from its shards."""
     par, ema = run.par, run.ema
     if not par.active or par.strategy == "ddp":
         return run.model, ema.model if ema is not None else None

@@ -120,8 +120,7 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
 
 
 def train_step(run, step: int, pre: Optional["Preemption"] = None):
-    """Optimizer step `step` (from 0) of the run: its LR, its micro-batches, the update, weight
-    clipping and the EMA. Returns (StepResult, LR, the seconds the step waited for its batches)."""
+    """Optimizer step `step` (from 0), its LR, micro-batches, weight clipping, EMA -> (result, LR, seconds waited)."""
     t, task, par = run.cfg.train, run.task, run.par
     lr = run.cfg.optim.lr * lr_multiplier(step, t.max_steps, run.cfg.optim)
     set_lr(run.optimizer, lr)

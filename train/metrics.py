@@ -202,8 +202,7 @@ def _flops(rate: float) -> str:
 
 # ------------------------------------------------------------------------------ trackers
 class Tracker:
-    """The tracker of train.tracker=none: `log` and `close` do nothing. A context manager whose
-    exit closes it (with the exit code of the exception that ended the run, if one did)."""
+    """train.tracker=none: `log` and `close` do nothing; a context manager closed with the ending exception's code."""
 
     def log(self, row: dict):
         pass

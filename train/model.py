@@ -49,8 +49,7 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
 
 
 def fresh_model(cfg) -> nn.Module:
-    """A model of cfg.model with fresh weights; an autoencoder with weights is built as its variant
-    without them (same shapes, nothing read: under a FakeTensorMode nothing is allocated)."""
+    """cfg.model with fresh weights; an autoencoder with weights built as its weightless variant (same shapes)."""
     import zoo
     model_cfg, ae = cfg.model, getattr(cfg.model, "autoencoder", None)
     if ae is not None and ae.weights:

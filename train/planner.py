@@ -223,8 +223,7 @@ def repeated_units(model: nn.Module) -> list[nn.Module]:
 
 
 def _depth_keys(cfg):
-    """(depth, period) of an LLM stack: its n_layers and the period of its block pattern (MoD,
-    sparse MoE layers, checkpointing every n-th block), or None for other families."""
+    """(n_layers, its block pattern's period: MoD, sparse MoE, checkpointing every n-th) of an LLM stack, else None."""
     if cfg.family != "llm":
         return None
     m = cfg.model
@@ -567,8 +566,7 @@ def options(cfg, device) -> list[list[Option]]:
 
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
          device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
-    """Up to `top` combinations of options whose planned peak is under `budget` bytes, the
-    cheapest (lowest estimated slowdown) first: [(slowdown, the overrides each sets, plan)]."""
+    """Up to `top` option combinations planned under `budget` bytes, cheapest first: [(slowdown, overrides, plan)]."""
     import itertools
     device = device or run_device(cfg)
     cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there

@@ -76,8 +76,7 @@ class ChatData(TokenizedRows):
         return self._batches
 
     def batch(self, index: int, rows: int, part: slice = None):
-        """Micro-batch `index` (counted over the run) of `rows` rows, or its `part` (a rank's rows):
-        (inputs (B, T), targets (B, T), real tokens, the model's document keywords)."""
+        """Micro-batch `index` of `rows` rows (or a rank's `part`): (inputs, targets, real tokens, doc keywords)."""
         per_epoch = len(self._epoch_batches(0, rows))
         batch = self._epoch_batches(index // per_epoch, rows)[index % per_epoch]
         if part is not None:

@@ -334,8 +334,7 @@ class ChatTemplate:
         return _strip_marks(self._render_marked(messages, add_generation_prompt))[0]
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """(rendered text, the character span of each assistant turn: its content and end-of-turn
-        token), from the template's generation marks or else prefix by prefix (module docstring)."""
+        """(rendered text, each assistant turn's span with its end of turn), by generation marks, else by prefixes."""
         text, marked = _strip_marks(self._render_marked(messages))
         if self.has_generation_marks:
             return text, marked
@@ -362,8 +361,7 @@ class ChatTemplate:
 
     @property
     def end_of_turn(self) -> str:
-        """The text the template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...):
-        what follows the content of a rendered assistant message, less whitespace."""
+        """The text closing an assistant turn (`<|im_end|>`, `<|eot_id|>`, ...): what follows a rendered reply."""
         probe = "Zoo probe 7"
         text, spans = self.assistant_spans([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
         turn = text[spans[-1][0]:spans[-1][1]] if spans else ""

@@ -65,8 +65,7 @@ def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_
 
 
 def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """Translate each image of x (B, C, H, W) by its own random offset in [-max_shift, max_shift]
-    pixels (zero fill) -> (B, C, H, W). The offsets come from `generator` (on x's device or CPU)."""
+    """x (B, C, H, W), each image shifted by its own offset in [-max_shift, max_shift] pixels (zero fill)."""
     if max_shift <= 0:
         return x
     B, C, H, W = x.shape

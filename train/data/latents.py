@@ -63,8 +63,7 @@ class LatentCache:
         return len(self.arrays["train"])
 
     def latents(self, split: str, rows, views=None) -> torch.Tensor:
-        """Raw latents (B, C, h, w) of the given rows (a tensor, list or slice) of a split, each in
-        its view (None: view 0), read from the memmap into a new CPU tensor."""
+        """Raw latents (B, C, h, w) of a split's rows (tensor, list or slice) in their views (None: 0), on the CPU."""
         a = self.arrays[split]
         if isinstance(rows, slice):
             return torch.from_numpy(np.array(a[rows, 0]))

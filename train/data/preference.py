@@ -113,8 +113,7 @@ def synthetic_pairs(split: str, n: int) -> list[dict]:
 
 
 class PreferenceData(TokenizedRows):
-    """Preference pairs, tokenised: each pair is (chosen ids, chosen labels, rejected ids, rejected
-    labels), at most `seq_len` tokens each, of the training and the held-out rows."""
+    """Tokenised preference pairs (chosen ids, labels, rejected ids, labels) of at most `seq_len` tokens."""
 
     def __init__(self, rows: list[dict], val: list[dict], cfg, tokenizer, template=None, log=print):
         self.tokenizer, self.template, self.truncated = tokenizer, template, 0

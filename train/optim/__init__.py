@@ -32,8 +32,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def hidden_matrices(model: nn.Module) -> set:
-    """ids of the 2-D weights of hidden layers: not embeddings, not the output head (the last
-    nn.Linear registered in the model, or a Linear whose weight is an embedding's)."""
+    """ids of the hidden layers' 2-D weights: no embedding, no head (the last Linear, or one tied to an embedding)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     excluded = _embedding_ids(model) | ({id(linears[-1].weight)} if linears else set())
     return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in excluded}
