@@ -329,8 +329,7 @@ def render(cls) -> str:
     """The markdown table of cls's keys (without the markers)."""
     hints = typing.get_type_hints(cls)
     comments, groups = field_comments(cls), field_groups(cls)
-    rows = ["| key | type | default | bounds | meaning |", "|---|---|---|---|---|"]
-    group = ""
+    rows, group = ["| key | type | default | bounds | meaning |", "|---|---|---|---|---|"], ""
     for f in dataclasses.fields(cls):
         if not f.init:
             continue

@@ -28,8 +28,7 @@ def report(cfg, p: Plan) -> str:
              f"batch={cfg.train.batch_size} x {cfg.train.grad_accum} optimizer={cfg.optim.name}"
              + (f", per device of {p.devices} ({p.sharding})" if p.devices > 1 else "")]
     lines += [f"  {k:<18}{fmt_bytes(v):>14}" for k, v in {**p.breakdown, "peak": p.peak_bytes}.items()]
-    if p.per_layer_activations:
-        acts = p.per_layer_activations
+    if acts := p.per_layer_activations:
         lines.append(f"  activations per block: {fmt_bytes(acts[0])} (block 0), {fmt_bytes(sum(acts))} for all {len(acts)}")
     if p.logits_bytes:
         lines.append(f"  loss (logits) peak over the last block's output: {fmt_bytes(p.logits_bytes)}")
