@@ -16,22 +16,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # name -> the module under train/benches/ whose main(argv[, name]) runs it (", name": a preset of a merged module)
-BENCHES: dict[str, str] = {
-    "llm-train": "llm_speed, name", "llm-moe": "llm_speed, name", "llm-mod": "llm_speed, name",
-    "doc-mask": "llm_speed, name", "llm-generate": "llm_speed, name", "gguf": "llm_speed, name",
-    "llm-moe-quality": "llm_quality, name", "llm-mod-quality": "llm_quality, name", "peft": "llm_quality, name",
-    "quantized": "deploy, name", "qat": "deploy, name", "prune": "deploy, name", "distill": "deploy, name",
-    "distill-quality": "deploy, name", "convnet-ptq": "deploy, name",
-    "resnet": "convnets, name", "convnets": "convnets, name", "drop-path": "convnets, name",
-    "convnet-recipe": "convnets, name",
-    "taesd": "diffusion, name", "dit": "diffusion, name", "latent-cache": "diffusion, name",
-    "min-snr": "diffusion, name", "diffusion-quality": "diffusion, name",
-    "optimizers": "optimizers, name", "lr-find": "optimizers, name",
-    "sft-packing": "sft, name", "sft-quality": "sft, name",
-    "checkpointing": "checkpointing", "distributed": "distributed", "data": "data", "memory": "memory",
-    "gpu": "gpu, name", "float8": "gpu, name", "report": "report", "rollout": "rollout, name",
-    "rl-quality": "rollout, name", "rl-memory": "rollout, name", "gate": "gate",
-}
+PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
+           "llm_quality": "llm-moe-quality llm-mod-quality peft",
+           "deploy": "quantized qat prune distill distill-quality convnet-ptq",
+           "convnets": "resnet convnets drop-path convnet-recipe",
+           "diffusion": "taesd dit latent-cache min-snr diffusion-quality", "optimizers": "optimizers lr-find",
+           "sft": "sft-packing sft-quality", "gpu": "gpu float8", "rollout": "rollout rl-quality rl-memory"}
+BENCHES: dict[str, str] = {**{n: f"{m}, name" for m, names in PRESETS.items() for n in names.split()},
+                           **{m: m for m in ("checkpointing", "distributed", "data", "memory", "report", "gate")}}
 
 
 def main(argv=None):

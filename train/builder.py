@@ -1,10 +1,6 @@
-"""The run builder: a run config -> everything a training step needs, built one way for all.
-
-    run = build_run(cfg, say)            # device, precision, task, model, adapters, pruning, unfreezing,
-                                         # wrapping (DDP / FSDP2 / compile), EMA, optimizer, scaler
-
-The loop, the LR finder and the benchmarks build here; the model is train/model.py's, which the memory
-planner builds too, so they cannot disagree. The config is never changed.
+"""The run builder: a run config -> everything a training step needs (device, precision, task, model, adapters,
+pruning, unfreezing, wrapping, EMA, optimizer, scaler), built one way for the loop, the LR finder and the
+benchmarks; the model is train/model.py's, which the memory planner builds too. The config is never changed.
 """
 from __future__ import annotations
 
@@ -60,23 +56,20 @@ class Run:
 
     def set_precision(self, precision: str):
         """A resumed run keeps the precision it was trained in (train.precision: auto)."""
-        self.precision = precision
-        self.task.autocast_dtype = self.amp_dtype
+        self.precision, self.task.autocast_dtype = precision, self.amp_dtype
 
+    @contextlib.contextmanager
     def train_context(self):
         """A training forward and backward's context: autocast (and activation offload on CUDA)."""
-        if self.cfg.train.activation_offload and self.device.type == "cuda":
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.autocast())
-            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
-            return stack
-        return self.autocast()
+        offload = self.cfg.train.activation_offload and self.device.type == "cuda"
+        with self.autocast(), (torch.autograd.graph.save_on_cpu(pin_memory=True) if offload
+                               else contextlib.nullcontext()):
+            yield
 
     def write_config(self, out):
         """<out>/config.yaml: the run's config with its resolved values; the model: section is the
         architecture built (the one loaded with train.init_from; an image folder's channels and classes)."""
-        data = self.cfg.to_dict()
-        built = getattr(self.model, "config", None)
+        data, built = self.cfg.to_dict(), getattr(self.model, "config", None)
         if type(built) is type(self.cfg.model):
             data["model"] = to_dict(built)
         atomic_write(Path(out) / "config.yaml", yaml.safe_dump(data, sort_keys=False))
@@ -85,8 +78,7 @@ class Run:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def plain_model(self) -> nn.Module:
-        """A new, unwrapped model of the run on its device (adapters applied): what weights gathered from
-        the ranks, or averaged, are loaded into."""
+        """A new unwrapped model of the run on its device (adapters applied), for gathered or averaged weights."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.train.seed)  # a base drawn at random: the run's own
             model = self.task.build_model()
@@ -115,8 +107,7 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
 def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
     when None). train.batch_size: auto is resolved by the planner (train/planner.py's auto_batch_size)."""
-    t = cfg.train
-    par = par or Parallel("none", Launch())
+    t, par = cfg.train, par or Parallel("none", Launch())
     if par.active and unsupported(cfg):
         raise RunStopped(f"{cfg.source}: {unsupported(cfg)}", EXIT_CONFIG)
     device = par.device(resolve_device(t.device))
@@ -166,8 +157,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     run.scaler = torch.amp.GradScaler(device.type, t.loss_scale, enabled=precision == "fp16")
     if pruned:
         after_step(run.optimizer, lambda: apply_masks(pruned))
-    hook = task.step_hook(model)
-    if hook is not None:
+    if (hook := task.step_hook(model)) is not None:
         after_step(run.optimizer, hook)
     return run
 

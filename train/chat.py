@@ -21,14 +21,11 @@ import torch
 
 from zoo.llm import decode_step, sample_next
 
+from train.step import eval_mode
+
 
 def _common_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class ChatSession:
@@ -70,36 +67,34 @@ class ChatSession:
         ids = self._encode(self.template.render(messages, add_generation_prompt=True))
         if len(ids) >= cap:
             raise ValueError(f"the conversation is {len(ids)} tokens, the model's context {cap}: /reset to start over")
-        was = model.training
-        model.eval()
-        if self.caches is None:
-            dev = self.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-            self.caches = model.new_caches(1, cap, self.device, dtype)
-        keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
-        logits = model(torch.tensor([ids[keep:]], device=self.device), caches=self.caches, start_pos=keep)[:, -1]
-        self.cached = list(ids)
-        out, shown, text = [], 0, ""
-        for _ in range(min(self.max_new_tokens, cap - len(ids))):
-            nxt = int(sample_next(logits.float(), generator=self.generator, **self.sampling))
-            if nxt == self.eos_id:
-                break
-            out.append(nxt)
-            text = self.tokenizer.decode(out)
-            if self.end_of_turn and self.end_of_turn in text:
-                text = text[:text.index(self.end_of_turn)]
-                break
-            safe = len(text) - _held_back(text, self.end_of_turn)
-            if on_text is not None and safe > shown:
-                on_text(text[shown:safe])
-                shown = safe
-            if len(self.cached) >= cap:
-                break
-            logits = decode_step(model, torch.tensor([[nxt]], device=self.device), self.caches, len(self.cached))
-            self.cached.append(nxt)
-        if on_text is not None and len(text) > shown:
-            on_text(text[shown:])
-        model.train(was)
+        with eval_mode(model):
+            if self.caches is None:
+                dev = self.device.type
+                dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+                self.caches = model.new_caches(1, cap, self.device, dtype)
+            keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
+            logits = model(torch.tensor([ids[keep:]], device=self.device), caches=self.caches, start_pos=keep)[:, -1]
+            self.cached = list(ids)
+            out, shown, text = [], 0, ""
+            for _ in range(min(self.max_new_tokens, cap - len(ids))):
+                nxt = int(sample_next(logits.float(), generator=self.generator, **self.sampling))
+                if nxt == self.eos_id:
+                    break
+                out.append(nxt)
+                text = self.tokenizer.decode(out)
+                if self.end_of_turn and self.end_of_turn in text:
+                    text = text[:text.index(self.end_of_turn)]
+                    break
+                safe = len(text) - _held_back(text, self.end_of_turn)
+                if on_text is not None and safe > shown:
+                    on_text(text[shown:safe])
+                    shown = safe
+                if len(self.cached) >= cap:
+                    break
+                logits = decode_step(model, torch.tensor([[nxt]], device=self.device), self.caches, len(self.cached))
+                self.cached.append(nxt)
+            if on_text is not None and len(text) > shown:
+                on_text(text[shown:])
         return text
 
 
@@ -113,9 +108,8 @@ def _held_back(text: str, stop: str) -> int:
 
 
 def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Optional[str] = None):
-    """(model, tokenizer, template) of anything zoo.from_pretrained loads: a run folder (an adapter
-    run's too), an adapter folder, a Hugging Face folder or a GGUF file; the template is its own (or
-    its base's), else ChatML."""
+    """(model, tokenizer, template) of anything zoo.from_pretrained loads (a run, adapter or Hugging Face
+    folder, a GGUF file); the template its own or its base's, else ChatML."""
     import zoo
     from train.data import DataError
     from train.data.conversations import ChatTemplate, tokenizer_and_template

@@ -27,20 +27,17 @@ from .features.averaging import average_last, tied_names
 from .optim import resume_note
 from .step import EXIT_CONFIG, RunStopped
 
-CKPT_DIR = "checkpoints"
-PREFIX = "step_"
+CKPT_DIR, PREFIX = "checkpoints", "step_"
 REQUIRED = ("model.safetensors", "state.pt")
 REQUIRED_DCP = (".metadata", "state.pt")  # a sharded checkpoint (train/distributed.py)
 
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(),
+             "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                       "cached_gaussian": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -71,8 +68,7 @@ def list_checkpoints(out_dir) -> list[Path]:
 
 def interval_checkpoints(out_dir) -> list[Path]:
     """The checkpoints the run's schedule wrote (not a signal's), newest first: what `keep` counts and
-    averaging averages, so that an interrupted and resumed run keeps and averages what an
-    uninterrupted one does."""
+    averaging averages, so that a resumed run keeps and averages what an uninterrupted one does."""
     def interval(p):
         try:
             return json.loads((p / "manifest.json").read_text()).get("interval", True)
@@ -82,12 +78,9 @@ def interval_checkpoints(out_dir) -> list[Path]:
 
 
 def set_aside(out_dir) -> Path:
-    """Move the checkpoints of a previous run out of the way (train.resume=false): a fresh run
-    must neither resume from them nor have its own checkpoints rotated away by their higher steps."""
-    root = Path(out_dir) / CKPT_DIR
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = root.with_name(f"{CKPT_DIR}.old-{stamp}")
-    n = 1
+    """A previous run's checkpoints moved away (train.resume=false): neither resumed nor rotating this run's away."""
+    root, stamp = Path(out_dir) / CKPT_DIR, time.strftime("%Y%m%d-%H%M%S")
+    dest, n = root.with_name(f"{CKPT_DIR}.old-{stamp}"), 1
     while dest.exists():
         n += 1
         dest = root.with_name(f"{CKPT_DIR}.old-{stamp}-{n}")
@@ -102,10 +95,8 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     interval=False: a checkpoint outside the run's schedule (a signal's), kept only until the next."""
     root = Path(out_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_safetensors(model if keys is None else _subset(model, keys), tmp / "model.safetensors")
     if ema is not None:
@@ -123,8 +114,7 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
     """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest last,
     rename it to `final`, drop killed writers' temporaries and all but the newest `keep` interval
     checkpoints (the newest is always kept). fmt: "dcp" sharded; None: the one-process layout."""
-    root = final.parent
-    files = {}
+    root, files = final.parent, {}
     for f in sorted(tmp.iterdir()):
         fsync_file(f)
         files[f.name] = {"size": f.stat().st_size, **({} if self_checked(f) else {"crc32": file_crc32(f)})}
@@ -133,19 +123,16 @@ def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Opt
                                     **({} if interval else {"interval": False}), "files": files}, indent=1))
     fsync_file(manifest)
     fsync_dir(tmp)
+    old = root / f".old-{final.name}-{tag}"
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-        old = root / f".old-{final.name}-{tag}"
         os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_dir(root)
     every = list_checkpoints(out_dir)
     kept = set(interval_checkpoints(out_dir)[:keep]) | set(every[:1])
-    for stale in every:
-        if stale not in kept:
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in (p for p in every if p not in kept):
+        shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):  # temporary directories of killed writers
         if not leftover.name.endswith(f"-{tag}"):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -163,9 +150,8 @@ def verify_checkpoint(path: Path) -> dict:
         sums = {name: str(meta["crc32"]) for name, meta in files.items() if "crc32" in meta}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ValueError(f"{man}: unreadable manifest") from None
-    for name in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED):
-        if name not in files:
-            raise ValueError(f"{man}: does not list {name}")
+    if unlisted := [n for n in (REQUIRED_DCP if manifest.get("format") == "dcp" else REQUIRED) if n not in files]:
+        raise ValueError(f"{man}: does not list {unlisted[0]}")
     for name in files:
         f = path / name
         if not f.is_file() or f.parent != path:
@@ -184,8 +170,7 @@ class CheckpointError(ValueError):
 
 
 def read_state(path: Path) -> dict:
-    """state.pt through torch.load(weights_only=True): tensors and plain containers only, so a
-    file carrying a pickled object (code run on load) is refused without running it."""
+    """state.pt through torch.load(weights_only=True): a file carrying a pickled object is refused, not run."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - unpickling refused, truncated zip, ...: one line
@@ -227,23 +212,22 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     """Load a verified checkpoint into the given objects (every file checked first, so a bad one changes
     nothing); returns the state dict. before_optimizer(state) runs before the optimizer state loads."""
     manifest = verify_checkpoint(path)
-    if manifest.get("format") == "dcp":
-        return _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys)
+    if manifest.get("format") == "dcp":  # written by any number of ranks, into this run (one process or many)
+        if before_optimizer is not None:
+            before_optimizer(read_state(path / "state.pt"))
+        state = load_dcp(par, path, model, optimizer, scaler, ema, seed, trained_only=keys is not None)
+        return _same_step(path, state, manifest)
     weights = read_weights(path / "model.safetensors", model, keys)
     ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
         if ema is not None and (path / "ema.safetensors").is_file() else None
-    state = read_state(path / "state.pt")
-    if state["step"] != manifest.get("step"):
-        raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
+    state = _same_step(path, read_state(path / "state.pt"), manifest)
     if par is not None and par.active:
         return _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema, before_optimizer, par,
                                 seed, keys is not None)
     model.load_state_dict(weights, strict=False)
-    if ema_weights is not None:
-        ema.load_state_dict(ema_weights, strict=False)
-    elif ema is not None:  # an EMA switched on for a run that had none: it starts from the resumed weights
-        ema.load_state_dict(weights, strict=False)
-        state["ema_started"] = True
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        ema.load_state_dict(weights if ema_weights is None else ema_weights, strict=False)
+        state["ema_started"] = ema_weights is None
     if before_optimizer is not None:
         before_optimizer(state)
     if optimizer is not None:
@@ -294,8 +278,7 @@ def _every_tied_name(model, weights: dict) -> dict:
 
 
 def _by_name(model, optimizer, osd: dict) -> dict:
-    """A one-process optimizer state (parameters by their index; a Chained optimizer's by its parts' names)
-    keyed by parameter names, as DCP's full optimizer state dicts are."""
+    """A one-process optimizer state (by index; a Chained one's by part) keyed by parameter names, as DCP's are."""
     parts = getattr(optimizer, "optimizers", None)
     pairs = [(o, osd[k]) for k, o in parts.items()] if parts else [(optimizer, osd)]
     name = {id(p): n for n, p in model.named_parameters()}
@@ -307,11 +290,7 @@ def _by_name(model, optimizer, osd: dict) -> dict:
     return out
 
 
-def _load_sharded(path, manifest, model, optimizer, scaler, ema, before_optimizer, par, seed, keys=None) -> dict:
-    """A DCP checkpoint of any number of ranks, into this run (one process or many)."""
-    if before_optimizer is not None:
-        before_optimizer(read_state(path / "state.pt"))
-    state = load_dcp(par, path, model, optimizer, scaler, ema, seed, trained_only=keys is not None)
+def _same_step(path, state: dict, manifest: dict) -> dict:
     if state["step"] != manifest.get("step"):
         raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
     return state
@@ -322,40 +301,28 @@ def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=pri
     """Resume from the newest complete, uncorrupted checkpoint; None if there is none. When checkpoints
     exist but none is usable, raise CheckpointError rather than start over (and rotate them away)."""
     paths = list_checkpoints(out_dir)
-    if par is not None and par.active:  # rank 0 picks the checkpoint, every rank loads it (collectively)
-        found, paths = par.broadcast((len(paths), _first_verified(paths, log)) if par.main else None)
-        if found and not paths:
-            raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {found} checkpoints is usable (see "
-                                  f"log.txt); move them away or set train.resume=false to start over")
-        for path in paths:
-            try:
-                state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
-            except ValueError as e:
-                raise CheckpointError(str(e).splitlines()[0]) from None
-            log(_resumed_note(path, state))
-            return dict(state, path=str(path))
-        return None
+    found, ranks = len(paths), par is not None and par.active
+    if ranks:  # rank 0 picks the checkpoint, every rank loads it (collectively, no falling back)
+        found, paths = par.broadcast((found, _first_verified(paths, log)) if par.main else None)
     for path in paths:
         try:
             state = load_checkpoint(path, model, optimizer, scaler, ema, keys, before_optimizer, par, seed)
         except Exception as e:  # noqa: BLE001 - corrupt or truncated: say which, try the previous one
+            if ranks and isinstance(e, ValueError):
+                raise CheckpointError(str(e).splitlines()[0]) from None
+            if ranks:
+                raise
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             log(f"checkpoint {path} is unusable ({msg}); falling back to the previous one")
             continue
-        log(_resumed_note(path, state))
-        state["path"] = str(path)
-        return state
-    if paths:
-        raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {len(paths)} checkpoints is usable (see "
+        was, now = state.get("resharded", (0, 0))  # the world sizes when the checkpoint was resharded
+        log(f"resumed from {path} (step {state['step']})"
+            + (f" written by {was} process{'es' if was > 1 else ''}, resharded to {now}" if was else ""))
+        return dict(state, path=str(path))
+    if found:
+        raise CheckpointError(f"{Path(out_dir) / CKPT_DIR}: none of the {found} checkpoints is usable (see "
                               f"log.txt); move them away or set train.resume=false to start over")
     return None
-
-
-def _resumed_note(path, state: dict) -> str:
-    """The log line of a resume, with the world sizes when the checkpoint was resharded."""
-    was, now = state.get("resharded", (0, 0))
-    return f"resumed from {path} (step {state['step']})" + (
-        f" written by {was} process{'es' if was > 1 else ''}, resharded to {now}" if was else "")
 
 
 def _first_verified(paths: list, log) -> list:
@@ -390,9 +357,8 @@ def _dcp_state(model, optimizer, ema, trained_only: bool = False) -> dict:
 
 def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
              extra: Optional[dict] = None, keep: int = 2, interval: bool = True, trained_only: bool = False) -> Path:
-    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and the
-    manifest and renames it into place (publish). Collective. trained_only: an adapter run's
-    checkpoint, without the frozen base."""
+    """Every rank writes its shards into one temporary directory; rank 0 adds state.pt and publishes it.
+    Collective. trained_only: an adapter run's checkpoint, without the frozen base."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(out_dir) / CKPT_DIR
@@ -400,14 +366,12 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     tmp = root / f".tmp-{PREFIX}{step:08d}-{tag}"
     if par.main:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     par.barrier()
     dcp.save(_dcp_state(model, optimizer, ema, trained_only),
              storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-    rngs = par.gather(rng_state())
-    final = root / f"{PREFIX}{step:08d}"
+    rngs, final = par.gather(rng_state()), root / f"{PREFIX}{step:08d}"
     if par.main:
         state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
                  "has_ema": ema is not None, "extra": extra or {}}
@@ -421,8 +385,7 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
 
 def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0,
              trained_only: bool = False) -> dict:
-    """Load a verified DCP checkpoint written by any number of ranks into this run (collective
-    when distributed; works in one process without a process group: par None)."""
+    """Load a verified DCP checkpoint of any number of ranks into this run (collective; par None: one process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -457,7 +420,6 @@ class Checkpointer:
         self.resumed: Optional[dict] = None
         self.metrics = None     # the Metrics whose rows a checkpoint seals (set by the loop)
 
-    # ------------------------------------------------------------------ resume
     def resume(self) -> int:
         """Load the newest usable checkpoint (train.resume) or set old ones aside; returns the start step."""
         run, t, par = self.run, self.t, self.run.par
@@ -499,7 +461,6 @@ class Checkpointer:
         """The logging window the checkpoint sealed (None: an older checkpoint, or none)."""
         return (self.resumed or {}).get("extra", {}).get("metrics")
 
-    # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
         every = self.t.checkpoint_every
         return bool(every) and step % every == 0 and step != self.t.max_steps
@@ -514,8 +475,7 @@ class Checkpointer:
             extra["task"] = task_state
         scaler = run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
         ema = run.ema.model if run.ema is not None else None
-        every = self.t.checkpoint_every
-        interval = step >= self.t.max_steps or bool(every and step % every == 0)  # else a signal's
+        interval = step >= self.t.max_steps or self.due(step)  # else a signal's
         if run.par.active:
             path = save_dcp(run.par, self.out, step, run.model, run.optimizer, scaler, ema, extra=extra,
                             keep=self.t.keep_checkpoints, interval=interval, trained_only=run.keys is not None)
@@ -524,7 +484,6 @@ class Checkpointer:
                                    keep=self.t.keep_checkpoints, keys=run.keys, interval=interval)
         self.say(f"checkpoint: {path}")
 
-    # ------------------------------------------------------------------ averaging
     def evaluate_average(self) -> dict:
         """train.average_last: the last checkpoints' weights (an adapter run's: what trains) averaged, saved
         and evaluated (avg_*); under torchrun rank 0 alone does it in a plain model, the others return {}."""
@@ -534,10 +493,8 @@ class Checkpointer:
         used = list(reversed(interval_checkpoints(self.out)[:t.average_last]))  # oldest first
         if not used:
             raise RunStopped(f"{self.out / CKPT_DIR}: no checkpoints to average", EXIT_CONFIG)
-        if run.par.active:  # the trained model is wrapped or sharded: a plain one on its device
-            avg = run.plain_model()
-        else:
-            avg = copy.deepcopy(run.model)
+        # under torchrun the trained model is wrapped or sharded: a plain one on its device
+        avg = run.plain_model() if run.par.active else copy.deepcopy(run.model)
         path = average_last(self.out, used, t.average_weighting, tied_names(avg))
         avg.load_state_dict(read_weights(path, avg, run.keys), strict=False)
         self.say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
@@ -545,5 +502,4 @@ class Checkpointer:
                  + (f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last
                     else ""))
         with run.autocast():
-            ev = run.task.evaluate(avg)
-        return {f"avg_{k}": v for k, v in ev.items()}
+            return {f"avg_{k}": v for k, v in run.task.evaluate(avg).items()}

@@ -6,8 +6,6 @@
     train:  {...}          # TrainConfig below: the loop
     optim:  {...}          # OptimConfig below: optimizer and LR schedule
     adapter: {...}         # zoo.adapters.AdapterConfig: LoRA / DoRA / QLoRA / prefix tuning
-
-`load_run_config(path, overrides)` reads it, applies `key=value` overrides and validates every key.
 """
 from __future__ import annotations
 
@@ -47,12 +45,10 @@ class TrainConfig:
     batch_warmup_steps: int = bounded(0, ge=0)  # batch-size warmup: the micro-batches per step grow linearly from 1
                                             # to `grad_accum` at this step; needs `grad_accum` > 1, < `max_steps`
     # -- the optimizer step
-    clip_grad: Optional[float] = bounded(1.0, gt=0)  # max global gradient norm; null = no clipping (the norm is still
-                                            # logged)
+    clip_grad: Optional[float] = bounded(1.0, gt=0)  # max global gradient norm; null = no clipping (still logged)
     clip_weights: Optional[float] = bounded(None, gt=0)  # weight clipping: after every applied step each trainable
                                             # weight is clamped to [-c, c] (off by default)
-    max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops (each one skips its
-                                            # step)
+    max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops (each skips its step)
     # -- precision and speed
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # `fp32`, `bf16` (autocast), `fp16` (autocast +
                                             # GradScaler) or `auto`: bf16 where the device runs it fast, else fp32
@@ -95,8 +91,7 @@ class TrainConfig:
                                             # in the run's dtype (`train.hardware.measure_peak_flops`)
     tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send every row of `metrics.jsonl` to
                                             # `tensorboard` or `wandb` (files under `out_dir`; needs the extra)
-    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (the entity: `$WANDB_ENTITY`, else your
-                                            # default)
+    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (entity: `$WANDB_ENTITY`, else your default)
     tracker_mode: Optional[Literal["offline", "online"]] = None  # W&B: `offline` (nothing sent; `wandb sync` later)
                                             # or `online` (needs `wandb login`); null = `$WANDB_MODE`, else `offline`
     # -- evaluation and samples
@@ -138,8 +133,7 @@ class TrainConfig:
                                             # and the suggested LR; checkpoints neither read nor written
     lr_find_min: float = bounded(1e-6, gt=0)  # the range test's first LR
     lr_find_max: float = bounded(1.0, gt=0)  # the range test's last LR (the LRs between exponentially spaced)
-    lr_find_steps: int = bounded(100, ge=2)  # the range test's steps (it stops early once the smoothed loss passes 4x
-                                            # its best)
+    lr_find_steps: int = bounded(100, ge=2)  # range test steps (it stops once the smoothed loss exceeds 4x its best)
     # -- optional: knowledge distillation
     teacher: Optional[str] = None           # distil from a model `zoo.from_pretrained` loads, with the student's
                                             # vocabulary or classes; evaluation stays the student's cross-entropy
@@ -163,8 +157,7 @@ class TrainConfig:
     # -- several processes (torchrun)
     parallel: Literal["none", "ddp", "fsdp"] = "none"  # under `torchrun`: `ddp` or `fsdp` (FSDP2); `batch_size` is
                                             # per process; ignored by a plain `python train/run.py`
-    sync_bn: bool = False                   # with `parallel`: BatchNorm layers normalise with the statistics of the
-                                            # global batch
+    sync_bn: bool = False                   # with `parallel`: BatchNorm normalises with the global batch's statistics
 
     def validate(self, source, prefix="train."):
         if self.batch_size == "auto" and self.global_batch is None:
@@ -198,8 +191,7 @@ class TrainConfig:
                 parse_pattern(self.prune)
             except ValueError as e:
                 raise fail(source, prefix + "prune", str(e)) from None
-        missing = missing_package(self.tracker, prefix + "tracker")
-        if missing:
+        if missing := missing_package(self.tracker, prefix + "tracker"):
             raise ConfigError(f"{source}: {missing}")
 
 
@@ -219,13 +211,10 @@ def _installed(module: str) -> bool:
         return False
 
 
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # train.tracker -> the package (and extra) it needs
-
-
 def missing_package(tracker: str, key: str = "train.tracker"):
-    """The one-line error for a tracker whose package is not installed, else None."""
-    name = TRACKER_PACKAGES.get(tracker)
-    return None if name is None or _installed(name) else f"{key}={tracker} needs the {name} package: pip install -e '.[{name}]'"
+    """The one-line error for a tracker whose package (and extra, of the same name) is not installed, else None."""
+    return None if tracker == "none" or _installed(tracker) else \
+        f"{key}={tracker} needs the {tracker} package: pip install -e '.[{tracker}]'"
 
 
 @dataclass
@@ -233,12 +222,10 @@ class OptimConfig:
     name: str = "adamw"                     # `adamw`, `sgd`, `adafactor`, `lion`, `muon`, `adamw8bit`, `adamw_offload`
                                             # or `galore` (train/optim's registry; "Optimizers" below)
     lr: float = bounded(3e-4, gt=0)         # peak learning rate
-    weight_decay: float = bounded(0.1, ge=0)  # decoupled weight decay, applied to matrices only (not norms, biases,
-                                            # embeddings)
+    weight_decay: float = bounded(0.1, ge=0)  # decoupled weight decay, on matrices only (not norms, biases, embeddings)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas (also adamw8bit, adamw_offload, galore, muon's AdamW
                                             # part); Lion's beta1, beta2 (the paper uses [0.9, 0.99])
-    eps: float = bounded(1e-8, gt=0)        # Adam epsilon (adamw, adamw8bit, adamw_offload, galore, muon's AdamW
-                                            # part)
+    eps: float = bounded(1e-8, gt=0)        # Adam epsilon (adamw, adamw8bit, adamw_offload, galore, muon's AdamW part)
     momentum: float = bounded(0.9, ge=0, lt=1)  # sgd
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # force fused AdamW on/off; null = fused where supported
@@ -248,8 +235,7 @@ class OptimConfig:
                                             # `warmup_fraction`; < `train.max_steps`, ending before a WSD decay
     warmup_fraction: Optional[float] = bounded(None, ge=0, lt=1)  # warmup as a fraction of `train.max_steps`
                                             # (rounded down); both null: 10% of the run, at most 100 steps
-    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd,
-                                            # onecycle)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd, onecycle)
     decay_fraction: float = bounded(0.2, gt=0, le=1)  # wsd: the final fraction of steps that decays
     onecycle_div: float = bounded(25.0, ge=1)  # onecycle: the first LR is the peak / this (>= 1)
     muon_lr: float = bounded(0.02, gt=0)    # muon: Muon's peak LR on the hidden matrices (the schedule scales it as
@@ -274,8 +260,7 @@ class OptimConfig:
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         if self.name not in OPTIMIZERS:
             raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
-        package = OPTIMIZERS[self.name].package
-        if package and not _installed(package):
+        if (package := OPTIMIZERS[self.name].package) and not _installed(package):
             raise fail(source, prefix + "name", f"={self.name} needs the {package} package: pip install -e '.[optim]'")
 
 
@@ -325,21 +310,19 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(f"{source}: family must be a string, got {family!r}")
     task = task_class(family, source, data.get("data"))
     model = model_config_from(data.get("model") or {}, family, source)
-    dcfg = from_dict(task.DataConfig, data.get("data") or {}, source, "data.")
-    train = from_dict(TrainConfig, data.get("train") or {}, source, "train.")
-    optim = from_dict(OptimConfig, data.get("optim") or {}, source, "optim.")
-    adapter = from_dict(AdapterConfig, data.get("adapter") or {}, source, "adapter.")
+    dcfg, train, optim, adapter = (from_dict(cls, data.get(name) or {}, source, name + ".") for cls, name in
+                                   ((task.DataConfig, "data"), (TrainConfig, "train"), (OptimConfig, "optim"),
+                                    (AdapterConfig, "adapter")))
     rl_cls = getattr(task, "RLConfig", None)
     if data.get("rl") is not None and rl_cls is None:
         raise ConfigError(f"{source}: rl: is the section of reinforcement learning runs (data.format: prompts)")
     rl = from_dict(rl_cls, data.get("rl") or {}, source, "rl.") if rl_cls is not None else None
     cfg = RunConfig(family, model, dcfg, train, optim, adapter, source, rl)
     if (train.qat or train.quantize) and not task.quantizable:
-        key = "train.qat" if train.qat else "train.quantize"
-        raise fail(source, key, f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")
+        raise fail(source, "train.qat" if train.qat else "train.quantize",
+                   f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")
     check_across_sections(cfg)
-    check = getattr(task, "validate_config", None)
-    if check is not None:
+    if (check := getattr(task, "validate_config", None)) is not None:
         check(cfg)
     return cfg
 
@@ -388,10 +371,9 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
     if t.batch_size == "auto" and t.batch_warmup_steps:
         raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
-    if t.init_from is not None and not Path(t.init_from).expanduser().exists():
-        raise fail(src, "train.init_from", f"={t.init_from}: no such file or folder")
-    if t.teacher is not None and not Path(t.teacher).expanduser().exists():
-        raise fail(src, "train.teacher", f"={t.teacher}: no such file or folder")
+    for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher)):
+        if path is not None and not Path(path).expanduser().exists():
+            raise fail(src, key, f"={path}: no such file or folder")
 
 
 def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:

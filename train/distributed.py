@@ -70,10 +70,8 @@ class Parallel:
 
     def __init__(self, strategy: str, launch: Launch):
         self.strategy, self.rank, self.world, self.local_rank = strategy, launch.rank, launch.world, launch.local_rank
-        self.main = self.rank == 0
-        self.active = launch.torchrun and strategy != "none"
+        self.main, self.active = self.rank == 0, launch.torchrun and strategy != "none"
 
-    # ------------------------------------------------------------------ process group
     def device(self, device: torch.device) -> torch.device:
         """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
         if self.active and device.type == "cuda":
@@ -85,8 +83,8 @@ class Parallel:
         global _PROCESS_GROUP_USED
         if not self.active or dist.is_initialized():
             return
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         _PROCESS_GROUP_USED = True
 
     def close(self):
@@ -99,14 +97,11 @@ class Parallel:
         backend = dist.get_backend() if dist.is_initialized() else "?"
         return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
 
-    # ------------------------------------------------------------------ wrapping
     def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
-        """-> (model, fwd): the module whose state is checkpointed and the callable the loss runs.
-        ddp: model stays the plain module, fwd is DDP(model) (compiled when asked); fsdp: both are
-        the model sharded in place (each unit compiled before it is sharded when asked). unused: some
-        parameters get no gradient in some steps (frozen by train.unfreeze until their stage, or in a block that
-        model.drop_path_mode=batch skipped). fsdp with fp16: the GradScaler's inf/nan check of the sharded
-        (DTensor) gradients is all-reduced by DTensor itself, so every rank skips the same steps."""
+        """-> (model, fwd): the module whose state is checkpointed, and what the loss runs. ddp: the plain
+        module and DDP(model) (compiled when asked); fsdp: the model sharded in place for both (each unit compiled
+        first when asked). unused: parameters without a gradient in some steps (train.unfreeze, drop_path_mode=batch).
+        fsdp with fp16: DTensor all-reduces the GradScaler's inf/nan check, so every rank skips the same steps."""
         if not self.active:
             return model, None
         if sync_bn:
@@ -155,8 +150,7 @@ class Parallel:
         return model
 
     def shard_masks(self, model: nn.Module, masks: Optional[dict]):
-        """train.prune under FSDP2: each mask follows its weight, which wrap() replaced by this rank's
-        shard (masks: {linear's name: (weight, mask)}, updated in place)."""
+        """train.prune under FSDP2: each mask of {name: (weight, mask)} replaced by its weight's shard (in place)."""
         if masks and self.active and self.strategy == "fsdp":
             from torch.distributed.tensor import distribute_tensor
             modules = dict(model.named_modules())
@@ -166,15 +160,12 @@ class Parallel:
 
     def no_sync(self, fwd, last: bool):
         """DDP: no gradient all-reduce on the micro-batches before the last of an optimizer step."""
-        if last or not self.active or self.strategy != "ddp":
-            return contextlib.nullcontext()
-        return getattr(fwd, "_orig_mod", fwd).no_sync()
+        return contextlib.nullcontext() if last or not self.active or self.strategy != "ddp" else \
+            getattr(fwd, "_orig_mod", fwd).no_sync()
 
-    # ------------------------------------------------------------------ agreement
     def agree(self, stats: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        """stats = [loss sum, grad norm] of this rank -> the same on every rank: the loss averaged
-        over the ranks, the grad norm NaN when any rank's is not finite; and whether any rank
-        was asked to stop. One all-reduce."""
+        """[loss sum, grad norm] of this rank -> every rank's: the loss averaged over the ranks, the norm NaN
+        when any rank's is not finite; and whether any rank was asked to stop. One all-reduce."""
         if not self.active:
             return stats, stop
         t = torch.stack([stats[0], (~torch.isfinite(stats[1])).to(stats.dtype),
@@ -214,7 +205,6 @@ class Parallel:
         if self.active:
             dist.barrier()
 
-    # ------------------------------------------------------------------ full weights
     def full_state(self, model: nn.Module) -> dict:
         """The whole model's state dict on the CPU of rank 0 (empty on the others); collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -233,8 +223,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
         from torch.distributed.nn.functional import all_reduce
-        C = x.shape[1]
-        xf = x.float()
+        C, xf = x.shape[1], x.float()
         local = torch.cat([xf.sum((0, 2, 3)), xf.new_tensor([x.numel() / C])])
         total = all_reduce(local)
         n = total[-1]
@@ -254,8 +243,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> int:
-    """Replace every BatchNorm2d in place by a synchronised one (torch.nn.SyncBatchNorm on GPUs,
-    CPUSyncBatchNorm elsewhere), keeping its parameters and statistics; returns how many."""
+    """Each BatchNorm2d made a synchronised one in place (SyncBatchNorm on GPUs, else CPUSyncBatchNorm); how many."""
     count = 0
     for parent in model.modules():
         for name, bn in list(parent.named_children()):

@@ -33,21 +33,25 @@ TABLE = re.compile(r"(<!-- table:([\w.-]+)(?:/([\w. -]+?))? -->\n)(.*?)(<!-- /ta
 CODE = re.compile(r"(<!-- code:(\w+) -->\n)(.*?)(<!-- /code -->)", re.S)
 
 
-def pretrained_table() -> dict:
-    """docs/pretrained.md's table, from the records (zoo/archs): each Hugging Face class, the Zoo features it
-    needs (bold) or may have, its GGUF architecture (read, and written where it is), and the presets in
-    configs/llm/ that export as it."""
+def _presets(family: str):
+    """(path, model) of each configs/<family>/*.yaml, the model built on the meta device."""
     import torch
 
     import zoo
+    for path in sorted((ROOT / "configs" / family).glob("*.yaml")):
+        with torch.device("meta"):
+            yield path, zoo.build(path)
+
+
+def pretrained_table() -> dict:
+    """docs/pretrained.md's table from the records (zoo/archs): each Hugging Face class, the features it needs
+    (bold) or may have, its GGUF architecture (read; written where it is), the configs/llm/ presets exported as it."""
     from zoo.archs import RECORDS
     from zoo.weights import hf_llm
     presets = {}
-    for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
-        with torch.device("meta"):
-            cfg = zoo.build(path).config
+    for path, model in _presets("llm"):
         try:
-            presets.setdefault(hf_llm.architecture_for(cfg), []).append(path.stem)
+            presets.setdefault(hf_llm.architecture_for(model.config), []).append(path.stem)
         except ValueError:
             pass
     rows = [[r.hf_class, ", ".join([f"**{f}**" for f in sorted(r.needs)] + sorted(r.may)) or "-", r.gguf or "-",
@@ -145,15 +149,9 @@ def _summary(path: Path) -> str:
 
 
 def llm_presets_table() -> dict:
-    """docs/llm.md's presets: each configs/llm/*.yaml, what its header comment says it is, its shape and
-    its parameters (built on the meta device)."""
-    import torch
-
-    import zoo
+    """docs/llm.md's presets: each configs/llm/*.yaml, what its header comment says, its shape and parameters."""
     rows = []
-    for path in sorted((ROOT / "configs" / "llm").glob("*.yaml")):
-        with torch.device("meta"):
-            model = zoo.build(path)
+    for path, model in _presets("llm"):
         c = model.config
         shape = [f"{c.n_layers} x {c.d_model}", f"{c.n_heads} / {c.resolved_n_kv_heads} heads"
                  + (" (latent attention)" if c.mla else "")]
@@ -169,16 +167,8 @@ def llm_presets_table() -> dict:
 
 
 def convnet_presets_table() -> dict:
-    """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says it is and its
-    parameters."""
-    import torch
-
-    import zoo
-    rows = []
-    for path in sorted((ROOT / "configs" / "convnet").glob("*.yaml")):
-        with torch.device("meta"):
-            model = zoo.build(path)
-        rows.append([f"`{path.name}`", _summary(path), _count(model.num_params())])
+    """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says, its parameters."""
+    rows = [[f"`{path.name}`", _summary(path), _count(model.num_params())] for path, model in _presets("convnet")]
     return {"columns": ["file", "what", "parameters"], "rows": rows}
 
 
@@ -208,12 +198,10 @@ def dit_presets_table() -> dict:
 
 
 def samplers_table() -> dict:
-    """docs/diffusion.md's samplers (zoo/diffusion/samplers.py): what runs each and the predictions it takes
-    (those check_sampler accepts)."""
+    """docs/diffusion.md's samplers: what runs each and the predictions check_sampler accepts."""
     from zoo.config import DiffusionConfig
     from zoo.diffusion.samplers import DIFFUSERS, SAMPLERS, check_sampler
-    predictions = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"])
-    rows = []
+    predictions, rows = typing.get_args(typing.get_type_hints(DiffusionConfig)["prediction"]), []
     for name in SAMPLERS:
         if name in DIFFUSERS:
             cls, extra, _ = DIFFUSERS[name]
@@ -247,10 +235,11 @@ def config_classes() -> dict[str, type]:
     return {c.__name__: c for c in classes}
 
 
-def dataclass_chain(cls) -> list:
-    """cls and the dataclasses it derives from, the base first: a field's comment and group are those
-    of the last class to declare it."""
-    return [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+def _sources(cls):
+    """The dedented source of cls and its dataclass bases, base first (a field's comment is its last declarer's)."""
+    for c in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(c):
+            yield textwrap.dedent("".join(inspect.getsourcelines(c)[0]))
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -258,9 +247,7 @@ def field_comments(cls) -> dict[str, str]:
     comment-only lines right below it indented past the field. A section comment `# -- concern` at
     the field's own indentation heads the fields after it: `field_groups`."""
     out = {}
-    for c in dataclass_chain(cls):
-        lines, _ = inspect.getsourcelines(c)
-        src = textwrap.dedent("".join(lines))
+    for src in _sources(cls):
         comments = {}
         for tok in tokenize.generate_tokens(io.StringIO(src).readline):
             if tok.type == tokenize.COMMENT:
@@ -282,10 +269,9 @@ def field_comments(cls) -> dict[str, str]:
 def field_groups(cls) -> dict[str, str]:
     """Field name -> the concern it is grouped under (the section comment `# -- concern` above it)."""
     out = {}
-    for c in dataclass_chain(cls):
-        lines, _ = inspect.getsourcelines(c)
+    for src in _sources(cls):
         group = ""
-        for line in textwrap.dedent("".join(lines)).splitlines():
+        for line in src.splitlines():
             if m := re.match(r"\s+# -- (.+)$", line):
                 group = m.group(1).strip()
             elif m := re.match(r"\s+(\w+)\s*:", line):
@@ -332,9 +318,7 @@ def doc_value(v) -> str:
 def _default(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
 def _cell(text: str) -> str:
@@ -345,8 +329,7 @@ def render(cls) -> str:
     """The markdown table of cls's keys (without the markers)."""
     hints = typing.get_type_hints(cls)
     comments, groups = field_comments(cls), field_groups(cls)
-    rows = ["| key | type | default | bounds | meaning |", "|---|---|---|---|---|"]
-    group = ""
+    rows, group = ["| key | type | default | bounds | meaning |", "|---|---|---|---|---|"], ""
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
@@ -391,48 +374,42 @@ def update(text: str, classes: dict, source: str = "docs", results: Path = RESUL
     """text with every marked region re-rendered; and the names of the regions that changed."""
     changed = []
 
-    def keys(m):
-        name = m.group(2)
+    def keys(name):
         if name not in classes:
-            raise ValueError(f"{source}: <!-- keys:{name} --> names no config dataclass "
-                             f"(known: {', '.join(sorted(classes))})")
-        table = render(classes[name])
-        if m.group(3) != table:
-            changed.append(name)
-        return m.group(1) + table + m.group(4)
+            raise ValueError(f"<!-- keys:{name} --> names no config dataclass (known: {', '.join(sorted(classes))})")
+        return render(classes[name])
 
-    def tables(m):
-        try:
-            text = render_result(m.group(2), m.group(3), results)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
-        if m.group(4) != text:
-            changed.append("table:" + m.group(2) + (f"/{m.group(3)}" if m.group(3) else ""))
-        return m.group(1) + text + m.group(5)
+    def code(name):
+        if name not in CODE_TABLES:
+            raise ValueError(f"<!-- code:{name} --> names no table (known: {', '.join(CODE_TABLES)})")
+        return markdown(CODE_TABLES[name]())
 
-    def code(m):
-        if m.group(2) not in CODE_TABLES:
-            raise ValueError(f"{source}: <!-- code:{m.group(2)} --> names no table (known: {', '.join(CODE_TABLES)})")
-        text = markdown(CODE_TABLES[m.group(2)]())
-        if m.group(3) != text:
-            changed.append("code:" + m.group(2))
-        return m.group(1) + text + m.group(4)
+    def region(make, label):  # a region's sub(): (opening marker, names..., old text, closing marker)
+        def sub(m):
+            opening, *names, old, closing = m.groups()
+            try:
+                new = make(*names)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+            if old != new:
+                changed.append(label(*names))
+            return opening + new + closing
+        return sub
 
-    text = REGION.sub(keys, text)
-    text = CODE.sub(code, text) if CODE.search(text) else text
-    return TABLE.sub(tables, text), changed
+    text = REGION.sub(region(keys, lambda name: name), text)
+    text = CODE.sub(region(code, lambda name: "code:" + name), text)
+    return TABLE.sub(region(lambda name, key: render_result(name, key, results),
+                            lambda name, key: "table:" + name + (f"/{key}" if key else "")), text), changed
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true",
                    help="only report the regions that disagree with the code or results")
-    args = p.parse_args(argv)
-    classes = config_classes()
+    args, classes = p.parse_args(argv), config_classes()
     stale = []
     for page in sorted(DOCS.glob("*.md")):
-        text = page.read_text()
-        new, changed = update(text, classes, str(page))
+        new, changed = update(page.read_text(), classes, str(page))
         stale += [f"{page.relative_to(ROOT)}: {n if n.startswith(('table:', 'code:')) else 'keys:' + n}" for n in changed]
         if changed and not args.check:
             page.write_text(new)

@@ -24,18 +24,20 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 from train.data import DataError  # noqa: E402
+from train.data.conversations import token_offsets  # noqa: E402
 from train.data.preference import (IGNORE, encode_prompt, encode_response, fit, prompt_messages,  # noqa: E402
                                    read_jsonl, response_text)
+from train.data.prompts import prompt_row, reward_fn, score  # noqa: E402
+from train.step import eval_mode  # noqa: E402
+from zoo.weights.files import atomic_write  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- log-likelihoods
 def token_logps(model, ids: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
     """Log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored) -> (log-probs
     (B, T) fp32, 0 where not scored; the scored mask (B, T)[; the distributions' entropies (B, T), no grad])."""
-    logits = model(ids).float()
-    valid = labels != IGNORE
-    target = labels.masked_fill(~valid, 0)
-    lse = torch.logsumexp(logits, dim=-1)
+    logits, valid = model(ids).float(), labels != IGNORE
+    target, lse = labels.masked_fill(~valid, 0), torch.logsumexp(logits, dim=-1)
     logp = (logits.gather(-1, target[..., None]).squeeze(-1) - lse) * valid
     if not entropy:
         return logp, valid
@@ -45,8 +47,7 @@ def token_logps(model, ids: torch.Tensor, labels: torch.Tensor, entropy: bool = 
 
 
 def sequence_logps(model, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities of the labelled next tokens: ids, labels (B, T) (-100: not scored)
-    -> (sums (B,) fp32, scored tokens (B,))."""
+    """token_logps summed: -> (sums (B,) fp32, scored tokens (B,))."""
     logp, valid = token_logps(model, ids, labels)
     return logp.sum(-1), valid.sum(-1)
 
@@ -76,31 +77,30 @@ def score_sequences(model, seqs: list, device, batch_size: int = 16, autocast=No
 
 
 # ----------------------------------------------------------------------------- task files
-def _choice_row(row):
-    context, choices, answer = row["context"], row["choices"], row["answer"]
-    if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
-            or not all(isinstance(c, str) and c for c in choices):
-        raise TypeError("context must be a string and choices a list of at least two non-empty strings")
-    if isinstance(answer, str):
-        if answer not in choices:
-            raise ValueError(f"answer {answer!r} is not one of the choices")
-        answer = choices.index(answer)
-    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
-        raise ValueError(f"answer must be a choice or its index in [0, {len(choices)}), got {answer!r}")
-    return {"kind": "choice", "context": context, "choices": choices, "answer": answer}
-
-
-def _generation_row(row):
-    until = row.get("until")
-    if until is not None and not (isinstance(until, list) and all(isinstance(u, str) and u for u in until)):
-        raise TypeError("until must be a list of non-empty strings")
-    if not isinstance(row["expected"], str):
-        raise TypeError("expected must be a string")
-    prompt_messages(row["prompt"])
-    return {"kind": "generation", "prompt": row["prompt"], "expected": row["expected"], "until": until}
-
-
-def _loss_row(row):
+def parse_row(row: dict) -> dict:
+    """A task row, checked, by what it holds: choices, expected (generation), answer (reward) or a loss row."""
+    if "choices" in row:
+        context, choices, answer = row["context"], row["choices"], row["answer"]
+        if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
+                or not all(isinstance(c, str) and c for c in choices):
+            raise TypeError("context must be a string and choices a list of at least two non-empty strings")
+        if isinstance(answer, str):
+            if answer not in choices:
+                raise ValueError(f"answer {answer!r} is not one of the choices")
+            answer = choices.index(answer)
+        if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+            raise ValueError(f"answer must be a choice or its index in [0, {len(choices)}), got {answer!r}")
+        return {"kind": "choice", "context": context, "choices": choices, "answer": answer}
+    if "expected" in row:
+        until = row.get("until")
+        if until is not None and not (isinstance(until, list) and all(isinstance(u, str) and u for u in until)):
+            raise TypeError("until must be a list of non-empty strings")
+        if not isinstance(row["expected"], str):
+            raise TypeError("expected must be a string")
+        prompt_messages(row["prompt"])
+        return {"kind": "generation", "prompt": row["prompt"], "expected": row["expected"], "until": until}
+    if "answer" in row:
+        return {"kind": "reward", **prompt_row(row)}
     if "messages" in row:
         msgs = prompt_messages(row["messages"])
         if msgs[-1]["role"] != "assistant":
@@ -112,17 +112,6 @@ def _loss_row(row):
     if not isinstance(row["text"], str) or not row["text"]:
         raise TypeError("text must be a non-empty string")
     return {"kind": "loss", "prompt": None, "completion": row["text"]}
-
-
-def parse_row(row: dict) -> dict:
-    if "choices" in row:
-        return _choice_row(row)
-    if "expected" in row:
-        return _generation_row(row)
-    if "answer" in row:
-        from train.data.prompts import prompt_row
-        return {"kind": "reward", **prompt_row(row)}
-    return _loss_row(row)
 
 
 def read_task(path, log=print) -> tuple[str, list[dict]]:
@@ -138,17 +127,14 @@ def read_task(path, log=print) -> tuple[str, list[dict]]:
 def choice_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-evaluation-harness's split of (context, continuation) into token ids: the context's trailing
     spaces move to the continuation, whose tokens are those of the whole past the context's."""
-    n = len(context) - len(context.rstrip())
-    if n:
+    if n := len(context) - len(context.rstrip()):
         context, continuation = context[:-n], context[-n:] + continuation
-    whole = tokenizer.encode(context + continuation)
-    ctx = tokenizer.encode(context)
+    whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
     return ctx, whole[len(ctx):]
 
 
 def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, autocast=None, max_len=None, **_):
-    """acc (highest summed log-likelihood) and acc_norm (per character of the choice) of multiple-choice
-    rows, ties to the first choice; and each row's log-likelihoods."""
+    """acc (highest log-likelihood) and acc_norm (per character) of choice rows, ties to the first; each row's."""
     seqs = []
     for r in rows:
         for c in r["choices"]:
@@ -182,8 +168,7 @@ def cut_at(text: str, until) -> str:
 
 
 def generate_answer(model, tokenizer, prompt, device, template=None, max_new_tokens=64, max_len=None) -> str:
-    """The greedy continuation of a prompt: with a chat template the assistant's reply (train/chat.py's
-    ChatSession), else the text after the plain prompt, up to EOS."""
+    """The greedy reply to a prompt: ChatSession's with a template, else the plain prompt's continuation to EOS."""
     if template is not None:
         from train.chat import ChatSession
         return ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens).respond(prompt_messages(prompt))
@@ -201,7 +186,6 @@ def chat_prompt_ids(tokenizer, template, prompt) -> list[int]:
     """The tokens of a prompt: with a template its messages rendered with the generation prompt, else plain text."""
     if template is None:
         return encode_prompt(tokenizer, prompt)
-    from train.data.conversations import token_offsets
     return token_offsets(tokenizer, template.render(prompt_messages(prompt), add_generation_prompt=True))[0]
 
 
@@ -210,7 +194,6 @@ def stop_tokens(tokenizer, template) -> tuple[list[int], "str | None"]:
     stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     if template is None:
         return stops, None
-    from train.data.conversations import token_offsets
     for text in (template.special_tokens.get("eos_token"), template.end_of_turn):
         ids = token_offsets(tokenizer, text)[0] if isinstance(text, str) and text else []
         if len(ids) == 1 and ids[0] not in stops:
@@ -232,7 +215,7 @@ def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperatu
     mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc], device=device)
     out = model.generate(ids, max_new_tokens, temperature, top_p=top_p, eos_token_id=stops or None,
                          generator=generator, attention_mask=mask, stop_early=stop_early, compile=compile)
-    comps, texts, truncated = [], [], []
+    done = []  # (completion ids, text, truncated) of each row
     for row in out[:, T:].tolist():
         n = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         stopped, row = row[n - 1] in stops, row[:n]
@@ -243,10 +226,8 @@ def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperatu
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if eot in tokenizer.decode(row[:mid]) else (mid + 1, hi)
             row, text, stopped = row[:lo], text[:text.index(eot)], True
-        comps.append(row)
-        texts.append(text)
-        truncated.append(not stopped)
-    return enc, comps, texts, truncated
+        done.append((row, text, not stopped))
+    return enc, *map(list, zip(*done))
 
 
 def score_generation(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, max_len=None,
@@ -258,8 +239,7 @@ def score_generation(model, tokenizer, rows, device, template=None, max_new_toke
         with (autocast or contextlib.nullcontext)():
             out = generate_answer(model, tokenizer, r["prompt"], device, template, max_new_tokens, max_len)
         until = r["until"] if r["until"] is not None else ([] if template is not None else ["\n"])
-        text = cut_at(out, until)
-        want = r["expected"].strip()
+        text, want = cut_at(out, until), r["expected"].strip()
         exact += text.strip() == want
         contains += want in text
         details.append({"output": text, "expected": r["expected"]})
@@ -273,7 +253,7 @@ def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, aut
     for r in rows:
         if r["prompt"] is None:
             ids = tokenizer.encode(r["completion"])
-            ids, labels = ids, list(ids)
+            labels = list(ids)
         else:
             ids, labels = encode_response(tokenizer, r["prompt"], r["completion"], template)
         if max_len is not None:
@@ -289,11 +269,9 @@ def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, aut
 
 def score_rewards(model, tokenizer, rows, device, template=None, batch_size=16, max_new_tokens=64, autocast=None,
                   max_len=None, rewards=None, samples=1, temperature=1.0, **_):
-    """reward (the mean weighted total) and pass@1 (solved: the first reward >= 1) of greedy completions
-    of prompt rows, scored by `rewards` [(name, weight, fn)] (default numeric); with samples k > 1 also
-    pass@k: the share of prompts one of whose k sampled completions (each row's generator seeded by its
-    index) is solved."""
-    from train.data.prompts import reward_fn, score
+    """reward (the mean weighted total) and pass@1 (the first reward >= 1) of greedy completions of prompt
+    rows, scored by `rewards` [(name, weight, fn)] (default numeric); samples k > 1: also pass@k, the share of
+    prompts one of whose k sampled completions (each row's generator seeded by its index) is solved."""
     rewards = rewards or [("numeric", 1.0, reward_fn("numeric"))]
     max_prompt = max(1, max_len - max_new_tokens) if max_len else None
 
@@ -325,11 +303,8 @@ SCORERS = {"choice": score_choices, "generation": score_generation, "loss": scor
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
                    delimiter=" ", autocast=None, log=print, **reward_options) -> dict[str, dict]:
     """{task (file stem): {metric: value, "kind", "details"}} of every task file, in eval mode."""
-    was = model.training
-    model.eval()
-    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
-    results = {}
-    try:
+    max_len, results = getattr(getattr(model, "config", None), "max_seq_len", None), {}
+    with eval_mode(model):
         for f in files:
             kind, rows = read_task(f, log)
             try:
@@ -342,8 +317,6 @@ def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16
             while name in results:
                 name += "_"
             results[name] = {"kind": kind, **m, "details": d}
-    finally:
-        model.train(was)
     return results
 
 
@@ -354,8 +327,7 @@ def metric_row(results: dict) -> dict[str, float]:
 
 
 def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
-    """Accuracy per class of predictions `pred` against labels `y` -> (rows (name, n, acc), the table
-    headed by the `weights` it is of, its head line, its total line)."""
+    """Per-class accuracy of `pred` against `y` -> (rows (name, n, acc), table of `weights`, its head, its total)."""
     rows = [(name, int((y == c).sum()), (pred[y == c] == c).float().mean().item())
             for c, name in enumerate(classes) if (y == c).any()]
     head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
@@ -422,7 +394,6 @@ def main(argv=None) -> int:
             model = zoo.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
         except (ValueError, OSError) as e:
             raise ConfigError(f"{args.model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        from train.data.prompts import reward_fn
         rewards = [(r, 1.0, reward_fn(r, "--reward")) for r in args.reward or ["numeric"]]
         results = evaluate_files(model, tokenizer, args.task, device, template=template, batch_size=args.batch_size,
                                  max_new_tokens=args.max_new_tokens, delimiter=args.delimiter,
@@ -432,11 +403,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "code", EXIT_CONFIG)
     print(table(results))
-    out = Path(args.json) if args.json else (Path(args.model) / "eval.json" if Path(args.model).is_dir()
-                                                 else Path("eval.json"))
+    out = Path(args.json or (Path(args.model) / "eval.json" if Path(args.model).is_dir() else "eval.json"))
     if not args.details:
         results = {k: {m: v for m, v in r.items() if m != "details"} for k, r in results.items()}
-    from zoo.weights.files import atomic_write
     atomic_write(out, json.dumps({"model": str(args.model), "tasks": results}, indent=2))
     print(f"results: {out}")
     return 0
@@ -446,7 +415,6 @@ def evaluate_images(args) -> int:
     """A ConvNet run folder on a folder of class folders: accuracy and the per-class table (JSON too)."""
     from train.data.images import scan_image_folder
     from train.predict import load, probabilities
-    from zoo.weights.files import atomic_write
     try:
         model, prep = load(args.model, args.ema)
         _, samples = scan_image_folder(args.images, prep.classes)
@@ -454,12 +422,11 @@ def evaluate_images(args) -> int:
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    labels = torch.tensor([y for _, y in samples])
-    rows, text, _, _ = per_class_table(probs.argmax(1), labels, prep.classes,
-                                       f"{'model_ema' if args.ema else 'model'}.safetensors")
+    labels, pred = torch.tensor([y for _, y in samples]), probs.argmax(1)
+    rows, text, _, _ = per_class_table(pred, labels, prep.classes, f"{'model_ema' if args.ema else 'model'}.safetensors")
     print(text)
-    accuracy = float((probs.argmax(1) == labels).float().mean())
-    out = Path(args.json) if args.json else Path(args.model) / "eval_images.json"
+    accuracy = float((pred == labels).float().mean())
+    out = Path(args.json or Path(args.model) / "eval_images.json")
     atomic_write(out, json.dumps({"model": str(args.model), "images": str(args.images), "accuracy": accuracy,
                                   "per_class": {n: (k, a) for n, k, a in rows}}, indent=2))
     print(f"results: {out}")

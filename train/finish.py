@@ -34,10 +34,8 @@ def finish(run, out: Path, metrics, say):
         say(f"adapter: {export_adapter(model, out, t.init_from)}")
     if t.plot and metrics.plot():
         say(f"loss curve: {out / 'loss.png'}")
-    if t.samples:
-        text = task.samples(ema_model if ema_model is not None else model, out)
-        if text:
-            say("samples:\n" + text)
+    if t.samples and (text := task.samples(ema_model if ema_model is not None else model, out)):
+        say("samples:\n" + text)
     if run.quantized is not None:
         import zoo
         path = zoo.save_pretrained(run.quantized, out / "quantized")
@@ -45,20 +43,16 @@ def finish(run, out: Path, metrics, say):
         say(f"quantized: {path} ({run.quantized.quantization['scheme']})")
     if t.export and run.keys is not None and not run.cfg.adapter.export_merged:
         say("export: adapter run; set adapter.export_merged=true for the merged weights in the base's format")
-    elif t.export:
-        path = task.export(merged_model(model) if run.keys is not None else model, out)
-        if path:
-            say(f"exported: {path}")
+    elif t.export and (path := task.export(merged_model(model) if run.keys is not None else model, out)):
+        say(f"exported: {path}")
 
 
 def consolidated(run):
-    """(model, EMA model) as one process would hold them, on rank 0 (None, None elsewhere): the module
-    itself for one process and DDP; under FSDP2 a model built anew with the gathered weights."""
+    """(model, EMA model) as one process holds them on rank 0, else (None, None); FSDP2's rebuilt from its shards."""
     par, ema = run.par, run.ema
     if not par.active or par.strategy == "ddp":
         return run.model, ema.model if ema is not None else None
-    full = par.full_state(run.model)
-    full_ema = par.full_state(ema.model) if ema is not None else None
+    full, full_ema = par.full_state(run.model), par.full_state(ema.model) if ema is not None else None
     if not par.main:
         return None, None
 
@@ -71,8 +65,7 @@ def consolidated(run):
 
 
 def export_adapter(model, out: Path, base: Optional[str]) -> Path:
-    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format; prefixes (which PEFT
-    lays out per model class) as Zoo's tensors in adapter/prefix.safetensors."""
+    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format, prefixes in prefix.safetensors."""
     from zoo.weights.peft_lora import save_adapter
     if model.adapter_config.method in ("lora", "dora"):
         return save_adapter(model, out / "adapter", base=base)

@@ -1,9 +1,5 @@
-"""What the machine can do, measured the same way by the loop and the benchmarks.
-
-`measure_peak_flops(device, dtype)`: the denominator of every MFU figure (`vendor_peak_flops` on known GPUs);
-`sync`, `peak_memory_gb`;
-`keep_freed_memory()` / `release_freed_memory()`: glibc keeps freed memory (`train.cpu_keep_memory`).
-"""
+"""What the machine can do, measured the same way by the loop and the benchmarks (MFU's denominator, peak
+memory), and glibc told to keep freed memory (train.cpu_keep_memory)."""
 from __future__ import annotations
 
 import ctypes
@@ -25,19 +21,14 @@ def sync(device: torch.device):
 
 
 # The matmul measured, chosen by its FLOPs alone (a slow first timing cannot pick one too small).
-PEAK_SIZES = {"cpu": 1024}
-PEAK_SIZE_DEFAULT = 8192
+PEAK_SIZES, PEAK_SIZE_DEFAULT = {"cpu": 1024}, 8192
 
 
-def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5,
-                       budget: float = 0.5) -> float:
-    """Achieved FLOP/s of an n x n matmul in the compute dtype (None: float32), n from `PEAK_SIZES` by
-    device type: 2 n^3 over the fastest of `reps` timed matmuls after a warm-up, stopping once
-    `budget` seconds are spent (at least two)."""
-    dt = dtype or torch.float32
-    n = PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
-    a = torch.randn(n, n, device=device, dtype=dt)
-    b = torch.randn(n, n, device=device, dtype=dt)
+def measure_peak_flops(device: torch.device, dtype: Optional[torch.dtype], reps: int = 5, budget: float = 0.5) -> float:
+    """Achieved FLOP/s of an n x n matmul in `dtype` (None: fp32), n by device type (`PEAK_SIZES`): 2 n^3 over
+    the fastest of `reps` timed matmuls after a warm-up, stopping once `budget` seconds are spent (two at least)."""
+    dt, n = dtype or torch.float32, PEAK_SIZES.get(device.type, PEAK_SIZE_DEFAULT)
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
 
     def timed() -> float:
         sync(device)
@@ -63,8 +54,7 @@ VENDOR_PEAKS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e1
 
 
 def vendor_peak_flops(device: torch.device, dtype: Optional[torch.dtype]) -> Optional[tuple[str, float]]:
-    """(the GPU's name, its vendor's dense 16-bit FLOP/s) for a known CUDA device computing in bf16 or fp16,
-    else None."""
+    """(GPU name, its vendor's dense 16-bit FLOP/s) of a known CUDA device in bf16 or fp16, else None."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
@@ -79,7 +69,6 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-# ------------------------------------------------------------------------------ glibc: freed memory kept
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
@@ -95,16 +84,14 @@ def libc():
 
 
 def keep_freed_memory() -> bool:
-    """Serve every allocation from the heap and never trim it (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB),
-    so a step's large tensors are not page-faulted in again every step. Process-wide, as CUDA's caching
-    allocator. Returns whether it applied."""
+    """Serve every allocation from the heap, never trimmed (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB), so a
+    step's large tensors are not page-faulted in again every step; process-wide, as CUDA's caching allocator."""
     c = libc()
     return c is not None and c.mallopt(_M_MMAP_MAX, 0) == 1 and c.mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1) == 1
 
 
 def release_freed_memory() -> bool:
-    """Undo keep_freed_memory(): glibc's default limits again (mmap for blocks over 128 KiB, trim
-    at 128 KiB) and the kept memory returned to the OS. Returns whether it applied."""
+    """Undo keep_freed_memory(): glibc's default limits again, the kept memory returned; whether it applied."""
     c = libc()
     if c is None:
         return False

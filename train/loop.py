@@ -31,12 +31,10 @@ from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, RunStopped, clip
 
 
 def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
-    """Run (or resume) the training described by cfg. Returns the final metrics.
-    owns_process: the caller is a program that does nothing but this run (train/run.py); then
-    process-wide settings (train.cpu_keep_memory) apply by default and are not undone."""
+    """Run (or resume) the training described by cfg; returns the final metrics. owns_process: the caller does
+    nothing but this run (train/run.py), so process-wide settings (train.cpu_keep_memory) apply and stay."""
     t = cfg.train
-    out = Path(t.out_dir)
-    launch = launch_env()
+    out, launch = Path(t.out_dir), launch_env()
     if launch.world > 1 and t.parallel == "none":
         raise RunStopped(f"{cfg.source}: launched by torchrun with {launch.world} processes but train.parallel=none; "
                          f"set train.parallel=ddp or fsdp", EXIT_CONFIG)
@@ -104,15 +102,11 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
             ckpt.say(f"step {step}: checkpoint postponed ({metrics.nonfinite_streak} non-finite steps in a row)")
         elif ran and ckpt.due(step):
             ckpt.save(step)
-        if last_step:
-            if t.average_last:
-                avg = ckpt.evaluate_average()
-                metrics.evaluation(step, avg, say=False)
-                ev.update(avg)
-            q = quantized_evaluation(run)  # train.qat / train.quantize (rank 0)
-            if q:
-                metrics.evaluation(step, q, say=False)
-                ev.update(q)
+        if last_step:  # the averaged checkpoints, train.qat / train.quantize (rank 0)
+            for more in (ckpt.evaluate_average() if t.average_last else {}, quantized_evaluation(run)):
+                if more:
+                    metrics.evaluation(step, more, say=False)
+                    ev.update(more)
             return step, ev
         t0 = time.perf_counter()
         r, lr, waited = train_step(run, step, pre)
@@ -126,15 +120,13 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
 
 
 def train_step(run, step: int, pre: Optional["Preemption"] = None):
-    """Optimizer step `step` (from 0) of the run: its LR, its micro-batches, the update, weight
-    clipping and the EMA. Returns (StepResult, LR, the seconds the step waited for its batches)."""
+    """Optimizer step `step` (from 0), its LR, micro-batches, weight clipping, EMA -> (result, LR, seconds waited)."""
     t, task, par = run.cfg.train, run.task, run.par
     lr = run.cfg.optim.lr * lr_multiplier(step, t.max_steps, run.cfg.optim)
     set_lr(run.optimizer, lr)
     if run.unfreezer is not None:
         run.unfreezer.advance(step, run.optimizer)
-    params = run.params()
-    n_micro = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
+    params, n_micro = run.params(), micro_batches(step, t.grad_accum, t.batch_warmup_steps)
     waited = 0.0
 
     def batch(m):
@@ -174,8 +166,7 @@ class Preemption:
     def __init__(self, hold: bool = False):
         self.signal: Optional[int] = None
         self.agreed = False  # some rank received a signal (known after the step's all-reduce)
-        self.hold = hold
-        self._old = {}
+        self.hold, self._old = hold, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

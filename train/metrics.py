@@ -31,16 +31,14 @@ def read_rows(out_dir) -> list[dict]:
     """metrics.jsonl's rows, each training row merged with speed.jsonl's row of the same step."""
     out = Path(out_dir)
     rows = [json.loads(l) for l in (out / METRICS).read_text().splitlines() if l.strip()]
-    speed = {}
-    if (out / SPEED).is_file():
-        speed = {r["step"]: r for r in map(json.loads, (out / SPEED).read_text().splitlines()) if r}
+    speed = {r["step"]: r for r in map(json.loads, (out / SPEED).read_text().splitlines()) if r} \
+        if (out / SPEED).is_file() else {}
     return [{**r, **speed.get(r["step"], {})} if "loss" in r else r for r in rows]
 
 
 def truncate(path: Path, step: int, finished: bool = False):
-    """On resume, drop rows logged after the checkpoint (they will be logged again) and a torn last
-    line of a killed writer. When resuming a finished run (the checkpoint is the last step), its
-    final evaluation rows are logged again too, so drop them."""
+    """On resume, drop the rows logged after the checkpoint (logged again) and a killed writer's torn last line;
+    resuming a finished run (checkpoint at the last step), its final evaluation rows too."""
     if not path.exists():
         return
     keep = []
@@ -57,15 +55,12 @@ def truncate(path: Path, step: int, finished: bool = False):
 
 
 class Metrics:
-    """Owns metrics.jsonl, speed.jsonl, the tracker, the progress bar and the logging window.
-    A context manager: `with Metrics(run, out, start, say) as metrics: ...`."""
+    """Owns metrics.jsonl, speed.jsonl, the tracker, the progress bar and the logging window; a context manager."""
 
     def __init__(self, run, out: Path, start: int, say):
         t = run.cfg.train
         self.run, self.out, self.say, self.t = run, out, say, t
-        self.main = run.par.main
-        self.unit = run.task.unit
-        self.last: dict = {}
+        self.main, self.unit, self.last = run.par.main, run.task.unit, {}
         self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0, "wait": 0.0}
         self.nonfinite_streak, self.nonfinite_total, self.overflow_total = 0, 0, 0
         if self.main:
@@ -79,9 +74,7 @@ class Metrics:
         say(f"mfu: peak {_flops(self.peak)} ("
             + ("configured" if t.peak_flops else f"{vendor[0]}, the vendor's dense figure; a matmul measured "
                f"{_flops(self._measure_peak())}" if vendor else "measured matmul") + ")")
-        self._stack = contextlib.ExitStack()
-        self.files = {}
-        self.tracker = None
+        self._stack, self.files, self.tracker = contextlib.ExitStack(), {}, None
         if self.main:
             self.files = {n: self._stack.enter_context(open(out / n, "a")) for n in (METRICS, SPEED)}
             kept = [r for r in read_rows(out) if r["step"] == start] if start and (out / METRICS).exists() else []
@@ -90,12 +83,9 @@ class Metrics:
         self.bar = tqdm(total=t.max_steps, initial=start, disable=not (t.progress and self.main),
                         dynamic_ncols=True, unit="step", file=sys.stderr)
 
-    # ------------------------------------------------------------------ rows
     def record(self, row: dict, speed: dict | None = None):
         """A row of metrics.jsonl (and, for a training row, its measured part in speed.jsonl)."""
-        self.last.update(row)
-        if speed:
-            self.last.update(speed)
+        self.last.update({**row, **(speed or {})})
         if not self.main:
             return
         self.files[METRICS].write(json.dumps(row) + "\n")
@@ -111,8 +101,7 @@ class Metrics:
             self.say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
     def step(self, done: int, lr: float, r, seconds: float, data_wait: float = 0.0):
-        """Account one optimizer step (a StepResult; its seconds, of which data_wait waiting for
-        batches) and log the window every train.log_every steps."""
+        """Account one optimizer step (a StepResult, its seconds, data_wait of them for batches); log the window."""
         t, w = self.t, self.window
         if r.overflow:  # fp16: the GradScaler skipped the step and lowered its scale; not a failure
             self.overflow_total += 1
@@ -140,8 +129,7 @@ class Metrics:
                "grad_norm": r.grad_norm, **self.run.task.train_metrics()}
         if self.nonfinite_total:
             row["skipped_steps"] = self.nonfinite_total
-        scaler = self.run.scaler
-        if scaler is not None and scaler.is_enabled():
+        if (scaler := self.run.scaler) is not None and scaler.is_enabled():
             row["loss_scale"] = scaler.get_scale()
             row["overflow_steps"] = self.overflow_total
         steps = max(1, w["n"] + (0 if r.finite else 1))
@@ -164,9 +152,8 @@ class Metrics:
             return measure_peak_flops(device, self.run.amp_dtype)
 
     def _mfu(self, flops: float) -> float:
-        """Achieved FLOP/s per process over the peak, never above 1: an achieved rate over the peak
-        means the peak was measured low (a busy machine), so it is measured again once (the higher
-        kept), and what is still above is capped, both said in the log."""
+        """Achieved FLOP/s per process over the peak, never above 1: a peak measured low (a busy machine) is measured
+        again once, the higher kept, and what is still above is capped, both said in the log."""
         if flops > self.peak and not self.t.peak_flops and not self.remeasured:
             self.remeasured = True
             was, self.peak = self.peak, max(self.peak, self._measure_peak())
@@ -177,7 +164,6 @@ class Metrics:
             self.peak = flops
         return flops / self.peak
 
-    # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
         """What a resumed run needs to log the same numbers: the window (its time excepted) and counts."""
         return {"window_loss": self.window["loss"], "window_n": self.window["n"], "window_items": self.window["items"],
@@ -206,9 +192,8 @@ class Metrics:
         rows = read_rows(self.out)
         series = {"train loss": [(r["step"], r["loss"]) for r in rows if "loss" in r],
                   "val loss": [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]}
-        if not any(series.values()):
-            return None
-        return line_plot(series, self.out / "loss.png", xlabel="step", ylabel="loss", markers={"val loss"})
+        return line_plot(series, self.out / "loss.png", xlabel="step", ylabel="loss", markers={"val loss"}) \
+            if any(series.values()) else None
 
 
 def _flops(rate: float) -> str:
@@ -217,8 +202,7 @@ def _flops(rate: float) -> str:
 
 # ------------------------------------------------------------------------------ trackers
 class Tracker:
-    """The tracker of train.tracker=none: `log` and `close` do nothing. A context manager whose
-    exit closes it (with the exit code of the exception that ended the run, if one did)."""
+    """train.tracker=none: `log` and `close` do nothing; a context manager closed with the ending exception's code."""
 
     def log(self, row: dict):
         pass
@@ -271,8 +255,7 @@ class WandbTracker(Tracker):
         except ImportError as e:
             raise ConfigError(f"{missing_package('wandb') or 'train.tracker=wandb'} ({e})") from None
         t = cfg.train
-        mode = t.tracker_mode or os.environ.get("WANDB_MODE") or "offline"
-        id_file = out / "wandb" / "run_id"
+        mode, id_file = t.tracker_mode or os.environ.get("WANDB_MODE") or "offline", out / "wandb" / "run_id"
         run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # fresh start: a new run
         # the process-wide settings too: wandb's own telemetry follows them, not the run's
         wandb.setup(wandb.Settings(mode=mode))
@@ -292,15 +275,11 @@ class WandbTracker(Tracker):
 
 
 def open_tracker(cfg, out: Path, start: int, kept: list = ()) -> Tracker:
-    """The tracker of cfg.train.tracker for a run in `out` that starts (or resumes) at `start`;
-    kept: the metrics rows of step `start` already logged (a tracker that purges that step logs
-    them again)."""
-    kind = cfg.train.tracker
-    if kind == "tensorboard":
+    """cfg.train.tracker's tracker for a run in `out` starting (or resuming) at `start`; kept: the rows of
+    step `start` already logged (a tracker that purges that step logs them again)."""
+    if cfg.train.tracker == "tensorboard":
         return TensorBoardTracker(cfg, out, start, kept)
-    if kind == "wandb":
-        return WandbTracker(cfg, out, start)
-    return Tracker()
+    return WandbTracker(cfg, out, start) if cfg.train.tracker == "wandb" else Tracker()
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -1,10 +1,6 @@
 """The run's model, built one way for the run builder (train/builder.py) and the memory planner
-(train/planner.py), so that what the planner counts is what the loop trains.
-
-    model = build_model(cfg, task, device, say)   # the task's model; without a task a fresh one of cfg.model
-
-`apply_runtime` sets how a built model runs (attention backend, activation checkpointing, chunked
-loss) from outside the model; the config is never changed.
+(train/planner.py), so that what the planner counts is what the loop trains. `apply_runtime` sets how a
+built model runs from outside the model; the config is never changed.
 """
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ from .features.quantize import prepare as prepare_qat
 
 def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lambda s: None,
                   source: str = "<config>") -> nn.Module:
-    """Apply train_cfg's attention backend, activation checkpointing, chunked-loss and MoE (capacity, jitter,
-    dispatch) settings to `model` (in place; returned for chaining). A choice the model cannot take is a
-    one-line ConfigError naming the key."""
+    """train_cfg's attention backend, activation checkpointing, chunked loss and MoE settings, set on `model` in
+    place (returned); a choice the model cannot take is a one-line ConfigError naming the key."""
     t = train_cfg
     if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
         if t.attn_backend == "flash" and flash_available() is None:
@@ -54,11 +49,9 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
 
 
 def fresh_model(cfg) -> nn.Module:
-    """A model of cfg.model with fresh weights; an autoencoder with weights is built as its variant
-    without them (same shapes, nothing read: under a FakeTensorMode nothing is allocated)."""
+    """cfg.model with fresh weights; an autoencoder with weights built as its weightless variant (same shapes)."""
     import zoo
-    model_cfg = cfg.model
-    ae = getattr(model_cfg, "autoencoder", None)
+    model_cfg, ae = cfg.model, getattr(cfg.model, "autoencoder", None)
     if ae is not None and ae.weights:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from zoo.diffusion.latent import build_autoencoder
@@ -70,10 +63,8 @@ def fresh_model(cfg) -> nn.Module:
 
 def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambda m: None,
                 fsdp: bool = False) -> nn.Module:
-    """The run's model in training mode on `device` (default: where it was built): the task's
-    (task.build_model(): pretrained weights, checked against the data) or, without a task,
-    `fresh_model(cfg)`; seeded by train.seed; runtime choices, channels-last, adapters, float8 and
-    QAT applied (fsdp: the model will be sharded by FSDP2)."""
+    """The run's model in training mode on `device` (default: where built): task.build_model() or `fresh_model`,
+    seeded by train.seed; runtime choices, channels-last, adapters, float8, QAT applied (fsdp: FSDP2 to come)."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model() if task is not None else fresh_model(cfg), cfg.train, say, cfg.source)
     model = (model if device is None else model.to(device)).train()  # from_pretrained returns eval mode

@@ -27,11 +27,8 @@ def report(cfg, p: Plan) -> str:
     lines = [f"plan: {cfg.source}: family={cfg.family} device={p.device} precision={p.precision} "
              f"batch={cfg.train.batch_size} x {cfg.train.grad_accum} optimizer={cfg.optim.name}"
              + (f", per device of {p.devices} ({p.sharding})" if p.devices > 1 else "")]
-    for k, v in p.breakdown.items():
-        lines.append(f"  {k:<18}{fmt_bytes(v):>14}")
-    lines.append(f"  {'peak':<18}{fmt_bytes(p.peak_bytes):>14}")
-    if p.per_layer_activations:
-        acts = p.per_layer_activations
+    lines += [f"  {k:<18}{fmt_bytes(v):>14}" for k, v in {**p.breakdown, "peak": p.peak_bytes}.items()]
+    if acts := p.per_layer_activations:
         lines.append(f"  activations per block: {fmt_bytes(acts[0])} (block 0), {fmt_bytes(sum(acts))} for all {len(acts)}")
     if p.logits_bytes:
         lines.append(f"  loss (logits) peak over the last block's output: {fmt_bytes(p.logits_bytes)}")

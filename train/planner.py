@@ -1,11 +1,9 @@
 """The memory planner: what a training step needs, from the config alone, before the run starts.
 
-`plan(cfg)` builds the model under FakeTensorMode (nothing allocated; train/model.py's build_model,
-as the loop builds it) and runs the loop's step on it under `LiveBytes`, which counts the storages
-alive; `allocator` adds the CUDA caching allocator's rules or a CPU margin (`CPU_MARGIN`). `fits`
-lists settings that fit a budget; `auto_batch_size` resolves train.batch_size: auto for the run
-builder; `measure` runs the real step to check the plan. Its program: train/plan.py
-(docs/memory.md has the accuracy).
+`plan(cfg)` builds the model as the loop does under FakeTensorMode (nothing allocated) and counts the
+storages alive through the loop's step (`LiveBytes`), plus the CUDA caching allocator's rules or a CPU
+margin. `fits`: settings that fit a budget; `auto_batch_size`: train.batch_size: auto; `measure`: the
+real step, to check the plan (docs/memory.md). Its program: train/plan.py.
 """
 from __future__ import annotations
 
@@ -40,14 +38,12 @@ MiB, GiB = 2 ** 20, 2 ** 30
 
 # ------------------------------------------------------------------------------ counting live bytes
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the tensor storages alive (added when an op first returns one, or by `add`;
-    subtracted when it dies); `peak` since the last `reset_peak()`. Real and fake tensors alike.
-    device: count only the tensors on a device of this type."""
+    """Counts the bytes of the tensor storages alive, real or fake (added when an op first returns one, or by
+    `add`; subtracted when it dies), and their `peak` since `reset_peak()`. device: only that device type's."""
 
     def __init__(self, device: Optional[str] = None, trace: Optional["AllocTrace"] = None):
         super().__init__()
-        self.device = device
-        self.trace = trace
+        self.device, self.trace = device, trace
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
 
@@ -80,19 +76,15 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32:
-            out = _grouped_mm_like(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        fp32_grouped = func is _GROUPED_MM and type(args[0]).__name__ == "FakeTensor" and args[0].dtype == torch.float32
+        out = (_grouped_mm_like if fp32_grouped else func)(*args, **(kwargs or {}))
         self.add(out)
         return out
 
 
 class AllocTrace:
-    """The order in which tensor storages are made and freed: [(key, +bytes) or (key, -bytes)], each
-    storage once however many counters see it. Replayed through the CUDA caching allocator's rules
-    (`cuda_reserved_peak`) it gives the memory that allocator holds at its peak."""
+    """The order in which tensor storages are made and freed, [(key, +bytes) or (key, -bytes)], each storage
+    once: replayed through the CUDA caching allocator's rules (`cuda_reserved_peak`) it gives its peak."""
 
     def __init__(self):
         self.events: list[tuple[int, int]] = []
@@ -103,13 +95,11 @@ class AllocTrace:
         key = id(storage)
         if key in self._refs:
             return
-        self._next += 1
-        uid = self._next
-        self.events.append((uid, n))
+        uid = self.add_bytes(n)
         self._refs[key] = weakref.ref(storage, lambda _, key=key, uid=uid, n=n: self._free(key, uid, n))
 
     def add_bytes(self, n: int) -> int:
-        """A block that no dispatched op makes (torchao's 8-bit states, the EMA's copy), never freed."""
+        """A block made (by add, or one that no dispatched op makes: torchao's 8-bit states, the EMA's copy)."""
         self._next += 1
         self.events.append((self._next, n))
         return self._next
@@ -120,9 +110,8 @@ class AllocTrace:
 
 
 def cuda_reserved_peak(events) -> int:
-    """The peak bytes PyTorch's CUDA caching allocator reserves for `events`, on its rules
-    (c10/cuda/CUDACachingAllocator.cpp: 512-byte rounding, small and large pools, best fit, splitting,
-    merging, segments cached to the end). The CUDA context is not in it."""
+    """The peak bytes PyTorch's CUDA caching allocator reserves for `events` (CUDACachingAllocator.cpp: 512-byte
+    rounding, small and large pools, best fit, splitting, merging, segments cached), the CUDA context not in it."""
     import bisect
     reserved = peak = 0
     free: dict[bool, list] = {True: [], False: []}   # small pool? -> sorted [(size, segment, offset)]
@@ -160,30 +149,24 @@ def cuda_reserved_peak(events) -> int:
                 size = fsize
             blocks[uid] = (small, seg, off, size)
         else:
-            got = blocks.pop(uid, None)
-            if got is None:
+            if uid not in blocks:
                 continue
-            small, seg, off, size = got
-            if (seg, off + size) in start_of:
-                nsize = start_of[(seg, off + size)]
+            small, seg, off, size = blocks.pop(uid)
+            if nsize := start_of.get((seg, off + size)):  # merged with the free blocks after and before it
                 take(small, seg, off + size, nsize)
                 size += nsize
-            if (seg, off) in end_of:
-                prev = end_of[(seg, off)]
+            if (prev := end_of.get((seg, off))) is not None:
                 take(small, seg, prev, off - prev)
-                size += off - prev
-                off = prev
+                size, off = size + off - prev, prev
             put(small, seg, off, size)
     return peak
 
 
-_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
-_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
 
 
 def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
-    """An empty result of aten._grouped_mm's shape: its shape function refuses fp32, which the CPU
-    kernel runs (MoE layers planned in fp32)."""
+    """An empty result of aten._grouped_mm's shape (its shape function refuses the fp32 the CPU kernel runs)."""
     if a.dim() == 2 and b.dim() == 3:
         shape = (a.shape[0], b.shape[-1])
     elif a.dim() == 2 and b.dim() == 2:
@@ -197,51 +180,38 @@ def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
 
 # ------------------------------------------------------------------------------ optimizer states
 def adamw8bit_state_bytes(params) -> int:
-    """torchao's AdamW8bit: for a tensor of >= 4096 values (a multiple of the 256-value block) each of
-    the two moments is int8 codes, an fp32 scale per block and a 256-entry fp32 code map; smaller
-    tensors keep fp32 moments; plus a step counter per tensor."""
+    """torchao's AdamW8bit: per tensor of >= 4096 values (a multiple of the 256-value block) two int8 moments,
+    an fp32 scale per block and a 256-entry fp32 code map each; smaller tensors fp32 moments; a step count each."""
     total = 0
     for p in params:
         n = p.numel()
-        if n >= 4096 and n % 256 == 0:
-            total += 2 * (n + 4 * (n // 256) + 4 * 256)
-        else:
-            total += 2 * n * p.element_size()
-        total += 4  # step
+        total += (2 * (n + 4 * (n // 256) + 4 * 256) if n >= 4096 and n % 256 == 0 else 2 * n * p.element_size()) + 4
     return total
 
 
 def planned_optimizer(model, params, cfg, device):
-    """(the optimizer to step on fake tensors, None) or (None, its state bytes from its layout) for
-    those whose step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and
-    optimizers with a `planned_state_bytes()` (GaLore)."""
+    """(the optimizer to step on fake tensors, None), or (None, its state bytes from its layout) for those whose
+    step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and GaLore (`planned_state_bytes`)."""
     if cfg.optim.name == "adamw8bit":
         return None, adamw8bit_state_bytes(params)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
-    if hasattr(opt, "planned_state_bytes"):
-        return None, opt.planned_state_bytes()
-    return opt, 0
+    return (None, opt.planned_state_bytes()) if hasattr(opt, "planned_state_bytes") else (opt, 0)
 
 
 def fake_step(optimizer):
-    """optimizer.step() on fake tensors. An optimizer that reads a value back to Python (Adafactor's
-    step count, GaLore's) stops there, after making the state of the tensor it was on: then each
-    tensor is stepped on its own, so that every one gets its state (what the plan needs)."""
+    """optimizer.step() on fake tensors; an optimizer that reads a value back (Adafactor's, GaLore's step count)
+    stops there, so each tensor is then stepped alone, every one getting its state (what the plan needs)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
-    try:
+    with contextlib.suppress(DataDependentOutputException):
         optimizer.step()
         return
-    except DataDependentOutputException:
-        pass
     groups = optimizer.param_groups
     try:
         for g in groups:
             for p in g["params"]:
                 optimizer.param_groups = [dict(g, params=[p])]
-                try:
+                with contextlib.suppress(DataDependentOutputException):
                     optimizer.step()
-                except DataDependentOutputException:
-                    pass
     finally:
         optimizer.param_groups = groups
 
@@ -249,28 +219,16 @@ def fake_step(optimizer):
 # ------------------------------------------------------------------------------ the model and its units
 def repeated_units(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks (transformer blocks, residual blocks)."""
-    units = getattr(model, "checkpoint_units", None)
-    if units is not None:
-        return list(units())
-    if hasattr(model, "layers"):
-        return list(model.layers)
-    return []
+    return list(model.checkpoint_units() if hasattr(model, "checkpoint_units") else getattr(model, "layers", []))
 
 
 def _depth_keys(cfg):
-    """(depth, period) of an LLM stack: its n_layers and the period of its block pattern (MoD,
-    sparse MoE layers, checkpointing every n-th block), or None for other families."""
+    """(n_layers, its block pattern's period: MoD, sparse MoE, checkpointing every n-th) of an LLM stack, else None."""
     if cfg.family != "llm":
         return None
     m = cfg.model
-    period = 1
-    if m.mod_capacity > 0:
-        period = math.lcm(period, m.mod_every)
-    if m.moe is not None:
-        period = math.lcm(period, m.moe.sparse_every)
-    every = cfg.train.activation_checkpointing_every
-    period = math.lcm(period, every)
-    return m.n_layers, period
+    return m.n_layers, math.lcm(m.mod_every if m.mod_capacity > 0 else 1, m.moe.sparse_every if m.moe else 1,
+                                cfg.train.activation_checkpointing_every)
 
 
 # ------------------------------------------------------------------------------ the simulated step
@@ -287,8 +245,6 @@ class Simulated:
     per_unit: list           # bytes each repeated block keeps from its forward to the backward
     logits: int              # the peak the loss adds over the last block's output (forward)
     events: list = field(default_factory=list)  # AllocTrace.events: construction and three steps
-
-
 
 
 def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
@@ -319,11 +275,9 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         if cfg.model.moe is not None:
             dense = [i for i in cfg.model.moe.dense_layers if i < n_layers]
             cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)
-    amp = _precision(cfg, device)
-    B = batch_size or cfg.train.batch_size
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    amp, B = _precision(cfg, device), batch_size or cfg.train.batch_size
     trace = AllocTrace()  # the run's storages in order, from the model's construction to the third step
-    with mode, torch.random.fork_rng(devices=[]):
+    with FakeTensorMode() if fake else contextlib.nullcontext(), torch.random.fork_rng(devices=[]):
         with torch.device(device), LiveBytes(device.type, trace):
             model = build_model(cfg)
         if cfg.train.ema_decay:  # the loop's EMA: a copy of the model, made before the optimizer
@@ -336,9 +290,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
             batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, states = planned_optimizer(model, params, cfg, device)
-        eightbit = optimizer is None
-        autocast = autocast_for(device, precision_of(amp))
-        units = repeated_units(model)
+        autocast, units = autocast_for(device, precision_of(amp)), repeated_units(model)
         counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
@@ -393,16 +345,11 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         with counter:
             step(track=False)  # the optimizer makes its state
         state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
-        if optimizer is not None:
-            states = 0
-            probe = LiveBytes()
-            probe.add(state_tensors)
-            states = probe.live
+        states = _bytes(state_tensors) if optimizer is not None else states
         counter = LiveBytes(device.type, trace)
         counter.add(list(model.parameters()), list(model.buffers()), state_tensors, batch)
-        persistent = counter.live + (states if eightbit else 0)
+        persistent = counter.live + (states if optimizer is None else 0)  # 8-bit states: their bytes (no tensors here)
         counter.live = counter.peak = persistent
-        counter.reset_peak()
         with counter:
             phase["name"] = "forward"
             fb, opt = step(track=True)
@@ -448,8 +395,7 @@ class Plan:
     device: str = "cpu"                  # the device planned for
     precision: str = "fp32"              # the precision the run computes in there
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    to_dict = dataclasses.asdict
 
 
 SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths and extrapolated
@@ -457,15 +403,12 @@ SIMULATE_FULL_DEPTH = 8  # deeper LLM stacks are simulated at two reduced depths
 
 def run_device(cfg) -> torch.device:
     name = cfg.train.device
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
 def for_target(cfg, target: torch.device) -> tuple:
-    """(cfg as it runs on `target`, the device its step is simulated on, its precision and why). A CUDA
-    target without CUDA is simulated on the CPU's fake tensors, `auto` as bf16 and attention through
-    SDPA; the CUDA allocator's rules then apply."""
+    """(cfg as it runs on `target`, the device its step is simulated on, its precision and why): a CUDA target
+    without CUDA is simulated on the CPU's fake tensors, `auto` as bf16, attention through SDPA."""
     t, sim = cfg.train, target
     if target.type == "cuda" and not torch.cuda.is_available():
         sim = torch.device("cpu")
@@ -481,12 +424,10 @@ def for_target(cfg, target: torch.device) -> tuple:
 
 def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int] = None,
          device: Optional[torch.device] = None) -> Plan:
-    """The predicted peak memory (per device) of one training step of `cfg` (a RunConfig) on `device`
-    (default: the run's), from any machine."""
+    """The predicted peak memory per device of one training step of `cfg` on `device` (default: the run's)."""
     target = device or run_device(cfg)
     cfg, device, precision, why = for_target(cfg, target)
-    B = batch_size or cfg.train.batch_size
-    depth = _depth_keys(cfg)
+    B, depth = batch_size or cfg.train.batch_size, _depth_keys(cfg)
     notes = [f"precision {precision} ({why})"]
     if cfg.train.activation_offload and target.type == "cuda" and device.type != "cuda":
         notes.append("train.activation_offload is simulated only on a machine with CUDA: planned without it")
@@ -494,34 +435,29 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         L, p = depth
         l1, l2 = 2 * p, 4 * p
         s1, s2 = simulate(cfg, device, B, l1), simulate(cfg, device, B, l2)
-        full = _static(cfg, device, B)
-        k = (L - l1) / (l2 - l1)
+        full, k = _static(cfg, device, B), (L - l1) / (l2 - l1)
         lin = lambda a, b: round(a + k * (b - a))  # noqa: E731
         # activations above the persistent part extrapolate in depth; the full model's own grads
         fb = lin(s1.forward_backward - s1.grads, s2.forward_backward - s2.grads) + full.grads
         opt = lin(s1.optimizer_step - s1.grads, s2.optimizer_step - s2.grads) + full.grads
         per_unit = (s2.per_unit + [s2.per_unit[-1]] * (L - l2)) if s2.per_unit else []
-        sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit,
-                                  logits=s2.logits)
+        sim = dataclasses.replace(full, forward_backward=fb, optimizer_step=opt, per_unit=per_unit, logits=s2.logits)
         allocator = lin(allocator_overhead(s1.events, target), allocator_overhead(s2.events, target))
         extrapolated = [l1, l2]
     else:
         sim, extrapolated = simulate(cfg, device, B), None
         allocator = allocator_overhead(sim.events, target)
-    transient = max(sim.forward_backward, sim.optimizer_step)
-    activations = transient - sim.grads
-    host = 0
-    params, grads, states = sim.params, sim.grads, sim.states
+    activations = max(sim.forward_backward, sim.optimizer_step) - sim.grads
+    host, params, grads, states = 0, sim.params, sim.grads, sim.states
     if cfg.optim.name == "adamw_offload" and target.type == "cuda":
-        host += states + params + grads  # torchao keeps fp32 params, grads and states on the host
-        states = 0
+        host, states = states + params + grads, 0  # torchao keeps fp32 params, grads and states on the host
         notes.append("optim.name=adamw_offload: optimizer states, a copy of the parameters and the gradients "
                      "are in host memory")
     elif cfg.optim.name == "adamw_offload":
         notes.append("optim.name=adamw_offload runs as AdamW on a CPU (its states are in host memory already)")
-    if sharding == "fsdp2" and devices > 1:
-        units = repeated_units_sizes(cfg, device)
-        gathered = 2 * max(units, default=0)  # the block running and the one prefetched, unsharded
+    if sharding == "fsdp2" and devices > 1:  # the block running and the one prefetched, unsharded:
+        with _fake_model(cfg, device) as model:
+            gathered = 2 * max((_bytes(u.parameters()) for u in repeated_units(model)), default=0)
         params, grads, states = params // devices, grads // devices, states // devices
         activations += gathered
         notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
@@ -534,14 +470,15 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
                  "ema": ema, "inputs": sim.inputs, "activations": activations}
     if target.type == "cpu":
-        allocator = cpu_margin(cfg.family, sum(breakdown.values()))
         share, constant = CPU_MARGIN.get(cfg.family, CPU_MARGIN_OTHER)
+        allocator = round(share * sum(breakdown.values())) + constant
         notes.append(f"CPU: the allocator's margin for the {cfg.family} family is {share:.0%} of the tensors' peak "
                      f"plus {fmt_bytes(constant)}, chosen to err high (docs/memory.md)")
     breakdown["allocator"] = max(0, allocator)
-    kv = _kv_cache_bytes(cfg, B, device)
-    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices,
-                sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
+    m = cfg.model  # the KV cache of generation at the run's batch and model.max_seq_len
+    kv = 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * \
+        (_precision(cfg, device) or torch.float32).itemsize if cfg.family == "llm" else None
+    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices, sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
 
 
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator
@@ -553,16 +490,9 @@ CPU_MARGIN = {"llm": (0.5, 32 * MiB), "convnet": (0.8, 64 * MiB), "diffusion": (
 CPU_MARGIN_OTHER = (0.8, 64 * MiB)  # a family without its own
 
 
-def cpu_margin(family: str, tensors: int) -> int:
-    """The CPU allocator's margin over a step whose tensors peak at `tensors` bytes."""
-    share, constant = CPU_MARGIN.get(family, CPU_MARGIN_OTHER)
-    return round(share * tensors) + constant
-
-
 def allocator_overhead(events, device) -> int:
-    """What the CUDA caching allocator holds at its peak beyond the peak of the tensors alive, the
-    step's allocations replayed through its rules (`cuda_reserved_peak`) plus cuBLAS's workspace;
-    0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
+    """What the CUDA caching allocator holds at its peak beyond the tensors alive (`cuda_reserved_peak` of the
+    step's allocations) plus cuBLAS's workspace; 0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
     if device.type != "cuda":
         return 0
     live = peak_live = 0
@@ -572,12 +502,19 @@ def allocator_overhead(events, device) -> int:
     return cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES - peak_live
 
 
-def _static(cfg, device, B) -> Simulated:
-    """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
+@contextlib.contextmanager
+def _fake_model(cfg, device):
+    """cfg's model built on fake tensors (nothing allocated), the RNG untouched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(), torch.random.fork_rng(devices=[]):
         with torch.device(device):
             model = build_model(cfg)
+        yield model
+
+
+def _static(cfg, device, B) -> Simulated:
+    """The full model's params, buffers, grads and optimizer states (fake; no forward)."""
+    with _fake_model(cfg, device) as model:
         params = [p for p in model.parameters() if p.requires_grad]
         opt, states = planned_optimizer(model, params, cfg, device)
         if opt is not None:
@@ -588,22 +525,6 @@ def _static(cfg, device, B) -> Simulated:
         grads = sum(p.numel() * p.element_size() for p in params)
         pb, bb = _bytes(model.parameters()), _bytes(model.buffers()) + mask_bytes(model, cfg.train)
     return Simulated(pb + bb + states, pb, bb, grads, states, 0, 0, 0, [], 0)
-
-
-def repeated_units_sizes(cfg, device) -> list[int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(), torch.random.fork_rng(devices=[]):
-        with torch.device(device):
-            model = build_model(cfg)
-        return [_bytes(u.parameters()) for u in repeated_units(model)]
-
-
-def _kv_cache_bytes(cfg, B, device) -> Optional[int]:
-    if cfg.family != "llm":
-        return None
-    m = cfg.model
-    dt = _precision(cfg, device) or torch.float32
-    return 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * dt.itemsize
 
 
 # ------------------------------------------------------------------------------ what makes it fit
@@ -635,34 +556,27 @@ def options(cfg, device) -> list[list[Option]]:
         groups.append([Option({"train.activation_checkpointing": "selective"}, 1.1),
                        Option({"train.activation_checkpointing": True, "train.activation_checkpointing_every": 2}, 1.15),
                        Option({"train.activation_checkpointing": True}, 1.3)])
-    b, k, splits = t.batch_size, 2, []
-    while b != "auto" and k <= b:
-        if b % k == 0:
-            splits.append(Option({"train.batch_size": b // k, "train.grad_accum": t.grad_accum * k},
-                                 1.0 + 0.05 * math.log2(k)))
-        k *= 2
+    b = t.batch_size
+    splits = [Option({"train.batch_size": b // k, "train.grad_accum": t.grad_accum * k}, 1.0 + 0.05 * math.log2(k))
+              for k in (2 ** i for i in range(1, b.bit_length() if b != "auto" else 1)) if b % k == 0]
     if splits:
         groups.append(splits)
     return groups
 
 
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
-         device: Optional[torch.device] = None, log=lambda m: None) -> list[tuple[float, list[str], Plan]]:
-    """Up to `top` combinations of options whose planned peak is under `budget` bytes, the
-    cheapest (lowest estimated slowdown) first: [(slowdown, the overrides each sets, plan)]."""
+         device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
+    """Up to `top` option combinations planned under `budget` bytes, cheapest first: [(slowdown, overrides, plan)]."""
     import itertools
     device = device or run_device(cfg)
     cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there
     base = cfg.to_dict()
-    groups = options(cfg, device)
-    combos = []
-    for choice in itertools.product(*[[None] + g for g in groups]):
-        picked = [c for c in choice if c is not None]
-        combos.append((math.prod(c.slowdown for c in picked), picked))
-    combos.sort(key=lambda c: (c[0], len(c[1])))
+    picks = [[c for c in choice if c is not None] for choice in itertools.product(*[[None] + g for g in
+                                                                                   options(cfg, device)])]
+    combos = sorted(((math.prod(c.slowdown for c in p), p) for p in picks), key=lambda c: (c[0], len(c[1])))
     found, cache = [], {}
     for slowdown, picked in combos:
-        if any(set(p) <= set(f) for _, f, _ in found for p in [[c.name for c in picked]]):
+        if any({c.name for c in picked} <= set(f) for _, f, _ in found):
             continue  # a superset of a combination that already fits is never cheaper
         over = [tok for c in picked for tok in c.name.split()]
         key = tuple(sorted(over))
@@ -672,8 +586,7 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
             except ConfigError:
                 continue
             cache[key] = plan(c, devices, sharding, device=device)
-        p = cache[key]
-        if p.peak_bytes <= budget:
+        if (p := cache[key]).peak_bytes <= budget:
             found.append((slowdown, [c.name for c in picked], p))  # [] = as configured
             if len(found) >= top or not picked:
                 break
@@ -682,8 +595,7 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
 
 # ------------------------------------------------------------------------------ train.batch_size: auto
 def device_memory(device: torch.device) -> int:
-    """What a step may use when train.memory_budget is null: free memory on a GPU, the kernel's
-    MemAvailable on a CPU."""
+    """A step's memory when train.memory_budget is null: free memory on a GPU, MemAvailable on a CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
@@ -694,12 +606,10 @@ def device_memory(device: torch.device) -> int:
 
 
 def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple[int, int]:
-    """train.batch_size=auto in the loop: the micro-batch of the run being resumed (its config.yaml),
-    else the largest that fits (find_batch_size); train.global_batch kept by accumulation. Under
-    torchrun (par) each rank finds its own per-rank micro-batch and all take the smallest found."""
+    """train.batch_size=auto in the loop: the resumed run's micro-batch (its config.yaml), else the largest that
+    fits (find_batch_size), train.global_batch kept by accumulation; under torchrun the ranks' smallest."""
     import yaml
-    t = cfg.train
-    world = par.world if par is not None and par.active else 1
+    t, world = cfg.train, par.world if par is not None and par.active else 1
     if t.resume and list_checkpoints(out) and (out / "config.yaml").is_file():
         was = (yaml.safe_load((out / "config.yaml").read_text()) or {}).get("train", {})
         if isinstance(was.get("batch_size"), int) and was.get("global_batch") == t.global_batch \
@@ -719,10 +629,9 @@ def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple
 
 def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] = None, task=None,
                     devices: int = 1, sharding: str = "ddp") -> tuple[int, int]:
-    """train.batch_size=auto: (micro-batch, grad_accum) of each of `devices` data-parallel ranks, the
-    micro-batch the largest divisor of train.global_batch / devices whose planned peak (per device,
-    `sharding` ddp or fsdp2) fits train.memory_budget (null: `device_memory`); `model`: plan its own
-    architecture. On CUDA the choice is tried, backing off on out-of-memory."""
+    """train.batch_size=auto: (micro-batch, grad_accum) per rank of `devices`, the largest divisor of
+    train.global_batch / devices whose planned peak per device (`sharding`) fits train.memory_budget (null:
+    `device_memory`); `model`: plan its architecture. On CUDA the choice is tried, backing off on out-of-memory."""
     t = cfg.train
     if t.global_batch % devices:
         raise ValueError(f"train.global_batch={t.global_batch} is not a multiple of the {devices} processes")
@@ -800,22 +709,15 @@ def _proc_status(key: str) -> int:
     raise OSError(f"/proc/self/status has no {key}")
 
 
-def cpu_keeps_freed_memory(cfg) -> bool:
-    """Whether a run of `cfg` started by train/run.py keeps freed memory on a CPU (glibc told not to
-    trim or unmap, `train.cpu_keep_memory`, on by default for a process the run owns)."""
-    return cfg.train.cpu_keep_memory if cfg.train.cpu_keep_memory is not None else True
-
-
 MEASURE_STEPS = 8
 
 
 def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
-    """The measured memory of `cfg`'s training on the CPU in this process (measure_in_subprocess: a
-    fresh one), along the loop's code path for `steps` steps: {start_rss (before the model is built),
-    hwm (VmHWM at the end), peak (hwm - start_rss: what the planner predicts), live (the tensors kept)}."""
+    """The measured CPU memory of `cfg`'s training in this process, along the loop's code path for `steps` steps:
+    {start_rss (before the model), hwm (VmHWM after), peak (hwm - start_rss: what is planned), live (tensors kept)}."""
     import gc
     device = torch.device("cpu")
-    if cpu_keeps_freed_memory(cfg):  # else glibc's defaults, untouched, as in the loop
+    if cfg.train.cpu_keep_memory is not False:  # null: on, as under train/run.py; else glibc's defaults
         keep_freed_memory()
     amp = _precision(cfg, device)
     with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)

@@ -69,10 +69,8 @@ def line_plot(series: dict[str, list[tuple]], png: Path, xlabel: str, ylabel: st
     return _save(fig, png)
 
 
-def loss_curves(series: dict[str, list[tuple[int, float, float]]], png: Path, title: str,
-                ylabel: str = "loss") -> Path:
-    """Two panels, value against step and against wall time, one line per name of `series`
-    ((step, seconds, value) points, as `curves` gives them)."""
+def loss_curves(series: dict[str, list[tuple[int, float, float]]], png: Path, title: str, ylabel: str = "loss") -> Path:
+    """Value against step and against wall time in two panels, a line per name of `series` (`curves`' points)."""
     fig, axes = _plt().subplots(1, 2, figsize=(10, 3.6))
     _lines(axes[0], series, x=0)
     _lines(axes[1], series, x=1)

@@ -26,8 +26,7 @@ def load(folder, ema: bool = False):
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: no such file (a ConvNet run folder of train/run.py has it)")
     prep = Preprocess.from_folder(folder)
-    model = zoo.from_pretrained(weights, num_classes=len(prep.classes))
-    return model.eval(), prep
+    return zoo.from_pretrained(weights, num_classes=len(prep.classes)).eval(), prep
 
 
 @torch.no_grad()

@@ -44,8 +44,7 @@ def main(argv=None) -> int:
     elif DEFAULT_CONFIG.is_file():
         path = str(DEFAULT_CONFIG)
     try:
-        cfg = load_run_config(path, argv)
-        train(cfg, owns_process=True)
+        train(load_run_config(path, argv), owns_process=True)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -53,8 +52,7 @@ def main(argv=None) -> int:
         print(f"{'error: ' if e.code != 75 else ''}{e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop started
-        print("interrupted: stopped at once, no checkpoint written (the last complete one is kept)",
-              file=sys.stderr)
+        print("interrupted: stopped at once, no checkpoint written (the last complete one is kept)", file=sys.stderr)
         return 130
     return 0
 

@@ -44,13 +44,11 @@ def frechet_distance(a, b) -> float:
 
 
 class Classifier:
-    """A trained Zoo ConvNet as the judge of images (N, C, H, W) in [0, 1]: normalised as in its
-    training, RGB turned grey for a one-channel model. `features` are the input of its final linear
-    layer (`classifier_name`), `logits` its output."""
+    """A trained Zoo ConvNet as the judge of images (N, C, H, W) in [0, 1], normalised as in its training (RGB
+    turned grey for one channel): `features` are its final linear layer's input, `logits` its output."""
 
     def __init__(self, model: torch.nn.Module, mean, std, batch_size: int = 256):
-        self.model = model.eval()
-        self.in_chans = model.config.in_chans
+        self.model, self.in_chans = model.eval(), model.config.in_chans
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self.batch_size = batch_size
@@ -73,8 +71,7 @@ class Classifier:
         cfg = load_run_config(str(run / "config.yaml"))
         if cfg.family != "convnet":
             raise ValueError(f"{run}: a {cfg.family} run; the judge is a convnet classifier")
-        model = zoo.build(cfg.model)
-        weights = run / "model.safetensors"
+        model, weights = zoo.build(cfg.model), run / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)")
         final = ([r for r in read_rows(run) if "val_loss" in r] or [{}])[-1]

@@ -1,8 +1,4 @@
-"""The training step and what it runs on: a leaf module (it imports no other part of the loop).
-
-`resolve_device`, `resolve_precision`, `setup_backends`, `DTYPES`, `autocast_for`; `optimizer_step`
-(one step over accumulated micro-batches) and its `StepResult`; `EMA`; `RunStopped` and exit codes.
-"""
+"""The training step and what it runs on (device, precision, backends, EMA, exit codes): a leaf module."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +13,6 @@ import torch
 
 from .hardware import keep_freed_memory, measure_peak_flops, release_freed_memory
 
-EXIT_OK = 0
 EXIT_CONFIG = 2            # bad config or data: a one-line error
 EXIT_NONFINITE = 3         # too many non-finite losses in a row; the last good checkpoint is kept
 EXIT_PREEMPTED = 75        # SIGTERM/SIGINT: checkpoint written, run again to resume
@@ -33,14 +28,10 @@ class RunStopped(Exception):
         self.code = code
 
 
-# ------------------------------------------------------------------------------ device and precision
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RunStopped(f"train.device={name}: CUDA is not available on this machine", EXIT_CONFIG)
@@ -48,8 +39,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_bf16() -> Optional[bool]:
-    """Whether this CPU has bf16 instructions (avx512_bf16, amx_bf16, or aarch64's bf16 in
-    /proc/cpuinfo's flags); None where there is no such file to read."""
+    """Whether /proc/cpuinfo's flags show bf16 instructions (avx512_bf16, amx_bf16, bf16); None without it."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
@@ -61,8 +51,7 @@ def cpu_has_bf16() -> Optional[bool]:
 def matmul_speeds(device: torch.device, rounds: int = 6) -> tuple[float, float]:
     """(bf16, fp32) matmul FLOP/s, the best of alternating timings, repeated until the ratio moves by
     less than 5% from one round to the next (at least 2 rounds): the same answer under other load."""
-    best = {torch.bfloat16: 0.0, None: 0.0}
-    ratio = None
+    best, ratio = {torch.bfloat16: 0.0, None: 0.0}, None
     with torch.random.fork_rng(devices=[]):
         for i in range(rounds):
             for dtype in best:
@@ -74,9 +63,8 @@ def matmul_speeds(device: torch.device, rounds: int = 6) -> tuple[float, float]:
 
 
 def resolve_precision(precision: str, device: torch.device, log=lambda m: None) -> str:
-    """train.precision as it will run. 'auto': bf16 on a GPU that supports it; on a CPU bf16 with
-    bf16 instructions (`cpu_has_bf16`) unless it times under half fp32's speed, else fp32. An
-    explicit bf16 on a CPU that emulates it is kept, with a warning."""
+    """train.precision as it will run: 'auto' is bf16 on a GPU that supports it, on a CPU with bf16 instructions
+    unless it times under half fp32's speed, else fp32; an explicit bf16 a CPU emulates is kept, with a warning."""
     p = precision
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
@@ -108,16 +96,13 @@ def precision_of(dtype: Optional[torch.dtype]) -> str:
 
 def autocast_for(device: torch.device, precision: str):
     """A factory of the run's autocast context (a no-op context in fp32)."""
-    dtype = None if precision == "fp32" else DTYPES[precision]
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext if precision == "fp32" else \
+        lambda: torch.autocast(device.type, dtype=DTYPES[precision])
 
 
 def setup_backends(t, device: torch.device, log, owns_process: bool = False):
-    """Apply the device settings of `t` (the train: section). Returns what undoes them (glibc's freed
-    memory, TF32, cudnn.benchmark, deterministic algorithms), which the caller runs at the end unless
-    the run owns the process."""
+    """Apply `t`'s device settings (the train: section); returns what undoes them (glibc's freed memory,
+    TF32, cudnn.benchmark, deterministic algorithms), run at the end unless the run owns the process."""
     undo = []
     keep = t.cpu_keep_memory if t.cpu_keep_memory is not None else owns_process
     if device.type == "cpu" and keep:
@@ -140,14 +125,11 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     undo.append(restore)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = t.tf32
-        torch.backends.cudnn.allow_tf32 = t.tf32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = t.tf32, t.tf32
         torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
         log(f"backends: cuda, tf32={t.tf32}, cudnn.benchmark={torch.backends.cudnn.benchmark}")
-    else:
-        skipped = [k for k in ("tf32", "cudnn_benchmark") if getattr(t, k)]
-        if skipped:
-            log(f"backends: {device.type}: {', '.join(skipped)} skipped (CUDA only)")
+    elif skipped := [k for k in ("tf32", "cudnn_benchmark") if getattr(t, k)]:
+        log(f"backends: {device.type}: {', '.join(skipped)} skipped (CUDA only)")
     if t.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
@@ -168,18 +150,15 @@ def to_device(batch, device, channels_last: bool):
     return batch
 
 
-# ------------------------------------------------------------------------------ the step
 class EMA:
     """Exponential moving average of a model's floating-point weights and buffers (others copied)."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.decay, self.model = decay, copy.deepcopy(model).eval().requires_grad_(False)
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module):
-        src = dict(model.state_dict(keep_vars=True))
-        done = set()
+        src, done = dict(model.state_dict(keep_vars=True)), set()
         for k, v in self.model.state_dict(keep_vars=True).items():
             if id(v) in done:  # a tied tensor (embedding = LM head) is updated once
                 continue
@@ -231,8 +210,18 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    overflow = scaler.is_enabled() and not grads_ok
-    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, overflow)
+    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, scaler.is_enabled() and not grads_ok)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """model.eval() inside, the mode it had restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 @torch.no_grad()

@@ -101,6 +101,15 @@ class TextDataConfig:
                                       f"got {lens}")
 
 
+class TokenizedRows:
+    """Rows tokenised by `tokenizer`, whose vocabulary bounds the ids (TokenData's `max_id`: pre-tokenized data)."""
+    max_id = -1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
 def check_files(paths, source, key):
     """A list of files that must exist (checked with the config, not when first read)."""
     for f in paths or ():
@@ -124,18 +133,23 @@ def tokenizer_folder(path, cache: Optional[str] = None) -> Path:
     return out
 
 
+def tokenizer_file(spec: str):
+    """data.tokenizer `bytes` or a tokenizer file's path; a missing file is a one-line error."""
+    if spec != "bytes" and not Path(spec).expanduser().is_file():
+        raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a path "
+                        f"to a tokenizer.model / tokenizer.json)")
+    return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
+
+
 def model_tokenizer(folder, names=("tokenizer.model", "tokenizer.json")) -> Optional[str]:
     """The tokenizer of a model folder: the first of `names` it holds, 'bytes', or None."""
     from zoo.weights import zoo_folder
     for name in names:
         if (Path(folder) / name).is_file():
             return str(Path(folder) / name)
-    if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes":
-        return "bytes"
-    return None
+    return "bytes" if zoo_folder.detect(folder) and zoo_folder.tokenizer_of(folder) == "bytes" else None
 
 
-# ----------------------------------------------------------------------------- curriculum
 class SeqLenSchedule:
     """Sequence-length curriculum (`data.seq_len_schedule`): each stage's window length until its `until`
     (a step, or tokens trained), then data.seq_len; a function of the config alone, so resume agrees."""
@@ -154,24 +168,14 @@ class SeqLenSchedule:
         self.stages = stages  # [(first step of the next stage, window length)]
 
     def __call__(self, step: int) -> int:
-        for until, length in self.stages:
-            if step < until:
-                return length
-        return self.final
-
-
+        return next((length for until, length in self.stages if step < until), self.final)
 
 
 # ----------------------------------------------------------------------------- token data
 def cache_dir(configured: Optional[str] = None) -> Path:
-    """Where derived data is cached: `data.cache_dir`, else $ZOO_CACHE, else $XDG_CACHE_HOME/zoo or
-    ~/.cache/zoo; never beside the user's own data."""
-    if configured:
-        d = Path(configured).expanduser()
-    elif os.environ.get("ZOO_CACHE"):
-        d = Path(os.environ["ZOO_CACHE"]).expanduser()
-    else:
-        d = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zoo"
+    """Where derived data is cached: `data.cache_dir`, $ZOO_CACHE, $XDG_CACHE_HOME/zoo or ~/.cache/zoo."""
+    d = Path(configured or os.environ.get("ZOO_CACHE")
+             or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "zoo").expanduser()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -243,17 +247,10 @@ class TokenData:
         log(f"data: {specs[0].path if len(specs) == 1 else 'data.sources'}: {len(self.train):,} train + {len(self.val):,} "
             f"val tokens (vocab {self.tokenizer.vocab_size}, documents separated by {self.boundary}{kinds})")
 
-    # ------------------------------------------------------------------ building
     def _tokenizer(self, spec: str, texts: list[str]):
         cfg, log = self.cfg, self.log
-        if spec == "bytes":
-            return ByteTokenizer()
         if spec != "sentencepiece":
-            p = Path(spec).expanduser()
-            if not p.is_file():
-                raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, "
-                                f"sentencepiece or a path to a tokenizer.model / tokenizer.json)")
-            return load_tokenizer_file(p)
+            return tokenizer_file(spec)
         key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars)
         sp_path = self.cache / f"sp-{key}.model"
         if sp_path.is_file():
@@ -263,8 +260,7 @@ class TokenData:
                 log(f"data: {e}; training it again")
                 sp_path.unlink()
         if not sp_path.is_file():
-            docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars)
-                    for d in c)
+            docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars) for d in c)
             train_sentencepiece(sample_documents(docs, cfg.sp_train_chars), cfg.vocab_size, sp_path, log)
         return SentencePieceTokenizer(sp_path)
 
@@ -295,11 +291,9 @@ class TokenData:
         tok_key = "bytes" if tok.spec[0] == "bytes" else hashlib.sha256(
             Path(tok.model_path).read_bytes()).hexdigest()[:16]
         out = self.cache / f"tokens-{short_digest(fingerprint(path), cfg.column, cfg.max_chars, tok_key, self.bos_id, self.eos_id, cfg.shard_tokens)}"
-        m = read_manifest(out)
-        if m and m.get("complete"):
+        if (m := read_manifest(out)) and m.get("complete"):
             for s in m["shards"]:  # a damaged cache (a truncated or missing shard) is prepared again
-                f = out / s["name"]
-                want = s["tokens"] * np.dtype(m["dtype"]).itemsize
+                f, want = out / s["name"], s["tokens"] * np.dtype(m["dtype"]).itemsize
                 have = f.stat().st_size if f.is_file() else 0
                 if have != want:
                     self.log(f"data: {f}: truncated token cache ({have} bytes, {want} expected); rebuilding it")
@@ -329,24 +323,21 @@ class TokenData:
             pre = is_pretokenized(cfg.val_path)
             v = self._source(cfg.val_path, pre)
             vals = [TokenStream([*v[0].parts, *(v[1].parts if pre and v[1] is not None else [])])]
-        elif any(v is None for v in vals):  # pre-tokenized without val files: the token tail
-            for i, v in enumerate(vals):
-                if v is None:
-                    n = len(trains[i])
-                    n_val = max(int(n * cfg.val_fraction), T + 1)
-                    trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
+        for i, v in enumerate(vals):
+            if v is None:  # pre-tokenized without val files: the token tail
+                n = len(trains[i])
+                n_val = max(int(n * cfg.val_fraction), T + 1)
+                trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
         for s, t in zip(specs, trains):
             if len(t) < T + 1:
                 raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "
                                 f"(need more than {2 * (T + 1)} for a training and a validation window)")
-        self.mixture = trains
-        self.train = TokenStream([p for t in trains for p in t.parts])
+        self.mixture, self.train = trains, TokenStream([p for t in trains for p in t.parts])
         self.val = TokenStream([p for v in vals for p in v.parts])
         if len(self.val) < T + 1:
             raise DataError(f"{cfg.val_path or cfg.path}: {len(self.val)} validation tokens is too short for "
                             f"data.seq_len={T}")
 
-    # ------------------------------------------------------------------ reading
     def document_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """The document of each token of windows (..., T) (the contract in the module docstring)."""
         return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)
@@ -354,8 +345,7 @@ class TokenData:
     def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
         """Entropy (nats/token) of the training tokens' unigram distribution (the loss of the best
         context-free model), on up to `sample_tokens` tokens in evenly spaced blocks."""
-        counts = np.zeros(self.vocab_size, dtype=np.float64)
-        n = len(self.train)
+        counts, n = np.zeros(self.vocab_size, dtype=np.float64), len(self.train)
         size = sample_tokens // 64
         blocks = self.train.blocks() if n <= sample_tokens else (
             self.train[i:i + size] for i in np.linspace(0, n - size, 64).astype(np.int64).tolist())
@@ -394,13 +384,7 @@ class TokenData:
         """Fixed, non-overlapping validation windows (the same every evaluation)."""
         T = self.cfg.seq_len
         n_windows = (len(self.val) - 1) // T
-        idx = 0
-        for _ in range(n_batches):
-            if idx >= n_windows:
-                return
-            rows = []
-            while len(rows) < batch_size and idx < n_windows:
-                rows.append(np.asarray(self.val[idx * T: idx * T + T + 1], dtype=np.int64))
-                idx += 1
-            xy = torch.from_numpy(np.stack(rows))
+        for s in range(0, min(n_windows, n_batches * batch_size), batch_size):
+            xy = torch.from_numpy(np.stack([np.asarray(self.val[i * T:i * T + T + 1], dtype=np.int64)
+                                            for i in range(s, min(s + batch_size, n_windows))]))
             yield xy[:, :-1], xy[:, 1:]

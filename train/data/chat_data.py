@@ -1,12 +1,8 @@
-"""Tokenised conversations for chat fine-tuning, and their batches: one conversation per row,
-padded to the longest row of its batch, rows of similar length batched together; or with
-`data.pack`, several conversations per row of `data.seq_len` tokens, each in a document of its own.
+"""Tokenised conversations for chat fine-tuning, and their batches: a conversation per row, padded on
+the right (inputs 0, targets -100), rows of similar length batched together; or with `data.pack`,
+several per row of `data.seq_len` tokens, each in a document of its own. A batch follows from (seed, index).
 
-    data = ChatData(train_rows, val_rows, tokenizer, template, cfg, seed, log)
     x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords
-    for x, y, n, docs in data.val_batches(B): ...
-
-Padding on the right (inputs 0, targets -100); a micro-batch follows from (seed, index) alone.
 """
 from __future__ import annotations
 
@@ -15,14 +11,12 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from . import DataError
+from . import DataError, TokenizedRows
 from .conversations import ChatDataConfig, ChatTemplate, _line_list
 from .packing import pack, pack_rows
 
 
-class ChatData:
-    max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound (TokenData's `max_id` for pre-tokenized data)
-
+class ChatData(TokenizedRows):
     def __init__(self, train_rows: list, val_rows: list, tokenizer, template: ChatTemplate, cfg: ChatDataConfig,
                  seed: int = 0, log=print):
         self.cfg, self.tokenizer, self.template, self.seed = cfg, tokenizer, template, seed
@@ -36,17 +30,11 @@ class ChatData:
             f"{'every token, data.train_on_prompt' if cfg.train_on_prompt else 'the assistant turns'}; template "
             f"{template.name}, vocab {tokenizer.vocab_size})")
 
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
     def _encode(self, rows: list, split: str, log) -> tuple[list, list]:
-        """[(messages, (file, line))] -> ([(inputs, targets)], [the messages of the conversations kept
-        whole]); conversations the template refuses are skipped and summed up per file; those longer
-        than seq_len + 1 tokens are cut."""
+        """[(messages, (file, line))] -> ([(inputs, targets)], [the conversations kept whole]); those the template
+        refuses skipped (summed up per file), those longer than seq_len + 1 tokens cut."""
         out, whole, refused, cut, dropped = [], [], defaultdict(list), 0, 0
-        first = None
-        limit = self.cfg.seq_len + 1
+        first, limit = None, self.cfg.seq_len + 1
         for messages, where in rows:
             try:
                 ids, labels = self.template.encode(self.tokenizer, messages, self.cfg.train_on_prompt)
@@ -75,7 +63,6 @@ class ChatData:
             raise DataError(f"{self.cfg.path}: no {split} conversation left ({why})")
         return out, whole
 
-    # ------------------------------------------------------------------ batches
     def _epoch_batches(self, epoch: int, rows: int) -> list:
         """The epoch's batches in training order: lists of rows, a row a list of conversation indices."""
         if self._epoch != (epoch, rows):
@@ -89,8 +76,7 @@ class ChatData:
         return self._batches
 
     def batch(self, index: int, rows: int, part: slice = None):
-        """Micro-batch `index` (counted over the run) of `rows` rows, or its `part` (a rank's rows):
-        (inputs (B, T), targets (B, T), real tokens, the model's document keywords)."""
+        """Micro-batch `index` of `rows` rows (or a rank's `part`): (inputs, targets, real tokens, doc keywords)."""
         per_epoch = len(self._epoch_batches(0, rows))
         batch = self._epoch_batches(index // per_epoch, rows)[index % per_epoch]
         if part is not None:
@@ -121,9 +107,8 @@ class ChatData:
             yield self.collate([self.val[i] for i in order[s:s + batch_size]])
 
     def padding_waste(self, rows: int, bucket_batches: int = None, packed: bool = False) -> float:
-        """The fraction of padding among the tokens of the first epoch's training batches: padded
-        with `bucket_batches` (default data.bucket_batches; 1: batches of random conversations), or
-        packed into rows of data.seq_len."""
+        """The padding's share of the first epoch's training batches: padded with `bucket_batches` (default
+        data.bucket_batches; 1: random conversations), or packed into rows of data.seq_len."""
         lengths = np.array([len(x) for x, _ in self.train])
         if packed:
             batches = packed_batches(lengths, rows, self.cfg.seq_len, self.seed, 0)
@@ -137,8 +122,7 @@ def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int
     """The batches of one epoch in training order, (batches, rows) indices into `lengths`: a
     permutation seeded by (seed, epoch), the last batch filled from its start, each window of
     `bucket_batches` batches sorted by length and cut, the batches shuffled."""
-    rng = np.random.default_rng((seed, epoch))
-    n = len(lengths)
+    rng, n = np.random.default_rng((seed, epoch)), len(lengths)
     n_batches = -(-n // rows)
     perm = np.resize(rng.permutation(n), n_batches * rows)  # np.resize repeats from the start
     window = rows * bucket_batches
@@ -148,9 +132,8 @@ def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int
 
 
 def packed_batches(lengths: np.ndarray, rows: int, seq_len: int, seed: int, epoch: int) -> list:
-    """The packed batches of one epoch in training order: a seeded permutation packed into rows of
-    seq_len tokens (pack_rows), the rows shuffled, `rows` at a time (the last batch filled from the
-    start)."""
+    """One epoch's packed batches in training order: a seeded permutation packed into rows of seq_len tokens
+    (pack_rows), the rows shuffled, `rows` at a time (the last batch filled from the start)."""
     rng = np.random.default_rng((seed, epoch))
     perm = rng.permutation(len(lengths))
     packed = [[int(perm[i]) for i in r] for r in pack_rows(lengths[perm].tolist(), seq_len)]

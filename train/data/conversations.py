@@ -1,10 +1,8 @@
-"""Conversations for chat fine-tuning: jsonl rows -> messages -> chat template -> token ids and
-labels that train only the assistant's tokens.
+"""Conversations for chat fine-tuning: jsonl rows (`data.format`: messages, prompt_completion, alpaca) ->
+messages -> chat template -> token ids, and labels that train only the assistant's tokens.
 
-Row formats (`data.format`): `messages`, `prompt_completion` and `alpaca` (docs/post-training.md);
-malformed rows are counted and skipped. `ChatTemplate` renders a model's Jinja `chat_template` as
-transformers' `apply_chat_template` does, or `chatml`; assistant-only labels come from the
-`{% generation %}` markers, else from rendering the conversation prefix by prefix.
+`ChatTemplate` renders a model's Jinja `chat_template` as transformers' `apply_chat_template` does, or
+`chatml`; assistant-only labels come from `{% generation %}` markers, else from rendering prefix by prefix.
 """
 from __future__ import annotations
 
@@ -103,9 +101,7 @@ class BadRow(ValueError):
 
 def _text(row: dict, key: str, optional: bool = False) -> Optional[str]:
     value = row.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
+    if not isinstance(value, str) and not (value is None and optional):
         raise BadRow(f"'{key}' is not a string")
     return value
 
@@ -160,14 +156,12 @@ def row_messages(row, fmt: str) -> list[dict]:
 
 
 def _line_list(lines: list[int], shown: int = 10) -> str:
-    more = f" and {len(lines) - shown} more" if len(lines) > shown else ""
-    return ", ".join(map(str, lines[:shown])) + more
+    return ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
 
 
 def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:
-    """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line).
-    Malformed rows are skipped: one log line per file with their count, line numbers and the
-    first reason."""
+    """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line); malformed
+    rows skipped, with one log line per file (their count, line numbers and the first reason)."""
     p = Path(path).expanduser()
     files = sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
     if not files or not files[0].is_file():
@@ -192,8 +186,8 @@ def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict],
             log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {_line_list(bad)}; "
                 f"line {bad[0]}: {reason})")
     if not out:
-        why = f"; {first_problem}" if first_problem else ""
-        raise DataError(f"{path}: no usable conversation for data.format={fmt}{why}")
+        raise DataError(f"{path}: no usable conversation for data.format={fmt}"
+                        + (f"; {first_problem}" if first_problem else ""))
     return out
 
 
@@ -219,7 +213,7 @@ def _environment():
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # transformers' own
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     class Namespace(jinja2.utils.Namespace):
@@ -298,7 +292,6 @@ class ChatTemplate:
             raise DataError(f"{name}: not a valid Jinja chat template (line {e.lineno}: {e.message})") from None
         self.has_generation_marks = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
 
-    # -------------------------------------------------------------- sources
     @classmethod
     def builtin(cls, name: str = "chatml") -> "ChatTemplate":
         if name not in BUILTIN:
@@ -319,20 +312,14 @@ class ChatTemplate:
             raise DataError(f"{path}: no such file or folder")
         if p.suffix == ".gguf":
             return _from_gguf(p)
-        if p.suffix == ".json":
-            config = _read_json(p)
-            template = _config_template(p)
-            if template is None:
-                raise DataError(f"{p}: no chat_template")
-            special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
-            return cls(template, special, str(p))
-        special = {}
-        config = p.parent / "tokenizer_config.json"  # a chat_template.jinja beside its tokenizer's special tokens
-        if config.is_file():
-            special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS}
-        return cls(p.read_text(encoding="utf-8"), special, str(p))
+        config = p if p.suffix == ".json" else p.parent / "tokenizer_config.json"  # a .jinja: its tokenizer's
+        special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS} if config.is_file() else {}
+        if p.suffix != ".json":
+            return cls(p.read_text(encoding="utf-8"), special, str(p))
+        if (template := _config_template(p)) is None:
+            raise DataError(f"{p}: no chat_template")
+        return cls(template, special, str(p))
 
-    # -------------------------------------------------------------- rendering
     def _render_marked(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         import jinja2
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -347,8 +334,7 @@ class ChatTemplate:
         return _strip_marks(self._render_marked(messages, add_generation_prompt))[0]
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """(rendered text, the character span of each assistant turn: its content and end-of-turn
-        token), from the template's generation marks or else prefix by prefix (module docstring)."""
+        """(rendered text, each assistant turn's span with its end of turn), by generation marks, else by prefixes."""
         text, marked = _strip_marks(self._render_marked(messages))
         if self.has_generation_marks:
             return text, marked
@@ -375,8 +361,7 @@ class ChatTemplate:
 
     @property
     def end_of_turn(self) -> str:
-        """The text the template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...):
-        what follows the content of a rendered assistant message, less whitespace."""
+        """The text closing an assistant turn (`<|im_end|>`, `<|eot_id|>`, ...): what follows a rendered reply."""
         probe = "Zoo probe 7"
         text, spans = self.assistant_spans([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
         turn = text[spans[-1][0]:spans[-1][1]] if spans else ""
@@ -385,23 +370,19 @@ class ChatTemplate:
         return turn[turn.index(probe) + len(probe):].strip()
 
     def encode(self, tokenizer, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """(token ids of the rendered conversation, labels): the ids on the assistant's turns (with their
-        end-of-turn tokens; every id with train_on_prompt), -100 elsewhere. Ids as
-        apply_chat_template(tokenize=True) gives."""
+        """(ids of the rendered conversation, as apply_chat_template(tokenize=True) gives them, labels): the ids
+        on the assistant's turns and their end-of-turn tokens (every id with train_on_prompt), -100 elsewhere."""
         text, spans = self.assistant_spans(messages)
         ids, offsets = token_offsets(tokenizer, text)
-        if train_on_prompt:
-            return ids, list(ids)
-        return ids, [t if any(_overlaps(o, s) for s in spans) else -100 for t, o in zip(ids, offsets)]
+        return ids, list(ids) if train_on_prompt else [t if any(_overlaps(o, s) for s in spans) else -100
+                                                       for t, o in zip(ids, offsets)]
 
-    def to_config(self) -> dict:
-        """The template and its special tokens as a tokenizer_config.json holds them."""
+    def to_config(self) -> dict:  # as a tokenizer_config.json holds them
         return {"chat_template": self.source, **self.special_tokens}
 
 
 def find_template(folder) -> Optional[ChatTemplate]:
-    """The chat template of a model folder (tokenizer_config.json's, else chat_template.jinja) or GGUF
-    file (tokenizer_folder), or None."""
+    """The chat template of a model folder or GGUF file (tokenizer_folder), or None."""
     p = tokenizer_folder(folder)
     if not p.is_dir():
         return None
@@ -411,13 +392,10 @@ def find_template(folder) -> Optional[ChatTemplate]:
 
 
 def choose_template(name: Optional[str], own: Optional[ChatTemplate] = None) -> Optional[ChatTemplate]:
-    """The template `name` names, as data.template and --template do: `none` (no template), a built-in
-    name or a path; null: `own` (the model's)."""
-    if name == "none":
-        return None
+    """The template `name` names (data.template, --template): `none`, a built-in name or a path; null: `own`."""
     if name in BUILTIN:
         return ChatTemplate.builtin(name)
-    return ChatTemplate.from_pretrained(name) if name is not None else own
+    return None if name == "none" else ChatTemplate.from_pretrained(name) if name is not None else own
 
 
 def _overlaps(token: tuple[int, int], span: tuple[int, int]) -> bool:
@@ -457,11 +435,9 @@ def _from_gguf(p: Path) -> ChatTemplate:
     if field is None:
         raise DataError(f"{p}: no tokenizer.chat_template")
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    special = {}
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        f = reader.get_field(f"tokenizer.ggml.{key[:-6]}_token_id")
-        if f is not None and tokens is not None:
-            special[key] = tokens.contents(int(f.contents()))
+    ids = {k: reader.get_field(f"tokenizer.ggml.{k[:-6]}_token_id") for k in ("bos_token", "eos_token", "unk_token",
+                                                                             "pad_token")}
+    special = {k: tokens.contents(int(f.contents())) for k, f in ids.items() if f is not None and tokens is not None}
     return ChatTemplate(field.contents(), special, str(p))
 
 
@@ -489,8 +465,7 @@ def token_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]
 
 
 def _sentencepiece_offsets(sp, text: str):
-    """sentencepiece with its control pieces (<s>, </s>) written in the text read as those tokens,
-    as transformers' sentencepiece tokenizers read them."""
+    """sentencepiece, control pieces (<s>, </s>) written in the text read as those tokens, as transformers does."""
     controls = {sp.id_to_piece(i): i for i in (sp.bos_id(), sp.eos_id()) if i >= 0}
     pieces = re.split("(" + "|".join(map(re.escape, controls)) + ")", text) if controls else [text]
     ids, offsets, pos = [], [], 0
@@ -508,11 +483,9 @@ def _sentencepiece_offsets(sp, text: str):
 
 
 def model_sources(path) -> list[Path]:
-    """Where a model's tokenizer and chat template are: the path itself (a folder, or a .gguf file's
-    tokenizer_folder), then the base it was fine-tuned from (an adapter run's train.init_from, an adapter
-    folder's base model)."""
-    p = Path(path).expanduser()
-    base = None
+    """Where a model's tokenizer and chat template are: the path itself (a .gguf file's tokenizer_folder),
+    then the base it was fine-tuned from (an adapter run's train.init_from, an adapter folder's base)."""
+    p, base = Path(path).expanduser(), None
     if (p / "adapter_config.json").is_file():
         base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
     elif (p / "config.yaml").is_file():
@@ -521,9 +494,8 @@ def model_sources(path) -> list[Path]:
 
 
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
-    """(tokenizer, chat template or None) of a model: a run folder (an adapter run's too), an adapter
-    folder, a Hugging Face folder or a GGUF file, each its own or else its base's; `tokenizer` (a file
-    or 'bytes') wins."""
+    """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
+    own or else its base's; `tokenizer` (a file or 'bytes') wins."""
     tok = template = None
     for src in model_sources(path):
         if tok is None and tokenizer is None:

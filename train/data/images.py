@@ -20,13 +20,11 @@ import torch.nn.functional as F
 from zoo.convnet.preprocess import center_crop_box, load_crop
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def normalization(d, channels: int) -> tuple:
-    """(mean, std) per channel of the images the model sees: data.mean / data.std, else 0.5 / 0.5
-    for the digits, ImageNet's for RGB folders and 0.449 / 0.226 for grey ones."""
+    """(mean, std) per channel: data.mean / data.std, else 0.5 (digits), ImageNet's (RGB) or 0.449 / 0.226 (grey)."""
     if d.mean is not None:
         return tuple(d.mean), tuple(d.std)
     if d.path == "digits":
@@ -52,8 +50,7 @@ def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_
     x = torch.from_numpy(d.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8) in [0, 1]
     y = torch.from_numpy(d.target.astype(np.int64))
     if split != "all":
-        g = torch.Generator().manual_seed(seed)
-        val = torch.zeros(len(y), dtype=torch.bool)
+        g, val = torch.Generator().manual_seed(seed), torch.zeros(len(y), dtype=torch.bool)
         for c in range(10):
             idx = torch.nonzero(y == c).flatten()
             idx = idx[torch.randperm(len(idx), generator=g)]
@@ -68,8 +65,7 @@ def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_
 
 
 def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """Translate each image of x (B, C, H, W) by its own random offset in [-max_shift, max_shift]
-    pixels (zero fill) -> (B, C, H, W). The offsets come from `generator` (on x's device or CPU)."""
+    """x (B, C, H, W), each image shifted by its own offset in [-max_shift, max_shift] pixels (zero fill)."""
     if max_shift <= 0:
         return x
     B, C, H, W = x.shape
@@ -113,10 +109,8 @@ def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool 
         if len(classes) < 2:
             raise ValueError(f"{root}: an image folder needs at least two class folders, found {len(classes)}"
                              f"{' (' + ', '.join(classes) + ')' if classes else ''}")
-    else:
-        extra = sorted(set(found) - set(classes))
-        if extra:
-            raise ValueError(f"{root}: class folders not in the training set: {', '.join(extra[:5])}")
+    elif extra := sorted(set(found) - set(classes)):
+        raise ValueError(f"{root}: class folders not in the training set: {', '.join(extra[:5])}")
     samples = []
     for label, name in enumerate(classes):
         folder = root / name
@@ -135,11 +129,9 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
     """A crop box (left, top, right, bottom) covering a random fraction `scale` of the area with a
     log-uniform aspect ratio in `ratio` (Szegedy et al., "Going Deeper with Convolutions", 2014);
     after 10 failed draws, the largest centred box with an aspect ratio inside `ratio`."""
-    area = w * h
-    log_r = (math.log(ratio[0]), math.log(ratio[1]))
+    area, log_r = w * h, (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
-        target = area * rng.uniform(*scale)
-        r = math.exp(rng.uniform(*log_r))
+        target, r = area * rng.uniform(*scale), math.exp(rng.uniform(*log_r))
         cw, ch = round(math.sqrt(target * r)), round(math.sqrt(target / r))
         if 0 < cw <= w and 0 < ch <= h:
             x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
@@ -254,8 +246,7 @@ def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
 
 
 def augment_seeded(op, images: torch.Tensor, seeds) -> torch.Tensor:
-    """op on each uint8 image of (B, C, H, W) (or one (C, H, W)), its draws from torch's generator seeded
-    by the image's seed inside a fork, so the global state is untouched."""
+    """op on each uint8 image of (B, C, H, W) (or one (C, H, W)), seeded by the image's seed in a forked RNG."""
     one = images.dim() == 3
     with torch.random.fork_rng(devices=[]):
         out = []
@@ -288,8 +279,7 @@ def random_erase(x: torch.Tensor, prob: float, rng: random.Random, scale=(0.02, 
 def smooth_one_hot(y: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
     """(B,) labels -> (B, num_classes) targets: 1 - smoothing + smoothing / K on the label, smoothing / K elsewhere."""
     off = smoothing / num_classes
-    t = torch.full((len(y), num_classes), off, device=y.device)
-    return t.scatter_(1, y[:, None], 1.0 - smoothing + off)
+    return torch.full((len(y), num_classes), off, device=y.device).scatter_(1, y[:, None], 1.0 - smoothing + off)
 
 
 def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Random, mixup_alpha: float = 0.0,
@@ -302,8 +292,7 @@ def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Ra
         return x, t, 1.0
     cutmix = cutmix_alpha > 0 and (mixup_alpha <= 0 or rng.random() < switch_prob)
     alpha = cutmix_alpha if cutmix else mixup_alpha
-    lam = rng.betavariate(alpha, alpha)
-    partner = x.flip(0)
+    lam, partner = rng.betavariate(alpha, alpha), x.flip(0)
     if cutmix:
         H, W = x.shape[-2:]
         cut = math.sqrt(1.0 - lam)

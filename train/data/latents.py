@@ -24,8 +24,7 @@ from zoo.weights.files import atomic_write, fsync_dir
 from .shards import exclusive
 from .sources import DataError
 
-VERSION = 1
-META = "meta.json"
+VERSION, META = 1, "meta.json"
 PROGRESS = "progress.json"
 
 
@@ -64,8 +63,7 @@ class LatentCache:
         return len(self.arrays["train"])
 
     def latents(self, split: str, rows, views=None) -> torch.Tensor:
-        """Raw latents (B, C, h, w) of the given rows (a tensor, list or slice) of a split, each in
-        its view (None: view 0), read from the memmap into a new CPU tensor."""
+        """Raw latents (B, C, h, w) of a split's rows (tensor, list or slice) in their views (None: 0), on the CPU."""
         a = self.arrays[split]
         if isinstance(rows, slice):
             return torch.from_numpy(np.array(a[rows, 0]))
@@ -74,11 +72,19 @@ class LatentCache:
         return torch.from_numpy(a[rows, views])
 
 
+def _of_key(path: Path, key) -> Optional[dict]:
+    """The JSON file at `path` when it is of this version and of `key`, else None."""
+    try:
+        d = json.loads(Path(path).read_text())
+        return d if d.get("version") == VERSION and d.get("key") == key else None
+    except (OSError, ValueError):
+        return None
+
+
 def read_cache(folder: Path, key: dict) -> Optional[LatentCache]:
     """The complete cache in `folder` when it holds `key`'s latents, else None."""
     try:
-        meta = json.loads((Path(folder) / META).read_text())
-        return LatentCache(folder) if meta.get("version") == VERSION and meta.get("key") == key else None
+        return LatentCache(folder) if _of_key(Path(folder) / META, key) else None
     except (OSError, ValueError):
         return None
 
@@ -97,33 +103,26 @@ def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor
         if len(labels) == 0:
             raise DataError(f"{folder.name}: the {name} split has no images")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(folder):
-        cache = read_cache(folder, key)  # another process built it while this one waited
-        if cache is None:
-            cache = _build(folder, key, splits, encode, views, batch_size, commit_every, log)
-    return cache
-
-
-def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, log) -> LatentCache:
-    if folder.exists():  # a cache of another key under this name (a digest collision) or an older version
-        shutil.rmtree(folder)
-    part = folder.parent / f".{folder.name}.partial"
-    if read_cache(part, key) is not None:  # complete when a kill came just before the rename
-        os.replace(part, folder)
-        return LatentCache(folder)
-    progress = _read_progress(part, key)
-    if progress is None:
-        shutil.rmtree(part, ignore_errors=True)
-        part.mkdir()
-        progress = {"version": VERSION, "key": key, "done": {}}
-    elif any(progress["done"].values()):
-        log(f"latents: resuming {folder.name} after {progress['done']} images")
-    t0, n_encoded = time.perf_counter(), 0
-    with torch.no_grad():
+    with exclusive(folder), torch.no_grad():
+        if (cache := read_cache(folder, key)) is not None:  # another process built it while this one waited
+            return cache
+        if folder.exists():  # a cache of another key under this name (a digest collision) or an older version
+            shutil.rmtree(folder)
+        part = folder.parent / f".{folder.name}.partial"
+        if read_cache(part, key) is not None:  # complete when a kill came just before the rename
+            os.replace(part, folder)
+            return LatentCache(folder)
+        progress = _of_key(part / PROGRESS, key)
+        if progress is None:
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir()
+            progress = {"version": VERSION, "key": key, "done": {}}
+        elif any(progress["done"].values()):
+            log(f"latents: resuming {folder.name} after {progress['done']} images")
+        t0, n_encoded = time.perf_counter(), 0
         for name, (labels, read) in splits.items():
             n, v = len(labels), views if name == "train" else 1
-            path = part / f"{name}.npy"
-            start = progress["done"].get(name, 0)
+            path, start = part / f"{name}.npy", progress["done"].get(name, 0)
             if start == 0 or not path.exists():
                 atomic_write(part / f"{name}.labels.npy", lambda f: np.save(f, labels.numpy().astype(np.int64)))
                 first = _encode_views(encode, read(0, min(batch_size, n)), v)
@@ -141,27 +140,19 @@ def _build(folder: Path, key, splits, encode, views, batch_size, commit_every, l
                     progress["done"][name] = last = j
                     atomic_write(part / PROGRESS, json.dumps(progress))
             del out
-    train = np.load(part / "train.npy", mmap_mode="r")
-    mean, std = _channel_stats(train)
-    meta = {"version": VERSION, "key": key, "train": list(train.shape), "val": list(np.load(part / "val.npy",
-            mmap_mode="r").shape), "mean": mean, "std": std}
-    del train
-    atomic_write(part / META, json.dumps(meta, indent=1))
-    (part / PROGRESS).unlink()
-    os.replace(part, folder)
-    fsync_dir(folder.parent)
-    secs = time.perf_counter() - t0
-    log(f"latents: encoded {n_encoded} images in {secs:.1f} s ({n_encoded / max(secs, 1e-9):.0f} images/s) "
-        f"into {folder}")
-    return LatentCache(folder)
-
-
-def _read_progress(part: Path, key) -> Optional[dict]:
-    try:
-        p = json.loads((part / PROGRESS).read_text())
-        return p if p.get("version") == VERSION and p.get("key") == key else None
-    except (OSError, ValueError):
-        return None
+        train = np.load(part / "train.npy", mmap_mode="r")
+        mean, std = _channel_stats(train)
+        meta = {"version": VERSION, "key": key, "train": list(train.shape), "val": list(np.load(part / "val.npy",
+                mmap_mode="r").shape), "mean": mean, "std": std}
+        del train
+        atomic_write(part / META, json.dumps(meta, indent=1))
+        (part / PROGRESS).unlink()
+        os.replace(part, folder)
+        fsync_dir(folder.parent)
+        secs = time.perf_counter() - t0
+        log(f"latents: encoded {n_encoded} images in {secs:.1f} s ({n_encoded / max(secs, 1e-9):.0f} images/s) "
+            f"into {folder}")
+        return LatentCache(folder)
 
 
 def _encode_views(encode, images: torch.Tensor, views: int) -> torch.Tensor:

@@ -17,8 +17,7 @@ IDLE_S = 10.0
 class Prefetcher:
     def __init__(self, make: Callable[[Hashable], object], after: Callable[[Hashable], Hashable], depth: int = 2):
         self.make, self.after, self.depth = make, after, depth
-        self._thread = None
-        self._expected = None
+        self._thread = self._expected = None
 
     def get(self, key):
         if self._thread is None or key != self._expected:

@@ -22,8 +22,7 @@ class Packed:
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """Sequence indices per row, each row's lengths summing to at most seq_len: best-fit
-    decreasing (O(n log n) searches), each row's indices in increasing order."""
+    """Sequence indices per row of at most seq_len tokens: best-fit decreasing, each row's indices sorted."""
     for i, n in enumerate(lengths):
         if not 0 < n <= seq_len:
             raise ValueError(f"sequence {i} has {n} tokens; packing needs 1 to seq_len={seq_len}")

@@ -1,9 +1,5 @@
-"""Prompt/response rows: reading jsonl, tokenising a prompt and its response, preference pairs.
-
-    ids, labels = encode_response(tokenizer, prompt, response, template)
-
-`encode_response`: labels are the ids on the response's (with a template, the assistant's) tokens,
--100 elsewhere. Preference rows are `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
+"""Prompt/response rows: reading jsonl, tokenising a prompt and its response (`encode_response`), and
+preference pairs: `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
 """
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import DataError
+from . import DataError, TokenizedRows
 
 IGNORE = -100
 
@@ -101,8 +97,7 @@ def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], lis
         return ids, labels, False
     first = next((i for i, t in enumerate(labels) if t != IGNORE), len(labels))
     cut = max(0, min(first - max_len // 2, len(ids) - max_len))  # keep at least half the window for the response
-    ids, labels = ids[cut:cut + max_len], labels[cut:cut + max_len]
-    return ids, labels, True
+    return ids[cut:cut + max_len], labels[cut:cut + max_len], True
 
 
 def synthetic_pairs(split: str, n: int) -> list[dict]:
@@ -112,21 +107,16 @@ def synthetic_pairs(split: str, n: int) -> list[dict]:
     k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
     rows = []
     for i, c in enumerate(convs[:n]):
-        other = convs[i + k][-1]["content"]
-        if other != c[-1]["content"]:
+        if (other := convs[i + k][-1]["content"]) != c[-1]["content"]:
             rows.append({"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other})
     return rows
 
 
-class PreferenceData:
-    """Preference pairs, tokenised: each pair is (chosen ids, chosen labels, rejected ids, rejected
-    labels), at most `seq_len` tokens each, of the training and the held-out rows."""
-
-    max_id = -1  # the ids come from the tokenizer: its vocabulary is the bound
+class PreferenceData(TokenizedRows):
+    """Tokenised preference pairs (chosen ids, labels, rejected ids, labels) of at most `seq_len` tokens."""
 
     def __init__(self, rows: list[dict], val: list[dict], cfg, tokenizer, template=None, log=print):
-        self.tokenizer, self.template = tokenizer, template
-        self.truncated = 0
+        self.tokenizer, self.template, self.truncated = tokenizer, template, 0
         try:
             self.train = [self.encode(r, cfg.seq_len) for r in rows]
             self.val = [self.encode(r, cfg.seq_len) for r in val]
@@ -134,10 +124,6 @@ class PreferenceData:
             raise DataError(f"{cfg.path}: {e}: set data.template (e.g. chatml)") from None
         log(f"data: {cfg.path}: {len(self.train)} train + {len(self.val)} held-out preference pairs"
             + (f"; {self.truncated} responses truncated to data.seq_len={cfg.seq_len}" if self.truncated else ""))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
     def encode(self, row: dict, seq_len: int) -> tuple:
         out = []
@@ -151,5 +137,4 @@ class PreferenceData:
 def preference_row(row: dict) -> dict:
     """A preference row: {'prompt', 'chosen', 'rejected'} (KeyError / TypeError when malformed)."""
     prompt_messages(row["prompt"])
-    return {"prompt": row["prompt"], "chosen": response_text(row["chosen"]),
-            "rejected": response_text(row["rejected"])}
+    return {"prompt": row["prompt"], "chosen": response_text(row["chosen"]), "rejected": response_text(row["rejected"])}

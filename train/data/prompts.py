@@ -62,7 +62,6 @@ def read_prompts(path, log=print) -> list[dict]:
     return read_jsonl(path, prompt_row, log, "prompt rows (each needs prompt or messages, and answer)")
 
 
-# ------------------------------------------------------------------------------ rewards
 LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -109,8 +108,7 @@ BUILTIN = {"numeric": numeric, "exact": exact, "contains": contains}
 
 
 def reward_fn(name: str, source: str = "<config>") -> Callable:
-    """A reward by name: numeric, exact, contains, format:REGEX, length[:N] (N characters, default 100),
-    or module:function imported from the working directory or sys.path."""
+    """A reward by name: numeric, exact, contains, format:REGEX, length[:N] (default 100), or module:function."""
     from zoo.config import ConfigError
     if name in BUILTIN:
         return BUILTIN[name]
@@ -120,15 +118,10 @@ def reward_fn(name: str, source: str = "<config>") -> Callable:
             return matches(arg)
         if kind == "length":
             return length_penalty(int(arg) if arg else 100)
-    except (re.error, ValueError) as e:
-        raise ConfigError(f"{source}: rl.rewards: {name!r}: {e}") from None
-    if kind and arg and "." not in arg:
-        try:
-            fn = getattr(_user_module(kind), arg)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{source}: rl.rewards: {name!r}: {e}") from None
-        if callable(fn):
+        if kind and arg and "." not in arg and callable(fn := getattr(_user_module(kind), arg)):
             return fn
+    except (re.error, ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"{source}: rl.rewards: {name!r}: {e}") from None
     raise ConfigError(f"{source}: rl.rewards: {name!r} is none of numeric, exact, contains, format:REGEX, "
                       f"length[:N] or module:function")
 

@@ -1,7 +1,5 @@
 """Streaming preparation: a text source -> sharded token files and a document index, in bounded memory.
 
-    prepare(source, tokenizer, out, ...) -> Shards
-
 Worker processes tokenise chunks, the main process writes them in order to shards (shard-NNNNN.bin,
 shard-NNNNN.docs.npy, manifest.json); at most two chunks per worker in flight. Kill-safe: a rerun
 drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run.
@@ -26,8 +24,7 @@ from zoo.weights.files import atomic_write
 
 from .sources import DataError, Doc, Problems, corpus_files, documents
 
-MANIFEST = "manifest.json"
-VERSION = 1
+MANIFEST, VERSION = "manifest.json", 1
 
 
 def token_dtype(vocab_size: int):
@@ -64,8 +61,7 @@ def _init_worker(spec):
 
 
 def encode_chunk(chunk: list[Doc], bos: Optional[int], eos: Optional[int], dtype, tok=None):
-    """(tokens, document starts) of a chunk: each piece's ids, BOS before a document's first
-    piece and EOS after its last when they are given."""
+    """(tokens, document starts) of a chunk, with BOS before a document's first piece and EOS after its last."""
     tok = tok or _worker_tok
     ids = tok.encode_many([d.text for d in chunk])
     sizes = np.fromiter((len(i) + (bos is not None and d.first) + (eos is not None and d.last)
@@ -96,8 +92,7 @@ class Shards:
         m = read_manifest(self.out)
         if not m or not m.get("complete"):
             raise DataError(f"{out}: preparation not complete")
-        self.manifest = m
-        self.dtype = np.dtype(m["dtype"])
+        self.manifest, self.dtype = m, np.dtype(m["dtype"])
         self.files = [self.out / s["name"] for s in m["shards"]]
         self.tokens = [np.memmap(f, dtype=self.dtype, mode="r") if f.stat().st_size else np.zeros(0, self.dtype)
                        for f in self.files]
@@ -156,94 +151,83 @@ class _Writer:
 def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_chars: Optional[int] = None,
             boundary: tuple = (None, None), workers: int = 0, chunk_chars: int = 1 << 20,
             shard_tokens: int = 1 << 28, progress: bool = False, log=print) -> Shards:
-    """Prepare `source` into the folder `out` (created; resumed when a previous run was killed),
-    unless it is complete already. boundary: the (BOS, EOS) ids put around each document (None:
-    not put). workers: tokenising processes (0: one per core; 1: in this process)."""
+    """Prepare `source` into the folder `out` (resumed after a kill) unless complete already. boundary: the (BOS,
+    EOS) ids put around each document (None: not put). workers: tokenising processes (0: one per core)."""
     out = Path(out)
     done = read_manifest(out)
     if done and done.get("complete"):
         return Shards(out)
     out.mkdir(parents=True, exist_ok=True)
     with exclusive(out):  # one preparer at a time (torchrun's ranks)
-        return _prepare(source, tokenizer, out, column=column, max_chars=max_chars, boundary=boundary,
-                        workers=workers, chunk_chars=chunk_chars, shard_tokens=shard_tokens, progress=progress,
-                        log=log)
+        done = read_manifest(out)
+        if done and done.get("complete"):  # another process prepared it while this one waited
+            return Shards(out)
+        bos, eos = boundary
+        dtype = token_dtype(tokenizer.vocab_size)
+        meta = {"version": VERSION, "source": source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
+                "bos_id": bos, "eos_id": eos, "chunk_chars": chunk_chars, "shard_tokens": shard_tokens}
+        resume = done if done and all(done.get(k) == v for k, v in meta.items()) else None
+        listed = {s["name"] for s in resume["shards"]} if resume else set()
+        for f in out.iterdir():  # what a killed run left and the manifest does not list
+            if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+        if resume is None and (out / MANIFEST).exists():
+            (out / MANIFEST).unlink()
+        skip = resume["chunks"] if resume else 0
+        if resume:
+            log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
+        workers = workers or os.cpu_count() or 1
+        total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
+        writer = _Writer(out, meta, shard_tokens, resume)
+        bar, t0 = _Progress(total_bytes, max_chars, progress, workers), time.perf_counter()
+        pool = None
+        try:
+            it = chunks(documents(source, column, problems), chunk_chars, max_chars)
+            deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
+            if skip:
+                bar.skip(skip)
+            if workers == 1:
+                from .text_tokenizers import from_spec
+                tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
+                results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
+            else:
+                ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+                pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
+                results = _ordered(pool, it, bos, eos, dtype, 2 * workers)
+            for (tokens, starts), chunk in results:
+                writer.add(tokens, starts)
+                bar.update(chunk, len(tokens))
+            n_tokens = sum(s["tokens"] for s in writer.shards) + writer.n
+            n_docs = sum(s["docs"] for s in writer.shards) + sum(len(s) for s in writer.starts)
+            summary = problems.summary(source)
+            if n_tokens == 0 or n_docs == 0:
+                raise DataError(f"{source}: the corpus is empty"
+                                + (f" ({summary.split(': ', 2)[2]})" if summary else ""))
+            writer.commit(complete=True, extra={"tokens": n_tokens, "documents": n_docs,
+                                                "problems": dict(problems.counts), "summary": summary})
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            bar.close()
+            if not writer.fh.closed:
+                writer.fh.close()
+        if summary:
+            log(summary)
+        secs = time.perf_counter() - t0
+        log(f"data: prepared {source}: {n_docs:,} documents, {n_tokens:,} tokens in {len(writer.shards)} shards "
+            f"({secs:.1f} s, {n_tokens / max(secs, 1e-9):,.0f} tokens/s) -> {out}")
+        return Shards(out)
 
 
 @contextlib.contextmanager
 def exclusive(out: Path):
     """An exclusive lock on `.<name>.lock` beside `out` (others wait); none without fcntl."""
     with open(out.parent / f".{out.name}.lock", "w") as lock:
-        try:
+        with contextlib.suppress(ImportError):  # not POSIX: no lock
             import fcntl
             fcntl.flock(lock, fcntl.LOCK_EX)
-        except ImportError:  # not POSIX: no lock
-            pass
         yield
-
-
-def _prepare(source, tokenizer, out: Path, *, column, max_chars, boundary, workers, chunk_chars, shard_tokens,
-             progress, log) -> Shards:
-    done = read_manifest(out)
-    if done and done.get("complete"):  # another process prepared it while this one waited
-        return Shards(out)
-    bos, eos = boundary
-    dtype = token_dtype(tokenizer.vocab_size)
-    meta = {"version": VERSION, "source": source, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
-            "bos_id": bos, "eos_id": eos, "chunk_chars": chunk_chars, "shard_tokens": shard_tokens}
-    resume = done if done and all(done.get(k) == v for k, v in meta.items()) else None
-    listed = {s["name"] for s in resume["shards"]} if resume else set()
-    for f in out.iterdir():  # what a killed run left and the manifest does not list
-        if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
-            shutil.rmtree(f) if f.is_dir() else f.unlink()
-    if resume is None and (out / MANIFEST).exists():
-        (out / MANIFEST).unlink()
-    skip = resume["chunks"] if resume else 0
-    if resume:
-        log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
-    workers = workers or os.cpu_count() or 1
-    total_bytes = sum(f.stat().st_size for f in corpus_files(source))
-    problems = Problems()
-    writer = _Writer(out, meta, shard_tokens, resume)
-    bar = _Progress(total_bytes, max_chars, progress, source, workers)
-    t0 = time.perf_counter()
-    pool = None
-    try:
-        it = chunks(documents(source, column, problems), chunk_chars, max_chars)
-        deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
-        if skip:
-            bar.skip(skip)
-        if workers == 1:
-            from .text_tokenizers import from_spec
-            tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
-            results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
-        else:
-            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
-            results = _ordered(pool, it, bos, eos, dtype, 2 * workers)
-        for (tokens, starts), chunk in results:
-            writer.add(tokens, starts)
-            bar.update(chunk, len(tokens))
-        n_tokens = sum(s["tokens"] for s in writer.shards) + writer.n
-        n_docs = sum(s["docs"] for s in writer.shards) + sum(len(s) for s in writer.starts)
-        summary = problems.summary(source)
-        if n_tokens == 0 or n_docs == 0:
-            raise DataError(f"{source}: the corpus is empty" + (f" ({summary.split(': ', 2)[2]})" if summary else ""))
-        writer.commit(complete=True, extra={"tokens": n_tokens, "documents": n_docs,
-                                            "problems": dict(problems.counts), "summary": summary})
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        bar.close()
-        if not writer.fh.closed:
-            writer.fh.close()
-    if summary:
-        log(summary)
-    secs = time.perf_counter() - t0
-    log(f"data: prepared {source}: {n_docs:,} documents, {n_tokens:,} tokens in {len(writer.shards)} shards "
-        f"({secs:.1f} s, {n_tokens / max(secs, 1e-9):,.0f} tokens/s) -> {out}")
-    return Shards(out)
 
 
 def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int):
@@ -254,15 +238,14 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
         if len(pending) >= in_flight:
             r, c0 = pending.popleft()
             yield r.get(), c0
-    while pending:
-        r, c0 = pending.popleft()
+    for r, c0 in pending:
         yield r.get(), c0
 
 
 class _Progress:
     """A tqdm bar over the source's bytes, with MB/s and tokens/s."""
 
-    def __init__(self, total_bytes: int, max_chars, on: bool, source: str, workers: int):
+    def __init__(self, total_bytes: int, max_chars, on: bool, workers: int):
         from tqdm import tqdm
         total = min(total_bytes, max_chars) if max_chars else total_bytes
         self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True,

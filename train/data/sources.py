@@ -1,8 +1,7 @@
 """Documents read lazily from a text source, one at a time, in bounded memory.
 
 A source is `stdlib` (the embedded default), a text file, a .jsonl (.gz, .zst), a Parquet file, a
-saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in
-`Problems`. `documents(path, column, problems)` yields `Doc(text, first, last)`.
+saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in `Problems`.
 """
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ class Problems:
         parts = []
         for k, what in self.KINDS.items():
             if self.counts[k]:
-                files = self.files[k]
-                lines = self.lines[k]
+                files, lines = self.files[k], self.lines[k]
                 where = files[0] + (f" (line{'s' * (len(lines) > 1)} {', '.join(map(str, lines))}"
                                     f"{', ...' if self.counts[k] > len(lines) else ''})" if lines else "")
                 where += f" and {len(files) - 1} more files" if len(files) > 1 else ""
@@ -68,17 +66,7 @@ class Problems:
 
 # ----------------------------------------------------------------------------- files
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if p.is_file())
-
-
-def _kind(f: Path) -> str:
-    name = f.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(PARQUET_SUFFIX):
-        return "parquet"
-    return "text"
+    return sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.is_file())
 
 
 def is_saved_dataset(p: Path) -> bool:
@@ -183,7 +171,7 @@ def _jsonl_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
             yield Doc(_clean(text, f, problems))
 
 
-def _column_docs(batches, column: str, f, problems: Problems) -> Iterator[Doc]:
+def _column_docs(batches, f, problems: Problems) -> Iterator[Doc]:
     """Rows of an Arrow column, batch by batch: empty or null rows counted and skipped."""
     for batch in batches:
         for text in batch:
@@ -205,7 +193,7 @@ def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
     if column not in pf.schema_arrow.names:
         raise DataError(f"{f}: no column {column!r} (data.column; columns: {', '.join(pf.schema_arrow.names)})")
     batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[column]))
-    yield from _column_docs(batches, column, f, problems)
+    yield from _column_docs(batches, f, problems)
 
 
 def _saved_dataset_docs(p: Path, column: str, problems: Problems) -> Iterator[Doc]:
@@ -223,8 +211,7 @@ def _saved_dataset_docs(p: Path, column: str, problems: Problems) -> Iterator[Do
         ds = ds["train"]
     if column not in ds.column_names:
         raise DataError(f"{p}: no column {column!r} (data.column; columns: {', '.join(ds.column_names)})")
-    yield from _column_docs((b[column] for b in ds.select_columns([column]).iter(batch_size=1024)), column, p,
-                            problems)
+    yield from _column_docs((b[column] for b in ds.select_columns([column]).iter(batch_size=1024)), p, problems)
 
 
 def documents(path: str, column: str = "text", problems: Optional[Problems] = None) -> Iterator[Doc]:
@@ -235,19 +222,17 @@ def documents(path: str, column: str = "text", problems: Optional[Problems] = No
         yield from _saved_dataset_docs(p, column, problems)
         return
     for f in corpus_files(path):
-        kind = _kind(f)
-        if kind == "jsonl":
+        if f.name.lower().endswith(JSONL_SUFFIXES):
             yield from _jsonl_docs(f, column, problems)
-        elif kind == "parquet":
+        elif f.name.lower().endswith(PARQUET_SUFFIX):
             yield from _parquet_docs(f, column, problems)
         else:
             yield from _text_pieces(f, problems)
 
 
 def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: str = "text") -> str:
-    """All documents of a (small) source joined by blank lines, at most max_chars characters; bad
-    documents reported in one line; an empty corpus is an error. For small corpora and tests:
-    preparation (train/data/shards.py) streams instead."""
+    """All documents of a small source (tests; preparation streams) joined by blank lines, at most max_chars;
+    bad documents reported in one line; an empty corpus is an error."""
     problems = Problems()
     docs, parts, total = [], [], 0
     for d in documents(path, column, problems):
@@ -260,13 +245,11 @@ def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: s
             break
     if parts:
         docs.append("".join(parts))
-    if problems.summary(path):
-        log(problems.summary(path))
-    text = "\n\n".join(docs)
-    if max_chars is not None:
-        text = text[:max_chars]
+    why = problems.summary(path)
+    if why:
+        log(why)
+    text = "\n\n".join(docs)[:max_chars]
     if not text.strip():
-        why = problems.summary(path)
         raise DataError(f"{path}: the corpus is empty" + (f" ({why.split(': ', 2)[2]})" if why else ""))
     return text
 
@@ -277,8 +260,7 @@ def fingerprint(path: str) -> str:
 
 
 def short_digest(*parts) -> str:
-    """A short stable digest of `parts` (the name of a cache entry): strings and numbers as they
-    print, dicts and lists as JSON with sorted keys."""
+    """A short stable digest of `parts` (a cache entry's name); dicts and lists as sorted-key JSON."""
     import hashlib
     text = ":".join(json.dumps(p, sort_keys=True, default=str) if isinstance(p, (dict, list)) else str(p)
                     for p in parts)

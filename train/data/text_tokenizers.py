@@ -1,11 +1,9 @@
 """Tokenizers of the text data: bytes, sentencepiece (trained on a sample of the corpus, or a
 tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none).
-
-`train_sentencepiece` trains on a reservoir sample of documents drawn across the whole corpus
-(`sample_documents`), never on its first characters only.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import io
 import json
@@ -26,8 +24,7 @@ BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 class ByteTokenizer:
     vocab_size = 256
     bos_id = eos_id = None
-    model_path = None
-    spec = ("bytes", None)
+    model_path, spec = None, ("bytes", None)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -79,24 +76,17 @@ class HFTokenizer:
         except Exception as e:
             raise DataError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        named = {}
-        cfg = Path(path).with_name("tokenizer_config.json")
+        named, cfg = {}, Path(path).with_name("tokenizer_config.json")
         if cfg.is_file():
-            try:
-                c = json.loads(cfg.read_text())
-                named = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in c.items()
-                         if k in ("bos_token", "eos_token")}
-            except (ValueError, AttributeError):
-                named = {}
+            with contextlib.suppress(ValueError, AttributeError):
+                named = {k: (v.get("content") if isinstance(v, dict) else v)
+                         for k, v in json.loads(cfg.read_text()).items() if k in ("bos_token", "eos_token")}
         self.bos_id = self._special(named.get("bos_token"), BOS_NAMES)
         self.eos_id = self._special(named.get("eos_token"), EOS_NAMES)
 
     def _special(self, name, usual) -> Optional[int]:
-        for n in ([name] if name else []) + list(usual):
-            i = self.tok.token_to_id(n)
-            if i is not None:
-                return i
-        return None
+        ids = (self.tok.token_to_id(n) for n in ([name] if name else []) + list(usual))
+        return next((i for i in ids if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -111,8 +101,7 @@ class HFTokenizer:
 class IdsTokenizer:
     """Stand-in for pre-tokenized data without a tokenizer: decodes ids as numbers, cannot encode."""
     bos_id = eos_id = None
-    model_path = None
-    spec = ("ids", None)
+    model_path, spec = None, ("ids", None)
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -137,26 +126,17 @@ def from_spec(spec, threads: int = 1):
     kind, path = spec
     if kind == "bytes":
         return ByteTokenizer()
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(path, threads)
-    return HFTokenizer(path)
+    return SentencePieceTokenizer(path, threads) if kind == "sentencepiece" else HFTokenizer(path)
 
 
-# ----------------------------------------------------------------------------- training
 def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> list[str]:
     """A uniform random sample of the documents totalling at most `budget_chars`, in one pass and bounded
     memory (the smallest random keys kept in a heap; a longer document cut); deterministic for a seed."""
     rng = random.Random(seed)
-    heap: list = []  # (-key, n, text): the largest key on top, evicted first
-    total = 0
+    heap, total = [], 0  # heap: (-key, n, text), the largest key on top, evicted first
     for n, text in enumerate(docs):
-        text = text[:budget_chars]
-        key = rng.random()
-        if total + len(text) <= budget_chars:
-            heapq.heappush(heap, (-key, n, text))
-            total += len(text)
-            continue
-        if heap and -heap[0][0] > key:  # smaller than the largest kept: make room for it
+        text, key = text[:budget_chars], rng.random()
+        if total + len(text) <= budget_chars or (heap and -heap[0][0] > key):  # fits, or evicts larger keys
             heapq.heappush(heap, (-key, n, text))
             total += len(text)
             while total > budget_chars:
@@ -165,9 +145,8 @@ def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> l
 
 
 def train_sentencepiece(docs: list[str], vocab_size: int, out_path: Path, log=print) -> Path:
-    """Train a BPE sentencepiece model on the documents (a sample of the corpus), with byte
-    fallback so any text round-trips, and BOS (id 1) and EOS (id 2) for document boundaries.
-    Written atomically to out_path."""
+    """A BPE sentencepiece model trained on the documents (a sample of the corpus), written atomically to
+    out_path: byte fallback, so any text round-trips; BOS (id 1) and EOS (id 2) for document boundaries."""
     import sentencepiece as spm
     lines = [ln for d in docs for ln in d.splitlines() if ln.strip()]
     if not lines:

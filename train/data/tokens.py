@@ -32,14 +32,11 @@ class TokenStream:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def _locate(self, i: int) -> int:
-        return int(np.searchsorted(self.offsets, i, side="right")) - 1
-
     def __getitem__(self, s: slice) -> np.ndarray:
         a, b, _ = s.indices(len(self))
         if b <= a:
             return np.zeros(0, self.dtype)
-        k = self._locate(a)
+        k = int(np.searchsorted(self.offsets, a, side="right")) - 1
         off = int(self.offsets[k])
         if b <= self.offsets[k + 1]:
             return self.parts[k][a - off:b - off]
@@ -68,7 +65,6 @@ class TokenStream:
         return max((int(b.max()) for b in self.blocks()), default=-1)
 
 
-# ----------------------------------------------------------------------------- pre-tokenized files
 def is_pretokenized(path: str) -> bool:
     """A .bin file, a glob of them, or a folder holding .bin files only."""
     if any(c in path for c in "*?["):
@@ -106,15 +102,13 @@ def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
         if size < off + 2 * n:
             raise DataError(f"{f}: llm.c shard truncated ({size} bytes for a header saying {n:,} tokens)")
         return np.memmap(f, dtype="<u2", mode="r", offset=off, shape=(n,)) if n else np.zeros(0, np.uint16)
-    item = np.dtype(dtype).itemsize
-    if size % item:
+    if size % (item := np.dtype(dtype).itemsize):
         raise DataError(f"{f}: {size} bytes is not a whole number of {dtype} tokens (data.token_dtype)")
     return np.memmap(f, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
 
 
 def pretokenized_splits(path: str, dtype: str = "uint16") -> tuple[TokenStream, Optional[TokenStream]]:
-    """(train, val or None) of pre-tokenized files: files named like `val` are the validation split;
-    a train.bin given alone takes a val.bin beside it."""
+    """(train, val or None) of pre-tokenized files: those named like `val`, or a val.bin beside a train.bin."""
     files = token_files(path)
     val = [f for f in files if _VAL.search(f.stem.lower())]
     train = [f for f in files if f not in val]
@@ -123,5 +117,4 @@ def pretokenized_splits(path: str, dtype: str = "uint16") -> tuple[TokenStream, 
     if not train:
         raise DataError(f"{path}: only validation token files (named like 'val') found")
     t = TokenStream([read_token_file(f, dtype) for f in train])
-    v = TokenStream([read_token_file(f, dtype) for f in val]) if val else None
-    return t, v
+    return t, TokenStream([read_token_file(f, dtype) for f in val]) if val else None

@@ -1,8 +1,7 @@
-"""Checkpoint averaging (`train.average_last: K`): the weights of the run's last K checkpoints
-averaged (`uniform`, or `linear`: the newest counts most), written to
-`<out_dir>/model_avg.safetensors` and evaluated beside the final weights (`avg_*`). Floating-point
-tensors are averaged in fp32, others come from the newest. One-process and DCP checkpoints alike
-are read back whole in this process, so under torchrun rank 0 averages alone, no collective.
+"""Checkpoint averaging (`train.average_last: K`): the last K checkpoints' weights averaged (`uniform`, or
+`linear`: the newest counts most; floating-point tensors in fp32, others the newest's) into
+`<out_dir>/model_avg.safetensors`, evaluated as `avg_*`. One-process and DCP checkpoints alike are read
+back whole, so under torchrun rank 0 averages alone, no collective.
 """
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ AVG_FILE = "model_avg.safetensors"
 
 def average_tensors(states: list[dict], weights: list[float]) -> dict:
     """Weighted average of state dicts (same keys), oldest first; weights are normalised."""
-    total = sum(weights)
-    out = {}
+    total, out = sum(weights), {}
     for k, newest in states[-1].items():
         if newest.is_floating_point():
             acc = torch.zeros(newest.shape, dtype=torch.float32)
@@ -31,9 +29,8 @@ def average_tensors(states: list[dict], weights: list[float]) -> dict:
 
 
 def checkpoint_weights(path: Path) -> dict:
-    """The model weights of one checkpoint directory as whole tensors on the CPU: a one-process
-    checkpoint's model.safetensors, or the "model" entries of a DCP checkpoint (written by any
-    number of ranks; their shapes and dtypes come from its .metadata)."""
+    """The model weights of a checkpoint directory, whole, on the CPU: model.safetensors, or a DCP checkpoint's
+    "model" entries (written by any number of ranks; their shapes and dtypes from its .metadata)."""
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return load_tensors(path / "model.safetensors")
@@ -60,8 +57,7 @@ def tied_names(model: torch.nn.Module) -> list[list[str]]:
 
 
 def one_name_per_tie(sd: dict, tied: list[list[str]], names) -> dict:
-    """A tied tensor under one name, the first of its group in `names`: a one-process checkpoint
-    stores a tie once, a DCP checkpoint under every name."""
+    """A tied tensor under one name, its group's first in `names` (a DCP checkpoint stores it under each)."""
     for group in tied:
         keep, got = next((n for n in group if n in names), None), [n for n in group if n in sd]
         if keep is not None and got:
@@ -83,6 +79,4 @@ def average_last(out_dir, paths: list[Path], weighting: str = "uniform", tied: l
         if set(sd) != keys:
             raise ValueError(f"{p}: holds other tensors than {paths[-1]} (model changed?)")
     weights = [1.0] * len(paths) if weighting == "uniform" else [float(i + 1) for i in range(len(paths))]
-    dest = Path(out_dir) / AVG_FILE
-    save_safetensors(average_tensors(states, weights), dest)
-    return dest
+    return save_safetensors(average_tensors(states, weights), Path(out_dir) / AVG_FILE)

@@ -1,9 +1,7 @@
 """Knowledge distillation: the run's teacher (train.teacher, train.kd_alpha, train.kd_temperature).
 
-`load_teacher` reads the teacher with zoo.from_pretrained (fp32, eval mode, no gradients) and asks
-the task whether it fits the student (`Task.check_teacher`; a mismatch is a one-line ConfigError).
-The task uses it in its loss (zoo/blocks/chunked_ce.py). It is never part of the trained model:
-wrappers and checkpoints hold the student alone; every rank runs its own copy.
+`load_teacher` reads it (fp32, eval mode, no gradients), checked by `Task.check_teacher`; the task's loss
+uses it (zoo/blocks/chunked_ce.py). Wrappers and checkpoints hold the student alone; each rank has a copy.
 """
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ def load_teacher(cfg, task, model: nn.Module, device: torch.device, say) -> Opti
     except (ValueError, FileNotFoundError, OSError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{cfg.source}: train.teacher: {first}") from None
-    why = task.check_teacher(teacher, model)
-    if why:
+    if why := task.check_teacher(teacher, model):
         raise ConfigError(f"{cfg.source}: train.teacher={path}: {why}")
     teacher = teacher.float().to(device).eval().requires_grad_(False)
     if cfg.train.channels_last:

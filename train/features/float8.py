@@ -1,13 +1,10 @@
 """Float8 training (`train.float8`): torchao's Float8Linear in place of the model's linears.
 
-The matmuls of the forward and backward run in float8 with dynamic scales (`tensorwise`: one per
-tensor; `rowwise`: one per row, finer and slower), the weights and optimizer stay in high precision, as
-torchtitan trains Llama 3. Kept in high precision: linears named in `train.float8_keep` (the LM head by
-default: the last layer is the most sensitive), those whose dimensions are not multiples of 16 (the
-float8 matmul needs it) and, with `train.float8_skip_small`, the small ones where the casts cost more
-than the float8 matmul saves (torchao's size rule). The float8 matmul needs a GPU of compute capability
-8.9+ (H100, L4, RTX 4090); elsewhere torchao emulates it (the same casts and scales, the matmul in high
-precision), so the same path runs and is tested on a CPU.
+The forward and backward matmuls run in float8 with dynamic scales, weights and optimizer in high
+precision, as torchtitan trains Llama 3. Kept in high precision: `train.float8_keep` (the LM head, the
+most sensitive layer), linears whose dimensions are not multiples of 16 (the float8 matmul needs them)
+and with `train.float8_skip_small` those too small to gain. Without a GPU of compute capability 8.9+
+torchao emulates the matmul (same casts and scales), so the same path runs and is tested on a CPU.
 """
 from __future__ import annotations
 
@@ -17,10 +14,6 @@ import torch
 from torch import nn
 
 from zoo.quantization import kept
-
-
-def has_float8_matmul(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def float8_targets(model: nn.Module, t) -> list[str]:
@@ -40,12 +33,11 @@ def prepare(model: nn.Module, t, device: torch.device, fsdp: bool, say) -> nn.Mo
     if not t.float8:
         return model
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    names = set(float8_targets(model, t))
-    total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    names, total = set(float8_targets(model, t)), sum(isinstance(m, nn.Linear) for m in model.modules())
     if not names:
         raise ValueError(f"train.float8: none of the {total} linears can be converted (train.float8_keep="
                          f"{t.float8_keep}, dimensions not multiples of 16, or train.float8_skip_small)")
-    real = has_float8_matmul(device)
+    real = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
     cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name(t.float8_recipe), emulate=not real,
                               enable_fsdp_float8_all_gather=fsdp and real and t.float8_recipe == "tensorwise")
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, name: name in names)

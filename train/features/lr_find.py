@@ -2,13 +2,10 @@
 `python train/run.py CONFIG train.lr_find=true`.
 
 On a fresh copy of the run (its checkpoints untouched) the LR grows exponentially from
-`train.lr_find_min` to `train.lr_find_max`, one step per LR, until the smoothed loss passes 4x its
-best. Suggested LR: that of the lowest smoothed loss divided by 10 (past the minimum the run is
-already diverging). Writes `<out_dir>/lr_find.png` and `<out_dir>/lr_find.json`.
-
-Under torchrun every rank runs the test on its part of each global batch, as training does; the
-ranks agree on each step's loss (the global batch's), so each finds the same LR by the same rule,
-the LR one process finds with the same global batch. lr_find.json lists every rank's suggestion.
+`train.lr_find_min` to `train.lr_find_max`, a step per LR, until the smoothed loss passes 4x its best.
+Suggested LR: the lowest smoothed loss's over 10 (past the minimum the run already diverges); written
+to `<out_dir>/lr_find.png` and `.json`. Under torchrun the ranks agree on each step's loss (the global
+batch's), so each finds the LR one process finds; lr_find.json lists every rank's suggestion.
 """
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ from ..optim import set_lr
 from ..plots import line_plot
 from ..step import optimizer_step, to_device
 
-SMOOTH = 0.9
-STOP_FACTOR = 4.0
+SMOOTH, STOP_FACTOR = 0.9, 4.0
 
 
 def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
@@ -32,8 +28,7 @@ def suggest(lrs: list[float], losses: list[float]) -> tuple[float, list[float]]:
     for i, l in enumerate(losses):
         avg = SMOOTH * avg + (1 - SMOOTH) * l
         smooth.append(avg / (1 - SMOOTH ** (i + 1)))
-    best = min(range(len(smooth)), key=smooth.__getitem__)
-    return lrs[best] / 10, smooth
+    return lrs[min(range(len(smooth)), key=smooth.__getitem__)] / 10, smooth
 
 
 def lr_find(run, say) -> dict:
@@ -42,14 +37,12 @@ def lr_find(run, say) -> dict:
     out = Path(t.out_dir)
     sync = dict(no_sync=lambda last: par.no_sync(run.fwd, last), agree=lambda s: par.agree(s, False)[0]) \
         if par.active else {}
-    task, params = run.task, run.params()
-    n = t.lr_find_steps
-    ratio = t.lr_find_max / t.lr_find_min
+    task, params, n = run.task, run.params(), t.lr_find_steps
     lrs, losses, best = [], [], math.inf
     say(f"lr_find: {n} steps, LR {t.lr_find_min:g} to {t.lr_find_max:g} ({run.cfg.optim.name}, "
         f"{t.batch_size} x {t.grad_accum}{f' x {par.world} ranks' if par.active else ''} per step)")
     for step in range(n):
-        lr = t.lr_find_min * ratio ** (step / (n - 1))
+        lr = t.lr_find_min * (t.lr_find_max / t.lr_find_min) ** (step / (n - 1))
         set_lr(run.optimizer, lr)
         batches = (to_device(task.train_batch(step, m), run.device, t.channels_last) for m in range(t.grad_accum))
         r = optimizer_step(lambda b: task.loss(run.fwd, b), batches, t.grad_accum, run.optimizer, run.scaler, params,
@@ -70,15 +63,11 @@ def lr_find(run, say) -> dict:
         return result
     atomic_write(out / "lr_find.json", json.dumps(result))
     if t.plot:
-        _plot(lrs, losses, smooth, lr, out / "lr_find.png")
+        lo, hi = min(smooth), smooth[0]
+        line_plot({"loss": list(zip(lrs, losses)), "smoothed loss": list(zip(lrs, smooth))}, out / "lr_find.png",
+                  "learning rate", "loss", logx=True, vline=(lr, f"suggested {lr:.2g}"),
+                  ylim=(lo - 0.1 * (hi - lo), hi + 0.5 * (hi - lo)), styles={"loss": {"alpha": 0.35}})
         say(f"lr_find: plot {out / 'lr_find.png'}")
     say(f"lr_find: suggested optim.lr={lr:.3g} (lowest smoothed loss {min(smooth):.3f} at LR "
         f"{lr * 10:.3g}, divided by 10; {len(lrs)} steps" + (f"; each rank's: {result['ranks']})" if par.active else ")"))
     return result
-
-
-def _plot(lrs, losses, smooth, lr, path: Path):
-    lo, hi = min(smooth), smooth[0]
-    line_plot({"loss": list(zip(lrs, losses)), "smoothed loss": list(zip(lrs, smooth))}, path, "learning rate", "loss",
-              logx=True, vline=(lr, f"suggested {lr:.2g}"), ylim=(lo - 0.1 * (hi - lo), hi + 0.5 * (hi - lo)),
-              styles={"loss": {"alpha": 0.35}})

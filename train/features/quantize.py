@@ -38,9 +38,8 @@ def deployed_copy(model: nn.Module) -> nn.Module:
 
 
 def quantized_evaluation(run) -> dict:
-    """The deployed model's evaluation before and after quantization ({'quant_ref_val_loss': ...,
-    'quant_val_loss': ...}); sets run.quantized. {} on ranks other than 0 and when the run quantizes
-    nothing."""
+    """The deployed model's evaluation before and after quantization (quant_ref_*, quant_*); sets
+    run.quantized. {} on ranks other than 0 and when the run quantizes nothing."""
     from ..finish import consolidated
     t = run.cfg.train
     if not (t.qat or t.quantize):

@@ -12,14 +12,12 @@ from torch import nn
 
 
 def add_param_groups(optimizer, model: nn.Module, params: list, weight_decay: float):
-    """Add the newly trainable `params` of `model` to `optimizer`, split as the optimizer was built
-    (`train.optim.param_groups`: weight decay on matrices, not on vectors and embeddings). Each
-    new group takes the optimizer's defaults for the other hyperparameters."""
+    """Add `model`'s newly trainable `params` to `optimizer`, split as it was built (weight decay on matrices only),
+    each new group with the optimizer's defaults for the other hyperparameters."""
     from ..optim import param_groups
     new = {id(p) for p in params}
     for g in param_groups(model, weight_decay):
-        ps = [p for p in g["params"] if id(p) in new]
-        if ps:
+        if ps := [p for p in g["params"] if id(p) in new]:
             optimizer.add_param_group({**g, "params": ps, "lr": optimizer.param_groups[0]["lr"]})
 
 
@@ -47,23 +45,17 @@ class GradualUnfreezing:
         """How many groups train at (0-based) step `step`."""
         return min(len(self.groups), 1 + sum(s <= step for s in self.steps))
 
-    def advance(self, step: int, optimizer) -> bool:
-        """Unfreeze the groups due by `step` and add them to the optimizer; True if any was."""
-        changed = False
+    def advance(self, step: int, optimizer):
+        """Unfreeze the groups due by `step` and add them to the optimizer."""
         while self.n < self.stage(step):
             g = self.groups[self.n]
             for p in g:
                 p.requires_grad_(True)
             add_param_groups(optimizer, self.model, g, self.weight_decay)
             self.n += 1
-            changed = True
             self.log(f"unfreeze: step {step}: group {self.n} of {len(self.groups)} trainable "
                      f"({sum(p.numel() for p in g) / 1e6:.3f}M parameters)")
-        return changed
 
     def restore(self, optimizer, step: int):
         """On resume: the groups (and optimizer groups) as they were when step `step` was saved."""
         self.advance(max(step - 1, 0), optimizer)
-
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for g in self.groups[:self.n] for p in g]

@@ -6,6 +6,7 @@ weights other than the embedding and the head. docs/llm.md ("Optimizers") has th
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -14,23 +15,16 @@ from torch import nn
 
 from zoo.tensors import tensor_bytes
 
-from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note
+from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note  # noqa: F401
 
 def _embedding_ids(model: nn.Module) -> set:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay, seen = [], [], set()
-    emb_params = _embedding_ids(model)
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.dim() < 2 or id(p) in emb_params:  # biases, norm/BN scales, embeddings
-            no_decay.append(p)
-        else:
-            decay.append(p)
+    decay, no_decay, emb_params = [], [], _embedding_ids(model)
+    for p in (p for p in model.parameters() if p.requires_grad):  # a tied weight once
+        (no_decay if p.dim() < 2 or id(p) in emb_params else decay).append(p)  # biases, norm/BN scales, embeddings
     # no empty group (e.g. a tied head alone trains under train.unfreeze): DCP's optimizer state maps groups by
     # the names of their parameters, so an empty group would come back without its hyperparameters
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -38,8 +32,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def hidden_matrices(model: nn.Module) -> set:
-    """ids of the 2-D weights of hidden layers: not embeddings, not the output head (the last
-    nn.Linear registered in the model, or a Linear whose weight is an embedding's)."""
+    """ids of the hidden layers' 2-D weights: no embedding, no head (the last Linear, or one tied to an embedding)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     excluded = _embedding_ids(model) | ({id(linears[-1].weight)} if linears else set())
     return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in excluded}
@@ -47,15 +40,9 @@ def hidden_matrices(model: nn.Module) -> set:
 
 def split_hidden(groups: list[dict], hidden: set) -> tuple[list[dict], list[dict]]:
     """Each group split into its hidden matrices and the rest (same keys, empty groups dropped)."""
-    inside, outside = [], []
-    for g in groups:
-        a = [p for p in g["params"] if id(p) in hidden]
-        b = [p for p in g["params"] if id(p) not in hidden]
-        if a:
-            inside.append(dict(g, params=a))
-        if b:
-            outside.append(dict(g, params=b))
-    return inside, outside
+    parts = [[dict(g, params=[p for p in g["params"] if (id(p) in hidden) == inside]) for g in groups]
+             for inside in (True, False)]
+    return tuple([g for g in part if g["params"]] for part in parts)
 
 
 def fused_supported(device: torch.device) -> bool:
@@ -105,11 +92,8 @@ def _galore(model, groups, cfg, device, log):
 
 def _adamw8bit(model, groups, cfg, device, log):
     if device.type == "cuda":
-        try:
+        with contextlib.suppress(ImportError):
             import bitsandbytes as bnb
-        except ImportError:
-            bnb = None
-        if bnb is not None:
             log("optimizer: adamw8bit from bitsandbytes")
             return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     from torchao.optim import AdamW8bit
@@ -130,26 +114,19 @@ def _adamw_offload(model, groups, cfg, device, log):
 
 @dataclass(frozen=True)
 class Optimizer:
-    """An entry of the registry: its builder (model, parameter groups, optim config, device, log)
-    -> torch optimizer, the package it needs (None: torch alone), and the train.parallel
-    strategies it runs under (the others are refused in one line, with why_not)."""
+    """A registry entry: its builder (model, param groups, optim config, device, log) -> optimizer, the package
+    it needs (None: torch alone), the train.parallel strategies it runs under (the others refused with why_not)."""
     build: Callable
     package: Optional[str] = None
-    parallel: tuple = ()
+    parallel: tuple = ("ddp", "fsdp")
     why_not: str = ""  # why the strategies left out cannot run it
 
 
 # optim.name -> its entry: the one list of optimizers (the config checks names against it)
-OPTIMIZERS: dict[str, Optimizer] = {
-    "adamw": Optimizer(_adamw, parallel=("ddp", "fsdp")),
-    "sgd": Optimizer(_sgd, parallel=("ddp", "fsdp")),
-    "adafactor": Optimizer(_adafactor, parallel=("ddp", "fsdp")),
-    "lion": Optimizer(_lion, parallel=("ddp", "fsdp")),
-    "muon": Optimizer(_muon, parallel=("ddp", "fsdp")),
-    "adamw8bit": Optimizer(_adamw8bit, package="torchao", parallel=("ddp", "fsdp")),
-    "adamw_offload": Optimizer(_adamw_offload, parallel=("ddp", "fsdp")),
-    "galore": Optimizer(_galore, parallel=("ddp", "fsdp")),
-}
+OPTIMIZERS: dict[str, Optimizer] = {"adamw": Optimizer(_adamw), "sgd": Optimizer(_sgd),
+                                    "adafactor": Optimizer(_adafactor), "lion": Optimizer(_lion),
+                                    "muon": Optimizer(_muon), "adamw8bit": Optimizer(_adamw8bit, package="torchao"),
+                                    "adamw_offload": Optimizer(_adamw_offload), "galore": Optimizer(_galore)}
 
 
 def build_optimizer(model: nn.Module, cfg, device: torch.device, log=print):
@@ -173,6 +150,3 @@ def state_bytes(optimizer) -> int:
     """Bytes the optimizer's state holds (its tensors, counted once; quantised tensors by their storage)."""
     return tensor_bytes(list(optimizer.state.values()))
 
-
-__all__ = ["OPTIMIZERS", "build_optimizer", "fused_supported", "hidden_matrices", "lr_multiplier", "micro_batches", "param_groups", "SCHEDULES",
-           "set_lr", "split_hidden", "state_bytes"]

@@ -1,10 +1,9 @@
 """Adafactor (Shazeer & Stern, 2018) that also runs on FSDP2's sharded parameters.
 
-torch.optim.Adafactor updates its factored statistics in place, which DTensor refuses. Here a
-sharded parameter is stepped whole: its gradient and weights are gathered, torch's own single-tensor
-update runs on them with the statistics held whole on every rank (a row and a column vector per
-matrix), and each rank keeps its shard of the result. So the step is the one process's, at the cost
-of gathering one parameter at a time; parameters that are not sharded take torch's step unchanged.
+torch.optim.Adafactor updates its factored statistics in place, which DTensor refuses. Here a sharded
+parameter is stepped whole: gradient and weights gathered, torch's single-tensor update run with the
+statistics held whole on every rank, each rank keeping its shard: one process's step. Parameters that
+are not sharded take torch's step unchanged.
 """
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ class Adafactor(torch.optim.Adafactor):
     def step(self, closure=None):
         if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -15,16 +15,14 @@ class GaLoreAdamW(torch.optim.Optimizer):
                  rank: int = 128, update_every: int = 200, scale: float = 0.25):
         if rank < 1 or update_every < 1:
             raise ValueError(f"GaLore: rank and update_every must be >= 1, got {rank}, {update_every}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, galore=False, rank=rank,
-                        update_every=update_every, scale=scale)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, galore=False,
+                                      rank=rank, update_every=update_every, scale=scale))
 
     @staticmethod
     def _projection(grad: torch.Tensor, rank: int) -> torch.Tensor:
         U, _, Vh = torch.linalg.svd(grad.float(), full_matrices=False)
-        if grad.shape[0] < grad.shape[1]:
-            return U[:, :rank].contiguous()      # m x r: R = P^T G
-        return Vh[:rank].contiguous()             # r x n: R = G P^T
+        # m x r: R = P^T G, or r x n: R = G P^T
+        return U[:, :rank].contiguous() if grad.shape[0] < grad.shape[1] else Vh[:rank].contiguous()
 
     def planned_state_bytes(self) -> int:
         """The state's bytes after a step, from the shapes alone (the planner cannot run the step on fake
@@ -50,8 +48,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.float()
-                st = self.state[p]
+                g, st = p.grad.float(), self.state[p]
                 low_rank = group["galore"] and p.dim() == 2
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32)

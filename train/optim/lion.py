@@ -25,8 +25,7 @@ class Lion(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            grads = [p.grad for p in params]
-            moms = []
+            grads, moms = [p.grad for p in params], []
             for p in params:
                 st = self.state[p]
                 if "exp_avg" not in st:

@@ -1,10 +1,8 @@
 """Muon on the hidden matrices, AdamW on the rest, as one optimizer (the split of the
 modded-nanogpt recipe: Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024).
 
-`torch.optim.Muon` takes the hidden 2-D weights (it accepts 2-D tensors only); AdamW takes the
-embeddings, head, norms, biases and convolutions. `Chained` steps the two as one: the loop sets
-every group's LR through `param_groups` (Muon's own LR via `lr_scale`, from `optim.muon_lr`), and
-the checkpoint holds both states.
+`torch.optim.Muon` takes the hidden 2-D weights; AdamW the embeddings, head, norms, biases and convolutions.
+`Chained` steps, saves and loads the two as one; Muon's LR follows the run's through `lr_scale`.
 """
 from __future__ import annotations
 
@@ -51,9 +49,8 @@ class Chained:
 def muon_with_adamw(hidden_groups: list[dict], other_groups: list[dict], lr: float, muon_lr: float, momentum: float,
                     betas, eps: float, fused: bool) -> Chained:
     """hidden_groups / other_groups: param groups (with their weight_decay) for Muon / AdamW."""
-    scale = muon_lr / lr
-    muon = torch.optim.Muon([dict(g, lr_scale=scale) for g in hidden_groups], lr=muon_lr, momentum=momentum)
-    opts = {"muon": muon}
+    opts = {"muon": torch.optim.Muon([dict(g, lr_scale=muon_lr / lr) for g in hidden_groups], lr=muon_lr,
+                                     momentum=momentum)}
     if other_groups:
         opts["adamw"] = torch.optim.AdamW(other_groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
     return Chained(opts)

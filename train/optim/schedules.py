@@ -51,9 +51,8 @@ def lr_multiplier(step: int, max_steps: int, cfg) -> float:
 
 
 def resume_note(start: int, was_max_steps, max_steps: int, cfg) -> str:
-    """The log line of a run resumed at step `start` whose train.max_steps changed since the checkpoint
-    (`was_max_steps`): the schedule is recomputed over the new max_steps, so the LR may jump; the line
-    says from what to what. "" when nothing changed."""
+    """The log line of a run resumed at `start` whose train.max_steps changed since the checkpoint: the schedule
+    is recomputed over the new max_steps, so the LR may jump, from what to what; "" when nothing changed."""
     if not was_max_steps or was_max_steps == max_steps or start >= max_steps or start <= 0:
         return ""
     last = cfg.lr * lr_multiplier(start - 1, was_max_steps, cfg)
@@ -65,6 +64,4 @@ def resume_note(start: int, was_max_steps, max_steps: int, cfg) -> str:
 
 def micro_batches(step: int, grad_accum: int, warmup_steps: int) -> int:
     """Batch-size warmup: micro-batches grow linearly from 1 at step 0 to `grad_accum` at `warmup_steps`."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return grad_accum
-    return 1 + (grad_accum - 1) * step // warmup_steps
+    return grad_accum if warmup_steps <= 0 or step >= warmup_steps else 1 + (grad_accum - 1) * step // warmup_steps

@@ -1,8 +1,7 @@
 """Tasks: how a model family plugs into the one loop.
 
-A task turns a run config into a model and batches, a batch into a loss, and a model into eval
-metrics and samples. train/config.py's TASKS names each family's; `Task.formats` names a family's other tasks
-by `data.format`.
+A task turns a run config into a model and batches, a batch into a loss, and a model into eval metrics
+and samples. train/config.py's TASKS names each family's; `Task.formats` its other tasks by `data.format`.
 """
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ class Task:
 
     def autocast(self):
         """The run's mixed-precision context (for evaluation and sampling inside a task)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return contextlib.nullcontext() if self.autocast_dtype is None else \
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def batch_generator(self, step: int, micro: int) -> torch.Generator:
         """A CPU generator seeded by (train.seed, step, micro) only, so a resumed run sees the same data."""
@@ -51,8 +49,7 @@ class Task:
         return rows[self.rank * B:(self.rank + 1) * B]
 
     def load_pretrained(self, load: Callable[[str], Any], say: bool = True):
-        """`load(train.init_from)` through one checked path: whatever goes wrong reading it is a one-line
-        ConfigError naming the file (exit 2), never a traceback."""
+        """`load(train.init_from)`: whatever goes wrong reading it is a one-line ConfigError naming the file."""
         from zoo.config import ConfigError
         path = self.cfg.train.init_from
         try:
@@ -101,12 +98,10 @@ class Task:
     def step_hook(self, model: nn.Module) -> Optional[Callable[[], None]]:
         """What must run on the (unwrapped) model after every optimizer step, e.g. MoE bias balancing with
         its cross-rank reduction inside; None: nothing. The run builder registers it as a step hook."""
-        return None
 
     def example_batch(self, model: nn.Module, batch_size: int) -> Any:
-        """A training batch of `batch_size` items shaped as train_batch's, made without the data (zeros, or
-        fake under a FakeTensorMode), on which `loss` works without setup(): the planner and the
-        batch-size finder run the step on it."""
+        """A batch of `batch_size` items shaped as train_batch's, made without the data (zeros, or fake under a
+        FakeTensorMode), on which `loss` works without setup(): the planner and the batch-size finder run on it."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -127,12 +122,9 @@ class Task:
 
     def flops_per_item(self, model: nn.Module) -> Optional[float]:
         """Training FLOPs per item, for MFU; None if unknown."""
-        return None
 
     def samples(self, model: nn.Module, out_dir) -> Optional[str]:
         """Produce samples at the end of a run (text to print, files in out_dir)."""
-        return None
 
     def export(self, model: nn.Module, out_dir) -> Optional[str]:
         """Write the final model in an external format if the run asks for it; returns a path."""
-        return None

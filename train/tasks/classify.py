@@ -1,7 +1,5 @@
-"""Image classification (the ConvNet family): cross-entropy with label smoothing, top-1/top-5, and
-timm's training recipe as data keys (train/data/images.py).
-
-Data: `digits` (the embedded default) or an ImageFolder-style directory (docs/convnet.md).
+"""Image classification (the ConvNet family) on `digits` (the embedded default) or an image folder:
+cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md).
 """
 from __future__ import annotations
 
@@ -28,6 +26,7 @@ from ..data.images import (FolderImages, augment_seeded, auto_augment_op, collat
                            epoch_positions, folder_channels, mix_batch, normalization, random_erase, random_shift,
                            scan_image_folder)
 from ..eval import per_class_table
+from ..step import eval_mode
 from . import Task
 
 
@@ -37,8 +36,7 @@ class ImageDataConfig:
                                             # folder `root/<class>/<images>`
     val_path: Optional[str] = None          # a val folder with the same class folders; null: `root/val` when
                                             # `root/train` and `root/val` exist, else a split
-    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held out per class when there is no val folder (also the digits
-                                            # split)
+    val_fraction: float = bounded(0.1, gt=0, lt=1)  # held out per class without a val folder (also the digits split)
     image_size: Optional[int] = bounded(None, ge=8)  # crop size; null: 32 for digits, 224 for folders
     crop_pct: float = bounded(0.875, gt=0, le=1)  # eval: resize the short side to `image_size / crop_pct`,
                                             # centre-crop `image_size`
@@ -47,8 +45,7 @@ class ImageDataConfig:
     hflip: float = bounded(0.5, ge=0, le=1)  # train: horizontal flip probability (folders)
     shift: int = bounded(2, ge=0)           # train: random translation in pixels (digits; no flips for digits)
     mean: Optional[list[float]] = None      # null: ImageNet's (RGB) / 0.5 (digits, grey)
-    std: Optional[list[float]] = None       # normalisation; null: ImageNet's for RGB folders, 0.449/0.226 grey,
-                                            # 0.5/0.5 digits
+    std: Optional[list[float]] = None       # null: ImageNet's for RGB folders, 0.449/0.226 grey, 0.5/0.5 digits
     label_smoothing: float = bounded(0.1, ge=0, lt=1)  # cross-entropy label smoothing (of the mixed targets too)
     auto_augment: Literal["none", "randaugment", "trivialaugment"] = "none"  # train: torchvision's RandAugment or
                                             # TrivialAugmentWide on each image after the crop (the `convnet` extra)
@@ -64,8 +61,7 @@ class ImageDataConfig:
     mix_switch_prob: float = bounded(0.5, ge=0, le=1)  # with both on: probability of CutMix rather than Mixup
     num_workers: int = bounded(2, ge=0)     # DataLoader worker processes decoding images (folders)
     pin_memory: Optional[bool] = None       # null: on when the device is CUDA
-    eval_images: Optional[int] = bounded(None, gt=0)  # evaluate on a fixed seeded subset of this many validation
-                                            # images
+    eval_images: Optional[int] = bounded(None, gt=0)  # evaluate on a fixed seeded subset of this many validation images
     ema_bn_batches: int = bounded(8, ge=0)  # BN recalibration batches for the EMA model; 0 = off
 
     def validate(self, source, prefix="data."):
@@ -82,8 +78,7 @@ class ImageDataConfig:
 
 
 class ClassifyTask(Task):
-    DataConfig = ImageDataConfig
-    unit = "images"
+    DataConfig, unit = ImageDataConfig, "images"
     _drops = None  # the DropPath modules of model.drop_path_mode=batch (found at the first training batch)
 
     @staticmethod
@@ -98,14 +93,11 @@ class ClassifyTask(Task):
             raise ConfigError(f"{cfg.source}: model.in_chans={m.in_chans}: image folders give 1 (grey) or 3 (RGB) "
                               f"channels")
 
-    # ------------------------------------------------------------------ data
     def setup(self):
         cfg, d = self.cfg, self.cfg.data
-        self.pretrained = None
+        self.pretrained, self.bad, self.digits = None, set(), d.path == "digits"
         self.augment = auto_augment_op(d.auto_augment, d.randaugment_ops, d.randaugment_magnitude)
-        self.digits = d.path == "digits"
         self.size = d.image_size or (32 if self.digits else 224)
-        self.bad: set = set()
         if self.digits:
             self.classes, seen = [str(i) for i in range(10)], None
         else:
@@ -139,9 +131,8 @@ class ClassifyTask(Task):
         mean, std = normalization(d, channels)
         self.preprocess = Preprocess(self.size, channels, tuple(mean), tuple(std), 1.0 if self.digits else d.crop_pct,
                                      tuple(self.classes))  # what the run folder needs to be used alone
-        std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.norm_mean = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
-        self.norm_inv_std = 1.0 / std_t
+        self.norm_inv_std = 1.0 / torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.pin = d.pin_memory if d.pin_memory is not None else self.device.type == "cuda"
         self._iter, self._next = None, None
         self.log(f"data: {d.path}: {self.n_train} train / {self.n_val} val images, {len(self.classes)} classes, "
@@ -150,8 +141,7 @@ class ClassifyTask(Task):
     def _fit_to_data(self, channels: Optional[int]):
         """The model config with what the data decides where the config says otherwise: the class count,
         and an image folder's channels (1 when every image is grey; pretrained weights keep theirs)."""
-        m = self.cfg.model
-        over = {"num_classes": len(self.classes)}
+        m, over = self.cfg.model, {"num_classes": len(self.classes)}
         if channels is not None and not self.cfg.train.init_from:
             over["in_chans"] = channels
         over = {k: v for k, v in over.items() if getattr(m, k) != v}
@@ -175,8 +165,7 @@ class ClassifyTask(Task):
                 return samples, val
         except (ValueError, FileNotFoundError) as e:
             raise DataError(str(e)) from None
-        g = torch.Generator().manual_seed(self.cfg.train.seed)
-        by_class = [[] for _ in self.classes]
+        g, by_class = torch.Generator().manual_seed(self.cfg.train.seed), [[] for _ in self.classes]
         for s in samples:
             by_class[s[1]].append(s)
         train, val = [], []
@@ -210,18 +199,15 @@ class ClassifyTask(Task):
     def train_batch(self, step, micro):
         t = self.cfg.train
         B = self.global_rows()  # one global micro-batch; this rank trains on its own rows of it
-        pos = (step * t.grad_accum + micro) * B
-        g = self.batch_generator(step, micro)
+        pos, g = (step * t.grad_accum + micro) * B, self.batch_generator(step, micro)
         if self.digits:
             keys = epoch_positions(self.n_train, t.seed, pos, B)
             idx = torch.tensor([i for i, _ in keys], device=self.device)
             x, y = random_shift(self.train_x[idx], self.cfg.data.shift, g), self.train_y[idx]
             recipe_seed = self._recipe_seed(g)
             if self.augment is not None:  # on uint8, each image seeded by its sample seed
-                u8 = (x * 255).round_().to(torch.uint8)
-                x = augment_seeded(self.augment, u8, [s for _, s in keys]).float() / 255
-            x, y = (self.own_rows(x), self.own_rows(y)) if self.world > 1 else (x, y)
-            return x, y, recipe_seed
+                x = augment_seeded(self.augment, (x * 255).round_().to(torch.uint8), [s for _, s in keys]).float() / 255
+            return self.own_rows(x), self.own_rows(y), recipe_seed
         recipe_seed = self._recipe_seed(g)
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
             self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
@@ -243,7 +229,6 @@ class ClassifyTask(Task):
             return (x.float() - self.norm_mean * 255.0) * (self.norm_inv_std / 255.0)
         return (x.float() - self.norm_mean) * self.norm_inv_std
 
-    # ------------------------------------------------------------------ model, loss, eval
     def build_model(self):
         from zoo.convnet import build
         if self.pretrained is None:
@@ -274,8 +259,7 @@ class ClassifyTask(Task):
     def recipe(self, x: torch.Tensor, y: torch.Tensor, seed: int):
         """Random erasing, then Mixup / CutMix, of a normalised training batch, all drawn from `seed`:
         -> (images, targets: labels (B,), or soft targets (B, num_classes) when mixing is on)."""
-        d = self.cfg.data
-        rng = random.Random(seed)
+        d, rng = self.cfg.data, random.Random(seed)
         if d.random_erasing > 0:
             x = random_erase(x, d.random_erasing, rng)
         if d.mixup_alpha > 0 or d.cutmix_alpha > 0:
@@ -321,8 +305,7 @@ class ClassifyTask(Task):
 
     def _val_batches(self):
         """(images, labels) over the validation set (or its first data.eval_images), on the device."""
-        B, limit = self.cfg.train.batch_size, self.cfg.data.eval_images or self.n_val
-        n = min(limit, self.n_val)
+        B, n = self.cfg.train.batch_size, min(self.cfg.data.eval_images or self.n_val, self.n_val)
         fmt = torch.channels_last if self.cfg.train.channels_last else torch.contiguous_format
         if self.digits:
             for i in range(0, n, B):
@@ -331,8 +314,7 @@ class ClassifyTask(Task):
         # a fixed, seeded subset when eval_images < the val set: every class is represented
         order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
         keys = [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))]
-        batches = [keys[i:i + B] for i in range(0, n, B)]
-        for x, y, bad in self._loader(self.val_set, batches):
+        for x, y, bad in self._loader(self.val_set, [keys[i:i + B] for i in range(0, n, B)]):
             self._report(bad)
             if x is not None:
                 yield (x.to(self.device, non_blocking=True).contiguous(memory_format=fmt),
@@ -341,16 +323,12 @@ class ClassifyTask(Task):
     @torch.no_grad()
     def predict(self, model):
         """(logits (N, num_classes) float32, labels (N,)) over the validation set, in eval mode."""
-        was = model.training
-        model.eval()
         logits, labels = [], []
-        try:
+        with eval_mode(model):
             for x, y in self._val_batches():
                 with self.autocast():
                     logits.append(model(self.normalize(x)).float())
                 labels.append(y)
-        finally:
-            model.train(was)
         if not logits:
             raise DataError(f"{self.cfg.data.path}: no readable validation image")
         return torch.cat(logits), torch.cat(labels)
@@ -362,17 +340,15 @@ class ClassifyTask(Task):
         bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if not bns or n_batches <= 0:
             return
-        was = model.training
-        model.eval()
-        saved = [bn.momentum for bn in bns]
-        for bn in bns:
-            bn.reset_running_stats()
-            bn.momentum = None  # cumulative average
-            bn.train()
         B, t = self.cfg.train.batch_size, self.cfg.train
         fmt = torch.channels_last if t.channels_last else torch.contiguous_format
         keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * B, self.n_train))
-        try:
+        saved = [bn.momentum for bn in bns]
+        with eval_mode(model):
+            for bn in bns:  # the BatchNorm layers alone in training mode
+                bn.reset_running_stats()
+                bn.momentum = None  # cumulative average
+                bn.train()
             if self.digits:
                 idx = torch.tensor([i for i, _ in keys], device=self.device)
                 batches = ((self.train_x[idx[i:i + B]], None) for i in range(0, len(idx), B))
@@ -385,10 +361,8 @@ class ClassifyTask(Task):
                 if x is not None:
                     with self.autocast():
                         model(self.normalize(x.to(self.device).contiguous(memory_format=fmt)))
-        finally:
-            for bn, m in zip(bns, saved):
-                bn.momentum = m
-            model.train(was)
+        for bn, m in zip(bns, saved):
+            bn.momentum = m
 
     def evaluate(self, model):
         own = getattr(self, "model", None)
@@ -396,8 +370,7 @@ class ClassifyTask(Task):
             self.recalibrate_bn(model, self.cfg.data.ema_bn_batches)
         logits, y = self.predict(model)
         k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hit = top == y[:, None]
+        hit = logits.topk(k, dim=1).indices == y[:, None]
         out = {"val_loss": F.cross_entropy(logits, y).item(), "val_acc1": hit[:, 0].float().mean().item()}
         if k == 5:
             out["val_acc5"] = hit.any(1).float().mean().item()
@@ -418,11 +391,11 @@ class ClassifyTask(Task):
         weights = "model_ema.safetensors (EMA)" if self.cfg.train.ema_decay else "model.safetensors"
         rows, text, head, total = per_class_table(logits.argmax(1), y, self.classes, weights)
         (Path(out_dir) / "per_class.txt").write_text(text + "\n")
-        fmt = lambda r: f"{r[0][:24]:>24}  {r[1]:>5}  {r[2]:.3f}"  # noqa: E731
+        lines = text.split("\n")[2:-1]  # the table's line of each class
         if len(rows) > 20:  # the log shows the five worst and five best classes
-            rows = sorted(rows, key=lambda r: r[2])
-            rows = rows[:5] + [("...", 0, float("nan"))] + rows[-5:]
-        return "\n".join([head] + [fmt(r) if r[0] != "..." else f"{'...':>24}" for r in rows] + [total])
+            order = sorted(range(len(rows)), key=lambda i: rows[i][2])
+            lines = [lines[i] for i in order[:5]] + [f"{'...':>24}"] + [lines[i] for i in order[-5:]]
+        return "\n".join([head, *lines, total])
 
     def export(self, model, out_dir):
         """Fine-tuned from pretrained weights: write them back in the layout (and file type) they came in."""

@@ -26,6 +26,7 @@ from ..checkpoint import read_weights
 from ..data import DataError, cache_dir
 from ..data.latents import LatentCache, latent_cache, weights_fingerprint
 from ..data.sources import files_fingerprint, short_digest
+from ..step import eval_mode
 from . import Task
 
 
@@ -92,8 +93,7 @@ def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: i
                       device, seed: int = 0, log=print) -> TAESD:
     """Fit `ae` to reconstruct `images` (N, 3, H, W) with noisy latents (AdamW, cosine); eval mode, CPU."""
     ae = ae.to(device).train()
-    opt = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
+    opt, g = torch.optim.AdamW(ae.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
@@ -133,8 +133,7 @@ def load_dit_into(model: LatentDiffusion, path):
 
 
 class DiffusionTask(Task):
-    DataConfig = DiffusionDataConfig
-    unit = "images"
+    DataConfig, unit = DiffusionDataConfig, "images"
 
     @staticmethod
     def validate_config(cfg):
@@ -142,8 +141,6 @@ class DiffusionTask(Task):
         if m.autoencoder.weights and not Path(m.autoencoder.weights).exists():
             raise ConfigError(f"{cfg.source}: model.autoencoder.weights={m.autoencoder.weights}: no such file or "
                               f"directory")
-
-    # -- data and the frozen autoencoder --------------------------------------------------------
 
     def setup(self):
         cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
@@ -184,11 +181,10 @@ class DiffusionTask(Task):
 
     def _autoencoder(self, data: ImageData) -> TAESD:
         cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
+        ae = build_autoencoder(m, cfg.source)
         if m.autoencoder.weights:
-            ae = build_autoencoder(m, cfg.source)
             self.log(f"autoencoder: {m.autoencoder.weights} (frozen) {ae.variant}")
             return ae
-        ae = build_autoencoder(m, cfg.source)
         key = short_digest({"ae": ae.variant, "data": d.dataset, "size": m.image_size, "val": d.val_fraction,
                        "steps": d.ae_steps, "bs": d.ae_batch_size, "lr": d.ae_lr, "noise": d.ae_latent_noise,
                        "seed": cfg.train.seed, **({"files": data.key["files"]} if "files" in data.key else {})})
@@ -223,14 +219,10 @@ class DiffusionTask(Task):
         self.log(f"denoiser: {model.num_params() / 1e6:.2f}M trainable parameters")
         return model
 
-    # -- batches and loss ---------------------------------------------------------------------
-
     def _noised(self, z, y, g, drop: float):
         B, m = len(z), self.cfg.model
-        if m.prediction == "flow":
-            t = flow_timesteps(B, m.flow_timesteps, m.flow_logit_mean, m.flow_logit_std, g)
-        else:
-            t = torch.randint(m.num_timesteps, (B,), generator=g)
+        t = flow_timesteps(B, m.flow_timesteps, m.flow_logit_mean, m.flow_logit_std, g) if m.prediction == "flow" \
+            else torch.randint(m.num_timesteps, (B,), generator=g)
         noise = torch.randn(z.shape, generator=g)
         if drop > 0:
             keep = torch.rand(B, generator=g) >= drop
@@ -260,26 +252,20 @@ class DiffusionTask(Task):
     def evaluate(self, model):
         """On the held-out latents with fixed t and noise: val_loss, the training loss (same weighting),
         and val_mse, the unweighted MSE of the prediction (comparable across loss weightings)."""
-        was = model.training
-        model.eval()
-        g = torch.Generator().manual_seed(1234)
-        bs = self.cfg.train.batch_size
-        n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
-        total, mse = 0.0, 0.0
-        for i in range(0, n, bs):
-            b = self._noised(self.z_va[i:i + bs][: n - i], self.y_va[i:i + bs][: n - i], g, 0.0)
-            with self.autocast():
-                total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
-                mse += model(b["z"], b["labels"], b["t"], b["noise"], weighted=False).float().sum().item()
-        model.train(was)
+        with eval_mode(model):
+            g, bs = torch.Generator().manual_seed(1234), self.cfg.train.batch_size
+            n = min(len(self.z_va), bs * self.cfg.train.eval_batches)
+            total, mse = 0.0, 0.0
+            for i in range(0, n, bs):
+                b = self._noised(self.z_va[i:i + bs][: n - i], self.y_va[i:i + bs][: n - i], g, 0.0)
+                with self.autocast():
+                    total += model(b["z"], b["labels"], b["t"], b["noise"]).float().sum().item()
+                    mse += model(b["z"], b["labels"], b["t"], b["noise"], weighted=False).float().sum().item()
         return {"val_loss": total / max(n, 1), "val_mse": mse / max(n, 1)}
-
-    # -- samples ------------------------------------------------------------------------------
 
     def samples(self, model, out_dir):
         path = Path(out_dir) / "samples.png"
-        images = sample_grid(model, self.cfg.data.samples_per_class, self.device, self.cfg.train.seed,
-                             self.autocast)
+        images = sample_grid(model, self.cfg.data.samples_per_class, self.device, self.cfg.train.seed, self.autocast)
         save_grid(images, path, nrow=self.cfg.data.samples_per_class)
         m = self.cfg.model
         return (f"{path}: {len(images)} samples, a row per class ({m.sampler}, {m.sample_steps} steps, "
@@ -289,15 +275,10 @@ class DiffusionTask(Task):
 @torch.no_grad()
 def sample_grid(model: LatentDiffusion, per_class: int, device, seed: int = 0, autocast=None, **kw):
     """per_class samples of every class, class-major -> images (num_classes * per_class, 3, H, W)."""
-    was = model.training
-    model.eval()
     labels = torch.arange(model.config.num_classes, device=device).repeat_interleave(per_class)
     g = torch.Generator(device=device).manual_seed(seed)
-    ctx = autocast() if autocast is not None else torch.autocast(device.type, enabled=False)
-    with ctx:
-        images = model.sample(labels, generator=g, **kw).float()
-    model.train(was)
-    return images
+    with eval_mode(model), (autocast() if autocast is not None else torch.autocast(device.type, enabled=False)):
+        return model.sample(labels, generator=g, **kw).float()
 
 
 def image_grid(images: torch.Tensor, nrow: int, padding: int = 2, pad_value: float = 0.5) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..data.conversations import PostTrainingDataConfig
 from ..data.preference import PreferenceData, preference_row, read_jsonl, synthetic_pairs
 from ..eval import collate, sequence_logps
 from ..model import apply_runtime
+from ..step import eval_mode
 from .post_training import PostTrainingTask, unwrapped
 
 
@@ -48,8 +49,7 @@ class DPOTask(PostTrainingTask):
     _pair_sums = None           # pair_sums of the training batches since the last logged row
 
     def setup(self):
-        d = self.cfg.data
-        tokenizer = self._load_tokenizer()
+        d, tokenizer = self.cfg.data, self._load_tokenizer()
         self.chat_template = self._template()
         rows, val = self.held_out(synthetic_pairs, lambda path: read_jsonl(path, preference_row, self.log,
                                                                            "preference rows"))
@@ -63,8 +63,7 @@ class DPOTask(PostTrainingTask):
         return self.cfg.data.loss == "dpo" and self.cfg.data.reference == "copy"
 
     def build_model(self):
-        model = super().build_model()
-        d = self.cfg.data
+        model, d = super().build_model(), self.cfg.data
         if d.loss == "dpo" and d.reference == "precomputed" and not self.cfg.adapter.enabled:
             self.reference_table = self.precompute(model)
         return model
@@ -73,15 +72,13 @@ class DPOTask(PostTrainingTask):
     def precompute(self, model) -> torch.Tensor:
         """The reference log-probabilities of every pair (train, then val), in batches of train.batch_size."""
         model = apply_runtime(model, self.cfg.train).to(self.device)
-        was = model.training
-        model.eval()
-        pairs, B, out = self.data.train + self.data.val, self.cfg.train.batch_size, []
-        for i in range(0, len(pairs), B):
-            x, y, _ = self._batch(pairs[i:i + B], range(i, i + len(pairs[i:i + B])))
-            with self.autocast():
-                lp = sequence_logps(model, x, y)[0]
-            out.append(torch.stack(lp.chunk(2), dim=1))
-        model.train(was)
+        with eval_mode(model):
+            pairs, B, out = self.data.train + self.data.val, self.cfg.train.batch_size, []
+            for i in range(0, len(pairs), B):
+                x, y, _ = self._batch(pairs[i:i + B], range(i, i + len(pairs[i:i + B])))
+                with self.autocast():
+                    lp = sequence_logps(model, x, y)[0]
+                out.append(torch.stack(lp.chunk(2), dim=1))
         self.log(f"reference: log-probabilities of {len(pairs)} pairs precomputed (data.reference=precomputed)")
         return torch.cat(out)
 
@@ -118,10 +115,8 @@ class DPOTask(PostTrainingTask):
         x, y, _ = batch
         logps, n = sequence_logps(model, x, y)
         d = self.cfg.data
-        if d.loss == "dpo":
-            ref = self.reference_logps(model, batch)
-            return preference_loss(logps, ref, n, "dpo", d.beta, d.label_smoothing)
-        return preference_loss(logps, None, n, "simpo", d.beta, d.label_smoothing, d.simpo_gamma)
+        ref = self.reference_logps(model, batch) if d.loss == "dpo" else None
+        return preference_loss(logps, ref, n, d.loss, d.beta, d.label_smoothing, d.simpo_gamma)
 
     def loss(self, model, batch):
         losses, rc, rr = self.pair_loss(model, batch)
@@ -133,23 +128,19 @@ class DPOTask(PostTrainingTask):
         if self._pair_sums is None:
             return {}
         s, self._pair_sums = self._pair_sums, None
-        out = pair_metrics(self.sum_across_ranks(s))  # every rank logs at the same steps: all pairs counted
-        del out["loss"]  # the row's own `loss`
-        return out
+        # every rank logs at the same steps: all pairs counted; the row's own `loss` is the step's
+        return {k: v for k, v in pair_metrics(self.sum_across_ranks(s)).items() if k != "loss"}
 
     @torch.no_grad()
     def evaluate(self, model):
-        was = model.training
-        model.eval()
-        sums, B, n = None, self.cfg.train.batch_size, len(self.data.train)
-        for i in range(0, len(self.data.val), B):
-            pairs = self.data.val[i:i + B]
-            with self.autocast():
-                now = pair_sums(*self.pair_loss(model, self._batch(pairs, range(n + i, n + i + len(pairs)))))
-            sums = now if sums is None else sums + now
-        model.train(was)
-        out = {f"val_{k}": v for k, v in pair_metrics(sums).items()}
-        return {**out, **self.eval_tasks(model)}
+        with eval_mode(model):
+            sums, B, n = None, self.cfg.train.batch_size, len(self.data.train)
+            for i in range(0, len(self.data.val), B):
+                pairs = self.data.val[i:i + B]
+                with self.autocast():
+                    now = pair_sums(*self.pair_loss(model, self._batch(pairs, range(n + i, n + i + len(pairs)))))
+                sums = now if sums is None else sums + now
+        return {**{f"val_{k}": v for k, v in pair_metrics(sums).items()}, **self.eval_tasks(model)}
 
     def flops_per_item(self, model):
         """Per position: the policy's forward and backward, plus the reference's forward (DPO)."""
@@ -165,10 +156,7 @@ def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tok
     """Per-pair losses and rewards of 2B rows (B chosen, then B rejected): policy and reference (B*2,)
     summed log-probabilities, tokens (B*2,) their scored tokens. kind 'dpo' or 'simpo' (reference
     unused). Returns (losses (B,), chosen rewards (B,), rejected rewards (B,)), the rewards detached."""
-    if kind == "dpo":
-        reward = beta * (policy - reference)
-    else:
-        reward = beta * policy / tokens.clamp(min=1)
+    reward = beta * (policy - reference) if kind == "dpo" else beta * policy / tokens.clamp(min=1)
     B = policy.shape[0] // 2
     logits = reward[:B] - reward[B:] - (gamma if kind == "simpo" else 0.0)
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)

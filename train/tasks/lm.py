@@ -21,6 +21,7 @@ from zoo.weights.files import atomic_write
 from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer, tokenizer_folder
 from ..eval import evaluate_files, metric_row
 from ..optim import micro_batches
+from ..step import eval_mode
 from . import Task
 
 
@@ -35,8 +36,7 @@ def aux_losses(aux: dict, t, moe) -> dict:
 
 
 class LMTask(Task):
-    DataConfig = TextDataConfig
-    unit = "tokens"
+    DataConfig, unit = TextDataConfig, "tokens"
     masked_targets = False  # targets -100 where no loss is taken (chat SFT: all but the assistant's tokens)
     formats = {**{f: "train.tasks.sft:SFTTask" for f in ("messages", "prompt_completion", "alpaca")},
                "preference": "train.tasks.dpo:DPOTask", "prompts": "train.tasks.rl:RLTask"}  # data.format -> chat SFT,
@@ -48,6 +48,7 @@ class LMTask(Task):
     _step = 0   # the step train_batch was last asked for (named in the log lines of train_metrics)
     _sums: Optional[dict] = None
     boundary: Optional[str] = None  # data.boundary in force ('bos', 'eos', 'both'), with data.attention: document
+    chat_template = None  # the chat template the data is rendered with (None: plain text)
 
     @staticmethod
     def validate_config(cfg):
@@ -76,8 +77,7 @@ class LMTask(Task):
         return found
 
     def setup(self):
-        self._schedule = None
-        self._prefetcher = None
+        self._schedule = self._prefetcher = None
         self.data = TokenData(self.cfg.data, self._pretrained_tokenizer(), self.log, progress=self.cfg.train.progress)
         self.entropy = self.data.unigram_entropy()
         self.log(f"data: unigram entropy {self.entropy:.3f} nats/token (the loss of a context-free model)")
@@ -96,14 +96,12 @@ class LMTask(Task):
         return self.boundary is not None
 
     def doc_inputs(self, x: torch.Tensor) -> dict:
-        """The model's document keywords for inputs x (B, T): doc_ids (and position_ids) with
-        data.attention: document (and data.positions: document); {} otherwise."""
+        """The model's document keywords for x (B, T) with data.attention: document (doc_ids, position_ids), else {}."""
         if self.boundary is None:
             return {}
         doc = self.data.document_ids(x)
-        if self.cfg.data.positions == "document":
-            return {"doc_ids": doc, "position_ids": document_positions(doc)}
-        return {"doc_ids": doc}
+        return {"doc_ids": doc, **({"position_ids": document_positions(doc)} if self.cfg.data.positions == "document"
+                                   else {})}
 
     def build_model(self):
         if self.cfg.train.init_from:
@@ -128,25 +126,20 @@ class LMTask(Task):
             whose = f"data's (largest id {vocab - 1})" if self.data.max_id + 1 == vocab else "tokenizer's"
             raise ConfigError(f"{src}: the model's vocab_size={model.config.vocab_size} is smaller than the "
                               f"{whose} {vocab}")
-        self._say_attention()
+        backend, dtype = self.cfg.train.attn_backend, self.autocast_dtype or torch.float32
+        resolve = attention_docs.resolve_backend if self.documents else attention.resolve_backend
+        picked = resolve(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
+        why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
+        self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
         return model
 
     def _use(self, model):
-        self.moe = model.config.moe
-        self.mod = model.config.mod_capacity > 0
+        self.moe, self.mod = model.config.moe, model.config.mod_capacity > 0
 
     def example_batch(self, model, batch_size, seq_len=None):
         self._use(model)
         x = torch.zeros(batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
         return x, torch.zeros_like(x)
-
-    def _say_attention(self):
-        backend = self.cfg.train.attn_backend
-        dtype = self.autocast_dtype or torch.float32
-        resolve = attention_docs.resolve_backend if self.documents else attention.resolve_backend
-        picked = resolve(backend, self.device, dtype, self.cfg.data.seq_len, self.cfg.train.compile)
-        why = f" (auto, for {self.cfg.data.seq_len} keys)" if backend == "auto" else ""
-        self.log(f"attention: {picked}{why}{', within documents' if self.documents else ''}")
 
     def unfreeze_groups(self, model):
         """The LM head with the final norm, then the blocks from the last, then the embedding."""
@@ -202,9 +195,7 @@ class LMTask(Task):
         return self.forward_loss(model, x, y, self.doc_inputs(x))
 
     def forward_loss(self, model, x, y, docs: dict):
-        """(the training loss of inputs x and targets y, with the model's document keywords `docs`
-        (doc_inputs), the distillation loss with train.teacher, and the MoE / MoD terms; the tokens
-        it covers)."""
+        """(the loss of x and y with document keywords `docs`, distillation and the MoE / MoD terms; the tokens)."""
         kw = dict(docs)
         if self.teacher is not None:  # its final hidden states only: the logits are made chunk by chunk
             with torch.no_grad():
@@ -228,9 +219,8 @@ class LMTask(Task):
         return loss * n * self.world / self.sum_across_ranks(n.clone()).clamp(min=1)
 
     def step_hook(self, model):
-        """MoE bias balancing and MoD thresholds: after every optimizer step, from what the step's
-        training forwards recorded (zoo/llm.py), over every rank's batch (so every rank keeps the
-        routing state one process would reach)."""
+        """MoE bias balancing and MoD thresholds after every optimizer step, from what the step's forwards
+        recorded over every rank's batch (so every rank keeps the routing state one process would reach)."""
         bias = self.moe is not None and self.moe.balance == "bias"
         if not (bias or self.mod):
             return None
@@ -304,26 +294,24 @@ class LMTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model):
-        was = model.training
-        model.eval()
-        total, n = 0.0, 0
-        causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
-        B = self.cfg.train.batch_size  # every rank evaluates the global batches, in micro-batches of B rows
-        for x, y in (part for batch in self.data.val_batches(B * self.world, self.cfg.train.eval_batches)
-                     for part in zip(*(t.split(B) for t in batch[:2]))):
-            x, y = x.to(self.device), y.to(self.device)
-            k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
-            docs = self.doc_inputs(x)
-            with self.autocast():
-                if self.mod:
-                    _, loss, aux = model(x, y, return_aux=True, **docs)
-                    acc = acc + aux["mod_accuracy"].float() * k
-                    causal += model(x, y, mod_causal=True, **docs)[1].item() * k
-                else:
-                    _, loss = model(x, y, **docs)
-            total += loss.item() * k
-            n += k
-        model.train(was)
+        with eval_mode(model):
+            total, n = 0.0, 0
+            causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
+            B = self.cfg.train.batch_size  # every rank evaluates the global batches, in micro-batches of B rows
+            for x, y in (part for batch in self.data.val_batches(B * self.world, self.cfg.train.eval_batches)
+                         for part in zip(*(t.split(B) for t in batch[:2]))):
+                x, y = x.to(self.device), y.to(self.device)
+                k = int((y != -100).sum())  # the targets the loss averages over (all of them, unless masked)
+                docs = self.doc_inputs(x)
+                with self.autocast():
+                    if self.mod:
+                        _, loss, aux = model(x, y, return_aux=True, **docs)
+                        acc = acc + aux["mod_accuracy"].float() * k
+                        causal += model(x, y, mod_causal=True, **docs)[1].item() * k
+                    else:
+                        _, loss = model(x, y, **docs)
+                total += loss.item() * k
+                n += k
         out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
                "unigram_entropy": self.entropy, **self.eval_tasks(model)}
         if self.mod:
@@ -333,18 +321,13 @@ class LMTask(Task):
                         **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
         return out
 
-    def template(self):
-        """The chat template the data is rendered with (None: plain text)."""
-        return None
-
     def eval_tasks(self, model) -> dict[str, float]:
         """data.eval_tasks (train/eval.py) scored on `model`, as `eval_<file stem>_<metric>` numbers."""
         files = getattr(self.cfg.data, "eval_tasks", None)
         if not files:
             return {}
-        results = evaluate_files(model, self.data.tokenizer, files, self.device, self.template(),
-                                 self.cfg.train.batch_size, autocast=self.autocast, log=self.log)
-        return metric_row(results)
+        return metric_row(evaluate_files(model, self.data.tokenizer, files, self.device, self.chat_template,
+                                         self.cfg.train.batch_size, autocast=self.autocast, log=self.log))
 
     def flops_per_item(self, model):
         return model.flops_per_token(self.cfg.data.seq_len)
@@ -355,15 +338,13 @@ class LMTask(Task):
             self.log("samples: skipped (pre-tokenized data without a tokenizer file cannot encode a prompt)")
             return None
         prompts = ["def ", "import ", "class "] if self.cfg.data.path == "stdlib" else ["\n", "The ", "A"]
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
-        texts = []
+        g, texts = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed), []
         for p in prompts:
             ids = torch.tensor([tok.encode(p)], dtype=torch.long, device=self.device)
             with self.autocast():
                 out = model.generate(ids, max_new_tokens=80, temperature=0.8, top_k=50, generator=g)
             texts.append(tok.decode(out[0].tolist()))
-        sep = "\n" + "-" * 60 + "\n"
-        text = sep.join(texts)
+        text = ("\n" + "-" * 60 + "\n").join(texts)
         (Path(out_dir) / "samples.txt").write_text(text)
         return text
 
@@ -386,8 +367,7 @@ class LMTask(Task):
     def save_files(self, out_dir):
         """The tokenizer beside model.safetensors, so the run folder loads and fine-tunes on its own (with
         the special tokens and chat template of train.init_from's tokenizer_config.json)."""
-        tok = getattr(self.data.tokenizer, "model_path", None)
-        if tok is not None:
+        if (tok := getattr(self.data.tokenizer, "model_path", None)) is not None:
             name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"
             atomic_write(Path(out_dir) / name, Path(tok).read_bytes())
             config = Path(tok).with_name("tokenizer_config.json")

@@ -17,7 +17,7 @@ import torch
 from zoo.config import ConfigError
 from zoo.weights.files import atomic_write
 
-from ..data import DataError, load_tokenizer_file
+from ..data import DataError, tokenizer_file
 from ..data.conversations import ChatTemplate, choose_template, find_template
 from ..model import apply_runtime
 from .lm import LMTask
@@ -26,13 +26,9 @@ from .lm import LMTask
 class PostTrainingTask(LMTask):
     tokenizer_files = ("tokenizer.json", "tokenizer.model")  # tokenizer.json first: it reads a template's special tokens
     default_template: Optional[str] = None  # the built-in template when neither data.template nor the checkpoint has one
-    chat_template: Optional[ChatTemplate] = None
     reference = None            # a frozen copy of the initial model, when wants_reference() and no adapter
     _placed = False             # the copy is on the device with the run's runtime choices
     _epoch, _order = None, None  # the epoch whose shuffled order of the training rows is at hand
-
-    def template(self) -> Optional[ChatTemplate]:
-        return self.chat_template
 
     def _template(self) -> Optional[ChatTemplate]:
         """data.template: `none`, a built-in name or a path; null: the checkpoint's own, else default_template."""
@@ -46,18 +42,14 @@ class PostTrainingTask(LMTask):
         return template
 
     def _load_tokenizer(self, make: Optional[Callable] = None):
-        """The run's tokenizer: the checkpoint's own file, `bytes` or a file; `sentencepiece` without
-        train.init_from: make() (chat SFT trains one), else a one-line error."""
+        """The tokenizer: the checkpoint's, `bytes` or a file; `sentencepiece` and no checkpoint: make() or an error."""
         spec = self._pretrained_tokenizer() or self.cfg.data.tokenizer
         if spec == "sentencepiece" and make is not None:
             return make()
         if spec == "sentencepiece":
             raise ConfigError(f"{self.cfg.source}: data.tokenizer=sentencepiece means the train.init_from checkpoint's "
                               f"tokenizer; without train.init_from set data.tokenizer to bytes or a tokenizer file")
-        if spec != "bytes" and not Path(spec).expanduser().is_file():
-            raise DataError(f"{spec}: tokenizer file not found (data.tokenizer must be bytes, sentencepiece or a "
-                            f"path to a tokenizer.model / tokenizer.json)")
-        return load_tokenizer_file(spec if spec == "bytes" else Path(spec).expanduser())
+        return tokenizer_file(spec)
 
     def held_out(self, make: Callable[[str, int], list], read: Callable[[str], list]) -> tuple[list, list]:
         """(training rows, held-out rows): `synthetic` made by make(split, n), val_fraction of them from the

@@ -1,8 +1,8 @@
 """Reinforcement learning with verifiable rewards (`data.format: prompts`, the `rl:` section).
 
-Each batch of rollouts: group_size completions of every prompt, sampled on Zoo's batched KV-cache
-generation (eval mode, no grad), scored by the rewards, turned into advantages within each group;
-then the PPO-style clipped objective over the completions' tokens, with an optional KL term:
+Each batch of rollouts: group_size completions of every prompt, sampled on Zoo's batched KV-cache generation
+(eval mode, no grad), scored, turned into advantages within each group; then the PPO-style clipped objective
+over the completions' tokens, with an optional KL term:
     ratio = exp(logp - logp_old);  per token: -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A)
                                               + kl_beta (exp(ref - logp) - (ref - logp) - 1)   (k3)
 GRPO (Shao et al., "DeepSeekMath", 2024): A = (r - mean) / (std + eps) in the group; each completion's
@@ -13,10 +13,9 @@ DAPO (Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scal
     token mean over the whole batch, a higher clip_high, dynamic sampling, overlong shaping.
 GSPO (Zheng et al., "Group Sequence Policy Optimization", 2025): GRPO's A and aggregation, one ratio per
     completion, exp(the mean over its tokens of logp - logp_old), clipped per completion (tight clips).
-What is recomputed: the sampler's log-probabilities are not kept. The loss runs a training-mode forward
-over prompt + completion (the graph the gradient needs), and the old log-probs of updates_per_batch > 1
-come from that same forward without grad right after sampling, not from the decode steps (other kernels:
-cache, compilation, padding, bf16): so the ratio is exactly 1 at a batch's first update.
+The sampler's log-probabilities are not kept: the loss runs a training-mode forward over prompt + completion,
+and the old log-probs of updates_per_batch > 1 come from that forward without grad right after sampling, not
+from the decode steps (other kernels: cache, compilation, padding), so the ratio is exactly 1 at first.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import torch
 from zoo.adapters import adapters_disabled
 from zoo.config import ConfigError, bounded
 
+from ..data import TokenizedRows
 from ..data.conversations import PostTrainingDataConfig
 from ..data.prompts import arithmetic, read_prompts, reward_fn, score
 from ..eval import collate, complete, score_rewards, token_logps
@@ -80,8 +80,7 @@ class RLConfig:
     max_refills: int = bounded(4, ge=0)     # dynamic sampling: extra rounds of sampling at most per batch
     overlong: Literal["none", "mask", "soft"] = "none"  # truncated completions: `mask` (left out of the loss) or
                                             # `soft` (DAPO's penalty over the last `overlong_buffer` tokens)
-    overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: a quarter of
-                                            # max_new_tokens
+    overlong_buffer: Optional[int] = bounded(None, gt=0)  # `soft`: the penalty's ramp in tokens; null: max_new_tokens/4
     compile: bool = False                   # decode through torch.compile: the step of fixed shapes
                                             # (LLM.generate(compile="reduce-overhead")); FSDP2: compile=True
 
@@ -95,17 +94,14 @@ def advantages(rewards: torch.Tensor, algorithm: str, eps: float = 1e-4) -> torc
 
 def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip_high: float, kl_beta: float,
                 max_new_tokens: int, n_seqs: Optional[float] = None, n_tokens: Optional[float] = None):
-    """The clipped objective of completions: logp, old, ref, mask (N, T) (ref None when kl_beta is 0),
-    adv (N,). n_seqs and n_tokens: the whole batch's (over micro-batches and processes; default these
-    rows'), so that the parts' losses add up to the batch's. -> (loss, {clip, kl} sums over the tokens;
-    gspo: a clipped completion counts all its tokens)."""
+    """The clipped objective of completions: logp, old, ref, mask (N, T) (ref None when kl_beta is 0), adv
+    (N,). n_seqs, n_tokens: the whole batch's (default these rows'), so the parts' losses add up to the batch's.
+    -> (loss, {clip, kl} sums over the tokens; gspo: a clipped completion counts all its tokens)."""
     mask = mask.float()
-    lengths = mask.sum(1).clamp(min=1)
-    log_ratio = logp - old
+    lengths, log_ratio = mask.sum(1).clamp(min=1), logp - old
     if algorithm == "gspo":  # one ratio per completion: the geometric mean of its tokens' ratios
         log_ratio = ((log_ratio * mask).sum(1) / lengths)[:, None]
-    ratio = torch.exp(log_ratio)
-    a = adv[:, None]
+    ratio, a = torch.exp(log_ratio), adv[:, None]
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = -torch.minimum(ratio * a, clipped * a)
     stats = {"clip": ((ratio * a > clipped * a).float() * mask).sum().detach()}
@@ -142,16 +138,11 @@ def reward_keys(rewards) -> list[str]:
     return keys
 
 
-class Prompts:
+class Prompts(TokenizedRows):
     """The prompt rows of a run, train and val ([{prompt, answer}]), and the tokenizer."""
-    max_id = -1
 
     def __init__(self, train: list, val: list, tokenizer):
         self.train, self.val, self.tokenizer = train, val, tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
 
 class RLTask(PostTrainingTask):
@@ -185,14 +176,12 @@ class RLTask(PostTrainingTask):
         return self.cfg.rl.kl_beta > 0
 
     def build_model(self):
-        model = super().build_model()
-        need = self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
+        model, need = super().build_model(), self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
         if need > model.config.max_seq_len:
             raise ConfigError(f"{self.cfg.source}: data.seq_len + rl.max_new_tokens = {need} exceeds the model's "
                               f"max_seq_len={model.config.max_seq_len}")
         return model
 
-    # ------------------------------------------------------------------ rollouts
     def train_batch(self, step, micro):
         """Where the step's rollouts are: they are sampled in loss(), which holds the model."""
         return {"step": step, "micro": micro}
@@ -200,33 +189,26 @@ class RLTask(PostTrainingTask):
     def _groups(self, model, idx: list[int], seeds: list[tuple]):
         """Sample, decode and score group_size completions of the training prompts idx; a row's draws come
         from its own generator seeded by seeds[prompt] + (row,). -> dict of per-row lists."""
-        rl = self.cfg.rl
-        G = rl.group_size
+        rl, G = self.cfg.rl, self.cfg.rl.group_size
         rows = [self.data.train[i] for i in idx for _ in range(G)]
         gens = [torch.Generator(self.device).manual_seed(hash((*seeds[k // G], k % G)) & 0x7FFF_FFFF_FFFF_FFFF)
                 for k in range(len(rows))]
-        t0 = time.perf_counter()
+        # rl.compile: the decoding step of fixed shapes (one CUDA graph replayed on a GPU), but under FSDP2, whose
+        # gathered weights change between steps, the compiled step
+        fsdp, t0 = self.cfg.train.parallel == "fsdp", time.perf_counter()
         with self.autocast():
             prompt, comp, texts, cut = complete(model, self.data.tokenizer, self.chat_template,
                                                 [r["prompt"] for r in rows], rl.max_new_tokens, rl.temperature,
-                                                rl.top_p, gens, self.cfg.data.seq_len,
-                                                stop_early=self.cfg.train.parallel != "fsdp", compile=self._compile())
+                                                rl.top_p, gens, self.cfg.data.seq_len, stop_early=not fsdp,
+                                                compile=rl.compile and (True if fsdp else "reduce-overhead"))
         seconds = time.perf_counter() - t0
-        answers = [r["answer"] for r in rows]
-        values = score(self.rewards, texts, answers, [r["prompt"] for r in rows])
+        values = score(self.rewards, texts, [r["answer"] for r in rows], [r["prompt"] for r in rows])
         total = [sum(w * v[k] for (_, w, _), v in zip(self.rewards, values)) for k in range(len(rows))]
         if rl.overlong == "soft":
             buf = rl.overlong_buffer or max(1, rl.max_new_tokens // 4)
             total = [t + overlong_penalty(len(c), rl.max_new_tokens, buf) for t, c in zip(total, comp)]
         return {"prompt": prompt, "comp": comp, "cut": cut, "values": values, "total": total,
                 "seconds": seconds, "tokens": sum(map(len, comp))}
-
-    def _compile(self):
-        """generate's `compile` for rl.compile: the decoding step of fixed shapes (one CUDA graph replayed
-        on a GPU), but under FSDP2, whose gathered weights change between steps: the compiled step."""
-        if not self.cfg.rl.compile:
-            return False
-        return True if self.cfg.train.parallel == "fsdp" else "reduce-overhead"
 
     @torch.no_grad()
     def rollouts(self, model, key: int) -> dict:
@@ -258,10 +240,8 @@ class RLTask(PostTrainingTask):
             got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
         rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
         adv = advantages(rewards, rl.algorithm).flatten()
-        seqs = []
-        for p, c, cut in zip(got["prompt"], got["comp"], got["cut"]):
-            keep = not (cut and rl.overlong == "mask")
-            seqs.append((p + c, [-100] * len(p) + (c if keep else [-100] * len(c))))
+        seqs = [(p + c, [-100] * len(p) + ([-100] * len(c) if cut and rl.overlong == "mask" else c))
+                for p, c, cut in zip(got["prompt"], got["comp"], got["cut"])]
         x, y = collate(seqs, self.device)
         out = {"x": x, "y": y, "adv": adv.to(self.device)}
         n_micro = micro_batches(key * rl.updates_per_batch, self.cfg.train.grad_accum, self.cfg.train.batch_warmup_steps)
@@ -290,21 +270,18 @@ class RLTask(PostTrainingTask):
             return torch.cat([token_logps(model, xs, ys)[0] for xs, ys in zip(x.tensor_split(parts),
                                                                                y.tensor_split(parts))])
 
-    # ------------------------------------------------------------------ the loss
     def loss(self, model, batch):
         """The clipped objective of one micro-batch of the step's rollouts (sampled at its first micro-batch),
         scaled so that the micro-batches' and processes' parts add up to the batch's loss."""
+        scale = 1
         if "step" in batch:
             step, micro = batch["step"], batch["micro"]
-            key = step // self.cfg.rl.updates_per_batch
-            if key != self._key:
+            if (key := step // self.cfg.rl.updates_per_batch) != self._key:
                 self._rollouts, self._key = self.rollouts(model, key), key
             t = self.cfg.train
             n = micro_batches(step, t.grad_accum, t.batch_warmup_steps)
             batch = {k: v.tensor_split(n)[micro] if torch.is_tensor(v) else v for k, v in self._rollouts.items()}
             scale = n * self.world
-        else:
-            scale = 1
         rl = self.cfg.rl
         logp, valid, ent = token_logps(model, batch["x"], batch["y"], entropy=True)
         old = batch["old"] if "old" in batch else logp.detach()
@@ -333,7 +310,6 @@ class RLTask(PostTrainingTask):
             self._key = state["key"]
             self._rollouts = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in state["rollouts"].items()}
 
-    # ------------------------------------------------------------------ metrics
     def _record(self, got, rewards, seconds, tokens, sampled):
         """The batch's numbers (sums over every process) into the logging window."""
         if self._clock is None:
@@ -344,8 +320,7 @@ class RLTask(PostTrainingTask):
                              float((rewards ** 2).sum()), sum(float(v >= 1) for v in got["values"][0]),
                              float(lengths.sum()), float(sum(got["cut"])), float(tokens), float(sampled)],
                             device=self.device)
-        self._window.append({"sums": self.sum_across_ranks(sums), "len_max": float(lengths.max()),
-                             "seconds": seconds})
+        self._window.append({"sums": self.sum_across_ranks(sums), "len_max": float(lengths.max()), "seconds": seconds})
 
     def train_metrics(self):
         out = {}
@@ -371,7 +346,6 @@ class RLTask(PostTrainingTask):
         self._clock, self._generating = now, 0.0
         return out
 
-    # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, model):
         """val_reward and val_solved: greedy completions of the first data.eval_prompts held-out prompts."""

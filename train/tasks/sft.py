@@ -1,9 +1,6 @@
-"""Chat fine-tuning (SFT) of an LLM: conversations rendered with the model's chat template, the
-loss on the assistant's tokens only.
-
-The post-training task (post_training.py) with conversations for data (train/data/chat_data.py) for
-`data.format: messages | prompt_completion | alpaca`; evaluation adds `val_exact_match`.
-"""
+"""Chat fine-tuning (SFT) of an LLM (`data.format: messages | prompt_completion | alpaca`): conversations
+rendered with the model's chat template, the loss on the assistant's tokens only; evaluation adds
+`val_exact_match`."""
 from __future__ import annotations
 
 import hashlib
@@ -25,8 +22,7 @@ from .post_training import PostTrainingTask
 
 
 class SFTTask(PostTrainingTask):
-    masked_targets = True
-    DataConfig = ChatDataConfig
+    masked_targets, DataConfig = True, ChatDataConfig
     default_template = "chatml"
 
     @staticmethod
@@ -40,10 +36,8 @@ class SFTTask(PostTrainingTask):
             raise ConfigError(f"{cfg.source}: data.template=none: chat fine-tuning renders the conversations with a "
                               f"template (null: the checkpoint's own, else chatml)")
 
-    # ------------------------------------------------------------------ data
     def setup(self):
-        d = self.cfg.data
-        self.chat_template = self._template()
+        d, self.chat_template = self.cfg.data, self._template()
         train_rows, val_rows = self.held_out(
             lambda split, n: [(m, ("synthetic" + ("-val" if split == "val" else ""), i + 1))
                               for i, m in enumerate(chat_example.conversations(split, n))],
@@ -82,15 +76,13 @@ class SFTTask(PostTrainingTask):
             train_sentencepiece(texts, d.vocab_size, path, self.log)
         return load_tokenizer_file(path)
 
-    # ------------------------------------------------------------------ training
     @property
     def documents(self) -> bool:
         return self.cfg.data.pack
 
     def train_batch(self, step, micro):
         """(inputs, targets, real tokens, document keywords: doc_ids and position_ids when packed)."""
-        self._step = step
-        B = self.cfg.train.batch_size
+        self._step, B = step, self.cfg.train.batch_size
         x, y, n, docs = self.data.batch(step * self.cfg.train.grad_accum + micro, self.global_rows(),
                                         slice(self.rank * B, (self.rank + 1) * B) if self.world > 1 else None)
         return x.to(self.device), y.to(self.device), n, {k: v.to(self.device) for k, v in docs.items()}
@@ -105,7 +97,6 @@ class SFTTask(PostTrainingTask):
         x, y, n, docs = batch
         return self.forward_loss(model, x, y, docs)[0], n
 
-    # ------------------------------------------------------------------ evaluation, samples
     @torch.no_grad()
     def evaluate(self, model):
         out = super().evaluate(model)
@@ -118,8 +109,7 @@ class SFTTask(PostTrainingTask):
         hits = 0
         for messages in conversations:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            got = self.answer(model, messages[:last])
-            hits += got.strip() == messages[last]["content"].strip()
+            hits += self.answer(model, messages[:last]).strip() == messages[last]["content"].strip()
         return hits / max(len(conversations), 1)
 
     def answer(self, model, messages, max_new_tokens: int = 64) -> str:
