@@ -42,12 +42,15 @@ def targets(model: nn.Module, keep: Iterable[str] = KEEP) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not kept(n, keep)]
 
 
-def _check_groups(model: nn.Module, names: list[str], scheme: str, group_size: int) -> str:
-    """The device type of the linears `names`, once `scheme` can quantize them in groups of `group_size` there."""
+def _linears(model: nn.Module, keep: tuple, scheme: str, group_size: int, doing: str) -> tuple[list[str], str]:
+    """(the linears outside `keep`, their device type), once `scheme` can quantize them in groups of `group_size`."""
+    names = targets(model, keep)
+    if not names:
+        raise ValueError(f"no nn.Linear to {doing} in the {type(model).__name__} outside keep={list(keep)}")
     mods = dict(model.named_modules())
     device = mods[names[0]].weight.device.type
     if scheme == "int8wo":
-        return device
+        return names, device
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if scheme == "int4wo" and device == "cpu" and group_size not in INT4_CPU_GROUPS:
@@ -57,7 +60,7 @@ def _check_groups(model: nn.Module, names: list[str], scheme: str, group_size: i
     if bad:
         raise ValueError(f"group_size={group_size} does not divide the input size of {bad[0]}"
                          + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
-    return device
+    return names, device
 
 
 def ptq_config(scheme: str, group_size: int, device: str):
@@ -91,10 +94,7 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 32, keep: Iterable
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantized ({model.quantization['scheme']})")
     keep = tuple(keep)
-    names = targets(model, keep)
-    if not names:
-        raise ValueError(f"no nn.Linear to quantize in the {type(model).__name__} outside keep={list(keep)}")
-    device = _check_groups(model, names, scheme, group_size)
+    names, device = _linears(model, keep, scheme, group_size, "quantize")
     wanted = set(names)
     quantize_(model, ptq_config(scheme, group_size, device), filter_fn=lambda m, fqn: fqn in wanted)
     mods = dict(model.named_modules())
@@ -175,10 +175,7 @@ def prepare_qat(model: nn.Module, scheme: str, group_size: int = 32, keep: Itera
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
     keep = tuple(keep)
-    names = targets(model, keep)
-    if not names:
-        raise ValueError(f"no nn.Linear to train quantization-aware in the {type(model).__name__} outside keep={list(keep)}")
-    _check_groups(model, names, scheme, group_size)
+    names, _ = _linears(model, keep, scheme, group_size, "train quantization-aware")
     act, weight = fake_quant_configs(scheme, group_size)
     wanted = set(names)
     quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),

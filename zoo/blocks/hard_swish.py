@@ -13,27 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def hard_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """relu6(x + 3) / 6: 0 below -3, 1 above 3, linear between."""
-    return F.hardsigmoid(x)
-
-
-def hard_swish(x: torch.Tensor) -> torch.Tensor:
-    """x * relu6(x + 3) / 6."""
-    return F.hardswish(x)
-
-
 class HardSigmoid(nn.Module):
     def __init__(self, inplace: bool = False):
         super().__init__()
 
-    def forward(self, x):
-        return hard_sigmoid(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.hardsigmoid(x)
 
 
 class HardSwish(nn.Module):
     def __init__(self, inplace: bool = False):
         super().__init__()
 
-    def forward(self, x):
-        return hard_swish(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.hardswish(x)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import DiTConfig
-from .files import atomic_write, load_tensors, mismatches, save_safetensors
+from .files import atomic_write, is_diffusers_folder, load_tensors, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "DiTTransformer2DModel", "diffusion_pytorch_model.safetensors"
 _ACTIVATIONS = {"gelu-approximate": "tanh", "gelu": "none"}
@@ -22,15 +22,7 @@ _ACTIVATIONS = {"gelu-approximate": "tanh", "gelu": "none"}
 def _folder(path) -> Path | None:
     """The DiT folder at `path` (or its transformer/ subfolder), else None."""
     p = Path(path)
-    for f in (p, p / "transformer"):
-        cfg = f / "config.json"
-        if f.is_dir() and cfg.is_file() and (f / WEIGHTS).is_file():
-            try:
-                if json.loads(cfg.read_text()).get("_class_name") == CLASS:
-                    return f
-            except (ValueError, OSError):
-                pass
-    return None
+    return next((f for f in (p, p / "transformer") if is_diffusers_folder(f, CLASS, WEIGHTS)), None)
 
 
 def detect(path) -> bool:

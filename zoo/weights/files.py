@@ -232,6 +232,17 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def is_diffusers_folder(path, class_name: str, weights: str) -> bool:
+    """Whether `path` is a folder holding `weights` and a config.json naming diffusers' `class_name`."""
+    p = Path(path)
+    if not (p.is_dir() and (p / "config.json").is_file() and (p / weights).is_file()):
+        return False
+    try:
+        return json.loads((p / "config.json").read_text()).get("_class_name") == class_name
+    except (ValueError, OSError):
+        return False
+
+
 def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:
     """What differs between the tensors a file holds and those expected ({name: tensor or shape} both):
     "missing: ...; unexpected: ...; wrong shape: ..." (each list cut to `limit`), or "" when they match."""

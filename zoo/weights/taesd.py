@@ -14,7 +14,8 @@ import torch
 
 from zoo.diffusion.taesd import TAESD
 
-from .files import atomic_write, check_weight_file, load_tensors, read_safetensors_header, save_safetensors
+from .files import (atomic_write, check_weight_file, is_diffusers_folder, load_tensors, read_safetensors_header,
+                    save_safetensors)
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 # the AutoencoderTiny config.json keys TAESD has one value of
@@ -44,19 +45,9 @@ def _keys(path: Path) -> list[str]:
     return list(load_tensors(path))
 
 
-def _is_diffusers(p: Path) -> bool:
-    cfg = p / "config.json"
-    if not (p.is_dir() and cfg.is_file() and (p / DIFFUSERS_WEIGHTS).is_file()):
-        return False
-    try:
-        return json.loads(cfg.read_text()).get("_class_name") == "AutoencoderTiny"
-    except (ValueError, OSError):
-        return False
-
-
 def detect(path) -> bool:
     p = Path(path)
-    if _is_diffusers(p):
+    if is_diffusers_folder(p, "AutoencoderTiny", DIFFUSERS_WEIGHTS):
         return True
     pair = _pair_paths(p)
     if pair is None or not pair[0].is_file():
@@ -117,7 +108,7 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
     variant keywords, when given, must match the weights'. It remembers `pretrained_format` for save()."""
     p = Path(path)
     expected = {"latent_channels": latent_channels, "midblock_gn": midblock_gn, "channels": channels}
-    if _is_diffusers(p):
+    if is_diffusers_folder(p, "AutoencoderTiny", DIFFUSERS_WEIGHTS):
         sd, cfg = _load_diffusers(p)
         model = from_state_dict(sd, p, dtype, **expected)
         model.scaling_factor = float(cfg.get("scaling_factor", 1.0))
