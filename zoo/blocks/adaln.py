@@ -1,14 +1,14 @@
 """adaLN-Zero transformer block (DiT) with bidirectional attention, optional QK-norm and 2D RoPE.
 
-Paper: Peebles & Xie, "Scalable Diffusion Models with Transformers" (DiT, 2023). The conditioning
-c (timestep + class) regresses per block the shift, scale and gate of both sub-layers, zero-init:
+Paper: Peebles & Xie, "Scalable Diffusion Models with Transformers" (DiT, 2023). The conditioning c (timestep + class)
+regresses per block the shift, scale and gate of both sub-layers, zero-init:
 
     x = x + gate1 * Attn(modulate(LN(x), shift1, scale1))     modulate(h, sh, sc) = h * (1 + sc) + sh
     x = x + gate2 * MLP(modulate(LN(x), shift2, scale2))
 
-Options: `qk_norm` (Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters",
-2023); `rope`, axial 2D RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer",
-2024) from `axial_rope(head_dim, h, w)`. FinalLayer: adaLN then a zero-initialised linear map.
+Options: `qk_norm` (Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters", 2023); `rope`, axial 2D
+RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer", 2024) from `axial_rope(head_dim, h, w)`.
+FinalLayer: adaLN then a zero-initialised linear map.
 Shapes: x (B, N, D) tokens, c (B, D) -> (B, N, D); rope cos/sin (N, head_dim).
 Needs: norm.py, rope.py (copy them beside this file).
 """

@@ -1,25 +1,21 @@
 """Causal self-attention with grouped-query heads (GQA/MQA), RoPE and a KV cache.
 
-Papers: Vaswani et al., "Attention Is All You Need" (2017); Ainslie et al., "GQA: Training
-Generalized Multi-Query Transformer Models from Multi-Head Checkpoints" (2023); Shazeer,
-"Fast Transformer Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al.,
-"FlashAttention" (2022); Mistral's sliding-window attention (Jiang et al., "Mistral 7B", 2023).
+Papers: Vaswani et al., "Attention Is All You Need" (2017); Ainslie et al., "GQA" (2023); Shazeer, "Fast Transformer
+Decoding: One Write-Head is All You Need" (2019, MQA); Dao et al., "FlashAttention" (2022); Jiang et al., "Mistral 7B"
+(2023, sliding window); Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (2023).
 
-One fused projection `qkv` (rows: H*D of q, KV*D of k, KV*D of v); `qk_norm` RMS-normalises q and k
-before RoPE, per head ('head': Qwen3, Gemma 3) or over the whole projection ('proj': OLMo 2); `rope`
-False: no positions (NoPE layers, SmolLM3); cos, sin narrower than a head rotate its first channels
-(partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma's query_pre_attn_scalar ** -0.5);
-`softcap` c: scores c * tanh(s / c) (Gemma 2); `sinks`: a learned logit per head in every softmax's
-denominator (GPT-OSS; Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023);
-the last two run the 'math' path. `prefix`: learned keys in front (prefix.py). `mask`: which keys a query sees,
-one object per situation whose `attend` picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding
-step of fixed shapes for CUDA graphs, every cache slot attended, those past it masked), `Documents`
-(attention_docs.py), `KeyMask` (attention_masked.py). Backends (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA
-fp16/bf16), 'bmm' on a CPU under torch.compile for short keys (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the
-fp32 reference.
+One fused projection `qkv` (rows: H*D of q, KV*D of k, KV*D of v). `qk_norm`: q and k RMS-normalised before RoPE, per
+head ('head': Qwen3, Gemma 3) or over the projection ('proj': OLMo 2); `rope` False: no positions (NoPE, SmolLM3); cos,
+sin narrower than a head rotate its first channels (partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma);
+`softcap` c: scores c * tanh(s / c) (Gemma 2) and `sinks`: a learned logit per head in every softmax (GPT-OSS), both
+on the 'math' path; `prefix`: learned keys in front (prefix.py). `mask` says which keys a query sees and its `attend`
+picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding step of fixed shapes for CUDA graphs, the
+cache slots past it masked), `Documents` (attention_docs.py), `KeyMask` (attention_masked.py). Backends
+(`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16), 'bmm' on a CPU under torch.compile for short keys
+(attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
 
-Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin
-(T, D) from rope.py, or (B, T, D) when each row has positions of its own.
+Shapes: x (B, T, d_model) -> (B, T, d_model); q (B, H, T, D); k, v (B, KV, T, D); cos, sin (T, D) from rope.py, or
+(B, T, D) when each row has positions of its own.
 Needs: rope.py, norm.py, attention_cpu.py. flash-attn is imported on first use, when installed.
 """
 import math

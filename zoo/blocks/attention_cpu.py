@@ -1,14 +1,12 @@
-"""CPU speed path for causal attention: batched matmuls around an fp32 softmax, the queries in
-blocks that skip the keys they cannot see, with a hand-written backward.
+"""CPU speed path for causal attention: batched matmuls around an fp32 softmax, the queries in blocks that skip the keys
+they cannot see, with a hand-written backward.
 
-Plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward uses
-FlashAttention's dS = P * (dP - rowsum(dO * O)) (Dao et al., "FlashAttention", 2022). attention.py's
-'auto' picks it ('bmm') under torch.compile, which fuses its softmax; eagerly torch's flash kernel is as
-fast on one thread and several times faster on a busy CPU (fewer kernels, each a parallel region).
+Plain attention (Vaswani et al., "Attention Is All You Need", 2017); the backward uses FlashAttention's
+dS = P * (dP - rowsum(dO * O)) (Dao et al., 2022). attention.py's 'auto' picks it ('bmm') under torch.compile, which
+fuses its softmax; eagerly torch's flash kernel is as fast on one thread and several times faster on a busy CPU.
 
-Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq
-positions, H a multiple of KV (grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk)
-bool (True = attend) narrows what the causal rule allows.
+Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D), Tk >= Tq, the queries being the last Tq positions, H a multiple of KV
+(grouped heads) -> (B, H, Tq, D); an optional extra mask (B, Tq, Tk) bool (True = attend) narrows the causal rule.
 """
 from typing import Optional
 

@@ -1,9 +1,9 @@
 """Document masking: causal attention within each document of rows that pack several.
 
-A query sees only the earlier keys of its own document, so packed documents train as if each ran
-alone (as in Dubey et al., "The Llama 3 Herd of Models", 2024); `document_positions` restarts RoPE
-positions per document. `Documents(doc_ids)` is CausalSelfAttention's `mask=`; backends: flash-attn's
-varlen kernel, 'flex', or SDPA with `document_mask`. A learned prefix is seen by every query.
+A query sees only the earlier keys of its own document, so packed documents train as if each ran alone (as in Dubey et
+al., "The Llama 3 Herd of Models", 2024); `document_positions` restarts RoPE positions per document.
+`Documents(doc_ids)` is CausalSelfAttention's `mask=`; backends: flash-attn's varlen kernel, 'flex', or SDPA with
+`document_mask`. A learned prefix is seen by every query.
 
 Shapes: doc_ids (B, T); q (B, H, Tq, D); k, v (B, KV, Tk, D) -> (B, H, Tq, D); masks (B, Tq, Tk).
 Needs: attention.py, attention_cpu.py, rope.py, norm.py.

@@ -1,11 +1,10 @@
-"""Activation checkpointing policies for a stack of blocks: which blocks recompute their forward
-in the backward pass instead of keeping their activations, and what a recomputed block keeps.
+"""Activation checkpointing policies for a stack of blocks: which blocks recompute their forward in the backward pass
+instead of keeping their activations, and what a recomputed block keeps.
 
-Chen, Xu, Zhang & Guestrin, "Training Deep Nets with Sublinear Memory Cost" (2016); the selective
-policy after Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-(2022): keep the outputs of MATMUL_OPS, recompute the rest. Policies "none", "full", "selective".
-Applied from outside, as timm and torchtitan do: `checkpoint_units(model.checkpoint_units(),
-"selective", every=2)` (the state dict is unchanged); `run_block` for one call.
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016); the selective policy after Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models" (2022): keep the outputs of MATMUL_OPS, recompute the
+rest. Policies "none", "full", "selective". Applied from outside, as timm and torchtitan do (the state dict is
+unchanged): `checkpoint_units(model.checkpoint_units(), "selective", every=2)`; `run_block` for one call.
 Shapes: whatever the block takes and returns.
 """
 from __future__ import annotations

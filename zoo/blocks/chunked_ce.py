@@ -1,13 +1,11 @@
 """Chunked linear + cross-entropy: the LM-head loss without ever holding the full logits.
 
-`chunk_size` rows of logits at a time are made, reduced to their loss and turned into their
-gradients with respect to h and W, then dropped: one (chunk_size, V) block at most, the same matmul
-work (fused linear cross-entropy, e.g. Wijmans et al., "Cut Your Losses in Large-Vocabulary Language
-Models", 2024). Mean over targets != ignore_index, like F.cross_entropy. Knowledge distillation the
-same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
+`chunk_size` rows of logits at a time are made, reduced to their loss and turned into their gradients with respect to
+h and W, then dropped: one (chunk_size, V) block at most, the same matmul work (fused linear cross-entropy, e.g.
+Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024). Mean over targets != ignore_index, like
+F.cross_entropy. Knowledge distillation the same way (`chunked_distillation_loss`; `distillation_loss` on full logits).
 
-Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's hidden states
-(N, Dt) and LM head (V, Dt).
+Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's hidden states (N, Dt), LM head (V, Dt).
 """
 import torch
 

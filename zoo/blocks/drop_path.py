@@ -1,14 +1,13 @@
 """Stochastic depth (DropPath): drop a residual branch for whole samples during training.
 
-Paper: Huang, Sun, Liu, Sedra & Weinberger, "Deep Networks with Stochastic Depth" (2016).
-A sample's branch is kept with probability 1 - drop_prob and scaled by its inverse; identity at eval.
+Paper: Huang et al., "Deep Networks with Stochastic Depth" (2016). A sample's branch is kept with probability
+1 - drop_prob and scaled by its inverse; identity at eval.
 
     y = shortcut + drop_path(branch(x), p, training)          # masked: dropped rows zeroed
     y = residual_drop_path(shortcut, branch, x, p, training)  # the branch runs on the kept rows only
 
-Both draw the same mask; the second saves the dropped rows' compute (masked under torch.compile).
-`per="batch"`: one draw for the whole batch (the paper's variant).
-
+Both draw the same mask; the second saves the dropped rows' compute (masked under torch.compile). `per="batch"`: one
+draw for the whole batch (the paper's variant).
 Shapes: x (B, ...) -> (B, ...), e.g. (B, C, H, W) or (B, T, D); any memory format.
 """
 from typing import Callable

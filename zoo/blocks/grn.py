@@ -1,5 +1,5 @@
-"""Global Response Normalization (GRN): scale each channel by its share of the feature map's
-energy, which keeps channels from collapsing to copies of each other.
+"""Global Response Normalization (GRN): scale each channel by its share of the feature map's energy, which keeps
+channels from collapsing to copies of each other.
 
 Paper: Woo et al., "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked Autoencoders" (2023).
 

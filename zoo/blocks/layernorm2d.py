@@ -1,10 +1,9 @@
 """LayerNorm2d: LayerNorm over the channels of each pixel of a (B, C, H, W) feature map.
 
-Paper: Ba, Kiros & Hinton, "Layer Normalization" (2016); used per pixel by ConvNeXt (Liu et al.,
-"A ConvNet for the 2020s", 2022).
+Paper: Ba, Kiros & Hinton, "Layer Normalization" (2016); used per pixel by ConvNeXt (Liu et al., 2022).
 
-Shapes: x (B, C, H, W) -> (B, C, H, W). The channels move last for F.layer_norm and back (free
-views on a channels-last tensor). Parameter names (weight, bias) are timm's.
+Shapes: x (B, C, H, W) -> (B, C, H, W). The channels move last for F.layer_norm and back (free views on a channels-last
+tensor). Parameter names (weight, bias) are timm's.
 """
 import torch
 import torch.nn.functional as F

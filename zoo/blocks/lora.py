@@ -1,18 +1,16 @@
 """LoRA and DoRA adapters on a linear layer, with one adapter per logical projection of a fused one.
 
-Papers: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (2021); Kalajdzievski,
-"A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA" (2023, rsLoRA); Liu et al.,
-"DoRA: Weight-Decomposed Low-Rank Adaptation" (2024); Dettmers et al., "QLoRA: Efficient
-Finetuning of Quantized LLMs" (2023).
+Papers: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (2021); Kalajdzievski, "A Rank Stabilization
+Scaling Factor for Fine-Tuning with LoRA" (2023, rsLoRA); Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation"
+(2024); Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs" (2023).
 
-`LoRALinear` replaces an nn.Linear (same `weight`, `bias`); its output rows split into parts (q, k, v
-of a fused `qkv`), each with its own A_p (r, in), B_p (rows_p, r). With s = alpha / r (rsLoRA:
-alpha / sqrt(r)):
+`LoRALinear` replaces an nn.Linear (same `weight`, `bias`); its output rows split into parts (q, k, v of a fused `qkv`),
+each with its own A_p (r, in), B_p (rows_p, r). With s = alpha / r (rsLoRA: alpha / sqrt(r)):
     LoRA:  y_p = W_p x + b_p + s * B_p A_p dropout(x)
     DoRA:  y_p = g_p * (W_p x' + s * B_p A_p x') + b_p + W_p (x - x'),   x' = dropout(x),
            g_p = m_p / ||W_p + s B_p A_p||_row   (norm detached; m_p starts at W_p's row norms)
-B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be
-any tensor F.linear accepts, e.g. torchao's NF4Tensor (QLoRA).
+B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be any tensor F.linear
+accepts, e.g. torchao's NF4Tensor (QLoRA).
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
 """

@@ -2,10 +2,10 @@
 
 A torch function mode (no paper: kernel selection for memory-bound matrix-vector products).
 Shapes: F.linear's, x (..., in) with a few rows, w (out, in) -> (..., out).
-- compiled, at most two rows: a multiply and a sum accumulated in fp32, which inductor fuses into
-  one reduction that streams the weight (`as_reduction`);
-- eager fp32, at most eight rows: the weight on the left, (w @ x^T)^T, one row padded to two
-  (`weight_on_the_left`); the BLAS streams it several times faster than F.linear's x @ w^T.
+- compiled, at most two rows: a multiply and a sum accumulated in fp32, which inductor fuses into one reduction that
+  streams the weight (`as_reduction`);
+- eager fp32, at most eight rows: the weight on the left, (w @ x^T)^T, one row padded to two (`weight_on_the_left`);
+  the BLAS streams it several times faster than F.linear's x @ w^T.
 """
 import torch
 import torch.nn.functional as F

@@ -1,9 +1,8 @@
-"""MBConv (the inverted residual) and its expansion-free form, the depthwise-separable block:
-the units of EfficientNet and MobileNetV3.
+"""MBConv (the inverted residual) and its expansion-free form, the depthwise-separable block: EfficientNet's and
+MobileNetV3's units.
 
-Papers: Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks" (2018); with
-squeeze-excitation, Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neural
-Networks" (2019) and Howard et al., "Searching for MobileNetV3" (2019).
+Papers: Sandler et al., "MobileNetV2: Inverted Residuals and Linear Bottlenecks" (2018); with squeeze-excitation, Tan &
+Le, "EfficientNet" (2019) and Howard et al., "Searching for MobileNetV3" (2019).
 
     MBConv:              1x1 expand -> BN, act -> kxk depthwise (stride) -> BN, act -> SE -> 1x1 project -> BN
     DepthwiseSeparable:  kxk depthwise (stride) -> BN, act -> SE -> 1x1 project -> BN

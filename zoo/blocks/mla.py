@@ -1,18 +1,16 @@
 """Multi-head latent attention (MLA) with its compressed KV cache.
 
-Paper: DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model"
-(2024), used by DeepSeek-V3. Queries through an optional low-rank bottleneck (q_a, RMSNorm, q_b); keys and
-values from one latent c (kv_rank wide, RMS-normalised) expanded per head by kv_b into a no-RoPE key part
-and the value; a RoPE key part (rope_dim) shared by all heads comes straight from x. The cache holds only
-c and the rotated shared key: kv_rank + rope_dim numbers per token instead of 2 * H * D.
-Scores (q_nope . k_nope + q_rope . k_rope) * scale; RoPE in the rotate-half layout (rope.py).
-With `absorb`, the steps on a cache fold kv_b into the attention instead (DeepSeek-V2's section 2.1.3): the
-query's no-RoPE part times each head's key matrix W_UK becomes a query in the latent space, the attention
-runs on the cached latents themselves, and each head's value matrix W_UV maps its output back; the same
-numbers, without expanding every cached position into per-head keys and values.
+Paper: DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model" (2024), used
+by DeepSeek-V3. Queries through an optional low-rank bottleneck (q_a, RMSNorm, q_b); keys and values from one latent c
+(kv_rank wide, RMS-normalised) expanded per head by kv_b into a no-RoPE key part and the value; a RoPE key part
+(rope_dim) shared by all heads comes straight from x. The cache holds only c and the rotated shared key: kv_rank +
+rope_dim numbers per token instead of 2 * H * D. Scores (q_nope . k_nope + q_rope . k_rope) * scale; RoPE in the
+rotate-half layout (rope.py). With `absorb`, the steps on a cache fold kv_b into the attention (DeepSeek-V2's section
+2.1.3): the query's no-RoPE part times each head's key matrix W_UK is a query in the latent space, the attention runs
+on the cached latents, and each head's value matrix W_UV maps its output back (the same numbers, nothing expanded).
 
-Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len,
-kv_rank + rope_dim).
+Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len, kv_rank +
+rope_dim).
 Needs: norm.py, rope.py.
 """
 from typing import Optional

@@ -1,19 +1,17 @@
 """Mixture-of-Depths: a capacity-limited router in front of a pre-norm residual block.
 
-Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
-language models" (2024).
+Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based language models" (2024).
 
-`MixtureOfDepths(block, d_model, capacity)` wraps `block(x, *per_token) -> x + f(x)` (or a tuple
-starting with it). Per sequence the k = max(1, int(capacity * T)) best-scored tokens go through the
-block in order, the update scaled by sigmoid(router logit); the rest pass unchanged (static shapes).
-The top-k sees later tokens, so a causal decision (`router`: 'aux_loss' or 'predictor', with a
-`threshold`) is trained beside it (docs/llm.md, "Mixture of Depths"); `forward(..., causal=True)`
-routes by it and passes `key_mask` (B, T) to the block.
+`MixtureOfDepths(block, d_model, capacity)` wraps `block(x, *per_token) -> x + f(x)` (or a tuple starting with it). Per
+sequence the k = max(1, int(capacity * T)) best-scored tokens go through the block in order, the update scaled by
+sigmoid(router logit); the rest pass unchanged (static shapes). The top-k sees later tokens, so a causal decision
+(`router`: 'aux_loss' or 'predictor', with a `threshold`) is trained beside it (docs/llm.md, "Mixture of Depths");
+`forward(..., causal=True)` routes by it and passes `key_mask` (B, T) to the block.
 
-Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` holds 0-dim tensors
-'aux_loss', 'routed', 'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
-Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared, or (B, T, ...) per
-row -> gathered (B, k, ...); doc_ids (B, T) -> (B, k).
+Returns (x, *rest, stats): `rest` is what the block returned after x; `stats` holds 0-dim tensors 'aux_loss', 'routed',
+'decided', 'accuracy' and, with top-k routing, 'decide' (B, T).
+Shapes: x (B, T, d_model) -> (B, T, d_model); per_token tensors (T, ...) shared, or (B, T, ...) per row -> gathered
+(B, k, ...); doc_ids (B, T) -> (B, k).
 """
 from typing import Optional
 

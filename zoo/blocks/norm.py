@@ -1,7 +1,6 @@
 """RMSNorm: root-mean-square layer normalisation; LayerNorm without a bias (Cohere's).
 
-Papers: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); Ba et al., "Layer
-Normalization" (2016).
+Papers: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); Ba et al., "Layer Normalization" (2016).
     RMSNorm:   y = x / sqrt(mean(x^2, dim=-1) + eps) * weight
     LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * weight
 Statistics in fp32, cast back to the input dtype before the weight, as Llama does.

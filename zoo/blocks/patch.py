@@ -1,8 +1,7 @@
 """Patchify / unpatchify for vision transformers, and the fixed 2D sin-cos position embedding.
 
-Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (ViT, 2021) for patches as tokens;
-He et al., "Masked Autoencoders Are Scalable Vision Learners" (2022) for the 2D sin-cos table
-that DiT (Peebles & Xie, "Scalable Diffusion Models with Transformers", 2023) uses.
+Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (ViT, 2021) for patches as tokens; He et al., "Masked
+Autoencoders Are Scalable Vision Learners" (2022) for the 2D sin-cos table DiT (Peebles & Xie, 2023) uses.
 
     PatchEmbed:    (B, C, H, W) -> conv p x p, stride p -> (B, N, D), N = (H/p) * (W/p), row-major
     unpatchify:    (B, N, p*p*C) -> (B, C, H, W)

@@ -1,17 +1,15 @@
 """Rotary position embedding (RoPE) with optional 'linear', 'llama3', 'yarn' and 'longrope' scaling.
 
-Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021).
-Scaling: 'linear' = Chen et al., "Extending Context Window of Large Language Models via
-Positional Interpolation" (2023); 'llama3' = the wavelength-dependent rule of Llama 3.1
-(Meta, "The Llama 3 Herd of Models", 2024); 'yarn' = Peng et al., "YaRN: Efficient Context Window
-Extension of Large Language Models" (2023); 'longrope' = Ding et al., "LongRoPE" (2024, Phi-3: per-channel
-factors, the long ones once a sequence passes original_max_position_embeddings). yarn and longrope
-scale cos and sin by an attention factor. The "rotate-half" layout (channel i paired with i + D/2), as
-Hugging Face's: no weight permutation. A table narrower than a head rotates only its first channels
-(partial rotary, `apply_rope`'s caller splits them off).
+Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021). Scaling: 'linear' = Chen et
+al., "Extending Context Window of Large Language Models via Positional Interpolation" (2023); 'llama3' = the
+wavelength-dependent rule of Llama 3.1 (Meta, "The Llama 3 Herd of Models", 2024); 'yarn' = Peng et al., "YaRN:
+Efficient Context Window Extension of Large Language Models" (2023); 'longrope' = Ding et al., "LongRoPE" (2024, Phi-3:
+per-channel factors, the long ones past original_max_position_embeddings). yarn and longrope scale cos and sin by an
+attention factor. Hugging Face's "rotate-half" layout (channel i paired with i + D/2): no weight permutation. A table
+narrower than a head rotates only its first channels (partial rotary: `apply_rope`'s caller splits them off).
 
-Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence
-(`RotaryEmbedding.at`); x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
+Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence (`RotaryEmbedding.at`);
+x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
 """
 import math
 from typing import Optional

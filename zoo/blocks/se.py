@@ -1,8 +1,7 @@
-"""Squeeze-and-Excitation: reweight the channels of a feature map by a gate computed from their
-global averages.
+"""Squeeze-and-Excitation: reweight the channels of a feature map by a gate computed from their global averages.
 
-Paper: Hu, Shen & Sun, "Squeeze-and-Excitation Networks" (2018); inside EfficientNet's (sigmoid
-gate) and MobileNetV3's (hard-sigmoid gate) MBConv blocks.
+Paper: Hu, Shen & Sun, "Squeeze-and-Excitation Networks" (2018); inside EfficientNet's (sigmoid gate) and MobileNetV3's
+(hard-sigmoid gate) MBConv blocks.
 
     s = gate(conv_expand(act(conv_reduce(mean over H, W of x))))      out = x * s
 

@@ -1,8 +1,7 @@
 """Conditioning embeddings of diffusion denoisers: sinusoidal timesteps, an MLP on them, class labels.
 
-Papers: Vaswani et al., "Attention Is All You Need" (2017) for the sinusoids; Peebles & Xie,
-"Scalable Diffusion Models with Transformers" (DiT, 2023) for TimestepEmbedder + LabelEmbedder;
-Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022) for the "no label" row.
+Papers: Vaswani et al., "Attention Is All You Need" (2017) for the sinusoids; Peebles & Xie, "Scalable Diffusion Models
+with Transformers" (DiT, 2023) for the embedders; Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022).
 
     timestep_embedding(t, dim): [cos(t f_i), sin(t f_i)], f_i = max_period ** (-i / (dim/2 - freq_shift))
     TimestepEmbedder:          linear_2(SiLU(linear_1(timestep_embedding(t))))
