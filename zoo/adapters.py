@@ -6,8 +6,8 @@
     with adapters_disabled(model): ...  # the base model alone (e.g. DPO's reference), no copy
     dense = merged_model(model)         # a plain model with the adapters merged (and NF4 dequantised)
 
-Targets are named as in PEFT checkpoints (q_proj, ..., down_proj; `lora_sites` maps them onto Zoo's
-fused layers). method 'prefix': learned keys/values (blocks/prefix.py); quantize_base 'nf4': QLoRA.
+Targets are named as in PEFT checkpoints (q_proj, ..., down_proj; `lora_sites` maps them onto Zoo's fused layers).
+method 'prefix': learned keys/values (blocks/prefix.py); quantize_base 'nf4': QLoRA.
 """
 from __future__ import annotations
 

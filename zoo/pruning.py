@@ -4,9 +4,9 @@
     masks = zoo.prune(model, "2:4")                          # 2 kept in every 4 consecutive inputs of a row
     optimizer.register_step_post_hook(lambda *a: apply_masks(masks))   # pruned weights stay zero
 
-Han et al., "Learning both Weights and Connections for Efficient Neural Networks" (2015); N:M after
-Mishra et al., "Accelerating Sparse Deep Neural Networks" (2021). Linears outside `keep` are pruned;
-`to_semi_structured` swaps 2:4 weights for torch's sparse kernels on CUDA (docs/deploy.md).
+Han et al., "Learning both Weights and Connections for Efficient Neural Networks" (2015); N:M after Mishra et al.,
+"Accelerating Sparse Deep Neural Networks" (2021). Linears outside `keep` are pruned; `to_semi_structured` swaps 2:4
+weights for torch's sparse kernels on CUDA (docs/deploy.md).
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
     model = zoo.quantize(model, "int4wo", group_size=32)    # in place; returns the model
     zoo.save_pretrained(model, "out/")                      # a quantized Zoo folder (zoo/weights/quantized.py)
 
-LLM schemes (`SCHEMES`) swap torchao's tensor subclasses into every nn.Linear outside `keep`;
-ConvNets take `int8` (`quantize_convnet`, PT2E on a CPU). QAT (`prepare_qat`, `convert_qat`) uses
-torchao's FakeQuantizedLinear; int4wo uses Zoo's `Int4FakeQuantizer`, which rounds exactly as the
-conversion will (torchao's generic one does not). docs/deploy.md has the schemes and kernels.
+LLM schemes (`SCHEMES`) swap torchao's tensor subclasses into every nn.Linear outside `keep`; ConvNets take `int8`
+(`quantize_convnet`, PT2E on a CPU). QAT (`prepare_qat`, `convert_qat`) uses torchao's FakeQuantizedLinear; int4wo
+uses Zoo's `Int4FakeQuantizer`, which rounds exactly as the conversion will (torchao's generic one does not).
+docs/deploy.md has the schemes and kernels.
 """
 from __future__ import annotations
 

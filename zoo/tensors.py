@@ -1,5 +1,5 @@
-"""Counting tensors' memory: one walker for every place that adds up bytes (parameters, optimizer
-state, the memory planner's live tensors).
+"""Counting tensors' memory: one walker for every place that adds up bytes (parameters, optimizer state, the memory
+planner's live tensors).
 
     tensors_of(obj)    the plain tensors inside obj: nested dicts, lists and tuples walked, a tensor
                        subclass (NF4, 8-bit optimizer states) replaced by the tensors it is made of

@@ -1,11 +1,11 @@
 """What an architecture record holds, and the names of the ideas records speak of.
 
-A record (one per Hugging Face decoder class, zoo/archs/*.py) says what makes the class what it is: its
-config.json keys and transformers' defaults for them, its tensor names where they are not the common ones,
-the tensors stored in another layout than Zoo's (RoPE pairs interleaved, Gemma's 1 + w
-norms, GPT-OSS's experts), which Zoo ideas (`features`) a model needs and may have to be held by it, and
-its GGUF name. The base class is what most classes share; a record overrides the rest. zoo/weights/hf_llm.py
-and gguf_llm.py read records, docs/pretrained.md's table is made from them, tests/test_hf_arch.py tests them.
+A record (one per Hugging Face decoder class, zoo/archs/*.py) says what makes the class what it is: its config.json
+keys and transformers' defaults for them, its tensor names where they are not the common ones, the tensors stored in
+another layout than Zoo's (RoPE pairs interleaved, Gemma's 1 + w norms, GPT-OSS's experts), which Zoo ideas
+(`features`) a model needs and may have to be held by it, and its GGUF name. The base class is what most classes
+share; a record overrides the rest. zoo/weights/hf_llm.py and gguf_llm.py read records, docs/pretrained.md's table is
+made from them, tests/test_hf_arch.py tests them.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What every ConvNet of the family shares: the classifier head's reset, the parameter count, the
-training-FLOPs count, and the repeated units that activation checkpointing and data-parallel
-wrappers apply to (train/, from outside the model)."""
+"""What every ConvNet of the family shares: the classifier head's reset, the parameter count, the training-FLOPs count,
+and the repeated units that activation checkpointing and data-parallel wrappers apply to (train/, from outside)."""
 from __future__ import annotations
 
 import copy

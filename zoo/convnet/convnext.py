@@ -6,12 +6,11 @@
     block:  x + drop_path(gamma * fc2(act(fc1(LayerNorm(dwconv7x7(x))))))       (V1, layer scale gamma)
             x + drop_path(fc2(GRN(act(fc1(LayerNorm(dwconv7x7(x)))))))           (V2, no layer scale)
 
-Papers: Liu et al., "A ConvNet for the 2020s" (2022); Woo et al., "ConvNeXt V2" (2023). The `small`
-stem is a 1x1 patchify for 32x32 inputs. Parameter names are timm's, and so are the shapes: its atto to
-nano sizes hold the MLP's weights as 1x1 convs' (PointwiseConv, the same computation).
+Papers: Liu et al., "A ConvNet for the 2020s" (2022); Woo et al., "ConvNeXt V2" (2023). The `small` stem is a 1x1
+patchify for 32x32 inputs. Parameter names and shapes are timm's: its atto to nano sizes hold the MLP's weights as 1x1
+convs' (PointwiseConv, the same computation).
 """
 from __future__ import annotations
-
 
 import torch
 import torch.nn.functional as F

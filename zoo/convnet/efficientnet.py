@@ -3,8 +3,8 @@
     image (B, C, H, W) -> conv_stem 3x3/2, BN, SiLU -> 7 stages of MBConv blocks with
     squeeze-excitation -> conv_head 1x1, BN, SiLU -> pool -> dropout -> classifier -> logits (B, num_classes)
 
-Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks"
-(2019). B1-B7 scale B0 (EFFICIENTNET_ARCHS). Parameter names are timm's.
+Paper: Tan & Le, "EfficientNet: Rethinking Model Scaling for Convolutional Neural Networks" (2019). B1-B7 scale B0
+(EFFICIENTNET_ARCHS). Parameter names are timm's.
 """
 from __future__ import annotations
 

@@ -4,11 +4,10 @@
     hard-swish later; SE with a hard-sigmoid gate) -> 1x1 conv, BN, hard-swish -> pool ->
     conv_head 1x1, hard-swish -> dropout -> classifier -> logits (B, num_classes)
 
-Paper: Howard et al., "Searching for MobileNetV3" (2019). `model.width_mult` scales every stage
-(timm's mobilenetv3_*_100/075/050). Parameter names are timm's.
+Paper: Howard et al., "Searching for MobileNetV3" (2019). `model.width_mult` scales every stage (timm's
+mobilenetv3_*_100/075/050). Parameter names are timm's.
 """
 from __future__ import annotations
-
 
 import torch
 from torch import nn

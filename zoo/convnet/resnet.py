@@ -2,9 +2,8 @@
 
     image (B, C, H, W) -> stem -> layer1..layer4 -> global average pool -> fc -> logits (B, num_classes)
 
-Paper: He, Zhang, Ren & Sun, "Deep Residual Learning for Image Recognition" (2015), stride on the
-3x3 conv ("ResNet v1.5"). Stems "imagenet" (7x7/2 + max-pool) and "small" (3x3/1, 32x32 images).
-Parameter names are timm's and torchvision's.
+Paper: He et al., "Deep Residual Learning for Image Recognition" (2015), stride on the 3x3 conv ("ResNet v1.5").
+Stems "imagenet" (7x7/2 + max-pool) and "small" (3x3/1, 32x32 images). Parameter names are timm's and torchvision's.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Latent diffusion: the TAESD autoencoder, noise schedules and samplers, a class-conditional U-Net,
-and LatentDiffusion, which ties them together (see docs/diffusion.md)."""
+"""Latent diffusion: the TAESD autoencoder, noise schedules and samplers, a class-conditional U-Net, and
+LatentDiffusion, which ties them together (see docs/diffusion.md)."""
 from .denoiser import UNet
 from .latent import LatentDiffusion
 from .schedule import NoiseSchedule

@@ -1,11 +1,11 @@
 """A small class-conditional U-Net that denoises latents.
 
-After Ho et al., "Denoising Diffusion Probabilistic Models" (2020) and Dhariwal & Nichol,
-"Diffusion Models Beat GANs on Image Synthesis" (2021): GroupNorm/SiLU residual blocks with AdaGN
-conditioning, self-attention at the lowest resolution; class `num_classes` is "no label".
+After Ho et al., "Denoising Diffusion Probabilistic Models" (2020) and Dhariwal & Nichol, "Diffusion Models Beat GANs
+on Image Synthesis" (2021): GroupNorm/SiLU residual blocks with AdaGN conditioning, self-attention at the lowest
+resolution; class `num_classes` is "no label".
 
-Shapes: x (B, C, h, w) latents, t (B,) int timesteps, labels (B,) int -> (B, C, h, w).
-h and w must be divisible by 2 ** (len(channels) - 1).
+Shapes: x (B, C, h, w) latents, t (B,) int timesteps, labels (B,) int -> (B, C, h, w); h, w divisible by
+2 ** (len(channels) - 1).
 """
 from __future__ import annotations
 

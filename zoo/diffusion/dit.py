@@ -1,11 +1,11 @@
 """DiT: a class-conditional diffusion transformer on latent patches.
 
-Peebles & Xie, "Scalable Diffusion Models with Transformers" (2023): p x p latent patches through
-`depth` adaLN-Zero blocks conditioned on timestep + class. Learned sigma doubles the output channels
-(Nichol & Dhariwal 2021); `block_conditioning` keeps one embedder per block, as diffusers does.
+Peebles & Xie, "Scalable Diffusion Models with Transformers" (2023): p x p latent patches through `depth` adaLN-Zero
+blocks conditioned on timestep + class. Learned sigma doubles the output channels (Nichol & Dhariwal 2021);
+`block_conditioning` keeps one embedder per block, as diffusers does.
 
-Called as diffusers' DiTTransformer2DModel: `dit(latents, timestep, class_labels)`, latents
-(B, C, h, w), timestep (B,) or a scalar, class_labels (B,) -> (B, out_channels, h, w).
+Called as diffusers' DiTTransformer2DModel: `dit(latents, timestep, class_labels)`, latents (B, C, h, w), timestep (B,)
+or a scalar, class_labels (B,) -> (B, out_channels, h, w).
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
                flow: loss = w(s) * |denoiser((1-s) z + s eps, 1000 s, label) - (eps - z)|^2
     sampling:  x_T ~ N(0, I) -> a sampler (samplers.py) with classifier-free guidance -> z -> decode -> images
 
-latent_mean / latent_std are per-channel buffers (unit-variance latents whatever the autoencoder).
-Only the denoiser is trained.
+latent_mean / latent_std are per-channel buffers (unit-variance latents whatever the autoencoder). Only the denoiser
+is trained.
 """
 from __future__ import annotations
 

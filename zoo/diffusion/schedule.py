@@ -1,15 +1,14 @@
-"""Noise schedules, SNR, Min-SNR-gamma loss weights, DDIM / DDPM samplers, classifier-free guidance,
-learned sigma and flow matching.
+"""Noise schedules, SNR, Min-SNR-gamma loss weights, DDIM / DDPM samplers, classifier-free guidance, learned sigma and
+flow matching.
 
     x_t = sqrt(abar_t) * x_0 + sqrt(1 - abar_t) * eps,    SNR(t) = abar_t / (1 - abar_t)
     flow:  x_s = (1 - s) x_0 + s eps,    target u = eps - x_0,    sampling x_{s'} = x_s + (s' - s) u
-Papers: Ho et al., "Denoising Diffusion Probabilistic Models" (2020); Nichol & Dhariwal, "Improved
-Denoising Diffusion Probabilistic Models" (2021: cosine betas, learned sigma); Salimans & Ho,
-"Progressive Distillation" (2022: v prediction); Hang et al., "Efficient Diffusion Training via
-Min-SNR Weighting Strategy" (2023); Song et al., "Denoising Diffusion Implicit Models" (2021);
-Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022); for flow matching Liu et al., "Flow
-Straight and Fast" (2023), Lipman et al., "Flow Matching for Generative Modeling" (2023) and
-Esser et al., "Scaling Rectified Flow Transformers" (2024).
+Papers: Ho et al., "Denoising Diffusion Probabilistic Models" (2020); Nichol & Dhariwal, "Improved Denoising Diffusion
+Probabilistic Models" (2021: cosine betas, learned sigma); Salimans & Ho, "Progressive Distillation" (2022: v
+prediction); Hang et al., "Efficient Diffusion Training via Min-SNR Weighting Strategy" (2023); Song et al., "Denoising
+Diffusion Implicit Models" (2021); Ho & Salimans, "Classifier-Free Diffusion Guidance" (2022); for flow matching Liu et
+al., "Flow Straight and Fast" (2023), Lipman et al., "Flow Matching for Generative Modeling" (2023) and Esser et al.,
+"Scaling Rectified Flow Transformers" (2024).
 
 Shapes: x (B, C, H, W); t (B,) int64 timesteps in [0, num_timesteps); per-item weights (B,).
 """

@@ -1,10 +1,9 @@
 """TAESD: the tiny autoencoder for latent diffusion (images <-> latents, 8x spatial downscale).
 
-Ollin Boer Bohan's "Tiny AutoEncoder for Stable Diffusion" (TAESD, 2023): plain convs and ReLU
-residual blocks, fast enough to decode every sampling step. Latent channels 4 (SD 1.x / SDXL),
-16 (SD3 / FLUX.1) or 32 (FLUX.2, with an extra GroupNorm branch at the lowest resolution).
-
-Images in [0, 1] (decode() does not clamp); latents raw. Module indices are the original's.
+Ollin Boer Bohan's "Tiny AutoEncoder for Stable Diffusion" (TAESD, 2023): plain convs and ReLU residual blocks, fast
+enough to decode every sampling step. Latent channels 4 (SD 1.x / SDXL), 16 (SD3 / FLUX.1) or 32 (FLUX.2, with an extra
+GroupNorm branch at the lowest resolution). Images in [0, 1] (decode() does not clamp); latents raw; module indices
+the original's.
 Shapes: encode (B, 3, H, W) -> (B, C, H/8, W/8); decode (B, C, h, w) -> (B, 3, 8h, 8w).
 """
 from __future__ import annotations

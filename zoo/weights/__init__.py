@@ -1,10 +1,9 @@
 """Pretrained weights in and out: one module per external format.
 
-`load_pretrained(path, **kw)` looks at what `path` is and hands it to the format that
-claims it. Each format module provides `detect(path) -> bool`, `load(path, **kw)` and, for
-export, `save(model, path, **kw)`; a family's default format also `exports(model) -> bool`. A single-file
-format that any model of a family can be written to (GGUF) is chosen by the file name's suffix (`SUFFIXES`)
-instead; PEFT adapters are written by peft_lora.save_adapter.
+`load_pretrained(path, **kw)` looks at what `path` is and hands it to the format that claims it. Each format module
+provides `detect(path) -> bool`, `load(path, **kw)` and, for export, `save(model, path, **kw)`; a family's default
+format also `exports(model) -> bool`. A single-file format that any model of a family can be written to (GGUF) is
+chosen by the file name's suffix (`SUFFIXES`) instead; PEFT adapters are written by peft_lora.save_adapter.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Weight files: the one atomic writer, the one safetensors header reader, integrity checks and
-the one checked reader that every loader goes through.
+"""Weight files: the one atomic writer, the one safetensors header reader, integrity checks and the one checked reader
+that every loader goes through.
 
 `atomic_write` (temp file, fsync, rename); `save_safetensors` (with a CRC-32 in the metadata);
-`read_safetensors_header`; `check_weights`; `load_tensors` (torch files with weights_only=True).
-Every problem is a one-line ValueError naming the file.
+`read_safetensors_header`; `check_weights`; `load_tensors` (torch files with weights_only=True). Every problem is a
+one-line ValueError naming the file.
 """
 from __future__ import annotations
 

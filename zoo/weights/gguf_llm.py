@@ -4,10 +4,10 @@
     tok = zoo.weights.gguf_llm.load_tokenizer("model.gguf")        # encode/decode, chat_template, special_tokens
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
-The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping (the
-metadata as a config.json dict; llama.cpp's interleaved q/k rows of Llama turned to rotate-half). The
-architectures are those whose record (zoo/archs) names a GGUF architecture (`gguf`, `gguf_writes`); the
-tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything else is refused in one line naming the file.
+The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping (the metadata as a
+config.json dict; llama.cpp's interleaved q/k rows of Llama turned to rotate-half). The architectures are those whose
+record (zoo/archs) names a GGUF architecture (`gguf`, `gguf_writes`); the tokenizer is rebuilt as a
+`tokenizers.Tokenizer`. Anything else is refused in one line naming the file.
 """
 from __future__ import annotations
 

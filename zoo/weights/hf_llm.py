@@ -4,11 +4,10 @@ record of (`RECORDS`: Llama to Qwen3, Gemma 3, OLMo 3, GLM-4, Cohere 2, the MoE 
     model = zoo.from_pretrained("path/to/folder", dtype=torch.bfloat16)    # config.json + *.safetensors
     zoo.save_pretrained(model, "out/", tokenizer="path/to/tokenizer.model")
 
-The machinery every record goes through: the common config.json keys (both transformers dialects of RoPE), the
-tensor names (Zoo fuses q/k/v and gate/up and stacks the experts: `key_map`), the rows a record stores in
-another order (`row_orders`), the class a model exports as (`record_for`). A config.json key that changes
-the computation is read or refused by name. Loading builds the model on the meta device and reads each
-tensor into its rows, after every check: no two copies.
+The machinery every record goes through: the common config.json keys (both transformers dialects of RoPE), the tensor
+names (Zoo fuses q/k/v and gate/up and stacks the experts: `key_map`), the rows a record stores in another order
+(`row_orders`), the class a model exports as (`record_for`). A config.json key that changes the computation is read or
+refused by name. Loading builds the model on the meta device and reads each tensor into its rows: no two copies.
 """
 from __future__ import annotations
 

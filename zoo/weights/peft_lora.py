@@ -4,8 +4,8 @@
     model = zoo.from_pretrained("adapter/", base="path/to/hf_llm")  # or named here
     save_adapter(model, "out/adapter", base="path/to/hf_llm")
 
-Key names are PEFT's (`zoo.adapters.lora_sites` maps them); a config asking for anything LoRALinear
-computes differently is refused with an error naming the key.
+Key names are PEFT's (`zoo.adapters.lora_sites` maps them); a config asking for anything LoRALinear computes
+differently is refused with an error naming the key.
 """
 from __future__ import annotations
 

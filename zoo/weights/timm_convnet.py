@@ -1,8 +1,7 @@
-"""timm weights in and out for the ConvNet family: ResNet (and torchvision's ResNets), ConvNeXt V1 / V2,
-EfficientNet and MobileNetV3.
+"""timm weights in and out for the ConvNets: ResNet (and torchvision's), ConvNeXt V1 / V2, EfficientNet, MobileNetV3.
 
-Zoo uses timm's parameter names; this module reads the file, infers the architecture from the keys
-(or checks the timm name given), checks every name and shape, and writes the same layout back.
+Zoo uses timm's parameter names; this module reads the file, infers the architecture from the keys (or checks the timm
+name given), checks every name and shape, and writes the same layout back.
 
     model = zoo.from_pretrained("resnet50.pth")                     # arch inferred from the keys
     model = zoo.from_pretrained("convnext_tiny.safetensors", arch="convnext_tiny", num_classes=10)

@@ -1,10 +1,9 @@
-"""Zoo's own LLM format: a folder holding `config.yaml` (`family: llm` and a `model:` section) and
-`model.safetensors` (Zoo's state-dict names), plus the tokenizer file when there is one.
+"""Zoo's own LLM format: a folder holding `config.yaml` (`family: llm` and a `model:` section) and `model.safetensors`
+(Zoo's state-dict names), plus the tokenizer file when there is one.
 
-Every LLM run folder is one, and `zoo.save_pretrained` writes one for an LLM no Hugging Face
-architecture holds (hf_llm.holds: Mixture-of-Depths, ideas no one class has, a trained routing
-bias), so it loads with `zoo.from_pretrained(folder)` and fine-tunes with
-`train.init_from=folder`. Every name and shape is checked before anything is copied.
+Every LLM run folder is one, and `zoo.save_pretrained` writes one for an LLM no Hugging Face architecture holds
+(hf_llm.holds: Mixture-of-Depths, ideas no one class has, a trained routing bias), so it loads with
+`zoo.from_pretrained(folder)` and fine-tunes with `train.init_from=folder`. Every name and shape is checked first.
 """
 from __future__ import annotations
 
