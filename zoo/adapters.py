@@ -161,10 +161,9 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
 
 
 def nf4_scaler_block(numel: int, shards: int = 8) -> Optional[int]:
-    """torchao's second-level block for a weight of numel elements: the largest power of two up to 256
-    dividing its number of 64-element blocks, and where possible leaving a number of blocks that splits
-    evenly into `shards` (FSDP2 shards the NF4 tensor's parts, 2, 4 or 8 ranks); None if numel is not a
-    multiple of 64 (stays dense)."""
+    """torchao's second-level block for a weight of numel elements: the largest power of two up to 256 dividing its
+    number of 64-element blocks, where possible leaving a number of blocks that splits evenly into `shards` (FSDP2
+    shards the NF4 tensor's parts over 2, 4 or 8 ranks); None if numel is not a multiple of 64 (stays dense)."""
     if numel % NF4_BLOCK:
         return None
     n = numel // NF4_BLOCK

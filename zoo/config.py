@@ -622,7 +622,6 @@ class AutoencoderConfig:
     channels: Optional[int] = bounded(None, gt=0)  # width; null: the weights' (64 when trained)
 
 
-
 # DiT presets (Peebles & Xie 2023, Table 1): name -> (depth, width, heads); the patch size is its own key
 DIT_PRESETS: dict[str, tuple[int, int, int]] = {
     "tiny": (4, 128, 4), "S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16),

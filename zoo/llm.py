@@ -319,13 +319,12 @@ class LLM(nn.Module):
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id=None, generator=None, compile=False,
                  attention_mask: Optional[torch.Tensor] = None, stop_early: bool = True) -> torch.Tensor:
-        """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0
-        is greedy, else sampling with top_k / top_p. eos_token_id: an id or a list of ids; a row stops at
-        the first it produces and keeps emitting it, and decoding ends once every row has stopped
-        (stop_early=False: it runs every step, as ranks that share each forward must). attention_mask
-        (B, T), 0 on left padding: each row runs at its own positions and never attends to its padding.
-        generator: one, or a list of one per row (each row's draws then do not depend on the batch).
-        compile=True runs each one-token step through torch.compile (`compiled_decode_step`);
+        """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0: greedy,
+        else sampling with top_k / top_p. eos_token_id: an id or a list of ids; a row stops at the first it produces
+        and keeps emitting it, and decoding ends once every row has stopped (stop_early=False: it runs every step, as
+        ranks that share each forward must). attention_mask (B, T), 0 on left padding: each row runs at its own
+        positions and never attends to its padding. generator: one, or one per row (its draws then do not depend on
+        the batch). compile=True runs each one-token step through torch.compile (`compiled_decode_step`);
         compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`)."""
         was_training = self.training
         self.eval()
@@ -463,10 +462,9 @@ def static_decode_step():
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs (B, V) -> (B, V) bool: each row's smallest set of most probable tokens whose mass reaches top_p
-    (tokens tied with its least probable one included). Only the values are sorted, as one flat integer
-    sort (non-negative floats order as their bit patterns; a row's number above them): torch's CPU sort of
-    a batch of float rows is many times slower, and no token order depends on how ties fall."""
+    """probs (B, V) -> (B, V) bool: each row's smallest set of most probable tokens whose mass reaches top_p (ties with
+    its least probable one included). Only the values are sorted, as one flat integer sort (non-negative floats order
+    as their bit patterns; a row's number above them): torch's CPU sort of float rows is many times slower."""
     B, V = probs.shape
     rows = torch.arange(B, device=probs.device)[:, None] << 32
     keys = (rows | probs.view(torch.int32).long()).flatten().sort().values.view(B, V)
@@ -478,10 +476,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
                 top_p: Optional[float] = None, generator=None, tries: int = 4) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,). Sampling inverts each row's cumulative distribution (in the
-    vocabulary's order) at a uniform draw: from `generator`, or with a list of generators one per row from
-    the row's own. top_p: a token outside the nucleus is drawn again (exactly the nucleus's distribution,
-    with no sort), up to `tries` draws, then the row draws once more within the sorted nucleus."""
+    """logits (B, V) -> next token ids (B,). Sampling inverts each row's cumulative distribution (in the vocabulary's
+    order) at a uniform draw from `generator` (a list: one per row). top_p: a token outside the nucleus is drawn again
+    (exactly the nucleus's distribution, no sort), up to `tries` draws, then once more within the sorted nucleus."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits / temperature

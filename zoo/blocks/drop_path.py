@@ -58,11 +58,10 @@ def residual_drop_path(shortcut: torch.Tensor, branch: Callable, x: torch.Tensor
 
 
 class DropPath(nn.Module):
-    """Module form. mode "mask": `self.drop_path(branch_out)` zeroes the dropped rows; "skip" and
-    "batch": `self.drop_path.residual(shortcut, branch, x)` is residual_drop_path with per="sample"
-    or per="batch" (residual() works in every mode). Identity in eval mode or when drop_prob == 0.
-    `generator`: where the draws come from (None: the global RNG); data-parallel ranks that give their
-    "batch" blocks generators seeded alike drop the same blocks, as one process would."""
+    """Module form. mode "mask": `self.drop_path(branch_out)` zeroes the dropped rows; "skip" and "batch":
+    `self.drop_path.residual(shortcut, branch, x)` is residual_drop_path with per="sample" or per="batch" (residual()
+    works in every mode). Identity in eval mode or when drop_prob == 0. `generator`: where the draws come from (None:
+    the global RNG); data-parallel ranks whose "batch" blocks have generators seeded alike drop the same blocks."""
     MODES = ("mask", "skip", "batch")
 
     def __init__(self, drop_prob: float = 0.0, mode: str = "mask"):

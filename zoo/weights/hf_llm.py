@@ -261,10 +261,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
 # --------------------------------------------------------------------------- weight names
 
 def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
-    """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by
-    concatenating along dim 0 in that order (the stacked experts: seen as 2-D, (E * rows, cols)).
-    lm_head is absent when the embeddings are tied. The record of `arch` names the norms, the fused
-    projections and the experts."""
+    """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by concatenating along dim 0
+    in that order (the stacked experts: seen as 2-D, (E * rows, cols)). lm_head is absent when the embeddings are
+    tied. The record of `arch` names the norms, the fused projections and the experts."""
     rec = RECORDS[arch] if arch else Record()
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.resolved_ffn_hidden
     D = cfg.resolved_head_dim

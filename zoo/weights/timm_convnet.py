@@ -184,10 +184,9 @@ def _matching_preset(sd, kind: str, cfg: dict, source: str) -> dict:
 
 
 def _multipliers(sd, kind: str, stages: list) -> list:
-    """Candidate {arch, width_mult, depth_mult} for EfficientNet / MobileNetV3 weights of any size: the
-    preset of that many stages, each stage's output channels over the preset's as a width multiplier,
-    and the largest depth multiplier giving every stage its blocks (timm rounds a stage's blocks up; the
-    ratio is rounded down, so that blocks x ratio cannot round above the count)."""
+    """Candidate {arch, width_mult, depth_mult} for EfficientNet / MobileNetV3 weights of any size: the preset of that
+    many stages, each stage's output channels over the preset's as a width multiplier, and the largest depth
+    multiplier giving every stage its blocks (timm rounds a stage's blocks up; the ratio is rounded down)."""
     from ..convnet.efficientnet import STAGES
     from ..convnet.mobilenetv3 import STAGES as MOBILE
     tables = {"efficientnet": {"efficientnet_b0": STAGES},
