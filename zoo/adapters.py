@@ -124,9 +124,8 @@ def _set_module(model: nn.Module, name: str, module: nn.Module):
 
 
 def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter", log=None) -> nn.Module:
-    """Freeze `model` and add the adapters `cfg` describes (in place; returns the model). Only the
-    adapters' parameters train afterwards. With quantize_base 'nf4' the frozen linear weights
-    are stored in NF4 (torchao)."""
+    """Freeze `model` and add the adapters `cfg` describes (in place; returns the model): only they train afterwards.
+    With quantize_base 'nf4' the frozen linear weights are stored in NF4 (torchao)."""
     if not cfg.enabled:
         return model
     model.requires_grad_(False)

@@ -39,9 +39,8 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_mask(doc_ids: torch.Tensor, k_len: Optional[int] = None, window: Optional[int] = None) -> torch.Tensor:
-    """Boolean (B, Tq, Tk) mask, True = attend: query i sees key j when j <= i (and, with a window,
-    i - j < window) and both are in one document. Keys before the queries (k_len > Tq: a learned
-    prefix) are seen by every query."""
+    """Boolean (B, Tq, Tk) mask, True = attend: query i sees key j when j <= i (and, with a window, i - j < window) and
+    both are in one document. Keys before the queries (k_len > Tq: a learned prefix) are seen by every query."""
     B, Tq = doc_ids.shape
     Tk = k_len or Tq
     runs = document_runs(doc_ids)

@@ -90,9 +90,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
     def _absorbed(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
-        """Attention in the latent space: q_nope (B, T, H, nope), q_rope (B, T, H, rope), latent
-        (B, Tk, kv_rank + rope) -> (B, T, H, v_dim). The latent serves as every head's key, its first
-        kv_rank channels as the value."""
+        """Attention in the latent space: q_nope (B, T, H, nope), q_rope (B, T, H, rope), latent (B, Tk, kv_rank +
+        rope) -> (B, T, H, v_dim). The latent serves as every head's key, its first kv_rank channels as the value."""
         B, T, H, _ = q_nope.shape
         w = self.kv_b.weight.view(H, self.nope_dim + self.v_dim, self.kv_rank)
         q = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w[:, :self.nope_dim]), q_rope], dim=-1).transpose(1, 2)

@@ -23,9 +23,8 @@ def conv_bn(c_in: int, c_out: int, k: int, stride: int = 1, groups: int = 1):
 
 
 def residual(block, x):
-    """shortcut + the block's branch under stochastic depth: the dropped samples' rows computed
-    and zeroed (`drop_path_mode: mask`) or never computed (`skip`, `batch`), see
-    zoo/blocks/drop_path.py."""
+    """shortcut + the block's branch under stochastic depth: the dropped samples' rows computed and zeroed
+    (`drop_path_mode: mask`) or never computed (`skip`, `batch`), see zoo/blocks/drop_path.py."""
     shortcut = x if block.downsample is None else block.downsample(x)
     dp = block.drop_path
     if dp.mode != "mask":

@@ -56,9 +56,8 @@ def check_device(q: dict, device: str, source: str):
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Build the LLM of config.yaml and load the quantized model.pt into it (eval mode). The 16-bit
-    dtype is the file's (a `dtype` that differs is an error: quantized weights are not recast);
-    device defaults to the CPU."""
+    """Build the LLM of config.yaml and load the quantized model.pt into it (eval mode). The 16-bit dtype is the file's
+    (a `dtype` that differs is an error: quantized weights are not recast); device defaults to the CPU."""
     from ..config import LLMConfig, without_moved
     from ..llm import LLM
     f = _folder(path, WEIGHTS)
