@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -428,11 +429,22 @@ def _run_smoke(name: str, folder: Path):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def bare_copies(tmp_path_factory):
+    """Each block copied with exactly the siblings it names into an empty folder, and its smoke run
+    started there, two at a time (each interpreter spends most of its time importing torch)."""
+    def copy_and_run(path: Path):
+        folder = tmp_path_factory.mktemp(path.stem)
+        for name in [path.name] + needs(path):
+            shutil.copy(BLOCKS / name, folder / name)
+        assert sorted(p.name for p in folder.iterdir()) == sorted({path.name, *needs(path)})
+        _run_smoke(path.name, folder)
+    with ThreadPoolExecutor(2) as pool:
+        yield {path.name: pool.submit(copy_and_run, path) for path in FILES}
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_bare_copy_imports_and_runs(path, tmp_path):
-    """Copy the block and exactly the siblings it names into an empty folder; run it there in a fresh,
-    isolated interpreter (no PYTHONPATH, no user site, zoo blocked from import)."""
-    for name in [path.name] + needs(path):
-        shutil.copy(BLOCKS / name, tmp_path / name)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({path.name, *needs(path)})
-    _run_smoke(path.name, tmp_path)
+def test_bare_copy_imports_and_runs(path, bare_copies):
+    """The block and exactly the siblings it names, alone in a folder, run in a fresh, isolated
+    interpreter (no PYTHONPATH, no user site, zoo blocked from import)."""
+    bare_copies[path.name].result()
