@@ -594,15 +594,22 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
 
 
 # ------------------------------------------------------------------------------ train.batch_size: auto
+def _proc_bytes(path: str, key: str) -> Optional[int]:
+    """The `key: N kB` line of a /proc file in bytes (None without it or the file)."""
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":")), None)
+    except OSError:
+        return None
+
+
 def device_memory(device: torch.device) -> int:
     """A step's memory when train.memory_budget is null: free memory on a GPU, MemAvailable on a CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+    if (available := _proc_bytes("/proc/meminfo", "MemAvailable")) is None:
+        raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+    return available
 
 
 def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple[int, int]:
@@ -701,14 +708,6 @@ def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
 
 
 # ------------------------------------------------------------------------------ measured, to check the plan
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {key}")
-
-
 MEASURE_STEPS = 8
 
 
@@ -723,7 +722,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)
         build_model(cfg)
     gc.collect()
-    start = _proc_status("VmRSS")
+    start = _proc_bytes("/proc/self/status", "VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     model = build_model(cfg)
@@ -740,7 +739,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
                        cfg.train.clip_grad, autocast)
         if ema is not None:
             ema.update(model)
-    hwm = _proc_status("VmHWM")
+    hwm = _proc_bytes("/proc/self/status", "VmHWM")
     kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
