@@ -294,20 +294,17 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
-        def pre(i):
-            def hook(mod, args):
+        def watch(i, unit):  # the bytes unit i keeps from its (first tracked) forward to the backward
+            def pre(mod, args):
                 if phase["name"] == "forward" and i not in per_unit:
                     before[i] = counter.live
-            return hook
 
-        def post(i):
-            def hook(mod, args, out):
+            def post(mod, args, out):
                 if phase["name"] == "forward" and i not in per_unit and i in before:
                     per_unit[i] = counter.live - before[i]
-            return hook
+            return [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post)]
 
-        handles = [u.register_forward_pre_hook(pre(i)) for i, u in enumerate(units)]
-        handles += [u.register_forward_hook(post(i)) for i, u in enumerate(units)]
+        handles = [h for i, u in enumerate(units) for h in watch(i, u)]
         logits = {"start": None, "peak": 0}
         if units:
             def after_last(mod, args, out):
@@ -318,7 +315,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
 
         offload = cfg.train.activation_offload and device.type == "cuda"
 
-        def step(track: bool):
+        def step(track: bool, first: bool = False):
             with autocast(), (torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()):
                 loss, _ = task.loss(model, batch)
             if track and logits["start"] is not None:
@@ -334,16 +331,14 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
                 fake_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
             else:
-                if not made["states"]:  # torchao's 8-bit states, made at its first step
+                if first:  # torchao's 8-bit states, made at its first step
                     trace.add_bytes(states)
-                    made["states"] = True
                 for p in params:
                     p.grad = None
             return (fb, counter.peak) if track else None
 
-        made = {"states": False}
         with counter:
-            step(track=False)  # the optimizer makes its state
+            step(track=False, first=True)  # the optimizer makes its state
         state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
         states = _bytes(state_tensors) if optimizer is not None else states
         counter = LiveBytes(device.type, trace)
@@ -711,8 +706,8 @@ def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
 MEASURE_STEPS = 8
 
 
-def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
-    """The measured CPU memory of `cfg`'s training in this process, along the loop's code path for `steps` steps:
+def measure(cfg) -> dict:
+    """The measured CPU memory of `cfg`'s training in this process, along the loop's code path for MEASURE_STEPS:
     {start_rss (before the model), hwm (VmHWM after), peak (hwm - start_rss: what is planned), live (tensors kept)}."""
     import gc
     device = torch.device("cpu")
@@ -731,10 +726,10 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    batch = task.example_batch(model, batch_size or cfg.train.batch_size)
+    batch = task.example_batch(model, cfg.train.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, precision_of(amp))
-    for _ in range(steps):
+    for _ in range(MEASURE_STEPS):
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
                        cfg.train.clip_grad, autocast)
         if ema is not None:
@@ -746,16 +741,14 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept)}
 
 
-def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
-                          timeout: float = 1800, steps: int = MEASURE_STEPS) -> dict:
+def measure_in_subprocess(base: dict, overrides: list, threads: int = 0) -> dict:
     """`measure` in a fresh Python process: the run config `base` with `overrides`. Returns its dict."""
     import subprocess
-    arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
-                      "steps": steps})
+    arg = json.dumps({"base": base, "overrides": list(overrides), "threads": threads})
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", "import sys; from train.planner import measure_main; "
                           "sys.exit(measure_main(sys.argv[1]))", arg], cwd=root, capture_output=True, text=True,
-                         timeout=timeout)
+                         timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -766,12 +759,9 @@ def measure_main(arg: str) -> int:
     a = json.loads(arg)
     if a.get("threads"):
         torch.set_num_threads(a["threads"])
-    cfg = load_run_config(None, a["overrides"], base=a["base"])
-    print(json.dumps(measure(cfg, a.get("batch_size"), a.get("steps", MEASURE_STEPS))))
+    print(json.dumps(measure(load_run_config(None, a["overrides"], base=a["base"]))))
     return 0
 
 
-def fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
+def fmt_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
