@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -490,10 +491,7 @@ def allocator_overhead(events, device) -> int:
     step's allocations) plus cuBLAS's workspace; 0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
     if device.type != "cuda":
         return 0
-    live = peak_live = 0
-    for _, n in events:
-        live += n
-        peak_live = max(peak_live, live)
+    peak_live = max(itertools.accumulate((n for _, n in events), initial=0))
     return cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES - peak_live
 
 
@@ -562,7 +560,6 @@ def options(cfg, device) -> list[list[Option]]:
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
          device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
     """Up to `top` option combinations planned under `budget` bytes, cheapest first: [(slowdown, overrides, plan)]."""
-    import itertools
     device = device or run_device(cfg)
     cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there
     base = cfg.to_dict()
@@ -745,10 +742,9 @@ def measure_in_subprocess(base: dict, overrides: list, threads: int = 0) -> dict
     """`measure` in a fresh Python process: the run config `base` with `overrides`. Returns its dict."""
     import subprocess
     arg = json.dumps({"base": base, "overrides": list(overrides), "threads": threads})
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", "import sys; from train.planner import measure_main; "
-                          "sys.exit(measure_main(sys.argv[1]))", arg], cwd=root, capture_output=True, text=True,
-                         timeout=1800)
+    code = "import sys; from train.planner import measure_main; sys.exit(measure_main(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, arg], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
