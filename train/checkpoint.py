@@ -411,12 +411,10 @@ class Checkpointer:
             par.barrier()
         if not t.resume:
             return 0
-        unfreezer = run.unfreezer
+        restore = (lambda st: run.unfreezer.restore(run.optimizer, st["step"])) if run.unfreezer else None
         try:
-            state = resume_latest(self.out, run.model, run.optimizer, run.scaler,
-                                  run.ema.model if run.ema else None, self.say, run.keys,
-                                  (lambda st: unfreezer.restore(run.optimizer, st["step"])) if unfreezer else None,
-                                  par, t.seed)
+            state = resume_latest(self.out, run.model, run.optimizer, run.scaler, run.ema.model if run.ema else None,
+                                  self.say, run.keys, restore, par, t.seed)
         except CheckpointError as e:
             raise RunStopped(str(e), EXIT_CONFIG) from None
         if state is None:
@@ -479,9 +477,8 @@ class Checkpointer:
         avg = run.plain_model() if run.par.active else copy.deepcopy(run.model)
         path = average_last(self.out, used, t.average_weighting, tied_names(avg))
         avg.load_state_dict(read_weights(path, avg, run.keys), strict=False)
+        fewer = f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last else ""
         self.say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
-                 f"({', '.join(p.name for p in used)}) -> {path}"
-                 + (f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last
-                    else ""))
+                 f"({', '.join(p.name for p in used)}) -> {path}{fewer}")
         with run.autocast():
             return {f"avg_{k}": v for k, v in run.task.evaluate(avg).items()}

@@ -663,8 +663,7 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
     b = sizes[best]
     nxt = f"; {sizes[best + 1]} would need {fmt_bytes(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
     log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated{f' x {devices} ranks' if devices > 1 else ''} = "
-        f"train.global_batch {G * devices} (planned peak "
-        f"{fmt_bytes(peak(b))} of {fmt_bytes(budget)}{nxt})")
+        f"train.global_batch {G * devices} (planned peak {fmt_bytes(peak(b))} of {fmt_bytes(budget)}{nxt})")
     return b, G // b
 
 

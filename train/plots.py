@@ -118,5 +118,4 @@ def speed_bars(speedups: dict[str, float], claimed: dict[str, float], png: Path,
     vals = [speedups[n] for n in names]
     return _hbars(names, vals, ["C2" if v >= 1 else "C3" for v in vals], png, title,
                   "speed-up over the baseline (x): paired medians; the loop runs' tokens/s and images/s unpaired",
-                  "{:.2f}x",
-                  {i: claimed[n] for i, n in enumerate(names) if n in claimed}, line=1.0)
+                  "{:.2f}x", {i: claimed[n] for i, n in enumerate(names) if n in claimed}, line=1.0)
