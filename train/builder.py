@@ -148,8 +148,8 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
         say("activation offload: saved activations go to pinned host memory (torch.autograd.graph.save_on_cpu)"
             if device.type == "cuda" else
             f"activation offload: skipped on {device.type} (CUDA only: activations already live in host memory)")
-    run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys, unfreezer=unfreezer, par=par,
-              pruned=pruned)
+    run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys,
+              unfreezer=unfreezer, par=par, pruned=pruned)
     try:
         run.optimizer = build_optimizer(model, cfg.optim, device, say)
     except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices

@@ -102,19 +102,19 @@ def save_checkpoint(out_dir, step: int, model, optimizer, scaler=None, ema=None,
     if ema is not None:
         save_safetensors(ema if keys is None else _subset(ema, keys), tmp / "ema.safetensors")
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}
-    if scaler is not None:
-        state["scaler"] = scaler.state_dict()
-    torch.save(state, tmp / "state.pt")
-    publish(out_dir, tmp, final, step, keep, os.getpid(), interval=interval)
+    publish(out_dir, tmp, final, state, scaler, keep, os.getpid(), interval=interval)
     return final
 
 
-def publish(out_dir, tmp: Path, final: Path, step: int, keep: int, tag, fmt: Optional[str] = None,
+def publish(out_dir, tmp: Path, final: Path, state: dict, scaler, keep: int, tag, fmt: Optional[str] = None,
             interval: bool = True):
-    """Seal a fully written temporary checkpoint directory: fsync every file, write the manifest last,
-    rename it to `final`, drop killed writers' temporaries and all but the newest `keep` interval
-    checkpoints (the newest is always kept). fmt: "dcp" sharded; None: the one-process layout."""
-    root, files = final.parent, {}
+    """Seal a temporary checkpoint directory: write `state` (and the scaler's) to state.pt, fsync every file,
+    write the manifest last, rename it to `final`, drop killed writers' temporaries and all but the newest `keep`
+    interval checkpoints (the newest is always kept). fmt: "dcp" sharded; None: the one-process layout."""
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    torch.save(state, tmp / "state.pt")
+    root, step, files = final.parent, state["step"], {}
     for f in sorted(tmp.iterdir()):
         fsync_file(f)
         files[f.name] = {"size": f.stat().st_size, **({} if self_checked(f) else {"crc32": file_crc32(f)})}
@@ -212,56 +212,54 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     """Load a verified checkpoint into the given objects (every file checked first, so a bad one changes
     nothing); returns the state dict. before_optimizer(state) runs before the optimizer state loads."""
     manifest = verify_checkpoint(path)
-    if manifest.get("format") == "dcp":  # written by any number of ranks, into this run (one process or many)
-        if before_optimizer is not None:
-            before_optimizer(read_state(path / "state.pt"))
-        state = load_dcp(par, path, model, optimizer, scaler, ema, seed, trained_only=keys is not None)
-        return _same_step(path, state, manifest)
-    weights = read_weights(path / "model.safetensors", model, keys)
-    ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
-        if ema is not None and (path / "ema.safetensors").is_file() else None
+    dcp = manifest.get("format") == "dcp"  # written by any number of ranks, into this run (one process or many)
+    if not dcp:
+        weights = read_weights(path / "model.safetensors", model, keys)
+        ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
+            if ema is not None and (path / "ema.safetensors").is_file() else None
     state = _same_step(path, read_state(path / "state.pt"), manifest)
-    if par is not None and par.active:
-        return _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema, before_optimizer, par,
-                                seed, keys is not None)
-    model.load_state_dict(weights, strict=False)
-    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
-        ema.load_state_dict(weights if ema_weights is None else ema_weights, strict=False)
-        state["ema_started"] = ema_weights is None
     if before_optimizer is not None:
         before_optimizer(state)
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    if dcp:
+        ema_weights = _load_dcp(path, state, model, optimizer, ema, trained_only=keys is not None)
+    elif par is not None and par.active:
+        _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, keys is not None)
+    else:
+        model.load_state_dict(weights, strict=False)
+        if ema is not None:
+            ema.load_state_dict(weights if ema_weights is None else ema_weights, strict=False)
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+        state["ema_started"] = ema_weights is None
     if scaler is not None and "scaler" in state:
         scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"])
+    rngs = state.get("rng_ranks") or [state["rng"]]
+    rank, world = (par.rank, par.world) if par is not None and par.active else (0, 1)
+    if len(rngs) == world:
+        set_rng_state(rngs[rank])
+    else:  # resharded: rank 0 continues rank 0's stream, the others start fresh ones
+        set_rng_state(rngs[0])
+        if par is not None:
+            par.seed_rank(seed)
+        state["resharded"] = (len(rngs), world)
     return state
 
 
-def _load_into_ranks(state, weights, ema_weights, model, optimizer, scaler, ema, before_optimizer, par, seed,
-                     trained_only) -> dict:
+def _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, trained_only):
     """A one-process checkpoint, read whole by every rank, into a run under torchrun: each rank keeps its
     part (DDP: all of it; FSDP2: its shards) through DCP's full state dicts. Collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     opts = dataclasses.replace(_dcp_options(trained_only), full_state_dict=True)
-    if before_optimizer is not None:
-        before_optimizer(state)
     weights = _every_tied_name(model, weights)
     if optimizer is None:
         set_model_state_dict(model, weights, options=opts)
     else:
         set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_by_name(model, optimizer,
                        state["optimizer"]), options=opts)
-    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+    if ema is not None:
         set_model_state_dict(ema, _every_tied_name(ema, ema_weights) if ema_weights is not None else weights,
                              options=opts)
-        state["ema_started"] = ema_weights is None
-    if scaler is not None and "scaler" in state:
-        scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"])  # rank 0 continues the stream, the others start fresh ones (as resharded)
-    par.seed_rank(seed)
-    state["resharded"] = (1, par.world)
-    return state
 
 
 def _every_tied_name(model, weights: dict) -> dict:
@@ -375,41 +373,25 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     if par.main:
         state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
                  "has_ema": ema is not None, "extra": extra or {}}
-        if scaler is not None:
-            state["scaler"] = scaler.state_dict()
-        torch.save(state, tmp / "state.pt")
-        publish(out_dir, tmp, final, step, keep, tag, fmt="dcp", interval=interval)
+        publish(out_dir, tmp, final, state, scaler, keep, tag, fmt="dcp", interval=interval)
     par.barrier()  # nobody goes on (or is killed as done) before the checkpoint is in place
     return final
 
 
-def load_dcp(par, path: Path, model, optimizer=None, scaler=None, ema=None, seed: int = 0,
-             trained_only: bool = False) -> dict:
-    """Load a verified DCP checkpoint of any number of ranks into this run (collective; par None: one process)."""
+def _load_dcp(path: Path, state: dict, model, optimizer=None, ema=None, trained_only: bool = False):
+    """A verified DCP checkpoint of any number of ranks into this run (collective under torchrun); returns
+    the EMA's weights it held (None: none)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    state = read_state(path / "state.pt")
     with_ema = ema is not None and state.get("has_ema", False)
     sd = _dcp_state(model, optimizer, ema if with_ema else None, trained_only)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
     opts = _dcp_options(trained_only)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"], options=opts)
-    if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
+    if ema is not None:
         set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"], options=opts)
-        state["ema_started"] = not with_ema
-    if scaler is not None and "scaler" in state:
-        scaler.load_state_dict(state["scaler"])
-    rngs = state.get("rng_ranks") or [state["rng"]]
-    rank, world = (par.rank, par.world) if par is not None and par.active else (0, 1)
-    if len(rngs) == world:
-        set_rng_state(rngs[rank])
-    else:  # resharded: rank 0 continues rank 0's stream, the others start fresh ones
-        set_rng_state(rngs[0])
-        if par is not None:
-            par.seed_rank(seed)
-        state["resharded"] = (len(rngs), world)
-    return state
+    return sd["ema"] if with_ema else None
 
 
 # ------------------------------------------------------------------------------ the loop's component
@@ -429,12 +411,10 @@ class Checkpointer:
             par.barrier()
         if not t.resume:
             return 0
-        unfreezer = run.unfreezer
+        restore = (lambda st: run.unfreezer.restore(run.optimizer, st["step"])) if run.unfreezer else None
         try:
-            state = resume_latest(self.out, run.model, run.optimizer, run.scaler,
-                                  run.ema.model if run.ema else None, self.say, run.keys,
-                                  (lambda st: unfreezer.restore(run.optimizer, st["step"])) if unfreezer else None,
-                                  par, t.seed)
+            state = resume_latest(self.out, run.model, run.optimizer, run.scaler, run.ema.model if run.ema else None,
+                                  self.say, run.keys, restore, par, t.seed)
         except CheckpointError as e:
             raise RunStopped(str(e), EXIT_CONFIG) from None
         if state is None:
@@ -497,9 +477,8 @@ class Checkpointer:
         avg = run.plain_model() if run.par.active else copy.deepcopy(run.model)
         path = average_last(self.out, used, t.average_weighting, tied_names(avg))
         avg.load_state_dict(read_weights(path, avg, run.keys), strict=False)
+        fewer = f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last else ""
         self.say(f"average: {t.average_weighting} over the last {len(used)} checkpoints "
-                 f"({', '.join(p.name for p in used)}) -> {path}"
-                 + (f" (train.average_last={t.average_last}, fewer were written)" if len(used) < t.average_last
-                    else ""))
+                 f"({', '.join(p.name for p in used)}) -> {path}{fewer}")
         with run.autocast():
             return {f"avg_{k}": v for k, v in run.task.evaluate(avg).items()}

@@ -173,12 +173,10 @@ def convnet_presets_table() -> dict:
 
 
 def convnet_archs_table() -> dict:
-    """docs/convnet.md's kinds: every `model.arch` of zoo/config.py's CONVNET_KINDS, per kind."""
+    """docs/convnet.md's kinds: every `model.arch` of zoo/config.py's CONVNET_KINDS, per kind (zoo/convnet/KIND.py)."""
     from zoo.config import CONVNET_KINDS
-    files = {"resnet": "resnet.py", "convnext": "convnext.py", "efficientnet": "efficientnet.py",
-             "mobilenetv3": "mobilenetv3.py"}
     return {"columns": ["kind", "`model.arch`"],
-            "rows": [[f"{kind} (`{files.get(kind, '-')}`)", ", ".join(archs)] for kind, archs in CONVNET_KINDS.items()]}
+            "rows": [[f"{kind} (`{kind}.py`)", ", ".join(archs)] for kind, archs in CONVNET_KINDS.items()]}
 
 
 def dit_presets_table() -> dict:
@@ -223,9 +221,8 @@ def config_classes() -> dict[str, type]:
     from zoo.adapters import AdapterConfig
     from .config import OptimConfig, TrainConfig, task_class
     from zoo.config import load_class
-    classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()), zc.AutoencoderConfig,
-               zc.DiTConfig,
-               TrainConfig, OptimConfig, AdapterConfig]
+    classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()),
+               zc.AutoencoderConfig, zc.DiTConfig, TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
     formats = [load_class(s) for t in tasks for s in t.formats.values()]
     classes += [t.DataConfig for t in tasks] + [f.DataConfig for f in formats]

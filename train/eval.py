@@ -5,7 +5,7 @@
 
 A task file is jsonl: multiple choice (context, choices, answer) scored by log-likelihood as
 lm-evaluation-harness does; generation (prompt, expected, until) greedy; loss rows by mean
-cross-entropy; prompt (or messages) and answer rows by rewards (--reward, --samples for pass@k) (docs/post-training.md, "Evaluation").
+cross-entropy; prompt (or messages) and answer rows by rewards (--reward; --samples: pass@k; docs/post-training.md).
 Exit codes: 0 done; 2 a bad file, folder or option (one line).
 """
 from __future__ import annotations
@@ -147,18 +147,15 @@ def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, 
             if max_len is not None:
                 ids = ids[-(max_len + 1):]  # the harness keeps the last max_len + 1 tokens
             seqs.append((ids, [IGNORE] * (len(ids) - len(cont)) + ids[len(ids) - len(cont):]))
-    scores = iter(score_sequences(model, seqs, device, batch_size, autocast))
-    acc = acc_norm = 0
-    details = []
+    scores, details = iter(score_sequences(model, seqs, device, batch_size, autocast)), []
     for r in rows:
         lls = [next(scores)[0] for _ in r["choices"]]
         normed = [ll / len(c) for ll, c in zip(lls, r["choices"])]
-        pick, pick_norm = lls.index(max(lls)), normed.index(max(normed))
-        acc += pick == r["answer"]
-        acc_norm += pick_norm == r["answer"]
-        details.append({"loglikelihoods": lls, "pred": pick, "pred_norm": pick_norm, "answer": r["answer"]})
+        details.append({"loglikelihoods": lls, "pred": lls.index(max(lls)), "pred_norm": normed.index(max(normed)),
+                        "answer": r["answer"]})
     n = len(rows)
-    return {"acc": acc / n, "acc_norm": acc_norm / n, "n": n}, details
+    acc, acc_norm = (sum(d[pred] == d["answer"] for d in details) / n for pred in ("pred", "pred_norm"))
+    return {"acc": acc, "acc_norm": acc_norm, "n": n}, details
 
 
 def cut_at(text: str, until) -> str:
@@ -381,10 +378,9 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.images:
         return evaluate_images(args)
-    if not args.task:
-        print("error: --task or --images is required", file=sys.stderr)
-        return EXIT_CONFIG
     try:
+        if not args.task:
+            raise ConfigError("--task or --images is required")
         if args.batch_size <= 0 or args.max_new_tokens <= 0 or args.samples <= 0:
             raise ConfigError("--batch-size, --max-new-tokens and --samples must be > 0")
         device = resolve_device(args.device)

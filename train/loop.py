@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tqdm import tqdm
+
 from zoo.pruning import sparsity_of
 
 from .builder import build_run
@@ -44,7 +46,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
 
     def say(msg: str):
         if log_file is not None:
-            (log or _print)(msg)
+            (log or tqdm.write)(msg)
             log_file.write(msg + "\n")
             log_file.flush()
 
@@ -192,8 +194,3 @@ class Preemption:
 
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal is not None else "SIGTERM (on another rank)"
-
-
-def _print(msg):
-    from tqdm import tqdm
-    tqdm.write(msg)

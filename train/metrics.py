@@ -140,8 +140,7 @@ class Metrics:
         if self.fpi:
             speed["mfu"] = self._mfu(self.fpi * rate / par.world)
         self.record(row, speed)
-        self.bar.set_postfix({"loss": f"{row['loss']:.3f}", "lr": f"{lr:.1e}",
-                              f"{self.unit[:3]}/s": f"{rate:,.0f}",
+        self.bar.set_postfix({"loss": f"{row['loss']:.3f}", "lr": f"{lr:.1e}", f"{self.unit[:3]}/s": f"{rate:,.0f}",
                               **({"mfu": f"{speed['mfu']:.1%}"} if self.fpi else {})}, refresh=False)
         self.window = {"loss": 0.0, "n": 0, "items": 0, "time": 0.0, "wait": 0.0}
 

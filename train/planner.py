@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -294,20 +295,17 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
-        def pre(i):
-            def hook(mod, args):
+        def watch(i, unit):  # the bytes unit i keeps from its (first tracked) forward to the backward
+            def pre(mod, args):
                 if phase["name"] == "forward" and i not in per_unit:
                     before[i] = counter.live
-            return hook
 
-        def post(i):
-            def hook(mod, args, out):
+            def post(mod, args, out):
                 if phase["name"] == "forward" and i not in per_unit and i in before:
                     per_unit[i] = counter.live - before[i]
-            return hook
+            return [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post)]
 
-        handles = [u.register_forward_pre_hook(pre(i)) for i, u in enumerate(units)]
-        handles += [u.register_forward_hook(post(i)) for i, u in enumerate(units)]
+        handles = [h for i, u in enumerate(units) for h in watch(i, u)]
         logits = {"start": None, "peak": 0}
         if units:
             def after_last(mod, args, out):
@@ -318,7 +316,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
 
         offload = cfg.train.activation_offload and device.type == "cuda"
 
-        def step(track: bool):
+        def step(track: bool, first: bool = False):
             with autocast(), (torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()):
                 loss, _ = task.loss(model, batch)
             if track and logits["start"] is not None:
@@ -334,16 +332,14 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
                 fake_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
             else:
-                if not made["states"]:  # torchao's 8-bit states, made at its first step
+                if first:  # torchao's 8-bit states, made at its first step
                     trace.add_bytes(states)
-                    made["states"] = True
                 for p in params:
                     p.grad = None
             return (fb, counter.peak) if track else None
 
-        made = {"states": False}
         with counter:
-            step(track=False)  # the optimizer makes its state
+            step(track=False, first=True)  # the optimizer makes its state
         state_tensors = tensors_of(optimizer.state) if optimizer is not None else []
         states = _bytes(state_tensors) if optimizer is not None else states
         counter = LiveBytes(device.type, trace)
@@ -495,10 +491,7 @@ def allocator_overhead(events, device) -> int:
     step's allocations) plus cuBLAS's workspace; 0 elsewhere (a CPU's margin is `CPU_MARGIN`)."""
     if device.type != "cuda":
         return 0
-    live = peak_live = 0
-    for _, n in events:
-        live += n
-        peak_live = max(peak_live, live)
+    peak_live = max(itertools.accumulate((n for _, n in events), initial=0))
     return cuda_reserved_peak(events) + CUDA_WORKSPACE_BYTES - peak_live
 
 
@@ -567,7 +560,6 @@ def options(cfg, device) -> list[list[Option]]:
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
          device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
     """Up to `top` option combinations planned under `budget` bytes, cheapest first: [(slowdown, overrides, plan)]."""
-    import itertools
     device = device or run_device(cfg)
     cfg = for_target(cfg, device)[0]  # the options of the precision it runs in there
     base = cfg.to_dict()
@@ -594,15 +586,22 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
 
 
 # ------------------------------------------------------------------------------ train.batch_size: auto
+def _proc_bytes(path: str, key: str) -> Optional[int]:
+    """The `key: N kB` line of a /proc file in bytes (None without it or the file)."""
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":")), None)
+    except OSError:
+        return None
+
+
 def device_memory(device: torch.device) -> int:
     """A step's memory when train.memory_budget is null: free memory on a GPU, MemAvailable on a CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+    if (available := _proc_bytes("/proc/meminfo", "MemAvailable")) is None:
+        raise ValueError("train.memory_budget: needed on this system (no /proc/meminfo to read the available memory)")
+    return available
 
 
 def auto_batch_size(cfg, model, task, device, out: Path, say, par=None) -> tuple[int, int]:
@@ -664,8 +663,7 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
     b = sizes[best]
     nxt = f"; {sizes[best + 1]} would need {fmt_bytes(peak(sizes[best + 1]))}" if best + 1 < len(sizes) else ""
     log(f"batch size: auto -> micro-batch {b} x {G // b} accumulated{f' x {devices} ranks' if devices > 1 else ''} = "
-        f"train.global_batch {G * devices} (planned peak "
-        f"{fmt_bytes(peak(b))} of {fmt_bytes(budget)}{nxt})")
+        f"train.global_batch {G * devices} (planned peak {fmt_bytes(peak(b))} of {fmt_bytes(budget)}{nxt})")
     return b, G // b
 
 
@@ -701,19 +699,11 @@ def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
 
 
 # ------------------------------------------------------------------------------ measured, to check the plan
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {key}")
-
-
 MEASURE_STEPS = 8
 
 
-def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -> dict:
-    """The measured CPU memory of `cfg`'s training in this process, along the loop's code path for `steps` steps:
+def measure(cfg) -> dict:
+    """The measured CPU memory of `cfg`'s training in this process, along the loop's code path for MEASURE_STEPS:
     {start_rss (before the model), hwm (VmHWM after), peak (hwm - start_rss: what is planned), live (tensors kept)}."""
     import gc
     device = torch.device("cpu")
@@ -723,7 +713,7 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)
         build_model(cfg)
     gc.collect()
-    start = _proc_status("VmRSS")
+    start = _proc_bytes("/proc/self/status", "VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     model = build_model(cfg)
@@ -732,31 +722,28 @@ def measure(cfg, batch_size: Optional[int] = None, steps: int = MEASURE_STEPS) -
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    batch = task.example_batch(model, batch_size or cfg.train.batch_size)
+    batch = task.example_batch(model, cfg.train.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, precision_of(amp))
-    for _ in range(steps):
+    for _ in range(MEASURE_STEPS):
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
                        cfg.train.clip_grad, autocast)
         if ema is not None:
             ema.update(model)
-    hwm = _proc_status("VmHWM")
+    hwm = _proc_bytes("/proc/self/status", "VmHWM")
     kept = [*model.parameters(), *model.buffers(), *tensors_of(optimizer.state), *tree_flatten(batch)[0]]
     if ema is not None:
         kept += [*ema.model.parameters(), *ema.model.buffers()]
     return {"start_rss": start, "hwm": hwm, "peak": hwm - start, "live": _bytes(kept)}
 
 
-def measure_in_subprocess(base: dict, overrides: list, batch_size: Optional[int] = None, threads: int = 0,
-                          timeout: float = 1800, steps: int = MEASURE_STEPS) -> dict:
+def measure_in_subprocess(base: dict, overrides: list, threads: int = 0) -> dict:
     """`measure` in a fresh Python process: the run config `base` with `overrides`. Returns its dict."""
     import subprocess
-    arg = json.dumps({"base": base, "overrides": list(overrides), "batch_size": batch_size, "threads": threads,
-                      "steps": steps})
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", "import sys; from train.planner import measure_main; "
-                          "sys.exit(measure_main(sys.argv[1]))", arg], cwd=root, capture_output=True, text=True,
-                         timeout=timeout)
+    arg = json.dumps({"base": base, "overrides": list(overrides), "threads": threads})
+    code = "import sys; from train.planner import measure_main; sys.exit(measure_main(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, arg], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"measuring {overrides}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -767,12 +754,9 @@ def measure_main(arg: str) -> int:
     a = json.loads(arg)
     if a.get("threads"):
         torch.set_num_threads(a["threads"])
-    cfg = load_run_config(None, a["overrides"], base=a["base"])
-    print(json.dumps(measure(cfg, a.get("batch_size"), a.get("steps", MEASURE_STEPS))))
+    print(json.dumps(measure(load_run_config(None, a["overrides"], base=a["base"]))))
     return 0
 
 
-def fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
+def fmt_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"

@@ -46,24 +46,23 @@ def _lines(ax, series: dict, x: int = 0, markers=(), styles: Optional[dict] = No
     ax.legend(fontsize=8)
 
 
-def _save(fig, png: Path, dpi: int = 90) -> Path:
+def _save(fig, png: Path) -> Path:
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=dpi)
+    fig.savefig(png, dpi=90)
     _plt().close(fig)
     return png
 
 
 def line_plot(series: dict[str, list[tuple]], png: Path, xlabel: str, ylabel: str, title: str = "",
-              logx: bool = False, logy: bool = False, markers=(), vline: Optional[tuple[float, str]] = None,
+              logx: bool = False, markers=(), vline: Optional[tuple[float, str]] = None,
               ylim: Optional[tuple] = None, styles: Optional[dict] = None) -> Path:
     """Lines of (x, y) points, one per name; vline: (x, label) of a dashed vertical line."""
     fig, ax = _plt().subplots(figsize=(7, 4))
     if vline is not None:
         ax.axvline(vline[0], color="k", ls="--", label=vline[1])
     _lines(ax, series, markers=markers, styles=styles)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale="log" if logx else "linear",
-           yscale="log" if logy else "linear")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale="log" if logx else "linear")
     if ylim is not None:
         ax.set_ylim(*ylim)
     return _save(fig, png)
@@ -119,5 +118,4 @@ def speed_bars(speedups: dict[str, float], claimed: dict[str, float], png: Path,
     vals = [speedups[n] for n in names]
     return _hbars(names, vals, ["C2" if v >= 1 else "C3" for v in vals], png, title,
                   "speed-up over the baseline (x): paired medians; the loop runs' tokens/s and images/s unpaired",
-                  "{:.2f}x",
-                  {i: claimed[n] for i, n in enumerate(names) if n in claimed}, line=1.0)
+                  "{:.2f}x", {i: claimed[n] for i, n in enumerate(names) if n in claimed}, line=1.0)
