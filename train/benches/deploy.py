@@ -242,8 +242,7 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
             xs = [torch.randn(n, w.shape[1]) for w in weights]
             sides = {"dense": lambda: [linear(x, w) for x, w in zip(xs, weights)],
                      "csr": lambda: [torch.sparse.mm(c, x.T) for x, c in zip(xs, csr)]}
-            harness.warm_up(sides, say=lambda m: None)
-            out[n] = harness.run_rounds(sides, args.rounds, calls=10).paired("csr", "dense").median
+            out[n] = harness.run_rounds(sides, args.rounds, calls=10, warmup=1).paired("csr", "dense").median
     return out
 
 
