@@ -234,8 +234,7 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
 
     import zoo
     from zoo.pruning import prune as prune_model
-    weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern,
-                                                  SPARSITY).values()]
+    weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern, SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
         for n in (1, 128):

@@ -154,8 +154,7 @@ def memory(args) -> dict:
                               "kl_beta": beta},
                        "train": {"init_from": str(init), "max_steps": args.steps, "precision": args.precision,
                                  "batch_size": args.group * args.prompts, "eval_every": 0, "checkpoint_every": 0,
-                                 "log_every": 1,
-                                 "peak_flops": 1e12,  # not measured: its matrices would set the peak
+                                 "log_every": 1, "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
                                  "progress": False, "samples": False, "plot": False, "export": False},
                        "optim": {"lr": 1e-4}}
