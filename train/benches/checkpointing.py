@@ -63,8 +63,7 @@ def compare(base: dict, sides: dict, rounds: int, repeats: int = 0, device=torch
     from train.config import load_run_config
     fns = {n: step_fn(load_run_config(None, o, base=base), device) for n, o in sides.items()}
     first = harness.warm_up(fns, say=lambda m: None)
-    harness.warm_up(fns, warmup - 1, say=lambda m: None)
-    r = harness.run_rounds(fns, rounds, sync=lambda: sync(device))
+    r = harness.run_rounds(fns, rounds, sync=lambda: sync(device), warmup=warmup - 1)
     return r, {n: [peak(base, o, device, threads) for _ in range(repeats)] for n, o in sides.items()}, first
 
 
@@ -201,6 +200,6 @@ def claim_cuda_flags(ctx) -> list[dict]:
     for key, obj, attr, fn in (("TF32 matmuls", torch.backends.cuda.matmul, "allow_tf32", llm),
                                ("cudnn.benchmark", torch.backends.cudnn, "benchmark", lambda: res.step(ctx.precision))):
         calls = {k: flag(obj, attr, k == "on", fn) for k in ("off", "on")}
-        harness.warm_up(calls, 2, say=lambda m: None)
-        out.append(ctx.speed(key, harness.run_rounds(calls, ctx.n_rounds, sync=torch.cuda.synchronize), "on", "off"))
+        out.append(ctx.speed(key, harness.run_rounds(calls, ctx.n_rounds, sync=torch.cuda.synchronize, warmup=2),
+                             "on", "off"))
     return out

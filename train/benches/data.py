@@ -94,8 +94,7 @@ def speed(args, folder: Path, out: dict):
             counts["alone"] = tokenizer_alone(corpus, tok, args.workers)
         r = harness.run_rounds({SIDES[0]: zoo, SIDES[1]: alone}, args.rounds)
         paired = r.paired(SIDES[0], SIDES[1])
-        res = {"corpus_mb": mb, "rounds": args.rounds, "paired_median": paired.median, "paired_low": paired.low,
-               "paired_high": paired.high}
+        res = {"corpus_mb": mb, "rounds": args.rounds, **{f"paired_{k}": v for k, v in paired._asdict().items()}}
         for side, key in zip(SIDES, ("zoo", "alone")):
             best = r.best(side)
             res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best,

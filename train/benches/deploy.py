@@ -234,16 +234,14 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
 
     import zoo
     from zoo.pruning import prune as prune_model
-    weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern,
-                                                  SPARSITY).values()]
+    weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern, SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
         for n in (1, 128):
             xs = [torch.randn(n, w.shape[1]) for w in weights]
             sides = {"dense": lambda: [linear(x, w) for x, w in zip(xs, weights)],
                      "csr": lambda: [torch.sparse.mm(c, x.T) for x, c in zip(xs, csr)]}
-            harness.warm_up(sides, say=lambda m: None)
-            out[n] = harness.run_rounds(sides, args.rounds, calls=10).paired("csr", "dense").median
+            out[n] = harness.run_rounds(sides, args.rounds, calls=10, warmup=1).paired("csr", "dense").median
     return out
 
 

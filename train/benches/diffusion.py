@@ -198,11 +198,9 @@ def latent_cache(args) -> tuple[dict, dict]:
                     return task.loss(model, batches[name](count[name]))[0]
                 return fn
             for p in args.precision:
-                sides = {}
-                for n in batches:
-                    model = copy.deepcopy(base)
-                    sides[n] = harness.Side(model, loss(n), torch.optim.AdamW(model.denoiser.parameters(), lr=1e-4),
-                                            device=device)
+                models = {n: copy.deepcopy(base) for n in batches}
+                sides = {n: harness.Side(m, loss(n), torch.optim.AdamW(m.denoiser.parameters(), lr=1e-4), device=device)
+                         for n, m in models.items()}
                 calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
                 r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device), warmup=1)
                 rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
@@ -345,11 +343,10 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     real = judge_model(x_tr)[0]
 
     def overrides(name, seed, steps):
+        decay = min(0.999, max(0.9, 1 - 8 / steps))
         return RUNS[name][1] + [f"train.max_steps={steps}", f"train.seed={seed}", f"train.eval_every={steps}",
-                                f"train.ema_decay={min(0.999, max(0.9, 1 - 8 / steps)):.6g}",
-                                "train.checkpoint_every=0",
-                                f"train.precision={args.precision}", "train.resume=false",
-                                f"model.autoencoder.weights={ae}"]
+                                f"train.ema_decay={decay:.6g}", "train.checkpoint_every=0", "train.resume=false",
+                                f"train.precision={args.precision}", f"model.autoencoder.weights={ae}"]
 
     def config(name, seed, steps):
         return load_run_config(str(CONFIGS / RUNS[name][0]), overrides(name, seed, steps))
@@ -371,8 +368,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
             images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=25)
             ev = [r for r in rows if "val_loss" in r][-1]
             per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
-                                                   "steps": steps[name],
-                                                   **judge(judge_model, images, labels, real)}
+                                                   "steps": steps[name], **judge(judge_model, images, labels, real)}
             print(f"   {name} seed {seed}: classifier FD {per_seed[seed][name]['classifier_fd']:.2f}", flush=True)
     data = {"per_seed": per_seed, "steps": steps, "flops_per_step": flops, "reference": reference,
             "samples": len(labels)}

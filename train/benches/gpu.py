@@ -262,9 +262,8 @@ def main(argv=None, name: str = "gpu"):
     p.add_argument("--only", type=harness.name_list(list(rows()), "row"), default=",".join(rows()),
                    help="comma list of the rows to run (default: all)")
     args = p.parse_args(argv)
-    dev = torch.device("cuda")
     if args.row:  # one of the rows measured in this module, in its own process
-        harness.save(args, *OWN[args.row](args, dev))
+        harness.save(args, *OWN[args.row](args, torch.device("cuda")))
         return
     rows_ = {n: r for n, r in rows().items() if n in args.only}
     if args.dry_run or not torch.cuda.is_available():

@@ -150,11 +150,9 @@ def median_rank(n: int, level: float = LEVEL) -> Optional[int]:
     return max(ks, default=None)
 
 
-def verdict(mean: float, half: float, lower_is: str = "lower") -> str:
-    """A difference with its interval in words: `inconclusive` when the interval holds zero."""
-    if abs(mean) <= half:
-        return "inconclusive"
-    return lower_is if mean < 0 else ("higher" if lower_is == "lower" else "lower")
+def verdict(mean: float, half: float) -> str:
+    """A difference with its interval in words: `inconclusive` when the interval holds zero, else lower or higher."""
+    return "inconclusive" if abs(mean) <= half else "lower" if mean < 0 else "higher"
 
 
 def interval_text(values: Iterable[float], fmt: str = "+.4f", words: str = "") -> str:
@@ -313,7 +311,7 @@ def inference_sides(calls: dict[str, Callable[[], object]], precision: str, outs
 
 class Side:
     """A model, its optimizer (the loop's AdamW by default) and one training step:
-    loss(model or its compiled self) -> loss; backward; step; zero_grad(set_to_none)."""
+    loss(model or its compiled self, *batch) -> loss; backward; step; zero_grad(set_to_none)."""
 
     def __init__(self, model, loss, optimizer=None, compile: bool = False, device=torch.device("cpu")):
         from train.config import OptimConfig
@@ -322,9 +320,9 @@ class Side:
         self.fwd = torch.compile(model) if compile else model
         self.opt = optimizer or build_optimizer(model, OptimConfig(), device, log=lambda *a: None)
 
-    def step(self, precision: str = "fp32"):
+    def step(self, precision: str = "fp32", *batch):
         with autocast(precision, self.device.type):
-            loss = self.loss_fn(self.fwd)
+            loss = self.loss_fn(self.fwd, *batch)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -335,11 +333,9 @@ class Side:
 # ---------------------------------------------------------------- memory
 def rss() -> Optional[int]:
     """The process's resident set size in bytes (Linux); None where /proc is unavailable."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return None
 
 
 class PeakRSS:
@@ -443,11 +439,9 @@ def median_of(rows: list[dict], key: str) -> float:
 # ---------------------------------------------------------------- results: tables and their JSON
 def hardware() -> dict:
     cpu = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import importlib.metadata as md
     versions = {}
     for pkg in ("torch", "transformers", "torchao", "peft", "timm", "diffusers", "numpy", "matplotlib"):
@@ -464,9 +458,8 @@ def machine() -> str:
     """One line: the CPU, cores, torch threads, the GPU, torch, and the load average now."""
     h = hardware()
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads"
-            + (f", {h['gpu']}" if h["gpu"] else "")
-            + f", torch {torch.__version__}{load}")
+    gpu = f", {h['gpu']}" if h["gpu"] else ""
+    return f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads{gpu}, torch {torch.__version__}{load}"
 
 
 def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "") -> dict:

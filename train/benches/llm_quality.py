@@ -75,14 +75,6 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
                             args.threads, done=done)
 
 
-def against_dense(preset, steps, batch, seq, eval_batches, precision, out, seed=0) -> tuple[dict, dict]:
-    """The dense run and the preset's other (moe, mod) for one seed: their rows, and their steps and FLOPs per token."""
-    args = Namespace(steps=steps, batch=batch, seq=seq, evals=8, eval_batches=eval_batches, precision=precision,
-                     threads=None, out=out, runs=["dense", preset[4:7]])
-    steps, fpt = steps_of(preset, args)
-    return {n: run(preset, n, args, steps[n], seed) for n in args.runs}, {"steps": steps, "flops_per_token": fpt}
-
-
 def wall(rows: list[dict], upto=None) -> float:
     """Training seconds of a run up to step `upto` (its logged step times)."""
     timed = [r for r in rows if "step_time_s" in r and (upto is None or r["step"] <= upto)]
@@ -305,9 +297,13 @@ def claim_averaging(ctx) -> list[dict]:
 
 
 def seeded(ctx, preset) -> list:
-    """against_dense per seed at the report's scale (the dense run made once per seed, read back by MoE and MoD)."""
-    got = [against_dense(preset, ctx.s.loop_steps, ctx.s.loop_batch, ctx.s.loop_seq, 20 if ctx.s.name == "full" else 4,
-                         ctx.precision, str(ctx.work / "llm"), seed) for seed in range(ctx.seeds)]
+    """Per seed at the report's scale, the dense run (read back by MoE and MoD) and the preset's other (moe, mod)."""
+    args = Namespace(steps=ctx.s.loop_steps, batch=ctx.s.loop_batch, seq=ctx.s.loop_seq, evals=8, threads=None,
+                     eval_batches=20 if ctx.s.name == "full" else 4, precision=ctx.precision,
+                     out=str(ctx.work / "llm"), runs=["dense", preset[4:7]])
+    steps, fpt = steps_of(preset, args)
+    got = [({n: run(preset, n, args, steps[n], seed) for n in args.runs}, {"steps": steps, "flops_per_token": fpt})
+           for seed in range(ctx.seeds)]
     ctx.plot(f"{preset[4:7]}_val", f"dense vs {preset[4:7]}: validation loss (seed 0)", got[0][0], "val_loss",
              "validation loss")
     return [(res, info, {f"{n}_tok_s": harness.median_of(res[n], "tokens_per_s") for n in res}) for res, info in got]

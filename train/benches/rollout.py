@@ -154,8 +154,7 @@ def memory(args) -> dict:
                               "kl_beta": beta},
                        "train": {"init_from": str(init), "max_steps": args.steps, "precision": args.precision,
                                  "batch_size": args.group * args.prompts, "eval_every": 0, "checkpoint_every": 0,
-                                 "log_every": 1,
-                                 "peak_flops": 1e12,  # not measured: its matrices would set the peak
+                                 "log_every": 1, "peak_flops": 1e12,  # not measured: its matrices would set the peak
                                  "cpu_keep_memory": False,  # freed memory handed back: the resident set is what lives
                                  "progress": False, "samples": False, "plot": False, "export": False},
                        "optim": {"lr": 1e-4}}
@@ -191,39 +190,34 @@ def relative(path) -> str:
 
 
 def main(argv=None, preset: str = "rollout"):
+    rl = preset != "rollout"  # rl-quality and rl-memory: one table of loop runs
+    p = harness.parser(preset, __doc__, precision="fp32" if rl else "bf16", one_precision=rl, rounds=not rl)
     if preset == "rl-quality":
-        p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
         p.add_argument("--config", default=str(ROOT / "configs" / "llm" / "tiny-grpo.yaml"))
         p.add_argument("--init", default=str(ROOT / "runs" / "tiny-sft"), help="the model before RL")
         p.add_argument("--out", type=Path, default=ROOT / "runs" / "rl-quality", help="the runs' folders")
         p.add_argument("--seeds", type=harness.positive_int, default=3)
         p.add_argument("--prompts", type=harness.positive_int, default=200)
         p.add_argument("override", nargs="*", help="key=value overrides of the config")
-        args = p.parse_args(argv)
-        harness.setup(args)
-        harness.save(args, {"": quality(args)}, {})
-        return
-    if preset == "rl-memory":
-        p = harness.parser(preset, __doc__, precision="fp32", one_precision=True, rounds=False)
+    elif preset == "rl-memory":
         harness.llm_args(p, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab=8192)
         p.add_argument("--prompts", type=harness.positive_int, default=2, help="prompts per step")
         p.add_argument("--group", type=harness.positive_int, default=4, help="completions per prompt")
         p.add_argument("--steps", type=harness.positive_int, default=2, help="optimizer steps per run")
         p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
-        args = p.parse_args(argv)
-        harness.setup(args)
-        harness.save(args, {"": memory(args)}, {})
-        return
-    p = harness.parser("rollout", __doc__, precision="bf16")
-    harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
-    p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
-    p.add_argument("--group", type=harness.positive_int, default=8, help="samples per prompt (G)")
-    p.add_argument("--prompt", type=harness.positive_int, default=40, help="the longest prompt's tokens")
-    p.add_argument("--new-tokens", type=harness.positive_int, default=32, help="tokens sampled per row (N)")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
+    else:
+        harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
+        p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
+        p.add_argument("--group", type=harness.positive_int, default=8, help="samples per prompt (G)")
+        p.add_argument("--prompt", type=harness.positive_int, default=40, help="the longest prompt's tokens")
+        p.add_argument("--new-tokens", type=harness.positive_int, default=32, help="tokens sampled per row (N)")
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
     args = p.parse_args(argv)
     harness.setup(args)
+    if rl:
+        harness.save(args, {"": (quality if preset == "rl-quality" else memory)(args)}, {})
+        return
     from transformers import LlamaForCausalLM
     tables, data = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

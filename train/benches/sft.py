@@ -20,12 +20,10 @@ SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False),
 
 def packing(args) -> dict:
     import zoo
-    from train.config import OptimConfig
     from train.data import ByteTokenizer, load_tokenizer_file
     from train.data.chat_data import ChatData
     from train.data.chat_example import conversations
     from train.data.conversations import ChatDataConfig, ChatTemplate
-    from train.optim import build_optimizer
     tok = load_tokenizer_file(args.tokenizer) if Path(args.tokenizer).is_file() else ByteTokenizer()
     rows = [(m, ("synthetic", i + 1)) for i, m in enumerate(conversations("train", args.conversations))]
     torch.manual_seed(0)
@@ -37,16 +35,11 @@ def packing(args) -> dict:
         batches = [data.batch(i, args.batch) for i in range(len(data._epoch_batches(0, args.batch)))]
         real, cells = sum(n for _, _, n, _ in batches), sum(x.numel() for x, *_ in batches)
         info[name] = {"rows": sum(x.shape[0] for x, *_ in batches), "padding": 1 - real / cells, "tokens": real}
-        model = copy.deepcopy(base).train()
-        opt = build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
+        side = harness.Side(copy.deepcopy(base), lambda model, x, y, _, docs: model(x, y, **docs)[1])
 
-        def one_pass(model=model, opt=opt, batches=batches):
-            for x, y, _, docs in batches:
-                with harness.autocast(args.precision):
-                    loss = model(x, y, **docs)[1]
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        def one_pass(side=side, batches=batches):
+            for batch in batches:
+                side.step(args.precision, *batch)
         sides[name] = one_pass
     harness.warm_up(sides)
     r = harness.run_rounds(sides, args.rounds)
