@@ -306,28 +306,22 @@ class TokenData:
         """self.mixture (each source's training tokens), self.train (all of them) and self.val."""
         cfg, T = self.cfg, self.cfg.seq_len
         trains, vals = [], []
-        for s, (stream, extra) in zip(specs, parts):
-            if cfg.val_path or isinstance(extra, TokenStream) or (extra is None):
+        for stream, extra in parts:
+            if cfg.val_path or isinstance(extra, TokenStream):
                 trains.append(stream)
-                vals.append(extra if isinstance(extra, TokenStream) and not cfg.val_path else None)
-                continue
-            n = len(stream)
-            n_val = max(int(n * cfg.val_fraction), T + 1)
-            cut = n - n_val
-            later = extra[extra >= cut]  # the first document that starts in the held-out tail
-            if len(later) and n - int(later[0]) >= T + 1:
-                cut = int(later[0])
-            trains.append(stream.sub(0, cut))
-            vals.append(stream.sub(cut, n))
+                vals.append(extra)
+            else:  # the held-out tail, from its first document start (pre-tokenized without val files: none)
+                n = len(stream)
+                cut = n - max(int(n * cfg.val_fraction), T + 1)
+                later = extra[extra >= cut] if extra is not None else []
+                if len(later) and n - int(later[0]) >= T + 1:
+                    cut = int(later[0])
+                trains.append(stream.sub(0, cut))
+                vals.append(stream.sub(cut, n))
         if cfg.val_path:
             pre = is_pretokenized(cfg.val_path)
             v = self._source(cfg.val_path, pre)
             vals = [TokenStream([*v[0].parts, *(v[1].parts if pre and v[1] is not None else [])])]
-        for i, v in enumerate(vals):
-            if v is None:  # pre-tokenized without val files: the token tail
-                n = len(trains[i])
-                n_val = max(int(n * cfg.val_fraction), T + 1)
-                trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
         for s, t in zip(specs, trains):
             if len(t) < T + 1:
                 raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from . import DataError, TokenizedRows
-from .conversations import ChatDataConfig, ChatTemplate, _line_list
+from .conversations import ChatDataConfig, ChatTemplate
 from .packing import pack, pack_rows
+from .sources import line_list
 
 
 class ChatData(TokenizedRows):
@@ -53,7 +54,7 @@ class ChatData(TokenizedRows):
                 continue
             out.append((np.asarray(ids[:-1], dtype=np.int64), y))
         for f, lines in refused.items():
-            log(f"data: {f}: {len(lines)} conversations the chat template refuses, skipped (lines {_line_list(lines)})")
+            log(f"data: {f}: {len(lines)} conversations the chat template refuses, skipped (lines {line_list(lines)})")
         if cut:
             log(f"data: {cut} {split} conversations longer than data.seq_len={self.cfg.seq_len} tokens were cut there"
                 + (f"; {dropped} kept no assistant token and were dropped" if dropped else ""))

@@ -19,6 +19,7 @@ from zoo.config import bounded, fail
 
 from . import (ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file,
                model_tokenizer, tokenizer_folder)
+from .sources import line_list
 
 FORMATS = ("messages", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant")
@@ -155,10 +156,6 @@ def row_messages(row, fmt: str) -> list[dict]:
     return messages
 
 
-def _line_list(lines: list[int], shown: int = 10) -> str:
-    return ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
-
-
 def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:
     """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line); malformed
     rows skipped, with one log line per file (their count, line numbers and the first reason)."""
@@ -183,7 +180,7 @@ def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict],
                 reason = reason or (str(e) if isinstance(e, BadRow) else "not JSON")
         if bad:
             first_problem = first_problem or f"{f}: line {bad[0]}: {reason}"
-            log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {_line_list(bad)}; "
+            log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {line_list(bad)}; "
                 f"line {bad[0]}: {reason})")
     if not out:
         raise DataError(f"{path}: no usable conversation for data.format={fmt}"

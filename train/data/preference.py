@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import DataError, TokenizedRows
+from .sources import line_list
 
 IGNORE = -100
 
@@ -32,8 +33,7 @@ def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "ro
             bad.append(i)
             why = why or (f"missing key {e}" if isinstance(e, KeyError) else str(e))
     if bad:
-        lines = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-        log(f"data: {path}: {len(bad)} malformed lines skipped (line {lines}; first: {why})")
+        log(f"data: {path}: {len(bad)} malformed lines skipped (line {line_list(bad)}; first: {why})")
     if not out:
         raise DataError(f"{path}: no usable {what}" + (f" ({len(bad)} malformed lines; first: {why})" if bad else ""))
     return out
@@ -58,15 +58,11 @@ def response_text(response) -> str:
     return response
 
 
-def _plain_prompt(prompt) -> str:
-    if not isinstance(prompt, str):
-        raise TypeError("a prompt of chat messages needs a chat template (the model has none)")
-    return prompt
-
-
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """The tokens of a plain prompt (a chat prompt is rendered by its template: train/chat.py)."""
-    return tokenizer.encode(_plain_prompt(prompt))
+    if not isinstance(prompt, str):
+        raise TypeError("a prompt of chat messages needs a chat template (the model has none)")
+    return tokenizer.encode(prompt)
 
 
 def encode_response(tokenizer, prompt, response: str, template=None) -> tuple[list[int], list[int]]:
@@ -76,7 +72,7 @@ def encode_response(tokenizer, prompt, response: str, template=None) -> tuple[li
         messages = prompt_messages(prompt) + [{"role": "assistant", "content": response}]
         ids, labels = template.encode(tokenizer, messages)
         return list(ids), last_span(list(labels))
-    p = tokenizer.encode(_plain_prompt(prompt))
+    p = encode_prompt(tokenizer, prompt)
     r = tokenizer.encode(response) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     return p + r, [IGNORE] * len(p) + r
 

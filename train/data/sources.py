@@ -64,6 +64,11 @@ class Problems:
         return f"data: bad documents in {path}: " + "; ".join(parts)
 
 
+def line_list(lines: list[int], shown: int = 10) -> str:
+    """Line numbers for a log line: the first `shown`, then how many more."""
+    return ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
+
+
 # ----------------------------------------------------------------------------- files
 def stdlib_files() -> list[Path]:
     return sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.is_file())

@@ -303,22 +303,29 @@ class ClassifyTask(Task):
                         dtype=torch.float32 if d.path == "digits" else torch.uint8)
         return x, torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
-    def _val_batches(self):
-        """(images, labels) over the validation set (or its first data.eval_images), on the device."""
-        B, n = self.cfg.train.batch_size, min(self.cfg.data.eval_images or self.n_val, self.n_val)
+    def _batches(self, split: str, keys: list):
+        """(images, labels) of a split's samples `keys` [(index, seed)], train.batch_size at a time, on the
+        device, un-augmented (unreadable images reported and left out)."""
+        B = self.cfg.train.batch_size
         fmt = torch.channels_last if self.cfg.train.channels_last else torch.contiguous_format
         if self.digits:
-            for i in range(0, n, B):
-                yield self.val_x[i:min(i + B, n)].contiguous(memory_format=fmt), self.val_y[i:min(i + B, n)]
-            return
-        # a fixed, seeded subset when eval_images < the val set: every class is represented
-        order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
-        keys = [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))]
-        for x, y, bad in self._loader(self.val_set, [keys[i:i + B] for i in range(0, n, B)]):
+            images, labels = (self.train_x, self.train_y) if split == "train" else (self.val_x, self.val_y)
+            idx = torch.tensor([i for i, _ in keys], dtype=torch.long, device=self.device)
+            batches = ((images[idx[i:i + B]], labels[idx[i:i + B]], []) for i in range(0, len(idx), B))
+        else:
+            dataset = self.train_eval_set if split == "train" else self.val_set
+            batches = self._loader(dataset, [keys[i:i + B] for i in range(0, len(keys), B)])
+        for x, y, bad in batches:
             self._report(bad)
             if x is not None:
                 yield (x.to(self.device, non_blocking=True).contiguous(memory_format=fmt),
                        y.to(self.device, non_blocking=True))
+
+    def _val_batches(self):
+        """(images, labels) over the validation set, or a fixed seeded subset of data.eval_images of it."""
+        n = min(self.cfg.data.eval_images or self.n_val, self.n_val)
+        order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
+        return self._batches("val", [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))])
 
     @torch.no_grad()
     def predict(self, model):
@@ -340,27 +347,17 @@ class ClassifyTask(Task):
         bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if not bns or n_batches <= 0:
             return
-        B, t = self.cfg.train.batch_size, self.cfg.train
-        fmt = torch.channels_last if t.channels_last else torch.contiguous_format
-        keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * B, self.n_train))
+        t = self.cfg.train
+        keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * t.batch_size, self.n_train))
         saved = [bn.momentum for bn in bns]
         with eval_mode(model):
             for bn in bns:  # the BatchNorm layers alone in training mode
                 bn.reset_running_stats()
                 bn.momentum = None  # cumulative average
                 bn.train()
-            if self.digits:
-                idx = torch.tensor([i for i, _ in keys], device=self.device)
-                batches = ((self.train_x[idx[i:i + B]], None) for i in range(0, len(idx), B))
-            else:
-                batches = ((x, bad) for x, _, bad in self._loader(self.train_eval_set, [keys[i:i + B] for i in
-                                                                                         range(0, len(keys), B)]))
-            for x, bad in batches:
-                if bad:
-                    self._report(bad)
-                if x is not None:
-                    with self.autocast():
-                        model(self.normalize(x.to(self.device).contiguous(memory_format=fmt)))
+            for x, _ in self._batches("train", keys):
+                with self.autocast():
+                    model(self.normalize(x))
         for bn, m in zip(bns, saved):
             bn.momentum = m
 
