@@ -3,8 +3,7 @@
 This file holds the config (`data.*`), TokenData (the LM task's data) and the document-boundary
 contract. A source (`data.path`, or a mixture `data.sources`) is prepared once into `data.cache_dir`
 and read as memmaps; batches are random windows seeded by (seed, step, micro), so resume is exact.
-`document_ids` numbers each token's document by `data.boundary` (docs/data.md).
-"""
+`document_ids` numbers each token's document by `data.boundary` (docs/data.md)."""
 from __future__ import annotations
 
 import hashlib

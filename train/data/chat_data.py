@@ -2,8 +2,7 @@
 the right (inputs 0, targets -100), rows of similar length batched together; or with `data.pack`,
 several per row of `data.seq_len` tokens, each in a document of its own. A batch follows from (seed, index).
 
-    x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords
-"""
+    x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords"""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -2,8 +2,7 @@
 messages -> chat template -> token ids, and labels that train only the assistant's tokens.
 
 `ChatTemplate` renders a model's Jinja `chat_template` as transformers' `apply_chat_template` does, or
-`chatml`; assistant-only labels come from `{% generation %}` markers, else from rendering prefix by prefix.
-"""
+`chatml`; assistant-only labels come from `{% generation %}` markers, else from rendering prefix by prefix."""
 from __future__ import annotations
 
 import datetime

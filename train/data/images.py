@@ -2,8 +2,7 @@
 training recipe (RandAugment / TrivialAugment, random erasing, Mixup / CutMix).
 
 Augmentations draw from a per-sample seed, so a batch is a function of (seed, step, micro) whatever
-the number of workers (exact resume). uint8 crops are normalised on the device.
-"""
+the number of workers (exact resume). uint8 crops are normalised on the device."""
 from __future__ import annotations
 
 import functools
@@ -136,13 +135,7 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
         if 0 < cw <= w and 0 < ch <= h:
             x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
             return (x0, y0, x0 + cw, y0 + ch)
-    r = w / h
-    if r < ratio[0]:
-        cw, ch = w, round(w / ratio[0])
-    elif r > ratio[1]:
-        cw, ch = round(h * ratio[1]), h
-    else:
-        cw, ch = w, h
+    cw, ch = min(w, round(h * ratio[1])), min(h, round(w / ratio[0]))  # the whole image, its aspect ratio clamped
     x0, y0 = (w - cw) // 2, (h - ch) // 2
     return (x0, y0, x0 + cw, y0 + ch)
 

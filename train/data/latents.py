@@ -4,8 +4,7 @@
     cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
 
 The folder's name carries a digest of `key`; it holds train.npy (N, V, C, h, w), val.npy, labels
-and meta.json. Built in a `.partial` folder (a killed build resumes), one builder at a time.
-"""
+and meta.json. Built in a `.partial` folder (a killed build resumes), one builder at a time."""
 from __future__ import annotations
 
 import hashlib

@@ -1,8 +1,7 @@
 """Packing variable-length sequences (conversations, instructions) into rows of a fixed length.
 
 `pack_rows` assigns (input_ids, labels) sequences to rows by best-fit decreasing; `pack` lays them
-out as (R, seq_len) tensors with document ids and positions, so each sequence runs as if alone.
-"""
+out as (R, seq_len) tensors with document ids and positions, so each sequence runs as if alone."""
 from __future__ import annotations
 
 import bisect

@@ -1,6 +1,5 @@
 """Prompt/response rows: reading jsonl, tokenising a prompt and its response (`encode_response`), and
-preference pairs: `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
-"""
+preference pairs: `{"prompt", "chosen", "rejected"}` lines, or `synthetic`."""
 from __future__ import annotations
 
 import json

@@ -2,8 +2,7 @@
 
 Worker processes tokenise chunks, the main process writes them in order to shards (shard-NNNNN.bin,
 shard-NNNNN.docs.npy, manifest.json); at most two chunks per worker in flight. Kill-safe: a rerun
-drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run.
-"""
+drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,7 @@
 """Documents read lazily from a text source, one at a time, in bounded memory.
 
 A source is `stdlib` (the embedded default), a text file, a .jsonl (.gz, .zst), a Parquet file, a
-saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in `Problems`.
-"""
+saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in `Problems`."""
 from __future__ import annotations
 
 import codecs

@@ -1,6 +1,5 @@
 """Tokenizers of the text data: bytes, sentencepiece (trained on a sample of the corpus, or a
-tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none).
-"""
+tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none)."""
 from __future__ import annotations
 
 import contextlib

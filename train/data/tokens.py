@@ -2,8 +2,7 @@
 
 Pre-tokenized formats (`data.path` a file, folder or glob; never copied): nanoGPT's raw `train.bin`
 (uint16, or `data.token_dtype: uint32`) with `val.bin` beside it, and llm.c / modded-nanogpt shards
-(a 256 x int32 header, then uint16 ids), files named with `val` being the validation split.
-"""
+(a 256 x int32 header, then uint16 ids), files named with `val` being the validation split."""
 from __future__ import annotations
 
 import glob

@@ -1,6 +1,5 @@
 """Image classification (the ConvNet family) on `digits` (the embedded default) or an image folder:
-cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md).
-"""
+cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,8 +1,7 @@
 """Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
 setup() loads the autoencoder and fills the latent cache (train/data/latents.py), so the loop trains
-only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png.
-"""
+only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png."""
 from __future__ import annotations
 
 import functools

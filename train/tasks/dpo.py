@@ -6,8 +6,7 @@ With r a response's implicit reward and eps label smoothing:
     SimPO (Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward",
     2024): r = beta * log pi(y|x) / |y|, with a margin gamma
     loss = -(1 - eps) log sigmoid(r_c - r_r [- gamma]) - eps log sigmoid(r_r - r_c [+ gamma])
-The reference: the model with its adapters off, else a frozen copy of the initial model.
-"""
+The reference: the model with its adapters off, else a frozen copy of the initial model."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,8 +3,7 @@
 Each is the LM task (lm.py) on rows rendered with a chat template: the template resolved from
 `data.template` or the checkpoint, the tokenizer file checked, the held-out rows split off, the
 training rows shuffled by epoch, a frozen reference model where the loss needs one, and the template
-written beside the weights. The data keys they share: data/conversations.py's PostTrainingDataConfig.
-"""
+written beside the weights. The data keys they share: data/conversations.py's PostTrainingDataConfig."""
 from __future__ import annotations
 
 import copy

@@ -15,8 +15,7 @@ GSPO (Zheng et al., "Group Sequence Policy Optimization", 2025): GRPO's A and ag
     completion, exp(the mean over its tokens of logp - logp_old), clipped per completion (tight clips).
 The sampler's log-probabilities are not kept: the loss runs a training-mode forward over prompt + completion,
 and the old log-probs of updates_per_batch > 1 come from that forward without grad right after sampling, not
-from the decode steps (other kernels: cache, compilation, padding), so the ratio is exactly 1 at first.
-"""
+from the decode steps (other kernels: cache, compilation, padding), so the ratio is exactly 1 at first."""
 from __future__ import annotations
 
 import math
