@@ -310,9 +310,8 @@ class ChatTemplate:
             return _from_gguf(p)
         config = p if p.suffix == ".json" else p.parent / "tokenizer_config.json"  # a .jinja: its tokenizer's
         special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS} if config.is_file() else {}
-        if p.suffix != ".json":
-            return cls(p.read_text(encoding="utf-8"), special, str(p))
-        if (template := _config_template(p)) is None:
+        template = _config_template(p) if p.suffix == ".json" else p.read_text(encoding="utf-8")
+        if template is None:
             raise DataError(f"{p}: no chat_template")
         return cls(template, special, str(p))
 
@@ -492,14 +491,13 @@ def model_sources(path) -> list[Path]:
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
     """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
     own or else its base's; `tokenizer` (a file or 'bytes') wins."""
-    tok = template = None
+    template = None
+    tok = None if tokenizer is None else load_tokenizer_file(
+        tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
     for src in model_sources(path):
-        if tok is None and tokenizer is None:
-            name = model_tokenizer(src, ("tokenizer.json", "tokenizer.model"))
-            tok = load_tokenizer_file(name) if name else None
+        if tok is None and (name := model_tokenizer(src, ("tokenizer.json", "tokenizer.model"))):
+            tok = load_tokenizer_file(name)
         template = template or find_template(src)
-    if tokenizer is not None:
-        tok = load_tokenizer_file(tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
     if tok is None:
         raise DataError(f"{path}: no tokenizer.json or tokenizer.model beside the model or its base (pass --tokenizer)")
     return tok, template

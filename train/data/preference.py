@@ -98,13 +98,10 @@ def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], lis
 def synthetic_pairs(split: str, n: int) -> list[dict]:
     """n preference rows from the embedded conversations of `split` ('train' or 'val')."""
     from . import chat_example
-    convs = chat_example.conversations(split, n + len(chat_example.KINDS))
     k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
-    rows = []
-    for i, c in enumerate(convs[:n]):
-        if (other := convs[i + k][-1]["content"]) != c[-1]["content"]:
-            rows.append({"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other})
-    return rows
+    convs = chat_example.conversations(split, n + k)
+    return [{"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other[-1]["content"]}
+            for c, other in zip(convs[:n], convs[k:]) if other[-1]["content"] != c[-1]["content"]]
 
 
 class PreferenceData(TokenizedRows):

@@ -237,22 +237,16 @@ def documents(path: str, column: str = "text", problems: Optional[Problems] = No
 def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: str = "text") -> str:
     """All documents of a small source (tests; preparation streams) joined by blank lines, at most max_chars;
     bad documents reported in one line; an empty corpus is an error."""
-    problems = Problems()
-    docs, parts, total = [], [], 0
+    problems, pieces, total = Problems(), [], 0
     for d in documents(path, column, problems):
-        parts.append(d.text)
+        pieces += [d.text, "\n\n" if d.last else ""]  # a document's pieces joined, documents by a blank line
         total += len(d.text)
-        if d.last:
-            docs.append("".join(parts))
-            parts = []
         if max_chars is not None and total >= max_chars:
             break
-    if parts:
-        docs.append("".join(parts))
     why = problems.summary(path)
     if why:
         log(why)
-    text = "\n\n".join(docs)[:max_chars]
+    text = "".join(pieces).removesuffix("\n\n")[:max_chars]
     if not text.strip():
         raise DataError(f"{path}: the corpus is empty" + (f" ({why.split(': ', 2)[2]})" if why else ""))
     return text

@@ -92,9 +92,8 @@ class DPOTask(PostTrainingTask):
             return sequence_logps(base, x, y)[0]
 
     def example_batch(self, model, batch_size, seq_len=None):
-        self._use(model)
-        x = torch.zeros(2 * batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
-        return x, torch.zeros_like(x), torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        x, y = super().example_batch(model, 2 * batch_size, seq_len)
+        return x, y, torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
     def _batch(self, pairs, ids):
         """(inputs (2B, T), labels (2B, T), the pairs' ids (B,)): the chosen rows, then the rejected.

@@ -292,10 +292,8 @@ class RLTask(PostTrainingTask):
         return loss * scale, int(valid.sum())
 
     def example_batch(self, model, batch_size, seq_len=None):
-        self._use(model)
-        T = seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
-        x = torch.zeros(batch_size, T, dtype=torch.long, device=self.device)
-        return {"x": x, "y": torch.zeros_like(x), "adv": torch.zeros(batch_size, device=self.device)}
+        x, y = super().example_batch(model, batch_size, seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens)
+        return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device)}
 
     def state_dict(self):
         """The batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""
