@@ -10,10 +10,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from . import DataError, TokenizedRows
+from . import DataError, TokenizedRows, line_list
 from .conversations import ChatDataConfig, ChatTemplate
 from .packing import pack, pack_rows
-from .sources import line_list
 
 
 class ChatData(TokenizedRows):

@@ -17,8 +17,7 @@ import yaml
 from zoo.config import bounded, fail
 
 from . import (ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file,
-               model_tokenizer, tokenizer_folder)
-from .sources import line_list
+               line_list, model_tokenizer, tokenizer_folder)
 
 FORMATS = ("messages", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant")

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import DataError, TokenizedRows
-from .sources import line_list
+from . import DataError, TokenizedRows, line_list
 
 IGNORE = -100
 

@@ -170,21 +170,19 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         for f in out.iterdir():  # what a killed run left and the manifest does not list
             if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
-        if resume is None and (out / MANIFEST).exists():
-            (out / MANIFEST).unlink()
+        if resume is None:
+            (out / MANIFEST).unlink(missing_ok=True)
         skip = resume["chunks"] if resume else 0
         if resume:
             log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
         workers = workers or os.cpu_count() or 1
         total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
         writer = _Writer(out, meta, shard_tokens, resume)
-        bar, t0 = _Progress(total_bytes, max_chars, progress, workers), time.perf_counter()
+        bar, t0 = _Progress(total_bytes, max_chars, progress, workers, skip), time.perf_counter()
         pool = None
         try:
             it = chunks(documents(source, column, problems), chunk_chars, max_chars)
             deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
-            if skip:
-                bar.skip(skip)
             if workers == 1:
                 from .text_tokenizers import from_spec
                 tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
@@ -244,15 +242,13 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
 class _Progress:
     """A tqdm bar over the source's bytes, with MB/s and tokens/s."""
 
-    def __init__(self, total_bytes: int, max_chars, on: bool, workers: int):
+    def __init__(self, total_bytes: int, max_chars, on: bool, workers: int, skipped: int = 0):
         from tqdm import tqdm
         total = min(total_bytes, max_chars) if max_chars else total_bytes
-        self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True,
-                        desc=f"preparing ({workers} workers)", file=sys.stderr)
+        desc = f"resumed after {skipped} chunks" if skipped else f"preparing ({workers} workers)"
+        self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True, desc=desc,
+                        file=sys.stderr)
         self.tokens, self.chars, self.t0 = 0, 0, time.perf_counter()
-
-    def skip(self, n_chunks: int):
-        self.bar.set_description(f"resumed after {n_chunks} chunks")
 
     def update(self, chunk: list[Doc], n_tokens: int):
         n = sum(len(d.text) for d in chunk)
