@@ -22,7 +22,7 @@ from zoo.weights.files import atomic_write
 from .loader import Prefetcher
 from .shards import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
-                      line_list, short_digest, stdlib_files)
+                      line_list, needs, short_digest, stdlib_files)
 from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
                          load_tokenizer_file, sample_documents, train_sentencepiece)
 from .tokens import TokenStream, is_pretokenized, pretokenized_splits

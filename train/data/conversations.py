@@ -17,7 +17,7 @@ import yaml
 from zoo.config import bounded, fail
 
 from . import (ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file,
-               line_list, model_tokenizer, tokenizer_folder)
+               line_list, model_tokenizer, needs, tokenizer_folder)
 
 FORMATS = ("messages", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant")
@@ -416,13 +416,9 @@ def _config_template(p: Path) -> Optional[str]:
 
 
 def _from_gguf(p: Path) -> ChatTemplate:
+    gguf = needs("gguf", f"{p}: reading a GGUF file's chat template needs the gguf package (pip install -e '.[gguf]')")
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise DataError(f"{p}: reading a GGUF file's chat template needs the gguf package "
-                        f"(pip install -e '.[gguf]')") from None
-    try:
-        reader = GGUFReader(str(p))
+        reader = gguf.GGUFReader(str(p))
     except Exception as e:  # noqa: BLE001 (any failure to parse is a bad file)
         raise DataError(f"{p}: not a readable GGUF file ({e})") from None
     field = reader.get_field("tokenizer.chat_template")

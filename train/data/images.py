@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from zoo.convnet.preprocess import center_crop_box, load_crop
 
+from .sources import needs
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -41,11 +43,8 @@ def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_
         raise ValueError(f"digits_dataset: split must be 'train', 'val' or 'all', got {split!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"digits_dataset: val_fraction must be in (0, 1), got {val_fraction}")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ImportError("the embedded digits dataset needs scikit-learn: pip install scikit-learn") from None
-    d = load_digits()
+    d = needs("sklearn.datasets", "the embedded digits dataset needs scikit-learn: pip install scikit-learn",
+              ImportError).load_digits()
     x = torch.from_numpy(d.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8) in [0, 1]
     y = torch.from_numpy(d.target.astype(np.int64))
     if split != "all":
@@ -203,10 +202,7 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scik
 def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, per_class: bool = True) -> int:
     """Cut scikit-image's photographs into tile x tile PNGs: folder/<photo>/<row>_<col>.png (per_class)
     or folder/<photo>_<row>_<col>.png. Returns the number written."""
-    try:
-        from skimage import data
-    except ImportError:
-        raise ImportError("the photo tiles need scikit-image: pip install scikit-image") from None
+    data = needs("skimage.data", "the photo tiles need scikit-image: pip install scikit-image", ImportError)
     from PIL import Image
     n = 0
     for name in photos:
@@ -231,10 +227,8 @@ def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
     (Müller & Hutter, "TrivialAugment", 2021) for uint8 (C, H, W) images; None for "none"."""
     if kind == "none":
         return None
-    try:
-        from torchvision.transforms import v2
-    except ImportError:
-        raise ImportError(f"data.auto_augment={kind} needs torchvision: pip install -e '.[convnet]'") from None
+    v2 = needs("torchvision.transforms.v2", f"data.auto_augment={kind} needs torchvision: pip install -e '.[convnet]'",
+               ImportError)
     return v2.RandAugment(num_ops=num_ops, magnitude=magnitude) if kind == "randaugment" else v2.TrivialAugmentWide()
 
 

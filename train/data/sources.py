@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import importlib
 import json
 import re
 import sysconfig
@@ -21,6 +22,14 @@ PIECE_BYTES = 1 << 22  # a text file is read (and tokenised) in pieces of at mos
 
 class DataError(ValueError):
     """Bad data: one line naming the file."""
+
+
+def needs(module: str, why: str, error=DataError):
+    """The optional dependency `module`, imported; when it is missing, a one-line `error(why)`."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise error(why) from None
 
 
 class Doc(NamedTuple):
@@ -114,10 +123,7 @@ def _open_binary(f: Path):
         if name.endswith(".gz"):
             return gzip.open(f, "rb")
         if name.endswith(".zst"):
-            try:
-                import zstandard
-            except ImportError:
-                raise DataError(f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)") from None
+            zstandard = needs("zstandard", f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)")
             import io
             return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), read_across_frames=True))
         return open(f, "rb")
@@ -186,10 +192,7 @@ def _column_docs(batches, f, problems: Problems) -> Iterator[Doc]:
 
 
 def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{f}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    pq = needs("pyarrow.parquet", f"{f}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)")
     try:
         pf = pq.ParquetFile(f)
     except Exception as e:
@@ -201,10 +204,7 @@ def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
 
 
 def _saved_dataset_docs(p: Path, column: str, problems: Problems) -> Iterator[Doc]:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"{p}: reading a saved dataset needs the 'datasets' package (pip install datasets)") from None
+    datasets = needs("datasets", f"{p}: reading a saved dataset needs the 'datasets' package (pip install datasets)")
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as e:
