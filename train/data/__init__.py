@@ -101,7 +101,7 @@ class TextDataConfig:
 
 
 class TokenizedRows:
-    """Rows tokenised by `tokenizer`, whose vocabulary bounds the ids (TokenData's `max_id`: pre-tokenized data)."""
+    """Rows tokenised by `tokenizer`: the model's vocabulary must cover its and `max_id` (pre-tokenized data's)."""
     max_id = -1
 
     @property
@@ -206,7 +206,7 @@ def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int] = No
     return ids - at if boundary == "eos" else ids - at[..., :1]  # bos: the first token's own BOS opens document 0
 
 
-class TokenData:
+class TokenData(TokenizedRows):
     """The tokenizer and the train/val token streams of `data.path` or `data.sources`, sampled into windows."""
 
     def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print, progress: bool = False):
@@ -232,14 +232,12 @@ class TokenData:
             raise DataError(f"data.boundary={self.boundary}: pre-tokenized data without a tokenizer file has no "
                             f"BOS/EOS ids (set data.tokenizer)")
         parts = [self._source(s.path, p) for s, p in zip(specs, pre)]
-        max_id = max([-1] + [self._max_id(s.path) for s, p in zip(specs, pre) if p])
+        self.max_id = max([-1] + [self._max_id(s.path) for s, p in zip(specs, pre) if p])
         if self.tokenizer is None:
-            self.tokenizer = IdsTokenizer(max_id + 1)
-        elif max_id >= self.tokenizer.vocab_size:
-            raise DataError(f"{cfg.sources and 'data.sources' or cfg.path}: token id {max_id} is outside the "
+            self.tokenizer = IdsTokenizer(self.max_id + 1)
+        elif self.max_id >= self.tokenizer.vocab_size:
+            raise DataError(f"{cfg.sources and 'data.sources' or cfg.path}: token id {self.max_id} is outside the "
                             f"tokenizer's vocabulary of {self.tokenizer.vocab_size}")
-        self.max_id = max_id  # the largest id of pre-tokenized inputs (-1 without them)
-        self.vocab_size = max(self.tokenizer.vocab_size, max_id + 1)  # what the model's vocabulary must cover
         self._split(specs, parts)
         self.weights = torch.tensor([s.weight for s in specs], dtype=torch.float64)
         kinds = f", {len(specs)} sources" if len(specs) > 1 else ""

@@ -154,7 +154,6 @@ class ClassifyTask(Task):
         return len(self.val_y) if self.digits else len(self.val_set)
 
     def _scan(self, root: Path, val_path: Optional[str]):
-        d = self.cfg.data
         try:
             if val_path is None and (root / "train").is_dir() and (root / "val").is_dir():
                 root, val_path = root / "train", str(root / "val")
@@ -164,13 +163,11 @@ class ClassifyTask(Task):
                 return samples, val
         except (ValueError, FileNotFoundError) as e:
             raise DataError(str(e)) from None
-        g, by_class = torch.Generator().manual_seed(self.cfg.train.seed), [[] for _ in self.classes]
-        for s in samples:
-            by_class[s[1]].append(s)
-        train, val = [], []
-        for items in by_class:
+        g, train, val = torch.Generator().manual_seed(self.cfg.train.seed), [], []
+        for _, group in itertools.groupby(samples, key=lambda s: s[1]):  # the samples come class by class
+            items = list(group)
             order = torch.randperm(len(items), generator=g).tolist()
-            k = max(1, round(len(items) * d.val_fraction)) if len(items) > 1 else 0
+            k = max(1, round(len(items) * self.cfg.data.val_fraction)) if len(items) > 1 else 0
             val += [items[i] for i in order[:k]]
             train += [items[i] for i in order[k:]]
         if not val:
