@@ -104,6 +104,9 @@ class TokenizedRows:
     """Rows tokenised by `tokenizer`: the model's vocabulary must cover its and `max_id` (pre-tokenized data's)."""
     max_id = -1
 
+    def __init__(self, train: list, val: list, tokenizer):
+        self.train, self.val, self.tokenizer = train, val, tokenizer
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size

@@ -137,13 +137,6 @@ def reward_keys(rewards) -> list[str]:
     return keys
 
 
-class Prompts(TokenizedRows):
-    """The prompt rows of a run, train and val ([{prompt, answer}]), and the tokenizer."""
-
-    def __init__(self, train: list, val: list, tokenizer):
-        self.train, self.val, self.tokenizer = train, val, tokenizer
-
-
 class RLTask(PostTrainingTask):
     DataConfig = PromptDataConfig
     RLConfig = RLConfig
@@ -161,7 +154,8 @@ class RLTask(PostTrainingTask):
             raise ConfigError(f"{self.cfg.source}: rl.prompts_per_step={rl.prompts_per_step} must divide among the "
                               f"{self.world} processes")
         self.chat_template = self._template()
-        self.data = Prompts(*self.held_out(arithmetic, lambda path: read_prompts(path, self.log)), tokenizer)
+        train, val = self.held_out(arithmetic, lambda path: read_prompts(path, self.log))  # [{prompt, answer}]
+        self.data = TokenizedRows(train, val, tokenizer)
         self.log(f"data: {d.path}: {len(self.data.train)} train + {len(self.data.val)} held-out prompts")
         self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
         self._window = []
