@@ -97,12 +97,10 @@ class ChatData(TokenizedRows):
             y[r, :len(yi)] = torch.from_numpy(yi)
         return x, y, sum(len(xi) for xi, _ in items), {}
 
-    def val_batches(self, batch_size: int, n_batches: int = None):
-        """The validation conversations in order of length, batch_size at a time (the same every time)."""
+    def val_batches(self, batch_size: int, n_batches: int):
+        """The first n_batches of the validation conversations in order of length, batch_size at a time."""
         order = sorted(range(len(self.val)), key=lambda i: len(self.val[i][0]))
-        for b, s in enumerate(range(0, len(order), batch_size)):
-            if n_batches is not None and b >= n_batches:
-                return
+        for s in range(0, min(len(order), n_batches * batch_size), batch_size):
             yield self.collate([self.val[i] for i in order[s:s + batch_size]])
 
     def padding_waste(self, rows: int, bucket_batches: int = None, packed: bool = False) -> float:

@@ -196,31 +196,22 @@ def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
 
 # --------------------- a folder of real photographs, made on the spot (tests, benchmarks)
 
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scikit-image ships
-
-
-def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, per_class: bool = True) -> int:
-    """Cut scikit-image's photographs into tile x tile PNGs: folder/<photo>/<row>_<col>.png (per_class)
-    or folder/<photo>_<row>_<col>.png. Returns the number written."""
+def write_photo_tiles(folder, tile: int = 48) -> int:
+    """Cut scikit-image's colour photographs into tile x tile PNGs, folder/<photo>/<row>_<col>.png; returns how many."""
     data = needs("skimage.data", "the photo tiles need scikit-image: pip install scikit-image", ImportError)
     from PIL import Image
     n = 0
-    for name in photos:
-        img = getattr(data, name)()
-        out = Path(folder) / name if per_class else Path(folder)
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img, out = getattr(data, name)(), Path(folder) / name
         out.mkdir(parents=True, exist_ok=True)
         for r in range(img.shape[0] // tile):
             for c in range(img.shape[1] // tile):
-                crop = img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
-                Image.fromarray(crop).save(out / (f"{r}_{c}.png" if per_class else f"{name}_{r}_{c}.png"))
+                Image.fromarray(img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]).save(out / f"{r}_{c}.png")
                 n += 1
     return n
 
 
 # ---------- the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
-
-AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
-
 
 def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
     """torchvision transforms v2's RandAugment (Cubuk et al., "RandAugment", 2020) or TrivialAugmentWide

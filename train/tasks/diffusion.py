@@ -111,17 +111,14 @@ def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: i
 def load_dit_into(model: LatentDiffusion, path):
     """The denoiser's weights from a diffusers DiTTransformer2DModel folder: the run's `model.dit` keys
     and classes must describe that DiT (each difference a one-line error naming the key to set)."""
-    dit = diffusers_dit.load(path)
+    ours, theirs = model.denoiser, diffusers_dit.load(path)
     if model.config.denoiser != "dit":
         raise ValueError(f"{path}: a DiT; set model.denoiser=dit")
-    ours, theirs = model.denoiser, dit
-    keys = ["resolved_depth", "resolved_width", "resolved_heads", "patch_size", "learn_sigma", "qkv_bias", "norm_eps",
-            "freq_shift", "block_conditioning", "mlp_ratio", "qk_norm", "rope"]
-    for k in keys:
-        if getattr(ours.config, k) != getattr(theirs.config, k):
+    for k in ("resolved_depth", "resolved_width", "resolved_heads", "patch_size", "learn_sigma", "qkv_bias", "norm_eps",
+              "freq_shift", "block_conditioning", "mlp_ratio", "qk_norm", "rope"):
+        if (value := getattr(theirs.config, k)) != getattr(ours.config, k):
             name = k.removeprefix("resolved_")
-            raise ValueError(f"{path}: the DiT there has {name}={getattr(theirs.config, k)}; set model.dit.{name}="
-                             f"{getattr(theirs.config, k)}")
+            raise ValueError(f"{path}: the DiT there has {name}={value}; set model.dit.{name}={value}")
     if (ours.num_classes, ours.in_channels) != (theirs.num_classes, theirs.in_channels):
         raise ValueError(f"{path}: the DiT there has {theirs.num_classes} classes and {theirs.in_channels} latent "
                          f"channels, this run {ours.num_classes} and {ours.in_channels}")
@@ -197,9 +194,8 @@ class DiffusionTask(Task):
                 self.log(f"autoencoder: cached file unusable ({e}); training it again")
         self.log(f"autoencoder: training a TAESD {ae.variant} on the training images ({d.ae_steps} steps)")
         torch.manual_seed(cfg.train.seed)
-        x_tr = data.read("train", 0, len(data.labels["train"]))
-        ae = train_autoencoder(ae, x_tr, d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise, self.device,
-                               cfg.train.seed, self.log)
+        ae = train_autoencoder(ae, data.read("train", 0, len(data.labels["train"])), d.ae_steps, d.ae_batch_size,
+                               d.ae_lr, d.ae_latent_noise, self.device, cfg.train.seed, self.log)
         zoo.save_pretrained(ae, path)
         self.log(f"autoencoder: cached in {path}")
         return ae

@@ -105,8 +105,7 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            # the architecture comes from the checkpoint (how it runs comes from train:, train/builder.py)
-            # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
+            # the checkpoint's architecture (how it runs: train:), in fp32 master weights (the loop autocasts)
             def load(path):
                 if not (hf_llm.detect(path) or zoo_folder.detect(path) or gguf_llm.detect(path)):
                     raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "

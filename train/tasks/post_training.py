@@ -94,8 +94,7 @@ class PostTrainingTask(LMTask):
         if self.cfg.adapter.enabled or self.reference is None:
             return model
         if not self._placed:
-            apply_runtime(self.reference, self.cfg.train)
-            self.reference.to(self.device)
+            self.reference = apply_runtime(self.reference, self.cfg.train).to(self.device)
             self._placed = True
         return self.reference
 
