@@ -355,9 +355,8 @@ class TokenData(TokenizedRows):
         T = seq_len or self.cfg.seq_len
         if split == "train" and len(self.mixture) > 1:
             src = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()
-            picks = [(self.mixture[k], int(torch.randint(0, len(self.mixture[k]) - T, (1,), generator=generator,
-                                                                 device=generator.device)))
-                     for k in src]
+            picks = [(d, int(torch.randint(0, len(d) - T, (1,), generator=generator, device=generator.device)))
+                     for d in (self.mixture[k] for k in src)]
         else:
             data = self.train if split == "train" else self.val
             picks = [(data, s) for s in torch.randint(0, len(data) - T, (batch_size,), generator=generator,

@@ -116,9 +116,8 @@ class ChatData(TokenizedRows):
 
 
 def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int, epoch: int) -> np.ndarray:
-    """The batches of one epoch in training order, (batches, rows) indices into `lengths`: a
-    permutation seeded by (seed, epoch), the last batch filled from its start, each window of
-    `bucket_batches` batches sorted by length and cut, the batches shuffled."""
+    """One epoch's batches in training order, (batches, rows) indices into `lengths`: a permutation seeded by (seed,
+    epoch), the last batch filled from its start, each `bucket_batches` batches sorted by length, cut and shuffled."""
     rng, n = np.random.default_rng((seed, epoch)), len(lengths)
     n_batches = -(-n // rows)
     perm = np.resize(rng.permutation(n), n_batches * rows)  # np.resize repeats from the start

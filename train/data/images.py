@@ -124,9 +124,8 @@ def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool 
 
 
 def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """A crop box (left, top, right, bottom) covering a random fraction `scale` of the area with a
-    log-uniform aspect ratio in `ratio` (Szegedy et al., "Going Deeper with Convolutions", 2014);
-    after 10 failed draws, the largest centred box with an aspect ratio inside `ratio`."""
+    """A crop box (left, top, right, bottom) of a random `scale` fraction of the area, its aspect ratio log-uniform in
+    `ratio` (Szegedy et al., "Going Deeper with Convolutions", 2014); after 10 failed draws, the largest centred one."""
     area, log_r = w * h, (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
         target, r = area * rng.uniform(*scale), math.exp(rng.uniform(*log_r))
@@ -140,9 +139,8 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
 
 
 class FolderImages(torch.utils.data.Dataset):
-    """samples [(path, label)] -> item (uint8 (C, size, size) or None, label, bad path or None), indexed
-    by (index, seed): a training item's crop, flip and `augment` come from its seed alone, so it does
-    not depend on the worker. An unreadable file gives None and its path; the task reports it."""
+    """samples [(path, label)] -> item (uint8 (C, size, size) or None, label, bad path or None) by (index, seed):
+    a training item's crop, flip and `augment` come from its seed alone, whatever the worker (None: unreadable)."""
 
     def __init__(self, samples, size: int, train: bool, channels: int = 3, scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), hflip: float = 0.5, crop_pct: float = 0.875, augment=None):

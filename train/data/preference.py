@@ -12,9 +12,8 @@ IGNORE = -100
 
 
 def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "rows") -> list:
-    """parse(row) of every line of the jsonl file `path`. A line that is not a JSON object or that
-    parse refuses (ValueError, KeyError, TypeError) is skipped and counted, with one summary line
-    naming the file and the line numbers; no usable line at all is a DataError."""
+    """parse(row) of every line of the jsonl file `path`; lines that are not JSON objects or that parse refuses
+    (ValueError, KeyError, TypeError) skipped, in one log line naming them; no usable line at all: a DataError."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"{path}: no such file")

@@ -159,11 +159,10 @@ class RLTask(PostTrainingTask):
         self.log(f"data: {d.path}: {len(self.data.train)} train + {len(self.data.val)} held-out prompts")
         self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
         self._window = []
+        ref = "the base with its adapters off" if self.cfg.adapter.enabled else "a frozen copy of the initial model"
         self.log(f"rl: {rl.algorithm}, {rl.prompts_per_step} prompts x {rl.group_size} completions per batch, "
                  f"rewards {', '.join(f'{n} x {w:g}' for n, w, _ in self.rewards)}"
-                 + (f", kl_beta {rl.kl_beta:g} against " + ("the base with its adapters off" if self.cfg.adapter.enabled
-                                                           else "a frozen copy of the initial model")
-                    if rl.kl_beta > 0 else ""))
+                 + (f", kl_beta {rl.kl_beta:g} against {ref}" if rl.kl_beta > 0 else ""))
 
     def wants_reference(self):
         return self.cfg.rl.kl_beta > 0
