@@ -120,8 +120,7 @@ def check_files(paths, source, key):
 
 
 def tokenizer_folder(path, cache: Optional[str] = None) -> Path:
-    """The folder of a model's tokenizer files: the model folder itself, or for a GGUF file its tokenizer and
-    chat template written once into the cache as Hugging Face's files (tokenizer.json, tokenizer_config.json)."""
+    """Where a model's tokenizer files are: its folder, or a GGUF file's, saved once to the cache as Hugging Face's."""
     p = Path(path).expanduser()
     if not (p.suffix == ".gguf" and p.is_file()):
         return p
@@ -337,8 +336,7 @@ class TokenData(TokenizedRows):
         return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)
 
     def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
-        """Entropy (nats/token) of the training tokens' unigram distribution (the loss of the best
-        context-free model), on up to `sample_tokens` tokens in evenly spaced blocks."""
+        """The training tokens' unigram entropy (nats/token: a context-free model's best loss), on spread blocks."""
         counts, n = np.zeros(self.vocab_size, dtype=np.float64), len(self.train)
         size = sample_tokens // 64
         blocks = self.train.blocks() if n <= sample_tokens else (
