@@ -2,10 +2,9 @@
 cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md)."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional
 import importlib.util
@@ -147,7 +146,7 @@ class ClassifyTask(Task):
         if over:
             self.log("model: " + ", ".join(f"model.{k}={getattr(m, k)} -> {v}" for k, v in over.items())
                      + f", as {self.cfg.data.path} has them")
-        return dataclasses.replace(m, **over)
+        return replace(m, **over)
 
     @property
     def n_val(self) -> int:

@@ -22,9 +22,8 @@ from zoo.weights import diffusers_dit
 from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
-from ..data import DataError, cache_dir
+from ..data import DataError, cache_dir, files_fingerprint, short_digest
 from ..data.latents import LatentCache, latent_cache, weights_fingerprint
-from ..data.sources import files_fingerprint, short_digest
 from ..step import eval_mode
 from . import Task
 

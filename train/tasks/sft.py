@@ -3,7 +3,6 @@ rendered with the model's chat template, the loss on the assistant's tokens only
 `val_exact_match`."""
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 
@@ -12,8 +11,7 @@ import torch
 
 from zoo.config import ConfigError
 
-from ..data import DataError, cache_dir, load_tokenizer_file, train_sentencepiece
-from ..data import chat_example
+from ..data import DataError, cache_dir, chat_example, load_tokenizer_file, short_digest, train_sentencepiece
 from ..data.chat_data import ChatData
 from ..data.conversations import ChatDataConfig, read_conversations
 from ..eval import generate_answer
@@ -70,8 +68,7 @@ class SFTTask(PostTrainingTask):
         """A sentencepiece tokenizer trained on the rendered conversations (cached by its input)."""
         d = self.cfg.data
         texts = [self.chat_template.render(m) for m, _ in train_rows]  # a tokenizer for the rendered conversations
-        key = hashlib.sha256(f"{d.vocab_size}:{''.join(texts)}".encode()).hexdigest()[:16]
-        path = cache_dir(d.cache_dir) / f"sp-chat-{key}.model"
+        path = cache_dir(d.cache_dir) / f"sp-chat-{short_digest(d.vocab_size, ''.join(texts))}.model"
         if not path.is_file():
             train_sentencepiece(texts, d.vocab_size, path, self.log)
         return load_tokenizer_file(path)
