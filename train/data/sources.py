@@ -144,13 +144,10 @@ def _text_pieces(f: Path, problems: Problems) -> Iterator[Doc]:
             text = rest + dec.decode(block, final=not block)
             if not block:
                 break
-            if len(text) < PIECE_BYTES:
-                rest = text
-                continue
             cut = text.rfind("\n\n", 0, len(text) - 1)
             cut = cut + 2 if cut >= 0 else text.rfind("\n") + 1
-            if cut <= 0 and len(text) < 4 * PIECE_BYTES:
-                rest = text
+            if len(text) < PIECE_BYTES or (cut <= 0 and len(text) < 4 * PIECE_BYTES):
+                rest = text  # too short to cut yet, or no line end in it
                 continue
             cut = cut if cut > 0 else len(text)  # no line end in 16 MiB: cut anywhere
             piece, rest = text[:cut], text[cut:]
