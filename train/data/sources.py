@@ -236,14 +236,14 @@ def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: s
     bad documents reported in one line; an empty corpus is an error."""
     problems, pieces, total = Problems(), [], 0
     for d in documents(path, column, problems):
-        pieces += [d.text, "\n\n" if d.last else ""]  # a document's pieces joined, documents by a blank line
+        pieces += [d.text, "\n\n" if d.last else ""]  # documents joined by a blank line (the last's dropped below)
         total += len(d.text)
         if max_chars is not None and total >= max_chars:
             break
     why = problems.summary(path)
     if why:
         log(why)
-    text = "".join(pieces).removesuffix("\n\n")[:max_chars]
+    text = "".join(pieces[:-1])[:max_chars]
     if not text.strip():
         raise DataError(f"{path}: the corpus is empty" + (f" ({why.split(': ', 2)[2]})" if why else ""))
     return text
