@@ -151,9 +151,8 @@ class DPOTask(PostTrainingTask):
 
 def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,
                     beta: float, label_smoothing: float = 0.0, gamma: float = 0.0):
-    """Per-pair losses and rewards of 2B rows (B chosen, then B rejected): policy and reference (B*2,)
-    summed log-probabilities, tokens (B*2,) their scored tokens. kind 'dpo' or 'simpo' (reference
-    unused). Returns (losses (B,), chosen rewards (B,), rejected rewards (B,)), the rewards detached."""
+    """Per-pair (losses, chosen rewards, rejected rewards), each (B,), the rewards detached, of 2B rows (B chosen, then
+    B rejected): policy, reference (unused by simpo) (2B,) summed log-probabilities, tokens (2B,) their scored ones."""
     reward = beta * (policy - reference) if kind == "dpo" else beta * policy / tokens.clamp(min=1)
     B = policy.shape[0] // 2
     logits = reward[:B] - reward[B:] - (gamma if kind == "simpo" else 0.0)

@@ -115,12 +115,10 @@ def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     total = per_token * mask
     if algorithm in ("grpo", "gspo"):
-        loss = (total.sum(1) / lengths).sum() / n_seqs
-    elif algorithm == "dr_grpo":
-        loss = total.sum() / (n_seqs * max_new_tokens)
-    else:
-        loss = total.sum() / n_tokens
-    return loss, stats
+        return (total.sum(1) / lengths).sum() / n_seqs, stats
+    if algorithm == "dr_grpo":
+        return total.sum() / (n_seqs * max_new_tokens), stats
+    return total.sum() / n_tokens, stats  # dapo
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:

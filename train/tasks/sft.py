@@ -1,6 +1,5 @@
-"""Chat fine-tuning (SFT) of an LLM (`data.format: messages | prompt_completion | alpaca`): conversations
-rendered with the model's chat template, the loss on the assistant's tokens only; evaluation adds
-`val_exact_match`."""
+"""Chat fine-tuning (SFT) of an LLM (`data.format: messages | prompt_completion | alpaca`): conversations rendered with
+the model's chat template, the loss on the assistant's tokens only; evaluation adds `val_exact_match`."""
 from __future__ import annotations
 
 import random
