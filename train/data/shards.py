@@ -98,12 +98,17 @@ class Shards:
         self.doc_starts = [np.load(f.with_suffix(".docs.npy")) for f in self.files]
 
 
-def read_manifest(out: Path) -> Optional[dict]:
+def read_record(path: Path, **want) -> Optional[dict]:
+    """The JSON file at `path` when it is readable and holds `want`'s values (its version, its key), else None."""
     try:
-        m = json.loads((Path(out) / MANIFEST).read_text())
-        return m if m.get("version") == VERSION else None
+        record = json.loads(Path(path).read_text())
+        return record if all(record.get(k) == v for k, v in want.items()) else None
     except (OSError, ValueError):
         return None
+
+
+def read_manifest(out: Path) -> Optional[dict]:
+    return read_record(Path(out) / MANIFEST, version=VERSION)
 
 
 class _Writer:
