@@ -25,7 +25,7 @@ from .sources import (DataError, Problems, corpus_files, documents, files_finger
                       line_list, needs, short_digest, stdlib_files)
 from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
                          load_tokenizer_file, sample_documents, train_sentencepiece)
-from .tokens import TokenStream, is_pretokenized, pretokenized_splits
+from .tokens import TokenStream, is_pretokenized, pretokenized_splits, token_files
 
 
 @dataclass
@@ -275,7 +275,6 @@ class TokenData(TokenizedRows):
 
     def _max_id(self, path: str) -> int:
         """The largest id of pre-tokenized files (a pass over them, cached under their fingerprint)."""
-        from .tokens import token_files
         key = short_digest(files_fingerprint(token_files(path)), self.cfg.token_dtype)
         cached = self.cache / f"max-id-{key}.txt"
         if cached.is_file():

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import DataError, TokenizedRows, line_list
+from . import DataError, TokenizedRows, chat_example, line_list
 
 IGNORE = -100
 
@@ -95,7 +95,6 @@ def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], lis
 
 def synthetic_pairs(split: str, n: int) -> list[dict]:
     """n preference rows from the embedded conversations of `split` ('train' or 'val')."""
-    from . import chat_example
     k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
     convs = chat_example.conversations(split, n + k)
     return [{"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other[-1]["content"]}

@@ -22,6 +22,7 @@ import numpy as np
 from zoo.weights.files import atomic_write
 
 from .sources import DataError, Doc, Problems, corpus_files, documents
+from .text_tokenizers import from_spec
 
 MANIFEST, VERSION = "manifest.json", 1
 
@@ -55,7 +56,6 @@ _worker_tok = None
 def _init_worker(spec):
     global _worker_tok
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
-    from .text_tokenizers import from_spec
     _worker_tok = from_spec(spec, threads=1)
 
 
@@ -189,7 +189,6 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
             it = chunks(documents(source, column, problems), chunk_chars, max_chars)
             deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
             if workers == 1:
-                from .text_tokenizers import from_spec
                 tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
                 results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
             else:
