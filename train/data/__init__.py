@@ -3,8 +3,7 @@
 This file holds the config (`data.*`), TokenData (the LM task's data) and the document-boundary
 contract. A source (`data.path`, or a mixture `data.sources`) is prepared once into `data.cache_dir`
 and read as memmaps; batches are random windows seeded by (seed, step, micro), so resume is exact.
-`document_ids` numbers each token's document by `data.boundary` (docs/data.md).
-"""
+`document_ids` numbers each token's document by `data.boundary` (docs/data.md)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,10 +22,10 @@ from zoo.weights.files import atomic_write
 from .loader import Prefetcher
 from .shards import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
-                      short_digest, stdlib_files)
+                      line_list, needs, short_digest, stdlib_files)
 from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
                          load_tokenizer_file, sample_documents, train_sentencepiece)
-from .tokens import TokenStream, is_pretokenized, pretokenized_splits
+from .tokens import TokenStream, is_pretokenized, pretokenized_splits, token_files
 
 
 @dataclass
@@ -102,8 +101,11 @@ class TextDataConfig:
 
 
 class TokenizedRows:
-    """Rows tokenised by `tokenizer`, whose vocabulary bounds the ids (TokenData's `max_id`: pre-tokenized data)."""
+    """Rows tokenised by `tokenizer`: the model's vocabulary must cover its and `max_id` (pre-tokenized data's)."""
     max_id = -1
+
+    def __init__(self, train: list, val: list, tokenizer):
+        self.train, self.val, self.tokenizer = train, val, tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -118,8 +120,7 @@ def check_files(paths, source, key):
 
 
 def tokenizer_folder(path, cache: Optional[str] = None) -> Path:
-    """The folder of a model's tokenizer files: the model folder itself, or for a GGUF file its tokenizer and
-    chat template written once into the cache as Hugging Face's files (tokenizer.json, tokenizer_config.json)."""
+    """Where a model's tokenizer files are: its folder, or a GGUF file's, saved once to the cache as Hugging Face's."""
     p = Path(path).expanduser()
     if not (p.suffix == ".gguf" and p.is_file()):
         return p
@@ -207,7 +208,7 @@ def document_ids(tokens: torch.Tensor, boundary: str, bos_id: Optional[int] = No
     return ids - at if boundary == "eos" else ids - at[..., :1]  # bos: the first token's own BOS opens document 0
 
 
-class TokenData:
+class TokenData(TokenizedRows):
     """The tokenizer and the train/val token streams of `data.path` or `data.sources`, sampled into windows."""
 
     def __init__(self, cfg: TextDataConfig, tokenizer_path: Optional[str] = None, log=print, progress: bool = False):
@@ -233,14 +234,12 @@ class TokenData:
             raise DataError(f"data.boundary={self.boundary}: pre-tokenized data without a tokenizer file has no "
                             f"BOS/EOS ids (set data.tokenizer)")
         parts = [self._source(s.path, p) for s, p in zip(specs, pre)]
-        max_id = max([-1] + [self._max_id(s.path) for s, p in zip(specs, pre) if p])
+        self.max_id = max([-1] + [self._max_id(s.path) for s, p in zip(specs, pre) if p])
         if self.tokenizer is None:
-            self.tokenizer = IdsTokenizer(max_id + 1)
-        elif max_id >= self.tokenizer.vocab_size:
-            raise DataError(f"{cfg.sources and 'data.sources' or cfg.path}: token id {max_id} is outside the "
+            self.tokenizer = IdsTokenizer(self.max_id + 1)
+        elif self.max_id >= self.tokenizer.vocab_size:
+            raise DataError(f"{cfg.sources and 'data.sources' or cfg.path}: token id {self.max_id} is outside the "
                             f"tokenizer's vocabulary of {self.tokenizer.vocab_size}")
-        self.max_id = max_id  # the largest id of pre-tokenized inputs (-1 without them)
-        self.vocab_size = max(self.tokenizer.vocab_size, max_id + 1)  # what the model's vocabulary must cover
         self._split(specs, parts)
         self.weights = torch.tensor([s.weight for s in specs], dtype=torch.float64)
         kinds = f", {len(specs)} sources" if len(specs) > 1 else ""
@@ -276,7 +275,6 @@ class TokenData:
 
     def _max_id(self, path: str) -> int:
         """The largest id of pre-tokenized files (a pass over them, cached under their fingerprint)."""
-        from .tokens import token_files
         key = short_digest(files_fingerprint(token_files(path)), self.cfg.token_dtype)
         cached = self.cache / f"max-id-{key}.txt"
         if cached.is_file():
@@ -306,28 +304,22 @@ class TokenData:
         """self.mixture (each source's training tokens), self.train (all of them) and self.val."""
         cfg, T = self.cfg, self.cfg.seq_len
         trains, vals = [], []
-        for s, (stream, extra) in zip(specs, parts):
-            if cfg.val_path or isinstance(extra, TokenStream) or (extra is None):
+        for stream, extra in parts:
+            if cfg.val_path or isinstance(extra, TokenStream):
                 trains.append(stream)
-                vals.append(extra if isinstance(extra, TokenStream) and not cfg.val_path else None)
-                continue
-            n = len(stream)
-            n_val = max(int(n * cfg.val_fraction), T + 1)
-            cut = n - n_val
-            later = extra[extra >= cut]  # the first document that starts in the held-out tail
-            if len(later) and n - int(later[0]) >= T + 1:
-                cut = int(later[0])
-            trains.append(stream.sub(0, cut))
-            vals.append(stream.sub(cut, n))
+                vals.append(extra)
+            else:  # the held-out tail, from its first document start (pre-tokenized without val files: none)
+                n = len(stream)
+                cut = n - max(int(n * cfg.val_fraction), T + 1)
+                later = extra[extra >= cut] if extra is not None else []
+                if len(later) and n - int(later[0]) >= T + 1:
+                    cut = int(later[0])
+                trains.append(stream.sub(0, cut))
+                vals.append(stream.sub(cut, n))
         if cfg.val_path:
             pre = is_pretokenized(cfg.val_path)
             v = self._source(cfg.val_path, pre)
             vals = [TokenStream([*v[0].parts, *(v[1].parts if pre and v[1] is not None else [])])]
-        for i, v in enumerate(vals):
-            if v is None:  # pre-tokenized without val files: the token tail
-                n = len(trains[i])
-                n_val = max(int(n * cfg.val_fraction), T + 1)
-                trains[i], vals[i] = trains[i].sub(0, n - n_val), trains[i].sub(n - n_val, n)
         for s, t in zip(specs, trains):
             if len(t) < T + 1:
                 raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "
@@ -343,8 +335,7 @@ class TokenData:
         return document_ids(tokens, self.boundary, self.bos_id, self.eos_id)
 
     def unigram_entropy(self, sample_tokens: int = 1 << 26) -> float:
-        """Entropy (nats/token) of the training tokens' unigram distribution (the loss of the best
-        context-free model), on up to `sample_tokens` tokens in evenly spaced blocks."""
+        """The training tokens' unigram entropy (nats/token: a context-free model's best loss), on spread blocks."""
         counts, n = np.zeros(self.vocab_size, dtype=np.float64), len(self.train)
         size = sample_tokens // 64
         blocks = self.train.blocks() if n <= sample_tokens else (
@@ -361,9 +352,8 @@ class TokenData:
         T = seq_len or self.cfg.seq_len
         if split == "train" and len(self.mixture) > 1:
             src = torch.multinomial(self.weights, batch_size, replacement=True, generator=generator).tolist()
-            picks = [(self.mixture[k], int(torch.randint(0, len(self.mixture[k]) - T, (1,), generator=generator,
-                                                                 device=generator.device)))
-                     for k in src]
+            picks = [(d, int(torch.randint(0, len(d) - T, (1,), generator=generator, device=generator.device)))
+                     for d in (self.mixture[k] for k in src)]
         else:
             data = self.train if split == "train" else self.val
             picks = [(data, s) for s in torch.randint(0, len(data) - T, (batch_size,), generator=generator,

@@ -2,8 +2,7 @@
 the right (inputs 0, targets -100), rows of similar length batched together; or with `data.pack`,
 several per row of `data.seq_len` tokens, each in a document of its own. A batch follows from (seed, index).
 
-    x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords
-"""
+    x, y, n, docs = data.batch(index, rows)   # (B, T) inputs and targets, real tokens, doc keywords"""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -11,8 +10,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from . import DataError, TokenizedRows
-from .conversations import ChatDataConfig, ChatTemplate, _line_list
+from . import DataError, TokenizedRows, line_list
+from .conversations import ChatDataConfig, ChatTemplate
 from .packing import pack, pack_rows
 
 
@@ -53,7 +52,7 @@ class ChatData(TokenizedRows):
                 continue
             out.append((np.asarray(ids[:-1], dtype=np.int64), y))
         for f, lines in refused.items():
-            log(f"data: {f}: {len(lines)} conversations the chat template refuses, skipped (lines {_line_list(lines)})")
+            log(f"data: {f}: {len(lines)} conversations the chat template refuses, skipped (lines {line_list(lines)})")
         if cut:
             log(f"data: {cut} {split} conversations longer than data.seq_len={self.cfg.seq_len} tokens were cut there"
                 + (f"; {dropped} kept no assistant token and were dropped" if dropped else ""))
@@ -98,12 +97,10 @@ class ChatData(TokenizedRows):
             y[r, :len(yi)] = torch.from_numpy(yi)
         return x, y, sum(len(xi) for xi, _ in items), {}
 
-    def val_batches(self, batch_size: int, n_batches: int = None):
-        """The validation conversations in order of length, batch_size at a time (the same every time)."""
+    def val_batches(self, batch_size: int, n_batches: int):
+        """The first n_batches of the validation conversations in order of length, batch_size at a time."""
         order = sorted(range(len(self.val)), key=lambda i: len(self.val[i][0]))
-        for b, s in enumerate(range(0, len(order), batch_size)):
-            if n_batches is not None and b >= n_batches:
-                return
+        for s in range(0, min(len(order), n_batches * batch_size), batch_size):
             yield self.collate([self.val[i] for i in order[s:s + batch_size]])
 
     def padding_waste(self, rows: int, bucket_batches: int = None, packed: bool = False) -> float:
@@ -119,9 +116,8 @@ class ChatData(TokenizedRows):
 
 
 def epoch_batches(lengths: np.ndarray, rows: int, bucket_batches: int, seed: int, epoch: int) -> np.ndarray:
-    """The batches of one epoch in training order, (batches, rows) indices into `lengths`: a
-    permutation seeded by (seed, epoch), the last batch filled from its start, each window of
-    `bucket_batches` batches sorted by length and cut, the batches shuffled."""
+    """One epoch's batches in training order, (batches, rows) indices into `lengths`: a permutation seeded by (seed,
+    epoch), the last batch filled from its start, each `bucket_batches` batches sorted by length, cut and shuffled."""
     rng, n = np.random.default_rng((seed, epoch)), len(lengths)
     n_batches = -(-n // rows)
     perm = np.resize(rng.permutation(n), n_batches * rows)  # np.resize repeats from the start

@@ -2,8 +2,7 @@
 every time, so chat fine-tuning has an example that needs no download.
 
 Four kinds: introductions over two turns, parity, repetition, the last word of a list;
-`conversations("val")` draws combinations training never showed, so answering takes the skill.
-"""
+`conversations("val")` draws combinations training never showed, so answering takes the skill."""
 from __future__ import annotations
 
 import random

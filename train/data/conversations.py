@@ -2,8 +2,7 @@
 messages -> chat template -> token ids, and labels that train only the assistant's tokens.
 
 `ChatTemplate` renders a model's Jinja `chat_template` as transformers' `apply_chat_template` does, or
-`chatml`; assistant-only labels come from `{% generation %}` markers, else from rendering prefix by prefix.
-"""
+`chatml`; assistant-only labels come from `{% generation %}` markers, else from rendering prefix by prefix."""
 from __future__ import annotations
 
 import datetime
@@ -18,7 +17,7 @@ import yaml
 from zoo.config import bounded, fail
 
 from . import (ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file,
-               model_tokenizer, tokenizer_folder)
+               line_list, model_tokenizer, needs, tokenizer_folder)
 
 FORMATS = ("messages", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant")
@@ -155,10 +154,6 @@ def row_messages(row, fmt: str) -> list[dict]:
     return messages
 
 
-def _line_list(lines: list[int], shown: int = 10) -> str:
-    return ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
-
-
 def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:
     """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line); malformed
     rows skipped, with one log line per file (their count, line numbers and the first reason)."""
@@ -183,7 +178,7 @@ def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict],
                 reason = reason or (str(e) if isinstance(e, BadRow) else "not JSON")
         if bad:
             first_problem = first_problem or f"{f}: line {bad[0]}: {reason}"
-            log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {_line_list(bad)}; "
+            log(f"data: {f}: {len(bad)} malformed rows skipped (data.format={fmt}; lines {line_list(bad)}; "
                 f"line {bad[0]}: {reason})")
     if not out:
         raise DataError(f"{path}: no usable conversation for data.format={fmt}"
@@ -314,9 +309,8 @@ class ChatTemplate:
             return _from_gguf(p)
         config = p if p.suffix == ".json" else p.parent / "tokenizer_config.json"  # a .jinja: its tokenizer's
         special = {k: _token_text(_read_json(config).get(k)) for k in SPECIAL_TOKENS} if config.is_file() else {}
-        if p.suffix != ".json":
-            return cls(p.read_text(encoding="utf-8"), special, str(p))
-        if (template := _config_template(p)) is None:
+        template = _config_template(p) if p.suffix == ".json" else p.read_text(encoding="utf-8")
+        if template is None:
             raise DataError(f"{p}: no chat_template")
         return cls(template, special, str(p))
 
@@ -422,13 +416,9 @@ def _config_template(p: Path) -> Optional[str]:
 
 
 def _from_gguf(p: Path) -> ChatTemplate:
+    gguf = needs("gguf", f"{p}: reading a GGUF file's chat template needs the gguf package (pip install -e '.[gguf]')")
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise DataError(f"{p}: reading a GGUF file's chat template needs the gguf package "
-                        f"(pip install -e '.[gguf]')") from None
-    try:
-        reader = GGUFReader(str(p))
+        reader = gguf.GGUFReader(str(p))
     except Exception as e:  # noqa: BLE001 (any failure to parse is a bad file)
         raise DataError(f"{p}: not a readable GGUF file ({e})") from None
     field = reader.get_field("tokenizer.chat_template")
@@ -496,14 +486,13 @@ def model_sources(path) -> list[Path]:
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
     """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
     own or else its base's; `tokenizer` (a file or 'bytes') wins."""
-    tok = template = None
+    template = None
+    tok = None if tokenizer is None else load_tokenizer_file(
+        tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
     for src in model_sources(path):
-        if tok is None and tokenizer is None:
-            name = model_tokenizer(src, ("tokenizer.json", "tokenizer.model"))
-            tok = load_tokenizer_file(name) if name else None
+        if tok is None and (name := model_tokenizer(src, ("tokenizer.json", "tokenizer.model"))):
+            tok = load_tokenizer_file(name)
         template = template or find_template(src)
-    if tokenizer is not None:
-        tok = load_tokenizer_file(tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
     if tok is None:
         raise DataError(f"{path}: no tokenizer.json or tokenizer.model beside the model or its base (pass --tokenizer)")
     return tok, template

@@ -2,8 +2,7 @@
 training recipe (RandAugment / TrivialAugment, random erasing, Mixup / CutMix).
 
 Augmentations draw from a per-sample seed, so a batch is a function of (seed, step, micro) whatever
-the number of workers (exact resume). uint8 crops are normalised on the device.
-"""
+the number of workers (exact resume). uint8 crops are normalised on the device."""
 from __future__ import annotations
 
 import functools
@@ -18,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from zoo.convnet.preprocess import center_crop_box, load_crop
+
+from .sources import needs
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -42,11 +43,8 @@ def digits_dataset(split: str = "train", size: int = 32, channels: int = 1, val_
         raise ValueError(f"digits_dataset: split must be 'train', 'val' or 'all', got {split!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"digits_dataset: val_fraction must be in (0, 1), got {val_fraction}")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ImportError("the embedded digits dataset needs scikit-learn: pip install scikit-learn") from None
-    d = load_digits()
+    d = needs("sklearn.datasets", "the embedded digits dataset needs scikit-learn: pip install scikit-learn",
+              ImportError).load_digits()
     x = torch.from_numpy(d.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8) in [0, 1]
     y = torch.from_numpy(d.target.astype(np.int64))
     if split != "all":
@@ -126,9 +124,8 @@ def scan_image_folder(root, classes: Optional[Sequence[str]] = None, flat: bool 
 
 
 def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-    """A crop box (left, top, right, bottom) covering a random fraction `scale` of the area with a
-    log-uniform aspect ratio in `ratio` (Szegedy et al., "Going Deeper with Convolutions", 2014);
-    after 10 failed draws, the largest centred box with an aspect ratio inside `ratio`."""
+    """A crop box (left, top, right, bottom) of a random `scale` fraction of the area, its aspect ratio log-uniform in
+    `ratio` (Szegedy et al., "Going Deeper with Convolutions", 2014); after 10 failed draws, the largest centred one."""
     area, log_r = w * h, (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
         target, r = area * rng.uniform(*scale), math.exp(rng.uniform(*log_r))
@@ -136,21 +133,14 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
         if 0 < cw <= w and 0 < ch <= h:
             x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
             return (x0, y0, x0 + cw, y0 + ch)
-    r = w / h
-    if r < ratio[0]:
-        cw, ch = w, round(w / ratio[0])
-    elif r > ratio[1]:
-        cw, ch = round(h * ratio[1]), h
-    else:
-        cw, ch = w, h
+    cw, ch = min(w, round(h * ratio[1])), min(h, round(w / ratio[0]))  # the whole image, its aspect ratio clamped
     x0, y0 = (w - cw) // 2, (h - ch) // 2
     return (x0, y0, x0 + cw, y0 + ch)
 
 
 class FolderImages(torch.utils.data.Dataset):
-    """samples [(path, label)] -> item (uint8 (C, size, size) or None, label, bad path or None), indexed
-    by (index, seed): a training item's crop, flip and `augment` come from its seed alone, so it does
-    not depend on the worker. An unreadable file gives None and its path; the task reports it."""
+    """samples [(path, label)] -> item (uint8 (C, size, size) or None, label, bad path or None) by (index, seed):
+    a training item's crop, flip and `augment` come from its seed alone, whatever the worker (None: unreadable)."""
 
     def __init__(self, samples, size: int, train: bool, channels: int = 3, scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), hflip: float = 0.5, crop_pct: float = 0.875, augment=None):
@@ -204,44 +194,30 @@ def epoch_positions(n: int, seed: int, start: int, count: int) -> list:
 
 # --------------------- a folder of real photographs, made on the spot (tests, benchmarks)
 
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # colour photographs scikit-image ships
-
-
-def write_photo_tiles(folder, tile: int = 48, photos: Sequence[str] = PHOTOS, per_class: bool = True) -> int:
-    """Cut scikit-image's photographs into tile x tile PNGs: folder/<photo>/<row>_<col>.png (per_class)
-    or folder/<photo>_<row>_<col>.png. Returns the number written."""
-    try:
-        from skimage import data
-    except ImportError:
-        raise ImportError("the photo tiles need scikit-image: pip install scikit-image") from None
+def write_photo_tiles(folder, tile: int = 48) -> int:
+    """Cut scikit-image's colour photographs into tile x tile PNGs, folder/<photo>/<row>_<col>.png; returns how many."""
+    data = needs("skimage.data", "the photo tiles need scikit-image: pip install scikit-image", ImportError)
     from PIL import Image
     n = 0
-    for name in photos:
-        img = getattr(data, name)()
-        out = Path(folder) / name if per_class else Path(folder)
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img, out = getattr(data, name)(), Path(folder) / name
         out.mkdir(parents=True, exist_ok=True)
         for r in range(img.shape[0] // tile):
             for c in range(img.shape[1] // tile):
-                crop = img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
-                Image.fromarray(crop).save(out / (f"{r}_{c}.png" if per_class else f"{name}_{r}_{c}.png"))
+                Image.fromarray(img[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]).save(out / f"{r}_{c}.png")
                 n += 1
     return n
 
 
 # ---------- the training recipe (timm's): RandAugment / TrivialAugment, random erasing, Mixup / CutMix
 
-AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
-
-
 def auto_augment_op(kind: str, num_ops: int = 2, magnitude: int = 9):
     """torchvision transforms v2's RandAugment (Cubuk et al., "RandAugment", 2020) or TrivialAugmentWide
     (Müller & Hutter, "TrivialAugment", 2021) for uint8 (C, H, W) images; None for "none"."""
     if kind == "none":
         return None
-    try:
-        from torchvision.transforms import v2
-    except ImportError:
-        raise ImportError(f"data.auto_augment={kind} needs torchvision: pip install -e '.[convnet]'") from None
+    v2 = needs("torchvision.transforms.v2", f"data.auto_augment={kind} needs torchvision: pip install -e '.[convnet]'",
+               ImportError)
     return v2.RandAugment(num_ops=num_ops, magnitude=magnitude) if kind == "randaugment" else v2.TrivialAugmentWide()
 
 

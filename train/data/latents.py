@@ -4,8 +4,7 @@
     cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
 
 The folder's name carries a digest of `key`; it holds train.npy (N, V, C, h, w), val.npy, labels
-and meta.json. Built in a `.partial` folder (a killed build resumes), one builder at a time.
-"""
+and meta.json. Built in a `.partial` folder (a killed build resumes), one builder at a time."""
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +20,7 @@ import torch
 
 from zoo.weights.files import atomic_write, fsync_dir
 
-from .shards import exclusive
+from .shards import exclusive, read_record
 from .sources import DataError
 
 VERSION, META = 1, "meta.json"
@@ -72,19 +71,10 @@ class LatentCache:
         return torch.from_numpy(a[rows, views])
 
 
-def _of_key(path: Path, key) -> Optional[dict]:
-    """The JSON file at `path` when it is of this version and of `key`, else None."""
-    try:
-        d = json.loads(Path(path).read_text())
-        return d if d.get("version") == VERSION and d.get("key") == key else None
-    except (OSError, ValueError):
-        return None
-
-
 def read_cache(folder: Path, key: dict) -> Optional[LatentCache]:
     """The complete cache in `folder` when it holds `key`'s latents, else None."""
     try:
-        return LatentCache(folder) if _of_key(Path(folder) / META, key) else None
+        return LatentCache(folder) if read_record(Path(folder) / META, version=VERSION, key=key) else None
     except (OSError, ValueError):
         return None
 
@@ -112,7 +102,7 @@ def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor
         if read_cache(part, key) is not None:  # complete when a kill came just before the rename
             os.replace(part, folder)
             return LatentCache(folder)
-        progress = _of_key(part / PROGRESS, key)
+        progress = read_record(part / PROGRESS, version=VERSION, key=key)
         if progress is None:
             shutil.rmtree(part, ignore_errors=True)
             part.mkdir()

@@ -2,8 +2,7 @@
 
 `Prefetcher(make, after, depth)` runs `make(key)` on a background thread for the next keys, keeping
 up to `depth` batches ready; `get(key)` returns the one made ahead, or starts again from `key` when
-asked out of order. A batch is a function of its key alone, so prefetching never changes training.
-"""
+asked out of order. A batch is a function of its key alone, so prefetching never changes training."""
 from __future__ import annotations
 
 import queue

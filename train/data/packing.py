@@ -1,8 +1,7 @@
 """Packing variable-length sequences (conversations, instructions) into rows of a fixed length.
 
 `pack_rows` assigns (input_ids, labels) sequences to rows by best-fit decreasing; `pack` lays them
-out as (R, seq_len) tensors with document ids and positions, so each sequence runs as if alone.
-"""
+out as (R, seq_len) tensors with document ids and positions, so each sequence runs as if alone."""
 from __future__ import annotations
 
 import bisect
@@ -18,7 +17,6 @@ class Packed:
     labels: torch.Tensor        # (R, seq_len) int64, -100 where not trained (and in the padding)
     doc_ids: torch.Tensor       # (R, seq_len) int64: 0, 1, ... per sequence of the row; the padding one more
     position_ids: torch.Tensor  # (R, seq_len) int64: 0, 1, ... within each sequence (and the padding)
-    rows: list                  # rows[r]: the indices of the sequences in row r, in the order laid out
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
@@ -69,4 +67,4 @@ def pack(sequences: Sequence[tuple], seq_len: int, pad_id: int = 0) -> Packed:
             at += n
         doc_ids[r, at:] = len(members)  # the padding: a document of its own
         position_ids[r, at:] = torch.arange(seq_len - at)
-    return Packed(input_ids, labels, doc_ids, position_ids, rows)
+    return Packed(input_ids, labels, doc_ids, position_ids)

@@ -1,21 +1,19 @@
 """Prompt/response rows: reading jsonl, tokenising a prompt and its response (`encode_response`), and
-preference pairs: `{"prompt", "chosen", "rejected"}` lines, or `synthetic`.
-"""
+preference pairs: `{"prompt", "chosen", "rejected"}` lines, or `synthetic`."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Callable
 
-from . import DataError, TokenizedRows
+from . import DataError, TokenizedRows, chat_example, line_list
 
 IGNORE = -100
 
 
 def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "rows") -> list:
-    """parse(row) of every line of the jsonl file `path`. A line that is not a JSON object or that
-    parse refuses (ValueError, KeyError, TypeError) is skipped and counted, with one summary line
-    naming the file and the line numbers; no usable line at all is a DataError."""
+    """parse(row) of every line of the jsonl file `path`; lines that are not JSON objects or that parse refuses
+    (ValueError, KeyError, TypeError) skipped, in one log line naming them; no usable line at all: a DataError."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"{path}: no such file")
@@ -32,8 +30,7 @@ def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "ro
             bad.append(i)
             why = why or (f"missing key {e}" if isinstance(e, KeyError) else str(e))
     if bad:
-        lines = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-        log(f"data: {path}: {len(bad)} malformed lines skipped (line {lines}; first: {why})")
+        log(f"data: {path}: {len(bad)} malformed lines skipped (line {line_list(bad)}; first: {why})")
     if not out:
         raise DataError(f"{path}: no usable {what}" + (f" ({len(bad)} malformed lines; first: {why})" if bad else ""))
     return out
@@ -58,15 +55,11 @@ def response_text(response) -> str:
     return response
 
 
-def _plain_prompt(prompt) -> str:
-    if not isinstance(prompt, str):
-        raise TypeError("a prompt of chat messages needs a chat template (the model has none)")
-    return prompt
-
-
 def encode_prompt(tokenizer, prompt) -> list[int]:
     """The tokens of a plain prompt (a chat prompt is rendered by its template: train/chat.py)."""
-    return tokenizer.encode(_plain_prompt(prompt))
+    if not isinstance(prompt, str):
+        raise TypeError("a prompt of chat messages needs a chat template (the model has none)")
+    return tokenizer.encode(prompt)
 
 
 def encode_response(tokenizer, prompt, response: str, template=None) -> tuple[list[int], list[int]]:
@@ -76,7 +69,7 @@ def encode_response(tokenizer, prompt, response: str, template=None) -> tuple[li
         messages = prompt_messages(prompt) + [{"role": "assistant", "content": response}]
         ids, labels = template.encode(tokenizer, messages)
         return list(ids), last_span(list(labels))
-    p = tokenizer.encode(_plain_prompt(prompt))
+    p = encode_prompt(tokenizer, prompt)
     r = tokenizer.encode(response) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     return p + r, [IGNORE] * len(p) + r
 
@@ -102,14 +95,10 @@ def fit(ids: list[int], labels: list[int], max_len: int) -> tuple[list[int], lis
 
 def synthetic_pairs(split: str, n: int) -> list[dict]:
     """n preference rows from the embedded conversations of `split` ('train' or 'val')."""
-    from . import chat_example
-    convs = chat_example.conversations(split, n + len(chat_example.KINDS))
     k = len(chat_example.KINDS)  # the kinds come in turn: conversation i + k is of the same kind as i
-    rows = []
-    for i, c in enumerate(convs[:n]):
-        if (other := convs[i + k][-1]["content"]) != c[-1]["content"]:
-            rows.append({"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other})
-    return rows
+    convs = chat_example.conversations(split, n + k)
+    return [{"prompt": c[:-1], "chosen": c[-1]["content"], "rejected": other[-1]["content"]}
+            for c, other in zip(convs[:n], convs[k:]) if other[-1]["content"] != c[-1]["content"]]
 
 
 class PreferenceData(TokenizedRows):

@@ -3,8 +3,7 @@
 A row is `{"prompt": text, "answer": any JSON}` or `{"messages": [...], "answer": ...}` (rendered with
 the chat template, the generation prompt added). `path: synthetic` is the embedded arithmetic task:
 sums, differences, products and word problems in a few templates, made by code; its held-out split
-uses numbers whose tens training never shows. A reward is `(completions, answers, prompts) -> floats`.
-"""
+uses numbers whose tens training never shows. A reward is `(completions, answers, prompts) -> floats`."""
 from __future__ import annotations
 
 import importlib

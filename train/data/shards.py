@@ -2,8 +2,7 @@
 
 Worker processes tokenise chunks, the main process writes them in order to shards (shard-NNNNN.bin,
 shard-NNNNN.docs.npy, manifest.json); at most two chunks per worker in flight. Kill-safe: a rerun
-drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run.
-"""
+drops what the manifest does not list and goes on, with the same bytes as an uninterrupted run."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +22,7 @@ import numpy as np
 from zoo.weights.files import atomic_write
 
 from .sources import DataError, Doc, Problems, corpus_files, documents
+from .text_tokenizers import from_spec
 
 MANIFEST, VERSION = "manifest.json", 1
 
@@ -56,7 +56,6 @@ _worker_tok = None
 def _init_worker(spec):
     global _worker_tok
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
-    from .text_tokenizers import from_spec
     _worker_tok = from_spec(spec, threads=1)
 
 
@@ -99,12 +98,17 @@ class Shards:
         self.doc_starts = [np.load(f.with_suffix(".docs.npy")) for f in self.files]
 
 
-def read_manifest(out: Path) -> Optional[dict]:
+def read_record(path: Path, **want) -> Optional[dict]:
+    """The JSON file at `path` when it is readable and holds `want`'s values (its version, its key), else None."""
     try:
-        m = json.loads((Path(out) / MANIFEST).read_text())
-        return m if m.get("version") == VERSION else None
+        record = json.loads(Path(path).read_text())
+        return record if all(record.get(k) == v for k, v in want.items()) else None
     except (OSError, ValueError):
         return None
+
+
+def read_manifest(out: Path) -> Optional[dict]:
+    return read_record(Path(out) / MANIFEST, version=VERSION)
 
 
 class _Writer:
@@ -171,23 +175,20 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         for f in out.iterdir():  # what a killed run left and the manifest does not list
             if f.name != MANIFEST and f.name.split(".")[0] + ".bin" not in listed:
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
-        if resume is None and (out / MANIFEST).exists():
-            (out / MANIFEST).unlink()
+        if resume is None:
+            (out / MANIFEST).unlink(missing_ok=True)
         skip = resume["chunks"] if resume else 0
         if resume:
             log(f"data: resuming the preparation of {source} after {len(listed)} shards ({skip} chunks)")
         workers = workers or os.cpu_count() or 1
         total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
         writer = _Writer(out, meta, shard_tokens, resume)
-        bar, t0 = _Progress(total_bytes, max_chars, progress, workers), time.perf_counter()
+        bar, t0 = _Progress(total_bytes, max_chars, progress, workers, skip), time.perf_counter()
         pool = None
         try:
             it = chunks(documents(source, column, problems), chunk_chars, max_chars)
             deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
-            if skip:
-                bar.skip(skip)
             if workers == 1:
-                from .text_tokenizers import from_spec
                 tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
                 results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
             else:
@@ -245,15 +246,13 @@ def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int
 class _Progress:
     """A tqdm bar over the source's bytes, with MB/s and tokens/s."""
 
-    def __init__(self, total_bytes: int, max_chars, on: bool, workers: int):
+    def __init__(self, total_bytes: int, max_chars, on: bool, workers: int, skipped: int = 0):
         from tqdm import tqdm
         total = min(total_bytes, max_chars) if max_chars else total_bytes
-        self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True,
-                        desc=f"preparing ({workers} workers)", file=sys.stderr)
+        desc = f"resumed after {skipped} chunks" if skipped else f"preparing ({workers} workers)"
+        self.bar = tqdm(total=total, disable=not on, unit="B", unit_scale=True, dynamic_ncols=True, desc=desc,
+                        file=sys.stderr)
         self.tokens, self.chars, self.t0 = 0, 0, time.perf_counter()
-
-    def skip(self, n_chunks: int):
-        self.bar.set_description(f"resumed after {n_chunks} chunks")
 
     def update(self, chunk: list[Doc], n_tokens: int):
         n = sum(len(d.text) for d in chunk)

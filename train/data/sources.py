@@ -1,12 +1,12 @@
 """Documents read lazily from a text source, one at a time, in bounded memory.
 
 A source is `stdlib` (the embedded default), a text file, a .jsonl (.gz, .zst), a Parquet file, a
-saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in `Problems`.
-"""
+saved Hugging Face dataset, or a folder of these (docs/data.md). Bad documents are counted in `Problems`."""
 from __future__ import annotations
 
 import codecs
 import gzip
+import importlib
 import json
 import re
 import sysconfig
@@ -22,6 +22,14 @@ PIECE_BYTES = 1 << 22  # a text file is read (and tokenised) in pieces of at mos
 
 class DataError(ValueError):
     """Bad data: one line naming the file."""
+
+
+def needs(module: str, why: str, error=DataError):
+    """The optional dependency `module`, imported; when it is missing, a one-line `error(why)`."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise error(why) from None
 
 
 class Doc(NamedTuple):
@@ -62,6 +70,11 @@ class Problems:
                 where += f" and {len(files) - 1} more files" if len(files) > 1 else ""
                 parts.append(f"{where}: {self.counts[k]} {what}")
         return f"data: bad documents in {path}: " + "; ".join(parts)
+
+
+def line_list(lines: list[int], shown: int = 10) -> str:
+    """Line numbers for a log line: the first `shown`, then how many more."""
+    return ", ".join(map(str, lines[:shown])) + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
 
 
 # ----------------------------------------------------------------------------- files
@@ -110,10 +123,7 @@ def _open_binary(f: Path):
         if name.endswith(".gz"):
             return gzip.open(f, "rb")
         if name.endswith(".zst"):
-            try:
-                import zstandard
-            except ImportError:
-                raise DataError(f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)") from None
+            zstandard = needs("zstandard", f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)")
             import io
             return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), read_across_frames=True))
         return open(f, "rb")
@@ -134,13 +144,10 @@ def _text_pieces(f: Path, problems: Problems) -> Iterator[Doc]:
             text = rest + dec.decode(block, final=not block)
             if not block:
                 break
-            if len(text) < PIECE_BYTES:
-                rest = text
-                continue
             cut = text.rfind("\n\n", 0, len(text) - 1)
             cut = cut + 2 if cut >= 0 else text.rfind("\n") + 1
-            if cut <= 0 and len(text) < 4 * PIECE_BYTES:
-                rest = text
+            if len(text) < PIECE_BYTES or (cut <= 0 and len(text) < 4 * PIECE_BYTES):
+                rest = text  # too short to cut yet, or no line end in it
                 continue
             cut = cut if cut > 0 else len(text)  # no line end in 16 MiB: cut anywhere
             piece, rest = text[:cut], text[cut:]
@@ -182,10 +189,7 @@ def _column_docs(batches, f, problems: Problems) -> Iterator[Doc]:
 
 
 def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{f}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    pq = needs("pyarrow.parquet", f"{f}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)")
     try:
         pf = pq.ParquetFile(f)
     except Exception as e:
@@ -197,10 +201,7 @@ def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
 
 
 def _saved_dataset_docs(p: Path, column: str, problems: Problems) -> Iterator[Doc]:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"{p}: reading a saved dataset needs the 'datasets' package (pip install datasets)") from None
+    datasets = needs("datasets", f"{p}: reading a saved dataset needs the 'datasets' package (pip install datasets)")
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as e:
@@ -233,22 +234,16 @@ def documents(path: str, column: str = "text", problems: Optional[Problems] = No
 def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: str = "text") -> str:
     """All documents of a small source (tests; preparation streams) joined by blank lines, at most max_chars;
     bad documents reported in one line; an empty corpus is an error."""
-    problems = Problems()
-    docs, parts, total = [], [], 0
+    problems, pieces, total = Problems(), [], 0
     for d in documents(path, column, problems):
-        parts.append(d.text)
+        pieces += [d.text, "\n\n" if d.last else ""]  # documents joined by a blank line (the last's dropped below)
         total += len(d.text)
-        if d.last:
-            docs.append("".join(parts))
-            parts = []
         if max_chars is not None and total >= max_chars:
             break
-    if parts:
-        docs.append("".join(parts))
     why = problems.summary(path)
     if why:
         log(why)
-    text = "\n\n".join(docs)[:max_chars]
+    text = "".join(pieces[:-1])[:max_chars]
     if not text.strip():
         raise DataError(f"{path}: the corpus is empty" + (f" ({why.split(': ', 2)[2]})" if why else ""))
     return text

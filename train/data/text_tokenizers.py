@@ -1,6 +1,5 @@
 """Tokenizers of the text data: bytes, sentencepiece (trained on a sample of the corpus, or a
-tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none).
-"""
+tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +13,7 @@ from typing import Iterable, Optional
 
 from zoo.weights.files import atomic_write
 
-from .sources import DataError
+from .sources import DataError, needs
 
 # special tokens that end (or begin) a document in the tokenizer.json of common model families
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
@@ -65,14 +64,11 @@ class HFTokenizer:
     those named in a tokenizer_config.json beside it, else the first of the usual names it has."""
 
     def __init__(self, path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path}: reading tokenizer.json needs the 'tokenizers' package") from None
+        tokenizers = needs("tokenizers", f"{path}: reading tokenizer.json needs the 'tokenizers' package")
         self.model_path = str(path)
         self.spec = ("tokenizer.json", self.model_path)
         try:
-            self.tok = Tokenizer.from_file(self.model_path)
+            self.tok = tokenizers.Tokenizer.from_file(self.model_path)
         except Exception as e:
             raise DataError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)

@@ -2,8 +2,7 @@
 
 Pre-tokenized formats (`data.path` a file, folder or glob; never copied): nanoGPT's raw `train.bin`
 (uint16, or `data.token_dtype: uint32`) with `val.bin` beside it, and llm.c / modded-nanogpt shards
-(a 256 x int32 header, then uint16 ids), files named with `val` being the validation split.
-"""
+(a 256 x int32 header, then uint16 ids), files named with `val` being the validation split."""
 from __future__ import annotations
 
 import glob
@@ -44,12 +43,8 @@ class TokenStream:
 
     def sub(self, a: int, b: int) -> "TokenStream":
         """Tokens [a, b) as a stream of views."""
-        out = []
-        for k, p in enumerate(self.parts):
-            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
-            if hi > a and lo < b:
-                out.append(p[max(a, lo) - lo:min(b, hi) - lo])
-        return TokenStream(out)
+        bounds = zip(self.parts, self.offsets[:-1].tolist(), self.offsets[1:].tolist())
+        return TokenStream([p[max(a, lo) - lo:min(b, hi) - lo] for p, lo, hi in bounds if hi > a and lo < b])
 
     def __array__(self, dtype=None, copy=None):
         whole = np.concatenate([np.asarray(p) for p in self.parts]) if self.parts else np.zeros(0, self.dtype)

@@ -1,8 +1,7 @@
 """Tasks: how a model family plugs into the one loop.
 
 A task turns a run config into a model and batches, a batch into a loss, and a model into eval metrics
-and samples. train/config.py's TASKS names each family's; `Task.formats` its other tasks by `data.format`.
-"""
+and samples. train/config.py's TASKS names each family's; `Task.formats` its other tasks by `data.format`."""
 from __future__ import annotations
 
 import contextlib

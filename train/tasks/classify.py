@@ -1,12 +1,10 @@
 """Image classification (the ConvNet family) on `digits` (the embedded default) or an image folder:
-cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md).
-"""
+cross-entropy with label smoothing, top-1/top-5, and timm's training recipe as data keys (docs/convnet.md)."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Optional
 import importlib.util
@@ -148,14 +146,13 @@ class ClassifyTask(Task):
         if over:
             self.log("model: " + ", ".join(f"model.{k}={getattr(m, k)} -> {v}" for k, v in over.items())
                      + f", as {self.cfg.data.path} has them")
-        return dataclasses.replace(m, **over)
+        return replace(m, **over)
 
     @property
     def n_val(self) -> int:
         return len(self.val_y) if self.digits else len(self.val_set)
 
     def _scan(self, root: Path, val_path: Optional[str]):
-        d = self.cfg.data
         try:
             if val_path is None and (root / "train").is_dir() and (root / "val").is_dir():
                 root, val_path = root / "train", str(root / "val")
@@ -165,13 +162,11 @@ class ClassifyTask(Task):
                 return samples, val
         except (ValueError, FileNotFoundError) as e:
             raise DataError(str(e)) from None
-        g, by_class = torch.Generator().manual_seed(self.cfg.train.seed), [[] for _ in self.classes]
-        for s in samples:
-            by_class[s[1]].append(s)
-        train, val = [], []
-        for items in by_class:
+        g, train, val = torch.Generator().manual_seed(self.cfg.train.seed), [], []
+        for _, group in itertools.groupby(samples, key=lambda s: s[1]):  # the samples come class by class
+            items = list(group)
             order = torch.randperm(len(items), generator=g).tolist()
-            k = max(1, round(len(items) * d.val_fraction)) if len(items) > 1 else 0
+            k = max(1, round(len(items) * self.cfg.data.val_fraction)) if len(items) > 1 else 0
             val += [items[i] for i in order[:k]]
             train += [items[i] for i in order[k:]]
         if not val:
@@ -303,22 +298,29 @@ class ClassifyTask(Task):
                         dtype=torch.float32 if d.path == "digits" else torch.uint8)
         return x, torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
-    def _val_batches(self):
-        """(images, labels) over the validation set (or its first data.eval_images), on the device."""
-        B, n = self.cfg.train.batch_size, min(self.cfg.data.eval_images or self.n_val, self.n_val)
+    def _batches(self, split: str, keys: list):
+        """(images, labels) of a split's samples `keys` [(index, seed)], train.batch_size at a time, on the
+        device, un-augmented (unreadable images reported and left out)."""
+        B = self.cfg.train.batch_size
         fmt = torch.channels_last if self.cfg.train.channels_last else torch.contiguous_format
         if self.digits:
-            for i in range(0, n, B):
-                yield self.val_x[i:min(i + B, n)].contiguous(memory_format=fmt), self.val_y[i:min(i + B, n)]
-            return
-        # a fixed, seeded subset when eval_images < the val set: every class is represented
-        order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
-        keys = [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))]
-        for x, y, bad in self._loader(self.val_set, [keys[i:i + B] for i in range(0, n, B)]):
+            images, labels = (self.train_x, self.train_y) if split == "train" else (self.val_x, self.val_y)
+            idx = torch.tensor([i for i, _ in keys], dtype=torch.long, device=self.device)
+            batches = ((images[idx[i:i + B]], labels[idx[i:i + B]], []) for i in range(0, len(idx), B))
+        else:
+            dataset = self.train_eval_set if split == "train" else self.val_set
+            batches = self._loader(dataset, [keys[i:i + B] for i in range(0, len(keys), B)])
+        for x, y, bad in batches:
             self._report(bad)
             if x is not None:
                 yield (x.to(self.device, non_blocking=True).contiguous(memory_format=fmt),
                        y.to(self.device, non_blocking=True))
+
+    def _val_batches(self):
+        """(images, labels) over the validation set, or a fixed seeded subset of data.eval_images of it."""
+        n = min(self.cfg.data.eval_images or self.n_val, self.n_val)
+        order = torch.randperm(self.n_val, generator=torch.Generator().manual_seed(self.cfg.train.seed)).tolist()
+        return self._batches("val", [(i, 0) for i in (sorted(order[:n]) if n < self.n_val else range(n))])
 
     @torch.no_grad()
     def predict(self, model):
@@ -340,27 +342,17 @@ class ClassifyTask(Task):
         bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if not bns or n_batches <= 0:
             return
-        B, t = self.cfg.train.batch_size, self.cfg.train
-        fmt = torch.channels_last if t.channels_last else torch.contiguous_format
-        keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * B, self.n_train))
+        t = self.cfg.train
+        keys = epoch_positions(self.n_train, t.seed + 1, 0, min(n_batches * t.batch_size, self.n_train))
         saved = [bn.momentum for bn in bns]
         with eval_mode(model):
             for bn in bns:  # the BatchNorm layers alone in training mode
                 bn.reset_running_stats()
                 bn.momentum = None  # cumulative average
                 bn.train()
-            if self.digits:
-                idx = torch.tensor([i for i, _ in keys], device=self.device)
-                batches = ((self.train_x[idx[i:i + B]], None) for i in range(0, len(idx), B))
-            else:
-                batches = ((x, bad) for x, _, bad in self._loader(self.train_eval_set, [keys[i:i + B] for i in
-                                                                                         range(0, len(keys), B)]))
-            for x, bad in batches:
-                if bad:
-                    self._report(bad)
-                if x is not None:
-                    with self.autocast():
-                        model(self.normalize(x.to(self.device).contiguous(memory_format=fmt)))
+            for x, _ in self._batches("train", keys):
+                with self.autocast():
+                    model(self.normalize(x))
         for bn, m in zip(bns, saved):
             bn.momentum = m
 

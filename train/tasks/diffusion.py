@@ -1,8 +1,7 @@
 """Latent diffusion: images -> frozen TAESD latents (computed once) -> noise -> denoiser (U-Net or DiT) -> loss.
 
 setup() loads the autoencoder and fills the latent cache (train/data/latents.py), so the loop trains
-only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png.
-"""
+only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png."""
 from __future__ import annotations
 
 import functools
@@ -23,9 +22,8 @@ from zoo.weights import diffusers_dit
 from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
-from ..data import DataError, cache_dir
+from ..data import DataError, cache_dir, files_fingerprint, short_digest
 from ..data.latents import LatentCache, latent_cache, weights_fingerprint
-from ..data.sources import files_fingerprint, short_digest
 from ..step import eval_mode
 from . import Task
 
@@ -112,17 +110,14 @@ def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: i
 def load_dit_into(model: LatentDiffusion, path):
     """The denoiser's weights from a diffusers DiTTransformer2DModel folder: the run's `model.dit` keys
     and classes must describe that DiT (each difference a one-line error naming the key to set)."""
-    dit = diffusers_dit.load(path)
+    ours, theirs = model.denoiser, diffusers_dit.load(path)
     if model.config.denoiser != "dit":
         raise ValueError(f"{path}: a DiT; set model.denoiser=dit")
-    ours, theirs = model.denoiser, dit
-    keys = ["resolved_depth", "resolved_width", "resolved_heads", "patch_size", "learn_sigma", "qkv_bias", "norm_eps",
-            "freq_shift", "block_conditioning", "mlp_ratio", "qk_norm", "rope"]
-    for k in keys:
-        if getattr(ours.config, k) != getattr(theirs.config, k):
+    for k in ("resolved_depth", "resolved_width", "resolved_heads", "patch_size", "learn_sigma", "qkv_bias", "norm_eps",
+              "freq_shift", "block_conditioning", "mlp_ratio", "qk_norm", "rope"):
+        if (value := getattr(theirs.config, k)) != getattr(ours.config, k):
             name = k.removeprefix("resolved_")
-            raise ValueError(f"{path}: the DiT there has {name}={getattr(theirs.config, k)}; set model.dit.{name}="
-                             f"{getattr(theirs.config, k)}")
+            raise ValueError(f"{path}: the DiT there has {name}={value}; set model.dit.{name}={value}")
     if (ours.num_classes, ours.in_channels) != (theirs.num_classes, theirs.in_channels):
         raise ValueError(f"{path}: the DiT there has {theirs.num_classes} classes and {theirs.in_channels} latent "
                          f"channels, this run {ours.num_classes} and {ours.in_channels}")
@@ -198,9 +193,8 @@ class DiffusionTask(Task):
                 self.log(f"autoencoder: cached file unusable ({e}); training it again")
         self.log(f"autoencoder: training a TAESD {ae.variant} on the training images ({d.ae_steps} steps)")
         torch.manual_seed(cfg.train.seed)
-        x_tr = data.read("train", 0, len(data.labels["train"]))
-        ae = train_autoencoder(ae, x_tr, d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise, self.device,
-                               cfg.train.seed, self.log)
+        ae = train_autoencoder(ae, data.read("train", 0, len(data.labels["train"])), d.ae_steps, d.ae_batch_size,
+                               d.ae_lr, d.ae_latent_noise, self.device, cfg.train.seed, self.log)
         zoo.save_pretrained(ae, path)
         self.log(f"autoencoder: cached in {path}")
         return ae

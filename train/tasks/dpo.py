@@ -6,8 +6,7 @@ With r a response's implicit reward and eps label smoothing:
     SimPO (Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward",
     2024): r = beta * log pi(y|x) / |y|, with a margin gamma
     loss = -(1 - eps) log sigmoid(r_c - r_r [- gamma]) - eps log sigmoid(r_r - r_c [+ gamma])
-The reference: the model with its adapters off, else a frozen copy of the initial model.
-"""
+The reference: the model with its adapters off, else a frozen copy of the initial model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,9 +92,8 @@ class DPOTask(PostTrainingTask):
             return sequence_logps(base, x, y)[0]
 
     def example_batch(self, model, batch_size, seq_len=None):
-        self._use(model)
-        x = torch.zeros(2 * batch_size, seq_len or self.cfg.data.seq_len, dtype=torch.long, device=self.device)
-        return x, torch.zeros_like(x), torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        x, y = super().example_batch(model, 2 * batch_size, seq_len)
+        return x, y, torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
     def _batch(self, pairs, ids):
         """(inputs (2B, T), labels (2B, T), the pairs' ids (B,)): the chosen rows, then the rejected.
@@ -153,9 +151,8 @@ class DPOTask(PostTrainingTask):
 
 def preference_loss(policy: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,
                     beta: float, label_smoothing: float = 0.0, gamma: float = 0.0):
-    """Per-pair losses and rewards of 2B rows (B chosen, then B rejected): policy and reference (B*2,)
-    summed log-probabilities, tokens (B*2,) their scored tokens. kind 'dpo' or 'simpo' (reference
-    unused). Returns (losses (B,), chosen rewards (B,), rejected rewards (B,)), the rewards detached."""
+    """Per-pair (losses, chosen rewards, rejected rewards), each (B,), the rewards detached, of 2B rows (B chosen, then
+    B rejected): policy, reference (unused by simpo) (2B,) summed log-probabilities, tokens (2B,) their scored ones."""
     reward = beta * (policy - reference) if kind == "dpo" else beta * policy / tokens.clamp(min=1)
     B = policy.shape[0] // 2
     logits = reward[:B] - reward[B:] - (gamma if kind == "simpo" else 0.0)

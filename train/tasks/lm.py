@@ -105,14 +105,12 @@ class LMTask(Task):
 
     def build_model(self):
         if self.cfg.train.init_from:
-            # the architecture comes from the checkpoint (how it runs comes from train:, train/builder.py)
-            # fp32 master weights, whatever the checkpoint's dtype; the loop applies autocast
+            # the checkpoint's architecture (how it runs: train:), in fp32 master weights (the loop autocasts)
             def load(path):
                 if not (hf_llm.detect(path) or zoo_folder.detect(path) or gguf_llm.detect(path)):
-                    raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and "
-                                     f"model.safetensors of {', '.join(hf_llm.ARCHITECTURES)}), a Zoo LLM "
-                                     f"folder (config.yaml and model.safetensors, as train/run.py writes) "
-                                     f"nor a GGUF file")
+                    raise ValueError(f"{path}: not a Hugging Face causal-LM folder (config.json and model.safetensors "
+                                     f"of {', '.join(hf_llm.ARCHITECTURES)}), a Zoo LLM folder (config.yaml and "
+                                     f"model.safetensors, as train/run.py writes) nor a GGUF file")
                 return zoo.from_pretrained(path, dtype=torch.float32)
             model = self.load_pretrained(load)
         else:

@@ -1,10 +1,8 @@
 """What the post-training tasks share: chat SFT (sft.py), preference tuning (dpo.py) and RL (rl.py).
 
-Each is the LM task (lm.py) on rows rendered with a chat template: the template resolved from
-`data.template` or the checkpoint, the tokenizer file checked, the held-out rows split off, the
-training rows shuffled by epoch, a frozen reference model where the loss needs one, and the template
-written beside the weights. The data keys they share: data/conversations.py's PostTrainingDataConfig.
-"""
+Each is the LM task (lm.py) on rows rendered with a chat template (data.template's or the checkpoint's, written beside
+the weights): held-out rows split off, training rows shuffled by epoch, a frozen reference where the loss needs one.
+The data keys they share: data/conversations.py's PostTrainingDataConfig."""
 from __future__ import annotations
 
 import copy
@@ -95,8 +93,7 @@ class PostTrainingTask(LMTask):
         if self.cfg.adapter.enabled or self.reference is None:
             return model
         if not self._placed:
-            apply_runtime(self.reference, self.cfg.train)
-            self.reference.to(self.device)
+            self.reference = apply_runtime(self.reference, self.cfg.train).to(self.device)
             self._placed = True
         return self.reference
 

@@ -15,8 +15,7 @@ GSPO (Zheng et al., "Group Sequence Policy Optimization", 2025): GRPO's A and ag
     completion, exp(the mean over its tokens of logp - logp_old), clipped per completion (tight clips).
 The sampler's log-probabilities are not kept: the loss runs a training-mode forward over prompt + completion,
 and the old log-probs of updates_per_batch > 1 come from that forward without grad right after sampling, not
-from the decode steps (other kernels: cache, compilation, padding), so the ratio is exactly 1 at first.
-"""
+from the decode steps (other kernels: cache, compilation, padding), so the ratio is exactly 1 at first."""
 from __future__ import annotations
 
 import math
@@ -116,12 +115,10 @@ def policy_loss(logp, old, ref, adv, mask, algorithm: str, clip_low: float, clip
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     total = per_token * mask
     if algorithm in ("grpo", "gspo"):
-        loss = (total.sum(1) / lengths).sum() / n_seqs
-    elif algorithm == "dr_grpo":
-        loss = total.sum() / (n_seqs * max_new_tokens)
-    else:
-        loss = total.sum() / n_tokens
-    return loss, stats
+        return (total.sum(1) / lengths).sum() / n_seqs, stats
+    if algorithm == "dr_grpo":
+        return total.sum() / (n_seqs * max_new_tokens), stats
+    return total.sum() / n_tokens, stats  # dapo
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
@@ -136,13 +133,6 @@ def reward_keys(rewards) -> list[str]:
         key = "reward_" + name.split(":")[0]
         keys.append(key if key not in keys else f"{key}_{sum(k.startswith(key) for k in keys) + 1}")
     return keys
-
-
-class Prompts(TokenizedRows):
-    """The prompt rows of a run, train and val ([{prompt, answer}]), and the tokenizer."""
-
-    def __init__(self, train: list, val: list, tokenizer):
-        self.train, self.val, self.tokenizer = train, val, tokenizer
 
 
 class RLTask(PostTrainingTask):
@@ -162,15 +152,15 @@ class RLTask(PostTrainingTask):
             raise ConfigError(f"{self.cfg.source}: rl.prompts_per_step={rl.prompts_per_step} must divide among the "
                               f"{self.world} processes")
         self.chat_template = self._template()
-        self.data = Prompts(*self.held_out(arithmetic, lambda path: read_prompts(path, self.log)), tokenizer)
+        train, val = self.held_out(arithmetic, lambda path: read_prompts(path, self.log))  # [{prompt, answer}]
+        self.data = TokenizedRows(train, val, tokenizer)
         self.log(f"data: {d.path}: {len(self.data.train)} train + {len(self.data.val)} held-out prompts")
         self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
         self._window = []
+        ref = "the base with its adapters off" if self.cfg.adapter.enabled else "a frozen copy of the initial model"
         self.log(f"rl: {rl.algorithm}, {rl.prompts_per_step} prompts x {rl.group_size} completions per batch, "
                  f"rewards {', '.join(f'{n} x {w:g}' for n, w, _ in self.rewards)}"
-                 + (f", kl_beta {rl.kl_beta:g} against " + ("the base with its adapters off" if self.cfg.adapter.enabled
-                                                           else "a frozen copy of the initial model")
-                    if rl.kl_beta > 0 else ""))
+                 + (f", kl_beta {rl.kl_beta:g} against {ref}" if rl.kl_beta > 0 else ""))
 
     def wants_reference(self):
         return self.cfg.rl.kl_beta > 0
@@ -293,10 +283,8 @@ class RLTask(PostTrainingTask):
         return loss * scale, int(valid.sum())
 
     def example_batch(self, model, batch_size, seq_len=None):
-        self._use(model)
-        T = seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens
-        x = torch.zeros(batch_size, T, dtype=torch.long, device=self.device)
-        return {"x": x, "y": torch.zeros_like(x), "adv": torch.zeros(batch_size, device=self.device)}
+        x, y = super().example_batch(model, batch_size, seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens)
+        return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device)}
 
     def state_dict(self):
         """The batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""

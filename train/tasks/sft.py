@@ -1,9 +1,7 @@
-"""Chat fine-tuning (SFT) of an LLM (`data.format: messages | prompt_completion | alpaca`): conversations
-rendered with the model's chat template, the loss on the assistant's tokens only; evaluation adds
-`val_exact_match`."""
+"""Chat fine-tuning (SFT) of an LLM (`data.format: messages | prompt_completion | alpaca`): conversations rendered with
+the model's chat template, the loss on the assistant's tokens only; evaluation adds `val_exact_match`."""
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 
@@ -12,8 +10,7 @@ import torch
 
 from zoo.config import ConfigError
 
-from ..data import DataError, cache_dir, load_tokenizer_file, train_sentencepiece
-from ..data import chat_example
+from ..data import DataError, cache_dir, chat_example, load_tokenizer_file, short_digest, train_sentencepiece
 from ..data.chat_data import ChatData
 from ..data.conversations import ChatDataConfig, read_conversations
 from ..eval import generate_answer
@@ -70,8 +67,7 @@ class SFTTask(PostTrainingTask):
         """A sentencepiece tokenizer trained on the rendered conversations (cached by its input)."""
         d = self.cfg.data
         texts = [self.chat_template.render(m) for m, _ in train_rows]  # a tokenizer for the rendered conversations
-        key = hashlib.sha256(f"{d.vocab_size}:{''.join(texts)}".encode()).hexdigest()[:16]
-        path = cache_dir(d.cache_dir) / f"sp-chat-{key}.model"
+        path = cache_dir(d.cache_dir) / f"sp-chat-{short_digest(d.vocab_size, ''.join(texts))}.model"
         if not path.is_file():
             train_sentencepiece(texts, d.vocab_size, path, self.log)
         return load_tokenizer_file(path)
@@ -104,26 +100,22 @@ class SFTTask(PostTrainingTask):
             out["val_exact_match"] = self.exact_match(model, self.data.val_rows[:self.cfg.data.eval_generate])
         return out
 
-    def exact_match(self, model, conversations) -> float:
-        """The share of conversations whose greedily generated last answer equals the reference."""
-        hits = 0
+    def answers(self, model, conversations):
+        """(the messages before each conversation's last answer, that answer, the one generated greedily instead)."""
         for messages in conversations:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            hits += self.answer(model, messages[:last]).strip() == messages[last]["content"].strip()
+            with self.autocast():
+                made = generate_answer(model, self.data.tokenizer, messages[:last], self.device, self.chat_template, 64)
+            yield messages[:last], messages[last]["content"], made
+
+    def exact_match(self, model, conversations) -> float:
+        """The share of conversations whose greedily generated last answer equals the reference."""
+        hits = sum(made.strip() == ref.strip() for _, ref, made in self.answers(model, conversations))
         return hits / max(len(conversations), 1)
 
-    def answer(self, model, messages, max_new_tokens: int = 64) -> str:
-        with self.autocast():
-            return generate_answer(model, self.data.tokenizer, messages, self.device, self.chat_template,
-                                   max_new_tokens)
-
     def samples(self, model, out_dir):
-        lines = []
-        for messages in self.data.val_rows[:4]:
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            prompt = " | ".join(f"{m['role']}: {m['content']}" for m in messages[:last])
-            lines.append(f"{prompt}\n  -> {self.answer(model, messages[:last])!r} "
-                         f"(reference {messages[last]['content']!r})")
+        lines = [" | ".join(f"{m['role']}: {m['content']}" for m in prompt) + f"\n  -> {made!r} (reference {ref!r})"
+                 for prompt, ref, made in self.answers(model, self.data.val_rows[:4])]
         text = "\n".join(lines)
         (Path(out_dir) / "samples.txt").write_text(text + "\n")
         return text
