@@ -1,6 +1,6 @@
 """The speed gate: the paired ratios that matter, at short settings, against the ratios committed.
 
-    python train/bench.py gate             # every check (about 6 minutes on 2 cores); exit 1 when one falls
+    python train/bench.py gate             # every check (a few minutes); exit 1 when one falls
     python train/bench.py gate --update    # ... and commit the ratios measured to docs/results/gate.json
     python train/bench.py gate --rehearse  # tiny shapes, one round: the plumbing only, nothing judged
 
