@@ -33,7 +33,8 @@ SLOW = {
         "test_sft.py::test_chat_command_two_turns_through_stdin", "test_plan.py::test_cli_json",
         "test_plan.py::test_a_cuda_plan_from_any_machine_with_pasteable_settings",
         "test_precision.py::test_the_same_answer_in_every_process_beside_a_busy_neighbour",
-        "test_tracking.py::test_wandb_offline_logs_metrics_resumes_the_same_run_and_touches_no_network"],
+        "test_tracking.py::test_wandb_offline_logs_metrics_resumes_the_same_run_and_touches_no_network",
+        "test_copyable_blocks.py::test_bare_copy_imports_and_runs"],
     "SIGKILL and signal loops": [
         "test_reliability.py::test_sigkill_at_random_moments_then_resume_is_bitwise_identical",
         "test_reliability.py::test_sigterm_and_sigint_checkpoint_exit_75_and_resume_exactly",
