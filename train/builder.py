@@ -99,7 +99,7 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
     task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, say)
     task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]  # the run's autocast, for evaluation
     if par is not None and par.active:  # this rank's part of every global batch; sums across ranks
-        task.rank, task.world, task.sum_across_ranks = par.rank, par.world, par.sum_
+        task.rank, task.world, task.sum_across_ranks = par.dp_rank, par.dp_world, par.sum_
     task.setup()
     return task
 
@@ -108,8 +108,8 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
     when None). train.batch_size: auto is resolved by the planner (train/planner.py's auto_batch_size)."""
     t, par = cfg.train, par or Parallel("none", Launch())
-    if par.active and unsupported(cfg):
-        raise RunStopped(f"{cfg.source}: {unsupported(cfg)}", EXIT_CONFIG)
+    if par.active and (why := unsupported(cfg, par.world)):
+        raise RunStopped(f"{cfg.source}: {why}", EXIT_CONFIG)
     device = par.device(resolve_device(t.device))
     par.init(device)
     if par.active:

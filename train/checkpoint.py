@@ -221,9 +221,9 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     if before_optimizer is not None:
         before_optimizer(state)
     if dcp:
-        ema_weights = _load_dcp(path, state, model, optimizer, ema, trained_only=keys is not None)
+        ema_weights = _load_dcp(path, state, model, optimizer, ema, trained_only=keys is not None, par=par)
     elif par is not None and par.active:
-        _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, keys is not None)
+        _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, keys is not None, par)
     else:
         model.load_state_dict(weights, strict=False)
         if ema is not None:
@@ -246,17 +246,17 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     return state
 
 
-def _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, trained_only):
+def _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, trained_only, par):
     """A one-process checkpoint, read whole by every rank, into a run under torchrun: each rank keeps its
-    part (DDP: all of it; FSDP2: its shards) through DCP's full state dicts. Collective."""
+    part (DDP: all of it; FSDP2, TP: its shards) through DCP's full state dicts. Collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     opts = dataclasses.replace(_dcp_options(trained_only), full_state_dict=True)
-    weights = _every_tied_name(model, weights)
+    weights = _training_order(par, _every_tied_name(model, weights))
     if optimizer is None:
         set_model_state_dict(model, weights, options=opts)
     else:
-        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_by_name(model, optimizer,
-                       state["optimizer"]), options=opts)
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_training_order(par, _by_name(
+                       model, optimizer, state["optimizer"])), options=opts)
     if ema is not None:
         set_model_state_dict(ema, _every_tied_name(ema, ema_weights) if ema_weights is not None else weights,
                              options=opts)
@@ -341,9 +341,20 @@ def _dcp_options(trained_only: bool):
     return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only)
 
 
-def _dcp_state(model, optimizer, ema, trained_only: bool = False) -> dict:
+def _training_order(par, state: dict) -> dict:
+    """A full state (model or optimizer) with the fused projections' rows as tensor parallelism trains them."""
+    return par.fused.saved(state, back=False) if par is not None and par.fused is not None else state
+
+
+def _dcp_state(model, optimizer, ema, trained_only: bool = False, par=None) -> dict:
+    """What a DCP checkpoint holds; under tensor parallelism full tensors, in the model's row order (one process,
+    or any other layout, reads them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    msd, osd = get_state_dict(model, optimizer, options=_dcp_options(trained_only))
+    full = par is not None and par.fused is not None
+    options = dataclasses.replace(_dcp_options(trained_only), full_state_dict=full)
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    if full:
+        msd, osd = par.fused.saved(msd), par.fused.saved(osd)
     if trained_only:  # a frozen weight tied to another (an LM head) is still listed
         frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         msd = {k: v for k, v in msd.items() if k not in frozen}
@@ -367,7 +378,8 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     par.barrier()
-    dcp.save(_dcp_state(model, optimizer, ema, trained_only),
+    par.sync(model)
+    dcp.save(_dcp_state(model, optimizer, ema, trained_only, par),
              storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     rngs, final = par.gather(rng_state()), root / f"{PREFIX}{step:08d}"
     if par.main:
@@ -378,17 +390,18 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     return final
 
 
-def _load_dcp(path: Path, state: dict, model, optimizer=None, ema=None, trained_only: bool = False):
+def _load_dcp(path: Path, state: dict, model, optimizer=None, ema=None, trained_only: bool = False, par=None):
     """A verified DCP checkpoint of any number of ranks into this run (collective under torchrun); returns
     the EMA's weights it held (None: none)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     with_ema = ema is not None and state.get("has_ema", False)
-    sd = _dcp_state(model, optimizer, ema if with_ema else None, trained_only)
+    sd = _dcp_state(model, optimizer, ema if with_ema else None, trained_only, par)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
-    opts = _dcp_options(trained_only)
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"], options=opts)
+    opts = dataclasses.replace(_dcp_options(trained_only), full_state_dict=par is not None and par.fused is not None)
+    set_state_dict(model, optimizer, model_state_dict=_training_order(par, sd["model"]),
+                   optim_state_dict=_training_order(par, sd["optimizer"]), options=opts)
     if ema is not None:
         set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"], options=opts)
     return sd["ema"] if with_ema else None

@@ -155,8 +155,11 @@ class TrainConfig:
     prune_keep: list[str] = field(default_factory=lambda: ["embed", "lm_head"])  # with `prune`: the modules that
                                             # stay dense (as `quant_keep` names them)
     # -- several processes (torchrun)
-    parallel: Literal["none", "ddp", "fsdp"] = "none"  # under `torchrun`: `ddp` or `fsdp` (FSDP2); `batch_size` is
-                                            # per process; ignored by a plain `python train/run.py`
+    parallel: Literal["none", "ddp", "fsdp", "tp", "fsdp+tp", "pp"] = "none"  # under `torchrun`: `ddp`, `fsdp`
+                                            # (FSDP2), `tp` (tensor), `fsdp+tp` (both, 2-D), `pp` (pipeline); `batch_size`
+                                            # is per data-parallel rank; ignored by a plain `python train/run.py`
+    tp_size: int = bounded(2, gt=0)         # with `parallel: fsdp+tp`: processes per tensor-parallel group (`tp`: all)
+    pp_microbatches: int = bounded(2, gt=0)  # with `parallel: pp`: each micro-batch's pieces in the 1F1B schedule
     sync_bn: bool = False                   # with `parallel`: BatchNorm normalises with the global batch's statistics
 
     def validate(self, source, prefix="train."):

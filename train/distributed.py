@@ -1,11 +1,12 @@
 """Past one process: torchrun's environment, the process group, DDP / FSDP2 wrapping and
 cross-rank agreement. (Sharded checkpoints are train/checkpoint.py's.)
 
-    torchrun --nproc-per-node N train/run.py CONFIG train.parallel=ddp|fsdp
+    torchrun --nproc-per-node N train/run.py CONFIG train.parallel=ddp|fsdp|tp|fsdp+tp|pp
 
 Without torchrun's variables a run is one unwrapped process. NCCL on CUDA, gloo on CPU. fsdp:
-FSDP2 `fully_shard` on each of `model.repeated_units()`, then the root. The data depends only on
-the global batch; one all-reduce per step carries the loss and the stop flags (docs/distributed.md).
+FSDP2 `fully_shard` on each of `model.repeated_units()`, then the root; tp, fsdp+tp and pp are
+train/model_parallel.py's. The data depends only on the global batch, split over the data-parallel
+ranks; one all-reduce per step carries the loss and the stop flags (docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .model_parallel import refusal
 from .optim import OPTIMIZERS
 
 
@@ -53,10 +55,16 @@ def launch_env() -> Launch:
     return Launch(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), True)
 
 
-def unsupported(cfg) -> Optional[str]:
+MODEL_PARALLEL = ("tp", "fsdp+tp", "pp")  # train/model_parallel.py's
+
+
+def unsupported(cfg, world: int = 2) -> Optional[str]:
     """A one-line reason why this config cannot run with train.parallel (the key named), or None: an
-    optimizer of the registry that does not run under the strategy (with the registry's reason)."""
+    optimizer of the registry that does not run under the strategy (with the registry's reason); what tp, fsdp+tp
+    and pp over `world` processes do not cover."""
     t, name = cfg.train, cfg.optim.name
+    if t.parallel in MODEL_PARALLEL and (why := refusal(cfg, t.tp_size if t.parallel == "fsdp+tp" else world)):
+        return why
     optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
     if name in optimizers:
         return None
@@ -66,11 +74,16 @@ def unsupported(cfg) -> Optional[str]:
 
 
 class Parallel:
-    """The data-parallel side of a run: rank, world size, the wrapped model, agreement, DCP."""
+    """The parallel side of a run: rank, world size, the wrapped model, agreement, DCP. tp_size: the processes
+    of a tensor-parallel group under fsdp+tp (tp: all of them); pp_micro: micro-batches per pipeline pass."""
 
-    def __init__(self, strategy: str, launch: Launch):
+    def __init__(self, strategy: str, launch: Launch, tp_size: int = 2, pp_micro: int = 2):
         self.strategy, self.rank, self.world, self.local_rank = strategy, launch.rank, launch.world, launch.local_rank
         self.main, self.active = self.rank == 0, launch.torchrun and strategy != "none"
+        self.tp = {"tp": self.world, "fsdp+tp": tp_size}.get(strategy, 1) if self.active else 1
+        self.dp_world = self.world // self.tp if strategy != "pp" else 1  # the ranks that share out the data
+        self.dp_rank = self.rank // self.tp if self.dp_world > 1 else 0
+        self.pp_micro, self.mesh, self.fused, self.pipeline, self._dp_group = pp_micro, None, None, None, None
 
     def device(self, device: torch.device) -> torch.device:
         """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
@@ -86,6 +99,10 @@ class Parallel:
         cuda = device.type == "cuda"
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         _PROCESS_GROUP_USED = True
+        if self.tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            self.mesh = init_device_mesh(device.type, (self.dp_world, self.tp), mesh_dim_names=("dp", "tp"))
+            self._dp_group = self.mesh["dp"].get_group()
 
     def close(self):
         if self.active and dist.is_initialized():
@@ -95,7 +112,8 @@ class Parallel:
         if not self.active:
             return ""
         backend = dist.get_backend() if dist.is_initialized() else "?"
-        return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
+        mesh = f" (data {self.dp_world} x tensor {self.tp})" if self.strategy == "fsdp+tp" else ""
+        return f"parallel: {self.strategy} over {self.world} processes{mesh} ({backend}); this is rank {self.rank}"
 
     def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
         """-> (model, fwd): the module whose state is checkpointed, and what the loss runs. ddp: the plain
@@ -119,10 +137,23 @@ class Parallel:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")
                 return model, torch.compile(ddp)
             return model, ddp
+        units = model.repeated_units()
+        if self.strategy == "pp":
+            from .model_parallel import Pipeline
+            self.pipeline = Pipeline(model, self.rank, self.world, self.pp_micro, device)
+            say(f"pp: {self.world} stages of {len(units) // self.world} blocks, a 1F1B schedule of {self.pp_micro} "
+                f"micro-batches per micro-batch; every rank holds the whole model, each trains its stage")
+            return model, model
+        if self.tp > 1:
+            from .model_parallel import apply_tp
+            self.fused = apply_tp(model, self.mesh["tp"])
+            say(f"tp: attention heads and MLP width of {len(units)} blocks split over {self.tp} ranks, "
+                f"norms sequence-parallel")
+            if self.strategy == "tp":
+                return model, model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if precision == "bf16" else MixedPrecisionPolicy()
-        units = model.repeated_units()
         if compile_:
             say(f"compile: each of the {len(units)} repeated units compiled, then sharded")
         # parameters that do not train stay whole (a frozen autoencoder), except an adapter's base: it is
@@ -130,12 +161,13 @@ class Parallel:
         adapted = hasattr(model, "adapter_config")
         self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad and not adapted}
         frozen = {p for p in model.parameters() if not p.requires_grad and not adapted}
+        mesh = self.mesh["dp"] if self.mesh is not None else None
         for unit in units:
             if compile_:
                 unit.compile()
-            fully_shard(unit, mp_policy=mp, ignored_params=frozen or None)
-        fully_shard(model, mp_policy=mp, ignored_params=frozen or None)
-        say(f"fsdp: {len(units)} units and the root sharded over {self.world} ranks"
+            fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
+        fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
+        say(f"fsdp: {len(units)} units and the root sharded over {self.dp_world} ranks"
             + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else ""))
         return model, model
 
@@ -175,9 +207,9 @@ class Parallel:
         return torch.stack([t[0] / self.world, gnorm]), bool(t[2] > 0)
 
     def sum_(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (e.g. MoE router load before a bias update)."""
-        if self.active:
-            dist.all_reduce(x)
+        """x summed over the data-parallel ranks, in place (e.g. MoE router load before a bias update)."""
+        if self.active and self.dp_world > 1:
+            dist.all_reduce(x, group=self._dp_group)
         return x
 
     def gather(self, value: float) -> list:
@@ -208,9 +240,16 @@ class Parallel:
     def full_state(self, model: nn.Module) -> dict:
         """The whole model's state dict on the CPU of rank 0 (empty on the others); collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        if not self.active or self.strategy == "ddp":
+        self.sync(model)
+        if not self.active or self.strategy in ("ddp", "pp"):
             return {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.main else {}
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.fused.saved(full) if self.fused is not None and full else full
+
+    def sync(self, model: nn.Module):
+        """pp: every rank's copy of the model made current (each stage's weights from its rank); else nothing."""
+        if self.pipeline is not None:
+            self.pipeline.sync()
 
 
 # ------------------------------------------------------------------------------ SyncBatchNorm

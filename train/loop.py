@@ -40,7 +40,7 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
     if launch.world > 1 and t.parallel == "none":
         raise RunStopped(f"{cfg.source}: launched by torchrun with {launch.world} processes but train.parallel=none; "
                          f"set train.parallel=ddp or fsdp", EXIT_CONFIG)
-    par = Parallel(t.parallel, launch)
+    par = Parallel(t.parallel, launch, t.tp_size, t.pp_microbatches)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "log.txt", "a") if par.main else None  # only rank 0 logs
 
@@ -141,7 +141,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
     agree = (lambda stats: pre.agree(par, stats)) if par.active and pre is not None else None
     r = optimizer_step(lambda b: task.loss(run.fwd, b), batches, n_micro, run.optimizer, run.scaler, params,
                        t.clip_grad, run.train_context, no_sync=(lambda last: par.no_sync(run.fwd, last))
-                       if par.active else None, agree=agree)
+                       if par.active else None, agree=agree, pipeline=par.pipeline)
     if t.clip_weights is not None and r.applied:
         clip_weights_(params, t.clip_weights)
     if run.ema is not None and r.finite and r.applied:
@@ -151,6 +151,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
 
 def evaluate(run) -> dict:
     """The task's evaluation of the model (and of the EMA as ema_*; with train.prune the sparsity)."""
+    run.par.sync(run.model)
     with run.autocast():
         ev = run.task.evaluate(run.model)
         if run.ema is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.tensor.experimental import implicit_replication
 
 from .hardware import keep_freed_memory, measure_peak_flops, release_freed_memory
 
@@ -181,22 +182,22 @@ class StepResult:
 
 
 def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
-                   autocast=contextlib.nullcontext, no_sync=None, agree=None) -> StepResult:
+                   autocast=contextlib.nullcontext, no_sync=None, agree=None, pipeline=None) -> StepResult:
     """One optimizer step over `n_micro` micro-batches; loss_fn(batch) -> (mean loss, items), each loss
     divided by n_micro. Unscale (fp16), clip (None: measure only), step unless the loss or norm is not
-    finite; data-parallel runs pass no_sync(last) and agree([loss sum, grad norm]) to agree on it."""
+    finite; data-parallel runs pass no_sync(last) and agree([loss sum, grad norm]) to agree on it. pipeline:
+    pipeline(batch, scale) runs forward and backward itself, then finishes the gradients (train/model_parallel.py)."""
     loss_sum, items = None, 0
     for i, batch in enumerate(batches):
         with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():
             with autocast():
-                loss, n = loss_fn(batch)
-            scaler.scale(loss / n_micro).backward()
+                loss, n = loss_fn(batch) if pipeline is None else pipeline(batch, 1 / n_micro)
+            if pipeline is None:
+                scaler.scale(loss / n_micro).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
         items += n
     scaler.unscale_(optimizer)
-    gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-    if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor; its value is already the global norm
-        gnorm = gnorm.full_tensor()
+    gnorm = (pipeline.finish_grads if pipeline is not None else clip_grads)(params, clip)
     stats = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)])
     if agree is not None:
         stats = agree(stats)
@@ -211,6 +212,23 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, scaler.is_enabled() and not grads_ok)
+
+
+def clip_grads(params, clip: Optional[float]) -> torch.Tensor:
+    """The global norm of the parameters' gradients, which are plain tensors or DTensors on any meshes (FSDP2,
+    tensor parallelism: each mesh's norm made whole), the gradients clipped to `clip` when set (mesh by mesh; the
+    scale, a plain tensor, multiplies DTensors as a replica)."""
+    groups = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g]) for g in groups.values()]
+    norms = [(n.full_tensor() if hasattr(n, "full_tensor") else n).float() for n in norms]
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0] if norms else torch.zeros(())
+    for mesh, group in groups.items() if clip else ():
+        with contextlib.nullcontext() if mesh is None else implicit_replication():
+            torch.nn.utils.clip_grads_with_norm_(group, clip, norm)
+    return norm
 
 
 @contextlib.contextmanager

@@ -201,13 +201,8 @@ class LLM(nn.Module):
             raise ValueError("doc_ids (document masking) is for forwards without caches; decoding runs one sequence")
         if key_mask is not None and self.config.mod_capacity > 0:
             raise ValueError("key_mask (padded rows) is not supported with Mixture-of-Depths layers")
-        x = self.embed(input_ids)
-        if self.config.embed_scale:
-            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
-        dev = x.device.type
-        rope_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        tables = [rope(start_pos, T, rope_dtype) if position_ids is None else rope.at(position_ids, rope_dtype)
-                  for rope in (self.rope, self.rope_local or self.rope)]  # (T, D), or (B, T, D) per row
+        x = self.embed_tokens(input_ids)
+        tables = self.rope_tables(x, T, start_pos, position_ids)
         stats, mod_stats = [], []
         q_scale = self.query_scale(position_ids, start_pos, T, x.device)
         causal = caches is not None if mod_causal is None else mod_causal
@@ -224,8 +219,25 @@ class LLM(nn.Module):
             mod_stats += m
         if self.training:
             self._record_routing(stats, mod_stats)
-        h = self.norm(x)  # the logits' scale folded into what the LM head reads (the chunked loss too)
-        return (h if self.config.logit_scale == 1.0 else h * self.config.logit_scale), stats, mod_stats
+        return self.final_norm(x), stats, mod_stats
+
+    # the trunk's ends, for a caller that runs the layers itself (a pipeline's stages)
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) -> the first layer's input (B, T, D)."""
+        x = self.embed(input_ids)
+        return x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype) if self.config.embed_scale else x
+
+    def rope_tables(self, x: torch.Tensor, T: int, start_pos: int = 0, position_ids=None) -> list:
+        """[(cos, sin) of the global layers, of the local ones] for T positions, in the dtype the layers compute in."""
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        return [rope(start_pos, T, dtype) if position_ids is None else rope.at(position_ids, dtype)
+                for rope in (self.rope, self.rope_local or self.rope)]  # (T, D), or (B, T, D) per row
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output -> what the LM head reads: the final norm, the logits' scale folded in."""
+        h = self.norm(x)
+        return h if self.config.logit_scale == 1.0 else h * self.config.logit_scale
 
     def query_scale(self, position_ids, start_pos, T: int, device) -> Optional[torch.Tensor]:
         """rope_scaling.query_beta's scale of the queries at each position, (T,) or (B, T); None when off."""

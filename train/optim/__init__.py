@@ -50,7 +50,15 @@ def fused_supported(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu", "mps", "xpu")
 
 
+def one_by_one(groups: list[dict]) -> bool:
+    """Whether the parameters lie on several meshes (tensor parallelism's DTensors beside plain tensors, or FSDP2's
+    beside them): torch's fused and foreach steps take one kind at once, its for-loop step any."""
+    return len({getattr(p, "device_mesh", None) for g in groups for p in g["params"]}) > 1
+
+
 def _adamw(model, groups, cfg, device: torch.device, log):
+    if one_by_one(groups):
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
     fused = fused_supported(device) if cfg.fused is None else cfg.fused
     try:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
@@ -60,7 +68,8 @@ def _adamw(model, groups, cfg, device: torch.device, log):
 
 
 def _sgd(model, groups, cfg, device, log):
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                           foreach=False if one_by_one(groups) else None)
 
 
 def _adafactor(model, groups, cfg, device, log):
@@ -123,7 +132,8 @@ class Optimizer:
 
 
 # optim.name -> its entry: the one list of optimizers (the config checks names against it)
-OPTIMIZERS: dict[str, Optimizer] = {"adamw": Optimizer(_adamw), "sgd": Optimizer(_sgd),
+ALL = ("ddp", "fsdp", "tp", "fsdp+tp", "pp")
+OPTIMIZERS: dict[str, Optimizer] = {"adamw": Optimizer(_adamw, parallel=ALL), "sgd": Optimizer(_sgd, parallel=ALL),
                                     "adafactor": Optimizer(_adafactor), "lion": Optimizer(_lion),
                                     "muon": Optimizer(_muon), "adamw8bit": Optimizer(_adamw8bit, package="torchao"),
                                     "adamw_offload": Optimizer(_adamw_offload), "galore": Optimizer(_galore)}
