@@ -153,8 +153,10 @@ class Pipeline:
         mine = {id(p) for p in self.stage.parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in mine)
-        self.scale = 1.0
-        self.schedule = Schedule1F1B(PipelineStage(self.stage, rank, world, device), micro, loss_fn=self._loss)
+        self.scale, self.micro = 1.0, micro  # the gradients scaled in the loss (the schedule's scaling would
+        # scale what earlier micro-batches of the optimizer step accumulated too)
+        self.schedule = Schedule1F1B(PipelineStage(self.stage, rank, world, device), micro, loss_fn=self._loss,
+                                     scale_grads=False)
 
     def _loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -162,7 +164,7 @@ class Pipeline:
             loss = chunked_cross_entropy(h.flatten(0, 1), m.lm_head.weight, y.flatten(), m.loss_chunk_size)
         else:
             loss = F.cross_entropy(m.logits(h).float().flatten(0, 1), y.flatten(), ignore_index=-100)
-        return loss * self.scale
+        return loss * (self.scale / self.micro)
 
     def __call__(self, batch, scale: float = 1.0) -> tuple:
         """Forward and backward of micro-batch (x, y), the gradients times `scale` -> (its mean loss on every rank,
@@ -173,7 +175,7 @@ class Pipeline:
             self.schedule.step(x, target=y if self.stage.last else None, losses=losses)
         else:
             self.schedule.step(target=y, losses=losses)
-        loss = torch.stack(losses).mean() / scale if losses else torch.zeros((), device=x.device)
+        loss = torch.stack(losses).sum() / scale if losses else torch.zeros((), device=x.device)
         dist.broadcast(loss, src=self.world - 1)
         return loss.detach(), y.numel()
 
