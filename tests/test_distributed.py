@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -131,6 +132,42 @@ def test_fsdp_checkpoint_of_two_processes_resumes_in_one(configs, llm_runs, tmp_
     assert_same_losses(llm_runs / "fsdp", out, steps=[4, 5, 6])
     assert_close_weights(llm_runs / "fsdp", out)
     assert_close_weights(llm_runs / "fsdp", out, "model_avg.safetensors")
+
+
+# ------------------------------------------------------------------------------ tensor and pipeline parallelism
+MODEL_PARALLEL = {"tp": (2, "train.batch_size=8"), "pp": (2, "train.batch_size=8"),  # one data-parallel rank
+                  "fsdp+tp": (4, "train.batch_size=4")}  # 2 data-parallel ranks x 2 tensor-parallel ones
+EPS = "optim.eps=1e-5"  # not 1e-8: Adam's first update, lr * g / (|g| + eps), would scale a near-zero gradient
+# entry's round-off up to a part of the LR (measured, tp: one weight of 16k 1.7e-5 away, the mean 3e-9)
+
+
+def test_tensor_and_pipeline_parallelism_match_one_process_and_resume_in_one(configs, tmp_path):
+    """train.parallel=tp and pp on 2 processes (one launch), fsdp+tp on 4 (a 2 x 2 mesh), each with one process's
+    global batch of 8: its losses (1e-5 relative) and weights (1e-5 absolute; round-off of sums split over ranks, and
+    AdamW's for-loop step beside one process's fused one); each's step-3 DCP checkpoint resumes in one process and
+    ends with the losses and weights of the torchrun run."""
+    cfg, d = configs["llm"], tmp_path
+    one = launch(cfg, d / "one", "train.batch_size=8", EPS, nproc=0)
+    steps = {s: case(cfg, d / s, f"train.parallel={s}", over, EPS) for s, (_, over) in MODEL_PARALLEL.items()}
+    for n in (2, 4):
+        p = launch(cfg, d / f"mp{n}", nproc=n, cases=[v for s, v in steps.items() if MODEL_PARALLEL[s][0] == n])
+        assert p.wait(600) == 0, last_stderr(d / f"mp{n}")[-3000:]
+    resumes = [one]
+    for s in MODEL_PARALLEL:
+        (d / f"{s}-one" / "checkpoints").mkdir(parents=True)
+        shutil.copytree(d / s / "checkpoints" / "step_00000003", d / f"{s}-one" / "checkpoints" / "step_00000003")
+        resumes.append(launch(cfg, d / f"{s}-one", "train.batch_size=8", EPS, nproc=0))
+    assert all(p.wait(300) == 0 for p in resumes), [last_stderr(d / f"{s}-one")[-2000:] for s in MODEL_PARALLEL]
+    for s, (n, _) in MODEL_PARALLEL.items():
+        log = (d / s / "log.txt").read_text()
+        assert f"parallel: {s} over {n} processes" in log
+        assert ("sequence-parallel" if s != "pp" else "1F1B") in log
+        assert_same_losses(d / "one", d / s)
+        assert_close_weights(d / "one", d / s)
+        resumed = d / f"{s}-one"
+        assert f"(step 3) written by {n} processes, resharded to 1" in (resumed / "log.txt").read_text()
+        assert_same_losses(d / s, resumed, steps=[4, 5, 6])
+        assert_close_weights(d / s, resumed)
 
 
 # ------------------------------------------------------------------------------ unfreezing; resuming

@@ -63,7 +63,7 @@ def unsupported(cfg, world: int = 2) -> Optional[str]:
     optimizer of the registry that does not run under the strategy (with the registry's reason); what tp, fsdp+tp
     and pp over `world` processes do not cover."""
     t, name = cfg.train, cfg.optim.name
-    if t.parallel in MODEL_PARALLEL and (why := refusal(cfg, t.tp_size if t.parallel == "fsdp+tp" else world)):
+    if t.parallel in MODEL_PARALLEL and (why := refusal(cfg, world)):
         return why
     optimizers = [n for n, o in OPTIMIZERS.items() if t.parallel in o.parallel]  # the ones run under it
     if name in optimizers:
@@ -94,11 +94,12 @@ class Parallel:
 
     def init(self, device: torch.device):
         global _PROCESS_GROUP_USED
-        if not self.active or dist.is_initialized():
+        if not self.active:
             return
-        cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-        _PROCESS_GROUP_USED = True
+        if not dist.is_initialized():
+            cuda = device.type == "cuda"
+            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+            _PROCESS_GROUP_USED = True
         if self.tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
             self.mesh = init_device_mesh(device.type, (self.dp_world, self.tp), mesh_dim_names=("dp", "tp"))

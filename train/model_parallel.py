@@ -25,13 +25,15 @@ from zoo.blocks.mlp import SwiGLU
 from zoo.blocks.norm import RMSNorm
 
 
-def refusal(cfg, ways: int) -> Optional[str]:
-    """Why cfg cannot run with train.parallel=tp / fsdp+tp / pp over `ways` tensor-parallel ranks or stages, naming
-    the key (None: it can). Covered: the dense LLM (GQA, windows, soft-caps, biases), AdamW or SGD, fp32 or bf16."""
+def refusal(cfg, world: int) -> Optional[str]:
+    """Why cfg cannot run with train.parallel=tp / fsdp+tp / pp on `world` processes, naming the key (None: it can).
+    Covered: the dense LLM's pretraining (GQA, windows, soft-caps, biases), AdamW or SGD, fp32 or bf16."""
     t, m, how = cfg.train, cfg.model, f"train.parallel={cfg.train.parallel}"
     if cfg.family != "llm":
         return f"{how} splits LLM blocks; family={cfg.family} runs with ddp or fsdp"
-    tp = t.parallel != "pp"
+    tp, ways = t.parallel != "pp", t.tp_size if t.parallel == "fsdp+tp" else world
+    if world % ways:
+        return f"train.tp_size={ways} does not divide the {world} processes ({how})"
     sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.resolved_n_kv_heads,
              "model.ffn_hidden": m.resolved_ffn_hidden} if tp else {"model.n_layers": m.n_layers}
     features = {"model.moe": m.moe is not None, "model.mla": m.mla is not None, "model.mod_capacity": m.mod_capacity > 0,
@@ -43,6 +45,8 @@ def refusal(cfg, ways: int) -> Optional[str]:
                 "model.final_softcap": not tp and m.final_softcap is not None}
     if key := next((k for k, on in features.items() if on), None):
         return f"{key} does not combine with {how} (it covers the dense LLM's pretraining; use ddp or fsdp)"
+    if not tp and isinstance(t.batch_size, int) and t.batch_size % t.pp_microbatches:
+        return f"train.pp_microbatches={t.pp_microbatches} does not divide train.batch_size={t.batch_size} ({how})"
     if key := next((k for k, n in sizes.items() if n % ways), None):
         return f"{key}={sizes[key]} does not divide over {ways} {'tensor-parallel ranks' if tp else 'stages'} ({how})"
     return None
@@ -116,8 +120,8 @@ def apply_tp(model: nn.Module, mesh) -> Fused:
 
 # ------------------------------------------------------------------------------ pipeline parallelism
 class Stage(nn.Module):
-    """Stage `index` of `count` of the LLM: consecutive blocks (the first stage embeds, the last normalises). Its
-    modules are the model's own, so its parameters keep the model's names."""
+    """Stage `index` of `count` of the LLM: consecutive blocks (the first stage embeds, the last normalises and holds
+    the LM head, which the loss reads). Its modules are the model's own: the model is what is checkpointed."""
 
     def __init__(self, model: nn.Module, index: int, count: int):
         super().__init__()
