@@ -46,7 +46,7 @@ def test_pipeline_stages_chained_are_the_model_trunk():
     (["train.parallel=tp", "model.qk_norm=true"], "model.qk_norm"),
     (["train.parallel=fsdp+tp", "adapter.method=lora"], "adapter.method"),
     (["train.parallel=tp", "model.d_model=384", "model.n_heads=6", "model.n_kv_heads=3"], "model.n_kv_heads=3"),
-    (["train.parallel=fsdp+tp", "train.tp_size=4", "model.n_kv_heads=2"], "model.n_kv_heads=2"),
+    (["train.parallel=tp", "model.n_kv_heads=1"], "model.n_kv_heads=1"),
     (["train.parallel=pp", "model.n_layers=3"], "model.n_layers=3"),
     (["train.parallel=pp", "train.batch_size=3"], "train.pp_microbatches=2"),
     (["train.parallel=fsdp+tp", "train.tp_size=3"], "train.tp_size=3"),
