@@ -251,12 +251,12 @@ def _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, trained
     part (DDP: all of it; FSDP2, TP: its shards) through DCP's full state dicts. Collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
     opts = dataclasses.replace(_dcp_options(trained_only), full_state_dict=True)
-    weights = _training_order(par, _every_tied_name(model, weights))
+    weights = _rows(par, _every_tied_name(model, weights), back=False)
     if optimizer is None:
         set_model_state_dict(model, weights, options=opts)
     else:
-        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_training_order(par, _by_name(
-                       model, optimizer, state["optimizer"])), options=opts)
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=_rows(par, _by_name(
+                       model, optimizer, state["optimizer"]), back=False), options=opts)
     if ema is not None:
         set_model_state_dict(ema, _every_tied_name(ema, ema_weights) if ema_weights is not None else weights,
                              options=opts)
@@ -335,26 +335,24 @@ def _first_verified(paths: list, log) -> list:
 
 
 # ------------------------------------------------------------------------------ DCP checkpoints
-def _dcp_options(trained_only: bool):
-    """What a DCP checkpoint holds: every tensor, or (an adapter run) only what trains."""
+def _dcp_options(trained_only: bool, par=None):
+    """What a DCP checkpoint holds: every tensor, or (an adapter run) only what trains; under tensor parallelism
+    whole tensors, so that one process (or any other layout) reads the fused projections' rows in the model's order."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only)
+    return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only,
+                            full_state_dict=getattr(par, "fused", None) is not None)
 
 
-def _training_order(par, state: dict) -> dict:
-    """A full state (model or optimizer) with the fused projections' rows as tensor parallelism trains them."""
-    return par.fused.saved(state, back=False) if par is not None and par.fused is not None else state
+def _rows(par, state: dict, back: bool = True) -> dict:
+    """A full state (model or optimizer) with the fused projections' rows in the model's order (back=False: as
+    tensor parallelism trains them; train/model_parallel.py's Fused)."""
+    fused = getattr(par, "fused", None)
+    return fused.saved(state, back) if fused is not None else state
 
 
 def _dcp_state(model, optimizer, ema, trained_only: bool = False, par=None) -> dict:
-    """What a DCP checkpoint holds; under tensor parallelism full tensors, in the model's row order (one process,
-    or any other layout, reads them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    full = par is not None and par.fused is not None
-    options = dataclasses.replace(_dcp_options(trained_only), full_state_dict=full)
-    msd, osd = get_state_dict(model, optimizer, options=options)
-    if full:
-        msd, osd = par.fused.saved(msd), par.fused.saved(osd)
+    msd, osd = (_rows(par, sd) for sd in get_state_dict(model, optimizer, options=_dcp_options(trained_only, par)))
     if trained_only:  # a frozen weight tied to another (an LM head) is still listed
         frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         msd = {k: v for k, v in msd.items() if k not in frozen}
@@ -399,9 +397,9 @@ def _load_dcp(path: Path, state: dict, model, optimizer=None, ema=None, trained_
     with_ema = ema is not None and state.get("has_ema", False)
     sd = _dcp_state(model, optimizer, ema if with_ema else None, trained_only, par)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
-    opts = dataclasses.replace(_dcp_options(trained_only), full_state_dict=par is not None and par.fused is not None)
-    set_state_dict(model, optimizer, model_state_dict=_training_order(par, sd["model"]),
-                   optim_state_dict=_training_order(par, sd["optimizer"]), options=opts)
+    opts = _dcp_options(trained_only, par)
+    set_state_dict(model, optimizer, model_state_dict=_rows(par, sd["model"], back=False),
+                   optim_state_dict=_rows(par, sd["optimizer"], back=False), options=opts)
     if ema is not None:
         set_model_state_dict(ema, sd["ema"] if with_ema else sd["model"], options=opts)
     return sd["ema"] if with_ema else None

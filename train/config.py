@@ -156,8 +156,9 @@ class TrainConfig:
                                             # stay dense (as `quant_keep` names them)
     # -- several processes (torchrun)
     parallel: Literal["none", "ddp", "fsdp", "tp", "fsdp+tp", "pp"] = "none"  # under `torchrun`: `ddp`, `fsdp`
-                                            # (FSDP2), `tp` (tensor), `fsdp+tp` (both, 2-D), `pp` (pipeline); `batch_size`
-                                            # is per data-parallel rank; ignored by a plain `python train/run.py`
+                                            # (FSDP2), `tp` (tensor), `fsdp+tp` (both, 2-D), `pp` (pipeline);
+                                            # `batch_size` is per data-parallel rank; ignored by a plain
+                                            # `python train/run.py`
     tp_size: int = bounded(2, gt=0)         # with `parallel: fsdp+tp`: processes per tensor-parallel group (`tp`: all)
     pp_microbatches: int = bounded(2, gt=0)  # with `parallel: pp`: each micro-batch's pieces in the 1F1B schedule
     sync_bn: bool = False                   # with `parallel`: BatchNorm normalises with the global batch's statistics

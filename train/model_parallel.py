@@ -36,12 +36,12 @@ def refusal(cfg, world: int) -> Optional[str]:
         return f"train.tp_size={ways} does not divide the {world} processes ({how})"
     sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.resolved_n_kv_heads,
              "model.ffn_hidden": m.resolved_ffn_hidden} if tp else {"model.n_layers": m.n_layers}
-    features = {"model.moe": m.moe is not None, "model.mla": m.mla is not None, "model.mod_capacity": m.mod_capacity > 0,
-                "adapter.method": cfg.adapter.enabled, "train.ema_decay": bool(t.ema_decay), "train.compile": t.compile,
-                "train.teacher": t.teacher is not None, "train.qat": t.qat is not None, "train.prune": t.prune is not None,
-                "train.unfreeze": bool(t.unfreeze), "train.float8": t.float8, "train.precision": t.precision == "fp16",
-                "train.batch_size": t.batch_size == "auto", "train.lr_find": t.lr_find, "data.format": cfg.data.format != "text",
-                "model.qk_norm": tp and bool(m.qk_norm), "model.attn_sinks": tp and m.attn_sinks,
+    features = {"model.moe": m.moe is not None, "model.mla": m.mla is not None, "model.mod_capacity": m.mod_capacity,
+                "adapter.method": cfg.adapter.enabled, "train.ema_decay": t.ema_decay, "train.compile": t.compile,
+                "train.teacher": t.teacher, "train.qat": t.qat, "train.prune": t.prune, "train.unfreeze": t.unfreeze,
+                "train.float8": t.float8, "train.precision": t.precision == "fp16", "train.lr_find": t.lr_find,
+                "train.batch_size": t.batch_size == "auto", "data.format": cfg.data.format != "text",
+                "model.qk_norm": tp and m.qk_norm, "model.attn_sinks": tp and m.attn_sinks,
                 "model.final_softcap": not tp and m.final_softcap is not None}
     if key := next((k for k, on in features.items() if on), None):
         return f"{key} does not combine with {how} (it covers the dense LLM's pretraining; use ddp or fsdp)"
@@ -54,7 +54,7 @@ def refusal(cfg, world: int) -> Optional[str]:
 
 # ------------------------------------------------------------------------------ tensor parallelism
 class Fused:
-    """The fused projections' rows: {parameter name: segment sizes}, held rank-major over `ways` ranks while training."""
+    """The fused projections' rows: {parameter name: segment sizes}, held rank-major over `ways` ranks in training."""
 
     def __init__(self, ways: int):
         self.ways, self.sizes = ways, {}
@@ -104,17 +104,18 @@ def apply_tp(model: nn.Module, mesh) -> Fused:
             for k, p in mod.named_parameters():
                 fused.hold(f"{names[mod]}.{k}", p, sizes)
         a.n_heads, a.n_kv_heads = a.n_heads // n, a.n_kv_heads // n  # the heads this rank computes
-        norms = {k: SequenceParallel(use_local_output=True) for k, c in block.named_children() if isinstance(c, RMSNorm)}
+        norms = {k: SequenceParallel(use_local_output=True) for k, c in block.named_children()
+                 if isinstance(c, RMSNorm)}  # LayerNorm too (a subclass)
         parallelize_module(block, mesh, {
             **norms,
             "attn": PrepareModuleInput(input_layouts=(seq, *[None] * 5), desired_input_layouts=(whole, *[None] * 5)),
             "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=seq),
             "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
             "mlp.gate_up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=seq)})
-    parallelize_module(units[0], mesh, PrepareModuleInput(input_layouts=(whole, None, None),
-                                                          desired_input_layouts=(seq, None, None), use_local_output=True))
-    parallelize_module(units[-1], mesh, PrepareModuleOutput(output_layouts=(seq, None), use_local_output=True,
-                                                            desired_output_layouts=(whole, None)))
+    parallelize_module(units[0], mesh, PrepareModuleInput(  # x, cos, sin: x split along the sequence
+        input_layouts=(whole, None, None), desired_input_layouts=(seq, None, None), use_local_output=True))
+    parallelize_module(units[-1], mesh, PrepareModuleOutput(  # (x, MoE stats): x whole again
+        output_layouts=(seq, None), desired_output_layouts=(whole, None), use_local_output=True))
     return fused
 
 
