@@ -145,19 +145,25 @@ def test_tensor_and_pipeline_parallelism_match_one_process_and_resume_in_one(con
     """train.parallel=tp and pp on 2 processes (one launch), fsdp+tp on 4 (a 2 x 2 mesh), each with one process's
     global batch of 8: its losses (1e-5 relative) and weights (1e-5 absolute; round-off of sums split over ranks, and
     AdamW's for-loop step beside one process's fused one); each's step-3 DCP checkpoint resumes in one process and
-    ends with the losses and weights of the torchrun run."""
+    ends with the losses and weights of the torchrun run, and the one-process run's resumes under tp."""
     cfg, d = configs["llm"], tmp_path
     one = launch(cfg, d / "one", "train.batch_size=8", EPS, nproc=0)
     steps = {s: case(cfg, d / s, f"train.parallel={s}", over, EPS) for s, (_, over) in MODEL_PARALLEL.items()}
     for n in (2, 4):
         p = launch(cfg, d / f"mp{n}", nproc=n, cases=[v for s, v in steps.items() if MODEL_PARALLEL[s][0] == n])
         assert p.wait(600) == 0, last_stderr(d / f"mp{n}")[-3000:]
-    resumes = [one]
-    for s in MODEL_PARALLEL:
-        (d / f"{s}-one" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(d / s / "checkpoints" / "step_00000003", d / f"{s}-one" / "checkpoints" / "step_00000003")
-        resumes.append(launch(cfg, d / f"{s}-one", "train.batch_size=8", EPS, nproc=0))
+    assert one.wait(300) == 0, last_stderr(d / "one")[-3000:]
+    resumes = []
+    for s in [*MODEL_PARALLEL, "one"]:  # and the one-process checkpoint under tp
+        out = d / (f"{s}-one" if s != "one" else "one-tp")
+        (out / "checkpoints").mkdir(parents=True)
+        shutil.copytree(d / s / "checkpoints" / "step_00000003", out / "checkpoints" / "step_00000003")
+        resumes.append(launch(cfg, out, "train.batch_size=8", EPS, *(["train.parallel=tp"] if s == "one" else []),
+                              nproc=2 if s == "one" else 0))
     assert all(p.wait(300) == 0 for p in resumes), [last_stderr(d / f"{s}-one")[-2000:] for s in MODEL_PARALLEL]
+    assert "(step 3) written by 1 process, resharded to 2" in (d / "one-tp" / "log.txt").read_text()
+    assert_same_losses(d / "one", d / "one-tp", steps=[4, 5, 6])
+    assert_close_weights(d / "one", d / "one-tp")
     for s, (n, _) in MODEL_PARALLEL.items():
         log = (d / s / "log.txt").read_text()
         assert f"parallel: {s} over {n} processes" in log

@@ -220,8 +220,12 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
     state = _same_step(path, read_state(path / "state.pt"), manifest)
     if before_optimizer is not None:
         before_optimizer(state)
+    how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in getattr(optimizer, "param_groups", [])]
     if dcp:
         ema_weights = _load_dcp(path, state, model, optimizer, ema, trained_only=keys is not None, par=par)
+    elif par is not None and par.pipeline is not None:
+        raise ValueError(f"{path}: a one-process checkpoint (its optimizer state indexed by the whole model's "
+                         f"parameters) does not resume under train.parallel=pp; resume it under another strategy")
     elif par is not None and par.active:
         _load_into_ranks(state, weights, ema_weights, model, optimizer, ema, keys is not None, par)
     else:
@@ -230,6 +234,8 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
             ema.load_state_dict(weights if ema_weights is None else ema_weights, strict=False)
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
+    for g, kept in zip(getattr(optimizer, "param_groups", []), how):  # how this run steps, not the checkpoint's run
+        g.update(kept)
     if ema is not None:  # an EMA switched on for a run that had none starts from the resumed weights
         state["ema_started"] = ema_weights is None
     if scaler is not None and "scaler" in state:
