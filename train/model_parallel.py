@@ -148,7 +148,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, rank: int, world: int, micro: int, device):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-        self.model, self.rank, self.world = model, rank, world
+        self.model, self.rank, self.world, self.device = model, rank, world, device
         self.stage = Stage(model, rank, world)
         # each weight's rank (a tied embedding: the first stage's, the last trains it too)
         self.owner = {id(p): r for r in reversed(range(world)) for p in Stage(model, r, world).parameters()}
@@ -192,7 +192,7 @@ class Pipeline:
                 self.tied.grad = torch.zeros_like(self.tied)
             dist.all_reduce(self.tied.grad, group=self.ends)
         grads = [p.grad for p in params if p.grad is not None and self.owner[id(p)] == self.rank]
-        sq = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros(())
+        sq = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.device)
         dist.all_reduce(sq)
         norm = sq.sqrt()
         if clip:
