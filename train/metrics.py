@@ -124,7 +124,7 @@ class Metrics:
 
     def _log(self, done, lr, r):
         w, par = self.window, self.run.par
-        rate = w["items"] * par.world / max(w["time"], 1e-9)  # global: every rank covers as many items
+        rate = w["items"] * par.dp_world / max(w["time"], 1e-9)  # global: every data-parallel rank covers as many
         row = {"step": done, "loss": w["loss"] / w["n"] if w["n"] else float("nan"), "lr": lr,
                "grad_norm": r.grad_norm, **self.run.task.train_metrics()}
         if self.nonfinite_total:
