@@ -89,9 +89,13 @@ class TrainConfig:
     peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = the vendor's dense
                                             # figure on known GPUs in bf16/fp16, else a matmul measured at start
                                             # in the run's dtype (`train.hardware.measure_peak_flops`)
-    tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send every row of `metrics.jsonl` to
-                                            # `tensorboard` or `wandb` (files under `out_dir`; needs the extra)
-    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (entity: `$WANDB_ENTITY`, else your default)
+    tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"  # also send every row of `metrics.jsonl`
+                                            # to `tensorboard`, `wandb` or `mlflow` (files under `out_dir`; needs the
+                                            # extra)
+    tracker_project: Optional[str] = None   # the W&B project or MLflow experiment; null = `zoo` (W&B entity:
+                                            # `$WANDB_ENTITY`, else your default)
+    tracker_uri: Optional[str] = None       # MLflow's tracking URI; null = a SQLite file in `out_dir/mlruns/` (nothing
+                                            # sent anywhere)
     tracker_mode: Optional[Literal["offline", "online"]] = None  # W&B: `offline` (nothing sent; `wandb sync` later)
                                             # or `online` (needs `wandb login`); null = `$WANDB_MODE`, else `offline`
     # -- evaluation and samples
@@ -178,8 +182,9 @@ class TrainConfig:
             raise fail(source, prefix + "out_dir", "must not be empty")
         if self.init_from is not None and not self.init_from:
             raise fail(source, prefix + "init_from", "must be a path or null, got ''")
-        if self.tracker_project is not None and not self.tracker_project.strip():
-            raise fail(source, prefix + "tracker_project", "must be a name or null, got ''")
+        for key in ("tracker_project", "tracker_uri"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise fail(source, prefix + key, "must be a name or null, got ''")
         if self.unfreeze is not None and (not self.unfreeze or any(s <= 0 for s in self.unfreeze)
                                           or sorted(set(self.unfreeze)) != list(self.unfreeze)):
             raise fail(source, prefix + "unfreeze", f"must be increasing steps > 0 or null, got {self.unfreeze}")
