@@ -8,6 +8,7 @@ import torch
 
 import zoo
 from test_numerics import tiny_llm
+from test_tracking import _Absent
 
 
 @pytest.mark.slow
@@ -29,18 +30,10 @@ def test_pte_runs_in_the_executorch_runtime_with_zoos_logits(tmp_path):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-3, (T, (got - want).abs().max())
 
 
-class _Absent:
-    """A meta-path finder for which executorch is not installed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] == "executorch":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-
 def test_without_executorch_the_export_is_one_line_naming_the_package(tmp_path, monkeypatch):
     for name in [n for n in sys.modules if n.partition(".")[0] == "executorch"]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys, "meta_path", [_Absent()] + sys.meta_path)
+    monkeypatch.setattr(sys, "meta_path", [_Absent("executorch")] + sys.meta_path)
     with pytest.raises(ImportError) as e:
         zoo.save_pretrained(tiny_llm(), tmp_path / "m.pte")
     assert len(str(e.value).splitlines()) == 1 and "needs the executorch package: pip install -e '.[executorch]'" in str(e.value)
