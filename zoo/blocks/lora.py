@@ -9,7 +9,8 @@ each with its own A_p (r, in), B_p (rows_p, r). With s = alpha / r (rsLoRA: alph
     LoRA:  y_p = W_p x + b_p + s * B_p A_p dropout(x)
     DoRA:  y_p = g_p * (W_p x' + s * B_p A_p x') + b_p + W_p (x - x'),   x' = dropout(x),
            g_p = m_p / ||W_p + s B_p A_p||_row   (norm detached; m_p starts at W_p's row norms)
-B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be any tensor F.linear
+A starts as nn.Linear's weights (init 'kaiming': kaiming-uniform) or N(0, 1/r^2) (init 'gaussian', PEFT's), B at 0;
+`merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be any tensor F.linear
 accepts, e.g. torchao's NF4Tensor (QLoRA).
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
@@ -30,7 +31,8 @@ def dense_weight(w: torch.Tensor) -> torch.Tensor:
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, parts: Sequence = (), adapted: Sequence[str] = (), r: int = 8,
-                 alpha: float = 16.0, dropout: float = 0.0, dora: bool = False, rslora: bool = False):
+                 alpha: float = 16.0, dropout: float = 0.0, dora: bool = False, rslora: bool = False,
+                 init: str = "kaiming"):
         """base: the layer to wrap (its weight and bias are taken over, not copied). parts:
         [(name, rows), ...] covering the output rows in order; empty = one part named 'weight'.
         adapted: the parts that get an adapter (empty = all)."""
@@ -47,9 +49,11 @@ class LoRALinear(nn.Module):
             raise ValueError(f"adapted parts {unknown} are not among the parts {names}")
         if r <= 0:
             raise ValueError(f"r must be > 0, got {r}")
+        if init not in ("kaiming", "gaussian"):
+            raise ValueError(f"init must be 'kaiming' or 'gaussian', got {init!r}")
         self.parts = parts
         self.adapted = [n for n in names if n in adapted]
-        self.r, self.alpha, self.dora, self.rslora = r, alpha, dora, rslora
+        self.r, self.alpha, self.dora, self.rslora, self.init = r, alpha, dora, rslora, init
         self.scaling = alpha / math.sqrt(r) if rslora else alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
@@ -66,9 +70,12 @@ class LoRALinear(nn.Module):
         self.reset_adapters()
 
     def reset_adapters(self):
-        """A as nn.Linear's default init, B = 0; DoRA magnitudes = the rows' norms."""
+        """A as `init` says, B = 0; DoRA magnitudes = the rows' norms."""
         for n in self.adapted:
-            nn.init.kaiming_uniform_(self.lora_A[n], a=math.sqrt(5))
+            if self.init == "gaussian":
+                nn.init.normal_(self.lora_A[n], std=1 / self.r)
+            else:
+                nn.init.kaiming_uniform_(self.lora_A[n], a=math.sqrt(5))
             nn.init.zeros_(self.lora_B[n])
         if self.dora and self.lora_A[self.adapted[0]].device.type != "meta":
             with torch.no_grad():
