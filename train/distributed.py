@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .features.grad_compression import attach
 from .optim import OPTIMIZERS
 
 
@@ -71,6 +72,7 @@ class Parallel:
     def __init__(self, strategy: str, launch: Launch):
         self.strategy, self.rank, self.world, self.local_rank = strategy, launch.rank, launch.world, launch.local_rank
         self.main, self.active = self.rank == 0, launch.torchrun and strategy != "none"
+        self.comm = None  # train.grad_compression=powersgd: the hook whose state checkpoints keep
 
     def device(self, device: torch.device) -> torch.device:
         """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
@@ -97,14 +99,15 @@ class Parallel:
         backend = dist.get_backend() if dist.is_initialized() else "?"
         return f"parallel: {self.strategy} over {self.world} processes ({backend}); this is rank {self.rank}"
 
-    def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
+    def wrap(self, model: nn.Module, precision: str, t, device, say, unused=False):
         """-> (model, fwd): the module whose state is checkpointed, and what the loss runs. ddp: the plain
-        module and DDP(model) (compiled when asked); fsdp: the model sharded in place for both (each unit compiled
-        first when asked). unused: parameters without a gradient in some steps (train.unfreeze, drop_path_mode=batch).
-        fsdp with fp16: DTensor all-reduces the GradScaler's inf/nan check, so every rank skips the same steps."""
+        module and DDP(model) (compiled when asked, train.grad_compression's hook); fsdp: the model sharded in place
+        for both (each unit compiled first when asked; train.fsdp_*). t: train:. unused: parameters without a
+        gradient in some steps (train.unfreeze, drop_path_mode=batch). fsdp with fp16: DTensor all-reduces the
+        GradScaler's inf/nan check, so every rank skips the same steps."""
         if not self.active:
             return model, None
-        if sync_bn:
+        if t.sync_bn:
             n = convert_sync_batchnorm(model, device)
             say(f"sync_bn: {n} BatchNorm layers normalise with the statistics of all {self.world} ranks"
                 if n else "sync_bn: skipped (the model has no BatchNorm layer)")
@@ -113,17 +116,27 @@ class Parallel:
             # the gradients are views into the all-reduce buckets: no second copy of them. Every rank builds the
             # same weights; rank 0's are not broadcast to a QLoRA base (DDP's broadcast alters torchao's NF4 tensors)
             nf4 = getattr(getattr(model, "adapter_config", None), "quantize_base", "none") == "nf4"
+            # torch's PowerSGD hook waits for collectives inside gloo's callbacks: buckets in flight at once can hold
+            # all of gloo's threads (a hang), so on gloo one bucket holds every gradient
+            one = t.grad_compression == "powersgd" and device.type != "cuda"
             ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      gradient_as_bucket_view=True, init_sync=not nf4, find_unused_parameters=unused)
-            if compile_:
+                      gradient_as_bucket_view=True, init_sync=not nf4, find_unused_parameters=unused,
+                      bucket_cap_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1 if one else None)
+            self.comm = attach(ddp, t, say)
+            if t.compile:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")
                 return model, torch.compile(ddp)
             return model, ddp
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if precision == "bf16" else MixedPrecisionPolicy()
+        offload = t.fsdp_offload and device.type == "cuda"  # CPUOffloadPolicy pins host memory: CUDA only
+        if t.fsdp_offload and not offload:
+            say(f"fsdp_offload: skipped on {device.type} (CUDA only: the parameters already live in host memory)")
+        policy = dict(mp_policy=mp, reshard_after_forward=t.fsdp_reshard,
+                      offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
         units = model.repeated_units()
-        if compile_:
+        if t.compile:
             say(f"compile: each of the {len(units)} repeated units compiled, then sharded")
         # parameters that do not train stay whole (a frozen autoencoder), except an adapter's base: it is
         # sharded with the adapters, so that no rank holds all of it
@@ -131,12 +144,14 @@ class Parallel:
         self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad and not adapted}
         frozen = {p for p in model.parameters() if not p.requires_grad and not adapted}
         for unit in units:
-            if compile_:
+            if t.compile:
                 unit.compile()
-            fully_shard(unit, mp_policy=mp, ignored_params=frozen or None)
-        fully_shard(model, mp_policy=mp, ignored_params=frozen or None)
+            fully_shard(unit, ignored_params=frozen or None, **policy)
+        fully_shard(model, ignored_params=frozen or None, **policy)
         say(f"fsdp: {len(units)} units and the root sharded over {self.world} ranks"
-            + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else ""))
+            + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else "")
+            + ("; ZeRO-2: gathered parameters kept from forward to backward" if not t.fsdp_reshard else "")
+            + ("; parameters, gradients and optimizer states in host memory" if offload else ""))
         return model, model
 
     def shard_like(self, model: nn.Module):
