@@ -1,17 +1,20 @@
 """train.grad_compression in one process (a one-rank gloo group; two processes: tests/test_distributed_cases.py):
 PowerSGD's state survives a resume bit for bit across DDP's bucket rebuild, its logged compression is torch's
 own statistic, and the keys are refused without the strategy they belong to."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zoo
+from conftest import CPU
 from train.config import TrainConfig, load_run_config
-from train.features.grad_compression import PowerSGD, attach
+from train.grad_compression import PowerSGD, attach
 from zoo.config import ConfigError
 
-pytestmark = pytest.mark.cpu_only("a gloo group of one process on the CPU")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only("a gloo group of one process on the CPU")]
 TINY = {"model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 16}}
 
 
@@ -26,16 +29,10 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def steps(ddp, opt, batches):
-    for ids in batches:
-        ddp(ids, targets=ids)[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def trained(n_steps, resume_from=None, psgd_state=True):
-    """The tiny LLM under DDP with buckets of a few kB (seven after DDP's rebuild, one before) and PowerSGD from
-    step 3, trained to n_steps; resume_from: (weights, optimizer state, checkpoint folder, step) to start from."""
+def trained(resume_from=None, psgd_state=True, save_in=None):
+    """The tiny LLM under DDP with buckets of a few kB (nine after DDP's rebuild, one before) and PowerSGD from
+    step 3, trained to step 6; resume_from: (weights, optimizer state, checkpoint folder) of step 4 to start from;
+    save_in: a folder for PowerSGD's state of step 4 (-> the snapshot to resume from)."""
     torch.manual_seed(0)
     model = zoo.build(TINY)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -43,29 +40,29 @@ def trained(n_steps, resume_from=None, psgd_state=True):
     hook = PowerSGD(model, rank=1, start=2, seed=0)
     ddp.register_comm_hook(hook.state, hook.hook)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(n_steps)]
-    start = 0
+    batches, start, snapshot = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(6)], 0, None
     if resume_from is not None:
-        weights, ostate, folder, start = resume_from
-        model.load_state_dict(weights)
-        opt.load_state_dict(ostate)
-        hook.resume(folder, start, psgd_state, 0, print)
-    steps(ddp, opt, batches[start:])
-    return model, opt, hook
+        model.load_state_dict(resume_from[0])
+        opt.load_state_dict(resume_from[1])
+        hook.resume(resume_from[2], start := 4, psgd_state, 0, print)
+    for step, ids in enumerate(batches[start:], start + 1):
+        ddp(ids, targets=ids)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 4 and save_in is not None:
+            assert len(hook.layout) > 1 and hook.rebuilt  # several buckets, rebuilt after the first step
+            hook.save(save_in, 0)
+            snapshot = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()), save_in)
+    return model, hook, snapshot
 
 
 def test_powersgd_resumes_bitwise_across_the_bucket_rebuild(one_rank, tmp_path):
     """Resumed at step 4 (PowerSGD running since step 3) in a new DDP, whose first step has other buckets than the
     checkpointed ones: the weights of the uninterrupted run after step 6, bit for bit; without the saved error
     feedback and factors they differ. The compression logged at start is torch's compression_stats() rate."""
-    model, opt, hook = trained(4)
-    hook.save(tmp_path, 0)
-    assert len(hook.layout) > 1 and hook.rebuilt  # several buckets, rebuilt after the first step
-    snapshot = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), tmp_path, 4)
-    ref, _, ref_hook = trained(6)
-    resumed = trained(6, resume_from=snapshot)[0]
-    fresh = trained(6, resume_from=snapshot, psgd_state=False)[0]
-    for (name, a), b, c in zip(ref.state_dict().items(), resumed.state_dict().values(), fresh.state_dict().values()):
+    ref, ref_hook, snapshot = trained(save_in=tmp_path)
+    resumed, fresh = trained(resume_from=snapshot)[0], trained(resume_from=snapshot, psgd_state=False)[0]
+    for (name, a), b in zip(ref.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, c) for a, c in zip(ref.state_dict().values(), fresh.state_dict().values()))
     full, sent, matrices, compressed = ref_hook.counts()
@@ -100,7 +97,7 @@ def test_one_process_says_the_keys_do_nothing(tmp_path):
     logs = []
     cfg = load_run_config(None, [f"train.out_dir={tmp_path}", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
                                  "data.tokenizer=bytes", "data.path=stdlib", "data.seq_len=16", "model.max_seq_len=16",
-                                 "train.max_steps=1", "train.batch_size=2", "train.eval_batches=1", "train.device=cpu",
+                                 "train.max_steps=1", "train.batch_size=2", "train.eval_batches=1", f"train.device={CPU}",
                                  "train.progress=false", "train.samples=false", "train.plot=false", "train.export=false",
                                  "train.parallel=ddp", "train.grad_compression=powersgd"])
     train(cfg, log=logs.append)

@@ -10,7 +10,8 @@ PACKAGES = ("zoo", "train")
 # train/'s layers, bottom to top: a module imports from its own layer and those below, never from one
 # above (a piece two layers share moves down, or is passed in). A new module of train/ is placed here.
 LAYERS = [
-    ("base", ("train.hardware", "train.plots", "train.step", "train.optim", "train.data", "train.distributed")),
+    ("base", ("train.hardware", "train.plots", "train.step", "train.optim", "train.data", "train.distributed",
+              "train.grad_compression")),
     ("config", ("train.config",)),
     ("run parts", ("train.features", "train.model", "train.checkpoint", "train.metrics", "train.finish")),
     ("scoring", ("train.eval", "train.chat", "train.predict", "train.sample_quality")),

@@ -111,7 +111,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     if par.active and unsupported(cfg):
         raise RunStopped(f"{cfg.source}: {unsupported(cfg)}", EXIT_CONFIG)
     device = par.device(resolve_device(t.device))
-    par.init(device)
+    par.init(device, host=t.fsdp_offload)
     if par.active:
         say(par.describe())
     elif t.parallel != "none":

@@ -168,7 +168,7 @@ class TrainConfig:
                                             # in full before compression starts (about a tenth of the run, past warmup)
     fsdp_reshard: bool = True               # with `parallel: fsdp`: free a unit's gathered parameters after its forward
                                             # (ZeRO-3); false keeps them until its backward (ZeRO-2: more memory, one
-                                            # all-gather per step instead of two)
+                                            # all-gather per micro-batch instead of two)
     fsdp_offload: bool = False              # with `parallel: fsdp` on CUDA: the sharded parameters, gradients and
                                             # optimizer states live in host memory (CPUOffloadPolicy); skipped on a CPU
 

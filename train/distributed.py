@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .features.grad_compression import attach
+from .grad_compression import attach
 from .optim import OPTIMIZERS
 
 
@@ -81,12 +81,14 @@ class Parallel:
             torch.cuda.set_device(device)
         return device
 
-    def init(self, device: torch.device):
+    def init(self, device: torch.device, host: bool = False):
+        """The process group; host: collectives of host tensors too (gloo beside NCCL: train.fsdp_offload)."""
         global _PROCESS_GROUP_USED
         if not self.active or dist.is_initialized():
             return
         cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group(("cpu:gloo,cuda:nccl" if host else "nccl") if cuda else "gloo",
+                                device_id=device if cuda else None)
         _PROCESS_GROUP_USED = True
 
     def close(self):
