@@ -95,11 +95,11 @@ def test_one_process_says_the_keys_do_nothing(tmp_path):
     """A plain `python train/run.py` of a DDP or FSDP2 config is one process: the strategy's keys are skipped, said."""
     from train.loop import train
     logs = []
-    cfg = load_run_config(None, [f"train.out_dir={tmp_path}", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-                                 "data.tokenizer=bytes", "data.path=stdlib", "data.seq_len=16", "model.max_seq_len=16",
-                                 "train.max_steps=1", "train.batch_size=2", "train.eval_batches=1", f"train.device={CPU}",
-                                 "train.progress=false", "train.samples=false", "train.plot=false", "train.export=false",
-                                 "train.parallel=ddp", "train.grad_compression=powersgd"])
+    over = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=16", "data.tokenizer=bytes",
+            "data.path=stdlib", "data.seq_len=16", "train.max_steps=1", "train.batch_size=2", "train.eval_batches=1",
+            f"train.device={CPU}", "train.progress=false", "train.samples=false", "train.plot=false",
+            "train.export=false", "train.parallel=ddp", "train.grad_compression=powersgd"]
+    cfg = load_run_config(None, [f"train.out_dir={tmp_path}", *over])
     train(cfg, log=logs.append)
     assert "parallel: train.parallel=ddp skipped: not launched by torchrun (one process); so are " \
            "train.grad_compression" in logs

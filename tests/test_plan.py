@@ -108,11 +108,12 @@ def test_fsdp2_shards_and_ddp_replicates():
 
 
 def test_zero2_keeps_the_whole_model_gathered_and_offload_moves_the_shards_to_the_host():
-    """ZeRO-2 (train.fsdp_reshard=false): FSDP2's shards plus every parameter gathered from forward to backward, where
-    FSDP2 holds two blocks' (counted on the built model); train.fsdp_offload on a CUDA plan: the shards in host memory."""
+    """ZeRO-2 (train.fsdp_reshard=false): FSDP2's shards plus every parameter gathered from forward to backward,
+    where FSDP2 holds two blocks' (counted on the built model); train.fsdp_offload on a CUDA plan: the shards in
+    host memory."""
     import zoo
-    fsdp, zero2, on, off = (planner.plan(cfg_of("train.parallel=fsdp", *over), 4, "fsdp2", device=dev) for over, dev in
-                            (([], CPU), (["train.fsdp_reshard=false"], CPU), ([], CUDA), (["train.fsdp_offload=true"], CUDA)))
+    sides = (([], CPU), (["train.fsdp_reshard=false"], CPU), ([], CUDA), (["train.fsdp_offload=true"], CUDA))
+    fsdp, zero2, on, off = (planner.plan(cfg_of("train.parallel=fsdp", *o), 4, "fsdp2", device=d) for o, d in sides)
     model = zoo.build({"model": SMALL["model"]})
     nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731 (fp32; a tied weight once)
     block = max(nbytes(u.parameters()) for u in model.repeated_units())

@@ -115,9 +115,9 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     if par.active:
         say(par.describe())
     elif t.parallel != "none":
-        set_ = [f"train.{k}" for k in PARALLEL_ONLY if getattr(t, k) != getattr(TrainConfig, k)]
+        idle = [f"train.{k}" for k in PARALLEL_ONLY if getattr(t, k) != getattr(TrainConfig, k)]
         say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)"
-            + (f"; so are {', '.join(set_)}" if set_ else ""))
+            + (f"; so are {', '.join(idle)}" if idle else ""))
     torch.manual_seed(t.seed)
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")

@@ -121,9 +121,9 @@ class Parallel:
             # torch's PowerSGD hook waits for collectives inside gloo's callbacks: buckets in flight at once can hold
             # all of gloo's threads (a hang), so on gloo one bucket holds every gradient
             one = t.grad_compression == "powersgd" and device.type != "cuda"
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      gradient_as_bucket_view=True, init_sync=not nf4, find_unused_parameters=unused,
-                      bucket_cap_mb=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1 if one else None)
+            cap = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1 if one else None
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap,
+                      gradient_as_bucket_view=True, init_sync=not nf4, find_unused_parameters=unused)
             self.comm = attach(ddp, t, say)
             if t.compile:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")

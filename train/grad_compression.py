@@ -73,7 +73,8 @@ class PowerSGD:
         groups = {}
         for name, shape in zip(names, shapes):
             rows = shape[0] if len(shape) else 1
-            cols, r = math.prod(shape) // rows, min(rows, math.prod(shape) // rows, self.state.matrix_approximation_rank)
+            cols = math.prod(shape) // rows
+            r = min(rows, cols, self.state.matrix_approximation_rank)
             if psgd._should_compress(rows, cols, r, self.state.min_compression_rate)[0]:
                 groups.setdefault((rows, cols), []).append((name, rows, cols, r))
         return [f for group in groups.values() for f in group]

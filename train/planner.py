@@ -460,7 +460,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         activations += gathered
         notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
                      f"{fmt_bytes(gathered)} for the all-gathered parameters of "
-                     + ("every block, kept from forward to backward (train.fsdp_reshard=false: ZeRO-2)"
+                     + ("the whole model, kept from forward to backward (train.fsdp_reshard=false: ZeRO-2)"
                         if not t.fsdp_reshard else "two blocks"))
         if t.fsdp_offload and target.type == "cuda":
             host, params, grads, states = host + params + grads + states, 0, 0, 0

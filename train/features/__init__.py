@@ -1,1 +1,1 @@
-"""The optional training features: checkpoint averaging, gradual unfreezing, the LR range test, distillation, quantization (QAT and PTQ), pruning and DDP's gradient compression."""
+"""The optional training features: checkpoint averaging, gradual unfreezing, the LR range test, distillation, quantization (QAT and PTQ) and pruning."""
