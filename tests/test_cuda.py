@@ -1,5 +1,5 @@
 """The CUDA-only paths, each against its reference on the same GPU: flash-attn, activation offloading, TF32 and
-cudnn.benchmark, NCCL, float8's real kernels, CUDA-graph decoding, pinned batches. Skipped, with the reason, on
+cudnn.benchmark, NCCL, FSDP2's CPU offload, float8's real kernels, CUDA-graph decoding, pinned batches. Skipped, with the reason, on
 a machine without CUDA; on a GPU they run with the rest of the suite (ZOO_TEST_DEVICE=cuda, docs/gpu.md).
 FlexAttention's backward and flash-attn's varlen kernel: tests/test_doc_masks.py; the planner against
 max_memory_reserved: tests/test_plan.py."""
@@ -79,6 +79,29 @@ def test_nccl_with_one_process(tmp_path, text_corpus):
                        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "parallel: ddp over 1 processes (nccl)" in (out / "log.txt").read_text()
+
+
+def test_fsdp_offload_trains_as_without(tmp_path, text_corpus):
+    """train.fsdp_offload (CPUOffloadPolicy: shards in pinned host memory, the optimizer stepping on the CPU, gloo
+    beside NCCL) under torchrun on the GPUs there are (at most 2): the losses and weights of FSDP2 without it, to
+    the round-off of an optimizer step on the CPU instead of the GPU (1e-5)."""
+    import yaml
+    from safetensors.torch import load_file
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({**RUN, "data": {**RUN["data"], "path": str(text_corpus)}}))
+    n = min(2, torch.cuda.device_count())
+    for name, over in (("plain", []), ("offload", ["train.fsdp_offload=true"])):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                            str(ROOT / "train" / "run.py"), str(cfg), f"train.out_dir={tmp_path / name}",
+                            "train.parallel=fsdp", *over], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "parameters, gradients and optimizer states in host memory" in (tmp_path / "offload" / "log.txt").read_text()
+    curves = [[(r["step"], r["loss"]) for r in read_rows(tmp_path / d) if "loss" in r] for d in ("plain", "offload")]
+    assert len(curves[0]) == 4 and curves[1] == pytest.approx(curves[0], rel=1e-5)
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "offload"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
 
 
 def test_float8_real_kernels_agree_with_the_emulation(tmp_path, text_corpus):

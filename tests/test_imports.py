@@ -11,7 +11,7 @@ PACKAGES = ("zoo", "train")
 # above (a piece two layers share moves down, or is passed in). A new module of train/ is placed here.
 LAYERS = [
     ("base", ("train.hardware", "train.plots", "train.step", "train.optim", "train.data", "train.distributed",
-              "train.model_parallel")),
+              "train.model_parallel", "train.grad_compression")),
     ("config", ("train.config",)),
     ("run parts", ("train.features", "train.model", "train.checkpoint", "train.metrics", "train.finish")),
     ("scoring", ("train.eval", "train.chat", "train.predict", "train.sample_quality")),

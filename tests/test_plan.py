@@ -107,6 +107,23 @@ def test_fsdp2_shards_and_ddp_replicates():
     assert fsdp.breakdown["activations"] > one.breakdown["activations"]  # gathered blocks
 
 
+def test_zero2_keeps_the_whole_model_gathered_and_offload_moves_the_shards_to_the_host():
+    """ZeRO-2 (train.fsdp_reshard=false): FSDP2's shards plus every parameter gathered from forward to backward,
+    where FSDP2 holds two blocks' (counted on the built model); train.fsdp_offload on a CUDA plan: the shards in
+    host memory."""
+    import zoo
+    sides = (([], CPU), (["train.fsdp_reshard=false"], CPU), ([], CUDA), (["train.fsdp_offload=true"], CUDA))
+    fsdp, zero2, on, off = (planner.plan(cfg_of("train.parallel=fsdp", *o), 4, "fsdp2", device=d) for o, d in sides)
+    model = zoo.build({"model": SMALL["model"]})
+    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731 (fp32; a tied weight once)
+    block = max(nbytes(u.parameters()) for u in model.repeated_units())
+    sharded = ("params", "grads", "optimizer_states")
+    assert all(zero2.breakdown[k] == fsdp.breakdown[k] for k in sharded)
+    assert zero2.breakdown["activations"] - fsdp.breakdown["activations"] == nbytes(model.parameters()) - 2 * block
+    assert off.host_bytes == sum(on.breakdown[k] for k in sharded) > 0 and not any(off.breakdown[k] for k in sharded)
+    assert off.peak_bytes < on.peak_bytes
+
+
 def test_the_settings_that_fit_are_under_the_budget_and_cheapest_first():
     cfg = cfg_of("train.chunked_loss=false", "train.batch_size=8", "model.vocab_size=4096")
     full = planner.plan(cfg).peak_bytes

@@ -19,7 +19,7 @@ from zoo.config import to_dict
 from zoo.pruning import apply_masks
 from zoo.weights.files import atomic_write
 
-from .config import task_class
+from .config import PARALLEL_ONLY, TrainConfig, task_class
 from .distributed import Launch, Parallel, unsupported
 from .features.distill import load_teacher
 from .features.prune import prune_linears
@@ -111,11 +111,13 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     if par.active and (why := unsupported(cfg, par.world)):
         raise RunStopped(f"{cfg.source}: {why}", EXIT_CONFIG)
     device = par.device(resolve_device(t.device))
-    par.init(device)
+    par.init(device, host=t.fsdp_offload)
     if par.active:
         say(par.describe())
     elif t.parallel != "none":
-        say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)")
+        idle = [f"train.{k}" for k in PARALLEL_ONLY if getattr(t, k) != getattr(TrainConfig, k)]
+        say(f"parallel: train.parallel={t.parallel} skipped: not launched by torchrun (one process)"
+            + (f"; so are {', '.join(idle)}" if idle else ""))
     torch.manual_seed(t.seed)
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
@@ -133,7 +135,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     unused = bool(t.unfreeze) or getattr(cfg.model, "drop_path_mode", None) == "batch"
-    model, fwd = par.wrap(model, precision, t.compile, t.sync_bn, device, say, unused=unused)
+    model, fwd = par.wrap(model, precision, t, device, say, unused=unused)
     par.shard_masks(model, pruned)
     # after wrapping: DDP and FSDP2 take in every parameter, the stages unfreeze them later
     unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \

@@ -385,6 +385,8 @@ def save_dcp(par, out_dir, step: int, model, optimizer, scaler=None, ema=None,
     par.sync(model)
     dcp.save(_dcp_state(model, optimizer, ema, trained_only, par),
              storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    if par.comm is not None:  # train.grad_compression=powersgd: this rank's state, before rank 0 seals the folder
+        par.comm.save(tmp, par.rank)
     rngs, final = par.gather(rng_state()), root / f"{PREFIX}{step:08d}"
     if par.main:
         state = {"step": step, "rng": rngs[0], "rng_ranks": rngs, "world_size": par.world,
@@ -437,6 +439,8 @@ class Checkpointer:
         if state is None:
             return 0
         self.resumed, self.start = state, state["step"]
+        if par.comm is not None:
+            par.comm.resume(Path(state["path"]), self.start, state.get("world_size") == par.world, par.rank, self.say)
         extra = state["extra"]
         run.task.load_state_dict(extra.get("task") or {})
         if note := resume_note(self.start, extra.get("max_steps"), t.max_steps, run.cfg.optim):

@@ -22,6 +22,8 @@ from zoo.pruning import parse_pattern
 from .optim import OPTIMIZERS
 
 
+PARALLEL_ONLY = {"grad_compression": "a DDP communication hook; FSDP2 reduces in its reduce dtype",
+                 "fsdp_reshard": "FSDP2's reshard_after_forward", "fsdp_offload": "FSDP2's CPUOffloadPolicy"}
 QAT_SCHEMES = {"int8": "int8wo", "int4": "int4wo", "8da4w": "8da4w"}  # train.qat -> the scheme it converts to
 
 
@@ -166,6 +168,17 @@ class TrainConfig:
     tp_size: int = bounded(2, gt=0)         # with `parallel: fsdp+tp`: processes per tensor-parallel group (`tp`: all)
     pp_microbatches: int = bounded(2, gt=0)  # with `parallel: pp`: each micro-batch's pieces in the 1F1B schedule
     sync_bn: bool = False                   # with `parallel`: BatchNorm normalises with the global batch's statistics
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"  # with `parallel: ddp`: what DDP
+                                            # all-reduces (torch's communication hooks): the gradients cast to fp16 or
+                                            # bf16, or PowerSGD's low-rank factors of each matrix (with error feedback)
+    powersgd_rank: int = bounded(1, gt=0)   # with `grad_compression: powersgd`: the rank of each matrix's factors
+    powersgd_start: int = bounded(100, ge=2)  # with `grad_compression: powersgd`: the optimizer steps all-reduced
+                                            # in full before compression starts (about a tenth of the run, past warmup)
+    fsdp_reshard: bool = True               # with `parallel: fsdp`: free a unit's gathered parameters after its forward
+                                            # (ZeRO-3); false keeps them until its backward (ZeRO-2: more memory, one
+                                            # all-gather per micro-batch instead of two)
+    fsdp_offload: bool = False              # with `parallel: fsdp` on CUDA: the sharded parameters, gradients and
+                                            # optimizer states live in host memory (CPUOffloadPolicy); skipped on a CPU
 
     def validate(self, source, prefix="train."):
         if self.batch_size == "auto" and self.global_batch is None:
@@ -200,6 +213,11 @@ class TrainConfig:
                 parse_pattern(self.prune)
             except ValueError as e:
                 raise fail(source, prefix + "prune", str(e)) from None
+        for key, needs in (("grad_compression", "ddp"), ("fsdp_reshard", "fsdp"), ("fsdp_offload", "fsdp")):
+            value = getattr(self, key)
+            if value != getattr(TrainConfig, key) and self.parallel != needs:
+                raise fail(source, prefix + key, f"={str(value).lower()} needs train.parallel={needs}, got "
+                                                 f"{self.parallel} ({PARALLEL_ONLY[key]})")
         if missing := missing_package(self.tracker, prefix + "tracker"):
             raise ConfigError(f"{source}: {missing}")
 

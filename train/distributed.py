@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .grad_compression import attach
 from .model_parallel import refusal
 from .optim import OPTIMIZERS
 
@@ -84,6 +85,7 @@ class Parallel:
         self.dp_world = self.world // self.tp if strategy != "pp" else 1  # the ranks that share out the data
         self.dp_rank = self.rank // self.tp if self.dp_world > 1 else 0
         self.pp_micro, self.mesh, self.fused, self.pipeline, self._dp_group = pp_micro, None, None, None, None
+        self.comm = None  # train.grad_compression=powersgd: the hook whose state checkpoints keep
 
     def device(self, device: torch.device) -> torch.device:
         """The device of this rank: cuda:LOCAL_RANK on GPUs (one per process)."""
@@ -92,13 +94,15 @@ class Parallel:
             torch.cuda.set_device(device)
         return device
 
-    def init(self, device: torch.device):
+    def init(self, device: torch.device, host: bool = False):
+        """The process group; host: collectives of host tensors too (gloo beside NCCL: train.fsdp_offload)."""
         global _PROCESS_GROUP_USED
         if not self.active:
             return
         if not dist.is_initialized():
             cuda = device.type == "cuda"
-            dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+            dist.init_process_group(("cpu:gloo,cuda:nccl" if host else "nccl") if cuda else "gloo",
+                                    device_id=device if cuda else None)
             _PROCESS_GROUP_USED = True
         if self.tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -116,14 +120,15 @@ class Parallel:
         mesh = f" (data {self.dp_world} x tensor {self.tp})" if self.strategy == "fsdp+tp" else ""
         return f"parallel: {self.strategy} over {self.world} processes{mesh} ({backend}); this is rank {self.rank}"
 
-    def wrap(self, model: nn.Module, precision: str, compile_: bool, sync_bn: bool, device, say, unused=False):
+    def wrap(self, model: nn.Module, precision: str, t, device, say, unused=False):
         """-> (model, fwd): the module whose state is checkpointed, and what the loss runs. ddp: the plain
-        module and DDP(model) (compiled when asked); fsdp: the model sharded in place for both (each unit compiled
-        first when asked). unused: parameters without a gradient in some steps (train.unfreeze, drop_path_mode=batch).
-        fsdp with fp16: DTensor all-reduces the GradScaler's inf/nan check, so every rank skips the same steps."""
+        module and DDP(model) (compiled when asked, train.grad_compression's hook); fsdp: the model sharded in place
+        for both (each unit compiled first when asked; train.fsdp_*). t: train:. unused: parameters without a
+        gradient in some steps (train.unfreeze, drop_path_mode=batch). fsdp with fp16: DTensor all-reduces the
+        GradScaler's inf/nan check, so every rank skips the same steps."""
         if not self.active:
             return model, None
-        if sync_bn:
+        if t.sync_bn:
             n = convert_sync_batchnorm(model, device)
             say(f"sync_bn: {n} BatchNorm layers normalise with the statistics of all {self.world} ranks"
                 if n else "sync_bn: skipped (the model has no BatchNorm layer)")
@@ -132,9 +137,14 @@ class Parallel:
             # the gradients are views into the all-reduce buckets: no second copy of them. Every rank builds the
             # same weights; rank 0's are not broadcast to a QLoRA base (DDP's broadcast alters torchao's NF4 tensors)
             nf4 = getattr(getattr(model, "adapter_config", None), "quantize_base", "none") == "nf4"
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+            # torch's PowerSGD hook waits for collectives inside gloo's callbacks: buckets in flight at once can hold
+            # all of gloo's threads (a hang), so on gloo one bucket holds every gradient
+            one = t.grad_compression == "powersgd" and device.type != "cuda"
+            cap = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1 if one else None
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap,
                       gradient_as_bucket_view=True, init_sync=not nf4, find_unused_parameters=unused)
-            if compile_:
+            self.comm = attach(ddp, t, say)
+            if t.compile:
                 say("compile: torch.compile(DDP(model)); the first steps include compilation")
                 return model, torch.compile(ddp)
             return model, ddp
@@ -152,24 +162,31 @@ class Parallel:
                 f"norms sequence-parallel")
             if self.strategy == "tp":
                 return model, model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if precision == "bf16" else MixedPrecisionPolicy()
-        if compile_:
+        offload = t.fsdp_offload and device.type == "cuda"  # CPUOffloadPolicy pins host memory: CUDA only
+        if t.fsdp_offload and not offload:
+            say(f"fsdp_offload: skipped on {device.type} (CUDA only: the parameters already live in host memory)")
+        mesh = self.mesh["dp"] if self.mesh is not None else None
+        policy = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=t.fsdp_reshard,
+                      offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        if t.compile:
             say(f"compile: each of the {len(units)} repeated units compiled, then sharded")
         # parameters that do not train stay whole (a frozen autoencoder), except an adapter's base: it is
         # sharded with the adapters, so that no rank holds all of it
         adapted = hasattr(model, "adapter_config")
         self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad and not adapted}
         frozen = {p for p in model.parameters() if not p.requires_grad and not adapted}
-        mesh = self.mesh["dp"] if self.mesh is not None else None
         for unit in units:
-            if compile_:
+            if t.compile:
                 unit.compile()
-            fully_shard(unit, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
-        fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
+            fully_shard(unit, ignored_params=frozen or None, **policy)
+        fully_shard(model, ignored_params=frozen or None, **policy)
         say(f"fsdp: {len(units)} units and the root sharded over {self.dp_world} ranks"
-            + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else ""))
+            + (" (bf16 parameters, fp32 gradient reduction)" if precision == "bf16" else "")
+            + ("; ZeRO-2: gathered parameters kept from forward to backward" if not t.fsdp_reshard else "")
+            + ("; parameters, gradients and optimizer states in host memory" if offload else ""))
         return model, model
 
     def shard_like(self, model: nn.Module):

@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from zoo.config import describe_bounds
+from zoo.config import ConfigError, describe_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -78,7 +78,9 @@ PARALLEL_TESTS = {"parity": "test_two_processes_match_one_with_the_same_global_b
                   "compress": "test_distill_qat_prune_and_adafactor_under_two_processes_match_one",
                   "lr_find": "test_lr_find_under_torchrun_matches_one_process",
                   "torchrun": "test_unfreezing_and_resuming_under_torchrun",
-                  "fp16_drop": "test_fp16_and_whole_batch_drop_path_match_one_process"}
+                  "fp16_drop": "test_fp16_and_whole_batch_drop_path_match_one_process",
+                  "hooks": "test_grad_compression_hooks_against_plain_ddp",
+                  "zero2": "test_zero2_matches_one_process_and_resumes"}
 PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
     ("full (AdamW)", [], "parity[ddp]", "parity[fsdp]", "kill, reshard, torchrun (1 -> 2 processes)"),
     ("LoRA", ["adapter.method=lora"], "adapters[lora]", "adapters[lora]", "adapters[lora], torchrun (SIGKILL)"),
@@ -113,19 +115,29 @@ PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
     ("train.precision=fp16", ["train.precision=fp16"], "fp16_drop", "fp16_drop", ""),
     ("model.drop_path_mode=batch (ResNet)", ["family=convnet", "model.arch=resnet18", "model.drop_path_rate=0.1",
                                             "model.drop_path_mode=batch"], "fp16_drop", "fp16_drop", ""),
+    ("train.grad_compression (fp16, bf16, PowerSGD)", ["train.grad_compression=powersgd"], "hooks", "", "hooks"),
+    ("train.fsdp_reshard=false (ZeRO-2)", ["train.fsdp_reshard=false"], "", "zero2", "zero2"),
 ]
+
+
+def refusal(over: list):
+    """Why a config is refused under its train.parallel (the config's own check, else the optimizer's), or None."""
+    from train.config import load_run_config
+    from train.distributed import unsupported
+    try:
+        return unsupported(load_run_config(None, over))
+    except ConfigError as e:
+        return str(e).split(": ", 1)[-1]
 
 
 def parallel_table() -> dict:
     """docs/distributed.md's table of what runs under torchrun: per combination and column the tests
     (tests/test_distributed*.py, numbered) that run it against one process, or train.parallel's refusal."""
-    from train.config import load_run_config
-    from train.distributed import unsupported
     numbers = {key: str(i + 1) for i, key in enumerate(PARALLEL_TESTS)}
     reason = lambda why: why.split(" (", 1)[-1][:-1] if why else None  # noqa: E731
     rows = []
     for name, over, *cells in PARALLEL_COMBINATIONS:
-        why = {s: reason(unsupported(load_run_config(None, [*over, f"train.parallel={s}"]))) for s in ("ddp", "fsdp")}
+        why = {s: reason(refusal([*over, f"train.parallel={s}"])) for s in ("ddp", "fsdp")}
         why["resume"] = why["ddp"] and why["fsdp"]
         rows.append([name] + [
             ("refused" if col != "ddp" and why[col] == why["ddp"] else f"refused: {why[col]}") if why[col] else

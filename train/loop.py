@@ -77,6 +77,9 @@ def _train(cfg, out: Path, say, par: Parallel, owns_process: bool) -> dict:
         ckpt.metrics = metrics
         if ckpt.metrics_state() is not None:
             metrics.load_state_dict(ckpt.metrics_state())
+        if start == 0 and run.par.comm is not None:  # PowerSGD's compression, once
+            full, sent, _, _ = run.par.comm.counts()
+            metrics.record({"step": 0, "grad_compression_ratio": full / sent})
         step, final = _loop(run, ckpt, metrics, pre)
     say(f"final (step {step}): " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     finish(run, out, metrics, say)

@@ -40,7 +40,7 @@ def read_rows(out_dir) -> list[dict]:
 
 def truncate(path: Path, step: int, finished: bool = False):
     """On resume, drop the rows logged after the checkpoint (logged again) and a killed writer's torn last line;
-    resuming a finished run (checkpoint at the last step), its final evaluation rows too."""
+    resuming a finished run (checkpoint at the last step), its final evaluation rows too; starting over, all."""
     if not path.exists():
         return
     keep = []
@@ -50,7 +50,7 @@ def truncate(path: Path, step: int, finished: bool = False):
             s = row.get("step", 0)
         except (ValueError, AttributeError):
             continue
-        if s < step or (s == step and not (finished and "loss" not in row and "nonfinite" not in row
+        if s < step or (s == step and step and not (finished and "loss" not in row and "nonfinite" not in row
                                            and "step_time_s" not in row)):
             keep.append(line)
     atomic_write(path, "".join(l + "\n" for l in keep))

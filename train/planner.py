@@ -451,13 +451,20 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
                      "are in host memory")
     elif cfg.optim.name == "adamw_offload":
         notes.append("optim.name=adamw_offload runs as AdamW on a CPU (its states are in host memory already)")
-    if sharding == "fsdp2" and devices > 1:  # the block running and the one prefetched, unsharded:
+    if sharding == "fsdp2" and devices > 1:  # the block running and the one prefetched, unsharded (ZeRO-2: all)
+        t = cfg.train
         with _fake_model(cfg, device) as model:
-            gathered = 2 * max((_bytes(u.parameters()) for u in repeated_units(model)), default=0)
+            gathered = _bytes(model.parameters()) if not t.fsdp_reshard else \
+                2 * max((_bytes(u.parameters()) for u in repeated_units(model)), default=0)
         params, grads, states = params // devices, grads // devices, states // devices
         activations += gathered
         notes.append(f"fsdp2 over {devices} devices: parameters, gradients and optimizer states sharded; "
-                     f"{fmt_bytes(gathered)} for the all-gathered parameters of two blocks")
+                     f"{fmt_bytes(gathered)} for the all-gathered parameters of "
+                     + ("the whole model, kept from forward to backward (train.fsdp_reshard=false: ZeRO-2)"
+                        if not t.fsdp_reshard else "two blocks"))
+        if t.fsdp_offload and target.type == "cuda":
+            host, params, grads, states = host + params + grads + states, 0, 0, 0
+            notes.append("train.fsdp_offload: the shards of parameters, gradients and optimizer states in host memory")
     elif sharding == "ddp" and devices > 1:
         activations += sim.grads  # DDP's gradient buckets: one more copy of the gradients
         notes.append(f"ddp over {devices} devices: everything replicated, plus DDP's gradient buckets "

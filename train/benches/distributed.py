@@ -33,7 +33,7 @@ def _local_bytes(t) -> int:
 def worker(args, strategy: str) -> dict:
     """One side's run in this process (a rank under torchrun): its memory and seconds per step."""
     import zoo
-    from train.config import OptimConfig
+    from train.config import OptimConfig, TrainConfig
     from train.distributed import Parallel, launch_env
     from train.step import optimizer_step
     from train.optim import build_optimizer
@@ -47,7 +47,7 @@ def worker(args, strategy: str) -> dict:
         if args.worker_tune != "full":
             from zoo.adapters import AdapterConfig, apply_adapters
             apply_adapters(model, AdapterConfig("lora", quantize_base="nf4" if args.worker_tune == "qlora" else "none"))
-        model, fwd = par.wrap(model, precision, False, False, device, lambda m: None)
+        model, fwd = par.wrap(model, precision, TrainConfig(), device, lambda m: None)
         fwd = fwd or model
         optimizer = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None)
         grads = []
