@@ -59,7 +59,7 @@ def test_peft_adapter_loads_into_zoo(tmp_path, kind, dora, rslora):
     with torch.no_grad():
         ref = pm(x).logits
     z = zoo.from_pretrained(tmp_path / "adapter", base=tmp_path / "base", dtype=torch.float32)
-    n_adapted = sum(len(m.adapted) for m in z.modules() if isinstance(m, LoRALinear))
+    n_adapted = sum(len(m.adapter.adapted) for m in z.modules() if isinstance(m, LoRALinear))
     assert n_adapted == 2 * len(TARGETS)
     with torch.no_grad():
         out = z(x)
@@ -132,7 +132,7 @@ def test_lora_block_merge_and_grads():
     m = LoRALinear(lin, [("a", 8), ("b", 8), ("c", 8)], ["a", "c"], r=2, alpha=4, dora=True)
     x = torch.randn(3, 16)
     assert torch.allclose(m(x), lin(x), atol=1e-6)  # B = 0: unchanged
-    for p in m.lora_B.values():
+    for p in m.adapter.lora_B.values():
         torch.nn.init.normal_(p)
     y = m(x)
     assert (y[:, 8:16] - lin(x)[:, 8:16]).abs().max() == 0  # part b not adapted
@@ -143,7 +143,7 @@ def test_lora_block_merge_and_grads():
     assert max_diff(m.weight, ref_w) <= 1e-6
     m.weight.requires_grad_(False)
     m(x).sum().backward()
-    assert m.weight.grad is None and all(p.grad is not None for p in m.lora_A.values())
+    assert m.weight.grad is None and all(p.grad is not None for p in m.adapter.lora_A.values())
 
 
 def test_prefix_tuning_with_kv_cache_matches_full_forward():
