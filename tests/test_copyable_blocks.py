@@ -42,7 +42,7 @@ SMOKE = {
         assert torch.allclose(short, cos[:4] * lr.attention_factor) and not torch.allclose(long[:4], short)
     """,
     "lora.py": """
-        from lora import LoRALinear
+        from lora import LoRALinear, adapters_per_row
         base = torch.nn.Linear(8, 12)
         x = torch.randn(3, 8)
         ref = base(x).detach()
@@ -54,6 +54,12 @@ SMOKE = {
         assert (m(x) - y).abs().max() < 1e-5
         m.unmerge()
         assert (m(x) - y).abs().max() < 1e-5
+        m.add_adapter("b", ["k"], r=2)
+        torch.nn.init.normal_(m.adapters["b"].lora_B["k"])
+        with adapters_per_row(m, ["__base__", "default", "b"]):
+            mixed = m(x)
+        assert (mixed[0] - ref[0]).abs().max() < 1e-6 and (mixed[1] - y[1]).abs().max() < 1e-6
+        assert (mixed[2, 4:8] - ref[2, 4:8]).abs().max() > 1e-3 and (mixed[2, :4] - ref[2, :4]).abs().max() < 1e-6
     """,
     "prefix.py": """
         from prefix import KVPrefix, PromptEmbedding

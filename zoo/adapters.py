@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .blocks.bottleneck import BottleneckAdapter
-from .blocks.lora import LoRALinear, dense_weight
+from .blocks.lora import BASE, LoRALinear, adapters_per_row, dense_weight  # noqa: F401  (adapters_per_row: the API)
 from .blocks.prefix import KVPrefix, PromptEmbedding
 from .config import ConfigError, bounded, fail
 from .tensors import tensor_bytes
@@ -31,7 +31,6 @@ from .tensors import tensor_bytes
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64
 SLOTS = ("prefix", "prompt", "attn_adapter", "mlp_adapter")  # where the adapters that are modules of their own sit
-BASE = "__base__"  # PEFT's name, in per-row adapter lists, of the base model alone
 
 
 @dataclass
@@ -248,36 +247,14 @@ def set_adapter(model: nn.Module, name: str):
     """Make the LoRA / DoRA adapter `name` the one every layer computes with (PEFT's set_adapter; a layer
     without it computes its base)."""
     lora = adapter_modules(model).values()
-    _check_names(model, [name], "set_adapter", lora)
+    known = list(getattr(model, "adapter_configs", {}))
+    if name not in known:
+        raise ValueError(f"set_adapter: {name!r} not among the model's adapters ({', '.join(known) or 'none'})")
+    if any(m.merged for m in lora):
+        raise ValueError("set_adapter: the adapters are merged into the weights; unmerge_adapters first")
     for m in lora:
         m.active = name
     model.adapter_config, model.active_adapter = model.adapter_configs[name], name
-
-
-@contextlib.contextmanager
-def adapters_per_row(model: nn.Module, names: list[str]):
-    """Inside the block row i of every batch computes with the LoRA / DoRA adapter names[i] ('__base__': none),
-    PEFT's mixed-batch inference: each layer groups the rows by adapter."""
-    lora = adapter_modules(model).values()
-    _check_names(model, names, "adapter_names", lora)
-    dev = next(model.parameters()).device
-    rows = {n: torch.tensor([i for i, m in enumerate(names) if m == n], device=dev) for n in dict.fromkeys(names)}
-    for m in lora:
-        m.rows = rows
-    try:
-        yield model
-    finally:
-        for m in lora:
-            m.rows = None
-
-
-def _check_names(model, names, what: str, lora):
-    known = list(getattr(model, "adapter_configs", {}))
-    if unknown := [n for n in dict.fromkeys(names) if n not in known and (what == "set_adapter" or n != BASE)]:
-        raise ValueError(f"{what}: {', '.join(map(repr, unknown))} not among the model's adapters "
-                         f"({', '.join(known) or 'none'})")
-    if any(m.merged for m in lora):
-        raise ValueError(f"{what}: the adapters are merged into the weights; unmerge_adapters first")
 
 
 def merge_adapters(model: nn.Module):

@@ -21,6 +21,7 @@ from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.attention_docs import Documents, document_positions  # noqa: F401  (document_positions: part of the API)
 from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
+from .blocks.lora import adapters_per_row
 from .blocks.matvec_cpu import MatvecCPU
 from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import SwiGLU
@@ -28,7 +29,6 @@ from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import LayerNorm, RMSNorm
 from .blocks.rope import RotaryEmbedding
-from .adapters import adapters_per_row
 from .config import LLMConfig, check, to_dict
 
 
@@ -351,7 +351,7 @@ class LLM(nn.Module):
         positions and never attends to its padding. generator: one, or one per row (its draws then do not depend on
         the batch). compile=True runs each one-token step through torch.compile (`compiled_decode_step`);
         compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`).
-        adapter_names: the LoRA adapter of each row ('__base__': none), PEFT's mixed batches (adapters.adapters_per_row)."""
+        adapter_names: the LoRA adapter of each row ('__base__': none), PEFT's mixed batches (lora.adapters_per_row)."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape

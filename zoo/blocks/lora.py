@@ -11,17 +11,20 @@ each with its own A_p (r, in), B_p (rows_p, r). With s = alpha / r (rsLoRA: alph
            g_p = m_p / ||W_p + s B_p A_p||_row   (norm detached; m_p starts at W_p's row norms)
 B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be any tensor F.linear
 accepts, e.g. torchao's NF4Tensor (QLoRA). Several named adapters (`add_adapter`, PEFT's "default" first): `active`
-picks the one a forward uses; `rows = {name: row indices}` gives each row of the batch its own (PEFT's mixed-batch
-inference: rows grouped by adapter; a name this layer lacks, e.g. '__base__', computes the base alone).
+picks the one a forward uses; inside `with adapters_per_row(model, names)` row i of a batch uses names[i] (PEFT's
+mixed-batch inference: rows grouped by adapter; a name a layer lacks, e.g. '__base__', computes its base alone).
 
 Shapes: x (..., in) -> y (..., out); out = sum of the parts' rows.
 """
+import contextlib
 import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+BASE = "__base__"  # PEFT's name, in per-row adapter lists, of the base model alone
 
 
 def dense_weight(w: torch.Tensor) -> torch.Tensor:
@@ -213,3 +216,25 @@ class LoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, parts={[n for n, _ in self.parts]}, " + ", ".join(
             f"{name}: {'dora' if a.dora else 'lora'} r={a.r} alpha={a.alpha} on {a.adapted}"
             for name, a in self.adapters.items())
+
+
+@contextlib.contextmanager
+def adapters_per_row(model: nn.Module, names: Sequence[str]):
+    """Inside the block row i of every batch through `model` computes with its LoRA / DoRA adapter names[i]
+    ('__base__': none), PEFT's mixed-batch inference: each LoRALinear groups the rows by adapter."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    known = list(dict.fromkeys(n for m in layers for n in m.adapters))
+    if unknown := [n for n in dict.fromkeys(names) if n not in known and n != BASE]:
+        raise ValueError(f"adapter_names: {', '.join(map(repr, unknown))} not among the model's adapters "
+                         f"({', '.join(known) or 'none'})")
+    if any(m.merged for m in layers):
+        raise ValueError("adapter_names: the adapters are merged into the weights; unmerge them first")
+    dev = layers[0].weight.device if layers else None
+    rows = {n: torch.tensor([i for i, m in enumerate(names) if m == n], device=dev) for n in dict.fromkeys(names)}
+    for m in layers:
+        m.rows = rows
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.rows = None

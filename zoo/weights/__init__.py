@@ -28,8 +28,8 @@ def load_pretrained(path, **kwargs):
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
-    from .peft_lora import detect as is_adapter
-    if is_adapter(p / "adapter") and not (p / "model.safetensors").is_file():
+    if any((p / "adapter" / f).is_file() for f in ("adapter_config.json", "zoo_adapter.json")) \
+            and not (p / "model.safetensors").is_file():
         p = p / "adapter"  # an adapter run's folder: its adapter on the base it names
     check_weights(p)  # truncated / corrupt files: a one-line error before any loader reads them
     for mod in _modules():
