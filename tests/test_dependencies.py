@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCAL = {"zoo", "train", "tests", "sitecustomize"} | {p.stem for d in ("zoo", "train", "tests") for p in (ROOT / d).rglob("*.py")}
 # modules of distributions that are not installed here (packages_distributions() cannot see them)
 NOT_INSTALLED = {"flash_attn": "flash-attn", "bitsandbytes": "bitsandbytes"}
-PLUGINS = {"pytest-xdist": "the README's test command runs the suite in two workers (pytest -n 2)"}  # used, not imported
+PLUGINS = {"pytest-xdist": "the README's test command runs the suite in two workers (pytest -n 2)",  # used, not imported
+           "sqlalchemy": "MLflow's SQLite store (train.tracker=mlflow)", "alembic": "MLflow's SQLite store"}
 # calls whose first string argument is a module imported by name
 BY_NAME = {"import_module", "importorskip", "optional_module", "find_spec"}
 

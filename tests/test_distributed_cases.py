@@ -32,7 +32,8 @@ ADAPTERS = {"lora": ["adapter.method=lora"], "dora": ["adapter.method=dora"],
 # is given (Muon orthogonalises in bf16, 8-bit AdamW quantises its states to 256 levels per block, GaLore
 # projects on a few singular vectors), the round-off of 2 ranks' gradient sums grows to its own size
 # (measured, 8-bit AdamW: losses 2e-7, weights 2e-4, a state rounded to the next level)
-OPTIM_TOL = {"adamw_offload": (RTOL, ATOL), "muon": (1e-4, 1e-2), "adamw8bit": (RTOL, 2e-3), "galore": (1e-5, 1e-3)}
+OPTIM_TOL = {"adamw_offload": (RTOL, ATOL), "muon": (1e-4, 1e-2), "adamw8bit": (RTOL, 2e-3), "galore": (1e-5, 1e-3),
+             "adagrad": (RTOL, ATOL), "rmsprop": (RTOL, ATOL)}
 # torchao's 8-bit AdamW keeps a tensor of under 4096 entries in fp32, counted on each rank's shard under FSDP2:
 # at d_model 128 every matrix's shard is quantised as its whole tensor is in one process, block for block
 OPTIM_OVER = {"adamw8bit": ["model.d_model=128"]}

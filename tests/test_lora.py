@@ -102,6 +102,47 @@ def test_zoo_adapter_loads_into_peft(tmp_path, dora):
         assert max_diff(hf_merged(x).logits, ref) <= TOL
 
 
+def a_and_b(model):
+    """Every adapter's A entries (one flat vector) and B tensors, of a Zoo or a PEFT model."""
+    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    return torch.cat([p.detach().flatten() for n, p in named if "lora_A" in n]), [p for n, p in named if "lora_B" in n]
+
+
+def test_gaussian_init_has_peft_s_statistics_and_exports_to_peft(tmp_path):
+    """adapter.init=gaussian against PEFT's init_lora_weights="gaussian" on the same base, rank and targets: A's
+    mean and standard deviation agree within 5 standard errors of their difference (from the numbers of entries,
+    each side N(0, s^2) with s = 1/r: the mean's error s / sqrt(n), the standard deviation's s / sqrt(2n)), B is
+    zero, and the adapter (B drawn) written by save_adapter loads in PEFT with Zoo's logits (1e-4)."""
+    base = hf_model("llama", num_key_value_heads=2)
+    base.save_pretrained(tmp_path / "base")
+    z = zoo.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    torch.manual_seed(0)
+    apply_adapters(z, AdapterConfig(method="lora", r=4, alpha=8, targets=TARGETS, init="gaussian"))
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(hf_model("llama", num_key_value_heads=2),
+                             peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian"))
+    (za, zb), (pa, pb) = a_and_b(z), a_and_b(pm)
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in zb + pb) and zb and pb
+    s = 1 / 4
+    se_mean = s * (1 / len(za) + 1 / len(pa)) ** 0.5
+    se_std = s * (1 / (2 * len(za)) + 1 / (2 * len(pa))) ** 0.5
+    assert abs(za.mean() - pa.mean()) < 5 * se_mean, (za.mean(), pa.mean(), se_mean)
+    assert abs(za.std() - pa.std()) < 5 * se_std, (za.std(), pa.std(), se_std)
+    kaiming, _ = a_and_b(apply_adapters(zoo.from_pretrained(tmp_path / "base"), AdapterConfig(method="lora", r=4,
+                                                                                              targets=TARGETS)))
+    assert abs(kaiming.std() - za.std()) > 20 * se_std  # the default init is another distribution
+    with torch.no_grad():
+        for b in zb:
+            b.normal_(0, 0.1)
+    save_adapter(z, tmp_path / "adapter", base=tmp_path / "base")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["init_lora_weights"] == "gaussian"
+    x = tokens()
+    with torch.no_grad():
+        ref, out = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(x).logits, z(x)
+    assert max_diff(ref, out) <= TOL, max_diff(ref, out)
+    assert zoo.from_pretrained(tmp_path / "adapter", base=tmp_path / "base").adapter_config.init == "gaussian"
+
+
 def test_moe_attention_and_shared_expert_adapters(tmp_path):
     """Qwen2-MoE: adapters on attention and the shared expert map onto PEFT's."""
     cfg = transformers.Qwen2MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -7,11 +7,13 @@ import re
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from test_loop import TINY, check_resume_is_exact, run
 from test_numerics import tiny_llm
 from train.config import OptimConfig, load_run_config
+from train.metrics import read_rows
 from train.optim import (OPTIMIZERS, build_optimizer, hidden_matrices, lr_multiplier, micro_batches, param_groups,
                          set_lr, state_bytes)
 from zoo.config import ConfigError
@@ -62,6 +64,20 @@ def test_adafactor_equals_torch_adafactor():
     steps(a, build_optimizer(a, cfg, TEST_DEVICE, **QUIET))
     steps(b, torch.optim.Adafactor(param_groups(b, 0.1), lr=0.01, beta2_decay=-0.7))
     same(a, b)
+
+
+@pytest.mark.parametrize("name,keys,ref", [
+    ("adagrad", {}, lambda g: torch.optim.Adagrad(g, lr=0.02, eps=1e-7)),
+    ("rmsprop", {"rmsprop_alpha": 0.9, "rmsprop_momentum": 0.5, "rmsprop_centered": True},
+     lambda g: torch.optim.RMSprop(g, lr=0.02, alpha=0.9, eps=1e-7, momentum=0.5, centered=True))])
+def test_adagrad_and_rmsprop_equal_torch_optim(name, keys, ref):
+    """Four steps on the tiny LLM, torch's L2 weight decay on the matrices alone: weights within 1e-6."""
+    a, b = tiny_llm(bias=True), tiny_llm(bias=True)
+    steps(a, build_optimizer(a, OptimConfig(name=name, lr=0.02, eps=1e-7, weight_decay=0.1, **keys), TEST_DEVICE,
+                             **QUIET))
+    steps(b, ref(param_groups(b, 0.1)))
+    same(a, b, atol=1e-6)
+    assert not torch.equal(a.embed.weight, tiny_llm(bias=True).embed.weight)  # the steps moved the weights
 
 
 def test_lion_equals_the_papers_update():
@@ -186,6 +202,17 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, text_corpu
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.parametrize("name,lr", [("adagrad", 1e-2), ("rmsprop", 1e-3)])
+def test_adagrad_and_rmsprop_train_the_tiny_llm_through_run_py(tmp_path, text_corpus, name, lr, one_thread):
+    from train.run import main as run_main
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    assert run_main([str(cfg), f"train.out_dir={tmp_path / 'run'}", f"data.path={text_corpus}", f"optim.name={name}",
+                     f"optim.lr={lr}", "train.max_steps=30", "train.export=false"]) == 0
+    ls = [r["loss"] for r in read_rows(tmp_path / "run") if "loss" in r]
+    assert len(ls) == 30 and sum(ls[-5:]) / 5 < sum(ls[:5]) / 5 - 1.0, ls
+
+
 # ------------------------------------------------------------------------------ schedules
 @pytest.mark.parametrize("n,warm,lo,div", [(100, 10, 0.1, 25.0), (57, 6, 0.04, 10.0), (30, 1, 0.2, 5.0)])
 def test_onecycle_equals_torch_onecycle(n, warm, lo, div):
@@ -199,6 +226,24 @@ def test_onecycle_equals_torch_onecycle(n, warm, lo, div):
         assert lr_multiplier(s, n, cfg) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-12), s
         opt.step()
         ref.step()
+
+
+@pytest.mark.parametrize("schedule,keys,ref", [
+    ("exponential", {"exponential_gamma": 0.93}, lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.93)),
+    ("step", {"step_every": 7, "step_gamma": 0.3}, lambda o: torch.optim.lr_scheduler.StepLR(o, 7, gamma=0.3))])
+@pytest.mark.parametrize("n,warm", [(60, 10), (40, 0)])
+def test_exponential_and_step_equal_torch_after_the_warmup(schedule, keys, ref, n, warm):
+    """The warmup of every schedule ((step + 1) / (warm + 1)), then torch's scheduler stepped once per step (rel 1e-9)."""
+    cfg = OptimConfig(schedule=schedule, warmup_steps=warm, **keys)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = ref(opt)
+    for s in range(n):
+        want = (s + 1) / (warm + 1) if s < warm else opt.param_groups[0]["lr"]
+        assert lr_multiplier(s, n, cfg) == pytest.approx(want, rel=1e-9, abs=1e-15), s
+        if s >= warm:
+            opt.step()
+            sched.step()
+    assert lr_multiplier(n - 1, n, cfg) < 0.1  # it did decay
 
 
 @pytest.mark.parametrize("n,warm", [(100, 10), (50, 0), (20, 3)])
@@ -302,6 +347,9 @@ def test_optimizer_and_schedule_keys_are_checked():
                         (["optim.muon_lr=0"], "optim.muon_lr"), (["optim.schedule=noam"], "optim.schedule"),
                         (["optim.adafactor_beta2_decay=0.5"], "optim.adafactor_beta2_decay"),
                         (["optim.onecycle_div=0.5"], "optim.onecycle_div"),
+                        (["optim.step_every=0"], "optim.step_every"), (["optim.step_gamma=0"], "optim.step_gamma"),
+                        (["optim.exponential_gamma=1.5"], "optim.exponential_gamma"),
+                        (["optim.rmsprop_alpha=1"], "optim.rmsprop_alpha"),
                         (["train.average_last=3", "train.keep_checkpoints=2"], "train.average_last=3 needs"),
                         (["train.batch_warmup_steps=5"], "train.batch_warmup_steps"),
                         (["train.grad_accum=2", "train.batch_warmup_steps=40"], "must be < train.max_steps"),

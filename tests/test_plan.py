@@ -42,7 +42,7 @@ def test_live_bytes_counts_storages_once_and_forgets_the_dead():
         assert counter.peak == counter.live
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "lion", "muon", "galore"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion", "muon", "galore"])
 def test_planned_optimizer_states_are_those_of_the_real_optimizer(name):
     """The plan's states come from the optimizer run on fake tensors; the reference is the same
     optimizer stepped for real (train.optim.state_bytes)."""

@@ -1,6 +1,6 @@
-"""Experiment tracking (train.tracker): TensorBoard and W&B receive exactly the numbers of
-metrics.jsonl, step by step, resumed runs included; W&B offline touches no network; a missing
-package is a one-line config error naming the extra.
+"""Experiment tracking (train.tracker): TensorBoard, W&B and MLflow receive exactly the numbers of
+metrics.jsonl, step by step, resumed runs included; W&B offline and MLflow's local store touch no
+network; a missing package is a one-line config error naming the extra.
 
 Runs: a tiny LLM, bytes tokenizer, 10 steps, one thread.
 """
@@ -134,22 +134,23 @@ def strace_prefix(trace: Path) -> list:
     return cmd + [str(trace)]
 
 
-def run_offline(cfg: Path, out: Path, *overrides) -> None:
-    """train/run.py with train.tracker=wandb in a subprocess whose Python refuses (and reports)
-    any network use; with strace, no process of the run may connect to anything but a Unix socket."""
+def run_offline(cfg: Path, out: Path, *overrides, tracker="wandb") -> None:
+    """train/run.py with train.tracker=`tracker` in a subprocess whose Python refuses (and reports)
+    any network use; with strace, no process of the run may connect to anything but a Unix socket.
+    MLflow's usage telemetry is on in it (MLflow turns it off under pytest and CI), so that Zoo's keeps it quiet."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_CONFIG_DIR=str(out.parent / "wandb_config"), WANDB_CACHE_DIR=str(out.parent / "wandb_cache"),
-               WANDB_DATA_DIR=str(out.parent / "wandb_data"))
+               WANDB_DATA_DIR=str(out.parent / "wandb_data"), _MLFLOW_TESTING_TELEMETRY="true")
     report, trace = out.parent / "network_attempts.txt", out.parent / "connect_trace.txt"
     trace.unlink(missing_ok=True)
     cmd = strace_prefix(trace) + [sys.executable, "-c", GUARD, str(report), str(cfg), f"train.out_dir={out}",
-                                  "train.tracker=wandb", *overrides]
+                                  f"train.tracker={tracker}", *overrides]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert not report.exists(), report.read_text()[:3000]
     if trace.exists():
         calls = [l for l in trace.read_text().splitlines() if "connect(" in l]
-        assert any("AF_UNIX" in l for l in calls), "strace saw no connect at all (not even to wandb's service)"
+        assert tracker != "wandb" or any("AF_UNIX" in l for l in calls), "strace saw no connect to wandb's service"
         inet = [l for l in calls if "AF_UNIX" not in l]
         assert not inet, inet[:5]
 
@@ -235,6 +236,40 @@ def test_wandb_offline_logs_metrics_resumes_the_same_run_and_touches_no_network(
     assert summary["val_loss"] == last["val_loss"] and summary["_step"] == 14
 
 
+# ------------------------------------------------------------------------------ MLflow
+def mlflow_run(out: Path):
+    """(the run's parameters, {key: [(step, value), ...]} by step) read back through MLflow's client."""
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("zoo").experiment_id])
+    return run.data.params, {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+                             for k in run.data.metrics}
+
+
+@pytest.mark.slow
+def test_mlflow_logs_every_row_and_the_config_resumes_its_run_and_touches_no_network(tmp_path, text_corpus):
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install -e '.[mlflow]')")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "data": {**TINY["data"], "path": str(text_corpus)}}))
+    full = tmp_path / "full"
+    run_offline(cfg, full, tracker="mlflow")
+    params, got = mlflow_run(full)
+    assert got == per_key(rows_of(full)) and len(got["loss"]) == 10  # every key, step and value
+    written = load_run_config(str(full / "config.yaml"), []).to_dict()
+    assert params["optim.lr"] == "0.003" and params["train.max_steps"] == "10" and params["family"] == "llm"
+    assert params["model.d_model"] == json.dumps(written["model"]["d_model"])
+
+    # killed after the step-5 checkpoint (points up to step 10 held), then resumed: the same MLflow run, one point
+    # per step; what the run computes equals metrics.jsonl, the speed the killed process measured stays
+    part = killed_copy(full, tmp_path / "part", after_step=5)
+    run_offline(cfg, part, tracker="mlflow")
+    _, got = mlflow_run(part)
+    want = per_key(rows_of(part))
+    assert {k: got[k] for k in ("loss", "lr", "grad_norm", "val_loss")} == {k: want[k] for k in ("loss", "lr",
+                                                                                                  "grad_norm", "val_loss")}
+    assert [s for s, _ in got["tokens_per_s"]] == list(range(1, 11))
+
+
 # ------------------------------------------------------------------------------ missing package
 class _Absent:
     """A meta-path finder for which the named top-level packages are not installed."""
@@ -248,7 +283,7 @@ class _Absent:
         return None
 
 
-@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
 def test_missing_package_is_a_one_line_config_error_naming_the_extra(tracker, tmp_path, text_corpus, capsys,
                                                                      monkeypatch):
     for name in list(sys.modules):

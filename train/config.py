@@ -89,9 +89,13 @@ class TrainConfig:
     peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = the vendor's dense
                                             # figure on known GPUs in bf16/fp16, else a matmul measured at start
                                             # in the run's dtype (`train.hardware.measure_peak_flops`)
-    tracker: Literal["none", "tensorboard", "wandb"] = "none"  # also send every row of `metrics.jsonl` to
-                                            # `tensorboard` or `wandb` (files under `out_dir`; needs the extra)
-    tracker_project: Optional[str] = None   # the W&B project; null = `zoo` (entity: `$WANDB_ENTITY`, else your default)
+    tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = "none"  # also send every row of `metrics.jsonl`
+                                            # to `tensorboard`, `wandb` or `mlflow` (files under `out_dir`; needs the
+                                            # extra)
+    tracker_project: Optional[str] = None   # the W&B project or MLflow experiment; null = `zoo` (W&B entity:
+                                            # `$WANDB_ENTITY`, else your default)
+    tracker_uri: Optional[str] = None       # MLflow's tracking URI; null = a SQLite file in `out_dir/mlruns/` (nothing
+                                            # sent anywhere)
     tracker_mode: Optional[Literal["offline", "online"]] = None  # W&B: `offline` (nothing sent; `wandb sync` later)
                                             # or `online` (needs `wandb login`); null = `$WANDB_MODE`, else `offline`
     # -- evaluation and samples
@@ -178,8 +182,9 @@ class TrainConfig:
             raise fail(source, prefix + "out_dir", "must not be empty")
         if self.init_from is not None and not self.init_from:
             raise fail(source, prefix + "init_from", "must be a path or null, got ''")
-        if self.tracker_project is not None and not self.tracker_project.strip():
-            raise fail(source, prefix + "tracker_project", "must be a name or null, got ''")
+        for key in ("tracker_project", "tracker_uri"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise fail(source, prefix + key, "must be a name or null, got ''")
         if self.unfreeze is not None and (not self.unfreeze or any(s <= 0 for s in self.unfreeze)
                                           or sorted(set(self.unfreeze)) != list(self.unfreeze)):
             raise fail(source, prefix + "unfreeze", f"must be increasing steps > 0 or null, got {self.unfreeze}")
@@ -219,18 +224,22 @@ def missing_package(tracker: str, key: str = "train.tracker"):
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"                     # `adamw`, `sgd`, `adafactor`, `lion`, `muon`, `adamw8bit`, `adamw_offload`
-                                            # or `galore` (train/optim's registry; "Optimizers" below)
+    name: str = "adamw"                     # `adamw`, `sgd`, `adagrad`, `rmsprop`, `adafactor`, `lion`, `muon`,
+                                            # `adamw8bit`, `adamw_offload` or `galore` (train/optim's registry;
+                                            # "Optimizers" below)
     lr: float = bounded(3e-4, gt=0)         # peak learning rate
-    weight_decay: float = bounded(0.1, ge=0)  # decoupled weight decay, on matrices only (not norms, biases, embeddings)
+    weight_decay: float = bounded(0.1, ge=0)  # weight decay on matrices only (not norms, biases, embeddings):
+                                            # decoupled, except sgd, adagrad and rmsprop (torch's L2 on the gradient)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW's betas (also adamw8bit, adamw_offload, galore, muon's AdamW
                                             # part); Lion's beta1, beta2 (the paper uses [0.9, 0.99])
-    eps: float = bounded(1e-8, gt=0)        # Adam epsilon (adamw, adamw8bit, adamw_offload, galore, muon's AdamW part)
+    eps: float = bounded(1e-8, gt=0)        # the denominator's epsilon (adamw, adamw8bit, adamw_offload, galore, muon's
+                                            # AdamW part, adagrad, rmsprop)
     momentum: float = bounded(0.9, ge=0, lt=1)  # sgd
     nesterov: bool = True                   # sgd
     fused: Optional[bool] = None            # force fused AdamW on/off; null = fused where supported
-    schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt"] = "cosine"  # LR after the
-                                            # warmup: `cosine`, `constant`, `linear`, `wsd`, `onecycle`, `inverse_sqrt`
+    schedule: Literal["cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt", "exponential",
+                      "step"] = "cosine"    # LR after the warmup: `cosine`, `constant`, `linear`, `wsd`, `onecycle`,
+                                            # `inverse_sqrt`, `exponential`, `step`
     warmup_steps: Optional[int] = bounded(None, ge=0)  # linear warmup steps; when given it wins over
                                             # `warmup_fraction`; < `train.max_steps`, ending before a WSD decay
     warmup_fraction: Optional[float] = bounded(None, ge=0, lt=1)  # warmup as a fraction of `train.max_steps`
@@ -238,6 +247,12 @@ class OptimConfig:
     min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # final LR as a fraction of the peak (cosine, linear, wsd, onecycle)
     decay_fraction: float = bounded(0.2, gt=0, le=1)  # wsd: the final fraction of steps that decays
     onecycle_div: float = bounded(25.0, ge=1)  # onecycle: the first LR is the peak / this (>= 1)
+    exponential_gamma: float = bounded(0.999, gt=0, le=1)  # exponential: the LR's factor per step after the warmup
+    step_every: int = bounded(100, ge=1)    # step: steps between two drops of the LR (counted from the warmup's end)
+    step_gamma: float = bounded(0.1, gt=0, le=1)  # step: the LR's factor at each drop
+    rmsprop_alpha: float = bounded(0.99, ge=0, lt=1)  # rmsprop: decay of the squared-gradient average
+    rmsprop_momentum: float = bounded(0.0, ge=0, lt=1)  # rmsprop: momentum on the scaled update
+    rmsprop_centered: bool = False          # rmsprop: divide by the gradient's variance, not its second moment
     muon_lr: float = bounded(0.02, gt=0)    # muon: Muon's peak LR on the hidden matrices (the schedule scales it as
                                             # it scales `lr`, which the AdamW part uses)
     muon_momentum: float = bounded(0.95, ge=0, lt=1)  # muon: Muon's momentum (Nesterov)

@@ -102,6 +102,8 @@ PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
     ("optim.name=adamw8bit", ["optim.name=adamw8bit"], "optim[adamw8bit]", "optim[adamw8bit]", ""),
     ("optim.name=adamw_offload", ["optim.name=adamw_offload"], "optim[adamw_offload]", "optim[adamw_offload]", ""),
     ("optim.name=galore", ["optim.name=galore"], "optim[galore]", "optim[galore]", ""),
+    ("optim.name=adagrad", ["optim.name=adagrad"], "optim[adagrad]", "optim[adagrad]", ""),
+    ("optim.name=rmsprop", ["optim.name=rmsprop"], "optim[rmsprop]", "optim[rmsprop]", ""),
     ("chat SFT", [], "post[sft]", "post[sft]", ""),
     ("DPO (LoRA)", [], "post[dpo]", "post[dpo]", ""),
     ("GRPO", [], "families[rl-ddp]", "families[rl-fsdp]", "families[rl-fsdp]"),

@@ -5,8 +5,9 @@
     <out_dir>/speed.jsonl     what the machine measured: items/s, step time, data wait, MFU, peak memory
 
 `read_rows(out_dir)` merges both by step. Trackers (`train.tracker`: tensorboard in
-<out_dir>/tensorboard/, wandb offline in <out_dir>/wandb/) get the same rows; a resumed run
-drops the rows from the checkpoint's step on, so a curve is never doubled. Only rank 0 writes.
+<out_dir>/tensorboard/, wandb offline in <out_dir>/wandb/, mlflow in <out_dir>/mlruns/) get the same rows; a
+resumed run drops the rows from the checkpoint's step on (MLflow: keeps them, logs the steps it lacks), so a curve
+is never doubled. Only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -273,12 +275,78 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=exit_code)
 
 
+@contextlib.contextmanager
+def _no_mlflow_telemetry():
+    """MLflow's client calls made with its usage telemetry off (it would send their records out), then back as it was."""
+    from mlflow.telemetry import client
+    was = client.get_telemetry_client()
+    client._set_telemetry_client(None)
+    try:
+        yield
+    finally:
+        client._set_telemetry_client(was)
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run (a SQLite store in <out_dir>/mlruns/ unless train.tracker_uri), resumed with the run. MLflow keeps
+    every point logged, so a resumed run logs only the steps the store lacks: a row logged before a kill stays (the
+    computed numbers are the same bitwise; the speed numbers are those its own process measured)."""
+
+    def __init__(self, cfg, out: Path, start: int):
+        try:
+            import mlflow
+        except ImportError as e:
+            raise ConfigError(f"{missing_package('mlflow') or 'train.tracker=mlflow'} ({e})") from None
+        with _no_mlflow_telemetry():
+            self._open(mlflow, cfg, out, start)
+
+    def _open(self, mlflow, cfg, out: Path, start: int):
+        from mlflow.entities import Param
+        t, store, id_file = cfg.train, out.resolve() / "mlruns", out / "mlruns" / "run_id"
+        store.mkdir(parents=True, exist_ok=True)
+        try:
+            self.client = mlflow.MlflowClient(tracking_uri=t.tracker_uri or f"sqlite:///{store / 'mlflow.db'}")
+            name = t.tracker_project or "zoo"
+            exp = self.client.get_experiment_by_name(name)
+            eid = exp.experiment_id if exp else self.client.create_experiment(name, (store / "artifacts").as_uri())
+        except (mlflow.exceptions.MlflowException, ImportError) as e:  # e.g. SQLAlchemy missing
+            raise ConfigError(f"train.tracker=mlflow: {str(e).strip().splitlines()[0]}") from None
+        self.run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # fresh start: a new run
+        if self.run_id is None:
+            self.run_id = self.client.create_run(eid, run_name=out.resolve().name).info.run_id
+            params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000])
+                      for k, v in _flatten(cfg.to_dict()).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+            atomic_write(id_file, self.run_id + "\n")
+        else:
+            self.client.update_run(self.run_id, status="RUNNING")
+        run = self.client.get_run(self.run_id)
+        self.held = {k: max(m.step for m in self.client.get_metric_history(self.run_id, k)) for k in run.data.metrics}
+
+    def log(self, row: dict):
+        from mlflow.entities import Metric
+        now, step = int(time.time() * 1000), row["step"]
+        points = [(k, v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))]
+        points += [(f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v)
+                   if isinstance(x, (int, float))]  # one number per layer: k/0, k/1, ...
+        metrics = [Metric(k, float(v), now, step) for k, v in points if step > self.held.get(k, -1)]
+        if metrics:
+            with _no_mlflow_telemetry():
+                self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self, exit_code: int = 0):
+        with _no_mlflow_telemetry():
+            self.client.set_terminated(self.run_id, "FINISHED" if exit_code == 0 else "FAILED")
+
+
 def open_tracker(cfg, out: Path, start: int, kept: list = ()) -> Tracker:
     """cfg.train.tracker's tracker for a run in `out` starting (or resuming) at `start`; kept: the rows of
     step `start` already logged (a tracker that purges that step logs them again)."""
     if cfg.train.tracker == "tensorboard":
         return TensorBoardTracker(cfg, out, start, kept)
-    return WandbTracker(cfg, out, start) if cfg.train.tracker == "wandb" else Tracker()
+    trackers = {"wandb": WandbTracker, "mlflow": MLflowTracker}
+    return trackers[cfg.train.tracker](cfg, out, start) if cfg.train.tracker in trackers else Tracker()
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -47,6 +47,8 @@ class AdapterConfig:
                                             # the default on an LLM: all it has (Phi-3: qkv_proj, gate_up_proj; latent
                                             # attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj)
     rslora: bool = False                    # rank-stabilised scaling `alpha / sqrt(r)`
+    init: Literal["kaiming", "gaussian"] = "kaiming"  # LoRA / DoRA A at the start (PEFT's names): `kaiming`
+                                            # (kaiming-uniform, nn.Linear's) or `gaussian` (N(0, 1/r^2)); B starts at 0
     quantize_base: Literal["none", "nf4"] = "none"  # `nf4`: the frozen linear weights stored in torchao's NF4
                                             # (QLoRA; `pip install -e '.[qlora]'`); not with `train.ema_decay`
     prefix_len: int = bounded(16, gt=0)     # `prefix`: learned key/value vectors per layer (not with
@@ -156,7 +158,7 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
             adapted = [n for n, _, _ in parts if n in targets]
             if not adapted:
                 continue
-            args = adapted, cfg.r, cfg.alpha, cfg.dropout, cfg.method == "dora", cfg.rslora
+            args = adapted, cfg.r, cfg.alpha, cfg.dropout, cfg.method == "dora", cfg.rslora, cfg.init
             if isinstance(base := model.get_submodule(site), LoRALinear):
                 base.add_adapter(name, *args)
             else:

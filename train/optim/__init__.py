@@ -63,6 +63,15 @@ def _sgd(model, groups, cfg, device, log):
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
 
 
+def _adagrad(model, groups, cfg, device, log):
+    return torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.eps)
+
+
+def _rmsprop(model, groups, cfg, device, log):
+    return torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.eps, momentum=cfg.rmsprop_momentum,
+                               centered=cfg.rmsprop_centered)
+
+
 def _adafactor(model, groups, cfg, device, log):
     from .adafactor import Adafactor
     return Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay)
@@ -124,6 +133,7 @@ class Optimizer:
 
 # optim.name -> its entry: the one list of optimizers (the config checks names against it)
 OPTIMIZERS: dict[str, Optimizer] = {"adamw": Optimizer(_adamw), "sgd": Optimizer(_sgd),
+                                    "adagrad": Optimizer(_adagrad), "rmsprop": Optimizer(_rmsprop),
                                     "adafactor": Optimizer(_adafactor), "lion": Optimizer(_lion),
                                     "muon": Optimizer(_muon), "adamw8bit": Optimizer(_adamw8bit, package="torchao"),
                                     "adamw_offload": Optimizer(_adamw_offload), "galore": Optimizer(_galore)}

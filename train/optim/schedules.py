@@ -8,12 +8,14 @@
                   1/onecycle_div up to 1 over the warmup (cosine), then cosine down to min_lr_ratio
     inverse_sqrt  (Vaswani et al., "Attention Is All You Need", 2017) linear warmup, then
                   sqrt((warmup + 1) / (step + 1)): 1 where the warmup ends, no floor
+    exponential   linear warmup, then exponential_gamma^(steps since the warmup) (torch's ExponentialLR), no floor
+    step          linear warmup, then times step_gamma every step_every steps (torch's StepLR), no floor
 """
 from __future__ import annotations
 
 import math
 
-SCHEDULES = ("cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt")
+SCHEDULES = ("cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt", "exponential", "step")
 
 
 def _cos(a: float, b: float, frac: float) -> float:
@@ -35,6 +37,10 @@ def lr_multiplier(step: int, max_steps: int, cfg) -> float:
         return 1.0
     if cfg.schedule == "inverse_sqrt":
         return math.sqrt((warm + 1) / (step + 1))
+    if cfg.schedule == "exponential":
+        return cfg.exponential_gamma ** (step - warm)
+    if cfg.schedule == "step":
+        return cfg.step_gamma ** ((step - warm) // cfg.step_every)
     progress = (step - warm) / max(1, max_steps - 1 - warm)
     progress = min(max(progress, 0.0), 1.0)
     if cfg.schedule == "cosine":

@@ -159,7 +159,7 @@ def attend(q, k, v, backend: str = "auto", window: Optional[int] = None, softcap
     if backend == "flex":
         return attend_flex(q, k, v, window)
     if backend == "sdpa" and window is None and Tq in (Tk, 1):  # the causal rule needs no mask
-        return sdpa(q, k, v, is_causal=Tq == Tk)
+        return sdpa(q, k, v, is_causal=bool(Tq == Tk))  # a bool also where the lengths are symbolic (torch.export)
     return attend_within(q, k, v, attention_mask(Tq, Tk, window, q.device), backend, window, softcap, sinks)
 
 

@@ -9,7 +9,8 @@ each with its own A_p (r, in), B_p (rows_p, r). With s = alpha / r (rsLoRA: alph
     LoRA:  y_p = W_p x + b_p + s * B_p A_p dropout(x)
     DoRA:  y_p = g_p * (W_p x' + s * B_p A_p x') + b_p + W_p (x - x'),   x' = dropout(x),
            g_p = m_p / ||W_p + s B_p A_p||_row   (norm detached; m_p starts at W_p's row norms)
-B starts at 0; `merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be any tensor F.linear
+A starts as nn.Linear's weights (init 'kaiming': kaiming-uniform) or N(0, 1/r^2) (init 'gaussian', PEFT's), B at 0;
+`merge` / `unmerge`; `enabled = False` computes the base alone. The weight may be any tensor F.linear
 accepts, e.g. torchao's NF4Tensor (QLoRA). Several named adapters (`add_adapter`, PEFT's "default" first): `active`
 picks the one a forward uses; inside `with adapters_per_row(model, names)` row i of a batch uses names[i] (PEFT's
 mixed-batch inference: rows grouped by adapter; a name a layer lacks, e.g. '__base__', computes its base alone).
@@ -37,9 +38,9 @@ class LoRA(nn.Module):
     """One named adapter of a LoRALinear: A_p (r, in), B_p (rows_p, r) and DoRA's m_p (rows_p,) per adapted part."""
 
     def __init__(self, parts, adapted, in_features: int, r: int, alpha: float, dropout: float, dora: bool,
-                 rslora: bool, device=None, dtype=None):
+                 rslora: bool, init: str = "kaiming", device=None, dtype=None):
         super().__init__()
-        self.adapted, self.r, self.alpha, self.dora, self.rslora = adapted, r, alpha, dora, rslora
+        self.adapted, self.r, self.alpha, self.dora, self.rslora, self.init = adapted, r, alpha, dora, rslora, init
         self.scaling = alpha / math.sqrt(r) if rslora else alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         kw = dict(device=device, dtype=dtype)
@@ -61,7 +62,7 @@ class LoRA(nn.Module):
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, parts: Sequence = (), adapted: Sequence[str] = (), r: int = 8,
                  alpha: float = 16.0, dropout: float = 0.0, dora: bool = False, rslora: bool = False,
-                 name: str = "default"):
+                 init: str = "kaiming", name: str = "default"):
         """base: the layer to wrap (its weight and bias are taken over, not copied). parts:
         [(name, rows), ...] covering the output rows in order; empty = one part named 'weight'.
         adapted: the parts that get an adapter (empty = all); name: the adapter's."""
@@ -79,10 +80,10 @@ class LoRALinear(nn.Module):
         self.merged = False
         self.enabled = True  # False: the base alone (the adapters stay, unused)
         self._dora_scale: dict = {}  # g_p of a merged DoRA part, to unmerge
-        self.add_adapter(name, adapted, r, alpha, dropout, dora, rslora)
+        self.add_adapter(name, adapted, r, alpha, dropout, dora, rslora, init)
 
     def add_adapter(self, name: str, adapted: Sequence[str] = (), r: int = 8, alpha: float = 16.0,
-                    dropout: float = 0.0, dora: bool = False, rslora: bool = False):
+                    dropout: float = 0.0, dora: bool = False, rslora: bool = False, init: str = "kaiming"):
         """Another named adapter beside those there (the active one stays active)."""
         names = [n for n, _ in self.parts]
         adapted = list(adapted) or names
@@ -90,11 +91,13 @@ class LoRALinear(nn.Module):
             raise ValueError(f"adapted parts {unknown} are not among the parts {names}")
         if r <= 0:
             raise ValueError(f"r must be > 0, got {r}")
+        if init not in ("kaiming", "gaussian"):
+            raise ValueError(f"init must be 'kaiming' or 'gaussian', got {init!r}")
         if name in self.adapters:
             raise ValueError(f"an adapter named {name!r} is already there")
         dt = self.weight.dtype if self.weight.is_floating_point() else torch.float32
         self.adapters[name] = LoRA(self.parts, [n for n in names if n in adapted], self.in_features, r, alpha,
-                                   dropout, dora, rslora, self.weight.device, dt)
+                                   dropout, dora, rslora, init, self.weight.device, dt)
         self.reset_adapters(name)
 
     @property
@@ -103,10 +106,13 @@ class LoRALinear(nn.Module):
         return self.adapters[self.active]
 
     def reset_adapters(self, name: str = None):
-        """A as nn.Linear's default init, B = 0; DoRA magnitudes = the rows' norms (the active adapter, or `name`)."""
+        """A as `init` says, B = 0; DoRA magnitudes = the rows' norms (the active adapter, or `name`)."""
         lora = self.adapters[name or self.active]
         for n in lora.adapted:
-            nn.init.kaiming_uniform_(lora.lora_A[n], a=math.sqrt(5))
+            if lora.init == "gaussian":
+                nn.init.normal_(lora.lora_A[n], std=1 / lora.r)
+            else:
+                nn.init.kaiming_uniform_(lora.lora_A[n], a=math.sqrt(5))
             nn.init.zeros_(lora.lora_B[n])
         if lora.dora and self.weight.device.type != "meta":
             with torch.no_grad():

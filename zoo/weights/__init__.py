@@ -2,8 +2,9 @@
 
 `load_pretrained(path, **kw)` looks at what `path` is and hands it to the format that claims it. Each format module
 provides `detect(path) -> bool`, `load(path, **kw)` and, for export, `save(model, path, **kw)`; a family's default
-format also `exports(model) -> bool`. A single-file format that any model of a family can be written to (GGUF) is
-chosen by the file name's suffix (`SUFFIXES`) instead; PEFT adapters are written by peft_lora.save_adapter.
+format also `exports(model) -> bool`. A single-file format that any model of a family can be written to (GGUF;
+ExecuTorch's .pte, export only) is chosen by the file name's suffix (`SUFFIXES`) instead; PEFT adapters are written
+by peft_lora.save_adapter.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .files import check_weights
 FORMATS: list[str] = ["zoo.weights.quantized", "zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.diffusers_dit", "zoo.weights.zoo_folder",
                       "zoo.weights.hf_llm", "zoo.weights.timm_convnet", "zoo.weights.gguf_llm"]
 # Saving to a path with one of these suffixes: that format, whatever the model family's default.
-SUFFIXES: dict[str, str] = {".gguf": "zoo.weights.gguf_llm"}
+SUFFIXES: dict[str, str] = {".gguf": "zoo.weights.gguf_llm", ".pte": "zoo.weights.executorch_pte"}
 
 
 def _modules():

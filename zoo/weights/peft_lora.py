@@ -68,7 +68,8 @@ def read_config(folder: Path) -> AdapterConfig:
     try:
         return AdapterConfig(method="dora" if hf.get("use_dora") else "lora", r=int(hf["r"]),
                              alpha=float(hf.get("lora_alpha", 8)), dropout=float(hf.get("lora_dropout", 0.0)),
-                             targets=sorted(targets), rslora=bool(hf.get("use_rslora", False)))
+                             targets=sorted(targets), rslora=bool(hf.get("use_rslora", False)),
+                             init="gaussian" if hf.get("init_lora_weights") == "gaussian" else "kaiming")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{src}: r / lora_alpha / lora_dropout unreadable ({e})") from None
 
@@ -188,7 +189,7 @@ def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.
     else:
         hf.update(peft_type="LORA", r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                   target_modules=sorted({part for _, part in peft_names(model)}), use_dora=cfg.method == "dora",
-                  use_rslora=cfg.rslora, bias="none", fan_in_fan_out=False, init_lora_weights=True,
+                  use_rslora=cfg.rslora, bias="none", fan_in_fan_out=False, init_lora_weights=True if cfg.init == "kaiming" else cfg.init,
                   modules_to_save=None, rank_pattern={}, alpha_pattern={})
     atomic_write(out / CONFIG, json.dumps(hf, indent=2) + "\n")
     return out
