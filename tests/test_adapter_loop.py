@@ -37,14 +37,15 @@ def run(tmp_path, corpus, name, *over):
     return final, rows
 
 
-@pytest.mark.parametrize("method", ["lora", "dora", "prefix"])
+@pytest.mark.parametrize("method", ["lora", "dora", "prefix", "prompt", "bottleneck"])
 def test_adapter_run_resumes_bitwise_with_adapter_only_checkpoints(tmp_path, text_corpus, base, method, one_thread):
     over = [f"train.init_from={base}", f"adapter.method={method}", "adapter.r=4", "adapter.dropout=0.1",
             "adapter.prefix_len=4", "train.checkpoint_every=4", "train.keep_checkpoints=5", "train.max_steps=8",
             "optim.warmup_steps=1"]
     _, full = run(tmp_path, text_corpus, "full", *over)
     ck = load_file(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.safetensors")
-    expect = {"lora": ("lora_A", "lora_B"), "dora": ("lora_A", "lora_B", "magnitude"), "prefix": ("prefix",)}[method]
+    expect = {"lora": ("lora_A", "lora_B"), "dora": ("lora_A", "lora_B", "magnitude"), "prefix": ("prefix",),
+              "prompt": ("prompt",), "bottleneck": ("_adapter",)}[method]
     assert ck and all(any(e in k for e in expect) for k in ck), sorted(ck)[:5]  # only what trains
     part = tmp_path / "part"  # killed after the step-4 checkpoint
     shutil.copytree(tmp_path / "full", part)
@@ -52,14 +53,14 @@ def test_adapter_run_resumes_bitwise_with_adapter_only_checkpoints(tmp_path, tex
     shutil.rmtree(part / "adapter")
     _, resumed = run(tmp_path, text_corpus, "part", *over)
     assert losses(resumed) == losses(full)  # bitwise, step for step
-    name = "prefix.safetensors" if method == "prefix" else "adapter_model.safetensors"
+    name = "zoo_adapter.safetensors" if method in ("prefix", "bottleneck") else "adapter_model.safetensors"
     a, b = load_file(tmp_path / "full" / "adapter" / name), load_file(part / "adapter" / name)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    if method != "prefix":  # the PEFT export, loaded onto its base, holds the final checkpoint's adapters
-        model = zoo.from_pretrained(tmp_path / "full" / "adapter")
-        last = load_file(tmp_path / "full" / "checkpoints" / "step_00000008" / "model.safetensors")
-        sd = model.state_dict()
-        assert all(torch.equal(sd[k], v) for k, v in last.items())
+    # the export (PEFT's format, or Zoo's), loaded onto its base, holds the final checkpoint's adapters
+    model = zoo.from_pretrained(tmp_path / "full" / "adapter")
+    last = load_file(tmp_path / "full" / "checkpoints" / "step_00000008" / "model.safetensors")
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in last.items())
 
 
 def test_adapter_resume_refuses_another_adapter(tmp_path, text_corpus, base, one_thread):
@@ -270,3 +271,34 @@ def test_checkpoint_averaging_of_an_adapter_run(tmp_path, text_corpus, base, one
     assert avg.keys() == a.keys() and all("lora_" in k for k in avg)
     assert all(torch.allclose(avg[k], (a[k] + b[k]) / 2, rtol=0, atol=1e-7) for k in avg)
     assert final["avg_val_loss"] != final["val_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["prompt", "bottleneck"])
+def test_prompt_and_bottleneck_runs_resume_bitwise_after_sigkill(tmp_path, text_corpus, base, method):
+    """train/run.py with prompt tuning or bottleneck adapters, SIGKILLed past its first checkpoint and run again:
+    the exported adapter and every logged loss equal the uninterrupted run's, bit for bit."""
+    import os
+    import signal
+    import yaml
+    from conftest import wait_for_step
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "data": {"tokenizer": "bytes", "seq_len": 64, "path": str(text_corpus)}}))
+    over = [f"train.init_from={base}", f"adapter.method={method}", "adapter.prefix_len=4", "adapter.r=4",
+            "train.max_steps=30", "train.checkpoint_every=5", "optim.warmup_steps=2"]
+
+    def launch(name):
+        return subprocess.Popen([sys.executable, "train/run.py", str(cfg), f"train.out_dir={tmp_path / name}", *over],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert launch("full").wait(600) == 0
+    p = launch("killed")
+    assert wait_for_step(p, tmp_path / "killed", 12), "the run ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert launch("killed").wait(600) == 0
+    assert "resumed from" in (tmp_path / "killed" / "log.txt").read_text()
+    assert losses(read_rows(tmp_path / "killed")) == losses(read_rows(tmp_path / "full"))
+    name = "zoo_adapter.safetensors" if method == "bottleneck" else "adapter_model.safetensors"
+    a, b = (load_file(tmp_path / r / "adapter" / name) for r in ("full", "killed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

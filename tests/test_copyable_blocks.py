@@ -42,24 +42,43 @@ SMOKE = {
         assert torch.allclose(short, cos[:4] * lr.attention_factor) and not torch.allclose(long[:4], short)
     """,
     "lora.py": """
-        from lora import LoRALinear
+        from lora import LoRALinear, adapters_per_row
         base = torch.nn.Linear(8, 12)
         x = torch.randn(3, 8)
         ref = base(x).detach()
         m = LoRALinear(base, [("q", 4), ("k", 4), ("v", 4)], ["q", "v"], r=2, alpha=4, dora=True)
-        torch.nn.init.normal_(m.lora_B["q"])
+        torch.nn.init.normal_(m.adapter.lora_B["q"])
         y = m(x)
         assert (y[:, 4:8] - ref[:, 4:8]).abs().max() == 0 and (y[:, :4] - ref[:, :4]).abs().max() > 1e-3
         m.merge()
         assert (m(x) - y).abs().max() < 1e-5
         m.unmerge()
         assert (m(x) - y).abs().max() < 1e-5
+        m.add_adapter("b", ["k"], r=2)
+        torch.nn.init.normal_(m.adapters["b"].lora_B["k"])
+        with adapters_per_row(m, ["__base__", "default", "b"]):
+            mixed = m(x)
+        assert (mixed[0] - ref[0]).abs().max() < 1e-6 and (mixed[1] - y[1]).abs().max() < 1e-6
+        assert (mixed[2, 4:8] - ref[2, 4:8]).abs().max() > 1e-3 and (mixed[2, :4] - ref[2, :4]).abs().max() < 1e-6
     """,
     "prefix.py": """
-        from prefix import KVPrefix
+        from prefix import KVPrefix, PromptEmbedding
         p = KVPrefix(2, 3, 4)
         k, v = p(torch.zeros(5, 2, 6, 4), torch.zeros(5, 2, 6, 4))
         assert k.shape == v.shape == (5, 2, 9, 4) and torch.equal(k[1, :, :3], p.k.detach())
+        e = PromptEmbedding(3, 4)
+        x = e(torch.zeros(5, 6, 4))
+        assert x.shape == (5, 9, 4) and torch.equal(x[2, :3], e.weight.detach()) and not x[:, 3:].any()
+    """,
+    "bottleneck.py": """
+        from bottleneck import BottleneckAdapter
+        a = BottleneckAdapter(8, 2)
+        h = torch.randn(3, 5, 8)
+        assert torch.equal(a(h), h)  # up starts at zero: the identity
+        torch.nn.init.normal_(a.up.weight)
+        y = a(h)
+        y.sum().backward()
+        assert (y - h).abs().max() > 1e-3 and a.down.weight.grad is not None
     """,
     "attention.py": """
         from attention import CausalSelfAttention, KVCache

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 # ------------------------------------------------------------------------------ parity, case by case
 ADAPTERS = {"lora": ["adapter.method=lora"], "dora": ["adapter.method=dora"],
             "prefix": ["adapter.method=prefix", "adapter.prefix_len=4"],
+            "prompt": ["adapter.method=prompt", "adapter.prefix_len=4"], "bottleneck": ["adapter.method=bottleneck"],
             # NF4 stores blocks of 64 weights, their scales in blocks of 256: a wider model
             "qlora": ["adapter.method=lora", "adapter.quantize_base=nf4", "model.d_model=256", "model.n_kv_heads=4",
                       "model.ffn_hidden=512"]}
@@ -100,7 +101,7 @@ def parity(configs, tmp_path_factory):
 
 @pytest.mark.parametrize("method", list(ADAPTERS))
 def test_adapters_under_two_processes_match_one(parity, configs, tmp_path, method):
-    """LoRA, DoRA, prefix tuning and QLoRA under DDP and FSDP2 (the frozen base, NF4 included, sharded with
+    """LoRA, DoRA, prefix and prompt tuning, bottleneck adapters and QLoRA under DDP and FSDP2 (the frozen base, NF4 included, sharded with
     its adapters): the losses, the trained adapter and the final and averaged evaluations of one process
     with the same global batch; the checkpoints (DCP) hold what trains, not the base. The FSDP2 LoRA
     checkpoint of step 3 resumes in one process and ends with the same adapter."""

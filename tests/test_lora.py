@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import zoo
-from zoo.adapters import AdapterConfig, apply_adapters, merge_adapters, merged_model, unmerge_adapters
+from zoo.adapters import (AdapterConfig, adapters_disabled, adapters_per_row, apply_adapters, merge_adapters, merged_model, set_adapter,
+                          unmerge_adapters)
 from zoo.blocks.lora import LoRALinear
 from zoo.weights.peft_lora import save_adapter
 
@@ -59,7 +60,7 @@ def test_peft_adapter_loads_into_zoo(tmp_path, kind, dora, rslora):
     with torch.no_grad():
         ref = pm(x).logits
     z = zoo.from_pretrained(tmp_path / "adapter", base=tmp_path / "base", dtype=torch.float32)
-    n_adapted = sum(len(m.adapted) for m in z.modules() if isinstance(m, LoRALinear))
+    n_adapted = sum(len(m.adapter.adapted) for m in z.modules() if isinstance(m, LoRALinear))
     assert n_adapted == 2 * len(TARGETS)
     with torch.no_grad():
         out = z(x)
@@ -173,7 +174,7 @@ def test_lora_block_merge_and_grads():
     m = LoRALinear(lin, [("a", 8), ("b", 8), ("c", 8)], ["a", "c"], r=2, alpha=4, dora=True)
     x = torch.randn(3, 16)
     assert torch.allclose(m(x), lin(x), atol=1e-6)  # B = 0: unchanged
-    for p in m.lora_B.values():
+    for p in m.adapter.lora_B.values():
         torch.nn.init.normal_(p)
     y = m(x)
     assert (y[:, 8:16] - lin(x)[:, 8:16]).abs().max() == 0  # part b not adapted
@@ -184,26 +185,105 @@ def test_lora_block_merge_and_grads():
     assert max_diff(m.weight, ref_w) <= 1e-6
     m.weight.requires_grad_(False)
     m(x).sum().backward()
-    assert m.weight.grad is None and all(p.grad is not None for p in m.lora_A.values())
+    assert m.weight.grad is None and all(p.grad is not None for p in m.adapter.lora_A.values())
 
 
-def test_prefix_tuning_with_kv_cache_matches_full_forward():
-    """Prefixes are seen by every query, in one forward and step by step on the KV cache alike,
-    and only they train."""
+@pytest.mark.parametrize("method", ["prefix", "prompt", "bottleneck"])
+def test_module_adapters_on_the_kv_cache_padded_rows_and_disk(tmp_path, method, one_thread):
+    """Prefix, prompt and bottleneck adapters: one forward and step by step on the KV cache agree, a left-padded row
+    generates the tokens it generates alone, only they train, adapters_disabled is the base, and the saved adapter
+    (PEFT's format for prompt tuning, else Zoo's) loads back onto its base with the same logits."""
     torch.manual_seed(0)
     model = zoo.build("configs/llm/tiny.yaml", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=256)
+    base = zoo.save_pretrained(model, tmp_path / "base")
     x = torch.randint(0, 256, (2, 10))
     with torch.no_grad():
         plain = model(x)
-    apply_adapters(model, AdapterConfig(method="prefix", prefix_len=3))
+    apply_adapters(model, AdapterConfig(method=method, prefix_len=3, r=4))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "prefix" in name:
+        for p in model.parameters():
+            if p.requires_grad:
                 p.normal_(0, 1.0)
         full = model(x)
         caches = model.new_caches(2, 10)
         steps = [model(x[:, i:i + 1], caches=caches, start_pos=i) for i in range(10)]
+        with adapters_disabled(model):
+            assert torch.equal(model(x), plain)
     assert max_diff(full, plain) > 1e-2
     assert max_diff(torch.cat(steps, 1), full) <= TOL
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(".prefix." in n for n in trainable)
+    where = {"prefix": ".prefix.", "prompt": "prompt.", "bottleneck": "_adapter."}[method]
+    assert trainable and all(where in n for n in trainable)
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), x[:1, :6]], 1)
+    mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 6)], 1).long()
+    rows, real = torch.cat([padded, x[1:]]), torch.cat([mask, torch.ones_like(mask)]).bool()
+    with torch.no_grad():  # the prompt's forward as generate runs it, and the row alone
+        last = model(rows, caches=model.new_caches(2, 10, masked=True), key_mask=real,
+                     position_ids=(real.long().cumsum(1) - 1).clamp(min=0))[0, -1]
+        assert max_diff(last, model(x[:1, :6])[0, -1]) <= TOL
+    both = model.generate(rows, 6, attention_mask=real.long())
+    assert torch.equal(both[0, 10:], model.generate(x[:1, :6], 6)[0, 6:]) and torch.equal(both[1:], model.generate(x[1:], 6))
+    save_adapter(model, tmp_path / "adapter", base=base)
+    with torch.no_grad():
+        assert max_diff(zoo.from_pretrained(tmp_path / "adapter")(x), full) <= MERGE_TOL
+
+
+def test_prompt_tuning_in_and_out_of_peft(tmp_path, one_thread):
+    """Prompt tuning both ways: Zoo's export loaded by PEFT, and PEFT's adapter loaded by Zoo, give the same
+    logits on the real positions (PEFT's output holds the virtual ones in front): fp32, max abs diff <= 1e-5."""
+    k, tol = 5, 1e-5
+    base = hf_model("llama", num_key_value_heads=2)
+    base.save_pretrained(tmp_path / "base")
+    x = tokens(shape=(2, 20))
+    z = zoo.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    apply_adapters(z, AdapterConfig(method="prompt", prefix_len=k))
+    with torch.no_grad():
+        z.prompt.weight.normal_(0, 1.0)
+        out, plain = z(x), base(x).logits
+    save_adapter(z, tmp_path / "zoo_prompt", base=tmp_path / "base")
+    pm = peft.PeftModel.from_pretrained(base, tmp_path / "zoo_prompt").eval()
+    with torch.no_grad():
+        ref = pm(x).logits[:, k:]
+    assert max_diff(ref, plain) > 100 * tol  # the virtual tokens change the logits
+    assert max_diff(ref, out) <= tol, max_diff(ref, out)
+
+    pm = peft.get_peft_model(hf_model("llama", num_key_value_heads=2),
+                             peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=k)).eval()
+    with torch.no_grad():
+        pm.prompt_encoder["default"].embedding.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(4))
+        ref = pm(x).logits[:, k:]
+    pm.save_pretrained(tmp_path / "peft_prompt")
+    z = zoo.from_pretrained(tmp_path / "peft_prompt", base=tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        assert max_diff(ref, z(x)) <= tol, max_diff(ref, z(x))
+
+
+def test_named_lora_adapters_switch_and_mix_per_row_as_peft_does(tmp_path, one_thread):
+    """Two PEFT LoRA adapters (different targets and ranks) on one Zoo model: set_adapter gives each one's PEFT
+    logits, a batch with rows on `a`, `b` and the base gives PEFT's mixed-batch logits (max abs diff <= 1e-4), and
+    batched greedy generation with per-row adapters gives each row's tokens generated alone on its adapter."""
+    base = hf_model("llama", num_key_value_heads=2)
+    base.save_pretrained(tmp_path / "base")
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]), "math")
+    pm.add_adapter("chat", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "o_proj", "gate_proj"]))
+    randomize_adapters(pm)
+    pm.eval().save_pretrained(tmp_path / "ad")  # each in ad/<name>/
+    z = zoo.from_pretrained(tmp_path / "ad" / "math", base=tmp_path / "base", dtype=torch.float32, adapter_name="math")
+    zoo.from_pretrained(tmp_path / "ad" / "chat", base=z, adapter_name="chat")
+    x = tokens(shape=(3, 16))
+    names = ["chat", "__base__", "math"]
+    with torch.no_grad():
+        for name in ("math", "chat"):
+            pm.set_adapter(name)
+            set_adapter(z, name)
+            assert max_diff(pm(x).logits, z(x)) <= TOL, name
+        ref = pm(x, adapter_names=names).logits
+        with adapters_per_row(z, names):
+            assert max_diff(ref, z(x)) <= TOL
+        assert max_diff(ref[0], pm(x[:1]).logits[0]) <= TOL and max_diff(ref[0], ref[1]) > 100 * TOL
+    together = z.generate(x[:, :6], 8, adapter_names=names)
+    for i, name in enumerate(names):
+        with adapters_per_row(z, [name]):
+            assert torch.equal(together[i:i + 1], z.generate(x[i:i + 1, :6], 8)), name
+    with pytest.raises(ValueError, match="'c' not among the model's adapters"):
+        set_adapter(z, "c")

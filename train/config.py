@@ -5,7 +5,7 @@
     data:   {...}          # the task's data config (train/tasks/<family>.py)
     train:  {...}          # TrainConfig below: the loop
     optim:  {...}          # OptimConfig below: optimizer and LR schedule
-    adapter: {...}         # zoo.adapters.AdapterConfig: LoRA / DoRA / QLoRA / prefix tuning
+    adapter: {...}         # zoo.adapters.AdapterConfig: LoRA / DoRA / QLoRA / prefix / prompt / bottleneck
 """
 from __future__ import annotations
 
@@ -394,9 +394,9 @@ def check_across_sections(cfg: RunConfig):
     if a.quantize_base != "none" and t.ema_decay is not None:
         raise fail(src, "train.ema_decay", f"with adapter.quantize_base={a.quantize_base}: an EMA of a quantised "
                                            f"model is not supported")
-    if a.export_merged and a.method == "prefix":
-        raise fail(src, "adapter.export_merged", "prefix tuning has no merged form (its keys and values are not "
-                                                 "weights of the base)")
+    if a.export_merged and a.enabled and not a.mergeable:
+        raise fail(src, "adapter.export_merged", f"adapter.method={a.method} has no merged form (its vectors and "
+                                                 f"layers are not weights of the base)")
     if t.average_last > t.keep_checkpoints:
         raise fail(src, "train.average_last", f"={t.average_last} needs as many checkpoints kept "
                                               f"(train.keep_checkpoints={t.keep_checkpoints})")

@@ -86,6 +86,8 @@ PARALLEL_COMBINATIONS = [  # (row, overrides, DDP, FSDP2, resume)
     ("LoRA", ["adapter.method=lora"], "adapters[lora]", "adapters[lora]", "adapters[lora], torchrun (SIGKILL)"),
     ("DoRA", ["adapter.method=dora"], "adapters[dora]", "adapters[dora]", ""),
     ("prefix tuning", ["adapter.method=prefix"], "adapters[prefix]", "adapters[prefix]", ""),
+    ("prompt tuning", ["adapter.method=prompt"], "adapters[prompt]", "adapters[prompt]", ""),
+    ("bottleneck adapters", ["adapter.method=bottleneck"], "adapters[bottleneck]", "adapters[bottleneck]", ""),
     ("QLoRA", ["adapter.method=lora", "adapter.quantize_base=nf4"], "adapters[qlora]", "adapters[qlora]", ""),
     ("train.unfreeze", ["train.unfreeze=[2]"], "torchrun", "torchrun", "torchrun"),
     ("Gemma 2/3 and GPT-OSS layers (windows, soft-caps, sinks)", ["model.sliding_window=8",

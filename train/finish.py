@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from zoo.adapters import merged_model, trainable_keys
+from zoo.adapters import merged_model
 from zoo.weights.files import save_safetensors
 
 
@@ -65,10 +65,6 @@ def consolidated(run):
 
 
 def export_adapter(model, out: Path, base: Optional[str]) -> Path:
-    """The trained adapter in <out>/adapter/: LoRA / DoRA in PEFT's format, prefixes in prefix.safetensors."""
+    """The trained adapter in <out>/adapter/: PEFT's format (LoRA, DoRA, prompt tuning), else Zoo's (peft_lora.py)."""
     from zoo.weights.peft_lora import save_adapter
-    if model.adapter_config.method in ("lora", "dora"):
-        return save_adapter(model, out / "adapter", base=base)
-    (out / "adapter").mkdir(exist_ok=True)
-    return save_safetensors({k: v for k, v in model.state_dict().items() if k in trainable_keys(model)},
-                            out / "adapter" / "prefix.safetensors")
+    return save_adapter(model, out / "adapter", base=base)

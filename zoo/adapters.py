@@ -5,9 +5,12 @@
     merge_adapters(model); unmerge_adapters(model)
     with adapters_disabled(model): ...  # the base model alone (e.g. DPO's reference), no copy
     dense = merged_model(model)         # a plain model with the adapters merged (and NF4 dequantised)
+    apply_adapters(model, cfg2, name="b"); set_adapter(model, "b")  # named LoRA adapters, one active
+    with adapters_per_row(model, ["default", "b", "__base__"]): model(x)  # row i on adapter i
 
 Targets are named as in PEFT checkpoints (q_proj, ..., down_proj; `lora_sites` maps them onto Zoo's fused layers).
-method 'prefix': learned keys/values (blocks/prefix.py); quantize_base 'nf4': QLoRA.
+method 'prefix': learned keys/values, 'prompt': learned input embeddings (blocks/prefix.py); 'bottleneck': Houlsby
+adapters after each attention and MLP (blocks/bottleneck.py); quantize_base 'nf4': QLoRA.
 """
 from __future__ import annotations
 
@@ -19,20 +22,23 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from .blocks.lora import LoRALinear, dense_weight
-from .blocks.prefix import KVPrefix
+from .blocks.bottleneck import BottleneckAdapter
+from .blocks.lora import BASE, LoRALinear, adapters_per_row, dense_weight  # noqa: F401  (adapters_per_row: the API)
+from .blocks.prefix import KVPrefix, PromptEmbedding
 from .config import ConfigError, bounded, fail
 from .tensors import tensor_bytes
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64
+SLOTS = ("prefix", "prompt", "attn_adapter", "mlp_adapter")  # where the adapters that are modules of their own sit
 
 
 @dataclass
 class AdapterConfig:
-    method: Literal["none", "lora", "dora", "prefix"] = "none"  # `none`, `lora`, `dora` or `prefix`; only the
-                                            # adapters train, and checkpoints hold only them
-    r: int = bounded(8, gt=0)               # LoRA / DoRA rank
+    method: Literal["none", "lora", "dora", "prefix", "prompt", "bottleneck"] = "none"  # `none`, `lora`, `dora`,
+                                            # `prefix`, `prompt` (learned input embeddings) or `bottleneck` (Houlsby
+                                            # adapters); only the adapters train, and checkpoints hold only them
+    r: int = bounded(8, gt=0)               # LoRA / DoRA rank; `bottleneck`: the adapters' hidden width
     alpha: float = bounded(16.0, gt=0)      # the adapters' output is scaled by `alpha / r` (`alpha / sqrt(r)` with
                                             # `rslora`)
     dropout: float = bounded(0.0, ge=0, lt=1)  # dropout on the adapters' input, in [0, 1)
@@ -46,9 +52,9 @@ class AdapterConfig:
     quantize_base: Literal["none", "nf4"] = "none"  # `nf4`: the frozen linear weights stored in torchao's NF4
                                             # (QLoRA; `pip install -e '.[qlora]'`); not with `train.ema_decay`
     prefix_len: int = bounded(16, gt=0)     # `prefix`: learned key/value vectors per layer (not with
-                                            # `model.sliding_window`)
+                                            # `model.sliding_window`); `prompt`: the virtual tokens
     export_merged: bool = False             # at the end, also merge the adapters into the weights and export them as
-                                            # `train.export` does; not for `prefix`
+                                            # `train.export` does; LoRA and DoRA only
 
     def validate(self, source, prefix="adapter."):
         if self.method in ("lora", "dora") and not self.targets:
@@ -60,6 +66,10 @@ class AdapterConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def mergeable(self) -> bool:
+        return self.method in ("lora", "dora")
 
 
 def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int, str]]]:
@@ -125,27 +135,34 @@ def _set_module(model: nn.Module, name: str, module: nn.Module):
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter", log=None) -> nn.Module:
+def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter", log=None,
+                   name: str = "default") -> nn.Module:
     """Freeze `model` and add the adapters `cfg` describes (in place; returns the model): only they train afterwards.
-    With quantize_base 'nf4' the frozen linear weights are stored in NF4 (torchao)."""
+    With quantize_base 'nf4' the frozen linear weights are stored in NF4 (torchao). A model with LoRA / DoRA adapters
+    takes more under other names (the active one stays active: `set_adapter`)."""
     if not cfg.enabled:
         return model
+    named = getattr(model, "adapter_configs", {})
+    if name in named or (named and not (cfg.mergeable and all(c.mergeable for c in named.values()))):
+        raise ConfigError(f"{source}: adapter {name!r}: a model holds several adapters only when all are LoRA / DoRA "
+                          f"under distinct names (it has: {', '.join(f'{k} ({c.method})' for k, c in named.items())})")
     model.requires_grad_(False)
-    if cfg.method in ("lora", "dora"):
+    if cfg.mergeable:
         known = known_targets(model)
         llm_default = getattr(model, "family", None) == "llm" and list(cfg.targets) == list(LLM_TARGETS)
         targets = known if llm_default else cfg.targets
         if unknown := [t for t in targets if t not in known]:
             raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
                               f"(known: {', '.join(known) or 'none'})")
-        for name, parts in lora_sites(model).items():
+        for site, parts in lora_sites(model).items():
             adapted = [n for n, _, _ in parts if n in targets]
             if not adapted:
                 continue
-            base = model.get_submodule(name)
-            _set_module(model, name, LoRALinear(base, [(n, rows) for n, rows, _ in parts], adapted, cfg.r, cfg.alpha,
-                                                cfg.dropout, dora=cfg.method == "dora", rslora=cfg.rslora,
-                                                init=cfg.init))
+            args = adapted, cfg.r, cfg.alpha, cfg.dropout, cfg.method == "dora", cfg.rslora, cfg.init
+            if isinstance(base := model.get_submodule(site), LoRALinear):
+                base.add_adapter(name, *args)
+            else:
+                _set_module(model, site, LoRALinear(base, [(n, rows) for n, rows, _ in parts], *args, name=name))
     elif cfg.method == "prefix":
         attns = [m for m in model.modules() if hasattr(m, "prefix") and hasattr(m, "n_kv_heads")]
         if not attns:
@@ -156,10 +173,31 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
         p = next(model.parameters())
         for a in attns:
             a.prefix = KVPrefix(a.n_kv_heads, cfg.prefix_len, a.head_dim, device=p.device, dtype=p.dtype)
-    if cfg.quantize_base == "nf4":
+    else:
+        _add_module_adapters(model, cfg, source)
+    if cfg.quantize_base == "nf4" and not named:
         quantize_nf4(model, log)
-    model.adapter_config = cfg
+    model.adapter_configs = {**named, name: cfg}
+    if not named:
+        model.adapter_config, model.active_adapter = cfg, name
     return model
+
+
+def _add_module_adapters(model: nn.Module, cfg: AdapterConfig, source: str):
+    """Prompt tuning (the virtual tokens drawn from the vocabulary's embeddings, as Lester et al. start them) or
+    bottleneck adapters after every block's attention and MLP: on an LLM."""
+    if getattr(model, "family", None) != "llm":
+        raise ConfigError(f"{source}: adapter.method={cfg.method} needs an LLM")
+    E, d = model.embed.weight, model.config.d_model
+    if cfg.method == "prompt":
+        model.prompt = PromptEmbedding(cfg.prefix_len, d, device=E.device, dtype=E.dtype)
+        with torch.no_grad():
+            ids = torch.randint(E.shape[0], (cfg.prefix_len,), device=E.device)
+            model.prompt.weight.copy_(E[ids] * (d ** 0.5 if model.config.embed_scale else 1.0))
+        return
+    for b in model.blocks():
+        b.attn_adapter, b.mlp_adapter = (BottleneckAdapter(d, cfg.r, cfg.dropout, device=E.device, dtype=E.dtype)
+                                         for _ in range(2))
 
 
 def nf4_scaler_block(numel: int, shards: int = 8) -> Optional[int]:
@@ -201,6 +239,26 @@ def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
+def adapter_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(module, attribute, adapter) of every prefix, prompt and bottleneck adapter in `model`."""
+    return [(m, a, getattr(m, a)) for m in list(model.modules()) for a in SLOTS
+            if isinstance(getattr(m, a, None), nn.Module)]
+
+
+def set_adapter(model: nn.Module, name: str):
+    """Make the LoRA / DoRA adapter `name` the one every layer computes with (PEFT's set_adapter; a layer
+    without it computes its base)."""
+    lora = adapter_modules(model).values()
+    known = list(getattr(model, "adapter_configs", {}))
+    if name not in known:
+        raise ValueError(f"set_adapter: {name!r} not among the model's adapters ({', '.join(known) or 'none'})")
+    if any(m.merged for m in lora):
+        raise ValueError("set_adapter: the adapters are merged into the weights; unmerge_adapters first")
+    for m in lora:
+        m.active = name
+    model.adapter_config, model.active_adapter = model.adapter_configs[name], name
+
+
 def merge_adapters(model: nn.Module):
     for m in adapter_modules(model).values():
         m.merge()
@@ -213,30 +271,32 @@ def unmerge_adapters(model: nn.Module):
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
-    """Inside the block `model` computes as its base: every LoRA/DoRA layer without its adapter,
-    every attention without its prefix. Nothing is copied; the adapters come back on exit. A merged
+    """Inside the block `model` computes as its base: every LoRA/DoRA layer without its adapter, no prefix,
+    prompt or bottleneck adapter. Nothing is copied; the adapters come back on exit. A merged
     adapter cannot be taken out this way (a one-line error)."""
     lora = list(adapter_modules(model).values())
     if any(m.merged for m in lora):
         raise ValueError("adapters_disabled: the adapters are merged into the weights; unmerge_adapters first")
-    prefixed = [(m, m.prefix) for m in model.modules() if getattr(m, "prefix", None) is not None]
+    slots = adapter_slots(model)
     for m in lora:
         m.enabled = False
-    for m, _ in prefixed:
-        m.prefix = None
+    for m, a, _ in slots:
+        setattr(m, a, None)
     try:
         yield model
     finally:
         for m in lora:
             m.enabled = True
-        for m, p in prefixed:
-            m.prefix = p
+        for m, a, p in slots:
+            setattr(m, a, p)
 
 
 @torch.no_grad()
 def merged_model(model: nn.Module) -> nn.Module:
     """The model with every LoRA/DoRA layer replaced by a plain nn.Linear holding the merged dense
-    weight, every NF4 weight dequantised and prefixes removed (in place; returns the model)."""
+    weight (its active adapter's) and every NF4 weight dequantised (in place; returns the model)."""
+    if adapter_slots(model):
+        raise ValueError("prefix, prompt and bottleneck adapters have no merged form: they are not weights of the base")
     for name, m in adapter_modules(model).items():
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         lin.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
@@ -246,8 +306,6 @@ def merged_model(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if isinstance(m, nn.Linear) and dense_weight(m.weight) is not m.weight:
             m.weight = nn.Parameter(dense_weight(m.weight).clone(), requires_grad=False)
-        if getattr(m, "prefix", None) is not None:
-            raise ValueError("prefix tuning has no merged form: its keys and values are not weights of the base")
     return model
 
 

@@ -21,6 +21,7 @@ from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.attention_docs import Documents, document_positions  # noqa: F401  (document_positions: part of the API)
 from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
+from .blocks.lora import adapters_per_row
 from .blocks.matvec_cpu import MatvecCPU
 from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import SwiGLU
@@ -78,6 +79,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
         self.mlp_post_norm = norm("post")
+        self.attn_adapter = self.mlp_adapter = None  # bottleneck adapters on the two outputs (blocks/bottleneck.py)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None,
                 q_scale=None):
@@ -88,10 +90,11 @@ class Block(nn.Module):
         mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
         h = self.attn_norm(x)
         kw = {"q_scale": q_scale} if q_scale is not None else {}
-        x = x + self.attn_post_norm(self.attn(h, cos, sin, cache, start_pos, mask, **kw))
+        a = self.attn(h, cos, sin, cache, start_pos, mask, **kw)
+        x = x + self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
-        return x + self.mlp_post_norm(y), stats
+        return x + self.mlp_post_norm(y if self.mlp_adapter is None else self.mlp_adapter(y)), stats
 
 
 def norm_class(cfg: LLMConfig) -> type:
@@ -123,6 +126,7 @@ class LLM(nn.Module):
         # MoD decision logits since the last threshold update, kept only when keep_mod_decisions (train/ sets it)
         self.mod_decisions: list = []
         self.keep_mod_decisions = False
+        self.prompt = None  # prompt tuning: learned input embeddings in front of each sequence (blocks/prefix.py)
         if self.embed.weight.device.type != "meta":  # a meta build (for loading) needs no init
             self.reset_parameters()
 
@@ -202,6 +206,10 @@ class LLM(nn.Module):
         if key_mask is not None and self.config.mod_capacity > 0:
             raise ValueError("key_mask (padded rows) is not supported with Mixture-of-Depths layers")
         x = self.embed_tokens(input_ids)
+        n = 0
+        if self.prompt is not None:
+            x, start_pos, position_ids, key_mask, n = self.prompted(x, start_pos, position_ids, key_mask, doc_ids)
+            T = x.shape[1]
         tables = self.rope_tables(x, T, start_pos, position_ids)
         stats, mod_stats = [], []
         q_scale = self.query_scale(position_ids, start_pos, T, x.device)
@@ -219,7 +227,7 @@ class LLM(nn.Module):
             mod_stats += m
         if self.training:
             self._record_routing(stats, mod_stats)
-        return self.final_norm(x), stats, mod_stats
+        return self.final_norm(x[:, n:]), stats, mod_stats
 
     # the trunk's ends, for a caller that runs the layers itself (a pipeline's stages)
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -238,6 +246,21 @@ class LLM(nn.Module):
         """The last layer's output -> what the LM head reads: the final norm, the logits' scale folded in."""
         h = self.norm(x)
         return h if self.config.logit_scale == 1.0 else h * self.config.logit_scale
+
+    def prompted(self, x, start_pos, position_ids, key_mask, doc_ids):
+        """Prompt tuning: the n virtual tokens at positions [0, n) in front of a sequence's first chunk (start_pos 0),
+        every token's position moved up by n -> (x, start_pos, position_ids, key_mask, n prepended or 0)."""
+        n, B = self.prompt.length, x.shape[0]
+        if doc_ids is not None:
+            raise ValueError("prompt tuning does not run on packed documents (doc_ids): the virtual tokens open one sequence")
+        position_ids = None if position_ids is None else position_ids + n
+        if torch.is_tensor(start_pos) or start_pos > 0:  # a later chunk: the virtual tokens are in the cache
+            return x, start_pos + n, position_ids, key_mask, 0
+        if position_ids is not None:
+            position_ids = torch.cat([torch.arange(n, device=x.device).expand(B, n), position_ids], 1)
+        if key_mask is not None:
+            key_mask = torch.cat([key_mask.new_ones(B, n), key_mask], 1)
+        return self.prompt(x), start_pos, position_ids, key_mask, n
 
     def query_scale(self, position_ids, start_pos, T: int, device) -> Optional[torch.Tensor]:
         """rope_scaling.query_beta's scale of the queries at each position, (T,) or (B, T); None when off."""
@@ -317,6 +340,7 @@ class LLM(nn.Module):
         """One KV cache per layer; masked=True: caches that also keep which keys are real (padded rows)."""
         p = self.embed.weight
         cfg = self.config
+        max_len += 0 if self.prompt is None else self.prompt.length  # the virtual tokens' keys and values
         if cfg.mla:  # the compressed latents only
             if masked:
                 raise ValueError("left-padded rows (attention_mask) are not supported with multi-head latent attention")
@@ -330,14 +354,16 @@ class LLM(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id=None, generator=None, compile=False,
-                 attention_mask: Optional[torch.Tensor] = None, stop_early: bool = True) -> torch.Tensor:
+                 attention_mask: Optional[torch.Tensor] = None, stop_early: bool = True,
+                 adapter_names: Optional[list] = None) -> torch.Tensor:
         """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0: greedy,
         else sampling with top_k / top_p. eos_token_id: an id or a list of ids; a row stops at the first it produces
         and keeps emitting it, and decoding ends once every row has stopped (stop_early=False: it runs every step, as
         ranks that share each forward must). attention_mask (B, T), 0 on left padding: each row runs at its own
         positions and never attends to its padding. generator: one, or one per row (its draws then do not depend on
         the batch). compile=True runs each one-token step through torch.compile (`compiled_decode_step`);
-        compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`)."""
+        compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`).
+        adapter_names: the LoRA adapter of each row ('__base__': none), PEFT's mixed batches (lora.adapters_per_row)."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
@@ -360,30 +386,34 @@ class LLM(nn.Module):
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=dev)
         out = input_ids.new_empty(B, max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        logits = self.prefill(input_ids, caches, lambda n: self.new_caches(n, T + max_new_tokens, dev, dtype, padded),
-                              **kw)
-        one = {"key_mask": done.new_ones(B, 1)} if padded else {}
-        slot = torch.tensor(T - 1, device=dev)  # the cache slot a step writes
-        for i in range(max_new_tokens):
-            nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
-            if stops is not None:
-                nxt = torch.where(done, out[:, i - 1] if i else nxt, nxt)
-                done |= torch.isin(nxt, stops)
-            out[:, i] = nxt
-            if stops is not None and stop_early and bool(done.all()):
-                out[:, i + 1:] = nxt[:, None]
-                break
-            if i + 1 < max_new_tokens:  # static: tensors of fixed addresses whose values move
-                pos, slot = (pos.add_(1), slot.add_(1)) if static else (pos + 1, T + i)
-                rows = {"position_ids": pos, **one} if static or padded else {}  # else: positions = slots
-                logits = step(self, nxt[:, None], caches, slot, **rows)
+        with contextlib.nullcontext() if adapter_names is None else adapters_per_row(self, adapter_names):
+            logits = self.prefill(input_ids, caches, None if adapter_names else  # rows on other adapters differ
+                                  lambda n: self.new_caches(n, T + max_new_tokens, dev, dtype, padded), **kw)
+            one = {"key_mask": done.new_ones(B, 1)} if padded else {}
+            slot = torch.tensor(T - 1, device=dev)  # the cache slot a step writes
+            for i in range(max_new_tokens):
+                nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
+                if stops is not None:
+                    nxt = torch.where(done, out[:, i - 1] if i else nxt, nxt)
+                    done |= torch.isin(nxt, stops)
+                out[:, i] = nxt
+                if stops is not None and stop_early and bool(done.all()):
+                    out[:, i + 1:] = nxt[:, None]
+                    break
+                if i + 1 < max_new_tokens:  # static: tensors of fixed addresses whose values move
+                    pos, slot = (pos.add_(1), slot.add_(1)) if static else (pos + 1, T + i)
+                    rows = {"position_ids": pos, **one} if static or padded else {}  # else: positions = slots
+                    logits = step(self, nxt[:, None], caches, slot, **rows)
         self.train(was_training)
         return torch.cat([input_ids, out], dim=1)
 
     def prefill(self, input_ids: torch.Tensor, caches: list, new_caches, **kw) -> torch.Tensor:
         """The prompts' forward into `caches` -> the last logits (B, V). Rows equal to another (a prompt
-        sampled several times) run once, into `new_caches(n)` for the n distinct rows, and are copied."""
+        sampled several times) run once, into `new_caches(n)` for the n distinct rows, and are copied
+        (new_caches None: every row runs)."""
         B = input_ids.shape[0]
+        if new_caches is None:
+            return self(input_ids, caches=caches, **kw)[:, -1]
         rows = torch.cat([input_ids, kw["key_mask"]], 1) if "key_mask" in kw else input_ids
         distinct, inv = torch.unique(rows, dim=0, return_inverse=True)
         if len(distinct) == B:

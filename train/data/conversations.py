@@ -475,9 +475,10 @@ def _sentencepiece_offsets(sp, text: str):
 def model_sources(path) -> list[Path]:
     """Where a model's tokenizer and chat template are: the path itself (a .gguf file's tokenizer_folder),
     then the base it was fine-tuned from (an adapter run's train.init_from, an adapter folder's base)."""
+    from zoo.weights import peft_lora
     p, base = Path(path).expanduser(), None
-    if (p / "adapter_config.json").is_file():
-        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if peft_lora.detect(p) and p.is_dir():
+        base = peft_lora.base_of(p)
     elif (p / "config.yaml").is_file():
         base = ((yaml.safe_load((p / "config.yaml").read_text()) or {}).get("train") or {}).get("init_from")
     return [tokenizer_folder(p)] + (model_sources(base) if base and Path(base).expanduser().exists() else [])

@@ -29,7 +29,8 @@ def load_pretrained(path, **kwargs):
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if (p / "adapter" / "adapter_config.json").is_file() and not (p / "model.safetensors").is_file():
+    if any((p / "adapter" / f).is_file() for f in ("adapter_config.json", "zoo_adapter.json")) \
+            and not (p / "model.safetensors").is_file():
         p = p / "adapter"  # an adapter run's folder: its adapter on the base it names
     check_weights(p)  # truncated / corrupt files: a one-line error before any loader reads them
     for mod in _modules():
@@ -39,9 +40,8 @@ def load_pretrained(path, **kwargs):
 
 
 def save_pretrained(model, path, **kwargs):
-    from ..blocks.lora import LoRALinear
-    if any(isinstance(m, LoRALinear) and not m.merged for m in model.modules()) \
-            or any(getattr(m, "prefix", None) is not None for m in model.modules()):
+    from ..adapters import adapter_modules, adapter_slots
+    if any(not m.merged for m in adapter_modules(model).values()) or adapter_slots(model):
         raise ValueError("the model has adapters: save them with zoo.weights.peft_lora.save_adapter, or the "
                          "merged model with save_pretrained(zoo.adapters.merged_model(model), ...)")
     if by_suffix := SUFFIXES.get(Path(path).suffix.lower()):
