@@ -186,6 +186,13 @@ def test_lora_block_merge_and_grads():
     m.weight.requires_grad_(False)
     m(x).sum().backward()
     assert m.weight.grad is None and all(p.grad is not None for p in m.adapter.lora_A.values())
+    # a state written before named adapters (the tensors beside the weight) loads as the default adapter
+    old = {k.replace("adapters.default.", ""): v for k, v in m.state_dict().items()}
+    assert set(old) != set(m.state_dict())
+    fresh = LoRALinear(torch.nn.Linear(16, 24, bias=True), [("a", 8), ("b", 8), ("c", 8)], ["a", "c"], r=2, alpha=4,
+                       dora=True)
+    fresh.load_state_dict(old)
+    assert max_diff(fresh(x), m(x)) == 0
 
 
 @pytest.mark.parametrize("method", ["prefix", "prompt", "bottleneck"])

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+LEGACY = ("lora_A", "lora_B", "magnitude")  # an adapter's tensors, once held by the layer itself
 BASE = "__base__"  # PEFT's name, in per-row adapter lists, of the base model alone
 
 
@@ -217,6 +218,12 @@ class LoRALinear(nn.Module):
         if not self.merged:
             self._merge_into(w)
         return w
+
+    def _load_from_state_dict(self, state, prefix, *args):
+        """A state written before named adapters (`lora_A.q` beside the weight) is the 'default' adapter's."""
+        for key in [k for k in state if k.startswith(prefix) and k[len(prefix):].split(".")[0] in LEGACY]:
+            state[f"{prefix}adapters.default.{key[len(prefix):]}"] = state.pop(key)
+        super()._load_from_state_dict(state, prefix, *args)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, parts={[n for n, _ in self.parts]}, " + ", ".join(
