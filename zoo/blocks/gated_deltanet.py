@@ -118,9 +118,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, doc_ids=None, chunk: in
     c = kt @ u
     S = v.new_zeros(*v.shape[:2], k.shape[-1], v.shape[-1]) if state is None else state.float()
     states = []
-    for i in range(q.shape[2]):
+    for Mi, ci in zip(M.unbind(2), c.unbind(2)):  # unbind: one gradient tensor, not one per chunk
         states.append(S)
-        S = M[:, :, i] @ S + c[:, :, i]
+        S = Mi @ S + ci
     o = attn @ u + read @ torch.stack(states, 2)
     return o.flatten(2, 3)[:, :, :T].transpose(1, 2).to(dtype), S
 

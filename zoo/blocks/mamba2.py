@@ -104,9 +104,9 @@ def ssd_chunked(x, dt, A, B, C, state=None, doc_ids=None, chunk: int = 256):
     written = (x * tail[..., None]).transpose(-1, -2) @ B  # (B, H, n, P, N)
     S = x.new_zeros(*x.shape[:2], x.shape[-1], B.shape[-1]) if state is None else state.float()
     states = []
-    for i in range(x.shape[2]):
+    for wi, si in zip(whole.unbind(2), written.unbind(2)):  # unbind: one gradient tensor, not one per chunk
         states.append(S)
-        S = whole[:, :, i, None, None] * S + written[:, :, i]
+        S = wi[..., None, None] * S + si
     y = y + (C @ torch.stack(states, 2).transpose(-1, -2)) * head[..., None]
     return y.flatten(2, 3)[:, :, :T].transpose(1, 2).to(dtype), S
 
