@@ -108,8 +108,8 @@ def qwen3_next_to_qwen3_5(sd: dict, n_heads: int, head_dim: int, v_per_head: int
     qkvz = sd.pop("in_proj_qkvz.weight").unflatten(0, (n_heads, -1))
     q, k, v, z = qkvz.split([head_dim, head_dim, v_per_head, v_per_head], 1)
     b, a = sd.pop("in_proj_ba.weight").unflatten(0, (n_heads, -1)).chunk(2, 1)
-    sd.update({"in_proj_qkv.weight": torch.cat([t.flatten(0, 1) for t in (q, k, v)]), "in_proj_z.weight": z.flatten(0, 1),
-               "in_proj_b.weight": b.flatten(0, 1), "in_proj_a.weight": a.flatten(0, 1)})
+    sd["in_proj_qkv.weight"] = torch.cat([t.flatten(0, 1) for t in (q, k, v)])
+    sd.update({f"in_proj_{n}.weight": t.flatten(0, 1) for n, t in (("z", z), ("b", b), ("a", a))})
     return sd
 
 
