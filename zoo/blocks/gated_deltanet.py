@@ -52,12 +52,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state=None, doc_ids: Optional[torch.Tensor] = None):
         """x (B, T, d_model), state from a previous call or None -> y (B, T, d_model), the state after x."""
-        B, T, _ = x.shape
         conv_state, S = (None, None) if state is None else state
-        qkv, conv_state = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, None, conv_state, doc_ids)
+        qkv, conv_state = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, self.conv1d.bias, conv_state, doc_ids)
         q, k, v = F.silu(qkv).split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q, k, v = q.unflatten(-1, (-1, self.head_dim)), k.unflatten(-1, (-1, self.head_dim)), v.unflatten(
-            -1, (-1, self.v_head_dim))
+        q, k = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k))
+        v = v.unflatten(-1, (-1, self.v_head_dim))
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         o, S = gated_delta_rule(q, k, v, g, beta, S, doc_ids, self.chunk)

@@ -36,6 +36,7 @@ class Mamba2(nn.Module):
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_groups={n_groups}")
         inner = n_heads * head_dim
         self.sizes = [inner, inner + 2 * n_groups * state_size, n_heads]  # z, xBC, dt
+        self.split = [inner, n_groups * state_size, n_groups * state_size]  # x, B, C
         self.head_dim, self.n_groups, self.chunk, self.dt_limit = head_dim, n_groups, chunk, dt_limit
         self.in_proj = nn.Linear(dim, sum(self.sizes), bias=bias)
         conv_dim = self.sizes[1]
@@ -53,9 +54,8 @@ class Mamba2(nn.Module):
         conv_state, S = (None, None) if state is None else state
         z, xBC, dt = self.in_proj(u).split(self.sizes, -1)
         xBC, conv_state = causal_conv(xBC, self.conv1d.weight, self.conv1d.bias, conv_state, doc_ids)
-        x, B, C = F.silu(xBC).split([self.sizes[0], *[(self.sizes[1] - self.sizes[0]) // 2] * 2], -1)
-        x, B, C = x.unflatten(-1, (-1, self.head_dim)), B.unflatten(-1, (self.n_groups, -1)), C.unflatten(
-            -1, (self.n_groups, -1))
+        x, B, C = F.silu(xBC).split(self.split, -1)
+        x, (B, C) = x.unflatten(-1, (-1, self.head_dim)), (t.unflatten(-1, (self.n_groups, -1)) for t in (B, C))
         dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.dt_limit)
         y, S = ssd(x, dt, -self.A_log.float().exp(), B, C, S, doc_ids, self.chunk)
         y = y + x * self.D[:, None].to(x.dtype)
