@@ -26,6 +26,12 @@ SMOKE = {
         y = RMSNorm(8, eps=1e-6)(x)
         ref = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
         assert (y - ref).abs().max() < 1e-5
+        from norm import GatedRMSNorm
+        g = torch.randn(2, 3, 8)
+        assert (GatedRMSNorm(8, eps=1e-6)(x, g) - ref * torch.nn.functional.silu(g)).abs().max() < 1e-5
+        halves = GatedRMSNorm(8, eps=1e-6, group=4, gate_first=True)(x, g)
+        xg = (x * torch.nn.functional.silu(g)).unflatten(-1, (2, 4))
+        assert (halves - (xg / (xg.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).flatten(-2)).abs().max() < 1e-5
     """,
     "rope.py": """
         from rope import RotaryEmbedding, apply_rope
@@ -331,6 +337,63 @@ SMOKE = {
         assert y.shape == (2, 16, 5, 5) and m.conv_pw.weight.grad is not None and m.conv_pw.bias is None
         d = DepthwiseSeparable(8, 4, se_channels=2)
         assert d(x).shape == (2, 4, 9, 9) and not d.has_skip
+    """,
+    "recurrent.py": """
+        from recurrent import causal_conv, chunk_decays, to_chunks
+        x, w = torch.randn(2, 5, 3), torch.randn(3, 1, 4)
+        ref = torch.nn.functional.conv1d(x.transpose(1, 2), w, padding=3, groups=3)[..., :5].transpose(1, 2)
+        y, state = causal_conv(x, w)
+        assert (y - ref).abs().max() < 1e-5 and torch.equal(state, x[:, 2:])
+        doc = torch.tensor([[0, 0, 1, 1, 1]] * 2)
+        y, state = causal_conv(x, w, doc_ids=doc)
+        assert (y[:, 2:] - causal_conv(x[:, 2:], w)[0]).abs().max() < 1e-5 and torch.equal(state, x[:, 2:])
+        within, head, tail, whole = chunk_decays(to_chunks(-torch.rand(2, 1, 5), 4))
+        assert within.shape == (2, 1, 2, 4, 4) and torch.equal(within[..., 0, 1:], torch.zeros(2, 1, 2, 3))
+    """,
+    "gated_deltanet.py": """
+        from gated_deltanet import GatedDeltaNet
+        m = GatedDeltaNet(16, 2, 8, n_v_heads=4, chunk=4)
+        x = torch.randn(2, 7, 16)
+        y, state = m(x)
+        y.sum().backward()
+        assert m.A_log.grad is not None and state[1].shape == (2, 4, 8, 8)
+        with torch.no_grad():
+            s, steps = None, []
+            for t in range(7):
+                yt, s = m(x[:, t:t + 1], s)
+                steps.append(yt)
+            assert (torch.cat(steps, 1) - y).abs().max() < 1e-5
+            doc = torch.tensor([[0] * 3 + [1] * 4] * 2)
+            assert (m(x, doc_ids=doc)[0][:, 3:] - m(x[:, 3:])[0]).abs().max() < 1e-5
+    """,
+    "mamba2.py": """
+        from mamba2 import Mamba2
+        m = Mamba2(16, 4, 8, state_size=6, n_groups=2, chunk=4)
+        x = torch.randn(2, 7, 16)
+        y, state = m(x)
+        y.sum().backward()
+        assert m.A_log.grad is not None and state[1].shape == (2, 4, 8, 6)
+        with torch.no_grad():
+            s, steps = None, []
+            for t in range(7):
+                yt, s = m(x[:, t:t + 1], s)
+                steps.append(yt)
+            assert (torch.cat(steps, 1) - y).abs().max() < 1e-5
+            doc = torch.tensor([[0] * 3 + [1] * 4] * 2)
+            assert (m(x, doc_ids=doc)[0][:, 3:] - m(x[:, 3:])[0]).abs().max() < 1e-5
+    """,
+    "short_conv.py": """
+        from short_conv import ShortConv
+        m = ShortConv(8, 3)
+        x = torch.randn(2, 5, 8)
+        y, state = m(x)
+        s, steps = None, []
+        for t in range(5):
+            yt, s = m(x[:, t:t + 1], s)
+            steps.append(yt)
+        assert (torch.cat(steps, 1) - y).abs().max() < 1e-5 and (s - state).abs().max() < 1e-5
+        doc = torch.tensor([[0, 0, 1, 1, 1]] * 2)
+        assert (m(x, doc_ids=doc)[0][:, 2:] - m(x[:, 2:])[0]).abs().max() < 1e-5
     """,
     "chunked_ce.py": """
         from chunked_ce import chunked_cross_entropy
