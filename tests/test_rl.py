@@ -137,9 +137,9 @@ def test_dapo_drops_groups_of_equal_rewards():
     task = RLTask.__new__(RLTask)
     task.cfg = type("C", (), {"rl": type("R", (), {"group_size": 2})})()
     got = {"prompt": [[1], [2], [3], [4]], "comp": [[5], [6], [7], [8]], "cut": [False] * 4,
-           "total": [1.0, 1.0, 0.0, 1.0], "values": [[1.0, 1.0, 0.0, 1.0]], "seconds": 0.0, "tokens": 4}
+           "total": [1.0, 1.0, 0.0, 1.0], "values": [(1.0,), (1.0,), (0.0,), (1.0,)], "seconds": 0.0, "tokens": 4}
     kept = task._keep_varied(got)
-    assert kept["total"] == [0.0, 1.0] and kept["prompt"] == [[3], [4]] and kept["values"] == [[0.0, 1.0]]
+    assert kept["total"] == [0.0, 1.0] and kept["prompt"] == [[3], [4]] and kept["values"] == [(0.0,), (1.0,)]
 
 
 def test_rewards(tmp_path, monkeypatch):

@@ -214,11 +214,7 @@ def recipe(args) -> tuple[dict, dict]:
 
 def confidence(out: Path) -> float:
     import zoo
-    from train.config import load_run_config
-    from train.tasks.classify import ClassifyTask
-    task = ClassifyTask(load_run_config(str(out / "config.yaml")), torch.device("cpu"), log=lambda m: None)
-    task.setup()
-    return task.predict(zoo.from_pretrained(out))[0].softmax(-1).max(-1).values.mean().item()
+    return harness.run_task(out).predict(zoo.from_pretrained(out))[0].softmax(-1).max(-1).values.mean().item()
 
 
 def main(argv=None, preset: str = "resnet"):

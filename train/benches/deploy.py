@@ -101,13 +101,9 @@ def quantized_quality(args) -> dict:
     """The trained model's validation windows scored by fp32, the base precision and each quantized copy;
     the change against the base precision: the mean per-batch difference (the batches pair)."""
     import zoo
-    from train.config import load_run_config
-    from train.tasks.lm import LMTask
     folder = base_model(args)
-    cfg = load_run_config(str(folder / "config.yaml"))
-    task = LMTask(cfg, torch.device("cpu"), lambda m: None)
-    task.setup()
-    batches = list(task.data.val_batches(cfg.train.batch_size, args.eval_batches))
+    task = harness.run_task(folder)
+    batches = list(task.data.val_batches(task.cfg.train.batch_size, args.eval_batches))
     base = args.precision
     models = {"fp32": zoo.from_pretrained(folder, dtype=torch.float32),
               **quantized_copies(zoo.from_pretrained(folder, dtype=harness.PRECISIONS[base]), args, base)}
@@ -324,8 +320,6 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     calibrated on training batches): top-1 and loss on the whole validation set. Speed on the first seed's
     model: fp32 eager, fp32 and int8 compiled with freezing (compile_frozen), alternating rounds."""
     import zoo
-    from train.config import load_run_config
-    from train.tasks.classify import ClassifyTask
     from zoo.quantization import compile_frozen
     seeds, tables = [], {}
     for seed in args.seeds:
@@ -333,8 +327,7 @@ def convnet_ptq(args) -> tuple[dict, dict]:
         harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", folder, [
             f"train.max_steps={args.steps}", f"train.seed={seed}", "train.eval_every=0", "train.precision=fp32"],
             args.threads or 1)
-        task = ClassifyTask(load_run_config(str(folder / "config.yaml")), torch.device("cpu"), lambda m: None)
-        task.setup()
+        task = harness.run_task(folder)
         model = zoo.from_pretrained(folder).float().eval()
         t0 = time.perf_counter()
         calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(8)]

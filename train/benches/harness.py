@@ -421,6 +421,13 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
     return read_rows(out)
 
 
+def run_task(folder):
+    """The task of the run in `folder` (its config.yaml) with its data read, on the CPU."""
+    from train.builder import new_task
+    from train.config import load_run_config
+    return new_task(load_run_config(str(Path(folder) / "config.yaml")), torch.device("cpu"), "fp32", lambda m: None)
+
+
 def last(rows: list[dict], key: str) -> float:
     return [r[key] for r in rows if key in r][-1]
 

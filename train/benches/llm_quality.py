@@ -77,8 +77,8 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
 
 def wall(rows: list[dict], upto=None) -> float:
     """Training seconds of a run up to step `upto` (its logged step times)."""
-    timed = [r for r in rows if "step_time_s" in r and (upto is None or r["step"] <= upto)]
-    return sum(r["step_time_s"] * (r["step"] - p) for r, p in zip(timed, [0] + [r["step"] for r in timed]))
+    from train.plots import curves
+    return max((s for step, s, _ in curves(rows, "step") if upto is None or step <= upto), default=0.0)
 
 
 def peft_runs(args, names) -> dict:
@@ -97,10 +97,7 @@ def peft_runs(args, names) -> dict:
 def trained(out: Path):
     """The final model of the run in `out` (eval mode) and its data."""
     import zoo
-    from train.config import load_run_config
-    from train.data import TokenData
-    return zoo.from_pretrained(out).eval(), TokenData(load_run_config(str(out / "config.yaml")).data, None,
-                                                       lambda *a: None)
+    return zoo.from_pretrained(out).eval(), harness.run_task(out).data
 
 
 def starved(out: Path, batch: int) -> int:

@@ -97,6 +97,15 @@ class PostTrainingTask(LMTask):
             self._placed = True
         return self.reference
 
+    def answered(self, model, n: int) -> tuple[dict, list[tuple[str, str, str]]]:
+        """The first n held-out rows answered greedily: (their scores, [(prompt, answer, its reference)])."""
+        raise NotImplementedError
+
+    def samples(self, model, out_dir):
+        text = "\n".join(f"{p}\n  -> {made!r} ({ref})" for p, made, ref in self.answered(model, 4)[1])
+        (Path(out_dir) / "samples.txt").write_text(text + "\n")
+        return text
+
     def save_files(self, out_dir):
         super().save_files(out_dir)
         if self.chat_template is not None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -36,7 +35,7 @@ from ..eval import collate, complete, score_rewards, token_logps
 from ..optim import micro_batches
 from .post_training import PostTrainingTask, unwrapped
 
-ROW_KEYS = ("prompt", "comp", "cut", "total")  # a batch's per-completion lists (and "values": one list per reward)
+ROW_KEYS = ("prompt", "comp", "cut", "values", "total")  # a batch's per-completion lists ("values": each reward's)
 
 
 @dataclass
@@ -192,8 +191,8 @@ class RLTask(PostTrainingTask):
                                                 rl.top_p, gens, self.cfg.data.seq_len, stop_early=not fsdp,
                                                 compile=rl.compile and (True if fsdp else "reduce-overhead"))
         seconds = time.perf_counter() - t0
-        values = score(self.rewards, texts, [r["answer"] for r in rows], [r["prompt"] for r in rows])
-        total = [sum(w * v[k] for (_, w, _), v in zip(self.rewards, values)) for k in range(len(rows))]
+        values = list(zip(*score(self.rewards, texts, [r["answer"] for r in rows], [r["prompt"] for r in rows])))
+        total = [sum(w * v for (_, w, _), v in zip(self.rewards, vs)) for vs in values]
         if rl.overlong == "soft":
             buf = rl.overlong_buffer or max(1, rl.max_new_tokens // 4)
             total = [t + overlong_penalty(len(c), rl.max_new_tokens, buf) for t, c in zip(total, comp)]
@@ -223,11 +222,10 @@ class RLTask(PostTrainingTask):
                 more = self._keep_varied(self._groups(model, idx, [(self.cfg.train.seed, key, -attempt, i)
                                                                    for i in idx]))
                 seconds, tokens, sampled = seconds + more["seconds"], tokens + more["tokens"], sampled + P
-                got = {**{k: v + more[k] for k, v in got.items() if k in ROW_KEYS},
-                       "values": [a + b for a, b in zip(got["values"], more["values"])]}
+                got = {k: got[k] + more[k] for k in ROW_KEYS}
             if not got["total"]:  # nothing varied: the last groups, whose advantages are zero
                 got = more if rl.max_refills else self._groups(model, picked, seeds)
-            got = {**{k: got[k][:P * G] for k in ROW_KEYS}, "values": [v[:P * G] for v in got["values"]]}
+            got = {k: got[k][:P * G] for k in ROW_KEYS}
         rewards = torch.tensor(got["total"], dtype=torch.float32).view(-1, G)
         adv = advantages(rewards, rl.algorithm).flatten()
         seqs = [(p + c, [-100] * len(p) + ([-100] * len(c) if cut and rl.overlong == "mask" else c))
@@ -251,8 +249,7 @@ class RLTask(PostTrainingTask):
         G = self.cfg.rl.group_size
         keep = [k for k in range(0, len(got["total"]), G) if len(set(got["total"][k:k + G])) > 1]
         rows = [k + j for k in keep for j in range(G)]
-        pick = lambda v: [v[r] for r in rows]  # noqa: E731
-        return {**got, **{k: pick(got[k]) for k in ROW_KEYS}, "values": [pick(v) for v in got["values"]]}
+        return {**got, **{k: [got[k][r] for r in rows] for k in ROW_KEYS}}
 
     def _logps(self, model, x, y, parts: int) -> torch.Tensor:
         """Per-token log-probs of x, y from a training-mode forward without grad, in `parts` micro-batches."""
@@ -304,8 +301,8 @@ class RLTask(PostTrainingTask):
             self._clock = time.perf_counter() - seconds
         self._generating += seconds
         lengths = torch.tensor([float(len(c)) for c in got["comp"]])
-        sums = torch.tensor([float(rewards.numel()), *[sum(v) for v in got["values"]], float(rewards.sum()),
-                             float((rewards ** 2).sum()), sum(float(v >= 1) for v in got["values"][0]),
+        sums = torch.tensor([float(rewards.numel()), *map(sum, zip(*got["values"])), float(rewards.sum()),
+                             float((rewards ** 2).sum()), sum(float(v[0] >= 1) for v in got["values"]),
                              float(lengths.sum()), float(sum(got["cut"])), float(tokens), float(sampled)],
                             device=self.device)
         self._window.append({"sums": self.sum_across_ranks(sums), "len_max": float(lengths.max()), "seconds": seconds})
@@ -337,20 +334,15 @@ class RLTask(PostTrainingTask):
     @torch.no_grad()
     def evaluate(self, model):
         """val_reward and val_solved: greedy completions of the first data.eval_prompts held-out prompts."""
-        rl = self.cfg.rl
-        m, _ = score_rewards(unwrapped(model), self.data.tokenizer, self.data.val[:self.cfg.data.eval_prompts],
-                             self.device, self.chat_template, self.cfg.data.eval_prompts, rl.max_new_tokens,
-                             self.autocast, self.cfg.data.seq_len + rl.max_new_tokens, self.rewards)
+        m, _ = self.answered(model, self.cfg.data.eval_prompts)
         return {"val_reward": m["reward"], "val_solved": m["pass@1"], **self.eval_tasks(unwrapped(model))}
 
-    def samples(self, model, out_dir):
-        rows = self.data.val[:4]
-        with self.autocast():
-            _, _, texts, _ = complete(model, self.data.tokenizer, self.chat_template, [r["prompt"] for r in rows],
-                                      self.cfg.rl.max_new_tokens, max_prompt=self.cfg.data.seq_len)
-        text = "\n".join(f"{r['prompt']!r}\n  -> {t!r} (answer {r['answer']!r})" for r, t in zip(rows, texts))
-        (Path(out_dir) / "samples.txt").write_text(text + "\n")
-        return text
+    def answered(self, model, n):
+        rl, rows = self.cfg.rl, self.data.val[:n]
+        m, details = score_rewards(unwrapped(model), self.data.tokenizer, rows, self.device, self.chat_template, n,
+                                   rl.max_new_tokens, self.autocast, self.cfg.data.seq_len + rl.max_new_tokens,
+                                   self.rewards)
+        return m, [(repr(r["prompt"]), d["output"], f"answer {r['answer']!r}") for r, d in zip(rows, details)]
 
     def flops_per_item(self, model):
         return model.flops_per_token(self.cfg.data.seq_len + self.cfg.rl.max_new_tokens)

@@ -3,7 +3,6 @@ the model's chat template, the loss on the assistant's tokens only; evaluation a
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,7 +12,7 @@ from zoo.config import ConfigError
 from ..data import DataError, cache_dir, chat_example, load_tokenizer_file, short_digest, train_sentencepiece
 from ..data.chat_data import ChatData
 from ..data.conversations import ChatDataConfig, read_conversations
-from ..eval import generate_answer
+from ..eval import score_generation
 from .lm import LMTask
 from .post_training import PostTrainingTask
 
@@ -97,25 +96,14 @@ class SFTTask(PostTrainingTask):
     def evaluate(self, model):
         out = super().evaluate(model)
         if self.cfg.data.eval_generate:
-            out["val_exact_match"] = self.exact_match(model, self.data.val_rows[:self.cfg.data.eval_generate])
+            out["val_exact_match"] = self.answered(model, self.cfg.data.eval_generate)[0]["exact_match"]
         return out
 
-    def answers(self, model, conversations):
-        """(the messages before each conversation's last answer, that answer, the one generated greedily instead)."""
-        for messages in conversations:
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            with self.autocast():
-                made = generate_answer(model, self.data.tokenizer, messages[:last], self.device, self.chat_template, 64)
-            yield messages[:last], messages[last]["content"], made
-
-    def exact_match(self, model, conversations) -> float:
-        """The share of conversations whose greedily generated last answer equals the reference."""
-        hits = sum(made.strip() == ref.strip() for _, ref, made in self.answers(model, conversations))
-        return hits / max(len(conversations), 1)
-
-    def samples(self, model, out_dir):
-        lines = [" | ".join(f"{m['role']}: {m['content']}" for m in prompt) + f"\n  -> {made!r} (reference {ref!r})"
-                 for prompt, ref, made in self.answers(model, self.data.val_rows[:4])]
-        text = "\n".join(lines)
-        (Path(out_dir) / "samples.txt").write_text(text + "\n")
-        return text
+    def answered(self, model, n):
+        """Each conversation's last answer generated greedily from the messages before it."""
+        rows = [{"prompt": m[:last], "expected": m[last]["content"], "until": None} for m in self.data.val_rows[:n]
+                for last in [max(i for i, x in enumerate(m) if x["role"] == "assistant")]]
+        scores, details = score_generation(model, self.data.tokenizer, rows, self.device, self.chat_template, 64,
+                                           self.autocast)
+        return scores, [(" | ".join(f"{m['role']}: {m['content']}" for m in r["prompt"]), d["output"],
+                         f"reference {r['expected']!r}") for r, d in zip(rows, details)]
