@@ -289,7 +289,7 @@ def claim_stochastic_depth(ctx) -> list[dict]:
     m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
     cfg = load_run_config(str(ROOT / "configs" / "convnet" / "resnet-digits.yaml"))
     n = len(digits_dataset("train", 8, 1, cfg.data.val_fraction)[1])
-    net = (f"{2 * sum(layers) + 2}-layer ResNet, width {ctx.s.sd_width}, {steps * cfg.train.batch_size / n:.0f} epochs "
+    net = (f"{2 * sum(layers) + 2}-layer ResNet, width {ctx.s.sd_width}, {steps * cfg.train.batch_size / n:.1f} epochs "
            f"of {n} digits")
     q = (f"val loss {m['none_loss']:.4f} -> {m['0.5_loss']:.4f}, top-1 {m['none_acc1']:.3f} -> {m['0.5_acc1']:.3f} "
          f"({net})")
