@@ -275,12 +275,12 @@ def claim_averaging(ctx) -> list[dict]:
     """Loop runs of the embedded default per seed with an EMA and checkpoint averaging (the last 4 checkpoints, a
     sixteenth of the run apart, weighted 1 to 4 oldest to newest: average_weighting=linear): their val loss beside
     the weights'."""
-    n, k = ctx.s.loop_steps, 4
+    n, last = ctx.s.loop_steps, 4
     decay = round(max(0.5, 1 - 10 / n), 4)  # an averaging horizon of about a tenth of the run
     over = [f"train.max_steps={n}", f"train.batch_size={ctx.s.loop_batch}", f"data.seq_len={ctx.s.loop_seq}",
             "data.tokenizer=bytes", f"data.max_chars={ctx.s.max_chars}", f"train.ema_decay={decay}",
             "train.eval_batches=4", f"train.eval_every={max(1, n // 4)}", f"train.checkpoint_every={max(1, n // 16)}",
-            f"train.average_last={k}", f"train.keep_checkpoints={k}", "train.average_weighting=linear",
+            f"train.average_last={last}", f"train.keep_checkpoints={last}", "train.average_weighting=linear",
             f"optim.warmup_steps={max(1, n // 10)}", f"train.log_every={max(1, n // 20)}"]
     runs = [ctx.loop("averaging", LLM / "tiny.yaml", over, s) for s in range(ctx.seeds)]
     ema = [dict(r, val_loss=r["ema_val_loss"]) for r in runs[0] if "ema_val_loss" in r]
@@ -289,7 +289,7 @@ def claim_averaging(ctx) -> list[dict]:
     v = {k: [harness.last(r, k) for r in runs] for k in ("val_loss", "ema_val_loss", "avg_val_loss")}
     q = "val loss (mean of seeds): " + ", ".join(f"{k} {statistics.fmean(x):.4f}" for k, x in v.items())
     return [dict(key=key, samples=[(b - a) / b for b, a in zip(v["val_loss"], v[k])], quality=q,
-                 numbers={**v, "ema_decay": decay, "average_last": k})
+                 numbers={**v, "ema_decay": decay, "average_last": last})
             for key, k in (("checkpoint averaging", "avg_val_loss"), ("EMA of the weights", "ema_val_loss"))]
 
 
