@@ -47,6 +47,7 @@ SLOW = {
         "test_sft.py::test_sft_lowers_the_assistant_loss_and_answers_held_out_prompts",
         "test_adapter_loop.py::test_qlora_run_on_tinyshakespeare_lowers_val_loss",
         "test_report.py::test_tiny_report_rows_come_from_measurements",
+        "test_report.py::test_redesigned_rows_measure_their_claims_quantity",
         "test_report.py::test_others_share_counts_other_processes_not_the_report",
         "test_batch_finder.py::test_the_chosen_batch_fits_and_the_next_does_not",
         "test_batch_finder.py::test_precision_auto_plans_the_dtype_the_loop_runs",

@@ -8,6 +8,8 @@ rounds of the loop's own step: time against none, the planner's peak and the mea
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from train.benches import harness
@@ -43,17 +45,19 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
                                   autocast_for(device, cfg.train.precision))
 
 
-def peak(base: dict, over: list, device: torch.device, threads: int = 0) -> int:
-    """The peak bytes of a steady-state step: the planner's measurement in a fresh process on a CPU,
-    max_memory_allocated across a step on CUDA."""
+def held(base: dict, over: list, device: torch.device, threads: int = 0) -> tuple[int, int]:
+    """(peak bytes of a steady-state step, bytes held between steps: weights, optimizer state, batch): the
+    planner's measurement in a fresh process on a CPU, max_memory_allocated across a step on CUDA."""
     from train.config import load_run_config
     from train.planner import measure_in_subprocess
     if device.type != "cuda":
-        return measure_in_subprocess(base, over, threads=threads)["peak"]
+        m = measure_in_subprocess(base, over, threads=threads)
+        return m["peak"], m["live"]
     fn = step_fn(load_run_config(None, over, base=base), device)
     fn(), fn(), torch.cuda.synchronize(device), torch.cuda.reset_peak_memory_stats(device)
+    live = torch.cuda.memory_allocated(device)
     fn(), torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
+    return torch.cuda.max_memory_allocated(device), live
 
 
 def compare(base: dict, sides: dict, rounds: int, repeats: int = 0, device=torch.device("cpu"), warmup: int = 1,
@@ -64,7 +68,7 @@ def compare(base: dict, sides: dict, rounds: int, repeats: int = 0, device=torch
     fns = {n: step_fn(load_run_config(None, o, base=base), device) for n, o in sides.items()}
     first = harness.warm_up(fns, say=lambda m: None)
     r = harness.run_rounds(fns, rounds, sync=lambda: sync(device), warmup=warmup - 1)
-    return r, {n: [peak(base, o, device, threads) for _ in range(repeats)] for n, o in sides.items()}, first
+    return r, {n: [held(base, o, device, threads)[0] for _ in range(repeats)] for n, o in sides.items()}, first
 
 
 def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
@@ -128,12 +132,34 @@ def steps(ctx, sides: dict, memory=False, warmup=1):
                    ctx.seeds if memory else 0, ctx.device, warmup)
 
 
+def fp16_missing(device: torch.device) -> str:
+    """Why `device` has no fast fp16 matmuls ("" where it has them: tensor cores, or a CPU's AVX512-FP16/AMX-FP16)."""
+    if device.type == "cuda":
+        return "" if torch.cuda.get_device_capability(device) >= (7, 0) else "this GPU has no fp16 tensor cores"
+    if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return "this CPU has no fp16 matmul kernels (no AVX512-FP16/AMX-FP16); the claim needs tensor cores"
+    return ""
+
+
 def claim_precision(ctx) -> list[dict]:
-    """bf16 autocast and fp16 autocast + GradScaler against fp32: the loop's step time and its peak memory."""
-    r, peaks, _ = steps(ctx, {p: [f"train.precision={p}"] for p in ("fp32", "bf16", "fp16")}, memory=True)
-    return [x for p, label in (("bf16", "bf16 autocast"), ("fp16", "fp16 autocast + GradScaler")) for x in (
-        ctx.speed("bf16 autocast (speed)", r, p, "fp32", f"{label} (speed)"),
-        ctx.saved("precision (memory)", peaks["fp32"], peaks[p], f"{label} (memory)"))]
+    """bf16 autocast and fp16 autocast + GradScaler against fp32. Speed: the loop's step on the report's LLM, paired
+    rounds (fp16 only on hardware with fp16 matmul kernels). Memory: the step's measured peak on a narrow LLM at a long
+    sequence, where activations are most of it (their share: fp32's peak less the tensors kept between steps)."""
+    no_fp16 = fp16_missing(ctx.device)
+    r = steps(ctx, {p: [f"train.precision={p}"] for p in ("fp32", "bf16", "fp16")[:2 if no_fp16 else 3]})[0]
+    fp16 = "fp16 autocast + GradScaler"
+    rows = [ctx.speed("bf16 autocast (speed)", r, "bf16", "fp32"),
+            dict(key="fp16 autocast (speed)", name=f"{fp16} (speed)", reason=no_fp16) if no_fp16 else
+            ctx.speed("fp16 autocast (speed)", r, "fp16", "fp32", f"{fp16} (speed)")]
+    m = {p: [held(ctx.s.mem, [f"train.precision={p}"], ctx.device) for _ in range(ctx.seeds)]
+         for p in ("fp32", "bf16", "fp16")}
+    peak, kept = (statistics.median(x[i] for x in m["fp32"]) for i in (0, 1))
+    mo, b, t = ctx.s.mem["model"], ctx.s.mem["train"]["batch_size"], ctx.s.mem["data"]["seq_len"]
+    share = (f"; d_model {mo['d_model']}, {mo['n_layers']} layers, {b} x {t} tokens: activations and step transients "
+             f"{1 - kept / peak:.0%} of fp32's peak")
+    return rows + [ctx.saved("precision (memory)", [x[0] for x in m["fp32"]], [x[0] for x in m[p]],
+                             f"{label} (memory)", numbers={"fp32_kept": kept, "activation_share": 1 - kept / peak},
+                             memory_note=share) for p, label in (("bf16", "bf16 autocast"), ("fp16", fp16))]
 
 
 def claim_compile(ctx) -> list[dict]:

@@ -227,16 +227,31 @@ def digits_classifier(size: int):
     return lambda images: clf.predict_proba(features(images))
 
 
+def digits_judge(out: Path, steps: int = 200):
+    """The judge of samples: the digits ResNet-10 trained `steps` steps through the loop into out/classifier, and its
+    features of the training digits (the Frechet distance's reference). (Classifier, features)."""
+    from train.data.images import digits_dataset
+    from train.sample_quality import Classifier
+    run = Path(out) / "classifier"
+    harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", run, [
+        "data.val_fraction=0.1", "train.seed=0", f"train.max_steps={steps}", "train.resume=false",
+        "train.checkpoint_every=0"], inproc=True)
+    model = Classifier.from_run(run)
+    return model, model(digits_dataset("train", 32, 3, 0.1)[0])[0]
+
+
 def score(proba, labels) -> dict:
     pred, conf, labels = proba.argmax(1), proba.max(1), labels.cpu().numpy()
     return {"accuracy": float((pred == labels).mean()), "confidence": float(conf.mean()),
             "confident": float(((pred == labels) & (conf > 0.5)).mean())}
 
 
-def train_settings(out: Path, steps=None, precision=None, overrides=(), per_class: int = 20, say=print) -> dict:
+def train_settings(out: Path, steps=None, precision=None, overrides=(), per_class: int = 20, say=print,
+                   judge=None) -> dict:
     """The digits preset trained through the loop with Min-SNR-5 and with uniform weighting, all else equal:
-    {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident}};
-    a samples PNG per setting in `out`."""
+    {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident (, classifier_fd:
+    with `judge`, digits_judge's)}}; a samples PNG per setting in `out`."""
+    from train.sample_quality import judge as judged
     from safetensors.torch import load_model
 
     import zoo
@@ -267,7 +282,8 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
         save_grid(images, Path(out) / f"samples_{name.replace('=', '')}.png", nrow=per_class)
         labels = torch.arange(cfg.model.num_classes).repeat_interleave(per_class)
         results[name] = {"curve": [(r["step"], r["val_mse"], r.get("ema_val_mse")) for r in rows if "val_mse" in r],
-                         "rows": rows, **score(classify(images), labels)}
+                         "rows": rows, **score(classify(images), labels),
+                         **(judged(judge[0], images, None, judge[1]) if judge else {})}
     return results
 
 
@@ -319,15 +335,11 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     from safetensors.torch import load_model
     from train.config import load_run_config
     from train.data.images import digits_dataset
-    from train.sample_quality import Classifier, judge
+    from train.sample_quality import judge
     from train.tasks.diffusion import load_images, sample_grid, train_autoencoder
     from zoo.diffusion.latent import build_autoencoder
     out = Path(args.out)
-    judge_run = out / "classifier"  # trained once, 200 steps
-    harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", judge_run, [
-        "data.val_fraction=0.1", "train.seed=0", "train.max_steps=200", "train.resume=false",
-        "train.checkpoint_every=0"], inproc=True)
-    judge_model = Classifier.from_run(judge_run)
+    judge_model, real = digits_judge(out)
     ae = out / "autoencoder" / "taesd-digits_encoder.safetensors"
     if not ae.is_file():  # the digits autoencoder, trained once (seed 0)
         cfg = load_run_config(str(CONFIGS / "digits.yaml"), ["data.ae_steps=300"])
@@ -338,9 +350,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
         zoo.save_pretrained(train_autoencoder(build_autoencoder(cfg.model), pixels,
                                               d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise,
                                               torch.device("cpu"), 0, print), ae)
-    x_tr, _ = digits_dataset("train", 32, 3, 0.1)
     x_va, y_va = digits_dataset("val", 32, 3, 0.1)
-    real = judge_model(x_tr)[0]
 
     def overrides(name, seed, steps):
         decay = min(0.999, max(0.9, 1 - 8 / steps))
@@ -465,22 +475,26 @@ def claim_taesd(ctx) -> list[dict]:
 
 
 def claim_min_snr(ctx) -> list[dict]:
-    """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs)."""
+    """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs): the Frechet distance
+    of each EMA model's samples to the training digits in the features of a digits ResNet-10 (digits_judge; lower is
+    better), beside the unweighted validation MSE (what uniform weighting optimises) and the sample accuracy."""
     n, ps = ctx.s.snr_steps, []
+    judge = digits_judge(ctx.work / "judge", ctx.s.judge_steps)
     for seed in range(ctx.seeds):
         res = train_settings(ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
             f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",
             f"train.log_every={max(1, n // 20)}", "train.checkpoint_every=0", f"optim.warmup_steps={max(1, n // 16)}",
-            f"train.device={ctx.device}", f"train.seed={seed}"], per_class=2 if ctx.s.name == "test" else 5,
-            say=lambda m: None)
+            f"train.device={ctx.device}", f"train.seed={seed}"], per_class=ctx.s.snr_per_class, say=lambda m: None,
+            judge=judge)
         if seed == 0:
             ctx.plot("min_snr_val", "Min-SNR-5 vs uniform: unweighted validation MSE (seed 0)",
                      {k: v["rows"] for k, v in res.items()}, "val_mse", "validation MSE (unweighted)")
-        ps.append({f"{k} {m}": v["curve"][-1][1] if m == "mse" else v["accuracy"] for k, v in res.items()
-                   for m in ("mse", "acc")})
+        ps.append({f"{k} {m}": v[key] if key != "curve" else v[key][-1][1] for k, v in res.items()
+                   for m, key in (("fd", "classifier_fd"), ("mse", "curve"), ("acc", "accuracy"))})
     m = {k: sum(p[k] for p in ps) / len(ps) for k in ps[0]}
     return [dict(key="Min-SNR-gamma weighting",
-                 samples=[(p["uniform mse"] - p["gamma=5 mse"]) / p["uniform mse"] for p in ps],
-                 quality=f"val MSE {m['uniform mse']:.4f} -> {m['gamma=5 mse']:.4f} after {n} steps; sample accuracy "
-                         f"{m['uniform acc']:.2f} -> {m['gamma=5 acc']:.2f} (digits classifier)",
+                 samples=[(p["uniform fd"] - p["gamma=5 fd"]) / p["uniform fd"] for p in ps],
+                 quality=f"classifier FD {m['uniform fd']:.2f} -> {m['gamma=5 fd']:.2f} ({10 * ctx.s.snr_per_class} "
+                         f"samples each) after {n} steps; val MSE {m['uniform mse']:.4f} -> {m['gamma=5 mse']:.4f}; "
+                         f"sample accuracy {m['uniform acc']:.2f} -> {m['gamma=5 acc']:.2f}",
                  numbers={"per_seed": ps})]

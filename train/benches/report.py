@@ -91,52 +91,85 @@ def verdict(est, interval, threshold: float, kind: str = "gain", missing: str = 
 
 
 SPEED, MEM, LOSS, ADAM = "speed-up - 1", "memory saved", "relative val-loss reduction", "AdamW (fp32 states)"
-CLAIMS = {  # key: the claim (in our words), its source note, the baseline, the metric, the threshold its words set
-    "bf16 autocast (speed)": ("mixed precision makes training ~2x faster", "000", "fp32", SPEED, APPROX * 2 - 1),
-    "precision (memory)": ("16-bit mixed precision cuts training memory 2-4x", "004", "fp32", MEM, 0.5),
-    "torch.compile": ("compiling the model speeds training up (when it works)", "000", "eager", SPEED, NOMINAL),
-    "fused AdamW": ("a fused AdamW update is faster than the unfused one", "004", "AdamW for-each", SPEED, NOMINAL),
-    "adamw8bit (state memory)": ("8-bit states: ~75% less optimizer-state memory than 32-bit Adam", "000", ADAM, MEM,
+OWN = "Zoo's own"   # a row no note names (its cite says which note's words are nearest)
+CLAIMS = {  # key: the claim (in our words), the note's words it tests, the baseline, the metric, the threshold its words set
+    "bf16 autocast (speed)": ("mixed precision makes training ~2x faster", '000: "faster calculations (~2x)"', "fp32",
+                              SPEED, APPROX * 2 - 1),
+    "fp16 autocast (speed)": ("fp16 mixed precision makes training ~2x faster, on tensor cores",
+                              '000: "faster calculations (~2x)"; "only faster on consumer cards due to Tensor cores"',
+                              "fp32", SPEED, APPROX * 2 - 1),
+    "precision (memory)": ("16-bit mixed precision cuts training memory 2-4x where activations dominate",
+                           '004: "can reduce memory usage by 2-4x"; 002: "training memory is usually dominated by the '
+                           'forward activations"', "fp32", MEM, 0.5),
+    "torch.compile": ("compiling the model speeds training up (when it works)",
+                      '001: "eventually accelerates the model training"', "eager", SPEED, NOMINAL),
+    "fused AdamW": ("a fused AdamW update is faster than the unfused one", '004: "fuse multiple operations for faster '
+                    'speed"', "AdamW for-each", SPEED, NOMINAL),
+    "adamw8bit (state memory)": ("8-bit states: ~75% less optimizer-state memory than 32-bit Adam",
+                                 '000: "2*8-bit vs 2*32-bit = ~75% less memory for optimizer states"', ADAM, MEM,
                                  APPROX * 0.75),
-    "lion (state memory)": ("Lion keeps no second moment: stateless compared with Adam's two states", "000", ADAM, MEM,
-                            1.0),
-    "sgd (state memory)": ("SGD is stateless: none of Adam's two extra copies of the model", "000/001", ADAM, MEM, 1.0),
-    "adafactor (state memory)": ("Adafactor is more memory-efficient than AdamW", "004", ADAM, MEM, NOMINAL),
+    "lion (state memory)": ("Lion keeps no second moment: stateless compared with Adam's two states",
+                            '000: "SGD, Lion. In contrast to e.g. Adam these don\'t store additional '
+                            'momentum variables"', ADAM, MEM, 1.0),
+    "sgd (state memory)": ("SGD is stateless: none of Adam's two extra copies of the model",
+                           '001: "SGD is simply stateless"', ADAM, MEM, 1.0),
+    "adafactor (state memory)": ("Adafactor is more memory-efficient than AdamW",
+                                 '004: "or adafactor can be more memory efficient"', ADAM, MEM, NOMINAL),
     "activation checkpointing": ("recomputing activations in backward cuts training memory a lot, for some extra "
-                                 "compute", "001/002/003", "no checkpointing", MEM, NOMINAL),
-    "chunked cross-entropy": ("computing the loss in chunks removes the memory spike at the end of the forward", "000",
+                                 "compute", '003: "Significantly reduces memory usage at the cost of increased '
+                                 'computation time"', "no checkpointing", MEM, NOMINAL),
+    "chunked cross-entropy": ("computing the loss in chunks removes the memory spike at the end of the forward",
+                              '000: "non-global Cross-Entropy calculation reduces memory usage spike at the end"',
                               "loss on the full logits", MEM, NOMINAL),
     "gradient accumulation (gradients)": ("k micro-batches accumulated give the gradient of one k-times larger batch "
-                                          "(tolerance 1e-05, fp32 summation order)", "000/001", "one batch",
-                                          "max relative gradient difference", 1e-5),
-    "gradient accumulation (memory)": ("accumulation trains a large batch in the memory of a micro-batch", "000/001",
+                                          "(tolerance 1e-05, fp32 summation order)",
+                                          '000: "calling opt.step() less frequently what results in effectively '
+                                          'higher batch size"', "one batch", "max relative gradient difference", 1e-5),
+    "gradient accumulation (memory)": ("accumulation trains a large batch in the memory of a micro-batch",
+                                       '003: "Simulates larger batch sizes without increasing memory requirements"',
                                        "one batch", MEM, NOMINAL),
-    "channels-last": ("NHWC memory format is sometimes faster for ConvNets", "000", "contiguous NCHW", SPEED, NOMINAL),
-    "LoRA (training state)": ("training a low-rank update instead of the weights gives huge memory savings", "000/002",
-                              "full fine-tuning (AdamW)", MEM, NOMINAL),
-    "QLoRA (base weights)": ("QLoRA keeps the frozen base in 4 bits (vs 16): ~75% less for the base weights", "000",
+    "channels-last": ("NHWC memory format is sometimes faster for ConvNets",
+                      '000: "(NCHW => NHWC), sometimes it\'s faster"', "contiguous NCHW", SPEED, NOMINAL),
+    "LoRA (training state)": ("training a low-rank update instead of the weights gives huge memory savings",
+                              '000: "matrices that gives huge memory savings"', "full fine-tuning (AdamW)", MEM,
+                              NOMINAL),
+    "QLoRA (base weights)": ("QLoRA keeps the frozen base in 4 bits (vs 16): ~75% less for the base weights",
+                             '000: "base model is quantized (usually to 4-bit) but LoRA layers are kept in 16-bit"',
                              "LoRA on a 16-bit base (the stored fp32 base bytes halved)", MEM, APPROX * 0.75),
-    "checkpoint averaging": ("averaging the last checkpoints smooths the loss landscape: lower loss, less overfitting",
-                             "000", "final weights", LOSS, NOMINAL_QUALITY),
-    "EMA of the weights": ("an exponential moving average of the weights evaluates better than the weights", "000",
-                           "final weights", LOSS, NOMINAL_QUALITY),
-    "MoE (equal compute)": ("a Mixture-of-Experts reaches a given loss sooner than a dense model of the same compute",
-                            "000", "dense (same active parameters)", "speed-up - 1 (time to dense's final val loss)",
-                            NOMINAL),
+    "checkpoint averaging": ("a weighted average of the last checkpoints (newest weighted most) gives a lower loss at "
+                             "equal steps", '000: "weighted average of previous checkpoints makes loss landscape more '
+                             'smooth and convex which speeds up training + reduces overfitting"', "final weights",
+                             LOSS, NOMINAL_QUALITY),
+    "EMA of the weights": ("an exponential moving average of the weights evaluates better than the weights",
+                           f'{OWN} (nearest, 000: "weighted average of previous checkpoints")', "final weights",
+                           LOSS, NOMINAL_QUALITY),
+    "MoE (equal compute)": ("a Mixture-of-Experts reaches a lower loss than a dense model on the same training FLOPs",
+                            '000: "MoE faster achives same loss under the same computational budged compared to dense '
+                            'models"', "dense (same active parameters)",
+                            "relative val-loss reduction at equal training FLOPs", NOMINAL_QUALITY),
     "Mixture-of-Depths (equal FLOPs)": ("routing easy tokens around blocks spends compute where it helps: a better "
-                                        "model for the same compute", "000", "dense, same training FLOPs",
+                                        "model for the same compute",
+                                        '000: "model learns to not waste compute on easy tokens"',
+                                        "dense, same training FLOPs",
                                         "relative val-loss reduction (MoD's causal routing)", NOMINAL_QUALITY),
-    "TAESD latents": ("a tiny autoencoder compresses 3x512x512 images 12x (16x64x64 latents) at little cost", "000",
-                      "pixel space", "compression - 1", 11.0),
+    "TAESD latents": ("a tiny autoencoder compresses 3x512x512 images 12x (16x64x64 latents) at little cost",
+                      '000: "=12× ... minimal computational overhead"', "pixel space", "compression - 1", 11.0),
     "Min-SNR-gamma weighting": ("weighting the loss by the timestep's SNR avoids conflicting gradients: faster "
-                                "convergence", "000", "uniform weighting", "relative val-MSE reduction",
+                                "convergence (the paper's words), so better samples at equal steps",
+                                '000: "prevents conflicting gradients from different deniosing phases"',
+                                "uniform weighting", "relative classifier-FD reduction of samples at equal steps",
                                 NOMINAL_QUALITY),
-    "stochastic depth (speed)": ("dropping whole residual blocks at random makes training faster", "000",
+    "stochastic depth (speed)": ("dropping whole residual blocks at random makes training faster",
+                                 '000: "Simply dropout whole layers (prevents vanishing gradients, faster training"',
                                  "no drop path", SPEED, NOMINAL),
-    "stochastic depth (quality)": ("... and the model better", "000", "no drop path", LOSS, NOMINAL_QUALITY),
-    "TF32 matmuls": ("TF32 runs fp32 matmuls at near-16-bit speed on Ampere and newer", "000", "fp32 matmuls", SPEED,
-                     NOMINAL),
-    "cudnn.benchmark": ("letting cuDNN pick the fastest convolution algorithm speeds ConvNets up", "000",
+    "stochastic depth (quality)": ("... and the deep ConvNet better", '000: "each layer in deep ConvNet have '
+                                   'probability of not being dropped from 1.0 (for first layer) to 0.5 (for last '
+                                   'layer)"; "better performance"', "no drop path", LOSS, NOMINAL_QUALITY),
+    "TF32 matmuls": ("TF32 runs fp32 matmuls at near-16-bit speed on Ampere and newer",
+                     '000: "at speeds similar to FP16. TF32 is supported on Ampere arch and newer"', "fp32 matmuls",
+                     SPEED, NOMINAL),
+    "cudnn.benchmark": ("letting cuDNN pick the fastest convolution algorithm speeds ConvNets up",
+                        '000: "torch.backends.cudnn.benchmark = True"',
                         "cudnn.benchmark off", SPEED, NOMINAL),
 }
 
@@ -187,21 +220,26 @@ def row(key: str, name: str = "", **kw) -> Row:
 
 
 # ---------------------------------------------------------------- the measurements
-def _scale(name, rounds, llm, opt, resnet, accum, loop, snr, sd, lora, taesd, compile=True, max_chars=6_000_000):
+def _scale(name, rounds, llm, mem, opt, resnet, accum, loop, snr, sd, lora, taesd, compile=True, max_chars=6_000_000):
     opt = SimpleNamespace(**dict(zip(("d_model", "n_layers", "n_heads", "vocab"), opt)))  # optimizers.build_model's
-    return SimpleNamespace(name=name, rounds=rounds, llm=llm, opt=opt, resnet=resnet, accum=accum,
+    return SimpleNamespace(name=name, rounds=rounds, llm=llm, mem=mem, opt=opt, resnet=resnet, accum=accum,
                            loop_steps=loop[0], loop_batch=loop[1], loop_seq=loop[2], snr_steps=snr[0], ae_steps=snr[1],
-                           sd_steps=sd, lora_steps=lora[0], lora_layers=lora[1], taesd=taesd, compile=compile,
-                           max_chars=max_chars)
+                           snr_per_class=snr[2], judge_steps=snr[3], sd_steps=sd[0], sd_layers=sd[1], sd_width=sd[2],
+                           lora_steps=lora[0], lora_layers=lora[1], taesd=taesd, compile=compile, max_chars=max_chars)
 
 
-SCALES = {  # rounds, the step's LLM, the optimizer model, ResNet (arch, batch, size), accumulation, loop runs ...
-    "test": _scale("test", 2, llm_base(512, 64, 2, 2, 1, 4, 32), (64, 2, 2, 512), ("resnet18", 2, 32), 2, (6, 2, 32),
-                   (4, 10), 6, (2, 1), 64, False, 200_000),
-    "quick": _scale("quick", 6, llm_base(8192, 128, 4, 4, 2, 8, 128), (256, 4, 4, 8192), ("resnet18", 8, 64), 4,
-                    (80, 8, 128), (100, 100), 80, (8, 2), 256, True, 2_000_000),
-    "full": _scale("full", 8, llm_base(16384, 256, 4, 4, 2, 8, 256), (512, 8, 8, 32000), ("resnet50", 8, 128), 4,
-                   (400, 8, 256), (300, 300), 200, (20, 4), 512),
+SCALES = {  # rounds, the step's LLM, the memory LLM (activations most of the peak), the optimizer model, ResNet (arch,
+    # batch, size), accumulation, loop runs (steps, batch, seq), Min-SNR (steps, autoencoder steps, samples per class,
+    # the judge's steps), stochastic depth (steps, ResNet blocks per stage, width), LoRA (steps, layers), TAESD size
+    "test": _scale("test", 2, llm_base(512, 64, 2, 2, 1, 4, 32), llm_base(512, 64, 2, 2, 1, 4, 128), (64, 2, 2, 512),
+                   ("resnet18", 2, 32), 2, (6, 2, 32), (4, 10, 2, 4), (4, [1, 1, 1, 1], 8), (2, 1), 64, False,
+                   200_000),
+    "quick": _scale("quick", 6, llm_base(8192, 128, 4, 4, 2, 8, 128), llm_base(512, 64, 2, 2, 1, 8, 256),
+                    (256, 4, 4, 8192), ("resnet18", 8, 64), 4, (80, 8, 128), (100, 100, 5, 100),
+                    (150, [2, 2, 2, 2], 8), (8, 2), 256, True, 2_000_000),
+    "full": _scale("full", 8, llm_base(16384, 256, 4, 4, 2, 8, 256), llm_base(512, 64, 4, 2, 1, 8, 512),
+                   (512, 8, 8, 32000), ("resnet50", 8, 128), 4, (400, 8, 256), (300, 300, 20, 200),
+                   (600, [3, 4, 6, 3], 8), (20, 4), 512),
 }
 
 
@@ -228,7 +266,8 @@ class Ctx:
         b, t = statistics.median(base), statistics.median(tech)
         self.memory[name or key] = {"baseline": b / 2**20, "technique": t / 2**20}
         return dict(key=key, name=name, evidence="repeats", samples=[1 - y / x for x, y in zip(base, tech)],
-                    memory=f"peak {b / 2**20:.1f} -> {t / 2**20:.1f} MiB ({100 * (1 - t / b):+.0f}%, medians)",
+                    memory=f"peak {b / 2**20:.1f} -> {t / 2**20:.1f} MiB ({100 * (1 - t / b):+.0f}%, medians)"
+                    + kw.pop("memory_note", ""),
                     numbers={"base_peaks": base, "tech_peaks": tech, "base_median": b, "tech_median": t,
                              **kw.pop("numbers", {})}, **kw)
 
@@ -283,10 +322,10 @@ def write_page(out: Path, rows: list, meta: dict) -> Path:
              + ("" if others is None else f"; other processes used {100 * others:.0f}% of the machine's CPU time")]
     if others is not None and others > SHARED:
         lines.append("- **the machine was shared**: speed figures are noisy (paired medians move least)")
-    lines += ["", "## The verdict rule", "", RULE, "", "Claims paraphrase the source notes (000: tips and tricks list, "
-              "001: optimizer/memory discussion, 002: LLM speed-ups, 003: cookbook, 004: trainer techniques); a claim "
-              "made for GPUs is measured here on whatever this machine is.", "", "## Results", "",
-              "| technique | claim (note) | baseline | speed | memory | quality | effect: estimate (interval, samples; "
+    lines += ["", "## The verdict rule", "", RULE, "", "Each claim is in our words, beside the words of the source note it tests (000: tips and tricks "
+              "list, 001: optimizer/memory discussion, 002: LLM speed-ups, 003: cookbook, 004: trainer techniques; "
+              f"{OWN}: no note names it); a claim made for a GPU feature is skipped on hardware without it.", "",
+              "## Results", "", "| technique | claim (note: its words) | baseline | speed | memory | quality | effect: estimate (interval, samples; "
               "threshold) | ratio | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         v = r.verdict if r.verdict != "skipped" else f"skipped: {r.reason}"
