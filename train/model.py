@@ -15,7 +15,6 @@ from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backe
 from zoo.blocks.checkpoint import checkpoint_units, resolve_policy
 from zoo.blocks.moe import MoE
 from zoo.config import ConfigError
-from zoo.weights.zoo_folder import cast_weights
 
 from .features.float8 import prepare as prepare_float8
 from .features.quantize import prepare as prepare_qat
@@ -77,7 +76,9 @@ def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambd
                     t.data = t.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
-    if cfg.train.precision == "bf16-pure":  # the weights themselves in bf16 (buffers stay fp32)
-        cast_weights(model, torch.bfloat16)
+    if cfg.train.precision == "bf16-pure":  # the weights themselves in bf16 (buffers stay fp32), fake tensors too
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.to(torch.bfloat16)
     prepare_float8(model, cfg.train, device or next(model.parameters()).device, fsdp, say)
     return prepare_qat(model, cfg.train, say)
