@@ -26,7 +26,7 @@ from .features.prune import prune_linears
 from .features.unfreeze import GradualUnfreezing
 from .model import build_model
 from .optim import build_optimizer
-from .planner import auto_batch_size
+from .planner import auto_batch_size, refusal
 from .step import EMA, EXIT_CONFIG, RunStopped, amp_dtype, autocast_for, resolve_device, resolve_precision
 
 
@@ -120,6 +120,10 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     torch.manual_seed(t.seed)
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
+    planned = dataclasses.replace(cfg, train=dataclasses.replace(t, precision=precision))
+    if why := par.broadcast(refusal(planned, device, par.world if par.active else 1,
+                                    "fsdp2" if par.active and t.parallel == "fsdp" else "ddp")):
+        raise RunStopped(why, EXIT_CONFIG)
     task = new_task(cfg, device, precision, say, par)
     model = build_model(cfg, task, device, say, fsdp=par.active and t.parallel == "fsdp")
     pruned = prune_linears(model, cfg, say)

@@ -40,7 +40,10 @@ class TrainConfig:
     global_batch: Optional[int] = bounded(None, gt=0)  # with `batch_size: auto`: items per optimizer step, all
                                             # processes together (required there)
     memory_budget: Optional[Union[int, str]] = None  # with `batch_size: auto`: the memory a training step may use
-                                            # (`8GB`, `512MB` or bytes); null = the device's free memory
+                                            # (`8GB`, `512MB` or bytes); null = the device's free memory; also what
+                                            # a run is checked against before it starts (`ignore_plan`)
+    ignore_plan: bool = False               # start even when the planner finds the weights, gradients and optimizer
+                                            # states far over the memory (docs/memory.md); else a one-line refusal
     grad_accum: int = bounded(1, gt=0)      # micro-batches per optimizer step
     batch_warmup_steps: int = bounded(0, ge=0)  # batch-size warmup: the micro-batches per step grow linearly from 1
                                             # to `grad_accum` at this step; needs `grad_accum` > 1, < `max_steps`

@@ -562,6 +562,21 @@ def options(cfg, device) -> list[list[Option]]:
     return groups
 
 
+def floor_bytes(cfg, target: torch.device, devices: int = 1, sharding: str = "ddp") -> int:
+    """What no setting of the step itself changes: weights, buffers, gradients and optimizer states (fake tensors;
+    fsdp2 shards all but the buffers; adamw_offload keeps the states in a CUDA device's host memory)."""
+    cfg, sim, _, _ = for_target(cfg, target)
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(sim))
+    if key not in _FLOORS:
+        _FLOORS[key] = _static(cfg, sim, 1)
+    s = _FLOORS[key]
+    states = 0 if cfg.optim.name == "adamw_offload" and target.type == "cuda" else s.states
+    return sum(n // (devices if sharding == "fsdp2" else 1) for n in (s.params, s.grads, states)) + s.buffers
+
+
+_FLOORS: dict = {}  # (config, device) -> its `_static` (a refusal plans the configured run, then `fits` it again)
+
+
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
          device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
     """Up to `top` option combinations planned under `budget` bytes, cheapest first: [(slowdown, overrides, plan)]."""
@@ -582,12 +597,42 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
                 c = load_run_config(None, over, base=base)
             except ConfigError:
                 continue
-            cache[key] = plan(c, devices, sharding, device=device)
-        if (p := cache[key]).peak_bytes <= budget:
+            cache[key] = plan(c, devices, sharding, device=device) \
+                if floor_bytes(c, device, devices, sharding) <= budget else None  # a cheap bound first
+        if (p := cache[key]) is not None and p.peak_bytes <= budget:
             found.append((slowdown, [c.name for c in picked], p))  # [] = as configured
             if len(found) >= top or not picked:
                 break
     return found
+
+
+# ------------------------------------------------------------------------------ a run far too big, refused
+REFUSE_OVER = 1.5  # a run whose `floor_bytes` exceed this many times its memory is refused (train.ignore_plan)
+
+
+def refusal(cfg, device: torch.device, devices: int = 1, sharding: str = "ddp") -> Optional[str]:
+    """The one line refusing a run whose `floor_bytes` exceed REFUSE_OVER x its memory (train.memory_budget, else
+    the device's free memory), before anything is allocated: the plan, the memory, the settings that fit (`fits`)
+    or the devices that would shard it; None when it may start (or its architecture comes from train.init_from)."""
+    t = cfg.train
+    if t.ignore_plan or t.init_from:
+        return None
+    try:
+        budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
+    except ValueError:  # no memory to read on this system
+        return None
+    need = floor_bytes(cfg, device, devices, sharding)
+    if need <= REFUSE_OVER * budget:
+        return None
+    if found := fits(cfg, budget, devices, sharding, top=1, device=device):
+        fix = f"it fits with {' '.join(found[0][1])} (planned peak {fmt_bytes(found[0][2].peak_bytes)})"
+    else:
+        n = math.ceil((floor_bytes(cfg, device) if devices > 1 else need) / budget)
+        fix = (f"no setting fits one device: FSDP2 over at least {n} (train.parallel=fsdp under torchrun; "
+               f"train/plan.py --devices {n} --sharding fsdp2 plans it)")
+    where = "train.memory_budget" if t.memory_budget else f"free on {device}"
+    return (f"{cfg.source}: the plan needs {fmt_bytes(need)} for the weights, gradients and optimizer states alone, "
+            f"over {REFUSE_OVER}x the {fmt_bytes(budget)} {where}; {fix}; train.ignore_plan=true starts it anyway")
 
 
 # ------------------------------------------------------------------------------ train.batch_size: auto
