@@ -171,7 +171,8 @@ def test_adamw8bit_within_its_quantisation_of_fp32_adamw(eager_torchao):
 
 # ------------------------------------------------------------------------------ resume
 @pytest.mark.parametrize("name, precision", [(n, "fp32") for n in OPTIMIZERS] + [("adamw", "bf16-pure")])
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, text_corpus, name, precision, one_thread, request):
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, text_corpus, name, precision, one_thread,
+                                                            request):
     if name == "adamw8bit" or precision == "bf16-pure":
         request.getfixturevalue("eager_torchao")
     over = {"train.checkpoint_every": 5, "train.keep_checkpoints": 3, "train.max_steps": 10, "optim.name": name,
