@@ -316,7 +316,7 @@ def quality(args, name: str) -> tuple[dict, dict]:
     """The tiny LLM, bf16 autocast against the side QUALITY names, per seed: the final val loss (bf16-pure: also
     the bytes per parameter of a built run's weights, gradients and optimizer states)."""
     over = [f"train.max_steps={args.steps}", "train.precision=bf16", "train.eval_every=0", "train.checkpoint_every=0",
-            "train.average_last=0", "train.resume=false"]
+            "train.average_last=0", "train.resume=false", *args.overrides]
     sides = {"bf16": over, name: [*over, *QUALITY[name][0]]}
     loss = {side: [harness.last(harness.run_loop(ROOT / "configs/llm/tiny.yaml", Path(args.out) / f"{side}-{seed}",
                                                  [*o, f"train.seed={seed}"], done=None), "val_loss")
@@ -328,7 +328,8 @@ def quality(args, name: str) -> tuple[dict, dict]:
     rows_.append(["mean (95% interval)", "", "",
                   f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to {100 * (mean + half):+.2f}%)"])
     tables = {"quality": harness.table(["seed", "bf16 val loss", f"{name} val loss", f"{name} / bf16 - 1"], rows_,
-                                       f"configs/llm/tiny.yaml, {args.steps} steps, {QUALITY[name][1]}.")}
+                                       f"{' '.join(['configs/llm/tiny.yaml', *args.overrides])}, {args.steps} steps, "
+                                       f"{QUALITY[name][1]}.")}
     data = {"val_loss": loss, "relative": rel}
     if name == "bf16-pure":
         data["bytes_per_param"] = {s: bytes_per_param(ROOT / "configs/llm/tiny.yaml", [*o, f"train.out_dir={args.out}"])
@@ -365,6 +366,7 @@ def main(argv=None, name: str = "gpu"):
     if name in QUALITY:
         p = harness.parser(name, quality.__doc__, precision=None, rounds=False, out=True, seeds=1)
         p.add_argument("--steps", type=harness.positive_int, default=20)
+        p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
         args = p.parse_args(argv)
         harness.setup(args)
         tables, data = quality(args, name)
