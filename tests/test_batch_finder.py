@@ -49,8 +49,12 @@ def test_the_chosen_batch_fits_and_the_next_does_not(tmp_path, text_corpus, one_
 
 
 def test_a_budget_too_small_is_a_one_line_error(tmp_path, text_corpus):
+    """A budget that holds the weights, gradients and optimizer states (so the run is not refused outright) but
+    not a micro-batch's activations."""
+    floor = planner.floor_bytes(load_run_config(None, [], base={**BASE, "train": {**BASE["train"], "batch_size": 1}}),
+                                CPU)
     with pytest.raises(RunStopped, match="micro-batch of 1 is planned at") as e:
-        run_auto(tmp_path, text_corpus, "1MB")
+        run_auto(tmp_path, text_corpus, floor)
     assert "\n" not in str(e.value)
 
 
@@ -84,4 +88,33 @@ def test_precision_auto_plans_the_dtype_the_loop_runs(tmp_path, text_corpus, mon
     assert any(m.startswith(f"precision: auto -> {fast}") for m in logs), logs
     assert planned and set(planned) == {fast}  # every plan the finder made, in the loop's dtype
     cfg = load_run_config(None, [], base={**base, "train": {**base["train"], "batch_size": 1}})
-    assert planner._precision(cfg, CPU) == (torch.bfloat16 if fast == "bf16" else None)
+    assert planner._precision(cfg, CPU) == fast
+
+
+def test_out_of_memory_mid_step_halves_the_micro_batch_and_redoes_the_step(tmp_path, text_corpus, monkeypatch,
+                                                                          one_thread):
+    """A CUDA out-of-memory error injected once, in step 1's second micro-batch (its first already backpropagated):
+    the run halves the micro-batch, keeps the global batch by accumulation, says so, and redoes the step; its losses
+    then equal, bitwise, those of a run started at that micro-batch (the same data, the same computation)."""
+    from train.tasks.lm import LMTask
+    cfg = load_run_config(None, [], base={**BASE, "train": {**BASE["train"], "batch_size": 1}})
+    p8, p16 = (planner.plan(cfg, batch_size=b).peak_bytes for b in (8, 16))
+    real, seen = LMTask.loss, []
+
+    def loss(self, model, batch):
+        if type(batch[0]).__name__ == "FakeTensor":  # the batch finder's plans
+            return real(self, model, batch)
+        seen.append(len(batch[0]))
+        if len(seen) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, model, batch)
+    monkeypatch.setattr(LMTask, "loss", loss)
+    logs, chosen = run_auto(tmp_path, text_corpus, (p8 + p16) // 2)
+    assert seen == [8, 8] + [4] * 8 * BASE["train"]["max_steps"]
+    assert (chosen["batch_size"], chosen["grad_accum"]) == (4, 8)  # config.yaml: a resume keeps the smaller batch
+    assert any(m.startswith("step 1: a micro-batch of 8 ran out of memory: now 4 x 8 accumulated") for m in logs), logs
+    monkeypatch.setattr(LMTask, "loss", real)
+    train(load_run_config(None, [f"train.out_dir={tmp_path / 'fixed'}", f"data.path={text_corpus}",
+                                 "train.batch_size=4", "train.grad_accum=8"], base=BASE), log=lambda m: None)
+    losses = [[(r["step"], r["loss"]) for r in read_rows(tmp_path / d) if "loss" in r] for d in ("run", "fixed")]
+    assert losses[0] == losses[1] and len(losses[0]) == BASE["train"]["max_steps"]

@@ -76,16 +76,18 @@ def test_rounds_divide_by_calls_and_order_more_sides():
 
 
 def test_precision_names_are_the_configs():
-    # every explicit train.precision name ('auto' chooses one per machine: a benchmark names its own)
+    # every explicit train.precision name ('auto' chooses one per machine: a benchmark names its own; bf16-pure is
+    # bf16 autocast on bf16 weights, a way of training rather than a dtype)
     names = typing.get_args(typing.get_type_hints(TrainConfig)["precision"])
-    assert tuple(harness.PRECISIONS) == tuple(n for n in names if n != "auto")
+    assert tuple(harness.PRECISIONS) == tuple(n for n in names if n not in ("auto", "bf16-pure"))
     p = harness.parser("x", "doc", precision="bf16,fp32")
     assert p.parse_args([]).precision == ["bf16", "fp32"]
     assert p.parse_args(["--precision", "fp16"]).precision == ["fp16"]
     assert p.parse_args([]).rounds == harness.MIN_ROUNDS >= 8
 
 
-@pytest.mark.parametrize("name", sorted(set(bench.BENCHES) - {"gpu", "float8", "gate"}))  # their rows fix their precisions
+@pytest.mark.parametrize("name", sorted(set(bench.BENCHES) - {"gpu", "float8", "bf16-pure", "gate"}))  # their rows fix
+# their precisions
 @pytest.mark.parametrize("value", ["bfloat16", "fp32,float16", ","])
 def test_every_bench_rejects_a_bad_precision_in_one_line(name, value, capsys):
     with pytest.raises(SystemExit) as e:
@@ -181,10 +183,13 @@ def test_gpu_dry_run_lists_every_row_with_its_shape_and_a_command_that_exists(tm
     table = result["tables"]["rows"]
     assert table["columns"] == ["row", "measures", "shape", "status", "seconds"]
     rows = gpu.rows()
-    assert [r[0] for r in table["rows"]] == list(rows) and all(r[2] and r[3] == "not run (dry run)" for r in table["rows"])
+    core = [n for n, r in rows.items() if r.core]
+    assert [r[0] for r in table["rows"]] == core and all(r[2] and r[3] == "not run (dry run)" for r in table["rows"])
+    assert {"llm-train", "generate", "planner", "cuda-tests"} <= set(core)
+    assert sum(rows[n].limit_s for n in core) <= gpu.LEASE_S == 8 * 60  # the core rows fit one lease
+    assert f"the core rows' limits add up to {sum(rows[n].limit_s for n in core) / 60:.1f} of one lease's 8" in out
     assert all(r.limit_s <= 10 * 60 for r in rows.values())  # each row fits one 10-minute command on a GPU
     for name, row in rows.items():
-        assert f"  {name}: {row.what}\n    shape: {row.shape}\n" in out
         cmd = gpu.command(row, tmp_path / "x.json")
         if "--row" in cmd:
             assert cmd[cmd.index("--row") + 1] in gpu.OWN
@@ -192,7 +197,10 @@ def test_gpu_dry_run_lists_every_row_with_its_shape_and_a_command_that_exists(tm
             check_options(cmd[2], cmd[3:])
         else:
             assert "torch.distributed.run" in cmd and "configs/llm/smollm-135m.yaml" in cmd
+        assert row.tiny, name  # what --rehearse runs it with
     assert "| llm-train |" in (tmp_path / "gpu.md").read_text()
+    for name in core:
+        assert f"  {name}: {rows[name].what}\n    shape: {rows[name].shape}\n    limit: {rows[name].limit_s} s\n" in out
     # without CUDA the plain command prints the same plan and writes nothing
     if not torch.cuda.is_available():
         assert bench.main(["gpu", "--out", str(tmp_path / "plain")]) == 0
@@ -230,3 +238,16 @@ def test_gate_rehearses_every_eager_check_and_judges_by_its_noise(tmp_path):
     assert bench_gate.falls({"ratio": 1.2, "noise": 0.1}, {"ratio": 1.5}) and \
         not bench_gate.falls({"ratio": 1.45, "noise": 0.1}, {"ratio": 1.5}) and \
         not bench_gate.falls({"ratio": 0.5, "noise": 0.0}, None)
+
+
+@pytest.mark.slow
+def test_gpu_rehearsal_runs_every_row_at_tiny_shapes_on_the_cpu(tmp_path):
+    """Every row of `bench.py gpu` (its own process, its code path, compiled calls traced by dynamo) at tiny shapes
+    on the CPU: a GPU lease never finds a broken row. Nothing goes to docs/results."""
+    from train.benches import gpu
+    docs = Path(harness.RESULTS) / "gpu.json"
+    before = docs.read_bytes() if docs.exists() else None
+    code = bench.main(["gpu", "--rehearse", "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "gpu.json").read_text())["tables"]["rows"]
+    assert [(r[0], r[3]) for r in table["rows"]] == [(n, "ok") for n in gpu.rows()] and code == 0, table["rows"]
+    assert (docs.read_bytes() if docs.exists() else None) == before

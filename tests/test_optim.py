@@ -186,12 +186,14 @@ def test_adamw8bit_within_its_quantisation_of_fp32_adamw(eager_torchao):
 
 
 # ------------------------------------------------------------------------------ resume
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, text_corpus, name, one_thread, request):
-    if name == "adamw8bit":
+@pytest.mark.parametrize("name, precision", [(n, "fp32") for n in OPTIMIZERS] + [("adamw", "bf16-pure")])
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, text_corpus, name, precision, one_thread,
+                                                            request):
+    if name == "adamw8bit" or precision == "bf16-pure":
         request.getfixturevalue("eager_torchao")
     over = {"train.checkpoint_every": 5, "train.keep_checkpoints": 3, "train.max_steps": 10, "optim.name": name,
-            "optim.warmup_steps": 2, "optim.lr": {"sgd": 0.05, "lion": 3e-4, "adafactor": 1e-2}.get(name, 3e-3)}
+            "optim.warmup_steps": 2, "optim.lr": {"sgd": 0.05, "lion": 3e-4, "adafactor": 1e-2}.get(name, 3e-3),
+            "train.precision": precision}
     if name == "galore":
         over.update({"optim.galore_rank": 8, "optim.galore_update_every": 3})
     part, a = check_resume_is_exact(tmp_path, text_corpus, 10, **over)
@@ -211,6 +213,32 @@ def test_adagrad_and_rmsprop_train_the_tiny_llm_through_run_py(tmp_path, text_co
                      f"optim.lr={lr}", "train.max_steps=30", "train.export=false"]) == 0
     ls = [r["loss"] for r in read_rows(tmp_path / "run") if "loss" in r]
     assert len(ls) == 30 and sum(ls[-5:]) / 5 < sum(ls[:5]) / 5 - 1.0, ls
+
+
+def test_bf16_pure_rounds_updates_stochastically_and_keeps_everything_in_bf16(tmp_path, text_corpus, eager_torchao,
+                                                                            one_thread):
+    """An update far under half a bf16 step: round-to-nearest (torch's AdamW) leaves the weights as they were,
+    stochastic rounding moves them by the update on average (within 10% of it); then a bf16-pure run learns,
+    its weights, gradients and AdamW moments all bf16."""
+    torch.manual_seed(0)
+    moved = {}
+    for name, make in (("stochastic", lambda w: build_optimizer(w, OptimConfig(lr=1e-4, weight_decay=0.0), TEST_DEVICE,
+                                                                **QUIET)),
+                       ("nearest", lambda w: torch.optim.AdamW(w.parameters(), lr=1e-4, weight_decay=0.0))):
+        w = torch.nn.Linear(1, 50_000, bias=False).to(torch.bfloat16)
+        w.weight.data.fill_(1.0)
+        w.weight.grad = torch.ones_like(w.weight)
+        make(w).step()  # Adam's first step moves every weight by lr (the normalised gradient is 1)
+        moved[name] = 1.0 - w.weight.float().mean().item()
+    assert moved["nearest"] == 0.0 and moved["stochastic"] == pytest.approx(1e-4, rel=0.1), moved
+    _, rows = run(tmp_path, text_corpus, **{"train.precision": "bf16-pure", "train.max_steps": 30,
+                                            "train.checkpoint_every": 30})
+    ls = [r["loss"] for r in rows if "loss" in r]
+    assert sum(ls[-5:]) / 5 < sum(ls[:5]) / 5 - 0.5, ls
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000030" / "state.pt", weights_only=True)
+    moments = [v for s in state["optimizer"]["state"].values() for k, v in s.items() if k.startswith("exp_avg")]
+    weights = load_file(tmp_path / "run" / "model.safetensors")
+    assert moments and {m.dtype for m in moments} == {v.dtype for v in weights.values()} == {torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------ schedules

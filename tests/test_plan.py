@@ -2,6 +2,7 @@
 states against the real optimizers, depth extrapolation, the large presets without allocating them,
 the command line, and one prediction against a measured peak."""
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -42,11 +43,13 @@ def test_live_bytes_counts_storages_once_and_forgets_the_dead():
         assert counter.peak == counter.live
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion", "muon", "galore"])
-def test_planned_optimizer_states_are_those_of_the_real_optimizer(name):
-    """The plan's states come from the optimizer run on fake tensors; the reference is the same
-    optimizer stepped for real (train.optim.state_bytes)."""
-    cfg = cfg_of(f"optim.name={name}", "optim.galore_rank=8")
+@pytest.mark.parametrize("over", [f"optim.name={n}" for n in ("adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion", "muon", "galore")]
+                         + ["train.precision=bf16-pure"])
+def test_planned_optimizer_states_are_those_of_the_real_optimizer(over, monkeypatch):
+    """The plan's states come from the optimizer run on fake tensors (bf16-pure's torchao AdamW: from its
+    layout); the reference is the same optimizer stepped for real (train.optim.state_bytes)."""
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: fn)  # torchao's step, eagerly (a CPU compile is slow)
+    cfg = cfg_of(over, "optim.galore_rank=8")
     torch.manual_seed(0)
     model = planner.build_model(cfg)
     opt = build_optimizer(model, cfg.optim, TEST_DEVICE, lambda m: None)
@@ -55,7 +58,8 @@ def test_planned_optimizer_states_are_those_of_the_real_optimizer(name):
     opt.step()
     static = planner._static(cfg, TEST_DEVICE, 1)
     assert static.states == state_bytes(opt) > 0
-    assert static.params == sum(p.numel() * 4 for p in set(model.parameters()))
+    size = 2 if "bf16-pure" in over else 4
+    assert static.params == sum(p.numel() * size for p in set(model.parameters()))
 
 
 def test_adamw8bit_state_layout_matches_torchao():
@@ -276,3 +280,39 @@ def test_a_cuda_plan_from_any_machine_with_pasteable_settings(capsys, monkeypatc
     assert plan_main(["configs/llm/tiny.yaml", "train.device=cuda", "--json"]) == 0  # a device as data
     assert json.loads(capsys.readouterr().out)["device"] == "cuda"
     assert on_cuda.train.device == "cuda"
+
+
+# ------------------------------------------------------------------------------ a run far too big, refused
+def test_a_run_far_over_its_memory_is_refused_in_one_line_with_the_settings_that_fit():
+    """On a GPU (simulated here) whose memory is under the weights, gradients and AdamW states by more than
+    REFUSE_OVER, with room for them once the states go to host memory: refused, naming the plan, the memory
+    and the planner's setting that fits; train.ignore_plan lets it start; the same run with room is not refused."""
+    over = ["model.d_model=2048", "model.n_layers=2", "model.vocab_size=2048", "data.seq_len=32", "train.batch_size=1"]
+    cfg = cfg_of(*over)
+    floor = planner.floor_bytes(cfg, CUDA)
+    offload = planner.plan(cfg_of(*over, "optim.name=adamw_offload"), device=CUDA).peak_bytes
+    assert offload < floor / planner.REFUSE_OVER  # the case this test is about
+    budget = int((offload + floor / planner.REFUSE_OVER) / 2)
+    why = planner.refusal(cfg_of(*over, f"train.memory_budget={budget}"), CUDA)
+    assert why is not None and "\n" not in why
+    assert f"needs {planner.fmt_bytes(floor)} for the weights, gradients and optimizer states" in why
+    assert f"the {planner.fmt_bytes(budget)} train.memory_budget" in why and "optim.name=adamw_offload" in why
+    assert planner.refusal(cfg_of(*over, f"train.memory_budget={budget}", "train.ignore_plan=true"), CUDA) is None
+    assert planner.refusal(cfg_of(*over, f"train.memory_budget={floor}"), CUDA) is None
+
+
+def test_the_embedded_default_is_not_refused_here():
+    from train.config import load_run_config
+    assert planner.refusal(load_run_config(str(ROOT / "configs/llm/tiny.yaml")), CPU) is None
+
+
+@pytest.mark.slow
+def test_deepseek_v3_on_this_machine_is_refused_before_it_allocates(tmp_path):
+    """The preset's 671B parameters: refused in one line, in a process that allocates nothing of the model."""
+    out = subprocess.run([sys.executable, "train/run.py", "configs/llm/deepseek-v3.yaml", "train.max_steps=20",
+                          f"train.out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(err) == 1, out.stderr
+    assert re.search(r"the plan needs [\d.]+ GiB for the weights, gradients and optimizer states alone, over 1\.5x the "
+                     r"[\d.]+ GiB free on \w+; no setting fits one device: FSDP2 over at least \d+ .*"
+                     r"train\.ignore_plan=true", err[0]), err[0]

@@ -26,8 +26,8 @@ from .features.prune import prune_linears
 from .features.unfreeze import GradualUnfreezing
 from .model import build_model
 from .optim import build_optimizer
-from .planner import auto_batch_size
-from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, resolve_device, resolve_precision
+from .planner import auto_batch_size, refusal
+from .step import EMA, EXIT_CONFIG, RunStopped, amp_dtype, autocast_for, resolve_device, resolve_precision
 
 
 @dataclass
@@ -46,10 +46,11 @@ class Run:
     par: Parallel = field(default_factory=lambda: Parallel("none", Launch()))
     quantized: Optional[nn.Module] = None  # train.qat / train.quantize: the deployed model, made at the end
     pruned: Optional[dict] = None      # train.prune: {linear's name: (weight, mask)}, held after every step
+    auto_batch: bool = False           # train.batch_size: auto (the micro-batch halves on running out of memory)
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
-        return None if self.precision == "fp32" else DTYPES[self.precision]
+        return amp_dtype(self.precision)
 
     def autocast(self):
         return autocast_for(self.device, self.precision)()
@@ -97,7 +98,7 @@ class Run:
 def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Parallel] = None):
     """The family's task with its data read (task.setup())."""
     task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, say)
-    task.autocast_dtype = None if precision == "fp32" else DTYPES[precision]  # the run's autocast, for evaluation
+    task.autocast_dtype = amp_dtype(precision)  # the run's autocast, for evaluation
     if par is not None and par.active:  # this rank's part of every global batch; sums across ranks
         task.rank, task.world, task.sum_across_ranks = par.dp_rank, par.dp_world, par.sum_
     task.setup()
@@ -121,6 +122,10 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     torch.manual_seed(t.seed)
     precision = par.broadcast(resolve_precision(t.precision, device, say))  # auto: rank 0's measurement decides
     say(f"run: family={cfg.family} device={device} precision={precision} compile={t.compile} out_dir={t.out_dir}")
+    planned = dataclasses.replace(cfg, train=dataclasses.replace(t, precision=precision))
+    if why := par.broadcast(refusal(planned, device, par.world if par.active else 1,
+                                    "fsdp2" if par.active and t.parallel == "fsdp" else "ddp")):
+        raise RunStopped(why, EXIT_CONFIG)
     task = new_task(cfg, device, precision, say, par)
     model = build_model(cfg, task, device, say, fsdp=par.active and t.parallel == "fsdp")
     pruned = prune_linears(model, cfg, say)
@@ -151,7 +156,7 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
             if device.type == "cuda" else
             f"activation offload: skipped on {device.type} (CUDA only: activations already live in host memory)")
     run = Run(cfg, device, precision, task, model, fwd if fwd is not None else model, ema=ema, keys=keys,
-              unfreezer=unfreezer, par=par, pruned=pruned)
+              unfreezer=unfreezer, par=par, pruned=pruned, auto_batch=t.batch_size == "auto")
     try:
         run.optimizer = build_optimizer(model, cfg.optim, device, say)
     except ValueError as e:  # e.g. optim.name=muon on a model without hidden matrices

@@ -42,7 +42,10 @@ class TrainConfig:
     global_batch: Optional[int] = bounded(None, gt=0)  # with `batch_size: auto`: items per optimizer step, all
                                             # processes together (required there)
     memory_budget: Optional[Union[int, str]] = None  # with `batch_size: auto`: the memory a training step may use
-                                            # (`8GB`, `512MB` or bytes); null = the device's free memory
+                                            # (`8GB`, `512MB` or bytes); null = the device's free memory; also what
+                                            # a run is checked against before it starts (`ignore_plan`)
+    ignore_plan: bool = False               # start even when the planner finds the weights, gradients and optimizer
+                                            # states far over the memory (docs/memory.md); else a one-line refusal
     grad_accum: int = bounded(1, gt=0)      # micro-batches per optimizer step
     batch_warmup_steps: int = bounded(0, ge=0)  # batch-size warmup: the micro-batches per step grow linearly from 1
                                             # to `grad_accum` at this step; needs `grad_accum` > 1, < `max_steps`
@@ -52,8 +55,10 @@ class TrainConfig:
                                             # weight is clamped to [-c, c] (off by default)
     max_nonfinite: int = bounded(5, gt=0)   # non-finite losses in a row before the run stops (each skips its step)
     # -- precision and speed
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"  # `fp32`, `bf16` (autocast), `fp16` (autocast +
-                                            # GradScaler) or `auto`: bf16 where the device runs it fast, else fp32
+    precision: Literal["fp32", "bf16", "fp16", "auto", "bf16-pure"] = "fp32"  # `fp32`, `bf16` (autocast), `fp16`
+                                            # (autocast + GradScaler), `auto` (bf16 where the device runs it fast, else
+                                            # fp32) or `bf16-pure` (bf16 weights, gradients and AdamW states; the update
+                                            # stochastically rounded)
     loss_scale: float = bounded(65536.0, gt=0)  # fp16: the GradScaler's initial loss scale (halved at each step
                                             # whose gradients overflow, which is skipped)
     tf32: bool = True                       # TF32 matmuls on CUDA (logged as skipped elsewhere)
@@ -388,6 +393,9 @@ def check_across_sections(cfg: RunConfig):
             raise fail(src, wkey, f"{what} runs into the decay of optim.schedule=wsd, "
                                                   f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
                                                   f"{o.decay_fraction} of train.max_steps={t.max_steps})")
+    if t.precision == "bf16-pure" and (o.name != "adamw" or not _installed("torchao")):
+        raise fail(src, "train.precision", f"=bf16-pure steps with torchao's AdamW (stochastic rounding): needs "
+                                           f"optim.name=adamw (got {o.name}) and the torchao package")
     a = cfg.adapter
     if a.enabled and t.unfreeze is not None:
         raise fail(src, "train.unfreeze", f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze")

@@ -8,18 +8,20 @@ SIGTERM/SIGINT finish the step, checkpoint and exit with EXIT_PREEMPTED; docs/ar
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 from tqdm import tqdm
 
 from zoo.pruning import sparsity_of
 
 from .builder import build_run
-from .checkpoint import CKPT_DIR, Checkpointer
+from .checkpoint import CKPT_DIR, Checkpointer, rng_state, set_rng_state
 from .config import RunConfig
 from .distributed import Parallel, launch_env
 from .features.lr_find import lr_find
@@ -28,8 +30,8 @@ from .finish import finish
 from .hardware import sync
 from .metrics import Metrics
 from .optim import lr_multiplier, micro_batches, set_lr
-from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, RunStopped, clip_weights_, optimizer_step,
-                   resolve_device, setup_backends, to_device)
+from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, MicroBatchOOM, RunStopped, clip_weights_,
+                   optimizer_step, resolve_device, setup_backends, to_device)
 
 
 def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
@@ -114,7 +116,7 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
                     ev.update(more)
             return step, ev
         t0 = time.perf_counter()
-        r, lr, waited = train_step(run, step, pre)
+        r, lr, waited = train_step_backing_off(run, step, pre, ckpt)
         sync(run.device)
         step += 1
         metrics.step(step, lr, r, time.perf_counter() - t0, waited)
@@ -150,6 +152,30 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
     if run.ema is not None and r.finite and r.applied:
         run.ema.update(run.model)
     return r, lr, waited
+
+
+def train_step_backing_off(run, step: int, pre: "Preemption", ckpt: Checkpointer):
+    """train_step; with train.batch_size: auto in one process, a micro-batch that runs out of memory halves the
+    micro-batch (to a divisor of the global batch), keeps the global batch by accumulation, writes config.yaml
+    (a resume keeps it) and redoes the step from its start, the RNG as it was."""
+    while True:
+        rng = rng_state() if run.auto_batch else None
+        try:
+            return train_step(run, step, pre)
+        except MicroBatchOOM as e:
+            t = run.cfg.train
+            items = t.batch_size * t.grad_accum
+            if not run.auto_batch or run.par.active or t.batch_size == 1:
+                raise e.__cause__
+            b = max(d for d in range(1, t.batch_size // 2 + 1) if items % d == 0)
+            run.cfg = dataclasses.replace(run.cfg, train=dataclasses.replace(t, batch_size=b, grad_accum=items // b))
+            run.task.cfg = run.cfg
+            run.write_config(ckpt.out)
+            set_rng_state(rng)
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+            ckpt.say(f"step {step + 1}: a micro-batch of {t.batch_size} ran out of memory: now {b} x {items // b} "
+                     f"accumulated (the global batch of {items} kept; train.batch_size: auto); the step is redone")
 
 
 def evaluate(run) -> dict:

@@ -64,7 +64,8 @@ def fresh_model(cfg) -> nn.Module:
 def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambda m: None,
                 fsdp: bool = False) -> nn.Module:
     """The run's model in training mode on `device` (default: where built): task.build_model() or `fresh_model`,
-    seeded by train.seed; runtime choices, channels-last, adapters, float8, QAT applied (fsdp: FSDP2 to come)."""
+    seeded by train.seed; runtime choices, channels-last, adapters, bf16-pure, float8, QAT applied (fsdp: FSDP2
+    to come)."""
     torch.manual_seed(cfg.train.seed)
     model = apply_runtime(task.build_model() if task is not None else fresh_model(cfg), cfg.train, say, cfg.source)
     model = (model if device is None else model.to(device)).train()  # from_pretrained returns eval mode
@@ -75,5 +76,9 @@ def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambd
                     t.data = t.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
+    if cfg.train.precision == "bf16-pure":  # the weights themselves in bf16 (buffers stay fp32), fake tensors too
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.to(torch.bfloat16)
     prepare_float8(model, cfg.train, device or next(model.parameters()).device, fsdp, say)
     return prepare_qat(model, cfg.train, say)

@@ -32,7 +32,8 @@ from .config import load_run_config, parse_memory_size, task_class
 from .hardware import keep_freed_memory
 from .model import build_model
 from .optim import build_optimizer
-from .step import DTYPES, EMA, EXIT_CONFIG, RunStopped, autocast_for, optimizer_step, precision_of, resolve_precision
+from .step import (EMA, EXIT_CONFIG, RunStopped, amp_dtype, autocast_for, optimizer_step, precision_of,
+                   resolve_precision)
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
@@ -195,6 +196,8 @@ def planned_optimizer(model, params, cfg, device):
     step cannot run on fake tensors: torchao's 8-bit AdamW (a compiled step) and GaLore (`planned_state_bytes`)."""
     if cfg.optim.name == "adamw8bit":
         return None, adamw8bit_state_bytes(params)
+    if cfg.train.precision == "bf16-pure":  # torchao's AdamW (a compiled step): two moments in bf16, an fp32 count
+        return None, sum(2 * p.numel() * p.element_size() + 4 for p in params)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
     return (None, opt.planned_state_bytes()) if hasattr(opt, "planned_state_bytes") else (opt, 0)
 
@@ -224,12 +227,14 @@ def repeated_units(model: nn.Module) -> list[nn.Module]:
 
 
 def _depth_keys(cfg):
-    """(n_layers, its block pattern's period: MoD, sparse MoE, checkpointing every n-th) of an LLM stack, else None."""
+    """(n_layers, its block pattern's period: MoD, sparse MoE, checkpointing every n-th, the leading dense layers of
+    an MoE) of an LLM stack, else None."""
     if cfg.family != "llm":
         return None
     m = cfg.model
+    dense = next((i for i in range(m.n_layers) if i not in m.moe.dense_layers), m.n_layers) if m.moe else 0
     return m.n_layers, math.lcm(m.mod_every if m.mod_capacity > 0 else 1, m.moe.sparse_every if m.moe else 1,
-                                cfg.train.activation_checkpointing_every)
+                                cfg.train.activation_checkpointing_every), dense
 
 
 # ------------------------------------------------------------------------------ the simulated step
@@ -248,8 +253,8 @@ class Simulated:
     events: list = field(default_factory=list)  # AllocTrace.events: construction and three steps
 
 
-def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
-    """The compute dtype the loop runs cfg in (train/step.py's resolve_precision: `auto` measured
+def _precision(cfg, device: torch.device) -> str:
+    """The precision the loop runs cfg in (train/step.py's resolve_precision: `auto` measured
     once per process and device, as the loop measures it; outside any fake-tensor mode)."""
     p = cfg.train.precision
     if p == "auto":
@@ -259,7 +264,7 @@ def _precision(cfg, device: torch.device) -> Optional[torch.dtype]:
             with unset_fake_temporarily():
                 _AUTO[key] = resolve_precision(p, device)
         p = _AUTO[key]
-    return None if p == "fp32" else DTYPES[p]
+    return p
 
 
 _AUTO: dict = {}  # (device, threads) -> what train.precision: auto resolved to
@@ -276,7 +281,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         if cfg.model.moe is not None:
             dense = [i for i in cfg.model.moe.dense_layers if i < n_layers]
             cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)
-    amp, B = _precision(cfg, device), batch_size or cfg.train.batch_size
+    precision, B = _precision(cfg, device), batch_size or cfg.train.batch_size
     trace = AllocTrace()  # the run's storages in order, from the model's construction to the third step
     with FakeTensorMode() if fake else contextlib.nullcontext(), torch.random.fork_rng(devices=[]):
         with torch.device(device), LiveBytes(device.type, trace):
@@ -286,12 +291,12 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
         if cfg.train.prune:
             trace.add_bytes(mask_bytes(model, cfg.train))
         task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
-        task.autocast_dtype = amp
+        task.autocast_dtype = amp_dtype(precision)
         with LiveBytes(device.type, trace):
             batch = task.example_batch(model, B)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer, states = planned_optimizer(model, params, cfg, device)
-        autocast, units = autocast_for(device, precision_of(amp)), repeated_units(model)
+        autocast, units = autocast_for(device, precision), repeated_units(model)
         counter = LiveBytes(device.type, trace)
         per_unit, phase, before = {}, {"name": "warm-up"}, {}
 
@@ -412,7 +417,7 @@ def for_target(cfg, target: torch.device) -> tuple:
         why = "auto: bf16 on a CUDA GPU (compute capability 8.0+ assumed)" if t.precision == "auto" else "as set"
         over = {"attn_backend": "sdpa"} if t.attn_backend == "auto" else {}
     else:
-        precision, over = precision_of(_precision(cfg, target)), {}
+        precision, over = _precision(cfg, target), {}
         why = f"auto on this {target.type}" if t.precision == "auto" else "as set"
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, precision=precision, **over))
     return cfg, sim, precision, why
@@ -427,9 +432,9 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     notes = [f"precision {precision} ({why})"]
     if cfg.train.activation_offload and target.type == "cuda" and device.type != "cuda":
         notes.append("train.activation_offload is simulated only on a machine with CUDA: planned without it")
-    if depth is not None and depth[0] > max(SIMULATE_FULL_DEPTH, 4 * depth[1]):
-        L, p = depth
-        l1, l2 = 2 * p, 4 * p
+    if depth is not None and depth[0] > max(SIMULATE_FULL_DEPTH, depth[2] + 4 * depth[1]):
+        L, p, dense = depth
+        l1, l2 = dense + 2 * p, dense + 4 * p  # past an MoE's leading dense layers: its sparse ones in both
         s1, s2 = simulate(cfg, device, B, l1), simulate(cfg, device, B, l2)
         full, k = _static(cfg, device, B), (L - l1) / (l2 - l1)
         lin = lambda a, b: round(a + k * (b - a))  # noqa: E731
@@ -480,7 +485,7 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     breakdown["allocator"] = max(0, allocator)
     m = cfg.model  # the KV cache of generation at the run's batch and model.max_seq_len
     kv = 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * \
-        (_precision(cfg, device) or torch.float32).itemsize if cfg.family == "llm" else None
+        (amp_dtype(_precision(cfg, device)) or torch.float32).itemsize if cfg.family == "llm" else None
     return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices, sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
 
 
@@ -564,6 +569,21 @@ def options(cfg, device) -> list[list[Option]]:
     return groups
 
 
+def floor_bytes(cfg, target: torch.device, devices: int = 1, sharding: str = "ddp") -> int:
+    """What no setting of the step itself changes: weights, buffers, gradients and optimizer states (fake tensors;
+    fsdp2 shards all but the buffers; adamw_offload keeps the states in a CUDA device's host memory)."""
+    cfg, sim, _, _ = for_target(cfg, target)
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(sim))
+    if key not in _FLOORS:
+        _FLOORS[key] = _static(cfg, sim, 1)
+    s = _FLOORS[key]
+    states = 0 if cfg.optim.name == "adamw_offload" and target.type == "cuda" else s.states
+    return sum(n // (devices if sharding == "fsdp2" else 1) for n in (s.params, s.grads, states)) + s.buffers
+
+
+_FLOORS: dict = {}  # (config, device) -> its `_static` (a refusal plans the configured run, then `fits` it again)
+
+
 def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5,
          device: Optional[torch.device] = None) -> list[tuple[float, list[str], Plan]]:
     """Up to `top` option combinations planned under `budget` bytes, cheapest first: [(slowdown, overrides, plan)]."""
@@ -584,12 +604,42 @@ def fits(cfg, budget: int, devices: int = 1, sharding: str = "ddp", top: int = 5
                 c = load_run_config(None, over, base=base)
             except ConfigError:
                 continue
-            cache[key] = plan(c, devices, sharding, device=device)
-        if (p := cache[key]).peak_bytes <= budget:
+            cache[key] = plan(c, devices, sharding, device=device) \
+                if floor_bytes(c, device, devices, sharding) <= budget else None  # a cheap bound first
+        if (p := cache[key]) is not None and p.peak_bytes <= budget:
             found.append((slowdown, [c.name for c in picked], p))  # [] = as configured
             if len(found) >= top or not picked:
                 break
     return found
+
+
+# ------------------------------------------------------------------------------ a run far too big, refused
+REFUSE_OVER = 1.5  # a run whose `floor_bytes` exceed this many times its memory is refused (train.ignore_plan)
+
+
+def refusal(cfg, device: torch.device, devices: int = 1, sharding: str = "ddp") -> Optional[str]:
+    """The one line refusing a run whose `floor_bytes` exceed REFUSE_OVER x its memory (train.memory_budget, else
+    the device's free memory), before anything is allocated: the plan, the memory, the settings that fit (`fits`)
+    or the devices that would shard it; None when it may start (or its architecture comes from train.init_from)."""
+    t = cfg.train
+    if t.ignore_plan or t.init_from:
+        return None
+    try:
+        budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
+    except ValueError:  # no memory to read on this system
+        return None
+    need = floor_bytes(cfg, device, devices, sharding)
+    if need <= REFUSE_OVER * budget:
+        return None
+    if found := fits(cfg, budget, devices, sharding, top=1, device=device):
+        fix = f"it fits with {' '.join(found[0][1])} (planned peak {fmt_bytes(found[0][2].peak_bytes)})"
+    else:
+        n = math.ceil((floor_bytes(cfg, device) if devices > 1 else need) / budget)
+        fix = (f"no setting fits one device: FSDP2 over at least {n} (train.parallel=fsdp under torchrun; "
+               f"train/plan.py --devices {n} --sharding fsdp2 plans it)")
+    where = "train.memory_budget" if t.memory_budget else f"free on {device}"
+    return (f"{cfg.source}: the plan needs {fmt_bytes(need)} for the weights, gradients and optimizer states alone, "
+            f"over {REFUSE_OVER}x the {fmt_bytes(budget)} {where}; {fix}; train.ignore_plan=true starts it anyway")
 
 
 # ------------------------------------------------------------------------------ train.batch_size: auto
@@ -644,7 +694,7 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
     G = t.global_batch // devices
     if model is not None and getattr(model, "config", None) is not None:
         cfg = dataclasses.replace(cfg, model=model.config)
-    if task is not None:  # plan the precision the run resolved (train.precision: auto), not a new measurement
+    if task is not None and t.precision == "auto":  # plan the precision the run resolved, not a new measurement
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
     budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     sizes = [d for d in range(1, G + 1) if G % d == 0]
@@ -677,11 +727,10 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
 def _try_on_cuda(cfg, model, task, device, sizes, best, log) -> int:
     """The largest size from sizes[best] down whose forward and backward run (with the optimizer's
     planned state held on the device); the model's weights, buffers and RNG are left as they were."""
-    amp = _precision(cfg, device)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     params = [p for p in model.parameters() if p.requires_grad]
     states = _static(cfg, device, 1).states
-    autocast = autocast_for(device, precision_of(amp))
+    autocast = autocast_for(device, _precision(cfg, device))
     while best >= 0:
         b, hold = sizes[best], None
         try:
@@ -716,7 +765,7 @@ def measure(cfg) -> dict:
     device = torch.device("cpu")
     if cfg.train.cpu_keep_memory is not False:  # null: on, as under train/run.py; else glibc's defaults
         keep_freed_memory()
-    amp = _precision(cfg, device)
+    precision = _precision(cfg, device)
     with torch.device("meta"):  # the modules the model needs imported (torch._dynamo among them)
         build_model(cfg)
     gc.collect()
@@ -725,13 +774,13 @@ def measure(cfg) -> dict:
         f.write("5")  # reset VmHWM to the current RSS
     model = build_model(cfg)
     task = task_class(cfg.family, cfg.source, cfg.data)(cfg, device, lambda m: None)
-    task.autocast_dtype = amp
+    task.autocast_dtype = amp_dtype(precision)
     ema = EMA(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     optimizer = build_optimizer(model, cfg.optim, device, lambda m: None)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     batch = task.example_batch(model, cfg.train.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
-    autocast = autocast_for(device, precision_of(amp))
+    autocast = autocast_for(device, precision)
     for _ in range(MEASURE_STEPS):
         optimizer_step(lambda b: task.loss(model, b), iter([batch]), 1, optimizer, scaler, params,
                        cfg.train.clip_grad, autocast)

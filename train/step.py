@@ -21,6 +21,11 @@ EXIT_PREEMPTED = 75        # SIGTERM/SIGINT: checkpoint written, run again to re
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def amp_dtype(precision: str) -> Optional[torch.dtype]:
+    """The autocast dtype of a resolved train.precision (None: fp32); bf16-pure computes in bf16 as bf16 does."""
+    return None if precision == "fp32" else DTYPES[precision.removesuffix("-pure")]
+
+
 class RunStopped(Exception):
     """The run ends early with `code` (one of the EXIT_* above) and a one-line message."""
 
@@ -67,8 +72,8 @@ def resolve_precision(precision: str, device: torch.device, log=lambda m: None) 
     """train.precision as it will run: 'auto' is bf16 on a GPU that supports it, on a CPU with bf16 instructions
     unless it times under half fp32's speed, else fp32; an explicit bf16 a CPU emulates is kept, with a warning."""
     p = precision
-    if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RunStopped("train.precision=bf16: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
+    if p in ("bf16", "bf16-pure") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RunStopped(f"train.precision={p}: this GPU does not support bf16; use fp16 or auto", EXIT_CONFIG)
     if p not in ("auto", "bf16") or device.type not in ("cpu", "cuda"):
         return "fp32" if p == "auto" else p
     if device.type == "cuda":
@@ -98,7 +103,7 @@ def precision_of(dtype: Optional[torch.dtype]) -> str:
 def autocast_for(device: torch.device, precision: str):
     """A factory of the run's autocast context (a no-op context in fp32)."""
     return contextlib.nullcontext if precision == "fp32" else \
-        lambda: torch.autocast(device.type, dtype=DTYPES[precision])
+        lambda: torch.autocast(device.type, dtype=amp_dtype(precision))
 
 
 def setup_backends(t, device: torch.device, log, owns_process: bool = False):
@@ -171,6 +176,10 @@ class EMA:
                 v.copy_(s)
 
 
+class MicroBatchOOM(RuntimeError):
+    """A micro-batch's forward or backward ran out of memory: its gradients are cleared, no weight has changed."""
+
+
 @dataclass
 class StepResult:
     loss: float         # mean of the micro-batches' losses
@@ -188,14 +197,18 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     finite; data-parallel runs pass no_sync(last) and agree([loss sum, grad norm]) to agree on it. pipeline:
     pipeline(batch, scale) runs forward and backward itself, then finishes the gradients (train/model_parallel.py)."""
     loss_sum, items = None, 0
-    for i, batch in enumerate(batches):
-        with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():
-            with autocast():
-                loss, n = loss_fn(batch) if pipeline is None else pipeline(batch, 1 / n_micro)
-            if pipeline is None:
-                scaler.scale(loss / n_micro).backward()
-        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-        items += n
+    try:
+        for i, batch in enumerate(batches):
+            with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():
+                with autocast():
+                    loss, n = loss_fn(batch) if pipeline is None else pipeline(batch, 1 / n_micro)
+                if pipeline is None:
+                    scaler.scale(loss / n_micro).backward()
+            loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+            items += n
+    except torch.OutOfMemoryError as e:
+        optimizer.zero_grad(set_to_none=True)
+        raise MicroBatchOOM(str(e)) from e
     scaler.unscale_(optimizer)
     gnorm = (pipeline.finish_grads if pipeline is not None else clip_grads)(params, clip)
     stats = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)])

@@ -57,6 +57,10 @@ def one_by_one(groups: list[dict]) -> bool:
 
 
 def _adamw(model, groups, cfg, device: torch.device, log):
+    if any(p.dtype == torch.bfloat16 for g in groups for p in g["params"]):  # train.precision: bf16-pure
+        from torchao.optim import _AdamW  # round-to-nearest would lose every update under half a bf16 step
+        log("optimizer: AdamW from torchao, bf16 moments, bf16 weights updated with stochastic rounding")
+        return _AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, bf16_stochastic_round=True)
     if one_by_one(groups):
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
     fused = fused_supported(device) if cfg.fused is None else cfg.fused
