@@ -248,6 +248,36 @@ SMOKE = {
         assert pos.shape == (9, 8) and torch.allclose(pos[5], torch.cat([sc(2.0), sc(1.0)]))   # row 1, column 2
         assert torch.allclose(sincos_pos_embed_2d(8, 6, 6, base_size=3)[2], torch.cat([sc(1.0), sc(0.0)]))  # column 2 * 3/6
     """,
+    "mmdit.py": """
+        from mmdit import (DoubleStreamBlock, Modulation, SingleStreamBlock, TimeGuidanceEmbedder, apply_rope_pairs,
+                           positions, rope_4d)
+        txt, img = positions(3, 2, 4)
+        assert txt[:, 3].tolist() == [0, 1, 2] and img[5].tolist() == [0, 1, 1, 0]
+        cos, sin = rope_4d(torch.cat([txt, img]), (2, 2, 2, 2), theta=2000.0)
+        q = torch.randn(1, 11, 1, 8)
+        assert torch.allclose(apply_rope_pairs(q, cos, sin).norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+        # relative: a query/key pair moved together along an axis keeps its dot product
+        ids = torch.tensor([[0, 1, 2, 0], [0, 3, 5, 0], [0, 4, 2, 0], [0, 6, 5, 0]])
+        c4, s4 = rope_4d(ids, (2, 2, 2, 2))
+        v = torch.randn(1, 1, 1, 8).expand(1, 4, 1, 8)
+        r = apply_rope_pairs(v, c4, s4)[0, :, 0]
+        assert abs(float(r[0] @ r[1] - r[2] @ r[3])) < 1e-4
+        temb = TimeGuidanceEmbedder(16, 8, guidance=True)(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 4.0]))
+        assert temb.shape == (2, 16) and (temb[0] - temb[1]).abs().max() > 0
+        x, c = torch.randn(2, 8, 16), torch.randn(2, 3, 16)
+        double = DoubleStreamBlock(16, 2, 8)
+        mods = Modulation(16, 2)(temb), Modulation(16, 2)(temb)
+        y, d = double(x, c, *mods, (cos, sin))
+        assert y.shape == x.shape and d.shape == c.shape
+        # attention is joint: the text changes the image stream
+        assert torch.equal(double(x, c, *mods, (cos, sin))[0], y)
+        y2, _ = double(x, c.flip(1), *mods, (cos, sin))
+        assert (y2 - y).abs().max() > 1e-4
+        single = SingleStreamBlock(16, 2, 8)
+        z = single(torch.cat([d, y], 1), Modulation(16, 1)(temb), (cos, sin))
+        z.square().sum().backward()
+        assert z.shape == (2, 11, 16) and single.to_qkv_mlp_proj.weight.grad.abs().sum() > 0
+    """,
     "adaln.py": """
         from adaln import DiTBlock, FinalLayer, axial_rope
         block = DiTBlock(16, 4, qk_norm=True)

@@ -56,6 +56,8 @@ INPUTS = {
     ("diffusion.md", "ae.encode"): "images = torch.rand(1, 3, 64, 64)",
     ("diffusion.md", "dit(latents"): "latents, timestep = torch.randn(2, 4, 8, 8), torch.tensor([10, 500])\n"
                                      "class_labels = torch.tensor([1, 2])",
+    ("diffusion.md", "flux(tokens"): "L, h, w, t = 3, 2, 4, torch.tensor([0.5])\n"
+                                     "tokens, text_embeds = torch.randn(1, h * w, 128), torch.randn(1, L, 64)",
     ("post-training.md", "ChatTemplate"): "from train.data.text_tokenizers import load_tokenizer_file\n"
                                           "tokenizer = load_tokenizer_file('path/to/hf_folder/tokenizer.json')\n"
                                           "messages = [{'role': 'user', 'content': 'Hi'}, "
@@ -148,6 +150,7 @@ def make_world(w: Path):
     from train.data.text_tokenizers import train_sentencepiece
     from zoo.convnet.preprocess import Preprocess
     from zoo.diffusion.dit import DiT
+    from zoo.diffusion.flux2 import Flux2
     from zoo.diffusion.taesd import TAESD
     from zoo.config import DiTConfig
     from zoo.weights import zoo_folder
@@ -181,11 +184,12 @@ def make_world(w: Path):
         zoo.save_pretrained(digits, w / run)
         Preprocess(32, 1, (0.5,), (0.25,), classes=tuple(str(i) for i in range(10))).save(w / run)
     Image.new("RGB", (40, 48), (200, 30, 30)).save(w / "photo.jpg")
-    # diffusion: a TAEF2-shaped pair, a diffusers AutoencoderTiny folder, a diffusers DiT folder
+    # diffusion: a TAEF2-shaped pair, a diffusers AutoencoderTiny folder, diffusers DiT and FLUX.2 folders
     zoo.save_pretrained(TAESD(32, midblock_gn=True, channels=8), w / "taef2_encoder.pth")
     zoo.save_pretrained(TAESD(4, channels=8), w / "taesd_diffusers")
     zoo.save_pretrained(DiT(DiTConfig(depth=1, width=32, heads=2, patch_size=2), 4, 10, 8),
                         w / "DiT-XL-2-256/transformer")
+    zoo.save_pretrained(Flux2(), w / "FLUX.2-klein-4B/transformer")
 
 
 @pytest.fixture(scope="module")

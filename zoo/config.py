@@ -671,6 +671,30 @@ class DiTConfig:
 
 
 @dataclass
+class Flux2Config:
+    """The FLUX.2 transformer (zoo/diffusion/flux2.py): MMDiT double-stream then single-stream blocks, 4-axis RoPE.
+    The defaults are a small shape; FLUX.2 [klein]'s own come with its diffusers folder."""
+    double_depth: int = bounded(2, ge=0)    # double-stream blocks (diffusers' num_layers)
+    single_depth: int = bounded(4, ge=0)    # single-stream blocks (num_single_layers)
+    heads: int = bounded(4, gt=0)           # attention heads; width = heads * head_dim
+    head_dim: int = bounded(32, gt=0)       # size of one head; must equal the sum of rope_axes
+    mlp_ratio: float = bounded(3.0, gt=0)   # SwiGLU hidden = mlp_ratio * width
+    in_channels: int = bounded(128, gt=0)   # channels of a latent token (FLUX.2: 32 latent channels x a 2x2 patch)
+    out_channels: Optional[int] = bounded(None, gt=0)  # null: in_channels
+    text_dim: int = bounded(64, gt=0)       # width of the text encoder's embeddings (joint_attention_dim)
+    rope_axes: tuple[int, ...] = (8, 8, 8, 8)  # head channels rotated per position axis (time, height, width, text index)
+    rope_theta: float = bounded(2000.0, gt=0)  # RoPE base
+    guidance: bool = False                  # a guidance-scale embedder (guidance-distilled models)
+    timestep_dim: int = bounded(256, gt=0)  # sinusoids fed to the timestep / guidance MLPs
+    eps: float = bounded(1e-6, gt=0)        # eps of the LayerNorms and QK RMSNorms
+
+    def validate(self, source="<config>", prefix=""):
+        if sum(self.rope_axes) != self.head_dim or any(d % 2 for d in self.rope_axes):
+            raise fail(source, prefix + "rope_axes", f"={list(self.rope_axes)} must be even and sum to "
+                       f"head_dim={self.head_dim}")
+
+
+@dataclass
 class DiffusionConfig:
     """Latent diffusion: TAESD autoencoder + class-conditional denoiser (U-Net or DiT) + noise schedule."""
     image_size: int = bounded(32, gt=0)     # training and sampled image size, divisible by 8

@@ -39,10 +39,10 @@ def drop_labels(labels: torch.Tensor, p: float, null_label: int, generator: Opti
 class TimestepEmbedder(nn.Module):
     """(B,) timesteps -> (B, dim): the sinusoids (freq_dim of them) through a two-layer SiLU MLP."""
 
-    def __init__(self, dim: int, freq_dim: int = 256, freq_shift: float = 0.0):
+    def __init__(self, dim: int, freq_dim: int = 256, freq_shift: float = 0.0, bias: bool = True):
         super().__init__()
         self.freq_dim, self.freq_shift = freq_dim, freq_shift
-        self.linear_1, self.linear_2 = nn.Linear(freq_dim, dim), nn.Linear(dim, dim)
+        self.linear_1, self.linear_2 = nn.Linear(freq_dim, dim, bias=bias), nn.Linear(dim, dim, bias=bias)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         emb = timestep_embedding(t, self.freq_dim, freq_shift=self.freq_shift).to(self.linear_1.weight.dtype)
