@@ -39,7 +39,8 @@ def refusal(cfg, world: int) -> Optional[str]:
     features = {"model.moe": m.moe is not None, "model.mla": m.mla is not None, "model.mod_capacity": m.mod_capacity,
                 "adapter.method": cfg.adapter.enabled, "train.ema_decay": t.ema_decay, "train.compile": t.compile,
                 "train.teacher": t.teacher, "train.qat": t.qat, "train.prune": t.prune, "train.unfreeze": t.unfreeze,
-                "train.float8": t.float8, "train.precision": t.precision in ("fp16", "bf16-pure"), "train.lr_find": t.lr_find,
+                "train.float8": t.float8, "train.precision": t.precision in ("fp16", "bf16-pure"),
+                "train.lr_find": t.lr_find,
                 "train.batch_size": t.batch_size == "auto", "data.format": cfg.data.format != "text",
                 "model.qk_norm": tp and m.qk_norm, "model.attn_sinks": tp and m.attn_sinks,
                 "model.final_softcap": not tp and m.final_softcap is not None}
