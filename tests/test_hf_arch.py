@@ -184,6 +184,23 @@ def test_features_refused_together(tmp_path):
                            **{key: True if key == "attn_sinks" else {"kv_rank": 8}}))
 
 
+def test_hybrid_refusals(tmp_path):
+    """A config.json whose layer_types name a layer kind Zoo lacks, and a hybrid model no class holds, are refused in
+    one line naming the key."""
+    hf = hf_model("Lfm2", layer_types=[CONV, FULL, CONV, FULL])
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_types": [CONV, "rwkv", CONV, FULL]}))
+    from zoo.config import ConfigError
+    with pytest.raises(ConfigError, match=r"config.json: layer_types\[1\] must be .*got 'rwkv'"):
+        zoo.from_pretrained(tmp_path)
+    from zoo.weights import hf_llm
+    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, layer_types=["mamba", "full_attention"],
+                       recurrent=dict(n_heads=4, head_dim=8, state_size=4)))
+    with pytest.raises(ValueError, match=r"no Hugging Face architecture here holds .*mamba \(model.layer_types: mamba\)"):
+        hf_llm.save(z, tmp_path / "out")
+
+
 def test_final_softcap_caps_and_chunked_loss_refuses():
     z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
     x = torch.randint(0, 64, (1, 8))
