@@ -12,11 +12,12 @@ partial_rotary_factor at the top level, torch_dtype); Zoo's export loads back in
 class with the same logits.
 """
 import copy
+import dataclasses
 import json
 
 import pytest
 import torch
-from test_hf_llm import assert_same_generation, assert_same_logits, randomize
+from test_hf_llm import assert_same_generation, assert_same_logits, randomize, tokens
 
 import zoo
 
@@ -30,7 +31,8 @@ SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
 YARN = {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0, "original_max_position_embeddings": 32}
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, CONV, LINEAR = "sliding_attention", "full_attention", "conv", "linear_attention"
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
 
 CASES = {
     "qwen3": ("Qwen3", dict(head_dim=24, tie_word_embeddings=True)),
@@ -94,6 +96,15 @@ CASES = {
         first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
         qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
+    "lfm2": ("Lfm2", dict(layer_types=[CONV, FULL, CONV, FULL])),
+    "lfm2-kernel5-bias-mqa-untied-ffn-rounding": ("Lfm2", dict(
+        num_key_value_heads=1, conv_L_cache=5, conv_bias=True, tie_word_embeddings=False,
+        layer_types=[CONV, CONV, FULL, CONV], block_ffn_dim_multiplier=1.5, block_multiple_of=32)),
+    "qwen3_5": ("Qwen3_5Text", dict(head_dim=16, **GDN)),
+    "qwen3_5-kernel3-half-rotary-mqa-tied": ("Qwen3_5Text", dict(
+        head_dim=24, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
+        linear_value_head_dim=10, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+        layer_types=[FULL, LINEAR, LINEAR, FULL], rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -137,7 +148,14 @@ def test_parity_dialects_and_export(tmp_path, case):
     assert z.hf_architecture == arch
     if "sliding_window" in kw:  # the window is shorter than the 48 tokens compared: it shows
         assert z.config.sliding_window == kw["sliding_window"]
-    assert_same_logits(hf, z)
+    x = tokens(shape=(2, 80)) if z.config.layer_types else None  # recurrent layers: past one chunk of 64
+    assert_same_logits(hf, z, x)
+    if x is not None:  # Zoo's chunked scans at another chunk size, boundaries inside transformers' chunks
+        cfg = copy.deepcopy(z.config)
+        cfg.recurrent = dataclasses.replace(cfg.resolved_recurrent, chunk=24)
+        other = zoo.build(cfg).eval()
+        other.load_state_dict(z.state_dict())
+        assert_same_logits(hf, other, x)
     assert_same_generation(hf, z)
 
     old = tmp_path / "4x"
@@ -145,12 +163,12 @@ def test_parity_dialects_and_export(tmp_path, case):
     (old / "model.safetensors").symlink_to(tmp_path / "in" / "model.safetensors")
     (old / "config.json").write_text(json.dumps(to_4x(json.loads((tmp_path / "in" / "config.json").read_text()))))
     assert "rope_parameters" not in json.loads((old / "config.json").read_text())
-    assert_same_logits(hf, zoo.from_pretrained(old))
+    assert_same_logits(hf, zoo.from_pretrained(old), x)
 
     zoo.save_pretrained(z, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(back).__name__ == arch
-    assert_same_logits(back, z)
+    assert_same_logits(back, z, x)
 
 
 def test_features_refused_together(tmp_path):
@@ -164,6 +182,23 @@ def test_features_refused_together(tmp_path):
         with pytest.raises(ConfigError, match=f"mod_capacity does not combine with model.{key}"):
             zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, mod_capacity=0.5,
                            **{key: True if key == "attn_sinks" else {"kv_rank": 8}}))
+
+
+def test_hybrid_refusals(tmp_path):
+    """A config.json whose layer_types name a layer kind Zoo lacks, and a hybrid model no class holds, are refused in
+    one line naming the key."""
+    hf = hf_model("Lfm2", layer_types=[CONV, FULL, CONV, FULL])
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_types": [CONV, "rwkv", CONV, FULL]}))
+    from zoo.config import ConfigError
+    with pytest.raises(ConfigError, match=r"config.json: layer_types\[1\] must be .*got 'rwkv'"):
+        zoo.from_pretrained(tmp_path)
+    from zoo.weights import hf_llm
+    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, layer_types=["mamba", "full_attention"],
+                       recurrent=dict(n_heads=4, head_dim=8, state_size=4)))
+    with pytest.raises(ValueError, match=r"no Hugging Face architecture here holds .*mamba \(model.layer_types: mamba\)"):
+        hf_llm.save(z, tmp_path / "out")
 
 
 def test_final_softcap_caps_and_chunked_loss_refuses():
@@ -181,7 +216,8 @@ PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
            "olmo3-7b": "Olmo3ForCausalLM", "glm4-9b": "Glm4ForCausalLM", "cohere2-7b": "Cohere2ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
-           "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}
+           "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
+           "qwen3_5-0.8b": "Qwen3_5ForCausalLM"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -9,16 +9,20 @@ import torch.nn.functional as F
 import zoo
 from zoo.blocks.checkpoint import checkpoint_units
 from zoo.config import ConfigError, LLMConfig, from_dict
-from zoo.llm import LLM, sample_next
+from zoo.llm import LLM, document_positions, sample_next
 
 TOL = 1e-4
+# every kind of layer, small: short convolution, Gated DeltaNet, Mamba-2 (chunks of 4 tokens), gated attention
+HYBRID = dict(n_layers=4, layer_types=["conv", "linear_attention", "mamba", "full_attention"], attn_gate=True,
+              recurrent=dict(n_heads=2, head_dim=8, n_v_heads=4, v_head_dim=6, state_size=6, n_groups=2, conv_kernel=3,
+                             chunk=4))
 
 
 def tiny(**kw) -> LLM:
     base = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
     base.update(kw)
     torch.manual_seed(0)
-    return LLM(LLMConfig(**base))
+    return LLM(from_dict(LLMConfig, base))
 
 
 def full_forward_greedy(model, ids, n):
@@ -67,6 +71,7 @@ def test_causality(kw):
     ({"n_kv_heads": 2}, 3),                          # GQA, batch > 1
     ({"n_kv_heads": 1, "sliding_window": 5}, 2),     # MQA with a window shorter than the text
     ({"tie_embeddings": False, "qkv_bias": True}, 2),
+    (HYBRID, 2),                                     # recurrent layers: prefill over chunks, then one-token steps
 ])
 def test_generate_with_cache_equals_full_forward_greedy(kw, batch):
     model = tiny(**kw).eval()
@@ -191,21 +196,28 @@ def _left_padded(prompts, pad=0):
     return ids, mask
 
 
-def test_batched_generation_equals_each_row_alone(monkeypatch):
-    """Left-padded rows of different lengths decode as each row alone: greedy, the same tokens;
-    sampled with a generator per row, the same draws (also with each prompt repeated, whose forward runs
-    once, through the step of fixed shapes); a row stops at its own EOS (or any of several stop ids) and
-    keeps emitting it, while the others go on."""
-    model = tiny(n_kv_heads=2).eval()
+def padded_greedy_equals_alone(model):
+    """Four prompts of different lengths, left-padded: the greedy rows equal each prompt decoded alone (the logits
+    sharpened first) -> (prompts, ids, mask, greedy)."""
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 7, 5, 1)]
     ids, mask = _left_padded(prompts)
     greedy = model.generate(ids, 10, attention_mask=mask)
-    assert torch.equal(model.generate(ids, 10, attention_mask=mask, compile=True), greedy)
     alone = [model.generate(torch.tensor([p]), 10)[0, len(p):] for p in prompts]
     assert torch.equal(greedy[:, ids.shape[1]:], torch.stack(alone))
+    return prompts, ids, mask, greedy
+
+
+def test_batched_generation_equals_each_row_alone(monkeypatch):
+    """Left-padded rows of different lengths decode as each row alone: greedy, the same tokens;
+    sampled with a generator per row, the same draws (also with each prompt repeated, whose forward runs
+    once, through the step of fixed shapes); a row stops at its own EOS (or any of several stop ids) and
+    keeps emitting it, while the others go on."""
+    model = tiny(n_kv_heads=2).eval()
+    prompts, ids, mask, greedy = padded_greedy_equals_alone(model)
+    assert torch.equal(model.generate(ids, 10, attention_mask=mask, compile=True), greedy)
     sampled = model.generate(ids, 10, temperature=1.0, top_p=0.95, attention_mask=mask,
                              generator=[torch.Generator().manual_seed(i) for i in range(4)])
     alone = [model.generate(torch.tensor([p]), 10, temperature=1.0, top_p=0.95, generator=[torch.Generator().manual_seed(i)])
@@ -231,6 +243,20 @@ def test_batched_generation_equals_each_row_alone(monkeypatch):
                             generator=[torch.Generator().manual_seed(i)])[0, -10:] for i in range(8)]
     assert torch.equal(twice[:, ids.shape[1]:], torch.stack(alone))
     assert not torch.equal(twice[0::2, ids.shape[1]:], twice[1::2, ids.shape[1]:])
+
+
+def test_hybrid_padded_rows_and_packed_documents():
+    """Recurrent layers: left-padded rows decode as each row alone (greedy; the padding is a document of its own, so
+    each prompt's state starts fresh at its first token), also through the step of fixed shapes; packed documents in
+    one row give each document's logits alone (1e-4)."""
+    model = tiny(**HYBRID).eval()
+    prompts = padded_greedy_equals_alone(model)[0]
+    docs = torch.cat([torch.tensor(p) for p in prompts])[None]
+    doc_ids = torch.repeat_interleave(torch.arange(4), torch.tensor([len(p) for p in prompts]))[None]
+    with torch.no_grad():
+        packed = model(docs, doc_ids=doc_ids, position_ids=document_positions(doc_ids))
+        for p, part in zip(prompts, packed[0].split([len(p) for p in prompts])):
+            assert (model(torch.tensor([p]))[0] - part).abs().max() <= TOL
 
 
 # ---------------------------------------------------------------------------- parameters
@@ -400,6 +426,11 @@ def test_flops_per_token():
     ({"attn_backend": "xformers"}, "attn_backend"),
     ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
      "rope_scaling.high_freq_factor"),
+    ({"layer_types": ["full_attention", "rwkv"]}, "layer_types[1]"),
+    ({"layer_types": ["conv", "full_attention"], "mod_capacity": 0.5}, "mod_capacity"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["mamba"], "recurrent": {"n_heads": 4, "n_groups": 3}}, "recurrent.n_groups"),
+    ({"layer_types": ["linear_attention"], "recurrent": {"n_heads": 4, "n_v_heads": 6}}, "recurrent.n_v_heads"),
 ])
 def test_config_errors_are_one_line_and_name_the_key(data, key):
     with pytest.raises(ConfigError) as e:
@@ -415,7 +446,7 @@ def test_build_error_names_the_key():
     assert isinstance(model, LLM) and model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 50)
 
 
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"attn_softcap": 5.0}, {"attn_sinks": True}])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"attn_softcap": 5.0}, {"attn_sinks": True}, HYBRID])
 def test_static_decoding_gives_the_tokens_of_eager_decoding(monkeypatch, kw):
     """generate(compile="reduce-overhead"): steps of fixed shapes (the position a tensor, every cache slot
     attended with those past it masked), what CUDA graphs replay; run here uncompiled (the compiled graphs:

@@ -237,7 +237,7 @@ def config_classes() -> dict[str, type]:
     from zoo.adapters import AdapterConfig
     from .config import OptimConfig, TrainConfig, task_class
     from zoo.config import load_class
-    classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, *(f.config for f in zc.FAMILIES.values()),
+    classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, zc.RecurrentConfig, *(f.config for f in zc.FAMILIES.values()),
                zc.AutoencoderConfig, zc.DiTConfig, TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
     formats = [load_class(s) for t in tasks for s in t.formats.values()]

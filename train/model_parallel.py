@@ -22,6 +22,7 @@ from torch import nn
 from zoo.blocks.attention import CausalSelfAttention
 from zoo.blocks.chunked_ce import chunked_cross_entropy
 from zoo.blocks.mlp import SwiGLU
+from zoo.config import RECURRENT_TYPES
 from zoo.blocks.norm import RMSNorm
 
 
@@ -43,6 +44,7 @@ def refusal(cfg, world: int) -> Optional[str]:
                 "train.lr_find": t.lr_find,
                 "train.batch_size": t.batch_size == "auto", "data.format": cfg.data.format != "text",
                 "model.qk_norm": tp and m.qk_norm, "model.attn_sinks": tp and m.attn_sinks,
+                "model.attn_gate": tp and m.attn_gate, "model.layer_types": tp and bool(RECURRENT_TYPES & set(m.layer_types)),
                 "model.final_softcap": not tp and m.final_softcap is not None}
     if key := next((k for k, on in features.items() if on), None):
         return f"{key} does not combine with {how} (it covers the dense LLM's pretraining; use ddp or fsdp)"

@@ -8,7 +8,8 @@
     apply_adapters(model, cfg2, name="b"); set_adapter(model, "b")  # named LoRA adapters, one active
     with adapters_per_row(model, ["default", "b", "__base__"]): model(x)  # row i on adapter i
 
-Targets are named as in PEFT checkpoints (q_proj, ..., down_proj; `lora_sites` maps them onto Zoo's fused layers).
+Targets are named as in PEFT checkpoints (q_proj, ..., down_proj; `lora_sites` maps them onto Zoo's fused layers; a
+recurrent layer's projections by its class's names: in_proj_qkv, in_proj_z, in_proj, out_proj, ...).
 method 'prefix': learned keys/values, 'prompt': learned input embeddings (blocks/prefix.py); 'bottleneck': Houlsby
 adapters after each attention and MLP (blocks/bottleneck.py); quantize_base 'nf4': QLoRA.
 """
@@ -81,7 +82,11 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
         sites = {}
         for i, (wrapper, layer) in enumerate(zip(model.layers, model.blocks())):
             z, h = f"layers.{i}." + ("block." if layer is not wrapper else ""), f"model.layers.{i}."  # MoD: its block
-            for m, n, rows in _attention_sites(cfg, rec):
+            if layer.recurrent:  # its projections, by the file's names
+                x = h + rec.mixers.get(cfg.layer_type(i), "mixer") + "."
+                sites.update({z + "mixer." + n: [(n, m.out_features, x + n)] for n, m in layer.mixer.named_children()
+                              if hasattr(m, "out_features")})
+            for m, n, rows in [] if layer.recurrent else _attention_sites(cfg, rec):
                 sites.setdefault(z + "attn." + m, []).append((n, rows, h + "self_attn." + n))
             mlp = layer.mlp
             if hasattr(mlp, "router"):  # MoE: the shared expert only
@@ -94,7 +99,8 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
             sites[z + "mlp.gate_up"] = [("gate_up_proj", 2 * F, h + "mlp.gate_up_proj")] if "gate_up_proj" in rec.fused \
                 else [(n, F, h + f"mlp.{n}") for n in ("gate_proj", "up_proj")]
             sites[z + "mlp.down"] = [("down_proj", cfg.d_model, h + "mlp.down_proj")]
-        return sites
+        return {site: [(rec.renamed(p).rsplit(".", 1)[-1], rows, rec.renamed(p)) for _, rows, p in parts]
+                for site, parts in sites.items()}  # the class's own names (LFM2's out_proj, w1, w3, w2)
     return {name: [(name.rsplit(".", 1)[-1], m.out_features, name)] for name, m in model.named_modules()
             if isinstance(m, (nn.Linear, LoRALinear)) and (targets is None or name.rsplit(".", 1)[-1] in targets)}
 
@@ -120,7 +126,7 @@ def _attention_sites(cfg, rec) -> list[tuple[str, str, int]]:
         return q + [("kv_a", "kv_a_proj_with_mqa", a.kv_rank + a.rope_dim),
                     ("kv_b", "kv_b_proj", H * (a.nope_dim + a.v_dim)), ("proj", "o_proj", cfg.d_model)]
     D = cfg.resolved_head_dim
-    q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
+    q, kv = cfg.n_heads * D * (1 + cfg.attn_gate), cfg.resolved_n_kv_heads * D  # a gate: q_proj's rows doubled
     qkv = [("qkv", "qkv_proj", q + 2 * kv)] if "qkv_proj" in rec.fused else \
         [("qkv", "q_proj", q), ("qkv", "k_proj", kv), ("qkv", "v_proj", kv)]
     return qkv + [("proj", "o_proj", cfg.d_model)]

@@ -359,6 +359,27 @@ class MLAConfig:
 
 
 @dataclass
+class RecurrentConfig:
+    """The sizes of the recurrent layers `layer_types` names: Gated DeltaNet (`linear_attention`,
+    zoo/blocks/gated_deltanet.py), Mamba-2 (`mamba`, mamba2.py), gated short convolutions (`conv`, short_conv.py)."""
+    n_heads: int = bounded(16, gt=0)        # linear_attention: query/key heads; mamba: heads
+    head_dim: int = bounded(128, gt=0)      # linear_attention: query/key head width; mamba: head width
+    n_v_heads: Optional[int] = bounded(None, gt=0)  # linear_attention: value heads (a multiple of `n_heads`); null =
+                                            # `n_heads`
+    v_head_dim: Optional[int] = bounded(None, gt=0)  # linear_attention: value head width; null = `head_dim`
+    state_size: int = bounded(128, gt=0)    # mamba: the state's width per group (B and C)
+    n_groups: int = bounded(1, gt=0)        # mamba: groups of heads sharing B and C (divides `n_heads`)
+    conv_kernel: int = bounded(4, gt=1)     # width of the causal depthwise convolution
+    conv_bias: bool = False                 # mamba: a bias on the convolution; conv: on it and both projections
+    bias: bool = False                      # mamba: biases on in_proj and out_proj
+    chunk: int = bounded(64, gt=0)          # tokens per chunk of the chunked scan (training, prefill)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "mamba")
+RECURRENT_TYPES = frozenset(LAYER_TYPES[2:])
+
+
+@dataclass
 class LLMConfig:
     """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU).
     Null fields are derived; the `resolved_*` properties give the values in use."""
@@ -399,6 +420,13 @@ class LLMConfig:
     attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
     final_softcap: Optional[float] = bounded(None, gt=0)  # output logits c * tanh(z / c) (Gemma 2)
     attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)
+    attn_gate: bool = False                 # attention output times sigmoid of a gate projected with q (Qwen3.5,
+                                            # Qwen3-Next: q_proj twice as wide, each head's q then its gate)
+    layer_types: list[Literal[LAYER_TYPES]] = field(default_factory=list)  # per layer, repeated: `full_attention`,
+                                            # `sliding_attention` (within `sliding_window`), or a recurrent layer:
+                                            # `linear_attention` (Gated DeltaNet), `conv` (short convolution), `mamba`
+                                            # (Mamba-2), sized by `recurrent`; empty: attention as `attn_pattern` says
+    recurrent: Optional[RecurrentConfig] = None  # the recurrent layers' sizes: the keys below; null = their defaults
     mla: Optional[MLAConfig] = None         # multi-head latent attention (DeepSeek-V3): its keys; null = GQA
     moe: Optional[MoEConfig] = None         # Mixture-of-Experts layers: the keys below; null = a dense model
     # Mixture-of-Depths (zoo/blocks/mod.py): a router sends capacity * T tokens per sequence through
@@ -433,8 +461,21 @@ class LLMConfig:
             raise fail(source, p + "parallel_block", f"needs {p}norm_placement=pre, got {self.norm_placement}")
         if self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None:
             raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
-        if "local" in self.attn_pattern and self.sliding_window is None:
-            raise fail(source, p + "attn_pattern", f"has local layers but {p}sliding_window is null")
+        if self.layer_types and self.attn_pattern:
+            raise fail(source, p + "layer_types", f"and {p}attn_pattern both set: sliding_attention in layer_types says "
+                                                  f"which layers are local")
+        if ("local" in self.attn_pattern or "sliding_attention" in self.layer_types) and self.sliding_window is None:
+            raise fail(source, p + ("layer_types" if self.layer_types else "attn_pattern"),
+                       f"has local layers but {p}sliding_window is null")
+        if self.mod_capacity > 0 and RECURRENT_TYPES & set(self.layer_types):
+            raise fail(source, p + "mod_capacity", f"does not combine with recurrent {p}layer_types (a recurrence "
+                                                   f"runs over every token)")
+        r = self.resolved_recurrent
+        if "linear_attention" in self.layer_types and (r.n_v_heads or r.n_heads) % r.n_heads:
+            raise fail(source, p + "recurrent.n_v_heads", f"={r.n_v_heads} must be a multiple of "
+                                                          f"{p}recurrent.n_heads={r.n_heads}")
+        if "mamba" in self.layer_types and r.n_heads % r.n_groups:
+            raise fail(source, p + "recurrent.n_groups", f"={r.n_groups} must divide {p}recurrent.n_heads={r.n_heads}")
         if self.rotary_dim % 2:
             raise fail(source, p + "rotary_fraction", f"={self.rotary_fraction} gives {self.rotary_dim} rotated "
                                                       f"channels; RoPE needs an even number")
@@ -469,10 +510,22 @@ class LLMConfig:
         """The channels of each head that RoPE rotates."""
         return self.mla.rope_dim if self.mla else int(self.resolved_head_dim * self.rotary_fraction)
 
+    @property
+    def resolved_recurrent(self) -> RecurrentConfig:
+        return self.recurrent or RecurrentConfig()
+
+    def layer_type(self, layer: int) -> str:
+        """The kind of block `layer` (from 0): one of LAYER_TYPES."""
+        if self.layer_types:
+            return self.layer_types[layer % len(self.layer_types)]
+        return "sliding_attention" if self.is_local(layer) else "full_attention"
+
     def is_local(self, layer: int) -> bool:
-        """Whether block `layer` (from 0) attends within `sliding_window` (attn_pattern)."""
+        """Whether block `layer` (from 0) attends within `sliding_window` (layer_types, attn_pattern)."""
         if self.sliding_window is None:
             return False
+        if self.layer_types:
+            return self.layer_types[layer % len(self.layer_types)] == "sliding_attention"
         return not self.attn_pattern or self.attn_pattern[layer % len(self.attn_pattern)] == "local"
 
     def is_mod(self, layer: int) -> bool:

@@ -4,7 +4,8 @@
 
 Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddings; a chunked loss.
 `config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
-(blocks/mod.py), their statistics from `return_aux=True`. `doc_ids=` and `position_ids=` (B, T)
+(blocks/mod.py), their statistics from `return_aux=True`. `config.layer_types`: recurrent layers (Gated DeltaNet,
+Mamba-2, short convolutions) in place of attention, their state in the decoding cache. `doc_ids=` and `position_ids=` (B, T)
 for packed documents. How it trains and runs (attention, checkpointing, MoE routing, losses' weights) is set outside.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import nn
 from .blocks.attention import CausalSelfAttention, KVCache
 from .blocks.attention_docs import Documents, document_positions  # noqa: F401  (document_positions: part of the API)
 from .blocks.attention_masked import KeyMask, MaskedKVCache
+from .blocks.gated_deltanet import GatedDeltaNet
+from .blocks.mamba2 import Mamba2
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
 from .blocks.lora import adapters_per_row
 from .blocks.matvec_cpu import MatvecCPU
@@ -28,8 +31,10 @@ from .blocks.mlp import SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import LayerNorm, RMSNorm
+from .blocks.recurrent import StateCache
 from .blocks.rope import RotaryEmbedding
-from .config import LLMConfig, check, to_dict
+from .blocks.short_conv import ShortConv
+from .config import RECURRENT_TYPES, LLMConfig, check, to_dict
 
 
 class Distill(NamedTuple):
@@ -58,6 +63,17 @@ def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
                                     cfg.norm_eps, scale, m.absorb)
 
 
+def recurrent_block(cfg: LLMConfig, kind: str) -> nn.Module:
+    """The recurrent mixer of a `kind` layer (config.RECURRENT_TYPES), sized by cfg.recurrent."""
+    r, d = cfg.resolved_recurrent, cfg.d_model
+    if kind == "conv":
+        return ShortConv(d, r.conv_kernel, r.conv_bias)
+    if kind == "mamba":
+        return Mamba2(d, r.n_heads, r.head_dim, r.state_size, r.n_groups, r.conv_kernel, r.chunk, r.bias, r.conv_bias,
+                      cfg.norm_eps)
+    return GatedDeltaNet(d, r.n_heads, r.head_dim, r.n_v_heads, r.v_head_dim, r.conv_kernel, cfg.norm_eps, r.chunk)
+
+
 class Block(nn.Module):
     n_extra = 1  # forward returns (x, one more item): what a skipping MixtureOfDepths returns in its place
 
@@ -70,11 +86,15 @@ class Block(nn.Module):
             return norm_class(cfg)(cfg.d_model, cfg.norm_eps) if wanted else nn.Identity()
         self.parallel = cfg.parallel_block  # attention and MLP both read attn_norm's output
         self.attn_norm = norm("pre")
-        self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
-                                        sliding_window=cfg.sliding_window if cfg.is_local(layer) else None,
-                                        qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers,
-                                        scale=scalar ** -0.5 if scalar else None, softcap=cfg.attn_softcap,
-                                        sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias)
+        self.recurrent = cfg.layer_type(layer) in RECURRENT_TYPES  # a recurrent `mixer` in place of `attn`
+        if self.recurrent:
+            self.mixer = recurrent_block(cfg, cfg.layer_type(layer))
+        else:
+            self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(
+                cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
+                sliding_window=cfg.sliding_window if cfg.is_local(layer) else None, qk_norm=cfg.qk_norm,
+                norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers, scale=scalar ** -0.5 if scalar else None,
+                softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias, gate=cfg.attn_gate)
         self.attn_post_norm = norm("post")
         self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
@@ -86,11 +106,17 @@ class Block(nn.Module):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
         may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
         doc_ids (B, T): attention within each document (blocks/attention_docs.py); q_scale: the
-        queries' scale per position (latent attention, rope_scaling.query_beta)."""
-        mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None else None
+        queries' scale per position (latent attention, rope_scaling.query_beta). A recurrent layer restarts its state
+        where doc_ids change, or at a padded row's first real token (key_mask), and keeps it in `cache` (StateCache)."""
         h = self.attn_norm(x)
-        kw = {"q_scale": q_scale} if q_scale is not None else {}
-        a = self.attn(h, cos, sin, cache, start_pos, mask, **kw)
+        if self.recurrent:
+            a, state = self.mixer(h, None if cache is None else cache.read(), doc_ids if key_mask is None else key_mask.long())
+            if cache is not None:
+                cache.write(state)
+        else:
+            mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None \
+                else None
+            a = self.attn(h, cos, sin, cache, start_pos, mask, **{"q_scale": q_scale} if q_scale is not None else {})
         x = x + self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
@@ -145,7 +171,10 @@ class LLM(nn.Module):
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
-            elif name.endswith(("attn.proj.weight", "mlp.down.weight", "mlp.down", "mlp.shared.down.weight")):
+            elif name.endswith(("A_log", "dt_bias", "mixer.D")):  # the recurrences' decays keep their blocks' init
+                continue
+            elif name.endswith(("attn.proj.weight", "mixer.out_proj.weight", "mlp.down.weight", "mlp.down",
+                                "mlp.shared.down.weight")):
                 nn.init.normal_(p, 0.0, init_std / math.sqrt(2 * self.config.n_layers))
             else:
                 nn.init.normal_(p, 0.0, init_std)
@@ -337,18 +366,23 @@ class LLM(nn.Module):
 
     # ------------------------------------------------------------------ generation
     def new_caches(self, batch: int, max_len: int, device=None, dtype=None, masked: bool = False) -> list:
-        """One KV cache per layer; masked=True: caches that also keep which keys are real (padded rows)."""
-        p = self.embed.weight
-        cfg = self.config
+        """One cache per layer: keys and values (masked=True: also which keys are real, for padded rows), the
+        compressed latents of latent attention, or a recurrent layer's state (StateCache)."""
+        p, cfg = self.embed.weight, self.config
+        device, dtype = device or p.device, dtype or p.dtype
         max_len += 0 if self.prompt is None else self.prompt.length  # the virtual tokens' keys and values
-        if cfg.mla:  # the compressed latents only
-            if masked:
-                raise ValueError("left-padded rows (attention_mask) are not supported with multi-head latent attention")
-            return [LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device or p.device, dtype or p.dtype)
-                    for _ in range(cfg.n_layers)]
-        return [(MaskedKVCache if masked or cfg.is_mod(i) else KVCache)(
-            batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device or p.device, dtype or p.dtype)
-            for i in range(cfg.n_layers)]
+        if cfg.mla and masked:
+            raise ValueError("left-padded rows (attention_mask) are not supported with multi-head latent attention")
+
+        def cache(i, block):
+            if block.recurrent:  # zeros shaped as the state after one token
+                with torch.no_grad():
+                    return StateCache(block.mixer(torch.zeros(batch, 1, cfg.d_model, device=device, dtype=p.dtype))[1])
+            if cfg.mla:
+                return LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device, dtype)
+            return (MaskedKVCache if masked or cfg.is_mod(i) else KVCache)(
+                batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device, dtype)
+        return [cache(i, b) for i, b in enumerate(self.blocks())]
 
     @torch.no_grad()  # not inference mode: FSDP2 reuses the buffers it gathers the weights into for training
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
@@ -457,13 +491,16 @@ class LLM(nn.Module):
         return n - self.embed.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022), with
-        a MoE layer's routed experts only and a MoD block's matmuls at c = k / seq_len (attention at c^2)."""
+        """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022; recurrent layers:
+        their matmuls only), with a MoE layer's routed experts only and a MoD block's matmuls at c = k / seq_len
+        (attention at c^2)."""
         cfg = self.config
         n_matmul = self.num_params(non_embedding=True, active=True) + (self.embed.weight.numel() if cfg.tie_embeddings else 0)
         per_layer_attn = 12 * cfg.n_heads * cfg.resolved_head_dim * seq_len
         attn = 0.0
         for layer in self.layers:
+            if getattr(layer, "recurrent", False):  # matmuls only (the scans' own work is not counted)
+                continue
             if isinstance(layer, MixtureOfDepths):
                 c = layer.tokens_routed(seq_len) / seq_len
                 inner = sum(p.numel() for p in layer.block.parameters() if p.dim() > 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import LLMConfig
+from ..config import RECURRENT_TYPES, LLMConfig
 
 ROPES = frozenset({"rope_linear", "rope_llama3", "rope_yarn"})
 FEATURES = {  # the ideas records speak of -> the model keys that give them (docs/pretrained.md; refusals)
@@ -28,7 +28,8 @@ FEATURES = {  # the ideas records speak of -> the model keys that give them (doc
     "moe": "moe", "moe_shared": "moe.n_shared", "moe_shared_gate": "moe.shared_gate",
     "moe_dense_layers": "moe.dense_layers or moe.sparse_every", "moe_topk_raw": "moe.norm_topk_prob: false",
     "moe_bias": "moe.bias", "clamped_swiglu": "moe.swiglu_limit", "sigmoid": "moe.scoring: sigmoid",
-    "moe_groups": "moe.n_groups or moe.routed_scale"}
+    "moe_groups": "moe.n_groups or moe.routed_scale", "attn_gate": "attn_gate",
+    "linear_attention": "layer_types: linear_attention", "conv": "layer_types: conv", "mamba": "layer_types: mamba"}
 PRE = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}  # Zoo norm -> HF norm of a layer
 
 
@@ -50,8 +51,9 @@ def features(cfg: LLMConfig) -> set:
              "moe": m, "moe_shared": m and m.n_shared, "moe_shared_gate": m and m.shared_gate,
              "moe_dense_layers": m and (m.dense_layers or m.sparse_every > 1), "moe_topk_raw": m and not m.norm_topk_prob,
              "moe_bias": m and m.bias, "clamped_swiglu": m and m.swiglu_limit, "sigmoid": m and m.scoring == "sigmoid",
-             "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1)}
-    return (named | {k for k, v in flags.items() if v}) - {None}
+             "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1), "attn_gate": cfg.attn_gate}
+    recurrent = {cfg.layer_type(i) for i in range(cfg.n_layers)} & RECURRENT_TYPES
+    return (named | recurrent | {k for k, v in flags.items() if v}) - {None}
 
 
 def attention_bias(get) -> dict:
@@ -83,9 +85,19 @@ class Record:
     norms = PRE                            # Zoo norm -> the layer's norm in the file, by norm_placement's need
     fused = ()                             # projections the file keeps fused: "qkv_proj", "gate_up_proj"
     norm_offset = 0.0                      # what Zoo's norm gains hold beyond the file's (Gemma's 1 + w: 1)
+    renames: dict = {}                     # the common tensor names' parts -> this class's ("self_attn.o_proj": ...)
+    mixers: dict = {}                      # recurrent layer type -> its module in a file's layer ("conv": "conv");
+                                           # a class with mixers reads and writes config.json's layer_types
+    types: dict = {}                       # its layer_types' names that are not Zoo's -> Zoo's ("attention": ...)
     gguf: Optional[str] = None             # llama.cpp's architecture name, when Zoo reads GGUF files of it
     gguf_writes = False                    # and writes them
     gguf_interleaved = False               # llama.cpp interleaves the RoPE pairs of its q/k rows (Llama)
+
+    def renamed(self, name: str) -> str:
+        """A tensor's or module's common name with the parts this class names otherwise replaced (`renames`)."""
+        for old, new in self.renames.items():
+            name = name.replace(old, new)
+        return name
 
     def config(self, hf: dict, get, n_layers: int) -> dict:
         """The LLMConfig fields of this class's own config.json keys (get(key): the file's or the default)."""

@@ -8,8 +8,9 @@ One fused projection `qkv` (rows: H*D of q, KV*D of k, KV*D of v). `qk_norm`: q 
 head ('head': Qwen3, Gemma 3) or over the projection ('proj': OLMo 2); `rope` False: no positions (NoPE, SmolLM3); cos,
 sin narrower than a head rotate its first channels (partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma);
 `softcap` c: scores c * tanh(s / c) (Gemma 2) and `sinks`: a learned logit per head in every softmax (GPT-OSS), both
-on the 'math' path; `prefix`: learned keys in front (prefix.py). `mask` says which keys a query sees and its `attend`
-picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding step of fixed shapes for CUDA graphs, the
+on the 'math' path; `gate`: the output times sigmoid of a gate projected beside each query head (Qwen3.5; `qkv`'s rows
+then H*2D of each head's q and gate, then k, v); `prefix`: learned keys in front (prefix.py). `mask` says which keys a
+query sees and its `attend` picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding step of fixed shapes for CUDA graphs, the
 cache slots past it masked), `Documents` (attention_docs.py), `KeyMask` (attention_masked.py). Backends
 (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16), 'bmm' on a CPU under torch.compile for short keys
 (attention_cpu.py), else 'sdpa'; 'flex'; 'math' the fp32 reference.
@@ -249,7 +250,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None,
                  qk_norm=False, norm_eps: float = 1e-6, rope: bool = True, scale: Optional[float] = None,
-                 softcap: Optional[float] = None, sinks: bool = False, out_bias: bool = False):
+                 softcap: Optional[float] = None, sinks: bool = False, out_bias: bool = False, gate: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, head_dim or dim // n_heads
         if n_heads % self.n_kv_heads:
@@ -257,7 +258,8 @@ class CausalSelfAttention(nn.Module):
         self.backend, self.sliding_window = check_backend(backend), sliding_window
         self.rope, self.softcap = rope, softcap
         self.q_scale = None if scale is None else scale * math.sqrt(self.head_dim)  # on q: every backend's 1/sqrt(D)
-        self.qkv = nn.Linear(dim, (n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
+        self.gate = gate
+        self.qkv = nn.Linear(dim, ((1 + gate) * n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=out_bias)
         self.qk_norm = "head" if qk_norm is True else qk_norm or None
         if self.qk_norm not in (None, "head", "proj"):
@@ -274,11 +276,14 @@ class CausalSelfAttention(nn.Module):
         rows at positions of their own; mask: a narrower rule than causal (see the module's docstring)."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qk, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H + KV, KV], dim=2)
+        qk, v = self.qkv(x).view(B, T, -1, D).split([(1 + self.gate) * H + KV, KV], dim=2)
+        if self.gate:
+            (q, gate), k = qk[:, :, :2 * H].unflatten(2, (H, 2)).unbind(3), qk[:, :, 2 * H:]
+            qk = torch.cat([q, k], 2)
         q, k = self.rotate(self.norm_qk(qk), cos, sin)  # (B, H, T, D), (B, KV, T, D)
         k, v, mask = (mask or CAUSAL).keys(k, v.transpose(1, 2), cache, start_pos, self.prefix)
-        y = mask.attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks)
-        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+        y = mask.attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks).transpose(1, 2)
+        return self.proj((y if not self.gate else y * gate.sigmoid()).reshape(B, T, H * D))
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """qk (B, T, H + KV, D) with q and k RMS-normalised (`qk_norm`)."""

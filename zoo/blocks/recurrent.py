@@ -5,6 +5,7 @@ take them; the recurrence restarts wherever the id changes inside a row, and the
 row's first document (flash-linear-attention's cu_seqlens rule, with a row's documents numbered by id changes).
 - `causal_conv`: y_t = sum_j w_j x_{t-K+1+j} (+ bias) over channels, never reading another document's input; the
   state is the window of the K-1 inputs before the next token (zeros where they lie before its document).
+- `StateCache`: a layer's state between calls (decoding), in buffers written in place (fixed addresses: CUDA graphs).
 - `chunk_decays`: for a scan whose state decays by exp(g_t) per token, cut in chunks of C tokens, the decays between
   the tokens of a chunk and from/to its ends, zero across a document start (Dao and Gu, "Transformers are SSMs:
   Generalized Models and Efficient Algorithms Through Structured State Space Duality", 2024, the SSD chunked form).
@@ -15,11 +16,31 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def resets(doc_ids: torch.Tensor) -> torch.Tensor:
     """doc_ids (B, T) -> (B, T) bool: True where a new document starts inside the row (never at its first token)."""
     return F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=False)
+
+
+class StateCache(nn.Module):
+    """A recurrent layer's state (a tensor, or a block's tuple of them) kept between calls: zeros like `state` to start
+    with (a zero state is a fresh one), each `write` copied into the same buffers."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.one = torch.is_tensor(state)
+        for i, t in enumerate([state] if self.one else state):
+            self.register_buffer(f"s{i}", torch.zeros_like(t), persistent=False)
+
+    def read(self):
+        s = tuple(self.buffers())
+        return s[0] if self.one else s
+
+    def write(self, state):
+        for b, t in zip(self.buffers(), [state] if self.one else state):
+            b.copy_(t)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -21,7 +21,7 @@ from typing import Optional, Union
 import torch
 
 from ..archs import BY_MODEL_TYPE, FEATURES, RECORDS, Record, features
-from ..config import ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
+from ..config import RECURRENT_TYPES, ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import FILE_DTYPES, atomic_write, mismatches, read_json, read_safetensors_header, save_safetensors
 
 ARCHITECTURES = tuple(RECORDS)
@@ -111,11 +111,15 @@ def _rope(hf: dict, get, rec: Record, source: str) -> dict:
     return out
 
 
-def _pattern(local: list) -> list:
-    """Which layers are local -> Zoo's attn_pattern: 'local' / 'global', cut to its shortest repeating period."""
-    kinds = ["local" if t else "global" for t in local]
+def _period(kinds: list) -> list:
+    """A list cut to its shortest repeating period."""
     period = next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
     return kinds[:period]
+
+
+def _pattern(local: list) -> list:
+    """Which layers are local -> Zoo's attn_pattern: 'local' / 'global', cut to its shortest repeating period."""
+    return _period(["local" if t else "global" for t in local])
 
 
 def _window(hf: dict, get, rec: Record, n_layers: int) -> tuple[Optional[int], list]:
@@ -157,6 +161,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
         norm_eps=get("rms_norm_eps", 1e-6), tie_embeddings=bool(get("tie_word_embeddings", rec.tie)),
         sliding_window=window, attn_pattern=pattern, mlp_act=_ACTS[act],
         **_rope(hf, get, rec, source))
+    if rec.mixers and hf.get("layer_types"):  # a hybrid class: its layers' kinds, Zoo's names for them
+        data["layer_types"] = _period([rec.types.get(t, t) for t in hf["layer_types"]])
     try:
         own = rec.config(hf, get, n_layers)
     except (ValueError, TypeError) as e:
@@ -246,6 +252,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     if "rope_local" in rec.may:
         local = cfg.rope_theta_local or cfg.rope_theta
         hf.update(rope_parameters={"full_attention": rope, "sliding_attention": _rope_to_hf(cfg, local, None)})
+    if rec.mixers:
+        names = {v: k for k, v in rec.types.items()}
+        hf["layer_types"] = [names.get(cfg.layer_type(i), cfg.layer_type(i)) for i in range(n)]
     if cfg.moe is not None:
         hf.update(num_experts_per_tok=cfg.moe.top_k, output_router_logits=cfg.moe.balance == "aux_loss",
                   attention_dropout=0.0)
@@ -266,29 +275,15 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
     tied. The record of `arch` names the norms, the fused projections and the experts."""
     rec = RECORDS[arch] if arch else Record()
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.resolved_ffn_hidden
-    D = cfg.resolved_head_dim
-    q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
     m = {"embed.weight": [("model.embed_tokens.weight", (V, d))]}
     for i in range(cfg.n_layers):
         z, h = f"layers.{i}.", f"model.layers.{i}."
         for zoo_norm, hf_norm in rec.norms.items():
             m[z + zoo_norm + ".weight"] = [(h + hf_norm + ".weight", (d,))]
-        a = h + "self_attn."
-        if cfg.mla:
-            m.update(_mla_keys(cfg, z, a))
-        for kind in (() if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)):
-            shapes = [(r, d)[:2 if kind == "weight" else 1] for r in (q, kv, kv)]
-            m[z + "attn.qkv." + kind] = [(a + f"qkv_proj.{kind}", (q + 2 * kv, d)[:len(shapes[0])])] \
-                if "qkv_proj" in rec.fused else [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes)]
-        if cfg.qk_norm:
-            per_proj = cfg.qk_norm == "proj"
-            m[z + "attn.q_norm.weight"] = [(a + "q_norm.weight", (q if per_proj else D,))]
-            m[z + "attn.k_norm.weight"] = [(a + "k_norm.weight", (kv if per_proj else D,))]
-        m[z + "attn.proj.weight"] = [(a + "o_proj.weight", (d, cfg.n_heads * cfg.mla.v_dim if cfg.mla else q))]
-        if cfg.attn_out_bias:
-            m[z + "attn.proj.bias"] = [(a + "o_proj.bias", (d,))]
-        if cfg.attn_sinks:
-            m[z + "attn.sinks"] = [(a + "sinks", (cfg.n_heads,))]
+        if cfg.layer_type(i) in RECURRENT_TYPES:
+            m.update(_mixer_keys(cfg, cfg.layer_type(i), z, h + rec.mixers.get(cfg.layer_type(i), "mixer") + "."))
+        else:
+            m.update(_attention_keys(cfg, rec, z, h + "self_attn."))
         if cfg.is_sparse(i):
             m.update(_moe_keys(cfg, z, rec.experts(cfg, h)))
             continue
@@ -298,6 +293,35 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
     m["norm.weight"] = [("model.norm.weight", (d,))]
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", (V, d))]
+    return {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()}
+
+
+def _mixer_keys(cfg: LLMConfig, kind: str, z: str, x: str) -> dict:
+    """Zoo -> file names of a recurrent layer's mixer (the blocks hold the files' names; x: its prefix there)."""
+    from ..llm import recurrent_block
+    with torch.device("meta"):
+        block = recurrent_block(cfg, kind)
+    return {z + "mixer." + n: [(x + n, tuple(p.shape))] for n, p in block.named_parameters()}
+
+
+def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str) -> dict:
+    """Zoo -> file names of one attention layer (z, a: the prefixes); a gate (attn_gate) doubles q_proj's rows."""
+    d, D = cfg.d_model, cfg.resolved_head_dim
+    q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
+    m = _mla_keys(cfg, z, a) if cfg.mla else {}
+    for kind in (() if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)):
+        shapes = [(r, d)[:2 if kind == "weight" else 1] for r in (q * (1 + cfg.attn_gate), kv, kv)]
+        m[z + "attn.qkv." + kind] = [(a + f"qkv_proj.{kind}", (q + 2 * kv, d)[:len(shapes[0])])] \
+            if "qkv_proj" in rec.fused else [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes)]
+    if cfg.qk_norm:
+        per_proj = cfg.qk_norm == "proj"
+        m[z + "attn.q_norm.weight"] = [(a + "q_norm.weight", (q if per_proj else D,))]
+        m[z + "attn.k_norm.weight"] = [(a + "k_norm.weight", (kv if per_proj else D,))]
+    m[z + "attn.proj.weight"] = [(a + "o_proj.weight", (d, cfg.n_heads * cfg.mla.v_dim if cfg.mla else q))]
+    if cfg.attn_out_bias:
+        m[z + "attn.proj.bias"] = [(a + "o_proj.bias", (d,))]
+    if cfg.attn_sinks:
+        m[z + "attn.sinks"] = [(a + "sinks", (cfg.n_heads,))]
     return m
 
 
@@ -347,8 +371,8 @@ def inverse(order: list) -> list:
 @torch.no_grad()
 def _shift_norms(state: dict, offset: float):
     """Add `offset` to every norm gain of a state dict, in place."""
-    for name, t in state.items():
-        if offset and name.endswith("norm.weight"):
+    for name, t in state.items():  # not a recurrent mixer's gated norm (a gain of its own)
+        if offset and name.endswith("norm.weight") and ".mixer." not in name:
             t += offset
 
 
