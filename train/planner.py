@@ -628,7 +628,10 @@ def refusal(cfg, device: torch.device, devices: int = 1, sharding: str = "ddp") 
         budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     except ValueError:  # no memory to read on this system
         return None
-    need = floor_bytes(cfg, device, devices, sharding)
+    try:
+        need = floor_bytes(cfg, device, devices, sharding)
+    except ConfigError:  # the builder says it in its own words (the weights' file, the key)
+        return None
     if need <= REFUSE_OVER * budget:
         return None
     if found := fits(cfg, budget, devices, sharding, top=1, device=device):
