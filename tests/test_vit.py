@@ -1,6 +1,9 @@
 """The vision transformers: timm's ViT, DeiT (distilled) and ViTs with registers at random init, saved by timm,
 loaded into Zoo (by name and from the shapes alone) with timm's logits, exported back and loaded by timm strictly;
 the position table resampled as timm does; every preset with timm's key layout."""
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,3 +102,25 @@ def test_bad_input_is_one_line(tmp_path):
         zoo.from_pretrained(path)
     with pytest.raises(zoo.ConfigError, match="num_heads"):
         zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "num_heads": 5}})
+
+
+@pytest.mark.parametrize("init", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["scratch", "timm-init"])
+def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
+    """configs/vit/vit-tiny-digits.yaml (one block) runs a few steps, from scratch or from a timm ViT's file
+    (train.init_from: its structure and 3 channels kept, its 4x4 position grid resampled to the digits' 8x8):
+    finite losses, and the run's weights load back as that ViT through zoo.from_pretrained."""
+    from train.config import load_run_config
+    from train.loop import train
+    over = ["model.depth=1"]
+    if init:
+        _, path = timm_file(tmp_path, "vit_small_patch16_224", ".safetensors", patch_size=4, img_size=16)
+        over = [f"train.init_from={path}"]
+    cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
+                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=3", "train.eval_every=0",
+                           "train.progress=false", "train.samples=false", "train.plot=false", "train.ema_decay=null",
+                           "train.log_every=1", "train.batch_size=16", "optim.warmup_steps=1", *over])
+    final = train(cfg, log=lambda m: None)
+    assert math.isfinite(final["val_loss"]), final
+    model = zoo.from_pretrained(tmp_path / "r" / "model.safetensors")
+    assert isinstance(model, ViT) and model.config.num_classes == 10
+    assert (model.config.in_chans, model.spec["embed_dim"]) == ((3, 128) if init else (1, 192))
