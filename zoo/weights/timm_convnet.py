@@ -260,7 +260,8 @@ def saved_config(path, archs=None) -> tuple[str | None, dict | None]:
         if "zoo" in extra:
             meta["zoo"] = json.loads(extra["zoo"])
     arch = meta.get("architecture")
-    return (arch if arch in (archs or ConvNetConfig.all_archs()) else None), meta.get("zoo")
+    known = archs or ConvNetConfig.all_archs()
+    return (arch if arch in known else None), meta.get("zoo")
 
 
 def load(path, arch: str | None = None, num_classes: int | None = None, **overrides):
