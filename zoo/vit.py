@@ -1,4 +1,4 @@
-"""The Vision Transformer family: ViT (tiny to huge, patch 8 to 32), DeiT (with its distillation token), DINOv2-style
+"""The Vision Transformer family: ViT (tiny to huge, every patch size), DeiT (with its distillation token), DINOv2-style
 ViTs with LayerScale and registers; one config (zoo/config.py's ViTConfig) whose `arch`, a timm name, picks the preset.
 
     image (B, C, H, W) -> patch_embed (p x p conv) -> [class, distillation, register tokens] + position table
@@ -58,22 +58,23 @@ class ViT(ConvNetBase):
         for name in self.classifier_names():
             setattr(self, name, nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity())
             if num_classes:
-                nn.init.trunc_normal_(getattr(self, name).weight, std=0.02)
+                nn.init.normal_(getattr(self, name).weight, std=0.02)
                 nn.init.zeros_(getattr(self, name).bias)
         self.config.num_classes = num_classes
 
     def reset_parameters(self):
-        """Truncated-normal (std 0.02) linears, position table and registers, class tokens at 1e-6, as timm."""
+        """timm's init: small normal linears, position table and registers, class tokens near zero (timm's
+        truncation of the normal lies far outside its spread, so a plain normal draws the same)."""
         self.reset_classifier(self.config.num_classes)
         if self.pos_embed.is_meta:  # built to be loaded or measured: nothing to draw
             return
         for m in self.blocks.modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias) if m.bias is not None else None
         for p in (self.pos_embed, self.dist_token, self.reg_token):
             if p is not None:
-                nn.init.trunc_normal_(p, std=0.02)
+                nn.init.normal_(p, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
 
@@ -99,7 +100,7 @@ class ViT(ConvNetBase):
 
     def flops_per_image(self, image_size: int) -> float:
         """Training FLOPs per image: the linears' and the patch conv's (ConvNetBase's count) plus attention's
-        two token-by-token matmuls, 3 x 2 x 2 x tokens^2 x embed_dim per block."""
+        two token-by-token matmuls per block, forward and backward."""
         tokens = (image_size // self.spec["patch_size"]) ** 2 + self.num_prefix_tokens
         return super().flops_per_image(image_size) + 12.0 * tokens ** 2 * self.num_features * len(self.blocks)
 

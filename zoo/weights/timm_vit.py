@@ -2,7 +2,7 @@
 
 Zoo's ViT uses timm's parameter names; this module reads the file, infers the structure from the shapes (width and
 patch from patch_embed, depth from the blocks, prefix tokens from cls_token / dist_token / reg_token, the image size
-from the position table, heads from the preset or a head width of 64), checks every name and shape, and loads.
+from the position table, heads from the preset or a head width of HEAD_DIM), checks every name and shape, and loads.
 Export is the ConvNets' (timm_convnet.save): the same layout written back.
 
     model = zoo.from_pretrained("vit_small_patch16_224.safetensors", arch="vit_small_patch16_224")
@@ -44,7 +44,7 @@ def _side(n: int) -> int | None:
 
 def shape_keys(sd: dict, preset: dict, source: str) -> dict:
     """The ViTConfig shape keys a timm state dict's names and shapes fix (num_heads: the preset's where its
-    width matches, else embed_dim / 64)."""
+    width matches, else embed_dim / HEAD_DIM)."""
     missing = [k for k in SIGNATURE if k not in sd]
     if missing:
         raise ValueError(f"{source}: not a ViT state dict in timm's layout (no {', '.join(missing)})")
