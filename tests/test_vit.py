@@ -58,13 +58,17 @@ def test_timm_weights_in_and_out(tmp_path, arch, kw, suffix):
 
 def test_heads_need_the_name_or_num_heads_when_the_width_is_not_a_multiple_of_64(tmp_path):
     """embed_dim 48 (3 heads of 16): from the shapes alone a one-line error naming num_heads=; with it, timm's
-    logits within 1e-5."""
+    logits within 1e-5; saved to a folder and loaded back, the same config and logits."""
     ref, path = timm_file(tmp_path, "vit_tiny_patch16_224", ".pth", embed_dim=48, num_heads=3)
     with pytest.raises(ValueError, match="num_heads="):
         zoo.from_pretrained(path)
     model = zoo.from_pretrained(path, num_heads=3)
+    fresh = zoo.build(model.config).eval()
+    zoo.save_pretrained(fresh, tmp_path / "folder")  # a folder: config.json carries the Zoo config, heads included
+    again = zoo.from_pretrained(tmp_path / "folder")
     with torch.no_grad():
         assert (model(image(32)) - ref(image(32))).abs().max().item() <= 1e-5
+        assert again.config == fresh.config and torch.equal(again(image(32)), fresh(image(32)))
 
 
 @pytest.mark.parametrize("arch", ["vit_small_patch16_224", "vit_small_patch14_reg4_dinov2"])
