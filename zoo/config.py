@@ -696,8 +696,8 @@ VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "
 class ViTConfig:
     """A vision transformer: a preset `arch` (timm's name), optionally reshaped by the keys below; a null key takes
     the preset's value, else the default named in its comment (`resolved` gives the values in use)."""
-    arch: str = "vit_small_patch16_224"      # the preset, timm's name (vit_base_patch16_224, deit_tiny_distilled_
-                                            # patch16_224, vit_small_patch14_reg4_dinov2, ...; VIT_ARCHS lists them)
+    arch: str = "vit_small_patch16_224"      # the preset, timm's name (vit_base_patch16_224,
+                                            # deit_tiny_distilled_patch16_224, vit_small_patch14_reg4_dinov2, ...)
     embed_dim: Optional[int] = bounded(None, gt=0)  # token width
     depth: Optional[int] = bounded(None, gt=0)  # encoder blocks
     num_heads: Optional[int] = bounded(None, gt=0)  # attention heads (must divide embed_dim)
@@ -728,7 +728,8 @@ class ViTConfig:
         if r["embed_dim"] % r["num_heads"]:
             raise fail(source, prefix + "num_heads", f"={r['num_heads']} must divide embed_dim={r['embed_dim']}")
         if r["img_size"] % r["patch_size"]:
-            raise fail(source, prefix + "img_size", f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}")
+            raise fail(source, prefix + "img_size",
+                       f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}")
         if r["distilled"] and not r["class_token"]:
             raise fail(source, prefix + "distilled", "needs class_token")
 
