@@ -11,6 +11,7 @@ import zoo
 from test_convnet_timm import random_timm
 from zoo.config import VIT_ARCHS, ViTConfig
 from zoo.vit import ViT
+from zoo.weights import timm_vit
 
 import timm
 
@@ -89,12 +90,14 @@ def test_position_table_resampled_as_timm(tmp_path, arch):
 
 @pytest.mark.slow
 def test_every_preset_has_timms_key_layout():
-    """Each preset, built on the meta device, has timm's state-dict names and shapes (timm's model of that name)."""
+    """Each preset, built on the meta device, has timm's state-dict names and shapes (timm's model of that name), and
+    timm's state dict of that name, read from its shapes alone, gives the preset's structure."""
     for arch in VIT_ARCHS:
         with torch.device("meta"):
             own = ViT(ViTConfig(arch=arch)).state_dict()
         ref = timm.create_model(arch, pretrained=False, device="meta", num_classes=1000).state_dict()
         assert {k: v.shape for k, v in own.items()} == {k: v.shape for k, v in ref.items()}, arch
+        assert timm_vit.config_from_state_dict(ref).resolved == ViTConfig(arch=arch).resolved, arch
 
 
 def test_bad_input_is_one_line(tmp_path):
