@@ -71,8 +71,8 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
 
 def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<state dict>", base: dict | None = None,
                            **overrides) -> ViTConfig:
-    """The ViTConfig of a timm-layout state dict: the preset whose every shape key matches (`arch` if given), or
-    `arch` (default the first preset of that width) reshaped by the keys read; `base`: a saved Zoo config."""
+    """The ViTConfig of a timm-layout state dict: `arch` (default: the first preset of the file's width) with the
+    keys the shapes fix where they differ from it; `base`: a saved Zoo config (a Zoo export's)."""
     if arch is not None and arch not in VIT_ARCHS:
         raise ValueError(f"{source}: unknown ViT arch {arch!r} (known: {', '.join(VIT_ARCHS)})")
     if base is not None and (arch is None or base.get("arch") == arch):
@@ -101,9 +101,9 @@ def load(path, arch: str | None = None, num_classes: int | None = None, **overri
     with torch.device("meta"):
         model = ViT(cfg)
     model.to_empty(device="cpu")
-    file_grid = _side(sd["pos_embed"].shape[1] - (0 if model.spec["no_embed_class"] else model.num_prefix_tokens))
+    n_prefix = 0 if model.spec["no_embed_class"] else model.num_prefix_tokens
+    file_grid = _side(sd["pos_embed"].shape[1] - n_prefix)
     if file_grid is not None and file_grid != model.grid:
-        n_prefix = 0 if model.spec["no_embed_class"] else model.num_prefix_tokens
         sd["pos_embed"] = resample_pos_embed(sd["pos_embed"], (model.grid,) * 2, (file_grid,) * 2, n_prefix)
     load_into(model, sd, str(path))
     model.pretrained_format = {"format": "timm", "layout": "folder" if Path(path).is_dir() else "file",
