@@ -62,6 +62,7 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "convnet/convnext-digits.yaml": [],
     "convnet/efficientnet-digits.yaml": [],
     "convnet/mobilenetv3-digits.yaml": [],
+    "vit/vit-tiny-digits.yaml": ["model.depth=1"],
     "convnet/resnet18.yaml": IMAGENET,
     "convnet/resnet50.yaml": IMAGENET,
     # fine-tunes pretrained timm weights (train.init_from, downloaded by the user) on a flower folder

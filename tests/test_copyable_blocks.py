@@ -278,6 +278,20 @@ SMOKE = {
         z.square().sum().backward()
         assert z.shape == (2, 11, 16) and single.to_qkv_mlp_proj.weight.grad.abs().sum() > 0
     """,
+    "vit.py": """
+        from vit import ViTBlock, add_prefix, resample_pos_embed
+        block = ViTBlock(16, 4, init_values=0.1)
+        x = torch.randn(2, 6, 16)
+        y = block(x)
+        y.square().sum().backward()
+        assert y.shape == x.shape and block.ls1.gamma.grad.abs().sum() > 0 and block.attn.qkv.weight.grad is not None
+        cls, regs, pos = torch.randn(1, 1, 16), torch.randn(1, 2, 16), torch.randn(1, 4, 16)
+        t = add_prefix(x[:, :4], pos, [cls, regs], embed_prefix=False)
+        assert torch.equal(t[:, 0], cls[:, 0].expand(2, -1)) and torch.equal(t[:, 3:], x[:, :4] + pos)
+        wide = resample_pos_embed(torch.cat([cls, pos], 1), (4, 4), (2, 2), n_prefix=1)
+        assert wide.shape == (1, 17, 16) and torch.equal(wide[:, 0], cls[:, 0])
+        assert torch.allclose(resample_pos_embed(torch.ones(1, 4, 16), (3, 5), (2, 2)), torch.ones(1, 15, 16))
+    """,
     "adaln.py": """
         from adaln import DiTBlock, FinalLayer, axial_rope
         block = DiTBlock(16, 4, qk_norm=True)

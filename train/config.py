@@ -328,6 +328,7 @@ SECTIONS = ("family", "model", "data", "train", "optim", "adapter", "rl")
 # family (zoo/config.py's FAMILIES) -> "module:Class" of the task that trains it (train/tasks/), named, not
 # imported: the tasks sit above the config (docs/architecture.md)
 TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
+         "vit": "train.tasks.classify:ClassifyTask",
          "diffusion": "train.tasks.diffusion:DiffusionTask"}
 
 

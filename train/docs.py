@@ -195,6 +195,15 @@ def convnet_archs_table() -> dict:
             "rows": [[f"{kind} (`{kind}.py`)", ", ".join(archs)] for kind, archs in CONVNET_KINDS.items()]}
 
 
+def vit_archs_table() -> dict:
+    """docs/vit.md's presets: every `model.arch` of zoo/config.py's VIT_ARCHS and what sets it apart."""
+    from zoo.config import VIT_ARCHS
+    shape = ("embed_dim", "depth", "num_heads", "patch_size", "img_size")
+    rows = [[f"`{arch}`", *(str(p[k]) for k in shape), ", ".join(f"{k}={v}" for k, v in p.items() if k not in shape)
+             or "-"] for arch, p in VIT_ARCHS.items()]
+    return {"columns": ["`model.arch`", "width", "depth", "heads", "patch", "image", "tokens and scales"], "rows": rows}
+
+
 def dit_presets_table() -> dict:
     """docs/diffusion.md's DiT presets (zoo/config.py's DIT_PRESETS) and their parameters at patch 2, 4 latent
     channels, learned sigma and 1000 classes (DiT-XL/2's setting; built on the meta device)."""
@@ -228,7 +237,8 @@ def samplers_table() -> dict:
 
 CODE_TABLES = {"pretrained": pretrained_table, "features": features_table, "parallel": parallel_table,
                "llm_presets": llm_presets_table, "convnet_presets": convnet_presets_table,
-               "convnet_archs": convnet_archs_table, "dit_presets": dit_presets_table, "samplers": samplers_table}
+               "convnet_archs": convnet_archs_table, "vit_archs": vit_archs_table, "dit_presets": dit_presets_table,
+               "samplers": samplers_table}
 
 
 def config_classes() -> dict[str, type]:

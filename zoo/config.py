@@ -664,6 +664,82 @@ class ConvNetConfig:
         return self.width_per_group or RESNET_ARCHS[self.arch][3]
 
 
+# ------------- Vision transformer family (zoo/vit.py)
+
+_VIT_SIZES = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12), "large": (1024, 24, 16),
+              "huge": (1280, 32, 16)}  # size -> (embed_dim, depth, num_heads)
+
+
+def _vit(size: str, patch: int, img: int = 224, **flags) -> dict:
+    return dict(zip(("embed_dim", "depth", "num_heads"), _VIT_SIZES[size]), patch_size=patch, img_size=img, **flags)
+
+
+# ViT presets, timm's names: name -> the keys that differ from ViTConfig's defaults
+VIT_ARCHS: dict[str, dict] = {
+    **{f"vit_{s}_patch{p}_{i}": _vit(s, p, i) for s, p, i in (
+        ("tiny", 16, 224), ("small", 16, 224), ("base", 16, 224), ("large", 16, 224), ("small", 32, 224),
+        ("base", 32, 224), ("large", 32, 224), ("small", 8, 224), ("base", 8, 224), ("huge", 14, 224),
+        ("tiny", 16, 384), ("small", 16, 384), ("base", 16, 384), ("large", 16, 384))},
+    **{f"deit_{s}_patch16_224": _vit(s, 16) for s in ("tiny", "small", "base")},
+    **{f"deit_{s}_distilled_patch16_224": _vit(s, 16, distilled=True) for s in ("tiny", "small", "base")},
+    **{f"vit_{s}_patch14_dinov2": _vit(s, 14, 518, init_values=1e-5) for s in ("small", "base", "large")},
+    **{f"vit_{s}_patch14_reg4_dinov2": _vit(s, 14, 518, init_values=1e-5, reg_tokens=4, no_embed_class=True)
+       for s in ("small", "base", "large")},
+    "vit_base_patch16_reg4_gap_256": _vit("base", 16, 256, class_token=False, no_embed_class=True,
+                                          global_pool="avg", reg_tokens=4),
+}
+VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
+                  "reg_tokens", "no_embed_class", "global_pool", "init_values")
+
+
+@dataclass
+class ViTConfig:
+    """A vision transformer: a preset `arch` (timm's name), optionally reshaped by the keys below; a null key takes
+    the preset's value, else the default named in its comment (`resolved` gives the values in use)."""
+    arch: str = "vit_small_patch16_224"      # the preset, timm's name (vit_base_patch16_224,
+                                            # deit_tiny_distilled_patch16_224, vit_small_patch14_reg4_dinov2, ...)
+    embed_dim: Optional[int] = bounded(None, gt=0)  # token width
+    depth: Optional[int] = bounded(None, gt=0)  # encoder blocks
+    num_heads: Optional[int] = bounded(None, gt=0)  # attention heads (must divide embed_dim)
+    patch_size: Optional[int] = bounded(None, gt=0)  # square patch side in pixels
+    img_size: Optional[int] = bounded(None, gt=0)  # the image side the position table is laid out for (other
+                                            # sizes resample it bicubically); must be a multiple of patch_size
+    mlp_ratio: Optional[float] = bounded(None, gt=0)  # MLP hidden width over embed_dim (default 4)
+    class_token: Optional[bool] = None      # a learned class token in front (default true)
+    distilled: Optional[bool] = None        # DeiT's distillation token and second head, logits averaged (default false)
+    reg_tokens: Optional[int] = bounded(None, ge=0)  # register tokens after the class token (default 0)
+    no_embed_class: Optional[bool] = None   # position table for the patches only, not the prefix tokens (default false)
+    global_pool: Optional[Literal["token", "avg"]] = None  # `token` (the class token, final norm) or `avg` (mean
+                                            # of the patch tokens, then fc_norm); default token
+    init_values: Optional[float] = bounded(None, ge=0)  # LayerScale's initial value; 0: no LayerScale (default 0)
+    qkv_bias: bool = True                   # biases on the attention's qkv projection
+    in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
+    num_classes: int = bounded(1000, ge=0)  # classifier outputs; 0: no head (the pooled features)
+    drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
+    drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
+
+    DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
+                                    no_embed_class=False, global_pool="token", init_values=0.0)
+
+    def validate(self, source="<config>", prefix=""):
+        if self.arch not in VIT_ARCHS:
+            raise fail(source, prefix + "arch", f"must be one of {', '.join(VIT_ARCHS)}, got {self.arch!r}")
+        r = self.resolved
+        if r["embed_dim"] % r["num_heads"]:
+            raise fail(source, prefix + "num_heads", f"={r['num_heads']} must divide embed_dim={r['embed_dim']}")
+        if r["img_size"] % r["patch_size"]:
+            raise fail(source, prefix + "img_size",
+                       f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}")
+        if r["distilled"] and not r["class_token"]:
+            raise fail(source, prefix + "distilled", "needs class_token")
+
+    @property
+    def resolved(self) -> dict:
+        """Every shape key's value in use: the key, else the preset's, else DEFAULTS'."""
+        preset = {**self.DEFAULTS, **VIT_ARCHS[self.arch]}
+        return {k: preset[k] if getattr(self, k) is None else getattr(self, k) for k in VIT_SHAPE_KEYS}
+
+
 # ---------------------------------------------------------------- Latent diffusion family
 
 @dataclass
@@ -820,6 +896,7 @@ FAMILIES: dict[str, Family] = {
     "llm": Family(LLMConfig, "zoo.llm:LLM"),
     "convnet": Family(ConvNetConfig, "zoo.convnet:build"),
     "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion"),
+    "vit": Family(ViTConfig, "zoo.vit:ViT"),
 }
 
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import zoo
 from zoo.blocks.chunked_ce import distillation_loss
-from zoo.config import ConfigError, bounded, fail
+from zoo.config import VIT_ARCHS, ConfigError, bounded, fail
 from zoo.convnet.preprocess import Preprocess
-from zoo.weights import timm_convnet
+from zoo.weights import timm_convnet, timm_vit
 
 from ..data import DataError
 from ..data.images import (FolderImages, augment_seeded, auto_augment_op, collate_images, digits_dataset,
@@ -103,10 +103,12 @@ class ClassifyTask(Task):
             seen = folder_channels(p for p, _ in train_s)
         self.model_cfg = self._fit_to_data(seen)
         if cfg.train.init_from:  # the architecture (and input channels) come from the weights
+            fmt = timm_vit if cfg.family == "vit" else timm_convnet  # the family's timm layout
+
             def read(path):
                 sd = timm_convnet.read_state_dict(path)
-                named, base = timm_convnet.saved_config(path)  # a timm folder's arch, a Zoo export's config
-                return sd, timm_convnet.config_from_state_dict(
+                named, base = timm_convnet.saved_config(path, VIT_ARCHS if fmt is timm_vit else None)
+                return sd, fmt.config_from_state_dict(
                     sd, named, str(path), base, num_classes=self.model_cfg.num_classes,
                     drop_rate=cfg.model.drop_rate, drop_path_rate=cfg.model.drop_path_rate)
             self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
@@ -225,11 +227,9 @@ class ClassifyTask(Task):
         return (x.float() - self.norm_mean) * self.norm_inv_std
 
     def build_model(self):
-        from zoo.convnet import build
+        model = self.model = zoo.build(self.model_cfg)
         if self.pretrained is None:
-            self.model = zoo.build(self.model_cfg)
-            return self.model
-        model = self.model = build(self.model_cfg)
+            return model
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self.load_pretrained(lambda path: timm_convnet.load_into(model, self.pretrained, str(path)))

@@ -25,6 +25,10 @@ class ConvNetBase(nn.Module):
     def units(self) -> list:
         raise NotImplementedError
 
+    def classifier_names(self) -> list:
+        """The dotted names of the model's classifier heads (reset_classifier() replaces them all)."""
+        return [self.classifier_name]
+
     def repeated_units(self) -> list:
         """The residual blocks in order (not the stages): what a data-parallel wrapper shards, and activation
         checkpointing applies to."""

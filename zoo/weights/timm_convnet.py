@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import CONVNET_KINDS, CONVNEXT_ARCHS, RESNET_ARCHS, ConfigError, ConvNetConfig, from_dict, to_dict
+from ..config import (CONVNET_KINDS, CONVNEXT_ARCHS, RESNET_ARCHS, ConfigError, ConvNetConfig, ViTConfig, from_dict,
+                      to_dict)
 from .files import (WEIGHT_SUFFIXES as SUFFIXES, atomic_write, load_tensors, read_json, read_safetensors_header,
                     save_safetensors)
 
@@ -210,7 +211,7 @@ def load_into(model, sd: dict, source: str = "<state dict>") -> None:
     own = model.state_dict()
     sd = dict(sd)
     name = model.classifier_name
-    head = [k for k in (f"{name}.weight", f"{name}.bias") if k in own]
+    head = [k for n in model.classifier_names() for k in (f"{n}.weight", f"{n}.bias") if k in own]
     if any(k not in sd or sd[k].shape != own[k].shape for k in head):
         got = f"classifier {tuple(sd[head[0]].shape)}" if head[0] in sd else "no classifier in the file;"
         warnings.warn(f"{source}: {got} replaced by a new {model.config.num_classes}-class head "
@@ -235,8 +236,11 @@ def load_into(model, sd: dict, source: str = "<state dict>") -> None:
     model.load_state_dict(sd, strict=True)
 
 
-def describe(cfg: ConvNetConfig) -> str:
+def describe(cfg) -> str:
     """'resnet18-style ResNet (layers=[1, 1], block=basic)', 'convnext_tiny', ...: what a model was built as."""
+    if isinstance(cfg, ViTConfig):
+        r = cfg.resolved
+        return f"{cfg.arch}-style ViT (embed_dim={r['embed_dim']}, depth={r['depth']}, patch_size={r['patch_size']})"
     if cfg.kind == "resnet":
         return f"{cfg.arch}-style ResNet (layers={cfg.resolved_layers}, block={cfg.resolved_block})"
     if cfg.kind == "convnext":
@@ -244,9 +248,9 @@ def describe(cfg: ConvNetConfig) -> str:
     return f"{cfg.arch} (width_mult={cfg.resolved_width_mult}, depth_mult={cfg.resolved_depth_mult})"
 
 
-def saved_config(path) -> tuple[str | None, dict | None]:
-    """(the architecture a timm folder's config.json names, the Zoo config a Zoo export carries): the
-    "zoo" entry of the safetensors metadata or of the folder's config.json."""
+def saved_config(path, archs=None) -> tuple[str | None, dict | None]:
+    """(the architecture a timm folder's config.json names, if one of `archs` (default: the ConvNets'), the Zoo
+    config a Zoo export carries): the "zoo" entry of the safetensors metadata or of the folder's config.json."""
     p, f = Path(path), weight_file(path)
     meta = {}
     if p.is_dir() and (p / "config.json").is_file():
@@ -256,7 +260,8 @@ def saved_config(path) -> tuple[str | None, dict | None]:
         if "zoo" in extra:
             meta["zoo"] = json.loads(extra["zoo"])
     arch = meta.get("architecture")
-    return (arch if arch in ConvNetConfig.all_archs() else None), meta.get("zoo")
+    known = archs or ConvNetConfig.all_archs()
+    return (arch if arch in known else None), meta.get("zoo")
 
 
 def load(path, arch: str | None = None, num_classes: int | None = None, **overrides):
@@ -288,7 +293,7 @@ def save(model, path, **kwargs) -> Path:
     file the model was loaded from, else model.safetensors with a config.json carrying the zoo config.
     Returns the weight file written."""
     if kwargs:
-        raise TypeError(f"save_pretrained for a ConvNet takes no options, got {', '.join(kwargs)}")
+        raise TypeError(f"save_pretrained for a timm model takes no options, got {', '.join(kwargs)}")
     p = Path(path)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if p.suffix.lower() not in SUFFIXES:  # a folder

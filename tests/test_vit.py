@@ -1,0 +1,133 @@
+"""The vision transformers: timm's ViT, DeiT (distilled) and ViTs with registers at random init, saved by timm,
+loaded into Zoo (by name and from the shapes alone) with timm's logits, exported back and loaded by timm strictly;
+the position table resampled as timm does; every preset with timm's key layout."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+from test_convnet_timm import random_timm
+from zoo.config import VIT_ARCHS, ViTConfig
+from zoo.vit import ViT
+from zoo.weights import timm_vit
+
+import timm
+
+TINY = dict(embed_dim=128, depth=2, num_heads=2, patch_size=8, img_size=32, num_classes=5)  # head width 64
+HELD_OUT = [("vit_small_patch16_224", {}, ".pth"), ("deit_tiny_distilled_patch16_224", {}, ".safetensors"),
+            ("vit_small_patch14_reg4_dinov2", dict(patch_size=7, img_size=28), ".safetensors"),
+            ("vit_base_patch16_reg4_gap_256", {}, ".pth")]
+
+
+def timm_file(tmp_path, arch, suffix, **kw):
+    """A random-init timm model and the file timm's state dict is saved to."""
+    ref = random_timm(arch, **{**TINY, **kw})
+    path = tmp_path / f"{arch}{suffix}"
+    if suffix == ".safetensors":
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    else:
+        torch.save(ref.state_dict(), path)
+    return ref, path
+
+
+def image(size, seed=1):
+    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch,kw,suffix", HELD_OUT, ids=[a for a, _, _ in HELD_OUT])
+def test_timm_weights_in_and_out(tmp_path, arch, kw, suffix):
+    """timm's file -> Zoo, by name and from the shapes alone: max |logits diff| <= 1e-5 (fp32, eval); Zoo's export
+    -> timm (load_state_dict strict): the same logits within 1e-5."""
+    ref, path = timm_file(tmp_path, arch, suffix, **kw)
+    x = image({**TINY, **kw}["img_size"])
+    with torch.no_grad():
+        want = ref(x)
+        assert want.abs().max() > 0.1
+        for model in (zoo.from_pretrained(path, arch=arch), zoo.from_pretrained(path)):
+            assert isinstance(model, ViT) and model.config.num_classes == 5
+            assert (model(x) - want).abs().max().item() <= 1e-5
+    out = zoo.save_pretrained(model, tmp_path / "export.safetensors")
+    back = timm.create_model(arch, pretrained=False, **{**TINY, **kw}).eval()
+    from safetensors.torch import load_file
+    back.load_state_dict(load_file(out), strict=True)
+    with torch.no_grad():
+        assert (back(x) - want).abs().max().item() <= 1e-5
+
+
+def test_heads_need_the_name_or_num_heads_when_the_width_is_not_a_multiple_of_64(tmp_path):
+    """embed_dim 48 (3 heads of 16): from the shapes alone a one-line error naming num_heads=; with it, timm's
+    logits within 1e-5; saved to a folder and loaded back, the same config and logits."""
+    ref, path = timm_file(tmp_path, "vit_tiny_patch16_224", ".pth", embed_dim=48, num_heads=3)
+    with pytest.raises(ValueError, match="num_heads="):
+        zoo.from_pretrained(path)
+    model = zoo.from_pretrained(path, num_heads=3)
+    fresh = zoo.build(model.config).eval()
+    zoo.save_pretrained(fresh, tmp_path / "folder")  # a folder: config.json carries the Zoo config, heads included
+    again = zoo.from_pretrained(tmp_path / "folder")
+    with torch.no_grad():
+        assert (model(image(32)) - ref(image(32))).abs().max().item() <= 1e-5
+        assert again.config == fresh.config and torch.equal(again(image(32)), fresh(image(32)))
+
+
+@pytest.mark.parametrize("arch", ["vit_small_patch16_224", "vit_small_patch14_reg4_dinov2"])
+def test_position_table_resampled_as_timm(tmp_path, arch):
+    """Loaded at img_size 48 (a 6x6 grid from 4x4): pos_embed equals timm's resample_abs_pos_embed; a 40x40 image
+    through the 32-pixel model gives timm's dynamic_img_size logits within 1e-5."""
+    from timm.layers import resample_abs_pos_embed
+    ref, path = timm_file(tmp_path, arch, ".pth", patch_size=8)
+    n_prefix = 0 if VIT_ARCHS[arch].get("no_embed_class") else ref.num_prefix_tokens
+    big = zoo.from_pretrained(path, img_size=48)
+    want = resample_abs_pos_embed(ref.pos_embed, (6, 6), (4, 4), num_prefix_tokens=n_prefix)
+    assert big.pos_embed.shape == want.shape and (big.pos_embed - want).abs().max().item() <= 1e-6
+    dynamic = timm.create_model(arch, pretrained=False, dynamic_img_size=True, **{**TINY, "patch_size": 8}).eval()
+    dynamic.load_state_dict(ref.state_dict(), strict=True)
+    with torch.no_grad():
+        assert (zoo.from_pretrained(path)(image(40)) - dynamic(image(40))).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_every_preset_has_timms_key_layout():
+    """Each preset, built on the meta device, has timm's state-dict names and shapes (timm's model of that name), and
+    timm's state dict of that name, read from its shapes alone, gives the preset's structure."""
+    for arch in VIT_ARCHS:
+        with torch.device("meta"):
+            own = ViT(ViTConfig(arch=arch)).state_dict()
+        ref = timm.create_model(arch, pretrained=False, device="meta", num_classes=1000).state_dict()
+        assert {k: v.shape for k, v in own.items()} == {k: v.shape for k, v in ref.items()}, arch
+        assert timm_vit.config_from_state_dict(ref).resolved == ViTConfig(arch=arch).resolved, arch
+
+
+def test_bad_input_is_one_line(tmp_path):
+    ref, path = timm_file(tmp_path, "vit_small_patch16_224", ".pth")
+    sd = ref.state_dict()
+    sd["pos_embed"] = sd["pos_embed"][:, :7]
+    torch.save(sd, path)
+    with pytest.raises(ValueError, match="pos_embed has 7 rows"):
+        zoo.from_pretrained(path)
+    with pytest.raises(zoo.ConfigError, match="num_heads"):
+        zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "num_heads": 5}})
+
+
+@pytest.mark.parametrize("init", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["scratch", "timm-init"])
+def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
+    """configs/vit/vit-tiny-digits.yaml (one block) runs a few steps, from scratch or from a timm ViT's file
+    (train.init_from: its structure and 3 channels kept, its 4x4 position grid resampled to the digits' 8x8):
+    finite losses, and the run's weights load back as that ViT through zoo.from_pretrained."""
+    from train.config import load_run_config
+    from train.loop import train
+    over = ["model.depth=1"]
+    if init:
+        _, path = timm_file(tmp_path, "vit_small_patch16_224", ".safetensors", patch_size=4, img_size=16)
+        over = [f"train.init_from={path}"]
+    cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
+                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=3", "train.eval_every=0",
+                           "train.progress=false", "train.samples=false", "train.plot=false", "train.ema_decay=null",
+                           "train.log_every=1", "train.batch_size=16", "optim.warmup_steps=1", *over])
+    final = train(cfg, log=lambda m: None)
+    assert math.isfinite(final["val_loss"]), final
+    model = zoo.from_pretrained(tmp_path / "r" / "model.safetensors")
+    assert isinstance(model, ViT) and model.config.num_classes == 10
+    assert (model.config.in_chans, model.spec["embed_dim"]) == ((3, 128) if init else (1, 192))
