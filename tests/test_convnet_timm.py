@@ -79,6 +79,12 @@ def test_timm_folder_names_the_arch_and_safetensors_load(tmp_path):
         assert (model(x) - ref(x)).abs().max().item() <= 1e-5
     with pytest.warns(UserWarning, match="replaced by a new 4-class head"):
         assert zoo.from_pretrained(folder, num_classes=4).classifier.out_features == 4
+    # a model read from a single file, saved to a folder: timm's folder (config.json beside the file's type)
+    single = zoo.from_pretrained(zoo.save_pretrained(model, tmp_path / "one.pth"))
+    written = zoo.save_pretrained(single, tmp_path / "again")
+    assert written.name == "pytorch_model.bin" and (tmp_path / "again" / "config.json").is_file()
+    with torch.no_grad():
+        assert (zoo.from_pretrained(tmp_path / "again")(x) - ref(x)).abs().max().item() <= 1e-5
 
 
 def test_another_architectures_file_is_one_line_error(tmp_path):

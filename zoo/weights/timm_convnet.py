@@ -296,15 +296,12 @@ def save(model, path, **kwargs) -> Path:
         raise TypeError(f"save_pretrained for a timm model takes no options, got {', '.join(kwargs)}")
     p = Path(path)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if p.suffix.lower() not in SUFFIXES:  # a folder
-        source = getattr(model, "pretrained_format", None) or {}
-        if source.get("layout") == "file":
-            p = p / source["file"]
-        else:
-            cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
-                   "zoo": to_dict(model.config)}
-            atomic_write(p / "config.json", json.dumps(cfg, indent=2))
-            p = p / source.get("file", "model.safetensors")
+    if p.suffix.lower() not in SUFFIXES:  # a folder: timm's, config.json beside the weights in the source's type
+        name = (getattr(model, "pretrained_format", None) or {}).get("file", "model.safetensors")
+        cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
+               "zoo": to_dict(model.config)}
+        atomic_write(p / "config.json", json.dumps(cfg, indent=2))
+        p = p / (name if name in FOLDER_FILES else FOLDER_FILES[not name.lower().endswith(".safetensors")])
     if p.suffix.lower() == ".safetensors":
         save_safetensors(sd, p, {"arch": model.config.arch, "zoo": json.dumps(to_dict(model.config))})
     else:
