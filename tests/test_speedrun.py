@@ -9,6 +9,7 @@ import torch
 import zoo
 from train.config import OptimConfig, load_run_config
 from train.loop import train
+from train.model_parallel import refusal
 from train.optim import build_optimizer, set_lr
 from zoo.blocks.mlp import ReLU2MLP
 from zoo.config import LLMConfig
@@ -127,6 +128,14 @@ def test_saves_to_a_zoo_folder_and_hugging_face_refuses(tmp_path):
     for key, value in (("mlp", "relu2"), ("value_embeds", 1), ("unet_skips", True)):
         with pytest.raises(ValueError, match=f"^model.{key}={value}: no Hugging Face class holds"):
             record_for(LLMConfig(**BASE, **{key: value}))
+
+
+def test_model_parallelism_refuses_the_ideas_across_blocks():
+    speedrun = str(ROOT / "configs/llm/speedrun.yaml")
+    for par, over in (("pp", ["model.value_embeds=0"]), ("tp", ["model.value_embeds=0", "model.unet_skips=false"])):
+        cfg = load_run_config(speedrun, [f"train.parallel={par}", *over])
+        key = "unet_skips" if par == "pp" else "mlp"
+        assert refusal(cfg, 2).startswith(f"model.{key} does not combine with train.parallel={par}")
 
 
 @pytest.mark.slow
