@@ -6,7 +6,9 @@ Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddin
 `config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
 (blocks/mod.py), their statistics from `return_aux=True`. `config.layer_types`: recurrent layers (Gated DeltaNet,
 Mamba-2, short convolutions) in place of attention, their state in the decoding cache. `doc_ids=` and `position_ids=` (B, T)
-for packed documents. How it trains and runs (attention, checkpointing, MoE routing, losses' weights) is set outside.
+for packed documents. `mlp`, `value_embeds`, `unet_skips`, `zero_init_out`: the speedrun's ReLU^2 MLP, value
+embeddings, U-net skips across blocks and zero-initialised output projections. How it trains and runs (attention,
+checkpointing, MoE routing, losses' weights) is set outside.
 """
 from __future__ import annotations
 
