@@ -48,6 +48,7 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "llm/tiny.yaml": [],
     "llm/tiny-moe.yaml": [],
     "llm/tiny-mod.yaml": [],
+    "llm/speedrun.yaml": [],
     "llm/smollm-135m.yaml": LLM_SHAPES + ["model.n_kv_heads=2"],  # 9 query heads over 3 kv heads -> 4 over 2
     "llm/llama-1b.yaml": LLM_SHAPES + NO_COMPILE + ["model.n_kv_heads=2"],
     "llm/llama2-7b.yaml": LLM_SHAPES + NO_COMPILE,

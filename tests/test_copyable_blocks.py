@@ -161,7 +161,10 @@ SMOKE = {
         assert (y[:, keep[0]] - dense).abs().max() < 1e-5
     """,
     "mlp.py": """
-        from mlp import SwiGLU
+        from mlp import ReLU2MLP, SwiGLU
+        r = ReLU2MLP(8, 16)
+        x = torch.randn(3, 8)
+        assert (r(x) - (x @ r.up.weight.t()).clamp(min=0) ** 2 @ r.down.weight.t()).abs().max() < 1e-5
         m = SwiGLU(8, 16)
         x = torch.randn(3, 8)
         g, u = (x @ m.gate_up.weight.t()).chunk(2, -1)

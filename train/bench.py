@@ -23,7 +23,8 @@ PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
            "diffusion": "taesd dit latent-cache min-snr diffusion-quality", "optimizers": "optimizers lr-find",
            "sft": "sft-packing sft-quality", "gpu": "gpu float8 bf16-pure", "rollout": "rollout rl-quality rl-memory"}
 BENCHES: dict[str, str] = {**{n: f"{m}, name" for m, names in PRESETS.items() for n in names.split()},
-                           **{m: m for m in ("checkpointing", "distributed", "data", "memory", "report", "gate")}}
+                           **{m: m for m in ("checkpointing", "distributed", "data", "memory", "report", "gate",
+                                             "speedrun")}}
 
 
 def main(argv=None):

@@ -282,6 +282,8 @@ class OptimConfig:
     rmsprop_centered: bool = False          # rmsprop: divide by the gradient's variance, not its second moment
     muon_lr: float = bounded(0.02, gt=0)    # muon: Muon's peak LR on the hidden matrices (the schedule scales it as
                                             # it scales `lr`, which the AdamW part uses)
+    head_lr: Optional[float] = bounded(None, gt=0)  # the untied LM head's peak LR (the schedule scales it as it
+                                            # scales `lr`); null = `lr`
     muon_momentum: float = bounded(0.95, ge=0, lt=1)  # muon: Muon's momentum (Nesterov)
     adafactor_beta2_decay: float = bounded(-0.8, lt=0)  # adafactor: the second-moment decay 1 - t^beta2_decay (< 0)
     galore_rank: int = bounded(128, ge=1)   # galore: rank of the projected gradient states

@@ -38,6 +38,8 @@ def refusal(cfg, world: int) -> Optional[str]:
     sizes = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.resolved_n_kv_heads,
              "model.ffn_hidden": m.resolved_ffn_hidden} if tp else {"model.n_layers": m.n_layers}
     features = {"model.moe": m.moe is not None, "model.mla": m.mla is not None, "model.mod_capacity": m.mod_capacity,
+                "model.value_embeds": m.value_embeds, "model.unet_skips": m.unet_skips,
+                "model.mlp": tp and m.mlp != "swiglu",
                 "adapter.method": cfg.adapter.enabled, "train.ema_decay": t.ema_decay, "train.compile": t.compile,
                 "train.teacher": t.teacher, "train.qat": t.qat, "train.prune": t.prune, "train.unfreeze": t.unfreeze,
                 "train.float8": t.float8, "train.precision": t.precision in ("fp16", "bf16-pure"),

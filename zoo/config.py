@@ -410,6 +410,15 @@ class LLMConfig:
     norm_placement: Literal["pre", "post", "sandwich"] = "pre"  # RMSNorm before each branch (`pre`), after it
                                             # (`post`, OLMo 2) or both (`sandwich`, Gemma)
     mlp_act: Literal["silu", "gelu_tanh"] = "silu"  # SwiGLU, or GeGLU with tanh-approximated GELU (Gemma)
+    mlp: Literal["swiglu", "relu2"] = "swiglu"  # the MLP: gated (`mlp_act`), or `relu2`: W_down relu(W_up x)^2, ungated
+                                            # (modded-nanogpt); its null `ffn_hidden` = 4 `d_model`
+    value_embeds: int = bounded(0, ge=0)    # extra token-embedding tables added, each times a learned scalar, to the
+                                            # attention values: table i in layers i and n_layers - value_embeds + i
+                                            # (modded-nanogpt); 0 = off
+    unet_skips: bool = False                # U-net: block i's output, times a learned weight (starting at one), joins
+                                            # the input of block n_layers - 1 - i, for the first half (modded-nanogpt)
+    zero_init_out: bool = False             # attention output and MLP down projections start at zero: every block the
+                                            # identity at init (modded-nanogpt)
     embed_scale: bool = False               # multiply the embeddings by sqrt(`d_model`) (Gemma)
     norm_type: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (Cohere)
     parallel_block: bool = False            # attention and MLP side by side from one norm: x + attn(n(x)) + mlp(n(x))
@@ -482,6 +491,10 @@ class LLMConfig:
         if self.mod_capacity > 0 and self.mod_every > self.n_layers:
             raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
                                                 f"no layer would be a MoD block")
+        if self.value_embeds and (2 * self.value_embeds > self.n_layers or self.mla or self.mod_capacity > 0 or
+                                  any(self.layer_type(i) in RECURRENT_TYPES for i in self.value_embed_layers())):
+            raise fail(source, p + "value_embeds", f"={self.value_embeds} needs 2 x {p}value_embeds <= {p}n_layers="
+                                                   f"{self.n_layers}, grouped-query attention in those layers, no MoD")
         dense = self.moe.dense_layers if self.moe else []
         for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
             if bad := [i for i in layers if not 0 <= i < self.n_layers]:
@@ -498,6 +511,8 @@ class LLMConfig:
     @property
     def resolved_ffn_hidden(self) -> int:
         m = self.ffn_multiple_of  # 8/3 d_model rounded up to a multiple of m
+        if self.mlp == "relu2":
+            return self.ffn_hidden or 4 * self.d_model
         return self.ffn_hidden or m * ((int(8 * self.d_model / 3) + m - 1) // m)
 
     @property
@@ -527,6 +542,11 @@ class LLMConfig:
         if self.layer_types:
             return self.layer_types[layer % len(self.layer_types)] == "sliding_attention"
         return not self.attn_pattern or self.attn_pattern[layer % len(self.attn_pattern)] == "local"
+
+    def value_embed_layers(self) -> list[int]:
+        """The layers value embedding tables 0, 1, ... feed: the first `value_embeds`, then the last as many."""
+        k = self.value_embeds
+        return [*range(k), *range(self.n_layers - k, self.n_layers)] if k else []
 
     def is_mod(self, layer: int) -> bool:
         """Whether block `layer` (from 0) is wrapped in Mixture-of-Depths routing."""

@@ -6,7 +6,9 @@ Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddin
 `config.moe`: Mixture-of-Experts MLPs (blocks/moe.py); `config.mod_capacity` > 0: Mixture-of-Depths
 (blocks/mod.py), their statistics from `return_aux=True`. `config.layer_types`: recurrent layers (Gated DeltaNet,
 Mamba-2, short convolutions) in place of attention, their state in the decoding cache. `doc_ids=` and `position_ids=` (B, T)
-for packed documents. How it trains and runs (attention, checkpointing, MoE routing, losses' weights) is set outside.
+for packed documents. `mlp`, `value_embeds`, `unet_skips`, `zero_init_out`: the speedrun's ReLU^2 MLP, value
+embeddings, U-net skips across blocks and zero-initialised output projections. How it trains and runs (attention,
+checkpointing, MoE routing, losses' weights) is set outside.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss,
 from .blocks.lora import adapters_per_row
 from .blocks.matvec_cpu import MatvecCPU
 from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
-from .blocks.mlp import SwiGLU
+from .blocks.mlp import ReLU2MLP, SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import LayerNorm, RMSNorm
@@ -97,16 +99,17 @@ class Block(nn.Module):
                 softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias, gate=cfg.attn_gate)
         self.attn_post_norm = norm("post")
         self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
-        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
+        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else ReLU2MLP(cfg.d_model, cfg.resolved_ffn_hidden) \
+            if cfg.mlp == "relu2" else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
         self.mlp_post_norm = norm("post")
         self.attn_adapter = self.mlp_adapter = None  # bottleneck adapters on the two outputs (blocks/bottleneck.py)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None,
-                q_scale=None):
+                q_scale=None, ve=None):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
         may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
         doc_ids (B, T): attention within each document (blocks/attention_docs.py); q_scale: the
-        queries' scale per position (latent attention, rope_scaling.query_beta). A recurrent layer restarts its state
+        queries' scale per position (latent attention, rope_scaling.query_beta); ve: added to the values. A recurrent layer restarts its state
         where doc_ids change, or at a padded row's first real token (key_mask), and keeps it in `cache` (StateCache)."""
         h = self.attn_norm(x)
         if self.recurrent:
@@ -116,7 +119,8 @@ class Block(nn.Module):
         else:
             mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None \
                 else None
-            a = self.attn(h, cos, sin, cache, start_pos, mask, **{"q_scale": q_scale} if q_scale is not None else {})
+            extra = {k: v for k, v in (("q_scale", q_scale), ("ve", ve)) if v is not None}
+            a = self.attn(h, cos, sin, cache, start_pos, mask, **extra)
         x = x + self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
@@ -145,6 +149,12 @@ class LLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        if cfg.value_embeds:  # tables and the scalars mixing them into each layer's values (value_embed_layers)
+            width = cfg.resolved_n_kv_heads * cfg.resolved_head_dim
+            self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, width) for _ in range(cfg.value_embeds))
+            self.value_lambdas = nn.Parameter(torch.empty(2 * cfg.value_embeds))
+        if cfg.unet_skips:  # the weight of each first-half block's output in its mirrored block's input
+            self.skip_weights = nn.Parameter(torch.empty(cfg.n_layers // 2))
         self.build_rope(cfg.max_seq_len)
         if cfg.moe is not None and cfg.moe.balance == "bias":  # choices since the last bias update
             n_sparse = sum(map(cfg.is_sparse, range(cfg.n_layers)))
@@ -171,11 +181,13 @@ class LLM(nn.Module):
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
+            elif name in ("skip_weights", "value_lambdas"):
+                nn.init.constant_(p, 1.0 if name == "skip_weights" else 0.5)
             elif name.endswith(("A_log", "dt_bias", "mixer.D")):  # the recurrences' decays keep their blocks' init
                 continue
             elif name.endswith(("attn.proj.weight", "mixer.out_proj.weight", "mlp.down.weight", "mlp.down",
                                 "mlp.shared.down.weight")):
-                nn.init.normal_(p, 0.0, init_std / math.sqrt(2 * self.config.n_layers))
+                nn.init.normal_(p, 0.0, 0.0 if self.config.zero_init_out else init_std / math.sqrt(2 * self.config.n_layers))
             else:
                 nn.init.normal_(p, 0.0, init_std)
 
@@ -235,10 +247,11 @@ class LLM(nn.Module):
         if key_mask is not None and self.config.mod_capacity > 0:
             raise ValueError("key_mask (padded rows) is not supported with Mixture-of-Depths layers")
         x = self.embed_tokens(input_ids)
-        n = 0
+        n, ves = 0, self.value_embeddings(input_ids)
         if self.prompt is not None:
             x, start_pos, position_ids, key_mask, n = self.prompted(x, start_pos, position_ids, key_mask, doc_ids)
             T = x.shape[1]
+            ves = {i: F.pad(v, (0, 0, n, 0)) for i, v in ves.items()}  # none for the virtual tokens
         tables = self.rope_tables(x, T, start_pos, position_ids)
         stats, mod_stats = [], []
         q_scale = self.query_scale(position_ids, start_pos, T, x.device)
@@ -247,10 +260,16 @@ class LLM(nn.Module):
             raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
         kw = {k: v for k, v in dict(start_pos=start_pos, doc_ids=doc_ids, key_mask=key_mask, q_scale=q_scale).items()
               if v is not None}
+        skips, L = [], len(self.layers)
         for i, layer in enumerate(self.layers):
             mod = {"causal": causal} if isinstance(layer, MixtureOfDepths) else {}
+            mod.update({"ve": ves[i]} if i in ves else {})
             cache = None if caches is None else caches[i]
+            if self.config.unet_skips and i >= L - L // 2:  # the mirrored first-half block's output joins
+                x = x + self.skip_weights[L - 1 - i] * skips.pop()
             x, s, *m = layer(x, *tables[self.config.is_local(i)], cache=cache, **kw, **mod)
+            if self.config.unet_skips and i < L // 2:
+                skips.append(x)
             if s is not None:
                 stats.append(s)
             mod_stats += m
@@ -263,6 +282,12 @@ class LLM(nn.Module):
         """input_ids (B, T) -> the first layer's input (B, T, D)."""
         x = self.embed(input_ids)
         return x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype) if self.config.embed_scale else x
+
+    def value_embeddings(self, input_ids: torch.Tensor) -> dict:
+        """{layer: what value embeddings add to its values (B, T, n_kv_heads * head_dim)}; empty when off."""
+        layers = self.config.value_embed_layers()
+        tables = [*self.value_embeds, *self.value_embeds] if layers else []
+        return {i: lam * t(input_ids) for i, lam, t in zip(layers, self.value_lambdas if layers else [], tables)}
 
     def rope_tables(self, x: torch.Tensor, T: int, start_pos: int = 0, position_ids=None) -> list:
         """[(cos, sin) of the global layers, of the local ones] for T positions, in the dtype the layers compute in."""
@@ -488,7 +513,8 @@ class LLM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if active:
             n -= sum((b.n_experts - b.top_k) * (b.gate_up[0].numel() + b.down[0].numel()) for b in self.moe_blocks())
-        return n - self.embed.weight.numel() if non_embedding else n
+        tables = [self.embed, *getattr(self, "value_embeds", [])]
+        return n - sum(t.weight.numel() for t in tables) if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 * (matmul params) + attention (PaLM, 2022; recurrent layers:

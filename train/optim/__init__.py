@@ -31,11 +31,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]] or groups[:1]
 
 
+def _head(model: nn.Module) -> Optional[nn.Parameter]:
+    """The head's weight: the last Linear's (None without one)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].weight if linears else None
+
+
 def hidden_matrices(model: nn.Module) -> set:
     """ids of the hidden layers' 2-D weights: no embedding, no head (the last Linear, or one tied to an embedding)."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    excluded = _embedding_ids(model) | ({id(linears[-1].weight)} if linears else set())
+    excluded = _embedding_ids(model) | {id(_head(model))}
     return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in excluded}
+
+
+def head_group(model: nn.Module, groups: list[dict], lr: float, head_lr: float) -> list[dict]:
+    """`groups` with the untied head's weight moved into a group of its own at head_lr (lr_scale head_lr / lr)."""
+    head = _head(model)
+    if head is None or id(head) in _embedding_ids(model):
+        raise ValueError("optim.head_lr needs an untied head (model.tie_embeddings=false)")
+    if not head.requires_grad:
+        return groups
+    decay = next(g["weight_decay"] for g in groups if any(p is head for p in g["params"]))
+    rest = [dict(g, params=[p for p in g["params"] if p is not head]) for g in groups]
+    return [g for g in rest if g["params"]] + [{"params": [head], "weight_decay": decay, "lr": head_lr,
+                                                 "lr_scale": head_lr / lr}]
 
 
 def split_hidden(groups: list[dict], hidden: set) -> tuple[list[dict], list[dict]]:
@@ -157,7 +175,10 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device, log=print):
     """The optimizer `cfg.name` of the registry over `model`'s parameter groups."""
     if cfg.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.name!r} (known: {', '.join(OPTIMIZERS)})")
-    return OPTIMIZERS[cfg.name].build(model, param_groups(model, cfg.weight_decay), cfg, device, log)
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.head_lr is not None:
+        groups = head_group(model, groups, cfg.lr, cfg.head_lr)
+    return OPTIMIZERS[cfg.name].build(model, groups, cfg, device, log)
 
 
 def set_lr(optimizer, lr: float):

@@ -271,15 +271,18 @@ class CausalSelfAttention(nn.Module):
         self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Optional[KVCache] = None, start_pos: int = 0, mask: Optional[Causal] = None) -> torch.Tensor:
+                cache: Optional[KVCache] = None, start_pos: int = 0, mask: Optional[Causal] = None,
+                ve: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, T, dim) at positions [start_pos, start_pos + T); cos, sin (T, D), or (B, T, D) for
-        rows at positions of their own; mask: a narrower rule than causal (see the module's docstring)."""
+        rows at positions of their own; mask: a narrower rule than causal (see the module's docstring);
+        ve (B, T, n_kv_heads * head_dim): added to the values (value embeddings)."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).view(B, T, -1, D).split([(1 + self.gate) * H + KV, KV], dim=2)
         if self.gate:
             (q, gate), k = qk[:, :, :2 * H].unflatten(2, (H, 2)).unbind(3), qk[:, :, 2 * H:]
             qk = torch.cat([q, k], 2)
+        v = v if ve is None else v + ve.view_as(v)
         q, k = self.rotate(self.norm_qk(qk), cos, sin)  # (B, H, T, D), (B, KV, T, D)
         k, v, mask = (mask or CAUSAL).keys(k, v.transpose(1, 2), cache, start_pos, self.prefix)
         y = mask.attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks).transpose(1, 2)

@@ -1,8 +1,11 @@
-"""SwiGLU feed-forward block (GeGLU with act='gelu_tanh', as Gemma's).
+"""Feed-forward blocks: SwiGLU (GeGLU with act='gelu_tanh', as Gemma's) and the ungated ReLU^2 MLP.
 
 Paper: Shazeer, "GLU Variants Improve Transformer" (2020); used by PaLM and Llama.
     y = W_down( act(W_gate x) * (W_up x) ),  act: silu, or gelu with the tanh approximation
 W_gate and W_up are one fused (2*F, D) matrix `gate_up` (gate rows first): one input matmul.
+
+ReLU^2: So et al., "Primer: Searching for Efficient Transformers" (2021); used by modded-nanogpt.
+    y = W_down( relu(W_up x)^2 )
 
 Shapes: x (B, T, D) -> (B, T, D); hidden F.
 """
@@ -24,3 +27,14 @@ class SwiGLU(nn.Module):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down(gate * up)
+
+
+class ReLU2MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.hidden = hidden
+        self.up = nn.Linear(dim, hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)).square())

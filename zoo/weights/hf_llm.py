@@ -179,9 +179,11 @@ def record_for(cfg: LLMConfig, remembered: Optional[str] = None) -> Record:
     """The record of the Hugging Face class that holds `cfg`: the one it was loaded from when that still fits,
     else the first of `RECORDS` whose needs it has and whose needs and mays hold all it has."""
     have = features(cfg)
-    if "mod" in have:
-        raise ValueError(f"model.mod_capacity={cfg.mod_capacity}: Mixture-of-Depths routers have no place in a "
-                         f"Hugging Face checkpoint")
+    no_place = {"mod_capacity": "Mixture-of-Depths routers", "mlp": "a ReLU^2 MLP", "value_embeds": "value embeddings",
+                "unet_skips": "U-net skip weights"}  # what no Hugging Face class holds
+    for key, what in no_place.items():
+        if getattr(cfg, key) != LLMConfig.__dataclass_fields__[key].default:
+            raise ValueError(f"model.{key}={getattr(cfg, key)}: no Hugging Face class holds {what}")
 
     def misfit(rec):  # what `cfg` lacks and what it has too many, for rec
         return rec.needs - have, have - rec.needs - rec.may
