@@ -104,11 +104,11 @@ def _hf(kind: str):
 def qwen3_next_to_qwen3_5(sd: dict) -> dict:
     """Qwen3-Next's in_proj_qkvz / in_proj_ba (rows grouped per key head) as Qwen3.5's four projections, by the
     rows its record gives (Qwen3Next.split_rows, what loading a Qwen3-Next folder uses)."""
-    from zoo.archs import Qwen3Next
+    from zoo.archs import RECORDS
     from zoo.config import LLMConfig, RecurrentConfig
     cfg = LLMConfig(recurrent=RecurrentConfig(n_heads=2, head_dim=8, n_v_heads=4, v_head_dim=6))
     splits = {own.split(".", 1)[1]: (file.split(".", 1)[1], rows) for own, (file, rows) in
-              Qwen3Next().split_rows(cfg).items()}
+              RECORDS["Qwen3NextForCausalLM"].split_rows(cfg).items()}
     return {**{n: t for n, t in sd.items() if not n.startswith(("in_proj_qkvz", "in_proj_ba"))},
             **{own: sd[file][rows] for own, (file, rows) in splits.items()}}
 

@@ -23,4 +23,4 @@ RECORDS: dict[str, Record] = {r.hf_class: r for r in (
 BY_MODEL_TYPE = {r.model_type: r for r in RECORDS.values()}
 BY_GGUF = {r.gguf: r for r in RECORDS.values() if r.gguf}
 
-__all__ = ["RECORDS", "BY_MODEL_TYPE", "BY_GGUF", "FEATURES", "Record", "features", "interleaved", "Qwen3Next"]
+__all__ = ["RECORDS", "BY_MODEL_TYPE", "BY_GGUF", "FEATURES", "Record", "features", "interleaved"]

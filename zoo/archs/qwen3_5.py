@@ -3,7 +3,7 @@ a sigmoid of a second half of q_proj (per head: q, then its gate); per-head q/k 
 DeltaNet's gated norm a plain gain); RoPE on a quarter of each head by default (multimodal RoPE, which for text is
 plain RoPE). Qwen3-Next: the same layers with a Qwen2-MoE-style sparse MLP (a shared expert behind a sigmoid
 gate), its DeltaNet projections fused per key head (in_proj_qkvz: q, k, v, z; in_proj_ba: b, a)."""
-from .qwen import QWEN_MOE, Qwen2Moe, qwen_moe
+from .qwen import QWEN_MOE, qwen_moe, qwen_moe_to_hf
 from .record import ROPES, Record
 
 
@@ -38,12 +38,10 @@ class Qwen3Next(Qwen3_5):
                 "norm_topk_prob": True, "decoder_sparse_step": 1}
 
     def config(self, hf, get, n_layers):
-        moe = dict(qwen_moe(hf, get, n_layers), n_shared=1, shared_hidden=get("shared_expert_intermediate_size"),
-                   shared_gate=True)
-        return {**super().config(hf, get, n_layers), "moe": moe}
+        return {**super().config(hf, get, n_layers), "moe": qwen_moe(hf, get, n_layers)}
 
     def to_hf(self, cfg):
-        return {**super().to_hf(cfg), **Qwen2Moe.to_hf(self, cfg)}
+        return {**super().to_hf(cfg), **qwen_moe_to_hf(cfg)}
 
     def split_rows(self, cfg):
         r = cfg.resolved_recurrent

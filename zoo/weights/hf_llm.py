@@ -484,7 +484,7 @@ def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.devic
                 parts = kmap[zoo_name]
                 shape = (sum(map(height, parts)),) + parts[0][1][1:]
                 state[zoo_name] = torch.empty(shape, dtype=dtype, device=device)
-        (zoo_name, start, part), *more = rows_of[name]
+        zoo_name, start, part = rows_of[name][0]
         if len(part) == 2:
             fill(state[zoo_name][start:start + height(part)])
             continue
