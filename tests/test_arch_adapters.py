@@ -43,7 +43,7 @@ DEFAULTS = {"phi3-window": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, 
             "deepseek-v3": LATENT | {"q_a_proj", "q_b_proj"}, "deepseek-v3-no-q-rank-yarn": LATENT | {"q_proj"},
             "lfm2": {"q_proj", "k_proj", "v_proj", "out_proj", "w1", "w3", "w2", "in_proj"},  # its own names
             "qwen3_5": LLAMA | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"},  # recurrent layers too
-            "qwen3_next": LLAMA | {"out_proj"}}  # not the projections its file fuses otherwise (in_proj_qkvz, in_proj_ba)
+            "qwen3_next": LLAMA | {"out_proj"}}  # not the projections its file fuses otherwise (in_proj_qkvz, _ba)
 # PEFT reads gate_proj / up_proj / down_proj of a DeepSeek-V3 or Qwen3-Next as its routed experts' fused parameters
 # (its conversion from transformers 4's layout), so the dense layers' and shared experts' adapters would not load there
 ATTENTION_ONLY = ("deepseek-v3", "deepseek-v3-no-q-rank-yarn", "qwen3_next")

@@ -1,6 +1,7 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
 zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GLM-4, Cohere 2, GPT-OSS,
-DeepSeek-V3 and Mistral 4, each at two small shapes, the second with its features at non-default values
+DeepSeek-V3, Mistral 4, LFM2, Qwen3.5 and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and
+joined on save; a gated shared expert, sparse steps, dense layers), each at two small shapes, the second with its features at non-default values
 (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
 YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short
 original context, logit scales, biases); the presets of their families against transformers' classes.
