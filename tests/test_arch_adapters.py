@@ -1,6 +1,6 @@
 """The newer architectures (test_hf_arch.py's cases) through what fine-tuning uses: LoRA, DoRA and QLoRA on
 their default targets (Phi-3's fused qkv_proj / gate_up_proj, the latent attention's q_a / q_b / kv_a / kv_b, the
-recurrent layers' projections of LFM2 and Qwen3.5),
+recurrent layers' projections of LFM2, Qwen3.5 and Qwen3-Next),
 one training step, the PEFT export, activation checkpointing and torch.compile.
 
 Reference: transformers' random-init model of each case (test_hf_arch.hf_model), loaded into Zoo; after
@@ -32,7 +32,7 @@ TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS = {"qwen3": "qlora", "smollm3": "dora", "olmo2": "lora", "phi3-window": "dora", "gemma2": "lora",
            "gemma3": "dora", "gpt-oss": "qlora", "deepseek-v3": "dora", "deepseek-v3-no-q-rank-yarn": "lora",
-           "lfm2": "lora", "qwen3_5": "dora"}
+           "lfm2": "lora", "qwen3_5": "dora", "qwen3_next": "lora"}
 # latent attention; soft-caps; local/global, sandwich norms; a short convolution; Gated DeltaNet
 COMPILED = ("deepseek-v3", "gemma2", "gemma3", "lfm2", "qwen3_5")
 RUNTIME = TrainConfig(chunked_loss=False)  # the final soft-cap needs the full logits
@@ -42,10 +42,11 @@ LATENT = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} | MLP
 DEFAULTS = {"phi3-window": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "gpt-oss": LLAMA - MLP,
             "deepseek-v3": LATENT | {"q_a_proj", "q_b_proj"}, "deepseek-v3-no-q-rank-yarn": LATENT | {"q_proj"},
             "lfm2": {"q_proj", "k_proj", "v_proj", "out_proj", "w1", "w3", "w2", "in_proj"},  # its own names
-            "qwen3_5": LLAMA | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}}  # recurrent layers too
-# PEFT reads gate_proj / up_proj / down_proj of a DeepSeek-V3 as its routed experts' fused parameters (its
-# conversion from transformers 4's layout), so the dense layers' and shared experts' adapters would not load there
-ATTENTION_ONLY = ("deepseek-v3", "deepseek-v3-no-q-rank-yarn")
+            "qwen3_5": LLAMA | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"},  # recurrent layers too
+            "qwen3_next": LLAMA | {"out_proj"}}  # not the projections its file fuses otherwise (in_proj_qkvz, _ba)
+# PEFT reads gate_proj / up_proj / down_proj of a DeepSeek-V3 or Qwen3-Next as its routed experts' fused parameters
+# (its conversion from transformers 4's layout), so the dense layers' and shared experts' adapters would not load there
+ATTENTION_ONLY = ("deepseek-v3", "deepseek-v3-no-q-rank-yarn", "qwen3_next")
 
 
 def loss(model, x):

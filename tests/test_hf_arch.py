@@ -1,6 +1,7 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
 zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GLM-4, Cohere 2, GPT-OSS,
-DeepSeek-V3 and Mistral 4, each at two small shapes, the second with its features at non-default values
+DeepSeek-V3, Mistral 4, LFM2, Qwen3.5 and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and
+joined on save; a gated shared expert, sparse steps, dense layers), each at two small shapes, the second with its features at non-default values
 (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
 YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short
 original context, logit scales, biases); the presets of their families against transformers' classes.
@@ -105,6 +106,14 @@ CASES = {
         head_dim=24, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
         linear_value_head_dim=10, linear_conv_kernel_dim=3, tie_word_embeddings=True,
         layer_types=[FULL, LINEAR, LINEAR, FULL], rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5})),
+    "qwen3_next": ("Qwen3Next", dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=48, **GDN)),
+    "qwen3_next-kernel3-mqa-sparse-step-dense-raw-topk": ("Qwen3Next", dict(
+        head_dim=24, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
+        linear_value_head_dim=10, linear_conv_kernel_dim=3, layer_types=[FULL, LINEAR, LINEAR, FULL], num_experts=5,
+        num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40, decoder_sparse_step=2,
+        mlp_only_layers=[3], norm_topk_prob=False, num_attention_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -217,7 +226,7 @@ PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
            "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
-           "qwen3_5-0.8b": "Qwen3_5ForCausalLM"}
+           "qwen3_5-0.8b": "Qwen3_5ForCausalLM", "qwen3-next-80b-a3b": "Qwen3NextForCausalLM"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)

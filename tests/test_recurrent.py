@@ -101,16 +101,16 @@ def _hf(kind: str):
     return Lfm2ShortConv(cfg, 0), ShortConv(24, 4, bias=True)
 
 
-def qwen3_next_to_qwen3_5(sd: dict, n_heads: int, head_dim: int, v_per_head: int) -> dict:
-    """Qwen3-Next's in_proj_qkvz / in_proj_ba (rows grouped per key head: q, k, v, z / b, a) as Qwen3.5's
-    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
-    sd = dict(sd)
-    qkvz = sd.pop("in_proj_qkvz.weight").unflatten(0, (n_heads, -1))
-    q, k, v, z = qkvz.split([head_dim, head_dim, v_per_head, v_per_head], 1)
-    b, a = sd.pop("in_proj_ba.weight").unflatten(0, (n_heads, -1)).chunk(2, 1)
-    sd["in_proj_qkv.weight"] = torch.cat([t.flatten(0, 1) for t in (q, k, v)])
-    sd.update({f"in_proj_{n}.weight": t.flatten(0, 1) for n, t in (("z", z), ("b", b), ("a", a))})
-    return sd
+def qwen3_next_to_qwen3_5(sd: dict) -> dict:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (rows grouped per key head) as Qwen3.5's four projections, by the
+    rows its record gives (Qwen3Next.split_rows, what loading a Qwen3-Next folder uses)."""
+    from zoo.archs import RECORDS
+    from zoo.config import LLMConfig, RecurrentConfig
+    cfg = LLMConfig(recurrent=RecurrentConfig(n_heads=2, head_dim=8, n_v_heads=4, v_head_dim=6))
+    splits = {own.split(".", 1)[1]: (file.split(".", 1)[1], rows) for own, (file, rows) in
+              RECORDS["Qwen3NextForCausalLM"].split_rows(cfg).items()}
+    return {**{n: t for n, t in sd.items() if not n.startswith(("in_proj_qkvz", "in_proj_ba"))},
+            **{own: sd[file][rows] for own, (file, rows) in splits.items()}}
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "mamba2", "granite", "lfm2"])
@@ -125,7 +125,7 @@ def test_matches_transformers(kind):
                 p.normal_(0, 0.5)
     sd = hf.state_dict()
     if kind == "qwen3_next":
-        sd = qwen3_next_to_qwen3_5(sd, 2, 8, 2 * 6)
+        sd = qwen3_next_to_qwen3_5(sd)
     ours.load_state_dict(sd)  # strict: every key maps one to one
     x = torch.randn(2, 45, 24)
     with torch.no_grad():

@@ -82,10 +82,11 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
         sites = {}
         for i, (wrapper, layer) in enumerate(zip(model.layers, model.blocks())):
             z, h = f"layers.{i}." + ("block." if layer is not wrapper else ""), f"model.layers.{i}."  # MoD: its block
-            if layer.recurrent:  # its projections, by the file's names
+            if layer.recurrent:  # its projections, by the file's names; none the file fuses otherwise (split_rows)
                 x = h + rec.mixers.get(cfg.layer_type(i), "mixer") + "."
+                split = {k.rsplit(".", 2)[-2] for k in rec.split_rows(cfg)}
                 sites.update({z + "mixer." + n: [(n, m.out_features, x + n)] for n, m in layer.mixer.named_children()
-                              if hasattr(m, "out_features")})
+                              if hasattr(m, "out_features") and n not in split})
             for m, n, rows in [] if layer.recurrent else _attention_sites(cfg, rec):
                 sites.setdefault(z + "attn." + m, []).append((n, rows, h + "self_attn." + n))
             mlp = layer.mlp

@@ -7,23 +7,26 @@ QWEN_MOE = ROPES | {"moe_dense_layers", "moe_topk_raw"}
 
 
 def qwen_moe(hf, get, n_layers) -> dict:
-    """The `moe:` keys of a Qwen MoE config.json (`decoder_sparse_step`, `mlp_only_layers`)."""
+    """The `moe:` keys of a Qwen MoE config.json (`decoder_sparse_step`, `mlp_only_layers`, a shared expert behind a
+    sigmoid gate where `shared_expert_intermediate_size` is given)."""
     step, n = get("decoder_sparse_step"), hf.get("num_experts", hf.get("num_local_experts", get("num_experts")))
     if not isinstance(n, int) or n <= 0:
         raise ValueError(f"num_experts={n!r} is not supported (a MoE model needs experts)")
     if not isinstance(step, int) or step <= 0:
         raise ValueError(f"decoder_sparse_step={step!r} must be a positive integer")
-    only = hf.get("mlp_only_layers") or []
+    only, shared = hf.get("mlp_only_layers") or [], get("shared_expert_intermediate_size")
     return dict(n_experts=n, norm_topk_prob=bool(get("norm_topk_prob")),
                 expert_hidden=get("moe_intermediate_size"), sparse_every=step,
-                dense_layers=sorted({i for i in only if isinstance(i, int) and 0 <= i < n_layers}))
+                dense_layers=sorted({i for i in only if isinstance(i, int) and 0 <= i < n_layers}),
+                **(dict(n_shared=1, shared_hidden=shared, shared_gate=True) if shared else {}))
 
 
 def qwen_moe_to_hf(cfg) -> dict:
     m = cfg.moe
+    shared = {"shared_expert_intermediate_size": m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden)}
     return {"num_experts": m.n_experts, "moe_intermediate_size": cfg.resolved_expert_hidden,
             "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": m.sparse_every,
-            "mlp_only_layers": list(m.dense_layers)}
+            "mlp_only_layers": list(m.dense_layers), **(shared if m.n_shared else {})}
 
 
 class Qwen2(Record):
@@ -66,15 +69,10 @@ class Qwen2Moe(Qwen2):
     gguf, gguf_writes = None, False
 
     def config(self, hf, get, n_layers):
-        moe = qwen_moe(hf, get, n_layers)
-        if get("shared_expert_intermediate_size"):
-            moe.update(n_shared=1, shared_hidden=get("shared_expert_intermediate_size"), shared_gate=True)
-        return {"moe": moe, "qkv_bias": bool(hf.get("qkv_bias", True)), "attn_out_bias": False}
+        return {"moe": qwen_moe(hf, get, n_layers), "qkv_bias": bool(hf.get("qkv_bias", True)), "attn_out_bias": False}
 
     def to_hf(self, cfg):
-        m = cfg.moe
-        return {**qwen_moe_to_hf(cfg), "qkv_bias": cfg.qkv_bias,
-                "shared_expert_intermediate_size": m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden)}
+        return {**qwen_moe_to_hf(cfg), "qkv_bias": cfg.qkv_bias}
 
     def default_local(self, hf, get, n_layers):
         return [bool((i + 1) % 2) and i < get("max_window_layers") for i in range(n_layers)]

@@ -1,7 +1,9 @@
 """Qwen3.5 (text): Gated DeltaNet layers (`linear_attention`) between full-attention layers whose output is gated by
 a sigmoid of a second half of q_proj (per head: q, then its gate); per-head q/k RMSNorm; norms storing 1 + w (the
 DeltaNet's gated norm a plain gain); RoPE on a quarter of each head by default (multimodal RoPE, which for text is
-plain RoPE)."""
+plain RoPE). Qwen3-Next: the same layers with a Qwen2-MoE-style sparse MLP (a shared expert behind a sigmoid
+gate), its DeltaNet projections fused per key head (in_proj_qkvz: q, k, v, z; in_proj_ba: b, a)."""
+from .qwen import QWEN_MOE, qwen_moe, qwen_moe_to_hf
 from .record import ROPES, Record
 
 
@@ -25,3 +27,33 @@ class Qwen3_5(Record):
         return {"attention_bias": False, "linear_num_key_heads": r.n_heads, "linear_key_head_dim": r.head_dim,
                 "linear_num_value_heads": r.n_v_heads or r.n_heads, "linear_value_head_dim": r.v_head_dim or r.head_dim,
                 "linear_conv_kernel_dim": r.conv_kernel}
+
+
+class Qwen3Next(Qwen3_5):
+    hf_class, model_type = "Qwen3NextForCausalLM", "qwen3_next"
+    needs = Qwen3_5.needs | {"moe", "moe_shared", "moe_shared_gate"}
+    may = QWEN_MOE | {"partial_rotary"}
+    defaults = {**Qwen3_5.defaults, "head_dim": 256, "num_key_value_heads": 2, "num_experts": 512,
+                "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                "norm_topk_prob": True, "decoder_sparse_step": 1}
+
+    def config(self, hf, get, n_layers):
+        return {**super().config(hf, get, n_layers), "moe": qwen_moe(hf, get, n_layers)}
+
+    def to_hf(self, cfg):
+        return {**super().to_hf(cfg), **qwen_moe_to_hf(cfg)}
+
+    def split_rows(self, cfg):
+        r = cfg.resolved_recurrent
+        K, Dk, Dv = r.n_heads, r.head_dim, r.v_head_dim or r.head_dim
+        vr = (r.n_v_heads or K) // K  # value heads per key head
+        qkvz, ba, a = (Dk, Dk, vr * Dv, vr * Dv), (vr, vr), "linear_attn."
+        return {a + "in_proj_qkv.weight": (a + "in_proj_qkvz.weight", grouped(K, qkvz, 0, 1, 2)),
+                a + "in_proj_z.weight": (a + "in_proj_qkvz.weight", grouped(K, qkvz, 3)),
+                a + "in_proj_b.weight": (a + "in_proj_ba.weight", grouped(K, ba, 0)),
+                a + "in_proj_a.weight": (a + "in_proj_ba.weight", grouped(K, ba, 1))}
+
+
+def grouped(groups: int, sizes: tuple, *parts: int) -> list:
+    """The rows of `parts` (each over all groups, in turn) in a tensor of `groups` groups of rows of `sizes` each."""
+    return [g * sum(sizes) + sum(sizes[:p]) + i for p in parts for g in range(groups) for i in range(sizes[p])]

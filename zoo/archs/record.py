@@ -130,6 +130,11 @@ class Record:
         return {"router": h + "mlp.gate", "per_expert": (h + "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
                 "shared": h + "mlp.shared_expert.", "shared_gate": h + "mlp.shared_expert_gate"}
 
+    def split_rows(self, cfg: LLMConfig) -> dict:
+        """A layer's tensor in the common naming ('linear_attn.in_proj_z.weight') -> (the file tensor holding it,
+        its rows there in Zoo's order), for file tensors split across Zoo tensors on load and joined on save."""
+        return {}
+
     def layout(self, state: dict, cfg: LLMConfig, to_file: bool) -> dict:
         """Tensors the file stores in another layout than Zoo's (Zoo names), turned either way."""
         return state

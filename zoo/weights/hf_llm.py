@@ -273,8 +273,9 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
 
 def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by concatenating along dim 0
-    in that order (the stacked experts: seen as 2-D, (E * rows, cols)). lm_head is absent when the embeddings are
-    tied. The record of `arch` names the norms, the fused projections and the experts."""
+    in that order (the stacked experts: seen as 2-D, (E * rows, cols)). An entry (name, shape, rows) takes only
+    those rows of the file tensor (`Record.split_rows`: one file tensor split across Zoo tensors). lm_head is absent
+    when the embeddings are tied. The record of `arch` names the norms, the fused projections and the experts."""
     rec = RECORDS[arch] if arch else Record()
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.resolved_ffn_hidden
     m = {"embed.weight": [("model.embed_tokens.weight", (V, d))]}
@@ -295,7 +296,27 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
     m["norm.weight"] = [("model.norm.weight", (d,))]
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", (V, d))]
-    return {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()}
+    return _split(rec, cfg, {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()})
+
+
+def _split(rec: Record, cfg: LLMConfig, m: dict) -> dict:
+    """key_map's entries of a layer tensor the record splits (`split_rows`) turned into rows of the tensor the file
+    holds instead (its rows: all its parts', its columns: the entry's)."""
+    splits = rec.split_rows(cfg)
+    total = {}
+    for file, rows in splits.values():
+        total[file] = total.get(file, 0) + len(rows)
+    for k, parts in m.items():
+        (name, shape), own = parts[0], parts[0][0].split(".", 3)[-1]  # 'model.layers.i.' + own
+        if len(parts) == 1 and own in splits:
+            file, rows = splits[own]
+            m[k] = [(name.removesuffix(own) + file, (total[file],) + shape[1:], rows)]
+    return m
+
+
+def height(part: tuple) -> int:
+    """The rows a key_map entry gives its Zoo tensor."""
+    return len(part[2]) if len(part) > 2 else part[1][0]
 
 
 def _mixer_keys(cfg: LLMConfig, kind: str, z: str, x: str) -> dict:
@@ -362,7 +383,7 @@ def row_orders(cfg: LLMConfig, rec: Record, hf: Optional[dict] = None) -> dict[s
     if not suffixes:
         return {}
     return {name: suffixes[name.split(".", 3)[-1].rsplit(".", 1)[0]] for parts in key_map(cfg, rec.hf_class).values()
-            for name, _ in parts if name.split(".", 3)[-1].rsplit(".", 1)[0] in suffixes}
+            for name, *_ in parts if name.split(".", 3)[-1].rsplit(".", 1)[0] in suffixes}
 
 
 def inverse(order: list) -> list:
@@ -452,20 +473,27 @@ def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.devic
 
     with torch.device("meta"):
         model = LLM(cfg)
-    rows_of: dict[str, tuple[str, int, int]] = {}  # external name -> (Zoo name, first row, rows)
+    rows_of: dict[str, list] = {}  # external name -> [(Zoo name, first row, key_map entry), ...]
     for zoo_name, parts in kmap.items():
         start = 0
-        for name, shape in parts:
-            rows_of[name] = (zoo_name, start, shape[0])
-            start += shape[0]
+        for part in parts:
+            rows_of.setdefault(part[0], []).append((zoo_name, start, part))
+            start += height(part)
     state: dict[str, torch.Tensor] = {}
     for name, fill in fills:
-        zoo_name, start, rows = rows_of[name]
-        if zoo_name not in state:
-            parts = kmap[zoo_name]
-            shape = (sum(s[0] for _, s in parts),) + parts[0][1][1:]
-            state[zoo_name] = torch.empty(shape, dtype=dtype, device=device)
-        fill(state[zoo_name][start:start + rows])
+        for zoo_name, _, _ in rows_of[name]:
+            if zoo_name not in state:
+                parts = kmap[zoo_name]
+                shape = (sum(map(height, parts)),) + parts[0][1][1:]
+                state[zoo_name] = torch.empty(shape, dtype=dtype, device=device)
+        zoo_name, start, part = rows_of[name][0]
+        if len(part) == 2:
+            fill(state[zoo_name][start:start + height(part)])
+            continue
+        whole = torch.empty(part[1], dtype=dtype, device=device)  # a file tensor split across Zoo tensors
+        fill(whole)
+        for zoo_name, start, part in rows_of[name]:
+            state[zoo_name][start:start + height(part)] = whole[part[2]]
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     for name, buf in model.state_dict().items():  # running statistics no file holds (router_load) start at zero
@@ -516,7 +544,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     headers = {f: read_safetensors_header(f)[::2] for f in weight_files(folder)}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
-    expected = {hf_name: shape for parts in kmap.values() for hf_name, shape in parts}
+    expected = {hf_name: shape for parts in kmap.values() for hf_name, shape, *_ in parts}
     # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
     problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq")
                           or (cfg.tie_embeddings and n == "lm_head.weight"))
@@ -605,12 +633,17 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
 
     # split fused tensors back into Hugging Face names, grouped into shards in order
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
+    size, whole = 0, {}  # file tensors split across Zoo tensors, filled as their parts come
     for zoo_name, parts in key_map(cfg, rec.hf_class).items():
         flat = state[zoo_name].reshape(-1, *parts[0][1][1:])  # stacked experts: (E * rows, cols)
-        pieces = flat.split([shape[0] for _, shape in parts], dim=0)
-        for (hf_name, _), t in zip(parts, pieces):
+        for (hf_name, shape, *rows), t in zip(parts, flat.split(list(map(height, parts)), dim=0)):
             t = t[orders[hf_name]] if hf_name in orders else t
+            if rows:
+                seen = hf_name in whole
+                whole.setdefault(hf_name, t.new_empty(shape))[rows[0]] = t
+                if seen:
+                    continue
+                t = whole[hf_name]
             nbytes = t.numel() * dtype.itemsize
             if shards[-1] and size + nbytes > limit:
                 shards.append([])
