@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from train.builder import build_run
 from train.config import load_run_config
+from zoo.config import ConfigError
 
 
 def lm_config(tmp_path, corpus, tokenizer, vocab, *over):
@@ -55,3 +56,19 @@ def test_val_bpb_is_the_loss_per_byte_of_the_decoded_validation_text(tmp_path, t
     nbytes = len(text.encode()) - len(tok.decode([plain]).encode())
     assert tokenizer == "bytes" or any(t in special for t in targets)  # the special tokens' exclusion is tested
     assert got["val_bpb"] == pytest.approx(nats / math.log(2) / nbytes, rel=1e-6)
+
+
+@pytest.mark.parametrize("rule,power", [("sqrt", 0.5), ("linear", 1.0), ("none", 0.0)])
+def test_lr_batch_scaling_resolves_the_lr_from_the_global_batch(tmp_path, text_corpus, rule, power):
+    over = [f"optim.lr_batch_scaling={rule}", "optim.reference_batch=2", "train.grad_accum=3", "optim.lr=0.001"]
+    logs = []
+    run = build_run(lm_config(tmp_path, text_corpus, "bytes", 256, *over), say=logs.append)
+    f = (4 * 3 / 2) ** power  # the global batch: 4 rows x 3 micro-batches, one rank
+    assert (run.cfg.optim.lr, run.cfg.optim.muon_lr) == pytest.approx((0.001 * f, 0.02 * f), rel=1e-12)
+    assert run.task.cfg.optim.lr == run.cfg.optim.lr
+    assert any("optim.reference_batch 2" in m for m in logs) == (rule != "none")
+
+
+def test_lr_batch_scaling_needs_a_reference_batch(tmp_path, text_corpus):
+    with pytest.raises(ConfigError, match="optim.reference_batch"):
+        lm_config(tmp_path, text_corpus, "bytes", 256, "optim.lr_batch_scaling=sqrt")

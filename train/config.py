@@ -287,6 +287,10 @@ class OptimConfig:
     galore_rank: int = bounded(128, ge=1)   # galore: rank of the projected gradient states
     galore_update_every: int = bounded(200, ge=1)  # galore: steps between two projections (an SVD of the gradient)
     galore_scale: float = bounded(0.25, gt=0)  # galore: factor on the projected-back update
+    lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none"  # `lr` and `muon_lr` times (global batch /
+                                            # `reference_batch`) to the power 1/2 (sqrt) or 1 (linear), once at build
+    reference_batch: Optional[int] = bounded(None, ge=1)  # the global batch in sequences (micro-batch x grad_accum
+                                            # x data-parallel ranks) the LRs were tuned at; needed by lr_batch_scaling
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
         """warmup_steps when given (so `optim.warmup_steps=N` overrides a config's fraction); else
@@ -302,6 +306,8 @@ class OptimConfig:
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         if self.name not in OPTIMIZERS:
             raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        if self.lr_batch_scaling != "none" and self.reference_batch is None:
+            raise fail(source, prefix + "reference_batch", f"is needed with lr_batch_scaling={self.lr_batch_scaling}")
         if (package := OPTIMIZERS[self.name].package) and not _installed(package):
             raise fail(source, prefix + "name", f"={self.name} needs the {package} package: pip install -e '.[optim]'")
 
