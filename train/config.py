@@ -91,6 +91,8 @@ class TrainConfig:
     resume: bool = True                     # continue from the newest complete checkpoint in `out_dir`
     # -- logging and tracking
     log_every: int = bounded(10, gt=0)      # steps between metrics lines
+    log_noise_scale: bool = False           # log noise_scale: the gradient noise scale B_simple in sequences, from the
+                                            # micro-batch's and the global batch's gradient norms (needs >= 2 micro-batches)
     progress: bool = True                   # live progress bar (loss, lr, tokens/s, MFU)
     plot: bool = True                       # write `loss.png` at the end
     peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = the vendor's dense
@@ -418,6 +420,9 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_warmup_steps", f"={t.batch_warmup_steps} must be < train.max_steps={t.max_steps}")
     if t.batch_warmup_steps and t.grad_accum == 1:
         raise fail(src, "train.batch_warmup_steps", "ramps the micro-batches up to train.grad_accum, which is 1")
+    if t.log_noise_scale and t.grad_accum == 1 and t.batch_size != "auto":
+        raise fail(src, "train.log_noise_scale", "compares a micro-batch's gradient with the step's: needs "
+                                                 "train.grad_accum > 1")
     if t.batch_size == "auto" and t.lr_find:
         raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
     if t.batch_size == "auto" and t.batch_warmup_steps:
