@@ -66,7 +66,7 @@ def test_lr_batch_scaling_resolves_the_lr_from_the_global_batch(tmp_path, text_c
     run = build_run(lm_config(tmp_path, text_corpus, "bytes", 256, *over), say=logs.append)
     f = (4 * 3 / 2) ** power  # the global batch: 4 rows x 3 micro-batches, one rank
     assert (run.cfg.optim.lr, run.cfg.optim.muon_lr) == pytest.approx((0.001 * f, 0.02 * f), rel=1e-12)
-    assert run.task.cfg.optim.lr == run.cfg.optim.lr
+    assert run.task.cfg.optim.lr == run.cfg.optim.lr and run.cfg.optim.lr_batch_scaling == "none"  # applied once
     assert any("optim.reference_batch 2" in m for m in logs) == (rule != "none")
 
 

@@ -106,13 +106,15 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
 
 
 def batch_scaled_lr(cfg, ranks: int, say):
-    """cfg with optim.lr and optim.muon_lr scaled by optim.lr_batch_scaling of the global batch over optim.reference_batch."""
+    """cfg with optim.lr and optim.muon_lr scaled by optim.lr_batch_scaling of the global batch over
+    optim.reference_batch, the scaling then marked done ('none': config.yaml holds the resolved LRs)."""
     o, t = cfg.optim, cfg.train
     batch = t.batch_size * t.grad_accum * ranks
     f = (batch / o.reference_batch) ** (0.5 if o.lr_batch_scaling == "sqrt" else 1.0)
     say(f"optim: lr {o.lr:g} -> {o.lr * f:g}, muon_lr {o.muon_lr:g} -> {o.muon_lr * f:g} ({o.lr_batch_scaling} of the "
         f"global batch {batch} / optim.reference_batch {o.reference_batch})")
-    return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=o.lr * f, muon_lr=o.muon_lr * f))
+    return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=o.lr * f, muon_lr=o.muon_lr * f,
+                                                              lr_batch_scaling="none"))
 
 
 def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
