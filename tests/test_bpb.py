@@ -105,13 +105,15 @@ def test_optimizer_step_probes_the_first_micro_batch_gradient():
     assert r.grad_norm ** 2 == pytest.approx(float(sum(grads).norm() ** 2 / 16), rel=1e-6)
 
 
-def test_noise_scale_is_logged(tmp_path, text_corpus):
+def test_noise_scale_and_val_bpb_are_logged(tmp_path, text_corpus):
     from train.loop import train
     from train.metrics import read_rows
     cfg = lm_config(tmp_path, text_corpus, "bytes", 256, "train.log_noise_scale=true", "train.grad_accum=2",
                     "train.max_steps=2", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0")
     train(cfg)
-    rows = [r for r in read_rows(tmp_path / "run") if "noise_scale" in r]
-    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["noise_scale"]) for r in rows)
+    rows = read_rows(tmp_path / "run")
+    assert [r["step"] for r in rows if "noise_scale" in r] == [1, 2]
+    assert all(math.isfinite(r["noise_scale"]) for r in rows if "noise_scale" in r)
+    assert [r["step"] for r in rows if "val_bpb" in r] == [2]  # the final evaluation's row
     with pytest.raises(ConfigError, match="train.log_noise_scale"):
         lm_config(tmp_path, text_corpus, "bytes", 256, "train.log_noise_scale=true")
