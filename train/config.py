@@ -91,8 +91,8 @@ class TrainConfig:
     resume: bool = True                     # continue from the newest complete checkpoint in `out_dir`
     # -- logging and tracking
     log_every: int = bounded(10, gt=0)      # steps between metrics lines
-    log_noise_scale: bool = False           # log noise_scale: the gradient noise scale B_simple in sequences, from the
-                                            # micro-batch's and the global batch's gradient norms (needs >= 2 micro-batches)
+    log_noise_scale: bool = False           # log noise_scale: the gradient noise scale B_simple in sequences, from
+                                            # the micro-batch's and the global batch's gradient norms (grad_accum > 1)
     progress: bool = True                   # live progress bar (loss, lr, tokens/s, MFU)
     plot: bool = True                       # write `loss.png` at the end
     peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = the vendor's dense

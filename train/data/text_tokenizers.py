@@ -97,12 +97,13 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def piece_bytes(self) -> list[int]:
-        """A byte-level BPE's pieces are one character per byte; others spell bytes <0xNN> and spaces U+2581."""
-        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        """A byte-level BPE's pieces are one character per byte; others spell bytes <0xNN> and spaces U+2581; added
+        tokens are their text (special ones: no bytes)."""
+        added = {i: b"" if t.special else t.content.encode() for i, t in self.tok.get_added_tokens_decoder().items()}
         byte_level = '"ByteLevel"' in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
         pieces = [self.tok.id_to_token(i) or "" for i in range(self.vocab_size)]
-        return [0 if i in special else len(p) if byte_level else 1 if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", p) else
-                len(p.replace("\u2581", " ").encode()) for i, p in enumerate(pieces)]
+        return [len(added[i]) if i in added else len(p) if byte_level else 1 if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", p)
+                else len(p.replace("\u2581", " ").encode()) for i, p in enumerate(pieces)]
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
