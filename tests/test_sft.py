@@ -62,7 +62,7 @@ def test_sft_lowers_the_assistant_loss_and_answers_held_out_prompts(sounds_run):
     rows = [json.loads(line) for line in (sounds_run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r]
     assert evals[-1]["val_loss"] < 0.25 * evals[0]["val_loss"] and evals[-1]["val_loss"] < evals[-1]["unigram_entropy"]
-    assert "val_exact_match" in evals[-1]
+    assert "val_exact_match" in evals[-1] and evals[-1]["val_bpb"] < evals[0]["val_bpb"]  # bits per trained byte
     model, tok, template = load(str(sounds_run))
     chat = ChatSession(model, tok, template, max_new_tokens=16)
     answers = [chat.respond([{"role": "user", "content": question(g, a)}]) for g, a in HELD_OUT]

@@ -105,6 +105,18 @@ def new_task(cfg, device: torch.device, precision: str, say, par: Optional[Paral
     return task
 
 
+def batch_scaled_lr(cfg, ranks: int, say):
+    """cfg with optim.lr and optim.muon_lr scaled by optim.lr_batch_scaling of the global batch over
+    optim.reference_batch, the scaling then marked done ('none': config.yaml holds the resolved LRs)."""
+    o, t = cfg.optim, cfg.train
+    batch = t.batch_size * t.grad_accum * ranks
+    f = (batch / o.reference_batch) ** (0.5 if o.lr_batch_scaling == "sqrt" else 1.0)
+    say(f"optim: lr {o.lr:g} -> {o.lr * f:g}, muon_lr {o.muon_lr:g} -> {o.muon_lr * f:g} ({o.lr_batch_scaling} of the "
+        f"global batch {batch} / optim.reference_batch {o.reference_batch})")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=o.lr * f, muon_lr=o.muon_lr * f,
+                                                              lr_batch_scaling="none"))
+
+
 def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     """Build the run `cfg` describes. par: the data-parallel side (train/distributed.py; one process
     when None). train.batch_size: auto is resolved by the planner (train/planner.py's auto_batch_size)."""
@@ -135,6 +147,8 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
         b, accum = auto_batch_size(cfg, model, task, device, Path(t.out_dir), say, par)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=b, grad_accum=accum))
         task.cfg = cfg
+    if cfg.optim.lr_batch_scaling != "none":
+        cfg = task.cfg = batch_scaled_lr(cfg, par.dp_world, say)
     n_train, n_params = count_params(model)
     say(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters"
         + (f", {n_train / 1e6:.3f}M trainable ({100 * n_train / n_params:.2f}%)" if n_train < n_params else ""))

@@ -91,6 +91,8 @@ class TrainConfig:
     resume: bool = True                     # continue from the newest complete checkpoint in `out_dir`
     # -- logging and tracking
     log_every: int = bounded(10, gt=0)      # steps between metrics lines
+    log_noise_scale: bool = False           # log noise_scale: the gradient noise scale B_simple in sequences, from
+                                            # the micro-batch's and the global batch's gradient norms (grad_accum > 1)
     progress: bool = True                   # live progress bar (loss, lr, tokens/s, MFU)
     plot: bool = True                       # write `loss.png` at the end
     peak_flops: Optional[float] = bounded(None, gt=0)  # the MFU denominator in FLOP/s; null = the vendor's dense
@@ -289,6 +291,10 @@ class OptimConfig:
     galore_rank: int = bounded(128, ge=1)   # galore: rank of the projected gradient states
     galore_update_every: int = bounded(200, ge=1)  # galore: steps between two projections (an SVD of the gradient)
     galore_scale: float = bounded(0.25, gt=0)  # galore: factor on the projected-back update
+    lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none"  # `lr` and `muon_lr` times (global batch /
+                                            # `reference_batch`) to the power 1/2 (sqrt) or 1 (linear), once at build
+    reference_batch: Optional[int] = bounded(None, ge=1)  # the global batch in sequences (micro-batch x grad_accum
+                                            # x data-parallel ranks) the LRs were tuned at; needed by lr_batch_scaling
 
     def resolved_warmup_steps(self, max_steps: int) -> int:
         """warmup_steps when given (so `optim.warmup_steps=N` overrides a config's fraction); else
@@ -304,6 +310,8 @@ class OptimConfig:
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         if self.name not in OPTIMIZERS:
             raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        if self.lr_batch_scaling != "none" and self.reference_batch is None:
+            raise fail(source, prefix + "reference_batch", f"is needed with lr_batch_scaling={self.lr_batch_scaling}")
         if (package := OPTIMIZERS[self.name].package) and not _installed(package):
             raise fail(source, prefix + "name", f"={self.name} needs the {package} package: pip install -e '.[optim]'")
 
@@ -415,6 +423,9 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_warmup_steps", f"={t.batch_warmup_steps} must be < train.max_steps={t.max_steps}")
     if t.batch_warmup_steps and t.grad_accum == 1:
         raise fail(src, "train.batch_warmup_steps", "ramps the micro-batches up to train.grad_accum, which is 1")
+    if t.log_noise_scale and t.grad_accum == 1 and t.batch_size != "auto":
+        raise fail(src, "train.log_noise_scale", "compares a micro-batch's gradient with the step's: needs "
+                                                 "train.grad_accum > 1")
     if t.batch_size == "auto" and t.lr_find:
         raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
     if t.batch_size == "auto" and t.batch_warmup_steps:

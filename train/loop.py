@@ -146,7 +146,7 @@ def train_step(run, step: int, pre: Optional["Preemption"] = None):
     agree = (lambda stats: pre.agree(par, stats)) if par.active and pre is not None else None
     r = optimizer_step(lambda b: task.loss(run.fwd, b), batches, n_micro, run.optimizer, run.scaler, params,
                        t.clip_grad, run.train_context, no_sync=(lambda last: par.no_sync(run.fwd, last))
-                       if par.active else None, agree=agree, pipeline=par.pipeline)
+                       if par.active else None, agree=agree, pipeline=par.pipeline, probe=t.log_noise_scale)
     if t.clip_weights is not None and r.applied:
         clip_weights_(params, t.clip_weights)
     if run.ema is not None and r.finite and r.applied:

@@ -25,6 +25,8 @@ from zoo.weights.files import atomic_write
 
 from .config import missing_package
 from .hardware import measure_peak_flops, peak_memory_gb, vendor_peak_flops
+from .optim import micro_batches
+from .step import noise_parts
 
 METRICS, SPEED = "metrics.jsonl", "speed.jsonl"
 
@@ -118,6 +120,11 @@ class Metrics:
                      f"({self.nonfinite_streak} in a row, {self.nonfinite_total} in all)")
             self.record({"step": done, "nonfinite": True, "skipped_steps": self.nonfinite_total})
         w["items"] += r.items
+        if r.micro_sq is not None and r.finite:  # train.log_noise_scale
+            b = t.batch_size  # examples per micro-batch and rank
+            g2, trace = noise_parts(r.micro_sq, r.grad_norm ** 2, b, b * self.run.par.dp_world *
+                                    micro_batches(done - 1, t.grad_accum, t.batch_warmup_steps))
+            w["g2"], w["trace"] = w.get("g2", 0.0) + g2, w.get("trace", 0.0) + trace
         w["time"] += seconds
         w["wait"] += data_wait
         self.bar.update(1)
@@ -131,6 +138,8 @@ class Metrics:
                "grad_norm": r.grad_norm, **self.run.task.train_metrics()}
         if self.nonfinite_total:
             row["skipped_steps"] = self.nonfinite_total
+        if "g2" in w:  # B_simple in examples, over the window's steps
+            row["noise_scale"] = w["trace"] / w["g2"]
         if (scaler := self.run.scaler) is not None and scaler.is_enabled():
             row["loss_scale"] = scaler.get_scale()
             row["overflow_steps"] = self.overflow_total

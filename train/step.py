@@ -188,15 +188,17 @@ class StepResult:
     finite: bool        # False: a non-finite loss (or gradient, without a GradScaler): step skipped
     applied: bool       # the optimizer changed the weights
     overflow: bool      # fp16: the GradScaler found inf/nan gradients, skipped the step, lowered its scale
+    micro_sq: Optional[float] = None  # with probe: the squared norm of the first micro-batch's own (unscaled) gradient
 
 
 def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, clip: Optional[float],
-                   autocast=contextlib.nullcontext, no_sync=None, agree=None, pipeline=None) -> StepResult:
+                   autocast=contextlib.nullcontext, no_sync=None, agree=None, pipeline=None, probe=False) -> StepResult:
     """One optimizer step over `n_micro` micro-batches; loss_fn(batch) -> (mean loss, items), each loss
     divided by n_micro. Unscale (fp16), clip (None: measure only), step unless the loss or norm is not
     finite; data-parallel runs pass no_sync(last) and agree([loss sum, grad norm]) to agree on it. pipeline:
-    pipeline(batch, scale) runs forward and backward itself, then finishes the gradients (train/model_parallel.py)."""
-    loss_sum, items = None, 0
+    pipeline(batch, scale) runs forward and backward itself, then finishes the gradients (train/model_parallel.py).
+    probe: the first micro-batch's gradient norm measured too (StepResult.micro_sq), with more than one."""
+    loss_sum, items, micro = None, 0, None
     try:
         for i, batch in enumerate(batches):
             with no_sync(i == n_micro - 1) if no_sync is not None else contextlib.nullcontext():
@@ -205,6 +207,8 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
                 if pipeline is None:
                     scaler.scale(loss / n_micro).backward()
             loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+            if probe and i == 0 and n_micro > 1 and pipeline is None:
+                micro = clip_grads(params, None) * n_micro / (scaler.get_scale() if scaler.is_enabled() else 1)
             items += n
     except torch.OutOfMemoryError as e:
         optimizer.zero_grad(set_to_none=True)
@@ -224,7 +228,16 @@ def optimizer_step(loss_fn, batches, n_micro: int, optimizer, scaler, params, cl
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, scaler.is_enabled() and not grads_ok)
+    return StepResult(loss_val, gnorm_val, items, finite, finite and grads_ok, scaler.is_enabled() and not grads_ok,
+                      None if micro is None else micro.item() ** 2)
+
+
+def noise_parts(small_sq: float, big_sq: float, b_small: int, b_big: int) -> tuple[float, float]:
+    """Unbiased estimates (|G|^2, tr(Sigma)) of the true gradient's squared norm and the per-example gradient
+    covariance's trace from squared gradient norms at batches of b_small and b_big examples (McCandlish et al.
+    2018, appendix A); the simple noise scale B_simple is tr(Sigma) / |G|^2, each part averaged over steps first."""
+    return ((b_big * big_sq - b_small * small_sq) / (b_big - b_small),
+            (small_sq - big_sq) / (1 / b_small - 1 / b_big))
 
 
 def clip_grads(params, clip: Optional[float]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .shards import Shards, chunks, prepare as prepare_shards, read_manifest, to
 from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
                       line_list, needs, short_digest, stdlib_files)
 from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
-                         load_tokenizer_file, sample_documents, train_sentencepiece)
+                         load_tokenizer_file, sample_documents, token_bytes, train_sentencepiece)
 from .tokens import TokenStream, is_pretokenized, pretokenized_splits, token_files
 
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -24,6 +25,9 @@ class ByteTokenizer:
     vocab_size = 256
     bos_id = eos_id = None
     model_path, spec = None, ("bytes", None)
+
+    def piece_bytes(self) -> list[int]:
+        return [1] * 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -51,6 +55,11 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
+
+    def piece_bytes(self) -> list[int]:
+        sp = self.sp
+        return [0 if sp.is_control(i) or sp.is_unknown(i) else 1 if sp.is_byte(i) else
+                len(sp.id_to_piece(i).replace("\u2581", " ").encode()) for i in range(self.vocab_size)]
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts, num_threads=self.threads)
@@ -87,6 +96,15 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def piece_bytes(self) -> list[int]:
+        """A byte-level BPE's pieces are one character per byte; others spell bytes <0xNN> and spaces U+2581; added
+        tokens are their text (special ones: no bytes)."""
+        added = {i: b"" if t.special else t.content.encode() for i, t in self.tok.get_added_tokens_decoder().items()}
+        byte_level = '"ByteLevel"' in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
+        pieces = [self.tok.id_to_token(i) or "" for i in range(self.vocab_size)]
+        return [len(added[i]) if i in added else len(p) if byte_level else 1 if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", p)
+                else len(p.replace("\u2581", " ").encode()) for i, p in enumerate(pieces)]
+
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
@@ -108,6 +126,16 @@ class IdsTokenizer:
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def piece_bytes(self):
+        return None  # unknown without a tokenizer
+
+
+def token_bytes(tokenizer, vocab_size: int):
+    """The UTF-8 bytes each of vocab_size ids decodes to (special tokens and ids past the tokenizer's: 0), or None
+    for ids without a tokenizer."""
+    table = tokenizer.piece_bytes()
+    return None if table is None else (table + [0] * vocab_size)[:vocab_size]
 
 
 def load_tokenizer_file(path):

@@ -18,7 +18,8 @@ from zoo.llm import Distill
 from zoo.weights import gguf_llm, hf_llm, zoo_folder
 from zoo.weights.files import atomic_write
 
-from ..data import Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer, tokenizer_folder
+from ..data import (Prefetcher, SeqLenSchedule, TextDataConfig, TokenData, model_tokenizer, token_bytes,
+                    tokenizer_folder)
 from ..eval import evaluate_files, metric_row
 from ..optim import micro_batches
 from ..step import eval_mode
@@ -295,6 +296,7 @@ class LMTask(Task):
         with eval_mode(model):
             total, n = 0.0, 0
             causal, acc = 0.0, 0.0  # Mixture-of-Depths: loss with causal routing, decision accuracy (per layer)
+            nats, nbytes, table = 0.0, 0.0, self.byte_table(model)  # the loss and UTF-8 bytes of byte-bearing targets
             B = self.cfg.train.batch_size  # every rank evaluates the global batches, in micro-batches of B rows
             for x, y in (part for batch in self.data.val_batches(B * self.world, self.cfg.train.eval_batches)
                          for part in zip(*(t.split(B) for t in batch[:2]))):
@@ -310,14 +312,30 @@ class LMTask(Task):
                         _, loss = model(x, y, **docs)
                 total += loss.item() * k
                 n += k
+                if table is not None:
+                    b = table[y.clamp(min=0)] * (y != -100)
+                    kb, nbytes = int((b > 0).sum()), nbytes + b.sum().item()
+                    if 0 < kb < k:  # special tokens among the targets: their loss left out
+                        with self.autocast():
+                            loss = model(x, y.masked_fill(b == 0, -100), **docs)[1]
+                    nats += loss.item() * kb
         out = {"val_loss": total / max(n, 1), "val_ppl": math.exp(min(total / max(n, 1), 50)),
                "unigram_entropy": self.entropy, **self.eval_tasks(model)}
+        if nbytes:
+            out["val_bpb"] = nats / math.log(2) / nbytes
         if self.mod:
             per_layer = (acc / max(n, 1)).tolist()
             layers = [i for i in range(model.config.n_layers) if model.config.is_mod(i)]
             out.update({"val_loss_causal": causal / max(n, 1), "val_mod_accuracy": sum(per_layer) / len(per_layer),
                         **{f"val_mod_accuracy_layer{i}": a for i, a in zip(layers, per_layer)}})
         return out
+
+    def byte_table(self, model) -> Optional[torch.Tensor]:
+        """(vocab,) the UTF-8 bytes each id decodes to, on the device (None without a tokenizer)."""
+        if getattr(self, "_byte_table", None) is None:
+            table = token_bytes(self.data.tokenizer, model.config.vocab_size)
+            self._byte_table = None if table is None else torch.tensor(table, device=self.device)
+        return self._byte_table
 
     def eval_tasks(self, model) -> dict[str, float]:
         """data.eval_tasks (train/eval.py) scored on `model`, as `eval_<file stem>_<metric>` numbers."""
