@@ -17,6 +17,21 @@ import pytest
 BLOCKS = Path(__file__).resolve().parents[1] / "zoo" / "blocks"
 FILES = sorted(p for p in BLOCKS.glob("*.py") if p.name != "__init__.py")
 
+# a recurrent block m on x (2, 7, 16): its gradient, its state, one-token steps, a document reset
+RECURRENT = """
+        y, state = m(x)
+        y.sum().backward()
+        assert m.A_log.grad is not None and state[1].shape == (2, 4, 8, {n})
+        with torch.no_grad():
+            s, steps = None, []
+            for t in range(7):
+                yt, s = m(x[:, t:t + 1], s)
+                steps.append(yt)
+            assert (torch.cat(steps, 1) - y).abs().max() < 1e-5
+            doc = torch.tensor([[0] * 3 + [1] * 4] * 2)
+            assert (m(x, doc_ids=doc)[0][:, 3:] - m(x[:, 3:])[0]).abs().max() < 1e-5
+    """
+
 # What each copied block runs (in the fresh interpreter, next to its needed siblings). A block
 # without an entry here fails test_every_block_has_a_smoke_run: add one with the block.
 SMOKE = {
@@ -401,34 +416,12 @@ SMOKE = {
         from gated_deltanet import GatedDeltaNet
         m = GatedDeltaNet(16, 2, 8, n_v_heads=4, chunk=4)
         x = torch.randn(2, 7, 16)
-        y, state = m(x)
-        y.sum().backward()
-        assert m.A_log.grad is not None and state[1].shape == (2, 4, 8, 8)
-        with torch.no_grad():
-            s, steps = None, []
-            for t in range(7):
-                yt, s = m(x[:, t:t + 1], s)
-                steps.append(yt)
-            assert (torch.cat(steps, 1) - y).abs().max() < 1e-5
-            doc = torch.tensor([[0] * 3 + [1] * 4] * 2)
-            assert (m(x, doc_ids=doc)[0][:, 3:] - m(x[:, 3:])[0]).abs().max() < 1e-5
-    """,
+    """ + RECURRENT.format(n=8),
     "mamba2.py": """
         from mamba2 import Mamba2
         m = Mamba2(16, 4, 8, state_size=6, n_groups=2, chunk=4)
         x = torch.randn(2, 7, 16)
-        y, state = m(x)
-        y.sum().backward()
-        assert m.A_log.grad is not None and state[1].shape == (2, 4, 8, 6)
-        with torch.no_grad():
-            s, steps = None, []
-            for t in range(7):
-                yt, s = m(x[:, t:t + 1], s)
-                steps.append(yt)
-            assert (torch.cat(steps, 1) - y).abs().max() < 1e-5
-            doc = torch.tensor([[0] * 3 + [1] * 4] * 2)
-            assert (m(x, doc_ids=doc)[0][:, 3:] - m(x[:, 3:])[0]).abs().max() < 1e-5
-    """,
+    """ + RECURRENT.format(n=6),
     "short_conv.py": """
         from short_conv import ShortConv
         m = ShortConv(8, 3)

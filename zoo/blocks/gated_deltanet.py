@@ -24,10 +24,10 @@ from torch import nn
 
 try:
     from .norm import GatedRMSNorm
-    from .recurrent import causal_conv, chunk_decays, resets, to_chunks
+    from .recurrent import causal_conv, chunk_decays, optional_kernel, resets, to_chunks
 except ImportError:  # copied next to recurrent.py and norm.py, outside the zoo package
     from norm import GatedRMSNorm
-    from recurrent import causal_conv, chunk_decays, resets, to_chunks
+    from recurrent import causal_conv, chunk_decays, optional_kernel, resets, to_chunks
 
 
 class GatedDeltaNet(nn.Module):
@@ -124,20 +124,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, doc_ids=None, chunk: in
     return o.flatten(2, 3)[:, :, :T].transpose(1, 2).to(dtype), S
 
 
-fla_chunk_gated_delta_rule = None
-_fla_imported = False
-
-
 def fla_chunk():
-    """flash-linear-attention's chunk_gated_delta_rule when it is installed and imports, else None (looked up once)."""
-    global fla_chunk_gated_delta_rule, _fla_imported
-    if not _fla_imported:
-        _fla_imported = True
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
-        except Exception:  # noqa: BLE001  (absent, or built for another CUDA / torch)
-            pass
-    return fla_chunk_gated_delta_rule
+    """flash-linear-attention's chunk_gated_delta_rule when it is installed and imports, else None."""
+    return optional_kernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, state=None, doc_ids=None):

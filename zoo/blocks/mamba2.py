@@ -21,10 +21,10 @@ from torch import nn
 
 try:
     from .norm import GatedRMSNorm
-    from .recurrent import causal_conv, chunk_decays, resets, to_chunks
+    from .recurrent import causal_conv, chunk_decays, optional_kernel, resets, to_chunks
 except ImportError:  # copied next to recurrent.py and norm.py, outside the zoo package
     from norm import GatedRMSNorm
-    from recurrent import causal_conv, chunk_decays, resets, to_chunks
+    from recurrent import causal_conv, chunk_decays, optional_kernel, resets, to_chunks
 
 
 class Mamba2(nn.Module):
@@ -111,17 +111,6 @@ def ssd_chunked(x, dt, A, B, C, state=None, doc_ids=None, chunk: int = 256):
     return y.flatten(2, 3)[:, :, :T].transpose(1, 2).to(dtype), S
 
 
-mamba_chunk_scan_combined = None
-_mamba_imported = False
-
-
 def mamba_scan():
-    """mamba_ssm's mamba_chunk_scan_combined when it is installed and imports, else None (looked up once)."""
-    global mamba_chunk_scan_combined, _mamba_imported
-    if not _mamba_imported:
-        _mamba_imported = True
-        try:
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        except Exception:  # noqa: BLE001  (absent, or built for another CUDA / torch)
-            pass
-    return mamba_chunk_scan_combined
+    """mamba_ssm's mamba_chunk_scan_combined when it is installed and imports, else None."""
+    return optional_kernel("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")

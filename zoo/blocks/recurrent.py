@@ -5,6 +5,7 @@ take them; the recurrence restarts wherever the id changes inside a row, and the
 row's first document (flash-linear-attention's cu_seqlens rule, with a row's documents numbered by id changes).
 - `causal_conv`: y_t = sum_j w_j x_{t-K+1+j} (+ bias) over channels, never reading another document's input; the
   state is the window of the K-1 inputs before the next token (zeros where they lie before its document).
+- `optional_kernel`: a CUDA kernel package's function when it is installed and imports, else None.
 - `StateCache`: a layer's state between calls (decoding), in buffers written in place (fixed addresses: CUDA graphs).
 - `chunk_decays`: for a scan whose state decays by exp(g_t) per token, cut in chunks of C tokens, the decays between
   the tokens of a chunk and from/to its ends, zero across a document start (Dao and Gu, "Transformers are SSMs:
@@ -12,11 +13,22 @@ row's first document (flash-linear-attention's cu_seqlens rule, with a row's doc
 
 Shapes: x (B, T, D); weight (D, 1, K) as nn.Conv1d holds it; conv state (B, K-1, D); g (B, H, n, C).
 """
+import functools
+import importlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.cache
+def optional_kernel(module: str, name: str):
+    """`module`.`name` when installed and importable, else None (absent, or built for another CUDA / torch)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def resets(doc_ids: torch.Tensor) -> torch.Tensor:
