@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 import zoo
 from train.config import OptimConfig, load_run_config
@@ -96,13 +97,13 @@ def test_decoding_with_caches_matches_the_full_forward():
 def test_head_lr_is_its_own_group():
     m = build(tie_embeddings=False)
     for name in ("adamw", "muon"):
-        opt = build_optimizer(m, OptimConfig(name=name, lr=1e-3, head_lr=4e-3), torch.device("cpu"), log=lambda s: None)
+        opt = build_optimizer(m, OptimConfig(name=name, lr=1e-3, head_lr=4e-3), TEST_DEVICE, log=lambda s: None)
         head = [g for g in opt.param_groups if any(p is m.lm_head.weight for p in g["params"])]
         assert len(head) == 1 and len(head[0]["params"]) == 1 and head[0]["lr"] == 4e-3
         set_lr(opt, 5e-4)  # the schedule scales it as it scales lr
         assert head[0]["lr"] == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="optim.head_lr needs an untied head"):
-        build_optimizer(build(), OptimConfig(head_lr=4e-3), torch.device("cpu"))
+        build_optimizer(build(), OptimConfig(head_lr=4e-3), TEST_DEVICE)
 
 
 @pytest.mark.slow
