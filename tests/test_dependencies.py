@@ -19,7 +19,7 @@ NOT_INSTALLED = {"flash_attn": "flash-attn", "bitsandbytes": "bitsandbytes", "fl
 PLUGINS = {"pytest-xdist": "the README's test command runs the suite in two workers (pytest -n 2)",  # used, not imported
            "sqlalchemy": "MLflow's SQLite store (train.tracker=mlflow)", "alembic": "MLflow's SQLite store"}
 # calls whose first string argument is a module imported by name
-BY_NAME = {"import_module", "importorskip", "optional_module", "find_spec"}
+BY_NAME = {"import_module", "importorskip", "optional_module", "optional_kernel", "find_spec"}
 
 
 def _norm(dist: str) -> str:
