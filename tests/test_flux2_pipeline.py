@@ -88,7 +88,10 @@ def test_sigmas_are_the_schedulers(steps, tokens):
     assert torch.allclose(fp.sigmas(steps, tokens), s.sigmas, atol=1e-6)
 
 
-def test_the_pipeline_samples_zoos_latents(qwen3, tmp_path):
+@pytest.fixture(scope="module")
+def pipeline(qwen3, tmp_path_factory):
+    """(Flux2KleinPipeline on Zoo's exports, Zoo's transformer and text encoder, the latents' mean and std)."""
+    tmp = tmp_path_factory.mktemp("pipeline")
     llm = zoo.from_pretrained(qwen3)
     torch.manual_seed(1)
     model = Flux2(Flux2Config(double_depth=2, single_depth=2, heads=2, head_dim=16, rope_axes=(4, 4, 4, 4),
@@ -102,18 +105,27 @@ def test_the_pipeline_samples_zoos_latents(qwen3, tmp_path):
     vae.bn.running_mean.normal_(0, 1)
     vae.bn.running_var.uniform_(0.5, 2)
     mean, std = vae.bn.running_mean, (vae.bn.running_var + vae.config.batch_norm_eps).sqrt()
-    zoo.save_pretrained(model, tmp_path / "transformer")
-    zoo.save_pretrained(llm, tmp_path / "text_encoder")
+    zoo.save_pretrained(model, tmp / "transformer")
+    zoo.save_pretrained(llm, tmp / "text_encoder")
     pipe = diffusers.Flux2KleinPipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0), vae=vae,
-        text_encoder=transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "text_encoder").eval(),
+        text_encoder=transformers.Qwen3ForCausalLM.from_pretrained(tmp / "text_encoder").eval(),
         tokenizer=transformers.AutoTokenizer.from_pretrained(qwen3),
-        transformer=diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path / "transformer").eval())
-    h, w, f = 3, 5, 2 * pipe.vae_scale_factor  # latent tokens h x w; pixels per token f
-    prompts = PROMPTS[:2]
-    want = pipe(prompt=prompts, height=h * f, width=w * f, num_inference_steps=4, guidance_scale=3.0,
-                generator=torch.Generator().manual_seed(7), output_type="latent", max_sequence_length=MAX_LEN,
+        transformer=diffusers.Flux2Transformer2DModel.from_pretrained(tmp / "transformer").eval())
+    return pipe, model, llm, mean, std
+
+
+def pipeline_latents(pipe, prompts, h, w, seed=7):
+    f = 2 * pipe.vae_scale_factor  # pixels per latent token
+    return pipe(prompt=prompts, height=h * f, width=w * f, num_inference_steps=4, guidance_scale=3.0,
+                generator=torch.Generator().manual_seed(seed), output_type="latent", max_sequence_length=MAX_LEN,
                 text_encoder_out_layers=LAYERS).images
+
+
+def test_the_pipeline_samples_zoos_latents(qwen3, pipeline):
+    pipe, model, llm, mean, std = pipeline
+    h, w, prompts = 3, 5, PROMPTS[:2]
+    want = pipeline_latents(pipe, prompts, h, w)
     cond, uncond = zoo_embeds(qwen3, llm, prompts), zoo_embeds(qwen3, llm, [""] * len(prompts))
     got = fp.sample(model, cond, uncond, h, w, steps=4, scale=3.0, generator=torch.Generator().manual_seed(7),
                     mean=mean, std=std)
@@ -122,3 +134,24 @@ def test_the_pipeline_samples_zoos_latents(qwen3, tmp_path):
     unguided = fp.sample(model, cond, uncond, h, w, steps=4, scale=1.0, generator=torch.Generator().manual_seed(7),
                          mean=mean, std=std)
     assert (unguided - want).abs().max() > 1e-2  # guidance changed the sample
+
+
+def test_sample_program_on_a_saved_pipeline_folder(pipeline, tmp_path):
+    from train import sample
+    from zoo.diffusion.taesd import TAESD
+    pipe, *_ = pipeline
+    pipe.save_pretrained(tmp_path / "pipe")
+    zoo.save_pretrained(TAESD(4, channels=8), tmp_path / "taesd_encoder.pth")
+    decoder = zoo.from_pretrained(tmp_path / "taesd_encoder.pth").eval()
+    h, w, f = 3, 5, 2 * pipe.vae_scale_factor
+    with torch.no_grad():
+        want = decoder.decode(pipeline_latents(pipe, [PROMPTS[0]] * 2, h, w, seed=3)).clamp(0, 1)
+    got = sample.generate(tmp_path / "pipe", [PROMPTS[0]], decoder, steps=4, guidance=3.0, seed=3, n=2,
+                          size=(h * f, w * f), max_length=MAX_LEN, layers=LAYERS)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-4, (got - want).abs().max()
+    argv = [str(tmp_path / "pipe"), "a cat", "", "--decoder", str(tmp_path / "taesd_encoder.pth"), "--out",
+            str(tmp_path / "out"), "--steps", "2", "--size", str(h * f), str(w * f), "--max-length", "24",
+            "--layers", "1", "2", "4"]
+    assert sample.main(argv) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a_cat-0-0.png", "empty-0-0.png"]
+    assert sample.main([str(tmp_path), "a cat", "--decoder", str(tmp_path / "taesd_encoder.pth")]) == 2
