@@ -62,10 +62,13 @@ def test_prompt_embeddings_equal_the_pipelines(qwen3):
     hf_tok = transformers.AutoTokenizer.from_pretrained(qwen3)
     want = diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(ref, hf_tok, PROMPTS, max_sequence_length=MAX_LEN,
                                                                   hidden_states_layers=LAYERS)
-    got = zoo_embeds(qwen3, zoo.from_pretrained(qwen3), PROMPTS)
+    llm = zoo.from_pretrained(qwen3)
+    got = zoo_embeds(qwen3, llm, PROMPTS)
     assert got.shape == want.shape == (len(PROMPTS), MAX_LEN, len(LAYERS) * 32)
     assert (got - want).abs().max() <= 1e-5, (got - want).abs().max()
     assert want[:, :, :32].abs().max() > 0.1  # the padding rows carry signal too (they are compared)
+    with pytest.raises(ValueError, match=r"layers \[5\] out of range"):
+        zoo_embeds(qwen3, llm, PROMPTS, (2, 5))
 
 
 def test_latents_pack_as_the_pipeline_packs():

@@ -241,10 +241,10 @@ class LLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, layers, key_mask: Optional[torch.Tensor] = None) -> list:
         """transformers' output_hidden_states[i] for each i in `layers` (B, T, D): 0 the embeddings, i the i-th
         layer's output, n_layers the final norm's. key_mask (B, T) bool: False on padding (a text encoder's)."""
-        n, got = len(self.layers), {}
+        n, T, got = len(self.layers), input_ids.shape[1], {}
         if bad := [i for i in layers if not 0 <= i <= n]:
             raise ValueError(f"hidden state layers {bad} out of range: this model has layers 0..{n}")
-        hooks = [self.layers[i - 1].register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[0]))
+        hooks = [self.layers[i - 1].register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[0][:, -T:]))
                  for i in set(layers) if 0 < i < n]
         try:
             got[n] = self._trunk(input_ids, None, 0, None, key_mask=key_mask)[0]
