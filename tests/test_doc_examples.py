@@ -70,6 +70,8 @@ SHRINK = {
                                              ("max_new_tokens=500, compile=True", "max_new_tokens=4")],
     ("convnet.md", "forward_features"): [("224, 224", "64, 64")],
     ("pretrained.md", "max_new_tokens=50"): [("max_new_tokens=50", "max_new_tokens=4")],
+    ("diffusion.md", "fp.sample"): [("(9, 18, 27)", "(2,)"), ("prompts, 512)", "prompts, 16)"),
+                                    ("32, 32, steps=50", "2, 2, steps=2")],
     ("pretrained.md", "load_tokenizer(model)"): [("torch.tensor([ids]), 64,", "torch.tensor([ids]), 4,")],
     ("deploy.md", "int4wo"): [("model.generate(ids, 128)", "model.generate(ids, 4)")],
 }
@@ -190,6 +192,11 @@ def make_world(w: Path):
     zoo.save_pretrained(DiT(DiTConfig(depth=1, width=32, heads=2, patch_size=2), 4, 10, 8),
                         w / "DiT-XL-2-256/transformer")
     zoo.save_pretrained(Flux2(), w / "FLUX.2-klein-4B/transformer")
+    zoo.save_pretrained(small_llm(tok.vocab_size), w / "FLUX.2-klein-4B/text_encoder", tokenizer=tok)  # width 64
+    (w / "FLUX.2-klein-4B/tokenizer").mkdir()
+    tok.save(w / "FLUX.2-klein-4B/tokenizer")
+    config = w / "FLUX.2-klein-4B/tokenizer/tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": "<|endoftext|>"}))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ LAYERS = [
     ("tasks", ("train.tasks",)),
     ("assembly", ("train.planner", "train.builder")),
     ("loop", ("train.loop",)),
-    ("programs", ("train.run", "train.plan", "train.prepare", "train.docs", "train.bench", "train.benches")),
+    ("programs", ("train.run", "train.plan", "train.prepare", "train.sample", "train.docs", "train.bench",
+                  "train.benches")),
 ]
 
 

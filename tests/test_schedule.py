@@ -115,5 +115,5 @@ def test_classifier_free_guidance_combines_cond_and_uncond():
 
     x, t, y = torch.randn(3, 2, 4, 4), torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 2])
     cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, 10))
-    assert torch.allclose(guided(model, x, t, y, 10, 3.0), uncond + 3.0 * (cond - uncond))
-    assert torch.equal(guided(model, x, t, y, 10, 1.0), cond)
+    assert torch.allclose(guided(model, x, t, y, torch.full_like(y, 10), 3.0), uncond + 3.0 * (cond - uncond))
+    assert torch.equal(guided(model, x, t, y, torch.full_like(y, 10), 1.0), cond)

@@ -238,6 +238,21 @@ class LLM(nn.Module):
         """input_ids (B, T) -> the final norm's output (B, T, D), what the LM head reads (distillation)."""
         return self._trunk(input_ids, None, 0, None)[0]
 
+    def hidden_states(self, input_ids: torch.Tensor, layers, key_mask: Optional[torch.Tensor] = None) -> list:
+        """transformers' output_hidden_states[i] for each i in `layers` (B, T, D): 0 the embeddings, i the i-th
+        layer's output, n_layers the final norm's. key_mask (B, T) bool: False on padding (a text encoder's)."""
+        n, T, got = len(self.layers), input_ids.shape[1], {}
+        if bad := [i for i in layers if not 0 <= i <= n]:
+            raise ValueError(f"hidden state layers {bad} out of range: this model has layers 0..{n}")
+        hooks = [self.layers[i - 1].register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[0][:, -T:]))
+                 for i in set(layers) if 0 < i < n]
+        try:
+            got[n] = self._trunk(input_ids, None, 0, None, key_mask=key_mask)[0]
+        finally:
+            for h in hooks:
+                h.remove()
+        return [self.embed_tokens(input_ids) if i == 0 else got[i] for i in layers]
+
     def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None,
                key_mask=None):
         """embed -> the layers -> the final norm: (h (B, T, D), MoE stats, MoD stats)."""

@@ -314,18 +314,18 @@ class ChatTemplate:
             raise DataError(f"{p}: no chat_template")
         return cls(template, special, str(p))
 
-    def _render_marked(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def _render_marked(self, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
         import jinja2
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens, **variables)
         except jinja2.TemplateError as e:
             raise DataError(f"{self.name}: {type(e).__name__}: {e}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, exactly as transformers' apply_chat_template(tokenize=False)."""
-        return _strip_marks(self._render_marked(messages, add_generation_prompt))[0]
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
+        """The conversation as text, exactly as transformers' apply_chat_template(tokenize=False, **variables)."""
+        return _strip_marks(self._render_marked(messages, add_generation_prompt, **variables))[0]
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(rendered text, each assistant turn's span with its end of turn), by generation marks, else by prefixes."""
@@ -438,6 +438,20 @@ def _byte_to_char(text: str) -> list[int]:
     for i, ch in enumerate(text):
         out += [i] * len(ch.encode("utf-8"))
     return out + [len(text)]
+
+
+def prompt_tokens(tokenizer, template: ChatTemplate, prompts: list[str], max_length: int):
+    """Each prompt as a user turn with the generation prompt (thinking off), truncated and right-padded with the
+    tokenizer's pad token to max_length: (ids, attention mask), (B, max_length) int64 each, as diffusers' FLUX.2
+    pipelines feed their Qwen3."""
+    import torch
+    pad = getattr(tokenizer, "pad_id", None)
+    if pad is None:
+        raise DataError(f"{getattr(tokenizer, 'model_path', 'the tokenizer')}: no pad_token (tokenizer_config.json)")
+    texts = [template.render([{"role": "user", "content": p}], True, enable_thinking=False) for p in prompts]
+    rows = [token_offsets(tokenizer, t)[0][:max_length] for t in texts]
+    ids = torch.tensor([r + [pad] * (max_length - len(r)) for r in rows])
+    return ids, torch.tensor([[1] * len(r) + [0] * (max_length - len(r)) for r in rows])
 
 
 def token_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:

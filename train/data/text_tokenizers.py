@@ -85,9 +85,10 @@ class HFTokenizer:
         if cfg.is_file():
             with contextlib.suppress(ValueError, AttributeError):
                 named = {k: (v.get("content") if isinstance(v, dict) else v)
-                         for k, v in json.loads(cfg.read_text()).items() if k in ("bos_token", "eos_token")}
+                         for k, v in json.loads(cfg.read_text()).items() if k in ("bos_token", "eos_token", "pad_token")}
         self.bos_id = self._special(named.get("bos_token"), BOS_NAMES)
         self.eos_id = self._special(named.get("eos_token"), EOS_NAMES)
+        self.pad_id = self._special(named.get("pad_token"), ())  # padding a text encoder's prompts
 
     def _special(self, name, usual) -> Optional[int]:
         ids = (self.tok.token_to_id(n) for n in ([name] if name else []) + list(usual))

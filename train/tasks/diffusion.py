@@ -289,10 +289,10 @@ def image_grid(images: torch.Tensor, nrow: int, padding: int = 2, pad_value: flo
     return grid
 
 
-def save_grid(images: torch.Tensor, path, nrow: int):
+def save_grid(images: torch.Tensor, path, nrow: int, padding: int = 2):
     """Write images (N, C, H, W) in [0, 1] as one PNG grid (Pillow; atomically)."""
     from PIL import Image
-    grid = image_grid(images.detach().float().clamp(0, 1).cpu(), nrow)
+    grid = image_grid(images.detach().float().clamp(0, 1).cpu(), nrow, padding)
     pixels = grid.mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
     atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))

@@ -2,7 +2,8 @@
 
 Paper: Raposo et al., "Mixture-of-Depths: Dynamically allocating compute in transformer-based
 language models" (2024). `KeyMask(key_mask)` is CausalSelfAttention's mask: no query sees a skipped
-token's key (a query always sees its own position); `MaskedKVCache` keeps the mask of its keys.
+token's key (one with no key left to see sees its own: no empty rows); `MaskedKVCache` keeps the mask of its keys.
+A right-padded row is transformers' padding: its padded queries see the real tokens only.
 
 Shapes: q (B, H, Tq, D); k, v (B, KV, Tk, D); key_mask (B, Tk); doc_ids (B, Tq) -> (B, H, Tq, D).
 Needs: attention.py, attention_docs.py, attention_cpu.py, rope.py, norm.py.
@@ -42,9 +43,10 @@ class KeyMask(A.Causal):
     def attend(self, q, k, v, backend="auto", window=None, softcap=None, sinks=None) -> torch.Tensor:
         Tq, Tk = q.shape[2], k.shape[2]
         own = A.attention_mask(Tq, Tk, 1, q.device)  # (Tq, Tk): each query's own position
-        mask = A.attention_mask(Tq, Tk, window, q.device) & (self.key_mask[:, None, :] | own)  # (B, Tq, Tk)
+        mask = A.attention_mask(Tq, Tk, window, q.device) & self.key_mask[:, None, :]  # (B, Tq, Tk)
         if self.doc_ids is not None:
             mask = mask & document_mask(self.doc_ids, Tk)
+        mask = mask | (own & ~mask.any(-1, keepdim=True))
         return A.attend_within(q, k, v, mask, backend, window, softcap, sinks)
 
     def cached(self, cache, start) -> A.Causal:

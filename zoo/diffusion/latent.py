@@ -113,7 +113,8 @@ class LatentDiffusion(nn.Module):
         scale = cfg.guidance if guidance is None else guidance
         C, s = self.latent_channels, self.latent_size
         # the noise prediction only: a learned-sigma DiT's variance channels are not used by these samplers
-        fn = lambda x, t: guided(self.denoiser, x, t, labels, self.denoiser.null_label, scale)[:, :C]  # noqa: E731
+        null = torch.full_like(labels, self.denoiser.null_label)
+        fn = lambda x, t: guided(self.denoiser, x, t, labels, null, scale)[:, :C]  # noqa: E731
         return samplers.sample(fn, (len(labels), C, s, s), sampler or cfg.sampler, steps or cfg.sample_steps,
                                self.schedule, cfg.prediction, cfg.beta_start, cfg.beta_end,
                                cfg.eta if eta is None else eta, generator, labels.device, self.latent_mean.dtype)

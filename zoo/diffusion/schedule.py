@@ -41,13 +41,13 @@ def _bcast(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
 
 
-def guided(model_fn: Callable, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, null_label: int,
+def guided(model_fn: Callable, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """Classifier-free guidance: one batched call on [cond; uncond], combined with `scale`
-    (1 = conditional only, 0 = unconditional only)."""
+    """Classifier-free guidance: one batched call on [cond; uncond] (labels, or prompt embeddings), combined with
+    `scale` (1 = conditional only, 0 = unconditional only)."""
     if scale == 1.0:
-        return model_fn(x, t, labels)
-    out = model_fn(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, torch.full_like(labels, null_label)]))
+        return model_fn(x, t, cond)
+    out = model_fn(torch.cat([x, x]), torch.cat([t, t]), torch.cat([cond, uncond]))
     cond, uncond = out.chunk(2)
     return uncond + scale * (cond - uncond)
 
@@ -228,9 +228,11 @@ def flow_sigmas(steps: int, num_train_timesteps: int = 1000) -> torch.Tensor:
 
 
 @torch.no_grad()
-def flow_sample(model_fn: Callable, x: torch.Tensor, steps: int, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """Euler integration of dx/ds = u from s = 1 (x: the noise) to s = 0; model_fn(x, s * T) -> u."""
-    sig = flow_sigmas(steps, num_train_timesteps).tolist()
+def flow_sample(model_fn: Callable, x: torch.Tensor, steps: int, num_train_timesteps: int = 1000,
+                sigmas: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Euler integration of dx/ds = u from s = 1 (x: the noise) to s = 0 through `sigmas` (default flow_sigmas);
+    model_fn(x, s * T) -> u."""
+    sig = (flow_sigmas(steps, num_train_timesteps) if sigmas is None else sigmas).tolist()
     for s, s_next in zip(sig[:-1], sig[1:]):
         t = torch.full((x.shape[0],), s * num_train_timesteps, device=x.device, dtype=torch.float32)
         x = (x.float() + (s_next - s) * model_fn(x, t).float()).to(x.dtype)

@@ -88,3 +88,18 @@ def save(model, path, dtype=None, **_) -> Path:
     save_safetensors(_rename(sd, ZOO_NAMES), p / WEIGHTS)
     atomic_write(p / "config.json", json.dumps(config, indent=2) + "\n")
     return p
+
+
+
+def latent_space(path):
+    """(mean, std, pixels per token) of a pipeline folder's AutoencoderKLFlux2 (vae/): its batch norm's statistics
+    (4C,) over the 2x2-patched channels, which normalise the transformer's tokens; None when there is no vae/."""
+    f = Path(path) / "vae"
+    if not (f / "config.json").is_file():
+        return None
+    cfg = json.loads((f / "config.json").read_text())
+    sd = load_tensors(f / WEIGHTS)
+    if "bn.running_mean" not in sd:
+        raise ValueError(f"{f / WEIGHTS}: no bn.running_mean (not an AutoencoderKLFlux2)")
+    std = (sd["bn.running_var"].float() + cfg.get("batch_norm_eps", 1e-4)).sqrt()
+    return sd["bn.running_mean"].float(), std, 2 ** len(cfg.get("block_out_channels", (0,) * 4))

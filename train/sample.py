@@ -1,0 +1,88 @@
+"""Text to images with a FLUX.2 [klein] pipeline folder: Zoo's transformer and Qwen3 text encoder, PNGs decoded by a
+Zoo autoencoder (TAEF2).
+
+    python train/sample.py FOLDER "a prompt" [...] --decoder taef2_encoder.pth [--out DIR --steps 4 --guidance 4
+                                             --seed 0 --n 1 --size 1024 1024 --max-length 512]
+
+FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
+the latents' statistics, model_index.json; `is_distilled` turns guidance off). Writes DIR/<prompt>-<seed>-<k>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+
+def load(folder):
+    """(transformer, text encoder, tokenizer, chat template, (mean, std, pixels per token), distilled) of `folder`
+    (without vae/: no normalisation, 16 pixels per token)."""
+    import zoo
+    from train.data.conversations import tokenizer_and_template
+    from zoo.weights.diffusers_flux2 import latent_space
+    f = Path(folder)
+    index = json.loads((f / "model_index.json").read_text()) if (f / "model_index.json").is_file() else {}
+    tok, template = tokenizer_and_template(f / "tokenizer")
+    if template is None:
+        raise ValueError(f"{f / 'tokenizer'}: no chat template (the prompts are rendered with it)")
+    return (zoo.from_pretrained(f / "transformer"), zoo.from_pretrained(f / "text_encoder").eval(), tok, template,
+            latent_space(f) or (None, None, 16), bool(index.get("is_distilled", False)))
+
+
+@torch.no_grad()
+def generate(folder, prompts: list[str], decoder, steps: int = 4, guidance: float = 4.0, seed: int = 0, n: int = 1,
+             size=(1024, 1024), max_length: int = 512, layers=None) -> torch.Tensor:
+    """Images (len(prompts) * n, 3, H, W) in [0, 1]: n per prompt, noise from one generator seeded `seed`."""
+    from train.data.conversations import prompt_tokens
+    from zoo.diffusion import flux2_pipeline as fp
+    model, llm, tok, template, (mean, std, f), distilled = load(folder)
+
+    def embed(ps):
+        return fp.prompt_embeds(llm, *prompt_tokens(tok, template, ps, max_length), layers or fp.LAYERS)
+    prompts = [p for p in prompts for _ in range(n)]
+    cond, uncond = embed(prompts), embed([""] * len(prompts))
+    z = fp.sample(model, cond, uncond, size[0] // f, size[1] // f, steps, 1.0 if distilled else guidance,
+                  torch.Generator().manual_seed(seed), mean, std)
+    return decoder.decode(z).clamp(0, 1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python train/sample.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="a FLUX.2 [klein] pipeline folder")
+    p.add_argument("prompts", nargs="+", help="one or more prompts")
+    p.add_argument("--decoder", required=True, help="a Zoo autoencoder of the latent space (taef2_encoder.pth)")
+    p.add_argument("--out", default="samples", help="folder for the PNGs (default samples)")
+    p.add_argument("--steps", type=int, default=4, help="Euler steps (default 4)")
+    p.add_argument("--guidance", type=float, default=4.0, help="classifier-free guidance scale (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the noise (default 0)")
+    p.add_argument("--n", type=int, default=1, help="images per prompt (default 1)")
+    p.add_argument("--size", type=int, nargs=2, default=(1024, 1024), metavar=("H", "W"), help="pixels (default 1024)")
+    p.add_argument("--max-length", type=int, default=512, help="prompt tokens, padded to it (default 512)")
+    p.add_argument("--layers", type=int, nargs="+", help="the text encoder's layers (default 9 18 27)")
+    args = p.parse_args(argv)
+    import zoo
+    from train.tasks.diffusion import save_grid
+    try:
+        images = generate(args.folder, args.prompts, zoo.from_pretrained(args.decoder).eval(), args.steps,
+                          args.guidance, args.seed, args.n, args.size, args.max_length, args.layers)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(images):
+        name = re.sub(r"[^\w-]+", "_", args.prompts[i // args.n])[:60] or "empty"
+        save_grid(image[None], out / f"{name}-{args.seed}-{i % args.n}.png", 1, padding=0)
+        print(out / f"{name}-{args.seed}-{i % args.n}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
