@@ -239,3 +239,24 @@ def test_hf_vit_bad_input_is_one_line(tmp_path):
     siglip = ViT(ViTConfig(**{**TINY, "num_classes": 0}, class_token=False, no_embed_class=True, global_pool="map"))
     with pytest.raises(ValueError, match="4x5 patches does not fit in 16"):
         siglip(torch.zeros(1, 16, 192), torch.tensor([[4, 5]]), torch.ones(1, 16))
+
+
+def test_zoo_built_dinov3_and_siglip2_shapes_save_and_load(tmp_path):
+    """Built in Zoo (RoPE + registers + SwiGLU with a head; attention pooling + bilinear table): zoo.save_pretrained
+    writes timm's layout with the config, which loads back with the same logits; hf_vit.save writes the headless
+    RoPE model as a folder DINOv3ViTModel loads, its last_hidden_state Zoo's within 1e-4."""
+    from transformers import DINOv3ViTModel
+    from zoo.weights import hf_vit
+    dino = dict(rope_theta=100.0, reg_tokens=2, mlp="swiglu", init_values=0.1, no_embed_class=True, norm_eps=1e-5)
+    siglip = dict(class_token=False, no_embed_class=True, global_pool="map", mlp="gelu_tanh", pos_interp="bilinear")
+    x = torch.randn(2, 3, 32, 24, generator=torch.Generator().manual_seed(1))
+    for i, kw in enumerate((dino, siglip)):
+        model = zoo.build({"family": "vit", "model": {**TINY, **kw}}).eval()
+        again = zoo.from_pretrained(zoo.save_pretrained(model, tmp_path / f"m{i}.safetensors"))
+        assert again.config == model.config
+        with torch.no_grad():
+            assert torch.equal(again(x), model(x))
+    encoder = zoo.build({"family": "vit", "model": {**TINY, **dino, "num_classes": 0}}).eval()
+    back = DINOv3ViTModel.from_pretrained(hf_vit.save(encoder, tmp_path / "hf")).eval()
+    with torch.no_grad():
+        assert close(back(pixel_values=x).last_hidden_state, encoder.forward_features(x))

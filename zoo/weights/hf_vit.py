@@ -5,8 +5,9 @@ One record per class: its config's defaults, the translation to ViTConfig and ba
 against the class's; tensors fused on one side stacked along their rows on the other). SigLIP 2's linear patch
 embedding is Zoo's patch convolution with its (p, p, C) inputs reordered, its position table Zoo's `pos_embed`.
 Biases a DINOv3 config leaves out (the key bias) load as zeros and are written back only where they became non-zero
-(the config flag then set). save() writes the class the model came from (a ViT with RoPE and none: DINOv3), its
-config.json the source's with the architecture keys replaced, tensors it does not use (DINOv3's mask token) as read.
+(the config flag then set). save() writes the class the model came from (a Zoo-built ViT, called directly: DINOv3),
+its config.json the source's with the architecture keys replaced, tensors it does not use (DINOv3's mask token) as
+read. zoo.save_pretrained writes a Zoo-built ViT in timm's layout, its config beside it.
 
     model = zoo.from_pretrained("dinov3-vits16/")          # a folder transformers' save_pretrained wrote
     tokens = model.forward_features(images)                # last_hidden_state; model(images): pooler_output
@@ -169,10 +170,9 @@ def load(path, dtype=None, **overrides):
 
 
 def exports(model) -> bool:
-    """A ViT loaded from an HF folder, or one with RoPE (no timm layout holds it: DINOv3's)."""
+    """A ViT loaded from an HF folder (one built in Zoo is written in timm's layout, its config beside it)."""
     from ..vit import ViT
-    return isinstance(model, ViT) and ((getattr(model, "pretrained_format", None) or {}).get("format") == "hf"
-                                       or model.spec["rope_theta"] > 0)
+    return isinstance(model, ViT) and (getattr(model, "pretrained_format", None) or {}).get("format") == "hf"
 
 
 def hf_keys(model, kind: str, path) -> dict:
