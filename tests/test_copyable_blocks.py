@@ -309,6 +309,27 @@ SMOKE = {
         wide = resample_pos_embed(torch.cat([cls, pos], 1), (4, 4), (2, 2), n_prefix=1)
         assert wide.shape == (1, 17, 16) and torch.equal(wide[:, 0], cls[:, 0])
         assert torch.allclose(resample_pos_embed(torch.ones(1, 4, 16), (3, 5), (2, 2)), torch.ones(1, 15, 16))
+        from vit import naflex_pos_embed, patch_rope
+        cos, sin = patch_rope(4, 2, 3, n_prefix=1)
+        assert cos.shape == (7, 4) and torch.equal(cos[0], torch.ones(4)) and torch.equal(sin[0], torch.zeros(4))
+        gated = ViTBlock(16, 4, mlp="swiglu")
+        mask = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])[:, None, None]
+        y = gated(torch.randn(2, 7, 16), (cos, sin), mask)
+        y.sum().backward()
+        assert y.shape == (2, 7, 16) and gated.mlp.gate_up.weight.grad is not None
+        pads = naflex_pos_embed(pos, (2, 2), torch.tensor([[1, 3], [2, 2]]), 5)
+        assert pads.shape == (2, 5, 16) and torch.equal(pads[0, 3], pads[0, 0]) and torch.equal(pads[1, :4], pos[0])
+    """,
+    "attention_pool.py": """
+        from attention_pool import AttentionPool
+        pool = AttentionPool(16, 4, torch.nn.Linear(16, 16))
+        x = torch.randn(2, 5, 16)
+        y = pool(x)
+        y.sum().backward()
+        assert y.shape == (2, 16) and pool.latent.grad is not None
+        with torch.no_grad():  # masked tokens change nothing
+            mask = torch.tensor([[True] * 3 + [False] * 2] * 2)
+            assert (pool(x, mask) - pool(torch.cat([x[:, :3], torch.randn(2, 2, 16)], 1), mask)).abs().max() < 1e-5
     """,
     "adaln.py": """
         from adaln import DiTBlock, FinalLayer, axial_rope

@@ -53,6 +53,7 @@ INPUTS = {
     ("deploy.md", "zoo.prune"): "model = zoo.build('configs/llm/tiny.yaml', n_layers=1)\n"
                                 "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
     ("convnet.md", "forward_features"): "x = torch.randn(2, 3, 64, 64)",
+    ("vit.md", "dinov3-vits16"): "images = torch.randn(2, 3, 32, 48)",
     ("diffusion.md", "ae.encode"): "images = torch.rand(1, 3, 64, 64)",
     ("diffusion.md", "dit(latents"): "latents, timestep = torch.randn(2, 4, 8, 8), torch.tensor([10, 500])\n"
                                      "class_labels = torch.tensor([1, 2])",
@@ -155,7 +156,7 @@ def make_world(w: Path):
     from zoo.diffusion.flux2 import Flux2
     from zoo.diffusion.taesd import TAESD
     from zoo.config import DiTConfig
-    from zoo.weights import zoo_folder
+    from zoo.weights import hf_vit, zoo_folder
     (w / "configs").symlink_to(ROOT / "configs")
     shutil.copy(ROOT / "zoo/blocks/norm.py", w / "norm.py")  # the README's copied block, next to "your code"
     torch.manual_seed(0)
@@ -186,6 +187,9 @@ def make_world(w: Path):
         zoo.save_pretrained(digits, w / run)
         Preprocess(32, 1, (0.5,), (0.25,), classes=tuple(str(i) for i in range(10))).save(w / run)
     Image.new("RGB", (40, 48), (200, 30, 30)).save(w / "photo.jpg")
+    dinov3 = {"arch": "vit_small_patch16_224", "embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 8,
+              "img_size": 32, "num_classes": 0, "rope_theta": 100.0, "init_values": 1.0, "no_embed_class": True}
+    hf_vit.save(zoo.build({"family": "vit", "model": dinov3}), w / "dinov3-vits16")  # an HF DINOv3ViTModel folder
     # diffusion: a TAEF2-shaped pair, a diffusers AutoencoderTiny folder, diffusers DiT and FLUX.2 folders
     zoo.save_pretrained(TAESD(32, midblock_gn=True, channels=8), w / "taef2_encoder.pth")
     zoo.save_pretrained(TAESD(4, channels=8), w / "taesd_diffusers")

@@ -131,3 +131,132 @@ def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
     model = zoo.from_pretrained(tmp_path / "r" / "model.safetensors")
     assert isinstance(model, ViT) and model.config.num_classes == 10
     assert (model.config.in_chans, model.spec["embed_dim"]) == ((3, 128) if init else (1, 192))
+
+
+# ------------------------------------------------------------------ Hugging Face DINOv3 ViT and SigLIP 2 vision
+
+def perturbed(ref, seed=0):
+    """ref (eval) with seeded noise added to every parameter: biases, LayerScale and tokens leave their constant
+    initial values, so each one's mapping shows in the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return ref.eval()
+
+
+def close(a, b, tol=1e-4) -> bool:
+    return a.shape == b.shape and (a - b).abs().max().item() <= tol
+
+
+DINOV3 = [(dict(), (32, 32)),
+          (dict(num_register_tokens=3, use_gated_mlp=True, hidden_act="silu", layerscale_value=0.5, image_size=48,
+                key_bias=True), (40, 24))]
+
+
+@pytest.mark.parametrize("kw,hw", DINOV3, ids=["plain", "registers-swiglu-nonsquare"])
+def test_hf_dinov3_in_and_out(tmp_path, kw, hw):
+    """A DINOv3ViTModel folder (random init, perturbed) -> zoo.from_pretrained: last_hidden_state (forward_features)
+    and pooler_output (the model's output) within 1e-4 (fp32, eval); Zoo's export -> DINOv3ViTModel.from_pretrained:
+    the same outputs within 1e-4; a key bias that became non-zero is written with key_bias set."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+    cfg = DINOv3ViTConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                          patch_size=8, **{"image_size": 32, **kw})
+    perturbed(DINOv3ViTModel(cfg)).save_pretrained(tmp_path / "hf")
+    ref = DINOv3ViTModel.from_pretrained(tmp_path / "hf").eval()
+    model, x = zoo.from_pretrained(tmp_path / "hf"), torch.randn(2, 3, *hw, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(pixel_values=x)
+        assert want.last_hidden_state.shape[1] == 1 + cfg.num_register_tokens + hw[0] * hw[1] // 64
+        assert close(model.forward_features(x), want.last_hidden_state) and close(model(x), want.pooler_output)
+        model.blocks[0].attn.qkv.bias[64:128] += 0.5  # the key bias, as training could leave it
+        ours = model.forward_features(x)
+    zoo.save_pretrained(model, tmp_path / "out")
+    back = DINOv3ViTModel.from_pretrained(tmp_path / "out").eval()
+    assert back.config.key_bias and back.config.num_register_tokens == cfg.num_register_tokens
+    with torch.no_grad():
+        assert close(back(pixel_values=x).last_hidden_state, ours)
+        assert not close(ours, want.last_hidden_state)  # the changed bias reached the export
+
+
+def patchify(img, p):
+    """(C, H, W) -> (H/p * W/p, p*p*C): SigLIP 2's processor's patches, row-major, each (p, p, C) flattened."""
+    C, H, W = img.shape
+    return img.reshape(C, H // p, p, W // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
+
+
+@pytest.mark.parametrize("num_patches,act,whole", [(16, "gelu_pytorch_tanh", False), (36, "gelu", True)],
+                         ids=["4x4-table", "6x6-table-whole-siglip2"])
+def test_hf_siglip2_naflex_in_and_out(tmp_path, num_patches, act, whole):
+    """A Siglip2VisionModel folder (random init, perturbed; or a whole Siglip2Model's vision tower) -> Zoo: a NaFlex
+    batch of two non-square grids (3x5 and 6x2 patches, padded to 16 and masked), the table resized up and down:
+    last_hidden_state (padding included) and the attention-pooled output within 1e-4 (fp32, eval); an image fed
+    whole gives the outputs of its patches; Zoo's export -> Siglip2VisionModel.from_pretrained: the same within 1e-4."""
+    from transformers import Siglip2Config, Siglip2Model, Siglip2VisionConfig, Siglip2VisionModel
+    vision = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, patch_size=8,
+                  num_patches=num_patches, hidden_act=act)
+    if whole:
+        text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=100,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        perturbed(Siglip2Model(Siglip2Config(text_config=text, vision_config=vision))).save_pretrained(tmp_path / "hf")
+    else:
+        perturbed(Siglip2VisionModel(Siglip2VisionConfig(**vision))).save_pretrained(tmp_path / "hf")
+    ref = Siglip2VisionModel.from_pretrained(tmp_path / "hf").eval()
+    model, g, shapes = zoo.from_pretrained(tmp_path / "hf"), torch.Generator().manual_seed(1), [(3, 5), (6, 2)]
+    imgs = [torch.randn(3, h * 8, w * 8, generator=g) for h, w in shapes]
+    pixels, mask = torch.zeros(2, 16, 192), torch.zeros(2, 16, dtype=torch.long)
+    for i, img in enumerate(imgs):
+        pixels[i, :len(patchify(img, 8))], mask[i, :len(patchify(img, 8))] = patchify(img, 8), 1
+    spatial = torch.tensor(shapes)
+    with torch.no_grad():
+        want = ref(pixel_values=pixels, pixel_attention_mask=mask, spatial_shapes=spatial)
+        assert close(model.forward_features(pixels, spatial, mask), want.last_hidden_state)
+        assert close(model(pixels, spatial, mask), want.pooler_output)
+        one = ref(pixel_values=patchify(imgs[0], 8)[None], pixel_attention_mask=torch.ones(1, 15, dtype=torch.long),
+                  spatial_shapes=spatial[:1])
+        assert close(model.forward_features(imgs[0][None]), one.last_hidden_state)
+        assert close(model(imgs[0][None]), one.pooler_output)
+    zoo.save_pretrained(model, tmp_path / "out")
+    back = Siglip2VisionModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        again = back(pixel_values=pixels, pixel_attention_mask=mask, spatial_shapes=spatial)
+    assert close(again.last_hidden_state, want.last_hidden_state) and close(again.pooler_output, want.pooler_output)
+
+
+def test_hf_vit_bad_input_is_one_line(tmp_path):
+    """An activation Zoo has no MLP for, a NaFlex image of more patches than the batch holds, a classifier the HF
+    class cannot hold: each a one-line error naming it."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+    cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=8)
+    DINOv3ViTModel(DINOv3ViTConfig(**cfg, hidden_act="relu")).save_pretrained(tmp_path / "relu")
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        zoo.from_pretrained(tmp_path / "relu")
+    DINOv3ViTModel(DINOv3ViTConfig(**cfg)).save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="10-class head"):
+        model = zoo.from_pretrained(tmp_path / "hf", num_classes=10)
+    with pytest.raises(ValueError, match="num_classes=10"):
+        zoo.save_pretrained(model, tmp_path / "out")
+    siglip = ViT(ViTConfig(**{**TINY, "num_classes": 0}, class_token=False, no_embed_class=True, global_pool="map"))
+    with pytest.raises(ValueError, match="4x5 patches does not fit in 16"):
+        siglip(torch.zeros(1, 16, 192), torch.tensor([[4, 5]]), torch.ones(1, 16))
+
+
+def test_zoo_built_dinov3_and_siglip2_shapes_save_and_load(tmp_path):
+    """Built in Zoo (RoPE + registers + SwiGLU with a head; attention pooling + bilinear table): zoo.save_pretrained
+    writes timm's layout with the config, which loads back with the same logits; hf_vit.save writes the headless
+    RoPE model as a folder DINOv3ViTModel loads, its last_hidden_state Zoo's within 1e-4."""
+    from transformers import DINOv3ViTModel
+    from zoo.weights import hf_vit
+    dino = dict(rope_theta=100.0, reg_tokens=2, mlp="swiglu", init_values=0.1, no_embed_class=True, norm_eps=1e-5)
+    siglip = dict(class_token=False, no_embed_class=True, global_pool="map", mlp="gelu_tanh", pos_interp="bilinear")
+    x = torch.randn(2, 3, 32, 24, generator=torch.Generator().manual_seed(1))
+    for i, kw in enumerate((dino, siglip)):
+        model = zoo.build({"family": "vit", "model": {**TINY, **kw}}).eval()
+        again = zoo.from_pretrained(zoo.save_pretrained(model, tmp_path / f"m{i}.safetensors"))
+        assert again.config == model.config
+        with torch.no_grad():
+            assert torch.equal(again(x), model(x))
+    encoder = zoo.build({"family": "vit", "model": {**TINY, **dino, "num_classes": 0}}).eval()
+    back = DINOv3ViTModel.from_pretrained(hf_vit.save(encoder, tmp_path / "hf")).eval()
+    with torch.no_grad():
+        assert close(back(pixel_values=x).last_hidden_state, encoder.forward_features(x))

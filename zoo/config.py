@@ -709,7 +709,8 @@ VIT_ARCHS: dict[str, dict] = {
                                           global_pool="avg", reg_tokens=4),
 }
 VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
-                  "reg_tokens", "no_embed_class", "global_pool", "init_values")
+                  "reg_tokens", "no_embed_class", "global_pool", "init_values", "mlp", "norm_eps", "rope_theta",
+                  "pos_interp")
 
 
 @dataclass
@@ -729,9 +730,17 @@ class ViTConfig:
     distilled: Optional[bool] = None        # DeiT's distillation token and second head, logits averaged (default false)
     reg_tokens: Optional[int] = bounded(None, ge=0)  # register tokens after the class token (default 0)
     no_embed_class: Optional[bool] = None   # position table for the patches only, not the prefix tokens (default false)
-    global_pool: Optional[Literal["token", "avg"]] = None  # `token` (the class token, final norm) or `avg` (mean
-                                            # of the patch tokens, then fc_norm); default token
+    global_pool: Optional[Literal["token", "avg", "map"]] = None  # `token` (the class token, final norm), `avg`
+                                            # (mean of the patch tokens, then fc_norm) or `map` (attention pooling,
+                                            # SigLIP's); default token
     init_values: Optional[float] = bounded(None, ge=0)  # LayerScale's initial value; 0: no LayerScale (default 0)
+    mlp: Optional[Literal["gelu", "gelu_tanh", "swiglu"]] = None  # the blocks' MLP: GELU exact or tanh-approximated
+                                            # (SigLIP), or SwiGLU (DINOv3's gated one); default gelu
+    norm_eps: Optional[float] = bounded(None, gt=0)  # the LayerNorms' epsilon (default 1e-6)
+    rope_theta: Optional[float] = bounded(None, ge=0)  # >0: DINOv3's 2-D RoPE on the patch tokens with this base,
+                                            # no position table; 0: the learned table (default 0)
+    pos_interp: Optional[Literal["bicubic", "bilinear"]] = None  # how the table is resized to another grid,
+                                            # antialiased: bicubic (timm) or bilinear (SigLIP 2); default bicubic
     qkv_bias: bool = True                   # biases on the attention's qkv projection
     in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
     num_classes: int = bounded(1000, ge=0)  # classifier outputs; 0: no head (the pooled features)
@@ -739,7 +748,8 @@ class ViTConfig:
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
 
     DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
-                                    no_embed_class=False, global_pool="token", init_values=0.0)
+                                    no_embed_class=False, global_pool="token", init_values=0.0, mlp="gelu",
+                                    norm_eps=1e-6, rope_theta=0.0, pos_interp="bicubic")
 
     def validate(self, source="<config>", prefix=""):
         if self.arch not in VIT_ARCHS:
@@ -752,6 +762,9 @@ class ViTConfig:
                        f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}")
         if r["distilled"] and not r["class_token"]:
             raise fail(source, prefix + "distilled", "needs class_token")
+        if r["rope_theta"] and (r["embed_dim"] // r["num_heads"]) % 4:
+            raise fail(source, prefix + "rope_theta", f"needs a head width embed_dim / num_heads divisible by 4, got "
+                                                      f"{r['embed_dim'] // r['num_heads']}")
 
     @property
     def resolved(self) -> dict:

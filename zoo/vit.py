@@ -1,8 +1,11 @@
 """The Vision Transformer family: ViT (tiny to huge, every patch size), DeiT (with its distillation token), DINOv2-style
-ViTs with LayerScale and registers; one config (zoo/config.py's ViTConfig) whose `arch`, a timm name, picks the preset.
+ViTs with LayerScale and registers, DINOv3 (2-D RoPE, SwiGLU) and SigLIP 2's encoder (NaFlex, attention pooling); one
+config (zoo/config.py's ViTConfig) whose `arch`, a timm name, picks the preset.
 
-    image (B, C, H, W) -> patch_embed (p x p conv) -> [class, distillation, register tokens] + position table
-    -> blocks (pre-norm attention + MLP) -> norm -> class token (or mean of patch tokens -> fc_norm) -> head -> logits
+    image (B, C, H, W) -> patch_embed (p x p conv) -> [class, distillation, register tokens] + position table (or
+    RoPE on the patches) -> blocks (pre-norm attention + MLP) -> norm -> class token (or mean of patch tokens ->
+    fc_norm, or attention pooling) -> head -> logits
+    NaFlex: patches (B, N, p*p*C) already cut, each image's grid in spatial_shapes (B, 2), padding masked out
 
 Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (2021); Touvron et al., "Training data-efficient image
 transformers & distillation through attention" (2021); Darcet et al., "Vision Transformers Need Registers" (2024).
@@ -16,16 +19,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .blocks.attention_pool import AttentionPool
 from .blocks.drop_path import linear_drop_rates
 from .blocks.patch import PatchEmbed
-from .blocks.vit import ViTBlock, add_prefix, resample_pos_embed
+from .blocks.vit import ViTBlock, add_prefix, naflex_pos_embed, patch_rope, resample_pos_embed, vit_mlp
 from .config import ViTConfig
 from .convnet.base import ConvNetBase
 
 
 class ViT(ConvNetBase):
     """(B, in_chans, H, W) -> logits (B, num_classes); H and W multiples of the patch size (a grid other than the
-    config's resamples the position table, as timm's dynamic image size)."""
+    config's resamples the position table, as timm's dynamic image size). Or NaFlex: (B, N, p*p*C) patches with
+    spatial_shapes (B, 2) and mask (B, N), true on real patches."""
     family = "vit"
     classifier_name = "head"
 
@@ -39,13 +44,17 @@ class ViT(ConvNetBase):
         self.dist_token = token(1) if r["distilled"] else None
         self.reg_token = token(r["reg_tokens"]) if r["reg_tokens"] else None
         self.num_prefix_tokens = r["class_token"] + r["distilled"] + r["reg_tokens"]
-        self.pos_embed = token(self.grid ** 2 + (0 if r["no_embed_class"] else self.num_prefix_tokens))
+        self.table_prefix = 0 if r["no_embed_class"] else self.num_prefix_tokens  # prefix rows in the table
+        self.pos_embed = None if r["rope_theta"] else token(self.grid ** 2 + self.table_prefix)
         rates = linear_drop_rates(r["depth"], self.config.drop_path_rate)
+        eps, hidden = r["norm_eps"], int(dim * r["mlp_ratio"])
         self.blocks = nn.Sequential(*[ViTBlock(dim, r["num_heads"], r["mlp_ratio"], self.config.qkv_bias,
-                                               r["init_values"] or None, rate) for rate in rates])
+                                               r["init_values"] or None, rate, eps, r["mlp"]) for rate in rates])
         avg = r["global_pool"] == "avg"
-        self.norm = nn.Identity() if avg else nn.LayerNorm(dim, eps=1e-6)
-        self.fc_norm = nn.LayerNorm(dim, eps=1e-6) if avg else nn.Identity()
+        self.norm = nn.Identity() if avg else nn.LayerNorm(dim, eps=eps)
+        self.fc_norm = nn.LayerNorm(dim, eps=eps) if avg else nn.Identity()
+        self.attn_pool = AttentionPool(dim, r["num_heads"], vit_mlp(dim, hidden, r["mlp"]), eps) \
+            if r["global_pool"] == "map" else None
         self.head_drop = nn.Dropout(self.config.drop_rate)
         self.num_features = dim
         self.reset_parameters()
@@ -66,9 +75,9 @@ class ViT(ConvNetBase):
         """timm's init: small normal linears, position table and registers, class tokens near zero (timm's
         truncation of the normal lies far outside its spread, so a plain normal draws the same)."""
         self.reset_classifier(self.config.num_classes)
-        if self.pos_embed.is_meta:  # built to be loaded or measured: nothing to draw
+        if self.patch_embed.proj.weight.is_meta:  # built to be loaded or measured: nothing to draw
             return
-        for m in self.blocks.modules():
+        for m in [*self.blocks.modules(), *(self.attn_pool.modules() if self.attn_pool else ())]:
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias) if m.bias is not None else None
@@ -77,26 +86,67 @@ class ViT(ConvNetBase):
                 nn.init.normal_(p, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.attn_pool is not None:
+            nn.init.normal_(self.attn_pool.latent, std=self.num_features ** -0.5)
 
     def units(self) -> list:
         return list(self.blocks)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> (B, prefix + H*W / p^2, embed_dim), normalised (token pool)."""
-        p = self.spec["patch_size"]
-        n_prefix = 0 if self.spec["no_embed_class"] else self.num_prefix_tokens
-        pos = resample_pos_embed(self.pos_embed, (x.shape[-2] // p, x.shape[-1] // p), (self.grid, self.grid), n_prefix)
+    def embed(self, x: torch.Tensor, spatial_shapes=None, mask=None) -> tuple:
+        """Images (B, C, H, W), or NaFlex patches (B, N, p*p*C) with their grids `spatial_shapes` (B, 2) and
+        `mask` (B, N) -> tokens (B, P + N, D), the RoPE table or None, the attention mask (B, 1, 1, P + N) or None."""
+        p, rope = self.spec["patch_size"], None
+        if x.dim() == 3:  # NaFlex
+            if spatial_shapes is None or self.pos_embed is None or self.table_prefix:
+                raise ValueError("patches (B, N, p*p*C) need spatial_shapes and a position table of the patches only")
+            patches = self.patch_embed.embed_patches(x)
+            pos = naflex_pos_embed(self.pos_embed, (self.grid, self.grid), spatial_shapes, x.shape[1],
+                                   self.spec["pos_interp"])
+        else:
+            patches, hw = self.patch_embed(x), (x.shape[-2] // p, x.shape[-1] // p)
+            if self.pos_embed is None:
+                rope = patch_rope(self.num_features // self.spec["num_heads"], *hw, self.spec["rope_theta"],
+                                  self.num_prefix_tokens, x.device)
+                pos = None
+            else:
+                pos = resample_pos_embed(self.pos_embed, hw, (self.grid, self.grid), self.table_prefix,
+                                         self.spec["pos_interp"])
         tokens = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
-        x = add_prefix(self.patch_embed(x), pos, tokens, not self.spec["no_embed_class"])
-        return self.norm(self.blocks(x))
+        x = add_prefix(patches, pos, tokens, not self.spec["no_embed_class"])
+        return x, rope, None if mask is None else self.token_mask(mask)[:, None, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> logits (B, num_classes); DeiT distilled: the two heads' mean."""
-        x = self.forward_features(x)
+    def token_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, N) patch mask (true, or 1, on real patches) -> (B, P + N) bool, the prefix tokens true."""
+        return torch.cat([mask.new_ones(mask.shape[0], self.num_prefix_tokens), mask], 1).bool()
+
+    def forward_features(self, x: torch.Tensor, spatial_shapes=None, mask=None) -> torch.Tensor:
+        """(B, in_chans, H, W) (or NaFlex patches, see embed) -> (B, prefix + patches, embed_dim), normalised
+        (token and attention pooling)."""
+        x, rope, mask = self.embed(x, spatial_shapes, mask)
+        for block in self.blocks:
+            x = block(x, rope, mask)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """(B, prefix + N, D) -> (B, D): the class token, the mean of the (unmasked) patch tokens, or attention
+        pooling over them."""
+        kind, n = self.spec["global_pool"], self.num_prefix_tokens
+        if kind == "map":
+            return self.attn_pool(x, None if mask is None else self.token_mask(mask))
+        if kind == "avg":
+            if mask is None:
+                return x[:, n:].mean(1)
+            w = mask[:, :, None].to(x.dtype)
+            return (x[:, n:] * w).sum(1) / w.sum(1)
+        return x[:, 0]
+
+    def forward(self, x: torch.Tensor, spatial_shapes=None, mask=None) -> torch.Tensor:
+        """(B, in_chans, H, W) (or NaFlex patches, see embed) -> logits (B, num_classes), or the pooled features
+        (num_classes 0); DeiT distilled: the two heads' mean."""
+        x = self.forward_features(x, spatial_shapes, mask)
         if self.spec["distilled"]:
             return (self.head(self.head_drop(x[:, 0])) + self.head_dist(self.head_drop(x[:, 1]))) / 2
-        pooled = x[:, self.num_prefix_tokens:].mean(1) if self.spec["global_pool"] == "avg" else x[:, 0]
-        return self.head(self.head_drop(self.fc_norm(pooled)))
+        return self.head(self.head_drop(self.fc_norm(self.pool(x, mask))))
 
     def flops_per_image(self, image_size: int) -> float:
         """Training FLOPs per image: the linears' and the patch conv's (ConvNetBase's count) plus attention's

@@ -50,7 +50,8 @@ def _rotate_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Bidirectional multi-head self-attention (SDPA) over N tokens."""
+    """Bidirectional multi-head self-attention (SDPA) over N tokens; `mask` (B, 1, 1, N), true where a key is seen."""
+    rotate = staticmethod(_rotate_2d)  # how a rope (cos, sin) table turns q and k: the axial layout
 
     def __init__(self, dim: int, heads: int, qkv_bias: bool = True, qk_norm: bool = False):
         super().__init__()
@@ -62,14 +63,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, mask: Optional[torch.Tensor] = None):
         B, N, D = x.shape
         q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = _rotate_2d(q, *rope), _rotate_2d(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v)                    # (B, heads, N, head_dim)
+            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                    # (B, heads, N, head_dim)
         return self.proj(y.transpose(1, 2).reshape(B, N, D))
 
 

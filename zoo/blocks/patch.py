@@ -3,7 +3,8 @@
 Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (ViT, 2021) for patches as tokens; He et al., "Masked
 Autoencoders Are Scalable Vision Learners" (2022) for the 2D sin-cos table DiT (Peebles & Xie, 2023) uses.
 
-    PatchEmbed:    (B, C, H, W) -> conv p x p, stride p -> (B, N, D), N = (H/p) * (W/p), row-major
+    PatchEmbed:    (B, C, H, W) -> conv p x p, stride p -> (B, N, D), N = (H/p) * (W/p), row-major;
+                   embed_patches: (B, N, p*p*C) patches already cut -> the same projection (B, N, D)
     unpatchify:    (B, N, p*p*C) -> (B, C, H, W)
     sincos_pos_embed_2d(D, h, w): (h*w, D), positions scaled by base_size / h (and / w)
 
@@ -29,6 +30,11 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"PatchEmbed expects (B, C, H, W) with H and W divisible by patch_size={p}, "
                              f"got {tuple(x.shape)}")
         return self.proj(x).flatten(2).transpose(1, 2)
+
+    def embed_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, p*p*C) patches cut already, each (p, p, C) flattened (SigLIP 2's processor) -> (B, N, D)."""
+        w = self.proj.weight
+        return nn.functional.linear(x, w.permute(0, 2, 3, 1).flatten(1), self.proj.bias)
 
 
 def unpatchify(x: torch.Tensor, patch_size: int, h: int, w: int) -> torch.Tensor:

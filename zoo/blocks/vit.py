@@ -1,19 +1,27 @@
-"""The Vision Transformer's encoder block, its token prefix and the resampling of its position table.
+"""The Vision Transformer's encoder block, its token prefix, its position table's resampling and DINOv3's 2-D RoPE.
 
 Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (ViT, 2021); Touvron et al., "Training data-efficient
 image transformers & distillation through attention" (DeiT, 2021: the distillation token); Touvron et al., "Going
-deeper with Image Transformers" (CaiT, 2021: LayerScale); Darcet et al., "Vision Transformers Need Registers" (2024).
+deeper with Image Transformers" (CaiT, 2021: LayerScale); Darcet et al., "Vision Transformers Need Registers" (2024);
+Simeoni et al., "DINOv3" (2025: RoPE on patch centres); Tschannen et al., "SigLIP 2" (2025: NaFlex, one table
+resized to each image's patch grid).
 
     ViTBlock (pre-norm):  x = x + drop_path(ls1 * attn(norm1(x)));  x = x + drop_path(ls2 * mlp(norm2(x)))
+        attention optionally with a RoPE table and a key mask; the MLP GELU (exact or tanh) or SwiGLU
     add_prefix(x, pos, tokens, embed_prefix): [class, distillation, registers] tokens in front of the patches and
         the learned position table added to all of them, or to the patches only (embed_prefix False: DeiT III,
         DINOv2 with registers)
-    resample_pos_embed: the table's patch grid resized bicubically (antialiased) to another grid, prefix rows kept
+    resample_pos_embed: the table's patch grid resized (bicubic or bilinear, antialiased) to another grid, prefix
+        rows kept; naflex_pos_embed: resized per image to its own grid and padded (SigLIP 2)
+    patch_rope(head_dim, h, w, theta, n_prefix): cos, sin of DINOv3's RoPE: each patch centre's row and column in
+        [-1, 1], turned by the periods theta^(4i / head_dim); the prefix tokens' rows leave them as they are
 
-Names are timm's (norm1, attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma).
-Shapes: x (B, N, D) -> (B, N, D); add_prefix: (B, N, D) -> (B, P + N, D); pos (1, N or P + N, D).
-Needs: adaln.py, norm.py, rope.py, drop_path.py.
+Names are timm's (norm1, attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma; SwiGLU: mlp.gate_up,
+mlp.down). Shapes: x (B, N, D) -> (B, N, D); add_prefix: (B, N, D) -> (B, P + N, D); pos (1, N or P + N, D);
+rope cos, sin (P + N, head_dim); mask (B, 1, 1, N) true where a key is seen.
+Needs: adaln.py, norm.py, rope.py, mlp.py, drop_path.py.
 """
+import math
 from typing import Optional
 
 import torch
@@ -23,9 +31,13 @@ from torch import nn
 try:
     from .adaln import Attention, Mlp
     from .drop_path import DropPath
-except ImportError:  # copied beside adaln.py (and its norm.py, rope.py) and drop_path.py, outside the zoo package
+    from .mlp import SwiGLU
+    from .rope import apply_rope
+except ImportError:  # copied beside adaln.py (and its norm.py, rope.py), mlp.py and drop_path.py, outside the zoo package
     from adaln import Attention, Mlp
     from drop_path import DropPath
+    from mlp import SwiGLU
+    from rope import apply_rope
 
 
 class LayerScale(nn.Module):
@@ -39,37 +51,83 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+class RopeAttention(Attention):
+    """adaln.py's attention, a RoPE table turning each head whole in the rotate-half layout (DINOv3's)."""
+    rotate = staticmethod(apply_rope)
+
+
+def vit_mlp(dim: int, hidden: int, kind: str = "gelu") -> nn.Module:
+    """`gelu` (exact, timm's), `gelu_tanh` (SigLIP's) or `swiglu` (gated, with biases: DINOv3's larger sizes)."""
+    if kind == "swiglu":
+        return SwiGLU(dim, hidden, bias=True)
+    if kind not in ("gelu", "gelu_tanh"):
+        raise ValueError(f"mlp={kind!r} must be 'gelu', 'gelu_tanh' or 'swiglu'")
+    return Mlp(dim, hidden, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
 class ViTBlock(nn.Module):
-    """Pre-norm attention + GELU MLP, each residual branch optionally scaled (LayerScale, `init_values`)."""
+    """Pre-norm attention + MLP, each residual branch optionally scaled (LayerScale, `init_values`)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 init_values: Optional[float] = None, drop_path: float = 0.0, eps: float = 1e-6):
+                 init_values: Optional[float] = None, drop_path: float = 0.0, eps: float = 1e-6, mlp: str = "gelu"):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
-        self.attn = Attention(dim, heads, qkv_bias=qkv_bias)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), approximate="none")
+        self.attn = RopeAttention(dim, heads, qkv_bias=qkv_bias)
+        self.mlp = vit_mlp(dim, int(dim * mlp_ratio), mlp)
         scale = (lambda: LayerScale(dim, init_values)) if init_values else nn.Identity
         self.ls1, self.ls2 = scale(), scale()
         self.drop_path1, self.drop_path2 = DropPath(drop_path), DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, mask: Optional[torch.Tensor] = None):
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope, mask)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
-def add_prefix(x: torch.Tensor, pos: torch.Tensor, tokens: list, embed_prefix: bool = True) -> torch.Tensor:
-    """(B, N, D) patch tokens -> (B, P + N, D): the (1, k, D) `tokens` in front, in order, plus the position table."""
+def add_prefix(x: torch.Tensor, pos: Optional[torch.Tensor], tokens: list, embed_prefix: bool = True) -> torch.Tensor:
+    """(B, N, D) patch tokens -> (B, P + N, D): the (1, k, D) `tokens` in front, in order, plus the position table
+    (None: none, RoPE's models)."""
     prefix = [t.expand(x.shape[0], -1, -1) for t in tokens]
+    if pos is None:
+        return torch.cat(prefix + [x], dim=1)
     if embed_prefix:
         return torch.cat(prefix + [x], dim=1) + pos
     return torch.cat(prefix + [x + pos], dim=1)
 
 
-def resample_pos_embed(pos: torch.Tensor, new_hw: tuple, old_hw: tuple, n_prefix: int = 0) -> torch.Tensor:
-    """(1, n_prefix + h*w, D) -> (1, n_prefix + H*W, D): the grid rows resized bicubically, the prefix rows kept."""
+def resample_pos_embed(pos: torch.Tensor, new_hw: tuple, old_hw: tuple, n_prefix: int = 0,
+                       mode: str = "bicubic") -> torch.Tensor:
+    """(1, n_prefix + h*w, D) -> (1, n_prefix + H*W, D): the grid rows resized (`mode`: bicubic or bilinear,
+    antialiased), the prefix rows kept."""
     if tuple(new_hw) == tuple(old_hw):
         return pos
     prefix, grid = pos[:, :n_prefix], pos[:, n_prefix:]
     grid = grid.float().reshape(1, *old_hw, -1).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=tuple(new_hw), mode="bicubic", antialias=True)
+    grid = F.interpolate(grid, size=tuple(new_hw), mode=mode, antialias=True)
     return torch.cat([prefix, grid.permute(0, 2, 3, 1).reshape(1, -1, pos.shape[-1]).to(pos.dtype)], dim=1)
+
+
+def naflex_pos_embed(pos: torch.Tensor, old_hw: tuple, shapes: torch.Tensor, length: int,
+                     mode: str = "bilinear") -> torch.Tensor:
+    """(1, h*w, D) -> (B, length, D): the table resized to each image's (rows, columns) in `shapes` (B, 2), padded
+    to `length` with its first row (SigLIP 2's NaFlex)."""
+    out = []
+    for hw in shapes.tolist():
+        t = resample_pos_embed(pos, hw, old_hw, 0, mode)[0]
+        if t.shape[0] > length:
+            raise ValueError(f"an image of {hw[0]}x{hw[1]} patches does not fit in {length} tokens")
+        out.append(torch.cat([t, t[:1].expand(length - t.shape[0], -1)]))
+    return torch.stack(out)
+
+
+def patch_rope(head_dim: int, h: int, w: int, theta: float = 100.0, n_prefix: int = 0, device=None) -> tuple:
+    """cos, sin (n_prefix + h*w, head_dim) in the rotate-half layout: channels [0, D/4) turn with the patch centre's
+    row, [D/4, D/2) with its column, both in [-1, 1] (repeated for the second half); the prefix rows turn by 0."""
+    if head_dim % 4:
+        raise ValueError(f"2-D RoPE needs a head dimension divisible by 4, got {head_dim}")
+    inv = 1 / theta ** torch.arange(0, 1, 4 / head_dim, dtype=torch.float32, device=device)
+    rows = torch.arange(0.5, h, dtype=torch.float32, device=device) / h
+    cols = torch.arange(0.5, w, dtype=torch.float32, device=device) / w
+    coords = 2.0 * torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).flatten(0, 1) - 1.0
+    angles = (2 * math.pi * coords[:, :, None] * inv).flatten(1).tile(2)
+    angles = torch.cat([angles.new_zeros(n_prefix, head_dim), angles])
+    return angles.cos(), angles.sin()

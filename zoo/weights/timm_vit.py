@@ -22,11 +22,12 @@ from .files import read_safetensors_header
 from .timm_convnet import load_into, read_state_dict, saved_config, weight_file
 
 SIGNATURE = ("patch_embed.proj.weight", "pos_embed", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight")
+DETECT = ("patch_embed.proj.weight", "blocks.0.attn.qkv.weight")  # a Zoo file with its config: RoPE, no table
 HEAD_DIM = 64  # the head width assumed when neither the preset nor num_heads= gives the heads
 
 
 def detect(path) -> bool:
-    """A ViT state dict in timm's layout."""
+    """A ViT state dict in timm's layout (or a Zoo ViT's, its config in the file, where no table is: RoPE)."""
     f = weight_file(path)
     if f is None:
         return False
@@ -34,7 +35,7 @@ def detect(path) -> bool:
         keys = read_safetensors_header(f)[0] if f.suffix.lower() == ".safetensors" else read_state_dict(f)
     except Exception:
         return False
-    return set(SIGNATURE) <= set(keys)
+    return set(DETECT) <= set(keys)
 
 
 def _side(n: int) -> int | None:
@@ -102,7 +103,7 @@ def load(path, arch: str | None = None, num_classes: int | None = None, **overri
         model = ViT(cfg)
     model.to_empty(device="cpu")
     n_prefix = 0 if model.spec["no_embed_class"] else model.num_prefix_tokens
-    file_grid = _side(sd["pos_embed"].shape[1] - n_prefix)
+    file_grid = _side(sd["pos_embed"].shape[1] - n_prefix) if "pos_embed" in sd else None
     if file_grid is not None and file_grid != model.grid:
         sd["pos_embed"] = resample_pos_embed(sd["pos_embed"], (model.grid,) * 2, (file_grid,) * 2, n_prefix)
     load_into(model, sd, str(path))
