@@ -141,7 +141,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     """A Hugging Face config.json (as a dict) -> (LLMConfig, architecture): the common keys here, the class's
     own in its record."""
     rec = record_of(hf, source)
-    if missing := [k for k in _REQUIRED if k not in hf]:
+    if missing := [k for k in _REQUIRED if k not in hf and k not in rec.defaults]:
         raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
     get = lambda k, d=None: hf[k] if k in hf else rec.defaults.get(k, d)  # noqa: E731
     act = hf.get("hidden_activation") or hf.get("hidden_act") or rec.act
@@ -157,7 +157,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     data = dict(
         vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=get("num_key_value_heads") or n_heads, head_dim=head_dim if head_dim * n_heads != d else None,
-        ffn_hidden=hf["intermediate_size"], max_seq_len=get("max_position_embeddings", 2048),
+        ffn_hidden=get("intermediate_size"), max_seq_len=get("max_position_embeddings", 2048),
         norm_eps=get("rms_norm_eps", 1e-6), tie_embeddings=bool(get("tie_word_embeddings", rec.tie)),
         sliding_window=window, attn_pattern=pattern, mlp_act=_ACTS[act],
         **_rope(hf, get, rec, source))
