@@ -1,10 +1,12 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
 zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GLM-4, Cohere 2, GPT-OSS,
-DeepSeek-V3, Mistral 4, LFM2, Qwen3.5 and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and
-joined on save; a gated shared expert, sparse steps, dense layers), each at two small shapes, the second with its features at non-default values
-(windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
-YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short
-original context, logit scales, biases); the presets of their families against transformers' classes.
+DeepSeek-V3, Mistral 4, LFM2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on
+load and joined on save; a gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one
+chunk, dense or with experts, muP's multipliers), each at two small shapes, the second with its features at
+non-default values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary,
+LongRoPE / YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short
+original context, logit scales, biases, state sizes, groups, kernels); the presets of their families against
+transformers' classes.
 
 Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
@@ -33,6 +35,7 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_positi
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
 YARN = {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 SLIDING, FULL, CONV, LINEAR = "sliding_attention", "full_attention", "conv", "linear_attention"
+DROP = object()  # a SMALL key the class does not have
 GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6)
 
 CASES = {
@@ -114,11 +117,28 @@ CASES = {
         num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40, decoder_sparse_step=2,
         mlp_only_layers=[3], norm_topk_prob=False, num_attention_heads=2,
         rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5})),
+    "qwen3_5_moe": ("Qwen3_5MoeText", dict(intermediate_size=DROP, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                          moe_intermediate_size=24, shared_expert_intermediate_size=40, **GDN)),
+    "qwen3_5_moe-kernel3-half-rotary-mqa-tied-top3": ("Qwen3_5MoeText", dict(
+        intermediate_size=DROP, head_dim=24, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=3,
+        linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+        num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_attention_heads=2, layer_types=[FULL, LINEAR, LINEAR, FULL],
+        rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5})),
+    "granite-h": ("GraniteMoeHybrid", dict(layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8,
+                                           mamba_d_state=16, mamba_chunk_size=64, num_local_experts=4,
+                                           shared_intermediate_size=48)),
+    "granite-h-dense-rope-groups-kernel3-multipliers-bias-mqa-tied": ("GraniteMoeHybrid", dict(
+        layer_types=["attention", "mamba", "mamba", "attention"], num_key_value_heads=1, mamba_n_heads=6,
+        mamba_n_groups=3, mamba_expand=3, mamba_d_state=12, mamba_chunk_size=32, mamba_d_conv=3, mamba_conv_bias=False,
+        mamba_proj_bias=True, num_local_experts=0, shared_intermediate_size=80, attention_bias=True,
+        position_embedding_type="rope", embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3,
+        logits_scaling=2.5, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 5e4})),
 }
 
 
 def hf_model(kind, **kw):
-    cfg = getattr(transformers, kind + "Config")(**{**SMALL, **kw})
+    cfg = getattr(transformers, kind + "Config")(**{k: v for k, v in {**SMALL, **kw}.items() if v is not DROP})
     cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None  # generate() must never stop early
     cfg._experts_implementation = "eager"
     model_cls = getattr(transformers, kind.removesuffix("Text") + "ForCausalLM")
@@ -144,6 +164,8 @@ def to_4x(cfg: dict) -> dict:
         params["type"] = params.pop("rope_type")
         cfg["rope_scaling"] = params
     cfg["torch_dtype"] = cfg.pop("dtype")
+    if cfg["model_type"] == "granitemoehybrid":  # 4.x's names of its layer kinds
+        cfg["layer_types"] = [{LINEAR: "mamba", FULL: "attention"}[t] for t in cfg["layer_types"]]
     return cfg
 
 
@@ -194,8 +216,8 @@ def test_features_refused_together(tmp_path):
 
 
 def test_hybrid_refusals(tmp_path):
-    """A config.json whose layer_types name a layer kind Zoo lacks, and a hybrid model no class holds, are refused in
-    one line naming the key."""
+    """A config.json whose layer_types name a layer kind Zoo lacks, a hybrid model no class holds, and one whose class
+    cannot hold a combination (RoPE on some attention layers of a Granite), are refused in one line."""
     hf = hf_model("Lfm2", layer_types=[CONV, FULL, CONV, FULL])
     hf.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -204,9 +226,13 @@ def test_hybrid_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"config.json: layer_types\[1\] must be .*got 'rwkv'"):
         zoo.from_pretrained(tmp_path)
     from zoo.weights import hf_llm
-    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, layer_types=["mamba", "full_attention"],
+    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, layer_types=["mamba", "conv"],
                        recurrent=dict(n_heads=4, head_dim=8, state_size=4)))
     with pytest.raises(ValueError, match=r"no Hugging Face architecture here holds .*mamba \(model.layer_types: mamba\)"):
+        hf_llm.save(z, tmp_path / "out")
+    z = zoo.build(dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, layer_types=["mamba", "full_attention"],
+                       nope_layers=[1], recurrent=dict(n_heads=4, head_dim=8, state_size=4)))
+    with pytest.raises(ValueError, match="a GraniteMoeHybridForCausalLM has RoPE on every attention layer or on none"):
         hf_llm.save(z, tmp_path / "out")
 
 
@@ -226,7 +252,8 @@ PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
            "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
-           "qwen3_5-0.8b": "Qwen3_5ForCausalLM", "qwen3-next-80b-a3b": "Qwen3NextForCausalLM"}
+           "qwen3_5-0.8b": "Qwen3_5ForCausalLM", "qwen3-next-80b-a3b": "Qwen3NextForCausalLM",
+           "granite-4.0-h-tiny": "GraniteMoeHybridForCausalLM"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -200,7 +200,7 @@ def _add_module_adapters(model: nn.Module, cfg: AdapterConfig, source: str):
         model.prompt = PromptEmbedding(cfg.prefix_len, d, device=E.device, dtype=E.dtype)
         with torch.no_grad():
             ids = torch.randint(E.shape[0], (cfg.prefix_len,), device=E.device)
-            model.prompt.weight.copy_(E[ids] * (d ** 0.5 if model.config.embed_scale else 1.0))
+            model.prompt.weight.copy_(model.embed_tokens(ids))
         return
     for b in model.blocks():
         b.attn_adapter, b.mlp_adapter = (BottleneckAdapter(d, cfg.r, cfg.dropout, device=E.device, dtype=E.dtype)

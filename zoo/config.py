@@ -420,12 +420,15 @@ class LLMConfig:
     zero_init_out: bool = False             # attention output and MLP down projections start at zero: every block the
                                             # identity at init (modded-nanogpt)
     embed_scale: bool = False               # multiply the embeddings by sqrt(`d_model`) (Gemma)
+    embed_multiplier: float = bounded(1.0, gt=0)  # the embeddings times it (Granite's `embedding_multiplier`)
+    residual_multiplier: float = bounded(1.0, gt=0)  # each block's attention (or mixer) and MLP outputs times it
+                                            # before they join the residual stream (Granite)
     norm_type: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (Cohere)
     parallel_block: bool = False            # attention and MLP side by side from one norm: x + attn(n(x)) + mlp(n(x))
                                             # (Cohere; `norm_placement: pre` only)
-    logit_scale: float = bounded(1.0, gt=0)  # the output logits times it (Cohere)
+    logit_scale: float = bounded(1.0, gt=0)  # the output logits times it (Cohere; Granite: 1 / `logits_scaling`)
     query_pre_attn_scalar: Optional[float] = bounded(None, gt=0)  # attention scores scaled by its -1/2 power
-                                            # instead of `head_dim`'s (Gemma)
+                                            # instead of `head_dim`'s (Gemma; Granite: `attention_multiplier`^-2)
     attn_softcap: Optional[float] = bounded(None, gt=0)  # attention scores c * tanh(s / c) (Gemma 2)
     final_softcap: Optional[float] = bounded(None, gt=0)  # output logits c * tanh(z / c) (Gemma 2)
     attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)

@@ -103,6 +103,7 @@ class Block(nn.Module):
             if cfg.mlp == "relu2" else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
         self.mlp_post_norm = norm("post")
         self.attn_adapter = self.mlp_adapter = None  # bottleneck adapters on the two outputs (blocks/bottleneck.py)
+        self.res = cfg.residual_multiplier  # the branches' outputs times it (1: left as they are)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None,
                 q_scale=None, ve=None):
@@ -121,10 +122,13 @@ class Block(nn.Module):
                 else None
             extra = {k: v for k, v in (("q_scale", q_scale), ("ve", ve)) if v is not None}
             a = self.attn(h, cos, sin, cache, start_pos, mask, **extra)
-        x = x + self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a))
+        x = x + self.scaled(self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a)))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
-        return x + self.mlp_post_norm(y if self.mlp_adapter is None else self.mlp_adapter(y)), stats
+        return x + self.scaled(self.mlp_post_norm(y if self.mlp_adapter is None else self.mlp_adapter(y))), stats
+
+    def scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.res == 1.0 else branch * self.res
 
 
 def norm_class(cfg: LLMConfig) -> type:
@@ -295,8 +299,9 @@ class LLM(nn.Module):
     # the trunk's ends, for a caller that runs the layers itself (a pipeline's stages)
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, T) -> the first layer's input (B, T, D)."""
-        x = self.embed(input_ids)
-        return x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype) if self.config.embed_scale else x
+        x, cfg = self.embed(input_ids), self.config
+        x = x * torch.tensor(cfg.d_model ** 0.5, dtype=x.dtype) if cfg.embed_scale else x
+        return x if cfg.embed_multiplier == 1.0 else x * cfg.embed_multiplier
 
     def value_embeddings(self, input_ids: torch.Tensor) -> dict:
         """{layer: what value embeddings add to its values (B, T, n_kv_heads * head_dim)}; empty when off."""

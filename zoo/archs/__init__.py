@@ -8,18 +8,20 @@ from .deepseek import DeepseekV3, Mistral4
 from .gemma import Gemma2, Gemma3
 from .glm import Glm4
 from .gpt_oss import GptOss
+from .granite import GraniteMoeHybrid
 from .lfm2 import Lfm2
 from .llama import Llama, Mistral, Mixtral
 from .olmo import Olmo2, Olmo3
 from .phi import Phi3
 from .qwen import Qwen2, Qwen2Moe, Qwen3, Qwen3Moe
-from .qwen3_5 import Qwen3_5, Qwen3Next
+from .qwen3_5 import Qwen3_5, Qwen3_5Moe, Qwen3Next
 from .record import FEATURES, Record, features, interleaved
 from .smollm import SmolLM3
 
 RECORDS: dict[str, Record] = {r.hf_class: r for r in (
     Llama(), Mistral(), Qwen2(), Qwen3(), SmolLM3(), Olmo2(), Olmo3(), Phi3(), Gemma2(), Gemma3(), Glm4(), Cohere2(),
-    Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), Mistral4(), GptOss(), Lfm2(), Qwen3_5(), Qwen3Next())}
+    Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), Mistral4(), GptOss(), Lfm2(), Qwen3_5(), Qwen3Next(),
+    Qwen3_5Moe(), GraniteMoeHybrid())}
 BY_MODEL_TYPE = {r.model_type: r for r in RECORDS.values()}
 BY_GGUF = {r.gguf: r for r in RECORDS.values() if r.gguf}
 

@@ -2,7 +2,8 @@
 a sigmoid of a second half of q_proj (per head: q, then its gate); per-head q/k RMSNorm; norms storing 1 + w (the
 DeltaNet's gated norm a plain gain); RoPE on a quarter of each head by default (multimodal RoPE, which for text is
 plain RoPE). Qwen3-Next: the same layers with a Qwen2-MoE-style sparse MLP (a shared expert behind a sigmoid
-gate), its DeltaNet projections fused per key head (in_proj_qkvz: q, k, v, z; in_proj_ba: b, a)."""
+gate), its DeltaNet projections fused per key head (in_proj_qkvz: q, k, v, z; in_proj_ba: b, a). Qwen3.5-MoE (text):
+Qwen3.5's layers with Qwen3-Next's sparse MLP in every layer, its top-k weights always renormalised."""
 from .qwen import QWEN_MOE, qwen_moe, qwen_moe_to_hf
 from .record import ROPES, Record
 
@@ -52,6 +53,22 @@ class Qwen3Next(Qwen3_5):
                 a + "in_proj_z.weight": (a + "in_proj_qkvz.weight", grouped(K, qkvz, 3)),
                 a + "in_proj_b.weight": (a + "in_proj_ba.weight", grouped(K, ba, 0)),
                 a + "in_proj_a.weight": (a + "in_proj_ba.weight", grouped(K, ba, 1))}
+
+
+class Qwen3_5Moe(Qwen3_5):
+    hf_class, model_type = "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"
+    needs = Qwen3Next.needs
+    defaults = {**Qwen3_5.defaults, "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "intermediate_size": None}  # no dense MLP: no intermediate_size
+
+    def config(self, hf, get, n_layers):
+        return {**super().config(hf, get, n_layers), "moe": qwen_moe(hf, get, n_layers)}
+
+    def to_hf(self, cfg):
+        moe = {k: v for k, v in qwen_moe_to_hf(cfg).items()
+               if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}  # keys it does not have
+        return {**super().to_hf(cfg), **moe}
 
 
 def grouped(groups: int, sizes: tuple, *parts: int) -> list:

@@ -29,7 +29,8 @@ FEATURES = {  # the ideas records speak of -> the model keys that give them (doc
     "moe_dense_layers": "moe.dense_layers or moe.sparse_every", "moe_topk_raw": "moe.norm_topk_prob: false",
     "moe_bias": "moe.bias", "clamped_swiglu": "moe.swiglu_limit", "sigmoid": "moe.scoring: sigmoid",
     "moe_groups": "moe.n_groups or moe.routed_scale", "attn_gate": "attn_gate",
-    "linear_attention": "layer_types: linear_attention", "conv": "layer_types: conv", "mamba": "layer_types: mamba"}
+    "linear_attention": "layer_types: linear_attention", "conv": "layer_types: conv", "mamba": "layer_types: mamba",
+    "embed_multiplier": "embed_multiplier", "residual_multiplier": "residual_multiplier"}
 PRE = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}  # Zoo norm -> HF norm of a layer
 
 
@@ -51,7 +52,8 @@ def features(cfg: LLMConfig) -> set:
              "moe": m, "moe_shared": m and m.n_shared, "moe_shared_gate": m and m.shared_gate,
              "moe_dense_layers": m and (m.dense_layers or m.sparse_every > 1), "moe_topk_raw": m and not m.norm_topk_prob,
              "moe_bias": m and m.bias, "clamped_swiglu": m and m.swiglu_limit, "sigmoid": m and m.scoring == "sigmoid",
-             "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1), "attn_gate": cfg.attn_gate}
+             "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1), "attn_gate": cfg.attn_gate,
+             "embed_multiplier": cfg.embed_multiplier != 1, "residual_multiplier": cfg.residual_multiplier != 1}
     recurrent = {cfg.layer_type(i) for i in range(cfg.n_layers)} & RECURRENT_TYPES
     return (named | recurrent | {k for k, v in flags.items() if v}) - {None}
 

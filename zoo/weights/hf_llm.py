@@ -141,7 +141,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     """A Hugging Face config.json (as a dict) -> (LLMConfig, architecture): the common keys here, the class's
     own in its record."""
     rec = record_of(hf, source)
-    if missing := [k for k in _REQUIRED if k not in hf]:
+    if missing := [k for k in _REQUIRED if k not in hf and k not in rec.defaults]:
         raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
     get = lambda k, d=None: hf[k] if k in hf else rec.defaults.get(k, d)  # noqa: E731
     act = hf.get("hidden_activation") or hf.get("hidden_act") or rec.act
@@ -157,7 +157,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> tuple[LLMConfig, st
     data = dict(
         vocab_size=hf["vocab_size"], d_model=d, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=get("num_key_value_heads") or n_heads, head_dim=head_dim if head_dim * n_heads != d else None,
-        ffn_hidden=hf["intermediate_size"], max_seq_len=get("max_position_embeddings", 2048),
+        ffn_hidden=get("intermediate_size"), max_seq_len=get("max_position_embeddings", 2048),
         norm_eps=get("rms_norm_eps", 1e-6), tie_embeddings=bool(get("tie_word_embeddings", rec.tie)),
         sliding_window=window, attn_pattern=pattern, mlp_act=_ACTS[act],
         **_rope(hf, get, rec, source))
@@ -288,7 +288,7 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
         else:
             m.update(_attention_keys(cfg, rec, z, h + "self_attn."))
         if cfg.is_sparse(i):
-            m.update(_moe_keys(cfg, z, rec.experts(cfg, h)))
+            m.update(_moe_keys(cfg, z, rec.experts(cfg, h), "gate_up_proj" in rec.fused))
             continue
         m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_up_proj.weight", (2 * F, d))] if "gate_up_proj" in rec.fused \
             else [(h + "mlp.gate_proj.weight", (F, d)), (h + "mlp.up_proj.weight", (F, d))]
@@ -348,10 +348,10 @@ def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str) -> dict:
     return m
 
 
-def _moe_keys(cfg: LLMConfig, z: str, x: dict) -> dict:
+def _moe_keys(cfg: LLMConfig, z: str, x: dict, fused: bool = False) -> dict:
     """Zoo -> file names of one sparse layer (z: its Zoo prefix; x: the record's `experts` names): the router,
     the experts (stacked in Zoo; per-expert files: each expert's shapes, concatenated along dim 0) and the
-    shared experts."""
+    shared experts (fused: their gate and up in one gate_up_proj)."""
     d, E, F = cfg.d_model, cfg.moe.n_experts, cfg.resolved_expert_hidden
     m = {z + "mlp.router.weight": [(x["router"] + ".weight", (E, d))]}
     if "per_expert" in x:
@@ -369,7 +369,8 @@ def _moe_keys(cfg: LLMConfig, z: str, x: dict) -> dict:
         m[z + "mlp.score_bias"] = [(x["score_bias"], (E,))]
     if cfg.moe.n_shared:
         Fs, s = cfg.moe.n_shared * (cfg.moe.shared_hidden or F), x["shared"]
-        m[z + "mlp.shared.gate_up.weight"] = [(s + "gate_proj.weight", (Fs, d)), (s + "up_proj.weight", (Fs, d))]
+        m[z + "mlp.shared.gate_up.weight"] = [(s + "gate_up_proj.weight", (2 * Fs, d))] if fused else \
+            [(s + "gate_proj.weight", (Fs, d)), (s + "up_proj.weight", (Fs, d))]
         m[z + "mlp.shared.down.weight"] = [(s + "down_proj.weight", (d, Fs))]
         if cfg.moe.shared_gate:
             m[z + "mlp.shared_gate.weight"] = [(x["shared_gate"] + ".weight", (1, d))]
