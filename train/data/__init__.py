@@ -26,10 +26,10 @@ from .sources import (DataError, Problems, corpus_files, documents, files_finger
 from .text_tokenizers import (TRAINED_SPECIALS, ByteTokenizer, HFTokenizer, IdsTokenizer,  # noqa: F401
                               SentencePieceTokenizer, load_tokenizer_file, sample_documents, token_bytes, train_bpe,
                               train_sentencepiece)
-
-TRAINED = {"sentencepiece": "sp-{}.model", "bpe": "bpe-{}.json", "superbpe": "superbpe-{}.json"}  # data.tokenizer
-                                            # names of the tokenizers trained on the corpus -> their cached file
 from .tokens import TokenStream, is_pretokenized, pretokenized_splits, token_files
+
+# data.tokenizer's names of the tokenizers trained on the corpus -> their file in the cache
+TRAINED = {"sentencepiece": "sp-{}.model", "bpe": "bpe-{}.json", "superbpe": "superbpe-{}.json"}
 
 
 @dataclass
@@ -89,7 +89,8 @@ class TextDataConfig:
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
         t = self.tokenizer
-        if t not in ("bytes", *TRAINED) and Path(t).suffix not in (".json", ".model") and not Path(t).expanduser().exists():
+        if t not in ("bytes", *TRAINED) and Path(t).suffix not in (".json", ".model")\
+                and not Path(t).expanduser().exists():
             raise fail(source, prefix + "tokenizer", f"unknown tokenizer {t!r} (bytes, {', '.join(TRAINED)}, or a "
                                                      f"tokenizer.model / tokenizer.json path)")
         if t in ("bpe", "superbpe") and self.vocab_size < 256 + len(TRAINED_SPECIALS):
@@ -266,8 +267,8 @@ class TokenData(TokenizedRows):
         cfg, log = self.cfg, self.log
         if spec not in TRAINED:
             return tokenizer_file(spec)
-        key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars,
-                           *((cfg.superbpe_transition,) if spec == "superbpe" else ()))
+        key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size,
+                           cfg.sp_train_chars, *((cfg.superbpe_transition,) if spec == "superbpe" else ()))
         path = self.cache / TRAINED[spec].format(key)
         if path.is_file():
             try:

@@ -206,15 +206,15 @@ def superword_merges(tok, docs: list[str], vocab_size: int):
              for _, group in itertools.groupby(zip(e.word_ids, e.ids), key=lambda w: w[0])]
     alphabet = len(set(itertools.chain.from_iterable(words)))
     second = Tokenizer(models.BPE())  # no pre-tokenizer: a pre-tokenized word is one sequence
-    want = vocab_size - len(vocab)
-    second.train_from_iterator(words, bpe_trainer(alphabet + want + want // 8 + 8, specials=()))  # spare: repeats
+    want = vocab_size - len(vocab)  # and spare merges: one that spells a token already there adds no id
+    second.train_from_iterator(words, bpe_trainer(alphabet + want + want // 8 + 8, specials=()))
     spell = lambda s: "".join(pieces[ord(c) - base] for c in s)  # noqa: E731
     known = set(merges)
     for a, b in json.loads(second.to_str())["model"]["merges"]:
         if len(vocab) >= vocab_size:
             break
         pair = (spell(a), spell(b))
-        if pair not in known:  # a merge whose bytes spell a token the first stage has keeps that token's id
+        if pair not in known:
             known.add(pair)
             merges.append(pair)
             vocab.setdefault(pair[0] + pair[1], len(vocab))
