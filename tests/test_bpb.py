@@ -33,13 +33,13 @@ def byte_level_bpe(tmp_path, corpus):
     return str(tmp_path / "tokenizer.json")
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "sentencepiece", "bpe"])
+@pytest.mark.parametrize("tokenizer", ["bytes", "sentencepiece", "tokenizer.json", "bpe", "superbpe"])
 def test_val_bpb_is_the_loss_per_byte_of_the_decoded_validation_text(tmp_path, text_corpus, tokenizer):
     """Reference: per-token losses from full logits, special tokens (BOS/EOS) left out by id, over the UTF-8 length
     of the evaluated targets decoded as one text (after a plain token, so no leading space is dropped)."""
     text, corpus = text_corpus.read_text()[:100_000], tmp_path / "docs.jsonl"  # documents: BOS/EOS between them
     corpus.write_text("".join(json.dumps({"text": text[i:i + 700]}) + "\n" for i in range(0, len(text), 700)))
-    tokenizer = byte_level_bpe(tmp_path, text_corpus) if tokenizer == "bpe" else tokenizer
+    tokenizer = byte_level_bpe(tmp_path, text_corpus) if tokenizer == "tokenizer.json" else tokenizer
     run = build_run(lm_config(tmp_path, corpus, tokenizer, 256 if tokenizer == "bytes" else 512))
     task, model = run.task, run.model
     got = task.evaluate(model)

@@ -1,11 +1,16 @@
 """Text sources, tokenizers and the token cache."""
 import json
+import re
 
 import numpy as np
+import pytest
 import torch
 
-from train.data import TextDataConfig, TokenData, read_corpus
+from train.config import load_run_config
+from train.data import TextDataConfig, TokenData, read_corpus, stdlib_files, train_bpe
+from zoo.config import ConfigError
 from conftest import TEST_DEVICE
+from tests.test_loop import TINY, check_resume_is_exact
 
 
 def test_sources_file_folder_jsonl(tmp_path):
@@ -66,3 +71,51 @@ def test_hf_tokenizer_json(tmp_path, text_corpus):
     assert np.array_equal(ids[:50], tok.encode(text_corpus.read_text()[:2000]).ids[:50])
     sample = "def f(x):\n    return x + 1\n"
     assert d.tokenizer.decode(d.tokenizer.encode(sample)) == sample
+
+
+@pytest.mark.parametrize("kind", ["bpe", "superbpe"])
+def test_trained_bpe_is_a_tokenizer_json_transformers_reads_with_zoo_ids(tmp_path, text_corpus, kind):
+    """Zoo's ids of held-out text (a standard-library file past the corpus) equal PreTrainedTokenizerFast's reading
+    the saved tokenizer.json; only SuperBPE has tokens across whitespace (the pre-tokenizer forbids them in BPE)."""
+    from transformers import PreTrainedTokenizerFast
+    d = TokenData(TextDataConfig(path=str(text_corpus), tokenizer=kind, vocab_size=512, seq_len=32,
+                                 cache_dir=str(tmp_path / "cache")), log=lambda m: None)
+    tok = d.tokenizer
+    assert tok.vocab_size == 512 and tok.eos_id == 0 and tok.model_path.endswith(".json")
+    held = stdlib_files()[-1].read_text()[:20_000]
+    ids = tok.encode(held)
+    assert PreTrainedTokenizerFast(tokenizer_file=tok.model_path)(held, add_special_tokens=False).input_ids == ids
+    assert tok.decode(ids) == held and len(ids) < len(held.encode())
+    across = [p for p in map(tok.decode, ([i] for i in range(1, 512))) if re.search(r"\S\s+\S", p)]
+    assert bool(across) == (kind == "superbpe"), across
+
+
+def test_superbpe_extends_the_bpe_of_its_transition(tmp_path, text_corpus):
+    """SuperBPE's first stage is the BPE of `transition` ids: its vocabulary and merges come first, unchanged."""
+    docs = [text_corpus.read_text()]
+    bpe, sup = (json.loads(train_bpe(docs, 512, tmp_path / f"{n}.json", t, log=lambda m: None).read_text())["model"]
+                for n, t in (("bpe", None), ("superbpe", 400)))
+    first = json.loads(train_bpe(docs, 400, tmp_path / "first.json", log=lambda m: None).read_text())["model"]
+    assert sup["merges"][:len(first["merges"])] == first["merges"] and len(sup["vocab"]) == len(bpe["vocab"]) == 512
+    assert {k: v for k, v in sup["vocab"].items() if v < 400} == first["vocab"] and sup["merges"] != bpe["merges"]
+
+
+@pytest.mark.parametrize("kind", ["bpe", "superbpe"])
+def test_a_run_trains_and_resumes_on_its_trained_tokenizer(tmp_path, text_corpus, kind, monkeypatch, one_thread):
+    """Trained once: the resumed run reads the cached tokenizer.json, and the run folder holds it."""
+    import train.data
+    trained = []
+    monkeypatch.setattr(train.data, "train_bpe", lambda *a, **k: trained.append(a) or train_bpe(*a, **k))
+    over = {"data.tokenizer": kind, "data.vocab_size": 320, "model.vocab_size": 320, "data.cache_dir": tmp_path / "c",
+            "train.checkpoint_every": 2, "train.max_steps": 4, "optim.warmup_steps": 1}
+    part, _ = check_resume_is_exact(tmp_path, text_corpus, 4, **over)
+    (cached,) = (tmp_path / "c").glob(f"{kind}-*.json")
+    assert len(trained) == 1 and (part / "tokenizer.json").read_bytes() == cached.read_bytes()
+
+
+@pytest.mark.parametrize("over,key", [("data.tokenizer=gpt2", "data.tokenizer"),
+                                      ("data.vocab_size=256", "data.vocab_size")])
+def test_unknown_tokenizer_or_too_small_a_vocabulary_is_a_one_line_error(over, key):
+    with pytest.raises(ConfigError, match=key) as e:
+        load_run_config(None, ["data.tokenizer=bpe", over], base=TINY)
+    assert "\n" not in str(e.value)

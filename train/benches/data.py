@@ -1,11 +1,14 @@
-"""Data preparation and batch assembly: speed against the tokenizer alone, peak memory, batch rate.
+"""Data preparation and batch assembly: speed against the tokenizer alone, peak memory, batch rate; tokenizers.
 
     python train/bench.py data                          # speed (16 MB corpus), memory at 100 MB, batches
     python train/bench.py data --rss-mb 100,1000        # + the 1 GB corpus
     python train/bench.py data --only speed --mb 32 --rounds 8
+    python train/bench.py tokenizers                    # bpe vs superbpe tokens per byte; BPE training speed
 
 speed: `zoo prepare` against the tokenizer's own batch encode (target: >= 0.8x); rss: the peak PSS
 of preparing a corpus in a fresh process; batches: TokenData's assembly rate against the training rate.
+tokenizers: tokens per byte of held-out text at equal vocabulary; Zoo's BPE training against `tokenizers` called
+directly (target: within 10%).
 """
 from __future__ import annotations
 
@@ -43,18 +46,12 @@ def generate(path: Path, n_bytes: int, seed: int = 0) -> Path:
 
 def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
     """{name: tokenizer} trained on a 4 MB sample of the corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from train.data import HFTokenizer, SentencePieceTokenizer, documents, sample_documents, train_sentencepiece
+    from train.data import (HFTokenizer, SentencePieceTokenizer, documents, sample_documents, train_bpe,
+                            train_sentencepiece)
     sample = sample_documents((d.text for d in documents(str(corpus))), 4_000_000)
     sp = train_sentencepiece(sample, vocab, folder / "sp.model", log=lambda m: None)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(folder / "tokenizer.json"))
-    return {"sentencepiece": SentencePieceTokenizer(sp), "tokenizer.json": HFTokenizer(folder / "tokenizer.json")}
+    bpe = train_bpe(sample, vocab, folder / "tokenizer.json", log=lambda m: None)
+    return {"sentencepiece": SentencePieceTokenizer(sp), "tokenizer.json": HFTokenizer(bpe)}
 
 
 def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
@@ -200,19 +197,79 @@ def batches(args, folder: Path, out: dict):
                          f"{args.precision}, {torch.get_num_threads()} threads, best of 2)")
 
 
-def main(argv=None):
-    ap = harness.parser("data", __doc__, precision="fp32", one_precision=True)
-    ap.add_argument("--only", type=harness.name_list(("speed", "rss", "batches"), "part"), default="speed,rss,batches")
-    ap.add_argument("--mb", type=harness.positive_int, default=16, help="size of the speed corpus in MB (default 16)")
-    ap.add_argument("--rss-mb", type=harness.int_list, default=[100],
-                    help="comma list of corpus sizes in MB for the memory part (default 100)")
+def direct_bpe(docs: list[str], vocab: int, path: Path):
+    """The byte-level BPE of data.tokenizer=bpe, trained by calling `tokenizers` directly."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from train.data.text_tokenizers import WORDS
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(WORDS), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    tok.save(str(path))
+
+
+def tokenizer_bench(args, folder: Path) -> tuple[dict, dict]:
+    """bpe and superbpe trained on the standard library's sources but every tenth file, their tokens per byte on
+    that tenth; and Zoo's BPE training against calling `tokenizers` directly on the same sample."""
+    from train.data import HFTokenizer, TextDataConfig, sample_documents, stdlib_files, train_bpe
+    files = stdlib_files()
+    sample = sample_documents((f.read_text(errors="replace") for i, f in enumerate(files) if i % 10), args.train_chars)
+    held = [f.read_text(errors="replace") for f in files[::10]]
+    mb, held_bytes = sum(len(d.encode()) for d in sample) / 1e6, sum(len(d.encode()) for d in held)
+    share, quiet, out, rows, speed = TextDataConfig().superbpe_transition, lambda m: None, {}, [], []
+    for vocab in args.vocabs:
+        per_byte = {}
+        for kind, transition in (("bpe", None), ("superbpe", int(vocab * share))):
+            t0 = time.perf_counter()
+            tok = HFTokenizer(train_bpe(sample, vocab, folder / f"{kind}.json", transition, log=quiet))
+            secs = time.perf_counter() - t0
+            per_byte[kind] = sum(map(len, tok.encode_many(held))) / held_bytes
+            out[f"{kind}-{vocab}"] = {"vocab": tok.vocab_size, "transition": transition, "tokens_per_byte":
+                                      per_byte[kind], "train_s": secs}
+            rows.append([f"{vocab:,}", kind + (f" (t = {transition:,})" if transition else ""), f"{per_byte[kind]:.4f}",
+                         f"{1 / per_byte[kind]:.2f}", f"{per_byte[kind] / per_byte['bpe'] - 1:+.1%}", f"{secs:.1f}"])
+        r = harness.run_rounds({"zoo": lambda: train_bpe(sample, vocab, folder / "zoo.json", log=quiet),
+                                "tokenizers": lambda: direct_bpe(sample, vocab, folder / "direct.json")}, args.rounds)
+        paired = {clock: r.paired("zoo", "tokenizers", clock) for clock in ("wall", "cpu")}
+        out[f"speed-{vocab}"] = {"zoo_best_s": r.best("zoo"), "tokenizers_best_s": r.best("tokenizers"),
+                                 **{f"paired_{c}_{k}": v for c, p in paired.items() for k, v in p._asdict().items()}}
+        speed.append([f"{vocab:,}", f"{mb / r.best('zoo'):.2f}", f"{mb / r.best('tokenizers'):.2f}",
+                      str(paired["wall"]), str(paired["cpu"])])
+    where = (f"trained on {mb:.1f} MB sampled from the standard library's .py files but every tenth, measured on "
+             f"that tenth ({held_bytes / 1e6:.1f} MB, {len(held)} files)")
+    tables = {"tokens per byte": harness.table(["vocab", "tokenizer", "tokens / byte", "bytes / token", "vs bpe",
+                                                "training s"], rows, where),
+              "training speed": harness.table(
+                  ["vocab", "zoo MB/s", "tokenizers MB/s", "zoo / tokenizers (paired median)", "on the CPU clock"],
+                  speed, f"the same {mb:.1f} MB sample, {args.workers} threads, best of {args.rounds} alternating rounds"
+                         f" (CPU clock: this process's CPU seconds, all its threads)")}
+    return tables, out
+
+
+def main(argv=None, preset: str = "data"):
+    ap = harness.parser(preset, __doc__, precision="fp32", one_precision=True)
     ap.add_argument("--workers", type=harness.positive_int, default=2, help="processes / threads (default 2)")
+    if preset == "tokenizers":
+        ap.add_argument("--vocabs", type=harness.int_list, default=[2048, 8192], help="comma list of vocabulary sizes")
+        ap.add_argument("--train-chars", type=harness.positive_int, default=4_000_000, help="characters to train on")
+    else:
+        ap.add_argument("--only", type=harness.name_list(("speed", "rss", "batches"), "part"),
+                        default="speed,rss,batches")
+        ap.add_argument("--mb", type=harness.positive_int, default=16, help="size of the speed corpus in MB")
+        ap.add_argument("--rss-mb", type=harness.int_list, default=[100],
+                        help="comma list of corpus sizes in MB for the memory part (default 100)")
     args = ap.parse_args(argv)
     harness.setup(args)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
     out, tables = {"workers": args.workers, "cpus": os.cpu_count()}, {}
     with tempfile.TemporaryDirectory(prefix="zoo-bench-data-") as folder:
+        if preset == "tokenizers":
+            tables, data = tokenizer_bench(args, Path(folder))
+            out.update(data)
         for part, fn in (("speed", speed), ("rss", rss), ("batches", batches)):
-            if part in args.only:
+            if part in getattr(args, "only", ()):
                 tables[part] = fn(args, Path(folder), out)
     harness.save(args, tables, out)

@@ -23,9 +23,13 @@ from .loader import Prefetcher
 from .shards import Shards, chunks, prepare as prepare_shards, read_manifest, token_dtype  # noqa: F401
 from .sources import (DataError, Problems, corpus_files, documents, files_fingerprint, fingerprint, read_corpus,  # noqa: F401
                       line_list, needs, short_digest, stdlib_files)
-from .text_tokenizers import (ByteTokenizer, HFTokenizer, IdsTokenizer, SentencePieceTokenizer,  # noqa: F401
-                         load_tokenizer_file, sample_documents, token_bytes, train_sentencepiece)
+from .text_tokenizers import (TRAINED_SPECIALS, ByteTokenizer, HFTokenizer, IdsTokenizer,  # noqa: F401
+                              SentencePieceTokenizer, load_tokenizer_file, sample_documents, token_bytes, train_bpe,
+                              train_sentencepiece)
 from .tokens import TokenStream, is_pretokenized, pretokenized_splits, token_files
+
+# data.tokenizer's names of the tokenizers trained on the corpus -> their file in the cache
+TRAINED = {"sentencepiece": "sp-{}.model", "bpe": "bpe-{}.json", "superbpe": "superbpe-{}.json"}
 
 
 @dataclass
@@ -46,8 +50,13 @@ class TextDataConfig:
     val_path: Optional[str] = None          # a separate validation source (any `path` form); null = the `val` files
                                             # of pre-tokenized inputs, else each source's tail (`val_fraction`)
     tokenizer: str = "sentencepiece"        # `bytes`, `sentencepiece` (BPE trained on the corpus; with
-                                            # `train.init_from`: the checkpoint's own) or a tokenizer file's path
-    vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of the trained sentencepiece tokenizer
+                                            # `train.init_from`: the checkpoint's own), `bpe` (byte-level BPE trained
+                                            # on the corpus), `superbpe` (SuperBPE: `bpe`, then merges across spaces)
+                                            # or a tokenizer file's path
+    vocab_size: int = bounded(2048, ge=16, le=2**31)  # vocabulary of a tokenizer trained on the corpus (`bpe` and
+                                            # `superbpe`: at least 257, the bytes and `<|endoftext|>`)
+    superbpe_transition: float = bounded(0.9, gt=0, lt=1)  # `superbpe`: the share of `vocab_size` learnt as
+                                            # subwords (stage 1) before merges may cross whitespace
     seq_len: int = bounded(256, ge=2)       # tokens per training window; <= `model.max_seq_len`
     seq_len_schedule: Optional[list[list[int]]] = None  # sequence-length curriculum `[[until, seq_len], ...]`
                                             # (e.g. `[[1000, 64], [3000, 128]]`), then `seq_len`; lengths increasing
@@ -67,7 +76,7 @@ class TextDataConfig:
                                             # `$ZOO_CACHE`, else `$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`
     max_chars: Optional[int] = bounded(None, gt=0)  # read at most this many characters of the corpus
     sp_train_chars: int = bounded(4_000_000, gt=0)  # characters of documents sampled across the whole corpus
-                                            # (every source) to train sentencepiece
+                                            # (every source) to train `sentencepiece`, `bpe` or `superbpe`
     eval_tasks: Optional[list[str]] = None  # task files (train/eval.py: multiple choice, generation, loss)
                                             # scored at every evaluation, logged as `eval_<file stem>_<metric>`
     # document masking (document_ids below, zoo/blocks/attention.py)
@@ -79,6 +88,14 @@ class TextDataConfig:
     def validate(self, source, prefix="data."):
         if not self.path:
             raise fail(source, prefix + "path", "must not be empty")
+        t = self.tokenizer
+        if t not in ("bytes", *TRAINED) and Path(t).suffix not in (".json", ".model")\
+                and not Path(t).expanduser().exists():
+            raise fail(source, prefix + "tokenizer", f"unknown tokenizer {t!r} (bytes, {', '.join(TRAINED)}, or a "
+                                                     f"tokenizer.model / tokenizer.json path)")
+        if t in ("bpe", "superbpe") and self.vocab_size < 256 + len(TRAINED_SPECIALS):
+            raise fail(source, prefix + "vocab_size", f"must be at least {256 + len(TRAINED_SPECIALS)} with "
+                                                      f"data.tokenizer={t} (the 256 bytes and <|endoftext|>)")
         if self.sources is not None and not self.sources:
             raise fail(source, prefix + "sources", "must list at least one {path, weight} (or be null)")
         for i, s in enumerate(self.sources or []):
@@ -223,7 +240,7 @@ class TokenData(TokenizedRows):
         if tok_spec == "sentencepiece" and not texts:
             self.tokenizer = None  # ids only: sized by the largest id below
         else:
-            if any(pre) and tok_spec == "sentencepiece":
+            if any(pre) and tok_spec in TRAINED:
                 raise DataError(f"{specs[pre.index(True)].path}: pre-tokenized ids mixed with text need the tokenizer "
                                 f"they were made with (set data.tokenizer to its tokenizer.model or tokenizer.json)")
             self.tokenizer = self._tokenizer(tok_spec, texts)
@@ -248,20 +265,26 @@ class TokenData(TokenizedRows):
 
     def _tokenizer(self, spec: str, texts: list[str]):
         cfg, log = self.cfg, self.log
-        if spec != "sentencepiece":
+        if spec not in TRAINED:
             return tokenizer_file(spec)
-        key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size, cfg.sp_train_chars)
-        sp_path = self.cache / f"sp-{key}.model"
-        if sp_path.is_file():
+        key = short_digest(*(fingerprint(t) for t in texts), cfg.max_chars, cfg.column, cfg.vocab_size,
+                           cfg.sp_train_chars, *((cfg.superbpe_transition,) if spec == "superbpe" else ()))
+        path = self.cache / TRAINED[spec].format(key)
+        if path.is_file():
             try:
-                SentencePieceTokenizer(sp_path)
+                load_tokenizer_file(path)
             except DataError as e:  # a damaged cache: train it again
                 log(f"data: {e}; training it again")
-                sp_path.unlink()
-        if not sp_path.is_file():
+                path.unlink()
+        if not path.is_file():
             docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars) for d in c)
-            train_sentencepiece(sample_documents(docs, cfg.sp_train_chars), cfg.vocab_size, sp_path, log)
-        return SentencePieceTokenizer(sp_path)
+            sample = sample_documents(docs, cfg.sp_train_chars)
+            if spec == "sentencepiece":
+                train_sentencepiece(sample, cfg.vocab_size, path, log)
+            else:
+                transition = max(256 + len(TRAINED_SPECIALS), int(cfg.vocab_size * cfg.superbpe_transition))
+                train_bpe(sample, cfg.vocab_size, path, transition if spec == "superbpe" else None, log)
+        return load_tokenizer_file(path)
 
     def _source(self, path: str, pretokenized: bool) -> tuple[TokenStream, object]:
         """(the source's tokens, its validation tokens or its document starts): pre-tokenized files

@@ -1,10 +1,12 @@
 """Tokenizers of the text data: bytes, sentencepiece (trained on a sample of the corpus, or a
-tokenizer.model) and Hugging Face tokenizer.json, each with its BOS/EOS ids (None when it has none)."""
+tokenizer.model) and Hugging Face tokenizer.json (a file, or a byte-level BPE or SuperBPE trained on a
+sample of the corpus), each with its BOS/EOS ids (None when it has none)."""
 from __future__ import annotations
 
 import contextlib
 import heapq
 import io
+import itertools
 import json
 import os
 import random
@@ -19,6 +21,10 @@ from .sources import DataError, needs
 # special tokens that end (or begin) a document in the tokenizer.json of common model families
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+# Llama 3's (GPT-4's) pre-tokenizer: words with their leading space or punctuation, numbers of up to 3 digits
+WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+NUMBERS = r"\p{N}{1,3}"  # SuperBPE's second stage: only numbers split, so merges cross whitespace
+TRAINED_SPECIALS = ("<|endoftext|>",)  # the special tokens of a BPE trained here: EOS, id 0
 
 
 class ByteTokenizer:
@@ -152,6 +158,69 @@ def from_spec(spec, threads: int = 1):
     if kind == "bytes":
         return ByteTokenizer()
     return SentencePieceTokenizer(path, threads) if kind == "sentencepiece" else HFTokenizer(path)
+
+
+def byte_level(pattern: str = WORDS):
+    """An untrained byte-level BPE tokenizer (`tokenizers`) whose pre-tokenizer splits by `pattern`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def bpe_trainer(vocab_size: int, specials=TRAINED_SPECIALS):
+    from tokenizers import pre_tokenizers, trainers
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if specials else []
+    return trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=alphabet,
+                               show_progress=False)
+
+
+def train_bpe(docs: list[str], vocab_size: int, out_path: Path, transition: Optional[int] = None, log=print) -> Path:
+    """A byte-level BPE tokenizer.json of vocab_size ids (256 bytes, `<|endoftext|>`, merges) trained on the
+    documents, written atomically to out_path. With `transition` < vocab_size: SuperBPE (Liu et al., 2025), whose
+    first `transition` ids are this BPE's and whose later merges cross whitespace (`superword_merges`)."""
+    needs("tokenizers", "data.tokenizer=bpe needs the 'tokenizers' package")
+    if not any(d.strip() for d in docs):
+        raise DataError("cannot train a tokenizer: the corpus has no text")
+    kind = f"SuperBPE (subwords up to {transition})" if transition else "byte-level BPE"
+    log(f"data: training a {kind} tokenizer (vocab {vocab_size}) on {sum(map(len, docs)):,} chars sampled from "
+        f"{len(docs):,} documents")
+    tok = byte_level()
+    tok.train_from_iterator(docs, bpe_trainer(transition or vocab_size))
+    if transition:
+        tok = superword_merges(tok, docs, vocab_size)
+    atomic_write(out_path, tok.to_str())
+    return out_path
+
+
+def superword_merges(tok, docs: list[str], vocab_size: int):
+    """SuperBPE's second stage: the documents encoded by `tok`'s merges with only numbers split, each id a character,
+    and BPE trained on those sequences; its merges, spelled in bytes, appended to `tok`'s until vocab_size ids."""
+    from tokenizers import Tokenizer, models
+    tok.pre_tokenizer = byte_level(NUMBERS).pre_tokenizer
+    model = json.loads(tok.to_str())["model"]
+    vocab, merges = model["vocab"], [tuple(m) for m in model["merges"]]
+    pieces, base = {i: p for p, i in vocab.items()}, 0x10000  # id i as chr(base + i): a code point of its own
+    words = ["".join(chr(base + i) for _, i in group) for e in tok.encode_batch(docs, add_special_tokens=False)
+             for _, group in itertools.groupby(zip(e.word_ids, e.ids), key=lambda w: w[0])]
+    alphabet = len(set(itertools.chain.from_iterable(words)))
+    second = Tokenizer(models.BPE())  # no pre-tokenizer: a pre-tokenized word is one sequence
+    want = vocab_size - len(vocab)  # and spare merges: one that spells a token already there adds no id
+    second.train_from_iterator(words, bpe_trainer(alphabet + want + want // 8 + 8, specials=()))
+    spell = lambda s: "".join(pieces[ord(c) - base] for c in s)  # noqa: E731
+    known = set(merges)
+    for a, b in json.loads(second.to_str())["model"]["merges"]:
+        if len(vocab) >= vocab_size:
+            break
+        pair = (spell(a), spell(b))
+        if pair not in known:
+            known.add(pair)
+            merges.append(pair)
+            vocab.setdefault(pair[0] + pair[1], len(vocab))
+    tok.model = models.BPE(vocab=vocab, merges=merges)
+    return tok
 
 
 def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> list[str]:
