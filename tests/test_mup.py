@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import CPU, ROOT
 from train.benches.mup import coord_check, growth
 from train.config import OptimConfig, load_run_config
 from train.docs import _count
@@ -71,12 +71,12 @@ def test_mup_lr_groups_hidden_matrices_only():
     model = LLM(small(mup_base_width=32, tie_embeddings=False))
     hidden = hidden_matrices(model)
     assert len(hidden) == 2 * 4  # qkv, o, gate_up, down per block
-    scales = lr_scales(build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda m: None))
+    scales = lr_scales(build_optimizer(model, OptimConfig(), CPU, log=lambda m: None))
     assert {n: scales[id(p)] for n, p in model.named_parameters()} == {
         n: 32 / 128 if id(p) in hidden else 1.0 for n, p in model.named_parameters()}
-    muon = lr_scales(build_optimizer(model, OptimConfig(name="muon", lr=1e-3), torch.device("cpu"), log=lambda m: None))
+    muon = lr_scales(build_optimizer(model, OptimConfig(name="muon", lr=1e-3), CPU, log=lambda m: None))
     assert {muon[i] for i in hidden} == {0.02 / 1e-3}  # Muon's own LR on the hidden matrices, its scaling by shape
-    off = build_optimizer(LLM(small()), OptimConfig(), torch.device("cpu"), log=lambda m: None)
+    off = build_optimizer(LLM(small()), OptimConfig(), CPU, log=lambda m: None)
     assert not any("lr_scale" in g for g in off.param_groups)
 
 
@@ -114,7 +114,7 @@ def test_mup_off_and_at_its_base_width_trains_as_the_standard_parametrization():
         if standard_attention:
             for b in model.blocks():
                 b.attn.q_scale = None
-        opt = build_optimizer(model, OptimConfig(lr=1e-2), torch.device("cpu"), log=lambda m: None)
+        opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU, log=lambda m: None)
         set_lr(opt, 1e-2)
         for step in range(3):
             ids = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(step))
