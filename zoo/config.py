@@ -469,8 +469,10 @@ class LLMConfig:
     moved: ClassVar[dict] = {**CHECKPOINTING_MOVED, **{k: f"train.{k}" for k in (
         "attn_backend", "chunked_loss", "loss_chunk_size", "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
 
+    SHAPE: ClassVar[dict] = dict(n_layers=8, d_model=512, n_heads=8)  # the shape keys' values when null, no depth
+
     def __post_init__(self):
-        shape = depth_shape(self.depth, self.head_dim) if self.depth else dict(n_layers=8, d_model=512, n_heads=8)
+        shape = depth_shape(self.depth, self.head_dim) if self.depth else self.SHAPE
         for k, v in shape.items():  # the keys left null; validate() refuses those given otherwise beside depth
             if getattr(self, k) is None:
                 setattr(self, k, v)
