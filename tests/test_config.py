@@ -211,7 +211,7 @@ def test_run_config_parsing_property(data):
 
 # field bounds: declared on the dataclasses (zoo.config.bounded), checked in one place
 @pytest.mark.parametrize("over, msg", [
-    ("model.n_layers=0", "model.n_layers must be > 0, got 0"),
+    ("model.n_layers=0", "model.n_layers must be > 0 or null, got 0"),
     ("model.n_kv_heads=-2", "model.n_kv_heads must be > 0 or null, got -2"),
     ("model.mod_capacity=1.5", "model.mod_capacity must be in [0, 1], got 1.5"),
     ("train.moe_router_jitter=1", "train.moe_router_jitter must be in [0, 1), got 1.0"),
@@ -247,7 +247,7 @@ def test_bounds_hold_for_a_config_built_in_code_and_validate_keeps_only_cross_fi
     import dataclasses
     import inspect
     from zoo.config import bounded, check_bounds, describe_bounds
-    with pytest.raises(ConfigError, match=r"^<config>: n_layers must be > 0, got 0$"):
+    with pytest.raises(ConfigError, match=r"^<config>: n_layers must be > 0 or null, got 0$"):
         zoo.build(LLMConfig(n_layers=0))
     assert describe_bounds({"gt": 0, "le": 1}) == "in (0, 1]" and describe_bounds({"ge": 2}) == ">= 2"
 

@@ -34,7 +34,7 @@ def test_a_table_that_disagrees_is_reported_and_rewritten():
     classes = config_classes()
     good = "<!-- keys:LLMConfig -->\n" + render(classes["LLMConfig"]) + "<!-- /keys -->"
     assert update(good, classes)[1] == []
-    bad = good.replace("| `n_layers` | int | 8 | > 0 |", "| `n_layers` | int | 12 | > 0 |")
+    bad = good.replace("| `vocab_size` | int | 32000 | > 0 |", "| `vocab_size` | int | 12 | > 0 |")
     assert bad != good
     fixed, changed = update(bad, classes)
     assert changed == ["LLMConfig"] and fixed == good

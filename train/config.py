@@ -392,6 +392,9 @@ def check_across_sections(cfg: RunConfig):
     if t.prune and cfg.adapter.enabled:
         raise fail(src, "train.prune", f"does not combine with adapter.method={cfg.adapter.method} (an adapter's "
                                        f"update would fill the pruned weights in; prune the merged model)")
+    if getattr(cfg.model, "mup_base_width", None) and o.name == "sgd":
+        raise fail(src, "model.mup_base_width", "scales the hidden matrices' LR by Adam's rule (x base / width); "
+                                                "optim.name=sgd needs another, not implemented")
     warmup = o.resolved_warmup_steps(t.max_steps)
     wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
     if warmup >= t.max_steps:

@@ -182,6 +182,30 @@ def llm_presets_table() -> dict:
             "rows": rows}
 
 
+DEPTHS = (2, 4, 6, 8, 12, 16, 20, 26, 32)  # the rows of docs/llm.md's model.depth table
+
+
+def llm_depths_table() -> dict:
+    """docs/llm.md's `model.depth` table: the shape and parameters each depth gives, the other keys at their defaults
+    (built on the meta device)."""
+    import torch
+
+    from zoo.config import DEPTH_ASPECT_RATIO, DEPTH_HEAD_DIM, LLMConfig
+    from zoo.llm import LLM
+    rows, c = [], LLMConfig()
+    for depth in DEPTHS:
+        with torch.device("meta"):
+            m = LLM(LLMConfig(depth=depth))
+        rows.append([str(depth), f"{m.config.n_layers} x {m.config.d_model}", str(m.config.n_heads),
+                     str(m.config.resolved_ffn_hidden), _count(m.num_params()), _count(m.num_params(non_embedding=True))])
+    return {"columns": ["`model.depth`", "layers x d_model", "heads", "ffn_hidden", "parameters", "non-embedding"],
+            "rows": rows, "notes": f"`n_layers` = depth, `d_model` = depth x {DEPTH_ASPECT_RATIO} rounded up to a "
+                                   f"multiple of the head size (`head_dim`, null: {DEPTH_HEAD_DIM}), `n_heads` = "
+                                   f"`d_model` / head size. The other keys at their defaults: vocab_size {c.vocab_size},"
+                                   f" {'tied' if c.tie_embeddings else 'untied'} embeddings, {c.mlp} MLP, as many "
+                                   f"key-value heads as query heads."}
+
+
 def convnet_presets_table() -> dict:
     """docs/convnet.md's presets: each configs/convnet/*.yaml, what its header comment says, its parameters."""
     rows = [[f"`{path.name}`", _summary(path), _count(model.num_params())] for path, model in _presets("convnet")]
@@ -236,7 +260,7 @@ def samplers_table() -> dict:
 
 
 CODE_TABLES = {"pretrained": pretrained_table, "features": features_table, "parallel": parallel_table,
-               "llm_presets": llm_presets_table, "convnet_presets": convnet_presets_table,
+               "llm_presets": llm_presets_table, "llm_depths": llm_depths_table, "convnet_presets": convnet_presets_table,
                "convnet_archs": convnet_archs_table, "vit_archs": vit_archs_table, "dit_presets": dit_presets_table,
                "samplers": samplers_table}
 

@@ -277,7 +277,7 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if n_layers is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers, depth=None))
         if cfg.model.moe is not None:
             dense = [i for i in cfg.model.moe.dense_layers if i < n_layers]
             cfg.model.moe = dataclasses.replace(cfg.model.moe, dense_layers=dense)

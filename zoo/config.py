@@ -375,6 +375,17 @@ class RecurrentConfig:
     chunk: int = bounded(64, gt=0)          # tokens per chunk of the chunked scan (training, prefill)
 
 
+DEPTH_ASPECT_RATIO, DEPTH_HEAD_DIM = 64, 128  # model.depth: d_model per layer, and the head size it is rounded to
+
+
+def depth_shape(depth: int, head_dim: Optional[int] = None) -> dict:
+    """model.depth's shape (nanochat's rule): n_layers = depth, d_model = depth x DEPTH_ASPECT_RATIO rounded up to a
+    multiple of the head size (head_dim, else DEPTH_HEAD_DIM), n_heads = d_model / head size."""
+    head = head_dim or DEPTH_HEAD_DIM
+    d_model = -(-depth * DEPTH_ASPECT_RATIO // head) * head
+    return dict(n_layers=depth, d_model=d_model, n_heads=d_model // head)
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv", "mamba")
 RECURRENT_TYPES = frozenset(LAYER_TYPES[2:])
 
@@ -384,9 +395,13 @@ class LLMConfig:
     """Decoder-only transformer (Llama-style: pre-norm RMSNorm, RoPE, GQA attention, SwiGLU).
     Null fields are derived; the `resolved_*` properties give the values in use."""
     vocab_size: int = bounded(32000, gt=0)  # embedding rows / output classes; must be >= the tokenizer's vocabulary
-    d_model: int = bounded(512, gt=0)       # width of the residual stream
-    n_layers: int = bounded(8, gt=0)        # transformer blocks
-    n_heads: int = bounded(8, gt=0)         # query heads; must divide `d_model` unless `head_dim` is set
+    depth: Optional[int] = bounded(None, gt=0)  # one dial for the shape (nanochat's rule, `depth_shape`): `n_layers`,
+                                            # `d_model` (depth x a fixed aspect ratio, rounded up to the head size) and
+                                            # `n_heads`; the three keys below null, or equal to the dial's values
+    d_model: Optional[int] = bounded(None, gt=0)  # width of the residual stream; null: 512, or from `depth`
+    n_layers: Optional[int] = bounded(None, gt=0)  # transformer blocks; null: 8, or `depth`
+    n_heads: Optional[int] = bounded(None, gt=0)  # query heads; must divide `d_model` unless `head_dim` is set; null:
+                                            # 8, or from `depth`
     n_kv_heads: Optional[int] = bounded(None, gt=0)  # null = `n_heads` (MHA), 1 = MQA, else GQA; divides `n_heads`
     head_dim: Optional[int] = bounded(None, gt=0)  # per-head width; null = `d_model / n_heads`; must be even (RoPE)
     ffn_hidden: Optional[int] = bounded(None, gt=0)  # SwiGLU width; null = 8/3 `d_model` rounded up (`ffn_multiple_of`)
@@ -449,12 +464,33 @@ class LLMConfig:
                                             # 1, 3, 5, ...); at most `n_layers`
     mod_router: Literal["aux_loss", "predictor"] = "aux_loss"  # the causal decision decoding uses: `aux_loss` (a
                                             # cross-entropy on the router logit) or `predictor` (a small MLP)
+    mup_base_width: Optional[int] = bounded(None, gt=0)  # muP (Tensor Programs V) against a model of this
+                                            # `d_model`: logits x base / d_model, attention scores / head_dim (not its
+                                            # square root), hidden matrices' init std x sqrt(base / d_model) and their
+                                            # Adam-type LR x base / d_model; null = the standard parametrization
     # how a model trains and runs is not part of its architecture: these keys live in the run config's train:
     moved: ClassVar[dict] = {**CHECKPOINTING_MOVED, **{k: f"train.{k}" for k in (
         "attn_backend", "chunked_loss", "loss_chunk_size", "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}
 
+    SHAPE: ClassVar[dict] = dict(n_layers=8, d_model=512, n_heads=8)  # the shape keys' values when null, no depth
+
+    def __post_init__(self):
+        shape = depth_shape(self.depth, self.head_dim) if self.depth else self.SHAPE
+        for k, v in shape.items():  # the keys left null; validate() refuses those given otherwise beside depth
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+
     def validate(self, source="<config>", prefix=""):
         p = prefix
+        if self.depth and (bad := {k: v for k, v in depth_shape(self.depth, self.head_dim).items()
+                                   if getattr(self, k) != v}):
+            k, v = next(iter(bad.items()))
+            raise fail(source, p + k, f"={getattr(self, k)} conflicts with {p}depth={self.depth}, which sets {k}={v} "
+                                      f"(set one, the other null)")
+        if self.mup_base_width and (self.mla or self.moe or self.query_pre_attn_scalar or
+                                    RECURRENT_TYPES & set(self.layer_types)):
+            raise fail(source, p + "mup_base_width", f"covers dense attention layers with their own scale: not "
+                                                     f"{p}mla, moe, query_pre_attn_scalar or recurrent layer_types")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise fail(source, p + "n_heads", f"={self.n_heads} must divide {p}d_model={self.d_model} "
                                               f"(or set {p}head_dim)")
@@ -502,6 +538,11 @@ class LLMConfig:
         for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
             if bad := [i for i in layers if not 0 <= i < self.n_layers]:
                 raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
+
+    @property
+    def mup_ratio(self) -> Optional[float]:
+        """muP's base width over d_model: the logits' and the hidden matrices' LR multiplier; None when off."""
+        return None if self.mup_base_width is None else self.mup_base_width / self.d_model
 
     @property
     def resolved_n_kv_heads(self) -> int:

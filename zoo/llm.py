@@ -7,7 +7,8 @@ Pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU; tied or untied embeddin
 (blocks/mod.py), their statistics from `return_aux=True`. `config.layer_types`: recurrent layers (Gated DeltaNet,
 Mamba-2, short convolutions) in place of attention, their state in the decoding cache. `doc_ids=` and `position_ids=` (B, T)
 for packed documents. `mlp`, `value_embeds`, `unet_skips`, `zero_init_out`: the speedrun's ReLU^2 MLP, value
-embeddings, U-net skips across blocks and zero-initialised output projections. How it trains and runs (attention,
+embeddings, U-net skips across blocks and zero-initialised output projections. `mup_base_width`: muP's logit
+multiplier, attention scale and init (train/optim scales the hidden matrices' LR). How it trains and runs (attention,
 checkpointing, MoE routing, losses' weights) is set outside.
 """
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Block(nn.Module):
             self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(
                 cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
                 sliding_window=cfg.sliding_window if cfg.is_local(layer) else None, qk_norm=cfg.qk_norm,
-                norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers, scale=scalar ** -0.5 if scalar else None,
+                norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers,
+                scale=1 / cfg.resolved_head_dim if cfg.mup_base_width else scalar ** -0.5 if scalar else None,
                 softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias, gate=cfg.attn_gate)
         self.attn_post_norm = norm("post")
         self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
@@ -180,6 +182,9 @@ class LLM(nn.Module):
             if cfg.rope_theta_local is not None else None
 
     def reset_parameters(self, init_std: float = 0.02):
+        """Normal(0, init_std) weights (the residual projections' / sqrt(2 n_layers)), unit norms, zero biases; under
+        muP the hidden matrices' (all but the embeddings and the head) std x sqrt(base / d_model)."""
+        hidden = init_std * math.sqrt(self.config.mup_ratio or 1.0)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
@@ -191,9 +196,10 @@ class LLM(nn.Module):
                 continue
             elif name.endswith(("attn.proj.weight", "mixer.out_proj.weight", "mlp.down.weight", "mlp.down",
                                 "mlp.shared.down.weight")):
-                nn.init.normal_(p, 0.0, 0.0 if self.config.zero_init_out else init_std / math.sqrt(2 * self.config.n_layers))
+                nn.init.normal_(p, 0.0, 0.0 if self.config.zero_init_out else hidden / math.sqrt(2 * self.config.n_layers))
             else:
-                nn.init.normal_(p, 0.0, init_std)
+                nn.init.normal_(p, 0.0, hidden if p.dim() > 1 and not name.startswith(("embed.", "lm_head.", "value_embeds."))
+                                else init_std)
 
     # ------------------------------------------------------------------ forward / loss
     def forward(self, input_ids: torch.Tensor, targets: Optional[torch.Tensor] = None,
@@ -317,9 +323,9 @@ class LLM(nn.Module):
                 for rope in (self.rope, self.rope_local or self.rope)]  # (T, D), or (B, T, D) per row
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The last layer's output -> what the LM head reads: the final norm, the logits' scale folded in."""
-        h = self.norm(x)
-        return h if self.config.logit_scale == 1.0 else h * self.config.logit_scale
+        """The last layer's output -> what the LM head reads: the final norm, the logits' scale (and muP's) folded in."""
+        h, scale = self.norm(x), self.config.logit_scale * (self.config.mup_ratio or 1.0)
+        return h if scale == 1.0 else h * scale
 
     def prompted(self, x, start_pos, position_ids, key_mask, doc_ids):
         """Prompt tuning: the n virtual tokens at positions [0, n) in front of a sequence's first chunk (start_pos 0),

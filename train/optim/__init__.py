@@ -22,12 +22,17 @@ def _embedding_ids(model: nn.Module) -> set:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices with weight decay, the rest without; under muP (the model config's `mup_ratio`) the hidden matrices
+    in a group of their own whose LR is the run's x base / width (`lr_scale`: Adam's rule; Muon sets its own)."""
     decay, no_decay, emb_params = [], [], _embedding_ids(model)
     for p in (p for p in model.parameters() if p.requires_grad):  # a tied weight once
         (no_decay if p.dim() < 2 or id(p) in emb_params else decay).append(p)  # biases, norm/BN scales, embeddings
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if ratio := getattr(getattr(model, "config", None), "mup_ratio", None):
+        hidden, rest = split_hidden(groups, hidden_matrices(model))
+        groups = [dict(g, lr_scale=ratio) for g in hidden] + rest
     # no empty group (e.g. a tied head alone trains under train.unfreeze): DCP's optimizer state maps groups by
     # the names of their parameters, so an empty group would come back without its hyperparameters
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]] or groups[:1]
 
 

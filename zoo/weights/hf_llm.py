@@ -180,7 +180,8 @@ def record_for(cfg: LLMConfig, remembered: Optional[str] = None) -> Record:
     else the first of `RECORDS` whose needs it has and whose needs and mays hold all it has."""
     have = features(cfg)
     no_place = {"mod_capacity": "Mixture-of-Depths routers", "mlp": "a ReLU^2 MLP", "value_embeds": "value embeddings",
-                "unet_skips": "U-net skip weights"}  # what no Hugging Face class holds
+                "unet_skips": "U-net skip weights",
+                "mup_base_width": "muP's multipliers"}  # what no Hugging Face class holds
     for key, what in no_place.items():
         if getattr(cfg, key) != LLMConfig.__dataclass_fields__[key].default:
             raise ValueError(f"model.{key}={getattr(cfg, key)}: no Hugging Face class holds {what}")
