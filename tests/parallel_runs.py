@@ -50,6 +50,15 @@ DEEPSEEK = MOE + ["model.moe.scoring=sigmoid", "model.moe.n_groups=2", "model.mo
 NEWER = ["model.qk_norm=true", "model.norm_placement=sandwich", "model.mlp_act=gelu_tanh", "model.embed_scale=true",
          "model.head_dim=24", "model.sliding_window=8", "model.attn_pattern=[local,global]",
          "model.rope_theta_local=100.0", "model.attn_softcap=20.0", "model.attn_sinks=true"]  # Gemma 2/3's and GPT-OSS's
+SFT = ["data.format=messages", "data.path=synthetic", "data.synthetic_rows=200", "data.seq_len=128",
+       "model.max_seq_len=128", "data.eval_generate=0"]
+# LoRA chat SFT of a Qwen3.5-shaped hybrid: Gated DeltaNet layers (chunks of 16 tokens, so documents cross chunks),
+# an LFM2 short convolution and gated attention with q/k norms, conversations packed (each layer resets at doc_ids)
+HYBRID_SFT = SFT + ["model.n_layers=4", "model.layer_types=[linear_attention,conv,linear_attention,full_attention]",
+                    "model.attn_gate=true", "model.qk_norm=true", "model.rotary_fraction=0.5",
+                    "model.recurrent.n_heads=2", "model.recurrent.head_dim=16", "model.recurrent.n_v_heads=4",
+                    "model.recurrent.conv_kernel=3", "model.recurrent.chunk=16", "data.pack=true",
+                    "adapter.method=lora"]
 
 
 @pytest.fixture(scope="module")

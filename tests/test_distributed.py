@@ -30,8 +30,8 @@ import zoo
 import zoo.config
 from conftest import CPU, logged_step, starts, wait_for, wait_for_step, wait_for_training
 from parallel_runs import configs  # noqa: F401 (a fixture)
-from parallel_runs import (ATOL, assert_bitwise, assert_close_weights, assert_same_losses, case, copy_step, curve,
-                           kill_job, last_stderr, launch, ranks_of, run)
+from parallel_runs import (ATOL, HYBRID_SFT, assert_bitwise, assert_close_weights, assert_same_losses, case,
+                           copy_step, curve, kill_job, last_stderr, launch, ranks_of, run)
 from train.checkpoint import list_checkpoints, read_weights
 from train.metrics import read_rows
 from train.run import main as run_main
@@ -178,7 +178,8 @@ def test_tensor_and_pipeline_parallelism_match_one_process_and_resume_in_one(con
 
 # ------------------------------------------------------------------------------ unfreezing; resuming
 UNFREEZE = ["train.unfreeze=[2,4]"]  # the head (its weight tied to the embedding) alone, then a block at steps 2, 4
-KILLED = {"lora": ["adapter.method=lora"], "muon": ["optim.name=muon"]}  # FSDP2 runs SIGKILLed, then resumed
+KILLED = {"lora": ["adapter.method=lora"], "muon": ["optim.name=muon"],  # FSDP2 runs SIGKILLed, then resumed
+          "hybrid": HYBRID_SFT}
 
 
 def kill_after_a_checkpoint(p: subprocess.Popen, out: Path, log: Path):
@@ -198,20 +199,22 @@ def test_unfreezing_and_resuming_under_torchrun(configs, llm_runs, tmp_path):
     - the one-process step-3 checkpoint of llm_runs resumes on 2 processes (DDP and FSDP2) and ends with the
       losses, weights, EMA and average of the last 2 checkpoints (train.average_last, over a one-process and a
       DCP checkpoint) of the one-process run;
-    - a LoRA and a Muon FSDP2 run SIGKILLed (torchrun and its ranks) right after their first checkpoint, then
-      relaunched: the losses and trained weights of the uninterrupted runs, bit for bit.
+    - a LoRA, a Muon and a hybrid's LoRA chat SFT (HYBRID_SFT: recurrent and attention layers, packed conversations)
+      FSDP2 run SIGKILLed (torchrun and its ranks) right after their first checkpoint, each relaunched in the next
+      launch: the losses and trained weights of the uninterrupted runs, bit for bit.
     Tolerances: losses 1e-6 relative (measured 1.8e-7 unfreezing, 0 resuming 1 -> 2); 1 -> 2 weights 1e-6
     relative (measured 9e-8). Unfrozen weights 1e-5 absolute (measured 1.8e-6 DDP, 4.2e-6 FSDP2): a weight's
     first Adam update, lr * g / (|g| + eps), turns the round-off of its gradient entries near eps into a part
     of lr (with optim.eps=1e-5 instead of 1e-8, the same runs agree to 7e-8)."""
     cfg, d = configs["llm"], tmp_path
-    lora, muon = (["train.parallel=fsdp", "train.max_steps=8", *over] for over in KILLED.values())
+    killed = {n: ["train.parallel=fsdp", "train.max_steps=8", *over] for n, over in KILLED.items()}
     one = launch(cfg, d / "one", "train.batch_size=8", *UNFREEZE, nproc=0)
-    p = launch(cfg, d, cases=[case(cfg, d / "lora", *lora)])
-    kill_after_a_checkpoint(p, d / "lora", d)
-    p = launch(cfg, d, cases=[case(cfg, d / "lora", *lora), case(cfg, d / "muon", *muon)])
-    kill_after_a_checkpoint(p, d / "muon", d)
-    steps = [case(cfg, d / "muon", *muon), case(cfg, d / "lora-ref", *lora), case(cfg, d / "muon-ref", *muon)]
+    steps = []  # each launch: the previous killed run resumed, the next one started and killed
+    for name, over in killed.items():
+        p = launch(cfg, d, cases=[*steps, case(cfg, d / name, *over)])
+        kill_after_a_checkpoint(p, d / name, d)
+        steps = [case(cfg, d / name, *over)]
+    steps += [case(cfg, d / f"{n}-ref", *over) for n, over in killed.items()]
     for s in ("ddp", "fsdp"):
         steps += [case(cfg, d / s, f"train.parallel={s}", *UNFREEZE), copy_step(d / s, d / f"{s}-resumed"),
                   case(cfg, d / f"{s}-resumed", f"train.parallel={s}", *UNFREEZE),

@@ -1,9 +1,9 @@
 """The torchrun cases that run against one process in a shared pair of launches (the `parity` fixture: every
-case one after another in one torchrun launch, and in one process): adapters, chat SFT, DPO, distillation, QAT,
-pruning, every optimizer, lr_find, the diffusion denoiser, MoE, Mixture-of-Depths, float8, GRPO, the ResNet
-with SyncBatchNorm, fp16 and whole-batch stochastic depth; and (a launch of their own) DDP's gradient compression
-against plain DDP, and ZeRO-2. A file of its own so that pytest-xdist runs it
-beside test_distributed.py. Tolerances: tests/test_distributed.py's docstring, and each test's own."""
+case one after another in one torchrun launch, and in one process): adapters, chat SFT (of a recurrent + attention
+hybrid too), DPO, distillation, QAT, pruning, every optimizer, lr_find, the diffusion denoiser, MoE,
+Mixture-of-Depths, float8, GRPO, the ResNet with SyncBatchNorm, fp16 and whole-batch stochastic depth; and (a launch
+of their own) DDP's gradient compression against plain DDP, and ZeRO-2. A file of its own so that pytest-xdist runs
+it beside test_distributed.py. Tolerances: tests/test_distributed.py's docstring, and each test's own."""
 import json
 import random
 import re
@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 import zoo
 from parallel_runs import configs  # noqa: F401 (a fixture)
-from parallel_runs import (ATOL, DEEPSEEK, LLM, MOE, NEWER, RTOL, assert_bitwise, assert_close_weights,
-                           assert_same_losses, case, checkpoint_weights, copy_step, curve, last_stderr, launch, run)
+from parallel_runs import (ATOL, DEEPSEEK, HYBRID_SFT, LLM, MOE, NEWER, RTOL, SFT, assert_bitwise,
+                           assert_close_weights, assert_same_losses, case, checkpoint_weights, copy_step, curve,
+                           last_stderr, launch, run)
 from train.metrics import read_rows
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -38,8 +39,6 @@ OPTIM_TOL = {"adamw_offload": (RTOL, ATOL), "muon": (1e-4, 1e-2), "adamw8bit": (
 # torchao's 8-bit AdamW keeps a tensor of under 4096 entries in fp32, counted on each rank's shard under FSDP2:
 # at d_model 128 every matrix's shard is quantised as its whole tensor is in one process, block for block
 OPTIM_OVER = {"adamw8bit": ["model.d_model=128"]}
-SFT = ["data.format=messages", "data.path=synthetic", "data.synthetic_rows=200", "data.seq_len=128",
-       "model.max_seq_len=128", "data.eval_generate=0"]
 RL = ["data.format=prompts", "data.path=synthetic", "data.synthetic_rows=40", "data.template=none", "data.seq_len=24",
       "data.eval_prompts=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=6", "rl.kl_beta=0.1",
       "rl.updates_per_batch=2", "train.max_steps=4",
@@ -49,6 +48,7 @@ FP16_SCALE = 3e6
 PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own overrides)
     **{m: ("llm", ["train.average_last=2", *over], BOTH, []) for m, over in ADAPTERS.items()},
     "sft": ("llm", SFT, BOTH, []),
+    "hybrid": ("llm", HYBRID_SFT, BOTH, []),
     "dpo": ("llm", ["data.format=preference", "data.path={pairs}", "data.seq_len=24", "data.val_fraction=0.2",
                     "adapter.method=lora"], BOTH, []),
     "compress": ("llm", ["train.teacher={teacher}", "train.kd_alpha=0.5", "train.qat=int8", "train.prune=2:4",
@@ -131,11 +131,14 @@ def test_adapters_under_two_processes_match_one(parity, configs, tmp_path, metho
         assert_close_weights(fsdp / "adapter", out / "adapter", files[0])
 
 
-@pytest.mark.parametrize("task", ["sft", "dpo"])
+@pytest.mark.parametrize("task", ["sft", "dpo", "hybrid"])
 def test_post_training_under_two_processes_matches_one(parity, task):
     """Chat SFT (the assistant's tokens only: each rank's loss is its share of the global micro-batch's
-    mean, as their numbers of targets differ) and DPO with LoRA (the reference: the base with adapters
-    off) under DDP and FSDP2: the losses and the trained weights of one process with the same global batch."""
+    mean, as their numbers of targets differ), DPO with LoRA (the reference: the base with adapters
+    off) and LoRA chat SFT of a recurrent + attention hybrid (HYBRID_SFT: packed conversations, each recurrent
+    layer restarting at every document; FSDP2 shards its layers as any others) under DDP and FSDP2: the losses and
+    the trained weights of one process with the same global batch (the hybrid's adapters on the Gated DeltaNet and
+    short convolution projections too)."""
     one = parity / task / "one"
     for s in BOTH:
         par = parity / task / s
@@ -144,6 +147,11 @@ def test_post_training_under_two_processes_matches_one(parity, task):
             assert_close_weights(one, par)
         else:
             assert_close_weights(one / "adapter", par / "adapter", "adapter_model.safetensors")
+    if task == "hybrid":
+        names = load_file(str(one / "adapter" / "adapter_model.safetensors"))
+        assert all(any(f"layers.{i}.mixer.{n}.lora_A" in k for k in names)
+                   for i, n in ((0, "in_proj_qkv"), (1, "in_proj")))
+        assert "within documents" in (one / "log.txt").read_text()
 
 
 def test_distill_qat_prune_and_adafactor_under_two_processes_match_one(parity):
