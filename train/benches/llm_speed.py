@@ -2,6 +2,7 @@
 
     python train/bench.py llm-train      # Zoo's LLM vs transformers' Llama of the same shape: training steps
     python train/bench.py llm-train --arch gemma3   # ... or of Qwen3's / Gemma 3's architecture, on one checkpoint
+    python train/bench.py llm-train --arch qwen3_5 --batch 1   # ... or a recurrent hybrid's (Qwen3.5, LFM2)
     python train/bench.py llm-moe        # Zoo's MoE vs transformers' Mixtral on the same weights: training, decoding
     python train/bench.py llm-mod        # Mixture-of-Depths vs the dense model: training, decoding
     python train/bench.py doc-mask       # document masking (bmm, SDPA mask) vs plain causal attention: training
@@ -74,10 +75,17 @@ def hf_load(folder, dtype=torch.float32, **kw):
 
 
 # --arch: transformers' config class and what its shape needs beyond the common options (Gemma 3: five local
-# layers to one global, scores by the head size); llm-train builds the Llama sides itself, the others load
+# layers to one global, scores by the head size; Qwen3.5: three Gated DeltaNet layers to one gated attention layer,
+# the DeltaNet's heads those of attention; LFM2: two short convolutions to one attention layer); llm-train builds
+# the Llama sides itself, the others load
 ARCHS = {"llama": ("LlamaConfig", lambda c: {}), "qwen3": ("Qwen3Config", lambda c: {}),
          "gemma3": ("Gemma3TextConfig", lambda c: dict(sliding_window=128, query_pre_attn_scalar=c.d_model // c.n_heads,
-                    layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(c.n_layers)]))}
+                    layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(c.n_layers)])),
+         "qwen3_5": ("Qwen3_5TextConfig", lambda c: dict(
+             linear_num_key_heads=c.n_heads, linear_num_value_heads=c.n_heads,
+             linear_key_head_dim=c.d_model // c.n_heads, linear_value_head_dim=c.d_model // c.n_heads)),
+         "lfm2": ("Lfm2Config", lambda c: dict(block_auto_adjust_ff_dim=False, layer_types=[
+             "full_attention" if i % 3 == 2 else "conv" for i in range(c.n_layers)]))}
 BUILT = "llama"  # the --arch whose llm-train sides both build the model (no checkpoint)
 
 
