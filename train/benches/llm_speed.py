@@ -318,7 +318,8 @@ def load_child(side: str, path: str, precision: str) -> dict:
     import importlib
 
     import torch._dynamo  # noqa: F401
-    from train.planner import _proc_status as status
+    from train.planner import _proc_bytes
+    status = lambda key: _proc_bytes("/proc/self/status", key)  # noqa: E731
     dt, p = harness.PRECISIONS[precision], Path(path)
     if side == "zoo":
         import zoo

@@ -118,13 +118,13 @@ STEP_PEAKS = """
 import json, sys
 from train import loop
 from train.config import load_run_config
-from train.planner import _proc_status
+from train.planner import _proc_bytes
 peaks, step = [], loop.optimizer_step
 def measured(*a, **k):  # the resident peak of each optimizer step (rollouts, reference, backward, update)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM back to the resident set now
     out = step(*a, **k)
-    peaks.append(_proc_status("VmHWM"))
+    peaks.append(_proc_bytes("/proc/self/status", "VmHWM"))
     return out
 loop.optimizer_step = measured
 loop.train(load_run_config(sys.argv[1], []), log=lambda m: None)
