@@ -2,7 +2,7 @@
 
     python train/bench.py llm-train      # Zoo's LLM vs transformers' Llama of the same shape: training steps
     python train/bench.py llm-train --arch gemma3   # ... or of Qwen3's / Gemma 3's architecture, on one checkpoint
-    python train/bench.py llm-train --arch qwen3_5 --batch 1   # ... or a recurrent hybrid's (Qwen3.5, LFM2)
+    python train/bench.py llm-train --arch qwen3_5 --batch 1   # ... or a recurrent hybrid's (Qwen3.5, LFM2, Granite 4.0-H)
     python train/bench.py llm-moe        # Zoo's MoE vs transformers' Mixtral on the same weights: training, decoding
     python train/bench.py llm-mod        # Mixture-of-Depths vs the dense model: training, decoding
     python train/bench.py doc-mask       # document masking (bmm, SDPA mask) vs plain causal attention: training
@@ -85,7 +85,10 @@ ARCHS = {"llama": ("LlamaConfig", lambda c: {}), "qwen3": ("Qwen3Config", lambda
              linear_num_key_heads=c.n_heads, linear_num_value_heads=c.n_heads,
              linear_key_head_dim=c.d_model // c.n_heads, linear_value_head_dim=c.d_model // c.n_heads)),
          "lfm2": ("Lfm2Config", lambda c: dict(block_auto_adjust_ff_dim=False, layer_types=[
-             "full_attention" if i % 3 == 2 else "conv" for i in range(c.n_layers)]))}
+             "full_attention" if i % 3 == 2 else "conv" for i in range(c.n_layers)])),
+         "granite-h": ("GraniteMoeHybridConfig", lambda c: dict(  # Granite 4.0-H: Mamba-2, one attention layer in 3
+             mamba_n_heads=2 * c.n_heads, mamba_d_head=c.d_model // c.n_heads, mamba_d_state=64, mamba_chunk_size=64,
+             num_local_experts=0, layer_types=["attention" if i % 3 == 2 else "mamba" for i in range(c.n_layers)]))}
 BUILT = "llama"  # the --arch whose llm-train sides both build the model (no checkpoint)
 
 
