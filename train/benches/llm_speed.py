@@ -2,7 +2,7 @@
 
     python train/bench.py llm-train      # Zoo's LLM vs transformers' Llama of the same shape: training steps
     python train/bench.py llm-train --arch gemma3   # ... or of Qwen3's / Gemma 3's architecture, on one checkpoint
-    python train/bench.py llm-train --arch qwen3_5 --batch 1   # ... or a recurrent hybrid's (Qwen3.5, LFM2, Granite 4.0-H)
+    python train/bench.py llm-train --arch qwen3_5 --batch 1  # ... a recurrent hybrid (Qwen3.5, LFM2, Granite 4.0-H)
     python train/bench.py llm-moe        # Zoo's MoE vs transformers' Mixtral on the same weights: training, decoding
     python train/bench.py llm-mod        # Mixture-of-Depths vs the dense model: training, decoding
     python train/bench.py doc-mask       # document masking (bmm, SDPA mask) vs plain causal attention: training
