@@ -36,6 +36,12 @@ RESNET = {"family": "convnet",
           "data": {"path": "digits", "image_size": 16, "shift": 2},
           "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0, "clip_grad": None},
           "optim": {"lr": 3e-3, "warmup_steps": 1}}
+VIT = {"family": "vit",
+       "model": {"arch": "vit_tiny_patch16_224", "embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 8,
+                 "img_size": 16, "in_chans": 1, "num_classes": 10},
+       "data": {"path": "digits", "image_size": 16, "shift": 2},
+       "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0},
+       "optim": {"lr": 3e-3, "warmup_steps": 1, "layer_decay": 0.7}}
 DIFFUSION = {"family": "diffusion",
              "model": {"image_size": 16, "autoencoder": {"latent_channels": 4, "channels": 8}, "channels": [16, 32],
                        "blocks_per_level": 1, "sample_steps": 2},
@@ -68,7 +74,7 @@ def configs(tmp_path_factory):
     corpus = d / "corpus.txt"
     corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:10])[:100_000])
     out = {}
-    for name, cfg in {"llm": LLM, "resnet": RESNET, "diffusion": DIFFUSION}.items():
+    for name, cfg in {"llm": LLM, "resnet": RESNET, "vit": VIT, "diffusion": DIFFUSION}.items():
         if name == "llm":
             cfg = {**cfg, "data": {**cfg["data"], "path": str(corpus)}}
         out[name] = d / f"{name}.yaml"

@@ -66,6 +66,7 @@ PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own ove
     # without sync_bn each rank normalises its own half: on this config the loss of step 4 is then 3e-3
     # away, relative, so parity fails
     "resnet": ("resnet", [], ("ddp",), ["train.sync_bn=true"]),
+    "vit": ("vit", [], BOTH, []),  # with layer-wise LR decay
     # a loss scale that overflows the fp16 gradients of the first steps, which are skipped, then trains
     "fp16": ("llm", ["train.precision=fp16", f"train.loss_scale={FP16_SCALE}", "optim.eps=1e-5"], BOTH, []),
     # train.seed=1: the second block is dropped in some steps and kept in others
@@ -208,7 +209,7 @@ MOD_FLIPS = 1e-3  # the losses after step 1 of a Mixture-of-Depths run: a few ro
 
 @pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("newer", "ddp"), ("newer", "fsdp"),
                                              ("mod", "ddp"), ("mod", "fsdp"), ("float8", "fsdp"), ("rl", "ddp"), ("rl", "fsdp"),
-                                             ("resnet", "ddp")])
+                                             ("resnet", "ddp"), ("vit", "ddp"), ("vit", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
     and on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
@@ -221,7 +222,8 @@ def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     each rank scales its own activations, so the losses agree to float8's round-off; GRPO with a KL term
     (each rank samples its own prompts of the global batch, a generator per row): the rewards, losses and
     weights, and the FSDP2 run resumes; a ResNet with train.sync_bn under DDP normalises with the statistics
-    of the global batch: the losses and weights (BatchNorm running statistics included)."""
+    of the global batch: the losses and weights (BatchNorm running statistics included); a ViT with layer-wise LR
+    decay under DDP and FSDP2 (its blocks sharded): the losses and weights."""
     one, par = parity / family / "one", parity / family / strategy
     log = (par / "log.txt").read_text()
     assert f"parallel: {strategy} over 2 processes" in log

@@ -111,17 +111,66 @@ def test_bad_input_is_one_line(tmp_path):
         zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "num_heads": 5}})
 
 
-@pytest.mark.parametrize("init", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["scratch", "timm-init"])
+def test_patch_dropout_draws_as_timm(tmp_path):
+    """model.patch_drop_rate: in training, the same seed keeps the same patches as timm's PatchDropout (logits within
+    1e-5, fp32); in eval nothing is dropped."""
+    ref, path = timm_file(tmp_path, "vit_small_patch16_224", ".safetensors", patch_drop_rate=0.5)
+    model, x = zoo.from_pretrained(path, patch_drop_rate=0.5), image(32)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max().item() <= 1e-5  # eval: every patch
+        outs = []
+        for m in (ref.train(), model.train()):
+            torch.manual_seed(3)
+            outs.append(m(x))
+        assert (outs[0] - outs[1]).abs().max().item() <= 1e-5 and (outs[1] - ref.eval()(x)).abs().max() > 1e-3
+
+
+def test_patch_dropout_moves_rope_rows_with_their_patches():
+    """With RoPE (DINOv3), each kept patch takes its own rotation: a rate too small to drop a patch still shuffles
+    them, and the class token's output is the unshuffled one (1e-5)."""
+    model = ViT(ViTConfig("vit_small_patch16_224", embed_dim=64, depth=2, num_heads=2, patch_size=8, img_size=32,
+                          rope_theta=100.0, num_classes=3, patch_drop_rate=1e-17))
+    x = image(32)
+    with torch.no_grad():
+        want = model.eval()(x)
+        torch.manual_seed(0)
+        assert (model.train()(x) - want).abs().max().item() <= 1e-5
+
+
+def test_layer_decay_and_weight_decay_groups_as_timm():
+    """optim.layer_decay on a ViT gives each parameter timm's param_groups_layer_decay LR scale and weight decay
+    (no decay on biases, norms, position table and tokens)."""
+    from timm.optim._param_groups import param_groups_layer_decay
+    from train.optim import param_groups
+    ref = random_timm("vit_small_patch16_224", **{**TINY, "depth": 3})
+    model = ViT(ViTConfig("vit_small_patch16_224", **{**TINY, "depth": 3}))
+
+    def by_name(m, groups):
+        names = {id(p): n for n, p in m.named_parameters()}
+        return {names[id(p)]: (g.get("lr_scale", 1.0), g["weight_decay"]) for g in groups for p in g["params"]}
+    want = by_name(ref, param_groups_layer_decay(ref, 0.05, ref.no_weight_decay(), layer_decay=0.6))
+    assert by_name(model, param_groups(model, 0.05, layer_decay=0.6)) == pytest.approx(want)
+    assert len({v for v in want.values()}) > 5
+
+
+@pytest.mark.parametrize("init", [None, pytest.param("timm", marks=pytest.mark.slow),
+                                  pytest.param("dinov3", marks=pytest.mark.slow)], ids=["scratch", "timm", "dinov3"])
 def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
-    """configs/vit/vit-tiny-digits.yaml (one block) runs a few steps, from scratch or from a timm ViT's file
-    (train.init_from: its structure and 3 channels kept, its 4x4 position grid resampled to the digits' 8x8):
-    finite losses, and the run's weights load back as that ViT through zoo.from_pretrained."""
+    """configs/vit/vit-tiny-digits.yaml (one block) runs a few steps, from scratch, from a timm ViT's file
+    (train.init_from: its structure and 3 channels kept, its 4x4 position grid resampled to the digits' 8x8) or
+    from a Hugging Face DINOv3 folder (a fresh head, patch dropout and layer-wise LR decay on): finite losses, and
+    the run's weights load back as that ViT through zoo.from_pretrained."""
     from train.config import load_run_config
     from train.loop import train
     over = ["model.depth=1"]
-    if init:
+    if init == "timm":
         _, path = timm_file(tmp_path, "vit_small_patch16_224", ".safetensors", patch_size=4, img_size=16)
         over = [f"train.init_from={path}"]
+    if init == "dinov3":
+        from transformers import DINOv3ViTConfig, DINOv3ViTModel
+        DINOv3ViTModel(DINOv3ViTConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, patch_size=8,
+                                       num_attention_heads=2, image_size=32)).save_pretrained(tmp_path / "hf")
+        over = [f"train.init_from={tmp_path / 'hf'}", "model.patch_drop_rate=0.25", "optim.layer_decay=0.7"]
     cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
                           [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=3", "train.eval_every=0",
                            "train.progress=false", "train.samples=false", "train.plot=false", "train.ema_decay=null",
@@ -131,6 +180,10 @@ def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
     model = zoo.from_pretrained(tmp_path / "r" / "model.safetensors")
     assert isinstance(model, ViT) and model.config.num_classes == 10
     assert (model.config.in_chans, model.spec["embed_dim"]) == ((3, 128) if init else (1, 192))
+    assert bool(model.spec["rope_theta"]) == (init == "dinov3")
+    if init == "dinov3":  # the export: timm's layout with the Zoo config, the same weights
+        back = zoo.from_pretrained(tmp_path / "r" / "export" / "hf-timm")
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
 
 
 # ------------------------------------------------------------------ Hugging Face DINOv3 ViT and SigLIP 2 vision
@@ -260,3 +313,29 @@ def test_zoo_built_dinov3_and_siglip2_shapes_save_and_load(tmp_path):
     back = DINOv3ViTModel.from_pretrained(hf_vit.save(encoder, tmp_path / "hf")).eval()
     with torch.no_grad():
         assert close(back(pixel_values=x).last_hidden_state, encoder.forward_features(x))
+
+
+@pytest.mark.slow
+def test_a_vit_run_resumes_bitwise(tmp_path, one_thread):
+    """vit-tiny-digits.yaml with patch dropout, stochastic depth and layer-wise LR decay, resumed from its step-2
+    checkpoint as a killed run leaves it: the loss curve and the final weights of the uninterrupted run, bitwise."""
+    import shutil
+    from safetensors.torch import load_file
+    from train.config import load_run_config
+    from train.loop import train
+    from train.metrics import read_rows
+    over = ["model.depth=2", "model.patch_drop_rate=0.3", "model.drop_path_rate=0.2", "optim.layer_decay=0.7",
+            "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.eval_every=0",
+            "train.progress=false", "train.samples=false", "train.plot=false", "train.log_every=1",
+            "train.batch_size=16", "optim.warmup_steps=1"]
+    config = str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml")
+    train(load_run_config(config, [f"train.out_dir={tmp_path / 'full'}", *over]), log=lambda m: None)
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / "step_00000004")
+    (part / "model.safetensors").unlink()
+    train(load_run_config(config, [f"train.out_dir={part}", *over]), log=lambda m: None)
+    losses = [[(r["step"], r["loss"]) for r in read_rows(d) if "loss" in r] for d in (tmp_path / "full", part)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    a, b = (load_file(d / "model.safetensors") for d in (tmp_path / "full", part))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

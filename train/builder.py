@@ -157,8 +157,8 @@ def build_run(cfg, say=lambda m: None, par: Optional[Parallel] = None) -> Run:
     model, fwd = par.wrap(model, precision, t, device, say, unused=unused)
     par.shard_masks(model, pruned)
     # after wrapping: DDP and FSDP2 take in every parameter, the stages unfreeze them later
-    unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say) \
-        if t.unfreeze else None
+    unfreezer = GradualUnfreezing(model, task.unfreeze_groups(model), t.unfreeze, cfg.optim.weight_decay, say,
+                                  cfg.optim.layer_decay) if t.unfreeze else None
     if ema is not None:
         par.shard_like(ema.model)
     par.seed_rank(t.seed)

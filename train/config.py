@@ -286,6 +286,9 @@ class OptimConfig:
                                             # it scales `lr`, which the AdamW part uses)
     head_lr: Optional[float] = bounded(None, gt=0)  # the untied LM head's peak LR (the schedule scales it as it
                                             # scales `lr`); null = `lr`
+    layer_decay: Optional[float] = bounded(None, gt=0, le=1)  # layer-wise LR decay (fine-tuning): block i of L
+                                            # trains at `lr` x layer_decay^(L+1-i), the embeddings at
+                                            # x layer_decay^(L+1), the head at `lr`; null: off (not with muon)
     muon_momentum: float = bounded(0.95, ge=0, lt=1)  # muon: Muon's momentum (Nesterov)
     adafactor_beta2_decay: float = bounded(-0.8, lt=0)  # adafactor: the second-moment decay 1 - t^beta2_decay (< 0)
     galore_rank: int = bounded(128, ge=1)   # galore: rank of the projected gradient states
@@ -310,6 +313,8 @@ class OptimConfig:
             raise fail(source, prefix + "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         if self.name not in OPTIMIZERS:
             raise fail(source, prefix + "name", f"must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
+        if self.layer_decay is not None and self.name == "muon":
+            raise fail(source, prefix + "layer_decay", "does not apply to muon, which sets its matrices' LR itself")
         if self.lr_batch_scaling != "none" and self.reference_batch is None:
             raise fail(source, prefix + "reference_batch", f"is needed with lr_batch_scaling={self.lr_batch_scaling}")
         if (package := OPTIMIZERS[self.name].package) and not _installed(package):

@@ -9,12 +9,15 @@ export in the pretrained format, the loss plot and the samples.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from zoo.adapters import merged_model
+from zoo.config import to_dict
 from zoo.weights.files import save_safetensors
 
 
@@ -26,9 +29,11 @@ def finish(run, out: Path, metrics, say):
         return
     task.save_files(out)  # what the folder needs to be used alone (tokenizer, chat template, classes)
     if run.keys is None:
-        save_safetensors(model, out / "model.safetensors")
+        config = getattr(model, "config", None)  # beside the weights: what their shapes cannot tell (a ViT's RoPE)
+        meta = {"zoo": json.dumps(to_dict(config))} if dataclasses.is_dataclass(config) else None
+        save_safetensors(model, out / "model.safetensors", meta)
         if ema_model is not None:
-            save_safetensors(ema_model, out / "model_ema.safetensors")
+            save_safetensors(ema_model, out / "model_ema.safetensors", meta)
         say(f"weights: {out / 'model.safetensors'}")
     else:
         say(f"adapter: {export_adapter(model, out, t.init_from)}")

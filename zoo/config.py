@@ -790,6 +790,8 @@ class ViTConfig:
     num_classes: int = bounded(1000, ge=0)  # classifier outputs; 0: no head (the pooled features)
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
+    patch_drop_rate: float = bounded(0.0, ge=0, lt=1)  # in training, each image drops this fraction of its patch
+                                            # tokens at random after the position embedding (PatchDropout, FLIP)
 
     DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
                                     no_embed_class=False, global_pool="token", init_values=0.0, mlp="gelu",

@@ -22,7 +22,8 @@ from torch import nn
 from .blocks.attention_pool import AttentionPool
 from .blocks.drop_path import linear_drop_rates
 from .blocks.patch import PatchEmbed
-from .blocks.vit import ViTBlock, add_prefix, naflex_pos_embed, patch_rope, resample_pos_embed, vit_mlp
+from .blocks.vit import (ViTBlock, add_prefix, drop_patches, naflex_pos_embed, patch_rope, resample_pos_embed,
+                         vit_mlp)
 from .config import ViTConfig
 from .convnet.base import ConvNetBase
 
@@ -92,6 +93,10 @@ class ViT(ConvNetBase):
     def units(self) -> list:
         return list(self.blocks)
 
+    def no_weight_decay(self) -> set:
+        """The parameters trained without weight decay besides biases and norms (timm's): the table and tokens."""
+        return {"pos_embed", "cls_token", "dist_token", "reg_token"}
+
     def embed(self, x: torch.Tensor, spatial_shapes=None, mask=None) -> tuple:
         """Images (B, C, H, W), or NaFlex patches (B, N, p*p*C) with their grids `spatial_shapes` (B, 2) and
         `mask` (B, N) -> tokens (B, P + N, D), the RoPE table or None, the attention mask (B, 1, 1, P + N) or None."""
@@ -123,6 +128,10 @@ class ViT(ConvNetBase):
         """(B, in_chans, H, W) (or NaFlex patches, see embed) -> (B, prefix + patches, embed_dim), normalised
         (token and attention pooling)."""
         x, rope, mask = self.embed(x, spatial_shapes, mask)
+        if self.training and self.config.patch_drop_rate:
+            if mask is not None:
+                raise ValueError("model.patch_drop_rate drops patches of whole images, not of NaFlex patch rows")
+            x, rope = drop_patches(x, self.config.patch_drop_rate, self.num_prefix_tokens, rope)
         for block in self.blocks:
             x = block(x, rope, mask)
         return self.norm(x)

@@ -11,19 +11,19 @@ from __future__ import annotations
 from torch import nn
 
 
-def add_param_groups(optimizer, model: nn.Module, params: list, weight_decay: float):
-    """Add `model`'s newly trainable `params` to `optimizer`, split as it was built (weight decay on matrices only),
+def add_param_groups(optimizer, model: nn.Module, params: list, weight_decay: float, layer_decay=None):
+    """Add `model`'s newly trainable `params` to `optimizer`, split as it was built (weight decay, layer-wise LR),
     each new group with the optimizer's defaults for the other hyperparameters."""
     from ..optim import param_groups
     new = {id(p) for p in params}
-    for g in param_groups(model, weight_decay):
+    for g in param_groups(model, weight_decay, layer_decay):
         if ps := [p for p in g["params"] if id(p) in new]:
             optimizer.add_param_group({**g, "params": ps, "lr": optimizer.param_groups[0]["lr"]})
 
 
 class GradualUnfreezing:
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], steps: list[int], weight_decay: float,
-                 log=print):
+                 log=print, layer_decay=None):
         if len(groups) < 2:
             raise ValueError("gradual unfreezing needs at least two parameter groups")
         # a tied tensor belongs to the first (topmost) group that names it; what the model keeps frozen (a
@@ -34,6 +34,7 @@ class GradualUnfreezing:
             seen.update(id(p) for p in g)
             self.groups.append(g)
         self.model, self.steps, self.weight_decay, self.log = model, list(steps), weight_decay, log
+        self.layer_decay = layer_decay
         model.requires_grad_(False)
         for p in self.groups[0]:
             p.requires_grad_(True)
@@ -51,7 +52,7 @@ class GradualUnfreezing:
             g = self.groups[self.n]
             for p in g:
                 p.requires_grad_(True)
-            add_param_groups(optimizer, self.model, g, self.weight_decay)
+            add_param_groups(optimizer, self.model, g, self.weight_decay, self.layer_decay)
             self.n += 1
             self.log(f"unfreeze: step {step}: group {self.n} of {len(self.groups)} trainable "
                      f"({sum(p.numel() for p in g) / 1e6:.3f}M parameters)")

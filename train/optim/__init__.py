@@ -21,16 +21,21 @@ def _embedding_ids(model: nn.Module) -> set:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices with weight decay, the rest without; under muP (the model config's `mup_ratio`) the hidden matrices
-    in a group of their own whose LR is the run's x base / width (`lr_scale`: Adam's rule; Muon sets its own)."""
-    decay, no_decay, emb_params = [], [], _embedding_ids(model)
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:
+    """Matrices with weight decay, the rest (and what the model's `no_weight_decay()` names) without; under muP (the
+    model config's `mup_ratio`) the hidden matrices in a group of their own whose LR is the run's x base / width
+    (`lr_scale`: Adam's rule; Muon sets its own); with layer_decay, split by depth (`layer_groups`)."""
+    named = getattr(model, "no_weight_decay", set)()
+    exempt = _embedding_ids(model) | {id(p) for n, p in model.named_parameters() if n in named}
+    decay, no_decay = [], []
     for p in (p for p in model.parameters() if p.requires_grad):  # a tied weight once
-        (no_decay if p.dim() < 2 or id(p) in emb_params else decay).append(p)  # biases, norm/BN scales, embeddings
+        (no_decay if p.dim() < 2 or id(p) in exempt else decay).append(p)  # biases, norm/BN scales, embeddings
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if ratio := getattr(getattr(model, "config", None), "mup_ratio", None):
         hidden, rest = split_hidden(groups, hidden_matrices(model))
         groups = [dict(g, lr_scale=ratio) for g in hidden] + rest
+    if layer_decay is not None:
+        groups = layer_groups(model, groups, layer_decay)
     # no empty group (e.g. a tied head alone trains under train.unfreeze): DCP's optimizer state maps groups by
     # the names of their parameters, so an empty group would come back without its hyperparameters
     return [g for g in groups if g["params"]] or groups[:1]
@@ -59,6 +64,27 @@ def head_group(model: nn.Module, groups: list[dict], lr: float, head_lr: float) 
     rest = [dict(g, params=[p for p in g["params"] if p is not head]) for g in groups]
     return [g for g in rest if g["params"]] + [{"params": [head], "weight_decay": decay, "lr": head_lr,
                                                  "lr_scale": head_lr / lr}]
+
+
+def layer_groups(model: nn.Module, groups: list[dict], decay: float) -> list[dict]:
+    """Layer-wise LR decay (BEiT, Bao et al. 2022), grouped as timm's `layer_decay`: each group split by depth, its
+    lr_scale times decay^(L + 1 - depth). Repeated unit i of L (`model.repeated_units()`) is depth i, what comes
+    before the first unit (embeddings, tokens) 0, the classifier L + 1, the rest after the units (final norm) L."""
+    units = model.repeated_units()
+    unit_of = {id(p): i for i, u in enumerate(units, 1) for p in u.parameters()}
+    heads = [model.get_submodule(n) for n in getattr(model, "classifier_names", list)()] or \
+        [m for m in model.modules() if isinstance(m, nn.Linear)][-1:]
+    head = {id(p) for m in heads for p in m.parameters()}
+    depth, after = {}, False
+    for p in model.parameters():
+        after = after or id(p) in unit_of
+        depth[id(p)] = unit_of.get(id(p), len(units) + (id(p) in head) if after else 0)
+    out = []
+    for g in groups:
+        for d in sorted({depth[id(p)] for p in g["params"]}):
+            scale = g.get("lr_scale", 1.0) * decay ** (len(units) + 1 - d)
+            out.append(dict(g, params=[p for p in g["params"] if depth[id(p)] == d], lr_scale=scale))
+    return out
 
 
 def split_hidden(groups: list[dict], hidden: set) -> tuple[list[dict], list[dict]]:
@@ -180,7 +206,7 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device, log=print):
     """The optimizer `cfg.name` of the registry over `model`'s parameter groups."""
     if cfg.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.name!r} (known: {', '.join(OPTIMIZERS)})")
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay)
     if cfg.head_lr is not None:
         groups = head_group(model, groups, cfg.lr, cfg.head_lr)
     return OPTIMIZERS[cfg.name].build(model, groups, cfg, device, log)

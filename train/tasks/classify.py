@@ -17,7 +17,7 @@ import zoo
 from zoo.blocks.chunked_ce import distillation_loss
 from zoo.config import VIT_ARCHS, ConfigError, bounded, fail
 from zoo.convnet.preprocess import Preprocess
-from zoo.weights import timm_convnet, timm_vit
+from zoo.weights import hf_vit, timm_convnet, timm_vit
 
 from ..data import DataError
 from ..data.images import (FolderImages, augment_seeded, auto_augment_op, collate_images, digits_dataset,
@@ -104,13 +104,17 @@ class ClassifyTask(Task):
         self.model_cfg = self._fit_to_data(seen)
         if cfg.train.init_from:  # the architecture (and input channels) come from the weights
             fmt = timm_vit if cfg.family == "vit" else timm_convnet  # the family's timm layout
+            regularise = {k: getattr(cfg.model, k) for k in ("drop_rate", "drop_path_rate", "patch_drop_rate")
+                          if hasattr(cfg.model, k)}  # the run's, not the file's
 
             def read(path):
+                if fmt is timm_vit and hf_vit.detect(path):  # a Hugging Face DINOv3 / SigLIP 2 folder
+                    model = hf_vit.load(path, num_classes=0, **regularise)  # its head comes fresh in build_model
+                    return model.state_dict(), replace(model.config, num_classes=self.model_cfg.num_classes)
                 sd = timm_convnet.read_state_dict(path)
                 named, base = timm_convnet.saved_config(path, VIT_ARCHS if fmt is timm_vit else None)
-                return sd, fmt.config_from_state_dict(
-                    sd, named, str(path), base, num_classes=self.model_cfg.num_classes,
-                    drop_rate=cfg.model.drop_rate, drop_path_rate=cfg.model.drop_path_rate)
+                return sd, fmt.config_from_state_dict(sd, named, str(path), base,
+                                                      num_classes=self.model_cfg.num_classes, **regularise)
             self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
         channels = self.model_cfg.in_chans
         if self.digits:
@@ -390,11 +394,11 @@ class ClassifyTask(Task):
         return "\n".join([head, *lines, total])
 
     def export(self, model, out_dir):
-        """Fine-tuned from pretrained weights: write them back in the layout (and file type) they came in."""
+        """Fine-tuned from pretrained weights: write them back in the layout (and file type) they came in; a ViT
+        from a Hugging Face folder in timm's (DINOv3ViTModel and Siglip2VisionModel hold no classifier)."""
         src = self.cfg.train.init_from
         if not src:
             return None  # model.safetensors, written by the loop, already has the timm/torchvision keys
-        name = Path(src).name if Path(src).is_file() else "resnet"
-        path = Path(out_dir) / "export" / name
+        path = Path(out_dir) / "export" / (Path(src).name + ("-timm" if hf_vit.detect(src) else ""))
         zoo.save_pretrained(model, path)
         return str(path)

@@ -15,6 +15,8 @@ resized to each image's patch grid).
         rows kept; naflex_pos_embed: resized per image to its own grid and padded (SigLIP 2)
     patch_rope(head_dim, h, w, theta, n_prefix): cos, sin of DINOv3's RoPE: each patch centre's row and column in
         [-1, 1], turned by the periods theta^(4i / head_dim); the prefix tokens' rows leave them as they are
+    drop_patches(x, rate, n_prefix, rope): patch dropout in training (Liu et al., "PatchDropout", 2022; Li et al.,
+        FLIP, 2023): each image keeps a random subset of its patch tokens (and their RoPE rows), the prefix all
 
 Names are timm's (norm1, attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma; SwiGLU: mlp.gate_up,
 mlp.down). Shapes: x (B, N, D) -> (B, N, D); add_prefix: (B, N, D) -> (B, P + N, D); pos (1, N or P + N, D);
@@ -131,3 +133,14 @@ def patch_rope(head_dim: int, h: int, w: int, theta: float = 100.0, n_prefix: in
     angles = (2 * math.pi * coords[:, :, None] * inv).flatten(1).tile(2)
     angles = torch.cat([angles.new_zeros(n_prefix, head_dim), angles])
     return angles.cos(), angles.sin()
+
+
+def drop_patches(x: torch.Tensor, rate: float, n_prefix: int, rope: Optional[tuple] = None) -> tuple:
+    """(B, P + N, D) -> (B, P + K, D), K = max(1, int(N (1 - rate))): the prefix tokens, then K patch tokens per image
+    in a random order (the argsort of Gaussian noise from torch's generator, timm's draw); a RoPE table (P + N, hd)
+    becomes the kept rows per image (B, 1, P + K, hd)."""
+    B, N = x.shape[0], x.shape[1] - n_prefix
+    keep = torch.randn(B, N, device=x.device).argsort(dim=-1)[:, :max(1, int(N * (1.0 - rate)))] + n_prefix
+    idx = torch.cat([torch.arange(n_prefix, device=x.device).expand(B, -1), keep], dim=1)
+    x = x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+    return x, None if rope is None else tuple(t[idx][:, None] for t in rope)
