@@ -15,8 +15,10 @@ from torch import nn
 import zoo
 from train.finish import export_adapter
 from zoo.adapters import AdapterConfig, adapters_disabled, apply_adapters, default_targets, known_targets
-from zoo.config import ConfigError, LLMConfig
-from zoo.weights.diffusers_flux2 import LORA_WEIGHTS, load_lora, save_lora
+from train.config import load_run_config
+from train.model import build_model
+from zoo.config import ConfigError
+from zoo.weights.diffusers_lora import LORA_WEIGHTS, fill_adapter, load_lora, save_lora
 from zoo.weights.files import save_safetensors
 from zoo.weights.peft_lora import save_adapter
 
@@ -97,32 +99,30 @@ def test_diffusers_lora_loads_into_zoo(tmp_path, metadata):
     assert (got - base).abs().max() > 100 * TOL
     cfg = holder.adapter_config
     assert (cfg.r, cfg.alpha) == (4, 2.0 if metadata else 4.0)
-    # a run's adapter starts from the file through adapter.init_from, and its export is diffusers' file again
+    # a run's adapter starts from the file (adapter.init_from), and its export is diffusers' file again
     fresh = zoo.from_pretrained(tmp_path / "base")
-    apply_adapters(fresh, AdapterConfig(method="lora", r=4, alpha=cfg.alpha, targets=cfg.targets,
-                                        init_from=str(tmp_path / "d" / LORA_WEIGHTS)))
+    apply_adapters(fresh, AdapterConfig(method="lora", r=4, alpha=cfg.alpha, targets=cfg.targets))
+    fill_adapter(fresh, tmp_path / "d" / LORA_WEIGHTS)
     with torch.no_grad():
         assert torch.equal(fresh(**args), got)
     exported = export_adapter(fresh, tmp_path / "run", None)
     assert exported == tmp_path / "run" / "adapter" / LORA_WEIGHTS
-    with pytest.raises(ConfigError, match=rf"cfg: adapter.init_from: .*alpha={cfg.alpha} \(the adapter's: 16.0\)"):
-        apply_adapters(zoo.from_pretrained(tmp_path / "base"),
-                       AdapterConfig(method="lora", r=4, targets=cfg.targets, init_from=str(tmp_path / "d")), "cfg")
+    other = apply_adapters(zoo.from_pretrained(tmp_path / "base"), AdapterConfig(method="lora", r=4, targets=cfg.targets))
+    with pytest.raises(ValueError, match=rf"LoRA differs from adapter 'default': alpha={cfg.alpha} \(the adapter's: 16.0\)"):
+        fill_adapter(other, tmp_path / "d")
 
 
 def test_adapter_init_from_a_peft_folder(tmp_path):
-    torch.manual_seed(0)
-    llm = zoo.build(LLMConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, max_seq_len=16))
-    base = {k: v.clone() for k, v in llm.state_dict().items()}
-    apply_adapters(llm, AdapterConfig(method="lora", r=2, alpha=5))
+    over = ["model.n_layers=1", "model.d_model=32", "adapter.method=lora", "adapter.r=2", "adapter.alpha=5"]
+    llm = build_model(load_run_config("configs/llm/tiny.yaml", over))
     randomize_adapters(llm)
     save_adapter(llm, tmp_path / "a")
-    fresh = zoo.build(LLMConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, max_seq_len=16))
-    fresh.load_state_dict(base)
-    apply_adapters(fresh, AdapterConfig(method="lora", r=2, alpha=5, init_from=str(tmp_path / "a")))
-    ids = torch.randint(0, 64, (2, 8))
+    fresh = build_model(load_run_config("configs/llm/tiny.yaml", [*over, f"adapter.init_from={tmp_path / 'a'}"]))
+    ids = torch.randint(0, 2048, (2, 8))
     with torch.no_grad():
         assert torch.equal(fresh(ids), llm(ids))
+    with pytest.raises(ConfigError, match=r"adapter.init_from: .*adapter_config.json: .*alpha=5.0 \(the adapter's: 6.0\)"):
+        build_model(load_run_config("configs/llm/tiny.yaml", [*over, "adapter.alpha=6", f"adapter.init_from={tmp_path / 'a'}"]))
 
 
 def test_foreign_and_inconsistent_files_are_one_line_errors(tmp_path):

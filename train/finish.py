@@ -68,7 +68,8 @@ def consolidated(run):
 def export_adapter(model, out: Path, base: Optional[str]) -> Path:
     """The trained adapter in <out>/adapter/: a FLUX.2 transformer's LoRA / DoRA as diffusers' LoRA file
     (pytorch_lora_weights.safetensors), else PEFT's format (LoRA, DoRA, prompt tuning), else Zoo's (peft_lora.py)."""
-    from zoo.weights.diffusers_flux2 import module_names, save_lora
+    from zoo.weights.diffusers_flux2 import module_names
+    from zoo.weights.diffusers_lora import save_lora
     from zoo.weights.peft_lora import save_adapter
     if module_names(model) and model.adapter_config.mergeable:
         return save_lora(model, out / "adapter")

@@ -204,12 +204,6 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
     model.adapter_configs = {**named, name: cfg}
     if not named:
         model.adapter_config, model.active_adapter = cfg, name
-    if cfg.init_from:
-        from .weights.peft_lora import fill_adapter
-        try:
-            fill_adapter(model, cfg.init_from, name)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"{source}: adapter.init_from: {e}") from None
     return model
 
 

@@ -4,12 +4,7 @@ A folder with config.json (`_class_name: Flux2Transformer2DModel`) and the safet
 `transformer/`, loads as Zoo's Flux2; `save(model, folder)` writes one diffusers loads. Zoo's names are diffusers'
 but for the block lists (`double_blocks`, `single_blocks`), the single blocks' `attn.` level and the double blocks'
 `attn.to_out.0` (`attn.to_out`). Sharded checkpoints and patch sizes other than one are refused in one line.
-
-LoRA in diffusers' file (what Flux2KleinPipeline's `save_lora_weights` writes and `load_lora_weights` reads):
-`save_lora(model, folder)` writes folder/pytorch_lora_weights.safetensors, `load_lora(model, file_or_folder)` reads
-one onto a Zoo Flux2 (or a model holding one, e.g. as its denoiser). Keys `transformer.<diffusers module>.lora_A.weight`
-/ `lora_B.weight`; the LoRA config (r, lora_alpha, ...) sits in the header's `lora_adapter_metadata`, and a file
-without it has alpha = r, as diffusers reads it.
+`module_names` gives diffusers' names of the modules, which LoRA targets and files use (diffusers_lora.py).
 """
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import Flux2Config
-from .files import (atomic_write, is_diffusers_folder, load_tensors, mismatches, read_safetensors_header,
-                    save_safetensors)
+from .files import atomic_write, is_diffusers_folder, load_tensors, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "Flux2Transformer2DModel", "diffusion_pytorch_model.safetensors"
 # (diffusers' config key, Zoo's Flux2Config field, diffusers' default)
@@ -113,9 +107,6 @@ def latent_space(path):
     return sd["bn.running_mean"].float(), std, 2 ** len(cfg.get("block_out_channels", (0,) * 4))
 
 
-LORA_WEIGHTS, LORA_PREFIX, LORA_META = "pytorch_lora_weights.safetensors", "transformer.", "lora_adapter_metadata"
-
-
 def module_names(model) -> dict[str, str]:
     """Zoo's module name -> diffusers' for the modules of the FLUX.2 transformer in `model` (the transformer, or a
     model holding it); {} when it holds none."""
@@ -123,63 +114,3 @@ def module_names(model) -> dict[str, str]:
     p = next((f"{n}." if n else "" for n, m in model.named_modules() if isinstance(m, Flux2)), None)
     return {} if p is None else {n: _renamed(n[len(p):] + ".", ZOO_NAMES)[:-1] for n, _ in model.named_modules()
                                  if n and n.startswith(p)}
-
-
-def lora_file(path) -> Path:
-    p = Path(path)
-    return p / LORA_WEIGHTS if p.is_dir() else p
-
-
-def save_lora(model, path, dtype=None) -> Path:
-    """Write the active LoRA / DoRA adapter of the FLUX.2 transformer in `model` as diffusers' LoRA file:
-    <path>/pytorch_lora_weights.safetensors (or `path`, a .safetensors name). Returns the file."""
-    from .peft_lora import PREFIX, adapter_state, lora_fields
-    model = getattr(model, "_orig_mod", model)
-    cfg = getattr(model, "adapter_config", None)
-    if cfg is None or not cfg.mergeable:
-        raise ValueError("save_lora: the model has no LoRA / DoRA adapter")
-    state = {k[len(PREFIX):]: v for k, v in adapter_state(model).items()}
-    modules = {k.rsplit(".lora_", 1)[0] for k in state}
-    if outside := sorted(modules - set(module_names(model).values())):
-        raise ValueError(f"save_lora: {outside[0]} is not in a FLUX.2 transformer (the file holds the transformer's)")
-    meta = {LORA_PREFIX + k: v for k, v in lora_fields(cfg, modules).items()}
-    f = Path(path) if Path(path).suffix == ".safetensors" else Path(path) / LORA_WEIGHTS
-    return save_safetensors({LORA_PREFIX + k: v.detach().to("cpu", dtype or v.dtype).contiguous()
-                             for k, v in state.items()}, f, {LORA_META: json.dumps(meta, sort_keys=True)})
-
-
-def lora_file_config(f: Path, tensors: dict):
-    """The AdapterConfig of diffusers' LoRA file `f` holding `tensors`: its header's LoRA config, else r from the
-    tensors and alpha = r; the targets are the modules it holds."""
-    from ..adapters import peft_target
-    from .peft_lora import lora_config
-    if bad := [k for k in tensors if not (k.startswith(LORA_PREFIX) and ".lora_" in k)]:
-        raise ValueError(f"{f}: {bad[0]}: not diffusers' LoRA file of a FLUX.2 transformer "
-                         f"({LORA_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
-    ranks = sorted({t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")})
-    if len(ranks) != 1:
-        raise ValueError(f"{f}: LoRA ranks {ranks}: one rank for all modules is supported")
-    raw = read_safetensors_header(f)[1].get(LORA_META)
-    try:
-        meta = {k[len(LORA_PREFIX):]: v for k, v in json.loads(raw).items() if k.startswith(LORA_PREFIX)} if raw else {}
-    except (ValueError, AttributeError):
-        raise ValueError(f"{f}: {LORA_META} in the header is not a JSON object") from None
-    targets = sorted({peft_target(k[len(LORA_PREFIX):].rsplit(".lora_", 1)[0]) for k in tensors})
-    return lora_config({"peft_type": "LORA", "r": ranks[0], "lora_alpha": ranks[0], **meta, "target_modules": targets}, f)
-
-
-def load_lora(model, path, name: str = "default"):
-    """Read diffusers' LoRA file (`path`: the file, or a folder holding pytorch_lora_weights.safetensors) into the
-    FLUX.2 transformer in `model` as the adapter `name`, added as the file describes it or, when `model` holds it
-    already, filled where the file agrees with it; a module the file leaves out adds nothing. Returns the model."""
-    from ..adapters import apply_adapters, differences
-    from .peft_lora import PREFIX, load_adapter_weights
-    f = lora_file(path)
-    tensors = load_tensors(f)
-    cfg, have = lora_file_config(f, tensors), getattr(model, "adapter_configs", {}).get(name)
-    if have is None:
-        apply_adapters(model, cfg, str(f), name=name)
-    elif differ := differences(cfg, have):
-        raise ValueError(f"{f}: the file's LoRA differs from adapter {name!r}: {differ}")
-    load_adapter_weights(model, f, name, {PREFIX + k[len(LORA_PREFIX):]: v for k, v in tensors.items()})
-    return model

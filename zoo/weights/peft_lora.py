@@ -173,20 +173,6 @@ def load_adapter_weights(model, path: Path, name: Optional[str] = None, found: O
             t.zero_()
 
 
-def fill_adapter(model, path, name: str = "default"):
-    """Fill the adapter `name` of `model` from `path`: diffusers' LoRA file (a .safetensors, or a folder holding
-    pytorch_lora_weights.safetensors) or an adapter folder, whose config must be the adapter's."""
-    from ..adapters import differences
-    from .diffusers_flux2 import load_lora, lora_file
-    if lora_file(path).suffix == ".safetensors" and lora_file(path).is_file():
-        return load_lora(model, path, name)
-    config, weights = files(Path(path))
-    if differ := differences(read_config(Path(path)), model.adapter_configs[name]):
-        raise ValueError(f"{config}: the folder's adapter differs from adapter {name!r}: {differ}")
-    load_adapter_weights(model, weights, name)
-    return model
-
-
 def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
     """Write the active adapter of `model` as a PEFT folder (adapter_config.json, adapter_model.safetensors), or
     for prefix and bottleneck adapters, which PEFT has no format for, as Zoo's (zoo_adapter.json and .safetensors)."""
