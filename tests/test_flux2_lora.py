@@ -17,6 +17,7 @@ from train.finish import export_adapter
 from zoo.adapters import AdapterConfig, adapters_disabled, apply_adapters, default_targets, known_targets
 from train.config import load_run_config
 from train.model import build_model
+from train.planner import simulate
 from zoo.config import ConfigError
 from zoo.weights.diffusers_lora import LORA_WEIGHTS, fill_adapter, load_lora, save_lora
 from zoo.weights.files import save_safetensors
@@ -113,11 +114,14 @@ def test_diffusers_lora_loads_into_zoo(tmp_path, metadata):
 
 
 def test_adapter_init_from_a_peft_folder(tmp_path):
-    over = ["model.n_layers=1", "model.d_model=32", "adapter.method=lora", "adapter.r=2", "adapter.alpha=5"]
+    over = ["model.n_layers=1", "model.d_model=32", "train.batch_size=2", "data.seq_len=16", "adapter.method=lora",
+            "adapter.r=2", "adapter.alpha=5"]
     llm = build_model(load_run_config("configs/llm/tiny.yaml", over))
     randomize_adapters(llm)
     save_adapter(llm, tmp_path / "a")
-    fresh = build_model(load_run_config("configs/llm/tiny.yaml", [*over, f"adapter.init_from={tmp_path / 'a'}"]))
+    cfg = load_run_config("configs/llm/tiny.yaml", [*over, f"adapter.init_from={tmp_path / 'a'}"])
+    fresh = build_model(cfg)
+    simulate(cfg, torch.device("cpu"))  # the planner builds it on fake tensors
     ids = torch.randint(0, 2048, (2, 8))
     with torch.no_grad():
         assert torch.equal(fresh(ids), llm(ids))

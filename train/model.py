@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from zoo.adapters import apply_adapters
 from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backend
@@ -85,7 +86,7 @@ def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambd
                     t.data = t.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
-    if cfg.adapter.init_from:
+    if cfg.adapter.init_from and not is_fake(next(model.parameters())):  # the planner's fake tensors hold no values
         adapter_from(model, cfg)
         say(f"adapter: from {cfg.adapter.init_from}")
     if cfg.train.precision == "bf16-pure":  # the weights themselves in bf16 (buffers stay fp32), fake tensors too
