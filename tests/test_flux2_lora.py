@@ -108,6 +108,8 @@ def test_diffusers_lora_loads_into_zoo(tmp_path, metadata):
         assert torch.equal(fresh(**args), got)
     exported = export_adapter(fresh, tmp_path / "run", None)
     assert exported == tmp_path / "run" / "adapter" / LORA_WEIGHTS
+    with torch.no_grad():
+        assert torch.equal(load_lora(zoo.from_pretrained(tmp_path / "base"), exported)(**args), got)
     other = apply_adapters(zoo.from_pretrained(tmp_path / "base"), AdapterConfig(method="lora", r=4, targets=cfg.targets))
     with pytest.raises(ValueError, match=rf"LoRA differs from adapter 'default': alpha={cfg.alpha} \(the adapter's: 16.0\)"):
         fill_adapter(other, tmp_path / "d")
