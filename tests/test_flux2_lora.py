@@ -1,4 +1,4 @@
-"""LoRA on Zoo's FLUX.2 transformer in diffusers' LoRA file (zoo/weights/diffusers_flux2.py), both directions.
+"""LoRA on Zoo's FLUX.2 transformer in diffusers' LoRA file (zoo/weights/diffusers_lora.py), both directions.
 
 Reference: diffusers' Flux2Transformer2DModel at random init (test_flux2.py's shapes), with LoRA through PEFT as
 diffusers applies it (`add_adapter`, `Flux2KleinPipeline.load_lora_weights` / `save_lora_weights`). Zoo's adapter
@@ -73,7 +73,8 @@ def test_zoo_lora_loads_in_diffusers_with_zoos_output(tmp_path, name, kw):
     assert (got - base).abs().max() > 100 * TOL  # the adapter shows in the output
     # and it reads back into Zoo: the same adapter
     again = load_lora(zoo.from_pretrained(tmp_path / "base"), f)
-    assert again.adapter_config.targets == sorted(default_targets(model, cfg.targets)) and again.adapter_config.alpha == cfg.alpha
+    got_cfg = again.adapter_config
+    assert got_cfg.targets == sorted(default_targets(model, cfg.targets)) and got_cfg.alpha == cfg.alpha
     with torch.no_grad():
         assert (again(**args) - got).abs().max() <= TOL
 
@@ -110,12 +111,13 @@ def test_diffusers_lora_loads_into_zoo(tmp_path, metadata):
     assert exported == tmp_path / "run" / "adapter" / LORA_WEIGHTS
     with torch.no_grad():
         assert torch.equal(load_lora(zoo.from_pretrained(tmp_path / "base"), exported)(**args), got)
-    other = apply_adapters(zoo.from_pretrained(tmp_path / "base"), AdapterConfig(method="lora", r=4, targets=cfg.targets))
-    with pytest.raises(ValueError, match=rf"LoRA differs from adapter 'default': alpha={cfg.alpha} \(the adapter's: 16.0\)"):
+    other = apply_adapters(zoo.from_pretrained(tmp_path / "base"),
+                           AdapterConfig(method="lora", r=4, targets=cfg.targets))  # alpha: the default
+    with pytest.raises(ValueError, match=rf"differs from adapter 'default': alpha={cfg.alpha} \(the adapter's: 16.0\)"):
         fill_adapter(other, tmp_path / "d")
 
 
-def test_adapter_init_from_a_peft_folder(tmp_path):
+def test_adapter_init_from_a_peft_folder(tmp_path, device):
     over = ["model.n_layers=1", "model.d_model=32", "train.batch_size=2", "data.seq_len=16", "adapter.method=lora",
             "adapter.r=2", "adapter.alpha=5"]
     llm = build_model(load_run_config("configs/llm/tiny.yaml", over))
@@ -123,12 +125,13 @@ def test_adapter_init_from_a_peft_folder(tmp_path):
     save_adapter(llm, tmp_path / "a")
     cfg = load_run_config("configs/llm/tiny.yaml", [*over, f"adapter.init_from={tmp_path / 'a'}"])
     fresh = build_model(cfg)
-    simulate(cfg, torch.device("cpu"))  # the planner builds it on fake tensors
+    simulate(cfg, device)  # the planner builds it on fake tensors
     ids = torch.randint(0, 2048, (2, 8))
     with torch.no_grad():
         assert torch.equal(fresh(ids), llm(ids))
-    with pytest.raises(ConfigError, match=r"adapter.init_from: .*adapter_config.json: .*alpha=5.0 \(the adapter's: 6.0\)"):
-        build_model(load_run_config("configs/llm/tiny.yaml", [*over, "adapter.alpha=6", f"adapter.init_from={tmp_path / 'a'}"]))
+    with pytest.raises(ConfigError, match=r"adapter.init_from: .*adapter_config.json: .*alpha=5.0 \(the adapter's: 6"):
+        build_model(load_run_config("configs/llm/tiny.yaml", [*over, "adapter.alpha=6",
+                                                             f"adapter.init_from={tmp_path}/a"]))
 
 
 def test_foreign_and_inconsistent_files_are_one_line_errors(tmp_path):

@@ -84,9 +84,10 @@ class AdapterConfig:
 
 def lora_sites(model: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
     """Zoo module name -> [(part name, rows, PEFT module name), ...] of the linear layers adapters
-    may wrap, parts in row order; a part is targeted by `peft_target` of its PEFT name. For an LLM the PEFT names are those of the Hugging Face class it
-    exports as (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek-V3's latent attention); for a FLUX.2
-    transformer (or a model holding one) diffusers'; else Zoo's own."""
+    may wrap, parts in row order; `peft_target` of the PEFT name is what adapter.targets name. For an
+    LLM the PEFT names are those of the Hugging Face class it exports as (Phi-3's fused qkv_proj and
+    gate_up_proj, DeepSeek-V3's latent attention); for a FLUX.2 transformer (or a model holding one)
+    diffusers'; else Zoo's own."""
     if getattr(model, "family", None) == "llm":
         cfg, rec = model.config, _record(model)
         sites = {}
@@ -114,8 +115,8 @@ def lora_sites(model: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
                 for site, parts in sites.items()}  # the class's own names (LFM2's out_proj, w1, w3, w2)
     from .weights.diffusers_flux2 import module_names  # a FLUX.2 transformer's linear layers by diffusers' names
     names = module_names(model)
-    return {name: [(name.rsplit(".", 1)[-1], m.out_features, names.get(name, name))] for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, LoRALinear))}
+    return {name: [(name.rsplit(".", 1)[-1], m.out_features, names.get(name, name))]
+            for name, m in model.named_modules() if isinstance(m, (nn.Linear, LoRALinear))}
 
 
 def peft_target(name: str) -> str:
@@ -220,9 +221,9 @@ def default_targets(model: nn.Module, targets) -> list[str]:
 
 def differences(a: AdapterConfig, b: AdapterConfig) -> str:
     """What of `a` (an adapter file's config) the adapter `b` computes differently: '' when nothing."""
-    return ", ".join([f"{k}={getattr(a, k)} (the adapter's: {getattr(b, k)})" for k in ("method", "r", "alpha", "rslora")
-                      if getattr(a, k) != getattr(b, k)] + [f"target {t} not adapted" for t in a.targets
-                                                            if t not in b.targets])
+    keys = [k for k in ("method", "r", "alpha", "rslora") if getattr(a, k) != getattr(b, k)]
+    return ", ".join([f"{k}={getattr(a, k)} (the adapter's: {getattr(b, k)})" for k in keys] +
+                     [f"target {t} not adapted" for t in a.targets if t not in b.targets])
 
 
 def _add_module_adapters(model: nn.Module, cfg: AdapterConfig, source: str):

@@ -3,7 +3,7 @@
 
     save_lora(model, "out/lora")          # out/lora/pytorch_lora_weights.safetensors
     load_lora(model, "out/lora")          # or the file; a file diffusers wrote
-    fill_adapter(model, path)             # adapter.init_from: the adapter `model` holds, from this file or a PEFT folder
+    fill_adapter(model, path)             # adapter.init_from: the adapter held, from such a file or a PEFT folder
 
 `model`: a Zoo Flux2, or a model holding one (a latent diffusion's denoiser). Keys `transformer.<diffusers module>.
 lora_A.weight` / `lora_B.weight`; the LoRA config (r, lora_alpha, use_rslora, use_dora) sits in the header's
@@ -59,7 +59,8 @@ def lora_file_config(f: Path, tensors: dict):
     except (ValueError, AttributeError):
         raise ValueError(f"{f}: {LORA_META} in the header is not a JSON object") from None
     targets = sorted({peft_target(k[len(LORA_PREFIX):].rsplit(".lora_", 1)[0]) for k in tensors})
-    return lora_config({"peft_type": "LORA", "r": ranks[0], "lora_alpha": ranks[0], **meta, "target_modules": targets}, f)
+    return lora_config({"peft_type": "LORA", "r": ranks[0], "lora_alpha": ranks[0], **meta, "target_modules": targets},
+                       f)
 
 
 def load_lora(model, path, name: str = "default"):

@@ -208,7 +208,7 @@ def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.
 
 def lora_fields(cfg: AdapterConfig, targets) -> dict:
     """The PEFT LoraConfig fields of a LoRA / DoRA adapter with these target_modules."""
-    return dict(peft_type="LORA", r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=sorted(targets),
-                use_dora=cfg.method == "dora", use_rslora=cfg.rslora, bias="none", fan_in_fan_out=False,
-                init_lora_weights=True if cfg.init == "kaiming" else cfg.init, modules_to_save=None, rank_pattern={},
-                alpha_pattern={})
+    return dict(peft_type="LORA", r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                target_modules=sorted(targets), use_dora=cfg.method == "dora", use_rslora=cfg.rslora, bias="none",
+                fan_in_fan_out=False, init_lora_weights=True if cfg.init == "kaiming" else cfg.init,
+                modules_to_save=None, rank_pattern={}, alpha_pattern={})
