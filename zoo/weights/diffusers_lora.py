@@ -31,7 +31,7 @@ def save_lora(model, path, dtype=None) -> Path:
     """Write the active LoRA / DoRA adapter of the FLUX.2 transformer in `model` as diffusers' LoRA file:
     <path>/pytorch_lora_weights.safetensors (or `path`, a .safetensors name). Returns the file."""
     model = getattr(model, "_orig_mod", model)
-    cfg = getattr(model, "adapter_config", None)
+    cfg = getattr(model, "adapter_configs", {}).get(getattr(model, "active_adapter", None))
     if cfg is None or not cfg.mergeable:
         raise ValueError("save_lora: the model has no LoRA / DoRA adapter")
     state = {k[len(PREFIX):]: v for k, v in adapter_state(model).items()}
