@@ -438,7 +438,8 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
     if t.batch_size == "auto" and t.batch_warmup_steps:
         raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
-    for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher)):
+    for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher),
+                      ("adapter.init_from", cfg.adapter.init_from)):
         if path is not None and not Path(path).expanduser().exists():
             raise fail(src, key, f"={path}: no such file or folder")
 

@@ -2,7 +2,8 @@
 export in the pretrained format, the loss plot and the samples.
 
     <out_dir>/model.safetensors (+ model_ema.safetensors, the task's files such as tokenizer.model)
-    <out_dir>/adapter/          an adapter run: LoRA / DoRA in PEFT's format, prefixes as Zoo tensors
+    <out_dir>/adapter/          an adapter run: LoRA / DoRA in PEFT's format (a FLUX.2 transformer's: diffusers'
+                                LoRA file), prefixes as Zoo tensors
     <out_dir>/quantized/        train.qat / train.quantize: the quantized model (zoo/weights/quantized.py)
     <out_dir>/loss.png          train.plot
     the task's export           train.export (e.g. a Hugging Face folder; adapter.export_merged for adapters)
@@ -70,6 +71,11 @@ def consolidated(run):
 
 
 def export_adapter(model, out: Path, base: Optional[str]) -> Path:
-    """The trained adapter in <out>/adapter/: PEFT's format (LoRA, DoRA, prompt tuning), else Zoo's (peft_lora.py)."""
+    """The trained adapter in <out>/adapter/: a FLUX.2 transformer's LoRA / DoRA as diffusers' LoRA file
+    (pytorch_lora_weights.safetensors), else PEFT's format (LoRA, DoRA, prompt tuning), else Zoo's (peft_lora.py)."""
+    from zoo.weights.diffusers_flux2 import module_names
+    from zoo.weights.diffusers_lora import save_lora
     from zoo.weights.peft_lora import save_adapter
+    if module_names(model) and model.adapter_config.mergeable:
+        return save_lora(model, out / "adapter")
     return save_adapter(model, out / "adapter", base=base)

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from zoo.adapters import apply_adapters
 from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backend
@@ -61,6 +62,15 @@ def fresh_model(cfg) -> nn.Module:
     return zoo.build(model_cfg)
 
 
+def adapter_from(model: nn.Module, cfg):
+    """The new adapter's weights from adapter.init_from (a PEFT adapter folder or diffusers' LoRA file)."""
+    from zoo.weights.diffusers_lora import fill_adapter
+    try:
+        fill_adapter(model, cfg.adapter.init_from)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{cfg.source}: adapter.init_from: {e}") from None
+
+
 def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambda m: None,
                 fsdp: bool = False) -> nn.Module:
     """The run's model in training mode on `device` (default: where built): task.build_model() or `fresh_model`,
@@ -76,6 +86,9 @@ def build_model(cfg, task=None, device: Optional[torch.device] = None, say=lambd
                     t.data = t.to(memory_format=torch.channels_last)
     if cfg.adapter.enabled:
         apply_adapters(model, cfg.adapter, cfg.source, say)
+    if cfg.adapter.init_from and not is_fake(next(model.parameters())):  # the planner's fake tensors hold no values
+        adapter_from(model, cfg)
+        say(f"adapter: from {cfg.adapter.init_from}")
     if cfg.train.precision == "bf16-pure":  # the weights themselves in bf16 (buffers stay fp32), fake tensors too
         with torch.no_grad():
             for p in model.parameters():

@@ -30,6 +30,8 @@ from .config import ConfigError, bounded, fail
 from .tensors import tensor_bytes
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FLUX2_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj", "to_out")  # diffusers' names (to_out.0: the
+                                                                                  # double blocks', to_out: the single)
 NF4_BLOCK = 64
 SLOTS = ("prefix", "prompt", "attn_adapter", "mlp_adapter")  # where the adapters that are modules of their own sit
 
@@ -46,7 +48,9 @@ class AdapterConfig:
     targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # the projections to adapt, by their
                                             # Hugging Face / PEFT names (a MoE layer: its shared expert's gate/up/down);
                                             # the default on an LLM: all it has (Phi-3: qkv_proj, gate_up_proj; latent
-                                            # attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj)
+                                            # attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj);
+                                            # on a FLUX.2 transformer diffusers' module names (the default: its
+                                            # attention's, to_q, to_k, to_v, to_out.0, to_qkv_mlp_proj, to_out)
     rslora: bool = False                    # rank-stabilised scaling `alpha / sqrt(r)`
     init: Literal["kaiming", "gaussian"] = "kaiming"  # LoRA / DoRA A at the start (PEFT's names): `kaiming`
                                             # (kaiming-uniform, nn.Linear's) or `gaussian` (N(0, 1/r^2)); B starts at 0
@@ -54,12 +58,17 @@ class AdapterConfig:
                                             # (QLoRA; `pip install -e '.[qlora]'`); not with `train.ema_decay`
     prefix_len: int = bounded(16, gt=0)     # `prefix`: learned key/value vectors per layer (not with
                                             # `model.sliding_window`); `prompt`: the virtual tokens
+    init_from: Optional[str] = None         # LoRA / DoRA: the adapter starts from this one (diffusers' LoRA file of a
+                                            # FLUX.2 transformer, or a PEFT adapter folder), which must have its r,
+                                            # alpha and targets
     export_merged: bool = False             # at the end, also merge the adapters into the weights and export them as
                                             # `train.export` does; LoRA and DoRA only
 
     def validate(self, source, prefix="adapter."):
         if self.method in ("lora", "dora") and not self.targets:
             raise fail(source, prefix + "targets", "must name at least one module")
+        if self.init_from and not self.mergeable:
+            raise fail(source, prefix + "init_from", "needs adapter.method lora or dora")
         if self.quantize_base != "none" and self.method == "none":
             raise fail(source, prefix + "quantize_base", f"={self.quantize_base} needs adapter.method "
                                                          f"lora, dora or prefix (the base must be frozen)")
@@ -73,10 +82,12 @@ class AdapterConfig:
         return self.method in ("lora", "dora")
 
 
-def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int, str]]]:
-    """Zoo module name -> [(target name, rows, PEFT module name), ...] of the linear layers adapters
-    may wrap, parts in row order. For an LLM the PEFT names are those of the Hugging Face class it
-    exports as (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek-V3's latent attention)."""
+def lora_sites(model: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
+    """Zoo module name -> [(part name, rows, PEFT module name), ...] of the linear layers adapters
+    may wrap, parts in row order; `peft_target` of the PEFT name is what adapter.targets name. For an
+    LLM the PEFT names are those of the Hugging Face class it exports as (Phi-3's fused qkv_proj and
+    gate_up_proj, DeepSeek-V3's latent attention); for a FLUX.2 transformer (or a model holding one)
+    diffusers'; else Zoo's own."""
     if getattr(model, "family", None) == "llm":
         cfg, rec = model.config, _record(model)
         sites = {}
@@ -102,8 +113,17 @@ def lora_sites(model: nn.Module, targets=None) -> dict[str, list[tuple[str, int,
             sites[z + "mlp.down"] = [("down_proj", cfg.d_model, h + "mlp.down_proj")]
         return {site: [(rec.renamed(p).rsplit(".", 1)[-1], rows, rec.renamed(p)) for _, rows, p in parts]
                 for site, parts in sites.items()}  # the class's own names (LFM2's out_proj, w1, w3, w2)
-    return {name: [(name.rsplit(".", 1)[-1], m.out_features, name)] for name, m in model.named_modules()
-            if isinstance(m, (nn.Linear, LoRALinear)) and (targets is None or name.rsplit(".", 1)[-1] in targets)}
+    from .weights.diffusers_flux2 import module_names  # a FLUX.2 transformer's linear layers by diffusers' names
+    names = module_names(model)
+    return {name: [(name.rsplit(".", 1)[-1], m.out_features, names.get(name, name))]
+            for name, m in model.named_modules() if isinstance(m, (nn.Linear, LoRALinear))}
+
+
+def peft_target(name: str) -> str:
+    """A module's target name, as PEFT matches it: the last part of its name, the last two where that is an index
+    (`to_out.0`)."""
+    parts = name.split(".")
+    return ".".join(parts[-2:] if parts[-1].isdigit() else parts[-1:])
 
 
 def _record(model: nn.Module):
@@ -134,7 +154,7 @@ def _attention_sites(cfg, rec) -> list[tuple[str, str, int]]:
 
 
 def known_targets(model: nn.Module) -> list[str]:
-    return sorted({n for parts in lora_sites(model).values() for n, _, _ in parts})
+    return sorted({peft_target(hf) for parts in lora_sites(model).values() for _, _, hf in parts})
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module):
@@ -155,14 +175,12 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
                           f"under distinct names (it has: {', '.join(f'{k} ({c.method})' for k, c in named.items())})")
     model.requires_grad_(False)
     if cfg.mergeable:
-        known = known_targets(model)
-        llm_default = getattr(model, "family", None) == "llm" and list(cfg.targets) == list(LLM_TARGETS)
-        targets = known if llm_default else cfg.targets
+        known, targets = known_targets(model), default_targets(model, cfg.targets)
         if unknown := [t for t in targets if t not in known]:
             raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
                               f"(known: {', '.join(known) or 'none'})")
         for site, parts in lora_sites(model).items():
-            adapted = [n for n, _, _ in parts if n in targets]
+            adapted = [n for n, _, hf in parts if peft_target(hf) in targets]
             if not adapted:
                 continue
             args = adapted, cfg.r, cfg.alpha, cfg.dropout, cfg.method == "dora", cfg.rslora, cfg.init
@@ -188,6 +206,24 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
     if not named:
         model.adapter_config, model.active_adapter = cfg, name
     return model
+
+
+def default_targets(model: nn.Module, targets) -> list[str]:
+    """`targets`, or where they are adapter.targets' default: all an LLM has; a FLUX.2 transformer's attention
+    (diffusers' training scripts' choice)."""
+    if list(targets) != list(LLM_TARGETS):
+        return list(targets)
+    if getattr(model, "family", None) == "llm":
+        return known_targets(model)
+    from .weights.diffusers_flux2 import module_names
+    return list(FLUX2_TARGETS) if module_names(model) else list(targets)
+
+
+def differences(a: AdapterConfig, b: AdapterConfig) -> str:
+    """What of `a` (an adapter file's config) the adapter `b` computes differently: '' when nothing."""
+    keys = [k for k in ("method", "r", "alpha", "rslora") if getattr(a, k) != getattr(b, k)]
+    return ", ".join([f"{k}={getattr(a, k)} (the adapter's: {getattr(b, k)})" for k in keys] +
+                     [f"target {t} not adapted" for t in a.targets if t not in b.targets])
 
 
 def _add_module_adapters(model: nn.Module, cfg: AdapterConfig, source: str):

@@ -4,7 +4,7 @@
 provides `detect(path) -> bool`, `load(path, **kw)` and, for export, `save(model, path, **kw)`; a family's default
 format also `exports(model) -> bool`. A single-file format that any model of a family can be written to (GGUF;
 ExecuTorch's .pte, export only) is chosen by the file name's suffix (`SUFFIXES`) instead; PEFT adapters are written
-by peft_lora.save_adapter.
+by peft_lora.save_adapter, a FLUX.2 transformer's LoRA in diffusers' file by diffusers_lora.
 """
 from __future__ import annotations
 

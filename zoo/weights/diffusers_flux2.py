@@ -4,6 +4,7 @@ A folder with config.json (`_class_name: Flux2Transformer2DModel`) and the safet
 `transformer/`, loads as Zoo's Flux2; `save(model, folder)` writes one diffusers loads. Zoo's names are diffusers'
 but for the block lists (`double_blocks`, `single_blocks`), the single blocks' `attn.` level and the double blocks'
 `attn.to_out.0` (`attn.to_out`). Sharded checkpoints and patch sizes other than one are refused in one line.
+`module_names` gives diffusers' names of the modules, which LoRA targets and files use (diffusers_lora.py).
 """
 from __future__ import annotations
 
@@ -41,15 +42,16 @@ def detect(path) -> bool:
     return _folder(path) is not None
 
 
+def _renamed(key: str, rules) -> str:
+    for pattern, repl in rules:
+        key, n = re.subn(pattern, repl, key)
+        if n:
+            break
+    return key
+
+
 def _rename(sd: dict, rules) -> dict:
-    out = {}
-    for k, v in sd.items():
-        for pattern, repl in rules:
-            k, n = re.subn(pattern, repl, k)
-            if n:
-                break
-        out[k] = v
-    return out
+    return {_renamed(k, rules): v for k, v in sd.items()}
 
 
 def load(path, dtype=torch.float32, **_):
@@ -103,3 +105,12 @@ def latent_space(path):
         raise ValueError(f"{f / WEIGHTS}: no bn.running_mean (not an AutoencoderKLFlux2)")
     std = (sd["bn.running_var"].float() + cfg.get("batch_norm_eps", 1e-4)).sqrt()
     return sd["bn.running_mean"].float(), std, 2 ** len(cfg.get("block_out_channels", (0,) * 4))
+
+
+def module_names(model) -> dict[str, str]:
+    """Zoo's module name -> diffusers' for the modules of the FLUX.2 transformer in `model` (the transformer, or a
+    model holding it); {} when it holds none."""
+    from ..diffusion.flux2 import Flux2
+    p = next((f"{n}." if n else "" for n, m in model.named_modules() if isinstance(m, Flux2)), None)
+    return {} if p is None else {n: _renamed(n[len(p):] + ".", ZOO_NAMES)[:-1] for n, _ in model.named_modules()
+                                 if n and n.startswith(p)}

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..adapters import AdapterConfig, adapter_modules, adapter_slots, apply_adapters, lora_sites
+from ..adapters import AdapterConfig, adapter_modules, adapter_slots, apply_adapters, lora_sites, peft_target
 from ..config import from_dict, to_dict
 from .files import atomic_write, load_tensors, mismatches, read_json, save_safetensors
 from .hf_llm import inverse, record_for, row_orders
@@ -56,6 +56,11 @@ def read_config(folder: Path) -> AdapterConfig:
         if hf.get("task_type") != "CAUSAL_LM" or hf.get("num_transformer_submodules", 1) not in (1, None):
             raise ValueError(f"{src}: prompt tuning of task_type={hf.get('task_type')!r} is not supported (CAUSAL_LM)")
         return AdapterConfig(method="prompt", prefix_len=int(hf["num_virtual_tokens"]))
+    return lora_config(hf, src)
+
+
+def lora_config(hf: dict, src) -> AdapterConfig:
+    """A PEFT LoraConfig's fields -> AdapterConfig; anything Zoo would compute differently is an error naming `src`."""
     if hf.get("peft_type") != "LORA":
         raise ValueError(f"{src}: peft_type={hf.get('peft_type')!r} is not supported (LORA, with use_dora for DoRA; "
                          f"PROMPT_TUNING)")
@@ -148,15 +153,24 @@ def file_orders(model) -> dict:
 
 
 @torch.no_grad()
-def load_adapter_weights(model, path: Path, name: Optional[str] = None):
-    """Read the adapter tensors of `path` into the adapter `name` of `model`; any mismatch is one error naming the
-    file."""
-    found = load_tensors(path)
-    if problems := mismatches(found, adapter_state(model, name=name), limit=4):
-        raise ValueError(f"{path}: does not match {files(path.parent)[0].name} and the base model: {problems}")
+def load_adapter_weights(model, path: Path, name: Optional[str] = None, found: Optional[dict] = None):
+    """Read the adapter tensors of `path` (or `found`, read from it, under PEFT's key names) into the adapter `name`
+    of `model`; any mismatch is one error naming the file. With `found` given, a LoRA module it leaves out keeps
+    its A and gets B = 0: it adds nothing (diffusers' files adapt the modules they list)."""
+    expected, partial = adapter_state(model, name=name), found is not None
+    found = load_tensors(path) if found is None else found
+    module = lambda k: k.rsplit(".lora_", 1)[0]  # noqa: E731
+    listed = {module(k) for k in found}
+    if problems := mismatches(found, {k: v for k, v in expected.items() if not partial or module(k) in listed},
+                              limit=4):
+        raise ValueError(f"{path}: does not match {'the adapter' if partial else files(path.parent)[0].name} and "
+                         f"the base model: {problems}")
     orders = file_orders(model)
     for k, (hf, t) in _adapter_tensors(model, name).items():
-        t.copy_(found[k][orders[hf]] if hf in orders else found[k])
+        if k in found:
+            t.copy_(found[k][orders[hf]] if hf in orders else found[k])
+        elif ".lora_B." in k:
+            t.zero_()
 
 
 def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
@@ -187,9 +201,14 @@ def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.
                   num_transformer_submodules=1, num_attention_heads=c.n_heads, num_layers=c.n_layers,
                   prompt_tuning_init="SAMPLE_VOCAB")
     else:
-        hf.update(peft_type="LORA", r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                  target_modules=sorted({part for _, part in peft_names(model)}), use_dora=cfg.method == "dora",
-                  use_rslora=cfg.rslora, bias="none", fan_in_fan_out=False, init_lora_weights=True if cfg.init == "kaiming" else cfg.init,
-                  modules_to_save=None, rank_pattern={}, alpha_pattern={})
+        hf.update(lora_fields(cfg, {peft_target(name) for name in peft_names(model).values()}))
     atomic_write(out / CONFIG, json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def lora_fields(cfg: AdapterConfig, targets) -> dict:
+    """The PEFT LoraConfig fields of a LoRA / DoRA adapter with these target_modules."""
+    return dict(peft_type="LORA", r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                target_modules=sorted(targets), use_dora=cfg.method == "dora", use_rslora=cfg.rslora, bias="none",
+                fan_in_fan_out=False, init_lora_weights=True if cfg.init == "kaiming" else cfg.init,
+                modules_to_save=None, rank_pattern={}, alpha_pattern={})
