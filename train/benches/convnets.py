@@ -4,6 +4,7 @@
     python train/bench.py convnets        # ConvNeXt (V2), EfficientNet-B0, MobileNetV3 vs timm's, eager and compiled
     python train/bench.py drop-path       # stochastic depth computed and zeroed (mask) vs skipped (skip, batch)
     python train/bench.py convnet-recipe  # timm's augmentations on top of the digits preset, equal steps, 3 seeds
+    python train/bench.py vit             # ViT-S/16 and DeiT-S (distilled) vs timm's, 16 x 3 x 224 x 224, fp32 and bf16
 
 A step is forward, cross-entropy, backward, SGD-momentum and zero_grad; both models hold the same weights.
 """
@@ -20,6 +21,7 @@ from train.benches.harness import ROOT
 from train.hardware import sync
 
 ARCHS = ["convnext_tiny", "convnextv2_tiny", "efficientnet_b0", "mobilenetv3_large_100"]
+VITS = ["vit_small_patch16_224", "deit_small_distilled_patch16_224"]
 MODES = ("mask", "skip", "batch")
 RECIPE = "data.auto_augment=trivialaugment,data.random_erasing=0.25,data.mixup_alpha=0.8,data.cutmix_alpha=1.0"
 SETTING = ("device", "batch", "size", "threads", "torch")
@@ -29,12 +31,14 @@ def build_pair(arch: str, num_classes: int):
     """Zoo's model and timm's (random init) with the same weights, fp32, training mode."""
     import timm
 
-    from zoo.convnet import build
-    from zoo.weights.timm_convnet import config_from_state_dict, load_into
+    import zoo
+    from zoo.config import VIT_ARCHS
+    from zoo.weights import timm_convnet, timm_vit
     torch.manual_seed(0)
     ref = timm.create_model(arch, pretrained=False, num_classes=num_classes)
-    model = build(config_from_state_dict(ref.state_dict(), arch))
-    load_into(model, ref.state_dict())
+    layout = timm_vit if arch in VIT_ARCHS else timm_convnet
+    model = zoo.build(layout.config_from_state_dict(ref.state_dict(), arch))
+    timm_convnet.load_into(model, ref.state_dict())
     return model.train(), ref.train()
 
 
@@ -219,21 +223,22 @@ def confidence(out: Path) -> float:
 
 def main(argv=None, preset: str = "resnet"):
     runs = preset == "convnet-recipe"  # loop runs, not timed steps
-    p = harness.parser(preset, __doc__, precision={"convnets": "bf16", "resnet": "fp32,bf16"}.get(preset, "fp32"),
+    p = harness.parser(preset, __doc__, precision={"convnets": "bf16"}.get(preset, "fp32,bf16" if preset in
+                                                                          ("resnet", "vit") else "fp32"),
                        rounds=not runs, keep_memory=not runs, one_precision=runs, seeds=3 if runs else 1)
-    p.add_argument("--batch", type=harness.positive_int, default={"resnet": 16, "drop-path": 32}.get(preset, 64))
+    p.add_argument("--batch", type=harness.positive_int, default={"resnet": 16, "vit": 16, "drop-path": 32}.get(preset, 64))
     p.add_argument("--size", type=harness.positive_int, default=64 if preset == "drop-path" else 224, help="image size")
     p.add_argument("--steps", type=harness.positive_int, default={"convnets": 5, "convnet-recipe": 200}.get(preset, 2),
                    help="timed steps per round (convnet-recipe: training steps)")
     p.add_argument("--warmup", type=int, default=3 if preset == "convnets" else 1,
                    help="untimed steps per side and setting")
     resnets = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
-    p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + resnets, "arch"),
-                   default="resnet50" if preset in ("resnet", "drop-path") else ",".join(ARCHS))
+    p.add_argument("--archs", "--arch", type=harness.name_list(ARCHS + resnets + VITS, "arch"),
+                   default="resnet50" if preset in ("resnet", "drop-path") else ",".join(VITS if preset == "vit" else ARCHS))
     p.add_argument("--modes", type=harness.name_list(("eager", "compiled"), "mode"),
                    default="eager,compiled" if preset == "convnets" else "eager")
     p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
-                   default="contiguous,channels_last")
+                   default="contiguous" if preset == "vit" else "contiguous,channels_last")
     p.add_argument("--device", default="cuda" if preset == "convnets" and torch.cuda.is_available() else "cpu")
     p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.3, 0.5], help="drop-path: last block's rates")
     p.add_argument("--out", default="runs/bench/convnet-recipe")
