@@ -2,6 +2,7 @@
 
     python train/bench.py taesd              # TAESD encode + decode vs diffusers' AutoencoderTiny, same weights
     python train/bench.py dit                # DiT-S/2 training step vs diffusers' DiTTransformer2DModel
+    python train/bench.py flux2              # FLUX.2 training and guided sampling steps vs Flux2Transformer2DModel
     python train/bench.py latent-cache       # training from the latent cache vs encoding every step (TAEF2)
     python train/bench.py min-snr            # Min-SNR-5 vs uniform loss weighting on the digits, equal steps
     python train/bench.py diffusion-quality  # flow vs eps at equal steps, DiT vs U-Net at equal FLOPs, over seeds
@@ -152,6 +153,58 @@ def dit(args) -> tuple[dict, dict]:
         kinds = [*KINDS, "compiled kernels", "optimizer", "other", "total"]
         tables["profile"] = harness.table(["setting", "side", *(f"{k} ms" for k in kinds)], profiles)
     return tables, data
+
+
+def flux2(args) -> tuple[dict, dict]:
+    """Zoo's Flux2 against diffusers' Flux2Transformer2DModel with the same weights (diffusers' init, its folder
+    loaded by zoo.from_pretrained), batch B of `--size`^2 latent tokens and `--text` text tokens. A training step:
+    forward, MSE against a fixed velocity target, backward, fused AdamW, zero_grad. A sampling step: the forward
+    of the prompts and the empty prompt together (2B rows, classifier-free guidance), no gradient."""
+    import diffusers
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    import zoo
+    kw = dict(num_layers=args.double, num_single_layers=args.single, num_attention_heads=args.heads,
+              attention_head_dim=128, axes_dims_rope=(32, 32, 32, 32), in_channels=128,
+              joint_attention_dim=args.text_dim, guidance_embeds=False)
+    torch.manual_seed(0)
+    ref = diffusers.Flux2Transformer2DModel(**kw)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        models = {"zoo": zoo.from_pretrained(tmp), "diffusers": ref}
+    g, B, n = torch.Generator().manual_seed(0), args.batch, args.size
+    x, c = torch.randn(B, n * n, 128, generator=g), torch.randn(B, args.text, args.text_dim, generator=g)
+    t, target = torch.rand(B, generator=g), torch.randn(B, n * n, 128, generator=g)
+    ids = dict(img_ids=Flux2Pipeline._prepare_latent_ids(torch.zeros(B, 1, n, n)),
+               txt_ids=Flux2Pipeline._prepare_text_ids(c))
+    guided = dict(hidden_states=x.repeat(2, 1, 1), encoder_hidden_states=torch.cat([c, torch.zeros_like(c)]),
+                  timestep=t.repeat(2), img_ids=ids["img_ids"].repeat(2, 1, 1), txt_ids=ids["txt_ids"].repeat(2, 1, 1))
+
+    def out(f, name, **a):
+        y = f(**a)
+        return y if name == "zoo" else y.sample
+
+    rows, data = [], {}
+    for p in args.precision:
+        sides = {n_: harness.Side(m, lambda f, n_=n_: F.mse_loss(out(f, n_, hidden_states=x, encoder_hidden_states=c,
+                                                                      timestep=t, **ids).float(), target),
+                                  torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)) for n_, m in models.items()}
+
+        def sample(name, p=p):
+            with torch.no_grad(), harness.autocast(p):
+                return out(models[name].eval(), name, **guided)
+        for kind, calls in (("training step", {n_: (lambda s=s: s.step(p)) for n_, s in sides.items()}),
+                            ("sampling step (CFG)", {n_: (lambda n_=n_: sample(n_)) for n_ in models})):
+            r = harness.run_rounds(calls, args.rounds, calls=args.steps, warmup=1)
+            rows.append([kind, p, f"{r.best('zoo') * 1e3:.0f}", f"{r.best('diffusers') * 1e3:.0f}", *versus(r)])
+            data[f"{kind} {p}"] = r.wall
+            print(f"  {kind} {p}: {r.summary('zoo', 'diffusers')}", flush=True)
+            for m in models.values():
+                m.train()
+    shape = (f"{args.double} double + {args.single} single blocks, width {args.heads * 128}, batch {B}, {n * n} "
+             f"latent + {args.text} text tokens")
+    return {"speed": harness.table(["step", "precision", "zoo ms", "diffusers ms", "zoo speed / diffusers (best "
+                                    "rounds)", "median of paired rounds (range)"], rows, shape)}, data
 
 
 # ---------------------------------------------------------------- latent-cache
@@ -419,13 +472,13 @@ def diffusion_tables(data: dict) -> dict:
 
 
 def main(argv=None, preset: str = "taesd"):
-    speed = preset in ("taesd", "dit", "latent-cache")
-    precision = {"taesd": "fp32,bf16", "dit": "fp32,bf16", "min-snr": ""}.get(preset, "fp32")
+    speed = preset in ("taesd", "dit", "flux2", "latent-cache")
+    precision = {"taesd": "fp32,bf16", "dit": "fp32,bf16", "flux2": "fp32,bf16", "min-snr": ""}.get(preset, "fp32")
     p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
                        one_precision=not speed, out=True, seeds=2 if preset == "diffusion-quality" else 0)
     p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
     p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
-                   help="image (taesd, latent-cache) or latent (dit) size")
+                   help="image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side")
     p.add_argument("--device", default="cpu")
     steps = {"min-snr": None, "diffusion-quality": 300}.get(preset, 2)
     p.add_argument("--steps", type=harness.positive_int, default=steps,
@@ -440,6 +493,10 @@ def main(argv=None, preset: str = "taesd"):
         p.add_argument("--warmup", type=int, default=2, help="untimed steps per side and setting")
         p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                        help="also profile STEPS steps per side and setting")
+    if preset == "flux2":
+        for name, default in (("double", 2), ("single", 4), ("heads", 4), ("text", 32), ("text-dim", 768)):
+            p.add_argument(f"--{name}", type=harness.positive_int, default=default,
+                           help="double-stream blocks, single-stream blocks, heads of 128, text tokens, text width")
     if preset == "latent-cache":
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
     if preset == "min-snr":
@@ -451,7 +508,7 @@ def main(argv=None, preset: str = "taesd"):
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
         return
     harness.setup(args)
-    run = {"taesd": taesd, "dit": dit, "latent-cache": latent_cache, "min-snr": min_snr,
+    run = {"taesd": taesd, "dit": dit, "flux2": flux2, "latent-cache": latent_cache, "min-snr": min_snr,
            "diffusion-quality": diffusion_quality}
     harness.save(args, *run[preset](args))
 
