@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks.mmdit import DoubleStreamBlock, Modulation, SingleStreamBlock, TimeGuidanceEmbedder, rope_4d
+from ..blocks.mmdit import (DoubleStreamBlock, Modulation, SingleStreamBlock, TimeGuidanceEmbedder, modulated,
+                            rope_4d)
 from ..config import Flux2Config, check
 
 
@@ -30,7 +31,7 @@ class OutputNorm(nn.Module):
 
     def forward(self, x, temb):
         scale, shift = self.linear(F.silu(temb)).unsqueeze(1).chunk(2, -1)
-        return F.layer_norm(x, (x.shape[-1],), eps=self.eps) * (1 + scale) + shift
+        return modulated(x, shift, scale, self.eps)
 
 
 class Flux2(nn.Module):
