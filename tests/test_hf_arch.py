@@ -133,7 +133,8 @@ CASES = {
         mamba_n_groups=3, mamba_expand=3, mamba_d_state=12, mamba_chunk_size=32, mamba_d_conv=3, mamba_conv_bias=False,
         mamba_proj_bias=True, num_local_experts=0, shared_intermediate_size=80, attention_bias=True,
         position_embedding_type="rope", embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3,
-        logits_scaling=2.5, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 5e4})),
+        logits_scaling=2.5, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+        time_step_limit=(0.05, 0.4))),
 }
 
 

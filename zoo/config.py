@@ -373,6 +373,9 @@ class RecurrentConfig:
     conv_bias: bool = False                 # mamba: a bias on the convolution; conv: on it and both projections
     bias: bool = False                      # mamba: biases on in_proj and out_proj
     chunk: int = bounded(64, gt=0)          # tokens per chunk of the chunked scan (training, prefill)
+    dt_min: float = bounded(0.0, ge=0)      # mamba: the least step size, clamped after its softplus (Granite's
+                                            # time_step_limit[0])
+    dt_max: Optional[float] = bounded(None, gt=0)  # mamba: the largest step size; null: no limit (time_step_limit[1])
 
 
 DEPTH_ASPECT_RATIO, DEPTH_HEAD_DIM = 64, 128  # model.depth: d_model per layer, and the head size it is rounded to

@@ -73,7 +73,7 @@ def recurrent_block(cfg: LLMConfig, kind: str) -> nn.Module:
         return ShortConv(d, r.conv_kernel, r.conv_bias)
     if kind == "mamba":
         return Mamba2(d, r.n_heads, r.head_dim, r.state_size, r.n_groups, r.conv_kernel, r.chunk, r.bias, r.conv_bias,
-                      cfg.norm_eps)
+                      cfg.norm_eps, (r.dt_min, r.dt_max or math.inf))
     return GatedDeltaNet(d, r.n_heads, r.head_dim, r.n_v_heads, r.v_head_dim, r.conv_kernel, cfg.norm_eps, r.chunk)
 
 

@@ -26,10 +26,9 @@ class GraniteMoeHybrid(Record):
     types = {"linear_attention": "mamba", "attention": "full_attention"}
 
     def config(self, hf, get, n_layers):
-        limit = get("time_step_limit") or (0.0, math.inf)
-        if get("hidden_act", "silu") != "silu" or limit[0] != 0 or limit[1] not in INFINITE:
-            raise ValueError(f"hidden_act={get('hidden_act')!r}, time_step_limit={limit} are not supported (silu, "
-                             f"no limit: Zoo's Mamba-2 layers)")
+        if get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={get('hidden_act')!r} is not supported (silu: Zoo's Mamba-2 layers)")
+        low, high = get("time_step_limit") or (0.0, math.inf)
         heads, experts, shared = get("mamba_n_heads"), get("num_local_experts"), get("shared_intermediate_size")
         head = get("mamba_d_head")
         out = {"embed_multiplier": float(get("embedding_multiplier")), "logit_scale": 1 / get("logits_scaling"),
@@ -40,7 +39,8 @@ class GraniteMoeHybrid(Record):
                                  if head == "auto" else head, state_size=get("mamba_d_state"),
                                  n_groups=get("mamba_n_groups"), conv_kernel=get("mamba_d_conv"),
                                  conv_bias=bool(get("mamba_conv_bias")), bias=bool(get("mamba_proj_bias")),
-                                 chunk=get("mamba_chunk_size"))}
+                                 chunk=get("mamba_chunk_size"),
+                                 dt_min=float(low), dt_max=None if high in INFINITE else float(high))}
         if not hf.get("layer_types"):  # transformers' default: every layer Mamba-2
             out["layer_types"] = ["mamba"]
         if experts:
@@ -58,6 +58,7 @@ class GraniteMoeHybrid(Record):
                 "mamba_n_heads": r.n_heads, "mamba_d_head": r.head_dim, "mamba_expand": r.n_heads * r.head_dim //
                 cfg.d_model, "mamba_d_state": r.state_size, "mamba_n_groups": r.n_groups, "mamba_d_conv": r.conv_kernel,
                 "mamba_conv_bias": r.conv_bias, "mamba_proj_bias": r.bias, "mamba_chunk_size": r.chunk,
+                "time_step_limit": [r.dt_min, r.dt_max or math.inf],
                 "num_local_experts": m.n_experts if m else 0,
                 "intermediate_size": cfg.resolved_expert_hidden if m else cfg.resolved_ffn_hidden,
                 "shared_intermediate_size": m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden) if m
