@@ -24,5 +24,6 @@ RECORDS: dict[str, Record] = {r.hf_class: r for r in (
     Qwen3_5Moe(), GraniteMoeHybrid())}
 BY_MODEL_TYPE = {r.model_type: r for r in RECORDS.values()}
 BY_GGUF = {r.gguf: r for r in RECORDS.values() if r.gguf}
+BY_WRAPPER = {r.wrapper[0]: r for r in RECORDS.values() if r.wrapper}
 
-__all__ = ["RECORDS", "BY_MODEL_TYPE", "BY_GGUF", "FEATURES", "Record", "features", "interleaved"]
+__all__ = ["RECORDS", "BY_MODEL_TYPE", "BY_GGUF", "BY_WRAPPER", "FEATURES", "Record", "features", "interleaved"]

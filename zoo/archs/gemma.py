@@ -74,7 +74,7 @@ class Gemma4(Gemma3):
                 "vocab_size_per_layer_input": 262144, "rope_parameters": {
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}}
-    norm_offset, old_rope = 0.0, False
+    norm_offset, old_rope, wrapper = 0.0, False, ("gemma4", "model.language_model.")
     gguf, gguf_writes = None, False
 
     def default_local(self, hf, get, n_layers):  # transformers makes the last layer global
@@ -105,7 +105,8 @@ class Gemma4(Gemma3):
             over = {int(k): v for k, v in (hf["per_layer_config"] or {}).items()}
             full = [i for i, t in enumerate(types) if t == "full_attention"]
             one = over.get(full[0], {}) if full else {}
-            if sorted(over) != full or any(v != one for v in over.values()) or set(one) - {"head_dim", "num_key_value_heads"}:
+            if set(over) - set(full) or any(over.get(i, {}) != one for i in full) or \
+                    set(one) - {"head_dim", "num_key_value_heads"}:
                 raise ValueError("per_layer_config must give every full_attention layer the same head_dim / "
                                  "num_key_value_heads, and nothing else")
             gd, gkv = one.get("head_dim", head_dim), one.get("num_key_value_heads", n_kv)

@@ -97,6 +97,8 @@ class Record:
     mixers: dict = {}                      # recurrent layer type -> its module in a file's layer ("conv": "conv");
                                            # a class with mixers reads and writes config.json's layer_types
     types: dict = {}                       # its layer_types' names that are not Zoo's -> Zoo's ("attention": ...)
+    wrapper: Optional[tuple] = None        # (model_type, tensor prefix) of a multimodal class's folder holding this
+                                           # class's model as its text_config
     old_rope = True                        # config.json also gets 4.x's rope_theta and rope_scaling (a class
                                            # transformers 4 lacks: False)
     gguf: Optional[str] = None             # llama.cpp's architecture name, when Zoo reads GGUF files of it

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..archs import BY_MODEL_TYPE, FEATURES, RECORDS, Record, features
+from ..archs import BY_MODEL_TYPE, BY_WRAPPER, FEATURES, RECORDS, Record, features
 from ..config import RECURRENT_TYPES, ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import FILE_DTYPES, atomic_write, mismatches, read_json, read_safetensors_header, save_safetensors
 
@@ -556,14 +556,26 @@ def detect(path) -> bool:
     except (ValueError, OSError):  # none, or not a JSON object
         return False
     archs = hf.get("architectures") or []
-    return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in BY_MODEL_TYPE
+    return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or \
+        hf.get("model_type") in BY_MODEL_TYPE or hf.get("model_type") in BY_WRAPPER
+
+
+def unwrap(hf: dict) -> tuple[dict, str]:
+    """A multimodal class's config.json (a record's `wrapper`) -> (its text model's config.json, the prefix its tensors
+    carry in place of 'model.'); any other -> (hf, '')."""
+    rec = BY_WRAPPER.get(hf.get("model_type"))
+    if rec is None or not isinstance(hf.get("text_config"), dict):
+        return hf, ""
+    dtype = {"dtype": hf.get("dtype", hf.get("torch_dtype"))}
+    tie = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}  # the outer model's
+    return {**dtype, **hf["text_config"], **tie, "architectures": [rec.hf_class], "model_type": rec.model_type}, rec.wrapper[1]
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
     """Load a Hugging Face folder into a Zoo LLM; dtype None / "auto": the checkpoint's (else fp32)."""
     folder = _folder(path)
     cfg_file = folder / "config.json"
-    hf = read_json(cfg_file)
+    hf, outer = unwrap(read_json(cfg_file))
     cfg, arch = config_from_hf(hf, str(cfg_file))
     rec = RECORDS[arch]
     dtype = _resolve_dtype(dtype, hf, str(cfg_file))
@@ -573,10 +585,14 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     headers = {f: read_safetensors_header(f)[::2] for f in weight_files(folder)}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
+    if outer:  # the text model's tensors inside a multimodal folder; the other towers' left unread
+        kmap = {k: [(outer + n.removeprefix("model.") if n.startswith("model.") else n, *rest) for n, *rest in parts]
+                for k, parts in kmap.items()}
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape, *_ in parts}
     # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
     problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq")
-                          or (cfg.tie_embeddings and n == "lm_head.weight"))
+                          or (cfg.tie_embeddings and n == "lm_head.weight")
+                          or (outer and not n.startswith((outer, "lm_head."))))
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 
