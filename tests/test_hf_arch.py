@@ -1,5 +1,6 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
-zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GLM-4, Cohere 2, GPT-OSS,
+zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer
+inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars), GLM-4, Cohere 2, GPT-OSS,
 DeepSeek-V3, Mistral 4, LFM2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on
 load and joined on save; a gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one
 chunk, dense or with experts, muP's multipliers), each at two small shapes, the second with its features at
@@ -12,7 +13,7 @@ Reference: transformers' random-init model (std 0.1, gains around 1, as in tests
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
 KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / rope_local_base_freq /
 partial_rotary_factor at the top level, torch_dtype); Zoo's export loads back in transformers as the same
-class with the same logits.
+class with the same logits; Gemma 4, which has no 4.x dialect: the multimodal class's folder wrapping it instead.
 """
 import copy
 import dataclasses
