@@ -271,6 +271,42 @@ def test_hybrid_refusals(tmp_path):
         hf_llm.save(z, tmp_path / "out")
 
 
+def test_gemma4_refusals(tmp_path):
+    """A Gemma 4 folder Zoo cannot hold (experts beside the MLP, bidirectional attention, a last layer transformers
+    would turn global, global layers of several shapes), a model a Gemma4ForCausalLM cannot hold, and KV-sharing
+    layers with no earlier layer of their kind are one-line errors naming the key."""
+    from zoo.config import ConfigError
+    from zoo.weights import hf_llm
+    hf_model("Gemma4Text", **CASES["gemma4"][1]).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for bad, match in (({"enable_moe_block": True}, "enable_moe_block=True is not supported"),
+                       ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported"),
+                       ({"layer_types": [SLIDING, FULL, FULL, SLIDING]}, "layer_types ends in 'sliding_attention'"),
+                       ({"per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 16}}}, "per_layer_config must")):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ConfigError, match=match):
+            zoo.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    scaled = dataclasses.replace(zoo.from_pretrained(tmp_path).config, query_pre_attn_scalar=2.0)
+    with pytest.raises(ValueError, match="a Gemma4ForCausalLM has no query_pre_attn_scalar but 1"):
+        hf_llm.architecture_for(scaled)
+    with pytest.raises(ConfigError, match="kv_shared_layers=1 needs an earlier attention layer of each"):
+        zoo.build(dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, sliding_window=4, kv_shared_layers=1,
+                       attn_pattern=["local", "local", "local", "global"]))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_gemma4_left_padded_rows_decode_alone(tmp_path):
+    """KV-sharing layers on masked caches: a left-padded batch of two prompts gives each row's greedy tokens alone."""
+    hf_model("Gemma4Text", **CASES["gemma4"][1]).save_pretrained(tmp_path)
+    z = zoo.from_pretrained(tmp_path)
+    a, b = tokens(seed=5, shape=(1, 12)), tokens(seed=6, shape=(1, 7))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    out = z.generate(torch.cat([a, torch.nn.functional.pad(b, (5, 0))]), 10, attention_mask=mask)
+    assert torch.equal(out[:1], z.generate(a, 10)) and torch.equal(out[1:, 5:], z.generate(b, 10))
+
+
 def test_final_softcap_caps_and_chunked_loss_refuses():
     z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
     x = torch.randint(0, 64, (1, 8))
