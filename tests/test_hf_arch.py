@@ -111,6 +111,16 @@ CASES = {
         first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
         qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
+    "deepseek-v32": ("DeepseekV32", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                                         num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                         moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+                                         qk_nope_head_dim=12, v_head_dim=10, index_topk=8, index_head_dim=16,
+                                         index_n_heads=2)),
+    "deepseek-v32-top5-heads3-yarn-raw-topk": ("DeepseekV32", dict(
+        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1,
+        first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=20, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5, index_topk=5,
+        index_head_dim=12, index_n_heads=3, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
     "lfm2": ("Lfm2", dict(layer_types=[CONV, FULL, CONV, FULL])),
     "lfm2-kernel5-bias-mqa-untied-ffn-rounding": ("Lfm2", dict(
         num_key_value_heads=1, conv_L_cache=5, conv_bias=True, tie_word_embeddings=False,
@@ -184,7 +194,7 @@ def to_4x(cfg: dict) -> dict:
     return cfg
 
 
-SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied"}
+SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied", "deepseek-v32-top5-heads3-yarn-raw-topk"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
@@ -307,6 +317,25 @@ def test_gemma4_left_padded_rows_decode_alone(tmp_path):
     assert torch.equal(out[:1], z.generate(a, 10)) and torch.equal(out[1:, 5:], z.generate(b, 10))
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_lightning_indexer_selects(tmp_path):
+    """DeepSeek-V3.2's parity (test_parity_dialects_and_export) holds because the same keys are kept: the same weights
+    attending to every key (a top-k past the sequence) give other logits past the first index_topk positions."""
+    hf = hf_model(*CASES["deepseek-v32"][:1], **CASES["deepseek-v32"][1])
+    hf.save_pretrained(tmp_path)
+    z = zoo.from_pretrained(tmp_path)
+    cfg = copy.deepcopy(z.config)
+    cfg.mla.index_topk = 1000
+    dense = zoo.build(cfg).eval()
+    dense.load_state_dict(z.state_dict())
+    x, k = tokens(), z.config.mla.index_topk
+    with torch.no_grad():
+        ref, sparse, every = hf(x).logits, z(x), dense(x)
+    assert (ref - sparse).abs().max() <= 1e-4
+    assert (every[:, :k] - sparse[:, :k]).abs().max() <= 1e-5  # up to k keys: all kept
+    assert (ref[:, k:] - every[:, k:]).abs().max() > 1e-2
+
+
 def test_final_softcap_caps_and_chunked_loss_refuses():
     z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
     x = torch.randint(0, 64, (1, 8))
@@ -345,7 +374,7 @@ def test_preset_is_its_architecture(preset):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn"])
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn", "deepseek-v32"])
 def test_absorbed_latent_attention_decodes_as_the_expanded(tmp_path, case):
     """`mla.absorb`: on the cache (a prefill of 12, a chunk of 3, then single tokens) the logits equal the
     expanded attention's (1e-4, fp32) and 20 greedy tokens are the same."""

@@ -358,6 +358,10 @@ class MLAConfig:
     v_dim: int = bounded(128, gt=0)         # per-head value width
     absorb: bool = False                    # decoding on the cache: kv_b folded into the query and the output, the
                                             # attention over the latents (same numbers; less work for a small kv_rank)
+    index_heads: int = bounded(0, ge=0)     # DeepSeek-V3.2's lightning indexer: its heads (each query attends to the
+                                            # `index_topk` keys it scores highest); 0 = every key (needs `q_rank`)
+    index_dim: int = bounded(128, gt=0)     # the indexer's head width (its first `rope_dim` channels rotated)
+    index_topk: int = bounded(2048, gt=0)   # the keys each query keeps
 
 
 @dataclass
@@ -526,6 +530,9 @@ class LLMConfig:
                                                        f"through a key mask)")
         if self.parallel_block and self.norm_placement != "pre":
             raise fail(source, p + "parallel_block", f"needs {p}norm_placement=pre, got {self.norm_placement}")
+        if self.mla and self.mla.index_heads and not self.mla.q_rank:
+            raise fail(source, p + "mla.index_heads", f"={self.mla.index_heads}: the lightning indexer reads the query "
+                                                      f"bottleneck; set {p}mla.q_rank")
         if self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None:
             raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
         if self.layer_types and self.attn_pattern:

@@ -64,7 +64,8 @@ def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
     if s is not None and s.type == "yarn" and s.mscale_all_dim and s.factor > 1:
         scale *= (0.1 * s.mscale_all_dim * math.log(s.factor) + 1) ** 2
     return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
-                                    cfg.norm_eps, scale, m.absorb)
+                                    cfg.norm_eps, scale, m.absorb,
+                                    (m.index_heads, m.index_dim, m.index_topk) if m.index_heads else None)
 
 
 def recurrent_block(cfg: LLMConfig, kind: str) -> nn.Module:
@@ -450,7 +451,9 @@ class LLM(nn.Module):
                 with torch.no_grad():
                     return StateCache(block.mixer(torch.zeros(batch, 1, cfg.d_model, device=device, dtype=p.dtype))[1])
             if cfg.mla:
-                return LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device, dtype)
+                m = cfg.mla  # the latent, the shared RoPE key, the indexer's key
+                return LatentKVCache(batch, max_len, m.kv_rank + m.rope_dim + m.index_dim * (m.index_heads > 0), device,
+                                     dtype)
             n_kv, head_dim = cfg.attn_shape(i)  # a KV-sharing layer reads another's: it holds none
             return (MaskedKVCache if masked or cfg.is_mod(i) else KVCache)(
                 batch, n_kv, 0 if cfg.kv_shared(i) else max_len, head_dim, device, dtype)

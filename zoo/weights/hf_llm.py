@@ -435,6 +435,13 @@ def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
     m = {z + "attn.kv_a.weight": [(a + "kv_a_proj_with_mqa.weight", (mla.kv_rank + mla.rope_dim, d))],
          z + "attn.kv_norm.weight": [(a + "kv_a_layernorm.weight", (mla.kv_rank,))],
          z + "attn.kv_b.weight": [(a + "kv_b_proj.weight", (H * (mla.nope_dim + mla.v_dim), mla.kv_rank))]}
+    if mla.index_heads:  # DeepSeek-V3.2's lightning indexer
+        i, D = a + "indexer.", mla.index_dim
+        m.update({z + "attn.indexer.q.weight": [(i + "wq_b.weight", (mla.index_heads * D, mla.q_rank))],
+                  z + "attn.indexer.k.weight": [(i + "wk.weight", (D, d))],
+                  z + "attn.indexer.k_norm.weight": [(i + "k_norm.weight", (D,))],
+                  z + "attn.indexer.k_norm.bias": [(i + "k_norm.bias", (D,))],
+                  z + "attn.indexer.weights.weight": [(i + "weights_proj.weight", (mla.index_heads, d))]})
     if mla.q_rank is None:
         return {**m, z + "attn.q_b.weight": [(a + "q_proj.weight", (qk, d))]}
     return {**m, z + "attn.q_a.weight": [(a + "q_a_proj.weight", (mla.q_rank, d))],
