@@ -1,6 +1,6 @@
 """The newer architectures (test_hf_arch.py's cases) through what fine-tuning uses: LoRA, DoRA and QLoRA on
 their default targets (Phi-3's fused qkv_proj / gate_up_proj, the latent attention's q_a / q_b / kv_a / kv_b, the
-recurrent layers' projections of LFM2, Qwen3.5 and Qwen3-Next),
+recurrent layers' projections of LFM2, Qwen3.5 and Qwen3-Next; Gemma 4's layers without k / v of their own),
 one training step, the PEFT export, activation checkpointing and torch.compile.
 
 Reference: transformers' random-init model of each case (test_hf_arch.hf_model), loaded into Zoo; after
@@ -32,7 +32,7 @@ TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS = {"qwen3": "qlora", "smollm3": "dora", "olmo2": "lora", "phi3-window": "dora", "gemma2": "lora",
            "gemma3": "dora", "gpt-oss": "qlora", "deepseek-v3": "dora", "deepseek-v3-no-q-rank-yarn": "lora",
-           "lfm2": "lora", "qwen3_5": "dora", "qwen3_next": "lora"}
+           "lfm2": "lora", "qwen3_5": "dora", "qwen3_next": "lora", "gemma4": "lora"}
 # latent attention; soft-caps; local/global, sandwich norms; a short convolution; Gated DeltaNet
 COMPILED = ("deepseek-v3", "gemma2", "gemma3", "lfm2", "qwen3_5")
 RUNTIME = TrainConfig(chunked_loss=False)  # the final soft-cap needs the full logits

@@ -48,6 +48,16 @@ SMOKE = {
         xg = (x * torch.nn.functional.silu(g)).unflatten(-1, (2, 4))
         assert (halves - (xg / (xg.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).flatten(-2)).abs().max() < 1e-5
     """,
+    "per_layer.py": """
+        from per_layer import PerLayerInput, PerLayerInputs
+        ids, x = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 16)
+        inputs = PerLayerInputs(10, 16, 3, 4)(ids, x)
+        assert inputs.shape == (2, 5, 3, 4)
+        layer = PerLayerInput(16, 4)
+        y = layer(x, inputs[:, :, 0])
+        torch.nn.init.zeros_(layer.out.weight)  # a zero output projection adds nothing
+        assert y.shape == x.shape and not torch.equal(y, x) and torch.equal(layer(x, inputs[:, :, 0]), x)
+    """,
     "rope.py": """
         from rope import RotaryEmbedding, apply_rope
         cos, sin = RotaryEmbedding(8, 16)(0, 5, torch.float32)

@@ -1,18 +1,18 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
-zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), GLM-4, Cohere 2, GPT-OSS,
-DeepSeek-V3, Mistral 4, LFM2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on
-load and joined on save; a gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one
-chunk, dense or with experts, muP's multipliers), each at two small shapes, the second with its features at
-non-default values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary,
-LongRoPE / YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short
-original context, logit scales, biases, state sizes, groups, kernels); the presets of their families against
-transformers' classes.
-
+zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer
+inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars), GLM-4, Cohere 2,
+GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence has), Mistral 4, LFM2,
+Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and joined on save; a
+gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk, dense or with
+experts, muP's multipliers), each at two small shapes, the second with its features at non-default values (windows
+shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE / YaRN / linear
+scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short original context, logit
+scales, biases, state sizes, groups, kernels); the presets of their families against transformers' classes.
 Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
 KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / rope_local_base_freq /
 partial_rotary_factor at the top level, torch_dtype); Zoo's export loads back in transformers as the same
-class with the same logits.
+class with the same logits; Gemma 4, which has no 4.x dialect: the multimodal class's folder wrapping it instead.
 """
 import copy
 import dataclasses
@@ -63,6 +63,16 @@ CASES = {
         attn_logit_softcapping=3.0, layer_types=[SLIDING, FULL, SLIDING, FULL], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    "gemma4": ("Gemma4Text", dict(head_dim=16, global_head_dim=32, sliding_window=8, layer_types=[SLIDING, FULL] * 2,
+                                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=300, num_kv_shared_layers=2)),
+    "gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied": ("Gemma4Text", dict(
+        num_hidden_layers=6, head_dim=24, global_head_dim=40, attention_k_eq_v=True, num_global_key_value_heads=1,
+        sliding_window=6, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, FULL], hidden_size_per_layer_input=12,
+        vocab_size_per_layer_input=300, num_kv_shared_layers=3, use_double_wide_mlp=True, final_logit_softcapping=4.0,
+        tie_word_embeddings=False, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
+                               "rope_theta": 1e5}})),
     "gpt-oss": ("GptOss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                                swiglu_limit=0.3, rope_parameters=dict(YARN, truncate=False))),
     "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
@@ -100,6 +110,16 @@ CASES = {
         first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
         qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
+    "deepseek-v32": ("DeepseekV32", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                                         num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                         moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+                                         qk_nope_head_dim=12, v_head_dim=10, index_topk=8, index_head_dim=16,
+                                         index_n_heads=2)),
+    "deepseek-v32-top5-heads3-yarn-raw-topk": ("DeepseekV32", dict(
+        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1,
+        first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=20, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5, index_topk=5,
+        index_head_dim=12, index_n_heads=3, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
     "lfm2": ("Lfm2", dict(layer_types=[CONV, FULL, CONV, FULL])),
     "lfm2-kernel5-bias-mqa-untied-ffn-rounding": ("Lfm2", dict(
         num_key_value_heads=1, conv_L_cache=5, conv_bias=True, tie_word_embeddings=False,
@@ -144,9 +164,13 @@ def hf_model(kind, **kw):
     cfg._experts_implementation = "eager"
     model_cls = getattr(transformers, kind.removesuffix("Text") + "ForCausalLM")
     model = randomize(model_cls(cfg)).eval()
-    for name, b in model.named_buffers():  # DeepSeek's routing bias: non-zero, so that it shows
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.1 * torch.randn(b.shape, generator=torch.Generator().manual_seed(3)))
+    for name, b in model.named_buffers():  # DeepSeek's routing bias, Gemma 4's layer scalars: not their init
+        if name.endswith(("e_score_correction_bias", "layer_scalar")):
+            b.copy_(0.1 * torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) + name.endswith("scalar"))
+    if kind == "Gemma4Text":  # scores unscaled by the head size: the q gains carry it, as a trained model's, so that
+        with torch.no_grad():  # fp32 rounding (sdpa against eager in transformers alone) stays well inside 1e-4
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.mul_(layer.self_attn.head_dim ** -0.5)
     return model
 
 
@@ -170,7 +194,10 @@ def to_4x(cfg: dict) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("case", CASES)
+SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied", "deepseek-v32-top5-heads3-yarn-raw-topk"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_parity_dialects_and_export(tmp_path, case):
     kind, kw = CASES[case]
     hf = hf_model(kind, **kw)
@@ -190,6 +217,13 @@ def test_parity_dialects_and_export(tmp_path, case):
         assert_same_logits(hf, other, x)
     assert_same_generation(hf, z)
 
+    zoo.save_pretrained(z, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == arch
+    assert_same_logits(back, z, x)
+
+    if kind == "Gemma4Text":  # no 4.x dialect: the multimodal class's folder, its text model inside, instead
+        return assert_same_wrapped(hf, tmp_path / "wrapped", x)
     old = tmp_path / "4x"
     old.mkdir()
     (old / "model.safetensors").symlink_to(tmp_path / "in" / "model.safetensors")
@@ -197,10 +231,20 @@ def test_parity_dialects_and_export(tmp_path, case):
     assert "rope_parameters" not in json.loads((old / "config.json").read_text())
     assert_same_logits(hf, zoo.from_pretrained(old), x)
 
-    zoo.save_pretrained(z, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back).__name__ == arch
-    assert_same_logits(back, z, x)
+
+def assert_same_wrapped(hf, folder, x):
+    """Gemma4ForConditionalGeneration's folder (config.json's text_config, the text model's tensors under
+    model.language_model.) of the same weights loads as the text model, with the same logits."""
+    tied = hf.config.tie_word_embeddings  # the outer config's key ties the head
+    wrapped = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=hf.config, tie_word_embeddings=tied)).eval()
+    wrapped.model.language_model.load_state_dict(hf.model.state_dict())
+    wrapped.lm_head.load_state_dict(hf.lm_head.state_dict())
+    wrapped.save_pretrained(folder)
+    assert "text_config" in json.loads((folder / "config.json").read_text())
+    z = zoo.from_pretrained(folder)
+    assert z.hf_architecture == "Gemma4ForCausalLM"
+    assert_same_logits(hf, z, x)
 
 
 def test_features_refused_together(tmp_path):
@@ -237,6 +281,61 @@ def test_hybrid_refusals(tmp_path):
         hf_llm.save(z, tmp_path / "out")
 
 
+def test_gemma4_refusals(tmp_path):
+    """A Gemma 4 folder Zoo cannot hold (experts beside the MLP, bidirectional attention, a last layer transformers
+    would turn global, global layers of several shapes), a model a Gemma4ForCausalLM cannot hold, and KV-sharing
+    layers with no earlier layer of their kind are one-line errors naming the key."""
+    from zoo.config import ConfigError
+    from zoo.weights import hf_llm
+    hf_model("Gemma4Text", **CASES["gemma4"][1]).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for bad, match in (({"enable_moe_block": True}, "enable_moe_block=True is not supported"),
+                       ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported"),
+                       ({"layer_types": [SLIDING, FULL, FULL, SLIDING]}, "layer_types ends in 'sliding_attention'"),
+                       ({"per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 16}}}, "per_layer_config must")):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ConfigError, match=match):
+            zoo.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    scaled = dataclasses.replace(zoo.from_pretrained(tmp_path).config, query_pre_attn_scalar=2.0)
+    with pytest.raises(ValueError, match="a Gemma4ForCausalLM has no query_pre_attn_scalar but 1"):
+        hf_llm.architecture_for(scaled)
+    with pytest.raises(ConfigError, match="kv_shared_layers=1 needs an earlier attention layer of each"):
+        zoo.build(dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, sliding_window=4, kv_shared_layers=1,
+                       attn_pattern=["local", "local", "local", "global"]))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_gemma4_left_padded_rows_decode_alone(tmp_path):
+    """KV-sharing layers on masked caches: a left-padded batch of two prompts gives each row's greedy tokens alone."""
+    hf_model("Gemma4Text", **CASES["gemma4"][1]).save_pretrained(tmp_path)
+    z = zoo.from_pretrained(tmp_path)
+    a, b = tokens(seed=5, shape=(1, 12)), tokens(seed=6, shape=(1, 7))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    out = z.generate(torch.cat([a, torch.nn.functional.pad(b, (5, 0))]), 10, attention_mask=mask)
+    assert torch.equal(out[:1], z.generate(a, 10)) and torch.equal(out[1:, 5:], z.generate(b, 10))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_lightning_indexer_selects(tmp_path):
+    """DeepSeek-V3.2's parity (test_parity_dialects_and_export) holds because the same keys are kept: the same weights
+    attending to every key (a top-k past the sequence) give other logits past the first index_topk positions."""
+    hf = hf_model(*CASES["deepseek-v32"][:1], **CASES["deepseek-v32"][1])
+    hf.save_pretrained(tmp_path)
+    z = zoo.from_pretrained(tmp_path)
+    cfg = copy.deepcopy(z.config)
+    cfg.mla.index_topk = 1000
+    dense = zoo.build(cfg).eval()
+    dense.load_state_dict(z.state_dict())
+    x, k = tokens(), z.config.mla.index_topk
+    with torch.no_grad():
+        ref, sparse, every = hf(x).logits, z(x), dense(x)
+    assert (ref - sparse).abs().max() <= 1e-4
+    assert (every[:, :k] - sparse[:, :k]).abs().max() <= 1e-5  # up to k keys: all kept
+    assert (ref[:, k:] - every[:, k:]).abs().max() > 1e-2
+
+
 def test_final_softcap_caps_and_chunked_loss_refuses():
     z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
     x = torch.randint(0, 64, (1, 8))
@@ -249,10 +348,12 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
 
 
 PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
+           "gemma4-e2b": "Gemma4ForCausalLM",
            "olmo3-7b": "Olmo3ForCausalLM", "glm4-9b": "Glm4ForCausalLM", "cohere2-7b": "Cohere2ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
-           "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
+           "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
+           "deepseek-v32": "DeepseekV32ForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
            "qwen3_5-0.8b": "Qwen3_5ForCausalLM", "qwen3-next-80b-a3b": "Qwen3NextForCausalLM",
            "granite-4.0-h-tiny": "GraniteMoeHybridForCausalLM"}
 
@@ -274,7 +375,7 @@ def test_preset_is_its_architecture(preset):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn"])
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn", "deepseek-v32"])
 def test_absorbed_latent_attention_decodes_as_the_expanded(tmp_path, case):
     """`mla.absorb`: on the cache (a prefill of 12, a chunk of 3, then single tokens) the logits equal the
     expanded attention's (1e-4, fp32) and 20 greedy tokens are the same."""

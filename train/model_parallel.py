@@ -47,7 +47,9 @@ def refusal(cfg, world: int) -> Optional[str]:
                 "train.batch_size": t.batch_size == "auto", "data.format": cfg.data.format != "text",
                 "model.qk_norm": tp and m.qk_norm, "model.attn_sinks": tp and m.attn_sinks,
                 "model.attn_gate": tp and m.attn_gate, "model.layer_types": tp and bool(RECURRENT_TYPES & set(m.layer_types)),
-                "model.final_softcap": not tp and m.final_softcap is not None}
+                "model.final_softcap": not tp and m.final_softcap is not None,
+                "model.kv_shared_layers": m.kv_shared_layers, "model.per_layer_dim": m.per_layer_dim,
+                "model.global_head_dim": tp and (m.global_head_dim or m.global_n_kv_heads or m.global_kv_same)}
     if key := next((k for k, on in features.items() if on), None):
         return f"{key} does not combine with {how} (it covers the dense LLM's pretraining; use ddp or fsdp)"
     if not tp and isinstance(t.batch_size, int) and t.batch_size % t.pp_microbatches:

@@ -98,7 +98,7 @@ def lora_sites(model: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
                 split = {k.rsplit(".", 2)[-2] for k in rec.split_rows(cfg)}
                 sites.update({z + "mixer." + n: [(n, m.out_features, x + n)] for n, m in layer.mixer.named_children()
                               if hasattr(m, "out_features") and n not in split})
-            for m, n, rows in [] if layer.recurrent else _attention_sites(cfg, rec):
+            for m, n, rows in [] if layer.recurrent else _attention_sites(cfg, rec, layer.attn):
                 sites.setdefault(z + "attn." + m, []).append((n, rows, h + "self_attn." + n))
             mlp = layer.mlp
             if hasattr(mlp, "router"):  # MoE: the shared expert only
@@ -137,19 +137,19 @@ def _record(model: nn.Module):
         return Record()
 
 
-def _attention_sites(cfg, rec) -> list[tuple[str, str, int]]:
-    """[(Zoo module under attn., PEFT name, rows), ...] of one attention layer, a fused module's parts
-    in row order."""
+def _attention_sites(cfg, rec, attn) -> list[tuple[str, str, int]]:
+    """[(Zoo module under attn., PEFT name, rows), ...] of one attention layer `attn`, a fused module's parts
+    in row order (no k / v where it projects none: KV sharing, values its keys)."""
     if cfg.mla:
         a, H = cfg.mla, cfg.n_heads
         q = [("q_a", "q_a_proj", a.q_rank), ("q_b", "q_b_proj", H * (a.nope_dim + a.rope_dim))] if a.q_rank else \
             [("q_b", "q_proj", H * (a.nope_dim + a.rope_dim))]
         return q + [("kv_a", "kv_a_proj_with_mqa", a.kv_rank + a.rope_dim),
                     ("kv_b", "kv_b_proj", H * (a.nope_dim + a.v_dim)), ("proj", "o_proj", cfg.d_model)]
-    D = cfg.resolved_head_dim
-    q, kv = cfg.n_heads * D * (1 + cfg.attn_gate), cfg.resolved_n_kv_heads * D  # a gate: q_proj's rows doubled
-    qkv = [("qkv", "qkv_proj", q + 2 * kv)] if "qkv_proj" in rec.fused else \
-        [("qkv", "q_proj", q), ("qkv", "k_proj", kv), ("qkv", "v_proj", kv)]
+    D = attn.head_dim
+    q, k, v = cfg.n_heads * D * (1 + cfg.attn_gate), attn.k_rows * D, attn.v_rows * D  # a gate: q_proj's rows doubled
+    qkv = [("qkv", "qkv_proj", q + k + v)] if "qkv_proj" in rec.fused else \
+        [("qkv", n, rows) for n, rows in (("q_proj", q), ("k_proj", k), ("v_proj", v)) if rows]
     return qkv + [("proj", "o_proj", cfg.d_model)]
 
 

@@ -279,9 +279,9 @@ CHECKPOINTING_MOVED = {"activation_checkpointing": "train.activation_checkpointi
 
 @dataclass
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' (position interpolation), 'llama3' (Llama 3.1), 'yarn' (YaRN) or
-    'longrope' (Phi-3); zoo/blocks/rope.py."""
-    type: Literal["linear", "llama3", "yarn", "longrope"] = "linear"
+    """RoPE frequency scaling: 'linear' (position interpolation), 'llama3' (Llama 3.1), 'yarn' (YaRN), 'longrope'
+    (Phi-3) or 'proportional' (Gemma 4); zoo/blocks/rope.py."""
+    type: Literal["linear", "llama3", "yarn", "longrope", "proportional"] = "linear"
     factor: float = bounded(1.0, gt=0)
     low_freq_factor: float = 1.0            # llama3 only
     high_freq_factor: float = 4.0           # llama3 only
@@ -294,6 +294,8 @@ class RopeScaling:
                                             # (0.1 mscale_all_dim ln(factor) + 1)^2; 0 = off
     short_factor: list[float] = field(default_factory=list)  # longrope: per-channel divisors (head_dim / 2 values)
     long_factor: list[float] = field(default_factory=list)  # longrope: the same past `original_max_position_embeddings`
+    rotated: float = bounded(1.0, gt=0, le=1)  # proportional: the share of a head's angles that turn, channel i paired
+                                            # with i + head_dim / 2 at theta^(-2i / head_dim); the rest stay still
     query_beta: float = bounded(0.0, ge=0)  # queries times 1 + beta ln(1 + floor(position /
                                             # original_max_position_embeddings)) (Llama 4, Mistral 4: `llama_4_scaling_beta`;
                                             # multi-head latent attention only); 0 = off
@@ -356,6 +358,10 @@ class MLAConfig:
     v_dim: int = bounded(128, gt=0)         # per-head value width
     absorb: bool = False                    # decoding on the cache: kv_b folded into the query and the output, the
                                             # attention over the latents (same numbers; less work for a small kv_rank)
+    index_heads: int = bounded(0, ge=0)     # DeepSeek-V3.2's lightning indexer: its heads (each query attends to the
+                                            # `index_topk` keys it scores highest); 0 = every key (needs `q_rank`)
+    index_dim: int = bounded(128, gt=0)     # the indexer's head width (its first `rope_dim` channels rotated)
+    index_topk: int = bounded(2048, gt=0)   # the keys each query keeps
 
 
 @dataclass
@@ -452,6 +458,19 @@ class LLMConfig:
     attn_sinks: bool = False                # a learned logit per head joins every attention softmax (GPT-OSS)
     attn_gate: bool = False                 # attention output times sigmoid of a gate projected with q (Qwen3.5,
                                             # Qwen3-Next: q_proj twice as wide, each head's q then its gate)
+    global_head_dim: Optional[int] = bounded(None, gt=0)  # head width of the global (not sliding) attention layers;
+                                            # null = `head_dim` (Gemma 4)
+    global_n_kv_heads: Optional[int] = bounded(None, gt=0)  # kv heads of the global layers; null = `n_kv_heads`
+    global_kv_same: bool = False            # the global layers' values are their keys' projection (before the key's
+                                            # norm and RoPE): no v rows (Gemma 4's `attention_k_eq_v`)
+    v_norm: bool = False                    # values RMS-normalised per head, without a gain (Gemma 4)
+    kv_shared_layers: int = bounded(0, ge=0)  # the last N layers project no keys and values: each attends to those of
+                                            # the last earlier layer of its kind, local or global (Gemma 4)
+    kv_shared_ffn_hidden: Optional[int] = bounded(None, gt=0)  # MLP width of those layers; null = `ffn_hidden`
+    per_layer_dim: int = bounded(0, ge=0)   # per-layer input embeddings: each layer adds a gated input of this width
+                                            # from a token table and a projection of the embeddings (Gemma 4); 0 = off
+    per_layer_vocab: Optional[int] = bounded(None, gt=0)  # rows of that token table; null = `vocab_size`
+    layer_scalar: bool = False              # each layer's output times a stored scalar (Gemma 4)
     layer_types: list[Literal[LAYER_TYPES]] = field(default_factory=list)  # per layer, repeated: `full_attention`,
                                             # `sliding_attention` (within `sliding_window`), or a recurrent layer:
                                             # `linear_attention` (Gated DeltaNet), `conv` (short convolution), `mamba`
@@ -499,6 +518,10 @@ class LLMConfig:
                                               f"(or set {p}head_dim)")
         if self.n_heads % self.resolved_n_kv_heads:
             raise fail(source, p + "n_kv_heads", f"={self.resolved_n_kv_heads} must divide {p}n_heads={self.n_heads}")
+        if self.n_heads % (self.global_n_kv_heads or 1):
+            raise fail(source, p + "global_n_kv_heads", f"={self.global_n_kv_heads} must divide {p}n_heads={self.n_heads}")
+        if (self.global_head_dim or 0) % 2:
+            raise fail(source, p + "global_head_dim", f"={self.global_head_dim} must be even for RoPE")
         if self.resolved_head_dim % 2:
             raise fail(source, p + "head_dim", f"={self.resolved_head_dim} must be even for RoPE")
         if self.mod_capacity > 0 and self.sliding_window is not None:
@@ -510,6 +533,9 @@ class LLMConfig:
                                                        f"through a key mask)")
         if self.parallel_block and self.norm_placement != "pre":
             raise fail(source, p + "parallel_block", f"needs {p}norm_placement=pre, got {self.norm_placement}")
+        if self.mla and self.mla.index_heads and not self.mla.q_rank:
+            raise fail(source, p + "mla.index_heads", f"={self.mla.index_heads}: the lightning indexer reads the query "
+                                                      f"bottleneck; set {p}mla.q_rank")
         if self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None:
             raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
         if self.layer_types and self.attn_pattern:
@@ -537,6 +563,15 @@ class LLMConfig:
                                   any(self.layer_type(i) in RECURRENT_TYPES for i in self.value_embed_layers())):
             raise fail(source, p + "value_embeds", f"={self.value_embeds} needs 2 x {p}value_embeds <= {p}n_layers="
                                                    f"{self.n_layers}, grouped-query attention in those layers, no MoD")
+        shared = range(self.n_layers - self.kv_shared_layers, self.n_layers)
+        if self.kv_shared_layers and (self.mla or self.mod_capacity > 0 or self.value_embeds or
+                                      {self.layer_type(i) for i in shared} - {self.layer_type(i) for i in
+                                                                            range(shared.start)} or
+                                      RECURRENT_TYPES & {self.layer_type(i) for i in shared}):
+            raise fail(source, p + "kv_shared_layers", f"={self.kv_shared_layers} needs an earlier attention layer of "
+                                                       f"each shared layer's kind, no {p}mla, MoD or value_embeds")
+        if self.per_layer_dim and self.mod_capacity > 0:
+            raise fail(source, p + "per_layer_dim", f"does not combine with {p}mod_capacity (a MoD block skips tokens)")
         dense = self.moe.dense_layers if self.moe else []
         for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
             if bad := [i for i in layers if not 0 <= i < self.n_layers]:
@@ -554,6 +589,19 @@ class LLMConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    def attn_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head width) of attention layer `layer`: the global layers' own where set."""
+        kv, d = self.resolved_n_kv_heads, self.resolved_head_dim
+        return (kv, d) if self.is_local(layer) else (self.global_n_kv_heads or kv, self.global_head_dim or d)
+
+    def kv_shared(self, layer: int) -> bool:
+        """Whether `layer` attends to an earlier layer's keys and values (`kv_shared_layers`)."""
+        return layer >= self.n_layers - self.kv_shared_layers
+
+    def ffn_width(self, layer: int) -> int:
+        """The dense MLP width of `layer` (a KV-sharing layer's own where set)."""
+        return self.kv_shared_ffn_hidden if self.kv_shared(layer) and self.kv_shared_ffn_hidden else self.resolved_ffn_hidden
 
     @property
     def resolved_ffn_hidden(self) -> int:

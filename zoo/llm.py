@@ -34,6 +34,7 @@ from .blocks.mlp import ReLU2MLP, SwiGLU
 from .blocks.mod import MixtureOfDepths
 from .blocks.moe import MoE
 from .blocks.norm import LayerNorm, RMSNorm
+from .blocks.per_layer import PerLayerInput, PerLayerInputs
 from .blocks.recurrent import StateCache
 from .blocks.rope import RotaryEmbedding
 from .blocks.short_conv import ShortConv
@@ -63,7 +64,8 @@ def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
     if s is not None and s.type == "yarn" and s.mscale_all_dim and s.factor > 1:
         scale *= (0.1 * s.mscale_all_dim * math.log(s.factor) + 1) ** 2
     return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
-                                    cfg.norm_eps, scale, m.absorb)
+                                    cfg.norm_eps, scale, m.absorb,
+                                    (m.index_heads, m.index_dim, m.index_topk) if m.index_heads else None)
 
 
 def recurrent_block(cfg: LLMConfig, kind: str) -> nn.Module:
@@ -93,26 +95,34 @@ class Block(nn.Module):
         if self.recurrent:
             self.mixer = recurrent_block(cfg, cfg.layer_type(layer))
         else:
+            local, (n_kv, head_dim) = cfg.is_local(layer), cfg.attn_shape(layer)
             self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(
-                cfg.d_model, cfg.n_heads, cfg.resolved_n_kv_heads, cfg.resolved_head_dim, cfg.qkv_bias,
-                sliding_window=cfg.sliding_window if cfg.is_local(layer) else None, qk_norm=cfg.qk_norm,
+                cfg.d_model, cfg.n_heads, n_kv, head_dim, cfg.qkv_bias,
+                sliding_window=cfg.sliding_window if local else None, qk_norm=cfg.qk_norm,
                 norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers,
                 scale=1 / cfg.resolved_head_dim if cfg.mup_base_width else scalar ** -0.5 if scalar else None,
-                softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias, gate=cfg.attn_gate)
+                softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias, gate=cfg.attn_gate,
+                kv=not cfg.kv_shared(layer), kv_same=cfg.global_kv_same and not local, v_norm=cfg.v_norm)
         self.attn_post_norm = norm("post")
         self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
-        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else ReLU2MLP(cfg.d_model, cfg.resolved_ffn_hidden) \
-            if cfg.mlp == "relu2" else SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden, act=cfg.mlp_act)
+        width = cfg.ffn_width(layer)
+        self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else ReLU2MLP(cfg.d_model, width) \
+            if cfg.mlp == "relu2" else SwiGLU(cfg.d_model, width, act=cfg.mlp_act)
         self.mlp_post_norm = norm("post")
+        self.per_layer = PerLayerInput(cfg.d_model, cfg.per_layer_dim, cfg.mlp_act, cfg.norm_eps) \
+            if cfg.per_layer_dim else None  # its per-layer input joins after the MLP (blocks/per_layer.py)
+        if cfg.layer_scalar:  # the block's output times it
+            self.register_buffer("layer_scalar", torch.ones(1))
         self.attn_adapter = self.mlp_adapter = None  # bottleneck adapters on the two outputs (blocks/bottleneck.py)
         self.res = cfg.residual_multiplier  # the branches' outputs times it (1: left as they are)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None,
-                q_scale=None, ve=None):
+                q_scale=None, ve=None, per_layer=None, shared=None):
         """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
         may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
         doc_ids (B, T): attention within each document (blocks/attention_docs.py); q_scale: the
-        queries' scale per position (latent attention, rope_scaling.query_beta); ve: added to the values. A recurrent layer restarts its state
+        queries' scale per position (latent attention, rope_scaling.query_beta); ve: added to the values; per_layer (B, T, P):
+        this layer's per-layer input; shared: the keys and values KV-sharing layers read. A recurrent layer restarts its state
         where doc_ids change, or at a padded row's first real token (key_mask), and keeps it in `cache` (StateCache)."""
         h = self.attn_norm(x)
         if self.recurrent:
@@ -122,12 +132,14 @@ class Block(nn.Module):
         else:
             mask = KeyMask(key_mask, doc_ids) if key_mask is not None else Documents(doc_ids) if doc_ids is not None \
                 else None
-            extra = {k: v for k, v in (("q_scale", q_scale), ("ve", ve)) if v is not None}
+            extra = {k: v for k, v in (("q_scale", q_scale), ("ve", ve), ("shared", shared)) if v is not None}
             a = self.attn(h, cos, sin, cache, start_pos, mask, **extra)
         x = x + self.scaled(self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a)))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
-        return x + self.scaled(self.mlp_post_norm(y if self.mlp_adapter is None else self.mlp_adapter(y))), stats
+        x = x + self.scaled(self.mlp_post_norm(y if self.mlp_adapter is None else self.mlp_adapter(y)))
+        x = x if self.per_layer is None else self.per_layer(x, per_layer)
+        return (x * self.layer_scalar if hasattr(self, "layer_scalar") else x), stats
 
     def scaled(self, branch: torch.Tensor) -> torch.Tensor:
         return branch if self.res == 1.0 else branch * self.res
@@ -152,6 +164,9 @@ class LLM(nn.Module):
             MixtureOfDepths(Block(cfg, i), cfg.d_model, cfg.mod_capacity, cfg.mod_router) if cfg.is_mod(i)
             else Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = norm_class(cfg)(cfg.d_model, cfg.norm_eps)
+        if cfg.per_layer_dim:  # every layer's own input (blocks/per_layer.py)
+            self.per_layer = PerLayerInputs(cfg.per_layer_vocab or cfg.vocab_size, cfg.d_model, cfg.n_layers,
+                                            cfg.per_layer_dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -174,12 +189,15 @@ class LLM(nn.Module):
 
     def build_rope(self, length: int):
         """The RoPE tables (fp32, non-persistent), `length` positions to start with: `rope`, and `rope_local`
-        for the local layers when they have a base of their own (rope_theta_local)."""
+        for the local layers when they have a base (rope_theta_local) or a head width (global_head_dim) of their own."""
         cfg = self.config
         scaling = to_dict(cfg.rope_scaling) if cfg.rope_scaling else None
-        self.rope = RotaryEmbedding(cfg.rotary_dim, length, cfg.rope_theta, scaling)
-        self.rope_local = RotaryEmbedding(cfg.rotary_dim, length, cfg.rope_theta_local) \
-            if cfg.rope_theta_local is not None else None
+        wide = cfg.global_head_dim and cfg.mla is None  # the global layers' heads: rotated as wide, proportionally
+        self.rope = RotaryEmbedding(int(cfg.global_head_dim * cfg.rotary_fraction) if wide else cfg.rotary_dim, length,
+                                    cfg.rope_theta, scaling)
+        own = cfg.rope_theta_local is not None
+        self.rope_local = RotaryEmbedding(cfg.rotary_dim, length, cfg.rope_theta_local if own else cfg.rope_theta,
+                                          None if own else scaling) if own or wide else None
 
     def reset_parameters(self, init_std: float = 0.02):
         """Normal(0, init_std) weights (the residual projections' / sqrt(2 n_layers)), unit norms, zero biases; under
@@ -273,22 +291,25 @@ class LLM(nn.Module):
             raise ValueError("key_mask (padded rows) is not supported with Mixture-of-Depths layers")
         x = self.embed_tokens(input_ids)
         n, ves = 0, self.value_embeddings(input_ids)
+        per_layer = self.per_layer(input_ids, x) if self.config.per_layer_dim else None  # (B, T, L, P)
         if self.prompt is not None:
             x, start_pos, position_ids, key_mask, n = self.prompted(x, start_pos, position_ids, key_mask, doc_ids)
             T = x.shape[1]
             ves = {i: F.pad(v, (0, 0, n, 0)) for i, v in ves.items()}  # none for the virtual tokens
+            per_layer = None if per_layer is None else F.pad(per_layer, (0, 0, 0, 0, n, 0))
         tables = self.rope_tables(x, T, start_pos, position_ids)
         stats, mod_stats = [], []
         q_scale = self.query_scale(position_ids, start_pos, T, x.device)
         causal = caches is not None if mod_causal is None else mod_causal
         if caches is not None and not causal and self.config.mod_capacity > 0:
             raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
-        kw = {k: v for k, v in dict(start_pos=start_pos, doc_ids=doc_ids, key_mask=key_mask, q_scale=q_scale).items()
-              if v is not None}
+        kw = {k: v for k, v in dict(start_pos=start_pos, doc_ids=doc_ids, key_mask=key_mask, q_scale=q_scale,
+                                    shared={} if self.config.kv_shared_layers else None).items() if v is not None}
         skips, L = [], len(self.layers)
         for i, layer in enumerate(self.layers):
             mod = {"causal": causal} if isinstance(layer, MixtureOfDepths) else {}
             mod.update({"ve": ves[i]} if i in ves else {})
+            mod.update({"per_layer": per_layer[:, :, i]} if per_layer is not None else {})
             cache = None if caches is None else caches[i]
             if self.config.unet_skips and i >= L - L // 2:  # the mirrored first-half block's output joins
                 x = x + self.skip_weights[L - 1 - i] * skips.pop()
@@ -430,9 +451,12 @@ class LLM(nn.Module):
                 with torch.no_grad():
                     return StateCache(block.mixer(torch.zeros(batch, 1, cfg.d_model, device=device, dtype=p.dtype))[1])
             if cfg.mla:
-                return LatentKVCache(batch, max_len, cfg.mla.kv_rank + cfg.mla.rope_dim, device, dtype)
+                m = cfg.mla  # the latent, the shared RoPE key, the indexer's key
+                return LatentKVCache(batch, max_len, m.kv_rank + m.rope_dim + m.index_dim * (m.index_heads > 0), device,
+                                     dtype)
+            n_kv, head_dim = cfg.attn_shape(i)  # a KV-sharing layer reads another's: it holds none
             return (MaskedKVCache if masked or cfg.is_mod(i) else KVCache)(
-                batch, cfg.resolved_n_kv_heads, max_len, cfg.resolved_head_dim, device, dtype)
+                batch, n_kv, 0 if cfg.kv_shared(i) else max_len, head_dim, device, dtype)
         return [cache(i, b) for i, b in enumerate(self.blocks())]
 
     @torch.no_grad()  # not inference mode: FSDP2 reuses the buffers it gathers the weights into for training

@@ -2,6 +2,7 @@
 values from one cached latent) with RoPE pairs interleaved in the file, and Mixture-of-Experts layers after
 `first_k_dense_replace` dense ones, with shared experts and group-limited routing (the experts of the
 `topk_group` groups whose two best scores sum highest). DeepSeek-V3 scores by sigmoid with a routing bias;
+DeepSeek-V3.2 adds a lightning indexer to each attention layer (each query keeps its `index_topk` best keys);
 Mistral 4 by softmax, keeps its experts as stacked tensors and scales queries past
 `original_max_position_embeddings` (Llama 4's attention temperature)."""
 from .record import ROPES, Record, interleaved
@@ -55,6 +56,23 @@ class DeepseekV3(Record):
 
     def experts(self, cfg, h):
         return {**super().experts(cfg, h), "shared": h + "mlp.shared_experts.", "score_bias": h + "mlp.gate.e_score_correction_bias"}
+
+
+class DeepseekV32(DeepseekV3):
+    hf_class, model_type = "DeepseekV32ForCausalLM", "deepseek_v32"
+    needs = DeepseekV3.needs | {"sparse_attention"}
+    defaults = {**DeepseekV3.defaults, "max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128,
+                "index_n_heads": 64}
+
+    def config(self, hf, get, n_layers):
+        out = super().config(hf, get, n_layers)
+        out["mla"].update(index_heads=get("index_n_heads"), index_dim=get("index_head_dim"), index_topk=get("index_topk"))
+        return out
+
+    def to_hf(self, cfg):
+        a = cfg.mla
+        return {**{k: v for k, v in super().to_hf(cfg).items() if k != "rope_interleave"},  # always interleaved
+                "index_n_heads": a.index_heads, "index_head_dim": a.index_dim, "index_topk": a.index_topk}
 
 
 class Mistral4(DeepseekV3):

@@ -1,7 +1,7 @@
 """Gemma 2 and Gemma 3 (text): norms before and after each branch (sandwich) storing 1 + w, GeGLU, embeddings
 times sqrt(d_model), scores scaled by query_pre_attn_scalar, local (sliding) and global layers (Gemma 2: one
 of two global; Gemma 3: one of six); Gemma 2 soft-caps scores and logits, Gemma 3 normalises q and k per
-head and gives its local layers a RoPE base of their own, unscaled."""
+head and gives its local layers a RoPE base of their own, unscaled. Gemma 4: see its record."""
 from .record import ROPES, Record
 
 SANDWICH = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
@@ -57,3 +57,77 @@ class Gemma3(Gemma2):
                 range(cfg.n_layers)] != six else "local RoPE base but 10000" if cfg.rope_theta_local not in (None, 1e4)
                 else "query_pre_attn_scalar but the head size" if cfg.query_pre_attn_scalar else
                 "final soft-cap" if cfg.final_softcap else "")
+
+
+class Gemma4(Gemma3):
+    """Gemma 4 (text): Gemma 3's layers with norms storing w, values RMS-normalised, unscaled scores, each layer's
+    output times a stored scalar; global layers with wider heads (per_layer_config, or the older global_head_dim),
+    optionally fewer kv heads whose values are their keys (attention_k_eq_v), RoPE over a quarter of their angles
+    (proportional); per-layer input embeddings; the last num_kv_shared_layers reading an earlier layer's keys and
+    values, optionally with MLPs twice as wide."""
+    hf_class, model_type = "Gemma4ForCausalLM", "gemma4_text"
+    needs = Gemma3.needs | {"v_norm", "query_scalar", "layer_scalar"}
+    may = ROPES | {"rope_proportional", "final_softcap", "window", "pattern", "rope_local", "kv_shared", "kv_same",
+                   "global_heads", "per_layer", "kv_shared_wide"}
+    defaults = {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
+                "final_logit_softcapping": None, "global_head_dim": 512, "hidden_size_per_layer_input": 256,
+                "vocab_size_per_layer_input": 262144, "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}}
+    norm_offset, old_rope, wrapper = 0.0, False, ("gemma4", "model.language_model.")
+    gguf, gguf_writes = None, False
+
+    def default_local(self, hf, get, n_layers):  # transformers makes the last layer global
+        return super().default_local(hf, get, n_layers)[:-1] + [False]
+
+    def config(self, hf, get, n_layers):
+        for key, bad in (("enable_moe_block", True), ("use_bidirectional_attention", "all")):
+            if get(key) == bad:
+                raise ValueError(f"{key}={bad} is not supported (experts beside the MLP; a causal decoder only)")
+        types = hf.get("layer_types") or []
+        if types and types[-1] != "full_attention":
+            raise ValueError(f"layer_types ends in {types[-1]!r}: transformers makes the last layer full_attention")
+        shared, wide = get("num_kv_shared_layers") or 0, get("use_double_wide_mlp")
+        return {"norm_placement": "sandwich", "embed_scale": True, "qk_norm": True, "v_norm": True,
+                "query_pre_attn_scalar": 1.0, "layer_scalar": True, "final_softcap": get("final_logit_softcapping"),
+                "global_kv_same": bool(get("attention_k_eq_v")), "kv_shared_layers": shared,
+                "kv_shared_ffn_hidden": 2 * get("intermediate_size") if wide and shared else None,
+                "per_layer_dim": get("hidden_size_per_layer_input") or 0,
+                "per_layer_vocab": None if get("vocab_size_per_layer_input") == hf["vocab_size"] or not
+                get("hidden_size_per_layer_input") else get("vocab_size_per_layer_input"),
+                **self.global_heads(hf, get, types)}
+
+    def global_heads(self, hf, get, types) -> dict:
+        """global_head_dim and global_n_kv_heads from per_layer_config (one override for every full-attention layer)
+        or from global_head_dim and num_global_key_value_heads (the latter with attention_k_eq_v only)."""
+        head_dim, n_kv = get("head_dim"), get("num_key_value_heads")
+        if "per_layer_config" in hf:
+            over = {int(k): v for k, v in (hf["per_layer_config"] or {}).items()}
+            full = [i for i, t in enumerate(types) if t == "full_attention"]
+            one = over.get(full[0], {}) if full else {}
+            if set(over) - set(full) or any(over.get(i, {}) != one for i in full) or \
+                    set(one) - {"head_dim", "num_key_value_heads"}:
+                raise ValueError("per_layer_config must give every full_attention layer the same head_dim / "
+                                 "num_key_value_heads, and nothing else")
+            gd, gkv = one.get("head_dim", head_dim), one.get("num_key_value_heads", n_kv)
+        else:
+            gd, gkv = get("global_head_dim"), get("num_global_key_value_heads") if get("attention_k_eq_v") else None
+        return {"global_head_dim": None if gd == head_dim else gd, "global_n_kv_heads": None if gkv in (None, n_kv)
+                else gkv}
+
+    def to_hf(self, cfg):
+        n_kv, head_dim = cfg.attn_shape(cfg.n_layers - 1)  # the last layer is global
+        return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+                "final_logit_softcapping": cfg.final_softcap, "hidden_size_per_layer_input": cfg.per_layer_dim,
+                "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size, "enable_moe_block": False,
+                "attention_k_eq_v": cfg.global_kv_same, "num_kv_shared_layers": cfg.kv_shared_layers,
+                "use_double_wide_mlp": cfg.kv_shared_ffn_hidden is not None,
+                "per_layer_config": {str(i): {"head_dim": head_dim, "num_key_value_heads": n_kv}
+                                     for i in range(cfg.n_layers) if not cfg.is_local(i)}}
+
+    def refuses(self, cfg):
+        return ("no query_pre_attn_scalar but 1" if cfg.query_pre_attn_scalar != 1 else
+                "no local last layer" if cfg.is_local(cfg.n_layers - 1) else
+                "per-head q/k norms only" if cfg.qk_norm == "proj" else
+                "no KV-sharing layers' MLP width but twice ffn_hidden" if cfg.kv_shared_ffn_hidden not in
+                (None, 2 * cfg.resolved_ffn_hidden) else "")

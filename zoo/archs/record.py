@@ -30,7 +30,11 @@ FEATURES = {  # the ideas records speak of -> the model keys that give them (doc
     "moe_bias": "moe.bias", "clamped_swiglu": "moe.swiglu_limit", "sigmoid": "moe.scoring: sigmoid",
     "moe_groups": "moe.n_groups or moe.routed_scale", "attn_gate": "attn_gate",
     "linear_attention": "layer_types: linear_attention", "conv": "layer_types: conv", "mamba": "layer_types: mamba",
-    "embed_multiplier": "embed_multiplier", "residual_multiplier": "residual_multiplier"}
+    "embed_multiplier": "embed_multiplier", "residual_multiplier": "residual_multiplier",
+    "rope_proportional": "rope_scaling.type: proportional", "v_norm": "v_norm", "layer_scalar": "layer_scalar",
+    "global_heads": "global_head_dim or global_n_kv_heads", "kv_same": "global_kv_same",
+    "kv_shared": "kv_shared_layers", "kv_shared_wide": "kv_shared_ffn_hidden", "per_layer": "per_layer_dim",
+    "sparse_attention": "mla.index_heads"}
 PRE = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}  # Zoo norm -> HF norm of a layer
 
 
@@ -53,7 +57,11 @@ def features(cfg: LLMConfig) -> set:
              "moe_dense_layers": m and (m.dense_layers or m.sparse_every > 1), "moe_topk_raw": m and not m.norm_topk_prob,
              "moe_bias": m and m.bias, "clamped_swiglu": m and m.swiglu_limit, "sigmoid": m and m.scoring == "sigmoid",
              "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1), "attn_gate": cfg.attn_gate,
-             "embed_multiplier": cfg.embed_multiplier != 1, "residual_multiplier": cfg.residual_multiplier != 1}
+             "embed_multiplier": cfg.embed_multiplier != 1, "residual_multiplier": cfg.residual_multiplier != 1,
+             "v_norm": cfg.v_norm, "layer_scalar": cfg.layer_scalar, "global_heads": cfg.global_head_dim or
+             cfg.global_n_kv_heads, "kv_same": cfg.global_kv_same, "kv_shared": cfg.kv_shared_layers,
+             "kv_shared_wide": cfg.kv_shared_ffn_hidden, "per_layer": cfg.per_layer_dim,
+             "sparse_attention": cfg.mla and cfg.mla.index_heads}
     recurrent = {cfg.layer_type(i) for i in range(cfg.n_layers)} & RECURRENT_TYPES
     return (named | recurrent | {k for k, v in flags.items() if v}) - {None}
 
@@ -91,6 +99,10 @@ class Record:
     mixers: dict = {}                      # recurrent layer type -> its module in a file's layer ("conv": "conv");
                                            # a class with mixers reads and writes config.json's layer_types
     types: dict = {}                       # its layer_types' names that are not Zoo's -> Zoo's ("attention": ...)
+    wrapper: Optional[tuple] = None        # (model_type, tensor prefix) of a multimodal class's folder holding this
+                                           # class's model as its text_config
+    old_rope = True                        # config.json also gets 4.x's rope_theta and rope_scaling (a class
+                                           # transformers 4 lacks: False)
     gguf: Optional[str] = None             # llama.cpp's architecture name, when Zoo reads GGUF files of it
     gguf_writes = False                    # and writes them
     gguf_interleaved = False               # llama.cpp interleaves the RoPE pairs of its q/k rows (Llama)

@@ -9,7 +9,9 @@ head ('head': Qwen3, Gemma 3) or over the projection ('proj': OLMo 2); `rope` Fa
 sin narrower than a head rotate its first channels (partial rotary, Phi-3/4); `scale` replaces 1/sqrt(D) (Gemma);
 `softcap` c: scores c * tanh(s / c) (Gemma 2) and `sinks`: a learned logit per head in every softmax (GPT-OSS), both
 on the 'math' path; `gate`: the output times sigmoid of a gate projected beside each query head (Qwen3.5; `qkv`'s rows
-then H*2D of each head's q and gate, then k, v); `prefix`: learned keys in front (prefix.py). `mask` says which keys a
+then H*2D of each head's q and gate, then k, v); `kv=False`: no k/v rows, the keys and values of an earlier layer (KV
+sharing, Gemma 4); `kv_same`: no v rows, the values the keys' projection; `v_norm`: values RMS-normalised without a gain
+(Gemma 4); `prefix`: learned keys in front (prefix.py). `mask` says which keys a
 query sees and its `attend` picks the kernel: `Causal` (None), `Step` (a tensor `start_pos`: a decoding step of fixed shapes for CUDA graphs, the
 cache slots past it masked), `Documents` (attention_docs.py), `KeyMask` (attention_masked.py). Backends
 (`set_backend`): 'auto' picks 'flash' (flash-attn, CUDA fp16/bf16), 'bmm' on a CPU under torch.compile for short keys
@@ -250,7 +252,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
                  qkv_bias: bool = False, backend: str = "auto", sliding_window: Optional[int] = None,
                  qk_norm=False, norm_eps: float = 1e-6, rope: bool = True, scale: Optional[float] = None,
-                 softcap: Optional[float] = None, sinks: bool = False, out_bias: bool = False, gate: bool = False):
+                 softcap: Optional[float] = None, sinks: bool = False, out_bias: bool = False, gate: bool = False,
+                 kv: bool = True, kv_same: bool = False, v_norm: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, head_dim or dim // n_heads
         if n_heads % self.n_kv_heads:
@@ -258,41 +261,54 @@ class CausalSelfAttention(nn.Module):
         self.backend, self.sliding_window = check_backend(backend), sliding_window
         self.rope, self.softcap = rope, softcap
         self.q_scale = None if scale is None else scale * math.sqrt(self.head_dim)  # on q: every backend's 1/sqrt(D)
-        self.gate = gate
-        self.qkv = nn.Linear(dim, ((1 + gate) * n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
+        self.gate, self.kv_same, self.v_norm, self.eps = gate, kv_same, v_norm, norm_eps
+        self.k_rows, self.v_rows = kv * self.n_kv_heads, kv * (not kv_same) * self.n_kv_heads  # heads of k, of v
+        self.qkv = nn.Linear(dim, ((1 + gate) * n_heads + self.k_rows + self.v_rows) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=out_bias)
         self.qk_norm = "head" if qk_norm is True else qk_norm or None
         if self.qk_norm not in (None, "head", "proj"):
             raise ValueError(f"qk_norm={qk_norm!r} must be False, True / 'head' or 'proj'")
         per_proj = self.qk_norm == "proj"
         self.q_norm = RMSNorm(self.head_dim * (n_heads if per_proj else 1), norm_eps) if self.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if per_proj else 1), norm_eps) if self.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim * (self.n_kv_heads if per_proj else 1), norm_eps) \
+            if self.qk_norm and kv else None
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[KVCache] = None, start_pos: int = 0, mask: Optional[Causal] = None,
-                ve: Optional[torch.Tensor] = None) -> torch.Tensor:
+                ve: Optional[torch.Tensor] = None, shared: Optional[dict] = None) -> torch.Tensor:
         """x (B, T, dim) at positions [start_pos, start_pos + T); cos, sin (T, D), or (B, T, D) for
         rows at positions of their own; mask: a narrower rule than causal (see the module's docstring);
-        ve (B, T, n_kv_heads * head_dim): added to the values (value embeddings)."""
+        ve (B, T, n_kv_heads * head_dim): added to the values (value embeddings). shared: a dict the layers of one
+        forward share, keyed by window: a layer keeps its keys, values and mask there, one built with kv=False (no k/v
+        rows) attends to those of the last layer of its window (KV sharing); kv_same: the values are the keys'
+        projection; v_norm: the values RMS-normalised without a gain."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qk, v = self.qkv(x).view(B, T, -1, D).split([(1 + self.gate) * H + KV, KV], dim=2)
+        qk, v = self.qkv(x).view(B, T, -1, D).split([(1 + self.gate) * H + self.k_rows, self.v_rows], dim=2)
+        v = qk[:, :, -KV:] if self.kv_same else v
         if self.gate:
             (q, gate), k = qk[:, :, :2 * H].unflatten(2, (H, 2)).unbind(3), qk[:, :, 2 * H:]
             qk = torch.cat([q, k], 2)
         v = v if ve is None else v + ve.view_as(v)
+        v = F.rms_norm(v, (D,), None, self.eps) if self.v_norm else v
         q, k = self.rotate(self.norm_qk(qk), cos, sin)  # (B, H, T, D), (B, KV, T, D)
-        k, v, mask = (mask or CAUSAL).keys(k, v.transpose(1, 2), cache, start_pos, self.prefix)
+        if self.k_rows:
+            k, v, mask = (mask or CAUSAL).keys(k, v.transpose(1, 2), cache, start_pos, self.prefix)
+            if shared is not None:
+                shared[self.sliding_window] = k, v, mask
+        else:
+            k, v, mask = shared[self.sliding_window]
         y = mask.attend(q, k, v, self.backend, self.sliding_window, self.softcap, self.sinks).transpose(1, 2)
         return self.proj((y if not self.gate else y * gate.sigmoid()).reshape(B, T, H * D))
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """qk (B, T, H + KV, D) with q and k RMS-normalised (`qk_norm`)."""
-        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+        H, KV, D = self.n_heads, self.k_rows, self.head_dim
         if self.qk_norm == "head":  # one RMSNorm over every q and k head, then each side's weight
-            w = torch.cat([self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(KV, D)]).to(qk.dtype)
+            w = torch.cat([self.q_norm.weight.expand(H, D)] + ([self.k_norm.weight.expand(KV, D)] if KV else [])
+                          ).to(qk.dtype)
             return F.rms_norm(qk, (D,), None, self.q_norm.eps) * w
         if self.qk_norm == "proj":
             q, k = qk.flatten(2).split([H * D, KV * D], dim=2)
@@ -306,7 +322,7 @@ class CausalSelfAttention(nn.Module):
             r = cos.shape[-1]
             rot = apply_rope(qk[..., :r], cos.unsqueeze(-2), sin.unsqueeze(-2))
             qk = rot if r == qk.shape[-1] else torch.cat([rot, qk[..., r:]], dim=-1)
-        q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv_heads], dim=1)
+        q, k = qk.transpose(1, 2).split([self.n_heads, self.k_rows], dim=1)
         return (q if self.q_scale is None else q * self.q_scale), k
 
 

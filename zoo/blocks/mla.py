@@ -8,9 +8,13 @@ rope_dim numbers per token instead of 2 * H * D. Scores (q_nope . k_nope + q_rop
 rotate-half layout (rope.py). With `absorb`, the steps on a cache fold kv_b into the attention (DeepSeek-V2's section
 2.1.3): the query's no-RoPE part times each head's key matrix W_UK is a query in the latent space, the attention runs
 on the cached latents, and each head's value matrix W_UV maps its output back (the same numbers, nothing expanded).
+`index`: DeepSeek Sparse Attention (DeepSeek-AI, "DeepSeek-V3.2", 2025): a lightning indexer scores every key for each
+query, sum_h w_h relu(q_h . k) with a single-head key (LayerNorm, RoPE on its first rope_dim channels) and queries
+from the query bottleneck, and each query attends only to its `topk` best keys (the indexer's key is cached beside the
+latent; the attention runs over every cached key with the others masked).
 
 Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len, kv_rank +
-rope_dim).
+rope_dim (+ the indexer's head width)).
 Needs: norm.py, rope.py.
 """
 from typing import Optional
@@ -43,11 +47,40 @@ class LatentKVCache(nn.Module):
         return self.c[:, :end]
 
 
+class LightningIndexer(nn.Module):
+    """x (B, T, dim), the query bottleneck's output (B, T, q_rank) and the cached indexer keys (B, Tk, head_dim) ->
+    which keys each query keeps (B, T, Tk) bool: its `topk` best of those causality allows (all when fewer)."""
+
+    def __init__(self, dim: int, q_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim, self.topk = n_heads, head_dim, rope_dim, topk
+        self.q = nn.Linear(q_rank, n_heads * head_dim, bias=False)
+        self.k = nn.Linear(dim, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights = nn.Linear(dim, n_heads, bias=False)
+
+    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        k = self.k_norm(self.k(x))
+        return torch.cat([apply_rope(k[..., :self.rope_dim], cos, sin), k[..., self.rope_dim:]], dim=-1)
+
+    def forward(self, x, q_low, k, cos, sin, causal: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(q_low).view(B, T, self.n_heads, self.head_dim)
+        q = torch.cat([apply_rope(q[..., :self.rope_dim], cos.unsqueeze(-2), sin.unsqueeze(-2)), q[..., self.rope_dim:]], -1)
+        scores = (q.float() @ k.float().transpose(1, 2)[:, None] * self.head_dim ** -0.5).relu()  # (B, T, h, Tk)
+        w = self.weights(x).float() * self.n_heads ** -0.5
+        index = (w[..., None, :] @ scores).squeeze(-2).masked_fill(~causal, float("-inf"))  # (B, T, Tk)
+        top = index.topk(min(self.topk, k.shape[1]), dim=-1).indices
+        return torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True) & causal
+
+
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, kv_rank: int, rope_dim: int, nope_dim: int, v_dim: int,
                  q_rank: Optional[int] = None, norm_eps: float = 1e-6, scale: Optional[float] = None,
-                 absorb: bool = False):
+                 absorb: bool = False, index: Optional[tuple] = None):
+        """index: (heads, head width, top-k) of a lightning indexer (needs q_rank); None: every key."""
         super().__init__()
+        self.indexer = LightningIndexer(dim, q_rank, *index[:2], rope_dim, index[2]) if index else None
         self.n_heads, self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = n_heads, kv_rank, rope_dim, nope_dim, v_dim
         self.absorb = absorb  # with a cache: attend over the latents, kv_b folded into q and the output
         self.scale = scale if scale is not None else (nope_dim + rope_dim) ** -0.5
@@ -69,24 +102,31 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError("multi-head latent attention takes no narrower mask (packed documents, Mixture-of-Depths)")
         B, T, _ = x.shape
         H, R = self.n_heads, self.rope_dim
-        q = self.q_b(self.q_norm(self.q_a(x)) if self.q_a is not None else x).view(B, T, H, self.nope_dim + R)
+        q_low = self.q_norm(self.q_a(x)) if self.q_a is not None else x
+        q = self.q_b(q_low).view(B, T, H, self.nope_dim + R)
         if q_scale is not None:
             q = q * q_scale[..., None, None].to(q.dtype)
         q_rope = apply_rope(q[..., self.nope_dim:], cos.unsqueeze(-2), sin.unsqueeze(-2))
         c, k_rope = self.kv_a(x).split([self.kv_rank, R], dim=-1)
         k_rope = apply_rope(k_rope, cos, sin)
-        latent = torch.cat([self.kv_norm(c), k_rope], dim=-1)  # what the cache keeps
+        index = [] if self.indexer is None else [self.indexer.key(x, cos, sin)]
+        latent = torch.cat([self.kv_norm(c), k_rope, *index], dim=-1)  # what the cache keeps
         if cache is not None:
             latent = cache.update(latent, start_pos)
         Tk = latent.shape[1]
         mask = None if T in (1, Tk) else torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
+        if self.indexer is not None:  # each query's top-k keys, within the causal mask
+            latent, k_index = latent.split([self.kv_rank + R, self.indexer.head_dim], dim=-1)
+            causal = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T) if mask is None else mask
+            mask = self.indexer(x, q_low, k_index, cos, sin, causal)[:, None]  # (B, 1, T, Tk)
         if cache is not None and self.absorb:
             return self.proj(self._absorbed(q[..., :self.nope_dim], q_rope, latent, mask).reshape(B, T, H * self.v_dim))
         c, k_rope = latent.split([self.kv_rank, R], dim=-1)
         k_nope, v = self.kv_b(c).view(B, Tk, H, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat([q[..., :self.nope_dim], q_rope], dim=-1).transpose(1, 2)  # (B, H, T, Dqk)
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, Tk, H, R)], dim=-1).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, is_causal=T == Tk, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, is_causal=T == Tk and mask is None,
+                                           attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
     def _absorbed(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
@@ -97,5 +137,5 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w[:, :self.nope_dim]), q_rope], dim=-1).transpose(1, 2)
         k = latent[:, None].expand(B, H, *latent.shape[1:])
         y = F.scaled_dot_product_attention(q, k, k[..., :self.kv_rank], scale=self.scale,
-                                           is_causal=T == latent.shape[1], attn_mask=mask)  # (B, H, T, kv_rank)
+                                           is_causal=T == latent.shape[1] and mask is None, attn_mask=mask)
         return torch.einsum("bhtc,hvc->bthv", y, w[:, self.nope_dim:])

@@ -1,11 +1,12 @@
-"""Rotary position embedding (RoPE) with optional 'linear', 'llama3', 'yarn' and 'longrope' scaling.
+"""Rotary position embedding (RoPE) with optional 'linear', 'llama3', 'yarn', 'longrope' and 'proportional' scaling.
 
 Paper: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021). Scaling: 'linear' = Chen et
 al., "Extending Context Window of Large Language Models via Positional Interpolation" (2023); 'llama3' = the
 wavelength-dependent rule of Llama 3.1 (Meta, "The Llama 3 Herd of Models", 2024); 'yarn' = Peng et al., "YaRN:
 Efficient Context Window Extension of Large Language Models" (2023); 'longrope' = Ding et al., "LongRoPE" (2024, Phi-3:
-per-channel factors, the long ones past original_max_position_embeddings). yarn and longrope scale cos and sin by an
-attention factor. Hugging Face's "rotate-half" layout (channel i paired with i + D/2): no weight permutation. A table
+per-channel factors, the long ones past original_max_position_embeddings); 'proportional' = Gemma 4's partial RoPE over a
+whole head (the first `rotated` share of its angles turn as in a full head, the rest stay still). yarn and longrope
+scale cos and sin by an attention factor. Hugging Face's "rotate-half" layout (channel i paired with i + D/2): no weight permutation. A table
 narrower than a head rotates only its first channels (partial rotary: `apply_rope`'s caller splits them off).
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence (`RotaryEmbedding.at`);
@@ -23,7 +24,7 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict]
     """Inverse frequencies theta^(-2i/D), i < D/2, in fp32, with the scaling rule applied. scaling: None,
     or {'type': 'linear' | 'llama3' | 'yarn' | 'longrope', 'factor'}, for llama3 'low_freq_factor',
     'high_freq_factor', 'original_max_position_embeddings', for yarn 'beta_fast', 'beta_slow', 'truncate',
-    for longrope 'short_factor', 'long_factor' (D/2 each; `long` picks the second)."""
+    for longrope 'short_factor', 'long_factor' (D/2 each; `long` picks the second), for proportional 'rotated'."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
     if not scaling:
@@ -31,6 +32,9 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict]
     kind, factor = scaling["type"], float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
+    if kind == "proportional":  # angles past the rotated ones at frequency zero: cos 1, sin 0
+        turning = torch.arange(head_dim // 2) < int(scaling.get("rotated", 1.0) * head_dim // 2)
+        return torch.where(turning, inv_freq, 0.0) / factor
     if kind == "longrope":
         return 1.0 / (torch.tensor(scaling["long_factor" if long else "short_factor"]).float() * theta ** exponent)
     if kind == "yarn":  # channels that turn fewer than beta_slow times in the old context: interpolated
@@ -55,7 +59,8 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: Optional[dict]
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unknown rope scaling type {kind!r} (supported: 'linear', 'llama3', 'yarn', 'longrope')")
+    raise ValueError(f"unknown rope scaling type {kind!r} (supported: 'linear', 'llama3', 'yarn', 'longrope', "
+                     f"'proportional')")
 
 
 def rope_attention_factor(scaling: Optional[dict]) -> float:

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..archs import BY_MODEL_TYPE, FEATURES, RECORDS, Record, features
+from ..archs import BY_MODEL_TYPE, BY_WRAPPER, FEATURES, RECORDS, Record, features
 from ..config import RECURRENT_TYPES, ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import FILE_DTYPES, atomic_write, mismatches, read_json, read_safetensors_header, save_safetensors
 
@@ -48,9 +48,9 @@ def _rope_params(params: dict, hf: dict, key: str, source: str) -> tuple[float, 
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("su",):
         kind = "longrope"
-    if kind not in ("default", "linear", "llama3", "yarn", "longrope"):
+    if kind not in ("default", "linear", "llama3", "yarn", "longrope", "proportional"):
         raise ConfigError(f"{source}: unsupported rope type '{kind}' in {key} "
-                          f"(supported: default, linear, llama3, yarn, longrope)")
+                          f"(supported: default, linear, llama3, yarn, longrope, proportional)")
     need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
             "longrope": ("short_factor", "long_factor")}.get(kind, ())
     if missing := [k for k in need if k not in params]:
@@ -74,6 +74,8 @@ def _rope_params(params: dict, hf: dict, key: str, source: str) -> tuple[float, 
                 params = {**params, "attention_factor": (0.1 * m * math.log(factor) + 1) / (0.1 * m_all * math.log(factor) + 1)}
             if m_all:
                 scaling["mscale_all_dim"] = float(m_all)
+        if kind == "proportional":
+            scaling["rotated"] = float(params.get("partial_rotary_factor", 1.0))
         if kind == "longrope":
             scaling.update(short_factor=list(params["short_factor"]), long_factor=list(params["long_factor"]))
         if params.get("attention_factor") is not None:
@@ -89,7 +91,7 @@ def _rope(hf: dict, get, rec: Record, source: str) -> dict:
     """rope_theta, rope_scaling, rope_theta_local and rotary_fraction from a 5.x `rope_parameters` (one set,
     or one per layer type) or a 4.x `rope_theta` + `rope_scaling` (+ `rope_local_base_freq`). The local layers'
     base is kept where it differs from the global layers' RoPE (their base, or a scaling they do not share)."""
-    params, key = hf.get("rope_parameters") or {}, "rope_parameters"
+    params, key = hf.get("rope_parameters") or rec.defaults.get("rope_parameters") or {}, "rope_parameters"
     local = hf.get("rope_local_base_freq", rec.defaults.get("rope_local_base_freq"))
     if "full_attention" in params or "sliding_attention" in params:  # 5.x, per layer type
         sliding = dict(params.get("sliding_attention") or {})
@@ -104,7 +106,8 @@ def _rope(hf: dict, get, rec: Record, source: str) -> dict:
         raise ConfigError(f"{source}: {key} per layer type is not supported here")
     params = {**params, "rope_theta": params.get("rope_theta", get("rope_theta", 1e4))}
     theta, scaling = _rope_params(params, hf, key, source)
-    fraction = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    fraction = 1.0 if scaling and scaling.type == "proportional" else \
+        params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
     out = dict(rope_theta=theta, rope_scaling=to_dict(scaling) if scaling else None, rotary_fraction=float(fraction or 1))
     if local is not None and "rope_local" in rec.may | rec.needs and (float(local) != theta or scaling):
         out["rope_theta_local"] = float(local)
@@ -216,9 +219,11 @@ def _rope_to_hf(cfg: LLMConfig, theta: float, scaling: Optional[RopeScaling]) ->
         keep = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                 "yarn": ("beta_fast", "beta_slow", "truncate", "original_max_position_embeddings", "attention_factor",
                          "mscale_all_dim"),
-                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")}
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"),
+                "proportional": ("rotated",)}
         rope.update(rope_type=scaling.type, factor=scaling.factor,
                     **{k: getattr(scaling, k) for k in keep.get(scaling.type, ()) if getattr(scaling, k) is not None})
+        rope = {"partial_rotary_factor" if k == "rotated" else k: v for k, v in rope.items()}
         if scaling.query_beta:
             rope.update(llama_4_scaling_beta=scaling.query_beta,
                         original_max_position_embeddings=scaling.original_max_position_embeddings)
@@ -262,6 +267,8 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
         hf.update(num_experts_per_tok=cfg.moe.top_k, output_router_logits=cfg.moe.balance == "aux_loss",
                   attention_dropout=0.0)
     hf.update(rec.to_hf(cfg))
+    if not rec.old_rope:
+        del hf["rope_theta"], hf["rope_scaling"]
     hf["partial_rotary_factor"] = fraction = cfg.rotary_dim / hf["head_dim"]  # of the head_dim the class counts
     for params in (rope, hf["rope_parameters"].get("sliding_attention")):
         if params is not None and fraction < 1:
@@ -278,8 +285,8 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
     those rows of the file tensor (`Record.split_rows`: one file tensor split across Zoo tensors). lm_head is absent
     when the embeddings are tied. The record of `arch` names the norms, the fused projections and the experts."""
     rec = RECORDS[arch] if arch else Record()
-    d, V, F = cfg.d_model, cfg.vocab_size, cfg.resolved_ffn_hidden
-    m = {"embed.weight": [("model.embed_tokens.weight", (V, d))]}
+    d, V = cfg.d_model, cfg.vocab_size
+    m = {"embed.weight": [("model.embed_tokens.weight", (V, d))], **_per_layer_keys(cfg)}
     for i in range(cfg.n_layers):
         z, h = f"layers.{i}.", f"model.layers.{i}."
         for zoo_norm, hf_norm in rec.norms.items():
@@ -287,10 +294,18 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
         if cfg.layer_type(i) in RECURRENT_TYPES:
             m.update(_mixer_keys(cfg, cfg.layer_type(i), z, h + rec.mixers.get(cfg.layer_type(i), "mixer") + "."))
         else:
-            m.update(_attention_keys(cfg, rec, z, h + "self_attn."))
+            m.update(_attention_keys(cfg, rec, z, h + "self_attn.", i))
+        if cfg.layer_scalar:
+            m[z + "layer_scalar"] = [(h + "layer_scalar", (1,))]
+        if cfg.per_layer_dim:
+            P = cfg.per_layer_dim
+            m.update({z + "per_layer.gate.weight": [(h + "per_layer_input_gate.weight", (P, d))],
+                      z + "per_layer.out.weight": [(h + "per_layer_projection.weight", (d, P))],
+                      z + "per_layer.norm.weight": [(h + "post_per_layer_input_norm.weight", (d,))]})
         if cfg.is_sparse(i):
             m.update(_moe_keys(cfg, z, rec.experts(cfg, h), "gate_up_proj" in rec.fused))
             continue
+        F = cfg.ffn_width(i)
         m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_up_proj.weight", (2 * F, d))] if "gate_up_proj" in rec.fused \
             else [(h + "mlp.gate_proj.weight", (F, d)), (h + "mlp.up_proj.weight", (F, d))]
         m[z + "mlp.down.weight"] = [(h + "mlp.down_proj.weight", (d, F))]
@@ -328,19 +343,31 @@ def _mixer_keys(cfg: LLMConfig, kind: str, z: str, x: str) -> dict:
     return {z + "mixer." + n: [(x + n, tuple(p.shape))] for n, p in block.named_parameters()}
 
 
-def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str) -> dict:
-    """Zoo -> file names of one attention layer (z, a: the prefixes); a gate (attn_gate) doubles q_proj's rows."""
-    d, D = cfg.d_model, cfg.resolved_head_dim
-    q, kv = cfg.n_heads * D, cfg.resolved_n_kv_heads * D
+def _per_layer_keys(cfg: LLMConfig) -> dict:
+    """Zoo -> file names of the per-layer input embeddings' table, projection and norm (none when off)."""
+    LP, P = cfg.n_layers * cfg.per_layer_dim, cfg.per_layer_dim
+    return {"per_layer.embed.weight": [("model.embed_tokens_per_layer.weight", (cfg.per_layer_vocab or cfg.vocab_size, LP))],
+            "per_layer.proj.weight": [("model.per_layer_model_projection.weight", (LP, cfg.d_model))],
+            "per_layer.norm.weight": [("model.per_layer_projection_norm.weight", (P,))]} if P else {}
+
+
+def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str, i: int = 0) -> dict:
+    """Zoo -> file names of attention layer i (z, a: the prefixes); a gate (attn_gate) doubles q_proj's rows; a
+    KV-sharing layer has no k and v, a global layer whose values are its keys (global_kv_same) no v."""
+    d, (n_kv, D) = cfg.d_model, cfg.attn_shape(i)
+    q, kv = cfg.n_heads * D, n_kv * D
+    own = {"q": True, "k": not cfg.kv_shared(i), "v": not cfg.kv_shared(i) and not (
+        cfg.global_kv_same and not cfg.is_local(i))}
     m = _mla_keys(cfg, z, a) if cfg.mla else {}
     for kind in (() if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)):
         shapes = [(r, d)[:2 if kind == "weight" else 1] for r in (q * (1 + cfg.attn_gate), kv, kv)]
         m[z + "attn.qkv." + kind] = [(a + f"qkv_proj.{kind}", (q + 2 * kv, d)[:len(shapes[0])])] \
-            if "qkv_proj" in rec.fused else [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes)]
+            if "qkv_proj" in rec.fused else [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes) if own[n]]
     if cfg.qk_norm:
         per_proj = cfg.qk_norm == "proj"
         m[z + "attn.q_norm.weight"] = [(a + "q_norm.weight", (q if per_proj else D,))]
-        m[z + "attn.k_norm.weight"] = [(a + "k_norm.weight", (kv if per_proj else D,))]
+        if own["k"]:
+            m[z + "attn.k_norm.weight"] = [(a + "k_norm.weight", (kv if per_proj else D,))]
     m[z + "attn.proj.weight"] = [(a + "o_proj.weight", (d, cfg.n_heads * cfg.mla.v_dim if cfg.mla else q))]
     if cfg.attn_out_bias:
         m[z + "attn.proj.bias"] = [(a + "o_proj.bias", (d,))]
@@ -408,6 +435,13 @@ def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
     m = {z + "attn.kv_a.weight": [(a + "kv_a_proj_with_mqa.weight", (mla.kv_rank + mla.rope_dim, d))],
          z + "attn.kv_norm.weight": [(a + "kv_a_layernorm.weight", (mla.kv_rank,))],
          z + "attn.kv_b.weight": [(a + "kv_b_proj.weight", (H * (mla.nope_dim + mla.v_dim), mla.kv_rank))]}
+    if mla.index_heads:  # DeepSeek-V3.2's lightning indexer
+        i, D = a + "indexer.", mla.index_dim
+        m.update({z + "attn.indexer.q.weight": [(i + "wq_b.weight", (mla.index_heads * D, mla.q_rank))],
+                  z + "attn.indexer.k.weight": [(i + "wk.weight", (D, d))],
+                  z + "attn.indexer.k_norm.weight": [(i + "k_norm.weight", (D,))],
+                  z + "attn.indexer.k_norm.bias": [(i + "k_norm.bias", (D,))],
+                  z + "attn.indexer.weights.weight": [(i + "weights_proj.weight", (mla.index_heads, d))]})
     if mla.q_rank is None:
         return {**m, z + "attn.q_b.weight": [(a + "q_proj.weight", (qk, d))]}
     return {**m, z + "attn.q_a.weight": [(a + "q_a_proj.weight", (mla.q_rank, d))],
@@ -529,14 +563,26 @@ def detect(path) -> bool:
     except (ValueError, OSError):  # none, or not a JSON object
         return False
     archs = hf.get("architectures") or []
-    return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or hf.get("model_type") in BY_MODEL_TYPE
+    return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs) or \
+        hf.get("model_type") in BY_MODEL_TYPE or hf.get("model_type") in BY_WRAPPER
+
+
+def unwrap(hf: dict) -> tuple[dict, str]:
+    """A multimodal class's config.json (a record's `wrapper`) -> (its text model's config.json, the prefix its tensors
+    carry in place of 'model.'); any other -> (hf, '')."""
+    rec = BY_WRAPPER.get(hf.get("model_type"))
+    if rec is None or not isinstance(hf.get("text_config"), dict):
+        return hf, ""
+    dtype = {"dtype": hf.get("dtype", hf.get("torch_dtype"))}
+    tie = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}  # the outer model's
+    return {**dtype, **hf["text_config"], **tie, "architectures": [rec.hf_class], "model_type": rec.model_type}, rec.wrapper[1]
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
     """Load a Hugging Face folder into a Zoo LLM; dtype None / "auto": the checkpoint's (else fp32)."""
     folder = _folder(path)
     cfg_file = folder / "config.json"
-    hf = read_json(cfg_file)
+    hf, outer = unwrap(read_json(cfg_file))
     cfg, arch = config_from_hf(hf, str(cfg_file))
     rec = RECORDS[arch]
     dtype = _resolve_dtype(dtype, hf, str(cfg_file))
@@ -546,10 +592,14 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     headers = {f: read_safetensors_header(f)[::2] for f in weight_files(folder)}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = key_map(cfg, arch)
+    if outer:  # the text model's tensors inside a multimodal folder; the other towers' left unread
+        kmap = {k: [(outer + n.removeprefix("model.") if n.startswith("model.") else n, *rest) for n, *rest in parts]
+                for k, parts in kmap.items()}
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape, *_ in parts}
     # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
     problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq")
-                          or (cfg.tie_embeddings and n == "lm_head.weight"))
+                          or (cfg.tie_embeddings and n == "lm_head.weight")
+                          or (outer and not n.startswith((outer, "lm_head."))))
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 
