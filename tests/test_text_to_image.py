@@ -1,0 +1,109 @@
+"""Text to image (data.format: captions, model.denoiser: flux2): captions and their bad input, the text encoder and
+the prompt cache, the config's checks, and (slow) the embedded default trained three steps then sampled by
+train/sample.py from its run folder."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from train.config import load_run_config
+from train.data.latents import prompt_cache
+from train.tasks.text_to_image import TextEncoder, caption_pairs
+from zoo.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "diffusion" / "digits-text.yaml"
+
+
+def image(path: Path, caption=None):
+    Image.new("RGB", (12, 10), (200, 10, 10)).save(path)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption + "\n")
+    return str(path)
+
+
+def test_captions_skip_uncaptioned_and_undecodable_images_in_one_line_each(tmp_path):
+    a, d = image(tmp_path / "a.png", "a red square"), image(tmp_path / "d.png", "another")
+    b = image(tmp_path / "b.png")
+    (tmp_path / "c.png").write_bytes(b"not a png")
+    (tmp_path / "c.txt").write_text("broken")
+    logs = []
+    assert caption_pairs(str(tmp_path), "run.yaml", logs.append) == [(a, "a red square"), (d, "another")]
+    assert logs == [f"data: skipped 1 images without a caption (first: {b})",
+                    f"data: skipped 1 undecodable images (first: {tmp_path / 'c.png'} (UnidentifiedImageError))"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in ({"image": "a.png", "caption": "x"}, {"image": "b.png"},
+                                                      {"image": "gone.png", "caption": "y"})) + "\n")
+    logs = []
+    assert caption_pairs(str(rows), "run.yaml", logs.append) == [(a, "x")]
+    assert len(logs) == 2 and "gone.png" in logs[1]
+    rows.write_text('{"image": "a.png", "caption": "x"}\nnot json\n')
+    with pytest.raises(ConfigError, match=rf"data.dataset: {rows}:2: not a"):
+        caption_pairs(str(rows), "run.yaml")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as e:
+        caption_pairs(str(tmp_path / "empty"), "run.yaml")
+    assert str(e.value) == f"run.yaml: data.dataset: {tmp_path / 'empty'}: no captioned images"
+
+
+def test_text_encoder_pads_truncates_and_checks_its_width():
+    """The byte-level encoder of the embedded default: (B, text_length, layers x d_model) embeddings, a prompt longer
+    than text_length truncated and counted, the real tokens' embeddings independent of the padding; text_dim checked."""
+    m = load_run_config(str(CONFIG), ["model.text_length=8"]).model
+    enc = TextEncoder(m, "run.yaml", torch.device("cpu"), ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
+    out = enc.embed(["a one", "a handwritten digit one"])
+    assert out.shape == (2, 8, 128) and enc.truncated == ["a handwritten digit one"]
+    torch.testing.assert_close(enc.embed(["a one"])[0, :5], out[0, :5], rtol=0, atol=1e-6)
+    bad = load_run_config(str(CONFIG), ["model.flux2.text_dim=64"]).model
+    with pytest.raises(ConfigError, match="model.flux2.text_dim=64: the text encoder gives 2 layers x 64; set it to 128"):
+        TextEncoder(bad, "run.yaml", torch.device("cpu"), ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
+
+
+def test_prompt_cache_is_reused_and_rebuilt_for_another_key(tmp_path):
+    calls, logs = [], []
+
+    def encode(prompts):
+        calls.append(list(prompts))
+        return torch.arange(len(prompts) * 6, dtype=torch.float32).view(len(prompts), 3, 2) + len(calls)
+    prompts = ["", "a", "b"]
+    first = prompt_cache(tmp_path / "p", {"k": 1}, prompts, encode, batch_size=2, log=logs.append)
+    again = prompt_cache(tmp_path / "p", {"k": 1}, prompts, encode, batch_size=2, log=logs.append)
+    assert calls == [["", "a"], ["b"]] and logs[-1] == f"prompts: reusing {tmp_path / 'p'}"
+    assert first.shape == (3, 3, 2) and (first == again).all() and first[2, 0, 0] == 2
+    other = prompt_cache(tmp_path / "p", {"k": 2}, prompts, encode, batch_size=2, log=logs.append)
+    assert len(calls) == 4 and other[0, 0, 0] == 3
+
+
+@pytest.mark.parametrize("over,key", [(["model.denoiser=unet", "model.prediction=eps", "model.sampler=ddim"],
+                                       "model.denoiser=unet"),
+                                      (["model.prediction=eps", "model.sampler=ddim"], "model.prediction")])
+def test_the_text_conditioned_denoiser_and_captions_go_together(over, key):
+    with pytest.raises(ConfigError, match=key):
+        load_run_config(str(CONFIG), over)
+    with pytest.raises(ConfigError, match="model.denoiser=flux2"):
+        load_run_config(None, base={"family": "diffusion", "model": {
+            "denoiser": "flux2", "prediction": "flow", "sampler": "flow_euler", "text_encoder": "x.yaml"}})
+
+
+@pytest.mark.slow
+def test_digits_text_trains_three_steps_and_samples_from_its_run_folder(tmp_path):
+    """The embedded default, three steps (its autoencoder shortened), twice: the second run reuses the latent and
+    prompt caches; train/sample.py then writes PNGs from the run folder with the text encoder it saved."""
+    run = [sys.executable, "train/run.py", str(CONFIG), f"train.out_dir={tmp_path / 'run'}", "train.max_steps=3",
+           "data.ae_steps=20", "train.resume=false", "train.progress=false", "model.sample_steps=2"]
+    for _ in range(2):
+        p = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "prompts: reusing" in log and "latents: reusing" in log and (tmp_path / "run" / "samples.png").is_file()
+    p = subprocess.run([sys.executable, "train/sample.py", str(tmp_path / "run"), "a handwritten digit three",
+                        "--out", str(tmp_path / "png"), "--n", "2", "--steps", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pngs = sorted((tmp_path / "png").glob("*.png"))
+    assert [f.name for f in pngs] == ["a_handwritten_digit_three-0-0.png", "a_handwritten_digit_three-0-1.png"]
+    assert Image.open(pngs[0]).size == (32, 32)
