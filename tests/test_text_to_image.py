@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import CPU
 from train.config import load_run_config
 from train.data.latents import prompt_cache
 from train.tasks.text_to_image import TextEncoder, caption_pairs
@@ -54,13 +55,13 @@ def test_text_encoder_pads_truncates_and_checks_its_width():
     """The byte-level encoder of the embedded default: (B, text_length, layers x d_model) embeddings, a prompt longer
     than text_length truncated and counted, the real tokens' embeddings independent of the padding; text_dim checked."""
     m = load_run_config(str(CONFIG), ["model.text_length=8"]).model
-    enc = TextEncoder(m, "run.yaml", torch.device("cpu"), ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
+    enc = TextEncoder(m, "run.yaml", CPU, ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
     out = enc.embed(["a one", "a handwritten digit one"])
     assert out.shape == (2, 8, 128) and enc.truncated == ["a handwritten digit one"]
     torch.testing.assert_close(enc.embed(["a one"])[0, :5], out[0, :5], rtol=0, atol=1e-6)
     bad = load_run_config(str(CONFIG), ["model.flux2.text_dim=64"]).model
     with pytest.raises(ConfigError, match="model.flux2.text_dim=64: the text encoder gives 2 layers x 64; set it to 128"):
-        TextEncoder(bad, "run.yaml", torch.device("cpu"), ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
+        TextEncoder(bad, "run.yaml", CPU, ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
 
 
 def test_prompt_cache_is_reused_and_rebuilt_for_another_key(tmp_path):
