@@ -169,7 +169,7 @@ class TextToImageTask(DiffusionTask):
         if enc.truncated:
             self.log(f"prompts: {len(enc.truncated)} longer than model.text_length={cfg.model.text_length} tokens, "
                      f"truncated (first: {enc.truncated[0][:60]!r})")
-        self.encoder = enc.llm if enc.random else None  # saved with the run (save_files)
+        self.encoder = enc.llm.cpu() if enc.random else None  # saved with the run (save_files); off the device
         self.log(f"prompts: {len(self.prompts)} distinct, embeddings {tuple(self.embeds.shape[1:])} each")
 
     def condition(self, labels: torch.Tensor) -> torch.Tensor:
