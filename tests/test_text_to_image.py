@@ -51,6 +51,19 @@ def test_captions_skip_uncaptioned_and_undecodable_images_in_one_line_each(tmp_p
     assert str(e.value) == f"run.yaml: data.dataset: {tmp_path / 'empty'}: no captioned images"
 
 
+def test_a_caption_folder_splits_into_prompt_indices(tmp_path):
+    """Labels index the prompts ("" first, then every distinct caption and sample prompt); images read as crops."""
+    from train.tasks.text_to_image import CaptionDataConfig, load_captioned
+    for i, c in enumerate(["a cat", "a dog", "a cat", "a cow"]):
+        image(tmp_path / f"{i}.png", c)
+    data, prompts = load_captioned(CaptionDataConfig(dataset=str(tmp_path), val_fraction=0.25,
+                                                     sample_prompts=["a bird"]), 16, "run.yaml")
+    assert prompts == ["", "a bird", "a cat", "a cow", "a dog"] and data.classes == 5
+    got = sorted(data.labels["train"].tolist() + data.labels["val"].tolist())
+    assert got == [2, 2, 3, 4] and len(data.labels["val"]) == 1 and "captions" in data.key
+    assert data.read("train", 0, 3).shape == (3, 3, 16, 16)
+
+
 def test_text_encoder_pads_truncates_and_checks_its_width():
     """The byte-level encoder of the embedded default: (B, text_length, layers x d_model) embeddings, a prompt longer
     than text_length truncated and counted, the real tokens' embeddings independent of the padding; text_dim checked."""
@@ -107,3 +120,27 @@ def test_digits_text_trains_three_steps_and_samples_from_its_run_folder(tmp_path
     pngs = sorted((tmp_path / "png").glob("*.png"))
     assert [f.name for f in pngs] == ["a_handwritten_digit_three-0-0.png", "a_handwritten_digit_three-0-1.png"]
     assert Image.open(pngs[0]).size == (32, 32)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_text_to_image_run_resumes_bitwise(tmp_path):
+    """A tiny text-to-image run SIGKILLed past its first checkpoint and launched again: the losses, the weights and
+    the EMA of the uninterrupted run, bit for bit (caption dropout, noise and timesteps drawn per step)."""
+    import signal
+
+    import yaml
+    from conftest import wait_for_step
+    from parallel_runs import DIFFUSION, TEXT, assert_bitwise, curve, launch, run
+    cfg = tmp_path / "t2i.yaml"
+    cfg.write_text(yaml.safe_dump(DIFFUSION))
+    over = [*TEXT, "train.max_steps=8", "train.checkpoint_every=3", "train.samples=false"]
+    run(cfg, tmp_path / "full", *over, nproc=0)
+    p = launch(cfg, tmp_path / "killed", *over, nproc=0)
+    assert wait_for_step(p, tmp_path / "killed", 4), "the run ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    run(cfg, tmp_path / "killed", *over, nproc=0)
+    assert "resumed from" in (tmp_path / "killed" / "log.txt").read_text()
+    assert curve(tmp_path / "killed") == curve(tmp_path / "full")
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_bitwise(tmp_path / "full", tmp_path / "killed", name)
