@@ -20,7 +20,7 @@ PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
            "llm_quality": "llm-moe-quality llm-mod-quality peft",
            "deploy": "quantized qat prune distill distill-quality convnet-ptq",
            "convnets": "resnet convnets drop-path convnet-recipe",
-           "diffusion": "taesd dit latent-cache min-snr diffusion-quality", "optimizers": "optimizers lr-find",
+           "diffusion": "taesd dit latent-cache min-snr diffusion-quality prompt-adherence", "optimizers": "optimizers lr-find",
            "sft": "sft-packing sft-quality", "gpu": "gpu float8 bf16-pure", "rollout": "rollout rl-quality rl-memory",
            "data": "data tokenizers", "mup": "mup-coord"}
 BENCHES: dict[str, str] = {**{n: f"{m}, name" for m, names in PRESETS.items() for n in names.split()},
