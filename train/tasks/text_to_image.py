@@ -96,9 +96,9 @@ def load_captioned(d: CaptionDataConfig, size: int, source: str, log=print) -> t
 
 
 class TextEncoder:
-    """model.text_encoder, frozen: a model folder (its tokenizer and chat template; without a tokenizer, a byte-vocab
-    model reads the caption's bytes) or an LLM config file built at random (seed 0; vocab_size 256).
-    embed(prompts) -> (B, text_length, len(text_layers) * d_model), and how many prompts were truncated."""
+    """model.text_encoder, frozen: a model folder (the tokenizer and chat template in it or, as in a pipeline folder, in
+    ../tokenizer; without one, a byte-vocab model reads the caption's bytes) or an LLM config file built at random (seed 0; vocab_size 256).
+    embed(prompts) -> (B, text_length, len(text_layers) * d_model); `truncated`: the prompts it cut to text_length."""
     CAPTION = "{{ messages[0]['content'] }}"  # a byte-level encoder reads the caption alone
 
     def __init__(self, m, source: str, device, path=None):
@@ -112,10 +112,11 @@ class TextEncoder:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(0)
                     self.llm, self.random = zoo.build(path), True
-            tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+            tokenizer = next((d for d in (path, path.parent / "tokenizer")  # a pipeline folder's: ../tokenizer
+                              if any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))), None)
             if not tokenizer and self.llm.config.vocab_size != 256:
                 raise ValueError(f"no tokenizer, and vocab_size={self.llm.config.vocab_size} is not the bytes' 256")
-            self.tok, self.template = tokenizer_and_template(path) if tokenizer else \
+            self.tok, self.template = tokenizer_and_template(tokenizer) if tokenizer else \
                 (ByteTokenizer(), ChatTemplate(self.CAPTION, name="caption"))
         except (ValueError, OSError, DataError) as e:
             raise ConfigError(f"{source}: model.text_encoder={path}: {str(e).splitlines()[0]}") from None
