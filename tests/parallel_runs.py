@@ -49,6 +49,12 @@ DIFFUSION = {"family": "diffusion",
              "train": {**QUIET, "max_steps": 3, "batch_size": 4, "checkpoint_every": 0, "ema_decay": 0.9,
                        "samples": True},
              "optim": {"lr": 1e-3, "warmup_steps": 1}}
+# text to image: a FLUX.2 transformer on 2x2 latent tokens, conditioned on the cached embeddings of generated captions
+TEXT = ["data.format=captions", "data.dataset=digits", "model.denoiser=flux2", "model.prediction=flow",
+        "model.sampler=flow_euler", "model.min_snr_gamma=null", "model.flux2.double_depth=1", "model.flux2.single_depth=1",
+        "model.flux2.heads=2", "model.flux2.head_dim=16", "model.flux2.rope_axes=[4,4,4,4]", "model.flux2.in_channels=16",
+        "model.flux2.text_dim=64", f"model.text_encoder={ROOT / 'configs' / 'llm' / 'qwen3-text-tiny.yaml'}",
+        "model.text_layers=[2]", "model.text_length=32"]
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32", "model.moe.balance=bias"]
 DEEPSEEK = MOE + ["model.moe.scoring=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=1", "model.moe.n_shared=1",
                   "model.mla.kv_rank=16", "model.mla.q_rank=24", "model.mla.rope_dim=8", "model.mla.nope_dim=8",

@@ -79,6 +79,7 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "llm/tiny-grpo.yaml": ["train.init_from={llm}", "rl.prompts_per_step=2", "rl.group_size=4",
                            "rl.max_new_tokens=8", "data.eval_prompts=4"],
     "diffusion/digits.yaml": [],
+    "diffusion/digits-text.yaml": [],
     # needs ../shared/weights/taef2_encoder.pth (skipped without it); its denoiser of [128, 256] channels
     # (slow on a CPU for 20 steps and the 80 guided samples) shrinks to [32, 64]
     "diffusion/digits-taef2.yaml": ["model.channels=[32,64]"],

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import zoo
 from parallel_runs import configs  # noqa: F401 (a fixture)
-from parallel_runs import (ATOL, DEEPSEEK, HYBRID_SFT, LLM, MOE, NEWER, RTOL, SFT, assert_bitwise,
+from parallel_runs import (ATOL, DEEPSEEK, HYBRID_SFT, LLM, MOE, NEWER, RTOL, SFT, TEXT, assert_bitwise,
                            assert_close_weights, assert_same_losses, case, checkpoint_weights, copy_step, curve,
                            last_stderr, launch, run)
 from train.metrics import read_rows
@@ -55,6 +55,7 @@ PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own ove
                          "optim.name=adafactor", "optim.lr=1e-2"], BOTH, []),
     **{f"optim-{n}": ("llm", [f"optim.name={n}", *OPTIM_OVER.get(n, [])], BOTH, []) for n in OPTIM_TOL},
     "diffusion": ("diffusion", [], ("fsdp",), []),
+    "t2i": ("diffusion", TEXT, BOTH, []),
     "moe": ("llm", DEEPSEEK + ["train.grad_accum=1"], ("fsdp",), []),
     "newer": ("llm", NEWER, BOTH, []),
     # a checkpoint every step: the thresholds of step 1
@@ -207,12 +208,12 @@ def test_optimizers_under_two_processes_match_one(parity, name):
 MOD_FLIPS = 1e-3  # the losses after step 1 of a Mixture-of-Depths run: a few routing choices flipped by round-off
 
 
-@pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("moe", "fsdp"), ("newer", "ddp"), ("newer", "fsdp"),
+@pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("t2i", "ddp"), ("t2i", "fsdp"), ("moe", "fsdp"), ("newer", "ddp"), ("newer", "fsdp"),
                                              ("mod", "ddp"), ("mod", "fsdp"), ("float8", "fsdp"), ("rl", "ddp"), ("rl", "fsdp"),
                                              ("resnet", "ddp"), ("vit", "ddp"), ("vit", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
-    """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model)
-    and on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
+    """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model), DDP and FSDP2 on
+    a text-to-image FLUX.2 transformer (its caption dropout drawn for the global batch), and FSDP2 on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
     routing; expert weights sharded like any other; the router load summed over the ranks for the bias
     balancing): the losses, the weights and the EMA of one process with
     the same global batch; a dense LLM of Gemma 2/3's and GPT-OSS's ideas (local and global layers, sandwich
@@ -261,7 +262,7 @@ def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
         assert first[0].item() != 0.0
         return
     assert_close_weights(one, par)
-    if family == "diffusion":
+    if family in ("diffusion", "t2i"):
         assert_close_weights(one, par, "model_ema.safetensors")
         assert (par / "samples.png").is_file()
 

@@ -7,6 +7,7 @@ statistics are random (its decoder is never run: the latents are compared). Tole
 <= 1e-5, sampled latents (4 steps, guidance on) <= 1e-4, fp32.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,24 @@ def test_prompt_embeddings_equal_the_pipelines(qwen3):
     assert want[:, :, :32].abs().max() > 0.1  # the padding rows carry signal too (they are compared)
     with pytest.raises(ValueError, match=r"layers \[5\] out of range"):
         zoo_embeds(qwen3, llm, PROMPTS, (2, 5))
+
+
+def test_a_text_to_image_runs_text_encoder_embeds_as_the_pipeline(qwen3):
+    """model.text_encoder a Hugging Face folder (train/tasks/text_to_image.py): the pipeline's prompt embeddings, a
+    prompt longer than model.text_length truncated as the pipeline truncates it, and counted."""
+    from conftest import CPU
+    from train.config import load_run_config
+    from train.tasks.text_to_image import TextEncoder
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(qwen3).eval()
+    want = diffusers.Flux2KleinPipeline._get_qwen3_prompt_embeds(ref, transformers.AutoTokenizer.from_pretrained(
+        qwen3), PROMPTS, max_sequence_length=MAX_LEN, hidden_states_layers=LAYERS)
+    config = Path(__file__).resolve().parents[1] / "configs" / "diffusion" / "digits-text.yaml"
+    m = load_run_config(str(config), [f"model.text_encoder={qwen3}", "model.flux2.text_dim=96",
+                                      f"model.text_layers={list(LAYERS)}", f"model.text_length={MAX_LEN}"]).model
+    enc = TextEncoder(m, "run.yaml", CPU)
+    got = enc.embed(PROMPTS)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-5, (got - want).abs().max()
+    assert enc.truncated == [PROMPTS[1]]
 
 
 def test_latents_pack_as_the_pipeline_packs():

@@ -347,8 +347,8 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
     assert z(x, targets=x)[1] > 0
 
 
-PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM", "gemma3-1b": "Gemma3ForCausalLM",
-           "gemma4-e2b": "Gemma4ForCausalLM",
+PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "qwen3-text-tiny": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
+           "gemma3-1b": "Gemma3ForCausalLM", "gemma4-e2b": "Gemma4ForCausalLM",
            "olmo3-7b": "Olmo3ForCausalLM", "glm4-9b": "Glm4ForCausalLM", "cohere2-7b": "Cohere2ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",

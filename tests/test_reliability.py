@@ -582,16 +582,19 @@ DIFFUSION = {
 }
 
 
-def test_diffusion_resume_is_exact_with_ema(tmp_path):
+@pytest.mark.parametrize("text", [False, True], ids=["classes", "captions"])
+def test_diffusion_resume_is_exact_with_ema(tmp_path, text):
     """The latent diffusion task (noise, timesteps and label dropout drawn per step) resumes exactly,
-    EMA included."""
-    over = [f"data.cache_dir={tmp_path / 'cache'}"]
+    EMA included; so does text to image (caption dropout drawn per step), whose second run reuses the prompt cache."""
+    from parallel_runs import TEXT
+    over = [f"data.cache_dir={tmp_path / 'cache'}", *(TEXT if text else [])]
     loop.train(load_run_config(None, [f"train.out_dir={tmp_path / 'full'}", *over], base=DIFFUSION), log=lambda m: None)
     part = killed_copy(tmp_path / "full", tmp_path / "part", after_step=3)
     (part / "model_ema.safetensors").unlink()
     logs = []
     loop.train(load_run_config(None, [f"train.out_dir={part}", *over], base=DIFFUSION), log=logs.append)
     assert any(m.startswith("resumed from") and "(step 3)" in m for m in logs), logs
+    assert not text or any(m.startswith("prompts: reusing") for m in logs), logs
     for f in ("model.safetensors", "model_ema.safetensors"):
         assert_bitwise_equal(weights(part / f), weights(tmp_path / "full" / f))
     assert curve(part) == curve(tmp_path / "full")

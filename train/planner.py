@@ -474,6 +474,11 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         activations += sim.grads  # DDP's gradient buckets: one more copy of the gradients
         notes.append(f"ddp over {devices} devices: everything replicated, plus DDP's gradient buckets "
                      f"(one more copy of the gradients)")
+    if cfg.family == "diffusion" and cfg.model.denoiser == "flux2":
+        m = cfg.model
+        notes.append(f"text to image: the frozen text encoder ({m.text_encoder}) runs before training only, into the "
+                     f"prompt cache on disk ({4 * m.text_length * m.flux2.text_dim / 1024:,.0f} KiB per distinct caption); "
+                     f"a step's inputs hold its batch's prompt embeddings")
     ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
                  "ema": ema, "inputs": sim.inputs, "activations": activations}

@@ -1,11 +1,13 @@
-"""Text to images with a FLUX.2 [klein] pipeline folder: Zoo's transformer and Qwen3 text encoder, PNGs decoded by a
-Zoo autoencoder (TAEF2).
+"""Text to images with a FLUX.2 [klein] pipeline folder (Zoo's transformer and Qwen3 text encoder, PNGs decoded by a
+Zoo autoencoder: TAEF2) or with a text-to-image run folder of train/run.py.
 
     python train/sample.py FOLDER "a prompt" [...] --decoder taef2_encoder.pth [--out DIR --steps 4 --guidance 4
                                              --seed 0 --n 1 --size 1024 1024 --max-length 512]
+    python train/sample.py RUN "a prompt" [...] [--out DIR --steps --guidance --seed 0 --n 1]
 
 FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
-the latents' statistics, model_index.json; `is_distilled` turns guidance off). Writes DIR/<prompt>-<seed>-<k>.png.
+the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a run of data.format: captions
+(its EMA weights when it kept them, its sampler, steps and guidance unless given). Writes DIR/<prompt>-<seed>-<k>.png.
 """
 from __future__ import annotations
 
@@ -53,14 +55,38 @@ def generate(folder, prompts: list[str], decoder, steps: int = 4, guidance: floa
     return decoder.decode(z).clamp(0, 1)
 
 
+@torch.no_grad()
+def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int = 0, n: int = 1) -> torch.Tensor:
+    """Images (len(prompts) * n, 3, H, W) in [0, 1] of a text-to-image run folder: its model (EMA weights when
+    written), its text encoder (text_encoder/ when the run saved one, else model.text_encoder)."""
+    from safetensors.torch import load_model
+
+    from train.config import load_run_config
+    from train.tasks.text_to_image import TextEncoder
+    from zoo.diffusion.latent import LatentDiffusion
+    run = Path(run)
+    cfg = load_run_config(str(run / "config.yaml"))
+    if cfg.family != "diffusion" or cfg.model.denoiser != "flux2":
+        raise ValueError(f"{run}: not a text-to-image run (family diffusion, model.denoiser flux2)")
+    weights = next((w for w in (run / "model_ema.safetensors", run / "model.safetensors") if w.is_file()), None)
+    if weights is None:
+        raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)")
+    model = LatentDiffusion(cfg.model).eval()
+    load_model(model, str(weights))
+    own = run / "text_encoder"
+    encoder = TextEncoder(cfg.model, cfg.source, torch.device("cpu"), own if own.is_dir() else None)
+    cond = encoder.embed([p for p in prompts for _ in range(n)])
+    return model.sample(cond, steps=steps, guidance=guidance, generator=torch.Generator().manual_seed(seed))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python train/sample.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("folder", help="a FLUX.2 [klein] pipeline folder")
+    p.add_argument("folder", help="a FLUX.2 [klein] pipeline folder or a text-to-image run folder")
     p.add_argument("prompts", nargs="+", help="one or more prompts")
-    p.add_argument("--decoder", required=True, help="a Zoo autoencoder of the latent space (taef2_encoder.pth)")
+    p.add_argument("--decoder", help="a pipeline folder's: a Zoo autoencoder of the latent space (taef2_encoder.pth)")
     p.add_argument("--out", default="samples", help="folder for the PNGs (default samples)")
-    p.add_argument("--steps", type=int, default=4, help="Euler steps (default 4)")
-    p.add_argument("--guidance", type=float, default=4.0, help="classifier-free guidance scale (default 4)")
+    p.add_argument("--steps", type=int, help="Euler steps (default 4; a run: its model.sample_steps)")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default 4; a run: its model.guidance)")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default 0)")
     p.add_argument("--n", type=int, default=1, help="images per prompt (default 1)")
     p.add_argument("--size", type=int, nargs=2, default=(1024, 1024), metavar=("H", "W"), help="pixels (default 1024)")
@@ -70,8 +96,14 @@ def main(argv=None) -> int:
     import zoo
     from train.tasks.diffusion import save_grid
     try:
-        images = generate(args.folder, args.prompts, zoo.from_pretrained(args.decoder).eval(), args.steps,
-                          args.guidance, args.seed, args.n, args.size, args.max_length, args.layers)
+        if (Path(args.folder) / "config.yaml").is_file():
+            images = generate_run(args.folder, args.prompts, args.steps, args.guidance, args.seed, args.n)
+        elif args.decoder is None:
+            raise ValueError(f"{args.folder}: a pipeline folder needs --decoder (its latent space's autoencoder)")
+        else:
+            images = generate(args.folder, args.prompts, zoo.from_pretrained(args.decoder).eval(), args.steps or 4,
+                              4.0 if args.guidance is None else args.guidance, args.seed, args.n, args.size,
+                              args.max_length, args.layers)
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

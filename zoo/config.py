@@ -955,13 +955,21 @@ class Flux2Config:
 
 @dataclass
 class DiffusionConfig:
-    """Latent diffusion: TAESD autoencoder + class-conditional denoiser (U-Net or DiT) + noise schedule."""
+    """Latent diffusion: TAESD autoencoder + class-conditional denoiser (U-Net or DiT) or text-conditioned FLUX.2
+    transformer + noise schedule."""
     image_size: int = bounded(32, gt=0)     # training and sampled image size, divisible by 8
     num_classes: int = bounded(10, gt=0)    # classes (+1 "no label" for guidance)
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     latent_channels: Optional[int] = bounded(None, gt=0)  # the denoiser's; must match the autoencoder's
-    denoiser: Literal["unet", "dit"] = "unet"  # `unet` (the keys below) or `dit` (the `dit:` section)
+    denoiser: Literal["unet", "dit", "flux2"] = "unet"  # `unet` (the keys below), `dit` (the `dit:` section) or
+                                            # `flux2` (the `flux2:` section; text-conditioned, prediction: flow)
     dit: DiTConfig = field(default_factory=DiTConfig)
+    flux2: Flux2Config = field(default_factory=Flux2Config)
+    text_encoder: Optional[str] = None      # flux2: the Zoo LLM embedding the prompts, a model folder (pretrained) or
+                                            # an LLM config file (random init, frozen; vocab_size 256: bytes)
+    text_layers: list[int] = field(default_factory=lambda: [9, 18, 27])  # flux2: the text encoder's hidden states
+                                            # stacked per token (0 the embeddings); text_dim = layers x d_model
+    text_length: int = bounded(512, gt=0)   # flux2: prompt tokens, padded (and truncated) to it
     channels: list[int] = field(default_factory=lambda: [64, 128])  # U-Net width per level (each halves the latents)
     blocks_per_level: int = bounded(2, gt=0)  # U-Net residual blocks per level going down (one more going up)
     attention: bool = True                  # self-attention at the lowest resolution
@@ -990,9 +998,10 @@ class DiffusionConfig:
             raise fail(source, p + "image_size", f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}")
         if not self.channels or any(c <= 0 or c % self.heads for c in self.channels):
             raise fail(source, p + "channels", f"must be positive widths divisible by heads={self.heads}, got {self.channels}")
-        factor = 2 ** (len(self.channels) - 1) if self.denoiser == "unet" else self.dit.patch_size
-        if (self.image_size // 8) % factor and self.denoiser == "dit":
-            raise fail(source, p + "dit.patch_size", f"={factor} must divide the latent size {self.image_size // 8}")
+        factor = {"unet": 2 ** (len(self.channels) - 1), "dit": self.dit.patch_size, "flux2": 2}[self.denoiser]
+        if (self.image_size // 8) % factor and self.denoiser != "unet":
+            key = "dit.patch_size" if self.denoiser == "dit" else "image_size"
+            raise fail(source, p + key, f"the latent size {self.image_size // 8} must be divisible by the patch {factor}")
         if (self.image_size // 8) % factor:
             raise fail(source, p + "channels", f"has {len(self.channels)} levels: the latent size "
                                                f"{self.image_size // 8} must be divisible by {factor}")
@@ -1006,6 +1015,10 @@ class DiffusionConfig:
         from .diffusion.samplers import check_sampler
         if why := check_sampler(self.sampler, self.prediction):
             raise fail(source, p + "sampler", f"={self.sampler}: {why}")
+        if self.denoiser == "flux2" and (self.prediction != "flow" or not self.text_encoder):
+            key = "prediction" if self.prediction != "flow" else "text_encoder"
+            raise fail(source, p + key, "denoiser=flux2 is a text-conditioned rectified flow: set prediction: flow "
+                                        "and a text_encoder")
         if self.denoiser == "dit" and self.dit.learn_sigma and self.prediction == "flow":
             raise fail(source, p + "dit.learn_sigma", "needs a noise-schedule prediction (eps, v, x0): the "
                                                       "variance is trained with DDPM's bound, which flow has not")

@@ -6,6 +6,7 @@
     python train/bench.py latent-cache       # training from the latent cache vs encoding every step (TAEF2)
     python train/bench.py min-snr            # Min-SNR-5 vs uniform loss weighting on the digits, equal steps
     python train/bench.py diffusion-quality  # flow vs eps at equal steps, DiT vs U-Net at equal FLOPs, over seeds
+    python train/bench.py prompt-adherence   # digits-text.yaml's samples of each digit's prompt, judged per seed
 
 Quality: samples judged by a digits classifier (accuracy, Frechet distance of its features).
 """
@@ -438,6 +439,42 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     return diffusion_tables(data), data
 
 
+def prompt_adherence(args) -> tuple[dict, dict]:
+    """Per seed: configs/diffusion/digits-text.yaml trained (--steps, default the config's), then each digit's prompt
+    sampled from --per-class noise seeds, unguided and with the config's guidance, judged by the digits classifier:
+    the share labelled as the prompt asked (chance 0.1) and the classifier FD to the training digits."""
+    from train.config import load_run_config
+    from train.data.images import digits_dataset
+    from train.sample import generate_run
+    from train.sample_quality import judge
+    from train.tasks.text_to_image import DIGITS
+    out, config = Path(args.out), CONFIGS / "digits-text.yaml"
+    clf, real = digits_judge(out)
+    prompts, labels = [f"a handwritten digit {d}" for d in DIGITS], torch.arange(10).repeat(args.per_class)
+    over = [f"train.max_steps={args.steps}"] if args.steps else []
+    guidances, per_seed = (1.0, load_run_config(str(config)).model.guidance), {}
+    for seed in args.seeds:
+        run = out / f"digits-text-seed{seed}"
+        harness.run_loop(config, run, [*over, f"train.seed={seed}", "train.resume=false"], inproc=True,
+                         done="model_ema.safetensors")
+        per_seed[seed] = {g: judge(clf, torch.cat([generate_run(run, prompts, guidance=g, seed=s)
+                                                   for s in range(args.per_class)]), labels, real) for g in guidances}
+        print(f"   seed {seed}: {per_seed[seed]}", flush=True)
+
+    def cell(g, k):
+        m, h = harness.mean_interval(per_seed[s][g][k] for s in per_seed)
+        return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
+    x_va, y_va = digits_dataset("val", 32, 3, 0.1)
+    real_va = judge(clf, x_va, y_va, real)
+    rows = [[f"guidance {g:g}", cell(g, "sample_accuracy"), cell(g, "classifier_fd")] for g in guidances]
+    rows.append([f"real held-out digits ({len(x_va)})", f"{real_va['sample_accuracy']:.3f}",
+                 f"{real_va['classifier_fd']:.3f}"])
+    note = f"mean ± 95% interval over {len(per_seed)} training seeds; 10 prompts x {args.per_class} noise seeds each"
+    head = ["samples", f"prompt adherence (sample accuracy; {note})", "classifier FD (lower is better)"]
+    return {"adherence": harness.table(head, rows)}, {"per_seed": per_seed, "steps": args.steps or "config's",
+                                                      "real_held_out": real_va}
+
+
 def diffusion_tables(data: dict) -> dict:
     """Per run the mean over seeds with its 95% interval, and the paired difference (per seed) with its verdict."""
     seeds = list(data["per_seed"].values())
@@ -475,12 +512,12 @@ def main(argv=None, preset: str = "taesd"):
     speed = preset in ("taesd", "dit", "flux2", "latent-cache")
     precision = {"taesd": "fp32,bf16", "dit": "fp32,bf16", "flux2": "fp32,bf16", "min-snr": ""}.get(preset, "fp32")
     p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
-                       one_precision=not speed, out=True, seeds=2 if preset == "diffusion-quality" else 0)
+                       one_precision=not speed, out=True, seeds={"diffusion-quality": 2, "prompt-adherence": 1}.get(preset, 0))
     p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
     p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
                    help="image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side")
     p.add_argument("--device", default="cpu")
-    steps = {"min-snr": None, "diffusion-quality": 300}.get(preset, 2)
+    steps = {"min-snr": None, "diffusion-quality": 300, "prompt-adherence": None}.get(preset, 2)
     p.add_argument("--steps", type=harness.positive_int, default=steps,
                    help="timed steps per round (training steps for min-snr, diffusion-quality)")
     if preset == "taesd":
@@ -501,15 +538,16 @@ def main(argv=None, preset: str = "taesd"):
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
     if preset == "min-snr":
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
-    if preset in ("min-snr", "diffusion-quality"):
-        p.add_argument("--per-class", type=harness.positive_int, default=20, help="samples per digit and run")
+    if preset in ("min-snr", "diffusion-quality", "prompt-adherence"):
+        p.add_argument("--per-class", type=harness.positive_int, default=20 if preset != "prompt-adherence" else 10,
+                       help="samples per digit and run")
     args = p.parse_args(argv)
     if preset == "latent-cache" and not args.weights.is_file():
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
         return
     harness.setup(args)
     run = {"taesd": taesd, "dit": dit, "flux2": flux2, "latent-cache": latent_cache, "min-snr": min_snr,
-           "diffusion-quality": diffusion_quality}
+           "diffusion-quality": diffusion_quality, "prompt-adherence": prompt_adherence}
     harness.save(args, *run[preset](args))
 
 

@@ -2,9 +2,11 @@
 
     latent_cache(folder, key, splits, encode, views, ...) -> LatentCache (built, resumed or reused)
     cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
+    prompt_cache(folder, key, prompts, encode) -> (P, L, D) memmap: a text encoder's embeddings per prompt
 
 The folder's name carries a digest of `key`; it holds train.npy (N, V, C, h, w), val.npy, labels
-and meta.json. Built in a `.partial` folder (a killed build resumes), one builder at a time."""
+and meta.json (a prompt cache: embeds.npy and meta.json). Built in a `.partial` folder (a killed
+latent build resumes), one builder at a time."""
 from __future__ import annotations
 
 import hashlib
@@ -163,3 +165,33 @@ def _channel_stats(a: np.ndarray, rows: int = 4096) -> tuple[list, list]:
     mean = s / n
     var = np.maximum(ss - n * mean * mean, 0.0) / max(n - 1, 1)
     return mean.tolist(), np.maximum(np.sqrt(var), 1e-6).tolist()
+
+
+def prompt_cache(folder, key: dict, prompts: list, encode: Callable[[list], torch.Tensor], batch_size: int = 64,
+                 log=print) -> np.ndarray:
+    """The embeddings (len(prompts), L, D) of `key`'s prompts in `folder` (encode: prompts -> (n, L, D)), as a
+    read-only memmap: reused when complete, else built whole in a `.partial` folder, one builder at a time."""
+    folder = Path(folder)
+    complete = lambda: read_record(folder / META, version=VERSION, key=key) is not None  # noqa: E731
+    if complete():
+        log(f"prompts: reusing {folder}")
+        return np.load(folder / "embeds.npy", mmap_mode="r")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(folder), torch.no_grad():
+        if not complete():
+            t0, part, out = time.perf_counter(), folder.parent / f".{folder.name}.partial", None
+            for old in (part, folder):
+                shutil.rmtree(old, ignore_errors=True)
+            part.mkdir()
+            for i in range(0, len(prompts), batch_size):
+                e = encode(prompts[i:i + batch_size]).float().cpu().numpy()
+                if out is None:
+                    out = np.lib.format.open_memmap(part / "embeds.npy", "w+", np.float32, (len(prompts), *e.shape[1:]))
+                out[i:i + len(e)] = e
+            out.flush()
+            del out
+            atomic_write(part / META, json.dumps({"version": VERSION, "key": key, "prompts": prompts}, indent=1))
+            os.replace(part, folder)
+            fsync_dir(folder.parent)
+            log(f"prompts: encoded {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s into {folder}")
+    return np.load(folder / "embeds.npy", mmap_mode="r")

@@ -30,6 +30,7 @@ TRAINED_SPECIALS = ("<|endoftext|>",)  # the special tokens of a BPE trained her
 class ByteTokenizer:
     vocab_size = 256
     bos_id = eos_id = None
+    pad_id = 0  # padding a text encoder's prompts (masked out)
     model_path, spec = None, ("bytes", None)
 
     def piece_bytes(self) -> list[int]:

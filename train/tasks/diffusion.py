@@ -64,11 +64,18 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
         from ..data.images import digits_dataset
         x = {s: digits_dataset(s, size, 3, d.val_fraction) for s in ("train", "val")}
         return ImageData(key, {s: y for s, (_, y) in x.items()}, lambda s, i, j: x[s][0][i:j], 10)
-    from ..data.images import FolderImages, collate_images, scan_image_folder
+    from ..data.images import scan_image_folder
     try:
         classes, samples = scan_image_folder(d.dataset, flat=True)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{source}: data.dataset: {e}") from None
+    return split_images(d, samples, size, source, dict(key, classes=classes), len(classes))
+
+
+def split_images(d: DiffusionDataConfig, samples: list, size: int, source: str, key: dict, classes: int) -> ImageData:
+    """[(path, label)] split at random (fixed seed) into train and val, centre crops read lazily; an unreadable
+    file is a one-line error naming it."""
+    from ..data.images import FolderImages, collate_images
     if len(samples) < 2:
         raise ConfigError(f"{source}: data.dataset: {d.dataset}: {len(samples)} image; a train and a val split need two")
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
@@ -82,9 +89,9 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
             raise DataError(f"{bad[0]}: unreadable image (in data.dataset={d.dataset})")
         return x.float() / 255
 
-    key.update(crop="centre", files=files_fingerprint(p for p, _ in samples), classes=classes)
+    key.update(crop="centre", files=files_fingerprint(p for p, _ in samples))
     labels = {s: torch.tensor([y for _, y in p], dtype=torch.int64) for s, p in parts.items()}
-    return ImageData(key, labels, read, len(classes))
+    return ImageData(key, labels, read, classes)
 
 
 def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: int, lr: float, noise: float,
@@ -129,6 +136,7 @@ def load_dit_into(model: LatentDiffusion, path):
 
 class DiffusionTask(Task):
     DataConfig, unit = DiffusionDataConfig, "images"
+    formats = {"captions": "train.tasks.text_to_image:TextToImageTask"}
 
     @staticmethod
     def validate_config(cfg):
@@ -136,13 +144,33 @@ class DiffusionTask(Task):
         if m.autoencoder.weights and not Path(m.autoencoder.weights).exists():
             raise ConfigError(f"{cfg.source}: model.autoencoder.weights={m.autoencoder.weights}: no such file or "
                               f"directory")
+        if (m.denoiser == "flux2") != (getattr(cfg.data, "format", None) == "captions"):
+            raise ConfigError(f"{cfg.source}: model.denoiser={m.denoiser}: the text-conditioned denoiser (flux2) "
+                              f"trains on data.format: captions, the class-conditional ones (unet, dit) on classes")
 
-    def setup(self):
-        cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
-        data = load_images(d, m.image_size, cfg.source)
+    @property
+    def null_label(self) -> int:
+        """The condition that dropped labels take (classifier-free guidance's unconditional side)."""
+        return self.cfg.model.num_classes
+
+    def label_dropout(self) -> float:
+        return self.cfg.model.class_dropout
+
+    def condition(self, labels: torch.Tensor) -> torch.Tensor:
+        """What the denoiser is conditioned on, from the (possibly dropped) labels: the labels themselves."""
+        return labels
+
+    def load_data(self) -> ImageData:
+        cfg, m = self.cfg, self.cfg.model
+        data = load_images(cfg.data, m.image_size, cfg.source)
         if data.classes > m.num_classes:
             raise ConfigError(f"{cfg.source}: model.num_classes={m.num_classes} but data.dataset has "
                               f"{data.classes} classes")
+        return data
+
+    def setup(self):
+        cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
+        data = self.load_data()
         n_tr, n_va = len(data.labels["train"]), len(data.labels["val"])
         self.log(f"data: {d.dataset}, {n_tr} train / {n_va} val images of {m.image_size}x{m.image_size}")
         self.autoencoder = self._autoencoder(data)
@@ -220,15 +248,15 @@ class DiffusionTask(Task):
         noise = torch.randn(z.shape, generator=g)
         if drop > 0:
             keep = torch.rand(B, generator=g) >= drop
-            y = torch.where(keep.to(y.device), y, torch.full_like(y, self.cfg.model.num_classes))
-        return {"z": z, "labels": y, "t": t.to(self.device), "noise": noise.to(self.device)}
+            y = torch.where(keep.to(y.device), y, torch.full_like(y, self.null_label))
+        return {"z": z, "labels": self.condition(y), "t": t.to(self.device), "noise": noise.to(self.device)}
 
     def train_batch(self, step, micro):
         g = self.batch_generator(step, micro)
         idx = torch.randint(len(self.latents), (self.global_rows(),), generator=g)
         views = torch.randint(self.latents.views, idx.shape, generator=g) if self.latents.views > 1 else None
         z = self._normalised(self.latents.latents("train", idx, views))
-        batch = self._noised(z, self.y_tr[idx.to(self.device)], g, self.cfg.model.class_dropout)
+        batch = self._noised(z, self.y_tr[idx.to(self.device)], g, self.label_dropout())
         return {k: self.own_rows(v) for k, v in batch.items()} if self.world > 1 else batch
 
     def loss(self, model, batch):
@@ -267,9 +295,11 @@ class DiffusionTask(Task):
 
 
 @torch.no_grad()
-def sample_grid(model: LatentDiffusion, per_class: int, device, seed: int = 0, autocast=None, **kw):
-    """per_class samples of every class, class-major -> images (num_classes * per_class, 3, H, W)."""
-    labels = torch.arange(model.config.num_classes, device=device).repeat_interleave(per_class)
+def sample_grid(model: LatentDiffusion, per_class: int, device, seed: int = 0, autocast=None, conditions=None, **kw):
+    """per_class samples of every class (or of each of `conditions`' rows: prompt embeddings), class-major ->
+    images (num_classes * per_class, 3, H, W)."""
+    rows = torch.arange(model.config.num_classes, device=device) if conditions is None else conditions.to(device)
+    labels = rows.repeat_interleave(per_class, 0)
     g = torch.Generator(device=device).manual_seed(seed)
     with eval_mode(model), (autocast() if autocast is not None else torch.autocast(device.type, enabled=False)):
         return model.sample(labels, generator=g, **kw).float()

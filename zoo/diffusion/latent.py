@@ -1,12 +1,13 @@
-"""Latent diffusion: a frozen TAESD autoencoder, a class-conditional denoiser (U-Net or DiT), a noise schedule.
+"""Latent diffusion: a frozen TAESD autoencoder, a class-conditional denoiser (U-Net or DiT) or a text-conditioned
+FLUX.2 transformer on 2x2-patch latent tokens (`labels` then prompt embeddings (B, L, text_dim)), a noise schedule.
 
     images [0,1] --encode--> z = (taesd.encode(images) - latent_mean) / latent_std
     training:  loss = w(t) * |denoiser(sqrt(abar) z + sqrt(1-abar) eps, t, label) - target|^2
                flow: loss = w(s) * |denoiser((1-s) z + s eps, 1000 s, label) - (eps - z)|^2
     sampling:  x_T ~ N(0, I) -> a sampler (samplers.py) with classifier-free guidance -> z -> decode -> images
 
-latent_mean / latent_std are per-channel buffers (unit-variance latents whatever the autoencoder). Only the denoiser
-is trained.
+latent_mean / latent_std are per-channel buffers (unit-variance latents whatever the autoencoder); null_text (flux2)
+the empty prompt's embeddings, the unconditional side of guidance. Only the denoiser is trained.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..blocks.mmdit import positions
 from ..config import ConfigError, DiffusionConfig, check
 from . import samplers
 from .denoiser import UNet
 from .dit import DiT
+from .flux2 import Flux2
+from .flux2_pipeline import pack, unpack
 from .schedule import (NoiseSchedule, flow_interpolate, flow_min_snr_weight, flow_target, guided,
                        vlb_term)
 from .taesd import TAESD
@@ -51,8 +55,14 @@ class LatentDiffusion(nn.Module):
             raise ConfigError(f"model.latent_channels={cfg.latent_channels} does not match the autoencoder's "
                               f"{C} latent channels")
         self.latent_channels = C
+        if cfg.denoiser == "flux2" and cfg.flux2.in_channels != 4 * C:
+            raise ConfigError(f"model.flux2.in_channels={cfg.flux2.in_channels} must be 4 x the autoencoder's {C} "
+                              f"latent channels (2x2 patches): set it to {4 * C}")
         self.denoiser = DiT(cfg.dit, C, cfg.num_classes, self.latent_size) if cfg.denoiser == "dit" else \
+            Flux2(cfg.flux2) if cfg.denoiser == "flux2" else \
             UNet(C, cfg.num_classes, cfg.channels, cfg.blocks_per_level, cfg.attention, cfg.heads)
+        if cfg.denoiser == "flux2":
+            self.register_buffer("null_text", torch.zeros(cfg.text_length, cfg.flux2.text_dim))
         self.schedule = NoiseSchedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
         self.register_buffer("latent_mean", torch.zeros(C))
         self.register_buffer("latent_std", torch.ones(C))
@@ -88,7 +98,7 @@ class LatentDiffusion(nn.Module):
         Min-SNR-weighted as configured or, weighted=False, the plain MSE. Dropped labels are already "no label"."""
         cfg = self.config
         if cfg.prediction == "flow":
-            out = self.denoiser(flow_interpolate(z, noise, t), t * 1000, labels)
+            out = self.denoise(flow_interpolate(z, noise, t), t * 1000, labels)
             mse = (out.float() - flow_target(z, noise).float()).pow(2).flatten(1).mean(1)
             return flow_min_snr_weight(t, cfg.min_snr_gamma) * mse if weighted else mse
         x_t = self.schedule.add_noise(z, noise, t)
@@ -105,6 +115,15 @@ class LatentDiffusion(nn.Module):
             loss = loss + vlb_term(self.schedule, var_out, x0_pred, z.float(), x_t.float(), t)
         return loss
 
+    def denoise(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The denoiser on latents x (B, C, h, w) at t (B,) in [0, num_timesteps]; flux2: packed into tokens, its
+        timestep t / 1000, labels the prompt embeddings (B, L, text_dim)."""
+        if self.config.denoiser != "flux2":
+            return self.denoiser(x, t, labels)
+        h, w = x.shape[2] // 2, x.shape[3] // 2
+        txt, img = positions(labels.shape[1], h, w, x.device)
+        return unpack(self.denoiser(pack(x), labels.to(x.dtype), t / 1000, img, txt), h, w)
+
     @torch.no_grad()
     def sample_latents(self, labels: torch.Tensor, steps: Optional[int] = None, guidance: Optional[float] = None,
                        sampler: Optional[str] = None, eta: Optional[float] = None,
@@ -113,15 +132,16 @@ class LatentDiffusion(nn.Module):
         scale = cfg.guidance if guidance is None else guidance
         C, s = self.latent_channels, self.latent_size
         # the noise prediction only: a learned-sigma DiT's variance channels are not used by these samplers
-        null = torch.full_like(labels, self.denoiser.null_label)
-        fn = lambda x, t: guided(self.denoiser, x, t, labels, null, scale)[:, :C]  # noqa: E731
+        null = self.null_text.expand_as(labels) if hasattr(self, "null_text") else \
+            torch.full_like(labels, self.denoiser.null_label)
+        fn = lambda x, t: guided(self.denoise, x, t, labels, null, scale)[:, :C]  # noqa: E731
         return samplers.sample(fn, (len(labels), C, s, s), sampler or cfg.sampler, steps or cfg.sample_steps,
                                self.schedule, cfg.prediction, cfg.beta_start, cfg.beta_end,
                                cfg.eta if eta is None else eta, generator, labels.device, self.latent_mean.dtype)
 
     @torch.no_grad()
     def sample(self, labels: torch.Tensor, **kw) -> torch.Tensor:
-        """Images (B, 3, image_size, image_size) in [0, 1] of the classes `labels` (B,).
+        """Images (B, 3, image_size, image_size) in [0, 1] of the classes `labels` (B,) (flux2: prompt embeddings).
         Keywords: steps, guidance, sampler, eta, generator (default: the config's)."""
         return self.decode(self.sample_latents(labels, **kw))
 

@@ -1,0 +1,146 @@
+"""Text to image (data.format: captions, model.denoiser: flux2): captions and their bad input, the text encoder and
+the prompt cache, the config's checks, and (slow) the embedded default trained three steps then sampled by
+train/sample.py from its run folder."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import CPU
+from train.config import load_run_config
+from train.data.latents import prompt_cache
+from train.tasks.text_to_image import TextEncoder, caption_pairs
+from zoo.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "diffusion" / "digits-text.yaml"
+
+
+def image(path: Path, caption=None):
+    Image.new("RGB", (12, 10), (200, 10, 10)).save(path)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption + "\n")
+    return str(path)
+
+
+def test_captions_skip_uncaptioned_and_undecodable_images_in_one_line_each(tmp_path):
+    a, d = image(tmp_path / "a.png", "a red square"), image(tmp_path / "d.png", "another")
+    b = image(tmp_path / "b.png")
+    (tmp_path / "c.png").write_bytes(b"not a png")
+    (tmp_path / "c.txt").write_text("broken")
+    logs = []
+    assert caption_pairs(str(tmp_path), "run.yaml", logs.append) == [(a, "a red square"), (d, "another")]
+    assert logs == [f"data: skipped 1 images without a caption (first: {b})",
+                    f"data: skipped 1 undecodable images (first: {tmp_path / 'c.png'} (UnidentifiedImageError))"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in ({"image": "a.png", "caption": "x"}, {"image": "b.png"},
+                                                      {"image": "gone.png", "caption": "y"})) + "\n")
+    logs = []
+    assert caption_pairs(str(rows), "run.yaml", logs.append) == [(a, "x")]
+    assert len(logs) == 2 and "gone.png" in logs[1]
+    rows.write_text('{"image": "a.png", "caption": "x"}\nnot json\n')
+    with pytest.raises(ConfigError, match=rf"data.dataset: {rows}:2: not a"):
+        caption_pairs(str(rows), "run.yaml")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as e:
+        caption_pairs(str(tmp_path / "empty"), "run.yaml")
+    assert str(e.value) == f"run.yaml: data.dataset: {tmp_path / 'empty'}: no captioned images"
+
+
+def test_a_caption_folder_splits_into_prompt_indices(tmp_path):
+    """Labels index the prompts ("" first, then every distinct caption and sample prompt); images read as crops."""
+    from train.tasks.text_to_image import CaptionDataConfig, load_captioned
+    for i, c in enumerate(["a cat", "a dog", "a cat", "a cow"]):
+        image(tmp_path / f"{i}.png", c)
+    data, prompts = load_captioned(CaptionDataConfig(dataset=str(tmp_path), val_fraction=0.25,
+                                                     sample_prompts=["a bird"]), 16, "run.yaml")
+    assert prompts == ["", "a bird", "a cat", "a cow", "a dog"] and data.classes == 5
+    got = sorted(data.labels["train"].tolist() + data.labels["val"].tolist())
+    assert got == [2, 2, 3, 4] and len(data.labels["val"]) == 1 and "captions" in data.key
+    assert data.read("train", 0, 3).shape == (3, 3, 16, 16)
+
+
+def test_text_encoder_pads_truncates_and_checks_its_width():
+    """The byte-level encoder of the embedded default: (B, text_length, layers x d_model) embeddings, a prompt longer
+    than text_length truncated and counted, the real tokens' embeddings independent of the padding; text_dim checked."""
+    m = load_run_config(str(CONFIG), ["model.text_length=8"]).model
+    enc = TextEncoder(m, "run.yaml", CPU, ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
+    out = enc.embed(["a one", "a handwritten digit one"])
+    assert out.shape == (2, 8, 128) and enc.truncated == ["a handwritten digit one"]
+    torch.testing.assert_close(enc.embed(["a one"])[0, :5], out[0, :5], rtol=0, atol=1e-6)
+    bad = load_run_config(str(CONFIG), ["model.flux2.text_dim=64"]).model
+    with pytest.raises(ConfigError, match="model.flux2.text_dim=64: the text encoder gives 2 layers x 64; set it to 128"):
+        TextEncoder(bad, "run.yaml", CPU, ROOT / "configs" / "llm" / "qwen3-text-tiny.yaml")
+
+
+def test_prompt_cache_is_reused_and_rebuilt_for_another_key(tmp_path):
+    calls, logs = [], []
+
+    def encode(prompts):
+        calls.append(list(prompts))
+        return torch.arange(len(prompts) * 6, dtype=torch.float32).view(len(prompts), 3, 2) + len(calls)
+    prompts = ["", "a", "b"]
+    first = prompt_cache(tmp_path / "p", {"k": 1}, prompts, encode, batch_size=2, log=logs.append)
+    again = prompt_cache(tmp_path / "p", {"k": 1}, prompts, encode, batch_size=2, log=logs.append)
+    assert calls == [["", "a"], ["b"]] and logs[-1] == f"prompts: reusing {tmp_path / 'p'}"
+    assert first.shape == (3, 3, 2) and (first == again).all() and first[2, 0, 0] == 2
+    other = prompt_cache(tmp_path / "p", {"k": 2}, prompts, encode, batch_size=2, log=logs.append)
+    assert len(calls) == 4 and other[0, 0, 0] == 3
+
+
+@pytest.mark.parametrize("over,key", [(["model.denoiser=unet", "model.prediction=eps", "model.sampler=ddim"],
+                                       "model.denoiser=unet"),
+                                      (["model.prediction=eps", "model.sampler=ddim"], "model.prediction")])
+def test_the_text_conditioned_denoiser_and_captions_go_together(over, key):
+    with pytest.raises(ConfigError, match=key):
+        load_run_config(str(CONFIG), over)
+    with pytest.raises(ConfigError, match="model.denoiser=flux2"):
+        load_run_config(None, base={"family": "diffusion", "model": {
+            "denoiser": "flux2", "prediction": "flow", "sampler": "flow_euler", "text_encoder": "x.yaml"}})
+
+
+@pytest.mark.slow
+def test_digits_text_trains_three_steps_and_samples_from_its_run_folder(tmp_path):
+    """The embedded default, three steps (its autoencoder shortened), writes samples.png; train/sample.py then writes
+    PNGs from the run folder with the text encoder the run saved (the prompt cache's reuse: test_reliability.py)."""
+    run = [sys.executable, "train/run.py", str(CONFIG), f"train.out_dir={tmp_path / 'run'}", "train.max_steps=3",
+           "data.ae_steps=20", "train.progress=false", "model.sample_steps=2", "data.samples_per_class=2"]
+    p = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "prompts: encoded 41 prompts" in log and (tmp_path / "run" / "samples.png").is_file()
+    p = subprocess.run([sys.executable, "train/sample.py", str(tmp_path / "run"), "a handwritten digit three",
+                        "--out", str(tmp_path / "png"), "--n", "2", "--steps", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pngs = sorted((tmp_path / "png").glob("*.png"))
+    assert [f.name for f in pngs] == ["a_handwritten_digit_three-0-0.png", "a_handwritten_digit_three-0-1.png"]
+    assert Image.open(pngs[0]).size == (32, 32)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_text_to_image_run_resumes_bitwise(tmp_path):
+    """A tiny text-to-image run SIGKILLed past its first checkpoint and launched again: the losses, the weights and
+    the EMA of the uninterrupted run, bit for bit (caption dropout, noise and timesteps drawn per step)."""
+    import signal
+
+    import yaml
+    from conftest import wait_for_step
+    from parallel_runs import DIFFUSION, TEXT, assert_bitwise, curve, launch, run
+    cfg = tmp_path / "t2i.yaml"
+    cfg.write_text(yaml.safe_dump(DIFFUSION))
+    over = [*TEXT, "train.max_steps=8", "train.checkpoint_every=3", "train.samples=false"]
+    run(cfg, tmp_path / "full", *over, nproc=0)
+    p = launch(cfg, tmp_path / "killed", *over, nproc=0)
+    assert wait_for_step(p, tmp_path / "killed", 4), "the run ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    run(cfg, tmp_path / "killed", *over, nproc=0)
+    assert "resumed from" in (tmp_path / "killed" / "log.txt").read_text()
+    assert curve(tmp_path / "killed") == curve(tmp_path / "full")
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_bitwise(tmp_path / "full", tmp_path / "killed", name)
