@@ -144,3 +144,38 @@ def test_a_sigkilled_text_to_image_run_resumes_bitwise(tmp_path):
     assert curve(tmp_path / "killed") == curve(tmp_path / "full")
     for name in ("model.safetensors", "model_ema.safetensors"):
         assert_bitwise(tmp_path / "full", tmp_path / "killed", name)
+
+
+@pytest.mark.slow
+def test_a_lora_run_from_a_diffusers_transformer_loads_in_diffusers(tmp_path):
+    """digits-text.yaml fine-tuned with LoRA from a diffusers Flux2Transformer2DModel folder (train.init_from): the
+    run's adapter/pytorch_lora_weights.safetensors, read by Flux2KleinPipeline.load_lora_weights into that folder's
+    transformer, gives what Zoo computes with the same file (fp32, 1e-4), and the trained adapter moves the output."""
+    import diffusers
+
+    from test_flux2 import inputs
+    from train.loop import train
+    from zoo.adapters import adapters_disabled
+    from zoo.weights.diffusers_lora import load_lora
+    import zoo
+    kw = dict(num_layers=2, num_single_layers=2, num_attention_heads=4, attention_head_dim=32,
+              axes_dims_rope=(8, 8, 8, 8), in_channels=16, joint_attention_dim=128, guidance_embeds=False)
+    torch.manual_seed(0)
+    diffusers.Flux2Transformer2DModel(**kw).save_pretrained(tmp_path / "base")
+    cfg = load_run_config(str(CONFIG), [f"train.out_dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'base'}",
+                                        "adapter.method=lora", "adapter.alpha=32", "train.max_steps=3",
+                                        "optim.lr=1e-2", "data.ae_steps=5", f"data.cache_dir={tmp_path / 'cache'}",
+                                        "train.eval_every=0", "train.checkpoint_every=0", "train.samples=false",
+                                        "train.progress=false", f"train.device={CPU}"])
+    train(cfg, log=lambda m: None)
+    lora = tmp_path / "run" / "adapter" / "pytorch_lora_weights.safetensors"
+    ref = diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path / "base").eval()
+    diffusers.Flux2KleinPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None,
+                                 transformer=ref).load_lora_weights(lora)
+    model = load_lora(zoo.from_pretrained(tmp_path / "base"), lora)
+    args = inputs(kw, 5, 2, 2)
+    with torch.no_grad():
+        got, want = model(**args), ref(**args).sample
+        with adapters_disabled(model):
+            base = model(**args)
+    assert (got - want).abs().max() <= 1e-4 and (got - base).abs().max() > 1e-3, (got - want).abs().max()

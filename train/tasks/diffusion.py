@@ -4,6 +4,7 @@ setup() loads the autoencoder and fills the latent cache (train/data/latents.py)
 only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from zoo.config import ConfigError, bounded
 from zoo.diffusion.latent import LatentDiffusion, build_autoencoder
 from zoo.diffusion.schedule import flow_timesteps
 from zoo.diffusion.taesd import TAESD
-from zoo.weights import diffusers_dit
+from zoo.weights import diffusers_dit, diffusers_flux2
 from zoo.weights.files import atomic_write
 
 from ..checkpoint import read_weights
@@ -134,6 +135,19 @@ def load_dit_into(model: LatentDiffusion, path):
     ours.load_state_dict(theirs.state_dict())
 
 
+def load_flux2_into(model: LatentDiffusion, path):
+    """The denoiser's weights from a diffusers Flux2Transformer2DModel folder (or a pipeline's transformer/): the run's
+    `model.flux2` keys must describe it (the first difference a one-line error naming the key to set)."""
+    theirs = diffusers_flux2.load(path)
+    if model.config.denoiser != "flux2":
+        raise ValueError(f"{path}: a FLUX.2 transformer; set model.denoiser=flux2")
+    for f in dataclasses.fields(theirs.config):
+        if (value := getattr(theirs.config, f.name)) != getattr(model.config.flux2, f.name):
+            raise ValueError(f"{path}: the FLUX.2 transformer there has {f.name}={value}; set model.flux2.{f.name}="
+                             f"{list(value) if isinstance(value, tuple) else value}")
+    model.denoiser.load_state_dict(theirs.state_dict())
+
+
 class DiffusionTask(Task):
     DataConfig, unit = DiffusionDataConfig, "images"
     formats = {"captions": "train.tasks.text_to_image:TextToImageTask"}
@@ -231,10 +245,12 @@ class DiffusionTask(Task):
         model = LatentDiffusion(self.cfg.model, autoencoder=self.autoencoder)
         model.latent_mean.copy_(self.latent_mean)
         model.latent_std.copy_(self.latent_std)
-        if self.cfg.train.init_from:  # a model.safetensors of an earlier run (or the folder holding it),
-            def read(path):              # or a diffusers DiTTransformer2DModel folder (the denoiser only)
+        if self.cfg.train.init_from:  # a model.safetensors of an earlier run (or the folder holding it), or a
+            def read(path):              # diffusers DiTTransformer2DModel / Flux2Transformer2DModel folder (the denoiser)
                 if diffusers_dit.detect(path):
                     return load_dit_into(model, path)
+                if diffusers_flux2.detect(path):
+                    return load_flux2_into(model, path)
                 p = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
                 model.load_state_dict(read_weights(p, model), strict=False)
             self.load_pretrained(read)
