@@ -1,0 +1,106 @@
+"""SmolVLM / Idefics3 (zoo/vlm.py, zoo/weights/hf_vlm.py) against transformers at random init."""
+import pytest
+import torch
+
+import zoo
+from test_vit import close, perturbed
+from zoo.blocks.pixel_shuffle import pixel_shuffle
+from zoo.vlm import bucket_positions
+
+IMAGE_ID = 100
+# (encoder, decoder, scale_factor): a 4x4 patch grid folded 2x2 and full attention; a 9x9 grid folded 3x3, deeper,
+# grouped-query attention (4 heads sharing 2 keys)
+SHAPES = {"smolvlm-4x4-s2": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=32, patch_size=8),
+                             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4), 2),
+          "smolvlm-9x9-s3-gqa": (dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
+                                      image_size=36, patch_size=4),
+                                 dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2), 3)}
+
+
+def hf_vlm(kind, vision, text, scale):
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, SmolVLMConfig,
+                              SmolVLMForConditionalGeneration)
+    config, cls = (SmolVLMConfig, SmolVLMForConditionalGeneration) if kind == "smolvlm" else \
+        (Idefics3Config, Idefics3ForConditionalGeneration)
+    text = dict(model_type="llama", vocab_size=128, rms_norm_eps=1e-5, **text)
+    return cls, perturbed(cls(config(vision_config=vision, text_config=text, scale_factor=scale,
+                                     image_token_id=IMAGE_ID)))
+
+
+def split_batch(size, tokens, g):
+    """The processor's layout for two prompts: the first image split into two tiles plus its global image, the
+    second one image of a smaller size padded (pixel_attention_mask) and two all-zero padding images; the prompts
+    as long as each other, `tokens` placeholders per image."""
+    pixels = torch.randn(2, 3, 3, size, size, generator=g)
+    mask = torch.ones(2, 3, size, size, dtype=torch.long)
+    pixels[1, 1:] = 0
+    mask[1, 1:] = 0
+    h, w = size * 3 // 4, size // 2
+    pixels[1, 0, :, h:], pixels[1, 0, :, :, w:], mask[1, 0, h:], mask[1, 0, :, w:] = 0, 0, 0, 0
+    text = lambda n: torch.randint(0, IMAGE_ID, (n,), generator=g).tolist()  # noqa: E731
+    rows = [text(3) + [IMAGE_ID] * 3 * tokens + text(2), text(3 + 2 * tokens) + [IMAGE_ID] * tokens + text(2)]
+    return torch.tensor(rows), pixels, mask
+
+
+@pytest.mark.parametrize("kind,shape", [("smolvlm", "smolvlm-4x4-s2"),
+                                        pytest.param("smolvlm", "smolvlm-9x9-s3-gqa", marks=pytest.mark.slow),
+                                        pytest.param("idefics3", "smolvlm-4x4-s2", marks=pytest.mark.slow)])
+def test_hf_vlm_in_and_out(tmp_path, kind, shape):
+    """A SmolVLM (or Idefics3) folder at random init (perturbed) -> zoo.from_pretrained: on the processor's layout
+    (tiles + global image, a padded smaller image, padding images) the logits within 1e-4 (fp32, eval) and the same
+    12 greedy tokens on Zoo's KV cache; Zoo's export -> the class's from_pretrained: the same logits within 1e-4."""
+    vision, text, scale = SHAPES[shape]
+    cls, ref = hf_vlm(kind, vision, text, scale)
+    ref.save_pretrained(tmp_path / "hf")
+    model = zoo.from_pretrained(tmp_path / "hf")
+    tokens = (vision["image_size"] // vision["patch_size"] // scale) ** 2
+    ids, pixels, mask = split_batch(vision["image_size"], tokens, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask).logits
+        got = model(ids, pixel_values=pixels, pixel_attention_mask=mask)
+        assert close(got, want)
+        assert not close(model(ids, pixel_values=pixels.flip(-1), pixel_attention_mask=mask.flip(-1)), want)
+    ref.generation_config.eos_token_id = None  # 12 tokens whatever they are
+    greedy = ref.generate(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask, max_new_tokens=12,
+                          do_sample=False)
+    assert torch.equal(model.generate(ids, 12, pixel_values=pixels, pixel_attention_mask=mask), greedy)
+    back = cls.from_pretrained(zoo.save_pretrained(model, tmp_path / "out")).eval()
+    assert type(back.config) is type(ref.config)
+    with torch.no_grad():
+        assert close(back(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask).logits, want)
+
+
+def test_connector_and_positions_as_transformers():
+    """pixel_shuffle is Idefics3Connector.pixel_shuffle exactly; bucket_positions gives the position ids of
+    SmolVLMVisionEmbeddings for images padded to other sizes."""
+    from transformers import SmolVLMConfig
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionEmbeddings
+    x = torch.randn(2, 36, 5)
+    for s in (2, 3):
+        conn = SmolVLMConnector(SmolVLMConfig(scale_factor=s))
+        assert torch.equal(pixel_shuffle(x, s), conn.pixel_shuffle(x, s))
+    emb = SmolVLMVisionEmbeddings(SmolVLMConfig(vision_config=dict(image_size=28, patch_size=4, hidden_size=8)
+                                                ).vision_config)
+    mask = torch.zeros(3, 9, 9, dtype=torch.bool)
+    for i, (h, w) in enumerate([(9, 9), (5, 7), (3, 2)]):
+        mask[i, :h, :w] = True
+    captured = {}
+    emb.position_embedding.register_forward_hook(lambda m, a, out: captured.update(ids=a[0]))
+    emb(torch.randn(3, 3, 36, 36), mask)
+    assert torch.equal(bucket_positions(mask, 7), captured["ids"])
+
+
+def test_vlm_bad_input_is_one_line(tmp_path):
+    """A prompt whose placeholders do not match the images' tokens; an image size that is not whole patches."""
+    vision, text, scale = SHAPES["smolvlm-4x4-s2"]
+    ref = hf_vlm("smolvlm", vision, text, scale)[1]
+    ref.save_pretrained(tmp_path / "hf")
+    model = zoo.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([[1, 2] + [IMAGE_ID] * 3])
+    with pytest.raises(ValueError, match="3 image tokens .* for 1 images of 4 tokens"):
+        model(ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"pixel_values \(1, 1, 3, 30, 32\)"):
+        model(ids, pixel_values=torch.randn(1, 1, 3, 30, 32))
