@@ -104,3 +104,52 @@ def test_vlm_bad_input_is_one_line(tmp_path):
         model(ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
     with pytest.raises(ValueError, match=r"pixel_values \(1, 1, 3, 30, 32\)"):
         model(ids, pixel_values=torch.randn(1, 1, 3, 30, 32))
+
+
+TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type']"
+            " == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] =="
+            " 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+            "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")  # SmolVLM's
+
+
+def test_chat_answers_about_an_image(tmp_path, capsys):
+    """train/chat.py --image on a random-init tiny SmolVLM built in Zoo and saved as a transformers folder (a BPE
+    tokenizer holding SmolVLM's image tokens, SmolVLM's chat template): the answer is the model's greedy
+    continuation of the prompt SmolVLM's processor writes for one image without tiles; an image that is missing or
+    not an image: exit code 2 and one line naming it."""
+    from PIL import Image
+    from train.chat import image_pixels, main
+    from train.data.text_tokenizers import bpe_trainer, byte_level, load_tokenizer_file
+    from zoo.config import LLMConfig, ViTConfig, VLMConfig
+    from zoo.vlm import VLM
+    specials = ["<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>", "<global-img>"]
+    tok = byte_level()
+    tok.train_from_iterator(["What is in this picture?"] * 4, bpe_trainer(300, specials))
+    vision = ViTConfig(embed_dim=32, depth=2, num_heads=4, patch_size=8, img_size=32, class_token=False,
+                       no_embed_class=True, mlp="gelu_tanh", num_classes=0)
+    text = LLMConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                     max_seq_len=128, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = VLM(VLMConfig(vision=vision, text=text, image_token_id=tok.token_to_id("<image>"))).eval()
+    model.llm.reset_parameters(0.2)  # a decoder whose attention is sharp enough for the image to steer its answer
+    with torch.no_grad():
+        model.llm.lm_head.weight[:len(specials)] = 0  # no special token wins: the answer runs its full length
+    folder = zoo.save_pretrained(model, tmp_path / "vlm")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    Image.fromarray(torch.randint(0, 256, (24, 40, 3), dtype=torch.uint8).numpy()).save(tmp_path / "a.png")
+    question = "What is in this picture?"
+    prompt = (f"<|im_start|>User:<fake_token_around_image><global-img>{'<image>' * 4}<fake_token_around_image>"
+              f"{question}<end_of_utterance>\nAssistant:")
+    ids = torch.tensor([tok.encode(prompt).ids])
+    pixels = image_pixels(str(tmp_path / "a.png"), 32)
+    greedy = model.generate(ids, 6, pixel_values=pixels)[0, ids.shape[1]:]
+    assert not torch.equal(model.generate(ids, 6, pixel_values=pixels.flip(-1))[0, ids.shape[1]:], greedy)
+    capsys.readouterr()
+    assert main([str(folder), "--image", str(tmp_path / "a.png"), "--prompt", question, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == load_tokenizer_file(folder / "tokenizer.json").decode(greedy.tolist()) + "\n"
+    (tmp_path / "b.png").write_text("not an image")
+    for name, why in (("missing.png", "no such file"), ("b.png", "cannot decode")):
+        assert main([str(folder), "--image", str(tmp_path / name), "--prompt", question]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and name in err and why in err

@@ -61,6 +61,11 @@ class VLM(nn.Module):
         if not self.connector.proj.weight.is_meta:
             nn.init.normal_(self.connector.proj.weight, std=0.02)
 
+    @property
+    def image_tokens(self) -> int:
+        """The tokens one image of the encoder's size becomes."""
+        return (self.vision.grid // self.config.scale_factor) ** 2
+
     def image_features(self, pixel_values: torch.Tensor, pixel_attention_mask=None) -> torch.Tensor:
         """(B, I, C, H, W) images (or (N, C, H, W)) -> (real images, tokens, d_model): the all-zero images (a
         batch's padding) dropped, at least one kept."""
