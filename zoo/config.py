@@ -821,8 +821,8 @@ class ViTConfig:
 class VLMConfig:
     """A vision-language model as SmolVLM / Idefics3 build it: a ViT encoder of image tiles, the pixel-shuffle
     connector, an LLM decoder reading the image tokens where the prompt holds `image_token_id`."""
-    vision: ViTConfig = field(default_factory=lambda: ViTConfig(class_token=False, no_embed_class=True, mlp="gelu_tanh",
-                                                                num_classes=0))  # the encoder (no head)
+    vision: ViTConfig = field(default_factory=lambda: ViTConfig(
+        class_token=False, no_embed_class=True, mlp="gelu_tanh", num_classes=0))  # the encoder (default: SigLIP's)
     text: LLMConfig = field(default_factory=LLMConfig)  # the decoder
     scale_factor: int = bounded(2, gt=0)    # the connector folds each scale_factor^2 patch tokens into one
     image_token_id: int = bounded(0, ge=0)  # the placeholder id whose embeddings the image tokens replace
