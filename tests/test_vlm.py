@@ -106,9 +106,10 @@ def test_vlm_bad_input_is_one_line(tmp_path):
         model(ids, pixel_values=torch.randn(1, 1, 3, 30, 32))
 
 
-TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type']"
-            " == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] =="
-            " 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if "
+            "message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in "
+            "message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}"
+            "{{ '<image>' }}{% endif %}{% endfor %}"
             "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")  # SmolVLM's
 
 

@@ -830,7 +830,8 @@ class VLMConfig:
     def validate(self, source="<config>", prefix=""):
         grid = self.vision.resolved["img_size"] // self.vision.resolved["patch_size"]
         if grid % self.scale_factor:
-            raise fail(source, prefix + "scale_factor", f"={self.scale_factor} must divide the patch grid's side {grid}")
+            raise fail(source, prefix + "scale_factor", f"={self.scale_factor} must divide the patch grid's side "
+                                                        f"{grid}")
         if self.image_token_id >= self.text.vocab_size:
             raise fail(source, prefix + "image_token_id", f"={self.image_token_id} must be < text.vocab_size="
                                                           f"{self.text.vocab_size}")

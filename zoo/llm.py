@@ -476,7 +476,8 @@ class LLM(nn.Module):
         out = input_ids.new_empty(B, max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         with contextlib.nullcontext() if adapter_names is None else adapters_per_row(self, adapter_names):
-            logits = self.prefill(input_ids, caches, None if adapter_names or inputs_embeds is not None else  # rows differ
+            distinct = not adapter_names and inputs_embeds is None  # else equal ids are not equal rows
+            logits = self.prefill(input_ids, caches, None if not distinct else
                                   lambda n: self.new_caches(n, T + max_new_tokens, dev, dtype, padded), **kw)
             one = {"key_mask": done.new_ones(B, 1)} if padded else {}
             slot = torch.tensor(T - 1, device=dev)  # the cache slot a step writes

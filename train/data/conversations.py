@@ -358,7 +358,8 @@ class ChatTemplate:
         """The text closing an assistant turn (`<|im_end|>`, `<|eot_id|>`, ...): what follows a rendered reply."""
         probe = "Zoo probe 7"
         try:
-            text, spans = self.assistant_spans([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
+            text, spans = self.assistant_spans([{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": probe}])
             turn = text[spans[-1][0]:spans[-1][1]] if spans else ""
         except DataError:
             turn = ""

@@ -197,11 +197,12 @@ def hf_keys(model, kind: str, path) -> dict:
     r, c = model.spec, model.config
     want = dict(class_token=kind == "dinov3_vit", distilled=False, num_classes=0,
                 global_pool="map" if kind == "siglip2_vision_model" else "token")
-    want.update({"pos_interp": "bicubic" if kind == "dinov3_vit" else "bilinear"} if kind in CLASSES else {"reg_tokens": 0})
+    interp = "bicubic" if kind == "dinov3_vit" else "bilinear"
+    want.update({"pos_interp": interp} if kind in CLASSES else {"reg_tokens": 0})
     got = {k: c.num_classes if k == "num_classes" else r[k] for k in want}
     if bad := [f"{k}={got[k]} (needs {v})" for k, v in want.items() if got[k] != v]:
-        raise ValueError(f"{path}: {CLASSES.get(kind) or TILE_ENCODERS[kind]} cannot hold {', '.join(bad)}; keep this ViT in timm's layout "
-                         f"or a Zoo run folder")
+        raise ValueError(f"{path}: {CLASSES.get(kind) or TILE_ENCODERS[kind]} cannot hold {', '.join(bad)}; keep "
+                         f"this ViT in timm's layout or a Zoo run folder")
     if kind == "dinov3_vit" and not (r["rope_theta"] and r["init_values"]):
         raise ValueError(f"{path}: DINOv3ViTModel needs rope_theta > 0 and init_values > 0 (LayerScale)")
     keys = dict(hidden_size=r["embed_dim"], intermediate_size=int(r["embed_dim"] * r["mlp_ratio"]),
