@@ -154,3 +154,27 @@ def test_chat_answers_about_an_image(tmp_path, capsys):
         assert main([str(folder), "--image", str(tmp_path / name), "--prompt", question]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and name in err and why in err
+
+
+def test_the_image_processors_tiles(tmp_path):
+    """transformers' SmolVLMImageProcessor splitting two images of other shapes into tiles of the encoder's size
+    (1 x 2 and 2 x 2, each with its global image; the shorter row padded with empty images) -> the same logits
+    from Zoo as from SmolVLMForConditionalGeneration within 1e-4 (fp32, eval)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import SmolVLMImageProcessor
+    vision, text, scale = SHAPES["smolvlm-4x4-s2"]
+    ref = hf_vlm("smolvlm", vision, text, scale)[1]
+    ref.save_pretrained(tmp_path / "hf")
+    model = zoo.from_pretrained(tmp_path / "hf")
+    proc = SmolVLMImageProcessor(do_image_splitting=True, max_image_size={"longest_edge": 32},
+                                 size={"longest_edge": 64})
+    g = np.random.default_rng(0)
+    images = [[Image.fromarray(g.integers(0, 256, hw + (3,), dtype=np.uint8))] for hw in ((20, 90), (40, 40))]
+    out = proc(images, return_tensors="pt", return_row_col_info=True)
+    assert out["rows"] == [[1], [2]] and out["cols"] == [[2], [2]] and out["pixel_values"].shape[:2] == (2, 5)
+    tokens = (vision["image_size"] // vision["patch_size"] // scale) ** 2
+    rows = [[5] * 2 * tokens + [IMAGE_ID] * 3 * tokens + [6, 7], [IMAGE_ID] * 5 * tokens + [6, 7]]
+    kw = dict(pixel_values=out["pixel_values"], pixel_attention_mask=out["pixel_attention_mask"])
+    with torch.no_grad():
+        assert close(model(torch.tensor(rows), **kw), ref(input_ids=torch.tensor(rows), **kw).logits)

@@ -127,8 +127,8 @@ class ChatSession:
 
 
 def image_pixels(path: str, size: int) -> torch.Tensor:
-    """An image file -> (1, 1, 3, size, size): squeezed to the square, scaled to [-1, 1] (SigLIP's mean and std
-    0.5); a file that is missing or not an image: a one-line error naming it."""
+    """An image file -> (1, 1, C, size, size): squeezed to the square, normalised as SigLIP's processor does (mean and
+    standard deviation one half); a file that is missing or not an image: a one-line error naming it."""
     from zoo.convnet.preprocess import load_crop
     from train.data import DataError
     try:

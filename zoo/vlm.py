@@ -32,7 +32,7 @@ from .vit import ViT
 
 def bucket_positions(patch_mask: torch.Tensor, side: int) -> torch.Tensor:
     """(N, h, w) bool, true on real patches (a top-left block) -> (N, h*w) rows of a side x side table: each real
-    patch's fraction of its image's real rows and columns, bucketed onto the table's (padding: row 0)."""
+    patch's fraction of its image's real rows and columns, bucketed onto the table's (padding: its first row)."""
     N, h, w = patch_mask.shape
     dev = patch_mask.device
     bounds = torch.arange(1 / side, 1.0, 1 / side, device=dev)
