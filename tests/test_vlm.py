@@ -1,10 +1,13 @@
 """SmolVLM / Idefics3 (zoo/vlm.py, zoo/weights/hf_vlm.py) against transformers at random init."""
+import dataclasses
+
 import pytest
 import torch
 
 import zoo
 from test_vit import close, perturbed
 from zoo.blocks.pixel_shuffle import pixel_shuffle
+from zoo.vit import ViT
 from zoo.vlm import bucket_positions
 
 IMAGE_ID = 100
@@ -94,7 +97,8 @@ def test_connector_and_positions_as_transformers():
 
 
 def test_vlm_bad_input_is_one_line(tmp_path):
-    """A prompt whose placeholders do not match the images' tokens; an image size that is not whole patches."""
+    """A prompt whose placeholders do not match the images' tokens; an image size that is not whole patches; an
+    encoder SmolVLM's cannot hold (LayerScale) on export."""
     vision, text, scale = SHAPES["smolvlm-4x4-s2"]
     ref = hf_vlm("smolvlm", vision, text, scale)[1]
     ref.save_pretrained(tmp_path / "hf")
@@ -104,6 +108,9 @@ def test_vlm_bad_input_is_one_line(tmp_path):
         model(ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
     with pytest.raises(ValueError, match=r"pixel_values \(1, 1, 3, 30, 32\)"):
         model(ids, pixel_values=torch.randn(1, 1, 3, 30, 32))
+    model.vision = ViT(dataclasses.replace(model.vision.config, init_values=0.1))
+    with pytest.raises(ValueError, match="SmolVLM's encoder cannot hold init_values=0.1 \\(needs 0.0\\)$"):
+        zoo.save_pretrained(model, tmp_path / "out")
 
 
 TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if "

@@ -1,5 +1,6 @@
 """Hugging Face vision transformers in and out: DINOv3ViTModel (`dinov3_vit`) and Siglip2VisionModel
-(`siglip2_vision_model`, or the vision tower of a whole `siglip2` folder) as Zoo's ViT.
+(`siglip2_vision_model`, or the vision tower of a whole `siglip2` folder) as Zoo's ViT; the SigLIP encoders of
+SmolVLM and Idefics3 for hf_vlm.py (`TILE_ENCODERS`).
 
 One record per class: its config's defaults, the translation to ViTConfig and back, and the key map (Zoo's names
 against the class's; tensors fused on one side stacked along their rows on the other). SigLIP 2's linear patch
@@ -197,12 +198,14 @@ def hf_keys(model, kind: str, path) -> dict:
     r, c = model.spec, model.config
     want = dict(class_token=kind == "dinov3_vit", distilled=False, num_classes=0,
                 global_pool="map" if kind == "siglip2_vision_model" else "token")
-    interp = "bicubic" if kind == "dinov3_vit" else "bilinear"
-    want.update({"pos_interp": interp} if kind in CLASSES else {"reg_tokens": 0})
-    got = {k: c.num_classes if k == "num_classes" else r[k] for k in want}
+    if kind != "dinov3_vit":  # SigLIP's encoder: a plain MLP, biased q, k, v, no registers, LayerScale or RoPE
+        want.update(reg_tokens=0, init_values=0.0, rope_theta=0.0, qkv_bias=True, swiglu=False)
+    if kind in CLASSES:
+        want["pos_interp"] = "bicubic" if kind == "dinov3_vit" else "bilinear"
+    got = {**r, "num_classes": c.num_classes, "qkv_bias": c.qkv_bias, "swiglu": r["mlp"] == "swiglu"}
     if bad := [f"{k}={got[k]} (needs {v})" for k, v in want.items() if got[k] != v]:
-        raise ValueError(f"{path}: {CLASSES.get(kind) or TILE_ENCODERS[kind]} cannot hold {', '.join(bad)}; keep "
-                         f"this ViT in timm's layout or a Zoo run folder")
+        hint = "; keep this ViT in timm's layout or a Zoo run folder" if kind in CLASSES else ""
+        raise ValueError(f"{path}: {CLASSES.get(kind) or TILE_ENCODERS[kind]} cannot hold {', '.join(bad)}{hint}")
     if kind == "dinov3_vit" and not (r["rope_theta"] and r["init_values"]):
         raise ValueError(f"{path}: DINOv3ViTModel needs rope_theta > 0 and init_values > 0 (LayerScale)")
     keys = dict(hidden_size=r["embed_dim"], intermediate_size=int(r["embed_dim"] * r["mlp_ratio"]),
