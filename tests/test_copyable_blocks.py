@@ -330,6 +330,16 @@ SMOKE = {
         pads = naflex_pos_embed(pos, (2, 2), torch.tensor([[1, 3], [2, 2]]), 5)
         assert pads.shape == (2, 5, 16) and torch.equal(pads[0, 3], pads[0, 0]) and torch.equal(pads[1, :4], pos[0])
     """,
+    "pixel_shuffle.py": """
+        from pixel_shuffle import PixelShuffleProjector, pixel_shuffle
+        x = torch.arange(16.0).view(1, 16, 1)                            # a 4 x 4 grid, one channel
+        assert pixel_shuffle(x, 2).flatten().tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+        assert pixel_shuffle(torch.arange(8.0).view(1, 8, 1), 2, 2, 4)[0, 1].tolist() == [2, 3, 6, 7]
+        proj = PixelShuffleProjector(8, 5, 3)
+        y = proj(torch.randn(2, 36, 8))
+        y.sum().backward()
+        assert y.shape == (2, 4, 5) and proj.proj.weight.shape == (5, 72) and proj.proj.bias is None
+    """,
     "attention_pool.py": """
         from attention_pool import AttentionPool
         pool = AttentionPool(16, 4, torch.nn.Linear(16, 16))

@@ -54,6 +54,9 @@ INPUTS = {
                                 "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
     ("convnet.md", "forward_features"): "x = torch.randn(2, 3, 64, 64)",
     ("vit.md", "dinov3-vits16"): "images = torch.randn(2, 3, 32, 48)",
+    ("vit.md", "SmolVLM-256M"): "input_ids = torch.tensor([[1] + [2] * 4 + [3]])\n"
+                                "pixel_values = torch.randn(1, 1, 3, 32, 32)\n"
+                                "pixel_attention_mask = torch.ones(1, 1, 32, 32, dtype=torch.bool)",
     ("diffusion.md", "ae.encode"): "images = torch.rand(1, 3, 64, 64)",
     ("diffusion.md", "dit(latents"): "latents, timestep = torch.randn(2, 4, 8, 8), torch.tensor([10, 500])\n"
                                      "class_labels = torch.tensor([1, 2])",
@@ -155,7 +158,8 @@ def make_world(w: Path):
     from zoo.diffusion.dit import DiT
     from zoo.diffusion.flux2 import Flux2
     from zoo.diffusion.taesd import TAESD
-    from zoo.config import DiTConfig
+    from zoo.config import DiTConfig, ViTConfig, VLMConfig
+    from zoo.vlm import VLM
     from zoo.weights import hf_vit, zoo_folder
     (w / "configs").symlink_to(ROOT / "configs")
     shutil.copy(ROOT / "zoo/blocks/norm.py", w / "norm.py")  # the README's copied block, next to "your code"
@@ -190,6 +194,10 @@ def make_world(w: Path):
     dinov3 = {"arch": "vit_small_patch16_224", "embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 8,
               "img_size": 32, "num_classes": 0, "rope_theta": 100.0, "init_values": 1.0, "no_embed_class": True}
     hf_vit.save(zoo.build({"family": "vit", "model": dinov3}), w / "dinov3-vits16")  # an HF DINOv3ViTModel folder
+    vision = {k: v for k, v in dinov3.items() if k not in ("rope_theta", "init_values")}
+    vlm = VLMConfig(vision=ViTConfig(**vision, class_token=False, mlp="gelu_tanh"), image_token_id=2,
+                    text=small_llm(64).config)
+    zoo.save_pretrained(VLM(vlm), w / "SmolVLM-256M-Instruct")  # an HF SmolVLMForConditionalGeneration folder
     # diffusion: a TAEF2-shaped pair, a diffusers AutoencoderTiny folder, diffusers DiT and FLUX.2 folders
     zoo.save_pretrained(TAESD(32, midblock_gn=True, channels=8), w / "taef2_encoder.pth")
     zoo.save_pretrained(TAESD(4, channels=8), w / "taesd_diffusers")

@@ -3,9 +3,12 @@
     python train/chat.py DIR                         # interactive: one message per line, answers streamed
     python train/chat.py DIR --prompt "Hi there"     # one answer, then exit
     python train/chat.py DIR --temperature 0.8 --top-k 50 --system "Answer briefly."
+    python train/chat.py VLM_DIR --image cat.jpg --prompt "What is in this image?"
 
 DIR: a run folder, a Hugging Face folder or a GGUF file. Turns stay in the KV cache;
-`/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy.
+`/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy. A vision-language model's
+--image joins the first message: resized to the encoder's square (no tiles), its tokens where the
+model's chat template puts `<image>`.
 """
 from __future__ import annotations
 
@@ -36,9 +39,11 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, template, system: Optional[str] = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, image: Optional[torch.Tensor] = None):
         from train.data.conversations import token_offsets
-        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.vlm = model if getattr(model, "family", None) == "vlm" else None  # image: its (1, 1, C, H, W) pixels
+        self.model, self.tokenizer, self.template = model.llm if self.vlm else model, tokenizer, template
+        self.image = image
         self.system, self.max_new_tokens = system, max_new_tokens
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.device = next(model.parameters()).device
@@ -49,22 +54,31 @@ class ChatSession:
         eos_ids = self._encode(eos) if eos else []
         self.eos_id = eos_ids[0] if len(eos_ids) == 1 else getattr(tokenizer, "eos_id", None)
         self.reset()
+        if image is not None and self._encode("<image>") != [model.config.image_token_id]:
+            raise ValueError(f"the tokenizer does not encode <image> as the model's image token "
+                             f"{model.config.image_token_id}")
+
+    def _content(self, text: str, image: bool = False):
+        """A message's content: the text, or for a VLM the list of parts its chat templates read."""
+        return [{"type": "image"}] * image + [{"type": "text", "text": text}] if self.vlm else text
 
     def reset(self):
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages = [{"role": "system", "content": self._content(self.system)}] if self.system else []
         self.caches, self.cached = None, []  # the KV caches and the token ids whose keys and values they hold
 
     def reply(self, text: str, on_text: Optional[Callable[[str], None]] = None) -> str:
         """Add the user's message, generate the answer (streamed to on_text piece by piece), keep both."""
-        answer = self.respond(self.messages + [{"role": "user", "content": text}], on_text)
-        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        first = self.image is not None and not any(m["role"] == "user" for m in self.messages)
+        user = {"role": "user", "content": self._content(text, first)}
+        answer = self.respond(self.messages + [user], on_text)
+        self.messages += [user, {"role": "assistant", "content": self._content(answer)}]
         return answer
 
     @torch.inference_mode()
     def respond(self, messages: list[dict], on_text: Optional[Callable[[str], None]] = None) -> str:
         """The assistant's answer to `messages`, reusing the cached tokens they start with."""
         model, cap = self.model, self.model.config.max_seq_len
-        ids = self._encode(self.template.render(messages, add_generation_prompt=True))
+        ids = self._encode(self._expand(self.template.render(messages, add_generation_prompt=True)))
         if len(ids) >= cap:
             raise ValueError(f"the conversation is {len(ids)} tokens, the model's context {cap}: /reset to start over")
         with eval_mode(model):
@@ -73,7 +87,11 @@ class ChatSession:
                 dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
                 self.caches = model.new_caches(1, cap, self.device, dtype)
             keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
-            logits = model(torch.tensor([ids[keep:]], device=self.device), caches=self.caches, start_pos=keep)[:, -1]
+            new = torch.tensor([ids[keep:]], device=self.device)
+            pixels = self.image if self.vlm and self.vlm.config.image_token_id in ids[keep:] else None
+            embeds = None if pixels is None else self.vlm.embed(torch.tensor([ids], device=self.device), pixels)
+            logits = model(new, caches=self.caches, start_pos=keep,
+                           inputs_embeds=None if embeds is None else embeds[:, keep:])[:, -1]
             self.cached = list(ids)
             out, shown, text = [], 0, ""
             for _ in range(min(self.max_new_tokens, cap - len(ids))):
@@ -98,6 +116,30 @@ class ChatSession:
         return text
 
 
+    def _expand(self, text: str) -> str:
+        """The rendered conversation with each `<image>` as SmolVLM's processor writes one image without tiles."""
+        if self.image is None:
+            return text
+        if "<image>" not in text:
+            raise ValueError(f"{self.template.name}: renders no <image> for the image (a VLM's own chat template does)")
+        return text.replace("<image>", "<fake_token_around_image><global-img>" + "<image>" * self.vlm.image_tokens +
+                            "<fake_token_around_image>")
+
+
+def image_pixels(path: str, size: int) -> torch.Tensor:
+    """An image file -> (1, 1, C, size, size): squeezed to the square, normalised as SigLIP's processor does (mean and
+    standard deviation one half); a file that is missing or not an image: a one-line error naming it."""
+    from zoo.convnet.preprocess import load_crop
+    from train.data import DataError
+    try:
+        arr = load_crop(path, size, lambda w, h: (0, 0, w, h))
+    except FileNotFoundError:
+        raise DataError(f"--image {path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"--image {path}: cannot decode it as an image ({type(e).__name__})") from None
+    return (torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 127.5 - 1)[None, None]
+
+
 def _held_back(text: str, stop: str) -> int:
     """How many characters at the end of text must wait (a possible stop-text start, or U+FFFD)."""
     n = len(text) - len(text.rstrip("\ufffd"))
@@ -116,8 +158,8 @@ def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Opt
     from train.step import resolve_device
     tok, template = tokenizer_and_template(path, tokenizer)
     model = zoo.from_pretrained(path, dtype=getattr(torch, dtype), device=resolve_device(device))
-    if getattr(model, "family", None) != "llm":
-        raise DataError(f"{path}: not an LLM")
+    if getattr(model, "family", None) not in ("llm", "vlm"):
+        raise DataError(f"{path}: not an LLM or a vision-language model")
     return model.eval(), tok, template or ChatTemplate.builtin("chatml")
 
 
@@ -134,16 +176,22 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the weights' dtype")
     p.add_argument("--tokenizer", help="a tokenizer file or 'bytes' (default: the model's own, else its base's)")
+    p.add_argument("--image", help="an image file the first message is about (a vision-language model)")
     args = p.parse_args(argv)
     from zoo.config import ConfigError
     from train.data import DataError
     try:
         model, tokenizer, template = load(args.dir, args.device, args.dtype, args.tokenizer)
+        image = None
+        if args.image is not None:
+            if getattr(model, "family", None) != "vlm":
+                raise DataError(f"--image: {args.dir} is not a vision-language model")
+            image = image_pixels(args.image, model.vision.spec["img_size"]).to(next(model.parameters()))
+        chat = ChatSession(model, tokenizer, template, args.system, args.max_new_tokens, args.temperature,
+                           args.top_k, args.top_p, args.seed, image)
     except (ConfigError, DataError, ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    chat = ChatSession(model, tokenizer, template, args.system, args.max_new_tokens, args.temperature, args.top_k,
-                       args.top_p, args.seed)
     show = lambda piece: print(piece, end="", flush=True)
     if args.prompt is not None:
         chat.reply(args.prompt, show)

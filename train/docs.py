@@ -272,7 +272,7 @@ def config_classes() -> dict[str, type]:
     from .config import OptimConfig, TrainConfig, task_class
     from zoo.config import load_class
     classes = [zc.RopeScaling, zc.MoEConfig, zc.MLAConfig, zc.RecurrentConfig, *(f.config for f in zc.FAMILIES.values()),
-               zc.AutoencoderConfig, zc.DiTConfig, TrainConfig, OptimConfig, AdapterConfig]
+               zc.AutoencoderConfig, zc.DiTConfig, zc.VLMConfig, TrainConfig, OptimConfig, AdapterConfig]
     tasks = [task_class(f) for f in zc.FAMILIES]
     formats = [load_class(s) for t in tasks for s in t.formats.values()]
     classes += [t.DataConfig for t in tasks] + [f.DataConfig for f in formats]

@@ -870,6 +870,26 @@ class ViTConfig:
         return {k: preset[k] if getattr(self, k) is None else getattr(self, k) for k in VIT_SHAPE_KEYS}
 
 
+@dataclass
+class VLMConfig:
+    """A vision-language model as SmolVLM / Idefics3 build it: a ViT encoder of image tiles, the pixel-shuffle
+    connector, an LLM decoder reading the image tokens where the prompt holds `image_token_id`."""
+    vision: ViTConfig = field(default_factory=lambda: ViTConfig(
+        class_token=False, no_embed_class=True, mlp="gelu_tanh", num_classes=0))  # the encoder (default: SigLIP's)
+    text: LLMConfig = field(default_factory=LLMConfig)  # the decoder
+    scale_factor: int = bounded(2, gt=0)    # the connector folds each scale_factor^2 patch tokens into one
+    image_token_id: int = bounded(0, ge=0)  # the placeholder id whose embeddings the image tokens replace
+
+    def validate(self, source="<config>", prefix=""):
+        grid = self.vision.resolved["img_size"] // self.vision.resolved["patch_size"]
+        if grid % self.scale_factor:
+            raise fail(source, prefix + "scale_factor", f"={self.scale_factor} must divide the patch grid's side "
+                                                        f"{grid}")
+        if self.image_token_id >= self.text.vocab_size:
+            raise fail(source, prefix + "image_token_id", f"={self.image_token_id} must be < text.vocab_size="
+                                                          f"{self.text.vocab_size}")
+
+
 # ---------------------------------------------------------------- Latent diffusion family
 
 @dataclass

@@ -224,13 +224,15 @@ class LLM(nn.Module):
                 caches: Optional[list] = None, start_pos: int = 0, return_aux: bool = False,
                 mod_causal: Optional[bool] = None, distill: Optional[Distill] = None,
                 doc_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                key_mask: Optional[torch.Tensor] = None):
+                key_mask: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); with targets: (logits, loss), logits None under the chunked
         loss; `distill`: the distillation loss; return_aux=True appends `routing_aux`. mod_causal:
         MoD routes by the causal decision. doc_ids, position_ids (B, T): packed documents (not with caches).
-        key_mask (B, T) bool: the tokens attention may use as keys (False: left padding; needs masked caches)."""
+        key_mask (B, T) bool: the tokens attention may use as keys (False: left padding; needs masked caches).
+        inputs_embeds (B, T, D): the first layer's input in place of embed_tokens(input_ids) (a VLM's)."""
         B, T = input_ids.shape
-        h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids, key_mask)
+        h, stats, mod_stats = self._trunk(input_ids, caches, start_pos, mod_causal, doc_ids, position_ids, key_mask,
+                                          inputs_embeds)
         cap = self.config.final_softcap
         if targets is None:
             out = (self.logits(h),)
@@ -282,14 +284,14 @@ class LLM(nn.Module):
         return [self.embed_tokens(input_ids) if i == 0 else got[i] for i in layers]
 
     def _trunk(self, input_ids, caches, start_pos: int, mod_causal: Optional[bool], doc_ids=None, position_ids=None,
-               key_mask=None):
+               key_mask=None, inputs_embeds=None):
         """embed -> the layers -> the final norm: (h (B, T, D), MoE stats, MoD stats)."""
         B, T = input_ids.shape
         if doc_ids is not None and caches is not None:
             raise ValueError("doc_ids (document masking) is for forwards without caches; decoding runs one sequence")
         if key_mask is not None and self.config.mod_capacity > 0:
             raise ValueError("key_mask (padded rows) is not supported with Mixture-of-Depths layers")
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         n, ves = 0, self.value_embeddings(input_ids)
         per_layer = self.per_layer(input_ids, x) if self.config.per_layer_dim else None  # (B, T, L, P)
         if self.prompt is not None:
@@ -464,7 +466,7 @@ class LLM(nn.Module):
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id=None, generator=None, compile=False,
                  attention_mask: Optional[torch.Tensor] = None, stop_early: bool = True,
-                 adapter_names: Optional[list] = None) -> torch.Tensor:
+                 adapter_names: Optional[list] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Extend input_ids (B, T) by max_new_tokens -> (B, T + max_new_tokens) on the KV cache. temperature 0: greedy,
         else sampling with top_k / top_p. eos_token_id: an id or a list of ids; a row stops at the first it produces
         and keeps emitting it, and decoding ends once every row has stopped (stop_early=False: it runs every step, as
@@ -472,7 +474,8 @@ class LLM(nn.Module):
         positions and never attends to its padding. generator: one, or one per row (its draws then do not depend on
         the batch). compile=True runs each one-token step through torch.compile (`compiled_decode_step`);
         compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`).
-        adapter_names: the LoRA adapter of each row ('__base__': none), PEFT's mixed batches (lora.adapters_per_row)."""
+        adapter_names: the LoRA adapter of each row ('__base__': none), PEFT's mixed batches (lora.adapters_per_row).
+        inputs_embeds (B, T, D): the prompt's first-layer input in place of its token embeddings (a VLM's)."""
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
@@ -491,12 +494,14 @@ class LLM(nn.Module):
             real = attention_mask.bool()
             kw = {"key_mask": real, "position_ids": (real.long().cumsum(1) - 1).clamp(min=0)}
         pos = kw["position_ids"][:, -1:] if padded else torch.full((B, 1), T - 1, device=dev)
+        kw.update({} if inputs_embeds is None else {"inputs_embeds": inputs_embeds})
         stops = None if eos_token_id is None else torch.tensor(
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=dev)
         out = input_ids.new_empty(B, max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         with contextlib.nullcontext() if adapter_names is None else adapters_per_row(self, adapter_names):
-            logits = self.prefill(input_ids, caches, None if adapter_names else  # rows on other adapters differ
+            distinct = not adapter_names and inputs_embeds is None  # else equal ids are not equal rows
+            logits = self.prefill(input_ids, caches, None if not distinct else
                                   lambda n: self.new_caches(n, T + max_new_tokens, dev, dtype, padded), **kw)
             one = {"key_mask": done.new_ones(B, 1)} if padded else {}
             slot = torch.tensor(T - 1, device=dev)  # the cache slot a step writes

@@ -357,8 +357,15 @@ class ChatTemplate:
     def end_of_turn(self) -> str:
         """The text closing an assistant turn (`<|im_end|>`, `<|eot_id|>`, ...): what follows a rendered reply."""
         probe = "Zoo probe 7"
-        text, spans = self.assistant_spans([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
-        turn = text[spans[-1][0]:spans[-1][1]] if spans else ""
+        try:
+            text, spans = self.assistant_spans([{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": probe}])
+            turn = text[spans[-1][0]:spans[-1][1]] if spans else ""
+        except DataError:
+            turn = ""
+        if probe not in turn:  # a template reading each message as a list of parts (a VLM's): what follows the reply
+            turn = self.render([{"role": role, "content": [{"type": "text", "text": t}]}
+                                for role, t in (("user", "Hi"), ("assistant", probe))])
         if probe not in turn:
             raise DataError(f"{self.name}: cannot find the assistant's end-of-turn text")
         return turn[turn.index(probe) + len(probe):].strip()

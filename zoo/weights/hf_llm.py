@@ -583,28 +583,36 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     folder = _folder(path)
     cfg_file = folder / "config.json"
     hf, outer = unwrap(read_json(cfg_file))
-    cfg, arch = config_from_hf(hf, str(cfg_file))
+    hf_dtype = _resolve_dtype(dtype, hf, str(cfg_file))
+    if not outer:
+        return load_llm(hf, folder, str(cfg_file), hf_dtype, device)
+    # the text model's tensors inside a multimodal folder; the other towers' left unread
+    return load_llm(hf, folder, str(cfg_file), hf_dtype, device,
+                    rename=lambda n: outer + n.removeprefix("model.") if n.startswith("model.") else n,
+                    others=lambda n: not n.startswith((outer, "lm_head.")))
+
+
+def load_llm(hf: dict, folder: Path, source: str, dtype: torch.dtype, device=None, rename=None, others=None):
+    """A Zoo LLM of config.json `hf` from the safetensors files of `folder`. rename: the file's name of each of the
+    class's tensor names (a model inside a larger one); others(name): true for the file's tensors of other parts."""
+    cfg, arch = config_from_hf(hf, source)
     rec = RECORDS[arch]
-    dtype = _resolve_dtype(dtype, hf, str(cfg_file))
     device = torch.device(device or "cpu")
+    rename = rename or (lambda n: n)
 
     # 1. check every file header and every name/shape before reading any data
     headers = {f: read_safetensors_header(f)[::2] for f in weight_files(folder)}  # (table, data offset)
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
-    kmap = key_map(cfg, arch)
-    if outer:  # the text model's tensors inside a multimodal folder; the other towers' left unread
-        kmap = {k: [(outer + n.removeprefix("model.") if n.startswith("model.") else n, *rest) for n, *rest in parts]
-                for k, parts in kmap.items()}
+    kmap = {z: [(rename(n), *rest) for n, *rest in parts] for z, parts in key_map(cfg, arch).items()}
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape, *_ in parts}
     # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
-    problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq")
-                          or (cfg.tie_embeddings and n == "lm_head.weight")
-                          or (outer and not n.startswith((outer, "lm_head."))))
+    problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq") or (others and others(n))
+                          or (cfg.tie_embeddings and n == rename("lm_head.weight")))
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 
     # 2. read every file tensor straight into the rows of its Zoo tensor
-    orders = row_orders(cfg, rec, hf)
+    orders = {rename(k): v for k, v in row_orders(cfg, rec, hf).items()}
 
     def fills():
         for path, (table, offset) in headers.items():
@@ -679,29 +687,18 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     if rec.norm_offset:
         state = {k: v.clone() if k.endswith("norm.weight") else v for k, v in state.items()}
         _shift_norms(state, -rec.norm_offset)
-    state = rec.layout(state, cfg, to_file=True)
-    orders = {k: inverse(o) for k, o in row_orders(cfg, rec).items()}
     limit = _shard_limit(max_shard_size)
 
     # split fused tensors back into Hugging Face names, grouped into shards in order
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size, whole = 0, {}  # file tensors split across Zoo tensors, filled as their parts come
-    for zoo_name, parts in key_map(cfg, rec.hf_class).items():
-        flat = state[zoo_name].reshape(-1, *parts[0][1][1:])  # stacked experts: (E * rows, cols)
-        for (hf_name, shape, *rows), t in zip(parts, flat.split(list(map(height, parts)), dim=0)):
-            t = t[orders[hf_name]] if hf_name in orders else t
-            if rows:
-                seen = hf_name in whole
-                whole.setdefault(hf_name, t.new_empty(shape))[rows[0]] = t
-                if seen:
-                    continue
-                t = whole[hf_name]
-            nbytes = t.numel() * dtype.itemsize
-            if shards[-1] and size + nbytes > limit:
-                shards.append([])
-                size = 0
-            shards[-1].append((hf_name, t))
-            size += nbytes
+    size = 0
+    for hf_name, t in file_tensors(cfg, rec, rec.layout(state, cfg, to_file=True)):
+        nbytes = t.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((hf_name, t))
+        size += nbytes
 
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -729,6 +726,24 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     elif tokenizer is not None:
         _copy_tokenizer(Path(tokenizer), out)
     return out
+
+
+def file_tensors(cfg: LLMConfig, rec: Record, state: dict):
+    """(Hugging Face name, tensor) of each file tensor, in key_map's order, from a state dict in the record's layout
+    (fused tensors split, RoPE rows reordered, a file tensor split across Zoo tensors yielded once whole)."""
+    orders = {k: inverse(o) for k, o in row_orders(cfg, rec).items()}
+    whole = {}  # file tensors split across Zoo tensors, filled as their parts come
+    for zoo_name, parts in key_map(cfg, rec.hf_class).items():
+        flat = state[zoo_name].reshape(-1, *parts[0][1][1:])  # stacked experts: (E * rows, cols)
+        for (hf_name, shape, *rows), t in zip(parts, flat.split(list(map(height, parts)), dim=0)):
+            t = t[orders[hf_name]] if hf_name in orders else t
+            if rows:
+                seen = hf_name in whole
+                whole.setdefault(hf_name, t.new_empty(shape))[rows[0]] = t
+                if seen:
+                    continue
+                t = whole[hf_name]
+            yield hf_name, t
 
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

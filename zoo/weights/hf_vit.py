@@ -1,5 +1,6 @@
 """Hugging Face vision transformers in and out: DINOv3ViTModel (`dinov3_vit`) and Siglip2VisionModel
-(`siglip2_vision_model`, or the vision tower of a whole `siglip2` folder) as Zoo's ViT.
+(`siglip2_vision_model`, or the vision tower of a whole `siglip2` folder) as Zoo's ViT; the SigLIP encoders of
+SmolVLM and Idefics3 for hf_vlm.py (`TILE_ENCODERS`).
 
 One record per class: its config's defaults, the translation to ViTConfig and back, and the key map (Zoo's names
 against the class's; tensors fused on one side stacked along their rows on the other). SigLIP 2's linear patch
@@ -32,8 +33,12 @@ DEFAULTS = {  # transformers' defaults of the keys read, for config.json files t
                        layerscale_value=1.0, use_gated_mlp=False, num_register_tokens=0),
     "siglip2_vision_model": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                  num_channels=3, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
-                                 vision_use_head=True, num_patches=256)}
+                                 vision_use_head=True, num_patches=256),
+    **dict.fromkeys(("smolvlm_vision", "idefics3_vision"), dict(  # a VLM's encoder of image tiles (hf_vlm.py)
+        hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16, num_channels=3,
+        image_size=224, patch_size=32, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6))}
 CLASSES = {"dinov3_vit": "DINOv3ViTModel", "siglip2_vision_model": "Siglip2VisionModel"}
+TILE_ENCODERS = {"smolvlm_vision": "SmolVLM's encoder", "idefics3_vision": "Idefics3's encoder"}  # SigLIP's names
 ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "swiglu"}  # hidden_act -> ViTConfig.mlp
 # the config flag of each optional DINOv3 bias, by the HF name's ending
 BIAS_FLAGS = {"q_proj.bias": "query_bias", "k_proj.bias": "key_bias", "v_proj.bias": "value_bias",
@@ -86,6 +91,8 @@ def zoo_config(hf: dict, source: str, **overrides) -> ViTConfig:
         c.update(img_size=_square(hf["image_size"], "image_size", source), reg_tokens=hf["num_register_tokens"],
                  no_embed_class=True, init_values=hf["layerscale_value"], rope_theta=hf["rope_theta"],
                  qkv_bias=hf["query_bias"] or hf["key_bias"] or hf["value_bias"])
+    elif kind in TILE_ENCODERS:
+        c.update(img_size=_square(hf["image_size"], "image_size", source), class_token=False, no_embed_class=True)
     else:
         grid = round(hf["num_patches"] ** 0.5)
         if grid * grid != hf["num_patches"] or not hf["vision_use_head"]:
@@ -143,14 +150,25 @@ def _to_zoo_shape(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor
 def load(path, dtype=None, **overrides):
     """A Zoo ViT (eval mode) with the weights of an HF DINOv3ViTModel / Siglip2VisionModel / Siglip2Model folder;
     keyword arguments are ViTConfig keys (num_classes=10: a fresh head)."""
-    from ..vit import ViT
     folder = _folder(path)
     hf, prefix = hf_config(folder)
-    source = str(folder / "config.json")
-    cfg = zoo_config(hf, source, **overrides)
+    model = build(hf, prefixed(folder, prefix), str(folder / "config.json"), **overrides)
+    return model.to(dtype or torch.float32).eval()
+
+
+def prefixed(folder: Path, prefix: str) -> dict:
+    """The tensors of a folder's safetensors files whose names start with `prefix`, the prefix cut."""
     sd = {}
     for f in weight_files(folder):
         sd.update({k[len(prefix):]: v for k, v in load_tensors(f).items() if k.startswith(prefix)})
+    return sd
+
+
+def build(hf: dict, sd: dict, source: str, **overrides):
+    """A Zoo ViT of an HF vision config (defaults filled in) holding the tensors `sd` (HF names); an unexpected or
+    missing tensor: one error naming it."""
+    from ..vit import ViT
+    cfg = zoo_config(hf, source, **overrides)
     with torch.device("meta"):
         model = ViT(cfg)
     model.to_empty(device="cpu")
@@ -164,9 +182,9 @@ def load(path, dtype=None, **overrides):
         used.update(hs)
     extra = {k: v for k, v in sd.items() if k not in used}
     load_into(model, {**ours, **{k: v for k, v in extra.items() if v.numel() and k != "embeddings.mask_token"}},
-              str(folder))  # unexpected tensors (other than an empty register table, the mask token): one error
+              source)  # unexpected tensors (other than an empty register table, the mask token): one error
     model.pretrained_format = {"format": "hf", "config": hf, "extra": extra}
-    return model.to(dtype or torch.float32).eval()
+    return model
 
 
 def exports(model) -> bool:
@@ -178,12 +196,16 @@ def exports(model) -> bool:
 def hf_keys(model, kind: str, path) -> dict:
     """The HF config keys the model's structure fixes; a structure the class cannot hold: a one-line error."""
     r, c = model.spec, model.config
-    want = dict(class_token=kind == "dinov3_vit", distilled=False, global_pool="token" if kind == "dinov3_vit" else
-                "map", num_classes=0, pos_interp="bicubic" if kind == "dinov3_vit" else "bilinear")
-    got = {k: c.num_classes if k == "num_classes" else r[k] for k in want}
+    want = dict(class_token=kind == "dinov3_vit", distilled=False, num_classes=0,
+                global_pool="map" if kind == "siglip2_vision_model" else "token")
+    if kind != "dinov3_vit":  # SigLIP's encoder: a plain MLP, biased q, k, v, no registers, LayerScale or RoPE
+        want.update(reg_tokens=0, init_values=0.0, rope_theta=0.0, qkv_bias=True, swiglu=False)
+    if kind in CLASSES:
+        want["pos_interp"] = "bicubic" if kind == "dinov3_vit" else "bilinear"
+    got = {**r, "num_classes": c.num_classes, "qkv_bias": c.qkv_bias, "swiglu": r["mlp"] == "swiglu"}
     if bad := [f"{k}={got[k]} (needs {v})" for k, v in want.items() if got[k] != v]:
-        raise ValueError(f"{path}: {CLASSES[kind]} cannot hold {', '.join(bad)}; keep this ViT in timm's layout "
-                         f"or a Zoo run folder")
+        hint = "; keep this ViT in timm's layout or a Zoo run folder" if kind in CLASSES else ""
+        raise ValueError(f"{path}: {CLASSES.get(kind) or TILE_ENCODERS[kind]} cannot hold {', '.join(bad)}{hint}")
     if kind == "dinov3_vit" and not (r["rope_theta"] and r["init_values"]):
         raise ValueError(f"{path}: DINOv3ViTModel needs rope_theta > 0 and init_values > 0 (LayerScale)")
     keys = dict(hidden_size=r["embed_dim"], intermediate_size=int(r["embed_dim"] * r["mlp_ratio"]),
@@ -193,7 +215,21 @@ def hf_keys(model, kind: str, path) -> dict:
     if kind == "dinov3_vit":
         return {**keys, "image_size": r["img_size"], "num_register_tokens": r["reg_tokens"], "rope_theta":
                 r["rope_theta"], "layerscale_value": r["init_values"], "use_gated_mlp": r["mlp"] == "swiglu"}
+    if kind in TILE_ENCODERS:
+        return {**keys, "image_size": r["img_size"]}
     return {**keys, "num_patches": model.grid ** 2, "vision_use_head": True}
+
+
+def hf_state(model, kind: str, dtype=None) -> dict:
+    """The model's tensors under the HF class's names (CPU, in `dtype` or their own)."""
+    sd = {k: v.detach().to("cpu", dtype or v.dtype) for k, v in model.state_dict().items()}
+    out = {}
+    for zs, hs in key_map(kind, model):
+        whole = torch.cat([sd[z].reshape(-1, *sd[z].shape[2:]) if z == "pos_embed" else sd[z] for z in zs])
+        if zs == ["patch_embed.proj.weight"] and kind == "siglip2_vision_model":
+            whole = whole.permute(0, 2, 3, 1).flatten(1)  # a (D, p*p*C) linear
+        out.update((h, t.contiguous()) for h, t in zip(hs, whole.chunk(len(hs))))
+    return out
 
 
 def save(model, path, dtype=None, **kwargs) -> Path:
@@ -204,17 +240,12 @@ def save(model, path, dtype=None, **kwargs) -> Path:
     hf = dict(source.get("config") or {**DEFAULTS["dinov3_vit"], "model_type": "dinov3_vit"})
     kind = hf["model_type"]
     hf.update(hf_keys(model, kind, path), architectures=[CLASSES[kind]])
-    sd = {k: v.detach().to("cpu", dtype or v.dtype) for k, v in model.state_dict().items()}
     out = {k: v.to(dtype or v.dtype) for k, v in (source.get("extra") or {}).items()}
     if kind == "dinov3_vit":  # what Zoo's ViT does not use, when the source had none: HF's initial values
         zero = torch.zeros(1, 1, hf["hidden_size"], dtype=dtype or torch.float32)
         out.setdefault("embeddings.mask_token", zero)
         out.setdefault("embeddings.register_tokens", zero[:, :0])
-    for zs, hs in key_map(kind, model):
-        whole = torch.cat([sd[z].reshape(-1, *sd[z].shape[2:]) if z == "pos_embed" else sd[z] for z in zs])
-        if zs == ["patch_embed.proj.weight"] and kind != "dinov3_vit":
-            whole = whole.permute(0, 2, 3, 1).flatten(1)  # a (D, p*p*C) linear
-        out.update((h, t.contiguous()) for h, t in zip(hs, whole.chunk(len(hs))))
+    out.update(hf_state(model, kind, dtype))
     if kind == "dinov3_vit":  # the optional biases: written where the source has them or they became non-zero
         for name, flag in BIAS_FLAGS.items():
             hf[flag] = hf.get(flag, True) or any(v.any() for k, v in out.items() if k.endswith(name))

@@ -1,0 +1,187 @@
+"""SmolVLM / Idefics3 (zoo/vlm.py, zoo/weights/hf_vlm.py) against transformers at random init."""
+import dataclasses
+
+import pytest
+import torch
+
+import zoo
+from test_vit import close, perturbed
+from zoo.blocks.pixel_shuffle import pixel_shuffle
+from zoo.vit import ViT
+from zoo.vlm import bucket_positions
+
+IMAGE_ID = 100
+# (encoder, decoder, scale_factor): a 4x4 patch grid folded 2x2 and full attention; a 9x9 grid folded 3x3, deeper,
+# grouped-query attention (4 heads sharing 2 keys)
+SHAPES = {"smolvlm-4x4-s2": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=32, patch_size=8),
+                             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4), 2),
+          "smolvlm-9x9-s3-gqa": (dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
+                                      image_size=36, patch_size=4),
+                                 dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2), 3)}
+
+
+def hf_vlm(kind, vision, text, scale):
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, SmolVLMConfig,
+                              SmolVLMForConditionalGeneration)
+    config, cls = (SmolVLMConfig, SmolVLMForConditionalGeneration) if kind == "smolvlm" else \
+        (Idefics3Config, Idefics3ForConditionalGeneration)
+    text = dict(model_type="llama", vocab_size=128, rms_norm_eps=1e-5, **text)
+    return cls, perturbed(cls(config(vision_config=vision, text_config=text, scale_factor=scale,
+                                     image_token_id=IMAGE_ID)))
+
+
+def split_batch(size, tokens, g):
+    """The processor's layout for two prompts: the first image split into two tiles plus its global image, the
+    second one image of a smaller size padded (pixel_attention_mask) and two all-zero padding images; the prompts
+    as long as each other, `tokens` placeholders per image."""
+    pixels = torch.randn(2, 3, 3, size, size, generator=g)
+    mask = torch.ones(2, 3, size, size, dtype=torch.long)
+    pixels[1, 1:] = 0
+    mask[1, 1:] = 0
+    h, w = size * 3 // 4, size // 2
+    pixels[1, 0, :, h:], pixels[1, 0, :, :, w:], mask[1, 0, h:], mask[1, 0, :, w:] = 0, 0, 0, 0
+    text = lambda n: torch.randint(0, IMAGE_ID, (n,), generator=g).tolist()  # noqa: E731
+    rows = [text(3) + [IMAGE_ID] * 3 * tokens + text(2), text(3 + 2 * tokens) + [IMAGE_ID] * tokens + text(2)]
+    return torch.tensor(rows), pixels, mask
+
+
+@pytest.mark.parametrize("kind,shape", [("smolvlm", "smolvlm-4x4-s2"),
+                                        pytest.param("smolvlm", "smolvlm-9x9-s3-gqa", marks=pytest.mark.slow),
+                                        pytest.param("idefics3", "smolvlm-4x4-s2", marks=pytest.mark.slow)])
+def test_hf_vlm_in_and_out(tmp_path, kind, shape):
+    """A SmolVLM (or Idefics3) folder at random init (perturbed) -> zoo.from_pretrained: on the processor's layout
+    (tiles + global image, a padded smaller image, padding images) the logits within 1e-4 (fp32, eval) and the same
+    12 greedy tokens on Zoo's KV cache; Zoo's export -> the class's from_pretrained: the same logits within 1e-4."""
+    vision, text, scale = SHAPES[shape]
+    cls, ref = hf_vlm(kind, vision, text, scale)
+    ref.save_pretrained(tmp_path / "hf")
+    model = zoo.from_pretrained(tmp_path / "hf")
+    tokens = (vision["image_size"] // vision["patch_size"] // scale) ** 2
+    ids, pixels, mask = split_batch(vision["image_size"], tokens, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask).logits
+        got = model(ids, pixel_values=pixels, pixel_attention_mask=mask)
+        assert close(got, want)
+        assert not close(model(ids, pixel_values=pixels.flip(-1), pixel_attention_mask=mask.flip(-1)), want)
+    ref.generation_config.eos_token_id = None  # 12 tokens whatever they are
+    greedy = ref.generate(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask, max_new_tokens=12,
+                          do_sample=False)
+    assert torch.equal(model.generate(ids, 12, pixel_values=pixels, pixel_attention_mask=mask), greedy)
+    back = cls.from_pretrained(zoo.save_pretrained(model, tmp_path / "out")).eval()
+    assert type(back.config) is type(ref.config)
+    with torch.no_grad():
+        assert close(back(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask).logits, want)
+
+
+def test_connector_and_positions_as_transformers():
+    """pixel_shuffle is Idefics3Connector.pixel_shuffle exactly; bucket_positions gives the position ids of
+    SmolVLMVisionEmbeddings for images padded to other sizes."""
+    from transformers import SmolVLMConfig
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionEmbeddings
+    x = torch.randn(2, 36, 5)
+    for s in (2, 3):
+        conn = SmolVLMConnector(SmolVLMConfig(scale_factor=s))
+        assert torch.equal(pixel_shuffle(x, s), conn.pixel_shuffle(x, s))
+    emb = SmolVLMVisionEmbeddings(SmolVLMConfig(vision_config=dict(image_size=28, patch_size=4, hidden_size=8)
+                                                ).vision_config)
+    mask = torch.zeros(3, 9, 9, dtype=torch.bool)
+    for i, (h, w) in enumerate([(9, 9), (5, 7), (3, 2)]):
+        mask[i, :h, :w] = True
+    captured = {}
+    emb.position_embedding.register_forward_hook(lambda m, a, out: captured.update(ids=a[0]))
+    emb(torch.randn(3, 3, 36, 36), mask)
+    assert torch.equal(bucket_positions(mask, 7), captured["ids"])
+
+
+def test_vlm_bad_input_is_one_line(tmp_path):
+    """A prompt whose placeholders do not match the images' tokens; an image size that is not whole patches; an
+    encoder SmolVLM's cannot hold (LayerScale) on export."""
+    vision, text, scale = SHAPES["smolvlm-4x4-s2"]
+    ref = hf_vlm("smolvlm", vision, text, scale)[1]
+    ref.save_pretrained(tmp_path / "hf")
+    model = zoo.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([[1, 2] + [IMAGE_ID] * 3])
+    with pytest.raises(ValueError, match="3 image tokens .* for 1 images of 4 tokens"):
+        model(ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"pixel_values \(1, 1, 3, 30, 32\)"):
+        model(ids, pixel_values=torch.randn(1, 1, 3, 30, 32))
+    model.vision = ViT(dataclasses.replace(model.vision.config, init_values=0.1))
+    with pytest.raises(ValueError, match="SmolVLM's encoder cannot hold init_values=0.1 \\(needs 0.0\\)$"):
+        zoo.save_pretrained(model, tmp_path / "out")
+
+
+TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if "
+            "message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in "
+            "message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}"
+            "{{ '<image>' }}{% endif %}{% endfor %}"
+            "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")  # SmolVLM's
+
+
+def test_chat_answers_about_an_image(tmp_path, capsys):
+    """train/chat.py --image on a random-init tiny SmolVLM built in Zoo and saved as a transformers folder (a BPE
+    tokenizer holding SmolVLM's image tokens, SmolVLM's chat template): the answer is the model's greedy
+    continuation of the prompt SmolVLM's processor writes for one image without tiles; an image that is missing or
+    not an image: exit code 2 and one line naming it."""
+    from PIL import Image
+    from train.chat import image_pixels, main
+    from train.data.text_tokenizers import bpe_trainer, byte_level, load_tokenizer_file
+    from zoo.config import LLMConfig, ViTConfig, VLMConfig
+    from zoo.vlm import VLM
+    specials = ["<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>", "<global-img>"]
+    tok = byte_level()
+    tok.train_from_iterator(["What is in this picture?"] * 4, bpe_trainer(300, specials))
+    vision = ViTConfig(embed_dim=32, depth=2, num_heads=4, patch_size=8, img_size=32, class_token=False,
+                       no_embed_class=True, mlp="gelu_tanh", num_classes=0)
+    text = LLMConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                     max_seq_len=128, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = VLM(VLMConfig(vision=vision, text=text, image_token_id=tok.token_to_id("<image>"))).eval()
+    model.llm.reset_parameters(0.2)  # a decoder whose attention is sharp enough for the image to steer its answer
+    with torch.no_grad():
+        model.llm.lm_head.weight[:len(specials)] = 0  # no special token wins: the answer runs its full length
+    folder = zoo.save_pretrained(model, tmp_path / "vlm")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    Image.fromarray(torch.randint(0, 256, (24, 40, 3), dtype=torch.uint8).numpy()).save(tmp_path / "a.png")
+    question = "What is in this picture?"
+    prompt = (f"<|im_start|>User:<fake_token_around_image><global-img>{'<image>' * 4}<fake_token_around_image>"
+              f"{question}<end_of_utterance>\nAssistant:")
+    ids = torch.tensor([tok.encode(prompt).ids])
+    pixels = image_pixels(str(tmp_path / "a.png"), 32)
+    greedy = model.generate(ids, 6, pixel_values=pixels)[0, ids.shape[1]:]
+    assert not torch.equal(model.generate(ids, 6, pixel_values=pixels.flip(-1))[0, ids.shape[1]:], greedy)
+    capsys.readouterr()
+    assert main([str(folder), "--image", str(tmp_path / "a.png"), "--prompt", question, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == load_tokenizer_file(folder / "tokenizer.json").decode(greedy.tolist()) + "\n"
+    (tmp_path / "b.png").write_text("not an image")
+    for name, why in (("missing.png", "no such file"), ("b.png", "cannot decode")):
+        assert main([str(folder), "--image", str(tmp_path / name), "--prompt", question]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and name in err and why in err
+
+
+def test_the_image_processors_tiles(tmp_path):
+    """transformers' SmolVLMImageProcessor splitting two images of other shapes into tiles of the encoder's size
+    (1 x 2 and 2 x 2, each with its global image; the shorter row padded with empty images) -> the same logits
+    from Zoo as from SmolVLMForConditionalGeneration within 1e-4 (fp32, eval)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import SmolVLMImageProcessor
+    vision, text, scale = SHAPES["smolvlm-4x4-s2"]
+    ref = hf_vlm("smolvlm", vision, text, scale)[1]
+    ref.save_pretrained(tmp_path / "hf")
+    model = zoo.from_pretrained(tmp_path / "hf")
+    proc = SmolVLMImageProcessor(do_image_splitting=True, max_image_size={"longest_edge": 32},
+                                 size={"longest_edge": 64})
+    g = np.random.default_rng(0)
+    images = [[Image.fromarray(g.integers(0, 256, hw + (3,), dtype=np.uint8))] for hw in ((20, 90), (40, 40))]
+    out = proc(images, return_tensors="pt", return_row_col_info=True)
+    assert out["rows"] == [[1], [2]] and out["cols"] == [[2], [2]] and out["pixel_values"].shape[:2] == (2, 5)
+    tokens = (vision["image_size"] // vision["patch_size"] // scale) ** 2
+    rows = [[5] * 2 * tokens + [IMAGE_ID] * 3 * tokens + [6, 7], [IMAGE_ID] * 5 * tokens + [6, 7]]
+    kw = dict(pixel_values=out["pixel_values"], pixel_attention_mask=out["pixel_attention_mask"])
+    with torch.no_grad():
+        assert close(model(torch.tensor(rows), **kw), ref(input_ids=torch.tensor(rows), **kw).logits)
