@@ -17,7 +17,7 @@ from typing import Iterator, NamedTuple, Optional
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIX = ".parquet"
-PIECE_BYTES = 1 << 22  # a text file is read (and tokenised) in pieces of at most 4 MiB
+PIECE_BYTES = 1 << 16  # a text file is read (and tokenised) in pieces of about 64 KiB, cut at a line end
 
 
 class DataError(ValueError):
