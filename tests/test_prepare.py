@@ -133,7 +133,7 @@ def test_sources_read_the_same_documents(tmp_path):
     assert [d.text for d in documents(str(tmp_path / "dd"), column="body")] == want
 
 
-def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch):
+def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch, sp_model):
     from train.data import sources
     monkeypatch.setattr(sources, "PIECE_BYTES", 1000)
     text = "\n\n".join(make_docs(60))
@@ -144,6 +144,9 @@ def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch
     out = prep(tmp_path / "big.txt", ByteTokenizer(), tmp_path / "out", workers=1)
     assert bytes(np.concatenate([np.asarray(t) for t in out.tokens]).astype(np.uint8)).decode() == text
     assert out.manifest["documents"] == 1
+    for workers in (1, 2):  # its pieces tokenised in parallel, in order
+        prep(tmp_path / "big.txt", sp_model, tmp_path / f"sp{workers}", workers=workers)
+    assert shard_bytes(tmp_path / "sp1") == shard_bytes(tmp_path / "sp2") and len(shard_bytes(tmp_path / "sp1")) > 2
 
 
 def test_bad_rows_are_counted_in_one_line(tmp_path):

@@ -37,38 +37,38 @@ BATCH_BYTES = 8 << 20
 
 
 def generate(folder: Path, n_bytes: int, forms=FORMS, seed: int = 0) -> tuple[dict, int]:
-    """({form: path}, bytes of text) of the same documents (1-40 consecutive lines of stdlib sources, about n_bytes of text): one
-    text file (documents joined by blank lines), a .jsonl, and a folder of four Parquet shards of 1024-row groups."""
+    """({form: path}, UTF-8 bytes of text) of the same documents (1-40 consecutive lines of stdlib sources, about
+    n_bytes in all): one text file (documents joined by blank lines), a .jsonl, a folder of four Parquet shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from train.data import stdlib_files
     lines = [ln for f in stdlib_files() for ln in f.read_text(errors="replace").splitlines(keepends=True)]
     rng, folder = random.Random(seed), Path(folder)
-    paths = {"text": folder / "corpus.txt", "jsonl": folder / "corpus.jsonl", "parquet": folder / "parquet"}
-    paths = {k: v for k, v in paths.items() if k in forms}
+    paths = {k: v for k, v in {"text": folder / "corpus.txt", "jsonl": folder / "corpus.jsonl",
+                               "parquet": folder / "parquet"}.items() if k in forms}
     shutil.rmtree(folder / "parquet", ignore_errors=True)
     (folder / "parquet").mkdir(parents=True)
     files = {k: open(paths[k], "w") for k in ("text", "jsonl") if k in paths}
     written, shard, rows, writer = 0, 0, [], None
     while written < n_bytes:
         i = rng.randrange(len(lines))
-        doc = "".join(lines[i:i + rng.randint(1, 40)])
+        rows.append("".join(lines[i:i + rng.randint(1, 40)]))
         if "text" in files:
-            files["text"].write(("\n\n" if written else "") + doc)
+            files["text"].write(("\n\n" if written else "") + rows[-1])
         if "jsonl" in files:
-            files["jsonl"].write(json.dumps({"text": doc}) + "\n")
-        rows.append(doc)
-        written += len(doc) + 2
-        if "parquet" in paths and (len(rows) == 1024 or written >= n_bytes):
-            if writer is None or written > (shard + 1) * n_bytes / 4:
-                writer and writer.close()
-                shard += writer is not None
-                writer = pq.ParquetWriter(paths["parquet"] / f"part-{shard:05d}.parquet", pa.schema([("text", pa.string())]))
-            writer.write_table(pa.table({"text": rows}))
-        if len(rows) == 1024 or written >= n_bytes:
+            files["jsonl"].write(json.dumps({"text": rows[-1]}) + "\n")
+        written += len(rows[-1].encode()) + 2
+        if len(rows) == 1024 or written >= n_bytes:  # a row group
+            if "parquet" in paths:
+                if writer is None or (shard < 3 and written > (shard + 1) * n_bytes / 4):
+                    shard += writer is not None
+                    if writer:
+                        writer.close()
+                    writer = pq.ParquetWriter(paths["parquet"] / f"part-{shard:05d}.parquet",
+                                              pa.schema([("text", pa.string())]))
+                writer.write_table(pa.table({"text": rows}))
             rows = []
-    writer and writer.close()
-    for f in files.values():
+    for f in [*files.values(), *([writer] if writer else [])]:
         f.close()
     return paths, written
 
