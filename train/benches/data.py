@@ -365,20 +365,22 @@ def main(argv=None, preset: str = "data"):
         if preset == "tokenizers":
             tables, data = tokenizer_bench(args, Path(folder))
             out.update(data)
-        else:
-            tables, out = kept(args, out)
         for part in getattr(args, "only", ()):
             tables[part] = {**globals()[part](args, Path(folder), out), "command": args.command}
-    harness.save(args, {k: tables[k] for k in PARTS if k in tables} if preset == "data" else tables, out)
+    if preset == "data":  # read at the end: a part another run wrote meanwhile is kept
+        tables, out = kept(args, tables, out)
+    harness.save(args, tables, out)
 
 
-def kept(args, out: dict) -> tuple[dict, dict]:
-    """The tables and numbers of the parts not run now, from the result before (with its command and date)."""
-    old, tables = harness.load_result(args.json), {}
+def kept(args, tables: dict, out: dict) -> tuple[dict, dict]:
+    """Every part in order: those run now, and the others' tables (with their command and date) and numbers from the
+    result there is."""
+    old = harness.load_result(args.json)
     for part in set(PARTS) - set(args.only):
         if part in old.get("tables", {}):
             t = {"command": old["command"], **old["tables"][part]}
             when = f"measured {old['date']}, load average {old['machine'].rsplit(' ', 1)[-1]}"
             tables[part] = {**t, "notes": t.get("notes", "") + ("" if "measured " in t.get("notes", "") else f"; {when}")}
             out[part] = old.get("data", {}).get(part)
-    return tables, out
+    return {k: tables[k] for k in PARTS if k in tables}, out
+
