@@ -97,6 +97,8 @@ def test_killed_preparation_reruns_to_the_same_shards(tmp_path, sp_model):
     manifest = json.loads((out / "manifest.json").read_text())
     assert not manifest["complete"] and manifest["shards"]  # killed after a shard, in the middle of the next
     assert (out / f"shard-{len(manifest['shards']):05d}.bin.tmp").stat().st_size > 0
+    for f in out.glob("shard-*.bin"):  # a shard under its final name is whole; only the .tmp one is partial
+        assert f.read_bytes() == (tmp_path / "whole" / f.name).read_bytes()
     with pytest.raises(DataError, match="not complete"):
         from train.data.shards import Shards
         Shards(out)
@@ -131,7 +133,7 @@ def test_sources_read_the_same_documents(tmp_path):
     assert [d.text for d in documents(str(tmp_path / "dd"), column="body")] == want
 
 
-def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch):
+def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch, sp_model):
     from train.data import sources
     monkeypatch.setattr(sources, "PIECE_BYTES", 1000)
     text = "\n\n".join(make_docs(60))
@@ -142,6 +144,9 @@ def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch
     out = prep(tmp_path / "big.txt", ByteTokenizer(), tmp_path / "out", workers=1)
     assert bytes(np.concatenate([np.asarray(t) for t in out.tokens]).astype(np.uint8)).decode() == text
     assert out.manifest["documents"] == 1
+    for workers in (1, 2):  # its pieces tokenised in parallel, in order
+        prep(tmp_path / "big.txt", sp_model, tmp_path / f"sp{workers}", workers=workers)
+    assert shard_bytes(tmp_path / "sp1") == shard_bytes(tmp_path / "sp2") and len(shard_bytes(tmp_path / "sp1")) > 2
 
 
 def test_bad_rows_are_counted_in_one_line(tmp_path):
@@ -161,6 +166,40 @@ def test_bad_rows_are_counted_in_one_line(tmp_path):
     problems = Problems()
     assert [d.text for d in documents(str(tmp_path / "p.parquet"), problems=problems)] == ["one", "two"]
     assert problems.counts == {"empty": 2}
+
+
+def _bad_inputs(d: Path) -> dict:
+    """{case: (source, the words its one-line error must hold)}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    docs = make_docs(400)
+    pq.write_table(pa.table({"body": docs, "n": list(range(len(docs)))}), d / "nocol.parquet")
+    (d / "shards").mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": docs}), d / "shards" / f"part-{i}.parquet", row_group_size=50)
+    cut = d / "shards" / "part-1.parquet"
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    whole = write_jsonl(d / "c.jsonl", docs).read_bytes()
+    (d / "c.jsonl.gz").write_bytes(gzip.compress(whole)[:-40])
+    (d / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(whole)[:-40])
+    (d / "small.txt").write_text("a corpus of a few words")
+    return {"parquet without the column": (d / "nocol.parquet", ["no column 'text'", "columns: body, n"]),
+            "truncated Parquet shard": (d / "shards", [str(cut), "not a readable Parquet file"]),
+            "truncated .jsonl.gz": (d / "c.jsonl.gz", ["truncated"]),
+            "truncated .jsonl.zst": (d / "c.jsonl.zst", ["truncated"]),
+            "smaller than one window": (d / "small.txt", ["23 tokens", "too short for data.seq_len=32"])}
+
+
+@pytest.mark.parametrize("case", ["parquet without the column", "truncated Parquet shard", "truncated .jsonl.gz",
+                                  "truncated .jsonl.zst", "smaller than one window"])
+def test_bad_input_is_a_one_line_error_naming_the_file(tmp_path, case):
+    src, words = _bad_inputs(tmp_path)[case]
+    with pytest.raises(DataError) as e:
+        TokenData(TextDataConfig(path=str(src), tokenizer="bytes", seq_len=32, cache_dir=str(tmp_path / "cache"),
+                                 workers=1), log=QUIET)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and str(src) in msg and all(w in msg for w in words), msg
 
 
 # ------------------------------------------------------------------------------ tokenizer sample

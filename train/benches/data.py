@@ -1,12 +1,16 @@
-"""Data preparation and batch assembly: speed against the tokenizer alone, peak memory, batch rate; tokenizers.
+"""Data preparation and batch assembly: speed against the tokenizer alone, peak memory, resume; tokenizers.
 
-    python train/bench.py data                          # speed (16 MB corpus), memory at 100 MB, batches
-    python train/bench.py data --rss-mb 100,1000        # + the 1 GB corpus
-    python train/bench.py data --only speed --mb 32 --rounds 8
+    python train/bench.py data                          # all parts at the default sizes
+    python train/bench.py data --only rss --rss-mb 300,1000
+    python train/bench.py data --only speed --mb 32 --rounds 8 --forms text
     python train/bench.py tokenizers                    # bpe vs superbpe tokens per byte; BPE training speed
 
-speed: `zoo prepare` against the tokenizer's own batch encode (target: >= 0.8x); rss: the peak PSS
-of preparing a corpus in a fresh process; batches: TokenData's assembly rate against the training rate.
+The bench writes the same documents as one text file, a .jsonl and a folder of Parquet shards (`--forms`).
+speed: `zoo prepare` with N workers against the tokenizer's own N-thread batch encode of the same documents
+(target: >= 0.9x), for sentencepiece and tokenizer.json, and whether the shards equal a one-worker preparation's;
+rss: the peak PSS of preparing each form in a fresh process at each size; resume: a preparation SIGKILLed when half
+its chunks are in the shards, run again, against an uninterrupted one, byte for byte; batches: TokenData's assembly
+rate against the training rate.
 tokenizers: tokens per byte of held-out text at equal vocabulary; Zoo's BPE training against `tokenizers` called
 directly (target: within 10%).
 """
@@ -16,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,22 +31,46 @@ from train.benches import harness
 from train.benches.harness import ROOT
 
 SIDES = ("zoo prepare", "tokenizer alone")
+FORMS = ("text", "jsonl", "parquet")
+PARTS = ("speed", "rss", "resume", "batches")
 BATCH_BYTES = 8 << 20
 
 
-def generate(path: Path, n_bytes: int, seed: int = 0) -> Path:
-    """A .jsonl corpus of about n_bytes: documents of 1-40 consecutive lines of stdlib sources."""
+def generate(folder: Path, n_bytes: int, forms=FORMS, seed: int = 0) -> tuple[dict, int]:
+    """({form: path}, UTF-8 bytes of text) of the same documents (1-40 consecutive lines of stdlib sources, about
+    n_bytes in all): one text file (documents joined by blank lines), a .jsonl, a folder of four Parquet shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from train.data import stdlib_files
     lines = [ln for f in stdlib_files() for ln in f.read_text(errors="replace").splitlines(keepends=True)]
-    rng = random.Random(seed)
-    written = 0
-    with open(path, "w") as f:
-        while written < n_bytes:
-            i = rng.randrange(len(lines))
-            row = json.dumps({"text": "".join(lines[i:i + rng.randint(1, 40)])}) + "\n"
-            f.write(row)
-            written += len(row)
-    return path
+    rng, folder = random.Random(seed), Path(folder)
+    paths = {k: v for k, v in {"text": folder / "corpus.txt", "jsonl": folder / "corpus.jsonl",
+                               "parquet": folder / "parquet"}.items() if k in forms}
+    shutil.rmtree(folder / "parquet", ignore_errors=True)
+    (folder / "parquet").mkdir(parents=True)
+    files = {k: open(paths[k], "w") for k in ("text", "jsonl") if k in paths}
+    written, shard, rows, writer = 0, 0, [], None
+    while written < n_bytes:
+        i = rng.randrange(len(lines))
+        rows.append("".join(lines[i:i + rng.randint(1, 40)]))
+        if "text" in files:
+            files["text"].write(("\n\n" if written else "") + rows[-1])
+        if "jsonl" in files:
+            files["jsonl"].write(json.dumps({"text": rows[-1]}) + "\n")
+        written += len(rows[-1].encode()) + 2
+        if len(rows) == 1024 or written >= n_bytes:  # a row group
+            if "parquet" in paths:
+                if writer is None or (shard < 3 and written > (shard + 1) * n_bytes / 4):
+                    shard += writer is not None
+                    if writer:
+                        writer.close()
+                    writer = pq.ParquetWriter(paths["parquet"] / f"part-{shard:05d}.parquet",
+                                              pa.schema([("text", pa.string())]))
+                writer.write_table(pa.table({"text": rows}))
+            rows = []
+    for f in [*files.values(), *([writer] if writer else [])]:
+        f.close()
+    return paths, written
 
 
 def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
@@ -55,53 +84,69 @@ def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
 
 
 def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
-    """The documents of the corpus encoded in 8 MB batches by the tokenizer's own threads; the number of ids."""
+    """The corpus's documents (text files in pieces, as Zoo reads them) encoded in 8 MB batches by the tokenizer's own
+    threads; the number of ids."""
+    from train.data import documents
     n, batch, size = 0, [], 0
 
     def encode(texts):
         if hasattr(tok, "sp"):
             return sum(map(len, tok.sp.encode(texts, num_threads=threads)))
         return sum(len(e.ids) for e in tok.tok.encode_batch(texts, add_special_tokens=False))
-    with open(corpus) as f:
-        for line in f:
-            batch.append(json.loads(line)["text"])
-            size += len(batch[-1])
-            if size >= BATCH_BYTES:
-                n += encode(batch)
-                batch, size = [], 0
+    for d in documents(str(corpus)):
+        batch.append(d.text)
+        size += len(d.text)
+        if size >= BATCH_BYTES:
+            n += encode(batch)
+            batch, size = [], 0
     return n + (encode(batch) if batch else 0)
 
 
-def speed(args, folder: Path, out: dict):
+def shard_bytes(folder: Path) -> dict:
+    """{name: bytes} of the prepared files (the manifest aside)."""
+    return {f.name: f.read_bytes() for f in sorted(Path(folder).iterdir()) if f.name != "manifest.json"}
+
+
+def prepare_into(args, corpus: Path, tok, out: Path, workers: int, shard_tokens: int = 0, fresh: bool = True):
     from train.data.shards import prepare
-    corpus = generate(folder / "speed.jsonl", args.mb << 20)
-    mb = corpus.stat().st_size / 1e6
-    toks = tokenizers(corpus, folder)
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    return prepare(str(corpus), tok, out, boundary=(None, tok.eos_id), workers=workers,
+                   shard_tokens=shard_tokens or args.shard_tokens, log=lambda m: None)
+
+
+def speed(args, folder: Path, out: dict):
+    corpora, size = generate(folder, args.mb << 20, args.forms)
+    mb, toks = size / 1e6, tokenizers(next(iter(corpora.values())), folder)
     rows = []
-    for name, tok in toks.items():
-        counts = {}
+    for form, corpus in corpora.items():
+        for name, tok in toks.items():
+            counts = {}
 
-        def zoo():
-            shutil.rmtree(folder / "shards", ignore_errors=True)
-            s = prepare(str(corpus), tok, folder / "shards", boundary=(None, tok.eos_id), workers=args.workers,
-                        log=lambda m: None)
-            counts["zoo"] = s.manifest["tokens"]
+            def zoo():
+                counts["zoo"] = prepare_into(args, corpus, tok, folder / "shards", args.workers).manifest["tokens"]
 
-        def alone():
-            counts["alone"] = tokenizer_alone(corpus, tok, args.workers)
-        r = harness.run_rounds({SIDES[0]: zoo, SIDES[1]: alone}, args.rounds)
-        paired = r.paired(SIDES[0], SIDES[1])
-        res = {"corpus_mb": mb, "rounds": args.rounds, **{f"paired_{k}": v for k, v in paired._asdict().items()}}
-        for side, key in zip(SIDES, ("zoo", "alone")):
-            best = r.best(side)
-            res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best,
-                         "tokens": counts[key], "wall_s": r.wall[side]}
-            rows.append([name, side, f"{mb / best:.2f}", f"{counts[key] / best / 1e6:.2f}",
-                         str(paired) if side == SIDES[0] else ""])
-        out.setdefault("speed", {})[name] = res
-    return harness.table(["tokenizer", "side", "MB/s", "M tokens/s", "zoo / tokenizer (paired median)"], rows,
-                         f"{mb:.0f} MB jsonl, {args.workers} workers / threads, best of {args.rounds} alternating "
-                         f"rounds (zoo also writes the shards; its tokens include one EOS per document)")
+            def alone():
+                counts["alone"] = tokenizer_alone(corpus, tok, args.workers)
+            r = harness.run_rounds({SIDES[0]: zoo, SIDES[1]: alone}, args.rounds)
+            prepare_into(args, corpus, tok, folder / "one", 1)
+            same = shard_bytes(folder / "shards") == shard_bytes(folder / "one")
+            paired = r.paired(SIDES[0], SIDES[1])
+            res = {"rounds": args.rounds, "identical_to_one_worker": same,
+                   **{f"paired_{k}": v for k, v in paired._asdict().items()}}
+            for side, key in zip(SIDES, ("zoo", "alone")):
+                best = r.best(side)
+                res[side] = {"best_s": best, "mb_per_s": mb / best, "tokens_per_s": counts[key] / best,
+                             "tokens": counts[key], "wall_s": r.wall[side]}
+            out.setdefault("speed", {}).setdefault(form, {})[name] = res
+            rows.append([form, name, f"{res[SIDES[0]]['mb_per_s']:.2f}", f"{res[SIDES[1]]['mb_per_s']:.2f}",
+                         f"{counts['zoo'] / r.best(SIDES[0]) / 1e6:.2f}", str(paired), "yes" if same else "NO"])
+    return harness.table(["input", "tokenizer", "zoo MB/s", "tokenizer MB/s", "zoo M tokens/s",
+                          "zoo / tokenizer (paired median)", "= 1 worker"], rows,
+                         f"{mb:.0f} MB of text, {args.workers} workers / threads, best of {args.rounds} alternating "
+                         f"rounds (zoo also reads, writes the shards and adds one EOS per document; the tokenizer "
+                         f"reads the same documents); = 1 worker: the shards equal a one-worker preparation's, byte "
+                         f"for byte")
 
 
 def tree_pss(pid: int) -> tuple[int, int]:
@@ -126,42 +171,92 @@ def tree_pss(pid: int) -> tuple[int, int]:
 CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from train.data import SentencePieceTokenizer
+from train.data import load_tokenizer_file
 from train.data.shards import prepare
-tok = SentencePieceTokenizer({model!r})
+tok = load_tokenizer_file({model!r})
 t0 = time.perf_counter()
 s = prepare({corpus!r}, tok, __import__("pathlib").Path({out!r}), boundary=(None, tok.eos_id), workers={workers},
-            log=lambda m: None)
+            shard_tokens={shard_tokens}, log=lambda m: None)
 print(s.manifest["tokens"], time.perf_counter() - t0)
 """
 
 
-def rss(args, folder: Path, out: dict):
+def child(args, model: Path, corpus: Path, out: Path, shard_tokens: int = 0) -> subprocess.Popen:
+    """A fresh process (its own process group) preparing `corpus` into `out` with the tokenizer file `model`."""
+    script = CHILD.format(root=str(ROOT), model=str(model), corpus=str(corpus), out=str(out), workers=args.workers,
+                          shard_tokens=shard_tokens or args.shard_tokens)
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def sp_model(args, folder: Path) -> Path:
     model = folder / "sp.model"
     if not model.is_file():
-        tokenizers(generate(folder / "speed.jsonl", args.mb << 20), folder)
-    rows = []
+        tokenizers(generate(folder / "sample", 8 << 20, ("jsonl",))[0]["jsonl"], folder)
+    return model
+
+
+def rss(args, folder: Path, out: dict):
+    model, rows = sp_model(args, folder), []
     for mb in args.rss_mb:
-        corpus = generate(folder / f"rss-{mb}.jsonl", mb << 20)
-        shutil.rmtree(folder / "rss-shards", ignore_errors=True)
-        script = CHILD.format(root=str(ROOT), model=str(model), corpus=str(corpus), out=str(folder / "rss-shards"),
-                              workers=args.workers)
-        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        peak = peak_anon = 0
-        while p.poll() is None:
-            pss, anon = tree_pss(p.pid)
-            peak, peak_anon = max(peak, pss), max(peak_anon, anon)
-            time.sleep(0.05)
-        tokens, secs = p.stdout.read().split()
-        tokens, secs = int(tokens), float(secs)
-        size = corpus.stat().st_size / 1e6
-        out.setdefault("rss", {})[str(mb)] = {"corpus_mb": size, "peak_pss_bytes": peak,
-                                              "peak_anon_pss_bytes": peak_anon, "seconds": secs, "tokens": tokens}
-        rows.append([f"{size:,.0f}", harness.gib(peak), harness.gib(peak_anon), f"{secs:.0f}", f"{size / secs:.2f}",
-                     f"{tokens:,}"])
-        corpus.unlink()
-    return harness.table(["corpus MB", "peak GiB", "of which anonymous", "seconds", "MB/s", "tokens"], rows,
-                         f"sentencepiece, {args.workers} workers; PSS of the process and its workers")
+        corpora, size = generate(folder / "rss", mb << 20, args.forms)
+        for form, corpus in corpora.items():
+            shutil.rmtree(folder / "rss-shards", ignore_errors=True)
+            p, peak, peak_anon = child(args, model, corpus, folder / "rss-shards"), 0, 0
+            while p.poll() is None:
+                pss, anon = tree_pss(p.pid)
+                peak, peak_anon = max(peak, pss), max(peak_anon, anon)
+                time.sleep(0.05)
+            tokens, secs = p.stdout.read().split()
+            tokens, secs = int(tokens), float(secs)
+            first = out.setdefault("rss", {}).setdefault(form, {}).get(str(args.rss_mb[0]), {}).get("peak_pss_bytes")
+            out["rss"][form][str(mb)] = {"corpus_mb": size / 1e6, "peak_pss_bytes": peak,
+                                         "peak_anon_pss_bytes": peak_anon, "seconds": secs, "tokens": tokens}
+            rows.append([form, f"{size / 1e6:,.0f}", harness.gib(peak), f"{peak / (first or peak):.2f}",
+                         harness.gib(peak_anon), f"{secs:.0f}", f"{size / 1e6 / secs:.2f}", f"{tokens:,}"])
+        shutil.rmtree(folder / "rss")
+    return harness.table(["input", "text MB", "peak GiB", "vs the smallest", "of which anonymous", "seconds", "MB/s",
+                          "tokens"], rows, f"sentencepiece, {args.workers} workers; PSS of the process and its workers, "
+                                           f"sampled every 50 ms")
+
+
+def resume(args, folder: Path, out: dict):
+    """Each form prepared whole, and in a fresh process SIGKILLed once half its chunks are in the shards (shards of
+    about a tenth of the tokens), then prepared again: the shards of the two, byte for byte."""
+    from train.data import DataError, SentencePieceTokenizer
+    from train.data.shards import Shards, read_manifest
+    model, rows = sp_model(args, folder), []
+    tok = SentencePieceTokenizer(model)
+    corpora, size = generate(folder / "resume", args.mb << 20, args.forms)
+    shard = size // 32
+    for form, corpus in corpora.items():
+        t0 = time.perf_counter()
+        chunks = prepare_into(args, corpus, tok, folder / "whole", args.workers, shard).manifest["chunks"]
+        whole_s, killed = time.perf_counter() - t0, folder / "killed"
+        shutil.rmtree(killed, ignore_errors=True)
+        p = child(args, model, corpus, killed, shard)
+        while p.poll() is None and ((read_manifest(killed) or {}).get("chunks") or 0) < chunks / 2:
+            time.sleep(0.01)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        at = read_manifest(killed) or {"chunks": 0, "shards": []}
+        try:
+            Shards(killed)
+            looks_complete = True
+        except DataError:
+            looks_complete = False
+        t0 = time.perf_counter()
+        prepare_into(args, corpus, tok, killed, args.workers, shard, fresh=False)
+        again_s, same = time.perf_counter() - t0, shard_bytes(killed) == shard_bytes(folder / "whole")
+        out.setdefault("resume", {})[form] = {"chunks": chunks, "killed_after_chunks": at["chunks"],
+                                              "shards_at_kill": len(at["shards"]), "looked_complete": looks_complete,
+                                              "whole_s": whole_s, "resumed_s": again_s, "identical": same}
+        rows.append([form, f"{at['chunks']} / {chunks}", len(at["shards"]), "yes" if looks_complete else "no",
+                     f"{whole_s:.1f}", f"{again_s:.1f}", "yes" if same else "NO"])
+    shutil.rmtree(folder / "resume")
+    return harness.table(["input", "chunks at the kill", "shards at the kill", "looked complete", "whole s",
+                          "resumed s", "identical"], rows,
+                         f"{size / 1e6:.0f} MB of text, sentencepiece, {args.workers} workers, shards of {shard:,} "
+                         f"tokens; SIGKILL to the preparing process and its workers")
 
 
 def batches(args, folder: Path, out: dict):
@@ -169,9 +264,9 @@ def batches(args, folder: Path, out: dict):
     from train.config import load_run_config
     from train.data import TextDataConfig, TokenData
     from train.planner import build_model
-    corpus = folder / "speed.jsonl"
+    corpus = folder / "corpus.jsonl"
     if not corpus.is_file():
-        generate(corpus, args.mb << 20)
+        generate(folder, args.mb << 20, ("jsonl",))
     preset = load_run_config(str(ROOT / "configs" / "llm" / "smollm-135m.yaml"), ["train.compile=false"])
     B, T = preset.train.batch_size, preset.data.seq_len
     data = TokenData(TextDataConfig(path=str(corpus), tokenizer="bytes", seq_len=T, cache_dir=str(folder / "cache"),
@@ -256,11 +351,12 @@ def main(argv=None, preset: str = "data"):
         ap.add_argument("--vocabs", type=harness.int_list, default=[2048, 8192], help="comma list of vocabulary sizes")
         ap.add_argument("--train-chars", type=harness.positive_int, default=4_000_000, help="characters to train on")
     else:
-        ap.add_argument("--only", type=harness.name_list(("speed", "rss", "batches"), "part"),
-                        default="speed,rss,batches")
-        ap.add_argument("--mb", type=harness.positive_int, default=16, help="size of the speed corpus in MB")
-        ap.add_argument("--rss-mb", type=harness.int_list, default=[100],
-                        help="comma list of corpus sizes in MB for the memory part (default 100)")
+        ap.add_argument("--only", type=harness.name_list(PARTS, "part"), default=",".join(PARTS))
+        ap.add_argument("--forms", type=harness.name_list(FORMS, "input"), default=",".join(FORMS))
+        ap.add_argument("--mb", type=harness.positive_int, default=16, help="MB of text for speed and resume")
+        ap.add_argument("--rss-mb", type=harness.int_list, default=[50, 150],
+                        help="comma list of corpus sizes in MB for the memory part (default 50,150)")
+        ap.add_argument("--shard-tokens", type=harness.positive_int, default=1 << 21, help="tokens per shard")
     args = ap.parse_args(argv)
     harness.setup(args)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
@@ -269,7 +365,22 @@ def main(argv=None, preset: str = "data"):
         if preset == "tokenizers":
             tables, data = tokenizer_bench(args, Path(folder))
             out.update(data)
-        for part, fn in (("speed", speed), ("rss", rss), ("batches", batches)):
-            if part in getattr(args, "only", ()):
-                tables[part] = fn(args, Path(folder), out)
+        for part in getattr(args, "only", ()):
+            tables[part] = {**globals()[part](args, Path(folder), out), "command": args.command}
+    if preset == "data":  # read at the end: a part another run wrote meanwhile is kept
+        tables, out = kept(args, tables, out)
     harness.save(args, tables, out)
+
+
+def kept(args, tables: dict, out: dict) -> tuple[dict, dict]:
+    """Every part in order: those run now, and the others' tables (with their command and date) and numbers from the
+    result there is."""
+    old = harness.load_result(args.json)
+    for part in set(PARTS) - set(args.only):
+        if part in old.get("tables", {}):
+            t = {"command": old["command"], **old["tables"][part]}
+            when = f"measured {old['date']}, load average {old['machine'].rsplit(' ', 1)[-1]}"
+            tables[part] = {**t, "notes": t.get("notes", "") + ("" if "measured " in t.get("notes", "") else f"; {when}")}
+            out[part] = old.get("data", {}).get(part)
+    return {k: tables[k] for k in PARTS if k in tables}, out
+

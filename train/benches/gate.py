@@ -39,9 +39,9 @@ CHECKS = {
     "rollout-eager": (["rollout", "--modes", "eager"], ["--rounds", "6", "--prompts", "2", "--group", "4"],
                            ["--rounds", "1", "--prompts", "1", "--group", "2", "--new-tokens", "2"],
                            ("bf16", "zoo-eager", "wall"), ("bf16", "transformers-eager", "wall")),
-    "data-prepare": (["data", "--only", "speed"], ["--rounds", "6", "--mb", "2"], ["--rounds", "1", "--mb", "1"],
-                         ("speed", "sentencepiece", "zoo prepare", "wall_s"),
-                         ("speed", "sentencepiece", "tokenizer alone", "wall_s")),
+    "data-prepare": (["data", "--only", "speed", "--forms", "jsonl"], ["--rounds", "6", "--mb", "2"],
+                     ["--rounds", "1", "--mb", "1"], ("speed", "jsonl", "sentencepiece", "zoo prepare", "wall_s"),
+                     ("speed", "jsonl", "sentencepiece", "tokenizer alone", "wall_s")),
 }
 GATE = harness.RESULTS / "gate.json"
 

@@ -343,10 +343,10 @@ class TokenData(TokenizedRows):
             pre = is_pretokenized(cfg.val_path)
             v = self._source(cfg.val_path, pre)
             vals = [TokenStream([*v[0].parts, *(v[1].parts if pre and v[1] is not None else [])])]
-        for s, t in zip(specs, trains):
+        for s, t, (stream, _) in zip(specs, trains, parts):
             if len(t) < T + 1:
-                raise DataError(f"{s.path}: {len(t)} training tokens is too short for data.seq_len={T} "
-                                f"(need more than {2 * (T + 1)} for a training and a validation window)")
+                raise DataError(f"{s.path}: {len(stream)} tokens ({len(t)} for training) is too short for "
+                                f"data.seq_len={T} (need more than {2 * (T + 1)} for a training and a validation window)")
         self.mixture, self.train = trains, TokenStream([p for t in trains for p in t.parts])
         self.val = TokenStream([p for v in vals for p in v.parts])
         if len(self.val) < T + 1:

@@ -59,27 +59,29 @@ def _init_worker(spec):
     _worker_tok = from_spec(spec, threads=1)
 
 
-def encode_chunk(chunk: list[Doc], bos: Optional[int], eos: Optional[int], dtype, tok=None):
-    """(tokens, document starts) of a chunk, with BOS before a document's first piece and EOS after its last."""
-    tok = tok or _worker_tok
-    ids = tok.encode_many([d.text for d in chunk])
-    sizes = np.fromiter((len(i) + (bos is not None and d.first) + (eos is not None and d.last)
-                         for i, d in zip(ids, chunk)), dtype=np.int64, count=len(chunk))
-    out = np.empty(int(sizes.sum()), dtype=dtype)
-    starts, pos = [], 0
-    for i, d, n in zip(ids, chunk, sizes.tolist()):
-        if d.first:
-            starts.append(pos)
-        p = pos
-        if bos is not None and d.first:
-            out[p] = bos
-            p += 1
-        m = len(i)
-        out[p:p + m] = np.frombuffer(i, dtype=np.uint8) if isinstance(i, bytes) else i
-        if eos is not None and d.last:
-            out[p + m] = eos
-        pos += n
-    return out, np.asarray(starts, dtype=np.int64)
+def pack(chunk: list[Doc]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A chunk as a worker gets it: its texts, and whether each starts and ends its document."""
+    return ([d.text for d in chunk], np.fromiter((d.first for d in chunk), bool, len(chunk)),
+            np.fromiter((d.last for d in chunk), bool, len(chunk)))
+
+
+def encode_chunk(chunk, bos: Optional[int], eos: Optional[int], dtype, tok=None):
+    """(tokens, document starts) of a packed chunk, with BOS before a document's first piece and EOS after its last."""
+    texts, first, last = chunk
+    ids = (tok or _worker_tok).encode_many(texts)
+    n = np.fromiter(map(len, ids), np.int64, len(ids))
+    flat = np.frombuffer(b"".join(ids), np.uint8) if ids and isinstance(ids[0], bytes) else \
+        np.fromiter(itertools.chain.from_iterable(ids), dtype, int(n.sum()))
+    head, tail = first & (bos is not None), last & (eos is not None)
+    ends = np.cumsum(n + head + tail)
+    begins = ends - n - head - tail
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype)
+    keep = np.ones(len(out), bool)
+    for at, special in ((begins[head], bos), (ends[tail] - 1, eos)):
+        if len(at):
+            out[at], keep[at] = special, False
+    out[keep] = flat
+    return out, begins[first]
 
 
 # ----------------------------------------------------------------------------- shards
@@ -188,6 +190,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         try:
             it = chunks(documents(source, column, problems), chunk_chars, max_chars)
             deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
+            it = map(pack, it)
             if workers == 1:
                 tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
                 results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
@@ -231,7 +234,7 @@ def exclusive(out: Path):
         yield
 
 
-def _ordered(pool, chunks_: Iterator[list[Doc]], bos, eos, dtype, in_flight: int):
+def _ordered(pool, chunks_: Iterator[tuple], bos, eos, dtype, in_flight: int):
     """The pool's results in chunk order, at most `in_flight` chunks submitted and not yet taken."""
     pending: deque = deque()
     for c in chunks_:
@@ -254,8 +257,8 @@ class _Progress:
                         file=sys.stderr)
         self.tokens, self.chars, self.t0 = 0, 0, time.perf_counter()
 
-    def update(self, chunk: list[Doc], n_tokens: int):
-        n = sum(len(d.text) for d in chunk)
+    def update(self, chunk, n_tokens: int):
+        n = sum(map(len, chunk[0]))
         self.tokens += n_tokens
         self.chars += n
         dt = max(time.perf_counter() - self.t0, 1e-9)

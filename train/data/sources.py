@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import importlib
+import io
 import json
 import re
 import sysconfig
@@ -17,7 +18,7 @@ from typing import Iterator, NamedTuple, Optional
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIX = ".parquet"
-PIECE_BYTES = 1 << 22  # a text file is read (and tokenised) in pieces of at most 4 MiB
+PIECE_BYTES = 1 << 16  # a text file is read (and tokenised) in pieces of about 64 KiB, cut at a line end
 
 
 class DataError(ValueError):
@@ -124,11 +125,41 @@ def _open_binary(f: Path):
             return gzip.open(f, "rb")
         if name.endswith(".zst"):
             zstandard = needs("zstandard", f"{f}: reading .zst needs the 'zstandard' package (pip install zstandard)")
-            import io
-            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(f, "rb"), read_across_frames=True))
+            return io.BufferedReader(_Zstd(open(f, "rb"), zstandard.ZstdDecompressor().decompressobj))
         return open(f, "rb")
     except OSError as e:
         raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None
+
+
+class _Zstd(io.RawIOBase):
+    """A .zst file decompressed as it is read, frame after frame; one that ends inside a frame (truncated) raises
+    EOFError, where python-zstandard's stream reader would end there silently."""
+
+    def __init__(self, fh, new_frame):
+        self.fh, self.new_frame, self.frame, self.out, self.at, self.began = fh, new_frame, new_frame(), b"", 0, False
+
+    def readable(self):
+        return True
+
+    def readinto(self, b) -> int:
+        while self.at == len(self.out):
+            data, self.out, self.at = self.fh.read(1 << 20), b"", 0
+            if not data:
+                if self.began and not self.frame.eof:
+                    raise EOFError("the compressed file ends inside a frame")
+                return 0
+            while data:
+                self.frame = self.new_frame() if self.frame.eof else self.frame
+                self.out += self.frame.decompress(data)
+                self.began, data = True, self.frame.unused_data if self.frame.eof else b""
+        n = min(len(b), len(self.out) - self.at)
+        b[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def close(self):
+        self.fh.close()
+        super().close()
 
 
 def _text_pieces(f: Path, problems: Problems) -> Iterator[Doc]:
@@ -137,10 +168,7 @@ def _text_pieces(f: Path, problems: Problems) -> Iterator[Doc]:
     first, rest = True, ""
     with _open_binary(f) as fh:
         while True:
-            try:
-                block = fh.read(PIECE_BYTES)
-            except OSError as e:
-                raise DataError(f"{f}: cannot be read ({e.strerror or e})") from None
+            block = fh.read(PIECE_BYTES)
             text = rest + dec.decode(block, final=not block)
             if not block:
                 break
@@ -223,12 +251,14 @@ def documents(path: str, column: str = "text", problems: Optional[Problems] = No
         yield from _saved_dataset_docs(p, column, problems)
         return
     for f in corpus_files(path):
-        if f.name.lower().endswith(JSONL_SUFFIXES):
-            yield from _jsonl_docs(f, column, problems)
-        elif f.name.lower().endswith(PARQUET_SUFFIX):
-            yield from _parquet_docs(f, column, problems)
-        else:
-            yield from _text_pieces(f, problems)
+        name = f.name.lower()
+        try:
+            if name.endswith(JSONL_SUFFIXES):
+                yield from _jsonl_docs(f, column, problems)
+            else:
+                yield from _parquet_docs(f, column, problems) if name.endswith(PARQUET_SUFFIX) else _text_pieces(f, problems)
+        except (OSError, EOFError) as e:  # a truncated .gz/.zst, a damaged Parquet row group, a read error
+            raise DataError(f"{f}: truncated or damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 def read_corpus(path: str, max_chars: Optional[int] = None, log=print, column: str = "text") -> str:
