@@ -320,7 +320,8 @@ def test_gemma4_left_padded_rows_decode_alone(tmp_path):
 @pytest.mark.usefixtures("one_thread")
 def test_lightning_indexer_selects(tmp_path):
     """DeepSeek-V3.2's parity (test_parity_dialects_and_export) holds because the same keys are kept: the same weights
-    attending to every key (a top-k past the sequence) give other logits past the first index_topk positions."""
+    attending to every key (a top-k past the sequence) give other logits past the first index_topk positions. A
+    config.json whose mlp_layer_types Zoo's dense-then-sparse layers cannot hold is refused."""
     hf = hf_model(*CASES["deepseek-v32"][:1], **CASES["deepseek-v32"][1])
     hf.save_pretrained(tmp_path)
     z = zoo.from_pretrained(tmp_path)
@@ -334,6 +335,11 @@ def test_lightning_indexer_selects(tmp_path):
     assert (ref - sparse).abs().max() <= 1e-4
     assert (every[:, :k] - sparse[:, :k]).abs().max() <= 1e-5  # up to k keys: all kept
     assert (ref[:, k:] - every[:, k:]).abs().max() > 1e-2
+    from zoo.config import ConfigError  # dense and sparse layers in another order than DeepSeek's: refused by name
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}))
+    with pytest.raises(ConfigError, match="mlp_layer_types must be first_k_dense_replace=1 dense layers"):
+        zoo.from_pretrained(tmp_path)
 
 
 def test_final_softcap_caps_and_chunked_loss_refuses():

@@ -66,6 +66,10 @@ class DeepseekV32(DeepseekV3):
 
     def config(self, hf, get, n_layers):
         out = super().config(hf, get, n_layers)
+        dense = len(out["moe"]["dense_layers"])
+        if hf.get("mlp_layer_types", ["dense"] * dense + ["sparse"] * (n_layers - dense)) != \
+                ["dense"] * dense + ["sparse"] * (n_layers - dense):
+            raise ValueError(f"mlp_layer_types must be first_k_dense_replace={dense} dense layers, then sparse ones")
         out["mla"].update(index_heads=get("index_n_heads"), index_dim=get("index_head_dim"), index_topk=get("index_topk"))
         return out
 
