@@ -261,8 +261,7 @@ class CausalSelfAttention(nn.Module):
         self.backend, self.sliding_window = check_backend(backend), sliding_window
         self.rope, self.softcap = rope, softcap
         self.q_scale = None if scale is None else scale * math.sqrt(self.head_dim)  # on q: every backend's 1/sqrt(D)
-        self.gate, self.kv_same, self.v_norm, self.eps = gate, kv_same, v_norm, norm_eps
-        self.k_rows, self.v_rows = kv * self.n_kv_heads, kv * (not kv_same) * self.n_kv_heads  # heads of k, of v
+        self.gate, self.kv, self.kv_same, self.v_norm, self.eps = gate, kv, kv_same, v_norm, norm_eps
         self.qkv = nn.Linear(dim, ((1 + gate) * n_heads + self.k_rows + self.v_rows) * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=out_bias)
         self.qk_norm = "head" if qk_norm is True else qk_norm or None
@@ -274,6 +273,15 @@ class CausalSelfAttention(nn.Module):
             if self.qk_norm and kv else None
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.prefix = None  # prefix tuning: a module (k, v) -> (k, v) with learned keys/values in front (prefix.py)
+
+    @property
+    def k_rows(self) -> int:
+        """Heads of k this layer projects (0: KV sharing); of n_kv_heads, which tensor parallelism sets per rank."""
+        return self.kv * self.n_kv_heads
+
+    @property
+    def v_rows(self) -> int:
+        return self.kv * (not self.kv_same) * self.n_kv_heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Optional[KVCache] = None, start_pos: int = 0, mask: Optional[Causal] = None,
