@@ -83,13 +83,19 @@ def test_generate_with_cache_equals_full_forward_greedy(kw, batch):
     assert torch.equal(out, full_forward_greedy(model, ids, 12))
 
 
-def test_matvec_routes_equal_linear():
+def test_matvec_routes_equal_linear(monkeypatch):
     """The decoding step's routes for F.linear (zoo.blocks.matvec_cpu) equal it (fp32, <= 1e-5: another
     summation order), with and without bias, at 1, 2 and 8 rows; the mode takes the weight-on-the-left
-    route in eager fp32 up to 8 rows and leaves 9 rows and autocast's bf16 to F.linear (bit-identical)."""
+    route in eager fp32 up to 8 rows for a weight of EAGER_NUMEL elements, and leaves 9 rows, a smaller weight and
+    autocast's bf16 to F.linear (bit-identical)."""
     from zoo.blocks.matvec_cpu import MatvecCPU, as_reduction, weight_on_the_left
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(1, 64, generator=g)
+    ref = F.linear(x, w, b)
+    with MatvecCPU():
+        assert torch.equal(F.linear(x, w, b), ref)
+    monkeypatch.setattr(MatvecCPU, "EAGER_NUMEL", w.numel())
     for shape in ((1, 64), (1, 1, 64), (2, 1, 64), (8, 1, 64)):
         x = torch.randn(*shape, generator=g)
         for route in (as_reduction, weight_on_the_left):

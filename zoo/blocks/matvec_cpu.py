@@ -4,8 +4,9 @@ A torch function mode (no paper: kernel selection for memory-bound matrix-vector
 Shapes: F.linear's, x (..., in) with a few rows, w (out, in) -> (..., out).
 - compiled, at most two rows: a multiply and a sum accumulated in fp32, which inductor fuses into one reduction that
   streams the weight (`as_reduction`);
-- eager fp32, at most eight rows: the weight on the left, (w @ x^T)^T, one row padded to two (`weight_on_the_left`);
-  the BLAS streams it several times faster than F.linear's x @ w^T.
+- eager fp32, at most eight rows and a weight as large as an output head: the weight on the left, (w @ x^T)^T, one
+  row padded to two (`weight_on_the_left`); the BLAS streams it faster than F.linear's x @ w^T, while for the smaller
+  weights of the layers F.linear's matrix-vector kernel is the faster (its threads need no synchronisation).
 """
 import torch
 import torch.nn.functional as F
@@ -34,11 +35,12 @@ def weight_on_the_left(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Ten
 
 class MatvecCPU(TorchFunctionMode):
     """Inside it, F.linear on a CPU takes `as_reduction` under torch.compile (at most COMPILED_ROWS rows) and
-    `weight_on_the_left` in eager fp32 without autocast (at most EAGER_ROWS rows). Other devices, dtypes,
-    tensor-subclass weights and larger batches are left alone (docs/pretrained.md, "Benchmark")."""
+    `weight_on_the_left` in eager fp32 without autocast (at most EAGER_ROWS rows, weights of EAGER_NUMEL elements or
+    more). Other devices, dtypes, tensor-subclass weights and larger batches are left alone (docs/pretrained.md, "Benchmark")."""
 
     COMPILED_ROWS = 2  # from 4 rows on, the GEMM is as fast
     EAGER_ROWS = 8  # from 12 rows on, F.linear is as fast
+    EAGER_NUMEL = 1 << 23  # smaller weights (a layer's projections) are faster through F.linear
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -50,7 +52,7 @@ class MatvecCPU(TorchFunctionMode):
                 if torch.compiler.is_compiling():
                     if rows <= self.COMPILED_ROWS:
                         return as_reduction(x, w, bias)
-                elif (rows <= self.EAGER_ROWS and x.dtype == w.dtype == torch.float32
-                      and not torch.is_autocast_enabled("cpu")):
+                elif (rows <= self.EAGER_ROWS and w.numel() >= self.EAGER_NUMEL
+                      and x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")):
                     return weight_on_the_left(x, w, bias)
         return func(*args, **kwargs)
