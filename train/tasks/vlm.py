@@ -83,9 +83,10 @@ class ImageChatData(ChatData):
             p if p["type"] == "text" else {"type": "text", "text": image_text(self.tokens)} for p in m["content"]]}
             for m in messages]
         ids, labels = self.template.encode(self.tokenizer, text, self.cfg.train_on_prompt)
-        n, places = 0 if pixels is None else len(pixels), ids.count(self.image_id) / self.tokens
-        if places != n:
-            raise DataError(f"{places:g} image places for {n} images (the text holds the image token)")
+        n, found = 0 if pixels is None else len(pixels), ids.count(self.image_id)
+        if found != n * self.tokens:
+            raise DataError(f"{found} image tokens for {n} images of {self.tokens} each (images the template does not "
+                            f"place, or {IMAGE_TOKENS[0]} in the text)")
         if self.image_id in ids[self.cfg.seq_len:]:
             raise DataError(f"its image tokens run past data.seq_len={self.cfg.seq_len}")
         return ids, [-100 if t == self.image_id else t for t in labels], pixels
@@ -138,7 +139,7 @@ class VLMTask(SFTTask):
         train_rows, val_rows = self.held_out(lambda split, n: digit_rows(split, n, folder),
                                              lambda path: read_conversations(path, d.format, self.log, parts=True))
         if d.drop_images:
-            for _, row in train_rows + val_rows:
+            for row, _ in train_rows + val_rows:
                 for msg in row:
                     if not isinstance(msg["content"], str):
                         msg["content"] = [p for p in msg["content"] if p["type"] != "image"]
