@@ -22,7 +22,7 @@ PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
            "convnets": "resnet convnets drop-path convnet-recipe vit",
            "diffusion": "taesd dit flux2 latent-cache min-snr diffusion-quality prompt-adherence",
            "optimizers": "optimizers lr-find",
-           "sft": "sft-packing sft-quality", "gpu": "gpu float8 bf16-pure", "rollout": "rollout rl-quality rl-memory",
+           "sft": "sft-packing sft-quality vlm-quality", "gpu": "gpu float8 bf16-pure", "rollout": "rollout rl-quality rl-memory",
            "data": "data tokenizers", "mup": "mup-coord"}
 BENCHES: dict[str, str] = {**{n: f"{m}, name" for m, names in PRESETS.items() for n in names.split()},
                            **{m: m for m in ("checkpointing", "distributed", "memory", "report", "gate",

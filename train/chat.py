@@ -24,6 +24,8 @@ import torch
 
 from zoo.llm import decode_step, sample_next
 
+from train.data.conversations import IMAGE, image_text
+from train.data.images import image_pixels
 from train.step import eval_mode
 
 
@@ -54,7 +56,7 @@ class ChatSession:
         eos_ids = self._encode(eos) if eos else []
         self.eos_id = eos_ids[0] if len(eos_ids) == 1 else getattr(tokenizer, "eos_id", None)
         self.reset()
-        if image is not None and self._encode("<image>") != [model.config.image_token_id]:
+        if image is not None and self._encode(IMAGE) != [model.config.image_token_id]:
             raise ValueError(f"the tokenizer does not encode <image> as the model's image token "
                              f"{model.config.image_token_id}")
 
@@ -120,24 +122,9 @@ class ChatSession:
         """The rendered conversation with each `<image>` as SmolVLM's processor writes one image without tiles."""
         if self.image is None:
             return text
-        if "<image>" not in text:
+        if IMAGE not in text:
             raise ValueError(f"{self.template.name}: renders no <image> for the image (a VLM's own chat template does)")
-        return text.replace("<image>", "<fake_token_around_image><global-img>" + "<image>" * self.vlm.image_tokens +
-                            "<fake_token_around_image>")
-
-
-def image_pixels(path: str, size: int) -> torch.Tensor:
-    """An image file -> (1, 1, C, size, size): squeezed to the square, normalised as SigLIP's processor does (mean and
-    standard deviation one half); a file that is missing or not an image: a one-line error naming it."""
-    from zoo.convnet.preprocess import load_crop
-    from train.data import DataError
-    try:
-        arr = load_crop(path, size, lambda w, h: (0, 0, w, h))
-    except FileNotFoundError:
-        raise DataError(f"--image {path}: no such file") from None
-    except OSError as e:
-        raise DataError(f"--image {path}: cannot decode it as an image ({type(e).__name__})") from None
-    return (torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 127.5 - 1)[None, None]
+        return text.replace(IMAGE, image_text(self.vlm.image_tokens))
 
 
 def _held_back(text: str, stop: str) -> int:

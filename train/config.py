@@ -344,6 +344,7 @@ SECTIONS = ("family", "model", "data", "train", "optim", "adapter", "rl")
 # imported: the tasks sit above the config (docs/architecture.md)
 TASKS = {"llm": "train.tasks.lm:LMTask", "convnet": "train.tasks.classify:ClassifyTask",
          "vit": "train.tasks.classify:ClassifyTask",
+         "vlm": "train.tasks.vlm:VLMTask",
          "diffusion": "train.tasks.diffusion:DiffusionTask"}
 
 

@@ -1060,6 +1060,7 @@ FAMILIES: dict[str, Family] = {
     "convnet": Family(ConvNetConfig, "zoo.convnet:build"),
     "diffusion": Family(DiffusionConfig, "zoo.diffusion.latent:LatentDiffusion"),
     "vit": Family(ViTConfig, "zoo.vit:ViT"),
+    "vlm": Family(VLMConfig, "zoo.vlm:VLM"),
 }
 
 

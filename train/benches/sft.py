@@ -2,6 +2,7 @@
 
     python train/bench.py sft-packing   # padding and training tokens/s: packed, padded by length, padded at random
     python train/bench.py sft-quality   # exact-match answers to held-out conversations: runs/tiny against runs/tiny-sft
+    python train/bench.py vlm-quality   # held-out digits named by configs/vlm/digits-vqa.yaml: with the image, without
 """
 from __future__ import annotations
 
@@ -78,7 +79,33 @@ def quality(args) -> dict:
                          f"exact match of the greedy answers to {args.conversations} held-out conversations")
 
 
+def vlm_quality(args) -> dict:
+    """The final val_exact_match (held-out digit images named greedily) of each seed's run, with the image and with
+    the image parts removed (the text-only baseline), and their difference seed by seed with its 95% interval."""
+    sides = {"image + question": "false", "question only (data.drop_images=true)": "true"}
+    acc = {side: [harness.final(harness.run_loop(args.config, Path(args.out) / f"images-{drop}-seed{s}",
+                                                 [f"train.seed={s}", f"data.drop_images={drop}",
+                                                  "train.checkpoint_every=0", *args.override]))["val_exact_match"]
+                  for s in args.seeds] for side, drop in sides.items()}
+    rows = [[side, *(f"{100 * a:.1f}%" for a in v), "{:.1f}% ± {:.1f}".format(*(100 * x for x in
+                                                                                 harness.mean_interval(v)))]
+            for side, v in acc.items()]
+    m, h = harness.mean_interval(a - b for a, b in zip(*acc.values()))
+    rows.append(["difference", *(f"{100 * (a - b):+.1f}" for a, b in zip(*acc.values())),
+                 f"{100 * m:+.1f} ± {100 * h:.1f} ({harness.verdict(m, h)})"])
+    return harness.table(["rows", *(f"seed {s}" for s in args.seeds), "mean ± 95% interval"], rows,
+                         f"exact match of the greedy answers about the held-out digit images; {args.config} with "
+                         f"{' '.join(args.override) or 'no overrides'}")
+
+
 def main(argv=None, preset: str = "sft-packing"):
+    if preset == "vlm-quality":
+        p = harness.parser(preset, __doc__, precision=None, rounds=False, out=True, seeds=2)
+        p.add_argument("--config", default="configs/vlm/digits-vqa.yaml")
+        p.add_argument("override", nargs="*", help="key=value overrides of the config")
+        args = p.parse_args(argv)
+        harness.setup(args)
+        return harness.save(args, {"answers": vlm_quality(args)}, {})
     packs = preset == "sft-packing"
     p = harness.parser(preset, __doc__, precision="fp32", rounds=packs, keep_memory=packs, one_precision=True)
     if packs:

@@ -22,8 +22,8 @@ class ChatData(TokenizedRows):
         self.train, _ = self._encode(train_rows, "training", log)
         self.val, self.val_rows = self._encode(val_rows, "validation", log)  # val_rows: those not cut
         self._epoch, self._batches = None, None
-        n_tok = sum(len(x) for x, _ in self.train)
-        n_lab = sum(int((y != -100).sum()) for _, y in self.train)
+        n_tok = sum(len(x) for x, *_ in self.train)
+        n_lab = sum(int((y != -100).sum()) for _, y, *_ in self.train)
         log(f"data: {len(self.train):,} training + {len(self.val):,} validation conversations, {n_tok:,} training "
             f"tokens ({100 * n_lab / max(n_tok, 1):.1f}% trained: "
             f"{'every token, data.train_on_prompt' if cfg.train_on_prompt else 'the assistant turns'}; template "
@@ -36,9 +36,9 @@ class ChatData(TokenizedRows):
         first, limit = None, self.cfg.seq_len + 1
         for messages, where in rows:
             try:
-                ids, labels = self.template.encode(self.tokenizer, messages, self.cfg.train_on_prompt)
+                ids, labels, *extra = self.encode_row(messages)
             except DataError as e:
-                refused[where[0]].append(where[1])
+                refused[where[0]].append((where[1], e))
                 first = first or f"{where[0]}: line {where[1]}: {e}"
                 continue
             if len(ids) > limit:
@@ -50,9 +50,10 @@ class ChatData(TokenizedRows):
             if len(ids) < 2 or not (y != -100).any():
                 dropped += 1
                 continue
-            out.append((np.asarray(ids[:-1], dtype=np.int64), y))
-        for f, lines in refused.items():
-            log(f"data: {f}: {len(lines)} conversations the chat template refuses, skipped (lines {line_list(lines)})")
+            out.append((np.asarray(ids[:-1], dtype=np.int64), y, *extra))
+        for f, bad in refused.items():
+            log(f"data: {f}: {len(bad)} conversations refused, skipped (lines {line_list([i for i, _ in bad])}; "
+                f"line {bad[0][0]}: {bad[0][1]})")
         if cut:
             log(f"data: {cut} {split} conversations longer than data.seq_len={self.cfg.seq_len} tokens were cut there"
                 + (f"; {dropped} kept no assistant token and were dropped" if dropped else ""))
@@ -62,10 +63,14 @@ class ChatData(TokenizedRows):
             raise DataError(f"{self.cfg.path}: no {split} conversation left ({why})")
         return out, whole
 
+    def encode_row(self, messages: list) -> tuple:
+        """(ids, labels, anything kept with the row's tensors) of one conversation; a DataError refuses it."""
+        return self.template.encode(self.tokenizer, messages, self.cfg.train_on_prompt)
+
     def _epoch_batches(self, epoch: int, rows: int) -> list:
         """The epoch's batches in training order: lists of rows, a row a list of conversation indices."""
         if self._epoch != (epoch, rows):
-            lengths = np.array([len(x) for x, _ in self.train])
+            lengths = np.array([len(x) for x, *_ in self.train])
             if self.cfg.pack:
                 self._batches = packed_batches(lengths, rows, self.cfg.seq_len, self.seed, epoch)
             else:
@@ -89,13 +94,13 @@ class ChatData(TokenizedRows):
 
     @staticmethod
     def collate(items: list) -> tuple:
-        T = max(len(x) for x, _ in items)
+        T = max(len(x) for x, *_ in items)
         x = torch.zeros(len(items), T, dtype=torch.long)
         y = torch.full((len(items), T), -100, dtype=torch.long)
-        for r, (xi, yi) in enumerate(items):
+        for r, (xi, yi, *_) in enumerate(items):
             x[r, :len(xi)] = torch.from_numpy(xi)
             y[r, :len(yi)] = torch.from_numpy(yi)
-        return x, y, sum(len(xi) for xi, _ in items), {}
+        return x, y, sum(len(xi) for xi, *_ in items), {}
 
     def val_batches(self, batch_size: int, n_batches: int):
         """The first n_batches of the validation conversations in order of length, batch_size at a time."""
@@ -106,7 +111,7 @@ class ChatData(TokenizedRows):
     def padding_waste(self, rows: int, bucket_batches: int = None, packed: bool = False) -> float:
         """The padding's share of the first epoch's training batches: padded with `bucket_batches` (default
         data.bucket_batches; 1: random conversations), or packed into rows of data.seq_len."""
-        lengths = np.array([len(x) for x, _ in self.train])
+        lengths = np.array([len(x) for x, *_ in self.train])
         if packed:
             batches = packed_batches(lengths, rows, self.cfg.seq_len, self.seed, 0)
             return float(1 - sum(lengths[i] for b in batches for r in b for i in r)

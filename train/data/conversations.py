@@ -27,16 +27,27 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 # private-use plane 16), which `_strip_marks` turns into spans; a message holding one is refused
 _OPEN, _CLOSE = "\U0010fffa", "\U0010fffb"
 
-CHATML = ("{%- for message in messages -%}"
+CHATML = ("{%- macro text(content) -%}"  # a string, or a VLM's list of parts: text, and <image> for each image
+          "{%- if content is string -%}{{- content -}}{%- else -%}{%- for part in content -%}"
+          "{{- '<image>' if part['type'] == 'image' else part['text'] -}}{%- endfor -%}{%- endif -%}"
+          "{%- endmacro -%}"
+          "{%- for message in messages -%}"
           "{%- if message['role'] == 'assistant' -%}"
-          "{{- '<|im_start|>assistant\\n' -}}{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}"
-          "{{- '\\n' -}}"
+          "{{- '<|im_start|>assistant\\n' -}}{% generation %}{{- text(message['content']) + '<|im_end|>' -}}"
+          "{% endgeneration %}{{- '\\n' -}}"
           "{%- else -%}"
-          "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+          "{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) + '<|im_end|>\\n' -}}"
           "{%- endif -%}"
           "{%- endfor -%}"
           "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 BUILTIN = {"chatml": CHATML}
+IMAGE = "<image>"  # where a chat template puts an image; with the two tokens around it, SmolVLM's image tokens
+IMAGE_TOKENS = (IMAGE, "<fake_token_around_image>", "<global-img>")
+
+
+def image_text(n: int) -> str:
+    """One image as SmolVLM's processor writes it without tiles: its n image tokens between the markers."""
+    return f"{IMAGE_TOKENS[1]}{IMAGE_TOKENS[2]}{IMAGE * n}{IMAGE_TOKENS[1]}"
 
 
 @dataclass
@@ -105,8 +116,25 @@ def _text(row: dict, key: str, optional: bool = False) -> Optional[str]:
     return value
 
 
-def _message_list(items, key: str) -> list[dict]:
-    """OpenAI-shaped ({role, content}) or ShareGPT-shaped ({from, value}) messages -> [{role, content}]."""
+def _parts(content) -> list[dict]:
+    """A VLM message's content, a list of {"type": "text", "text": ...} and {"type": "image", "image" (or "path"):
+    a file}, checked."""
+    for p in content:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if not (kind == "text" and isinstance(p.get("text"), str) or kind == "image" and image_path(p) is not None):
+            raise BadRow(f"a content part is neither {{type: text, text}} nor {{type: image, image or path}}: {p!r:.60}")
+    return content
+
+
+def image_path(part: dict):
+    """The file of an image part (its "image" or "path"), or None."""
+    path = part.get("image", part.get("path"))
+    return path if isinstance(path, str) else None
+
+
+def _message_list(items, key: str, parts: bool = False) -> list[dict]:
+    """OpenAI-shaped ({role, content}) or ShareGPT-shaped ({from, value}) messages -> [{role, content}]; with parts,
+    a content may be a list of text and image parts (_parts)."""
     if not isinstance(items, list) or not items:
         raise BadRow(f"'{key}' is not a non-empty list")
     out = []
@@ -117,8 +145,10 @@ def _message_list(items, key: str) -> list[dict]:
         if role not in ROLES:
             raise BadRow(f"a message of '{key}' has role {m.get('role', m.get('from'))!r} (known: system, user, "
                          f"assistant; ShareGPT: human, gpt)")
-        if not isinstance(content, str):
-            raise BadRow(f"a {role} message of '{key}' has no string content")
+        if parts and isinstance(content, list):
+            content = _parts(content)
+        elif not isinstance(content, str):
+            raise BadRow(f"a {role} message of '{key}' has no string content" + " or list of parts" * parts)
         out.append({"role": role, "content": content})
     return out
 
@@ -128,13 +158,14 @@ def _with_system(row: dict, messages: list[dict]) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + messages
 
 
-def row_messages(row, fmt: str) -> list[dict]:
-    """One parsed jsonl row of format `fmt` -> its conversation [{role, content}, ...]; BadRow if unusable."""
+def row_messages(row, fmt: str, parts: bool = False) -> list[dict]:
+    """One parsed jsonl row of format `fmt` -> its conversation [{role, content}, ...]; BadRow if unusable. parts:
+    contents may be lists of text and image parts (`messages` only)."""
     if not isinstance(row, dict):
         raise BadRow("not a JSON object")
     if fmt == "messages":
         key = "messages" if "messages" in row else "conversations"
-        messages = _message_list(row.get(key), key)
+        messages = _message_list(row.get(key), key, parts)
     elif fmt == "prompt_completion":
         parts = []
         for key, role in (("prompt", "user"), ("completion", "assistant")):
@@ -149,14 +180,20 @@ def row_messages(row, fmt: str) -> list[dict]:
         raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant message")
-    if any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages):
+    if any(_OPEN in t or _CLOSE in t for t in map(content_text, messages)):
         raise BadRow("a message holds U+10FFFA or U+10FFFB (reserved for marking the assistant's part)")
     return messages
 
 
-def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict], tuple[str, int]]]:
+def content_text(message: dict) -> str:
+    """A message's text: its content, or its text parts joined."""
+    c = message["content"]
+    return c if isinstance(c, str) else "".join(p["text"] for p in c if p.get("type") == "text")
+
+
+def read_conversations(path: str, fmt: str, log=print, parts: bool = False) -> list[tuple[list[dict], tuple[str, int]]]:
     """Every usable conversation of a .jsonl file (or a folder of them), with its (file, line); malformed
-    rows skipped, with one log line per file (their count, line numbers and the first reason)."""
+    rows skipped, with one log line per file (their count, line numbers and the first reason). parts: row_messages'."""
     p = Path(path).expanduser()
     files = sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
     if not files or not files[0].is_file():
@@ -172,7 +209,7 @@ def read_conversations(path: str, fmt: str, log=print) -> list[tuple[list[dict],
             if not line.strip():
                 continue
             try:
-                out.append((row_messages(json.loads(line), fmt), (str(f), i)))
+                out.append((row_messages(json.loads(line), fmt, parts), (str(f), i)))
             except (ValueError, BadRow) as e:  # json.JSONDecodeError is a ValueError
                 bad.append(i)
                 reason = reason or (str(e) if isinstance(e, BadRow) else "not JSON")
@@ -344,7 +381,7 @@ class ChatTemplate:
                                 f"turns differently once later ones follow); use a template with "
                                 f"{{% generation %}} markers")
             start, end = len(before), len(upto.rstrip())
-            content = m["content"]
+            content = content_text(m)
             lead = len(upto[start:]) - len(upto[start:].lstrip())  # whitespace after the header, not the content's
             start += max(0, lead - (len(content) - len(content.lstrip())))
             if content.strip() and content.strip() not in text[start:end]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from zoo.convnet.preprocess import center_crop_box, load_crop
 
-from .sources import needs
+from .sources import DataError, needs
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -282,3 +282,15 @@ def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Ra
     else:
         x = x * lam + partner * (1.0 - lam)
     return x, t * lam + t.flip(0) * (1.0 - lam), lam
+
+
+def image_pixels(path: str, size: int) -> torch.Tensor:
+    """An image file -> (1, 1, C, size, size): squeezed to the square, normalised as SigLIP's processor does (mean and
+    standard deviation one half); a file that is missing or not an image: a one-line error naming it."""
+    try:
+        arr = load_crop(path, size, lambda w, h: (0, 0, w, h))
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot decode it as an image ({type(e).__name__})") from None
+    return (torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 127.5 - 1)[None, None]

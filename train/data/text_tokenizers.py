@@ -239,9 +239,11 @@ def sample_documents(docs: Iterable[str], budget_chars: int, seed: int = 0) -> l
     return [t for _, _, t in sorted(heap, key=lambda e: e[1])]  # corpus order
 
 
-def train_sentencepiece(docs: list[str], vocab_size: int, out_path: Path, log=print) -> Path:
+def train_sentencepiece(docs: list[str], vocab_size: int, out_path: Path, log=print, symbols=()) -> Path:
     """A BPE sentencepiece model trained on the documents (a sample of the corpus), written atomically to
-    out_path: byte fallback, so any text round-trips; BOS (id 1) and EOS (id 2) for document boundaries."""
+    out_path: byte fallback, so any text round-trips; BOS (id 1) and EOS (id 2) for document boundaries; each of
+    `symbols` one token wherever it appears (ids 3, 4, ... in order; no space then put before the text, so that a
+    symbol alone encodes as its one token)."""
     import sentencepiece as spm
     lines = [ln for d in docs for ln in d.splitlines() if ln.strip()]
     if not lines:
@@ -254,7 +256,8 @@ def train_sentencepiece(docs: list[str], vocab_size: int, out_path: Path, log=pr
             sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
             byte_fallback=True, character_coverage=0.9995, split_digits=True, allow_whitespace_only_pieces=True,
             remove_extra_whitespaces=False, normalization_rule_name="identity", max_sentence_length=1 << 16,
-            num_threads=os.cpu_count() or 1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+            num_threads=os.cpu_count() or 1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            user_defined_symbols=list(symbols), add_dummy_prefix=not symbols)
     except RuntimeError as e:
         raise DataError(f"cannot train a sentencepiece tokenizer with vocab_size={vocab_size}: "
                         f"{str(e).splitlines()[0]}") from None

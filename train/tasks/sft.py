@@ -20,6 +20,7 @@ from .post_training import PostTrainingTask
 class SFTTask(PostTrainingTask):
     masked_targets, DataConfig = True, ChatDataConfig
     default_template = "chatml"
+    symbols: tuple = ()  # texts a tokenizer trained here keeps as one token each
 
     @staticmethod
     def validate_config(cfg):
@@ -40,7 +41,7 @@ class SFTTask(PostTrainingTask):
             lambda path: read_conversations(path, d.format, self.log))
         tokenizer = self._load_tokenizer(lambda: self._sentencepiece(train_rows))
         self.data = ChatData(train_rows, val_rows, tokenizer, self.chat_template, d, self.cfg.train.seed, self.log)
-        trained = np.concatenate([y[y != -100] for _, y in self.data.train])
+        trained = np.concatenate([y[y != -100] for _, y, *_ in self.data.train])
         p = np.bincount(trained).astype(np.float64)
         p = p[p > 0] / p.sum()
         self.entropy = float(-(p * np.log(p)).sum())
@@ -66,9 +67,9 @@ class SFTTask(PostTrainingTask):
         """A sentencepiece tokenizer trained on the rendered conversations (cached by its input)."""
         d = self.cfg.data
         texts = [self.chat_template.render(m) for m, _ in train_rows]  # a tokenizer for the rendered conversations
-        path = cache_dir(d.cache_dir) / f"sp-chat-{short_digest(d.vocab_size, ''.join(texts))}.model"
+        path = cache_dir(d.cache_dir) / f"sp-chat-{short_digest(d.vocab_size, *self.symbols, ''.join(texts))}.model"
         if not path.is_file():
-            train_sentencepiece(texts, d.vocab_size, path, self.log)
+            train_sentencepiece(texts, d.vocab_size, path, self.log, self.symbols)
         return load_tokenizer_file(path)
 
     @property

@@ -39,10 +39,10 @@ def folder_config(path, weights: str = WEIGHTS) -> Optional[dict]:
 
 
 def detect(path) -> bool:
-    """A folder with config.yaml (family llm) and model.safetensors, and no Hugging Face config.json."""
+    """A folder with config.yaml (family llm or vlm) and model.safetensors, and no Hugging Face config.json."""
     data = folder_config(path)
     return (data is not None and not (_folder(path) / "config.json").is_file()
-            and data.get("family", "llm") == "llm" and isinstance(data.get("model"), dict))
+            and data.get("family", "llm") in ("llm", "vlm") and isinstance(data.get("model"), dict))
 
 
 def tokenizer_of(path) -> Optional[str]:
@@ -56,22 +56,25 @@ def tokenizer_of(path) -> Optional[str]:
 
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
-    """Build the LLM of config.yaml and load model.safetensors; dtype None keeps the file's."""
-    from ..config import LLMConfig, without_moved
-    from ..llm import LLM
+    """Build the LLM (or vision-language model) of config.yaml and load model.safetensors; dtype None keeps the
+    file's."""
+    from ..config import FAMILIES, LLMConfig, load_class, without_moved
     from .hf_llm import _resolve_dtype
     f = _folder(path)
     data = load_yaml(f / CONFIG)
-    cfg = model_config_from(without_moved(LLMConfig, data.get("model") or {}), "llm", str(f / CONFIG))
+    family, model = data.get("family", "llm"), data.get("model") or {}
+    cfg = model_config_from(without_moved(LLMConfig, model) if family == "llm" else model, family, str(f / CONFIG))
     state = load_tensors(f / WEIGHTS)
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
     dtype = floats[0] if dtype in (None, "auto") and floats else _resolve_dtype(dtype, {}, str(f / CONFIG))
     with torch.device(device or "cpu"):
-        model = LLM(cfg)
-    tied = {"lm_head.weight": "embed.weight", "embed.weight": "lm_head.weight"} if cfg.tie_embeddings else {}
+        model = load_class(FAMILIES[family].model)(cfg)
+    pre, text = ("", cfg) if family == "llm" else ("llm.", cfg.text)
+    tied = {pre + a: pre + b for a, b in (("lm_head.weight", "embed.weight"), ("embed.weight", "lm_head.weight"))} \
+        if text.tie_embeddings else {}
     state.update({k: state[other] for k, other in tied.items() if k not in state and other in state})  # stored once
     if problems := mismatches(state, model.state_dict(), limit=3):
-        raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({cfg.n_layers} layers): {problems}")
+        raise ValueError(f"{f / WEIGHTS}: weights do not match {f / CONFIG} ({text.n_layers} layers): {problems}")
     model.load_state_dict(state, strict=True)
     return cast_weights(model, dtype).eval()
 
