@@ -85,7 +85,8 @@ def vlm_quality(args) -> dict:
     sides = {"image + question": "false", "question only (data.drop_images=true)": "true"}
     acc = {side: [harness.final(harness.run_loop(args.config, Path(args.out) / f"images-{drop}-seed{s}",
                                                  [f"train.seed={s}", f"data.drop_images={drop}",
-                                                  "train.checkpoint_every=0", *args.override]))["val_exact_match"]
+                                                  f"train.precision={args.precision[0]}", "train.checkpoint_every=0",
+                                                  *args.override]))["val_exact_match"]
                   for s in args.seeds] for side, drop in sides.items()}
     rows = [[side, *(f"{100 * a:.1f}%" for a in v), "{:.1f}% ± {:.1f}".format(*(100 * x for x in
                                                                                  harness.mean_interval(v)))]
@@ -100,7 +101,7 @@ def vlm_quality(args) -> dict:
 
 def main(argv=None, preset: str = "sft-packing"):
     if preset == "vlm-quality":
-        p = harness.parser(preset, __doc__, precision=None, rounds=False, out=True, seeds=2)
+        p = harness.parser(preset, __doc__, precision="fp32", rounds=False, out=True, seeds=2, one_precision=True)
         p.add_argument("--config", default="configs/vlm/digits-vqa.yaml")
         p.add_argument("override", nargs="*", help="key=value overrides of the config")
         args = p.parse_args(argv)
