@@ -80,6 +80,7 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
                            "rl.max_new_tokens=8", "data.eval_prompts=4"],
     "diffusion/digits.yaml": [],
     "diffusion/digits-text.yaml": [],
+    "vlm/digits-vqa.yaml": ["data.eval_generate=20"],  # 20 held-out questions answered instead of 200
     # needs ../shared/weights/taef2_encoder.pth (skipped without it); its denoiser of [128, 256] channels
     # (slow on a CPU for 20 steps and the 80 guided samples) shrinks to [32, 64]
     "diffusion/digits-taef2.yaml": ["model.channels=[32,64]"],
@@ -87,7 +88,7 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     # 80 guided samples, the only part of its 20-step run that its DiT makes slower than the U-Net's
     "diffusion/digits-dit.yaml": ["model.sample_steps=10"],
 }
-SMALL = ["llm/tiny.yaml", "convnet/resnet-digits.yaml", "diffusion/digits.yaml"]
+SMALL = ["llm/tiny.yaml", "convnet/resnet-digits.yaml", "diffusion/digits.yaml", "vlm/digits-vqa.yaml"]
 
 
 def test_every_config_is_covered():

@@ -1,4 +1,4 @@
-"""The three small configs (the tiny LLM, the digits ResNet, the digits diffusion model) run under
+"""The small configs (the tiny LLM, the digits ResNet, the digits diffusion model, the digits VLM) run under
 `torchrun --nproc-per-node 2 ... train.parallel=ddp|fsdp train.max_steps=20`, as shipped (a file of
 its own, so that two test workers share the config runs)."""
 import sys

@@ -108,7 +108,8 @@ def test_digits_text_trains_three_steps_and_samples_from_its_run_folder(tmp_path
     """The embedded default, three steps (its autoencoder shortened), writes samples.png; train/sample.py then writes
     PNGs from the run folder with the text encoder the run saved (the prompt cache's reuse: test_reliability.py)."""
     run = [sys.executable, "train/run.py", str(CONFIG), f"train.out_dir={tmp_path / 'run'}", "train.max_steps=3",
-           "data.ae_steps=20", "train.progress=false", "model.sample_steps=2", "data.samples_per_class=2"]
+           "data.ae_steps=20", "train.progress=false", "model.sample_steps=2", "data.samples_per_class=2",
+           f"data.cache_dir={tmp_path / 'cache'}"]  # its own caches: the prompts are encoded here
     p = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     log = (tmp_path / "run" / "log.txt").read_text()

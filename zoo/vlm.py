@@ -66,6 +66,10 @@ class VLM(nn.Module):
         """The tokens one image of the encoder's size becomes."""
         return (self.vision.grid // self.config.scale_factor) ** 2
 
+    def repeated_units(self) -> list:
+        """The encoder's blocks and the decoder's layers: what FSDP2 shards one by one."""
+        return self.vision.repeated_units() + self.llm.repeated_units()
+
     def image_features(self, pixel_values: torch.Tensor, pixel_attention_mask=None) -> torch.Tensor:
         """(B, I, C, H, W) images (or (N, C, H, W)) -> (real images, tokens, d_model): the all-zero images (a
         batch's padding) dropped, at least one kept."""

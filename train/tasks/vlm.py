@@ -189,6 +189,8 @@ class VLMTask(SFTTask):
         """Each held-out conversation's last answer generated greedily, with its images."""
         from ..chat import ChatSession
         vlm, out, hits = unwrapped(model), [], 0
+        if hasattr(vlm, "unshard"):  # FSDP2: the root's own tensors (embeddings, connector) whole for calls outside
+            vlm.unshard()            # its forward; the blocks gather theirs when called
         with eval_mode(vlm), self.autocast():
             for m in self.data.val_rows[:n]:
                 last = max(i for i, x in enumerate(m) if x["role"] == "assistant")
@@ -199,6 +201,8 @@ class VLMTask(SFTTask):
                 hits += answer == want
                 out.append((" | ".join(f"{x['role']}: " + "[image] " * len(image_parts([x])) + content_text(x)
                                        for x in m[:last]), answer, f"reference {want!r}"))
+        if hasattr(vlm, "reshard"):
+            vlm.reshard()
         return {"exact_match": hits / max(len(out), 1)}, out
 
     def export(self, model, out_dir):
