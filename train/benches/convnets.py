@@ -28,18 +28,19 @@ SETTING = ("device", "batch", "size", "threads", "torch")
 
 
 def build_pair(arch: str, num_classes: int):
-    """Zoo's model and timm's (random init) with the same weights, fp32, training mode."""
+    """Zoo's model and timm's (random init) with the same weights, fp32, training mode: timm's state dict read by
+    zoo.from_pretrained, which knows the layout of each timm family."""
+    import tempfile
+
     import timm
 
     import zoo
-    from zoo.config import VIT_ARCHS
-    from zoo.weights import timm_convnet, timm_vit
     torch.manual_seed(0)
     ref = timm.create_model(arch, pretrained=False, num_classes=num_classes)
-    layout = timm_vit if arch in VIT_ARCHS else timm_convnet
-    model = zoo.build(layout.config_from_state_dict(ref.state_dict(), arch))
-    timm_convnet.load_into(model, ref.state_dict())
-    return model.train(), ref.train()
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(ref.state_dict(), Path(tmp) / f"{arch}.pth")
+        model = zoo.from_pretrained(Path(tmp) / f"{arch}.pth", arch=arch)
+    return model.float().train(), ref.train()
 
 
 def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) -> harness.Side:
