@@ -125,7 +125,7 @@ class TrainConfig:
                                             # (`avg_*`); at most `keep_checkpoints`; 0 = off
     average_weighting: Literal["uniform", "linear"] = "uniform"  # `uniform` (1/K each) or `linear` (weights 1..K,
                                             # oldest to newest, normalised)
-    # -- LLM: init and routing (MoE, Mixture-of-Depths)
+    # -- LLM: init and routing (MoE, Mixture-of-Depths, sparse attention)
     init_std: float = bounded(0.02, gt=0)   # std of the normal init; the residual projections' / sqrt(2 n_layers)
     moe_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the load-balancing loss (`model.moe.balance: aux_loss`)
     moe_z_loss_coef: float = bounded(0.001, ge=0)  # weight of the ST-MoE router z-loss (whatever the balance); 0 = off
@@ -138,6 +138,10 @@ class TrainConfig:
     mod_aux_loss_coef: float = bounded(0.01, ge=0)  # weight of the MoD decision cross-entropy (`model.mod_router`'s)
     mod_threshold_rate: float = bounded(0.02, ge=0, le=1)  # how fast the MoD decision threshold follows the top-k
                                             # boundary in training (a moving average; 0 keeps it at logit 0)
+    index_loss_coef: float = bounded(0.0, ge=0)  # weight of the lightning indexers' KL to the attention they select
+                                            # for (`model.mla.index_heads`, DeepSeek-V3.2); 0 = off, the indexers kept
+    index_warmup: bool = False              # with `index_loss_coef`: attend to every key and train only the indexers
+                                            # (DeepSeek-V3.2's dense warm-up)
     # -- optional: gradual unfreezing
     unfreeze: Optional[list[int]] = None    # increasing steps: only the head trains before the first, the next group
                                             # from the top joins at each (not with an adapter)
@@ -212,6 +216,9 @@ class TrainConfig:
         if self.unfreeze is not None and (not self.unfreeze or any(s <= 0 for s in self.unfreeze)
                                           or sorted(set(self.unfreeze)) != list(self.unfreeze)):
             raise fail(source, prefix + "unfreeze", f"must be increasing steps > 0 or null, got {self.unfreeze}")
+        if self.index_warmup and not self.index_loss_coef:
+            raise fail(source, prefix + "index_warmup", "trains only the indexers, by their loss: needs "
+                                                        "train.index_loss_coef > 0")
         if self.qat and self.quantize and QAT_SCHEMES[self.qat] != self.quantize:
             raise fail(source, prefix + "quantize", f"={self.quantize} is not what train.qat={self.qat} trains for "
                                                     f"({QAT_SCHEMES[self.qat]}; or null)")
@@ -417,6 +424,9 @@ def check_across_sections(cfg: RunConfig):
         raise fail(src, "train.precision", f"=bf16-pure steps with torchao's AdamW (stochastic rounding): needs "
                                            f"optim.name=adamw (got {o.name}) and the torchao package")
     a = cfg.adapter
+    if t.index_warmup and (a.enabled or t.unfreeze is not None):
+        raise fail(src, "train.index_warmup", "trains only the indexers: does not combine with an adapter or "
+                                              "train.unfreeze")
     if a.enabled and t.unfreeze is not None:
         raise fail(src, "train.unfreeze", f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze")
     if a.quantize_base != "none" and t.ema_decay is not None:

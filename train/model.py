@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import is_fake
 from zoo.adapters import apply_adapters
 from zoo.blocks.attention import CausalSelfAttention, flash_available, set_backend
 from zoo.blocks.checkpoint import checkpoint_units, resolve_policy
+from zoo.blocks.mla import MultiHeadLatentAttention
 from zoo.blocks.moe import MoE
 from zoo.config import ConfigError
 
@@ -23,8 +24,8 @@ from .features.quantize import prepare as prepare_qat
 
 def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lambda s: None,
                   source: str = "<config>") -> nn.Module:
-    """train_cfg's attention backend, activation checkpointing, chunked loss and MoE settings, set on `model` in
-    place (returned); a choice the model cannot take is a one-line ConfigError naming the key."""
+    """train_cfg's attention backend, activation checkpointing, chunked loss, MoE and indexer settings, set on `model`
+    in place (returned); a choice the model cannot take is a one-line ConfigError naming the key."""
     t = train_cfg
     if any(isinstance(m, CausalSelfAttention) for m in model.modules()):
         if t.attn_backend == "flash" and flash_available() is None:
@@ -46,7 +47,23 @@ def apply_runtime(model: nn.Module, train_cfg, log: Callable[[str], None] = lamb
         model.chunked_loss, model.loss_chunk_size = t.chunked_loss, t.loss_chunk_size
     for m in filter(lambda m: isinstance(m, MoE), model.modules()):
         m.capacity_factor, m.jitter, m.dispatch = t.moe_capacity_factor, t.moe_router_jitter, t.moe_dispatch
+    train_indexers(model, t, source)
     return model
+
+
+def train_indexers(model: nn.Module, t, source: str):
+    """train.index_loss_coef: the lightning indexers report their KL (zoo/blocks/mla.py); train.index_warmup: the
+    attention dense and every weight but the indexers' frozen (DeepSeek-V3.2's dense warm-up)."""
+    attns = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention) and m.indexer is not None]
+    if t.index_loss_coef and not attns:
+        raise ConfigError(f"{source}: train.index_loss_coef={t.index_loss_coef} needs lightning indexers "
+                          f"(model.mla.index_heads > 0)")
+    for m in attns:
+        m.index_loss, m.dense = t.index_loss_coef > 0, t.index_warmup
+    if t.index_warmup:
+        model.requires_grad_(False)
+        for m in attns:
+            m.indexer.requires_grad_(True)
 
 
 def fresh_model(cfg) -> nn.Module:

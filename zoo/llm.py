@@ -118,7 +118,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0, key_mask=None, doc_ids=None,
                 q_scale=None, ve=None, per_layer=None, shared=None):
-        """-> (x, routing stats of a MoE block, or None). key_mask (B, T): the tokens attention
+        """-> (x, routing stats of a MoE block and the indexer's 'index_kl', or None). key_mask (B, T): the tokens attention
         may use as keys (a Mixture-of-Depths block in causal mode, blocks/attention_masked.py);
         doc_ids (B, T): attention within each document (blocks/attention_docs.py); q_scale: the
         queries' scale per position (latent attention, rope_scaling.query_beta); ve: added to the values; per_layer (B, T, P):
@@ -134,11 +134,13 @@ class Block(nn.Module):
                 else None
             extra = {k: v for k, v in (("q_scale", q_scale), ("ve", ve), ("shared", shared)) if v is not None}
             a = self.attn(h, cos, sin, cache, start_pos, mask, **extra)
+        a, kl = a if isinstance(a, tuple) else (a, None)  # latent attention's output and its indexer's KL (index_loss)
         x = x + self.scaled(self.attn_post_norm(a if self.attn_adapter is None else self.attn_adapter(a)))
         y = self.mlp(h if self.parallel else self.mlp_norm(x))  # parallel: both branches read one norm's output
         y, stats = y if isinstance(self.mlp, MoE) else (y, None)
         x = x + self.scaled(self.mlp_post_norm(y if self.mlp_adapter is None else self.mlp_adapter(y)))
         x = x if self.per_layer is None else self.per_layer(x, per_layer)
+        stats = stats if kl is None else {**(stats or {}), "index_kl": kl}
         return (x * self.layer_scalar if hasattr(self, "layer_scalar") else x), stats
 
     def scaled(self, branch: torch.Tensor) -> torch.Tensor:
@@ -375,8 +377,12 @@ class LLM(nn.Module):
 
     def routing_aux(self, stats: list, mod_stats: list) -> dict:
         """return_aux's statistics, unweighted (train/ weighs the losses): MoE 'lb_loss', 'z_loss', 'dropped' (L,),
-        'load' (L, E); MoD 'mod_decision_loss' (the mean), 'mod_routed', 'mod_decided', 'mod_accuracy', 'mod_decide'."""
-        aux = {k: torch.stack([s[k] for s in stats]) for k in ("lb_loss", "z_loss", "load", "dropped") if stats}
+        'load' (L, E); MoD 'mod_decision_loss' (the mean), 'mod_routed', 'mod_decided', 'mod_accuracy', 'mod_decide';
+        the lightning indexers' 'index_kl' (the mean over layers, with their index_loss set)."""
+        moe = [s for s in stats if "load" in s]
+        aux = {k: torch.stack([s[k] for s in moe]) for k in ("lb_loss", "z_loss", "load", "dropped") if moe}
+        if kl := [s["index_kl"] for s in stats if "index_kl" in s]:
+            aux["index_kl"] = torch.stack(kl).mean()
         mod = [k for k in ("routed", "decided", "accuracy", "decide") if mod_stats and all(k in s for s in mod_stats)]
         aux.update({f"mod_{k}": torch.stack([s[k] for s in mod_stats]) for k in mod})
         if mod_stats:
@@ -390,7 +396,7 @@ class LLM(nn.Module):
         the experts' load (`router_load`) and, when keep_mod_decisions, the MoD decision logits; the
         trainer applies them once per optimizer step (update_router_biases, update_mod_thresholds)."""
         if stats and hasattr(self, "router_load"):
-            self.router_load += torch.stack([s["load"] for s in stats])
+            self.router_load += torch.stack([s["load"] for s in stats if "load" in s])
         if self.keep_mod_decisions and mod_stats and all("decide" in s for s in mod_stats):
             self.mod_decisions.append(torch.stack([s["decide"] for s in mod_stats]).detach())
 

@@ -28,12 +28,13 @@ from . import Task
 
 def aux_losses(aux: dict, t, moe) -> dict:
     """LLM.forward's return_aux statistics weighted by train: `t` -> {'aux_loss': what the training loss adds to
-    the LM loss, and with MoD layers 'mod_aux_loss': their part}."""
+    the LM loss, and its parts of MoD layers 'mod_aux_loss' and of lightning indexers 'index_loss' where there}."""
     total = t.moe_z_loss_coef * aux["z_loss"].mean() if "z_loss" in aux else 0.0
     if "z_loss" in aux and moe.balance == "aux_loss":
         total = total + t.moe_aux_loss_coef * aux["lb_loss"].mean()
-    mod = t.mod_aux_loss_coef * aux["mod_decision_loss"] if "mod_decision_loss" in aux else None
-    return {"aux_loss": total} if mod is None else {"aux_loss": total + mod, "mod_aux_loss": mod}
+    parts = {k: coef * aux[a] for k, coef, a in (("mod_aux_loss", t.mod_aux_loss_coef, "mod_decision_loss"),
+                                                 ("index_loss", t.index_loss_coef, "index_kl")) if a in aux}
+    return {"aux_loss": total + sum(parts.values()), **parts}
 
 
 class LMTask(Task):
@@ -201,7 +202,7 @@ class LMTask(Task):
                 hidden = self.teacher.features(x)
             t = self.cfg.train
             kw["distill"] = Distill(hidden, self.teacher.lm_head.weight, t.kd_alpha, t.kd_temperature)
-        if self.moe is None and not self.mod:
+        if self.moe is None and not self.mod and not self.cfg.train.index_loss_coef:
             _, loss = model(x, y, **kw)
             return self._global_mean(loss, y), y.numel()
         _, loss, aux = model(x, y, return_aux=True, **kw)
@@ -220,7 +221,7 @@ class LMTask(Task):
     def step_hook(self, model):
         """MoE bias balancing and MoD thresholds after every optimizer step, from what the step's forwards
         recorded over every rank's batch (so every rank keeps the routing state one process would reach)."""
-        bias = self.moe is not None and self.moe.balance == "bias"
+        bias = self.moe is not None and self.moe.balance == "bias" and not self.cfg.train.index_warmup  # frozen
         if not (bias or self.mod):
             return None
         model.keep_mod_decisions = self.mod
@@ -250,13 +251,14 @@ class LMTask(Task):
         if self.mod:
             now.update({k: aux[k].detach().float() for k in ("mod_aux_loss", "mod_routed", "mod_decided",
                                                               "mod_accuracy")})
+        now.update({k: aux[k].detach().float() for k in ("index_kl", "index_loss") if k in aux})
         self._sums = now if self._sums is None else {k: v + now[k] for k, v in self._sums.items()}
 
     def train_metrics(self):
         if self._sums is None:
             return {}
         s, self._sums = self._sums, None
-        out = {"lm_loss": (s["lm_loss"] / s["n"]).item()}
+        out = {k: (s[k] / s["n"]).item() for k in ("lm_loss", "index_kl") if k in s}
         if self.moe is not None:
             out.update(self._moe_metrics(s))
         if self.mod:
@@ -276,8 +278,8 @@ class LMTask(Task):
         return out
 
     def _moe_metrics(self, s):
-        if self.mod:  # the MoD part of the auxiliary loss is reported on its own
-            s = dict(s, aux_loss=s["aux_loss"] - s["mod_aux_loss"])
+        # the MoD and indexer parts of the auxiliary loss are reported on their own
+        s = dict(s, aux_loss=s["aux_loss"] - sum(s[k] for k in ("mod_aux_loss", "index_loss") if k in s))
         load = s["load"]  # (sparse layers, experts): the choices each expert received
         rel = load / load.mean(-1, keepdim=True).clamp(min=1e-9)
         flat = torch.cat([torch.stack([s[k] / s["n"] for k in ("lm_loss", "aux_loss", "lb_loss", "z_loss")]),

@@ -11,7 +11,10 @@ on the cached latents, and each head's value matrix W_UV maps its output back (t
 `index`: DeepSeek Sparse Attention (DeepSeek-AI, "DeepSeek-V3.2", 2025): a lightning indexer scores every key for each
 query, sum_h w_h relu(q_h . k) with a single-head key (LayerNorm, RoPE on its first rope_dim channels) and queries
 from the query bottleneck, and each query attends only to its `topk` best keys (the indexer's key is cached beside the
-latent; the attention runs over every cached key with the others masked).
+latent; the attention runs over every cached key with the others masked). The indexer reads its inputs detached,
+so that only its own loss trains it: with `index_loss` set, a training forward also returns `index_kl`, the KL from the
+attention's distribution (its probabilities summed over heads, L1-normalised) to the softmax of the index scores over
+the keys attended (the report's continued pre-training); `dense` attends to every key (its dense warm-up).
 
 Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len, kv_rank +
 rope_dim (+ the indexer's head width)).
@@ -64,14 +67,25 @@ class LightningIndexer(nn.Module):
         return torch.cat([apply_rope(k[..., :self.rope_dim], cos, sin), k[..., self.rope_dim:]], dim=-1)
 
     def forward(self, x, q_low, k, cos, sin, causal: torch.Tensor) -> torch.Tensor:
+        """-> the index scores (B, T, Tk), fp32, -inf where `causal` (T, Tk) is False."""
         B, T, _ = x.shape
         q = self.q(q_low).view(B, T, self.n_heads, self.head_dim)
         q = torch.cat([apply_rope(q[..., :self.rope_dim], cos.unsqueeze(-2), sin.unsqueeze(-2)), q[..., self.rope_dim:]], -1)
         scores = (q.float() @ k.float().transpose(1, 2)[:, None] * self.head_dim ** -0.5).relu()  # (B, T, h, Tk)
         w = self.weights(x).float() * self.n_heads ** -0.5
-        index = (w[..., None, :] @ scores).squeeze(-2).masked_fill(~causal, float("-inf"))  # (B, T, Tk)
-        top = index.topk(min(self.topk, k.shape[1]), dim=-1).indices
+        return (w[..., None, :] @ scores).squeeze(-2).masked_fill(~causal, float("-inf"))
+
+    def select(self, index: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """The index scores (B, T, Tk) -> which keys each query keeps (B, T, Tk) bool."""
+        top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
         return torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True) & causal
+
+
+def index_kl(p: torch.Tensor, index: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The mean over queries of KL(p || softmax(index)) over the kept keys: p the target distribution (B, T, Tk), zero
+    outside `keep` (B, T, Tk) bool; index the index scores (B, T, Tk)."""
+    log_q = index.masked_fill(~keep, float("-inf")).log_softmax(-1).masked_fill(~keep, 0.0)
+    return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -83,6 +97,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.indexer = LightningIndexer(dim, q_rank, *index[:2], rope_dim, index[2]) if index else None
         self.n_heads, self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = n_heads, kv_rank, rope_dim, nope_dim, v_dim
         self.absorb = absorb  # with a cache: attend over the latents, kv_b folded into q and the output
+        self.index_loss = self.dense = False  # training forwards return (y, index_kl); attend to every key
         self.scale = scale if scale is not None else (nope_dim + rope_dim) ** -0.5
         qk = n_heads * (nope_dim + rope_dim)
         self.q_a = nn.Linear(dim, q_rank, bias=False) if q_rank else None
@@ -109,16 +124,18 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope = apply_rope(q[..., self.nope_dim:], cos.unsqueeze(-2), sin.unsqueeze(-2))
         c, k_rope = self.kv_a(x).split([self.kv_rank, R], dim=-1)
         k_rope = apply_rope(k_rope, cos, sin)
-        index = [] if self.indexer is None else [self.indexer.key(x, cos, sin)]
-        latent = torch.cat([self.kv_norm(c), k_rope, *index], dim=-1)  # what the cache keeps
-        if cache is not None:
-            latent = cache.update(latent, start_pos)
+        latent = torch.cat([self.kv_norm(c), k_rope], dim=-1)
+        index = [] if self.indexer is None else [self.indexer.key(x.detach(), cos, sin)]  # apart: no gradient crosses
+        if cache is not None:  # it keeps the latent, the shared RoPE key and the indexer's key
+            widths = [self.kv_rank + R] + [k.shape[-1] for k in index]
+            latent, *index = cache.update(torch.cat([latent, *index], dim=-1), start_pos).split(widths, dim=-1)
         Tk = latent.shape[1]
         mask = None if T in (1, Tk) else torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
         if self.indexer is not None:  # each query's top-k keys, within the causal mask
-            latent, k_index = latent.split([self.kv_rank + R, self.indexer.head_dim], dim=-1)
+            k_index = index[0]
             causal = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T) if mask is None else mask
-            mask = self.indexer(x, q_low, k_index, cos, sin, causal)[:, None]  # (B, 1, T, Tk)
+            scores = self.indexer(x.detach(), q_low.detach(), k_index, cos, sin, causal)
+            mask = (causal.expand_as(scores) if self.dense else self.indexer.select(scores, causal))[:, None]
         if cache is not None and self.absorb:
             return self.proj(self._absorbed(q[..., :self.nope_dim], q_rope, latent, mask).reshape(B, T, H * self.v_dim))
         c, k_rope = latent.split([self.kv_rank, R], dim=-1)
@@ -127,7 +144,12 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, Tk, H, R)], dim=-1).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=self.scale, is_causal=T == Tk and mask is None,
                                            attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        y = self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        if not (self.index_loss and self.training and self.indexer is not None):
+            return y
+        with torch.no_grad():  # the target: the attention's probabilities summed over heads, L1-normalised
+            p = (q.float() @ k.float().transpose(-1, -2) * self.scale).masked_fill(~mask, float("-inf")).softmax(-1)
+        return y, index_kl(p.mean(1), scores, mask[:, 0])
 
     def _absorbed(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
         """Attention in the latent space: q_nope (B, T, H, nope), q_rope (B, T, H, rope), latent (B, Tk, kv_rank +
