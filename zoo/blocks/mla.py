@@ -132,9 +132,8 @@ class MultiHeadLatentAttention(nn.Module):
         Tk = latent.shape[1]
         mask = None if T in (1, Tk) else torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
         if self.indexer is not None:  # each query's top-k keys, within the causal mask
-            k_index = index[0]
             causal = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T) if mask is None else mask
-            scores = self.indexer(x.detach(), q_low.detach(), k_index, cos, sin, causal)
+            scores = self.indexer(x.detach(), q_low.detach(), index[0], cos, sin, causal)
             mask = (causal.expand_as(scores) if self.dense else self.indexer.select(scores, causal))[:, None]
         if cache is not None and self.absorb:
             return self.proj(self._absorbed(q[..., :self.nope_dim], q_rope, latent, mask).reshape(B, T, H * self.v_dim))
