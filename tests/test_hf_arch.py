@@ -73,6 +73,10 @@ CASES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
                                "rope_theta": 1e5}})),
+    "gemma4-moe-kv-same-softcap": ("Gemma4Text", dict(
+        head_dim=16, global_head_dim=32, sliding_window=8, layer_types=[SLIDING, FULL] * 2, hidden_size_per_layer_input=0,
+        attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=4.0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=40)),
     "gpt-oss": ("GptOss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                                swiglu_limit=0.3, rope_parameters=dict(YARN, truncate=False))),
     "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
@@ -171,6 +175,10 @@ def hf_model(kind, **kw):
         with torch.no_grad():  # fp32 rounding (sdpa against eager in transformers alone) stays well inside 1e-4
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.mul_(layer.self_attn.head_dim ** -0.5)
+                if layer.enable_moe_block:  # router gains that spread its logits (choices well apart) and unequal,
+                    g = torch.Generator().manual_seed(4)  # positive per-expert scales
+                    layer.router.scale.copy_(2 * cfg.hidden_size ** 0.5 * (1 + 0.5 * torch.randn(cfg.hidden_size, generator=g)))
+                    layer.router.per_expert_scale.copy_(torch.rand(cfg.num_experts, generator=g) * 1.5 + 0.25)
     return model
 
 
