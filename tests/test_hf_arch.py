@@ -290,14 +290,16 @@ def test_hybrid_refusals(tmp_path):
 
 
 def test_gemma4_refusals(tmp_path):
-    """A Gemma 4 folder Zoo cannot hold (experts beside the MLP, bidirectional attention, a last layer transformers
-    would turn global, global layers of several shapes), a model a Gemma4ForCausalLM cannot hold, and KV-sharing
-    layers with no earlier layer of their kind are one-line errors naming the key."""
+    """A Gemma 4 folder Zoo cannot hold (experts beside KV-sharing layers' wider MLPs, bidirectional attention, a last
+    layer transformers would turn global, global layers of several shapes), models a Gemma4ForCausalLM cannot hold
+    (another query scale, experts without its norms), and KV-sharing layers with no earlier layer of their kind are
+    one-line errors naming the key."""
     from zoo.config import ConfigError
     from zoo.weights import hf_llm
     hf_model("Gemma4Text", **CASES["gemma4"][1]).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    for bad, match in (({"enable_moe_block": True}, "enable_moe_block=True is not supported"),
+    moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}
+    for bad, match in (({**moe, "use_double_wide_mlp": True}, "use_double_wide_mlp with enable_moe_block is not"),
                        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported"),
                        ({"layer_types": [SLIDING, FULL, FULL, SLIDING]}, "layer_types ends in 'sliding_attention'"),
                        ({"per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 16}}}, "per_layer_config must")):
@@ -308,6 +310,9 @@ def test_gemma4_refusals(tmp_path):
     scaled = dataclasses.replace(zoo.from_pretrained(tmp_path).config, query_pre_attn_scalar=2.0)
     with pytest.raises(ValueError, match="a Gemma4ForCausalLM has no query_pre_attn_scalar but 1"):
         hf_llm.architecture_for(scaled)
+    plain = dataclasses.replace(scaled, query_pre_attn_scalar=1.0, moe=zoo.config.MoEConfig(n_experts=4))
+    with pytest.raises(ValueError, match="a Gemma4ForCausalLM has experts only beside an MLP of ffn_hidden"):
+        hf_llm.architecture_for(plain)
     with pytest.raises(ConfigError, match="kv_shared_layers=1 needs an earlier attention layer of each"):
         zoo.build(dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, sliding_window=4, kv_shared_layers=1,
                        attn_pattern=["local", "local", "local", "global"]))
@@ -363,6 +368,7 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
 
 PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "qwen3-text-tiny": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
            "gemma3-1b": "Gemma3ForCausalLM", "gemma4-e2b": "Gemma4ForCausalLM",
+           "gemma4-26b-a4b": "Gemma4ForCausalLM",
            "olmo3-7b": "Olmo3ForCausalLM", "glm4-9b": "Glm4ForCausalLM", "cohere2-7b": "Cohere2ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
