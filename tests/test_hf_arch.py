@@ -202,7 +202,8 @@ def to_4x(cfg: dict) -> dict:
     return cfg
 
 
-SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied", "deepseek-v32-top5-heads3-yarn-raw-topk"}
+SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied", "deepseek-v32-top5-heads3-yarn-raw-topk",
+              "gemma4-moe-kv-same-softcap"}  # Gemma 4's experts: also in the quick tier's test_lora (logits, adapters)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
@@ -300,6 +301,7 @@ def test_gemma4_refusals(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}
     for bad, match in (({**moe, "use_double_wide_mlp": True}, "use_double_wide_mlp with enable_moe_block is not"),
+                       ({**moe, "num_experts": None}, "enable_moe_block=True needs num_experts"),
                        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported"),
                        ({"layer_types": [SLIDING, FULL, FULL, SLIDING]}, "layer_types ends in 'sliding_attention'"),
                        ({"per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 16}}}, "per_layer_config must")):

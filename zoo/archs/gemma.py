@@ -88,10 +88,7 @@ class Gemma4(Gemma3):
         types = hf.get("layer_types") or []
         if types and types[-1] != "full_attention":
             raise ValueError(f"layer_types ends in {types[-1]!r}: transformers makes the last layer full_attention")
-        shared, wide, moe = get("num_kv_shared_layers") or 0, get("use_double_wide_mlp"), get("enable_moe_block")
-        if moe and wide and shared:
-            raise ValueError("use_double_wide_mlp with enable_moe_block is not supported (the MLP beside the experts "
-                             "of one width)")
+        shared, wide = get("num_kv_shared_layers") or 0, get("use_double_wide_mlp")
         return {"norm_placement": "sandwich", "embed_scale": True, "qk_norm": True, "v_norm": True,
                 "query_pre_attn_scalar": 1.0, "layer_scalar": True, "final_softcap": get("final_logit_softcapping"),
                 "global_kv_same": bool(get("attention_k_eq_v")), "kv_shared_layers": shared,
@@ -99,9 +96,21 @@ class Gemma4(Gemma3):
                 "per_layer_dim": get("hidden_size_per_layer_input") or 0,
                 "per_layer_vocab": None if get("vocab_size_per_layer_input") == hf["vocab_size"] or not
                 get("hidden_size_per_layer_input") else get("vocab_size_per_layer_input"),
-                **self.global_heads(hf, get, types), **({"moe": dict(
-                    n_experts=get("num_experts"), top_k=get("top_k_experts"), expert_hidden=get("moe_intermediate_size"),
-                    n_shared=1, shared_hidden=get("intermediate_size"), router_norm=True, branch_norms=True)} if moe else {})}
+                **self.global_heads(hf, get, types), **self.moe(get, wide and shared)}
+
+    @staticmethod
+    def moe(get, wide: bool) -> dict:
+        """`moe` from enable_moe_block: the MLP beside the experts is their one shared expert ({} without)."""
+        if not get("enable_moe_block"):
+            return {}
+        if missing := [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not get(k)]:
+            raise ValueError(f"enable_moe_block=True needs {', '.join(missing)}")
+        if wide:
+            raise ValueError("use_double_wide_mlp with enable_moe_block is not supported (the MLP beside the experts "
+                             "of one width)")
+        return {"moe": dict(n_experts=get("num_experts"), top_k=get("top_k_experts"), expert_hidden=get(
+            "moe_intermediate_size"), n_shared=1, shared_hidden=get("intermediate_size"), router_norm=True,
+            branch_norms=True)}
 
     def global_heads(self, hf, get, types) -> dict:
         """global_head_dim and global_n_kv_heads from per_layer_config (one override for every full-attention layer)
@@ -133,6 +142,7 @@ class Gemma4(Gemma3):
 
     @staticmethod
     def moe_to_hf(cfg) -> dict:
+        """`moe`'s config.json keys."""
         m = cfg.moe
         return {"enable_moe_block": m is not None, **({} if m is None else dict(
             num_experts=m.n_experts, top_k_experts=m.top_k, moe_intermediate_size=cfg.resolved_expert_hidden))}
