@@ -1,6 +1,6 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
 zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer
-inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars), GLM-4, Cohere 2,
+inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars, experts beside the MLP), GLM-4, Cohere 2,
 GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence has), Mistral 4, LFM2,
 Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and joined on save; a
 gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk, dense or with

@@ -1,6 +1,6 @@
 """LoRA / DoRA adapters (zoo/blocks/lora.py, zoo/adapters.py) against PEFT, in both directions.
 
-Reference: a random-init transformers Llama / Qwen2 / Qwen2-MoE (weights redrawn at std 0.1 as in
+Reference: a random-init transformers Llama / Qwen2 / Qwen2-MoE / Gemma 4 MoE (weights redrawn at std 0.1 as in
 test_hf_llm.py), wrapped by PEFT with LoRA or DoRA on several target modules, B and the DoRA
 magnitudes redrawn non-zero; the adapter saved with PEFT's save_pretrained and loaded into Zoo
 (zoo.from_pretrained on the adapter folder) must give PEFT's logits (fp32, max abs diff <= 1e-4);

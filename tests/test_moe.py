@@ -345,6 +345,7 @@ def test_activation_checkpointing_same_gradients():
     ({"moe": {"capacity_factor": 0}}, "model.moe.capacity_factor"),
     ({"moe": {"balance": "switch"}}, "model.moe.balance"),
     ({"moe": {"shared_gate": True}}, "model.moe.shared_gate"),
+    ({"moe": {"branch_norms": True}}, "model.moe.branch_norms"),
     ({"moe": {"experts": 4}}, "model.moe.experts"),
 ])
 def test_config_errors_name_the_key(data, key):
