@@ -316,9 +316,15 @@ def test_generate_with_cache_equals_full_forward(moe):
     assert torch.equal(out, ref)
 
 
-def test_compiled_training_step_equals_eager():
+SHARED = {"gated": (dict(n_shared=1, shared_gate=True), {}),  # Qwen2-MoE's shared expert; Gemma 4's MLP beside
+          "gemma4": (dict(n_shared=1, router_norm=True, branch_norms=True), {"mlp_act": "gelu_tanh"})}  # the experts
+
+
+@pytest.mark.parametrize("shared", SHARED)
+def test_compiled_training_step_equals_eager(shared):
     """torch.compile'd forward + backward (loss, aux losses) equals eager, every gradient."""
-    model = moe_llm(moe=dict(n_shared=1, shared_gate=True), n_layers=1)
+    moe, kw = SHARED[shared]
+    model = moe_llm(moe=moe, n_layers=1, **kw)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     assert_compiled_step_equals_eager(model, ids, MODEL_TOL)
 
@@ -421,7 +427,7 @@ def test_generate_compiled_equals_eager():
     tokens in fp32; the compiled step holds no grouped_mm. (Larger batches compile the grouped
     matmuls, as in training: test_compiled_training_step_equals_eager.)"""
     import zoo.llm
-    m = moe_llm(n_layers=1, moe=dict(n_shared=1, shared_gate=True)).eval()
+    m = moe_llm(n_layers=1, moe=SHARED["gated"][0]).eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(30)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
