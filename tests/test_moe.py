@@ -382,10 +382,7 @@ def run(tmp_path, corpus, name, moe, **over):
     return rows, lines
 
 
-GEMMA4 = {"n_shared": 1, "shared_hidden": 48, "router_norm": True, "branch_norms": True}  # its MLP beside the experts
-
-
-@pytest.mark.parametrize("moe", [{}, GEMMA4], ids=["plain", "gemma4"])
+@pytest.mark.parametrize("moe", [{}, SHARED["gemma4"][0]], ids=["plain", "gemma4"])
 def test_training_logs_router_metrics(tmp_path, text_corpus, one_thread, moe):
     """The task adds the router losses (Gemma 4's router too) and logs the routing; the routers' scales train."""
     rows, lines = run(tmp_path, text_corpus, "aux", moe, **{"train.moe_capacity_factor": 0.5})
