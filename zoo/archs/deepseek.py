@@ -90,7 +90,7 @@ class Mistral4(DeepseekV3):
     scoring = "softmax"
 
     def experts(self, cfg, h):
-        return {"router": h + "mlp.gate", "shared": h + "mlp.shared_experts.", 
+        return {"router": h + "mlp.gate", "shared": h + "mlp.shared_experts.",
                 "stacked": stacked(cfg, h + "mlp.experts.gate_up_proj", h + "mlp.experts.down_proj")}
 
     def to_hf(self, cfg):

@@ -156,11 +156,11 @@ class Gemma4(Gemma3):
 
     def refuses(self, cfg):
         m = cfg.moe
+        its_moe = m is None or m.router_norm and m.branch_norms and m.n_shared == 1 and (
+            m.shared_hidden or cfg.resolved_expert_hidden) == cfg.resolved_ffn_hidden and cfg.kv_shared_ffn_hidden is None
         return ("no query_pre_attn_scalar but 1" if cfg.query_pre_attn_scalar != 1 else
                 "experts only beside an MLP of ffn_hidden (moe.n_shared 1, moe.shared_hidden ffn_hidden, "
-                "moe.router_norm, moe.branch_norms) and no wider KV-sharing MLPs" if m and not (
-                    m.router_norm and m.branch_norms and m.n_shared == 1 and (m.shared_hidden or cfg.resolved_expert_hidden) == cfg.resolved_ffn_hidden
-                    and cfg.kv_shared_ffn_hidden is None) else
+                "moe.router_norm, moe.branch_norms) and no wider KV-sharing MLPs" if not its_moe else
                 "no local last layer" if cfg.is_local(cfg.n_layers - 1) else
                 "per-head q/k norms only" if cfg.qk_norm == "proj" else
                 "no KV-sharing layers' MLP width but twice ffn_hidden" if cfg.kv_shared_ffn_hidden not in
