@@ -210,6 +210,9 @@ SMOKE = {
         assert (loop(x)[0] - y).abs().max() < 1e-5
         gpt = MoE(8, 12, n_experts=4, top_k=2, bias=True, swiglu_limit=0.5)  # GPT-OSS: biases, clamped SwiGLU
         assert gpt.router.bias is not None and gpt.gate_up_bias.shape == (4, 24) and gpt(x)[0].shape == x.shape
+        gem = MoE(8, 12, n_experts=4, top_k=2, n_shared=1, router_norm=True, branch_norms=True, act="gelu_tanh")
+        assert gem.expert_scale.shape == (4,) and gem.routed_post_norm.weight.shape == (8,)
+        assert gem(x)[0].shape == x.shape
     """,
     "mod.py": """
         from mod import MixtureOfDepths

@@ -1,13 +1,13 @@
 """Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
 zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer
-inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars), GLM-4, Cohere 2,
-GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence has), Mistral 4, LFM2,
-Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and joined on save; a
-gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk, dense or with
-experts, muP's multipliers), each at two small shapes, the second with its features at non-default values (windows
-shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE / YaRN / linear
-scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short original context, logit
-scales, biases, state sizes, groups, kernels); the presets of their families against transformers' classes.
+inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars, experts beside the
+MLP), GLM-4, Cohere 2, GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence
+has), Mistral 4, LFM2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load
+and joined on save; a gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk,
+dense or with experts, muP's multipliers), each at two small shapes, the second with its features at non-default
+values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
+YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short original
+context, logit scales, biases, state sizes, groups, kernels); the presets of their families against transformers' classes.
 Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
 KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / rope_local_base_freq /
@@ -73,6 +73,10 @@ CASES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
                                "rope_theta": 1e5}})),
+    "gemma4-moe-kv-same-softcap": ("Gemma4Text", dict(
+        head_dim=16, global_head_dim=32, sliding_window=8, layer_types=[SLIDING, FULL] * 2, hidden_size_per_layer_input=0,
+        attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=4.0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=40)),
     "gpt-oss": ("GptOss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                                swiglu_limit=0.3, rope_parameters=dict(YARN, truncate=False))),
     "gpt-oss-mqa-window-all-layers": ("GptOss", dict(num_local_experts=3, num_experts_per_tok=1, head_dim=24,
@@ -171,6 +175,11 @@ def hf_model(kind, **kw):
         with torch.no_grad():  # fp32 rounding (sdpa against eager in transformers alone) stays well inside 1e-4
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.mul_(layer.self_attn.head_dim ** -0.5)
+                if layer.enable_moe_block:  # router gains that spread its logits (choices well apart) and unequal,
+                    g = torch.Generator().manual_seed(4)  # positive per-expert scales
+                    d = cfg.hidden_size
+                    layer.router.scale.copy_(2 * d ** 0.5 * (1 + 0.5 * torch.randn(d, generator=g)))
+                    layer.router.per_expert_scale.copy_(torch.rand(cfg.num_experts, generator=g) * 1.5 + 0.25)
     return model
 
 
@@ -194,7 +203,8 @@ def to_4x(cfg: dict) -> dict:
     return cfg
 
 
-SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied", "deepseek-v32-top5-heads3-yarn-raw-topk"}
+SLOW_CASES = {"gemma4-kv-same-mqa-wide-mlp-proportional-half-softcap-untied", "deepseek-v32-top5-heads3-yarn-raw-topk",
+              "gemma4-moe-kv-same-softcap"}  # Gemma 4's experts: also in the quick tier's test_lora (logits, adapters)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
@@ -282,14 +292,17 @@ def test_hybrid_refusals(tmp_path):
 
 
 def test_gemma4_refusals(tmp_path):
-    """A Gemma 4 folder Zoo cannot hold (experts beside the MLP, bidirectional attention, a last layer transformers
-    would turn global, global layers of several shapes), a model a Gemma4ForCausalLM cannot hold, and KV-sharing
-    layers with no earlier layer of their kind are one-line errors naming the key."""
+    """A Gemma 4 folder Zoo cannot hold (experts beside KV-sharing layers' wider MLPs, bidirectional attention, a last
+    layer transformers would turn global, global layers of several shapes), models a Gemma4ForCausalLM cannot hold
+    (another query scale, experts without its norms), and KV-sharing layers with no earlier layer of their kind are
+    one-line errors naming the key."""
     from zoo.config import ConfigError
     from zoo.weights import hf_llm
     hf_model("Gemma4Text", **CASES["gemma4"][1]).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    for bad, match in (({"enable_moe_block": True}, "enable_moe_block=True is not supported"),
+    moe = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}
+    for bad, match in (({**moe, "use_double_wide_mlp": True}, "use_double_wide_mlp with enable_moe_block is not"),
+                       ({**moe, "num_experts": None}, "enable_moe_block=True needs num_experts"),
                        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported"),
                        ({"layer_types": [SLIDING, FULL, FULL, SLIDING]}, "layer_types ends in 'sliding_attention'"),
                        ({"per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 16}}}, "per_layer_config must")):
@@ -300,6 +313,9 @@ def test_gemma4_refusals(tmp_path):
     scaled = dataclasses.replace(zoo.from_pretrained(tmp_path).config, query_pre_attn_scalar=2.0)
     with pytest.raises(ValueError, match="a Gemma4ForCausalLM has no query_pre_attn_scalar but 1"):
         hf_llm.architecture_for(scaled)
+    plain = dataclasses.replace(scaled, query_pre_attn_scalar=1.0, moe=zoo.config.MoEConfig(n_experts=4))
+    with pytest.raises(ValueError, match="a Gemma4ForCausalLM has experts only beside an MLP of ffn_hidden"):
+        hf_llm.architecture_for(plain)
     with pytest.raises(ConfigError, match="kv_shared_layers=1 needs an earlier attention layer of each"):
         zoo.build(dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, sliding_window=4, kv_shared_layers=1,
                        attn_pattern=["local", "local", "local", "global"]))
@@ -355,6 +371,7 @@ def test_final_softcap_caps_and_chunked_loss_refuses():
 
 PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "qwen3-text-tiny": "Qwen3ForCausalLM", "gemma3-270m": "Gemma3ForCausalLM",
            "gemma3-1b": "Gemma3ForCausalLM", "gemma4-e2b": "Gemma4ForCausalLM",
+           "gemma4-26b-a4b": "Gemma4ForCausalLM",
            "olmo3-7b": "Olmo3ForCausalLM", "glm4-9b": "Glm4ForCausalLM", "cohere2-7b": "Cohere2ForCausalLM",
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",

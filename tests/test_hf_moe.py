@@ -199,6 +199,11 @@ PRESETS = {  # file: (published total, published active, transformers config)
     "qwen3-30b-a3b": (30.5e9, 3.3e9, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8))),
+    "gemma4-26b-a4b": (25.2e9, 3.8e9, ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704))),
 }
 
 

@@ -1,6 +1,6 @@
 """LoRA / DoRA adapters (zoo/blocks/lora.py, zoo/adapters.py) against PEFT, in both directions.
 
-Reference: a random-init transformers Llama / Qwen2 / Qwen2-MoE (weights redrawn at std 0.1 as in
+Reference: a random-init transformers Llama / Qwen2 / Qwen2-MoE / Gemma 4 MoE (weights redrawn at std 0.1 as in
 test_hf_llm.py), wrapped by PEFT with LoRA or DoRA on several target modules, B and the DoRA
 magnitudes redrawn non-zero; the adapter saved with PEFT's save_pretrained and loaded into Zoo
 (zoo.from_pretrained on the adapter folder) must give PEFT's logits (fp32, max abs diff <= 1e-4);
@@ -143,18 +143,25 @@ def test_gaussian_init_has_peft_s_statistics_and_exports_to_peft(tmp_path):
     assert zoo.from_pretrained(tmp_path / "adapter", base=tmp_path / "base").adapter_config.init == "gaussian"
 
 
-def test_moe_attention_and_shared_expert_adapters(tmp_path):
-    """Qwen2-MoE: adapters on attention and the shared expert map onto PEFT's."""
-    cfg = transformers.Qwen2MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=48, max_position_embeddings=128)
-    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None
-    base = randomize(transformers.Qwen2MoeForCausalLM(cfg)).eval()
+@pytest.mark.parametrize("kind", ["qwen2-moe", "gemma4-moe"])
+def test_moe_attention_and_shared_expert_adapters(tmp_path, kind):
+    """Qwen2-MoE and Gemma 4's experts (its MLP beside them Zoo's shared expert): adapters on attention and the
+    shared expert map onto PEFT's."""
+    if kind == "gemma4-moe":
+        from test_hf_arch import CASES, hf_model as arch_model
+        kind, kw = CASES["gemma4-moe-kv-same-softcap"]
+        base, shared = arch_model(kind, **kw), ".mlp."
+    else:
+        cfg = transformers.Qwen2MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, max_position_embeddings=128)
+        cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None
+        base, shared = randomize(transformers.Qwen2MoeForCausalLM(cfg)).eval(), "shared_expert"
     base.save_pretrained(tmp_path / "base")
     targets = ["q_proj", "k_proj", "gate_proj", "down_proj"]
     pm = peft_model(base, dora=False, targets=targets)
-    names = [n for n, m in pm.named_modules() if hasattr(m, "lora_A") and "shared_expert" in n]
+    names = [n for n, m in pm.named_modules() if hasattr(m, "lora_A") and shared in n]
     assert names, "PEFT put no adapter on the shared expert"
     pm.save_pretrained(tmp_path / "adapter")
     x = tokens()

@@ -312,7 +312,7 @@ class RopeScaling:
 @dataclass
 class MoEConfig:
     """Mixture-of-Experts feed-forward layers (zoo/blocks/moe.py). Sparse layers replace the
-    SwiGLU of a block by `n_experts` SwiGLU experts of width `expert_hidden`, `top_k` per token."""
+    MLP of a block by `n_experts` experts of width `expert_hidden` (gated by `mlp_act`), `top_k` per token."""
     n_experts: int = bounded(8, gt=0)       # experts per sparse layer
     top_k: int = bounded(2, gt=0)           # experts per token (<= `n_experts`)
     expert_hidden: Optional[int] = bounded(None, gt=0)  # each expert's SwiGLU width; null = `ffn_hidden`
@@ -334,6 +334,10 @@ class MoEConfig:
     n_groups: int = bounded(1, gt=0)        # expert groups for group-limited routing (DeepSeek-V3); 1 = off
     topk_groups: int = bounded(1, gt=0)     # groups a token's experts may come from (<= `n_groups`)
     routed_scale: float = bounded(1.0, gt=0)  # the routed experts' weights are multiplied by it (DeepSeek-V3)
+    router_norm: bool = False               # the router reads RMSNorm(x) times a learned gain and d_model^-1/2; the
+                                            # chosen weights times a learned per-expert scale (Gemma 4)
+    branch_norms: bool = False              # the shared experts and the routed ones each between norms of their own,
+                                            # the router reading the block's input (Gemma 4); needs `n_shared` > 0
     moved: ClassVar[dict] = {k: f"train.moe_{k}" for k in ("aux_loss_coef", "z_loss_coef", "bias_update_rate",
                                                            "capacity_factor", "router_jitter", "dispatch")}
 
@@ -344,8 +348,9 @@ class MoEConfig:
         if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
             raise fail(source, p + "n_groups", f"={self.n_groups} must divide {p}n_experts={self.n_experts} and be "
                                                f">= {p}topk_groups={self.topk_groups}")
-        if self.shared_gate and not self.n_shared:
-            raise fail(source, p + "shared_gate", f"needs {p}n_shared > 0")
+        for key in ("shared_gate", "branch_norms"):
+            if getattr(self, key) and not self.n_shared:
+                raise fail(source, p + key, f"needs {p}n_shared > 0")
 
 
 @dataclass

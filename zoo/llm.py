@@ -54,7 +54,8 @@ def moe_block(cfg: LLMConfig) -> MoE:
     m = cfg.moe
     return MoE(cfg.d_model, cfg.resolved_expert_hidden, m.n_experts, m.top_k, m.scoring, m.norm_topk_prob,
                m.n_shared, m.shared_hidden, m.shared_gate, bias_balancing=m.balance == "bias", bias=m.bias,
-               swiglu_limit=m.swiglu_limit, n_groups=m.n_groups, topk_groups=m.topk_groups, routed_scale=m.routed_scale)
+               swiglu_limit=m.swiglu_limit, n_groups=m.n_groups, topk_groups=m.topk_groups, routed_scale=m.routed_scale,
+               act=cfg.mlp_act, router_norm=m.router_norm, branch_norms=m.branch_norms, eps=cfg.norm_eps)
 
 
 def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
@@ -104,7 +105,8 @@ class Block(nn.Module):
                 softcap=cfg.attn_softcap, sinks=cfg.attn_sinks, out_bias=cfg.attn_out_bias, gate=cfg.attn_gate,
                 kv=not cfg.kv_shared(layer), kv_same=cfg.global_kv_same and not local, v_norm=cfg.v_norm)
         self.attn_post_norm = norm("post")
-        self.mlp_norm = nn.Identity() if self.parallel else norm("pre")
+        own_norms = cfg.is_sparse(layer) and cfg.moe.branch_norms  # the MoE norms its branches' inputs itself
+        self.mlp_norm = nn.Identity() if self.parallel or own_norms else norm("pre")
         width = cfg.ffn_width(layer)
         self.mlp = moe_block(cfg) if cfg.is_sparse(layer) else ReLU2MLP(cfg.d_model, width) \
             if cfg.mlp == "relu2" else SwiGLU(cfg.d_model, width, act=cfg.mlp_act)
@@ -206,7 +208,7 @@ class LLM(nn.Module):
         muP the hidden matrices' (all but the embeddings and the head) std x sqrt(base / d_model)."""
         hidden = init_std * math.sqrt(self.config.mup_ratio or 1.0)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "mlp.router_scale", "mlp.expert_scale")):
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)

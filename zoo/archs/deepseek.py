@@ -5,7 +5,7 @@ values from one cached latent) with RoPE pairs interleaved in the file, and Mixt
 DeepSeek-V3.2 adds a lightning indexer to each attention layer (each query keeps its `index_topk` best keys);
 Mistral 4 by softmax, keeps its experts as stacked tensors and scales queries past
 `original_max_position_embeddings` (Llama 4's attention temperature)."""
-from .record import ROPES, Record, interleaved
+from .record import ROPES, Record, interleaved, stacked
 
 
 class DeepseekV3(Record):
@@ -89,10 +89,9 @@ class Mistral4(DeepseekV3):
                 "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 128}
     scoring = "softmax"
 
-    def experts(self, cfg, h):  # stacked as Zoo stacks them: (E, 2F, d), gate rows first, and (E, d, F)
-        E, d, F = cfg.moe.n_experts, cfg.d_model, cfg.resolved_expert_hidden
+    def experts(self, cfg, h):
         return {"router": h + "mlp.gate", "shared": h + "mlp.shared_experts.",
-                "stacked": ((h + "mlp.experts.gate_up_proj", (E, 2 * F, d)), (h + "mlp.experts.down_proj", (E, d, F)))}
+                "stacked": stacked(cfg, h + "mlp.experts.gate_up_proj", h + "mlp.experts.down_proj")}
 
     def to_hf(self, cfg):
         return {k: v for k, v in super().to_hf(cfg).items() if k != "head_dim"}

@@ -2,7 +2,7 @@
 times sqrt(d_model), scores scaled by query_pre_attn_scalar, local (sliding) and global layers (Gemma 2: one
 of two global; Gemma 3: one of six); Gemma 2 soft-caps scores and logits, Gemma 3 normalises q and k per
 head and gives its local layers a RoPE base of their own, unscaled. Gemma 4: see its record."""
-from .record import ROPES, Record
+from .record import ROPES, Record, stacked
 
 SANDWICH = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
             "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
@@ -64,11 +64,13 @@ class Gemma4(Gemma3):
     output times a stored scalar; global layers with wider heads (per_layer_config, or the older global_head_dim),
     optionally fewer kv heads whose values are their keys (attention_k_eq_v), RoPE over a quarter of their angles
     (proportional); per-layer input embeddings; the last num_kv_shared_layers reading an earlier layer's keys and
-    values, optionally with MLPs twice as wide."""
+    values, optionally with MLPs twice as wide; with enable_moe_block (26B-A4B), experts beside every layer's MLP:
+    the MLP a shared expert, each branch between norms of its own, the router reading the layer's input through a
+    weightless RMSNorm times a learned gain, the chosen weights times learned per-expert scales."""
     hf_class, model_type = "Gemma4ForCausalLM", "gemma4_text"
     needs = Gemma3.needs | {"v_norm", "query_scalar", "layer_scalar"}
     may = ROPES | {"rope_proportional", "final_softcap", "window", "pattern", "rope_local", "kv_shared", "kv_same",
-                   "global_heads", "per_layer", "kv_shared_wide"}
+                   "global_heads", "per_layer", "kv_shared_wide", "moe", "moe_shared", "router_norm", "branch_norms"}
     defaults = {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
                 "final_logit_softcapping": None, "global_head_dim": 512, "hidden_size_per_layer_input": 256,
                 "vocab_size_per_layer_input": 262144, "rope_parameters": {
@@ -81,9 +83,8 @@ class Gemma4(Gemma3):
         return super().default_local(hf, get, n_layers)[:-1] + [False]
 
     def config(self, hf, get, n_layers):
-        for key, bad in (("enable_moe_block", True), ("use_bidirectional_attention", "all")):
-            if get(key) == bad:
-                raise ValueError(f"{key}={bad} is not supported (experts beside the MLP; a causal decoder only)")
+        if get("use_bidirectional_attention") == "all":
+            raise ValueError("use_bidirectional_attention=all is not supported (a causal decoder only)")
         types = hf.get("layer_types") or []
         if types and types[-1] != "full_attention":
             raise ValueError(f"layer_types ends in {types[-1]!r}: transformers makes the last layer full_attention")
@@ -95,7 +96,21 @@ class Gemma4(Gemma3):
                 "per_layer_dim": get("hidden_size_per_layer_input") or 0,
                 "per_layer_vocab": None if get("vocab_size_per_layer_input") == hf["vocab_size"] or not
                 get("hidden_size_per_layer_input") else get("vocab_size_per_layer_input"),
-                **self.global_heads(hf, get, types)}
+                **self.global_heads(hf, get, types), **self.moe(get, wide and shared)}
+
+    @staticmethod
+    def moe(get, wide: bool) -> dict:
+        """`moe` from enable_moe_block: the MLP beside the experts is their one shared expert ({} without)."""
+        if not get("enable_moe_block"):
+            return {}
+        if missing := [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not get(k)]:
+            raise ValueError(f"enable_moe_block=True needs {', '.join(missing)}")
+        if wide:
+            raise ValueError("use_double_wide_mlp with enable_moe_block is not supported (the MLP beside the experts "
+                             "of one width)")
+        return {"moe": dict(n_experts=get("num_experts"), top_k=get("top_k_experts"), expert_hidden=get(
+            "moe_intermediate_size"), n_shared=1, shared_hidden=get("intermediate_size"), router_norm=True,
+            branch_norms=True)}
 
     def global_heads(self, hf, get, types) -> dict:
         """global_head_dim and global_n_kv_heads from per_layer_config (one override for every full-attention layer)
@@ -119,14 +134,33 @@ class Gemma4(Gemma3):
         n_kv, head_dim = cfg.attn_shape(cfg.n_layers - 1)  # the last layer is global
         return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": cfg.sliding_window or cfg.max_seq_len,
                 "final_logit_softcapping": cfg.final_softcap, "hidden_size_per_layer_input": cfg.per_layer_dim,
-                "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size, "enable_moe_block": False,
+                "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size, **self.moe_to_hf(cfg),
                 "attention_k_eq_v": cfg.global_kv_same, "num_kv_shared_layers": cfg.kv_shared_layers,
                 "use_double_wide_mlp": cfg.kv_shared_ffn_hidden is not None,
                 "per_layer_config": {str(i): {"head_dim": head_dim, "num_key_value_heads": n_kv}
                                      for i in range(cfg.n_layers) if not cfg.is_local(i)}}
 
+    @staticmethod
+    def moe_to_hf(cfg) -> dict:
+        """`moe`'s config.json keys."""
+        m = cfg.moe
+        return {"enable_moe_block": m is not None, **({} if m is None else dict(
+            num_experts=m.n_experts, top_k_experts=m.top_k, moe_intermediate_size=cfg.resolved_expert_hidden))}
+
+    def experts(self, cfg, h):
+        norms = ("pre_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                 "post_feedforward_layernorm_2")
+        return {"router": h + "router.proj", "router_scale": h + "router.scale", "expert_scale": h +
+                "router.per_expert_scale", "shared": h + "mlp.", "norms": [h + n for n in norms],
+                "stacked": stacked(cfg, h + "experts.gate_up_proj", h + "experts.down_proj")}
+
     def refuses(self, cfg):
+        m = cfg.moe
+        its_moe = m is None or m.router_norm and m.branch_norms and m.n_shared == 1 and (
+            m.shared_hidden or cfg.resolved_expert_hidden) == cfg.resolved_ffn_hidden and cfg.kv_shared_ffn_hidden is None
         return ("no query_pre_attn_scalar but 1" if cfg.query_pre_attn_scalar != 1 else
+                "experts only beside an MLP of ffn_hidden (moe.n_shared 1, moe.shared_hidden ffn_hidden, "
+                "moe.router_norm, moe.branch_norms) and no wider KV-sharing MLPs" if not its_moe else
                 "no local last layer" if cfg.is_local(cfg.n_layers - 1) else
                 "per-head q/k norms only" if cfg.qk_norm == "proj" else
                 "no KV-sharing layers' MLP width but twice ffn_hidden" if cfg.kv_shared_ffn_hidden not in

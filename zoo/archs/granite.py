@@ -6,7 +6,7 @@ the logits divided by logits_scaling. Its layer_types say mamba / attention (or 
 import math
 
 from ..config import RECURRENT_TYPES
-from .record import ROPES, Record, attention_bias
+from .record import ROPES, Record, attention_bias, stacked
 
 INFINITE = (math.inf, {"__float__": "Infinity"})  # time_step_limit's open end, as transformers 4.x and 5.x write it
 
@@ -74,6 +74,6 @@ class GraniteMoeHybrid(Record):
         return "a shared MLP beside its experts (moe.n_shared)" if cfg.moe and not cfg.moe.n_shared else ""
 
     def experts(self, cfg, h):
-        E, d, F, x = cfg.moe.n_experts, cfg.d_model, cfg.resolved_expert_hidden, h + "block_sparse_moe."
+        x = h + "block_sparse_moe."
         return {"router": x + "router.layer", "shared": h + "mlp.",
-                "stacked": ((x + "input_linear.weight", (E, 2 * F, d)), (x + "output_linear.weight", (E, d, F)))}
+                "stacked": stacked(cfg, x + "input_linear.weight", x + "output_linear.weight")}

@@ -28,7 +28,8 @@ FEATURES = {  # the ideas records speak of -> the model keys that give them (doc
     "moe": "moe", "moe_shared": "moe.n_shared", "moe_shared_gate": "moe.shared_gate",
     "moe_dense_layers": "moe.dense_layers or moe.sparse_every", "moe_topk_raw": "moe.norm_topk_prob: false",
     "moe_bias": "moe.bias", "clamped_swiglu": "moe.swiglu_limit", "sigmoid": "moe.scoring: sigmoid",
-    "moe_groups": "moe.n_groups or moe.routed_scale", "attn_gate": "attn_gate",
+    "moe_groups": "moe.n_groups or moe.routed_scale", "router_norm": "moe.router_norm",
+    "branch_norms": "moe.branch_norms", "attn_gate": "attn_gate",
     "linear_attention": "layer_types: linear_attention", "conv": "layer_types: conv", "mamba": "layer_types: mamba",
     "embed_multiplier": "embed_multiplier", "residual_multiplier": "residual_multiplier",
     "rope_proportional": "rope_scaling.type: proportional", "v_norm": "v_norm", "layer_scalar": "layer_scalar",
@@ -56,7 +57,8 @@ def features(cfg: LLMConfig) -> set:
              "moe": m, "moe_shared": m and m.n_shared, "moe_shared_gate": m and m.shared_gate,
              "moe_dense_layers": m and (m.dense_layers or m.sparse_every > 1), "moe_topk_raw": m and not m.norm_topk_prob,
              "moe_bias": m and m.bias, "clamped_swiglu": m and m.swiglu_limit, "sigmoid": m and m.scoring == "sigmoid",
-             "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1), "attn_gate": cfg.attn_gate,
+             "moe_groups": m and (m.n_groups > 1 or m.routed_scale != 1), "router_norm": m and m.router_norm,
+             "branch_norms": m and m.branch_norms, "attn_gate": cfg.attn_gate,
              "embed_multiplier": cfg.embed_multiplier != 1, "residual_multiplier": cfg.residual_multiplier != 1,
              "v_norm": cfg.v_norm, "layer_scalar": cfg.layer_scalar, "global_heads": cfg.global_head_dim or
              cfg.global_n_kv_heads, "kv_same": cfg.global_kv_same, "kv_shared": cfg.kv_shared_layers,
@@ -69,6 +71,13 @@ def features(cfg: LLMConfig) -> set:
 def attention_bias(get) -> dict:
     """qkv_bias and attn_out_bias from config.json's one `attention_bias` (on q, k, v and o)."""
     return dict.fromkeys(("qkv_bias", "attn_out_bias"), bool(get("attention_bias")))
+
+
+def stacked(cfg: LLMConfig, gate_up: str, down: str) -> tuple:
+    """`Record.experts`' 'stacked' entry of a file that stacks the experts as Zoo does: gate_up (E, 2F, d), gate rows
+    first, and down (E, d, F)."""
+    E, d, F = cfg.moe.n_experts, cfg.d_model, cfg.resolved_expert_hidden
+    return (gate_up, (E, 2 * F, d)), (down, (E, d, F))
 
 
 def interleaved(heads: int, head_dim: int, start: int, width: int) -> list:
@@ -140,7 +149,8 @@ class Record:
         """A sparse layer's names in the file (h: 'model.layers.i.'): 'router'; the experts either 'per_expert'
         (a prefix with {e}, the gate, up and down names) or 'stacked' ((name, shape) of the gate/up and down
         tensors; their biases: name + '_bias'); 'shared' (the shared experts' prefix), 'shared_gate',
-        'score_bias' (a routing bias)."""
+        'score_bias' (a routing bias); 'router_scale', 'expert_scale' (router_norm); 'norms' (branch_norms: the norms
+        before and after the shared experts, then the routed ones)."""
         return {"router": h + "mlp.gate", "per_expert": (h + "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj"),
                 "shared": h + "mlp.shared_expert.", "shared_gate": h + "mlp.shared_expert_gate"}
 

@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def gated(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up: act silu, or gelu with the tanh approximation (GeGLU)."""
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False, act: str = "silu"):
         super().__init__()
@@ -24,9 +29,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down(gate * up)
+        return self.down(gated(*self.gate_up(x).chunk(2, dim=-1), self.act))
 
 
 class ReLU2MLP(nn.Module):

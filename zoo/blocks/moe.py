@@ -11,7 +11,11 @@ Mixture-of-Experts" (2022: dropless grouped computation); Jiang et al., "Mixtral
 "gpt-oss-120b & gpt-oss-20b Model Card" (2025: `bias` on the router and experts, `swiglu_limit` L: the
 SwiGLU clamped, gate min(g, L) * sigmoid(1.702 gate) * (clamp(u, -L, L) + 1)). DeepSeek-V3's group-limited
 routing: `n_groups` groups of experts, only those of the `topk_groups` groups whose two best scores sum
-highest chosen; the weights times `routed_scale`.
+highest chosen; the weights times `routed_scale`. Google DeepMind, Gemma 4 model card (2026): `router_norm`, the
+router reading RMSNorm(x) (no gain) times a learned scale (D,) and D^-1/2, the chosen weights times a learned
+per-expert scale (E,); `branch_norms`, the shared experts (Gemma 4's dense MLP) and the routed ones each between
+RMSNorms of their own, y = post_s(shared(pre_s(x))) + post_r(routed(pre_r(x))), the router reading x itself.
+`act`: the gate activation of the experts and the shared experts (silu: SwiGLU; gelu_tanh: GeGLU).
 
     y = sum_j w_j * expert_{e_j}(x) [+ sigmoid(x W_g^T) * shared(x)]
 Experts are stacked `gate_up` (E, 2F, D) and `down` (E, D, F), run by grouped matmuls ('grouped')
@@ -19,7 +23,7 @@ or per expert ('loop'); `capacity_factor` None is dropless (it, `jitter`, `dispa
 `stats`: 'lb_loss', 'z_loss' (unweighted), 'load' (E,), 'dropped'; `update_bias(load, rate)` is DeepSeek-V3's bias step.
 
 Shapes: x (B, T, D) or (N, D) -> y of the same shape, and `stats`, a dict of tensors.
-Needs: mlp.py (the shared experts are one SwiGLU; copy it beside this file).
+Needs: mlp.py, norm.py (the shared experts are one SwiGLU, `branch_norms` RMSNorms; copy them beside this file).
 """
 import math
 from typing import Optional
@@ -29,9 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .mlp import SwiGLU
-except ImportError:  # copied next to mlp.py, outside the zoo package
-    from mlp import SwiGLU
+    from .mlp import SwiGLU, gated
+    from .norm import RMSNorm
+except ImportError:  # copied next to mlp.py and norm.py, outside the zoo package
+    from mlp import SwiGLU, gated
+    from norm import RMSNorm
 
 DISPATCH = ("auto", "grouped", "loop")
 DECODE_ROWS = 2  # tokens up to which a compiled CPU forward uses the fused-reduction experts
@@ -82,7 +88,8 @@ class MoE(nn.Module):
                  shared_gate: bool = False, capacity_factor: Optional[float] = None,
                  bias_balancing: bool = False, jitter: float = 0.0, dispatch: str = "auto", bias: bool = False,
                  swiglu_limit: Optional[float] = None, n_groups: int = 1, topk_groups: int = 1,
-                 routed_scale: float = 1.0):
+                 routed_scale: float = 1.0, act: str = "silu", router_norm: bool = False,
+                 branch_norms: bool = False, eps: float = 1e-6):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
@@ -90,6 +97,8 @@ class MoE(nn.Module):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}, got {dispatch!r}")
+        if branch_norms and not n_shared:
+            raise ValueError("branch_norms needs n_shared > 0 (the shared branch)")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
         self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
@@ -98,12 +107,18 @@ class MoE(nn.Module):
         if n_experts % n_groups or not 1 <= topk_groups <= n_groups:
             raise ValueError(f"n_groups={n_groups} must divide n_experts={n_experts}, topk_groups={topk_groups} in [1, n_groups]")
         self.swiglu_limit, self.n_groups, self.topk_groups, self.routed_scale = swiglu_limit, n_groups, topk_groups, routed_scale
+        self.act, self.eps = act, eps
         self.router = nn.Linear(dim, n_experts, bias=bias)
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.gate_up_bias = nn.Parameter(torch.zeros(n_experts, 2 * hidden)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(n_experts, dim)) if bias else None
-        self.shared = SwiGLU(dim, n_shared * (shared_hidden or hidden)) if n_shared else None
+        self.shared = SwiGLU(dim, n_shared * (shared_hidden or hidden), act=act) if n_shared else None
+        # router_norm: the router's input gain and the chosen experts' scales
+        self.router_scale = nn.Parameter(torch.ones(dim)) if router_norm else None
+        self.expert_scale = nn.Parameter(torch.ones(n_experts)) if router_norm else None
+        for name in ("shared_norm", "shared_post_norm", "routed_norm", "routed_post_norm"):
+            setattr(self, name, RMSNorm(dim, eps) if branch_norms else nn.Identity())
         self.shared_gate = nn.Linear(dim, 1, bias=False) if n_shared and shared_gate else None
         if bias_balancing:  # persistent: a checkpoint resumes with the same routing
             self.register_buffer("score_bias", torch.zeros(n_experts))
@@ -121,6 +136,9 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor):
         """x (N, D) -> logits (N, E) fp32, weights (N, k) fp32, experts (N, k) int64, probs (N, E)
         fp32 (the per-token distribution the load-balancing loss uses)."""
+        if self.router_scale is not None:
+            x = F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype) * self.router_scale.to(x.dtype) \
+                * self.dim ** -0.5
         logits = self.router(x).float()
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores if self.score_bias is None else scores + self.score_bias
@@ -135,6 +153,8 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[experts].float()
         probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
         return logits, weights, experts, probs
 
@@ -172,19 +192,19 @@ class MoE(nn.Module):
             order, keep = order[again], keep[again]
             kept = counts.clamp(max=cap)
         token = order % N
-        y = self._experts(x, token, sorted_e if keep is None else flat[order], kept, keep).float()
+        y = self._experts(self.routed_norm(x), token, sorted_e if keep is None else flat[order], kept, keep).float()
         if keep is not None:  # before the weights: the dropped rows hold undefined values
             y = torch.where(keep[:, None], y, 0.0)
         y = y * w_flat[order, None]
         # back to choice-major order, then each token's top_k contributions summed in fp32
         y = torch.empty_like(y).index_copy_(0, order, y).view(k, N, -1).sum(0)  # order is a permutation
         dt = self._dtype(x)
-        y = y.to(dt)
+        y = self.routed_post_norm(y.to(dt))
         if self.shared is not None:
-            s = self.shared(x)
+            s = self.shared(self.shared_norm(x))
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.shared_gate(x)) * s
-            y = y + s.to(dt)
+            y = y + self.shared_post_norm(s).to(dt)
 
         f = counts.float() / N
         stats = {"load": counts.float(),
@@ -204,7 +224,7 @@ class MoE(nn.Module):
             h = h + self.gate_up_bias[e].to(h.dtype)
         g, u = h.chunk(2, dim=-1)
         if self.swiglu_limit is None:
-            return F.silu(g) * u
+            return gated(g, u, self.act)
         g, u = g.clamp(max=self.swiglu_limit), u.clamp(-self.swiglu_limit, self.swiglu_limit)
         return g * torch.sigmoid(1.702 * g) * (u + 1)
 
@@ -212,7 +232,7 @@ class MoE(nn.Module):
         return y if self.down_bias is None else y + self.down_bias[e].to(y.dtype)
 
     def _experts(self, x, token, sorted_e, kept, keep):
-        """The SwiGLU experts on the gathered tokens x[token] (S, D), grouped by expert (row i
+        """The gated experts on the gathered tokens x[token] (S, D), grouped by expert (row i
         for expert sorted_e[i]): kept[e] rows for expert e, then the dropped rows (if any).
         Returns (S, D) in the compute dtype."""
         dt = self._dtype(x)

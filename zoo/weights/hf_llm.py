@@ -304,6 +304,8 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
                       z + "per_layer.norm.weight": [(h + "post_per_layer_input_norm.weight", (d,))]})
         if cfg.is_sparse(i):
             m.update(_moe_keys(cfg, z, rec.experts(cfg, h), "gate_up_proj" in rec.fused))
+            if cfg.moe.branch_norms:  # the MoE's own norms in place of the block's
+                del m[z + "mlp_norm.weight"]
             continue
         F = cfg.ffn_width(i)
         m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_up_proj.weight", (2 * F, d))] if "gate_up_proj" in rec.fused \
@@ -395,6 +397,11 @@ def _moe_keys(cfg: LLMConfig, z: str, x: dict, fused: bool = False) -> dict:
         m[z + "mlp.router.bias"] = [(x["router"] + ".bias", (E,))]
     if "score_bias" in x:
         m[z + "mlp.score_bias"] = [(x["score_bias"], (E,))]
+    if cfg.moe.router_norm:
+        m[z + "mlp.router_scale"], m[z + "mlp.expert_scale"] = [(x["router_scale"], (d,))], [(x["expert_scale"], (E,))]
+    if cfg.moe.branch_norms:
+        names = ("shared_norm", "shared_post_norm", "routed_norm", "routed_post_norm")
+        m.update({z + f"mlp.{n}.weight": [(f + ".weight", (d,))] for n, f in zip(names, x["norms"])})
     if cfg.moe.n_shared:
         Fs, s = cfg.moe.n_shared * (cfg.moe.shared_hidden or F), x["shared"]
         m[z + "mlp.shared.gate_up.weight"] = [(s + "gate_up_proj.weight", (2 * Fs, d))] if fused else \
