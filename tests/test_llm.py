@@ -117,6 +117,26 @@ def test_matvec_routes_equal_linear(monkeypatch):
     assert y.dtype == ref.dtype == torch.bfloat16 and (y.float() - ref.float()).abs().max() <= 0.02 * ref.abs().max()
 
 
+def test_logits_take_the_head_route_without_gradients(monkeypatch):
+    """LLM.logits without gradients, at few rows and a head of EAGER_NUMEL elements, runs the weight-on-the-left route
+    (fp32, <= 1e-5 from F.linear: another summation order) and decoding keeps its greedy tokens; with gradients, the
+    head module itself."""
+    import zoo.llm
+    from zoo.blocks.matvec_cpu import MatvecCPU
+    model = tiny().eval()
+    monkeypatch.setattr(MatvecCPU, "EAGER_NUMEL", model.lm_head.weight.numel())
+    calls = []
+    route = zoo.llm.weight_on_the_left
+    monkeypatch.setattr(zoo.llm, "weight_on_the_left", lambda *a: calls.append(1) or route(*a))
+    h = torch.randn(1, 1, model.config.d_model, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model.logits(h) - F.linear(h, model.lm_head.weight)).abs().max() <= 1e-5 and calls
+        ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(model.generate(ids, 8), full_forward_greedy(model, ids, 8))
+    calls.clear()
+    assert torch.equal(model.logits(h), model.lm_head(h)) and not calls
+
+
 def test_generate_compiled_equals_eager():
     """generate(compile=True) decodes through torch.compile: the same greedy tokens as eager in
     fp32, at batch 1 and 2 (matvec reductions) and 3 (GEMM), across prompt lengths (recompiles

@@ -28,7 +28,7 @@ from .blocks.gated_deltanet import GatedDeltaNet
 from .blocks.mamba2 import Mamba2
 from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
 from .blocks.lora import adapters_per_row
-from .blocks.matvec_cpu import MatvecCPU
+from .blocks.matvec_cpu import MatvecCPU, on_the_left, weight_on_the_left
 from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
 from .blocks.mlp import ReLU2MLP, SwiGLU
 from .blocks.mod import MixtureOfDepths
@@ -264,7 +264,9 @@ class LLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states (B, T, D) -> logits (B, T, V), soft-capped at final_softcap c: c * tanh(z / c)."""
-        z = self.lm_head(h)
+        head = self.lm_head  # without gradients, a plain head takes a CPU's faster matrix-vector route (decoding)
+        plain = type(head) is nn.Linear and not torch.is_grad_enabled() and on_the_left(h, head.weight)
+        z = weight_on_the_left(h, head.weight, head.bias) if plain else head(h)
         cap = self.config.final_softcap
         return z if cap is None else cap * torch.tanh(z / cap)
 
@@ -605,11 +607,14 @@ class LLM(nn.Module):
 
 def decode_step(model: LLM, ids: torch.Tensor, caches: list, pos: int, **kw) -> torch.Tensor:
     """One decoding step: ids (B, 1) into cache slot pos -> next-token logits (B, V); fills the caches.
-    kw: position_ids and key_mask (B, 1) of padded rows (LLM.generate). On a CPU, compiled or in eager fp32,
-    the matrix-vector products take the faster routes of `MatvecCPU` (elsewhere its Python costs, gaining nothing)."""
+    kw: position_ids and key_mask (B, 1) of padded rows (LLM.generate). On a CPU the matrix-vector products take the
+    faster routes of `MatvecCPU`: compiled, every one; in eager fp32 the output head's (`LLM.logits`), and the
+    layers' through the mode only where they hold weights as large (its Python dispatch of every op costs more than
+    the smaller products gain; elsewhere it gains nothing)."""
     w = model.embed.weight
     eager_fp32 = w.dtype == torch.float32 and not torch.is_autocast_enabled(w.device.type)
-    faster = w.device.type == "cpu" and (torch.compiler.is_compiling() or eager_fp32)
+    faster = w.device.type == "cpu" and (torch.compiler.is_compiling() or eager_fp32 and any(
+        p.numel() >= MatvecCPU.EAGER_NUMEL for p in model.layers.parameters()))
     with MatvecCPU() if faster else contextlib.nullcontext():
         return model(ids, caches=caches, start_pos=pos, **kw)[:, -1]
 

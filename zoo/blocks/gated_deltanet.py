@@ -77,50 +77,51 @@ def gated_delta_rule(q, k, v, g, beta, state=None, doc_ids=None, chunk: int = 64
 def _heads_first(q, k, v, g, beta):
     """fp32 (B, Hv, T, .) tensors; q, k L2-normalised (as flash-linear-attention), q scaled, repeated to Hv heads."""
     rep = v.shape[2] // k.shape[2]
-    q, k = (t.float() * t.float().square().sum(-1, keepdim=True).add(1e-6).rsqrt() for t in (q, k))
-    q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-    q = q / math.sqrt(q.shape[-1])
+    scale = (1.0 / math.sqrt(q.shape[-1]), 1.0)  # folded into the norm's factor
+    q, k = (t.float() * t.float().square().sum(-1, keepdim=True).add(1e-6).rsqrt() * s for t, s in zip((q, k), scale))
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
     return [t.float().transpose(1, 2) for t in (q, k, v, g, beta)]
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state=None):
-    """Token by token: the decoding form (and the reference for the chunked one)."""
+    """Token by token: the decoding form (and the reference for the chunked one), read and written by matmuls."""
     dtype = v.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     S = v.new_zeros(*v.shape[:2], k.shape[-1], v.shape[-1]) if state is None else state.float()
-    out = []
+    decay, out = g.exp()[..., None, None], []
     for t in range(q.shape[2]):
-        S = S * g[:, :, t, None, None].exp()
-        kt = k[:, :, t]
-        delta = (v[:, :, t] - (kt[..., None] * S).sum(-2)) * beta[:, :, t, None]
-        S = S + kt[..., None] * delta[..., None, :]
-        out.append((q[:, :, t, :, None] * S).sum(-2))
-    return torch.stack(out, 1).to(dtype), S
+        S = S * decay[:, :, t]
+        kt = k[:, :, t, None]  # (B, H, 1, Dk)
+        delta = (v[:, :, t, None] - kt @ S) * beta[:, :, t, None, None]
+        S = torch.baddbmm(S.flatten(0, 1), kt.flatten(0, 1).transpose(1, 2), delta.flatten(0, 1)).view_as(S)
+        out.append(q[:, :, t, None] @ S)
+    return torch.cat(out, 2).transpose(1, 2).to(dtype), S
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state=None, doc_ids=None, chunk: int = 64):
     """Chunks of C tokens: inside each, the delta rule's updates folded by one triangular solve (the WY form) into
-    u (new values) and w (the keys that read the incoming state); between chunks S_{i+1} = M_i S_i + c_i."""
-    dtype, T = v.dtype, q.shape[1]
+    u (new values) and w (the keys that read the incoming state); between chunks S_{i+1} = M_i S_i + c_i.
+    Products that share a factor run as one: [k beta; q] k^T, attn [u w] and k_tail^T [u w]."""
+    dtype, T, Dv = v.dtype, q.shape[1], v.shape[-1]
     q, k, v, g, beta = (to_chunks(t, chunk) for t in _heads_first(q, k, v, g, beta))  # (B, H, n, C, .)
     starts = None if doc_ids is None else to_chunks(resets(doc_ids), chunk, 1)
     within, head, tail, whole = chunk_decays(g, starts)
     kb = k * beta[..., None]
-    ut = (kb @ k.transpose(-1, -2)) * within  # only the strictly lower triangle is read
+    both = (torch.cat([kb, q], -2) @ k.transpose(-1, -2)).unflatten(-2, (2, -1))
+    ut, attn = (both * within[..., None, :, :]).unbind(-3)
     uw = torch.linalg.solve_triangular(ut, torch.cat([v * beta[..., None], kb * head[..., None]], -1),
-                                       upper=False, unitriangular=True)
-    u, w = uw.split([v.shape[-1], k.shape[-1]], -1)
-    attn = (q @ k.transpose(-1, -2)) * within
-    read = q * head[..., None] - attn @ w  # o = read S_i + attn u
-    kt = (k * tail[..., None]).transpose(-1, -2)
-    M = whole[..., None, None] * torch.eye(k.shape[-1], device=k.device) - kt @ w
-    c = kt @ u
-    S = v.new_zeros(*v.shape[:2], k.shape[-1], v.shape[-1]) if state is None else state.float()
+                                       upper=False, unitriangular=True)  # only ut's strictly lower triangle is read
+    intra, aw = (attn @ uw).split([Dv, k.shape[-1]], -1)
+    read = q * head[..., None] - aw  # o = read S_i + attn u
+    c, kw = ((k * tail[..., None]).transpose(-1, -2) @ uw).split([Dv, k.shape[-1]], -1)
+    M = whole[..., None, None] * torch.eye(k.shape[-1], device=k.device) - kw
+    S = v.new_zeros(*v.shape[:2], k.shape[-1], Dv) if state is None else state.float()
     states = []
     for Mi, ci in zip(M.unbind(2), c.unbind(2)):  # unbind: one gradient tensor, not one per chunk
         states.append(S)
-        S = Mi @ S + ci
-    o = attn @ u + read @ torch.stack(states, 2)
+        S = torch.baddbmm(ci.flatten(0, 1), Mi.flatten(0, 1), S.flatten(0, 1)).view_as(S)
+    o = intra + read @ torch.stack(states, 2)
     return o.flatten(2, 3)[:, :, :T].transpose(1, 2).to(dtype), S
 
 

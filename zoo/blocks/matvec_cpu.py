@@ -33,6 +33,15 @@ def weight_on_the_left(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Ten
     return y if bias is None else y + bias
 
 
+def on_the_left(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether eager F.linear(x, w) runs faster as `weight_on_the_left`: a CPU, fp32 without autocast, not compiling,
+    at most EAGER_ROWS rows and a weight of EAGER_NUMEL elements or more (MatvecCPU's)."""
+    return (type(w) in (torch.Tensor, torch.nn.Parameter) and w.device.type == "cpu" and x.dim() >= 2
+            and x.shape[:-1].numel() <= MatvecCPU.EAGER_ROWS and w.numel() >= MatvecCPU.EAGER_NUMEL
+            and x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
+
+
 class MatvecCPU(TorchFunctionMode):
     """Inside it, F.linear on a CPU takes `as_reduction` under torch.compile (at most COMPILED_ROWS rows) and
     `weight_on_the_left` in eager fp32 without autocast (at most EAGER_ROWS rows, weights of EAGER_NUMEL elements or
@@ -47,12 +56,9 @@ class MatvecCPU(TorchFunctionMode):
         if func is F.linear:
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if type(w) in (torch.Tensor, torch.nn.Parameter) and w.device.type == "cpu" and x.dim() >= 2:
-                rows = x.shape[:-1].numel()
-                if torch.compiler.is_compiling():
-                    if rows <= self.COMPILED_ROWS:
-                        return as_reduction(x, w, bias)
-                elif (rows <= self.EAGER_ROWS and w.numel() >= self.EAGER_NUMEL
-                      and x.dtype == w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")):
-                    return weight_on_the_left(x, w, bias)
+            if on_the_left(x, w):
+                return weight_on_the_left(x, w, bias)
+            if (torch.compiler.is_compiling() and type(w) in (torch.Tensor, torch.nn.Parameter)
+                    and w.device.type == "cpu" and x.dim() >= 2 and x.shape[:-1].numel() <= self.COMPILED_ROWS):
+                return as_reduction(x, w, bias)
         return func(*args, **kwargs)

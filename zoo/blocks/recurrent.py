@@ -77,7 +77,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def to_chunks(x: torch.Tensor, C: int, dim: int = 2) -> torch.Tensor:
     """x padded with zeros along `dim` to a multiple of C, that dim split in (n, C)."""
     pad = -x.shape[dim] % C
-    x = F.pad(x, (0, 0) * (x.dim() - dim - 1) + (0, pad))
+    x = F.pad(x, (0, 0) * (x.dim() - dim - 1) + (0, pad)) if pad else x
     return x.unflatten(dim, (-1, C))
 
 
