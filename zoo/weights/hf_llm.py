@@ -735,12 +735,14 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     return out
 
 
-def file_tensors(cfg: LLMConfig, rec: Record, state: dict):
+def file_tensors(cfg: LLMConfig, rec: Record, state: dict, kmap: Optional[dict] = None, orders: Optional[dict] = None):
     """(Hugging Face name, tensor) of each file tensor, in key_map's order, from a state dict in the record's layout
-    (fused tensors split, RoPE rows reordered, a file tensor split across Zoo tensors yielded once whole)."""
-    orders = {k: inverse(o) for k, o in row_orders(cfg, rec).items()}
+    (fused tensors split, RoPE rows reordered, a file tensor split across Zoo tensors yielded once, filled when the
+    iteration ends). kmap, orders: another format's names and row orders (zoo = file[order]) instead."""
+    kmap = kmap or key_map(cfg, rec.hf_class)
+    orders = {k: inverse(o) for k, o in (row_orders(cfg, rec) if orders is None else orders).items()}
     whole = {}  # file tensors split across Zoo tensors, filled as their parts come
-    for zoo_name, parts in key_map(cfg, rec.hf_class).items():
+    for zoo_name, parts in kmap.items():
         flat = state[zoo_name].reshape(-1, *parts[0][1][1:])  # stacked experts: (E * rows, cols)
         for (hf_name, shape, *rows), t in zip(parts, flat.split(list(map(height, parts)), dim=0)):
             t = t[orders[hf_name]] if hf_name in orders else t
