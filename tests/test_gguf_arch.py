@@ -219,3 +219,23 @@ def test_hybrid_gguf_out_in_and_through_transformers(tmp_path, arch, vocab_file)
     x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
     assert_same_logits(hf, zoo.from_pretrained(out), x)
     assert_same_logits(transformers_reads(hf, out), z, x)
+
+
+REFUSED = {  # what llama.cpp's architecture would not read back -> the words refusing it
+    "qwen35-wide-values": ("qwen35", dict(linear_value_head_dim=12), "value heads of another width than the key heads"),
+    "qwen35-pattern": ("qwen35", dict(layer_types=[FULL, LINEAR, LINEAR, FULL]), "layer pattern but one full attention layer every n"),
+    "lfm2-conv-bias": ("lfm2", dict(conv_bias=True), "convolution biases"),
+    "gemma4-scaled": ("gemma4", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                      "full_attention": {"rope_type": "proportional", "factor": 2.0,
+                                                                         "partial_rotary_factor": 0.5, "rope_theta": 1e6}}),
+                      "factor scaling proportional RoPE"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_hybrid_gguf_refusals(tmp_path, case):
+    arch, change, words = REFUSED[case]
+    kind, kw = HYBRID[arch]
+    hf_model(kind, **{**kw, **change}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'm.gguf'}: llama.cpp's .* has no {words}$"):
+        zoo.save_pretrained(zoo.from_pretrained(tmp_path), tmp_path / "m.gguf")
