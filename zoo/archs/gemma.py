@@ -192,14 +192,13 @@ class Gemma4(Gemma3):
 
     def gguf_metadata(self, cfg):
         n, last = cfg.n_layers, cfg.attn_shape(cfg.n_layers - 1)  # the last layer is global
-        per_layer = lambda f, same: None if same else [f(i) for i in range(n)]  # noqa: E731 - an array where they differ
+        per_layer = lambda f: [f(i) for i in range(n)] if len({f(i) for i in range(n)}) > 1 else f(0)  # noqa: E731
         return {"sliding_window_pattern": [cfg.is_local(i) for i in range(n)], "shared_kv_layers": cfg.kv_shared_layers,
                 "embedding_length_per_layer_input": cfg.per_layer_dim, "key_length": last[1], "value_length": last[1],
                 "key_length_swa": cfg.resolved_head_dim, "value_length_swa": cfg.resolved_head_dim,
                 "rope_dimension_count": last[1], "rope_dimension_count_swa": cfg.resolved_head_dim,
                 "rope_freq_base_swa": cfg.rope_theta_local or cfg.rope_theta,
-                "head_count_kv": per_layer(lambda i: cfg.attn_shape(i)[0], not cfg.global_n_kv_heads),
-                "feed_forward_length": per_layer(cfg.ffn_width, not cfg.kv_shared_ffn_hidden),
+                "head_count_kv": per_layer(lambda i: cfg.attn_shape(i)[0]), "feed_forward_length": per_layer(cfg.ffn_width),
                 "final_logit_softcapping": cfg.final_softcap}
 
     def gguf_refuses(self, cfg):

@@ -67,7 +67,7 @@ class Qwen3_5(Record):
 
 class Qwen3Next(Qwen3_5):
     hf_class, model_type = "Qwen3NextForCausalLM", "qwen3_next"
-    gguf, gguf_writes = None, False
+    gguf = "qwen3next"
     needs = Qwen3_5.needs | {"moe", "moe_shared", "moe_shared_gate"}
     may = QWEN_MOE | {"partial_rotary"}
     defaults = {**Qwen3_5.defaults, "head_dim": 256, "num_key_value_heads": 2, "num_experts": 512,
@@ -90,10 +90,24 @@ class Qwen3Next(Qwen3_5):
                 a + "in_proj_b.weight": (a + "in_proj_ba.weight", grouped(K, ba, 0)),
                 a + "in_proj_a.weight": (a + "in_proj_ba.weight", grouped(K, ba, 1))}
 
+    def gguf_split_rows(self, cfg):  # llama.cpp's converter splits in_proj_qkvz into attn_qkv and attn_gate
+        return {k: v for k, v in self.split_rows(cfg).items() if "in_proj_ba" in v[0]}
+
+    def gguf_layout(self, cfg):  # value heads grouped by key head, as in the file
+        return {}
+
+    def gguf_config(self, get, tensors):
+        return {**super().gguf_config(get, tensors), **gguf_moe(get), "norm_topk_prob": True, "decoder_sparse_step": 1}
+
+    def gguf_refuses(self, cfg):
+        m = cfg.moe
+        return super().gguf_refuses(cfg) or ("dense layers" if m.dense_layers or m.sparse_every > 1 else
+                                             "unnormalised top-k weights" if not m.norm_topk_prob else "")
+
 
 class Qwen3_5Moe(Qwen3_5):
     hf_class, model_type = "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"
-    gguf, gguf_writes = None, False
+    gguf = "qwen35moe"
     needs = Qwen3Next.needs
     defaults = {**Qwen3_5.defaults, "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8,
                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
@@ -106,6 +120,18 @@ class Qwen3_5Moe(Qwen3_5):
         moe = {k: v for k, v in qwen_moe_to_hf(cfg).items()
                if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}  # keys it does not have
         return {**super().to_hf(cfg), **moe}
+
+    def gguf_config(self, get, tensors):
+        return {**super().gguf_config(get, tensors), **gguf_moe(get), "intermediate_size": None}
+
+    def gguf_metadata(self, cfg):  # no dense MLP: no feed_forward_length
+        return {**super().gguf_metadata(cfg), "feed_forward_length": None}
+
+
+def gguf_moe(get) -> dict:
+    """The config.json keys of a Qwen MoE's experts from llama.cpp's expert_* metadata."""
+    return {"num_experts": get("expert_count"), "moe_intermediate_size": get("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
 
 
 def grouped(groups: int, sizes: tuple, *parts: int) -> list:

@@ -179,6 +179,10 @@ class Record:
         it beyond what every architecture gets (a Conv1d weight squeezed to 2-D, A_log stored as -exp(A_log))."""
         return {}
 
+    def gguf_split_rows(self, cfg: LLMConfig) -> dict:
+        """`split_rows` for the tensors llama.cpp's converter keeps fused."""
+        return self.split_rows(cfg)
+
     def gguf_refuses(self, cfg: LLMConfig) -> str:
         """What of `cfg` llama.cpp's architecture would not read back ('' when nothing)."""
         return "q/k/v/o biases" if cfg.attn_out_bias else ""

@@ -76,10 +76,10 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    if get("expert_count"):
-        raise ConfigError(f"{source}: {arch}.expert_count={get('expert_count')}: mixture-of-experts GGUF files "
-                          f"are not supported")
     rec = BY_GGUF[arch]
+    if get("expert_count") and "moe" not in rec.needs | rec.may:
+        raise ConfigError(f"{source}: {arch}.expert_count={get('expert_count')}: mixture-of-experts GGUF files "
+                          f"are not supported for {arch}")
     if "rope_freqs.weight" in tensor_names and "rope_proportional" not in rec.may:
         raise ConfigError(f"{source}: RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are "
                           f"not supported")
@@ -98,6 +98,8 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
           "max_position_embeddings": get("context_length", 2048),
           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
           "rope_theta": get("rope.freq_base", 10000.0), "tie_word_embeddings": "output.weight" not in tensor_names}
+    if get("expert_count"):
+        hf["num_experts_per_tok"] = get("expert_used_count")
     if head_dim is not None:
         hf["head_dim"] = head_dim
     if get("attention.sliding_window"):
@@ -123,13 +125,20 @@ def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == rec.gguf), cfg.n_layers)
     layout = rec.gguf_layout(cfg)
 
+    def experts(zoo):  # a sparse layer's stacked experts: gate and up (E, F, d) each, expert by expert; down (E, d, F)
+        i, E, F, d = int(zoo.split(".")[1]), cfg.moe.n_experts, cfg.resolved_expert_hidden, cfg.d_model
+        if zoo.endswith("down"):
+            return [(f"blk.{i}.ffn_down_exps.weight", (E, d, F))]
+        return [(f"blk.{i}.ffn_{w}_exps.weight", (E, F, d), [e]) for e in range(E) for w in ("gate", "up")]
+
     def entry(hf, shape, *rows):
         name = table.get_name(rec.renamed(hf, rec.gguf_renames), try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"gguf-py names no {rec.gguf} tensor for {hf}")
         squeezed = shape[:1] + shape[2:] if len(shape) == 3 and shape[1] == 1 else shape
         return (name, (layout.get(_own(hf), (None,))[0] or squeezed), *rows)
-    return {zoo: [entry(*part) for part in parts] for zoo, parts in key_map(cfg, arch).items()}
+    return {zoo: experts(zoo) if zoo.endswith(("mlp.gate_up", "mlp.down")) else [entry(*part) for part in parts]
+            for zoo, parts in key_map(cfg, arch, rec.gguf_split_rows(cfg)).items()}
 
 
 def _own(name: str) -> str:
@@ -144,7 +153,7 @@ def tensor_orders(cfg: LLMConfig, arch: str) -> dict[str, tuple]:
     layout = rec.gguf_layout(cfg)
     heads = {".attn_q.": cfg.n_heads, ".attn_k.": cfg.resolved_n_kv_heads} if rec.gguf_interleaved else {}
     out = {}
-    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch).items(), key_map(cfg, arch).values()):
+    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch).items(), key_map(cfg, arch, rec.gguf_split_rows(cfg)).values()):
         for (name, *_), (hf, *_) in zip(parts, hf_parts):
             own = layout.get(_own(hf), (None, None, None))[1:]
             rows = next((interleaved(n, D, 0, D) for part, n in heads.items() if part in name), own[0])
@@ -375,13 +384,16 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     def write(tmp: Path):
         w = gguf.GGUFWriter(str(tmp), rec.gguf)
         w.add_name(getattr(model, "gguf_name", "zoo"))
-        D = cfg.resolved_head_dim
+        D, m = cfg.resolved_head_dim, cfg.moe
+        experts = dict(expert_count=m.n_experts, expert_used_count=m.top_k, expert_feed_forward_length=cfg.resolved_expert_hidden,
+                       expert_shared_feed_forward_length=m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden)
+                       or None) if m else {}
         keys = {**dict(context_length=cfg.max_seq_len, embedding_length=cfg.d_model, block_count=cfg.n_layers,
                        feed_forward_length=cfg.resolved_ffn_hidden, head_count=cfg.n_heads,
                        head_count_kv=cfg.resolved_n_kv_heads, rope_freq_base=cfg.rope_theta,
                        layer_norm_rms_eps=cfg.norm_eps, rope_dimension_count=cfg.rotary_dim, key_length=D,
-                       value_length=D, sliding_window=cfg.sliding_window, vocab_size=cfg.vocab_size),
-                **{k: v for k, v in rec.gguf_metadata(cfg).items() if v is not None}}
+                       value_length=D, sliding_window=cfg.sliding_window, vocab_size=cfg.vocab_size), **experts,
+                **rec.gguf_metadata(cfg)}  # the record's None: a key not written
         for key, value in keys.items():
             if value is not None:
                 getattr(w, "add_" + key)(value)  # GGUFWriter.add_context_length, ...

@@ -279,11 +279,12 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
 
 # --------------------------------------------------------------------------- weight names
 
-def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
+def key_map(cfg: LLMConfig, arch: Optional[str] = None, splits: Optional[dict] = None) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by concatenating along dim 0
     in that order (the stacked experts: seen as 2-D, (E * rows, cols)). An entry (name, shape, rows) takes only
     those rows of the file tensor (`Record.split_rows`: one file tensor split across Zoo tensors). lm_head is absent
-    when the embeddings are tied. The record of `arch` names the norms, the fused projections and the experts."""
+    when the embeddings are tied. The record of `arch` names the norms, the fused projections and the experts.
+    splits: another format's `split_rows` (GGUF's)."""
     rec = RECORDS[arch] if arch else Record()
     d, V = cfg.d_model, cfg.vocab_size
     m = {"embed.weight": [("model.embed_tokens.weight", (V, d))], **_per_layer_keys(cfg)}
@@ -314,13 +315,13 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
     m["norm.weight"] = [("model.norm.weight", (d,))]
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", (V, d))]
-    return _split(rec, cfg, {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()})
+    return _split(rec.split_rows(cfg) if splits is None else splits,
+                  {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()})
 
 
-def _split(rec: Record, cfg: LLMConfig, m: dict) -> dict:
+def _split(splits: dict, m: dict) -> dict:
     """key_map's entries of a layer tensor the record splits (`split_rows`) turned into rows of the tensor the file
     holds instead (its rows: all its parts', its columns: the entry's)."""
-    splits = rec.split_rows(cfg)
     total = {}
     for file, rows in splits.values():
         total[file] = total.get(file, 0) + len(rows)
