@@ -116,6 +116,7 @@ class Record:
     gguf_writes = False                    # and writes them
     gguf_interleaved = False               # llama.cpp interleaves the RoPE pairs of its q/k rows (Llama)
     gguf_renames: dict = {}                # tensor names' parts llama.cpp's converter renames before mapping them
+    gguf_fused: Optional[tuple] = None     # the projections GGUF files keep fused (None: `fused`)
 
     def renamed(self, name: str, renames: Optional[dict] = None) -> str:
         """A tensor's or module's common name with the parts this class names otherwise replaced (`renames`, or

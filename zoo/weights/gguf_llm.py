@@ -125,11 +125,16 @@ def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == rec.gguf), cfg.n_layers)
     layout = rec.gguf_layout(cfg)
 
-    def experts(zoo):  # a sparse layer's stacked experts: gate and up (E, F, d) each, expert by expert; down (E, d, F)
-        i, E, F, d = int(zoo.split(".")[1]), cfg.moe.n_experts, cfg.resolved_expert_hidden, cfg.d_model
-        if zoo.endswith("down"):
-            return [(f"blk.{i}.ffn_down_exps.weight", (E, d, F))]
-        return [(f"blk.{i}.ffn_{w}_exps.weight", (E, F, d), [e]) for e in range(E) for w in ("gate", "up")]
+    def moe(zoo):  # a sparse layer in llama.cpp's names, alike in every architecture (None: not one of its tensors)
+        i, own, m = zoo.split(".")[1], zoo.split(".", 2)[-1], cfg.moe
+        E, F, d, b = m and m.n_experts, cfg.resolved_expert_hidden, cfg.d_model, f"blk.{zoo.split('.')[1]}."
+        Fs = m and m.n_shared * (m.shared_hidden or F)
+        return {"mlp.gate_up": [(f"{b}ffn_{w}_exps.weight", (E, F, d), [e]) for e in range(E or 0) for w in ("gate", "up")],
+                "mlp.down": [(b + "ffn_down_exps.weight", (E, d, F))], "mlp.router.weight": [(b + "ffn_gate_inp.weight", (E, d))],
+                "mlp.shared.gate_up.weight": [(b + "ffn_gate_shexp.weight", (Fs, d)), (b + "ffn_up_shexp.weight", (Fs, d))],
+                "mlp.shared.down.weight": [(b + "ffn_down_shexp.weight", (d, Fs))],
+                "mlp.shared_gate.weight": [(b + "ffn_gate_inp_shexp.weight", (1, d))]}.get(own) \
+            if zoo.startswith("layers.") and m and cfg.is_sparse(int(i)) else None
 
     def entry(hf, shape, *rows):
         name = table.get_name(rec.renamed(hf, rec.gguf_renames), try_suffixes=(".weight", ".bias"))
@@ -137,8 +142,13 @@ def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
             raise ValueError(f"gguf-py names no {rec.gguf} tensor for {hf}")
         squeezed = shape[:1] + shape[2:] if len(shape) == 3 and shape[1] == 1 else shape
         return (name, (layout.get(_own(hf), (None,))[0] or squeezed), *rows)
-    return {zoo: experts(zoo) if zoo.endswith(("mlp.gate_up", "mlp.down")) else [entry(*part) for part in parts]
-            for zoo, parts in key_map(cfg, arch, rec.gguf_split_rows(cfg)).items()}
+    return {zoo: moe(zoo) or [entry(*part) for part in parts] for zoo, parts in hf_names(cfg, arch).items()}
+
+
+def hf_names(cfg: LLMConfig, arch: str) -> dict:
+    """key_map with the fused and split tensors of llama.cpp's converter (the record's gguf_fused, gguf_split_rows)."""
+    rec = RECORDS[arch]
+    return key_map(cfg, arch, rec.gguf_split_rows(cfg), rec.gguf_fused)
 
 
 def _own(name: str) -> str:
@@ -153,7 +163,7 @@ def tensor_orders(cfg: LLMConfig, arch: str) -> dict[str, tuple]:
     layout = rec.gguf_layout(cfg)
     heads = {".attn_q.": cfg.n_heads, ".attn_k.": cfg.resolved_n_kv_heads} if rec.gguf_interleaved else {}
     out = {}
-    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch).items(), key_map(cfg, arch, rec.gguf_split_rows(cfg)).values()):
+    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch).items(), hf_names(cfg, arch).values()):
         for (name, *_), (hf, *_) in zip(parts, hf_parts):
             own = layout.get(_own(hf), (None, None, None))[1:]
             rows = next((interleaved(n, D, 0, D) for part, n in heads.items() if part in name), own[0])
