@@ -5,9 +5,11 @@
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
 The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping (the metadata as a
-config.json dict; llama.cpp's interleaved q/k rows of Llama turned to rotate-half). The architectures are those whose
-record (zoo/archs) names a GGUF architecture (`gguf`, `gguf_writes`); the tokenizer is rebuilt as a
-`tokenizers.Tokenizer`. Anything else is refused in one line naming the file.
+config.json dict, the tensor names through gguf-py's TensorNameMap, a sparse layer in llama.cpp's own names) and undoes
+what llama.cpp's converter does to a tensor (Llama's interleaved q/k rows, A_log stored as -exp(A_log), squeezed
+convolutions, the record's `gguf_layout`). The architectures are those whose record (zoo/archs) names a GGUF
+architecture (`gguf`, `gguf_writes`); the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything else is refused in
+one line naming the file.
 """
 from __future__ import annotations
 
@@ -125,16 +127,18 @@ def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == rec.gguf), cfg.n_layers)
     layout = rec.gguf_layout(cfg)
 
-    def moe(zoo):  # a sparse layer in llama.cpp's names, alike in every architecture (None: not one of its tensors)
-        i, own, m = zoo.split(".")[1], zoo.split(".", 2)[-1], cfg.moe
-        E, F, d, b = m and m.n_experts, cfg.resolved_expert_hidden, cfg.d_model, f"blk.{zoo.split('.')[1]}."
-        Fs = m and m.n_shared * (m.shared_hidden or F)
-        return {"mlp.gate_up": [(f"{b}ffn_{w}_exps.weight", (E, F, d), [e]) for e in range(E or 0) for w in ("gate", "up")],
-                "mlp.down": [(b + "ffn_down_exps.weight", (E, d, F))], "mlp.router.weight": [(b + "ffn_gate_inp.weight", (E, d))],
+    def moe(zoo):  # a sparse layer's tensors in llama.cpp's names, alike in every architecture (else None)
+        parts = zoo.split(".", 2)
+        if not (cfg.moe and parts[0] == "layers" and cfg.is_sparse(int(parts[1]))):
+            return None
+        m, F, d, b = cfg.moe, cfg.resolved_expert_hidden, cfg.d_model, f"blk.{parts[1]}."
+        E, Fs = m.n_experts, m.n_shared * (m.shared_hidden or F)
+        return {"mlp.gate_up": [(f"{b}ffn_{w}_exps.weight", (E, F, d), [e]) for e in range(E) for w in ("gate", "up")],
+                "mlp.down": [(b + "ffn_down_exps.weight", (E, d, F))],
+                "mlp.router.weight": [(b + "ffn_gate_inp.weight", (E, d))],
                 "mlp.shared.gate_up.weight": [(b + "ffn_gate_shexp.weight", (Fs, d)), (b + "ffn_up_shexp.weight", (Fs, d))],
                 "mlp.shared.down.weight": [(b + "ffn_down_shexp.weight", (d, Fs))],
-                "mlp.shared_gate.weight": [(b + "ffn_gate_inp_shexp.weight", (1, d))]}.get(own) \
-            if zoo.startswith("layers.") and m and cfg.is_sparse(int(i)) else None
+                "mlp.shared_gate.weight": [(b + "ffn_gate_inp_shexp.weight", (1, d))]}.get(parts[2])
 
     def entry(hf, shape, *rows):
         name = table.get_name(rec.renamed(hf, rec.gguf_renames), try_suffixes=(".weight", ".bias"))
