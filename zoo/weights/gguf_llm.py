@@ -31,8 +31,7 @@ READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
 # tensors llama.cpp's converter keeps in F32 whatever the file type: norms, convolutions, routers, non-weights
-F32_NAMES = re.compile(r"(_norm\.weight|ssm_conv1d\.weight|shortconv\.conv\.weight|ffn_gate_inp\.weight|\.ssm_a|"
-                       r"\.bias)$")
+F32_NAMES = re.compile(r"(_norm|ssm_conv1d|shortconv\.conv|ffn_gate_inp)\.weight$|(?<!\.weight)$")
 
 
 def _gguf():
