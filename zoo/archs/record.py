@@ -167,11 +167,13 @@ class Record:
         return state
 
     def gguf_config(self, get, tensors: dict) -> dict:
-        """config.json keys from this class's GGUF metadata beyond the common ones (get(key): '{arch}.key')."""
+        """config.json keys from this class's GGUF metadata beyond the common ones (get(key): '{arch}.key'; a key given
+        None: the class's default)."""
         return {}
 
     def gguf_metadata(self, cfg: LLMConfig) -> dict:
-        """This class's GGUF metadata beyond (or instead of) the common keys: GGUFWriter.add_<key> -> value."""
+        """This class's GGUF metadata beyond (or instead of) the common keys: GGUFWriter.add_<key> -> value (None: the
+        key not written)."""
         return {}
 
     def gguf_layout(self, cfg: LLMConfig) -> dict:
