@@ -21,6 +21,7 @@ import re
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -294,3 +295,32 @@ def test_hybrid_gguf_refusals(tmp_path, case):
     hf_model(kind, **{**kw, **change}).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"{tmp_path / 'm.gguf'}: llama.cpp's .* has no {words}$"):
         zoo.save_pretrained(zoo.from_pretrained(tmp_path), tmp_path / "m.gguf")
+
+
+def test_qwen3next_file_of_the_older_converter(tmp_path, vocab_file):
+    """llama.cpp's converter kept Qwen3-Next's in_proj_qkvz whole (ssm_in) before splitting it into attn_qkv and
+    attn_gate; a file of that layout (Zoo's file with the pair replaced by transformers' in_proj_qkvz) loads with
+    the transformers model's logits."""
+    kind, kw = HYBRID["qwen3next"]
+    hf = hf_model(kind, **kw)
+    hf.save_pretrained(tmp_path / "hf")
+    new = gguf.GGUFReader(zoo.save_pretrained(zoo.from_pretrained(tmp_path / "hf"), tmp_path / "new.gguf", dtype="f32"))
+    w = gguf.GGUFWriter(str(tmp_path / "old.gguf"), "qwen3next")
+    for key, field in new.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    state = hf.state_dict()
+    for t in new.tensors:
+        if t.name.endswith("attn_gate.weight"):
+            continue
+        if t.name.endswith("attn_qkv.weight"):
+            i = t.name.split(".")[1]
+            w.add_tensor(f"blk.{i}.ssm_in.weight", state[f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"].numpy())
+        else:
+            w.add_tensor(t.name, np.array(t.data).reshape([int(s) for s in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert_same_logits(hf, zoo.from_pretrained(tmp_path / "old.gguf"), x)

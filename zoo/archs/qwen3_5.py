@@ -90,8 +90,11 @@ class Qwen3Next(Qwen3_5):
                 a + "in_proj_b.weight": (a + "in_proj_ba.weight", grouped(K, ba, 0)),
                 a + "in_proj_a.weight": (a + "in_proj_ba.weight", grouped(K, ba, 1))}
 
-    def gguf_split_rows(self, cfg):  # llama.cpp's converter splits in_proj_qkvz into attn_qkv and attn_gate
-        return {k: v for k, v in self.split_rows(cfg).items() if "in_proj_ba" in v[0]}
+    def gguf_split_rows(self, cfg, found=()):
+        """llama.cpp's converter splits in_proj_qkvz into attn_qkv and attn_gate; its files before kept it whole
+        (ssm_in), as transformers does."""
+        legacy = any(name.endswith(".ssm_in.weight") for name in found)
+        return {k: v for k, v in self.split_rows(cfg).items() if legacy or "in_proj_ba" in v[0]}
 
     def gguf_layout(self, cfg):  # value heads grouped by key head, as in the file
         return {}

@@ -182,8 +182,8 @@ class Record:
         it beyond what every architecture gets (a Conv1d weight squeezed to 2-D, A_log stored as -exp(A_log))."""
         return {}
 
-    def gguf_split_rows(self, cfg: LLMConfig) -> dict:
-        """`split_rows` for the tensors llama.cpp's converter keeps fused."""
+    def gguf_split_rows(self, cfg: LLMConfig, found=()) -> dict:
+        """`split_rows` for the tensors llama.cpp's converter keeps fused (found: the names of a file being read)."""
         return self.split_rows(cfg)
 
     def gguf_refuses(self, cfg: LLMConfig) -> str:

@@ -118,10 +118,11 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     return config_from_hf(hf, source)
 
 
-def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
+def gguf_names(cfg: LLMConfig, arch: str, found=()) -> dict[str, list[tuple]]:
     """key_map in a GGUF file's names and shapes: Zoo name -> [(GGUF name, shape, *rows), ...]. Names through
     gguf-py's TensorNameMap of the record's architecture (after the record's `gguf_renames`); shapes as llama.cpp's
-    converter writes them (a Conv1d weight (C, 1, K) squeezed to (C, K); the record's `gguf_layout`)."""
+    converter writes them (a Conv1d weight (C, 1, K) squeezed to (C, K); the record's `gguf_layout`). found: the names
+    a file being read holds (an older converter's layout)."""
     gguf, rec = _gguf(), RECORDS[arch]
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == rec.gguf), cfg.n_layers)
     layout = rec.gguf_layout(cfg)
@@ -145,13 +146,13 @@ def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple]]:
             raise ValueError(f"gguf-py names no {rec.gguf} tensor for {hf}")
         squeezed = shape[:1] + shape[2:] if len(shape) == 3 and shape[1] == 1 else shape
         return (name, (layout.get(_own(hf), (None,))[0] or squeezed), *rows)
-    return {zoo: moe(zoo) or [entry(*part) for part in parts] for zoo, parts in hf_names(cfg, arch).items()}
+    return {zoo: moe(zoo) or [entry(*part) for part in parts] for zoo, parts in hf_names(cfg, arch, found).items()}
 
 
-def hf_names(cfg: LLMConfig, arch: str) -> dict:
+def hf_names(cfg: LLMConfig, arch: str, found=()) -> dict:
     """key_map with the fused and split tensors of llama.cpp's converter (the record's gguf_fused, gguf_split_rows)."""
     rec = RECORDS[arch]
-    return key_map(cfg, arch, rec.gguf_split_rows(cfg), rec.gguf_fused)
+    return key_map(cfg, arch, rec.gguf_split_rows(cfg, found), rec.gguf_fused)
 
 
 def _own(name: str) -> str:
@@ -159,14 +160,14 @@ def _own(name: str) -> str:
     return name.split(".", 3)[-1].removesuffix(".weight").removesuffix(".bias")
 
 
-def tensor_orders(cfg: LLMConfig, arch: str) -> dict[str, tuple]:
+def tensor_orders(cfg: LLMConfig, arch: str, found=()) -> dict[str, tuple]:
     """GGUF tensor name -> (its rows' order, its columns' order; zoo = file[order], None: kept): the q/k rows
     llama.cpp stores with RoPE pairs interleaved (Llama), the record's `gguf_layout` orders."""
     rec, D = RECORDS[arch], cfg.resolved_head_dim
     layout = rec.gguf_layout(cfg)
     heads = {".attn_q.": cfg.n_heads, ".attn_k.": cfg.resolved_n_kv_heads} if rec.gguf_interleaved else {}
     out = {}
-    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch).items(), hf_names(cfg, arch).values()):
+    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch, found).items(), hf_names(cfg, arch, found).values()):
         for (name, *_), (hf, *_) in zip(parts, hf_parts):
             own = layout.get(_own(hf), (None, None, None))[1:]
             rows = next((interleaved(n, D, 0, D) for part, n in heads.items() if part in name), own[0])
@@ -211,7 +212,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     dtype = _resolve_dtype(dtype, {}, str(path))  # None: float32
     device = torch.device(device or "cpu")
 
-    kmap = gguf_names(cfg, arch)
+    kmap = gguf_names(cfg, arch, tensors)
     expected = {name: shape for parts in kmap.values() for name, shape, *_ in parts}
     found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
     if problems := mismatches(found, expected, lambda n: n.startswith(("rope_factors_", "rope_freqs."))):
@@ -222,7 +223,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         raise ValueError(f"{path}: unsupported tensor type: {', '.join(bad[:4])}"
                          f"{f' (+{len(bad) - 4} more)' if len(bad) > 4 else ''} (supported: {', '.join(READ_TYPES)})")
 
-    orders = tensor_orders(cfg, arch)
+    orders = tensor_orders(cfg, arch, tensors)
 
     def fill(name, dest):
         t = tensors[name]
