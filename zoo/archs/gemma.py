@@ -171,6 +171,8 @@ class Gemma4(Gemma3):
         """llama.cpp's: local layers by sliding_window_pattern, their head size key_length_swa; kv heads and MLP
         widths per layer; global layers' values their keys where they have no attn_v; the angles of the global
         layers that turn where rope_freqs is 1 (proportional RoPE)."""
+        if get("expert_count"):
+            raise ValueError(f"gemma4.expert_count={get('expert_count')}: Gemma 4's experts are not read from GGUF files")
         n = get("block_count")
         local = get("attention.sliding_window_pattern")
         kv, ff = (v if isinstance(v, list) else [v] * n for v in (get("attention.head_count_kv"), get("feed_forward_length")))
@@ -203,5 +205,6 @@ class Gemma4(Gemma3):
 
     def gguf_refuses(self, cfg):
         s = cfg.rope_scaling
-        return ("RoPE on the global layers but proportional (rope_freqs)" if s is None or s.type != "proportional" else
+        return ("experts that Zoo writes (enable_moe_block)" if cfg.moe else
+                "RoPE on the global layers but proportional (rope_freqs)" if s is None or s.type != "proportional" else
                 "factor scaling proportional RoPE" if s.factor != 1 else "")
