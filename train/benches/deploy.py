@@ -286,7 +286,7 @@ def distill_quality(args) -> tuple[dict, dict]:
             out.mkdir(parents=True, exist_ok=True)
             load_tokenizer(teacher).backend.save(str(tok))
         reader, meta = read(teacher)
-        vocab = config_from_gguf(meta, [t.name for t in reader.tensors], str(teacher))[0].vocab_size
+        vocab = config_from_gguf(meta, {t.name: t for t in reader.tensors}, str(teacher))[0].vocab_size
         extra += [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={vocab}"]
     elif not args.teacher:
         harness.run_loop(ROOT / config, teacher, [*common, *teacher_over.split(),

@@ -77,7 +77,8 @@ class Gemma4(Gemma3):
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}}
     norm_offset, old_rope, wrapper = 0.0, False, ("gemma4", "model.language_model.")
-    gguf, gguf_writes = None, False
+    gguf = "gemma4"
+    gguf_renames = {"layer_scalar": "layer_scalar.weight"}
 
     def default_local(self, hf, get, n_layers):  # transformers makes the last layer global
         return super().default_local(hf, get, n_layers)[:-1] + [False]
@@ -165,3 +166,45 @@ class Gemma4(Gemma3):
                 "per-head q/k norms only" if cfg.qk_norm == "proj" else
                 "no KV-sharing layers' MLP width but twice ffn_hidden" if cfg.kv_shared_ffn_hidden not in
                 (None, 2 * cfg.resolved_ffn_hidden) else "")
+
+    def gguf_config(self, get, tensors):
+        """llama.cpp's: local layers by sliding_window_pattern, their head size key_length_swa; kv heads and MLP
+        widths per layer; global layers' values their keys where they have no attn_v; the angles of the global
+        layers that turn where rope_freqs is 1 (proportional RoPE)."""
+        if get("expert_count"):
+            raise ValueError(f"gemma4.expert_count={get('expert_count')}: Gemma 4's experts are not read from GGUF files")
+        n = get("block_count")
+        local = get("attention.sliding_window_pattern")
+        kv, ff = (v if isinstance(v, list) else [v] * n for v in (get("attention.head_count_kv"), get("feed_forward_length")))
+        full, shared = [i for i in range(n) if not local[i]], get("attention.shared_kv_layers", 0)
+        factors = tensors["rope_freqs.weight"].data
+        table = tensors.get("per_layer_token_embd.weight")
+        return {"layer_types": ["sliding_attention" if s else "full_attention" for s in local],
+                "head_dim": get("attention.key_length_swa"), "num_key_value_heads": kv[local.index(True)],
+                "per_layer_config": {str(i): {"head_dim": get("attention.key_length"), "num_key_value_heads": kv[i]}
+                                     for i in full},
+                "attention_k_eq_v": f"blk.{full[0]}.attn_v.weight" not in tensors, "num_kv_shared_layers": shared,
+                "intermediate_size": ff[0], "use_double_wide_mlp": bool(shared) and ff[-1] == 2 * ff[0],
+                "hidden_size_per_layer_input": get("embedding_length_per_layer_input", 0),
+                "vocab_size_per_layer_input": int(table.shape[-1]) if table is not None else None,
+                "final_logit_softcapping": get("final_logit_softcapping"), "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": get("rope.freq_base_swa", 1e4)},
+                    "full_attention": {"rope_type": "proportional", "rope_theta": get("rope.freq_base"),
+                                       "partial_rotary_factor": float((factors == 1).mean())}}}
+
+    def gguf_metadata(self, cfg):
+        n, last = cfg.n_layers, cfg.attn_shape(cfg.n_layers - 1)  # the last layer is global
+        per_layer = lambda f: [f(i) for i in range(n)] if len({f(i) for i in range(n)}) > 1 else f(0)  # noqa: E731
+        return {"sliding_window_pattern": [cfg.is_local(i) for i in range(n)], "shared_kv_layers": cfg.kv_shared_layers,
+                "embedding_length_per_layer_input": cfg.per_layer_dim, "key_length": last[1], "value_length": last[1],
+                "key_length_swa": cfg.resolved_head_dim, "value_length_swa": cfg.resolved_head_dim,
+                "rope_dimension_count": last[1], "rope_dimension_count_swa": cfg.resolved_head_dim,
+                "rope_freq_base_swa": cfg.rope_theta_local or cfg.rope_theta,
+                "head_count_kv": per_layer(lambda i: cfg.attn_shape(i)[0]), "feed_forward_length": per_layer(cfg.ffn_width),
+                "final_logit_softcapping": cfg.final_softcap}
+
+    def gguf_refuses(self, cfg):
+        s = cfg.rope_scaling
+        return ("experts that Zoo writes (enable_moe_block)" if cfg.moe else
+                "RoPE on the global layers but proportional (rope_freqs)" if s is None or s.type != "proportional" else
+                "factor scaling proportional RoPE" if s.factor != 1 else "")

@@ -24,6 +24,9 @@ class GraniteMoeHybrid(Record):
     renames = {"mlp.gate_up_proj": "shared_mlp.input_linear", "mlp.down_proj": "shared_mlp.output_linear"}
     mixers = {"mamba": "mamba"}
     types = {"linear_attention": "mamba", "attention": "full_attention"}
+    gguf, gguf_writes, gguf_fused = "granitehybrid", True, ()
+    gguf_interleaved = True  # its converter permutes q/k rows as Llama's
+    gguf_renames = {"mamba.dt_bias": "mamba.dt_proj.bias", "shared_mlp.output_linear": "mlp.down_proj"}
 
     def config(self, hf, get, n_layers):
         if get("hidden_act", "silu") != "silu":
@@ -77,3 +80,41 @@ class GraniteMoeHybrid(Record):
         x = h + "block_sparse_moe."
         return {"router": x + "router.layer", "shared": h + "mlp.",
                 "stacked": stacked(cfg, x + "input_linear.weight", x + "output_linear.weight")}
+
+    def gguf_config(self, get, tensors):  # llama.cpp's: no kv heads on a Mamba-2 layer, its attention without RoPE
+        kv, heads, n = get("attention.head_count_kv"), get("ssm.time_step_rank"), get("block_count")
+        kv = kv if isinstance(kv, list) else [kv] * n
+        ff = get("feed_forward_length")
+        return {"layer_types": ["attention" if k else "mamba" for k in kv], "num_key_value_heads": max(kv),
+                "position_embedding_type": "nope", "mamba_n_heads": heads, "mamba_d_head": get("ssm.inner_size") // heads,
+                "mamba_d_state": get("ssm.state_size"), "mamba_n_groups": get("ssm.group_count"),
+                "mamba_d_conv": get("ssm.conv_kernel"), "mamba_proj_bias": False,
+                "mamba_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in tensors),
+                "attention_multiplier": get("attention.scale"), "embedding_multiplier": get("embedding_scale", 1.0),
+                "residual_multiplier": get("residual_scale", 1.0), "logits_scaling": get("logit_scale", 1.0),
+                "num_local_experts": get("expert_count", 0), "intermediate_size": ff,
+                "shared_intermediate_size": get("expert_shared_feed_forward_length", ff)}
+
+    def gguf_metadata(self, cfg):
+        r, m = cfg.resolved_recurrent, cfg.moe
+        return {"head_count_kv": [0 if cfg.layer_type(i) == "mamba" else cfg.resolved_n_kv_heads for i in range(cfg.n_layers)],
+                "ssm_conv_kernel": r.conv_kernel, "ssm_state_size": r.state_size, "ssm_group_count": r.n_groups,
+                "ssm_inner_size": r.n_heads * r.head_dim, "ssm_time_step_rank": r.n_heads,
+                "attention_scale": (cfg.query_pre_attn_scalar or cfg.resolved_head_dim) ** -0.5,
+                "embedding_scale": cfg.embed_multiplier, "residual_scale": cfg.residual_multiplier,
+                "logit_scale": 1 / cfg.logit_scale, "rope_scaling_finetuned": False,
+                "feed_forward_length": cfg.resolved_expert_hidden if m else cfg.resolved_ffn_hidden,
+                "expert_shared_feed_forward_length": m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden) if m
+                else cfg.resolved_ffn_hidden}
+
+    def gguf_layout(self, cfg):
+        """llama.cpp's Mamba-2 shapes: A and D as columns (H, 1), the gated norm's gain per group (G, width / G)."""
+        r = cfg.resolved_recurrent
+        inner = r.n_heads * r.head_dim
+        return {"mamba.A_log": ((r.n_heads, 1), None, None), "mamba.D": ((r.n_heads, 1), None, None),
+                "mamba.norm": ((r.n_groups, inner // r.n_groups), None, None)}
+
+    def gguf_refuses(self, cfg):
+        attention = {i for i in range(cfg.n_layers) if cfg.layer_type(i) not in RECURRENT_TYPES}
+        return ("RoPE (its attention layers have none)" if attention - set(cfg.nope_layers) else
+                "Mamba-2 projection biases" if cfg.resolved_recurrent.bias else super().gguf_refuses(cfg))

@@ -16,6 +16,7 @@ class Lfm2(Record):
                "self_attn.k_norm": "self_attn.k_layernorm", "mlp.gate_proj": "feed_forward.w1",
                "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2", "model.norm.": "model.embedding_norm."}
     mixers = {"conv": "conv"}
+    gguf, gguf_writes = "lfm2", True
 
     def config(self, hf, get, n_layers):
         ffn = hf["intermediate_size"]
@@ -29,3 +30,17 @@ class Lfm2(Record):
     def to_hf(self, cfg):
         return {"norm_eps": cfg.norm_eps, "block_auto_adjust_ff_dim": False, "conv_L_cache": cfg.resolved_recurrent.conv_kernel,
                 "conv_bias": cfg.resolved_recurrent.conv_bias}
+
+    def gguf_config(self, get, tensors):  # llama.cpp's: no kv heads on a convolution layer; the MLP's width as is
+        kv = get("attention.head_count_kv")
+        kv = kv if isinstance(kv, list) else [kv] * get("block_count")
+        return {"layer_types": ["full_attention" if n else "conv" for n in kv], "num_key_value_heads": max(kv),
+                "conv_L_cache": get("shortconv.l_cache"), "block_auto_adjust_ff_dim": False,
+                "norm_eps": get("attention.layer_norm_rms_epsilon")}
+
+    def gguf_metadata(self, cfg):
+        return {"shortconv_l_cache": cfg.resolved_recurrent.conv_kernel, "head_count_kv": [
+            0 if cfg.layer_type(i) == "conv" else cfg.resolved_n_kv_heads for i in range(cfg.n_layers)]}
+
+    def gguf_refuses(self, cfg):
+        return "convolution biases" if cfg.resolved_recurrent.conv_bias else ""

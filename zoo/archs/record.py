@@ -115,10 +115,13 @@ class Record:
     gguf: Optional[str] = None             # llama.cpp's architecture name, when Zoo reads GGUF files of it
     gguf_writes = False                    # and writes them
     gguf_interleaved = False               # llama.cpp interleaves the RoPE pairs of its q/k rows (Llama)
+    gguf_renames: dict = {}                # tensor names' parts llama.cpp's converter renames before mapping them
+    gguf_fused: Optional[tuple] = None     # the projections GGUF files keep fused (None: `fused`)
 
-    def renamed(self, name: str) -> str:
-        """A tensor's or module's common name with the parts this class names otherwise replaced (`renames`)."""
-        for old, new in self.renames.items():
+    def renamed(self, name: str, renames: Optional[dict] = None) -> str:
+        """A tensor's or module's common name with the parts this class names otherwise replaced (`renames`, or
+        those given)."""
+        for old, new in (self.renames if renames is None else renames).items():
             name = name.replace(old, new)
         return name
 
@@ -164,8 +167,24 @@ class Record:
         return state
 
     def gguf_config(self, get, tensors: dict) -> dict:
-        """config.json keys from this class's GGUF metadata beyond the common ones (get(key): '{arch}.key')."""
+        """config.json keys from this class's GGUF metadata beyond the common ones (get(key): '{arch}.key'; a key given
+        None: the class's default)."""
         return {}
+
+    def gguf_metadata(self, cfg: LLMConfig) -> dict:
+        """This class's GGUF metadata beyond (or instead of) the common keys: GGUFWriter.add_<key> -> value (None: the
+        key not written)."""
+        return {}
+
+    def gguf_layout(self, cfg: LLMConfig) -> dict:
+        """A layer tensor's name in the common naming ('mamba.D') -> (its shape in a GGUF file or None, its rows'
+        order or None, its columns' order or None; zoo = file[order]) where llama.cpp's converter reshapes or reorders
+        it beyond what every architecture gets (a Conv1d weight squeezed to 2-D, A_log stored as -exp(A_log))."""
+        return {}
+
+    def gguf_split_rows(self, cfg: LLMConfig, found=()) -> dict:
+        """`split_rows` for the tensors llama.cpp's converter keeps fused (found: the names of a file being read)."""
+        return self.split_rows(cfg)
 
     def gguf_refuses(self, cfg: LLMConfig) -> str:
         """What of `cfg` llama.cpp's architecture would not read back ('' when nothing)."""

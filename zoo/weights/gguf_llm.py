@@ -5,12 +5,16 @@
     zoo.save_pretrained(model, "out.gguf", dtype="q8_0")       # "f32" | "f16" (default) | "bf16" | "q8_0"
 
 The `gguf` package reads and writes the files; this module maps them through hf_llm.py's mapping (the metadata as a
-config.json dict; llama.cpp's interleaved q/k rows of Llama turned to rotate-half). The architectures are those whose
-record (zoo/archs) names a GGUF architecture (`gguf`, `gguf_writes`); the tokenizer is rebuilt as a
-`tokenizers.Tokenizer`. Anything else is refused in one line naming the file.
+config.json dict, the tensor names through gguf-py's TensorNameMap, a sparse layer in llama.cpp's own names) and undoes
+what llama.cpp's converter does to a tensor (Llama's interleaved q/k rows, A_log stored as -exp(A_log), squeezed
+convolutions, the record's `gguf_layout`). The architectures are those whose record (zoo/archs) names a GGUF
+architecture (`gguf`, `gguf_writes`); the tokenizer is rebuilt as a `tokenizers.Tokenizer`. Anything else is refused in
+one line naming the file.
 """
 from __future__ import annotations
 
+import re
+from functools import partial
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,13 +23,15 @@ import torch
 from ..archs import BY_GGUF, RECORDS, interleaved
 from ..config import ConfigError, LLMConfig
 from .files import atomic_write, mismatches
-from .hf_llm import _resolve_dtype, assemble, config_from_hf, inverse, key_map, record_for, reordered
+from .hf_llm import _resolve_dtype, assemble, config_from_hf, file_tensors, inverse, key_map, record_for
 
 ARCHITECTURES = {name: r.hf_class for name, r in BY_GGUF.items()}  # GGUF name -> Hugging Face class
 WRITES = tuple(r.hf_class for r in RECORDS.values() if r.gguf_writes)  # the architectures `save` writes
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 WRITE_TYPES = ("f32", "f16", "bf16", "q8_0")
 MAGIC = b"GGUF"
+# tensors llama.cpp's converter keeps in F32 whatever the file type: norms, convolutions, routers, non-weights
+F32_NAMES = re.compile(r"(_norm|ssm_conv1d|shortconv\.conv|ffn_gate_inp)\.weight$|(?<!\.weight)$")
 
 
 def _gguf():
@@ -71,13 +77,13 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    if get("expert_count"):
+    rec = BY_GGUF[arch]
+    if get("expert_count") and "moe" not in rec.needs | rec.may:
         raise ConfigError(f"{source}: {arch}.expert_count={get('expert_count')}: mixture-of-experts GGUF files "
-                          f"are not supported")
-    if "rope_freqs.weight" in tensor_names:
+                          f"are not supported for {arch}")
+    if "rope_freqs.weight" in tensor_names and "rope_proportional" not in rec.may:
         raise ConfigError(f"{source}: RoPE frequency factors (rope_freqs.weight, Llama 3.1-style scaling) are "
                           f"not supported")
-    rec = BY_GGUF[arch]
     own = rec.gguf_config(get, tensor_names)
     scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", "linear") and "rope_scaling" not in own:
@@ -93,38 +99,98 @@ def config_from_gguf(meta: dict, tensor_names, source: str) -> tuple[LLMConfig, 
           "max_position_embeddings": get("context_length", 2048),
           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
           "rope_theta": get("rope.freq_base", 10000.0), "tie_word_embeddings": "output.weight" not in tensor_names}
+    if get("expert_count"):
+        hf["num_experts_per_tok"] = get("expert_used_count")
     if head_dim is not None:
         hf["head_dim"] = head_dim
     if get("attention.sliding_window"):
         hf.update(sliding_window=get("attention.sliding_window"), use_sliding_window=True)
-    if rot is not None and rot != (head_dim or d // n_heads):
-        if "partial_rotary" not in rec.may:
+    if rot is not None and "rope_parameters" not in own:
+        if "partial_rotary" not in rec.may and rot != (head_dim or d // n_heads):
             raise ConfigError(f"{source}: {arch}.rope.dimension_count={rot} < head dimension {head_dim}: partial "
                               f"RoPE is not supported for {arch}")
         hf["partial_rotary_factor"] = rot / (head_dim or d // n_heads)
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
     hf.update(own)
-    if missing := [k for k, v in hf.items() if v is None]:
+    if missing := [k for k, v in hf.items() if v is None and k not in own]:  # the record's None: the default
         raise ConfigError(f"{source}: GGUF metadata lacks what gives {', '.join(missing)} ({arch}.* keys)")
     return config_from_hf(hf, source)
 
 
-def gguf_names(cfg: LLMConfig, arch: str) -> dict[str, list[tuple[str, tuple]]]:
-    """key_map with GGUF tensor names: Zoo name -> [(GGUF name, (rows, cols)), ...]."""
-    gguf = _gguf()
-    table = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, RECORDS[arch].gguf.upper()), cfg.n_layers)
-    return {zoo: [(table.get_name(hf, try_suffixes=(".weight", ".bias")), shape) for hf, shape in parts]
-            for zoo, parts in key_map(cfg, arch).items()}
+def gguf_names(cfg: LLMConfig, arch: str, found=()) -> dict[str, list[tuple]]:
+    """key_map in a GGUF file's names and shapes: Zoo name -> [(GGUF name, shape, *rows), ...]. Names through
+    gguf-py's TensorNameMap of the record's architecture (after the record's `gguf_renames`); shapes as llama.cpp's
+    converter writes them (a Conv1d weight (C, 1, K) squeezed to (C, K); the record's `gguf_layout`). found: the names
+    a file being read holds (an older converter's layout)."""
+    gguf, rec = _gguf(), RECORDS[arch]
+    table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == rec.gguf), cfg.n_layers)
+    layout = rec.gguf_layout(cfg)
+
+    def moe(zoo):  # a sparse layer's tensors in llama.cpp's names, alike in every architecture (else None)
+        parts = zoo.split(".", 2)
+        if not (cfg.moe and parts[0] == "layers" and cfg.is_sparse(int(parts[1]))):
+            return None
+        m, F, d, b = cfg.moe, cfg.resolved_expert_hidden, cfg.d_model, f"blk.{parts[1]}."
+        E, Fs = m.n_experts, m.n_shared * (m.shared_hidden or F)
+        return {"mlp.gate_up": [(f"{b}ffn_{w}_exps.weight", (E, F, d), [e]) for e in range(E) for w in ("gate", "up")],
+                "mlp.down": [(b + "ffn_down_exps.weight", (E, d, F))],
+                "mlp.router.weight": [(b + "ffn_gate_inp.weight", (E, d))],
+                "mlp.shared.gate_up.weight": [(b + "ffn_gate_shexp.weight", (Fs, d)), (b + "ffn_up_shexp.weight", (Fs, d))],
+                "mlp.shared.down.weight": [(b + "ffn_down_shexp.weight", (d, Fs))],
+                "mlp.shared_gate.weight": [(b + "ffn_gate_inp_shexp.weight", (1, d))]}.get(parts[2])
+
+    def entry(hf, shape, *rows):
+        name = table.get_name(rec.renamed(hf, rec.gguf_renames), try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"gguf-py names no {rec.gguf} tensor for {hf}")
+        squeezed = shape[:1] + shape[2:] if len(shape) == 3 and shape[1] == 1 else shape
+        return (name, (layout.get(_own(hf), (None,))[0] or squeezed), *rows)
+    return {zoo: moe(zoo) or [entry(*part) for part in parts] for zoo, parts in hf_names(cfg, arch, found).items()}
 
 
-def row_orders(cfg: LLMConfig, arch: str) -> dict[str, list]:
-    """GGUF tensor name -> Zoo's order of its rows: the q/k rows llama.cpp stores with RoPE pairs interleaved."""
-    if not RECORDS[arch].gguf_interleaved:
-        return {}
-    D, heads = cfg.resolved_head_dim, {".attn_q.": cfg.n_heads, ".attn_k.": cfg.resolved_n_kv_heads}
-    return {name: interleaved(n, D, 0, D) for parts in gguf_names(cfg, arch).values() for name, _ in parts
-            for part, n in heads.items() if part in name}
+def hf_names(cfg: LLMConfig, arch: str, found=()) -> dict:
+    """key_map with the fused and split tensors of llama.cpp's converter (the record's gguf_fused, gguf_split_rows)."""
+    rec = RECORDS[arch]
+    return key_map(cfg, arch, rec.gguf_split_rows(cfg, found), rec.gguf_fused)
+
+
+def _own(name: str) -> str:
+    """A layer tensor's name within its layer, without .weight / .bias ('linear_attn.A_log')."""
+    return name.split(".", 3)[-1].removesuffix(".weight").removesuffix(".bias")
+
+
+def tensor_orders(cfg: LLMConfig, arch: str, found=()) -> dict[str, tuple]:
+    """GGUF tensor name -> (its rows' order, its columns' order; zoo = file[order], None: kept): the q/k rows
+    llama.cpp stores with RoPE pairs interleaved (Llama), the record's `gguf_layout` orders."""
+    rec, D = RECORDS[arch], cfg.resolved_head_dim
+    layout = rec.gguf_layout(cfg)
+    heads = {".attn_q.": cfg.n_heads, ".attn_k.": cfg.resolved_n_kv_heads} if rec.gguf_interleaved else {}
+    out = {}
+    for (zoo, parts), hf_parts in zip(gguf_names(cfg, arch, found).items(), hf_names(cfg, arch, found).values()):
+        for (name, *_), (hf, *_) in zip(parts, hf_parts):
+            own = layout.get(_own(hf), (None, None, None))[1:]
+            rows = next((interleaved(n, D, 0, D) for part, n in heads.items() if part in name), own[0])
+            if rows is not None or own[1] is not None:
+                out[name] = (rows, own[1])
+    return out
+
+
+def to_zoo(name: str, w: torch.Tensor, order: Optional[tuple]) -> torch.Tensor:
+    """A GGUF tensor (in its file shape) in Zoo's layout: A_log from llama.cpp's ssm_a = -exp(A_log), rows and
+    columns in Zoo's order."""
+    w = torch.log(-w) if name.endswith(".ssm_a") else w
+    rows, cols = order or (None, None)
+    w = w if rows is None else w.reshape(len(rows), -1)[rows].reshape(w.shape)
+    return w if cols is None else w[:, cols]
+
+
+def to_file(name: str, t: torch.Tensor, order: Optional[tuple]) -> torch.Tensor:
+    """to_zoo undone."""
+    rows, cols = order or (None, None)
+    t = t if cols is None else t[:, inverse(cols)]
+    t = t if rows is None else t.reshape(len(rows), -1)[inverse(rows)].reshape(t.shape)
+    return -torch.exp(t) if name.endswith(".ssm_a") else t
 
 
 def detect(path) -> bool:
@@ -146,10 +212,10 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     dtype = _resolve_dtype(dtype, {}, str(path))  # None: float32
     device = torch.device(device or "cpu")
 
-    kmap = gguf_names(cfg, arch)
-    expected = {name: shape for parts in kmap.values() for name, shape in parts}
+    kmap = gguf_names(cfg, arch, tensors)
+    expected = {name: shape for parts in kmap.values() for name, shape, *_ in parts}
     found = {name: tuple(int(s) for s in reversed(t.shape)) for name, t in tensors.items()}
-    if problems := mismatches(found, expected, lambda n: n.startswith("rope_factors_")):
+    if problems := mismatches(found, expected, lambda n: n.startswith(("rope_factors_", "rope_freqs."))):
         raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
                          f"{cfg.n_layers} layers): {problems}")
     bad = [f"{n} ({t.tensor_type.name})" for n, t in tensors.items() if t.tensor_type.name not in READ_TYPES]
@@ -157,13 +223,14 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
         raise ValueError(f"{path}: unsupported tensor type: {', '.join(bad[:4])}"
                          f"{f' (+{len(bad) - 4} more)' if len(bad) > 4 else ''} (supported: {', '.join(READ_TYPES)})")
 
-    def fill(t, dest):
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=True))
-        dest.copy_(w.reshape(dest.shape))
+    orders = tensor_orders(cfg, arch, tensors)
 
-    orders = row_orders(cfg, arch)
-    model = assemble(cfg, kmap, dtype, device,
-                     ((n, reordered(lambda dest, t=tensors[n]: fill(t, dest), orders.get(n))) for n in expected))
+    def fill(name, dest):
+        t = tensors[name]
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=True))
+        dest.copy_(to_zoo(name, w.reshape(expected[name]), orders.get(name)).reshape(dest.shape))
+
+    model = assemble(cfg, kmap, dtype, device, ((n, partial(fill, n)) for n in expected))
     model.hf_architecture = arch
     model.gguf_path = str(path)
     model.gguf_tokenizer = tokenizer_fields(reader, meta)
@@ -315,8 +382,9 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     if not rec.gguf_writes:
         raise ValueError(f"{out}: no GGUF architecture here writes this model ({arch}; supported: "
                          f"{', '.join(WRITES)})")
-    if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope"):
-        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope)")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ("linear", "longrope", "proportional"):
+        raise ValueError(f"{out}: RoPE scaling '{cfg.rope_scaling.type}' is not written to GGUF (linear, longrope, "
+                         f"proportional)")
     if why := rec.gguf_refuses(cfg):
         raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
     meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
@@ -330,15 +398,19 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     def write(tmp: Path):
         w = gguf.GGUFWriter(str(tmp), rec.gguf)
         w.add_name(getattr(model, "gguf_name", "zoo"))
-        D = cfg.resolved_head_dim
-        for key, value in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.d_model),
-                           ("block_count", cfg.n_layers), ("feed_forward_length", cfg.resolved_ffn_hidden),
-                           ("head_count", cfg.n_heads), ("head_count_kv", cfg.resolved_n_kv_heads),
-                           ("rope_freq_base", cfg.rope_theta), ("layer_norm_rms_eps", cfg.norm_eps),
-                           ("rope_dimension_count", cfg.rotary_dim), ("key_length", D), ("value_length", D)):
-            getattr(w, "add_" + key)(value)  # GGUFWriter.add_context_length, ...
-        if cfg.sliding_window is not None:
-            w.add_sliding_window(cfg.sliding_window)
+        D, m = cfg.resolved_head_dim, cfg.moe
+        experts = dict(expert_count=m.n_experts, expert_used_count=m.top_k, expert_feed_forward_length=cfg.resolved_expert_hidden,
+                       expert_shared_feed_forward_length=m.n_shared * (m.shared_hidden or cfg.resolved_expert_hidden)
+                       or None) if m else {}
+        keys = {**dict(context_length=cfg.max_seq_len, embedding_length=cfg.d_model, block_count=cfg.n_layers,
+                       feed_forward_length=cfg.resolved_ffn_hidden, head_count=cfg.n_heads,
+                       head_count_kv=cfg.resolved_n_kv_heads, rope_freq_base=cfg.rope_theta,
+                       layer_norm_rms_eps=cfg.norm_eps, rope_dimension_count=cfg.rotary_dim, key_length=D,
+                       value_length=D, sliding_window=cfg.sliding_window, vocab_size=cfg.vocab_size), **experts,
+                **rec.gguf_metadata(cfg)}  # the record's None: a key not written
+        for key, value in keys.items():
+            if value is not None:
+                getattr(w, "add_" + key)(value)  # GGUFWriter.add_context_length, ...
         s = cfg.rope_scaling
         if s is not None and s.type == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -348,24 +420,26 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
             w.add_rope_scaling_attn_factors(model.rope.attention_factor)
             for which in ("long", "short"):
                 w.add_tensor(f"rope_factors_{which}.weight", torch.tensor(getattr(s, which + "_factor")).float().numpy())
-        w.add_vocab_size(cfg.vocab_size)
+        if s is not None and s.type == "proportional":  # Gemma 4's global layers: the still angles' divisors huge
+            half = (cfg.global_head_dim or D) // 2
+            turned = round(s.rotated * half)
+            w.add_tensor("rope_freqs.weight", torch.tensor([1.0] * turned + [1e30] * (half - turned)).numpy())
         w.add_file_type(file_type)
         if kind == "q8_0":
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, (value, types) in meta.items():
             w.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
-        state, orders = model.state_dict(), {k: inverse(o) for k, o in row_orders(cfg, arch).items()}
-        for zoo_name, parts in gguf_names(cfg, arch).items():
-            pieces = state[zoo_name].detach().to("cpu", torch.float32).split([s[0] for _, s in parts], dim=0)
-            for (tensor_name, _), t in zip(parts, pieces):
-                x = (t[orders[tensor_name]] if tensor_name in orders else t).contiguous().numpy()
-                if x.ndim == 1 or kind == "f32":
-                    w.add_tensor(tensor_name, x)
-                elif kind == "f16" or (kind == "q8_0" and x.shape[-1] % 32):
-                    w.add_tensor(tensor_name, x.astype("float16"))
-                else:
-                    q = gguf.GGMLQuantizationType.BF16 if kind == "bf16" else gguf.GGMLQuantizationType.Q8_0
-                    w.add_tensor(tensor_name, gguf.quants.quantize(x, q), raw_dtype=q)
+        state = {k: t.detach().to("cpu", torch.float32) for k, t in model.state_dict().items()}
+        orders = tensor_orders(cfg, arch)
+        for name, t in list(file_tensors(cfg, rec, state, gguf_names(cfg, arch), {})):
+            x = to_file(name, t, orders.get(name)).contiguous().numpy()
+            if x.ndim == 1 or kind == "f32" or F32_NAMES.search(name):
+                w.add_tensor(name, x)
+            elif kind == "f16" or (kind == "q8_0" and x.shape[-1] % 32):
+                w.add_tensor(name, x.astype("float16"))
+            else:
+                q = gguf.GGMLQuantizationType.BF16 if kind == "bf16" else gguf.GGMLQuantizationType.Q8_0
+                w.add_tensor(name, gguf.quants.quantize(x, q), raw_dtype=q)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

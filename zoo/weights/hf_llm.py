@@ -279,12 +279,15 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
 
 # --------------------------------------------------------------------------- weight names
 
-def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[str, tuple]]]:
+def key_map(cfg: LLMConfig, arch: Optional[str] = None, splits: Optional[dict] = None,
+            fused: Optional[tuple] = None) -> dict[str, list[tuple[str, tuple]]]:
     """Zoo parameter name -> [(Hugging Face name, shape), ...]; several entries are fused by concatenating along dim 0
     in that order (the stacked experts: seen as 2-D, (E * rows, cols)). An entry (name, shape, rows) takes only
     those rows of the file tensor (`Record.split_rows`: one file tensor split across Zoo tensors). lm_head is absent
-    when the embeddings are tied. The record of `arch` names the norms, the fused projections and the experts."""
+    when the embeddings are tied. The record of `arch` names the norms, the fused projections and the experts.
+    splits, fused: another format's `split_rows` and `fused` (GGUF's)."""
     rec = RECORDS[arch] if arch else Record()
+    fused = rec.fused if fused is None else fused
     d, V = cfg.d_model, cfg.vocab_size
     m = {"embed.weight": [("model.embed_tokens.weight", (V, d))], **_per_layer_keys(cfg)}
     for i in range(cfg.n_layers):
@@ -294,7 +297,7 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
         if cfg.layer_type(i) in RECURRENT_TYPES:
             m.update(_mixer_keys(cfg, cfg.layer_type(i), z, h + rec.mixers.get(cfg.layer_type(i), "mixer") + "."))
         else:
-            m.update(_attention_keys(cfg, rec, z, h + "self_attn.", i))
+            m.update(_attention_keys(cfg, rec, z, h + "self_attn.", i, fused))
         if cfg.layer_scalar:
             m[z + "layer_scalar"] = [(h + "layer_scalar", (1,))]
         if cfg.per_layer_dim:
@@ -303,24 +306,24 @@ def key_map(cfg: LLMConfig, arch: Optional[str] = None) -> dict[str, list[tuple[
                       z + "per_layer.out.weight": [(h + "per_layer_projection.weight", (d, P))],
                       z + "per_layer.norm.weight": [(h + "post_per_layer_input_norm.weight", (d,))]})
         if cfg.is_sparse(i):
-            m.update(_moe_keys(cfg, z, rec.experts(cfg, h), "gate_up_proj" in rec.fused))
+            m.update(_moe_keys(cfg, z, rec.experts(cfg, h), "gate_up_proj" in fused))
             if cfg.moe.branch_norms:  # the MoE's own norms in place of the block's
                 del m[z + "mlp_norm.weight"]
             continue
         F = cfg.ffn_width(i)
-        m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_up_proj.weight", (2 * F, d))] if "gate_up_proj" in rec.fused \
+        m[z + "mlp.gate_up.weight"] = [(h + "mlp.gate_up_proj.weight", (2 * F, d))] if "gate_up_proj" in fused \
             else [(h + "mlp.gate_proj.weight", (F, d)), (h + "mlp.up_proj.weight", (F, d))]
         m[z + "mlp.down.weight"] = [(h + "mlp.down_proj.weight", (d, F))]
     m["norm.weight"] = [("model.norm.weight", (d,))]
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [("lm_head.weight", (V, d))]
-    return _split(rec, cfg, {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()})
+    return _split(rec.split_rows(cfg) if splits is None else splits,
+                  {k: [(rec.renamed(n), shape) for n, shape in parts] for k, parts in m.items()})
 
 
-def _split(rec: Record, cfg: LLMConfig, m: dict) -> dict:
+def _split(splits: dict, m: dict) -> dict:
     """key_map's entries of a layer tensor the record splits (`split_rows`) turned into rows of the tensor the file
     holds instead (its rows: all its parts', its columns: the entry's)."""
-    splits = rec.split_rows(cfg)
     total = {}
     for file, rows in splits.values():
         total[file] = total.get(file, 0) + len(rows)
@@ -353,7 +356,7 @@ def _per_layer_keys(cfg: LLMConfig) -> dict:
             "per_layer.norm.weight": [("model.per_layer_projection_norm.weight", (P,))]} if P else {}
 
 
-def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str, i: int = 0) -> dict:
+def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str, i: int = 0, fused: tuple = ()) -> dict:
     """Zoo -> file names of attention layer i (z, a: the prefixes); a gate (attn_gate) doubles q_proj's rows; a
     KV-sharing layer has no k and v, a global layer whose values are its keys (global_kv_same) no v."""
     d, (n_kv, D) = cfg.d_model, cfg.attn_shape(i)
@@ -364,7 +367,7 @@ def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str, i: int = 0) -> 
     for kind in (() if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)):
         shapes = [(r, d)[:2 if kind == "weight" else 1] for r in (q * (1 + cfg.attn_gate), kv, kv)]
         m[z + "attn.qkv." + kind] = [(a + f"qkv_proj.{kind}", (q + 2 * kv, d)[:len(shapes[0])])] \
-            if "qkv_proj" in rec.fused else [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes) if own[n]]
+            if "qkv_proj" in fused else [(a + f"{n}_proj.{kind}", shape) for n, shape in zip("qkv", shapes) if own[n]]
     if cfg.qk_norm:
         per_proj = cfg.qk_norm == "proj"
         m[z + "attn.q_norm.weight"] = [(a + "q_norm.weight", (q if per_proj else D,))]
@@ -735,12 +738,14 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     return out
 
 
-def file_tensors(cfg: LLMConfig, rec: Record, state: dict):
+def file_tensors(cfg: LLMConfig, rec: Record, state: dict, kmap: Optional[dict] = None, orders: Optional[dict] = None):
     """(Hugging Face name, tensor) of each file tensor, in key_map's order, from a state dict in the record's layout
-    (fused tensors split, RoPE rows reordered, a file tensor split across Zoo tensors yielded once whole)."""
-    orders = {k: inverse(o) for k, o in row_orders(cfg, rec).items()}
+    (fused tensors split, RoPE rows reordered, a file tensor split across Zoo tensors yielded once, filled when the
+    iteration ends). kmap, orders: another format's names and row orders (zoo = file[order]) instead."""
+    kmap = kmap or key_map(cfg, rec.hf_class)
+    orders = {k: inverse(o) for k, o in (row_orders(cfg, rec) if orders is None else orders).items()}
     whole = {}  # file tensors split across Zoo tensors, filled as their parts come
-    for zoo_name, parts in key_map(cfg, rec.hf_class).items():
+    for zoo_name, parts in kmap.items():
         flat = state[zoo_name].reshape(-1, *parts[0][1][1:])  # stacked experts: (E * rows, cols)
         for (hf_name, shape, *rows), t in zip(parts, flat.split(list(map(height, parts)), dim=0)):
             t = t[orders[hf_name]] if hf_name in orders else t
