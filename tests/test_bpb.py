@@ -152,7 +152,7 @@ def test_superbpe_bench_compares_both_tokenizers_on_the_same_held_out_text(tmp_p
     rows, bpb = result["tables"]["val_bpb"]["rows"], result["data"]["val_bpb"]
     for row, kind in zip(rows, ("bpe", "superbpe")):
         per_byte = len(HFTokenizer(out / f"{kind}-300.json").encode(held)) / len(held.encode())
-        runs = [harness.final(read_rows(out / f"{kind}-300-seed{s}")) for s in (0, 1)]
+        runs = [harness.final(read_rows(out / f"{kind}-300-2steps-seed{s}")) for s in (0, 1)]
         assert row[:4] == [kind, f"{per_byte:.4f}", *(f"{r['val_bpb']:.4f}" for r in runs)]
         assert bpb[kind] == [r["val_bpb"] for r in runs]
     assert rows[2][2:4] == [f"{s - b:+.4f}" for s, b in zip(bpb["superbpe"], bpb["bpe"])]

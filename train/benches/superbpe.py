@@ -40,7 +40,7 @@ def val_bpb(args, kind: str, tok: Path, corpus: dict, seed: int) -> float:
             "data.max_chars=null", "train.eval_every=0", "train.checkpoint_every=0", "train.average_last=0",
             "train.eval_batches=1000000", *([f"train.precision={args.precision}"] if args.precision else []),
             *args.override]  # every validation window: the whole held-out text
-    out = Path(args.out) / f"{kind}-{args.vocab}-seed{seed}"
+    out = Path(args.out) / f"{kind}-{args.vocab}-{args.steps}steps-seed{seed}"
     return harness.final(harness.run_loop(ROOT / "configs/llm/tiny.yaml", out, over, args.threads))["val_bpb"]
 
 
