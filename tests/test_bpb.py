@@ -142,17 +142,16 @@ def test_superbpe_bench_compares_both_tokenizers_on_the_same_held_out_text(tmp_p
     from train.docs import render_result
     from train.metrics import read_rows
     monkeypatch.setattr(harness, "run_loop", functools.partial(harness.run_loop, inproc=True))
-    out = tmp_path / "runs"
-    superbpe.main(["--files", "4", "--vocab", "300", "--steps", "2", "--seeds", "0,1", "--out", str(out),
+    superbpe.main(["--files", "4", "--vocab", "300", "--steps", "2", "--seeds", "0,1", "--out", str(tmp_path / "runs"),
                    "--json", str(tmp_path / "superbpe.json"), "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
                    "model.n_kv_heads=1", "data.seq_len=16", "train.batch_size=2", "train.peak_flops=1e12",
                    f"data.cache_dir={tmp_path / 'cache'}"])
-    result = json.loads((tmp_path / "superbpe.json").read_text())
+    result, out = json.loads((tmp_path / "superbpe.json").read_text()), tmp_path / "runs" / "vocab300-files4"
     held = stdlib_files()[0].read_text(errors="replace")  # every tenth of the first four: the first
     rows, bpb = result["tables"]["val_bpb"]["rows"], result["data"]["val_bpb"]
     for row, kind in zip(rows, ("bpe", "superbpe")):
-        per_byte = len(HFTokenizer(out / f"{kind}-300.json").encode(held)) / len(held.encode())
-        runs = [harness.final(read_rows(out / f"{kind}-300-2steps-seed{s}")) for s in (0, 1)]
+        per_byte = len(HFTokenizer(out / f"{kind}.json").encode(held)) / len(held.encode())
+        runs = [harness.final(read_rows(out / f"{kind}-2steps-seed{s}")) for s in (0, 1)]
         assert row[:4] == [kind, f"{per_byte:.4f}", *(f"{r['val_bpb']:.4f}" for r in runs)]
         assert bpb[kind] == [r["val_bpb"] for r in runs]
     assert rows[2][2:4] == [f"{s - b:+.4f}" for s, b in zip(bpb["superbpe"], bpb["bpe"])]

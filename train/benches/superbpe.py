@@ -28,7 +28,7 @@ def jsonl(path: Path, docs: list[str]) -> Path:
 
 def tokenizer(kind: str, vocab: int, docs: list[str], out: Path) -> Path:
     from train.data import TextDataConfig, sample_documents, train_bpe
-    path = out / f"{kind}-{vocab}.json"
+    path = out / f"{kind}.json"
     if not path.is_file():
         train_bpe(sample_documents(docs, TextDataConfig().sp_train_chars), vocab, path, subwords(kind, vocab), print)
     return path
@@ -40,7 +40,7 @@ def val_bpb(args, kind: str, tok: Path, corpus: dict, seed: int) -> float:
             "data.max_chars=null", "train.eval_every=0", "train.checkpoint_every=0", "train.average_last=0",
             "train.eval_batches=1000000", *([f"train.precision={args.precision}"] if args.precision else []),
             *args.override]  # every validation window: the whole held-out text
-    out = Path(args.out) / f"{kind}-{args.vocab}-{args.steps}steps-seed{seed}"
+    out = tok.parent / f"{kind}-{args.steps}steps-seed{seed}"
     return harness.final(harness.run_loop(ROOT / "configs/llm/tiny.yaml", out, over, args.threads))["val_bpb"]
 
 
@@ -64,10 +64,10 @@ def main(argv=None):
     p.add_argument("override", nargs="*", help="key=value overrides of configs/llm/tiny.yaml for every run")
     args = p.parse_args(argv)
     harness.setup(args)
-    out = Path(args.out)
+    out = Path(args.out) / f"vocab{args.vocab}-files{args.files}"  # its text, tokenizers and runs
     out.mkdir(parents=True, exist_ok=True)
     docs, held = stdlib_split(args.files)
-    corpus = {"train": jsonl(out / f"train-{args.files}.jsonl", docs), "val": jsonl(out / f"val-{args.files}.jsonl", held)}
+    corpus = {"train": jsonl(out / "train.jsonl", docs), "val": jsonl(out / "val.jsonl", held)}
     toks = {k: tokenizer(k, args.vocab, docs, out) for k in KINDS}
     from train.data import HFTokenizer
     per_byte = {k: tokens_per_byte(HFTokenizer(t), held) for k, t in toks.items()}
