@@ -117,3 +117,44 @@ def test_noise_scale_and_val_bpb_are_logged(tmp_path, text_corpus):
     assert [r["step"] for r in rows if "val_bpb" in r] == [2]  # the final evaluation's row
     with pytest.raises(ConfigError, match="train.log_noise_scale"):
         lm_config(tmp_path, text_corpus, "bytes", 256, "train.log_noise_scale=true")
+
+
+def test_superbpe_table_has_each_seed_and_the_per_seed_difference_with_its_interval():
+    from train.benches import harness, superbpe
+    bpb, per_byte = {"bpe": [2.0, 2.1, 2.3], "superbpe": [1.9, 2.05, 2.1]}, {"bpe": 0.3, "superbpe": 0.25}
+    rows = superbpe.compare(bpb, per_byte, [0, 1, 2], "notes")["rows"]
+    assert [r[0] for r in rows] == ["bpe", "superbpe", "superbpe - bpe"]
+    assert rows[0][1:4] == ["0.3000", "2.0000", "2.1000"] and rows[2][1] == "-0.0500"
+    m, h = harness.mean_interval([-0.1, -0.05, -0.2])
+    assert rows[2][2:] == ["-0.1000", "-0.0500", "-0.2000", f"{m:+.4f} ± {h:.4f} {harness.verdict(m, h)}"]
+    assert rows[1][5] == "{:.4f} ± {:.4f}".format(*harness.mean_interval(bpb["superbpe"]))
+
+
+@pytest.mark.slow
+def test_superbpe_bench_compares_both_tokenizers_on_the_same_held_out_text(tmp_path, monkeypatch):
+    """The bench at toy size (four standard library files, vocab 300, two steps, runs in this process): the tokens
+    per byte of the held-out file counted here, each run's own val_bpb in the table, the difference row seed by
+    seed, and the docs region rendered from the JSON."""
+    import functools
+
+    from train.benches import harness, superbpe
+    from train.data import HFTokenizer, stdlib_files
+    from train.docs import render_result
+    from train.metrics import read_rows
+    monkeypatch.setattr(harness, "run_loop", functools.partial(harness.run_loop, inproc=True))
+    superbpe.main(["--files", "4", "--vocab", "300", "--steps", "2", "--seeds", "0,1", "--out", str(tmp_path / "runs"),
+                   "--json", str(tmp_path / "superbpe.json"), "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                   "model.n_kv_heads=1", "data.seq_len=16", "train.batch_size=2", "train.peak_flops=1e12",
+                   f"data.cache_dir={tmp_path / 'cache'}"])
+    result, out = json.loads((tmp_path / "superbpe.json").read_text()), tmp_path / "runs" / "vocab300-files4"
+    held = stdlib_files()[0].read_text(errors="replace")  # every tenth of the first four: the first
+    rows, bpb = result["tables"]["val_bpb"]["rows"], result["data"]["val_bpb"]
+    for row, kind in zip(rows, ("bpe", "superbpe")):
+        per_byte = len(HFTokenizer(out / f"{kind}.json").encode(held)) / len(held.encode())
+        runs = [harness.final(read_rows(out / f"{kind}-2steps-seed{s}")) for s in (0, 1)]
+        assert row[:4] == [kind, f"{per_byte:.4f}", *(f"{r['val_bpb']:.4f}" for r in runs)]
+        assert bpb[kind] == [r["val_bpb"] for r in runs]
+    assert rows[2][2:4] == [f"{s - b:+.4f}" for s, b in zip(bpb["superbpe"], bpb["bpe"])]
+    assert rows[2][0] == "superbpe - bpe" and "±" in rows[2][4]
+    text = render_result("superbpe", results=tmp_path)
+    assert "| superbpe - bpe |" in text and "`python train/bench.py superbpe --files 4" in text

@@ -26,7 +26,7 @@ PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
            "data": "data tokenizers", "mup": "mup-coord"}
 BENCHES: dict[str, str] = {**{n: f"{m}, name" for m, names in PRESETS.items() for n in names.split()},
                            **{m: m for m in ("checkpointing", "distributed", "memory", "report", "gate",
-                                             "speedrun")}}
+                                             "speedrun", "superbpe")}}
 
 
 def main(argv=None):

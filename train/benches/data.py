@@ -306,22 +306,41 @@ def direct_bpe(docs: list[str], vocab: int, path: Path):
     tok.save(str(path))
 
 
+KINDS = ("bpe", "superbpe")
+
+
+def stdlib_split(files: int = 0) -> tuple[list[str], list[str]]:
+    """The standard library's .py files (the first `files`; 0: all): all but every tenth (training text), and
+    every tenth (held out)."""
+    from train.data import stdlib_files
+    texts = [f.read_text(errors="replace") for f in stdlib_files()[:files or None]]
+    return [t for i, t in enumerate(texts) if i % 10], texts[::10]
+
+
+def subwords(kind: str, vocab: int):
+    """The SuperBPE transition of data.tokenizer=`kind` (data.superbpe_transition of the vocabulary; bpe: None)."""
+    from train.data import TextDataConfig
+    return int(vocab * TextDataConfig().superbpe_transition) if kind == "superbpe" else None
+
+
+def tokens_per_byte(tok, docs: list[str]) -> float:
+    return sum(map(len, tok.encode_many(docs))) / sum(len(d.encode()) for d in docs)
+
+
 def tokenizer_bench(args, folder: Path) -> tuple[dict, dict]:
     """bpe and superbpe trained on the standard library's sources but every tenth file, their tokens per byte on
     that tenth; and Zoo's BPE training against calling `tokenizers` directly on the same sample."""
-    from train.data import HFTokenizer, TextDataConfig, sample_documents, stdlib_files, train_bpe
-    files = stdlib_files()
-    sample = sample_documents((f.read_text(errors="replace") for i, f in enumerate(files) if i % 10), args.train_chars)
-    held = [f.read_text(errors="replace") for f in files[::10]]
-    mb, held_bytes = sum(len(d.encode()) for d in sample) / 1e6, sum(len(d.encode()) for d in held)
-    share, quiet, out, rows, speed = TextDataConfig().superbpe_transition, lambda m: None, {}, [], []
+    from train.data import HFTokenizer, sample_documents, train_bpe
+    docs, held = stdlib_split()
+    sample = sample_documents(docs, args.train_chars)
+    mb, quiet, out, rows, speed = sum(len(d.encode()) for d in sample) / 1e6, lambda m: None, {}, [], []
     for vocab in args.vocabs:
         per_byte = {}
-        for kind, transition in (("bpe", None), ("superbpe", int(vocab * share))):
-            t0 = time.perf_counter()
+        for kind in KINDS:
+            t0, transition = time.perf_counter(), subwords(kind, vocab)
             tok = HFTokenizer(train_bpe(sample, vocab, folder / f"{kind}.json", transition, log=quiet))
             secs = time.perf_counter() - t0
-            per_byte[kind] = sum(map(len, tok.encode_many(held))) / held_bytes
+            per_byte[kind] = tokens_per_byte(tok, held)
             out[f"{kind}-{vocab}"] = {"vocab": tok.vocab_size, "transition": transition, "tokens_per_byte":
                                       per_byte[kind], "train_s": secs}
             rows.append([f"{vocab:,}", kind + (f" (t = {transition:,})" if transition else ""), f"{per_byte[kind]:.4f}",
@@ -334,7 +353,7 @@ def tokenizer_bench(args, folder: Path) -> tuple[dict, dict]:
         speed.append([f"{vocab:,}", f"{mb / r.best('zoo'):.2f}", f"{mb / r.best('tokenizers'):.2f}",
                       str(paired["wall"]), str(paired["cpu"])])
     where = (f"trained on {mb:.1f} MB sampled from the standard library's .py files but every tenth, measured on "
-             f"that tenth ({held_bytes / 1e6:.1f} MB, {len(held)} files)")
+             f"that tenth ({sum(len(d.encode()) for d in held) / 1e6:.1f} MB, {len(held)} files)")
     tables = {"tokens per byte": harness.table(["vocab", "tokenizer", "tokens / byte", "bytes / token", "vs bpe",
                                                 "training s"], rows, where),
               "training speed": harness.table(
