@@ -69,8 +69,8 @@ def line_plot(series: dict[str, list[tuple]], png: Path, xlabel: str, ylabel: st
 
 
 def line_panels(panels: dict[str, dict[str, list[tuple]]], png: Path, xlabel: str, ylabel: str) -> Path:
-    """Panels side by side (sharing the y axis), each titled by its name and holding lines of (x, y) points."""
-    fig, axes = _plt().subplots(1, len(panels), figsize=(5 * len(panels), 3.8), sharey=True, squeeze=False)
+    """Panels side by side, each titled by its name and holding lines of (x, y) points."""
+    fig, axes = _plt().subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels.items()):
         _lines(ax, series)
         ax.set(xlabel=xlabel, ylabel=ylabel, title=title)

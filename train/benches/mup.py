@@ -5,7 +5,7 @@ standard parametrization they grow. And the LR transfer it promises: every width
 of a factor-2 grid over seeds, and the best LR by held-out loss is compared across widths, muP beside standard.
 
     python train/bench.py mup-coord [--widths 64,128,256,512,1024] [--steps 4] [--lr 0.01]
-    python train/bench.py mup-transfer [--widths 64,128,256,512] [--log2-lrs=-10,...,-4] [--steps 32] [--batch 8]
+    python train/bench.py mup-transfer [--widths 64,128,256,512] [--log2-lrs=-11,...,-4] [--steps 32] [--batch 8]
 
 Every width has `--layers` blocks of `--heads` heads (the head size grows with the width) and trains on the same
 batches of the stdlib's sources as bytes.
@@ -147,27 +147,30 @@ def plot_transfer(result: dict, png) -> None:
                  for side, by_width in result.items()}, png, "log2 peak LR", "held-out loss")
 
 
+def save_transfer(args, result: dict):
+    """The tables, plot (beside the JSON) and result JSON of the seeds `result` holds (a sweep cut short leaves its
+    finished seeds)."""
+    seeds = args.seeds[:len(result["muP"][args.widths[0]][args.log2_lrs[0]])]
+    kw = {k: getattr(args, k) for k in ("steps", "batch", "seq", "layers", "heads", "precision")}
+    note = (f"after {args.steps} steps of {args.batch} x {args.seq} bytes ({args.steps * args.batch * args.seq} tokens "
+            f"at every width), {args.layers} layers of {args.heads} heads, seeds {seeds}")
+    tables, best = transfer_tables(result, args.log2_lrs, note)
+    plot_transfer(result, args.json.with_suffix(".png"))
+    harness.save(args, tables, {"loss": result, "best_log2_lr": best, "log2_lrs": args.log2_lrs,
+                                "widths": args.widths, "seeds": seeds, **kw})
+
+
 def transfer_main(argv, name: str):
     p = harness.parser(name, __doc__, precision="fp32", rounds=False, one_precision=True, seeds=1)
     p.add_argument("--widths", type=harness.int_list, default=list(WIDTHS[:4]), help="d_model of each model, "
                    "smallest first (muP's base width)")
-    p.add_argument("--log2-lrs", type=harness.int_list, default=list(range(-10, -3)), help="the LR grid's exponents")
+    p.add_argument("--log2-lrs", type=harness.int_list, default=list(range(-11, -3)), help="the LR grid's exponents")
     for key, default in (("steps", 32), ("batch", 8), ("seq", 64), ("layers", 2), ("heads", 4)):
         p.add_argument(f"--{key}", type=harness.positive_int, default=default)
     args = p.parse_args(argv)
     harness.setup(args)
-    kw = dict(steps=args.steps, batch=args.batch, seq=args.seq, layers=args.layers, heads=args.heads,
-              precision=args.precision)
-
-    def save(result):  # after every seed, so that a sweep cut short leaves its finished seeds
-        seeds = args.seeds[:len(result["muP"][args.widths[0]][args.log2_lrs[0]])]
-        note = (f"after {args.steps} steps of {args.batch} x {args.seq} bytes ({args.steps * args.batch * args.seq} "
-                f"tokens at every width), {args.layers} layers of {args.heads} heads, seeds {seeds}")
-        tables, best = transfer_tables(result, args.log2_lrs, note)
-        plot_transfer(result, args.json.with_suffix(".png"))
-        harness.save(args, tables, {"loss": result, "best_log2_lr": best, "log2_lrs": args.log2_lrs,
-                                    "widths": args.widths, "seeds": seeds, **kw})
-    lr_transfer(args.widths, args.log2_lrs, args.seeds, **kw, seed_done=save)
+    lr_transfer(args.widths, args.log2_lrs, args.seeds, args.steps, args.batch, args.seq, args.layers, args.heads,
+                args.precision, seed_done=lambda result: save_transfer(args, result))
 
 
 def main(argv=None, name: str = "mup-coord"):
