@@ -1,5 +1,7 @@
 """model.depth (one dial for the LLM's shape) and muP (model.mup_base_width): the shapes and parameter counts the
-docs state, the conflicts, muP's multipliers, parameter groups and init, and the coordinate check."""
+docs state, the conflicts, muP's multipliers, parameter groups and init, the coordinate check and the LR transfer
+sweep's result."""
+import json
 import math
 import re
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CPU, ROOT
-from train.benches.mup import coord_check, growth
+from train.benches.mup import best_lr, coord_check, growth, main as mup_bench
 from train.config import OptimConfig, load_run_config
 from train.docs import _count
 from train.optim import build_optimizer, hidden_matrices, set_lr
@@ -151,3 +153,24 @@ def test_coordinate_check_at_small_widths():
 @pytest.mark.slow
 def test_coordinate_check_from_64_to_1024():
     check_coordinates((64, 128, 256, 512, 1024))
+
+
+def test_lr_transfer_sweep_result_at_toy_size(tmp_path):
+    """The sweep's JSON: a table per parametrization (a column per LR, a row per width, the best LR last) whose best
+    LR is the seed-mean's argmin, the shift table, the plot; a diverged LR never counts as the best."""
+    out = tmp_path / "transfer.json"
+    mup_bench(["--widths", "32,64", "--log2-lrs=-8,-6", "--seeds", "0", "--steps", "2", "--batch", "2", "--seq", "16",
+               "--json", str(out)], "mup-transfer")
+    r = json.loads(out.read_text())
+    assert list(r["tables"]) == ["standard", "muP", "shift"] and out.with_suffix(".png").stat().st_size > 0
+    for side in ("standard", "muP"):
+        table, losses, best = r["tables"][side], r["data"]["loss"][side], r["data"]["best_log2_lr"][side]
+        assert table["columns"] == ["width", "lr 2^-8", "lr 2^-6", "best lr"]
+        assert [row[0] for row in table["rows"]] == ["32", "64"] and set(losses) == {"32", "64"}
+        for row in table["rows"]:
+            mean = {int(k): v[0] for k, v in losses[row[0]].items()}
+            assert best[row[0]] == min(mean, key=mean.get) and row[-1].startswith(f"2^{best[row[0]]}")
+    shift = {row[0]: row[-2:] for row in r["tables"]["shift"]["rows"]}
+    assert shift == {side: [f"{b['64'] - b['32']:+d}", str(abs(b["64"] - b["32"]))]
+                     for side, b in r["data"]["best_log2_lr"].items()}
+    assert best_lr({-8: [float("nan")], -6: [3.0, 2.0], -4: [2.4, 2.8]}) == -6

@@ -23,7 +23,7 @@ PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
            "diffusion": "taesd dit flux2 latent-cache min-snr diffusion-quality prompt-adherence",
            "optimizers": "optimizers lr-find",
            "sft": "sft-packing sft-quality vlm-quality", "gpu": "gpu float8 bf16-pure", "rollout": "rollout rl-quality rl-memory",
-           "data": "data tokenizers", "mup": "mup-coord"}
+           "data": "data tokenizers", "mup": "mup-coord mup-transfer"}
 BENCHES: dict[str, str] = {**{n: f"{m}, name" for m, names in PRESETS.items() for n in names.split()},
                            **{m: m for m in ("checkpointing", "distributed", "memory", "report", "gate",
                                              "speedrun", "superbpe")}}

@@ -68,6 +68,15 @@ def line_plot(series: dict[str, list[tuple]], png: Path, xlabel: str, ylabel: st
     return _save(fig, png)
 
 
+def line_panels(panels: dict[str, dict[str, list[tuple]]], png: Path, xlabel: str, ylabel: str) -> Path:
+    """Panels side by side, each titled by its name and holding lines of (x, y) points."""
+    fig, axes = _plt().subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels.items()):
+        _lines(ax, series)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return _save(fig, png)
+
+
 def loss_curves(series: dict[str, list[tuple[int, float, float]]], png: Path, title: str, ylabel: str = "loss") -> Path:
     """Value against step and against wall time in two panels, a line per name of `series` (`curves`' points)."""
     fig, axes = _plt().subplots(1, 2, figsize=(10, 3.6))
