@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zoo
+from conftest import TEST_DEVICE
 from test_convnet_timm import random_timm
 from zoo.config import VIT_ARCHS, ViTConfig
 from zoo.vit import ViT
@@ -119,7 +120,7 @@ def test_bad_input_is_one_line(tmp_path):
                           ["data.image_size=36"])
     with pytest.raises(zoo.ConfigError, match="data.image_size=36: not a multiple of the ViT's patch size 8, so its "
                                               "position table cannot be laid out on the image$"):
-        new_task(cfg, torch.device("cpu"), "fp32", lambda m: None)
+        new_task(cfg, TEST_DEVICE, "fp32", lambda m: None)
 
 
 def test_patch_dropout_draws_as_timm(tmp_path):
