@@ -44,7 +44,8 @@ VIT = {"family": "vit",
        "optim": {"lr": 3e-3, "warmup_steps": 1, "layer_decay": 0.7}}
 VLM_FILE = yaml.safe_load((ROOT / "configs" / "vlm" / "digits-vqa.yaml").read_text())  # its model, tokenizer
 VLM = {**VLM_FILE, "data": {**VLM_FILE["data"], "synthetic_rows": 200, "eval_generate": 0},
-       "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0}, "optim": {"lr": 2e-3, "warmup_steps": 1}}
+       "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0},
+       "optim": {"lr": 2e-3, "warmup_steps": 1}}
 DIFFUSION = {"family": "diffusion",
              "model": {"image_size": 16, "autoencoder": {"latent_channels": 4, "channels": 8}, "channels": [16, 32],
                        "blocks_per_level": 1, "sample_steps": 2},

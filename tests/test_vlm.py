@@ -195,8 +195,8 @@ def test_the_generation_bench_at_a_tiny_shape(tmp_path):
     the same tokens in fp32 and bf16; the result names the image's place in the prompt."""
     from train import bench
     out = tmp_path / "vlm.json"
-    assert bench.main(["vlm", "--d-model", "64", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads", "2", "--ffn", "128",
-                       "--vocab", "512", "--vision-layers", "1", "--image-size", "64", "--rounds", "1",
+    assert bench.main(["vlm", "--d-model", "64", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads", "2",
+                       "--ffn", "128", "--vocab", "512", "--vision-layers", "1", "--image-size", "64", "--rounds", "1",
                        "--new-tokens", "4", "--json", str(out)]) == 0
     tables = json.loads(out.read_text())["tables"]
     for prec in ("fp32", "bf16"):

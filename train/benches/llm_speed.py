@@ -44,8 +44,9 @@ PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or
     "vlm": (dict(d_model=576, n_layers=8, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49280), "fp32,bf16", 64, False),
 }
 PROMPT, CAPACITY = 16, 0.125  # decoding's prompt tokens; llm-mod: the share of the tokens MoD layers route
-REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal", "llm-generate": "transformers",
-       "gguf": "transformers", "vlm": "transformers"}  # the reference of each side: its mode's best by median
+REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
+       "llm-generate": "transformers", "gguf": "transformers",
+       "vlm": "transformers"}  # the reference of each side: its mode's best by median
 TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
          "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
 
