@@ -42,6 +42,10 @@ VIT = {"family": "vit",
        "data": {"path": "digits", "image_size": 16, "shift": 2},
        "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0},
        "optim": {"lr": 3e-3, "warmup_steps": 1, "layer_decay": 0.7}}
+VLM_FILE = yaml.safe_load((ROOT / "configs" / "vlm" / "digits-vqa.yaml").read_text())  # its model, tokenizer
+VLM = {**VLM_FILE, "data": {**VLM_FILE["data"], "synthetic_rows": 200, "eval_generate": 0},
+       "train": {**QUIET, "max_steps": 4, "batch_size": 4, "checkpoint_every": 0},
+       "optim": {"lr": 2e-3, "warmup_steps": 1}}
 DIFFUSION = {"family": "diffusion",
              "model": {"image_size": 16, "autoencoder": {"latent_channels": 4, "channels": 8}, "channels": [16, 32],
                        "blocks_per_level": 1, "sample_steps": 2},
@@ -80,7 +84,7 @@ def configs(tmp_path_factory):
     corpus = d / "corpus.txt"
     corpus.write_text("".join(f.read_text(errors="replace") for f in stdlib_files()[:10])[:100_000])
     out = {}
-    for name, cfg in {"llm": LLM, "resnet": RESNET, "vit": VIT, "diffusion": DIFFUSION}.items():
+    for name, cfg in {"llm": LLM, "resnet": RESNET, "vit": VIT, "vlm": VLM, "diffusion": DIFFUSION}.items():
         if name == "llm":
             cfg = {**cfg, "data": {**cfg["data"], "path": str(corpus)}}
         out[name] = d / f"{name}.yaml"

@@ -1,9 +1,10 @@
 """The torchrun cases that run against one process in a shared pair of launches (the `parity` fixture: every
 case one after another in one torchrun launch, and in one process): adapters, chat SFT (of a recurrent + attention
 hybrid too), DPO, distillation, QAT, pruning, every optimizer, lr_find, the diffusion denoiser, MoE,
-Mixture-of-Depths, float8, GRPO, the ResNet with SyncBatchNorm, fp16 and whole-batch stochastic depth; and (a launch
-of their own) DDP's gradient compression against plain DDP, and ZeRO-2. A file of its own so that pytest-xdist runs
-it beside test_distributed.py. Tolerances: tests/test_distributed.py's docstring, and each test's own."""
+Mixture-of-Depths, float8, GRPO, the ResNet with SyncBatchNorm, the ViT, the VLM's chat SFT, fp16 and whole-batch
+stochastic depth; and (a launch of their own) DDP's gradient compression against plain DDP, and ZeRO-2. A file of
+its own so that pytest-xdist runs it beside test_distributed.py. Tolerances: tests/test_distributed.py's docstring,
+and each test's own."""
 import json
 import random
 import re
@@ -68,6 +69,7 @@ PARITY = {  # case -> (config, overrides, strategies, the parallel runs' own ove
     # away, relative, so parity fails
     "resnet": ("resnet", [], ("ddp",), ["train.sync_bn=true"]),
     "vit": ("vit", [], BOTH, []),  # with layer-wise LR decay
+    "vlm": ("vlm", [], BOTH, []),  # chat SFT on digit images
     # a loss scale that overflows the fp16 gradients of the first steps, which are skipped, then trains
     "fp16": ("llm", ["train.precision=fp16", f"train.loss_scale={FP16_SCALE}", "optim.eps=1e-5"], BOTH, []),
     # train.seed=1: the second block is dropped in some steps and kept in others
@@ -210,7 +212,8 @@ MOD_FLIPS = 1e-3  # the losses after step 1 of a Mixture-of-Depths run: a few ro
 
 @pytest.mark.parametrize("family,strategy", [("diffusion", "fsdp"), ("t2i", "ddp"), ("t2i", "fsdp"), ("moe", "fsdp"), ("newer", "ddp"), ("newer", "fsdp"),
                                              ("mod", "ddp"), ("mod", "fsdp"), ("float8", "fsdp"), ("rl", "ddp"), ("rl", "fsdp"),
-                                             ("resnet", "ddp"), ("vit", "ddp"), ("vit", "fsdp")])
+                                             ("resnet", "ddp"), ("vit", "ddp"), ("vit", "fsdp"), ("vlm", "ddp"),
+                                             ("vlm", "fsdp")])
 def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     """FSDP2 on the denoiser's blocks (frozen autoencoder kept whole, EMA sharded like the model), DDP and FSDP2 on
     a text-to-image FLUX.2 transformer (its caption dropout drawn for the global batch), and FSDP2 on an MoE LLM's layers, DeepSeek-V3's kind (latent attention, a shared expert, group-limited sigmoid
@@ -224,7 +227,8 @@ def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
     (each rank samples its own prompts of the global batch, a generator per row): the rewards, losses and
     weights, and the FSDP2 run resumes; a ResNet with train.sync_bn under DDP normalises with the statistics
     of the global batch: the losses and weights (BatchNorm running statistics included); a ViT with layer-wise LR
-    decay under DDP and FSDP2 (its blocks sharded): the losses and weights."""
+    decay under DDP and FSDP2 (its blocks sharded), and a vision-language model's chat SFT on image rows (FSDP2: the
+    encoder's blocks and the decoder's layers sharded): the losses and weights."""
     one, par = parity / family / "one", parity / family / strategy
     log = (par / "log.txt").read_text()
     assert f"parallel: {strategy} over 2 processes" in log

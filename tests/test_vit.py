@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zoo
+from conftest import TEST_DEVICE
 from test_convnet_timm import random_timm
 from zoo.config import VIT_ARCHS, ViTConfig
 from zoo.vit import ViT
@@ -101,6 +102,10 @@ def test_every_preset_has_timms_key_layout():
 
 
 def test_bad_input_is_one_line(tmp_path):
+    """A position table of the wrong length, heads that do not divide the width, and an image size that is no
+    multiple of the patch size (the model's or a run's data.image_size): each a one-line error naming it."""
+    from train.builder import new_task
+    from train.config import load_run_config
     ref, path = timm_file(tmp_path, "vit_small_patch16_224", ".pth")
     sd = ref.state_dict()
     sd["pos_embed"] = sd["pos_embed"][:, :7]
@@ -109,6 +114,13 @@ def test_bad_input_is_one_line(tmp_path):
         zoo.from_pretrained(path)
     with pytest.raises(zoo.ConfigError, match="num_heads"):
         zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "num_heads": 5}})
+    with pytest.raises(zoo.ConfigError, match="img_size=36 must be a multiple of patch_size=16"):
+        zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "img_size": 36}})
+    cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
+                          ["data.image_size=36"])
+    with pytest.raises(zoo.ConfigError, match="data.image_size=36: not a multiple of the ViT's patch size 8, so its "
+                                              "position table cannot be laid out on the image$"):
+        new_task(cfg, TEST_DEVICE, "fp32", lambda m: None)
 
 
 def test_patch_dropout_draws_as_timm(tmp_path):

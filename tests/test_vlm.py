@@ -1,5 +1,6 @@
 """SmolVLM / Idefics3 (zoo/vlm.py, zoo/weights/hf_vlm.py) against transformers at random init."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -185,3 +186,21 @@ def test_the_image_processors_tiles(tmp_path):
     kw = dict(pixel_values=out["pixel_values"], pixel_attention_mask=out["pixel_attention_mask"])
     with torch.no_grad():
         assert close(model(torch.tensor(rows), **kw), ref(input_ids=torch.tensor(rows), **kw).logits)
+
+
+@pytest.mark.slow
+
+def test_the_generation_bench_at_a_tiny_shape(tmp_path):
+    """`bench.py vlm` (one round, tiny shapes): Zoo and transformers, given one checkpoint, an image and text, decode
+    the same tokens in fp32 and bf16; the result names the image's place in the prompt."""
+    from train import bench
+    out = tmp_path / "vlm.json"
+    assert bench.main(["vlm", "--d-model", "64", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads", "2",
+                       "--ffn", "128", "--vocab", "512", "--vision-layers", "1", "--image-size", "64", "--rounds", "1",
+                       "--new-tokens", "4", "--json", str(out)]) == 0
+    tables = json.loads(out.read_text())["tables"]
+    for prec in ("fp32", "bf16"):
+        t = tables[f"decoding {prec}"]
+        same = t["columns"].index("same tokens as the first reference")
+        assert [(r[0], r[same]) for r in t["rows"]] == [("zoo-eager", "yes"), ("transformers-eager", "yes")]
+        assert "an image of 64x64 in the prompt (1 of its 17 tokens), 1 encoder blocks" in t["notes"]

@@ -33,8 +33,9 @@ def row(*parts, answer="seven"):
 def test_image_rows_batches_and_bad_rows(tmp_path):
     """Rows with image parts -> each image its 4 image tokens where the template puts it (no loss on them), the
     batch's pixel_values (B, images, 3, 32, 32) padded with all-zero images for a row with fewer; a missing file, a
-    file that is not an image and a row whose text holds one more image place than it has images: skipped and
-    counted in one log line naming the first."""
+    file that is not an image, a row whose text holds one more image place than it has images and one whose image
+    tokens lie past data.seq_len: skipped and counted in one log line naming the first; a template that does not
+    place a row's images (it writes only the last part of a message): the row refused, naming the count."""
     from train.data.text_tokenizers import bpe_trainer, byte_level, load_tokenizer_file
     tok = byte_level()
     tok.train_from_iterator(["What digit is this? seven"] * 4, bpe_trainer(300, ["<|im_start|>", "<|im_end|>",
@@ -45,7 +46,7 @@ def test_image_rows_batches_and_bad_rows(tmp_path):
     digit_png(a), digit_png(b, k=1)
     (tmp_path / "bad.png").write_text("not an image")
     rows = [row(a, "What digit is this?"), row(tmp_path / "missing.png", "Which?"), row(tmp_path / "bad.png", "Hi"),
-            row(a, "Two <image> here"), row("no image"), row(a, b, "Both?")]
+            row(a, "Two <image> here"), row("no image"), row(a, b, "Both?"), row("many words " * 40, a)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     logs = []
     convs = read_conversations(str(tmp_path / "rows.jsonl"), "messages", parts=True)
@@ -53,7 +54,7 @@ def test_image_rows_batches_and_bad_rows(tmp_path):
     data = ImageChatData(convs, convs[:1], tok, ChatTemplate.builtin("chatml"), VLMDataConfig(seq_len=64), 0,
                          logs.append, size=32, tokens=4, image_id=image_id)
     skipped = [m for m in logs if "skipped" in m]
-    assert len(skipped) == 1 and "3 conversations" in skipped[0] and "lines 2, 3, 4" in skipped[0]
+    assert len(skipped) == 1 and "4 conversations" in skipped[0] and "lines 2, 3, 4, 7" in skipped[0]
     assert "missing.png: no such file" in skipped[0]
     assert len(data.train) == 3
     x, y, n, kw = data.collate(data.train)
@@ -62,9 +63,14 @@ def test_image_rows_batches_and_bad_rows(tmp_path):
     assert not (y == image_id).any() and (y != -100).any()
     assert kw["pixel_values"][1].eq(0).all() and kw["pixel_values"][0, 1].eq(0).all()
     assert not kw["pixel_values"][2, 1].eq(0).all()
-    for (messages, _), why in zip(convs[2:4], ("bad.png: cannot decode", "5 image tokens for 1 images of 4 each")):
+    for (messages, _), why in zip(convs[2:4] + convs[6:], ("bad.png: cannot decode", "5 image tokens for 1 images of "
+                                                          "4 each", "image tokens run past data.seq_len=64")):
         with pytest.raises(ValueError, match=why):
             data.encode_row(messages)
+    data.template = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.content is "
+                                 "string else m.content[-1].text }}<|im_end|>\n{% endfor %}")
+    with pytest.raises(ValueError, match="^0 image tokens for 2 images of 4 each \\(images the template does not"):
+        data.encode_row(convs[5][0])
 
 
 def test_config_refuses_packing():

@@ -16,7 +16,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # name -> the module under train/benches/ whose main(argv[, name]) runs it (", name": a preset of a merged module)
-PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf",
+PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf vlm",
            "llm_quality": "llm-moe-quality llm-mod-quality peft",
            "deploy": "quantized qat prune distill distill-quality convnet-ptq",
            "convnets": "resnet convnets drop-path convnet-recipe vit",

