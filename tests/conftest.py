@@ -250,6 +250,21 @@ def logged_step(out: Path) -> int:
 SLOW_FSYNC = "import os, time\n_fsync = os.fsync\ndef _slow(fd):\n    time.sleep(0.05)\n    return _fsync(fd)\nos.fsync = _slow\n"
 
 
+def killed_at_checkpoint(tmp_path, step: int) -> dict:
+    """The environment of a run that SIGKILLs itself just before its step-`step` checkpoint is renamed into
+    place (a sitecustomize on its PYTHONPATH): the run dies mid-write, its previous checkpoint the last whole one."""
+    d = tmp_path / "kill_hook"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(
+        "import os, signal\n_replace = os.replace\n"
+        "def _kill(a, b, *args, **kw):\n"
+        f"    if os.path.basename(os.fspath(b)) == 'step_{step:08d}':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _replace(a, b, *args, **kw)\n"
+        "os.replace = _kill\n")
+    return {"PYTHONPATH": str(d)}
+
+
 @pytest.fixture
 def slow_fsync(tmp_path) -> dict:
     """The environment of a run whose every fsync takes 50 ms more (a sitecustomize on its PYTHONPATH): a

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
+from conftest import killed_at_checkpoint
 from test_classify import TINY, config, make_task
 from test_reliability import assert_bitwise_equal, finish, launch
 from train.checkpoint import list_checkpoints
@@ -152,17 +153,8 @@ def test_recipe_draws_survive_a_sigkill_and_resume(tmp_path, one_thread):
             "train.keep_checkpoints": 3, "train.log_every": 1, "train.export": False}
     cfg_file = tmp_path / "recipe.yaml"
     cfg_file.write_text(yaml.safe_dump(TINY))
-    hook = tmp_path / "hook"  # the child kills itself just before its step-8 checkpoint is renamed into place
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import os, signal\n_replace = os.replace\n"
-        "def _kill_at_step_8(a, b, *args, **kw):\n"
-        "    if os.path.basename(os.fspath(b)) == 'step_00000008':\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return _replace(a, b, *args, **kw)\n"
-        "os.replace = _kill_at_step_8\n")
     killed = tmp_path / "killed"
-    p = launch(cfg_file, killed, *(f"{k}={v}" for k, v in over.items()), env={"PYTHONPATH": str(hook)})
+    p = launch(cfg_file, killed, *(f"{k}={v}" for k, v in over.items()), env=killed_at_checkpoint(tmp_path, 8))
     assert finish(p) == -signal.SIGKILL, (killed / "stderr-0.txt").read_text()
     assert [c.name for c in list_checkpoints(killed)] == ["step_00000004"]
 

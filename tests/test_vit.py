@@ -328,11 +328,14 @@ def test_zoo_built_dinov3_and_siglip2_shapes_save_and_load(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_vit_run_resumes_bitwise(tmp_path, one_thread):
-    """vit-tiny-digits.yaml with patch dropout, stochastic depth and layer-wise LR decay, resumed from its step-2
-    checkpoint as a killed run leaves it: the loss curve and the final weights of the uninterrupted run, bitwise."""
-    import shutil
+def test_a_vit_run_resumes_bitwise_after_sigkill(tmp_path, one_thread):
+    """vit-tiny-digits.yaml with patch dropout, stochastic depth and layer-wise LR decay, SIGKILLed in a fresh
+    process while it writes its step-4 checkpoint, then resumed from step 2 here: the loss curve and the final
+    weights of an uninterrupted run, bitwise."""
+    import signal
     from safetensors.torch import load_file
+    from conftest import killed_at_checkpoint
+    from test_reliability import finish, launch
     from train.config import load_run_config
     from train.loop import train
     from train.metrics import read_rows
@@ -340,14 +343,13 @@ def test_a_vit_run_resumes_bitwise(tmp_path, one_thread):
             "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.eval_every=0",
             "train.progress=false", "train.samples=false", "train.plot=false", "train.log_every=1",
             "train.batch_size=16", "optim.warmup_steps=1"]
-    config = str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml")
-    train(load_run_config(config, [f"train.out_dir={tmp_path / 'full'}", *over]), log=lambda m: None)
-    part = tmp_path / "part"
-    shutil.copytree(tmp_path / "full", part)
-    shutil.rmtree(part / "checkpoints" / "step_00000004")
-    (part / "model.safetensors").unlink()
-    train(load_run_config(config, [f"train.out_dir={part}", *over]), log=lambda m: None)
-    losses = [[(r["step"], r["loss"]) for r in read_rows(d) if "loss" in r] for d in (tmp_path / "full", part)]
-    assert losses[0] == losses[1] and len(losses[0]) == 4
-    a, b = (load_file(d / "model.safetensors") for d in (tmp_path / "full", part))
+    config = Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"
+    killed = tmp_path / "killed"
+    assert finish(launch(config, killed, *over, env=killed_at_checkpoint(tmp_path, 4))) == -signal.SIGKILL, \
+        (killed / "stderr-0.txt").read_text()
+    for out in (killed, tmp_path / "whole"):
+        train(load_run_config(str(config), [f"train.out_dir={out}", *over]), log=lambda m: None)
+    losses = [[(r["step"], r["loss"]) for r in read_rows(d) if "loss" in r] for d in (tmp_path / "whole", killed)]
+    assert losses[0] == losses[1] and [s for s, _ in losses[0]] == [1, 2, 3, 4]
+    a, b = (load_file(d / "model.safetensors") for d in (tmp_path / "whole", killed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
