@@ -32,7 +32,7 @@ class CaptionDataConfig(DiffusionDataConfig):
     format: str = "captions"                # images with captions: `dataset` a folder of images with a .txt caption
                                             # beside each, a jsonl file of {"image", "caption"} rows (paths relative
                                             # to it), or `digits` with generated captions
-    caption_dropout: float = bounded(0.1, ge=0, lt=1)  # captions replaced by the empty prompt (for guidance)
+    caption_dropout: float = bounded(0.1, ge=0, le=1)  # captions replaced by the empty prompt (guidance; 1: none kept)
     sample_prompts: list[str] = field(default_factory=list)  # the rows of samples.png; empty: up to ten val captions
 
 
