@@ -7,7 +7,8 @@ Zoo autoencoder: TAEF2) or with a text-to-image run folder of train/run.py.
 
 FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
 the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a run of data.format: captions
-(its EMA weights when it kept them, its sampler, steps and guidance unless given). Writes DIR/<prompt>-<seed>-<k>.png.
+(its EMA weights when it kept them, an adapter run's base with its LoRA; its sampler, steps and guidance unless
+given). Writes DIR/<prompt>-<seed>-<k>.png.
 """
 from __future__ import annotations
 

@@ -148,6 +148,22 @@ class TextEncoder:
         return prompt_embeds(self.llm, ids[:, :L].to(self.device), mask[:, :L].to(self.device), self.m.text_layers)
 
 
+def encoder_architecture(path) -> torch.nn.Module:
+    """model.text_encoder's model with random weights (the planner builds it on fake tensors): an LLM config file, or
+    a folder's config (Zoo's config.yaml, else Hugging Face's config.json) in the dtype of its weights."""
+    from zoo.weights import hf_llm, zoo_folder
+    from zoo.weights.files import FILE_DTYPES, read_json, read_safetensors_header
+    p = Path(path)
+    if not p.is_dir():
+        return zoo.build(p)
+    arch = zoo_folder.folder_config(p) or hf_llm.config_from_hf(hf_llm.unwrap(read_json(p / "config.json"))[0])[0]
+    table, model = read_safetensors_header(sorted(p.glob("*.safetensors"))[0])[0], zoo.build(arch)
+    dtype = next(FILE_DTYPES[t["dtype"]] for t in table.values() if FILE_DTYPES.get(t["dtype"], torch.bool).is_floating_point)
+    for w in model.parameters():  # as bf16-pure does it: fake tensors too
+        w.data = w.data.to(dtype)
+    return model
+
+
 class TextToImageTask(DiffusionTask):
     DataConfig = CaptionDataConfig
     null_label = 0  # the prompt cache's row of the empty prompt
