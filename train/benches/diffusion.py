@@ -503,8 +503,9 @@ def styled_threes(folder: Path, n: int = 6) -> Path:
 def dreambooth(args) -> tuple[dict, dict]:
     """DreamBooth-style LoRA (Ruiz et al., "DreamBooth", 2023) on the trained digits-text run (seed 0): per LoRA seed a
     LoRA trained --steps steps on five shifted threes captioned STYLE, then STYLE sampled from --per-class noise
-    seeds (the config's guidance) by the LoRA and by the base alone: the share the digits classifier calls a three
-    and the RMS pixel distance from each sample to the nearest of the five training images."""
+    seeds (the config's guidance) by the LoRA and by the base alone (and the base's "a handwritten digit three"): the
+    share the digits classifier calls a three and the RMS pixel distance from each sample to the nearest of the five
+    training images."""
     import zoo
     from safetensors.torch import load_model
     from train.config import load_run_config
@@ -526,11 +527,11 @@ def dreambooth(args) -> tuple[dict, dict]:
     data = load_captioned(load_run_config(str(config), over[:1]).data, 32, str(config), lambda m: None)[0]
     five = data.read("train", 0, len(data.labels["train"])).mean(1).flatten(1)
 
-    def measure(run):
-        images = torch.cat([generate_run(run, [STYLE] * 10, seed=s) for s in range(args.per_class)])
+    def measure(run, prompt=STYLE):
+        images = torch.cat([generate_run(run, [prompt] * 10, seed=s) for s in range(args.per_class)])
         dist = torch.cdist(images.mean(1).flatten(1), five).min(1).values / five.shape[1] ** 0.5
         return {"three": float((clf(images)[1].argmax(1) == 3).float().mean()), "distance": float(dist.mean())}
-    per_seed, base_side = {}, measure(base)
+    per_seed, base_side, plain = {}, measure(base), measure(base, "a handwritten digit three")
     for seed in args.seeds:
         run = out / f"dreambooth-seed{seed}"
         harness.run_loop(config, run, [*over, f"train.seed={seed}", "train.resume=false"], inproc=True,
@@ -541,15 +542,16 @@ def dreambooth(args) -> tuple[dict, dict]:
     def diff(k):
         m, h = harness.mean_interval(per_seed[s][k] - base_side[k] for s in per_seed)
         return f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
-    note = f"{10 * args.per_class} samples of {STYLE!r} per model"
-    rows = [[f"base (digits-text, seed 0)", f"{base_side['three']:.3f}", f"{base_side['distance']:.3f}"],
-            [f"base + LoRA ({len(per_seed)} seeds, {args.steps} steps)",
-             *(cell(per_seed[s][k] for s in per_seed) for k in ("three", "distance"))],
-            ["LoRA - base", diff("three"), diff("distance")]]
+    note = f"{10 * args.per_class} samples per row"
+    rows = [[f"base (digits-text, seed 0), {p!r}", f"{side['three']:.3f}", f"{side['distance']:.3f}"]
+            for p, side in (("a handwritten digit three", plain), (STYLE, base_side))]
+    rows += [[f"base + LoRA ({len(per_seed)} seeds, {args.steps} steps), {STYLE!r}",
+              *(cell(per_seed[s][k] for s in per_seed) for k in ("three", "distance"))],
+             [f"LoRA - base (both {STYLE!r})", diff("three"), diff("distance")]]
     head = ["model", f"called a three by the classifier (mean ± 95% interval over LoRA seeds; {note})",
             "RMS pixel distance to the nearest of the five images (lower: more of the style)"]
-    return {"dreambooth": harness.table(head, rows)}, {"per_seed": per_seed, "base": base_side, "steps": args.steps,
-                                                       "train_images": len(five)}
+    return {"dreambooth": harness.table(head, rows)}, {"per_seed": per_seed, "base": base_side, "base_plain": plain,
+                                                       "steps": args.steps, "train_images": len(five)}
 
 
 def cell(values) -> str:

@@ -158,7 +158,7 @@ def encoder_architecture(path) -> torch.nn.Module:
         return zoo.build(p)
     arch = zoo_folder.folder_config(p) or hf_llm.config_from_hf(hf_llm.unwrap(read_json(p / "config.json"))[0])[0]
     table, model = read_safetensors_header(sorted(p.glob("*.safetensors"))[0])[0], zoo.build(arch)
-    dtype = next(FILE_DTYPES[t["dtype"]] for t in table.values() if FILE_DTYPES.get(t["dtype"], torch.bool).is_floating_point)
+    dtype = next(d for d in (FILE_DTYPES.get(t["dtype"], torch.bool) for t in table.values()) if d.is_floating_point)
     for w in model.parameters():  # as bf16-pure does it: fake tensors too
         w.data = w.data.to(dtype)
     return model
