@@ -470,11 +470,11 @@ def prompt_adherence(args) -> tuple[dict, dict]:
         print(f"   seed {seed}: {per_seed[seed]}", flush=True)
     x_va, y_va = digits_dataset("val", 32, 3, 0.1)
     real_va = judge(clf, x_va, y_va, real)
-    rows = [[f"guidance {g:g}", *(cell(per_seed[s][g][k] for s in per_seed) for k in ("sample_accuracy",
-                                                                                      "classifier_fd"))]
+    rows = [[f"guidance {g:g}", *(mean_cell(per_seed[s][g][k] for s in per_seed)
+                                      for k in ("sample_accuracy", "classifier_fd"))]
             for g in guidances]
     rows += [["unconditional baseline (every caption dropped; the empty prompt)", "-",
-              cell(per_seed[s]["uncond"]["classifier_fd"] for s in per_seed)],
+              mean_cell(per_seed[s]["uncond"]["classifier_fd"] for s in per_seed)],
              [f"real held-out digits ({len(x_va)})", f"{real_va['sample_accuracy']:.3f}",
               f"{real_va['classifier_fd']:.3f}"]]
     note = f"mean ± 95% interval over {len(per_seed)} training seeds; 10 prompts x {args.per_class} noise seeds each"
@@ -546,7 +546,7 @@ def dreambooth(args) -> tuple[dict, dict]:
     rows = [[f"base (digits-text, seed 0), {p!r}", f"{side['three']:.3f}", f"{side['distance']:.3f}"]
             for p, side in (("a handwritten digit three", plain), (STYLE, base_side))]
     rows += [[f"base + LoRA ({len(per_seed)} seeds, {args.steps} steps), {STYLE!r}",
-              *(cell(per_seed[s][k] for s in per_seed) for k in ("three", "distance"))],
+              *(mean_cell(per_seed[s][k] for s in per_seed) for k in ("three", "distance"))],
              [f"LoRA - base (both {STYLE!r})", diff("three"), diff("distance")]]
     head = ["model", f"called a three by the classifier (mean ± 95% interval over LoRA seeds; {note})",
             "RMS pixel distance to the nearest of the five images (lower: more of the style)"]
@@ -554,7 +554,7 @@ def dreambooth(args) -> tuple[dict, dict]:
                                                        "steps": args.steps, "train_images": len(five)}
 
 
-def cell(values) -> str:
+def mean_cell(values) -> str:
     """'mean ± half-width of its 95% interval' (the mean alone for one value)."""
     m, h = harness.mean_interval(values)
     return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
@@ -573,16 +573,16 @@ def diffusion_tables(data: dict) -> dict:
 
     def row(name, last):
         st = data["steps"][name]
-        return [name, st, f"{data['flops_per_step'][name]['train'] * st:.3g}", cell(col(name, "classifier_fd")),
-                cell(col(name, "sample_accuracy")), last]
+        return [name, st, f"{data['flops_per_step'][name]['train'] * st:.3g}", mean_cell(col(name, "classifier_fd")),
+                mean_cell(col(name, "sample_accuracy")), last]
     ref = [[k, "-", "-", f"{r['classifier_fd']:.3f}", f"{r['sample_accuracy']:.3f}", f"({r['images']} images)"]
            for k, r in data["reference"].items()]
     head = ["run", "steps", "training FLOPs", "classifier FD (lower is better)", "sample accuracy"]
     note = f"mean ± 95% interval over {len(seeds)} seeds; {data['samples']} samples per run"
-    flow = [row(n, cell(col(n, "val_mse")) + " (not comparable)") for n in ("unet-eps", "unet-flow")]
+    flow = [row(n, mean_cell(col(n, "val_mse")) + " (not comparable)") for n in ("unet-eps", "unet-flow")]
     flow.append(["flow - eps (paired by seed)", "", "", diff("classifier_fd", "unet-flow", "lower"),
                  diff("sample_accuracy", "unet-flow", "higher"), ""])
-    dit_rows = [row(n, cell(col(n, "val_loss"))) for n in ("unet-eps", "dit-eps")]
+    dit_rows = [row(n, mean_cell(col(n, "val_loss"))) for n in ("unet-eps", "dit-eps")]
     dit_rows.append(["DiT - U-Net (paired by seed)", "", "", diff("classifier_fd", "dit-eps", "lower"),
                      diff("sample_accuracy", "dit-eps", "higher"), diff("val_loss", "dit-eps", "lower")])
     return {"flow": harness.table(head + [f"val MSE of the prediction ({note})"], flow + ref),
