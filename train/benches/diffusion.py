@@ -474,9 +474,12 @@ def prompt_adherence(args) -> tuple[dict, dict]:
                                       for k in ("sample_accuracy", "classifier_fd"))]
             for g in guidances]
     rows += [["unconditional baseline (every caption dropped; the empty prompt)", "-",
-              mean_cell(per_seed[s]["uncond"]["classifier_fd"] for s in per_seed)],
-             [f"real held-out digits ({len(x_va)})", f"{real_va['sample_accuracy']:.3f}",
-              f"{real_va['classifier_fd']:.3f}"]]
+              mean_cell(per_seed[s]["uncond"]["classifier_fd"] for s in per_seed)]]
+    rows += [[f"guidance {g:g} - unconditional (paired by seed)", "", harness.interval_text(
+        (per_seed[s][g]["classifier_fd"] - per_seed[s]["uncond"]["classifier_fd"] for s in per_seed), "+.3f", "FD")]
+        for g in guidances if len(per_seed) > 1]
+    rows.append([f"real held-out digits ({len(x_va)})", f"{real_va['sample_accuracy']:.3f}",
+                 f"{real_va['classifier_fd']:.3f}"])
     note = f"mean ± 95% interval over {len(per_seed)} training seeds; 10 prompts x {args.per_class} noise seeds each"
     head = ["samples", f"prompt adherence (sample accuracy; {note})", "classifier FD (lower is better)"]
     return {"adherence": harness.table(head, rows)}, {"per_seed": per_seed, "steps": args.steps or "config's",
