@@ -316,3 +316,31 @@ def test_deepseek_v3_on_this_machine_is_refused_before_it_allocates(tmp_path):
     assert re.search(r"the plan needs [\d.]+ GiB for the weights, gradients and optimizer states alone, over 1\.5x the "
                      r"[\d.]+ GiB free on \w+; no setting fits one device: FSDP2 over at least \d+ .*"
                      r"train\.ignore_plan=true", err[0]), err[0]
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["config-file", "folder"])
+def test_a_text_to_image_plan_counts_the_text_encoder_and_the_prompt_cache_as_the_run_makes_them(saved, tmp_path):
+    """A text-to-image plan: the text encoder's weights are those of the encoder the run builds (from its config file,
+    kept in host memory to the end; or from the folder it was saved to, freed after setup), embedding a batch of
+    prompts holds what the same embedding holds on real tensors, and the prompt cache's bytes are those of the cache
+    the run writes."""
+    import zoo
+    from parallel_runs import DIFFUSION, TEXT
+    from train.data.latents import prompt_cache
+    from train.tasks.text_to_image import TextEncoder, load_captioned
+    over = [*TEXT, "train.batch_size=2", "data.encode_batch_size=8"]
+    cfg = load_run_config(None, over, base=DIFFUSION)
+    if saved:
+        zoo.save_pretrained(TextEncoder(cfg.model, cfg.source, CPU).llm, tmp_path / "encoder")
+        cfg = load_run_config(None, [*over, f"model.text_encoder={tmp_path / 'encoder'}"], base=DIFFUSION)
+    text, enc = planner.text_side(cfg, CPU), TextEncoder(cfg.model, cfg.source, CPU)
+    tensors = [*enc.llm.parameters(), *enc.llm.buffers()]  # the RoPE tables too: buffers outside the state dict
+    assert text["text_encoder"] == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                        for t in tensors}.values())
+    assert text["text_encoding"] == planner.text_side(cfg, CPU, fake=False)["text_encoding"] > 0
+    prompts = load_captioned(cfg.data, cfg.model.image_size, cfg.source, lambda m: None)[1]
+    cache = prompt_cache(tmp_path / "prompts", enc.key(), prompts, enc.embed, log=lambda m: None)
+    assert text["prompt_cache"] == cache.nbytes
+    p = planner.plan(cfg, device=CPU)
+    assert p.breakdown["prompt_cache"] == cache.nbytes and p.setup_bytes == text["text_encoder"] + text["text_encoding"]
+    assert p.breakdown["text_encoder"] == (0 if saved else text["text_encoder"])

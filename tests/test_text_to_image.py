@@ -180,3 +180,40 @@ def test_a_lora_run_from_a_diffusers_transformer_loads_in_diffusers(tmp_path):
         with adapters_disabled(model):
             base = model(**args)
     assert (got - want).abs().max() <= 1e-4 and (got - base).abs().max() > 1e-3, (got - want).abs().max()
+
+
+@pytest.mark.slow
+def test_a_lora_run_from_a_zoo_run_keeps_its_latent_scale_and_samples_with_its_adapter(tmp_path):
+    """An adapter run fine-tuned from a Zoo run's weights (train.init_from) on other images standardises its latents
+    as the base did (the scale its denoiser learnt, not the new images'), and train/sample.py's generate_run samples
+    it as its base with its LoRA file: the same noise gives other images than the base alone."""
+    import yaml
+    from safetensors.torch import load_model
+
+    import zoo
+    from parallel_runs import DIFFUSION, TEXT
+    from train.builder import new_task
+    from train.loop import train
+    from train.sample import generate_run
+    cfg_file = tmp_path / "t2i.yaml"
+    cfg_file.write_text(yaml.safe_dump(DIFFUSION))
+    common = [*TEXT, f"data.cache_dir={tmp_path / 'cache'}", "train.samples=false", "train.ema_decay=null"]
+    train(load_run_config(str(cfg_file), [*common, f"train.out_dir={tmp_path / 'base'}"]), log=lambda m: None)
+    base = zoo.build(load_run_config(str(tmp_path / "base" / "config.yaml")).model)
+    load_model(base, str(tmp_path / "base" / "model.safetensors"))
+    ae = zoo.save_pretrained(base.autoencoder, tmp_path / "ae" / "taesd-digits_encoder.safetensors")
+    for i, colour in enumerate([(250, 250, 250), (250, 0, 0), (0, 0, 250)]):
+        Image.new("RGB", (16, 16), colour).save(tmp_path / f"{i}.png")
+        (tmp_path / f"{i}.txt").write_text("a sks square")
+    over = [*common, f"train.out_dir={tmp_path / 'lora'}", f"data.dataset={tmp_path}", f"model.autoencoder.weights={ae}",
+            f"train.init_from={tmp_path / 'base' / 'model.safetensors'}", "adapter.method=lora", "optim.lr=0.5"]
+    cfg = load_run_config(str(cfg_file), over)
+    task = new_task(cfg, torch.device("cpu"), "fp32", lambda m: None)
+    assert not torch.allclose(task.latent_mean, base.latent_mean)  # the new images' own scale differs
+    raw = task.latents.latents("val", slice(0, 1))
+    task.build_model()
+    assert torch.equal(task.latent_mean, base.latent_mean) and torch.equal(task.latent_std, base.latent_std)
+    torch.testing.assert_close(task.z_va, (raw - base.latent_mean.view(1, -1, 1, 1)) / base.latent_std.view(1, -1, 1, 1))
+    train(cfg, log=lambda m: None)
+    got, alone = (generate_run(tmp_path / r, ["a sks square"], steps=2, seed=0) for r in ("lora", "base"))
+    assert (got - alone).abs().max() > 1e-5  # without the LoRA (or with a zero one) they are equal bit for bit

@@ -20,7 +20,7 @@ PRESETS = {"llm_speed": "llm-train llm-moe llm-mod doc-mask llm-generate gguf vl
            "llm_quality": "llm-moe-quality llm-mod-quality peft",
            "deploy": "quantized qat prune distill distill-quality convnet-ptq",
            "convnets": "resnet convnets drop-path convnet-recipe vit",
-           "diffusion": "taesd dit flux2 latent-cache min-snr diffusion-quality prompt-adherence",
+           "diffusion": "taesd dit flux2 latent-cache min-snr diffusion-quality prompt-adherence dreambooth",
            "optimizers": "optimizers lr-find",
            "sft": "sft-packing sft-quality vlm-quality", "gpu": "gpu float8 bf16-pure", "rollout": "rollout rl-quality rl-memory",
            "data": "data tokenizers", "mup": "mup-coord mup-transfer"}

@@ -366,6 +366,27 @@ def simulate(cfg, device: torch.device, batch_size: Optional[int] = None, n_laye
                      [per_unit.get(i, 0) for i in range(len(units))], logits["peak"], trace.events)
 
 
+def text_side(cfg, device: torch.device, fake: bool = True) -> dict:
+    """A text-to-image run's text encoder and prompt cache as its setup makes them (train/tasks/text_to_image.py):
+    {"text_encoder": the encoder's weights and buffers, "text_encoding": the peak above them while it embeds a batch
+    of data.encode_batch_size prompts (padded: a key mask), "prompt_cache": the embeddings, fp32, a row per distinct
+    prompt}; fake tensors unless fake=False."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .tasks.text_to_image import encoder_architecture, load_captioned
+    m, d = cfg.model, cfg.data
+    prompts = len(load_captioned(d, m.image_size, cfg.source, lambda _: None)[1])
+    with FakeTensorMode() if fake else contextlib.nullcontext(), torch.random.fork_rng(devices=[]), \
+            torch.device(device), torch.no_grad():
+        llm = encoder_architecture(m.text_encoder).eval()
+        weights = _bytes([*llm.parameters(), *llm.buffers()])
+        B, L = min(d.encode_batch_size, prompts), m.text_length
+        with LiveBytes(device.type) as counter:
+            ids, mask = torch.zeros(B, L, dtype=torch.long), torch.arange(L).expand(B, L) < L - 1
+            torch.stack(llm.hidden_states(ids, m.text_layers, mask), 2).flatten(2)  # zoo's prompt_embeds
+    return {"text_encoder": weights, "text_encoding": counter.peak, "prompt_cache": prompts * L * m.flux2.text_dim * 4}
+
+
 def mask_bytes(model: nn.Module, t) -> int:
     """train.prune's masks, counted with the buffers: a bool per weight of the pruned linears."""
     if not t.prune:
@@ -395,6 +416,7 @@ class Plan:
     notes: list = field(default_factory=list)
     device: str = "cpu"                  # the device planned for
     precision: str = "fp32"              # the precision the run computes in there
+    setup_bytes: int = 0                 # text to image: the text encoder embedding the prompts, before the model
 
     to_dict = dataclasses.asdict
 
@@ -474,14 +496,20 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
         activations += sim.grads  # DDP's gradient buckets: one more copy of the gradients
         notes.append(f"ddp over {devices} devices: everything replicated, plus DDP's gradient buckets "
                      f"(one more copy of the gradients)")
-    if cfg.family == "diffusion" and cfg.model.denoiser == "flux2":
-        m = cfg.model
-        notes.append(f"text to image: the frozen text encoder ({m.text_encoder}) runs before training only, into the "
-                     f"prompt cache on disk ({4 * m.text_length * m.flux2.text_dim / 1024:,.0f} KiB per distinct caption); "
-                     f"a step's inputs hold its batch's prompt embeddings")
     ema = sim.params + sim.buffers if cfg.train.ema_decay else 0  # train.ema_decay: a copy of the model
     breakdown = {"params": params, "buffers": sim.buffers, "grads": grads, "optimizer_states": states,
                  "ema": ema, "inputs": sim.inputs, "activations": activations}
+    setup = 0
+    if cfg.family == "diffusion" and cfg.model.denoiser == "flux2":
+        text, kept = text_side(cfg, device), not Path(cfg.model.text_encoder).is_dir()  # a random one: saved at the end
+        setup = text["text_encoder"] + text["text_encoding"]
+        resident = {"text_encoder": text["text_encoder"] * kept, "prompt_cache": text["prompt_cache"]}
+        host += sum(resident.values()) if target.type != "cpu" else 0
+        breakdown.update({k: v if target.type == "cpu" else 0 for k, v in resident.items()})
+        notes.append(f"text to image: the frozen text encoder ({cfg.model.text_encoder}) embeds the prompts before the "
+                     f"model is built ({fmt_bytes(setup)} at its peak), then "
+                     + ("stays in host memory, " if kept else "is freed, ")
+                     + f"beside the prompt cache (a memmap, {fmt_bytes(text['prompt_cache'])})")
     if target.type == "cpu":
         share, constant = CPU_MARGIN.get(cfg.family, CPU_MARGIN_OTHER)
         allocator = round(share * sum(breakdown.values())) + constant
@@ -491,7 +519,8 @@ def plan(cfg, devices: int = 1, sharding: str = "ddp", batch_size: Optional[int]
     m = cfg.model  # the KV cache of generation at the run's batch and model.max_seq_len
     kv = 2 * m.n_layers * B * m.resolved_n_kv_heads * m.max_seq_len * m.resolved_head_dim * \
         (amp_dtype(_precision(cfg, device)) or torch.float32).itemsize if cfg.family == "llm" else None
-    return Plan(sum(breakdown.values()), breakdown, sim.per_unit, sim.logits, kv, host, devices, sharding if devices > 1 else "none", extrapolated, notes, str(target), precision)
+    return Plan(max(sum(breakdown.values()), setup), breakdown, sim.per_unit, sim.logits, kv, host, devices,
+                sharding if devices > 1 else "none", extrapolated, notes, str(target), precision, setup)
 
 
 CUDA_WORKSPACE_BYTES = 32 * MiB  # cuBLAS's workspace, allocated through the caching allocator

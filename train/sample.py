@@ -7,7 +7,8 @@ Zoo autoencoder: TAEF2) or with a text-to-image run folder of train/run.py.
 
 FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
 the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a run of data.format: captions
-(its EMA weights when it kept them, its sampler, steps and guidance unless given). Writes DIR/<prompt>-<seed>-<k>.png.
+(its EMA weights when it kept them, an adapter run's base with its LoRA; its sampler, steps and guidance unless
+given). Writes DIR/<prompt>-<seed>-<k>.png.
 """
 from __future__ import annotations
 
@@ -58,21 +59,29 @@ def generate(folder, prompts: list[str], decoder, steps: int = 4, guidance: floa
 @torch.no_grad()
 def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int = 0, n: int = 1) -> torch.Tensor:
     """Images (len(prompts) * n, 3, H, W) in [0, 1] of a text-to-image run folder: its model (EMA weights when
-    written), its text encoder (text_encoder/ when the run saved one, else model.text_encoder)."""
+    written; an adapter run: its train.init_from, Zoo weights, with its adapter/), its text encoder
+    (text_encoder/ when the run saved one, else model.text_encoder)."""
     from safetensors.torch import load_model
 
     from train.config import load_run_config
     from train.tasks.text_to_image import TextEncoder
     from zoo.diffusion.latent import LatentDiffusion
+    from zoo.weights.diffusers_lora import LORA_WEIGHTS, load_lora
     run = Path(run)
     cfg = load_run_config(str(run / "config.yaml"))
     if cfg.family != "diffusion" or cfg.model.denoiser != "flux2":
         raise ValueError(f"{run}: not a text-to-image run (family diffusion, model.denoiser flux2)")
-    weights = next((w for w in (run / "model_ema.safetensors", run / "model.safetensors") if w.is_file()), None)
+    lora, base = run / "adapter" / LORA_WEIGHTS, Path(cfg.train.init_from or run)
+    weights = [base / "model.safetensors" if base.is_dir() else base] if lora.is_file() else \
+        [run / "model_ema.safetensors", run / "model.safetensors"]  # an adapter run's base: what the run loaded
+    weights = next((w for w in weights if w.is_file()), None)
     if weights is None:
-        raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)")
+        raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)" if not lora.is_file() else
+                                f"{run}: an adapter run whose train.init_from={base} holds no Zoo model.safetensors")
     model = LatentDiffusion(cfg.model).eval()
     load_model(model, str(weights))
+    if lora.is_file():
+        load_lora(model, lora)
     own = run / "text_encoder"
     encoder = TextEncoder(cfg.model, cfg.source, torch.device("cpu"), own if own.is_dir() else None)
     cond = encoder.embed([p for p in prompts for _ in range(n)])

@@ -7,6 +7,7 @@
     python train/bench.py min-snr            # Min-SNR-5 vs uniform loss weighting on the digits, equal steps
     python train/bench.py diffusion-quality  # flow vs eps at equal steps, DiT vs U-Net at equal FLOPs, over seeds
     python train/bench.py prompt-adherence   # digits-text.yaml's samples of each digit's prompt, judged per seed
+    python train/bench.py dreambooth         # a LoRA on five styled threes with a rare token, against the base
 
 Quality: samples judged by a digits classifier (accuracy, Frechet distance of its features).
 """
@@ -442,7 +443,9 @@ def diffusion_quality(args) -> tuple[dict, dict]:
 def prompt_adherence(args) -> tuple[dict, dict]:
     """Per seed: configs/diffusion/digits-text.yaml trained (--steps, default the config's), then each digit's prompt
     sampled from --per-class noise seeds, unguided and with the config's guidance, judged by the digits classifier:
-    the share labelled as the prompt asked (chance 0.1) and the classifier FD to the training digits."""
+    the share labelled as the prompt asked (chance 0.1) and the classifier FD to the training digits. Beside it the
+    unconditional baseline: the same run with every caption dropped (data.caption_dropout=1), as many samples of
+    the empty prompt from the same sampler and noise seeds."""
     from train.config import load_run_config
     from train.data.images import digits_dataset
     from train.sample import generate_run
@@ -453,20 +456,28 @@ def prompt_adherence(args) -> tuple[dict, dict]:
     prompts, labels = [f"a handwritten digit {d}" for d in DIGITS], torch.arange(10).repeat(args.per_class)
     over = [f"train.max_steps={args.steps}"] if args.steps else []
     guidances, per_seed = (1.0, load_run_config(str(config)).model.guidance), {}
-    for seed in args.seeds:
-        run = out / f"digits-text-seed{seed}"
-        harness.run_loop(config, run, [*over, f"train.seed={seed}", "train.resume=false"], inproc=True,
-                         done="model_ema.safetensors")
-        per_seed[seed] = {g: judge(clf, torch.cat([generate_run(run, prompts, guidance=g, seed=s)
-                                                   for s in range(args.per_class)]), labels, real) for g in guidances}
-        print(f"   seed {seed}: {per_seed[seed]}", flush=True)
 
-    def cell(g, k):
-        m, h = harness.mean_interval(per_seed[s][g][k] for s in per_seed)
-        return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
+    def samples(run, ps, g):
+        return torch.cat([generate_run(run, ps, guidance=g, seed=s) for s in range(args.per_class)])
+    for seed in args.seeds:
+        runs = {k: out / f"{k}-seed{seed}" for k in ("digits-text", "uncond")}
+        for k, run in runs.items():
+            harness.run_loop(config, run, [*over, f"train.seed={seed}", "train.resume=false",
+                                           *(["data.caption_dropout=1"] if k == "uncond" else [])],
+                             inproc=True, done="model_ema.safetensors")
+        per_seed[seed] = {g: judge(clf, samples(runs["digits-text"], prompts, g), labels, real) for g in guidances}
+        per_seed[seed]["uncond"] = judge(clf, samples(runs["uncond"], [""] * len(prompts), 1.0), None, real)
+        print(f"   seed {seed}: {per_seed[seed]}", flush=True)
     x_va, y_va = digits_dataset("val", 32, 3, 0.1)
     real_va = judge(clf, x_va, y_va, real)
-    rows = [[f"guidance {g:g}", cell(g, "sample_accuracy"), cell(g, "classifier_fd")] for g in guidances]
+    rows = [[f"guidance {g:g}", *(mean_cell(per_seed[s][g][k] for s in per_seed)
+                                      for k in ("sample_accuracy", "classifier_fd"))]
+            for g in guidances]
+    rows += [["unconditional baseline (every caption dropped; the empty prompt)", "-",
+              mean_cell(per_seed[s]["uncond"]["classifier_fd"] for s in per_seed)]]
+    rows += [[f"guidance {g:g} - unconditional (paired by seed)", "", harness.interval_text(
+        (per_seed[s][g]["classifier_fd"] - per_seed[s]["uncond"]["classifier_fd"] for s in per_seed), "+.3f", "FD")]
+        for g in guidances if len(per_seed) > 1]
     rows.append([f"real held-out digits ({len(x_va)})", f"{real_va['sample_accuracy']:.3f}",
                  f"{real_va['classifier_fd']:.3f}"])
     note = f"mean ± 95% interval over {len(per_seed)} training seeds; 10 prompts x {args.per_class} noise seeds each"
@@ -475,14 +486,87 @@ def prompt_adherence(args) -> tuple[dict, dict]:
                                                       "real_held_out": real_va}
 
 
+STYLE = "a sks digit three"  # dreambooth's prompt: a rare token for the style
+
+
+def styled_threes(folder: Path, n: int = 6) -> Path:
+    """n held-out threes of the digits moved to the right edge (a style the digits never show) as PNGs captioned
+    STYLE; a run holds one out, so it trains on n - 1."""
+    from PIL import Image
+
+    from train.data.images import digits_dataset
+    x, y = digits_dataset("val", 32, 3, 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, im in enumerate(F.pad(x[y == 3][:n], (6, 0))[..., :32]):
+        Image.fromarray((im * 255).round().byte().permute(1, 2, 0).numpy()).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(STYLE)
+    return folder
+
+
+def dreambooth(args) -> tuple[dict, dict]:
+    """DreamBooth-style LoRA (Ruiz et al., "DreamBooth", 2023) on the trained digits-text run (seed 0): per LoRA seed a
+    LoRA trained --steps steps on five shifted threes captioned STYLE, then STYLE sampled from --per-class noise
+    seeds (the config's guidance) by the LoRA and by the base alone (and the base's "a handwritten digit three"): the
+    share the digits classifier calls a three and the RMS pixel distance from each sample to the nearest of the five
+    training images."""
+    import zoo
+    from safetensors.torch import load_model
+    from train.config import load_run_config
+    from train.sample import generate_run
+    from train.tasks.text_to_image import load_captioned
+    out, config = Path(args.out), CONFIGS / "digits-text.yaml"
+    clf = digits_judge(out)[0]
+    base = out / "digits-text-seed0"
+    harness.run_loop(config, base, ["train.seed=0", "train.resume=false"], inproc=True, done="model_ema.safetensors")
+    ae, cfg = out / "autoencoder-text" / "taesd-digits_encoder.safetensors", load_run_config(str(base / "config.yaml"))
+    if not ae.is_file():  # the base's autoencoder, so that the LoRA run's latents are the base's
+        model = zoo.build(cfg.model)
+        load_model(model, str(base / "model_ema.safetensors"))
+        zoo.save_pretrained(model.autoencoder, ae)
+    over = [f"data.dataset={styled_threes(out / 'sks-threes')}", f"model.autoencoder.weights={ae}",
+            f"train.init_from={base / 'model_ema.safetensors'}", "adapter.method=lora", f"train.max_steps={args.steps}",
+            "train.batch_size=8", "optim.lr=1e-3", "data.caption_dropout=0", "train.ema_decay=null",
+            "train.eval_every=0", "train.checkpoint_every=0", "data.sample_prompts=[]"]
+    data = load_captioned(load_run_config(str(config), over[:1]).data, 32, str(config), lambda m: None)[0]
+    five = data.read("train", 0, len(data.labels["train"])).mean(1).flatten(1)
+
+    def measure(run, prompt=STYLE):
+        images = torch.cat([generate_run(run, [prompt] * 10, seed=s) for s in range(args.per_class)])
+        dist = torch.cdist(images.mean(1).flatten(1), five).min(1).values / five.shape[1] ** 0.5
+        return {"three": float((clf(images)[1].argmax(1) == 3).float().mean()), "distance": float(dist.mean())}
+    per_seed, base_side, plain = {}, measure(base), measure(base, "a handwritten digit three")
+    for seed in args.seeds:
+        run = out / f"dreambooth-seed{seed}"
+        harness.run_loop(config, run, [*over, f"train.seed={seed}", "train.resume=false"], inproc=True,
+                         done="adapter/pytorch_lora_weights.safetensors")
+        per_seed[seed] = measure(run)
+        print(f"   LoRA seed {seed}: {per_seed[seed]} (base {base_side})", flush=True)
+
+    def diff(k):
+        m, h = harness.mean_interval(per_seed[s][k] - base_side[k] for s in per_seed)
+        return f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
+    note = f"{10 * args.per_class} samples per row"
+    rows = [[f"base (digits-text, seed 0), {p!r}", f"{side['three']:.3f}", f"{side['distance']:.3f}"]
+            for p, side in (("a handwritten digit three", plain), (STYLE, base_side))]
+    rows += [[f"base + LoRA ({len(per_seed)} seeds, {args.steps} steps), {STYLE!r}",
+              *(mean_cell(per_seed[s][k] for s in per_seed) for k in ("three", "distance"))],
+             [f"LoRA - base (both {STYLE!r})", diff("three"), diff("distance")]]
+    head = ["model", f"called a three by the classifier (mean ± 95% interval over LoRA seeds; {note})",
+            "RMS pixel distance to the nearest of the five images (lower: more of the style)"]
+    return {"dreambooth": harness.table(head, rows)}, {"per_seed": per_seed, "base": base_side, "base_plain": plain,
+                                                       "steps": args.steps, "train_images": len(five)}
+
+
+def mean_cell(values) -> str:
+    """'mean ± half-width of its 95% interval' (the mean alone for one value)."""
+    m, h = harness.mean_interval(values)
+    return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
+
+
 def diffusion_tables(data: dict) -> dict:
     """Per run the mean over seeds with its 95% interval, and the paired difference (per seed) with its verdict."""
     seeds = list(data["per_seed"].values())
     col = lambda name, k: [s[name][k] for s in seeds]  # noqa: E731
-
-    def cell(v):
-        m, h = harness.mean_interval(v)
-        return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
 
     def diff(metric, side, better):
         m, h = harness.mean_interval(s[side][metric] - s["unet-eps"][metric] for s in seeds)
@@ -492,16 +576,16 @@ def diffusion_tables(data: dict) -> dict:
 
     def row(name, last):
         st = data["steps"][name]
-        return [name, st, f"{data['flops_per_step'][name]['train'] * st:.3g}", cell(col(name, "classifier_fd")),
-                cell(col(name, "sample_accuracy")), last]
+        return [name, st, f"{data['flops_per_step'][name]['train'] * st:.3g}", mean_cell(col(name, "classifier_fd")),
+                mean_cell(col(name, "sample_accuracy")), last]
     ref = [[k, "-", "-", f"{r['classifier_fd']:.3f}", f"{r['sample_accuracy']:.3f}", f"({r['images']} images)"]
            for k, r in data["reference"].items()]
     head = ["run", "steps", "training FLOPs", "classifier FD (lower is better)", "sample accuracy"]
     note = f"mean ± 95% interval over {len(seeds)} seeds; {data['samples']} samples per run"
-    flow = [row(n, cell(col(n, "val_mse")) + " (not comparable)") for n in ("unet-eps", "unet-flow")]
+    flow = [row(n, mean_cell(col(n, "val_mse")) + " (not comparable)") for n in ("unet-eps", "unet-flow")]
     flow.append(["flow - eps (paired by seed)", "", "", diff("classifier_fd", "unet-flow", "lower"),
                  diff("sample_accuracy", "unet-flow", "higher"), ""])
-    dit_rows = [row(n, cell(col(n, "val_loss"))) for n in ("unet-eps", "dit-eps")]
+    dit_rows = [row(n, mean_cell(col(n, "val_loss"))) for n in ("unet-eps", "dit-eps")]
     dit_rows.append(["DiT - U-Net (paired by seed)", "", "", diff("classifier_fd", "dit-eps", "lower"),
                      diff("sample_accuracy", "dit-eps", "higher"), diff("val_loss", "dit-eps", "lower")])
     return {"flow": harness.table(head + [f"val MSE of the prediction ({note})"], flow + ref),
@@ -512,14 +596,15 @@ def main(argv=None, preset: str = "taesd"):
     speed = preset in ("taesd", "dit", "flux2", "latent-cache")
     precision = {"taesd": "fp32,bf16", "dit": "fp32,bf16", "flux2": "fp32,bf16", "min-snr": ""}.get(preset, "fp32")
     p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
-                       one_precision=not speed, out=True, seeds={"diffusion-quality": 2, "prompt-adherence": 1}.get(preset, 0))
+                       one_precision=not speed, out=True,
+                       seeds={"diffusion-quality": 2, "prompt-adherence": 1, "dreambooth": 2}.get(preset, 0))
     p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
     p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
                    help="image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side")
     p.add_argument("--device", default="cpu")
-    steps = {"min-snr": None, "diffusion-quality": 300, "prompt-adherence": None}.get(preset, 2)
+    steps = {"min-snr": None, "diffusion-quality": 300, "prompt-adherence": None, "dreambooth": 300}.get(preset, 2)
     p.add_argument("--steps", type=harness.positive_int, default=steps,
-                   help="timed steps per round (training steps for min-snr, diffusion-quality)")
+                   help="timed steps per round (training steps for min-snr, diffusion-quality, dreambooth)")
     if preset == "taesd":
         p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
                        default="contiguous,channels_last")
@@ -538,16 +623,17 @@ def main(argv=None, preset: str = "taesd"):
         p.add_argument("--weights", type=Path, default=TAEF2, help="the TAEF2 encoder")
     if preset == "min-snr":
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
-    if preset in ("min-snr", "diffusion-quality", "prompt-adherence"):
-        p.add_argument("--per-class", type=harness.positive_int, default=20 if preset != "prompt-adherence" else 10,
-                       help="samples per digit and run")
+    if preset in ("min-snr", "diffusion-quality", "prompt-adherence", "dreambooth"):
+        p.add_argument("--per-class", type=harness.positive_int,
+                       default=20 if preset in ("min-snr", "diffusion-quality") else 10,
+                       help="samples per digit and run (dreambooth: x 10 of its prompt)")
     args = p.parse_args(argv)
     if preset == "latent-cache" and not args.weights.is_file():
         print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
         return
     harness.setup(args)
     run = {"taesd": taesd, "dit": dit, "flux2": flux2, "latent-cache": latent_cache, "min-snr": min_snr,
-           "diffusion-quality": diffusion_quality, "prompt-adherence": prompt_adherence}
+           "diffusion-quality": diffusion_quality, "prompt-adherence": prompt_adherence, "dreambooth": dreambooth}
     harness.save(args, *run[preset](args))
 
 

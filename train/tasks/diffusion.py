@@ -193,11 +193,8 @@ class DiffusionTask(Task):
             raise ConfigError(f"{cfg.source}: model.latent_channels={m.latent_channels} does not match the "
                               f"autoencoder's {C} latent channels")
         self.latents = self._latent_cache(data)
-        self.latent_mean, self.latent_std = self.latents.mean, self.latents.std
         self.y_tr = self.latents.labels["train"].to(self.device)
-        n_eval = cfg.train.batch_size * cfg.train.eval_batches  # what evaluate() reads, kept on the device
-        self.z_va = self._normalised(self.latents.latents("val", slice(0, n_eval)))
-        self.y_va = self.latents.labels["val"][:n_eval].to(self.device)
+        self._standardise(self.latents.mean, self.latents.std)
         self.log(f"latents: {self.latents.shape} per image, {self.latents.views} per training image "
                  f"(mean {[round(v, 3) for v in self.latent_mean.tolist()][:4]}..., "
                  f"std {[round(v, 3) for v in self.latent_std.tolist()][:4]}...)")
@@ -210,6 +207,14 @@ class DiffusionTask(Task):
         splits = {s: (data.labels[s], functools.partial(data.read, s)) for s in ("train", "val")}
         return latent_cache(folder, key, splits, lambda x: ae.encode(x.to(self.device)), 2 if d.hflip else 1,
                             d.encode_batch_size, log=self.log)
+
+    def _standardise(self, mean: torch.Tensor, std: torch.Tensor):
+        """Latents standardised per channel by `mean` and `std` (the data's, or a loaded run's): the validation
+        latents that evaluate() reads, kept on the device."""
+        self.latent_mean, self.latent_std = mean.clone(), std.clone()
+        n_eval = self.cfg.train.batch_size * self.cfg.train.eval_batches
+        self.z_va = self._normalised(self.latents.latents("val", slice(0, n_eval)))
+        self.y_va = self.latents.labels["val"][:n_eval].to(self.device)
 
     def _normalised(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw latents (B, C, h, w) -> on the device, per-channel standardised."""
@@ -254,6 +259,7 @@ class DiffusionTask(Task):
                 p = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
                 model.load_state_dict(read_weights(p, model), strict=False)
             self.load_pretrained(read)
+            self._standardise(model.latent_mean, model.latent_std)  # a Zoo run's: the latents its denoiser learnt
         self.log(f"denoiser: {model.num_params() / 1e6:.2f}M trainable parameters")
         return model
 

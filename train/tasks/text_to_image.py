@@ -32,7 +32,7 @@ class CaptionDataConfig(DiffusionDataConfig):
     format: str = "captions"                # images with captions: `dataset` a folder of images with a .txt caption
                                             # beside each, a jsonl file of {"image", "caption"} rows (paths relative
                                             # to it), or `digits` with generated captions
-    caption_dropout: float = bounded(0.1, ge=0, lt=1)  # captions replaced by the empty prompt (for guidance)
+    caption_dropout: float = bounded(0.1, ge=0, le=1)  # captions replaced by the empty prompt (guidance; 1: none kept)
     sample_prompts: list[str] = field(default_factory=list)  # the rows of samples.png; empty: up to ten val captions
 
 
@@ -146,6 +146,22 @@ class TextEncoder:
         ids, mask = prompt_tokens(self.tok, self.template, prompts, L + 1)
         self.truncated += [p for p, long in zip(prompts, mask[:, L].tolist()) if long]
         return prompt_embeds(self.llm, ids[:, :L].to(self.device), mask[:, :L].to(self.device), self.m.text_layers)
+
+
+def encoder_architecture(path) -> torch.nn.Module:
+    """model.text_encoder's model with random weights (the planner builds it on fake tensors): an LLM config file, or
+    a folder's config (Zoo's config.yaml, else Hugging Face's config.json) in the dtype of its weights."""
+    from zoo.weights import hf_llm, zoo_folder
+    from zoo.weights.files import FILE_DTYPES, read_json, read_safetensors_header
+    p = Path(path)
+    if not p.is_dir():
+        return zoo.build(p)
+    arch = zoo_folder.folder_config(p) or hf_llm.config_from_hf(hf_llm.unwrap(read_json(p / "config.json"))[0])[0]
+    table, model = read_safetensors_header(sorted(p.glob("*.safetensors"))[0])[0], zoo.build(arch)
+    dtype = next(d for d in (FILE_DTYPES.get(t["dtype"], torch.bool) for t in table.values()) if d.is_floating_point)
+    for w in model.parameters():  # as bf16-pure does it: fake tensors too
+        w.data = w.data.to(dtype)
+    return model
 
 
 class TextToImageTask(DiffusionTask):
