@@ -208,7 +208,7 @@ def test_a_lora_run_from_a_zoo_run_keeps_its_latent_scale_and_samples_with_its_a
     over = [*common, f"train.out_dir={tmp_path / 'lora'}", f"data.dataset={tmp_path}", f"model.autoencoder.weights={ae}",
             f"train.init_from={tmp_path / 'base' / 'model.safetensors'}", "adapter.method=lora", "optim.lr=0.5"]
     cfg = load_run_config(str(cfg_file), over)
-    task = new_task(cfg, torch.device("cpu"), "fp32", lambda m: None)
+    task = new_task(cfg, CPU, "fp32", lambda m: None)
     assert not torch.allclose(task.latent_mean, base.latent_mean)  # the new images' own scale differs
     raw = task.latents.latents("val", slice(0, 1))
     task.build_model()
