@@ -64,8 +64,8 @@ def small(**kw) -> LLMConfig:
     return LLMConfig(**{**dict(vocab_size=64, d_model=128, n_layers=2, n_heads=2, max_seq_len=16), **kw})
 
 
-def lr_scales(opt) -> dict:
-    return {id(p): g.get("lr_scale", 1.0) for g in opt.param_groups for p in g["params"]}
+def lr_scales(opt, key="lr_scale") -> dict:
+    return {id(p): g.get(key, 1.0) for g in opt.param_groups for p in g["params"]}
 
 
 def test_mup_lr_groups_hidden_matrices_only():
@@ -76,10 +76,39 @@ def test_mup_lr_groups_hidden_matrices_only():
     scales = lr_scales(build_optimizer(model, OptimConfig(), CPU, log=lambda m: None))
     assert {n: scales[id(p)] for n, p in model.named_parameters()} == {
         n: 32 / 128 if id(p) in hidden else 1.0 for n, p in model.named_parameters()}
-    muon = lr_scales(build_optimizer(model, OptimConfig(name="muon", lr=1e-3), CPU, log=lambda m: None))
+    decay = lr_scales(build_optimizer(model, OptimConfig(weight_decay=0.1), CPU, log=lambda m: None), "weight_decay")
+    assert {decay[i] for i in hidden} == {0.1 * 128 / 32}  # LR x decay as at the base width
+    muon_opt = build_optimizer(model, OptimConfig(name="muon", lr=1e-3, weight_decay=0.1), CPU, log=lambda m: None)
+    muon, muon_decay = lr_scales(muon_opt), lr_scales(muon_opt, "weight_decay")
     assert {muon[i] for i in hidden} == {0.02 / 1e-3}  # Muon's own LR on the hidden matrices, its scaling by shape
+    assert {muon_decay[i] for i in hidden} == {0.1}  # and the run's weight decay
     off = build_optimizer(LLM(small()), OptimConfig(), CPU, log=lambda m: None)
     assert not any("lr_scale" in g for g in off.param_groups)
+
+
+def test_mup_adamw_groups_equal_microsofts_mup():
+    """Every parameter's LR and weight decay under muP equal what Microsoft's mup package (set_base_shapes against
+    the base-width model, MuAdamW) gives the same parameters, from the same decay / no-decay groups. mup scales each
+    matrix by its own fan-in's ratio, Zoo by d_model's: the same where the MLP's width scales with d_model exactly
+    (8/3 d_model a multiple of ffn_multiple_of at both widths, as here)."""
+    mup = pytest.importorskip("mup", reason="Microsoft's mup package (pip install mup) is the reference")
+    torch.manual_seed(0)
+    model, base = LLM(small(d_model=384, n_heads=4, mup_base_width=96)), LLM(small(d_model=96, n_heads=4))
+    # do_assert=False: mup wants its MuReadout for the head; Zoo folds that multiplier into the final norm (the
+    # forward test below checks it)
+    mup.set_base_shapes(model, base, rescale_params=False, do_assert=False)
+    opt = build_optimizer(model, OptimConfig(lr=3e-3, weight_decay=0.1), CPU, log=lambda m: None)
+    set_lr(opt, 3e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def settings(optimizer):
+        return {(names[id(p)], k): g[k] for g in optimizer.param_groups for p in g["params"]
+                for k in ("lr", "weight_decay")}
+    ours = settings(opt)
+    groups = [{"params": [p for n, p in model.named_parameters() if ours[n, "weight_decay"]]},
+              {"params": [p for n, p in model.named_parameters() if not ours[n, "weight_decay"]], "weight_decay": 0.0}]
+    assert ours == pytest.approx(settings(mup.MuAdamW(groups, lr=3e-3, weight_decay=0.1)), rel=1e-12)
+    assert ours["layers.0.mlp.down.weight", "lr"] == pytest.approx(3e-3 / 4)  # width 384 against 96: muP applied
 
 
 def test_mup_forward_is_the_standard_model_with_its_multipliers():

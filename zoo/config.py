@@ -493,8 +493,9 @@ class LLMConfig:
                                             # cross-entropy on the router logit) or `predictor` (a small MLP)
     mup_base_width: Optional[int] = bounded(None, gt=0)  # muP (Tensor Programs V) against a model of this
                                             # `d_model`: logits x base / d_model, attention scores / head_dim (not its
-                                            # square root), hidden matrices' init std x sqrt(base / d_model) and their
-                                            # Adam-type LR x base / d_model; null = the standard parametrization
+                                            # square root), hidden matrices' init std x sqrt(base / d_model), their
+                                            # Adam-type LR x base / d_model and weight decay x d_model / base (LR x
+                                            # decay as at the base width); null = the standard parametrization
     # how a model trains and runs is not part of its architecture: these keys live in the run config's train:
     moved: ClassVar[dict] = {**CHECKPOINTING_MOVED, **{k: f"train.{k}" for k in (
         "attn_backend", "chunked_loss", "loss_chunk_size", "mod_aux_loss_coef", "mod_threshold_rate", "init_std")}}

@@ -24,7 +24,8 @@ def _embedding_ids(model: nn.Module) -> set:
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:
     """Matrices with weight decay, the rest (and what the model's `no_weight_decay()` names) without; under muP (the
     model config's `mup_ratio`) the hidden matrices in a group of their own whose LR is the run's x base / width
-    (`lr_scale`: Adam's rule; Muon sets its own); with layer_decay, split by depth (`layer_groups`)."""
+    (`lr_scale`: Adam's rule; Muon sets its own) and weight decay x width / base, so that LR x decay stays the base
+    width's as in Microsoft's `mup` (MuAdamW); with layer_decay, split by depth (`layer_groups`)."""
     named = getattr(model, "no_weight_decay", set)()
     exempt = _embedding_ids(model) | {id(p) for n, p in model.named_parameters() if n in named}
     decay, no_decay = [], []
@@ -33,7 +34,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[fl
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if ratio := getattr(getattr(model, "config", None), "mup_ratio", None):
         hidden, rest = split_hidden(groups, hidden_matrices(model))
-        groups = [dict(g, lr_scale=ratio) for g in hidden] + rest
+        groups = [dict(g, lr_scale=ratio, weight_decay=g["weight_decay"] / ratio) for g in hidden] + rest
     if layer_decay is not None:
         groups = layer_groups(model, groups, layer_decay)
     # no empty group (e.g. a tied head alone trains under train.unfreeze): DCP's optimizer state maps groups by
@@ -147,6 +148,7 @@ def _lion(model, groups, cfg, device, log):
 def _muon(model, groups, cfg, device, log):
     from .muon import muon_with_adamw
     hidden, other = split_hidden(groups, hidden_matrices(model))
+    hidden = [dict(g, weight_decay=cfg.weight_decay if g["weight_decay"] else 0.0) for g in hidden]  # not muP's
     if not hidden:
         raise ValueError("optim.name=muon: the model has no hidden 2-D weights for Muon")
     fused = fused_supported(device) if cfg.fused is None else cfg.fused
