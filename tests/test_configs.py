@@ -64,6 +64,8 @@ CASES = {  # config -> (the overrides beyond max_steps and out_dir, why)
     "convnet/efficientnet-digits.yaml": [],
     "convnet/mobilenetv3-digits.yaml": [],
     "vit/vit-tiny-digits.yaml": ["model.depth=1"],
+    # taught by runs/resnet-digits (trained by the user first): resnet-digits.yaml's ResNet written here stands in
+    "vit/deit-digits.yaml": ["model.depth=1", "train.teacher={resnet}"],
     "convnet/resnet18.yaml": IMAGENET,
     "convnet/resnet50.yaml": IMAGENET,
     # fine-tunes pretrained timm weights (train.init_from, downloaded by the user) on a flower folder
@@ -120,6 +122,12 @@ def timm_resnet(path: Path) -> Path:
     return path
 
 
+def digits_resnet(path: Path) -> Path:
+    """configs/convnet/resnet-digits.yaml's ResNet at random init, saved as a folder as its run leaves one."""
+    import zoo
+    return zoo.save_pretrained(zoo.build(ROOT / "configs" / "convnet" / "resnet-digits.yaml"), path)
+
+
 def zoo_llm(path: Path) -> Path:
     """A small LLM run folder on bytes (config.yaml, model.safetensors), as train/run.py writes one."""
     import torch
@@ -136,6 +144,7 @@ def zoo_llm(path: Path) -> Path:
 def test_config_runs_20_steps(config, tmp_path):
     if config == "diffusion/digits-taef2.yaml" and not (SHARED / "weights" / "taef2_encoder.pth").exists():
         pytest.skip(f"{SHARED / 'weights' / 'taef2_encoder.pth'} is absent (../shared is not beside this checkout)")
-    made = {"weights": lambda: timm_resnet(tmp_path / "resnet50.pth"), "llm": lambda: zoo_llm(tmp_path / "llm")}
+    made = {"weights": lambda: timm_resnet(tmp_path / "resnet50.pth"), "llm": lambda: zoo_llm(tmp_path / "llm"),
+            "resnet": lambda: digits_resnet(tmp_path / "resnet-digits")}
     over = [o.format(**{k: f() for k, f in made.items() if "{" + k + "}" in o}) for o in CASES[config]]
     run([sys.executable, str(RUN_PY), str(ROOT / "configs" / config), STEPS, *over], tmp_path / "out")

@@ -58,6 +58,24 @@ def test_timm_weights_in_and_out(tmp_path, arch, kw, suffix):
         assert (back(x) - want).abs().max().item() <= 1e-5
 
 
+def test_deit_distilled_training_gives_timms_two_heads(tmp_path):
+    """timm's VisionTransformerDistilled with set_distilled_training(True), in training mode (no dropout): Zoo's
+    model of its file returns the same (class head, distillation head) logits within 1e-4 (fp32); in eval mode both
+    return the heads' mean; a ViT without the distillation token refuses the switch."""
+    ref, path = timm_file(tmp_path, "deit_tiny_distilled_patch16_224", ".safetensors")
+    model = zoo.from_pretrained(path)
+    ref.set_distilled_training(True)
+    model.set_distilled_training(True)
+    x = image(32)
+    with torch.no_grad():
+        want, got = ref.train()(x), model.train()(x)
+        assert isinstance(got, tuple) and len(got) == 2 and (want[0] - want[1]).abs().max() > 0.1
+        assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(got, want))
+        assert (model.eval()(x) - ref.eval()(x)).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="no distillation token"):
+        zoo.build({"family": "vit", "model": TINY}).set_distilled_training()
+
+
 def test_heads_need_the_name_or_num_heads_when_the_width_is_not_a_multiple_of_64(tmp_path):
     """embed_dim 48 (3 heads of 16): from the shapes alone a one-line error naming num_heads=; with it, timm's
     logits within 1e-5; saved to a folder and loaded back, the same config and logits."""

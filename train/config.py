@@ -156,6 +156,9 @@ class TrainConfig:
                                             # vocabulary or classes; evaluation stays the student's cross-entropy
     kd_alpha: float = bounded(0.5, ge=0, le=1)  # with `teacher`: the weight of the distillation term
     kd_temperature: float = bounded(2.0, gt=0)  # with `teacher`: the softmax temperature T of both models
+    kd_kind: Literal["soft", "hard"] = "soft"  # with `teacher`: `soft` (KL at kd_temperature) or `hard`
+                                            # (cross-entropy on the teacher's top class, DeiT's); a distilled ViT
+                                            # learns it on its distillation head, the labels on its class head
     # -- optional: quantization
     qat: Optional[Literal["int8", "int4", "8da4w"]] = None  # quantization-aware training (LLM): fake-quantized
                                             # linears, converted at the end to the matching `quantize` scheme
@@ -216,6 +219,8 @@ class TrainConfig:
         if self.unfreeze is not None and (not self.unfreeze or any(s <= 0 for s in self.unfreeze)
                                           or sorted(set(self.unfreeze)) != list(self.unfreeze)):
             raise fail(source, prefix + "unfreeze", f"must be increasing steps > 0 or null, got {self.unfreeze}")
+        if self.kd_kind != "soft" and self.teacher is None:
+            raise fail(source, prefix + "kd_kind", f"={self.kd_kind} distils from a teacher: needs train.teacher")
         if self.index_warmup and not self.index_loss_coef:
             raise fail(source, prefix + "index_warmup", "trains only the indexers, by their loss: needs "
                                                         "train.index_loss_coef > 0")

@@ -58,6 +58,7 @@ class ViT(ConvNetBase):
             if r["global_pool"] == "map" else None
         self.head_drop = nn.Dropout(self.config.drop_rate)
         self.num_features = dim
+        self.distilled_training = False  # DeiT's training with a teacher: forward returns both heads in training
         self.reset_parameters()
 
     def classifier_names(self) -> list:
@@ -71,6 +72,13 @@ class ViT(ConvNetBase):
                 nn.init.normal_(getattr(self, name).weight, std=0.02)
                 nn.init.zeros_(getattr(self, name).bias)
         self.config.num_classes = num_classes
+
+    def set_distilled_training(self, enable: bool = True):
+        """DeiT trained with a teacher (timm's switch): in training mode `forward` returns the class head's and the
+        distillation head's logits apart, (B, num_classes) each; in eval mode still their mean."""
+        if enable and not self.spec["distilled"]:
+            raise ValueError("set_distilled_training: this ViT has no distillation token (model.distilled)")
+        self.distilled_training = enable
 
     def reset_parameters(self):
         """timm's init: small normal linears, position table and registers, class tokens near zero (timm's
@@ -151,10 +159,11 @@ class ViT(ConvNetBase):
 
     def forward(self, x: torch.Tensor, spatial_shapes=None, mask=None) -> torch.Tensor:
         """(B, in_chans, H, W) (or NaFlex patches, see embed) -> logits (B, num_classes), or the pooled features
-        (num_classes 0); DeiT distilled: the two heads' mean."""
+        (num_classes 0); DeiT distilled: the two heads' mean, or both apart in distilled training."""
         x = self.forward_features(x, spatial_shapes, mask)
         if self.spec["distilled"]:
-            return (self.head(self.head_drop(x[:, 0])) + self.head_dist(self.head_drop(x[:, 1]))) / 2
+            x, x_dist = self.head(self.head_drop(x[:, 0])), self.head_dist(self.head_drop(x[:, 1]))
+            return (x, x_dist) if self.distilled_training and self.training else (x + x_dist) / 2
         return self.head(self.head_drop(self.fc_norm(self.pool(x, mask))))
 
     def flops_per_image(self, image_size: int) -> float:

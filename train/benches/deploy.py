@@ -25,12 +25,14 @@ TINY = ROOT / "configs" / "llm" / "tiny.yaml"
 SCHEMES, PATTERNS, SPARSITY = ("int8wo", "int4wo", "8da4w"), ("unstructured", "2:4"), 0.5  # quantized's, prune's
 FAMILIES = {  # distill-quality: config, the teacher's overrides (None: a GGUF file), the student's, the metrics
     "convnet": ("configs/convnet/resnet-digits.yaml", "", "model.width=8", ("val_acc1", "val_loss")),
+    "vit": ("configs/vit/vit-tiny-digits.yaml", "", "model.distilled=true", ("val_acc1", "val_loss")),  # DeiT
     "llm": ("configs/llm/tiny.yaml", "model.d_model=128 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 "
             "train.batch_size=8 train.average_last=0", "model.d_model=64 model.n_layers=1 model.n_heads=2 "
             "model.n_kv_heads=1 train.batch_size=8 train.average_last=0", ("val_loss",)),
     "llm-gguf": ("configs/llm/tiny.yaml", None, "model.d_model=128 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 "
                  "train.batch_size=4 train.average_last=0", ("val_loss",)),
 }
+TEACHER_CONFIG = {"vit": "configs/convnet/resnet-digits.yaml"}  # distill-quality: a teacher of another family
 NO_EVAL = ["train.checkpoint_every=0", "train.eval_every=0"]
 
 
@@ -271,7 +273,7 @@ def distill_memory(args) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------- distill-quality
 def distill_quality(args) -> tuple[dict, dict]:
-    """Per seed two runs from scratch, the student alone and with the teacher (train.teacher, kd_alpha,
+    """Per seed two runs from scratch, the student alone and with the teacher (train.teacher, kd_kind, kd_alpha,
     kd_temperature), both judged by their own cross-entropy on the same validation set."""
     config, teacher_over, student_over, metrics = FAMILIES[args.family]
     out, llm = Path(args.out), args.family.startswith("llm")
@@ -289,14 +291,14 @@ def distill_quality(args) -> tuple[dict, dict]:
         vocab = config_from_gguf(meta, {t.name: t for t in reader.tensors}, str(teacher))[0].vocab_size
         extra += [f"data.tokenizer={tok.resolve()}", f"model.vocab_size={vocab}"]
     elif not args.teacher:
-        harness.run_loop(ROOT / config, teacher, [*common, *teacher_over.split(),
+        harness.run_loop(ROOT / TEACHER_CONFIG.get(args.family, config), teacher, [*common, *teacher_over.split(),
                                                   "train.max_steps=200", *extra], args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
     seeds = []
     for seed in args.seeds:
         over = [*common, *student, f"train.max_steps={args.steps}", f"train.seed={seed}", *extra]
         kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}",
-              f"train.kd_temperature={args.kd_temperature}"]
+              f"train.kd_temperature={args.kd_temperature}", f"train.kd_kind={args.kd_kind}"]
         got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o,
                                                     args.threads or 1)) for side, o in (("alone", []), ("teacher", kd))}
         seeds.append({"seed": seed, **{side: {k: r[k] for k in metrics} for side, r in got.items()}})
@@ -401,6 +403,7 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--student", default=None, help="the student's overrides (default: the family's)")
         p.add_argument("--kd-alpha", type=float, default=0.5)
         p.add_argument("--kd-temperature", type=float, default=2.0)
+        p.add_argument("--kd-kind", choices=("soft", "hard"), default="soft")
         p.add_argument("--eval-batches", type=harness.positive_int, default=20, help="LLM: train.eval_batches")
         p.add_argument("--json", type=Path, default=None, help="default docs/results/distill-quality-FAMILY.json")
     if preset == "convnet-ptq":

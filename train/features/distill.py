@@ -1,4 +1,4 @@
-"""Knowledge distillation: the run's teacher (train.teacher, train.kd_alpha, train.kd_temperature).
+"""Knowledge distillation: the run's teacher (train.teacher, train.kd_kind, train.kd_alpha, train.kd_temperature).
 
 `load_teacher` reads it (fp32, eval mode, no gradients), checked by `Task.check_teacher`; the task's loss
 uses it (zoo/blocks/chunked_ce.py). Wrappers and checkpoints hold the student alone; each rank has a copy.
@@ -30,6 +30,7 @@ def load_teacher(cfg, task, model: nn.Module, device: torch.device, say) -> Opti
     if cfg.train.channels_last:
         teacher = teacher.to(memory_format=torch.channels_last)
     n = sum(p.numel() for p in teacher.parameters())
-    say(f"teacher: {path} ({type(teacher).__name__}, {n / 1e6:.2f}M parameters), kd_alpha {cfg.train.kd_alpha}, "
-        f"kd_temperature {cfg.train.kd_temperature}")
+    t = cfg.train
+    say(f"teacher: {path} ({type(teacher).__name__}, {n / 1e6:.2f}M parameters), kd_kind {t.kd_kind}, "
+        f"kd_alpha {t.kd_alpha}" + (f", kd_temperature {t.kd_temperature}" if t.kd_kind == "soft" else ""))
     return teacher

@@ -235,6 +235,8 @@ class ClassifyTask(Task):
 
     def build_model(self):
         model = self.model = zoo.build(self.model_cfg)
+        if self.cfg.train.teacher and getattr(model, "dist_token", None) is not None:
+            model.set_distilled_training()  # DeiT: its two heads apart in training, each learning its own target
         if self.pretrained is None:
             return model
         with warnings.catch_warnings(record=True) as caught:
@@ -275,6 +277,8 @@ class ClassifyTask(Task):
             return f"a {type(teacher).__name__} is not a classifier"
         if classes != model.config.num_classes:
             return f"its num_classes={classes} is not the student's {model.config.num_classes}"
+        if getattr(teacher.config, "in_chans", model.config.in_chans) != model.config.in_chans:
+            return f"its in_chans={teacher.config.in_chans} is not the student's {model.config.in_chans}"
         return None
 
     def loss(self, model, batch):
@@ -285,15 +289,35 @@ class ClassifyTask(Task):
         if len(batch) > 2:
             self.seed_batch_drops(model, batch[2] - self.rank)
             x, y = self.recipe(x, y, batch[2])
-        logits = model(x).float()
+        out = model(x)
         if self.teacher is not None:
             with torch.no_grad():
-                teacher_logits = self.teacher(x)
-            t = self.cfg.train
-            return distillation_loss(logits, teacher_logits, y, t.kd_alpha, t.kd_temperature), n
-        if y.dim() == 2:  # soft targets
-            return -(y * logits.log_softmax(-1)).sum(-1).mean(), n
-        return F.cross_entropy(logits, y, label_smoothing=self.cfg.data.label_smoothing), n
+                teacher_logits = self.teacher(x).float()
+            return self.distill(out, teacher_logits, y), n
+        return self.label_loss(out.float(), y), n
+
+    def label_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy with label smoothing, or against soft targets y (B, num_classes) (Mixup / CutMix's)."""
+        if y.dim() == 2:
+            return -(y * logits.log_softmax(-1)).sum(-1).mean()
+        return F.cross_entropy(logits, y, label_smoothing=self.cfg.data.label_smoothing)
+
+    def distill(self, out, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """(1 - kd_alpha) * the labels' loss + kd_alpha * the teacher's (logits z): T^2 KL at kd_temperature
+        (`soft`) or cross-entropy on its top class (`hard`). A distilled ViT in training gives (class, distillation)
+        logits, the labels' loss on the first and the teacher's on the second (DeiT); a one-head student's soft loss
+        on labels stays Hinton's (distillation_loss, its cross-entropy unsmoothed)."""
+        t, two = self.cfg.train, isinstance(out, tuple)
+        cls, dist = (o.float() for o in (out if two else (out, out)))
+        if t.kd_kind == "soft" and not two and y.dim() == 1:
+            return distillation_loss(cls, z, y, t.kd_alpha, t.kd_temperature)
+        if t.kd_kind == "hard":
+            kd = F.cross_entropy(dist, z.argmax(-1))
+        else:
+            T = t.kd_temperature
+            kd = T * T * F.kl_div((dist / T).log_softmax(-1), (z / T).log_softmax(-1), reduction="batchmean",
+                                  log_target=True)
+        return (1 - t.kd_alpha) * self.label_loss(cls, y) + t.kd_alpha * kd
 
     def example_batch(self, model, batch_size):
         d, c = self.cfg.data, model.config.in_chans

@@ -186,6 +186,8 @@ class LMTask(Task):
     def check_teacher(self, teacher, model):
         if getattr(teacher, "family", None) != "llm":
             return f"a {type(teacher).__name__} cannot teach an LLM"
+        if self.cfg.train.kd_kind != "soft":
+            return f"train.kd_kind={self.cfg.train.kd_kind}: an LLM distils the teacher's soft targets only"
         if teacher.config.vocab_size != model.config.vocab_size:
             return f"its vocab_size={teacher.config.vocab_size} is not the student's {model.config.vocab_size}"
         return None
