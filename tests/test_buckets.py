@@ -42,7 +42,7 @@ def test_each_image_goes_to_the_nearest_ratio_centre_cropped_to_it(tmp_path):
     assert got == {1: [0, 3], 2: [1, 4], 0: [2, 5]}   # 3:2 is nearer 1:1 than 3:1 (in log ratio)
     for name, box, bucket in (("wider", (40, 0, 160, 40), (16, 48)), ("taller", (0, 40, 40, 160), (48, 16))):
         got = FolderImages([(str(tmp_path / f"{name}.png"), 0)], bucket, train=False, crop_pct=1.0)[0][0]
-        want = np.asarray(Image.open(tmp_path / f"{name}.png").crop(box).resize(bucket[::-1], Image.BILINEAR))
+        want = np.array(Image.open(tmp_path / f"{name}.png").crop(box).resize(bucket[::-1], Image.BILINEAR))
         # the box is the largest centred one of the bucket's shape; resizing inside the whole image or the cut-out
         # box differs only where the filter reaches past the box's edge: a level or two of the ramp
         assert got.shape == (3, *bucket)
