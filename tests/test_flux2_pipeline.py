@@ -103,11 +103,15 @@ def test_latents_pack_as_the_pipeline_packs():
 
 @pytest.mark.parametrize("steps,tokens", [(4, 64), (50, 4096), (28, 5000)])
 def test_sigmas_are_the_schedulers(steps, tokens):
+    """FLUX.2's mu (dynamic shifting) and a fixed shift, on the pipeline's sigmas: the scheduler's, 1e-6."""
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    grid = [1 - i * (1 - 1 / steps) / (steps - 1) for i in range(steps)]
     s = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
-    s.set_timesteps(sigmas=[1 - i * (1 - 1 / steps) / (steps - 1) for i in range(steps)],
-                    mu=compute_empirical_mu(tokens, steps))
+    s.set_timesteps(sigmas=grid, mu=compute_empirical_mu(tokens, steps))
     assert torch.allclose(fp.sigmas(steps, tokens), s.sigmas, atol=1e-6)
+    s = diffusers.FlowMatchEulerDiscreteScheduler(shift=2.5)
+    s.set_timesteps(sigmas=grid)
+    assert torch.allclose(fp.sigmas(steps, tokens, 2.5), s.sigmas, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,50 @@ def test_the_text_conditioned_denoiser_and_captions_go_together(over, key):
             "denoiser": "flux2", "prediction": "flow", "sampler": "flow_euler", "text_encoder": "x.yaml"}})
 
 
+def test_a_runs_samples_take_flux2s_shift_at_their_size(tmp_path, monkeypatch):
+    """train/sample.py on a text-to-image run folder (a tiny FLUX.2 at random init): the noise levels its transformer
+    sees are diffusers' FlowMatchEulerDiscreteScheduler's with FLUX.2's mu (dynamic shifting, the pipeline's sigmas)
+    at the run's size and at --size 32 64; with --shift 2.5 that fixed shift; with --shift none its default grid
+    (fp32, 1e-6)."""
+    import diffusers
+    import numpy as np
+    import yaml
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    from safetensors.torch import save_model
+
+    from parallel_runs import DIFFUSION, TEXT
+    from train.sample import main
+    from zoo.diffusion.flux2 import Flux2
+    from zoo.diffusion.latent import LatentDiffusion
+    steps, run = 3, tmp_path / "run"
+    cfg = load_run_config(None, [*TEXT, "model.image_size=32", f"model.sample_steps={steps}"], base=DIFFUSION)
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    torch.manual_seed(0)
+    save_model(LatentDiffusion(cfg.model), str(run / "model.safetensors"))
+    seen, forward = [], Flux2.forward
+
+    def spy(self, x, c, t, *a):  # the timestep (the noise level) of each step's transformer call
+        seen.append(t[0].item())
+        return forward(self, x, c, t, *a)
+    monkeypatch.setattr(Flux2, "forward", spy)
+
+    def levels(*args):
+        seen.clear()
+        assert main([str(run), "a prompt", "--out", str(tmp_path / "png"), *args]) == 0
+        return torch.tensor(seen)
+
+    def scheduler(mu=None, shift=1.0, grid=True):
+        s = diffusers.FlowMatchEulerDiscreteScheduler(shift=shift, use_dynamic_shifting=mu is not None)
+        s.set_timesteps(sigmas=np.linspace(1, 1 / steps, steps), mu=mu) if grid else s.set_timesteps(steps)
+        return s.timesteps / 1000
+    for args, tokens in (((), 2 * 2), (("--size", "32", "64"), 2 * 4)):  # 2x2-patch tokens of the 8x latents
+        torch.testing.assert_close(levels(*args), scheduler(compute_empirical_mu(tokens, steps)), rtol=0, atol=1e-6)
+    assert Image.open(tmp_path / "png" / "a_prompt-0-0.png").size == (64, 32)
+    torch.testing.assert_close(levels("--shift", "2.5"), scheduler(shift=2.5), rtol=0, atol=1e-6)
+    torch.testing.assert_close(levels("--shift", "none"), scheduler(grid=False), rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_digits_text_trains_three_steps_and_samples_from_its_run_folder(tmp_path):
     """The embedded default, three steps (its autoencoder shortened), writes samples.png; train/sample.py then writes

@@ -2,17 +2,18 @@
 Zoo autoencoder: TAEF2) or with a text-to-image run folder of train/run.py.
 
     python train/sample.py FOLDER "a prompt" [...] --decoder taef2_encoder.pth [--out DIR --steps 4 --guidance 4
-                                             --seed 0 --n 1 --size 1024 1024 --max-length 512]
-    python train/sample.py RUN "a prompt" [...] [--out DIR --steps --guidance --seed 0 --n 1]
+                                             --seed 0 --n 1 --size 1024 1024 --max-length 512 --shift auto]
+    python train/sample.py RUN "a prompt" [...] [--out DIR --steps --guidance --seed 0 --n 1 --size H W --shift]
 
 FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
 the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a run of data.format: captions
-(its EMA weights when it kept them, an adapter run's base with its LoRA; its sampler, steps and guidance unless
-given). Writes DIR/<prompt>-<seed>-<k>.png.
+(its EMA weights when it kept them, an adapter run's base with its LoRA; its sampler, steps, guidance, shift and
+model.image_size unless given). Writes DIR/<prompt>-<seed>-<k>.png.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -41,7 +42,7 @@ def load(folder):
 
 @torch.no_grad()
 def generate(folder, prompts: list[str], decoder, steps: int = 4, guidance: float = 4.0, seed: int = 0, n: int = 1,
-             size=(1024, 1024), max_length: int = 512, layers=None) -> torch.Tensor:
+             size=(1024, 1024), max_length: int = 512, layers=None, shift="auto") -> torch.Tensor:
     """Images (len(prompts) * n, 3, H, W) in [0, 1]: n per prompt, noise from one generator seeded `seed`."""
     from train.data.conversations import prompt_tokens
     from zoo.diffusion import flux2_pipeline as fp
@@ -52,15 +53,17 @@ def generate(folder, prompts: list[str], decoder, steps: int = 4, guidance: floa
     prompts = [p for p in prompts for _ in range(n)]
     cond, uncond = embed(prompts), embed([""] * len(prompts))
     z = fp.sample(model, cond, uncond, size[0] // f, size[1] // f, steps, 1.0 if distilled else guidance,
-                  torch.Generator().manual_seed(seed), mean, std)
+                  torch.Generator().manual_seed(seed), mean, std, shift)
     return decoder.decode(z).clamp(0, 1)
 
 
 @torch.no_grad()
-def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int = 0, n: int = 1) -> torch.Tensor:
+def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int = 0, n: int = 1, size=None,
+                 shift="run") -> torch.Tensor:
     """Images (len(prompts) * n, 3, H, W) in [0, 1] of a text-to-image run folder: its model (EMA weights when
     written; an adapter run: its train.init_from, Zoo weights, with its adapter/), its text encoder
-    (text_encoder/ when the run saved one, else model.text_encoder)."""
+    (text_encoder/ when the run saved one, else model.text_encoder); `shift` a model.sample_shift value, or the
+    run's."""
     from safetensors.torch import load_model
 
     from train.config import load_run_config
@@ -78,14 +81,26 @@ def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int =
     if weights is None:
         raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)" if not lora.is_file() else
                                 f"{run}: an adapter run whose train.init_from={base} holds no Zoo model.safetensors")
-    model = LatentDiffusion(cfg.model).eval()
+    model = LatentDiffusion(cfg.model if shift == "run" else dataclasses.replace(cfg.model, sample_shift=shift)).eval()
     load_model(model, str(weights))
     if lora.is_file():
         load_lora(model, lora)
     own = run / "text_encoder"
     encoder = TextEncoder(cfg.model, cfg.source, torch.device("cpu"), own if own.is_dir() else None)
     cond = encoder.embed([p for p in prompts for _ in range(n)])
-    return model.sample(cond, steps=steps, guidance=guidance, generator=torch.Generator().manual_seed(seed))
+    return model.sample(cond, steps=steps, guidance=guidance, generator=torch.Generator().manual_seed(seed), size=size)
+
+
+def shift_value(v: str):
+    """--shift's text -> a model.sample_shift value: "auto", None ("none") or a number > 0."""
+    if v in ("auto", "none"):
+        return None if v == "none" else v
+    try:
+        if float(v) > 0:
+            return float(v)
+    except ValueError:
+        pass
+    raise ValueError(f"--shift must be auto, none or a number > 0, got {v!r}")
 
 
 def main(argv=None) -> int:
@@ -98,7 +113,10 @@ def main(argv=None) -> int:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (default 4; a run: its model.guidance)")
     p.add_argument("--seed", type=int, default=0, help="seed of the noise (default 0)")
     p.add_argument("--n", type=int, default=1, help="images per prompt (default 1)")
-    p.add_argument("--size", type=int, nargs=2, default=(1024, 1024), metavar=("H", "W"), help="pixels (default 1024)")
+    p.add_argument("--size", type=int, nargs=2, metavar=("H", "W"),
+                   help="pixels (default 1024 1024; a run: its model.image_size square)")
+    p.add_argument("--shift", help="the noise levels' shift: auto (FLUX.2's for the size), none, or a number (default "
+                                   "auto; a run: its model.sample_shift)")
     p.add_argument("--max-length", type=int, default=512, help="prompt tokens, padded to it (default 512)")
     p.add_argument("--layers", type=int, nargs="+", help="the text encoder's layers (default 9 18 27)")
     args = p.parse_args(argv)
@@ -106,13 +124,15 @@ def main(argv=None) -> int:
     from train.tasks.diffusion import save_grid
     try:
         if (Path(args.folder) / "config.yaml").is_file():
-            images = generate_run(args.folder, args.prompts, args.steps, args.guidance, args.seed, args.n)
+            images = generate_run(args.folder, args.prompts, args.steps, args.guidance, args.seed, args.n, args.size,
+                                  "run" if args.shift is None else shift_value(args.shift))
         elif args.decoder is None:
             raise ValueError(f"{args.folder}: a pipeline folder needs --decoder (its latent space's autoencoder)")
         else:
             images = generate(args.folder, args.prompts, zoo.from_pretrained(args.decoder).eval(), args.steps or 4,
-                              4.0 if args.guidance is None else args.guidance, args.seed, args.n, args.size,
-                              args.max_length, args.layers)
+                              4.0 if args.guidance is None else args.guidance, args.seed, args.n,
+                              args.size or (1024, 1024), args.max_length, args.layers,
+                              shift_value(args.shift or "auto"))
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -1015,6 +1015,9 @@ class DiffusionConfig:
                                             # (ddim, ddpm, flow_euler) or diffusers' scheduler (the others)
     sample_steps: int = bounded(50, gt=0)   # sampling defaults
     guidance: float = bounded(3.0, ge=0)    # classifier-free guidance scale (1 = off)
+    sample_shift: Optional[Union[float, Literal["auto"]]] = bounded("auto", gt=0)  # flow_euler's noise levels
+                                            # s -> k s / (1 + (k - 1) s): `auto` FLUX.2's k for the image size (flux2;
+                                            # none for the others), a number that k, null none
     eta: float = bounded(0.0, ge=0)         # DDIM noise (0 = deterministic)
     moved: ClassVar[dict] = CHECKPOINTING_MOVED
 
@@ -1024,7 +1027,7 @@ class DiffusionConfig:
             raise fail(source, p + "image_size", f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}")
         if not self.channels or any(c <= 0 or c % self.heads for c in self.channels):
             raise fail(source, p + "channels", f"must be positive widths divisible by heads={self.heads}, got {self.channels}")
-        factor = {"unet": 2 ** (len(self.channels) - 1), "dit": self.dit.patch_size, "flux2": 2}[self.denoiser]
+        factor = self.latent_multiple
         if (self.image_size // 8) % factor and self.denoiser != "unet":
             key = "dit.patch_size" if self.denoiser == "dit" else "image_size"
             raise fail(source, p + key, f"the latent size {self.image_size // 8} must be divisible by the patch {factor}")
@@ -1050,6 +1053,14 @@ class DiffusionConfig:
                                                       "variance is trained with DDPM's bound, which flow has not")
         if self.sample_steps > self.num_timesteps:
             raise fail(source, p + "sample_steps", f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}")
+        if isinstance(self.sample_shift, float) and self.prediction != "flow":
+            raise fail(source, p + "sample_shift", f"={self.sample_shift} shifts flow matching's noise levels: set "
+                                                   f"prediction: flow, or sample_shift: null")
+
+    @property
+    def latent_multiple(self) -> int:
+        """What the latent sides must be multiples of: the U-Net's downsampling, the DiT's or FLUX.2's patch."""
+        return {"unet": 2 ** (len(self.channels) - 1), "dit": self.dit.patch_size, "flux2": 2}[self.denoiser]
 
 
 @dataclass(frozen=True)

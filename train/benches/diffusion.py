@@ -243,7 +243,7 @@ def latent_cache(args) -> tuple[dict, dict]:
                 idx = torch.randint(len(pixels), (B,), generator=gen).to(device)
                 with torch.no_grad():
                     z = task._normalised(ae.encode(pixels[idx]))
-                return task._noised(z, task.y_tr[idx], gen, cfg.model.class_dropout)
+                return task._noised(z, task.y_tr["train"][idx], gen, cfg.model.class_dropout)
             batches = {"cache": lambda step: task.train_batch(step, 0), "encode": encoded}
             count = dict.fromkeys(batches, 0)
 

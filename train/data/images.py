@@ -138,15 +138,43 @@ def random_resized_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0
     return (x0, y0, x0 + cw, y0 + ch)
 
 
-class FolderImages(torch.utils.data.Dataset):
-    """samples [(path, label)] -> item (uint8 (C, size, size) or None, label, bad path or None) by (index, seed):
-    a training item's crop, flip and `augment` come from its seed alone, whatever the worker (None: unreadable)."""
+def auto_buckets(size: int, multiple: int) -> list:
+    """Aspect-ratio buckets [(H, W)] of at most size x size pixels, as kohya's sd-scripts makes them: the square and,
+    for each side from half to twice `size` in steps of `multiple`, the longest other side within the area (a
+    multiple too, at most twice `size`), both ways round."""
+    area, lo, out = size * size, max(multiple, -(-size // 2 // multiple) * multiple), {(size, size)}
+    for a in range(lo, 2 * size + 1, multiple):
+        if (b := min(2 * size, area // a // multiple * multiple)) >= lo:
+            out |= {(a, b), (b, a)}
+    return sorted(out)
 
-    def __init__(self, samples, size: int, train: bool, channels: int = 3, scale=(0.08, 1.0),
+
+def bucketed(samples, buckets) -> dict:
+    """[(path, label)] -> {bucket index: [(path, label)]}: each image to the bucket (H, W) whose aspect ratio is the
+    nearest its own (in log ratio; the first of equals); a file that does not open is a DataError naming it."""
+    from PIL import Image
+    logs, out = [math.log(w / h) for h, w in buckets], {}
+    for path, label in samples:
+        try:
+            with Image.open(path) as im:
+                r = math.log(im.size[0] / im.size[1])
+        except Exception as e:  # any decoding failure (or a missing file)
+            raise DataError(f"{path}: unreadable image ({type(e).__name__})") from None
+        out.setdefault(min(range(len(logs)), key=lambda i: abs(logs[i] - r)), []).append((path, label))
+    return out
+
+
+class FolderImages(torch.utils.data.Dataset):
+    """samples [(path, label)] -> item (uint8 (C, H, W) or None, label, bad path or None) by (index, seed): a
+    training item's crop, flip and `augment` come from its seed alone, whatever the worker (None: unreadable); `size`
+    an int (square) or (H, W) (evaluation's centre crop of that shape)."""
+
+    def __init__(self, samples, size, train: bool, channels: int = 3, scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), hflip: float = 0.5, crop_pct: float = 0.875, augment=None):
         if channels not in (1, 3):
             raise ValueError(f"image folders give 1 (grey) or 3 (RGB) channels, not {channels}")
         self.samples, self.size, self.train = samples, size, train
+        self.aspect = 1.0 if isinstance(size, int) else size[1] / size[0]
         self.mode = "L" if channels == 1 else "RGB"
         self.scale, self.ratio, self.hflip, self.crop_pct = tuple(scale), tuple(ratio), hflip, crop_pct
         self.augment = augment  # training: RandAugment / TrivialAugment after the crop (auto_augment_op)
@@ -163,7 +191,8 @@ class FolderImages(torch.utils.data.Dataset):
                 arr = load_crop(path, self.size, lambda w, h: random_resized_crop_box(w, h, rng, self.scale, self.ratio),
                                 self.mode, flip=rng.random() < self.hflip)
             else:
-                arr = load_crop(path, self.size, lambda w, h: center_crop_box(w, h, self.crop_pct), self.mode)
+                arr = load_crop(path, self.size, lambda w, h: center_crop_box(w, h, self.crop_pct, self.aspect),
+                                self.mode)
         except Exception as e:  # any decoding failure: report the file, never crash the worker
             return None, label, f"{path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         img = torch.from_numpy(arr.copy()).permute(2, 0, 1)

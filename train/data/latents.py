@@ -4,9 +4,9 @@
     cache.latents("train", rows, views) -> raw latents (B, C, h, w) read from the memmap
     prompt_cache(folder, key, prompts, encode) -> (P, L, D) memmap: a text encoder's embeddings per prompt
 
-The folder's name carries a digest of `key`; it holds train.npy (N, V, C, h, w), val.npy, labels
-and meta.json (a prompt cache: embeds.npy and meta.json). Built in a `.partial` folder (a killed
-latent build resumes), one builder at a time."""
+The folder's name carries a digest of `key`; it holds train.npy (N, V, C, h, w) (with aspect-ratio buckets an array
+per bucket, train-HxW.npy), val.npy, labels and meta.json (a prompt cache: embeds.npy and meta.json). Built in a
+`.partial` folder (a killed latent build resumes), one builder at a time."""
 from __future__ import annotations
 
 import hashlib
@@ -40,28 +40,26 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
 
 
 class LatentCache:
-    """A complete cache folder, its arrays opened as read-only memmaps."""
+    """A complete cache folder, its arrays (a split each: val and the training ones) opened as read-only memmaps."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.meta = json.loads((self.folder / META).read_text())
-        self.arrays = {s: np.load(self.folder / f"{s}.npy", mmap_mode="r") for s in ("train", "val")}
-        self.labels = {s: torch.from_numpy(np.load(self.folder / f"{s}.labels.npy")) for s in ("train", "val")}
+        splits = sorted(p.name.removesuffix(".labels.npy") for p in self.folder.glob("*.labels.npy"))
+        self.arrays = {s: np.load(self.folder / f"{s}.npy", mmap_mode="r") for s in splits}
+        self.labels = {s: torch.from_numpy(np.load(self.folder / f"{s}.labels.npy")) for s in splits}
         self.mean = torch.tensor(self.meta["mean"], dtype=torch.float32)
         self.std = torch.tensor(self.meta["std"], dtype=torch.float32)
 
     @property
     def views(self) -> int:
         """Latents per training image: 2 with flips (view 1 mirrored), else 1."""
-        return self.arrays["train"].shape[1]
+        return next(a for s, a in self.arrays.items() if s != "val").shape[1]
 
     @property
     def shape(self) -> tuple:
-        """(C, h, w) of one image's latents."""
-        return tuple(self.arrays["train"].shape[2:])
-
-    def __len__(self) -> int:
-        return len(self.arrays["train"])
+        """(C, h, w) of one image's latents (the first training split's)."""
+        return tuple(next(a for s, a in self.arrays.items() if s != "val").shape[2:])
 
     def latents(self, split: str, rows, views=None) -> torch.Tensor:
         """Raw latents (B, C, h, w) of a split's rows (tensor, list or slice) in their views (None: 0), on the CPU."""
@@ -83,9 +81,9 @@ def read_cache(folder: Path, key: dict) -> Optional[LatentCache]:
 
 def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor], torch.Tensor], views: int = 1,
                  batch_size: int = 64, commit_every: int = 1024, log=print) -> LatentCache:
-    """The cache of `key` in `folder`: reused when complete, else built (or resumed). splits: {"train" /
-    "val": (labels, read(start, stop) -> images (n, 3, H, W) in [0, 1])}; encode: images -> raw latents
-    (n, C, h, w); views=2 also encodes each training image mirrored. An empty split is an error."""
+    """The cache of `key` in `folder`: reused when complete, else built (or resumed). splits: {"val" and the training
+    ones ("train", or one per bucket): (labels, read(start, stop) -> images (n, 3, H, W) in [0, 1])}; encode: images
+    -> raw latents (n, C, h, w); views=2 also encodes each training image mirrored. An empty split is an error."""
     folder = Path(folder)
     cache = read_cache(folder, key)
     if cache is not None:
@@ -113,7 +111,7 @@ def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor
             log(f"latents: resuming {folder.name} after {progress['done']} images")
         t0, n_encoded = time.perf_counter(), 0
         for name, (labels, read) in splits.items():
-            n, v = len(labels), views if name == "train" else 1
+            n, v = len(labels), views if name != "val" else 1
             path, start = part / f"{name}.npy", progress["done"].get(name, 0)
             if start == 0 or not path.exists():
                 atomic_write(part / f"{name}.labels.npy", lambda f: np.save(f, labels.numpy().astype(np.int64)))
@@ -132,11 +130,11 @@ def latent_cache(folder, key: dict, splits: dict, encode: Callable[[torch.Tensor
                     progress["done"][name] = last = j
                     atomic_write(part / PROGRESS, json.dumps(progress))
             del out
-        train = np.load(part / "train.npy", mmap_mode="r")
-        mean, std = _channel_stats(train)
-        meta = {"version": VERSION, "key": key, "train": list(train.shape), "val": list(np.load(part / "val.npy",
-                mmap_mode="r").shape), "mean": mean, "std": std}
-        del train
+        arrays = {s: np.load(part / f"{s}.npy", mmap_mode="r") for s in splits}
+        mean, std = _channel_stats([a for s, a in arrays.items() if s != "val"])
+        meta = {"version": VERSION, "key": key, **{s: list(a.shape) for s, a in arrays.items()}, "mean": mean,
+                "std": std}
+        del arrays
         atomic_write(part / META, json.dumps(meta, indent=1))
         (part / PROGRESS).unlink()
         os.replace(part, folder)
@@ -153,11 +151,12 @@ def _encode_views(encode, images: torch.Tensor, views: int) -> torch.Tensor:
     return torch.stack([x.float().cpu() for x in z], 1)
 
 
-def _channel_stats(a: np.ndarray, rows: int = 4096) -> tuple[list, list]:
-    """Per-channel mean and (unbiased) std of latents (N, V, C, h, w), in float64, a block of rows at a time."""
-    C = a.shape[2]
+def _channel_stats(arrays: list, rows: int = 4096) -> tuple[list, list]:
+    """Per-channel mean and (unbiased) std of latents [(N, V, C, h, w)] together, in float64, a block of rows at a
+    time."""
+    C = arrays[0].shape[2]
     s, ss, n = np.zeros(C), np.zeros(C), 0
-    for i in range(0, len(a), rows):
+    for a, i in ((a, i) for a in arrays for i in range(0, len(a), rows)):
         x = np.asarray(a[i:i + rows], dtype=np.float64).swapaxes(0, 2).reshape(C, -1)
         s += x.sum(1)
         ss += (x * x).sum(1)

@@ -9,7 +9,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,10 @@ class DiffusionDataConfig:
     cache_dir: Optional[str] = None         # trained autoencoders and latent caches; null = `$ZOO_CACHE`, else the user
                                             # cache directory (`$XDG_CACHE_HOME/zoo` or `~/.cache/zoo`)
     encode_batch_size: int = bounded(64, gt=0)  # batch for the one-off encoding into the latent cache
+    buckets: Optional[Union[list[tuple[int, int]], Literal["auto"]]] = None  # aspect-ratio buckets of an image
+                                            # folder's training images: [[H, W], ...] pixels or `auto` (SDXL's kind, up
+                                            # to model.image_size squared pixels); each image to the nearest ratio,
+                                            # centre-cropped to it; a batch from one bucket; null: square crops
     # the autoencoder trained here when model.autoencoder.weights is null
     ae_steps: int = bounded(400, gt=0)      # autoencoder training (when no weights)
     ae_batch_size: int = bounded(32, gt=0)  # autoencoder training (when no weights)
@@ -50,16 +54,27 @@ class DiffusionDataConfig:
 @dataclass
 class ImageData:
     """A dataset's two splits, read lazily: labels (N,) int64 each, read(split, start, stop) -> images
-    (n, 3, size, size) float32 in [0, 1]; `key` identifies the images (for the caches)."""
+    (n, 3, size, size) float32 in [0, 1]; `key` identifies the images (for the caches). With buckets the training
+    images are also split by bucket ("train-HxW", images (n, 3, H, W)): `train_splits` names what is trained on."""
     key: dict
     labels: dict
     read: Callable[[str, int, int], torch.Tensor]
     classes: int
+    train_splits: tuple = ("train",)
 
 
-def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
+def buckets_of(cfg) -> Optional[list]:
+    """data.buckets as [(H, W)] pixels (`auto`: auto_buckets at model.image_size and the latent patch), or None."""
+    from ..data.images import auto_buckets
+    b, m = cfg.data.buckets, cfg.model
+    if b is None:
+        return None
+    return auto_buckets(m.image_size, TAESD.downscale * m.latent_multiple) if b == "auto" else [tuple(x) for x in b]
+
+
+def load_images(d: DiffusionDataConfig, size: int, source: str, buckets=None) -> ImageData:
     """The digits (in memory), or an image folder split at random (fixed seed) into train and val, centre
-    crops of size x size read lazily; a missing or unreadable file is a one-line error naming it."""
+    crops of size x size (and of `buckets`) read lazily; a missing or unreadable file is a one-line error naming it."""
     key = {"dataset": d.dataset, "size": size, "val": d.val_fraction}
     if d.dataset == "digits":
         from ..data.images import digits_dataset
@@ -70,19 +85,24 @@ def load_images(d: DiffusionDataConfig, size: int, source: str) -> ImageData:
         classes, samples = scan_image_folder(d.dataset, flat=True)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{source}: data.dataset: {e}") from None
-    return split_images(d, samples, size, source, dict(key, classes=classes), len(classes))
+    return split_images(d, samples, size, source, dict(key, classes=classes), len(classes), buckets)
 
 
-def split_images(d: DiffusionDataConfig, samples: list, size: int, source: str, key: dict, classes: int) -> ImageData:
-    """[(path, label)] split at random (fixed seed) into train and val, centre crops read lazily; an unreadable
-    file is a one-line error naming it."""
-    from ..data.images import FolderImages, collate_images
+def split_images(d: DiffusionDataConfig, samples: list, size: int, source: str, key: dict, classes: int,
+                 buckets=None) -> ImageData:
+    """[(path, label)] split at random (fixed seed) into train and val, centre crops read lazily, and the training
+    images by `buckets` [(H, W)] (whole centred boxes of the bucket's shape); an unreadable file is a one-line error
+    naming it."""
+    from ..data.images import FolderImages, bucketed, collate_images
     if len(samples) < 2:
         raise ConfigError(f"{source}: data.dataset: {d.dataset}: {len(samples)} image; a train and a val split need two")
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
     n_val = min(len(samples) - 1, max(1, round(len(samples) * d.val_fraction)))
     parts = {"train": [samples[i] for i in perm[n_val:]], "val": [samples[i] for i in perm[:n_val]]}
     sets = {s: FolderImages(p, size, train=False) for s, p in parts.items()}
+    for b, p in sorted(bucketed(parts["train"], buckets).items()) if buckets else ():
+        name = "train-{}x{}".format(*buckets[b])
+        parts[name], sets[name] = p, FolderImages(p, buckets[b], train=False, crop_pct=1.0)
 
     def read(split, i, j):
         x, _, bad = collate_images([sets[split][k] for k in range(i, j)])
@@ -91,8 +111,10 @@ def split_images(d: DiffusionDataConfig, samples: list, size: int, source: str, 
         return x.float() / 255
 
     key.update(crop="centre", files=files_fingerprint(p for p, _ in samples))
+    if buckets:
+        key["buckets"] = [list(b) for b in buckets]
     labels = {s: torch.tensor([y for _, y in p], dtype=torch.int64) for s, p in parts.items()}
-    return ImageData(key, labels, read, classes)
+    return ImageData(key, labels, read, classes, tuple(s for s in parts if s.startswith("train-")) or ("train",))
 
 
 def train_autoencoder(ae: TAESD, images: torch.Tensor, steps: int, batch_size: int, lr: float, noise: float,
@@ -161,6 +183,19 @@ class DiffusionTask(Task):
         if (m.denoiser == "flux2") != (getattr(cfg.data, "format", None) == "captions"):
             raise ConfigError(f"{cfg.source}: model.denoiser={m.denoiser}: the text-conditioned denoiser (flux2) "
                               f"trains on data.format: captions, the class-conditional ones (unet, dit) on classes")
+        if cfg.data.buckets is None:
+            return
+        why = "model.denoiser=dit denoises one latent size (model.image_size); buckets need flux2 or unet" if \
+            m.denoiser == "dit" else "the digits are square; buckets sort an image folder" if \
+            cfg.data.dataset == "digits" else None if buckets_of(cfg) else "an empty list (null: square crops)"
+        if why:
+            raise ConfigError(f"{cfg.source}: data.buckets: {why}")
+        step = TAESD.downscale * m.latent_multiple
+        for i, (h, w) in enumerate(buckets_of(cfg)):
+            if min(h, w) <= 0 or h % step or w % step:
+                raise ConfigError(f"{cfg.source}: data.buckets[{i}]=[{h}, {w}]: each side must be a positive multiple "
+                                  f"of {step} (the autoencoder's {TAESD.downscale} x the latent patch "
+                                  f"{m.latent_multiple})")
 
     @property
     def null_label(self) -> int:
@@ -176,7 +211,7 @@ class DiffusionTask(Task):
 
     def load_data(self) -> ImageData:
         cfg, m = self.cfg, self.cfg.model
-        data = load_images(cfg.data, m.image_size, cfg.source)
+        data = load_images(cfg.data, m.image_size, cfg.source, buckets_of(cfg))
         if data.classes > m.num_classes:
             raise ConfigError(f"{cfg.source}: model.num_classes={m.num_classes} but data.dataset has "
                               f"{data.classes} classes")
@@ -187,13 +222,17 @@ class DiffusionTask(Task):
         data = self.load_data()
         n_tr, n_va = len(data.labels["train"]), len(data.labels["val"])
         self.log(f"data: {d.dataset}, {n_tr} train / {n_va} val images of {m.image_size}x{m.image_size}")
+        if d.buckets is not None:
+            self.log("buckets (H x W: training images): " + ", ".join(
+                f"{s.removeprefix('train-')}: {len(data.labels[s])}" for s in data.train_splits))
         self.autoencoder = self._autoencoder(data)
         C = self.autoencoder.latent_channels
         if m.latent_channels is not None and m.latent_channels != C:
             raise ConfigError(f"{cfg.source}: model.latent_channels={m.latent_channels} does not match the "
                               f"autoencoder's {C} latent channels")
-        self.latents = self._latent_cache(data)
-        self.y_tr = self.latents.labels["train"].to(self.device)
+        self.latents, self.splits = self._latent_cache(data), list(data.train_splits)
+        self.y_tr = {s: self.latents.labels[s].to(self.device) for s in self.splits}
+        self.split_weights = torch.tensor([float(len(self.y_tr[s])) for s in self.splits])  # a bucket per its images
         self._standardise(self.latents.mean, self.latents.std)
         self.log(f"latents: {self.latents.shape} per image, {self.latents.views} per training image "
                  f"(mean {[round(v, 3) for v in self.latent_mean.tolist()][:4]}..., "
@@ -204,7 +243,7 @@ class DiffusionTask(Task):
         d, ae = self.cfg.data, self.autoencoder.to(self.device).eval()
         key = {**data.key, "autoencoder": weights_fingerprint(ae), "variant": ae.variant, "hflip": d.hflip}
         folder = cache_dir(d.cache_dir) / f"latents-{Path(d.dataset).name}-{short_digest(key)}"
-        splits = {s: (data.labels[s], functools.partial(data.read, s)) for s in ("train", "val")}
+        splits = {s: (data.labels[s], functools.partial(data.read, s)) for s in (*data.train_splits, "val")}
         return latent_cache(folder, key, splits, lambda x: ae.encode(x.to(self.device)), 2 if d.hflip else 1,
                             d.encode_batch_size, log=self.log)
 
@@ -275,10 +314,12 @@ class DiffusionTask(Task):
 
     def train_batch(self, step, micro):
         g = self.batch_generator(step, micro)
-        idx = torch.randint(len(self.latents), (self.global_rows(),), generator=g)
+        split = self.splits[int(torch.multinomial(self.split_weights, 1, generator=g))] if len(self.splits) > 1 \
+            else self.splits[0]
+        idx = torch.randint(len(self.y_tr[split]), (self.global_rows(),), generator=g)
         views = torch.randint(self.latents.views, idx.shape, generator=g) if self.latents.views > 1 else None
-        z = self._normalised(self.latents.latents("train", idx, views))
-        batch = self._noised(z, self.y_tr[idx.to(self.device)], g, self.label_dropout())
+        z = self._normalised(self.latents.latents(split, idx, views))
+        batch = self._noised(z, self.y_tr[split][idx.to(self.device)], g, self.label_dropout())
         return {k: self.own_rows(v) for k, v in batch.items()} if self.world > 1 else batch
 
     def loss(self, model, batch):
@@ -286,8 +327,10 @@ class DiffusionTask(Task):
         return per_item.mean(), len(per_item)
 
     def example_batch(self, model, batch_size):
-        s = self.cfg.model.image_size // 8
-        z = torch.zeros(batch_size, model.latent_channels, s, s, device=self.device)
+        S = self.cfg.model.image_size
+        H, W = max(buckets_of(self.cfg) or [(S, S)], key=lambda b: b[0] * b[1])  # the most pixels
+        z = torch.zeros(batch_size, model.latent_channels, H // TAESD.downscale, W // TAESD.downscale,
+                        device=self.device)
         labels = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         t = torch.zeros(batch_size, device=self.device) if self.cfg.model.prediction == "flow" else labels.clone()
         return {"z": z, "labels": labels, "t": t, "noise": torch.zeros_like(z)}

@@ -20,8 +20,8 @@ from zoo.diffusion.flux2_pipeline import prompt_embeds
 
 from ..data import DataError, cache_dir, short_digest
 from ..data.latents import prompt_cache, weights_fingerprint
-from .diffusion import (DiffusionDataConfig, DiffusionTask, ImageData, load_images, sample_grid, save_grid,
-                        split_images)
+from .diffusion import (DiffusionDataConfig, DiffusionTask, ImageData, buckets_of, load_images, sample_grid,
+                        save_grid, split_images)
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 PHRASINGS = ("a handwritten digit {}", "the number {}, written by hand", "a {} in thick strokes", "a scanned {}")
@@ -73,9 +73,10 @@ def caption_pairs(dataset: str, source: str, log=print) -> list:
     return pairs
 
 
-def load_captioned(d: CaptionDataConfig, size: int, source: str, log=print) -> tuple[ImageData, list]:
+def load_captioned(d: CaptionDataConfig, size: int, source: str, log=print, buckets=None) -> tuple[ImageData, list]:
     """(ImageData whose labels index the prompts, the prompts: "" first, then every distinct caption and sample
-    prompt). `digits` captions each image with one of a few phrasings of its digit's name."""
+    prompt). `digits` captions each image with one of a few phrasings of its digit's name; `buckets` as
+    split_images."""
     if d.dataset == "digits":
         data = load_images(d, size, source)
         captions = {s: [PHRASINGS[i % len(PHRASINGS)].format(DIGITS[y]) for i, y in enumerate(data.labels[s].tolist())]
@@ -90,7 +91,7 @@ def load_captioned(d: CaptionDataConfig, size: int, source: str, log=print) -> t
         data = dataclasses.replace(data, labels={s: torch.tensor([index[c] for c in captions[s]]) for s in captions})
     else:
         key = {"dataset": d.dataset, "size": size, "val": d.val_fraction}
-        data = split_images(d, [(p, index[c]) for p, c in pairs], size, source, key, 0)
+        data = split_images(d, [(p, index[c]) for p, c in pairs], size, source, key, 0, buckets)
     data.key["captions"] = short_digest(prompts)
     return dataclasses.replace(data, classes=len(prompts)), prompts
 
@@ -172,7 +173,8 @@ class TextToImageTask(DiffusionTask):
         return self.cfg.data.caption_dropout
 
     def load_data(self) -> ImageData:
-        data, self.prompts = load_captioned(self.cfg.data, self.cfg.model.image_size, self.cfg.source, self.log)
+        data, self.prompts = load_captioned(self.cfg.data, self.cfg.model.image_size, self.cfg.source, self.log,
+                                            buckets_of(self.cfg))
         return data
 
     def setup(self):

@@ -20,28 +20,30 @@ import torch
 FILE = "preprocess.json"
 
 
-def center_crop_box(w: int, h: int, crop_pct: float = 0.875):
-    """The box that 'resize the short side to size / crop_pct, then centre-crop size' keeps."""
-    side = min(w, h) * crop_pct
-    x0, y0 = (w - side) / 2, (h - side) / 2
-    return (x0, y0, x0 + side, y0 + side)
+def center_crop_box(w: int, h: int, crop_pct: float = 0.875, aspect: float = 1.0):
+    """The box that 'resize the short side to size / crop_pct, then centre-crop size' keeps; for another `aspect`
+    (width / height) the largest centred box of that shape, times crop_pct."""
+    bw = min(w, h * aspect) * crop_pct
+    x0, y0 = (w - bw) / 2, (h - bw / aspect) / 2
+    return (x0, y0, x0 + bw, y0 + bw / aspect)
 
 
-def load_crop(path: str, size: int, box_fn, mode: str = "RGB", flip: bool = False) -> np.ndarray:
-    """Decode `path` with PIL, crop box_fn(w, h) and resize it to size x size -> uint8 (size, size, C).
+def load_crop(path: str, size, box_fn, mode: str = "RGB", flip: bool = False) -> np.ndarray:
+    """Decode `path` with PIL, crop box_fn(w, h) and resize it to size x size (or size (H, W)) -> uint8 (H, W, C).
     JPEGs are decoded at the smallest DCT scale that still leaves the crop >= size pixels."""
     from PIL import Image
+    H, W = (size, size) if isinstance(size, int) else size
     with Image.open(path) as img:
         w, h = img.size
         box = box_fn(w, h)
         if img.format == "JPEG":
-            need = size / max(1e-6, min(box[2] - box[0], box[3] - box[1]))  # output px per source px
+            need = max(W / max(1e-6, box[2] - box[0]), H / max(1e-6, box[3] - box[1]))  # output px per source px
             if need < 1.0:
                 img.draft(img.mode if img.mode in ("RGB", "L") else "RGB", (math.ceil(w * need), math.ceil(h * need)))
                 sx, sy = img.size[0] / w, img.size[1] / h
                 box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
         img = img.convert(mode)
-        out = img.resize((size, size), Image.BILINEAR, box=box)
+        out = img.resize((W, H), Image.BILINEAR, box=box)
     if flip:
         out = out.transpose(Image.FLIP_LEFT_RIGHT)
     arr = np.asarray(out, dtype=np.uint8)

@@ -58,20 +58,22 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return a * steps + m200 - 200.0 * a
 
 
-def sigmas(steps: int, image_tokens: int) -> torch.Tensor:
-    """(steps + 1,) noise levels: linspace(1, 1/steps) shifted by exp(mu) / (exp(mu) + 1/s - 1), then 0."""
+def sigmas(steps: int, image_tokens: int, shift="auto") -> torch.Tensor:
+    """(steps + 1,) noise levels: linspace(1, 1/steps) shifted to k / (k + 1/s - 1), then 0; k = `shift`, or for
+    "auto" FLUX.2's exp(empirical_mu) (diffusers' FlowMatchEulerDiscreteScheduler: `shift`, or `mu` with dynamic
+    shifting)."""
     s = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64).float()
-    e = math.exp(empirical_mu(image_tokens, steps))
-    return torch.cat([e / (e + (1 / s - 1)), torch.zeros(1)])
+    k = math.exp(empirical_mu(image_tokens, steps)) if shift == "auto" else shift
+    return torch.cat([k / (k + (1 / s - 1)), torch.zeros(1)])
 
 
 @torch.no_grad()
 def sample(model, cond: torch.Tensor, uncond: Optional[torch.Tensor], h: int, w: int, steps: int = 4,
            scale: float = 4.0, generator: Optional[torch.Generator] = None, mean: Optional[torch.Tensor] = None,
-           std: Optional[torch.Tensor] = None) -> torch.Tensor:
+           std: Optional[torch.Tensor] = None, shift="auto") -> torch.Tensor:
     """Latents (B, C, 2h, 2w) for prompt embeddings cond (B, L, text_dim): Euler flow matching from noise drawn as
-    (B, in_channels, h, w) with `generator`; guided by `scale` against uncond (the empty prompt's) when the model has
-    no guidance embedder, else that embedder gets `scale`."""
+    (B, in_channels, h, w) with `generator` over `sigmas` (`shift` None: flow_sigmas, unshifted); guided by `scale`
+    against uncond (the empty prompt's) when the model has no guidance embedder, else that embedder gets `scale`."""
     B, L, _ = cond.shape
     x = torch.randn(B, model.config.in_channels, h, w, generator=generator, device=cond.device, dtype=cond.dtype)
     txt, img = (p.to(cond.device) for p in positions(L, h, w))
@@ -80,5 +82,6 @@ def sample(model, cond: torch.Tensor, uncond: Optional[torch.Tensor], h: int, w:
         fn = lambda x, t: model(x, cond, t / 1000, img, txt, g)  # noqa: E731
     else:
         fn = lambda x, t: guided(lambda x, t, c: model(x, c, t / 1000, img, txt), x, t, cond, uncond, scale)  # noqa: E731
-    out = flow_sample(fn, x.flatten(2).transpose(1, 2), steps, sigmas=sigmas(steps, h * w))
+    grid = None if shift is None else sigmas(steps, h * w, shift)
+    out = flow_sample(fn, x.flatten(2).transpose(1, 2), steps, sigmas=grid)
     return unpack(out, h, w, mean, std)

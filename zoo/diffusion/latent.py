@@ -22,7 +22,7 @@ from . import samplers
 from .denoiser import UNet
 from .dit import DiT
 from .flux2 import Flux2
-from .flux2_pipeline import pack, unpack
+from .flux2_pipeline import pack, sigmas, unpack
 from .schedule import (NoiseSchedule, flow_interpolate, flow_min_snr_weight, flow_target, guided,
                        vlb_term)
 from .taesd import TAESD
@@ -124,25 +124,37 @@ class LatentDiffusion(nn.Module):
         txt, img = positions(labels.shape[1], h, w, x.device)
         return unpack(self.denoiser(pack(x), labels.to(x.dtype), t / 1000, img, txt), h, w)
 
+    def sample_sigmas(self, steps: int, h: int, w: int) -> Optional[torch.Tensor]:
+        """flow_euler's noise levels for (h, w) latents as model.sample_shift says (None: flow_sigmas, unshifted)."""
+        k = self.config.sample_shift
+        if k is None or (k == "auto" and self.config.denoiser != "flux2"):
+            return None
+        return sigmas(steps, (h // 2) * (w // 2), k)
+
     @torch.no_grad()
     def sample_latents(self, labels: torch.Tensor, steps: Optional[int] = None, guidance: Optional[float] = None,
                        sampler: Optional[str] = None, eta: Optional[float] = None,
-                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                       generator: Optional[torch.Generator] = None, size=None) -> torch.Tensor:
         cfg = self.config
-        scale = cfg.guidance if guidance is None else guidance
-        C, s = self.latent_channels, self.latent_size
+        scale, steps = cfg.guidance if guidance is None else guidance, steps or cfg.sample_steps
+        (H, W), m = size or (cfg.image_size, cfg.image_size), TAESD.downscale * cfg.latent_multiple
+        if cfg.denoiser == "dit" and (H, W) != (cfg.image_size, cfg.image_size):
+            raise ValueError(f"sample size {H}x{W}: a DiT samples at model.image_size={cfg.image_size} only")
+        if H % m or W % m:
+            raise ValueError(f"sample size {H}x{W}: each side must be a multiple of {m}")
+        C, h, w = self.latent_channels, H // TAESD.downscale, W // TAESD.downscale
         # the noise prediction only: a learned-sigma DiT's variance channels are not used by these samplers
         null = self.null_text.expand_as(labels) if hasattr(self, "null_text") else \
             torch.full_like(labels, self.denoiser.null_label)
         fn = lambda x, t: guided(self.denoise, x, t, labels, null, scale)[:, :C]  # noqa: E731
-        return samplers.sample(fn, (len(labels), C, s, s), sampler or cfg.sampler, steps or cfg.sample_steps,
-                               self.schedule, cfg.prediction, cfg.beta_start, cfg.beta_end,
-                               cfg.eta if eta is None else eta, generator, labels.device, self.latent_mean.dtype)
+        return samplers.sample(fn, (len(labels), C, h, w), sampler or cfg.sampler, steps, self.schedule,
+                               cfg.prediction, cfg.beta_start, cfg.beta_end, cfg.eta if eta is None else eta, generator,
+                               labels.device, self.latent_mean.dtype, self.sample_sigmas(steps, h, w))
 
     @torch.no_grad()
     def sample(self, labels: torch.Tensor, **kw) -> torch.Tensor:
-        """Images (B, 3, image_size, image_size) in [0, 1] of the classes `labels` (B,) (flux2: prompt embeddings).
-        Keywords: steps, guidance, sampler, eta, generator (default: the config's)."""
+        """Images (B, 3, H, W) in [0, 1] of the classes `labels` (B,) (flux2: prompt embeddings). Keywords: steps,
+        guidance, sampler, eta, generator, size (H, W) pixels (default: the config's; model.image_size square)."""
         return self.decode(self.sample_latents(labels, **kw))
 
     def num_params(self, trainable: bool = True) -> int:

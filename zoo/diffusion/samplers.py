@@ -64,14 +64,15 @@ def sample_with_scheduler(model_fn: Callable, scheduler, x: torch.Tensor, steps:
 @torch.no_grad()
 def sample(model_fn: Callable, shape, sampler: str, steps: int, schedule: NoiseSchedule, prediction: str,
            beta_start: float, beta_end: float, eta: float = 0.0, generator: Optional[torch.Generator] = None,
-           device=None, dtype=torch.float32) -> torch.Tensor:
-    """Latents (shape) sampled from noise drawn with `generator` by the named sampler."""
+           device=None, dtype=torch.float32, sigmas: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Latents (shape) sampled from noise drawn with `generator` by the named sampler (flow_euler: over `sigmas`,
+    default flow_sigmas)."""
     if why := check_sampler(sampler, prediction):
         raise ValueError(why)
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     if sampler in ("ddim", "ddpm"):
         return schedule.sample(model_fn, shape, steps, sampler, eta, prediction, generator, x_T=x)
     if sampler == "flow_euler":
-        return flow_sample(model_fn, x, steps, schedule.num_timesteps)
+        return flow_sample(model_fn, x, steps, schedule.num_timesteps, sigmas)
     sched = diffusers_scheduler(sampler, schedule, prediction, beta_start, beta_end)
     return sample_with_scheduler(model_fn, sched, x, steps, generator)
