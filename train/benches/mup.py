@@ -5,7 +5,7 @@ standard parametrization they grow. And the LR transfer it promises: every width
 of a factor-2 grid over seeds, and the best LR by held-out loss is compared across widths, muP beside standard.
 
     python train/bench.py mup-coord [--widths 64,128,256,512,1024] [--steps 4] [--lr 0.01]
-    python train/bench.py mup-transfer [--widths 64,128,256,512] [--log2-lrs=-11,...,-4] [--steps 32] [--batch 8]
+    python train/bench.py mup-transfer [--widths 64,128,256,512] [--log2-lrs=-12,...,-5] [--steps 256] [--batch 8]
 
 Every width has `--layers` blocks of `--heads` heads (the head size grows with the width) and trains on the same
 batches of the stdlib's sources as bytes.
@@ -164,8 +164,8 @@ def transfer_main(argv, name: str):
     p = harness.parser(name, __doc__, precision="fp32", rounds=False, one_precision=True, seeds=1)
     p.add_argument("--widths", type=harness.int_list, default=list(WIDTHS[:4]), help="d_model of each model, "
                    "smallest first (muP's base width)")
-    p.add_argument("--log2-lrs", type=harness.int_list, default=list(range(-11, -3)), help="the LR grid's exponents")
-    for key, default in (("steps", 32), ("batch", 8), ("seq", 64), ("layers", 2), ("heads", 4)):
+    p.add_argument("--log2-lrs", type=harness.int_list, default=list(range(-12, -4)), help="the LR grid's exponents")
+    for key, default in (("steps", 256), ("batch", 8), ("seq", 64), ("layers", 2), ("heads", 4)):
         p.add_argument(f"--{key}", type=harness.positive_int, default=default)
     args = p.parse_args(argv)
     harness.setup(args)
