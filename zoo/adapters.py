@@ -49,7 +49,7 @@ class AdapterConfig:
     dropout: float = bounded(0.0, ge=0, lt=1)  # dropout on the adapters' input, in [0, 1)
     targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # the projections to adapt, by their
                                             # Hugging Face / PEFT names (a MoE layer: its shared expert's gate/up/down);
-                                            # the default on an LLM: all it has (Phi-3: qkv_proj, gate_up_proj; latent
+                                            # the default on an LLM (a VLM's decoder): all it has (Phi-3: qkv_proj, gate_up_proj; latent
                                             # attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj);
                                             # on a FLUX.2 transformer diffusers' module names (the default: its
                                             # attention's, to_q, to_k, to_v, to_out.0, to_qkv_mlp_proj, to_out)
