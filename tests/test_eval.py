@@ -188,3 +188,22 @@ def test_chat_prompts_are_answered_through_the_template(tmp_path, one_thread):
     res = evaluate_files(model, tok, [f], TEST_DEVICE, template=chatml, max_new_tokens=5,
                          log=lambda m: None)["chat"]
     assert [d["output"] for d in res["details"]] == [reply, plain] and res["exact_match"] == 1.0
+
+
+def test_image_questions_bad_rows_name_the_file_and_line(tmp_path, model):
+    """Image questions: the image's path relative to the task file; a row without its question, one whose image is
+    missing: an error naming the file and line (not skipped); image questions for a model that is not a
+    vision-language model: an error naming the file."""
+    (tmp_path / "a.png").write_bytes(b"")
+    ok = {"image": "a.png", "question": "What digit is this?", "answer": "seven"}
+    f = write(tmp_path / "img.jsonl", [ok, {"image": "a.png", "answer": "seven"}])
+    with pytest.raises(DataError, match=r"img.jsonl: line 2: an image question needs image, question and answer "
+                                        r"strings \(question missing\)$"):
+        read_task(f)
+    f.write_text(json.dumps(ok) + "\n\n" + json.dumps({**ok, "image": "sub/gone.png"}) + "\n")
+    with pytest.raises(DataError, match=r"img.jsonl: line 3: image .*sub/gone.png: no such file$"):
+        read_task(f)
+    kind, rows = read_task(write(f, [ok]))
+    assert kind == "image" and rows[0]["image"] == str(tmp_path / "a.png")
+    with pytest.raises(DataError, match=r"img.jsonl: image questions need a vision-language model, not LLM$"):
+        evaluate_files(model, ByteTokenizer(), [f], TEST_DEVICE, log=lambda m: None)

@@ -5,7 +5,9 @@
 
 A task file is jsonl: multiple choice (context, choices, answer) scored by log-likelihood as
 lm-evaluation-harness does; generation (prompt, expected, until) greedy; loss rows by mean
-cross-entropy; prompt (or messages) and answer rows by rewards (--reward; --samples: pass@k; docs/post-training.md).
+cross-entropy; prompt (or messages) and answer rows by rewards (--reward; --samples: pass@k; docs/post-training.md);
+image questions (image, question, answer; the image's path relative to the file) for a vision-language model:
+chat.py's greedy answer with the image, exact match after lowercasing and removing punctuation, per answer.
 Exit codes: 0 done; 2 a bad file, folder or option (one line).
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -77,8 +80,11 @@ def score_sequences(model, seqs: list, device, batch_size: int = 16, autocast=No
 
 
 # ----------------------------------------------------------------------------- task files
-def parse_row(row: dict) -> dict:
-    """A task row, checked, by what it holds: choices, expected (generation), answer (reward) or a loss row."""
+def parse_row(row: dict, folder: Path = Path(".")) -> dict:
+    """A task row, checked, by what it holds: an image question (its file under `folder`), choices, expected
+    (generation), answer (reward) or a loss row."""
+    if "image" in row:
+        return image_row(row, folder)
     if "choices" in row:
         context, choices, answer = row["context"], row["choices"], row["answer"]
         if not isinstance(context, str) or not isinstance(choices, list) or len(choices) < 2 \
@@ -114,9 +120,21 @@ def parse_row(row: dict) -> dict:
     return {"kind": "loss", "prompt": None, "completion": row["text"]}
 
 
+def image_row(row: dict, folder: Path) -> dict:
+    """An image question {"image", "question", "answer"}; a row that lacks one or whose image is not a file: a
+    DataError (read_jsonl names the file and line)."""
+    if missing := [k for k in ("image", "question", "answer") if not isinstance(row.get(k), str) or not row[k]]:
+        raise DataError(f"an image question needs image, question and answer strings ({', '.join(missing)} missing)")
+    path = folder / Path(row["image"]).expanduser()
+    if not path.is_file():
+        raise DataError(f"image {path}: no such file")
+    return {"kind": "image", "image": str(path), "question": row["question"], "answer": row["answer"]}
+
+
 def read_task(path, log=print) -> tuple[str, list[dict]]:
     """(kind, rows) of a task file; every row must be of one kind."""
-    rows = read_jsonl(path, parse_row, log, "task rows")
+    folder = Path(path).expanduser().parent
+    rows = read_jsonl(path, lambda row: parse_row(row, folder), log, "task rows")
     kinds = sorted({r["kind"] for r in rows})
     if len(kinds) > 1:
         raise DataError(f"{path}: rows of several kinds ({', '.join(kinds)}); one task file holds one kind")
@@ -294,7 +312,36 @@ def score_rewards(model, tokenizer, rows, device, template=None, batch_size=16, 
     return out, details
 
 
-SCORERS = {"choice": score_choices, "generation": score_generation, "loss": score_loss, "reward": score_rewards}
+def normalised(answer: str) -> str:
+    """An answer as exact match compares it: lowercase, punctuation removed, whitespace collapsed."""
+    return " ".join(re.sub(r"[^\w\s]", "", answer.lower()).split())
+
+
+def score_images(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, **_):
+    """exact_match of image questions: each answered greedily by chat.py's ChatSession with its image (no tiles),
+    compared after `normalised`; per_answer: each reference answer's [rows, exact_match]."""
+    from train.chat import ChatSession
+    from train.data.images import image_pixels
+    if template is None:
+        raise DataError("image questions need a chat template that places <image> (--template)")
+    details, per = [], {}
+    for r in rows:
+        pixels = image_pixels(r["image"], model.vision.spec["img_size"]).to(next(model.parameters()))
+        try:
+            with (autocast or contextlib.nullcontext)():
+                chat = ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens, image=pixels)
+                out = chat.reply(r["question"])
+        except ValueError as e:  # the tokenizer or template cannot place the image
+            raise DataError(f"{r['image']}: {e}") from None
+        hit = normalised(out) == normalised(r["answer"])
+        per.setdefault(normalised(r["answer"]), []).append(hit)
+        details.append({"image": r["image"], "output": out, "answer": r["answer"], "correct": hit})
+    return {"exact_match": sum(d["correct"] for d in details) / len(rows), "n": len(rows),
+            "per_answer": {a: [len(h), sum(h) / len(h)] for a, h in sorted(per.items())}}, details
+
+
+SCORERS = {"choice": score_choices, "generation": score_generation, "loss": score_loss, "reward": score_rewards,
+           "image": score_images}
 
 
 def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16, max_new_tokens=64,
@@ -304,6 +351,8 @@ def evaluate_files(model, tokenizer, files, device, template=None, batch_size=16
     with eval_mode(model):
         for f in files:
             kind, rows = read_task(f, log)
+            if kind == "image" and getattr(model, "family", None) != "vlm":
+                raise DataError(f"{f}: image questions need a vision-language model, not {type(model).__name__}")
             try:
                 m, d = SCORERS[kind](model, tokenizer, rows, device, template=template, batch_size=batch_size,
                                      max_new_tokens=max_new_tokens, delimiter=delimiter, autocast=autocast,
@@ -329,8 +378,13 @@ def per_class_table(pred: torch.Tensor, y: torch.Tensor, classes, weights: str):
             for c, name in enumerate(classes) if (y == c).any()]
     head = f"weights: {weights}\n{'class':>24}  {'n':>5}  acc"
     total = f"{'all':>24}  {len(y):>5}  {(pred == y).float().mean().item():.3f}"
-    text = "\n".join([head] + [f"{n[:24]:>24}  {k:>5}  {a:.3f}" for n, k, a in rows] + [total])
+    text = "\n".join([head] + class_lines(rows) + [total])
     return rows, text, head, total
+
+
+def class_lines(rows) -> list[str]:
+    """(name, n, accuracy) rows as the per-class table's lines."""
+    return [f"{n[:24]:>24}  {k:>5}  {a:.3f}" for n, k, a in rows]
 
 
 def table(results: dict) -> str:
@@ -341,6 +395,10 @@ def table(results: dict) -> str:
         metrics = "  ".join(f"{k} {v:.4f}" for k, v in r.items()
                             if k not in ("kind", "n", "tokens", "details") and isinstance(v, float))
         lines.append(f"{name:<24} {r['kind']:<11} {n:>6}  {metrics}")
+    for name, r in results.items():  # image questions: each answer's rows and exact match
+        if "per_answer" in r:
+            lines += ["", f"{name}, per answer:", f"{'answer':>24}  {'n':>5}  exact_match",
+                      *class_lines((a, k, acc) for a, (k, acc) in r["per_answer"].items())]
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@
     with adapters_per_row(model, ["default", "b", "__base__"]): model(x)  # row i on adapter i
 
 Targets are named as in PEFT checkpoints (q_proj, ..., down_proj; `lora_sites` maps them onto Zoo's fused layers; a
-recurrent layer's projections by its class's names: in_proj_qkv, in_proj_z, in_proj, out_proj, ...).
+recurrent layer's projections by its class's names: in_proj_qkv, in_proj_z, in_proj, out_proj, ...); on a
+vision-language model `targets` name the decoder's, `vision_targets` the encoder's and the connector's (SmolVLM's names).
 method 'prefix': learned keys/values, 'prompt': learned input embeddings (blocks/prefix.py); 'bottleneck': Houlsby
 adapters after each attention and MLP (blocks/bottleneck.py); quantize_base 'nf4': QLoRA.
 """
@@ -33,6 +34,7 @@ LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 FLUX2_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj", "to_out")  # diffusers' names (to_out.0: the
                                                                                   # double blocks', to_out: the single)
 NF4_BLOCK = 64
+VISION_SITES = ("vision.", "connector.")  # a VLM's modules whose sites adapter.vision_targets names
 SLOTS = ("prefix", "prompt", "attn_adapter", "mlp_adapter")  # where the adapters that are modules of their own sit
 
 
@@ -47,10 +49,13 @@ class AdapterConfig:
     dropout: float = bounded(0.0, ge=0, lt=1)  # dropout on the adapters' input, in [0, 1)
     targets: list[str] = field(default_factory=lambda: list(LLM_TARGETS))  # the projections to adapt, by their
                                             # Hugging Face / PEFT names (a MoE layer: its shared expert's gate/up/down);
-                                            # the default on an LLM: all it has (Phi-3: qkv_proj, gate_up_proj; latent
+                                            # the default on an LLM (a VLM's decoder): all it has (Phi-3: qkv_proj, gate_up_proj; latent
                                             # attention: q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj);
                                             # on a FLUX.2 transformer diffusers' module names (the default: its
                                             # attention's, to_q, to_k, to_v, to_out.0, to_qkv_mlp_proj, to_out)
+    vision_targets: list[str] = field(default_factory=list)  # a vision-language model: also these projections of
+                                            # its encoder and connector, by SmolVLM's names (q_proj, k_proj, v_proj,
+                                            # out_proj, fc1, fc2; the connector's proj); [] = the decoder alone
     rslora: bool = False                    # rank-stabilised scaling `alpha / sqrt(r)`
     init: Literal["kaiming", "gaussian"] = "kaiming"  # LoRA / DoRA A at the start (PEFT's names): `kaiming`
                                             # (kaiming-uniform, nn.Linear's) or `gaussian` (N(0, 1/r^2)); B starts at 0
@@ -67,6 +72,8 @@ class AdapterConfig:
     def validate(self, source, prefix="adapter."):
         if self.method in ("lora", "dora") and not self.targets:
             raise fail(source, prefix + "targets", "must name at least one module")
+        if self.vision_targets and not self.mergeable:
+            raise fail(source, prefix + "vision_targets", "needs adapter.method lora or dora")
         if self.init_from and not self.mergeable:
             raise fail(source, prefix + "init_from", "needs adapter.method lora or dora")
         if self.quantize_base != "none" and self.method == "none":
@@ -87,7 +94,9 @@ def lora_sites(model: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
     may wrap, parts in row order; `peft_target` of the PEFT name is what adapter.targets name. For an
     LLM the PEFT names are those of the Hugging Face class it exports as (Phi-3's fused qkv_proj and
     gate_up_proj, DeepSeek-V3's latent attention); for a FLUX.2 transformer (or a model holding one)
-    diffusers'; else Zoo's own."""
+    diffusers'; for a vision-language model SmolVLM's (_vlm_sites); else Zoo's own."""
+    if getattr(model, "family", None) == "vlm":
+        return _vlm_sites(model)
     if getattr(model, "family", None) == "llm":
         cfg, rec = model.config, _record(model)
         sites = {}
@@ -117,6 +126,22 @@ def lora_sites(model: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
     names = module_names(model)
     return {name: [(name.rsplit(".", 1)[-1], m.out_features, names.get(name, name))]
             for name, m in model.named_modules() if isinstance(m, (nn.Linear, LoRALinear))}
+
+
+def _vlm_sites(vlm: nn.Module) -> dict[str, list[tuple[str, int, str]]]:
+    """lora_sites of a VLM: its decoder's (the PEFT names those of the text model in SmolVLM's file), then its
+    encoder blocks' linear layers (hf_vit's SigLIP key map) and its connector, the sites of adapter.vision_targets."""
+    from .weights.hf_vit import key_map
+    from .weights.hf_vlm import CONNECTOR, VISION, text_name
+    sites = {"llm." + s: [(n, rows, text_name(hf)) for n, rows, hf in parts] for s, parts in lora_sites(vlm.llm).items()}
+    linear = {n: m for n, m in vlm.vision.named_modules() if isinstance(m, (nn.Linear, LoRALinear))}
+    for zs, hs in key_map("smolvlm_vision", vlm.vision):
+        z = zs[0].removesuffix(".weight")
+        if z in linear and z.startswith("blocks."):  # a fused qkv: its rows in equal parts
+            sites["vision." + z] = [(h.split(".")[-2], linear[z].out_features // len(hs), VISION + h[:-len(".weight")])
+                                    for h in hs]
+    sites["connector.proj"] = [("proj", vlm.connector.proj.out_features, CONNECTOR[:-len(".weight")])]
+    return sites
 
 
 def peft_target(name: str) -> str:
@@ -175,11 +200,10 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
                           f"under distinct names (it has: {', '.join(f'{k} ({c.method})' for k, c in named.items())})")
     model.requires_grad_(False)
     if cfg.mergeable:
-        known, targets = known_targets(model), default_targets(model, cfg.targets)
-        if unknown := [t for t in targets if t not in known]:
-            raise ConfigError(f"{source}: adapter.targets: {', '.join(unknown)} not in this model "
-                              f"(known: {', '.join(known) or 'none'})")
-        for site, parts in lora_sites(model).items():
+        sites = lora_sites(model)
+        chosen = chosen_targets(model, cfg, sites, source)
+        for site, parts in sites.items():
+            targets = chosen[site.startswith(VISION_SITES)]
             adapted = [n for n, _, hf in parts if peft_target(hf) in targets]
             if not adapted:
                 continue
@@ -208,11 +232,25 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig, source: str = "adapter"
     return model
 
 
+def chosen_targets(model: nn.Module, cfg: AdapterConfig, sites: dict, source: str) -> dict[bool, list[str]]:
+    """{False: adapter.targets (the default resolved), True: adapter.vision_targets}, each checked against the names
+    of the sites it chooses among (True: a VLM's encoder and connector; False: the rest)."""
+    chosen = {False: default_targets(model, cfg.targets), True: list(cfg.vision_targets)}
+    for vision, key in ((False, "targets"), (True, "vision_targets")):
+        known = sorted({peft_target(hf) for s, parts in sites.items() if s.startswith(VISION_SITES) == vision
+                        for _, _, hf in parts})
+        if unknown := [t for t in chosen[vision] if t not in known]:
+            raise ConfigError(f"{source}: adapter.{key}: {', '.join(unknown)} not in this model "
+                              f"(known: {', '.join(known) or 'none'})")
+    return chosen
+
+
 def default_targets(model: nn.Module, targets) -> list[str]:
     """`targets`, or where they are adapter.targets' default: all an LLM has; a FLUX.2 transformer's attention
     (diffusers' training scripts' choice)."""
     if list(targets) != list(LLM_TARGETS):
         return list(targets)
+    model = model.llm if getattr(model, "family", None) == "vlm" else model  # a VLM's decoder
     if getattr(model, "family", None) == "llm":
         return known_targets(model)
     from .weights.diffusers_flux2 import module_names
@@ -223,7 +261,8 @@ def differences(a: AdapterConfig, b: AdapterConfig) -> str:
     """What of `a` (an adapter file's config) the adapter `b` computes differently: '' when nothing."""
     keys = [k for k in ("method", "r", "alpha", "rslora") if getattr(a, k) != getattr(b, k)]
     return ", ".join([f"{k}={getattr(a, k)} (the adapter's: {getattr(b, k)})" for k in keys] +
-                     [f"target {t} not adapted" for t in a.targets if t not in b.targets])
+                     [f"target {t} not adapted" for t in a.targets if t not in b.targets] +
+                     [f"vision target {t} not adapted" for t in a.vision_targets if t not in b.vision_targets])
 
 
 def _add_module_adapters(model: nn.Module, cfg: AdapterConfig, source: str):

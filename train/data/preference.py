@@ -13,7 +13,8 @@ IGNORE = -100
 
 def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "rows") -> list:
     """parse(row) of every line of the jsonl file `path`; lines that are not JSON objects or that parse refuses
-    (ValueError, KeyError, TypeError) skipped, in one log line naming them; no usable line at all: a DataError."""
+    (ValueError, KeyError, TypeError) skipped, in one log line naming them; no usable line at all, or a DataError
+    of parse: a DataError naming the file (and the line)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"{path}: no such file")
@@ -26,6 +27,8 @@ def read_jsonl(path, parse: Callable[[dict], object], log=print, what: str = "ro
             if not isinstance(row, dict):
                 raise TypeError("not a JSON object")
             out.append(parse(row))
+        except DataError as e:  # a row the parser refuses outright
+            raise DataError(f"{path}: line {i}: {e}") from None
         except (ValueError, KeyError, TypeError) as e:
             bad.append(i)
             why = why or (f"missing key {e}" if isinstance(e, KeyError) else str(e))

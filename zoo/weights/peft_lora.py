@@ -21,11 +21,13 @@ from ..adapters import AdapterConfig, adapter_modules, adapter_slots, apply_adap
 from ..config import from_dict, to_dict
 from .files import atomic_write, load_tensors, mismatches, read_json, save_safetensors
 from .hf_llm import inverse, record_for, row_orders
+from .hf_vlm import CONNECTOR, VISION, text_name
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 ZOO_CONFIG, ZOO_WEIGHTS = "zoo_adapter.json", "zoo_adapter.safetensors"
 PREFIX = "base_model.model."
+VISION_MODULES = (VISION, CONNECTOR.rsplit(".", 2)[0])  # a VLM's encoder and connector: adapter.vision_targets
 
 # adapter_config.json keys whose value must be the default for Zoo to compute what PEFT does
 _MUST_BE = {"bias": ("none",), "fan_in_fan_out": (False, None), "modules_to_save": (None, []),
@@ -70,10 +72,13 @@ def lora_config(hf: dict, src) -> AdapterConfig:
     targets = hf.get("target_modules")
     if isinstance(targets, str) or not targets:
         raise ValueError(f"{src}: target_modules={targets!r} must be a list of module names")
+    vision = {t for t in targets if t.startswith(VISION_MODULES)}  # a VLM's modules, named in full
     try:
         return AdapterConfig(method="dora" if hf.get("use_dora") else "lora", r=int(hf["r"]),
                              alpha=float(hf.get("lora_alpha", 8)), dropout=float(hf.get("lora_dropout", 0.0)),
-                             targets=sorted(targets), rslora=bool(hf.get("use_rslora", False)),
+                             targets=sorted({peft_target(t) for t in targets if t not in vision}),
+                             vision_targets=sorted({peft_target(t) for t in vision}),
+                             rslora=bool(hf.get("use_rslora", False)),
                              init="gaussian" if hf.get("init_lora_weights") == "gaussian" else "kaiming")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{src}: r / lora_alpha / lora_dropout unreadable ({e})") from None
@@ -142,7 +147,9 @@ def _adapter_tensors(model, name: Optional[str] = None) -> dict[str, tuple[str, 
 
 def file_orders(model) -> dict:
     """The base file's tensor name -> Zoo's order of its rows (hf_llm.row_orders), for the Hugging Face class
-    an LLM exports as; {} for other models."""
+    an LLM exports as (a VLM: its decoder's, under the VLM file's names); {} for other models."""
+    if getattr(model, "family", None) == "vlm":
+        return {text_name(k): v for k, v in file_orders(model.llm).items()}
     if getattr(model, "family", None) != "llm":
         return {}
     try:
@@ -200,8 +207,10 @@ def save_adapter(model, path, base: Optional[str] = None, dtype: Optional[torch.
         hf.update(peft_type="PROMPT_TUNING", num_virtual_tokens=cfg.prefix_len, token_dim=c.d_model,
                   num_transformer_submodules=1, num_attention_heads=c.n_heads, num_layers=c.n_layers,
                   prompt_tuning_init="SAMPLE_VOCAB")
-    else:
-        hf.update(lora_fields(cfg, {peft_target(name) for name in peft_names(model).values()}))
+    else:  # a VLM's modules named in full: PEFT matches a short name in the encoder too (q_proj, k_proj, v_proj)
+        names = peft_names(model).values()
+        hf.update(lora_fields(cfg, set(names) if getattr(model, "family", None) == "vlm" else
+                              {peft_target(n) for n in names}))
     atomic_write(out / CONFIG, json.dumps(hf, indent=2) + "\n")
     return out
 
