@@ -246,6 +246,7 @@ def test_the_processor_as_transformers(tmp_path, capsys):
     assert main([str(folder), "--image", str(paths[1]), "--prompt", "What is in this picture?",
                  "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out == data.tokenizer.decode(greedy.tolist()) + "\n"
+    (tmp_path / "zoo").mkdir()
     data.processor.save(tmp_path / "zoo")
     assert ImageProcessor.from_folder(tmp_path / "zoo", model) == data.processor
     again = SmolVLMImageProcessor.from_pretrained(tmp_path / "zoo")([[Image.open(p)] for p in paths],

@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
