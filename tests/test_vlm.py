@@ -8,8 +8,10 @@ import torch
 import zoo
 from test_vit import close, perturbed
 from zoo.blocks.pixel_shuffle import pixel_shuffle
+from train.data.images import image_processor, processed_image
 from zoo.vit import ViT
 from zoo.vlm import bucket_positions
+from zoo.vlm_processor import IMAGE_TOKENS, ImageProcessor
 
 IMAGE_ID = 100
 # (encoder, decoder, scale_factor): a 4x4 patch grid folded 2x2 and full attention; a 9x9 grid folded 3x3, deeper,
@@ -24,14 +26,14 @@ SHAPES = {"smolvlm-4x4-s2": (dict(hidden_size=32, intermediate_size=64, num_hidd
                                       num_key_value_heads=2), 3)}
 
 
-def hf_vlm(kind, vision, text, scale):
+def hf_vlm(kind, vision, text, scale, vocab=128, image_id=IMAGE_ID):
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, SmolVLMConfig,
                               SmolVLMForConditionalGeneration)
     config, cls = (SmolVLMConfig, SmolVLMForConditionalGeneration) if kind == "smolvlm" else \
         (Idefics3Config, Idefics3ForConditionalGeneration)
-    text = dict(model_type="llama", vocab_size=128, rms_norm_eps=1e-5, **text)
+    text = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, **text)
     return cls, perturbed(cls(config(vision_config=vision, text_config=text, scale_factor=scale,
-                                     image_token_id=IMAGE_ID)))
+                                     image_token_id=image_id)))
 
 
 def split_batch(size, tokens, g):
@@ -99,7 +101,8 @@ def test_connector_and_positions_as_transformers():
 
 def test_vlm_bad_input_is_one_line(tmp_path):
     """A prompt whose placeholders do not match the images' tokens; an image size that is not whole patches; an
-    encoder SmolVLM's cannot hold (LayerScale) on export."""
+    encoder SmolVLM's cannot hold (LayerScale) on export; processor files asking for a filter Zoo does not resize
+    with, or image tokens a tile does not make."""
     vision, text, scale = SHAPES["smolvlm-4x4-s2"]
     ref = hf_vlm("smolvlm", vision, text, scale)[1]
     ref.save_pretrained(tmp_path / "hf")
@@ -109,6 +112,14 @@ def test_vlm_bad_input_is_one_line(tmp_path):
         model(ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
     with pytest.raises(ValueError, match=r"pixel_values \(1, 1, 3, 30, 32\)"):
         model(ids, pixel_values=torch.randn(1, 1, 3, 30, 32))
+    hf = tmp_path / "hf"
+    (hf / "preprocessor_config.json").write_text(json.dumps({"resample": 0}))
+    with pytest.raises(ValueError, match=r"hf/preprocessor_config.json: resample=0: Zoo resizes with 1 \(lanczos\)"):
+        image_processor(model, hf)
+    (hf / "preprocessor_config.json").write_text(json.dumps({"max_image_size": {"longest_edge": 32}}))
+    (hf / "processor_config.json").write_text(json.dumps({"image_seq_len": 16}))
+    with pytest.raises(ValueError, match=r"hf/processor_config.json: image_seq_len=16, but a tile of 32 pixels is 4 "):
+        image_processor(model, hf)
     model.vision = ViT(dataclasses.replace(model.vision.config, init_values=0.1))
     with pytest.raises(ValueError, match="SmolVLM's encoder cannot hold init_values=0.1 \\(needs 0.0\\)$"):
         zoo.save_pretrained(model, tmp_path / "out")
@@ -127,7 +138,7 @@ def test_chat_answers_about_an_image(tmp_path, capsys):
     continuation of the prompt SmolVLM's processor writes for one image without tiles; an image that is missing or
     not an image: exit code 2 and one line naming it."""
     from PIL import Image
-    from train.chat import image_pixels, main
+    from train.chat import main
     from train.data.text_tokenizers import bpe_trainer, byte_level, load_tokenizer_file
     from zoo.config import LLMConfig, ViTConfig, VLMConfig
     from zoo.vlm import VLM
@@ -151,7 +162,7 @@ def test_chat_answers_about_an_image(tmp_path, capsys):
     prompt = (f"<|im_start|>User:<fake_token_around_image><global-img>{'<image>' * 4}<fake_token_around_image>"
               f"{question}<end_of_utterance>\nAssistant:")
     ids = torch.tensor([tok.encode(prompt).ids])
-    pixels = image_pixels(str(tmp_path / "a.png"), 32)
+    pixels = processed_image(ImageProcessor.for_model(model), str(tmp_path / "a.png"))[0][None]
     greedy = model.generate(ids, 6, pixel_values=pixels)[0, ids.shape[1]:]
     assert not torch.equal(model.generate(ids, 6, pixel_values=pixels.flip(-1))[0, ids.shape[1]:], greedy)
     capsys.readouterr()
@@ -164,28 +175,83 @@ def test_chat_answers_about_an_image(tmp_path, capsys):
         assert err.count("\n") == 1 and name in err and why in err
 
 
-def test_the_image_processors_tiles(tmp_path):
-    """transformers' SmolVLMImageProcessor splitting two images of other shapes into tiles of the encoder's size
-    (1 x 2 and 2 x 2, each with its global image; the shorter row padded with empty images) -> the same logits
-    from Zoo as from SmolVLMForConditionalGeneration within 1e-4 (fp32, eval)."""
-    import numpy as np
+def photos(folder) -> list:
+    """Two of scikit-image's photographs of other aspect ratios as PNG files: the astronaut cut to 512 x 200 (tall)
+    and the coffee cup (400 x 600, wide)."""
     from PIL import Image
-    from transformers import SmolVLMImageProcessor
+    from skimage import data
+    out = [folder / "astronaut.png", folder / "coffee.png"]
+    for path, x in zip(out, (data.astronaut()[:, 150:350], data.coffee())):
+        Image.fromarray(x).save(path)
+    return out
+
+
+def test_the_processor_as_transformers(tmp_path, capsys):
+    """A tiny random SmolVLM saved with transformers' SmolVLMProcessor (a BPE tokenizer holding SmolVLM's special
+    tokens, its chat template, tiles of 32 after the longest edge resized to 128, Lanczos): on two chat rows, each
+    about one of two photographs (4 x 2 and 3 x 4 tiles), Zoo's chat SFT data (the processor read from the folder)
+    gives transformers' input_ids exactly, its pixel_values within 1e-5 and its pixel_attention_mask (one image
+    padded); Zoo's logits on Zoo's inputs equal transformers' on its own within 1e-4 (fp32, eval); chat.py --image
+    answers with transformers' greedy tokens; the files Zoo writes give transformers' image processor the same
+    pixels and read back as the same settings."""
+    from PIL import Image
+    from transformers import (PreTrainedTokenizerFast, SmolVLMImageProcessor, SmolVLMProcessor,
+                              SmolVLMVideoProcessor)
+    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+    from train.chat import main
+    from train.data.conversations import ChatTemplate
+    from train.data.text_tokenizers import bpe_trainer, byte_level, load_tokenizer_file
+    from train.tasks.vlm import ImageChatData, VLMDataConfig
+    specials = ["<|im_start|>", "<end_of_utterance>", *IMAGE_TOKENS] + [f"<row_{r}_col_{c}>" for r in range(1, 5)
+                                                                         for c in range(1, 5)]
+    tok = byte_level()
+    tok.train_from_iterator(["What is in this picture? A cup of coffee."] * 4, bpe_trainer(300, specials))
     vision, text, scale = SHAPES["smolvlm-4x4-s2"]
-    ref = hf_vlm("smolvlm", vision, text, scale)[1]
-    ref.save_pretrained(tmp_path / "hf")
-    model = zoo.from_pretrained(tmp_path / "hf")
-    proc = SmolVLMImageProcessor(do_image_splitting=True, max_image_size={"longest_edge": 32},
-                                 size={"longest_edge": 64})
-    g = np.random.default_rng(0)
-    images = [[Image.fromarray(g.integers(0, 256, hw + (3,), dtype=np.uint8))] for hw in ((20, 90), (40, 40))]
-    out = proc(images, return_tensors="pt", return_row_col_info=True)
-    assert out["rows"] == [[1], [2]] and out["cols"] == [[2], [2]] and out["pixel_values"].shape[:2] == (2, 5)
-    tokens = (vision["image_size"] // vision["patch_size"] // scale) ** 2
-    rows = [[5] * 2 * tokens + [IMAGE_ID] * 3 * tokens + [6, 7], [IMAGE_ID] * 5 * tokens + [6, 7]]
-    kw = dict(pixel_values=out["pixel_values"], pixel_attention_mask=out["pixel_attention_mask"])
+    image_id = tok.token_to_id("<image>")
+    ref = hf_vlm("smolvlm", vision, text, scale, tok.get_vocab_size(), image_id)[1]
     with torch.no_grad():
-        assert close(model(torch.tensor(rows), **kw), ref(input_ids=torch.tensor(rows), **kw).logits)
+        ref.lm_head.weight[:len(specials)] = 0  # no special token wins: chat's answer runs its full length
+    ref.generation_config.eos_token_id = None
+    folder = tmp_path / "hf"
+    ref.save_pretrained(folder)
+    proc = SmolVLMProcessor(SmolVLMImageProcessor(max_image_size={"longest_edge": 32}, size={"longest_edge": 128}),
+                            PreTrainedTokenizerFast(tokenizer_object=tok), SmolVLMVideoProcessor(), image_seq_len=4,
+                            chat_template=DEFAULT_CHAT_TEMPLATE)
+    proc.save_pretrained(folder)
+    paths = photos(tmp_path)
+    rows = [[{"role": "user", "content": [{"type": "image", "image": str(p)}, {"type": "text", "text": q}]},
+             {"role": "assistant", "content": "A cup of coffee."}] for p, q in zip(paths, ("What is this?", "And?"))]
+    model = zoo.from_pretrained(folder)
+    data = ImageChatData([(r, ("rows", i + 1)) for i, r in enumerate(rows)], [(rows[0], ("rows", 1))],
+                         load_tokenizer_file(folder / "tokenizer.json"), ChatTemplate.from_pretrained(folder),
+                         VLMDataConfig(seq_len=512), 0, lambda m: None, image_processor(model, folder), image_id)
+    kw = data.collate(data.train)[3]
+    want = proc.image_processor([[Image.open(p)] for p in paths], return_tensors="pt", return_row_col_info=True)
+    assert want["rows"] == [[4], [3]] and want["cols"] == [[2], [4]] and want["pixel_values"].shape[1] == 13
+    torch.testing.assert_close(kw["pixel_values"], want["pixel_values"], atol=1e-5, rtol=0)
+    assert torch.equal(kw["pixel_attention_mask"], want["pixel_attention_mask"].bool())
+    for r, row in enumerate(rows):
+        ids = data.encode_row(row)[0]
+        theirs = proc(text=proc.apply_chat_template(row), images=[Image.open(paths[r])], return_tensors="pt")
+        assert ids == theirs["input_ids"][0].tolist()
+        with torch.no_grad():
+            got = model(torch.tensor([ids]), pixel_values=kw["pixel_values"][r:r + 1],
+                        pixel_attention_mask=kw["pixel_attention_mask"][r:r + 1])
+            assert close(got, ref(**theirs).logits)
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
+    theirs = proc(text=proc.apply_chat_template(question, add_generation_prompt=True), images=[Image.open(paths[1])],
+                  return_tensors="pt")
+    greedy = ref.generate(**theirs, max_new_tokens=6, do_sample=False)[0, theirs["input_ids"].shape[1]:]
+    capsys.readouterr()
+    assert main([str(folder), "--image", str(paths[1]), "--prompt", "What is in this picture?",
+                 "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == data.tokenizer.decode(greedy.tolist()) + "\n"
+    (tmp_path / "zoo").mkdir()
+    data.processor.save(tmp_path / "zoo")
+    assert ImageProcessor.from_folder(tmp_path / "zoo", model) == data.processor
+    again = SmolVLMImageProcessor.from_pretrained(tmp_path / "zoo")([[Image.open(p)] for p in paths],
+                                                                    return_tensors="pt")
+    assert torch.equal(again["pixel_values"], want["pixel_values"])
 
 
 @pytest.mark.slow

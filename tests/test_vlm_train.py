@@ -5,13 +5,14 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, TEST_DEVICE
 from zoo.config import ConfigError
 from train.config import load_run_config
 from train.data.conversations import IMAGE_TOKENS, ChatTemplate, read_conversations
 from train.data.images import digits_dataset
 from train.loop import train
-from train.tasks.vlm import WORDS, ImageChatData, VLMDataConfig
+from train.tasks.vlm import WORDS, ImageChatData, VLMDataConfig, VLMTask
+from zoo.vlm_processor import ImageProcessor
 
 CONFIG = ROOT / "configs" / "vlm" / "digits-vqa.yaml"
 
@@ -52,7 +53,7 @@ def test_image_rows_batches_and_bad_rows(tmp_path):
     convs = read_conversations(str(tmp_path / "rows.jsonl"), "messages", parts=True)
     image_id = tok.encode(IMAGE_TOKENS[0])[0]
     data = ImageChatData(convs, convs[:1], tok, ChatTemplate.builtin("chatml"), VLMDataConfig(seq_len=64), 0,
-                         logs.append, size=32, tokens=4, image_id=image_id)
+                         logs.append, ImageProcessor(32, 4), image_id)
     skipped = [m for m in logs if "skipped" in m]
     assert len(skipped) == 1 and "4 conversations" in skipped[0] and "lines 2, 3, 4, 7" in skipped[0]
     assert "missing.png: no such file" in skipped[0]
@@ -63,14 +64,35 @@ def test_image_rows_batches_and_bad_rows(tmp_path):
     assert not (y == image_id).any() and (y != -100).any()
     assert kw["pixel_values"][1].eq(0).all() and kw["pixel_values"][0, 1].eq(0).all()
     assert not kw["pixel_values"][2, 1].eq(0).all()
-    for (messages, _), why in zip(convs[2:4] + convs[6:], ("bad.png: cannot decode", "5 image tokens for 1 images of "
-                                                          "4 each", "image tokens run past data.seq_len=64")):
+    assert kw["pixel_attention_mask"].flatten(2).all(2).tolist() == [[True, False], [False, False], [True, True]]
+    for (messages, _), why in zip(convs[2:4] + convs[6:], ("bad.png: cannot decode", "2 <image> places for 1 images",
+                                                          "image tokens run past data.seq_len=64")):
         with pytest.raises(ValueError, match=why):
             data.encode_row(messages)
     data.template = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.content is "
                                  "string else m.content[-1].text }}<|im_end|>\n{% endfor %}")
-    with pytest.raises(ValueError, match="^0 image tokens for 2 images of 4 each \\(images the template does not"):
+    with pytest.raises(ValueError, match="^0 <image> places for 2 images \\(images the template does not"):
         data.encode_row(convs[5][0])
+
+
+def test_config_keys_split_the_images(tmp_path):
+    """data.image_splitting=true and data.longest_edge=64 on the embedded config's model (tiles of 32): each digit
+    resized to 64 x 64, a 2 x 2 grid of tiles and its global image (5 images of 4 image tokens, the tokenizer trained
+    here keeping the tiles' names whole), written beside the weights as SmolVLM's processor files that read back the
+    same; data.longest_edge=40: a one-line error naming it."""
+    from train.data.images import image_processor
+    over = [f"data.cache_dir={tmp_path}", "data.synthetic_rows=20", "data.eval_generate=0", "data.image_splitting=true"]
+    task = VLMTask(load_run_config(str(CONFIG), over + ["data.longest_edge=64"]), TEST_DEVICE, lambda m: None)
+    task.setup()
+    assert task.processor == ImageProcessor(32, 4, splitting=True, longest_edge=64)
+    x, _, _, kw = task.data.collate(task.data.train[:2])
+    assert kw["pixel_values"].shape == (2, 5, 3, 32, 32) and kw["pixel_attention_mask"].all()
+    assert [int((r == 3).sum()) for r in x] == [20, 20]
+    assert len(task.data.tokenizer.encode("<row_2_col_1>")) == 1
+    task.save_files(tmp_path)
+    assert image_processor(task.build_model(), tmp_path) == task.processor
+    with pytest.raises(ConfigError, match="data.longest_edge=40 must be a multiple of the tile size 32"):
+        VLMTask(load_run_config(str(CONFIG), over + ["data.longest_edge=40"]), TEST_DEVICE, lambda m: None).setup()
 
 
 def test_config_refuses_packing():

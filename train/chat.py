@@ -7,8 +7,8 @@
 
 DIR: a run folder, a Hugging Face folder or a GGUF file. Turns stay in the KV cache;
 `/reset` starts a new conversation, `/exit` quits; temperature 0 is greedy. A vision-language model's
---image joins the first message: resized to the encoder's square (no tiles), its tokens where the
-model's chat template puts `<image>`.
+--image joins the first message: processed as the folder's preprocessor_config.json says (SmolVLM's tiles),
+else resized to the encoder's square; its tokens where the model's chat template puts `<image>`.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ if __package__ in (None, ""):
 import torch
 
 from zoo.llm import decode_step, sample_next
+from zoo.vlm_processor import pad_images
 
-from train.data.conversations import IMAGE, image_text
-from train.data.images import image_pixels
+from train.data.conversations import IMAGE, expand_images
+from train.data.images import image_processor, processed_image
 from train.step import eval_mode
 
 
@@ -41,11 +42,11 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, template, system: Optional[str] = None, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 seed: Optional[int] = None, image: Optional[torch.Tensor] = None):
+                 seed: Optional[int] = None, images: Optional[tuple] = None):
         from train.data.conversations import token_offsets
-        self.vlm = model if getattr(model, "family", None) == "vlm" else None  # image: its (1, 1, C, H, W) pixels
+        self.vlm = model if getattr(model, "family", None) == "vlm" else None
         self.model, self.tokenizer, self.template = model.llm if self.vlm else model, tokenizer, template
-        self.image = image
+        self.images = images  # (the tiles of the images (n, C, S, S), the text of each image), as processed_image's
         self.system, self.max_new_tokens = system, max_new_tokens
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.device = next(model.parameters()).device
@@ -56,13 +57,13 @@ class ChatSession:
         eos_ids = self._encode(eos) if eos else []
         self.eos_id = eos_ids[0] if len(eos_ids) == 1 else getattr(tokenizer, "eos_id", None)
         self.reset()
-        if image is not None and self._encode(IMAGE) != [model.config.image_token_id]:
+        if images is not None and self._encode(IMAGE) != [model.config.image_token_id]:
             raise ValueError(f"the tokenizer does not encode <image> as the model's image token "
                              f"{model.config.image_token_id}")
 
-    def _content(self, text: str, image: bool = False):
+    def _content(self, text: str, images: int = 0):
         """A message's content: the text, or for a VLM the list of parts its chat templates read."""
-        return [{"type": "image"}] * image + [{"type": "text", "text": text}] if self.vlm else text
+        return [{"type": "image"}] * images + [{"type": "text", "text": text}] if self.vlm else text
 
     def reset(self):
         self.messages = [{"role": "system", "content": self._content(self.system)}] if self.system else []
@@ -70,8 +71,8 @@ class ChatSession:
 
     def reply(self, text: str, on_text: Optional[Callable[[str], None]] = None) -> str:
         """Add the user's message, generate the answer (streamed to on_text piece by piece), keep both."""
-        first = self.image is not None and not any(m["role"] == "user" for m in self.messages)
-        user = {"role": "user", "content": self._content(text, first)}
+        first = self.images is not None and not any(m["role"] == "user" for m in self.messages)
+        user = {"role": "user", "content": self._content(text, len(self.images[1]) if first else 0)}
         answer = self.respond(self.messages + [user], on_text)
         self.messages += [user, {"role": "assistant", "content": self._content(answer)}]
         return answer
@@ -90,8 +91,9 @@ class ChatSession:
                 self.caches = model.new_caches(1, cap, self.device, dtype)
             keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
             new = torch.tensor([ids[keep:]], device=self.device)
-            pixels = self.image if self.vlm and self.vlm.config.image_token_id in ids[keep:] else None
-            embeds = None if pixels is None else self.vlm.embed(torch.tensor([ids], device=self.device), pixels)
+            new_image = self.images is not None and self.vlm.config.image_token_id in ids[keep:]
+            embeds = self.vlm.embed(torch.tensor([ids], device=self.device), *pad_images([self.images[0]])) \
+                if new_image else None
             logits = model(new, caches=self.caches, start_pos=keep,
                            inputs_embeds=None if embeds is None else embeds[:, keep:])[:, -1]
             self.cached = list(ids)
@@ -119,12 +121,8 @@ class ChatSession:
 
 
     def _expand(self, text: str) -> str:
-        """The rendered conversation with each `<image>` as SmolVLM's processor writes one image without tiles."""
-        if self.image is None:
-            return text
-        if IMAGE not in text:
-            raise ValueError(f"{self.template.name}: renders no <image> for the image (a VLM's own chat template does)")
-        return text.replace(IMAGE, image_text(self.vlm.image_tokens))
+        """The rendered conversation with each `<image>` as the processor writes its image."""
+        return text if self.images is None else expand_images(text, self.images[1])[0]
 
 
 def _held_back(text: str, stop: str) -> int:
@@ -169,13 +167,14 @@ def main(argv=None) -> int:
     from train.data import DataError
     try:
         model, tokenizer, template = load(args.dir, args.device, args.dtype, args.tokenizer)
-        image = None
+        images = None
         if args.image is not None:
             if getattr(model, "family", None) != "vlm":
                 raise DataError(f"--image: {args.dir} is not a vision-language model")
-            image = image_pixels(args.image, model.vision.spec["img_size"]).to(next(model.parameters()))
+            pixels, text = processed_image(image_processor(model, args.dir), args.image)
+            images = (pixels.to(next(model.parameters()).device), [text])
         chat = ChatSession(model, tokenizer, template, args.system, args.max_new_tokens, args.temperature,
-                           args.top_k, args.top_p, args.seed, image)
+                           args.top_k, args.top_p, args.seed, images)
     except (ConfigError, DataError, ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

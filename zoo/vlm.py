@@ -64,7 +64,11 @@ class VLM(nn.Module):
     @property
     def image_tokens(self) -> int:
         """The tokens one image of the encoder's size becomes."""
-        return (self.vision.grid // self.config.scale_factor) ** 2
+        return self.tile_tokens(self.vision.spec["img_size"])
+
+    def tile_tokens(self, side: int) -> int:
+        """The tokens one square image of `side` pixels becomes."""
+        return (side // self.vision.spec["patch_size"] // self.config.scale_factor) ** 2
 
     def repeated_units(self) -> list:
         """The encoder's blocks and the decoder's layers: what FSDP2 shards one by one."""

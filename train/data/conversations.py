@@ -6,6 +6,7 @@ messages -> chat template -> token ids, and labels that train only the assistant
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Literal, Optional
 import yaml
 
 from zoo.config import bounded, fail
+from zoo.vlm_processor import IMAGE_TOKENS
 
 from . import (ByteTokenizer, DataError, HFTokenizer, SentencePieceTokenizer, check_files, load_tokenizer_file,
                line_list, model_tokenizer, needs, tokenizer_folder)
@@ -41,13 +43,19 @@ CHATML = ("{%- macro text(content) -%}"  # a string, or a VLM's list of parts: t
           "{%- endfor -%}"
           "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 BUILTIN = {"chatml": CHATML}
-IMAGE = "<image>"  # where a chat template puts an image; with the two tokens around it, SmolVLM's image tokens
-IMAGE_TOKENS = (IMAGE, "<fake_token_around_image>", "<global-img>")
+IMAGE = IMAGE_TOKENS[0]  # where a chat template puts an image
 
 
-def image_text(n: int) -> str:
-    """One image as SmolVLM's processor writes it without tiles: its n image tokens between the markers."""
-    return f"{IMAGE_TOKENS[1]}{IMAGE_TOKENS[2]}{IMAGE * n}{IMAGE_TOKENS[1]}"
+def expand_images(text: str, images: list[str], spans=()) -> tuple[str, list]:
+    """text with its i-th <image> replaced by images[i] (the processor's text of image i), and the spans (start, end)
+    in it moved along; a count that differs: a DataError."""
+    pieces = text.split(IMAGE)
+    if len(pieces) != len(images) + 1:
+        raise DataError(f"{len(pieces) - 1} {IMAGE} places for {len(images)} images (images the template does not "
+                        f"place, or {IMAGE} in the text)")
+    ends = list(itertools.accumulate(len(p) + len(IMAGE) for p in pieces[:-1]))  # each place's end in text
+    move = lambda i: i + sum(len(t) - len(IMAGE) for t, e in zip(images, ends) if e <= i)  # noqa: E731
+    return pieces[0] + "".join(t + p for t, p in zip(images, pieces[1:])), [(move(a), move(b)) for a, b in spans]
 
 
 @dataclass
@@ -407,10 +415,14 @@ class ChatTemplate:
             raise DataError(f"{self.name}: cannot find the assistant's end-of-turn text")
         return turn[turn.index(probe) + len(probe):].strip()
 
-    def encode(self, tokenizer, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
+    def encode(self, tokenizer, messages: list[dict], train_on_prompt: bool = False,
+               images: Optional[list[str]] = None) -> tuple[list[int], list[int]]:
         """(ids of the rendered conversation, as apply_chat_template(tokenize=True) gives them, labels): the ids
-        on the assistant's turns and their end-of-turn tokens (every id with train_on_prompt), -100 elsewhere."""
+        on the assistant's turns and their end-of-turn tokens (every id with train_on_prompt), -100 elsewhere;
+        images: the text each <image> place becomes (expand_images)."""
         text, spans = self.assistant_spans(messages)
+        if images is not None:
+            text, spans = expand_images(text, images, spans)
         ids, offsets = token_offsets(tokenizer, text)
         return ids, list(ids) if train_on_prompt else [t if any(_overlaps(o, s) for s in spans) else -100
                                                        for t, o in zip(ids, offsets)]

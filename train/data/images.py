@@ -313,13 +313,25 @@ def mix_batch(x: torch.Tensor, y: torch.Tensor, num_classes: int, rng: random.Ra
     return x, t * lam + t.flip(0) * (1.0 - lam), lam
 
 
-def image_pixels(path: str, size: int) -> torch.Tensor:
-    """An image file -> (1, 1, C, size, size): squeezed to the square, normalised as SigLIP's processor does (mean and
-    standard deviation one half); a file that is missing or not an image: a one-line error naming it."""
+def processed_image(processor, path: str) -> tuple[torch.Tensor, str]:
+    """An image file through a VLM's ImageProcessor (zoo/vlm_processor.py): (its tiles (n, C, S, S), the text of its
+    place in the prompt); a file that is missing or not an image: a one-line error naming it."""
+    from PIL import Image
     try:
-        arr = load_crop(path, size, lambda w, h: (0, 0, w, h))
+        with Image.open(path) as img:
+            return processor(img)
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except OSError as e:
         raise DataError(f"{path}: cannot decode it as an image ({type(e).__name__})") from None
-    return (torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 127.5 - 1)[None, None]
+
+
+def image_processor(model, path=None):
+    """The ImageProcessor of a VLM loaded from `path`: as the first of its model_sources holding a
+    preprocessor_config.json or processor_config.json says, else one tile of the encoder's size per image."""
+    from zoo.vlm_processor import FILES, ImageProcessor
+    from .conversations import model_sources
+    for src in model_sources(path) if path is not None else []:
+        if any((src / f).is_file() for f in FILES):
+            return ImageProcessor.from_folder(src, model)
+    return ImageProcessor.for_model(model)

@@ -1,23 +1,26 @@
 """Chat fine-tuning of a vision-language model (`family: vlm`, zoo/vlm.py): the chat SFT task (sft.py) on `messages`
-rows whose contents may be lists of text and image parts ({"type": "image", "image": PATH}); each image decoded to
-the encoder's square, its place in the rendered conversation its image tokens (SmolVLM's layout without tiles), the
-loss on the assistant's tokens. `path: synthetic` is the embedded set: questions about scikit-learn's digits."""
+rows whose contents may be lists of text and image parts ({"type": "image", "image": PATH}); each image through the
+model's ImageProcessor (zoo/vlm_processor.py: SmolVLM's tiles, or one tile of the encoder's size), its `<image>` place
+in the rendered conversation the processor's text, the loss on the assistant's tokens. `path: synthetic` is the
+embedded set: questions about scikit-learn's digits."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 import zoo
 from zoo.config import ConfigError, bounded
+from zoo.vlm_processor import pad_images
 
 from ..data import DataError, cache_dir
 from ..data.chat_data import ChatData
-from ..data.conversations import (IMAGE_TOKENS, ChatDataConfig, content_text, image_path, image_text,
-                                  read_conversations)
-from ..data.images import digits_dataset, image_pixels
+from ..data.conversations import IMAGE_TOKENS, ChatDataConfig, content_text, image_path, read_conversations
+from ..data.images import digits_dataset, image_processor, processed_image
 from ..step import eval_mode
 from . import Task
 from .post_training import unwrapped
@@ -35,6 +38,12 @@ class VLMDataConfig(ChatDataConfig):
     val_fraction: float = bounded(0.1, gt=0, lt=1)  # conversations held out for validation when there is no
                                             # `val_path`
     drop_images: bool = False               # remove every image part (the text-only baseline of the same rows)
+    image_splitting: Optional[bool] = None  # split each image into tiles of the encoder's size plus the whole image
+                                            # as one, as SmolVLM's processor; null: train.init_from's
+                                            # preprocessor_config.json, else false (one tile per image)
+    longest_edge: Optional[int] = bounded(None, gt=0)  # images resized first so that their longest edge is this
+                                            # (with image_splitting: a multiple of the tile); null: train.init_from's,
+                                            # else four tiles with image_splitting and no resizing without
 
 
 def image_parts(messages: list) -> list[str]:
@@ -61,32 +70,31 @@ def digit_rows(split: str, n: int, folder) -> list:
 
 
 class ImageChatData(ChatData):
-    """ChatData whose rows carry their images' pixels (images, C, size, size), each image part rendered as its
-    `tokens` image tokens; a batch's pixel_values (B, images, C, H, W; all-zero images pad) among its keywords."""
+    """ChatData whose rows carry their images' tiles (n, C, S, S) from `processor` (an ImageProcessor), each image
+    place in the rendered conversation the processor's text; a batch's pixel_values and pixel_attention_mask
+    (pad_images) among its keywords."""
 
-    def __init__(self, train_rows, val_rows, tokenizer, template, cfg, seed, log, size: int, tokens: int,
-                 image_id: int):
-        self.size, self.tokens, self.image_id, self._pixels = size, tokens, image_id, {}
+    def __init__(self, train_rows, val_rows, tokenizer, template, cfg, seed, log, processor, image_id: int):
+        self.processor, self.image_id, self._images = processor, image_id, {}
         super().__init__(train_rows, val_rows, tokenizer, template, cfg, seed, log)
 
-    def pixels(self, messages: list):
-        """(images, C, size, size) of a conversation's image parts, or None; a DataError names a bad file."""
+    def images(self, messages: list) -> tuple:
+        """(the tiles of a conversation's images (n, C, S, S) or None, the text of each image); a DataError names
+        a bad file."""
         paths = image_parts(messages)
         for p in paths:
-            if p not in self._pixels:
-                self._pixels[p] = image_pixels(p, self.size)[0]
-        return torch.cat([self._pixels[p] for p in paths]) if paths else None
+            if p not in self._images:
+                self._images[p] = processed_image(self.processor, p)
+        done = [self._images[p] for p in paths]
+        return torch.cat([d[0] for d in done]) if done else None, [d[1] for d in done]
 
     def encode_row(self, messages):
-        pixels = self.pixels(messages)
-        text = [m if isinstance(m["content"], str) else {**m, "content": [
-            p if p["type"] == "text" else {"type": "text", "text": image_text(self.tokens)} for p in m["content"]]}
-            for m in messages]
-        ids, labels = self.template.encode(self.tokenizer, text, self.cfg.train_on_prompt)
-        n, found = 0 if pixels is None else len(pixels), ids.count(self.image_id)
-        if found != n * self.tokens:
-            raise DataError(f"{found} image tokens for {n} images of {self.tokens} each (images the template does not "
-                            f"place, or {IMAGE_TOKENS[0]} in the text)")
+        pixels, texts = self.images(messages)
+        ids, labels = self.template.encode(self.tokenizer, messages, self.cfg.train_on_prompt, texts)
+        n, found, each = 0 if pixels is None else len(pixels), ids.count(self.image_id), self.processor.tokens
+        if found != n * each:
+            raise DataError(f"{found} image tokens for {n} images of {each} each (the tokenizer does not keep "
+                            f"{IMAGE_TOKENS[0]} whole)")
         if self.image_id in ids[self.cfg.seq_len:]:
             raise DataError(f"its image tokens run past data.seq_len={self.cfg.seq_len}")
         return ids, [-100 if t == self.image_id else t for t in labels], pixels
@@ -95,11 +103,7 @@ class ImageChatData(ChatData):
         x, y, n, kw = ChatData.collate(items)
         pixels = [item[2] for item in items]
         if any(p is not None for p in pixels):
-            shape = next(p for p in pixels if p is not None).shape[1:]
-            kw = {"pixel_values": torch.zeros(len(items), max(len(p) for p in pixels if p is not None), *shape)}
-            for r, p in enumerate(pixels):
-                if p is not None:
-                    kw["pixel_values"][r, :len(p)] = p
+            kw = dict(zip(("pixel_values", "pixel_attention_mask"), pad_images(pixels)))
         return x, y, n, kw
 
 
@@ -135,6 +139,7 @@ class VLMTask(SFTTask):
         d, self.chat_template = self.cfg.data, self._template()
         with torch.device("meta") if not self.cfg.train.init_from else torch.device("cpu"):
             m = self._fresh()  # its image size and tokens per image
+        p = self.processor = self._processor(m)
         folder = cache_dir(d.cache_dir) / "vlm-digits"
         train_rows, val_rows = self.held_out(lambda split, n: digit_rows(split, n, folder),
                                              lambda path: read_conversations(path, d.format, self.log, parts=True))
@@ -143,11 +148,33 @@ class VLMTask(SFTTask):
                 for msg in row:
                     if not isinstance(msg["content"], str):
                         msg["content"] = [p for p in msg["content"] if p["type"] != "image"]
+        self.symbols = p.markers()
         tokenizer = self._load_tokenizer(lambda: self._sentencepiece(train_rows))
         self.data = ImageChatData(train_rows, val_rows, tokenizer, self.chat_template, d, self.cfg.train.seed,
-                                  self.log, m.vision.spec["img_size"], m.image_tokens, m.config.image_token_id)
-        self.log(f"data: images of {self.data.size}x{self.data.size}, {m.image_tokens} tokens each"
+                                  self.log, p, m.config.image_token_id)
+        self.log(f"data: images as {'tiles' if p.splitting else 'one tile'} of {p.size}x{p.size}, {p.tokens} tokens "
+                 f"each" + (f", the longest edge resized to {p.longest_edge} first" if p.longest_edge else "")
                  + ("; image parts removed (data.drop_images)" if d.drop_images else ""))
+
+    def _processor(self, model):
+        """The ImageProcessor of train.init_from (its preprocessor_config.json), else of the model, with
+        data.image_splitting and data.longest_edge where they are set."""
+        d = self.cfg.data
+        try:
+            p = image_processor(model, self.cfg.train.init_from)
+        except ValueError as e:
+            raise ConfigError(f"{self.cfg.source}: train.init_from: {e}") from None
+        splitting = p.splitting if d.image_splitting is None else d.image_splitting
+        p = dataclasses.replace(p, splitting=splitting, longest_edge=d.longest_edge or p.longest_edge or
+                                4 * p.size * bool(d.image_splitting))
+        if p.splitting and d.longest_edge and d.longest_edge % p.size:
+            raise ConfigError(f"{self.cfg.source}: data.longest_edge={d.longest_edge} must be a multiple of the tile "
+                              f"size {p.size} (the encoder's image size)")
+        return p
+
+    def save_files(self, out_dir):
+        super().save_files(out_dir)
+        self.processor.save(out_dir)
 
     def build_model(self):
         model = self._fresh()
@@ -194,9 +221,9 @@ class VLMTask(SFTTask):
         with eval_mode(vlm), self.autocast():
             for m in self.data.val_rows[:n]:
                 last = max(i for i, x in enumerate(m) if x["role"] == "assistant")
-                pixels = self.data.pixels(m[:last])
+                pixels, texts = self.data.images(m[:last])
                 chat = ChatSession(vlm, self.data.tokenizer, self.chat_template, max_new_tokens=16,
-                                   image=None if pixels is None else pixels[None].to(self.device))
+                                   images=None if pixels is None else (pixels.to(self.device), texts))
                 answer, want = chat.respond(m[:last]).strip(), content_text(m[last]).strip()
                 hits += answer == want
                 out.append((" | ".join(f"{x['role']}: " + "[image] " * len(image_parts([x])) + content_text(x)
