@@ -15,8 +15,9 @@ from test_vlm import SHAPES, hf_vlm, split_batch
 import zoo
 from conftest import CPU, ROOT
 from train.config import load_run_config
-from train.data.conversations import IMAGE, image_text, token_offsets, tokenizer_and_template
-from train.data.images import digits_dataset, image_pixels
+from train.data.conversations import IMAGE, token_offsets, tokenizer_and_template
+from train.data.images import digits_dataset, processed_image
+from zoo.vlm_processor import ImageProcessor, image_text
 from train.loop import train
 from train.tasks.vlm import QUESTIONS, WORDS
 from zoo.adapters import AdapterConfig, apply_adapters, merged_model
@@ -120,12 +121,17 @@ def prompt_ids(model, tokenizer, template, question: str) -> torch.Tensor:
     return torch.tensor([token_offsets(tokenizer, text.replace(IMAGE, image_text(model.image_tokens)))[0]])
 
 
+def image_pixels(path, model) -> torch.Tensor:
+    """(1, 3, S, S): one image at the encoder's size, untiled (the model's default processor)."""
+    return processed_image(ImageProcessor.for_model(model), str(path))[0]
+
+
 def greedy_answers(model, tokenizer, template, folder, rows) -> list:
     """Each row's answer by the VLM's own generate (not chat.py's session), cut at EOS and the end of turn."""
     out = []
     for r in rows:
         ids = prompt_ids(model, tokenizer, template, r["question"])
-        pixels = image_pixels(folder / r["image"], model.vision.spec["img_size"])
+        pixels = image_pixels(folder / r["image"], model)
         new = model.generate(ids, 16, pixel_values=pixels)[0, ids.shape[1]:].tolist()
         new = new[:new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
         out.append(tokenizer.decode(new).split(template.end_of_turn)[0])
@@ -154,7 +160,7 @@ def test_image_questions_score_chat_answers(tmp_path, one_thread):
     for k in range(6):
         Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()).save(tmp_path / f"{k}.png")
         chat = ChatSession(model, tok, template, max_new_tokens=6,
-                           image=image_pixels(tmp_path / f"{k}.png", model.vision.spec["img_size"]))
+                           images=(image_pixels(tmp_path / f"{k}.png", model), [image_text(model.image_tokens)]))
         answers.append(chat.reply("What?"))
         rows.append({"image": f"{k}.png", "question": "What?", "answer": answers[-1].upper() + "?" if k % 2 else
                      "not this"})
@@ -224,7 +230,7 @@ def test_adapter_run_trains_the_encoders_lora(digits_run, tmp_path):
     task, rows = digit_task(tmp_path, n=6)
     tokenizer, template = tokenizer_and_template(out / "adapter")
     ids = prompt_ids(base, tokenizer, template, QUESTIONS[0])
-    pixels = image_pixels(tmp_path / "0.png", base.vision.spec["img_size"])
+    pixels = image_pixels(tmp_path / "0.png", base)
     with torch.no_grad():
         assert close(merged(ids, pixel_values=pixels), adapted(ids, pixel_values=pixels), 1e-5)
         assert not close(base(ids, pixel_values=pixels), adapted(ids, pixel_values=pixels), 1e-3)

@@ -81,7 +81,8 @@ def test_config_keys_split_the_images(tmp_path):
     here keeping the tiles' names whole), written beside the weights as SmolVLM's processor files that read back the
     same; data.longest_edge=40: a one-line error naming it."""
     from train.data.images import image_processor
-    over = [f"data.cache_dir={tmp_path}", "data.synthetic_rows=20", "data.eval_generate=0", "data.image_splitting=true"]
+    over = [f"data.cache_dir={tmp_path}", "data.synthetic_rows=20", "data.eval_generate=0", "data.image_splitting=true",
+            "data.seq_len=64"]  # five images of 4 tokens and their tile names: the config's 48 would cut the answers
     task = VLMTask(load_run_config(str(CONFIG), over + ["data.longest_edge=64"]), TEST_DEVICE, lambda m: None)
     task.setup()
     assert task.processor == ImageProcessor(32, 4, splitting=True, longest_edge=64)

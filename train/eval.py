@@ -317,19 +317,22 @@ def normalised(answer: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", "", answer.lower()).split())
 
 
-def score_images(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, **_):
-    """exact_match of image questions: each answered greedily by chat.py's ChatSession with its image (no tiles),
-    compared after `normalised`; per_answer: each reference answer's [rows, exact_match]."""
+def score_images(model, tokenizer, rows, device, template=None, max_new_tokens=64, autocast=None, model_dir=None,
+                 **_):
+    """exact_match of image questions: each answered greedily by chat.py's ChatSession with its image as the
+    processor of model_dir (the folder the model came from) splits it, compared after `normalised`; per_answer: each
+    reference answer's [rows, exact_match]."""
     from train.chat import ChatSession
-    from train.data.images import image_pixels
+    from train.data.images import image_processor, processed_image
     if template is None:
         raise DataError("image questions need a chat template that places <image> (--template)")
-    details, per = [], {}
+    details, per, processor = [], {}, image_processor(model, model_dir)
     for r in rows:
-        pixels = image_pixels(r["image"], model.vision.spec["img_size"]).to(next(model.parameters()))
+        pixels, text = processed_image(processor, r["image"])
         try:
             with (autocast or contextlib.nullcontext)():
-                chat = ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens, image=pixels)
+                chat = ChatSession(model, tokenizer, template, max_new_tokens=max_new_tokens,
+                                   images=(pixels.to(next(model.parameters())), [text]))
                 out = chat.reply(r["question"])
         except ValueError as e:  # the tokenizer or template cannot place the image
             raise DataError(f"{r['image']}: {e}") from None
@@ -452,7 +455,7 @@ def main(argv=None) -> int:
         results = evaluate_files(model, tokenizer, args.task, device, template=template, batch_size=args.batch_size,
                                  max_new_tokens=args.max_new_tokens, delimiter=args.delimiter,
                                  autocast=autocast_for(device, args.precision), log=print, rewards=rewards,
-                                 samples=args.samples, temperature=args.temperature)
+                                 samples=args.samples, temperature=args.temperature, model_dir=args.model)
     except (ConfigError, DataError, FileNotFoundError, RunStopped) as e:  # RunStopped: e.g. no CUDA
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "code", EXIT_CONFIG)
