@@ -78,14 +78,15 @@ def test_every_shipped_config_loads(path, tmp_path):
     text = path.read_text()
     if "../shared/" in text and not (ROOT.parent / "shared").is_dir():
         pytest.skip(f"{path.name} uses weights from ../shared, which is not beside this checkout")
-    init = (yaml.safe_load(text).get("train") or {}).get("init_from")
     over = []
-    if init and not Path(init).exists():  # a placeholder for the user's weights: named in a one-line error
-        with pytest.raises(ConfigError, match=rf"train.init_from={re.escape(init)}: no such file or folder"):
-            load_run_config(str(path), [])
-        weights = tmp_path / "weights.safetensors"  # an LLM's weights come in a folder (or a .gguf file)
-        weights.mkdir() if "family: llm" in text else weights.write_bytes(b"")
-        over = [f"train.init_from={weights}"]
+    for key in ("init_from", "teacher"):
+        given = (yaml.safe_load(text).get("train") or {}).get(key)
+        if given and not Path(given).exists():  # a placeholder for the user's weights: named in a one-line error
+            with pytest.raises(ConfigError, match=rf"train.{key}={re.escape(given)}: no such file or folder"):
+                load_run_config(str(path), over)
+            weights = tmp_path / f"{key}.safetensors"  # an LLM's weights come in a folder (or a .gguf file)
+            weights.mkdir() if "family: llm" in text else weights.write_bytes(b"")
+            over.append(f"train.{key}={weights}")
     load_run_config(str(path), over)
 
 

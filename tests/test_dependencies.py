@@ -12,12 +12,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the project's own packages, and its files imported by bare name (a copied block's sibling, a test helper)
-LOCAL = {"zoo", "train", "tests", "sitecustomize"} | {p.stem for d in ("zoo", "train", "tests") for p in (ROOT / d).rglob("*.py")}
+# tests' helpers and the copyable blocks import their neighbours by bare name; the rest of zoo/ and train/ through
+# their package (a file there may share a distribution's name: train/benches/mup.py)
+LOCAL = {"zoo", "train", "tests", "sitecustomize"} | {p.stem for d in ("tests", "zoo/blocks")
+                                                      for p in (ROOT / d).glob("*.py")}
 # modules of distributions that are not installed here (packages_distributions() cannot see them)
 NOT_INSTALLED = {"flash_attn": "flash-attn", "bitsandbytes": "bitsandbytes", "fla": "flash-linear-attention",
                  "mamba_ssm": "mamba-ssm"}
 PLUGINS = {"pytest-xdist": "the README's test command runs the suite in two workers (pytest -n 2)",  # used, not imported
-           "sqlalchemy": "MLflow's SQLite store (train.tracker=mlflow)", "alembic": "MLflow's SQLite store"}
+           "sqlalchemy": "MLflow's SQLite store (train.tracker=mlflow)", "alembic": "MLflow's SQLite store",
+           "num2words": "needed by transformers' SmolVLMProcessor, the VLM processor's reference"}
 # calls whose first string argument is a module imported by name
 BY_NAME = {"import_module", "importorskip", "optional_module", "optional_kernel", "find_spec"}
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
+from conftest import CPU
 from zoo.blocks.chunked_ce import chunked_distillation_loss, distillation_loss
 from zoo.config import ConfigError
 
@@ -149,10 +150,10 @@ def test_each_head_learns_its_target(tmp_path, student, kind, mix, one_thread):
     over += ["model.distilled=false"] if student == "vit" else []
     over += ["data.mixup_alpha=0.8"] if mix else []
     cfg = load_run_config(None, over, base=VIT)
-    task = ClassifyTask(cfg, torch.device("cpu"), log=lambda m: None)
+    task = ClassifyTask(cfg, CPU, log=lambda m: None)
     task.setup()
     model = task.build_model()
-    task.teacher = load_teacher(cfg, task, model, torch.device("cpu"), lambda m: None)
+    task.teacher = load_teacher(cfg, task, model, CPU, lambda m: None)
     batch = task.train_batch(0, 0)
     x, y = task.recipe(task.normalize(batch[0]), batch[1], batch[2])
     assert y.dim() == (2 if mix else 1)
