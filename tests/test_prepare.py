@@ -133,6 +133,20 @@ def test_sources_read_the_same_documents(tmp_path):
     assert [d.text for d in documents(str(tmp_path / "dd"), column="body")] == want
 
 
+def test_parquet_reading_holds_one_row_group_not_the_file(tmp_path):
+    """Arrow memory while reading a file of 60 row groups stays within a few row groups' bytes; a reader over the
+    whole file kept its buffers as it went (memory grew with the file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [f"{i} " + "x" * 2000 for i in range(60 * 64)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "big.parquet", row_group_size=64)
+    group_bytes, peak = 64 * 2000, 0
+    for i, d in enumerate(documents(str(tmp_path / "big.parquet"))):
+        peak = max(peak, pa.total_allocated_bytes())
+        assert d.text == docs[i]
+    assert i == len(docs) - 1 and peak < 8 * group_bytes, (peak, group_bytes)
+
+
 def test_large_text_file_streams_in_pieces_of_one_document(tmp_path, monkeypatch, sp_model):
     from train.data import sources
     monkeypatch.setattr(sources, "PIECE_BYTES", 1000)

@@ -132,7 +132,7 @@ def speed(args, folder: Path, out: dict):
             prepare_into(args, corpus, tok, folder / "one", 1)
             same = shard_bytes(folder / "shards") == shard_bytes(folder / "one")
             paired = r.paired(SIDES[0], SIDES[1])
-            res = {"rounds": args.rounds, "identical_to_one_worker": same,
+            res = {"rounds": args.rounds, "identical_to_one_worker": same, "measured": harness.measured(),
                    **{f"paired_{k}": v for k, v in paired._asdict().items()}}
             for side, key in zip(SIDES, ("zoo", "alone")):
                 best = r.best(side)
@@ -395,11 +395,27 @@ def kept(args, tables: dict, out: dict) -> tuple[dict, dict]:
     """Every part in order: those run now, and the others' tables (with their command and date) and numbers from the
     result there is."""
     old = harness.load_result(args.json)
+    when = f"measured {old.get('date')}, load average {old.get('machine', '').rsplit(' ', 1)[-1]}"
+    if "speed" in tables and "speed" in old.get("tables", {}):
+        _kept_forms(args, tables["speed"], old, out, when)
     for part in set(PARTS) - set(args.only):
         if part in old.get("tables", {}):
             t = {"command": old["command"], **old["tables"][part]}
-            when = f"measured {old['date']}, load average {old['machine'].rsplit(' ', 1)[-1]}"
             tables[part] = {**t, "notes": t.get("notes", "") + ("" if "measured " in t.get("notes", "") else f"; {when}")}
             out[part] = old.get("data", {}).get(part)
     return {k: tables[k] for k in PARTS if k in tables}, out
+
+
+def _kept_forms(args, table: dict, old: dict, out: dict, when: str):
+    """The speed rows and numbers of the forms not run now, at the same size, kept from the result there is (a
+    large size is measured a form at a time), each form's date in the notes."""
+    prev = old["tables"]["speed"]
+    forms = [f for f in FORMS if f not in args.forms and f in old.get("data", {}).get("speed", {})]
+    if not forms or prev["notes"].split(" MB")[0] != table["notes"].split(" MB")[0]:
+        return
+    table["rows"] = sorted([r for r in prev["rows"] if r[0] in forms] + table["rows"], key=lambda r: FORMS.index(r[0]))
+    dates = {f: next(iter(old["data"]["speed"][f].values())).get("measured", f"{when} ({old['command']})")
+             for f in forms}
+    table["notes"] += "".join(f"; {f}: {d}" for f, d in dates.items())
+    out["speed"] = {f: {**old["data"]["speed"], **out["speed"]}[f] for f in FORMS if f in forms or f in args.forms}
 

@@ -469,6 +469,12 @@ def machine() -> str:
     return f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads{gpu}, torch {torch.__version__}{load}"
 
 
+def measured() -> str:
+    """When and under what load a number was taken, for a table that keeps numbers of other runs."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"measured {date}, load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else f"measured {date}"
+
+
 def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "") -> dict:
     """A table as a result JSON holds it: column names, rows of cells (text), lines below it."""
     return {"columns": list(columns), "rows": [[str(c) for c in r] for r in rows],

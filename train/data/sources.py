@@ -224,7 +224,9 @@ def _parquet_docs(f: Path, column: str, problems: Problems) -> Iterator[Doc]:
         raise DataError(f"{f}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     if column not in pf.schema_arrow.names:
         raise DataError(f"{f}: no column {column!r} (data.column; columns: {', '.join(pf.schema_arrow.names)})")
-    batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[column]))
+    # one reader per row group: a reader over the whole file keeps buffers as it goes (memory grew with the file)
+    batches = (b.column(0).to_pylist() for g in range(pf.num_row_groups)
+               for b in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[column]))
     yield from _column_docs(batches, f, problems)
 
 
