@@ -418,4 +418,3 @@ def _kept_forms(args, table: dict, old: dict, out: dict, when: str):
              for f in forms}
     table["notes"] += "".join(f"; {f}: {d}" for f, d in dates.items())
     out["speed"] = {f: {**old["data"]["speed"], **out["speed"]}[f] for f in FORMS if f in forms or f in args.forms}
-
