@@ -55,7 +55,9 @@ def prep(src, tok, out, **kw):
 def test_one_and_two_workers_give_identical_shards(tmp_path, sp_model):
     src = write_jsonl(tmp_path / "c.jsonl", make_docs())
     one = prep(src, sp_model, tmp_path / "one", workers=1)
+    import gc
     two = prep(src, sp_model, tmp_path / "two", workers=2)
+    assert gc.get_freeze_count() == 0  # the GC freeze around the workers' fork is undone
     assert len(one.files) >= 3
     assert shard_bytes(tmp_path / "one") == shard_bytes(tmp_path / "two")
     # the shards hold each document's ids followed by EOS, and the index points at each document

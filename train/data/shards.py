@@ -6,6 +6,7 @@ drops what the manifest does not list and goes on, with the same bytes as an uni
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import multiprocessing as mp
@@ -186,7 +187,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         total_bytes, problems = sum(f.stat().st_size for f in corpus_files(source)), Problems()
         writer = _Writer(out, meta, shard_tokens, resume)
         bar, t0 = _Progress(total_bytes, max_chars, progress, workers, skip), time.perf_counter()
-        pool = None
+        pool, frozen = None, False
         try:
             it = chunks(documents(source, column, problems), chunk_chars, max_chars)
             deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
@@ -196,6 +197,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
                 results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
             else:
                 ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+                frozen = _freeze_gc()
                 pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
                 results = _ordered(pool, it, bos, eos, dtype, 2 * workers)
             for (tokens, starts), chunk in results:
@@ -213,6 +215,8 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
             if pool is not None:
                 pool.terminate()
                 pool.join()
+            if frozen:
+                gc.unfreeze()
             bar.close()
             if not writer.fh.closed:
                 writer.fh.close()
@@ -222,6 +226,16 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
         log(f"data: prepared {source}: {n_docs:,} documents, {n_tokens:,} tokens in {len(writer.shards)} shards "
             f"({secs:.1f} s, {n_tokens / max(secs, 1e-9):,.0f} tokens/s) -> {out}")
         return Shards(out)
+
+
+def _freeze_gc() -> bool:
+    """Keep the cyclic GC off the objects that exist before the workers fork: a full collection in this process
+    writes to every object's header, copying the pages it shares with the workers (a step of the memory that
+    longer preparations reached). False, and nothing done, when the caller has frozen objects of its own (unfreezing would thaw them)."""
+    if gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
 
 
 @contextlib.contextmanager
