@@ -120,8 +120,9 @@ def test_every_preset_has_timms_key_layout():
 
 
 def test_bad_input_is_one_line(tmp_path):
-    """A position table of the wrong length, heads that do not divide the width, and an image size that is no
-    multiple of the patch size (the model's or a run's data.image_size): each a one-line error naming it."""
+    """A position table of the wrong length, heads that do not divide the width, an image size that is no
+    multiple of the patch size (the model's or a run's data.image_size), RoPE's coordinate augmentation without RoPE
+    or with a factor below 1: each a one-line error naming it."""
     from train.builder import new_task
     from train.config import load_run_config
     ref, path = timm_file(tmp_path, "vit_small_patch16_224", ".pth")
@@ -134,6 +135,11 @@ def test_bad_input_is_one_line(tmp_path):
         zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "num_heads": 5}})
     with pytest.raises(zoo.ConfigError, match="img_size=36 must be a multiple of patch_size=16"):
         zoo.build({"family": "vit", "model": {"arch": "vit_tiny_patch16_224", "img_size": 36}})
+    with pytest.raises(ValueError, match="^model.pos_embed_shift=0.1 moves RoPE's patch centres: needs "
+                                         "model.rope_theta > 0$"):
+        zoo.build({"family": "vit", "model": {**TINY, "pos_embed_shift": 0.1}})
+    with pytest.raises(zoo.ConfigError, match="pos_embed_jitter=0.5 must be 0 or null \\(off\\) or >= 1$"):
+        zoo.build({"family": "vit", "model": {**TINY, "rope_theta": 100.0, "pos_embed_jitter": 0.5}})
     cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
                           ["data.image_size=36"])
     with pytest.raises(zoo.ConfigError, match="data.image_size=36: not a multiple of the ViT's patch size 8, so its "
@@ -188,8 +194,9 @@ def test_layer_decay_and_weight_decay_groups_as_timm():
 def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
     """configs/vit/vit-tiny-digits.yaml (one block) runs a few steps, from scratch, from a timm ViT's file
     (train.init_from: its structure and 3 channels kept, its 4x4 position grid resampled to the digits' 8x8) or
-    from a Hugging Face DINOv3 folder (a fresh head, patch dropout and layer-wise LR decay on): finite losses, and
-    the run's weights load back as that ViT through zoo.from_pretrained."""
+    from a Hugging Face DINOv3 folder (a fresh head, patch dropout, layer-wise LR decay and RoPE jitter on, the
+    folder's RoPE rescale kept): finite losses, and the run's weights load back as that ViT through
+    zoo.from_pretrained."""
     from train.config import load_run_config
     from train.loop import train
     over = ["model.depth=1"]
@@ -200,7 +207,8 @@ def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
         from transformers import DINOv3ViTConfig, DINOv3ViTModel
         DINOv3ViTModel(DINOv3ViTConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, patch_size=8,
                                        num_attention_heads=2, image_size=32)).save_pretrained(tmp_path / "hf")
-        over = [f"train.init_from={tmp_path / 'hf'}", "model.patch_drop_rate=0.25", "optim.layer_decay=0.7"]
+        over = [f"train.init_from={tmp_path / 'hf'}", "model.patch_drop_rate=0.25", "optim.layer_decay=0.7",
+                "model.pos_embed_jitter=1.2"]  # the run's RoPE jitter, the folder's rescale (transformers' 2)
     cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
                           [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=3", "train.eval_every=0",
                            "train.progress=false", "train.samples=false", "train.plot=false", "train.ema_decay=null",
@@ -211,6 +219,8 @@ def test_a_vit_trains_on_digits_through_the_classification_task(tmp_path, init):
     assert isinstance(model, ViT) and model.config.num_classes == 10
     assert (model.config.in_chans, model.spec["embed_dim"]) == ((3, 128) if init else (1, 192))
     assert bool(model.spec["rope_theta"]) == (init == "dinov3")
+    augment = (model.config.pos_embed_jitter, model.config.pos_embed_rescale)
+    assert augment == ((1.2, 2.0) if init == "dinov3" else (None, None))
     if init == "dinov3":  # the export: timm's layout with the Zoo config, the same weights
         back = zoo.from_pretrained(tmp_path / "r" / "export" / "hf-timm")
         assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
@@ -260,6 +270,64 @@ def test_hf_dinov3_in_and_out(tmp_path, kw, hw):
     with torch.no_grad():
         assert close(back(pixel_values=x).last_hidden_state, ours)
         assert not close(ours, want.last_hidden_state)  # the changed bias reached the export
+
+
+AUGMENT = dict(pos_embed_shift=0.2, pos_embed_jitter=1.5, pos_embed_rescale=3.0)  # transformers' defaults: -, -, 2
+
+
+def test_hf_dinov3_rope_augmentation_draws_as_transformers(tmp_path):
+    """A DINOv3ViTModel folder with its RoPE coordinate augmentation set -> Zoo carries the three values; in training
+    (no dropout or drop path), the same seed draws the same shift, jitter and rescale (one per batch, in that order):
+    last_hidden_state within 1e-4 (fp32) and away from the eval output; Zoo's export -> DINOv3ViTModel and Zoo again:
+    the same values."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+    cfg = DINOv3ViTConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                          patch_size=8, image_size=32, num_register_tokens=2, **AUGMENT)
+    perturbed(DINOv3ViTModel(cfg)).save_pretrained(tmp_path / "hf")
+    ref = DINOv3ViTModel.from_pretrained(tmp_path / "hf").train()
+    model, x = zoo.from_pretrained(tmp_path / "hf").train(), image(24)[..., :16]  # a 3x2 grid
+    assert {k: getattr(model.config, k) for k in AUGMENT} == AUGMENT
+    with torch.no_grad():
+        for seed in (0, 1):
+            outs = []
+            for m in (ref, model):
+                torch.manual_seed(seed)
+                outs.append(m(pixel_values=x).last_hidden_state if m is ref else m.forward_features(x))
+            assert close(*outs)
+        assert not close(outs[1], model.eval().forward_features(x), 1e-3)
+    back = DINOv3ViTModel.from_pretrained(zoo.save_pretrained(model, tmp_path / "out"))
+    assert {k: getattr(back.config, k) for k in AUGMENT} == AUGMENT
+    assert {k: getattr(zoo.from_pretrained(tmp_path / "out").config, k) for k in AUGMENT} == AUGMENT
+    DINOv3ViTModel(DINOv3ViTConfig(**{**cfg.to_dict(), **dict.fromkeys(AUGMENT)})).save_pretrained(tmp_path / "off")
+    off = zoo.from_pretrained(tmp_path / "off").train()
+    with torch.no_grad():
+        assert torch.equal(off.forward_features(x), off.eval().forward_features(x))
+
+
+def test_rope_augmentation_moves_the_centres_in_training_only():
+    """model.pos_embed_*: two training forwards differ, eval forwards equal the unaugmented model's; off (null or
+    0), training equals eval. The centres: a shift within +-shift per axis, a jitter within [1/j, j] per axis, one
+    rescale within [1/r, r] for both, each log-uniform (the mean log factor near 0)."""
+    from zoo.blocks.vit import augment_coords
+    rope = dict(TINY, rope_theta=100.0, init_values=0.1, num_classes=3)
+    x = image(32)
+    with torch.no_grad():
+        model = ViT(ViTConfig(**rope, **AUGMENT)).train()
+        assert not torch.equal(model(x), model(x))
+        plain = ViT(ViTConfig(**rope, pos_embed_shift=0.0, pos_embed_jitter=0.0))
+        plain.load_state_dict(model.state_dict())
+        assert torch.equal(model.eval()(x), plain.eval()(x)) and torch.equal(plain.train()(x), plain.eval()(x))
+    grid = torch.tensor([[-0.5, -0.75], [0.5, 0.25]])
+    torch.manual_seed(0)
+    moved = torch.stack([augment_coords(grid, shift=0.2) - grid for _ in range(500)])
+    assert torch.allclose(moved[:, 0], moved[:, 1], atol=1e-6) and not torch.allclose(moved[:, 0, 0], moved[:, 0, 1])
+    assert 0.19 < moved.abs().max() <= 0.2 + 1e-6
+    for kw, bound in ((dict(jitter=1.5), 1.5), (dict(rescale=3.0), 3.0)):
+        log = torch.stack([augment_coords(grid, **kw) / grid for _ in range(2000)]).log()
+        assert torch.allclose(log[:, 0], log[:, 1], atol=1e-5) and log.abs().max() <= math.log(bound) + 1e-5
+        assert log.abs().max() > 0.99 * math.log(bound) and log.mean().abs() < 0.05
+        same_axes = torch.allclose(log[:, 0, 0], log[:, 0, 1], atol=1e-5)
+        assert same_axes == ("rescale" in kw), kw
 
 
 def patchify(img, p):
@@ -330,7 +398,8 @@ def test_zoo_built_dinov3_and_siglip2_shapes_save_and_load(tmp_path):
     RoPE model as a folder DINOv3ViTModel loads, its last_hidden_state Zoo's within 1e-4."""
     from transformers import DINOv3ViTModel
     from zoo.weights import hf_vit
-    dino = dict(rope_theta=100.0, reg_tokens=2, mlp="swiglu", init_values=0.1, no_embed_class=True, norm_eps=1e-5)
+    dino = dict(rope_theta=100.0, reg_tokens=2, mlp="swiglu", init_values=0.1, no_embed_class=True, norm_eps=1e-5,
+                pos_embed_shift=0.1, pos_embed_rescale=0.0)  # rescale off: null in the HF config
     siglip = dict(class_token=False, no_embed_class=True, global_pool="map", mlp="gelu_tanh", pos_interp="bilinear")
     x = torch.randn(2, 3, 32, 24, generator=torch.Generator().manual_seed(1))
     for i, kw in enumerate((dino, siglip)):
@@ -341,6 +410,8 @@ def test_zoo_built_dinov3_and_siglip2_shapes_save_and_load(tmp_path):
             assert torch.equal(again(x), model(x))
     encoder = zoo.build({"family": "vit", "model": {**TINY, **dino, "num_classes": 0}}).eval()
     back = DINOv3ViTModel.from_pretrained(hf_vit.save(encoder, tmp_path / "hf")).eval()
+    assert (back.config.pos_embed_shift, back.config.pos_embed_jitter, back.config.pos_embed_rescale) == (0.1, None,
+                                                                                                           None)
     with torch.no_grad():
         assert close(back(pixel_values=x).last_hidden_state, encoder.forward_features(x))
 

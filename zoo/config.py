@@ -809,6 +809,7 @@ VIT_ARCHS: dict[str, dict] = {
     "vit_base_patch16_reg4_gap_256": _vit("base", 16, 256, class_token=False, no_embed_class=True,
                                           global_pool="avg", reg_tokens=4),
 }
+ROPE_AUGMENT_KEYS = ("pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale")  # DINOv3's, in training
 VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
                   "reg_tokens", "no_embed_class", "global_pool", "init_values", "mlp", "norm_eps", "rope_theta",
                   "pos_interp")
@@ -849,6 +850,15 @@ class ViTConfig:
     drop_path_rate: float = bounded(0.0, ge=0, lt=1)  # stochastic depth at the last block (linear from 0)
     patch_drop_rate: float = bounded(0.0, ge=0, lt=1)  # in training, each image drops this fraction of its patch
                                             # tokens at random after the position embedding (PatchDropout, FLIP)
+    pos_embed_shift: Optional[float] = bounded(None, ge=0)  # RoPE only, in training: the patch centres in [-1, 1]
+                                            # shifted by U(-shift, shift) per axis, one draw per batch (DINOv3's
+                                            # transformers key); null or 0: off
+    pos_embed_jitter: Optional[float] = bounded(None, ge=0)  # RoPE only, in training: each axis of the centres
+                                            # scaled by a log-uniform factor in [1/jitter, jitter]; null or 0: off,
+                                            # else >= 1
+    pos_embed_rescale: Optional[float] = bounded(None, ge=0)  # RoPE only, in training: both axes scaled by one
+                                            # log-uniform factor in [1/rescale, rescale] (DINOv3 trains with 2); null
+                                            # or 0: off, else >= 1
 
     DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
                                     no_embed_class=False, global_pool="token", init_values=0.0, mlp="gelu",
@@ -868,6 +878,14 @@ class ViTConfig:
         if r["rope_theta"] and (r["embed_dim"] // r["num_heads"]) % 4:
             raise fail(source, prefix + "rope_theta", f"needs a head width embed_dim / num_heads divisible by 4, got "
                                                       f"{r['embed_dim'] // r['num_heads']}")
+        self.validate_rope_augment(source, prefix)
+
+    def validate_rope_augment(self, source: str, prefix: str):
+        """pos_embed_jitter / _rescale: a factor below 1 (but for 0, off) has no log-uniform range. (That they need
+        RoPE, the ViT checks when built: a run from pretrained weights takes rope_theta from the weights.)"""
+        for key in ROPE_AUGMENT_KEYS[1:]:
+            if (value := getattr(self, key)) and value < 1:
+                raise fail(source, prefix + key, f"={value} must be 0 or null (off) or >= 1")
 
     @property
     def resolved(self) -> dict:

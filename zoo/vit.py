@@ -24,7 +24,7 @@ from .blocks.drop_path import linear_drop_rates
 from .blocks.patch import PatchEmbed
 from .blocks.vit import (ViTBlock, add_prefix, drop_patches, naflex_pos_embed, patch_rope, resample_pos_embed,
                          vit_mlp)
-from .config import ViTConfig
+from .config import ROPE_AUGMENT_KEYS, ViTConfig
 from .convnet.base import ConvNetBase
 
 
@@ -47,6 +47,9 @@ class ViT(ConvNetBase):
         self.num_prefix_tokens = r["class_token"] + r["distilled"] + r["reg_tokens"]
         self.table_prefix = 0 if r["no_embed_class"] else self.num_prefix_tokens  # prefix rows in the table
         self.pos_embed = None if r["rope_theta"] else token(self.grid ** 2 + self.table_prefix)
+        if self.pos_embed is not None and (on := [k for k in ROPE_AUGMENT_KEYS if getattr(self.config, k)]):
+            raise ValueError(f"model.{on[0]}={getattr(self.config, on[0])} moves RoPE's patch centres: needs "
+                             f"model.rope_theta > 0")
         rates = linear_drop_rates(r["depth"], self.config.drop_path_rate)
         eps, hidden = r["norm_eps"], int(dim * r["mlp_ratio"])
         self.blocks = nn.Sequential(*[ViTBlock(dim, r["num_heads"], r["mlp_ratio"], self.config.qkv_bias,
@@ -119,7 +122,7 @@ class ViT(ConvNetBase):
             patches, hw = self.patch_embed(x), (x.shape[-2] // p, x.shape[-1] // p)
             if self.pos_embed is None:
                 rope = patch_rope(self.num_features // self.spec["num_heads"], *hw, self.spec["rope_theta"],
-                                  self.num_prefix_tokens, x.device)
+                                  self.num_prefix_tokens, x.device, **self.rope_augment())
                 pos = None
             else:
                 pos = resample_pos_embed(self.pos_embed, hw, (self.grid, self.grid), self.table_prefix,
@@ -127,6 +130,12 @@ class ViT(ConvNetBase):
         tokens = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         x = add_prefix(patches, pos, tokens, not self.spec["no_embed_class"])
         return x, rope, None if mask is None else self.token_mask(mask)[:, None, None]
+
+    def rope_augment(self) -> dict:
+        """DINOv3's patch-centre augmentation (model.pos_embed_shift / _jitter / _rescale) in training; none in eval."""
+        c = self.config
+        return dict(shift=c.pos_embed_shift, jitter=c.pos_embed_jitter, rescale=c.pos_embed_rescale) \
+            if self.training else {}
 
     def token_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """(B, N) patch mask (true, or 1, on real patches) -> (B, P + N) bool, the prefix tokens true."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import zoo
 from zoo.blocks.chunked_ce import distillation_loss
-from zoo.config import VIT_ARCHS, ConfigError, bounded, fail
+from zoo.config import ROPE_AUGMENT_KEYS, VIT_ARCHS, ConfigError, bounded, fail
 from zoo.convnet.preprocess import Preprocess
 from zoo.weights import hf_vit, timm_convnet, timm_vit
 
@@ -106,6 +106,8 @@ class ClassifyTask(Task):
             fmt = timm_vit if cfg.family == "vit" else timm_convnet  # the family's timm layout
             regularise = {k: getattr(cfg.model, k) for k in ("drop_rate", "drop_path_rate", "patch_drop_rate")
                           if hasattr(cfg.model, k)}  # the run's, not the file's
+            regularise.update({k: v for k in ROPE_AUGMENT_KEYS if (v := getattr(cfg.model, k, None)) is not None})
+            # DINOv3's RoPE augmentation: the file's, unless the run sets it (0: off)
 
             def read(path):
                 if fmt is timm_vit and hf_vit.detect(path):  # a Hugging Face DINOv3 / SigLIP 2 folder

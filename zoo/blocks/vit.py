@@ -15,6 +15,9 @@ resized to each image's patch grid).
         rows kept; naflex_pos_embed: resized per image to its own grid and padded (SigLIP 2)
     patch_rope(head_dim, h, w, theta, n_prefix): cos, sin of DINOv3's RoPE: each patch centre's row and column in
         [-1, 1], turned by the periods theta^(4i / head_dim); the prefix tokens' rows leave them as they are
+    augment_coords(coords, shift, jitter, rescale): DINOv3's training-time box augmentation of those centres, one
+        draw per batch: + U(-shift, shift) per axis, x exp(U(-ln jitter, ln jitter)) per axis, x exp(U(-ln rescale,
+        ln rescale)) for both axes (transformers' draws, in that order)
     drop_patches(x, rate, n_prefix, rope): patch dropout in training (Liu et al., "PatchDropout", 2022; Li et al.,
         FLIP, 2023): each image keeps a random subset of its patch tokens (and their RoPE rows), the prefix all
 
@@ -121,15 +124,33 @@ def naflex_pos_embed(pos: torch.Tensor, old_hw: tuple, shapes: torch.Tensor, len
     return torch.stack(out)
 
 
-def patch_rope(head_dim: int, h: int, w: int, theta: float = 100.0, n_prefix: int = 0, device=None) -> tuple:
+def augment_coords(coords: torch.Tensor, shift: Optional[float] = None, jitter: Optional[float] = None,
+                   rescale: Optional[float] = None) -> torch.Tensor:
+    """(N, 2) patch centres moved as DINOv3 trains (so RoPE sees boxes other than [-1, 1]): shifted per axis, then
+    stretched per axis, then scaled as a whole; one draw each for the batch, skipped where its value is null or 0."""
+    def draw(n: int, low: float, high: float) -> torch.Tensor:
+        return torch.empty(n, device=coords.device, dtype=coords.dtype).uniform_(low, high)
+    if shift:
+        coords = coords + draw(2, -shift, shift)
+    if jitter:
+        coords = coords * draw(2, -math.log(jitter), math.log(jitter)).exp()
+    if rescale:
+        coords = coords * draw(1, -math.log(rescale), math.log(rescale)).exp()
+    return coords
+
+
+def patch_rope(head_dim: int, h: int, w: int, theta: float = 100.0, n_prefix: int = 0, device=None,
+               **augment) -> tuple:
     """cos, sin (n_prefix + h*w, head_dim) in the rotate-half layout: channels [0, D/4) turn with the patch centre's
-    row, [D/4, D/2) with its column, both in [-1, 1] (repeated for the second half); the prefix rows turn by 0."""
+    row, [D/4, D/2) with its column, both in [-1, 1] (repeated for the second half); the prefix rows turn by 0.
+    `augment`: augment_coords' shift, jitter, rescale (training only)."""
     if head_dim % 4:
         raise ValueError(f"2-D RoPE needs a head dimension divisible by 4, got {head_dim}")
     inv = 1 / theta ** torch.arange(0, 1, 4 / head_dim, dtype=torch.float32, device=device)
     rows = torch.arange(0.5, h, dtype=torch.float32, device=device) / h
     cols = torch.arange(0.5, w, dtype=torch.float32, device=device) / w
     coords = 2.0 * torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).flatten(0, 1) - 1.0
+    coords = augment_coords(coords, **augment)
     angles = (2 * math.pi * coords[:, :, None] * inv).flatten(1).tile(2)
     angles = torch.cat([angles.new_zeros(n_prefix, head_dim), angles])
     return angles.cos(), angles.sin()

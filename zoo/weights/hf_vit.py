@@ -8,7 +8,8 @@ embedding is Zoo's patch convolution with its (p, p, C) inputs reordered, its po
 Biases a DINOv3 config leaves out (the key bias) load as zeros and are written back only where they became non-zero
 (the config flag then set). save() writes the class the model came from (a Zoo-built ViT, called directly: DINOv3),
 its config.json the source's with the architecture keys replaced, tensors it does not use (DINOv3's mask token) as
-read. zoo.save_pretrained writes a Zoo-built ViT in timm's layout, its config beside it.
+read. DINOv3's training-time RoPE augmentation (pos_embed_shift, _jitter, _rescale) is read into the config and
+written back from it. zoo.save_pretrained writes a Zoo-built ViT in timm's layout, its config beside it.
 
     model = zoo.from_pretrained("dinov3-vits16/")          # a folder transformers' save_pretrained wrote
     tokens = model.forward_features(images)                # last_hidden_state; model(images): pooler_output
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import VIT_ARCHS, ViTConfig, from_dict, to_dict
+from ..config import ROPE_AUGMENT_KEYS, VIT_ARCHS, ViTConfig, from_dict, to_dict
 from .files import atomic_write, load_tensors, read_json, save_safetensors
 from .hf_llm import weight_files
 from .timm_convnet import load_into
@@ -30,7 +31,8 @@ DEFAULTS = {  # transformers' defaults of the keys read, for config.json files t
     "dinov3_vit": dict(patch_size=16, hidden_size=384, intermediate_size=1536, num_hidden_layers=12,
                        num_attention_heads=6, hidden_act="gelu", layer_norm_eps=1e-5, rope_theta=100.0, image_size=224,
                        num_channels=3, query_bias=True, key_bias=False, value_bias=True, proj_bias=True, mlp_bias=True,
-                       layerscale_value=1.0, use_gated_mlp=False, num_register_tokens=0),
+                       layerscale_value=1.0, use_gated_mlp=False, num_register_tokens=0, pos_embed_shift=None,
+                       pos_embed_jitter=None, pos_embed_rescale=2.0),
     "siglip2_vision_model": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                  num_channels=3, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
                                  vision_use_head=True, num_patches=256),
@@ -90,7 +92,8 @@ def zoo_config(hf: dict, source: str, **overrides) -> ViTConfig:
             raise ValueError(f"{source}: layerscale_value=0 is not supported (Zoo's LayerScale starts non-zero)")
         c.update(img_size=_square(hf["image_size"], "image_size", source), reg_tokens=hf["num_register_tokens"],
                  no_embed_class=True, init_values=hf["layerscale_value"], rope_theta=hf["rope_theta"],
-                 qkv_bias=hf["query_bias"] or hf["key_bias"] or hf["value_bias"])
+                 qkv_bias=hf["query_bias"] or hf["key_bias"] or hf["value_bias"],
+                 **{k: hf[k] for k in ROPE_AUGMENT_KEYS})  # RoPE's training-time augmentation, null: off
     elif kind in TILE_ENCODERS:
         c.update(img_size=_square(hf["image_size"], "image_size", source), class_token=False, no_embed_class=True)
     else:
@@ -214,10 +217,18 @@ def hf_keys(model, kind: str, path) -> dict:
                 num_channels=c.in_chans)
     if kind == "dinov3_vit":
         return {**keys, "image_size": r["img_size"], "num_register_tokens": r["reg_tokens"], "rope_theta":
-                r["rope_theta"], "layerscale_value": r["init_values"], "use_gated_mlp": r["mlp"] == "swiglu"}
+                r["rope_theta"], "layerscale_value": r["init_values"], "use_gated_mlp": r["mlp"] == "swiglu",
+                **rope_augment_keys(c)}
     if kind in TILE_ENCODERS:
         return {**keys, "image_size": r["img_size"]}
     return {**keys, "num_patches": model.grid ** 2, "vision_use_head": True}
+
+
+def rope_augment_keys(c: ViTConfig) -> dict:
+    """The config's pos_embed_* as transformers reads them: a factor of 0 (off) as null, which the class skips
+    (its log-uniform draw needs a factor >= 1)."""
+    return {"pos_embed_shift": c.pos_embed_shift, "pos_embed_jitter": c.pos_embed_jitter or None,
+            "pos_embed_rescale": c.pos_embed_rescale or None}
 
 
 def hf_state(model, kind: str, dtype=None) -> dict:
