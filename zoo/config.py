@@ -808,11 +808,16 @@ VIT_ARCHS: dict[str, dict] = {
        for s in ("small", "base", "large")},
     "vit_base_patch16_reg4_gap_256": _vit("base", 16, 256, class_token=False, no_embed_class=True,
                                           global_pool="avg", reg_tokens=4),
+    # EVA-02 (timm's non-CLIP image models): the table and RoPE on the patch indices, SwiGLU (sub-LN from base on)
+    **{f"eva02_{s}_patch14_{i}": _vit(s, 14, i, mlp_ratio=4 * 2 / 3, mlp="swiglu", global_pool="avg", k_bias=False,
+                                      rope_theta=10000.0, rope_ref_grid=16, mlp_norm=s in ("base", "large"))
+       for s, i in (("tiny", 224), ("tiny", 336), ("small", 224), ("small", 336), ("base", 224), ("base", 448),
+                    ("large", 224), ("large", 448))},
 }
 ROPE_AUGMENT_KEYS = ("pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale")  # DINOv3's, in training
 VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
                   "reg_tokens", "no_embed_class", "global_pool", "init_values", "mlp", "norm_eps", "rope_theta",
-                  "pos_interp")
+                  "pos_interp", "rope_ref_grid", "k_bias", "mlp_norm")
 
 
 @dataclass
@@ -840,9 +845,16 @@ class ViTConfig:
                                             # (SigLIP), or SwiGLU (DINOv3's gated one); default gelu
     norm_eps: Optional[float] = bounded(None, gt=0)  # the LayerNorms' epsilon (default 1e-6)
     rope_theta: Optional[float] = bounded(None, ge=0)  # >0: DINOv3's 2-D RoPE on the patch tokens with this base,
-                                            # no position table; 0: the learned table (default 0)
+                                            # no position table (EVA-02's, rope_ref_grid, keeps it); 0: the learned
+                                            # table alone (default 0)
     pos_interp: Optional[Literal["bicubic", "bilinear"]] = None  # how the table is resized to another grid,
                                             # antialiased: bicubic (timm) or bilinear (SigLIP 2); default bicubic
+    rope_ref_grid: Optional[int] = bounded(None, ge=0)  # >0, with rope_theta: EVA-02's RoPE instead, beside the
+                                            # table: patch indices scaled to a grid of this side (timm's
+                                            # ref_feat_shape), channels turned in adjacent pairs; default 0
+    k_bias: Optional[bool] = None           # false: qkv_bias biases q and v only (EVA-02's); default true
+    mlp_norm: Optional[bool] = None         # a LayerNorm on SwiGLU's hidden features before its down projection
+                                            # (EVA-02 base and large: timm's scale_mlp); default false
     qkv_bias: bool = True                   # biases on the attention's qkv projection
     in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
     num_classes: int = bounded(1000, ge=0)  # classifier outputs; 0: no head (the pooled features)
@@ -862,7 +874,8 @@ class ViTConfig:
 
     DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
                                     no_embed_class=False, global_pool="token", init_values=0.0, mlp="gelu",
-                                    norm_eps=1e-6, rope_theta=0.0, pos_interp="bicubic")
+                                    norm_eps=1e-6, rope_theta=0.0, pos_interp="bicubic", rope_ref_grid=0,
+                                    k_bias=True, mlp_norm=False)
 
     def validate(self, source="<config>", prefix=""):
         if self.arch not in VIT_ARCHS:
@@ -878,6 +891,10 @@ class ViTConfig:
         if r["rope_theta"] and (r["embed_dim"] // r["num_heads"]) % 4:
             raise fail(source, prefix + "rope_theta", f"needs a head width embed_dim / num_heads divisible by 4, got "
                                                       f"{r['embed_dim'] // r['num_heads']}")
+        if r["rope_ref_grid"] and not r["rope_theta"]:
+            raise fail(source, prefix + "rope_ref_grid", "needs rope_theta > 0 (EVA-02's RoPE turns by it)")
+        if r["mlp_norm"] and r["mlp"] != "swiglu":
+            raise fail(source, prefix + "mlp_norm", f"needs mlp=swiglu, got {r['mlp']}")
         self.validate_rope_augment(source, prefix)
 
     def validate_rope_augment(self, source: str, prefix: str):

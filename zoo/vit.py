@@ -1,14 +1,15 @@
 """The Vision Transformer family: ViT (tiny to huge, every patch size), DeiT (with its distillation token), DINOv2-style
-ViTs with LayerScale and registers, DINOv3 (2-D RoPE, SwiGLU) and SigLIP 2's encoder (NaFlex, attention pooling); one
-config (zoo/config.py's ViTConfig) whose `arch`, a timm name, picks the preset.
+ViTs with LayerScale and registers, DINOv3 (2-D RoPE, SwiGLU), SigLIP 2's encoder (NaFlex, attention pooling) and
+EVA-02 (the table and 2-D RoPE, q and v biases, SwiGLU with sub-LN); one config (zoo/config.py's ViTConfig) whose `arch`, a timm name, picks the preset.
 
     image (B, C, H, W) -> patch_embed (p x p conv) -> [class, distillation, register tokens] + position table (or
-    RoPE on the patches) -> blocks (pre-norm attention + MLP) -> norm -> class token (or mean of patch tokens ->
+    RoPE on the patches, or both: EVA-02) -> blocks (pre-norm attention + MLP) -> norm -> class token (or mean of patch tokens ->
     fc_norm, or attention pooling) -> head -> logits
     NaFlex: patches (B, N, p*p*C) already cut, each image's grid in spatial_shapes (B, 2), padding masked out
 
 Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (2021); Touvron et al., "Training data-efficient image
-transformers & distillation through attention" (2021); Darcet et al., "Vision Transformers Need Registers" (2024).
+transformers & distillation through attention" (2021); Darcet et al., "Vision Transformers Need Registers" (2024);
+Fang et al., "EVA-02: A Visual Representation for Neon Genesis" (2023).
 A file of its own beside the ConvNets (not in zoo/convnet/): its own config keys, one class for every variant.
 Parameter names are timm's VisionTransformer's (and VisionTransformerDistilled's), so its weights map one to one.
 
@@ -46,14 +47,16 @@ class ViT(ConvNetBase):
         self.reg_token = token(r["reg_tokens"]) if r["reg_tokens"] else None
         self.num_prefix_tokens = r["class_token"] + r["distilled"] + r["reg_tokens"]
         self.table_prefix = 0 if r["no_embed_class"] else self.num_prefix_tokens  # prefix rows in the table
-        self.pos_embed = None if r["rope_theta"] else token(self.grid ** 2 + self.table_prefix)
-        if self.pos_embed is not None and (on := [k for k in ROPE_AUGMENT_KEYS if getattr(self.config, k)]):
+        keep_table = not r["rope_theta"] or r["rope_ref_grid"]  # EVA-02: both
+        self.pos_embed = token(self.grid ** 2 + self.table_prefix) if keep_table else None
+        if not r["rope_theta"] and (on := [k for k in ROPE_AUGMENT_KEYS if getattr(self.config, k)]):
             raise ValueError(f"model.{on[0]}={getattr(self.config, on[0])} moves RoPE's patch centres: needs "
                              f"model.rope_theta > 0")
         rates = linear_drop_rates(r["depth"], self.config.drop_path_rate)
         eps, hidden = r["norm_eps"], int(dim * r["mlp_ratio"])
         self.blocks = nn.Sequential(*[ViTBlock(dim, r["num_heads"], r["mlp_ratio"], self.config.qkv_bias,
-                                               r["init_values"] or None, rate, eps, r["mlp"]) for rate in rates])
+                                               r["init_values"] or None, rate, eps, r["mlp"], r["k_bias"],
+                                               bool(r["rope_ref_grid"]), r["mlp_norm"]) for rate in rates])
         avg = r["global_pool"] == "avg"
         self.norm = nn.Identity() if avg else nn.LayerNorm(dim, eps=eps)
         self.fc_norm = nn.LayerNorm(dim, eps=eps) if avg else nn.Identity()
@@ -111,20 +114,19 @@ class ViT(ConvNetBase):
     def embed(self, x: torch.Tensor, spatial_shapes=None, mask=None) -> tuple:
         """Images (B, C, H, W), or NaFlex patches (B, N, p*p*C) with their grids `spatial_shapes` (B, 2) and
         `mask` (B, N) -> tokens (B, P + N, D), the RoPE table or None, the attention mask (B, 1, 1, P + N) or None."""
-        p, rope = self.spec["patch_size"], None
+        p, rope, pos = self.spec["patch_size"], None, None
         if x.dim() == 3:  # NaFlex
-            if spatial_shapes is None or self.pos_embed is None or self.table_prefix:
+            if spatial_shapes is None or self.pos_embed is None or self.table_prefix or self.spec["rope_theta"]:
                 raise ValueError("patches (B, N, p*p*C) need spatial_shapes and a position table of the patches only")
             patches = self.patch_embed.embed_patches(x)
             pos = naflex_pos_embed(self.pos_embed, (self.grid, self.grid), spatial_shapes, x.shape[1],
                                    self.spec["pos_interp"])
         else:
             patches, hw = self.patch_embed(x), (x.shape[-2] // p, x.shape[-1] // p)
-            if self.pos_embed is None:
+            if self.spec["rope_theta"]:
                 rope = patch_rope(self.num_features // self.spec["num_heads"], *hw, self.spec["rope_theta"],
-                                  self.num_prefix_tokens, x.device, **self.rope_augment())
-                pos = None
-            else:
+                                  self.num_prefix_tokens, x.device, self.spec["rope_ref_grid"], **self.rope_augment())
+            if self.pos_embed is not None:
                 pos = resample_pos_embed(self.pos_embed, hw, (self.grid, self.grid), self.table_prefix,
                                          self.spec["pos_interp"])
         tokens = [t for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]

@@ -65,13 +65,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, mask: Optional[torch.Tensor] = None):
         B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.qkv_proj(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = self.rotate(q, *rope), self.rotate(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                    # (B, heads, N, head_dim)
         return self.proj(y.transpose(1, 2).reshape(B, N, D))
+
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) -> (B, N, 3D): q, k, v side by side (a subclass may bias them otherwise)."""
+        return self.qkv(x)
 
 
 class Mlp(nn.Module):

@@ -8,6 +8,8 @@ per-channel factors, the long ones past original_max_position_embeddings); 'prop
 whole head (the first `rotated` share of its angles turn as in a full head, the rest stay still). yarn and longrope
 scale cos and sin by an attention factor. Hugging Face's "rotate-half" layout (channel i paired with i + D/2): no weight permutation. A table
 narrower than a head rotates only its first channels (partial rotary: `apply_rope`'s caller splits them off).
+`apply_rope_pairs`: the interleaved layout instead (channel 2i paired with 2i + 1, each angle repeated for its pair:
+timm's EVA-02), for weights trained that way.
 
 Shapes: inv_freq (D/2,); cos, sin (T, D), or (B, T, D) for a row of positions per sequence (`RotaryEmbedding.at`);
 x (B, H, T, D) -> (B, H, T, D) (or (B, T, H, D) with cos, sin (T, 1, D)).
@@ -96,6 +98,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-2).flatten(-2).to(x.dtype)
     signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # tiny: (T, D)
     return torch.addcmul(x * cos, x.roll(half, dims=-1), signed_sin).to(x.dtype)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (x0, x1), (x2, x3), ... of x (..., T, D) by cos/sin (T, D) in the pair layout
+    (angle i at channels 2i and 2i + 1), or anything broadcasting; returns x's dtype. x * cos + (-x1, x0, -x3, x2, ...)
+    * sin, timm's apply_rot_embed(half=False) term for term."""
+    turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return (x * cos + turned * sin).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,29 +1,35 @@
-"""The Vision Transformer's encoder block, its token prefix, its position table's resampling and DINOv3's 2-D RoPE.
+"""The Vision Transformer's encoder block, its token prefix, its position table's resampling and 2-D RoPE (DINOv3's,
+EVA-02's).
 
 Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (ViT, 2021); Touvron et al., "Training data-efficient
 image transformers & distillation through attention" (DeiT, 2021: the distillation token); Touvron et al., "Going
 deeper with Image Transformers" (CaiT, 2021: LayerScale); Darcet et al., "Vision Transformers Need Registers" (2024);
 Simeoni et al., "DINOv3" (2025: RoPE on patch centres); Tschannen et al., "SigLIP 2" (2025: NaFlex, one table
-resized to each image's patch grid).
+resized to each image's patch grid); Fang et al., "EVA-02: A Visual Representation for Neon Genesis" (2023: RoPE on
+patch indices beside the table, q and v biases without a k bias, SwiGLU with a LayerNorm inside).
 
     ViTBlock (pre-norm):  x = x + drop_path(ls1 * attn(norm1(x)));  x = x + drop_path(ls2 * mlp(norm2(x)))
-        attention optionally with a RoPE table and a key mask; the MLP GELU (exact or tanh) or SwiGLU
+        attention optionally with a RoPE table (rotate-half, or adjacent pairs: EVA-02) and a key mask, biased q, k,
+        v or (k_bias False) q and v only; the MLP GELU (exact or tanh) or SwiGLU (mlp_norm: a LayerNorm before down)
     add_prefix(x, pos, tokens, embed_prefix): [class, distillation, registers] tokens in front of the patches and
         the learned position table added to all of them, or to the patches only (embed_prefix False: DeiT III,
         DINOv2 with registers)
     resample_pos_embed: the table's patch grid resized (bicubic or bilinear, antialiased) to another grid, prefix
         rows kept; naflex_pos_embed: resized per image to its own grid and padded (SigLIP 2)
     patch_rope(head_dim, h, w, theta, n_prefix): cos, sin of DINOv3's RoPE: each patch centre's row and column in
-        [-1, 1], turned by the periods theta^(4i / head_dim); the prefix tokens' rows leave them as they are
+        [-1, 1], turned by the periods theta^(4i / head_dim); the prefix tokens' rows leave them as they are;
+        ref_grid > 0: EVA-02's instead, the row and column indices scaled to a ref_grid-sided grid (i * ref_grid / h)
+        turned by theta^(-4i / head_dim) radians, in the pair layout
     augment_coords(coords, shift, jitter, rescale): DINOv3's training-time box augmentation of those centres, one
         draw per batch: + U(-shift, shift) per axis, x exp(U(-ln jitter, ln jitter)) per axis, x exp(U(-ln rescale,
         ln rescale)) for both axes (transformers' draws, in that order)
     drop_patches(x, rate, n_prefix, rope): patch dropout in training (Liu et al., "PatchDropout", 2022; Li et al.,
         FLIP, 2023): each image keeps a random subset of its patch tokens (and their RoPE rows), the prefix all
 
-Names are timm's (norm1, attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma; SwiGLU: mlp.gate_up,
-mlp.down). Shapes: x (B, N, D) -> (B, N, D); add_prefix: (B, N, D) -> (B, P + N, D); pos (1, N or P + N, D);
-rope cos, sin (P + N, head_dim); mask (B, 1, 1, N) true where a key is seen.
+Names are timm's (norm1, attn.qkv, attn.proj, ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma; k_bias False:
+attn.q_bias, attn.v_bias beside a bias-free qkv; SwiGLU: mlp.gate_up, mlp.norm, mlp.down).
+Shapes: x (B, N, D) -> (B, N, D); add_prefix: (B, N, D) -> (B, P + N, D); pos (1, N or P + N, D); rope cos, sin
+(P + N, head_dim); mask (B, 1, 1, N) true where a key is seen.
 Needs: adaln.py, norm.py, rope.py, mlp.py, drop_path.py.
 """
 import math
@@ -37,12 +43,12 @@ try:
     from .adaln import Attention, Mlp
     from .drop_path import DropPath
     from .mlp import SwiGLU
-    from .rope import apply_rope
+    from .rope import apply_rope, apply_rope_pairs
 except ImportError:  # copied beside adaln.py (and its norm.py, rope.py), mlp.py and drop_path.py, outside the zoo package
     from adaln import Attention, Mlp
     from drop_path import DropPath
     from mlp import SwiGLU
-    from rope import apply_rope
+    from rope import apply_rope, apply_rope_pairs
 
 
 class LayerScale(nn.Module):
@@ -57,28 +63,46 @@ class LayerScale(nn.Module):
 
 
 class RopeAttention(Attention):
-    """adaln.py's attention, a RoPE table turning each head whole in the rotate-half layout (DINOv3's)."""
-    rotate = staticmethod(apply_rope)
+    """adaln.py's attention, a RoPE table turning each head whole in the rotate-half layout (DINOv3's) or, `pairs`,
+    in adjacent channel pairs (EVA-02's); `k_bias` False with qkv_bias: q and v biased, k not (EVA-02's: a key bias
+    would move the logits once RoPE turns it), held as timm's q_bias and v_bias."""
+
+    def __init__(self, dim: int, heads: int, qkv_bias: bool = True, k_bias: bool = True, pairs: bool = False):
+        super().__init__(dim, heads, qkv_bias=qkv_bias and k_bias)
+        self.rotate = apply_rope_pairs if pairs else apply_rope
+        self.q_bias = self.v_bias = None
+        if qkv_bias and not k_bias:
+            self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
+
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_bias is None:
+            return self.qkv(x)
+        return F.linear(x, self.qkv.weight, torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias)))
 
 
-def vit_mlp(dim: int, hidden: int, kind: str = "gelu") -> nn.Module:
-    """`gelu` (exact, timm's), `gelu_tanh` (SigLIP's) or `swiglu` (gated, with biases: DINOv3's larger sizes)."""
+def vit_mlp(dim: int, hidden: int, kind: str = "gelu", norm_eps: float = 0.0) -> nn.Module:
+    """`gelu` (exact, timm's), `gelu_tanh` (SigLIP's) or `swiglu` (gated, with biases: DINOv3's larger sizes; with
+    `norm_eps` a LayerNorm before the down projection: EVA-02's base and large)."""
     if kind == "swiglu":
-        return SwiGLU(dim, hidden, bias=True)
+        return SwiGLU(dim, hidden, bias=True, norm_eps=norm_eps)
     if kind not in ("gelu", "gelu_tanh"):
         raise ValueError(f"mlp={kind!r} must be 'gelu', 'gelu_tanh' or 'swiglu'")
+    if norm_eps:
+        raise ValueError(f"a LayerNorm inside the MLP (mlp_norm) needs mlp='swiglu', got {kind!r}")
     return Mlp(dim, hidden, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
 class ViTBlock(nn.Module):
-    """Pre-norm attention + MLP, each residual branch optionally scaled (LayerScale, `init_values`)."""
+    """Pre-norm attention + MLP, each residual branch optionally scaled (LayerScale, `init_values`); EVA-02's
+    `k_bias` False, `pairs` (RoPE layout) and `mlp_norm` as RopeAttention and vit_mlp take them."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 init_values: Optional[float] = None, drop_path: float = 0.0, eps: float = 1e-6, mlp: str = "gelu"):
+                 init_values: Optional[float] = None, drop_path: float = 0.0, eps: float = 1e-6, mlp: str = "gelu",
+                 k_bias: bool = True, pairs: bool = False, mlp_norm: bool = False):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
-        self.attn = RopeAttention(dim, heads, qkv_bias=qkv_bias)
-        self.mlp = vit_mlp(dim, int(dim * mlp_ratio), mlp)
+        self.attn = RopeAttention(dim, heads, qkv_bias, k_bias, pairs)
+        self.mlp = vit_mlp(dim, int(dim * mlp_ratio), mlp, eps if mlp_norm else 0.0)
         scale = (lambda: LayerScale(dim, init_values)) if init_values else nn.Identity
         self.ls1, self.ls2 = scale(), scale()
         self.drop_path1, self.drop_path2 = DropPath(drop_path), DropPath(drop_path)
@@ -139,19 +163,28 @@ def augment_coords(coords: torch.Tensor, shift: Optional[float] = None, jitter: 
     return coords
 
 
+def patch_coords(h: int, w: int, ref_grid: int = 0, device=None) -> torch.Tensor:
+    """(h*w, 2) row and column of each patch, row-major: the centres in [-1, 1] (DINOv3), or (ref_grid > 0, EVA-02)
+    the indices scaled to a ref_grid-sided grid, i * ref_grid / h (timm's ref_feat_shape)."""
+    def axis(n: int) -> torch.Tensor:
+        if ref_grid:
+            return torch.arange(n, dtype=torch.float32, device=device) / n * ref_grid
+        return 2.0 * (torch.arange(0.5, n, dtype=torch.float32, device=device) / n) - 1.0
+    return torch.stack(torch.meshgrid(axis(h), axis(w), indexing="ij"), dim=-1).flatten(0, 1)
+
+
 def patch_rope(head_dim: int, h: int, w: int, theta: float = 100.0, n_prefix: int = 0, device=None,
-               **augment) -> tuple:
-    """cos, sin (n_prefix + h*w, head_dim) in the rotate-half layout: channels [0, D/4) turn with the patch centre's
-    row, [D/4, D/2) with its column, both in [-1, 1] (repeated for the second half); the prefix rows turn by 0.
-    `augment`: augment_coords' shift, jitter, rescale (training only)."""
+               ref_grid: int = 0, **augment) -> tuple:
+    """cos, sin (n_prefix + h*w, head_dim): frequencies [0, D/4) turn with the patch's row, [D/4, D/2) with its
+    column (patch_coords), in the rotate-half layout (repeated for the second half, angles 2 pi coord / period:
+    DINOv3) or, ref_grid > 0, in the pair layout (each repeated for its pair, angles coord / period: EVA-02); the
+    prefix rows turn by 0. `augment`: augment_coords' shift, jitter, rescale (training only)."""
     if head_dim % 4:
         raise ValueError(f"2-D RoPE needs a head dimension divisible by 4, got {head_dim}")
     inv = 1 / theta ** torch.arange(0, 1, 4 / head_dim, dtype=torch.float32, device=device)
-    rows = torch.arange(0.5, h, dtype=torch.float32, device=device) / h
-    cols = torch.arange(0.5, w, dtype=torch.float32, device=device) / w
-    coords = 2.0 * torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).flatten(0, 1) - 1.0
-    coords = augment_coords(coords, **augment)
-    angles = (2 * math.pi * coords[:, :, None] * inv).flatten(1).tile(2)
+    coords = augment_coords(patch_coords(h, w, ref_grid, device), **augment)
+    angles = ((1.0 if ref_grid else 2 * math.pi) * coords[:, :, None] * inv).flatten(1)
+    angles = angles.repeat_interleave(2, -1) if ref_grid else angles.tile(2)
     angles = torch.cat([angles.new_zeros(n_prefix, head_dim), angles])
     return angles.cos(), angles.sin()
 

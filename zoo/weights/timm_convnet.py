@@ -294,8 +294,13 @@ def save(model, path, **kwargs) -> Path:
     Returns the weight file written."""
     if kwargs:
         raise TypeError(f"save_pretrained for a timm model takes no options, got {', '.join(kwargs)}")
+    return write(model, model.state_dict(), path)
+
+
+def write(model, state: dict, path) -> Path:
+    """save()'s file or folder of `state`, the model's tensors already under timm's names (a ViT's: timm_vit)."""
     p = Path(path)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if p.suffix.lower() not in SUFFIXES:  # a folder: timm's, config.json beside the weights in the source's type
         name = (getattr(model, "pretrained_format", None) or {}).get("file", "model.safetensors")
         cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
