@@ -113,7 +113,7 @@ def test_every_preset_has_timms_key_layout():
     timm's state dict of that name, read from its shapes alone, gives the preset's structure."""
     for arch in VIT_ARCHS:
         with torch.device("meta"):
-            own = ViT(ViTConfig(arch=arch)).state_dict()
+            own = timm_vit.to_timm(ViT(ViTConfig(arch=arch)))
         ref = timm.create_model(arch, pretrained=False, device="meta", num_classes=1000).state_dict()
         assert {k: v.shape for k, v in own.items()} == {k: v.shape for k, v in ref.items()}, arch
         assert timm_vit.config_from_state_dict(ref).resolved == ViTConfig(arch=arch).resolved, arch

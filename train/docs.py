@@ -226,7 +226,8 @@ def vit_archs_table() -> dict:
     """docs/vit.md's presets: every `model.arch` of zoo/config.py's VIT_ARCHS and what sets it apart."""
     from zoo.config import VIT_ARCHS
     shape = ("embed_dim", "depth", "num_heads", "patch_size", "img_size")
-    rows = [[f"`{arch}`", *(str(p[k]) for k in shape), ", ".join(f"{k}={v}" for k, v in p.items() if k not in shape)
+    rows = [[f"`{arch}`", *(str(p[k]) for k in shape),
+             ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items() if k not in shape)
              or "-"] for arch, p in VIT_ARCHS.items()]
     return {"columns": ["`model.arch`", "width", "depth", "heads", "patch", "image", "tokens and scales"], "rows": rows}
 

@@ -795,6 +795,8 @@ def _vit(size: str, patch: int, img: int = 224, **flags) -> dict:
     return dict(zip(("embed_dim", "depth", "num_heads"), _VIT_SIZES[size]), patch_size=patch, img_size=img, **flags)
 
 
+_EVA02 = dict(mlp_ratio=4 * 2 / 3, mlp="swiglu", global_pool="avg", k_bias=False, rope_theta=10000.0, rope_ref_grid=16)
+
 # ViT presets, timm's names: name -> the keys that differ from ViTConfig's defaults
 VIT_ARCHS: dict[str, dict] = {
     **{f"vit_{s}_patch{p}_{i}": _vit(s, p, i) for s, p, i in (
@@ -809,10 +811,10 @@ VIT_ARCHS: dict[str, dict] = {
     "vit_base_patch16_reg4_gap_256": _vit("base", 16, 256, class_token=False, no_embed_class=True,
                                           global_pool="avg", reg_tokens=4),
     # EVA-02 (timm's non-CLIP image models): the table and RoPE on the patch indices, SwiGLU (sub-LN from base on)
-    **{f"eva02_{s}_patch14_{i}": _vit(s, 14, i, mlp_ratio=4 * 2 / 3, mlp="swiglu", global_pool="avg", k_bias=False,
-                                      rope_theta=10000.0, rope_ref_grid=16, mlp_norm=s in ("base", "large"))
-       for s, i in (("tiny", 224), ("tiny", 336), ("small", 224), ("small", 336), ("base", 224), ("base", 448),
-                    ("large", 224), ("large", 448))},
+    **{f"eva02_{s}_patch14_{i}": _vit(s, 14, i, **_EVA02) for s, i in (("tiny", 224), ("tiny", 336), ("small", 224),
+                                                                          ("small", 336))},
+    **{f"eva02_{s}_patch14_{i}": _vit(s, 14, i, **_EVA02, mlp_norm=True)
+       for s, i in (("base", 224), ("base", 448), ("large", 224), ("large", 448))},
 }
 ROPE_AUGMENT_KEYS = ("pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale")  # DINOv3's, in training
 VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
