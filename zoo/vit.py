@@ -1,10 +1,11 @@
 """The Vision Transformer family: ViT (tiny to huge, every patch size), DeiT (with its distillation token), DINOv2-style
 ViTs with LayerScale and registers, DINOv3 (2-D RoPE, SwiGLU), SigLIP 2's encoder (NaFlex, attention pooling) and
-EVA-02 (the table and 2-D RoPE, q and v biases, SwiGLU with sub-LN); one config (zoo/config.py's ViTConfig) whose `arch`, a timm name, picks the preset.
+EVA-02 (the table and 2-D RoPE, q and v biases, SwiGLU with sub-LN); one config (zoo/config.py's ViTConfig) whose
+`arch`, a timm name, picks the preset.
 
     image (B, C, H, W) -> patch_embed (p x p conv) -> [class, distillation, register tokens] + position table (or
-    RoPE on the patches, or both: EVA-02) -> blocks (pre-norm attention + MLP) -> norm -> class token (or mean of patch tokens ->
-    fc_norm, or attention pooling) -> head -> logits
+    RoPE on the patches, or both: EVA-02) -> blocks (pre-norm attention + MLP) -> norm -> class token (or mean of
+    patch tokens -> fc_norm, or attention pooling) -> head -> logits
     NaFlex: patches (B, N, p*p*C) already cut, each image's grid in spatial_shapes (B, 2), padding masked out
 
 Papers: Dosovitskiy et al., "An Image is Worth 16x16 Words" (2021); Touvron et al., "Training data-efficient image
