@@ -127,20 +127,32 @@ def test_eva02_bad_config_is_one_line():
 
 
 @pytest.mark.slow
-def test_an_eva02_trains_on_digits(tmp_path):
+@pytest.mark.parametrize("init", [None, "timm"], ids=["scratch", "timm"])
+def test_an_eva02_trains_on_digits(tmp_path, init):
     """configs/vit/vit-tiny-digits.yaml as eva02_tiny_patch14_224 (two blocks, 8x8 patches of 32x32 grey digits)
-    through train/run.py's loop: the training loss falls, and the run's weights load back as that EVA-02."""
+    through train/run.py's loop, from scratch or from a timm EVA-02 base file (train.init_from: q_proj, k_proj,
+    v_proj and sub-LN SwiGLU; its 2x2 grid's table resampled to the digits' 4x4, RoPE at 4x4): the training loss
+    falls, the run's weights load back as that EVA-02, and the export of the timm one loads into timm strictly."""
     from train.config import load_run_config
     from train.loop import train
     from train.metrics import read_rows
+    over = ["model.arch=eva02_tiny_patch14_224", "model.depth=2"]
+    kw = dict(embed_dim=128, depth=2, num_heads=2, patch_size=8, img_size=16, num_classes=3)
+    if init:
+        _, path = timm_eva(tmp_path, "eva02_base_patch14_224", kw, ".safetensors")
+        over = [f"train.init_from={path}"]
     cfg = load_run_config(str(Path(__file__).resolve().parents[1] / "configs/vit/vit-tiny-digits.yaml"),
-                          [f"train.out_dir={tmp_path / 'r'}", "model.arch=eva02_tiny_patch14_224", "model.depth=2",
-                           "train.max_steps=30", "train.eval_every=0", "train.progress=false", "train.samples=false",
-                           "train.plot=false", "train.ema_decay=null", "train.log_every=1", "train.batch_size=32",
-                           "optim.warmup_steps=3"])
+                          [f"train.out_dir={tmp_path / 'r'}", "train.max_steps=30", "train.eval_every=0",
+                           "train.progress=false", "train.samples=false", "train.plot=false", "train.ema_decay=null",
+                           "train.log_every=1", "train.batch_size=32", "optim.warmup_steps=3", *over])
     final = train(cfg, log=lambda m: None)
     losses = [r["loss"] for r in read_rows(tmp_path / "r") if "loss" in r]
     assert len(losses) == 30 and math.isfinite(final["val_loss"])
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
     model = zoo.from_pretrained(tmp_path / "r" / "model.safetensors")
-    assert model.config.arch == "eva02_tiny_patch14_224" and model.spec["rope_ref_grid"] == 16
+    assert model.config.arch == ("eva02_base_patch14_224" if init else "eva02_tiny_patch14_224")
+    assert model.spec["rope_ref_grid"] == 16 and model.spec["mlp_norm"] == bool(init)
+    if init:
+        from safetensors.torch import load_file
+        back = timm.create_model("eva02_base_patch14_224", pretrained=False, **{**kw, "num_classes": 10})
+        back.load_state_dict(load_file(tmp_path / "r" / "export" / path.name), strict=True)

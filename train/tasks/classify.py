@@ -114,6 +114,7 @@ class ClassifyTask(Task):
                     model = hf_vit.load(path, num_classes=0, **regularise)  # its head comes fresh in build_model
                     return model.state_dict(), replace(model.config, num_classes=self.model_cfg.num_classes)
                 sd = timm_convnet.read_state_dict(path)
+                sd = timm_vit.from_timm(sd) if fmt is timm_vit else sd  # EVA-02's and SwiGLU's names: Zoo's
                 named, base = timm_convnet.saved_config(path, VIT_ARCHS if fmt is timm_vit else None)
                 return sd, fmt.config_from_state_dict(sd, named, str(path), base,
                                                       num_classes=self.model_cfg.num_classes, **regularise)

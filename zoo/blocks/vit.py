@@ -75,9 +75,10 @@ class RopeAttention(Attention):
             self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
 
     def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """self.qkv (whatever wraps it: adapters), then the q and v biases (timm's qkv_bias_separate order)."""
         if self.q_bias is None:
             return self.qkv(x)
-        return F.linear(x, self.qkv.weight, torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias)))
+        return self.qkv(x) + torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
 
 def vit_mlp(dim: int, hidden: int, kind: str = "gelu", norm_eps: float = 0.0) -> nn.Module:

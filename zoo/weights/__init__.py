@@ -17,7 +17,7 @@ from .files import check_weights
 # Saving: the first whose exports(model) is true writes it (a Zoo folder for LLMs no external format holds).
 FORMATS: list[str] = ["zoo.weights.quantized", "zoo.weights.peft_lora", "zoo.weights.taesd", "zoo.weights.diffusers_dit",
                       "zoo.weights.diffusers_flux2", "zoo.weights.zoo_folder", "zoo.weights.hf_llm",
-                      "zoo.weights.hf_vlm", "zoo.weights.hf_vit", "zoo.weights.timm_vit", "zoo.weights.timm_convnet",
+                      "zoo.weights.hf_vlm", "zoo.weights.hf_vit", "zoo.weights.timm_convnet", "zoo.weights.timm_vit",
                       "zoo.weights.gguf_llm"]
 # Saving to a path with one of these suffixes: that format, whatever the model family's default.
 SUFFIXES: dict[str, str] = {".gguf": "zoo.weights.gguf_llm", ".pte": "zoo.weights.executorch_pte"}

@@ -284,8 +284,9 @@ def load(path, arch: str | None = None, num_classes: int | None = None, **overri
 
 
 def exports(model) -> bool:
+    """A ConvNet (a ViT, a ConvNetBase too, is timm_vit's: its names differ from timm's in places)."""
     from ..convnet import ConvNetBase
-    return isinstance(model, ConvNetBase)
+    return isinstance(model, ConvNetBase) and model.family != "vit"
 
 
 def save(model, path, **kwargs) -> Path:
