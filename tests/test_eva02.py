@@ -117,13 +117,19 @@ def test_eva02_rope_is_timms():
     assert gap(apply_rope_pairs(x, cos[1:], sin[1:]), apply_rot_embed_cat(x, emb)) <= 1e-6
 
 
-def test_eva02_bad_config_is_one_line():
-    """EVA-02's RoPE without rope_theta and a LayerNorm inside a GELU MLP: each a one-line error naming the key."""
+def test_eva02_bad_config_is_one_line(tmp_path):
+    """EVA-02's RoPE without rope_theta, a LayerNorm inside a GELU MLP, an EVA-02 written as a DINOv3ViTModel
+    folder: each a one-line error naming the key."""
+    from zoo.weights import hf_vit
     for model, key in (({"arch": "eva02_tiny_patch14_224", "rope_theta": 0}, "rope_ref_grid"),
                        ({"arch": "vit_tiny_patch16_224", "mlp_norm": True}, "mlp_norm")):
         with pytest.raises(Exception, match=key) as err:
             zoo.build({"family": "vit", "model": model})
         assert "\n" not in str(err.value)
+    eva = zoo.build({"family": "vit", "model": {"arch": "eva02_tiny_patch14_224", "depth": 1, "num_classes": 0}})
+    with pytest.raises(ValueError, match="rope_ref_grid=16 .*k_bias=False") as err:
+        hf_vit.save(eva, tmp_path / "hf")
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.slow

@@ -200,7 +200,8 @@ def hf_keys(model, kind: str, path) -> dict:
     """The HF config keys the model's structure fixes; a structure the class cannot hold: a one-line error."""
     r, c = model.spec, model.config
     want = dict(class_token=kind == "dinov3_vit", distilled=False, num_classes=0,
-                global_pool="map" if kind == "siglip2_vision_model" else "token")
+                global_pool="map" if kind == "siglip2_vision_model" else "token", rope_ref_grid=0, k_bias=True,
+                mlp_norm=False)  # EVA-02's: timm's layout only
     if kind != "dinov3_vit":  # SigLIP's encoder: a plain MLP, biased q, k, v, no registers, LayerScale or RoPE
         want.update(reg_tokens=0, init_values=0.0, rope_theta=0.0, qkv_bias=True, swiglu=False)
     if kind in CLASSES:
