@@ -76,9 +76,10 @@ class RopeAttention(Attention):
 
     def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
         """self.qkv (whatever wraps it: adapters), then the q and v biases (timm's qkv_bias_separate order)."""
+        qkv = self.qkv(x)
         if self.q_bias is None:
-            return self.qkv(x)
-        return self.qkv(x) + torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
+            return qkv
+        return qkv + torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias)).to(qkv.dtype)
 
 
 def vit_mlp(dim: int, hidden: int, kind: str = "gelu", norm_eps: float = 0.0) -> nn.Module:
