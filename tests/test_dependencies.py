@@ -18,7 +18,7 @@ LOCAL = {"zoo", "train", "tests", "sitecustomize"} | {p.stem for d in ("tests", 
                                                       for p in (ROOT / d).glob("*.py")}
 # modules of distributions that are not installed here (packages_distributions() cannot see them)
 NOT_INSTALLED = {"flash_attn": "flash-attn", "bitsandbytes": "bitsandbytes", "fla": "flash-linear-attention",
-                 "mamba_ssm": "mamba-ssm"}
+                 "mamba_ssm": "mamba-ssm", "mlflow": "mlflow-skinny"}
 PLUGINS = {"pytest-xdist": "the README's test command runs the suite in two workers (pytest -n 2)",  # used, not imported
            "sqlalchemy": "MLflow's SQLite store (train.tracker=mlflow)", "alembic": "MLflow's SQLite store",
            "num2words": "needed by transformers' SmolVLMProcessor, the VLM processor's reference"}
