@@ -103,8 +103,7 @@ def main(argv=None):
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     tables = {}
     for precision in args.precision:
         for family in args.families:

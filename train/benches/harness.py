@@ -216,6 +216,14 @@ def positive_int(text: str) -> int:
     return n
 
 
+def counts(p: argparse.ArgumentParser, **options) -> argparse.ArgumentParser:
+    """Positive-integer options in the order given: name=default, or name=(default, help); "_" in a name is "-"."""
+    for name, spec in options.items():
+        default, help_ = spec if isinstance(spec, tuple) else (spec, None)
+        p.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default, help=help_)
+    return p
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -512,7 +520,7 @@ def load_result(path: Path) -> dict:
     return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
 
 
-def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> Path:
+def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> None:
     """Prints the tables and writes the result JSON (args.json): the command, the machine, the date, the
     tables and the numbers; under docs/results/ the docs regions made from it are rewritten too."""
     if show_tables:
@@ -525,4 +533,3 @@ def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_table
     if path.resolve().parent == RESULTS.resolve():
         from train.docs import main as docs
         docs([])
-    return path

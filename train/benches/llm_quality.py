@@ -222,8 +222,7 @@ def main(argv=None, preset: str = "llm-moe-quality"):
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
         p.add_argument("--layers", type=int, default=None, help="its number of layers")
         p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
-    args = p.parse_args(argv)
-    harness.setup(args)  # --threads here too, so that the result's machine line names the runs' threads
+    args = p.setup(argv)  # --threads here too, so that the result's machine line names the runs' threads
     if peft and not Path(args.data).is_file():
         p.error(f"--data {args.data}: no such file (tinyshakespeare.txt)")
     base = make_base(args) if peft else None

@@ -104,8 +104,7 @@ def main(argv=None, preset: str = "sft-packing"):
         p = harness.parser(preset, __doc__, precision="fp32", rounds=False, out=True, seeds=2, one_precision=True)
         p.add_argument("--config", default="configs/vlm/digits-vqa.yaml")
         p.add_argument("override", nargs="*", help="key=value overrides of the config")
-        args = p.parse_args(argv)
-        harness.setup(args)
+        args = p.setup(argv)
         return harness.save(args, {"answers": vlm_quality(args)}, {})
     packs = preset == "sft-packing"
     p = harness.parser(preset, __doc__, precision="fp32", rounds=packs, keep_memory=packs, one_precision=True)
@@ -116,6 +115,5 @@ def main(argv=None, preset: str = "sft-packing"):
         p.add_argument("--base", default=str(ROOT / "runs" / "tiny"), help="the model before fine-tuning")
         p.add_argument("--runs", default=str(ROOT / "runs" / "tiny-sft"), help="comma list of fine-tuned run folders")
     p.add_argument("--conversations", type=harness.positive_int, default=256 if packs else 200)
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     harness.save(args, {"sides" if packs else "answers": (packing if packs else quality)(args)}, {})
