@@ -46,14 +46,10 @@ def versus(r, a="zoo", b="diffusers") -> list[str]:
 def taesd(args) -> tuple[dict, dict]:
     """One encode + decode of a batch per call through each library's API (diffusers takes [-1, 1], Zoo [0, 1])."""
     from diffusers import AutoencoderTiny
-
-    import zoo
     device = torch.device(args.device)
     torch.manual_seed(0)
     ref = AutoencoderTiny(latent_channels=4).eval()
-    with tempfile.TemporaryDirectory() as d:
-        ref.save_pretrained(d)
-        ours = zoo.from_pretrained(d).eval()
+    ours = harness.zoo_copy(ref).eval()
     rows, data, g = [], {}, torch.Generator().manual_seed(1)
     for prec in args.precision:
         for fmt in args.formats:
@@ -81,7 +77,6 @@ def dit_pair(preset: str, size: int, patch: int = 2, classes: int = 1000):
     into every block, as published DiTs are stored), fp32, training mode."""
     import diffusers
 
-    import zoo
     from zoo.config import DIT_PRESETS
     depth, width, heads = DIT_PRESETS[preset]
     torch.manual_seed(0)
@@ -93,9 +88,7 @@ def dit_pair(preset: str, size: int, patch: int = 2, classes: int = 1000):
             p.normal_(0, 0.02)
         for b in ref.transformer_blocks[1:]:
             b.norm1.emb.load_state_dict(ref.transformer_blocks[0].norm1.emb.state_dict())
-    with tempfile.TemporaryDirectory() as tmp:
-        ref.save_pretrained(tmp)
-        return zoo.from_pretrained(tmp).train(), ref.train()
+    return harness.zoo_copy(ref).train(), ref.train()
 
 
 def profile_step(step, steps: int) -> dict[str, float]:
@@ -164,16 +157,11 @@ def flux2(args) -> tuple[dict, dict]:
     of the prompts and the empty prompt together (2B rows, classifier-free guidance), no gradient."""
     import diffusers
     from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
-
-    import zoo
-    kw = dict(num_layers=args.double, num_single_layers=args.single, num_attention_heads=args.heads,
-              attention_head_dim=128, axes_dims_rope=(32, 32, 32, 32), in_channels=128,
-              joint_attention_dim=args.text_dim, guidance_embeds=False)
     torch.manual_seed(0)
-    ref = diffusers.Flux2Transformer2DModel(**kw)
-    with tempfile.TemporaryDirectory() as tmp:
-        ref.save_pretrained(tmp)
-        models = {"zoo": zoo.from_pretrained(tmp), "diffusers": ref}
+    ref = diffusers.Flux2Transformer2DModel(
+        num_layers=args.double, num_single_layers=args.single, num_attention_heads=args.heads, attention_head_dim=128,
+        axes_dims_rope=(32, 32, 32, 32), in_channels=128, joint_attention_dim=args.text_dim, guidance_embeds=False)
+    models = {"zoo": harness.zoo_copy(ref), "diffusers": ref}
     g, B, n = torch.Generator().manual_seed(0), args.batch, args.size
     x, c = torch.randn(B, n * n, 128, generator=g), torch.randn(B, args.text, args.text_dim, generator=g)
     t, target = torch.rand(B, generator=g), torch.randn(B, n * n, 128, generator=g)
@@ -268,7 +256,6 @@ def digits_classifier(size: int):
     from sklearn.linear_model import LogisticRegression
 
     from train.data.images import digits_dataset
-
     features = lambda x: F.adaptive_avg_pool2d(x.float().mean(1, keepdim=True), 8).flatten(1).cpu().numpy()  # noqa
     x, y = digits_dataset("train", size, 3)
     clf = LogisticRegression(max_iter=3000, C=1.0).fit(features(x), y.numpy())
@@ -424,7 +411,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
             rows = harness.run_loop(CONFIGS / RUNS[name][0], run, over, inproc=True, done="model_ema.safetensors")
             model = ema_model(run, CONFIGS / RUNS[name][0], over)[1]
             images = sample_grid(model, args.per_class, torch.device("cpu"), seed=seed, steps=25)
-            ev = [r for r in rows if "val_loss" in r][-1]
+            ev = harness.last_with(rows, "val_loss")
             per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
                                                    "steps": steps[name], **judge(judge_model, images, labels, real)}
             print(f"   {name} seed {seed}: classifier FD {per_seed[seed][name]['classifier_fd']:.2f}", flush=True)

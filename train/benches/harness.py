@@ -441,6 +441,16 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
     return read_rows(out)
 
 
+def zoo_copy(ref, **kw):
+    """Zoo's model as zoo.from_pretrained reads the folder `ref` (a diffusers or transformers model) saves."""
+    import tempfile
+
+    import zoo
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        return zoo.from_pretrained(tmp, **kw)
+
+
 def run_task(folder):
     """The task of the run in `folder` (its config.yaml) with its data read, on the CPU."""
     from train.builder import new_task
@@ -448,8 +458,13 @@ def run_task(folder):
     return new_task(load_run_config(str(Path(folder) / "config.yaml")), torch.device("cpu"), "fp32", lambda m: None)
 
 
+def last_with(rows: list[dict], key: str) -> dict:
+    """The last metrics row that holds `key`."""
+    return [r for r in rows if key in r][-1]
+
+
 def last(rows: list[dict], key: str) -> float:
-    return [r[key] for r in rows if key in r][-1]
+    return last_with(rows, key)[key]
 
 
 def final(rows: list[dict]) -> dict:
