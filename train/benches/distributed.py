@@ -115,7 +115,7 @@ def launch(side: str, args, precision: str) -> dict:
 
 def table(args, precision: str) -> tuple[dict, dict]:
     """Every side, round by round, then the table for one precision and way of training (--tune)."""
-    rounds, results = harness.Rounds({s: [] for s in SIDES}, {s: [] for s in SIDES}), {}
+    rounds, results = harness.Rounds.empty(SIDES), {}
     for r, side in harness.schedule(SIDES, args.rounds):
         results[side] = launch(side, args, precision)
         rounds.wall[side].append(max(rk["step_s"] for rk in results[side]["ranks"]))
