@@ -251,3 +251,21 @@ def test_gpu_rehearsal_runs_every_row_at_tiny_shapes_on_the_cpu(tmp_path):
     table = json.loads((tmp_path / "gpu.json").read_text())["tables"]["rows"]
     assert [(r[0], r[3]) for r in table["rows"]] == [(n, "ok") for n in gpu.rows()] and code == 0, table["rows"]
     assert (docs.read_bytes() if docs.exists() else None) == before
+
+
+def test_interval_text_forms_and_positive_integer_options(capsys):
+    """The harness's one 'mean ± half' cell: words after the verdict, in parentheses, scaled with a unit; and the
+    positive-integer options, with and without help, in the order given."""
+    m, h = harness.mean_interval([0.5, 0.6, 0.7])
+    assert harness.interval_text([0.5, 0.6, 0.7]) == f"{m:+.4f} ± {h:.4f}"
+    assert harness.interval_text([0.5, 0.6, 0.7], words="recipe").endswith(" recipe higher")
+    assert harness.interval_text([-0.1, 0.1], words="recipe").endswith(" ± 1.2706 inconclusive")
+    assert harness.interval_text([0.5, 0.6, 0.7], ".1f", half=".1f", scale=100, unit="%") == f"60.0% ± {100 * h:.1f}"
+    assert harness.interval_text([-0.5, -0.6, -0.7], "+.3f", half=".3f", paren=True) == f"-0.600 ± {h:.3f} (lower)"
+    p = harness.counts(harness.parser("x", "doc"), steps=3, new_tokens=(4, "tokens per row"))
+    assert vars(p.parse_args(["--new-tokens", "7"]))["new_tokens"] == 7 and p.parse_args([]).steps == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--steps", "0"])
+    assert capsys.readouterr().err == "bench.py x: error: argument --steps: must be >= 1, got 0\n"
+    help_ = " ".join(p.format_help().split())
+    assert help_.index("--steps STEPS --new-tokens NEW_TOKENS tokens per row") > help_.index("--threads")

@@ -25,17 +25,21 @@ POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"
             "full": ["train.activation_checkpointing=full"]}
 
 
+def model_and_task(cfg, device: torch.device):
+    """The run's model (seed 0, training mode, on `device`) and its task."""
+    from train.config import task_class
+    from train.planner import build_model
+    torch.manual_seed(0)
+    return build_model(cfg).to(device).train(), task_class(cfg.family)(cfg, device, lambda m: None)
+
+
 def step_fn(cfg, device: torch.device = torch.device("cpu")):
     """One training step of `cfg` as the loop runs it (train.step.optimizer_step: train.grad_accum micro-batches
     of Task.example_batch, autocast in train.precision with a GradScaler for fp16, clipping, the config's
     optimizer), compiled when train.compile. The step callable."""
     from train.optim import build_optimizer
-    from train.planner import build_model
     from train.step import autocast_for, optimizer_step
-    from train.config import task_class
-    torch.manual_seed(0)
-    model = build_model(cfg).to(device).train()
-    task = task_class(cfg.family)(cfg, device, lambda m: None)
+    model, task = model_and_task(cfg, device)
     batch = task.example_batch(model, cfg.train.batch_size)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -76,12 +80,8 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
     k times larger, the same data (a recording optimizer keeps the gradients)."""
     from types import SimpleNamespace
 
-    from train.planner import build_model
     from train.step import optimizer_step
-    from train.config import task_class
-    torch.manual_seed(0)
-    model = build_model(cfg).to(device).train()
-    task = task_class(cfg.family)(cfg, device, lambda m: None)
+    model, task = model_and_task(cfg, device)
     task.example_batch(model, 1)  # the task takes the model's settings, as before the loop's first step
     b, gen = cfg.train.batch_size, torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len + 1), generator=gen).to(device)
@@ -103,8 +103,7 @@ def main(argv=None):
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     tables = {}
     for precision in args.precision:
         for family in args.families:

@@ -11,7 +11,6 @@ A step is forward, cross-entropy, backward, SGD-momentum and zero_grad; both mod
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -59,12 +58,10 @@ def step_rounds(models: dict, batch: int, size: int, classes: int, precision: st
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, size, size, generator=g).to(device)
     y = torch.randint(0, classes, (batch,), generator=g).to(device)
-    calls = {}
-    for n, m in models.items():
-        f = (fmt or {}).get(n, torch.channels_last)
-        s = side(m.to(device, memory_format=f), [x.contiguous(memory_format=f), y], device)
-        calls[n] = lambda s=s: s.step(precision)
-    return harness.run_rounds(calls, rounds, sync=lambda: sync(device), warmup=1)
+    f = {n: (fmt or {}).get(n, torch.channels_last) for n in models}
+    sides = {n: side(m.to(device, memory_format=f[n]), [x.contiguous(memory_format=f[n]), y], device)
+             for n, m in models.items()}
+    return harness.run_rounds(harness.step_calls(sides, precision), rounds, sync=lambda: sync(device), warmup=1)
 
 
 def merged(old: dict, new: dict) -> dict:
@@ -94,9 +91,8 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
                 sides = {n: side(m.to(device, memory_format=harness.FORMATS[fmt]), batch, device, mode == "compiled")
                          for n, m in zip(("zoo", "timm"), models)}
                 for p in args.precision:
-                    calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
-                    r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device),
-                                           warmup=args.warmup)
+                    r = harness.run_rounds(harness.step_calls(sides, p), args.rounds, calls=args.steps,
+                                           sync=lambda: sync(device), warmup=args.warmup)
                     w, c = r.paired("zoo", "timm"), r.paired("zoo", "timm", "cpu")
                     data["results"].append({
                         "arch": arch, "mode": mode, "format": fmt, "precision": p,
@@ -104,8 +100,7 @@ def zoo_vs_timm(args) -> tuple[dict, dict]:
                         "best_ratio": r.ratio("zoo", "timm"), "zoo_speed_over_timm_paired_median": w.median,
                         "range": [w.low, w.high], "cpu_time_paired_median": c.median, "cpu_time_range": [c.low, c.high],
                         "zoo_gflops": flops and args.batch * flops / r.best("zoo") / 1e9, "rounds": args.rounds,
-                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                        "load_average": os.getloadavg()[0], "wall": r.wall})
+                        "date": harness.now(), "load_average": os.getloadavg()[0], "wall": r.wall})
                     print(f"  {arch} {mode} {fmt} {p}: {r.summary('zoo', 'timm')}", flush=True)
             torch._dynamo.reset()
     if args.preset == "convnets":  # rows of other settings kept from the result before, and its command
@@ -168,8 +163,7 @@ def drop_path(args) -> tuple[dict, dict]:
                 cfg = ConvNetConfig(arch=args.arch, num_classes=10, drop_path_rate=rate, drop_path_mode=mode)
                 sides[mode] = side(zoo.build(cfg).to(memory_format=torch.channels_last), batch)
                 sides[mode].step(p)
-            r = harness.run_rounds({m: (lambda s=s: s.step(p)) for m, s in sides.items()}, args.rounds,
-                                   calls=args.steps)
+            r = harness.run_rounds(harness.step_calls(sides, p), args.rounds, calls=args.steps)
             data["results"].append({"precision": p, "rate": rate,
                                     **{f"{m}_img_s": args.batch / r.best(m) for m in MODES},
                                     **{f"{m}_over_mask": r.paired(m, "mask")._asdict() for m in ("skip", "batch")},
@@ -185,8 +179,8 @@ def drop_path(args) -> tuple[dict, dict]:
         for mode in ("skip", "batch"):
             rate = crossover(data, mode, p)
             every = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["low"] > 1.0) or "no rate"
-            beyond = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["median"] > bound(r["rate"]))
-            beyond = beyond or "no rate"
+            beyond = ", ".join(str(r["rate"]) for r in at if r[f"{mode}_over_mask"]["median"] > bound(r["rate"])) \
+                or "no rate"
             notes.append(f"{mode} / mask ({p}): paired median above 1.00x "
                          f"{'at no rate measured' if rate is None else f'from a last-block rate of {rate} on'}; "
                          f"every round faster at {every}; median beyond the bound (noise) at {beyond}.")
@@ -199,15 +193,14 @@ def drop_path(args) -> tuple[dict, dict]:
 def recipe(args) -> tuple[dict, dict]:
     """Per seed, the digits preset as shipped (baseline) and with RECIPE's overrides: final validation top-1,
     loss and confidence (the mean highest softmax probability of the final weights)."""
-    metrics = ("val_acc1", "val_loss", "val_confidence")
-    res = {"baseline": [], "recipe": []}
+    metrics, res = ("val_acc1", "val_loss", "val_confidence"), {"baseline": [], "recipe": []}
     for seed in args.seeds:
         for name, extra in (("baseline", []), ("recipe", RECIPE.split(","))):
             out = Path(args.out) / f"{name}-{seed}"
             rows = harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", out, [
                 f"train.max_steps={args.steps}", f"train.seed={seed}", f"train.precision={args.precision}", *extra],
                 args.threads or 1)
-            r = [r for r in rows if "val_acc1" in r][-1]
+            r = harness.last_with(rows, "val_acc1")
             res[name].append({"seed": seed, "val_acc1": r["val_acc1"], "val_loss": r["val_loss"],
                               "val_confidence": confidence(out)})
     rows = [[k, " ".join(f"{a[k]:.4f}" for a in res["baseline"]), " ".join(f"{b[k]:.4f}" for b in res["recipe"]),

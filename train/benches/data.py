@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from types import SimpleNamespace
 import shutil
 import signal
 import subprocess
@@ -88,11 +89,8 @@ def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
     threads; the number of ids."""
     from train.data import documents
     n, batch, size = 0, [], 0
-
-    def encode(texts):
-        if hasattr(tok, "sp"):
-            return sum(map(len, tok.sp.encode(texts, num_threads=threads)))
-        return sum(len(e.ids) for e in tok.tok.encode_batch(texts, add_special_tokens=False))
+    encode = (lambda texts: sum(map(len, tok.sp.encode(texts, num_threads=threads)))) if hasattr(tok, "sp") else (
+        lambda texts: sum(len(e.ids) for e in tok.tok.encode_batch(texts, add_special_tokens=False)))
     for d in documents(str(corpus)):
         batch.append(d.text)
         size += len(d.text)
@@ -122,13 +120,10 @@ def speed(args, folder: Path, out: dict):
     for form, corpus in corpora.items():
         for name, tok in toks.items():
             counts = {}
-
-            def zoo():
-                counts["zoo"] = prepare_into(args, corpus, tok, folder / "shards", args.workers).manifest["tokens"]
-
-            def alone():
-                counts["alone"] = tokenizer_alone(corpus, tok, args.workers)
-            r = harness.run_rounds({SIDES[0]: zoo, SIDES[1]: alone}, args.rounds)
+            r = harness.run_rounds({
+                SIDES[0]: lambda: counts.update(zoo=prepare_into(args, corpus, tok, folder / "shards",
+                                                                 args.workers).manifest["tokens"]),
+                SIDES[1]: lambda: counts.update(alone=tokenizer_alone(corpus, tok, args.workers))}, args.rounds)
             prepare_into(args, corpus, tok, folder / "one", 1)
             same = shard_bytes(folder / "shards") == shard_bytes(folder / "one")
             paired = r.paired(SIDES[0], SIDES[1])
@@ -157,10 +152,8 @@ def tree_pss(pid: int) -> tuple[int, int]:
         p = todo.pop()
         try:
             for line in open(f"/proc/{p}/smaps_rollup"):
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-                elif line.startswith("Pss_Anon:"):
-                    anon += int(line.split()[1]) * 1024
+                total += int(line.split()[1]) * 1024 if line.startswith("Pss:") else 0
+                anon += int(line.split()[1]) * 1024 if line.startswith("Pss_Anon:") else 0
             for t in os.listdir(f"/proc/{p}/task"):
                 todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
         except (OSError, ValueError):
@@ -206,8 +199,7 @@ def rss(args, folder: Path, out: dict):
                 pss, anon = tree_pss(p.pid)
                 peak, peak_anon = max(peak, pss), max(peak_anon, anon)
                 time.sleep(0.05)
-            tokens, secs = p.stdout.read().split()
-            tokens, secs = int(tokens), float(secs)
+            tokens, secs = (f(v) for f, v in zip((int, float), p.stdout.read().split()))
             first = out.setdefault("rss", {}).setdefault(form, {}).get(str(args.rss_mb[0]), {}).get("peak_pss_bytes")
             out["rss"][form][str(mb)] = {"corpus_mb": size / 1e6, "peak_pss_bytes": peak,
                                          "peak_anon_pss_bytes": peak_anon, "seconds": secs, "tokens": tokens}
@@ -238,10 +230,9 @@ def resume(args, folder: Path, out: dict):
             time.sleep(0.01)
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-        at = read_manifest(killed) or {"chunks": 0, "shards": []}
+        at, looks_complete = read_manifest(killed) or {"chunks": 0, "shards": []}, True
         try:
             Shards(killed)
-            looks_complete = True
         except DataError:
             looks_complete = False
         t0 = time.perf_counter()
@@ -277,13 +268,9 @@ def batches(args, folder: Path, out: dict):
     torch.manual_seed(0)
     model = build_model(preset).train()
     x = torch.randint(0, preset.model.vocab_size, (1, T))
-
-    def step():  # forward and backward, no optimizer
-        with harness.autocast(args.precision):
-            _, loss = model(x, x)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    trained = T / harness.run_rounds({"step": step}, 2, warmup=1).best("step")
+    side = harness.Side(model, lambda m: m(x, x)[1], optimizer=SimpleNamespace(step=lambda: None,  # no optimizer
+                                                                               zero_grad=model.zero_grad))
+    trained = T / harness.run_rounds({"step": lambda: side.step(args.precision)}, 2, warmup=1).best("step")
     out["batches"] = {"batch": [B, T], "assembled_tokens_per_s": assemble, "trained_tokens_per_s": trained,
                       "precision": args.precision, "threads": torch.get_num_threads()}
     return harness.table(["assembled tokens/s", "trained tokens/s", "assembly / training"],
@@ -376,8 +363,7 @@ def main(argv=None, preset: str = "data"):
         ap.add_argument("--rss-mb", type=harness.int_list, default=[50, 150],
                         help="comma list of corpus sizes in MB for the memory part (default 50,150)")
         ap.add_argument("--shard-tokens", type=harness.positive_int, default=1 << 21, help="tokens per shard")
-    args = ap.parse_args(argv)
-    harness.setup(args)
+    args = ap.setup(argv)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))  # the tokenizers library's threads
     out, tables = {"workers": args.workers, "cpus": os.cpu_count()}, {}
     with tempfile.TemporaryDirectory(prefix="zoo-bench-data-") as folder:

@@ -51,8 +51,8 @@ def base_model(args) -> Path:
     if args.trained:
         return Path(args.trained)
     over = args.train_overrides.split()
-    tag = "-" + hashlib.sha1(" ".join(over).encode()).hexdigest()[:8] if over else ""
-    out = Path("runs/bench-quantized") / f"tiny{tag}"
+    out = Path("runs/bench-quantized") / ("tiny-" + hashlib.sha1(" ".join(over).encode()).hexdigest()[:8] if over
+                                          else "tiny")
     harness.run_loop(TINY, out, over)
     return out
 
@@ -82,19 +82,14 @@ def quantized_speed(args) -> dict:
     torch.manual_seed(0)
     models = quantized_copies(cast_weights(zoo.build(ROOT / "configs" / "llm" / "smollm-135m.yaml"),
                                            harness.PRECISIONS[base]).eval(), args, base)
-    prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt),
-                           generator=torch.Generator().manual_seed(1))
-    calls = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}
-    outs = {}
+    prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    calls, outs = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}, {}
     sides = harness.inference_sides(calls, "fp32", outs)  # fp32: no autocast, each model in its own dtype
     first = harness.warm_up(sides)
     r = harness.run_rounds(sides, args.rounds)
-    rows = []
-    for s in calls:
-        size = get_model_size_in_bytes(models[s], ignore_embeddings=False)
-        rows.append([s, f"{size / 2**20:.0f}", f"{args.new_tokens / r.best(s):.3g}",
-                     f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, base)), f"{first[s]:.1f}",
-                     "yes" if torch.equal(outs[s], outs[base]) else "no"])
+    rows = [[s, f"{get_model_size_in_bytes(models[s], ignore_embeddings=False) / 2**20:.0f}",
+             f"{args.new_tokens / r.best(s):.3g}", f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, base)),
+             f"{first[s]:.1f}", "yes" if torch.equal(outs[s], outs[base]) else "no"] for s in calls]
     return harness.table(["model", "weights MiB", "tokens/s (best round)", "tokens per CPU-second (best round)",
                           f"against {base}: paired median (range)", "first call s", f"same tokens as {base}"], rows)
 
@@ -122,9 +117,8 @@ def qat(args, base) -> tuple[dict, dict]:
     """Per seed two int4 fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
     and qat (train.qat: fake-quantized, then converted). Both increases over the ptq run's bf16 copy."""
     from train.config import QAT_SCHEMES
-    seeds = []
+    seeds, group = [], f"train.quant_group_size={args.group_size}"
     for seed in args.seeds:
-        group = f"train.quant_group_size={args.group_size}"
         p = fine_tune(args, base, "ptq-int4", seed, [group, f"train.quantize={QAT_SCHEMES['int4']}"])
         q = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"])
         ref = p["quant_ref_val_loss"]
@@ -155,9 +149,8 @@ def numerics(folder: Path, group_size: int) -> dict:
     import zoo
     from zoo.quantization import Int4FakeQuantizer, quantize, targets
 
-    def generic(**kw):
-        return IntxFakeQuantizer(IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=False,
-                                                        zero_point_domain=ZeroPointDomain.FLOAT, **kw))
+    generic = lambda **kw: IntxFakeQuantizer(IntxFakeQuantizeConfig(  # noqa: E731
+        torch.int4, group_size=group_size, is_symmetric=False, zero_point_domain=ZeroPointDomain.FLOAT, **kw))
     makers = {"torchao int4, int32 zero point": generic,
               "torchao int4, float32 zero point": lambda: generic(zero_point_precision=torch.float32),
               "Int4FakeQuantizer (bf16, tinygemm)": lambda: Int4FakeQuantizer(group_size)}
@@ -295,10 +288,10 @@ def distill_quality(args) -> tuple[dict, dict]:
                                                   "train.max_steps=200", *extra], args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
     seeds = []
+    kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}", f"train.kd_temperature={args.kd_temperature}",
+          f"train.kd_kind={args.kd_kind}"]
     for seed in args.seeds:
         over = [*common, *student, f"train.max_steps={args.steps}", f"train.seed={seed}", *extra]
-        kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}",
-              f"train.kd_temperature={args.kd_temperature}", f"train.kd_kind={args.kd_kind}"]
         got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o,
                                                     args.threads or 1)) for side, o in (("alone", []), ("teacher", kd))}
         seeds.append({"seed": seed, **{side: {k: r[k] for k in metrics} for side, r in got.items()}})
@@ -329,14 +322,10 @@ def convnet_ptq(args) -> tuple[dict, dict]:
         harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", folder, [
             f"train.max_steps={args.steps}", f"train.seed={seed}", "train.eval_every=0", "train.precision=fp32"],
             args.threads or 1)
-        task = harness.run_task(folder)
-        model = zoo.from_pretrained(folder).float().eval()
-        t0 = time.perf_counter()
-        calibration = [task.normalize(task.train_batch(s, 0)[0]) for s in range(8)]
-        int8 = zoo.quantize(model, "int8", calibration=calibration)
+        task, model, t0 = harness.run_task(folder), zoo.from_pretrained(folder).float().eval(), time.perf_counter()
+        int8 = zoo.quantize(model, "int8", calibration=[task.normalize(task.train_batch(s, 0)[0]) for s in range(8)])
         val = [(task.normalize(x), y) for x, y in task._val_batches()]
-        s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val),
-             "int8": scores(int8, val)}
+        s = {"seed": seed, "quantize_s": time.perf_counter() - t0, "fp32": scores(model, val), "int8": scores(int8, val)}
         seeds.append(s)
         if seed == args.seeds[0]:
             x = torch.cat([x for x, _ in val])[:args.batch]
@@ -382,16 +371,14 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--trained", default=None, help="the LLM: a run or Hugging Face folder, a GGUF file "
                                                        "(default: the embedded default, trained once)")
         p.add_argument("--train-overrides", default="", help="key=value overrides of the embedded default's run")
-        p.add_argument("--group-size", type=harness.positive_int, default=32)
-        p.add_argument("--eval-batches", type=harness.positive_int, default=40 if preset == "quantized" else 20)
+        harness.counts(p, group_size=32, eval_batches=40 if preset == "quantized" else 20)
     if preset in ("qat", "prune"):
         p.add_argument("--steps", type=harness.positive_int, default=100)
         p.add_argument("--lr", type=float, default=5e-4)
         p.add_argument("--fine-tune-overrides", default="", help="key=value overrides of the fine-tunes")
     if preset == "quantized":
         p.add_argument("--parts", type=harness.name_list(("speed", "quality"), "part"), default="speed,quality")
-        p.add_argument("--prompt", type=harness.positive_int, default=16)
-        p.add_argument("--new-tokens", type=harness.positive_int, default=128)
+        harness.counts(p, prompt=16, new_tokens=128)
     if preset == "distill":
         harness.llm_args(p, vocab=32000, d_model=256)
         p.add_argument("--tokens", type=harness.positive_int, default=1024)
@@ -407,25 +394,24 @@ def main(argv=None, preset: str = "quantized"):
         p.add_argument("--eval-batches", type=harness.positive_int, default=20, help="LLM: train.eval_batches")
         p.add_argument("--json", type=Path, default=None, help="default docs/results/distill-quality-FAMILY.json")
     if preset == "convnet-ptq":
-        p.add_argument("--steps", type=harness.positive_int, default=200)
-        p.add_argument("--batch", type=harness.positive_int, default=64, help="images per timed call")
+        harness.counts(p, steps=200, batch=(64, "images per timed call"))
     args = p.parse_args(argv)
     if preset == "convnet-ptq" and args.precision != "fp32":
         p.error("--precision: fp32 only (the float model int8 is measured against, and its training)")
     harness.setup(args)
     if preset == "distill-quality":
         args.json = args.json or harness.RESULTS / f"distill-quality-{args.family}.json"
-        tables, data = distill_quality(args)
-    elif preset == "quantized":
-        old = harness.load_result(args.json)  # a part not run now keeps its earlier table (and command)
-        tables = {k: {"command": old["command"], **old["tables"][k]} for k in ("speed", "quality")
-                  if k not in args.parts and k in old.get("tables", {})}
-        for k in args.parts:
-            tables[k] = {**(quantized_speed(args) if k == "speed" else quantized_quality(args)),
-                         "command": args.command}
-        data = {}
-    else:
-        run = {"qat": lambda: qat(args, base_model(args)), "prune": lambda: prune(args, base_model(args)),
-               "distill": lambda: distill_memory(args), "convnet-ptq": lambda: convnet_ptq(args)}[preset]
-        tables, data = run()
-    harness.save(args, tables, data)
+    run = {"qat": lambda: qat(args, base_model(args)), "prune": lambda: prune(args, base_model(args)),
+           "distill": lambda: distill_memory(args), "convnet-ptq": lambda: convnet_ptq(args),
+           "distill-quality": lambda: distill_quality(args), "quantized": lambda: quantized(args)}[preset]
+    harness.save(args, *run())
+
+
+def quantized(args) -> tuple[dict, dict]:
+    """The parts run now (speed, quality); a part not run keeps its earlier table (and command)."""
+    old = harness.load_result(args.json)
+    tables = {k: {"command": old["command"], **old["tables"][k]} for k in ("speed", "quality")
+              if k not in args.parts and k in old.get("tables", {})}
+    for k in args.parts:
+        tables[k] = {**(quantized_speed(args) if k == "speed" else quantized_quality(args)), "command": args.command}
+    return tables, {}

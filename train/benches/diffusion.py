@@ -46,21 +46,17 @@ def versus(r, a="zoo", b="diffusers") -> list[str]:
 def taesd(args) -> tuple[dict, dict]:
     """One encode + decode of a batch per call through each library's API (diffusers takes [-1, 1], Zoo [0, 1])."""
     from diffusers import AutoencoderTiny
-
-    import zoo
     device = torch.device(args.device)
     torch.manual_seed(0)
     ref = AutoencoderTiny(latent_channels=4).eval()
-    with tempfile.TemporaryDirectory() as d:
-        ref.save_pretrained(d)
-        ours = zoo.from_pretrained(d).eval()
-    rows, data = [], {}
+    ours = harness.zoo_copy(ref).eval()
+    rows, data, g = [], {}, torch.Generator().manual_seed(1)
     for prec in args.precision:
         for fmt in args.formats:
             mf, dt = harness.FORMATS[fmt], harness.PRECISIONS[prec]
             a, b = ours.to(device, dt, memory_format=mf), ref.to(device, dt, memory_format=mf)
-            x = torch.rand(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(1))
-            x = x.to(device, dt).contiguous(memory_format=mf)
+            x = torch.rand(args.batch, 3, args.size, args.size, generator=g.manual_seed(1)).to(device, dt)
+            x = x.contiguous(memory_format=mf)
             sides = {"zoo": lambda: a.decode(a.encode(x)),
                      "diffusers": lambda: b.decode(b.encode(x * 2 - 1).latents).sample}
             with torch.inference_mode():
@@ -81,7 +77,6 @@ def dit_pair(preset: str, size: int, patch: int = 2, classes: int = 1000):
     into every block, as published DiTs are stored), fp32, training mode."""
     import diffusers
 
-    import zoo
     from zoo.config import DIT_PRESETS
     depth, width, heads = DIT_PRESETS[preset]
     torch.manual_seed(0)
@@ -93,9 +88,7 @@ def dit_pair(preset: str, size: int, patch: int = 2, classes: int = 1000):
             p.normal_(0, 0.02)
         for b in ref.transformer_blocks[1:]:
             b.norm1.emb.load_state_dict(ref.transformer_blocks[0].norm1.emb.state_dict())
-    with tempfile.TemporaryDirectory() as tmp:
-        ref.save_pretrained(tmp)
-        return zoo.from_pretrained(tmp).train(), ref.train()
+    return harness.zoo_copy(ref).train(), ref.train()
 
 
 def profile_step(step, steps: int) -> dict[str, float]:
@@ -133,8 +126,8 @@ def dit(args) -> tuple[dict, dict]:
     rows, profiles, data = [], [], {}
     for p in args.precision:
         for mode in args.modes:
-            sides = {n: harness.Side(m, loss(n), opts[n], compile=mode == "compiled") for n, m in models.items()}
-            calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
+            calls = harness.step_calls({n: harness.Side(m, loss(n), opts[n], compile=mode == "compiled")
+                                        for n, m in models.items()}, p)
             r = harness.run_rounds(calls, args.rounds, calls=args.steps, warmup=args.warmup)
             rows.append([p, mode, f"{B / r.best('zoo'):.2f}", f"{B / r.best('diffusers'):.2f}", *versus(r)])
             data[f"{p} {mode}"] = r.wall
@@ -164,16 +157,11 @@ def flux2(args) -> tuple[dict, dict]:
     of the prompts and the empty prompt together (2B rows, classifier-free guidance), no gradient."""
     import diffusers
     from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
-
-    import zoo
-    kw = dict(num_layers=args.double, num_single_layers=args.single, num_attention_heads=args.heads,
-              attention_head_dim=128, axes_dims_rope=(32, 32, 32, 32), in_channels=128,
-              joint_attention_dim=args.text_dim, guidance_embeds=False)
     torch.manual_seed(0)
-    ref = diffusers.Flux2Transformer2DModel(**kw)
-    with tempfile.TemporaryDirectory() as tmp:
-        ref.save_pretrained(tmp)
-        models = {"zoo": zoo.from_pretrained(tmp), "diffusers": ref}
+    ref = diffusers.Flux2Transformer2DModel(
+        num_layers=args.double, num_single_layers=args.single, num_attention_heads=args.heads, attention_head_dim=128,
+        axes_dims_rope=(32, 32, 32, 32), in_channels=128, joint_attention_dim=args.text_dim, guidance_embeds=False)
+    models = {"zoo": harness.zoo_copy(ref), "diffusers": ref}
     g, B, n = torch.Generator().manual_seed(0), args.batch, args.size
     x, c = torch.randn(B, n * n, 128, generator=g), torch.randn(B, args.text, args.text_dim, generator=g)
     t, target = torch.rand(B, generator=g), torch.randn(B, n * n, 128, generator=g)
@@ -181,11 +169,7 @@ def flux2(args) -> tuple[dict, dict]:
                txt_ids=Flux2Pipeline._prepare_text_ids(c))
     guided = dict(hidden_states=x.repeat(2, 1, 1), encoder_hidden_states=torch.cat([c, torch.zeros_like(c)]),
                   timestep=t.repeat(2), img_ids=ids["img_ids"].repeat(2, 1, 1), txt_ids=ids["txt_ids"].repeat(2, 1, 1))
-
-    def out(f, name, **a):
-        y = f(**a)
-        return y if name == "zoo" else y.sample
-
+    out = lambda f, name, **a: f(**a) if name == "zoo" else f(**a).sample  # noqa: E731
     rows, data = [], {}
     for p in args.precision:
         sides = {n_: harness.Side(m, lambda f, n_=n_: F.mse_loss(out(f, n_, hidden_states=x, encoder_hidden_states=c,
@@ -195,7 +179,7 @@ def flux2(args) -> tuple[dict, dict]:
         def sample(name, p=p):
             with torch.no_grad(), harness.autocast(p):
                 return out(models[name].eval(), name, **guided)
-        for kind, calls in (("training step", {n_: (lambda s=s: s.step(p)) for n_, s in sides.items()}),
+        for kind, calls in (("training step", harness.step_calls(sides, p)),
                             ("sampling step (CFG)", {n_: (lambda n_=n_: sample(n_)) for n_ in models})):
             r = harness.run_rounds(calls, args.rounds, calls=args.steps, warmup=1)
             rows.append([kind, p, f"{r.best('zoo') * 1e3:.0f}", f"{r.best('diffusers') * 1e3:.0f}", *versus(r)])
@@ -228,9 +212,8 @@ def latent_cache(args) -> tuple[dict, dict]:
                           "dit": {"preset": preset, "patch_size": patch},
                           "autoencoder": {"weights": str(args.weights), "latent_channels": 32, "midblock_gn": True}},
                 "train": {"out_dir": str(tmp / "run"), "batch_size": B, "device": args.device, "progress": False}})
-            logs = []
+            logs, t0 = [], time.perf_counter()
             task = DiffusionTask(cfg, device, log=logs.append)
-            t0 = time.perf_counter()
             task.setup()
             setup_s = time.perf_counter() - t0
             cache = "reused" if any(m.startswith("latents: reusing") for m in logs) else "built"
@@ -254,9 +237,8 @@ def latent_cache(args) -> tuple[dict, dict]:
                 return fn
             for p in args.precision:
                 models = {n: copy.deepcopy(base) for n in batches}
-                sides = {n: harness.Side(m, loss(n), torch.optim.AdamW(m.denoiser.parameters(), lr=1e-4), device=device)
-                         for n, m in models.items()}
-                calls = {n: (lambda s=s: s.step(p)) for n, s in sides.items()}
+                calls = harness.step_calls({n: harness.Side(m, loss(n), torch.optim.AdamW(
+                    m.denoiser.parameters(), lr=1e-4), device=device) for n, m in models.items()}, p)
                 r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device), warmup=1)
                 rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
                              f"{B / r.best('cache'):.2f}", f"{B / r.best('encode'):.2f}",
@@ -274,9 +256,7 @@ def digits_classifier(size: int):
     from sklearn.linear_model import LogisticRegression
 
     from train.data.images import digits_dataset
-
-    def features(images):
-        return F.adaptive_avg_pool2d(images.float().mean(1, keepdim=True), 8).flatten(1).cpu().numpy()
+    features = lambda x: F.adaptive_avg_pool2d(x.float().mean(1, keepdim=True), 8).flatten(1).cpu().numpy()  # noqa
     x, y = digits_dataset("train", size, 3)
     clf = LogisticRegression(max_iter=3000, C=1.0).fit(features(x), y.numpy())
     return lambda images: clf.predict_proba(features(images))
@@ -306,26 +286,17 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
     """The digits preset trained through the loop with Min-SNR-5 and with uniform weighting, all else equal:
     {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident (, classifier_fd:
     with `judge`, digits_judge's)}}; a samples PNG per setting in `out`."""
-    from train.sample_quality import judge as judged
-    from safetensors.torch import load_model
-
-    import zoo
-    from train.config import load_run_config
     from train.data.images import digits_dataset
+    from train.sample_quality import judge as judged
     from train.tasks.diffusion import sample_grid, save_grid
     results, classify, config = {}, None, str(CONFIGS / "digits.yaml")
     for name, gamma in (("gamma=5", 5.0), ("uniform", "null")):
-        over = [f"model.min_snr_gamma={gamma}", "train.resume=false",
-                *([f"train.max_steps={steps}"] if steps else []),
+        over = [f"model.min_snr_gamma={gamma}", "train.resume=false", *([f"train.max_steps={steps}"] if steps else []),
                 *([f"train.precision={precision}"] if precision else []), *overrides]
         run = Path(out) / name.replace("=", "")
         say(f"== {name}")
         rows = harness.run_loop(config, run, over, inproc=True, done=None)
-        cfg = load_run_config(config, over)
-        model = zoo.build(cfg.model)
-        ema = run / "model_ema.safetensors"
-        load_model(model, str(ema if ema.is_file() else run / "model.safetensors"))
-        model.eval()
+        cfg, model = ema_model(run, config, over)
         if classify is None:
             classify = digits_classifier(cfg.model.image_size)
             xv, yv = digits_dataset("val", cfg.model.image_size, 3)
@@ -340,6 +311,18 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
                          "rows": rows, **score(classify(images), labels),
                          **(judged(judge[0], images, None, judge[1]) if judge else {})}
     return results
+
+
+def ema_model(run: Path, config, over: list):
+    """(The run config of `config` with `over`, its model with the run's EMA weights, else its final ones, in eval
+    mode)."""
+    import zoo
+    from safetensors.torch import load_model
+    from train.config import load_run_config
+    cfg = load_run_config(str(config), over)
+    model, ema = zoo.build(cfg.model), run / "model_ema.safetensors"
+    load_model(model, str(ema if ema.is_file() else run / "model.safetensors"))
+    return cfg, model.eval()
 
 
 def min_snr(args) -> tuple[dict, dict]:
@@ -387,7 +370,6 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     training FLOPs; one shared autoencoder; each run's EMA (decay 1 - 8 / steps, within [0.9, 0.999])
     sampled --per-class times per digit and judged by a ResNet-10 digits classifier."""
     import zoo
-    from safetensors.torch import load_model
     from train.config import load_run_config
     from train.data.images import digits_dataset
     from train.sample_quality import judge
@@ -402,9 +384,8 @@ def diffusion_quality(args) -> tuple[dict, dict]:
         torch.manual_seed(0)
         images = load_images(d, cfg.model.image_size, cfg.source)
         pixels = images.read("train", 0, len(images.labels["train"]))
-        zoo.save_pretrained(train_autoencoder(build_autoencoder(cfg.model), pixels,
-                                              d.ae_steps, d.ae_batch_size, d.ae_lr, d.ae_latent_noise,
-                                              torch.device("cpu"), 0, print), ae)
+        zoo.save_pretrained(train_autoencoder(build_autoencoder(cfg.model), pixels, d.ae_steps, d.ae_batch_size,
+                                              d.ae_lr, d.ae_latent_noise, torch.device("cpu"), 0, print), ae)
     x_va, y_va = digits_dataset("val", 32, 3, 0.1)
 
     def overrides(name, seed, steps):
@@ -426,12 +407,11 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     for seed in args.seeds:
         for name in RUNS:
             run = out / f"{name}-seed{seed}"
-            rows = harness.run_loop(CONFIGS / RUNS[name][0], run, overrides(name, seed, steps[name]), inproc=True,
-                                    done="model_ema.safetensors")
-            model = zoo.build(config(name, seed, steps[name]).model)
-            load_model(model, str(run / "model_ema.safetensors"))
-            images = sample_grid(model.eval(), args.per_class, torch.device("cpu"), seed=seed, steps=25)
-            ev = [r for r in rows if "val_loss" in r][-1]
+            over = overrides(name, seed, steps[name])
+            rows = harness.run_loop(CONFIGS / RUNS[name][0], run, over, inproc=True, done="model_ema.safetensors")
+            model = ema_model(run, CONFIGS / RUNS[name][0], over)[1]
+            images = sample_grid(model, args.per_class, torch.device("cpu"), seed=seed, steps=25)
+            ev = harness.last_with(rows, "val_loss")
             per_seed.setdefault(seed, {})[name] = {"val_loss": ev["val_loss"], "val_mse": ev["val_mse"],
                                                    "steps": steps[name], **judge(judge_model, images, labels, real)}
             print(f"   {name} seed {seed}: classifier FD {per_seed[seed][name]['classifier_fd']:.2f}", flush=True)
@@ -510,19 +490,15 @@ def dreambooth(args) -> tuple[dict, dict]:
     share the digits classifier calls a three and the RMS pixel distance from each sample to the nearest of the five
     training images."""
     import zoo
-    from safetensors.torch import load_model
     from train.config import load_run_config
     from train.sample import generate_run
     from train.tasks.text_to_image import load_captioned
     out, config = Path(args.out), CONFIGS / "digits-text.yaml"
-    clf = digits_judge(out)[0]
-    base = out / "digits-text-seed0"
+    clf, base = digits_judge(out)[0], out / "digits-text-seed0"
     harness.run_loop(config, base, ["train.seed=0", "train.resume=false"], inproc=True, done="model_ema.safetensors")
-    ae, cfg = out / "autoencoder-text" / "taesd-digits_encoder.safetensors", load_run_config(str(base / "config.yaml"))
+    ae = out / "autoencoder-text" / "taesd-digits_encoder.safetensors"
     if not ae.is_file():  # the base's autoencoder, so that the LoRA run's latents are the base's
-        model = zoo.build(cfg.model)
-        load_model(model, str(base / "model_ema.safetensors"))
-        zoo.save_pretrained(model.autoencoder, ae)
+        zoo.save_pretrained(ema_model(base, base / "config.yaml", [])[1].autoencoder, ae)
     over = [f"data.dataset={styled_threes(out / 'sks-threes')}", f"model.autoencoder.weights={ae}",
             f"train.init_from={base / 'model_ema.safetensors'}", "adapter.method=lora", f"train.max_steps={args.steps}",
             "train.batch_size=8", "optim.lr=1e-3", "data.caption_dropout=0", "train.ema_decay=null",
@@ -542,9 +518,8 @@ def dreambooth(args) -> tuple[dict, dict]:
         per_seed[seed] = measure(run)
         print(f"   LoRA seed {seed}: {per_seed[seed]} (base {base_side})", flush=True)
 
-    def diff(k):
-        m, h = harness.mean_interval(per_seed[s][k] - base_side[k] for s in per_seed)
-        return f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})"
+    diff = lambda k: harness.interval_text(  # noqa: E731
+        (per_seed[s][k] - base_side[k] for s in per_seed), "+.3f", half=".3f", paren=True)
     note = f"{10 * args.per_class} samples per row"
     rows = [[f"base (digits-text, seed 0), {p!r}", f"{side['three']:.3f}", f"{side['distance']:.3f}"]
             for p, side in (("a handwritten digit three", plain), (STYLE, base_side))]
@@ -560,7 +535,7 @@ def dreambooth(args) -> tuple[dict, dict]:
 def mean_cell(values) -> str:
     """'mean ± half-width of its 95% interval' (the mean alone for one value)."""
     m, h = harness.mean_interval(values)
-    return f"{m:.3f} ± {h:.3f}" if h < float("inf") else f"{m:.3f}"
+    return f"{m:.3f}" + (f" ± {h:.3f}" if h < float("inf") else "")
 
 
 def diffusion_tables(data: dict) -> dict:
@@ -570,9 +545,9 @@ def diffusion_tables(data: dict) -> dict:
 
     def diff(metric, side, better):
         m, h = harness.mean_interval(s[side][metric] - s["unet-eps"][metric] for s in seeds)
-        word = harness.verdict(m, h)
-        return f"{m:+.3f} ± {h:.3f}: " + ("inconclusive" if word == "inconclusive" else
-                                          f"{side} {word} ({'better' if word == better else 'worse'})")
+        w = harness.verdict(m, h)
+        return f"{m:+.3f} ± {h:.3f}: " + (w if w == "inconclusive" else
+                                          f"{side} {w} ({'better' if w == better else 'worse'})")
 
     def row(name, last):
         st = data["steps"][name]
@@ -602,9 +577,9 @@ def main(argv=None, preset: str = "taesd"):
     p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
                    help="image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side")
     p.add_argument("--device", default="cpu")
-    steps = {"min-snr": None, "diffusion-quality": 300, "prompt-adherence": None, "dreambooth": 300}.get(preset, 2)
-    p.add_argument("--steps", type=harness.positive_int, default=steps,
-                   help="timed steps per round (training steps for min-snr, diffusion-quality, dreambooth)")
+    p.add_argument("--steps", type=harness.positive_int, help="timed steps per round (training steps for min-snr, "
+                   "diffusion-quality, dreambooth)", default={"min-snr": None, "diffusion-quality": 300,
+                                                             "prompt-adherence": None, "dreambooth": 300}.get(preset, 2))
     if preset == "taesd":
         p.add_argument("--formats", type=harness.name_list(harness.FORMATS, "memory format"),
                        default="contiguous,channels_last")
@@ -629,8 +604,7 @@ def main(argv=None, preset: str = "taesd"):
                        help="samples per digit and run (dreambooth: x 10 of its prompt)")
     args = p.parse_args(argv)
     if preset == "latent-cache" and not args.weights.is_file():
-        print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
-        return
+        return print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
     harness.setup(args)
     run = {"taesd": taesd, "dit": dit, "flux2": flux2, "latent-cache": latent_cache, "min-snr": min_snr,
            "diffusion-quality": diffusion_quality, "prompt-adherence": prompt_adherence, "dreambooth": dreambooth}

@@ -115,7 +115,7 @@ def launch(side: str, args, precision: str) -> dict:
 
 def table(args, precision: str) -> tuple[dict, dict]:
     """Every side, round by round, then the table for one precision and way of training (--tune)."""
-    rounds, results = harness.Rounds({s: [] for s in SIDES}, {s: [] for s in SIDES}), {}
+    rounds, results = harness.Rounds.empty(SIDES), {}
     for r, side in harness.schedule(SIDES, args.rounds):
         results[side] = launch(side, args, precision)
         rounds.wall[side].append(max(rk["step_s"] for rk in results[side]["ranks"]))
@@ -143,9 +143,8 @@ def main(argv=None):
     p = harness.parser("distributed", __doc__, precision="fp32")
     harness.llm_args(p, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab=32000, seq=128, batch=4)
     p.set_defaults(rounds=3)
-    p.add_argument("--nproc", type=harness.positive_int, default=2, help="processes of the DDP and FSDP2 sides")
-    p.add_argument("--steps", type=harness.positive_int, default=2, help="timed optimizer steps per launch")
-    p.add_argument("--warmup", type=harness.positive_int, default=1, help="untimed steps first")
+    harness.counts(p, nproc=(2, "processes of the DDP and FSDP2 sides"), steps=(2, "timed optimizer steps per launch"),
+                   warmup=(1, "untimed steps first"))
     p.add_argument("--tune", type=harness.name_list(("full", "lora", "qlora"), "way of training"), default="full",
                    help="comma list: full training, LoRA, QLoRA (one table each)")
     p.add_argument("--smollm", action="store_true", help="the SmolLM-135M shape (configs/llm/smollm-135m.yaml)")

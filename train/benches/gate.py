@@ -79,8 +79,7 @@ def main(argv=None):
     p.add_argument("--update", action="store_true", help=f"write the ratios measured to {GATE.relative_to(harness.ROOT)}")
     p.add_argument("--rehearse", action="store_true", help="tiny shapes, one round; nothing judged or written")
     p.add_argument("--gate", type=Path, default=GATE, help="the committed ratios")
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     committed = json.loads(args.gate.read_text())["data"]["checks"] if args.gate.is_file() else {}
     now, rows, failed = {}, [], []
     for check in args.checks:

@@ -152,7 +152,7 @@ def llm_train(args, dev, modes=("bf16 eager", "bf16 compiled")) -> tuple[dict, d
                  (("zoo", zm, zoo_loss(ids)), ("transformers", hf, hf_loss(ids)))}
         for side in sides.values():
             side.fwd = compiled(side.model, args) if "compiled" in mode else side.model
-        steps = {n: (lambda s=s: s.step("bf16")) for n, s in sides.items()}
+        steps = harness.step_calls(sides, "bf16")
         harness.warm_up(steps, calls=2)
         r = harness.run_rounds(steps, args.rounds, calls=3, sync=lambda: sync(dev))
         for n in sides:
@@ -195,6 +195,7 @@ def attention(args, dev) -> tuple[dict, dict]:
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
                for _ in range(3))
     doc = (torch.rand(B, T, device=dev, generator=g) < 1 / mean).long().cumsum(1)
+
     def side(backend, fn=attend_documents):  # forward + backward (FlexAttention on a CPU: torch has no backward)
         def run():
             if backend == "flex" and dev.type != "cuda":
@@ -227,8 +228,7 @@ def planner(args, dev) -> tuple[dict, dict]:
                                                                  *tiny])
         planned = plan.plan(cfg, device=dev).peak_bytes
         if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
+            torch.cuda.empty_cache(), torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_reserved(dev)
             plan.simulate(cfg, dev, fake=False)
             reserved = torch.cuda.max_memory_reserved(dev) - base
@@ -325,8 +325,8 @@ def quality(args, name: str) -> tuple[dict, dict]:
     rows_ = [[seed, f"{b:.4f}", f"{f:.4f}", f"{100 * r:+.2f}%"]
              for seed, b, f, r in zip(args.seeds, loss["bf16"], loss[name], rel)]
     mean, half = harness.mean_interval(rel)
-    rows_.append(["mean (95% interval)", "", "",
-                  f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to {100 * (mean + half):+.2f}%)"])
+    rows_.append(["mean (95% interval)", "", "", f"{100 * mean:+.2f}% ({100 * (mean - half):+.2f}% to "
+                                                 f"{100 * (mean + half):+.2f}%)"])
     tables = {"quality": harness.table(["seed", "bf16 val loss", f"{name} val loss", f"{name} / bf16 - 1"], rows_,
                                        f"{' '.join(['configs/llm/tiny.yaml', *args.overrides])}, {args.steps} steps, "
                                        f"{QUALITY[name][1]}.")}
@@ -367,11 +367,9 @@ def main(argv=None, name: str = "gpu"):
         p = harness.parser(name, quality.__doc__, precision=None, rounds=False, out=True, seeds=1)
         p.add_argument("--steps", type=harness.positive_int, default=20)
         p.add_argument("overrides", nargs="*", help="key=value overrides of every run")
-        args = p.parse_args(argv)
-        harness.setup(args)
+        args = p.setup(argv)
         tables, data = quality(args, name)
-        harness.save(args, tables if name != "float8" else {"float8": tables["quality"]}, data)
-        return
+        return harness.save(args, tables if name != "float8" else {"float8": tables["quality"]}, data)
     p = harness.parser(name, __doc__, precision=None)
     p.add_argument("--out", default="runs/bench-gpu", help="the folder of the rows' results")
     p.add_argument("--dry-run", action="store_true", help="list the rows and their commands; measure nothing")
@@ -382,8 +380,7 @@ def main(argv=None, name: str = "gpu"):
                    help="comma list of the rows to run (default: the core rows; --rehearse: all)")
     args = p.parse_args(argv)
     if args.row:  # one of the rows measured in this module, in its own process
-        harness.save(args, *OWN[args.row](args, torch.device("cpu" if args.rehearse else "cuda")))
-        return
+        return harness.save(args, *OWN[args.row](args, torch.device("cpu" if args.rehearse else "cuda")))
     every = rows()
     rows_ = {n: every[n] for n in args.only or [n for n, r in every.items() if r.core or args.rehearse]}
     if args.rehearse:  # on a CPU, shared maybe: a row's time says nothing of the GPU's, its limit is REHEARSE_S

@@ -38,16 +38,11 @@ LEVEL = 0.95
 
 
 # ---------------------------------------------------------------- rounds
-def round_order(names: Iterable[str], r: int) -> list[str]:
-    """The order of the sides in round r (from 0): as given, reversed every other round."""
-    names = list(names)
-    return names if r % 2 == 0 else names[::-1]
-
-
 def schedule(names: Iterable[str], rounds: int) -> Iterator[tuple[int, str]]:
-    """(round, side) in the order they run: every side once a round."""
+    """(round, side) in the order they run: every side once a round, the order reversed every other round."""
+    names = list(names)
     for r in range(rounds):
-        for name in round_order(names, r):
+        for name in names if r % 2 == 0 else names[::-1]:
             yield r, name
 
 
@@ -69,6 +64,10 @@ class Rounds:
 
     def times(self, side: str, clock: str = "wall") -> list[float]:
         return getattr(self, clock)[side]
+
+    @classmethod
+    def empty(cls, sides: Iterable[str]) -> "Rounds":
+        return cls({s: [] for s in sides}, {s: [] for s in sides})
 
     def best(self, side: str, clock: str = "wall") -> float:
         return min(self.times(side, clock))
@@ -96,25 +95,24 @@ def run_rounds(sides: dict[str, Callable[[], object]], rounds: int, calls: int =
                between: Optional[Callable[[int], object]] = None, sync: Callable[[], object] = lambda: None,
                clock: Callable[[], tuple[float, float]] = lambda: (time.perf_counter(), time.process_time()),
                warmup: int = 0) -> Rounds:
-    """Times `calls` calls of each side per round in `round_order` (after `warmup` untimed calls of each) on the
-    wall clock and this process's CPU time; `sync()` ends each side's turn before the clock is read,
-    `between(round)` runs after each round, untimed. Seconds per call."""
+    """Seconds per call of `calls` calls of each side per round in `schedule`'s order (after `warmup` untimed calls
+    of each) on the wall clock and this process's CPU time; `sync()` ends each side's turn before the clock is read,
+    `between(round)` runs after each round, untimed."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"rounds and calls must be >= 1, got {rounds} and {calls}")
     if warmup:
         warm_up(sides, warmup, say=lambda m: None)
         sync()
-    out = Rounds({s: [] for s in sides}, {s: [] for s in sides})
-    for r in range(rounds):
-        for name in round_order(sides, r):
-            wall0, cpu0 = clock()
-            for _ in range(calls):
-                sides[name]()
-            sync()
-            wall1, cpu1 = clock()
-            out.wall[name].append((wall1 - wall0) / calls)
-            out.cpu[name].append((cpu1 - cpu0) / calls)
-        if between is not None:
+    out = Rounds.empty(sides)
+    for i, (r, name) in enumerate(schedule(sides, rounds)):
+        wall0, cpu0 = clock()
+        for _ in range(calls):
+            sides[name]()
+        sync()
+        wall1, cpu1 = clock()
+        out.wall[name].append((wall1 - wall0) / calls)
+        out.cpu[name].append((cpu1 - cpu0) / calls)
+        if between is not None and (i + 1) % len(sides) == 0:  # the round's last side
             between(r)
     return out
 
@@ -155,11 +153,14 @@ def verdict(mean: float, half: float) -> str:
     return "inconclusive" if abs(mean) <= half else "lower" if mean < 0 else "higher"
 
 
-def interval_text(values: Iterable[float], fmt: str = "+.4f", words: str = "") -> str:
-    """'mean ± half' of the values (with the verdict after `words`, e.g. 'recipe', when given)."""
+def interval_text(values: Iterable[float], fmt: str = "+.4f", words: str = "", half: str = ".4f", scale: float = 1,
+                  unit: str = "", paren: bool = False) -> str:
+    """'mean ± half' of the values (times `scale`, `unit` after the mean), then the verdict: after `words` (e.g.
+    'recipe') when given, in parentheses with `paren`."""
     m, h = mean_interval(values)
     v = verdict(m, h)
-    return f"{m:{fmt}} ± {h:.4f}" + (f" {v if v == 'inconclusive' else f'{words} {v}'}" if words else "")
+    tail = f" ({v})" if paren else f" {v if v == 'inconclusive' else f'{words} {v}'}" if words else ""
+    return f"{scale * m:{fmt}}{unit} ± {scale * h:{half}}" + tail
 
 
 # ---------------------------------------------------------------- command line
@@ -174,6 +175,12 @@ class ArgumentParser(argparse.ArgumentParser):
         argv = sys.argv[2:] if argv is None else list(argv)
         args = super().parse_args(argv, namespace)
         args.command, args.argv = shlex.join(["python", "train/bench.py", self.prog.split()[-1], *argv]), argv
+        return args
+
+    def setup(self, argv=None):
+        """The arguments, with `setup` applied to them."""
+        args = self.parse_args(argv)
+        setup(args)
         return args
 
 
@@ -207,6 +214,14 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def counts(p: argparse.ArgumentParser, **options) -> argparse.ArgumentParser:
+    """Positive-integer options in the order given: name=default, or name=(default, help); "_" in a name is "-"."""
+    for name, spec in options.items():
+        default, help_ = spec if isinstance(spec, tuple) else (spec, None)
+        p.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default, help=help_)
+    return p
 
 
 def int_list(text: str) -> list[int]:
@@ -292,6 +307,11 @@ def setup(args):
 def autocast(precision: str, device_type: str = "cpu"):
     """The loop's autocast context for the precision (train.step.autocast_for; none in fp32)."""
     return autocast_for(torch.device(device_type), precision)()
+
+
+def step_calls(sides: dict, precision: str) -> dict[str, Callable[[], object]]:
+    """{name: a call of that Side's training step in `precision`}."""
+    return {n: (lambda s=s: s.step(precision)) for n, s in sides.items()}
 
 
 def best_peak_flops(device: torch.device, precision: str, peak: float = 0.0) -> float:
@@ -421,6 +441,16 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
     return read_rows(out)
 
 
+def zoo_copy(ref, **kw):
+    """Zoo's model as zoo.from_pretrained reads the folder `ref` (a diffusers or transformers model) saves."""
+    import tempfile
+
+    import zoo
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        return zoo.from_pretrained(tmp, **kw)
+
+
 def run_task(folder):
     """The task of the run in `folder` (its config.yaml) with its data read, on the CPU."""
     from train.builder import new_task
@@ -428,8 +458,13 @@ def run_task(folder):
     return new_task(load_run_config(str(Path(folder) / "config.yaml")), torch.device("cpu"), "fp32", lambda m: None)
 
 
+def last_with(rows: list[dict], key: str) -> dict:
+    """The last metrics row that holds `key`."""
+    return [r for r in rows if key in r][-1]
+
+
 def last(rows: list[dict], key: str) -> float:
-    return [r[key] for r in rows if key in r][-1]
+    return last_with(rows, key)[key]
 
 
 def final(rows: list[dict]) -> dict:
@@ -445,11 +480,11 @@ def median_of(rows: list[dict], key: str) -> float:
 
 # ---------------------------------------------------------------- results: tables and their JSON
 def hardware() -> dict:
+    import importlib.metadata as md
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
-    import importlib.metadata as md
     versions = {}
     for pkg in ("torch", "transformers", "torchao", "peft", "timm", "diffusers", "numpy", "matplotlib"):
         try:
@@ -461,18 +496,26 @@ def hardware() -> dict:
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
 
 
+def now() -> str:
+    """The date and time (UTC) a result says it was measured at."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def load(prefix: str = ", ") -> str:
+    """`prefix` and the load average now ("" where the OS has none)."""
+    return f"{prefix}load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+
+
 def machine() -> str:
     """One line: the CPU, cores, torch threads, the GPU, torch, and the load average now."""
     h = hardware()
-    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     gpu = f", {h['gpu']}" if h["gpu"] else ""
-    return f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads{gpu}, torch {torch.__version__}{load}"
+    return f"{h['cpu']}, {h['cores']} cores, {h['torch_threads']} torch threads{gpu}, torch {torch.__version__}{load()}"
 
 
 def measured() -> str:
     """When and under what load a number was taken, for a table that keeps numbers of other runs."""
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return f"measured {date}, load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else f"measured {date}"
+    return f"measured {now()}{load()}"
 
 
 def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "") -> dict:
@@ -492,18 +535,16 @@ def load_result(path: Path) -> dict:
     return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
 
 
-def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> Path:
+def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> None:
     """Prints the tables and writes the result JSON (args.json): the command, the machine, the date, the
     tables and the numbers; under docs/results/ the docs regions made from it are rewritten too."""
     if show_tables:
         show(tables)
     path = Path(path or args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    result = {"command": args.command, "machine": machine(), "date": date, "tables": tables, "data": data}
+    result = {"command": args.command, "machine": machine(), "date": now(), "tables": tables, "data": data}
     path.write_text(json.dumps(result, indent=1, default=lambda o: getattr(o, "__dict__", str(o))) + "\n")
     print(f"\nresult: {path}")
     if path.resolve().parent == RESULTS.resolve():
         from train.docs import main as docs
         docs([])
-    return path

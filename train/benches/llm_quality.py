@@ -146,7 +146,7 @@ def decisions(out: Path, batch: int, n_batches: int) -> dict:
 def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
     """A run's numbers, by the names of the table's columns."""
     train = [r for r in rows if "loss" in r]
-    ev = [r for r in rows if "val_loss" in r][-1]
+    ev = harness.last_with(rows, "val_loss")
     s = {"steps": steps, "val loss": f"{ev['val_loss']:.4f}", "val loss (top-k)": f"{ev['val_loss']:.4f}",
          "tokens/s (median)": f"{statistics.median(r['tokens_per_s'] for r in train):.0f}",
          "step s (median)": f"{statistics.median([r['step_time_s'] for r in train[1:] or train]):.2f}",
@@ -222,8 +222,7 @@ def main(argv=None, preset: str = "llm-moe-quality"):
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
         p.add_argument("--layers", type=int, default=None, help="its number of layers")
         p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
-    args = p.parse_args(argv)
-    harness.setup(args)  # --threads here too, so that the result's machine line names the runs' threads
+    args = p.setup(argv)  # --threads here too, so that the result's machine line names the runs' threads
     if peft and not Path(args.data).is_file():
         p.error(f"--data {args.data}: no such file (tinyshakespeare.txt)")
     base = make_base(args) if peft else None

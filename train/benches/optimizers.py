@@ -142,8 +142,7 @@ def main(argv=None, preset: str = "optimizers"):
                    help="comma list of LRs")
     p.add_argument("--eval-every", type=harness.positive_int, default=50)
     p.add_argument("--set", nargs="*", default=[], help="key=value overrides of every training run")
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     if preset == "lr-find":
         tables = lr_find(args)
     else:

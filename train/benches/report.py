@@ -73,10 +73,9 @@ def estimate(samples: list, evidence: str) -> tuple[Optional[float], Optional[tu
 
 def verdict(est, interval, threshold: float, kind: str = "gain", missing: str = "", unmeasured: str = "") -> str:
     """The rule, once: `threshold` what the claim's words require (kind 'gain') or the tolerance ('equal')."""
-    if kind not in ("gain", "equal"):
-        raise ValueError(f"kind must be 'gain' or 'equal', got {kind!r}")
-    if threshold is None or threshold <= 0:
-        raise ValueError(f"a claim's threshold must be > 0, got {threshold}")
+    if kind not in ("gain", "equal") or threshold is None or threshold <= 0:
+        raise ValueError(f"kind must be 'gain' or 'equal', got {kind!r}" if kind not in ("gain", "equal")
+                         else f"a claim's threshold must be > 0, got {threshold}")
     if est is None or not math.isfinite(est):
         return "skipped"
     if interval is None:
@@ -272,6 +271,7 @@ class Ctx:
                              **kw.pop("numbers", {})}, **kw)
 
     def plot(self, key, title, runs: dict, value, ylabel):
+        """A plot of each run's `value` against the step, listed on the page."""
         plots.loss_curves({n: plots.curves(r, value) for n, r in runs.items()}, self.out / f"{key}.png", title, ylabel)
         self.plots.append((title, f"{key}.png"))
 
@@ -328,8 +328,8 @@ def write_page(out: Path, rows: list, meta: dict) -> Path:
               "## Results", "", "| technique | claim (note: its words) | baseline | speed | memory | quality | effect: estimate (interval, samples; "
               "threshold) | ratio | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        v = r.verdict if r.verdict != "skipped" else f"skipped: {r.reason}"
-        v += f" (not measured: {r.unmeasured})" if r.unmeasured else ""
+        v = (r.verdict if r.verdict != "skipped" else f"skipped: {r.reason}") + (
+            f" (not measured: {r.unmeasured})" if r.unmeasured else "")
         cells = [r.technique, f"{r.claim} ({r.source})", r.baseline, r.speed, r.memory, r.quality, fmt_effect(r),
                  "-" if r.ratio is None else f"{r.ratio:.2f}", f"**{v}**"]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
@@ -354,7 +354,7 @@ def run_report(out: Path, scale, only=None, say=print, precision="fp32", rounds=
     for old in out.glob("*.png"):
         old.unlink()
     ctx = Ctx(scale, out, resolve_device("auto"), precision, rounds, seeds)
-    started, t_all = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter()
+    started, t_all = harness.now(), time.perf_counter()
     cpu0, rows, parts = (t_all, harness.busy_cpu_s(), harness.own_cpu_s()), [], {}
     kept = ctx.device.type == "cpu" and keep_freed_memory()  # as the loop runs (cpu_keep_memory)
     try:
@@ -399,8 +399,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=harness.positive_int, default=None, help="rounds per timing (6+: an interval)")
     ap.add_argument("--seeds", type=harness.positive_int, default=MIN_SEEDS,
                     help="seeds of each quality comparison, repeats of each measured peak")
-    args = ap.parse_args(argv)
-    harness.setup(args)
+    args = ap.setup(argv)
     rows, page = run_report(Path(args.out), SCALES["quick" if args.quick else "full"], args.only,
                             lambda m: print(m, flush=True), args.precision, args.rounds, args.seeds, args.command)
     print(f"\n{page} ({len(rows)} rows)")

@@ -43,9 +43,7 @@ def prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sides(args, folder: Path, prec: str) -> dict:
     import zoo
-    dt = harness.PRECISIONS[prec]
-    ids, mask = prompts(args)
-    G, n = args.group, args.new_tokens
+    dt, (ids, mask), G, n = harness.PRECISIONS[prec], prompts(args), args.group, args.new_tokens
     rows, row_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     model = zoo.from_pretrained(folder, dtype=dt).eval()
 
@@ -97,18 +95,16 @@ def quality(args) -> dict:
                                    lambda: harness.autocast(args.precision), cfg.data.seq_len + rl.max_new_tokens,
                                    rewards=rewards)
         return [m["reward"], *(sum(d["rewards"][k] for d in details) / len(rows) for k in range(len(rewards)))]
-    before = score(args.init)
-    after = []
+    before, after = score(args.init), []
     for seed in range(args.seeds):
-        out = args.out / f"seed{seed}"
-        harness.run_loop(args.config, out, [f"train.seed={seed}", *override])
-        after.append(score(out))
+        harness.run_loop(args.config, args.out / f"seed{seed}", [f"train.seed={seed}", *override])
+        after.append(score(args.out / f"seed{seed}"))
     names = ["reward"] + [f"{n} rate" for n, _, _ in rewards]
     table = [["before: " + relative(args.init), *(f"{v:.3f}" for v in before)]]
     table += [[f"after, seed {i}", *(f"{v:.3f}" for v in a)] for i, a in enumerate(after)]
-    diffs = [harness.mean_interval(a[k] - before[k] for a in after) for k in range(len(names))]
     table.append([f"after - before: mean ± 95% interval ({args.seeds} seeds)",
-                  *(f"{m:+.3f} ± {h:.3f} ({harness.verdict(m, h)})" for m, h in diffs)])
+                  *(harness.interval_text((a[k] - before[k] for a in after), "+.3f", half=".3f", paren=True)
+                    for k in range(len(names)))])
     return harness.table(["model", *names], table,
                          f"greedy answers to {args.prompts} held-out prompts of the embedded task; "
                          f"{relative(args.config)} with {' '.join(args.override) or 'no overrides'}; {args.precision}")
@@ -163,8 +159,7 @@ def memory(args) -> dict:
                 env, v = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1)), []
                 for r in range(args.repeat):  # a run of its own each (a finished run's folder would resume)
                     cfg["train"]["out_dir"] = str(Path(tmp) / f"{method}-{beta}-{r}")
-                    path = Path(tmp) / f"{method}-{beta}-{r}.yaml"
-                    path.write_text(json.dumps(cfg))  # JSON is YAML
+                    (path := Path(tmp) / f"{method}-{beta}-{r}.yaml").write_text(json.dumps(cfg))  # JSON is YAML
                     out = subprocess.run([sys.executable, "-c", STEP_PEAKS, str(path)], cwd=ROOT, env=env, check=True,
                                          capture_output=True, text=True)
                     v.append(max(json.loads(out.stdout.strip().splitlines()[-1])))
@@ -196,28 +191,21 @@ def main(argv=None, preset: str = "rollout"):
         p.add_argument("--config", default=str(ROOT / "configs" / "llm" / "tiny-grpo.yaml"))
         p.add_argument("--init", default=str(ROOT / "runs" / "tiny-sft"), help="the model before RL")
         p.add_argument("--out", type=Path, default=ROOT / "runs" / "rl-quality", help="the runs' folders")
-        p.add_argument("--seeds", type=harness.positive_int, default=3)
-        p.add_argument("--prompts", type=harness.positive_int, default=200)
+        harness.counts(p, seeds=3, prompts=200)
         p.add_argument("override", nargs="*", help="key=value overrides of the config")
     elif preset == "rl-memory":
         harness.llm_args(p, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab=8192)
-        p.add_argument("--prompts", type=harness.positive_int, default=2, help="prompts per step")
-        p.add_argument("--group", type=harness.positive_int, default=4, help="completions per prompt")
-        p.add_argument("--steps", type=harness.positive_int, default=2, help="optimizer steps per run")
-        p.add_argument("--repeat", type=harness.positive_int, default=3, help="runs of each side")
+        harness.counts(p, prompts=(2, "prompts per step"), group=(4, "completions per prompt"),
+                       steps=(2, "optimizer steps per run"), repeat=(3, "runs of each side"))
     else:
         harness.llm_args(p, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn=0, vocab=2048)
-        p.add_argument("--prompts", type=harness.positive_int, default=8, help="prompts (P)")
-        p.add_argument("--group", type=harness.positive_int, default=8, help="samples per prompt (G)")
-        p.add_argument("--prompt", type=harness.positive_int, default=40, help="the longest prompt's tokens")
-        p.add_argument("--new-tokens", type=harness.positive_int, default=32, help="tokens sampled per row (N)")
+        harness.counts(p, prompts=(8, "prompts (P)"), group=(8, "samples per prompt (G)"),
+                       prompt=(40, "the longest prompt's tokens"), new_tokens=(32, "tokens sampled per row (N)"))
         p.add_argument("--top-p", type=float, default=0.95)
         p.add_argument("--modes", type=harness.name_list(("eager", "compile"), "mode"), default="eager,compile")
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     if rl:
-        harness.save(args, {"": (quality if preset == "rl-quality" else memory)(args)}, {})
-        return
+        return harness.save(args, {"": (quality if preset == "rl-quality" else memory)(args)}, {})
     from transformers import LlamaForCausalLM
     tables, data = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -73,8 +73,8 @@ def quality(args) -> dict:
     rows = [[name, *(f"{100 * r[k]:.1f}%" for k in kinds)] for name, r in res.items()]
     runs = [r for n, r in res.items() if n != args.base]
     if len(runs) >= 2:
-        iv = [harness.mean_interval(r[k] for r in runs) for k in kinds]
-        rows.append([f"{len(runs)} runs: mean ± 95% interval", *(f"{100 * m:.1f}% ± {100 * h:.1f}" for m, h in iv)])
+        rows.append([f"{len(runs)} runs: mean ± 95% interval", *(harness.interval_text(
+            (r[k] for r in runs), ".1f", half=".1f", scale=100, unit="%") for k in kinds)])
     return harness.table(["model", *kinds], rows,
                          f"exact match of the greedy answers to {args.conversations} held-out conversations")
 
@@ -85,15 +85,14 @@ def vlm_quality(args) -> dict:
     sides = {"image + question": "false", "question only (data.drop_images=true)": "true"}
     acc = {side: [harness.final(harness.run_loop(args.config, Path(args.out) / f"images-{drop}-seed{s}",
                                                  [f"train.seed={s}", f"data.drop_images={drop}",
-                                                  f"train.precision={args.precision[0]}", "train.checkpoint_every=0",
+                                                  f"train.precision={args.precision}", "train.checkpoint_every=0",
                                                   *args.override]))["val_exact_match"]
                   for s in args.seeds] for side, drop in sides.items()}
-    rows = [[side, *(f"{100 * a:.1f}%" for a in v), "{:.1f}% ± {:.1f}".format(*(100 * x for x in
-                                                                                 harness.mean_interval(v)))]
+    rows = [[side, *(f"{100 * a:.1f}%" for a in v), harness.interval_text(v, ".1f", half=".1f", scale=100, unit="%")]
             for side, v in acc.items()]
-    m, h = harness.mean_interval(a - b for a, b in zip(*acc.values()))
-    rows.append(["difference", *(f"{100 * (a - b):+.1f}" for a, b in zip(*acc.values())),
-                 f"{100 * m:+.1f} ± {100 * h:.1f} ({harness.verdict(m, h)})"])
+    diff = [a - b for a, b in zip(*acc.values())]
+    rows.append(["difference", *(f"{100 * d:+.1f}" for d in diff),
+                 harness.interval_text(diff, "+.1f", half=".1f", scale=100, paren=True)])
     return harness.table(["rows", *(f"seed {s}" for s in args.seeds), "mean ± 95% interval"], rows,
                          f"exact match of the greedy answers about the held-out digit images; {args.config} with "
                          f"{' '.join(args.override) or 'no overrides'}")
@@ -104,8 +103,7 @@ def main(argv=None, preset: str = "sft-packing"):
         p = harness.parser(preset, __doc__, precision="fp32", rounds=False, out=True, seeds=2, one_precision=True)
         p.add_argument("--config", default="configs/vlm/digits-vqa.yaml")
         p.add_argument("override", nargs="*", help="key=value overrides of the config")
-        args = p.parse_args(argv)
-        harness.setup(args)
+        args = p.setup(argv)
         return harness.save(args, {"answers": vlm_quality(args)}, {})
     packs = preset == "sft-packing"
     p = harness.parser(preset, __doc__, precision="fp32", rounds=packs, keep_memory=packs, one_precision=True)
@@ -116,6 +114,5 @@ def main(argv=None, preset: str = "sft-packing"):
         p.add_argument("--base", default=str(ROOT / "runs" / "tiny"), help="the model before fine-tuning")
         p.add_argument("--runs", default=str(ROOT / "runs" / "tiny-sft"), help="comma list of fine-tuned run folders")
     p.add_argument("--conversations", type=harness.positive_int, default=256 if packs else 200)
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     harness.save(args, {"sides" if packs else "answers": (packing if packs else quality)(args)}, {})

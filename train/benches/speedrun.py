@@ -36,12 +36,10 @@ def run(name: str, args, steps: int, seed: int, tag: str) -> list[dict]:
 
 def main(argv=None):
     p = harness.parser("speedrun", __doc__, precision="", rounds=False, one_precision=True, out=True, seeds=3)
-    p.add_argument("--seconds", type=harness.positive_int, default=300, help="wall time of each run's training")
-    p.add_argument("--calibrate", type=harness.positive_int, default=30, help="steps that measure the step time")
-    p.add_argument("--eval-batches", type=harness.positive_int, default=20)
+    harness.counts(p, seconds=(300, "wall time of each run's training"),
+                   calibrate=(30, "steps that measure the step time"), eval_batches=20)
     p.add_argument("--runs", type=harness.name_list(RUNS, "run"), default=",".join(RUNS))
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     step_s = {n: harness.median_of(run(n, args, args.calibrate, 0, "calibrate"), "step_time_s") for n in args.runs}
     steps = {n: max(1, int(args.seconds / s)) for n, s in step_s.items()}
     val = {n: [harness.last(run(n, args, steps[n], s, f"seed{s}"), "val_loss") for s in args.seeds] for n in args.runs}

@@ -57,13 +57,11 @@ def compare(bpb: dict, per_byte: dict, seeds: list[int], notes: str) -> dict:
 
 def main(argv=None):
     p = harness.parser("superbpe", __doc__, precision="", rounds=False, one_precision=True, out=True, seeds=2)
-    p.add_argument("--vocab", type=harness.positive_int, default=4096, help="both tokenizers' and the model's")
-    p.add_argument("--steps", type=harness.positive_int, default=400, help="training steps of every run")
+    harness.counts(p, vocab=(4096, "both tokenizers' and the model's"), steps=(400, "training steps of every run"))
     p.add_argument("--files", type=int, default=0, help="the first N of the standard library's .py files (0: all)")
     p.add_argument("--jobs", type=harness.positive_int, default=1, help="runs at a time (with --threads each)")
     p.add_argument("override", nargs="*", help="key=value overrides of configs/llm/tiny.yaml for every run")
-    args = p.parse_args(argv)
-    harness.setup(args)
+    args = p.setup(argv)
     out = Path(args.out) / f"vocab{args.vocab}-files{args.files}"  # its text, tokenizers and runs
     out.mkdir(parents=True, exist_ok=True)
     docs, held = stdlib_split(args.files)
