@@ -124,6 +124,16 @@ CASES = {
         first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=20, kv_lora_rank=12, qk_rope_head_dim=6,
         qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5, index_topk=5,
         index_head_dim=12, index_n_heads=3, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
+    "glm5": ("GlmMoeDsa", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                               first_k_dense_replace=1, moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16,
+                               qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, index_topk=8, index_head_dim=16,
+                               index_n_heads=2)),
+    "glm5-shared-index-groups-top5-heads3-yarn-raw-topk": ("GlmMoeDsa", dict(
+        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3, n_group=3, topk_group=2,
+        first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=20, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5, index_topk=5,
+        index_head_dim=12, index_n_heads=3, indexer_types=["full", "shared", "full", "shared"], rms_norm_eps=1e-6,
+        rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
     "lfm2": ("Lfm2", dict(layer_types=[CONV, FULL, CONV, FULL])),
     "lfm2-kernel5-bias-mqa-untied-ffn-rounding": ("Lfm2", dict(
         num_key_value_heads=1, conv_L_cache=5, conv_bias=True, tie_word_embeddings=False,

@@ -367,6 +367,8 @@ class MLAConfig:
                                             # `index_topk` keys it scores highest); 0 = every key (needs `q_rank`)
     index_dim: int = bounded(128, gt=0)     # the indexer's head width (its first `rope_dim` channels rotated)
     index_topk: int = bounded(2048, gt=0)   # the keys each query keeps
+    index_shared: list[int] = field(default_factory=list)  # layers with no indexer that keep the keys the previous
+                                            # indexer layer chose (GLM-5's "shared" indexer_types)
 
 
 @dataclass
@@ -542,6 +544,10 @@ class LLMConfig:
         if self.mla and self.mla.index_heads and not self.mla.q_rank:
             raise fail(source, p + "mla.index_heads", f"={self.mla.index_heads}: the lightning indexer reads the query "
                                                       f"bottleneck; set {p}mla.q_rank")
+        if self.mla and self.mla.index_shared and (not self.mla.index_heads or 0 in self.mla.index_shared or
+                                                   self.mod_capacity > 0):
+            raise fail(source, p + "mla.index_shared", f"={self.mla.index_shared} needs {p}mla.index_heads > 0, layer 0 "
+                                                       f"an indexer layer, no MoD")
         if self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None:
             raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
         if self.layer_types and self.attn_pattern:
@@ -579,7 +585,8 @@ class LLMConfig:
         if self.per_layer_dim and self.mod_capacity > 0:
             raise fail(source, p + "per_layer_dim", f"does not combine with {p}mod_capacity (a MoD block skips tokens)")
         dense = self.moe.dense_layers if self.moe else []
-        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense)):
+        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense),
+                            ("mla.index_shared", self.mla.index_shared if self.mla else [])):
             if bad := [i for i in layers if not 0 <= i < self.n_layers]:
                 raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
 
@@ -600,6 +607,10 @@ class LLMConfig:
         """(kv heads, head width) of attention layer `layer`: the global layers' own where set."""
         kv, d = self.resolved_n_kv_heads, self.resolved_head_dim
         return (kv, d) if self.is_local(layer) else (self.global_n_kv_heads or kv, self.global_head_dim or d)
+
+    def indexer_at(self, layer: int) -> bool:
+        """Whether `layer` runs a lightning indexer of its own (not one of `mla.index_shared`)."""
+        return bool(self.mla and self.mla.index_heads) and layer not in self.mla.index_shared
 
     def kv_shared(self, layer: int) -> bool:
         """Whether `layer` attends to an earlier layer's keys and values (`kv_shared_layers`)."""

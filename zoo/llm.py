@@ -58,15 +58,16 @@ def moe_block(cfg: LLMConfig) -> MoE:
                act=cfg.mlp_act, router_norm=m.router_norm, branch_norms=m.branch_norms, eps=cfg.norm_eps)
 
 
-def mla_block(cfg: LLMConfig) -> MultiHeadLatentAttention:
-    """Multi-head latent attention; scores scaled as DeepSeek's YaRN does (mscale_all_dim)."""
+def mla_block(cfg: LLMConfig, layer: int = 0) -> MultiHeadLatentAttention:
+    """Multi-head latent attention of `layer`; scores scaled as DeepSeek's YaRN does (mscale_all_dim)."""
     m, s = cfg.mla, cfg.rope_scaling
     scale = (m.nope_dim + m.rope_dim) ** -0.5
     if s is not None and s.type == "yarn" and s.mscale_all_dim and s.factor > 1:
         scale *= (0.1 * s.mscale_all_dim * math.log(s.factor) + 1) ** 2
     return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
                                     cfg.norm_eps, scale, m.absorb,
-                                    (m.index_heads, m.index_dim, m.index_topk) if m.index_heads else None)
+                                    (m.index_heads, m.index_dim, m.index_topk) if cfg.indexer_at(layer) else None,
+                                    reuse_index=layer in m.index_shared)
 
 
 def recurrent_block(cfg: LLMConfig, kind: str) -> nn.Module:
@@ -97,7 +98,7 @@ class Block(nn.Module):
             self.mixer = recurrent_block(cfg, cfg.layer_type(layer))
         else:
             local, (n_kv, head_dim) = cfg.is_local(layer), cfg.attn_shape(layer)
-            self.attn = mla_block(cfg) if cfg.mla else CausalSelfAttention(
+            self.attn = mla_block(cfg, layer) if cfg.mla else CausalSelfAttention(
                 cfg.d_model, cfg.n_heads, n_kv, head_dim, cfg.qkv_bias,
                 sliding_window=cfg.sliding_window if local else None, qk_norm=cfg.qk_norm,
                 norm_eps=cfg.norm_eps, rope=layer not in cfg.nope_layers,
@@ -312,7 +313,8 @@ class LLM(nn.Module):
         if caches is not None and not causal and self.config.mod_capacity > 0:
             raise ValueError("decoding with caches needs mod_causal=True (the top-k of a sequence sees its future)")
         kw = {k: v for k, v in dict(start_pos=start_pos, doc_ids=doc_ids, key_mask=key_mask, q_scale=q_scale,
-                                    shared={} if self.config.kv_shared_layers else None).items() if v is not None}
+                                    shared={} if self.config.kv_shared_layers or self.config.mla else None).items()
+              if v is not None}
         skips, L = [], len(self.layers)
         for i, layer in enumerate(self.layers):
             mod = {"causal": causal} if isinstance(layer, MixtureOfDepths) else {}
@@ -464,7 +466,7 @@ class LLM(nn.Module):
                     return StateCache(block.mixer(torch.zeros(batch, 1, cfg.d_model, device=device, dtype=p.dtype))[1])
             if cfg.mla:
                 m = cfg.mla  # the latent, the shared RoPE key, the indexer's key
-                return LatentKVCache(batch, max_len, m.kv_rank + m.rope_dim + m.index_dim * (m.index_heads > 0), device,
+                return LatentKVCache(batch, max_len, m.kv_rank + m.rope_dim + m.index_dim * cfg.indexer_at(i), device,
                                      dtype)
             n_kv, head_dim = cfg.attn_shape(i)  # a KV-sharing layer reads another's: it holds none
             return (MaskedKVCache if masked or cfg.is_mod(i) else KVCache)(

@@ -4,7 +4,7 @@
 (the class it was loaded from first, when that still fits).
 """
 from .cohere import Cohere2
-from .deepseek import DeepseekV3, DeepseekV32, Mistral4
+from .deepseek import DeepseekV3, DeepseekV32, GlmMoeDsa, Mistral4
 from .gemma import Gemma2, Gemma3, Gemma4
 from .glm import Glm4
 from .gpt_oss import GptOss
@@ -20,7 +20,7 @@ from .smollm import SmolLM3
 
 RECORDS: dict[str, Record] = {r.hf_class: r for r in (
     Llama(), Mistral(), Qwen2(), Qwen3(), SmolLM3(), Olmo2(), Olmo3(), Phi3(), Gemma2(), Gemma3(), Gemma4(), Glm4(), Cohere2(),
-    Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), DeepseekV32(), Mistral4(), GptOss(), Lfm2(), Qwen3_5(), Qwen3Next(),
+    Mixtral(), Qwen3Moe(), Qwen2Moe(), DeepseekV3(), DeepseekV32(), GlmMoeDsa(), Mistral4(), GptOss(), Lfm2(), Qwen3_5(), Qwen3Next(),
     Qwen3_5Moe(), GraniteMoeHybrid())}
 BY_MODEL_TYPE = {r.model_type: r for r in RECORDS.values()}
 BY_GGUF = {r.gguf: r for r in RECORDS.values() if r.gguf}

@@ -3,7 +3,8 @@ values from one cached latent) with RoPE pairs interleaved in the file, and Mixt
 `first_k_dense_replace` dense ones, with shared experts and group-limited routing (the experts of the
 `topk_group` groups whose two best scores sum highest). DeepSeek-V3 scores by sigmoid with a routing bias;
 DeepSeek-V3.2 adds a lightning indexer to each attention layer (each query keeps its `index_topk` best keys);
-Mistral 4 by softmax, keeps its experts as stacked tensors and scales queries past
+GLM-5 (GlmMoeDsa) is DeepSeek-V3.2 with its indexer's RoPE pairs interleaved too and layers that reuse the
+previous indexer layer's selection (`indexer_types` "shared"); Mistral 4 scores by softmax, keeps its experts as stacked tensors and scales queries past
 `original_max_position_embeddings` (Llama 4's attention temperature)."""
 from .record import ROPES, Record, interleaved, stacked
 
@@ -77,6 +78,41 @@ class DeepseekV32(DeepseekV3):
         a = cfg.mla
         return {**{k: v for k, v in super().to_hf(cfg).items() if k != "rope_interleave"},  # always interleaved
                 "index_n_heads": a.index_heads, "index_head_dim": a.index_dim, "index_topk": a.index_topk}
+
+
+class GlmMoeDsa(DeepseekV32):
+    hf_class, model_type = "GlmMoeDsaForCausalLM", "glm_moe_dsa"
+    may = DeepseekV32.may | {"shared_index"}
+    defaults = {**DeepseekV32.defaults, "max_position_embeddings": 202752, "q_lora_rank": 2048, "qk_nope_head_dim": 192,
+                "v_head_dim": 256, "n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5, "index_n_heads": 32}
+
+    def config(self, hf, get, n_layers):
+        out = super().config(hf, get, n_layers)
+        kinds = indexer_types(hf, n_layers)
+        if kinds[:1] == ["shared"] or set(kinds) - {"full", "shared"} or len(kinds) != n_layers:
+            raise ValueError(f"indexer_types must be 'full' or 'shared' per layer, the first 'full': got {kinds}")
+        out["mla"]["index_shared"] = [i for i, k in enumerate(kinds) if k == "shared"]
+        return out
+
+    def to_hf(self, cfg):
+        return {**super().to_hf(cfg), "indexer_types": ["full" if cfg.indexer_at(i) else "shared"
+                                                         for i in range(cfg.n_layers)]}
+
+    def rope_rows(self, cfg, hf=None):
+        a, k = cfg.mla, interleaved(1, cfg.mla.index_dim, 0, cfg.mla.rope_dim)
+        return {**super().rope_rows(cfg, hf), "self_attn.indexer.wq_b": interleaved(a.index_heads, a.index_dim, 0, a.rope_dim),
+                "self_attn.indexer.wk": k, "self_attn.indexer.k_norm": k}
+
+
+def indexer_types(hf: dict, n_layers: int) -> list:
+    """GLM-5's per-layer indexer kinds: config.json's `indexer_types`, else as transformers derives them from
+    `index_topk_pattern` ("FSS...") or `index_topk_freq` / `index_skip_topk_offset`."""
+    if hf.get("indexer_types") is not None:
+        return list(hf["indexer_types"])
+    if (pattern := hf.get("index_topk_pattern")) is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
 
 
 class Mistral4(DeepseekV3):

@@ -35,7 +35,7 @@ FEATURES = {  # the ideas records speak of -> the model keys that give them (doc
     "rope_proportional": "rope_scaling.type: proportional", "v_norm": "v_norm", "layer_scalar": "layer_scalar",
     "global_heads": "global_head_dim or global_n_kv_heads", "kv_same": "global_kv_same",
     "kv_shared": "kv_shared_layers", "kv_shared_wide": "kv_shared_ffn_hidden", "per_layer": "per_layer_dim",
-    "sparse_attention": "mla.index_heads"}
+    "sparse_attention": "mla.index_heads", "shared_index": "mla.index_shared"}
 PRE = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}  # Zoo norm -> HF norm of a layer
 
 
@@ -63,7 +63,7 @@ def features(cfg: LLMConfig) -> set:
              "v_norm": cfg.v_norm, "layer_scalar": cfg.layer_scalar, "global_heads": cfg.global_head_dim or
              cfg.global_n_kv_heads, "kv_same": cfg.global_kv_same, "kv_shared": cfg.kv_shared_layers,
              "kv_shared_wide": cfg.kv_shared_ffn_hidden, "per_layer": cfg.per_layer_dim,
-             "sparse_attention": cfg.mla and cfg.mla.index_heads}
+             "sparse_attention": cfg.mla and cfg.mla.index_heads, "shared_index": cfg.mla and cfg.mla.index_shared}
     recurrent = {cfg.layer_type(i) for i in range(cfg.n_layers)} & RECURRENT_TYPES
     return (named | recurrent | {k for k, v in flags.items() if v}) - {None}
 

@@ -363,7 +363,7 @@ def _attention_keys(cfg: LLMConfig, rec: Record, z: str, a: str, i: int = 0, fus
     q, kv = cfg.n_heads * D, n_kv * D
     own = {"q": True, "k": not cfg.kv_shared(i), "v": not cfg.kv_shared(i) and not (
         cfg.global_kv_same and not cfg.is_local(i))}
-    m = _mla_keys(cfg, z, a) if cfg.mla else {}
+    m = _mla_keys(cfg, z, a, i) if cfg.mla else {}
     for kind in (() if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)):
         shapes = [(r, d)[:2 if kind == "weight" else 1] for r in (q * (1 + cfg.attn_gate), kv, kv)]
         m[z + "attn.qkv." + kind] = [(a + f"qkv_proj.{kind}", (q + 2 * kv, d)[:len(shapes[0])])] \
@@ -438,14 +438,14 @@ def _shift_norms(state: dict, offset: float):
             t += offset
 
 
-def _mla_keys(cfg: LLMConfig, z: str, a: str) -> dict:
-    """Zoo -> Hugging Face names of one multi-head latent attention (DeepSeek-V3; z, a: the prefixes)."""
+def _mla_keys(cfg: LLMConfig, z: str, a: str, i: int) -> dict:
+    """Zoo -> Hugging Face names of layer i's multi-head latent attention (DeepSeek-V3; z, a: the prefixes)."""
     mla, d, H = cfg.mla, cfg.d_model, cfg.n_heads
     qk = H * (mla.nope_dim + mla.rope_dim)
     m = {z + "attn.kv_a.weight": [(a + "kv_a_proj_with_mqa.weight", (mla.kv_rank + mla.rope_dim, d))],
          z + "attn.kv_norm.weight": [(a + "kv_a_layernorm.weight", (mla.kv_rank,))],
          z + "attn.kv_b.weight": [(a + "kv_b_proj.weight", (H * (mla.nope_dim + mla.v_dim), mla.kv_rank))]}
-    if mla.index_heads:  # DeepSeek-V3.2's lightning indexer
+    if cfg.indexer_at(i):  # DeepSeek-V3.2's lightning indexer
         i, D = a + "indexer.", mla.index_dim
         m.update({z + "attn.indexer.q.weight": [(i + "wq_b.weight", (mla.index_heads * D, mla.q_rank))],
                   z + "attn.indexer.k.weight": [(i + "wk.weight", (D, d))],
