@@ -2,7 +2,7 @@
 zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer
 inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars, experts beside the
 MLP), GLM-4, Cohere 2, GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence
-has), Mistral 4, LFM2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load
+has), GLM-5 (its indexer's RoPE interleaved, layers reusing an earlier indexer's keys), Mistral 4, LFM2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load
 and joined on save; a gated shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk,
 dense or with experts, muP's multipliers), each at two small shapes, the second with its features at non-default
 values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
@@ -368,6 +368,33 @@ def test_lightning_indexer_selects(tmp_path):
         zoo.from_pretrained(tmp_path)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_glm5_indexer_rope_and_shared_layers_show(tmp_path, monkeypatch):
+    """GLM-5's parity (test_parity_dialects_and_export) rests on its two differences from DeepSeek-V3.2: read with
+    DeepSeek-V3.2's indexer layout (its RoPE pairs not reordered) or with the "shared" layers attending to every key,
+    the logits differ. An indexer_types Zoo cannot hold (the first layer shared) is refused by name."""
+    from zoo.archs import DeepseekV32, GlmMoeDsa
+    kind, kw = CASES["glm5-shared-index-groups-top5-heads3-yarn-raw-topk"]
+    hf = hf_model(kind, **kw)
+    hf.save_pretrained(tmp_path)
+    z, x = zoo.from_pretrained(tmp_path), tokens()
+    assert z.config.mla.index_shared == [1, 3] and [b.attn.indexer is None for b in z.blocks()] == [False, True] * 2
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert (ref - z(x)).abs().max() <= 1e-4
+        for b in z.blocks():
+            b.attn.reuse_index = False
+        assert (ref - z(x)).abs().max() > 1e-2
+    monkeypatch.setattr(GlmMoeDsa, "rope_rows", DeepseekV32.rope_rows)
+    with torch.no_grad():
+        assert (ref - zoo.from_pretrained(tmp_path)(x)).abs().max() > 1e-2
+    from zoo.config import ConfigError
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "indexer_types": ["shared", "full", "full", "full"]}))
+    with pytest.raises(ConfigError, match="indexer_types must be 'full' or 'shared' per layer, the first 'full'"):
+        zoo.from_pretrained(tmp_path)
+
+
 def test_final_softcap_caps_and_chunked_loss_refuses():
     z = randomize(zoo.build(dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, final_softcap=0.5)))
     x = torch.randint(0, 64, (1, 8))
@@ -409,7 +436,8 @@ def test_preset_is_its_architecture(preset):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn", "deepseek-v32"])
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn", "deepseek-v32",
+                                  "glm5-shared-index-groups-top5-heads3-yarn-raw-topk"])
 def test_absorbed_latent_attention_decodes_as_the_expanded(tmp_path, case):
     """`mla.absorb`: on the cache (a prefill of 12, a chunk of 3, then single tokens) the logits equal the
     expanded attention's (1e-4, fp32) and 20 greedy tokens are the same."""
