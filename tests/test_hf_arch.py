@@ -372,7 +372,8 @@ def test_lightning_indexer_selects(tmp_path):
 def test_glm5_indexer_rope_and_shared_layers_show(tmp_path, monkeypatch):
     """GLM-5's parity (test_parity_dialects_and_export) rests on its two differences from DeepSeek-V3.2: read with
     DeepSeek-V3.2's indexer layout (its RoPE pairs not reordered) or with the "shared" layers attending to every key,
-    the logits differ. An indexer_types Zoo cannot hold (the first layer shared) is refused by name."""
+    the logits differ. An indexer_types Zoo cannot hold (the first layer shared), and such index_shared layers, are
+    refused by name; only GLM-5's class holds shared layers."""
     from zoo.archs import DeepseekV32, GlmMoeDsa
     kind, kw = CASES["glm5-shared-index-groups-top5-heads3-yarn-raw-topk"]
     hf = hf_model(kind, **kw)
@@ -393,6 +394,13 @@ def test_glm5_indexer_rope_and_shared_layers_show(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "indexer_types": ["shared", "full", "full", "full"]}))
     with pytest.raises(ConfigError, match="indexer_types must be 'full' or 'shared' per layer, the first 'full'"):
         zoo.from_pretrained(tmp_path)
+    for bad, match in (([0], "index_shared=.0. needs .* layer 0 an indexer layer"), ([4], "has .4., not layers")):
+        with pytest.raises(ConfigError, match=match):
+            zoo.build(dataclasses.replace(z.config, mla=dataclasses.replace(z.config.mla, index_shared=bad)))
+    from zoo.weights import hf_llm  # a model of shared layers is a GLM-5 whatever it was loaded from; without, a DeepSeek
+    assert hf_llm.architecture_for(z.config, "DeepseekV32ForCausalLM") == "GlmMoeDsaForCausalLM"
+    plain = dataclasses.replace(z.config, mla=dataclasses.replace(z.config.mla, index_shared=[]))
+    assert hf_llm.architecture_for(plain) == "DeepseekV32ForCausalLM"
 
 
 def test_final_softcap_caps_and_chunked_loss_refuses():
