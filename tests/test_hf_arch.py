@@ -421,10 +421,10 @@ PRESETS = {"qwen3-0.6b": "Qwen3ForCausalLM", "qwen3-text-tiny": "Qwen3ForCausalL
            "mistral4-119b": "Mistral4ForCausalLM",
            "olmo2-1b": "Olmo2ForCausalLM", "phi4-mini": "Phi3ForCausalLM", "smollm3-3b": "SmolLM3ForCausalLM",
            "gpt-oss-20b": "GptOssForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
-           "deepseek-v32": "DeepseekV32ForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
+           "deepseek-v32": "DeepseekV32ForCausalLM", "glm5": "GlmMoeDsaForCausalLM", "lfm2-350m": "Lfm2ForCausalLM",
            "qwen3_5-0.8b": "Qwen3_5ForCausalLM", "qwen3-next-80b-a3b": "Qwen3NextForCausalLM",
            "qwen3_5-35b-a3b": "Qwen3_5MoeForCausalLM", "granite-4.0-h-tiny": "GraniteMoeHybridForCausalLM"}
-SHARED_SHAPE = {"qwen3_5-35b-a3b"}  # a shape an earlier record (Qwen3-Next) also holds: named as its checkpoint names it
+SHARED_SHAPE = {"qwen3_5-35b-a3b", "glm5"}  # a shape an earlier record (Qwen3-Next) also holds: named as its checkpoint names it
 
 
 @pytest.mark.parametrize("preset", PRESETS)
