@@ -78,6 +78,24 @@ def test_sparse_stage_separates_the_gradients():
     assert all(params[n].grad is None for n in own)
 
 
+def test_shared_indexer_layers_keep_their_choice_under_activation_checkpointing():
+    """GLM-5's shared layers (mla.index_shared) keep the keys the indexer layer before them chose: recomputed in the
+    backward (activation checkpointing), layer 1 still reads layer 0's choice, not the last one the forward made, so
+    the gradients equal the plain step's."""
+    cfg = dict(TINY, n_layers=4, mla=dict(TINY["mla"], index_topk=4, index_shared=[1, 3]))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for policy in ("none", "full"):
+        torch.manual_seed(0)
+        m = zoo.build(cfg)
+        m.reset_parameters(0.2)
+        apply_runtime(m, TrainConfig(activation_checkpointing=policy)).train()
+        m(x, x)[1].backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "layers.1.attn.kv_a.weight" in grads[0]
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
 def test_keys_off_change_nothing_and_the_loss_leaves_the_output():
     m, ref = tiny(), tiny()
     apply_runtime(m, TrainConfig())

@@ -67,7 +67,8 @@ def mla_block(cfg: LLMConfig, layer: int = 0) -> MultiHeadLatentAttention:
     return MultiHeadLatentAttention(cfg.d_model, cfg.n_heads, m.kv_rank, m.rope_dim, m.nope_dim, m.v_dim, m.q_rank,
                                     cfg.norm_eps, scale, m.absorb,
                                     (m.index_heads, m.index_dim, m.index_topk) if cfg.indexer_at(layer) else None,
-                                    reuse_index=layer in m.index_shared)
+                                    max(i for i in range(layer) if cfg.indexer_at(i)) if layer in m.index_shared
+                                    else None, layer)
 
 
 def recurrent_block(cfg: LLMConfig, kind: str) -> nn.Module:

@@ -14,9 +14,10 @@ from the query bottleneck, and each query attends only to its `topk` best keys (
 latent; the attention runs over every cached key with the others masked). The indexer reads its inputs detached,
 so that only its own loss trains it: with `index_loss` set, a training forward also returns `index_kl`, the KL from the
 attention's distribution (its probabilities summed over heads, L1-normalised) to the softmax of the index scores over
-the keys attended (the report's continued pre-training); `dense` attends to every key (its dense warm-up). `reuse_index`: a layer with
-no indexer of its own keeps the keys the previous indexer layer chose (GLM-5's "shared" layers; Z.ai, "GLM-5", 2026),
-read from the `shared` dict that layer wrote.
+the keys attended (the report's continued pre-training); `dense` attends to every key (its dense warm-up).
+`reuse_index`: a layer with no indexer of its own keeps the keys indexer layer `reuse_index` chose (GLM-5's "shared"
+layers; Z.ai, "GLM-5", 2026), read from the `shared` dict under that layer's number (so a recomputed forward, under
+activation checkpointing, reads the same choice).
 
 Shapes: x (B, T, dim) -> (B, T, dim); cos, sin (T, rope_dim) or (B, T, rope_dim); cache (B, max_len, kv_rank +
 rope_dim (+ the indexer's head width)).
@@ -93,12 +94,13 @@ def index_kl(p: torch.Tensor, index: torch.Tensor, keep: torch.Tensor) -> torch.
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, kv_rank: int, rope_dim: int, nope_dim: int, v_dim: int,
                  q_rank: Optional[int] = None, norm_eps: float = 1e-6, scale: Optional[float] = None,
-                 absorb: bool = False, index: Optional[tuple] = None, reuse_index: bool = False):
+                 absorb: bool = False, index: Optional[tuple] = None, reuse_index: Optional[int] = None,
+                 layer: int = 0):
         """index: (heads, head width, top-k) of a lightning indexer (needs q_rank); None: every key, or, with
-        reuse_index, the keys the previous indexer layer kept."""
+        reuse_index, the keys indexer layer `reuse_index` kept. layer: this layer's number (where its choice is left)."""
         super().__init__()
         self.indexer = LightningIndexer(dim, q_rank, *index[:2], rope_dim, index[2]) if index else None
-        self.reuse_index = reuse_index and self.indexer is None
+        self.reuse_index, self.layer = None if self.indexer is not None else reuse_index, layer
         self.n_heads, self.kv_rank, self.rope_dim, self.nope_dim, self.v_dim = n_heads, kv_rank, rope_dim, nope_dim, v_dim
         self.absorb = absorb  # with a cache: attend over the latents, kv_b folded into q and the output
         self.index_loss = self.dense = False  # training forwards return (y, index_kl); attend to every key
@@ -117,7 +119,7 @@ class MultiHeadLatentAttention(nn.Module):
                 q_scale: Optional[torch.Tensor] = None, shared: Optional[dict] = None) -> torch.Tensor:
         """x (B, T, dim) at positions [start_pos, start_pos + T); causal attention over the cache. q_scale (T,) or
         (B, T): each position's queries times it (Llama 4's attention temperature, Mistral 4). shared: where an
-        indexer layer leaves its selection ('index') for the `reuse_index` layers after it."""
+        indexer layer leaves its selection (under ('index', its layer)) for the `reuse_index` layers after it."""
         if mask is not None:
             raise ValueError("multi-head latent attention takes no narrower mask (packed documents, Mixture-of-Depths)")
         B, T, _ = x.shape
@@ -141,11 +143,12 @@ class MultiHeadLatentAttention(nn.Module):
             scores = self.indexer(x.detach(), q_low.detach(), index[0], cos, sin, causal)
             mask = (causal.expand_as(scores) if self.dense else self.indexer.select(scores, causal))[:, None]
             if shared is not None:
-                shared["index"] = mask
-        elif self.reuse_index:
-            if shared is None or "index" not in shared:
-                raise ValueError("a layer reusing the index selection needs an earlier indexer layer in the same forward")
-            mask = shared["index"]
+                shared["index", self.layer] = mask
+        elif self.reuse_index is not None:
+            if ("index", self.reuse_index) not in (shared or {}):
+                raise ValueError(f"this layer keeps the keys indexer layer {self.reuse_index} chose: run that layer "
+                                 f"first, in the same forward")
+            mask = shared["index", self.reuse_index]
         if cache is not None and self.absorb:
             return self.proj(self._absorbed(q[..., :self.nope_dim], q_rope, latent, mask).reshape(B, T, H * self.v_dim))
         c, k_rope = latent.split([self.kv_rank, R], dim=-1)
