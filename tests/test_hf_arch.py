@@ -1,13 +1,14 @@
-"""Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of
-zoo/archs): Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer
-inputs, KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars, experts beside the
-MLP), GLM-4, Cohere 2, GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence
+"""Today's decoder architectures in and out of Hugging Face folders (zoo/weights/hf_llm.py, the records of zoo/archs):
+Qwen3, SmolLM3, OLMo 2 and 3, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3 (text), Gemma 4 (text: per-layer inputs,
+KV-sharing layers, wider global heads, keys as values, proportional RoPE, layer scalars, experts beside the MLP),
+GLM-4, Cohere 2, GPT-OSS, DeepSeek-V3, DeepSeek-V3.2 (its lightning indexer keeping fewer keys than the sequence
 has), GLM-5 (its indexer's RoPE interleaved, layers reusing an earlier indexer's keys), Mistral 4, LFM2, Qwen3.5,
 Qwen3.5-MoE and Qwen3-Next (DeltaNet rows its file fuses per key head, split on load and joined on save; a gated
-shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk, dense or with experts, muP's multipliers), each at two small shapes, the second with its features at non-default
-values (windows shorter than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE /
-YaRN / linear scaling, NoPE layers, clamped experts, no query bottleneck, a query temperature past a short original
-context, logit scales, biases, state sizes, groups, kernels); the presets of their families against transformers' classes.
+shared expert, sparse steps, dense layers), Granite 4.0-H (Mamba-2 layers past one chunk, dense or with experts,
+muP's multipliers), each at two small shapes, the second with its features at non-default values (windows shorter
+than the sequence, soft-caps, head_dim != d_model / heads, MQA, partial rotary, LongRoPE / YaRN / linear scaling,
+NoPE layers, clamped experts, no query bottleneck, a query temperature past a short original context, logit scales,
+biases, state sizes, groups, kernels); the presets of their families against transformers' classes.
 Reference: transformers' random-init model (std 0.1, gains around 1, as in tests/test_hf_llm.py) saved by
 transformers. One test per case checks: fp32 logits within 1e-4 and the same 20 greedy tokens (Zoo on its
 KV cache); the same logits from a 4.x config.json (rope_theta / rope_scaling / rope_local_base_freq /
