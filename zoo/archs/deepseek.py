@@ -4,8 +4,8 @@ values from one cached latent) with RoPE pairs interleaved in the file, and Mixt
 `topk_group` groups whose two best scores sum highest). DeepSeek-V3 scores by sigmoid with a routing bias;
 DeepSeek-V3.2 adds a lightning indexer to each attention layer (each query keeps its `index_topk` best keys);
 GLM-5 (GlmMoeDsa) is DeepSeek-V3.2 with its indexer's RoPE pairs interleaved too and layers that reuse the
-previous indexer layer's selection (`indexer_types` "shared"); Mistral 4 scores by softmax, keeps its experts as stacked tensors and scales queries past
-`original_max_position_embeddings` (Llama 4's attention temperature)."""
+previous indexer layer's selection (`indexer_types` "shared"); Mistral 4 scores by softmax, keeps its experts as
+stacked tensors and scales queries past `original_max_position_embeddings` (Llama 4's attention temperature)."""
 from .record import ROPES, Record, interleaved, stacked
 
 

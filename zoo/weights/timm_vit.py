@@ -125,13 +125,13 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
 
 def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<state dict>", base: dict | None = None,
                            **overrides) -> ViTConfig:
-    """The ViTConfig of a timm-layout state dict: `arch` (default: the first preset of the file's width) with the
-    keys the shapes fix where they differ from it; `base`: a saved Zoo config (a Zoo export's)."""
+    """The ViTConfig of a timm-layout state dict, its names already Zoo's (from_timm): `arch` (default: the first
+    preset of the file's width) with the keys the shapes fix where they differ from it; `base`: a saved Zoo config
+    (a Zoo export's)."""
     if arch is not None and arch not in VIT_ARCHS:
         raise ValueError(f"{source}: unknown ViT arch {arch!r} (known: {', '.join(VIT_ARCHS)})")
     if base is not None and (arch is None or base.get("arch") == arch):
         return from_dict(ViTConfig, {**base, **overrides}, source, "")
-    sd = from_timm(sd)
     dim = sd["patch_embed.proj.weight"].shape[0] if "patch_embed.proj.weight" in sd else None
     eva = "blocks.0.attn.q_bias" in sd  # EVA-02's q and v biases: its RoPE, in no tensor, from an eva02 preset
     fallback = "vit_small_patch16_224" if not eva else \
