@@ -147,6 +147,19 @@ def test_bad_input_is_one_line(tmp_path):
         new_task(cfg, TEST_DEVICE, "fp32", lambda m: None)
 
 
+
+def test_pooling_without_a_class_token_is_never_the_first_patch(tmp_path):
+    """timm's global average pooling with the final norm before it (fc_norm=False, vit_medium_patch16_gap_*) has no
+    Zoo form: a one-line error naming the file, not a model pooling the first patch; a built ViT with a head and
+    no class token must pool otherwise (timm refuses global_pool='token' without one)."""
+    ref, path = timm_file(tmp_path, "vit_medium_patch16_gap_256", ".pth")
+    with pytest.raises(ValueError, match=f"^{path}: .*fc_norm=False"):
+        zoo.from_pretrained(path)
+    with pytest.raises(zoo.ConfigError, match="global_pool.*needs class_token"):
+        zoo.build({"family": "vit", "model": {**TINY, "class_token": False}})
+    assert zoo.build({"family": "vit", "model": {**TINY, "class_token": False, "num_classes": 0,
+                                                 "global_pool": "avg"}}).spec["class_token"] is False
+
 def test_patch_dropout_draws_as_timm(tmp_path):
     """model.patch_drop_rate: in training, the same seed keeps the same patches as timm's PatchDropout (logits within
     1e-5, fp32); in eval nothing is dropped."""

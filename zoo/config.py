@@ -901,6 +901,8 @@ class ViTConfig:
                        f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}")
         if r["distilled"] and not r["class_token"]:
             raise fail(source, prefix + "distilled", "needs class_token")
+        if r["global_pool"] == "token" and not r["class_token"] and self.num_classes:
+            raise fail(source, prefix + "global_pool", "=token needs class_token (without one: avg or map)")
         if r["rope_theta"] and (r["embed_dim"] // r["num_heads"]) % 4:
             raise fail(source, prefix + "rope_theta", f"needs a head width embed_dim / num_heads divisible by 4, got "
                                                       f"{r['embed_dim'] // r['num_heads']}")

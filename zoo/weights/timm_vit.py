@@ -108,6 +108,9 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
                global_pool="avg" if "fc_norm.weight" in sd else "token",
                mlp="swiglu" if "blocks.0.mlp.gate_up.weight" in sd else "gelu" if plain == "swiglu" else plain,
                mlp_norm="blocks.0.mlp.norm.weight" in sd, k_bias="blocks.0.attn.q_bias" not in sd)
+    if not cfg["class_token"] and "fc_norm.weight" not in sd and not any(k.startswith("attn_pool.") for k in sd):
+        raise ValueError(f"{source}: no class token and no fc_norm: timm's average pooling after the final norm "
+                         f"(fc_norm=False, as vit_*_gap_*) has no Zoo form")
     cfg["init_values"] = (preset.get("init_values") or 1e-5) if "blocks.0.ls1.gamma" in sd else 0.0
     n_prefix, n_pos = cfg["class_token"] + cfg["distilled"] + cfg["reg_tokens"], sd["pos_embed"].shape[1]
     own, patches_only = _side(n_pos - n_prefix), _side(n_pos) if n_prefix else None
