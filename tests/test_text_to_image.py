@@ -103,6 +103,22 @@ def test_the_text_conditioned_denoiser_and_captions_go_together(over, key):
             "denoiser": "flux2", "prediction": "flow", "sampler": "flow_euler", "text_encoder": "x.yaml"}})
 
 
+
+def test_sample_program_bad_arguments_are_one_line(tmp_path, capsys):
+    """train/sample.py: a folder that is not there, --n or --steps below 1, --decoder beside a run folder (which
+    decodes with its own autoencoder): each exit 2 with one line naming it, before any model loads."""
+    from train.sample import main
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("family: diffusion\n")
+    cases = {(str(tmp_path / "nope"), "x"): f"{tmp_path / 'nope'}: no such folder",
+             (str(tmp_path / "run"), "x", "--n", "0"): "--n must be >= 1, got 0",
+             (str(tmp_path / "run"), "x", "--steps", "0"): "--steps must be >= 1, got 0",
+             (str(tmp_path / "run"), "x", "--decoder", "t.pth"): "--decoder is for a pipeline folder"}
+    for argv, message in cases.items():
+        assert main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+
 def test_a_runs_samples_take_flux2s_shift_at_their_size(tmp_path, monkeypatch):
     """train/sample.py on a text-to-image run folder (a tiny FLUX.2 at random init): the noise levels its transformer
     sees are diffusers' FlowMatchEulerDiscreteScheduler's with FLUX.2's mu (dynamic shifting, the pipeline's sigmas)

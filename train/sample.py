@@ -103,6 +103,18 @@ def shift_value(v: str):
     raise ValueError(f"--shift must be auto, none or a number > 0, got {v!r}")
 
 
+def check_args(args):
+    """The arguments no model needs to judge: the folder is there, --n and --steps at least 1, --decoder only for a
+    pipeline folder (a run decodes with its own autoencoder)."""
+    if not Path(args.folder).is_dir():
+        raise ValueError(f"{args.folder}: no such folder")
+    for name in ("n", "steps"):
+        if (v := getattr(args, name)) is not None and v < 1:
+            raise ValueError(f"--{name} must be >= 1, got {v}")
+    if args.decoder is not None and (Path(args.folder) / "config.yaml").is_file():
+        raise ValueError(f"--decoder is for a pipeline folder; {args.folder} is a run, decoded by its own autoencoder")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python train/sample.py", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="a FLUX.2 [klein] pipeline folder or a text-to-image run folder")
@@ -123,6 +135,7 @@ def main(argv=None) -> int:
     import zoo
     from train.tasks.diffusion import save_grid
     try:
+        check_args(args)
         if (Path(args.folder) / "config.yaml").is_file():
             images = generate_run(args.folder, args.prompts, args.steps, args.guidance, args.seed, args.n, args.size,
                                   "run" if args.shift is None else shift_value(args.shift))
