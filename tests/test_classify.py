@@ -188,6 +188,18 @@ def test_folder_errors_are_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+
+def test_predict_bad_arguments_are_one_line(tmp_path, capsys):
+    """train/predict.py: a folder with no images and --top below 1 are one-line errors naming them, judged before
+    any model loads."""
+    from train.predict import image_files, main
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no images found"):
+        image_files([tmp_path / "empty"])
+    assert main([str(tmp_path), str(tmp_path / "empty"), "--top", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --top must be >= 1, got 0\n"
+
 def test_unreadable_images_are_reported_and_skipped(tmp_path):
     root = tmp_path / "data"
     write_images(root / "train", per_class=5)

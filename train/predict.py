@@ -40,7 +40,10 @@ def image_files(args) -> list[Path]:
     out = []
     for a in map(Path, args):
         if a.is_dir():
-            out += sorted(p for p in a.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+            found = sorted(p for p in a.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+            if not found:
+                raise FileNotFoundError(f"{a}: no images found")
+            out += found
         elif a.is_file():
             out.append(a)
         else:
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per image")
     args = p.parse_args(argv)
     try:
+        if args.top < 1:
+            raise ValueError(f"--top must be >= 1, got {args.top}")
         model, prep = load(args.dir, args.ema)
         paths = image_files(args.images)
         probs = probabilities(model, prep, paths)
