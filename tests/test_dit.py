@@ -122,7 +122,8 @@ def test_presets_and_config_errors():
         n = DiT(DiTConfig(preset="XL", patch_size=2, learn_sigma=True), 4, 1000, 32).num_params()
     assert abs(n / 1e6 - 675) < 1, n
     for data, match in [({"denoiser": "dit", "dit": {"preset": "M"}}, "dit.preset"),
-                        ({"denoiser": "dit", "dit": {"patch_size": 3}}, "dit.patch_size"),
+                        ({"denoiser": "dit", "dit": {"patch_size": 3}},
+                         r"model\.dit\.patch_size=3: the latent side 4 \(model\.image_size 32 / 8\) must be divisible by it$"),
                         ({"denoiser": "dit", "dit": {"width": 30, "heads": 4}}, "dit.heads"),
                         ({"denoiser": "dit", "dit": {"learn_sigma": True}, "prediction": "flow",
                           "sampler": "flow_euler"}, "learn_sigma"),

@@ -1079,8 +1079,12 @@ class DiffusionConfig:
             raise fail(source, p + "channels", f"must be positive widths divisible by heads={self.heads}, got {self.channels}")
         factor = self.latent_multiple
         if (self.image_size // 8) % factor and self.denoiser != "unet":
-            key = "dit.patch_size" if self.denoiser == "dit" else "image_size"
-            raise fail(source, p + key, f"the latent size {self.image_size // 8} must be divisible by the patch {factor}")
+            n = self.image_size // 8
+            if self.denoiser == "dit":
+                raise fail(source, p + "dit.patch_size", f"={factor}: the latent side {n} ({p}image_size "
+                                                         f"{self.image_size} / 8) must be divisible by it")
+            raise fail(source, p + "image_size", f"={self.image_size}: the latent side {n} (/ 8) must be divisible "
+                                                 f"by the patch {factor}")
         if (self.image_size // 8) % factor:
             raise fail(source, p + "channels", f"has {len(self.channels)} levels: the latent size "
                                                f"{self.image_size // 8} must be divisible by {factor}")
