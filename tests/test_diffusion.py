@@ -122,6 +122,37 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     assert any("autoencoder: reusing" in m for m in logs)
 
 
+
+def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
+    """train/sample.py RUN 3 7 on a class-conditional run (the U-Net, random init, no training): each prompt a class
+    number, the same images as the model's own sample of those labels with the seed's generator; a prompt that is no
+    class number is a one-line error naming it and the classes."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+    from safetensors.torch import save_model
+
+    from parallel_runs import DIFFUSION
+    from train.sample import main
+    cfg = load_run_config(None, [], base=DIFFUSION)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    torch.manual_seed(0)
+    model = LatentDiffusion(cfg.model).eval()
+    with torch.no_grad():  # a non-zero output layer, so that the classes' samples differ
+        for p in model.denoiser.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_model(model, str(run / "model.safetensors"))
+    assert main([str(run), "3", "7", "--n", "2", "--seed", "5", "--out", str(tmp_path / "png")]) == 0
+    want = model.sample(torch.tensor([3, 3, 7, 7]), generator=torch.Generator().manual_seed(5))
+    got = [torch.tensor(np.array(Image.open(tmp_path / "png" / f"{c}-5-{k}.png")), dtype=torch.float32)
+           for c in (3, 7) for k in (0, 1)]
+    assert all((g.permute(2, 0, 1) / 255 - w).abs().max() <= 1 / 255 + 1e-6 for g, w in zip(got, want))
+    capsys.readouterr()
+    assert main([str(run), "cat", "--out", str(tmp_path / "png")]) == 2
+    assert capsys.readouterr().err == f"error: {run}: a class-conditional run samples class numbers 0-9, got 'cat'\n"
+
 def test_bf16_channels_last_run(tmp_path):
     final = train(tiny_run(tmp_path, "train.precision=bf16", "train.channels_last=true", "train.ema_decay=null"),
                   log=lambda m: None)

@@ -1,14 +1,17 @@
 """Text to images with a FLUX.2 [klein] pipeline folder (Zoo's transformer and Qwen3 text encoder, PNGs decoded by a
-Zoo autoencoder: TAEF2) or with a text-to-image run folder of train/run.py.
+Zoo autoencoder: TAEF2) or with a text-to-image run folder of train/run.py; class numbers to images with a
+class-conditional (U-Net or DiT) run folder.
 
     python train/sample.py FOLDER "a prompt" [...] --decoder taef2_encoder.pth [--out DIR --steps 4 --guidance 4
                                              --seed 0 --n 1 --size 1024 1024 --max-length 512 --shift auto]
     python train/sample.py RUN "a prompt" [...] [--out DIR --steps --guidance --seed 0 --n 1 --size H W --shift]
+    python train/sample.py RUN 3 7 [...] [--out DIR --steps --guidance --seed 0 --n 1 --size H W]
 
 FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
 the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a run of data.format: captions
 (its EMA weights when it kept them, an adapter run's base with its LoRA; its sampler, steps, guidance, shift and
-model.image_size unless given). Writes DIR/<prompt>-<seed>-<k>.png.
+model.image_size unless given); of a class-conditional run, each prompt a class number. Writes
+DIR/<prompt>-<seed>-<k>.png.
 """
 from __future__ import annotations
 
@@ -60,10 +63,10 @@ def generate(folder, prompts: list[str], decoder, steps: int = 4, guidance: floa
 @torch.no_grad()
 def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int = 0, n: int = 1, size=None,
                  shift="run") -> torch.Tensor:
-    """Images (len(prompts) * n, 3, H, W) in [0, 1] of a text-to-image run folder: its model (EMA weights when
-    written; an adapter run: its train.init_from, Zoo weights, with its adapter/), its text encoder
-    (text_encoder/ when the run saved one, else model.text_encoder); `shift` a model.sample_shift value, or the
-    run's."""
+    """Images (len(prompts) * n, 3, H, W) in [0, 1] of a diffusion run folder: its model (EMA weights when
+    written; an adapter run: its train.init_from, Zoo weights, with its adapter/), a text-to-image run's text encoder
+    (text_encoder/ when the run saved one, else model.text_encoder), a class-conditional run's prompts class
+    numbers; `shift` a model.sample_shift value, or the run's."""
     from safetensors.torch import load_model
 
     from train.config import load_run_config
@@ -72,8 +75,8 @@ def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int =
     from zoo.weights.diffusers_lora import LORA_WEIGHTS, load_lora
     run = Path(run)
     cfg = load_run_config(str(run / "config.yaml"))
-    if cfg.family != "diffusion" or cfg.model.denoiser != "flux2":
-        raise ValueError(f"{run}: not a text-to-image run (family diffusion, model.denoiser flux2)")
+    if cfg.family != "diffusion":
+        raise ValueError(f"{run}: not a diffusion run (family {cfg.family})")
     lora, base = run / "adapter" / LORA_WEIGHTS, Path(cfg.train.init_from or run)
     weights = [base / "model.safetensors" if base.is_dir() else base] if lora.is_file() else \
         [run / "model_ema.safetensors", run / "model.safetensors"]  # an adapter run's base: what the run loaded
@@ -85,10 +88,21 @@ def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int =
     load_model(model, str(weights))
     if lora.is_file():
         load_lora(model, lora)
-    own = run / "text_encoder"
-    encoder = TextEncoder(cfg.model, cfg.source, torch.device("cpu"), own if own.is_dir() else None)
-    cond = encoder.embed([p for p in prompts for _ in range(n)])
+    if cfg.model.denoiser != "flux2":
+        cond = class_labels(run, cfg.model.num_classes, prompts, n)
+    else:
+        own = run / "text_encoder"
+        encoder = TextEncoder(cfg.model, cfg.source, torch.device("cpu"), own if own.is_dir() else None)
+        cond = encoder.embed([p for p in prompts for _ in range(n)])
     return model.sample(cond, steps=steps, guidance=guidance, generator=torch.Generator().manual_seed(seed), size=size)
+
+
+def class_labels(run, num_classes: int, prompts: list[str], n: int) -> torch.Tensor:
+    """A class-conditional run's labels (len(prompts) * n,): each prompt a class number below num_classes."""
+    bad = next((p for p in prompts if not (p.isdigit() and int(p) < num_classes)), None)
+    if bad is not None:
+        raise ValueError(f"{run}: a class-conditional run samples class numbers 0-{num_classes - 1}, got {bad!r}")
+    return torch.tensor([int(p) for p in prompts for _ in range(n)])
 
 
 def shift_value(v: str):
@@ -117,8 +131,8 @@ def check_args(args):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python train/sample.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("folder", help="a FLUX.2 [klein] pipeline folder or a text-to-image run folder")
-    p.add_argument("prompts", nargs="+", help="one or more prompts")
+    p.add_argument("folder", help="a FLUX.2 [klein] pipeline folder or a diffusion run folder")
+    p.add_argument("prompts", nargs="+", help="one or more prompts (a class-conditional run: class numbers)")
     p.add_argument("--decoder", help="a pipeline folder's: a Zoo autoencoder of the latent space (taef2_encoder.pth)")
     p.add_argument("--out", default="samples", help="folder for the PNGs (default samples)")
     p.add_argument("--steps", type=int, help="Euler steps (default 4; a run: its model.sample_steps)")
