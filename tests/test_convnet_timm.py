@@ -87,6 +87,21 @@ def test_timm_folder_names_the_arch_and_safetensors_load(tmp_path):
         assert (zoo.from_pretrained(tmp_path / "again")(x) - ref(x)).abs().max().item() <= 1e-5
 
 
+
+def test_a_timm_folder_of_a_tensorflow_port_is_refused(tmp_path):
+    """timm's tf_* ports (TensorFlow's SAME padding, BatchNorm eps 1e-3) hold the tensors of the plain model under
+    the same names, so they would load and compute something else: a hub folder naming one is a one-line error."""
+    import json
+    from safetensors.torch import save_file
+    ref = random_timm("tf_mobilenetv3_small_100")
+    folder = tmp_path / "tf_mobilenetv3_small_100.in1k"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "tf_mobilenetv3_small_100"}))
+    with pytest.raises(ValueError, match=f"^{folder}: tf_mobilenetv3_small_100 is a TensorFlow port") as e:
+        zoo.from_pretrained(folder)
+    assert "\n" not in str(e.value)
+
 def test_another_architectures_file_is_one_line_error(tmp_path):
     with torch.device("meta"):
         sd = {k: torch.zeros(v.shape, dtype=v.dtype, device=CPU) for k, v in

@@ -260,6 +260,9 @@ def saved_config(path, archs=None) -> tuple[str | None, dict | None]:
         if "zoo" in extra:
             meta["zoo"] = json.loads(extra["zoo"])
     arch = meta.get("architecture")
+    if isinstance(arch, str) and arch.startswith("tf_"):  # the plain model's names, other arithmetic
+        raise ValueError(f"{p}: {arch} is a TensorFlow port (SAME padding, BatchNorm eps 1e-3), which Zoo's "
+                         f"models do not compute")
     known = archs or ConvNetConfig.all_archs()
     return (arch if arch in known else None), meta.get("zoo")
 
