@@ -263,6 +263,9 @@ def test_finetune_from_timm_weights_and_export(tmp_path):
                                         "model.in_chans": 3})
     train(cfg, log=logs.append)
     assert any("replaced by a new 3-class head" in m for m in logs)
+    # the run's shape keys the weights overrule are named, not dropped in silence (the width 8 of folder_cfg)
+    assert any(m.startswith("model: model.width=8") and m.endswith("not used: the architecture is train.init_from's")
+               for m in logs), logs
     out = tmp_path / "run" / "export" / "r18.pth"
     assert out.is_file()
     sd = torch.load(out, weights_only=True)

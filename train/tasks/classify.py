@@ -118,7 +118,8 @@ class ClassifyTask(Task):
                 named, base = timm_convnet.saved_config(path, VIT_ARCHS if fmt is timm_vit else None)
                 return sd, fmt.config_from_state_dict(sd, named, str(path), base,
                                                       num_classes=self.model_cfg.num_classes, **regularise)
-            self.pretrained, self.model_cfg = self.load_pretrained(read, say=False)
+            asked, (self.pretrained, self.model_cfg) = self.model_cfg, self.load_pretrained(read, say=False)
+            self._say_overruled(asked)
         channels, patch = self.model_cfg.in_chans, cfg.family == "vit" and self.model_cfg.resolved["patch_size"]
         if patch and self.size % patch:
             raise ConfigError(f"{cfg.source}: data.image_size={self.size}: not a multiple of the ViT's patch size "
@@ -147,6 +148,14 @@ class ClassifyTask(Task):
         self._iter, self._next = None, None
         self.log(f"data: {d.path}: {self.n_train} train / {self.n_val} val images, {len(self.classes)} classes, "
                  f"{self.size}x{self.size}, {channels} channel(s)")
+
+    def _say_overruled(self, asked):
+        """Log the model keys the run set that train.init_from's weights overrule (their architecture wins)."""
+        from dataclasses import fields
+        gone = [f"model.{f.name}={v}" for f in fields(asked) if (v := getattr(asked, f.name)) is not None
+                and v != getattr(self.model_cfg, f.name)]
+        if gone:
+            self.log(f"model: {', '.join(gone)} not used: the architecture is train.init_from's")
 
     def _fit_to_data(self, channels: Optional[int]):
         """The model config with what the data decides where the config says otherwise: the class count,
