@@ -122,7 +122,6 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     assert any("autoencoder: reusing" in m for m in logs)
 
 
-
 def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
     """train/sample.py RUN 3 7 on a class-conditional run (the U-Net, random init, no training): each prompt a class
     number, the same images as the model's own sample of those labels with the seed's generator; a prompt that is no
@@ -152,6 +151,7 @@ def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(run), "cat", "--out", str(tmp_path / "png")]) == 2
     assert capsys.readouterr().err == f"error: {run}: a class-conditional run samples class numbers 0-9, got 'cat'\n"
+
 
 def test_bf16_channels_last_run(tmp_path):
     final = train(tiny_run(tmp_path, "train.precision=bf16", "train.channels_last=true", "train.ema_decay=null"),
