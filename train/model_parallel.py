@@ -21,7 +21,6 @@ from torch import nn
 
 from zoo.blocks.attention import CausalSelfAttention
 from zoo.blocks.chunked_ce import chunked_cross_entropy
-from zoo.blocks.mlp import SwiGLU
 from zoo.config import RECURRENT_TYPES
 from zoo.blocks.norm import RMSNorm
 

@@ -276,12 +276,7 @@ def _environment():
 
     class Dict:
         """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
-
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
+        __call__, fromkeys = staticmethod(dict), staticmethod(dict.fromkeys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks, loopcontrols])
     env.filters["tojson"] = tojson
