@@ -13,6 +13,7 @@ Exit codes: 0 done; 2 a bad file, folder or option (one line).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import math
@@ -236,11 +237,8 @@ def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperatu
         stopped, row = row[n - 1] in stops, row[:n]
         text = tokenizer.decode(row[:-1] if stopped else row)
         if eot and eot in text:  # an end of turn of several tokens: the shortest prefix holding it
-            lo, hi = 1, len(row)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if eot in tokenizer.decode(row[:mid]) else (mid + 1, hi)
-            row, text, stopped = row[:lo], text[:text.index(eot)], True
+            n = bisect.bisect_left(range(1, len(row)), True, key=lambda k: eot in tokenizer.decode(row[:k])) + 1
+            row, text, stopped = row[:n], text[:text.index(eot)], True
         done.append((row, text, not stopped))
     return enc, *map(list, zip(*done))
 
