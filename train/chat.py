@@ -186,14 +186,12 @@ def main(argv=None) -> int:
             return 0
         if line.strip() == "/reset":
             chat.reset()
-            continue
-        if not line.strip():
-            continue
-        try:
-            chat.reply(line.rstrip("\n"), show)
-        except ValueError as e:
-            print(f"\n{e}", file=sys.stderr)
-        print(flush=True)
+        elif line.strip():
+            try:
+                chat.reply(line.rstrip("\n"), show)
+            except ValueError as e:
+                print(f"\n{e}", file=sys.stderr)
+            print(flush=True)
 
 
 if __name__ == "__main__":

@@ -259,20 +259,15 @@ def _environment():
     class Namespace(jinja2.utils.Namespace):
         """`namespace(...)` without underscore-named attributes (no way to reach Python internals)."""
 
-        def __init__(*args, **kwargs):
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
+        def __init__(*args, **kwargs):  # each attribute set through __setitem__, checked
+            jinja2.utils.Namespace.__init__(args[0])
+            for name, value in dict(*args[1:], **kwargs).items():
+                args[0][name] = value
 
         def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+            jinja2.utils.Namespace.__setitem__(self, name, value)
 
     class Dict:
         """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
