@@ -480,10 +480,7 @@ def _from_gguf(p: Path) -> ChatTemplate:
 # ----------------------------------------------------------------------------- tokens with their characters
 def _byte_to_char(text: str) -> list[int]:
     """For each UTF-8 byte of text (and one past the end), the index of the character it belongs to."""
-    out = []
-    for i, ch in enumerate(text):
-        out += [i] * len(ch.encode("utf-8"))
-    return out + [len(text)]
+    return [i for i, ch in enumerate(text) for _ in ch.encode("utf-8")] + [len(text)]
 
 
 def prompt_tokens(tokenizer, template: ChatTemplate, prompts: list[str], max_length: int):
