@@ -162,9 +162,7 @@ def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, 
                 if tokenizer.eos_id is None:
                     raise DataError(f"an empty context needs a tokenizer with an EOS token (choice {c!r})")
                 ctx = [tokenizer.eos_id]
-            ids = ctx + cont
-            if max_len is not None:
-                ids = ids[-(max_len + 1):]  # the harness keeps the last max_len + 1 tokens
+            ids = (ctx + cont)[-(max_len + 1):] if max_len is not None else ctx + cont  # as the harness cuts it
             seqs.append((ids, [IGNORE] * (len(ids) - len(cont)) + ids[len(ids) - len(cont):]))
     scores, details = iter(score_sequences(model, seqs, device, batch_size, autocast)), []
     for r in rows:
