@@ -59,7 +59,7 @@ def truncate(path: Path, step: int, finished: bool = False):
     atomic_write(path, "".join(l + "\n" for l in keep))
 
 
-class Metrics:
+class Metrics(contextlib.AbstractContextManager):
     """Owns metrics.jsonl, speed.jsonl, the tracker, the progress bar and the logging window; a context manager."""
 
     def __init__(self, run, out: Path, start: int, say):
@@ -190,9 +190,6 @@ class Metrics:
             f.flush()
             os.fsync(f.fileno())
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):  # the tracker is closed with the exit code of the exception that ended the run
         self.bar.close()
         return self._stack.__exit__(*exc)
@@ -227,7 +224,7 @@ def _points(row: dict) -> list:
         (f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v) if isinstance(x, num)]
 
 
-class Tracker:
+class Tracker(contextlib.AbstractContextManager):
     """train.tracker=none: `log` and `close` do nothing; a context manager closed with the ending exception's code."""
 
     def log(self, row: dict):
@@ -235,9 +232,6 @@ class Tracker:
 
     def close(self, exit_code: int = 0):
         pass
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, exc_type, exc, tb):
         self.close(0 if exc is None else getattr(exc, "code", 1))
