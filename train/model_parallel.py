@@ -11,7 +11,6 @@ rank-major while training, and put back in the model's order in every saved stat
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -19,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.blocks.attention import CausalSelfAttention
 from zoo.blocks.chunked_ce import chunked_cross_entropy
 from zoo.config import RECURRENT_TYPES
 from zoo.blocks.norm import RMSNorm
