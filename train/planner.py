@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -730,12 +731,9 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
     budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     sizes = [d for d in range(1, G + 1) if G % d == 0]
-    peaks: dict[int, int] = {}
-
+    @functools.cache
     def peak(b):
-        if b not in peaks:
-            peaks[b] = plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
-        return peaks[b]
+        return plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
 
     # the planned peak grows with the micro-batch: bisect for the first size over the budget
     best = bisect.bisect_left(sizes, True, key=lambda b: peak(b) > budget) - 1
