@@ -344,10 +344,9 @@ class RunConfig:
     source: str = "<config>"
     rl: Any = None                          # the `rl:` section of a `data.format: prompts` run (train/tasks/rl.py)
 
-    def to_dict(self) -> dict:
-        out = {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
-               "train": to_dict(self.train), "optim": to_dict(self.optim), "adapter": to_dict(self.adapter)}
-        return out if self.rl is None else {**out, "rl": to_dict(self.rl)}
+    def to_dict(self) -> dict:  # the sections in SECTIONS' order, rl: only where the run has one
+        sections = {k: getattr(self, k) for k in SECTIONS[1:]}
+        return {"family": self.family, **{k: to_dict(v) for k, v in sections.items() if v is not None}}
 
 
 SECTIONS = ("family", "model", "data", "train", "optim", "adapter", "rl")
