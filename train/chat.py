@@ -13,6 +13,7 @@ else resized to the encoder's square; its tokens where the model's chat template
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,10 +29,6 @@ from zoo.vlm_processor import pad_images
 from train.data.conversations import IMAGE, expand_images
 from train.data.images import image_processor, processed_image
 from train.step import eval_mode
-
-
-def _common_prefix(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class ChatSession:
@@ -81,7 +78,8 @@ class ChatSession:
     def respond(self, messages: list[dict], on_text: Optional[Callable[[str], None]] = None) -> str:
         """The assistant's answer to `messages`, reusing the cached tokens they start with."""
         model, cap = self.model, self.model.config.max_seq_len
-        ids = self._encode(self._expand(self.template.render(messages, add_generation_prompt=True)))
+        text = self.template.render(messages, add_generation_prompt=True)  # each <image> as the processor writes it
+        ids = self._encode(text if self.images is None else expand_images(text, self.images[1])[0])
         if len(ids) >= cap:
             raise ValueError(f"the conversation is {len(ids)} tokens, the model's context {cap}: /reset to start over")
         with eval_mode(model):
@@ -89,7 +87,7 @@ class ChatSession:
                 dev = self.device.type
                 dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
                 self.caches = model.new_caches(1, cap, self.device, dtype)
-            keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # at least one new token gives the logits
+            keep = min(len(os.path.commonprefix([self.cached, ids])), len(ids) - 1)  # a new token at least: the logits
             new = torch.tensor([ids[keep:]], device=self.device)
             new_image = self.images is not None and self.vlm.config.image_token_id in ids[keep:]
             embeds = self.vlm.embed(torch.tensor([ids], device=self.device), *pad_images([self.images[0]])) \
@@ -118,11 +116,6 @@ class ChatSession:
             if on_text is not None and len(text) > shown:
                 on_text(text[shown:])
         return text
-
-
-    def _expand(self, text: str) -> str:
-        """The rendered conversation with each `<image>` as the processor writes its image."""
-        return text if self.images is None else expand_images(text, self.images[1])[0]
 
 
 def _held_back(text: str, stop: str) -> int:
@@ -193,14 +186,12 @@ def main(argv=None) -> int:
             return 0
         if line.strip() == "/reset":
             chat.reset()
-            continue
-        if not line.strip():
-            continue
-        try:
-            chat.reply(line.rstrip("\n"), show)
-        except ValueError as e:
-            print(f"\n{e}", file=sys.stderr)
-        print(flush=True)
+        elif line.strip():
+            try:
+                chat.reply(line.rstrip("\n"), show)
+            except ValueError as e:
+                print(f"\n{e}", file=sys.stderr)
+            print(flush=True)
 
 
 if __name__ == "__main__":

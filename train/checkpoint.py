@@ -217,7 +217,9 @@ def load_checkpoint(path: Path, model, optimizer=None, scaler=None, ema=None, ke
         weights = read_weights(path / "model.safetensors", model, keys)
         ema_weights = read_weights(path / "ema.safetensors", ema, keys) \
             if ema is not None and (path / "ema.safetensors").is_file() else None
-    state = _same_step(path, read_state(path / "state.pt"), manifest)
+    state = read_state(path / "state.pt")
+    if state["step"] != manifest.get("step"):
+        raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
     if before_optimizer is not None:
         before_optimizer(state)
     how = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in getattr(optimizer, "param_groups", [])]
@@ -292,12 +294,6 @@ def _by_name(model, optimizer, osd: dict) -> dict:
         out["state"].update({names[i]: s for i, s in sd["state"].items()})
         out["param_groups"] += [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
     return out
-
-
-def _same_step(path, state: dict, manifest: dict) -> dict:
-    if state["step"] != manifest.get("step"):
-        raise ValueError(f"{path / 'state.pt'}: step {state['step']} != {manifest.get('step')} in the manifest")
-    return state
 
 
 def resume_latest(out_dir, model, optimizer=None, scaler=None, ema=None, log=print, keys: Optional[set] = None,

@@ -344,10 +344,9 @@ class RunConfig:
     source: str = "<config>"
     rl: Any = None                          # the `rl:` section of a `data.format: prompts` run (train/tasks/rl.py)
 
-    def to_dict(self) -> dict:
-        out = {"family": self.family, "model": to_dict(self.model), "data": to_dict(self.data),
-               "train": to_dict(self.train), "optim": to_dict(self.optim), "adapter": to_dict(self.adapter)}
-        return out if self.rl is None else {**out, "rl": to_dict(self.rl)}
+    def to_dict(self) -> dict:  # the sections in SECTIONS' order, rl: only where the run has one
+        sections = {k: getattr(self, k) for k in SECTIONS[1:]}
+        return {"family": self.family, **{k: to_dict(v) for k, v in sections.items() if v is not None}}
 
 
 SECTIONS = ("family", "model", "data", "train", "optim", "adapter", "rl")
@@ -399,65 +398,55 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
 
 
 def check_across_sections(cfg: RunConfig):
-    """Keys that are each valid but make no sense together: one-line errors naming both."""
-    t, o, src = cfg.train, cfg.optim, cfg.source
-    if (t.qat or t.quantize) and cfg.adapter.enabled:
-        raise fail(src, "train.qat" if t.qat else "train.quantize",
-                   f"does not combine with adapter.method={cfg.adapter.method} (quantize the merged model afterwards)")
-    if t.float8 and (t.qat or t.quantize):
-        raise fail(src, "train.float8", f"does not combine with train.{'qat' if t.qat else 'quantize'} (both replace "
-                                        f"the linears; quantize the float8-trained model afterwards)")
-    if t.prune and cfg.adapter.enabled:
-        raise fail(src, "train.prune", f"does not combine with adapter.method={cfg.adapter.method} (an adapter's "
-                                       f"update would fill the pruned weights in; prune the merged model)")
-    if getattr(cfg.model, "mup_base_width", None) and o.name == "sgd":
-        raise fail(src, "model.mup_base_width", "scales the hidden matrices' LR by Adam's rule (x base / width); "
-                                                "optim.name=sgd needs another, not implemented")
-    warmup = o.resolved_warmup_steps(t.max_steps)
+    """Keys that are each valid but make no sense together: one-line errors naming both (the first that applies)."""
+    t, o, a, src = cfg.train, cfg.optim, cfg.adapter, cfg.source
+    quant = "train.qat" if t.qat else "train.quantize"
+    warmup, decay = o.resolved_warmup_steps(t.max_steps), max(1, round(o.decay_fraction * t.max_steps))
     wkey = "optim.warmup_steps" if o.warmup_steps is not None or o.warmup_fraction is None else "optim.warmup_fraction"
-    if warmup >= t.max_steps:
-        raise fail(src, "optim.warmup_steps", f"={warmup} must be < train.max_steps={t.max_steps} "
-                                              f"(the whole run would be warmup; optim.warmup_fraction scales with the run)")
-    if o.schedule == "wsd":
-        decay = max(1, round(o.decay_fraction * t.max_steps))
-        if warmup > t.max_steps - decay:
-            what = f"={warmup}" if wkey == "optim.warmup_steps" else f"={o.warmup_fraction} ({warmup} steps)"
-            raise fail(src, wkey, f"{what} runs into the decay of optim.schedule=wsd, "
-                                                  f"which starts at step {t.max_steps - decay} (optim.decay_fraction="
-                                                  f"{o.decay_fraction} of train.max_steps={t.max_steps})")
-    if t.precision == "bf16-pure" and (o.name != "adamw" or not _installed("torchao")):
-        raise fail(src, "train.precision", f"=bf16-pure steps with torchao's AdamW (stochastic rounding): needs "
-                                           f"optim.name=adamw (got {o.name}) and the torchao package")
-    a = cfg.adapter
-    if t.index_warmup and (a.enabled or t.unfreeze is not None):
-        raise fail(src, "train.index_warmup", "trains only the indexers: does not combine with an adapter or "
-                                              "train.unfreeze")
-    if a.enabled and t.unfreeze is not None:
-        raise fail(src, "train.unfreeze", f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze")
-    if a.quantize_base != "none" and t.ema_decay is not None:
-        raise fail(src, "train.ema_decay", f"with adapter.quantize_base={a.quantize_base}: an EMA of a quantised "
-                                           f"model is not supported")
-    if a.export_merged and a.enabled and not a.mergeable:
-        raise fail(src, "adapter.export_merged", f"adapter.method={a.method} has no merged form (its vectors and "
-                                                 f"layers are not weights of the base)")
-    if t.average_last > t.keep_checkpoints:
-        raise fail(src, "train.average_last", f"={t.average_last} needs as many checkpoints kept "
-                                              f"(train.keep_checkpoints={t.keep_checkpoints})")
-    if t.batch_warmup_steps and t.batch_warmup_steps >= t.max_steps:
-        raise fail(src, "train.batch_warmup_steps", f"={t.batch_warmup_steps} must be < train.max_steps={t.max_steps}")
-    if t.batch_warmup_steps and t.grad_accum == 1:
-        raise fail(src, "train.batch_warmup_steps", "ramps the micro-batches up to train.grad_accum, which is 1")
-    if t.log_noise_scale and t.grad_accum == 1 and t.batch_size != "auto":
-        raise fail(src, "train.log_noise_scale", "compares a micro-batch's gradient with the step's: needs "
-                                                 "train.grad_accum > 1")
-    if t.batch_size == "auto" and t.lr_find:
-        raise fail(src, "train.batch_size", "=auto does not combine with train.lr_find (give the batch size to test)")
-    if t.batch_size == "auto" and t.batch_warmup_steps:
-        raise fail(src, "train.batch_warmup_steps", "does not combine with train.batch_size=auto")
-    for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher),
-                      ("adapter.init_from", cfg.adapter.init_from)):
-        if path is not None and not Path(path).expanduser().exists():
-            raise fail(src, key, f"={path}: no such file or folder")
+    what = f"={warmup}" if wkey == "optim.warmup_steps" else f"={o.warmup_fraction} ({warmup} steps)"
+    rules = [  # (refused, key, why)
+        ((t.qat or t.quantize) and a.enabled, quant,
+         f"does not combine with adapter.method={a.method} (quantize the merged model afterwards)"),
+        (t.float8 and (t.qat or t.quantize), "train.float8", f"does not combine with {quant} (both replace the "
+         f"linears; quantize the float8-trained model afterwards)"),
+        (t.prune and a.enabled, "train.prune", f"does not combine with adapter.method={a.method} (an adapter's "
+         f"update would fill the pruned weights in; prune the merged model)"),
+        (getattr(cfg.model, "mup_base_width", None) and o.name == "sgd", "model.mup_base_width",
+         "scales the hidden matrices' LR by Adam's rule (x base / width); optim.name=sgd needs another, not implemented"),
+        (warmup >= t.max_steps, "optim.warmup_steps", f"={warmup} must be < train.max_steps={t.max_steps} "
+         f"(the whole run would be warmup; optim.warmup_fraction scales with the run)"),
+        (o.schedule == "wsd" and warmup > t.max_steps - decay, wkey, f"{what} runs into the decay of "
+         f"optim.schedule=wsd, which starts at step {t.max_steps - decay} (optim.decay_fraction={o.decay_fraction} "
+         f"of train.max_steps={t.max_steps})"),
+        (t.precision == "bf16-pure" and (o.name != "adamw" or not _installed("torchao")), "train.precision",
+         f"=bf16-pure steps with torchao's AdamW (stochastic rounding): needs optim.name=adamw (got {o.name}) and "
+         f"the torchao package"),
+        (t.index_warmup and (a.enabled or t.unfreeze is not None), "train.index_warmup",
+         "trains only the indexers: does not combine with an adapter or train.unfreeze"),
+        (a.enabled and t.unfreeze is not None, "train.unfreeze",
+         f"with adapter.method={a.method}: the base stays frozen, nothing to unfreeze"),
+        (a.quantize_base != "none" and t.ema_decay is not None, "train.ema_decay",
+         f"with adapter.quantize_base={a.quantize_base}: an EMA of a quantised model is not supported"),
+        (a.export_merged and a.enabled and not a.mergeable, "adapter.export_merged",
+         f"adapter.method={a.method} has no merged form (its vectors and layers are not weights of the base)"),
+        (t.average_last > t.keep_checkpoints, "train.average_last",
+         f"={t.average_last} needs as many checkpoints kept (train.keep_checkpoints={t.keep_checkpoints})"),
+        (t.batch_warmup_steps and t.batch_warmup_steps >= t.max_steps, "train.batch_warmup_steps",
+         f"={t.batch_warmup_steps} must be < train.max_steps={t.max_steps}"),
+        (t.batch_warmup_steps and t.grad_accum == 1, "train.batch_warmup_steps",
+         "ramps the micro-batches up to train.grad_accum, which is 1"),
+        (t.log_noise_scale and t.grad_accum == 1 and t.batch_size != "auto", "train.log_noise_scale",
+         "compares a micro-batch's gradient with the step's: needs train.grad_accum > 1"),
+        (t.batch_size == "auto" and t.lr_find, "train.batch_size",
+         "=auto does not combine with train.lr_find (give the batch size to test)"),
+        (t.batch_size == "auto" and t.batch_warmup_steps, "train.batch_warmup_steps",
+         "does not combine with train.batch_size=auto"),
+    ]
+    rules += [(path is not None and not Path(path).expanduser().exists(), key, f"={path}: no such file or folder")
+              for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher),
+                                ("adapter.init_from", a.init_from))]
+    if broken := next((r for r in rules if r[0]), None):
+        raise fail(src, broken[1], broken[2])
 
 
 def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:

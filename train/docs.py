@@ -239,11 +239,10 @@ def dit_presets_table() -> dict:
 
     from zoo.config import DIT_PRESETS, DiTConfig
     from zoo.diffusion.dit import DiT
-    rows = []
-    for name, (depth, width, heads) in DIT_PRESETS.items():
-        with torch.device("meta"):
-            n = DiT(DiTConfig(preset=name, patch_size=2, learn_sigma=True), 4, 1000, 32).num_params()
-        rows.append([f"`{name}`", str(depth), str(width), str(heads), _count(n)])
+    with torch.device("meta"):
+        rows = [[f"`{name}`", str(depth), str(width), str(heads),
+                 _count(DiT(DiTConfig(preset=name, patch_size=2, learn_sigma=True), 4, 1000, 32).num_params())]
+                for name, (depth, width, heads) in DIT_PRESETS.items()]
     return {"columns": ["preset", "depth", "width", "heads",
                         "parameters (patch 2, 4 channels, learned sigma, 1000 classes)"], "rows": rows}
 

@@ -13,6 +13,7 @@ Exit codes: 0 done; 2 a bad file, folder or option (one line).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import math
@@ -161,9 +162,7 @@ def score_choices(model, tokenizer, rows, device, delimiter=" ", batch_size=16, 
                 if tokenizer.eos_id is None:
                     raise DataError(f"an empty context needs a tokenizer with an EOS token (choice {c!r})")
                 ctx = [tokenizer.eos_id]
-            ids = ctx + cont
-            if max_len is not None:
-                ids = ids[-(max_len + 1):]  # the harness keeps the last max_len + 1 tokens
+            ids = (ctx + cont)[-(max_len + 1):] if max_len is not None else ctx + cont  # as the harness cuts it
             seqs.append((ids, [IGNORE] * (len(ids) - len(cont)) + ids[len(ids) - len(cont):]))
     scores, details = iter(score_sequences(model, seqs, device, batch_size, autocast)), []
     for r in rows:
@@ -236,11 +235,8 @@ def complete(model, tokenizer, template, prompts, max_new_tokens: int, temperatu
         stopped, row = row[n - 1] in stops, row[:n]
         text = tokenizer.decode(row[:-1] if stopped else row)
         if eot and eot in text:  # an end of turn of several tokens: the shortest prefix holding it
-            lo, hi = 1, len(row)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if eot in tokenizer.decode(row[:mid]) else (mid + 1, hi)
-            row, text, stopped = row[:lo], text[:text.index(eot)], True
+            n = bisect.bisect_left(range(1, len(row)), True, key=lambda k: eot in tokenizer.decode(row[:k])) + 1
+            row, text, stopped = row[:n], text[:text.index(eot)], True
         done.append((row, text, not stopped))
     return enc, *map(list, zip(*done))
 

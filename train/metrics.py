@@ -12,6 +12,7 @@ is never doubled. Only rank 0 writes.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -58,7 +59,7 @@ def truncate(path: Path, step: int, finished: bool = False):
     atomic_write(path, "".join(l + "\n" for l in keep))
 
 
-class Metrics:
+class Metrics(contextlib.AbstractContextManager):
     """Owns metrics.jsonl, speed.jsonl, the tracker, the progress bar and the logging window; a context manager."""
 
     def __init__(self, run, out: Path, start: int, say):
@@ -189,9 +190,6 @@ class Metrics:
             f.flush()
             os.fsync(f.fileno())
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):  # the tracker is closed with the exit code of the exception that ended the run
         self.bar.close()
         return self._stack.__exit__(*exc)
@@ -211,7 +209,22 @@ def _flops(rate: float) -> str:
 
 
 # ------------------------------------------------------------------------------ trackers
-class Tracker:
+def _tracker_module(name: str, module: str):
+    """train.tracker=name's package, imported; a one-line ConfigError naming its extra when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{missing_package(name) or f'train.tracker={name}'} ({e})") from None
+
+
+def _points(row: dict) -> list:
+    """A row's numbers but its step, each list's (one number per layer, e.g. moe_load_max) as k/0, k/1, ..."""
+    num = (int, float)
+    return [(k, v) for k, v in row.items() if k != "step" and isinstance(v, num)] + [
+        (f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v) if isinstance(x, num)]
+
+
+class Tracker(contextlib.AbstractContextManager):
     """train.tracker=none: `log` and `close` do nothing; a context manager closed with the ending exception's code."""
 
     def log(self, row: dict):
@@ -220,20 +233,14 @@ class Tracker:
     def close(self, exit_code: int = 0):
         pass
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, exc_type, exc, tb):
         self.close(0 if exc is None else getattr(exc, "code", 1))
 
 
 class TensorBoardTracker(Tracker):
     def __init__(self, cfg, out: Path, start: int, kept: list = ()):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            from torch.utils.tensorboard.summary import hparams
-        except ImportError as e:
-            raise ConfigError(f"{missing_package('tensorboard') or 'train.tracker=tensorboard'} ({e})") from None
+        hparams = _tracker_module("tensorboard", "torch.utils.tensorboard.summary").hparams
+        from torch.utils.tensorboard import SummaryWriter
         # purge_step: TensorBoard hides the events at steps >= start written before this one
         self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start)
         flat = _flatten(cfg.to_dict())
@@ -245,13 +252,8 @@ class TensorBoardTracker(Tracker):
             self.log(row)
 
     def log(self, row: dict):
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)):
-                self.writer.add_scalar(k, float(v), row["step"])  # float32: TensorBoard's data server reads no float64
-            elif isinstance(v, list):  # one number per layer (e.g. moe_load_max): a scalar each, k/0, k/1, ...
-                for i, x in enumerate(v):
-                    if isinstance(x, (int, float)):
-                        self.writer.add_scalar(f"{k}/{i}", float(x), row["step"])
+        for k, v in _points(row):
+            self.writer.add_scalar(k, float(v), row["step"])  # float32: TensorBoard's data server reads no float64
         self.writer.flush()  # a killed run loses no row that metrics.jsonl has
 
     def close(self, exit_code: int = 0):
@@ -260,10 +262,7 @@ class TensorBoardTracker(Tracker):
 
 class WandbTracker(Tracker):
     def __init__(self, cfg, out: Path, start: int):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ConfigError(f"{missing_package('wandb') or 'train.tracker=wandb'} ({e})") from None
+        wandb = _tracker_module("wandb", "wandb")
         t = cfg.train
         mode, id_file = t.tracker_mode or os.environ.get("WANDB_MODE") or "offline", out / "wandb" / "run_id"
         run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # fresh start: a new run
@@ -302,10 +301,7 @@ class MLflowTracker(Tracker):
     computed numbers are the same bitwise; the speed numbers are those its own process measured)."""
 
     def __init__(self, cfg, out: Path, start: int):
-        try:
-            import mlflow
-        except ImportError as e:
-            raise ConfigError(f"{missing_package('mlflow') or 'train.tracker=mlflow'} ({e})") from None
+        mlflow = _tracker_module("mlflow", "mlflow")
         with _no_mlflow_telemetry():
             self._open(mlflow, cfg, out, start)
 
@@ -336,10 +332,7 @@ class MLflowTracker(Tracker):
     def log(self, row: dict):
         from mlflow.entities import Metric
         now, step = int(time.time() * 1000), row["step"]
-        points = [(k, v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))]
-        points += [(f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v)
-                   if isinstance(x, (int, float))]  # one number per layer: k/0, k/1, ...
-        metrics = [Metric(k, float(v), now, step) for k, v in points if step > self.held.get(k, -1)]
+        metrics = [Metric(k, float(v), now, step) for k, v in _points(row) if step > self.held.get(k, -1)]
         if metrics:
             with _no_mlflow_telemetry():
                 self.client.log_batch(self.run_id, metrics=metrics)

@@ -11,7 +11,6 @@ rank-major while training, and put back in the model's order in every saved stat
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -19,9 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.blocks.attention import CausalSelfAttention
 from zoo.blocks.chunked_ce import chunked_cross_entropy
-from zoo.blocks.mlp import SwiGLU
 from zoo.config import RECURRENT_TYPES
 from zoo.blocks.norm import RMSNorm
 
@@ -86,13 +83,8 @@ class Fused:
         def fix(name, v):
             ok = name in self.sizes and torch.is_tensor(v) and v.dim() and v.shape[0] == sum(self.sizes[name])
             return self.rank_major(v, self.sizes[name], back) if ok else v
-        out = {}
-        for k, v in state.items():
-            if k == "state" and isinstance(v, dict):
-                out[k] = {n: {s: fix(n, x) for s, x in d.items()} for n, d in v.items()}
-            else:
-                out[k] = fix(k, v)
-        return out
+        return {k: {n: {s: fix(n, x) for s, x in d.items()} for n, d in v.items()}  # an optimizer's state by name
+                if k == "state" and isinstance(v, dict) else fix(k, v) for k, v in state.items()}
 
 
 def apply_tp(model: nn.Module, mesh) -> Fused:

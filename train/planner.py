@@ -7,8 +7,10 @@ real step, to check the plan (docs/memory.md). Its program: train/plan.py.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -114,7 +116,6 @@ class AllocTrace:
 def cuda_reserved_peak(events) -> int:
     """The peak bytes PyTorch's CUDA caching allocator reserves for `events` (CUDACachingAllocator.cpp: 512-byte
     rounding, small and large pools, best fit, splitting, merging, segments cached), the CUDA context not in it."""
-    import bisect
     reserved = peak = 0
     free: dict[bool, list] = {True: [], False: []}   # small pool? -> sorted [(size, segment, offset)]
     start_of: dict[tuple, int] = {}                   # (segment, offset) -> size of a free block
@@ -169,15 +170,10 @@ _GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", N
 
 def _grouped_mm_like(a, b, offs=None, bias=None, out_dtype=None):
     """An empty result of aten._grouped_mm's shape (its shape function refuses the fp32 the CPU kernel runs)."""
-    if a.dim() == 2 and b.dim() == 3:
-        shape = (a.shape[0], b.shape[-1])
-    elif a.dim() == 2 and b.dim() == 2:
-        shape = (offs.shape[0], a.shape[0], b.shape[1])
-    elif a.dim() == 3 and b.dim() == 3:
-        shape = (a.shape[0], a.shape[1], b.shape[-1])
-    else:
-        shape = (a.shape[1], b.shape[-1])
-    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+    dims = (a.dim(), b.dim())  # the leading sizes, then b's last
+    lead = a.shape[:1] if dims == (2, 3) else (offs.shape[0], a.shape[0]) if dims == (2, 2) else \
+        a.shape[:2] if dims == (3, 3) else a.shape[1:2]
+    return a.new_empty((*lead, b.shape[-1]), dtype=out_dtype or a.dtype)
 
 
 # ------------------------------------------------------------------------------ optimizer states
@@ -735,21 +731,13 @@ def find_batch_size(cfg, device: torch.device, log, model: Optional[nn.Module] =
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision_of(task.autocast_dtype)))
     budget = parse_memory_size(t.memory_budget) if t.memory_budget else device_memory(device)
     sizes = [d for d in range(1, G + 1) if G % d == 0]
-    peaks: dict[int, int] = {}
-
+    @functools.cache
     def peak(b):
-        if b not in peaks:
-            peaks[b] = plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
-        return peaks[b]
+        return plan(cfg, devices=devices, sharding=sharding, batch_size=b, device=device).peak_bytes
 
-    lo, hi, best = 0, len(sizes) - 1, None  # the planned peak grows with the micro-batch: bisect
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if peak(sizes[mid]) <= budget:
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    if best is None:
+    # the planned peak grows with the micro-batch: bisect for the first size over the budget
+    best = bisect.bisect_left(sizes, True, key=lambda b: peak(b) > budget) - 1
+    if best < 0:
         raise ValueError(f"train.batch_size=auto: a micro-batch of 1 is planned at {fmt_bytes(peak(1))}, over "
                          f"train.memory_budget={fmt_bytes(budget)} (docs/memory.md: what else makes it fit)")
     if device.type == "cuda" and model is not None and task is not None:

@@ -18,7 +18,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_CONFIG = ROOT / "configs" / "llm" / "tiny.yaml"
-USAGE = "usage: python train/run.py [CONFIG.yaml] [key=value ...]"
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_map_only
 
 from .hardware import keep_freed_memory, measure_peak_flops, release_freed_memory
 
@@ -144,16 +145,11 @@ def setup_backends(t, device: torch.device, log, owns_process: bool = False):
 
 
 def to_device(batch, device, channels_last: bool):
-    if isinstance(batch, torch.Tensor):
-        batch = batch.to(device, non_blocking=True)
-        if channels_last and batch.dim() == 4:
-            batch = batch.contiguous(memory_format=torch.channels_last)
-        return batch
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device, channels_last) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, channels_last) for k, v in batch.items()}
-    return batch
+    """Every tensor of a batch (nested tuples, lists, dicts) on `device`, 4-D ones channels-last when asked."""
+    def move(t):
+        t = t.to(device, non_blocking=True)
+        return t.contiguous(memory_format=torch.channels_last) if channels_last and t.dim() == 4 else t
+    return tree_map_only(torch.Tensor, move, batch)
 
 
 class EMA:

@@ -237,13 +237,11 @@ class TokenData(TokenizedRows):
         texts = [s.path for s, p in zip(specs, pre) if not p]
         if cfg.val_path and not is_pretokenized(cfg.val_path):
             texts.append(cfg.val_path)
-        if tok_spec == "sentencepiece" and not texts:
-            self.tokenizer = None  # ids only: sized by the largest id below
-        else:
-            if any(pre) and tok_spec in TRAINED:
-                raise DataError(f"{specs[pre.index(True)].path}: pre-tokenized ids mixed with text need the tokenizer "
-                                f"they were made with (set data.tokenizer to its tokenizer.model or tokenizer.json)")
-            self.tokenizer = self._tokenizer(tok_spec, texts)
+        ids_only = tok_spec == "sentencepiece" and not texts  # no tokenizer: sized by the largest id below
+        if any(pre) and tok_spec in TRAINED and not ids_only:
+            raise DataError(f"{specs[pre.index(True)].path}: pre-tokenized ids mixed with text need the tokenizer "
+                            f"they were made with (set data.tokenizer to its tokenizer.model or tokenizer.json)")
+        self.tokenizer = None if ids_only else self._tokenizer(tok_spec, texts)
         self.boundary, self.bos_id, self.eos_id = (
             resolve_boundary(cfg.boundary, self.tokenizer, pretokenized=not texts) if self.tokenizer
             else (cfg.boundary if cfg.boundary != "auto" else "none", None, None))

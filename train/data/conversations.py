@@ -259,29 +259,19 @@ def _environment():
     class Namespace(jinja2.utils.Namespace):
         """`namespace(...)` without underscore-named attributes (no way to reach Python internals)."""
 
-        def __init__(*args, **kwargs):
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
+        def __init__(*args, **kwargs):  # each attribute set through __setitem__, checked
+            jinja2.utils.Namespace.__init__(args[0])
+            for name, value in dict(*args[1:], **kwargs).items():
+                args[0][name] = value
 
         def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+            jinja2.utils.Namespace.__setitem__(self, name, value)
 
     class Dict:
         """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
-
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
+        __call__, fromkeys = staticmethod(dict), staticmethod(dict.fromkeys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks, loopcontrols])
     env.filters["tojson"] = tojson
@@ -490,10 +480,7 @@ def _from_gguf(p: Path) -> ChatTemplate:
 # ----------------------------------------------------------------------------- tokens with their characters
 def _byte_to_char(text: str) -> list[int]:
     """For each UTF-8 byte of text (and one past the end), the index of the character it belongs to."""
-    out = []
-    for i, ch in enumerate(text):
-        out += [i] * len(ch.encode("utf-8"))
-    return out + [len(text)]
+    return [i for i, ch in enumerate(text) for _ in ch.encode("utf-8")] + [len(text)]
 
 
 def prompt_tokens(tokenizer, template: ChatTemplate, prompts: list[str], max_length: int):

@@ -23,7 +23,7 @@ import numpy as np
 from zoo.weights.files import atomic_write
 
 from .sources import DataError, Doc, Problems, corpus_files, documents
-from .text_tokenizers import from_spec
+from .text_tokenizers import load_tokenizer_file
 
 MANIFEST, VERSION = "manifest.json", 1
 
@@ -57,7 +57,7 @@ _worker_tok = None
 def _init_worker(spec):
     global _worker_tok
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
-    _worker_tok = from_spec(spec, threads=1)
+    _worker_tok = load_tokenizer_file(spec[1] or "bytes", threads=1)  # spec: (kind, file)
 
 
 def pack(chunk: list[Doc]) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -193,7 +193,7 @@ def prepare(source: str, tokenizer, out: Path, *, column: str = "text", max_char
             deque(itertools.islice(it, skip), maxlen=0)  # chunks already in the shards: read again, not tokenised
             it = map(pack, it)
             if workers == 1:
-                tok = from_spec(tokenizer.spec, threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
+                tok = load_tokenizer_file(tokenizer.spec[1], threads=1) if tokenizer.spec[0] != "bytes" else tokenizer
                 results = (((encode_chunk(c, bos, eos, dtype, tok)), c) for c in it)
             else:
                 ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")

@@ -146,19 +146,12 @@ def token_bytes(tokenizer, vocab_size: int):
     return None if table is None else (table + [0] * vocab_size)[:vocab_size]
 
 
-def load_tokenizer_file(path):
-    """tokenizer.json -> HFTokenizer; 'bytes' -> ByteTokenizer; anything else is read as a sentencepiece model."""
+def load_tokenizer_file(path, threads: Optional[int] = None):
+    """tokenizer.json -> HFTokenizer; 'bytes' -> ByteTokenizer; anything else is read as a sentencepiece model
+    (encoding on `threads`; None: one per core). A tokenizer's `.spec` is (kind, this path; None for bytes)."""
     if str(path) == "bytes":
         return ByteTokenizer()
-    return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
-
-
-def from_spec(spec, threads: int = 1):
-    """The tokenizer a `.spec` names (how preparation's worker processes load it)."""
-    kind, path = spec
-    if kind == "bytes":
-        return ByteTokenizer()
-    return SentencePieceTokenizer(path, threads) if kind == "sentencepiece" else HFTokenizer(path)
+    return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path, threads)
 
 
 def byte_level(pattern: str = WORDS):

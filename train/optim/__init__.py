@@ -15,7 +15,7 @@ from torch import nn
 
 from zoo.tensors import tensor_bytes
 
-from .schedules import SCHEDULES, lr_multiplier, micro_batches, resume_note  # noqa: F401
+from .schedules import lr_multiplier, micro_batches, resume_note  # noqa: F401
 
 def _embedding_ids(model: nn.Module) -> set:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("cosine", "constant", "linear", "wsd", "onecycle", "inverse_sqrt", "exponential", "step")
-
-
 def _cos(a: float, b: float, frac: float) -> float:
     """From a (frac 0) to b (frac 1) along half a cosine."""
     return b + (a - b) * 0.5 * (1 + math.cos(math.pi * frac))

@@ -206,12 +206,6 @@ class ClassifyTask(Task):
                                            collate_fn=collate_images, pin_memory=self.pin,
                                            prefetch_factor=4 if d.num_workers else None)
 
-    def _train_stream(self, start: int):
-        """Batches of (index, augmentation seed) from sample position `start` on, forever."""
-        B, n, seed = self.global_rows(), self.n_train, self.cfg.train.seed
-        for p in itertools.count(start, B):
-            yield self.own_rows(epoch_positions(n, seed, p, B))
-
     def train_batch(self, step, micro):
         t = self.cfg.train
         B = self.global_rows()  # one global micro-batch; this rank trains on its own rows of it
@@ -226,7 +220,8 @@ class ClassifyTask(Task):
             return self.own_rows(x), self.own_rows(y), recipe_seed
         recipe_seed = self._recipe_seed(g)
         if self._next != (step, micro):  # first batch, or a resume / jump: restart the stream there
-            self._iter = iter(self._loader(self.train_set, self._train_stream(pos)))
+            stream = (self.own_rows(epoch_positions(self.n_train, t.seed, p, B)) for p in itertools.count(pos, B))
+            self._iter = iter(self._loader(self.train_set, stream))  # (index, augmentation seed) batches, forever
         self._next = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
         x, y, bad = next(self._iter)
         self._report(bad)

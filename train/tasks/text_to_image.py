@@ -19,11 +19,11 @@ from zoo.config import ConfigError, bounded
 from zoo.diffusion.flux2_pipeline import prompt_embeds
 
 from ..data import DataError, cache_dir, short_digest
+from ..data.images import DIGIT_NAMES as DIGITS
 from ..data.latents import prompt_cache, weights_fingerprint
 from .diffusion import (DiffusionDataConfig, DiffusionTask, ImageData, buckets_of, load_images, sample_grid,
                         save_grid, split_images)
 
-DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 PHRASINGS = ("a handwritten digit {}", "the number {}, written by hand", "a {} in thick strokes", "a scanned {}")
 
 

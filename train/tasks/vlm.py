@@ -20,13 +20,12 @@ from zoo.vlm_processor import pad_images
 from ..data import DataError, cache_dir
 from ..data.chat_data import ChatData
 from ..data.conversations import IMAGE_TOKENS, ChatDataConfig, content_text, image_path, read_conversations
-from ..data.images import digits_dataset, image_processor, processed_image
+from ..data.images import DIGIT_NAMES as WORDS, digits_dataset, image_processor, processed_image
 from ..step import eval_mode
 from . import Task
 from .post_training import unwrapped
 from .sft import SFTTask
 
-WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 QUESTIONS = ("What digit is this?", "Which number is shown?", "Name the digit in the picture.",
              "What number do you see?")
 
