@@ -322,6 +322,11 @@ def test_missing_shard_and_missing_weights(tmp_path):
     raises_one_line(FileNotFoundError, "model.safetensors", path=tmp_path)
 
 
+def test_config_json_that_is_not_json(saved):
+    (saved / "config.json").write_text("{not json")
+    raises_one_line(ValueError, saved / "config.json", "not valid JSON", path=saved)
+
+
 def test_detect_claims_only_causal_lm_folders(tmp_path, saved):
     assert hf_llm.detect(saved) and hf_llm.detect(saved / "config.json")
     other = tmp_path / "other"
