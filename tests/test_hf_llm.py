@@ -322,6 +322,13 @@ def test_missing_shard_and_missing_weights(tmp_path):
     raises_one_line(FileNotFoundError, "model.safetensors", path=tmp_path)
 
 
+def test_an_unknown_dtype_argument_is_named_as_the_argument(saved):
+    """dtype='bf17' is the caller's typo, not config.json's: the error says so."""
+    with pytest.raises(ValueError) as e:
+        zoo.from_pretrained(saved, dtype="bf17")
+    assert "dtype='bf17'" in str(e.value) and "config.json" not in str(e.value)
+
+
 def test_config_json_that_is_not_json(saved):
     (saved / "config.json").write_text("{not json")
     raises_one_line(ValueError, saved / "config.json", "not valid JSON", path=saved)

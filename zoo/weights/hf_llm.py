@@ -506,8 +506,9 @@ def _resolve_dtype(dtype, hf: dict, source: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype if dtype not in (None, "auto") else hf.get("dtype", hf.get("torch_dtype")) or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"{source}: unsupported dtype '{name}' (supported: {', '.join(_DTYPES)})")
+    if name not in _DTYPES:  # the caller's argument, else the file's
+        where = f"{source}: unsupported dtype '{name}'" if name != dtype else f"dtype={name!r} is not supported"
+        raise ValueError(f"{where} (supported: {', '.join(_DTYPES)})")
     return _DTYPES[name]
 
 
