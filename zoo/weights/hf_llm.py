@@ -233,7 +233,8 @@ def _rope_to_hf(cfg: LLMConfig, theta: float, scaling: Optional[RopeScaling]) ->
 def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[dict] = None) -> dict:
     """LLMConfig -> config.json dict: the common keys here, the class's own from its record. RoPE is written in
     both dialects (5.x `rope_parameters`, 4.x `rope_theta` + `rope_scaling`), so either transformers version
-    reads it. Token ids (bos/eos/pad) are kept from `base`, the config.json the model was loaded from."""
+    reads it. Token ids (bos/eos/pad) are kept from `base`, the config.json the model was loaded from; without one
+    they are null (a class's defaults, e.g. Phi-3's pad 32000, may lie outside a small vocabulary)."""
     rec, n = RECORDS[arch], cfg.n_layers
     rope = _rope_to_hf(cfg, cfg.rope_theta, cfg.rope_scaling)
     hf = {
@@ -273,7 +274,8 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     for params in (rope, hf["rope_parameters"].get("sliding_attention")):
         if params is not None and fraction < 1:
             params["partial_rotary_factor"] = fraction
-    hf.update({k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in (base or {})})
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")  # without a base unknown: None, not the class's default
+    hf.update({k: base[k] for k in ids if k in base} if base is not None else dict.fromkeys(ids))
     return hf
 
 
@@ -730,13 +732,26 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
         if old.name not in keep and old.is_file():
             old.unlink()
 
-    hf = config_to_hf(cfg, rec.hf_class, dtype, getattr(model, "hf_config", None))
+    hf = config_to_hf(cfg, rec.hf_class, dtype, token_ids(model))
     atomic_write(out / "config.json", json.dumps(hf, indent=2) + "\n")
     if hasattr(tokenizer, "save"):  # a GGUF file's (gguf_llm.load_tokenizer): written as tokenizer.json + config
         tokenizer.save(out)
     elif tokenizer is not None:
         _copy_tokenizer(Path(tokenizer), out)
     return out
+
+
+GGUF_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+            "pad_token_id": "tokenizer.ggml.padding_token_id"}
+
+
+def token_ids(model) -> Optional[dict]:
+    """What gives config.json's bos/eos/pad ids: the config.json the model was loaded from, else its GGUF file's
+    tokenizer ids; None when neither (a model Zoo trained)."""
+    if (hf := getattr(model, "hf_config", None)) is not None:
+        return hf
+    fields = getattr(model, "gguf_tokenizer", None)
+    return {k: fields[f][0] for k, f in GGUF_IDS.items() if f in fields} if fields else None
 
 
 def file_tensors(cfg: LLMConfig, rec: Record, state: dict, kmap: Optional[dict] = None, orders: Optional[dict] = None):
