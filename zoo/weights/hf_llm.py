@@ -693,14 +693,16 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     if why := holds(model):
         raise ValueError(why)
     rec = record_for(cfg, getattr(model, "hf_architecture", None))
+    # what could fail is checked before anything is written: a failed save leaves an earlier one whole
+    limit = _shard_limit(max_shard_size)
+    tok_files = [] if tokenizer is None or hasattr(tokenizer, "save") else _tokenizer_files(Path(tokenizer))
+    state = model.state_dict()
+    dtype = state["embed.weight"].dtype if dtype is None else _resolve_dtype(dtype, {}, str(path))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    dtype = dtype or state["embed.weight"].dtype
     if rec.norm_offset:
         state = {k: v.clone() if k.endswith("norm.weight") else v for k, v in state.items()}
         _shift_norms(state, -rec.norm_offset)
-    limit = _shard_limit(max_shard_size)
 
     # split fused tensors back into Hugging Face names, grouped into shards in order
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -736,8 +738,7 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     atomic_write(out / "config.json", json.dumps(hf, indent=2) + "\n")
     if hasattr(tokenizer, "save"):  # a GGUF file's (gguf_llm.load_tokenizer): written as tokenizer.json + config
         tokenizer.save(out)
-    elif tokenizer is not None:
-        _copy_tokenizer(Path(tokenizer), out)
+    _copy_tokenizer(tok_files, out)
     return out
 
 
@@ -778,16 +779,20 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "chat_template.jinja")
 
 
-def _copy_tokenizer(src: Path, out: Path):
-    """Copy a tokenizer.model file, or the tokenizer files of a Hugging Face folder, into `out`."""
+def _tokenizer_files(src: Path) -> list[Path]:
+    """A tokenizer.model file, or the tokenizer files of a Hugging Face folder; none there: a one-line error."""
     if src.is_dir():
         files = [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
         if not files:
             raise FileNotFoundError(f"{src}: no tokenizer file ({', '.join(TOKENIZER_FILES)})")
-    elif src.is_file():
-        files = [src]
-    else:
+        return files
+    if not src.is_file():
         raise FileNotFoundError(f"{src}: tokenizer file not found")
+    return [src]
+
+
+def _copy_tokenizer(files: list[Path], out: Path):
+    """Copy the tokenizer files (_tokenizer_files') into `out`."""
     for f in files:
         dst = out / ("tokenizer.model" if f.suffix == ".model" else f.name)
         if f.resolve() != dst.resolve():
