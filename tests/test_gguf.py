@@ -360,6 +360,14 @@ def test_export_reads_back_in_transformers(tmp_path, f32_file, dtype):
         assert torch.equal(w2.reshape(-1, 32), d.half().float() * q)
 
 
+def test_hf_folder_export_takes_the_token_ids_of_the_file(tmp_path, f32_file):
+    """A GGUF model saved as a Hugging Face folder: config.json's bos/eos/pad ids are the file's tokenizer's (1, 2,
+    2), so transformers' generate stops where llama.cpp's would, not at a class default."""
+    out = zoo.save_pretrained(zoo.from_pretrained(f32_file[1]), tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert [cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [1, 2, 2]
+
+
 def test_zoo_model_exports_with_head_dim_and_linear_rope(tmp_path, f32_file):
     z = zoo.build("configs/llm/tiny.yaml", vocab_size=330, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
                   head_dim=48, ffn_hidden=96, max_seq_len=64, rope_scaling={"type": "linear", "factor": 2.0})

@@ -444,6 +444,19 @@ def test_preset_is_its_architecture(preset):
     assert sum(p.numel() for p in hf.parameters()) == z.num_params()
 
 
+@pytest.mark.parametrize("preset", ["phi4-mini", "glm4-9b", "smollm3-3b"])
+def test_a_model_trained_from_scratch_exports_token_ids_its_vocabulary_holds(tmp_path, preset):
+    """A preset shrunk to a vocabulary of 300 and built by Zoo (no config.json it came from): the export names no
+    bos/eos/pad id, where transformers' class defaults (32000, 151329, 128004) lie outside the embedding."""
+    shape = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=300, max_seq_len=128)
+    z = zoo.build(f"configs/llm/{preset}.yaml", **shape, **({"nope_layers": [1]} if preset == "smollm3-3b" else {}))
+    out = zoo.save_pretrained(randomize(z), tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    assert [cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None] * 3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert_same_logits(hf, z.eval())
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn", "deepseek-v32",
                                   "glm5-shared-index-groups-top5-heads3-yarn-raw-topk"])

@@ -322,6 +322,35 @@ def test_missing_shard_and_missing_weights(tmp_path):
     raises_one_line(FileNotFoundError, "model.safetensors", path=tmp_path)
 
 
+def test_an_unknown_dtype_argument_is_named_as_the_argument(saved):
+    """dtype='bf17' is the caller's typo, not config.json's: the error says so."""
+    with pytest.raises(ValueError) as e:
+        zoo.from_pretrained(saved, dtype="bf17")
+    assert "dtype='bf17'" in str(e.value) and "config.json" not in str(e.value)
+
+
+def test_a_save_that_cannot_finish_writes_nothing(tmp_path, saved):
+    """A missing tokenizer or a bad max_shard_size fails before any file is written (an earlier save into the folder
+    stays whole, no empty folder is left); dtype may be a name, as from_pretrained's."""
+    z = zoo.from_pretrained(saved)
+    out = zoo.save_pretrained(z, tmp_path / "out")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    with torch.no_grad():
+        z.norm.weight.add_(1.0)  # what a failed save must not write
+    with pytest.raises(FileNotFoundError, match="nothere.model"):
+        zoo.save_pretrained(z, out, tokenizer=tmp_path / "nothere.model")
+    with pytest.raises(ValueError, match="max_shard_size"):
+        zoo.save_pretrained(z, tmp_path / "new", max_shard_size="lots")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before and not (tmp_path / "new").exists()
+    half = zoo.save_pretrained(z, tmp_path / "half", dtype="bfloat16")
+    assert zoo.from_pretrained(half).embed.weight.dtype == torch.bfloat16
+
+
+def test_config_json_that_is_not_json(saved):
+    (saved / "config.json").write_text("{not json")
+    raises_one_line(ValueError, saved / "config.json", "not valid JSON", path=saved)
+
+
 def test_detect_claims_only_causal_lm_folders(tmp_path, saved):
     assert hf_llm.detect(saved) and hf_llm.detect(saved / "config.json")
     other = tmp_path / "other"

@@ -1,6 +1,7 @@
 """The LLM: causality, KV-cache generation, sampling, tying, the chunked loss, activation
 checkpointing, autocast and compile paths, config validation (fp32 tolerance 1e-4)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -172,6 +173,16 @@ def test_generate_keeps_training_mode_and_eos():
     out = model.generate(ids, 6, eos_token_id=eos)
     first = (out[0, 4:] == eos).nonzero()[0, 0].item()
     assert (out[0, 4 + first:] == eos).all()
+
+
+@pytest.mark.parametrize("prompt,says", [(torch.tensor([1, 2, 3]), "(B, T)"), (torch.zeros(1, 0, dtype=torch.long), "(B, T)"),
+                                         (torch.rand(1, 3), "integer"), (torch.tensor([[1, 97]]), "97"),
+                                         (torch.tensor([[-1, 2]]), "-1")])
+def test_generate_refuses_a_prompt_that_is_not_token_ids_of_the_vocabulary(prompt, says):
+    """A 1-D prompt, an empty one, floats, an id past vocab_size or below 0: one line saying so."""
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        tiny().generate(prompt, 2)
+    assert "\n" not in str(e.value)
 
 
 def test_sampling_picks_only_allowed_tokens():

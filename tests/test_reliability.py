@@ -356,6 +356,20 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(small_full, tmp_path
     assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == before  # nothing lost
 
 
+def test_resume_with_another_optimizer_is_refused(small_full, tmp_path, capsys):
+    """optim.name changed since the checkpoint (adamw -> lion): one optimizer's states are not the other's, so the
+    run stops in one line naming both (exit 2), the checkpoints kept."""
+    corpus, full = small_full
+    part = killed_copy(full, tmp_path / "part", after_step=10)
+    before = {c.name: sha(c / "state.pt") for c in list_checkpoints(part)}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({**SMALL, "data": {**SMALL["data"], "path": str(corpus)}}))
+    assert run_main([str(cfg), f"train.out_dir={part}", "optim.name=lion"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "optim.name=adamw" in err and "lion" in err, err
+    assert {c.name: sha(c / "state.pt") for c in list_checkpoints(part)} == before
+
+
 def test_resume_false_sets_the_old_checkpoints_aside(small_full, tmp_path):
     corpus, full = small_full
     part = tmp_path / "part"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from train.config import load_run_config
-from train.data import TextDataConfig, TokenData, read_corpus, stdlib_files, train_bpe
+from train.data import DataError, TextDataConfig, TokenData, read_corpus, stdlib_files, train_bpe
 from zoo.config import ConfigError
 from conftest import TEST_DEVICE
 from tests.test_loop import TINY, check_resume_is_exact
@@ -119,3 +119,18 @@ def test_unknown_tokenizer_or_too_small_a_vocabulary_is_a_one_line_error(over, k
     with pytest.raises(ConfigError, match=key) as e:
         load_run_config(None, ["data.tokenizer=bpe", over], base=TINY)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text,tokenizer,says", [("\n  \n", "sentencepiece", "no non-empty lines"),
+                                                 ("", "bpe", "no text"),
+                                                 ("hello world\n", "sentencepiece", "Vocabulary size too high")])
+def test_a_tokenizer_that_cannot_be_trained_names_the_corpus_and_the_keys(tmp_path, text, tokenizer, says):
+    """An empty corpus, or one too small for the vocabulary: the error names the file and the data keys."""
+    (tmp_path / "t.txt").write_text(text)
+    cfg = TextDataConfig(path=str(tmp_path / "t.txt"), tokenizer=tokenizer, vocab_size=2048, seq_len=16,
+                         cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=says) as e:
+        TokenData(cfg, log=lambda m: None)
+    msg = str(e.value)
+    assert str(tmp_path / "t.txt") in msg and f"data.tokenizer={tokenizer}" in msg and "data.vocab_size=2048" in msg
+    assert "\n" not in msg

@@ -123,6 +123,23 @@ def test_fine_tuning_from_pretrained_weights_trains_in_training_mode(pretrained,
     assert modes == [{True}] * 3
 
 
+def test_a_run_folder_or_checkpoint_without_the_other_file_says_what_is_missing(tmp_path):
+    """An unfinished run (config.yaml, no model.safetensors yet) and one of its checkpoints (model.safetensors,
+    its config.yaml two folders up): one line each naming the missing file, not 'not a recognised format'."""
+    folder = zoo.save_pretrained(zoo.build(MOD_MOE["model"]), tmp_path / "run")
+    step = folder / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (folder / "model.safetensors").rename(step / "model.safetensors")
+    (step / "manifest.json").write_text("{}")
+    for path, needles in ((folder, ["no model.safetensors"]), (step, ["no config.yaml", str(folder / "config.yaml")])):
+        with pytest.raises(FileNotFoundError) as e:
+            zoo.from_pretrained(path)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(str(path)) and all(n in msg for n in needles), msg
+    shutil.copy(folder / "config.yaml", step)  # the remedy the message gives
+    assert zoo.from_pretrained(step).config.mod_capacity == 0.5
+
+
 def test_run_folder_holds_its_sentencepiece_tokenizer(tmp_path, text_corpus, one_thread):
     """A run on a trained tokenizer copies it beside model.safetensors; fine-tuning from the folder
     tokenises with it (data.tokenizer left at its default)."""

@@ -138,6 +138,9 @@ def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Opt
     model = zoo.from_pretrained(path, dtype=getattr(torch, dtype), device=resolve_device(device))
     if getattr(model, "family", None) not in ("llm", "vlm"):
         raise DataError(f"{path}: not an LLM or a vision-language model")
+    vocab = (model.llm if model.family == "vlm" else model).config.vocab_size
+    if tok.vocab_size > vocab:
+        raise DataError(f"{tokenizer or path}: the tokenizer's {tok.vocab_size} ids exceed the model's vocab_size={vocab}")
     return model.eval(), tok, template or ChatTemplate.builtin("chatml")
 
 
@@ -173,7 +176,11 @@ def main(argv=None) -> int:
         return 2
     show = lambda piece: print(piece, end="", flush=True)
     if args.prompt is not None:
-        chat.reply(args.prompt, show)
+        try:
+            chat.reply(args.prompt, show)
+        except ValueError as e:  # longer than the model's context
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print()
         return 0
     tty = sys.stdin.isatty()

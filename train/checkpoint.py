@@ -441,6 +441,9 @@ class Checkpointer:
         run.task.load_state_dict(extra.get("task") or {})
         if note := resume_note(self.start, extra.get("max_steps"), t.max_steps, run.cfg.optim):
             self.say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed
+        if extra.get("optim", run.cfg.optim.name) != run.cfg.optim.name:  # its states are not another's
+            raise RunStopped(f"{state['path']}: trained with optim.name={extra['optim']}, this run has "
+                             f"{run.cfg.optim.name}; use another train.out_dir or train.resume=false", EXIT_CONFIG)
         was_id = {k: extra.get(k) for k in run.adapter_id()}
         if was_id != run.adapter_id():  # an adapter checkpoint only makes sense on the base it was trained on
             raise RunStopped(f"{state['path']}: trained with adapter/base {was_id}, this run has {run.adapter_id()}; "
@@ -464,7 +467,8 @@ class Checkpointer:
 
     def save(self, step: int):
         run = self.run
-        extra = {"precision": run.precision, "max_steps": self.t.max_steps, **run.adapter_id()}  # see resume_note
+        extra = {"precision": run.precision, "max_steps": self.t.max_steps, "optim": run.cfg.optim.name,
+                 **run.adapter_id()}  # see resume_note, resume
         if self.metrics is not None:  # the rows up to this step are durable before the checkpoint is
             self.metrics.sync()
             extra["metrics"] = self.metrics.state_dict()

@@ -489,6 +489,7 @@ class LLM(nn.Module):
         compile="reduce-overhead" through steps of fixed shapes that CUDA graphs replay (`static_decode_step`).
         adapter_names: the LoRA adapter of each row ('__base__': none), PEFT's mixed batches (lora.adapters_per_row).
         inputs_embeds (B, T, D): the prompt's first-layer input in place of its token embeddings (a VLM's)."""
+        check_prompt(input_ids, self.config.vocab_size)
         was_training = self.training
         self.eval()
         B, T = input_ids.shape
@@ -648,6 +649,17 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     cdf = asc.cumsum(-1)
     n = ((cdf[:, -1:] - cdf) < top_p).sum(-1, keepdim=True)  # how many have less than top_p above them
     return probs >= asc.gather(-1, V - n)
+
+
+def check_prompt(input_ids: torch.Tensor, vocab_size: int):
+    """generate()'s prompt must be (B, T) integer ids in [0, vocab_size), T >= 1: else one line saying which (the
+    embedding's own errors name neither the shape nor the id)."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.is_floating_point():
+        raise ValueError(f"generate: input_ids must be (B, T) integer token ids, T >= 1; got {tuple(input_ids.shape)} "
+                         f"{str(input_ids.dtype).removeprefix('torch.')}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"generate: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,

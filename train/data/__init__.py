@@ -276,13 +276,20 @@ class TokenData(TokenizedRows):
                 path.unlink()
         if not path.is_file():
             docs = (d.text for t in texts for c in chunks(documents(t, cfg.column), 1 << 20, cfg.max_chars) for d in c)
-            sample = sample_documents(docs, cfg.sp_train_chars)
-            if spec == "sentencepiece":
-                train_sentencepiece(sample, cfg.vocab_size, path, log)
-            else:
-                transition = max(256 + len(TRAINED_SPECIALS), int(cfg.vocab_size * cfg.superbpe_transition))
-                train_bpe(sample, cfg.vocab_size, path, transition if spec == "superbpe" else None, log)
+            try:
+                self._train_tokenizer(spec, sample_documents(docs, cfg.sp_train_chars), path)
+            except DataError as e:  # which corpus and keys: the trainer knows neither
+                raise DataError(f"{', '.join(texts)} (data.tokenizer={spec}, data.vocab_size={cfg.vocab_size}): "
+                                f"{e}") from None
         return load_tokenizer_file(path)
+
+    def _train_tokenizer(self, spec: str, sample: list[str], path: Path):
+        cfg, log = self.cfg, self.log
+        if spec == "sentencepiece":
+            train_sentencepiece(sample, cfg.vocab_size, path, log)
+        else:
+            transition = max(256 + len(TRAINED_SPECIALS), int(cfg.vocab_size * cfg.superbpe_transition))
+            train_bpe(sample, cfg.vocab_size, path, transition if spec == "superbpe" else None, log)
 
     def _source(self, path: str, pretokenized: bool) -> tuple[TokenStream, object]:
         """(the source's tokens, its validation tokens or its document starts): pre-tokenized files

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from .files import check_weights
+from .files import check_weights, read_json
 
 # Tried in order; the first whose detect() is true loads the path.
 # Saving: the first whose exports(model) is true writes it (a Zoo folder for LLMs no external format holds).
@@ -38,7 +38,25 @@ def load_pretrained(path, **kwargs):
     for mod in _modules():
         if mod.detect(p):
             return mod.load(p, **kwargs)
-    raise ValueError(f"{path}: not a recognised pretrained format (known: {', '.join(FORMATS)})")
+    raise _unrecognised(path, p)
+
+
+def _unrecognised(path, p: Path) -> Exception:
+    """Why no format claims `path`: a run folder before its final weights, a training checkpoint (weights without
+    config.yaml), a config.json that is not JSON, else the formats known."""
+    if p.is_dir() and (p / "config.yaml").is_file() and not (p / "model.safetensors").is_file():
+        return FileNotFoundError(f"{path}: config.yaml but no model.safetensors (a run writes it when it ends; "
+                                 f"its checkpoints/ folders hold the weights before)")
+    run_config = p.parent.parent / "config.yaml"
+    if p.is_dir() and (p / "manifest.json").is_file() and run_config.is_file():
+        return FileNotFoundError(f"{path}: a training checkpoint, no config.yaml beside its model.safetensors: copy "
+                                 f"{run_config} (and the run's tokenizer) into it to load it")
+    if p.is_dir() and (p / "config.json").is_file():
+        try:
+            read_json(p / "config.json")
+        except ValueError as e:
+            return e
+    return ValueError(f"{path}: not a recognised pretrained format (known: {', '.join(FORMATS)})")
 
 
 def save_pretrained(model, path, **kwargs):

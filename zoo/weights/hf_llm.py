@@ -233,7 +233,8 @@ def _rope_to_hf(cfg: LLMConfig, theta: float, scaling: Optional[RopeScaling]) ->
 def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[dict] = None) -> dict:
     """LLMConfig -> config.json dict: the common keys here, the class's own from its record. RoPE is written in
     both dialects (5.x `rope_parameters`, 4.x `rope_theta` + `rope_scaling`), so either transformers version
-    reads it. Token ids (bos/eos/pad) are kept from `base`, the config.json the model was loaded from."""
+    reads it. Token ids (bos/eos/pad) are kept from `base`, the config.json the model was loaded from; without one
+    they are null (a class's defaults, e.g. Phi-3's pad 32000, may lie outside a small vocabulary)."""
     rec, n = RECORDS[arch], cfg.n_layers
     rope = _rope_to_hf(cfg, cfg.rope_theta, cfg.rope_scaling)
     hf = {
@@ -273,7 +274,8 @@ def config_to_hf(cfg: LLMConfig, arch: str, dtype: torch.dtype, base: Optional[d
     for params in (rope, hf["rope_parameters"].get("sliding_attention")):
         if params is not None and fraction < 1:
             params["partial_rotary_factor"] = fraction
-    hf.update({k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in (base or {})})
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")  # without a base unknown: None, not the class's default
+    hf.update({k: base[k] for k in ids if k in base} if base is not None else dict.fromkeys(ids))
     return hf
 
 
@@ -506,8 +508,9 @@ def _resolve_dtype(dtype, hf: dict, source: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype if dtype not in (None, "auto") else hf.get("dtype", hf.get("torch_dtype")) or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"{source}: unsupported dtype '{name}' (supported: {', '.join(_DTYPES)})")
+    if name not in _DTYPES:  # the caller's argument, else the file's
+        where = f"{source}: unsupported dtype '{name}'" if name != dtype else f"dtype={name!r} is not supported"
+        raise ValueError(f"{where} (supported: {', '.join(_DTYPES)})")
     return _DTYPES[name]
 
 
@@ -690,14 +693,16 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     if why := holds(model):
         raise ValueError(why)
     rec = record_for(cfg, getattr(model, "hf_architecture", None))
+    # what could fail is checked before anything is written: a failed save leaves an earlier one whole
+    limit = _shard_limit(max_shard_size)
+    tok_files = [] if tokenizer is None or hasattr(tokenizer, "save") else _tokenizer_files(Path(tokenizer))
+    state = model.state_dict()
+    dtype = state["embed.weight"].dtype if dtype is None else _resolve_dtype(dtype, {}, str(path))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    dtype = dtype or state["embed.weight"].dtype
     if rec.norm_offset:
         state = {k: v.clone() if k.endswith("norm.weight") else v for k, v in state.items()}
         _shift_norms(state, -rec.norm_offset)
-    limit = _shard_limit(max_shard_size)
 
     # split fused tensors back into Hugging Face names, grouped into shards in order
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -729,13 +734,25 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
         if old.name not in keep and old.is_file():
             old.unlink()
 
-    hf = config_to_hf(cfg, rec.hf_class, dtype, getattr(model, "hf_config", None))
+    hf = config_to_hf(cfg, rec.hf_class, dtype, token_ids(model))
     atomic_write(out / "config.json", json.dumps(hf, indent=2) + "\n")
     if hasattr(tokenizer, "save"):  # a GGUF file's (gguf_llm.load_tokenizer): written as tokenizer.json + config
         tokenizer.save(out)
-    elif tokenizer is not None:
-        _copy_tokenizer(Path(tokenizer), out)
+    _copy_tokenizer(tok_files, out)
     return out
+
+
+GGUF_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+            "pad_token_id": "tokenizer.ggml.padding_token_id"}
+
+
+def token_ids(model) -> Optional[dict]:
+    """What gives config.json's bos/eos/pad ids: the config.json the model was loaded from, else its GGUF file's
+    tokenizer ids; None when neither (a model Zoo trained)."""
+    if (hf := getattr(model, "hf_config", None)) is not None:
+        return hf
+    fields = getattr(model, "gguf_tokenizer", None)
+    return {k: fields[f][0] for k, f in GGUF_IDS.items() if f in fields} if fields else None
 
 
 def file_tensors(cfg: LLMConfig, rec: Record, state: dict, kmap: Optional[dict] = None, orders: Optional[dict] = None):
@@ -762,16 +779,20 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "chat_template.jinja")
 
 
-def _copy_tokenizer(src: Path, out: Path):
-    """Copy a tokenizer.model file, or the tokenizer files of a Hugging Face folder, into `out`."""
+def _tokenizer_files(src: Path) -> list[Path]:
+    """A tokenizer.model file, or the tokenizer files of a Hugging Face folder; none there: a one-line error."""
     if src.is_dir():
         files = [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
         if not files:
             raise FileNotFoundError(f"{src}: no tokenizer file ({', '.join(TOKENIZER_FILES)})")
-    elif src.is_file():
-        files = [src]
-    else:
+        return files
+    if not src.is_file():
         raise FileNotFoundError(f"{src}: tokenizer file not found")
+    return [src]
+
+
+def _copy_tokenizer(files: list[Path], out: Path):
+    """Copy the tokenizer files (_tokenizer_files') into `out`."""
     for f in files:
         dst = out / ("tokenizer.model" if f.suffix == ".model" else f.name)
         if f.resolve() != dst.resolve():
