@@ -238,10 +238,10 @@ def config_folder(path) -> Path:
     return p.parent if p.is_file() and p.name == "config.json" else p
 
 
-def diffusers_folder(path, class_name: str, weights: str) -> Path | None:
-    """The folder at `path`, or its pipeline's transformer/, holding `weights` and a config.json naming diffusers'
-    `class_name`; else None."""
-    for p in (Path(path), Path(path) / "transformer"):
+def diffusers_folder(path, class_name: str, weights: str, subfolder: str = "transformer") -> Path | None:
+    """The folder at `path`, or its pipeline's `subfolder` ('': none), holding `weights` and a config.json naming
+    diffusers' `class_name`; else None."""
+    for p in dict.fromkeys((Path(path), Path(path) / subfolder)):
         try:
             if (p / weights).is_file() and read_json(p / "config.json").get("_class_name") == class_name:
                 return p
