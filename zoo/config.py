@@ -897,15 +897,11 @@ class ViTConfig:
             (r["rope_theta"] and head % 4, "rope_theta",
              f"needs a head width embed_dim / num_heads divisible by 4, got {head}"),
             (r["rope_ref_grid"] and not r["rope_theta"], "rope_ref_grid", "needs rope_theta > 0 (EVA-02's RoPE turns by it)"),
-            (r["mlp_norm"] and r["mlp"] != "swiglu", "mlp_norm", f"needs mlp=swiglu, got {r['mlp']}")])
-        self.validate_rope_augment(source, prefix)
-
-    def validate_rope_augment(self, source: str, prefix: str):
-        """pos_embed_jitter / _rescale: a factor below 1 (but for 0, off) has no log-uniform range. (That they need
-        RoPE, the ViT checks when built: a run from pretrained weights takes rope_theta from the weights.)"""
-        for key in ROPE_AUGMENT_KEYS[1:]:
-            if (value := getattr(self, key)) and value < 1:
-                raise fail(source, prefix + key, f"={value} must be 0 or null (off) or >= 1")
+            (r["mlp_norm"] and r["mlp"] != "swiglu", "mlp_norm", f"needs mlp=swiglu, got {r['mlp']}"),
+            # pos_embed_jitter / _rescale below 1 (but for 0, off) have no log-uniform range (that they need RoPE, the
+            # ViT checks when built: a run from pretrained weights takes rope_theta from the weights)
+            *((0 < (getattr(self, k) or 0) < 1, k, f"={getattr(self, k)} must be 0 or null (off) or >= 1")
+              for k in ROPE_AUGMENT_KEYS[1:])])
 
     @property
     def resolved(self) -> dict:
@@ -925,13 +921,10 @@ class VLMConfig:
     image_token_id: int = bounded(0, ge=0)  # the placeholder id whose embeddings the image tokens replace
 
     def validate(self, source="<config>", prefix=""):
-        grid = self.vision.resolved["img_size"] // self.vision.resolved["patch_size"]
-        if grid % self.scale_factor:
-            raise fail(source, prefix + "scale_factor", f"={self.scale_factor} must divide the patch grid's side "
-                                                        f"{grid}")
-        if self.image_token_id >= self.text.vocab_size:
-            raise fail(source, prefix + "image_token_id", f"={self.image_token_id} must be < text.vocab_size="
-                                                          f"{self.text.vocab_size}")
+        grid, vocab = self.vision.resolved["img_size"] // self.vision.resolved["patch_size"], self.text.vocab_size
+        first_broken(source, prefix, [
+            (grid % self.scale_factor, "scale_factor", f"={self.scale_factor} must divide the patch grid's side {grid}"),
+            (self.image_token_id >= vocab, "image_token_id", f"={self.image_token_id} must be < text.vocab_size={vocab}")])
 
 
 # ---------------------------------------------------------------- Latent diffusion family
