@@ -27,7 +27,7 @@ from torch import nn
 from .blocks.bottleneck import BottleneckAdapter
 from .blocks.lora import BASE, LoRALinear, adapters_per_row, dense_weight  # noqa: F401  (adapters_per_row: the API)
 from .blocks.prefix import KVPrefix, PromptEmbedding
-from .config import ConfigError, bounded, fail
+from .config import ConfigError, bounded, first_broken
 from .tensors import tensor_bytes
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,15 +70,12 @@ class AdapterConfig:
                                             # `train.export` does; LoRA and DoRA only
 
     def validate(self, source, prefix="adapter."):
-        if self.method in ("lora", "dora") and not self.targets:
-            raise fail(source, prefix + "targets", "must name at least one module")
-        if self.vision_targets and not self.mergeable:
-            raise fail(source, prefix + "vision_targets", "needs adapter.method lora or dora")
-        if self.init_from and not self.mergeable:
-            raise fail(source, prefix + "init_from", "needs adapter.method lora or dora")
-        if self.quantize_base != "none" and self.method == "none":
-            raise fail(source, prefix + "quantize_base", f"={self.quantize_base} needs adapter.method "
-                                                         f"lora, dora or prefix (the base must be frozen)")
+        first_broken(source, prefix, [
+            (self.mergeable and not self.targets, "targets", "must name at least one module"),
+            *((getattr(self, k) and not self.mergeable, k, "needs adapter.method lora or dora")
+              for k in ("vision_targets", "init_from")),
+            (self.quantize_base != "none" and self.method == "none", "quantize_base",
+             f"={self.quantize_base} needs adapter.method lora, dora or prefix (the base must be frozen)")])
 
     @property
     def enabled(self) -> bool:

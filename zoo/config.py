@@ -189,6 +189,14 @@ def check_bounds(obj, source: str = "<config>", prefix: str = ""):
             raise fail(source, prefix + f.name, f"must be {describe_bounds(bounds)}{null}, got {v}")
 
 
+def first_broken(source: str, prefix: str, rules):
+    """Raise the first broken rule of `rules`, (broken, key, message) triples, as fail(source, prefix + key, message);
+    a generator of them reads each rule once the rules before it hold (validate() writes its rules so)."""
+    for broken, key, msg in rules:
+        if broken:
+            raise fail(source, prefix + key, msg)
+
+
 def check(obj, source: str = "<config>", prefix: str = ""):
     """Check a config dataclass: its declared field bounds, then its validate() (the rules across
     fields that bounds cannot declare). from_dict calls it; so do the models on their config."""
@@ -301,12 +309,11 @@ class RopeScaling:
                                             # multi-head latent attention only); 0 = off
 
     def validate(self, source, prefix=""):
-        if self.type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
-            raise fail(source, prefix + "short_factor", "and long_factor must be lists of head_dim / 2 numbers")
-        if self.type == "llama3":
-            if self.low_freq_factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
-                raise fail(source, prefix + "high_freq_factor",
-                           f"must be > low_freq_factor > 0, got {self.high_freq_factor} and {self.low_freq_factor}")
+        first_broken(source, prefix, [
+            (self.type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)),
+             "short_factor", "and long_factor must be lists of head_dim / 2 numbers"),
+            (self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor, "high_freq_factor",
+             f"must be > low_freq_factor > 0, got {self.high_freq_factor} and {self.low_freq_factor}")])
 
 
 @dataclass
@@ -343,14 +350,11 @@ class MoEConfig:
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        if self.top_k > self.n_experts:
-            raise fail(source, p + "top_k", f"={self.top_k} must be <= {p}n_experts={self.n_experts}")
-        if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
-            raise fail(source, p + "n_groups", f"={self.n_groups} must divide {p}n_experts={self.n_experts} and be "
-                                               f">= {p}topk_groups={self.topk_groups}")
-        for key in ("shared_gate", "branch_norms"):
-            if getattr(self, key) and not self.n_shared:
-                raise fail(source, p + key, f"needs {p}n_shared > 0")
+        first_broken(source, p, [
+            (self.top_k > self.n_experts, "top_k", f"={self.top_k} must be <= {p}n_experts={self.n_experts}"),
+            (self.n_experts % self.n_groups or self.topk_groups > self.n_groups, "n_groups",
+             f"={self.n_groups} must divide {p}n_experts={self.n_experts} and be >= {p}topk_groups={self.topk_groups}"),
+            *((getattr(self, k) and not self.n_shared, k, f"needs {p}n_shared > 0") for k in ("shared_gate", "branch_norms"))])
 
 
 @dataclass
@@ -517,78 +521,65 @@ class LLMConfig:
             k, v = next(iter(bad.items()))
             raise fail(source, p + k, f"={getattr(self, k)} conflicts with {p}depth={self.depth}, which sets {k}={v} "
                                       f"(set one, the other null)")
-        if self.mup_base_width and (self.mla or self.moe or self.query_pre_attn_scalar or
-                                    RECURRENT_TYPES & set(self.layer_types)):
-            raise fail(source, p + "mup_base_width", f"covers dense attention layers with their own scale: not "
-                                                     f"{p}mla, moe, query_pre_attn_scalar or recurrent layer_types")
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise fail(source, p + "n_heads", f"={self.n_heads} must divide {p}d_model={self.d_model} "
-                                              f"(or set {p}head_dim)")
-        if self.n_heads % self.resolved_n_kv_heads:
-            raise fail(source, p + "n_kv_heads", f"={self.resolved_n_kv_heads} must divide {p}n_heads={self.n_heads}")
-        if self.n_heads % (self.global_n_kv_heads or 1):
-            raise fail(source, p + "global_n_kv_heads", f"={self.global_n_kv_heads} must divide {p}n_heads={self.n_heads}")
-        if (self.global_head_dim or 0) % 2:
-            raise fail(source, p + "global_head_dim", f"={self.global_head_dim} must be even for RoPE")
-        if self.resolved_head_dim % 2:
-            raise fail(source, p + "head_dim", f"={self.resolved_head_dim} must be even for RoPE")
-        if self.mod_capacity > 0 and self.sliding_window is not None:
-            raise fail(source, p + "mod_capacity", f"does not combine with {p}sliding_window (a MoD block's "
-                                                   f"tokens are not contiguous)")
+        first_broken(source, p, self._rules(p))
+
+    def _rules(self, p: str):
+        """validate()'s rules after the depth dial's, in order: (broken, key, message)."""
+        mod, mla, r = self.mod_capacity > 0, self.mla or MLAConfig(), self.resolved_recurrent
+        recurrent = RECURRENT_TYPES & set(self.layer_types)
+        yield (self.mup_base_width and (self.mla or self.moe or self.query_pre_attn_scalar or recurrent), "mup_base_width",
+               f"covers dense attention layers with their own scale: not {p}mla, moe, query_pre_attn_scalar or "
+               f"recurrent layer_types")
+        yield (self.head_dim is None and self.d_model % self.n_heads, "n_heads",
+               f"={self.n_heads} must divide {p}d_model={self.d_model} (or set {p}head_dim)")
+        yield (self.n_heads % self.resolved_n_kv_heads, "n_kv_heads",
+               f"={self.resolved_n_kv_heads} must divide {p}n_heads={self.n_heads}")
+        yield (self.n_heads % (self.global_n_kv_heads or 1), "global_n_kv_heads",
+               f"={self.global_n_kv_heads} must divide {p}n_heads={self.n_heads}")
+        yield (self.global_head_dim or 0) % 2, "global_head_dim", f"={self.global_head_dim} must be even for RoPE"
+        yield self.resolved_head_dim % 2, "head_dim", f"={self.resolved_head_dim} must be even for RoPE"
+        yield (mod and self.sliding_window is not None, "mod_capacity",
+               f"does not combine with {p}sliding_window (a MoD block's tokens are not contiguous)")
         for key in ("attn_sinks", "attn_softcap", "mla"):
-            if self.mod_capacity > 0 and getattr(self, key):
-                raise fail(source, p + "mod_capacity", f"does not combine with {p}{key} (a MoD block attends "
-                                                       f"through a key mask)")
-        if self.parallel_block and self.norm_placement != "pre":
-            raise fail(source, p + "parallel_block", f"needs {p}norm_placement=pre, got {self.norm_placement}")
-        if self.mla and self.mla.index_heads and not self.mla.q_rank:
-            raise fail(source, p + "mla.index_heads", f"={self.mla.index_heads}: the lightning indexer reads the query "
-                                                      f"bottleneck; set {p}mla.q_rank")
-        if self.mla and self.mla.index_shared and (not self.mla.index_heads or 0 in self.mla.index_shared or
-                                                   self.mod_capacity > 0):
-            raise fail(source, p + "mla.index_shared", f"={self.mla.index_shared} needs {p}mla.index_heads > 0, layer 0 "
-                                                       f"an indexer layer, no MoD")
-        if self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None:
-            raise fail(source, p + "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
-        if self.layer_types and self.attn_pattern:
-            raise fail(source, p + "layer_types", f"and {p}attn_pattern both set: sliding_attention in layer_types says "
-                                                  f"which layers are local")
-        if ("local" in self.attn_pattern or "sliding_attention" in self.layer_types) and self.sliding_window is None:
-            raise fail(source, p + ("layer_types" if self.layer_types else "attn_pattern"),
-                       f"has local layers but {p}sliding_window is null")
-        if self.mod_capacity > 0 and RECURRENT_TYPES & set(self.layer_types):
-            raise fail(source, p + "mod_capacity", f"does not combine with recurrent {p}layer_types (a recurrence "
-                                                   f"runs over every token)")
-        r = self.resolved_recurrent
-        if "linear_attention" in self.layer_types and (r.n_v_heads or r.n_heads) % r.n_heads:
-            raise fail(source, p + "recurrent.n_v_heads", f"={r.n_v_heads} must be a multiple of "
-                                                          f"{p}recurrent.n_heads={r.n_heads}")
-        if "mamba" in self.layer_types and r.n_heads % r.n_groups:
-            raise fail(source, p + "recurrent.n_groups", f"={r.n_groups} must divide {p}recurrent.n_heads={r.n_heads}")
-        if self.rotary_dim % 2:
-            raise fail(source, p + "rotary_fraction", f"={self.rotary_fraction} gives {self.rotary_dim} rotated "
-                                                      f"channels; RoPE needs an even number")
-        if self.mod_capacity > 0 and self.mod_every > self.n_layers:
-            raise fail(source, p + "mod_every", f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: "
-                                                f"no layer would be a MoD block")
-        if self.value_embeds and (2 * self.value_embeds > self.n_layers or self.mla or self.mod_capacity > 0 or
-                                  any(self.layer_type(i) in RECURRENT_TYPES for i in self.value_embed_layers())):
-            raise fail(source, p + "value_embeds", f"={self.value_embeds} needs 2 x {p}value_embeds <= {p}n_layers="
-                                                   f"{self.n_layers}, grouped-query attention in those layers, no MoD")
-        shared = range(self.n_layers - self.kv_shared_layers, self.n_layers)
-        if self.kv_shared_layers and (self.mla or self.mod_capacity > 0 or self.value_embeds or
-                                      {self.layer_type(i) for i in shared} - {self.layer_type(i) for i in
-                                                                            range(shared.start)} or
-                                      RECURRENT_TYPES & {self.layer_type(i) for i in shared}):
-            raise fail(source, p + "kv_shared_layers", f"={self.kv_shared_layers} needs an earlier attention layer of "
-                                                       f"each shared layer's kind, no {p}mla, MoD or value_embeds")
-        if self.per_layer_dim and self.mod_capacity > 0:
-            raise fail(source, p + "per_layer_dim", f"does not combine with {p}mod_capacity (a MoD block skips tokens)")
-        dense = self.moe.dense_layers if self.moe else []
-        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", dense),
-                            ("mla.index_shared", self.mla.index_shared if self.mla else [])):
-            if bad := [i for i in layers if not 0 <= i < self.n_layers]:
-                raise fail(source, p + key, f"has {bad}, not layers of {p}n_layers={self.n_layers}")
+            yield (mod and getattr(self, key), "mod_capacity",
+                   f"does not combine with {p}{key} (a MoD block attends through a key mask)")
+        yield (self.parallel_block and self.norm_placement != "pre", "parallel_block",
+               f"needs {p}norm_placement=pre, got {self.norm_placement}")
+        yield (mla.index_heads and not mla.q_rank, "mla.index_heads",
+               f"={mla.index_heads}: the lightning indexer reads the query bottleneck; set {p}mla.q_rank")
+        yield (mla.index_shared and (not mla.index_heads or 0 in mla.index_shared or mod), "mla.index_shared",
+               f"={mla.index_shared} needs {p}mla.index_heads > 0, layer 0 an indexer layer, no MoD")
+        yield (self.rope_scaling is not None and self.rope_scaling.query_beta and self.mla is None,
+               "rope_scaling.query_beta", f"needs {p}mla (multi-head latent attention)")
+        yield (self.layer_types and self.attn_pattern, "layer_types",
+               f"and {p}attn_pattern both set: sliding_attention in layer_types says which layers are local")
+        yield (("local" in self.attn_pattern or "sliding_attention" in self.layer_types) and self.sliding_window is None,
+               "layer_types" if self.layer_types else "attn_pattern", f"has local layers but {p}sliding_window is null")
+        yield (mod and recurrent, "mod_capacity",
+               f"does not combine with recurrent {p}layer_types (a recurrence runs over every token)")
+        yield ("linear_attention" in self.layer_types and (r.n_v_heads or r.n_heads) % r.n_heads, "recurrent.n_v_heads",
+               f"={r.n_v_heads} must be a multiple of {p}recurrent.n_heads={r.n_heads}")
+        yield ("mamba" in self.layer_types and r.n_heads % r.n_groups, "recurrent.n_groups",
+               f"={r.n_groups} must divide {p}recurrent.n_heads={r.n_heads}")
+        yield (self.rotary_dim % 2, "rotary_fraction",
+               f"={self.rotary_fraction} gives {self.rotary_dim} rotated channels; RoPE needs an even number")
+        yield (mod and self.mod_every > self.n_layers, "mod_every",
+               f"={self.mod_every} exceeds {p}n_layers={self.n_layers}: no layer would be a MoD block")
+        yield (self.value_embeds and (2 * self.value_embeds > self.n_layers or self.mla or mod or
+                                      any(self.layer_type(i) in RECURRENT_TYPES for i in self.value_embed_layers())),
+               "value_embeds", f"={self.value_embeds} needs 2 x {p}value_embeds <= {p}n_layers={self.n_layers}, "
+                               f"grouped-query attention in those layers, no MoD")
+        shared, kinds = range(self.n_layers - self.kv_shared_layers, self.n_layers), self.layer_type
+        yield (self.kv_shared_layers and (self.mla or mod or self.value_embeds or RECURRENT_TYPES & set(map(kinds, shared))
+                                          or set(map(kinds, shared)) - set(map(kinds, range(shared.start)))),
+               "kv_shared_layers", f"={self.kv_shared_layers} needs an earlier attention layer of each shared layer's "
+                                   f"kind, no {p}mla, MoD or value_embeds")
+        yield (self.per_layer_dim and mod, "per_layer_dim",
+               f"does not combine with {p}mod_capacity (a MoD block skips tokens)")
+        for key, layers in (("nope_layers", self.nope_layers), ("moe.dense_layers", self.moe.dense_layers if self.moe
+                                                                 else []), ("mla.index_shared", mla.index_shared)):
+            bad = [i for i in layers if not 0 <= i < self.n_layers]
+            yield bad, key, f"has {bad}, not layers of {p}n_layers={self.n_layers}"
 
     @property
     def mup_ratio(self) -> Optional[float]:
@@ -746,16 +737,17 @@ class ConvNetConfig:
         if self.arch not in self.all_archs():
             raise fail(source, p + "arch", f"must be one of {', '.join(self.all_archs())}, got {self.arch!r}")
         kind = self.kind
-        for key, kinds in _CONVNET_KEY_KINDS.items():
-            if getattr(self, key) is not None and kind not in kinds:
-                raise fail(source, p + key, f"applies to {' and '.join(kinds)} archs, not {self.arch} (set it to null)")
-        if self.layers is not None and (not self.layers or any(n <= 0 for n in self.layers)):
-            raise fail(source, p + "layers", f"must be a non-empty list of positive block counts, got {self.layers}")
-        if kind != "resnet" and self.drop_path_mode != "mask":
-            raise fail(source, p + "drop_path_mode", f"applies to resnet archs, not {self.arch} (they use mask)")
-        if kind == "resnet" and self.resolved_block == "basic" \
-                and (self.resolved_groups, self.resolved_width_per_group) != (1, 64):
-            raise fail(source, p + "block", "='basic' needs groups=1 and width_per_group=64")
+        first_broken(source, p, [
+            *((getattr(self, key) is not None and kind not in kinds, key,
+               f"applies to {' and '.join(kinds)} archs, not {self.arch} (set it to null)")
+              for key, kinds in _CONVNET_KEY_KINDS.items()),
+            (self.layers is not None and (not self.layers or any(n <= 0 for n in self.layers)), "layers",
+             f"must be a non-empty list of positive block counts, got {self.layers}"),
+            (kind != "resnet" and self.drop_path_mode != "mask", "drop_path_mode",
+             f"applies to resnet archs, not {self.arch} (they use mask)"),
+            (kind == "resnet" and self.resolved_block == "basic" and (self.resolved_groups,
+                                                                      self.resolved_width_per_group) != (1, 64),
+             "block", "='basic' needs groups=1 and width_per_group=64")])
 
     @staticmethod
     def all_archs() -> list:
@@ -894,30 +886,22 @@ class ViTConfig:
         if self.arch not in VIT_ARCHS:
             raise fail(source, prefix + "arch", f"must be one of {', '.join(VIT_ARCHS)}, got {self.arch!r}")
         r = self.resolved
-        if r["embed_dim"] % r["num_heads"]:
-            raise fail(source, prefix + "num_heads", f"={r['num_heads']} must divide embed_dim={r['embed_dim']}")
-        if r["img_size"] % r["patch_size"]:
-            raise fail(source, prefix + "img_size",
-                       f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}")
-        if r["distilled"] and not r["class_token"]:
-            raise fail(source, prefix + "distilled", "needs class_token")
-        if r["global_pool"] == "token" and not r["class_token"] and self.num_classes:
-            raise fail(source, prefix + "global_pool", "=token needs class_token (without one: avg or map)")
-        if r["rope_theta"] and (r["embed_dim"] // r["num_heads"]) % 4:
-            raise fail(source, prefix + "rope_theta", f"needs a head width embed_dim / num_heads divisible by 4, got "
-                                                      f"{r['embed_dim'] // r['num_heads']}")
-        if r["rope_ref_grid"] and not r["rope_theta"]:
-            raise fail(source, prefix + "rope_ref_grid", "needs rope_theta > 0 (EVA-02's RoPE turns by it)")
-        if r["mlp_norm"] and r["mlp"] != "swiglu":
-            raise fail(source, prefix + "mlp_norm", f"needs mlp=swiglu, got {r['mlp']}")
-        self.validate_rope_augment(source, prefix)
-
-    def validate_rope_augment(self, source: str, prefix: str):
-        """pos_embed_jitter / _rescale: a factor below 1 (but for 0, off) has no log-uniform range. (That they need
-        RoPE, the ViT checks when built: a run from pretrained weights takes rope_theta from the weights.)"""
-        for key in ROPE_AUGMENT_KEYS[1:]:
-            if (value := getattr(self, key)) and value < 1:
-                raise fail(source, prefix + key, f"={value} must be 0 or null (off) or >= 1")
+        head = r["embed_dim"] // r["num_heads"]
+        first_broken(source, prefix, [
+            (r["embed_dim"] % r["num_heads"], "num_heads", f"={r['num_heads']} must divide embed_dim={r['embed_dim']}"),
+            (r["img_size"] % r["patch_size"], "img_size",
+             f"={r['img_size']} must be a multiple of patch_size={r['patch_size']}"),
+            (r["distilled"] and not r["class_token"], "distilled", "needs class_token"),
+            (r["global_pool"] == "token" and not r["class_token"] and self.num_classes, "global_pool",
+             "=token needs class_token (without one: avg or map)"),
+            (r["rope_theta"] and head % 4, "rope_theta",
+             f"needs a head width embed_dim / num_heads divisible by 4, got {head}"),
+            (r["rope_ref_grid"] and not r["rope_theta"], "rope_ref_grid", "needs rope_theta > 0 (EVA-02's RoPE turns by it)"),
+            (r["mlp_norm"] and r["mlp"] != "swiglu", "mlp_norm", f"needs mlp=swiglu, got {r['mlp']}"),
+            # pos_embed_jitter / _rescale below 1 (but for 0, off) have no log-uniform range (that they need RoPE, the
+            # ViT checks when built: a run from pretrained weights takes rope_theta from the weights)
+            *((0 < (getattr(self, k) or 0) < 1, k, f"={getattr(self, k)} must be 0 or null (off) or >= 1")
+              for k in ROPE_AUGMENT_KEYS[1:])])
 
     @property
     def resolved(self) -> dict:
@@ -937,13 +921,10 @@ class VLMConfig:
     image_token_id: int = bounded(0, ge=0)  # the placeholder id whose embeddings the image tokens replace
 
     def validate(self, source="<config>", prefix=""):
-        grid = self.vision.resolved["img_size"] // self.vision.resolved["patch_size"]
-        if grid % self.scale_factor:
-            raise fail(source, prefix + "scale_factor", f"={self.scale_factor} must divide the patch grid's side "
-                                                        f"{grid}")
-        if self.image_token_id >= self.text.vocab_size:
-            raise fail(source, prefix + "image_token_id", f"={self.image_token_id} must be < text.vocab_size="
-                                                          f"{self.text.vocab_size}")
+        grid, vocab = self.vision.resolved["img_size"] // self.vision.resolved["patch_size"], self.text.vocab_size
+        first_broken(source, prefix, [
+            (grid % self.scale_factor, "scale_factor", f"={self.scale_factor} must divide the patch grid's side {grid}"),
+            (self.image_token_id >= vocab, "image_token_id", f"={self.image_token_id} must be < text.vocab_size={vocab}")])
 
 
 # ---------------------------------------------------------------- Latent diffusion family
@@ -984,13 +965,11 @@ class DiTConfig:
     def validate(self, source="<config>", prefix=""):
         if self.preset not in DIT_PRESETS:
             raise fail(source, prefix + "preset", f"must be one of {', '.join(DIT_PRESETS)}, got {self.preset!r}")
-        if self.resolved_width % self.resolved_heads:
-            raise fail(source, prefix + "heads", f"={self.resolved_heads} must divide width={self.resolved_width}")
-        head = self.resolved_width // self.resolved_heads
-        if self.rope and head % 4:
-            raise fail(source, prefix + "rope", f"needs a head size divisible by 4, got {head}")
-        if not self.rope and self.resolved_width % 4:
-            raise fail(source, prefix + "width", f"must be divisible by 4 (2D sin-cos embedding), got {self.resolved_width}")
+        width, heads = self.resolved_width, self.resolved_heads
+        first_broken(source, prefix, [
+            (width % heads, "heads", f"={heads} must divide width={width}"),
+            (self.rope and (width // heads) % 4, "rope", f"needs a head size divisible by 4, got {width // heads}"),
+            (not self.rope and width % 4, "width", f"must be divisible by 4 (2D sin-cos embedding), got {width}")])
 
     @property
     def resolved_depth(self) -> int:
@@ -1073,43 +1052,34 @@ class DiffusionConfig:
 
     def validate(self, source="<config>", prefix=""):
         p = prefix
-        if self.image_size % 8:
-            raise fail(source, p + "image_size", f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}")
-        if not self.channels or any(c <= 0 or c % self.heads for c in self.channels):
-            raise fail(source, p + "channels", f"must be positive widths divisible by heads={self.heads}, got {self.channels}")
-        factor = self.latent_multiple
-        if (self.image_size // 8) % factor and self.denoiser != "unet":
-            n = self.image_size // 8
-            if self.denoiser == "dit":
-                raise fail(source, p + "dit.patch_size", f"={factor}: the latent side {n} ({p}image_size "
-                                                         f"{self.image_size} / 8) must be divisible by it")
-            raise fail(source, p + "image_size", f"={self.image_size}: the latent side {n} (/ 8) must be divisible "
-                                                 f"by the patch {factor}")
-        if (self.image_size // 8) % factor:
-            raise fail(source, p + "channels", f"has {len(self.channels)} levels: the latent size "
-                                               f"{self.image_size // 8} must be divisible by {factor}")
-        ae = self.autoencoder.latent_channels
-        if self.latent_channels is not None and ae is not None and self.latent_channels != ae:
-            raise fail(source, p + "latent_channels", f"does not match {p}autoencoder.latent_channels: "
-                                                      f"{self.latent_channels} != {ae}")
-        if not 0.0 < self.beta_start < self.beta_end < 1.0:
-            raise fail(source, p + "beta_end", f"must satisfy 0 < beta_start < beta_end < 1, got "
-                                               f"{self.beta_start} and {self.beta_end}")
         from .diffusion.samplers import check_sampler
-        if why := check_sampler(self.sampler, self.prediction):
-            raise fail(source, p + "sampler", f"={self.sampler}: {why}")
-        if self.denoiser == "flux2" and (self.prediction != "flow" or not self.text_encoder):
-            key = "prediction" if self.prediction != "flow" else "text_encoder"
-            raise fail(source, p + key, "denoiser=flux2 is a text-conditioned rectified flow: set prediction: flow "
-                                        "and a text_encoder")
-        if self.denoiser == "dit" and self.dit.learn_sigma and self.prediction == "flow":
-            raise fail(source, p + "dit.learn_sigma", "needs a noise-schedule prediction (eps, v, x0): the "
-                                                      "variance is trained with DDPM's bound, which flow has not")
-        if self.sample_steps > self.num_timesteps:
-            raise fail(source, p + "sample_steps", f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}")
-        if isinstance(self.sample_shift, float) and self.prediction != "flow":
-            raise fail(source, p + "sample_shift", f"={self.sample_shift} shifts flow matching's noise levels: set "
-                                                   f"prediction: flow, or sample_shift: null")
+        latent, factor, ae = self.image_size // 8, self.latent_multiple, self.autoencoder.latent_channels
+        flow, sampler_problem = self.prediction == "flow", check_sampler(self.sampler, self.prediction)
+        first_broken(source, p, [
+            (self.image_size % 8, "image_size",
+             f"must be divisible by 8 (the autoencoder's downscale), got {self.image_size}"),
+            (not self.channels or any(c <= 0 or c % self.heads for c in self.channels), "channels",
+             f"must be positive widths divisible by heads={self.heads}, got {self.channels}"),
+            (latent % factor and self.denoiser == "dit", "dit.patch_size",
+             f"={factor}: the latent side {latent} ({p}image_size {self.image_size} / 8) must be divisible by it"),
+            (latent % factor and self.denoiser == "flux2", "image_size",
+             f"={self.image_size}: the latent side {latent} (/ 8) must be divisible by the patch {factor}"),
+            (latent % factor, "channels",
+             f"has {len(self.channels)} levels: the latent size {latent} must be divisible by {factor}"),
+            (self.latent_channels is not None and ae is not None and self.latent_channels != ae, "latent_channels",
+             f"does not match {p}autoencoder.latent_channels: {self.latent_channels} != {ae}"),
+            (not 0.0 < self.beta_start < self.beta_end < 1.0, "beta_end",
+             f"must satisfy 0 < beta_start < beta_end < 1, got {self.beta_start} and {self.beta_end}"),
+            (sampler_problem, "sampler", f"={self.sampler}: {sampler_problem}"),
+            (self.denoiser == "flux2" and (not flow or not self.text_encoder), "text_encoder" if flow else "prediction",
+             "denoiser=flux2 is a text-conditioned rectified flow: set prediction: flow and a text_encoder"),
+            (self.denoiser == "dit" and self.dit.learn_sigma and flow, "dit.learn_sigma",
+             "needs a noise-schedule prediction (eps, v, x0): the variance is trained with DDPM's bound, which flow "
+             "has not"),
+            (self.sample_steps > self.num_timesteps, "sample_steps",
+             f"must be <= {p}num_timesteps={self.num_timesteps}, got {self.sample_steps}"),
+            (isinstance(self.sample_shift, float) and not flow, "sample_shift",
+             f"={self.sample_shift} shifts flow matching's noise levels: set prediction: flow, or sample_shift: null")])
 
     @property
     def latent_multiple(self) -> int:

@@ -26,7 +26,7 @@ from .blocks.attention_docs import Documents, document_positions  # noqa: F401  
 from .blocks.attention_masked import KeyMask, MaskedKVCache
 from .blocks.gated_deltanet import GatedDeltaNet
 from .blocks.mamba2 import Mamba2
-from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, distillation_loss
+from .blocks.chunked_ce import chunked_cross_entropy, chunked_distillation_loss, compute_dtype, distillation_loss
 from .blocks.lora import adapters_per_row
 from .blocks.matvec_cpu import MatvecCPU, on_the_left, weight_on_the_left
 from .blocks.mla import LatentKVCache, MultiHeadLatentAttention
@@ -349,8 +349,7 @@ class LLM(nn.Module):
 
     def rope_tables(self, x: torch.Tensor, T: int, start_pos: int = 0, position_ids=None) -> list:
         """[(cos, sin) of the global layers, of the local ones] for T positions, in the dtype the layers compute in."""
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        dtype = compute_dtype(x)
         return [rope(start_pos, T, dtype) if position_ids is None else rope.at(position_ids, dtype)
                 for rope in (self.rope, self.rope_local or self.rope)]  # (T, D), or (B, T, D) per row
 
@@ -503,10 +502,8 @@ class LLM(nn.Module):
         else:
             caches = self.new_caches(B, T + max_new_tokens, dev, dtype, masked=padded)
         step = static_decode_step() if static else compiled_decode_step() if compile else decode_step
-        kw = {}
-        if padded:
-            real = attention_mask.bool()
-            kw = {"key_mask": real, "position_ids": (real.long().cumsum(1) - 1).clamp(min=0)}
+        real = attention_mask.bool() if padded else None
+        kw = {"key_mask": real, "position_ids": (real.long().cumsum(1) - 1).clamp(min=0)} if padded else {}
         pos = kw["position_ids"][:, -1:] if padded else torch.full((B, 1), T - 1, device=dev)
         kw.update({} if inputs_embeds is None else {"inputs_embeds": inputs_embeds})
         stops = None if eos_token_id is None else torch.tensor(

@@ -60,8 +60,7 @@ def prune(model: nn.Module, pattern: str = "unstructured", sparsity: float = 0.5
         raise ValueError(f"nothing to prune: the model has no nn.Linear outside keep={list(keep)}")
     modules = dict(model.named_modules())
     if nm is not None:
-        bad = [f"{n} {tuple(modules[n].weight.shape)}" for n in names if modules[n].weight.shape[-1] % nm[1]]
-        if bad:
+        if bad := [f"{n} {tuple(modules[n].weight.shape)}" for n in names if modules[n].weight.shape[-1] % nm[1]]:
             raise ValueError(f"pruning pattern {pattern}: the input dim must be a multiple of {nm[1]}: "
                              f"{', '.join(bad)} (add them to keep)")
     masks = {n: (modules[n].weight, magnitude_mask(modules[n].weight, pattern, sparsity)) for n in names}

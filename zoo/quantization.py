@@ -56,8 +56,7 @@ def _linears(model: nn.Module, keep: tuple, scheme: str, group_size: int, doing:
     if scheme == "int4wo" and device == "cpu" and group_size not in INT4_CPU_GROUPS:
         raise ValueError(f"int4wo on a CPU packs groups of {', '.join(map(str, INT4_CPU_GROUPS))}, "
                          f"not group_size={group_size}")
-    bad = [f"{n} ({mods[n].in_features} inputs)" for n in names if mods[n].in_features % group_size]
-    if bad:
+    if bad := [f"{n} ({mods[n].in_features} inputs)" for n in names if mods[n].in_features % group_size]:
         raise ValueError(f"group_size={group_size} does not divide the input size of {bad[0]}"
                          + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
     return names, device

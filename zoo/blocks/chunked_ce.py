@@ -10,7 +10,8 @@ Shapes: h (N, D), weight (V, D), targets (N,) int64 -> scalar loss; a teacher's 
 import torch
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype work on `t` runs in: autocast's on its device when on, else its own."""
     dev = t.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
 
@@ -94,7 +95,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")
     if h.shape[0] == 0:
         raise ValueError("chunked_cross_entropy: no tokens (h has 0 rows)")
-    dtype = _compute_dtype(h)
+    dtype = compute_dtype(h)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _ChunkedLinearCE.apply(h, weight, targets, chunk_size, ignore_index, dtype)
     n_valid = (targets != ignore_index).sum().clamp(min=1)
@@ -161,7 +162,7 @@ def chunked_distillation_loss(h: torch.Tensor, weight: torch.Tensor, targets: to
     if teacher_h.shape[0] != h.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(f"teacher shapes {tuple(teacher_h.shape)}, {tuple(teacher_weight.shape)} do not match the "
                          f"student's {tuple(h.shape)}, {tuple(weight.shape)} (same tokens, same vocabulary)")
-    dtype = _compute_dtype(h)
+    dtype = compute_dtype(h)
     teacher_h, teacher_weight = teacher_h.detach(), teacher_weight.detach()
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _ChunkedLinearKD.apply(h, weight, targets, teacher_h, teacher_weight, alpha, temperature,

@@ -137,8 +137,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, state=None, doc_ids=None):
     q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     if doc_ids is None:
-        o, S = fla_chunk()(q, k, v, g.float(), beta, initial_state=state, **kw)
-        return o, S
+        return fla_chunk()(q, k, v, g.float(), beta, initial_state=state, **kw)
     B, T = doc_ids.shape
     new = resets(doc_ids)
     new[:, 0] = True

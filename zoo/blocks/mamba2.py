@@ -69,8 +69,7 @@ def ssd(x, dt, A, B, C, state=None, doc_ids=None, chunk: int = 256):
         return ssd_recurrent(x, dt, A, B, C, state)
     if x.is_cuda and mamba_scan() is not None:
         seq_idx = None if doc_ids is None else resets(doc_ids).cumsum(1).int()
-        y, S = mamba_scan()(x, dt, A, B, C, chunk, initial_states=state, seq_idx=seq_idx, return_final_states=True)
-        return y, S
+        return mamba_scan()(x, dt, A, B, C, chunk, initial_states=state, seq_idx=seq_idx, return_final_states=True)
     return ssd_chunked(x, dt, A, B, C, state, doc_ids, chunk)
 
 

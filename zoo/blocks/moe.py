@@ -120,10 +120,8 @@ class MoE(nn.Module):
         for name in ("shared_norm", "shared_post_norm", "routed_norm", "routed_post_norm"):
             setattr(self, name, RMSNorm(dim, eps) if branch_norms else nn.Identity())
         self.shared_gate = nn.Linear(dim, 1, bias=False) if n_shared and shared_gate else None
-        if bias_balancing:  # persistent: a checkpoint resumes with the same routing
-            self.register_buffer("score_bias", torch.zeros(n_experts))
-        else:
-            self.score_bias = None
+        # bias_balancing: persistent, so that a checkpoint resumes with the same routing
+        self.register_buffer("score_bias", torch.zeros(n_experts) if bias_balancing else None)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -181,8 +179,7 @@ class MoE(nn.Module):
         w_flat = weights.t().reshape(-1)
         counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         sorted_e, order = torch.sort(flat, stable=True)
-        kept = counts
-        keep = None
+        kept, keep = counts, None
         if self.capacity_factor is not None and self.training:
             cap = math.ceil(self.capacity_factor * N * k / E)
             starts = counts.cumsum(0) - counts

@@ -62,9 +62,8 @@ class UNet(nn.Module):
     def __init__(self, latent_channels: int = 4, num_classes: int = 10, channels: Sequence[int] = (64, 128),
                  blocks_per_level: int = 2, attention: bool = True, heads: int = 4):
         super().__init__()
-        for c in channels:
-            if c % heads:
-                raise ValueError(f"every denoiser width must be divisible by heads={heads}, got {list(channels)}")
+        if any(c % heads for c in channels):
+            raise ValueError(f"every denoiser width must be divisible by heads={heads}, got {list(channels)}")
         self.num_classes, self.null_label = num_classes, num_classes
         c0, emb = channels[0], 4 * channels[0]
         self.time_mlp = nn.Sequential(nn.Linear(c0, emb), nn.SiLU(), nn.Linear(emb, emb))
@@ -118,10 +117,7 @@ class UNet(nn.Module):
             if i < len(self.downsample):
                 h = self.downsample[i](h)
                 skips.append(h)
-        h = self.mid1(h, emb)
-        if not isinstance(self.mid_attn, nn.Identity):
-            h = self.mid_attn(h)
-        h = self.mid2(h, emb)
+        h = self.mid2(self.mid_attn(self.mid1(h, emb)), emb)  # mid_attn: nn.Identity without attention
         for i, level in enumerate(self.up):
             for block in level:
                 h = block(torch.cat([h, skips.pop()], dim=1), emb)

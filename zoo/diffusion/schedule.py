@@ -160,12 +160,10 @@ class NoiseSchedule:
         for t, t_prev in zip(ts, ts[1:] + [-1]):
             tb, pb = (torch.full((x.shape[0],), v, device=x.device, dtype=torch.long) for v in (t, t_prev))
             out = model_fn(x, tb).to(x.dtype)
-            stochastic = sampler == "ddpm" or eta > 0
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype) if stochastic else None
-            if sampler == "ddim":
-                x = self.ddim_step(out, x, tb, pb, prediction, eta, noise)
-            else:
-                x = self.ddpm_step(out, x, tb, pb, prediction, noise)
+            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype) \
+                if sampler == "ddpm" or eta > 0 else None
+            x = self.ddim_step(out, x, tb, pb, prediction, eta, noise) if sampler == "ddim" else \
+                self.ddpm_step(out, x, tb, pb, prediction, noise)
         return x
 
 

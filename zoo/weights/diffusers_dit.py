@@ -13,20 +13,14 @@ from pathlib import Path
 import torch
 
 from ..config import DiTConfig
-from .files import atomic_write, is_diffusers_folder, load_tensors, mismatches, save_safetensors
+from .files import atomic_write, diffusers_folder, load_tensors, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "DiTTransformer2DModel", "diffusion_pytorch_model.safetensors"
 _ACTIVATIONS = {"gelu-approximate": "tanh", "gelu": "none"}
 
 
-def _folder(path) -> Path | None:
-    """The DiT folder at `path` (or its transformer/ subfolder), else None."""
-    p = Path(path)
-    return next((f for f in (p, p / "transformer") if is_diffusers_folder(f, CLASS, WEIGHTS)), None)
-
-
 def detect(path) -> bool:
-    return _folder(path) is not None
+    return diffusers_folder(path, CLASS, WEIGHTS) is not None
 
 
 def _refuse(cfg: dict, where: Path):
@@ -53,7 +47,7 @@ def _same_embedders(sd: dict, depth: int) -> bool:
 def load(path, dtype=torch.float32, **_):
     """Zoo's DiT from a diffusers DiTTransformer2DModel folder (weights cast to `dtype`)."""
     from ..diffusion.dit import DiT
-    f = _folder(path)
+    f = diffusers_folder(path, CLASS, WEIGHTS)
     if f is None:
         raise ValueError(f"{path}: not a diffusers {CLASS} folder")
     where = f / "config.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import Flux2Config
-from .files import atomic_write, is_diffusers_folder, load_tensors, mismatches, save_safetensors
+from .files import atomic_write, diffusers_folder, load_tensors, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "Flux2Transformer2DModel", "diffusion_pytorch_model.safetensors"
 # (diffusers' config key, Zoo's Flux2Config field, diffusers' default)
@@ -32,14 +32,8 @@ ZOO_NAMES = [(r"^double_blocks\.(\d+)\.attn\.to_out\.", r"transformer_blocks.\1.
              (r"^double_blocks\.", "transformer_blocks."), (r"^single_blocks\.(\d+)\.", r"single_transformer_blocks.\1.attn.")]
 
 
-def _folder(path) -> Path | None:
-    """The Flux2 folder at `path` (or its transformer/ subfolder), else None."""
-    p = Path(path)
-    return next((f for f in (p, p / "transformer") if is_diffusers_folder(f, CLASS, WEIGHTS)), None)
-
-
 def detect(path) -> bool:
-    return _folder(path) is not None
+    return diffusers_folder(path, CLASS, WEIGHTS) is not None
 
 
 def _renamed(key: str, rules) -> str:
@@ -57,7 +51,7 @@ def _rename(sd: dict, rules) -> dict:
 def load(path, dtype=torch.float32, **_):
     """Zoo's Flux2 from a diffusers Flux2Transformer2DModel folder (weights cast to `dtype`)."""
     from ..diffusion.flux2 import Flux2
-    f = _folder(path)
+    f = diffusers_folder(path, CLASS, WEIGHTS)
     if f is None:
         raise ValueError(f"{path}: not a diffusers {CLASS} folder (config.json + {WEIGHTS})")
     cfg = json.loads((f / "config.json").read_text())

@@ -232,15 +232,22 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def is_diffusers_folder(path, class_name: str, weights: str) -> bool:
-    """Whether `path` is a folder holding `weights` and a config.json naming diffusers' `class_name`."""
+def config_folder(path) -> Path:
+    """`path`, or the folder of the config.json it names."""
     p = Path(path)
-    if not (p.is_dir() and (p / "config.json").is_file() and (p / weights).is_file()):
-        return False
-    try:
-        return json.loads((p / "config.json").read_text()).get("_class_name") == class_name
-    except (ValueError, OSError):
-        return False
+    return p.parent if p.is_file() and p.name == "config.json" else p
+
+
+def diffusers_folder(path, class_name: str, weights: str, subfolder: str = "transformer") -> Path | None:
+    """The folder at `path`, or its pipeline's `subfolder` ('': none), holding `weights` and a config.json naming
+    diffusers' `class_name`; else None."""
+    for p in dict.fromkeys((Path(path), Path(path) / subfolder)):
+        try:
+            if (p / weights).is_file() and read_json(p / "config.json").get("_class_name") == class_name:
+                return p
+        except (ValueError, OSError):
+            pass
+    return None
 
 
 def mismatches(found: dict, expected: dict, ignorable=lambda name: False, limit: int = 8) -> str:

@@ -218,8 +218,7 @@ def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.
     if problems := mismatches(found, expected, lambda n: n.startswith(("rope_factors_", "rope_freqs."))):
         raise ValueError(f"{path}: tensors do not match the metadata ({meta['general.architecture']}, "
                          f"{cfg.n_layers} layers): {problems}")
-    bad = [f"{n} ({t.tensor_type.name})" for n, t in tensors.items() if t.tensor_type.name not in READ_TYPES]
-    if bad:
+    if bad := [f"{n} ({t.tensor_type.name})" for n, t in tensors.items() if t.tensor_type.name not in READ_TYPES]:
         raise ValueError(f"{path}: unsupported tensor type: {', '.join(bad[:4])}"
                          f"{f' (+{len(bad) - 4} more)' if len(bad) > 4 else ''} (supported: {', '.join(READ_TYPES)})")
 

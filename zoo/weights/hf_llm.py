@@ -22,7 +22,8 @@ import torch
 
 from ..archs import BY_MODEL_TYPE, BY_WRAPPER, FEATURES, RECORDS, Record, features
 from ..config import RECURRENT_TYPES, ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
-from .files import FILE_DTYPES, atomic_write, mismatches, read_json, read_safetensors_header, save_safetensors
+from .files import (FILE_DTYPES, atomic_write, config_folder, mismatches, read_json, read_safetensors_header,
+                    save_safetensors)
 
 ARCHITECTURES = tuple(RECORDS)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -46,8 +47,7 @@ def record_of(hf: dict, source: str) -> Record:
 def _rope_params(params: dict, hf: dict, key: str, source: str) -> tuple[float, Optional[RopeScaling]]:
     """(theta, scaling) of one RoPE parameter set (a 5.x rope_parameters entry or a 4.x rope_scaling)."""
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind in ("su",):
-        kind = "longrope"
+    kind = "longrope" if kind == "su" else kind
     if kind not in ("default", "linear", "llama3", "yarn", "longrope", "proportional"):
         raise ConfigError(f"{source}: unsupported rope type '{kind}' in {key} "
                           f"(supported: default, linear, llama3, yarn, longrope, proportional)")
@@ -120,11 +120,6 @@ def _period(kinds: list) -> list:
     return kinds[:period]
 
 
-def _pattern(local: list) -> list:
-    """Which layers are local -> Zoo's attn_pattern: 'local' / 'global', cut to its shortest repeating period."""
-    return _period(["local" if t else "global" for t in local])
-
-
 def _window(hf: dict, get, rec: Record, n_layers: int) -> tuple[Optional[int], list]:
     """(sliding_window, attn_pattern) as the record's `window` rule reads config.json."""
     window = get("sliding_window")
@@ -134,7 +129,7 @@ def _window(hf: dict, get, rec: Record, n_layers: int) -> tuple[Optional[int], l
         return window, []
     types = hf.get("layer_types")
     local = [t == "sliding_attention" for t in types] if types else rec.default_local(hf, get, n_layers)
-    pattern = _pattern(local)
+    pattern = _period(["local" if t else "global" for t in local])  # Zoo's attn_pattern
     if pattern == ["global"]:
         return None, []
     return window, [] if pattern == ["local"] else pattern
@@ -564,15 +559,10 @@ def assemble(cfg: LLMConfig, kmap: dict, dtype: torch.dtype, device: torch.devic
 
 # ----------------------------------- the format interface: detect / load / exports / save
 
-def _folder(path) -> Path:
-    p = Path(path)
-    return p.parent if p.is_file() and p.name == "config.json" else p
-
-
 def detect(path) -> bool:
     """A folder (or its config.json) whose config.json describes a Hugging Face causal LM."""
     try:
-        hf = read_json(_folder(path) / "config.json")
+        hf = read_json(config_folder(path) / "config.json")
     except (ValueError, OSError):  # none, or not a JSON object
         return False
     archs = hf.get("architectures") or []
@@ -593,16 +583,13 @@ def unwrap(hf: dict) -> tuple[dict, str]:
 
 def load(path, dtype: Union[torch.dtype, str, None] = None, device: Union[torch.device, str, None] = None):
     """Load a Hugging Face folder into a Zoo LLM; dtype None / "auto": the checkpoint's (else fp32)."""
-    folder = _folder(path)
+    folder = config_folder(path)
     cfg_file = folder / "config.json"
     hf, outer = unwrap(read_json(cfg_file))
-    hf_dtype = _resolve_dtype(dtype, hf, str(cfg_file))
-    if not outer:
-        return load_llm(hf, folder, str(cfg_file), hf_dtype, device)
-    # the text model's tensors inside a multimodal folder; the other towers' left unread
-    return load_llm(hf, folder, str(cfg_file), hf_dtype, device,
-                    rename=lambda n: outer + n.removeprefix("model.") if n.startswith("model.") else n,
-                    others=lambda n: not n.startswith((outer, "lm_head.")))
+    # a multimodal folder: the text model's tensors, the other towers' left unread
+    inner = dict(rename=lambda n: outer + n.removeprefix("model.") if n.startswith("model.") else n,
+                 others=lambda n: not n.startswith((outer, "lm_head."))) if outer else {}
+    return load_llm(hf, folder, str(cfg_file), _resolve_dtype(dtype, hf, str(cfg_file)), device, **inner)
 
 
 def load_llm(hf: dict, folder: Path, source: str, dtype: torch.dtype, device=None, rename=None, others=None):

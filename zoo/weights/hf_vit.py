@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import ROPE_AUGMENT_KEYS, VIT_ARCHS, ViTConfig, from_dict, to_dict
-from .files import atomic_write, load_tensors, read_json, save_safetensors
+from .files import atomic_write, config_folder, load_tensors, read_json, save_safetensors
 from .hf_llm import weight_files
 from .timm_convnet import load_into
 
@@ -48,14 +48,9 @@ BIAS_FLAGS = {"q_proj.bias": "query_bias", "k_proj.bias": "key_bias", "v_proj.bi
               "gate_proj.bias": "mlp_bias"}
 
 
-def _folder(path) -> Path:
-    p = Path(path)
-    return p.parent if p.is_file() and p.name == "config.json" else p
-
-
 def hf_config(path) -> tuple[dict, str]:
     """(the vision model's config with the defaults filled in, its tensors' name prefix in the files)."""
-    hf = read_json(_folder(path) / "config.json")
+    hf = read_json(config_folder(path) / "config.json")
     prefix = ""
     if hf.get("model_type") == "siglip2":  # a whole SigLIP 2: its vision tower
         hf, prefix = {**(hf.get("vision_config") or {}), "model_type": "siglip2_vision_model"}, "vision_model."
@@ -153,7 +148,7 @@ def _to_zoo_shape(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor
 def load(path, dtype=None, **overrides):
     """A Zoo ViT (eval mode) with the weights of an HF DINOv3ViTModel / Siglip2VisionModel / Siglip2Model folder;
     keyword arguments are ViTConfig keys (num_classes=10: a fresh head)."""
-    folder = _folder(path)
+    folder = config_folder(path)
     hf, prefix = hf_config(folder)
     model = build(hf, prefixed(folder, prefix), str(folder / "config.json"), **overrides)
     return model.to(dtype or torch.float32).eval()

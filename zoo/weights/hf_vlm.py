@@ -20,7 +20,7 @@ import torch
 
 from ..config import VLMConfig, from_dict
 from . import hf_llm, hf_vit
-from .files import atomic_write, read_json, save_safetensors
+from .files import atomic_write, config_folder, read_json, save_safetensors
 
 
 class VLMRecord(NamedTuple):
@@ -42,7 +42,7 @@ def text_name(name: str) -> str:
 
 def detect(path) -> bool:
     try:
-        return read_json(hf_vit._folder(path) / "config.json").get("model_type") in RECORDS
+        return read_json(config_folder(path) / "config.json").get("model_type") in RECORDS
     except (ValueError, OSError):
         return False
 
@@ -62,7 +62,7 @@ def configs(hf: dict, source: str) -> tuple[dict, dict, VLMConfig]:
 def load(path, dtype=None, device=None):
     """A Zoo VLM (eval mode) of an HF SmolVLM / Idefics3 folder; dtype None / "auto": the checkpoint's (else fp32)."""
     from ..vlm import VLM
-    folder = hf_vit._folder(path)
+    folder = config_folder(path)
     source = str(folder / "config.json")
     hf = read_json(folder / "config.json")
     vision_hf, text_hf, cfg = configs(hf, source)

@@ -14,7 +14,7 @@ import torch
 
 from zoo.diffusion.taesd import TAESD
 
-from .files import (atomic_write, check_weight_file, is_diffusers_folder, load_tensors, read_safetensors_header,
+from .files import (atomic_write, check_weight_file, diffusers_folder, load_tensors, read_safetensors_header,
                     save_safetensors)
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -47,7 +47,7 @@ def _keys(path: Path) -> list[str]:
 
 def detect(path) -> bool:
     p = Path(path)
-    if is_diffusers_folder(p, "AutoencoderTiny", DIFFUSERS_WEIGHTS):
+    if diffusers_folder(p, "AutoencoderTiny", DIFFUSERS_WEIGHTS, "") is not None:
         return True
     pair = _pair_paths(p)
     if pair is None or not pair[0].is_file():
@@ -108,7 +108,7 @@ def load(path, dtype=torch.float32, latent_channels=None, midblock_gn=None, chan
     variant keywords, when given, must match the weights'. It remembers `pretrained_format` for save()."""
     p = Path(path)
     expected = {"latent_channels": latent_channels, "midblock_gn": midblock_gn, "channels": channels}
-    if is_diffusers_folder(p, "AutoencoderTiny", DIFFUSERS_WEIGHTS):
+    if diffusers_folder(p, "AutoencoderTiny", DIFFUSERS_WEIGHTS, "") is not None:
         sd, cfg = _load_diffusers(p)
         model = from_state_dict(sd, p, dtype, **expected)
         model.scaling_factor = float(cfg.get("scaling_factor", 1.0))

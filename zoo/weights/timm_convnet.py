@@ -124,8 +124,7 @@ def _resnet(sd, arch, source) -> dict:
         c2 = sd["layer1.0.conv2.weight"]  # (group width, group width / groups, 3, 3)
         groups = c2.shape[0] // c2.shape[1]
         wpg = c2.shape[0] // groups * 64 // width
-    match = [n for n, a in RESNET_ARCHS.items() if a == (block, depths, groups, wpg)]
-    if match:
+    if match := [n for n, a in RESNET_ARCHS.items() if a == (block, depths, groups, wpg)]:
         return {**cfg, "arch": match[0]}
     return {**cfg, "arch": "resnet50" if block == "bottleneck" else "resnet18", "block": block, "layers": depths,
             "groups": groups, "width_per_group": wpg}
@@ -143,8 +142,7 @@ def _convnext(sd, arch, source) -> dict:
     conv_mlp = sd["stages.0.blocks.0.mlp.fc1.weight"].ndim == 4
     depths, width = _depths(sd, "stages.{}.blocks.", ".conv_dw.weight", start=0), stem_w.shape[0]
     alike = [n for n, a in CONVNEXT_ARCHS.items() if (a[0], a[3]) == (version, conv_mlp)]
-    match = [n for n in alike if CONVNEXT_ARCHS[n][1:3] == (depths, width)]
-    if match:
+    if match := [n for n in alike if CONVNEXT_ARCHS[n][1:3] == (depths, width)]:
         return {**cfg, "arch": match[0]}
     if not alike:
         raise ValueError(f"{source}: ConvNeXt V{version} weights{' with 1x1-conv MLPs' if conv_mlp else ''}: no "

@@ -93,8 +93,7 @@ def _side(n: int) -> int | None:
 def shape_keys(sd: dict, preset: dict, source: str) -> dict:
     """The ViTConfig shape keys a timm state dict's names and shapes fix (num_heads: the preset's where its
     width matches, else embed_dim / HEAD_DIM)."""
-    missing = [k for k in SIGNATURE if k not in sd]
-    if missing:
+    if missing := [k for k in SIGNATURE if k not in sd]:
         raise ValueError(f"{source}: not a ViT state dict in timm's layout (no {', '.join(missing)})")
     down = sd.get("blocks.0.mlp.fc2.weight", sd.get("blocks.0.mlp.down.weight"))
     if down is None:
