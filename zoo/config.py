@@ -837,7 +837,7 @@ class ViTConfig:
     patch_size: Optional[int] = bounded(None, gt=0)  # square patch side in pixels
     img_size: Optional[int] = bounded(None, gt=0)  # the image side the position table is laid out for (other
                                             # sizes resample it bicubically); must be a multiple of patch_size
-    mlp_ratio: Optional[float] = bounded(None, gt=0)  # MLP hidden width over embed_dim (default 4)
+    mlp_ratio: Optional[float] = bounded(None, gt=0, le=64)  # MLP hidden width over embed_dim (default 4)
     class_token: Optional[bool] = None      # a learned class token in front (default true)
     distilled: Optional[bool] = None        # DeiT's distillation token and second head, logits averaged (default false)
     reg_tokens: Optional[int] = bounded(None, ge=0)  # register tokens after the class token (default 0)
@@ -953,7 +953,7 @@ class DiTConfig:
     width: Optional[int] = bounded(None, gt=0)  # hidden size; null: the preset's
     heads: Optional[int] = bounded(None, gt=0)  # attention heads; null: the preset's
     patch_size: int = bounded(2, gt=0)      # latent patch size (DiT-XL/2: 2); must divide the latent size
-    mlp_ratio: float = bounded(4.0, gt=0)   # MLP hidden = mlp_ratio * width
+    mlp_ratio: float = bounded(4.0, gt=0, le=64)   # MLP hidden = mlp_ratio * width
     learn_sigma: bool = False               # also predict the variance (2x output channels, trained with the VLB term)
     qk_norm: bool = False                   # RMS-normalise query and key heads
     rope: bool = False                      # 2D axial RoPE in attention instead of the sin-cos position embedding
@@ -992,7 +992,7 @@ class Flux2Config:
     single_depth: int = bounded(4, ge=0)    # single-stream blocks (num_single_layers)
     heads: int = bounded(4, gt=0)           # attention heads; width = heads * head_dim
     head_dim: int = bounded(32, gt=0)       # size of one head; must equal the sum of rope_axes
-    mlp_ratio: float = bounded(3.0, gt=0)   # SwiGLU hidden = mlp_ratio * width
+    mlp_ratio: float = bounded(3.0, gt=0, le=64)   # SwiGLU hidden = mlp_ratio * width
     in_channels: int = bounded(128, gt=0)   # channels of a latent token (FLUX.2: 32 latent channels x a 2x2 patch)
     out_channels: Optional[int] = bounded(None, gt=0)  # null: in_channels
     text_dim: int = bounded(64, gt=0)       # width of the text encoder's embeddings (joint_attention_dim)
