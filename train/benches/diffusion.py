@@ -14,6 +14,7 @@ Quality: samples judged by a digits classifier (accuracy, Frechet distance of it
 from __future__ import annotations
 
 import copy
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -228,21 +229,15 @@ def latent_cache(args) -> tuple[dict, dict]:
                     z = task._normalised(ae.encode(pixels[idx]))
                 return task._noised(z, task.y_tr["train"][idx], gen, cfg.model.class_dropout)
             batches = {"cache": lambda step: task.train_batch(step, 0), "encode": encoded}
-            count = dict.fromkeys(batches, 0)
-
-            def loss(name):
-                def fn(model):
-                    count[name] += 1
-                    return task.loss(model, batches[name](count[name]))[0]
-                return fn
+            steps = {n: itertools.count(1) for n in batches}  # each side's own step count
+            loss = lambda n: lambda model: task.loss(model, batches[n](next(steps[n])))[0]  # noqa: E731
             for p in args.precision:
                 models = {n: copy.deepcopy(base) for n in batches}
                 calls = harness.step_calls({n: harness.Side(m, loss(n), torch.optim.AdamW(
                     m.denoiser.parameters(), lr=1e-4), device=device) for n, m in models.items()}, p)
                 r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device), warmup=1)
-                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
-                             f"{B / r.best('cache'):.2f}", f"{B / r.best('encode'):.2f}",
-                             str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
+                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p, *(f"{B / r.best(n):.2f}"
+                             for n in batches), str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
                 data[f"DiT-{preset}/{patch} {p}"] = r.wall
     return {"speed": harness.table(["denoiser", "params", "precision", "cache img/s", "encode-every-step img/s",
                                     "speed-up, paired median (range)", "setup: latent cache (s)"], rows,
@@ -314,8 +309,7 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
 
 
 def ema_model(run: Path, config, over: list):
-    """(The run config of `config` with `over`, its model with the run's EMA weights, else its final ones, in eval
-    mode)."""
+    """(`config` with `over`, its model with the run's EMA weights, else its final ones, in eval mode)."""
     import zoo
     from safetensors.torch import load_model
     from train.config import load_run_config
@@ -328,10 +322,7 @@ def ema_model(run: Path, config, over: list):
 def min_snr(args) -> tuple[dict, dict]:
     from train.plots import line_plot
     res = train_settings(Path(args.out), args.steps, args.precision, args.overrides, args.per_class)
-    names = list(res)
-
-    def cell(point):  # validation MSE (the EMA's)
-        return f"{point[1]:.4f}" + (f" ({point[2]:.4f})" if point[2] is not None else "")
+    names, cell = list(res), lambda pt: f"{pt[1]:.4f}" + (f" ({pt[2]:.4f})" if pt[2] is not None else "")  # (EMA's)
     curve = [[s, *(cell(res[n]["curve"][i]) for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
     line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png",
               "step", "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
@@ -406,8 +397,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     per_seed, labels = {}, torch.arange(10).repeat_interleave(args.per_class)
     for seed in args.seeds:
         for name in RUNS:
-            run = out / f"{name}-seed{seed}"
-            over = overrides(name, seed, steps[name])
+            run, over = out / f"{name}-seed{seed}", overrides(name, seed, steps[name])
             rows = harness.run_loop(CONFIGS / RUNS[name][0], run, over, inproc=True, done="model_ema.safetensors")
             model = ema_model(run, CONFIGS / RUNS[name][0], over)[1]
             images = sample_grid(model, args.per_class, torch.device("cpu"), seed=seed, steps=25)
@@ -606,9 +596,7 @@ def main(argv=None, preset: str = "taesd"):
     if preset == "latent-cache" and not args.weights.is_file():
         return print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
     harness.setup(args)
-    run = {"taesd": taesd, "dit": dit, "flux2": flux2, "latent-cache": latent_cache, "min-snr": min_snr,
-           "diffusion-quality": diffusion_quality, "prompt-adherence": prompt_adherence, "dreambooth": dreambooth}
-    harness.save(args, *run[preset](args))
+    harness.save(args, *globals()[preset.replace("-", "_")](args))  # each preset's function bears its name
 
 
 # ---------------------------------------------------------------- the techniques report's claims
