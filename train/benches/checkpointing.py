@@ -13,6 +13,7 @@ import statistics
 import torch
 
 from train.benches import harness
+from train.config import load_run_config, task_class
 from train.hardware import sync
 
 FAMILIES = {
@@ -27,7 +28,6 @@ POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"
 
 def model_and_task(cfg, device: torch.device):
     """The run's model (seed 0, training mode, on `device`) and its task."""
-    from train.config import task_class
     from train.planner import build_model
     torch.manual_seed(0)
     return build_model(cfg).to(device).train(), task_class(cfg.family)(cfg, device, lambda m: None)
@@ -52,7 +52,6 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
 def held(base: dict, over: list, device: torch.device, threads: int = 0) -> tuple[int, int]:
     """(peak bytes of a steady-state step, bytes held between steps: weights, optimizer state, batch): the
     planner's measurement in a fresh process on a CPU, max_memory_allocated across a step on CUDA."""
-    from train.config import load_run_config
     from train.planner import measure_in_subprocess
     if device.type != "cuda":
         m = measure_in_subprocess(base, over, threads=threads)
@@ -68,7 +67,6 @@ def compare(base: dict, sides: dict, rounds: int, repeats: int = 0, device=torch
             threads: int = 0) -> tuple[harness.Rounds, dict, dict]:
     """The step of `base` with each side's overrides in alternating rounds -> (Rounds, {side: `repeats`
     measured peaks}, {side: its first step's seconds})."""
-    from train.config import load_run_config
     fns = {n: step_fn(load_run_config(None, o, base=base), device) for n, o in sides.items()}
     first = harness.warm_up(fns, say=lambda m: None)
     r = harness.run_rounds(fns, rounds, sync=lambda: sync(device), warmup=warmup - 1)
@@ -98,7 +96,6 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
 
 def main(argv=None):
     from train.benches.memory import base_of
-    from train.config import load_run_config
     from train.planner import MiB, plan
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
@@ -187,7 +184,6 @@ def claim_chunked_ce(ctx) -> list[dict]:
 def claim_grad_accum(ctx) -> list[dict]:
     """Gradient accumulation: k micro-batches against one batch k times larger, the same data: the gradients (the
     loop's optimizer_step), the step time and the step's peak."""
-    from train.config import load_run_config
     k, b = ctx.s.accum, ctx.s.llm["train"]["batch_size"]
     diff = accumulation_diff(load_run_config(None, [f"train.precision={ctx.precision}"], base=ctx.s.llm), k, ctx.device)
     r, peaks, _ = steps(ctx, {"one": [], "acc": [f"train.batch_size={b // k}", f"train.grad_accum={k}"]}, memory=True)
@@ -206,7 +202,6 @@ def claim_cuda_flags(ctx) -> list[dict]:
         return [dict(key=k, reason=f"this hardware has no CUDA device ({ctx.device.type})")
                 for k in ("TF32 matmuls", "cudnn.benchmark")]
     from train.benches.convnets import build_pair, side
-    from train.config import load_run_config
     arch, batch, size = ctx.s.resnet
     data = [torch.randn(batch, 3, size, size, device=ctx.device), torch.randint(0, 1000, (batch,), device=ctx.device)]
     res = side(build_pair(arch, 1000)[0].to(ctx.device), data, ctx.device)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
 
@@ -40,7 +41,6 @@ NO_EVAL = ["train.checkpoint_every=0", "train.eval_every=0"]
 def base_model(args) -> Path:
     """--trained (a GGUF file converted once into --out as a Hugging Face folder with its tokenizer), or
     the embedded default (changed by --train-overrides) trained once into runs/bench-quantized/tiny[-hash]."""
-    import zoo
     if args.trained and Path(args.trained).suffix == ".gguf":
         from zoo.weights.gguf_llm import load_tokenizer
         folder = Path(args.out) / Path(args.trained).stem
@@ -69,13 +69,11 @@ def fine_tune(args, base: Path, name: str, seed: int, extra=()) -> dict:
 
 # ---------------------------------------------------------------- quantized
 def quantized_copies(model, args, name: str) -> dict:
-    import zoo
     return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, args.group_size) for s in SCHEMES}}
 
 
 def quantized_speed(args) -> dict:
     """Generation of the SmolLM-135M shape (random weights) and its quantized copies, alternating rounds."""
-    import zoo
     from torchao.utils import get_model_size_in_bytes
     from zoo.weights.zoo_folder import cast_weights
     base = args.precision
@@ -97,7 +95,6 @@ def quantized_speed(args) -> dict:
 def quantized_quality(args) -> dict:
     """The trained model's validation windows scored by fp32, the base precision and each quantized copy;
     the change against the base precision: the mean per-batch difference (the batches pair)."""
-    import zoo
     folder = base_model(args)
     task = harness.run_task(folder)
     batches = list(task.data.val_batches(task.cfg.train.batch_size, args.eval_batches))
@@ -146,7 +143,6 @@ def numerics(folder: Path, group_size: int) -> dict:
     from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
     from torchao.quantization.quant_primitives import ZeroPointDomain
 
-    import zoo
     from zoo.quantization import Int4FakeQuantizer, quantize, targets
 
     generic = lambda **kw: IntxFakeQuantizer(IntxFakeQuantizeConfig(  # noqa: E731
@@ -223,7 +219,6 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
     """{tokens: paired median of the dense matmul's time over CSR's} on every linear the pattern prunes (fp32)."""
     from torch.nn.functional import linear
 
-    import zoo
     from zoo.pruning import prune as prune_model
     weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern, SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
@@ -314,7 +309,6 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     """Per seed: the digits preset trained, then zoo.quantize(model, "int8") (PT2E, x86 inductor quantizer,
     calibrated on training batches): top-1 and loss on the whole validation set. Speed on the first seed's
     model: fp32 eager, fp32 and int8 compiled with freezing (compile_frozen), alternating rounds."""
-    import zoo
     from zoo.quantization import compile_frozen
     seeds, tables = [], {}
     for seed in args.seeds:

@@ -22,9 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import load_run_config
+from train.data.images import digits_dataset, write_photo_tiles
 from train.hardware import sync
+from train.sample import generate_run
+from train.sample_quality import Classifier, judge
+from train.tasks.diffusion import DiffusionTask, load_images, sample_grid, save_grid, train_autoencoder
+from train.tasks.text_to_image import DIGITS, load_captioned
 
 CONFIGS = ROOT / "configs" / "diffusion"
 TAEF2 = ROOT.parent / "shared" / "weights" / "taef2_encoder.pth"
@@ -199,9 +206,6 @@ def latent_cache(args) -> tuple[dict, dict]:
     """Per DiT denoiser, two copies trained on the same rows: `cache` (task.train_batch reads the latent cache,
     the loop's path) against `encode` (the rows as decoded pixels in memory, encoded by the frozen TAEF2
     every step, which leaves PNG decoding out in its favour). The first denoiser's setup builds the cache."""
-    from train.config import load_run_config
-    from train.data.images import write_photo_tiles
-    from train.tasks.diffusion import DiffusionTask, load_images
     device, B, rows, data = torch.device(args.device), args.batch, [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -249,8 +253,6 @@ def digits_classifier(size: int):
     """Logistic regression on the training digits, seen as generated images are: size x size RGB in [0, 1]
     pooled back to 8x8 grey. Returns predict_proba(images) -> (N, 10)."""
     from sklearn.linear_model import LogisticRegression
-
-    from train.data.images import digits_dataset
     features = lambda x: F.adaptive_avg_pool2d(x.float().mean(1, keepdim=True), 8).flatten(1).cpu().numpy()  # noqa
     x, y = digits_dataset("train", size, 3)
     clf = LogisticRegression(max_iter=3000, C=1.0).fit(features(x), y.numpy())
@@ -260,8 +262,6 @@ def digits_classifier(size: int):
 def digits_judge(out: Path, steps: int = 200):
     """The judge of samples: the digits ResNet-10 trained `steps` steps through the loop into out/classifier, and its
     features of the training digits (the Frechet distance's reference). (Classifier, features)."""
-    from train.data.images import digits_dataset
-    from train.sample_quality import Classifier
     run = Path(out) / "classifier"
     harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", run, [
         "data.val_fraction=0.1", "train.seed=0", f"train.max_steps={steps}", "train.resume=false",
@@ -281,9 +281,7 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
     """The digits preset trained through the loop with Min-SNR-5 and with uniform weighting, all else equal:
     {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident (, classifier_fd:
     with `judge`, digits_judge's)}}; a samples PNG per setting in `out`."""
-    from train.data.images import digits_dataset
     from train.sample_quality import judge as judged
-    from train.tasks.diffusion import sample_grid, save_grid
     results, classify, config = {}, None, str(CONFIGS / "digits.yaml")
     for name, gamma in (("gamma=5", 5.0), ("uniform", "null")):
         over = [f"model.min_snr_gamma={gamma}", "train.resume=false", *([f"train.max_steps={steps}"] if steps else []),
@@ -310,9 +308,7 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
 
 def ema_model(run: Path, config, over: list):
     """(`config` with `over`, its model with the run's EMA weights, else its final ones, in eval mode)."""
-    import zoo
     from safetensors.torch import load_model
-    from train.config import load_run_config
     cfg = load_run_config(str(config), over)
     model, ema = zoo.build(cfg.model), run / "model_ema.safetensors"
     load_model(model, str(ema if ema.is_file() else run / "model.safetensors"))
@@ -339,8 +335,6 @@ def step_flops(cfg) -> dict:
     math kernel, whose matmuls it counts): {"forward", "train": forward + backward}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
-
-    import zoo
     model = zoo.build(cfg.model)
     B, C, s = cfg.train.batch_size, model.latent_channels, model.latent_size
     z, noise = torch.randn(B, C, s, s), torch.randn(B, C, s, s)
@@ -360,11 +354,6 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     """Per seed: the U-Net with eps and with flow matching for --steps steps, the DiT (eps) for the U-Net's
     training FLOPs; one shared autoencoder; each run's EMA (decay 1 - 8 / steps, within [0.9, 0.999])
     sampled --per-class times per digit and judged by a ResNet-10 digits classifier."""
-    import zoo
-    from train.config import load_run_config
-    from train.data.images import digits_dataset
-    from train.sample_quality import judge
-    from train.tasks.diffusion import load_images, sample_grid, train_autoencoder
     from zoo.diffusion.latent import build_autoencoder
     out = Path(args.out)
     judge_model, real = digits_judge(out)
@@ -416,11 +405,6 @@ def prompt_adherence(args) -> tuple[dict, dict]:
     the share labelled as the prompt asked (chance 0.1) and the classifier FD to the training digits. Beside it the
     unconditional baseline: the same run with every caption dropped (data.caption_dropout=1), as many samples of
     the empty prompt from the same sampler and noise seeds."""
-    from train.config import load_run_config
-    from train.data.images import digits_dataset
-    from train.sample import generate_run
-    from train.sample_quality import judge
-    from train.tasks.text_to_image import DIGITS
     out, config = Path(args.out), CONFIGS / "digits-text.yaml"
     clf, real = digits_judge(out)
     prompts, labels = [f"a handwritten digit {d}" for d in DIGITS], torch.arange(10).repeat(args.per_class)
@@ -463,8 +447,6 @@ def styled_threes(folder: Path, n: int = 6) -> Path:
     """n held-out threes of the digits moved to the right edge (a style the digits never show) as PNGs captioned
     STYLE; a run holds one out, so it trains on n - 1."""
     from PIL import Image
-
-    from train.data.images import digits_dataset
     x, y = digits_dataset("val", 32, 3, 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     for i, im in enumerate(F.pad(x[y == 3][:n], (6, 0))[..., :32]):
@@ -479,10 +461,6 @@ def dreambooth(args) -> tuple[dict, dict]:
     seeds (the config's guidance) by the LoRA and by the base alone (and the base's "a handwritten digit three"): the
     share the digits classifier calls a three and the RMS pixel distance from each sample to the nearest of the five
     training images."""
-    import zoo
-    from train.config import load_run_config
-    from train.sample import generate_run
-    from train.tasks.text_to_image import load_captioned
     out, config = Path(args.out), CONFIGS / "digits-text.yaml"
     clf, base = digits_judge(out)[0], out / "digits-text-seed0"
     harness.run_loop(config, base, ["train.seed=0", "train.resume=false"], inproc=True, done="model_ema.safetensors")

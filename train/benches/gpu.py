@@ -27,6 +27,7 @@ import torch
 
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import OptimConfig, load_run_config
 from train.hardware import sync
 
 BENCH = [sys.executable, str(ROOT / "train" / "bench.py")]
@@ -117,7 +118,6 @@ def llama_pair(args, dev):
     import zoo
     from transformers import LlamaForCausalLM
     from train.benches.llm_speed import hf_config
-    from train.config import load_run_config
     s = shape(args)
     c = dataclasses.replace(load_run_config(str(ROOT / "configs/llm/llama-1b.yaml")).model, n_layers=s["layers"],
                             max_seq_len=s["seq"] + s["new"] + 128, **(TINY_LLAMA if args.rehearse else {}))
@@ -129,7 +129,6 @@ def llama_pair(args, dev):
 
 def llm_train(args, dev, modes=("bf16 eager", "bf16 compiled")) -> tuple[dict, dict]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from train.config import OptimConfig
     from train.optim import build_optimizer
     from train.benches.llm_speed import hf_loss, zoo_loss
     from train.hardware import measure_peak_flops, vendor_peak_flops
@@ -217,7 +216,6 @@ def planner(args, dev) -> tuple[dict, dict]:
     """The plan against what the step reserves: the CUDA caching allocator's peak (rehearsed: the process's
     resident peak on the CPU)."""
     import train.planner as plan
-    from train.config import load_run_config
     B, T = shape(args)["batch"], shape(args)["seq"]
     tiny = [f"model.{k}={v}" for k, v in TINY_LLAMA.items()] + ["model.n_layers=2"] if args.rehearse else []
     cases = {"llama-1b": ("llama-1b.yaml", [f"train.batch_size={B}", f"data.seq_len={T}"]),
@@ -346,7 +344,6 @@ def bytes_per_param(config: Path, over: list) -> dict:
     """{weights, gradients, optimizer states}: bytes per trained parameter of the run `config` builds, from its
     tensors after one forward, backward and optimizer step."""
     from train.builder import build_run
-    from train.config import load_run_config
     from train.optim import state_bytes
     from train.step import to_device
     from zoo.tensors import tensor_bytes

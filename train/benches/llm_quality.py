@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import load_run_config
 
 LLM = ROOT / "configs" / "llm"
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
@@ -41,8 +43,6 @@ COLUMNS = {  # preset -> the table's columns (keys of `summary`)
 
 
 def flops_per_token(preset, name, seq) -> float:
-    import zoo
-    from train.config import load_run_config
     cfg, extra = RUNS[preset][name]
     return zoo.build(load_run_config(str(LLM / cfg), [*extra, f"data.seq_len={seq}"]).model).flops_per_token(seq)
 
@@ -92,7 +92,6 @@ def peft_runs(args, names) -> dict:
 
 def trained(out: Path):
     """The final model of the run in `out` (eval mode) and its data."""
-    import zoo
     return zoo.from_pretrained(out).eval(), harness.run_task(out).data
 
 
@@ -174,7 +173,6 @@ def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
 
 def make_base(args) -> Path:
     """The fine-tunes' base: --config's shape (--layers deep) with random weights, saved once."""
-    import zoo
     folder = Path(args.out) / "base"
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
@@ -184,8 +182,6 @@ def make_base(args) -> Path:
 
 def state_bytes(base: Path, extra: list) -> tuple[int, int, int]:
     """(trainable parameters, all parameters, bytes of the weights + the trainables' gradients and AdamW moments)."""
-    import zoo
-    from train.config import load_run_config
     from zoo.adapters import apply_adapters, count_params, param_bytes
     model, adapter = zoo.from_pretrained(base, dtype=torch.float32), load_run_config(None, extra, base={}).adapter
     if adapter.enabled:

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import OptimConfig, TrainConfig
 
 PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or decoding and loading only)
     "llm-train": (dict(d_model=384, n_layers=16, n_heads=6, n_kv_heads=2, vocab=32000, seq=512, batch=4), "bf16,fp32",
@@ -122,7 +124,6 @@ def hf_loss(ids):  # transformers shifts the labels itself (and adds router_aux_
 
 def pair(name, model, loss, modes, optimizer=None) -> dict:
     """name-eager and name-compile sides of one model, sharing its optimizer (the loop's AdamW by default)."""
-    from train.config import OptimConfig
     from train.optim import build_optimizer
     opt = optimizer or build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
     return {f"{name}-{m}": harness.Side(model, loss, opt, compile=m == "compile") for m in modes}
@@ -133,7 +134,6 @@ def prepare(preset, args, tmp: Path) -> Path:
     weights (llm-generate, llm-train but Llama's), the GGUF file (gguf)."""
     import transformers
 
-    import zoo
     from zoo.config import MoEConfig
     folder = tmp / "model"
     torch.manual_seed(0)
@@ -156,8 +156,6 @@ def prepare(preset, args, tmp: Path) -> Path:
 
 def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     """{side: harness.Side}, {side: model FLOPs per token} of the preset."""
-    import zoo
-    from train.config import OptimConfig, TrainConfig
     from train.tasks.lm import aux_losses
     torch.manual_seed(0)
     if preset == "llm-train":  # Llama's sides built side by side, another --arch's loaded: the same weights
@@ -206,7 +204,6 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
 
 
 def mod_model(args, capacity: float):
-    import zoo
     torch.manual_seed(0)
     return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, PROMPT + args.new_tokens),
                                         mod_capacity=capacity, mod_every=2, mod_router="aux_loss"))
@@ -292,7 +289,6 @@ def vlm_prompt(args, text):
 
 def decode_table(preset, args, folder, prec, prompt) -> dict:
     """Each side generating args.new_tokens tokens: Zoo's models (eager and compiled) and transformers'."""
-    import zoo
     n, dt = args.new_tokens, harness.PRECISIONS[prec]
     if preset == "llm-mod":
         models = {"dense": mod_model(args, 0.0).eval(), "mod": mod_model(args, CAPACITY).eval()}
@@ -349,7 +345,6 @@ def load_child(side: str, path: str, precision: str) -> dict:
     dt, p = harness.PRECISIONS[precision], Path(path)
     kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
     if side == "zoo":
-        import zoo
         import zoo.weights
         for name in zoo.weights.FORMATS + ["zoo.llm"]:
             importlib.import_module(name)
@@ -405,7 +400,6 @@ def gguf_checks(args, path: Path, prec: str) -> tuple[dict, torch.Tensor]:
     """Tokenizers, logits and greedy answers of Zoo and transformers on the file; and the ChatML prompt's ids."""
     import transformers
 
-    import zoo
     from zoo.weights import gguf_llm
     dt, n = harness.PRECISIONS[prec], args.new_tokens
     ours, ref = zoo.from_pretrained(path, dtype=dt), hf_load(str(path.parent), dt, gguf_file=path.name).eval()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from train.benches import harness
+from train.config import OptimConfig
 
 WIDTHS = (64, 128, 256, 512, 1024)
 
@@ -73,7 +74,6 @@ def coord_check(widths=WIDTHS, mup: bool = True, steps: int = 4, lr: float = 1e-
                 batch: int = 8, seq: int = 64, seed: int = 0, precision: str = "fp32") -> dict[int, dict[str, float]]:
     """{width: {layer: mean |x|}} after `steps` AdamW steps at `lr` (constant, no weight decay) of a byte-level LLM
     of each width; mup: muP against widths[0], else the standard parametrization."""
-    from train.config import OptimConfig
     data, out = stdlib_batches(steps + 1, batch, seq, seed), {}
     cfg = OptimConfig(lr=lr, weight_decay=0.0, schedule="constant", warmup_steps=0)
     for width in widths:
@@ -101,7 +101,6 @@ def lr_transfer(widths, log2_lrs, seeds, steps: int, batch: int, seq: int, layer
     widths[0]): every width trains `steps` steps of batch x seq tokens of the first stdlib sources at each peak LR
     2^k with AdamW as the loop's defaults set it (warmup, cosine decay, weight decay), then reads its mean loss on
     `evals` batches of later sources it never saw. seed_done(out) is called as each seed ends."""
-    from train.config import OptimConfig
     held = stdlib_batches(evals, batch, seq, files=slice(40, None))
     out = {side: {w: {k: [] for k in log2_lrs} for w in widths} for side in ("standard", "muP")}
     for seed in seeds:  # seeds outermost: a sweep cut short still covers every width

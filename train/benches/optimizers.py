@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from train.benches import harness
+from train.config import OptimConfig, load_run_config
 
 REFERENCE = "adamw"
 LR_START = {"adamw": 2e-3, "sgd": 0.1, "adafactor": 1e-2, "lion": 3e-4, "muon": 2e-3, "adamw8bit": 2e-3,
@@ -59,7 +60,6 @@ def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print
 
 
 def memory_and_time(args, names) -> dict:
-    from train.config import OptimConfig
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
     configs = {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names}
@@ -74,7 +74,6 @@ def memory_and_time(args, names) -> dict:
 
 def train_run(args, over: list) -> tuple[dict, list]:
     """The final row and the val-loss curve of a run of the embedded default with `over` (and --set)."""
-    from train.config import load_run_config
     from train.loop import train
     from train.metrics import read_rows
     from train.run import DEFAULT_CONFIG
@@ -155,7 +154,6 @@ def main(argv=None, preset: str = "optimizers"):
 # ---------------------------------------------------------------- the techniques report's claims
 def claim_fused(ctx) -> list[dict]:
     """Fused AdamW (one kernel for the whole update) against the for-each one: the optimizer step."""
-    from train.config import OptimConfig
     model = with_gradients(build_model(ctx.s.opt).to(ctx.device))
     configs = {k: OptimConfig(name="adamw", lr=1e-5, fused=k == "fused") for k in ("foreach", "fused")}
     r, b, _ = time_optimizers(model, configs, ctx.n_rounds, steps=2, say=lambda m: None)
@@ -166,7 +164,6 @@ def claim_fused(ctx) -> list[dict]:
 
 def claim_state(ctx) -> list[dict]:
     """Optimizer-state bytes after a step (train.optim.state_bytes) of each optimizer against AdamW's."""
-    from train.config import OptimConfig
     model = with_gradients(build_model(ctx.s.opt).to(ctx.device))
     names = ["adamw", "adamw8bit", "lion", "sgd", "adafactor"]
     r, b, _ = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5) for k in names}, ctx.n_rounds, say=lambda m: None)
