@@ -13,8 +13,12 @@ import statistics
 import torch
 
 from train.benches import harness
+from train.benches.convnets import build_pair, side
+from train.benches.memory import base_of
 from train.config import load_run_config, task_class
 from train.hardware import sync
+from train.optim import build_optimizer
+from train.step import autocast_for, optimizer_step
 
 FAMILIES = {
     "llm": (harness.llm_base(4096, 256, 4, 4, 2, 8), []),
@@ -37,8 +41,6 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
     """One training step of `cfg` as the loop runs it (train.step.optimizer_step: train.grad_accum micro-batches
     of Task.example_batch, autocast in train.precision with a GradScaler for fp16, clipping, the config's
     optimizer), compiled when train.compile. The step callable."""
-    from train.optim import build_optimizer
-    from train.step import autocast_for, optimizer_step
     model, task = model_and_task(cfg, device)
     batch = task.example_batch(model, cfg.train.batch_size)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
@@ -77,8 +79,6 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
     """max |g_accum - g_batch| / max |g_batch|: k micro-batches of the loop's optimizer_step against one batch
     k times larger, the same data (a recording optimizer keeps the gradients)."""
     from types import SimpleNamespace
-
-    from train.step import optimizer_step
     model, task = model_and_task(cfg, device)
     task.example_batch(model, 1)  # the task takes the model's settings, as before the loop's first step
     b, gen = cfg.train.batch_size, torch.Generator().manual_seed(1)
@@ -95,7 +95,6 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
 
 
 def main(argv=None):
-    from train.benches.memory import base_of
     from train.planner import MiB, plan
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
@@ -201,7 +200,6 @@ def claim_cuda_flags(ctx) -> list[dict]:
     if ctx.device.type != "cuda":
         return [dict(key=k, reason=f"this hardware has no CUDA device ({ctx.device.type})")
                 for k in ("TF32 matmuls", "cudnn.benchmark")]
-    from train.benches.convnets import build_pair, side
     arch, batch, size = ctx.s.resnet
     data = [torch.randn(batch, 3, size, size, device=ctx.device), torch.randint(0, 1000, (batch,), device=ctx.device)]
     res = side(build_pair(arch, 1000)[0].to(ctx.device), data, ctx.device)

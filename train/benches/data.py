@@ -30,6 +30,11 @@ from pathlib import Path
 
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import load_run_config
+from train.data import (DataError, HFTokenizer, SentencePieceTokenizer, TextDataConfig, TokenData, documents,
+                        sample_documents, stdlib_files, train_bpe, train_sentencepiece)
+from train.data.shards import Shards, prepare, read_manifest
+from train.data.text_tokenizers import WORDS
 
 SIDES = ("zoo prepare", "tokenizer alone")
 FORMS = ("text", "jsonl", "parquet")
@@ -42,7 +47,6 @@ def generate(folder: Path, n_bytes: int, forms=FORMS, seed: int = 0) -> tuple[di
     n_bytes in all): one text file (documents joined by blank lines), a .jsonl, a folder of four Parquet shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from train.data import stdlib_files
     lines = [ln for f in stdlib_files() for ln in f.read_text(errors="replace").splitlines(keepends=True)]
     rng, folder = random.Random(seed), Path(folder)
     paths = {k: v for k, v in {"text": folder / "corpus.txt", "jsonl": folder / "corpus.jsonl",
@@ -76,8 +80,6 @@ def generate(folder: Path, n_bytes: int, forms=FORMS, seed: int = 0) -> tuple[di
 
 def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
     """{name: tokenizer} trained on a 4 MB sample of the corpus."""
-    from train.data import (HFTokenizer, SentencePieceTokenizer, documents, sample_documents, train_bpe,
-                            train_sentencepiece)
     sample = sample_documents((d.text for d in documents(str(corpus))), 4_000_000)
     sp = train_sentencepiece(sample, vocab, folder / "sp.model", log=lambda m: None)
     bpe = train_bpe(sample, vocab, folder / "tokenizer.json", log=lambda m: None)
@@ -87,7 +89,6 @@ def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
 def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
     """The corpus's documents (text files in pieces, as Zoo reads them) encoded in 8 MB batches by the tokenizer's own
     threads; the number of ids."""
-    from train.data import documents
     n, batch, size = 0, [], 0
     encode = (lambda texts: sum(map(len, tok.sp.encode(texts, num_threads=threads)))) if hasattr(tok, "sp") else (
         lambda texts: sum(len(e.ids) for e in tok.tok.encode_batch(texts, add_special_tokens=False)))
@@ -106,7 +107,6 @@ def shard_bytes(folder: Path) -> dict:
 
 
 def prepare_into(args, corpus: Path, tok, out: Path, workers: int, shard_tokens: int = 0, fresh: bool = True):
-    from train.data.shards import prepare
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
     return prepare(str(corpus), tok, out, boundary=(None, tok.eos_id), workers=workers,
@@ -214,8 +214,6 @@ def rss(args, folder: Path, out: dict):
 def resume(args, folder: Path, out: dict):
     """Each form prepared whole, and in a fresh process SIGKILLed once half its chunks are in the shards (shards of
     about a tenth of the tokens), then prepared again: the shards of the two, byte for byte."""
-    from train.data import DataError, SentencePieceTokenizer
-    from train.data.shards import Shards, read_manifest
     model, rows = sp_model(args, folder), []
     tok = SentencePieceTokenizer(model)
     corpora, size = generate(folder / "resume", args.mb << 20, args.forms)
@@ -252,8 +250,6 @@ def resume(args, folder: Path, out: dict):
 
 def batches(args, folder: Path, out: dict):
     import torch
-    from train.config import load_run_config
-    from train.data import TextDataConfig, TokenData
     from train.planner import build_model
     corpus = folder / "corpus.jsonl"
     if not corpus.is_file():
@@ -282,7 +278,6 @@ def batches(args, folder: Path, out: dict):
 def direct_bpe(docs: list[str], vocab: int, path: Path):
     """The byte-level BPE of data.tokenizer=bpe, trained by calling `tokenizers` directly."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from train.data.text_tokenizers import WORDS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(WORDS), "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -299,14 +294,12 @@ KINDS = ("bpe", "superbpe")
 def stdlib_split(files: int = 0) -> tuple[list[str], list[str]]:
     """The standard library's .py files (the first `files`; 0: all): all but every tenth (training text), and
     every tenth (held out)."""
-    from train.data import stdlib_files
     texts = [f.read_text(errors="replace") for f in stdlib_files()[:files or None]]
     return [t for i, t in enumerate(texts) if i % 10], texts[::10]
 
 
 def subwords(kind: str, vocab: int):
     """The SuperBPE transition of data.tokenizer=`kind` (data.superbpe_transition of the vocabulary; bpe: None)."""
-    from train.data import TextDataConfig
     return int(vocab * TextDataConfig().superbpe_transition) if kind == "superbpe" else None
 
 
@@ -317,7 +310,6 @@ def tokens_per_byte(tok, docs: list[str]) -> float:
 def tokenizer_bench(args, folder: Path) -> tuple[dict, dict]:
     """bpe and superbpe trained on the standard library's sources but every tenth file, their tokens per byte on
     that tenth; and Zoo's BPE training against calling `tokenizers` directly on the same sample."""
-    from train.data import HFTokenizer, sample_documents, train_bpe
     docs, held = stdlib_split()
     sample = sample_documents(docs, args.train_chars)
     mb, quiet, out, rows, speed = sum(len(d.encode()) for d in sample) / 1e6, lambda m: None, {}, [], []

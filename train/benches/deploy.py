@@ -21,6 +21,13 @@ import torch
 import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.benches.llm_speed import packaged_file
+from train.config import QAT_SCHEMES, load_run_config
+from zoo.blocks.chunked_ce import chunked_distillation_loss, distillation_loss
+from zoo.pruning import parse_pattern, prune as prune_model
+from zoo.quantization import Int4FakeQuantizer, compile_frozen, quantize, targets
+from zoo.weights.gguf_llm import config_from_gguf, load_tokenizer, read
+from zoo.weights.zoo_folder import cast_weights
 
 TINY = ROOT / "configs" / "llm" / "tiny.yaml"
 SCHEMES, PATTERNS, SPARSITY = ("int8wo", "int4wo", "8da4w"), ("unstructured", "2:4"), 0.5  # quantized's, prune's
@@ -42,7 +49,6 @@ def base_model(args) -> Path:
     """--trained (a GGUF file converted once into --out as a Hugging Face folder with its tokenizer), or
     the embedded default (changed by --train-overrides) trained once into runs/bench-quantized/tiny[-hash]."""
     if args.trained and Path(args.trained).suffix == ".gguf":
-        from zoo.weights.gguf_llm import load_tokenizer
         folder = Path(args.out) / Path(args.trained).stem
         if not (folder / "tokenizer.json").is_file():
             model = zoo.from_pretrained(args.trained)
@@ -75,7 +81,6 @@ def quantized_copies(model, args, name: str) -> dict:
 def quantized_speed(args) -> dict:
     """Generation of the SmolLM-135M shape (random weights) and its quantized copies, alternating rounds."""
     from torchao.utils import get_model_size_in_bytes
-    from zoo.weights.zoo_folder import cast_weights
     base = args.precision
     torch.manual_seed(0)
     models = quantized_copies(cast_weights(zoo.build(ROOT / "configs" / "llm" / "smollm-135m.yaml"),
@@ -113,7 +118,6 @@ def quantized_quality(args) -> dict:
 def qat(args, base) -> tuple[dict, dict]:
     """Per seed two int4 fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
     and qat (train.qat: fake-quantized, then converted). Both increases over the ptq run's bf16 copy."""
-    from train.config import QAT_SCHEMES
     seeds, group = [], f"train.quant_group_size={args.group_size}"
     for seed in args.seeds:
         p = fine_tune(args, base, "ptq-int4", seed, [group, f"train.quantize={QAT_SCHEMES['int4']}"])
@@ -143,7 +147,6 @@ def numerics(folder: Path, group_size: int) -> dict:
     from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
     from torchao.quantization.quant_primitives import ZeroPointDomain
 
-    from zoo.quantization import Int4FakeQuantizer, quantize, targets
 
     generic = lambda **kw: IntxFakeQuantizer(IntxFakeQuantizeConfig(  # noqa: E731
         torch.int4, group_size=group_size, is_symmetric=False, zero_point_domain=ZeroPointDomain.FLOAT, **kw))
@@ -175,7 +178,6 @@ def numerics(folder: Path, group_size: int) -> dict:
 def prune(args, base) -> tuple[dict, dict]:
     """Per pattern: the base pruned one-shot, a fine-tune with the masks held (recovered) against the same
     fine-tune dense, per seed; and torch's CSR matmul against the dense one on the pruned weights."""
-    from zoo.pruning import parse_pattern
     dense = [fine_tune(args, base, "dense", s)["val_loss"] for s in args.seeds]
     base_loss, rows, speed, data = one_shot(args, base, []), [], [], {"dense": dense}
     rows.append(["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""])
@@ -209,7 +211,6 @@ def val_loss(config, overrides: list, teacher: bool = False) -> float:
     import contextlib
 
     from train.builder import build_run
-    from train.config import load_run_config
     run = build_run(load_run_config(str(config), [*harness.QUIET, *overrides]))
     with torch.no_grad(), contextlib.nullcontext() if teacher else run.autocast():
         return run.task.evaluate(run.task.teacher if teacher else run.model)["val_loss"]
@@ -218,8 +219,6 @@ def val_loss(config, overrides: list, teacher: bool = False) -> float:
 def csr_speed(args, base: Path, pattern: str) -> dict:
     """{tokens: paired median of the dense matmul's time over CSR's} on every linear the pattern prunes (fp32)."""
     from torch.nn.functional import linear
-
-    from zoo.pruning import prune as prune_model
     weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern, SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
@@ -235,7 +234,6 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
 def distill_memory(args) -> tuple[dict, dict]:
     """One loss + backward of a student head against a teacher's hidden states: chunked_distillation_loss
     against distillation_loss on the full logits; the peak RSS each adds (best of alternating rounds)."""
-    from zoo.blocks.chunked_ce import chunked_distillation_loss, distillation_loss
     g = torch.Generator().manual_seed(0)
     N, V = args.tokens, args.vocab
     h = torch.randn(N, args.d_model, generator=g).requires_grad_()
@@ -269,8 +267,6 @@ def distill_quality(args) -> tuple[dict, dict]:
     common = [f"train.precision={args.precision}", *NO_EVAL]
     teacher = Path(args.teacher) if args.teacher else out / "teacher"
     if teacher_over is None:  # a GGUF teacher: the student on its vocabulary, the data tokenized by its tokenizer
-        from zoo.weights.gguf_llm import config_from_gguf, load_tokenizer, read
-        from train.benches.llm_speed import packaged_file
         teacher, tok = Path(args.teacher) if args.teacher else packaged_file(), out / "tokenizer.json"
         if not tok.is_file():
             out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +305,6 @@ def convnet_ptq(args) -> tuple[dict, dict]:
     """Per seed: the digits preset trained, then zoo.quantize(model, "int8") (PT2E, x86 inductor quantizer,
     calibrated on training batches): top-1 and loss on the whole validation set. Speed on the first seed's
     model: fp32 eager, fp32 and int8 compiled with freezing (compile_frozen), alternating rounds."""
-    from zoo.quantization import compile_frozen
     seeds, tables = [], {}
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"

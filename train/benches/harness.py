@@ -27,8 +27,14 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+import zoo
+from train.config import OptimConfig, load_run_config
+from train.docs import markdown
 from train.hardware import keep_freed_memory, libc, measure_peak_flops
+from train.metrics import read_rows
+from train.optim import build_optimizer
 from train.step import DTYPES as PRECISIONS, autocast_for  # PRECISIONS: train.precision's names (fp32, bf16, fp16)
+from zoo.config import LLMConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_ROUNDS = 8
@@ -281,7 +287,6 @@ def llm_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
 
 def llm_config(args, **over):
     """The LLMConfig of the shape options (and `over`)."""
-    from zoo.config import LLMConfig
     shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                  n_kv_heads=getattr(args, "n_kv_heads", 0) or None, ffn_hidden=getattr(args, "ffn", 0) or None,
                  max_seq_len=getattr(args, "seq", None))
@@ -334,8 +339,6 @@ class Side:
     loss(model or its compiled self, *batch) -> loss; backward; step; zero_grad(set_to_none)."""
 
     def __init__(self, model, loss, optimizer=None, compile: bool = False, device=torch.device("cpu")):
-        from train.config import OptimConfig
-        from train.optim import build_optimizer
         self.model, self.loss_fn, self.device = model.train(), loss, device
         self.fwd = torch.compile(model) if compile else model
         self.opt = optimizer or build_optimizer(model, OptimConfig(), device, log=lambda *a: None)
@@ -423,12 +426,10 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
     """The metrics rows of a run of `config` (a path or a base dict) with `overrides` into `out`: read
     back when `out/done` exists (done=None: never), else run by train/run.py in a process of its own
     (`threads` OMP threads) or in this one (`inproc`)."""
-    from train.metrics import read_rows
     out = Path(out)
     over = [f"train.out_dir={out}", *QUIET, *overrides]
     if done is None or not (out / done).exists():
         if inproc or isinstance(config, dict):
-            from train.config import load_run_config
             from train.loop import train
             cfg = (load_run_config(None, over, base=config) if isinstance(config, dict)
                    else load_run_config(str(config), over))
@@ -444,8 +445,6 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
 def zoo_copy(ref, **kw):
     """Zoo's model as zoo.from_pretrained reads the folder `ref` (a diffusers or transformers model) saves."""
     import tempfile
-
-    import zoo
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
         return zoo.from_pretrained(tmp, **kw)
@@ -454,7 +453,6 @@ def zoo_copy(ref, **kw):
 def run_task(folder):
     """The task of the run in `folder` (its config.yaml) with its data read, on the CPU."""
     from train.builder import new_task
-    from train.config import load_run_config
     return new_task(load_run_config(str(Path(folder) / "config.yaml")), torch.device("cpu"), "fp32", lambda m: None)
 
 
@@ -526,7 +524,6 @@ def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "")
 
 def show(tables: dict):
     """Print each table as markdown (as docs/ shows it)."""
-    from train.docs import markdown
     for key, t in tables.items():
         print(f"\n{key}:\n" if key else "", markdown(t), sep="", end="", flush=True)
 

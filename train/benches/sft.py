@@ -12,19 +12,19 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.data import ByteTokenizer, load_tokenizer_file
+from train.data.chat_data import ChatData
+from train.data.chat_example import KINDS, conversations
+from train.data.conversations import ChatDataConfig, ChatTemplate
 
 SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False),
          "padded-random": dict(pack=False, bucket_batches=1)}
 
 
 def packing(args) -> dict:
-    import zoo
-    from train.data import ByteTokenizer, load_tokenizer_file
-    from train.data.chat_data import ChatData
-    from train.data.chat_example import conversations
-    from train.data.conversations import ChatDataConfig, ChatTemplate
     tok = load_tokenizer_file(args.tokenizer) if Path(args.tokenizer).is_file() else ByteTokenizer()
     rows = [(m, ("synthetic", i + 1)) for i, m in enumerate(conversations("train", args.conversations))]
     torch.manual_seed(0)
@@ -59,7 +59,6 @@ def packing(args) -> dict:
 
 def quality(args) -> dict:
     from train.chat import ChatSession, load
-    from train.data.chat_example import KINDS, conversations
     convs = conversations("val", args.conversations)
     dtype = str(harness.PRECISIONS[args.precision]).removeprefix("torch.")
     res = {}

@@ -17,6 +17,8 @@ from pathlib import Path
 from train.benches import harness
 from train.benches.data import KINDS, stdlib_split, subwords, tokens_per_byte
 from train.benches.harness import ROOT
+from train.config import load_run_config
+from train.data import HFTokenizer, TextDataConfig, sample_documents, train_bpe
 
 
 def jsonl(path: Path, docs: list[str]) -> Path:
@@ -27,7 +29,6 @@ def jsonl(path: Path, docs: list[str]) -> Path:
 
 
 def tokenizer(kind: str, vocab: int, docs: list[str], out: Path) -> Path:
-    from train.data import TextDataConfig, sample_documents, train_bpe
     path = out / f"{kind}.json"
     if not path.is_file():
         train_bpe(sample_documents(docs, TextDataConfig().sp_train_chars), vocab, path, subwords(kind, vocab), print)
@@ -67,12 +68,10 @@ def main(argv=None):
     docs, held = stdlib_split(args.files)
     corpus = {"train": jsonl(out / "train.jsonl", docs), "val": jsonl(out / "val.jsonl", held)}
     toks = {k: tokenizer(k, args.vocab, docs, out) for k in KINDS}
-    from train.data import HFTokenizer
     per_byte = {k: tokens_per_byte(HFTokenizer(t), held) for k, t in toks.items()}
     with ThreadPoolExecutor(args.jobs) as pool:  # each run is a process of its own
         runs = {k: [pool.submit(val_bpb, args, k, t, corpus, s) for s in args.seeds] for k, t in toks.items()}
     bpb = {k: [r.result() for r in v] for k, v in runs.items()}
-    from train.config import load_run_config
     cfg = load_run_config(str(ROOT / "configs/llm/tiny.yaml"), args.override)
     tokens = args.steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     notes = (f"configs/llm/tiny.yaml {' '.join(args.override)} at vocab {args.vocab:,}: {args.steps} steps x "
