@@ -541,9 +541,8 @@ def main(argv=None, preset: str = "taesd"):
     p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
                        one_precision=not speed, out=True,
                        seeds={"diffusion-quality": 2, "prompt-adherence": 1, "dreambooth": 2}.get(preset, 0))
-    p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
-    p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
-                   help="image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side")
+    harness.counts(p, batch={"taesd": 1}.get(preset, 8), size=({"taesd": 512, "latent-cache": 64}.get(preset, 16),
+                   "image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=harness.positive_int, help="timed steps per round (training steps for min-snr, "
                    "diffusion-quality, dreambooth)", default={"min-snr": None, "diffusion-quality": 300,

@@ -208,11 +208,8 @@ def main(argv=None, preset: str = "llm-moe-quality"):
     peft = preset == "peft"
     p = harness.parser(preset, __doc__, precision="fp32" if peft else "", rounds=False, one_precision=True, out=True)
     harness.llm_args(p, **(dict(seq=128, batch=4) if peft else dict(seq=256, batch=16)))
-    p.add_argument("--steps", type=harness.positive_int, default=20 if peft else 600,
-                   help="steps (MoD: the dense run's)")
-    p.add_argument("--evals", type=harness.positive_int, default=6 if preset == "llm-moe-quality" else 4,
-                   help="evaluations per run")
-    p.add_argument("--eval-batches", type=harness.positive_int, default=8 if peft else 20)
+    harness.counts(p, steps=(20 if peft else 600, "steps (MoD: the dense run's)"), evals=(
+        6 if preset == "llm-moe-quality" else 4, "evaluations per run"), eval_batches=8 if peft else 20)
     p.add_argument("--runs", "--only", type=harness.name_list(RUNS[preset], "run"), default=",".join(RUNS[preset]))
     if peft:
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")
