@@ -34,7 +34,7 @@ from train.config import load_run_config
 from train.data import (DataError, HFTokenizer, SentencePieceTokenizer, TextDataConfig, TokenData, documents,
                         sample_documents, stdlib_files, train_bpe, train_sentencepiece)
 from train.data.shards import Shards, prepare, read_manifest
-from train.data.text_tokenizers import WORDS
+from train.data.text_tokenizers import bpe_trainer, byte_level
 
 SIDES = ("zoo prepare", "tokenizer alone")
 FORMS = ("text", "jsonl", "parquet")
@@ -276,15 +276,10 @@ def batches(args, folder: Path, out: dict):
 
 
 def direct_bpe(docs: list[str], vocab: int, path: Path):
-    """The byte-level BPE of data.tokenizer=bpe, trained by calling `tokenizers` directly."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(WORDS), "isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                      show_progress=False))
+    """The byte-level BPE of data.tokenizer=bpe (its pre-tokenizer and trainer), trained by calling `tokenizers`
+    directly: none of train_bpe's checks, logging or atomic write."""
+    tok = byte_level()
+    tok.train_from_iterator(docs, bpe_trainer(vocab))
     tok.save(str(path))
 
 

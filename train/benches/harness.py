@@ -246,10 +246,8 @@ def seed_list(at_least: int) -> Callable[[str], list[int]]:
 def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: bool = True,
            keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "", out: bool = False,
            seeds: int = 0) -> ArgumentParser:
-    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`, "": the
-    config's train.precision; one name with `one_precision`), --rounds, --threads, --no-keep-memory (training
-    benches), --json (default docs/results/RESULT.json, RESULT the name; None: no result file), --out
-    (runs/bench-NAME, the runs' folder) and --seeds (0,1,2; at least `seeds`)."""
+    """The parser of `bench.py NAME` with the shared options its arguments ask for (precision "": the config's
+    train.precision; result None: no --json); each option's help says its default."""
     p = ArgumentParser(prog=f"bench.py {name}", description=doc.strip().split("\n")[0])
     if precision is not None:
         kind = precision_name if one_precision else name_list(PRECISIONS, "precision")
@@ -277,8 +275,7 @@ SHAPE_ALIASES = {"n_layers": ["--layers"], "n_heads": ["--heads"], "n_kv_heads":
 
 
 def llm_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
-    """The LLM shape options of every LLM bench, with the bench's defaults: --d-model, --n-layers,
-    --n-heads, --n-kv-heads (0: as many as heads), --ffn (0: the config's), --experts, --vocab, --seq, --batch."""
+    """The LLM shape options of every LLM bench (`--n-layers` and so on), with the bench's defaults."""
     for key, default in defaults.items():
         p.add_argument("--" + key.replace("_", "-"), *SHAPE_ALIASES.get(key, []), dest=key, default=default,
                        type=int if key in ("n_kv_heads", "ffn") else positive_int)
@@ -533,8 +530,7 @@ def load_result(path: Path) -> dict:
 
 
 def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> None:
-    """Prints the tables and writes the result JSON (args.json): the command, the machine, the date, the
-    tables and the numbers; under docs/results/ the docs regions made from it are rewritten too."""
+    """Prints the tables and writes the result JSON (args.json); under docs/results/ the docs made from it too."""
     if show_tables:
         show(tables)
     path = Path(path or args.json)

@@ -78,8 +78,7 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
 
 
 def peft_runs(args, names) -> dict:
-    """Fine-tunes of the base per method: rows, trainable and all parameters, state and weight bytes, peak RSS
-    and val loss."""
+    """Per method, its fine-tune of the base: rows, parameters, state and weight bytes, peak RSS, val loss."""
     base, res = make_base(args), {}
     for n in names:
         rows = run("peft", n, args, args.steps, base=base)

@@ -121,8 +121,7 @@ def best_lr(losses: dict) -> int:
 
 
 def transfer_tables(result: dict, log2_lrs: list[int], note: str) -> tuple[dict, dict]:
-    """The tables (per side: loss at every LR with its interval, best LR; a summary of the best LR's shift) and the
-    best log2 LR of each side and width."""
+    """The tables (per side the loss at every LR, and the best LR's shift) and each side's best log2 LR per width."""
     best = {side: {w: best_lr(r) for w, r in by_width.items()} for side, by_width in result.items()}
     edge = (min(log2_lrs), max(log2_lrs))
     tables = {side: harness.table(
@@ -147,8 +146,7 @@ def plot_transfer(result: dict, png) -> None:
 
 
 def save_transfer(args, result: dict):
-    """The tables, plot (beside the JSON) and result JSON of the seeds `result` holds (a sweep cut short leaves its
-    finished seeds)."""
+    """The tables, plot and result JSON of the seeds `result` holds (a sweep cut short keeps its finished seeds)."""
     seeds = args.seeds[:len(result["muP"][args.widths[0]][args.log2_lrs[0]])]
     kw = {k: getattr(args, k) for k in ("steps", "batch", "seq", "layers", "heads", "precision")}
     note = (f"after {args.steps} steps of {args.batch} x {args.seq} bytes ({args.steps * args.batch * args.seq} tokens "

@@ -46,8 +46,7 @@ def val_bpb(args, kind: str, tok: Path, corpus: dict, seed: int) -> float:
 
 
 def compare(bpb: dict, per_byte: dict, seeds: list[int], notes: str) -> dict:
-    """The table: per tokenizer its tokens per byte, val_bpb per seed and their mean ± 95% interval; then the
-    difference superbpe - bpe seed by seed, with its interval and verdict."""
+    """Per tokenizer its tokens per byte and val_bpb per seed; then superbpe - bpe seed by seed, with its verdict."""
     rows = [[k, f"{per_byte[k]:.4f}", *(f"{b:.4f}" for b in v), harness.interval_text(v, ".4f")] for k, v in bpb.items()]
     diff = [s - b for s, b in zip(bpb["superbpe"], bpb["bpe"])]
     rows.append(["superbpe - bpe", f"{per_byte['superbpe'] - per_byte['bpe']:+.4f}", *(f"{d:+.4f}" for d in diff),
