@@ -39,8 +39,7 @@ def _local_bytes(t) -> int:
 def worker(args, strategy: str) -> dict:
     """One side's run in this process (a rank under torchrun): its memory and seconds per step."""
     steps, warmup, batch, seq_len, precision = args.steps, args.warmup, args.batch, args.seq, args.precision[0]
-    par = Parallel(strategy, launch_env())
-    device = torch.device("cpu")
+    par, device = Parallel(strategy, launch_env()), torch.device("cpu")
     par.init(device)
     try:
         torch.manual_seed(0)
@@ -53,9 +52,8 @@ def worker(args, strategy: str) -> dict:
         grads = []
         optimizer.register_step_pre_hook(lambda opt, a, k: grads.append(
             sum(_local_bytes(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
-        scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+        scaler, B = torch.amp.GradScaler("cpu", enabled=precision == "fp16"), batch // par.world
         params = [p for p in model.parameters() if p.requires_grad]
-        B = batch // par.world
 
         def step(s):
             g = torch.Generator().manual_seed(s)
@@ -66,11 +64,10 @@ def worker(args, strategy: str) -> dict:
                                   agree=(lambda st: par.agree(st, False)[0]) if par.active else None)
 
         planned = planned_per_rank(args, strategy, par.world) if par.main else None
-        for s in range(warmup):
-            step(s)
-        par.barrier()
-        t0 = time.perf_counter()
-        for s in range(warmup, warmup + steps):
+        for s in range(warmup + steps):
+            if s == warmup:  # the timed steps start, every rank together
+                par.barrier()
+                t0 = time.perf_counter()
             step(s)
         par.barrier()
         dt = (time.perf_counter() - t0) / steps
