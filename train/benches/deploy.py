@@ -65,12 +65,11 @@ def base_model(args) -> Path:
 
 def fine_tune(args, base: Path, name: str, seed: int, extra=()) -> dict:
     """The final row of a fine-tune of `base` (configs/llm/tiny.yaml's run settings) with `extra`."""
-    rows = harness.run_loop(TINY, Path(args.out) / f"{name}-seed{seed}", [
+    return harness.final(harness.run_loop(TINY, Path(args.out) / f"{name}-seed{seed}", [
         f"train.init_from={base}", f"train.max_steps={args.steps}", f"train.seed={seed}",
         f"train.eval_batches={args.eval_batches}", *NO_EVAL, "train.average_last=0", f"optim.lr={args.lr}",
         "optim.warmup_fraction=0.1", f"train.precision={args.precision}", *args.fine_tune_overrides.split(), *extra],
-        args.threads)
-    return harness.final(rows)
+        args.threads))
 
 
 # ---------------------------------------------------------------- quantized
@@ -88,8 +87,7 @@ def quantized_speed(args) -> dict:
     prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     calls, outs = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}, {}
     sides = harness.inference_sides(calls, "fp32", outs)  # fp32: no autocast, each model in its own dtype
-    first = harness.warm_up(sides)
-    r = harness.run_rounds(sides, args.rounds)
+    first, r = harness.warm_up(sides), harness.run_rounds(sides, args.rounds)
     rows = [[s, f"{get_model_size_in_bytes(models[s], ignore_embeddings=False) / 2**20:.0f}",
              f"{args.new_tokens / r.best(s):.3g}", f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, base)),
              f"{first[s]:.1f}", "yes" if torch.equal(outs[s], outs[base]) else "no"] for s in calls]
@@ -100,10 +98,9 @@ def quantized_speed(args) -> dict:
 def quantized_quality(args) -> dict:
     """The trained model's validation windows scored by fp32, the base precision and each quantized copy;
     the change against the base precision: the mean per-batch difference (the batches pair)."""
-    folder = base_model(args)
+    folder, base = base_model(args), args.precision
     task = harness.run_task(folder)
     batches = list(task.data.val_batches(task.cfg.train.batch_size, args.eval_batches))
-    base = args.precision
     models = {"fp32": zoo.from_pretrained(folder, dtype=torch.float32),
               **quantized_copies(zoo.from_pretrained(folder, dtype=harness.PRECISIONS[base]), args, base)}
     with torch.inference_mode():
@@ -179,8 +176,8 @@ def prune(args, base) -> tuple[dict, dict]:
     """Per pattern: the base pruned one-shot, a fine-tune with the masks held (recovered) against the same
     fine-tune dense, per seed; and torch's CSR matmul against the dense one on the pruned weights."""
     dense = [fine_tune(args, base, "dense", s)["val_loss"] for s in args.seeds]
-    base_loss, rows, speed, data = one_shot(args, base, []), [], [], {"dense": dense}
-    rows.append(["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""])
+    base_loss, speed, data = one_shot(args, base, []), [], {"dense": dense}
+    rows = [["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""]]
     for pattern in PATTERNS:
         tag = pattern.replace(":", "of") if parse_pattern(pattern) else f"unstructured{SPARSITY:g}"
         over = [f"train.prune={pattern}", f"train.prune_sparsity={SPARSITY}"]
@@ -234,8 +231,7 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
 def distill_memory(args) -> tuple[dict, dict]:
     """One loss + backward of a student head against a teacher's hidden states: chunked_distillation_loss
     against distillation_loss on the full logits; the peak RSS each adds (best of alternating rounds)."""
-    g = torch.Generator().manual_seed(0)
-    N, V = args.tokens, args.vocab
+    g, N, V = torch.Generator().manual_seed(0), args.tokens, args.vocab
     h = torch.randn(N, args.d_model, generator=g).requires_grad_()
     w = (torch.randn(V, args.d_model, generator=g) * 0.02).requires_grad_()
     th, tw = torch.randn(N, 512, generator=g), torch.randn(V, 512, generator=g) * 0.02  # a teacher of d_model 512
@@ -278,9 +274,8 @@ def distill_quality(args) -> tuple[dict, dict]:
         harness.run_loop(ROOT / TEACHER_CONFIG.get(args.family, config), teacher, [*common, *teacher_over.split(),
                                                   "train.max_steps=200", *extra], args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
-    seeds = []
-    kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}", f"train.kd_temperature={args.kd_temperature}",
-          f"train.kd_kind={args.kd_kind}"]
+    seeds, kd = [], [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}",
+                     f"train.kd_temperature={args.kd_temperature}", f"train.kd_kind={args.kd_kind}"]
     for seed in args.seeds:
         over = [*common, *student, f"train.max_steps={args.steps}", f"train.seed={seed}", *extra]
         got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o,
