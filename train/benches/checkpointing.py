@@ -99,8 +99,7 @@ def main(argv=None):
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
-    args = p.setup(argv)
-    tables = {}
+    args, tables = p.setup(argv), {}
     for precision in args.precision:
         for family in args.families:
             spec, over = FAMILIES[family]

@@ -115,8 +115,7 @@ def prepare_into(args, corpus: Path, tok, out: Path, workers: int, shard_tokens:
 
 def speed(args, folder: Path, out: dict):
     corpora, size = generate(folder, args.mb << 20, args.forms)
-    mb, toks = size / 1e6, tokenizers(next(iter(corpora.values())), folder)
-    rows = []
+    mb, toks, rows = size / 1e6, tokenizers(next(iter(corpora.values())), folder), []
     for form, corpus in corpora.items():
         for name, tok in toks.items():
             counts = {}
@@ -125,8 +124,7 @@ def speed(args, folder: Path, out: dict):
                                                                  args.workers).manifest["tokens"]),
                 SIDES[1]: lambda: counts.update(alone=tokenizer_alone(corpus, tok, args.workers))}, args.rounds)
             prepare_into(args, corpus, tok, folder / "one", 1)
-            same = shard_bytes(folder / "shards") == shard_bytes(folder / "one")
-            paired = r.paired(SIDES[0], SIDES[1])
+            same, paired = shard_bytes(folder / "shards") == shard_bytes(folder / "one"), r.paired(SIDES[0], SIDES[1])
             res = {"rounds": args.rounds, "identical_to_one_worker": same, "measured": harness.measured(),
                    **{f"paired_{k}": v for k, v in paired._asdict().items()}}
             for side, key in zip(SIDES, ("zoo", "alone")):
@@ -262,8 +260,7 @@ def batches(args, folder: Path, out: dict):
     assemble = B * T / harness.run_rounds({"windows": lambda: data.windows("train", B, g)}, 1, calls=20,
                                           warmup=1).best("windows")
     torch.manual_seed(0)
-    model = build_model(preset).train()
-    x = torch.randint(0, preset.model.vocab_size, (1, T))
+    model, x = build_model(preset).train(), torch.randint(0, preset.model.vocab_size, (1, T))
     side = harness.Side(model, lambda m: m(x, x)[1], optimizer=SimpleNamespace(step=lambda: None,  # no optimizer
                                                                                zero_grad=model.zero_grad))
     trained = T / harness.run_rounds({"step": lambda: side.step(args.precision)}, 2, warmup=1).best("step")

@@ -118,8 +118,7 @@ def qat(args, base) -> tuple[dict, dict]:
     seeds, group = [], f"train.quant_group_size={args.group_size}"
     for seed in args.seeds:
         p = fine_tune(args, base, "ptq-int4", seed, [group, f"train.quantize={QAT_SCHEMES['int4']}"])
-        q = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"])
-        ref = p["quant_ref_val_loss"]
+        q, ref = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"]), p["quant_ref_val_loss"]
         seeds.append({"seed": seed, "float": p["val_loss"], "ref": ref, "ptq": p["quant_val_loss"],
                       "qat": q["quant_val_loss"], "qat_fake": q["val_loss"], "qat_ref": q["quant_ref_val_loss"],
                       "ptq_increase": p["quant_val_loss"] - ref, "qat_increase": q["quant_val_loss"] - ref,
@@ -235,8 +234,7 @@ def distill_memory(args) -> tuple[dict, dict]:
     h = torch.randn(N, args.d_model, generator=g).requires_grad_()
     w = (torch.randn(V, args.d_model, generator=g) * 0.02).requires_grad_()
     th, tw = torch.randn(N, 512, generator=g), torch.randn(V, 512, generator=g) * 0.02  # a teacher of d_model 512
-    y = torch.randint(0, V, (N,), generator=g)
-    peaks, losses = {"chunked": [], "full logits": []}, {}
+    y, peaks, losses = torch.randint(0, V, (N,), generator=g), {"chunked": [], "full logits": []}, {}
     with harness.autocast(args.precision):
         for _, side in harness.schedule(peaks, args.rounds):
             with harness.PeakRSS() as m:

@@ -57,8 +57,7 @@ def taesd(args) -> tuple[dict, dict]:
     device = torch.device(args.device)
     torch.manual_seed(0)
     ref = AutoencoderTiny(latent_channels=4).eval()
-    ours = harness.zoo_copy(ref).eval()
-    rows, data, g = [], {}, torch.Generator().manual_seed(1)
+    ours, rows, data, g = harness.zoo_copy(ref).eval(), [], {}, torch.Generator().manual_seed(1)
     for prec in args.precision:
         for fmt in args.formats:
             mf, dt = harness.FORMATS[fmt], harness.PRECISIONS[prec]
@@ -106,8 +105,7 @@ def profile_step(step, steps: int) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    kinds = dict.fromkeys([*KINDS, "compiled kernels", "optimizer", "other"], 0.0)
-    events = prof.key_averages()
+    kinds, events = dict.fromkeys([*KINDS, "compiled kernels", "optimizer", "other"], 0.0), prof.key_averages()
     for e in events:
         kind = next((k for k, names in KINDS.items() if e.key in names),
                     "compiled kernels" if "CompiledFxGraph" in e.key else None)
@@ -598,8 +596,7 @@ def claim_min_snr(ctx) -> list[dict]:
     """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs): the Frechet distance
     of each EMA model's samples to the training digits in the features of a digits ResNet-10 (digits_judge; lower is
     better), beside the unweighted validation MSE (what uniform weighting optimises) and the sample accuracy."""
-    n, ps = ctx.s.snr_steps, []
-    judge = digits_judge(ctx.work / "judge", ctx.s.judge_steps)
+    n, ps, judge = ctx.s.snr_steps, [], digits_judge(ctx.work / "judge", ctx.s.judge_steps)
     for seed in range(ctx.seeds):
         res = train_settings(ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
             f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",

@@ -48,8 +48,7 @@ def worker(args, strategy: str) -> dict:
             apply_adapters(model, AdapterConfig("lora", quantize_base="nf4" if args.worker_tune == "qlora" else "none"))
         model, fwd = par.wrap(model, precision, TrainConfig(), device, lambda m: None)
         fwd = fwd or model
-        optimizer = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None)
-        grads = []
+        optimizer, grads = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None), []
         optimizer.register_step_pre_hook(lambda opt, a, k: grads.append(
             sum(_local_bytes(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
         scaler, B = torch.amp.GradScaler("cpu", enabled=precision == "fp16"), batch // par.world

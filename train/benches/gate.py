@@ -52,8 +52,7 @@ def measure(check: str, rehearse: bool, threads) -> dict:
     from train import bench
     argv, short, tiny, ours, ref = CHECKS[check]
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "result.json"
-        extra = ["--threads", str(threads)] if threads else []
+        out, extra = Path(d) / "result.json", ["--threads", str(threads)] if threads else []
         if bench.main([*argv, *(tiny if rehearse else short), *extra, "--json", str(out)]):
             raise RuntimeError(f"gate: the benchmark of {check!r} failed")
         data = json.loads(out.read_text())["data"]

@@ -173,8 +173,7 @@ def llm_train(args, dev, modes=("bf16 eager", "bf16 compiled")) -> tuple[dict, d
 def generate(args, dev) -> tuple[dict, dict]:
     """fp32: eager and CUDA-graph decoding must give the same greedy tokens (bf16's near-ties of a random model
     can differ between the two kernels' summation orders)."""
-    zm, new = llama_pair(args, dev)[0].eval(), shape(args)["new"]
-    rows_, data = [], {}
+    zm, new, rows_, data = llama_pair(args, dev)[0].eval(), shape(args)["new"], [], {}
     for B in (1,) if args.rehearse else (1, 32):  # (a rehearsal compiles one decoding step, on the CPU)
         ids = torch.randint(zm.config.vocab_size, (B, 128), device=dev)
         sides = {"eager": lambda: zm.generate(ids, new),

@@ -143,8 +143,7 @@ def decisions(out: Path, batch: int, n_batches: int) -> dict:
 
 def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
     """A run's numbers, by the names of the table's columns."""
-    train = [r for r in rows if "loss" in r]
-    ev = harness.last_with(rows, "val_loss")
+    train, ev = [r for r in rows if "loss" in r], harness.last_with(rows, "val_loss")
     s = {"steps": steps, "val loss": f"{ev['val_loss']:.4f}", "val loss (top-k)": f"{ev['val_loss']:.4f}",
          "tokens/s (median)": f"{statistics.median(r['tokens_per_s'] for r in train):.0f}",
          "step s (median)": f"{statistics.median([r['step_time_s'] for r in train[1:] or train]):.2f}",

@@ -280,8 +280,7 @@ def hf_decoders(name, load, modes, **kw) -> dict:
 
 def vlm_prompt(args, text):
     """vlm: the prompt's text around one image's placeholders (the vocabulary's last id), and the image."""
-    n, half = (args.image_size // VISION["patch_size"] // SCALE) ** 2, text.shape[1] // 2
-    text = text % (args.vocab - 1)
+    n, half, text = (args.image_size // VISION["patch_size"] // SCALE) ** 2, text.shape[1] // 2, text % (args.vocab - 1)
     ids = torch.cat([text[:, :half], torch.full((1, n), args.vocab - 1), text[:, half:]], 1)
     return ids, {"pixel_values": torch.randn(1, 1, 3, args.image_size, args.image_size,
                                              generator=torch.Generator().manual_seed(2))}
@@ -315,8 +314,7 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
     outs = {}
     sides = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(sides, say=lambda m: print(f"  {prec} decoding {m}", flush=True))
-    r = harness.run_rounds(sides, args.rounds)
-    ref0 = next((k for k in calls if k.startswith(REF[preset])), None)
+    r, ref0 = harness.run_rounds(sides, args.rounds), next((k for k in calls if k.startswith(REF[preset])), None)
     rows = [[k, f"{r.best(k):.3f}", f"{r.median(k):.3f}", f"{n / r.best(k):.1f}", f"{n / r.best(k, 'cpu'):.1f}",
              f"{first[k]:.1f}", "-" if ref0 is None else ("yes" if torch.equal(outs[k], outs[ref0]) else "no"),
              *versus(r, k, reference(r, k, preset), ("wall", "cpu"))] for k in calls]
@@ -374,8 +372,7 @@ def load_child(side: str, path: str, precision: str) -> dict:
 
 
 def load_table(args, path, prec) -> dict:
-    keys = ("cold", "warm", "cold_peak", "warm_peak", "resident", "weights")
-    got = {"zoo": [], "transformers": []}
+    keys, got = ("cold", "warm", "cold_peak", "warm_peak", "resident", "weights"), {"zoo": [], "transformers": []}
     for _, side in harness.schedule(got, args.load_rounds):  # fresh processes, alternating
         out = subprocess.run([sys.executable, str(ROOT / "train" / "bench.py"), args.preset, "--load-child", side,
                               str(path), prec, "--threads", str(torch.get_num_threads()), "--json", os.devnull],

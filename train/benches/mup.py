@@ -178,8 +178,7 @@ def main(argv=None, name: str = "mup-coord"):
     harness.counts(p, layers=2, heads=4)
     args = p.setup(argv)
     kw = dict(steps=args.steps, lr=args.lr, layers=args.layers, heads=args.heads, precision=args.precision)
-    scales = {side: coord_check(args.widths, side == "muP", **kw) for side in ("standard", "muP")}
-    tables = {}
+    scales, tables = {side: coord_check(args.widths, side == "muP", **kw) for side in ("standard", "muP")}, {}
     for side, s in scales.items():
         g = growth(s)
         rows = [[n, *(f"{s[w][n]:.4g}" for w in args.widths), f"{g[n]:.2f}x"] for n in g]

@@ -42,8 +42,7 @@ def with_gradients(model, seed: int = 0):
 def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print) -> tuple:
     """Every optimizer of `configs` (name -> OptimConfig) on `model` (holding fixed gradients), stepped in
     alternating rounds -> (harness.Rounds, {name: state bytes after a step}, {name: build notes})."""
-    device = next(model.parameters()).device
-    opts, notes = {}, {}
+    device, opts, notes = next(model.parameters()).device, {}, {}
     for name, cfg in configs.items():
         msgs = []
         opts[name] = build_optimizer(model, cfg, device, log=msgs.append)

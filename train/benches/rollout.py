@@ -63,8 +63,7 @@ def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
     calls, outs = sides(args, folder, prec), {}
     fns = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(fns, say=lambda m: print(f"  {prec} rollouts {m}", flush=True))
-    r = harness.run_rounds(fns, args.rounds)
-    done, rows = args.prompts * args.group, []
+    r, done, rows = harness.run_rounds(fns, args.rounds), args.prompts * args.group, []
     for k in calls:
         ref = "transformers-" + k.split("-")[1]
         rows.append([k, f"{r.median(k):.3f}", f"{done / r.median(k):.1f}", f"{done / r.best(k):.1f}", f"{first[k]:.1f}",

@@ -43,8 +43,7 @@ def packing(args) -> dict:
                 side.step(args.precision, *batch)
         sides[name] = one_pass
     harness.warm_up(sides)
-    r = harness.run_rounds(sides, args.rounds)
-    ref = info["padded-bucketed"]["tokens"]
+    r, ref = harness.run_rounds(sides, args.rounds), info["padded-bucketed"]["tokens"]
     out = []  # tokens/s against tokens/s: a pass's last batch is filled from its start, so passes differ a little
     for name, i in info.items():
         paired = harness.Paired(*(v * i["tokens"] / ref for v in r.paired(name, "padded-bucketed")))
@@ -60,8 +59,7 @@ def packing(args) -> dict:
 def quality(args) -> dict:
     from train.chat import ChatSession, load
     convs = conversations("val", args.conversations)
-    dtype = str(harness.PRECISIONS[args.precision]).removeprefix("torch.")
-    res = {}
+    dtype, res = str(harness.PRECISIONS[args.precision]).removeprefix("torch."), {}
     for run in [args.base, *args.runs.split(",")]:  # a folder without a template answers in ChatML
         chat, hits = ChatSession(*load(run, dtype=dtype), max_new_tokens=40), {k: [] for k in KINDS}
         for i, c in enumerate(convs):
