@@ -16,6 +16,7 @@ import torch
 
 from train.benches import harness
 from train.config import OptimConfig
+from train.plots import line_panels
 
 WIDTHS = (64, 128, 256, 512, 1024)
 
@@ -90,11 +91,6 @@ def growth(scales: dict[int, dict[str, float]]) -> dict[str, float]:
     return {n: hi[n] / lo[n] for n in lo}
 
 
-def held_out_loss(model, batches: list[torch.Tensor], precision: str) -> float:
-    with torch.no_grad(), harness.autocast(precision):
-        return sum(model(b[:, :-1], b[:, 1:])[1].item() for b in batches) / len(batches)
-
-
 def lr_transfer(widths, log2_lrs, seeds, steps: int, batch: int, seq: int, layers: int, heads: int, precision: str,
                 evals: int = 8, say=print, seed_done=lambda out: None) -> dict:
     """{side: {width: {log2 lr: [held-out loss per seed]}}} for the standard parametrization and muP (against
@@ -106,8 +102,10 @@ def lr_transfer(widths, log2_lrs, seeds, steps: int, batch: int, seq: int, layer
     for seed in seeds:  # seeds outermost: a sweep cut short still covers every width
         data = stdlib_batches(steps, batch, seq, seed)
         for side, width, k in ((s, w, k) for s in out for w in widths for k in log2_lrs):
-            model = tiny_llm(width, widths[0] if side == "muP" else None, layers, heads, seq, seed)
-            loss = held_out_loss(train_steps(model, data, OptimConfig(lr=2.0 ** k), precision), held, precision)
+            model = train_steps(tiny_llm(width, widths[0] if side == "muP" else None, layers, heads, seq, seed), data,
+                                OptimConfig(lr=2.0 ** k), precision)
+            with torch.no_grad(), harness.autocast(precision):
+                loss = sum(model(b[:, :-1], b[:, 1:])[1].item() for b in held) / len(held)
             out[side][width][k].append(loss)
             say(f"  seed {seed} {side} width {width} lr 2^{k}: held-out loss {loss:.4f}")
         seed_done(out)
@@ -138,13 +136,6 @@ def transfer_tables(result: dict, log2_lrs: list[int], note: str) -> tuple[dict,
     return tables, best
 
 
-def plot_transfer(result: dict, png) -> None:
-    """Held-out loss (seed mean) against log2 LR, a line per width, the parametrizations side by side."""
-    from train.plots import line_panels
-    line_panels({side: {f"width {w}": [(k, sum(v) / len(v)) for k, v in r.items()] for w, r in by_width.items()}
-                 for side, by_width in result.items()}, png, "log2 peak LR", "held-out loss")
-
-
 def save_transfer(args, result: dict):
     """The tables, plot and result JSON of the seeds `result` holds (a sweep cut short keeps its finished seeds)."""
     seeds = args.seeds[:len(result["muP"][args.widths[0]][args.log2_lrs[0]])]
@@ -152,7 +143,8 @@ def save_transfer(args, result: dict):
     note = (f"after {args.steps} steps of {args.batch} x {args.seq} bytes ({args.steps * args.batch * args.seq} tokens "
             f"at every width), {args.layers} layers of {args.heads} heads, seeds {seeds}")
     tables, best = transfer_tables(result, args.log2_lrs, note)
-    plot_transfer(result, args.json.with_suffix(".png"))
+    line_panels({side: {f"width {w}": [(k, sum(v) / len(v)) for k, v in r.items()] for w, r in by_width.items()}
+                 for side, by_width in result.items()}, args.json.with_suffix(".png"), "log2 peak LR", "held-out loss")
     harness.save(args, tables, {"loss": result, "best_log2_lr": best, "log2_lrs": args.log2_lrs,
                                 "widths": args.widths, "seeds": seeds, **kw})
 
