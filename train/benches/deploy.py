@@ -111,7 +111,6 @@ def quantized_quality(args) -> dict:
                          f"{folder}: {len(batches)} validation batches, {sum(y.numel() for _, y in batches)} tokens")
 
 
-# ---------------------------------------------------------------- qat
 def qat(args, base) -> tuple[dict, dict]:
     """Per seed two int4 fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
     and qat (train.qat: fake-quantized, then converted). Both increases over the ptq run's bf16 copy."""
@@ -170,7 +169,6 @@ def numerics(folder: Path, group_size: int) -> dict:
                          f"over {n} weights")
 
 
-# ---------------------------------------------------------------- prune
 def prune(args, base) -> tuple[dict, dict]:
     """Per pattern: the base pruned one-shot, a fine-tune with the masks held (recovered) against the same
     fine-tune dense, per seed; and torch's CSR matmul against the dense one on the pruned weights."""
@@ -226,7 +224,6 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- distill (memory)
 def distill_memory(args) -> tuple[dict, dict]:
     """One loss + backward of a student head against a teacher's hidden states: chunked_distillation_loss
     against distillation_loss on the full logits; the peak RSS each adds (best of alternating rounds)."""
@@ -251,7 +248,6 @@ def distill_memory(args) -> tuple[dict, dict]:
                                      "loss value"], rows)}, {"peaks": peaks}
 
 
-# ---------------------------------------------------------------- distill-quality
 def distill_quality(args) -> tuple[dict, dict]:
     """Per seed two runs from scratch, the student alone and with the teacher (train.teacher, kd_kind, kd_alpha,
     kd_temperature), both judged by their own cross-entropy on the same validation set."""
@@ -293,7 +289,6 @@ def distill_quality(args) -> tuple[dict, dict]:
     return {"seeds": harness.table(columns, rows)}, {"seeds": seeds, "teacher": str(teacher)}
 
 
-# ---------------------------------------------------------------- convnet-ptq
 def convnet_ptq(args) -> tuple[dict, dict]:
     """Per seed: the digits preset trained, then zoo.quantize(model, "int8") (PT2E, x86 inductor quantizer,
     calibrated on training batches): top-1 and loss on the whole validation set. Speed on the first seed's

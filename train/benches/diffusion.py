@@ -50,7 +50,6 @@ def versus(r, a="zoo", b="diffusers") -> list[str]:
     return [f"{r.ratio(a, b):.2f}x", str(r.paired(a, b))]
 
 
-# ---------------------------------------------------------------- taesd
 def taesd(args) -> tuple[dict, dict]:
     """One encode + decode of a batch per call through each library's API (diffusers takes [-1, 1], Zoo [0, 1])."""
     from diffusers import AutoencoderTiny
@@ -199,7 +198,6 @@ def flux2(args) -> tuple[dict, dict]:
                                     "rounds)", "median of paired rounds (range)"], rows, shape)}, data
 
 
-# ---------------------------------------------------------------- latent-cache
 def latent_cache(args) -> tuple[dict, dict]:
     """Per DiT denoiser, two copies trained on the same rows: `cache` (task.train_batch reads the latent cache,
     the loop's path) against `encode` (the rows as decoded pixels in memory, encoded by the frozen TAEF2
