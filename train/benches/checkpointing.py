@@ -13,7 +13,12 @@ import statistics
 import torch
 
 from train.benches import harness
+from train.benches.convnets import build_pair, side
+from train.benches.memory import base_of
+from train.config import load_run_config, task_class
 from train.hardware import sync
+from train.optim import build_optimizer
+from train.step import autocast_for, optimizer_step
 
 FAMILIES = {
     "llm": (harness.llm_base(4096, 256, 4, 4, 2, 8), []),
@@ -27,7 +32,6 @@ POLICIES = {"none": [], "selective": ["train.activation_checkpointing=selective"
 
 def model_and_task(cfg, device: torch.device):
     """The run's model (seed 0, training mode, on `device`) and its task."""
-    from train.config import task_class
     from train.planner import build_model
     torch.manual_seed(0)
     return build_model(cfg).to(device).train(), task_class(cfg.family)(cfg, device, lambda m: None)
@@ -37,8 +41,6 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
     """One training step of `cfg` as the loop runs it (train.step.optimizer_step: train.grad_accum micro-batches
     of Task.example_batch, autocast in train.precision with a GradScaler for fp16, clipping, the config's
     optimizer), compiled when train.compile. The step callable."""
-    from train.optim import build_optimizer
-    from train.step import autocast_for, optimizer_step
     model, task = model_and_task(cfg, device)
     batch = task.example_batch(model, cfg.train.batch_size)
     opt = build_optimizer(model, cfg.optim, device, lambda m: None)
@@ -52,7 +54,6 @@ def step_fn(cfg, device: torch.device = torch.device("cpu")):
 def held(base: dict, over: list, device: torch.device, threads: int = 0) -> tuple[int, int]:
     """(peak bytes of a steady-state step, bytes held between steps: weights, optimizer state, batch): the
     planner's measurement in a fresh process on a CPU, max_memory_allocated across a step on CUDA."""
-    from train.config import load_run_config
     from train.planner import measure_in_subprocess
     if device.type != "cuda":
         m = measure_in_subprocess(base, over, threads=threads)
@@ -68,7 +69,6 @@ def compare(base: dict, sides: dict, rounds: int, repeats: int = 0, device=torch
             threads: int = 0) -> tuple[harness.Rounds, dict, dict]:
     """The step of `base` with each side's overrides in alternating rounds -> (Rounds, {side: `repeats`
     measured peaks}, {side: its first step's seconds})."""
-    from train.config import load_run_config
     fns = {n: step_fn(load_run_config(None, o, base=base), device) for n, o in sides.items()}
     first = harness.warm_up(fns, say=lambda m: None)
     r = harness.run_rounds(fns, rounds, sync=lambda: sync(device), warmup=warmup - 1)
@@ -79,8 +79,6 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
     """max |g_accum - g_batch| / max |g_batch|: k micro-batches of the loop's optimizer_step against one batch
     k times larger, the same data (a recording optimizer keeps the gradients)."""
     from types import SimpleNamespace
-
-    from train.step import optimizer_step
     model, task = model_and_task(cfg, device)
     task.example_batch(model, 1)  # the task takes the model's settings, as before the loop's first step
     b, gen = cfg.train.batch_size, torch.Generator().manual_seed(1)
@@ -97,14 +95,11 @@ def accumulation_diff(cfg, k: int, device=torch.device("cpu")) -> float:
 
 
 def main(argv=None):
-    from train.benches.memory import base_of
-    from train.config import load_run_config
     from train.planner import MiB, plan
     p = harness.parser("checkpointing", __doc__, precision="fp32")
     p.add_argument("--families", type=harness.name_list(FAMILIES, "family"), default=list(FAMILIES))
     p.add_argument("--no-measure", action="store_true", help="leave out the measured peaks (a process each)")
-    args = p.setup(argv)
-    tables = {}
+    args, tables = p.setup(argv), {}
     for precision in args.precision:
         for family in args.families:
             spec, over = FAMILIES[family]
@@ -187,7 +182,6 @@ def claim_chunked_ce(ctx) -> list[dict]:
 def claim_grad_accum(ctx) -> list[dict]:
     """Gradient accumulation: k micro-batches against one batch k times larger, the same data: the gradients (the
     loop's optimizer_step), the step time and the step's peak."""
-    from train.config import load_run_config
     k, b = ctx.s.accum, ctx.s.llm["train"]["batch_size"]
     diff = accumulation_diff(load_run_config(None, [f"train.precision={ctx.precision}"], base=ctx.s.llm), k, ctx.device)
     r, peaks, _ = steps(ctx, {"one": [], "acc": [f"train.batch_size={b // k}", f"train.grad_accum={k}"]}, memory=True)
@@ -205,8 +199,6 @@ def claim_cuda_flags(ctx) -> list[dict]:
     if ctx.device.type != "cuda":
         return [dict(key=k, reason=f"this hardware has no CUDA device ({ctx.device.type})")
                 for k in ("TF32 matmuls", "cudnn.benchmark")]
-    from train.benches.convnets import build_pair, side
-    from train.config import load_run_config
     arch, batch, size = ctx.s.resnet
     data = [torch.randn(batch, 3, size, size, device=ctx.device), torch.randint(0, 1000, (batch,), device=ctx.device)]
     res = side(build_pair(arch, 1000)[0].to(ctx.device), data, ctx.device)

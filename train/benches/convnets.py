@@ -15,9 +15,14 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import OptimConfig, load_run_config
+from train.data.images import digits_dataset
 from train.hardware import sync
+from train.optim import build_optimizer
+from zoo.config import ConvNetConfig
 
 ARCHS = ["convnext_tiny", "convnextv2_tiny", "efficientnet_b0", "mobilenetv3_large_100"]
 VITS = ["vit_small_patch16_224", "deit_small_distilled_patch16_224"]
@@ -32,8 +37,6 @@ def build_pair(arch: str, num_classes: int):
     import tempfile
 
     import timm
-
-    import zoo
     torch.manual_seed(0)
     ref = timm.create_model(arch, pretrained=False, num_classes=num_classes)
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,8 +47,6 @@ def build_pair(arch: str, num_classes: int):
 
 def side(model, batch: list, device=torch.device("cpu"), compile: bool = False) -> harness.Side:
     """A training step of `model` on batch[0], batch[1] (a list: the caller may swap the tensors)."""
-    from train.config import OptimConfig
-    from train.optim import build_optimizer
     opt = build_optimizer(model, OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4), device, log=lambda *a: None)
     loss = lambda m: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1])  # noqa: E731
     return harness.Side(model, loss, opt, compile, device)
@@ -149,8 +150,6 @@ def crossover(data: dict, mode: str, precision: str = "fp32"):
 def drop_path(args) -> tuple[dict, dict]:
     """Each rate is the last block's (linear from 0 at the first, as in Huang et al. 2016); every mode has
     the same weights, batch and rate, channels-last."""
-    import zoo
-    from zoo.config import ConvNetConfig
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=g)
     batch = [x.contiguous(memory_format=torch.channels_last), torch.randint(0, 10, (args.batch,), generator=g)]
@@ -211,7 +210,6 @@ def recipe(args) -> tuple[dict, dict]:
 
 
 def confidence(out: Path) -> float:
-    import zoo
     return harness.run_task(out).predict(zoo.from_pretrained(out))[0].softmax(-1).max(-1).values.mean().item()
 
 
@@ -260,10 +258,6 @@ def claim_stochastic_depth(ctx) -> list[dict]:
     (drop_path_mode=batch, Huang et al. 2016) and the dropped rows skipped (skip), rates 0 to 0.5, paired rounds.
     Quality: a deep, thin ResNet on the digits without drop path and with the note's rates (1.0 kept at the first
     block to 0.5 at the last: drop_path_rate 0.5), loop runs per seed, no EMA."""
-    import zoo
-    from train.config import load_run_config
-    from train.data.images import digits_dataset
-    from zoo.config import ConvNetConfig
     arch, batch, size = ctx.s.resnet
     models = {}
     for name, rate, mode in (("none", 0.0, "mask"), ("batch", 0.5, "batch"), ("skip", 0.5, "skip")):

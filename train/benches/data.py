@@ -30,6 +30,11 @@ from pathlib import Path
 
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import load_run_config
+from train.data import (DataError, HFTokenizer, SentencePieceTokenizer, TextDataConfig, TokenData, documents,
+                        sample_documents, stdlib_files, train_bpe, train_sentencepiece)
+from train.data.shards import Shards, prepare, read_manifest
+from train.data.text_tokenizers import bpe_trainer, byte_level
 
 SIDES = ("zoo prepare", "tokenizer alone")
 FORMS = ("text", "jsonl", "parquet")
@@ -42,7 +47,6 @@ def generate(folder: Path, n_bytes: int, forms=FORMS, seed: int = 0) -> tuple[di
     n_bytes in all): one text file (documents joined by blank lines), a .jsonl, a folder of four Parquet shards."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from train.data import stdlib_files
     lines = [ln for f in stdlib_files() for ln in f.read_text(errors="replace").splitlines(keepends=True)]
     rng, folder = random.Random(seed), Path(folder)
     paths = {k: v for k, v in {"text": folder / "corpus.txt", "jsonl": folder / "corpus.jsonl",
@@ -76,8 +80,6 @@ def generate(folder: Path, n_bytes: int, forms=FORMS, seed: int = 0) -> tuple[di
 
 def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
     """{name: tokenizer} trained on a 4 MB sample of the corpus."""
-    from train.data import (HFTokenizer, SentencePieceTokenizer, documents, sample_documents, train_bpe,
-                            train_sentencepiece)
     sample = sample_documents((d.text for d in documents(str(corpus))), 4_000_000)
     sp = train_sentencepiece(sample, vocab, folder / "sp.model", log=lambda m: None)
     bpe = train_bpe(sample, vocab, folder / "tokenizer.json", log=lambda m: None)
@@ -87,7 +89,6 @@ def tokenizers(corpus: Path, folder: Path, vocab: int = 8192) -> dict:
 def tokenizer_alone(corpus: Path, tok, threads: int) -> int:
     """The corpus's documents (text files in pieces, as Zoo reads them) encoded in 8 MB batches by the tokenizer's own
     threads; the number of ids."""
-    from train.data import documents
     n, batch, size = 0, [], 0
     encode = (lambda texts: sum(map(len, tok.sp.encode(texts, num_threads=threads)))) if hasattr(tok, "sp") else (
         lambda texts: sum(len(e.ids) for e in tok.tok.encode_batch(texts, add_special_tokens=False)))
@@ -106,7 +107,6 @@ def shard_bytes(folder: Path) -> dict:
 
 
 def prepare_into(args, corpus: Path, tok, out: Path, workers: int, shard_tokens: int = 0, fresh: bool = True):
-    from train.data.shards import prepare
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
     return prepare(str(corpus), tok, out, boundary=(None, tok.eos_id), workers=workers,
@@ -115,8 +115,7 @@ def prepare_into(args, corpus: Path, tok, out: Path, workers: int, shard_tokens:
 
 def speed(args, folder: Path, out: dict):
     corpora, size = generate(folder, args.mb << 20, args.forms)
-    mb, toks = size / 1e6, tokenizers(next(iter(corpora.values())), folder)
-    rows = []
+    mb, toks, rows = size / 1e6, tokenizers(next(iter(corpora.values())), folder), []
     for form, corpus in corpora.items():
         for name, tok in toks.items():
             counts = {}
@@ -125,8 +124,7 @@ def speed(args, folder: Path, out: dict):
                                                                  args.workers).manifest["tokens"]),
                 SIDES[1]: lambda: counts.update(alone=tokenizer_alone(corpus, tok, args.workers))}, args.rounds)
             prepare_into(args, corpus, tok, folder / "one", 1)
-            same = shard_bytes(folder / "shards") == shard_bytes(folder / "one")
-            paired = r.paired(SIDES[0], SIDES[1])
+            same, paired = shard_bytes(folder / "shards") == shard_bytes(folder / "one"), r.paired(SIDES[0], SIDES[1])
             res = {"rounds": args.rounds, "identical_to_one_worker": same, "measured": harness.measured(),
                    **{f"paired_{k}": v for k, v in paired._asdict().items()}}
             for side, key in zip(SIDES, ("zoo", "alone")):
@@ -214,8 +212,6 @@ def rss(args, folder: Path, out: dict):
 def resume(args, folder: Path, out: dict):
     """Each form prepared whole, and in a fresh process SIGKILLed once half its chunks are in the shards (shards of
     about a tenth of the tokens), then prepared again: the shards of the two, byte for byte."""
-    from train.data import DataError, SentencePieceTokenizer
-    from train.data.shards import Shards, read_manifest
     model, rows = sp_model(args, folder), []
     tok = SentencePieceTokenizer(model)
     corpora, size = generate(folder / "resume", args.mb << 20, args.forms)
@@ -252,8 +248,6 @@ def resume(args, folder: Path, out: dict):
 
 def batches(args, folder: Path, out: dict):
     import torch
-    from train.config import load_run_config
-    from train.data import TextDataConfig, TokenData
     from train.planner import build_model
     corpus = folder / "corpus.jsonl"
     if not corpus.is_file():
@@ -266,8 +260,7 @@ def batches(args, folder: Path, out: dict):
     assemble = B * T / harness.run_rounds({"windows": lambda: data.windows("train", B, g)}, 1, calls=20,
                                           warmup=1).best("windows")
     torch.manual_seed(0)
-    model = build_model(preset).train()
-    x = torch.randint(0, preset.model.vocab_size, (1, T))
+    model, x = build_model(preset).train(), torch.randint(0, preset.model.vocab_size, (1, T))
     side = harness.Side(model, lambda m: m(x, x)[1], optimizer=SimpleNamespace(step=lambda: None,  # no optimizer
                                                                                zero_grad=model.zero_grad))
     trained = T / harness.run_rounds({"step": lambda: side.step(args.precision)}, 2, warmup=1).best("step")
@@ -280,16 +273,10 @@ def batches(args, folder: Path, out: dict):
 
 
 def direct_bpe(docs: list[str], vocab: int, path: Path):
-    """The byte-level BPE of data.tokenizer=bpe, trained by calling `tokenizers` directly."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from train.data.text_tokenizers import WORDS
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(WORDS), "isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                      show_progress=False))
+    """The byte-level BPE of data.tokenizer=bpe (its pre-tokenizer and trainer), trained by calling `tokenizers`
+    directly: none of train_bpe's checks, logging or atomic write."""
+    tok = byte_level()
+    tok.train_from_iterator(docs, bpe_trainer(vocab))
     tok.save(str(path))
 
 
@@ -299,14 +286,12 @@ KINDS = ("bpe", "superbpe")
 def stdlib_split(files: int = 0) -> tuple[list[str], list[str]]:
     """The standard library's .py files (the first `files`; 0: all): all but every tenth (training text), and
     every tenth (held out)."""
-    from train.data import stdlib_files
     texts = [f.read_text(errors="replace") for f in stdlib_files()[:files or None]]
     return [t for i, t in enumerate(texts) if i % 10], texts[::10]
 
 
 def subwords(kind: str, vocab: int):
     """The SuperBPE transition of data.tokenizer=`kind` (data.superbpe_transition of the vocabulary; bpe: None)."""
-    from train.data import TextDataConfig
     return int(vocab * TextDataConfig().superbpe_transition) if kind == "superbpe" else None
 
 
@@ -317,7 +302,6 @@ def tokens_per_byte(tok, docs: list[str]) -> float:
 def tokenizer_bench(args, folder: Path) -> tuple[dict, dict]:
     """bpe and superbpe trained on the standard library's sources but every tenth file, their tokens per byte on
     that tenth; and Zoo's BPE training against calling `tokenizers` directly on the same sample."""
-    from train.data import HFTokenizer, sample_documents, train_bpe
     docs, held = stdlib_split()
     sample = sample_documents(docs, args.train_chars)
     mb, quiet, out, rows, speed = sum(len(d.encode()) for d in sample) / 1e6, lambda m: None, {}, [], []

@@ -18,8 +18,16 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.benches.llm_speed import packaged_file
+from train.config import QAT_SCHEMES, load_run_config
+from zoo.blocks.chunked_ce import chunked_distillation_loss, distillation_loss
+from zoo.pruning import parse_pattern, prune as prune_model
+from zoo.quantization import Int4FakeQuantizer, compile_frozen, quantize, targets
+from zoo.weights.gguf_llm import config_from_gguf, load_tokenizer, read
+from zoo.weights.zoo_folder import cast_weights
 
 TINY = ROOT / "configs" / "llm" / "tiny.yaml"
 SCHEMES, PATTERNS, SPARSITY = ("int8wo", "int4wo", "8da4w"), ("unstructured", "2:4"), 0.5  # quantized's, prune's
@@ -40,9 +48,7 @@ NO_EVAL = ["train.checkpoint_every=0", "train.eval_every=0"]
 def base_model(args) -> Path:
     """--trained (a GGUF file converted once into --out as a Hugging Face folder with its tokenizer), or
     the embedded default (changed by --train-overrides) trained once into runs/bench-quantized/tiny[-hash]."""
-    import zoo
     if args.trained and Path(args.trained).suffix == ".gguf":
-        from zoo.weights.gguf_llm import load_tokenizer
         folder = Path(args.out) / Path(args.trained).stem
         if not (folder / "tokenizer.json").is_file():
             model = zoo.from_pretrained(args.trained)
@@ -59,25 +65,21 @@ def base_model(args) -> Path:
 
 def fine_tune(args, base: Path, name: str, seed: int, extra=()) -> dict:
     """The final row of a fine-tune of `base` (configs/llm/tiny.yaml's run settings) with `extra`."""
-    rows = harness.run_loop(TINY, Path(args.out) / f"{name}-seed{seed}", [
+    return harness.final(harness.run_loop(TINY, Path(args.out) / f"{name}-seed{seed}", [
         f"train.init_from={base}", f"train.max_steps={args.steps}", f"train.seed={seed}",
         f"train.eval_batches={args.eval_batches}", *NO_EVAL, "train.average_last=0", f"optim.lr={args.lr}",
         "optim.warmup_fraction=0.1", f"train.precision={args.precision}", *args.fine_tune_overrides.split(), *extra],
-        args.threads)
-    return harness.final(rows)
+        args.threads))
 
 
 # ---------------------------------------------------------------- quantized
 def quantized_copies(model, args, name: str) -> dict:
-    import zoo
     return {name: model, **{s: zoo.quantize(copy.deepcopy(model), s, args.group_size) for s in SCHEMES}}
 
 
 def quantized_speed(args) -> dict:
     """Generation of the SmolLM-135M shape (random weights) and its quantized copies, alternating rounds."""
-    import zoo
     from torchao.utils import get_model_size_in_bytes
-    from zoo.weights.zoo_folder import cast_weights
     base = args.precision
     torch.manual_seed(0)
     models = quantized_copies(cast_weights(zoo.build(ROOT / "configs" / "llm" / "smollm-135m.yaml"),
@@ -85,8 +87,7 @@ def quantized_speed(args) -> dict:
     prompt = torch.randint(0, models[base].config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     calls, outs = {s: (lambda m=m: m.generate(prompt, args.new_tokens)) for s, m in models.items()}, {}
     sides = harness.inference_sides(calls, "fp32", outs)  # fp32: no autocast, each model in its own dtype
-    first = harness.warm_up(sides)
-    r = harness.run_rounds(sides, args.rounds)
+    first, r = harness.warm_up(sides), harness.run_rounds(sides, args.rounds)
     rows = [[s, f"{get_model_size_in_bytes(models[s], ignore_embeddings=False) / 2**20:.0f}",
              f"{args.new_tokens / r.best(s):.3g}", f"{args.new_tokens / r.best(s, 'cpu'):.3g}", str(r.paired(s, base)),
              f"{first[s]:.1f}", "yes" if torch.equal(outs[s], outs[base]) else "no"] for s in calls]
@@ -97,11 +98,9 @@ def quantized_speed(args) -> dict:
 def quantized_quality(args) -> dict:
     """The trained model's validation windows scored by fp32, the base precision and each quantized copy;
     the change against the base precision: the mean per-batch difference (the batches pair)."""
-    import zoo
-    folder = base_model(args)
+    folder, base = base_model(args), args.precision
     task = harness.run_task(folder)
     batches = list(task.data.val_batches(task.cfg.train.batch_size, args.eval_batches))
-    base = args.precision
     models = {"fp32": zoo.from_pretrained(folder, dtype=torch.float32),
               **quantized_copies(zoo.from_pretrained(folder, dtype=harness.PRECISIONS[base]), args, base)}
     with torch.inference_mode():
@@ -112,16 +111,13 @@ def quantized_quality(args) -> dict:
                          f"{folder}: {len(batches)} validation batches, {sum(y.numel() for _, y in batches)} tokens")
 
 
-# ---------------------------------------------------------------- qat
 def qat(args, base) -> tuple[dict, dict]:
     """Per seed two int4 fine-tunes: ptq (train.quantize: the float model, its bf16 copy, that copy quantized)
     and qat (train.qat: fake-quantized, then converted). Both increases over the ptq run's bf16 copy."""
-    from train.config import QAT_SCHEMES
     seeds, group = [], f"train.quant_group_size={args.group_size}"
     for seed in args.seeds:
         p = fine_tune(args, base, "ptq-int4", seed, [group, f"train.quantize={QAT_SCHEMES['int4']}"])
-        q = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"])
-        ref = p["quant_ref_val_loss"]
+        q, ref = fine_tune(args, base, "qat-int4", seed, [group, "train.qat=int4"]), p["quant_ref_val_loss"]
         seeds.append({"seed": seed, "float": p["val_loss"], "ref": ref, "ptq": p["quant_val_loss"],
                       "qat": q["quant_val_loss"], "qat_fake": q["val_loss"], "qat_ref": q["quant_ref_val_loss"],
                       "ptq_increase": p["quant_val_loss"] - ref, "qat_increase": q["quant_val_loss"] - ref,
@@ -146,8 +142,6 @@ def numerics(folder: Path, group_size: int) -> dict:
     from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
     from torchao.quantization.quant_primitives import ZeroPointDomain
 
-    import zoo
-    from zoo.quantization import Int4FakeQuantizer, quantize, targets
 
     generic = lambda **kw: IntxFakeQuantizer(IntxFakeQuantizeConfig(  # noqa: E731
         torch.int4, group_size=group_size, is_symmetric=False, zero_point_domain=ZeroPointDomain.FLOAT, **kw))
@@ -175,14 +169,12 @@ def numerics(folder: Path, group_size: int) -> dict:
                          f"over {n} weights")
 
 
-# ---------------------------------------------------------------- prune
 def prune(args, base) -> tuple[dict, dict]:
     """Per pattern: the base pruned one-shot, a fine-tune with the masks held (recovered) against the same
     fine-tune dense, per seed; and torch's CSR matmul against the dense one on the pruned weights."""
-    from zoo.pruning import parse_pattern
     dense = [fine_tune(args, base, "dense", s)["val_loss"] for s in args.seeds]
-    base_loss, rows, speed, data = one_shot(args, base, []), [], [], {"dense": dense}
-    rows.append(["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""])
+    base_loss, speed, data = one_shot(args, base, []), [], {"dense": dense}
+    rows = [["base (no pruning, no fine-tune)", "0", f"{base_loss:.4f}", "", "", ""]]
     for pattern in PATTERNS:
         tag = pattern.replace(":", "of") if parse_pattern(pattern) else f"unstructured{SPARSITY:g}"
         over = [f"train.prune={pattern}", f"train.prune_sparsity={SPARSITY}"]
@@ -213,7 +205,6 @@ def val_loss(config, overrides: list, teacher: bool = False) -> float:
     import contextlib
 
     from train.builder import build_run
-    from train.config import load_run_config
     run = build_run(load_run_config(str(config), [*harness.QUIET, *overrides]))
     with torch.no_grad(), contextlib.nullcontext() if teacher else run.autocast():
         return run.task.evaluate(run.task.teacher if teacher else run.model)["val_loss"]
@@ -222,9 +213,6 @@ def val_loss(config, overrides: list, teacher: bool = False) -> float:
 def csr_speed(args, base: Path, pattern: str) -> dict:
     """{tokens: paired median of the dense matmul's time over CSR's} on every linear the pattern prunes (fp32)."""
     from torch.nn.functional import linear
-
-    import zoo
-    from zoo.pruning import prune as prune_model
     weights = [w.detach() for w, _ in prune_model(zoo.from_pretrained(base).float().eval(), pattern, SPARSITY).values()]
     csr, out = [w.to_sparse_csr() for w in weights], {}
     with torch.no_grad():
@@ -236,18 +224,14 @@ def csr_speed(args, base: Path, pattern: str) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- distill (memory)
 def distill_memory(args) -> tuple[dict, dict]:
     """One loss + backward of a student head against a teacher's hidden states: chunked_distillation_loss
     against distillation_loss on the full logits; the peak RSS each adds (best of alternating rounds)."""
-    from zoo.blocks.chunked_ce import chunked_distillation_loss, distillation_loss
-    g = torch.Generator().manual_seed(0)
-    N, V = args.tokens, args.vocab
+    g, N, V = torch.Generator().manual_seed(0), args.tokens, args.vocab
     h = torch.randn(N, args.d_model, generator=g).requires_grad_()
     w = (torch.randn(V, args.d_model, generator=g) * 0.02).requires_grad_()
     th, tw = torch.randn(N, 512, generator=g), torch.randn(V, 512, generator=g) * 0.02  # a teacher of d_model 512
-    y = torch.randint(0, V, (N,), generator=g)
-    peaks, losses = {"chunked": [], "full logits": []}, {}
+    y, peaks, losses = torch.randint(0, V, (N,), generator=g), {"chunked": [], "full logits": []}, {}
     with harness.autocast(args.precision):
         for _, side in harness.schedule(peaks, args.rounds):
             with harness.PeakRSS() as m:
@@ -264,7 +248,6 @@ def distill_memory(args) -> tuple[dict, dict]:
                                      "loss value"], rows)}, {"peaks": peaks}
 
 
-# ---------------------------------------------------------------- distill-quality
 def distill_quality(args) -> tuple[dict, dict]:
     """Per seed two runs from scratch, the student alone and with the teacher (train.teacher, kd_kind, kd_alpha,
     kd_temperature), both judged by their own cross-entropy on the same validation set."""
@@ -274,8 +257,6 @@ def distill_quality(args) -> tuple[dict, dict]:
     common = [f"train.precision={args.precision}", *NO_EVAL]
     teacher = Path(args.teacher) if args.teacher else out / "teacher"
     if teacher_over is None:  # a GGUF teacher: the student on its vocabulary, the data tokenized by its tokenizer
-        from zoo.weights.gguf_llm import config_from_gguf, load_tokenizer, read
-        from train.benches.llm_speed import packaged_file
         teacher, tok = Path(args.teacher) if args.teacher else packaged_file(), out / "tokenizer.json"
         if not tok.is_file():
             out.mkdir(parents=True, exist_ok=True)
@@ -287,9 +268,8 @@ def distill_quality(args) -> tuple[dict, dict]:
         harness.run_loop(ROOT / TEACHER_CONFIG.get(args.family, config), teacher, [*common, *teacher_over.split(),
                                                   "train.max_steps=200", *extra], args.threads or 1)
     student = (args.student if args.student is not None else student_over).split()
-    seeds = []
-    kd = [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}", f"train.kd_temperature={args.kd_temperature}",
-          f"train.kd_kind={args.kd_kind}"]
+    seeds, kd = [], [f"train.teacher={teacher}", f"train.kd_alpha={args.kd_alpha}",
+                     f"train.kd_temperature={args.kd_temperature}", f"train.kd_kind={args.kd_kind}"]
     for seed in args.seeds:
         over = [*common, *student, f"train.max_steps={args.steps}", f"train.seed={seed}", *extra]
         got = {side: harness.final(harness.run_loop(ROOT / config, out / f"{side}-seed{seed}", over + o,
@@ -309,13 +289,10 @@ def distill_quality(args) -> tuple[dict, dict]:
     return {"seeds": harness.table(columns, rows)}, {"seeds": seeds, "teacher": str(teacher)}
 
 
-# ---------------------------------------------------------------- convnet-ptq
 def convnet_ptq(args) -> tuple[dict, dict]:
     """Per seed: the digits preset trained, then zoo.quantize(model, "int8") (PT2E, x86 inductor quantizer,
     calibrated on training batches): top-1 and loss on the whole validation set. Speed on the first seed's
     model: fp32 eager, fp32 and int8 compiled with freezing (compile_frozen), alternating rounds."""
-    import zoo
-    from zoo.quantization import compile_frozen
     seeds, tables = [], {}
     for seed in args.seeds:
         folder = Path(args.out) / f"seed{seed}"

@@ -14,6 +14,7 @@ Quality: samples judged by a digits classifier (accuracy, Frechet distance of it
 from __future__ import annotations
 
 import copy
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import load_run_config
+from train.data.images import digits_dataset, write_photo_tiles
 from train.hardware import sync
+from train.sample import generate_run
+from train.sample_quality import Classifier, judge
+from train.tasks.diffusion import DiffusionTask, load_images, sample_grid, save_grid, train_autoencoder
+from train.tasks.text_to_image import DIGITS, load_captioned
 
 CONFIGS = ROOT / "configs" / "diffusion"
 TAEF2 = ROOT.parent / "shared" / "weights" / "taef2_encoder.pth"
@@ -42,15 +50,13 @@ def versus(r, a="zoo", b="diffusers") -> list[str]:
     return [f"{r.ratio(a, b):.2f}x", str(r.paired(a, b))]
 
 
-# ---------------------------------------------------------------- taesd
 def taesd(args) -> tuple[dict, dict]:
     """One encode + decode of a batch per call through each library's API (diffusers takes [-1, 1], Zoo [0, 1])."""
     from diffusers import AutoencoderTiny
     device = torch.device(args.device)
     torch.manual_seed(0)
     ref = AutoencoderTiny(latent_channels=4).eval()
-    ours = harness.zoo_copy(ref).eval()
-    rows, data, g = [], {}, torch.Generator().manual_seed(1)
+    ours, rows, data, g = harness.zoo_copy(ref).eval(), [], {}, torch.Generator().manual_seed(1)
     for prec in args.precision:
         for fmt in args.formats:
             mf, dt = harness.FORMATS[fmt], harness.PRECISIONS[prec]
@@ -98,8 +104,7 @@ def profile_step(step, steps: int) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    kinds = dict.fromkeys([*KINDS, "compiled kernels", "optimizer", "other"], 0.0)
-    events = prof.key_averages()
+    kinds, events = dict.fromkeys([*KINDS, "compiled kernels", "optimizer", "other"], 0.0), prof.key_averages()
     for e in events:
         kind = next((k for k, names in KINDS.items() if e.key in names),
                     "compiled kernels" if "CompiledFxGraph" in e.key else None)
@@ -193,14 +198,10 @@ def flux2(args) -> tuple[dict, dict]:
                                     "rounds)", "median of paired rounds (range)"], rows, shape)}, data
 
 
-# ---------------------------------------------------------------- latent-cache
 def latent_cache(args) -> tuple[dict, dict]:
     """Per DiT denoiser, two copies trained on the same rows: `cache` (task.train_batch reads the latent cache,
     the loop's path) against `encode` (the rows as decoded pixels in memory, encoded by the frozen TAEF2
     every step, which leaves PNG decoding out in its favour). The first denoiser's setup builds the cache."""
-    from train.config import load_run_config
-    from train.data.images import write_photo_tiles
-    from train.tasks.diffusion import DiffusionTask, load_images
     device, B, rows, data = torch.device(args.device), args.batch, [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -228,21 +229,15 @@ def latent_cache(args) -> tuple[dict, dict]:
                     z = task._normalised(ae.encode(pixels[idx]))
                 return task._noised(z, task.y_tr["train"][idx], gen, cfg.model.class_dropout)
             batches = {"cache": lambda step: task.train_batch(step, 0), "encode": encoded}
-            count = dict.fromkeys(batches, 0)
-
-            def loss(name):
-                def fn(model):
-                    count[name] += 1
-                    return task.loss(model, batches[name](count[name]))[0]
-                return fn
+            steps = {n: itertools.count(1) for n in batches}  # each side's own step count
+            loss = lambda n: lambda model: task.loss(model, batches[n](next(steps[n])))[0]  # noqa: E731
             for p in args.precision:
                 models = {n: copy.deepcopy(base) for n in batches}
                 calls = harness.step_calls({n: harness.Side(m, loss(n), torch.optim.AdamW(
                     m.denoiser.parameters(), lr=1e-4), device=device) for n, m in models.items()}, p)
                 r = harness.run_rounds(calls, args.rounds, calls=args.steps, sync=lambda: sync(device), warmup=1)
-                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p,
-                             f"{B / r.best('cache'):.2f}", f"{B / r.best('encode'):.2f}",
-                             str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
+                rows.append([f"DiT-{preset}/{patch}", f"{base.num_params() / 1e6:.1f}M", p, *(f"{B / r.best(n):.2f}"
+                             for n in batches), str(r.paired("cache", "encode")), f"{cache} ({setup_s:.1f})"])
                 data[f"DiT-{preset}/{patch} {p}"] = r.wall
     return {"speed": harness.table(["denoiser", "params", "precision", "cache img/s", "encode-every-step img/s",
                                     "speed-up, paired median (range)", "setup: latent cache (s)"], rows,
@@ -254,8 +249,6 @@ def digits_classifier(size: int):
     """Logistic regression on the training digits, seen as generated images are: size x size RGB in [0, 1]
     pooled back to 8x8 grey. Returns predict_proba(images) -> (N, 10)."""
     from sklearn.linear_model import LogisticRegression
-
-    from train.data.images import digits_dataset
     features = lambda x: F.adaptive_avg_pool2d(x.float().mean(1, keepdim=True), 8).flatten(1).cpu().numpy()  # noqa
     x, y = digits_dataset("train", size, 3)
     clf = LogisticRegression(max_iter=3000, C=1.0).fit(features(x), y.numpy())
@@ -265,8 +258,6 @@ def digits_classifier(size: int):
 def digits_judge(out: Path, steps: int = 200):
     """The judge of samples: the digits ResNet-10 trained `steps` steps through the loop into out/classifier, and its
     features of the training digits (the Frechet distance's reference). (Classifier, features)."""
-    from train.data.images import digits_dataset
-    from train.sample_quality import Classifier
     run = Path(out) / "classifier"
     harness.run_loop(ROOT / "configs" / "convnet" / "resnet-digits.yaml", run, [
         "data.val_fraction=0.1", "train.seed=0", f"train.max_steps={steps}", "train.resume=false",
@@ -286,9 +277,7 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
     """The digits preset trained through the loop with Min-SNR-5 and with uniform weighting, all else equal:
     {setting: {"curve": [(step, val_mse, ema_val_mse)], "rows", accuracy, confidence, confident (, classifier_fd:
     with `judge`, digits_judge's)}}; a samples PNG per setting in `out`."""
-    from train.data.images import digits_dataset
     from train.sample_quality import judge as judged
-    from train.tasks.diffusion import sample_grid, save_grid
     results, classify, config = {}, None, str(CONFIGS / "digits.yaml")
     for name, gamma in (("gamma=5", 5.0), ("uniform", "null")):
         over = [f"model.min_snr_gamma={gamma}", "train.resume=false", *([f"train.max_steps={steps}"] if steps else []),
@@ -314,11 +303,8 @@ def train_settings(out: Path, steps=None, precision=None, overrides=(), per_clas
 
 
 def ema_model(run: Path, config, over: list):
-    """(The run config of `config` with `over`, its model with the run's EMA weights, else its final ones, in eval
-    mode)."""
-    import zoo
+    """(`config` with `over`, its model with the run's EMA weights, else its final ones, in eval mode)."""
     from safetensors.torch import load_model
-    from train.config import load_run_config
     cfg = load_run_config(str(config), over)
     model, ema = zoo.build(cfg.model), run / "model_ema.safetensors"
     load_model(model, str(ema if ema.is_file() else run / "model.safetensors"))
@@ -328,10 +314,7 @@ def ema_model(run: Path, config, over: list):
 def min_snr(args) -> tuple[dict, dict]:
     from train.plots import line_plot
     res = train_settings(Path(args.out), args.steps, args.precision, args.overrides, args.per_class)
-    names = list(res)
-
-    def cell(point):  # validation MSE (the EMA's)
-        return f"{point[1]:.4f}" + (f" ({point[2]:.4f})" if point[2] is not None else "")
+    names, cell = list(res), lambda pt: f"{pt[1]:.4f}" + (f" ({pt[2]:.4f})" if pt[2] is not None else "")  # (EMA's)
     curve = [[s, *(cell(res[n]["curve"][i]) for n in names)] for i, (s, *_) in enumerate(res[names[0]]["curve"])]
     line_plot({n: [(s, v) for s, v, _ in r["curve"]] for n, r in res.items()}, Path(args.out) / "loss_curves.png",
               "step", "validation MSE (unweighted)", title="validation MSE of each weighting", markers=set(res))
@@ -348,8 +331,6 @@ def step_flops(cfg) -> dict:
     math kernel, whose matmuls it counts): {"forward", "train": forward + backward}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
-
-    import zoo
     model = zoo.build(cfg.model)
     B, C, s = cfg.train.batch_size, model.latent_channels, model.latent_size
     z, noise = torch.randn(B, C, s, s), torch.randn(B, C, s, s)
@@ -369,11 +350,6 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     """Per seed: the U-Net with eps and with flow matching for --steps steps, the DiT (eps) for the U-Net's
     training FLOPs; one shared autoencoder; each run's EMA (decay 1 - 8 / steps, within [0.9, 0.999])
     sampled --per-class times per digit and judged by a ResNet-10 digits classifier."""
-    import zoo
-    from train.config import load_run_config
-    from train.data.images import digits_dataset
-    from train.sample_quality import judge
-    from train.tasks.diffusion import load_images, sample_grid, train_autoencoder
     from zoo.diffusion.latent import build_autoencoder
     out = Path(args.out)
     judge_model, real = digits_judge(out)
@@ -406,8 +382,7 @@ def diffusion_quality(args) -> tuple[dict, dict]:
     per_seed, labels = {}, torch.arange(10).repeat_interleave(args.per_class)
     for seed in args.seeds:
         for name in RUNS:
-            run = out / f"{name}-seed{seed}"
-            over = overrides(name, seed, steps[name])
+            run, over = out / f"{name}-seed{seed}", overrides(name, seed, steps[name])
             rows = harness.run_loop(CONFIGS / RUNS[name][0], run, over, inproc=True, done="model_ema.safetensors")
             model = ema_model(run, CONFIGS / RUNS[name][0], over)[1]
             images = sample_grid(model, args.per_class, torch.device("cpu"), seed=seed, steps=25)
@@ -426,11 +401,6 @@ def prompt_adherence(args) -> tuple[dict, dict]:
     the share labelled as the prompt asked (chance 0.1) and the classifier FD to the training digits. Beside it the
     unconditional baseline: the same run with every caption dropped (data.caption_dropout=1), as many samples of
     the empty prompt from the same sampler and noise seeds."""
-    from train.config import load_run_config
-    from train.data.images import digits_dataset
-    from train.sample import generate_run
-    from train.sample_quality import judge
-    from train.tasks.text_to_image import DIGITS
     out, config = Path(args.out), CONFIGS / "digits-text.yaml"
     clf, real = digits_judge(out)
     prompts, labels = [f"a handwritten digit {d}" for d in DIGITS], torch.arange(10).repeat(args.per_class)
@@ -473,8 +443,6 @@ def styled_threes(folder: Path, n: int = 6) -> Path:
     """n held-out threes of the digits moved to the right edge (a style the digits never show) as PNGs captioned
     STYLE; a run holds one out, so it trains on n - 1."""
     from PIL import Image
-
-    from train.data.images import digits_dataset
     x, y = digits_dataset("val", 32, 3, 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     for i, im in enumerate(F.pad(x[y == 3][:n], (6, 0))[..., :32]):
@@ -489,10 +457,6 @@ def dreambooth(args) -> tuple[dict, dict]:
     seeds (the config's guidance) by the LoRA and by the base alone (and the base's "a handwritten digit three"): the
     share the digits classifier calls a three and the RMS pixel distance from each sample to the nearest of the five
     training images."""
-    import zoo
-    from train.config import load_run_config
-    from train.sample import generate_run
-    from train.tasks.text_to_image import load_captioned
     out, config = Path(args.out), CONFIGS / "digits-text.yaml"
     clf, base = digits_judge(out)[0], out / "digits-text-seed0"
     harness.run_loop(config, base, ["train.seed=0", "train.resume=false"], inproc=True, done="model_ema.safetensors")
@@ -573,9 +537,8 @@ def main(argv=None, preset: str = "taesd"):
     p = harness.parser(preset, __doc__, precision, rounds=speed, keep_memory=preset in ("dit", "latent-cache"),
                        one_precision=not speed, out=True,
                        seeds={"diffusion-quality": 2, "prompt-adherence": 1, "dreambooth": 2}.get(preset, 0))
-    p.add_argument("--batch", type=harness.positive_int, default={"taesd": 1}.get(preset, 8))
-    p.add_argument("--size", type=harness.positive_int, default={"taesd": 512, "latent-cache": 64}.get(preset, 16),
-                   help="image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side")
+    harness.counts(p, batch={"taesd": 1}.get(preset, 8), size=({"taesd": 512, "latent-cache": 64}.get(preset, 16),
+                   "image (taesd, latent-cache) or latent (dit) size; flux2: latent tokens per side"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=harness.positive_int, help="timed steps per round (training steps for min-snr, "
                    "diffusion-quality, dreambooth)", default={"min-snr": None, "diffusion-quality": 300,
@@ -606,9 +569,7 @@ def main(argv=None, preset: str = "taesd"):
     if preset == "latent-cache" and not args.weights.is_file():
         return print(f"latent-cache: skipped: {args.weights} is absent (the TAEF2 weights; pass --weights)")
     harness.setup(args)
-    run = {"taesd": taesd, "dit": dit, "flux2": flux2, "latent-cache": latent_cache, "min-snr": min_snr,
-           "diffusion-quality": diffusion_quality, "prompt-adherence": prompt_adherence, "dreambooth": dreambooth}
-    harness.save(args, *run[preset](args))
+    harness.save(args, *globals()[preset.replace("-", "_")](args))  # each preset's function bears its name
 
 
 # ---------------------------------------------------------------- the techniques report's claims
@@ -633,8 +594,7 @@ def claim_min_snr(ctx) -> list[dict]:
     """Min-SNR-5 against uniform weighting at equal steps, per seed (the min-snr bench's runs): the Frechet distance
     of each EMA model's samples to the training digits in the features of a digits ResNet-10 (digits_judge; lower is
     better), beside the unweighted validation MSE (what uniform weighting optimises) and the sample accuracy."""
-    n, ps = ctx.s.snr_steps, []
-    judge = digits_judge(ctx.work / "judge", ctx.s.judge_steps)
+    n, ps, judge = ctx.s.snr_steps, [], digits_judge(ctx.work / "judge", ctx.s.judge_steps)
     for seed in range(ctx.seeds):
         res = train_settings(ctx.work / f"min_snr_s{seed}", n, ctx.precision, [
             f"train.eval_every={max(1, n // 4)}", f"data.ae_steps={ctx.s.ae_steps}",

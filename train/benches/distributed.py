@@ -19,8 +19,14 @@ import time
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import OptimConfig, TrainConfig, load_run_config
+from train.distributed import Parallel, launch_env
+from train.optim import build_optimizer
+from train.step import optimizer_step
+from zoo.adapters import AdapterConfig, apply_adapters
 
 SIDES = ("1 process", "ddp", "fsdp")
 
@@ -32,30 +38,21 @@ def _local_bytes(t) -> int:
 
 def worker(args, strategy: str) -> dict:
     """One side's run in this process (a rank under torchrun): its memory and seconds per step."""
-    import zoo
-    from train.config import OptimConfig, TrainConfig
-    from train.distributed import Parallel, launch_env
-    from train.step import optimizer_step
-    from train.optim import build_optimizer
     steps, warmup, batch, seq_len, precision = args.steps, args.warmup, args.batch, args.seq, args.precision[0]
-    par = Parallel(strategy, launch_env())
-    device = torch.device("cpu")
+    par, device = Parallel(strategy, launch_env()), torch.device("cpu")
     par.init(device)
     try:
         torch.manual_seed(0)
         model = zoo.build(harness.llm_config(args))
         if args.worker_tune != "full":
-            from zoo.adapters import AdapterConfig, apply_adapters
             apply_adapters(model, AdapterConfig("lora", quantize_base="nf4" if args.worker_tune == "qlora" else "none"))
         model, fwd = par.wrap(model, precision, TrainConfig(), device, lambda m: None)
         fwd = fwd or model
-        optimizer = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None)
-        grads = []
+        optimizer, grads = build_optimizer(model, OptimConfig(lr=1e-4), device, log=lambda m: None), []
         optimizer.register_step_pre_hook(lambda opt, a, k: grads.append(
             sum(_local_bytes(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
-        scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+        scaler, B = torch.amp.GradScaler("cpu", enabled=precision == "fp16"), batch // par.world
         params = [p for p in model.parameters() if p.requires_grad]
-        B = batch // par.world
 
         def step(s):
             g = torch.Generator().manual_seed(s)
@@ -66,11 +63,10 @@ def worker(args, strategy: str) -> dict:
                                   agree=(lambda st: par.agree(st, False)[0]) if par.active else None)
 
         planned = planned_per_rank(args, strategy, par.world) if par.main else None
-        for s in range(warmup):
-            step(s)
-        par.barrier()
-        t0 = time.perf_counter()
-        for s in range(warmup, warmup + steps):
+        for s in range(warmup + steps):
+            if s == warmup:  # the timed steps start, every rank together
+                par.barrier()
+                t0 = time.perf_counter()
             step(s)
         par.barrier()
         dt = (time.perf_counter() - t0) / steps
@@ -87,7 +83,6 @@ def worker(args, strategy: str) -> dict:
 
 def planned_per_rank(args, strategy: str, world: int) -> int:
     """train/plan.py's peak per rank for the same step (model, adapter, AdamW, this rank's batch)."""
-    from train.config import load_run_config
     from train.planner import plan
     base = harness.llm_base(args.vocab, args.d_model, args.n_layers, args.n_heads, args.n_kv_heads or None,
                             args.batch // world, args.seq)

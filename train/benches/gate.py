@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import tempfile
+from functools import reduce
 from pathlib import Path
 
 from train.benches import harness
@@ -46,23 +47,16 @@ CHECKS = {
 GATE = harness.RESULTS / "gate.json"
 
 
-def _at(data: dict, path: tuple):
-    for key in path:
-        data = data[key]
-    return data
-
-
 def measure(check: str, rehearse: bool, threads) -> dict:
     """Run one check's benchmark: {'ratio': the paired median, 'noise': median - lower quartile}."""
     from train import bench
     argv, short, tiny, ours, ref = CHECKS[check]
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "result.json"
-        extra = ["--threads", str(threads)] if threads else []
+        out, extra = Path(d) / "result.json", ["--threads", str(threads)] if threads else []
         if bench.main([*argv, *(tiny if rehearse else short), *extra, "--json", str(out)]):
             raise RuntimeError(f"gate: the benchmark of {check!r} failed")
         data = json.loads(out.read_text())["data"]
-    r = [b / a for a, b in zip(_at(data, ours), _at(data, ref))]
+    r = [b / a for a, b in zip(*(reduce(lambda d, key: d[key], path, data) for path in (ours, ref)))]
     median = statistics.median(r)
     low = statistics.quantiles(r, n=4)[0] if len(r) > 1 else median
     return {"ratio": median, "noise": max(0.0, median - low)}
@@ -84,8 +78,7 @@ def main(argv=None):
     now, rows, failed = {}, [], []
     for check in args.checks:
         now[check] = m = measure(check, args.rehearse, args.threads)
-        c = committed.get(check)
-        low = falls(m, c)
+        c, low = committed.get(check), falls(m, committed.get(check))
         failed += [check] if low and not args.rehearse else []
         rows.append([check, f"{m['ratio']:.2f}x ± {m['noise']:.2f}", f"{c['ratio']:.2f}x" if c else "-",
                      "rehearsal" if args.rehearse else "FAILS" if low else "ok"])

@@ -25,9 +25,19 @@ from typing import NamedTuple
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
-from train.hardware import sync
+from train.benches.llm_speed import hf_config, hf_loss, zoo_loss
+from train.config import OptimConfig, load_run_config
+from train.docs import markdown
+from train.hardware import measure_peak_flops, sync, vendor_peak_flops
+from train.metrics import read_rows
+from train.optim import build_optimizer, state_bytes
+from train.step import to_device
+from zoo.blocks.attention import flash_available
+from zoo.blocks.attention_docs import attend_documents
+from zoo.tensors import tensor_bytes
 
 BENCH = [sys.executable, str(ROOT / "train" / "bench.py")]
 # the LLM rows' shapes: training batch x sequence, tokens generated, Llama-3.2-1B's layers kept (its compile fits a
@@ -114,10 +124,7 @@ def compiled(fn, args, **kw):
 def llama_pair(args, dev):
     """Zoo's Llama-3.2-1B (its first shape()['layers'] layers; rehearsed: TINY_LLAMA) and transformers'
     LlamaForCausalLM of the same shape, on dev."""
-    import zoo
     from transformers import LlamaForCausalLM
-    from train.benches.llm_speed import hf_config
-    from train.config import load_run_config
     s = shape(args)
     c = dataclasses.replace(load_run_config(str(ROOT / "configs/llm/llama-1b.yaml")).model, n_layers=s["layers"],
                             max_seq_len=s["seq"] + s["new"] + 128, **(TINY_LLAMA if args.rehearse else {}))
@@ -129,10 +136,6 @@ def llama_pair(args, dev):
 
 def llm_train(args, dev, modes=("bf16 eager", "bf16 compiled")) -> tuple[dict, dict]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from train.config import OptimConfig
-    from train.optim import build_optimizer
-    from train.benches.llm_speed import hf_loss, zoo_loss
-    from train.hardware import measure_peak_flops, vendor_peak_flops
     zm, hf = llama_pair(args, dev)
     B, T = shape(args)["batch"], shape(args)["seq"]
     ids = torch.randint(zm.config.vocab_size, (B, T + 1), device=dev)
@@ -170,8 +173,7 @@ def llm_train(args, dev, modes=("bf16 eager", "bf16 compiled")) -> tuple[dict, d
 def generate(args, dev) -> tuple[dict, dict]:
     """fp32: eager and CUDA-graph decoding must give the same greedy tokens (bf16's near-ties of a random model
     can differ between the two kernels' summation orders)."""
-    zm, new = llama_pair(args, dev)[0].eval(), shape(args)["new"]
-    rows_, data = [], {}
+    zm, new, rows_, data = llama_pair(args, dev)[0].eval(), shape(args)["new"], [], {}
     for B in (1,) if args.rehearse else (1, 32):  # (a rehearsal compiles one decoding step, on the CPU)
         ids = torch.randint(zm.config.vocab_size, (B, 128), device=dev)
         sides = {"eager": lambda: zm.generate(ids, new),
@@ -188,8 +190,6 @@ def generate(args, dev) -> tuple[dict, dict]:
 
 
 def attention(args, dev) -> tuple[dict, dict]:
-    from zoo.blocks.attention import flash_available
-    from zoo.blocks.attention_docs import attend_documents
     B, H, T, D, mean = (1, 2, 128, 16, 32) if args.rehearse else (4, 16, 8192, 128, 512)
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
@@ -217,7 +217,6 @@ def planner(args, dev) -> tuple[dict, dict]:
     """The plan against what the step reserves: the CUDA caching allocator's peak (rehearsed: the process's
     resident peak on the CPU)."""
     import train.planner as plan
-    from train.config import load_run_config
     B, T = shape(args)["batch"], shape(args)["seq"]
     tiny = [f"model.{k}={v}" for k, v in TINY_LLAMA.items()] + ["model.n_layers=2"] if args.rehearse else []
     cases = {"llama-1b": ("llama-1b.yaml", [f"train.batch_size={B}", f"data.seq_len={T}"]),
@@ -266,7 +265,6 @@ OWN = {"llm-train": llm_train, "llm-float8": lambda a, d: llm_train(a, d, ("floa
 # ---------------------------------------------------------------- the command
 def fsdp_row(out: Path, row: Row, rehearse: bool) -> tuple[dict, dict]:
     """The fsdp row: the loop's speed in one process, plain and under torchrun with FSDP2 (its metrics)."""
-    from train.metrics import read_rows
     cmd = command(row, out, rehearse)
     plain = [sys.executable, *cmd[cmd.index(str(ROOT / "train" / "run.py")):]]
     res, sides = {}, {"one process": plain, "FSDP2, 1 NCCL process": [*cmd, "train.parallel=fsdp"]}
@@ -346,10 +344,6 @@ def bytes_per_param(config: Path, over: list) -> dict:
     """{weights, gradients, optimizer states}: bytes per trained parameter of the run `config` builds, from its
     tensors after one forward, backward and optimizer step."""
     from train.builder import build_run
-    from train.config import load_run_config
-    from train.optim import state_bytes
-    from train.step import to_device
-    from zoo.tensors import tensor_bytes
     run = build_run(load_run_config(str(config), over))
     params = run.params()
     with run.train_context():
@@ -407,7 +401,6 @@ def main(argv=None, name: str = "gpu"):
 
 def save_both(args, tables: dict, data: dict, docs: bool = True):
     """The result in --out (gpu.json, gpu.md) and at --json (docs=False: --out only)."""
-    from train.docs import markdown
     out = Path(args.out)
     harness.save(args, tables, data, path=out / "gpu.json")
     (out / "gpu.md").write_text("\n".join(f"### {k}\n\n{markdown(t)}" for k, t in tables.items()))

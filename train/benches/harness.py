@@ -27,8 +27,14 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+import zoo
+from train.config import OptimConfig, load_run_config
+from train.docs import markdown
 from train.hardware import keep_freed_memory, libc, measure_peak_flops
+from train.metrics import read_rows
+from train.optim import build_optimizer
 from train.step import DTYPES as PRECISIONS, autocast_for  # PRECISIONS: train.precision's names (fp32, bf16, fp16)
+from zoo.config import LLMConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_ROUNDS = 8
@@ -240,10 +246,8 @@ def seed_list(at_least: int) -> Callable[[str], list[int]]:
 def parser(name: str, doc: str, precision: Optional[str] = "fp32,bf16", rounds: bool = True,
            keep_memory: bool = False, one_precision: bool = False, result: Optional[str] = "", out: bool = False,
            seeds: int = 0) -> ArgumentParser:
-    """The parser of `bench.py NAME` with the shared options: --precision (default `precision`, "": the
-    config's train.precision; one name with `one_precision`), --rounds, --threads, --no-keep-memory (training
-    benches), --json (default docs/results/RESULT.json, RESULT the name; None: no result file), --out
-    (runs/bench-NAME, the runs' folder) and --seeds (0,1,2; at least `seeds`)."""
+    """The parser of `bench.py NAME` with the shared options its arguments ask for (precision "": the config's
+    train.precision; result None: no --json); each option's help says its default."""
     p = ArgumentParser(prog=f"bench.py {name}", description=doc.strip().split("\n")[0])
     if precision is not None:
         kind = precision_name if one_precision else name_list(PRECISIONS, "precision")
@@ -271,8 +275,7 @@ SHAPE_ALIASES = {"n_layers": ["--layers"], "n_heads": ["--heads"], "n_kv_heads":
 
 
 def llm_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
-    """The LLM shape options of every LLM bench, with the bench's defaults: --d-model, --n-layers,
-    --n-heads, --n-kv-heads (0: as many as heads), --ffn (0: the config's), --experts, --vocab, --seq, --batch."""
+    """The LLM shape options of every LLM bench (`--n-layers` and so on), with the bench's defaults."""
     for key, default in defaults.items():
         p.add_argument("--" + key.replace("_", "-"), *SHAPE_ALIASES.get(key, []), dest=key, default=default,
                        type=int if key in ("n_kv_heads", "ffn") else positive_int)
@@ -281,7 +284,6 @@ def llm_args(p: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
 
 def llm_config(args, **over):
     """The LLMConfig of the shape options (and `over`)."""
-    from zoo.config import LLMConfig
     shape = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                  n_kv_heads=getattr(args, "n_kv_heads", 0) or None, ffn_hidden=getattr(args, "ffn", 0) or None,
                  max_seq_len=getattr(args, "seq", None))
@@ -334,8 +336,6 @@ class Side:
     loss(model or its compiled self, *batch) -> loss; backward; step; zero_grad(set_to_none)."""
 
     def __init__(self, model, loss, optimizer=None, compile: bool = False, device=torch.device("cpu")):
-        from train.config import OptimConfig
-        from train.optim import build_optimizer
         self.model, self.loss_fn, self.device = model.train(), loss, device
         self.fwd = torch.compile(model) if compile else model
         self.opt = optimizer or build_optimizer(model, OptimConfig(), device, log=lambda *a: None)
@@ -423,12 +423,10 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
     """The metrics rows of a run of `config` (a path or a base dict) with `overrides` into `out`: read
     back when `out/done` exists (done=None: never), else run by train/run.py in a process of its own
     (`threads` OMP threads) or in this one (`inproc`)."""
-    from train.metrics import read_rows
     out = Path(out)
     over = [f"train.out_dir={out}", *QUIET, *overrides]
     if done is None or not (out / done).exists():
         if inproc or isinstance(config, dict):
-            from train.config import load_run_config
             from train.loop import train
             cfg = (load_run_config(None, over, base=config) if isinstance(config, dict)
                    else load_run_config(str(config), over))
@@ -444,8 +442,6 @@ def run_loop(config, out, overrides: Iterable[str] = (), threads: Optional[int] 
 def zoo_copy(ref, **kw):
     """Zoo's model as zoo.from_pretrained reads the folder `ref` (a diffusers or transformers model) saves."""
     import tempfile
-
-    import zoo
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
         return zoo.from_pretrained(tmp, **kw)
@@ -454,7 +450,6 @@ def zoo_copy(ref, **kw):
 def run_task(folder):
     """The task of the run in `folder` (its config.yaml) with its data read, on the CPU."""
     from train.builder import new_task
-    from train.config import load_run_config
     return new_task(load_run_config(str(Path(folder) / "config.yaml")), torch.device("cpu"), "fp32", lambda m: None)
 
 
@@ -526,7 +521,6 @@ def table(columns: list[str], rows: Iterable[Iterable[object]], notes: str = "")
 
 def show(tables: dict):
     """Print each table as markdown (as docs/ shows it)."""
-    from train.docs import markdown
     for key, t in tables.items():
         print(f"\n{key}:\n" if key else "", markdown(t), sep="", end="", flush=True)
 
@@ -536,8 +530,7 @@ def load_result(path: Path) -> dict:
 
 
 def save(args, tables: dict, data: dict, path: Optional[Path] = None, show_tables: bool = True) -> None:
-    """Prints the tables and writes the result JSON (args.json): the command, the machine, the date, the
-    tables and the numbers; under docs/results/ the docs regions made from it are rewritten too."""
+    """Prints the tables and writes the result JSON (args.json); under docs/results/ the docs made from it too."""
     if show_tables:
         show(tables)
     path = Path(path or args.json)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import load_run_config
 
 LLM = ROOT / "configs" / "llm"
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
@@ -41,8 +43,6 @@ COLUMNS = {  # preset -> the table's columns (keys of `summary`)
 
 
 def flops_per_token(preset, name, seq) -> float:
-    import zoo
-    from train.config import load_run_config
     cfg, extra = RUNS[preset][name]
     return zoo.build(load_run_config(str(LLM / cfg), [*extra, f"data.seq_len={seq}"]).model).flops_per_token(seq)
 
@@ -78,8 +78,7 @@ def run(preset, name, args, steps: int, seed: int = 0, base=None) -> list[dict]:
 
 
 def peft_runs(args, names) -> dict:
-    """Fine-tunes of the base per method: rows, trainable and all parameters, state and weight bytes, peak RSS
-    and val loss."""
+    """Per method, its fine-tune of the base: rows, parameters, state and weight bytes, peak RSS, val loss."""
     base, res = make_base(args), {}
     for n in names:
         rows = run("peft", n, args, args.steps, base=base)
@@ -92,7 +91,6 @@ def peft_runs(args, names) -> dict:
 
 def trained(out: Path):
     """The final model of the run in `out` (eval mode) and its data."""
-    import zoo
     return zoo.from_pretrained(out).eval(), harness.run_task(out).data
 
 
@@ -145,8 +143,7 @@ def decisions(out: Path, batch: int, n_batches: int) -> dict:
 
 def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
     """A run's numbers, by the names of the table's columns."""
-    train = [r for r in rows if "loss" in r]
-    ev = harness.last_with(rows, "val_loss")
+    train, ev = [r for r in rows if "loss" in r], harness.last_with(rows, "val_loss")
     s = {"steps": steps, "val loss": f"{ev['val_loss']:.4f}", "val loss (top-k)": f"{ev['val_loss']:.4f}",
          "tokens/s (median)": f"{statistics.median(r['tokens_per_s'] for r in train):.0f}",
          "step s (median)": f"{statistics.median([r['step_time_s'] for r in train[1:] or train]):.2f}",
@@ -174,7 +171,6 @@ def summary(preset, name, rows, args, steps, fpt, base=None) -> dict:
 
 def make_base(args) -> Path:
     """The fine-tunes' base: --config's shape (--layers deep) with random weights, saved once."""
-    import zoo
     folder = Path(args.out) / "base"
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
@@ -184,8 +180,6 @@ def make_base(args) -> Path:
 
 def state_bytes(base: Path, extra: list) -> tuple[int, int, int]:
     """(trainable parameters, all parameters, bytes of the weights + the trainables' gradients and AdamW moments)."""
-    import zoo
-    from train.config import load_run_config
     from zoo.adapters import apply_adapters, count_params, param_bytes
     model, adapter = zoo.from_pretrained(base, dtype=torch.float32), load_run_config(None, extra, base={}).adapter
     if adapter.enabled:
@@ -212,11 +206,8 @@ def main(argv=None, preset: str = "llm-moe-quality"):
     peft = preset == "peft"
     p = harness.parser(preset, __doc__, precision="fp32" if peft else "", rounds=False, one_precision=True, out=True)
     harness.llm_args(p, **(dict(seq=128, batch=4) if peft else dict(seq=256, batch=16)))
-    p.add_argument("--steps", type=harness.positive_int, default=20 if peft else 600,
-                   help="steps (MoD: the dense run's)")
-    p.add_argument("--evals", type=harness.positive_int, default=6 if preset == "llm-moe-quality" else 4,
-                   help="evaluations per run")
-    p.add_argument("--eval-batches", type=harness.positive_int, default=8 if peft else 20)
+    harness.counts(p, steps=(20 if peft else 600, "steps (MoD: the dense run's)"), evals=(
+        6 if preset == "llm-moe-quality" else 4, "evaluations per run"), eval_batches=8 if peft else 20)
     p.add_argument("--runs", "--only", type=harness.name_list(RUNS[preset], "run"), default=",".join(RUNS[preset]))
     if peft:
         p.add_argument("--config", default="configs/llm/smollm-135m.yaml", help="the model shape")

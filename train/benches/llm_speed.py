@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.config import OptimConfig, TrainConfig
 
 PRESETS = {  # shape defaults, precision, decoded tokens (0: none), training (or decoding and loading only)
     "llm-train": (dict(d_model=384, n_layers=16, n_heads=6, n_kv_heads=2, vocab=32000, seq=512, batch=4), "bf16,fp32",
@@ -122,7 +124,6 @@ def hf_loss(ids):  # transformers shifts the labels itself (and adds router_aux_
 
 def pair(name, model, loss, modes, optimizer=None) -> dict:
     """name-eager and name-compile sides of one model, sharing its optimizer (the loop's AdamW by default)."""
-    from train.config import OptimConfig
     from train.optim import build_optimizer
     opt = optimizer or build_optimizer(model, OptimConfig(), torch.device("cpu"), log=lambda *a: None)
     return {f"{name}-{m}": harness.Side(model, loss, opt, compile=m == "compile") for m in modes}
@@ -133,7 +134,6 @@ def prepare(preset, args, tmp: Path) -> Path:
     weights (llm-generate, llm-train but Llama's), the GGUF file (gguf)."""
     import transformers
 
-    import zoo
     from zoo.config import MoEConfig
     folder = tmp / "model"
     torch.manual_seed(0)
@@ -156,8 +156,6 @@ def prepare(preset, args, tmp: Path) -> Path:
 
 def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
     """{side: harness.Side}, {side: model FLOPs per token} of the preset."""
-    import zoo
-    from train.config import OptimConfig, TrainConfig
     from train.tasks.lm import aux_losses
     torch.manual_seed(0)
     if preset == "llm-train":  # Llama's sides built side by side, another --arch's loaded: the same weights
@@ -206,7 +204,6 @@ def train_sides(preset, args, folder: Path, ids) -> tuple[dict, dict]:
 
 
 def mod_model(args, capacity: float):
-    import zoo
     torch.manual_seed(0)
     return zoo.build(harness.llm_config(args, max_seq_len=max(args.seq, PROMPT + args.new_tokens),
                                         mod_capacity=capacity, mod_every=2, mod_router="aux_loss"))
@@ -283,8 +280,7 @@ def hf_decoders(name, load, modes, **kw) -> dict:
 
 def vlm_prompt(args, text):
     """vlm: the prompt's text around one image's placeholders (the vocabulary's last id), and the image."""
-    n, half = (args.image_size // VISION["patch_size"] // SCALE) ** 2, text.shape[1] // 2
-    text = text % (args.vocab - 1)
+    n, half, text = (args.image_size // VISION["patch_size"] // SCALE) ** 2, text.shape[1] // 2, text % (args.vocab - 1)
     ids = torch.cat([text[:, :half], torch.full((1, n), args.vocab - 1), text[:, half:]], 1)
     return ids, {"pixel_values": torch.randn(1, 1, 3, args.image_size, args.image_size,
                                              generator=torch.Generator().manual_seed(2))}
@@ -292,7 +288,6 @@ def vlm_prompt(args, text):
 
 def decode_table(preset, args, folder, prec, prompt) -> dict:
     """Each side generating args.new_tokens tokens: Zoo's models (eager and compiled) and transformers'."""
-    import zoo
     n, dt = args.new_tokens, harness.PRECISIONS[prec]
     if preset == "llm-mod":
         models = {"dense": mod_model(args, 0.0).eval(), "mod": mod_model(args, CAPACITY).eval()}
@@ -319,8 +314,7 @@ def decode_table(preset, args, folder, prec, prompt) -> dict:
     outs = {}
     sides = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(sides, say=lambda m: print(f"  {prec} decoding {m}", flush=True))
-    r = harness.run_rounds(sides, args.rounds)
-    ref0 = next((k for k in calls if k.startswith(REF[preset])), None)
+    r, ref0 = harness.run_rounds(sides, args.rounds), next((k for k in calls if k.startswith(REF[preset])), None)
     rows = [[k, f"{r.best(k):.3f}", f"{r.median(k):.3f}", f"{n / r.best(k):.1f}", f"{n / r.best(k, 'cpu'):.1f}",
              f"{first[k]:.1f}", "-" if ref0 is None else ("yes" if torch.equal(outs[k], outs[ref0]) else "no"),
              *versus(r, k, reference(r, k, preset), ("wall", "cpu"))] for k in calls]
@@ -349,7 +343,6 @@ def load_child(side: str, path: str, precision: str) -> dict:
     dt, p = harness.PRECISIONS[precision], Path(path)
     kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
     if side == "zoo":
-        import zoo
         import zoo.weights
         for name in zoo.weights.FORMATS + ["zoo.llm"]:
             importlib.import_module(name)
@@ -379,8 +372,7 @@ def load_child(side: str, path: str, precision: str) -> dict:
 
 
 def load_table(args, path, prec) -> dict:
-    keys = ("cold", "warm", "cold_peak", "warm_peak", "resident", "weights")
-    got = {"zoo": [], "transformers": []}
+    keys, got = ("cold", "warm", "cold_peak", "warm_peak", "resident", "weights"), {"zoo": [], "transformers": []}
     for _, side in harness.schedule(got, args.load_rounds):  # fresh processes, alternating
         out = subprocess.run([sys.executable, str(ROOT / "train" / "bench.py"), args.preset, "--load-child", side,
                               str(path), prec, "--threads", str(torch.get_num_threads()), "--json", os.devnull],
@@ -405,7 +397,6 @@ def gguf_checks(args, path: Path, prec: str) -> tuple[dict, torch.Tensor]:
     """Tokenizers, logits and greedy answers of Zoo and transformers on the file; and the ChatML prompt's ids."""
     import transformers
 
-    import zoo
     from zoo.weights import gguf_llm
     dt, n = harness.PRECISIONS[prec], args.new_tokens
     ours, ref = zoo.from_pretrained(path, dtype=dt), hf_load(str(path.parent), dt, gguf_file=path.name).eval()

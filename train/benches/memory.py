@@ -43,8 +43,7 @@ def measure_row(name: str, repeat: int, threads: int) -> dict:
     spec, over = CONFIGS[name]
     base = base_of(spec)
     cfg = load_run_config(None, over, base=base)
-    p = plan(cfg)
-    runs = [measure_in_subprocess(base, over, threads=threads)["peak"] for _ in range(repeat)]
+    p, runs = plan(cfg), [measure_in_subprocess(base, over, threads=threads)["peak"] for _ in range(repeat)]
     return {"name": name, "family": cfg.family, "params": p.breakdown["params"] // 4,
             "tensors": p.peak_bytes - p.breakdown["allocator"], "allocator": p.breakdown["allocator"],
             "predicted": p.peak_bytes, "measured": max(runs), "runs": runs, "ratio": p.peak_bytes / max(runs)}

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from train.benches import harness
+from train.config import OptimConfig
+from train.plots import line_panels
 
 WIDTHS = (64, 128, 256, 512, 1024)
 
@@ -73,7 +75,6 @@ def coord_check(widths=WIDTHS, mup: bool = True, steps: int = 4, lr: float = 1e-
                 batch: int = 8, seq: int = 64, seed: int = 0, precision: str = "fp32") -> dict[int, dict[str, float]]:
     """{width: {layer: mean |x|}} after `steps` AdamW steps at `lr` (constant, no weight decay) of a byte-level LLM
     of each width; mup: muP against widths[0], else the standard parametrization."""
-    from train.config import OptimConfig
     data, out = stdlib_batches(steps + 1, batch, seq, seed), {}
     cfg = OptimConfig(lr=lr, weight_decay=0.0, schedule="constant", warmup_steps=0)
     for width in widths:
@@ -90,25 +91,21 @@ def growth(scales: dict[int, dict[str, float]]) -> dict[str, float]:
     return {n: hi[n] / lo[n] for n in lo}
 
 
-def held_out_loss(model, batches: list[torch.Tensor], precision: str) -> float:
-    with torch.no_grad(), harness.autocast(precision):
-        return sum(model(b[:, :-1], b[:, 1:])[1].item() for b in batches) / len(batches)
-
-
 def lr_transfer(widths, log2_lrs, seeds, steps: int, batch: int, seq: int, layers: int, heads: int, precision: str,
                 evals: int = 8, say=print, seed_done=lambda out: None) -> dict:
     """{side: {width: {log2 lr: [held-out loss per seed]}}} for the standard parametrization and muP (against
     widths[0]): every width trains `steps` steps of batch x seq tokens of the first stdlib sources at each peak LR
     2^k with AdamW as the loop's defaults set it (warmup, cosine decay, weight decay), then reads its mean loss on
     `evals` batches of later sources it never saw. seed_done(out) is called as each seed ends."""
-    from train.config import OptimConfig
     held = stdlib_batches(evals, batch, seq, files=slice(40, None))
     out = {side: {w: {k: [] for k in log2_lrs} for w in widths} for side in ("standard", "muP")}
     for seed in seeds:  # seeds outermost: a sweep cut short still covers every width
         data = stdlib_batches(steps, batch, seq, seed)
         for side, width, k in ((s, w, k) for s in out for w in widths for k in log2_lrs):
-            model = tiny_llm(width, widths[0] if side == "muP" else None, layers, heads, seq, seed)
-            loss = held_out_loss(train_steps(model, data, OptimConfig(lr=2.0 ** k), precision), held, precision)
+            model = train_steps(tiny_llm(width, widths[0] if side == "muP" else None, layers, heads, seq, seed), data,
+                                OptimConfig(lr=2.0 ** k), precision)
+            with torch.no_grad(), harness.autocast(precision):
+                loss = sum(model(b[:, :-1], b[:, 1:])[1].item() for b in held) / len(held)
             out[side][width][k].append(loss)
             say(f"  seed {seed} {side} width {width} lr 2^{k}: held-out loss {loss:.4f}")
         seed_done(out)
@@ -122,8 +119,7 @@ def best_lr(losses: dict) -> int:
 
 
 def transfer_tables(result: dict, log2_lrs: list[int], note: str) -> tuple[dict, dict]:
-    """The tables (per side: loss at every LR with its interval, best LR; a summary of the best LR's shift) and the
-    best log2 LR of each side and width."""
+    """The tables (per side the loss at every LR, and the best LR's shift) and each side's best log2 LR per width."""
     best = {side: {w: best_lr(r) for w, r in by_width.items()} for side, by_width in result.items()}
     edge = (min(log2_lrs), max(log2_lrs))
     tables = {side: harness.table(
@@ -140,22 +136,15 @@ def transfer_tables(result: dict, log2_lrs: list[int], note: str) -> tuple[dict,
     return tables, best
 
 
-def plot_transfer(result: dict, png) -> None:
-    """Held-out loss (seed mean) against log2 LR, a line per width, the parametrizations side by side."""
-    from train.plots import line_panels
-    line_panels({side: {f"width {w}": [(k, sum(v) / len(v)) for k, v in r.items()] for w, r in by_width.items()}
-                 for side, by_width in result.items()}, png, "log2 peak LR", "held-out loss")
-
-
 def save_transfer(args, result: dict):
-    """The tables, plot (beside the JSON) and result JSON of the seeds `result` holds (a sweep cut short leaves its
-    finished seeds)."""
+    """The tables, plot and result JSON of the seeds `result` holds (a sweep cut short keeps its finished seeds)."""
     seeds = args.seeds[:len(result["muP"][args.widths[0]][args.log2_lrs[0]])]
     kw = {k: getattr(args, k) for k in ("steps", "batch", "seq", "layers", "heads", "precision")}
     note = (f"after {args.steps} steps of {args.batch} x {args.seq} bytes ({args.steps * args.batch * args.seq} tokens "
             f"at every width), {args.layers} layers of {args.heads} heads, seeds {seeds}")
     tables, best = transfer_tables(result, args.log2_lrs, note)
-    plot_transfer(result, args.json.with_suffix(".png"))
+    line_panels({side: {f"width {w}": [(k, sum(v) / len(v)) for k, v in r.items()] for w, r in by_width.items()}
+                 for side, by_width in result.items()}, args.json.with_suffix(".png"), "log2 peak LR", "held-out loss")
     harness.save(args, tables, {"loss": result, "best_log2_lr": best, "log2_lrs": args.log2_lrs,
                                 "widths": args.widths, "seeds": seeds, **kw})
 
@@ -181,8 +170,7 @@ def main(argv=None, name: str = "mup-coord"):
     harness.counts(p, layers=2, heads=4)
     args = p.setup(argv)
     kw = dict(steps=args.steps, lr=args.lr, layers=args.layers, heads=args.heads, precision=args.precision)
-    scales = {side: coord_check(args.widths, side == "muP", **kw) for side in ("standard", "muP")}
-    tables = {}
+    scales, tables = {side: coord_check(args.widths, side == "muP", **kw) for side in ("standard", "muP")}, {}
     for side, s in scales.items():
         g = growth(s)
         rows = [[n, *(f"{s[w][n]:.4g}" for w in args.widths), f"{g[n]:.2f}x"] for n in g]

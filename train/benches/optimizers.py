@@ -13,7 +13,11 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
+from train.config import OptimConfig, load_run_config
+from train.metrics import read_rows
+from train.optim import OPTIMIZERS, build_optimizer, state_bytes
 
 REFERENCE = "adamw"
 LR_START = {"adamw": 2e-3, "sgd": 0.1, "adafactor": 1e-2, "lion": 3e-4, "muon": 2e-3, "adamw8bit": 2e-3,
@@ -23,7 +27,6 @@ MUON_LR = 0.02
 
 def build_model(args):
     """An LLM of the shape options (args.d_model, n_layers, n_heads, vocab): full attention heads, tied."""
-    import zoo
     torch.manual_seed(0)
     return zoo.build(harness.llm_config(args, n_kv_heads=args.n_heads, max_seq_len=256, tie_embeddings=True))
 
@@ -39,9 +42,7 @@ def with_gradients(model, seed: int = 0):
 def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print) -> tuple:
     """Every optimizer of `configs` (name -> OptimConfig) on `model` (holding fixed gradients), stepped in
     alternating rounds -> (harness.Rounds, {name: state bytes after a step}, {name: build notes})."""
-    from train.optim import build_optimizer, state_bytes
-    device = next(model.parameters()).device
-    opts, notes = {}, {}
+    device, opts, notes = next(model.parameters()).device, {}, {}
     for name, cfg in configs.items():
         msgs = []
         opts[name] = build_optimizer(model, cfg, device, log=msgs.append)
@@ -59,7 +60,6 @@ def time_optimizers(model, configs: dict, rounds: int, steps: int = 1, say=print
 
 
 def memory_and_time(args, names) -> dict:
-    from train.config import OptimConfig
     model = with_gradients(build_model(args))
     n = sum(p.numel() for p in model.parameters())
     configs = {k: OptimConfig(name=k, lr=1e-5, muon_lr=1e-5) for k in names}
@@ -74,9 +74,7 @@ def memory_and_time(args, names) -> dict:
 
 def train_run(args, over: list) -> tuple[dict, list]:
     """The final row and the val-loss curve of a run of the embedded default with `over` (and --set)."""
-    from train.config import load_run_config
     from train.loop import train
-    from train.metrics import read_rows
     from train.run import DEFAULT_CONFIG
     with tempfile.TemporaryDirectory() as tmp:
         over = [f"train.out_dir={tmp}", *harness.QUIET, "train.checkpoint_every=0", "train.average_last=0",
@@ -130,7 +128,6 @@ def lr_find(args) -> dict:
 
 
 def main(argv=None, preset: str = "optimizers"):
-    from train.optim import OPTIMIZERS
     p = harness.parser(preset, __doc__, precision="fp32", rounds=preset == "optimizers", one_precision=True)
     harness.llm_args(p, d_model=512, n_layers=8, n_heads=8, vocab=32000)
     p.add_argument("--optimizers", type=harness.name_list(OPTIMIZERS, "optimizer"), default=",".join(OPTIMIZERS))
@@ -155,7 +152,6 @@ def main(argv=None, preset: str = "optimizers"):
 # ---------------------------------------------------------------- the techniques report's claims
 def claim_fused(ctx) -> list[dict]:
     """Fused AdamW (one kernel for the whole update) against the for-each one: the optimizer step."""
-    from train.config import OptimConfig
     model = with_gradients(build_model(ctx.s.opt).to(ctx.device))
     configs = {k: OptimConfig(name="adamw", lr=1e-5, fused=k == "fused") for k in ("foreach", "fused")}
     r, b, _ = time_optimizers(model, configs, ctx.n_rounds, steps=2, say=lambda m: None)
@@ -166,7 +162,6 @@ def claim_fused(ctx) -> list[dict]:
 
 def claim_state(ctx) -> list[dict]:
     """Optimizer-state bytes after a step (train.optim.state_bytes) of each optimizer against AdamW's."""
-    from train.config import OptimConfig
     model = with_gradients(build_model(ctx.s.opt).to(ctx.device))
     names = ["adamw", "adamw8bit", "lion", "sgd", "adafactor"]
     r, b, _ = time_optimizers(model, {k: OptimConfig(name=k, lr=1e-5) for k in names}, ctx.n_rounds, say=lambda m: None)

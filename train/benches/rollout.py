@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
 from train.benches.llm_speed import hf_config, hf_decoders, hf_load
@@ -42,7 +43,6 @@ def prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sides(args, folder: Path, prec: str) -> dict:
-    import zoo
     dt, (ids, mask), G, n = harness.PRECISIONS[prec], prompts(args), args.group, args.new_tokens
     rows, row_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     model = zoo.from_pretrained(folder, dtype=dt).eval()
@@ -63,8 +63,7 @@ def rollout_table(args, folder: Path, prec: str) -> tuple[dict, dict]:
     calls, outs = sides(args, folder, prec), {}
     fns = harness.inference_sides(calls, prec, outs)
     first = harness.warm_up(fns, say=lambda m: print(f"  {prec} rollouts {m}", flush=True))
-    r = harness.run_rounds(fns, args.rounds)
-    done, rows = args.prompts * args.group, []
+    r, done, rows = harness.run_rounds(fns, args.rounds), args.prompts * args.group, []
     for k in calls:
         ref = "transformers-" + k.split("-")[1]
         rows.append([k, f"{r.median(k):.3f}", f"{done / r.median(k):.1f}", f"{done / r.best(k):.1f}", f"{first[k]:.1f}",
@@ -133,7 +132,6 @@ def memory(args) -> dict:
     over `--steps` steps, everything resident counted): full fine-tuning and LoRA, each without and with a
     KL reference. Full fine-tuning keeps a frozen copy for it; LoRA's reference is the base with its
     adapters off, so its KL should cost no copy."""
-    import zoo
     model = {"vocab_size": args.vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
              "n_kv_heads": args.n_kv_heads, "max_seq_len": 128}
     base = zoo.build({"family": "llm", "model": model})

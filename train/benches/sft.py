@@ -12,19 +12,19 @@ from pathlib import Path
 
 import torch
 
+import zoo
 from train.benches import harness
 from train.benches.harness import ROOT
+from train.data import ByteTokenizer, load_tokenizer_file
+from train.data.chat_data import ChatData
+from train.data.chat_example import KINDS, conversations
+from train.data.conversations import ChatDataConfig, ChatTemplate
 
 SIDES = {"packed": dict(pack=True), "padded-bucketed": dict(pack=False),
          "padded-random": dict(pack=False, bucket_batches=1)}
 
 
 def packing(args) -> dict:
-    import zoo
-    from train.data import ByteTokenizer, load_tokenizer_file
-    from train.data.chat_data import ChatData
-    from train.data.chat_example import conversations
-    from train.data.conversations import ChatDataConfig, ChatTemplate
     tok = load_tokenizer_file(args.tokenizer) if Path(args.tokenizer).is_file() else ByteTokenizer()
     rows = [(m, ("synthetic", i + 1)) for i, m in enumerate(conversations("train", args.conversations))]
     torch.manual_seed(0)
@@ -43,8 +43,7 @@ def packing(args) -> dict:
                 side.step(args.precision, *batch)
         sides[name] = one_pass
     harness.warm_up(sides)
-    r = harness.run_rounds(sides, args.rounds)
-    ref = info["padded-bucketed"]["tokens"]
+    r, ref = harness.run_rounds(sides, args.rounds), info["padded-bucketed"]["tokens"]
     out = []  # tokens/s against tokens/s: a pass's last batch is filled from its start, so passes differ a little
     for name, i in info.items():
         paired = harness.Paired(*(v * i["tokens"] / ref for v in r.paired(name, "padded-bucketed")))
@@ -59,10 +58,8 @@ def packing(args) -> dict:
 
 def quality(args) -> dict:
     from train.chat import ChatSession, load
-    from train.data.chat_example import KINDS, conversations
     convs = conversations("val", args.conversations)
-    dtype = str(harness.PRECISIONS[args.precision]).removeprefix("torch.")
-    res = {}
+    dtype, res = str(harness.PRECISIONS[args.precision]).removeprefix("torch."), {}
     for run in [args.base, *args.runs.split(",")]:  # a folder without a template answers in ChatML
         chat, hits = ChatSession(*load(run, dtype=dtype), max_new_tokens=40), {k: [] for k in KINDS}
         for i, c in enumerate(convs):

@@ -17,6 +17,8 @@ from pathlib import Path
 from train.benches import harness
 from train.benches.data import KINDS, stdlib_split, subwords, tokens_per_byte
 from train.benches.harness import ROOT
+from train.config import load_run_config
+from train.data import HFTokenizer, TextDataConfig, sample_documents, train_bpe
 
 
 def jsonl(path: Path, docs: list[str]) -> Path:
@@ -27,7 +29,6 @@ def jsonl(path: Path, docs: list[str]) -> Path:
 
 
 def tokenizer(kind: str, vocab: int, docs: list[str], out: Path) -> Path:
-    from train.data import TextDataConfig, sample_documents, train_bpe
     path = out / f"{kind}.json"
     if not path.is_file():
         train_bpe(sample_documents(docs, TextDataConfig().sp_train_chars), vocab, path, subwords(kind, vocab), print)
@@ -45,8 +46,7 @@ def val_bpb(args, kind: str, tok: Path, corpus: dict, seed: int) -> float:
 
 
 def compare(bpb: dict, per_byte: dict, seeds: list[int], notes: str) -> dict:
-    """The table: per tokenizer its tokens per byte, val_bpb per seed and their mean ± 95% interval; then the
-    difference superbpe - bpe seed by seed, with its interval and verdict."""
+    """Per tokenizer its tokens per byte and val_bpb per seed; then superbpe - bpe seed by seed, with its verdict."""
     rows = [[k, f"{per_byte[k]:.4f}", *(f"{b:.4f}" for b in v), harness.interval_text(v, ".4f")] for k, v in bpb.items()]
     diff = [s - b for s, b in zip(bpb["superbpe"], bpb["bpe"])]
     rows.append(["superbpe - bpe", f"{per_byte['superbpe'] - per_byte['bpe']:+.4f}", *(f"{d:+.4f}" for d in diff),
@@ -67,12 +67,10 @@ def main(argv=None):
     docs, held = stdlib_split(args.files)
     corpus = {"train": jsonl(out / "train.jsonl", docs), "val": jsonl(out / "val.jsonl", held)}
     toks = {k: tokenizer(k, args.vocab, docs, out) for k in KINDS}
-    from train.data import HFTokenizer
     per_byte = {k: tokens_per_byte(HFTokenizer(t), held) for k, t in toks.items()}
     with ThreadPoolExecutor(args.jobs) as pool:  # each run is a process of its own
         runs = {k: [pool.submit(val_bpb, args, k, t, corpus, s) for s in args.seeds] for k, t in toks.items()}
     bpb = {k: [r.result() for r in v] for k, v in runs.items()}
-    from train.config import load_run_config
     cfg = load_run_config(str(ROOT / "configs/llm/tiny.yaml"), args.override)
     tokens = args.steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     notes = (f"configs/llm/tiny.yaml {' '.join(args.override)} at vocab {args.vocab:,}: {args.steps} steps x "
