@@ -269,3 +269,18 @@ def test_interval_text_forms_and_positive_integer_options(capsys):
     assert capsys.readouterr().err == "bench.py x: error: argument --steps: must be >= 1, got 0\n"
     help_ = " ".join(p.format_help().split())
     assert help_.index("--steps STEPS --new-tokens NEW_TOKENS tokens per row") > help_.index("--threads")
+
+
+def test_distributed_launches_parse_under_torchrun(monkeypatch):
+    """The DDP / FSDP2 sides' torchrun commands parse with the bench's own --nproc among the script's options (which
+    torchrun's parser once read as an ambiguous abbreviation of its --nproc-per-node, exit 2)."""
+    import types
+    from torch.distributed.run import get_args_parser
+    from train.benches import distributed
+    seen = []
+    monkeypatch.setattr(distributed.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or types.SimpleNamespace(
+        returncode=0, stdout="{}\n", stderr=""))
+    args = types.SimpleNamespace(argv=["--steps", "2", "--nproc", "2", "--nproc=2"], nproc=2, worker_tune="full")
+    distributed.launch("ddp", args, "fp32")
+    torchrun = get_args_parser().parse_args(seen[0][seen[0].index("torch.distributed.run") + 1:])
+    assert torchrun.nproc_per_node == "2" and torchrun.training_script_args[:3] == ["distributed", "--steps", "2"]

@@ -96,7 +96,9 @@ def planned_per_rank(args, strategy: str, world: int) -> int:
 def launch(side: str, args, precision: str) -> dict:
     """Run one side in fresh processes (bench.py distributed --worker); the JSON rank 0 prints."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.nproc) if side == "1 process" else "1"}
-    flags = [*args.argv, "--worker", "none" if side == "1 process" else side, "--precision", precision,
+    at = {i for i, a in enumerate(args.argv) if a == "--nproc"}  # torchrun's parser would read it as its own
+    argv = [a for i, a in enumerate(args.argv) if not (at & {i, i - 1} or a.startswith("--nproc="))]
+    flags = [*argv, "--worker", "none" if side == "1 process" else side, "--precision", precision,
              "--worker-tune", args.worker_tune]
     run = [] if side == "1 process" else ["-m", "torch.distributed.run", "--standalone",
                                           f"--nproc-per-node={args.nproc}"]
