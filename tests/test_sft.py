@@ -107,6 +107,30 @@ def test_chat_prompt_errors_are_one_line(tmp_path, capsys):
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
 
 
+def test_chat_template_option(tmp_path, capsys):
+    """--template: a .jinja file or a built-in name replaces the model's template (a base model has none: ChatML
+    otherwise); the prompt the model sees is the chosen template's; none, or a missing file: one line, exit 2."""
+    from zoo.weights import zoo_folder
+    torch.manual_seed(0)
+    zoo_folder.save(zoo.build({"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}),
+                    tmp_path / "base", tokenizer="bytes")
+    jinja = tmp_path / "plain.jinja"
+    jinja.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% endif %}")
+    model, tok, template = load(str(tmp_path / "base"), template_name=str(jinja))
+    assert template.name == str(jinja) and load(str(tmp_path / "base"))[2].name == "built-in chatml"
+    assert template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True) == "user: Hi\nassistant:"
+    ids = tok.encode("user: Hi\nassistant:")
+    want = tok.decode(model.generate(torch.tensor([ids]), max_new_tokens=4)[0, len(ids):].tolist())
+    assert len(want) == 4  # seeded: no stop inside the four answer bytes
+    assert chat_main([str(tmp_path / "base"), "--prompt", "Hi", "--max-new-tokens", "4", "--template", str(jinja)]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    for bad, says in (("none", "--template none"), (str(tmp_path / "missing.jinja"), "missing.jinja")):
+        assert chat_main([str(tmp_path / "base"), "--prompt", "Hi", "--template", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_batch_gives_the_loss_and_gradients_of_one_conversation_per_forward(packed):
     """Padded rows, or conversations packed into rows (document masking, positions restarting per

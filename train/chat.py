@@ -127,14 +127,19 @@ def _held_back(text: str, stop: str) -> int:
     return n
 
 
-def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Optional[str] = None):
+def load(path: str, device: str = "auto", dtype: str = "float32", tokenizer: Optional[str] = None,
+         template_name: Optional[str] = None):
     """(model, tokenizer, template) of anything zoo.from_pretrained loads (a run, adapter or Hugging Face
-    folder, a GGUF file); the template its own or its base's, else ChatML."""
+    folder, a GGUF file); the template `template_name` names (a built-in name or a path), else the model's own or
+    its base's, else ChatML."""
     import zoo
     from train.data import DataError
-    from train.data.conversations import ChatTemplate, tokenizer_and_template
+    from train.data.conversations import ChatTemplate, choose_template, tokenizer_and_template
     from train.step import resolve_device
+    if template_name == "none":
+        raise DataError("--template none: a chat needs a template (chatml, a template file or folder)")
     tok, template = tokenizer_and_template(path, tokenizer)
+    template = choose_template(template_name, template)
     model = zoo.from_pretrained(path, dtype=getattr(torch, dtype), device=resolve_device(device))
     if getattr(model, "family", None) not in ("llm", "vlm"):
         raise DataError(f"{path}: not an LLM or a vision-language model")
@@ -158,11 +163,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the weights' dtype")
     p.add_argument("--tokenizer", help="a tokenizer file or 'bytes' (default: the model's own, else its base's)")
     p.add_argument("--image", help="an image file the first message is about (a vision-language model)")
+    p.add_argument("--template", help="chatml, a template file or folder (default: the model's own, else chatml)")
     args = p.parse_args(argv)
     from zoo.config import ConfigError
     from train.data import DataError
     try:
-        model, tokenizer, template = load(args.dir, args.device, args.dtype, args.tokenizer)
+        model, tokenizer, template = load(args.dir, args.device, args.dtype, args.tokenizer, args.template)
         images = None
         if args.image is not None:
             if getattr(model, "family", None) != "vlm":
