@@ -221,7 +221,8 @@ def conv_bn_pairs(model: nn.Module):
 
 
 CONFIGS = [ConvNetConfig(arch=a, stem=s) for a in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
-           for s in ("imagenet", "small")] + [ConvNetConfig(arch="resnext50_32x4d"), ConvNetConfig(arch="wide_resnet50_2")]
+           for s in ("imagenet", "small")] + [ConvNetConfig(arch="resnext50_32x4d"), ConvNetConfig(arch="wide_resnet50_2")] \
+    + [ConvNetConfig(arch="resnet50", stem="deep", avg_down=True), ConvNetConfig(arch="resnet18", stem="deep_tiered")]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.arch}-{c.stem}")

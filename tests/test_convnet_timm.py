@@ -64,6 +64,62 @@ def test_timm_weights_in_and_out(tmp_path, arch, cls):
         assert (back(x) - want).abs().max().item() <= 1e-5
 
 
+# timm's ResNet-C / -D / -T: (name, the Zoo arch it loads as, stem, avg_down)
+RESNET_VARIANTS = [("resnet10t", "resnet18", "deep_tiered", True), ("resnet18d", "resnet18", "deep", True),
+                   ("resnet26d", "resnet50", "deep", True), ("resnet50c", "resnet50", "deep", False),
+                   ("resnet50d", "resnet50", "deep", True)]
+
+
+@pytest.mark.parametrize("name,arch,stem,avg_down", RESNET_VARIANTS, ids=[v[0] for v in RESNET_VARIANTS])
+def test_timm_resnet_deep_stem_and_avg_down_in_and_out(tmp_path, name, arch, stem, avg_down):
+    """timm's resnet*c/d/t file -> Zoo (stem and shortcut read from the keys): max |logits diff| <= 1e-5 on an odd
+    size (65: the shortcut's ceil-mode pooling has a partial window); Zoo's export -> timm (strict): the same."""
+    ref = random_timm(name, num_classes=7)
+    path = tmp_path / f"{name}.pth"
+    torch.save(ref.state_dict(), path)
+    model = zoo.from_pretrained(path)
+    c = model.config
+    assert (c.arch, c.stem, c.avg_down, c.num_classes) == (arch, stem, avg_down, 7)
+    x = torch.randn(2, 3, 65, 65, generator=torch.Generator().manual_seed(1))
+    back = timm.create_model(name, pretrained=False, num_classes=7, device="meta").eval()
+    back.load_state_dict(tw.read_state_dict(zoo.save_pretrained(model, tmp_path / "export.safetensors")),
+                         strict=True, assign=True)
+    with torch.no_grad():
+        want = ref(x)
+        assert want.abs().max() > 0.1
+        for ours in (model, back):
+            assert (ours(x) - want).abs().max().item() <= 1e-5
+
+
+def test_timm_resnet_s_is_a_one_line_error():
+    """resnet50s: a 128-channel deep stem before 64-plane stages, which Zoo's width (stem = stage width) cannot build."""
+    with torch.device("meta"):
+        sd = timm.create_model("resnet50s", pretrained=False).state_dict()
+    with pytest.raises(ValueError, match=r"^r50s: a deep stem of 128 channels before a first stage of 256: timm's "
+                                         r"resnet\*s/e .* do not load") as e:
+        tw.config_from_state_dict(sd, source="r50s")
+    assert "\n" not in str(e.value)
+
+
+def test_deep_stem_avg_down_resnet_trains_from_scratch():
+    """A digits-sized ResNet-T (deep-tiered stem, average-pool shortcuts) built from a config takes a training
+    step, channels-last as contiguous (conftest's check)."""
+    torch.manual_seed(0)
+    cfg = ConvNetConfig(arch="resnet18", layers=[1, 1], width=16, stem="deep_tiered", avg_down=True, in_chans=1,
+                        num_classes=10, zero_init_last=False)
+    model = build(cfg)
+    assert [m.out_channels for m in model.conv1 if isinstance(m, nn.Conv2d)] == [6, 8, 16]
+    assert isinstance(model.layer2[0].downsample[0], nn.AvgPool2d)
+    x, y = torch.randn(4, 1, 17, 17), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        before = nn.functional.cross_entropy(model(x), y).item()
+    assert_channels_last_step_matches(model, x, y, 1e-4)  # leaves the contiguous model's gradients
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())  # every tensor learns
+    torch.optim.SGD(model.parameters(), lr=0.05).step()
+    with torch.no_grad():
+        assert nn.functional.cross_entropy(model(x), y).item() < before
+
+
 def test_timm_folder_names_the_arch_and_safetensors_load(tmp_path):
     from safetensors.torch import save_file
     import json
@@ -219,6 +275,12 @@ def test_config_errors_name_the_key():
         zoo.build({"family": "convnet", "model": {"arch": "convnext_tiny", "groups": 2}})
     with pytest.raises(ConfigError, match="arch must be one of"):
         zoo.build({"family": "convnet", "model": {"arch": "efficientnet_b9"}})
+    with pytest.raises(ConfigError, match=r"model.stem='deep' applies to resnet archs, not convnext_tiny"):
+        zoo.build({"family": "convnet", "model": {"arch": "convnext_tiny", "stem": "deep"}})
+    with pytest.raises(ConfigError, match=r"model.avg_down applies to resnet archs, not efficientnet_b0"):
+        zoo.build({"family": "convnet", "model": {"arch": "efficientnet_b0", "avg_down": True}})
+    with pytest.raises(ConfigError, match=r"model.stem='deep_tiered' needs a width divisible by 8 .*got 12"):
+        zoo.build({"family": "convnet", "model": {"arch": "resnet18", "stem": "deep_tiered", "width": 12}})
 
 
 def test_flops_match_the_papers_figures():

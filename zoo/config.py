@@ -696,6 +696,7 @@ MOBILENETV3_ARCHS: dict[str, tuple] = {f"mobilenetv3_{size}_{round(mult * 100):0
     ("large", 1.0), ("large", 0.75), ("small", 0.5), ("small", 0.75), ("small", 1.0))}
 CONVNET_KINDS: dict[str, dict] = {"resnet": RESNET_ARCHS, "convnext": CONVNEXT_ARCHS,
                                   "efficientnet": EFFICIENTNET_ARCHS, "mobilenetv3": MOBILENETV3_ARCHS}
+DEEP_STEMS = ("deep", "deep_tiered")  # ResNet's three-conv stems (timm's stem_type)
 # the keys that shape only some kinds (the rest apply to all): key -> kinds
 _CONVNET_KEY_KINDS = {"block": ("resnet",), "groups": ("resnet",), "width_per_group": ("resnet",),
                       "layers": ("resnet", "convnext"), "width": ("resnet", "convnext"),
@@ -720,8 +721,13 @@ class ConvNetConfig:
                                             # multiples of 8); null: the preset's
     depth_mult: Optional[float] = bounded(None, gt=0)  # EfficientNet, MobileNetV3: blocks-per-stage multiplier
                                             # (rounded up); null: the preset's (1.0 for MobileNetV3)
-    stem: Literal["imagenet", "small"] = "imagenet"  # `imagenet` (the architecture's own downsampling stem) or
-                                            # `small` (for 32x32 inputs: a stem that keeps the resolution)
+    stem: Literal["imagenet", "small", "deep", "deep_tiered"] = "imagenet"  # `imagenet` (the architecture's own
+                                            # downsampling stem) or `small` (for 32x32 inputs: a stem that keeps the
+                                            # resolution); ResNet only: `deep` (timm's resnet*c/d: three 3x3 convs,
+                                            # width/2, width/2, width) or `deep_tiered` (resnet*t: 3*(width/8), width/2,
+                                            # width), each before the max-pool
+    avg_down: bool = False                  # ResNet: a strided shortcut average-pools (2x2) before its 1x1 conv
+                                            # (timm's resnet*d/t) instead of striding the conv
     in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
     num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
@@ -745,6 +751,12 @@ class ConvNetConfig:
              f"must be a non-empty list of positive block counts, got {self.layers}"),
             (kind != "resnet" and self.drop_path_mode != "mask", "drop_path_mode",
              f"applies to resnet archs, not {self.arch} (they use mask)"),
+            (kind != "resnet" and self.stem in DEEP_STEMS, "stem",
+             f"={self.stem!r} applies to resnet archs, not {self.arch} (use imagenet or small)"),
+            (kind != "resnet" and self.avg_down, "avg_down", f"applies to resnet archs, not {self.arch}"),
+            (kind == "resnet" and self.stem in DEEP_STEMS and self.resolved_width % 8, "stem",
+             f"={self.stem!r} needs a width divisible by 8 (its convs are width/2 and 3*width/8), "
+             f"got {self.width}"),  # (the preset's 64 is)
             (kind == "resnet" and self.resolved_block == "basic" and (self.resolved_groups,
                                                                       self.resolved_width_per_group) != (1, 64),
              "block", "='basic' needs groups=1 and width_per_group=64")])

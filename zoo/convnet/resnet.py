@@ -3,7 +3,9 @@
     image (B, C, H, W) -> stem -> layer1..layer4 -> global average pool -> fc -> logits (B, num_classes)
 
 Paper: He et al., "Deep Residual Learning for Image Recognition" (2015), stride on the 3x3 conv ("ResNet v1.5").
-Stems "imagenet" (7x7/2 + max-pool) and "small" (3x3/1, 32x32 images). Parameter names are timm's and torchvision's.
+Stems "imagenet" (7x7/2 + max-pool), "small" (3x3/1, 32x32 images), and timm's "deep" / "deep_tiered" (three 3x3
+convs + max-pool: resnet*c/d/t, Bag of Tricks, He et al. 2018) with `avg_down` (2x2 average pool before a strided
+shortcut's 1x1 conv). Parameter names are timm's and torchvision's.
 """
 from __future__ import annotations
 
@@ -99,15 +101,43 @@ class Bottleneck(nn.Module):
 BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
+def deep_stem(c_in: int, width: int, tiered: bool, bn_eps: float) -> nn.Sequential:
+    """timm's three 3x3 convs (the first strided), BN + ReLU between, no BN after the last (the model's bn1):
+    widths width/2, width/2, width (`deep`) or 3*width/8, width/2, width (`deep_tiered`)."""
+    half = width // 2
+    mid = 3 * (half // 4) if tiered else half
+    return nn.Sequential(conv_bn(c_in, mid, 3, 2), nn.BatchNorm2d(mid, eps=bn_eps), nn.ReLU(inplace=True),
+                         conv_bn(mid, half, 3), nn.BatchNorm2d(half, eps=bn_eps), nn.ReLU(inplace=True),
+                         conv_bn(half, width, 3))
+
+
+def shortcut(c_in: int, c_out: int, stride: int, avg_down: bool, bn_eps: float) -> nn.Sequential:
+    """The projection shortcut: a strided 1x1 conv + BN, or with `avg_down` a 2x2 average pool (when strided; timm's
+    ceil mode, padding not counted) then a stride-1 1x1 conv + BN, under timm's indices (downsample.1 / .2)."""
+    if not avg_down:
+        return nn.Sequential(conv_bn(c_in, c_out, 1, stride), nn.BatchNorm2d(c_out, eps=bn_eps))
+    pool = nn.AvgPool2d(2, stride, ceil_mode=True, count_include_pad=False) if stride != 1 else nn.Identity()
+    return nn.Sequential(pool, conv_bn(c_in, c_out, 1), nn.BatchNorm2d(c_out, eps=bn_eps))
+
+
+def stem_conv(cfg: ConvNetConfig, width: int) -> nn.Module:
+    """conv1 of each stem: 7x7/2 (imagenet), 3x3/1 (small), or the three convs of deep / deep_tiered."""
+    if cfg.stem == "imagenet":
+        return conv_bn(cfg.in_chans, width, 7, stride=2)
+    if cfg.stem == "small":
+        return conv_bn(cfg.in_chans, width, 3)
+    return deep_stem(cfg.in_chans, width, cfg.stem == "deep_tiered", cfg.bn_eps)
+
+
 class ResNet(ConvNetBase):
     def __init__(self, cfg: ConvNetConfig):
         super().__init__(cfg)
         cfg = self.config
         block, layers, w = BLOCKS[cfg.resolved_block], cfg.resolved_layers, cfg.resolved_width
-        self.conv1 = conv_bn(cfg.in_chans, w, 7, stride=2) if cfg.stem == "imagenet" else conv_bn(cfg.in_chans, w, 3)
+        self.conv1 = stem_conv(cfg, w)
         self.bn1 = nn.BatchNorm2d(w, eps=cfg.bn_eps)
         self.act1 = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1) if cfg.stem == "imagenet" else nn.Identity()
+        self.maxpool = nn.Identity() if cfg.stem == "small" else nn.MaxPool2d(3, stride=2, padding=1)
 
         rates = iter(linear_drop_rates(sum(layers), cfg.drop_path_rate))
         c_in = w
@@ -117,8 +147,7 @@ class ResNet(ConvNetBase):
             blocks = []
             for j in range(n):
                 s = stride if j == 0 else 1
-                down = nn.Sequential(conv_bn(c_in, c_out, 1, s), nn.BatchNorm2d(c_out, eps=cfg.bn_eps)) \
-                    if s != 1 or c_in != c_out else None
+                down = shortcut(c_in, c_out, s, cfg.avg_down, cfg.bn_eps) if s != 1 or c_in != c_out else None
                 blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group,
                                     next(rates), cfg.bn_eps, cfg.drop_path_mode))
                 c_in = c_out
@@ -143,7 +172,7 @@ class ResNet(ConvNetBase):
         self.reset_classifier(self.config.num_classes)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet stem) or / 8 (small)."""
+        """(B, in_chans, H, W) -> (B, num_features, H / 32, W / 32) (imagenet, deep stems) or / 8 (small)."""
         x = self.maxpool(self.act1(self.bn1(self.conv1(x))))
         for block in self.units():
             x = block(x)

@@ -74,9 +74,6 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     """Infer a ConvNetConfig from timm-layout keys and shapes: ResNet and ConvNeXt from their stages,
     EfficientNet and MobileNetV3 as the preset whose every shape matches; or the preset `arch` names.
     `base`: a saved Zoo config the file carries (Zoo's own exports)."""
-    if "conv1.0.weight" in sd:
-        raise ValueError(f"{source}: deep stem (conv1.0/conv1.3/conv1.6, timm's resnet*c/d/t variants) "
-                         "is not supported; only the plain conv1 stem is")
     kind = kind_of(sd)
     if kind is None:
         raise ValueError(f"{source}: not a ConvNet state dict in timm's layout (none of {', '.join(SIGNATURES)}: "
@@ -92,7 +89,8 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
         cfg = dict(base)
     else:
         cfg = INFER[kind](sd, arch, source) if kind in INFER else {} if arch is None else {"arch": arch}
-    cfg.update(in_chans=sd[STEMS[kind]].shape[1])
+    stem = STEMS[kind] if STEMS[kind] in sd else "conv1.0.weight"  # a ResNet's deep stem: its first conv
+    cfg.update(in_chans=sd[stem].shape[1])
     head = HEADS[kind] + ".weight"
     if head in sd:
         cfg["num_classes"] = sd[head].shape[0]
@@ -107,14 +105,29 @@ STEMS = {"resnet": "conv1.weight", "convnext": "stem.0.weight", "efficientnet": 
          "mobilenetv3": "conv_stem.weight"}
 
 
-def _resnet(sd, arch, source) -> dict:
-    """Depth from the blocks per stage, bottleneck from conv3, groups / width from conv2, stem from conv1."""
+def _resnet_stem(sd, source) -> dict:
+    """{width, stem} from conv1: one 7x7 (imagenet) or 3x3 (small) conv, or timm's three (conv1.0 / .3 / .6: deep,
+    or deep_tiered where the first is narrower than the second)."""
+    if "conv1.0.weight" in sd:
+        first, second, width = (sd[f"conv1.{i}.weight"].shape[0] for i in (0, 3, 6))
+        out = sd.get("layer1.0.conv3.weight", sd["layer1.0.conv2.weight"]).shape[0]  # basic: width, bottleneck: 4x
+        if out not in (width, 4 * width):
+            raise ValueError(f"{source}: a deep stem of {width} channels before a first stage of {out}: timm's "
+                             "resnet*s/e (a stem wider than the stages) do not load; resnet*c/d/t do")
+        return dict(width=width, stem="deep" if first == second else "deep_tiered")
     stem_w = sd["conv1.weight"]
     if stem_w.ndim != 4 or stem_w.shape[-1] not in (3, 7):
         raise ValueError(f"{source}: conv1.weight has shape {tuple(stem_w.shape)}; expected a 7x7 (imagenet) "
                          "or 3x3 (small) stem conv")
-    width = stem_w.shape[0]
-    cfg = dict(width=width, stem="imagenet" if stem_w.shape[-1] == 7 else "small")
+    return dict(width=stem_w.shape[0], stem="imagenet" if stem_w.shape[-1] == 7 else "small")
+
+
+def _resnet(sd, arch, source) -> dict:
+    """Depth from the blocks per stage, bottleneck from conv3, groups / width from conv2, stem from conv1,
+    avg_down from a shortcut's conv at downsample.1 (its BN then at .2)."""
+    cfg = _resnet_stem(sd, source)
+    width = cfg["width"]
+    cfg["avg_down"] = any(k.startswith("layer") and ".downsample.2." in k for k in sd)
     if arch is not None:
         return {**cfg, "arch": arch}
     depths = _depths(sd, "layer{}.", ".conv1.weight", start=1)
