@@ -171,10 +171,13 @@ def test_another_architectures_file_is_one_line_error(tmp_path):
 
 
 def test_reshaped_export_loads_back_as_it_is(tmp_path):
-    """A digits-sized model (stride-1 stem, width multiplier no preset has) saved by Zoo comes back the same."""
+    """A digits-sized model (stride-1 stem, width multiplier no preset has, a ResNet-T's stem) saved by Zoo comes back
+    the same."""
     for cfg in [ConvNetConfig(arch="efficientnet_b0", width_mult=0.25, depth_mult=0.3, stem="small", in_chans=1,
                               num_classes=10),
-                ConvNetConfig(arch="convnextv2_tiny", layers=[1, 1], width=8, stem="small", num_classes=3)]:
+                ConvNetConfig(arch="convnextv2_tiny", layers=[1, 1], width=8, stem="small", num_classes=3),
+                ConvNetConfig(arch="resnet18", layers=[1, 1], width=16, stem="deep_tiered", avg_down=True,
+                              num_classes=3)]:
         model = build(cfg).eval()
         zoo.save_pretrained(model, tmp_path / "m.safetensors")
         back = zoo.from_pretrained(tmp_path / "m.safetensors")
