@@ -457,6 +457,21 @@ def test_a_model_trained_from_scratch_exports_token_ids_its_vocabulary_holds(tmp
     assert_same_logits(hf, z.eval())
 
 
+@pytest.mark.parametrize("preset", ["qwen3_5-0.8b", "qwen3-next-80b-a3b", "lfm2-350m"])
+def test_a_hybrid_without_an_attention_layer_is_saved_as_a_zoo_folder(tmp_path, preset):
+    """Two layers of a 3:1 (Qwen3.5, Qwen3-Next) or conv-first (LFM2) pattern are recurrent only: transformers'
+    cache for those classes takes its length from an attention layer, so no forward with a cache runs there. The
+    Hugging Face export refuses it in one line and save_pretrained writes a Zoo folder that loads back unchanged."""
+    z = zoo.build(f"configs/llm/{preset}.yaml", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  vocab_size=300)
+    from zoo.weights import hf_llm
+    with pytest.raises(ValueError) as e:
+        hf_llm.save(z, tmp_path / "hf")
+    assert "\n" not in str(e.value) and "no attention layer" in str(e.value)
+    back = zoo.from_pretrained(zoo.save_pretrained(z, tmp_path / "zoo"))
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), z.state_dict().values()))
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-no-q-rank-yarn", "deepseek-v32",
                                   "glm5-shared-index-groups-top5-heads3-yarn-raw-topk"])

@@ -1,7 +1,7 @@
 """LFM2 (Liquid AI): gated short convolutions (`conv` layers) between attention layers with per-head q/k RMSNorm;
 its own names for the norms, the attention output, the MLP (w1, w3, w2) and the final norm (embedding_norm), and a
 config.json whose intermediate_size is scaled and rounded unless block_auto_adjust_ff_dim is false."""
-from .record import ROPES, Record
+from .record import ROPES, Record, no_attention
 
 
 class Lfm2(Record):
@@ -17,6 +17,9 @@ class Lfm2(Record):
                "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2", "model.norm.": "model.embedding_norm."}
     mixers = {"conv": "conv"}
     gguf, gguf_writes = "lfm2", True
+
+    def refuses(self, cfg):
+        return no_attention(cfg)
 
     def config(self, hf, get, n_layers):
         ffn = hf["intermediate_size"]

@@ -5,7 +5,7 @@ plain RoPE). Qwen3-Next: the same layers with a Qwen2-MoE-style sparse MLP (a sh
 gate), its DeltaNet projections fused per key head (in_proj_qkvz: q, k, v, z; in_proj_ba: b, a). Qwen3.5-MoE (text):
 Qwen3.5's layers with Qwen3-Next's sparse MLP in every layer, its top-k weights always renormalised."""
 from .qwen import QWEN_MOE, qwen_moe, qwen_moe_to_hf
-from .record import ROPES, Record
+from .record import ROPES, Record, no_attention
 
 
 class Qwen3_5(Record):
@@ -18,6 +18,9 @@ class Qwen3_5(Record):
     mixers = {"linear_attention": "linear_attn"}
     gguf, gguf_writes = "qwen35", True
     gguf_renames = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
+
+    def refuses(self, cfg):
+        return no_attention(cfg)
 
     def config(self, hf, get, n_layers):
         return {"qk_norm": True, "attn_gate": True, "recurrent": {

@@ -68,6 +68,14 @@ def features(cfg: LLMConfig) -> set:
     return (named | recurrent | {k for k, v in flags.items() if v}) - {None}
 
 
+def no_attention(cfg: LLMConfig) -> str:
+    """`Record.refuses` of the hybrid classes whose transformers cache reads the sequence length from an attention
+    layer: a model of recurrent layers only runs there in no forward that keeps a cache (generate included)."""
+    if all(cfg.layer_type(i) in RECURRENT_TYPES for i in range(cfg.n_layers)):
+        return "no attention layer (transformers' cache of this class takes its length from one)"
+    return ""
+
+
 def attention_bias(get) -> dict:
     """qkv_bias and attn_out_bias from config.json's one `attention_bias` (on q, k, v and o)."""
     return dict.fromkeys(("qkv_bias", "attn_out_bias"), bool(get("attention_bias")))
