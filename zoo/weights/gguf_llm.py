@@ -23,7 +23,7 @@ import torch
 from ..archs import BY_GGUF, RECORDS, interleaved
 from ..config import ConfigError, LLMConfig
 from .files import atomic_write, mismatches
-from .hf_llm import _resolve_dtype, assemble, config_from_hf, file_tensors, inverse, key_map, record_for
+from .hf_llm import GGUF_TOKEN_IDS, _resolve_dtype, assemble, config_from_hf, file_tensors, inverse, key_map, record_for
 
 ARCHITECTURES = {name: r.hf_class for name, r in BY_GGUF.items()}  # GGUF name -> Hugging Face class
 WRITES = tuple(r.hf_class for r in RECORDS.values() if r.gguf_writes)  # the architectures `save` writes
@@ -245,8 +245,6 @@ _LETTERS_DIGITS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 PRE_SPLITS = {"llama-bpe": _LETTERS_DIGITS, "llama3": _LETTERS_DIGITS,
               "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                        r"|\s*[\r\n]+|\s+(?!\S)|\s+"}
-_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                "pad_token": "padding_token_id"}
 
 
 class GGUFTokenizer:
@@ -260,7 +258,7 @@ class GGUFTokenizer:
         meta = {k: v for k, (v, _) in fields.items()}
         self.backend = _build_backend(meta, source)
         tokens = meta["tokenizer.ggml.tokens"]
-        ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in _SPECIAL_IDS.items()}
+        ids = {f"{name}_token": meta.get(f"tokenizer.ggml.{key}") for name, key in GGUF_TOKEN_IDS.items()}
         self.special_tokens = {name: tokens[i] if i is not None and 0 <= i < len(tokens) else None
                                for name, i in ids.items()}
         self.bos_id, self.eos_id = ids["bos_token"], ids["eos_token"]

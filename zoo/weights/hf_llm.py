@@ -729,8 +729,8 @@ def save(model, path, tokenizer=None, max_shard_size: Union[int, str] = "5GB",
     return out
 
 
-GGUF_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
-            "pad_token_id": "tokenizer.ggml.padding_token_id"}
+# The special tokens' ids in a GGUF file (its tokenizer.ggml.<key>), by name; config.json holds <name>_token_id
+GGUF_TOKEN_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
 
 
 def token_ids(model) -> Optional[dict]:
@@ -739,7 +739,8 @@ def token_ids(model) -> Optional[dict]:
     if (hf := getattr(model, "hf_config", None)) is not None:
         return hf
     fields = getattr(model, "gguf_tokenizer", None)
-    return {k: fields[f][0] for k, f in GGUF_IDS.items() if f in fields} if fields else None
+    return {f"{name}_token_id": fields[f"tokenizer.ggml.{key}"][0] for name, key in GGUF_TOKEN_IDS.items()
+            if name != "unk" and f"tokenizer.ggml.{key}" in fields} if fields else None
 
 
 def file_tensors(cfg: LLMConfig, rec: Record, state: dict, kmap: Optional[dict] = None, orders: Optional[dict] = None):
