@@ -3,10 +3,12 @@ train/run.py under torchrun (or plainly) as a subprocess, several runs in one la
 signalling a torchrun job, and comparing runs' losses and weights."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -97,7 +99,8 @@ def launch(cfg: Path, out: Path, *overrides, nproc: int = 2, cases: Optional[lis
     """torchrun with nproc processes (nproc=0: plain `python train/run.py`); its stderr in
     out/stderr-N.txt. cases: instead of one run, the runs (and checkpoint copies) of tests/torchrun_cases.py
     in one launch (cfg and overrides unused); env: variables added to the process's environment."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONFAULTHANDLER": "1", **(env or {})}
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob("stderr-*.txt")))
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
@@ -142,15 +145,29 @@ def last_stderr(out: Path) -> str:
     return max(out.glob("stderr-*.txt"), key=lambda f: int(f.stem.split("-")[1])).read_text()
 
 
-def run(cfg: Path, out: Path, *overrides, nproc: int = 2) -> Path:
-    p = launch(cfg, out, *overrides, nproc=nproc)
-    try:
-        code = p.wait(300)
-    except subprocess.TimeoutExpired:
-        kill_job(p)
-        raise
-    assert code == 0, last_stderr(out)[-3000:]
+def run(cfg: Path, out: Path, *overrides, nproc: int = 2, relaunches: int = 0) -> Path:
+    """A run to its end. relaunches: how many times a job whose worker a signal killed (a native crash: a rank's
+    SIGSEGV mid-training, under load, has been seen once) is launched again, which resumes it, with a warning."""
+    for attempt in range(relaunches + 1):
+        p = launch(cfg, out, *overrides, nproc=nproc)
+        try:
+            code = p.wait(300)
+        except subprocess.TimeoutExpired:
+            kill_job(p)
+            raise
+        err = last_stderr(out)
+        signals = re.findall(r"exitcode\s*: -(\d+)", err)
+        if code == 0 or not signals or attempt == relaunches:
+            break
+        warnings.warn(f"{out}: a worker died of signal {signals[0]}, relaunched; its stack:\n{crash_stack(err)}")
+    assert code == 0, crash_stack(err) + err[-3000:]
     return out
+
+
+def crash_stack(stderr: str) -> str:
+    """The Python stack faulthandler printed when a process crashed (PYTHONFAULTHANDLER is set), else ''."""
+    at = stderr.find("Fatal Python error")
+    return stderr[at:at + 3000] + "\n...\n" if at >= 0 else ""
 
 
 def case(cfg: Path, out: Path, *over) -> list:

@@ -322,7 +322,7 @@ def test_sigkill_and_sigterm_of_the_torchrun_job_then_relaunch_is_bitwise_identi
         in_write += bool(tmp_dirs(out) - old_tmp)  # left behind: the kill landed before the rename
     print(f"SIGKILLs: {kills}, {in_write} inside a checkpoint write")
     assert kills >= 3 and in_write >= 1, (kills, in_write)
-    run(configs["llm"], out, *KILL)
+    run(configs["llm"], out, *KILL, relaunches=1)  # a crash is one more stop to resume from
     assert (out / "log.txt").read_text().count("resumed from") >= 4
     assert_bitwise(uninterrupted, out)
     assert_bitwise(uninterrupted, out, "model_ema.safetensors")
