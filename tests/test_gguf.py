@@ -12,6 +12,7 @@ sentencepiece itself.
 """
 import importlib.metadata as md
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -426,6 +427,28 @@ def test_gguf_written_from_a_hugging_face_folder_carries_its_tokenizer(tmp_path,
     if pre != "smollm":
         theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name)
         assert all(theirs.encode(s, add_special_tokens=False) == tok.encode(s) for s in TEXT)
+
+
+def test_gguf_written_from_a_sentencepiece_folder_carries_its_tokenizer(tmp_path):
+    """A Hugging Face folder with a sentencepiece tokenizer.model (as Llama 2's, Mistral's, Gemma's): the GGUF holds
+    its pieces, scores and types (a `llama` vocabulary), padded to the model's; it encodes as sentencepiece, adds BOS
+    as it does, and takes the folder's template and special ids."""
+    import sentencepiece as spm
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS.splitlines() * 4), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=400, model_type="bpe", byte_fallback=True, minloglevel=2, bos_id=1,
+                                   eos_id=2, unk_id=0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, split_by_whitespace=False)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    transformers.LlamaTokenizerFast(vocab_file=str(tmp_path / "sp.model"), chat_template=CHATML).save_pretrained(tmp_path)
+    shutil.copy(tmp_path / "sp.model", tmp_path / "tokenizer.model")  # as the folders of those models hold it
+    hf_llama(vocab_size=408).save_pretrained(tmp_path)
+    out = zoo.save_pretrained(zoo.from_pretrained(tmp_path), tmp_path / "m.gguf", dtype="f32")
+    tok = gguf_llm.load_tokenizer(out)
+    fields = gguf_llm.tokenizer_fields(*gguf_llm.read(out))
+    assert fields["tokenizer.ggml.model"][0] == "llama" and fields["tokenizer.ggml.token_type"][0][-8:] == [5] * 8
+    assert tok.add_bos and (tok.bos_id, tok.eos_id, tok.unk_id) == (1, 2, 0) and tok.chat_template == CHATML
+    for s in [s for s in TEXT if "<|" not in s] + ["the dog", "xyz fox!!"]:
+        assert tok.encode(s) == sp.encode(s), s
 
 
 def test_a_tokenizer_json_gguf_cannot_hold_is_refused_or_left_out(tmp_path):

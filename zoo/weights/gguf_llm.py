@@ -471,39 +471,58 @@ def _fields_to_write(tokenizer, model, n_vocab: int) -> dict:
 
 
 def hf_tokenizer_fields(source, n_vocab: int) -> dict:
-    """The tokenizer.* fields llama.cpp's converter writes for a Hugging Face folder (or its tokenizer.json) whose
-    tokenizer is byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): the tokens by id, padded as [PADi] (unused) to the
-    model's vocabulary, their types, the pre-tokenizer's GGUF name, and gguf-py's SpecialVocab (merges, special
+    """The tokenizer.* fields llama.cpp's converter writes for a Hugging Face folder (or its tokenizer.json): a
+    byte-level BPE tokenizer.json (GPT-2, Llama 3, Qwen, SmolLM: tokens, the split's GGUF name, merges) or the
+    sentencepiece tokenizer.model beside one (Llama 2, Mistral, Gemma: pieces, scores, types, the space prefix);
+    the added tokens, the vocabulary padded as [PADi] (unused) to the model's, and gguf-py's SpecialVocab (special
     ids, add_bos / add_eos, chat template) from the folder's files."""
     gguf, file = _gguf(), Path(source) / "tokenizer.json" if Path(source).is_dir() else Path(source)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file (a GGUF tokenizer is written from a tokenizer.json)")
-    spec = json.loads(file.read_text(encoding="utf-8"))
-    model, decoder = spec.get("model") or {}, json.dumps(spec.get("decoder"))
-    if model.get("type") != "BPE" or model.get("byte_fallback") or '"ByteLevel"' not in decoder:
-        raise ValueError(f"{file}: only a byte-level BPE tokenizer is written to GGUF from a tokenizer.json (this "
-                         f"one: {model.get('type')}{', byte fallback' if model.get('byte_fallback') else ''}); "
-                         f"pass its .gguf as tokenizer=")
-    pre = _pre_name(spec.get("pre_tokenizer"), file)
-    tokens = {i: (t, 1) for t, i in model["vocab"].items()}  # id: (text, GGUF token type: normal)
-    tokens.update({t["id"]: (t["content"], 3 if t.get("special") else 4) for t in spec.get("added_tokens", [])})
+    spec = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    model, spm_file = spec.get("model") or {}, file.parent / "tokenizer.model"
+    added = {t["id"]: (t["content"], 3 if t.get("special") else 4) for t in spec.get("added_tokens", [])}
+    keys = {}
+    if model.get("type") == "BPE" and not model.get("byte_fallback") and '"ByteLevel"' in json.dumps(spec.get("decoder")):
+        keys["pre"] = _pre_name(spec.get("pre_tokenizer"), file)
+        tokens, scores = {i: (t, 1) for t, i in model["vocab"].items()}, None  # id: (text, GGUF type: normal)
+    elif spm_file.is_file():
+        tokens, scores = _sentencepiece(spm_file)
+        keys["space_prefix"] = not spec or '"Prepend"' in json.dumps(spec.get("normalizer")) or \
+            '"first"' in json.dumps(spec.get("pre_tokenizer")) or '"always"' in json.dumps(spec.get("pre_tokenizer"))
+    else:
+        raise ValueError(f"{file.parent}: no tokenizer GGUF holds here (a byte-level BPE tokenizer.json or a "
+                         f"sentencepiece tokenizer.model); pass the model's .gguf as tokenizer=")
+    # sentencepiece's own types stand (llama.cpp's converter takes an added token only where the piece is unused)
+    tokens.update({i: t for i, t in added.items() if not scores or i not in tokens or tokens[i][1] == 5})
     if max(tokens) >= n_vocab:
-        raise ValueError(f"{file}: token id {max(tokens)} is past the model's vocabulary of {n_vocab}")
-    tokens = [tokens.get(i, (f"[PAD{i}]", 5)) for i in range(n_vocab)]
+        raise ValueError(f"{file.parent}: token id {max(tokens)} is past the model's vocabulary of {n_vocab}")
     with tempfile.TemporaryDirectory() as tmp:  # gguf-py writes the fields; they are read back with their types
         w = gguf.GGUFWriter(str(Path(tmp) / "t.gguf"), "llama")
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
-        w.add_token_list([t for t, _ in tokens])
-        w.add_token_types([k for _, k in tokens])
-        special = gguf.SpecialVocab(file.parent, load_merges=True, n_vocab=n_vocab)
+        w.add_tokenizer_model("llama" if scores else "gpt2")
+        if "pre" in keys:
+            w.add_tokenizer_pre(keys["pre"])
+        w.add_token_list([tokens.get(i, (f"[PAD{i}]",))[0] for i in range(n_vocab)])
+        w.add_token_types([tokens.get(i, (None, 5))[1] for i in range(n_vocab)])
+        if scores:
+            w.add_token_scores([scores.get(i, -1000.0) for i in range(n_vocab)])
+            w.add_add_space_prefix(keys["space_prefix"])
+        special = gguf.SpecialVocab(file.parent, load_merges=not scores, n_vocab=n_vocab)
         special.add_to_gguf(w, quiet=True)
-        if "bos" not in special.add_special_token:  # stated, as the tokenizer.json adds none
-            w.add_add_bos_token(False)
+        if "bos" not in special.add_special_token:  # stated: llama.cpp's default differs by tokenizer
+            w.add_add_bos_token(bool(scores))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.close()
         return tokenizer_fields(*read(Path(tmp) / "t.gguf"))
+
+
+def _sentencepiece(path: Path) -> tuple[dict, dict]:
+    """({id: (piece, GGUF type)}, {id: score}) of a sentencepiece model: unknown 2, control 3, unused 5, byte 6."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    kind = lambda i: 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else \
+        6 if sp.is_byte(i) else 1  # noqa: E731
+    n = sp.get_piece_size()
+    return {i: (sp.id_to_piece(i), kind(i)) for i in range(n)}, {i: sp.get_score(i) for i in range(n)}
 
 
 def _pre_name(pre: Optional[dict], file: Path) -> str:
