@@ -445,11 +445,15 @@ def test_nan_on_every_step_stops_cleanly_keeping_the_last_good_checkpoint(small_
     assert code == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "non-finite" in err and "step 14" in err, err
+    assert f"the last good checkpoint, {list_checkpoints(part)[0]}, is kept" in err
     # no checkpoint of the NaN streak rotated the good ones away; they are intact
     assert {c.name: sha(c / "model.safetensors") for c in list_checkpoints(part)} == kept
     assert not (part / "model.safetensors").exists()
     rows = read_rows(part)
     assert [r["step"] for r in rows if r.get("nonfinite")] == [11, 12, 13, 14]
+    code = run_main([str(cfg), f"train.out_dir={tmp_path / 'fresh'}", "train.max_nonfinite=2"])  # none yet
+    assert code == 3 and "no checkpoint was written before them" in capsys.readouterr().err
+    assert not list_checkpoints(tmp_path / "fresh")
 
 
 # ------------------------------------------------------------------------------ malicious pickles

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from zoo.pruning import sparsity_of
 
 from .builder import build_run
-from .checkpoint import CKPT_DIR, Checkpointer, rng_state, set_rng_state
+from .checkpoint import CKPT_DIR, Checkpointer, list_checkpoints, rng_state, set_rng_state
 from .config import RunConfig
 from .distributed import Parallel, launch_env
 from .features.lr_find import lr_find
@@ -121,9 +121,10 @@ def _loop(run, ckpt: Checkpointer, metrics: Metrics, pre: "Preemption") -> tuple
         step += 1
         metrics.step(step, lr, r, time.perf_counter() - t0, waited)
         if metrics.nonfinite_streak >= t.max_nonfinite:
+            good = list_checkpoints(ckpt.out)
             raise RunStopped(f"stopped at step {step}: {metrics.nonfinite_streak} non-finite losses in a row "
-                             f"(train.max_nonfinite={t.max_nonfinite}); the last good checkpoint is kept "
-                             f"in {ckpt.out / CKPT_DIR}", EXIT_NONFINITE)
+                             f"(train.max_nonfinite={t.max_nonfinite}); " + (f"the last good checkpoint, {good[0]}, "
+                             f"is kept" if good else "no checkpoint was written before them"), EXIT_NONFINITE)
 
 
 def train_step(run, step: int, pre: Optional["Preemption"] = None):
