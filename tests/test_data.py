@@ -51,8 +51,9 @@ TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i 
 def test_unusable_corpus_is_a_one_line_error(tmp_path, capsys, name, content, fragment):
     f = tmp_path / name
     f.write_bytes(content)
-    code, err, _ = run(tmp_path, capsys, f)
+    code, err, log = run(tmp_path, capsys, f)
     assert_one_line_error(code, err, str(f), fragment)
+    assert log.splitlines()[-1] == err  # the run's log ends with the line it ended with
 
 
 def test_missing_path_and_empty_folder(tmp_path, capsys):

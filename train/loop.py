@@ -31,7 +31,7 @@ from .hardware import sync
 from .metrics import Metrics
 from .optim import lr_multiplier, micro_batches, set_lr
 from .step import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED, MicroBatchOOM, RunStopped, clip_weights_,
-                   optimizer_step, resolve_device, setup_backends, to_device)
+                   optimizer_step, resolve_device, setup_backends, stop_line, to_device)
 
 
 def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
@@ -61,6 +61,10 @@ def train(cfg: RunConfig, log=None, owns_process: bool = False) -> dict:
             except ValueError as e:
                 raise RunStopped(str(e), EXIT_CONFIG) from None
         return _train(cfg, out, say, par, owns_process)
+    except Exception as e:
+        if log_file is not None:  # the run's last line, kept with the rest of what it said
+            log_file.write(stop_line(e) + "\n")
+        raise
     finally:
         par.close()
         if restore is not None and not owns_process:

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from train.config import load_run_config
     from train.data import DataError
     from train.loop import train
-    from train.step import EXIT_CONFIG, RunStopped
+    from train.step import EXIT_CONFIG, RunStopped, stop_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -44,12 +44,9 @@ def main(argv=None) -> int:
         path = str(DEFAULT_CONFIG)
     try:
         train(load_run_config(path, argv), owns_process=True)
-    except (ConfigError, DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except RunStopped as e:
-        print(f"{'error: ' if e.code != 75 else ''}{e}", file=sys.stderr)
-        return e.code
+    except (ConfigError, DataError, FileNotFoundError, RunStopped) as e:
+        print(stop_line(e), file=sys.stderr)
+        return getattr(e, "code", EXIT_CONFIG)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop started
         print("interrupted: stopped at once, no checkpoint written (the last complete one is kept)", file=sys.stderr)
         return 130

@@ -35,6 +35,11 @@ class RunStopped(Exception):
         self.code = code
 
 
+def stop_line(e: BaseException) -> str:
+    """The line a run ends with, on stderr and in its log.txt: 'error: ...' unless a signal's stop (exit 75)."""
+    return str(e) if getattr(e, "code", None) == EXIT_PREEMPTED else f"error: {e}"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
