@@ -387,6 +387,15 @@ def test_optimizer_and_schedule_keys_are_checked():
             load_run_config(None, over, base=base)
 
 
+def test_muon_on_a_torch_without_it_is_a_config_error(monkeypatch):
+    """torch.optim.Muon came with torch 2.9 (Zoo installs with 2.5): optim.name=muon on an older torch is a one-line
+    error naming the key, not an AttributeError mid-build."""
+    monkeypatch.delattr(torch.optim, "Muon")
+    base = {**TINY, "data": {"tokenizer": "bytes", "seq_len": 64, "path": "x"}}
+    with pytest.raises(ConfigError, match=re.escape("optim.name=muon needs torch.optim.Muon (torch >= 2.9")):
+        load_run_config(None, ["optim.name=muon"], base=base)
+
+
 # ------------------------------------------------------------------------------ warmup as a fraction, longer runs
 def test_warmup_fraction_scales_with_the_run_and_absolute_steps_win():
     """optim.warmup_fraction (the shipped configs' warmup) scales with train.max_steps, so the first

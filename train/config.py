@@ -14,6 +14,8 @@ from pathlib import Path
 import re
 from typing import Any, Literal, Optional, Union
 
+import torch
+
 from zoo.adapters import AdapterConfig
 from zoo.config import (ConfigError, bounded, deep_merge, did_you_mean, fail, from_dict, load_yaml, model_config_from,
                         parse_overrides, to_dict)
@@ -421,6 +423,8 @@ def check_across_sections(cfg: RunConfig):
         (t.precision == "bf16-pure" and (o.name != "adamw" or not _installed("torchao")), "train.precision",
          f"=bf16-pure steps with torchao's AdamW (stochastic rounding): needs optim.name=adamw (got {o.name}) and "
          f"the torchao package"),
+        (o.name == "muon" and not hasattr(torch.optim, "Muon"), "optim.name",
+         f"=muon needs torch.optim.Muon (torch >= 2.9; this is torch {torch.__version__})"),
         (t.index_warmup and (a.enabled or t.unfreeze is not None), "train.index_warmup",
          "trains only the indexers: does not combine with an adapter or train.unfreeze"),
         (a.enabled and t.unfreeze is not None, "train.unfreeze",
