@@ -247,6 +247,8 @@ def test_diffusion_moe_and_mod_match_one_process(parity, family, strategy):
         if strategy == "fsdp":  # resumed from its sharded checkpoint of step 3, on to step 6
             resumed = parity / family / "resumed"
             assert "resumed from" in (resumed / "log.txt").read_text() and curve(resumed)[-1][0] == 6
+            # step 4, in the middle of a batch (rl.updates_per_batch=2), trains on the rollouts each rank drew at step 3
+            assert dict(curve(resumed))[4] == dict(curve(par))[4]
         return
     if family == "resnet":
         assert re.search(r"sync_bn: \d+ BatchNorm layers normalise", log)

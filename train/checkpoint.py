@@ -438,7 +438,11 @@ class Checkpointer:
         if par.comm is not None:
             par.comm.resume(Path(state["path"]), self.start, state.get("world_size") == par.world, par.rank, self.say)
         extra = state["extra"]
-        run.task.load_state_dict(extra.get("task") or {})
+        tasks = extra.get("task_ranks") or [extra.get("task") or {}]  # each process's own task state
+        if len(tasks) != par.world and any(tasks):
+            self.say(f"task: the checkpoint holds the state of {len(tasks)} processes, this run has {par.world}; "
+                     f"it starts afresh (an RL run samples its batch of rollouts again)")
+        run.task.load_state_dict(tasks[par.rank] if len(tasks) == par.world else {})
         if note := resume_note(self.start, extra.get("max_steps"), t.max_steps, run.cfg.optim):
             self.say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed
         if extra.get("optim", run.cfg.optim.name) != run.cfg.optim.name:  # its states are not another's
@@ -472,8 +476,9 @@ class Checkpointer:
         if self.metrics is not None:  # the rows up to this step are durable before the checkpoint is
             self.metrics.sync()
             extra["metrics"] = self.metrics.state_dict()
-        if task_state := run.task.state_dict():
-            extra["task"] = task_state
+        tasks = run.par.gather(run.task.state_dict())  # every process's, in rank order
+        if any(tasks):
+            extra["task_ranks"] = tasks
         scaler = run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
         ema = run.ema.model if run.ema is not None else None
         interval = step >= self.t.max_steps or self.due(step)  # else a signal's

@@ -284,8 +284,8 @@ class RLTask(PostTrainingTask):
         return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device)}
 
     def state_dict(self):
-        """The batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""
-        if self.cfg.rl.updates_per_batch == 1 or self._rollouts is None or self.world > 1:
+        """This process's batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""
+        if self.cfg.rl.updates_per_batch == 1 or self._rollouts is None:
             return {}
         return {"key": self._key, "rollouts": {k: v.cpu() if torch.is_tensor(v) else v
                                                for k, v in self._rollouts.items()}}
