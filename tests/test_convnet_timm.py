@@ -65,21 +65,25 @@ def test_timm_weights_in_and_out(tmp_path, arch, cls):
 
 
 # timm's ResNet-C / -D / -T: (name, the Zoo arch it loads as, stem, avg_down)
-RESNET_VARIANTS = [("resnet10t", "resnet18", "deep_tiered", True), ("resnet18d", "resnet18", "deep", True),
-                   ("resnet26d", "resnet50", "deep", True), ("resnet50c", "resnet50", "deep", False),
-                   ("resnet50d", "resnet50", "deep", True)]
+# and SE / ECA ResNets (channel_attn), ResNeXt among them: (name, the Zoo arch it loads as, stem, avg_down, channel_attn)
+RESNET_VARIANTS = [("resnet10t", "resnet18", "deep_tiered", True, "none"), ("resnet18d", "resnet18", "deep", True, "none"),
+                   ("resnet26d", "resnet50", "deep", True, "none"), ("resnet50c", "resnet50", "deep", False, "none"),
+                   ("resnet50d", "resnet50", "deep", True, "none"), ("seresnet18", "resnet18", "imagenet", False, "se"),
+                   ("seresnext26d_32x4d", "resnet50", "deep", True, "se"),
+                   ("ecaresnet26t", "resnet50", "deep_tiered", True, "eca")]
 
 
-@pytest.mark.parametrize("name,arch,stem,avg_down", RESNET_VARIANTS, ids=[v[0] for v in RESNET_VARIANTS])
-def test_timm_resnet_deep_stem_and_avg_down_in_and_out(tmp_path, name, arch, stem, avg_down):
-    """timm's resnet*c/d/t file -> Zoo (stem and shortcut read from the keys): max |logits diff| <= 1e-5 on an odd
-    size (65: the shortcut's ceil-mode pooling has a partial window); Zoo's export -> timm (strict): the same."""
+@pytest.mark.parametrize("name,arch,stem,avg_down,attn", RESNET_VARIANTS, ids=[v[0] for v in RESNET_VARIANTS])
+def test_timm_resnet_deep_stem_and_avg_down_in_and_out(tmp_path, name, arch, stem, avg_down, attn):
+    """timm's resnet*c/d/t, seresnet* and ecaresnet* file -> Zoo (stem, shortcut and channel attention read from the
+    keys): max |logits diff| <= 1e-5 on an odd size (65: the shortcut's ceil-mode pooling has a partial window);
+    Zoo's export -> timm (strict): the same."""
     ref = random_timm(name, num_classes=7)
     path = tmp_path / f"{name}.pth"
     torch.save(ref.state_dict(), path)
     model = zoo.from_pretrained(path)
     c = model.config
-    assert (c.arch, c.stem, c.avg_down, c.num_classes) == (arch, stem, avg_down, 7)
+    assert (c.arch, c.stem, c.avg_down, c.channel_attn, c.num_classes) == (arch, stem, avg_down, attn, 7)
     x = torch.randn(2, 3, 65, 65, generator=torch.Generator().manual_seed(1))
     back = timm.create_model(name, pretrained=False, num_classes=7, device="meta").eval()
     back.load_state_dict(tw.read_state_dict(zoo.save_pretrained(model, tmp_path / "export.safetensors")),
@@ -101,12 +105,13 @@ def test_timm_resnet_s_is_a_one_line_error():
     assert "\n" not in str(e.value)
 
 
-def test_deep_stem_avg_down_resnet_trains_from_scratch():
-    """A digits-sized ResNet-T (deep-tiered stem, average-pool shortcuts) built from a config takes a training
-    step, channels-last as contiguous (conftest's check)."""
+@pytest.mark.parametrize("attn", ["none", "se", "eca"])
+def test_deep_stem_avg_down_resnet_trains_from_scratch(attn):
+    """A digits-sized ResNet-T (deep-tiered stem, average-pool shortcuts; SE or ECA channel attention) built from a
+    config takes a training step, channels-last as contiguous (conftest's check)."""
     torch.manual_seed(0)
     cfg = ConvNetConfig(arch="resnet18", layers=[1, 1], width=16, stem="deep_tiered", avg_down=True, in_chans=1,
-                        num_classes=10, zero_init_last=False)
+                        num_classes=10, zero_init_last=False, channel_attn=attn)
     model = build(cfg)
     assert [m.out_channels for m in model.conv1 if isinstance(m, nn.Conv2d)] == [6, 8, 16]
     assert isinstance(model.layer2[0].downsample[0], nn.AvgPool2d)
@@ -282,6 +287,8 @@ def test_config_errors_name_the_key():
         zoo.build({"family": "convnet", "model": {"arch": "convnext_tiny", "stem": "deep"}})
     with pytest.raises(ConfigError, match=r"model.avg_down applies to resnet archs, not efficientnet_b0"):
         zoo.build({"family": "convnet", "model": {"arch": "efficientnet_b0", "avg_down": True}})
+    with pytest.raises(ConfigError, match=r"model.channel_attn applies to resnet archs, not mobilenetv3_small_100"):
+        zoo.build({"family": "convnet", "model": {"arch": "mobilenetv3_small_100", "channel_attn": "se"}})
     with pytest.raises(ConfigError, match=r"model.stem='deep_tiered' needs a width divisible by 8 .*got 12"):
         zoo.build({"family": "convnet", "model": {"arch": "resnet18", "stem": "deep_tiered", "width": 12}})
 

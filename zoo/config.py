@@ -728,6 +728,8 @@ class ConvNetConfig:
                                             # width), each before the max-pool
     avg_down: bool = False                  # ResNet: a strided shortcut average-pools (2x2) before its 1x1 conv
                                             # (timm's resnet*d/t) instead of striding the conv
+    channel_attn: Literal["none", "se", "eca"] = "none"  # ResNet: channel attention after each block's last BN,
+                                            # timm's attn_layer: `se` (seresnet*, seresnext*) or `eca` (ecaresnet*)
     in_chans: int = bounded(3, gt=0)        # input channels (1 for grey images)
     num_classes: int = bounded(1000, gt=0)  # must equal the number of classes in the data
     drop_rate: float = bounded(0.0, ge=0, lt=1)  # dropout before the classifier
@@ -754,6 +756,8 @@ class ConvNetConfig:
             (kind != "resnet" and self.stem in DEEP_STEMS, "stem",
              f"={self.stem!r} applies to resnet archs, not {self.arch} (use imagenet or small)"),
             (kind != "resnet" and self.avg_down, "avg_down", f"applies to resnet archs, not {self.arch}"),
+            (kind != "resnet" and self.channel_attn != "none", "channel_attn",
+             f"applies to resnet archs, not {self.arch} (their blocks have their own)"),
             (kind == "resnet" and self.stem in DEEP_STEMS and self.resolved_width % 8, "stem",
              f"={self.stem!r} needs a width divisible by 8 (its convs are width/2 and 3*width/8), "
              f"got {self.width}"),  # (the preset's 64 is)

@@ -5,7 +5,8 @@
 Paper: He et al., "Deep Residual Learning for Image Recognition" (2015), stride on the 3x3 conv ("ResNet v1.5").
 Stems "imagenet" (7x7/2 + max-pool), "small" (3x3/1, 32x32 images), and timm's "deep" / "deep_tiered" (three 3x3
 convs + max-pool: resnet*c/d/t, Bag of Tricks, He et al. 2018) with `avg_down` (2x2 average pool before a strided
-shortcut's 1x1 conv). Parameter names are timm's and torchvision's.
+shortcut's 1x1 conv), and timm's channel attention after each block's last BN (`channel_attn`: SE-ResNet / ResNeXt,
+Hu et al. 2018; ECA-ResNet, Wang et al. 2020). Parameter names are timm's and torchvision's.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ..blocks.drop_path import DropPath, linear_drop_rates
+from ..blocks.se import EfficientChannelAttention, SqueezeExcite
 from ..config import RESNET_ARCHS, ConvNetConfig  # noqa: F401 (RESNET_ARCHS: the presets)
 from .base import ConvNetBase
 
@@ -36,13 +38,21 @@ def residual(block, x):
     return x
 
 
+def channel_attention(kind: str, channels: int) -> Optional[nn.Module]:
+    """timm's `attn_layer` of a ResNet block, after its last BN: SE (fc1 / fc2, a 16x reduction rounded to multiples
+    of 8: seresnet*, seresnext*), ECA (ecaresnet*), or none."""
+    if kind == "se":
+        return SqueezeExcite(channels, max(8, (channels // 16 + 4) // 8 * 8), names=("fc1", "fc2"))
+    return EfficientChannelAttention(channels) if kind == "eca" else None
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convs: (B, c_in, H, W) -> (B, planes, H/stride, W/stride)."""
     expansion = 1
 
     def __init__(self, c_in: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
                  groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5,
-                 drop_path_mode: str = "mask"):
+                 drop_path_mode: str = "mask", channel_attn: str = "none"):
         super().__init__()
         if groups != 1 or width_per_group != 64:
             raise ValueError("BasicBlock supports only groups=1 and width_per_group=64")
@@ -51,6 +61,7 @@ class BasicBlock(nn.Module):
         self.act1 = nn.ReLU(inplace=True)
         self.conv2 = conv_bn(planes, planes, 3)
         self.bn2 = nn.BatchNorm2d(planes, eps=bn_eps)
+        self.se = channel_attention(channel_attn, planes)
         self.act2 = nn.ReLU(inplace=True)
         self.downsample = downsample
         self.drop_path = DropPath(drop_path, drop_path_mode)
@@ -59,7 +70,8 @@ class BasicBlock(nn.Module):
         return self.bn2
 
     def branch(self, x):
-        return self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x)))))
+        x = self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x)))))
+        return x if self.se is None else self.se(x)
 
     def forward(self, x):
         return self.act2(residual(self, x))
@@ -71,7 +83,7 @@ class Bottleneck(nn.Module):
 
     def __init__(self, c_in: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
                  groups: int = 1, width_per_group: int = 64, drop_path: float = 0.0, bn_eps: float = 1e-5,
-                 drop_path_mode: str = "mask"):
+                 drop_path_mode: str = "mask", channel_attn: str = "none"):
         super().__init__()
         width = int(planes * width_per_group / 64) * groups
         self.conv1 = conv_bn(c_in, width, 1)
@@ -82,6 +94,7 @@ class Bottleneck(nn.Module):
         self.act2 = nn.ReLU(inplace=True)
         self.conv3 = conv_bn(width, planes * 4, 1)
         self.bn3 = nn.BatchNorm2d(planes * 4, eps=bn_eps)
+        self.se = channel_attention(channel_attn, planes * 4)
         self.act3 = nn.ReLU(inplace=True)
         self.downsample = downsample
         self.drop_path = DropPath(drop_path, drop_path_mode)
@@ -92,7 +105,8 @@ class Bottleneck(nn.Module):
     def branch(self, x):
         x = self.act1(self.bn1(self.conv1(x)))
         x = self.act2(self.bn2(self.conv2(x)))
-        return self.bn3(self.conv3(x))
+        x = self.bn3(self.conv3(x))
+        return x if self.se is None else self.se(x)
 
     def forward(self, x):
         return self.act3(residual(self, x))
@@ -149,7 +163,7 @@ class ResNet(ConvNetBase):
                 s = stride if j == 0 else 1
                 down = shortcut(c_in, c_out, s, cfg.avg_down, cfg.bn_eps) if s != 1 or c_in != c_out else None
                 blocks.append(block(c_in, planes, s, down, cfg.resolved_groups, cfg.resolved_width_per_group,
-                                    next(rates), cfg.bn_eps, cfg.drop_path_mode))
+                                    next(rates), cfg.bn_eps, cfg.drop_path_mode, cfg.channel_attn))
                 c_in = c_out
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
         self.num_features = c_in

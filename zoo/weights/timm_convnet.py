@@ -124,10 +124,12 @@ def _resnet_stem(sd, source) -> dict:
 
 def _resnet(sd, arch, source) -> dict:
     """Depth from the blocks per stage, bottleneck from conv3, groups / width from conv2, stem from conv1,
-    avg_down from a shortcut's conv at downsample.1 (its BN then at .2)."""
+    avg_down from a shortcut's conv at downsample.1 (its BN then at .2), channel attention from a block's se."""
     cfg = _resnet_stem(sd, source)
     width = cfg["width"]
     cfg["avg_down"] = any(k.startswith("layer") and ".downsample.2." in k for k in sd)
+    cfg["channel_attn"] = "se" if "layer1.0.se.fc1.weight" in sd else "eca" if "layer1.0.se.conv.weight" in sd else \
+        "none"
     if arch is not None:
         return {**cfg, "arch": arch}
     depths = _depths(sd, "layer{}.", ".conv1.weight", start=1)
