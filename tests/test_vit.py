@@ -149,12 +149,17 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 def test_pooling_without_a_class_token_is_never_the_first_patch(tmp_path):
-    """timm's global average pooling with the final norm before it (fc_norm=False, vit_medium_patch16_gap_*) has no
-    Zoo form: a one-line error naming the file, not a model pooling the first patch; a built ViT with a head and
-    no class token must pool otherwise (timm refuses global_pool='token' without one)."""
-    ref, path = timm_file(tmp_path, "vit_medium_patch16_gap_256", ".pth")
-    with pytest.raises(ValueError, match=f"^{path}: .*fc_norm=False"):
-        zoo.from_pretrained(path)
+    """timm's global average pooling with the final norm before it (fc_norm=False, vit_medium_patch16_gap_*) loads as
+    such (test_timm_weights_in_and_out), not as a model pooling the first patch; a built ViT with a head and no class
+    token must pool otherwise (timm refuses global_pool='token' without one)."""
+    ref, path = timm_file(tmp_path, "vit_medium_patch16_gap_256", ".pth")  # no preset: from the shapes alone
+    model, x = zoo.from_pretrained(path), image(32)
+    assert (model.spec["global_pool"], model.spec["fc_norm"]) == ("avg", False)
+    back = timm.create_model("vit_medium_patch16_gap_256", pretrained=False, **TINY).eval()
+    from safetensors.torch import load_file
+    back.load_state_dict(load_file(zoo.save_pretrained(model, tmp_path / "export.safetensors")), strict=True)
+    with torch.no_grad():  # fp32 logits: <= 1e-5, the file's and the export's
+        assert all((m(x) - ref(x)).abs().max().item() <= 1e-5 for m in (model, back))
     with pytest.raises(zoo.ConfigError, match="global_pool.*needs class_token"):
         zoo.build({"family": "vit", "model": {**TINY, "class_token": False}})
     assert zoo.build({"family": "vit", "model": {**TINY, "class_token": False, "num_classes": 0,

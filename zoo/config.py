@@ -837,7 +837,7 @@ VIT_ARCHS: dict[str, dict] = {
 }
 ROPE_AUGMENT_KEYS = ("pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale")  # DINOv3's, in training
 VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
-                  "reg_tokens", "no_embed_class", "global_pool", "init_values", "mlp", "norm_eps", "rope_theta",
+                  "reg_tokens", "no_embed_class", "global_pool", "fc_norm", "init_values", "mlp", "norm_eps", "rope_theta",
                   "pos_interp", "rope_ref_grid", "k_bias", "mlp_norm")
 
 
@@ -861,6 +861,9 @@ class ViTConfig:
     global_pool: Optional[Literal["token", "avg", "map"]] = None  # `token` (the class token, final norm), `avg`
                                             # (mean of the patch tokens, then fc_norm) or `map` (attention pooling,
                                             # SigLIP's); default token
+    fc_norm: Optional[bool] = None          # the pooled features normed (fc_norm), not the tokens before pooling
+                                            # (the final norm); default: with global_pool avg (timm's vit_*_gap_*:
+                                            # false)
     init_values: Optional[float] = bounded(None, ge=0)  # LayerScale's initial value; 0: no LayerScale (default 0)
     mlp: Optional[Literal["gelu", "gelu_tanh", "swiglu"]] = None  # the blocks' MLP: GELU exact or tanh-approximated
                                             # (SigLIP), or SwiGLU (DINOv3's gated one); default gelu
@@ -894,7 +897,8 @@ class ViTConfig:
                                             # or 0: off, else >= 1
 
     DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
-                                    no_embed_class=False, global_pool="token", init_values=0.0, mlp="gelu",
+                                    no_embed_class=False, global_pool="token", fc_norm=None, init_values=0.0,
+                                    mlp="gelu",
                                     norm_eps=1e-6, rope_theta=0.0, pos_interp="bicubic", rope_ref_grid=0,
                                     k_bias=True, mlp_norm=False)
 
@@ -923,7 +927,8 @@ class ViTConfig:
     def resolved(self) -> dict:
         """Every shape key's value in use: the key, else the preset's, else DEFAULTS'."""
         preset = {**self.DEFAULTS, **VIT_ARCHS[self.arch]}
-        return {k: preset[k] if getattr(self, k) is None else getattr(self, k) for k in VIT_SHAPE_KEYS}
+        r = {k: preset[k] if getattr(self, k) is None else getattr(self, k) for k in VIT_SHAPE_KEYS}
+        return {**r, "fc_norm": r["global_pool"] == "avg" if r["fc_norm"] is None else r["fc_norm"]}
 
 
 @dataclass

@@ -58,9 +58,8 @@ class ViT(ConvNetBase):
         self.blocks = nn.Sequential(*[ViTBlock(dim, r["num_heads"], r["mlp_ratio"], self.config.qkv_bias,
                                                r["init_values"] or None, rate, eps, r["mlp"], r["k_bias"],
                                                bool(r["rope_ref_grid"]), r["mlp_norm"]) for rate in rates])
-        avg = r["global_pool"] == "avg"
-        self.norm = nn.Identity() if avg else nn.LayerNorm(dim, eps=eps)
-        self.fc_norm = nn.LayerNorm(dim, eps=eps) if avg else nn.Identity()
+        self.norm = nn.Identity() if r["fc_norm"] else nn.LayerNorm(dim, eps=eps)
+        self.fc_norm = nn.LayerNorm(dim, eps=eps) if r["fc_norm"] else nn.Identity()
         self.attn_pool = AttentionPool(dim, r["num_heads"], vit_mlp(dim, hidden, r["mlp"]), eps) \
             if r["global_pool"] == "map" else None
         self.head_drop = nn.Dropout(self.config.drop_rate)

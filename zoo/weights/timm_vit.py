@@ -104,12 +104,10 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
                reg_tokens=sd["reg_token"].shape[1] if "reg_token" in sd else 0,
                depth=len({k.split(".")[1] for k in sd if k.startswith("blocks.")}),
                mlp_ratio=ratio if int(dim * ratio) == hidden else hidden / dim,
-               global_pool="avg" if "fc_norm.weight" in sd else "token",
+               global_pool="avg" if "fc_norm.weight" in sd or "cls_token" not in sd else "token",
+               fc_norm="fc_norm.weight" in sd,
                mlp="swiglu" if "blocks.0.mlp.gate_up.weight" in sd else "gelu" if plain == "swiglu" else plain,
                mlp_norm="blocks.0.mlp.norm.weight" in sd, k_bias="blocks.0.attn.q_bias" not in sd)
-    if not cfg["class_token"] and "fc_norm.weight" not in sd and not any(k.startswith("attn_pool.") for k in sd):
-        raise ValueError(f"{source}: no class token and no fc_norm: timm's average pooling after the final norm "
-                         f"(fc_norm=False, as vit_*_gap_*) has no Zoo form")
     cfg["init_values"] = (preset.get("init_values") or 1e-5) if "blocks.0.ls1.gamma" in sd else 0.0
     n_prefix, n_pos = cfg["class_token"] + cfg["distilled"] + cfg["reg_tokens"], sd["pos_embed"].shape[1]
     own, patches_only = _side(n_pos - n_prefix), _side(n_pos) if n_prefix else None
@@ -144,7 +142,10 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     if "num_heads" not in cfg and "num_heads" not in overrides:
         raise ValueError(f"{source}: embed_dim={dim} is not a multiple of {HEAD_DIM}: pass num_heads=")
     resolved = ViTConfig(arch=arch).resolved
-    cfg = {k: v for k, v in cfg.items() if resolved[k] != v}  # only what differs from the preset
+    shape = cfg
+    cfg = {k: v for k, v in shape.items() if resolved[k] != v and k != "fc_norm"}  # only what differs from the preset
+    if ViTConfig(arch=arch, **cfg).resolved["fc_norm"] != shape["fc_norm"]:  # its default follows global_pool
+        cfg["fc_norm"] = shape["fc_norm"]
     cfg.update(arch=arch, in_chans=sd["patch_embed.proj.weight"].shape[1],
                qkv_bias="blocks.0.attn.qkv.bias" in sd or "blocks.0.attn.q_bias" in sd)
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
