@@ -262,10 +262,11 @@ def close(a, b, tol=1e-4) -> bool:
 
 DINOV3 = [(dict(), (32, 32)),
           (dict(num_register_tokens=3, use_gated_mlp=True, hidden_act="silu", layerscale_value=0.5, image_size=48,
-                key_bias=True), (40, 24))]
+                key_bias=True), (40, 24)),
+          (dict(proj_bias=False, mlp_bias=False, use_gated_mlp=True, hidden_act="silu"), (32, 32))]
 
 
-@pytest.mark.parametrize("kw,hw", DINOV3, ids=["plain", "registers-swiglu-nonsquare"])
+@pytest.mark.parametrize("kw,hw", DINOV3, ids=["plain", "registers-swiglu-nonsquare", "no-proj-mlp-biases"])
 def test_hf_dinov3_in_and_out(tmp_path, kw, hw):
     """A DINOv3ViTModel folder (random init, perturbed) -> zoo.from_pretrained: last_hidden_state (forward_features)
     and pooler_output (the model's output) within 1e-4 (fp32, eval); Zoo's export -> DINOv3ViTModel.from_pretrained:
@@ -285,6 +286,7 @@ def test_hf_dinov3_in_and_out(tmp_path, kw, hw):
     zoo.save_pretrained(model, tmp_path / "out")
     back = DINOv3ViTModel.from_pretrained(tmp_path / "out").eval()
     assert back.config.key_bias and back.config.num_register_tokens == cfg.num_register_tokens
+    assert (back.config.proj_bias, back.config.mlp_bias) == (cfg.proj_bias, cfg.mlp_bias)  # zeros stay unwritten
     with torch.no_grad():
         assert close(back(pixel_values=x).last_hidden_state, ours)
         assert not close(ours, want.last_hidden_state)  # the changed bias reached the export

@@ -172,8 +172,9 @@ def build(hf: dict, sd: dict, source: str, **overrides):
     model.to_empty(device="cpu")
     own, ours, used = model.state_dict(), {}, set()
     for zs, hs in key_map(hf["model_type"], model):
-        if not any(h in sd for h in hs):
-            continue  # missing: load_into names it
+        if not any(h in sd for h in hs):  # missing: load_into names it, unless the config turns it off
+            ours.update((z, torch.zeros(own[z].shape)) for z in zs if biases_off(hf, hs))
+            continue
         rows = [sd[h] if h in sd else sd[h[:-4] + "weight"].new_zeros(len(sd[h[:-4] + "weight"])) for h in hs]
         whole = torch.cat([_to_zoo_shape(zs[0], r, own[zs[0]].shape) if len(zs) == 1 else r for r in rows])
         ours.update(zip(zs, whole.split([own[z].shape[0] for z in zs])))
@@ -183,6 +184,11 @@ def build(hf: dict, sd: dict, source: str, **overrides):
               source)  # unexpected tensors (other than an empty register table, the mask token): one error
     model.pretrained_format = {"format": "hf", "config": hf, "extra": extra}
     return model
+
+
+def biases_off(hf: dict, names: list) -> bool:
+    """Every one of `names` an optional DINOv3 bias its config turns off (proj_bias, mlp_bias, ...): zeros in Zoo."""
+    return all(any(h.endswith(n) and not hf.get(f, True) for n, f in BIAS_FLAGS.items()) for h in names)
 
 
 def exports(model) -> bool:
