@@ -148,22 +148,33 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 
-def test_pooling_without_a_class_token_is_never_the_first_patch(tmp_path):
-    """timm's global average pooling with the final norm before it (fc_norm=False, vit_medium_patch16_gap_*) loads as
-    such (test_timm_weights_in_and_out), not as a model pooling the first patch; a built ViT with a head and no class
-    token must pool otherwise (timm refuses global_pool='token' without one)."""
-    ref, path = timm_file(tmp_path, "vit_medium_patch16_gap_256", ".pth")  # no preset: from the shapes alone
-    model, x = zoo.from_pretrained(path), image(32)
-    assert (model.spec["global_pool"], model.spec["fc_norm"]) == ("avg", False)
-    back = timm.create_model("vit_medium_patch16_gap_256", pretrained=False, **TINY).eval()
+# timm ViTs with no Zoo preset, from their shapes alone: (name, its keys, the pooling and fc_norm read)
+SHAPES_ONLY = [("vit_medium_patch16_gap_256", {}, "avg", False), ("vit_base_patch16_siglip_224", {}, "map", False),
+               ("vit_so400m_patch14_siglip_224", dict(patch_size=7, img_size=28), "map", False)]
+
+
+@pytest.mark.parametrize("arch,kw,pool,fc_norm", SHAPES_ONLY, ids=[a for a, *_ in SHAPES_ONLY])
+def test_timm_vits_of_no_preset_load_from_their_shapes(tmp_path, arch, kw, pool, fc_norm):
+    """Average pooling after the final norm (fc_norm=False, vit_*_gap_*) and SigLIP's attention pooling (map, the
+    so400m's MLP of 4304 / 1152) read from the keys, never the first patch pooled: logits within 1e-5 of timm's (fp32,
+    eval), and the export loads in timm strictly with the same."""
+    ref, path = timm_file(tmp_path, arch, ".pth", **kw)
+    model, x = zoo.from_pretrained(path), image({**TINY, **kw}["img_size"])
+    assert (model.spec["global_pool"], model.spec["fc_norm"]) == (pool, fc_norm)
+    back = timm.create_model(arch, pretrained=False, **{**TINY, **kw}).eval()
     from safetensors.torch import load_file
     back.load_state_dict(load_file(zoo.save_pretrained(model, tmp_path / "export.safetensors")), strict=True)
-    with torch.no_grad():  # fp32 logits: <= 1e-5, the file's and the export's
-        assert all((m(x) - ref(x)).abs().max().item() <= 1e-5 for m in (model, back))
+    with torch.no_grad():
+        assert ref(x).abs().max() > 0.1 and all((m(x) - ref(x)).abs().max().item() <= 1e-5 for m in (model, back))
+
+
+def test_a_built_vit_without_a_class_token_pools_otherwise():
+    """timm refuses global_pool='token' without a class token: so does a Zoo config with a head."""
     with pytest.raises(zoo.ConfigError, match="global_pool.*needs class_token"):
         zoo.build({"family": "vit", "model": {**TINY, "class_token": False}})
     assert zoo.build({"family": "vit", "model": {**TINY, "class_token": False, "num_classes": 0,
                                                  "global_pool": "avg"}}).spec["class_token"] is False
+
 
 def test_patch_dropout_draws_as_timm(tmp_path):
     """model.patch_drop_rate: in training, the same seed keeps the same patches as timm's PatchDropout (logits within
