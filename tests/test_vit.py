@@ -19,7 +19,7 @@ import timm
 TINY = dict(embed_dim=128, depth=2, num_heads=2, patch_size=8, img_size=32, num_classes=5)  # head width 64
 HELD_OUT = [("vit_small_patch16_224", {}, ".pth"), ("deit_tiny_distilled_patch16_224", {}, ".safetensors"),
             ("vit_small_patch14_reg4_dinov2", dict(patch_size=7, img_size=28), ".safetensors"),
-            ("vit_base_patch16_reg4_gap_256", {}, ".pth")]
+            ("vit_base_patch16_reg4_gap_256", {}, ".pth"), ("vit_base_patch16_clip_224", {}, ".safetensors")]
 
 
 def timm_file(tmp_path, arch, suffix, **kw):
@@ -150,7 +150,8 @@ def test_bad_input_is_one_line(tmp_path):
 
 # timm ViTs with no Zoo preset, from their shapes alone: (name, its keys, the pooling and fc_norm read)
 SHAPES_ONLY = [("vit_medium_patch16_gap_256", {}, "avg", False), ("vit_base_patch16_siglip_224", {}, "map", False),
-               ("vit_so400m_patch14_siglip_224", dict(patch_size=7, img_size=28), "map", False)]
+               ("vit_so400m_patch14_siglip_224", dict(patch_size=7, img_size=28), "map", False),
+               ("vit_base_patch16_clip_224", {}, "token", False)]
 
 
 @pytest.mark.parametrize("arch,kw,pool,fc_norm", SHAPES_ONLY, ids=[a for a, *_ in SHAPES_ONLY])
@@ -166,6 +167,16 @@ def test_timm_vits_of_no_preset_load_from_their_shapes(tmp_path, arch, kw, pool,
     back.load_state_dict(load_file(zoo.save_pretrained(model, tmp_path / "export.safetensors")), strict=True)
     with torch.no_grad():
         assert ref(x).abs().max() > 0.1 and all((m(x) - ref(x)).abs().max().item() <= 1e-5 for m in (model, back))
+
+
+def test_openai_clip_quickgelu_loads_with_its_activation_named(tmp_path):
+    """OpenAI CLIP's image tower (vit_*_clip_quickgelu_*: QuickGELU, x * sigmoid(1.702 x), in no tensor): from its file
+    with mlp='quick_gelu' timm's logits within 1e-5 (fp32); without it, not."""
+    ref, path = timm_file(tmp_path, "vit_base_patch16_clip_quickgelu_224", ".pth")
+    x = image(32)
+    with torch.no_grad():
+        diffs = [(zoo.from_pretrained(path, **kw)(x) - ref(x)).abs().max().item() for kw in ({"mlp": "quick_gelu"}, {})]
+    assert diffs[0] <= 1e-5 < diffs[1], diffs
 
 
 def test_a_built_vit_without_a_class_token_pools_otherwise():

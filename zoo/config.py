@@ -829,6 +829,9 @@ VIT_ARCHS: dict[str, dict] = {
        for s in ("small", "base", "large")},
     "vit_base_patch16_reg4_gap_256": _vit("base", 16, 256, class_token=False, no_embed_class=True,
                                           global_pool="avg", reg_tokens=4),
+    # CLIP's image towers: a norm before the blocks, the patch conv unbiased (OpenAI's *_quickgelu_*: mlp=quick_gelu)
+    **{f"vit_{s}_patch{p}_clip_224": _vit(s, p, pre_norm=True, norm_eps=1e-5)
+       for s, p in (("base", 16), ("base", 32), ("large", 14))},
     # EVA-02 (timm's non-CLIP image models): the table and RoPE on the patch indices, SwiGLU (sub-LN from base on)
     **{f"eva02_{s}_patch14_{i}": _vit(s, 14, i, **_EVA02) for s, i in (("tiny", 224), ("tiny", 336), ("small", 224),
                                                                           ("small", 336))},
@@ -837,7 +840,7 @@ VIT_ARCHS: dict[str, dict] = {
 }
 ROPE_AUGMENT_KEYS = ("pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale")  # DINOv3's, in training
 VIT_SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "patch_size", "img_size", "mlp_ratio", "class_token", "distilled",
-                  "reg_tokens", "no_embed_class", "global_pool", "fc_norm", "init_values", "mlp", "norm_eps", "rope_theta",
+                  "reg_tokens", "no_embed_class", "global_pool", "fc_norm", "pre_norm", "init_values", "mlp", "norm_eps", "rope_theta",
                   "pos_interp", "rope_ref_grid", "k_bias", "mlp_norm")
 
 
@@ -864,9 +867,12 @@ class ViTConfig:
     fc_norm: Optional[bool] = None          # the pooled features normed (fc_norm), not the tokens before pooling
                                             # (the final norm); default: with global_pool avg (timm's vit_*_gap_*:
                                             # false)
+    pre_norm: Optional[bool] = None         # a LayerNorm on the tokens before the blocks, the patch conv unbiased
+                                            # (CLIP's: timm's vit_*_clip_*); default false
     init_values: Optional[float] = bounded(None, ge=0)  # LayerScale's initial value; 0: no LayerScale (default 0)
-    mlp: Optional[Literal["gelu", "gelu_tanh", "swiglu"]] = None  # the blocks' MLP: GELU exact or tanh-approximated
-                                            # (SigLIP), or SwiGLU (DINOv3's gated one); default gelu
+    mlp: Optional[Literal["gelu", "gelu_tanh", "quick_gelu", "swiglu"]] = None  # the blocks' MLP: GELU exact,
+                                            # tanh-approximated (SigLIP) or quick (OpenAI CLIP), or SwiGLU (DINOv3's
+                                            # gated one); default gelu
     norm_eps: Optional[float] = bounded(None, gt=0)  # the LayerNorms' epsilon (default 1e-6)
     rope_theta: Optional[float] = bounded(None, ge=0)  # >0: DINOv3's 2-D RoPE on the patch tokens with this base,
                                             # no position table (EVA-02's, rope_ref_grid, keeps it); 0: the learned
@@ -897,7 +903,8 @@ class ViTConfig:
                                             # or 0: off, else >= 1
 
     DEFAULTS: ClassVar[dict] = dict(mlp_ratio=4.0, class_token=True, distilled=False, reg_tokens=0,
-                                    no_embed_class=False, global_pool="token", fc_norm=None, init_values=0.0,
+                                    no_embed_class=False, global_pool="token", fc_norm=None, pre_norm=False,
+                                    init_values=0.0,
                                     mlp="gelu",
                                     norm_eps=1e-6, rope_theta=0.0, pos_interp="bicubic", rope_ref_grid=0,
                                     k_bias=True, mlp_norm=False)

@@ -41,7 +41,7 @@ class ViT(ConvNetBase):
         super().__init__(cfg)
         r = self.spec = self.config.resolved
         dim, self.grid = r["embed_dim"], r["img_size"] // r["patch_size"]
-        self.patch_embed = PatchEmbed(self.config.in_chans, dim, r["patch_size"])
+        self.patch_embed = PatchEmbed(self.config.in_chans, dim, r["patch_size"], bias=not r["pre_norm"])
         token = lambda n: nn.Parameter(torch.zeros(1, n, dim))  # noqa: E731
         self.cls_token = token(1) if r["class_token"] else None
         self.dist_token = token(1) if r["distilled"] else None
@@ -58,6 +58,7 @@ class ViT(ConvNetBase):
         self.blocks = nn.Sequential(*[ViTBlock(dim, r["num_heads"], r["mlp_ratio"], self.config.qkv_bias,
                                                r["init_values"] or None, rate, eps, r["mlp"], r["k_bias"],
                                                bool(r["rope_ref_grid"]), r["mlp_norm"]) for rate in rates])
+        self.norm_pre = nn.LayerNorm(dim, eps=eps) if r["pre_norm"] else nn.Identity()
         self.norm = nn.Identity() if r["fc_norm"] else nn.LayerNorm(dim, eps=eps)
         self.fc_norm = nn.LayerNorm(dim, eps=eps) if r["fc_norm"] else nn.Identity()
         self.attn_pool = AttentionPool(dim, r["num_heads"], vit_mlp(dim, hidden, r["mlp"]), eps) \
@@ -151,6 +152,7 @@ class ViT(ConvNetBase):
             if mask is not None:
                 raise ValueError("model.patch_drop_rate drops patches of whole images, not of NaFlex patch rows")
             x, rope = drop_patches(x, self.config.patch_drop_rate, self.num_prefix_tokens, rope)
+        x = self.norm_pre(x)
         for block in self.blocks:
             x = block(x, rope, mask)
         return self.norm(x)

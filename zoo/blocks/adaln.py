@@ -79,7 +79,7 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """Linear -> GELU (tanh approximation by default, as DiT) -> Linear."""
+    """Linear -> GELU (tanh approximation by default, as DiT; `quick`: CLIP's x * sigmoid(1.702 x)) -> Linear."""
 
     def __init__(self, dim: int, hidden: int, approximate: str = "tanh"):
         super().__init__()
@@ -87,7 +87,9 @@ class Mlp(nn.Module):
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h) if self.approximate == "quick" else
+                        F.gelu(h, approximate=self.approximate))
 
 
 class DiTBlock(nn.Module):

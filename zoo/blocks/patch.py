@@ -19,10 +19,10 @@ from torch import nn
 class PatchEmbed(nn.Module):
     """Non-overlapping p x p patches of a (B, C, H, W) map, linearly embedded: (B, N, D)."""
 
-    def __init__(self, in_channels: int, dim: int, patch_size: int):
+    def __init__(self, in_channels: int, dim: int, patch_size: int, bias: bool = True):
         super().__init__()
         self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.patch_size

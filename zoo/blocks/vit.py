@@ -83,15 +83,15 @@ class RopeAttention(Attention):
 
 
 def vit_mlp(dim: int, hidden: int, kind: str = "gelu", norm_eps: float = 0.0) -> nn.Module:
-    """`gelu` (exact, timm's), `gelu_tanh` (SigLIP's) or `swiglu` (gated, with biases: DINOv3's larger sizes; with
-    `norm_eps` a LayerNorm before the down projection: EVA-02's base and large)."""
+    """`gelu` (exact, timm's), `gelu_tanh` (SigLIP's), `quick_gelu` (OpenAI CLIP's) or `swiglu` (gated, with biases:
+    DINOv3's larger sizes; with `norm_eps` a LayerNorm before the down projection: EVA-02's base and large)."""
     if kind == "swiglu":
         return SwiGLU(dim, hidden, bias=True, norm_eps=norm_eps)
-    if kind not in ("gelu", "gelu_tanh"):
-        raise ValueError(f"mlp={kind!r} must be 'gelu', 'gelu_tanh' or 'swiglu'")
+    if kind not in ("gelu", "gelu_tanh", "quick_gelu"):
+        raise ValueError(f"mlp={kind!r} must be 'gelu', 'gelu_tanh', 'quick_gelu' or 'swiglu'")
     if norm_eps:
         raise ValueError(f"a LayerNorm inside the MLP (mlp_norm) needs mlp='swiglu', got {kind!r}")
-    return Mlp(dim, hidden, approximate="tanh" if kind == "gelu_tanh" else "none")
+    return Mlp(dim, hidden, approximate={"gelu_tanh": "tanh", "quick_gelu": "quick"}.get(kind, "none"))
 
 
 class ViTBlock(nn.Module):

@@ -41,7 +41,8 @@ DEFAULTS = {  # transformers' defaults of the keys read, for config.json files t
         image_size=224, patch_size=32, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6))}
 CLASSES = {"dinov3_vit": "DINOv3ViTModel", "siglip2_vision_model": "Siglip2VisionModel"}
 TILE_ENCODERS = {"smolvlm_vision": "SmolVLM's encoder", "idefics3_vision": "Idefics3's encoder"}  # SigLIP's names
-ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "swiglu"}  # hidden_act -> ViTConfig.mlp
+ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "swiglu"}  # hidden_act ->
+# ViTConfig.mlp
 # the config flag of each optional DINOv3 bias, by the HF name's ending
 BIAS_FLAGS = {"q_proj.bias": "query_bias", "k_proj.bias": "key_bias", "v_proj.bias": "value_bias",
               "o_proj.bias": "proj_bias", "up_proj.bias": "mlp_bias", "down_proj.bias": "mlp_bias",
@@ -202,7 +203,7 @@ def hf_keys(model, kind: str, path) -> dict:
     r, c = model.spec, model.config
     want = dict(class_token=kind == "dinov3_vit", distilled=False, num_classes=0,
                 global_pool="map" if kind == "siglip2_vision_model" else "token", rope_ref_grid=0, k_bias=True,
-                mlp_norm=False)  # EVA-02's: timm's layout only
+                mlp_norm=False, pre_norm=False)  # EVA-02's, CLIP's: timm's layout only
     if kind != "dinov3_vit":  # SigLIP's encoder: a plain MLP, biased q, k, v, no registers, LayerScale or RoPE
         want.update(reg_tokens=0, init_values=0.0, rope_theta=0.0, qkv_bias=True, swiglu=False)
     if kind in CLASSES:

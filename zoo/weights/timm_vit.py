@@ -106,7 +106,7 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
                mlp_ratio=ratio if int(dim * ratio) == hidden else hidden / dim,
                global_pool="map" if "attn_pool.latent" in sd else "avg" if "fc_norm.weight" in sd or "cls_token"
                not in sd else "token",
-               fc_norm="fc_norm.weight" in sd,
+               fc_norm="fc_norm.weight" in sd, pre_norm="norm_pre.weight" in sd,
                mlp="swiglu" if "blocks.0.mlp.gate_up.weight" in sd else "gelu" if plain == "swiglu" else plain,
                mlp_norm="blocks.0.mlp.norm.weight" in sd, k_bias="blocks.0.attn.q_bias" not in sd)
     cfg["init_values"] = (preset.get("init_values") or 1e-5) if "blocks.0.ls1.gamma" in sd else 0.0
@@ -124,6 +124,11 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
     return cfg
 
 
+def _family(arch: str) -> str:
+    """eva02, clip (a norm before the blocks) or vit: the presets a file of that kind takes its defaults from."""
+    return "eva02" if arch.startswith("eva02") else "clip" if VIT_ARCHS[arch].get("pre_norm") else "vit"
+
+
 def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<state dict>", base: dict | None = None,
                            **overrides) -> ViTConfig:
     """The ViTConfig of a timm-layout state dict, its names already Zoo's (from_timm): `arch` (default: the first
@@ -134,11 +139,12 @@ def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<st
     if base is not None and (arch is None or base.get("arch") == arch):
         return from_dict(ViTConfig, {**base, **overrides}, source, "")
     dim = sd["patch_embed.proj.weight"].shape[0] if "patch_embed.proj.weight" in sd else None
-    eva = "blocks.0.attn.q_bias" in sd  # EVA-02's q and v biases: its RoPE, in no tensor, from an eva02 preset
-    fallback = "vit_small_patch16_224" if not eva else \
-        "eva02_base_patch14_224" if "blocks.0.mlp.norm.weight" in sd else "eva02_small_patch14_224"
-    arch = arch or next((a for a, p in VIT_ARCHS.items() if p["embed_dim"] == dim and a.startswith("eva02") == eva),
-                        fallback)
+    # EVA-02's q and v biases: its RoPE, in no tensor, from an eva02 preset; CLIP's pre-norm: its eps from a clip one
+    kind = "eva02" if "blocks.0.attn.q_bias" in sd else "clip" if "norm_pre.weight" in sd else "vit"
+    fallback = {"vit": "vit_small_patch16_224", "clip": "vit_base_patch16_clip_224",
+                "eva02": "eva02_base_patch14_224" if "blocks.0.mlp.norm.weight" in sd else "eva02_small_patch14_224"}
+    arch = arch or next((a for a, p in VIT_ARCHS.items() if p["embed_dim"] == dim and _family(a) == kind),
+                        fallback[kind])
     cfg = shape_keys(sd, VIT_ARCHS[arch], source)
     if "num_heads" not in cfg and "num_heads" not in overrides:
         raise ValueError(f"{source}: embed_dim={dim} is not a multiple of {HEAD_DIM}: pass num_heads=")
