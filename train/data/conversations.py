@@ -544,6 +544,8 @@ def model_sources(path) -> list[Path]:
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
     """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
     own or else its base's; `tokenizer` (a file or 'bytes') wins."""
+    if not Path(path).expanduser().exists():
+        raise DataError(f"{path}: no such file or folder")
     template = None
     tok = None if tokenizer is None else load_tokenizer_file(
         tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
