@@ -290,6 +290,16 @@ def test_nanogpt_bin_and_llmc_shards_read_the_ids_written(tmp_path):
         TokenData(TextDataConfig(path=str(tmp_path / "fw"), seq_len=16), log=QUIET)
 
 
+def test_a_prepared_shard_folder_reads_in_place(tmp_path):
+    """data.path at a folder prepare() wrote (shards, their .docs.npy index, manifest.json) reads its ids as
+    pre-tokenized shards, in the dtype the manifest records."""
+    write_jsonl(tmp_path / "c.jsonl", make_docs(60))
+    out = prep(tmp_path / "c.jsonl", ByteTokenizer(), tmp_path / "tokens", workers=1)
+    d = TokenData(TextDataConfig(path=str(tmp_path / "tokens"), seq_len=16, token_dtype="uint32"), log=QUIET)
+    ids = np.concatenate([np.asarray(t) for t in out.tokens])
+    assert len(out.files) >= 2 and np.array_equal(np.r_[np.asarray(d.train), np.asarray(d.val)], ids)
+
+
 def test_model_vocab_must_cover_the_largest_id(tmp_path):
     from zoo.config import ConfigError
     from train.config import load_run_config
