@@ -163,6 +163,15 @@ def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and word in err, err
 
 
+def test_post_training_configs_are_planned():
+    """The shipped SFT, preference (DPO) and RL (GRPO) configs plan a step of their own task's loss (with their
+    train.init_from left out: the planner builds the model from the config's model section)."""
+    for name, over in (("tiny-sft", []), ("tiny-sft", ["data.format=preference", "data.path=synthetic"]),
+                       ("tiny-grpo", []), ("tiny-grpo", ["adapter.method=lora", "rl.kl_beta=0.05"])):
+        cfg = load_run_config(str(ROOT / "configs/llm" / f"{name}.yaml"), ["train.init_from=null", *over])
+        assert planner.plan(cfg, device=CPU).peak_bytes > 0, (name, over)
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_prediction_is_not_under_a_fresh_measurement():
     """The plan (the tensors and the CPU's allocator margin) against a fresh process's measured

@@ -277,11 +277,16 @@ class RLTask(PostTrainingTask):
         now = torch.stack([stats["clip"], torch.as_tensor(stats.get("kl", 0.0), device=logp.device),
                            (ent * valid).sum(), valid.sum().float()])
         self._trained = now if self._trained is None else self._trained + now
-        return loss * scale, int(valid.sum())
+        return loss * scale, batch["y"].numel()  # the positions computed, as the LM task (no sync; plannable)
 
     def example_batch(self, model, batch_size, seq_len=None):
-        x, y = super().example_batch(model, batch_size, seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens)
-        return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device)}
+        """A batch shaped as the rollouts: ids, advantages and the per-token log-probs the run keeps (π_old with
+        updates_per_batch > 1, the reference's with kl_beta > 0), for the memory planner and the batch finder."""
+        rl = self.cfg.rl
+        x, y = super().example_batch(model, batch_size, seq_len or self.cfg.data.seq_len + rl.max_new_tokens)
+        kept = {"old": rl.updates_per_batch > 1, "ref": rl.kl_beta > 0}
+        return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device),
+                **{k: torch.zeros(y.shape, device=self.device) for k, on in kept.items() if on}}
 
     def state_dict(self):
         """The batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""
