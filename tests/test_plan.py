@@ -172,6 +172,14 @@ def test_post_training_configs_are_planned():
         assert planner.plan(cfg, device=CPU).peak_bytes > 0, (name, over)
 
 
+def test_a_fine_tuning_is_planned_before_its_base_is_trained(tmp_path, capsys, monkeypatch):
+    """plan.py on configs/llm/tiny-grpo.yaml where its train.init_from (runs/tiny-sft) does not exist yet: planned
+    from the config's model section, as the config states it for the planner."""
+    monkeypatch.chdir(tmp_path)
+    assert plan_main([str(ROOT / "configs/llm/tiny-grpo.yaml"), "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_prediction_is_not_under_a_fresh_measurement():
     """The plan (the tensors and the CPU's allocator margin) against a fresh process's measured
