@@ -173,7 +173,7 @@ def test_bad_rows_are_counted_in_one_line(tmp_path):
     logs = []
     out = prep(f, ByteTokenizer(), tmp_path / "out", workers=1, boundary=(None, None), log=logs.append)
     (line,) = [m for m in logs if "bad documents" in m]
-    assert f"{f} (lines 2, 4, 7): 3 bad jsonl lines (skipped)" in line and "1 empty documents" in line
+    assert f"{f} (lines 2, 4, 7): 3 bad jsonl lines (not JSON, or no string data.column field; skipped)" in line and "1 empty documents" in line
     assert "2 undecodable bytes replaced with U+FFFD" in line
     assert out.manifest["documents"] == 6 and out.manifest["problems"] == {"bad_json": 3, "empty": 1, "undecodable": 2}
     import pyarrow as pa
