@@ -122,6 +122,17 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     assert any("autoencoder: reusing" in m for m in logs)
 
 
+def test_each_model_the_task_builds_has_its_own_autoencoder(tmp_path):
+    """Two models of one task share no autoencoder tensor: under torchrun with an adapter, FSDP2 shards the trained
+    model's (frozen) autoencoder in place, and the model rebuilt for the gathered weights must hold plain tensors."""
+    from train.tasks.diffusion import DiffusionTask
+    task = DiffusionTask(tiny_run(tmp_path), torch.device("cpu"), lambda m: None)
+    task.setup()
+    a, b = task.build_model(), task.build_model()
+    assert a.autoencoder is not b.autoencoder
+    assert not {p.data_ptr() for p in a.autoencoder.parameters()} & {p.data_ptr() for p in b.autoencoder.parameters()}
+
+
 def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
     """train/sample.py RUN 3 7 on a class-conditional run (the U-Net, random init, no training): each prompt a class
     number, the same images as the model's own sample of those labels with the seed's generator; a prompt that is no
