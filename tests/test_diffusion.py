@@ -164,6 +164,42 @@ def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {run}: a class-conditional run samples class numbers 0-9, got 'cat'\n"
 
 
+def test_sample_program_on_a_class_conditional_adapter_run(tmp_path):
+    """train/sample.py on a class-conditional run with a LoRA (saved in PEFT's format in adapter/, its base the
+    run's train.init_from): the images of the base with the adapter on."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+    from safetensors.torch import save_model
+
+    from parallel_runs import DIFFUSION
+    from train.sample import main
+    from zoo.adapters import AdapterConfig, apply_adapters
+    from zoo.weights.peft_lora import save_adapter
+    base, run = tmp_path / "base", tmp_path / "run"
+    base.mkdir()
+    torch.manual_seed(0)
+    model = LatentDiffusion(load_run_config(None, [], base=DIFFUSION).model).eval()
+    with torch.no_grad():  # a non-zero output layer, so that the samples depend on the class embedding
+        for p in model.denoiser.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_model(model, str(base / "model.safetensors"))
+    plain = model.sample(torch.tensor([3]), generator=torch.Generator().manual_seed(5))[0]
+    apply_adapters(model, AdapterConfig(method="lora", targets=["emb"]))
+    with torch.no_grad():  # a non-zero LoRA B: the adapter changes the samples
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)
+    save_adapter(model, run / "adapter", base=str(base))
+    cfg = load_run_config(None, [f"train.init_from={base}", "adapter.method=lora", "adapter.targets=[emb]"],
+                          base=DIFFUSION)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    assert main([str(run), "3", "--seed", "5", "--out", str(tmp_path / "png")]) == 0
+    want = model.sample(torch.tensor([3]), generator=torch.Generator().manual_seed(5))[0]
+    got = torch.tensor(np.array(Image.open(tmp_path / "png" / "3-5-0.png")), dtype=torch.float32)
+    assert (got.permute(2, 0, 1) / 255 - want).abs().max() <= 1 / 255 + 1e-6 < (want - plain).abs().max()
+
+
 def test_bf16_channels_last_run(tmp_path):
     final = train(tiny_run(tmp_path, "train.precision=bf16", "train.channels_last=true", "train.ema_decay=null"),
                   log=lambda m: None)
