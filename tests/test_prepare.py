@@ -405,6 +405,9 @@ def test_prepare_cli_prepares_what_the_run_reads(tmp_path, capsys):
     assert main([str(ROOT / "configs" / "llm" / "tiny.yaml"), f"data.path={tmp_path / 'nope.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope.jsonl" in err
+    assert main([str(ROOT / "configs" / "llm" / "tiny-sft.yaml"), "train.init_from=null"]) == 2  # chat rows
+    assert capsys.readouterr().err.strip().endswith("data.format=messages (its rows are tokenised as the run starts): "
+                                                    "no text to prepare ahead")
 
 
 def test_unigram_entropy_of_a_large_corpus_is_counted_on_spread_blocks(tmp_path):
