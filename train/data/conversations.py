@@ -485,12 +485,14 @@ def _byte_to_char(text: str) -> list[int]:
 
 def prompt_tokens(tokenizer, template: ChatTemplate, prompts: list[str], max_length: int):
     """Each prompt as a user turn with the generation prompt (thinking off), truncated and right-padded with the
-    tokenizer's pad token to max_length: (ids, attention mask), (B, max_length) int64 each, as diffusers' FLUX.2
-    pipelines feed their Qwen3."""
+    tokenizer's pad token (none: its end of text, as a Zoo LLM's sentencepiece has) to max_length: (ids, attention
+    mask), (B, max_length) int64 each, as diffusers' FLUX.2 pipelines feed their Qwen3."""
     import torch
-    pad = getattr(tokenizer, "pad_id", None)
+    pad = next((i for i in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "eos_id", None)) if i is not None),
+               None)
     if pad is None:
-        raise DataError(f"{getattr(tokenizer, 'model_path', 'the tokenizer')}: no pad_token (tokenizer_config.json)")
+        raise DataError(f"{getattr(tokenizer, 'model_path', None) or 'the tokenizer'}: no pad_token nor an end-of-text "
+                        f"token to pad the prompts with (tokenizer_config.json)")
     texts = [template.render([{"role": "user", "content": p}], True, enable_thinking=False) for p in prompts]
     rows = [token_offsets(tokenizer, t)[0][:max_length] for t in texts]
     ids = torch.tensor([r + [pad] * (max_length - len(r)) for r in rows])
