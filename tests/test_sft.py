@@ -113,12 +113,15 @@ def test_chat_command_two_turns_through_stdin(sounds_run, capsys):
 
 def test_chat_prompt_errors_are_one_line(tmp_path, capsys):
     """--prompt: a conversation past the model's context, a tokenizer with more ids than the model's vocabulary, a
-    model path that does not exist: exit 2 and one line each, no traceback."""
+    model path that does not exist, a run of another family: exit 2 and one line each, no traceback."""
     from zoo.weights import zoo_folder
     cfg = {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16}
     zoo_folder.save(zoo.build(cfg), tmp_path / "short", tokenizer="bytes")
     zoo_folder.save(zoo.build({**cfg, "vocab_size": 64}), tmp_path / "narrow", tokenizer="bytes")
-    for folder, says in (("short", "the model's context 16"), ("narrow", "vocab_size=64"), ("typo", "typo: no such")):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "config.yaml").write_text("family: diffusion\n")  # a diffusion run folder
+    for folder, says in (("short", "the model's context 16"), ("narrow", "vocab_size=64"), ("typo", "typo: no such"),
+                         ("images", "images: a diffusion run, not a language model")):
         assert chat_main([str(tmp_path / folder), "--prompt", "word " * 20, "--max-new-tokens", "4"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err

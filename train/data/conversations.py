@@ -543,11 +543,19 @@ def model_sources(path) -> list[Path]:
     return [tokenizer_folder(p)] + (model_sources(base) if base and Path(base).expanduser().exists() else [])
 
 
+def run_family(path) -> Optional[str]:
+    """The family a run folder's config.yaml names (llm when it names none), else None."""
+    f = Path(path).expanduser() / "config.yaml"
+    return (yaml.safe_load(f.read_text()) or {}).get("family", "llm") if f.is_file() else None
+
+
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
     """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
     own or else its base's; `tokenizer` (a file or 'bytes') wins."""
     if not Path(path).expanduser().exists():
         raise DataError(f"{path}: no such file or folder")
+    if run_family(path) not in (None, "llm", "vlm"):
+        raise DataError(f"{path}: a {run_family(path)} run, not a language model")
     template = None
     tok = None if tokenizer is None else load_tokenizer_file(
         tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())
