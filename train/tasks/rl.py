@@ -28,7 +28,7 @@ import torch
 from zoo.adapters import adapters_disabled
 from zoo.config import ConfigError, bounded
 
-from ..data import TokenizedRows
+from ..data import DataError, TokenizedRows
 from ..data.conversations import PostTrainingDataConfig
 from ..data.prompts import arithmetic, read_prompts, reward_fn, score
 from ..eval import collate, complete, score_rewards, token_logps
@@ -152,6 +152,9 @@ class RLTask(PostTrainingTask):
                               f"{self.world} processes")
         self.chat_template = self._template()
         train, val = self.held_out(arithmetic, lambda path: read_prompts(path, self.log))  # [{prompt, answer}]
+        if self.chat_template is None and any(not isinstance(r["prompt"], str) for r in train + val):
+            raise DataError(f"{d.path}: a prompt of chat messages needs a chat template, and this run has none "
+                            f"(data.template: chatml, a file or folder)")
         self.data = TokenizedRows(train, val, tokenizer)
         self.log(f"data: {d.path}: {len(self.data.train)} train + {len(self.data.val)} held-out prompts")
         self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
