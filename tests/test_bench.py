@@ -99,6 +99,13 @@ def test_every_bench_rejects_a_bad_precision_in_one_line(name, value, capsys):
     assert err.startswith(f"bench.py {name}: error: argument --precision") and "fp32, bf16, fp16" in err
 
 
+def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
+    """sft-quality without runs/tiny (its default --base): exit 2 and one line naming the folder, no traceback."""
+    assert bench.main(["sft-quality", "--base", str(tmp_path / "nope"), "--runs", str(tmp_path / "nope2")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'nope'}: no such file or folder\n"
+
+
 def test_bad_precision_from_the_command_line():
     """The whole command, in a fresh interpreter: exit 2 and one line, no traceback."""
     out = subprocess.run([sys.executable, "train/bench.py", "llm-generate", "--precision", "bfloat16"],

@@ -92,7 +92,7 @@ def test_bad_jsonl_lines_are_skipped_and_counted(tmp_path, capsys):
     f.write_text("\n".join([good[0], "{broken", good[1], '{"text": null}', good[2], "[1, 2]", good[3], ""]))
     code, err, log = run(tmp_path, capsys, f)
     assert code == 0, err
-    assert f"{f} (lines 2, 4, 6): 3 bad jsonl lines (skipped)" in log, log  # named by number
+    assert f"{f} (lines 2, 4, 6): 3 bad jsonl lines (not JSON, or no string data.column field; skipped)" in log, log  # named by number
 
 
 def test_caches_go_to_the_cache_dir_never_beside_the_data(tmp_path, capsys, monkeypatch):

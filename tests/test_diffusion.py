@@ -122,6 +122,17 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     assert any("autoencoder: reusing" in m for m in logs)
 
 
+def test_each_model_the_task_builds_has_its_own_autoencoder(tmp_path):
+    """Two models of one task share no autoencoder tensor: under torchrun with an adapter, FSDP2 shards the trained
+    model's (frozen) autoencoder in place, and the model rebuilt for the gathered weights must hold plain tensors."""
+    from train.tasks.diffusion import DiffusionTask
+    task = DiffusionTask(tiny_run(tmp_path), torch.device("cpu"), lambda m: None)
+    task.setup()
+    a, b = task.build_model(), task.build_model()
+    assert a.autoencoder is not b.autoencoder
+    assert not {p.data_ptr() for p in a.autoencoder.parameters()} & {p.data_ptr() for p in b.autoencoder.parameters()}
+
+
 def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
     """train/sample.py RUN 3 7 on a class-conditional run (the U-Net, random init, no training): each prompt a class
     number, the same images as the model's own sample of those labels with the seed's generator; a prompt that is no
@@ -151,6 +162,42 @@ def test_sample_program_on_a_class_conditional_run(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(run), "cat", "--out", str(tmp_path / "png")]) == 2
     assert capsys.readouterr().err == f"error: {run}: a class-conditional run samples class numbers 0-9, got 'cat'\n"
+
+
+def test_sample_program_on_a_class_conditional_adapter_run(tmp_path):
+    """train/sample.py on a class-conditional run with a LoRA (saved in PEFT's format in adapter/, its base the
+    run's train.init_from): the images of the base with the adapter on."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+    from safetensors.torch import save_model
+
+    from parallel_runs import DIFFUSION
+    from train.sample import main
+    from zoo.adapters import AdapterConfig, apply_adapters
+    from zoo.weights.peft_lora import save_adapter
+    base, run = tmp_path / "base", tmp_path / "run"
+    base.mkdir()
+    torch.manual_seed(0)
+    model = LatentDiffusion(load_run_config(None, [], base=DIFFUSION).model).eval()
+    with torch.no_grad():  # a non-zero output layer, so that the samples depend on the class embedding
+        for p in model.denoiser.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_model(model, str(base / "model.safetensors"))
+    plain = model.sample(torch.tensor([3]), generator=torch.Generator().manual_seed(5))[0]
+    apply_adapters(model, AdapterConfig(method="lora", targets=["emb"]))
+    with torch.no_grad():  # a non-zero LoRA B: the adapter changes the samples
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)
+    save_adapter(model, run / "adapter", base=str(base))
+    cfg = load_run_config(None, [f"train.init_from={base}", "adapter.method=lora", "adapter.targets=[emb]"],
+                          base=DIFFUSION)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    assert main([str(run), "3", "--seed", "5", "--out", str(tmp_path / "png")]) == 0
+    want = model.sample(torch.tensor([3]), generator=torch.Generator().manual_seed(5))[0]
+    got = torch.tensor(np.array(Image.open(tmp_path / "png" / "3-5-0.png")), dtype=torch.float32)
+    assert (got.permute(2, 0, 1) / 255 - want).abs().max() <= 1 / 255 + 1e-6 < (want - plain).abs().max()
 
 
 def test_bf16_channels_last_run(tmp_path):

@@ -199,3 +199,14 @@ def test_mfu_is_never_above_100_percent(tmp_path, text_corpus, monkeypatch):
     assert all(0 < r["mfu"] <= 1.0 for r in rows if "mfu" in r)
     assert any(m.startswith("mfu above 100%") and "measured again" in m for m in logs), logs
     assert any(m.startswith("mfu above 100%") and "capped" in m for m in logs), logs
+
+
+def test_the_plain_model_takes_the_runs_runtime_settings(tmp_path, text_corpus):
+    """run.plain_model() (the averaged and the gathered weights of a torchrun run) is evaluated as the trained model
+    is: with model.final_softcap and train.chunked_loss=false (configs/llm/speedrun.yaml) its loss is computed."""
+    from train.builder import build_run
+    cfg = load_run_config(None, [f"data.path={text_corpus}", f"train.out_dir={tmp_path}", "model.final_softcap=15",
+                                 "train.chunked_loss=false", "train.eval_batches=1"], base=TINY)
+    run = build_run(cfg)
+    plain = run.plain_model()
+    assert plain.chunked_loss is False and "val_loss" in run.task.evaluate(plain)

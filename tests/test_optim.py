@@ -416,6 +416,17 @@ def test_warmup_fraction_scales_with_the_run_and_absolute_steps_win():
         load_run_config(tiny, ["train.max_steps=100", "optim.schedule=wsd", "optim.warmup_fraction=0.9"])
 
 
+def test_resume_at_or_past_max_steps_says_nothing_is_left_to_train():
+    """A checkpoint at step 5 resumed with train.max_steps=3 (or 5) trains no step: the log says so, and how to go
+    on, instead of only 'resumed from step 5'."""
+    from train.optim import resume_note
+    cfg = OptimConfig(lr=3e-3)
+    for was, now in ((5, 3), (5, 5), (None, 3)):
+        assert resume_note(5, was, now, cfg) == (f"resume: the checkpoint's step 5 is not below train.max_steps={now}:"
+                                                 f" nothing left to train (raise train.max_steps to train on)")
+    assert resume_note(0, 5, 3, cfg) == "" and resume_note(2, 4, 4, cfg) == ""
+
+
 def test_resume_with_a_larger_max_steps_continues_on_the_recomputed_schedule(tmp_path, text_corpus, one_thread):
     """The same out_dir run again with a larger train.max_steps resumes from the checkpoint's step on
     the schedule recomputed over the new length (warmup and decay scale with it): steps 1-6 ran on

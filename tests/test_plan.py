@@ -163,6 +163,23 @@ def test_cli_bad_input_is_one_line(args, word, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and word in err, err
 
 
+def test_post_training_configs_are_planned():
+    """The shipped SFT, preference (DPO) and RL (GRPO) configs plan a step of their own task's loss (with their
+    train.init_from left out: the planner builds the model from the config's model section)."""
+    for name, over in (("tiny-sft", []), ("tiny-sft", ["data.format=preference", "data.path=synthetic"]),
+                       ("tiny-grpo", []), ("tiny-grpo", ["adapter.method=lora", "rl.kl_beta=0.05"])):
+        cfg = load_run_config(str(ROOT / "configs/llm" / f"{name}.yaml"), ["train.init_from=null", *over])
+        assert planner.plan(cfg, device=CPU).peak_bytes > 0, (name, over)
+
+
+def test_a_fine_tuning_is_planned_before_its_base_is_trained(tmp_path, capsys, monkeypatch):
+    """plan.py on configs/llm/tiny-grpo.yaml where its train.init_from (runs/tiny-sft) does not exist yet: planned
+    from the config's model section, as the config states it for the planner."""
+    monkeypatch.chdir(tmp_path)
+    assert plan_main([str(ROOT / "configs/llm/tiny-grpo.yaml"), "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_prediction_is_not_under_a_fresh_measurement():
     """The plan (the tensors and the CPU's allocator margin) against a fresh process's measured

@@ -173,7 +173,7 @@ def test_bad_rows_are_counted_in_one_line(tmp_path):
     logs = []
     out = prep(f, ByteTokenizer(), tmp_path / "out", workers=1, boundary=(None, None), log=logs.append)
     (line,) = [m for m in logs if "bad documents" in m]
-    assert f"{f} (lines 2, 4, 7): 3 bad jsonl lines (skipped)" in line and "1 empty documents" in line
+    assert f"{f} (lines 2, 4, 7): 3 bad jsonl lines (not JSON, or no string data.column field; skipped)" in line and "1 empty documents" in line
     assert "2 undecodable bytes replaced with U+FFFD" in line
     assert out.manifest["documents"] == 6 and out.manifest["problems"] == {"bad_json": 3, "empty": 1, "undecodable": 2}
     import pyarrow as pa
@@ -290,6 +290,16 @@ def test_nanogpt_bin_and_llmc_shards_read_the_ids_written(tmp_path):
         TokenData(TextDataConfig(path=str(tmp_path / "fw"), seq_len=16), log=QUIET)
 
 
+def test_a_prepared_shard_folder_reads_in_place(tmp_path):
+    """data.path at a folder prepare() wrote (shards, their .docs.npy index, manifest.json) reads its ids as
+    pre-tokenized shards, in the dtype the manifest records."""
+    write_jsonl(tmp_path / "c.jsonl", make_docs(60))
+    out = prep(tmp_path / "c.jsonl", ByteTokenizer(), tmp_path / "tokens", workers=1)
+    d = TokenData(TextDataConfig(path=str(tmp_path / "tokens"), seq_len=16, token_dtype="uint32"), log=QUIET)
+    ids = np.concatenate([np.asarray(t) for t in out.tokens])
+    assert len(out.files) >= 2 and np.array_equal(np.r_[np.asarray(d.train), np.asarray(d.val)], ids)
+
+
 def test_model_vocab_must_cover_the_largest_id(tmp_path):
     from zoo.config import ConfigError
     from train.config import load_run_config
@@ -395,6 +405,9 @@ def test_prepare_cli_prepares_what_the_run_reads(tmp_path, capsys):
     assert main([str(ROOT / "configs" / "llm" / "tiny.yaml"), f"data.path={tmp_path / 'nope.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope.jsonl" in err
+    assert main([str(ROOT / "configs" / "llm" / "tiny-sft.yaml"), "train.init_from=null"]) == 2  # chat rows
+    assert capsys.readouterr().err.strip().endswith("data.format=messages (its rows are tokenised as the run starts): "
+                                                    "no text to prepare ahead")
 
 
 def test_unigram_entropy_of_a_large_corpus_is_counted_on_spread_blocks(tmp_path):

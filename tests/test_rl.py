@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import zoo
 from train.config import load_run_config
 from train.data import DataError
-from train.data.prompts import arithmetic, read_prompts, reward_fn
+from train.data.prompts import arithmetic, read_prompts, reward_fn, score
 from train.loop import train
 from train.metrics import read_rows
 from train.tasks.rl import advantages, overlong_penalty, policy_loss
@@ -157,6 +157,20 @@ def test_rewards(tmp_path, monkeypatch):
         reward_fn("nonsense")
     with pytest.raises(ConfigError, match="my_rewards:missing"):
         reward_fn("my_rewards:missing")
+    for values, says in ((["x"] * 3, "not a number"), ([1.0, float("nan"), 0.0], "not a number"), ([1.0], "1 values")):
+        with pytest.raises(DataError, match=f"reward mine: .*{says}"):
+            score([("mine", 1.0, lambda *_: values)], c, a, None)
+
+
+def test_chat_prompts_without_a_template_are_refused_in_one_line(tmp_path):
+    """A prompts file with a messages row and data.template=none: refused as the data is read, naming the file and
+    the key (was a TypeError at the first rollout or evaluation)."""
+    from train.builder import build_run
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "1+1?", "answer": 2}] * 8 + [
+        {"messages": [{"role": "user", "content": "2+2?"}], "answer": 4}]))
+    with pytest.raises(DataError, match=f"{p}: a prompt of chat messages needs a chat template, .*data.template"):
+        build_run(config(tmp_path, "run", f"data.path={p}"))
 
 
 def test_prompts_loader_skips_malformed_rows_and_refuses_an_empty_set(tmp_path):

@@ -70,6 +70,23 @@ def test_sft_lowers_the_assistant_loss_and_answers_held_out_prompts(sounds_run):
     assert accuracy >= 0.5, (accuracy, answers)  # chance: 1/6
 
 
+def test_a_run_whose_validation_conversations_are_all_cut_trains_without_exact_match(tmp_path):
+    """data.seq_len shorter than every conversation (data.train_on_prompt keeps the cut rows trained): no held-out
+    conversation is whole, so there is no answer to generate; the run logs no val_exact_match and writes its samples."""
+    rows = tmp_path / "sounds.jsonl"
+    rows.write_text("".join(json.dumps({"messages": conversation(g, a, 1)}) + "\n" for g, a in TRAIN))
+    cfg = load_run_config(None, base={
+        "family": "llm", "model": {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 32},
+        "data": {"format": "messages", "path": str(rows), "tokenizer": "bytes", "seq_len": 32, "eval_generate": 4,
+                 "train_on_prompt": True},
+        "train": {"out_dir": str(tmp_path / "run"), "max_steps": 1, "batch_size": 4, "eval_every": 1,
+                  "eval_batches": 1, "checkpoint_every": 0, "progress": False, "plot": False}})
+    train(cfg, log=lambda m: None)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in r for r in evals) and not any("val_exact_match" in r for r in evals)
+    assert (tmp_path / "run" / "samples.txt").is_file()
+
+
 def test_chat_command_two_turns_through_stdin(sounds_run, capsys):
     """The second answer of each conversation follows from the first turn: the two conversations
     differ only there, and each answer equals greedy decoding of the whole conversation without
@@ -95,13 +112,16 @@ def test_chat_command_two_turns_through_stdin(sounds_run, capsys):
 
 
 def test_chat_prompt_errors_are_one_line(tmp_path, capsys):
-    """--prompt: a conversation past the model's context, a tokenizer with more ids than the model's vocabulary:
-    exit 2 and one line each, no traceback."""
+    """--prompt: a conversation past the model's context, a tokenizer with more ids than the model's vocabulary, a
+    model path that does not exist, a run of another family: exit 2 and one line each, no traceback."""
     from zoo.weights import zoo_folder
     cfg = {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16}
     zoo_folder.save(zoo.build(cfg), tmp_path / "short", tokenizer="bytes")
     zoo_folder.save(zoo.build({**cfg, "vocab_size": 64}), tmp_path / "narrow", tokenizer="bytes")
-    for folder, says in (("short", "the model's context 16"), ("narrow", "vocab_size=64")):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "config.yaml").write_text("family: diffusion\n")  # a diffusion run folder
+    for folder, says in (("short", "the model's context 16"), ("narrow", "vocab_size=64"), ("typo", "typo: no such"),
+                         ("images", "images: a diffusion run, not a language model")):
         assert chat_main([str(tmp_path / folder), "--prompt", "word " * 20, "--max-new-tokens", "4"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and says in err and err.count("\n") == 1, err

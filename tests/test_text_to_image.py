@@ -277,3 +277,21 @@ def test_a_lora_run_from_a_zoo_run_keeps_its_latent_scale_and_samples_with_its_a
     train(cfg, log=lambda m: None)
     got, alone = (generate_run(tmp_path / r, ["a sks square"], steps=2, seed=0) for r in ("lora", "base"))
     assert (got - alone).abs().max() > 1e-5  # without the LoRA (or with a zero one) they are equal bit for bit
+
+
+def test_prompts_are_padded_with_the_end_of_text_when_the_tokenizer_has_no_pad_token():
+    """A Zoo LLM's sentencepiece tokenizer has EOS but no pad token: model.text_encoder pads its prompts with EOS
+    (masked out, as pad tokens are); a tokenizer with neither is a one-line error."""
+    from train.data import ByteTokenizer, DataError
+    from train.data.conversations import ChatTemplate, prompt_tokens
+
+    class NoPad(ByteTokenizer):
+        pad_id, eos_id = None, 7
+
+    ids, mask = prompt_tokens(NoPad(), ChatTemplate.builtin("chatml"), ["hi"], 40)
+    n = int(mask.sum())
+    assert ids[0, n:].eq(7).all() and ids[0, :n].tolist() == NoPad().encode(
+        ChatTemplate.builtin("chatml").render([{"role": "user", "content": "hi"}], True))[:n]
+    NoPad.eos_id = None
+    with pytest.raises(DataError, match="no pad_token nor an end-of-text token"):
+        prompt_tokens(NoPad(), ChatTemplate.builtin("chatml"), ["hi"], 40)

@@ -36,9 +36,15 @@ def main(argv=None):
             print(f"unknown benchmark '{argv[0]}'")
         print("benchmarks: " + ", ".join(sorted(BENCHES)))
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    from zoo.config import ConfigError
+    from train.data import DataError
     module, _, preset = BENCHES[argv[0]].partition(", ")
     mod = importlib.import_module(f"train.benches.{module}")
-    return (mod.main(argv[1:], argv[0]) if preset else mod.main(argv[1:])) or 0
+    try:
+        return (mod.main(argv[1:], argv[0]) if preset else mod.main(argv[1:])) or 0
+    except (ConfigError, DataError, FileNotFoundError) as e:  # a bad config, data file or model folder: one line
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from .distributed import Launch, Parallel, unsupported
 from .features.distill import load_teacher
 from .features.prune import prune_linears
 from .features.unfreeze import GradualUnfreezing
-from .model import build_model
+from .model import apply_runtime, build_model
 from .optim import build_optimizer
 from .planner import auto_batch_size, refusal
 from .step import EMA, EXIT_CONFIG, RunStopped, amp_dtype, autocast_for, resolve_device, resolve_precision
@@ -79,10 +79,11 @@ class Run:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def plain_model(self) -> nn.Module:
-        """A new unwrapped model of the run on its device (adapters applied), for gathered or averaged weights."""
+        """A new unwrapped model of the run on its device (the runtime settings and adapters applied, as the trained
+        model's), for gathered or averaged weights."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.train.seed)  # a base drawn at random: the run's own
-            model = self.task.build_model()
+            model = apply_runtime(self.task.build_model(), self.cfg.train, source=self.cfg.source)
             if self.cfg.adapter.enabled:
                 apply_adapters(model, self.cfg.adapter, self.cfg.source)
         return model.to(self.device)

@@ -444,7 +444,7 @@ class Checkpointer:
                      f"it starts afresh (an RL run samples its batch of rollouts again)")
         run.task.load_state_dict(tasks[par.rank] if len(tasks) == par.world else {})
         if note := resume_note(self.start, extra.get("max_steps"), t.max_steps, run.cfg.optim):
-            self.say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed
+            self.say(note)  # train.max_steps changed since the checkpoint: the schedule is recomputed; or none is left
         if extra.get("optim", run.cfg.optim.name) != run.cfg.optim.name:  # its states are not another's
             raise RunStopped(f"{state['path']}: trained with optim.name={extra['optim']}, this run has "
                              f"{run.cfg.optim.name}; use another train.out_dir or train.resume=false", EXIT_CONFIG)

@@ -370,7 +370,7 @@ def task_class(family: str, source: str = "<config>", data=None):
     return load_class(cls.formats[fmt]) if isinstance(fmt, str) and fmt in cls.formats else cls
 
 
-def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
+def run_config_from_dict(data: dict, source: str = "<config>", paths: bool = True) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a mapping")
     for k in data:
@@ -393,14 +393,15 @@ def run_config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     if (train.qat or train.quantize) and not task.quantizable:
         raise fail(source, "train.qat" if train.qat else "train.quantize",
                    f"quantizes LLMs; the {family} family has no quantized format (docs/deploy.md)")
-    check_across_sections(cfg)
+    check_across_sections(cfg, paths)
     if (check := getattr(task, "validate_config", None)) is not None:
         check(cfg)
     return cfg
 
 
-def check_across_sections(cfg: RunConfig):
-    """Keys that are each valid but make no sense together: one-line errors naming both (the first that applies)."""
+def check_across_sections(cfg: RunConfig, paths: bool = True):
+    """Keys that are each valid but make no sense together: one-line errors naming both (the first that applies);
+    paths: also the files the run reads its weights from (train.init_from, ...) must exist."""
     t, o, a, src = cfg.train, cfg.optim, cfg.adapter, cfg.source
     quant = "train.qat" if t.qat else "train.quantize"
     warmup, decay = o.resolved_warmup_steps(t.max_steps), max(1, round(o.decay_fraction * t.max_steps))
@@ -448,20 +449,21 @@ def check_across_sections(cfg: RunConfig):
     ]
     rules += [(path is not None and not Path(path).expanduser().exists(), key, f"={path}: no such file or folder")
               for key, path in (("train.init_from", t.init_from), ("train.teacher", t.teacher),
-                                ("adapter.init_from", a.init_from))]
+                                ("adapter.init_from", a.init_from)) if paths]
     if broken := next((r for r in rules if r[0]), None):
         raise fail(src, broken[1], broken[2])
 
 
-def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None) -> RunConfig:
-    """Read a YAML run config (or start from `base`), apply key=value overrides, validate."""
+def load_run_config(path: Optional[str], overrides=(), base: Optional[dict] = None, paths: bool = True) -> RunConfig:
+    """Read a YAML run config (or start from `base`), apply key=value overrides, validate (paths=False: the
+    weights' files, train.init_from and the like, need not exist yet; the memory planner reads the config alone)."""
     data = load_yaml(path) if path else dict(base or {})
     source = str(path) if path else "<config>"
     if overrides:
         over = parse_overrides(list(overrides))
         data = deep_merge(for_format(data, (over.get("data") or {}).get("format")), over)
         source = f"{source} (with overrides)" if path else "command line"
-    return run_config_from_dict(data, source)
+    return run_config_from_dict(data, source, paths)
 
 
 def for_format(data: dict, fmt) -> dict:

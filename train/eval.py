@@ -255,7 +255,7 @@ def score_generation(model, tokenizer, rows, device, template=None, max_new_toke
         contains += want in text
         details.append({"output": text, "expected": r["expected"]})
     n = len(rows)
-    return {"exact_match": exact / n, "contains": contains / n, "n": n}, details
+    return {"exact_match": exact / max(n, 1), "contains": contains / max(n, 1), "n": n}, details
 
 
 def score_loss(model, tokenizer, rows, device, template=None, batch_size=16, autocast=None, max_len=None, **_):

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--memory {e}") from None
         if args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}")
-        cfg = load_run_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides, paths=False)  # a fine-tuning planned before its base exists
         target = torch.device(args.device) if args.device else run_device(cfg)
         p = plan(cfg, args.devices, args.sharding, device=target)
         found = fits(cfg, budget, args.devices, args.sharding, device=target) if budget is not None else None

@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(path, argv)
         if not isinstance(cfg.data, TextDataConfig):
-            raise ConfigError(f"{cfg.source}: family {cfg.family} has no text data to prepare")
+            what = f"data.format={cfg.data.format} (its rows are tokenised as the run starts)" \
+                if cfg.family == "llm" else f"family {cfg.family}"
+            raise ConfigError(f"{cfg.source}: {what}: no text to prepare ahead")
         tokenizer = None
         if cfg.train.init_from and cfg.data.tokenizer == "sentencepiece":
             from train.tasks.lm import LMTask

@@ -8,9 +8,9 @@ class-conditional (U-Net or DiT) run folder.
     python train/sample.py RUN 3 7 [...] [--out DIR --steps --guidance --seed 0 --n 1 --size H W]
 
 FOLDER: what diffusers' Flux2KleinPipeline.save_pretrained writes (transformer/, text_encoder/, tokenizer/, vae/ for
-the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a run of data.format: captions
-(its EMA weights when it kept them, an adapter run's base with its LoRA; its sampler, steps, guidance, shift and
-model.image_size unless given); of a class-conditional run, each prompt a class number. Writes
+the latents' statistics, model_index.json; `is_distilled` turns guidance off). RUN: a diffusion run folder (its EMA
+weights when it kept them, an adapter run's base with its adapter; its sampler, steps, guidance, shift and
+model.image_size unless given): of data.format: captions, or class-conditional, each prompt a class number. Writes
 DIR/<prompt>-<seed>-<k>.png.
 """
 from __future__ import annotations
@@ -72,22 +72,26 @@ def generate_run(run, prompts: list[str], steps=None, guidance=None, seed: int =
     from train.config import load_run_config
     from train.tasks.text_to_image import TextEncoder
     from zoo.diffusion.latent import LatentDiffusion
+    from zoo.weights import peft_lora
     from zoo.weights.diffusers_lora import LORA_WEIGHTS, load_lora
     run = Path(run)
     cfg = load_run_config(str(run / "config.yaml"))
     if cfg.family != "diffusion":
         raise ValueError(f"{run}: not a diffusion run (family {cfg.family})")
     lora, base = run / "adapter" / LORA_WEIGHTS, Path(cfg.train.init_from or run)
-    weights = [base / "model.safetensors" if base.is_dir() else base] if lora.is_file() else \
+    adapted = lora.is_file() or peft_lora.detect(run / "adapter")  # FLUX.2's in diffusers' file, else PEFT's
+    weights = [base / "model.safetensors" if base.is_dir() else base] if adapted else \
         [run / "model_ema.safetensors", run / "model.safetensors"]  # an adapter run's base: what the run loaded
     weights = next((w for w in weights if w.is_file()), None)
     if weights is None:
-        raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)" if not lora.is_file() else
+        raise FileNotFoundError(f"{run}: no model.safetensors (has the run finished?)" if not adapted else
                                 f"{run}: an adapter run whose train.init_from={base} holds no Zoo model.safetensors")
     model = LatentDiffusion(cfg.model if shift == "run" else dataclasses.replace(cfg.model, sample_shift=shift)).eval()
     load_model(model, str(weights))
     if lora.is_file():
         load_lora(model, lora)
+    elif adapted:
+        peft_lora.load(run / "adapter", base=model)
     if cfg.model.denoiser != "flux2":
         cond = class_labels(run, cfg.model.num_classes, prompts, n)
     else:

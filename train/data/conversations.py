@@ -485,12 +485,14 @@ def _byte_to_char(text: str) -> list[int]:
 
 def prompt_tokens(tokenizer, template: ChatTemplate, prompts: list[str], max_length: int):
     """Each prompt as a user turn with the generation prompt (thinking off), truncated and right-padded with the
-    tokenizer's pad token to max_length: (ids, attention mask), (B, max_length) int64 each, as diffusers' FLUX.2
-    pipelines feed their Qwen3."""
+    tokenizer's pad token (none: its end of text, as a Zoo LLM's sentencepiece has) to max_length: (ids, attention
+    mask), (B, max_length) int64 each, as diffusers' FLUX.2 pipelines feed their Qwen3."""
     import torch
-    pad = getattr(tokenizer, "pad_id", None)
+    pad = next((i for i in (getattr(tokenizer, "pad_id", None), getattr(tokenizer, "eos_id", None)) if i is not None),
+               None)
     if pad is None:
-        raise DataError(f"{getattr(tokenizer, 'model_path', 'the tokenizer')}: no pad_token (tokenizer_config.json)")
+        raise DataError(f"{getattr(tokenizer, 'model_path', None) or 'the tokenizer'}: no pad_token nor an end-of-text "
+                        f"token to pad the prompts with (tokenizer_config.json)")
     texts = [template.render([{"role": "user", "content": p}], True, enable_thinking=False) for p in prompts]
     rows = [token_offsets(tokenizer, t)[0][:max_length] for t in texts]
     ids = torch.tensor([r + [pad] * (max_length - len(r)) for r in rows])
@@ -541,9 +543,19 @@ def model_sources(path) -> list[Path]:
     return [tokenizer_folder(p)] + (model_sources(base) if base and Path(base).expanduser().exists() else [])
 
 
+def run_family(path) -> Optional[str]:
+    """The family a run folder's config.yaml names (llm when it names none), else None."""
+    f = Path(path).expanduser() / "config.yaml"
+    return (yaml.safe_load(f.read_text()) or {}).get("family", "llm") if f.is_file() else None
+
+
 def tokenizer_and_template(path, tokenizer: Optional[str] = None):
     """(tokenizer, chat template or None) of a run, adapter or Hugging Face folder or a GGUF file, each its
     own or else its base's; `tokenizer` (a file or 'bytes') wins."""
+    if not Path(path).expanduser().exists():
+        raise DataError(f"{path}: no such file or folder")
+    if run_family(path) not in (None, "llm", "vlm"):
+        raise DataError(f"{path}: a {run_family(path)} run, not a language model")
     template = None
     tok = None if tokenizer is None else load_tokenizer_file(
         tokenizer if tokenizer == "bytes" else Path(tokenizer).expanduser())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import random
 import re
 import sys
@@ -136,11 +137,23 @@ def _user_module(name: str):
     return module
 
 
+def reward_value(name: str, v) -> float:
+    """A reward function's value as a finite float; anything else is refused in one line naming the reward."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
+        raise DataError(f"reward {name}: {v!r} is not a number (a reward function returns one finite number per "
+                        f"completion)")
+    return x
+
+
 def score(rewards: list, completions, answers, prompts) -> list[list[float]]:
     """[(name, weight, fn)] -> each reward's values, one list per reward (unweighted)."""
     out = []
     for name, _, fn in rewards:
-        values = [float(v) for v in fn(completions, answers, prompts)]
+        values = [reward_value(name, v) for v in fn(completions, answers, prompts)]
         if len(values) != len(completions):
             raise DataError(f"reward {name}: {len(values)} values for {len(completions)} completions")
         out.append(values)

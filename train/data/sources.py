@@ -42,7 +42,8 @@ class Doc(NamedTuple):
 class Problems:
     """Bad documents met while reading, counted per kind (and the files they were in)."""
 
-    KINDS = {"undecodable": "undecodable bytes replaced with U+FFFD", "bad_json": "bad jsonl lines (skipped)",
+    KINDS = {"undecodable": "undecodable bytes replaced with U+FFFD",
+             "bad_json": "bad jsonl lines (not JSON, or no string data.column field; skipped)",
              "empty": "empty documents (skipped)"}
 
     def __init__(self):

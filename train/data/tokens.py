@@ -6,6 +6,7 @@ Pre-tokenized formats (`data.path` a file, folder or glob; never copied): nanoGP
 from __future__ import annotations
 
 import glob
+import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -60,15 +61,23 @@ class TokenStream:
         return max((int(b.max()) for b in self.blocks()), default=-1)
 
 
+def prepared_dtype(path: str) -> Optional[str]:
+    """The token dtype recorded in the manifest.json of a folder train/data/shards.py prepared, else None."""
+    manifest = Path(path).expanduser() / "manifest.json"
+    return json.loads(manifest.read_text()).get("dtype") if manifest.is_file() else None
+
+
 def is_pretokenized(path: str) -> bool:
-    """A .bin file, a glob of them, or a folder holding .bin files only."""
+    """A .bin file, a glob of them, or a folder holding .bin files only (a prepared folder's manifest.json and
+    .docs.npy document index aside)."""
     if any(c in path for c in "*?["):
         return True
     p = Path(path).expanduser()
     if p.is_file():
         return p.suffix == TOKEN_SUFFIX
     if p.is_dir():
-        files = [f for f in p.iterdir() if f.is_file() and not f.name.startswith(".")]
+        files = [f for f in p.iterdir() if f.is_file() and not f.name.startswith(".")
+                 and f.name != "manifest.json" and not f.name.endswith(".docs.npy")]
         return bool(files) and all(f.suffix == TOKEN_SUFFIX for f in files)
     return False
 
@@ -104,7 +113,7 @@ def read_token_file(f: Path, dtype: str = "uint16") -> np.ndarray:
 
 def pretokenized_splits(path: str, dtype: str = "uint16") -> tuple[TokenStream, Optional[TokenStream]]:
     """(train, val or None) of pre-tokenized files: those named like `val`, or a val.bin beside a train.bin."""
-    files = token_files(path)
+    files, dtype = token_files(path), prepared_dtype(path) or dtype
     val = [f for f in files if _VAL.search(f.stem.lower())]
     train = [f for f in files if f not in val]
     if len(files) == 1 and not val and (files[0].parent / "val.bin").is_file():

@@ -55,8 +55,12 @@ def lr_multiplier(step: int, max_steps: int, cfg) -> float:
 
 def resume_note(start: int, was_max_steps, max_steps: int, cfg) -> str:
     """The log line of a run resumed at `start` whose train.max_steps changed since the checkpoint: the schedule
-    is recomputed over the new max_steps, so the LR may jump, from what to what; "" when nothing changed."""
-    if not was_max_steps or was_max_steps == max_steps or start >= max_steps or start <= 0:
+    is recomputed over the new max_steps, so the LR may jump, from what to what; at or past max_steps, that no step
+    is left; "" when nothing changed."""
+    if start >= max_steps and start > 0:
+        return (f"resume: the checkpoint's step {start} is not below train.max_steps={max_steps}: nothing left to "
+                f"train (raise train.max_steps to train on)")
+    if not was_max_steps or was_max_steps == max_steps or start <= 0:
         return ""
     last = cfg.lr * lr_multiplier(start - 1, was_max_steps, cfg)
     nxt = cfg.lr * lr_multiplier(start, max_steps, cfg)

@@ -4,6 +4,7 @@ setup() loads the autoencoder and fills the latent cache (train/data/latents.py)
 only the denoiser, no encoder in the step; samples() writes a guided grid to out_dir/samples.png."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -286,7 +287,8 @@ class DiffusionTask(Task):
         return ae
 
     def build_model(self):
-        model = LatentDiffusion(self.cfg.model, autoencoder=self.autoencoder)
+        # a copy each: FSDP2 with an adapter shards the trained model's frozen autoencoder in place
+        model = LatentDiffusion(self.cfg.model, autoencoder=copy.deepcopy(self.autoencoder))
         model.latent_mean.copy_(self.latent_mean)
         model.latent_std.copy_(self.latent_std)
         if self.cfg.train.init_from:  # a model.safetensors of an earlier run (or the folder holding it), or a

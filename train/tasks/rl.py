@@ -28,7 +28,7 @@ import torch
 from zoo.adapters import adapters_disabled
 from zoo.config import ConfigError, bounded
 
-from ..data import TokenizedRows
+from ..data import DataError, TokenizedRows
 from ..data.conversations import PostTrainingDataConfig
 from ..data.prompts import arithmetic, read_prompts, reward_fn, score
 from ..eval import collate, complete, score_rewards, token_logps
@@ -152,6 +152,9 @@ class RLTask(PostTrainingTask):
                               f"{self.world} processes")
         self.chat_template = self._template()
         train, val = self.held_out(arithmetic, lambda path: read_prompts(path, self.log))  # [{prompt, answer}]
+        if self.chat_template is None and any(not isinstance(r["prompt"], str) for r in train + val):
+            raise DataError(f"{d.path}: a prompt of chat messages needs a chat template, and this run has none "
+                            f"(data.template: chatml, a file or folder)")
         self.data = TokenizedRows(train, val, tokenizer)
         self.log(f"data: {d.path}: {len(self.data.train)} train + {len(self.data.val)} held-out prompts")
         self.rewards = [(r.name, r.weight, reward_fn(r.name, self.cfg.source)) for r in rl.rewards]
@@ -277,11 +280,16 @@ class RLTask(PostTrainingTask):
         now = torch.stack([stats["clip"], torch.as_tensor(stats.get("kl", 0.0), device=logp.device),
                            (ent * valid).sum(), valid.sum().float()])
         self._trained = now if self._trained is None else self._trained + now
-        return loss * scale, int(valid.sum())
+        return loss * scale, batch["y"].numel()  # the positions computed, as the LM task (no sync; plannable)
 
     def example_batch(self, model, batch_size, seq_len=None):
-        x, y = super().example_batch(model, batch_size, seq_len or self.cfg.data.seq_len + self.cfg.rl.max_new_tokens)
-        return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device)}
+        """A batch shaped as the rollouts: ids, advantages and the per-token log-probs the run keeps (π_old with
+        updates_per_batch > 1, the reference's with kl_beta > 0), for the memory planner and the batch finder."""
+        rl = self.cfg.rl
+        x, y = super().example_batch(model, batch_size, seq_len or self.cfg.data.seq_len + rl.max_new_tokens)
+        kept = {"old": rl.updates_per_batch > 1, "ref": rl.kl_beta > 0}
+        return {"x": x, "y": y, "adv": torch.zeros(batch_size, device=self.device),
+                **{k: torch.zeros(y.shape, device=self.device) for k, on in kept.items() if on}}
 
     def state_dict(self):
         """This process's batch of rollouts at hand while updates_per_batch > 1 (a resume in its middle trains on it)."""

@@ -96,7 +96,7 @@ class SFTTask(PostTrainingTask):
     @torch.no_grad()
     def evaluate(self, model):
         out = super().evaluate(model)
-        if self.cfg.data.eval_generate:
+        if self.cfg.data.eval_generate and self.data.val_rows:  # val_rows: the held-out conversations kept whole
             out["val_exact_match"] = self.answered(model, self.cfg.data.eval_generate)[0]["exact_match"]
         return out
 
