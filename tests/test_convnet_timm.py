@@ -301,3 +301,25 @@ def test_flops_match_the_papers_figures():
         with torch.device("meta"):
             model = build(ConvNetConfig(arch=arch))
         assert abs(model.flops_per_image(224) / 6 / 1e9 - gmacs) < tol, arch
+
+
+def test_torchvision_convnext_in_and_out(tmp_path):
+    """torchvision's ConvNeXt-T file (features.* / classifier.*, layer scales (C, 1, 1); random init, every tensor
+    drawn) -> Zoo as convnext_tiny: max |logits diff| <= 1e-5 (fp32, eval); Zoo's export is torchvision's layout again
+    (loads strictly, the same logits), and the classification task's init_from reads it too."""
+    import torchvision
+    ref = torchvision.models.convnext_tiny(num_classes=7).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in ref.state_dict().values():
+            t.copy_(torch.randn(t.shape, generator=g) * (0.5 if t.dim() < 2 else t[0].numel() ** -0.5))
+    torch.save(ref.state_dict(), tmp_path / "convnext_tiny.pth")
+    model = zoo.from_pretrained(tmp_path / "convnext_tiny.pth")
+    assert (model.config.arch, model.config.num_classes) == ("convnext_tiny", 7)
+    back = torchvision.models.convnext_tiny(num_classes=7).eval()
+    back.load_state_dict(torch.load(zoo.save_pretrained(model, tmp_path / "export.pth")), strict=True)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x)
+        assert want.abs().max() > 0.1 and all((m(x) - want).abs().max().item() <= 1e-5 for m in (model, back))
+    assert tw.kind_of(tw.read_state_dict(tmp_path / "convnext_tiny.pth")) == "convnext"  # what init_from reads

@@ -1,4 +1,5 @@
-"""timm weights in and out for the ConvNets: ResNet (and torchvision's), ConvNeXt V1 / V2, EfficientNet, MobileNetV3.
+"""timm weights in and out for the ConvNets: ResNet (and torchvision's), ConvNeXt V1 / V2 (and torchvision's V1),
+EfficientNet, MobileNetV3.
 
 Zoo uses timm's parameter names; this module reads the file, infers the architecture from the keys (or checks the timm
 name given), checks every name and shape, and writes the same layout back.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -31,14 +33,50 @@ def weight_file(path) -> Path | None:
     return p if p.is_file() and p.suffix.lower() in SUFFIXES else None
 
 
-def read_state_dict(path) -> dict:
+def read_state_dict(path, timm_names: bool = True) -> dict:
     """The tensors of a ConvNet weight file or folder (CPU, memory-mapped where possible), checked
-    (zoo.weights.files.load_tensors), with DataParallel's "module." prefixes stripped."""
+    (zoo.weights.files.load_tensors), with DataParallel's "module." prefixes stripped and torchvision's ConvNeXt
+    names made timm's (unless timm_names=False)."""
     f = weight_file(path)
     if f is None:
         raise FileNotFoundError(f"{path}: no ConvNet weight file ({', '.join(SUFFIXES)} or a folder with "
                                 f"{' / '.join(FOLDER_FILES)})")
-    return {(k[7:] if k.startswith("module.") else k): v for k, v in load_tensors(f).items()}
+    sd = {(k[7:] if k.startswith("module.") else k): v for k, v in load_tensors(f).items()}
+    return renamed(sd) if timm_names and is_torchvision_convnext(sd) else sd
+
+
+# torchvision's ConvNeXt names <-> timm's, as templates: feature f = 2s + 1 holds stage s's blocks, feature d = 2s its
+# downsampling (s >= 1); a block's layer scale (C, 1, 1) is timm's gamma (C,)
+CONVNEXT_NAMES = [("features.0.{i}.", "stem.{i}."), ("features.{f}.{b}.layer_scale", "stages.{s}.blocks.{b}.gamma"),
+                  *((f"features.{{f}}.{{b}}.block.{i}.", f"stages.{{s}}.blocks.{{b}}.{part}.")
+                    for i, part in (("0", "conv_dw"), ("2", "norm"), ("3", "mlp.fc1"), ("5", "mlp.fc2"))),
+                  ("features.{d}.{i}.", "stages.{s}.downsample.{i}."), ("classifier.0.", "head.norm."),
+                  ("classifier.2.", "head.fc.")]
+
+
+def _convnext_name(name: str, to_timm: bool) -> str:
+    """A torchvision ConvNeXt name as timm's (to_timm) or back; other names unchanged."""
+    for tv, timm in CONVNEXT_NAMES:
+        src, dst = (tv, timm) if to_timm else (timm, tv)
+        pattern = "^" + re.sub(r"\\{(\w)\\}", r"(?P<\1>\\d+)", re.escape(src))
+        if m := re.match(pattern + ("$" if not src.endswith(".") else ""), name):
+            n = {k: int(v) for k, v in m.groupdict().items()}
+            n["s"] = n["s"] if "s" in n else n.get("f", n.get("d", 0)) // 2
+            return dst.format(**{**n, "f": 2 * n["s"] + 1, "d": 2 * n["s"]}) + name[m.end():]
+    return name
+
+
+def is_torchvision_convnext(keys) -> bool:
+    return {"features.0.0.weight", "features.1.0.block.0.weight", "features.1.0.layer_scale"} <= set(keys)
+
+
+def renamed(sd: dict, to_timm: bool = True) -> dict:
+    """A ConvNeXt state dict under timm's names from torchvision's (or back), layer scales reshaped."""
+    out = {}
+    for k, v in sd.items():
+        name = _convnext_name(k, to_timm)
+        out[name] = v.flatten() if name.endswith(".gamma") else v.view(-1, 1, 1) if name.endswith("layer_scale") else v
+    return out
 
 
 # what tells each kind's keys apart (all of them present)
@@ -66,7 +104,7 @@ def detect(path) -> bool:
         keys = read_safetensors_header(f)[0] if f.suffix.lower() == ".safetensors" else read_state_dict(f)
     except Exception:
         return False
-    return kind_of(keys) is not None
+    return kind_of(keys) is not None or is_torchvision_convnext(keys)
 
 
 def config_from_state_dict(sd: dict, arch: str | None = None, source: str = "<state dict>", base: dict | None = None,
@@ -284,7 +322,9 @@ def load(path, arch: str | None = None, num_classes: int | None = None, **overri
     """A Zoo ConvNet (eval mode) with the weights of `path`; it remembers the file name it came from
     (`pretrained_format`), so save() to a folder writes the same file type back."""
     from ..convnet import build
-    sd = read_state_dict(path)
+    sd = read_state_dict(path, timm_names=False)
+    torchvision = is_torchvision_convnext(sd)
+    sd = renamed(sd) if torchvision else sd
     if num_classes is not None:
         overrides["num_classes"] = num_classes
     named, base = saved_config(path)
@@ -295,7 +335,7 @@ def load(path, arch: str | None = None, num_classes: int | None = None, **overri
     load_into(model, sd, str(path))
     f = weight_file(path)
     model.pretrained_format = {"format": "timm", "layout": "folder" if Path(path).is_dir() else "file",
-                               "file": f.name}
+                               "file": f.name, "torchvision": torchvision}
     return model.eval()
 
 
@@ -318,6 +358,8 @@ def write(model, state: dict, path) -> Path:
     """save()'s file or folder of `state`, the model's tensors already under timm's names (a ViT's: timm_vit)."""
     p = Path(path)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    if (getattr(model, "pretrained_format", None) or {}).get("torchvision"):  # back under torchvision's names
+        sd = renamed(sd, to_timm=False)
     if p.suffix.lower() not in SUFFIXES:  # a folder: timm's, config.json beside the weights in the source's type
         name = (getattr(model, "pretrained_format", None) or {}).get("file", "model.safetensors")
         cfg = {"architecture": model.config.arch, "num_classes": model.config.num_classes,
