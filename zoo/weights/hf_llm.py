@@ -594,9 +594,10 @@ def load_llm(hf: dict, folder: Path, source: str, dtype: torch.dtype, device=Non
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = {z: [(rename(n), *rest) for n, *rest in parts] for z, parts in key_map(cfg, arch).items()}
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape, *_ in parts}
-    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
+    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head; a module of zero width
+    # (DeepSeek-V3's shared experts at n_shared_experts=0) is saved as empty tensors
     problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq") or (others and others(n))
-                          or (cfg.tie_embeddings and n == rename("lm_head.weight")))
+                          or (cfg.tie_embeddings and n == rename("lm_head.weight")) or 0 in found[n])
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 
