@@ -21,7 +21,10 @@ HELD_OUT = [("vit_small_patch16_224", {}, ".pth"), ("deit_tiny_distilled_patch16
             ("vit_small_patch14_reg4_dinov2", dict(patch_size=7, img_size=28), ".safetensors"),
             ("vit_base_patch16_reg4_gap_256", {}, ".pth"),
             # a 3 x 3 grid and 4 registers: 9 table rows read either as that grid or as a 2 x 2 grid plus 5 prefix rows
-            ("vit_small_patch14_reg4_dinov2", dict(patch_size=14, img_size=42, in_chans=1), ".safetensors")]
+            ("vit_small_patch14_reg4_dinov2", dict(patch_size=14, img_size=42, in_chans=1), ".safetensors"),
+            # attention pooling (timm's global_pool=map: over the patch tokens only), without and with prefix tokens
+            ("vit_small_patch16_224", dict(global_pool="map", class_token=False), ".safetensors"),
+            ("vit_small_patch16_224", dict(global_pool="map", reg_tokens=2), ".pth")]
 
 
 def timm_file(tmp_path, arch, suffix, **kw):

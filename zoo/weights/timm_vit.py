@@ -104,7 +104,7 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
                reg_tokens=sd["reg_token"].shape[1] if "reg_token" in sd else 0,
                depth=len({k.split(".")[1] for k in sd if k.startswith("blocks.")}),
                mlp_ratio=ratio if int(dim * ratio) == hidden else hidden / dim,
-               global_pool="avg" if "fc_norm.weight" in sd else "token",
+               global_pool="map" if "attn_pool.latent" in sd else "avg" if "fc_norm.weight" in sd else "token",
                mlp="swiglu" if "blocks.0.mlp.gate_up.weight" in sd else "gelu" if plain == "swiglu" else plain,
                mlp_norm="blocks.0.mlp.norm.weight" in sd, k_bias="blocks.0.attn.q_bias" not in sd)
     if not cfg["class_token"] and "fc_norm.weight" not in sd and not any(k.startswith("attn_pool.") for k in sd):
