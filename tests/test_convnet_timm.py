@@ -175,6 +175,16 @@ def test_another_architectures_file_is_one_line_error(tmp_path):
         assert "\n" not in str(e.value) and "b0.pth" in str(e.value)
 
 
+@pytest.mark.parametrize("arch", ["resnet18", "convnext_atto", "efficientnet_b0", "mobilenetv3_small_050"])
+def test_a_bad_key_given_with_a_headless_file_is_named(tmp_path, arch):
+    """A headless timm file (num_classes=0) loaded with num_classes=0, which a Zoo ConvNet cannot take, is the one-line
+    error naming that key, whichever way the file's shape is found (EfficientNet / MobileNetV3: by trying presets)."""
+    torch.save(timm.create_model(arch, num_classes=0).state_dict(), tmp_path / "m.pth")
+    with pytest.raises(ConfigError, match="num_classes must be > 0, got 0") as e:
+        zoo.from_pretrained(tmp_path / "m.pth", num_classes=0)
+    assert "\n" not in str(e.value)
+
+
 def test_reshaped_export_loads_back_as_it_is(tmp_path):
     """A digits-sized model (stride-1 stem, width multiplier no preset has, a ResNet-T's stem) saved by Zoo comes back
     the same."""

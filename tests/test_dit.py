@@ -68,6 +68,17 @@ def test_diffusers_folder_loads_with_the_same_outputs_and_exports_back(name, tie
         assert torch.equal(model(x, torch.tensor(421), torch.tensor(1)), model(x, torch.full((3,), 421), torch.ones(3, dtype=torch.long)))
 
 
+def test_a_sharded_folder_loads(tmp_path):
+    """A folder diffusers wrote in shards (its index.json naming them) loads with the same outputs (1e-4)."""
+    kw = SHAPES["p1-sigma"]
+    ref = reference(kw)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    x, t, y = inputs(kw)
+    with torch.no_grad():
+        assert (zoo.from_pretrained(tmp_path)(x, t, y) - ref(x, t, y).sample).abs().max() <= 1e-4
+
+
 def test_another_grid_size_interpolates_the_position_table_as_diffusers(tmp_path):
     kw = SHAPES["p2-eps"]
     ref = reference(kw, tie=True)

@@ -115,6 +115,10 @@ CASES = {
         first_k_dense_replace=0, moe_intermediate_size=24, q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=6,
         qk_nope_head_dim=10, v_head_dim=14, norm_topk_prob=False, routed_scaling_factor=1.5,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.9))),
+    "deepseek-v3-no-shared-top1-dense2-tied": ("DeepseekV3", dict(  # transformers keeps empty shared-expert tensors
+        num_key_value_heads=4, n_routed_experts=5, n_shared_experts=0, num_experts_per_tok=1, n_group=1, topk_group=1,
+        first_k_dense_replace=2, moe_intermediate_size=24, q_lora_rank=20, kv_lora_rank=12, qk_rope_head_dim=6,
+        qk_nope_head_dim=10, v_head_dim=14, tie_word_embeddings=True)),
     "deepseek-v32": ("DeepseekV32", dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
                                          num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                                          moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,

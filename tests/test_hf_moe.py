@@ -46,6 +46,9 @@ CASES = {
                                              norm_topk_prob=True)),
     "qwen3-moe-window-dense-layer": ("qwen3_moe", dict(QWEN, use_sliding_window=True, sliding_window=8,
                                                        mlp_only_layers=[0], num_key_value_heads=1)),
+    "qwen3-moe-bias-top1-odd-every-2nd-tied": ("qwen3_moe", dict(QWEN, num_experts=5, num_experts_per_tok=1,
+                                                                 attention_bias=True, decoder_sparse_step=2,
+                                                                 tie_word_embeddings=True)),
 }
 
 
@@ -147,7 +150,6 @@ def edit_config(folder, **changes):
 
 @pytest.mark.parametrize("kind,changes,needle", [
     ("mixtral", dict(attention_dropout=0.1), "attention_dropout"),
-    ("qwen3_moe", dict(attention_bias=True), "attention_bias"),
     ("qwen2_moe", dict(num_experts=0), "num_experts"),
     ("qwen2_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
     ("mixtral", dict(hidden_act="gelu"), "hidden_act"),

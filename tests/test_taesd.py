@@ -47,6 +47,16 @@ def test_diffusers_autoencoder_tiny_parity(tmp_path, latent_channels):
     assert (out - out_ref).abs().max() <= 1e-4
 
 
+def test_a_sharded_diffusers_folder_loads(tmp_path):
+    """An AutoencoderTiny folder diffusers wrote in shards (its index.json naming them) loads the same tensors."""
+    ref = _reference(4)
+    ref.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    images = torch.rand(1, 3, 32, 24, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (zoo.from_pretrained(tmp_path).encode(images) - ref.encode(images * 2 - 1).latents).abs().max() <= 1e-4
+
+
 def test_export_round_trips_both_formats(tmp_path):
     import diffusers
     ref = _reference(16, seed=3)

@@ -19,7 +19,12 @@ import timm
 TINY = dict(embed_dim=128, depth=2, num_heads=2, patch_size=8, img_size=32, num_classes=5)  # head width 64
 HELD_OUT = [("vit_small_patch16_224", {}, ".pth"), ("deit_tiny_distilled_patch16_224", {}, ".safetensors"),
             ("vit_small_patch14_reg4_dinov2", dict(patch_size=7, img_size=28), ".safetensors"),
-            ("vit_base_patch16_reg4_gap_256", {}, ".pth"), ("vit_base_patch16_clip_224", {}, ".safetensors")]
+            ("vit_base_patch16_reg4_gap_256", {}, ".pth"), ("vit_base_patch16_clip_224", {}, ".safetensors"),
+            # a 3 x 3 grid and 4 registers: 9 table rows read either as that grid or as a 2 x 2 grid plus 5 prefix rows
+            ("vit_small_patch14_reg4_dinov2", dict(patch_size=14, img_size=42, in_chans=1), ".safetensors"),
+            # attention pooling (timm's global_pool=map: over the patch tokens only), without and with prefix tokens
+            ("vit_small_patch16_224", dict(global_pool="map", class_token=False), ".safetensors"),
+            ("vit_small_patch16_224", dict(global_pool="map", reg_tokens=2), ".pth")]
 
 
 def timm_file(tmp_path, arch, suffix, **kw):
@@ -34,16 +39,17 @@ def timm_file(tmp_path, arch, suffix, **kw):
     return ref, path
 
 
-def image(size, seed=1):
-    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
+def image(size, seed=1, chans=3):
+    return torch.randn(2, chans, size, size, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch,kw,suffix", HELD_OUT, ids=[a for a, _, _ in HELD_OUT])
+@pytest.mark.parametrize("arch,kw,suffix", HELD_OUT, ids=[a + "".join(f"-{k}{v}" for k, v in kw.items())
+                                                           for a, kw, _ in HELD_OUT])
 def test_timm_weights_in_and_out(tmp_path, arch, kw, suffix):
     """timm's file -> Zoo, by name and from the shapes alone: max |logits diff| <= 1e-5 (fp32, eval); Zoo's export
     -> timm (load_state_dict strict): the same logits within 1e-5."""
     ref, path = timm_file(tmp_path, arch, suffix, **kw)
-    x = image({**TINY, **kw}["img_size"])
+    x = image({**TINY, **kw}["img_size"], chans=kw.get("in_chans", 3))
     with torch.no_grad():
         want = ref(x)
         assert want.abs().max() > 0.1

@@ -159,10 +159,10 @@ class ViT(ConvNetBase):
 
     def pool(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         """(B, prefix + N, D) -> (B, D): the class token, the mean of the (unmasked) patch tokens, or attention
-        pooling over them."""
+        pooling over them (as timm's, the prefix tokens left out)."""
         kind, n = self.spec["global_pool"], self.num_prefix_tokens
         if kind == "map":
-            return self.attn_pool(x, None if mask is None else self.token_mask(mask))
+            return self.attn_pool(x[:, n:], None if mask is None else mask.bool())
         if kind == "avg":
             if mask is None:
                 return x[:, n:].mean(1)

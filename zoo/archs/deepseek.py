@@ -11,8 +11,8 @@ from .record import ROPES, Record, interleaved, stacked
 
 class DeepseekV3(Record):
     hf_class, model_type = "DeepseekV3ForCausalLM", "deepseek_v3"
-    needs = frozenset({"moe", "mla", "sigmoid", "moe_shared"})
-    may = ROPES | {"moe_groups", "moe_dense_layers", "moe_topk_raw"}
+    needs = frozenset({"moe", "mla", "sigmoid"})
+    may = ROPES | {"moe_shared", "moe_groups", "moe_dense_layers", "moe_topk_raw"}  # no shared experts: empty tensors
     defaults = {"max_position_embeddings": 4096, "n_routed_experts": 256, "num_experts_per_tok": 8,
                 "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                 "first_k_dense_replace": 3, "norm_topk_prob": True, "moe_intermediate_size": 2048, "q_lora_rank": 1536,
@@ -35,7 +35,8 @@ class DeepseekV3(Record):
 
     def refuses(self, cfg):
         m, first = cfg.moe, len(cfg.moe.dense_layers)
-        if list(m.dense_layers) != list(range(first)) or m.sparse_every != 1 or (m.shared_hidden or 0) != cfg.resolved_expert_hidden:
+        wide = m.n_shared and (m.shared_hidden or 0) != cfg.resolved_expert_hidden
+        if list(m.dense_layers) != list(range(first)) or m.sparse_every != 1 or wide:
             return "its dense layers first, then every layer sparse, with shared experts of the experts' width"
         return ""
 
@@ -118,7 +119,7 @@ def indexer_types(hf: dict, n_layers: int) -> list:
 class Mistral4(DeepseekV3):
     hf_class, model_type = "Mistral4ForCausalLM", "mistral4"
     needs = frozenset({"moe", "mla", "moe_shared"})
-    may = DeepseekV3.may | {"query_temperature"}
+    may = DeepseekV3.may - needs | {"query_temperature"}
     defaults = {**DeepseekV3.defaults, "max_position_embeddings": 1048576, "n_routed_experts": 128,
                 "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
                 "first_k_dense_replace": 0, "moe_intermediate_size": 2048, "q_lora_rank": 1024, "kv_lora_rank": 256,

@@ -80,14 +80,14 @@ class Qwen2Moe(Qwen2):
 
 class Qwen3Moe(Record):
     hf_class, model_type = "Qwen3MoeForCausalLM", "qwen3_moe"
-    needs, may = frozenset({"moe", "qk_norm"}), QWEN_MOE | {"window"}
+    needs, may = frozenset({"moe", "qk_norm"}), QWEN_MOE | {"window", "attn_bias"}
     defaults = {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
                 "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
                 "decoder_sparse_step": 1}
     window = "qwen"  # on every layer
 
     def config(self, hf, get, n_layers):
-        return {"moe": qwen_moe(hf, get, n_layers), "qk_norm": True}
+        return {"moe": qwen_moe(hf, get, n_layers), "qk_norm": True, **attention_bias(get)}
 
     def to_hf(self, cfg):
-        return {**qwen_moe_to_hf(cfg), "attention_bias": False}
+        return {**qwen_moe_to_hf(cfg), "attention_bias": cfg.attn_out_bias}

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import DiTConfig
-from .files import atomic_write, diffusers_folder, load_tensors, mismatches, save_safetensors
+from .files import atomic_write, diffusers_folder, load_shards, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "DiTTransformer2DModel", "diffusion_pytorch_model.safetensors"
 _ACTIVATIONS = {"gelu-approximate": "tanh", "gelu": "none"}
@@ -55,7 +55,7 @@ def load(path, dtype=torch.float32, **_):
     _refuse(cfg, where)
     heads, depth = cfg.get("num_attention_heads", 16), cfg.get("num_layers", 28)
     C = cfg.get("in_channels", 4)
-    sd = load_tensors(f / WEIGHTS)
+    sd = load_shards(f, WEIGHTS)
     shared = _same_embedders(sd, depth)
     zcfg = DiTConfig(depth=depth, width=heads * cfg.get("attention_head_dim", 72), heads=heads,
                      patch_size=cfg.get("patch_size", 2), learn_sigma=(cfg.get("out_channels") or C) == 2 * C,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import Flux2Config
-from .files import atomic_write, diffusers_folder, load_tensors, mismatches, save_safetensors
+from .files import atomic_write, diffusers_folder, load_shards, mismatches, save_safetensors
 
 CLASS, WEIGHTS = "Flux2Transformer2DModel", "diffusion_pytorch_model.safetensors"
 # (diffusers' config key, Zoo's Flux2Config field, diffusers' default)
@@ -59,7 +59,7 @@ def load(path, dtype=torch.float32, **_):
         raise ValueError(f"{f / 'config.json'}: patch_size={cfg['patch_size']}: only 1 is supported (FLUX.2's)")
     values = {field: cfg.get(key, default) for key, field, default in KEYS}
     model = Flux2(Flux2Config(**{**values, "rope_axes": tuple(values["rope_axes"])}))
-    ours = _rename(load_tensors(f / WEIGHTS), NAMES)
+    ours = _rename(load_shards(f, WEIGHTS), NAMES)
     if what := mismatches(ours, model.state_dict(), limit=3):
         raise ValueError(f"{f / WEIGHTS}: weights do not match config.json ({what})")
     model.load_state_dict(ours)
@@ -94,7 +94,7 @@ def latent_space(path):
     if not (f / "config.json").is_file():
         return None
     cfg = json.loads((f / "config.json").read_text())
-    sd = load_tensors(f / WEIGHTS)
+    sd = load_shards(f, WEIGHTS)
     if "bn.running_mean" not in sd:
         raise ValueError(f"{f / WEIGHTS}: no bn.running_mean (not an AutoencoderKLFlux2)")
     std = (sd["bn.running_var"].float() + cfg.get("batch_norm_eps", 1e-4)).sqrt()

@@ -238,12 +238,33 @@ def config_folder(path) -> Path:
     return p.parent if p.is_file() and p.name == "config.json" else p
 
 
+def shards(folder: Path, weights: str) -> list[Path]:
+    """The file `weights` in `folder`, or the shards its index (`weights`.index.json, as transformers and diffusers
+    write a large model) lists; [] when neither is there. A listed shard missing is a one-line error."""
+    index = folder / f"{weights}.index.json"
+    if not index.is_file():
+        return [folder / weights] if (folder / weights).is_file() else []
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: no 'weight_map' listing the shards")
+    files = [folder / f for f in dict.fromkeys(weight_map.values())]
+    if missing := [f for f in files if not f.is_file()]:
+        raise FileNotFoundError(f"{missing[0]}: shard listed in {index.name} is missing")
+    return files
+
+
+def load_shards(folder: Path, weights: str) -> dict:
+    """{name: tensor} of every file `shards` finds (load_tensors each)."""
+    return {k: v for f in shards(folder, weights) for k, v in load_tensors(f).items()}
+
+
 def diffusers_folder(path, class_name: str, weights: str, subfolder: str = "transformer") -> Path | None:
-    """The folder at `path`, or its pipeline's `subfolder` ('': none), holding `weights` and a config.json naming
-    diffusers' `class_name`; else None."""
+    """The folder at `path`, or its pipeline's `subfolder` ('': none), holding `weights` (or its shards' index) and a
+    config.json naming diffusers' `class_name`; else None."""
     for p in dict.fromkeys((Path(path), Path(path) / subfolder)):
         try:
-            if (p / weights).is_file() and read_json(p / "config.json").get("_class_name") == class_name:
+            held = (p / weights).is_file() or (p / f"{weights}.index.json").is_file()
+            if held and read_json(p / "config.json").get("_class_name") == class_name:
                 return p
         except (ValueError, OSError):
             pass

@@ -23,7 +23,7 @@ import torch
 from ..archs import BY_MODEL_TYPE, BY_WRAPPER, FEATURES, RECORDS, Record, features
 from ..config import RECURRENT_TYPES, ConfigError, LLMConfig, RopeScaling, from_dict, to_dict
 from .files import (FILE_DTYPES, atomic_write, config_folder, mismatches, read_json, read_safetensors_header,
-                    save_safetensors)
+                    save_safetensors, shards)
 
 ARCHITECTURES = tuple(RECORDS)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -460,19 +460,8 @@ def _mla_keys(cfg: LLMConfig, z: str, a: str, i: int) -> dict:
 
 def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or the shards listed in model.safetensors.index.json."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: no 'weight_map' listing the shards")
-        files = [folder / f for f in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.is_file():
-                raise FileNotFoundError(f"{f}: shard listed in {index.name} is missing")
+    if files := shards(folder, "model.safetensors"):
         return files
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
     if any(folder.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"{folder}: only pytorch_model*.bin weights; Zoo reads safetensors only "
                                 f"(unpickling is unsafe): convert them to model.safetensors")
@@ -605,9 +594,10 @@ def load_llm(hf: dict, folder: Path, source: str, dtype: torch.dtype, device=Non
     found = {name: tuple(t["shape"]) for table, _ in headers.values() for name, t in table.items()}
     kmap = {z: [(rename(n), *rest) for n, *rest in parts] for z, parts in key_map(cfg, arch).items()}
     expected = {hf_name: shape for parts in kmap.values() for hf_name, shape, *_ in parts}
-    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head
+    # old checkpoints saved the RoPE buffer; tied ones may still carry a copy of lm_head; a module of zero width
+    # (DeepSeek-V3's shared experts at n_shared_experts=0) is saved as empty tensors
     problems = mismatches(found, expected, lambda n: n.endswith("rotary_emb.inv_freq") or (others and others(n))
-                          or (cfg.tie_embeddings and n == rename("lm_head.weight")))
+                          or (cfg.tie_embeddings and n == rename("lm_head.weight")) or 0 in found[n])
     if problems:
         raise ValueError(f"{folder}: weights do not match config.json ({arch}, {cfg.n_layers} layers): {problems}")
 

@@ -14,8 +14,8 @@ import torch
 
 from zoo.diffusion.taesd import TAESD
 
-from .files import (atomic_write, check_weight_file, diffusers_folder, load_tensors, read_safetensors_header,
-                    save_safetensors)
+from .files import (atomic_write, check_weight_file, diffusers_folder, load_shards, load_tensors,
+                    read_safetensors_header, save_safetensors)
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 # the AutoencoderTiny config.json keys TAESD has one value of
@@ -94,7 +94,7 @@ def _load_diffusers(p: Path) -> tuple[dict, dict]:
         if k in cfg and len(set(cfg[k])) != 1:
             raise ValueError(f"{p / 'config.json'}: {k}={cfg[k]} is not supported (TAESD has one width)")
     sd = {}
-    for k, v in load_tensors(p / DIFFUSERS_WEIGHTS).items():
+    for k, v in load_shards(p, DIFFUSERS_WEIGHTS).items():
         m = re.fullmatch(r"(encoder|decoder)\.layers\.(\d+)\.(.+)", k)
         if not m:
             raise ValueError(f"{p / DIFFUSERS_WEIGHTS}: unexpected key '{k}' for an AutoencoderTiny")

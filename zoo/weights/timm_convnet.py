@@ -222,15 +222,19 @@ def _matching_preset(sd, kind: str, cfg: dict, source: str) -> dict:
     head = HEADS[kind] + "."
     shapes = {k: tuple(v.shape) for k, v in sd.items() if not k.startswith(head)}
     stages = _depths(sd, "blocks.{}.", ".bn1.weight", start=0)
-    presets = [{"arch": name} for name in CONVNET_KINDS[kind]]
-    for c in presets + _multipliers(sd, kind, stages):
+    candidates = [{"arch": name} for name in CONVNET_KINDS[kind]] + _multipliers(sd, kind, stages)
+    refused = []
+    for c in candidates:
         try:
             with torch.device("meta"):
                 own = build(from_dict(ConvNetConfig, {**cfg, **c}, source, "")).state_dict()
-        except ConfigError:
+        except ConfigError as e:
+            refused.append(e)
             continue
         if {k: tuple(v.shape) for k, v in own.items() if not k.startswith(head)} == shapes:
             return c
+    if refused and len(refused) == len(candidates):  # every one refused: a key given (num_classes=0), not the shapes
+        raise refused[0]
     raise ValueError(f"{source}: {kind} weights that match no preset ({', '.join(CONVNET_KINDS[kind])}) nor "
                      f"one reshaped by width_mult / depth_mult: pass arch= and the model keys that reshape it")
 

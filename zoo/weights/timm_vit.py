@@ -115,7 +115,10 @@ def shape_keys(sd: dict, preset: dict, source: str) -> dict:
     if own is None and patches_only is None:
         raise ValueError(f"{source}: pos_embed has {n_pos} rows: neither a square grid nor one plus the "
                          f"{n_prefix} prefix tokens")
-    cfg["no_embed_class"] = own is None or (patches_only is not None and preset.get("no_embed_class", False))
+    # both readings fit a few small grids (3 x 3 = 2 x 2 + 5 prefix rows): timm's ViTs with registers, as the preset
+    # says, keep no table rows for the prefix tokens
+    embeds_none = preset.get("no_embed_class", False) or cfg["reg_tokens"] > 0
+    cfg["no_embed_class"] = own is None or (patches_only is not None and embeds_none)
     cfg["img_size"] = (patches_only if cfg["no_embed_class"] else own) * patch
     if preset.get("embed_dim") == dim:
         cfg["num_heads"] = preset["num_heads"]
