@@ -122,11 +122,11 @@ def test_tiny_run_trains_caches_autoencoder_and_writes_samples(tmp_path):
     assert any("autoencoder: reusing" in m for m in logs)
 
 
-def test_each_model_the_task_builds_has_its_own_autoencoder(tmp_path):
+def test_each_model_the_task_builds_has_its_own_autoencoder(tmp_path, device):
     """Two models of one task share no autoencoder tensor: under torchrun with an adapter, FSDP2 shards the trained
     model's (frozen) autoencoder in place, and the model rebuilt for the gathered weights must hold plain tensors."""
     from train.tasks.diffusion import DiffusionTask
-    task = DiffusionTask(tiny_run(tmp_path), torch.device("cpu"), lambda m: None)
+    task = DiffusionTask(tiny_run(tmp_path), device, lambda m: None)
     task.setup()
     a, b = task.build_model(), task.build_model()
     assert a.autoencoder is not b.autoencoder
