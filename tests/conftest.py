@@ -56,6 +56,9 @@ SLOW = {
         "test_bench.py::test_gate_rehearses_every_eager_check_and_judges_by_its_noise",
         "test_classify.py::test_resume_is_exact_with_stochastic_depth_channels_last_and_bf16",
         "test_numerics.py::test_fp16_run_logs_overflow_steps_and_the_loss_scale"],
+    "real pretrained weights (the optional packages' GGUF files: Gemma 3 270M, SmolLM2-135M)": [
+        "test_gguf_runs.py", "test_gguf_arch.py::test_gemma3_270m_matches_transformers_gguf_loader",
+        "test_gguf.py::test_smollm2_tokenizer_written_from_its_tokenizer_json_is_the_files"],
     "compilations (Inductor) of whole steps and decoding loops": [
         "test_loop.py::test_compile_and_accumulation_run", "test_loop.py::test_mixed_precision_runs",
         "test_llm.py::test_generate_compiled_equals_eager", "test_llm.py::test_compile_path_equals_eager",
