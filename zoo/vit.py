@@ -26,7 +26,7 @@ from .blocks.drop_path import linear_drop_rates
 from .blocks.patch import PatchEmbed
 from .blocks.vit import (ViTBlock, add_prefix, drop_patches, naflex_pos_embed, patch_rope, resample_pos_embed,
                          vit_mlp)
-from .config import ROPE_AUGMENT_KEYS, ViTConfig
+from .config import ROPE_AUGMENT_KEYS, ConfigError, ViTConfig
 from .convnet.base import ConvNetBase
 
 
@@ -51,7 +51,7 @@ class ViT(ConvNetBase):
         keep_table = not r["rope_theta"] or r["rope_ref_grid"]  # EVA-02: both
         self.pos_embed = token(self.grid ** 2 + self.table_prefix) if keep_table else None
         if not r["rope_theta"] and (on := [k for k in ROPE_AUGMENT_KEYS if getattr(self.config, k)]):
-            raise ValueError(f"model.{on[0]}={getattr(self.config, on[0])} moves RoPE's patch centres: needs "
+            raise ConfigError(f"model.{on[0]}={getattr(self.config, on[0])} moves RoPE's patch centres: needs "
                              f"model.rope_theta > 0")
         rates = linear_drop_rates(r["depth"], self.config.drop_path_rate)
         eps, hidden = r["norm_eps"], int(dim * r["mlp_ratio"])
